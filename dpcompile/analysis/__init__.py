@@ -1,0 +1,1 @@
+"""Analyses over captured graphs: batch-dim propagation, shapes, the networkx view, costs."""

@@ -1,0 +1,218 @@
+"""Batch-dim propagation: where every value of a graph lives in a data-parallel program.
+
+``propagate(gm, input_dims)`` walks the graph once, in order, and gives each node a
+:mod:`placement <dpcompile.analysis.placement>` from the per-op rules of
+:mod:`~dpcompile.analysis.batch_rules`. An op with no rule, or whose rule refuses, runs once
+on the whole batch (after a gather), so the program is always correct; the rules decide how
+much of it runs in parallel.
+
+``infer_input_dims`` chooses how each input is split: dim 0 by default, dim 1 for an input
+that reaches an RNN (or attention) with ``batch_first=False``, replicated for inputs that do
+not carry the batch (non-tensor arguments; with ``example_inputs``, tensors whose size does
+not match the batch).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.analysis.batch_rules import RuleContext, node_shape, rule_for
+from dpcompile.analysis.placement import (
+    REPLICATED,
+    BatchSize,
+    Packed,
+    Partial,
+    Placement,
+    Replicated,
+    Split,
+    Tuple,
+    Whole,
+    carries_batch,
+)
+
+log = logging.getLogger("dpcompile")
+
+_NON_TENSOR_TYPES = (int, float, bool, str, type(None))
+
+
+def _arg_placement(value: Any, placements: Mapping[fx.Node, Placement]) -> list[Placement]:
+    out: list[Placement] = []
+    fx.node.map_arg(value, lambda n: out.append(placements[n]))
+    return out
+
+
+def decide(node: fx.Node, placements: Mapping[fx.Node, Placement], module: nn.Module | None) -> Placement:
+    """The placement of one node, given its inputs' placements."""
+    inputs = _arg_placement((node.args, node.kwargs), placements)
+    if any(isinstance(p, Whole) and p.batch for p in inputs):
+        return Whole(batch=True)
+    if not any(carries_batch(p) for p in inputs):
+        mutates_shared = node.op == "call_method" and str(node.target).endswith("_")
+        if mutates_shared or any(isinstance(p, Whole) for p in inputs):
+            return Whole(batch=False)
+        if any(isinstance(p, Partial) for p in inputs):
+            return Whole(batch=False)
+        return REPLICATED
+    rule = rule_for(node, module)
+    placement = rule(RuleContext(node, placements, module)) if rule is not None else None
+    if placement is None:
+        log.debug("%s (%s) has no batch rule for its inputs; it runs once, after a gather", node.name, node.target)
+        return Whole(batch=True)
+    return placement
+
+
+def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[fx.Node, Placement]:
+    """Placements for every node of ``gm`` (the output node excluded)."""
+    modules = dict(gm.named_modules())
+    placements: dict[fx.Node, Placement] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            dim = input_dims.get(node.name)
+            placements[node] = Split(dim, origin=node.name) if dim is not None else REPLICATED
+        elif node.op == "get_attr":
+            placements[node] = REPLICATED
+        elif node.op == "output":
+            continue
+        else:
+            module = modules.get(node.target) if node.op == "call_module" else None
+            placements[node] = decide(node, placements, module)
+    return placements
+
+
+def _wanted_dim(node: fx.Node, module: nn.Module | None) -> int | None:
+    """The dim a sequence module wants its first input split on, if it has an opinion."""
+    if isinstance(module, (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)):
+        return 0 if getattr(module, "batch_first", False) else 1
+    if node.op == "call_function" and node.target is torch.nn.utils.rnn.pack_padded_sequence:
+        batch_first = node.args[2] if len(node.args) > 2 else node.kwargs.get("batch_first", False)
+        return 0 if batch_first else 1
+    return None
+
+
+def _example_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[str, Any]:
+    if example_inputs is None:
+        return {}
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return dict(zip(names, example_inputs))
+
+
+def infer_input_dims(
+    gm: fx.GraphModule,
+    *,
+    batch_dim: int | None = None,
+    example_inputs: Sequence[Any] | None = None,
+) -> dict[str, int | None]:
+    """How each placeholder is split: ``{name: dim}``, ``None`` for replicated inputs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = _example_shapes(gm, example_inputs)
+    dims: dict[str, int | None] = {}
+    for node in placeholders:
+        annotated = node.type in _NON_TENSOR_TYPES
+        example = examples.get(node.name, ...)
+        if annotated or (example is not ... and not _holds_tensor(example)):
+            dims[node.name] = None
+        elif isinstance(example, torch.Tensor) and example.dim() == 0:
+            dims[node.name] = None
+        else:
+            dims[node.name] = 0 if batch_dim is None else batch_dim
+    if batch_dim is None:
+        dims = _follow_sequence_modules(gm, dims)
+    if examples:
+        dims = _drop_inputs_without_batch(dims, examples, forced=batch_dim is not None)
+    return dims
+
+
+def _holds_tensor(value: Any) -> bool:
+    from dpcompile.runtime.structures import tensor_leaves
+
+    return bool(tensor_leaves(value))
+
+
+def _follow_sequence_modules(gm: fx.GraphModule, dims: dict[str, int | None]) -> dict[str, int | None]:
+    """Move an input's split to dim 1 where it reaches a ``batch_first=False`` sequence module."""
+    modules = dict(gm.named_modules())
+    decided: dict[str, int] = {}
+    for _ in range(4):
+        placements = propagate(gm, dims)
+        changed = False
+        for node in gm.graph.nodes:
+            module = modules.get(node.target) if node.op == "call_module" else None
+            want = _wanted_dim(node, module)
+            if want is None or not node.args or not isinstance(node.args[0], fx.Node):
+                continue
+            got = placements.get(node.args[0])
+            if not isinstance(got, Split) or got.origin is None or got.dim == want:
+                continue
+            origin = got.origin
+            if origin in decided and decided[origin] != want:
+                raise ValueError(
+                    f"cannot tell the batch dim of input '{origin}': it reaches modules that want it "
+                    f"split on dim {decided[origin]} and on dim {want}; pass batch_dim= to say which"
+                )
+            decided[origin] = want
+            dims[origin] = want
+            changed = True
+        if not changed:
+            break
+    return dims
+
+
+def _drop_inputs_without_batch(
+    dims: dict[str, int | None], examples: Mapping[str, Any], *, forced: bool
+) -> dict[str, int | None]:
+    """With example inputs: tensors whose size on their split dim is not the batch size are replicated."""
+    from dpcompile.runtime.structures import tensor_leaves
+
+    sizes: dict[str, int] = {}
+    for name, dim in dims.items():
+        if dim is None or name not in examples:
+            continue
+        leaves = [t for _, t in tensor_leaves(examples[name]) if t.dim() > dim]
+        if leaves:
+            sizes[name] = leaves[0].size(dim)
+    if not sizes:
+        return dims
+    counts = Counter(sizes.values())
+    first = next(iter(sizes.values()))
+    top, top_count = counts.most_common(1)[0]
+    if len(counts) > 1 and list(counts.values()).count(top_count) > 1 and top != first:
+        names = ", ".join(f"'{n}' ({s})" for n, s in sizes.items())
+        raise ValueError(
+            f"cannot tell the batch size from the example inputs: {names} disagree on their split "
+            "dims; pass batch_dim= or give inputs whose batch sizes agree"
+        )
+    batch = first if counts[first] >= top_count else top
+    out = dict(dims)
+    for name, size in sizes.items():
+        if size != batch:
+            if forced:
+                raise ValueError(
+                    f"input '{name}' has size {size} on batch_dim={dims[name]}, but the batch is {batch}"
+                )
+            out[name] = None
+    return out
+
+
+def output_placements(gm: fx.GraphModule, placements: Mapping[fx.Node, Placement]) -> list[Placement]:
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return _arg_placement(out_node.args, placements)
+
+
+__all__ = [
+    "propagate",
+    "infer_input_dims",
+    "decide",
+    "output_placements",
+    "node_shape",
+    "BatchSize",
+    "Packed",
+    "Replicated",
+    "Tuple",
+]

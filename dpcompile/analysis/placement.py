@@ -1,0 +1,93 @@
+"""The placement of a value in a data-parallel program.
+
+=====================  ==========================================================
+``Split(dim)``         one chunk per device; concatenating along ``dim`` gives it
+``REPLICATED``         the same value on every device; carries no batch
+``BatchSize``          a per-device Python value (``x.size(0)``) that differs by chunk
+``Partial(kind)``      per-device partial results awaiting a reduction (``sum``/``mean``)
+``Whole(batch)``       computed once, on the primary device (after a gather)
+``Tuple(items)``       a tuple-valued node (an LSTM's ``out, (h, c)``): one placement each
+``Packed(dim)``        a PackedSequence whose batch is split (``dim`` of the padded input)
+=====================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class Placement:
+    """Base class; placements are small immutable values."""
+
+    per_device = True
+
+
+@dataclass(frozen=True)
+class Split(Placement):
+    dim: int
+    origin: str | None = None  # the input placeholder it came from, while its dim is unchanged
+
+
+@dataclass(frozen=True)
+class Replicated(Placement):
+    pass
+
+
+REPLICATED = Replicated()
+
+
+@dataclass(frozen=True)
+class BatchSize(Placement):
+    """A Python value read from a chunk's shape along its split dim (or a shape holding one)."""
+
+    shape_of_dim: int | None = None  # for ``x.shape``: where the batch size sits; None for an int
+
+
+@dataclass(frozen=True)
+class Partial(Placement):
+    kind: str  # "sum" or "mean"
+
+
+@dataclass(frozen=True)
+class Whole(Placement):
+    batch: bool = True
+    per_device = False
+
+
+@dataclass(frozen=True)
+class Tuple(Placement):
+    items: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Packed(Placement):
+    dim: int
+
+
+def carries_batch(p: Placement) -> bool:
+    if isinstance(p, (Split, BatchSize, Packed, Partial)):
+        return True
+    if isinstance(p, Whole):
+        return p.batch
+    if isinstance(p, Tuple):
+        return any(carries_batch(i) for i in p.items)
+    return False
+
+
+def describe(p: Placement) -> str:
+    """Short text for tables: ``split(0)``, ``replicated``, ``partial(sum)``, ``whole``."""
+    if isinstance(p, Split):
+        return f"split({p.dim})"
+    if isinstance(p, Replicated):
+        return "replicated"
+    if isinstance(p, BatchSize):
+        return "batch-size"
+    if isinstance(p, Partial):
+        return f"partial({p.kind})"
+    if isinstance(p, Whole):
+        return "whole" if p.batch else "whole(reduced)"
+    if isinstance(p, Tuple):
+        return "(" + ", ".join(describe(i) for i in p.items) + ")"
+    if isinstance(p, Packed):
+        return f"packed({p.dim})"
+    return type(p).__name__

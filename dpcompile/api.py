@@ -1,0 +1,177 @@
+"""``transform``: check arguments → capture → pipeline → ``ParallelModule``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.capture import capture
+from dpcompile.devices import Devices, parse_device, parse_devices
+from dpcompile.infra import run_passes
+from dpcompile.module import ParallelModule
+
+log = logging.getLogger("dpcompile")
+
+TensorParallel = bool | Mapping[str, str]
+
+
+def _is_device_mesh(devices: object) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(devices, DeviceMesh)
+
+
+def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Record each node's shape (``node.meta['val']``) from fake copies of the example inputs.
+
+    Costs no real compute; returns False (and records nothing) where fake tensors cannot run
+    the model.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        fake_inputs = [
+            mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
+        ]
+        FakeTensorProp(gm, mode).propagate(*fake_inputs)
+        return True
+    except Exception as e:  # noqa: BLE001 - shapes are a refinement, not a requirement
+        log.debug("shape propagation on fake tensors failed (%s); continuing without shapes", e)
+        for node in gm.graph.nodes:
+            node.meta.pop("val", None)
+        return False
+
+
+def data_parallel_lowering(
+    input_dims: Mapping[str, int | None], output_device: torch.device | None, copy_replicas: bool = False
+) -> Callable[[fx.GraphModule, Devices], fx.GraphModule]:
+    """The function that lowers a captured graph to data-parallel code for given devices."""
+    import passes
+
+    def lower(gm: fx.GraphModule, devices: Devices) -> fx.GraphModule:
+        options = passes.PipelineOptions(
+            devices=devices,
+            input_dims=dict(input_dims),
+            output_device=output_device,
+            copy_replicas=copy_replicas,
+        )
+        lowered, _ = run_passes(gm, passes.data_parallel_pipeline(options))
+        return lowered
+
+    return lower
+
+
+def _check_model(model: object) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
+    return model
+
+
+def _check_batch_dim(batch_dim: object) -> int | None:
+    if batch_dim is None:
+        return None
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+        raise ValueError(f"batch_dim={batch_dim!r} must be None (inferred) or a non-negative int")
+    return batch_dim
+
+
+def transform(
+    model: nn.Module,
+    devices: Any,
+    *,
+    tensor_parallel: TensorParallel = False,
+    example_inputs: Sequence[Any] | None = None,
+    batch_dim: int | None = None,
+    output_device: Any = None,
+    leaf_modules: Iterable[type[nn.Module]] = (),
+    copy_replicas: bool = False,
+) -> ParallelModule:
+    """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
+
+    >>> import torch, dpcompile
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    >>> pm = dpcompile.transform(model, ["cpu", "cpu"])
+    >>> torch.allclose(pm(torch.ones(3, 8)), model(torch.ones(3, 8)))
+    True
+
+    ``copy_replicas=True`` gives virtual devices real replicas (as distinct GPUs get), so the
+    multi-GPU code path runs and can be tested on one device.
+    """
+    model = _check_model(model)
+    if _is_device_mesh(devices):
+        from dpcompile.spmd import transform_spmd
+
+        return transform_spmd(
+            model,
+            devices,
+            tensor_parallel=tensor_parallel,
+            example_inputs=example_inputs,
+            batch_dim=batch_dim,
+            leaf_modules=leaf_modules,
+        )
+    parsed = parse_devices(devices)
+    out_device = parsed.primary if output_device is None else parse_device(output_device)
+    batch_dim = _check_batch_dim(batch_dim)
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    if tensor_parallel is not False and tensor_parallel is not None:
+        from dpcompile.tensor_parallel import transform_tensor_parallel
+
+        return transform_tensor_parallel(
+            model,
+            parsed,
+            plan=tensor_parallel,
+            example_inputs=example_inputs,
+            output_device=out_device,
+            leaf_modules=leaf_modules,
+        )
+    return _transform_data_parallel(
+        model, parsed, example_inputs, batch_dim, out_device, tuple(leaf_modules), copy_replicas
+    )
+
+
+def _transform_data_parallel(
+    model: nn.Module,
+    devices: Devices,
+    example_inputs: Sequence[Any] | None,
+    batch_dim: int | None,
+    output_device: torch.device,
+    leaf_modules: tuple[type[nn.Module], ...],
+    copy_replicas: bool,
+) -> ParallelModule:
+    import passes
+    from dpcompile.analysis.batch_dims import infer_input_dims
+
+    gm = capture(model, leaf_modules=leaf_modules)
+    model.to(devices.primary)
+    if example_inputs is not None:
+        propagate_shapes(gm, [x.to(devices.primary) if isinstance(x, torch.Tensor) else x for x in example_inputs])
+    input_dims = infer_input_dims(gm, batch_dim=batch_dim, example_inputs=example_inputs)
+    options = passes.PipelineOptions(devices=devices, input_dims=input_dims, output_device=output_device)
+    gm, front_records = run_passes(gm, passes.frontend_pipeline(options))
+    captured_graph = copy.deepcopy(gm.graph)
+    lower = data_parallel_lowering(input_dims, output_device, copy_replicas)
+    lowered = lower(gm, devices)
+    return ParallelModule(
+        model,
+        lowered.graph,
+        devices=devices,
+        mode="data_parallel",
+        input_dims=input_dims,
+        output_device=output_device,
+        captured_graph=captured_graph,
+        lower=lower,
+        records=front_records,
+        class_name=type(model).__name__,
+        share_all_of=model,
+    )

@@ -1,0 +1,127 @@
+"""Capture a model as a ``torch.fx`` graph.
+
+The :class:`DpTracer` differs from ``torch.fx.Tracer`` in three ways:
+
+* RNN modules (``nn.RNNBase``) and the user's ``leaf_modules`` are never entered;
+* ``rnn.flatten_parameters()`` called inside forward is *recorded* as a graph node
+  (``dpcompile.runtime.flatten_parameters(self.rnn)``) instead of running at trace time
+  and vanishing;
+* any failure becomes a :class:`~dpcompile.TraceError` naming the user's file and line.
+"""
+
+from __future__ import annotations
+
+import linecache
+import traceback
+from collections.abc import Iterable
+from types import TracebackType
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.errors import TraceError
+from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+_TORCH_DIRS = (torch.__file__.rsplit("/", 1)[0],)
+_OWN_DIR = __file__.rsplit("/", 2)[0]
+
+
+class DpTracer(fx.Tracer):
+    """An fx tracer that keeps RNNs whole and records their ``flatten_parameters`` calls."""
+
+    def __init__(self, leaf_modules: Iterable[type[nn.Module]] = ()):
+        super().__init__(
+            autowrap_functions=(pack_padded_sequence, pad_packed_sequence),
+            param_shapes_constant=False,
+        )
+        self.leaf_module_types = tuple(leaf_modules)
+        self.record_stack_traces = True
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, nn.RNNBase) or (self.leaf_module_types and isinstance(m, self.leaf_module_types)):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def trace(self, root, concrete_args=None):
+        tracer = self
+
+        def recorded_flatten_parameters(rnn: nn.RNNBase) -> None:
+            path = tracer.path_of_module(rnn)
+            module_ref = tracer.create_proxy("get_attr", path, (), {})
+            tracer.create_proxy("call_function", runtime_flatten_parameters, (module_ref,), {})
+
+        original = nn.RNNBase.flatten_parameters
+        nn.RNNBase.flatten_parameters = recorded_flatten_parameters
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            nn.RNNBase.flatten_parameters = original
+
+
+def _user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
+    """The innermost frame of the traceback that is the user's code, not torch's or ours."""
+    frames = traceback.extract_tb(tb)
+    for frame in reversed(frames):
+        filename = frame.filename
+        if filename.startswith(_TORCH_DIRS) or filename.startswith(_OWN_DIR) or filename.startswith("<"):
+            continue
+        if "/site-packages/" in filename and "/torch/" in filename:
+            continue
+        return frame
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "symbolically traced variables cannot be used as inputs to control flow" in text:
+        return "branches on a tensor value (control flow that depends on data)"
+    if "iterate" in text and "Proxy" in text:
+        return "iterates over a traced value"
+    return f"{type(exc).__name__}: {text}"
+
+
+def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
+    """Build the :class:`TraceError` for an exception raised while tracing ``model``."""
+    frame = _user_frame(exc.__traceback__)
+    way_out = (
+        "mark the module that contains it as a leaf (leaf_modules=[...]) so the tracer does not "
+        "enter it, or pass example_inputs= to use the export frontend"
+    )
+    if frame is None:
+        return TraceError(f"cannot trace {type(model).__name__}: {_describe(exc)}; {way_out}")
+    source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+    short = frame.filename.rsplit("/", 1)[-1]
+    owner = frame.name
+    return TraceError(
+        f"{short}:{frame.lineno} in {owner}: {source!r} {_describe(exc)}; {way_out}\n"
+        f"  file: {frame.filename}"
+    )
+
+
+def capture(model: nn.Module, *, leaf_modules: Iterable[type[nn.Module]] = ()) -> fx.GraphModule:
+    """Trace ``model`` into a fresh ``GraphModule`` that shares its submodules and tensors.
+
+    An already traced ``GraphModule`` is copied (same submodules, fresh graph), so passes
+    never touch the user's graph.
+    """
+    if isinstance(model, fx.GraphModule):
+        graph = fx.Graph()
+        remap: dict[fx.Node, fx.Node] = {}
+        for node in model.graph.nodes:
+            remap[node] = graph.node_copy(node, lambda n: remap[n])
+        return fx.GraphModule(model, graph, class_name=type(model).__name__)
+    leaf_modules = tuple(leaf_modules)
+    for leaf in leaf_modules:
+        if not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
+            raise ValueError(f"leaf_modules must hold nn.Module subclasses, got {leaf!r}")
+    tracer = DpTracer(leaf_modules)
+    try:
+        graph = tracer.trace(model)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
+        raise trace_error(exc, model).with_traceback(None) from exc
+    return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+

@@ -1,0 +1,128 @@
+"""Parse and validate device lists.
+
+``["cuda:0", "cuda:1"]``, ``[0, 1]``, ``[torch.device("cuda", 0)]``, an int ``n`` (the first
+``n`` CUDA devices, or ``n`` virtual CPU devices without CUDA) and repeated entries
+(``["cpu"] * 4``: virtual devices, one replica or shard each, sharing one physical device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+ACCEPTED = (
+    "a list of device specs such as ['cuda:0', 'cuda:1'], [0, 1], "
+    "[torch.device('cuda', 0), ...] or ['cpu', 'cpu'] (repeated entries are virtual devices), "
+    "a positive int n, or a torch.distributed DeviceMesh"
+)
+
+
+@dataclass(frozen=True)
+class Devices:
+    """An ordered list of (possibly repeated) devices; index ``k`` is replica or shard ``k``."""
+
+    devices: tuple[torch.device, ...]
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __iter__(self):
+        return iter(self.devices)
+
+    def __getitem__(self, k: int) -> torch.device:
+        return self.devices[k]
+
+    @property
+    def primary(self) -> torch.device:
+        return self.devices[0]
+
+    def strings(self) -> list[str]:
+        """``['cpu', 'cpu']``: the form generated code spells devices in."""
+        return [str(d) for d in self.devices]
+
+    def labels(self) -> list[str]:
+        """Unique per-slot labels, ``['cpu#0', 'cpu#1']`` for virtual devices."""
+        if len(set(self.devices)) == len(self.devices):
+            return self.strings()
+        return [f"{d}#{k}" for k, d in enumerate(self.devices)]
+
+    def shares_memory_with_primary(self, k: int) -> bool:
+        """True when slot ``k`` is the primary's physical device (a virtual device)."""
+        return self.devices[k] == self.devices[0]
+
+    def prefix(self, n: int) -> Devices:
+        return Devices(self.devices[:n])
+
+
+def _parse_one(spec: object) -> torch.device:
+    if isinstance(spec, torch.device):
+        device = spec
+    elif isinstance(spec, bool):
+        raise ValueError(f"device spec {spec!r} is a bool; expected {ACCEPTED}")
+    elif isinstance(spec, int):
+        if spec < 0:
+            raise ValueError(f"device index {spec} is negative; expected {ACCEPTED}")
+        device = torch.device("cuda", spec)
+    elif isinstance(spec, str):
+        try:
+            device = torch.device(spec)
+        except RuntimeError as e:
+            raise ValueError(f"cannot parse device spec {spec!r} ({e}); expected {ACCEPTED}") from None
+    else:
+        raise ValueError(f"cannot parse device spec {spec!r} of type {type(spec).__name__}; expected {ACCEPTED}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device
+
+
+def _check_available(device: torch.device) -> None:
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(
+                f"device {device} is beyond the {count} CUDA device(s) visible here "
+                f"(torch.cuda.device_count() == {count}); use indices 0..{count - 1}, "
+                "or repeated 'cpu' entries for virtual devices"
+            )
+
+
+def parse_devices(spec: object, *, check_available: bool = True) -> Devices:
+    """Turn what a user passes as ``devices`` into a validated :class:`Devices`.
+
+    >>> parse_devices(["cpu"] * 2).strings()
+    ['cpu', 'cpu']
+    """
+    if isinstance(spec, Devices):
+        return spec
+    if isinstance(spec, bool):
+        raise ValueError(f"devices={spec!r} is a bool; expected {ACCEPTED}")
+    if isinstance(spec, int):
+        if spec <= 0:
+            raise ValueError(f"devices={spec} must be a positive number of devices; expected {ACCEPTED}")
+        if torch.cuda.is_available():
+            return parse_devices(list(range(spec)), check_available=check_available)
+        return Devices(tuple(torch.device("cpu") for _ in range(spec)))
+    if isinstance(spec, (str, torch.device)):
+        raise ValueError(f"devices={spec!r} is a single device; pass a list such as [{spec!r}]")
+    if not isinstance(spec, Iterable):
+        raise ValueError(f"devices={spec!r} of type {type(spec).__name__}; expected {ACCEPTED}")
+    parsed = tuple(_parse_one(s) for s in spec)
+    if not parsed:
+        raise ValueError(f"devices is empty; expected {ACCEPTED}")
+    if check_available:
+        for d in parsed:
+            _check_available(d)
+    return Devices(parsed)
+
+
+def parse_device(spec: object) -> torch.device:
+    """One device spec, e.g. ``output_device=``."""
+    device = _parse_one(spec)
+    _check_available(device)
+    return device
+
+
+def same_device(devices: Sequence[torch.device]) -> bool:
+    return len(set(devices)) <= 1

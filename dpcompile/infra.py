@@ -1,0 +1,114 @@
+"""The pass infrastructure: ``PassResult``, provenance stamps and the pipeline runner.
+
+A pass is a function ``GraphModule -> PassResult`` with keyword-only options (bind them with
+``functools.partial``). The runner, not the pass, lints the graph, recompiles, times each
+pass and wraps a failure as ``while running 'shard_linear' after [...]``.
+
+``DPCOMPILE_DEBUG=1`` logs each pass with its timing; ``=2`` also logs the code after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+from dpcompile.errors import DpCompileError, PassError
+
+log = logging.getLogger("dpcompile")
+
+
+@dataclass
+class PassResult:
+    """What a pass returns: the (possibly same) module, whether it changed, and findings."""
+
+    graph_module: fx.GraphModule
+    modified: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PassRecord:
+    name: str
+    seconds: float
+    modified: bool
+    info: dict[str, Any]
+
+
+Pass = Callable[[fx.GraphModule], PassResult]
+
+
+def pass_name(p: Pass) -> str:
+    while isinstance(p, functools.partial):
+        p = p.func
+    return getattr(p, "__name__", type(p).__name__)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """What a communication node moves, for ``explain`` and the cost model.
+
+    ``kind`` is one of ``scatter``, ``gather``, ``broadcast``, ``reduce``, ``all_reduce``,
+    ``all_gather``, ``reduce_scatter``; ``io`` marks the moves of the user's inputs onto the
+    devices and of the outputs back to ``output_device`` (counted apart from collectives).
+    ``backward`` is the kind of the collective that autograd runs for it, or None.
+    """
+
+    kind: str
+    io: bool = False
+    backward: str | None = None
+
+
+def stamp_comm(node: fx.Node, kind: str, *, io: bool = False, backward: str | None = None) -> fx.Node:
+    node.meta["dpcompile_comm"] = Comm(kind, io, backward)
+    return node
+
+
+def stamp(node: fx.Node, pass_name: str, source: fx.Node | None = None) -> fx.Node:
+    """Mark ``node`` as made by ``pass_name``, carrying ``source``'s user stack trace."""
+    node.meta["dpcompile_pass"] = pass_name
+    if source is not None:
+        if source.meta.get("stack_trace"):
+            node.meta["stack_trace"] = source.meta["stack_trace"]
+        node.meta.setdefault("dpcompile_source", source.meta.get("dpcompile_source", source.name))
+    return node
+
+
+def _debug_level() -> int:
+    try:
+        return int(os.environ.get("DPCOMPILE_DEBUG", "0"))
+    except ValueError:
+        return 0
+
+
+def run_passes(gm: fx.GraphModule, passes: Sequence[Pass]) -> tuple[fx.GraphModule, list[PassRecord]]:
+    """Run ``passes`` in order; lint and recompile after each; return the module and records."""
+    records: list[PassRecord] = []
+    level = _debug_level()
+    for p in passes:
+        name = pass_name(p)
+        start = time.perf_counter()
+        done = [r.name for r in records]
+        try:
+            result = p(gm)
+            result.graph_module.graph.lint()
+            result.graph_module.recompile()
+        except (DpCompileError, ValueError) as e:  # the user's to fix: keep the type, add where
+            e.add_note(f"while running '{name}' after {done}")
+            raise
+        except Exception as e:
+            raise PassError(f"while running '{name}' after {done}: {type(e).__name__}: {e}") from e
+        gm = result.graph_module
+        seconds = time.perf_counter() - start
+        records.append(PassRecord(name, seconds, result.modified, result.info))
+        if level >= 1:
+            log.info("pass %s: %.1f ms, modified=%s", name, seconds * 1e3, result.modified)
+        if level >= 2:
+            log.info("code after %s:\n%s", name, gm.code)
+    return gm, records

@@ -1,0 +1,208 @@
+"""``ParallelModule``: the executable multi-device program that ``transform`` returns.
+
+It is a ``torch.fx.GraphModule`` (``pm.graph``, ``pm.code``, ``pm.print_readable()``) whose
+generated forward holds every cross-device step as a named call. In data-parallel mode it
+holds the user's own submodules, parameters and buffers, so ``pm.parameters()`` *are* the
+model's parameters and ``pm.state_dict()`` has the model's keys.
+
+A call checks the batch first: arguments that disagree on the batch size, or an empty batch,
+raise ``ValueError``; a batch smaller than the number of devices runs on that many devices
+(a program for them is generated on first use).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.devices import Devices
+from dpcompile.runtime.structures import tensor_leaves
+
+
+class ParallelModule(fx.GraphModule):
+    """A generated multi-device module. Build it with :func:`dpcompile.transform`.
+
+    >>> import torch, dpcompile
+    >>> pm = dpcompile.transform(torch.nn.Linear(4, 2), ["cpu", "cpu"])
+    >>> pm(torch.randn(5, 4)).shape
+    torch.Size([5, 2])
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        graph: fx.Graph,
+        *,
+        devices: Devices,
+        mode: str,
+        input_dims: dict[str, int | None] | None = None,
+        output_device: torch.device | None = None,
+        plan: dict[str, str] | None = None,
+        captured_graph: fx.Graph | None = None,
+        lower: Callable[[fx.GraphModule, Devices], fx.GraphModule] | None = None,
+        records: list | None = None,
+        class_name: str = "ParallelModule",
+        share_all_of: nn.Module | None = None,
+    ):
+        super().__init__(root, graph, class_name)
+        if share_all_of is not None:
+            self._share_state_of(share_all_of)
+        self.devices = devices
+        self.mode = mode
+        self.input_dims = dict(input_dims or {})
+        self.output_device = output_device or devices.primary
+        self.plan = dict(plan or {})
+        self._captured_graph = captured_graph
+        self._lower = lower
+        self.records = list(records or [])
+        self._smaller_programs: dict[int, fx.GraphModule] = {}
+        self._split_inputs = self._find_split_inputs()
+
+    def _share_state_of(self, model: nn.Module) -> None:
+        """Hold all of ``model``'s submodules, parameters and buffers (not just the used ones)."""
+        for name, child in model._modules.items():
+            self._modules[name] = child
+        for name, p in model._parameters.items():
+            self._parameters[name] = p
+        for name, b in model._buffers.items():
+            self._buffers[name] = b
+        self._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+        self.training = model.training
+
+    # ------------------------------------------------------------------ calling
+    def _find_split_inputs(self) -> list[tuple[int, str, int]]:
+        out = []
+        for position, node in enumerate(n for n in self.graph.nodes if n.op == "placeholder"):
+            dim = self.input_dims.get(node.name)
+            if dim is not None:
+                out.append((position, str(node.target).lstrip("*"), dim))
+        return out
+
+    def batch_size(self, args: tuple, kwargs: dict) -> int | None:
+        """The batch size of a call, checking that every split argument agrees."""
+        seen: tuple[str, int] | None = None
+        for position, name, dim in self._split_inputs:
+            if position < len(args):
+                value = args[position]
+            elif name in kwargs:
+                value = kwargs[name]
+            else:
+                continue
+            for path, tensor in tensor_leaves(value):
+                if tensor.dim() <= dim:
+                    continue
+                size = tensor.size(dim)
+                where = f"{name}{path}"
+                if seen is None:
+                    seen = (where, size)
+                elif size != seen[1]:
+                    raise ValueError(
+                        f"argument '{where}' has batch size {size} on dim {dim}, but '{seen[0]}' has "
+                        f"{seen[1]}; every split input must carry the same batch (pass batch_dim= to "
+                        "choose another dim, or example_inputs= so inputs without a batch are replicated)"
+                    )
+        if seen is not None and seen[1] == 0:
+            raise ValueError(f"argument '{seen[0]}' has an empty batch (size 0); there is nothing to split")
+        return None if seen is None else seen[1]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        batch = self.batch_size(args, kwargs) if self._split_inputs else None
+        if batch is not None and batch < len(self.devices) and self._lower is not None:
+            return self._program_for(batch)(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def _program_for(self, n: int) -> fx.GraphModule:
+        """The same program generated for the first ``n`` devices only."""
+        if n not in self._smaller_programs:
+            assert self._captured_graph is not None and self._lower is not None
+            graph = copy.deepcopy(self._captured_graph)
+            gm = fx.GraphModule(self, graph, f"ParallelModule{n}")
+            self._smaller_programs[n] = self._lower(gm, self.devices.prefix(n))
+        program = self._smaller_programs[n]
+        program.train(self.training)
+        return program
+
+    def train(self, mode: bool = True) -> ParallelModule:
+        super().train(mode)
+        for program in self._smaller_programs.values():
+            program.train(mode)
+        return self
+
+    # ------------------------------------------------------------------ pickling
+    def __reduce__(self):
+        state = {
+            "modules": dict(self._modules),
+            "parameters": dict(self._parameters),
+            "buffers": dict(self._buffers),
+            "non_persistent": set(self._non_persistent_buffers_set),
+            "training": self.training,
+            "graph": _detached(self.graph),
+            "captured_graph": _detached(self._captured_graph) if self._captured_graph is not None else None,
+            "config": {
+                "devices": self.devices,
+                "mode": self.mode,
+                "input_dims": self.input_dims,
+                "output_device": self.output_device,
+                "plan": self.plan,
+                "class_name": type(self).__name__,
+            },
+            "extra": self._extra_state_for_pickle(),
+        }
+        return (_restore_parallel_module, (_importable_class(self), state))
+
+    def _extra_state_for_pickle(self) -> dict[str, Any]:
+        """What a subclass (tensor parallel) needs, beyond modules and graph, to rebuild itself."""
+        return {}
+
+    def _restore_extra_state(self, extra: dict[str, Any]) -> None:
+        """The counterpart of :meth:`_extra_state_for_pickle`."""
+
+
+def _importable_class(pm: ParallelModule) -> type:
+    """The class of ``pm`` that pickle can import (GraphModule adds a throwaway subclass)."""
+    return next(c for c in type(pm).__mro__ if c.__name__ != "GraphModuleImpl")
+
+
+def _detached(graph: fx.Graph) -> fx.Graph:
+    clone = fx.Graph()
+    remap: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        remap[node] = clone.node_copy(node, lambda n: remap[n])
+    return clone
+
+
+def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule:
+    holder = nn.Module()
+    holder._modules.update(state["modules"])
+    holder._parameters.update(state["parameters"])
+    holder._buffers.update(state["buffers"])
+    holder._non_persistent_buffers_set = set(state["non_persistent"])
+    config = state["config"]
+    pm = cls.__new__(cls)
+    lower = None
+    if config["mode"] == "data_parallel" and state["captured_graph"] is not None:
+        from dpcompile.api import data_parallel_lowering
+
+        lower = data_parallel_lowering(config["input_dims"], config["output_device"])
+    ParallelModule.__init__(
+        pm,
+        holder,
+        state["graph"],
+        devices=config["devices"],
+        mode=config["mode"],
+        input_dims=config["input_dims"],
+        output_device=config["output_device"],
+        plan=config["plan"],
+        captured_graph=state["captured_graph"],
+        lower=lower,
+        share_all_of=holder,
+    )
+    pm._restore_extra_state(state["extra"])
+    pm.train(state["training"])
+    return pm
+

@@ -1,0 +1,278 @@
+"""Moving values between devices, each step differentiable with the opposite step as backward.
+
+=========  =========================  ============================
+forward    what it does               backward
+=========  =========================  ============================
+scatter    split along ``dim``        gather the gradient chunks
+broadcast  copy to every device       reduce-add the gradients
+gather     concatenate along ``dim``  scatter the gradient
+=========  =========================  ============================
+
+Virtual devices (a device equal to the source) cost nothing: a scatter chunk is a view, a
+broadcast returns the tensor itself, and autograd sums the gradients of shared tensors.
+Between CUDA devices the coalesced, stream-aware kernels of ``torch.cuda.comm`` are used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from dpcompile.runtime.structures import children, map_structure, rebuild
+
+DeviceLike = torch.device | str
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return type(t).__name__ in ("FakeTensor", "FunctionalTensor") or t.device.type == "meta"
+
+
+def _cuda_comm_ok(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> bool:
+    return (
+        torch.cuda.is_available()
+        and all(d.type == "cuda" for d in devices)
+        and all(t.is_cuda and not _is_fake(t) for t in tensors)
+    )
+
+
+def _as_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
+    return [d if isinstance(d, torch.device) else torch.device(d) for d in devices]
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Balanced sizes, as ``tensor_split`` makes them: ``split_sizes(9, 4) == [3, 2, 2, 2]``."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if k < extra else 0) for k in range(parts)]
+
+
+class _CudaScatter(Function):
+    @staticmethod
+    def forward(ctx, devices, dim, tensor):
+        ctx.dim, ctx.source = dim, tensor.device
+        sizes = split_sizes(tensor.size(dim), len(devices))
+        return torch.cuda.comm.scatter(tensor, [d.index for d in devices], sizes, dim)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, _CudaGather.apply(ctx.source, ctx.dim, *grads)
+
+
+class _CudaGather(Function):
+    @staticmethod
+    def forward(ctx, destination, dim, *tensors):
+        ctx.dim = dim
+        ctx.devices = [t.device for t in tensors]
+        ctx.sizes = [t.size(dim) for t in tensors]
+        return torch.cuda.comm.gather(tensors, dim, destination.index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        chunks = torch.cuda.comm.scatter(grad.contiguous(), [d.index for d in ctx.devices], ctx.sizes, ctx.dim)
+        return (None, None, *chunks)
+
+
+def scatter_tensor(tensor: torch.Tensor, devices: Sequence[DeviceLike], dim: int) -> tuple[torch.Tensor, ...]:
+    devices = _as_devices(devices)
+    if _cuda_comm_ok([tensor], devices) and len(set(devices)) == len(devices):
+        return tuple(_CudaScatter.apply(devices, dim, tensor))
+    chunks = torch.tensor_split(tensor, len(devices), dim)
+    return tuple(c if c.device == d else c.to(d, non_blocking=True) for c, d in zip(chunks, devices))
+
+
+def scatter(value: Any, devices: Sequence[DeviceLike], dim: int = 0) -> tuple[Any, ...]:
+    """Split every tensor of ``value`` along ``dim`` into one balanced chunk per device.
+
+    Non-tensor leaves (None, numbers, strings) go to every device unchanged; tensors with
+    fewer than ``dim + 1`` dimensions are copied to every device whole.
+    """
+    devices = _as_devices(devices)
+
+    def split_leaf(leaf):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > dim:
+            return scatter_tensor(leaf, devices, dim)
+        if isinstance(leaf, torch.Tensor):
+            return broadcast(leaf, devices)
+        return tuple(leaf for _ in devices)
+
+    return _transpose_structure(value, split_leaf, len(devices))
+
+
+def _transpose_structure(value: Any, per_leaf, n: int) -> tuple[Any, ...]:
+    """Turn a structure of n-tuples (``per_leaf`` applied to each leaf) into n structures."""
+    kids = children(value)
+    if kids is None:
+        return per_leaf(value)
+    parts = [_transpose_structure(kid, per_leaf, n) for kid in kids]
+    return tuple(rebuild(value, [p[k] for p in parts]) for k in range(n))
+
+
+def broadcast(value: Any, devices: Sequence[DeviceLike]) -> tuple[Any, ...]:
+    """A copy of ``value`` (any structure) on every device; the same object where it already is."""
+    devices = _as_devices(devices)
+
+    def copy_leaf(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return tuple(leaf for _ in devices)
+        return tuple(leaf if leaf.device == d else leaf.to(d, non_blocking=True) for d in devices)
+
+    return _transpose_structure(value, copy_leaf, len(devices))
+
+
+def to_device(value: Any, device: DeviceLike) -> Any:
+    """``value`` (any structure) moved to ``device``; differentiable, free where it already is."""
+    device = torch.device(device)
+    return map_structure(
+        lambda leaf: leaf.to(device, non_blocking=True)
+        if isinstance(leaf, torch.Tensor) and leaf.device != device
+        else leaf,
+        value,
+    )
+
+
+def gather_tensors(tensors: Sequence[torch.Tensor], dim: int, device: DeviceLike) -> torch.Tensor:
+    device = torch.device(device)
+    if (
+        len(tensors) > 1
+        and _cuda_comm_ok(tensors, [device])
+        and len({t.device for t in tensors}) == len(tensors)
+    ):
+        return _CudaGather.apply(device, dim, *tensors)
+    moved = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
+    if len(moved) == 1:
+        return moved[0]
+    if moved[0].dim() == 0:
+        raise ValueError(
+            "cannot gather 0-dim tensors along a batch dimension; a per-replica scalar "
+            "should have been reduced, not gathered"
+        )
+    return torch.cat(moved, dim)
+
+
+class _TakeFirst:
+    """A ``gather`` dim meaning: the value is the same on every device; take the first."""
+
+    def __repr__(self) -> str:
+        return "TAKE_FIRST"
+
+
+TAKE_FIRST = _TakeFirst()
+
+
+def gather(values: Sequence[Any], dim: Any, device: DeviceLike) -> Any:
+    """Concatenate per-device values (same structure each) along ``dim`` on ``device``.
+
+    ``dim`` is an int for every tensor leaf, or a structure like the values holding an int
+    (or ``TAKE_FIRST``) per leaf, e.g. ``(0, (1, 1))`` for an LSTM's ``out, (h, c)``.
+    Non-tensor leaves are taken from the first device.
+    """
+    if isinstance(dim, int) or dim is TAKE_FIRST:
+        def join(*leaves):
+            if isinstance(leaves[0], torch.Tensor) and dim is not TAKE_FIRST:
+                return gather_tensors(leaves, dim, device)
+            return to_device(leaves[0], device)
+
+        return map_structure(join, *values)
+    parts = [children(v) for v in values]
+    return rebuild(values[0], [gather([p[i] for p in parts], d, device) for i, d in enumerate(dim)])
+
+
+class Broadcast(Function):
+    """Copy tensors from one device to several; backward reduce-adds the gradients.
+
+    ``Broadcast.apply(devices, packed_groups, *tensors)`` returns ``len(devices) * len(tensors)``
+    tensors, device-major. Each group of ``packed_groups`` (lists of indices, e.g. one RNN's
+    weights) comes out as views into one buffer per device: with the source's exact layout
+    where the source tensors already share one storage (flattened cuDNN weights), else laid
+    end to end in the group's order.
+    """
+
+    @staticmethod
+    def forward(ctx, devices, packed_groups, *tensors):
+        ctx.source = tensors[0].device
+        ctx.count = len(tensors)
+        outputs = _copy_to_devices(tensors, devices, packed_groups)
+        nondiff = [o for per_device in outputs for o, t in zip(per_device, tensors) if not t.requires_grad]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return tuple(o for per_device in outputs for o in per_device)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        per_input: list[torch.Tensor | None] = []
+        for i in range(ctx.count):
+            parts = [g for g in grads[i :: ctx.count] if g is not None]
+            if not parts:
+                per_input.append(None)
+            elif _cuda_comm_ok(parts, [ctx.source]) and len(parts) > 1:
+                per_input.append(torch.cuda.comm.reduce_add(parts, ctx.source.index))
+            else:
+                total = parts[0].to(ctx.source)
+                for p in parts[1:]:
+                    total = total + p.to(ctx.source)
+                per_input.append(total)
+        return (None, None, *per_input)
+
+
+def _shares_one_storage(tensors: Sequence[torch.Tensor]) -> bool:
+    if any(_is_fake(t) or t.numel() == 0 for t in tensors):
+        return False
+    return len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+
+
+def _copy_to_devices(
+    tensors: Sequence[torch.Tensor], devices: Sequence[torch.device], packed_groups: Sequence[Sequence[int]]
+) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in devices]
+    grouped = {i for group in packed_groups for i in group}
+    singles = [i for i in range(len(tensors)) if i not in grouped]
+    if singles and _cuda_comm_ok([tensors[i] for i in singles], devices):
+        source = tensors[singles[0]].device.index
+        copies = torch.cuda.comm.broadcast_coalesced(
+            [tensors[i].detach() for i in singles], [source] + [d.index for d in devices]
+        )[1:]
+        for k, per_device in enumerate(copies):
+            for i, c in zip(singles, per_device):
+                out[k][i] = c
+    else:
+        for k, device in enumerate(devices):
+            for i in singles:
+                out[k][i] = tensors[i].detach().to(device, copy=True)
+    for group in packed_groups:
+        members = [tensors[i] for i in group]
+        for k, device in enumerate(devices):
+            views = copy_span(members, device) if _shares_one_storage(members) else pack_contiguous(members, device)
+            for i, v in zip(group, views):
+                out[k][i] = v
+    return out  # type: ignore[return-value]
+
+
+def copy_span(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copy the storage span covering ``tensors`` once; return views with the same layout."""
+    lo = min(t.storage_offset() for t in tensors)
+    hi = max(t.storage_offset() + _extent(t) for t in tensors)
+    span = torch.empty(0, dtype=tensors[0].dtype, device=tensors[0].device)
+    span.set_(tensors[0].untyped_storage(), lo, (hi - lo,), (1,))
+    buffer = span.detach().to(device, copy=True)
+    return [buffer.as_strided(t.shape, t.stride(), t.storage_offset() - lo) for t in tensors]
+
+
+def _extent(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def pack_contiguous(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copies of ``tensors`` laid end to end in one new buffer on ``device``, in order."""
+    total = sum(t.numel() for t in tensors)
+    buffer = torch.empty(total, dtype=tensors[0].dtype, device=device)
+    views, offset = [], 0
+    for t in tensors:
+        view = buffer[offset : offset + t.numel()].view(t.shape)
+        view.copy_(t.detach())
+        views.append(view)
+        offset += t.numel()
+    return views

@@ -1,0 +1,63 @@
+"""The graph passes of dpcompile and the pipeline that orders them.
+
+    capture ─► hoist_flatten_parameters ─► [shard_linear] ─► insert_scatter_gather | lower_to_collectives
+
+See ``passes/README.md`` for the invariants every pass keeps and why the order is this one.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dpcompile.devices import Devices
+from dpcompile.infra import Pass
+from passes.data_parallel import insert_scatter_gather
+from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
+
+
+@dataclass
+class PipelineOptions:
+    """Everything the passes need to know, decided by ``transform`` before they run."""
+
+    devices: Devices
+    input_dims: dict[str, int | None] = field(default_factory=dict)
+    output_device: torch.device | None = None
+    copy_replicas: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
+    """Passes that tidy the captured graph, whatever the parallelism."""
+    return [hoist_flatten_parameters]
+
+
+def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
+    """Lower a tidied graph to explicit per-device data-parallel code."""
+    return [
+        functools.partial(
+            insert_scatter_gather,
+            devices=options.devices,
+            input_dims=options.input_dims,
+            output_device=options.output_device,
+            copy_replicas=options.copy_replicas,
+        ),
+    ]
+
+
+def default_pipeline(options: PipelineOptions) -> list[Pass]:
+    return frontend_pipeline(options) + data_parallel_pipeline(options)
+
+
+__all__ = [
+    "PipelineOptions",
+    "default_pipeline",
+    "frontend_pipeline",
+    "data_parallel_pipeline",
+    "hoist_flatten_parameters",
+    "find_flatten_sites",
+    "insert_scatter_gather",
+]

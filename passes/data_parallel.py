@@ -1,0 +1,440 @@
+"""``insert_scatter_gather``: rewrite a single-device graph into explicit per-device code.
+
+Before (the captured model)::
+
+    def forward(self, x):
+        fc1 = self.fc1(x)
+        relu = torch.relu(fc1)
+        loss = relu.mean()
+        return self.fc2(relu), loss
+
+After, on ``["cpu", "cpu"]``::
+
+    def forward(self, x):
+        x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu'], 0)
+        x_dev0 = x_scatter[0]
+        x_dev1 = x_scatter[1]
+        fc1_dev0 = self.fc1(x_dev0)
+        fc1_dev1 = self.fc1(x_dev1)
+        relu_dev0 = torch.relu(fc1_dev0)
+        relu_dev1 = torch.relu(fc1_dev1)
+        loss_dev0 = relu_dev0.sum()              # partial sums ...
+        numel_dev0 = dpcompile_runtime_numel(relu_dev0)
+        ...
+        fc2 = dpcompile_runtime_gather([fc2_dev0, fc2_dev1], 0, 'cpu')
+        loss = dpcompile_runtime_mean_of_partials([loss_dev0, loss_dev1], [numel_dev0, numel_dev1], 'cpu')
+        return (fc2, loss)
+
+On devices that are physically distinct from ``devices[0]`` the head of forward replicates
+the modules (``replicas = replicate({...}, ['cuda:1'])``) and device ``k`` calls
+``replica_devk.fc1(x_devk)``. Where a value must be whole (an op with no batch rule, an
+output) the split ends with a gather; per-device partial sums end with a reduction.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcompile import runtime
+from dpcompile.analysis.batch_dims import propagate
+from dpcompile.analysis.batch_rules import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES, bind_loss, loss_kwargs_of_module
+from dpcompile.analysis.placement import (
+    Partial,
+    Placement,
+    Replicated,
+    Split,
+    Tuple,
+    Whole,
+)
+from dpcompile.devices import Devices
+from dpcompile.infra import PassResult, stamp, stamp_comm
+
+PASS = "insert_scatter_gather"
+
+
+def insert_scatter_gather(
+    gm: fx.GraphModule,
+    *,
+    devices: Devices,
+    input_dims: Mapping[str, int | None],
+    output_device: torch.device | None = None,
+    copy_replicas: bool = False,
+) -> PassResult:
+    """Make every cross-device step of data parallelism an explicit node.
+
+    ``input_dims`` says how each placeholder is split (``None``: replicated). With
+    ``copy_replicas`` every device gets its own replica even where it shares memory with
+    ``devices[0]`` (virtual devices), which exercises the multi-GPU code path on a CPU.
+    """
+    placements = propagate(gm, input_dims)
+    builder = _Builder(gm, devices, placements, output_device or devices.primary, copy_replicas)
+    new_graph = builder.build()
+    gm.graph = new_graph
+    return PassResult(gm, True, {"placements": {n.name: p for n, p in placements.items()}, "input_dims": dict(input_dims)})
+
+
+class _Builder:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        devices: Devices,
+        placements: Mapping[fx.Node, Placement],
+        output_device: torch.device,
+        copy_replicas: bool,
+    ):
+        self.gm = gm
+        self.devices = devices
+        self.n = len(devices)
+        self.placements = placements
+        self.output_device = output_device
+        self.modules = dict(gm.named_modules())
+        self.graph = fx.Graph()
+        self.distinct = [copy_replicas or not devices.shares_memory_with_primary(k) for k in range(self.n)]
+        self.distinct[0] = False
+        self.per_device: dict[fx.Node, list[Any]] = {}
+        self.whole: dict[fx.Node, Any] = {}
+        self.moved: dict[tuple[fx.Node, int], Any] = {}
+        self.partials: dict[fx.Node, tuple[str, list[Any], list[Any]]] = {}
+        self.replica_roots: dict[int, fx.Node] = {}
+        self.primary = str(devices.primary)
+
+    # ------------------------------------------------------------------ helpers
+    def node(self, op: str, target: Any, args=(), kwargs=None, *, name: str, source: fx.Node | None = None) -> fx.Node:
+        new = self.graph.create_node(op, target, tuple(args), dict(kwargs or {}), name=name)
+        stamp(new, PASS, source)
+        if source is not None:
+            new.meta["dpcompile_source"] = source.name
+        return new
+
+    def call(self, fn, args=(), kwargs=None, *, name: str, source: fx.Node | None = None) -> fx.Node:
+        return self.node("call_function", fn, args, kwargs, name=name, source=source)
+
+    def device_str(self, k: int) -> str:
+        return str(self.devices[k])
+
+    # ------------------------------------------------------------------ build
+    def build(self) -> fx.Graph:
+        nodes = list(self.gm.graph.nodes)
+        for node in nodes:
+            if node.op == "placeholder":
+                copy = self.graph.node_copy(node)
+                self.whole[node] = copy
+        self._emit_replicas(nodes)
+        for node in nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                self._emit_output(node)
+                continue
+            placement = self.placements[node]
+            if isinstance(placement, Whole):
+                self._emit_whole(node)
+            elif isinstance(placement, Partial):
+                self._emit_partial(node, placement)
+            elif node.op == "call_module" and isinstance(self.modules.get(node.target), BATCH_NORMS):
+                self._emit_batch_norm(node)
+            else:
+                self._emit_per_device(node, placement)
+        return self.graph
+
+    def _emit_replicas(self, nodes: list[fx.Node]) -> None:
+        targets = [k for k in range(self.n) if self.distinct[k]]
+        if not targets:
+            return
+        roots: dict[str, fx.Node] = {}
+        for node in nodes:
+            if node.op in ("call_module", "get_attr"):
+                top = node.target.split(".")[0]
+                if top not in roots:
+                    roots[top] = self.node("get_attr", top, name=f"{top}_src")
+        replicas = self.call(
+            runtime.replicate, (roots, [self.device_str(k) for k in targets]), name="replicas"
+        )
+        stamp_comm(replicas, "broadcast", backward="reduce")
+        for i, k in enumerate(targets):
+            self.replica_roots[k] = self.call(operator.getitem, (replicas, i), name=f"replica_dev{k}")
+
+    # ------------------------------------------------------------------ values
+    def on_device(self, value: Any, k: int) -> Any:
+        """The per-device version of an argument for device ``k``."""
+        return fx.node.map_arg(value, lambda n: self._node_on_device(n, k))
+
+    def _node_on_device(self, node: fx.Node, k: int) -> Any:
+        placement = self.placements.get(node)
+        if node.op == "placeholder":
+            return self._placeholder_on_device(node, k)
+        if node in self.per_device:
+            return self.per_device[node][k]
+        if isinstance(placement, Whole) and placement.batch:
+            raise AssertionError(f"{node.name} is whole along the batch and cannot feed device {k}")
+        key = (node, k)
+        if key not in self.moved:
+            whole = self.whole_value(node)
+            if self._same_place(k):
+                self.moved[key] = whole
+            else:
+                self.moved[key] = stamp_comm(
+                    self.call(runtime.to_device, (whole, self.device_str(k)), name=f"{node.name}_dev{k}", source=node),
+                    "broadcast",
+                    backward="reduce",
+                )
+        return self.moved[key]
+
+    def _same_place(self, k: int) -> bool:
+        return not self.distinct[k] and self.devices[k] == self.devices.primary
+
+    def _placeholder_on_device(self, node: fx.Node, k: int) -> Any:
+        if node not in self.per_device:
+            placement = self.placements[node]
+            source = self.whole[node]
+            if isinstance(placement, Split):
+                scattered = self.call(
+                    runtime.scatter, (source, self.devices.strings(), placement.dim), name=f"{node.name}_scatter", source=node
+                )
+                stamp_comm(scattered, "scatter", io=True, backward="gather")
+                self.per_device[node] = [
+                    self.call(operator.getitem, (scattered, i), name=f"{node.name}_dev{i}", source=node)
+                    for i in range(self.n)
+                ]
+            else:
+                copies: dict[str, fx.Node] = {}
+                values = []
+                for i in range(self.n):
+                    where = self.device_str(i)
+                    if where not in copies or self.distinct[i]:
+                        copies[where] = stamp_comm(
+                            self.call(runtime.to_device, (source, where), name=f"{node.name}_dev{i}", source=node),
+                            "broadcast",
+                            io=True,
+                            backward="reduce",
+                        )
+                    values.append(copies[where])
+                self.per_device[node] = values
+        return self.per_device[node][k]
+
+    def whole_value(self, node: fx.Node) -> Any:
+        """The value of ``node`` for the whole batch, on the primary device."""
+        if node in self.whole and node.op != "placeholder":
+            return self.whole[node]
+        placement = self.placements[node]
+        if node.op == "placeholder":
+            key = ("whole", node)
+            if key not in self.moved:
+                self.moved[key] = self.call(
+                    runtime.to_device, (self.whole[node], self.primary), name=f"{node.name}_whole", source=node
+                )
+            return self.moved[key]
+        if isinstance(placement, Partial):
+            value = self._combine(node, self.primary)
+        elif isinstance(placement, Replicated):
+            value = self.per_device[node][0]
+        elif (dims := _gather_dims(placement)) is not None:
+            value = self.call(
+                runtime.gather, (list(self.per_device[node]), dims, self.primary), name=node.name, source=node
+            )
+            stamp_comm(value, "gather", backward="scatter")
+        else:  # batch sizes and packed sequences: recompute from whole inputs
+            value = self._emit_whole(node, record=False)
+        self.whole[node] = value
+        return value
+
+    # ------------------------------------------------------------------ emitters
+    def _emit_whole(self, node: fx.Node, record: bool = True) -> fx.Node:
+        args = fx.node.map_arg(node.args, self.whole_value)
+        kwargs = fx.node.map_arg(node.kwargs, self.whole_value)
+        new = self.node(node.op, node.target, args, kwargs, name=node.name if record else f"{node.name}_whole", source=node)
+        if record:
+            self.whole[node] = new
+        return new
+
+    def _emit_per_device(self, node: fx.Node, placement: Placement) -> None:
+        values: list[Any] = []
+        for k in range(self.n):
+            if isinstance(placement, Replicated) and k > 0 and self._same_place(k) and not _has_side_effect(node):
+                values.append(values[0])
+                continue
+            args = self.on_device(node.args, k)
+            kwargs = self.on_device(node.kwargs, k)
+            name = f"{node.name}_dev{k}"
+            if node.op == "get_attr":
+                values.append(self._attr_on_device(node, k))
+                continue
+            if node.op == "call_module" and self.distinct[k]:
+                values.append(self.node("call_method", node.target, (self.replica_roots[k], *args), kwargs, name=name, source=node))
+                continue
+            if _is_pad_packed(node):
+                kwargs = self._with_total_length(node, kwargs)
+            values.append(self.node(node.op, node.target, args, kwargs, name=name, source=node))
+        self.per_device[node] = values
+
+    def _attr_on_device(self, node: fx.Node, k: int) -> fx.Node:
+        if self.distinct[k]:
+            value: fx.Node = self.replica_roots[k]
+            for atom in node.target.split("."):
+                value = self.call(getattr, (value, atom), name=f"{atom}_dev{k}", source=node)
+            return value
+        if node not in self.whole:
+            self.whole[node] = self.node("get_attr", node.target, name=node.name, source=node)
+        return self.whole[node]
+
+    def _emit_batch_norm(self, node: fx.Node) -> None:
+        module_ref = self.node("get_attr", node.target, name=f"{node.name}_module", source=node)
+        chunks = [self.on_device(node.args[0], k) for k in range(self.n)]
+        normed = self.call(runtime.batch_norm, (module_ref, chunks), name=f"{node.name}_sync", source=node)
+        stamp_comm(normed, "all_reduce", backward="all_reduce")
+        self.per_device[node] = [
+            self.call(operator.getitem, (normed, k), name=f"{node.name}_dev{k}", source=node) for k in range(self.n)
+        ]
+
+    def _emit_partial(self, node: fx.Node, placement: Partial) -> None:
+        sums, counts = [], []
+        for k in range(self.n):
+            args = self.on_device(node.args, k)
+            kwargs = self.on_device(node.kwargs, k)
+            name = f"{node.name}_dev{k}"
+            if placement.kind == "sum":
+                sums.append(self.node(node.op, node.target, args, kwargs, name=name, source=node))
+            elif placement.kind == "mean":
+                target = "sum" if node.op == "call_method" else torch.sum
+                sums.append(self.node(node.op, target, args, kwargs, name=f"{node.name}_sum_dev{k}", source=node))
+                counts.append(self._mean_count(node, args, kwargs, k))
+            else:  # a loss with reduction="mean"
+                total, count = self._loss_partial(node, args, kwargs, k)
+                sums.append(total)
+                counts.append(count)
+        self.partials[node] = (placement.kind, sums, counts)
+        self.per_device[node] = sums
+
+    def _mean_count(self, node: fx.Node, args: tuple, kwargs: dict, k: int) -> fx.Node:
+        x = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dim is None:
+            return self.call(runtime.numel, (x,), name=f"{node.name}_count_dev{k}", source=node)
+        return self.call(runtime.numel_over, (x, dim), name=f"{node.name}_count_dev{k}", source=node)
+
+    def _loss_partial(self, node: fx.Node, args: tuple, kwargs: dict, k: int) -> tuple[fx.Node, fx.Node]:
+        if node.op == "call_module":
+            module = self.modules[node.target]
+            fn = LOSS_MODULES[type(module)]
+            settings = loss_kwargs_of_module(module)
+            for tensor_name in ("weight", "pos_weight"):
+                if getattr(module, tensor_name, None) is not None:
+                    settings[tensor_name] = self._module_tensor_on_device(node, tensor_name, k)
+            bound = bind_loss(fn, args, {**kwargs, **settings})
+        else:
+            fn = node.target
+            bound = bind_loss(fn, args, kwargs)
+        assert bound is not None
+        inputs = list(bound.arguments.values())
+        defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values()}
+        options = {
+            name: value
+            for name, value in list(bound.arguments.items())[2:]
+            if name not in ("reduction", "size_average", "reduce") and value is not defaults.get(name) and value != defaults.get(name)
+        }
+        total = self.call(fn, tuple(inputs[:2]), {**options, "reduction": "sum"}, name=f"{node.name}_sum_dev{k}", source=node)
+        if LOSS_FUNCTIONS[fn] == "class":
+            count = self.call(
+                runtime.target_weight,
+                (inputs[1], bound.arguments.get("weight"), bound.arguments.get("ignore_index", -100)),
+                name=f"{node.name}_count_dev{k}",
+                source=node,
+            )
+        else:
+            count = self.call(runtime.numel, (inputs[0],), name=f"{node.name}_count_dev{k}", source=node)
+        return total, count
+
+    def _module_tensor_on_device(self, node: fx.Node, attr: str, k: int) -> fx.Node:
+        if self.distinct[k]:
+            value: fx.Node = self.replica_roots[k]
+            for atom in [*node.target.split("."), attr]:
+                value = self.call(getattr, (value, atom), name=f"{atom}_dev{k}", source=node)
+            return value
+        return self.node("get_attr", f"{node.target}.{attr}", name=f"{node.name}_{attr}", source=node)
+
+    def _combine(self, node: fx.Node, device: str) -> fx.Node:
+        kind, sums, counts = self.partials[node]
+        if kind == "sum":
+            combined = self.call(runtime.reduce_add, (sums, device), name=node.name, source=node)
+        else:
+            combined = self.call(runtime.mean_of_partials, (sums, counts, device), name=node.name, source=node)
+        return stamp_comm(combined, "reduce", backward="broadcast")
+
+    def _with_total_length(self, node: fx.Node, kwargs: dict) -> dict:
+        """Pad every chunk to the whole batch's longest sequence, as the single-device run does."""
+        given = node.args[3] if len(node.args) > 3 else node.kwargs.get("total_length")
+        if given is not None:
+            return kwargs
+        lengths = _packed_lengths(node)
+        if lengths is None:
+            return kwargs
+        key = ("max_length", lengths)
+        if key not in self.moved:
+            self.moved[key] = self.call(runtime.max_length, (self.whole_value(lengths),), name="max_length", source=node)
+        return {**kwargs, "total_length": self.moved[key]}
+
+    def _emit_output(self, node: fx.Node) -> None:
+        def finish(n: fx.Node) -> Any:
+            placement = self.placements[n]
+            target = str(self.output_device)
+            if isinstance(placement, Partial):
+                return self._combine(n, target)
+            if isinstance(placement, (Split, Tuple)) and (dims := _gather_dims(placement)) is not None and n.op != "placeholder":
+                gathered = self.call(runtime.gather, (list(self.per_device[n]), dims, target), name=n.name, source=n)
+                return stamp_comm(gathered, "gather", io=True, backward="scatter")
+            value = self.whole_value(n)
+            if target != self.primary or n.op == "placeholder":
+                moved = self.call(runtime.to_device, (value, target), name=f"{n.name}_out", source=n)
+                return stamp_comm(moved, "gather", io=True)
+            return value
+
+        self.graph.output(fx.node.map_arg(node.args[0], finish), type_expr=node.type)
+
+
+def _gather_dims(placement: Placement) -> Any:
+    """The ``dim`` argument of ``runtime.gather`` for a placement, or None if it cannot gather."""
+    if isinstance(placement, Split):
+        return placement.dim
+    if isinstance(placement, Replicated):
+        return None
+    if isinstance(placement, Tuple):
+        dims = []
+        for item in placement.items:
+            if isinstance(item, Replicated):
+                dims.append(runtime.TAKE_FIRST)
+                continue
+            d = _gather_dims(item)
+            if d is None:
+                return None
+            dims.append(d)
+        return tuple(dims)
+    return None
+
+
+def _has_side_effect(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is runtime.flatten_parameters
+
+
+def _is_pad_packed(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.nn.utils.rnn.pad_packed_sequence
+
+
+def _packed_lengths(node: fx.Node) -> fx.Node | None:
+    """Walk back from ``pad_packed_sequence`` to the ``lengths`` its sequence was packed with."""
+    seen = 0
+    current: Any = node.args[0]
+    while isinstance(current, fx.Node) and seen < 64:
+        seen += 1
+        if current.op == "call_function" and current.target is torch.nn.utils.rnn.pack_padded_sequence:
+            return current.args[1] if len(current.args) > 1 else current.kwargs.get("lengths")
+        if not current.args:
+            return None
+        current = current.args[0]
+    return None
+

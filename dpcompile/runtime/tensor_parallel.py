@@ -1,0 +1,110 @@
+"""Single-process tensor parallelism: the SPMD collectives, lowered onto several devices.
+
+``passes.tensor_parallel.expand_shards`` replaces each call of
+:mod:`dpcompile.runtime.collectives` (one shard's view) by one call below that sees every
+shard at once, as a list with one entry per device. Each is built from differentiable
+torch ops (``.to``, ``narrow``, ``cat``, ``+``), so autograd runs the matching backward:
+
+=====================  =================================  ====================================
+SPMD call              here, forward                      backward (autograd)
+=====================  =================================  ====================================
+``copy_to_shards``     ``copy_to_devices``: one copy      the copies' gradients summed: the
+                       per device (free where it is)      all-reduce of *f*
+``reduce_from_shards`` ``reduce_to_device``: sum of the   the gradient copied to each shard
+                       partial sums on the output device
+``gather_from_shards`` ``gather_to_device``: ``cat``      each shard gets its slice
+``split_to_shards``    ``split_to_devices``: ``narrow``   the slices' gradients concatenated
+=====================  =================================  ====================================
+
+Replicated values (and replicated layers) live once, on ``devices[0]``; shard ``k`` of a
+sharded parameter lives on ``devices[k]``. On virtual devices (``["cpu"] * n``) every move
+is free and each shard still runs its own slice of the computation.
+
+A parameter's split is a :class:`ShardSpec`; :func:`shard_of` cuts shard ``k`` out of the
+full tensor and :func:`unshard` puts the shards back together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DeviceLike = torch.device | str
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a tensor is split: along ``dim`` into pieces of ``sizes`` (one per shard).
+
+    >>> ShardSpec(0, (4, 3, 3)).offsets()
+    [0, 4, 7]
+    """
+
+    dim: int
+    sizes: tuple[int, ...]
+
+    def offsets(self) -> list[int]:
+        return [sum(self.sizes[:k]) for k in range(len(self.sizes))]
+
+
+def shard_of(full: torch.Tensor, spec: ShardSpec, k: int) -> torch.Tensor:
+    """Shard ``k`` of ``full`` under ``spec`` (a view; ``.clone()`` it to own the memory)."""
+    if full.size(spec.dim) != sum(spec.sizes):
+        raise ValueError(
+            f"cannot split dim {spec.dim} of size {full.size(spec.dim)} into shards {list(spec.sizes)} "
+            f"(they sum to {sum(spec.sizes)})"
+        )
+    return full.narrow(spec.dim, spec.offsets()[k], spec.sizes[k])
+
+
+def unshard(shards: Sequence[torch.Tensor], spec: ShardSpec, device: DeviceLike) -> torch.Tensor:
+    """The full tensor from its shards, on ``device``."""
+    device = torch.device(device)
+    return torch.cat([s.to(device) for s in shards], spec.dim)
+
+
+def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def copy_to_devices(x: torch.Tensor, devices: Sequence[DeviceLike]) -> tuple[torch.Tensor, ...]:
+    """*f*: ``x`` on every device. Backward sums the copies' gradients (the all-reduce)."""
+    return tuple(_move(x, torch.device(d)) for d in devices)
+
+
+def reduce_to_device(partials: Sequence[torch.Tensor], device: DeviceLike) -> torch.Tensor:
+    """*g*: the sum of the shards' partial results on ``device``. Backward copies the gradient."""
+    device = torch.device(device)
+    total = _move(partials[0], device)
+    for p in partials[1:]:
+        total = total + _move(p, device)
+    return total
+
+
+def gather_to_device(shards: Sequence[torch.Tensor], dim: int, device: DeviceLike) -> torch.Tensor:
+    """All-gather: the shards concatenated along ``dim`` on ``device``. Backward slices."""
+    device = torch.device(device)
+    if len(shards) == 1:
+        return _move(shards[0], device)
+    return torch.cat([_move(s, device) for s in shards], dim)
+
+
+def split_to_devices(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
+) -> tuple[torch.Tensor, ...]:
+    """Slice ``k`` of ``x`` along ``dim`` (``sizes[k]`` wide) on device ``k``. Backward concatenates."""
+    spec = ShardSpec(dim, tuple(sizes))
+    return tuple(_move(shard_of(x, spec, k), torch.device(d)) for k, d in enumerate(devices))
+
+
+__all__ = [
+    "ShardSpec",
+    "copy_to_devices",
+    "gather_to_device",
+    "reduce_to_device",
+    "shard_of",
+    "split_to_devices",
+    "unshard",
+]

@@ -1,0 +1,338 @@
+"""Collectives over ``torch.distributed`` process groups, as SPMD generated code calls them.
+
+Each process runs one shard (tensor parallel) or one part of the batch (data parallel) of
+the program; these functions are the points where processes talk. Every one is an autograd
+``Function`` whose backward is the collective that autograd needs, so the generated code
+trains like the single-process model:
+
+=====================  ==========================  ===============================
+function               forward                     backward
+=====================  ==========================  ===============================
+``all_reduce``         sum over the group (g)      identity
+``all_reduce_grad``    identity (f)                sum of the gradient (all-reduce)
+``all_gather``         concatenate shards          keep this rank's slice
+``local_slice``        keep this rank's slice      all-gather of the gradient
+``sum_across``         sum over the group          sum over the group
+``sync_batch_norm``    BatchNorm with statistics   exact gradients of the whole
+                       of the whole batch          batch (via ``sum_across``)
+=====================  ==========================  ===============================
+
+``all_reduce`` / ``all_reduce_grad`` are Megatron-LM's ``g`` / ``f``: they assume that what
+follows ``all_reduce`` (and what precedes ``all_reduce_grad``) is replicated — every rank
+holds the same value and so the same gradient. They are the process-group lowering of
+:mod:`dpcompile.runtime.collectives` (``reduce_from_shards``, ``copy_to_shards``,
+``gather_from_shards``, ``split_to_shards``, ``local_size``). ``sum_across`` is the plain sum of per-rank
+values, each rank holding its own loss (data parallel).
+
+Generated code refers to a group through a :class:`MeshGroup` submodule of the program, so
+it reads ``dpcompile_runtime_distributed_all_reduce(fc2, tp_group)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from dpcompile.errors import DpCompileError
+
+__all__ = [
+    "CollectiveError",
+    "MeshGroup",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_grad",
+    "local_size",
+    "local_slice",
+    "sum_across",
+    "sync_batch_norm",
+]
+
+
+class CollectiveError(DpCompileError):
+    """A collective failed: most often another rank raised, exited or timed out first."""
+
+
+
+class MeshGroup(nn.Module):
+    """One dimension of a ``DeviceMesh``, as a (state-less) submodule generated code can name.
+
+    It holds no parameters or buffers, so it adds no ``state_dict`` keys.
+
+    >>> from torch.distributed.device_mesh import init_device_mesh  # doctest: +SKIP
+    >>> tp = MeshGroup(init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), "tp")  # doctest: +SKIP
+    >>> tp.size(), tp.rank()  # doctest: +SKIP
+    (2, 0)
+    """
+
+    def __init__(self, mesh: object, dim: str | int | None = None):
+        super().__init__()
+        self.mesh = mesh
+        self.dim = dim
+        self._group: dist.ProcessGroup | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            self._group = self.mesh.get_group(self.dim)  # type: ignore[attr-defined]
+        return self._group
+
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never called
+        return x
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim!r}"
+
+    def __deepcopy__(self, memo: dict) -> MeshGroup:
+        return MeshGroup(self.mesh, self.dim)
+
+
+GroupLike = MeshGroup | dist.ProcessGroup | None
+
+
+def _group(group: GroupLike) -> dist.ProcessGroup | None:
+    return group.group if isinstance(group, MeshGroup) else group
+
+
+def _failed(what: str, group: dist.ProcessGroup | None, error: BaseException) -> CollectiveError:
+    try:
+        where = f"rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
+    except Exception:  # noqa: BLE001 - the group itself may be gone
+        where = "this rank"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return CollectiveError(
+        f"{what} failed on {where} (global rank {dist.get_rank() if dist.is_initialized() else '?'}): "
+        f"another rank most likely raised, exited or timed out first — see its log for the first "
+        f"error. Pass timeout= to torch.distributed.init_process_group to fail sooner. ({first})"
+    )
+
+
+def _all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    except (RuntimeError, dist.DistError) as e:
+        raise _failed("all_reduce", group, e) from e
+    return t
+
+
+def _all_gather_(parts: list[torch.Tensor], t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    try:
+        dist.all_gather(parts, t, group=group)
+    except (RuntimeError, dist.DistError) as e:
+        raise _failed("all_gather", group, e) from e
+
+
+def _gather(x: torch.Tensor, group, dim: int, sizes: tuple[int, ...] | None) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    local = x.contiguous()
+    if sizes is None or len(set(sizes)) == 1:
+        parts = [torch.empty_like(local) for _ in range(world)]
+        _all_gather_(parts, local, group)
+        return torch.cat(parts, dim)
+    # uneven shards: pad to the largest, gather, trim
+    pad = [0, 0] * (local.dim() - 1 - dim) + [0, max(sizes) - local.size(dim)]
+    padded = F.pad(local, pad).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    _all_gather_(parts, padded, group)
+    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim)
+
+
+def _sizes_or_even(length: int, group, sizes: tuple[int, ...] | None) -> tuple[int, ...]:
+    world = dist.get_world_size(group)
+    if sizes is None:
+        return (length,) * world
+    if len(sizes) != world:
+        raise ValueError(f"sizes {list(sizes)} name {len(sizes)} shards, but the process group has {world} ranks")
+    return sizes
+
+
+class _AllReduce(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        return _all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllReduceGrad(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _SumAcross(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group = group
+        return _all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _AllGather(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, dim: int, sizes: tuple[int, ...] | None):
+        dim = dim % x.dim()
+        sizes = _sizes_or_even(x.size(dim), group, sizes)
+        rank = dist.get_rank(group)
+        ctx.dim, ctx.start, ctx.length = dim, sum(sizes[:rank]), sizes[rank]
+        return _gather(x, group, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None, None
+
+
+class _LocalSlice(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, dim: int, sizes: tuple[int, ...]):
+        dim = dim % x.dim()
+        rank = dist.get_rank(group)
+        if x.size(dim) != sum(sizes):
+            raise ValueError(f"cannot split dim {dim} of size {x.size(dim)} into shards {list(sizes)} (sum {sum(sizes)})")
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.dim, ctx.sizes), None, None, None
+
+
+def all_reduce(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+    """Sum of ``x`` over ``group`` (Megatron's g, after a row-parallel layer); backward: identity.
+
+    The sum of the partial products of a row split is the layer's full output, which every
+    rank then holds (replicated), so each rank's gradient is already the full gradient.
+
+    >>> y = all_reduce(partial, tp_group)  # doctest: +SKIP
+    """
+    return _AllReduce.apply(x, _group(group))
+
+
+def all_reduce_grad(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (Megatron's f, before a column layer).
+
+    The input of a column-parallel layer is replicated, but each rank only sees the
+    gradient through its own output columns; the sum over ranks is the full gradient.
+
+    >>> x = all_reduce_grad(x, tp_group)  # doctest: +SKIP
+    """
+    return _AllReduceGrad.apply(x, _group(group))
+
+
+def all_gather(
+    x: torch.Tensor, group: GroupLike, dim: int = -1, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """This rank's shard of a tensor concatenated with every other rank's along ``dim``.
+
+    ``sizes`` are the shard lengths along ``dim`` in rank order (uneven shards, e.g.
+    ``[4, 3, 3]``); None means every shard has ``x``'s length. Backward keeps this rank's
+    slice of the (replicated) gradient — no communication.
+
+    >>> full = all_gather(fc1, tp_group, dim=-1, sizes=[5, 5])  # doctest: +SKIP
+    """
+    return _AllGather.apply(x, _group(group), dim, None if sizes is None else tuple(sizes))
+
+
+def local_slice(x: torch.Tensor, group: GroupLike, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    """This rank's slice of a replicated ``x`` along ``dim`` (shard lengths ``sizes``, rank order).
+
+    No communication forward; backward all-gathers the gradient slices, so the replicated
+    ``x`` receives its whole gradient on every rank.
+
+    >>> x_shard = local_slice(x, tp_group, -1, [512, 512])  # doctest: +SKIP
+    """
+    g = _group(group)
+    return _LocalSlice.apply(x, g, dim, _sizes_or_even(0, g, tuple(sizes)))
+
+
+def local_size(sizes: Sequence[int], group: GroupLike) -> int:
+    """This rank's extent of a sharded dimension, ``sizes[rank]`` (for ``view`` shapes).
+
+    >>> heads = local_size([2, 2], tp_group)  # doctest: +SKIP
+    """
+    g = _group(group)
+    return int(_sizes_or_even(0, g, tuple(sizes))[dist.get_rank(g)])
+
+
+def sum_across(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+    """The sum over ``group`` of each rank's own ``x``; backward sums the gradients alike.
+
+    Use it where every rank holds a different value (its part of the batch) and its own
+    loss, as in data parallel: the gradient of the sum of all ranks' losses.
+
+    >>> total = sum_across(x.sum(0), dp_group)  # doctest: +SKIP
+    """
+    return _SumAcross.apply(x, _group(group))
+
+
+def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
+    return (1, x.size(1)) + (1,) * (x.dim() - 2)
+
+
+def sync_batch_norm(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+    """``bn(x)`` with the statistics of the whole batch, every rank holding its part of it.
+
+    The semantics of ``nn.SyncBatchNorm`` (which runs only on GPUs), on every device:
+    per-rank sums and counts are summed across ``group`` with :func:`sum_across`, so uneven
+    parts are exact, the running statistics are updated once with the global mean and
+    unbiased variance (identically on every rank), and autograd gives the gradients of the
+    whole batch. In eval mode it is ``bn(x)`` with the running statistics, no communication.
+
+    >>> y = sync_batch_norm(self.bn, x, dp_group)  # doctest: +SKIP
+    """
+    if not (bn.training or bn.running_mean is None or bn.running_var is None):
+        return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    bn._check_input_dim(x)  # type: ignore[operator]
+    dims = [d for d in range(x.dim()) if d != 1]
+    shape = _channel_shape(x)
+    local_count = x.new_full((1,), x.numel() // max(x.size(1), 1))
+    packed = sum_across(torch.cat([x.sum(dims), local_count]), group)
+    count = packed[-1]
+    mean = packed[:-1] / count
+    centered = x - mean.view(shape)
+    var = sum_across((centered * centered).sum(dims), group) / count
+    y = centered * torch.rsqrt(var + bn.eps).view(shape)
+    if bn.weight is not None:
+        y = y * bn.weight.view(shape)
+    if bn.bias is not None:
+        y = y + bn.bias.view(shape)
+    if bn.training and bn.track_running_stats:
+        _update_running_stats(bn, mean.detach(), var.detach(), count.detach())
+    return y
+
+
+@torch.no_grad()
+def _update_running_stats(
+    bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor
+) -> None:
+    if bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+    if bn.running_mean is None or bn.running_var is None:
+        return
+    if bn.momentum is None:
+        factor = 1.0 / float(bn.num_batches_tracked)
+    else:
+        factor = bn.momentum
+    unbiased = var * (count / (count - 1).clamp_min(1))
+    bn.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+    bn.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)

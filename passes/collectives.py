@@ -1,0 +1,252 @@
+"""``lower_to_collectives``: make one process's program talk to the others through ``torch.distributed``.
+
+The input is the program of *one* rank: the captured model (data parallel) or one shard's
+program from ``shard_linear`` (tensor parallel), whose cross-shard steps are call nodes of
+``dpcompile.runtime.collectives``. This pass
+
+* swaps each such collective for its ``torch.distributed`` counterpart in
+  :mod:`dpcompile.runtime.distributed` (all-reduce, all-gather, Megatron's f), over the
+  mesh dimension ``tp_dim``;
+* with ``dp_dim``, turns every training-mode ``BatchNorm`` into
+  :func:`~dpcompile.runtime.distributed.sync_batch_norm` over that dimension, so batch
+  statistics are those of the whole, cross-process batch.
+
+The process groups are state-less :class:`~dpcompile.runtime.distributed.MeshGroup`
+submodules (``dp_group``, ``tp_group``) that the generated code names.
+
+Before (data parallel, the captured model)::
+
+    def forward(self, x):
+        conv = self.conv(x)
+        bn = self.bn(conv)
+        relu = torch.relu(bn)
+        return self.fc(relu.flatten(1))
+
+After, ``lower_to_collectives(gm, mesh=mesh, dp_dim="dp")``::
+
+    def forward(self, x):
+        conv = self.conv(x)
+        bn = self.bn
+        dp_group = self.dp_group
+        bn_sync = dpcompile_runtime_distributed_sync_batch_norm(bn, conv, dp_group)
+        relu = torch.relu(bn_sync)
+        ...
+
+Before (tensor parallel, one shard of ``fc2(relu(fc1(x)))`` from ``shard_linear``)::
+
+    def forward(self, x):
+        x_f = dpcompile_runtime_collectives_copy_to_shards(x)       # (the TP runtime's names)
+        fc1 = self.fc1(x_f)
+        relu = torch.relu(fc1)
+        fc2 = self.fc2(relu)
+        fc2_all_reduce = dpcompile_runtime_collectives_all_reduce(fc2)
+        ...
+
+After, ``lower_to_collectives(gm, mesh=mesh, tp_dim="tp")``::
+
+    def forward(self, x):
+        tp_group = self.tp_group
+        x_f = dpcompile_runtime_distributed_reduce_grad(x, tp_group)
+        fc1 = self.fc1(x_f)
+        relu = torch.relu(fc1)
+        fc2 = self.fc2(relu)
+        fc2_all_reduce = dpcompile_runtime_distributed_all_reduce(fc2, tp_group)
+        ...
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.infra import PassResult, stamp, stamp_comm
+from dpcompile.runtime import distributed as dist_rt
+from dpcompile.runtime.distributed import MeshGroup
+
+PASS = "lower_to_collectives"
+log = logging.getLogger("dpcompile")
+
+BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """How one collective of :mod:`dpcompile.runtime.collectives` becomes a process-group call.
+
+    ``fn`` is called as ``fn(<tensor>, <group>, **{name: argument for name in keep})``
+    (``local_size`` as ``fn(sizes, group)``); ``kind`` / ``backward`` are its ``Comm`` stamp.
+    """
+
+    fn: Callable[..., Any]
+    kind: str
+    backward: str | None = None
+    keep: tuple[str, ...] = ()
+
+
+LOWERING: dict[str, Lowering] = {
+    "copy_to_shards": Lowering(dist_rt.all_reduce_grad, "identity", "all_reduce"),
+    "reduce_from_shards": Lowering(dist_rt.all_reduce, "all_reduce"),
+    "gather_from_shards": Lowering(dist_rt.all_gather, "all_gather", None, ("dim", "sizes")),
+    "split_to_shards": Lowering(dist_rt.local_slice, "split", "all_gather", ("dim", "sizes")),
+    "local_size": Lowering(dist_rt.local_size, "shape", None, ()),
+}
+"""Keyed by the name of the function in ``dpcompile.runtime.collectives``."""
+
+
+@dataclass
+class CollectiveSites:
+    """What :func:`lower_to_collectives` would rewrite: batch norms and one-shard collectives."""
+
+    batch_norms: list[fx.Node] = field(default_factory=list)
+    collectives: list[fx.Node] = field(default_factory=list)
+    unknown: list[fx.Node] = field(default_factory=list)
+
+
+def _collectives_module() -> Any | None:
+    try:
+        from dpcompile.runtime import collectives
+    except ImportError:
+        return None
+    return collectives
+
+
+def _is_shard_collective(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    module = getattr(node.target, "__module__", "") or ""
+    home = getattr(node.target, "_dpcompile_home", "")
+    return module.endswith("runtime.collectives") or str(home).endswith("runtime.collectives")
+
+
+def _collective_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def find_collective_sites(gm: fx.GraphModule, *, batch_norm: bool = True) -> CollectiveSites:
+    """The nodes :func:`lower_to_collectives` rewrites, in graph order."""
+    modules = dict(gm.named_modules())
+    sites = CollectiveSites()
+    for node in gm.graph.nodes:
+        if batch_norm and node.op == "call_module" and isinstance(modules.get(node.target), BATCH_NORMS):
+            sites.batch_norms.append(node)
+        elif _is_shard_collective(node):
+            if _collective_name(node) in LOWERING:
+                sites.collectives.append(node)
+            else:
+                sites.unknown.append(node)
+    return sites
+
+
+def _group_node(gm: fx.GraphModule, graph: fx.Graph, name: str, mesh: object, dim: str | int | None, cache: dict):
+    """A ``get_attr`` of the ``MeshGroup`` submodule ``name``, created at the head of forward."""
+    if name in cache:
+        return cache[name]
+    existing = getattr(gm, name, None)
+    if not isinstance(existing, MeshGroup):
+        gm.add_submodule(name, MeshGroup(mesh, dim))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    where = graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(next(iter(graph.nodes)))
+    with where:
+        node = stamp(graph.get_attr(name), PASS)
+    cache[name] = node
+    return node
+
+
+def _bound_arguments(node: fx.Node) -> dict[str, Any]:
+    """The collective call's arguments by name (positional ones bound to the signature)."""
+    try:
+        signature = inspect.signature(node.target)  # type: ignore[arg-type]
+        bound = signature.bind_partial(*node.args, **node.kwargs)
+        return dict(bound.arguments)
+    except (TypeError, ValueError):
+        return {"x": node.args[0] if node.args else None, **node.kwargs}
+
+
+def _first_tensor_arg(node: fx.Node, arguments: dict[str, Any]) -> Any:
+    for value in arguments.values():
+        if isinstance(value, fx.Node):
+            return value
+    return node.args[0]
+
+
+def _as_literal(value: Any) -> Any:
+    """Tuples of sizes print as lists in generated code; everything else as it is."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def lower_to_collectives(
+    gm: fx.GraphModule,
+    *,
+    mesh: object,
+    dp_dim: str | int | None = None,
+    tp_dim: str | int | None = None,
+    batch_norm: bool = True,
+) -> PassResult:
+    """Lower one rank's program to ``torch.distributed`` collectives over ``mesh``.
+
+    ``dp_dim`` names the mesh dimension across which the batch is split (BatchNorm gets
+    cross-process statistics over it); ``tp_dim`` the one across which ``shard_linear``'s
+    shards live (its collectives become process-group collectives over it). Either may be
+    None: a 1-D mesh passes one of them (its name, or ``0`` when it is unnamed).
+
+    >>> from torch.distributed.device_mesh import init_device_mesh  # doctest: +SKIP
+    >>> mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))  # doctest: +SKIP
+    >>> lower_to_collectives(gm, mesh=mesh, dp_dim="dp").modified  # doctest: +SKIP
+    True
+    """
+    sites = find_collective_sites(gm, batch_norm=batch_norm and dp_dim is not None)
+    if sites.unknown:
+        names = sorted({_collective_name(n) for n in sites.unknown})
+        raise NotImplementedError(
+            f"lower_to_collectives has no torch.distributed lowering for {names}; "
+            f"known collectives: {sorted(LOWERING)} (add one to passes.collectives.LOWERING)"
+        )
+    if sites.collectives and tp_dim is None:
+        raise ValueError(
+            "the program has tensor-parallel collectives but no tp_dim= was given; pass the mesh "
+            "dimension the shards live on (its name, or 0 for a 1-D mesh)"
+        )
+    if not sites.batch_norms and not sites.collectives:
+        return PassResult(gm, False, {"batch_norms": [], "collectives": []})
+    graph = gm.graph
+    cache: dict[str, fx.Node] = {}
+    lowered_bn: list[str] = []
+    for node in sites.batch_norms:
+        group = _group_node(gm, graph, "dp_group", mesh, dp_dim, cache)
+        with graph.inserting_before(node):
+            module_ref = stamp(graph.get_attr(node.target), PASS, node)  # type: ignore[arg-type]
+            call = graph.call_function(dist_rt.sync_batch_norm, (module_ref, node.args[0], group))
+            stamp_comm(stamp(call, PASS, node), "all_reduce", backward="all_reduce")
+            call.name = graph._graph_namespace.create_name(f"{node.name}_sync", call)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        lowered_bn.append(str(node.target))
+    lowered: list[str] = []
+    for node in sites.collectives:
+        name = _collective_name(node)
+        rule = LOWERING[name]
+        group = _group_node(gm, graph, "tp_group", mesh, tp_dim, cache)
+        arguments = _bound_arguments(node)
+        if rule.fn is dist_rt.local_size:
+            args: tuple[Any, ...] = (_as_literal(arguments.get("sizes", node.args[0] if node.args else None)), group)
+            kwargs: dict[str, Any] = {}
+        else:
+            args = (_first_tensor_arg(node, arguments), group)
+            kwargs = {k: _as_literal(arguments[k]) for k in rule.keep if k in arguments}
+        with graph.inserting_before(node):
+            call = graph.call_function(rule.fn, args, kwargs)
+            stamp_comm(stamp(call, PASS, node), rule.kind, backward=rule.backward)
+            call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "dpcompile_source")})
+        old_name = node.name
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        call.name = graph._graph_namespace.create_name(old_name, call)
+        lowered.append(f"{name} -> {rule.fn.__name__}")
+    graph.lint()
+    return PassResult(gm, True, {"batch_norms": lowered_bn, "collectives": lowered})

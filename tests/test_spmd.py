@@ -1,0 +1,314 @@
+"""SPMD mode over torch.distributed: gloo process groups on CPU, spawned, bounded by timeouts.
+
+Spawning is the expensive part, so each process group runs a whole scenario of checks and
+reports each check's outcome; the tests below read those outcomes (one behaviour each).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+pytestmark = pytest.mark.distributed
+
+GROUP_TIMEOUT_S = 60.0  # a whole scenario (spawn + checks); a hang fails the test after this
+
+
+# ---------------------------------------------------------------------------- models
+class BNNet(nn.Module):
+    """An MLP with BatchNorm: data parallel must give whole-batch statistics."""
+
+    def __init__(self, d: int = 6, h: int = 10, out: int = 3):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.bn = nn.BatchNorm1d(h)
+        self.fc2 = nn.Linear(h, out)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+class RNNNet(nn.Module):
+    """Calls flatten_parameters inside forward: the hoist must apply on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        self.lstm.flatten_parameters()
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 8, h: int = 12):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """A transformer-ish block of Linears: q/k/v column, out row, MLP column -> row, LayerNorm."""
+
+    def __init__(self, d: int = 8, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(d)
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+        self.up = nn.Linear(d, 3 * d)
+        self.down = nn.Linear(3 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.norm(x)
+        q = self.q(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        k = self.k(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        v = self.v(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        att = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.out(y)
+        return x + self.down(torch.relu(self.up(x)))
+
+
+# ---------------------------------------------------------------------------- harness
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    outcome: dict[str, str | None] = {}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=20),
+        )
+        for name, check in SCENARIOS[scenario]:
+            try:
+                check(rank, world)
+                outcome[name] = None
+            except Exception:  # noqa: BLE001 - report every check
+                outcome[name] = traceback.format_exc()
+    except Exception:  # noqa: BLE001
+        outcome["<setup>"] = traceback.format_exc()
+    results.put((rank, outcome))
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_group(scenario: str, world: int, timeout: float = GROUP_TIMEOUT_S) -> dict[int, dict[str, str | None]]:
+    """Spawn ``world`` gloo processes running ``scenario``; each rank's ``{check: traceback or None}``."""
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, scenario, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcomes: dict[int, dict[str, str | None]] = {}
+    try:
+        while len(outcomes) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, outcome = results.get(timeout=min(left, 1.0))
+                outcomes[rank] = outcome
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return outcomes
+
+
+def _lookup(outcomes: dict[int, dict[str, str | None]], world: int, check: str) -> None:
+    missing = [r for r in range(world) if r not in outcomes]
+    assert not missing, f"ranks {missing} reported nothing within the timeout (hang or crash)"
+    for rank in range(world):
+        if "<setup>" in outcomes[rank]:
+            pytest.fail(f"rank {rank} setup failed:\n{outcomes[rank]['<setup>']}")
+        assert check in outcomes[rank], f"rank {rank} did not run {check}"
+        error = outcomes[rank][check]
+        if error is not None:
+            pytest.fail(f"rank {rank}, {check}:\n{error}")
+
+
+# ---------------------------------------------------------------------------- checks (run in the workers)
+def _sgd_steps(model_step: Callable[[int], torch.Tensor], params, steps: int = 3, lr: float = 0.1) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(params, lr=lr)
+    outs = []
+    for step in range(steps):
+        opt.zero_grad()
+        out = model_step(step)
+        outs.append(out.detach().clone())
+    return outs
+
+
+def _batches(world: int, d: int, per_rank: int = 3, steps: int = 3, extra: tuple[int, ...] = ()):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(per_rank * world, *extra, d, generator=g) for _ in range(steps)]
+
+
+def _dp_mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+
+
+def check_dp_training_matches_eager(rank: int, world: int) -> None:
+    """DP (DDP + sync BN) over the mesh: outputs, 3 SGD steps and BN stats equal eager on the whole batch."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = BNNet()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, _dp_mesh(world))
+    assert pm.mode == "spmd_data_parallel"
+    data = _batches(world, 6)
+    per = data[0].size(0) // world
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in data:
+        local = x[rank * per : (rank + 1) * per]
+        opt.zero_grad()
+        out = pm(local)
+        (out**2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        want = reference(x)
+        (want**2).mean().backward()
+        ref_opt.step()
+        torch.testing.assert_close(out, want[rank * per : (rank + 1) * per], atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.bn.running_var, reference.bn.running_var, atol=1e-5, rtol=1e-5)
+    pm.eval()
+    reference.eval()
+    torch.testing.assert_close(pm(data[0][:2]), reference(data[0][:2]), atol=1e-5, rtol=1e-5)
+
+
+def check_dp_state_dict_and_code(rank: int, world: int) -> None:
+    """DP: state_dict keys are the model's; the code names sync_batch_norm over dp_group; no_sync works."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = BNNet()
+    pm = dpcompile.transform(model, _dp_mesh(world))
+    assert list(pm.state_dict().keys()) == list(model.state_dict().keys())
+    assert "sync_batch_norm" in pm.code and "dp_group" in pm.code, pm.code
+    assert pm.ddp is not None
+    pm.load_state_dict(model.state_dict())
+    x = torch.randn(4, 6) * (rank + 1)
+    with pm.no_sync():
+        pm(x).sum().backward()
+    local = model.fc2.weight.grad.clone()
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    torch.distributed.all_gather(gathered, local)
+    assert not all(torch.allclose(gathered[0], g) for g in gathered[1:]), "no_sync still averaged gradients"
+
+
+def check_dp_rnn_flatten_hoisted(rank: int, world: int) -> None:
+    """DP: flatten_parameters called in forward is hoisted to the head of forward on every rank."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = RNNNet()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, _dp_mesh(world))
+    body = [line.strip() for line in pm.code.splitlines() if "=" in line]
+    assert "flatten_parameters" in body[1], pm.code
+    assert pm.code.count("flatten_parameters(") == 1, pm.code
+    x = torch.randn(4, 3, 4)
+    torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+DP_CHECKS = [
+    ("dp_training_matches_eager", check_dp_training_matches_eager),
+    ("dp_state_dict_and_code", check_dp_state_dict_and_code),
+    ("dp_rnn_flatten_hoisted", check_dp_rnn_flatten_hoisted),
+]
+
+
+def check_rank_failure_is_reported(rank: int, world: int) -> None:
+    """Rank 1 raises (and exits) before a collective; rank 0 must fail fast with a clear error."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    pm = dpcompile.transform(BNNet(), _dp_mesh(world))
+    if rank == 1:
+        os._exit(3)  # the way a torchrun worker that raised goes away
+    start = time.monotonic()
+    try:
+        pm(torch.randn(4, 6)).sum().backward()
+    except Exception as e:  # noqa: BLE001
+        message = f"{type(e).__name__}: {e}"
+        assert time.monotonic() - start < 25, f"took {time.monotonic() - start:.1f}s to fail"
+        assert "another rank" in message or "closed" in message.lower() or "timed out" in message.lower(), message
+        return
+    raise AssertionError("rank 0 completed although rank 1 had exited")
+
+
+SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
+    "dp": DP_CHECKS,
+    "failure": [("rank_failure_is_reported", check_rank_failure_is_reported)],
+}
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def dp2():
+    return run_group("dp", 2)
+
+
+@pytest.mark.parametrize("check", [name for name, _ in DP_CHECKS])
+def test_spmd_data_parallel_2(dp2, check):
+    """Data parallel over a 2-process mesh (each check named by its parameter)."""
+    _lookup(dp2, 2, check)
+
+
+def test_spmd_rank_failure_fails_fast():
+    """A rank that exits makes the others fail with a clear error within the timeout, not hang."""
+    outcomes = run_group("failure", 2, timeout=45)
+    assert 0 in outcomes, "rank 0 hung: no report within the timeout"
+    error = outcomes[0].get("rank_failure_is_reported", "missing")
+    assert error is None, error

@@ -7,14 +7,25 @@
 
 from dpcompile.api import transform
 from dpcompile.errors import DpCompileError, TraceError
+from dpcompile.export import export, load
+from dpcompile.inspect import Report, diff, draw, explain
 from dpcompile.module import ParallelModule
+from dpcompile.verify import VerifyResult, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DpCompileError",
     "ParallelModule",
+    "Report",
     "TraceError",
+    "VerifyResult",
+    "diff",
+    "draw",
+    "explain",
+    "export",
+    "load",
     "transform",
+    "verify",
     "__version__",
 ]

@@ -163,7 +163,7 @@ def _transform_data_parallel(
     lower = data_parallel_lowering(input_dims, output_device, copy_replicas)
     lowered = lower(gm, devices)
     return ParallelModule(
-        model,
+        lowered,
         lowered.graph,
         devices=devices,
         mode="data_parallel",

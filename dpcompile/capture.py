@@ -11,7 +11,9 @@ The :class:`DpTracer` differs from ``torch.fx.Tracer`` in three ways:
 
 from __future__ import annotations
 
+import inspect
 import linecache
+import os
 import traceback
 from collections.abc import Iterable
 from types import TracebackType
@@ -24,8 +26,8 @@ from dpcompile.errors import TraceError
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-_TORCH_DIRS = (torch.__file__.rsplit("/", 1)[0],)
-_OWN_DIR = __file__.rsplit("/", 2)[0]
+_TORCH_DIRS = (os.path.dirname(torch.__file__),)
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class DpTracer(fx.Tracer):
@@ -117,11 +119,44 @@ def capture(model: nn.Module, *, leaf_modules: Iterable[type[nn.Module]] = ()) -
         if not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
             raise ValueError(f"leaf_modules must hold nn.Module subclasses, got {leaf!r}")
     tracer = DpTracer(leaf_modules)
+    if tracer.is_leaf_module(model, "") and not _traces_cleanly(model):
+        return _call_leaf_root(model)
     try:
         graph = tracer.trace(model)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
         raise trace_error(exc, model).with_traceback(None) from exc
+    for node in graph.nodes:
+        # fx would emit `wrap("torch.nn.utils.rnn.pack_padded_sequence")` into generated code,
+        # which breaks every later trace in the process (a dotted name is not a global)
+        node.meta.pop("is_wrapped", None)
     return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+
+
+ROOT_LEAF = "root"
+
+
+def _traces_cleanly(model: nn.Module) -> bool:
+    """Leaf modules fx can still enter when they are the root (Linear, Conv, activations)."""
+    return not isinstance(model, (nn.RNNBase, nn.modules.batchnorm._BatchNorm, nn.MultiheadAttention)) and type(
+        model
+    ).__module__.startswith("torch.nn")
+
+
+def _call_leaf_root(model: nn.Module) -> fx.GraphModule:
+    """A one-call graph for a root that is itself a leaf (``transform(nn.LSTM(...), ...)``).
+
+    The module is held as ``root`` so the program can call it; ``ParallelModule`` keeps it
+    out of ``state_dict`` (whose keys stay the model's own).
+    """
+    graph = fx.Graph()
+    args = []
+    for name, param in inspect.signature(model.forward).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TraceError(f"cannot capture {type(model).__name__}.forward(*{name}): name its arguments")
+        default = param.default if param.default is not param.empty else inspect.Signature.empty
+        args.append(graph.placeholder(name, default_value=default))
+    graph.output(graph.call_module(ROOT_LEAF, tuple(args)))
+    return fx.GraphModule({ROOT_LEAF: model}, graph, class_name=type(model).__name__)
 

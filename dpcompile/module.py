@@ -65,6 +65,11 @@ class ParallelModule(fx.GraphModule):
 
     def _share_state_of(self, model: nn.Module) -> None:
         """Hold all of ``model``'s submodules, parameters and buffers (not just the used ones)."""
+        from dpcompile.capture import ROOT_LEAF
+
+        leaf_root = self._modules.pop(ROOT_LEAF, None)
+        if leaf_root is not None:  # called by the program, but not part of the state
+            object.__setattr__(self, ROOT_LEAF, leaf_root)
         for name, child in model._modules.items():
             self._modules[name] = child
         for name, p in model._parameters.items():
@@ -78,7 +83,7 @@ class ParallelModule(fx.GraphModule):
     def _find_split_inputs(self) -> list[tuple[int, str, int]]:
         out = []
         for position, node in enumerate(n for n in self.graph.nodes if n.op == "placeholder"):
-            dim = self.input_dims.get(node.name)
+            dim = self.input_dims.get(node.target)
             if dim is not None:
                 out.append((position, str(node.target).lstrip("*"), dim))
         return out
@@ -129,6 +134,10 @@ class ParallelModule(fx.GraphModule):
 
     def train(self, mode: bool = True) -> ParallelModule:
         super().train(mode)
+        from dpcompile.capture import ROOT_LEAF
+
+        if isinstance(self.__dict__.get(ROOT_LEAF), nn.Module):
+            self.__dict__[ROOT_LEAF].train(mode)
         for program in self._smaller_programs.values():
             program.train(mode)
         return self
@@ -137,6 +146,7 @@ class ParallelModule(fx.GraphModule):
     def __reduce__(self):
         state = {
             "modules": dict(self._modules),
+            "leaf_root": self.__dict__.get("root") if isinstance(self.__dict__.get("root"), nn.Module) else None,
             "parameters": dict(self._parameters),
             "buffers": dict(self._buffers),
             "non_persistent": set(self._non_persistent_buffers_set),
@@ -165,7 +175,7 @@ class ParallelModule(fx.GraphModule):
 
 def _importable_class(pm: ParallelModule) -> type:
     """The class of ``pm`` that pickle can import (GraphModule adds a throwaway subclass)."""
-    return next(c for c in type(pm).__mro__ if c.__name__ != "GraphModuleImpl")
+    return next(c for c in type(pm).__mro__ if "<locals>" not in c.__qualname__)
 
 
 def _detached(graph: fx.Graph) -> fx.Graph:
@@ -179,6 +189,8 @@ def _detached(graph: fx.Graph) -> fx.Graph:
 def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule:
     holder = nn.Module()
     holder._modules.update(state["modules"])
+    if state.get("leaf_root") is not None:
+        holder._modules["root"] = state["leaf_root"]
     holder._parameters.update(state["parameters"])
     holder._buffers.update(state["buffers"])
     holder._non_persistent_buffers_set = set(state["non_persistent"])
@@ -202,6 +214,8 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
         lower=lower,
         share_all_of=holder,
     )
+    if state.get("leaf_root") is not None:
+        pm._modules.pop("root", None)
     pm._restore_extra_state(state["extra"])
     pm.train(state["training"])
     return pm

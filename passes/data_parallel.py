@@ -169,7 +169,7 @@ class _Builder:
         placement = self.placements.get(node)
         if node.op == "placeholder":
             return self._placeholder_on_device(node, k)
-        if node in self.per_device:
+        if node in self.per_device and not isinstance(placement, Partial):
             return self.per_device[node][k]
         if isinstance(placement, Whole) and placement.batch:
             raise AssertionError(f"{node.name} is whole along the batch and cannot feed device {k}")
@@ -235,14 +235,21 @@ class _Builder:
         elif isinstance(placement, Replicated):
             value = self.per_device[node][0]
         elif (dims := _gather_dims(placement)) is not None:
-            value = self.call(
-                runtime.gather, (list(self.per_device[node]), dims, self.primary), name=node.name, source=node
-            )
-            stamp_comm(value, "gather", backward="scatter")
+            value = self._gather_or_recompute(node, dims)
         else:  # batch sizes and packed sequences: recompute from whole inputs
             value = self._emit_whole(node, record=False)
         self.whole[node] = value
         return value
+
+    def _gather_or_recompute(self, node: fx.Node, dims: Any) -> fx.Node:
+        """Views of a split value are recomputed from its gathered source, not gathered again."""
+        sources = [n for n in node.all_input_nodes if not isinstance(self.placements.get(n), Replicated)]
+        if _is_view(node) and len(sources) == 1 and sources[0] in self.per_device:
+            return self._emit_whole(node, record=False)
+        gathered = self.call(
+            runtime.gather, (list(self.per_device[node]), dims, self.primary), name=node.name, source=node
+        )
+        return stamp_comm(gathered, "gather", backward="scatter")
 
     # ------------------------------------------------------------------ emitters
     def _emit_whole(self, node: fx.Node, record: bool = True) -> fx.Node:
@@ -415,6 +422,19 @@ def _gather_dims(placement: Placement) -> Any:
             dims.append(d)
         return tuple(dims)
     return None
+
+
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "t", "flatten", "unsqueeze", "squeeze", "contiguous", "expand"}
+_VIEW_FUNCTIONS = {torch.transpose, torch.permute, torch.t, torch.flatten, torch.reshape, torch.unsqueeze, torch.squeeze}
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Cheap reshapes that are better recomputed from a gathered source than gathered again."""
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        return node.target in _VIEW_FUNCTIONS or (node.target is getattr and node.args[1] in ("T", "mT"))
+    return False
 
 
 def _has_side_effect(node: fx.Node) -> bool:

@@ -39,7 +39,7 @@ from dpcompile.analysis.placement import (
 
 log = logging.getLogger("dpcompile")
 
-_NON_TENSOR_TYPES = (int, float, bool, str, type(None))
+_NON_TENSOR_TYPES = (int, float, bool, str, type(None), "int", "float", "bool", "str", "None")
 
 
 def _arg_placement(value: Any, placements: Mapping[fx.Node, Placement]) -> list[Placement]:
@@ -74,8 +74,8 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
     placements: dict[fx.Node, Placement] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            dim = input_dims.get(node.name)
-            placements[node] = Split(dim, origin=node.name) if dim is not None else REPLICATED
+            dim = input_dims.get(node.target)
+            placements[node] = Split(dim, origin=node.target) if dim is not None else REPLICATED
         elif node.op == "get_attr":
             placements[node] = REPLICATED
         elif node.op == "output":
@@ -99,7 +99,7 @@ def _wanted_dim(node: fx.Node, module: nn.Module | None) -> int | None:
 def _example_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[str, Any]:
     if example_inputs is None:
         return {}
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     return dict(zip(names, example_inputs))
 
 
@@ -109,19 +109,19 @@ def infer_input_dims(
     batch_dim: int | None = None,
     example_inputs: Sequence[Any] | None = None,
 ) -> dict[str, int | None]:
-    """How each placeholder is split: ``{name: dim}``, ``None`` for replicated inputs."""
+    """How each input is split: ``{argument name: dim}``, ``None`` for replicated inputs."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     examples = _example_shapes(gm, example_inputs)
     dims: dict[str, int | None] = {}
     for node in placeholders:
         annotated = node.type in _NON_TENSOR_TYPES
-        example = examples.get(node.name, ...)
+        example = examples.get(node.target, ...)
         if annotated or (example is not ... and not _holds_tensor(example)):
-            dims[node.name] = None
+            dims[node.target] = None
         elif isinstance(example, torch.Tensor) and example.dim() == 0:
-            dims[node.name] = None
+            dims[node.target] = None
         else:
-            dims[node.name] = 0 if batch_dim is None else batch_dim
+            dims[node.target] = 0 if batch_dim is None else batch_dim
     if batch_dim is None:
         dims = _follow_sequence_modules(gm, dims)
     if examples:

@@ -56,9 +56,7 @@ class RuleContext:
         return [self.p(n) for n in self.node.all_input_nodes]
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
-        args = self.node.args
-        if self.node.op == "call_method":
-            index += 1
+        args = self.node.args  # call_method args start with self, like call_function's tensor
         if index < len(args):
             return args[index]
         return self.node.kwargs.get(name, default)
@@ -348,7 +346,34 @@ def getitem(ctx: RuleContext) -> Placement | None:
         return None
     if not isinstance(p, Split):
         return None
+    if is_container_access(ctx.node):
+        return p
     return _index_tensor(ctx, p, index)
+
+
+def is_container_access(node: fx.Node) -> bool:
+    """Whether ``node`` (a getitem or getattr) reads an element of an input's container.
+
+    Inputs may be dicts, tuples or dataclasses of tensors; an element keeps the split of
+    its container. Known example values decide; without them a string key, or a value used
+    only through element access, is a container.
+    """
+    base, key = node.args[0], node.args[1]
+    if not isinstance(base, fx.Node):
+        return False
+    example = base.meta.get("val", ...)
+    if example is not ...:
+        return not isinstance(example, torch.Tensor)
+    if base.op != "placeholder" and not (base.op == "call_function" and base.target in (operator.getitem, getattr) and is_container_access(base)):
+        return False
+    if isinstance(key, str) and node.target is operator.getitem:
+        return True
+    return all(user.op == "call_function" and user.target in (operator.getitem, getattr) for user in base.users) and (
+        node.target is operator.getitem or key not in TENSOR_ATTRIBUTES
+    )
+
+
+TENSOR_ATTRIBUTES = {"dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "shape", "T", "mT", "data", "grad"}
 
 
 def _index_tensor(ctx: RuleContext, p: Split, index: Any) -> Placement | None:
@@ -407,6 +432,8 @@ def size(ctx: RuleContext) -> Placement | None:
 def tensor_attribute(ctx: RuleContext) -> Placement | None:
     base, name = ctx.node.args[0], ctx.node.args[1]
     p = ctx.p(base)
+    if isinstance(p, Split) and name not in TENSOR_ATTRIBUTES and is_container_access(ctx.node):
+        return p
     if name in ("dtype", "device", "ndim", "is_cuda", "requires_grad", "layout") and isinstance(p, (Split, Packed)):
         return REPLICATED
     if name == "shape" and isinstance(p, Split):

@@ -93,5 +93,6 @@ def _replicate_module(module: nn.Module, copies: dict[int, torch.Tensor], memo: 
     for name, child in module._modules.items():
         replica._modules[name] = None if child is None else _replicate_module(child, copies, memo)
     if isinstance(replica, nn.RNNBase):
-        replica._init_flat_weights()
+        # not _init_flat_weights(): it ends in flatten_parameters(), a copy on CUDA
+        replica._flat_weights = [replica._parameters.get(name) for name in replica._flat_weights_names]
     return replica

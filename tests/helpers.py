@@ -1,0 +1,61 @@
+"""Shared checks: a transformed model against an untouched copy of itself, run eagerly."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.runtime.structures import tensor_leaves
+
+
+def scalar_of(output: Any) -> torch.Tensor:
+    """A deterministic scalar of every floating tensor in ``output``, for backward."""
+    total = torch.zeros(())
+    for i, (_, t) in enumerate(tensor_leaves(output)):
+        if t.is_floating_point() and t.requires_grad:
+            weights = torch.linspace(0.5, 1.5, t.numel(), dtype=t.dtype).view(t.shape)
+            total = total + (t * weights).sum() * (i + 1)
+    return total
+
+
+def assert_same_outputs(got: Any, want: Any, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    assert type(got) is type(want), f"{type(got).__name__} != {type(want).__name__}"
+    got_leaves, want_leaves = tensor_leaves(got), tensor_leaves(want)
+    assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves]
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        assert g.shape == w.shape, f"{path}: {tuple(g.shape)} != {tuple(w.shape)}"
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=lambda m, p=path: f"{p}: {m}")
+
+
+def check_against_eager(
+    make_model: Callable[[], nn.Module],
+    devices: Any,
+    *args: Any,
+    atol: float = 1e-5,
+    backward: bool = True,
+    **kwargs: Any,
+) -> dpcompile.ParallelModule:
+    """Transform a model and check outputs and parameter gradients against its eager twin."""
+    model = make_model()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, devices, **kwargs.pop("transform_kwargs", {}))
+    got = pm(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    want = reference(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    assert_same_outputs(got, want, atol=atol, rtol=atol)
+    if backward:
+        scalar_of(got).backward()
+        scalar_of(want).backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            if q.grad is None:
+                assert p.grad is None or not p.grad.abs().sum(), name
+                continue
+            assert p.grad is not None, f"no gradient reached {name}"
+            torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=atol, msg=lambda m, n=name: f"grad {n}: {m}")
+    for (name, b), (_, c) in zip(model.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(b, c, atol=atol, rtol=atol, msg=lambda m, n=name: f"buffer {n}: {m}")
+    return pm

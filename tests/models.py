@@ -1,0 +1,118 @@
+"""Small models the tests share."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class CNN(nn.Module):
+    def __init__(self, batch_norm: bool = True):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(6) if batch_norm else nn.Identity()
+        self.conv2 = nn.Conv2d(6, 8, 3, stride=2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.conv2(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, d: int = 12):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return x + h
+
+
+class ResNetish(nn.Module):
+    def __init__(self, d: int = 12, depth: int = 3):
+        super().__init__()
+        self.blocks = nn.Sequential(*[ResidualBlock(d) for _ in range(depth)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(dim=1))
+
+
+Pair = collections.namedtuple("Pair", ["logits", "features"])
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    extra: dict
+    note: str = "ok"
+
+
+class NestedIO(nn.Module):
+    """Dict and tuple inputs, kwargs, and namedtuple / dict / None / scalar outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(4, 5)
+
+    def forward(self, batch, pair, scale: float = 1.0, mask=None):
+        h = self.a(batch["x"]) + self.b(pair[1])
+        if mask is not None:
+            h = h * mask
+        return {"out": Pair(h * scale, [pair[0], None]), "count": 3, "name": "nested"}
+
+
+class DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return Output(logits=y, extra={"sq": y * y})
+
+
+class Classifier(nn.Module):
+    """Returns the single-device cross-entropy loss: what DataParallel gets wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = MLP(8, 16, 5)
+
+    def forward(self, x, target):
+        logits = self.net(x)
+        return F.cross_entropy(logits, target), logits
+
+
+class SeqEncoder(nn.Module):
+    """Sequence-first LSTM: the batch is dim 1 of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6)
+        self.rnn = nn.LSTM(6, 8, num_layers=2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        out, (h, c) = self.rnn(self.emb(tokens))
+        return self.head(out[-1]), h

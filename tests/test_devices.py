@@ -1,0 +1,59 @@
+"""Device lists: the accepted forms and the errors for the rest."""
+
+import pytest
+import torch
+
+from dpcompile.devices import parse_devices
+
+
+def test_parse_devices_accepts_repeated_cpu_as_virtual_devices():
+    """['cpu'] * 3 is three slots on one physical device."""
+    devices = parse_devices(["cpu"] * 3)
+    assert devices.strings() == ["cpu", "cpu", "cpu"]
+    assert devices.labels() == ["cpu#0", "cpu#1", "cpu#2"]
+    assert devices.shares_memory_with_primary(2)
+
+
+def test_parse_devices_int_without_cuda_gives_virtual_cpus():
+    """An int n means n virtual CPU devices on a machine without CUDA."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert parse_devices(2).strings() == ["cpu", "cpu"]
+
+
+def test_parse_devices_accepts_torch_devices_and_strings():
+    """torch.device objects and strings mix freely."""
+    assert parse_devices([torch.device("cpu"), "cpu"]).strings() == ["cpu", "cpu"]
+
+
+def test_parse_devices_fake_cuda_without_check():
+    """Fake CUDA layouts can be described on a CPU machine when availability is not checked."""
+    devices = parse_devices([0, "cuda:3"], check_available=False)
+    assert devices.strings() == ["cuda:0", "cuda:3"]
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ([], "empty"),
+        (0, "positive"),
+        (-2, "positive"),
+        (["gpu:0"], "cannot parse"),
+        ([object()], "cannot parse"),
+        ([-1], "negative"),
+        ("cpu", "single device"),
+        (True, "bool"),
+    ],
+)
+def test_parse_devices_rejects_bad_specs_with_what_is_accepted(spec, words):
+    """Bad specs raise ValueError naming the problem and the accepted forms."""
+    with pytest.raises(ValueError, match=words) as info:
+        parse_devices(spec)
+    assert "expected" in str(info.value) or "pass a list" in str(info.value)
+
+
+def test_parse_devices_rejects_cuda_index_beyond_device_count():
+    """cuda:N past torch.cuda.device_count() is refused with the count in the message."""
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"beyond the {count} CUDA device"):
+        parse_devices([f"cuda:{count}"])

@@ -1,0 +1,127 @@
+"""ParallelModule: shared state, checkpoints, modes, pickling and call-time checks."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from tests.models import CNN, MLP
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.tensor(2.0))
+        self.register_buffer("scratch", torch.zeros(1), persistent=False)
+        self.bias = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return self.used(x) * self.scale + self.bias
+
+
+def test_parallel_module_shares_the_models_parameters():
+    """pm.parameters() are the model's own tensors, moved to devices[0]."""
+    model = WithUnused()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    assert [id(p) for p in pm.parameters()] == [id(p) for p in model.parameters()]
+
+
+def test_parallel_module_state_dict_has_original_keys():
+    """state_dict keys equal the model's: no 'module.' prefix, unused modules included."""
+    model = WithUnused()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    assert list(pm.state_dict()) == list(model.state_dict())
+    assert "scratch" not in pm.state_dict()
+
+
+def test_parallel_module_load_state_dict_updates_model():
+    """load_state_dict with the model's keys writes into the shared tensors."""
+    model = WithUnused()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    other = WithUnused()
+    pm.load_state_dict(other.state_dict())
+    torch.testing.assert_close(model.used.weight, other.used.weight)
+
+
+def test_parallel_module_optimizer_over_model_parameters_trains_pm():
+    """An optimizer built on model.parameters() changes what pm computes."""
+    model = MLP()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(6, 8)
+    before = pm(x).detach()
+    pm(x).pow(2).mean().backward()
+    opt.step()
+    assert not torch.allclose(pm(x), before)
+
+
+def test_parallel_module_train_eval_follow_model():
+    """train()/eval() switch the modules the program calls, as on the original."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    pm.eval()
+    assert not model[1].training
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(pm(x), model(x))
+    pm.train()
+    assert model[1].training
+
+
+def test_parallel_module_torch_save_round_trip():
+    """torch.save / torch.load(weights_only=False) give a module with identical outputs."""
+    model = CNN()
+    pm = dpcompile.transform(model, ["cpu"] * 3)
+    pm.eval()
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded, dpcompile.ParallelModule)
+    x = torch.randn(5, 3, 8, 8)
+    torch.testing.assert_close(loaded(x), pm(x))
+    torch.testing.assert_close(loaded(x[:2]), pm(x[:2]))
+    assert list(loaded.state_dict()) == list(model.state_dict())
+    assert loaded.code == pm.code
+
+
+def test_parallel_module_rejects_mismatched_batch_sizes_naming_the_argument():
+    """Split inputs that disagree on the batch size raise ValueError naming them."""
+
+    class Two(nn.Module):
+        def forward(self, x, y):
+            return x + y.sum()
+
+    pm = dpcompile.transform(Two(), ["cpu"] * 2)
+    with pytest.raises(ValueError, match=r"argument 'y' has batch size 3 .* 'x' has 4"):
+        pm(torch.randn(4, 2), torch.randn(3, 2))
+
+
+def test_parallel_module_rejects_empty_batch():
+    """A batch of size 0 raises ValueError instead of running empty replicas."""
+    pm = dpcompile.transform(MLP(), ["cpu"] * 2)
+    with pytest.raises(ValueError, match="empty batch"):
+        pm(torch.randn(0, 8))
+
+
+def test_transform_moves_model_to_primary_and_changes_nothing_else():
+    """The model keeps its parameters, values and structure."""
+    model = CNN()
+    before = copy.deepcopy(model.state_dict())
+    dpcompile.transform(model, ["cpu"] * 2)
+    after = model.state_dict()
+    assert list(before) == list(after)
+    for key in before:
+        assert torch.equal(before[key], after[key])
+
+
+def test_transform_rejects_bad_batch_dim_and_output_device():
+    """batch_dim and output_device are validated with ValueError."""
+    with pytest.raises(ValueError, match="batch_dim"):
+        dpcompile.transform(MLP(), ["cpu"] * 2, batch_dim=-1)
+    with pytest.raises(ValueError, match="cannot parse"):
+        dpcompile.transform(MLP(), ["cpu"] * 2, output_device="nowhere")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import gc
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 from dpcompile.capture import capture
 from dpcompile.devices import Devices, parse_device, parse_devices
 from dpcompile.infra import run_passes
-from dpcompile.module import ParallelModule
+from dpcompile.module import ParallelModule, copy_graph
 
 log = logging.getLogger("dpcompile")
 
@@ -58,14 +59,14 @@ def data_parallel_lowering(
     """The function that lowers a captured graph to data-parallel code for given devices."""
     import passes
 
-    def lower(gm: fx.GraphModule, devices: Devices) -> fx.GraphModule:
+    def lower(gm: fx.GraphModule, devices: Devices, *, recompile: bool = True) -> fx.GraphModule:
         options = passes.PipelineOptions(
             devices=devices,
             input_dims=dict(input_dims),
             output_device=output_device,
             copy_replicas=copy_replicas,
         )
-        lowered, _ = run_passes(gm, passes.data_parallel_pipeline(options))
+        lowered, _ = run_passes(gm, passes.data_parallel_pipeline(options), recompile=recompile)
         return lowered
 
     return lower
@@ -135,9 +136,23 @@ def transform(
             output_device=out_device,
             leaf_modules=leaf_modules,
         )
-    return _transform_data_parallel(
-        model, parsed, example_inputs, batch_dim, out_device, tuple(leaf_modules), copy_replicas
-    )
+    with _gc_paused():
+        return _transform_data_parallel(
+            model, parsed, example_inputs, batch_dim, out_device, tuple(leaf_modules), copy_replicas
+        )
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Compiling allocates many small objects that all live on; collecting them midway only
+    costs time (superlinear in the graph's size)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _transform_data_parallel(
@@ -159,9 +174,9 @@ def _transform_data_parallel(
     input_dims = infer_input_dims(gm, batch_dim=batch_dim, example_inputs=example_inputs)
     options = passes.PipelineOptions(devices=devices, input_dims=input_dims, output_device=output_device)
     gm, front_records = run_passes(gm, passes.frontend_pipeline(options))
-    captured_graph = copy.deepcopy(gm.graph)
+    captured_graph = copy_graph(gm.graph)
     lower = data_parallel_lowering(input_dims, output_device, copy_replicas)
-    lowered = lower(gm, devices)
+    lowered = lower(gm, devices, recompile=False)  # ParallelModule compiles the final code
     return ParallelModule(
         lowered,
         lowered.graph,

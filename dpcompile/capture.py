@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import linecache
 import os
+import sys
 import traceback
 from collections.abc import Iterable
 from types import TracebackType
@@ -39,7 +40,14 @@ class DpTracer(fx.Tracer):
             param_shapes_constant=False,
         )
         self.leaf_module_types = tuple(leaf_modules)
-        self.record_stack_traces = True
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind not in ("placeholder", "output"):
+            where = _user_source_line()
+            if where:
+                node.meta["stack_trace"] = where
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, nn.RNNBase) or (self.leaf_module_types and isinstance(m, self.leaf_module_types)):
@@ -62,12 +70,29 @@ class DpTracer(fx.Tracer):
             nn.RNNBase.flatten_parameters = original
 
 
+def _is_library_file(filename: str) -> bool:
+    return filename.startswith(_TORCH_DIRS) or filename.startswith(_OWN_DIR) or filename.startswith("<")
+
+
+def _user_source_line() -> str | None:
+    """The innermost user frame, formatted as a one-frame traceback (cheaper than fx's
+    ``record_stack_traces``, which formats the whole stack for every node)."""
+    frame = sys._getframe(2)
+    while frame is not None and _is_library_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    return f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n    {line}\n'
+
+
 def _user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
     """The innermost frame of the traceback that is the user's code, not torch's or ours."""
     frames = traceback.extract_tb(tb)
     for frame in reversed(frames):
         filename = frame.filename
-        if filename.startswith(_TORCH_DIRS) or filename.startswith(_OWN_DIR) or filename.startswith("<"):
+        if _is_library_file(filename):
             continue
         if "/site-packages/" in filename and "/torch/" in filename:
             continue

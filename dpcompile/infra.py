@@ -87,18 +87,30 @@ def _debug_level() -> int:
         return 0
 
 
-def run_passes(gm: fx.GraphModule, passes: Sequence[Pass]) -> tuple[fx.GraphModule, list[PassRecord]]:
-    """Run ``passes`` in order; lint and recompile after each; return the module and records."""
+def replace_graph(gm: fx.GraphModule, graph: fx.Graph) -> None:
+    """Give ``gm`` a new graph without recompiling: the runner recompiles once, after the pass."""
+    graph.owning_module = gm
+    gm._graph = graph
+
+
+def run_passes(
+    gm: fx.GraphModule, passes: Sequence[Pass], *, recompile: bool = True
+) -> tuple[fx.GraphModule, list[PassRecord]]:
+    """Run ``passes`` in order, linting after each; recompile after each pass that changed the
+    graph (``recompile=False`` leaves the last recompile to the caller, who builds a module
+    from the graph anyway). Returns the module and a record per pass."""
     records: list[PassRecord] = []
     level = _debug_level()
     for p in passes:
         name = pass_name(p)
         start = time.perf_counter()
         done = [r.name for r in records]
+        last = p is passes[-1]
         try:
             result = p(gm)
             result.graph_module.graph.lint()
-            result.graph_module.recompile()
+            if result.modified and (recompile or not last):
+                result.graph_module.recompile()
         except (DpCompileError, ValueError) as e:  # the user's to fix: keep the type, add where
             e.add_note(f"while running '{name}' after {done}")
             raise

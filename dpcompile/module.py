@@ -12,7 +12,6 @@ raise ``ValueError``; a batch smaller than the number of devices runs on that ma
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -125,7 +124,7 @@ class ParallelModule(fx.GraphModule):
         """The same program generated for the first ``n`` devices only."""
         if n not in self._smaller_programs:
             assert self._captured_graph is not None and self._lower is not None
-            graph = copy.deepcopy(self._captured_graph)
+            graph = copy_graph(self._captured_graph)
             gm = fx.GraphModule(self, graph, f"ParallelModule{n}")
             self._smaller_programs[n] = self._lower(gm, self.devices.prefix(n))
         program = self._smaller_programs[n]
@@ -151,8 +150,8 @@ class ParallelModule(fx.GraphModule):
             "buffers": dict(self._buffers),
             "non_persistent": set(self._non_persistent_buffers_set),
             "training": self.training,
-            "graph": _detached(self.graph),
-            "captured_graph": _detached(self._captured_graph) if self._captured_graph is not None else None,
+            "graph": copy_graph(self.graph),
+            "captured_graph": copy_graph(self._captured_graph) if self._captured_graph is not None else None,
             "config": {
                 "devices": self.devices,
                 "mode": self.mode,
@@ -178,8 +177,10 @@ def _importable_class(pm: ParallelModule) -> type:
     return next(c for c in type(pm).__mro__ if "<locals>" not in c.__qualname__)
 
 
-def _detached(graph: fx.Graph) -> fx.Graph:
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` that belongs to no module (linear time, unlike ``copy.deepcopy``)."""
     clone = fx.Graph()
+    clone._codegen = graph._codegen
     remap: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         remap[node] = clone.node_copy(node, lambda n: remap[n])

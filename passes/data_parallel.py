@@ -53,7 +53,7 @@ from dpcompile.analysis.placement import (
     Whole,
 )
 from dpcompile.devices import Devices
-from dpcompile.infra import PassResult, stamp, stamp_comm
+from dpcompile.infra import PassResult, replace_graph, stamp, stamp_comm
 
 PASS = "insert_scatter_gather"
 
@@ -74,8 +74,7 @@ def insert_scatter_gather(
     """
     placements = propagate(gm, input_dims)
     builder = _Builder(gm, devices, placements, output_device or devices.primary, copy_replicas)
-    new_graph = builder.build()
-    gm.graph = new_graph
+    replace_graph(gm, builder.build())
     return PassResult(gm, True, {"placements": {n.name: p for n, p in placements.items()}, "input_dims": dict(input_dims)})
 
 

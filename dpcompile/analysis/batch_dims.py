@@ -138,6 +138,8 @@ def _holds_tensor(value: Any) -> bool:
 def _follow_sequence_modules(gm: fx.GraphModule, dims: dict[str, int | None]) -> dict[str, int | None]:
     """Move an input's split to dim 1 where it reaches a ``batch_first=False`` sequence module."""
     modules = dict(gm.named_modules())
+    if not any(_wanted_dim(n, modules.get(n.target) if n.op == "call_module" else None) is not None for n in gm.graph.nodes):
+        return dims
     decided: dict[str, int] = {}
     for _ in range(4):
         placements = propagate(gm, dims)

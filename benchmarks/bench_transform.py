@@ -1,0 +1,85 @@
+"""How fast is transform, and what does data parallelism on virtual devices cost at run time?
+
+    python benchmarks/bench_transform.py
+
+1. transform(model, ["cpu"] * 2) against bare torch.fx.symbolic_trace on MLPs of 50, 200 and
+   800 layers (targets: <= 4x symbolic_trace; time(800) / time(200) <= 4.5, linear growth).
+2. forward + backward of the transformed MLP on ["cpu"] * 2 against the eager model,
+   batch 64, d = 1024 (target: <= 1.15x eager).
+
+Ratios come from the same process, measured in alternation. Results: results/transform.json.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import interleaved, write_result  # noqa: E402
+
+import dpcompile  # noqa: E402
+
+
+class DeepMLP(nn.Module):
+    def __init__(self, layers: int, d: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def transform_times() -> dict:
+    out = {}
+    for layers in (50, 200, 800):
+        model = DeepMLP(layers, 8)
+        times = interleaved(
+            {
+                "symbolic_trace": lambda: fx.symbolic_trace(model),
+                "transform": lambda: dpcompile.transform(model, ["cpu"] * 2),
+            },
+            rounds=5 if layers < 800 else 3,
+            warmup=1,
+        )
+        out[layers] = {**times, "ratio": times["transform"] / times["symbolic_trace"]}
+        print(f"{layers:4d} layers: symbolic_trace {times['symbolic_trace'] * 1e3:8.1f} ms   "
+              f"transform {times['transform'] * 1e3:8.1f} ms   ratio {out[layers]['ratio']:.2f}x")
+    growth = out[800]["transform"] / out[200]["transform"]
+    print(f"growth time(800)/time(200) = {growth:.2f} (linear: 4.0)")
+    return {"by_layers": out, "growth_800_over_200": growth}
+
+
+def runtime_overhead(batch: int = 64, d: int = 1024, layers: int = 4) -> dict:
+    model = DeepMLP(layers, d)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(batch, d)
+
+    def step(module):
+        def run():
+            model.zero_grad(set_to_none=True)
+            module(x).sum().backward()
+
+        return run
+
+    times = interleaved({"eager": step(model), "dpcompile": step(pm)}, rounds=15, warmup=3)
+    ratio = times["dpcompile"] / times["eager"]
+    print(f"forward+backward, batch {batch}, d {d}: eager {times['eager'] * 1e3:.2f} ms, "
+          f"dpcompile on 2 virtual devices {times['dpcompile'] * 1e3:.2f} ms, ratio {ratio:.3f}x")
+    return {**times, "ratio": ratio, "batch": batch, "d": d, "layers": layers}
+
+
+def main() -> None:
+    result = {"transform": transform_times(), "forward_backward": runtime_overhead()}
+    path = write_result("transform", result)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ same model and gets the program of its own rank:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -345,7 +346,88 @@ def _transform_tensor_parallel(
     leaf_modules: tuple[type[nn.Module], ...],
     ddp_options: Mapping[str, Any] | None,
 ) -> SpmdModule:
-    raise NotImplementedError("tensor parallel over a DeviceMesh: waiting for passes.tensor_parallel")
+    import passes
+    from dpcompile.api import propagate_shapes
+    from passes.collectives import lower_to_collectives
+    from passes.tensor_parallel import shard_linear
+
+    tp_size = mesh.size(mesh.mesh_dim_names.index(tp_dim)) if isinstance(tp_dim, str) else mesh.size(0)
+    tp_rank = mesh.get_local_rank(tp_dim) if isinstance(tp_dim, str) else mesh.get_local_rank(0)
+    own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
+    gm = capture(own, leaf_modules=leaf_modules)
+    if example_inputs is not None:
+        propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
+    resolved_plan = _plan_for(gm, plan, tp_size, example_inputs)
+    devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
+    options = passes.PipelineOptions(devices=devices)
+    pipeline = passes.frontend_pipeline(options) + [
+        functools.partial(shard_linear, plan=resolved_plan, devices=devices),
+        functools.partial(lower_to_collectives, mesh=mesh, dp_dim=dp_dim, tp_dim=tp_dim),
+    ]
+    gm, records = run_passes(gm, pipeline)
+    info = next((r.info for r in records if r.name == "shard_linear"), {})
+    specs = dict(info.get("param_shards", {}))
+    _keep_own_shards(gm, own, specs, tp_rank)
+    pm = SpmdModule(
+        gm,
+        gm.graph,
+        devices=Devices((device,)),
+        mode=mode,
+        output_device=device,
+        plan=info.get("plan", dict(resolved_plan)),
+        records=records,
+        class_name=type(model).__name__,
+        share_all_of=own,
+    )
+    pm.reasons = dict(info.get("reasons", {}))
+    pm._attach(
+        mesh=mesh,
+        dp_dim=dp_dim,
+        tp_dim=tp_dim,
+        shards={key: (spec.dim, spec.sizes) for key, spec in specs.items()},
+        ddp_options=ddp_options,
+    )
+    return pm
+
+
+def _plan_for(
+    gm: fx.GraphModule, plan: bool | Mapping[str, str], n: int, example_inputs: Sequence[Any] | None
+) -> dict[str, str]:
+    """The explicit plan as given, or the automatic plan of the tensor-parallel planner."""
+    if isinstance(plan, Mapping):
+        return dict(plan)
+    try:
+        from dpcompile import tensor_parallel as planner
+    except ImportError as e:
+        raise NotImplementedError(
+            "tensor_parallel=True over a DeviceMesh needs the automatic planner (dpcompile.tensor_parallel), "
+            "which is not available here; pass an explicit plan such as {'fc1': 'column', 'fc2': 'row'}"
+        ) from e
+    for name in ("automatic_plan", "auto_plan", "choose_plan", "plan_for"):
+        fn = getattr(planner, name, None)
+        if callable(fn):
+            chosen = fn(gm, n=n)
+            return dict(getattr(chosen, "styles", chosen))
+    raise NotImplementedError(
+        "dpcompile.tensor_parallel has no automatic planner function that the SPMD path knows "
+        "(automatic_plan / auto_plan / choose_plan); pass an explicit plan such as {'fc1': 'column', 'fc2': 'row'}"
+    )
+
+
+def _keep_own_shards(gm: fx.GraphModule, own: nn.Module, specs: Mapping[str, Any], rank: int) -> None:
+    """Replace each sharded parameter by this rank's shard (a new parameter; the rest is dropped)."""
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    for target, spec in specs.items():
+        path, _, name = target.rpartition(".")
+        owner = gm.get_submodule(path) if path else gm
+        full = getattr(owner, name)
+        with torch.no_grad():
+            shard = shard_of(full.detach(), spec, rank).clone()
+        param = nn.Parameter(shard, requires_grad=full.requires_grad)
+        setattr(owner, name, param)
+        if not path:  # the model itself is a Linear: its own parameters are the root's
+            setattr(own, name, param)
 
 
 def _graph_text(gm: fx.GraphModule) -> str:  # pragma: no cover - debugging aid

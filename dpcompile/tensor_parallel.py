@@ -350,11 +350,11 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
             assert best is not None
             styles.update(zip(paths, best[1]))
             for p in paths:
-                reasons[p] = f"auto: cheapest of {combos} assignments of {', '.join(map(repr, paths))}"
+                reasons[p] = f"auto: cheapest of {combos} assignments of its group of {len(paths)}"
         else:
             styles = _descend(gm, styles, paths, options, n)
             for p in paths:
-                reasons[p] = f"auto: coordinate descent over {', '.join(map(repr, paths))}"
+                reasons[p] = f"auto: coordinate descent over its group of {len(paths)}"
     score, applied, why = plan_total(gm, styles, n)
     reasons.update(why)
     log.debug("automatic plan %s costs %s elements per device", applied, score)

@@ -420,7 +420,7 @@ class _Analyzer:
         if node.op == "call_function" and node.target is operator.getitem and isinstance(self.layout(node.args[0]), NotTensor):
             return NOT_TENSOR
         args = _flat_nodes((node.args, node.kwargs))
-        if node.op == "call_function" and node.target in (operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv) and args and all(
+        if node.op == "call_function" and node.target in (operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.pow, operator.mod, operator.neg) and args and all(
             isinstance(self.layout(a), NotTensor) for a in args
         ):
             return NOT_TENSOR
@@ -1076,6 +1076,9 @@ class _Expander:
                 new = self.graph.create_node(node.op, target, self.whole_of(node.args), self.whole_of(node.kwargs), name=node.name, type_expr=node.type)
                 new.meta = dict(node.meta)
                 self.whole[node] = new
+        for new in self.graph.nodes:  # fake tensors of the captured shapes: stale here, and unpicklable
+            new.meta.pop("val", None)
+            new.meta.pop("tensor_meta", None)
         return self.graph
 
     def gm_nodes(self) -> Iterable[fx.Node]:

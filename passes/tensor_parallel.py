@@ -954,12 +954,25 @@ def expand_shards(gm: fx.GraphModule, *, devices: Devices, output_device: torch.
     if not specs and not any(_is_collective(n) for n in gm.graph.nodes):
         return PassResult(gm, False, {"param_shards": {}})
     primary = devices.primary
-    gm.to(primary)
+    _move_whole_state(gm, primary, skip=set(specs))
     _materialize_shards(gm, specs, devices)
     builder = _Expander(gm, devices, output_device or primary)
     gm.graph = builder.build()
     param_shards = {t: (s, [f"{t}_shard{k}" for k in range(len(devices))]) for t, s in specs.items()}
     return PassResult(gm, True, {"param_shards": param_shards})
+
+
+def _move_whole_state(gm: fx.GraphModule, device: torch.device, *, skip: set[str]) -> None:
+    """Put every parameter and buffer not in ``skip`` on ``device`` (new tensors, not in place)."""
+    for path, module in gm.named_modules():
+        prefix = f"{path}." if path else ""
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device != device and prefix + name not in skip:
+                with torch.no_grad():
+                    module._parameters[name] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
 
 
 def _is_collective(node: fx.Node) -> bool:

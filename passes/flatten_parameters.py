@@ -96,6 +96,6 @@ def hoist_flatten_parameters(gm: fx.GraphModule) -> PassResult:
             ref = stamp(graph.get_attr(path), PASS)
         with graph.inserting_after(ref):
             call = stamp(graph.call_function(flatten_parameters, (ref,)), PASS)
-            call.name = graph._graph_namespace.create_name(f"flatten_parameters_{path.replace('.', '_')}", call)
+            call._rename(f"flatten_{path.replace('.', '_')}")
         anchor = call
     return PassResult(gm, True, {"rnns": sites.rnn_paths, "removed_calls": len(sites.calls)})

@@ -1,0 +1,397 @@
+"""Tests of the ``shard_linear`` and ``expand_shards`` passes, their finders and the graph view."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dpcompile.analysis.graph_view import find_linear_chains, linear_groups, to_networkx
+from dpcompile.api import propagate_shapes
+from dpcompile.capture import capture
+from dpcompile.devices import Devices, parse_devices
+from dpcompile.infra import run_passes
+from dpcompile.runtime import collectives
+from dpcompile.runtime import tensor_parallel as tp_runtime
+from dpcompile.tensor_parallel import transform_tensor_parallel
+from passes.tensor_parallel import (
+    aligned_split,
+    analyze_sharding,
+    expand_shards,
+    find_linear_sites,
+    is_shard_transparent,
+    shard_linear,
+)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 8, hidden: int = 16, d_out: int | None = None):
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d_out or d)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q = self.q(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        k = self.k(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        v = self.v(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        att = ((q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.out(y)
+
+
+class NormAfterColumn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(self.fc(x))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) @ self.fc.weight
+
+
+def captured(model: nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
+    gm = capture(copy.deepcopy(model))
+    if inputs:
+        assert propagate_shapes(gm, list(inputs))
+    return gm
+
+
+def targets(gm: fx.GraphModule) -> list[str]:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def spmd(model: nn.Module, plan: dict[str, str], n: int, *inputs: torch.Tensor) -> fx.GraphModule:
+    gm = captured(model, *inputs)
+    gm, _ = run_passes(gm, [functools.partial(shard_linear, plan=plan, devices=Devices((torch.device("cpu"),) * n))])
+    return gm
+
+
+# ---------------------------------------------------------------------- finders
+def test_find_linear_sites_reports_features_and_bias():
+    """Each called Linear is found by path with its in/out features and bias."""
+    sites = find_linear_sites(captured(MLP(8, 16, 4)))
+    assert [(p, s.in_features, s.out_features, s.bias, s.blocker) for p, s in sites.items()] == [
+        ("fc1", 8, 16, True, None),
+        ("fc2", 16, 4, True, None),
+    ]
+
+
+def test_find_linear_sites_finds_a_root_linear_as_empty_path():
+    """A model that is itself an nn.Linear traces to F.linear; its site path is ''."""
+    sites = find_linear_sites(captured(nn.Linear(6, 3)))
+    assert list(sites) == [""] and sites[""].out_features == 3
+
+
+def test_find_linear_sites_blocks_a_shared_layer():
+    """A Linear called twice gets a blocker saying so."""
+    assert "called 2 times" in find_linear_sites(captured(Shared()))["fc"].blocker
+
+
+def test_find_linear_sites_blocks_tied_weights():
+    """A Linear whose weight is also read directly gets a blocker."""
+    assert "tied" in find_linear_sites(captured(Tied()))["fc"].blocker
+
+
+def test_aligned_split_balances_uneven_and_respects_granularity():
+    """10 over 3 is (4, 3, 3); 12 over 2 in whole 4s is (8, 4); too few units raise."""
+    assert aligned_split(10, 3) == (4, 3, 3)
+    assert aligned_split(12, 2, 4) == (8, 4)
+    with pytest.raises(ValueError, match="12 cannot be split into 4 shards of whole 4s"):
+        aligned_split(12, 4, 4)
+
+
+# ---------------------------------------------------------------------- analysis
+def test_analyze_sharding_pairs_column_with_row_without_gathers():
+    """An MLP planned column→row needs only f on the input and g after the row layer."""
+    gm = captured(MLP(), torch.randn(4, 8))
+    analysis = analyze_sharding(gm, styles={"fc1": "column", "fc2": "row"}, n=2)
+    assert [(c.kind, c.backward) for c in analysis.comms] == [("identity", "all_reduce"), ("all_reduce", None)]
+    assert analysis.pairs == {"fc2": frozenset({"fc1"})}
+    assert analysis.row_sizes["fc2"] == analysis.column_sizes["fc1"] == (8, 8)
+
+
+def test_analyze_sharding_gathers_before_layer_norm():
+    """A LayerNorm needs the whole feature dim, so a column output is all-gathered before it."""
+    gm = captured(NormAfterColumn(), torch.randn(4, 8))
+    analysis = analyze_sharding(gm, styles={"fc1": "column", "fc2": "row"}, n=2)
+    kinds = [c.kind for c in analysis.comms]
+    assert "all_gather" in kinds and "split" in kinds
+    assert "norm" in analysis.gathered["fc1"][0]
+
+
+def test_is_shard_transparent_accepts_elementwise_and_rejects_norm():
+    """relu is transparent, LayerNorm is not."""
+    gm = captured(NormAfterColumn())
+    modules = dict(gm.named_modules())
+    by_name = {n.name: n for n in gm.graph.nodes}
+    assert not is_shard_transparent(by_name["norm"], modules)
+    assert is_shard_transparent(next(n for n in captured(MLP()).graph.nodes if n.name == "relu"), {})
+
+
+# ---------------------------------------------------------------------- shard_linear
+def test_shard_linear_writes_one_shards_program_with_explicit_collectives():
+    """Column→row becomes f, linear, relu, linear, g, bias add, in that order."""
+    gm = spmd(MLP(), {"fc1": "column", "fc2": "row"}, 2, torch.randn(4, 8))
+    assert targets(gm) == ["copy_to_shards", "linear", "relu", "linear", "reduce_from_shards", "add"]
+
+
+def test_shard_linear_records_param_shards_and_stamps_nodes():
+    """Sharded get_attrs carry their ShardSpec; created nodes carry the pass stamp and comm kinds."""
+    gm = captured(MLP(8, 10), torch.randn(4, 8))
+    result = shard_linear(gm, plan={"fc1": "column", "fc2": "row"}, devices=parse_devices(["cpu"] * 3))
+    assert result.modified
+    shards = result.info["param_shards"]
+    assert shards["fc1.weight"] == tp_runtime.ShardSpec(0, (4, 3, 3))
+    assert shards["fc2.weight"] == tp_runtime.ShardSpec(1, (4, 3, 3))
+    assert "fc2.bias" not in shards
+    comms = {n.name: n.meta["dpcompile_comm"] for n in gm.graph.nodes if "dpcompile_comm" in n.meta}
+    assert (comms["x_copy"].kind, comms["x_copy"].backward) == ("identity", "all_reduce")
+    assert comms["fc2_all_reduce"].kind == "all_reduce"
+    assert all(n.meta["dpcompile_pass"] == "shard_linear" for n in gm.graph.nodes if n.name in comms)
+
+
+def test_shard_linear_adds_row_bias_once_after_the_all_reduce():
+    """The row layer's partial product has no bias; the bias is added to the reduced sum."""
+    code = spmd(MLP(), {"fc2": "row"}, 2, torch.randn(4, 8)).code
+    assert "fc2_partial = torch._C._nn.linear(split, fc2_weight)" in code.replace("relu_split", "split")
+    assert "fc2 = fc2_all_reduce + fc2_bias" in code
+
+
+def test_shard_linear_gathers_a_lone_column_output():
+    """A column layer whose output is returned is all-gathered before the output."""
+    gm = spmd(MLP(), {"fc2": "column"}, 2, torch.randn(4, 8))
+    assert targets(gm)[-2:] == ["linear", "gather_from_shards"]
+
+
+def test_shard_linear_rewrites_the_sharded_view_constant_as_local_size():
+    """view(b, t, heads, d) of a column output reads local_size([2, 2]) for the heads."""
+    gm = spmd(Attention(16, 4), {"q": "column", "k": "column", "v": "column", "out": "row"}, 2, torch.randn(2, 5, 16))
+    code = gm.code
+    assert "local_size([2, 2])" in code
+    assert "local_size([8, 8])" in code  # the merge back to (b, t, c)
+    assert "gather_from_shards" not in code
+
+
+def test_shard_linear_aligns_uneven_heads_to_whole_heads():
+    """3 heads of 4 over 2 devices split 8 + 4 features, never through a head."""
+    gm = captured(Attention(12, 3), torch.randn(2, 5, 12))
+    result = shard_linear(gm, plan={"q": "column", "k": "column", "v": "column", "out": "row"}, devices=parse_devices(["cpu"] * 2))
+    assert result.info["param_shards"]["q.weight"].sizes == (8, 4)
+    assert result.info["param_shards"]["out.weight"].sizes == (8, 4)
+    assert result.info["reasons"] == {}
+
+
+def test_shard_linear_keeps_attention_whole_when_heads_cannot_split():
+    """3 heads over 4 devices cannot be proven safe: q, k, v stay replicated with the reason."""
+    gm = captured(Attention(12, 3), torch.randn(2, 5, 12))
+    plan = {"q": "column", "k": "column", "v": "column", "out": "row"}
+    result = shard_linear(gm, plan=plan, devices=parse_devices(["cpu"] * 4))
+    assert {p: result.info["plan"][p] for p in plan} == {"q": "replicate", "k": "replicate", "v": "replicate", "out": "row"}
+    assert "do not split into 3 x 4" in result.info["reasons"]["q"]
+
+
+def test_shard_linear_keeps_view_whole_without_shapes():
+    """Without example inputs a view of a sharded value cannot be checked; the reason says how to fix it."""
+    gm = captured(Attention(16, 4))
+    result = shard_linear(gm, plan={"q": "column"}, devices=parse_devices(["cpu"] * 2))
+    assert result.info["plan"]["q"] == "replicate"
+    assert "example_inputs=" in result.info["reasons"]["q"]
+
+
+def test_shard_linear_with_only_replicate_is_a_noop():
+    """A plan that shards nothing leaves the graph alone and says modified=False."""
+    gm = captured(MLP())
+    before = gm.code
+    result = shard_linear(gm, plan={"fc1": "replicate"}, devices=parse_devices(["cpu"] * 2))
+    assert not result.modified and gm.code == before
+
+
+def test_shard_linear_rejects_a_layer_too_narrow_with_the_arithmetic():
+    """10 output features over 16 devices is an error that shows both numbers."""
+    gm = captured(MLP(8, 10))
+    with pytest.raises(ValueError, match=r"out_features\(10\) of 'fc1' cannot be split over 16 devices"):
+        shard_linear(gm, plan={"fc1": "column"}, devices=parse_devices(["cpu"] * 16))
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        ({"fc3": "column"}, "'fc3', which is not a module of .*'fc1', 'fc2'"),
+        ({"fc1": "diagonal"}, "unknown split style 'diagonal' for 'fc1'; valid styles: 'column', 'row', 'replicate'"),
+    ],
+)
+def test_shard_linear_rejects_bad_plans(plan, message):
+    """Unknown paths and styles are ValueErrors listing the valid choices."""
+    with pytest.raises(ValueError, match=message):
+        shard_linear(captured(MLP()), plan=plan, devices=parse_devices(["cpu"] * 2))
+
+
+def test_shard_linear_program_runs_as_a_world_of_one():
+    """On one device the SPMD program (collectives as a world of one) computes the model."""
+    model = Attention(16, 4)
+    x = torch.randn(2, 5, 16)
+    gm = spmd(model, {"q": "column", "k": "column", "v": "column", "out": "row"}, 1, x)
+    torch.testing.assert_close(gm(x), model(x))
+
+
+# ---------------------------------------------------------------------- expand_shards
+def expanded(model: nn.Module, plan: dict[str, str], devices: Devices, *inputs: torch.Tensor) -> tuple[fx.GraphModule, list]:
+    gm = captured(model, *inputs)
+    return run_passes(
+        gm,
+        [
+            functools.partial(shard_linear, plan=plan, devices=devices),
+            functools.partial(expand_shards, devices=devices, output_device=devices.primary),
+        ],
+    )
+
+
+def test_expand_shards_names_one_node_per_device():
+    """Sharded values become fc1_dev0/fc1_dev1 reading weight_shard0/weight_shard1."""
+    gm, _ = expanded(MLP(), {"fc1": "column", "fc2": "row"}, parse_devices(["cpu"] * 2), torch.randn(4, 8))
+    code = gm.code
+    for text in ("fc1_dev0 = ", "fc1_dev1 = ", "self.fc1.weight_shard1", "relu_dev1 = torch.relu(fc1_dev1)", "reduce_to_device([fc2_partial_dev0, fc2_partial_dev1], 'cpu')"):
+        assert text in code
+
+
+def test_expand_shards_replaces_sharded_linears_by_their_shards():
+    """The sharded Linear becomes a LinearShards holding one slice per device plus the whole row bias."""
+    gm, records = expanded(MLP(8, 10), {"fc1": "column", "fc2": "row"}, parse_devices(["cpu"] * 3), torch.randn(4, 8))
+    names = dict(gm.named_parameters())
+    assert names["fc1.weight_shard0"].shape == (4, 8) and names["fc1.weight_shard2"].shape == (3, 8)
+    assert names["fc2.weight_shard1"].shape == (8, 3) and names["fc2.bias"].shape == (8,)
+    assert records[-1].info["param_shards"]["fc1.bias"][1] == ["fc1.bias_shard0", "fc1.bias_shard1", "fc1.bias_shard2"]
+
+
+def test_expand_shards_on_a_graph_without_shards_is_a_noop():
+    """Running expand_shards on a graph with no shards or collectives changes nothing."""
+    gm = captured(MLP())
+    assert not expand_shards(gm, devices=parse_devices(["cpu"] * 2)).modified
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_expand_shards_places_every_op_on_one_fake_gpu(n):
+    """Under FakeTensorMode, an n-GPU program runs with no mixed-device op and puts shard k on cuda:k."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(4, 32, device="cuda:0")
+        pm = transform_tensor_parallel(model, [f"cuda:{k}" for k in range(n)], plan=True, check_available=False)
+        with torch.no_grad():
+            out = pm(x)
+    assert pm.plan == {"0": "column", "2": "row"}
+    assert out.device == torch.device("cuda:0") and out.shape == (4, 32)
+    devices = {name: str(p.device) for name, p in pm.named_parameters()}
+    assert devices["0.weight_shard3"] == "cuda:3" and devices[f"2.weight_shard{n - 1}"] == f"cuda:{n - 1}"
+    assert devices["2.bias"] == "cuda:0"
+
+
+def test_fake_tensor_mode_catches_mixed_devices():
+    """The placement check has teeth: a fake op across cuda:0 and cuda:1 raises."""
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="cuda:0 and cuda:1"):
+        torch.randn(2, 2, device="cuda:0") @ torch.randn(2, 2, device="cuda:1")
+
+
+# ---------------------------------------------------------------------- runtime pieces
+def test_collectives_without_a_process_group_are_a_world_of_one():
+    """Every collective is the identity for one rank, forward and backward."""
+    x = torch.randn(3, 4, requires_grad=True)
+    y = collectives.reduce_from_shards(collectives.copy_to_shards(x))
+    y = collectives.gather_from_shards(collectives.split_to_shards(y, -1, [4]), -1, [4])
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 4))
+    assert collectives.local_size([7]) == 7
+    with pytest.raises(ValueError, match=r"sizes \[2, 2\] name 2 shards, but the process group has 1 rank"):
+        collectives.local_size([2, 2])
+
+
+def test_runtime_copy_to_devices_backward_sums_the_shards_gradients():
+    """f's single-process form: the input's gradient is the sum over the copies (the all-reduce)."""
+    x = torch.ones(2, requires_grad=True)
+    a, b = tp_runtime.copy_to_devices(x, ["cpu", "cpu"])
+    (2 * a + 3 * b).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2,), 5.0))
+
+
+def test_runtime_split_and_gather_are_inverse_with_uneven_sizes():
+    """Splitting 10 columns 4/3/3 and gathering them gives the tensor back."""
+    x = torch.randn(2, 10)
+    parts = tp_runtime.split_to_devices(x, -1, [4, 3, 3], ["cpu"] * 3)
+    assert [p.shape[-1] for p in parts] == [4, 3, 3]
+    torch.testing.assert_close(tp_runtime.gather_to_device(parts, -1, "cpu"), x)
+
+
+# ---------------------------------------------------------------------- graph view
+def test_graph_view_has_an_edge_per_use():
+    """The networkx view links x→fc1→relu→fc2→output."""
+    g = to_networkx(captured(MLP()))
+    assert list(g.edges) == [("x", "fc1"), ("fc1", "relu"), ("relu", "fc2"), ("fc2", "output")]
+
+
+def test_graph_view_finds_the_mlp_chain_and_groups_attention():
+    """fc1 reaches fc2 through relu; q, k, v and out form one group."""
+    gm = captured(MLP())
+    modules = dict(gm.named_modules())
+    linears = {n for n in gm.graph.nodes if n.op == "call_module"}
+    assert find_linear_chains(gm, linears, lambda n: is_shard_transparent(n, modules)) == [("fc1", "fc2")]
+    attention = captured(Attention())
+    linears = {n for n in attention.graph.nodes if n.op == "call_module"}
+    groups = linear_groups(attention, linears, lambda n: is_shard_transparent(n, {}))
+    assert groups == [["q", "k", "v", "out"]]
+
+
+def test_graph_view_does_not_chain_through_a_norm():
+    """A LayerNorm between two Linears breaks the chain."""
+    gm = captured(NormAfterColumn())
+    modules = dict(gm.named_modules())
+    linears = {n for n in gm.graph.nodes if n.op == "call_module" and isinstance(modules[n.target], nn.Linear)}
+    assert find_linear_chains(gm, linears, lambda n: is_shard_transparent(n, modules)) == []
+
+
+def test_sdpa_attention_stays_sharded_by_heads():
+    """scaled_dot_product_attention over head-sharded q, k, v needs no gather."""
+
+    class SDPA(Attention):
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = (m(x).view(b, t, self.heads, c // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+    gm = spmd(SDPA(), {"q": "column", "k": "column", "v": "column", "out": "row"}, 2, torch.randn(2, 5, 16))
+    assert "gather_from_shards" not in gm.code and targets(gm).count("reduce_from_shards") == 1

@@ -115,6 +115,10 @@ def _plain_module(state: dict[str, Any]) -> nn.Module:
     return module
 
 
+def _module_base() -> type:
+    return nn.Module
+
+
 def _nothing() -> None:
     return None
 
@@ -123,8 +127,8 @@ def _is_fake(obj: object) -> bool:
     return isinstance(obj, torch.Tensor) and (type(obj).__name__ == "FakeTensor" or obj.device.type == "meta")
 
 
-def _used_modules(pm: nn.Module) -> set[int]:
-    """ids of the modules generated code (or the graph it was lowered from) touches, with their children."""
+def _used_modules(pm: nn.Module) -> list[nn.Module]:
+    """The modules generated code (or the graph it was lowered from) touches, with their children."""
     paths: set[str] = set()
     graphs = [pm.graph]
     if getattr(pm, "_captured_graph", None) is not None:
@@ -133,7 +137,7 @@ def _used_modules(pm: nn.Module) -> set[int]:
         for node in graph.nodes:
             if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
                 paths.add(node.target)
-    used: set[int] = set()
+    used: dict[int, nn.Module] = {}
     for path in paths:
         try:
             target = pm.get_submodule(path)
@@ -145,8 +149,8 @@ def _used_modules(pm: nn.Module) -> set[int]:
             except AttributeError:
                 continue
         for sub in target.modules():
-            used.add(id(sub))
-    return used
+            used[id(sub)] = sub
+    return list(used.values())
 
 
 class _Pickler(pickle.Pickler):
@@ -154,6 +158,7 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=4)
         self.keys = keys
         self.keep = keep
+        self.kept_classes: set[type] = set()
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor) and id(obj) in self.keys:
@@ -163,6 +168,13 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if _is_fake(obj):  # shapes recorded in node.meta: not needed to run
             return (_nothing, ())
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, nn.Module)
+            and obj not in self.kept_classes
+            and not obj.__module__.startswith(("torch.", "dpcompile."))
+        ):  # a user class named only in metadata (nn_module_stack): no need to import it to run
+            return (_module_base, ())
         if (
             isinstance(obj, nn.Module)
             and not isinstance(obj, fx.GraphModule)
@@ -250,9 +262,12 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     keys, tensors, info = _tensor_table(pm)
+    used = _used_modules(pm)
     buffer = io.BytesIO()
     try:
-        _Pickler(buffer, keys, _used_modules(pm)).dump(pm)
+        pickler = _Pickler(buffer, keys, {id(m) for m in used})
+        pickler.kept_classes = {type(m) for m in used}
+        pickler.dump(pm)
     except Exception as e:
         raise ExportError(f"cannot serialise the program: {type(e).__name__}: {e}") from e
     # Write everything under temporary names, then rename: a failed export leaves no half folder.

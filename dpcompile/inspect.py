@@ -28,7 +28,8 @@ import operator
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Mapping, Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.cost import ring_elements
+from dpcompile.analysis.cost import RING_FACTOR, ring_elements
 from dpcompile.errors import DpCompileError
 from dpcompile.runtime.structures import tensor_leaves
 
@@ -48,7 +49,7 @@ __all__ = ["CollectiveInfo", "NodeInfo", "Report", "diff", "draw", "explain"]
 _SLOT = re.compile(r"_(?:dev|shard|rank)(\d+)$")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
 _TORCH_DIR = str(Path(torch.__file__).parent)
-_OWN_DIR = str(Path(__file__).parent.parent)
+_OWN_DIRS = (str(Path(__file__).parent) + "/", str(Path(__file__).parent.parent / "passes") + "/")
 ALL_DEVICES = "*"
 
 
@@ -174,7 +175,8 @@ def user_source(node: fx.Node) -> str | None:
         return None
     for m in reversed(list(_FRAME.finditer(trace))):
         filename = m.group("file")
-        if filename.startswith((_TORCH_DIR, _OWN_DIR)) or filename.startswith("<"):
+        own = filename.startswith(_OWN_DIRS) and not filename.endswith("demo.py")
+        if own or filename.startswith(_TORCH_DIR + "/") or filename.startswith("<"):
             continue
         short = filename.rsplit("/", 1)[-1]
         return f"{short}:{m.group('line')} in {m.group('func')}: {m.group('code').strip()}"
@@ -222,41 +224,44 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return leaves[0][1] if leaves else None
 
 
-def _tp_cost_function() -> Callable[..., Any] | None:
-    """The tensor-parallel engineer's per-node cost function, where it exists."""
-    from dpcompile.analysis import cost
-
-    for name in ("comm_node_elements", "node_comm_elements", "comm_elements", "elements_of_node"):
-        fn = getattr(cost, name, None)
-        if callable(fn):
-            return fn
-    return None
-
-
 def collective_sizes(node: fx.Node, args: tuple, kwargs: dict, result: Any) -> tuple[int, int]:
-    """``(S forward, S backward)``: the full tensor's elements for a communication node."""
+    """``(S forward, S backward)``: the full tensor's elements for a communication node.
+
+    The rule of :mod:`dpcompile.analysis.cost`: a recorded ``dpcompile_comm_numel`` wins;
+    else the node's own value for ``all_reduce``, ``all_gather``, ``gather``, ``reduce`` and
+    its first argument for the other kinds (a list counts once when the kind copies or
+    reduces, as the sum of its parts otherwise). Data-parallel specials: ``replicate``
+    broadcasts parameters and buffers and reduces the parameters' gradients; the BatchNorm
+    sync all-reduces a per-channel mean and variance.
+    """
     from dpcompile import runtime
 
     comm = node.meta["dpcompile_comm"]
-    target = node.target
-    if target is runtime.replicate:
+    if "dpcompile_comm_numel" in node.meta:
+        size = int(node.meta["dpcompile_comm_numel"])
+        return size, size
+    if node.target is runtime.replicate:
         return _param_elements(args[0], False), _param_elements(args[0], True)
-    if target is runtime.batch_norm:
-        bn = args[0]
-        channels = getattr(bn, "num_features", None) or (_first_tensor(result).size(1) if _first_tensor(result) is not None else 0)
-        return 2 * channels, 2 * channels  # per-channel mean and variance
-    kind = comm.kind
-    if kind in ("scatter", "broadcast", "reduce_scatter"):
-        size = _numel(args[0]) if args else _numel(result)
-        if kind == "reduce_scatter" and isinstance(args[0], (list, tuple)) and args[0]:
-            size = _numel(args[0][0])
-        return size, size
-    if kind in ("all_reduce", "all_gather") and isinstance(result, (list, tuple)) and result and node.target is not runtime.gather:
-        first = _first_tensor(result[0])
-        size = first.numel() if first is not None else 0
-        return size, size
-    size = _numel(result)
+    if node.target is runtime.batch_norm:
+        first = _first_tensor(result)
+        channels = getattr(args[0], "num_features", None) or (first.size(1) if first is not None else 0)
+        return 2 * channels, 2 * channels
+    source = result if comm.kind in _OWN_VALUE_KINDS or not args else args[0]
+    size = _numel_by_rule(source, comm.kind)
     return size, size
+
+
+_OWN_VALUE_KINDS = ("all_reduce", "all_gather", "gather", "reduce")
+_WHOLE_LIST_KINDS = ("identity", "broadcast", "all_reduce", "reduce")
+
+
+def _numel_by_rule(value: Any, kind: str) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (list, tuple)) and value:
+        parts = [_numel_by_rule(v, kind) for v in value]
+        return parts[0] if kind in _WHOLE_LIST_KINDS else sum(parts)
+    return _numel(value)
 
 
 # ---------------------------------------------------------------------------- propagation
@@ -392,7 +397,6 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         recorder, how = _propagate(gm, _bind_inputs(gm, args, kwargs))
     active = labels if batch is None or batch >= n else labels[:batch]
     n_active = len(active)
-    tp_cost = _tp_cost_function()
 
     nodes: list[NodeInfo] = []
     collectives: list[CollectiveInfo] = []
@@ -442,7 +446,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         if info.flops:
             flops[device if device in flops else labels[0]] += info.flops
         if comm is not None:
-            collectives.append(_collective(node, comm, recorder, n_active, tp_cost))
+            collectives.append(_collective(node, comm, recorder, n_active))
 
     forward = sum(c.forward or 0.0 for c in collectives if not c.io)
     backward = sum(c.backward or 0.0 for c in collectives if not c.io)
@@ -474,21 +478,12 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     )
 
 
-def _collective(
-    node: fx.Node, comm: Any, recorder: _Recorder | None, n: int, tp_cost: Callable[..., Any] | None
-) -> CollectiveInfo:
+def _collective(node: fx.Node, comm: Any, recorder: _Recorder | None, n: int) -> CollectiveInfo:
     sizes = recorder.sizes.get(node.name) if recorder else None
     fwd = bwd = None
     if sizes is not None:
-        fwd = ring_elements(comm.kind, sizes[0], n) if comm.kind in _KNOWN else 0.0
-        bwd = ring_elements(comm.backward, sizes[1], n) if comm.backward in _KNOWN else 0.0
-    if tp_cost is not None and recorder is not None and node.target not in _DP_TARGETS():
-        try:
-            custom = tp_cost(node, n)
-            if custom is not None:
-                fwd, bwd = float(custom[0]), float(custom[1])
-        except Exception as e:  # noqa: BLE001 - fall back to the generic figure
-            log.debug("tensor-parallel cost of %s failed: %s", node.name, e)
+        fwd = ring_elements(comm.kind, sizes[0], n) if comm.kind in RING_FACTOR else 0.0
+        bwd = ring_elements(comm.backward, sizes[1], n) if comm.backward in RING_FACTOR else 0.0
     return CollectiveInfo(
         name=node.name,
         kind=comm.kind,
@@ -499,16 +494,6 @@ def _collective(
         backward=bwd,
         source=user_source(node),
     )
-
-
-def _DP_TARGETS() -> tuple[Any, ...]:  # noqa: N802 - a constant, computed late to avoid import cycles
-    from dpcompile import runtime
-
-    return (runtime.replicate, runtime.batch_norm, runtime.scatter, runtime.gather, runtime.to_device,
-            runtime.reduce_add, runtime.mean_of_partials)
-
-
-_KNOWN = ("all_reduce", "all_gather", "reduce_scatter", "scatter", "gather", "broadcast", "reduce")
 
 
 def param_bytes(pm: nn.Module) -> dict[str, int]:
@@ -604,7 +589,7 @@ def _render(r: Report) -> str:
         for c in r.collectives
     ]
     out += _table(["node", "kind", "S", "forward", "backward kind", "backward", "from"], rows,
-                  [22, 17, 11, 11, 14, 11, 20])
+                  [26, 17, 11, 11, 13, 11, 17])
     out.append(
         f"  collectives: forward {_human_count(r.comm_elements_forward)}, backward "
         f"{_human_count(r.comm_elements_backward)}, total {_human_count(r.comm_elements)} elements per device"
@@ -615,7 +600,11 @@ def _render(r: Report) -> str:
     )
     if r.plan:
         out += ["", "Tensor-parallel plan"]
-        rows = [[path, style, r.plan_reasons.get(path, "")] for path, style in r.plan.items()]
+        rows = []
+        for path, style in r.plan.items():
+            reason = textwrap.wrap(r.plan_reasons.get(path, ""), 80) or [""]
+            rows.append([path, style, reason[0]])
+            rows += [["", "", more] for more in reason[1:]]
         out += _table(["module", "style", "reason"], rows, [24, 10, 80])
     out += ["", "Nodes"]
     rows = [
@@ -623,7 +612,7 @@ def _render(r: Report) -> str:
          (i.source or "").split(": ", 1)[0]]
         for i in r.nodes
     ]
-    out += _table(["node", "op", "target", "device", "shape", "dtype", "source"], rows, [22, 11, 19, 8, 18, 8, 20])
+    out += _table(["node", "op", "target", "device", "shape", "dtype", "source"], rows, [26, 11, 19, 8, 16, 7, 19])
     return "\n".join(out)
 
 

@@ -1,0 +1,226 @@
+"""explain, draw and diff."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.inspect import Report, to_dot
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+class WholeTail(nn.Module):
+    """After the batch-parallel part, a cumulative sum over the batch runs whole on devices[0]."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 64)
+
+    def forward(self, x):
+        return torch.cumsum(self.fc(x), 0) * 2 + 1
+
+
+def _dp(model: nn.Module, n: int = 2) -> dpcompile.ParallelModule:
+    return dpcompile.transform(model, ["cpu"] * n)
+
+
+def _tensor_parallel(model: nn.Module, plan, devices, example):
+    try:
+        return dpcompile.transform(model, devices, tensor_parallel=plan, example_inputs=example)
+    except (ImportError, ModuleNotFoundError) as e:
+        pytest.skip(f"tensor parallelism not available yet: {e}")
+
+
+def test_explain_places_nodes_on_their_devices():
+    """Per-device nodes carry their slot's label, shape, dtype, pass and the user's source line."""
+    report = dpcompile.explain(_dp(MLP()), torch.randn(16, 8))
+    nodes = {n.name: n for n in report.nodes}
+    assert report.devices == ["cpu#0", "cpu#1"]
+    assert nodes["fc1_dev0"].device == "cpu#0" and nodes["fc1_dev1"].device == "cpu#1"
+    assert nodes["fc1_dev1"].shape == [[8, 16]]
+    assert nodes["fc1_dev1"].dtype == ["float32"]
+    assert nodes["fc1_dev1"].pass_name == "insert_scatter_gather"
+    assert nodes["x_scatter"].device == "*" and nodes["x_scatter"].comm == "scatter"
+    assert nodes["fc1_dev1"].source is not None and "test_inspect.py" in nodes["fc1_dev1"].source
+
+
+def test_explain_counts_io_apart_from_collectives():
+    """A data-parallel Linear: scatter and gather are io, ring figures (N-1)/N*S, no collectives."""
+    report = dpcompile.explain(_dp(nn.Linear(8, 4)), torch.randn(16, 8))
+    assert report.comm_elements_forward == 0 and report.comm_elements_backward == 0
+    assert report.io_elements_forward == 16 * 8 / 2 + 16 * 4 / 2
+    assert report.io_elements == report.io_elements_forward + report.io_elements_backward
+    assert report.param_bytes == {"cpu#0": (32 + 4) * 4, "cpu#1": (32 + 4) * 4}
+
+
+def test_explain_counts_batchnorm_sync_as_collective():
+    """The BatchNorm statistics all-reduce moves 2*C elements: 2(N-1)/N*2C per device each way."""
+    report = dpcompile.explain(_dp(BNNet()), torch.randn(10, 8))
+    (sync,) = [c for c in report.collectives if not c.io]
+    assert sync.kind == "all_reduce" and sync.elements == 12
+    assert report.comm_elements_forward == 12 and report.comm_elements_backward == 12
+
+
+def test_explain_leaves_batchnorm_statistics_untouched():
+    """Explaining runs on fake tensors: running statistics and the batch counter do not move."""
+    model = BNNet()
+    pm = _dp(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = dpcompile.explain(pm, torch.randn(10, 8))
+    assert report.shapes == "fake"
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_explain_falls_back_to_real_run_without_side_effects(monkeypatch):
+    """Where fake tensors fail, a real no-grad run gives shapes and buffers are restored."""
+    import torch._subclasses.fake_tensor as fake_tensor
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("no fake tensors today")
+
+    monkeypatch.setattr(fake_tensor, "FakeTensorMode", Broken)
+    model = BNNet()
+    pm = _dp(model)
+    before = model.bn.running_mean.clone()
+    report = dpcompile.explain(pm, torch.randn(10, 8))
+    assert report.shapes == "real"
+    assert {n.name: n.shape for n in report.nodes}["fc_dev0"] == [[5, 6]]
+    assert torch.equal(model.bn.running_mean, before)
+    assert int(model.bn.num_batches_tracked) == 0
+
+
+def test_explain_small_batch_explains_the_smaller_program():
+    """A batch of 1 on 2 devices runs (and is explained) on one device."""
+    report = dpcompile.explain(_dp(MLP()), torch.randn(1, 8))
+    assert report.batch == 1
+    assert not any(n.name.endswith("_dev1") for n in report.nodes)
+
+
+def test_explain_without_inputs_reports_structure_only():
+    """No arguments: placement and parameter bytes, no shapes."""
+    report = dpcompile.explain(_dp(MLP()))
+    assert report.shapes == "none"
+    assert all(n.shape is None for n in report.nodes)
+    assert report.param_bytes["cpu#1"] == sum(p.numel() * 4 for p in MLP().parameters())
+
+
+def test_explain_shows_imbalance_of_whole_tail_on_primary():
+    """Work done whole after a gather lands on devices[0]: activation imbalance above 1."""
+    report = dpcompile.explain(_dp(WholeTail()), torch.randn(32, 8))
+    assert report.activation_bytes["cpu#0"] > report.activation_bytes["cpu#1"]
+    assert report.imbalance["activation_bytes"] > 1.2
+    assert report.imbalance["param_bytes"] == 1.0
+
+
+def test_explain_counts_matmul_flops_per_device():
+    """FLOPs of a Linear split over 2 devices: 2*b/2*in*out each."""
+    report = dpcompile.explain(_dp(nn.Linear(8, 4, bias=False)), torch.randn(16, 8))
+    assert report.flops == {"cpu#0": 2 * 8 * 8 * 4, "cpu#1": 2 * 8 * 8 * 4}
+
+
+def test_explain_report_round_trips_through_json():
+    """to_dict() survives json and Report.from_dict gives the same table."""
+    report = dpcompile.explain(_dp(BNNet()), torch.randn(10, 8))
+    data = report.to_dict()
+    again = json.loads(json.dumps(data))
+    assert again == data
+    for key in ("param_bytes", "comm_elements_forward", "comm_elements_backward", "io_elements", "plan", "nodes",
+                "collectives"):
+        assert key in again
+    assert str(Report.from_dict(again)) == str(report)
+
+
+def test_explain_table_fits_in_120_columns():
+    """Every line of str(report) is at most 120 characters."""
+    report = dpcompile.explain(_dp(BNNet(), 3), torch.randn(10, 8))
+    text = str(report)
+    assert "Per device" in text and "Communication" in text and "bn_sync" in text
+    assert max(len(line) for line in text.splitlines()) <= 120
+
+
+def test_explain_tensor_parallel_reproduces_classic_figures():
+    """X[128x1000] @ W[1000x500] on 2 devices: row moves 128,000, column 160,000 elements per device."""
+    x = torch.randn(128, 1000)
+    totals = {}
+    for style in ("row", "column"):
+        model = nn.Sequential(nn.Linear(1000, 500, bias=False))
+        pm = _tensor_parallel(model, {"0": style}, ["cpu", "cpu"], (x,))
+        report = dpcompile.explain(pm, x)
+        totals[style] = report.comm_elements_forward + report.comm_elements_backward
+        assert report.plan == {"0": style}
+        assert report.param_bytes == {"cpu#0": 1000 * 500 * 2, "cpu#1": 1000 * 500 * 2}
+    assert totals == {"row": 128_000, "column": 160_000}
+
+
+def test_draw_writes_svg_with_one_cluster_per_device(tmp_path):
+    """With graphviz: an SVG holding one cluster per device and the collectives in red."""
+    if shutil.which("dot") is None:
+        pytest.skip("graphviz 'dot' is not installed")
+    path = dpcompile.draw(_dp(BNNet()), tmp_path / "graph.svg")
+    text = path.read_text()
+    assert path.suffix == ".svg" and "<svg" in text
+    assert "cluster_0" in text and "cluster_1" in text
+    assert "cpu#0" in text and "cpu#1" in text and "bn_sync" in text
+    assert "#e41a1c" in text
+
+
+def test_to_dot_highlights_collectives_outside_clusters():
+    """The dot source clusters per-device nodes and styles communication nodes apart."""
+    source = to_dot(_dp(BNNet()))
+    cluster_1 = source.split("subgraph cluster_1")[1].split("}")[0]
+    assert '"fc_dev1"' in cluster_1 and '"bn_sync"' not in cluster_1
+    assert 'color="#e41a1c"' in source.split('"bn_sync" [')[1].split("];")[0]
+
+
+def test_draw_falls_back_to_matplotlib_png_without_dot(tmp_path, monkeypatch):
+    """Without dot, draw writes a PNG through matplotlib."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr("dpcompile.inspect.shutil.which", lambda name: None)
+    path = dpcompile.draw(_dp(BNNet()), tmp_path / "graph.svg")
+    assert path == tmp_path / "graph.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_draw_without_any_renderer_says_what_to_install(tmp_path, monkeypatch):
+    """Neither dot nor matplotlib: a DpCompileError naming both ways out."""
+    monkeypatch.setattr("dpcompile.inspect.shutil.which", lambda name: None)
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    with pytest.raises(dpcompile.DpCompileError, match="graphviz.*matplotlib"):
+        dpcompile.draw(_dp(MLP()), tmp_path / "graph.svg")
+
+
+def test_diff_shows_the_inserted_communication():
+    """The unified diff removes the single-device call and adds scatter, per-device calls and gather."""
+    model = MLP()
+    pm = _dp(model)
+    text = dpcompile.diff(model, pm)
+    assert text.startswith("--- MLP (traced)\n+++ ")
+    assert "-    fc1 = self.fc1(x)" in text
+    assert "+    x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu'], 0)" in text
+    assert "+    fc2 = dpcompile_runtime_gather(" in text

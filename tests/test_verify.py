@@ -1,0 +1,182 @@
+"""verify: outputs, gradients and buffers against eager; the fake multi-GPU layout check."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.verify import compare_tensors, default_tolerance
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.2)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x))))), x.mean()
+
+
+class DefaultDeviceTensor(nn.Module):
+    """Works on virtual CPU devices, but makes a tensor on the default (CPU) device: wrong on GPUs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * torch.arange(x.size(1))
+
+
+class _DoubleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+class WrongBackward(nn.Module):
+    """Same forward as a Linear, twice the gradient for its input side."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.mode = "data_parallel"
+
+    def forward(self, x):
+        return nn.functional.linear(x, _DoubleGrad.apply(self.weight), self.bias)
+
+
+def _tp(model, devices, example):
+    try:
+        return dpcompile.transform(model, devices, tensor_parallel=True, example_inputs=example)
+    except (ImportError, ModuleNotFoundError) as e:
+        pytest.skip(f"tensor parallelism not available yet: {e}")
+
+
+def test_verify_data_parallel_matches_with_batchnorm_and_dropout():
+    """A DP program with BatchNorm and dropout verifies: truthy, and says what it compared."""
+    model = Net()
+    pm = dpcompile.transform(model, ["cpu"] * 3)
+    result = dpcompile.verify(pm, model, torch.randn(12, 8))
+    assert result, str(result)
+    assert result.checked["outputs"] == 2 and result.checked["parameter gradients"] == 6
+    assert result.checked["buffers"] == 3 and result.checked["input gradients"] == 1
+    assert str(result).startswith("verify: OK")
+    assert any("dropout" in note for note in result.notes)
+
+
+def test_verify_leaves_no_side_effects():
+    """Gradients, running statistics, dropout modes and the RNG stream are as before."""
+    model = Net()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    sentinel = torch.full_like(model.fc1.weight, 7.0)
+    model.fc1.weight.grad = sentinel
+    state = copy.deepcopy(model.state_dict())
+    x = torch.randn(10, 8)
+    torch.manual_seed(3)
+    expected_random = torch.rand(3)
+    torch.manual_seed(3)
+    assert dpcompile.verify(pm, model, x)
+    assert torch.equal(torch.rand(3), expected_random)
+    assert model.fc1.weight.grad is sentinel and model.fc2.weight.grad is None
+    assert model.drop.training
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+def test_verify_reports_a_corrupted_parameter():
+    """A model whose weights differ from pm's: falsy, naming the output and a gradient with numbers."""
+    model = Net()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.fc2.weight[1, 3] += 0.5
+    result = dpcompile.verify(pm, other, torch.randn(10, 8))
+    assert not result
+    text = str(result)
+    assert "MISMATCH" in text and "output output[0]" in text and "max |diff|" in text
+    assert {m.kind for m in result.mismatches} >= {"output", "gradient"}
+
+
+def test_verify_reports_a_gradient_only_difference():
+    """Equal outputs but wrong gradients: the gradient of 'weight' is named, outputs pass."""
+    linear = nn.Linear(4, 3)
+    result = dpcompile.verify(WrongBackward(linear), linear, torch.randn(5, 4))
+    assert not result
+    assert [(m.kind, m.name) for m in result.mismatches] == [("gradient", "weight")]
+    assert result.mismatches[0].max_abs > 0
+
+
+def test_verify_catches_a_corrupted_shard():
+    """Tensor parallel: one element of one shard changed is caught in outputs and gradients."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    pm = _tp(model, ["cpu", "cpu"], (x,))
+    assert dpcompile.verify(pm, model, x)
+    shard = next(p for name, p in pm.named_parameters() if "shard1" in name)
+    with torch.no_grad():
+        shard.view(-1)[0] += 1.0
+    result = dpcompile.verify(pm, model, x)
+    assert not result
+    assert any(m.kind == "output" for m in result.mismatches)
+
+
+def test_verify_fake_devices_checks_an_eight_gpu_layout():
+    """fake_devices=8 builds the cuda:0..7 program on fake tensors and finds it well placed."""
+    model = Net()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    result = dpcompile.verify(pm, model, torch.randn(16, 8), fake_devices=8)
+    assert result, str(result)
+    assert result.checked["fake devices"] == 8 and result.checked["placed nodes"] > 8 * 4
+
+
+def test_verify_fake_devices_catches_a_tensor_made_on_the_cpu():
+    """torch.arange without device= passes on virtual devices but fails the fake 4-GPU layout."""
+    model = DefaultDeviceTensor()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    assert dpcompile.verify(pm, model, torch.randn(8, 4))
+    result = dpcompile.verify(pm, model, torch.randn(8, 4), fake_devices=4)
+    assert not result
+    (problem,) = result.mismatches
+    assert problem.kind == "layout" and "cuda:0 and cpu" in problem.detail
+    assert "test_verify.py" in problem.detail  # the user's line
+
+
+def test_verify_fake_devices_checks_tensor_parallel_layout():
+    """A tensor-parallel plan rebuilt for fake cuda:0..3 runs with every shard on its device."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    pm = _tp(model, ["cpu", "cpu"], (x,))
+    result = dpcompile.verify(pm, model, x, fake_devices=4)
+    assert result, str(result)
+    assert result.checked["fake devices"] == 4
+
+
+def test_compare_tensors_uses_dtype_aware_tolerances():
+    """A 1e-3 relative error passes in float16 and fails in float32; explicit rtol overrides."""
+    expected = torch.linspace(1, 2, 10)
+    actual = expected * (1 + 1e-3)
+    assert compare_tensors("output", "y", expected.half(), actual.half()) is None
+    mismatch = compare_tensors("output", "y", expected, actual)
+    assert mismatch is not None and "rtol=0.0001" in mismatch.detail
+    assert compare_tensors("output", "y", expected, actual, rtol=1e-2) is None
+    assert default_tolerance(torch.int64) == (0.0, 0.0)
+
+
+def test_compare_tensors_reports_shape_and_integer_differences():
+    """Shapes must agree; integer tensors compare exactly and name the first difference."""
+    assert "shape (3,)" in compare_tensors("output", "y", torch.zeros(2), torch.zeros(3)).detail
+    mismatch = compare_tensors("output", "y", torch.tensor([1, 2, 3]), torch.tensor([1, 5, 3]))
+    assert "first at (1,)" in mismatch.detail and "got 5" in mismatch.detail

@@ -349,7 +349,7 @@ def _transform_tensor_parallel(
     import passes
     from dpcompile.api import propagate_shapes
     from passes.collectives import lower_to_collectives
-    from passes.tensor_parallel import shard_linear
+    from passes.tp_pipeline import spmd_tensor_parallel_pipeline
 
     tp_size = mesh.size(mesh.mesh_dim_names.index(tp_dim)) if isinstance(tp_dim, str) else mesh.size(0)
     tp_rank = mesh.get_local_rank(tp_dim) if isinstance(tp_dim, str) else mesh.get_local_rank(0)
@@ -357,13 +357,14 @@ def _transform_tensor_parallel(
     gm = capture(own, leaf_modules=leaf_modules)
     if example_inputs is not None:
         propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
-    resolved_plan = _plan_for(gm, plan, tp_size, example_inputs)
+    styles, reasons = _plan_for(gm, plan, tp_size)
     devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
-    options = passes.PipelineOptions(devices=devices)
-    pipeline = passes.frontend_pipeline(options) + [
-        functools.partial(shard_linear, plan=resolved_plan, devices=devices),
-        functools.partial(lower_to_collectives, mesh=mesh, dp_dim=dp_dim, tp_dim=tp_dim),
-    ]
+    options = passes.PipelineOptions(devices=devices, extra={"plan": styles})
+    pipeline = (
+        passes.frontend_pipeline(options)
+        + spmd_tensor_parallel_pipeline(options)
+        + [functools.partial(lower_to_collectives, mesh=mesh, dp_dim=dp_dim, tp_dim=tp_dim)]
+    )
     gm, records = run_passes(gm, pipeline)
     info = next((r.info for r in records if r.name == "shard_linear"), {})
     specs = dict(info.get("param_shards", {}))
@@ -374,12 +375,12 @@ def _transform_tensor_parallel(
         devices=Devices((device,)),
         mode=mode,
         output_device=device,
-        plan=info.get("plan", dict(resolved_plan)),
+        plan=info.get("plan", styles),
         records=records,
         class_name=type(model).__name__,
         share_all_of=own,
     )
-    pm.reasons = dict(info.get("reasons", {}))
+    pm.reasons = {**reasons, **{p: f"replicate: {why}" for p, why in info.get("reasons", {}).items()}}
     pm._attach(
         mesh=mesh,
         dp_dim=dp_dim,
@@ -390,28 +391,16 @@ def _transform_tensor_parallel(
     return pm
 
 
-def _plan_for(
-    gm: fx.GraphModule, plan: bool | Mapping[str, str], n: int, example_inputs: Sequence[Any] | None
-) -> dict[str, str]:
-    """The explicit plan as given, or the automatic plan of the tensor-parallel planner."""
+def _plan_for(gm: fx.GraphModule, plan: bool | Mapping[str, str], n: int) -> tuple[dict[str, str], dict[str, str]]:
+    """``(styles, reasons)``: the explicit plan as given, or the automatic plan for ``n`` shards."""
     if isinstance(plan, Mapping):
-        return dict(plan)
-    try:
-        from dpcompile import tensor_parallel as planner
-    except ImportError as e:
-        raise NotImplementedError(
-            "tensor_parallel=True over a DeviceMesh needs the automatic planner (dpcompile.tensor_parallel), "
-            "which is not available here; pass an explicit plan such as {'fc1': 'column', 'fc2': 'row'}"
-        ) from e
-    for name in ("automatic_plan", "auto_plan", "choose_plan", "plan_for"):
-        fn = getattr(planner, name, None)
-        if callable(fn):
-            chosen = fn(gm, n=n)
-            return dict(getattr(chosen, "styles", chosen))
-    raise NotImplementedError(
-        "dpcompile.tensor_parallel has no automatic planner function that the SPMD path knows "
-        "(automatic_plan / auto_plan / choose_plan); pass an explicit plan such as {'fc1': 'column', 'fc2': 'row'}"
-    )
+        return dict(plan), {}
+    if plan is not True:
+        raise ValueError(f"tensor_parallel={plan!r}: expected False, True (automatic plan) or a dict {{path: style}}")
+    from dpcompile.tensor_parallel import choose_plan
+
+    styles, reasons = choose_plan(gm, n)
+    return dict(styles), dict(reasons)
 
 
 def _keep_own_shards(gm: fx.GraphModule, own: nn.Module, specs: Mapping[str, Any], rank: int) -> None:

@@ -143,21 +143,6 @@ def find_collective_sites(gm: fx.GraphModule, *, batch_norm: bool = True) -> Col
     return sites
 
 
-def _group_node(gm: fx.GraphModule, graph: fx.Graph, name: str, mesh: object, dim: str | int | None, cache: dict):
-    """A ``get_attr`` of the ``MeshGroup`` submodule ``name``, created at the head of forward."""
-    if name in cache:
-        return cache[name]
-    existing = getattr(gm, name, None)
-    if not isinstance(existing, MeshGroup):
-        gm.add_submodule(name, MeshGroup(mesh, dim))
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    where = graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(next(iter(graph.nodes)))
-    with where:
-        node = stamp(graph.get_attr(name), PASS)
-    cache[name] = node
-    return node
-
-
 def _bound_arguments(node: fx.Node) -> dict[str, Any]:
     """The collective call's arguments by name (positional ones bound to the signature)."""
     try:
@@ -214,39 +199,70 @@ def lower_to_collectives(
         )
     if not sites.batch_norms and not sites.collectives:
         return PassResult(gm, False, {"batch_norms": [], "collectives": []})
-    graph = gm.graph
-    cache: dict[str, fx.Node] = {}
-    lowered_bn: list[str] = []
-    for node in sites.batch_norms:
-        group = _group_node(gm, graph, "dp_group", mesh, dp_dim, cache)
-        with graph.inserting_before(node):
-            module_ref = stamp(graph.get_attr(node.target), PASS, node)  # type: ignore[arg-type]
-            call = graph.call_function(dist_rt.sync_batch_norm, (module_ref, node.args[0], group))
-            stamp_comm(stamp(call, PASS, node), "all_reduce", backward="all_reduce")
-            call.name = graph._graph_namespace.create_name(f"{node.name}_sync", call)
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-        lowered_bn.append(str(node.target))
-    lowered: list[str] = []
-    for node in sites.collectives:
+    rewriter = _Rewriter(gm, sites, mesh=mesh, dp_dim=dp_dim, tp_dim=tp_dim)
+    gm.graph = rewriter.build()
+    lowered_bn, lowered = rewriter.lowered_bn, rewriter.lowered
+    return PassResult(gm, True, {"batch_norms": lowered_bn, "collectives": lowered})
+
+
+class _Rewriter:
+    """Copy the graph into a fresh one (so the lowered nodes keep the names they replace)."""
+
+    def __init__(
+        self, gm: fx.GraphModule, sites: CollectiveSites, *, mesh: object, dp_dim: str | int | None, tp_dim: str | int | None
+    ):
+        self.gm = gm
+        self.batch_norms = set(sites.batch_norms)
+        self.collectives = set(sites.collectives)
+        self.groups_needed = [("dp_group", dp_dim)] * bool(sites.batch_norms) + [("tp_group", tp_dim)] * bool(sites.collectives)
+        self.mesh = mesh
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.groups: dict[str, fx.Node] = {}
+        self.lowered_bn: list[str] = []
+        self.lowered: list[str] = []
+
+    def build(self) -> fx.Graph:
+        for node in self.gm.graph.nodes:
+            if node.op != "placeholder" and len(self.groups) < len(self.groups_needed):
+                self._add_groups()
+            if node in self.batch_norms:
+                self.env[node] = self._batch_norm(node)
+            elif node in self.collectives:
+                self.env[node] = self._collective(node)
+            else:
+                self.env[node] = self.graph.node_copy(node, lambda n: self.env[n])
+        return self.graph
+
+    def _add_groups(self) -> None:
+        for name, dim in self.groups_needed:
+            if not isinstance(getattr(self.gm, name, None), MeshGroup):
+                self.gm.add_submodule(name, MeshGroup(self.mesh, dim))
+            self.groups[name] = stamp(self.graph.get_attr(name), PASS)
+
+    def _batch_norm(self, node: fx.Node) -> fx.Node:
+        module_ref = stamp(self.graph.create_node("get_attr", node.target, name=node.name), PASS, node)
+        x = self.env[node.args[0]]  # type: ignore[index]
+        call = self.graph.create_node(
+            "call_function", dist_rt.sync_batch_norm, (module_ref, x, self.groups["dp_group"]), name=f"{node.name}_sync"
+        )
+        call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+        self.lowered_bn.append(str(node.target))
+        return stamp_comm(stamp(call, PASS, node), "all_reduce", backward="all_reduce")
+
+    def _collective(self, node: fx.Node) -> fx.Node:
         name = _collective_name(node)
         rule = LOWERING[name]
-        group = _group_node(gm, graph, "tp_group", mesh, tp_dim, cache)
+        group = self.groups["tp_group"]
         arguments = _bound_arguments(node)
         if rule.fn is dist_rt.local_size:
-            args: tuple[Any, ...] = (_as_literal(arguments.get("sizes", node.args[0] if node.args else None)), group)
+            sizes = arguments.get("sizes", node.args[0] if node.args else None)
+            args: tuple[Any, ...] = (_as_literal(sizes), group)
             kwargs: dict[str, Any] = {}
         else:
-            args = (_first_tensor_arg(node, arguments), group)
+            args = (self.env[_first_tensor_arg(node, arguments)], group)
             kwargs = {k: _as_literal(arguments[k]) for k in rule.keep if k in arguments}
-        with graph.inserting_before(node):
-            call = graph.call_function(rule.fn, args, kwargs)
-            stamp_comm(stamp(call, PASS, node), rule.kind, backward=rule.backward)
-            call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "dpcompile_source")})
-        old_name = node.name
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-        call.name = graph._graph_namespace.create_name(old_name, call)
-        lowered.append(f"{name} -> {rule.fn.__name__}")
-    graph.lint()
-    return PassResult(gm, True, {"batch_norms": lowered_bn, "collectives": lowered})
+        call = self.graph.create_node("call_function", rule.fn, args, kwargs, name=node.name)
+        call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "dpcompile_source", "stack_trace")})
+        self.lowered.append(f"{name} -> {rule.fn.__name__}")
+        return stamp_comm(stamp(call, PASS, node), rule.kind, backward=rule.backward)

@@ -72,6 +72,13 @@ def data_parallel_lowering(
     return lower
 
 
+def _move_to(model: nn.Module, device: torch.device) -> None:
+    """``model.to(device)`` in place, skipped when everything is there already."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    if any(t.device != device for t in tensors):
+        model.to(device)
+
+
 def _check_model(model: object) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
@@ -168,7 +175,7 @@ def _transform_data_parallel(
     from dpcompile.analysis.batch_dims import infer_input_dims
 
     gm = capture(model, leaf_modules=leaf_modules)
-    model.to(devices.primary)
+    _move_to(model, devices.primary)
     if example_inputs is not None:
         propagate_shapes(gm, [x.to(devices.primary) if isinstance(x, torch.Tensor) else x for x in example_inputs])
     input_dims = infer_input_dims(gm, batch_dim=batch_dim, example_inputs=example_inputs)

@@ -59,3 +59,25 @@ def check_against_eager(
     for (name, b), (_, c) in zip(model.named_buffers(), reference.named_buffers()):
         torch.testing.assert_close(b, c, atol=atol, rtol=atol, msg=lambda m, n=name: f"buffer {n}: {m}")
     return pm
+
+
+def to_fake_cuda(model: nn.Module, mode: Any) -> nn.Module:
+    """Replace ``model``'s tensors by fake ones on ``cuda:0`` (works on a CPU-only build).
+
+    Parameters cannot be created on fake CUDA directly (their init kernels need CUDA), so
+    they are made on the CPU and converted.
+    """
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                fake = mode.from_tensor(p.detach())
+                with mode:
+                    module._parameters[name] = nn.Parameter(fake.to("cuda:0"), requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                fake = mode.from_tensor(b)
+                with mode:
+                    module._buffers[name] = fake.to("cuda:0")
+        if isinstance(module, nn.RNNBase):
+            module._flat_weights = [module._parameters.get(n) for n in module._flat_weights_names]
+    return model

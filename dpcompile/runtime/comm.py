@@ -206,7 +206,7 @@ class Broadcast(Function):
             parts = [g for g in grads[i :: ctx.count] if g is not None]
             if not parts:
                 per_input.append(None)
-            elif _cuda_comm_ok(parts, [ctx.source]) and len(parts) > 1:
+            elif len(parts) > 1 and _cuda_comm_ok(parts, [ctx.source]) and len({p.device for p in parts}) == len(parts):
                 per_input.append(torch.cuda.comm.reduce_add(parts, ctx.source.index))
             else:
                 total = parts[0].to(ctx.source)
@@ -228,7 +228,13 @@ def _copy_to_devices(
     out: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in devices]
     grouped = {i for group in packed_groups for i in group}
     singles = [i for i in range(len(tensors)) if i not in grouped]
-    if singles and _cuda_comm_ok([tensors[i] for i in singles], devices):
+    source_device = tensors[0].device if tensors else None
+    coalesce = (
+        singles
+        and _cuda_comm_ok([tensors[i] for i in singles], devices)
+        and len({source_device, *devices}) == len(devices) + 1  # distinct GPUs, none the source
+    )
+    if coalesce:
         source = tensors[singles[0]].device.index
         copies = torch.cuda.comm.broadcast_coalesced(
             [tensors[i].detach() for i in singles], [source] + [d.index for d in devices]
@@ -266,13 +272,13 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def pack_contiguous(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Copies of ``tensors`` laid end to end in one new buffer on ``device``, in order."""
-    total = sum(t.numel() for t in tensors)
-    buffer = torch.empty(total, dtype=tensors[0].dtype, device=device)
+    """Copies of ``tensors`` laid end to end in one new buffer on ``device``, in order.
+
+    The buffer is assembled on the source and moved in one transfer.
+    """
+    buffer = torch.cat([t.detach().reshape(-1) for t in tensors]).to(device, copy=True)
     views, offset = [], 0
     for t in tensors:
-        view = buffer[offset : offset + t.numel()].view(t.shape)
-        view.copy_(t.detach())
-        views.append(view)
+        views.append(buffer.narrow(0, offset, t.numel()).view(t.shape))
         offset += t.numel()
     return views

@@ -21,8 +21,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-pytestmark = pytest.mark.distributed
-
 GROUP_TIMEOUT_S = 60.0  # a whole scenario (spawn + checks); a hang fails the test after this
 
 
@@ -438,6 +436,83 @@ LAST_CHECKS = {"rank_failure_is_reported"}  # ranks other than 0 exit in it
 
 
 # ---------------------------------------------------------------------------- tests
+# ---------------------------------------------------------------------------- the pass, in process
+class _FakeMesh:
+    """Enough of a DeviceMesh for the pass, which only records it (groups are looked up lazily)."""
+
+    ndim = 1
+    mesh_dim_names = ("tp",)
+    device_type = "cpu"
+
+
+def _captured(model: nn.Module):
+    from dpcompile.capture import capture
+
+    return capture(model)
+
+
+def test_lower_to_collectives_batch_norm_becomes_sync_batch_norm():
+    """With dp_dim, a BatchNorm call becomes sync_batch_norm over dp_group, keeping the node's name."""
+    from dpcompile.runtime import distributed
+    from passes.collectives import lower_to_collectives
+
+    gm = _captured(BNNet())
+    result = lower_to_collectives(gm, mesh=_FakeMesh(), dp_dim="dp")
+    gm.recompile()
+    assert result.modified and result.info["batch_norms"] == ["bn"]
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert distributed.sync_batch_norm in targets
+    assert "bn_sync = dpcompile_runtime_distributed_sync_batch_norm(bn, fc1, dp_group)" in gm.code, gm.code
+    assert all(n.meta.get("dpcompile_pass") == "lower_to_collectives" for n in gm.graph.nodes if n.name in ("bn_sync", "dp_group"))
+
+
+def test_lower_to_collectives_swaps_shard_collectives():
+    """shard_linear's one-shard collectives become process-group collectives named in the code."""
+    from dpcompile.devices import Devices
+    from dpcompile.runtime import collectives, distributed
+    from passes.collectives import lower_to_collectives
+    from passes.tensor_parallel import shard_linear
+
+    gm = _captured(MLP(8, 7))
+    shard_linear(gm, plan={"fc1": "column"}, devices=Devices((torch.device("cpu"),) * 2))
+    before = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in collectives.COLLECTIVES]
+    result = lower_to_collectives(gm, mesh=_FakeMesh(), tp_dim="tp")
+    gm.recompile()
+    assert result.modified
+    calls = {n.name: n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert not any(t in collectives.COLLECTIVES for t in calls.values())
+    assert [calls[name] for name in before] == [distributed.all_reduce_grad, distributed.all_gather]
+    assert "dpcompile_runtime_distributed_all_gather(gelu, tp_group, dim = -1, sizes = [4, 3])" in gm.code, gm.code
+
+
+def test_lower_to_collectives_noop_and_idempotent():
+    """Nothing to lower: modified=False; lowering twice changes nothing more."""
+    from passes.collectives import lower_to_collectives
+
+    gm = _captured(MLP())
+    assert not lower_to_collectives(gm, mesh=_FakeMesh(), dp_dim="dp").modified
+    gm = _captured(BNNet())
+    lower_to_collectives(gm, mesh=_FakeMesh(), dp_dim="dp")
+    gm.recompile()
+    code = gm.code
+    assert not lower_to_collectives(gm, mesh=_FakeMesh(), dp_dim="dp").modified
+    gm.recompile()
+    assert gm.code == code
+
+
+def test_transform_spmd_needs_a_process_group():
+    """Without init_process_group the error says what to call."""
+    import torch.distributed as dist
+
+    from dpcompile.spmd import transform_spmd
+
+    if dist.is_initialized():  # pragma: no cover
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(ValueError, match="init_process_group"):
+        transform_spmd(MLP(), _FakeMesh())
+
+
+# ---------------------------------------------------------------------------- the spawned groups
 @pytest.fixture(scope="module")
 def two():
     return run_group("two", 2)
@@ -448,24 +523,28 @@ def four():
     return run_group("four", 4)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("check", [name for name, _ in DP_CHECKS])
 def test_spmd_data_parallel_2(two, check):
     """Data parallel over a 2-process mesh (each check named by its parameter)."""
     _lookup(two, 2, check)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("check", [name for name, _ in TP_CHECKS])
 def test_spmd_tensor_parallel_2(two, check):
     """Tensor parallel over a 2-process mesh (each check named by its parameter)."""
     _lookup(two, 2, check)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("check", [name for name, _ in FOUR_CHECKS])
 def test_spmd_4_processes(four, check):
     """Data parallel over 4 processes, and the 2x2 ("dp", "tp") mesh."""
     _lookup(four, 4, check)
 
 
+@pytest.mark.distributed
 def test_spmd_rank_failure_fails_fast(two):
     """A rank that exits makes the others fail with a clear error within the timeout, not hang."""
     assert 0 in two, "rank 0 reported nothing: it hung or crashed"

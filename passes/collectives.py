@@ -17,41 +17,58 @@ submodules (``dp_group``, ``tp_group``) that the generated code names.
 Before (data parallel, the captured model)::
 
     def forward(self, x):
-        conv = self.conv(x)
-        bn = self.bn(conv)
+        fc1 = self.fc1(x)
+        bn = self.bn(fc1)
         relu = torch.relu(bn)
-        return self.fc(relu.flatten(1))
+        return self.fc2(relu)
 
-After, ``lower_to_collectives(gm, mesh=mesh, dp_dim="dp")``::
+After ``lower_to_collectives(gm, mesh=mesh, dp_dim="dp")``::
 
     def forward(self, x):
-        conv = self.conv(x)
-        bn = self.bn
         dp_group = self.dp_group
-        bn_sync = dpcompile_runtime_distributed_sync_batch_norm(bn, conv, dp_group)
+        fc1 = self.fc1(x)
+        bn = self.bn
+        bn_sync = dpcompile_runtime_distributed_sync_batch_norm(bn, fc1, dp_group)
         relu = torch.relu(bn_sync)
-        ...
+        fc2 = self.fc2(relu)
+        return fc2
 
-Before (tensor parallel, one shard of ``fc2(relu(fc1(x)))`` from ``shard_linear``)::
+Before (tensor parallel: one shard of ``fc2(relu(fc1(x)))`` from ``shard_linear``, fc1
+column, fc2 row)::
 
     def forward(self, x):
-        x_f = dpcompile_runtime_collectives_copy_to_shards(x)       # (the TP runtime's names)
-        fc1 = self.fc1(x_f)
+        x_copy = dpcompile_runtime_collectives_copy_to_shards(x)                     # f
+        fc1_weight = self.fc1.weight
+        fc1_bias = self.fc1.bias
+        fc1 = torch._C._nn.linear(x_copy, fc1_weight, fc1_bias)
         relu = torch.relu(fc1)
-        fc2 = self.fc2(relu)
-        fc2_all_reduce = dpcompile_runtime_collectives_all_reduce(fc2)
-        ...
+        fc2_weight = self.fc2.weight
+        fc2_partial = torch._C._nn.linear(relu, fc2_weight)
+        fc2_all_reduce = dpcompile_runtime_collectives_reduce_from_shards(fc2_partial)   # g
+        fc2_bias = self.fc2.bias
+        fc2 = fc2_all_reduce + fc2_bias
+        return fc2
 
-After, ``lower_to_collectives(gm, mesh=mesh, tp_dim="tp")``::
+After ``lower_to_collectives(gm, mesh=mesh, tp_dim="tp")``::
 
     def forward(self, x):
         tp_group = self.tp_group
-        x_f = dpcompile_runtime_distributed_reduce_grad(x, tp_group)
-        fc1 = self.fc1(x_f)
+        x_copy = dpcompile_runtime_distributed_all_reduce_grad(x, tp_group)
+        fc1_weight = self.fc1.weight
+        fc1_bias = self.fc1.bias
+        fc1 = torch._C._nn.linear(x_copy, fc1_weight, fc1_bias)
         relu = torch.relu(fc1)
-        fc2 = self.fc2(relu)
-        fc2_all_reduce = dpcompile_runtime_distributed_all_reduce(fc2, tp_group)
-        ...
+        fc2_weight = self.fc2.weight
+        fc2_partial = torch._C._nn.linear(relu, fc2_weight)
+        fc2_all_reduce = dpcompile_runtime_distributed_all_reduce(fc2_partial, tp_group)
+        fc2_bias = self.fc2.bias
+        fc2 = fc2_all_reduce + fc2_bias
+        return fc2
+
+``gather_from_shards(x, dim, sizes)`` becomes ``all_gather(x, tp_group, dim=, sizes=)``,
+``split_to_shards`` becomes ``local_slice`` and ``local_size(sizes)`` becomes
+``local_size(sizes, tp_group)``. A pass that finds nothing to lower returns
+``modified=False``; lowered calls are not found again, so a second run changes nothing.
 """
 
 from __future__ import annotations

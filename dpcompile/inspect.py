@@ -566,6 +566,11 @@ def _shape_text(info: NodeInfo) -> str:
     return parts[0] if len(parts) == 1 else f"({', '.join(parts)})"
 
 
+def _where(source: str | None) -> str:
+    """``"model.py:13"`` from ``"model.py:13 in forward: h = ..."``."""
+    return (source or "").split(" in ", 1)[0]
+
+
 def _render(r: Report) -> str:
     out = [
         f"dpcompile explain: {r.mode} on {len(r.devices)} devices ({', '.join(r.devices)})"
@@ -585,7 +590,7 @@ def _render(r: Report) -> str:
     out += ["", "Communication (elements each device sends, ring algorithms)"]
     rows = [
         [c.name, c.kind + (" (io)" if c.io else ""), _human_count(c.elements), _human_count(c.forward),
-         c.backward_kind or "-", _human_count(c.backward), (c.source or "").split(": ", 1)[0]]
+         c.backward_kind or "-", _human_count(c.backward), _where(c.source)]
         for c in r.collectives
     ]
     out += _table(["node", "kind", "S", "forward", "backward kind", "backward", "from"], rows,
@@ -609,7 +614,7 @@ def _render(r: Report) -> str:
     out += ["", "Nodes"]
     rows = [
         [i.name, i.op.replace("call_", ""), i.target, i.device, _shape_text(i), ",".join(sorted(set(i.dtype or []))) or "-",
-         (i.source or "").split(": ", 1)[0]]
+         _where(i.source)]
         for i in r.nodes
     ]
     out += _table(["node", "op", "target", "device", "shape", "dtype", "source"], rows, [26, 11, 19, 8, 16, 7, 19])
@@ -640,16 +645,17 @@ def to_dot(pm: fx.GraphModule) -> str:
         slot = slot_of(node)
         label = f"{node.name}\\n{_target_name(node)}"
         if comm is not None:
-            attrs = (f'label={quote(node.name)} shape=box style="filled,bold" fillcolor="#fde0dd" '
-                     f'color="{_COMM_COLOR}" penwidth=2.5 xlabel={quote(comm.kind)}')
+            kind = comm.kind + (" (io)" if comm.io else "")
+            attrs = (f'label="{node.name}\\n{kind}" shape=box style="filled,bold" fillcolor="#fde0dd" '
+                     f'color="{_COMM_COLOR}" penwidth=2.5')
             loose.append(f"  {quote(node.name)} [{attrs}];")
-        elif slot is not None and slot < len(labels):
+        elif node.op in ("placeholder", "output"):
+            loose.append(f'  {quote(node.name)} [label="{node.name}" shape=oval style=filled fillcolor="#f0f0f0"];')
+        else:
+            slot = slot if slot is not None and slot < len(labels) else 0  # whole values live on devices[0]
             clusters[slot].append(
                 f'    {quote(node.name)} [label="{label}" style=filled fillcolor="{_device_color(slot)}"];'
             )
-        else:
-            shape = "oval" if node.op in ("placeholder", "output") else "box"
-            loose.append(f'  {quote(node.name)} [label="{label}" shape={shape} style=filled fillcolor="#f0f0f0"];')
         for inp in node.all_input_nodes:
             edges.append(f"  {quote(inp.name)} -> {quote(node.name)};")
     lines = [
@@ -712,7 +718,10 @@ def _draw_matplotlib(pm: fx.GraphModule, path: Path) -> Path:
     where: dict[str, tuple[float, float]] = {}
     for row, node in enumerate(nodes):
         slot = slot_of(node)
-        column = slot if slot is not None and slot < len(labels) and "dpcompile_comm" not in node.meta else len(labels)
+        if "dpcompile_comm" in node.meta or node.op in ("placeholder", "output"):
+            column = len(labels)
+        else:
+            column = slot if slot is not None and slot < len(labels) else 0  # whole values live on devices[0]
         where[node.name] = (column, -row)
     fig, ax = plt.subplots(figsize=(3 + 2.2 * columns, max(4, 0.32 * len(nodes))))
     for node in nodes:
@@ -723,8 +732,7 @@ def _draw_matplotlib(pm: fx.GraphModule, path: Path) -> Path:
     for node in nodes:
         x, y = where[node.name]
         comm = node.meta.get("dpcompile_comm")
-        slot = slot_of(node)
-        face = "#fde0dd" if comm else (_device_color(slot) if slot is not None and slot < len(labels) else "#f0f0f0")
+        face = "#fde0dd" if comm else (_device_color(int(x)) if x < len(labels) else "#f0f0f0")
         edge = _COMM_COLOR if comm else "#333333"
         ax.text(x, y, node.name, ha="center", va="center", fontsize=7,
                 bbox={"boxstyle": "round", "facecolor": face, "edgecolor": edge, "linewidth": 2 if comm else 0.8})

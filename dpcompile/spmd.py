@@ -114,7 +114,9 @@ class SpmdModule(ParallelModule):
 
     ``pm.mode`` is ``"spmd_data_parallel"``, ``"spmd_tensor_parallel"`` or ``"spmd_2d"``;
     ``pm.mesh`` the mesh; ``pm.ddp`` the ``DistributedDataParallel`` that runs it where there
-    is a data-parallel dimension (None otherwise).
+    is a data-parallel dimension (None otherwise); with tensor parallelism ``pm.plan`` and
+    ``pm.plan_reasons`` as in single-process mode, and ``pm.shards`` ``{state key: (dim,
+    sizes)}`` for the parameters this rank holds a shard of.
 
     >>> pm = dpcompile.transform(model, mesh)   # doctest: +SKIP
     >>> with pm.no_sync():                      # accumulate without all-reducing  # doctest: +SKIP
@@ -380,7 +382,7 @@ def _transform_tensor_parallel(
         class_name=type(model).__name__,
         share_all_of=own,
     )
-    pm.reasons = {**reasons, **{p: f"replicate: {why}" for p, why in info.get("reasons", {}).items()}}
+    pm.plan_reasons = {**reasons, **{p: f"replicate: {why}" for p, why in info.get("reasons", {}).items()}}
     pm._attach(
         mesh=mesh,
         dp_dim=dp_dim,

@@ -12,7 +12,9 @@ program from ``shard_linear`` (tensor parallel), whose cross-shard steps are cal
   statistics are those of the whole, cross-process batch.
 
 The process groups are state-less :class:`~dpcompile.runtime.distributed.MeshGroup`
-submodules (``dp_group``, ``tp_group``) that the generated code names.
+submodules (``dp_group``, ``tp_group``) that the generated code names. Each lowered node
+keeps its ``Comm`` stamp and records the size of its group in
+``node.meta["dpcompile_comm_world"]`` (for ring-algorithm cost figures).
 
 Before (data parallel, the captured model)::
 
@@ -160,6 +162,16 @@ def find_collective_sites(gm: fx.GraphModule, *, batch_norm: bool = True) -> Col
     return sites
 
 
+def group_size(mesh: object, dim: str | int | None) -> int | None:
+    """How many ranks the mesh dimension ``dim`` (a name or an index) holds; None if unknown."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    index = names.index(dim) if isinstance(dim, str) and dim in names else dim if isinstance(dim, int) else 0
+    try:
+        return int(mesh.size(index))  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, IndexError):
+        return None
+
+
 def _bound_arguments(node: fx.Node) -> dict[str, Any]:
     """The collective call's arguments by name (positional ones bound to the signature)."""
     try:
@@ -236,6 +248,7 @@ class _Rewriter:
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
         self.groups: dict[str, fx.Node] = {}
+        self.sizes: dict[str, int | None] = {}
         self.lowered_bn: list[str] = []
         self.lowered: list[str] = []
 
@@ -256,6 +269,11 @@ class _Rewriter:
             if not isinstance(getattr(self.gm, name, None), MeshGroup):
                 self.gm.add_submodule(name, MeshGroup(self.mesh, dim))
             self.groups[name] = stamp(self.graph.get_attr(name), PASS)
+            self.sizes[name] = group_size(self.mesh, dim)
+
+    def _stamp_size(self, call: fx.Node, group: str) -> None:
+        if self.sizes.get(group) is not None:
+            call.meta["dpcompile_comm_world"] = self.sizes[group]
 
     def _batch_norm(self, node: fx.Node) -> fx.Node:
         module_ref = stamp(self.graph.create_node("get_attr", node.target, name=node.name), PASS, node)
@@ -265,6 +283,7 @@ class _Rewriter:
         )
         call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
         self.lowered_bn.append(str(node.target))
+        self._stamp_size(call, "dp_group")
         return stamp_comm(stamp(call, PASS, node), "all_reduce", backward="all_reduce")
 
     def _collective(self, node: fx.Node) -> fx.Node:
@@ -282,4 +301,5 @@ class _Rewriter:
         call = self.graph.create_node("call_function", rule.fn, args, kwargs, name=node.name)
         call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "dpcompile_source", "stack_trace")})
         self.lowered.append(f"{name} -> {rule.fn.__name__}")
+        self._stamp_size(call, "tp_group")
         return stamp_comm(stamp(call, PASS, node), rule.kind, backward=rule.backward)

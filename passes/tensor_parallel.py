@@ -178,7 +178,7 @@ def _linear_path(node: fx.Node, modules: Mapping[str, nn.Module]) -> str | None:
         return node.target
     if node.op == "call_function" and node.target is F.linear and len(node.args) >= 2:
         w = node.args[1]
-        if isinstance(w, fx.Node) and w.op == "get_attr" and w.target.rsplit(".", 1)[-1] == "weight":
+        if isinstance(w, fx.Node) and w.op == "get_attr" and w.target.rsplit(".", 1)[-1] == "weight" and "dpcompile_shard" not in w.meta:
             path = w.target.rsplit(".", 1)[0] if "." in w.target else ""
             if path == "" or isinstance(modules.get(path), nn.Linear):
                 return path
@@ -754,9 +754,7 @@ def shard_linear(gm: fx.GraphModule, *, plan: Mapping[str, str], devices: Device
     n = len(devices)
     resolved = resolve_plan(gm, plan=plan, n=n)
     if all(style == "replicate" for style in resolved.styles.values()):
-        info = {"plan": resolved.styles, "reasons": resolved.reasons, "param_shards": {}, "comms": []}
-        for node in gm.graph.nodes:
-            node.meta["dpcompile_layout"] = resolved.analysis.layouts.get(node, REPLICATED)
+        info = {"plan": resolved.styles, "reasons": resolved.reasons, "param_shards": {}, "comms": [], "gathered": {}, "pairs": {}}
         return PassResult(gm, False, info)
     rewriter = _Rewriter(gm, find_linear_sites(gm), resolved)
     gm.graph = rewriter.build()

@@ -308,3 +308,48 @@ def test_eval_and_train_switch_dropout_like_the_model():
     torch.testing.assert_close(pm(x), model(x))
     pm.train()
     assert not torch.allclose(pm(x), model(x))
+
+
+class TwoUses(nn.Module):
+    """The hidden activations feed a row layer and are also returned (they must be gathered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 10, bias=False)
+        self.fc2 = nn.Linear(10, 6, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        return self.fc2(h), h
+
+
+def test_transform_gathers_a_sharded_value_that_is_also_returned():
+    """A column output both paired with a row layer and returned: one all-gather, eager's numbers."""
+    model = TwoUses()
+    x = torch.randn(3, 6, requires_grad=True)
+    pm = dpcompile.transform(model, ["cpu"] * 3, tensor_parallel={"fc1": "column", "fc2": "row"})
+    assert pm.code.count("gather_to_device") == 1 and "split_to_devices" not in pm.code
+    out, h = pm(x)
+    ref_out, ref_h = model(x)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(h, ref_h)
+    (out.sum() + h.square().sum()).backward()
+    grad = x.grad.clone()
+    x.grad = None
+    (ref_out.sum() + ref_h.square().sum()).backward()
+    torch.testing.assert_close(grad, x.grad)
+
+
+def test_transform_returns_the_output_on_output_device():
+    """Under FakeTensorMode with fake GPUs, output_device='cuda:1' gets the whole output there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpcompile.tensor_parallel import transform_tensor_parallel
+
+    model = MLP(8, 16)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        pm = transform_tensor_parallel(model, ["cuda:0", "cuda:2"], plan=True, output_device="cuda:1", check_available=False)
+        with torch.no_grad():
+            out = pm(torch.randn(2, 8, device="cuda:0"))
+    assert out.device == torch.device("cuda:1")
+    assert "output_moved" in pm.code

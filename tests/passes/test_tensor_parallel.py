@@ -242,6 +242,14 @@ def test_shard_linear_with_only_replicate_is_a_noop():
     assert not result.modified and gm.code == before
 
 
+def test_shard_linear_twice_changes_nothing_more():
+    """A second run finds no unsharded Linear calls: modified=False and the same code."""
+    gm = spmd(MLP(), {"fc1": "column", "fc2": "row"}, 2, torch.randn(4, 8))
+    before = gm.code
+    result = shard_linear(gm, plan={"fc1": "column", "fc2": "row"}, devices=parse_devices(["cpu"] * 2))
+    assert not result.modified and gm.code == before
+
+
 def test_shard_linear_rejects_a_layer_too_narrow_with_the_arithmetic():
     """10 output features over 16 devices is an error that shows both numbers."""
     gm = captured(MLP(8, 10))
@@ -395,3 +403,93 @@ def test_sdpa_attention_stays_sharded_by_heads():
 
     gm = spmd(SDPA(), {"q": "column", "k": "column", "v": "column", "out": "row"}, 2, torch.randn(2, 5, 16))
     assert "gather_from_shards" not in gm.code and targets(gm).count("reduce_from_shards") == 1
+
+
+# ---------------------------------------------------------------------- the SPMD program over gloo
+SPMD_PLANS = {
+    "column_row": {"fc1": "column", "fc2": "row"},
+    "column_alone": {"fc1": "column"},
+    "row_alone": {"fc2": "row"},
+}
+
+
+def _spmd_rank(rank: int, world: int, port: int, results) -> None:
+    """One rank: run each plan's one-shard program with its own shards; report mismatches."""
+    import os
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    outcome: dict[str, str | None] = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+        for name, plan in SPMD_PLANS.items():
+            try:
+                torch.manual_seed(0)
+                model = MLP(6, 5)  # 5 hidden features over 2 ranks: 3 + 2
+                x = torch.randn(4, 6)
+                gm = spmd(model, plan, world, x)
+                for node in gm.graph.nodes:
+                    if "dpcompile_shard" in node.meta:
+                        path, _, attr = node.target.rpartition(".")
+                        full = gm.get_parameter(node.target)
+                        local = nn.Parameter(shard_of(full.detach(), node.meta["dpcompile_shard"], rank).clone())
+                        setattr(gm.get_submodule(path), attr, local)
+                xs, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+                out, ref = gm(xs), model(xe)
+                torch.testing.assert_close(out, ref)
+                out.square().sum().backward()
+                ref.square().sum().backward()
+                torch.testing.assert_close(xs.grad, xe.grad)
+                outcome[name] = None
+            except Exception:  # noqa: BLE001 - report each plan
+                outcome[name] = traceback.format_exc()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        outcome["<setup>"] = traceback.format_exc()
+    results.put((rank, outcome))
+
+
+@pytest.fixture(scope="module")
+def spmd_outcomes() -> dict[int, dict[str, str | None]]:
+    import queue
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_spmd_rank, args=(r, 2, port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, dict[str, str | None]] = {}
+    try:
+        while len(outcomes) < 2:
+            rank, outcome = results.get(timeout=60)
+            outcomes[rank] = outcome
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return outcomes
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("plan", list(SPMD_PLANS))
+def test_shard_linear_program_matches_eager_on_two_gloo_ranks(spmd_outcomes, plan):
+    """Each rank runs the one-shard program with torch.distributed collectives and gets eager's output and dX."""
+    assert set(spmd_outcomes) == {0, 1}, "a rank reported nothing within 60 s (hang or crash)"
+    for rank, outcome in spmd_outcomes.items():
+        assert "<setup>" not in outcome, outcome.get("<setup>")
+        assert outcome[plan] is None, f"rank {rank}: {outcome[plan]}"

@@ -257,6 +257,26 @@ def _gather_full(local: torch.Tensor, dim: int, sizes: Sequence[int], group: dis
         return all_gather(local, group, dim=dim, sizes=list(sizes))
 
 
+def unused_parameters(gm: fx.GraphModule) -> list[str]:
+    """Parameters of ``gm`` that its forward never reads: known statically, from the graph.
+
+    DDP must not wait for their gradients (it would fail on the next step with "Expected to
+    have finished reduction"); single-device training leaves their ``.grad`` None too.
+
+    >>> unused_parameters(capture(model_with_an_unused_head))  # doctest: +SKIP
+    ['head.weight', 'head.bias']
+    """
+    used_prefixes: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
+            used_prefixes.append(node.target)
+
+    def used(name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") or p == "" for p in used_prefixes)
+
+    return [name for name, _ in gm.named_parameters() if not used(name)]
+
+
 def _build_ddp(
     pm: SpmdModule, mesh: Any, dp_dim: str | int, options: Mapping[str, Any]
 ) -> nn.parallel.DistributedDataParallel:
@@ -266,7 +286,14 @@ def _build_ddp(
     if device.type == "cuda":
         kwargs["device_ids"] = [device.index]
     kwargs.update(options)
-    return nn.parallel.DistributedDataParallel(_LocalProgram(pm), **kwargs)
+    wrapper = _LocalProgram(pm)
+    unused = unused_parameters(pm)
+    if unused and not kwargs.get("find_unused_parameters"):
+        log.debug("DDP ignores parameters forward never reads: %s", unused)
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            wrapper, [f"program.{name}" for name in unused]
+        )
+    return nn.parallel.DistributedDataParallel(wrapper, **kwargs)
 
 
 # ---------------------------------------------------------------------------- transform

@@ -264,10 +264,40 @@ def check_dp_rnn_flatten_hoisted(rank: int, world: int) -> None:
     torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
 
 
+class WithUnusedHead(nn.Module):
+    """``spare`` is never called: DDP must not wait for its gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.spare = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def check_dp_unused_parameters_ignored(rank: int, world: int) -> None:
+    """DP: parameters forward never reads are known from the graph; three steps train without DDP errors."""
+    import dpcompile
+    from dpcompile.spmd import unused_parameters
+
+    torch.manual_seed(0)
+    model = WithUnusedHead()
+    pm = dpcompile.transform(model, _dp_mesh(world))
+    assert unused_parameters(pm) == ["spare.weight", "spare.bias"]
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        pm(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    assert model.spare.weight.grad is None and model.fc.weight.grad is not None
+
+
 DP_CHECKS = [
     ("dp_training_matches_eager", check_dp_training_matches_eager),
     ("dp_state_dict_and_code", check_dp_state_dict_and_code),
     ("dp_rnn_flatten_hoisted", check_dp_rnn_flatten_hoisted),
+    ("dp_unused_parameters_ignored", check_dp_unused_parameters_ignored),
 ]
 
 

@@ -224,3 +224,28 @@ def test_diff_shows_the_inserted_communication():
     assert "-    fc1 = self.fc1(x)" in text
     assert "+    x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu'], 0)" in text
     assert "+    fc2 = dpcompile_runtime_gather(" in text
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, scale=None):
+        y = self.fc(x)
+        return y if scale is None else y * scale
+
+
+def test_explain_binds_keyword_arguments():
+    """Keyword arguments reach their placeholders: the scaled branch has shapes."""
+    report = dpcompile.explain(_dp(Scaled()), x=torch.randn(6, 8), scale=torch.randn(6, 4))
+    shapes = {n.name: n.shape for n in report.nodes}
+    assert shapes["scale"] == [[6, 4]] and shapes["mul_dev1"] == [[3, 4]]
+
+
+def test_explain_counts_convolution_flops():
+    """A Conv2d's FLOPs are counted on each device's share of the batch."""
+    conv = nn.Conv2d(3, 8, 3, bias=False)
+    report = dpcompile.explain(_dp(conv), torch.randn(4, 3, 10, 10))
+    per_image = 2 * 8 * 8 * 8 * 3 * 3 * 3  # 2 * out_positions * out_channels * kernel volume
+    assert report.flops == {"cpu#0": 2 * per_image, "cpu#1": 2 * per_image}

@@ -32,6 +32,7 @@ import io
 import json
 import logging
 import pickle
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -68,16 +69,24 @@ def generated_source(pm: fx.GraphModule) -> str:
     >>> "def forward(self, input)" in generated_source(pm) or "def forward(self" in generated_source(pm)
     True
     """
-    from torch.fx.graph_module import _format_import_block, sys_importer
+    from torch.fx.graph_module import _format_import_statement, sys_importer
 
     import dpcompile
 
     code = pm.graph.python_code(root_module="self")
-    try:
-        imports = _format_import_block(code.globals, sys_importer)
-    except Exception as e:  # noqa: BLE001 - an unnameable global: say so in the file
-        log.warning("module.py: cannot write every import (%s)", e)
-        imports = "import torch"
+    lines: set[str] = {"import torch"}
+    for name, obj in code.globals.items():
+        if not re.search(rf"\b{re.escape(name)}\b", code.src):
+            continue  # fx's default globals (inf, nan, pytree, ...) that this code does not use
+        if isinstance(obj, str):  # a string annotation, e.g. 'torch.Tensor' under `from __future__ import annotations`
+            lines.add(f"{name} = {obj!r}")
+            continue
+        try:
+            lines.add(_format_import_statement(name, obj, sys_importer))
+        except Exception:  # noqa: BLE001 - an unnameable global: say so in the file
+            log.warning("module.py: cannot write an import for %s (%r)", name, obj)
+            lines.add(f"{name} = None  # dpcompile could not name {type(obj).__name__} {obj!r:.60}")
+    imports = "\n".join(sorted(lines, key=lambda line: (not line.startswith(("import", "from")), line.startswith("from"), line)))
     devices = getattr(pm, "devices", None)
     strings = devices.strings() if hasattr(devices, "strings") else devices
     class_name = _identifier(getattr(pm, "_export_class_name", None) or type(pm).__name__)
@@ -88,7 +97,6 @@ def generated_source(pm: fx.GraphModule) -> str:
         "This is the readable program. ``dpcompile.load(<this folder>)`` rebuilds the runnable\n"
         "module (with its submodules and weights) from program.pkl and weights.pt; loading runs\n"
         'Python code from the folder, so only load folders you trust.\n"""\n\n'
-        "import torch\n"
         f"{imports}\n\n\n"
         f"class {class_name}(torch.nn.Module):\n"
         f'    """The forward pass dpcompile generated; ``self`` is the loaded ParallelModule."""\n\n'

@@ -197,3 +197,16 @@ def test_load_refuses_something_that_is_not_an_export(tmp_path):
         dpcompile.load(tmp_path / "empty")
     with pytest.raises(dpcompile.DpCompileError, match="not a folder"):
         dpcompile.load(tmp_path / "nowhere")
+
+
+def test_export_module_py_imports_with_string_annotations(tmp_path):
+    """A forward annotated under `from __future__ import annotations` still gives an importable module.py."""
+    from dpcompile.demo import build
+
+    model, example = build()
+    pm = dpcompile.transform(model, ["cpu", "cpu"], example_inputs=example)
+    folder = dpcompile.export(pm, tmp_path / "out")
+    spec = importlib.util.spec_from_file_location("exported_demo", folder / "module.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.testing.assert_close(module.DemoModel.forward(dpcompile.load(folder), *example), pm(*example))

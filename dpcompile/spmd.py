@@ -97,6 +97,32 @@ def local_device(mesh: Any) -> torch.device:
     return torch.device(kind)
 
 
+def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:
+    """This process's part of a global batch: every tensor of ``value`` split along ``dim``.
+
+    Balanced ``tensor_split`` parts over the mesh's ``"dp"`` dimension (a 1-D mesh not named
+    ``"tp"`` is all data parallel); tensor-parallel ranks of one dp group get the same part,
+    and a ``("tp",)`` mesh gets the whole batch. Non-tensor leaves are passed through.
+
+    >>> x_local, y_local = local_batch((x, y), mesh)  # doctest: +SKIP
+    """
+    from dpcompile.runtime.structures import map_structure
+
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp" in names:
+        parts, rank = mesh.size(names.index("dp")), mesh.get_local_rank("dp")
+    elif mesh.ndim == 1 and names != ("tp",):
+        parts, rank = mesh.size(0), mesh.get_local_rank(0)
+    else:
+        return value
+    return map_structure(
+        lambda leaf: torch.tensor_split(leaf, parts, dim)[rank]
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > dim
+        else leaf,
+        value,
+    )
+
+
 # ---------------------------------------------------------------------------- the module
 class _LocalProgram(nn.Module):
     """What DDP wraps: calls the generated forward of ``program`` (not its ``__call__``)."""

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import dpcompile
+from dpcompile.spmd import local_batch
 
 
 class Net(nn.Module):
@@ -70,15 +71,12 @@ def main() -> None:
     opt = torch.optim.SGD(pm.parameters(), lr=0.05)
 
     # Data parallel: each dp rank takes its own part of the batch; tensor parallel: the same batch.
-    dp_size = mesh["dp"].size() if args.mode != "tp" else 1
-    dp_rank = mesh["dp"].get_local_rank() if args.mode != "tp" else 0
     gen = torch.Generator().manual_seed(1)
     device = torch.device(device_type, torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     for step in range(args.steps):
         x = torch.randn(args.batch, 32, generator=gen)
         y = torch.randint(0, 10, (args.batch,), generator=gen)
-        part = args.batch // dp_size
-        x, y = x[dp_rank * part : (dp_rank + 1) * part].to(device), y[dp_rank * part : (dp_rank + 1) * part].to(device)
+        x, y = local_batch((x.to(device), y.to(device)), mesh)  # (a real job loads only its part)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(pm(x), y)
         loss.backward()

@@ -426,10 +426,13 @@ def check_2d_training_matches_eager(rank: int, world: int) -> None:
     reference = copy.deepcopy(model)
     pm = dpcompile.transform(model, mesh, tensor_parallel={"fc1": "column", "fc2": "row"})
     assert pm.mode == "spmd_2d" and pm.ddp is not None
+    from dpcompile.spmd import local_batch
+
     dp, dp_size = mesh.get_local_rank("dp"), mesh.size(0)
     inputs = _batches(dp_size, 8, per_rank=2)
     per = inputs[0].size(0) // dp_size
-    _train_both(pm, reference, inputs, local=lambda t: t[dp * per : (dp + 1) * per])
+    torch.testing.assert_close(local_batch(inputs[0], mesh), inputs[0][dp * per : (dp + 1) * per])
+    _train_both(pm, reference, inputs, local=lambda t: local_batch(t, mesh))
     _assert_state_equal(pm.state_dict(), reference.state_dict())
 
 

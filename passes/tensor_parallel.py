@@ -299,6 +299,12 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return None
 
 
+def _may_need_grad(node: fx.Node) -> bool:
+    """False for values that never carry a gradient (masks, integer tensors): f's backward is then free."""
+    v = _val(node)
+    return not (isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex()))
+
+
 def _ndim(node: Any) -> int | None:
     s = _shape(node)
     return None if s is None else len(s)
@@ -383,7 +389,8 @@ class _Analyzer:
                 continue
             self._seen_comms.add(key)
             if step == "copy":
-                self.result.comms.append(CommEstimate("identity", "all_reduce", numel, f"{producer.name} -> f"))
+                backward = "all_reduce" if _may_need_grad(producer) else None
+                self.result.comms.append(CommEstimate("identity", backward, numel, f"{producer.name} -> f"))
             elif step == "gather":
                 self.result.comms.append(CommEstimate("all_gather", None, numel, f"{producer.name} all-gather"))
                 layout = self.layout(producer)
@@ -814,7 +821,7 @@ class _Rewriter:
         elif kind == "copy":
             new = self.make("call_function", collectives.copy_to_shards, (self.env[producer],),
                             name=f"{producer.name}_copy", source=producer, layout=COPIED)  # fmt: skip
-            new = self.comm(new, "identity", "all_reduce", producer)
+            new = self.comm(new, "identity", "all_reduce" if _may_need_grad(producer) else None, producer)
         elif kind == "gather_copy":
             gathered = self.convert(producer, "gather")
             new = self.make("call_function", collectives.copy_to_shards, (gathered,),

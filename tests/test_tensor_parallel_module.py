@@ -353,3 +353,35 @@ def test_transform_returns_the_output_on_output_device():
             out = pm(torch.randn(2, 8, device="cuda:0"))
     assert out.device == torch.device("cuda:1")
     assert "output_moved" in pm.code
+
+
+class MaskedAttention(nn.Module):
+    """GPT-2 style: a causal-mask buffer, masked_fill, dropout, k.size(-1) for the scale."""
+
+    def __init__(self, d: int = 16, heads: int = 4, t: int = 6):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.proj = (nn.Linear(d, d) for _ in range(4))
+        self.drop = nn.Dropout(0.0)
+        self.register_buffer("mask", torch.tril(torch.ones(t, t)).view(1, 1, t, t))
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q = self.q(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        k = self.k(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        v = self.v(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / k.size(-1) ** 0.5)
+        att = self.drop(F.softmax(att.masked_fill(self.mask == 0, float("-inf")), dim=-1))
+        return self.proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
+
+
+def test_transform_matches_eager_on_masked_attention_without_gathers():
+    """A replicated mask broadcast over the sharded heads is copied to the shards, not gathered; numbers match."""
+    model = MaskedAttention()
+    x = torch.randn(2, 6, 16)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+    assert pm.plan == {"q": "column", "k": "column", "v": "column", "proj": "row"}
+    assert "gather_to_device" not in pm.code
+    mask_copy = next(n for n in pm.graph.nodes if n.name.endswith("_copy") and n.name != "x_copy")
+    assert mask_copy.meta["dpcompile_comm"].backward is None  # a bool mask carries no gradient
+    check_matches_eager(model, pm, x)

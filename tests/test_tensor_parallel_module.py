@@ -9,6 +9,8 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import dpcompile
@@ -385,3 +387,21 @@ def test_transform_matches_eager_on_masked_attention_without_gathers():
     mask_copy = next(n for n in pm.graph.nodes if n.name.endswith("_copy") and n.name != "x_copy")
     assert mask_copy.meta["dpcompile_comm"].backward is None  # a bool mask carries no gradient
     check_matches_eager(model, pm, x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    widths=st.lists(st.integers(3, 12), min_size=2, max_size=5),
+    styles=st.lists(st.sampled_from(["column", "row", "replicate"]), min_size=4, max_size=4),
+    n=st.integers(2, 3),
+    activation=st.sampled_from([nn.ReLU, nn.Tanh, nn.Identity]),
+)
+def test_transform_matches_eager_on_random_mlps(widths, styles, n, activation):
+    """Random widths, depths, styles and device counts: outputs and gradients match eager."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers += [nn.Linear(a, b, bias=i % 2 == 0), activation()]
+    model = nn.Sequential(*layers)
+    plan = {str(2 * i): style for i, style in zip(range(len(widths) - 1), styles)}
+    pm = dpcompile.transform(model, ["cpu"] * n, tensor_parallel=plan, example_inputs=(torch.randn(2, widths[0]),))
+    check_matches_eager(model, pm, torch.randn(3, widths[0]))

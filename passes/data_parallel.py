@@ -11,24 +11,31 @@ Before (the captured model)::
 After, on ``["cpu", "cpu"]``::
 
     def forward(self, x):
+        fc1_src = self.fc1
+        fc2_src = self.fc2
+        replicas = dpcompile_runtime_replicate({'fc1': fc1_src, 'fc2': fc2_src}, ['cpu'])
+        replica_dev1 = replicas[0]
         x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu'], 0)
         x_dev0 = x_scatter[0]
         x_dev1 = x_scatter[1]
         fc1_dev0 = self.fc1(x_dev0)
-        fc1_dev1 = self.fc1(x_dev1)
+        fc1_dev1 = replica_dev1.fc1(x_dev1)
         relu_dev0 = torch.relu(fc1_dev0)
         relu_dev1 = torch.relu(fc1_dev1)
-        loss_dev0 = relu_dev0.sum()              # partial sums ...
-        numel_dev0 = dpcompile_runtime_numel(relu_dev0)
+        fc2_dev0 = self.fc2(relu_dev0)
+        fc2_dev1 = replica_dev1.fc2(relu_dev1)
+        mean_sum_dev0 = relu_dev0.sum()                    # partial sums ...
+        mean_count_dev0 = dpcompile_runtime_numel(relu_dev0)
         ...
         fc2 = dpcompile_runtime_gather([fc2_dev0, fc2_dev1], 0, 'cpu')
-        loss = dpcompile_runtime_mean_of_partials([loss_dev0, loss_dev1], [numel_dev0, numel_dev1], 'cpu')
-        return (fc2, loss)
+        mean = dpcompile_runtime_mean_of_partials([mean_sum_dev0, mean_sum_dev1], [mean_count_dev0, mean_count_dev1], 'cpu')
+        return (fc2, mean)
 
-On devices that are physically distinct from ``devices[0]`` the head of forward replicates
-the modules (``replicas = replicate({...}, ['cuda:1'])``) and device ``k`` calls
-``replica_devk.fc1(x_devk)``. Where a value must be whole (an op with no batch rule, an
-output) the split ends with a gather; per-device partial sums end with a reduction.
+Device 0 runs the user's own modules; device ``k`` runs ``replica_devk``, made once at the
+head of forward: an alias of the originals on a virtual device (nothing copied), a copy on a
+distinct GPU (one coalesced, differentiable broadcast). Where a value must be whole (an op
+with no batch rule, an output) the split ends with a gather; per-device partial sums end
+with a reduction.
 """
 
 from __future__ import annotations
@@ -94,8 +101,10 @@ class _Builder:
         self.output_device = output_device
         self.modules = dict(gm.named_modules())
         self.graph = fx.Graph()
-        self.distinct = [copy_replicas or not devices.shares_memory_with_primary(k) for k in range(self.n)]
-        self.distinct[0] = False
+        # device 0 runs the user's modules; every other device runs its replica (an alias of
+        # the original on a virtual device, a copy on a distinct GPU)
+        self.uses_replica = [k > 0 for k in range(self.n)]
+        self.copy_replicas = copy_replicas
         self.per_device: dict[fx.Node, list[Any]] = {}
         self.whole: dict[fx.Node, Any] = {}
         self.moved: dict[tuple[fx.Node, int], Any] = {}
@@ -143,7 +152,7 @@ class _Builder:
         return self.graph
 
     def _emit_replicas(self, nodes: list[fx.Node]) -> None:
-        targets = [k for k in range(self.n) if self.distinct[k]]
+        targets = [k for k in range(self.n) if self.uses_replica[k]]
         if not targets:
             return
         roots: dict[str, fx.Node] = {}
@@ -153,7 +162,10 @@ class _Builder:
                 if top not in roots:
                     roots[top] = self.node("get_attr", top, name=f"{top}_src")
         replicas = self.call(
-            runtime.replicate, (roots, [self.device_str(k) for k in targets]), name="replicas"
+            runtime.replicate,
+            (roots, [self.device_str(k) for k in targets]),
+            {"copy": True} if self.copy_replicas else {},
+            name="replicas",
         )
         stamp_comm(replicas, "broadcast", backward="reduce")
         for i, k in enumerate(targets):
@@ -186,7 +198,8 @@ class _Builder:
         return self.moved[key]
 
     def _same_place(self, k: int) -> bool:
-        return not self.distinct[k] and self.devices[k] == self.devices.primary
+        """Whether device ``k`` holds the primary's tensors as they are (a virtual device)."""
+        return k == 0 or (not self.copy_replicas and self.devices[k] == self.devices.primary)
 
     def _placeholder_on_device(self, node: fx.Node, k: int) -> Any:
         if node not in self.per_device:
@@ -206,7 +219,7 @@ class _Builder:
                 values = []
                 for i in range(self.n):
                     where = self.device_str(i)
-                    if where not in copies or self.distinct[i]:
+                    if where not in copies or not self._same_place(i):
                         copies[where] = stamp_comm(
                             self.call(runtime.to_device, (source, where), name=f"{node.name}_dev{i}", source=node),
                             "broadcast",
@@ -271,7 +284,7 @@ class _Builder:
             if node.op == "get_attr":
                 values.append(self._attr_on_device(node, k))
                 continue
-            if node.op == "call_module" and self.distinct[k]:
+            if node.op == "call_module" and self.uses_replica[k]:
                 values.append(self.node("call_method", node.target, (self.replica_roots[k], *args), kwargs, name=name, source=node))
                 continue
             if _is_pad_packed(node):
@@ -280,7 +293,7 @@ class _Builder:
         self.per_device[node] = values
 
     def _attr_on_device(self, node: fx.Node, k: int) -> fx.Node:
-        if self.distinct[k]:
+        if self.uses_replica[k]:
             value: fx.Node = self.replica_roots[k]
             for atom in node.target.split("."):
                 value = self.call(getattr, (value, atom), name=f"{atom}_dev{k}", source=node)
@@ -357,7 +370,7 @@ class _Builder:
         return total, count
 
     def _module_tensor_on_device(self, node: fx.Node, attr: str, k: int) -> fx.Node:
-        if self.distinct[k]:
+        if self.uses_replica[k]:
             value: fx.Node = self.replica_roots[k]
             for atom in [*node.target.split("."), attr]:
                 value = self.call(getattr, (value, atom), name=f"{atom}_dev{k}", source=node)

@@ -37,17 +37,26 @@ def _collect(values: Mapping[str, nn.Module | torch.Tensor]) -> tuple[list[nn.Mo
 
 
 def replicate(
-    modules: Mapping[str, nn.Module | torch.Tensor], devices: Sequence[DeviceLike]
+    modules: Mapping[str, nn.Module | torch.Tensor], devices: Sequence[DeviceLike], *, copy: bool = False
 ) -> tuple[ReplicaRoot, ...]:
     """One :class:`ReplicaRoot` per device holding replicas of ``modules`` (names kept).
 
+    On a device that already holds the tensors (a virtual device) the replica *is* the
+    original: nothing is copied and autograd sums the gradients of the shared tensors.
+    ``copy=True`` copies there too, as a distinct GPU needs, to exercise that path.
+
     >>> lin = nn.Linear(2, 2)
-    >>> (r,) = replicate({"fc": lin}, ["cpu"])
+    >>> (r,) = replicate({"fc": lin}, ["cpu"], copy=True)
     >>> torch.equal(r.fc.weight, lin.weight), r.fc.weight is lin.weight
     (True, False)
     """
     devices = _as_devices(devices)
     all_modules, tensors = _collect(modules)
+    source = tensors[0].device if tensors else None
+    to_copy = [k for k, d in enumerate(devices) if tensors and (copy or d != source)]
+    roots: list[ReplicaRoot] = [_aliasing_root(modules) for _ in devices]
+    if not to_copy:
+        return tuple(roots)
     index = {id(t): i for i, t in enumerate(tensors)}
     packed_groups = [
         [index[id(w)] for w in m._flat_weights]
@@ -55,10 +64,9 @@ def replicate(
         if isinstance(m, nn.RNNBase) and all(isinstance(w, torch.Tensor) for w in m._flat_weights)
     ]
     packed_groups = _disjoint(packed_groups)
-    flat = Broadcast.apply(devices, packed_groups, *tensors) if tensors else ()
-    roots = []
-    for k in range(len(devices)):
-        copies = {id(t): flat[k * len(tensors) + i] for i, t in enumerate(tensors)}
+    flat = Broadcast.apply([devices[k] for k in to_copy], packed_groups, *tensors)
+    for slot, k in enumerate(to_copy):
+        copies = {id(t): flat[slot * len(tensors) + i] for i, t in enumerate(tensors)}
         memo: dict[int, nn.Module] = {}
         root = ReplicaRoot()
         for name, value in modules.items():
@@ -66,8 +74,20 @@ def replicate(
                 root._modules[name] = _replicate_module(value, copies, memo)
             else:
                 root._buffers[name] = copies[id(value)]
-        roots.append(root)
+        roots[k] = root
     return tuple(roots)
+
+
+def _aliasing_root(modules: Mapping[str, nn.Module | torch.Tensor]) -> ReplicaRoot:
+    root = ReplicaRoot()
+    for name, value in modules.items():
+        if isinstance(value, nn.Module):
+            root._modules[name] = value
+        elif isinstance(value, nn.Parameter):
+            root._parameters[name] = value
+        else:
+            root._buffers[name] = value
+    return root
 
 
 def _disjoint(groups: list[list[int]]) -> list[list[int]]:

@@ -28,20 +28,23 @@ def test_insert_scatter_gather_emits_scatter_per_device_calls_and_gather():
     pm = dpcompile.transform(MLP(), ["cpu", "cpu"])
     names = [n.name for n in pm.graph.nodes]
     assert names == [
-        "x", "x_scatter", "x_dev0", "x_dev1",
+        "x", "fc1_src", "fc2_src", "replicas", "replica_dev1", "x_scatter", "x_dev0", "x_dev1",
         "fc1_dev0", "fc1_dev1", "relu_dev0", "relu_dev1", "fc2_dev0", "fc2_dev1",
         "fc2", "output",
     ]
     targets = _targets(pm)
     assert targets.count(runtime.scatter) == 1 and targets.count(runtime.gather) == 1
-    assert targets.count("fc1") == 2 and targets.count("fc2") == 2
+    calls = [n.target for n in pm.graph.nodes if n.op in ("call_module", "call_method")]
+    assert calls == ["fc1", "fc1", "fc2", "fc2"]  # self.fc1(x_dev0), replica_dev1.fc1(x_dev1), ...
+    assert targets.count(runtime.replicate) == 1
 
 
 def test_insert_scatter_gather_code_reads_like_handwritten():
     """Generated code names the inserted calls and the device of every value."""
     code = dpcompile.transform(MLP(), ["cpu"] * 3).code
     assert "x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu', 'cpu'], 0)" in code
-    assert "fc1_dev2 = self.fc1(x_dev2)" in code
+    assert "replicas = dpcompile_runtime_replicate({'fc1': fc1_src, 'fc2': fc2_src}, ['cpu', 'cpu'])" in code
+    assert "fc1_dev0 = self.fc1(x_dev0)" in code and "fc1_dev2 = replica_dev2.fc1(x_dev2)" in code
     assert "fc2 = dpcompile_runtime_gather([fc2_dev0, fc2_dev1, fc2_dev2], 0, 'cpu')" in code
 
 
@@ -49,7 +52,7 @@ def test_insert_scatter_gather_replicates_modules_for_distinct_devices():
     """With real replicas the head of forward replicates once and device k calls its replica."""
     pm = dpcompile.transform(MLP(), ["cpu"] * 3, copy_replicas=True)
     code = pm.code
-    assert code.count("dpcompile_runtime_replicate(") == 1
+    assert code.count("dpcompile_runtime_replicate(") == 1 and "copy = True" in code
     assert "fc1_dev1 = replica_dev1.fc1(x_dev1)" in code
     assert "fc1_dev0 = self.fc1(x_dev0)" in code
     first_compute = next(n for n in pm.graph.nodes if n.op == "call_module")
@@ -74,6 +77,7 @@ def test_insert_scatter_gather_stamps_provenance():
     made = [n for n in pm.graph.nodes if n.op not in ("placeholder", "output")]
     assert all(n.meta.get("dpcompile_pass") == "insert_scatter_gather" for n in made)
     fc1 = next(n for n in made if n.name == "fc1_dev1")
+    assert fc1.op == "call_method" and fc1.args[0].name == "replica_dev1"
     assert fc1.meta["dpcompile_source"] == "fc1"
     assert "test_data_parallel" not in fc1.meta.get("stack_trace", "") and "forward" in fc1.meta.get("stack_trace", "")
 
@@ -126,7 +130,7 @@ def test_data_parallel_small_batch_uses_fewer_devices():
     x = torch.randn(2, 8)
     torch.testing.assert_close(pm(x), reference(x))
     assert 2 in pm._smaller_programs
-    assert pm._smaller_programs[2].code.count("self.fc1(") == 2
+    assert pm._smaller_programs[2].code.count(".fc1(x_dev") == 2  # two devices run fc1
 
 
 def test_data_parallel_model_without_batch_inputs_runs_once():

@@ -52,7 +52,7 @@ def test_broadcast_backward_sums_gradients_on_the_source():
 def test_replicate_gives_independent_modules_with_shared_gradients():
     """Replicas compute like the original; their gradients land on the original."""
     lin = nn.Linear(3, 2)
-    (r1, r2) = runtime.replicate({"lin": lin}, ["cpu", "cpu"])
+    (r1, r2) = runtime.replicate({"lin": lin}, ["cpu", "cpu"], copy=True)
     assert r1.lin is not lin and r1.lin.weight is not lin.weight
     x = torch.randn(4, 3)
     (r1.lin(x).sum() + r2.lin(x).sum()).backward()
@@ -63,7 +63,7 @@ def test_replicate_gives_independent_modules_with_shared_gradients():
 def test_replicate_lays_rnn_weights_into_one_buffer(kind):
     """A replica's RNN weights are views, in order, into one contiguous buffer."""
     rnn = kind(4, 5, num_layers=2, bidirectional=True)
-    (root,) = runtime.replicate({"rnn": rnn}, ["cpu"])
+    (root,) = runtime.replicate({"rnn": rnn}, ["cpu"], copy=True)
     weights = root.rnn._flat_weights
     assert runtime.weights_in_one_buffer(root.rnn)
     assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
@@ -83,12 +83,19 @@ def test_replicate_copies_a_flat_source_span_exactly():
     torch.testing.assert_close(copy_b, b)
 
 
+def test_replicate_aliases_on_the_source_device():
+    """Without copy=True a replica on the tensors' own device is the original module."""
+    lin = nn.Linear(3, 2)
+    (root,) = runtime.replicate({"lin": lin, "w": lin.weight}, ["cpu"])
+    assert root.lin is lin and root.w is lin.weight
+
+
 def test_flatten_parameters_skips_weights_already_in_one_buffer(monkeypatch):
     """runtime.flatten_parameters copies nothing when the weights are already one buffer."""
     rnn = nn.LSTM(3, 4)
     calls = []
     monkeypatch.setattr(nn.RNNBase, "flatten_parameters", lambda self: calls.append(self))
-    (root,) = runtime.replicate({"rnn": rnn}, ["cpu"])
+    (root,) = runtime.replicate({"rnn": rnn}, ["cpu"], copy=True)
     runtime.flatten_parameters(root.rnn)
     assert calls == []
     runtime.flatten_parameters(rnn)

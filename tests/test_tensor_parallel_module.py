@@ -405,3 +405,26 @@ def test_transform_matches_eager_on_random_mlps(widths, styles, n, activation):
     plan = {str(2 * i): style for i, style in zip(range(len(widths) - 1), styles)}
     pm = dpcompile.transform(model, ["cpu"] * n, tensor_parallel=plan, example_inputs=(torch.randn(2, widths[0]),))
     check_matches_eager(model, pm, torch.randn(3, widths[0]))
+
+
+class Stack(nn.Module):
+    def __init__(self, depth: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(16, 4) for _ in range(depth)])
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_auto_plan_searches_a_large_group_by_coordinate_descent():
+    """Two blocks and a head (13 layers linked by the residual stream): Megatron per block, nested paths."""
+    model = Stack(2)
+    x = torch.randn(2, 5, 16)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+    for i in range(2):
+        assert {p.split(".")[-1]: s for p, s in pm.plan.items() if p.startswith(f"blocks.{i}.")} == BLOCK_PLAN
+    assert "coordinate descent over its group of 13" in pm.plan_reasons["blocks.1.q"]
+    check_matches_eager(model, pm, x)

@@ -42,8 +42,8 @@ def transform_times() -> dict:
         model = DeepMLP(layers, 8)
         times = interleaved(
             {
-                "symbolic_trace": lambda: fx.symbolic_trace(model),
-                "transform": lambda: dpcompile.transform(model, ["cpu"] * 2),
+                "symbolic_trace": lambda m=model: fx.symbolic_trace(m),
+                "transform": lambda m=model: dpcompile.transform(m, ["cpu"] * 2),
             },
             rounds=5 if layers < 800 else 3,
             warmup=1,

@@ -22,10 +22,10 @@ from types import TracebackType
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.errors import TraceError
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 _TORCH_DIRS = (os.path.dirname(torch.__file__),)
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -83,9 +83,6 @@ def test_reducing_losses_match_eager_with_uneven_splits(name, make_loss, target_
         loss = make_loss()
         if isinstance(loss, nn.Module):
             return LossModel(loss, target_kind)
-        model = LossModel(nn.Identity(), target_kind)
-        model.loss = None
-        model.forward = None
         return _FunctionalLoss(loss, target_kind)
 
     pm = check_against_eager(make, ["cpu"] * 4, torch.randn(batch, 6), target)
@@ -154,7 +151,7 @@ def test_batchnorm_cnn_training_steps_match_eager():
     pm = dpcompile.transform(model, ["cpu"] * 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for step in range(4):
+    for _step in range(4):
         x, y = torch.randn(10, 3, 8, 8), torch.randint(0, 5, (10,))
         for module, optimizer in ((pm, opt), (reference, ref_opt)):
             optimizer.zero_grad()

@@ -28,7 +28,7 @@ def test_five_sgd_momentum_steps_match_eager(make, shape, n_devices, real):
     pm = dpcompile.transform(model, ["cpu"] * n_devices, copy_replicas=real)
     opt = torch.optim.SGD(pm.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    for step in range(5):
+    for _step in range(5):
         x = torch.randn(*shape)
         for module, optimizer in ((pm, opt), (reference, ref_opt)):
             optimizer.zero_grad()

@@ -783,7 +783,7 @@ POINTWISE_METHODS = {
     "zero_", "fill_", "exp_", "neg_", "pow_", "sqrt_", "square", "reciprocal", "sign",
     "floor", "ceil", "round", "eq", "ne", "gt", "lt", "ge", "le", "logical_not", "isnan",
     "maximum", "minimum", "where", "lerp", "nan_to_num", "requires_grad_", "detach_",
-    "new_zeros_like", "expand_as", "sigmoid", "softplus", "erf", "masked_scatter",
+    "new_zeros_like", "expand_as", "softplus", "erf", "masked_scatter",
 }
 
 PER_SAMPLE_MODULES: tuple[type[nn.Module], ...] = (

@@ -632,7 +632,11 @@ class _Analyzer:
             raise _Fallback("a view whose shape is a computed tensor", problem=True)
         in_shape, out_shape = _shape(x), _shape(node)
         if in_shape is None or out_shape is None or len(shape_args) != len(out_shape):
-            raise _Fallback("shapes are unknown, so the sharded constant cannot be checked; pass example_inputs=", problem=True)
+            raise _Fallback(
+                "shapes are unknown (no example_inputs=, or fake-tensor shape propagation failed), so the "
+                "sharded constant cannot be checked; pass example_inputs=",
+                problem=True,
+            )
         d = len(in_shape) + layout.dim
         before, full = math.prod(in_shape[:d]), in_shape[d]
         j = next((i for i in range(len(out_shape) + 1) if math.prod(out_shape[:i]) == before), None)

@@ -253,3 +253,68 @@ def test_ops_across_the_batch_run_after_a_gather():
     pm = check_against_eager(Unsplittable, ["cpu"] * 3, torch.randn(7, 4))
     gathers = [n for n in pm.graph.nodes if n.target is runtime.gather]
     assert len(gathers) == 1 and gathers[0].name == "fc"
+
+
+class SizesAndFactories(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 3)
+
+    def forward(self, x):
+        b = x.size(0)
+        h = x.view(b, -1)
+        z = x.new_zeros(b, 3) + self.fc(h)
+        return z, x.shape[0], b * 2, h.flatten()
+
+
+def test_batch_sizes_reshapes_and_factories_follow_the_chunks():
+    """x.size(0) is the chunk's inside the program and the whole batch's when returned."""
+    pm = check_against_eager(SizesAndFactories, ["cpu"] * 3, torch.randn(7, 3, 4))
+    z, n, twice, flat = pm(torch.randn(7, 3, 4))
+    assert (n, twice, z.shape, flat.shape) == (7, 14, (7, 3), (84,))
+    assert "dpcompile_runtime_gather" not in pm.code.split("fc_dev2")[0]
+
+
+class Shapes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return (
+            torch.cat([y, y * 2], dim=1),
+            torch.stack([y, y], 0),
+            y[:, 1:3],
+            y.unsqueeze(1).expand(-1, 3, -1),
+            y.chunk(2, dim=1)[1],
+            y.permute(1, 0).transpose(0, 1),
+        )
+
+
+def test_shape_ops_keep_the_split():
+    """cat/stack/slicing/expand/chunk/permute on split values stay split until the output."""
+    pm = check_against_eager(Shapes, ["cpu"] * 3, torch.randn(7, 4))
+    gathers = [n for n in pm.graph.nodes if n.target is runtime.gather]
+    assert all(n.meta["dpcompile_comm"].io for n in gathers)
+    assert len(gathers) == 6
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x, pad):
+        y = self.enc(x, src_key_padding_mask=pad)
+        return self.mha(y, y, y)
+
+
+def test_transformer_layers_and_attention_run_per_device():
+    """TransformerEncoderLayer and MultiheadAttention (with a padding mask) split on the batch."""
+    pad = torch.zeros(5, 6, dtype=torch.bool)
+    pad[:, -1] = True
+    pm = check_against_eager(Attention, ["cpu"] * 2, torch.randn(5, 6, 8), pad, atol=1e-4)
+    (gather,) = [n for n in pm.graph.nodes if n.target is runtime.gather]  # the returned (out, weights)
+    assert gather.args[1] == (0, 0)

@@ -86,13 +86,23 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
     return placements
 
 
+def batch_first(module: nn.Module) -> bool:
+    """``batch_first`` of an RNN, attention or transformer layer (which keep it in ``self_attn``)."""
+    if isinstance(module, nn.TransformerEncoder):
+        module = module.layers[0]
+    if hasattr(module, "batch_first"):
+        return bool(module.batch_first)
+    attention = getattr(module, "self_attn", None)
+    return bool(getattr(attention, "batch_first", False))
+
+
 def _wanted_dim(node: fx.Node, module: nn.Module | None) -> int | None:
     """The dim a sequence module wants its first input split on, if it has an opinion."""
     if isinstance(module, (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)):
-        return 0 if getattr(module, "batch_first", False) else 1
+        return 0 if batch_first(module) else 1
     if node.op == "call_function" and node.target is torch.nn.utils.rnn.pack_padded_sequence:
-        batch_first = node.args[2] if len(node.args) > 2 else node.kwargs.get("batch_first", False)
-        return 0 if batch_first else 1
+        first = node.args[2] if len(node.args) > 2 else node.kwargs.get("batch_first", False)
+        return 0 if first else 1
     return None
 
 

@@ -323,12 +323,14 @@ def cat(ctx: RuleContext) -> Placement | None:
         return None
     d = dims.pop()
     nd = ctx.ndim(tensors[0])
-    dim_n = dim + nd if (dim < 0 and nd is not None) else dim
-    if dim_n == d or (dim < 0 and nd is None and d != 0):
-        return None
-    if ctx.node.target is torch.stack:
-        return Split(d + 1 if 0 <= dim_n <= d else d)
-    return Split(d)
+    stacking = ctx.node.target is torch.stack
+    if dim < 0:
+        if nd is None:
+            return Split(d) if d == 0 else None  # a negative dim lies after dim 0 of a batched tensor
+        dim += nd + (1 if stacking else 0)
+    if stacking:  # a new dim at `dim`: the batch dim moves right if it was at or after it
+        return Split(d + 1 if dim <= d else d)
+    return None if dim == d else Split(d)
 
 
 def getitem(ctx: RuleContext) -> Placement | None:
@@ -645,8 +647,9 @@ def multihead_attention(ctx: RuleContext) -> Placement | None:
 
 
 def transformer_layer(ctx: RuleContext) -> Placement | None:
-    module = ctx.module
-    batch_dim = 0 if getattr(module, "batch_first", False) else 1
+    from dpcompile.analysis.batch_dims import batch_first
+
+    batch_dim = 0 if batch_first(ctx.module) else 1
     x = ctx.tensor_arg()
     p = ctx.p(x)
     if not (isinstance(p, Split) and p.dim == batch_dim):

@@ -409,6 +409,7 @@ def _transform_tensor_parallel(
     tp_size = mesh.size(mesh.mesh_dim_names.index(tp_dim)) if isinstance(tp_dim, str) else mesh.size(0)
     tp_rank = mesh.get_local_rank(tp_dim) if isinstance(tp_dim, str) else mesh.get_local_rank(0)
     own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
+    _broadcast_state(own, mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
     gm = capture(own, leaf_modules=leaf_modules)
     if example_inputs is not None:
         propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
@@ -446,6 +447,18 @@ def _transform_tensor_parallel(
     return pm
 
 
+@torch.no_grad()
+def _broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give every rank of ``group`` the parameters and buffers of the group's first rank.
+
+    As DDP does at construction: ranks that initialised the model differently (no common
+    seed) still cut their shards from one model.
+    """
+    source = dist.get_global_rank(group, 0)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=source, group=group)
+
+
 def _plan_for(gm: fx.GraphModule, plan: bool | Mapping[str, str], n: int) -> tuple[dict[str, str], dict[str, str]]:
     """``(styles, reasons)``: the explicit plan as given, or the automatic plan for ``n`` shards."""
     if isinstance(plan, Mapping):
@@ -473,6 +486,3 @@ def _keep_own_shards(gm: fx.GraphModule, own: nn.Module, specs: Mapping[str, Any
         if not path:  # the model itself is a Linear: its own parameters are the root's
             setattr(own, name, param)
 
-
-def _graph_text(gm: fx.GraphModule) -> str:  # pragma: no cover - debugging aid
-    return gm.code

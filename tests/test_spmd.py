@@ -391,6 +391,11 @@ def check_tp_state_dict_round_trip(rank: int, world: int) -> None:
     torch.testing.assert_close(pm(x), other(x), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="shards"):
         pm.load_state_dict(MLP(8, 10).state_dict())
+    torch.manual_seed(rank)  # ranks that initialise differently still shard tp rank 0's model
+    mine = MLP(8, 12)
+    pm = dpcompile.transform(mine, _tp_mesh(world), tensor_parallel={"fc1": "column", "fc2": "row"})
+    torch.manual_seed(0)
+    _assert_state_equal(pm.state_dict(), MLP(8, 12).state_dict())
 
 
 def check_tp_automatic_plan(rank: int, world: int) -> None:

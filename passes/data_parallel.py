@@ -107,7 +107,9 @@ class _Builder:
         self.copy_replicas = copy_replicas
         self.per_device: dict[fx.Node, list[Any]] = {}
         self.whole: dict[fx.Node, Any] = {}
-        self.moved: dict[tuple[fx.Node, int], Any] = {}
+        self.moved: dict[tuple[fx.Node, int], Any] = {}  # a whole value's copy on device k
+        self.inputs_on_primary: dict[fx.Node, fx.Node] = {}
+        self.max_lengths: dict[fx.Node, fx.Node] = {}
         self.partials: dict[fx.Node, tuple[str, list[Any], list[Any]]] = {}
         self.replica_roots: dict[int, fx.Node] = {}
         self.primary = str(devices.primary)
@@ -115,10 +117,7 @@ class _Builder:
     # ------------------------------------------------------------------ helpers
     def node(self, op: str, target: Any, args=(), kwargs=None, *, name: str, source: fx.Node | None = None) -> fx.Node:
         new = self.graph.create_node(op, target, tuple(args), dict(kwargs or {}), name=name)
-        stamp(new, PASS, source)
-        if source is not None:
-            new.meta["dpcompile_source"] = source.name
-        return new
+        return stamp(new, PASS, source)
 
     def call(self, fn, args=(), kwargs=None, *, name: str, source: fx.Node | None = None) -> fx.Node:
         return self.node("call_function", fn, args, kwargs, name=name, source=source)
@@ -236,12 +235,11 @@ class _Builder:
             return self.whole[node]
         placement = self.placements[node]
         if node.op == "placeholder":
-            key = ("whole", node)
-            if key not in self.moved:
-                self.moved[key] = self.call(
+            if node not in self.inputs_on_primary:
+                self.inputs_on_primary[node] = self.call(
                     runtime.to_device, (self.whole[node], self.primary), name=f"{node.name}_whole", source=node
                 )
-            return self.moved[key]
+            return self.inputs_on_primary[node]
         if isinstance(placement, Partial):
             value = self._combine(node, self.primary)
         elif isinstance(placement, Replicated):
@@ -393,10 +391,11 @@ class _Builder:
         lengths = _packed_lengths(node)
         if lengths is None:
             return kwargs
-        key = ("max_length", lengths)
-        if key not in self.moved:
-            self.moved[key] = self.call(runtime.max_length, (self.whole_value(lengths),), name="max_length", source=node)
-        return {**kwargs, "total_length": self.moved[key]}
+        if lengths not in self.max_lengths:
+            self.max_lengths[lengths] = self.call(
+                runtime.max_length, (self.whole_value(lengths),), name="max_length", source=node
+            )
+        return {**kwargs, "total_length": self.max_lengths[lengths]}
 
     def _emit_output(self, node: fx.Node) -> None:
         def finish(n: fx.Node) -> Any:

@@ -55,7 +55,9 @@ class Comm:
     """What a communication node moves, for ``explain`` and the cost model.
 
     ``kind`` is one of ``scatter``, ``gather``, ``broadcast``, ``reduce``, ``all_reduce``,
-    ``all_gather``, ``reduce_scatter``; ``io`` marks the moves of the user's inputs onto the
+    ``all_gather``, ``reduce_scatter``, and for tensor parallelism ``identity`` (Megatron's f
+    forward: nothing moves) and ``split`` (a shard keeps its slice; backward all-gathers);
+    ``io`` marks the moves of the user's inputs onto the
     devices and of the outputs back to ``output_device`` (counted apart from collectives).
     ``backward`` is the kind of the collective that autograd runs for it, or None.
     """

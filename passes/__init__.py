@@ -17,6 +17,7 @@ from dpcompile.devices import Devices
 from dpcompile.infra import Pass
 from passes.data_parallel import insert_scatter_gather
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
+from passes.tp_pipeline import spmd_tensor_parallel_pipeline, tensor_parallel_pipeline
 
 
 @dataclass
@@ -60,4 +61,6 @@ __all__ = [
     "hoist_flatten_parameters",
     "find_flatten_sites",
     "insert_scatter_gather",
+    "tensor_parallel_pipeline",
+    "spmd_tensor_parallel_pipeline",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import queue
 import socket
 import time
@@ -239,6 +240,8 @@ def check_dp_state_dict_and_code(rank: int, world: int) -> None:
     assert list(pm.state_dict().keys()) == list(model.state_dict().keys())
     assert "sync_batch_norm" in pm.code and "dp_group" in pm.code, pm.code
     assert pm.ddp is not None
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(pm)
     pm.load_state_dict(model.state_dict())
     x = torch.randn(4, 6) * (rank + 1)
     with pm.no_sync():

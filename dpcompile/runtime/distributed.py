@@ -305,17 +305,19 @@ def sync_batch_norm(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor, group:
     bn._check_input_dim(x)  # type: ignore[operator]
     dims = [d for d in range(x.dim()) if d != 1]
     shape = _channel_shape(x)
-    local_count = x.new_full((1,), x.numel() // max(x.size(1), 1))
-    packed = sum_across(torch.cat([x.sum(dims), local_count]), group)
+    xs = x if x.dtype in (torch.float32, torch.float64) else x.float()  # statistics in float32 at least
+    local_count = xs.new_full((1,), x.numel() // max(x.size(1), 1))
+    packed = sum_across(torch.cat([xs.sum(dims), local_count]), group)
     count = packed[-1]
     mean = packed[:-1] / count
-    centered = x - mean.view(shape)
+    centered = xs - mean.view(shape)
     var = sum_across((centered * centered).sum(dims), group) / count
     y = centered * torch.rsqrt(var + bn.eps).view(shape)
     if bn.weight is not None:
         y = y * bn.weight.view(shape)
     if bn.bias is not None:
         y = y + bn.bias.view(shape)
+    y = y.to(x.dtype)
     if bn.training and bn.track_running_stats:
         _update_running_stats(bn, mean.detach(), var.detach(), count.detach())
     return y

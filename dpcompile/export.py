@@ -136,25 +136,24 @@ def _is_fake(obj: object) -> bool:
 
 
 def _used_modules(pm: nn.Module) -> list[nn.Module]:
-    """The modules generated code (or the graph it was lowered from) touches, with their children."""
+    """The modules generated code calls (``call_module`` here or in the graph it was lowered
+    from), with their children: their classes must be restored. Modules only fetched as
+    containers (``get_attr``, e.g. handed to ``replicate``) can be plain ``nn.Module``s."""
     paths: set[str] = set()
     graphs = [pm.graph]
     if getattr(pm, "_captured_graph", None) is not None:
         graphs.append(pm._captured_graph)
     for graph in graphs:
         for node in graph.nodes:
-            if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
+            if node.op == "call_module" and isinstance(node.target, str):
                 paths.add(node.target)
     used: dict[int, nn.Module] = {}
     for path in paths:
         try:
             target = pm.get_submodule(path)
         except AttributeError:
-            # a parameter or buffer: keep its owner
-            owner = path.rsplit(".", 1)[0] if "." in path else ""
-            try:
-                target = pm.get_submodule(owner)
-            except AttributeError:
+            target = getattr(pm, path, None) if "." not in path else None  # e.g. a leaf root kept outside _modules
+            if not isinstance(target, nn.Module):
                 continue
         for sub in target.modules():
             used[id(sub)] = sub

@@ -135,18 +135,19 @@ def bench_dp(rank: int, args) -> dict:
     }
 
 
-def bench_tp(rank: int, args) -> dict:
+def bench_tp(rank: int, args, d: int | None = None, h: int | None = None, batch: int | None = None) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import dpcompile
 
+    d, h, batch = d or args.tp_d, h or args.tp_h, batch or args.tp_batch
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
-    model = MLP(args.tp_d, args.tp_h)
+    model = MLP(d, h)
     peer = parallelize_module(copy.deepcopy(model), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    x = torch.randn(args.tp_batch, args.tp_d, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(batch, d, generator=torch.Generator().manual_seed(0))
     try:
         pm = dpcompile.transform(model, mesh, tensor_parallel=True, example_inputs=(x,))
     except Exception as e:  # noqa: BLE001 - report what blocked it, keep the peer's figure
@@ -181,7 +182,7 @@ def bench_tp(rank: int, args) -> dict:
     floor = _summary(samples, "local_compute_floor", "parallelize_module")
     result: dict = {
         "what": "TP forward under torch.no_grad(); per round the slower rank's time",
-        "model": f"MLP d={args.tp_d} h={args.tp_h} batch {args.tp_batch}, {WORLD} ranks, fc1 column, fc2 row",
+        "model": f"MLP d={d} h={h} batch {batch}, {WORLD} ranks, fc1 column, fc2 row",
         "parallelize_module_s": floor["parallelize_module_s"],
         "local_compute_floor_s": floor["local_compute_floor_s"],
         "floor_ratio": floor["ratio"],
@@ -213,6 +214,10 @@ def _worker(rank: int, port: int, args, out: mp.Queue) -> None:
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
         )
         results = {"dp": bench_dp(rank, args), "tp": bench_tp(rank, args)}
+        # Supplementary: a small MLP, where per-op dispatch rather than the matmuls sets the time.
+        small = bench_tp(rank, args, d=128, h=512, batch=8)
+        small["what"] = "supplementary, not the issue's target: " + small["what"]
+        results["tp_small"] = small
         out.put((rank, results))
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    for key in ("dp", "tp"):
+    for key in ("dp", "tp", "tp_small"):
         r = result[key]
         print(f"{key}: {json.dumps({k: v for k, v in r.items() if k != 'samples'})}")
     print(f"wrote {args.out}")

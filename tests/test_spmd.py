@@ -176,16 +176,6 @@ def _lookup(outcomes: dict[int, dict[str, str | None]], world: int, check: str) 
 
 
 # ---------------------------------------------------------------------------- checks (run in the workers)
-def _sgd_steps(model_step: Callable[[int], torch.Tensor], params, steps: int = 3, lr: float = 0.1) -> list[torch.Tensor]:
-    opt = torch.optim.SGD(params, lr=lr)
-    outs = []
-    for step in range(steps):
-        opt.zero_grad()
-        out = model_step(step)
-        outs.append(out.detach().clone())
-    return outs
-
-
 def _batches(world: int, d: int, per_rank: int = 3, steps: int = 3, extra: tuple[int, ...] = ()):
     g = torch.Generator().manual_seed(1)
     return [torch.randn(per_rank * world, *extra, d, generator=g) for _ in range(steps)]
@@ -374,6 +364,8 @@ def check_tp_block_attention(rank: int, world: int) -> None:
     plan = {"q": "column", "k": "column", "v": "column", "out": "row", "up": "column", "down": "row"}
     x0 = torch.randn(2, 3, 8)
     pm = dpcompile.transform(model, _tp_mesh(world), tensor_parallel=plan, example_inputs=(x0,))
+    assert pm.plan == plan, pm.plan_reasons
+    assert "local_size(" in pm.code and "all_gather(" not in pm.code, pm.code  # heads sharded, Megatron pairs
     _train_both(pm, reference, _batches(1, 8, per_rank=2, extra=(3,)))
     _assert_state_equal(pm.state_dict(), reference.state_dict())
 

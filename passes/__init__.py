@@ -15,6 +15,7 @@ import torch
 
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
+from passes.collectives import find_collective_sites, lower_to_collectives
 from passes.data_parallel import insert_scatter_gather
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.tp_pipeline import spmd_tensor_parallel_pipeline, tensor_parallel_pipeline
@@ -49,6 +50,13 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
     ]
 
 
+def spmd_pipeline(
+    options: PipelineOptions, *, mesh: Any, dp_dim: str | int | None = None, tp_dim: str | int | None = None
+) -> list[Pass]:
+    """Lower one rank's program (captured, or ``shard_linear``'s) to torch.distributed collectives."""
+    return [functools.partial(lower_to_collectives, mesh=mesh, dp_dim=dp_dim, tp_dim=tp_dim)]
+
+
 def default_pipeline(options: PipelineOptions) -> list[Pass]:
     return frontend_pipeline(options) + data_parallel_pipeline(options)
 
@@ -61,6 +69,9 @@ __all__ = [
     "hoist_flatten_parameters",
     "find_flatten_sites",
     "insert_scatter_gather",
+    "lower_to_collectives",
+    "find_collective_sites",
+    "spmd_pipeline",
     "tensor_parallel_pipeline",
     "spmd_tensor_parallel_pipeline",
 ]

@@ -69,9 +69,12 @@ def test_explain_places_nodes_on_their_devices():
 
 
 def test_explain_counts_io_apart_from_collectives():
-    """A data-parallel Linear: scatter and gather are io, ring figures (N-1)/N*S, no collectives."""
-    report = dpcompile.explain(_dp(nn.Linear(8, 4)), torch.randn(16, 8))
-    assert report.comm_elements_forward == 0 and report.comm_elements_backward == 0
+    """DP Linear: replication is a collective (broadcast/reduce of 36 parameters); scatter and gather are io."""
+    pm = dpcompile.transform(nn.Linear(8, 4), ["cpu", "cpu"], copy_replicas=True)
+    report = dpcompile.explain(pm, torch.randn(16, 8))
+    (replicas,) = [c for c in report.collectives if not c.io]
+    assert (replicas.kind, replicas.backward_kind, replicas.elements) == ("broadcast", "reduce", 36)
+    assert report.comm_elements_forward == 36 / 2 and report.comm_elements_backward == 36 / 2
     assert report.io_elements_forward == 16 * 8 / 2 + 16 * 4 / 2
     assert report.io_elements == report.io_elements_forward + report.io_elements_backward
     assert report.param_bytes == {"cpu#0": (32 + 4) * 4, "cpu#1": (32 + 4) * 4}
@@ -80,9 +83,11 @@ def test_explain_counts_io_apart_from_collectives():
 def test_explain_counts_batchnorm_sync_as_collective():
     """The BatchNorm statistics all-reduce moves 2*C elements: 2(N-1)/N*2C per device each way."""
     report = dpcompile.explain(_dp(BNNet()), torch.randn(10, 8))
-    (sync,) = [c for c in report.collectives if not c.io]
+    (sync,) = [c for c in report.collectives if c.name == "bn_sync"]
     assert sync.kind == "all_reduce" and sync.elements == 12
-    assert report.comm_elements_forward == 12 and report.comm_elements_backward == 12
+    assert sync.forward == 12 and sync.backward == 12
+    others = [c for c in report.collectives if not c.io and c.name != "bn_sync"]
+    assert report.comm_elements_forward == 12 + sum(c.forward for c in others)
 
 
 def test_explain_leaves_batchnorm_statistics_untouched():

@@ -594,7 +594,7 @@ def _render(r: Report) -> str:
         for c in r.collectives
     ]
     out += _table(["node", "kind", "S", "forward", "backward kind", "backward", "from"], rows,
-                  [26, 17, 11, 11, 13, 11, 17])
+                  [26, 15, 11, 11, 13, 11, 19])
     out.append(
         f"  collectives: forward {_human_count(r.comm_elements_forward)}, backward "
         f"{_human_count(r.comm_elements_backward)}, total {_human_count(r.comm_elements)} elements per device"

@@ -18,8 +18,9 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import dpcompile  # noqa: E402
 from example_model import Net, Scaled  # noqa: E402
+
+import dpcompile  # noqa: E402
 
 
 def _shorten(text: str, width: int = 118) -> str:

@@ -418,35 +418,6 @@ def _fake_copy(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:
     return fake
 
 
-@contextlib.contextmanager
-def _same_place_swaps_are_no_ops() -> Iterator[None]:
-    """Let ``module.to(device)`` run on fake parameters already on ``device``.
-
-    ``nn.Module._apply`` swaps a FakeTensor parameter with its converted copy, and the swap
-    refuses tensors that FakeTensorMode holds weak references to. Where the copy has the same
-    device, shape and dtype the swap changes nothing, so it is skipped. (Process-wide while
-    the layout check builds its program.)
-    """
-    import torch.utils
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    original = torch.utils.swap_tensors
-
-    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        if (
-            isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor) and t1.device == t2.device
-            and t1.shape == t2.shape and t1.dtype == t2.dtype
-        ):
-            return
-        original(t1, t2)
-
-    torch.utils.swap_tensors = swap
-    try:
-        yield
-    finally:
-        torch.utils.swap_tensors = original
-
-
 def _build_fake_program(pm: nn.Module, fake_model: nn.Module, devices: Any, batch: int | None) -> fx.GraphModule:
     mode_name = getattr(pm, "mode", None)
     if batch is not None and batch < len(devices):
@@ -495,7 +466,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     grad_mode = contextlib.nullcontext() if backward else torch.no_grad()
     try:
         fake_model = _fake_copy(model, mode, devices.primary)
-        with mode, grad_mode, _same_place_swaps_are_no_ops(), warnings.catch_warnings():
+        with mode, grad_mode, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             program = _build_fake_program(pm, fake_model, devices, batch)
     except ImportError:

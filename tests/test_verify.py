@@ -180,3 +180,22 @@ def test_compare_tensors_reports_shape_and_integer_differences():
     assert "shape (3,)" in compare_tensors("output", "y", torch.zeros(2), torch.zeros(3)).detail
     mismatch = compare_tensors("output", "y", torch.tensor([1, 2, 3]), torch.tensor([1, 5, 3]))
     assert "first at (1,)" in mismatch.detail and "got 5" in mismatch.detail
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, scale=1.0):
+        y = self.fc(x) * scale
+        return {"logits": y, "loss": y.pow(2).mean(), "classes": 3, "nothing": None}
+
+
+def test_verify_compares_structured_outputs_and_keyword_arguments():
+    """Dict outputs with scalars and None, inputs passed by keyword: all compared, all match."""
+    model = Structured()
+    pm = dpcompile.transform(model, ["cpu"] * 3)
+    result = dpcompile.verify(pm, model, x=torch.randn(7, 4), scale=2.0)
+    assert result, str(result)
+    assert result.checked["outputs"] == 2 and result.checked["input gradients"] == 1

@@ -16,6 +16,16 @@ class Net(nn.Module):
         return self.fc2(h)
 
 
+class MLP(nn.Module):
+    def __init__(self, d: int = 512, hidden: int = 2048):
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

@@ -13,12 +13,11 @@ import textwrap
 from pathlib import Path
 
 import torch
-from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from example_model import Net, Scaled  # noqa: E402
+from example_model import MLP, Net, Scaled  # noqa: E402
 
 import dpcompile  # noqa: E402
 
@@ -37,7 +36,7 @@ def main() -> None:
     diff = _shorten("\n".join(diff_lines[:16]) + "\n ...")
     verify_ok = str(dpcompile.verify(pm, model, x))
 
-    mlp = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+    mlp = MLP()
     xt = torch.randn(64, 512)
     tp = dpcompile.transform(mlp, ["cpu", "cpu"], tensor_parallel=True, example_inputs=(xt,))
     tp_text = str(dpcompile.explain(tp, xt)).split("\nNodes")[0].rstrip()

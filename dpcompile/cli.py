@@ -56,7 +56,8 @@ def load_factory(spec: str) -> tuple[Any, tuple | None]:
     if not factory_name.isidentifier():
         raise CliError(f"{factory_name!r} is not a Python name; expected FILE.py:FACTORY")
     module_name = f"dpcompile_user_{path.stem}"
-    sys.path.insert(0, str(path.resolve().parent))
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
     try:
         spec_obj = importlib.util.spec_from_file_location(module_name, path)
         if spec_obj is None or spec_obj.loader is None:
@@ -68,7 +69,8 @@ def load_factory(spec: str) -> tuple[Any, tuple | None]:
         except Exception as e:
             raise CliError(f"importing {file_text} failed: {type(e).__name__}: {_line(e)}") from e
     finally:
-        sys.path.pop(0)
+        if folder in sys.path:
+            sys.path.remove(folder)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))

@@ -10,11 +10,13 @@ from dpcompile.errors import DpCompileError, TraceError
 from dpcompile.export import export, load
 from dpcompile.inspect import Report, diff, draw, explain
 from dpcompile.module import ParallelModule
+from dpcompile.runtime.distributed import CollectiveError
 from dpcompile.verify import VerifyResult, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveError",
     "DpCompileError",
     "ParallelModule",
     "Report",

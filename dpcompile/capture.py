@@ -71,6 +71,8 @@ class DpTracer(fx.Tracer):
 
 
 def _is_library_file(filename: str) -> bool:
+    if filename.startswith(_OWN_DIR) and filename.endswith(os.sep + "demo.py"):
+        return False  # the built-in demo model is user code
     return filename.startswith(_TORCH_DIRS) or filename.startswith(_OWN_DIR) or filename.startswith("<")
 
 

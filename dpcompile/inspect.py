@@ -479,6 +479,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
 
 
 def _collective(node: fx.Node, comm: Any, recorder: _Recorder | None, n: int) -> CollectiveInfo:
+    n = node.meta.get("dpcompile_comm_world", n)  # SPMD: the size of this node's process group
     sizes = recorder.sizes.get(node.name) if recorder else None
     fwd = bwd = None
     if sizes is not None:

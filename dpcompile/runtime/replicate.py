@@ -18,7 +18,19 @@ from dpcompile.runtime.comm import Broadcast, DeviceLike, _as_devices
 
 
 class ReplicaRoot(nn.Module):
-    """The per-device stand-in for ``self`` in generated code: ``replica_dev1.fc1(x_dev1)``."""
+    """The per-device stand-in for ``self`` in generated code: ``replica_dev1.fc1(x_dev1)``.
+
+    Dotted names resolve as paths (``getattr(root, "enc.fc1")``), as fx's ``Interpreter`` asks
+    for them when it runs a ``call_method`` node such as ``replica_dev1.enc.fc1(x)``.
+    """
+
+    def __getattr__(self, name: str):
+        if "." in name:
+            value = self
+            for atom in name.split("."):
+                value = getattr(value, atom)
+            return value
+        return super().__getattr__(name)
 
 
 def _collect(values: Mapping[str, nn.Module | torch.Tensor]) -> tuple[list[nn.Module], list[torch.Tensor]]:

@@ -146,3 +146,17 @@ def test_data_parallel_model_without_batch_inputs_runs_once():
 
     pm = dpcompile.transform(Constant(), ["cpu"] * 2)
     torch.testing.assert_close(pm(2), torch.full((3,), 2.0))
+
+
+def test_generated_graph_runs_under_fx_interpreter():
+    """Standard fx tooling (ShapeProp, Interpreter) runs the program, nested modules included."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    model = ResNetish()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(6, 5, 12)
+    ShapeProp(pm).propagate(x)
+    node = next(n for n in pm.graph.nodes if n.name == "blocks_0_fc1_dev1")
+    assert node.meta["tensor_meta"].shape == (3, 5, 24)
+    torch.testing.assert_close(fx.Interpreter(pm).run(x), reference(x))

@@ -69,14 +69,7 @@ class ParallelModule(fx.GraphModule):
         leaf_root = self._modules.pop(ROOT_LEAF, None)
         if leaf_root is not None:  # called by the program, but not part of the state
             object.__setattr__(self, ROOT_LEAF, leaf_root)
-        for name, child in model._modules.items():
-            self._modules[name] = child
-        for name, p in model._parameters.items():
-            self._parameters[name] = p
-        for name, b in model._buffers.items():
-            self._buffers[name] = b
-        self._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
-        self.training = model.training
+        adopt_state(self, model)
 
     # ------------------------------------------------------------------ calling
     def _find_split_inputs(self) -> list[tuple[int, str, int]]:
@@ -170,6 +163,23 @@ class ParallelModule(fx.GraphModule):
 
     def _restore_extra_state(self, extra: dict[str, Any]) -> None:
         """The counterpart of :meth:`_extra_state_for_pickle`."""
+
+
+def adopt_state(holder: nn.Module, model: nn.Module) -> None:
+    """Make ``holder`` hold ``model``'s own submodules, parameters and buffers (the same
+    objects) and training mode, so their state dicts have the same keys.
+
+    ``fx.GraphModule`` keeps only what its graph reads, with empty stand-ins for the modules
+    on the way; this restores the rest.
+    """
+    for name in ("_modules", "_parameters", "_buffers"):
+        ours, theirs = getattr(holder, name), getattr(model, name)
+        merged = dict(theirs)  # the model's order, so state_dict keys come in the same order
+        merged.update((key, value) for key, value in ours.items() if key not in theirs)
+        ours.clear()
+        ours.update(merged)
+    holder._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+    holder.training = model.training
 
 
 def _importable_class(pm: ParallelModule) -> type:

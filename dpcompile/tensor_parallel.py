@@ -39,7 +39,7 @@ from dpcompile.analysis.cost import CommCost, plan_cost
 from dpcompile.capture import capture
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.infra import run_passes
-from dpcompile.module import ParallelModule
+from dpcompile.module import ParallelModule, adopt_state
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
 
 log = logging.getLogger("dpcompile")
@@ -248,13 +248,7 @@ def _capture_owning_everything(owned: nn.Module, leaf_modules: Iterable[type[nn.
     gm = capture(owned, leaf_modules=leaf_modules)
     if isinstance(owned, fx.GraphModule) or not list(owned.children()) and not owned._parameters and not owned._buffers:
         return gm
-    for name, child in owned._modules.items():
-        gm._modules[name] = child
-    for name, p in owned._parameters.items():
-        gm._parameters[name] = p
-    for name, b in owned._buffers.items():
-        gm._buffers[name] = b
-    gm._non_persistent_buffers_set = set(owned._non_persistent_buffers_set)
+    adopt_state(gm, owned)
     gm.train(owned.training)
     return gm
 

@@ -11,10 +11,10 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4):
+    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int | None = None):
         super().__init__()
         self.fc1 = nn.Linear(d_in, hidden)
-        self.fc2 = nn.Linear(hidden, d_out)
+        self.fc2 = nn.Linear(hidden, d_out or d_in)
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))

@@ -39,6 +39,23 @@ def test_parallel_module_state_dict_has_original_keys():
     assert "scratch" not in pm.state_dict()
 
 
+def test_parallel_module_state_dict_keeps_the_models_key_order():
+    """Keys come in the model's order even when forward uses modules in another order."""
+
+    class Reversed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            self.second = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.first(self.second(x))
+
+    model = Reversed()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    assert list(pm.state_dict()) == list(model.state_dict())
+
+
 def test_parallel_module_load_state_dict_updates_model():
     """load_state_dict with the model's keys writes into the shared tensors."""
     model = WithUnused()

@@ -16,16 +16,7 @@ from torch import nn
 import dpcompile
 from dpcompile.runtime.tensor_parallel import unshard
 from dpcompile.tensor_parallel import TensorParallelModule
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int = 8, hidden: int = 16, d_out: int | None = None):
-        super().__init__()
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, d_out or d)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
+from tests.models import MLP
 
 
 class Block(nn.Module):

@@ -121,7 +121,7 @@ class ParallelModule(fx.GraphModule):
             gm = fx.GraphModule(self, graph, f"ParallelModule{n}")
             self._smaller_programs[n] = self._lower(gm, self.devices.prefix(n))
         program = self._smaller_programs[n]
-        program.train(self.training)
+        program.training = self.training  # its submodules are ours: their own modes stand
         return program
 
     def train(self, mode: bool = True) -> ParallelModule:
@@ -228,6 +228,6 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
     if state.get("leaf_root") is not None:
         pm._modules.pop("root", None)
     pm._restore_extra_state(state["extra"])
-    pm.train(state["training"])
+    pm.training = state["training"]  # each submodule was pickled with its own mode
     return pm
 

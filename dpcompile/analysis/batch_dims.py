@@ -106,6 +106,21 @@ def _wanted_dim(node: fx.Node, module: nn.Module | None) -> int | None:
     return None
 
 
+def _wanted_dims(node: fx.Node, module: nn.Module | None) -> list[tuple[fx.Node, int]]:
+    """``(argument, dim)`` for every argument of ``node`` that a sequence module wants split on
+    a given dim: the input as :func:`_wanted_dim` says, and an RNN's initial state ``hx``
+    (``(layers, batch, hidden)``, whatever ``batch_first`` says) on dim 1."""
+    out: list[tuple[fx.Node, int]] = []
+    want = _wanted_dim(node, module)
+    if want is not None and node.args and isinstance(node.args[0], fx.Node):
+        out.append((node.args[0], want))
+    if isinstance(module, nn.RNNBase):
+        hx = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
+        states = hx if isinstance(hx, (tuple, list)) else [hx]
+        out.extend((state, 1) for state in states if isinstance(state, fx.Node))
+    return out
+
+
 def _example_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[str, Any]:
     if example_inputs is None:
         return {}
@@ -148,7 +163,7 @@ def _holds_tensor(value: Any) -> bool:
 def _follow_sequence_modules(gm: fx.GraphModule, dims: dict[str, int | None]) -> dict[str, int | None]:
     """Move an input's split to dim 1 where it reaches a ``batch_first=False`` sequence module."""
     modules = dict(gm.named_modules())
-    if not any(_wanted_dim(n, modules.get(n.target) if n.op == "call_module" else None) is not None for n in gm.graph.nodes):
+    if not any(_wanted_dims(n, modules.get(n.target) if n.op == "call_module" else None) for n in gm.graph.nodes):
         return dims
     decided: dict[str, int] = {}
     for _ in range(4):
@@ -156,21 +171,19 @@ def _follow_sequence_modules(gm: fx.GraphModule, dims: dict[str, int | None]) ->
         changed = False
         for node in gm.graph.nodes:
             module = modules.get(node.target) if node.op == "call_module" else None
-            want = _wanted_dim(node, module)
-            if want is None or not node.args or not isinstance(node.args[0], fx.Node):
-                continue
-            got = placements.get(node.args[0])
-            if not isinstance(got, Split) or got.origin is None or got.dim == want:
-                continue
-            origin = got.origin
-            if origin in decided and decided[origin] != want:
-                raise ValueError(
-                    f"cannot tell the batch dim of input '{origin}': it reaches modules that want it "
-                    f"split on dim {decided[origin]} and on dim {want}; pass batch_dim= to say which"
-                )
-            decided[origin] = want
-            dims[origin] = want
-            changed = True
+            for arg, want in _wanted_dims(node, module):
+                got = placements.get(arg)
+                if not isinstance(got, Split) or got.origin is None or got.dim == want:
+                    continue
+                origin = got.origin
+                if origin in decided and decided[origin] != want:
+                    raise ValueError(
+                        f"cannot tell the batch dim of input '{origin}': it reaches modules that want it "
+                        f"split on dim {decided[origin]} and on dim {want}; pass batch_dim= to say which"
+                    )
+                decided[origin] = want
+                dims[origin] = want
+                changed = True
         if not changed:
             break
     return dims

@@ -618,8 +618,9 @@ def rnn(ctx: RuleContext) -> Placement | None:
         return None
     state = Split(1)
     if p_hx is not None:
-        want = Tuple((state, state)) if isinstance(module, nn.LSTM) else state
-        if p_hx != want and not (isinstance(p_hx, Tuple) and all(i == state for i in p_hx.items)):
+        # h (and an LSTM's c) split on dim 1, as separate values or as one input holding both
+        parts = p_hx.items if isinstance(p_hx, Tuple) and isinstance(module, nn.LSTM) else (p_hx,)
+        if not all(isinstance(q, Split) and q.dim == 1 for q in parts):
             return None
     hidden = Tuple((state, state)) if isinstance(module, nn.LSTM) else state
     return Tuple((out, hidden))

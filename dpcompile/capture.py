@@ -32,7 +32,14 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class DpTracer(fx.Tracer):
-    """An fx tracer that keeps RNNs whole and records their ``flatten_parameters`` calls."""
+    """An fx tracer that keeps RNNs whole and records their ``flatten_parameters`` calls.
+
+    Buffers are traced like parameters (``get_attr`` nodes), so what forward computes from
+    them (``self.mask[:T, :T]``, ``self.log_scale.exp()``) runs each call on the buffer's
+    current value instead of being frozen into a constant at trace time.
+    """
+
+    proxy_buffer_attributes = True
 
     def __init__(self, leaf_modules: Iterable[type[nn.Module]] = ()):
         super().__init__(

@@ -170,15 +170,17 @@ def adopt_state(holder: nn.Module, model: nn.Module) -> None:
     objects) and training mode, so their state dicts have the same keys.
 
     ``fx.GraphModule`` keeps only what its graph reads, with empty stand-ins for the modules
-    on the way; this restores the rest.
+    on the way; this restores the rest. Buffers the program holds beyond the model's (the
+    tracer's ``_tensor_constant0`` for a tensor made in forward) stay out of ``state_dict``.
     """
+    program_only = {key for key in holder._buffers if key not in model._buffers}
     for name in ("_modules", "_parameters", "_buffers"):
         ours, theirs = getattr(holder, name), getattr(model, name)
         merged = dict(theirs)  # the model's order, so state_dict keys come in the same order
         merged.update((key, value) for key, value in ours.items() if key not in theirs)
         ours.clear()
         ours.update(merged)
-    holder._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+    holder._non_persistent_buffers_set = set(model._non_persistent_buffers_set) | program_only
     holder.training = model.training
 
 

@@ -36,3 +36,43 @@ def test_parallel_module_torch_save_keeps_mixed_modes():
     assert loaded.training and not loaded.get_submodule("1").training
     x = torch.randn(4, 8)
     torch.testing.assert_close(loaded(x), model(x))
+
+
+class ConstantInForward(nn.Module):
+    """A tensor made in forward: the tracer keeps it as ``_tensor_constant0`` on the program."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+def test_parallel_module_state_dict_leaves_out_traced_constants():
+    """pm.state_dict() has exactly the model's keys, and the model's state dict loads into pm."""
+    model = ConstantInForward()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    assert list(pm.state_dict()) == list(model.state_dict())
+    pm.load_state_dict(model.state_dict())
+
+
+class ScaledByBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("log_scale", torch.zeros(4))
+
+    def forward(self, x):
+        return self.fc(x) * self.log_scale.exp()
+
+
+def test_capture_computes_from_buffers_at_run_time():
+    """What forward computes from a buffer follows the buffer after load_state_dict (no frozen constant)."""
+    model = ScaledByBuffer()
+    pm = dpcompile.transform(model, ["cpu"] * 2, copy_replicas=True)
+    state = model.state_dict()
+    state["log_scale"] = torch.ones(4)
+    pm.load_state_dict(state)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(pm(x), model(x))

@@ -38,3 +38,24 @@ def test_infer_input_dims_splits_lstm_root_state_tuple_on_dim_1():
     """An nn.LSTM root called with (h0, c0) as one argument matches eager."""
     state = (torch.randn(1, 5, 6), torch.randn(1, 5, 6))
     check_against_eager(lambda: nn.LSTM(8, 6), ["cpu"] * 3, torch.randn(4, 5, 8), state)
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's causal mask: a buffer sliced by the sequence length read from the input."""
+
+    def __init__(self, d: int = 8, block: int = 6):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, block, block))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.qkv(x).split(C, dim=2)
+        att = (q @ k.transpose(-2, -1)) * C**-0.5
+        att = att.masked_fill(self.bias[:, :T, :T] == 0, float("-inf"))
+        return torch.softmax(att, dim=-1) @ v
+
+
+def test_capture_traces_buffer_sliced_by_input_size():
+    """A causal-mask buffer sliced with x.size() traces and matches eager on uneven splits."""
+    check_against_eager(CausalSelfAttention, ["cpu"] * 4, torch.randn(9, 5, 8), transform_kwargs={"copy_replicas": True})

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 
@@ -386,6 +387,45 @@ def verify(
 
 
 # ------------------------------------------------------------------------ fake multi-GPU
+_NO_CUDA = "not linked with support for cuda"
+
+
+class _FakeCudaOnCpuTorch(TorchFunctionMode):
+    """Lets a CPU-only torch run the ops it refuses on fake CUDA tensors.
+
+    ``Tensor.contiguous``, indexing (``x[:, -1]``) and ``copy_`` take a CUDA device guard in
+    their Python bindings, which a torch built without CUDA cannot give, even for fake
+    tensors ("PyTorch is not linked with support for cuda devices"). Such an op is run on CPU
+    copies of its fake tensors and the result moved back to their device. Values are fake
+    anyway (only shapes, dtypes and devices matter), and an op that mixes CUDA devices still
+    fails.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            if _NO_CUDA not in str(e):
+                raise
+            refused = e
+        from torch.utils._pytree import tree_leaves, tree_map
+
+        devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+        if len(devices) != 1:
+            raise RuntimeError(f"{getattr(func, '__name__', func)}: tensors on {sorted(map(str, devices))}") from refused
+        (device,) = devices
+
+        def to_cpu(x: Any) -> Any:
+            return x.to("cpu") if isinstance(x, torch.Tensor) and x.device == device else x
+
+        out = func(*tree_map(to_cpu, args), **tree_map(to_cpu, kwargs))
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.startswith("__") and args:  # in place (copy_): the tensor itself
+            return args[0]
+        return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x, out)
+
+
 def _fake_devices(spec: int | Sequence[Any]) -> Any:
     from dpcompile.devices import parse_devices
 
@@ -418,7 +458,9 @@ def _fake_copy(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:
     return fake
 
 
-def _build_fake_program(pm: nn.Module, fake_model: nn.Module, devices: Any, batch: int | None) -> fx.GraphModule:
+def _build_fake_program(
+    pm: nn.Module, fake_model: nn.Module, devices: Any, batch: int | None, example: tuple | None = None
+) -> fx.GraphModule:
     mode_name = getattr(pm, "mode", None)
     if batch is not None and batch < len(devices):
         devices = devices.prefix(batch)
@@ -431,7 +473,7 @@ def _build_fake_program(pm: nn.Module, fake_model: nn.Module, devices: Any, batc
         from dpcompile.tensor_parallel import transform_tensor_parallel
 
         return transform_tensor_parallel(
-            fake_model, devices, plan=dict(pm.plan) or True, example_inputs=None, output_device=devices.primary,
+            fake_model, devices, plan=dict(pm.plan) or True, example_inputs=example, output_device=devices.primary,
             check_available=False,
         )
     raise ValueError(f"fake_devices= supports data-parallel and tensor-parallel modules, not mode {mode_name!r}")
@@ -466,9 +508,13 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     grad_mode = contextlib.nullcontext() if backward else torch.no_grad()
     try:
         fake_model = _fake_copy(model, mode, devices.primary)
-        with mode, grad_mode, warnings.catch_warnings():
+        with mode, grad_mode, _FakeCudaOnCpuTorch(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            program = _build_fake_program(pm, fake_model, devices, batch)
+            # The call's own arguments as example inputs, so the plan's views are checked as pm's were
+            example = None if kwargs else tuple(
+                mode.from_tensor(x.detach()).to(devices.primary) if isinstance(x, torch.Tensor) else x for x in args
+            )
+            program = _build_fake_program(pm, fake_model, devices, batch, example)
     except ImportError:
         raise
     except Exception as e:  # noqa: BLE001 - report, do not crash
@@ -476,7 +522,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
                             checked)
     mismatches: list[Mismatch] = []
     try:
-        with mode, grad_mode:
+        with mode, grad_mode, _FakeCudaOnCpuTorch():
             inputs = [
                 mode.from_tensor(x.detach()).to(devices.primary) if isinstance(x, torch.Tensor) else x
                 for x in _bind_inputs(program, args, kwargs)

@@ -199,3 +199,42 @@ def test_verify_compares_structured_outputs_and_keyword_arguments():
     result = dpcompile.verify(pm, model, x=torch.randn(7, 4), scale=2.0)
     assert result, str(result)
     assert result.checked["outputs"] == 2 and result.checked["input gradients"] == 1
+
+
+class Attention(nn.Module):
+    """q/k/v heads, ``.contiguous()`` and indexing: ops a CPU-only torch refuses on fake CUDA tensors."""
+
+    def __init__(self, d: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, c // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = (q @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        y = self.out(y.transpose(1, 2).contiguous().view(b, t, c))
+        return y[:, -1]
+
+
+def test_verify_fake_devices_runs_contiguous_and_indexing():
+    """fake_devices= checks a model calling .contiguous() and indexing x[:, -1] (DP and TP) instead of failing."""
+    model, x = Attention(), torch.randn(4, 3, 16)
+    for pm in (dpcompile.transform(model, ["cpu", "cpu"]), _tp(model, ["cpu", "cpu"], (x,))):
+        result = dpcompile.verify(pm, model, x, fake_devices=4)
+        assert result, str(result)
+
+
+def test_verify_fake_devices_builds_the_tensor_parallel_plan_pm_applied(monkeypatch):
+    """The fake TP program shards the attention heads as pm does (shapes from the call's inputs)."""
+    import importlib
+
+    verify_module = importlib.import_module("dpcompile.verify")
+    model, x = Attention(), torch.randn(4, 3, 16)
+    pm = _tp(model, ["cpu", "cpu"], (x,))
+    assert pm.plan == {"q": "column", "k": "column", "v": "column", "out": "row"}
+    built = []
+    original = verify_module._build_fake_program
+    monkeypatch.setattr(verify_module, "_build_fake_program", lambda *a, **k: built.append(original(*a, **k)) or built[-1])
+    assert dpcompile.verify(pm, model, x, fake_devices=4)
+    assert built and built[0].plan == pm.plan, built[0].plan_reasons

@@ -51,6 +51,7 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _OWN_DIRS = (str(Path(__file__).parent) + "/", str(Path(__file__).parent.parent / "passes") + "/")
 ALL_DEVICES = "*"
+WIDTH = 120  # str(report) is at most this many columns
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -573,13 +574,12 @@ def _where(source: str | None) -> str:
 
 
 def _render(r: Report) -> str:
-    out = [
+    title = (
         f"dpcompile explain: {r.mode} on {len(r.devices)} devices ({', '.join(r.devices)})"
         + (f", batch {r.batch}" if r.batch is not None else "")
-        + f"; shapes from {'fake tensors' if r.shapes == 'fake' else 'a real no-grad run' if r.shapes == 'real' else 'nowhere (no inputs)'}",
-        "",
-        "Per device",
-    ]
+        + f"; shapes from {'fake tensors' if r.shapes == 'fake' else 'a real no-grad run' if r.shapes == 'real' else 'nowhere (no inputs)'}"
+    )
+    out = [*textwrap.wrap(title, WIDTH, subsequent_indent="  ", break_on_hyphens=False), "", "Per device"]
     rows = [
         [label, _human_bytes(r.param_bytes.get(label, 0)), _human_bytes(r.activation_bytes.get(label, 0)),
          f"{r.flops.get(label, 0) / 1e6:,.2f}"]

@@ -245,3 +245,12 @@ def test_explain_counts_convolution_flops():
     report = dpcompile.explain(_dp(conv), torch.randn(4, 3, 10, 10))
     per_image = 2 * 8 * 8 * 8 * 3 * 3 * 3  # 2 * out_positions * out_channels * kernel volume
     assert report.flops == {"cpu#0": 2 * per_image, "cpu#1": 2 * per_image}
+
+
+def test_explain_table_fits_in_120_columns_on_sixteen_devices():
+    """The title naming every device wraps: 16 virtual devices still fit in 120 columns."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    pm = dpcompile.transform(model, ["cpu"] * 16)
+    text = str(dpcompile.explain(pm, torch.randn(3, 16)))
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "cpu#15" in text and "batch 3" in text

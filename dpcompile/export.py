@@ -309,6 +309,9 @@ def export(pm: nn.Module, path: str | Path) -> Path:
 
 
 # --------------------------------------------------------------------------------- load
+_MANIFEST_FIELDS: dict[str, type] = {"mode": str, "devices": list, "output_device": str, "plan": dict, "input_dims": dict, "tensors": dict}
+_KIND_NAMES = {str: "a string", list: "a non-empty list of device strings", dict: "a JSON object"}
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The checked manifest of an export folder (raises :class:`ExportError` with the way out)."""
     folder = Path(path)
@@ -322,7 +325,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ExportError(f"{manifest_path} cannot be read as JSON ({e}); re-export the module") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ExportError(f"{manifest_path} is not a dpcompile export manifest (format {manifest.get('format')!r})")
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ExportError(f"{manifest_path} is not a dpcompile export manifest (format {found!r})")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise ExportError(
@@ -333,6 +337,13 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise ExportError(f"{manifest_path} lists no files; re-export the module")
+    for key, kind in _MANIFEST_FIELDS.items():
+        value = manifest.get(key)
+        if not isinstance(value, kind) or (key == "devices" and not (value and all(isinstance(d, str) for d in value))):
+            raise ExportError(
+                f"{manifest_path} has no valid {key!r} (expected {_KIND_NAMES[kind]}, got {value!r:.60}); "
+                "it was changed or written by another tool: re-export the module"
+            )
     for name in (MODULE_FILE, PROGRAM_FILE, WEIGHTS_FILE):
         file = folder / name
         if not file.is_file():

@@ -210,3 +210,16 @@ def test_export_module_py_imports_with_string_annotations(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.testing.assert_close(module.DemoModel.forward(dpcompile.load(folder), *example), pm(*example))
+
+
+def test_load_refuses_a_malformed_manifest_with_a_dpcompile_error(tmp_path):
+    """A manifest that is not an object, or lacks or mangles mode/devices/tensors, raises DpCompileError."""
+    _, pm = _trained_dp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    good = json.loads((folder / "manifest.json").read_text())
+    broken = [[1], {k: v for k, v in good.items() if k != "mode"}, {k: v for k, v in good.items() if k != "devices"},
+              {**good, "devices": "cpu"}, {**good, "tensors": None}]
+    for manifest in broken:
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(dpcompile.DpCompileError, match="manifest|re-export"):
+            dpcompile.load(folder)

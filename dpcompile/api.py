@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture import capture
+from dpcompile.capture import ROOT_LEAF, capture
 from dpcompile.devices import Devices, parse_device, parse_devices
 from dpcompile.infra import run_passes
 from dpcompile.module import ParallelModule, copy_graph
@@ -182,6 +182,8 @@ def _transform_data_parallel(
     options = passes.PipelineOptions(devices=devices, input_dims=input_dims, output_device=output_device)
     gm, front_records = run_passes(gm, passes.frontend_pipeline(options))
     captured_graph = copy_graph(gm.graph)
+    # forward is Python: traced again where a call takes another path (see ParallelModule)
+    retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
     lower = data_parallel_lowering(input_dims, output_device, copy_replicas)
     lowered = lower(gm, devices, recompile=False)  # ParallelModule compiles the final code
     return ParallelModule(
@@ -196,4 +198,18 @@ def _transform_data_parallel(
         records=front_records,
         class_name=type(model).__name__,
         share_all_of=model,
+        source=model if retraceable else None,
+        leaf_modules=leaf_modules,
     )
+
+
+def recapture(
+    model: nn.Module, devices: Devices, leaf_modules: Sequence[type[nn.Module]], none_args: frozenset[str]
+) -> fx.GraphModule:
+    """``model`` traced again, as it is now (its modes) and with ``none_args`` traced as None,
+    through the passes that tidy a capture (what the data-parallel lowering starts from)."""
+    import passes
+
+    gm = capture(model, leaf_modules=leaf_modules, none_args=none_args)
+    gm, _ = run_passes(gm, passes.frontend_pipeline(passes.PipelineOptions(devices=devices)))
+    return gm

@@ -22,6 +22,7 @@ from types import TracebackType
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx._symbolic_trace import _assert_is_none
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.errors import TraceError
@@ -136,11 +137,14 @@ def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
     )
 
 
-def capture(model: nn.Module, *, leaf_modules: Iterable[type[nn.Module]] = ()) -> fx.GraphModule:
+def capture(
+    model: nn.Module, *, leaf_modules: Iterable[type[nn.Module]] = (), none_args: Iterable[str] = ()
+) -> fx.GraphModule:
     """Trace ``model`` into a fresh ``GraphModule`` that shares its submodules and tensors.
 
     An already traced ``GraphModule`` is copied (same submodules, fresh graph), so passes
-    never touch the user's graph.
+    never touch the user's graph. ``none_args`` names optional arguments to trace as None,
+    so that forward's ``if mask is not None:`` takes the branch a call without them takes.
     """
     if isinstance(model, fx.GraphModule):
         graph = fx.Graph()
@@ -155,8 +159,9 @@ def capture(model: nn.Module, *, leaf_modules: Iterable[type[nn.Module]] = ()) -
     tracer = DpTracer(leaf_modules)
     if tracer.is_leaf_module(model, "") and not _traces_cleanly(model):
         return _call_leaf_root(model)
+    none_args = frozenset(none_args)
     try:
-        graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=dict.fromkeys(none_args) or None)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
@@ -165,7 +170,24 @@ def capture(model: nn.Module, *, leaf_modules: Iterable[type[nn.Module]] = ()) -
         # fx would emit `wrap("torch.nn.utils.rnn.pack_padded_sequence")` into generated code,
         # which breaks every later trace in the process (a dotted name is not a global)
         node.meta.pop("is_wrapped", None)
+    if none_args:
+        _keep_argument_names(graph, none_args)
     return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+
+
+def _keep_argument_names(graph: fx.Graph, none_args: frozenset[str]) -> None:
+    """fx names an argument traced as None ``mask_1`` and asserts that it is None; give it back
+    its name (callers pass it by keyword) and drop the assert (the caller chose this program
+    because the argument is None)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _assert_is_none:
+            graph.erase_node(node)
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(node.target, str) and node.target.endswith("_1"):
+            name = node.target[: -len("_1")]
+            if name in none_args:
+                node.target = name
+                node._rename(name)
 
 
 ROOT_LEAF = "root"

@@ -47,6 +47,8 @@ class ParallelModule(fx.GraphModule):
         records: list | None = None,
         class_name: str = "ParallelModule",
         share_all_of: nn.Module | None = None,
+        source: nn.Module | None = None,
+        leaf_modules: tuple[type[nn.Module], ...] = (),
     ):
         super().__init__(root, graph, class_name)
         if share_all_of is not None:
@@ -61,6 +63,16 @@ class ParallelModule(fx.GraphModule):
         self.records = list(records or [])
         self._smaller_programs: dict[int, fx.GraphModule] = {}
         self._split_inputs = self._find_split_inputs()
+        # the model, to trace again for a call that takes another path through its forward
+        # (not a stand-in without forward, such as an exported program's plain modules)
+        if source is not None and type(source).forward is nn.Module.forward:
+            source = None
+        object.__setattr__(self, "_source", source)
+        self._leaf_modules = tuple(leaf_modules)
+        self._traced_training = None if source is None else source.training
+        self._optional_inputs = self._find_optional_inputs() if source is not None else []
+        self._variants: dict[tuple[bool, frozenset[str]], fx.GraphModule | None] = {}
+        self._variant_programs: dict[tuple[int, tuple[bool, frozenset[str]]], fx.GraphModule] = {}
 
     def _share_state_of(self, model: nn.Module) -> None:
         """Hold all of ``model``'s submodules, parameters and buffers (not just the used ones)."""
@@ -79,6 +91,11 @@ class ParallelModule(fx.GraphModule):
             if dim is not None:
                 out.append((position, str(node.target).lstrip("*"), dim))
         return out
+
+    def _find_optional_inputs(self) -> list[tuple[int, str]]:
+        """``(position, name)`` of the arguments that default to None."""
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        return [(i, str(n.target)) for i, n in enumerate(placeholders) if n.args and n.args[0] is None]
 
     def batch_size(self, args: tuple, kwargs: dict) -> int | None:
         """The batch size of a call, checking that every split argument agrees."""
@@ -109,9 +126,52 @@ class ParallelModule(fx.GraphModule):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         batch = self.batch_size(args, kwargs) if self._split_inputs else None
-        if batch is not None and batch < len(self.devices) and self._lower is not None:
-            return self._program_for(batch)(*args, **kwargs)
+        n = batch if batch is not None and batch < len(self.devices) else len(self.devices)
+        variant = self._variant(args, kwargs) if self._lower is not None else None
+        if variant is not None and (captured := self._captured_variant(variant)) is not None:
+            return self._variant_program(n, variant, captured)(*args, **kwargs)
+        if n < len(self.devices) and self._lower is not None:
+            return self._program_for(n)(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ variants
+    def _variant(self, args: tuple, kwargs: dict) -> tuple[bool, frozenset[str]] | None:
+        """How this call differs from the one ``self.graph`` was traced for, where forward may
+        branch on it: the model's mode (``self.training``) and the optional arguments that are
+        None (``if mask is not None``). None when it differs in neither."""
+        source = self._source
+        if source is None:
+            return None
+        nones = frozenset(
+            name
+            for position, name in self._optional_inputs
+            if (args[position] if position < len(args) else kwargs.get(name)) is None
+        )
+        if not nones and source.training == self._traced_training:
+            return None
+        return source.training, nones
+
+    def _captured_variant(self, variant: tuple[bool, frozenset[str]]) -> fx.GraphModule | None:
+        """The model traced again for ``variant``; None where that gives the same program."""
+        if variant not in self._variants:
+            from dpcompile.api import recapture
+
+            assert self._captured_graph is not None
+            gm = recapture(self._source, self.devices, self._leaf_modules, variant[1])
+            same = gm.graph.python_code("self").src == self._captured_graph.python_code("self").src
+            self._variants[variant] = None if same else gm
+        return self._variants[variant]
+
+    def _variant_program(self, n: int, variant: tuple[bool, frozenset[str]], captured: fx.GraphModule) -> fx.GraphModule:
+        """The program of a variant for the first ``n`` devices."""
+        key = (n, variant)
+        if key not in self._variant_programs:
+            assert self._lower is not None
+            gm = fx.GraphModule(captured, copy_graph(captured.graph), f"ParallelModule{n}")
+            self._variant_programs[key] = self._lower(gm, self.devices.prefix(n))
+        program = self._variant_programs[key]
+        program.training = self.training
+        return program
 
     def _program_for(self, n: int) -> fx.GraphModule:
         """The same program generated for the first ``n`` devices only."""
@@ -126,6 +186,8 @@ class ParallelModule(fx.GraphModule):
 
     def train(self, mode: bool = True) -> ParallelModule:
         super().train(mode)
+        if self.__dict__.get("_source") is not None:
+            self._source.training = mode  # the model's own flag (its submodules are ours)
         from dpcompile.capture import ROOT_LEAF
 
         if isinstance(self.__dict__.get(ROOT_LEAF), nn.Module):
@@ -154,8 +216,17 @@ class ParallelModule(fx.GraphModule):
                 "class_name": type(self).__name__,
             },
             "extra": self._extra_state_for_pickle(),
+            "source": self._picklable_source(),
         }
         return (_restore_parallel_module, (_importable_class(self), state))
+
+    def _picklable_source(self) -> dict[str, Any] | None:
+        """The model (to trace variants after loading) where pickle can import its classes."""
+        source = self.__dict__.get("_source")
+        classes = [type(source), *self._leaf_modules]
+        if source is None or any("<locals>" in c.__qualname__ for c in classes):
+            return None
+        return {"model": source, "leaf_modules": self._leaf_modules, "traced_training": self._traced_training}
 
     def _extra_state_for_pickle(self) -> dict[str, Any]:
         """What a subclass (tensor parallel) needs, beyond modules and graph, to rebuild itself."""
@@ -226,7 +297,11 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
         captured_graph=state["captured_graph"],
         lower=lower,
         share_all_of=holder,
+        source=(state.get("source") or {}).get("model"),
+        leaf_modules=(state.get("source") or {}).get("leaf_modules", ()),
     )
+    if state.get("source"):
+        pm._traced_training = state["source"]["traced_training"]
     if state.get("leaf_root") is not None:
         pm._modules.pop("root", None)
     pm._restore_extra_state(state["extra"])

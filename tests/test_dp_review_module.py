@@ -76,3 +76,42 @@ def test_capture_computes_from_buffers_at_run_time():
     pm.load_state_dict(state)
     x = torch.randn(3, 4)
     torch.testing.assert_close(pm(x), model(x))
+
+
+class FunctionalDropout(nn.Module):
+    """Reads ``self.training`` in forward: fx would bake the mode of the trace into the code."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.fc(x), 0.5, self.training)
+
+
+def test_parallel_module_eval_follows_self_training_read_in_forward():
+    """pm.eval() (and model.eval()) turn off F.dropout(training=self.training); pm.train() turns it on."""
+    model = FunctionalDropout()
+    pm = dpcompile.transform(model, ["cpu"] * 3)
+    x = torch.randn(7, 8)
+    pm.eval()
+    assert not model.training
+    torch.testing.assert_close(pm(x), model(x))
+    torch.testing.assert_close(pm(x[:2]), model(x[:2]))
+    pm.train()
+    assert (pm(x) == 0).any()
+    model.eval()
+    torch.testing.assert_close(pm(x), model(x))
+
+
+def test_parallel_module_torch_save_keeps_following_the_mode():
+    """After torch.save/torch.load, eval() still reaches a self.training read in forward."""
+    model = FunctionalDropout()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loaded.eval()
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(loaded(x), model.eval()(x))

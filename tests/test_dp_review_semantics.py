@@ -59,3 +59,40 @@ class CausalSelfAttention(nn.Module):
 def test_capture_traces_buffer_sliced_by_input_size():
     """A causal-mask buffer sliced with x.size() traces and matches eager on uneven splits."""
     check_against_eager(CausalSelfAttention, ["cpu"] * 4, torch.randn(9, 5, 8), transform_kwargs={"copy_replicas": True})
+
+
+class OptionalInputs(nn.Module):
+    """The Hugging Face shape: optional mask and labels that default to None."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, labels=None, mask=None):
+        logits = self.fc(x)
+        if mask is not None:
+            logits = logits * mask
+        if labels is not None:
+            return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, labels)}
+        return {"logits": logits}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        {},
+        {"labels": True},
+        {"mask": True},
+        {"labels": True, "mask": None},
+    ],
+    ids=["neither", "labels", "mask", "labels-mask-none"],
+)
+@pytest.mark.parametrize("batch", [7, 2])
+def test_parallel_module_optional_arguments_left_none_take_eagers_branch(call, batch):
+    """Calls that leave optional arguments None take forward's None branch, as eager does."""
+    kwargs = {}
+    if call.get("labels"):
+        kwargs["labels"] = torch.randint(0, 4, (batch,))
+    if "mask" in call:
+        kwargs["mask"] = torch.ones(batch, 4) if call["mask"] else None
+    check_against_eager(OptionalInputs, ["cpu"] * 3, torch.randn(batch, 8), **kwargs)

@@ -503,6 +503,8 @@ class _Analyzer:
                 return self._permute(node)
             if target is getattr and len(node.args) > 1 and node.args[1] in ("dtype", "ndim"):
                 return NOT_TENSOR, []
+            if target is getattr and len(node.args) > 1 and node.args[1] == "shape":
+                return self._shape(node)
         if op == "call_method":
             if target in _UNARY_METHODS:
                 return self._unary(node)
@@ -617,8 +619,22 @@ class _Analyzer:
         layout = self.layout(x)
         assert isinstance(layout, Sharded)
         dim = _arg(node, 1, "dim")
+        if dim is None:  # x.size(): as x.shape
+            return self._shape(node)
         if not isinstance(dim, int) or _from_end(dim, _ndim(x)) == layout.dim:
             raise _Fallback("reads the size of the sharded dim")
+        return NOT_TENSOR, []
+
+    def _shape(self, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+        """``x.shape`` / ``x.size()`` of a sharded ``x``: the local shape, fine while every use
+        reads one other dim (``k.shape[-1]``); anything else needs the whole tensor."""
+        x = node.args[0]
+        layout = self.layout(x)
+        assert isinstance(layout, Sharded)
+        for user in node.users:
+            index = user.args[1] if user.op == "call_function" and user.target is operator.getitem and len(user.args) == 2 else None
+            if user.args[0] is not node or not isinstance(index, int) or _from_end(index, _ndim(x)) == layout.dim:
+                raise _Fallback("reads the size of the sharded dim")
         return NOT_TENSOR, []
 
     def _view(self, node: fx.Node, first: int) -> tuple[Layout, list[fx.Node]]:

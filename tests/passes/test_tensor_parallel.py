@@ -484,3 +484,40 @@ def test_shard_linear_program_matches_eager_on_two_gloo_ranks(spmd_outcomes, pla
     for rank, outcome in spmd_outcomes.items():
         assert "<setup>" not in outcome, outcome.get("<setup>")
         assert outcome[plan] is None, f"rank {rank}: {outcome[plan]}"
+
+
+class ShapeReads(nn.Module):
+    """Attention scaled by ``k.shape[-1]`` (a head dim, not sharded) and by ``h.size()[-1]`` (sharded)."""
+
+    def __init__(self, d: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+        self.up, self.down = nn.Linear(d, 12), nn.Linear(12, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = ((q @ k.transpose(-2, -1)) / k.shape[-1] ** 0.5).softmax(dim=-1) @ v
+        h = torch.relu(self.up(x))
+        return self.out(y.transpose(1, 2).reshape(b, t, c)) + self.down(h) * h.size()[-1]
+
+
+SHAPE_PLAN = {"q": "column", "k": "column", "v": "column", "out": "row", "up": "column", "down": "row"}
+
+
+def test_shard_linear_reads_the_shape_of_an_unsharded_dim_without_a_gather():
+    """k.shape[-1] of sharded heads is read locally; only h.size()[-1], the sharded dim, gathers h."""
+    x = torch.randn(2, 3, 16)
+    gm = spmd(ShapeReads(), SHAPE_PLAN, 2, x)
+    gathered = [n.args[0].name for n in gm.graph.nodes if n.op == "call_function" and n.target is collectives.gather_from_shards]
+    assert gathered == ["relu"], gm.code
+
+
+def test_transform_matches_eager_when_forward_reads_shapes_of_shards():
+    """Shape reads of sharded values (sharded dim or not) give eager's outputs over 2 and 3 devices."""
+    model, x = ShapeReads(), torch.randn(2, 3, 16)
+    for n in (2, 3):
+        pm = transform_tensor_parallel(model, ["cpu"] * n, plan=SHAPE_PLAN, example_inputs=(x,))
+        assert pm.plan == SHAPE_PLAN
+        torch.testing.assert_close(pm(x), model(x))

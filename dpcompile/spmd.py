@@ -251,6 +251,18 @@ class SpmdModule(ParallelModule):
             local[key] = full.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone()
         return super().load_state_dict(local, strict=strict, assign=assign)
 
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:  # fmt: skip
+        """``parent.load_state_dict(...)`` of a module holding ``pm``: full tensors under the
+        sharded keys are cut to this rank's shard before the submodules load them."""
+        if self.shards:
+            rank = self._tp_group().rank()
+            for key, (dim, sizes) in self.shards.items():
+                full = state_dict.get(prefix + key)
+                if isinstance(full, torch.Tensor) and full.dim() > dim and full.size(dim) == sum(sizes):
+                    state_dict[prefix + key] = full.narrow(dim, sum(sizes[:rank]), sizes[rank])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
     def _tp_group(self) -> MeshGroup:
         group = getattr(self, "tp_group", None)
         if isinstance(group, MeshGroup):

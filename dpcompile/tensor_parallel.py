@@ -142,6 +142,25 @@ class TensorParallelModule(ParallelModule):
                     own[key].copy_(value)
         return _IncompatibleKeys(missing, unexpected)
 
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:  # fmt: skip
+        """``parent.load_state_dict(...)`` of a module holding ``pm``: cut each full tensor under
+        its original key into the shard keys the submodules load, before they load."""
+        for key, (spec, names) in self.param_shards.items():
+            value = state_dict.get(prefix + key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            del state_dict[prefix + key]
+            if value.dim() <= spec.dim or value.size(spec.dim) != sum(spec.sizes):
+                error_msgs.append(
+                    f"size mismatch for {prefix + key}: got {tuple(value.shape)}, the sharded parameter has "
+                    f"{sum(spec.sizes)} along dim {spec.dim} (shards {list(spec.sizes)})"
+                )
+                continue
+            for k, name in enumerate(names):
+                state_dict[prefix + name] = shard_of(value, spec, k)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
     # ------------------------------------------------------------------ pickling
     def _extra_state_for_pickle(self) -> dict[str, Any]:
         return {

@@ -405,12 +405,28 @@ def check_tp_automatic_plan(rank: int, world: int) -> None:
     torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+def check_tp_parent_load_state_dict(rank: int, world: int) -> None:
+    """TP: a module holding pm loads a full state_dict through nn.Module's recursion; each rank keeps its shard."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    pm = dpcompile.transform(MLP(8, 12), _tp_mesh(world), tensor_parallel={"fc1": "column", "fc2": "row"})
+    parent = nn.Sequential(pm, nn.Linear(8, 2))
+    reference = nn.Sequential(MLP(8, 12), nn.Linear(8, 2))  # other weights (the seed has moved on)
+    result = parent.load_state_dict(reference.state_dict())
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert tuple(pm.fc1.weight.shape) == (12 // world, 8)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(parent(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
 TP_CHECKS = [
     ("tp_mlp_training_matches_eager", check_tp_mlp_training_matches_eager),
     ("tp_uneven_gather", check_tp_uneven_gather),
     ("tp_block_attention", check_tp_block_attention),
     ("tp_state_dict_round_trip", check_tp_state_dict_round_trip),
     ("tp_automatic_plan", check_tp_automatic_plan),
+    ("tp_parent_load_state_dict", check_tp_parent_load_state_dict),
 ]
 
 

@@ -238,6 +238,24 @@ def test_load_state_dict_rejects_a_wrong_size_with_the_arithmetic():
         pm.load_state_dict(sd)
 
 
+def test_load_state_dict_of_a_parent_module_reshards_pm():
+    """A module holding pm (and a root-Linear pm) loads its own state_dict: full tensors re-sharded."""
+    model, other = MLP(8, 10), MLP(8, 10)
+    pm = dpcompile.transform(model, ["cpu"] * 3, tensor_parallel={"fc1": "column", "fc2": "row"})
+    lone = dpcompile.transform(nn.Linear(8, 6), ["cpu"] * 2, tensor_parallel={"": "column"})
+    parent = nn.Sequential(pm, nn.ReLU(), lone)
+    reference = nn.Sequential(other, nn.ReLU(), nn.Linear(8, 6))
+    assert list(parent.state_dict()) == list(reference.state_dict())
+    result = parent.load_state_dict(reference.state_dict())
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(parent(x), reference(x))
+    bad = reference.state_dict()
+    bad["0.fc1.weight"] = torch.zeros(9, 8)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0.fc1.weight: got \(9, 8\)"):
+        parent.load_state_dict(bad)
+
+
 def test_torch_save_round_trips_a_tensor_parallel_module():
     """torch.save / torch.load(weights_only=False) give a module with the same plan, state and outputs."""
     model = Block(12, 3)

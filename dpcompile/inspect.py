@@ -449,6 +449,9 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         if comm is not None:
             collectives.append(_collective(node, comm, recorder, n_active))
 
+    ddp = _ddp_collective(pm)
+    if ddp is not None:
+        collectives.append(ddp)
     forward = sum(c.forward or 0.0 for c in collectives if not c.io)
     backward = sum(c.backward or 0.0 for c in collectives if not c.io)
     io_forward = sum(c.forward or 0.0 for c in collectives if c.io)
@@ -495,6 +498,23 @@ def _collective(node: fx.Node, comm: Any, recorder: _Recorder | None, n: int) ->
         forward=fwd,
         backward=bwd,
         source=user_source(node),
+    )
+
+
+def _ddp_collective(pm: nn.Module) -> CollectiveInfo | None:
+    """SPMD data parallel: DistributedDataParallel's gradient all-reduce, which runs in backward
+    outside the generated code, over the parameters it does not ignore."""
+    ddp = pm.__dict__.get("_ddp")
+    if ddp is None:
+        return None
+    from passes.collectives import group_size
+
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+    size = sum(p.numel() for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored)
+    n = group_size(pm.mesh, pm.dp_dim) or 1
+    return CollectiveInfo(
+        name="ddp_gradients", kind="ddp", backward_kind="all_reduce", io=False, elements=size, forward=0.0,
+        backward=ring_elements("all_reduce", size, n),
     )
 
 

@@ -14,7 +14,9 @@ program from ``shard_linear`` (tensor parallel), whose cross-shard steps are cal
 The process groups are state-less :class:`~dpcompile.runtime.distributed.MeshGroup`
 submodules (``dp_group``, ``tp_group``) that the generated code names. Each lowered node
 keeps its ``Comm`` stamp and records the size of its group in
-``node.meta["dpcompile_comm_world"]`` (for ring-algorithm cost figures).
+``node.meta["dpcompile_comm_world"]`` (for ring-algorithm cost figures); a ``sync_batch_norm``
+also records what it all-reduces, ``2 * num_features + 1`` elements, in
+``node.meta["dpcompile_comm_numel"]``.
 
 Before (data parallel, the captured model)::
 
@@ -282,6 +284,8 @@ class _Rewriter:
             "call_function", dist_rt.sync_batch_norm, (module_ref, x, self.groups["dp_group"]), name=f"{node.name}_sync"
         )
         call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+        # What it all-reduces: per-channel sums and the count, then per-channel squared deviations
+        call.meta["dpcompile_comm_numel"] = 2 * int(self.gm.get_submodule(node.target).num_features) + 1
         self.lowered_bn.append(str(node.target))
         self._stamp_size(call, "dp_group")
         return stamp_comm(stamp(call, PASS, node), "all_reduce", backward="all_reduce")

@@ -286,11 +286,28 @@ def check_dp_unused_parameters_ignored(rank: int, world: int) -> None:
     assert model.spare.weight.grad is None and model.fc.weight.grad is not None
 
 
+def check_dp_explain_counts_ddp_and_sync_bn(rank: int, world: int) -> None:
+    """DP explain: sync BN moves its 2C+1 statistics, and DDP's gradient all-reduce is counted in backward."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    pm = dpcompile.transform(BNNet(), _dp_mesh(world))
+    report = dpcompile.explain(pm, torch.randn(4, 6))
+    sizes = {c.name: (c.elements, c.forward, c.backward) for c in report.collectives}
+    ring = 2 * (world - 1) / world
+    assert sizes["bn_sync"] == (21, ring * 21, ring * 21), sizes  # 10 channels: sums + count, then variances
+    params = sum(p.numel() for p in pm.parameters())
+    assert sizes["ddp_gradients"] == (params, 0.0, ring * params), sizes
+    assert report.comm_elements_forward == ring * 21
+    assert report.comm_elements_backward == ring * (21 + params)
+
+
 DP_CHECKS = [
     ("dp_training_matches_eager", check_dp_training_matches_eager),
     ("dp_state_dict_and_code", check_dp_state_dict_and_code),
     ("dp_rnn_flatten_hoisted", check_dp_rnn_flatten_hoisted),
     ("dp_unused_parameters_ignored", check_dp_unused_parameters_ignored),
+    ("dp_explain_counts_ddp_and_sync_bn", check_dp_explain_counts_ddp_and_sync_bn),
 ]
 
 

@@ -81,10 +81,11 @@ def _check_available(device: torch.device) -> None:
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if device.index >= count:
+            usable = f"use indices 0..{count - 1}, or" if count else "use"
             raise ValueError(
                 f"device {device} is beyond the {count} CUDA device(s) visible here "
-                f"(torch.cuda.device_count() == {count}); use indices 0..{count - 1}, "
-                "or repeated 'cpu' entries for virtual devices"
+                f"(torch.cuda.device_count() == {count}); {usable} "
+                "repeated 'cpu' entries for virtual devices"
             )
 
 
@@ -105,7 +106,8 @@ def parse_devices(spec: object, *, check_available: bool = True) -> Devices:
             return parse_devices(list(range(spec)), check_available=check_available)
         return Devices(tuple(torch.device("cpu") for _ in range(spec)))
     if isinstance(spec, (str, torch.device)):
-        raise ValueError(f"devices={spec!r} is a single device; pass a list such as [{spec!r}]")
+        device = _parse_one(spec)  # an unparsable spec says so first
+        raise ValueError(f"devices={spec!r} is a single device; pass a list such as [{str(device)!r}]")
     if not isinstance(spec, Iterable):
         raise ValueError(f"devices={spec!r} of type {type(spec).__name__}; expected {ACCEPTED}")
     parsed = tuple(_parse_one(s) for s in spec)

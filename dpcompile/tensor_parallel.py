@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -81,6 +82,78 @@ class TensorParallelModule(ParallelModule):
         self.comm_cost = comm_cost
         slot_of = {name: k for _, names in self.param_shards.values() for k, name in enumerate(names)}
         self.shard_param_slots = {name: slot_of.get(name) for name, _ in self.named_parameters()}
+
+    # ------------------------------------------------------------------ variants
+    def _attach_source(self, model: nn.Module, leaf_modules: tuple[type[nn.Module], ...]) -> None:
+        """Keep a fake-tensor copy of ``model`` (no memory) to trace again for a call that takes
+        another path through forward: an optional argument left None, or the other mode."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from dpcompile.verify import _fake_copy
+
+        source = None
+        if type(model).forward is not nn.Module.forward and not isinstance(model, fx.GraphModule):
+            try:
+                source = _fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), self.devices.primary)
+            except Exception as e:  # noqa: BLE001 - variants are a refinement; the main program stands
+                log.debug("no fake copy of the model for variants (%s)", e)
+        object.__setattr__(self, "_tp_source", source)
+        self._tp_leaf_modules = leaf_modules
+        self._tp_traced_training = model.training
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self._tp_optional = [(i, str(n.target)) for i, n in enumerate(placeholders) if n.args and n.args[0] is None]
+        self._tp_variants: dict[tuple[bool, frozenset[str]], fx.GraphModule | None] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        source = self.__dict__.get("_tp_source")
+        if source is not None:
+            nones = frozenset(
+                name for i, name in self._tp_optional if (args[i] if i < len(args) else kwargs.get(name)) is None
+            )
+            if nones or self.training != self._tp_traced_training:
+                program = self._variant_program((self.training, nones), args, kwargs)
+                if program is not None:
+                    return program(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def _variant_program(self, variant: tuple[bool, frozenset[str]], args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        """The program for a call in mode ``variant[0]`` with ``variant[1]`` left None, built on
+        the fake copy with this module's plan and run on its shards; None where it is the same."""
+        if variant not in self._tp_variants:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            from torch.utils._pytree import tree_map
+
+            from dpcompile.errors import DpCompileError
+            from dpcompile.inspect import _bind_inputs
+            from dpcompile.module import copy_graph
+            from dpcompile.verify import _FakeCudaOnCpuTorch
+
+            source = self.__dict__["_tp_source"]
+            source.train(variant[0])
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            values = _bind_inputs(self, args, kwargs)
+            with mode, _FakeCudaOnCpuTorch(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+                example = tree_map(
+                    lambda v: mode.from_tensor(v.detach()).to(self.devices.primary) if isinstance(v, torch.Tensor) else v, values
+                )
+                built = transform_tensor_parallel(
+                    source, self.devices, plan=self.plan, example_inputs=example, output_device=self.output_device,
+                    leaf_modules=self._tp_leaf_modules, check_available=False, none_args=variant[1],
+                )  # fmt: skip
+            if built.param_shards != self.param_shards:
+                raise DpCompileError(
+                    f"the call with {sorted(variant[1]) or 'no'} optional argument(s) None in "
+                    f"{'training' if variant[0] else 'eval'} mode takes another path through forward, whose "
+                    "layers shard differently; transform the model for that call (example_inputs= of it)"
+                )
+            same = built.code == self.code
+            program = None if same else fx.GraphModule(self, copy_graph(built.graph), "TensorParallelVariant")
+            self._tp_variants[variant] = program
+        program = self._tp_variants[variant]
+        if program is not None:
+            program.training = self.training
+        return program
 
     def param_bytes_per_slot(self) -> dict[int, int]:
         """Bytes of parameters each shard slot holds: its shards plus the replicated rest."""
@@ -189,6 +262,7 @@ def transform_tensor_parallel(
     output_device: Any = None,
     leaf_modules: Iterable[type[nn.Module]] = (),
     check_available: bool = True,
+    none_args: Iterable[str] = (),
 ) -> TensorParallelModule:
     """Shard ``model``'s ``nn.Linear`` layers over ``devices`` by ``plan`` (True: automatic).
 
@@ -209,7 +283,7 @@ def transform_tensor_parallel(
         out_device = torch.device(output_device)
     state_keys = list(model.state_dict().keys())
     owned = copy.deepcopy(model)  # the user's model is never touched
-    gm = _capture_owning_everything(owned, leaf_modules)
+    gm = _capture_owning_everything(owned, leaf_modules, none_args)
     if example_inputs is not None:
         if not isinstance(example_inputs, (tuple, list)):
             example_inputs = (example_inputs,)
@@ -252,6 +326,7 @@ def transform_tensor_parallel(
     pm._init_tensor_parallel(
         state_keys=state_keys, param_shards=expand_info["param_shards"], plan_reasons=reasons, comm_cost=cost
     )
+    pm._attach_source(model, tuple(leaf_modules))
     pm.train(model.training)
     log.debug("tensor-parallel plan %s: %s per device", applied, cost)
     return pm
@@ -275,14 +350,16 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: list[Any], propagate: 
         return False
 
 
-def _capture_owning_everything(owned: nn.Module, leaf_modules: Iterable[type[nn.Module]]) -> fx.GraphModule:
+def _capture_owning_everything(
+    owned: nn.Module, leaf_modules: Iterable[type[nn.Module]], none_args: Iterable[str] = ()
+) -> fx.GraphModule:
     """Capture ``owned`` and give the GraphModule all its state, used in forward or not.
 
     ``fx.GraphModule`` keeps only what the graph reads (with empty stand-ins for the modules
     on the way); the state dict must keep every key, and passes must replace modules in the
     real hierarchy.
     """
-    gm = capture(owned, leaf_modules=leaf_modules)
+    gm = capture(owned, leaf_modules=leaf_modules, none_args=none_args)
     if isinstance(owned, fx.GraphModule) or not list(owned.children()) and not owned._parameters and not owned._buffers:
         return gm
     adopt_state(gm, owned)

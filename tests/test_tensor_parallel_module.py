@@ -437,3 +437,32 @@ def test_auto_plan_searches_a_large_group_by_coordinate_descent():
         assert {p.split(".")[-1]: s for p, s in pm.plan.items() if p.startswith(f"blocks.{i}.")} == BLOCK_PLAN
     assert "coordinate descent over its group of 13" in pm.plan_reasons["blocks.1.q"]
     check_matches_eager(model, pm, x)
+
+
+class OptionalScale(nn.Module):
+    """forward branches on an optional argument and on self.training."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, scale=None):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        if scale is not None:
+            h = h * scale
+        return h + 1 if self.training else h
+
+
+def test_transform_runs_calls_that_leave_an_optional_argument_none():
+    """pm(x) and pm(x, scale=s) both equal the model, in training and eval mode, on the same shards."""
+    model, x, scale = OptionalScale(), torch.randn(4, 8), torch.full((8,), 2.0)
+    pm = dpcompile.transform(model, ["cpu"] * 3, tensor_parallel=True)
+    params = [p for p in pm.parameters()]
+    for mode in (True, False):
+        pm.train(mode)
+        model.train(mode)
+        torch.testing.assert_close(pm(x, scale=scale), model(x, scale=scale))
+        torch.testing.assert_close(pm(x), model(x))
+        torch.testing.assert_close(pm(x, None), model(x))
+    pm(x).sum().backward()
+    assert all(p.grad is not None for p in params)

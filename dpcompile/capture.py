@@ -11,6 +11,7 @@ The :class:`DpTracer` differs from ``torch.fx.Tracer`` in three ways:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import linecache
 import os
@@ -72,10 +73,32 @@ class DpTracer(fx.Tracer):
 
         original = nn.RNNBase.flatten_parameters
         nn.RNNBase.flatten_parameters = recorded_flatten_parameters
+        factories = {name: getattr(torch, name) for name in _SIZE_FACTORIES}
+        for name, factory in factories.items():
+            setattr(torch, name, _sizes_as_tuple(factory))
         try:
             return super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
+            for name, factory in factories.items():
+                setattr(torch, name, factory)
+
+
+# factories taking sizes as ``*size``: given a traced size first (``torch.zeros(x.size(0), 4)``)
+# torch's argument parser reads it as the whole size and refuses the rest
+_SIZE_FACTORIES = ("zeros", "ones", "empty", "rand", "randn")
+
+
+def _sizes_as_tuple(factory):
+    """``factory(*size)`` called as ``factory(size)`` when a traced value comes first."""
+
+    @functools.wraps(factory)
+    def call(*size, **kwargs):
+        if len(size) > 1 and isinstance(size[0], fx.Proxy):
+            return factory(tuple(size), **kwargs)
+        return factory(*size, **kwargs)
+
+    return call
 
 
 def _is_library_file(filename: str) -> bool:

@@ -96,3 +96,44 @@ def test_parallel_module_optional_arguments_left_none_take_eagers_branch(call, b
     if "mask" in call:
         kwargs["mask"] = torch.ones(batch, 4) if call["mask"] else None
     check_against_eager(OptionalInputs, ["cpu"] * 3, torch.randn(batch, 8), **kwargs)
+
+
+class CellLoop(nn.Module):
+    """A hand-rolled recurrence whose state starts as torch.zeros(x.size(0), hidden)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(4, 6)
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.zeros(x.size(0), 6, device=x.device)
+        for t in range(3):
+            h = self.cell(x[:, t], h)
+        return self.fc(h)
+
+
+def test_capture_traces_size_factory_with_batch_size_first():
+    """torch.zeros(x.size(0), 6) traces (fx alone refuses it) and the model matches eager."""
+    check_against_eager(CellLoop, ["cpu"] * 3, torch.randn(7, 3, 4), transform_kwargs={"copy_replicas": True})
+
+
+class LSTMCellLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(4, 6)
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x, h0, c0):
+        state = (h0, c0)
+        for t in range(3):
+            state = self.cell(x[:, t], state)
+        return self.fc(state[0]), state[1]
+
+
+@pytest.mark.parametrize("make, extra", [(CellLoop, 0), (LSTMCellLoop, 2)], ids=["gru_cell", "lstm_cell"])
+def test_batch_rules_rnn_cells_run_per_device(make, extra):
+    """RNN cells run on each device's chunk (input and state split on dim 0), matching eager."""
+    states = [torch.randn(7, 6) for _ in range(extra)]
+    pm = check_against_eager(make, ["cpu"] * 3, torch.randn(7, 3, 4), *states, transform_kwargs={"copy_replicas": True})
+    assert "cell_2_dev2" in pm.code and "gather" not in pm.code.split("cell_2_dev2")[0]

@@ -626,6 +626,22 @@ def rnn(ctx: RuleContext) -> Placement | None:
     return Tuple((out, hidden))
 
 
+def rnn_cell(ctx: RuleContext) -> Placement | None:
+    """RNNCell / GRUCell / LSTMCell: one step for a batch of samples, on dim 0 of the input and
+    of the state (an LSTMCell's ``(h, c)``)."""
+    x = ctx.tensor_arg()
+    p = ctx.p(x)
+    if not (isinstance(p, Split) and p.dim == 0) or ctx.ndim(x) == 1:
+        return None  # a 1-D input is one unbatched sample
+    hx = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("hx")
+    if hx is not None:
+        p_hx = ctx.p(hx)
+        parts = p_hx.items if isinstance(p_hx, Tuple) and isinstance(ctx.module, nn.LSTMCell) else (p_hx,)
+        if not all(isinstance(q, Split) and q.dim == 0 for q in parts):
+            return None
+    return Tuple((Split(0), Split(0))) if isinstance(ctx.module, nn.LSTMCell) else Split(0)
+
+
 def multihead_attention(ctx: RuleContext) -> Placement | None:
     module = ctx.module
     batch_dim = 0 if module.batch_first else 1
@@ -829,6 +845,8 @@ def module_rule(module: nn.Module) -> Rule | None:
         return flatten
     if isinstance(module, nn.RNNBase):
         return rnn
+    if isinstance(module, nn.RNNCellBase):
+        return rnn_cell
     if isinstance(module, nn.MultiheadAttention):
         return multihead_attention
     if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerEncoder)):

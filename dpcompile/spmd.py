@@ -331,7 +331,14 @@ def _build_ddp(
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             wrapper, [f"program.{name}" for name in unused]
         )
-    return nn.parallel.DistributedDataParallel(wrapper, **kwargs)
+    try:  # DDP broadcasts rank 0's parameters and buffers: a collective
+        return nn.parallel.DistributedDataParallel(wrapper, **kwargs)
+    except (RuntimeError, dist.DistError) as e:
+        if not _is_communication_failure(e):
+            raise
+        from dpcompile.runtime.distributed import _failed
+
+        raise _failed("DistributedDataParallel's broadcast of rank 0's parameters", group, e) from e
 
 
 # ---------------------------------------------------------------------------- transform
@@ -466,9 +473,14 @@ def _broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
     As DDP does at construction: ranks that initialised the model differently (no common
     seed) still cut their shards from one model.
     """
+    from dpcompile.runtime.distributed import _failed
+
     source = dist.get_global_rank(group, 0)
-    for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, src=source, group=group)
+    try:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=source, group=group)
+    except (RuntimeError, dist.DistError) as e:
+        raise _failed("transform's broadcast of the first tp rank's parameters", group, e) from e
 
 
 def _plan_for(gm: fx.GraphModule, plan: bool | Mapping[str, str], n: int) -> tuple[dict[str, str], dict[str, str]]:

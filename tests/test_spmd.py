@@ -490,6 +490,11 @@ def check_rank_failure_is_reported(rank: int, world: int) -> None:
         with pytest.raises(CollectiveError, match="another rank most likely raised, exited or timed out"):
             run()
         assert time.monotonic() - start < 25, f"{name}: took {time.monotonic() - start:.1f}s to fail"
+    for name, mesh, plan in (("tensor parallel", _tp_mesh, {"fc1": "column"}), ("data parallel", _dp_mesh, False)):
+        start = time.monotonic()  # transform itself is collective (parameters broadcast from rank 0)
+        with pytest.raises(CollectiveError, match="another rank most likely raised, exited or timed out"):
+            dpcompile.transform(MLP(8, 12), mesh(world), tensor_parallel=plan)
+        assert time.monotonic() - start < 25, f"transform, {name}: took {time.monotonic() - start:.1f}s to fail"
 
 
 SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {

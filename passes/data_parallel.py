@@ -148,7 +148,30 @@ class _Builder:
                 self._emit_batch_norm(node)
             else:
                 self._emit_per_device(node, placement)
+        self._drop_unused()
         return self.graph
+
+    def _drop_unused(self) -> None:
+        """Remove what the program computes but never reads: shape reads made per device for an
+        op that then ran whole, and replicas (or parts of them) no device runs, which on
+        distinct GPUs would cost a broadcast of their weights every step."""
+        for node in reversed(list(self.graph.nodes)):
+            if not node.users and _is_pure_read(node):
+                self.graph.erase_node(node)
+        replicas = next((n for n in self.graph.nodes if n.target is runtime.replicate), None)
+        if replicas is None:
+            return
+        used = {name for root in self.replica_roots.values() for name in _names_read_from(root)}
+        roots: dict[str, fx.Node] = replicas.args[0]
+        if not used:
+            for user in list(replicas.users):
+                self.graph.erase_node(user)
+            self.graph.erase_node(replicas)
+        elif "*" not in used:
+            replicas.args = ({name: src for name, src in roots.items() if name in used}, *replicas.args[1:])
+        for src in roots.values():
+            if not src.users:
+                self.graph.erase_node(src)
 
     def _emit_replicas(self, nodes: list[fx.Node]) -> None:
         targets = [k for k in range(self.n) if self.uses_replica[k]]
@@ -446,6 +469,26 @@ def _is_view(node: fx.Node) -> bool:
     if node.op == "call_function":
         return node.target in _VIEW_FUNCTIONS or (node.target is getattr and node.args[1] in ("T", "mT"))
     return False
+
+
+def _is_pure_read(node: fx.Node) -> bool:
+    """A read of a shape, an attribute or an element: nothing lost when its result is unused."""
+    if node.op == "call_method":
+        return node.target in ("size", "dim")
+    return node.op == "call_function" and node.target in (operator.getitem, getattr)
+
+
+def _names_read_from(root: fx.Node) -> set[str]:
+    """The top-level names a replica root is used for (``replica_dev1.enc.fc1(...)``: ``enc``)."""
+    names = set()
+    for user in root.users:
+        if user.op == "call_method" and user.args[0] is root:
+            names.add(str(user.target).split(".")[0])
+        elif user.op == "call_function" and user.target is getattr and user.args[0] is root:
+            names.add(user.args[1])
+        else:  # handed on whole: keep everything
+            names.add("*")
+    return names
 
 
 def _has_side_effect(node: fx.Node) -> bool:

@@ -160,3 +160,41 @@ def test_generated_graph_runs_under_fx_interpreter():
     node = next(n for n in pm.graph.nodes if n.name == "blocks_0_fc1_dev1")
     assert node.meta["tensor_meta"].shape == (3, 5, 24)
     torch.testing.assert_close(fx.Interpreter(pm).run(x), reference(x))
+
+
+class _SortsFirst(torch.nn.Module):
+    """Sorting over the batch comes first, so everything runs once, after a gather."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x.sort(0).values) / x.shape[0]
+
+
+def test_insert_scatter_gather_replicates_nothing_no_device_runs():
+    """No replicate (a broadcast of every weight on distinct GPUs) and no unused shape reads
+    where nothing runs per device."""
+    pm = dpcompile.transform(_SortsFirst(), ["cpu"] * 2, copy_replicas=True)
+    assert "replicate" not in pm.code and "_dev1" not in pm.code
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(pm(x), pm.fc(x.sort(0).values) / 5)
+
+
+class _HeadAfterSort(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.fc(x).sort(0).values)
+
+
+def test_insert_scatter_gather_replicates_only_modules_devices_run():
+    """A module that runs once, on the gathered batch, is not replicated."""
+    pm = dpcompile.transform(_HeadAfterSort(), ["cpu"] * 2, copy_replicas=True)
+    replicate = next(n for n in pm.graph.nodes if n.target is runtime.replicate)
+    assert list(replicate.args[0]) == ["fc"]
+    assert "head_src" not in pm.code

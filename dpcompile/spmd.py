@@ -132,6 +132,9 @@ class _LocalProgram(nn.Module):
         self.program = program
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        variant = self.program._variant(args, kwargs)
+        if variant is not None:
+            return variant(*args, **kwargs)
         return ParallelModule.__call__(self.program, *args, **kwargs)
 
 
@@ -176,6 +179,9 @@ class SpmdModule(ParallelModule):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self.__dict__.get("_ddp")
         if ddp is None:
+            variant = self._variant(args, kwargs)
+            if variant is not None:
+                return variant(*args, **kwargs)
             return ParallelModule.__call__(self, *args, **kwargs)
         try:
             return ddp(*args, **kwargs)
@@ -189,6 +195,34 @@ class SpmdModule(ParallelModule):
                 "rank most likely raised, exited or timed out first — see its log for the first error. Pass "
                 f"timeout= to torch.distributed.init_process_group to fail sooner. ({_first_line(e)})"
             ) from e
+
+    # ------------------------------------------------------------------ variants
+    def _allow_variants(self, build: Any) -> None:
+        """``build(none_args, args, kwargs) -> fx.Graph``: this rank's program traced with the
+        optional arguments ``none_args`` left None (``if mask is not None`` takes the other path)."""
+        object.__setattr__(self, "_variant_build", build)
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self._optional_args = [(i, str(n.target)) for i, n in enumerate(placeholders) if n.args and n.args[0] is None]
+        self._variant_programs: dict[frozenset[str], fx.GraphModule | None] = {}
+
+    def _variant(self, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        """The program for a call that leaves optional arguments None; None for the main program."""
+        build = self.__dict__.get("_variant_build")
+        if build is None:
+            return None
+        nones = frozenset(name for i, name in self._optional_args if (args[i] if i < len(args) else kwargs.get(name)) is None)
+        if not nones:
+            return None
+        if nones not in self._variant_programs:
+            from dpcompile.module import copy_graph
+
+            graph = build(nones, args, kwargs)
+            same = graph.python_code("self").src == self.graph.python_code("self").src
+            self._variant_programs[nones] = None if same else fx.GraphModule(self, copy_graph(graph), "SpmdVariant")
+        program = self._variant_programs[nones]
+        if program is not None:
+            program.training = self.training
+        return program
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -405,6 +439,12 @@ def _transform_data_parallel(
         share_all_of=model,
     )
     pm._attach(mesh=mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=ddp_options)
+
+    def build(none_args: frozenset[str], args: tuple, kwargs: dict) -> fx.Graph:
+        variant = capture(model, leaf_modules=leaf_modules, none_args=none_args)
+        return run_passes(variant, pipeline)[0].graph
+
+    pm._allow_variants(build)
     return pm
 
 
@@ -427,6 +467,7 @@ def _transform_tensor_parallel(
 
     tp_size = mesh.size(mesh.mesh_dim_names.index(tp_dim)) if isinstance(tp_dim, str) else mesh.size(0)
     tp_rank = mesh.get_local_rank(tp_dim) if isinstance(tp_dim, str) else mesh.get_local_rank(0)
+    pristine = _fake_copy_or_none(model, device)  # to trace again for calls leaving optional arguments None
     own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
     _broadcast_state(own, mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
     gm = capture(own, leaf_modules=leaf_modules)
@@ -463,7 +504,58 @@ def _transform_tensor_parallel(
         shards={key: (spec.dim, spec.sizes) for key, spec in specs.items()},
         ddp_options=ddp_options,
     )
+
+    def build(none_args: frozenset[str], args: tuple, kwargs: dict) -> fx.Graph:
+        import warnings
+
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._pytree import tree_map
+
+        from dpcompile.inspect import _bind_inputs
+        from dpcompile.tensor_parallel import _propagate_shapes
+        from dpcompile.verify import _fake_copy
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = _fake_copy(pristine, mode, device)
+        options_v = passes.PipelineOptions(devices=devices, extra={"plan": dict(pm.plan)})
+        with mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            variant = capture(fake, leaf_modules=leaf_modules, none_args=none_args)
+            example = tree_map(lambda v: mode.from_tensor(v.detach()) if isinstance(v, torch.Tensor) else v,
+                               _bind_inputs(pm, args, kwargs))  # fmt: skip
+            _propagate_shapes(variant, list(example), propagate_shapes)
+            variant, records_v = run_passes(
+                variant,
+                passes.frontend_pipeline(options_v)
+                + spmd_tensor_parallel_pipeline(options_v)
+                + [functools.partial(lower_to_collectives, mesh=mesh, dp_dim=dp_dim, tp_dim=tp_dim)],
+            )
+        info_v = next((r.info for r in records_v if r.name == "shard_linear"), {})
+        if {k: (v.dim, list(v.sizes)) for k, v in info_v.get("param_shards", {}).items()} != pm.shards:
+            from dpcompile.errors import DpCompileError
+
+            raise DpCompileError(
+                f"the call with {sorted(none_args)} None takes another path through forward, whose layers "
+                "shard differently; transform the model for that call"
+            )
+        return variant.graph
+
+    if pristine is not None:
+        pm._allow_variants(build)
     return pm
+
+
+def _fake_copy_or_none(model: nn.Module, device: torch.device) -> nn.Module | None:
+    """A fake-tensor copy of ``model`` (no memory) to trace again, or None where that fails."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpcompile.verify import _fake_copy
+
+    try:
+        return _fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), device)
+    except Exception as e:  # noqa: BLE001 - variants are a refinement; the main program stands
+        log.debug("no fake copy of the model for variants (%s)", e)
+        return None
 
 
 @torch.no_grad()

@@ -437,6 +437,34 @@ def check_tp_parent_load_state_dict(rank: int, world: int) -> None:
     torch.testing.assert_close(parent(x), reference(x), atol=1e-5, rtol=1e-5)
 
 
+class OptionalScale(nn.Module):
+    """forward branches on an optional argument (``if scale is not None``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 12), nn.Linear(12, 8)
+
+    def forward(self, x, scale=None):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        return h if scale is None else h * scale
+
+
+def check_optional_argument_left_none(rank: int, world: int) -> None:
+    """DP and TP over a mesh: pm(x) and pm(x, scale=s) both equal eager, and the None path trains."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    x, scale = torch.randn(4, 8), torch.full((8,), 2.0)
+    for mesh, plan in ((_tp_mesh(world), {"fc1": "column", "fc2": "row"}), (_dp_mesh(world), False)):
+        model = OptionalScale()
+        reference = copy.deepcopy(model)
+        pm = dpcompile.transform(model, mesh, tensor_parallel=plan)
+        torch.testing.assert_close(pm(x, scale=scale), reference(x, scale=scale), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
+        _train_both(pm, reference, [x, x])
+        _assert_state_equal(pm.state_dict(), reference.state_dict())
+
+
 TP_CHECKS = [
     ("tp_mlp_training_matches_eager", check_tp_mlp_training_matches_eager),
     ("tp_uneven_gather", check_tp_uneven_gather),
@@ -444,6 +472,7 @@ TP_CHECKS = [
     ("tp_state_dict_round_trip", check_tp_state_dict_round_trip),
     ("tp_automatic_plan", check_tp_automatic_plan),
     ("tp_parent_load_state_dict", check_tp_parent_load_state_dict),
+    ("optional_argument_left_none", check_optional_argument_left_none),
 ]
 
 

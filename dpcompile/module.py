@@ -12,6 +12,7 @@ raise ``ValueError``; a batch smaller than the number of devices runs on that ma
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -219,6 +220,16 @@ class ParallelModule(fx.GraphModule):
             "source": self._picklable_source(),
         }
         return (_restore_parallel_module, (_importable_class(self), state))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
+        """An independent copy (an EMA of the weights, a snapshot), built as unpickling builds
+        one; ``GraphModule.__deepcopy__`` would drop everything but the graph and modules."""
+        restore, (cls, state) = self.__reduce__()
+        if state["source"] is None and self.__dict__.get("_source") is not None:  # no import needed
+            state["source"] = {
+                "model": self._source, "leaf_modules": self._leaf_modules, "traced_training": self._traced_training
+            }
+        return restore(cls, copy.deepcopy(state, memo))
 
     def _picklable_source(self) -> dict[str, Any] | None:
         """The model (to trace variants after loading) where pickle can import its classes."""

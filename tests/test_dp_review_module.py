@@ -115,3 +115,15 @@ def test_parallel_module_torch_save_keeps_following_the_mode():
     loaded.eval()
     x = torch.randn(4, 8)
     torch.testing.assert_close(loaded(x), model.eval()(x))
+
+
+def test_parallel_module_deepcopy_is_an_independent_working_copy():
+    """copy.deepcopy(pm) (an EMA, a snapshot) runs, matches, and shares no tensors with pm."""
+    import copy
+
+    pm = dpcompile.transform(_dropout_model().eval(), ["cpu"] * 3)
+    twin = copy.deepcopy(pm)
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(twin(x), pm(x))
+    torch.testing.assert_close(twin(x[:2]), pm(x[:2]))
+    assert all(a is not b for a, b in zip(twin.parameters(), pm.parameters()))

@@ -319,6 +319,12 @@ def _bind_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, A
 def _program(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[fx.GraphModule, int | None]:
     """The program that a call with these arguments runs (a smaller one for a small batch)."""
     batch = None
+    if callable(getattr(pm, "program_for_call", None)):  # tensor parallel: a variant for optional arguments left None
+        return pm.program_for_call(tuple(args), dict(kwargs)), None
+    if callable(getattr(pm, "_spmd_variant", None)):  # SPMD: the same
+        variant = pm._spmd_variant(tuple(args), dict(kwargs))
+        if variant is not None:
+            return variant, None
     if hasattr(pm, "batch_size") and getattr(pm, "_split_inputs", None):
         batch = pm.batch_size(tuple(args), dict(kwargs))
         if batch is not None and batch < len(_labels(pm)) and getattr(pm, "_lower", None) is not None:

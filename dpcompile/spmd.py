@@ -132,7 +132,7 @@ class _LocalProgram(nn.Module):
         self.program = program
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        variant = self.program._variant(args, kwargs)
+        variant = self.program._spmd_variant(args, kwargs)
         if variant is not None:
             return variant(*args, **kwargs)
         return ParallelModule.__call__(self.program, *args, **kwargs)
@@ -179,7 +179,7 @@ class SpmdModule(ParallelModule):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self.__dict__.get("_ddp")
         if ddp is None:
-            variant = self._variant(args, kwargs)
+            variant = self._spmd_variant(args, kwargs)
             if variant is not None:
                 return variant(*args, **kwargs)
             return ParallelModule.__call__(self, *args, **kwargs)
@@ -205,7 +205,7 @@ class SpmdModule(ParallelModule):
         self._optional_args = [(i, str(n.target)) for i, n in enumerate(placeholders) if n.args and n.args[0] is None]
         self._variant_programs: dict[frozenset[str], fx.GraphModule | None] = {}
 
-    def _variant(self, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+    def _spmd_variant(self, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program for a call that leaves optional arguments None; None for the main program."""
         build = self.__dict__.get("_variant_build")
         if build is None:

@@ -105,6 +105,13 @@ class TensorParallelModule(ParallelModule):
         self._tp_variants: dict[tuple[bool, frozenset[str]], fx.GraphModule | None] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        program = self.program_for_call(args, kwargs)
+        if program is not self:
+            return program(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def program_for_call(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+        """The program a call with these arguments runs: ``self``, or the variant traced for it."""
         source = self.__dict__.get("_tp_source")
         if source is not None:
             nones = frozenset(
@@ -113,8 +120,8 @@ class TensorParallelModule(ParallelModule):
             if nones or self.training != self._tp_traced_training:
                 program = self._variant_program((self.training, nones), args, kwargs)
                 if program is not None:
-                    return program(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
+                    return program
+        return self
 
     def _variant_program(self, variant: tuple[bool, frozenset[str]], args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program for a call in mode ``variant[0]`` with ``variant[1]`` left None, built on

@@ -254,3 +254,22 @@ def test_explain_table_fits_in_120_columns_on_sixteen_devices():
     text = str(dpcompile.explain(pm, torch.randn(3, 16)))
     assert max(len(line) for line in text.splitlines()) <= 120
     assert "cpu#15" in text and "batch 3" in text
+
+
+class OptionalScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, scale=None):
+        h = self.fc2(torch.relu(self.fc1(x)))
+        return h if scale is None else h * scale
+
+
+def test_explain_tensor_parallel_explains_the_program_the_call_runs():
+    """explain(pm, x) without the optional scale explains the program without the multiply, with shapes."""
+    pm = dpcompile.transform(OptionalScale(), ["cpu"] * 2, tensor_parallel=True)
+    without = dpcompile.explain(pm, torch.randn(4, 8))
+    with_scale = dpcompile.explain(pm, torch.randn(4, 8), scale=torch.ones(8))
+    assert without.shapes == with_scale.shapes == "fake"
+    assert "mul" not in {n.name for n in without.nodes} and "mul" in {n.name for n in with_scale.nodes}

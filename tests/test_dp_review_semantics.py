@@ -137,3 +137,11 @@ def test_batch_rules_rnn_cells_run_per_device(make, extra):
     states = [torch.randn(7, 6) for _ in range(extra)]
     pm = check_against_eager(make, ["cpu"] * 3, torch.randn(7, 3, 4), *states, transform_kwargs={"copy_replicas": True})
     assert "cell_2_dev2" in pm.code and "gather" not in pm.code.split("cell_2_dev2")[0]
+
+
+def test_batch_rules_instance_norm_with_running_stats_updates_them_once():
+    """InstanceNorm(track_running_stats=True) ends with eager's running statistics (one update, whole batch)."""
+    check_against_eager(
+        lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4, track_running_stats=True)),
+        ["cpu"] * 3, torch.randn(7, 3, 8),
+    )

@@ -835,6 +835,8 @@ def module_rule(module: nn.Module) -> Rule | None:
         return pointwise
     if isinstance(module, LAST_DIM_MODULES):
         return last_dim_op if not isinstance(module, nn.Bilinear) else pointwise
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+        return None  # its running statistics average over the whole batch, updated once: run it whole
     if isinstance(module, PER_SAMPLE_MODULES):
         return per_sample_dim0
     if isinstance(module, nn.Embedding):

@@ -622,13 +622,16 @@ def _render(r: Report) -> str:
     ]
     out += _table(["node", "kind", "S", "forward", "backward kind", "backward", "from"], rows,
                   [26, 15, 11, 11, 13, 11, 19])
+    sized = all(c.forward is not None for c in r.collectives if not c.io)  # else the totals are unknown, not 0
+    io_sized = all(c.forward is not None for c in r.collectives if c.io)
     out.append(
-        f"  collectives: forward {_human_count(r.comm_elements_forward)}, backward "
-        f"{_human_count(r.comm_elements_backward)}, total {_human_count(r.comm_elements)} elements per device"
+        f"  collectives: forward {_human_count(r.comm_elements_forward if sized else None)}, backward "
+        f"{_human_count(r.comm_elements_backward if sized else None)}, total "
+        f"{_human_count(r.comm_elements if sized else None)} elements per device"
     )
     out.append(
-        f"  inputs on / outputs back (io): forward {_human_count(r.io_elements_forward)}, backward "
-        f"{_human_count(r.io_elements_backward)}, total {_human_count(r.io_elements)}"
+        f"  inputs on / outputs back (io): forward {_human_count(r.io_elements_forward if io_sized else None)}, backward "
+        f"{_human_count(r.io_elements_backward if io_sized else None)}, total {_human_count(r.io_elements if io_sized else None)}"
     )
     if r.plan:
         out += ["", "Tensor-parallel plan"]

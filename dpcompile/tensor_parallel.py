@@ -84,7 +84,7 @@ class TensorParallelModule(ParallelModule):
         self.shard_param_slots = {name: slot_of.get(name) for name, _ in self.named_parameters()}
 
     # ------------------------------------------------------------------ variants
-    def _attach_source(self, model: nn.Module, leaf_modules: tuple[type[nn.Module], ...]) -> None:
+    def _attach_source(self, model: nn.Module | None, leaf_modules: tuple[type[nn.Module], ...]) -> None:
         """Keep a fake-tensor copy of ``model`` (no memory) to trace again for a call that takes
         another path through forward: an optional argument left None, or the other mode."""
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -92,14 +92,14 @@ class TensorParallelModule(ParallelModule):
         from dpcompile.verify import _fake_copy
 
         source = None
-        if type(model).forward is not nn.Module.forward and not isinstance(model, fx.GraphModule):
+        if model is not None and type(model).forward is not nn.Module.forward and not isinstance(model, fx.GraphModule):
             try:
                 source = _fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), self.devices.primary)
             except Exception as e:  # noqa: BLE001 - variants are a refinement; the main program stands
                 log.debug("no fake copy of the model for variants (%s)", e)
         object.__setattr__(self, "_tp_source", source)
         self._tp_leaf_modules = leaf_modules
-        self._tp_traced_training = model.training
+        self._tp_traced_training = model is not None and model.training
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self._tp_optional = [(i, str(n.target)) for i, n in enumerate(placeholders) if n.args and n.args[0] is None]
         self._tp_variants: dict[tuple[bool, frozenset[str]], fx.GraphModule | None] = {}
@@ -333,7 +333,7 @@ def transform_tensor_parallel(
     pm._init_tensor_parallel(
         state_keys=state_keys, param_shards=expand_info["param_shards"], plan_reasons=reasons, comm_cost=cost
     )
-    pm._attach_source(model, tuple(leaf_modules))
+    pm._attach_source(model if check_available else None, tuple(leaf_modules))  # not for a fake layout check
     pm.train(model.training)
     log.debug("tensor-parallel plan %s: %s per device", applied, cost)
     return pm

@@ -273,3 +273,10 @@ def test_explain_tensor_parallel_explains_the_program_the_call_runs():
     with_scale = dpcompile.explain(pm, torch.randn(4, 8), scale=torch.ones(8))
     assert without.shapes == with_scale.shapes == "fake"
     assert "mul" not in {n.name for n in without.nodes} and "mul" in {n.name for n in with_scale.nodes}
+
+
+def test_explain_without_inputs_shows_unknown_totals_not_zero():
+    """Without inputs the communication totals print as '?', as the rows do, not as 0."""
+    text = str(dpcompile.explain(_dp(MLP())))
+    assert "collectives: forward ?, backward ?, total ? elements per device" in text
+    assert "collectives: forward 0" not in text

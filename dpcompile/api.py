@@ -12,8 +12,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture import ROOT_LEAF, capture
+from dpcompile.capture import ROOT_LEAF, capture, flag_arguments
 from dpcompile.devices import Devices, parse_device, parse_devices
+from dpcompile.errors import TraceError
 from dpcompile.infra import run_passes
 from dpcompile.module import ParallelModule, copy_graph
 
@@ -174,7 +175,7 @@ def _transform_data_parallel(
     import passes
     from dpcompile.analysis.batch_dims import infer_input_dims
 
-    gm = capture(model, leaf_modules=leaf_modules)
+    gm, flags = _capture_with_flags(model, leaf_modules, example_inputs)
     _move_to(model, devices.primary)
     if example_inputs is not None:
         propagate_shapes(gm, [x.to(devices.primary) if isinstance(x, torch.Tensor) else x for x in example_inputs])
@@ -200,16 +201,41 @@ def _transform_data_parallel(
         share_all_of=model,
         source=model if retraceable else None,
         leaf_modules=leaf_modules,
+        flags=flags,
     )
 
 
+def _capture_with_flags(
+    model: nn.Module, leaf_modules: tuple[type[nn.Module], ...], example_inputs: Sequence[Any] | None
+) -> tuple[fx.GraphModule, dict[str, Any]]:
+    """Capture ``model``; where forward branches on a Python flag argument (``if return_hidden:``),
+    which fx traces as a value it cannot branch on, trace the flags as the values the example
+    (else the defaults) gives them: the program then serves calls with those values, and
+    ``ParallelModule`` traces again for others."""
+    try:
+        return capture(model, leaf_modules=leaf_modules), {}
+    except TraceError as error:
+        flags = flag_arguments(model, example_inputs) if not isinstance(model, fx.GraphModule) else {}
+        if not flags:
+            raise
+        try:
+            return capture(model, leaf_modules=leaf_modules, flags=flags), flags
+        except TraceError:
+            raise error from None
+
+
 def recapture(
-    model: nn.Module, devices: Devices, leaf_modules: Sequence[type[nn.Module]], none_args: frozenset[str]
+    model: nn.Module,
+    devices: Devices,
+    leaf_modules: Sequence[type[nn.Module]],
+    none_args: frozenset[str],
+    flags: Mapping[str, Any] | None = None,
 ) -> fx.GraphModule:
-    """``model`` traced again, as it is now (its modes) and with ``none_args`` traced as None,
-    through the passes that tidy a capture (what the data-parallel lowering starts from)."""
+    """``model`` traced again, as it is now (its modes) and with ``none_args`` traced as None
+    (``flags`` as their values), through the passes that tidy a capture (what the
+    data-parallel lowering starts from)."""
     import passes
 
-    gm = capture(model, leaf_modules=leaf_modules, none_args=none_args)
+    gm = capture(model, leaf_modules=leaf_modules, none_args=none_args, flags=flags)
     gm, _ = run_passes(gm, passes.frontend_pipeline(passes.PipelineOptions(devices=devices)))
     return gm

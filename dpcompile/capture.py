@@ -17,8 +17,9 @@ import linecache
 import os
 import sys
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -161,13 +162,18 @@ def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
 
 
 def capture(
-    model: nn.Module, *, leaf_modules: Iterable[type[nn.Module]] = (), none_args: Iterable[str] = ()
+    model: nn.Module,
+    *,
+    leaf_modules: Iterable[type[nn.Module]] = (),
+    none_args: Iterable[str] = (),
+    flags: Mapping[str, Any] | None = None,
 ) -> fx.GraphModule:
     """Trace ``model`` into a fresh ``GraphModule`` that shares its submodules and tensors.
 
     An already traced ``GraphModule`` is copied (same submodules, fresh graph), so passes
     never touch the user's graph. ``none_args`` names optional arguments to trace as None,
-    so that forward's ``if mask is not None:`` takes the branch a call without them takes.
+    so that forward's ``if mask is not None:`` takes the branch a call without them takes;
+    ``flags`` gives Python values (``return_hidden=False``) to trace arguments as.
     """
     if isinstance(model, fx.GraphModule):
         graph = fx.Graph()
@@ -182,9 +188,9 @@ def capture(
     tracer = DpTracer(leaf_modules)
     if tracer.is_leaf_module(model, "") and not _traces_cleanly(model):
         return _call_leaf_root(model)
-    none_args = frozenset(none_args)
+    concrete = {**dict.fromkeys(none_args), **(flags or {})}
     try:
-        graph = tracer.trace(model, concrete_args=dict.fromkeys(none_args) or None)
+        graph = tracer.trace(model, concrete_args=concrete or None)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
@@ -193,24 +199,52 @@ def capture(
         # fx would emit `wrap("torch.nn.utils.rnn.pack_padded_sequence")` into generated code,
         # which breaks every later trace in the process (a dotted name is not a global)
         node.meta.pop("is_wrapped", None)
-    if none_args:
-        _keep_argument_names(graph, none_args)
+    if concrete:
+        _keep_argument_names(graph, frozenset(concrete))
     return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
 
 
-def _keep_argument_names(graph: fx.Graph, none_args: frozenset[str]) -> None:
-    """fx names an argument traced as None ``mask_1`` and asserts that it is None; give it back
-    its name (callers pass it by keyword) and drop the assert (the caller chose this program
-    because the argument is None)."""
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is _assert_is_none:
+def _keep_argument_names(graph: fx.Graph, concrete: frozenset[str]) -> None:
+    """fx names an argument traced as a given value ``mask_1`` and asserts that value; give it
+    back its name (callers pass it by keyword) and drop the assert (the caller chose this
+    program for that value)."""
+    for node in reversed(list(graph.nodes)):
+        asserting = node.target is _assert_is_none or (
+            node.target is torch._assert and "has been specialized" in str(node.args[1:])
+        )
+        if node.op == "call_function" and asserting:
+            checked = node.args[0]
             graph.erase_node(node)
+            if isinstance(checked, fx.Node) and checked.op != "placeholder" and not checked.users:
+                graph.erase_node(checked)  # the `arg == value` the assert checked
     for node in graph.nodes:
         if node.op == "placeholder" and isinstance(node.target, str) and node.target.endswith("_1"):
             name = node.target[: -len("_1")]
-            if name in none_args:
+            if name in concrete:
                 node.target = name
                 node._rename(name)
+
+
+FLAG_TYPES = (bool, int, str)
+
+
+def flag_arguments(model: nn.Module, example_inputs: Sequence[Any] | None = None) -> dict[str, Any]:
+    """Arguments of ``model.forward`` that hold a Python flag (``return_hidden: bool = False``,
+    ``mode="sum"``), with the values to trace them as: the example's, else the default."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    flags: dict[str, Any] = {}
+    for position, param in enumerate(parameters):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            break
+        value = param.default
+        if example_inputs is not None and position < len(example_inputs):
+            value = example_inputs[position]
+        if type(value) in FLAG_TYPES:
+            flags[param.name] = value
+    return flags
 
 
 ROOT_LEAF = "root"

@@ -23,6 +23,9 @@ from torch import nn
 from dpcompile.devices import Devices
 from dpcompile.runtime.structures import tensor_leaves
 
+# a call's departure from the traced one: (model's mode, arguments left None, flag values)
+Variant = tuple[bool, frozenset[str], tuple[tuple[str, Any], ...]]
+
 
 class ParallelModule(fx.GraphModule):
     """A generated multi-device module. Build it with :func:`dpcompile.transform`.
@@ -50,6 +53,7 @@ class ParallelModule(fx.GraphModule):
         share_all_of: nn.Module | None = None,
         source: nn.Module | None = None,
         leaf_modules: tuple[type[nn.Module], ...] = (),
+        flags: dict[str, Any] | None = None,
     ):
         super().__init__(root, graph, class_name)
         if share_all_of is not None:
@@ -72,8 +76,10 @@ class ParallelModule(fx.GraphModule):
         self._leaf_modules = tuple(leaf_modules)
         self._traced_training = None if source is None else source.training
         self._optional_inputs = self._find_optional_inputs() if source is not None else []
-        self._variants: dict[tuple[bool, frozenset[str]], fx.GraphModule | None] = {}
-        self._variant_programs: dict[tuple[int, tuple[bool, frozenset[str]]], fx.GraphModule] = {}
+        self._flags = dict(flags or {})  # flag arguments the program was traced for, and their values
+        self._flag_inputs = self._find_flag_inputs() if source is not None else []
+        self._variants: dict[Variant, fx.GraphModule | None] = {}
+        self._variant_programs: dict[tuple[int, Variant], fx.GraphModule] = {}
 
     def _share_state_of(self, model: nn.Module) -> None:
         """Hold all of ``model``'s submodules, parameters and buffers (not just the used ones)."""
@@ -97,6 +103,15 @@ class ParallelModule(fx.GraphModule):
         """``(position, name)`` of the arguments that default to None."""
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         return [(i, str(n.target)) for i, n in enumerate(placeholders) if n.args and n.args[0] is None]
+
+    def _find_flag_inputs(self) -> list[tuple[int, str, Any]]:
+        """``(position, name, default)`` of the flag arguments the program was traced for."""
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        return [
+            (i, str(n.target), n.args[0] if n.args else None)
+            for i, n in enumerate(placeholders)
+            if n.target in self._flags
+        ]
 
     def batch_size(self, args: tuple, kwargs: dict) -> int | None:
         """The batch size of a call, checking that every split argument agrees."""
@@ -136,10 +151,11 @@ class ParallelModule(fx.GraphModule):
         return super().__call__(*args, **kwargs)
 
     # ------------------------------------------------------------------ variants
-    def _variant(self, args: tuple, kwargs: dict) -> tuple[bool, frozenset[str]] | None:
+    def _variant(self, args: tuple, kwargs: dict) -> Variant | None:
         """How this call differs from the one ``self.graph`` was traced for, where forward may
-        branch on it: the model's mode (``self.training``) and the optional arguments that are
-        None (``if mask is not None``). None when it differs in neither."""
+        branch on it: the model's mode (``self.training``), the optional arguments that are
+        None (``if mask is not None``) and the values of flag arguments (``if return_hidden``).
+        None when it differs in none of them."""
         source = self._source
         if source is None:
             return None
@@ -148,22 +164,26 @@ class ParallelModule(fx.GraphModule):
             for position, name in self._optional_inputs
             if (args[position] if position < len(args) else kwargs.get(name)) is None
         )
-        if not nones and source.training == self._traced_training:
+        flags = tuple(
+            (name, args[position] if position < len(args) else kwargs.get(name, default))
+            for position, name, default in self._flag_inputs
+        )
+        if not nones and source.training == self._traced_training and flags == tuple(self._flags.items()):
             return None
-        return source.training, nones
+        return source.training, nones, flags
 
-    def _captured_variant(self, variant: tuple[bool, frozenset[str]]) -> fx.GraphModule | None:
+    def _captured_variant(self, variant: Variant) -> fx.GraphModule | None:
         """The model traced again for ``variant``; None where that gives the same program."""
         if variant not in self._variants:
             from dpcompile.api import recapture
 
             assert self._captured_graph is not None
-            gm = recapture(self._source, self.devices, self._leaf_modules, variant[1])
+            gm = recapture(self._source, self.devices, self._leaf_modules, variant[1], dict(variant[2]))
             same = gm.graph.python_code("self").src == self._captured_graph.python_code("self").src
             self._variants[variant] = None if same else gm
         return self._variants[variant]
 
-    def _variant_program(self, n: int, variant: tuple[bool, frozenset[str]], captured: fx.GraphModule) -> fx.GraphModule:
+    def _variant_program(self, n: int, variant: Variant, captured: fx.GraphModule) -> fx.GraphModule:
         """The program of a variant for the first ``n`` devices."""
         key = (n, variant)
         if key not in self._variant_programs:
@@ -226,9 +246,7 @@ class ParallelModule(fx.GraphModule):
         one; ``GraphModule.__deepcopy__`` would drop everything but the graph and modules."""
         restore, (cls, state) = self.__reduce__()
         if state["source"] is None and self.__dict__.get("_source") is not None:  # no import needed
-            state["source"] = {
-                "model": self._source, "leaf_modules": self._leaf_modules, "traced_training": self._traced_training
-            }
+            state["source"] = self._source_state()
         return restore(cls, copy.deepcopy(state, memo))
 
     def _picklable_source(self) -> dict[str, Any] | None:
@@ -237,7 +255,15 @@ class ParallelModule(fx.GraphModule):
         classes = [type(source), *self._leaf_modules]
         if source is None or any("<locals>" in c.__qualname__ for c in classes):
             return None
-        return {"model": source, "leaf_modules": self._leaf_modules, "traced_training": self._traced_training}
+        return self._source_state()
+
+    def _source_state(self) -> dict[str, Any]:
+        return {
+            "model": self._source,
+            "leaf_modules": self._leaf_modules,
+            "traced_training": self._traced_training,
+            "flags": self._flags,
+        }
 
     def _extra_state_for_pickle(self) -> dict[str, Any]:
         """What a subclass (tensor parallel) needs, beyond modules and graph, to rebuild itself."""
@@ -310,6 +336,7 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
         share_all_of=holder,
         source=(state.get("source") or {}).get("model"),
         leaf_modules=(state.get("source") or {}).get("leaf_modules", ()),
+        flags=(state.get("source") or {}).get("flags"),
     )
     if state.get("source"):
         pm._traced_training = state["source"]["traced_training"]

@@ -145,3 +145,25 @@ def test_batch_rules_instance_norm_with_running_stats_updates_them_once():
         lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4, track_running_stats=True)),
         ["cpu"] * 3, torch.randn(7, 3, 8),
     )
+
+
+class ReturnsHidden(nn.Module):
+    """Branches on a Python flag argument, which fx alone traces as a value it cannot branch on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, return_hidden: bool = False):
+        h = torch.relu(self.fc(x))
+        if return_hidden:
+            return self.head(h), h
+        return self.head(h)
+
+
+@pytest.mark.parametrize("call", [(), (False,), (True,)], ids=["default", "false", "true"])
+def test_transform_traces_flag_arguments_as_their_values(call):
+    """A model branching on a bool argument transforms and follows the flag of each call, as eager."""
+    check_against_eager(ReturnsHidden, ["cpu"] * 3, torch.randn(7, 4), *call)
+    check_against_eager(ReturnsHidden, ["cpu"] * 3, torch.randn(7, 4), return_hidden=bool(call and call[0]))

@@ -473,7 +473,7 @@ def _transform_tensor_parallel(
     gm = capture(own, leaf_modules=leaf_modules)
     if example_inputs is not None:
         propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
-    styles, reasons = _plan_for(gm, plan, tp_size)
+    styles, reasons = _plan_for(gm, plan, tp_size, model)
     devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
     options = passes.PipelineOptions(devices=devices, extra={"plan": styles})
     pipeline = (
@@ -575,10 +575,23 @@ def _broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
         raise _failed("transform's broadcast of the first tp rank's parameters", group, e) from e
 
 
-def _plan_for(gm: fx.GraphModule, plan: bool | Mapping[str, str], n: int) -> tuple[dict[str, str], dict[str, str]]:
-    """``(styles, reasons)``: the explicit plan as given, or the automatic plan for ``n`` shards."""
+def _plan_for(
+    gm: fx.GraphModule, plan: bool | Mapping[str, str], n: int, model: nn.Module | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """``(styles, reasons)``: the explicit plan checked against ``model`` (as in single-process
+    mode: a Linear forward never calls stays whole, with the reason), or the automatic plan."""
     if isinstance(plan, Mapping):
-        return dict(plan), {}
+        from passes.tensor_parallel import check_plan, find_linear_sites
+
+        sites = find_linear_sites(gm)
+        check_plan(model if model is not None else gm, plan, extra_linears=sites)
+        styles, reasons = {}, {}
+        for path, style in plan.items():
+            if path in sites or style == "replicate":
+                styles[path] = style
+            else:
+                reasons[path] = f"replicate: '{path}' is not called in forward (or only inside a leaf module); it stays whole"
+        return styles, reasons
     if plan is not True:
         raise ValueError(f"tensor_parallel={plan!r}: expected False, True (automatic plan) or a dict {{path: style}}")
     from dpcompile.tensor_parallel import choose_plan

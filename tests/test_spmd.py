@@ -465,6 +465,21 @@ def check_optional_argument_left_none(rank: int, world: int) -> None:
         _assert_state_equal(pm.state_dict(), reference.state_dict())
 
 
+def check_tp_plan_checked_against_the_model(rank: int, world: int) -> None:
+    """TP over a mesh: a plan naming an unused Linear keeps it whole with the reason; bad plans raise ValueError."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = WithUnusedHead()
+    pm = dpcompile.transform(model, _tp_mesh(world), tensor_parallel={"fc": "column", "spare": "row"})
+    assert pm.plan["fc"] == "column" and pm.plan.get("spare", "replicate") == "replicate", pm.plan
+    assert "not called in forward" in pm.plan_reasons["spare"]
+    assert list(pm.state_dict()) == list(model.state_dict())
+    for plan, message in (({"nope": "row"}, "'fc', 'spare'"), ({"fc": "diagonal"}, "valid styles")):
+        with pytest.raises(ValueError, match=message):
+            dpcompile.transform(model, _tp_mesh(world), tensor_parallel=plan)
+
+
 TP_CHECKS = [
     ("tp_mlp_training_matches_eager", check_tp_mlp_training_matches_eager),
     ("tp_uneven_gather", check_tp_uneven_gather),
@@ -473,6 +488,7 @@ TP_CHECKS = [
     ("tp_automatic_plan", check_tp_automatic_plan),
     ("tp_parent_load_state_dict", check_tp_parent_load_state_dict),
     ("optional_argument_left_none", check_optional_argument_left_none),
+    ("tp_plan_checked_against_the_model", check_tp_plan_checked_against_the_model),
 ]
 
 

@@ -173,13 +173,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (one sub-command each for demo, inspect and export)."""
-    debug = argparse.ArgumentParser(add_help=False)
-    debug.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser = argparse.ArgumentParser(
         prog="dpcompile",
         description="Compile a single-device PyTorch model into a readable multi-device program.",
-        parents=[debug],
     )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    # the commands take --debug too; SUPPRESS keeps their default from undoing `dpcompile --debug CMD`
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser("demo", parents=[debug], help="run the built-in demo (seconds, no GPU needed)",
                                description=cmd_demo.__doc__)

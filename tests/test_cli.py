@@ -174,6 +174,12 @@ def test_cli_debug_shows_the_traceback(factory):
         main(["inspect", f"{factory}:make_branchy", "--devices", "2", "--debug"])
 
 
+def test_cli_debug_before_the_command_shows_the_traceback(factory):
+    """`dpcompile --debug inspect ...` (the top-level flag) propagates the error too."""
+    with pytest.raises(dpcompile.TraceError):
+        main(["--debug", "inspect", f"{factory}:make_branchy", "--devices", "2"])
+
+
 def test_cli_bad_target_syntax_is_one_line(capsys):
     """A target without ':FACTORY' says what the form is."""
     assert main(["inspect", "model.py", "--devices", "2"]) == 1

@@ -77,12 +77,49 @@ class DpTracer(fx.Tracer):
         factories = {name: getattr(torch, name) for name in _SIZE_FACTORIES}
         for name, factory in factories.items():
             setattr(torch, name, _sizes_as_tuple(factory))
+        modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
+        before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:
-            return super().trace(root, concrete_args)
+            graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
             for name, factory in factories.items():
                 setattr(torch, name, factory)
+            rebound = _restore_state(modules, before)
+        _write_back_buffers(graph, rebound)
+        return graph
+
+
+def _restore_state(
+    modules: list[tuple[str, nn.Module]], before: list[tuple[dict, dict, dict]]
+) -> list[tuple[str, fx.Node]]:
+    """Give every module back the tensors and attributes it had before tracing (forward may
+    have stored traced values in them); return the buffers forward rebound to traced values
+    (``self.count += 1``), as ``(path, value)``."""
+    rebound = []
+    for (path, module), (buffers, parameters, attributes) in zip(modules, before):
+        for name, value in list(module._buffers.items()):
+            if isinstance(value, fx.Proxy) and name in buffers:
+                rebound.append((f"{path}.{name}" if path else name, value.node))
+        module._buffers.clear()
+        module._buffers.update(buffers)
+        module._parameters.clear()
+        module._parameters.update(parameters)
+        for name, value in list(module.__dict__.items()):
+            if isinstance(value, fx.Proxy):
+                if name in attributes:
+                    module.__dict__[name] = attributes[name]
+                else:
+                    del module.__dict__[name]
+    return rebound
+
+
+def _write_back_buffers(graph: fx.Graph, rebound: list[tuple[str, fx.Node]]) -> None:
+    """End forward by copying each rebound buffer's new value into it, as eager leaves it."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    with graph.inserting_before(output):
+        for path, value in rebound:
+            graph.call_method("copy_", (graph.get_attr(path), value))
 
 
 # factories taking sizes as ``*size``: given a traced size first (``torch.zeros(x.size(0), 4)``)

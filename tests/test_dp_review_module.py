@@ -127,3 +127,31 @@ def test_parallel_module_deepcopy_is_an_independent_working_copy():
     torch.testing.assert_close(twin(x), pm(x))
     torch.testing.assert_close(twin(x[:2]), pm(x[:2]))
     assert all(a is not b for a, b in zip(twin.parameters(), pm.parameters()))
+
+
+class CountsCalls(nn.Module):
+    """Rebinds a buffer in forward and caches a value on itself, as some models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count += 1
+        self.last = self.fc(x)
+        return self.last * self.count
+
+
+def test_capture_leaves_the_model_intact_and_keeps_buffer_updates():
+    """Tracing stores no traced value in the model, and `self.count += 1` counts each call, as eager."""
+    import copy
+
+    model = CountsCalls()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, copy_replicas=True)
+    assert isinstance(model.count, torch.Tensor) and "last" not in model.__dict__
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        torch.testing.assert_close(pm(x), reference(x))
+    assert model.count.item() == reference.count.item() == 2

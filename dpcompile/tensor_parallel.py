@@ -84,7 +84,9 @@ class TensorParallelModule(ParallelModule):
         self.shard_param_slots = {name: slot_of.get(name) for name, _ in self.named_parameters()}
 
     # ------------------------------------------------------------------ variants
-    def _attach_source(self, model: nn.Module | None, leaf_modules: tuple[type[nn.Module], ...]) -> None:
+    def _attach_source(
+        self, model: nn.Module | None, leaf_modules: tuple[type[nn.Module], ...], captured_code: str = ""
+    ) -> None:
         """Keep a fake-tensor copy of ``model`` (no memory) to trace again for a call that takes
         another path through forward: an optional argument left None, or the other mode."""
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -100,6 +102,7 @@ class TensorParallelModule(ParallelModule):
         object.__setattr__(self, "_tp_source", source)
         self._tp_leaf_modules = leaf_modules
         self._tp_traced_training = model is not None and model.training
+        self._tp_captured_code = captured_code  # the trace the program was made from
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self._tp_optional = [(i, str(n.target)) for i, n in enumerate(placeholders) if n.args and n.args[0] is None]
         self._tp_variants: dict[tuple[bool, frozenset[str]], fx.GraphModule | None] = {}
@@ -137,6 +140,9 @@ class TensorParallelModule(ParallelModule):
 
             source = self.__dict__["_tp_source"]
             source.train(variant[0])
+            if capture(source, leaf_modules=self._tp_leaf_modules, none_args=variant[1]).code == self._tp_captured_code:
+                self._tp_variants[variant] = None  # forward takes the same path: the main program (cheap check)
+                return None
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             values = _bind_inputs(self, args, kwargs)
             with mode, _FakeCudaOnCpuTorch(), warnings.catch_warnings():
@@ -291,6 +297,7 @@ def transform_tensor_parallel(
     state_keys = list(model.state_dict().keys())
     owned = copy.deepcopy(model)  # the user's model is never touched
     gm = _capture_owning_everything(owned, leaf_modules, none_args)
+    captured_code = gm.code
     if example_inputs is not None:
         if not isinstance(example_inputs, (tuple, list)):
             example_inputs = (example_inputs,)
@@ -333,7 +340,7 @@ def transform_tensor_parallel(
     pm._init_tensor_parallel(
         state_keys=state_keys, param_shards=expand_info["param_shards"], plan_reasons=reasons, comm_cost=cost
     )
-    pm._attach_source(model if check_available else None, tuple(leaf_modules))  # not for a fake layout check
+    pm._attach_source(model if check_available else None, tuple(leaf_modules), captured_code)  # not for a fake layout check
     pm.train(model.training)
     log.debug("tensor-parallel plan %s: %s per device", applied, cost)
     return pm

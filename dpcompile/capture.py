@@ -180,20 +180,39 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def _offending_module(tb: TracebackType | None, frame: traceback.FrameSummary | None) -> type | None:
+    """The class of the module whose code ``frame`` is (its ``self``), if it is a module."""
+    if frame is None:
+        return None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == frame.filename and tb.tb_lineno == frame.lineno and code.co_name == frame.name:
+            owner = tb.tb_frame.f_locals.get("self")
+            return type(owner) if isinstance(owner, nn.Module) else None
+        tb = tb.tb_next
+    return None
+
+
 def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
-    """Build the :class:`TraceError` for an exception raised while tracing ``model``."""
+    """Build the :class:`TraceError` for an exception raised while tracing ``model``.
+
+    ``model.py:42 in Encoder.forward: 'if y.sum() > 0' branches on a tensor value; ...``
+    """
     frame = _user_frame(exc.__traceback__)
+    owner = _offending_module(exc.__traceback__, frame)
+    leaf = owner.__name__ if owner is not None else "..."
     way_out = (
-        "mark the module that contains it as a leaf (leaf_modules=[...]) so the tracer does not "
-        "enter it, or pass example_inputs= to use the export frontend"
+        f"mark the module as a leaf (leaf_modules=[{leaf}]) so the tracer does not enter it (it then "
+        "runs whole, after a gather), or make the code traceable: torch.where for a branch on data, "
+        "a Python flag argument with its value in example_inputs="
     )
     if frame is None:
         return TraceError(f"cannot trace {type(model).__name__}: {_describe(exc)}; {way_out}")
     source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
     short = frame.filename.rsplit("/", 1)[-1]
-    owner = frame.name
+    where = f"{owner.__name__}.{frame.name}" if owner is not None else frame.name
     return TraceError(
-        f"{short}:{frame.lineno} in {owner}: {source!r} {_describe(exc)}; {way_out}\n"
+        f"{short}:{frame.lineno} in {where}: {source!r} {_describe(exc)}; {way_out}\n"
         f"  file: {frame.filename}"
     )
 

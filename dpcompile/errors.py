@@ -11,7 +11,8 @@ class TraceError(DpCompileError):
     """The model cannot be captured as a ``torch.fx`` graph.
 
     The message names the user's file and line, quotes the offending source line and
-    says the way out (``leaf_modules=``, or ``example_inputs=`` with the export frontend).
+    says the way out (``leaf_modules=[TheModule]``, or traceable code; ``example_inputs=`` gives
+    Python flag arguments their values).
     """
 
 

@@ -296,7 +296,15 @@ class _Builder:
     def _emit_per_device(self, node: fx.Node, placement: Placement) -> None:
         values: list[Any] = []
         for k in range(self.n):
-            if isinstance(placement, Replicated) and k > 0 and self._same_place(k) and not _has_side_effect(node):
+            # a value the same on every device is computed once per physical device; module
+            # state is still read from each device's replica, as on distinct GPUs
+            if (
+                isinstance(placement, Replicated)
+                and k > 0
+                and self._same_place(k)
+                and node.op != "get_attr"
+                and not _has_side_effect(node)
+            ):
                 values.append(values[0])
                 continue
             args = self.on_device(node.args, k)

@@ -39,8 +39,8 @@ def test_trace_error_names_file_line_source_and_way_out():
     message = str(info.value)
     assert "test_capture.py:" in message
     assert "if x.sum() > 0" in message
-    assert "branches on a tensor value" in message
-    assert "leaf_modules=" in message and "example_inputs=" in message
+    assert "in Branchy.forward" in message and "branches on a tensor value" in message
+    assert "leaf_modules=[Branchy]" in message and "example_inputs=" in message
     assert isinstance(info.value, dpcompile.DpCompileError)
 
 

@@ -9,6 +9,7 @@ contiguous buffer per replica, laid out as cuDNN expects, so that the replica's
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -63,12 +64,12 @@ def replicate(
     (True, False)
     """
     devices = _as_devices(devices)
-    all_modules, tensors = _collect(modules)
-    source = tensors[0].device if tensors else None
-    to_copy = [k for k, d in enumerate(devices) if tensors and (copy or d != source)]
     roots: list[ReplicaRoot] = [_aliasing_root(modules) for _ in devices]
-    if not to_copy:
-        return tuple(roots)
+    source = _first_tensor_device(modules)
+    if source is None or (not copy and all(d == source for d in devices)):
+        return tuple(roots)  # virtual devices: every replica is the original, nothing to walk
+    all_modules, tensors = _collect(modules)
+    to_copy = [k for k, d in enumerate(devices) if copy or d != source]
     index = {id(t): i for i, t in enumerate(tensors)}
     packed_groups = [
         [index[id(w)] for w in m._flat_weights]
@@ -88,6 +89,15 @@ def replicate(
                 root._buffers[name] = copies[id(value)]
         roots[k] = root
     return tuple(roots)
+
+
+def _first_tensor_device(modules: Mapping[str, nn.Module | torch.Tensor]) -> torch.device | None:
+    for value in modules.values():
+        if isinstance(value, torch.Tensor):
+            return value.device
+        for tensor in itertools.chain(value.parameters(), value.buffers()):
+            return tensor.device
+    return None
 
 
 def _aliasing_root(modules: Mapping[str, nn.Module | torch.Tensor]) -> ReplicaRoot:

@@ -37,13 +37,16 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
     Costs no real compute; returns False (and records nothing) where fake tensors cannot run
     the model.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # inputs that are fake already (verify(..., fake_devices=)) run in their own mode
+    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     try:
         fake_inputs = [
-            mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
+            mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+            for x in example_inputs
         ]
         FakeTensorProp(gm, mode).propagate(*fake_inputs)
         return True

@@ -512,7 +512,6 @@ def _transform_tensor_parallel(
         from torch.utils._pytree import tree_map
 
         from dpcompile.inspect import _bind_inputs
-        from dpcompile.tensor_parallel import _propagate_shapes
         from dpcompile.verify import _fake_copy
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -523,7 +522,7 @@ def _transform_tensor_parallel(
             variant = capture(fake, leaf_modules=leaf_modules, none_args=none_args)
             example = tree_map(lambda v: mode.from_tensor(v.detach()) if isinstance(v, torch.Tensor) else v,
                                _bind_inputs(pm, args, kwargs))  # fmt: skip
-            _propagate_shapes(variant, list(example), propagate_shapes)
+            propagate_shapes(variant, list(example))
             variant, records_v = run_passes(
                 variant,
                 passes.frontend_pipeline(options_v)

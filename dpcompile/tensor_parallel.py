@@ -301,7 +301,7 @@ def transform_tensor_parallel(
     if example_inputs is not None:
         if not isinstance(example_inputs, (tuple, list)):
             example_inputs = (example_inputs,)
-        _propagate_shapes(gm, list(example_inputs), propagate_shapes)
+        propagate_shapes(gm, list(example_inputs))
     sites = find_linear_sites(gm)
     reasons: dict[str, str] = {}
     if plan is True:
@@ -344,24 +344,6 @@ def transform_tensor_parallel(
     pm.train(model.training)
     log.debug("tensor-parallel plan %s: %s per device", applied, cost)
     return pm
-
-
-def _propagate_shapes(gm: fx.GraphModule, example_inputs: list[Any], propagate: Any) -> bool:
-    """Shapes from the example inputs; fake ones (``verify(..., fake_devices=)``) run in their own mode."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    mode = detect_fake_mode(example_inputs)
-    if mode is None:
-        return propagate(gm, example_inputs)
-    try:
-        FakeTensorProp(gm, mode).propagate(*example_inputs)
-        return True
-    except Exception as e:  # noqa: BLE001 - shapes are a refinement, not a requirement
-        log.debug("shape propagation on the fake example inputs failed (%s); continuing without shapes", e)
-        for node in gm.graph.nodes:
-            node.meta.pop("val", None)
-        return False
 
 
 def _capture_owning_everything(

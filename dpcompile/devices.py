@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +125,3 @@ def parse_device(spec: object) -> torch.device:
     _check_available(device)
     return device
 
-
-def same_device(devices: Sequence[torch.device]) -> bool:
-    return len(set(devices)) <= 1

@@ -221,7 +221,7 @@ class _Builder:
 
     def _same_place(self, k: int) -> bool:
         """Whether device ``k`` holds the primary's tensors as they are (a virtual device)."""
-        return k == 0 or (not self.copy_replicas and self.devices[k] == self.devices.primary)
+        return k == 0 or (not self.copy_replicas and self.devices.shares_memory_with_primary(k))
 
     def _placeholder_on_device(self, node: fx.Node, k: int) -> Any:
         if node not in self.per_device:

@@ -73,21 +73,3 @@ def carries_batch(p: Placement) -> bool:
         return any(carries_batch(i) for i in p.items)
     return False
 
-
-def describe(p: Placement) -> str:
-    """Short text for tables: ``split(0)``, ``replicated``, ``partial(sum)``, ``whole``."""
-    if isinstance(p, Split):
-        return f"split({p.dim})"
-    if isinstance(p, Replicated):
-        return "replicated"
-    if isinstance(p, BatchSize):
-        return "batch-size"
-    if isinstance(p, Partial):
-        return f"partial({p.kind})"
-    if isinstance(p, Whole):
-        return "whole" if p.batch else "whole(reduced)"
-    if isinstance(p, Tuple):
-        return "(" + ", ".join(describe(i) for i in p.items) + ")"
-    if isinstance(p, Packed):
-        return f"packed({p.dim})"
-    return type(p).__name__

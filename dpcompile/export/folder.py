@@ -340,7 +340,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
         )
         files: dict[str, bytes] = {}
     else:
-        source = generated_source(pm)
+        source = program_source([("forward", pm.graph)], class_name=class_name, mode=pm.mode, devices=strings)
         files = {PICKLE_FILE: _pickle(pm, keys)}
     files[PROGRAM_FILE] = _canonical(program)
     files[MODULE_FILE] = source.encode()
@@ -584,7 +584,8 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> 
         from dpcompile.export.pickled import restore
 
         pm = restore(folder / PICKLE_FILE, tensors, program, target)
-        if _strings(pm.devices) == recorded and generated_source(pm).encode() != (folder / MODULE_FILE).read_bytes():
+        source = program_source([("forward", pm.graph)], class_name=program["class_name"], mode=program["kind"], devices=recorded)
+        if _strings(pm.devices) == recorded and source.encode() != (folder / MODULE_FILE).read_bytes():
             raise ExportError(f"{folder / MODULE_FILE} is not the program in {PICKLE_FILE}; the folder was edited: re-export")
     else:
         pm = _build(folder, program, tensors, target)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -257,7 +258,8 @@ def _trace_variant(pm: ParallelModule, source: nn.Module, nones: frozenset[str])
         from dpcompile.tensor_parallel import transform_tensor_parallel
         from dpcompile.verify import _FakeCudaOnCpuTorch
 
-        with FakeTensorMode(allow_non_fake_inputs=True), _FakeCudaOnCpuTorch():
+        with FakeTensorMode(allow_non_fake_inputs=True), _FakeCudaOnCpuTorch(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             built = transform_tensor_parallel(
                 source, pm.devices, plan=pm.plan, output_device=pm.output_device,
                 leaf_modules=getattr(pm, "_tp_leaf_modules", ()), check_available=False, none_args=nones,

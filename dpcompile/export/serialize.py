@@ -18,6 +18,8 @@ only ``load(..., trust_code=True)`` reads.
 
 from __future__ import annotations
 
+import builtins
+import keyword
 import math
 from collections.abc import Callable, Container, Mapping
 from typing import Any
@@ -47,6 +49,7 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 _REBUILT: dict[type, tuple[frozenset[str], Callable[[nn.Module], None]]] = {
     nn.RNNBase: (frozenset({"_flat_weights", "_flat_weight_refs"}), lambda m: m._init_flat_weights()),
 }
+_RESERVED = frozenset({"self", "torch", *dir(builtins)})
 _OPS = ("placeholder", "get_attr", "call_function", "call_method", "call_module", "output")
 
 
@@ -227,6 +230,12 @@ def decode_graph(data: Any, modules: Container[str] | None = None) -> fx.Graph:
             raise ExportError(f"program.json: node name {name!r} is taken")
         nodes[name] = node
     graph.lint()
+    # a node named like a global of the generated code (``self``, ``torch``, ``getattr``,
+    # ``dpcompile_runtime_scatter``) would make a later call resolve to that node's value
+    code = graph.python_code(root_module="self")
+    clashes = sorted(n for n in nodes if n in code.globals or n in _RESERVED or keyword.iskeyword(n))
+    if clashes:
+        raise ExportError(f"program.json: nodes named {clashes[:3]} would shadow names the generated code uses")
     return graph
 
 

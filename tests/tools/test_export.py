@@ -526,6 +526,23 @@ def test_tampered_program_json_dunder_access_is_refused(exported):
         dpcompile.load(folder)
 
 
+@pytest.mark.parametrize("name", ["self", "torch", "getattr", "dpcompile_runtime_gather"])
+def test_tampered_program_json_node_shadowing_a_global_is_refused(exported, name):
+    """A node renamed to a name the generated code calls through (self, torch, a runtime function) is refused."""
+    folder, _ = exported
+
+    def rename(program):
+        node = _node(program, "call_function")
+        old = node["name"]
+        node["name"] = name
+        text = json.dumps(program["programs"][0]["graph"]).replace(json.dumps({"node": old}), json.dumps({"node": name}))
+        program["programs"][0]["graph"] = json.loads(text)
+
+    _edit_program(folder, rename)
+    with pytest.raises(ExportError, match="shadow|taken|module.py is not the program"):
+        dpcompile.load(folder)
+
+
 def test_tampered_weights_payload_never_runs(exported):
     """weights.safetensors replaced by a pickle payload (rehashed): refused; the payload never runs."""
     folder, marker = exported

@@ -274,8 +274,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     try:
         graphs = [pm.graph] + ([pm._captured_graph] if getattr(pm, "_captured_graph", None) is not None else [])
         used = _used_paths(pm, graphs)
-        traced = _traced_through(pm, used)
-        table, extra = collect_variants(pm, traced)
+        table, extra = collect_variants(pm, used)
         programs += [(gm, gm.graph, captured) for gm, captured in extra]
         constants = _constants(pm, programs)
         used |= _used_paths(pm, [g for _, graph, captured in programs for g in (graph, captured) if g is not None])
@@ -372,16 +371,6 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     (folder / MANIFEST_FILE).write_bytes(_canonical(manifest))
     log.info("exported %s (%s on %s) to %s", class_name, pm.mode, strings, folder)
     return folder
-
-
-def _traced_through(pm: nn.Module, used: set[str]) -> list[str]:
-    """Paths of the modules whose forward fx traced through (their mode shapes the program)."""
-    out = []
-    for path, _ in pm.named_modules():
-        if not path or any(path == u or path.startswith(u + ".") for u in used):
-            continue
-        out.append(path)
-    return out
 
 
 def _labels(table: Any, count: int) -> list[str]:

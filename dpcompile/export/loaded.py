@@ -204,7 +204,22 @@ def _patterns(optional: list[str]) -> list[frozenset[str]]:
     return [frozenset(), frozenset(optional), *(frozenset({o}) for o in optional)]
 
 
-def collect_variants(pm: ParallelModule, traced: Iterable[str]) -> tuple[VariantTable, list[tuple[fx.GraphModule, fx.Graph | None]]]:
+def _traced_through(pm: nn.Module, source: nn.Module, used: Iterable[str]) -> list[str]:
+    """Paths of the modules whose forward fx traced through (user classes and torch.nn
+    containers, not called as leaves): their mode is part of what the program was traced for."""
+    used = list(used)
+    tree = {path for path, _ in pm.named_modules()}
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    return [
+        path
+        for path, module in source.named_modules()
+        if path in tree and path
+        and not any(path == u or path.startswith(u + ".") for u in used)
+        and (not type(module).__module__.startswith("torch.nn") or type(module) in containers)
+    ]  # fmt: skip
+
+
+def collect_variants(pm: ParallelModule, used: Iterable[str]) -> tuple[VariantTable, list[tuple[fx.GraphModule, fx.Graph | None]]]:
     """Trace ``pm``'s model in train and eval mode with each pattern of optional arguments
     None; returns the table and the programs beyond the main one (index 1, 2, ...), each as
     ``(lowered GraphModule, captured graph or None)``."""
@@ -219,6 +234,7 @@ def collect_variants(pm: ParallelModule, traced: Iterable[str]) -> tuple[Variant
         flags = [(p, n, d, values[n]) for p, n, d in getattr(pm, "_flag_inputs", [])]
     if source is None:
         return VariantTable({}, optional=[], flags=[], traced=[], known=False), []
+    traced = _traced_through(pm, source, used)
     main_code = _main_code(pm)
     programs: list[tuple[fx.GraphModule, fx.Graph | None]] = []
     by_code: dict[str, int] = {main_code: 0}

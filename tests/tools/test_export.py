@@ -214,6 +214,81 @@ def test_load_refuses_a_call_it_carries_no_program_for(tmp_path):
         loaded(torch.randn(4, 8))
 
 
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.pool(F.relu(self.bn(self.conv(x)))).flatten(1))
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(30, 16, padding_idx=0)
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        h = self.layer(self.embed(tokens))
+        h, _ = self.mha(h, h, h)
+        return self.head(h.mean(1))
+
+
+class Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, double: bool = False):
+        h = self.fc(x)
+        return h * 2 if double else h
+
+
+@pytest.mark.parametrize(
+    "make, example",
+    [(ConvNet, lambda: torch.randn(4, 3, 8, 8)), (Attention, lambda: torch.randint(0, 30, (4, 5))),
+     (lambda: nn.LSTM(4, 6), lambda: torch.randn(5, 4, 4))],
+    ids=["conv-batchnorm", "transformer-mha-embedding", "lstm-as-the-model"],
+)  # fmt: skip
+def test_export_rebuilds_torch_nn_modules_as_data(tmp_path, make, example):
+    """Conv/BatchNorm, TransformerEncoderLayer/MultiheadAttention/Embedding and a bare LSTM load as data."""
+    model = make().eval()
+    folder = dpcompile.export(dpcompile.transform(model, ["cpu", "cpu"]), tmp_path / "out")
+    assert not (folder / "program.pkl").exists()
+    x = example()
+    got, want = dpcompile.load(folder).eval()(x), model(x)
+    torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, want[0] if isinstance(want, tuple) else want)
+
+
+def test_load_refuses_a_flag_value_it_was_not_traced_for(tmp_path):
+    """A flag argument other than the traced value raises DpCompileError instead of running the wrong program."""
+    model = Flagged()
+    loaded = dpcompile.load(dpcompile.export(dpcompile.transform(model, ["cpu", "cpu"]), tmp_path / "out"))
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(loaded(x), model(x))
+    with pytest.raises(dpcompile.DpCompileError, match="traced for double=False"):
+        loaded(x, True)
+
+
+def test_load_tensor_parallel_honours_eval_and_none_arguments(tmp_path):
+    """A TP program carries its eval and mask=None programs: after load, eval() matches the model."""
+    model = Dropping()
+    x, mask = torch.randn(4, 6), torch.rand(4, 6)
+    pm = dpcompile.transform(model, ["cpu", "cpu"], tensor_parallel={"fc": "column", "out": "row"}, example_inputs=(x, mask))
+    loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "out")).eval()
+    model.eval()
+    torch.testing.assert_close(loaded(x, mask), model(x, mask))
+    torch.testing.assert_close(loaded(x), model(x))
+    loaded.train()
+    assert not torch.equal(loaded(x), loaded(x))
+
+
 # ---------------------------------------------------------------------------- the folder
 def test_export_writes_program_weights_module_and_manifest(tmp_path):
     """The folder holds module.py, program.json, weights.safetensors (state_dict keys, readable by

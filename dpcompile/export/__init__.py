@@ -24,15 +24,10 @@ the folder records, on the exported devices or others (data parallel: any number
 """
 
 from dpcompile.export.allowlist import register_module_class
-from dpcompile.export.folder import (
-    FORMAT,
-    FORMAT_VERSION,
-    ExportError,
-    export,
-    generated_source,
-    load,
-    read_manifest,
-)
+from dpcompile.export.common import FORMAT, FORMAT_VERSION, ExportError
+from dpcompile.export.folder import export, load
+from dpcompile.export.integrity import read_manifest
+from dpcompile.export.source import generated_source
 
 __all__ = [
     "FORMAT",

@@ -126,7 +126,7 @@ def resolve_class(name: str) -> type[nn.Module]:
     if cls is None:
         raise NotAllowed(
             f"module class {name!r} is neither a torch.nn class nor registered with "
-            "dpcompile.export.register_module_class"
+            "register_module_class (from dpcompile.export import register_module_class)"
         )
     return cls
 

@@ -53,7 +53,7 @@ class VariantTable(dict):
 
     @classmethod
     def from_json(cls, data: Any, programs: int) -> VariantTable:
-        from dpcompile.export.folder import ExportError
+        from dpcompile.export.common import ExportError
         from dpcompile.export.serialize import decode_value
 
         try:

@@ -99,7 +99,7 @@ class _Unpickler(pickle.Unpickler):
         self.tensors = tensors
 
     def persistent_load(self, pid: Any) -> Any:
-        from dpcompile.export.folder import ExportError
+        from dpcompile.export.common import ExportError
 
         kind, key = pid
         if kind != "tensor" or key not in self.tensors:
@@ -122,7 +122,8 @@ def dump(pm: nn.Module, keys: dict[int, str]) -> bytes:
 
 def restore(path: Path, tensors: dict[str, torch.Tensor], program: dict[str, Any], target: Any) -> nn.Module:
     """Unpickle ``program.pkl`` (runs code: only with ``trust_code=True``) onto ``target``."""
-    from dpcompile.export.folder import ExportError, _device_mapping, _map_devices, _strings
+    from dpcompile.export.build import _device_mapping, _map_devices
+    from dpcompile.export.common import ExportError, _strings
 
     try:
         with open(path, "rb") as f:

@@ -107,7 +107,7 @@ def encode_value(value: Any, tensors: Mapping[int, str] | None = None) -> Any:
 
 def decode_value(data: Any, nodes: Mapping[str, fx.Node] | None = None, tensors: Mapping[str, Any] | None = None) -> Any:
     """The counterpart of :func:`encode_value`; raises ``ExportError`` for anything unknown."""
-    from dpcompile.export.folder import ExportError
+    from dpcompile.export.common import ExportError
     from dpcompile.runtime import TAKE_FIRST
 
     if data is None or isinstance(data, (bool, int, float, str)):
@@ -189,7 +189,7 @@ def decode_graph(data: Any, modules: Container[str] | None = None) -> fx.Graph:
     on a replica); ``get_attr`` / ``call_module`` targets must be attribute paths without
     dunders (and, given ``modules``, ``call_module`` a module of the tree).
     """
-    from dpcompile.export.folder import ExportError
+    from dpcompile.export.common import ExportError
 
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
         raise ExportError("program.json: a graph without a node list")
@@ -322,7 +322,7 @@ def decode_tree(
 ) -> tuple[nn.Module, dict[str, nn.Module], dict[str, nn.Module]]:
     """``(root, {path: module}, {outside path: module})`` rebuilt from :func:`encode_tree`'s JSON,
     without running any constructor: ``cls.__new__`` + ``nn.Module.__init__`` + attributes."""
-    from dpcompile.export.folder import ExportError
+    from dpcompile.export.common import ExportError
 
     if not isinstance(entries, list) or not entries:
         raise ExportError("program.json: no module tree")

@@ -40,7 +40,10 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
 
     config = program["config"]
     recorded = list(config["devices"])
-    holder, modules, outside = decode_tree(program["modules"], tensors)
+    trees = program["modules"]
+    if not isinstance(trees, list):
+        raise ExportError(f"{folder / PROGRAM_FILE}: no module tree")
+    paths = {e["path"] for e in trees if isinstance(e, dict) and isinstance(e.get("path"), str)}
     entries = program["programs"]
     if not isinstance(entries, list) or not entries:
         raise ExportError(f"{folder / PROGRAM_FILE}: no programs")
@@ -48,8 +51,8 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     for entry in entries:
         if not isinstance(entry, dict) or set(entry) != {"label", "graph", "captured"} or not str(entry["label"]).isidentifier():
             raise ExportError(f"{folder / PROGRAM_FILE}: a program entry it cannot read")
-        captured = decode_graph(entry["captured"], modules) if entry["captured"] is not None else None
-        graphs.append((entry["label"], decode_graph(entry["graph"], modules), captured))
+        captured = decode_graph(entry["captured"], paths) if entry["captured"] is not None else None
+        graphs.append((entry["label"], decode_graph(entry["graph"], paths), captured))
     source = program_source(
         [(label, graph) for label, graph, _ in graphs], class_name=program["class_name"], mode=program["kind"], devices=recorded
     )
@@ -58,6 +61,8 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
             f"{folder / MODULE_FILE} is not the program in {PROGRAM_FILE} (regenerated, it differs); "
             "the folder was edited: re-export"
         )
+    # only now, with every file and the program checked, is anything built
+    holder, modules, outside = decode_tree(trees, tensors)
     table = VariantTable.from_json(program["variants"], len(graphs))
     input_dims = _checked_dims(config["input_dims"])
     plan = config["plan"]

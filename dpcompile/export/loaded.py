@@ -234,7 +234,18 @@ def collect_variants(pm: ParallelModule, used: Iterable[str]) -> tuple[VariantTa
         flags = [(p, n, d, values[n]) for p, n, d in getattr(pm, "_flag_inputs", [])]
     if source is None:
         return VariantTable({}, optional=[], flags=[], traced=[], known=False), []
-    traced = _traced_through(pm, source, used)
+    try:
+        traced = _traced_through(pm, source, used)
+        table, programs = _trace_all(pm, source, optional)
+    except Exception as e:  # noqa: BLE001 - the module changed under us: carry the main program only
+        log.warning("export: cannot trace the model's variants (%s); the loaded program runs only calls like the traced one", e)
+        traced = [path for path, _ in pm.named_modules() if path and path not in set(used)]
+        training = getattr(pm, "_traced_training", None)
+        table, programs = {(bool(pm.training if training is None else training), frozenset()): 0}, []
+    return VariantTable(table, optional=optional, flags=flags, traced=list(traced), known=True), programs
+
+
+def _trace_all(pm: ParallelModule, source: nn.Module, optional: list) -> tuple[dict, list]:
     main_code = _main_code(pm)
     programs: list[tuple[fx.GraphModule, fx.Graph | None]] = []
     by_code: dict[str, int] = {main_code: 0}
@@ -258,7 +269,7 @@ def collect_variants(pm: ParallelModule, used: Iterable[str]) -> tuple[VariantTa
     finally:
         for m in source.modules():
             m.training = modes.get(id(m), m.training)
-    return VariantTable(table, optional=optional, flags=flags, traced=list(traced), known=True), programs
+    return table, programs
 
 
 def _main_code(pm: ParallelModule) -> str:

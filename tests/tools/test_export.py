@@ -453,6 +453,14 @@ def test_load_refuses_a_malformed_manifest_with_a_dpcompile_error(tmp_path):
             dpcompile.load(folder)
 
 
+def test_export_refuses_a_program_over_a_mesh(tmp_path):
+    """An SPMD program is refused with a message saying what to ship instead."""
+    _, pm = _trained_dp()
+    pm.mode = "spmd_data_parallel"
+    with pytest.raises(ExportError, match="state_dict"):
+        dpcompile.export(pm, tmp_path / "out")
+
+
 def test_export_refuses_a_folder_holding_other_files(tmp_path):
     """Exporting into a folder with files of its own would leave unlisted files: refused."""
     (tmp_path / "out").mkdir()

@@ -284,12 +284,13 @@ def export(pm: nn.Module, path: str | Path) -> Path:
 def _labels(table: Any, count: int) -> list[str]:
     labels = ["forward"] + [f"forward_variant{i}" for i in range(1, count)]
     taken = set()
-    for (training, nones), index in sorted(table.items(), key=lambda kv: (not kv[0][0], len(kv[0][1]), sorted(kv[0][1]))):
+    for (training, nones, flags), index in sorted(table.items(), key=lambda kv: (not kv[0][0], len(kv[0][1]), str(kv[0]))):
         if index == 0 or index in taken:
             continue
         taken.add(index)
-        parts = ["train" if training else "eval", *(f"{n}_none" for n in sorted(nones))]
-        labels[index] = "forward_" + "_".join(re.sub(r"\W", "_", p) for p in parts)
+        parts = ["train" if training else "eval", *(f"{n}_none" for n in sorted(nones)), *(f"{n}_{v}" for n, v in flags)]
+        label = "forward_" + "_".join(re.sub(r"\W", "_", str(p)) for p in parts)
+        labels[index] = label if label not in labels else f"{label}_{index}"
     return labels
 
 

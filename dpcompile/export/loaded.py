@@ -31,7 +31,8 @@ MAX_PATTERNS = 8  # patterns of optional arguments traced ahead, per mode
 
 
 class VariantTable(dict):
-    """``{(training, frozenset of None arguments): program index}`` plus how to read a call."""
+    """``{(training, frozenset of None arguments, flag values): program index}`` plus how to
+    read a call (``flag values``: a tuple of ``(name, value)`` in the order of ``flags``)."""
 
     def __init__(self, table: dict, *, optional: list, flags: list, traced: list, known: bool):
         super().__init__(table)
@@ -48,7 +49,10 @@ class VariantTable(dict):
             "optional": [[p, n] for p, n in self.optional],
             "flags": [[p, n, encode_value(d), encode_value(v)] for p, n, d, v in self.flags],
             "traced_through": self.traced,
-            "table": [{"training": t, "none": sorted(nones), "program": i} for (t, nones), i in self.items()],
+            "table": [
+                {"training": t, "none": sorted(nones), "flags": [[n, encode_value(v)] for n, v in f], "program": i}
+                for (t, nones, f), i in self.items()
+            ],
         }
 
     @classmethod
@@ -62,7 +66,8 @@ class VariantTable(dict):
                 index = row["program"]
                 if type(index) is not int or not 0 <= index < programs or type(row["training"]) is not bool:
                     raise ValueError(row)
-                table[(row["training"], frozenset(str(n) for n in row["none"]))] = index
+                values = tuple((str(n), decode_value(v)) for n, v in row["flags"])
+                table[(row["training"], frozenset(str(n) for n in row["none"]), values)] = index
             optional = [(int(p), str(n)) for p, n in data["optional"]]
             flags = [(int(p), str(n), decode_value(d), decode_value(v)) for p, n, d, v in data["flags"]]
             traced = [str(p) for p in data["traced_through"]]
@@ -83,12 +88,17 @@ class _Variants:
         table: VariantTable | None = self.__dict__.get("_loaded_variants")
         if table is None or not table.known:
             return None
-        for position, name, default, value in table.flags:
-            actual = args[position] if position < len(args) else kwargs.get(name, default)
-            if type(actual) is not type(value) or actual != value:
+        flags = tuple(
+            (name, args[position] if position < len(args) else kwargs.get(name, default))
+            for position, name, default, _ in table.flags
+        )
+        carried = {f for _, _, f in table}
+        for name, actual in flags:
+            if not any(any(n == name and type(v) is type(actual) and v == actual for n, v in f) for f in carried):
+                values = sorted({repr(v) for f in carried for n, v in f if n == name})
                 raise DpCompileError(
-                    f"this loaded program was traced for {name}={value!r}; the call passes {name}={actual!r}. "
-                    "A loaded program cannot trace again: export a program transformed for that value"
+                    f"this loaded program was traced for {name} in {', '.join(values)}; the call passes "
+                    f"{name}={actual!r}. A loaded program cannot trace again: export a program transformed for that value"
                 )
         nones = frozenset(
             name for position, name in table.optional
@@ -103,10 +113,13 @@ class _Variants:
                     f"{'training' if mode else 'eval'} mode; a loaded program carries programs for the whole "
                     "model in one mode: call pm.train() or pm.eval()"
                 )
-        index = table.get((mode, nones))
+        index = next(
+            (i for (t, n, f), i in table.items() if t == mode and n == nones and _same(f, flags)), None
+        )
         if index is None:
             carried = ", ".join(
-                f"{'train' if t else 'eval'} with {sorted(n) or 'no'} None" for (t, n) in sorted(table, key=str)
+                f"{'train' if t else 'eval'} with {sorted(n) or 'no'} None" + "".join(f", {k}={v!r}" for k, v in f)
+                for (t, n, f) in sorted(table, key=str)
             )
             raise DpCompileError(
                 f"this loaded program carries no program for a call in {'training' if mode else 'eval'} mode with "
@@ -234,38 +247,54 @@ def collect_variants(pm: ParallelModule, used: Iterable[str]) -> tuple[VariantTa
         flags = [(p, n, d, values[n]) for p, n, d in getattr(pm, "_flag_inputs", [])]
     if source is None:
         return VariantTable({}, optional=[], flags=[], traced=[], known=False), []
+    traced_values = tuple((n, v) for _, n, _, v in flags)
     try:
         traced = _traced_through(pm, source, used)
-        table, programs = _trace_all(pm, source, optional)
+        table, programs = _trace_all(pm, source, optional, traced_values)
     except Exception as e:  # noqa: BLE001 - the module changed under us: carry the main program only
         log.warning("export: cannot trace the model's variants (%s); the loaded program runs only calls like the traced one", e)
         traced = [path for path, _ in pm.named_modules() if path and path not in set(used)]
         training = getattr(pm, "_traced_training", None)
-        table, programs = {(bool(pm.training if training is None else training), frozenset()): 0}, []
+        table, programs = {(bool(pm.training if training is None else training), frozenset(), traced_values): 0}, []
     return VariantTable(table, optional=optional, flags=flags, traced=list(traced), known=True), programs
 
 
-def _trace_all(pm: ParallelModule, source: nn.Module, optional: list) -> tuple[dict, list]:
+def _flag_choices(traced: tuple[tuple[str, Any], ...]) -> list[tuple[tuple[str, Any], ...]]:
+    """The flag values to trace: the traced ones, and where there are at most two bool flags,
+    every combination of them."""
+    if not traced or sum(type(v) is bool for _, v in traced) > 2:
+        return [traced]
+    options = [[v, not v] if type(v) is bool else [v] for _, v in traced]
+    return [tuple(zip([n for n, _ in traced], combo)) for combo in itertools.product(*options)]
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(n == m and type(v) is type(w) and v == w for (n, v), (m, w) in zip(a, b))
+
+
+def _trace_all(
+    pm: ParallelModule, source: nn.Module, optional: list, traced_values: tuple[tuple[str, Any], ...]
+) -> tuple[dict, list]:
     main_code = _main_code(pm)
     programs: list[tuple[fx.GraphModule, fx.Graph | None]] = []
     by_code: dict[str, int] = {main_code: 0}
-    table: dict[tuple[bool, frozenset[str]], int] = {}
+    table: dict[tuple[bool, frozenset[str], tuple], int] = {}
     modes = {id(m): m.training for m in source.modules()}
     try:
         for training in (True, False):
             source.train(training)
-            for nones in _patterns([name for _, name in optional]):
+            for nones, values in itertools.product(_patterns([name for _, name in optional]), _flag_choices(traced_values)):
                 try:
-                    code, program, captured = _trace_variant(pm, source, nones)
+                    code, program, captured = _trace_variant(pm, source, nones, dict(values))
                 except Exception as e:  # noqa: BLE001 - a call this program then refuses
-                    log.info("export: no program for %s mode with %s None (%s)", training, sorted(nones), e)
+                    log.info("export: no program for %s mode with %s None, %s (%s)", training, sorted(nones), values, e)
                     continue
                 if code not in by_code:
                     if program is None:
                         continue
                     by_code[code] = len(programs) + 1
                     programs.append((program, captured))
-                table[(training, nones)] = by_code[code]
+                table[(training, nones, values)] = by_code[code]
     finally:
         for m in source.modules():
             m.training = modes.get(id(m), m.training)
@@ -278,7 +307,9 @@ def _main_code(pm: ParallelModule) -> str:
     return pm._captured_graph.python_code("self").src if pm._captured_graph is not None else pm.code
 
 
-def _trace_variant(pm: ParallelModule, source: nn.Module, nones: frozenset[str]) -> tuple[str, fx.GraphModule | None, fx.Graph | None]:
+def _trace_variant(
+    pm: ParallelModule, source: nn.Module, nones: frozenset[str], flags: dict[str, Any]
+) -> tuple[str, fx.GraphModule | None, fx.Graph | None]:
     if isinstance(pm, TensorParallelModule):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -298,7 +329,7 @@ def _trace_variant(pm: ParallelModule, source: nn.Module, nones: frozenset[str])
         return built.code, fx.GraphModule(pm, copy_graph(built.graph), "TensorParallelVariant"), None
     from dpcompile.api import recapture
 
-    gm = recapture(source, pm.devices, pm._leaf_modules, nones, dict(pm._flags))
+    gm = recapture(source, pm.devices, pm._leaf_modules, nones, flags)
     code = gm.graph.python_code("self").src
     if pm._captured_graph is not None and code == pm._captured_graph.python_code("self").src:
         return code, None, None

@@ -245,8 +245,10 @@ class Flagged(nn.Module):
         super().__init__()
         self.fc = nn.Linear(4, 4)
 
-    def forward(self, x, double: bool = False):
+    def forward(self, x, double: bool = False, times: int = 1):
         h = self.fc(x)
+        if times > 1:
+            h = h * times
         return h * 2 if double else h
 
 
@@ -266,14 +268,16 @@ def test_export_rebuilds_torch_nn_modules_as_data(tmp_path, make, example):
     torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, want[0] if isinstance(want, tuple) else want)
 
 
-def test_load_refuses_a_flag_value_it_was_not_traced_for(tmp_path):
-    """A flag argument other than the traced value raises DpCompileError instead of running the wrong program."""
+def test_load_runs_both_values_of_a_bool_flag_and_refuses_other_flag_values(tmp_path):
+    """A bool flag's both values are carried; an int flag other than the traced value raises DpCompileError."""
     model = Flagged()
     loaded = dpcompile.load(dpcompile.export(dpcompile.transform(model, ["cpu", "cpu"]), tmp_path / "out"))
     x = torch.randn(4, 4)
     torch.testing.assert_close(loaded(x), model(x))
-    with pytest.raises(dpcompile.DpCompileError, match="traced for double=False"):
-        loaded(x, True)
+    torch.testing.assert_close(loaded(x, True), model(x, True))
+    torch.testing.assert_close(loaded(x, double=True), model(x, double=True))
+    with pytest.raises(dpcompile.DpCompileError, match="traced for times in 1; the call passes times=3"):
+        loaded(x, True, 3)
 
 
 def test_load_tensor_parallel_honours_eval_and_none_arguments(tmp_path):

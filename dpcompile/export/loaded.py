@@ -27,7 +27,7 @@ log = logging.getLogger("dpcompile")
 
 __all__ = ["LoadedParallelModule", "LoadedTensorParallelModule", "VariantTable", "collect_variants"]
 
-MAX_PATTERNS = 8  # patterns of optional arguments traced ahead, per mode
+MAX_PATTERNS = 8  # patterns of optional arguments (times flag values) traced ahead, per mode
 
 
 class VariantTable(dict):
@@ -283,7 +283,10 @@ def _trace_all(
     try:
         for training in (True, False):
             source.train(training)
-            for nones, values in itertools.product(_patterns([name for _, name in optional]), _flag_choices(traced_values)):
+            patterns, choices = _patterns([name for _, name in optional]), _flag_choices(traced_values)
+            if len(patterns) * len(choices) > MAX_PATTERNS:  # bound the traces: flags as traced only
+                choices = [traced_values]
+            for nones, values in itertools.product(patterns, choices):
                 try:
                     code, program, captured = _trace_variant(pm, source, nones, dict(values))
                 except Exception as e:  # noqa: BLE001 - a call this program then refuses

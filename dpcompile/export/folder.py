@@ -36,6 +36,9 @@ from dpcompile.export.source import _class_name, generated_source, program_sourc
 
 log = logging.getLogger("dpcompile")
 
+# what an export (of this version or the last) writes: replaced or removed by the next one
+_OURS = frozenset({MODULE_FILE, PROGRAM_FILE, WEIGHTS_FILE, PICKLE_FILE, MANIFEST_FILE, "weights.pt"})
+
 
 # ---------------------------------------------------------------------- export: tensors
 def _tensor_keys(pm: nn.Module, constants: Mapping[str, torch.Tensor] = {}) -> tuple[dict[int, str], dict[str, torch.Tensor], dict[str, str]]:
@@ -149,13 +152,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     >>> sorted(p.name for p in dpcompile.export(pm, "/tmp/dp_export").iterdir())  # doctest: +SKIP
     ['manifest.json', 'module.py', 'program.json', 'weights.safetensors']
     """
-    import safetensors.torch
-
-    import dpcompile
-    from dpcompile.export.loaded import collect_variants
-    from dpcompile.export.serialize import NotData, decode_graph, encode_graph, encode_tree
     from dpcompile.module import ParallelModule
-    from dpcompile.tensor_parallel import TensorParallelModule
 
     if not isinstance(pm, ParallelModule):
         raise ValueError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
@@ -168,43 +165,53 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     if folder.exists() and not folder.is_dir():
         raise ExportError(f"{folder} exists and is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
-    ours = {MODULE_FILE, PROGRAM_FILE, WEIGHTS_FILE, PICKLE_FILE, MANIFEST_FILE, "weights.pt"}
-    strangers = sorted(p.name for p in folder.iterdir() if p.name not in ours and not p.name.startswith(".dpcompile-"))
+    strangers = sorted(p.name for p in folder.iterdir() if p.name not in _OURS and not p.name.startswith(".dpcompile-"))
     if strangers:
         raise ExportError(f"{folder} holds {strangers}, which are not part of an export; export into an empty folder")
 
-    tp = isinstance(pm, TensorParallelModule)
+    program, files, tensors = _describe(pm)
+    _write(folder, program, files, tensors)
+    log.info("exported %s (%s on %s) to %s", program["class_name"], pm.mode, program["config"]["devices"], folder)
+    return folder
+
+
+def _as_data(pm: nn.Module) -> tuple[Any, ...]:
+    """The program as data: ``(variant table, module tree, encoded graphs, tensor keys,
+    tensors, names)``; raises ``NotData`` where part of it is Python code."""
+    from dpcompile.export.loaded import collect_variants
+    from dpcompile.export.serialize import encode_graph, encode_tree
+
+    captured = getattr(pm, "_captured_graph", None)
+    programs: list[tuple[fx.GraphModule | None, fx.Graph, fx.Graph | None]] = [(None, pm.graph, captured)]
+    used = _used_paths(pm, [pm.graph] + ([captured] if captured is not None else []))
+    table, extra = collect_variants(pm, used)
+    programs += [(gm, gm.graph, c) for gm, c in extra]
+    constants = _constants(pm, programs)
+    used |= _used_paths(pm, [g for _, graph, c in programs for g in (graph, c) if g is not None])
+    keys, tensors, names = _tensor_keys(pm, constants)
+    root = pm.__dict__.get("root")
+    outside = {"root": root} if isinstance(root, nn.Module) and "root" not in pm._modules else {}
+    tree = encode_tree(pm, used, keys, outside, constants)
+    encoded = [(encode_graph(graph), encode_graph(c) if c is not None else None) for _, graph, c in programs]
+    return table, tree, encoded, keys, tensors, names
+
+
+def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
+    """``(program.json's content, files to write beside it, tensors by file key)``."""
+    import dpcompile
+    from dpcompile.export.serialize import NotData, decode_graph
+    from dpcompile.tensor_parallel import TensorParallelModule
+
     strings = _strings(pm.devices)
     class_name = _class_name(pm)
     pickled_reason = None
-    programs: list[tuple[fx.GraphModule | None, fx.Graph, fx.Graph | None]] = [(None, pm.graph, getattr(pm, "_captured_graph", None))]
-    table = None
     try:
-        graphs = [pm.graph] + ([pm._captured_graph] if getattr(pm, "_captured_graph", None) is not None else [])
-        used = _used_paths(pm, graphs)
-        table, extra = collect_variants(pm, used)
-        programs += [(gm, gm.graph, captured) for gm, captured in extra]
-        constants = _constants(pm, programs)
-        used |= _used_paths(pm, [g for _, graph, captured in programs for g in (graph, captured) if g is not None])
-        keys, tensors, names = _tensor_keys(pm, constants)
-        outside = {"root": pm.__dict__["root"]} if isinstance(pm.__dict__.get("root"), nn.Module) and "root" not in pm._modules else {}
-        tree = encode_tree(pm, used, keys, outside, constants)
-        encoded = [(encode_graph(graph), encode_graph(captured) if captured is not None else None) for _, graph, captured in programs]
+        table, tree, encoded, keys, tensors, names = _as_data(pm)
     except NotData as e:
         pickled_reason = str(e)
         log.warning("export: %s; writing program.pkl, which dpcompile.load reads only with trust_code=True", e)
         keys, tensors, names = _tensor_keys(pm)
     slots = _slots(pm, tensors, names)
-    tensor_info = {
-        key: {
-            "shape": list(t.shape),
-            "dtype": _dtype_name(t.dtype),
-            "parameter": isinstance(t, nn.Parameter),
-            "requires_grad": bool(t.requires_grad),
-            "slot": slots[key],
-        }
-        for key, t in tensors.items()
-    }
     config: dict[str, Any] = {
         "devices": strings,
         "output_device": str(pm.output_device),
@@ -212,7 +219,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
         "plan": dict(pm.plan),
         "tensor_parallel": None,
     }
-    if tp:
+    if isinstance(pm, TensorParallelModule):
         cost = getattr(pm, "comm_cost", None)
         config["tensor_parallel"] = {
             "state_keys": list(pm._state_keys),
@@ -231,54 +238,67 @@ def export(pm: nn.Module, path: str | Path) -> Path:
         "pickled_because": pickled_reason,
         "config": config,
         "training": bool(pm.training),
-        "tensors": tensor_info,
+        "tensors": {
+            key: {
+                "shape": list(t.shape),
+                "dtype": _dtype_name(t.dtype),
+                "parameter": isinstance(t, nn.Parameter),
+                "requires_grad": bool(t.requires_grad),
+                "slot": slots[key],
+            }
+            for key, t in tensors.items()
+        },
         "modules": None,
         "programs": None,
         "variants": None,
     }
     if pickled_reason is None:
-        program["modules"] = tree
         labels = _labels(table, len(encoded))
+        program["modules"] = tree
         program["programs"] = [{"label": labels[i], "graph": g, "captured": c} for i, (g, c) in enumerate(encoded)]
         program["variants"] = table.to_json()
         # module.py is made from what load will read, so load can regenerate it exactly
-        source = program_source(
-            [(labels[i], decode_graph(g, {e["path"] for e in tree})) for i, (g, _) in enumerate(encoded)], class_name=class_name, mode=pm.mode, devices=strings
-        )
+        paths = {e["path"] for e in tree}
+        readable = [(labels[i], decode_graph(g, paths)) for i, (g, _) in enumerate(encoded)]
         files: dict[str, bytes] = {}
     else:
-        source = program_source([("forward", pm.graph)], class_name=class_name, mode=pm.mode, devices=strings)
+        readable = [("forward", pm.graph)]
         files = {PICKLE_FILE: _pickle(pm, keys)}
     files[PROGRAM_FILE] = _canonical(program)
-    files[MODULE_FILE] = source.encode()
+    files[MODULE_FILE] = program_source(readable, class_name=class_name, mode=pm.mode, devices=strings).encode()
+    return program, files, tensors
+
+
+def _write(folder: Path, program: dict[str, Any], files: dict[str, bytes], tensors: dict[str, torch.Tensor]) -> None:
+    """Write under temporary names, rename into place, drop what an earlier export left, and
+    write the manifest last: an interrupted export leaves no folder that loads."""
+    import safetensors.torch
+
+    (folder / MANIFEST_FILE).unlink(missing_ok=True)
     weights = {}
     seen_storage: set[int] = set()
     for key, t in tensors.items():
         data = t.detach().to("cpu")
         ptr = data.untyped_storage().data_ptr() if data.numel() else None
-        data = data.clone() if ptr in seen_storage or not data.is_contiguous() else data
+        data = data.clone() if ptr in seen_storage or not data.is_contiguous() else data  # safetensors shares nothing
         if ptr is not None:
             seen_storage.add(ptr)
         weights[key] = data
-    staged = folder / f".dpcompile-{WEIGHTS_FILE}.tmp"
-    safetensors.torch.save_file(weights, str(staged), metadata={"format": "pt", "producer": "dpcompile"})
+    safetensors.torch.save_file(weights, str(folder / f".dpcompile-{WEIGHTS_FILE}.tmp"), metadata={"format": "pt"})
     for name, data in files.items():
         (folder / f".dpcompile-{name}.tmp").write_bytes(data)
-    # rename into place, then drop what an earlier export left
-    for name in [*files, WEIGHTS_FILE]:
-        (folder / f".dpcompile-{name}.tmp").replace(folder / name)
     written = [*files, WEIGHTS_FILE]
-    for stale in ours - set(written) - {MANIFEST_FILE}:
+    for name in written:
+        (folder / f".dpcompile-{name}.tmp").replace(folder / name)
+    for stale in _OURS - set(written) - {MANIFEST_FILE}:
         (folder / stale).unlink(missing_ok=True)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "files": {name: {"sha256": _sha256(folder / name), "size": (folder / name).stat().st_size} for name in sorted(written)},
-        "program": {k: program[k] for k in _SUMMARY if k != "devices"} | {"devices": strings},
+        "program": {k: program[k] for k in _SUMMARY if k != "devices"} | {"devices": program["config"]["devices"]},
     }
     (folder / MANIFEST_FILE).write_bytes(_canonical(manifest))
-    log.info("exported %s (%s on %s) to %s", class_name, pm.mode, strings, folder)
-    return folder
 
 
 def _labels(table: Any, count: int) -> list[str]:

@@ -20,7 +20,6 @@ distinct, ``"<device>#<slot>"`` (``"cpu#0"``, ``"cpu#1"``) for virtual devices.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import logging
@@ -317,19 +316,9 @@ def _bind_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, A
 
 
 def _program(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[fx.GraphModule, int | None]:
-    """The program that a call with these arguments runs (a smaller one for a small batch)."""
-    batch = None
-    if callable(getattr(pm, "program_for_call", None)):  # tensor parallel: a variant for optional arguments left None
-        return pm.program_for_call(tuple(args), dict(kwargs)), None
-    if callable(getattr(pm, "_spmd_variant", None)):  # SPMD: the same
-        variant = pm._spmd_variant(tuple(args), dict(kwargs))
-        if variant is not None:
-            return variant, None
-    if hasattr(pm, "batch_size") and getattr(pm, "_split_inputs", None):
-        batch = pm.batch_size(tuple(args), dict(kwargs))
-        if batch is not None and batch < len(_labels(pm)) and getattr(pm, "_lower", None) is not None:
-            return pm._program_for(batch), batch
-    return pm, batch
+    """The program that a call with these arguments runs, and the call's batch size."""
+    batch = pm.batch_size(tuple(args), dict(kwargs)) if getattr(pm, "_split_inputs", None) else None
+    return pm.program_for_call(*args, **kwargs), batch
 
 
 def _snapshot_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -510,7 +499,7 @@ def _collective(node: fx.Node, comm: Any, recorder: _Recorder | None, n: int) ->
 def _ddp_collective(pm: nn.Module) -> CollectiveInfo | None:
     """SPMD data parallel: DistributedDataParallel's gradient all-reduce, which runs in backward
     outside the generated code, over the parameters it does not ignore."""
-    ddp = pm.__dict__.get("_ddp")
+    ddp = getattr(pm, "ddp", None)
     if ddp is None:
         return None
     from passes.collectives import group_size
@@ -788,10 +777,10 @@ def diff(model: nn.Module | None, pm: fx.GraphModule) -> str:
     '+    input_1_scatter = dpcompile_runtime'
     """
     if model is None:
-        captured = getattr(pm, "_captured_graph", None)
+        captured = getattr(pm, "captured", None)
         if captured is None:
             raise ValueError("diff(None, pm) needs a pm that kept its captured graph; pass the model")
-        before = fx.GraphModule(pm, copy.deepcopy(captured)).code
+        before = captured.code
     else:
         from dpcompile.capture import capture
 

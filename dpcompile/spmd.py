@@ -511,7 +511,7 @@ def _transform_tensor_parallel(
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.utils._pytree import tree_map
 
-        from dpcompile.inspect import _bind_inputs
+        from dpcompile.fx_utils import bind_inputs as _bind_inputs
         from dpcompile.verify import _fake_copy
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)

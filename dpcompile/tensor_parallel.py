@@ -134,7 +134,7 @@ class TensorParallelModule(ParallelModule):
             from torch.utils._pytree import tree_map
 
             from dpcompile.errors import DpCompileError
-            from dpcompile.inspect import _bind_inputs
+            from dpcompile.fx_utils import bind_inputs as _bind_inputs
             from dpcompile.module import copy_graph
             from dpcompile.verify import _FakeCudaOnCpuTorch
 

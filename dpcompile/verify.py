@@ -495,7 +495,9 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dpcompile.inspect import _bind_inputs, _Recorder, slot_of, user_source
+    from dpcompile.fx_utils import bind_inputs as _bind_inputs
+    from dpcompile.inspect import Recorder as _Recorder
+    from dpcompile.inspect import slot_of, user_source
 
     devices = _fake_devices(fake_devices)
     label = f"fake {len(devices)}-device layout"

@@ -1,27 +1,16 @@
-"""explain, draw and diff."""
+"""explain and its Report; the one communication-size rule, as explain applies it."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 from torch import nn
 
 import dpcompile
-from dpcompile.inspect import Report, to_dot
-from tests.models import MLP
-
-
-class BNNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 6)
-        self.bn = nn.BatchNorm1d(6)
-
-    def forward(self, x):
-        return self.bn(self.fc(x))
+from dpcompile.inspect import Report
+from tests.models import MLP, BNNet
 
 
 class WholeTail(nn.Module):
@@ -172,54 +161,6 @@ def test_explain_tensor_parallel_reproduces_classic_figures():
         assert report.plan == {"0": style}
         assert report.param_bytes == {"cpu#0": 1000 * 500 * 2, "cpu#1": 1000 * 500 * 2}
     assert totals == {"row": 128_000, "column": 160_000}
-
-
-def test_draw_writes_svg_with_one_cluster_per_device(tmp_path):
-    """With graphviz: an SVG holding one cluster per device and the collectives in red."""
-    if shutil.which("dot") is None:
-        pytest.skip("graphviz 'dot' is not installed")
-    path = dpcompile.draw(_dp(BNNet()), tmp_path / "graph.svg")
-    text = path.read_text()
-    assert path.suffix == ".svg" and "<svg" in text
-    assert "cluster_0" in text and "cluster_1" in text
-    assert "cpu#0" in text and "cpu#1" in text and "bn_sync" in text
-    assert "#e41a1c" in text
-
-
-def test_to_dot_highlights_collectives_outside_clusters():
-    """The dot source clusters per-device nodes and styles communication nodes apart."""
-    source = to_dot(_dp(BNNet()))
-    cluster_1 = source.split("subgraph cluster_1")[1].split("}")[0]
-    assert '"fc_dev1"' in cluster_1 and '"bn_sync"' not in cluster_1
-    assert 'color="#e41a1c"' in source.split('"bn_sync" [')[1].split("];")[0]
-
-
-def test_draw_falls_back_to_matplotlib_png_without_dot(tmp_path, monkeypatch):
-    """Without dot, draw writes a PNG through matplotlib."""
-    pytest.importorskip("matplotlib")
-    monkeypatch.setattr("dpcompile.inspect.shutil.which", lambda name: None)
-    path = dpcompile.draw(_dp(BNNet()), tmp_path / "graph.svg")
-    assert path == tmp_path / "graph.png"
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_draw_without_any_renderer_says_what_to_install(tmp_path, monkeypatch):
-    """Neither dot nor matplotlib: a DpCompileError naming both ways out."""
-    monkeypatch.setattr("dpcompile.inspect.shutil.which", lambda name: None)
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
-    with pytest.raises(dpcompile.DpCompileError, match="graphviz.*matplotlib"):
-        dpcompile.draw(_dp(MLP()), tmp_path / "graph.svg")
-
-
-def test_diff_shows_the_inserted_communication():
-    """The unified diff removes the single-device call and adds scatter, per-device calls and gather."""
-    model = MLP()
-    pm = _dp(model)
-    text = dpcompile.diff(model, pm)
-    assert text.startswith("--- MLP (traced)\n+++ ")
-    assert "-    fc1 = self.fc1(x)" in text
-    assert "+    x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu'], 0)" in text
-    assert "+    fc2 = dpcompile_runtime_gather(" in text
 
 
 class Scaled(nn.Module):

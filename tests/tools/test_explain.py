@@ -6,9 +6,14 @@ import json
 
 import pytest
 import torch
+import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import dpcompile
+from dpcompile.analysis.cost import comm_elements
+from dpcompile.infra import stamp_comm
 from dpcompile.inspect import Report
 from tests.models import MLP, BNNet
 
@@ -221,3 +226,48 @@ def test_explain_without_inputs_shows_unknown_totals_not_zero():
     text = str(dpcompile.explain(_dp(MLP())))
     assert "collectives: forward ?, backward ?, total ? elements per device" in text
     assert "collectives: forward 0" not in text
+
+
+def _collectives_program(n: int) -> fx.GraphModule:
+    """x[8x4] → all-reduce (own value, S=32) → all-gather (own value, S=128) → reduce-scatter (its input, S=128)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    reduced = stamp_comm(graph.call_function(torch.mul, (x, 1)), "all_reduce")
+    gathered = stamp_comm(graph.call_function(torch.cat, ([reduced] * n,)), "all_gather", backward="reduce_scatter")
+    scattered = stamp_comm(graph.call_function(torch.narrow, (gathered, 0, 0, 8)), "reduce_scatter", backward="all_gather")
+    graph.output(scattered)
+    gm = fx.GraphModule(nn.Module(), graph)
+    gm.devices = ["cpu"] * n
+    return gm
+
+
+def _static_elements(gm: fx.GraphModule, x: torch.Tensor, n: int) -> dict[str, tuple[float, float] | None]:
+    """cost.comm_elements per communication node, from the shapes FakeTensorProp records."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(mode.from_tensor(x))
+    return {node.name: comm_elements(node, n) for node in gm.graph.nodes if "dpcompile_comm" in node.meta}
+
+
+def test_explain_and_cost_share_one_comm_size_rule_on_ring_formulas():
+    """all-reduce 2(N-1)/N*S, all-gather and reduce-scatter (N-1)/N*S: explain, cost and hand arithmetic agree."""
+    n, x = 4, torch.randn(8, 4)
+    gm = _collectives_program(n)
+    report = dpcompile.explain(gm, x)
+    by_hand = {
+        "mul": (2 * (n - 1) / n * 32, 0.0),
+        "cat": ((n - 1) / n * 128, (n - 1) / n * 128),
+        "narrow": ((n - 1) / n * 128, (n - 1) / n * 128),
+    }
+    assert {c.name: (c.forward, c.backward) for c in report.collectives} == by_hand
+    assert {c.name: c.elements for c in report.collectives} == {"mul": 32, "cat": 128, "narrow": 128}
+    assert _static_elements(gm, x, n) == by_hand
+    assert report.comm_elements_forward == 48 + 96 + 96 and report.comm_elements_backward == 96 + 96
+
+
+@pytest.mark.parametrize("model", [BNNet, MLP], ids=["bnnet", "mlp"])
+def test_explain_and_cost_agree_on_every_data_parallel_collective(model):
+    """Replication, scatter, the BatchNorm sync and gather: explain's figures are cost's rule on recorded shapes."""
+    n, x = 3, torch.randn(10, 8)
+    pm = _dp(model(), n)
+    report = dpcompile.explain(pm, x)
+    assert {c.name: (c.forward, c.backward) for c in report.collectives} == _static_elements(pm, x, n)

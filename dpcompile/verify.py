@@ -420,13 +420,13 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     >>> bool(check_layout(pm, model, 8, torch.randn(16, 4)))
     True
     """
-    from dpcompile.inspect import _Recorder, slot_of, user_source
+    from dpcompile.inspect import Recorder, slot_of, user_source
 
     devices = fake_devices_of(fake_devices)
     label = f"fake {len(devices)}-device layout"
     checked = {"fake devices": len(devices)}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    batch = pm.batch_size(tuple(args), dict(kwargs)) if getattr(pm, "_split_inputs", None) else None
+    batch = pm.batch_size(tuple(args), dict(kwargs))
     # Autograd on fake CUDA tensors aborts the process on a torch built without CUDA, so the
     # backward pass is only checked where the devices really exist.
     backward = torch.cuda.is_available() and torch.cuda.device_count() >= len(devices)
@@ -454,7 +454,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
                 mode.from_tensor(x.detach()).to(devices.primary) if isinstance(x, torch.Tensor) else x
                 for x in bind_inputs(program, args, kwargs)
             ]
-            recorder = _Recorder(program, None)
+            recorder = Recorder(program, None)
             output = recorder.run(*inputs)
             loss = None
             for _, t in tensor_leaves(output) if backward else []:

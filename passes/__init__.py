@@ -29,7 +29,7 @@ class PipelineOptions:
     input_dims: dict[str, int | None] = field(default_factory=dict)
     output_device: torch.device | None = None
     copy_replicas: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, str] = field(default_factory=dict)  # tensor parallel: {module path: style} to apply
 
 
 def frontend_pipeline(options: PipelineOptions) -> list[Pass]:

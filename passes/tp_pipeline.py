@@ -2,7 +2,7 @@
 
     capture ─► hoist_flatten_parameters ─► shard_linear ─► expand_shards
 
-``options.extra["plan"]`` is the ``{module path: style}`` dict to apply (already chosen by
+``options.plan`` is the ``{module path: style}`` dict to apply (already chosen by
 ``dpcompile.tensor_parallel`` for ``tensor_parallel=True``). The SPMD lowering stops after
 ``shard_linear`` and lowers its collectives to ``torch.distributed`` instead.
 """
@@ -17,7 +17,7 @@ from passes.tensor_parallel import expand_shards, shard_linear
 
 def spmd_tensor_parallel_pipeline(options) -> list[Pass]:
     """``shard_linear`` alone: the program of one shard, collectives explicit."""
-    return [functools.partial(shard_linear, plan=dict(options.extra["plan"]), devices=options.devices)]
+    return [functools.partial(shard_linear, plan=dict(options.plan), devices=options.devices)]
 
 
 def tensor_parallel_pipeline(options) -> list[Pass]:

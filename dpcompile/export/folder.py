@@ -45,7 +45,7 @@ def _tensor_keys(pm: nn.Module, constants: Mapping[str, torch.Tensor] = {}) -> t
     """Every parameter and buffer once: ``id -> file key``, ``file key -> tensor``, and
     ``name in pm -> file key``. Data parallel: the module path (the state_dict key).
     Tensor parallel: shard k of ``fc1.weight`` is ``fc1.weight.shard<k>``."""
-    from dpcompile.tensor_parallel import TensorParallelModule
+    from dpcompile.modules.tensor_parallel import TensorParallelModule
 
     rename: dict[str, str] = {}
     if isinstance(pm, TensorParallelModule):
@@ -104,31 +104,28 @@ def _used_paths(pm: nn.Module, graphs: Sequence[fx.Graph]) -> set[str]:
     return used
 
 
-def _constants(pm: nn.Module, programs: Sequence[tuple[fx.GraphModule | None, fx.Graph, fx.Graph | None]]) -> dict[str, torch.Tensor]:
+def _constants(pm: nn.Module, programs: Sequence[tuple[fx.GraphModule, fx.Graph]]) -> dict[str, torch.Tensor]:
     """Tensors a variant program holds beyond ``pm`` (the tracer's ``_tensor_constant0``):
-    renamed in the variant's graphs (which export owns) and returned, to be stored as
+    renamed in the variant's graph (a copy export owns) and returned, to be stored as
     non-persistent buffers of the root. ``pm`` itself is not touched."""
     from dpcompile.export.serialize import NotData
 
     extra: dict[str, torch.Tensor] = {}
-    for index, (owner, graph, captured) in enumerate(programs):
-        if owner is None:
-            continue
-        for g in (graph, captured):
-            for node in g.nodes if g is not None else ():
-                if node.op != "get_attr":
-                    continue
-                try:
-                    _attr(pm, node.target)
-                    continue
-                except AttributeError:
-                    pass
-                value = _attr(owner, node.target)
-                if not isinstance(value, torch.Tensor):
-                    raise NotData(f"variant program {index} reads {node.target!r}, which is not in the module")
-                name = f"_dpcompile_variant{index}_{node.target.replace('.', '_')}"
-                extra[name] = value.detach()
-                node.target = name
+    for index, (owner, graph) in enumerate(programs):
+        for node in graph.nodes:
+            if node.op != "get_attr":
+                continue
+            try:
+                _attr(pm, node.target)
+                continue
+            except AttributeError:
+                pass
+            value = _attr(owner, node.target)
+            if not isinstance(value, torch.Tensor):
+                raise NotData(f"variant program {index} reads {node.target!r}, which is not in the module")
+            name = f"_dpcompile_variant{index}_{node.target.replace('.', '_')}"
+            extra[name] = value.detach()
+            node.target = name
     return extra
 
 
@@ -152,7 +149,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     >>> sorted(p.name for p in dpcompile.export(pm, "/tmp/dp_export").iterdir())  # doctest: +SKIP
     ['manifest.json', 'module.py', 'program.json', 'weights.safetensors']
     """
-    from dpcompile.module import ParallelModule
+    from dpcompile.modules.base import ParallelModule
 
     if not isinstance(pm, ParallelModule):
         raise ValueError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
@@ -175,38 +172,57 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     return folder
 
 
-def _as_data(pm: nn.Module) -> tuple[Any, ...]:
-    """The program as data: ``(variant table, module tree, encoded graphs, tensor keys,
-    tensors, names)``; raises ``NotData`` where part of it is Python code."""
-    from dpcompile.export.loaded import collect_variants
-    from dpcompile.export.serialize import encode_graph, encode_tree
+def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[int, str], dict[str, torch.Tensor], dict[str, str]]:
+    """The program as data: ``(data section, module tree, tensor keys, tensors, names)``;
+    raises ``NotData`` where part of it is Python code."""
+    from dpcompile.export.serialize import encode_graph, encode_tree, encode_value
+    from dpcompile.export.variants import collect, encode_key, encode_recipe
+    from dpcompile.fx_utils import copy_graph
 
-    captured = getattr(pm, "_captured_graph", None)
-    programs: list[tuple[fx.GraphModule | None, fx.Graph, fx.Graph | None]] = [(None, pm.graph, captured)]
-    used = _used_paths(pm, [pm.graph] + ([captured] if captured is not None else []))
-    table, extra = collect_variants(pm, used)
-    programs += [(gm, gm.graph, c) for gm, c in extra]
-    constants = _constants(pm, programs)
-    used |= _used_paths(pm, [g for _, graph, c in programs for g in (graph, c) if g is not None])
+    captured = pm.captured.graph if getattr(pm, "captured", None) is not None else None
+    programs, traces = collect(pm)
+    # copies: renaming a variant's own tensors (below) must not touch the module's cached programs
+    programs = [(key, None if p is None else (p, copy_graph(p.graph))) for key, p in programs]
+    traces = [(key, None if gm is None else (gm, copy_graph(gm.graph))) for key, gm in traces]
+    owned = [pair for _, pair in programs + traces if pair is not None]
+    constants = _constants(pm, owned)
+    used = _used_paths(pm, [pm.graph, *([captured] if captured is not None else []), *(g for _, g in owned)])
     keys, tensors, names = _tensor_keys(pm, constants)
     root = pm.__dict__.get("root")
     outside = {"root": root} if isinstance(root, nn.Module) and "root" not in pm._modules else {}
     tree = encode_tree(pm, used, keys, outside, constants)
-    encoded = [(encode_graph(graph), encode_graph(c) if c is not None else None) for _, graph, c in programs]
-    return table, tree, encoded, keys, tensors, names
+    main = pm.program_cache.main_key.portable()
+    labels = _labels([key for key, pair in programs if pair is not None])
+    data = {
+        "recipe": encode_recipe(pm.recipe),
+        "main_key": encode_key(main),
+        "signature": {
+            "optional": [[p, n] for p, n in pm._signature.optional],
+            "flags": [[p, n, encode_value(d)] for p, n, d in pm._signature.flags],
+        },
+        "graph": encode_graph(pm.graph),
+        "captured": None if captured is None else encode_graph(captured),
+        "variants": [
+            {"label": labels.get(key), "key": encode_key(key), "graph": None if pair is None else encode_graph(pair[1])}
+            for key, pair in programs
+        ],
+        "traces": [{"key": encode_key(key), "graph": None if pair is None else encode_graph(pair[1])} for key, pair in traces],
+    }
+    return data, tree, keys, tensors, names
 
 
 def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
     """``(program.json's content, files to write beside it, tensors by file key)``."""
     import dpcompile
-    from dpcompile.export.serialize import NotData, decode_graph
-    from dpcompile.tensor_parallel import TensorParallelModule
+    from dpcompile.export.build import readable_programs
+    from dpcompile.export.serialize import NotData
+    from dpcompile.modules.tensor_parallel import TensorParallelModule
 
     strings = _strings(pm.devices)
     class_name = _class_name(pm)
     pickled_reason = None
     try:
-        table, tree, encoded, keys, tensors, names = _as_data(pm)
+        data, tree, keys, tensors, names = _as_data(pm)
     except NotData as e:
         pickled_reason = str(e)
         log.warning("export: %s; writing program.pkl, which dpcompile.load reads only with trust_code=True", e)
@@ -226,6 +242,7 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
             "param_shards": {k: {"dim": s.dim, "sizes": list(s.sizes), "names": list(n)} for k, (s, n) in pm.param_shards.items()},
             "plan_reasons": dict(pm.plan_reasons),
             "comm_cost": None if cost is None else [float(cost.forward), float(cost.backward)],
+            "captured_code": str(getattr(pm, "captured_code", "")),
         }
     program: dict[str, Any] = {
         "format": PROGRAM_FORMAT,
@@ -249,17 +266,13 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
             for key, t in tensors.items()
         },
         "modules": None,
-        "programs": None,
-        "variants": None,
+        "data": None,
     }
     if pickled_reason is None:
-        labels = _labels(table, len(encoded))
         program["modules"] = tree
-        program["programs"] = [{"label": labels[i], "graph": g, "captured": c} for i, (g, c) in enumerate(encoded)]
-        program["variants"] = table.to_json()
+        program["data"] = data
         # module.py is made from what load will read, so load can regenerate it exactly
-        paths = {e["path"] for e in tree}
-        readable = [(labels[i], decode_graph(g, paths)) for i, (g, _) in enumerate(encoded)]
+        readable = readable_programs(data, {e["path"] for e in tree})
         files: dict[str, bytes] = {}
     else:
         readable = [("forward", pm.graph)]
@@ -301,16 +314,15 @@ def _write(folder: Path, program: dict[str, Any], files: dict[str, bytes], tenso
     (folder / MANIFEST_FILE).write_bytes(_canonical(manifest))
 
 
-def _labels(table: Any, count: int) -> list[str]:
-    labels = ["forward"] + [f"forward_variant{i}" for i in range(1, count)]
-    taken = set()
-    for (training, nones, flags), index in sorted(table.items(), key=lambda kv: (not kv[0][0], len(kv[0][1]), str(kv[0]))):
-        if index == 0 or index in taken:
-            continue
-        taken.add(index)
-        parts = ["train" if training else "eval", *(f"{n}_none" for n in sorted(nones)), *(f"{n}_{v}" for n, v in flags)]
+def _labels(keys: list[Any]) -> dict[Any, str]:
+    """A method name for each variant program in module.py: ``forward_eval_mask_none``."""
+    labels: dict[Any, str] = {}
+    for key in keys:
+        training = {t for _, t in key.modes}
+        mode = "train" if training == {True} else "eval" if training == {False} else "mixed"
+        parts = [mode, *(f"{n}_none" for n in sorted(key.none_args)), *(f"{n}_{v}" for n, v in key.flags)]
         label = "forward_" + "_".join(re.sub(r"\W", "_", str(p)) for p in parts)
-        labels[index] = label if label not in labels else f"{label}_{index}"
+        labels[key] = label if label not in labels.values() else f"{label}_{len(labels)}"
     return labels
 
 

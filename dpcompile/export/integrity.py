@@ -99,7 +99,7 @@ def _read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     except ValueError as e:
         raise ExportError(f"{folder / PROGRAM_FILE} cannot be read as JSON ({e})") from None
     keys = {"format", "format_version", "kind", "class_name", "dpcompile_version", "torch_version", "trust_code",
-            "pickled_because", "config", "training", "tensors", "modules", "programs", "variants"}  # fmt: skip
+            "pickled_because", "config", "training", "tensors", "modules", "data"}  # fmt: skip
     if not isinstance(program, dict) or set(program) != keys or program["format"] != PROGRAM_FORMAT:
         raise ExportError(f"{folder / PROGRAM_FILE} is not a dpcompile program of this version; re-export")
     if program["format_version"] != FORMAT_VERSION or program["kind"] not in KINDS:
@@ -116,8 +116,8 @@ def _read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         raise ExportError(f"{MANIFEST_FILE} and {PROGRAM_FILE} disagree on {differ}; the folder was edited: re-export")
     if program["trust_code"] is not (program["pickled_because"] is not None):
         raise ExportError(f"{folder / PROGRAM_FILE}: trust_code and pickled_because disagree")
-    if (program["modules"] is None) is not program["trust_code"] or (program["programs"] is None) is not program["trust_code"]:
-        raise ExportError(f"{folder / PROGRAM_FILE}: a data program must carry modules and programs")
+    if (program["modules"] is None) is not program["trust_code"] or (program["data"] is None) is not program["trust_code"]:
+        raise ExportError(f"{folder / PROGRAM_FILE}: a data program must carry its modules and programs")
     tensors = program["tensors"]
     if not isinstance(tensors, dict):
         raise ExportError(f"{folder / PROGRAM_FILE}: no tensor table")

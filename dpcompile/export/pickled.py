@@ -7,7 +7,6 @@ Tensors are not in the pickle: it refers to them by their key in ``weights.safet
 
 from __future__ import annotations
 
-import copy
 import io
 import pickle
 from pathlib import Path
@@ -45,7 +44,7 @@ def _is_fake(obj: object) -> bool:
 
 def _called_modules(pm: nn.Module) -> set[int]:
     """The modules generated code calls, with their children: their classes must be kept."""
-    graphs = [pm.graph] + ([pm._captured_graph] if getattr(pm, "_captured_graph", None) is not None else [])
+    graphs = [pm.graph] + ([pm.captured.graph] if getattr(pm, "captured", None) is not None else [])
     keep: set[int] = set()
     for graph in graphs:
         for node in graph.nodes:
@@ -137,7 +136,7 @@ def restore(path: Path, tensors: dict[str, torch.Tensor], program: dict[str, Any
         ) from e
     except Exception as e:
         raise ExportError(f"cannot rebuild the program from {path}: {type(e).__name__}: {e}") from e
-    from dpcompile.module import ParallelModule
+    from dpcompile.modules.base import ParallelModule
 
     if not isinstance(pm, ParallelModule):
         raise ExportError(f"{path} holds a {type(pm).__name__}, not a ParallelModule")
@@ -146,16 +145,8 @@ def restore(path: Path, tensors: dict[str, torch.Tensor], program: dict[str, Any
         return pm
     out = str(pm.output_device)
     output_device = target[recorded.index(out)] if out in recorded and recorded.index(out) < len(target) else target.primary
-    if pm.mode == "data_parallel" and pm._captured_graph is not None:
-        from dpcompile.api import data_parallel_lowering
-
-        lower = data_parallel_lowering(pm.input_dims, output_device)
-        lowered = lower(fx.GraphModule(pm, copy.deepcopy(pm._captured_graph), "Retargeted"), target)
-        return ParallelModule(
-            lowered, lowered.graph, devices=target, mode=pm.mode, input_dims=pm.input_dims,
-            output_device=output_device, plan=pm.plan, captured_graph=pm._captured_graph, lower=lower,
-            records=pm.records, class_name=type(pm).__name__, share_all_of=pm,
-        )  # fmt: skip
+    if pm.mode == "data_parallel" and pm.captured is not None:
+        return pm.recipe.retarget(pm, target, output_device)
     _map_devices(pm.graph, _device_mapping(recorded, target))
     pm.recompile()
     pm.devices = target

@@ -12,14 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import dpcompile
 from dpcompile.analysis.graph_view import find_linear_chains, linear_groups, to_networkx
-from dpcompile.api import propagate_shapes
 from dpcompile.capture import capture
 from dpcompile.devices import Devices, parse_devices
+from dpcompile.fake import fake_devices
+from dpcompile.fx_utils import propagate_shapes
 from dpcompile.infra import run_passes
+from dpcompile.recipes import TensorParallelRecipe
 from dpcompile.runtime import collectives
 from dpcompile.runtime import tensor_parallel as tp_runtime
-from dpcompile.tensor_parallel import transform_tensor_parallel
 from passes.tensor_parallel import (
     aligned_split,
     analyze_sharding,
@@ -310,7 +312,8 @@ def test_expand_shards_places_every_op_on_one_fake_gpu(n):
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.randn(4, 32, device="cuda:0")
-        pm = transform_tensor_parallel(model, [f"cuda:{k}" for k in range(n)], plan=True, check_available=False)
+        devices = fake_devices(n)
+        pm = TensorParallelRecipe(devices=devices, output_device=devices.primary, check_available=False).compile(model, None)
         with torch.no_grad():
             out = pm(x)
     assert pm.plan == {"0": "column", "2": "row"}
@@ -518,6 +521,6 @@ def test_transform_matches_eager_when_forward_reads_shapes_of_shards():
     """Shape reads of sharded values (sharded dim or not) give eager's outputs over 2 and 3 devices."""
     model, x = ShapeReads(), torch.randn(2, 3, 16)
     for n in (2, 3):
-        pm = transform_tensor_parallel(model, ["cpu"] * n, plan=SHAPE_PLAN, example_inputs=(x,))
+        pm = dpcompile.transform(model, ["cpu"] * n, tensor_parallel=SHAPE_PLAN, example_inputs=(x,))
         assert pm.plan == SHAPE_PLAN
         torch.testing.assert_close(pm(x), model(x))

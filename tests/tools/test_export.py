@@ -21,8 +21,8 @@ from torch import nn
 
 import dpcompile
 from dpcompile.export import ExportError, register_module_class
-from dpcompile.export.loaded import LoadedParallelModule, LoadedTensorParallelModule
-from dpcompile.tensor_parallel import TensorParallelModule
+from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.tensor_parallel import TensorParallelModule
 
 REPO = Path(dpcompile.__file__).resolve().parents[1]
 
@@ -160,7 +160,7 @@ def test_export_data_parallel_loads_in_a_fresh_process(tmp_path):
     x = torch.randn(7, 8)
     out = _load_in_fresh_process(folder, tmp_path, [("eval", (x,), {}, pm(x)), ("eval", (x[:1],), {}, pm(x[:1]))],
                                  model.state_dict().keys())  # fmt: skip
-    assert out.startswith("OK LoadedParallelModule 2")
+    assert out.startswith("OK ParallelModule 2")
 
 
 def test_export_tensor_parallel_loads_in_a_fresh_process(tmp_path):
@@ -168,7 +168,7 @@ def test_export_tensor_parallel_loads_in_a_fresh_process(tmp_path):
     model, pm, x = _tp()
     folder = dpcompile.export(pm, tmp_path / "out")
     out = _load_in_fresh_process(folder, tmp_path, [("train", (x,), {}, pm(x))], model.state_dict().keys())
-    assert out.startswith("OK LoadedTensorParallelModule 2")
+    assert out.startswith("OK TensorParallelModule 2")
 
 
 def test_export_rnn_program_loads_in_a_fresh_process(tmp_path):
@@ -210,7 +210,7 @@ def test_load_refuses_a_call_it_carries_no_program_for(tmp_path):
     loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "out"))
     loaded.eval()
     loaded.encoder.train()
-    with pytest.raises(dpcompile.DpCompileError, match="pm.train\\(\\) or pm.eval\\(\\)"):
+    with pytest.raises(dpcompile.DpCompileError, match="mixed-mode.*not available to trace again"):
         loaded(torch.randn(4, 8))
 
 
@@ -276,7 +276,7 @@ def test_load_runs_both_values_of_a_bool_flag_and_refuses_other_flag_values(tmp_
     torch.testing.assert_close(loaded(x), model(x))
     torch.testing.assert_close(loaded(x, True), model(x, True))
     torch.testing.assert_close(loaded(x, double=True), model(x, double=True))
-    with pytest.raises(dpcompile.DpCompileError, match="traced for times in 1; the call passes times=3"):
+    with pytest.raises(dpcompile.DpCompileError, match="times=3.*not available to trace again"):
         loaded(x, True, 3)
 
 
@@ -357,8 +357,8 @@ def test_load_returns_only_the_recorded_kind(tmp_path):
     _, tp, _ = _tp()
     loaded_dp = dpcompile.load(dpcompile.export(dp, tmp_path / "dp"))
     loaded_tp = dpcompile.load(dpcompile.export(tp, tmp_path / "tp"))
-    assert isinstance(loaded_dp, LoadedParallelModule) and not isinstance(loaded_dp, TensorParallelModule)
-    assert isinstance(loaded_tp, LoadedTensorParallelModule) and loaded_tp.mode == "tensor_parallel"
+    assert isinstance(loaded_dp, ParallelModule) and not isinstance(loaded_dp, TensorParallelModule)
+    assert isinstance(loaded_tp, TensorParallelModule) and loaded_tp.mode == "tensor_parallel"
 
 
 def test_load_regenerates_a_data_parallel_program_for_other_devices(tmp_path):
@@ -373,13 +373,13 @@ def test_load_regenerates_a_data_parallel_program_for_other_devices(tmp_path):
 
 def test_load_puts_a_cuda_export_on_cpu_devices(tmp_path, monkeypatch):
     """A program exported for cuda:0..3 refuses to load here without devices= and loads on ['cpu'] * 4."""
-    import dpcompile.api as api
+    import dpcompile.recipes.data_parallel as data_parallel
     from dpcompile.devices import parse_devices
 
     model = Model().eval()
-    monkeypatch.setattr(api, "_move_to", lambda module, device: None)  # no CUDA here: keep the weights on the CPU
+    monkeypatch.setattr(data_parallel, "move_to", lambda module, device: None)  # no CUDA here: keep the weights on the CPU
     devices = parse_devices([f"cuda:{k}" for k in range(4)], check_available=False)
-    pm = api._transform_data_parallel(model, devices, None, None, devices.primary, (), False)
+    pm = data_parallel.DataParallelRecipe(devices=devices, output_device=devices.primary).compile(model, None)
     assert "'cuda:3'" in pm.code
     folder = dpcompile.export(pm, tmp_path / "out")
     if not torch.cuda.is_available():
@@ -549,7 +549,7 @@ def exported(tmp_path):
 
 
 def _node(program, op):
-    return next(n for n in program["programs"][0]["graph"]["nodes"] if n["op"] == op)
+    return next(n for n in program["data"]["graph"]["nodes"] if n["op"] == op)
 
 
 @pytest.mark.parametrize("target", ["os.system", "builtins.eval", "builtins.exec", "torch.load", "subprocess.call",
@@ -622,8 +622,8 @@ def test_tampered_program_json_node_shadowing_a_global_is_refused(exported, name
         node = _node(program, "call_function")
         old = node["name"]
         node["name"] = name
-        text = json.dumps(program["programs"][0]["graph"]).replace(json.dumps({"node": old}), json.dumps({"node": name}))
-        program["programs"][0]["graph"] = json.loads(text)
+        text = json.dumps(program["data"]["graph"]).replace(json.dumps({"node": old}), json.dumps({"node": name}))
+        program["data"]["graph"] = json.loads(text)
 
     _edit_program(folder, rename)
     with pytest.raises(ExportError, match="shadow|taken|module.py is not the program"):
@@ -658,7 +658,7 @@ def test_tampered_manifest_smuggling_a_pickle_is_refused(exported):
     (folder / "program.pkl").write_bytes(pickle.dumps(_Payload(marker)))
 
     def ask_for_pickle(program):
-        program.update(trust_code=True, pickled_because="x", modules=None, programs=None, variants=None)
+        program.update(trust_code=True, pickled_because="x", modules=None, data=None)
 
     program = json.loads((folder / "program.json").read_text())
     ask_for_pickle(program)

@@ -170,7 +170,25 @@ def _runtime(module_name: str, name: str) -> Any:
     return obj if owner.startswith("dpcompile.runtime") or obj is getattr(module, "TAKE_FIRST", None) else None
 
 
+def _aten(qualname: str) -> Any:
+    """``torch.ops.aten.<op>.<overload>`` (the torch.export frontend's ops), from torch's own
+    registry; ops that read or write files are not ops here."""
+    parts = qualname.split(".")
+    if len(parts) != 5 or not all(p.isidentifier() and not p.startswith("__") for p in parts[3:]):
+        return None
+    op, overload = parts[3], parts[4]
+    if "file" in op or op.lstrip("_") in _TORCH_DENIED:
+        return None
+    try:
+        obj = getattr(getattr(torch.ops.aten, op), overload)
+    except (AttributeError, RuntimeError):
+        return None
+    return obj if isinstance(obj, torch._ops.OpOverload) else None
+
+
 def _lookup(qualname: str) -> Any:
+    if qualname.startswith("torch.ops.aten."):
+        return _aten(qualname)
     namespace, _, name = qualname.rpartition(".")
     if not name or name.startswith("__"):
         return None

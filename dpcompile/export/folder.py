@@ -111,6 +111,7 @@ def _constants(pm: nn.Module, programs: Sequence[tuple[fx.GraphModule, fx.Graph]
     from dpcompile.export.serialize import NotData
 
     extra: dict[str, torch.Tensor] = {}
+    named: dict[int, str] = {}
     for index, (owner, graph) in enumerate(programs):
         for node in graph.nodes:
             if node.op != "get_attr":
@@ -123,9 +124,10 @@ def _constants(pm: nn.Module, programs: Sequence[tuple[fx.GraphModule, fx.Graph]
             value = _attr(owner, node.target)
             if not isinstance(value, torch.Tensor):
                 raise NotData(f"variant program {index} reads {node.target!r}, which is not in the module")
-            name = f"_dpcompile_variant{index}_{node.target.replace('.', '_')}"
-            extra[name] = value.detach()
-            node.target = name
+            if id(value) not in named:  # a program and its trace hold the same tensor: stored once
+                named[id(value)] = f"_dpcompile_variant{index}_{node.target.replace('.', '_')}"
+                extra[named[id(value)]] = value
+            node.target = named[id(value)]
     return extra
 
 
@@ -393,7 +395,10 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> 
         if _strings(pm.devices) == recorded and source.encode() != (folder / MODULE_FILE).read_bytes():
             raise ExportError(f"{folder / MODULE_FILE} is not the program in {PICKLE_FILE}; the folder was edited: re-export")
     else:
-        pm = build(folder, program, tensors, target)
+        try:
+            pm = build(folder, program, tensors, target)
+        except RecursionError:
+            raise ExportError(f"{folder / PROGRAM_FILE} nests values too deeply to be a program") from None
     expected = _expected_class(program["kind"])
     if not isinstance(pm, expected) or pm.mode != program["kind"]:
         raise ExportError(f"{folder} did not rebuild as a {expected.__name__}")

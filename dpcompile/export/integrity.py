@@ -96,7 +96,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 def _read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     try:
         program = json.loads((folder / PROGRAM_FILE).read_bytes())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ExportError(f"{folder / PROGRAM_FILE} cannot be read as JSON ({e})") from None
     keys = {"format", "format_version", "kind", "class_name", "dpcompile_version", "torch_version", "trust_code",
             "pickled_because", "config", "training", "tensors", "modules", "data"}  # fmt: skip

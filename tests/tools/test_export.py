@@ -293,6 +293,47 @@ def test_load_tensor_parallel_honours_eval_and_none_arguments(tmp_path):
     assert not torch.equal(loaded(x), loaded(x))
 
 
+class Constants(nn.Module):
+    """Tensors made in forward become the tracer's constants, in the main program and the variants."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        h = self.fc(x) * torch.tensor([1.0, 2.0, 3.0, 4.0])
+        if mask is not None:
+            h = h + mask * torch.tensor([0.5, 0.5, 0.5, 0.5])
+        return F.dropout(h, 0.5, self.training)
+
+
+def test_export_carries_tensor_constants_of_every_variant(tmp_path):
+    """Constants a variant program holds are stored once each and read by the loaded variants."""
+    model = Constants()
+    folder = dpcompile.export(dpcompile.transform(model, ["cpu", "cpu"]), tmp_path / "out")
+    assert any(k.startswith("_dpcompile_variant") for k in load_file(folder / "weights.safetensors"))
+    loaded = dpcompile.load(folder).eval()
+    model.eval()
+    x, mask = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(loaded(x), model(x))
+    torch.testing.assert_close(loaded(x, mask), model(x, mask))
+    torch.testing.assert_close(loaded(x[:1], mask[:1]), model(x[:1], mask[:1]))
+    assert "_tensor_constant" not in set(model.state_dict()) and set(loaded.state_dict()) == set(model.state_dict())
+
+
+def test_allowlist_resolves_torch_ops_and_refuses_the_rest():
+    """Qualified names resolve to torch ops (ATen overloads included); file and global-state functions do not."""
+    from dpcompile.export.allowlist import NotAllowed, qualified_name, resolve_target
+
+    for op in (torch.relu, F.dropout, torch._C._nn.linear, torch.ops.aten.add.Tensor, torch.Tensor.add):
+        assert resolve_target(qualified_name(op)) is op
+    for name in ("torch.load", "torch.save", "torch.from_file", "torch.ops.aten.from_file.default", "torch.manual_seed",
+                 "os.system", "builtins.eval", "builtins.open", "operator.attrgetter", "torch.hub.load",
+                 "torch.Tensor.numpy", "dpcompile.runtime.distributed.all_reduce", "math.__loader__"):  # fmt: skip
+        with pytest.raises(NotAllowed):
+            resolve_target(name)
+
+
 # ---------------------------------------------------------------------------- the folder
 def test_export_writes_program_weights_module_and_manifest(tmp_path):
     """The folder holds module.py, program.json, weights.safetensors (state_dict keys, readable by
@@ -627,6 +668,19 @@ def test_tampered_program_json_node_shadowing_a_global_is_refused(exported, name
 
     _edit_program(folder, rename)
     with pytest.raises(ExportError, match="shadow|taken|module.py is not the program"):
+        dpcompile.load(folder)
+
+
+def test_tampered_program_json_nested_too_deep_is_refused(exported):
+    """A value nested beyond the recursion limit is an ExportError, not a crash."""
+    folder, _ = exported
+
+    program = json.loads((folder / "program.json").read_text())
+    _node(program, "call_function")["args"] = "NESTED"
+    deep = '{"tuple": [' * 100_000 + "0" + "]}" * 100_000
+    (folder / "program.json").write_text(json.dumps(program).replace('"NESTED"', deep))
+    _rehash(folder)
+    with pytest.raises(ExportError):
         dpcompile.load(folder)
 
 

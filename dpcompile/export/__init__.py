@@ -23,7 +23,7 @@ the folder records, on the exported devices or others (data parallel: any number
 >>> again = dpcompile.load(folder)  # doctest: +SKIP
 """
 
-from dpcompile.export.allowlist import register_module_class
+from dpcompile.export.allowlist import register_module_class, register_output_type
 from dpcompile.export.common import FORMAT, FORMAT_VERSION, ExportError
 from dpcompile.export.folder import export, load
 from dpcompile.export.integrity import read_manifest
@@ -38,4 +38,5 @@ __all__ = [
     "load",
     "read_manifest",
     "register_module_class",
+    "register_output_type",
 ]

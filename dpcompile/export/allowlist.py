@@ -42,6 +42,7 @@ __all__ = [
     "class_name",
     "qualified_name",
     "register_module_class",
+    "register_output_type",
     "resolve_class",
     "resolve_target",
     "safe_attribute",
@@ -83,6 +84,7 @@ _RUNTIME_MODULES = (
 _METHODS_DENIED = frozenset({"numpy", "tofile", "storage", "untyped_storage", "share_memory_", "register_hook"})
 
 _registered: dict[str, type[nn.Module]] = {}
+_outputs: dict[str, type] = {}
 
 
 def register_module_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -102,6 +104,22 @@ def register_module_class(cls: type[nn.Module]) -> type[nn.Module]:
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"register_module_class needs an nn.Module subclass, got {cls!r}")
     _registered[class_name(cls)] = cls
+    return cls
+
+
+def register_output_type(cls: type) -> type:
+    """Let exported programs build ``cls``, a namedtuple or dataclass the model returns
+    (usable as a decorator). Register it in the exporting and the loading process; the
+    class installed where you load is the one called, never code from the folder.
+
+    >>> import collections
+    >>> Pair = register_output_type(collections.namedtuple("Pair", "a b"))
+    """
+    import dataclasses
+
+    if not (isinstance(cls, type) and (issubclass(cls, tuple) and hasattr(cls, "_fields") or dataclasses.is_dataclass(cls))):
+        raise TypeError(f"register_output_type needs a namedtuple or dataclass class, got {cls!r}")
+    _outputs[class_name(cls)] = cls
     return cls
 
 
@@ -187,6 +205,8 @@ def _aten(qualname: str) -> Any:
 
 
 def _lookup(qualname: str) -> Any:
+    if qualname in _outputs:
+        return _outputs[qualname]
     if qualname.startswith("torch.ops.aten."):
         return _aten(qualname)
     namespace, _, name = qualname.rpartition(".")
@@ -243,6 +263,8 @@ def qualified_name(target: Any) -> str | None:
     except Exception:  # noqa: BLE001 - a callable fx cannot name
         pass
     module, name = getattr(target, "__module__", None), getattr(target, "__name__", None)
+    if isinstance(target, type):
+        names.append(class_name(target))
     if name:
         names += [f"{module}.{name}"] if module else []
         names += [f"torch.{name}", f"torch.nn.functional.{name}", f"torch._C._nn.{name}", f"builtins.{name}"]

@@ -377,7 +377,8 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> 
             f"{folder} holds a program that is not plain data ({program['pickled_because']}), so it was exported "
             f"as a pickle ({PICKLE_FILE}), and unpickling runs code from the folder. Load it with "
             "dpcompile.load(path, trust_code=True) only if you trust who made it; or make the class a torch.nn "
-            "class or register it (from dpcompile.export import register_module_class) in both processes, and export again"
+            "class or register it in both processes (from dpcompile.export import register_module_class, or "
+            "register_output_type for a namedtuple or dataclass the model returns), and export again"
         )
     target = _target_devices(recorded, devices)
     if program["kind"] != "data_parallel" and len(target) != len(recorded):

@@ -167,7 +167,9 @@ def encode_graph(graph: fx.Graph) -> dict[str, Any]:
         if node.op == "call_function":
             target = qualified_name(node.target)
             if target is None:
-                raise NotData(f"a call of {getattr(node.target, '__module__', '?')}.{getattr(node.target, '__qualname__', node.target)!s}, which is not an allowlisted op")
+                what = f"{getattr(node.target, '__module__', '?')}.{getattr(node.target, '__qualname__', node.target)!s}"
+                hint = " (a type the model returns: register_output_type)" if isinstance(node.target, type) else ""
+                raise NotData(f"a call of {what}, which is not an allowlisted op{hint}")
         elif node.op == "call_method" and not allowed_method(node.target) and not safe_attribute(node.target):
             raise NotData(f"a call of method {node.target!r}")
         else:

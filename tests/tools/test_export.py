@@ -3,6 +3,8 @@ variants (eval/train, optional arguments None) after load, and tampering that ne
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -20,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import dpcompile
-from dpcompile.export import ExportError, register_module_class
+from dpcompile.export import ExportError, register_module_class, register_output_type
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.tensor_parallel import TensorParallelModule
 
@@ -551,6 +553,43 @@ def test_export_of_a_registered_leaf_class_is_data(tmp_path):
     assert not (folder / "program.pkl").exists()
     x = torch.randn(4, 4)
     torch.testing.assert_close(dpcompile.load(folder)(x), model(x))
+
+
+Halves = collections.namedtuple("Halves", "low high")
+
+
+@dataclasses.dataclass
+class Scores:
+    logits: torch.Tensor
+    total: torch.Tensor
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return Halves(h[:, :2], h[:, 2:]), Scores(h, h.sum())
+
+
+def test_export_of_registered_output_types_is_data(tmp_path):
+    """A namedtuple and a dataclass the model returns need trust_code, unless registered: then data."""
+    model = Structured()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    folder = dpcompile.export(pm, tmp_path / "pickled")
+    with pytest.raises(ExportError, match="register_output_type"):
+        dpcompile.load(folder)
+    register_output_type(Halves)
+    register_output_type(Scores)
+    folder = dpcompile.export(pm, tmp_path / "data")
+    assert not (folder / "program.pkl").exists()
+    x = torch.randn(4, 4)
+    (low, high), scores = dpcompile.load(folder)(x)
+    (want_low, want_high), want = model(x)
+    torch.testing.assert_close(low, want_low)
+    torch.testing.assert_close(scores.total, want.total)
 
 
 # --------------------------------------------------------------------------- tampering

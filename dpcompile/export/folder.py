@@ -177,10 +177,13 @@ def export(pm: nn.Module, path: str | Path) -> Path:
 def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[int, str], dict[str, torch.Tensor], dict[str, str]]:
     """The program as data: ``(data section, module tree, tensor keys, tensors, names)``;
     raises ``NotData`` where part of it is Python code."""
-    from dpcompile.export.serialize import encode_graph, encode_tree, encode_value
+    from dpcompile.export.serialize import NotData, encode_graph, encode_tree, encode_value
     from dpcompile.export.variants import collect, encode_key, encode_recipe
     from dpcompile.fx_utils import copy_graph
 
+    model = pm.__dict__.get("traced_model")
+    if getattr(pm, "_shares_source", False) and model is not None and (model._forward_hooks or model._forward_pre_hooks):
+        raise NotData(f"the model ({type(model).__name__}) has forward hooks on itself, which run around the program (Python code)")
     captured = pm.captured.graph if getattr(pm, "captured", None) is not None else None
     programs, traces = collect(pm)
     # copies: renaming a variant's own tensors (below) must not touch the module's cached programs

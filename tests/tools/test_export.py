@@ -216,6 +216,15 @@ def test_load_refuses_a_call_it_carries_no_program_for(tmp_path):
         loaded(torch.randn(4, 8))
 
 
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
 class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -529,6 +538,16 @@ def test_export_of_a_user_leaf_class_needs_trust_code_to_load(tmp_path):
         dpcompile.load(folder)
     x = torch.randn(4, 4)
     torch.testing.assert_close(dpcompile.load(folder, trust_code=True)(x), model(x))
+
+
+def test_export_of_a_model_with_root_hooks_needs_trust_code(tmp_path):
+    """A forward hook on the model runs around the program (Python code): the folder needs trust_code."""
+    model = MLP()
+    model.register_forward_hook(lambda module, args, out: out * 2)
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    folder = dpcompile.export(pm, tmp_path / "out")
+    with pytest.raises(ExportError, match="forward hooks"):
+        dpcompile.load(folder)
 
 
 def test_export_of_a_registered_leaf_class_is_data(tmp_path):

@@ -128,3 +128,22 @@ class SeqEncoder(nn.Module):
     def forward(self, tokens):
         out, (h, c) = self.rnn(self.emb(tokens))
         return self.head(out[-1]), h
+
+
+class Departures(nn.Module):
+    """A forward that departs on what it reads as Python: its mode (dropout with
+    ``self.training``), an optional argument (``if scale is not None``) and a flag (``if double``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x, scale=None, double: bool = False):
+        h = F.dropout(F.gelu(self.fc1(x)), 0.5, self.training)
+        y = self.fc2(h)
+        if scale is not None:
+            y = y * scale
+        if double:
+            y = y * 2
+        return y

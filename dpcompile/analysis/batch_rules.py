@@ -74,6 +74,16 @@ class RuleContext:
         return self.ndim(self.node)
 
 
+def batch_first(module: nn.Module) -> bool:
+    """``batch_first`` of an RNN, attention or transformer layer (which keep it in ``self_attn``)."""
+    if isinstance(module, nn.TransformerEncoder):
+        module = module.layers[0]
+    if hasattr(module, "batch_first"):
+        return bool(module.batch_first)
+    attention = getattr(module, "self_attn", None)
+    return bool(getattr(attention, "batch_first", False))
+
+
 def node_shape(node: fx.Node) -> tuple[int, ...] | None:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
@@ -664,8 +674,6 @@ def multihead_attention(ctx: RuleContext) -> Placement | None:
 
 
 def transformer_layer(ctx: RuleContext) -> Placement | None:
-    from dpcompile.analysis.batch_dims import batch_first
-
     batch_dim = 0 if batch_first(ctx.module) else 1
     x = ctx.tensor_arg()
     p = ctx.p(x)

@@ -256,7 +256,9 @@ class ParallelModule(fx.GraphModule):
         classes, an unimportable class) could not trace: the other mode, and every variant met
         so far (optional arguments left None, flags, smaller batches); None: the main program."""
         if self.__dict__.get("traced_model") is None:
-            return [(key.portable(), None if p is None else copy_graph(p.graph)) for key, p in self.program_cache.items()]
+            built = [(key.portable(), None if p is None else copy_graph(p.graph)) for key, p in self.program_cache.items()]
+            carried = getattr(self.program_cache.build, "programs", {})  # a restored program's own
+            return [*carried.items(), *built]
         main = self.program_cache.main_key
         other_mode = CallKey(main.devices, tuple((path, not t) for path, t in main.modes), main.none_args, main.flags, main.guard)
         built = dict(self.program_cache.items())

@@ -462,8 +462,8 @@ def _transform_tensor_parallel(
 ) -> SpmdModule:
     import passes
     from dpcompile.api import propagate_shapes
+    from passes import spmd_tensor_parallel_pipeline
     from passes.collectives import lower_to_collectives
-    from passes.tp_pipeline import spmd_tensor_parallel_pipeline
 
     tp_size = mesh.size(mesh.mesh_dim_names.index(tp_dim)) if isinstance(tp_dim, str) else mesh.size(0)
     tp_rank = mesh.get_local_rank(tp_dim) if isinstance(tp_dim, str) else mesh.get_local_rank(0)
@@ -580,7 +580,7 @@ def _plan_for(
     """``(styles, reasons)``: the explicit plan checked against ``model`` (as in single-process
     mode: a Linear forward never calls stays whole, with the reason), or the automatic plan."""
     if isinstance(plan, Mapping):
-        from passes.tensor_parallel import check_plan, find_linear_sites
+        from dpcompile.analysis.sharding import check_plan, find_linear_sites
 
         sites = find_linear_sites(gm)
         check_plan(model if model is not None else gm, plan, extra_linears=sites)

@@ -283,9 +283,9 @@ def transform_tensor_parallel(
     ``cuda:0..7`` tensors under ``FakeTensorMode`` check a program's placement).
     """
     import passes
+    from dpcompile.analysis.sharding import check_plan, find_linear_sites, linear_paths
     from dpcompile.api import propagate_shapes
-    from passes.tensor_parallel import check_plan, find_linear_sites, linear_paths
-    from passes.tp_pipeline import tensor_parallel_pipeline
+    from passes import tensor_parallel_pipeline
 
     devices = parse_devices(devices, check_available=check_available)
     if output_device is None:
@@ -397,7 +397,7 @@ def plan_total(gm: fx.GraphModule, styles: Mapping[str, str], n: int) -> tuple[f
     The score is the elements per device (forward + backward), plus a large penalty for each
     layer the plan wanted sharded that had to stay whole.
     """
-    from passes.tensor_parallel import resolve_plan
+    from dpcompile.analysis.sharding import resolve_plan
 
     resolved = resolve_plan(gm, plan=styles, n=n, strict=False)
     demoted = sum(1 for p, s in styles.items() if s != "replicate" and resolved.styles.get(p) == "replicate")
@@ -413,7 +413,7 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
     a layer that feeds another through transparent ops, row for the one it feeds).
     """
     from dpcompile.analysis.graph_view import find_linear_chains, linear_groups
-    from passes.tensor_parallel import check_divisible, find_linear_sites, is_shard_transparent
+    from dpcompile.analysis.sharding import check_divisible, find_linear_sites, is_shard_transparent
 
     sites = find_linear_sites(gm)
     modules = dict(gm.named_modules())

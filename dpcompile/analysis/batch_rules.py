@@ -19,6 +19,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from dpcompile.analysis import ops
+from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES, TENSOR_ATTRIBUTES
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
@@ -375,7 +377,6 @@ def is_container_access(node: fx.Node) -> bool:
     )
 
 
-TENSOR_ATTRIBUTES = {"dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "shape", "T", "mT", "data", "grad"}
 
 
 def _index_tensor(ctx: RuleContext, p: Split, index: Any) -> Placement | None:
@@ -510,29 +511,6 @@ def reduction(kind: str | None) -> Rule:
         return Split(p.dim - shift)
 
     return rule
-
-
-LOSS_FUNCTIONS: dict[Callable, str] = {
-    F.mse_loss: "elementwise",
-    F.l1_loss: "elementwise",
-    F.smooth_l1_loss: "elementwise",
-    F.huber_loss: "elementwise",
-    F.binary_cross_entropy: "elementwise",
-    F.binary_cross_entropy_with_logits: "elementwise",
-    F.cross_entropy: "class",
-    F.nll_loss: "class",
-}
-
-LOSS_MODULES: dict[type[nn.Module], Callable] = {
-    nn.MSELoss: F.mse_loss,
-    nn.L1Loss: F.l1_loss,
-    nn.SmoothL1Loss: F.smooth_l1_loss,
-    nn.HuberLoss: F.huber_loss,
-    nn.BCELoss: F.binary_cross_entropy,
-    nn.BCEWithLogitsLoss: F.binary_cross_entropy_with_logits,
-    nn.CrossEntropyLoss: F.cross_entropy,
-    nn.NLLLoss: F.nll_loss,
-}
 
 
 def loss_kwargs_of_module(module: nn.Module) -> dict[str, Any]:
@@ -777,55 +755,11 @@ def chunk_like(ctx: RuleContext) -> Placement | None:
 
 # ---------------------------------------------------------------------------- tables
 
-POINTWISE_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow,
-    operator.neg, operator.pos, operator.abs, operator.mod, operator.invert,
-    operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
-    operator.and_, operator.or_, operator.xor,
-    torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.neg, torch.abs,
-    torch.exp, torch.log, torch.log1p, torch.expm1, torch.sqrt, torch.rsqrt, torch.sin, torch.cos,
-    torch.tanh, torch.sigmoid, torch.relu, torch.clamp, torch.clip, torch.where, torch.erf,
-    torch.maximum, torch.minimum, torch.sign, torch.square, torch.reciprocal, torch.floor,
-    torch.ceil, torch.round, torch.masked_fill, torch.zeros_like, torch.ones_like, torch.full_like,
-    torch.empty_like, torch.rand_like, torch.randn_like, torch.lerp, torch.addcmul, torch.addcdiv,
-    torch.nan_to_num, torch.isnan, torch.isfinite, torch.logical_and, torch.logical_or,
-    torch.logical_not, torch.eq, torch.ne, torch.gt, torch.lt, torch.ge, torch.le,
-    F.relu, F.relu6, F.gelu, F.silu, F.elu, F.selu, F.celu, F.leaky_relu, F.softplus, F.softsign,
-    F.hardtanh, F.hardswish, F.hardsigmoid, F.mish, F.tanhshrink, F.logsigmoid, F.sigmoid,
-    F.tanh, F.dropout, F.alpha_dropout, F.threshold, F.glu,
-}
-
-POINTWISE_METHODS = {
-    "add", "sub", "mul", "div", "pow", "neg", "abs", "exp", "log", "log1p", "sqrt", "rsqrt",
-    "sin", "cos", "tanh", "sigmoid", "relu", "clamp", "clip", "float", "double", "half",
-    "bfloat16", "int", "long", "bool", "type_as", "contiguous", "clone", "detach", "masked_fill",
-    "add_", "sub_", "mul_", "div_", "relu_", "sigmoid_", "tanh_", "clamp_", "masked_fill_",
-    "zero_", "fill_", "exp_", "neg_", "pow_", "sqrt_", "square", "reciprocal", "sign",
-    "floor", "ceil", "round", "eq", "ne", "gt", "lt", "ge", "le", "logical_not", "isnan",
-    "maximum", "minimum", "where", "lerp", "nan_to_num", "requires_grad_", "detach_",
-    "new_zeros_like", "expand_as", "softplus", "erf", "masked_scatter",
-}
-
-PER_SAMPLE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
-    nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.GroupNorm, nn.InstanceNorm1d,
-    nn.InstanceNorm2d, nn.InstanceNorm3d, nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle,
-    nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
-    nn.LocalResponseNorm, nn.Dropout2d, nn.Dropout3d, nn.Dropout1d, nn.PReLU,
-)
-
-POINTWISE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.ELU, nn.SELU, nn.CELU, nn.LeakyReLU, nn.Tanh,
-    nn.Sigmoid, nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Mish,
-    nn.Identity, nn.Dropout, nn.AlphaDropout, nn.Tanhshrink, nn.LogSigmoid, nn.Threshold,
-    nn.GLU,
-)
-
-LAST_DIM_MODULES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.RMSNorm)
-
-BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+POINTWISE_FUNCTIONS = ops.POINTWISE.functions
+POINTWISE_METHODS = ops.POINTWISE.methods
+POINTWISE_MODULES = ops.UNARY.modules
+PER_SAMPLE_MODULES = ops.PER_SAMPLE.modules + ops.INSTANCE_NORMS
+LAST_DIM_MODULES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Bilinear, *ops.LAST_DIMS.modules)
 
 
 def module_rule(module: nn.Module) -> Rule | None:

@@ -27,12 +27,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from dpcompile.analysis import ops
 from dpcompile.analysis.cost import CommEstimate
 from dpcompile.analysis.placement import REPLICATED, Replicated
 from dpcompile.analysis.sharding_rules import (
     COPIED,
     NOT_TENSOR,
-    SHAPE_ATTRS,
     Copied,
     Layout,
     NeedsWhole,
@@ -277,12 +277,12 @@ class _Analyzer:
             return REPLICATED
         if node.op == "call_method" and node.target in ("size", "dim"):
             return NOT_TENSOR
-        if node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in SHAPE_ATTRS:
+        if node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in ops.SHARD_METADATA_ATTRIBUTES:
             return NOT_TENSOR
         if node.op == "call_function" and node.target is operator.getitem and isinstance(self.layout(node.args[0]), NotTensor):
             return NOT_TENSOR
         args = flat_nodes((node.args, node.kwargs))
-        if node.op == "call_function" and node.target in (operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.pow, operator.mod, operator.neg) and args and all(
+        if node.op == "call_function" and node.target in ops.PYTHON_ARITHMETIC and args and all(
             isinstance(self.layout(a), NotTensor) for a in args
         ):
             return NOT_TENSOR

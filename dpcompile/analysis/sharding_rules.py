@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
+from dpcompile.analysis import ops
 from dpcompile.analysis.placement import Replicated
 
 
@@ -50,33 +50,6 @@ class NotTensor:
 COPIED = Copied()
 NOT_TENSOR = NotTensor()
 Layout = Sharded | Replicated | Copied | NotTensor
-
-
-# ---------------------------------------------------------------------- op tables
-_UNARY_FUNCTIONS = {
-    torch.relu, F.relu, F.relu6, F.gelu, F.silu, F.mish, F.hardswish, F.elu, F.leaky_relu, F.softplus,
-    torch.tanh, torch.sigmoid, F.dropout, torch.exp, torch.neg, operator.neg, torch.erf, torch.abs,
-    torch.square, torch.sqrt, torch.rsqrt,
-}  # fmt: skip
-_UNARY_METHODS = {
-    "relu", "sigmoid", "tanh", "exp", "neg", "abs", "sqrt", "rsqrt", "square", "erf",
-    "float", "half", "bfloat16", "double", "contiguous", "clone",
-}  # fmt: skip
-_UNARY_MODULES = (
-    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish, nn.ELU, nn.LeakyReLU, nn.Softplus,
-    nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity,
-)  # fmt: skip
-_BINARY_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, torch.add, torch.sub,
-    torch.mul, torch.div, torch.where, torch.maximum, torch.minimum,
-}  # fmt: skip
-_BINARY_METHODS = {"add", "sub", "mul", "div", "pow", "masked_fill", "maximum", "minimum"}
-_SOFTMAX_FUNCTIONS = {F.softmax, torch.softmax, F.log_softmax, torch.log_softmax}
-_SOFTMAX_METHODS = {"softmax", "log_softmax"}
-_MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.bmm}
-_MATMUL_METHODS = {"matmul", "bmm"}
-_VIEW_METHODS = {"view", "reshape"}
-SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda"}
 
 
 class NeedsWhole(Exception):
@@ -160,51 +133,23 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
     op, target = node.op, node.target
     if op == "call_module":
         module = modules.get(target)
-        if isinstance(module, _UNARY_MODULES):
+        if ops.SHARD_UNARY.matches(node, modules):
             return unary(ctx, node)
-        if isinstance(module, nn.Softmax):
+        if ops.SHARD_SOFTMAX.matches(node, modules):
             return softmax(ctx, node, module.dim)
         raise NeedsWhole(f"no sharding rule for {type(module).__name__}")
-    if op == "call_function":
-        if target in _UNARY_FUNCTIONS:
-            return unary(ctx, node)
-        if target in _BINARY_FUNCTIONS:
-            return elementwise(ctx, node)
-        if target in _SOFTMAX_FUNCTIONS:
-            return softmax(ctx, node, node_arg(node, 1, "dim"))
-        if target in _MATMUL_FUNCTIONS:
-            return matmul(ctx, node)
-        if target is F.scaled_dot_product_attention:
-            return attention(ctx, node)
-        if target is torch.reshape:
-            return view(ctx, node, 1)
-        if target is torch.transpose:
-            return transpose(ctx, node)
-        if target is torch.permute:
-            return permute(ctx, node)
-        if target is getattr and len(node.args) > 1 and node.args[1] in ("dtype", "ndim"):
+    for family, rule in _RULES:
+        if family.matches(node):
+            return rule(ctx, node)
+    if op == "call_function" and target is getattr and len(node.args) > 1:
+        if node.args[1] in ("dtype", "ndim"):
             return NOT_TENSOR, []
-        if target is getattr and len(node.args) > 1 and node.args[1] == "shape":
+        if node.args[1] == "shape":
             return shape(ctx, node)
-    if op == "call_method":
-        if target in _UNARY_METHODS:
-            return unary(ctx, node)
-        if target in _BINARY_METHODS:
-            return elementwise(ctx, node)
-        if target in _SOFTMAX_METHODS:
-            return softmax(ctx, node, node_arg(node, 1, "dim"))
-        if target in _MATMUL_METHODS:
-            return matmul(ctx, node)
-        if target in _VIEW_METHODS:
-            return view(ctx, node, 1)
-        if target == "transpose":
-            return transpose(ctx, node)
-        if target == "permute":
-            return permute(ctx, node)
-        if target == "size":
-            return size(ctx, node)
-        if target == "dim":
-            return NOT_TENSOR, []
+    if op == "call_method" and target == "size":
+        return size(ctx, node)
+    if op == "call_method" and target == "dim":
+        return NOT_TENSOR, []
     raise NeedsWhole("needs the whole tensor")
 
 
@@ -376,16 +321,21 @@ def view(ctx: LayoutContext, node: fx.Node, first: int) -> tuple[Layout, list[fx
     return Sharded(j - len(out_shape), sizes, layout.origins, unit), []
 
 
+# each op family a sharded value passes through, and its rule (functions and methods)
+_RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layout, list[fx.Node]]]], ...] = (
+    (ops.SHARD_UNARY, unary),
+    (ops.SHARD_BINARY, elementwise),
+    (ops.SHARD_SOFTMAX, lambda ctx, node: softmax(ctx, node, node_arg(node, 1, "dim"))),
+    (ops.MATMUL, matmul),
+    (ops.SHARD_ATTENTION, attention),
+    (ops.VIEW, lambda ctx, node: view(ctx, node, 1)),
+    (ops.SHARD_TRANSPOSE, transpose),
+    (ops.PERMUTE, permute),
+)
+SHARD_TRANSPARENT = tuple(family for family, _ in _RULES)
+
+
 def is_shard_transparent(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
     """True for ops a sharded value can pass through (given matching shapes): element-wise,
     softmax, matmul over batch dims, attention, views, transposes."""
-    op, target = node.op, node.target
-    if op == "call_module":
-        return isinstance(modules.get(target), (*_UNARY_MODULES, nn.Softmax))
-    if op == "call_function":
-        return target in _UNARY_FUNCTIONS or target in _BINARY_FUNCTIONS or target in _SOFTMAX_FUNCTIONS or target in _MATMUL_FUNCTIONS or target in (
-            F.scaled_dot_product_attention, torch.reshape, torch.transpose, torch.permute
-        )
-    if op == "call_method":
-        return target in _UNARY_METHODS | _BINARY_METHODS | _SOFTMAX_METHODS | _MATMUL_METHODS | _VIEW_METHODS | {"transpose", "permute"}
-    return False
+    return any(family.matches(node, modules) for family in SHARD_TRANSPARENT)

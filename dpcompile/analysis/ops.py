@@ -145,10 +145,13 @@ BINARY = OpFamily.of(
 POINTWISE = UNARY | BINARY
 
 # Python arithmetic on sizes (``b * t``, ``c // heads``): a Python value when every operand is one
-PYTHON_ARITHMETIC = frozenset({
-    operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.pow, operator.mod,
-    operator.neg,
-})  # fmt: skip
+PYTHON_ARITHMETIC = OpFamily.of(
+    "Python arithmetic",
+    functions={
+        operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.pow, operator.mod,
+        operator.neg,
+    },
+)  # fmt: skip
 
 # ---------------------------------------------------------------------- along one dim
 ALONG_DIM = OpFamily.of(

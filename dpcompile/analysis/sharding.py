@@ -282,7 +282,7 @@ class _Analyzer:
         if node.op == "call_function" and node.target is operator.getitem and isinstance(self.layout(node.args[0]), NotTensor):
             return NOT_TENSOR
         args = flat_nodes((node.args, node.kwargs))
-        if node.op == "call_function" and node.target in ops.PYTHON_ARITHMETIC and args and all(
+        if node.op == "call_function" and ops.PYTHON_ARITHMETIC.matches(node) and args and all(
             isinstance(self.layout(a), NotTensor) for a in args
         ):
             return NOT_TENSOR

@@ -1,4 +1,4 @@
-"""The models of README.d/inspection.md (regenerate its outputs with make_inspection_readme.py)."""
+"""The models of docs/inspection_and_export.md (regenerate its outputs with make_inspection_doc.py)."""
 
 import torch
 from torch import nn

@@ -9,7 +9,8 @@ from dpcompile.api import transform
 from dpcompile.errors import DpCompileError, TraceError
 from dpcompile.export import export, load
 from dpcompile.inspect import Report, diff, draw, explain
-from dpcompile.module import ParallelModule
+from dpcompile.mesh import local_batch
+from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import CollectiveError
 from dpcompile.verify import VerifyResult, verify
 
@@ -27,6 +28,7 @@ __all__ = [
     "explain",
     "export",
     "load",
+    "local_batch",
     "transform",
     "verify",
     "__version__",

@@ -1,100 +1,25 @@
-"""``transform``: check arguments → capture → pipeline → ``ParallelModule``."""
+"""``transform``: validate the arguments once into a :class:`~dpcompile.recipes.Recipe`, compile.
+
+    recipe = make_recipe(model, devices, ...)    # devices parsed, options checked: once
+    pm = recipe.compile(model, example_inputs)   # capture → passes → ParallelModule
+"""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture import ROOT_LEAF, capture, flag_arguments
-from dpcompile.devices import Devices, parse_device, parse_devices
-from dpcompile.errors import TraceError
-from dpcompile.infra import run_passes
-from dpcompile.module import ParallelModule, copy_graph
-
-log = logging.getLogger("dpcompile")
+from dpcompile.devices import parse_device, parse_devices
+from dpcompile.mesh import check_mesh, is_device_mesh
+from dpcompile.modules.base import ParallelModule
+from dpcompile.recipes import DataParallelRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
+from dpcompile.recipes.base import FRONTENDS
 
 TensorParallel = bool | Mapping[str, str]
-
-
-def _is_device_mesh(devices: object) -> bool:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(devices, DeviceMesh)
-
-
-def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
-    """Record each node's shape (``node.meta['val']``) from fake copies of the example inputs.
-
-    Costs no real compute; returns False (and records nothing) where fake tensors cannot run
-    the model.
-    """
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    # inputs that are fake already (verify(..., fake_devices=)) run in their own mode
-    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        fake_inputs = [
-            mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
-            for x in example_inputs
-        ]
-        FakeTensorProp(gm, mode).propagate(*fake_inputs)
-        return True
-    except Exception as e:  # noqa: BLE001 - shapes are a refinement, not a requirement
-        log.debug("shape propagation on fake tensors failed (%s); continuing without shapes", e)
-        for node in gm.graph.nodes:
-            node.meta.pop("val", None)
-        return False
-
-
-def data_parallel_lowering(
-    input_dims: Mapping[str, int | None], output_device: torch.device | None, copy_replicas: bool = False
-) -> Callable[[fx.GraphModule, Devices], fx.GraphModule]:
-    """The function that lowers a captured graph to data-parallel code for given devices."""
-    import passes
-
-    def lower(gm: fx.GraphModule, devices: Devices, *, recompile: bool = True) -> fx.GraphModule:
-        options = passes.PipelineOptions(
-            devices=devices,
-            input_dims=dict(input_dims),
-            output_device=output_device,
-            copy_replicas=copy_replicas,
-        )
-        lowered, _ = run_passes(gm, passes.data_parallel_pipeline(options), recompile=recompile)
-        return lowered
-
-    return lower
-
-
-def _move_to(model: nn.Module, device: torch.device) -> None:
-    """``model.to(device)`` in place, skipped when everything is there already."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    if any(t.device != device for t in tensors):
-        model.to(device)
-
-
-def _check_model(model: object) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
-    return model
-
-
-def _check_batch_dim(batch_dim: object) -> int | None:
-    if batch_dim is None:
-        return None
-    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
-        raise ValueError(f"batch_dim={batch_dim!r} must be None (inferred) or a non-negative int")
-    return batch_dim
 
 
 def transform(
@@ -103,10 +28,12 @@ def transform(
     *,
     tensor_parallel: TensorParallel = False,
     example_inputs: Sequence[Any] | None = None,
+    frontend: str = "auto",
     batch_dim: int | None = None,
     output_device: Any = None,
     leaf_modules: Iterable[type[nn.Module]] = (),
     copy_replicas: bool = False,
+    ddp_options: Mapping[str, Any] | None = None,
 ) -> ParallelModule:
     """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
 
@@ -117,44 +44,92 @@ def transform(
     True
 
     ``copy_replicas=True`` gives virtual devices real replicas (as distinct GPUs get), so the
-    multi-GPU code path runs and can be tested on one device.
+    multi-GPU code path runs and can be tested on one device. ``ddp_options`` (over a mesh)
+    are passed to ``DistributedDataParallel``.
     """
-    model = _check_model(model)
-    if _is_device_mesh(devices):
-        from dpcompile.spmd import transform_spmd
+    recipe = make_recipe(
+        model,
+        devices,
+        tensor_parallel=tensor_parallel,
+        frontend=frontend,
+        batch_dim=batch_dim,
+        output_device=output_device,
+        leaf_modules=leaf_modules,
+        copy_replicas=copy_replicas,
+        ddp_options=ddp_options,
+    )
+    with _gc_paused():
+        return recipe.compile(model, _example_tuple(example_inputs))
 
-        return transform_spmd(
-            model,
-            devices,
-            tensor_parallel=tensor_parallel,
-            example_inputs=example_inputs,
-            batch_dim=batch_dim,
-            leaf_modules=leaf_modules,
-        )
+
+def make_recipe(
+    model: object,
+    devices: Any,
+    *,
+    tensor_parallel: TensorParallel = False,
+    frontend: str = "auto",
+    batch_dim: int | None = None,
+    output_device: Any = None,
+    leaf_modules: Iterable[type[nn.Module]] = (),
+    copy_replicas: bool = False,
+    ddp_options: Mapping[str, Any] | None = None,
+) -> Recipe:
+    """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
+    leaves = _check_leaf_modules(leaf_modules)
+    if frontend not in FRONTENDS:
+        raise ValueError(f"frontend={frontend!r}: expected one of {', '.join(map(repr, FRONTENDS))}")
+    plan = _check_plan_argument(tensor_parallel)
+    common = {"leaf_modules": leaves, "frontend": frontend}
+    if is_device_mesh(devices):
+        check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
+        return SpmdRecipe(**common, mesh=devices, plan=plan, ddp_options=dict(ddp_options or {}))
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)
-    batch_dim = _check_batch_dim(batch_dim)
-    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
-    if tensor_parallel is not False and tensor_parallel is not None:
-        from dpcompile.tensor_parallel import transform_tensor_parallel
+    if plan is not False:
+        return TensorParallelRecipe(**common, devices=parsed, output_device=out_device, plan=plan)
+    return DataParallelRecipe(
+        **common, devices=parsed, output_device=out_device, batch_dim=_check_batch_dim(batch_dim),
+        copy_replicas=bool(copy_replicas),
+    )  # fmt: skip
 
-        return transform_tensor_parallel(
-            model,
-            parsed,
-            plan=tensor_parallel,
-            example_inputs=example_inputs,
-            output_device=out_device,
-            leaf_modules=leaf_modules,
-        )
-    with _gc_paused():
-        return _transform_data_parallel(
-            model, parsed, example_inputs, batch_dim, out_device, tuple(leaf_modules), copy_replicas
-        )
+
+def _check_plan_argument(tensor_parallel: object) -> bool | dict[str, str]:
+    """False (data parallel), True (automatic plan) or a ``{path: style}`` dict."""
+    if tensor_parallel is None or tensor_parallel is False:
+        return False
+    if tensor_parallel is True:
+        return True
+    if isinstance(tensor_parallel, Mapping):
+        return dict(tensor_parallel)  # paths and styles are checked against the model (planning)
+    raise ValueError(f"tensor_parallel={tensor_parallel!r}: expected False, True (automatic plan) or a dict {{path: style}}")
+
+
+def _check_batch_dim(batch_dim: object) -> int | None:
+    if batch_dim is None:
+        return None
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+        raise ValueError(f"batch_dim={batch_dim!r} must be None (inferred) or a non-negative int")
+    return batch_dim
+
+
+def _check_leaf_modules(leaf_modules: Iterable[type[nn.Module]]) -> tuple[type[nn.Module], ...]:
+    leaves = tuple(leaf_modules)
+    for leaf in leaves:
+        if not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
+            raise ValueError(f"leaf_modules must hold nn.Module subclasses, got {leaf!r}")
+    return leaves
+
+
+def _example_tuple(example_inputs: Any) -> tuple | None:
+    if example_inputs is None:
+        return None
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
 @contextlib.contextmanager
-def _gc_paused():
+def _gc_paused() -> Iterator[None]:
     """Compiling allocates many small objects that all live on; collecting them midway only
     costs time (superlinear in the graph's size)."""
     enabled = gc.isenabled()
@@ -166,79 +141,4 @@ def _gc_paused():
             gc.enable()
 
 
-def _transform_data_parallel(
-    model: nn.Module,
-    devices: Devices,
-    example_inputs: Sequence[Any] | None,
-    batch_dim: int | None,
-    output_device: torch.device,
-    leaf_modules: tuple[type[nn.Module], ...],
-    copy_replicas: bool,
-) -> ParallelModule:
-    import passes
-    from dpcompile.analysis.batch_dims import infer_input_dims
-
-    gm, flags = _capture_with_flags(model, leaf_modules, example_inputs)
-    _move_to(model, devices.primary)
-    if example_inputs is not None:
-        propagate_shapes(gm, [x.to(devices.primary) if isinstance(x, torch.Tensor) else x for x in example_inputs])
-    input_dims = infer_input_dims(gm, batch_dim=batch_dim, example_inputs=example_inputs)
-    options = passes.PipelineOptions(devices=devices, input_dims=input_dims, output_device=output_device)
-    gm, front_records = run_passes(gm, passes.frontend_pipeline(options))
-    captured_graph = copy_graph(gm.graph)
-    # forward is Python: traced again where a call takes another path (see ParallelModule)
-    retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
-    lower = data_parallel_lowering(input_dims, output_device, copy_replicas)
-    lowered = lower(gm, devices, recompile=False)  # ParallelModule compiles the final code
-    return ParallelModule(
-        lowered,
-        lowered.graph,
-        devices=devices,
-        mode="data_parallel",
-        input_dims=input_dims,
-        output_device=output_device,
-        captured_graph=captured_graph,
-        lower=lower,
-        records=front_records,
-        class_name=type(model).__name__,
-        share_all_of=model,
-        source=model if retraceable else None,
-        leaf_modules=leaf_modules,
-        flags=flags,
-    )
-
-
-def _capture_with_flags(
-    model: nn.Module, leaf_modules: tuple[type[nn.Module], ...], example_inputs: Sequence[Any] | None
-) -> tuple[fx.GraphModule, dict[str, Any]]:
-    """Capture ``model``; where forward branches on a Python flag argument (``if return_hidden:``),
-    which fx traces as a value it cannot branch on, trace the flags as the values the example
-    (else the defaults) gives them: the program then serves calls with those values, and
-    ``ParallelModule`` traces again for others."""
-    try:
-        return capture(model, leaf_modules=leaf_modules), {}
-    except TraceError as error:
-        flags = flag_arguments(model, example_inputs) if not isinstance(model, fx.GraphModule) else {}
-        if not flags:
-            raise
-        try:
-            return capture(model, leaf_modules=leaf_modules, flags=flags), flags
-        except TraceError:
-            raise error from None
-
-
-def recapture(
-    model: nn.Module,
-    devices: Devices,
-    leaf_modules: Sequence[type[nn.Module]],
-    none_args: frozenset[str],
-    flags: Mapping[str, Any] | None = None,
-) -> fx.GraphModule:
-    """``model`` traced again, as it is now (its modes) and with ``none_args`` traced as None
-    (``flags`` as their values), through the passes that tidy a capture (what the
-    data-parallel lowering starts from)."""
-    import passes
-
-    gm = capture(model, leaf_modules=leaf_modules, none_args=none_args, flags=flags)
-    gm, _ = run_passes(gm, passes.frontend_pipeline(passes.PipelineOptions(devices=devices)))
-    return gm
+__all__ = ["make_recipe", "transform"]

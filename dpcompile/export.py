@@ -26,7 +26,6 @@ you trust.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import io
 import json
@@ -141,8 +140,8 @@ def _used_modules(pm: nn.Module) -> list[nn.Module]:
     containers (``get_attr``, e.g. handed to ``replicate``) can be plain ``nn.Module``s."""
     paths: set[str] = set()
     graphs = [pm.graph]
-    if getattr(pm, "_captured_graph", None) is not None:
-        graphs.append(pm._captured_graph)
+    if getattr(pm, "captured", None) is not None:
+        graphs.append(pm.captured.graph)
     for graph in graphs:
         for node in graph.nodes:
             if node.op == "call_module" and isinstance(node.target, str):
@@ -262,7 +261,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     ['manifest.json', 'module.py', 'program.pkl', 'weights.pt']
     """
     import dpcompile
-    from dpcompile.module import ParallelModule
+    from dpcompile.modules.base import ParallelModule
 
     if not isinstance(pm, ParallelModule):
         raise ValueError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
@@ -439,31 +438,11 @@ def _map_device_literals(value: Any, mapping: dict[str, str]) -> Any:
 
 def _retarget(pm: Any, target: Any, manifest: dict[str, Any]) -> Any:
     """The same program for other devices: regenerated (data parallel) or with its device names mapped."""
-    from dpcompile.module import ParallelModule
-
     old = list(manifest["devices"])
     out = str(pm.output_device)
     output_device = target[old.index(out)] if out in old and old.index(out) < len(target) else target.primary
-    if pm.mode == "data_parallel" and pm._captured_graph is not None:
-        from dpcompile.api import data_parallel_lowering
-
-        lower = data_parallel_lowering(pm.input_dims, output_device)
-        gm = fx.GraphModule(pm, copy.deepcopy(pm._captured_graph), "Retargeted")
-        lowered = lower(gm, target)
-        return ParallelModule(
-            pm,
-            lowered.graph,
-            devices=target,
-            mode=pm.mode,
-            input_dims=pm.input_dims,
-            output_device=output_device,
-            plan=pm.plan,
-            captured_graph=pm._captured_graph,
-            lower=lower,
-            records=pm.records,
-            class_name=type(pm).__name__,
-            share_all_of=pm,
-        )
+    if pm.mode == "data_parallel" and pm.captured is not None:
+        return pm.recipe.retarget(pm, target, output_device)
     retarget = getattr(pm, "retarget", None)
     if callable(retarget):
         return retarget(target)

@@ -126,3 +126,8 @@ def run_passes(
         if level >= 2:
             log.info("code after %s:\n%s", name, gm.code)
     return gm, records
+
+
+def info_of(records: Sequence[PassRecord], name: str) -> dict[str, Any]:
+    """The findings of pass ``name`` in a pipeline's records (empty where it did not run)."""
+    return next((r.info for r in records if r.name == name), {})

@@ -18,7 +18,7 @@ True
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
@@ -28,8 +28,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dpcompile.devices import Devices
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
+from dpcompile.fake import fake_devices as fake_devices_of
+from dpcompile.fx_utils import bind_inputs, copy_graph
+from dpcompile.recipes import DataParallelRecipe, TensorParallelRecipe
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 
 log = logging.getLogger("dpcompile")
@@ -387,96 +392,18 @@ def verify(
 
 
 # ------------------------------------------------------------------------ fake multi-GPU
-_NO_CUDA = "not linked with support for cuda"
-
-
-class _FakeCudaOnCpuTorch(TorchFunctionMode):
-    """Lets a CPU-only torch run the ops it refuses on fake CUDA tensors.
-
-    ``Tensor.contiguous``, indexing (``x[:, -1]``) and ``copy_`` take a CUDA device guard in
-    their Python bindings, which a torch built without CUDA cannot give, even for fake
-    tensors ("PyTorch is not linked with support for cuda devices"). Such an op is run on CPU
-    copies of its fake tensors and the result moved back to their device. Values are fake
-    anyway (only shapes, dtypes and devices matter), and an op that mixes CUDA devices still
-    fails.
-    """
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError as e:
-            if _NO_CUDA not in str(e):
-                raise
-            refused = e
-        from torch.utils._pytree import tree_leaves, tree_map
-
-        devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
-        if len(devices) != 1:
-            raise RuntimeError(f"{getattr(func, '__name__', func)}: tensors on {sorted(map(str, devices))}") from refused
-        (device,) = devices
-
-        def to_cpu(x: Any) -> Any:
-            return x.to("cpu") if isinstance(x, torch.Tensor) and x.device == device else x
-
-        out = func(*tree_map(to_cpu, args), **tree_map(to_cpu, kwargs))
-        name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.startswith("__") and args:  # in place (copy_): the tensor itself
-            return args[0]
-        return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x, out)
-
-
-def _fake_devices(spec: int | Sequence[Any]) -> Any:
-    from dpcompile.devices import parse_devices
-
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        spec = [f"cuda:{k}" for k in range(spec)]
-    return parse_devices(spec, check_available=False)
-
-
-def _fake_copy(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are fake tensors on ``device``."""
-    from torch._subclasses.fake_tensor import FakeCopyMode
-
-    with FakeCopyMode(mode):
-        fake = copy.deepcopy(model)
-    memo: dict[int, torch.Tensor] = {}
-    with mode:
-        for m in fake.modules():
-            for name, p in m._parameters.items():
-                if p is not None:
-                    if id(p) not in memo:
-                        memo[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
-                    m._parameters[name] = memo[id(p)]
-            for name, b in m._buffers.items():
-                if b is not None:
-                    if id(b) not in memo:
-                        memo[id(b)] = b.to(device)
-                    m._buffers[name] = memo[id(b)]
-            if isinstance(m, nn.RNNBase):
-                m._init_flat_weights()
-    return fake
-
-
-def _build_fake_program(
-    pm: nn.Module, fake_model: nn.Module, devices: Any, batch: int | None, example: tuple | None = None
-) -> fx.GraphModule:
-    mode_name = getattr(pm, "mode", None)
-    if batch is not None and batch < len(devices):
-        devices = devices.prefix(batch)
-    if mode_name == "data_parallel" and getattr(pm, "_captured_graph", None) is not None:
-        from dpcompile.api import data_parallel_lowering
-
-        gm = fx.GraphModule(fake_model, copy.deepcopy(pm._captured_graph), "FakeLayout")
-        return data_parallel_lowering(pm.input_dims, devices.primary)(gm, devices)
-    if mode_name == "tensor_parallel":
-        from dpcompile.tensor_parallel import transform_tensor_parallel
-
-        return transform_tensor_parallel(
-            fake_model, devices, plan=dict(pm.plan) or True, example_inputs=example, output_device=devices.primary,
-            check_available=False,
+def _build_fake_program(pm: Any, fake_model: nn.Module, devices: Devices, example: tuple | None) -> fx.GraphModule:
+    """``pm``'s program rebuilt for ``devices`` (fake CUDA devices) on a fake copy of the model."""
+    recipe = pm.recipe
+    if isinstance(recipe, DataParallelRecipe) and pm.captured is not None:
+        gm = fx.GraphModule(fake_model, copy_graph(pm.captured.graph), "FakeLayout")
+        return dataclasses.replace(recipe, devices=devices, output_device=devices.primary).lower(gm, devices, pm.input_dims)
+    if isinstance(recipe, TensorParallelRecipe):
+        fake_recipe = dataclasses.replace(
+            recipe, devices=devices, output_device=devices.primary, plan=dict(pm.plan) or True, check_available=False
         )
-    raise ValueError(f"fake_devices= supports data-parallel and tensor-parallel modules, not mode {mode_name!r}")
+        return fake_recipe.compile(fake_model, example)
+    raise ValueError(f"fake_devices= supports data-parallel and tensor-parallel modules, not mode {pm.mode!r}")
 
 
 def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[Any], *args: Any, **kwargs: Any) -> VerifyResult:
@@ -493,28 +420,28 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     >>> bool(check_layout(pm, model, 8, torch.randn(16, 4)))
     True
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from dpcompile.inspect import Recorder, slot_of, user_source
 
-    from dpcompile.inspect import _bind_inputs, _Recorder, slot_of, user_source
-
-    devices = _fake_devices(fake_devices)
+    devices = fake_devices_of(fake_devices)
     label = f"fake {len(devices)}-device layout"
     checked = {"fake devices": len(devices)}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    batch = pm.batch_size(tuple(args), dict(kwargs)) if getattr(pm, "_split_inputs", None) else None
+    batch = pm.batch_size(tuple(args), dict(kwargs))
     # Autograd on fake CUDA tensors aborts the process on a torch built without CUDA, so the
     # backward pass is only checked where the devices really exist.
     backward = torch.cuda.is_available() and torch.cuda.device_count() >= len(devices)
     grad_mode = contextlib.nullcontext() if backward else torch.no_grad()
     try:
-        fake_model = _fake_copy(model, mode, devices.primary)
-        with mode, grad_mode, _FakeCudaOnCpuTorch(), warnings.catch_warnings():
+        fake_model = fake_copy(model, mode, devices.primary)
+        with mode, grad_mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             # The call's own arguments as example inputs, so the plan's views are checked as pm's were
             example = None if kwargs else tuple(
                 mode.from_tensor(x.detach()).to(devices.primary) if isinstance(x, torch.Tensor) else x for x in args
             )
-            program = _build_fake_program(pm, fake_model, devices, batch, example)
+            if batch is not None and batch < len(devices):
+                devices = devices.prefix(batch)
+            program = _build_fake_program(pm, fake_model, devices, example)
     except ImportError:
         raise
     except Exception as e:  # noqa: BLE001 - report, do not crash
@@ -522,12 +449,12 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
                             checked)
     mismatches: list[Mismatch] = []
     try:
-        with mode, grad_mode, _FakeCudaOnCpuTorch():
+        with mode, grad_mode, FakeCudaOnCpuTorch():
             inputs = [
                 mode.from_tensor(x.detach()).to(devices.primary) if isinstance(x, torch.Tensor) else x
-                for x in _bind_inputs(program, args, kwargs)
+                for x in bind_inputs(program, args, kwargs)
             ]
-            recorder = _Recorder(program, None)
+            recorder = Recorder(program, None)
             output = recorder.run(*inputs)
             loss = None
             for _, t in tensor_leaves(output) if backward else []:

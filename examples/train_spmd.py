@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import dpcompile
-from dpcompile.spmd import local_batch
+from dpcompile.mesh import local_batch
 
 
 class Net(nn.Module):

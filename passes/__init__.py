@@ -32,7 +32,7 @@ class PipelineOptions:
     input_dims: dict[str, int | None] = field(default_factory=dict)
     output_device: torch.device | None = None
     copy_replicas: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, str] = field(default_factory=dict)  # tensor parallel: {module path: style} to apply
 
 
 def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
@@ -56,10 +56,10 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
 def spmd_tensor_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
     """``shard_linear`` alone: the program of one shard, collectives explicit.
 
-    ``options.extra["plan"]`` is the ``{module path: style}`` dict to apply (already chosen by
-    ``dpcompile.tensor_parallel`` for ``tensor_parallel=True``).
+    ``options.plan`` is the ``{module path: style}`` dict to apply (already chosen by
+    ``dpcompile.planning`` for ``tensor_parallel=True``).
     """
-    return [functools.partial(shard_linear, plan=dict(options.extra["plan"]), devices=options.devices)]
+    return [functools.partial(shard_linear, plan=dict(options.plan), devices=options.devices)]
 
 
 def tensor_parallel_pipeline(options: PipelineOptions) -> list[Pass]:

@@ -11,8 +11,8 @@ import torch.fx as fx
 from torch import nn
 
 import dpcompile
-from dpcompile.api import propagate_shapes
 from dpcompile.capture import capture
+from dpcompile.fx_utils import propagate_shapes
 from dpcompile.runtime.structures import tensor_leaves
 
 

@@ -20,6 +20,18 @@ class MLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class BNNet(nn.Module):
+    """Linear(8, 6) then BatchNorm1d(6): one BatchNorm sync under data parallelism."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
 class CNN(nn.Module):
     def __init__(self, batch_norm: bool = True):
         super().__init__()

@@ -139,13 +139,13 @@ def test_load_regenerates_a_data_parallel_program_for_other_devices(tmp_path):
 
 def test_load_puts_a_cuda_export_on_cpu_devices(tmp_path, monkeypatch):
     """A program exported for cuda:0..3 refuses to load here without devices= and loads on ['cpu'] * 4."""
-    import dpcompile.api as api
+    import dpcompile.recipes.data_parallel as data_parallel
     from dpcompile.devices import parse_devices
 
     model = Model().eval()
-    monkeypatch.setattr(api, "_move_to", lambda module, device: None)  # no CUDA here: keep the weights on the CPU
+    monkeypatch.setattr(data_parallel, "move_to", lambda module, device: None)  # no CUDA here: keep the weights on the CPU
     devices = parse_devices([f"cuda:{k}" for k in range(4)], check_available=False)
-    pm = api._transform_data_parallel(model, devices, None, None, devices.primary, (), False)
+    pm = data_parallel.DataParallelRecipe(devices=devices, output_device=devices.primary).compile(model, None)
     assert "'cuda:3'" in pm.code
     folder = dpcompile.export(pm, tmp_path / "out")
     if not torch.cuda.is_available():

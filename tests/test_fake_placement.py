@@ -12,8 +12,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dpcompile import runtime
-from dpcompile.api import _transform_data_parallel
 from dpcompile.devices import parse_devices
+from dpcompile.recipes import DataParallelRecipe
 from tests.helpers import to_fake_cuda
 from tests.models import CNN, Classifier
 
@@ -34,7 +34,7 @@ def _fake_program(make, n_gpus, copy_replicas):
     mode = FakeTensorMode()
     model = to_fake_cuda(make(), mode)
     devices = parse_devices([f"cuda:{i}" for i in range(n_gpus)], check_available=False)
-    pm = _transform_data_parallel(model, devices, None, None, devices.primary, (), copy_replicas)
+    pm = DataParallelRecipe(devices=devices, output_device=devices.primary, copy_replicas=copy_replicas).compile(model, None)
     return mode, pm
 
 

@@ -272,7 +272,7 @@ class WithUnusedHead(nn.Module):
 def check_dp_unused_parameters_ignored(rank: int, world: int) -> None:
     """DP: parameters forward never reads are known from the graph; three steps train without DDP errors."""
     import dpcompile
-    from dpcompile.spmd import unused_parameters
+    from dpcompile.modules.spmd import unused_parameters
 
     torch.manual_seed(0)
     model = WithUnusedHead()
@@ -504,7 +504,7 @@ def check_2d_training_matches_eager(rank: int, world: int) -> None:
     reference = copy.deepcopy(model)
     pm = dpcompile.transform(model, mesh, tensor_parallel={"fc1": "column", "fc2": "row"})
     assert pm.mode == "spmd_2d" and pm.ddp is not None
-    from dpcompile.spmd import local_batch
+    from dpcompile.mesh import local_batch
 
     dp, dp_size = mesh.get_local_rank("dp"), mesh.size(0)
     inputs = _batches(dp_size, 8, per_rank=2)
@@ -618,12 +618,12 @@ def test_transform_spmd_needs_a_process_group():
     """Without init_process_group the error says what to call."""
     import torch.distributed as dist
 
-    from dpcompile.spmd import transform_spmd
+    from dpcompile.recipes import SpmdRecipe
 
     if dist.is_initialized():  # pragma: no cover
         pytest.skip("a process group is initialised in this process")
     with pytest.raises(ValueError, match="init_process_group"):
-        transform_spmd(MLP(), _FakeMesh())
+        SpmdRecipe(mesh=_FakeMesh()).compile(MLP(), None)
 
 
 # ---------------------------------------------------------------------------- the spawned groups

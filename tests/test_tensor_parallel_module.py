@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dpcompile
+from dpcompile.modules.tensor_parallel import TensorParallelModule
 from dpcompile.runtime.tensor_parallel import unshard
-from dpcompile.tensor_parallel import TensorParallelModule
 from tests.models import MLP
 
 
@@ -355,11 +355,13 @@ def test_transform_returns_the_output_on_output_device():
     """Under FakeTensorMode with fake GPUs, output_device='cuda:1' gets the whole output there."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dpcompile.tensor_parallel import transform_tensor_parallel
+    from dpcompile.fake import fake_devices
+    from dpcompile.recipes import TensorParallelRecipe
 
     model = MLP(8, 16)
+    recipe = TensorParallelRecipe(devices=fake_devices(["cuda:0", "cuda:2"]), output_device=torch.device("cuda:1"), check_available=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        pm = transform_tensor_parallel(model, ["cuda:0", "cuda:2"], plan=True, output_device="cuda:1", check_available=False)
+        pm = recipe.compile(model, None)
         with torch.no_grad():
             out = pm(torch.randn(2, 8, device="cuda:0"))
     assert out.device == torch.device("cuda:1")

@@ -33,22 +33,35 @@ of the output. A row layer: the input split (backward all-gather ``X``), all-red
 partial outputs. A column layer feeding a row layer (Megatron) keeps *f* and the
 all-reduce and drops both all-gathers.
 
-For ``explain``: :func:`comm_elements` gives a communication node's ``(forward,
-backward)`` elements per device. It reads the node's ``dpcompile.infra.Comm`` stamp
+The size of a collective
+------------------------
+
+One rule says how many elements ``S`` a communication node moves: :func:`comm_sizes`.
+``explain`` applies it to the values of a run; :func:`comm_numel` and
+:func:`comm_elements` to the shapes shape propagation recorded (``node.meta["val"]`` fake
+tensors, e.g. after ``FakeTensorProp``). It reads the node's ``dpcompile.infra.Comm`` stamp
 (``node.meta["dpcompile_comm"]``: ``kind`` forward, ``backward`` the collective autograd
-runs, ``io`` for input/output moves) and the full size ``S`` from
-``node.meta["dpcompile_comm_numel"]`` when the pass recorded it, else from shapes
-(``node.meta["val"]`` fake tensors, e.g. after ``FakeTensorProp``): the node's own value
-for ``all_reduce``, ``all_gather``, ``gather``, ``reduce``; its first argument's for
+runs, ``io`` for input/output moves) and takes ``S`` from
+``node.meta["dpcompile_comm_numel"]`` when the pass recorded it; else, past the
+data-parallel specials (``replicate``, the BatchNorm sync), from the node's own value for
+``all_reduce``, ``all_gather``, ``gather``, ``reduce`` and its first argument's for
 ``identity``, ``split``, ``scatter``, ``broadcast``, ``reduce_scatter`` (a list or tuple
 counts as one tensor when the kind copies or reduces, as the sum of its parts otherwise).
+:func:`comm_elements` turns ``S`` into the elements each device sends, forward and backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile import runtime
+from dpcompile.runtime.structures import children, tensor_leaves
 
 RING_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -135,43 +148,139 @@ def linear_cost(style: str, input_numel: int, output_numel: int, n: int) -> Comm
     return plan_cost(linear_comms(style, input_numel, output_numel), n)
 
 
+# ------------------------------------------------------------- the size of a collective
 _OWN_VALUE_KINDS = ("all_reduce", "all_gather", "gather", "reduce")
 _WHOLE_LIST_KINDS = ("identity", "broadcast", "all_reduce", "reduce")
 
 
-def _numel_of(value: Any, kind: str) -> int | None:
-    if hasattr(value, "numel") and callable(value.numel):
+class _Unknown:
+    """A value no shape propagation recorded (an argument node without ``meta["val"]``)."""
+
+    def __repr__(self) -> str:
+        return "<unknown>"
+
+
+_UNKNOWN = _Unknown()
+
+
+def _has_unknown(value: Any) -> bool:
+    return value is _UNKNOWN or any(_has_unknown(kid) for kid in children(value) or ())
+
+
+def _numel_by_rule(value: Any, kind: str) -> int | None:
+    """A tensor's elements; a list or tuple counts once when ``kind`` copies or reduces, as
+    the sum of its parts otherwise; any other structure, the sum of its tensors."""
+    if value is _UNKNOWN:
+        return None
+    if isinstance(value, torch.Tensor):
         return int(value.numel())
     if isinstance(value, (list, tuple)) and value:
-        parts = [_numel_of(v, kind) for v in value]
+        parts = [_numel_by_rule(v, kind) for v in value]
         if any(p is None for p in parts):
             return None
-        return int(parts[0]) if kind in _WHOLE_LIST_KINDS else int(sum(parts))  # type: ignore[arg-type]
-    return None
+        return parts[0] if kind in _WHOLE_LIST_KINDS else sum(parts)  # type: ignore[return-value]
+    if _has_unknown(value):
+        return None
+    return int(sum(t.numel() for _, t in tensor_leaves(value)))
 
 
-def comm_numel(node: Any) -> int | None:
-    """The full tensor size ``S`` a communication node moves, or None if shapes are unknown."""
-    if "dpcompile_comm_numel" in node.meta:
-        return int(node.meta["dpcompile_comm_numel"])
+def _param_elements(value: Any, grad_only: bool) -> int | None:
+    """Elements of the parameters (and, unless ``grad_only``, buffers) of the modules in ``value``."""
+    seen: dict[int, int] = {}
+    items = value.values() if isinstance(value, Mapping) else (value if isinstance(value, (list, tuple)) else [value])
+    for item in items:
+        if item is _UNKNOWN:
+            return None
+        if isinstance(item, nn.Module):
+            tensors = list(item.parameters())
+            if not grad_only:
+                tensors += list(item.buffers())
+            for t in tensors:
+                if not grad_only or t.requires_grad:
+                    seen[id(t)] = t.numel()
+        elif isinstance(item, torch.Tensor):
+            seen[id(item)] = item.numel()
+    return sum(seen.values())
+
+
+def comm_sizes(node: fx.Node, args: Sequence[Any], result: Any) -> tuple[int, int] | None:
+    """``(S forward, S backward)``: the full tensor's elements a communication node moves.
+
+    The one rule, whether the values are those of a run (``explain`` records ``args`` and
+    ``result`` as its interpreter meets the node) or those shape propagation left in
+    ``node.meta["val"]`` (:func:`comm_numel`). A size the pass recorded in
+    ``node.meta["dpcompile_comm_numel"]`` wins. Data-parallel specials: ``replicate``
+    broadcasts parameters and buffers and reduces the parameters' gradients; the BatchNorm
+    sync all-reduces a per-channel mean and variance (``2 C``). Otherwise the node's own
+    value for ``all_reduce``, ``all_gather``, ``gather``, ``reduce`` and its first argument
+    for the other kinds (a list counts once when the kind copies or reduces, as the sum of
+    its parts otherwise). None for a node that is not a communication node, or whose size
+    depends on a value nobody recorded.
+    """
     comm = node.meta.get("dpcompile_comm")
     if comm is None:
         return None
-    if comm.kind in _OWN_VALUE_KINDS:
-        source = node.meta.get("val")
-    else:
-        first = node.args[0] if node.args else None
-        source = first.meta.get("val") if hasattr(first, "meta") else None
-    return None if source is None else _numel_of(source, comm.kind)
+    if "dpcompile_comm_numel" in node.meta:
+        size = int(node.meta["dpcompile_comm_numel"])
+        return size, size
+    if node.target is runtime.replicate:
+        forward, backward = _param_elements(args[0], False), _param_elements(args[0], True)
+        return None if forward is None or backward is None else (forward, backward)
+    if node.target is runtime.batch_norm:
+        channels = getattr(args[0], "num_features", None)
+        if not channels:
+            if _has_unknown(result):
+                return None
+            leaves = tensor_leaves(result)
+            channels = leaves[0][1].size(1) if leaves else 0
+        return 2 * int(channels), 2 * int(channels)
+    source = result if comm.kind in _OWN_VALUE_KINDS or not args else args[0]
+    size = _numel_by_rule(source, comm.kind)
+    return None if size is None else (size, size)
 
 
-def comm_elements(node: Any, n: int) -> tuple[float, float] | None:
+def _recorded_values(node: fx.Node) -> tuple[tuple[Any, ...], Any]:
+    """``(args, result)`` of ``node`` as shape propagation recorded them: each argument
+    node's ``meta["val"]`` (a ``get_attr`` node: the attribute itself), unknown where absent."""
+    owner = node.graph.owning_module
+
+    def value(arg: fx.Node) -> Any:
+        if arg.op == "get_attr" and owner is not None:
+            found: Any = owner
+            for part in str(arg.target).split("."):
+                found = getattr(found, part, _UNKNOWN)
+            return found
+        return arg.meta.get("val", _UNKNOWN)
+
+    args = fx.node.map_arg(node.args, value)
+    return tuple(args), node.meta.get("val", _UNKNOWN)
+
+
+def comm_numel(node: fx.Node) -> int | None:
+    """The full tensor size ``S`` a communication node moves, or None if shapes are unknown."""
+    sizes = comm_sizes(node, *_recorded_values(node))
+    return None if sizes is None else sizes[0]
+
+
+def comm_elements(node: fx.Node, n: int, sizes: tuple[int, int] | None = None) -> tuple[float, float] | None:
     """``(forward, backward)`` elements each of ``n`` devices sends for a stamped node.
 
-    None when the node is not a communication node or its size is unknown.
+    ``sizes`` is ``(S forward, S backward)`` from :func:`comm_sizes` where the caller ran the
+    program (``explain``); without it the sizes come from the node's recorded shapes. An
+    SPMD node's own process-group size (``node.meta["dpcompile_comm_world"]``) replaces
+    ``n``; a kind without a ring formula sends nothing here. None when the node is not a
+    communication node or its size is unknown.
     """
     comm = node.meta.get("dpcompile_comm")
-    size = comm_numel(node)
-    if comm is None or size is None:
+    if comm is None:
         return None
-    return ring_elements(comm.kind, size, n), ring_elements(comm.backward, size, n)
+    if sizes is None:
+        sizes = comm_sizes(node, *_recorded_values(node))
+        if sizes is None:
+            return None
+    n = node.meta.get("dpcompile_comm_world", n)
+
+    def sent(kind: str | None, size: int) -> float:
+        return ring_elements(kind, size, n) if kind in RING_FACTOR else 0.0
+
+    return sent(comm.kind, sizes[0]), sent(comm.backward, sizes[1])

@@ -1,6 +1,6 @@
 """The sharding analysis: which ``nn.Linear`` layers a plan can split, and how every value is laid out.
 
-Everything the tensor-parallel planner (:mod:`dpcompile.tensor_parallel`) and the
+Everything the tensor-parallel planner (:mod:`dpcompile.planning`) and the
 ``shard_linear`` pass need to know before anything is rewritten:
 
 - :func:`find_linear_sites` finds the Linear calls (and what blocks one: a shared layer,

@@ -21,20 +21,16 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from dpcompile.runtime.structures import children, map_structure, rebuild
+from dpcompile.runtime.structures import children, is_fake, map_structure, rebuild
 
 DeviceLike = torch.device | str
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    return type(t).__name__ in ("FakeTensor", "FunctionalTensor") or t.device.type == "meta"
 
 
 def _cuda_comm_ok(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> bool:
     return (
         torch.cuda.is_available()
         and all(d.type == "cuda" for d in devices)
-        and all(t.is_cuda and not _is_fake(t) for t in tensors)
+        and all(t.is_cuda and not is_fake(t) for t in tensors)
     )
 
 
@@ -217,7 +213,7 @@ class Broadcast(Function):
 
 
 def _shares_one_storage(tensors: Sequence[torch.Tensor]) -> bool:
-    if any(_is_fake(t) or t.numel() == 0 for t in tensors):
+    if any(is_fake(t) or t.numel() == 0 for t in tensors):
         return False
     return len({t.untyped_storage().data_ptr() for t in tensors}) == 1
 

@@ -43,6 +43,7 @@ from dpcompile.errors import DpCompileError
 __all__ = [
     "CollectiveError",
     "MeshGroup",
+    "collective_failure",
     "all_gather",
     "all_reduce",
     "all_reduce_grad",
@@ -104,7 +105,7 @@ def _group(group: GroupLike) -> dist.ProcessGroup | None:
     return group.group if isinstance(group, MeshGroup) else group
 
 
-def _failed(what: str, group: dist.ProcessGroup | None, error: BaseException) -> CollectiveError:
+def collective_failure(what: str, group: dist.ProcessGroup | None, error: BaseException) -> CollectiveError:
     try:
         where = f"rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
     except Exception:  # noqa: BLE001 - the group itself may be gone
@@ -121,7 +122,7 @@ def _all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     try:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     except (RuntimeError, dist.DistError) as e:
-        raise _failed("all_reduce", group, e) from e
+        raise collective_failure("all_reduce", group, e) from e
     return t
 
 
@@ -129,7 +130,7 @@ def _all_gather_(parts: list[torch.Tensor], t: torch.Tensor, group: dist.Process
     try:
         dist.all_gather(parts, t, group=group)
     except (RuntimeError, dist.DistError) as e:
-        raise _failed("all_gather", group, e) from e
+        raise collective_failure("all_gather", group, e) from e
 
 
 def _gather(x: torch.Tensor, group, dim: int, sizes: tuple[int, ...] | None) -> torch.Tensor:

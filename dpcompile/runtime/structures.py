@@ -91,3 +91,11 @@ def tensor_leaves(value: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
     for key, kid in zip(keys, kids):
         out.extend(tensor_leaves(kid, path + key))
     return out
+
+
+def is_fake(t: object) -> bool:
+    """True for a tensor without data: a fake tensor (``FakeTensorMode``), a functional
+    wrapper of one, or a tensor on the ``meta`` device."""
+    return isinstance(t, torch.Tensor) and (
+        type(t).__name__ in ("FakeTensor", "FunctionalTensor") or t.device.type == "meta"
+    )

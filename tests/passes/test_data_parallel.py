@@ -129,8 +129,9 @@ def test_data_parallel_small_batch_uses_fewer_devices():
     pm = dpcompile.transform(model, ["cpu"] * 4)
     x = torch.randn(2, 8)
     torch.testing.assert_close(pm(x), reference(x))
-    assert 2 in pm._smaller_programs
-    assert pm._smaller_programs[2].code.count(".fc1(x_dev") == 2  # two devices run fc1
+    program = pm.program_for_call(x)
+    assert program is not pm and pm.call_key(x).devices == 2
+    assert program.code.count(".fc1(x_dev") == 2  # two devices run fc1
 
 
 def test_data_parallel_model_without_batch_inputs_runs_once():

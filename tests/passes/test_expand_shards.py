@@ -11,8 +11,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dpcompile.devices import Devices, parse_devices
+from dpcompile.fake import fake_devices
 from dpcompile.infra import run_passes
-from dpcompile.tensor_parallel import transform_tensor_parallel
+from dpcompile.recipes import TensorParallelRecipe
 from passes.expand_shards import expand_shards
 from passes.shard_linear import shard_linear
 from tests.helpers import captured
@@ -59,7 +60,8 @@ def test_expand_shards_places_every_op_on_one_fake_gpu(n):
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.randn(4, 32, device="cuda:0")
-        pm = transform_tensor_parallel(model, [f"cuda:{k}" for k in range(n)], plan=True, check_available=False)
+        devices = fake_devices(n)
+        pm = TensorParallelRecipe(devices=devices, output_device=devices.primary, check_available=False).compile(model, None)
         with torch.no_grad():
             out = pm(x)
     assert pm.plan == {"0": "column", "2": "row"}

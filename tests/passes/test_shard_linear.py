@@ -10,11 +10,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+import dpcompile
 from dpcompile.devices import Devices, parse_devices
 from dpcompile.infra import run_passes
 from dpcompile.runtime import collectives
 from dpcompile.runtime import tensor_parallel as tp_runtime
-from dpcompile.tensor_parallel import transform_tensor_parallel
 from passes.shard_linear import shard_linear
 from tests.helpers import captured, targets
 from tests.models import MLP, Attention
@@ -276,6 +276,6 @@ def test_transform_matches_eager_when_forward_reads_shapes_of_shards():
     """Shape reads of sharded values (sharded dim or not) give eager's outputs over 2 and 3 devices."""
     model, x = ShapeReads(), torch.randn(2, 3, 16)
     for n in (2, 3):
-        pm = transform_tensor_parallel(model, ["cpu"] * n, plan=SHAPE_PLAN, example_inputs=(x,))
+        pm = dpcompile.transform(model, ["cpu"] * n, tensor_parallel=SHAPE_PLAN, example_inputs=(x,))
         assert pm.plan == SHAPE_PLAN
         torch.testing.assert_close(pm(x), model(x))

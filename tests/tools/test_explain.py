@@ -1,27 +1,21 @@
-"""explain, draw and diff."""
+"""explain and its Report; the one communication-size rule, as explain applies it."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
+import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import dpcompile
-from dpcompile.inspect import Report, to_dot
-from tests.models import MLP
-
-
-class BNNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 6)
-        self.bn = nn.BatchNorm1d(6)
-
-    def forward(self, x):
-        return self.bn(self.fc(x))
+from dpcompile.analysis.cost import comm_elements
+from dpcompile.infra import stamp_comm
+from dpcompile.inspect import Report
+from tests.models import MLP, BNNet
 
 
 class WholeTail(nn.Module):
@@ -174,54 +168,6 @@ def test_explain_tensor_parallel_reproduces_classic_figures():
     assert totals == {"row": 128_000, "column": 160_000}
 
 
-def test_draw_writes_svg_with_one_cluster_per_device(tmp_path):
-    """With graphviz: an SVG holding one cluster per device and the collectives in red."""
-    if shutil.which("dot") is None:
-        pytest.skip("graphviz 'dot' is not installed")
-    path = dpcompile.draw(_dp(BNNet()), tmp_path / "graph.svg")
-    text = path.read_text()
-    assert path.suffix == ".svg" and "<svg" in text
-    assert "cluster_0" in text and "cluster_1" in text
-    assert "cpu#0" in text and "cpu#1" in text and "bn_sync" in text
-    assert "#e41a1c" in text
-
-
-def test_to_dot_highlights_collectives_outside_clusters():
-    """The dot source clusters per-device nodes and styles communication nodes apart."""
-    source = to_dot(_dp(BNNet()))
-    cluster_1 = source.split("subgraph cluster_1")[1].split("}")[0]
-    assert '"fc_dev1"' in cluster_1 and '"bn_sync"' not in cluster_1
-    assert 'color="#e41a1c"' in source.split('"bn_sync" [')[1].split("];")[0]
-
-
-def test_draw_falls_back_to_matplotlib_png_without_dot(tmp_path, monkeypatch):
-    """Without dot, draw writes a PNG through matplotlib."""
-    pytest.importorskip("matplotlib")
-    monkeypatch.setattr("dpcompile.inspect.shutil.which", lambda name: None)
-    path = dpcompile.draw(_dp(BNNet()), tmp_path / "graph.svg")
-    assert path == tmp_path / "graph.png"
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_draw_without_any_renderer_says_what_to_install(tmp_path, monkeypatch):
-    """Neither dot nor matplotlib: a DpCompileError naming both ways out."""
-    monkeypatch.setattr("dpcompile.inspect.shutil.which", lambda name: None)
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
-    with pytest.raises(dpcompile.DpCompileError, match="graphviz.*matplotlib"):
-        dpcompile.draw(_dp(MLP()), tmp_path / "graph.svg")
-
-
-def test_diff_shows_the_inserted_communication():
-    """The unified diff removes the single-device call and adds scatter, per-device calls and gather."""
-    model = MLP()
-    pm = _dp(model)
-    text = dpcompile.diff(model, pm)
-    assert text.startswith("--- MLP (traced)\n+++ ")
-    assert "-    fc1 = self.fc1(x)" in text
-    assert "+    x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu'], 0)" in text
-    assert "+    fc2 = dpcompile_runtime_gather(" in text
-
-
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()
@@ -280,3 +226,48 @@ def test_explain_without_inputs_shows_unknown_totals_not_zero():
     text = str(dpcompile.explain(_dp(MLP())))
     assert "collectives: forward ?, backward ?, total ? elements per device" in text
     assert "collectives: forward 0" not in text
+
+
+def _collectives_program(n: int) -> fx.GraphModule:
+    """x[8x4] → all-reduce (own value, S=32) → all-gather (own value, S=128) → reduce-scatter (its input, S=128)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    reduced = stamp_comm(graph.call_function(torch.mul, (x, 1)), "all_reduce")
+    gathered = stamp_comm(graph.call_function(torch.cat, ([reduced] * n,)), "all_gather", backward="reduce_scatter")
+    scattered = stamp_comm(graph.call_function(torch.narrow, (gathered, 0, 0, 8)), "reduce_scatter", backward="all_gather")
+    graph.output(scattered)
+    gm = fx.GraphModule(nn.Module(), graph)
+    gm.devices = ["cpu"] * n
+    return gm
+
+
+def _static_elements(gm: fx.GraphModule, x: torch.Tensor, n: int) -> dict[str, tuple[float, float] | None]:
+    """cost.comm_elements per communication node, from the shapes FakeTensorProp records."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(mode.from_tensor(x))
+    return {node.name: comm_elements(node, n) for node in gm.graph.nodes if "dpcompile_comm" in node.meta}
+
+
+def test_explain_and_cost_share_one_comm_size_rule_on_ring_formulas():
+    """all-reduce 2(N-1)/N*S, all-gather and reduce-scatter (N-1)/N*S: explain, cost and hand arithmetic agree."""
+    n, x = 4, torch.randn(8, 4)
+    gm = _collectives_program(n)
+    report = dpcompile.explain(gm, x)
+    by_hand = {
+        "mul": (2 * (n - 1) / n * 32, 0.0),
+        "cat": ((n - 1) / n * 128, (n - 1) / n * 128),
+        "narrow": ((n - 1) / n * 128, (n - 1) / n * 128),
+    }
+    assert {c.name: (c.forward, c.backward) for c in report.collectives} == by_hand
+    assert {c.name: c.elements for c in report.collectives} == {"mul": 32, "cat": 128, "narrow": 128}
+    assert _static_elements(gm, x, n) == by_hand
+    assert report.comm_elements_forward == 48 + 96 + 96 and report.comm_elements_backward == 96 + 96
+
+
+@pytest.mark.parametrize("model", [BNNet, MLP], ids=["bnnet", "mlp"])
+def test_explain_and_cost_agree_on_every_data_parallel_collective(model):
+    """Replication, scatter, the BatchNorm sync and gather: explain's figures are cost's rule on recorded shapes."""
+    n, x = 3, torch.randn(10, 8)
+    pm = _dp(model(), n)
+    report = dpcompile.explain(pm, x)
+    assert {c.name: (c.forward, c.backward) for c in report.collectives} == _static_elements(pm, x, n)

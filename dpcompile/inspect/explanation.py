@@ -1,0 +1,209 @@
+"""``explain``: what a program runs, where, and what it moves between devices.
+
+Placement and shapes per node, parameter bytes, activation and FLOPs estimates per device,
+and per collective the elements each device sends (the one rule of
+:mod:`dpcompile.analysis.cost`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from dpcompile import runtime
+from dpcompile.analysis.cost import comm_elements, ring_elements
+from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import bind_inputs
+from dpcompile.inspect.nodes import device_labels, device_list, slot_of, target_name, user_source
+from dpcompile.inspect.recorder import Recorder, propagate
+from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
+from dpcompile.modules.base import ParallelModule
+
+__all__ = ["ALL_DEVICES", "explain", "param_bytes"]
+
+ALL_DEVICES = "*"  # the device of a collective, which spans the devices
+
+
+def _program(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[fx.GraphModule, int | None]:
+    """The program that a call with these arguments runs, and the call's batch size."""
+    if not isinstance(pm, ParallelModule):  # a hand-built program: it is what runs
+        return pm, None
+    return pm.program_for_call(*args, **kwargs), pm.batch_size(tuple(args), dict(kwargs))
+
+
+# ---------------------------------------------------------------------------------- explain
+def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
+    """Explain what ``pm(*args, **kwargs)`` runs, where, and what it moves between devices.
+
+    Shapes come from fake tensors (no real compute); without arguments the report has no
+    shapes, activation or communication figures, only placement and parameter bytes.
+
+    >>> import torch, dpcompile
+    >>> pm = dpcompile.transform(torch.nn.Linear(8, 4), ["cpu", "cpu"])
+    >>> r = dpcompile.explain(pm, torch.randn(16, 8))
+    >>> r.io_elements_forward  # the input scattered, the output gathered, each (N-1)/N*S
+    96.0
+    """
+    labels = device_labels(pm)
+    n = len(labels)
+    gm, batch = _program(pm, args, kwargs) if (args or kwargs) else (pm, None)
+    if not isinstance(gm, fx.GraphModule):
+        raise DpCompileError(f"explain needs a dpcompile.ParallelModule (a torch.fx.GraphModule), got {type(pm).__name__}")
+    recorder, how = (None, "none")
+    if args or kwargs:
+        recorder, how = propagate(gm, bind_inputs(gm, args, kwargs))
+    active = labels if batch is None or batch >= n else labels[:batch]
+    n_active = len(active)
+
+    nodes: list[NodeInfo] = []
+    collectives: list[CollectiveInfo] = []
+    activation = dict.fromkeys(labels, 0)
+    flops = dict.fromkeys(labels, 0)
+    for node in gm.graph.nodes:
+        slot = slot_of(node)
+        comm = node.meta.get("dpcompile_comm")
+        if node.op in ("placeholder", "output"):
+            device = "-"
+        elif comm is not None:
+            device = ALL_DEVICES
+        elif slot is not None and slot < n:
+            device = labels[slot]
+        else:
+            device = labels[0]
+        summary = recorder.summaries.get(node.name) if recorder else None
+        info = NodeInfo(
+            name=node.name,
+            op=node.op,
+            target=target_name(node),
+            device=device,
+            shape=summary[0] if summary else None,
+            dtype=summary[1] if summary else None,
+            bytes=summary[2] if summary else 0,
+            flops=recorder.flops.get(node.name, 0) if recorder else 0,
+            pass_name=node.meta.get("dpcompile_pass"),
+            source=user_source(node),
+            comm=comm.kind if comm is not None else None,
+        )
+        nodes.append(info)
+        counts_as_activation = node.op in ("call_function", "call_method", "call_module") and node.target not in (
+            operator.getitem,
+            runtime.replicate,
+            getattr,
+        )
+        if counts_as_activation and info.bytes:
+            if device in activation:
+                activation[device] += info.bytes
+            elif comm is not None and comm.kind in ("gather", "reduce"):
+                activation[labels[0]] += info.bytes
+            else:
+                for label in active:
+                    activation[label] += info.bytes // n_active
+        if info.flops:
+            flops[device if device in flops else labels[0]] += info.flops
+        if comm is not None:
+            collectives.append(_collective(node, comm, recorder, n_active))
+
+    ddp = _ddp_collective(pm)
+    if ddp is not None:
+        collectives.append(ddp)
+    forward = sum(c.forward or 0.0 for c in collectives if not c.io)
+    backward = sum(c.backward or 0.0 for c in collectives if not c.io)
+    io_forward = sum(c.forward or 0.0 for c in collectives if c.io)
+    io_backward = sum(c.backward or 0.0 for c in collectives if c.io)
+    params = param_bytes(pm)
+    return Report(
+        mode=str(getattr(pm, "mode", "unknown")),
+        devices=labels,
+        shapes=how,
+        nodes=nodes,
+        collectives=collectives,
+        comm_elements_forward=forward,
+        comm_elements_backward=backward,
+        io_elements=io_forward + io_backward,
+        io_elements_forward=io_forward,
+        io_elements_backward=io_backward,
+        param_bytes=params,
+        activation_bytes=activation,
+        flops=flops,
+        imbalance={
+            "param_bytes": _imbalance(params),
+            "activation_bytes": _imbalance(activation),
+            "flops": _imbalance(flops),
+        },
+        plan=dict(getattr(pm, "plan", {}) or {}),
+        plan_reasons={k: str(v) for k, v in (getattr(pm, "plan_reasons", {}) or {}).items()},
+        batch=batch,
+    )
+
+
+def _collective(node: fx.Node, comm: Any, recorder: Recorder | None, n: int) -> CollectiveInfo:
+    """A collective's row; an SPMD node's own process-group size replaces ``n`` (in ``comm_elements``)."""
+    sizes = recorder.sizes.get(node.name) if recorder else None
+    fwd, bwd = comm_elements(node, n, sizes) if sizes is not None else (None, None)
+    return CollectiveInfo(
+        name=node.name,
+        kind=comm.kind,
+        backward_kind=comm.backward,
+        io=bool(comm.io),
+        elements=sizes[0] if sizes else None,
+        forward=fwd,
+        backward=bwd,
+        source=user_source(node),
+    )
+
+
+def _ddp_collective(pm: nn.Module) -> CollectiveInfo | None:
+    """SPMD data parallel: DistributedDataParallel's gradient all-reduce, which runs in backward
+    outside the generated code, over the parameters it does not ignore."""
+    ddp = getattr(pm, "ddp", None)
+    if ddp is None:
+        return None
+    from passes.collectives import group_size
+
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+    size = sum(p.numel() for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored)
+    n = group_size(pm.mesh, pm.dp_dim) or 1
+    return CollectiveInfo(
+        name="ddp_gradients", kind="ddp", backward_kind="all_reduce", io=False, elements=size, forward=0.0,
+        backward=ring_elements("all_reduce", size, n),
+    )
+
+
+def param_bytes(pm: nn.Module) -> dict[str, int]:
+    """Parameter bytes each device holds, keyed by ``Devices.labels()``.
+
+    Data parallel: every replica holds a full copy. Tensor parallel: each shard's bytes on its
+    slot (``pm.shard_param_slots``), replicated parameters on every device.
+    """
+    labels = device_labels(pm)
+    out = dict.fromkeys(labels, 0)
+    named = list(pm.named_parameters())
+    if getattr(pm, "mode", None) == "data_parallel":
+        total = sum(p.numel() * p.element_size() for _, p in named)
+        return dict.fromkeys(labels, total)
+    slots = getattr(pm, "shard_param_slots", None)
+    devices = device_list(pm)
+    for name, p in named:
+        size = p.numel() * p.element_size()
+        if isinstance(slots, Mapping) and name in slots:
+            slot = slots[name]
+            targets = labels if slot is None else [labels[slot]]
+        else:
+            matching = [label for label, d in zip(labels, devices) if d == p.device]
+            targets = matching[:1] or labels[:1]
+        for label in targets:
+            out[label] += size
+    return out
+
+
+def _imbalance(values: Mapping[str, float]) -> float:
+    """``max / mean`` over devices: 1.0 is balanced, 2.0 means one device does twice the mean."""
+    numbers = list(values.values())
+    if not numbers or sum(numbers) == 0:
+        return 1.0
+    return round(max(numbers) / (sum(numbers) / len(numbers)), 4)
+

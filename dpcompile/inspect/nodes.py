@@ -1,0 +1,80 @@
+"""What the inspection tools read off a program's nodes and a module's devices."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+__all__ = ["device_labels", "device_list", "slot_of", "target_name", "user_source"]
+
+_SLOT = re.compile(r"_(?:dev|shard|rank)(\d+)$")
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_PACKAGE_DIR = Path(__file__).parent.parent  # dpcompile/
+_OWN_DIRS = (str(_PACKAGE_DIR) + "/", str(_PACKAGE_DIR.parent / "passes") + "/")
+
+
+def device_labels(pm: nn.Module) -> list[str]:
+    """``pm``'s device labels (``Devices.labels()``: ``"cuda:0"``, or ``"cpu#1"`` for virtual devices)."""
+    devices = getattr(pm, "devices", None)
+    if devices is None:
+        return ["cpu"]
+    if hasattr(devices, "labels"):
+        return list(devices.labels())
+    try:
+        return [str(d) for d in devices]
+    except TypeError:
+        return [str(devices)]
+
+
+def device_list(pm: nn.Module) -> list[torch.device]:
+    """``pm``'s devices as ``torch.device`` (one CPU device for meshes and unknown layouts)."""
+    devices = getattr(pm, "devices", None)
+    try:
+        return [torch.device(d) for d in devices]  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - meshes and unknown layouts
+        return [torch.device("cpu")]
+
+
+def slot_of(node: fx.Node) -> int | None:
+    """The device slot of a per-device node (``fc1_dev1`` → 1), else None."""
+    slot = node.meta.get("dpcompile_slot")
+    if isinstance(slot, int):
+        return slot
+    m = _SLOT.search(node.name)
+    return int(m.group(1)) if m else None
+
+
+def user_source(node: fx.Node) -> str | None:
+    """``"model.py:42 in forward: h = self.fc1(x)"``: the user's frame in ``stack_trace``."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    for m in reversed(list(_FRAME.finditer(trace))):
+        filename = m.group("file")
+        own = filename.startswith(_OWN_DIRS) and not filename.endswith("demo.py")
+        if own or filename.startswith(_TORCH_DIR + "/") or filename.startswith("<"):
+            continue
+        short = filename.rsplit("/", 1)[-1]
+        return f"{short}:{m.group('line')} in {m.group('func')}: {m.group('code').strip()}"
+    return None
+
+
+def target_name(node: fx.Node) -> str:
+    """A short name for what ``node`` calls: ``runtime.scatter``, ``torch.relu``, ``F.linear``, ``fc1``."""
+    target = node.target
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", None) or repr(target)
+    if module.startswith("dpcompile.runtime"):
+        return f"runtime.{name}"
+    if module in ("_operator", "operator"):
+        return f"operator.{name}"
+    if module.startswith("torch") or module == "":
+        return f"torch.{name}" if not module.startswith("torch.nn.functional") else f"F.{name}"
+    return f"{module}.{name}"

@@ -1,0 +1,192 @@
+"""The :class:`Report` that ``explain`` returns: its data, ``to_dict`` / ``from_dict``, and the table ``str(report)`` prints."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["WIDTH", "CollectiveInfo", "NodeInfo", "Report"]
+
+WIDTH = 120  # str(report) is at most this many columns
+
+
+# ---------------------------------------------------------------------------------------- data
+@dataclass
+class NodeInfo:
+    """One node of the generated program, as ``explain`` sees it."""
+
+    name: str
+    op: str
+    target: str
+    device: str  # a device label, "*" for a collective spanning the devices, "-" for inputs/outputs
+    shape: list[list[int]] | None = None  # one shape per tensor output; None when unknown
+    dtype: list[str] | None = None
+    bytes: int = 0
+    flops: int = 0
+    pass_name: str | None = None
+    source: str | None = None  # "model.py:42 in forward: h = self.fc1(x)"
+    comm: str | None = None
+
+
+@dataclass
+class CollectiveInfo:
+    """A communication node: what it moves and what each device sends, forward and backward."""
+
+    name: str
+    kind: str
+    backward_kind: str | None
+    io: bool
+    elements: int | None  # S, the full tensor's elements (forward)
+    forward: float | None  # elements each device sends, forward
+    backward: float | None  # elements each device sends, backward
+    source: str | None = None
+
+
+@dataclass
+class Report:
+    """What ``explain`` found. ``str(report)`` is a table; ``to_dict()`` is JSON-serialisable.
+
+    >>> import json, torch, dpcompile
+    >>> pm = dpcompile.transform(torch.nn.Linear(8, 4), ["cpu", "cpu"])
+    >>> d = dpcompile.explain(pm, torch.randn(16, 8)).to_dict()
+    >>> json.loads(json.dumps(d)) == d
+    True
+    """
+
+    mode: str
+    devices: list[str]
+    shapes: str  # "fake" | "real" | "none": how shapes were found
+    nodes: list[NodeInfo]
+    collectives: list[CollectiveInfo]
+    comm_elements_forward: float
+    comm_elements_backward: float
+    io_elements: float
+    io_elements_forward: float
+    io_elements_backward: float
+    param_bytes: dict[str, int]
+    activation_bytes: dict[str, int]
+    flops: dict[str, int]
+    imbalance: dict[str, float]
+    plan: dict[str, str] = field(default_factory=dict)
+    plan_reasons: dict[str, str] = field(default_factory=dict)
+    batch: int | None = None
+
+    @property
+    def comm_elements(self) -> float:
+        """Forward plus backward collective elements per device."""
+        return self.comm_elements_forward + self.comm_elements_backward
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (``Report.from_dict`` reads it back)."""
+        out = dataclasses.asdict(self)
+        out["comm_elements"] = self.comm_elements
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Report:
+        """The inverse of :meth:`to_dict`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values["nodes"] = [NodeInfo(**n) for n in data.get("nodes", [])]
+        values["collectives"] = [CollectiveInfo(**c) for c in data.get("collectives", [])]
+        return cls(**values)
+
+    def __str__(self) -> str:
+        return _render(self)
+
+
+
+# ----------------------------------------------------------------------------------- tables
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _human_count(n: float | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n:,.0f}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], widths: Sequence[int]) -> list[str]:
+    def cut(text: str, width: int) -> str:
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    lines = ["  " + "  ".join(cut(h, w).ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines.append("  " + "  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append("  " + "  ".join(cut(str(c), w).ljust(w) for c, w in zip(row, widths)).rstrip())
+    return lines
+
+
+def _shape_text(info: NodeInfo) -> str:
+    if info.shape is None:
+        return "?"
+    if not info.shape:
+        return "-"
+    parts = ["x".join(str(s) for s in shape) or "scalar" for shape in info.shape]
+    return parts[0] if len(parts) == 1 else f"({', '.join(parts)})"
+
+
+def _where(source: str | None) -> str:
+    """``"model.py:13"`` from ``"model.py:13 in forward: h = ..."``."""
+    return (source or "").split(" in ", 1)[0]
+
+
+def _render(r: Report) -> str:
+    title = (
+        f"dpcompile explain: {r.mode} on {len(r.devices)} devices ({', '.join(r.devices)})"
+        + (f", batch {r.batch}" if r.batch is not None else "")
+        + f"; shapes from {'fake tensors' if r.shapes == 'fake' else 'a real no-grad run' if r.shapes == 'real' else 'nowhere (no inputs)'}"
+    )
+    out = [*textwrap.wrap(title, WIDTH, subsequent_indent="  ", break_on_hyphens=False), "", "Per device"]
+    rows = [
+        [label, _human_bytes(r.param_bytes.get(label, 0)), _human_bytes(r.activation_bytes.get(label, 0)),
+         f"{r.flops.get(label, 0) / 1e6:,.2f}"]
+        for label in r.devices
+    ]
+    rows.append(["max/mean", f"{r.imbalance['param_bytes']:.2f}", f"{r.imbalance['activation_bytes']:.2f}",
+                 f"{r.imbalance['flops']:.2f}"])
+    out += _table(["device", "parameters", "activations (est.)", "MFLOPs (fwd)"], rows, [12, 12, 18, 14])
+    out += ["", "Communication (elements each device sends, ring algorithms)"]
+    rows = [
+        [c.name, c.kind + (" (io)" if c.io else ""), _human_count(c.elements), _human_count(c.forward),
+         c.backward_kind or "-", _human_count(c.backward), _where(c.source)]
+        for c in r.collectives
+    ]
+    out += _table(["node", "kind", "S", "forward", "backward kind", "backward", "from"], rows,
+                  [26, 15, 11, 11, 13, 11, 19])
+    sized = all(c.forward is not None for c in r.collectives if not c.io)  # else the totals are unknown, not 0
+    io_sized = all(c.forward is not None for c in r.collectives if c.io)
+    out.append(
+        f"  collectives: forward {_human_count(r.comm_elements_forward if sized else None)}, backward "
+        f"{_human_count(r.comm_elements_backward if sized else None)}, total "
+        f"{_human_count(r.comm_elements if sized else None)} elements per device"
+    )
+    out.append(
+        f"  inputs on / outputs back (io): forward {_human_count(r.io_elements_forward if io_sized else None)}, backward "
+        f"{_human_count(r.io_elements_backward if io_sized else None)}, total {_human_count(r.io_elements if io_sized else None)}"
+    )
+    if r.plan:
+        out += ["", "Tensor-parallel plan"]
+        rows = []
+        for path, style in r.plan.items():
+            reason = textwrap.wrap(r.plan_reasons.get(path, ""), 80) or [""]
+            rows.append([path, style, reason[0]])
+            rows += [["", "", more] for more in reason[1:]]
+        out += _table(["module", "style", "reason"], rows, [24, 10, 80])
+    out += ["", "Nodes"]
+    rows = [
+        [i.name, i.op.replace("call_", ""), i.target, i.device, _shape_text(i), ",".join(sorted(set(i.dtype or []))) or "-",
+         _where(i.source)]
+        for i in r.nodes
+    ]
+    out += _table(["node", "op", "target", "device", "shape", "dtype", "source"], rows, [26, 11, 19, 8, 16, 7, 19])
+    return "\n".join(out)
+

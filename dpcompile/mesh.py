@@ -1,0 +1,94 @@
+"""DeviceMesh helpers: is it a mesh, which mode it asks for, this process's device and batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dpcompile.runtime.structures import map_structure
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # pragma: no cover - torch built without distributed
+    DeviceMesh = None
+
+SPMD_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d")
+
+
+def is_device_mesh(devices: object) -> bool:
+    return DeviceMesh is not None and isinstance(devices, DeviceMesh)
+
+
+def check_mesh(mesh: Any, tensor_parallel: object) -> tuple[str, str | int | None, str | int | None]:
+    """``(mode, dp_dim, tp_dim)`` for ``mesh`` and the ``tensor_parallel`` option."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "a DeviceMesh needs an initialised process group: call torch.distributed.init_process_group() "
+            "(torchrun sets the environment) before transform(model, mesh)"
+        )
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    wants_tp = tensor_parallel is not False and tensor_parallel is not None
+    if mesh.ndim == 1:
+        dim: str | int = names[0] if names else 0
+        if wants_tp:
+            return "spmd_tensor_parallel", None, dim
+        return "spmd_data_parallel", dim, None
+    if mesh.ndim == 2:
+        if names != ("dp", "tp"):
+            raise ValueError(
+                f"a 2-D DeviceMesh must name its dimensions ('dp', 'tp'), got {names}; build it with "
+                "init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+            )
+        if not wants_tp:
+            raise ValueError(
+                "a 2-D ('dp', 'tp') mesh needs tensor_parallel=True or a plan; for data parallel alone "
+                "pass a 1-D mesh, e.g. init_device_mesh(device_type, (world_size,), mesh_dim_names=('dp',))"
+            )
+        return "spmd_2d", "dp", "tp"
+    raise ValueError(f"DeviceMesh of {mesh.ndim} dimensions is not supported; pass a 1-D mesh or a 2-D ('dp', 'tp') mesh")
+
+
+def mesh_size(mesh: Any, dim: str | int) -> int:
+    """How many processes ``mesh`` has along ``dim`` (a name or an index)."""
+    return mesh.size(mesh.mesh_dim_names.index(dim)) if isinstance(dim, str) else mesh.size(dim)
+
+
+def local_device(mesh: Any) -> torch.device:
+    """The device this process computes on: CPU, or its current CUDA device.
+
+    >>> local_device(init_device_mesh("cpu", (2,)))  # doctest: +SKIP
+    device(type='cpu')
+    """
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "current_device"):
+        return torch.device(kind, module.current_device())
+    return torch.device(kind)
+
+
+def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:
+    """This process's part of a global batch: every tensor of ``value`` split along ``dim``.
+
+    Balanced ``tensor_split`` parts over the mesh's ``"dp"`` dimension (a 1-D mesh not named
+    ``"tp"`` is all data parallel); tensor-parallel ranks of one dp group get the same part,
+    and a ``("tp",)`` mesh gets the whole batch. Non-tensor leaves are passed through.
+
+    >>> x_local, y_local = local_batch((x, y), mesh)  # doctest: +SKIP
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp" in names:
+        parts, rank = mesh.size(names.index("dp")), mesh.get_local_rank("dp")
+    elif mesh.ndim == 1 and names != ("tp",):
+        parts, rank = mesh.size(0), mesh.get_local_rank(0)
+    else:
+        return value
+    return map_structure(
+        lambda leaf: torch.tensor_split(leaf, parts, dim)[rank]
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > dim
+        else leaf,
+        value,
+    )

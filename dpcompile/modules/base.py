@@ -1,0 +1,406 @@
+"""``ParallelModule``: the executable multi-device program that ``transform`` returns.
+
+It is a ``torch.fx.GraphModule`` (``pm.graph``, ``pm.code``, ``pm.print_readable()``) whose
+generated forward holds every cross-device step as a named call. In data-parallel mode it
+holds the user's own submodules, parameters and buffers, so ``pm.parameters()`` *are* the
+model's parameters and ``pm.state_dict()`` has the model's keys.
+
+A call checks the batch first (arguments that disagree on the batch size, or an empty
+batch, raise ``ValueError``), then asks its :class:`~dpcompile.program_cache.ProgramCache`
+for the program it runs: the main one, or one traced for what the call departs on (fewer
+devices for a small batch, the other mode, an optional argument left None, a flag value,
+a hook or a submodule added since). :meth:`ParallelModule.program_for_call` answers the same
+question for tools (explain, verify, draw, export).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.capture import ROOT_LEAF, DpTracer
+from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import adopt_state, copy_graph, placeholders
+from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
+from dpcompile.runtime.structures import tensor_leaves
+
+log = logging.getLogger("dpcompile")
+
+
+class ParallelModule(fx.GraphModule):
+    """A generated multi-device module. Build it with :func:`dpcompile.transform`.
+
+    >>> import torch, dpcompile
+    >>> pm = dpcompile.transform(torch.nn.Linear(4, 2), ["cpu", "cpu"])
+    >>> pm(torch.randn(5, 4)).shape
+    torch.Size([5, 2])
+
+    * ``pm.recipe``: how it was compiled (a picklable :class:`~dpcompile.recipes.base.Recipe`);
+    * ``pm.devices``, ``pm.mode``, ``pm.input_dims``, ``pm.output_device``, ``pm.plan``;
+    * ``pm.captured``: the traced program before lowering (data parallel), or None;
+    * ``pm.records``: the passes that ran, with their timing and findings.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        graph: fx.Graph,
+        *,
+        recipe: Any,
+        devices: Devices,
+        mode: str,
+        input_dims: dict[str, int | None] | None = None,
+        output_device: torch.device | None = None,
+        plan: dict[str, str] | None = None,
+        captured: fx.GraphModule | None = None,
+        records: list | None = None,
+        class_name: str = "ParallelModule",
+        share_all_of: nn.Module | None = None,
+        source: nn.Module | None = None,
+        flags: dict[str, Any] | None = None,
+        none_args: frozenset[str] = frozenset(),
+        shares_source: bool = True,
+    ):
+        super().__init__(root, graph, class_name)
+        if share_all_of is not None:
+            self._share_state_of(share_all_of)
+        self.recipe = recipe
+        self.devices = devices
+        self.mode = mode
+        self.input_dims = dict(input_dims or {})
+        self.output_device = output_device or devices.primary
+        self.plan = dict(plan or {})
+        self.records = list(records or [])
+        object.__setattr__(self, "captured", captured)
+        self._split_inputs = self._find_split_inputs()
+        # the model, to trace again for a call that departs from the program (not a stand-in
+        # without forward, such as a loaded program's plain modules)
+        if source is not None and type(source).forward is nn.Module.forward:
+            source = None
+        self._attach_cache(source, dict(flags or {}), none_args, shares_source)
+
+    def _attach_cache(
+        self, source: nn.Module | None, flags: dict[str, Any], none_args: frozenset[str], shares_source: bool
+    ) -> None:
+        """The call signature, the guard and the cache, keyed from the main program.
+
+        ``shares_source``: ``pm`` holds the model's own modules (data parallel), so the guard
+        watches the model (its modes, hooks, submodules, attributes); otherwise ``source`` is a
+        private copy to trace (tensor parallel) and the guard reads the modes of ``pm``'s modules.
+        """
+        object.__setattr__(self, "traced_model", source)
+        self._shares_source = shares_source and source is not None
+        self._flags = flags  # flag arguments the main program was traced for, and their values
+        self._signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
+        is_leaf = DpTracer(getattr(self.recipe, "leaf_modules", ())).is_leaf_module
+        # modes are read from the model where pm shares it, else from pm's own modules
+        object.__setattr__(self, "_guard", ModelGuard(source if self._shares_source else self, is_leaf))
+        main_key = self._key(len(self.devices), none_args, tuple(flags.items()))
+        object.__setattr__(self, "program_cache", ProgramCache(main_key, self._build_program))
+        self._adopted = main_key.guard
+
+    def _share_state_of(self, model: nn.Module) -> None:
+        """Hold all of ``model``'s submodules, parameters and buffers (not just the used ones)."""
+        leaf_root = self._modules.pop(ROOT_LEAF, None)
+        if leaf_root is not None:  # called by the program, but not part of the state
+            object.__setattr__(self, ROOT_LEAF, leaf_root)
+        adopt_state(self, model)
+
+    # ------------------------------------------------------------------ calling
+    def _find_split_inputs(self) -> list[tuple[int, str, int]]:
+        out = []
+        for position, node in enumerate(placeholders(self.graph)):
+            dim = self.input_dims.get(node.target)
+            if dim is not None:
+                out.append((position, str(node.target).lstrip("*"), dim))
+        return out
+
+    def batch_size(self, args: tuple, kwargs: dict) -> int | None:
+        """The batch size of a call, checking that every split argument agrees."""
+        seen: tuple[str, int] | None = None
+        for position, name, dim in self._split_inputs:
+            if position < len(args):
+                value = args[position]
+            elif name in kwargs:
+                value = kwargs[name]
+            else:
+                continue
+            for path, tensor in tensor_leaves(value):
+                if tensor.dim() <= dim:
+                    continue
+                size = tensor.size(dim)
+                where = f"{name}{path}"
+                if seen is None:
+                    seen = (where, size)
+                elif size != seen[1]:
+                    raise ValueError(
+                        f"argument '{where}' has batch size {size} on dim {dim}, but '{seen[0]}' has "
+                        f"{seen[1]}; every split input must carry the same batch (pass batch_dim= to "
+                        "choose another dim, or example_inputs= so inputs without a batch are replicated)"
+                    )
+        if seen is not None and seen[1] == 0:
+            raise ValueError(f"argument '{seen[0]}' has an empty batch (size 0); there is nothing to split")
+        return None if seen is None else seen[1]
+
+    def _devices_for(self, args: tuple, kwargs: dict) -> int:
+        """How many devices a call runs on: fewer than all for a batch smaller than the count."""
+        n = len(self.devices)
+        if self._split_inputs:
+            batch = self.batch_size(args, kwargs)
+            if batch is not None and batch < n:
+                return batch
+        return n
+
+    def _key(self, n: int, none_args: frozenset[str], flags: tuple) -> CallKey:
+        guard = self._guard
+        fingerprint = guard.fingerprint() if self._shares_source else ()
+        return CallKey(n, guard.modes(), none_args, flags, fingerprint)
+
+    def call_key(self, *args: Any, **kwargs: Any) -> CallKey:
+        """What the program for this call is specialised on (see :class:`CallKey`)."""
+        nones, flags = self._signature.departures(args, kwargs)
+        return self._key(self._devices_for(args, kwargs), nones, flags)
+
+    def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
+        """The program a call with these arguments runs: ``self`` or one traced for the call.
+
+        >>> pm.eval()                                  # doctest: +SKIP
+        >>> print(pm.program_for_call(x).code)         # the eval-mode program  # doctest: +SKIP
+        """
+        key = self.call_key(*args, **kwargs)
+        if key.guard != self._adopted and self._shares_source:
+            adopt_state(self, self.traced_model)  # a submodule or parameter of the model was replaced
+            self._adopted = key.guard
+        program = self.program_cache.program(key, args, kwargs)
+        if program is None:
+            return self
+        program.training = self.training  # its submodules are ours: their own modes stand
+        return program
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)
+
+    def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
+        """Run ``program`` (from :meth:`program_for_call`) as the model would run: the model's
+        own forward hooks around it, which tracing forward never records."""
+        run = super().__call__ if program is self else program
+        if self._shares_source and self._guard.root_hooks():
+            return _call_with_hooks(self.traced_model, run, args, kwargs)
+        return run(*args, **kwargs)
+
+    def _build_program(self, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        """The program for ``key``; None where the main program serves it."""
+        return self.recipe.build_program(self, key, args, kwargs)
+
+    def cannot_trace_again(self, key: CallKey) -> DpCompileError:
+        """The error for a call that needs a program only the model's forward could give."""
+        return DpCompileError(
+            f"this call needs a program traced for {key.describe()}, but the program was traced for "
+            f"{self.program_cache.main_key.describe()} and the model's class is not available to trace again (a "
+            "program loaded or unpickled where its class cannot be imported). Define the model class in an "
+            "importable module, or call with what the program was traced for."
+        )
+
+    def train(self, mode: bool = True) -> ParallelModule:
+        super().train(mode)
+        source = self.__dict__.get("traced_model")
+        if source is not None:
+            source.training = mode  # the model's own flag (its submodules are ours)
+        if isinstance(self.__dict__.get(ROOT_LEAF), nn.Module):
+            self.__dict__[ROOT_LEAF].train(mode)
+        return self
+
+    # ------------------------------------------------------------------ pickling
+    def __reduce__(self):
+        source = self._picklable_source()
+        state = {
+            "modules": dict(self._modules),
+            "leaf_root": self.__dict__.get(ROOT_LEAF) if isinstance(self.__dict__.get(ROOT_LEAF), nn.Module) else None,
+            "parameters": dict(self._parameters),
+            "buffers": dict(self._buffers),
+            "non_persistent": set(self._non_persistent_buffers_set),
+            "training": self.training,
+            "graph": copy_graph(self.graph),
+            "captured_graph": copy_graph(self.captured.graph) if self.captured is not None else None,
+            "config": {
+                "recipe": self.recipe,
+                "devices": self.devices,
+                "mode": self.mode,
+                "input_dims": self.input_dims,
+                "output_device": self.output_device,
+                "plan": self.plan,
+                "class_name": type(self).__name__,
+                "shares_source": self._shares_source,
+            },
+            "main_key": self.program_cache.main_key.portable(),
+            "programs": self._portable_programs(),
+            "traces": [
+                (key.portable(), None if gm is None else copy_graph(gm.graph))
+                for key, gm in self.program_cache.traces.items()
+            ],
+            "extra": self._extra_state_for_pickle(),
+            "source": source,
+        }
+        return (_restore_parallel_module, (_importable_class(self), state))
+
+    def _portable_programs(self) -> list[tuple[CallKey, fx.Graph | None]]:
+        """The programs a copy without the model's class (a pickler that keeps only torch.nn
+        classes, an unimportable class) could not trace: the other mode, and every variant met
+        so far (optional arguments left None, flags, smaller batches); None: the main program."""
+        if self.__dict__.get("traced_model") is None:
+            return [(key.portable(), None if p is None else copy_graph(p.graph)) for key, p in self.program_cache.items()]
+        main = self.program_cache.main_key
+        other_mode = CallKey(main.devices, tuple((path, not t) for path, t in main.modes), main.none_args, main.flags, main.guard)
+        built = dict(self.program_cache.items())
+        out = []
+        for key in {*built, other_mode}:
+            try:
+                program = built[key] if key in built else self.program_cache.program(key, (), {})
+            except Exception as e:  # noqa: BLE001 - a program not carried is refused at its call, never run wrong
+                log.debug("no program carried for %s (%s)", key.describe(), e)
+                continue
+            out.append((key.portable(), None if program is None else copy_graph(program.graph)))
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
+        """An independent copy (an EMA of the weights, a snapshot), built as unpickling builds
+        one; ``GraphModule.__deepcopy__`` would drop everything but the graph and modules."""
+        restore, (cls, state) = self.__reduce__()
+        if state["source"] is None and self.__dict__.get("traced_model") is not None:  # no import needed
+            state["source"] = self._source_state()
+        return restore(cls, copy.deepcopy(state, memo))
+
+    def _picklable_source(self) -> dict[str, Any] | None:
+        """The model (to trace variants after loading) where pickle can import its classes."""
+        source = self.__dict__.get("traced_model")
+        classes = [type(source), *getattr(self.recipe, "leaf_modules", ())]
+        if source is None or not self._shares_source or any("<locals>" in c.__qualname__ or c.__module__ == "__main__" for c in classes):
+            return None
+        return self._source_state()
+
+    def _source_state(self) -> dict[str, Any]:
+        main = self.program_cache.main_key
+        return {"model": self.traced_model, "flags": self._flags, "none_args": main.none_args}
+
+    def _extra_state_for_pickle(self) -> dict[str, Any]:
+        """What a subclass (tensor parallel) needs, beyond modules and graph, to rebuild itself."""
+        return {}
+
+    def _restore_extra_state(self, extra: dict[str, Any]) -> None:
+        """The counterpart of :meth:`_extra_state_for_pickle`."""
+
+
+def _call_with_hooks(model: nn.Module, run: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``run`` as ``model.__call__`` would run ``model.forward``: its forward pre-hooks
+    and hooks around it (tracing forward never runs the root's own hooks)."""
+    for hook_id, hook in list(model._forward_pre_hooks.items()):
+        if hook_id in model._forward_pre_hooks_with_kwargs:
+            result = hook(model, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(model, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    output = run(*args, **kwargs)
+    for hook_id, hook in list(model._forward_hooks.items()):
+        if hook_id in model._forward_hooks_with_kwargs:
+            result = hook(model, args, kwargs, output)
+        else:
+            result = hook(model, args, output)
+        if result is not None:
+            output = result
+    return output
+
+
+@contextlib.contextmanager
+def modes_applied(model: nn.Module, modes: Sequence[tuple[str, bool]]) -> Iterator[nn.Module]:
+    """``model`` with the training flag of each module set as ``modes`` (by path) says, for
+    tracing a program of that mode; the flags are given back afterwards."""
+    before = [(m, m.training) for m in model.modules()]
+    try:
+        modules = dict(model.named_modules())
+        for path, training in modes:
+            if path in modules:
+                modules[path].training = training
+        yield model
+    finally:
+        for m, training in before:
+            m.training = training
+
+
+def _importable_class(pm: ParallelModule) -> type:
+    """The class of ``pm`` that pickle can import (GraphModule adds a throwaway subclass)."""
+    return next(c for c in type(pm).__mro__ if "<locals>" not in c.__qualname__)
+
+
+class _CarriedPrograms:
+    """The build function of a program restored without its model: the programs carried in
+    the pickle, or an error naming what the call needs."""
+
+    def __init__(self, pm: ParallelModule, programs: Sequence[tuple[CallKey, fx.Graph | None]]):
+        self.pm = pm
+        self.programs = dict(programs)
+
+    def __call__(self, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        portable = key.portable()
+        if portable in self.programs:
+            graph = self.programs[portable]
+            return None if graph is None else fx.GraphModule(self.pm, copy_graph(graph), type(self.pm).__name__)
+        if key.devices < len(self.pm.devices) and self.pm.captured is not None:
+            return self.pm.recipe.build_program(self.pm, key, args, kwargs)
+        raise self.pm.cannot_trace_again(key)
+
+
+def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule:
+    holder = nn.Module()
+    holder._modules.update(state["modules"])
+    if state.get("leaf_root") is not None:
+        holder._modules[ROOT_LEAF] = state["leaf_root"]
+    holder._parameters.update(state["parameters"])
+    holder._buffers.update(state["buffers"])
+    holder._non_persistent_buffers_set = set(state["non_persistent"])
+    config = state["config"]
+    source = state.get("source") or {}
+    captured = None
+    if state["captured_graph"] is not None:
+        captured = fx.GraphModule(holder, state["captured_graph"], "Captured")
+    pm = cls.__new__(cls)
+    ParallelModule.__init__(
+        pm,
+        holder,
+        state["graph"],
+        recipe=config["recipe"],
+        devices=config["devices"],
+        mode=config["mode"],
+        input_dims=config["input_dims"],
+        output_device=config["output_device"],
+        plan=config["plan"],
+        captured=captured,
+        share_all_of=holder,
+        source=source.get("model"),
+        flags=source.get("flags") or dict(state["main_key"].flags),
+        none_args=source.get("none_args", state["main_key"].none_args),
+        shares_source=config["shares_source"],
+    )
+    if state.get("leaf_root") is not None:
+        pm._modules.pop(ROOT_LEAF, None)
+    pm._restore_extra_state(state["extra"])
+    pm.training = state["training"]  # each submodule was pickled with its own mode
+    if pm.traced_model is None:
+        pm._signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
+        main = state["main_key"]
+        main_key = CallKey(main.devices, main.modes, main.none_args, main.flags, ())
+        object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
+        pm.program_cache.reset(main_key, _CarriedPrograms(pm, state["programs"]))
+        for key, graph in state["traces"]:  # what a data-parallel program lowers for fewer devices
+            pm.program_cache.traces[key] = None if graph is None else fx.GraphModule(pm, graph, "Captured")
+    return pm

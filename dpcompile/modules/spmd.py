@@ -1,0 +1,238 @@
+"""``SpmdModule``: one rank's program of an SPMD ``ParallelModule`` (``transform(model, mesh)``).
+
+Built by :class:`~dpcompile.recipes.spmd.SpmdRecipe`. Where the mesh has a data-parallel
+dimension the program runs under ``DistributedDataParallel`` (``pm.ddp``), which averages
+gradients across processes; with tensor parallelism ``state_dict()`` all-gathers full
+tensors under the original keys (a collective: call it on every rank) and
+``load_state_dict()`` keeps this rank's shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.mesh import local_device
+from dpcompile.modules.base import ParallelModule
+from dpcompile.runtime.distributed import CollectiveError, MeshGroup, all_gather, collective_failure
+from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of
+
+log = logging.getLogger("dpcompile")
+
+
+class _LocalProgram(nn.Module):
+    """What DDP wraps: runs the program of ``pm`` a call takes (not ``pm.__call__``, which is DDP's)."""
+
+    def __init__(self, program: SpmdModule):
+        super().__init__()
+        self.program = program
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        pm = self.program
+        return pm.run_program(pm.program_for_call(*args, **kwargs), args, kwargs)
+
+
+class SpmdModule(ParallelModule):
+    """One rank's program of an SPMD ``ParallelModule``. Build it with ``dpcompile.transform(model, mesh)``.
+
+    ``pm.mode`` is ``"spmd_data_parallel"``, ``"spmd_tensor_parallel"`` or ``"spmd_2d"``;
+    ``pm.mesh`` the mesh; ``pm.ddp`` the ``DistributedDataParallel`` that runs it where there
+    is a data-parallel dimension (None otherwise); with tensor parallelism ``pm.plan`` and
+    ``pm.plan_reasons`` as in single-process mode, and ``pm.shards`` ``{state key: ShardSpec}``
+    for the parameters this rank holds a shard of.
+
+    >>> pm = dpcompile.transform(model, mesh)   # doctest: +SKIP
+    >>> with pm.no_sync():                      # accumulate without all-reducing  # doctest: +SKIP
+    ...     pm(x).sum().backward()
+    """
+
+    mesh: Any
+    shards: dict[str, ShardSpec]
+
+    def attach_mesh(
+        self,
+        *,
+        mesh: Any,
+        dp_dim: str | int | None,
+        tp_dim: str | int | None,
+        shards: Mapping[str, ShardSpec] | None = None,
+        ddp_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Hold the mesh and this rank's shards; build DDP where there is a data-parallel dim."""
+        self.__dict__["mesh"] = mesh
+        self.dp_dim = dp_dim
+        self.tp_dim = tp_dim
+        self.shards = dict(shards or {})
+        self.__dict__["_ddp"] = None
+        if dp_dim is not None and any(p.requires_grad for p in self.parameters()):
+            self.__dict__["_ddp"] = build_ddp(self, mesh, dp_dim, ddp_options or {})
+
+    @property
+    def ddp(self) -> nn.parallel.DistributedDataParallel | None:
+        return self.__dict__.get("_ddp")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ddp = self.__dict__.get("_ddp")
+        if ddp is None:
+            return super().__call__(*args, **kwargs)
+        try:
+            return ddp(*args, **kwargs)
+        except CollectiveError:
+            raise
+        except (RuntimeError, dist.DistError) as e:
+            if not is_communication_failure(e):
+                raise
+            raise CollectiveError(
+                f"DistributedDataParallel's communication failed on global rank {dist.get_rank()}: another "
+                "rank most likely raised, exited or timed out first — see its log for the first error. Pass "
+                f"timeout= to torch.distributed.init_process_group to fail sooner. ({_first_line(e)})"
+            ) from e
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the gradient all-reduce of the backward passes inside (gradient accumulation).
+
+        As ``DistributedDataParallel.no_sync``: the first backward after the block all-reduces
+        the accumulated gradients. A no-op without a data-parallel dimension.
+        """
+        ddp = self.__dict__.get("_ddp")
+        if ddp is None:
+            yield
+            return
+        with ddp.no_sync():
+            yield
+
+    def train(self, mode: bool = True) -> SpmdModule:
+        super().train(mode)
+        ddp = self.__dict__.get("_ddp")
+        if ddp is not None:  # not through ddp.train(): it would come back here
+            ddp.training = mode
+            ddp.module.training = mode
+        return self
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """The original model's keys with full tensors; sharded ones are all-gathered.
+
+        With tensor parallelism this is a collective: call it on every rank of the mesh.
+        """
+        if args:
+            raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        sd = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if not self.shards:
+            return sd
+        group = self._tp_group().group
+        for key, spec in self.shards.items():
+            full_key = prefix + key
+            if full_key in sd:
+                with torch.no_grad():
+                    sd[full_key] = all_gather(sd[full_key].detach(), group, dim=spec.dim, sizes=list(spec.sizes))
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Load full tensors under the original keys; sharded ones are sliced to this rank's shard."""
+        if not self.shards:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        rank = self._tp_group().rank()
+        local = dict(state_dict)
+        for key, spec in self.shards.items():
+            if key not in local:
+                continue
+            full = local[key]
+            if full.size(spec.dim) != sum(spec.sizes):
+                raise ValueError(
+                    f"'{key}' has {full.size(spec.dim)} entries along dim {spec.dim}, but its shards "
+                    f"{list(spec.sizes)} add up to {sum(spec.sizes)}; load a state_dict of the same model "
+                    "(pm.state_dict() or model.state_dict())"
+                )
+            local[key] = shard_of(full, spec, rank).clone()
+        return super().load_state_dict(local, strict=strict, assign=assign)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:  # fmt: skip
+        """``parent.load_state_dict(...)`` of a module holding ``pm``: full tensors under the
+        sharded keys are cut to this rank's shard before the submodules load them."""
+        if self.shards:
+            rank = self._tp_group().rank()
+            for key, spec in self.shards.items():
+                full = state_dict.get(prefix + key)
+                if isinstance(full, torch.Tensor) and full.dim() > spec.dim and full.size(spec.dim) == sum(spec.sizes):
+                    state_dict[prefix + key] = shard_of(full, spec, rank)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def _tp_group(self) -> MeshGroup:
+        group = getattr(self, "tp_group", None)
+        if isinstance(group, MeshGroup):
+            return group
+        return MeshGroup(self.mesh, self.tp_dim)
+
+    def __reduce__(self):
+        raise TypeError(
+            "an SPMD ParallelModule holds process groups and cannot be pickled; save pm.state_dict() "
+            "(full tensors, the original keys) and rebuild with dpcompile.transform(model, mesh)"
+        )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def is_communication_failure(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "socket"))
+
+
+def unused_parameters(gm: fx.GraphModule) -> list[str]:
+    """Parameters of ``gm`` that its forward never reads: known statically, from the graph.
+
+    DDP must not wait for their gradients (it would fail on the next step with "Expected to
+    have finished reduction"); single-device training leaves their ``.grad`` None too.
+
+    >>> unused_parameters(capture(model_with_an_unused_head))  # doctest: +SKIP
+    ['head.weight', 'head.bias']
+    """
+    used_prefixes: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
+            used_prefixes.append(node.target)
+
+    def used(name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") or p == "" for p in used_prefixes)
+
+    return [name for name, _ in gm.named_parameters() if not used(name)]
+
+
+def build_ddp(
+    pm: SpmdModule, mesh: Any, dp_dim: str | int, options: Mapping[str, Any]
+) -> nn.parallel.DistributedDataParallel:
+    group = mesh.get_group(dp_dim)
+    device = local_device(mesh)
+    kwargs: dict[str, Any] = {"process_group": group}
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device.index]
+    kwargs.update(options)
+    wrapper = _LocalProgram(pm)
+    unused = unused_parameters(pm)
+    if unused and not kwargs.get("find_unused_parameters"):
+        log.debug("DDP ignores parameters forward never reads: %s", unused)
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            wrapper, [f"program.{name}" for name in unused]
+        )
+    try:  # DDP broadcasts rank 0's parameters and buffers: a collective
+        return nn.parallel.DistributedDataParallel(wrapper, **kwargs)
+    except (RuntimeError, dist.DistError) as e:
+        if not is_communication_failure(e):
+            raise
+        raise collective_failure("DistributedDataParallel's broadcast of rank 0's parameters", group, e) from e
+
+

@@ -1,0 +1,160 @@
+"""``TensorParallelModule``: a program whose parameters are shards, with the model's state dict.
+
+Built by :class:`~dpcompile.recipes.tensor_parallel.TensorParallelRecipe`. It owns its shards
+(``fc1.weight_shard1`` on ``devices[1]``); ``state_dict()`` has the original model's keys with
+full tensors and ``load_state_dict`` re-shards. Calls that depart from the first one (the
+other mode, an optional argument left None) run programs from the recipe, as every
+``ParallelModule`` does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.nn.modules.module import _IncompatibleKeys
+
+from dpcompile.analysis.cost import CommCost
+from dpcompile.modules.base import ParallelModule
+from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
+
+
+class TensorParallelModule(ParallelModule):
+    """A tensor-parallel program. Build it with ``dpcompile.transform(..., tensor_parallel=...)``.
+
+    * ``pm.plan``: ``{module path: "column" | "row" | "replicate"}`` as applied;
+      ``pm.plan_reasons``: ``{module path: why}``.
+    * ``pm.parameters()``: the shards (``fc1.weight_shard1`` on ``devices[1]``) and the
+      replicated rest (on ``devices[0]``).
+    * ``pm.param_shards``: ``{"fc1.weight": (ShardSpec(0, (5, 5)), ["fc1.weight_shard0", ...])}``.
+    * ``pm.shard_param_slots``: ``{parameter name in pm: shard slot k, or None}``; None means
+      replicated, i.e. held by every shard in SPMD form (here, once on ``devices[0]``). It is
+      how ``explain`` attributes bytes to virtual devices that are all ``'cpu'``.
+    * ``pm.comm_cost``: the plan's :class:`~dpcompile.analysis.cost.CommCost` per device.
+    * ``state_dict()`` has the original model's keys with full tensors; ``load_state_dict``
+      re-shards.
+    """
+
+    plan_reasons: dict[str, str]
+    param_shards: dict[str, tuple[ShardSpec, list[str]]]
+    shard_param_slots: dict[str, int | None]
+
+    def init_tensor_parallel(
+        self,
+        *,
+        state_keys: Sequence[str],
+        param_shards: Mapping[str, tuple[ShardSpec, list[str]]],
+        plan_reasons: Mapping[str, str],
+        comm_cost: CommCost | None,
+        captured_code: str = "",
+    ) -> None:
+        """Record what the recipe found: the state keys, the shards, the reasons, the cost, and
+        the code of the trace the program was made from (a variant that traces to the same
+        code is the main program)."""
+        self.captured_code = captured_code
+        self._state_keys = list(state_keys)
+        self.param_shards = {k: (spec, list(names)) for k, (spec, names) in param_shards.items()}
+        self.plan_reasons = dict(plan_reasons)
+        self.comm_cost = comm_cost
+        slot_of = {name: k for _, names in self.param_shards.values() for k, name in enumerate(names)}
+        self.shard_param_slots = {name: slot_of.get(name) for name, _ in self.named_parameters()}
+
+    def param_bytes_per_slot(self) -> dict[int, int]:
+        """Bytes of parameters each shard slot holds: its shards plus the replicated rest."""
+        n = len(self.devices)
+        out = dict.fromkeys(range(n), 0)
+        for name, p in self.named_parameters():
+            size = p.numel() * p.element_size()
+            slot = self.shard_param_slots.get(name)
+            for k in range(n) if slot is None else (slot,):
+                out[k] += size
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The original model's keys, each holding the full (gathered) tensor."""
+        if args:  # the positional form nn.Module still accepts
+            destination = args[0]
+        own = super().state_dict(keep_vars=keep_vars)
+        if destination is None:
+            destination = OrderedDict()
+        for key in self._state_keys:
+            if key in self.param_shards:
+                spec, names = self.param_shards[key]
+                value = unshard([own[name] for name in names], spec, self.devices.primary)
+                destination[prefix + key] = value if keep_vars else value.detach()
+            elif key in own:
+                destination[prefix + key] = own[key]
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load full tensors under the original keys, cutting the shards out of them."""
+        keys = set(self._state_keys)
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
+                f"unexpected keys {unexpected}"
+            )
+        own = super().state_dict(keep_vars=True)
+        with torch.no_grad():
+            for key in self._state_keys:
+                if key not in state_dict:
+                    continue
+                value = state_dict[key]
+                if key in self.param_shards:
+                    spec, names = self.param_shards[key]
+                    expected = sum(spec.sizes)
+                    if value.dim() <= spec.dim or value.size(spec.dim) != expected:
+                        raise RuntimeError(
+                            f"size mismatch for {key}: got {tuple(value.shape)}, the sharded parameter has "
+                            f"{expected} along dim {spec.dim} (shards {list(spec.sizes)})"
+                        )
+                    for k, name in enumerate(names):
+                        own[name].copy_(shard_of(value, spec, k))
+                elif key in own:
+                    if own[key].shape != value.shape:
+                        raise RuntimeError(f"size mismatch for {key}: got {tuple(value.shape)}, expected {tuple(own[key].shape)}")
+                    own[key].copy_(value)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:  # fmt: skip
+        """``parent.load_state_dict(...)`` of a module holding ``pm``: cut each full tensor under
+        its original key into the shard keys the submodules load, before they load."""
+        for key, (spec, names) in self.param_shards.items():
+            value = state_dict.get(prefix + key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            del state_dict[prefix + key]
+            if value.dim() <= spec.dim or value.size(spec.dim) != sum(spec.sizes):
+                error_msgs.append(
+                    f"size mismatch for {prefix + key}: got {tuple(value.shape)}, the sharded parameter has "
+                    f"{sum(spec.sizes)} along dim {spec.dim} (shards {list(spec.sizes)})"
+                )
+                continue
+            for k, name in enumerate(names):
+                state_dict[prefix + name] = shard_of(value, spec, k)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    # ------------------------------------------------------------------ pickling
+    def _extra_state_for_pickle(self) -> dict[str, Any]:
+        return {
+            "state_keys": self._state_keys,
+            "param_shards": self.param_shards,
+            "plan_reasons": self.plan_reasons,
+            "comm_cost": self.comm_cost,
+            "captured_code": self.captured_code,
+        }
+
+    def _restore_extra_state(self, extra: dict[str, Any]) -> None:
+        self.init_tensor_parallel(
+            state_keys=extra["state_keys"],
+            param_shards=extra["param_shards"],
+            plan_reasons=extra["plan_reasons"],
+            comm_cost=extra["comm_cost"],
+            captured_code=extra["captured_code"],
+        )

@@ -1,0 +1,273 @@
+"""One cache of programs per ``ParallelModule``, keyed by everything a call can depart on.
+
+A program is specialised on what forward read as Python while it was traced: the modules'
+modes (``self.training``), optional arguments left None (``if mask is not None``), flag
+arguments (``if return_hidden:``), hooks on the modules forward entered, the model's
+submodules and parameters, and the plain attributes forward reads (``self.use_residual``).
+A call computes its :class:`CallKey`; the cache answers with the program traced for it
+(built on first use, as ``torch.compile`` recompiles on a failed guard), never the old one.
+
+    key = cache.key_for(args, kwargs, devices=n)     # cheap: dict versions, no walk
+    program = cache.program(key, args, kwargs)       # None: the main program serves it
+
+The expensive part of a key, the :class:`ModelGuard` fingerprint, is recomputed only when
+the version of one of the watched dicts (a module's ``__dict__``, ``_modules``,
+``_parameters``, hook dicts) has changed since the last call.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import types
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+try:  # CPython's dict version tag, as torch.compile's guards read it
+    from torch._C._dynamo.guards import dict_version
+except ImportError:  # pragma: no cover - a torch without dynamo's C guards
+    dict_version = None
+
+log = logging.getLogger("dpcompile")
+
+PLAIN_TYPES = (bool, int, float, str, type(None), enum.Enum)
+
+# hooks of every module, registered with torch.nn.modules.module.register_module_forward_*_hook
+_GLOBAL_HOOK_DICTS = tuple(
+    getattr(nn_module, name)
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_with_kwargs")
+    if isinstance(getattr(nn_module, name, None), dict)
+)
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+@dataclass(frozen=True)
+class CallKey:
+    """Everything a call's program depends on beyond the tensors' values.
+
+    ``devices``: how many devices it runs on (a batch smaller than the device count uses
+    fewer); ``modes``: the training flag of each module forward enters, by path;
+    ``none_args``/``flags``: optional arguments left None and flag values; ``guard``: the
+    hooks, structure and attributes fingerprint (not portable across processes).
+    """
+
+    devices: int
+    modes: tuple[tuple[str, bool], ...]
+    none_args: frozenset[str] = frozenset()
+    flags: tuple[tuple[str, Any], ...] = ()
+    guard: tuple = ()
+
+    def portable(self) -> CallKey:
+        """The key without object identities: what a pickled program can be looked up by."""
+        return CallKey(self.devices, self.modes, self.none_args, self.flags)
+
+    def traced(self) -> CallKey:
+        """The key of the trace this call's program is lowered from (any device count)."""
+        return CallKey(0, self.modes, self.none_args, self.flags, self.guard)
+
+    def describe(self) -> str:
+        training = {mode for _, mode in self.modes}
+        mode = "training" if training == {True} else "eval" if training == {False} else "mixed-mode"
+        parts = [f"{mode} mode", f"{self.devices} device(s)"]
+        if self.none_args:
+            parts.append(f"{', '.join(sorted(self.none_args))} left None")
+        if self.flags:
+            parts.append(", ".join(f"{name}={value!r}" for name, value in self.flags))
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """Where a program's optional arguments (default None) and flag arguments sit.
+
+    >>> sig = CallSignature(optional=((1, "mask"),), flags=((2, "return_hidden", False),))
+    >>> sig.departures((x, None), {"return_hidden": True})  # doctest: +SKIP
+    (frozenset({'mask'}), (('return_hidden', True),))
+    """
+
+    optional: tuple[tuple[int, str], ...] = ()
+    flags: tuple[tuple[int, str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, graph: fx.Graph, flag_names: Sequence[str] = ()) -> CallSignature:
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        optional = tuple((i, str(n.target)) for i, n in enumerate(inputs) if n.args and n.args[0] is None)
+        flags = tuple(
+            (i, str(n.target), n.args[0] if n.args else None) for i, n in enumerate(inputs) if n.target in flag_names
+        )
+        return cls(optional, flags)
+
+    def departures(self, args: tuple, kwargs: dict) -> tuple[frozenset[str], tuple[tuple[str, Any], ...]]:
+        nones = frozenset(
+            name for position, name in self.optional
+            if (args[position] if position < len(args) else kwargs.get(name)) is None
+        )  # fmt: skip
+        flags = tuple(
+            (name, args[position] if position < len(args) else kwargs.get(name, default))
+            for position, name, default in self.flags
+        )
+        return nones, flags
+
+
+def _code_names(cls: type, _cache: dict[type, frozenset[str]] = {}) -> frozenset[str]:  # noqa: B006 - a memo
+    """Attribute names the methods of ``cls`` (and its bases below nn.Module) mention."""
+    if cls not in _cache:
+        names: set[str] = set()
+
+        def visit(code: types.CodeType) -> None:
+            names.update(code.co_names)
+            for const in code.co_consts:
+                if isinstance(const, types.CodeType):
+                    visit(const)
+
+        for klass in cls.__mro__:
+            if klass in (nn.Module, object) or klass.__module__.startswith("torch.nn"):
+                continue
+            for value in vars(klass).values():
+                func = getattr(value, "__func__", value)
+                code = getattr(func, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    visit(code)
+        _cache[cls] = frozenset(names)
+    return _cache[cls]
+
+
+class ModelGuard:
+    """Watches the modules a model's forward was traced through.
+
+    ``fingerprint()`` describes what tracing baked into the program: each entered module's
+    hooks, its children and parameters (by identity) and the plain attributes its code
+    mentions (``self.use_residual``); ``modes()`` their training flags. Leaf modules (RNNs,
+    ``leaf_modules=``, torch.nn layers) run as calls, so their hooks and modes apply at run
+    time and are not watched; swapping one is (it is a child of an entered module).
+    """
+
+    def __init__(
+        self, model: nn.Module, is_leaf: Callable[[nn.Module, str], bool], *, paths: Sequence[str] | None = None
+    ):
+        """``paths``: watch these modules of ``model`` (a restored program's, whose modules are
+        plain stand-ins) instead of the ones tracing would enter."""
+        self.model = model
+        self.is_leaf = is_leaf
+        self._paths = None if paths is None else tuple(paths)
+        self._refresh()
+
+    def _entered(self) -> Iterator[tuple[str, nn.Module]]:
+        if self._paths is not None:
+            modules = dict(self.model.named_modules())
+            yield from ((path, modules[path]) for path in self._paths if path in modules)
+            return
+        stack = [("", self.model)]
+        while stack:
+            path, module = stack.pop()
+            yield path, module
+            for name, child in reversed(module._modules.items()):
+                child_path = f"{path}.{name}" if path else name
+                if child is not None and not self.is_leaf(child, child_path):
+                    stack.append((child_path, child))
+
+    def _refresh(self) -> None:
+        self.entered = list(self._entered())
+        self._dicts = [*_GLOBAL_HOOK_DICTS]
+        for _, m in self.entered:
+            self._dicts += [m.__dict__, m._modules, m._parameters, m._buffers, *(getattr(m, h) for h in _HOOK_DICTS)]
+        self._versions = self._read_versions()
+        self._modes = tuple((path, m.training) for path, m in self.entered)
+        self._fingerprint = self._compute_fingerprint()
+
+    def _read_versions(self) -> tuple[int, ...] | None:
+        return None if dict_version is None else tuple(map(dict_version, self._dicts))
+
+    def _compute_fingerprint(self) -> tuple:
+        out: list[Any] = [tuple(id(h) for d in _GLOBAL_HOOK_DICTS for h in d.values())]
+        for path, m in self.entered:
+            mentioned = _code_names(type(m))
+            attributes = tuple(
+                (name, value) for name, value in m.__dict__.items()
+                if name in mentioned and isinstance(value, PLAIN_TYPES)
+            )  # fmt: skip
+            hooks = tuple(id(h) for name in _HOOK_DICTS if path for h in getattr(m, name).values())
+            children = tuple((name, id(c)) for name, c in m._modules.items())
+            tensors = tuple((name, id(t)) for d in (m._parameters, m._buffers) for name, t in d.items())
+            out.append((path, type(m), attributes, hooks, children, tensors))
+        return tuple(out)
+
+    def _current(self) -> None:
+        versions = self._read_versions()
+        if versions is None or versions != self._versions:
+            self._refresh()
+
+    def modes(self) -> tuple[tuple[str, bool], ...]:
+        self._current()
+        return self._modes
+
+    def fingerprint(self) -> tuple:
+        self._current()
+        return self._fingerprint
+
+    def root_hooks(self) -> bool:
+        """Whether the model itself has forward hooks (tracing forward never runs them)."""
+        return bool(self.model._forward_hooks or self.model._forward_pre_hooks)
+
+
+class ProgramCache:
+    """Programs by :class:`CallKey`; ``build(key, args, kwargs)`` makes a missing one.
+
+    ``build`` returns a program, or None where the main program serves the key (forward
+    took the same path). More than ``limit`` programs warn once, as ``torch.compile``'s
+    recompile limit does; the least recently used are dropped beyond it.
+    """
+
+    def __init__(self, main_key: CallKey, build: Callable[[CallKey, tuple, dict], fx.GraphModule | None], limit: int = 16):
+        self.main_key = main_key
+        self._build = build
+        self.limit = limit
+        self._programs: OrderedDict[CallKey, fx.GraphModule | None] = OrderedDict()
+        self.traces: dict[Any, Any] = {}  # the builder's memo of traces (a key without its device count)
+        self._warned = False
+
+    def program(self, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        if key == self.main_key:
+            return None
+        try:
+            self._programs.move_to_end(key)
+            return self._programs[key]
+        except KeyError:
+            pass
+        program = self._build(key, args, kwargs)
+        self._programs[key] = program
+        if len(self._programs) > self.limit:
+            evicted, _ = self._programs.popitem(last=False)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"dpcompile: more than {self.limit} programs were traced for calls that depart from the "
+                    f"first one (e.g. {key.describe()}); the oldest are dropped and traced again when needed. "
+                    "A flag argument with many values (an int step, a string) is better passed as a tensor.",
+                    stacklevel=3,
+                )
+            log.debug("program cache full: dropped the program for %s", evicted.describe())
+        return program
+
+    def reset(self, main_key: CallKey, build: Callable[[CallKey, tuple, dict], fx.GraphModule | None]) -> None:
+        """Start over with another main key and build function (a restored program)."""
+        self.main_key = main_key
+        self._build = build
+        self.clear()
+
+    def items(self) -> list[tuple[CallKey, fx.GraphModule | None]]:
+        return list(self._programs.items())
+
+    def clear(self) -> None:
+        self._programs.clear()
+        self.traces.clear()
+
+    def __len__(self) -> int:
+        return len(self._programs)

@@ -1,0 +1,133 @@
+"""Data parallelism in one process: capture → hoist → insert_scatter_gather → ParallelModule.
+
+    gm, flags = capture_with_flags(model, ...)          # the model as a graph
+    input_dims = infer_input_dims(gm, ...)              # which inputs split on which dim
+    gm = frontend_pipeline(gm)                          # hoist_flatten_parameters
+    program = data_parallel_pipeline(gm)                # scatter / replicate / gather
+
+The module shares the model's parameters; a call that departs from the first one (a small
+batch, the other mode, an argument left None, a flag value, a changed model) runs the
+program :meth:`DataParallelRecipe.build_program` makes for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+import passes
+from dpcompile.analysis.batch_dims import infer_input_dims
+from dpcompile.capture import ROOT_LEAF, capture
+from dpcompile.devices import Devices
+from dpcompile.fx_utils import copy_graph, propagate_shapes
+from dpcompile.infra import run_passes
+from dpcompile.modules.base import ParallelModule, modes_applied
+from dpcompile.program_cache import CallKey
+from dpcompile.recipes.base import Recipe, capture_with_flags, move_to
+
+
+@dataclass(frozen=True)
+class DataParallelRecipe(Recipe):
+    """Replicas on ``devices`` (repeated entries: virtual devices), outputs on ``output_device``.
+
+    ``batch_dim``: None (inferred) or the dim every input splits on; ``copy_replicas``: real
+    replica copies on virtual devices too (the code path of distinct GPUs).
+    """
+
+    devices: Devices = Devices((torch.device("cpu"),))
+    output_device: torch.device = torch.device("cpu")
+    batch_dim: int | None = None
+    copy_replicas: bool = False
+
+    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
+        gm, flags = capture_with_flags(model, self.leaf_modules, example_inputs)
+        move_to(model, self.devices.primary)
+        if example_inputs is not None:
+            primary = self.devices.primary
+            propagate_shapes(gm, [x.to(primary) if isinstance(x, torch.Tensor) else x for x in example_inputs])
+        input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
+        gm, records = run_passes(gm, passes.frontend_pipeline(self._options()))
+        captured = fx.GraphModule(gm, copy_graph(gm.graph), type(model).__name__)
+        # forward is Python: traced again where a call takes another path (see build_program)
+        retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
+        lowered = self.lower(gm, self.devices, input_dims, recompile=False)  # the module compiles the code
+        return ParallelModule(
+            lowered,
+            lowered.graph,
+            recipe=self,
+            devices=self.devices,
+            mode="data_parallel",
+            input_dims=input_dims,
+            output_device=self.output_device,
+            captured=captured,
+            records=records,
+            class_name=type(model).__name__,
+            share_all_of=model,
+            source=model if retraceable else None,
+            flags=flags,
+        )
+
+    def _options(self, devices: Devices | None = None, input_dims: Mapping[str, int | None] | None = None):
+        return passes.PipelineOptions(
+            devices=devices or self.devices,
+            input_dims=dict(input_dims or {}),
+            output_device=self.output_device,
+            copy_replicas=self.copy_replicas,
+        )
+
+    def lower(
+        self, gm: fx.GraphModule, devices: Devices, input_dims: Mapping[str, int | None], *, recompile: bool = True
+    ) -> fx.GraphModule:
+        """A captured (and tidied) graph lowered to data-parallel code for ``devices``."""
+        lowered, _ = run_passes(gm, passes.data_parallel_pipeline(self._options(devices, input_dims)), recompile=recompile)
+        return lowered
+
+    def trace(self, model: nn.Module, key: CallKey) -> fx.GraphModule:
+        """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied."""
+        with modes_applied(model, key.modes):
+            gm = capture(model, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
+        gm, _ = run_passes(gm, passes.frontend_pipeline(self._options()))
+        return gm
+
+    def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        captured = None  # None: the main trace
+        trace_key = key.traced()
+        if trace_key != pm.program_cache.main_key.traced():
+            traces = pm.program_cache.traces
+            if trace_key not in traces:
+                if pm.traced_model is None:
+                    raise pm.cannot_trace_again(key)
+                traced = self.trace(pm.traced_model, key)
+                traces[trace_key] = None if traced.code == pm.captured.code else traced
+            captured = traces[trace_key]
+        if captured is None and key.devices == len(pm.devices):
+            return None
+        owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
+        gm = fx.GraphModule(owner, copy_graph(graph), f"ParallelModule{key.devices}")
+        return self.lower(gm, pm.devices.prefix(key.devices), pm.input_dims)
+
+    def retarget(self, pm: ParallelModule, devices: Devices, output_device: torch.device) -> ParallelModule:
+        """``pm``'s program generated again for other ``devices`` (a loaded program moved to
+        this machine's GPUs): same captured program, same parameters."""
+        recipe = dataclasses.replace(self, devices=devices, output_device=output_device)
+        lowered = recipe.lower(fx.GraphModule(pm, copy_graph(pm.captured.graph), "Retargeted"), devices, pm.input_dims)
+        return ParallelModule(
+            pm,
+            lowered.graph,
+            recipe=recipe,
+            devices=devices,
+            mode=pm.mode,
+            input_dims=pm.input_dims,
+            output_device=output_device,
+            plan=pm.plan,
+            captured=pm.captured,
+            records=pm.records,
+            class_name=type(pm).__name__,
+            share_all_of=pm,
+        )

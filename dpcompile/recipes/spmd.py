@@ -1,0 +1,233 @@
+"""SPMD: ``transform(model, mesh)`` with a ``torch.distributed`` ``DeviceMesh``.
+
+One process per device, launched with ``torchrun``; every process runs ``transform`` on the
+same model and gets the program of its own rank:
+
+* **1-D mesh, data parallel** (``tensor_parallel=False``): each process feeds its own part
+  of the batch. The program is the captured model (the ``flatten_parameters`` hoist applied)
+  with every BatchNorm lowered to :func:`~dpcompile.runtime.distributed.sync_batch_norm`
+  over the mesh, run under ``DistributedDataParallel``, which averages the gradients across
+  processes. ``pm`` shares the model's parameters, as the single-process mode does.
+* **1-D mesh, tensor parallel** (``tensor_parallel=True`` or a plan): ``shard_linear``'s
+  one-shard program with its collectives lowered to process-group collectives by
+  ``passes.collectives.lower_to_collectives``. Each rank holds only its shards; every
+  process feeds the same input and gets the full output.
+* **2-D mesh ("dp", "tp")**: tensor parallel within each ``tp`` group, data parallel (DDP
+  over the ``dp`` groups) across them — the torchtitan layout.
+
+>>> # torchrun --nproc-per-node 2 train.py                                # doctest: +SKIP
+>>> dist.init_process_group("gloo")                                       # doctest: +SKIP
+>>> mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))          # doctest: +SKIP
+>>> pm = dpcompile.transform(model, mesh)                                 # doctest: +SKIP
+>>> loss = pm(x_local).mean(); loss.backward()   # gradients averaged     # doctest: +SKIP
+
+A call that departs from the first one (the other mode, an argument left None, a flag value)
+runs this rank's program traced for it, as in one process: on the model itself (data
+parallel) or on a fake-tensor copy with ``pm``'s plan (tensor parallel).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+import passes
+from dpcompile.capture import capture
+from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
+from dpcompile.fake import fake_copy
+from dpcompile.fx_utils import bind_inputs, copy_graph, propagate_shapes
+from dpcompile.infra import info_of, run_passes
+from dpcompile.mesh import check_mesh, local_device, mesh_size
+from dpcompile.modules.base import modes_applied
+from dpcompile.modules.spmd import SpmdModule
+from dpcompile.planning import plan_for
+from dpcompile.program_cache import CallKey
+from dpcompile.recipes.base import Recipe, capture_with_flags
+from dpcompile.runtime.distributed import collective_failure
+from dpcompile.runtime.tensor_parallel import shard_of
+
+
+@dataclass(frozen=True)
+class SpmdRecipe(Recipe):
+    """This rank's program over ``mesh``; ``plan``: False (data parallel), True or ``{path: style}``.
+
+    ``ddp_options`` are passed to ``DistributedDataParallel`` (``bucket_cap_mb=``, ...).
+    """
+
+    mesh: Any = field(default=None, compare=False)
+    plan: bool | Mapping[str, str] = False
+    ddp_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def mode(self) -> str:
+        return check_mesh(self.mesh, self.plan)[0]
+
+    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> SpmdModule:
+        """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
+        the first rank's parameters and buffers)."""
+        mode, dp_dim, tp_dim = check_mesh(self.mesh, self.plan)
+        device = local_device(self.mesh)
+        if mode == "spmd_data_parallel":
+            return self._compile_data_parallel(model, dp_dim, device, example_inputs)
+        return self._compile_tensor_parallel(model, mode, dp_dim, tp_dim, device, example_inputs)
+
+    # ------------------------------------------------------------------ data parallel
+    def _data_parallel_pipeline(self, device: torch.device, dp_dim: str | int | None) -> list:
+        options = passes.PipelineOptions(devices=Devices((device,)))
+        return passes.frontend_pipeline(options) + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim)
+
+    def _compile_data_parallel(
+        self, model: nn.Module, dp_dim: str | int | None, device: torch.device, example_inputs: Sequence[Any] | None
+    ) -> SpmdModule:
+        model.to(device)
+        gm, flags = capture_with_flags(model, self.leaf_modules, example_inputs)
+        captured_code = gm.code
+        gm, records = run_passes(gm, self._data_parallel_pipeline(device, dp_dim))
+        pm = SpmdModule(
+            gm,
+            gm.graph,
+            recipe=self,
+            devices=Devices((device,)),
+            mode="spmd_data_parallel",
+            output_device=device,
+            records=records,
+            class_name=type(model).__name__,
+            share_all_of=model,
+            source=model if not isinstance(model, fx.GraphModule) else None,
+            flags=flags,
+        )
+        pm.captured_code = captured_code
+        pm.attach_mesh(mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options)
+        return pm
+
+    # ------------------------------------------------------------------ tensor parallel
+    def _tensor_parallel_pipeline(self, devices: Devices, styles: Mapping[str, str], dp_dim: Any, tp_dim: Any) -> list:
+        options = passes.PipelineOptions(devices=devices, plan=dict(styles))
+        return (
+            passes.frontend_pipeline(options)
+            + passes.spmd_tensor_parallel_pipeline(options)
+            + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim, tp_dim=tp_dim)
+        )
+
+    def _compile_tensor_parallel(
+        self, model: nn.Module, mode: str, dp_dim: Any, tp_dim: Any, device: torch.device, example_inputs: Sequence[Any] | None
+    ) -> SpmdModule:
+        tp_size = mesh_size(self.mesh, tp_dim)
+        tp_rank = self.mesh.get_local_rank(tp_dim)
+        pristine = _fake_copy_or_none(model, device)  # to trace again for calls that depart from this one
+        own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
+        broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
+        gm, flags = capture_with_flags(own, self.leaf_modules, example_inputs)
+        captured_code = gm.code
+        if example_inputs is not None:
+            propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
+        styles, reasons = plan_for(gm, self.plan, tp_size, model)
+        devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
+        gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim))
+        info = info_of(records, "shard_linear")
+        specs = dict(info.get("param_shards", {}))
+        keep_own_shards(gm, own, specs, tp_rank)
+        pm = SpmdModule(
+            gm,
+            gm.graph,
+            recipe=self,
+            devices=Devices((device,)),
+            mode=mode,
+            output_device=device,
+            plan=info.get("plan", styles),
+            records=records,
+            class_name=type(model).__name__,
+            share_all_of=own,
+            source=pristine,
+            flags=flags,
+            shares_source=False,
+        )
+        pm.captured_code = captured_code
+        pm.plan_reasons = {**reasons, **{p: f"replicate: {why}" for p, why in info.get("reasons", {}).items()}}
+        pm.attach_mesh(mesh=self.mesh, dp_dim=dp_dim, tp_dim=tp_dim, shards=specs, ddp_options=self.ddp_options)
+        return pm
+
+    # ------------------------------------------------------------------ variants
+    def build_program(self, pm: SpmdModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        source = pm.traced_model
+        if source is None:
+            raise pm.cannot_trace_again(key)
+        flags = dict(key.flags) or None
+        if pm.mode == "spmd_data_parallel":
+            with modes_applied(source, key.modes):
+                traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)
+            if traced.code == pm.captured_code:
+                return None
+            lowered, _ = run_passes(traced, self._data_parallel_pipeline(pm.devices.primary, pm.dp_dim))
+            return fx.GraphModule(pm, copy_graph(lowered.graph), "SpmdVariant")
+        device = pm.devices.primary
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with modes_applied(source, key.modes):
+            if capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags).code == pm.captured_code:
+                return None
+            fake = fake_copy(source, mode, device)
+        with mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            with modes_applied(fake, key.modes):
+                traced = capture(fake, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)
+            example = tree_map(lambda v: mode.from_tensor(v.detach()) if isinstance(v, torch.Tensor) else v,
+                               bind_inputs(pm, args, kwargs))  # fmt: skip
+            propagate_shapes(traced, list(example))
+            devices = Devices((device,) * mesh_size(self.mesh, pm.tp_dim))
+            lowered, records = run_passes(traced, self._tensor_parallel_pipeline(devices, pm.plan, pm.dp_dim, pm.tp_dim))
+        if info_of(records, "shard_linear").get("param_shards", {}) != pm.shards:
+            raise DpCompileError(
+                f"the call ({key.describe()}) takes another path through forward, whose layers shard "
+                "differently; transform the model for that call"
+            )
+        return fx.GraphModule(pm, copy_graph(lowered.graph), "SpmdVariant")
+
+
+def _fake_copy_or_none(model: nn.Module, device: torch.device) -> nn.Module | None:
+    """A fake-tensor copy of ``model`` (no memory) to trace again, or None where that fails."""
+    if isinstance(model, fx.GraphModule) or type(model).forward is nn.Module.forward:
+        return None
+    try:
+        return fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), device)
+    except Exception:  # noqa: BLE001 - variants are a refinement; the main program stands
+        return None
+
+
+@torch.no_grad()
+def broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give every rank of ``group`` the parameters and buffers of the group's first rank.
+
+    As DDP does at construction: ranks that initialised the model differently (no common
+    seed) still cut their shards from one model.
+    """
+    source = dist.get_global_rank(group, 0)
+    try:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=source, group=group)
+    except (RuntimeError, dist.DistError) as e:
+        raise collective_failure("transform's broadcast of the first tp rank's parameters", group, e) from e
+
+
+def keep_own_shards(gm: fx.GraphModule, own: nn.Module, specs: Mapping[str, Any], rank: int) -> None:
+    """Replace each sharded parameter by this rank's shard (a new parameter; the rest is dropped)."""
+    for target, spec in specs.items():
+        path, _, name = target.rpartition(".")
+        owner = gm.get_submodule(path) if path else gm
+        full = getattr(owner, name)
+        with torch.no_grad():
+            shard = shard_of(full.detach(), spec, rank).clone()
+        param = nn.Parameter(shard, requires_grad=full.requires_grad)
+        setattr(owner, name, param)
+        if not path:  # the model itself is a Linear: its own parameters are the root's
+            setattr(own, name, param)

@@ -1,0 +1,199 @@
+"""Tensor parallelism in one process: ``transform(model, devices, tensor_parallel=True | {path: style})``.
+
+    owned = copy.deepcopy(model)                        # the user's model is never touched
+    gm = capture(owned)                                 # owning all its state
+    styles, reasons = plan_for(gm, plan, n, model)      # automatic, or the user's plan checked
+    gm = frontend_pipeline + tensor_parallel_pipeline   # shard_linear, then expand_shards
+    TensorParallelModule(gm, ...)                       # owns the shards
+
+>>> import torch, dpcompile
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+>>> pm = dpcompile.transform(mlp, ["cpu", "cpu"], tensor_parallel=True, example_inputs=(torch.randn(4, 8),))
+>>> pm.plan
+{'0': 'column', '2': 'row'}
+>>> torch.allclose(pm(torch.ones(3, 8)), mlp(torch.ones(3, 8)), atol=1e-6)
+True
+
+A call that departs from the first one (the other mode, an optional argument left None)
+runs a program traced on a fake-tensor copy of the model (no memory) with ``pm``'s plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+import passes
+from dpcompile.analysis.cost import plan_cost
+from dpcompile.analysis.sharding import linear_paths
+from dpcompile.capture import capture
+from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
+from dpcompile.fx_utils import adopt_state, bind_inputs, copy_graph, propagate_shapes
+from dpcompile.infra import info_of, run_passes
+from dpcompile.modules.base import modes_applied
+from dpcompile.modules.tensor_parallel import TensorParallelModule
+from dpcompile.planning import plan_for
+from dpcompile.program_cache import CallKey
+from dpcompile.recipes.base import Recipe
+
+log = logging.getLogger("dpcompile")
+
+
+@dataclass(frozen=True)
+class TensorParallelRecipe(Recipe):
+    """Shards of every planned ``nn.Linear`` over ``devices``; ``plan``: True (automatic) or
+    ``{path: "column" | "row" | "replicate"}``. ``check_available=False`` lets ``devices``
+    name devices this machine lacks (fake ``cuda:0..7`` programs for placement checks)."""
+
+    devices: Devices = Devices((torch.device("cpu"),))
+    output_device: torch.device = torch.device("cpu")
+    plan: bool | Mapping[str, str] = True
+    check_available: bool = True
+    none_args: frozenset[str] = field(default=frozenset(), compare=False)
+
+    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> TensorParallelModule:
+        state_keys = list(model.state_dict().keys())
+        owned = copy.deepcopy(model)  # the user's model is never touched
+        gm = capture_owning_everything(owned, self.leaf_modules, self.none_args)
+        captured_code = gm.code
+        if example_inputs is not None:
+            propagate_shapes(gm, list(example_inputs))
+        styles, reasons = plan_for(gm, self.plan, len(self.devices), model)
+        options = passes.PipelineOptions(devices=self.devices, output_device=self.output_device, plan=styles)
+        gm, records = run_passes(gm, passes.frontend_pipeline(options) + passes.tensor_parallel_pipeline(options))
+        shard_info = info_of(records, "shard_linear")
+        expand_info = info_of(records, "expand_shards")
+        applied = {path: "replicate" for path in linear_paths(model)}
+        applied.update(shard_info["plan"])
+        described = describe_choices(applied, shard_info)
+        reasons = {
+            p: f"{described[p]} ({reasons[p]})" if p in reasons and p in described and not reasons[p].startswith("replicate:")
+            else reasons.get(p, described.get(p, ""))
+            for p in {**described, **reasons}
+        }  # fmt: skip
+        reasons.update({p: f"replicate: {why}" for p, why in shard_info["reasons"].items()})
+        cost = plan_cost(shard_info["comms"], len(self.devices))
+        fake_source = self._fake_source(model) if self.check_available else None  # not for a fake layout check
+        pm = TensorParallelModule(
+            gm,
+            gm.graph,
+            recipe=self,
+            devices=self.devices,
+            mode="tensor_parallel",
+            output_device=self.output_device,
+            plan=applied,
+            records=records,
+            class_name=type(model).__name__,
+            share_all_of=gm,
+            source=fake_source,
+            none_args=self.none_args,
+            shares_source=False,
+        )
+        pm.init_tensor_parallel(
+            state_keys=state_keys,
+            param_shards=expand_info["param_shards"],
+            plan_reasons=reasons,
+            comm_cost=cost,
+            captured_code=captured_code,
+        )
+        pm.train(model.training)
+        log.debug("tensor-parallel plan %s: %s per device", applied, cost)
+        return pm
+
+    def _fake_source(self, model: nn.Module) -> nn.Module | None:
+        """A fake-tensor copy of ``model`` (no memory) to trace again for a call that takes
+        another path through forward; None where there is no forward to trace."""
+        if type(model).forward is nn.Module.forward or isinstance(model, fx.GraphModule):
+            return None
+        try:
+            return fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), self.devices.primary)
+        except Exception as e:  # noqa: BLE001 - variants are a refinement; the main program stands
+            log.debug("no fake copy of the model for variants (%s)", e)
+            return None
+
+    def build_program(self, pm: TensorParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        """The program for a call in another mode or with other arguments left None, built on
+        the fake copy with ``pm``'s plan and run on its shards; None where it is the same."""
+        source = pm.traced_model
+        if source is None:
+            raise pm.cannot_trace_again(key)
+        with modes_applied(source, key.modes):
+            traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args)
+            if traced.code == pm.captured_code:
+                return None  # forward takes the same path: the main program (a cheap check)
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            values = bind_inputs(pm, args, kwargs) if args or kwargs else None
+            with mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+                example = None if values is None else tree_map(
+                    lambda v: mode.from_tensor(v.detach()).to(self.devices.primary) if isinstance(v, torch.Tensor) else v,
+                    values,
+                )  # fmt: skip
+                variant = TensorParallelRecipe(
+                    leaf_modules=self.leaf_modules, frontend=self.frontend, devices=self.devices,
+                    output_device=self.output_device, plan=dict(pm.plan), check_available=False,
+                    none_args=key.none_args,
+                )  # fmt: skip
+                built = variant.compile(source, example)
+        if built.param_shards != pm.param_shards:
+            raise DpCompileError(
+                f"the call ({key.describe()}) takes another path through forward, whose layers shard "
+                "differently; transform the model for that call (example_inputs= of it)"
+            )
+        return None if built.code == pm.code else fx.GraphModule(pm, copy_graph(built.graph), "TensorParallelVariant")
+
+
+def capture_owning_everything(
+    owned: nn.Module, leaf_modules: Iterable[type[nn.Module]], none_args: Iterable[str] = ()
+) -> fx.GraphModule:
+    """Capture ``owned`` and give the GraphModule all its state, used in forward or not.
+
+    ``fx.GraphModule`` keeps only what the graph reads (with empty stand-ins for the modules
+    on the way); the state dict must keep every key, and passes must replace modules in the
+    real hierarchy.
+    """
+    gm = capture(owned, leaf_modules=leaf_modules, none_args=none_args)
+    if isinstance(owned, fx.GraphModule) or not list(owned.children()) and not owned._parameters and not owned._buffers:
+        return gm
+    adopt_state(gm, owned)
+    gm.train(owned.training)
+    return gm
+
+
+def describe_choices(applied: Mapping[str, str], info: Mapping[str, Any]) -> dict[str, str]:
+    """A reason for each layer's style, from what ``shard_linear`` found."""
+    pairs: dict[str, frozenset[str]] = info.get("pairs", {})
+    gathered: dict[str, list[str]] = info.get("gathered", {})
+    feeds: dict[str, list[str]] = {}
+    for row, columns in pairs.items():
+        for column in columns:
+            feeds.setdefault(column, []).append(row)
+    out = {}
+    for path, style in applied.items():
+        if style == "column":
+            parts = []
+            if path in feeds:
+                parts.append(f"stays sharded into row layer(s) {', '.join(map(repr, sorted(feeds[path])))} (no collective between)")
+            if path in gathered:
+                parts.append(f"all-gathered for {', '.join(sorted(set(gathered[path])))}")
+            out[path] = "column: output " + ("; ".join(parts) if parts else "sharded")
+        elif style == "row":
+            if path in pairs:
+                out[path] = f"row: takes the sharded output of {', '.join(map(repr, sorted(pairs[path])))}; partial sums all-reduced"
+            else:
+                out[path] = "row: replicated input split; partial sums all-reduced"
+        else:
+            out[path] = "replicate: left whole"
+    return out

@@ -585,7 +585,7 @@ def test_lower_to_collectives_swaps_shard_collectives():
     from dpcompile.devices import Devices
     from dpcompile.runtime import collectives, distributed
     from passes.collectives import lower_to_collectives
-    from passes.tensor_parallel import shard_linear
+    from passes.shard_linear import shard_linear
 
     gm = _captured(MLP(8, 7))
     shard_linear(gm, plan={"fc1": "column"}, devices=Devices((torch.device("cpu"),) * 2))

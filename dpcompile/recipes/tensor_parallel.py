@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map
 
 import passes
 from dpcompile.analysis.cost import plan_cost
+from dpcompile.analysis.sharding import linear_paths
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
@@ -47,7 +48,6 @@ from dpcompile.modules.tensor_parallel import TensorParallelModule
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags
-from passes.tensor_parallel import linear_paths
 
 log = logging.getLogger("dpcompile")
 

@@ -13,8 +13,7 @@ from dpcompile.mesh import local_batch
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import CollectiveError
 from dpcompile.verify import VerifyResult, verify
-
-__version__ = "0.1.0"
+from dpcompile.version import __version__
 
 __all__ = [
     "CollectiveError",

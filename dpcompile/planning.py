@@ -23,7 +23,13 @@ from torch import nn
 
 from dpcompile.analysis.cost import plan_cost
 from dpcompile.analysis.graph_view import find_linear_chains, linear_groups
-from passes.tensor_parallel import check_divisible, check_plan, find_linear_sites, is_shard_transparent, resolve_plan
+from dpcompile.analysis.sharding import (
+    check_divisible,
+    check_plan,
+    find_linear_sites,
+    is_shard_transparent,
+    resolve_plan,
+)
 
 log = logging.getLogger("dpcompile")
 

@@ -117,7 +117,7 @@ class CallSignature:
 
 
 def _code_names(cls: type, _cache: dict[type, frozenset[str]] = {}) -> frozenset[str]:  # noqa: B006 - a memo
-    """Attribute names the methods of ``cls`` (and its bases below nn.Module) mention."""
+    """Attribute names the methods of ``cls`` (and its bases below nn.Module) read, but ``__init__``."""
     if cls not in _cache:
         names: set[str] = set()
 
@@ -130,7 +130,9 @@ def _code_names(cls: type, _cache: dict[type, frozenset[str]] = {}) -> frozenset
         for klass in cls.__mro__:
             if klass in (nn.Module, object) or klass.__module__.startswith("torch.nn"):
                 continue
-            for value in vars(klass).values():
+            for name, value in vars(klass).items():
+                if name == "__init__":  # sets attributes; only what the other methods read matters
+                    continue
                 func = getattr(value, "__func__", value)
                 code = getattr(func, "__code__", None)
                 if isinstance(code, types.CodeType):
@@ -227,7 +229,7 @@ class ProgramCache:
 
     def __init__(self, main_key: CallKey, build: Callable[[CallKey, tuple, dict], fx.GraphModule | None], limit: int = 16):
         self.main_key = main_key
-        self._build = build
+        self.build = build
         self.limit = limit
         self._programs: OrderedDict[CallKey, fx.GraphModule | None] = OrderedDict()
         self.traces: dict[Any, Any] = {}  # the builder's memo of traces (a key without its device count)
@@ -241,7 +243,7 @@ class ProgramCache:
             return self._programs[key]
         except KeyError:
             pass
-        program = self._build(key, args, kwargs)
+        program = self.build(key, args, kwargs)
         self._programs[key] = program
         if len(self._programs) > self.limit:
             evicted, _ = self._programs.popitem(last=False)
@@ -259,7 +261,7 @@ class ProgramCache:
     def reset(self, main_key: CallKey, build: Callable[[CallKey, tuple, dict], fx.GraphModule | None]) -> None:
         """Start over with another main key and build function (a restored program)."""
         self.main_key = main_key
-        self._build = build
+        self.build = build
         self.clear()
 
     def items(self) -> list[tuple[CallKey, fx.GraphModule | None]]:

@@ -1,6 +1,8 @@
-"""The graph passes of dpcompile and the pipeline that orders them.
+"""The graph passes of dpcompile and every pipeline that orders them, on one screen.
 
-    capture ─► hoist_flatten_parameters ─► [shard_linear] ─► insert_scatter_gather | lower_to_collectives
+    capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
+                                         ├─► shard_linear ─► expand_shards          (tensor parallel)
+                                         └─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
 
 See ``passes/README.md`` for the invariants every pass keeps and why the order is this one.
 """
@@ -17,8 +19,9 @@ from dpcompile.devices import Devices
 from dpcompile.infra import Pass
 from passes.collectives import find_collective_sites, lower_to_collectives
 from passes.data_parallel import insert_scatter_gather
+from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
-from passes.tp_pipeline import spmd_tensor_parallel_pipeline, tensor_parallel_pipeline
+from passes.shard_linear import find_linear_sites, shard_linear
 
 
 @dataclass
@@ -50,6 +53,23 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
     ]
 
 
+def spmd_tensor_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
+    """``shard_linear`` alone: the program of one shard, collectives explicit.
+
+    ``options.plan`` is the ``{module path: style}`` dict to apply (already chosen by
+    ``dpcompile.planning`` for ``tensor_parallel=True``).
+    """
+    return [functools.partial(shard_linear, plan=dict(options.plan), devices=options.devices)]
+
+
+def tensor_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
+    """Lower a tidied graph to single-process tensor-parallel code over ``options.devices``."""
+    return [
+        *spmd_tensor_parallel_pipeline(options),
+        functools.partial(expand_shards, devices=options.devices, output_device=options.output_device),
+    ]
+
+
 def spmd_pipeline(
     options: PipelineOptions, *, mesh: Any, dp_dim: str | int | None = None, tp_dim: str | int | None = None
 ) -> list[Pass]:
@@ -72,6 +92,9 @@ __all__ = [
     "lower_to_collectives",
     "find_collective_sites",
     "spmd_pipeline",
+    "shard_linear",
+    "find_linear_sites",
+    "expand_shards",
     "tensor_parallel_pipeline",
     "spmd_tensor_parallel_pipeline",
 ]

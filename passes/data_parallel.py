@@ -50,7 +50,8 @@ import torch.fx as fx
 
 from dpcompile import runtime
 from dpcompile.analysis.batch_dims import propagate
-from dpcompile.analysis.batch_rules import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES, bind_loss, loss_kwargs_of_module
+from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
+from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
 from dpcompile.analysis.placement import (
     Partial,
     Placement,

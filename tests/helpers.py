@@ -7,9 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 import dpcompile
+from dpcompile.capture import capture
+from dpcompile.fx_utils import propagate_shapes
 from dpcompile.runtime.structures import tensor_leaves
 
 
@@ -81,3 +84,25 @@ def to_fake_cuda(model: nn.Module, mode: Any) -> nn.Module:
         if isinstance(module, nn.RNNBase):
             module._flat_weights = [module._parameters.get(n) for n in module._flat_weights_names]
     return model
+
+
+def captured(model: nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
+    """A captured copy of ``model``; with ``inputs``, its nodes carry shapes (``meta["val"]``)."""
+    gm = capture(copy.deepcopy(model))
+    if inputs:
+        assert propagate_shapes(gm, list(inputs))
+    return gm
+
+
+def targets(gm: fx.GraphModule) -> list[str]:
+    """The names of the functions ``gm`` calls, in order."""
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+class FakeMesh:
+    """Enough of a DeviceMesh for a pass, which only records it (groups are looked up lazily)."""
+
+    ndim = 1
+    mesh_dim_names = ("tp",)
+    device_type = "cpu"
+

@@ -128,3 +128,75 @@ class SeqEncoder(nn.Module):
     def forward(self, tokens):
         out, (h, c) = self.rnn(self.emb(tokens))
         return self.head(out[-1]), h
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention written with view/transpose/matmul/softmax (heads sharded by TP)."""
+
+    def __init__(self, d: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q = self.q(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        k = self.k(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        v = self.v(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+        att = ((q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.out(y)
+
+
+class NormAfterColumn(nn.Module):
+    """A LayerNorm between two Linears: a column output must be gathered before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+class Shared(nn.Module):
+    """One Linear called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(self.fc(x))
+
+
+class Tied(nn.Module):
+    """A Linear whose weight is also read directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) @ self.fc.weight
+
+
+class Departures(nn.Module):
+    """A forward that departs on what it reads as Python: its mode (dropout with
+    ``self.training``), an optional argument (``if scale is not None``) and a flag (``if double``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x, scale=None, double: bool = False):
+        h = F.dropout(F.gelu(self.fc1(x)), 0.5, self.training)
+        y = self.fc2(h)
+        if scale is not None:
+            y = y * scale
+        if double:
+            y = y * 2
+        return y

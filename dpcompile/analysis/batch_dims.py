@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.batch_rules import RuleContext, node_shape, rule_for
+from dpcompile.analysis.batch_rules import RuleContext, batch_first, node_shape, rule_for
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
@@ -84,16 +84,6 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
             module = modules.get(node.target) if node.op == "call_module" else None
             placements[node] = decide(node, placements, module)
     return placements
-
-
-def batch_first(module: nn.Module) -> bool:
-    """``batch_first`` of an RNN, attention or transformer layer (which keep it in ``self_attn``)."""
-    if isinstance(module, nn.TransformerEncoder):
-        module = module.layers[0]
-    if hasattr(module, "batch_first"):
-        return bool(module.batch_first)
-    attention = getattr(module, "self_attn", None)
-    return bool(getattr(attention, "batch_first", False))
 
 
 def _wanted_dim(node: fx.Node, module: nn.Module | None) -> int | None:

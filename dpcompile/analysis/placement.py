@@ -2,7 +2,8 @@
 
 =====================  ==========================================================
 ``Split(dim)``         one chunk per device; concatenating along ``dim`` gives it
-``REPLICATED``         the same value on every device; carries no batch
+``REPLICATED``         the same value on every device; carries no batch (also the layout
+                       of a whole tensor on every shard in :mod:`~dpcompile.analysis.sharding`)
 ``BatchSize``          a per-device Python value (``x.size(0)``) that differs by chunk
 ``Partial(kind)``      per-device partial results awaiting a reduction (``sum``/``mean``)
 ``Whole(batch)``       computed once, on the primary device (after a gather)

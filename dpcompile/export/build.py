@@ -10,13 +10,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, _strings
+from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, device_strings
 from dpcompile.export.source import program_source
 
 __all__ = ["build", "place", "readable_programs"]
 
 
-def _expected_class(kind: str) -> type:
+def expected_class(kind: str) -> type:
     from dpcompile.modules.base import ParallelModule
     from dpcompile.modules.tensor_parallel import TensorParallelModule
 
@@ -58,10 +58,10 @@ def readable_programs(data: Any, paths: Container[str]) -> list[tuple[str, fx.Gr
 def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor], target: Any) -> nn.Module:
     """The module of a checked folder: graphs decoded and ``module.py`` compared first, then
     the module tree, then the module, restored as unpickling restores one whose model class
-    is not at hand (``dpcompile.modules.base._restore_parallel_module``), carrying its programs."""
+    is not at hand (``dpcompile.modules.base.restore_parallel_module``), carrying its programs."""
     from dpcompile.export.serialize import decode_graph, decode_tree
     from dpcompile.export.variants import decode_key, decode_recipe, decode_signature
-    from dpcompile.modules.base import _restore_parallel_module
+    from dpcompile.modules.base import restore_parallel_module
     from dpcompile.program_cache import CallKey
 
     config, data, kind = program["config"], program["data"], program["kind"]
@@ -91,12 +91,12 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     recipe = decode_recipe(kind, data["recipe"], target, output_device)
     graph = readable[0][1]
     extra: dict[str, Any] = {}
-    moved = _strings(target) != recorded
+    moved = device_strings(target) != recorded
     # only now, with every file and the program checked, is anything built
     holder, _, outside = decode_tree(trees, tensors)
     if kind == "data_parallel" and moved:
         if captured is None:
-            raise ExportError(f"{folder} holds no captured program to regenerate for {_strings(target)}")
+            raise ExportError(f"{folder} holds no captured program to regenerate for {device_strings(target)}")
         lowered = {None: recipe.lower(fx.GraphModule(holder, _copy(captured), "Retargeted"), target, input_dims).graph}
         for key, trace in traces:
             if trace is not None:
@@ -110,9 +110,9 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
             if CallKey(0, k.modes, k.none_args, k.flags) in lowered or CallKey(0, k.modes, k.none_args, k.flags) in dict(traces)
         ]  # a key whose trace is the main one runs the main program (None)
     elif kind == "tensor_parallel":
-        mapping = _device_mapping(recorded, target) if moved else {}
+        mapping = device_mapping(recorded, target) if moved else {}
         for g in [graph] + [g for _, g in variants if g is not None]:
-            _map_devices(g, mapping)
+            map_devices(g, mapping)
         extra = _tp_extra(config["tensor_parallel"])
     state = {
         "modules": dict(holder._modules),
@@ -139,7 +139,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
         "extra": extra,
         "source": None,
     }
-    pm = _restore_parallel_module(_expected_class(kind), state)
+    pm = restore_parallel_module(expected_class(kind), state)
     pm._signature = signature  # where calls depart (none where the module never traced again)
     if kind == "tensor_parallel":
         _check_shards(pm)
@@ -189,8 +189,8 @@ def _check_shards(pm: nn.Module) -> None:
                 raise ExportError(f"{PROGRAM_FILE}: shard {k} of {key!r} is not {spec.sizes[k]} along dim {spec.dim}")
 
 
-def _device_mapping(recorded: list[str], target: Any) -> dict[str, str]:
-    new = _strings(target)
+def device_mapping(recorded: list[str], target: Any) -> dict[str, str]:
+    new = device_strings(target)
     if len(set(recorded)) != len(recorded) and len(set(new)) != len(new):
         return {}
     if len(set(recorded)) != len(recorded):
@@ -201,7 +201,7 @@ def _device_mapping(recorded: list[str], target: Any) -> dict[str, str]:
     return dict(zip(recorded, new))
 
 
-def _map_devices(graph: fx.Graph, mapping: dict[str, str]) -> None:
+def map_devices(graph: fx.Graph, mapping: dict[str, str]) -> None:
     if not mapping:
         return
 

@@ -17,16 +17,16 @@ WEIGHTS_FILE = "weights.safetensors"
 PICKLE_FILE = "program.pkl"
 MANIFEST_FILE = "manifest.json"
 KINDS = ("data_parallel", "tensor_parallel")
-_SUMMARY = ("kind", "class_name", "devices", "dpcompile_version", "torch_version", "trust_code")
+SUMMARY_FIELDS = ("kind", "class_name", "devices", "dpcompile_version", "torch_version", "trust_code")
 
 
 class ExportError(DpCompileError):
     """An export folder cannot be written or loaded; the message says why and what to do."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _strings(devices: Any) -> list[str]:
+def device_strings(devices: Any) -> list[str]:
     return devices.strings() if hasattr(devices, "strings") else [str(d) for d in devices]

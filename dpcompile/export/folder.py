@@ -15,9 +15,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.export.build import _expected_class, build, place
+from dpcompile.export.build import build, expected_class, place
 from dpcompile.export.common import (
-    _SUMMARY,
     FORMAT,
     FORMAT_VERSION,
     KINDS,
@@ -26,13 +25,15 @@ from dpcompile.export.common import (
     PICKLE_FILE,
     PROGRAM_FILE,
     PROGRAM_FORMAT,
+    SUMMARY_FIELDS,
     WEIGHTS_FILE,
     ExportError,
-    _dtype_name,
-    _strings,
+    device_strings,
+    dtype_name,
 )
-from dpcompile.export.integrity import _canonical, _read_program, _read_weights, _sha256, read_manifest
-from dpcompile.export.source import _class_name, generated_source, program_source
+from dpcompile.export.integrity import canonical_json, read_manifest, read_program, read_weights, sha256_of
+from dpcompile.export.source import class_name_of, generated_source, program_source
+from dpcompile.version import __version__
 
 log = logging.getLogger("dpcompile")
 
@@ -78,7 +79,7 @@ def _slots(pm: nn.Module, tensors: Mapping[str, torch.Tensor], names: Mapping[st
     for name, key in names.items():
         if shard_slots.get(name) is not None:
             slots[key] = shard_slots[name]
-    strings = _strings(pm.devices)
+    strings = device_strings(pm.devices)
     if len(set(strings)) == len(strings):
         for key, t in tensors.items():
             if slots[key] is None and str(t.device) in strings:
@@ -218,13 +219,12 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
 
 def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
     """``(program.json's content, files to write beside it, tensors by file key)``."""
-    import dpcompile
     from dpcompile.export.build import readable_programs
     from dpcompile.export.serialize import NotData
     from dpcompile.modules.tensor_parallel import TensorParallelModule
 
-    strings = _strings(pm.devices)
-    class_name = _class_name(pm)
+    strings = device_strings(pm.devices)
+    class_name = class_name_of(pm)
     pickled_reason = None
     try:
         data, tree, keys, tensors, names = _as_data(pm)
@@ -254,7 +254,7 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         "format_version": FORMAT_VERSION,
         "kind": pm.mode,
         "class_name": class_name,
-        "dpcompile_version": dpcompile.__version__,
+        "dpcompile_version": __version__,
         "torch_version": torch.__version__,
         "trust_code": pickled_reason is not None,
         "pickled_because": pickled_reason,
@@ -263,7 +263,7 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         "tensors": {
             key: {
                 "shape": list(t.shape),
-                "dtype": _dtype_name(t.dtype),
+                "dtype": dtype_name(t.dtype),
                 "parameter": isinstance(t, nn.Parameter),
                 "requires_grad": bool(t.requires_grad),
                 "slot": slots[key],
@@ -282,7 +282,7 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
     else:
         readable = [("forward", pm.graph)]
         files = {PICKLE_FILE: _pickle(pm, keys)}
-    files[PROGRAM_FILE] = _canonical(program)
+    files[PROGRAM_FILE] = canonical_json(program)
     files[MODULE_FILE] = program_source(readable, class_name=class_name, mode=pm.mode, devices=strings).encode()
     return program, files, tensors
 
@@ -313,10 +313,10 @@ def _write(folder: Path, program: dict[str, Any], files: dict[str, bytes], tenso
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "files": {name: {"sha256": _sha256(folder / name), "size": (folder / name).stat().st_size} for name in sorted(written)},
-        "program": {k: program[k] for k in _SUMMARY if k != "devices"} | {"devices": program["config"]["devices"]},
+        "files": {name: {"sha256": sha256_of(folder / name), "size": (folder / name).stat().st_size} for name in sorted(written)},
+        "program": {k: program[k] for k in SUMMARY_FIELDS if k != "devices"} | {"devices": program["config"]["devices"]},
     }
-    (folder / MANIFEST_FILE).write_bytes(_canonical(manifest))
+    (folder / MANIFEST_FILE).write_bytes(canonical_json(manifest))
 
 
 def _labels(keys: list[Any]) -> dict[Any, str]:
@@ -372,7 +372,7 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> 
     """
     folder = Path(path)
     manifest = read_manifest(folder)
-    program = _read_program(folder, manifest)
+    program = read_program(folder, manifest)
     config = program["config"]
     recorded = list(config["devices"])
     if program["trust_code"] and not trust_code:
@@ -389,21 +389,21 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> 
             f"this {program['kind']} export has {len(recorded)} shards ({recorded}); load it onto {len(recorded)} "
             f"devices, not {len(target)}"
         )
-    weights = _read_weights(folder, program)
+    weights = read_weights(folder, program)
     tensors = place(weights, program["tensors"], target)
     if program["trust_code"]:
         from dpcompile.export.pickled import restore
 
         pm = restore(folder / PICKLE_FILE, tensors, program, target)
         source = program_source([("forward", pm.graph)], class_name=program["class_name"], mode=program["kind"], devices=recorded)
-        if _strings(pm.devices) == recorded and source.encode() != (folder / MODULE_FILE).read_bytes():
+        if device_strings(pm.devices) == recorded and source.encode() != (folder / MODULE_FILE).read_bytes():
             raise ExportError(f"{folder / MODULE_FILE} is not the program in {PICKLE_FILE}; the folder was edited: re-export")
     else:
         try:
             pm = build(folder, program, tensors, target)
         except RecursionError:
             raise ExportError(f"{folder / PROGRAM_FILE} nests values too deeply to be a program") from None
-    expected = _expected_class(program["kind"])
+    expected = expected_class(program["kind"])
     if not isinstance(pm, expected) or pm.mode != program["kind"]:
         raise ExportError(f"{folder} did not rebuild as a {expected.__name__}")
     return pm

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from dpcompile.export.common import (
-    _SUMMARY,
     FORMAT,
     FORMAT_VERSION,
     KINDS,
@@ -21,15 +20,16 @@ from dpcompile.export.common import (
     PICKLE_FILE,
     PROGRAM_FILE,
     PROGRAM_FORMAT,
+    SUMMARY_FIELDS,
     WEIGHTS_FILE,
     ExportError,
-    _dtype_name,
+    dtype_name,
 )
 
 __all__ = ["read_manifest"]
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -37,7 +37,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _canonical(data: Any) -> bytes:
+def canonical_json(data: Any) -> bytes:
     return (json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
@@ -67,7 +67,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise ExportError(f"{manifest_path} has fields {sorted(manifest)}; it was changed or written by another tool: re-export")
     files = manifest["files"]
     summary = manifest["program"]
-    if not isinstance(summary, dict) or set(summary) != set(_SUMMARY):
+    if not isinstance(summary, dict) or set(summary) != set(SUMMARY_FIELDS):
         raise ExportError(f"{manifest_path} has no valid 'program' summary; re-export the module")
     if not isinstance(files, dict) or not all(
         isinstance(v, dict) and set(v) == {"sha256", "size"} and isinstance(v["sha256"], str) and type(v["size"]) is int
@@ -88,12 +88,12 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         file = folder / name
         if not file.is_file() or file.is_symlink():
             raise ExportError(f"{folder} is missing {name}; the export is incomplete, re-export the module")
-        if file.stat().st_size != files[name]["size"] or _sha256(file) != files[name]["sha256"]:
+        if file.stat().st_size != files[name]["size"] or sha256_of(file) != files[name]["sha256"]:
             raise ExportError(f"{file} does not match the size and checksum in {MANIFEST_FILE}; it was changed or truncated")
     return manifest
 
 
-def _read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     try:
         program = json.loads((folder / PROGRAM_FILE).read_bytes())
     except (ValueError, RecursionError) as e:
@@ -110,9 +110,9 @@ def _read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     devices = config["devices"]
     if not isinstance(devices, list) or not devices or not all(isinstance(d, str) for d in devices):
         raise ExportError(f"{folder / PROGRAM_FILE}: devices {devices!r:.60}")
-    derived = {k: program[k] for k in _SUMMARY if k != "devices"} | {"devices": devices}
+    derived = {k: program[k] for k in SUMMARY_FIELDS if k != "devices"} | {"devices": devices}
     if derived != manifest["program"]:
-        differ = sorted(k for k in _SUMMARY if derived.get(k) != manifest["program"].get(k))
+        differ = sorted(k for k in SUMMARY_FIELDS if derived.get(k) != manifest["program"].get(k))
         raise ExportError(f"{MANIFEST_FILE} and {PROGRAM_FILE} disagree on {differ}; the folder was edited: re-export")
     if program["trust_code"] is not (program["pickled_because"] is not None):
         raise ExportError(f"{folder / PROGRAM_FILE}: trust_code and pickled_because disagree")
@@ -136,7 +136,7 @@ def _read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return program
 
 
-def _read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The tensors of weights.safetensors, checked against the program's table (names, shapes, dtypes)."""
     import safetensors
     import safetensors.torch
@@ -155,9 +155,9 @@ def _read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tens
         raise ExportError(f"cannot read {folder / WEIGHTS_FILE}: {type(e).__name__}: {e}") from e
     for key, t in weights.items():
         want = info[key]
-        if list(t.shape) != want["shape"] or _dtype_name(t.dtype) != want["dtype"]:
+        if list(t.shape) != want["shape"] or dtype_name(t.dtype) != want["dtype"]:
             raise ExportError(
-                f"{WEIGHTS_FILE}: tensor {key!r} is {_dtype_name(t.dtype)}{list(t.shape)}, the program needs "
+                f"{WEIGHTS_FILE}: tensor {key!r} is {dtype_name(t.dtype)}{list(t.shape)}, the program needs "
                 f"{want['dtype']}{want['shape']}; the folder was edited: re-export"
             )
         if want["requires_grad"] and not want["parameter"]:

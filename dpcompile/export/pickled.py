@@ -121,8 +121,8 @@ def dump(pm: nn.Module, keys: dict[int, str]) -> bytes:
 
 def restore(path: Path, tensors: dict[str, torch.Tensor], program: dict[str, Any], target: Any) -> nn.Module:
     """Unpickle ``program.pkl`` (runs code: only with ``trust_code=True``) onto ``target``."""
-    from dpcompile.export.build import _device_mapping, _map_devices
-    from dpcompile.export.common import ExportError, _strings
+    from dpcompile.export.build import device_mapping, map_devices
+    from dpcompile.export.common import ExportError, device_strings
 
     try:
         with open(path, "rb") as f:
@@ -141,13 +141,13 @@ def restore(path: Path, tensors: dict[str, torch.Tensor], program: dict[str, Any
     if not isinstance(pm, ParallelModule):
         raise ExportError(f"{path} holds a {type(pm).__name__}, not a ParallelModule")
     recorded = list(program["config"]["devices"])
-    if _strings(target) == recorded:
+    if device_strings(target) == recorded:
         return pm
     out = str(pm.output_device)
     output_device = target[recorded.index(out)] if out in recorded and recorded.index(out) < len(target) else target.primary
     if pm.mode == "data_parallel" and pm.captured is not None:
         return pm.recipe.retarget(pm, target, output_device)
-    _map_devices(pm.graph, _device_mapping(recorded, target))
+    map_devices(pm.graph, device_mapping(recorded, target))
     pm.recompile()
     pm.devices = target
     pm.output_device = output_device

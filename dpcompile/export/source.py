@@ -70,11 +70,11 @@ def generated_source(pm: fx.GraphModule) -> str:
     devices = getattr(pm, "devices", None)
     strings = devices.strings() if hasattr(devices, "strings") else [str(d) for d in devices or []]
     return program_source(
-        [("forward", pm.graph)], class_name=_class_name(pm), mode=getattr(pm, "mode", ""), devices=strings
+        [("forward", pm.graph)], class_name=class_name_of(pm), mode=getattr(pm, "mode", ""), devices=strings
     )
 
 
-def _class_name(pm: nn.Module) -> str:
+def class_name_of(pm: nn.Module) -> str:
     return getattr(pm, "_export_class_name", None) or type(pm).__name__
 
 

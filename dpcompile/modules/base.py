@@ -256,11 +256,9 @@ class ParallelModule(fx.GraphModule):
         classes, an unimportable class) could not trace: the other mode, and every variant met
         so far (optional arguments left None, flags, smaller batches); None: the main program."""
         if self.__dict__.get("traced_model") is None:
-            # a restored program: what it carries (used or not), and what it built since
-            carried = getattr(self.program_cache._build, "programs", {})
-            out = {key: None if g is None else copy_graph(g) for key, g in carried.items()}
-            out.update((key.portable(), None if p is None else copy_graph(p.graph)) for key, p in self.program_cache.items())
-            return list(out.items())
+            built = [(key.portable(), None if p is None else copy_graph(p.graph)) for key, p in self.program_cache.items()]
+            carried = getattr(self.program_cache.build, "programs", {})  # a restored program's own
+            return [*carried.items(), *built]
         main = self.program_cache.main_key
         other_mode = CallKey(main.devices, tuple((path, not t) for path, t in main.modes), main.none_args, main.flags, main.guard)
         built = dict(self.program_cache.items())
@@ -408,3 +406,7 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
         for key, graph in state["traces"]:  # what a data-parallel program lowers for fewer devices
             pm.program_cache.traces[key] = None if graph is None else fx.GraphModule(pm, graph, "Captured")
     return pm
+
+
+# the public name: dpcompile.load restores a program read as data the way unpickling restores one
+restore_parallel_module = _restore_parallel_module

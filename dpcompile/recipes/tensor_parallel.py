@@ -21,10 +21,11 @@ runs a program traced on a fake-tensor copy of the model (no memory) with ``pm``
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_map
 
 import passes
 from dpcompile.analysis.cost import plan_cost
+from dpcompile.analysis.sharding import linear_paths
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
@@ -45,8 +47,7 @@ from dpcompile.modules.base import modes_applied
 from dpcompile.modules.tensor_parallel import TensorParallelModule
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
-from dpcompile.recipes.base import Recipe
-from passes.tensor_parallel import linear_paths
+from dpcompile.recipes.base import Recipe, capture_with_flags
 
 log = logging.getLogger("dpcompile")
 
@@ -61,12 +62,21 @@ class TensorParallelRecipe(Recipe):
     output_device: torch.device = torch.device("cpu")
     plan: bool | Mapping[str, str] = True
     check_available: bool = True
-    none_args: frozenset[str] = field(default=frozenset(), compare=False)
 
-    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> TensorParallelModule:
+    def compile(
+        self,
+        model: nn.Module,
+        example_inputs: Sequence[Any] | None,
+        *,
+        none_args: frozenset[str] = frozenset(),
+        flags: Mapping[str, Any] | None = None,
+    ) -> TensorParallelModule:
+        """``none_args``/``flags``: trace those arguments as None / as these values (a program for
+        a call that departs from the first one); by default flags forward branches on are traced
+        as the example's (else their default) values."""
         state_keys = list(model.state_dict().keys())
         owned = copy.deepcopy(model)  # the user's model is never touched
-        gm = capture_owning_everything(owned, self.leaf_modules, self.none_args)
+        gm, flags = capture_owning_everything(owned, self.leaf_modules, example_inputs, none_args, flags)
         captured_code = gm.code
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs))
@@ -98,7 +108,8 @@ class TensorParallelRecipe(Recipe):
             class_name=type(model).__name__,
             share_all_of=gm,
             source=fake_source,
-            none_args=self.none_args,
+            none_args=none_args,
+            flags=flags,
             shares_source=False,
         )
         pm.init_tensor_parallel(
@@ -130,7 +141,7 @@ class TensorParallelRecipe(Recipe):
         if source is None:
             raise pm.cannot_trace_again(key)
         with modes_applied(source, key.modes):
-            traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args)
+            traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
             if traced.code == pm.captured_code:
                 return None  # forward takes the same path: the main program (a cheap check)
             mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -141,12 +152,8 @@ class TensorParallelRecipe(Recipe):
                     lambda v: mode.from_tensor(v.detach()).to(self.devices.primary) if isinstance(v, torch.Tensor) else v,
                     values,
                 )  # fmt: skip
-                variant = TensorParallelRecipe(
-                    leaf_modules=self.leaf_modules, frontend=self.frontend, devices=self.devices,
-                    output_device=self.output_device, plan=dict(pm.plan), check_available=False,
-                    none_args=key.none_args,
-                )  # fmt: skip
-                built = variant.compile(source, example)
+                variant = dataclasses.replace(self, plan=dict(pm.plan), check_available=False)
+                built = variant.compile(source, example, none_args=key.none_args, flags=dict(key.flags))
         if built.param_shards != pm.param_shards:
             raise DpCompileError(
                 f"the call ({key.describe()}) takes another path through forward, whose layers shard "
@@ -156,20 +163,28 @@ class TensorParallelRecipe(Recipe):
 
 
 def capture_owning_everything(
-    owned: nn.Module, leaf_modules: Iterable[type[nn.Module]], none_args: Iterable[str] = ()
-) -> fx.GraphModule:
-    """Capture ``owned`` and give the GraphModule all its state, used in forward or not.
+    owned: nn.Module,
+    leaf_modules: tuple[type[nn.Module], ...],
+    example_inputs: Sequence[Any] | None,
+    none_args: frozenset[str],
+    flags: Mapping[str, Any] | None,
+) -> tuple[fx.GraphModule, dict[str, Any]]:
+    """Capture ``owned`` and give the GraphModule all its state, used in forward or not;
+    return it with the flags it was traced for.
 
     ``fx.GraphModule`` keeps only what the graph reads (with empty stand-ins for the modules
     on the way); the state dict must keep every key, and passes must replace modules in the
     real hierarchy.
     """
-    gm = capture(owned, leaf_modules=leaf_modules, none_args=none_args)
+    if flags is None and not none_args:
+        gm, flags = capture_with_flags(owned, leaf_modules, example_inputs)
+    else:
+        gm = capture(owned, leaf_modules=leaf_modules, none_args=none_args, flags=dict(flags or {}) or None)
     if isinstance(owned, fx.GraphModule) or not list(owned.children()) and not owned._parameters and not owned._buffers:
-        return gm
+        return gm, dict(flags or {})
     adopt_state(gm, owned)
     gm.train(owned.training)
-    return gm
+    return gm, dict(flags or {})
 
 
 def describe_choices(applied: Mapping[str, str], info: Mapping[str, Any]) -> dict[str, str]:

@@ -34,7 +34,7 @@ def _cuda_comm_ok(tensors: Sequence[torch.Tensor], devices: Sequence[torch.devic
     )
 
 
-def _as_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
+def as_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
     return [d if isinstance(d, torch.device) else torch.device(d) for d in devices]
 
 
@@ -71,7 +71,7 @@ class _CudaGather(Function):
 
 
 def scatter_tensor(tensor: torch.Tensor, devices: Sequence[DeviceLike], dim: int) -> tuple[torch.Tensor, ...]:
-    devices = _as_devices(devices)
+    devices = as_devices(devices)
     if _cuda_comm_ok([tensor], devices) and len(set(devices)) == len(devices):
         return tuple(_CudaScatter.apply(devices, dim, tensor))
     chunks = torch.tensor_split(tensor, len(devices), dim)
@@ -84,7 +84,7 @@ def scatter(value: Any, devices: Sequence[DeviceLike], dim: int = 0) -> tuple[An
     Non-tensor leaves (None, numbers, strings) go to every device unchanged; tensors with
     fewer than ``dim + 1`` dimensions are copied to every device whole.
     """
-    devices = _as_devices(devices)
+    devices = as_devices(devices)
 
     def split_leaf(leaf):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > dim:
@@ -107,7 +107,7 @@ def _transpose_structure(value: Any, per_leaf, n: int) -> tuple[Any, ...]:
 
 def broadcast(value: Any, devices: Sequence[DeviceLike]) -> tuple[Any, ...]:
     """A copy of ``value`` (any structure) on every device; the same object where it already is."""
-    devices = _as_devices(devices)
+    devices = as_devices(devices)
 
     def copy_leaf(leaf):
         if not isinstance(leaf, torch.Tensor):

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from dpcompile.runtime.comm import Broadcast, DeviceLike, _as_devices
+from dpcompile.runtime.comm import Broadcast, DeviceLike, as_devices
 
 
 class ReplicaRoot(nn.Module):
@@ -63,7 +63,7 @@ def replicate(
     >>> torch.equal(r.fc.weight, lin.weight), r.fc.weight is lin.weight
     (True, False)
     """
-    devices = _as_devices(devices)
+    devices = as_devices(devices)
     roots: list[ReplicaRoot] = [_aliasing_root(modules) for _ in devices]
     source = _first_tensor_device(modules)
     if source is None or (not copy and all(d == source for d in devices)):

@@ -1,8 +1,7 @@
-"""Tests of the ``shard_linear`` and ``expand_shards`` passes, their finders and the graph view."""
+"""shard_linear: one shard's program with explicit collectives, its plans, and its numerics."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -10,151 +9,21 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dpcompile
-from dpcompile.analysis.graph_view import find_linear_chains, linear_groups, to_networkx
-from dpcompile.capture import capture
 from dpcompile.devices import Devices, parse_devices
-from dpcompile.fake import fake_devices
-from dpcompile.fx_utils import propagate_shapes
 from dpcompile.infra import run_passes
-from dpcompile.recipes import TensorParallelRecipe
 from dpcompile.runtime import collectives
 from dpcompile.runtime import tensor_parallel as tp_runtime
-from passes.tensor_parallel import (
-    aligned_split,
-    analyze_sharding,
-    expand_shards,
-    find_linear_sites,
-    is_shard_transparent,
-    shard_linear,
-)
-from tests.models import MLP
-
-
-class Attention(nn.Module):
-    def __init__(self, d: int = 16, heads: int = 4):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q = self.q(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        k = self.k(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        v = self.v(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-        att = ((q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
-        return self.out(y)
-
-
-class NormAfterColumn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.norm = nn.LayerNorm(16)
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.fc2(self.norm(self.fc1(x)))
-
-
-class Shared(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.fc(self.fc(x))
-
-
-class Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.fc(x) @ self.fc.weight
-
-
-def captured(model: nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
-    gm = capture(copy.deepcopy(model))
-    if inputs:
-        assert propagate_shapes(gm, list(inputs))
-    return gm
-
-
-def targets(gm: fx.GraphModule) -> list[str]:
-    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+from passes.shard_linear import shard_linear
+from tests.helpers import captured, targets
+from tests.models import MLP, Attention
 
 
 def spmd(model: nn.Module, plan: dict[str, str], n: int, *inputs: torch.Tensor) -> fx.GraphModule:
     gm = captured(model, *inputs)
     gm, _ = run_passes(gm, [functools.partial(shard_linear, plan=plan, devices=Devices((torch.device("cpu"),) * n))])
     return gm
-
-
-# ---------------------------------------------------------------------- finders
-def test_find_linear_sites_reports_features_and_bias():
-    """Each called Linear is found by path with its in/out features and bias."""
-    sites = find_linear_sites(captured(MLP(8, 16, 4)))
-    assert [(p, s.in_features, s.out_features, s.bias, s.blocker) for p, s in sites.items()] == [
-        ("fc1", 8, 16, True, None),
-        ("fc2", 16, 4, True, None),
-    ]
-
-
-def test_find_linear_sites_finds_a_root_linear_as_empty_path():
-    """A model that is itself an nn.Linear traces to F.linear; its site path is ''."""
-    sites = find_linear_sites(captured(nn.Linear(6, 3)))
-    assert list(sites) == [""] and sites[""].out_features == 3
-
-
-def test_find_linear_sites_blocks_a_shared_layer():
-    """A Linear called twice gets a blocker saying so."""
-    assert "called 2 times" in find_linear_sites(captured(Shared()))["fc"].blocker
-
-
-def test_find_linear_sites_blocks_tied_weights():
-    """A Linear whose weight is also read directly gets a blocker."""
-    assert "tied" in find_linear_sites(captured(Tied()))["fc"].blocker
-
-
-def test_aligned_split_balances_uneven_and_respects_granularity():
-    """10 over 3 is (4, 3, 3); 12 over 2 in whole 4s is (8, 4); too few units raise."""
-    assert aligned_split(10, 3) == (4, 3, 3)
-    assert aligned_split(12, 2, 4) == (8, 4)
-    with pytest.raises(ValueError, match="12 cannot be split into 4 shards of whole 4s"):
-        aligned_split(12, 4, 4)
-
-
-# ---------------------------------------------------------------------- analysis
-def test_analyze_sharding_pairs_column_with_row_without_gathers():
-    """An MLP planned column→row needs only f on the input and g after the row layer."""
-    gm = captured(MLP(), torch.randn(4, 8))
-    analysis = analyze_sharding(gm, styles={"fc1": "column", "fc2": "row"}, n=2)
-    assert [(c.kind, c.backward) for c in analysis.comms] == [("identity", "all_reduce"), ("all_reduce", None)]
-    assert analysis.pairs == {"fc2": frozenset({"fc1"})}
-    assert analysis.row_sizes["fc2"] == analysis.column_sizes["fc1"] == (8, 8)
-
-
-def test_analyze_sharding_gathers_before_layer_norm():
-    """A LayerNorm needs the whole feature dim, so a column output is all-gathered before it."""
-    gm = captured(NormAfterColumn(), torch.randn(4, 8))
-    analysis = analyze_sharding(gm, styles={"fc1": "column", "fc2": "row"}, n=2)
-    kinds = [c.kind for c in analysis.comms]
-    assert "all_gather" in kinds and "split" in kinds
-    assert "norm" in analysis.gathered["fc1"][0]
-
-
-def test_is_shard_transparent_accepts_elementwise_and_rejects_norm():
-    """relu is transparent, LayerNorm is not."""
-    gm = captured(NormAfterColumn())
-    modules = dict(gm.named_modules())
-    by_name = {n.name: n for n in gm.graph.nodes}
-    assert not is_shard_transparent(by_name["norm"], modules)
-    assert is_shard_transparent(next(n for n in captured(MLP()).graph.nodes if n.name == "relu"), {})
 
 
 # ---------------------------------------------------------------------- shard_linear
@@ -269,120 +138,6 @@ def test_shard_linear_program_runs_as_a_world_of_one():
     x = torch.randn(2, 5, 16)
     gm = spmd(model, {"q": "column", "k": "column", "v": "column", "out": "row"}, 1, x)
     torch.testing.assert_close(gm(x), model(x))
-
-
-# ---------------------------------------------------------------------- expand_shards
-def expanded(model: nn.Module, plan: dict[str, str], devices: Devices, *inputs: torch.Tensor) -> tuple[fx.GraphModule, list]:
-    gm = captured(model, *inputs)
-    return run_passes(
-        gm,
-        [
-            functools.partial(shard_linear, plan=plan, devices=devices),
-            functools.partial(expand_shards, devices=devices, output_device=devices.primary),
-        ],
-    )
-
-
-def test_expand_shards_names_one_node_per_device():
-    """Sharded values become fc1_dev0/fc1_dev1 reading weight_shard0/weight_shard1."""
-    gm, _ = expanded(MLP(), {"fc1": "column", "fc2": "row"}, parse_devices(["cpu"] * 2), torch.randn(4, 8))
-    code = gm.code
-    for text in ("fc1_dev0 = ", "fc1_dev1 = ", "self.fc1.weight_shard1", "relu_dev1 = torch.relu(fc1_dev1)", "reduce_to_device([fc2_partial_dev0, fc2_partial_dev1], 'cpu')"):
-        assert text in code
-
-
-def test_expand_shards_replaces_sharded_linears_by_their_shards():
-    """The sharded Linear becomes a LinearShards holding one slice per device plus the whole row bias."""
-    gm, records = expanded(MLP(8, 10), {"fc1": "column", "fc2": "row"}, parse_devices(["cpu"] * 3), torch.randn(4, 8))
-    names = dict(gm.named_parameters())
-    assert names["fc1.weight_shard0"].shape == (4, 8) and names["fc1.weight_shard2"].shape == (3, 8)
-    assert names["fc2.weight_shard1"].shape == (8, 3) and names["fc2.bias"].shape == (8,)
-    assert records[-1].info["param_shards"]["fc1.bias"][1] == ["fc1.bias_shard0", "fc1.bias_shard1", "fc1.bias_shard2"]
-
-
-def test_expand_shards_on_a_graph_without_shards_is_a_noop():
-    """Running expand_shards on a graph with no shards or collectives changes nothing."""
-    gm = captured(MLP())
-    assert not expand_shards(gm, devices=parse_devices(["cpu"] * 2)).modified
-
-
-@pytest.mark.parametrize("n", [4, 8])
-def test_expand_shards_places_every_op_on_one_fake_gpu(n):
-    """Under FakeTensorMode, an n-GPU program runs with no mixed-device op and puts shard k on cuda:k."""
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        x = torch.randn(4, 32, device="cuda:0")
-        devices = fake_devices(n)
-        pm = TensorParallelRecipe(devices=devices, output_device=devices.primary, check_available=False).compile(model, None)
-        with torch.no_grad():
-            out = pm(x)
-    assert pm.plan == {"0": "column", "2": "row"}
-    assert out.device == torch.device("cuda:0") and out.shape == (4, 32)
-    devices = {name: str(p.device) for name, p in pm.named_parameters()}
-    assert devices["0.weight_shard3"] == "cuda:3" and devices[f"2.weight_shard{n - 1}"] == f"cuda:{n - 1}"
-    assert devices["2.bias"] == "cuda:0"
-
-
-def test_fake_tensor_mode_catches_mixed_devices():
-    """The placement check has teeth: a fake op across cuda:0 and cuda:1 raises."""
-    with FakeTensorMode(), pytest.raises(RuntimeError, match="cuda:0 and cuda:1"):
-        torch.randn(2, 2, device="cuda:0") @ torch.randn(2, 2, device="cuda:1")
-
-
-# ---------------------------------------------------------------------- runtime pieces
-def test_collectives_without_a_process_group_are_a_world_of_one():
-    """Every collective is the identity for one rank, forward and backward."""
-    x = torch.randn(3, 4, requires_grad=True)
-    y = collectives.reduce_from_shards(collectives.copy_to_shards(x))
-    y = collectives.gather_from_shards(collectives.split_to_shards(y, -1, [4]), -1, [4])
-    y.sum().backward()
-    torch.testing.assert_close(x.grad, torch.ones(3, 4))
-    assert collectives.local_size([7]) == 7
-    with pytest.raises(ValueError, match=r"sizes \[2, 2\] name 2 shards, but the process group has 1 rank"):
-        collectives.local_size([2, 2])
-
-
-def test_runtime_copy_to_devices_backward_sums_the_shards_gradients():
-    """f's single-process form: the input's gradient is the sum over the copies (the all-reduce)."""
-    x = torch.ones(2, requires_grad=True)
-    a, b = tp_runtime.copy_to_devices(x, ["cpu", "cpu"])
-    (2 * a + 3 * b).sum().backward()
-    torch.testing.assert_close(x.grad, torch.full((2,), 5.0))
-
-
-def test_runtime_split_and_gather_are_inverse_with_uneven_sizes():
-    """Splitting 10 columns 4/3/3 and gathering them gives the tensor back."""
-    x = torch.randn(2, 10)
-    parts = tp_runtime.split_to_devices(x, -1, [4, 3, 3], ["cpu"] * 3)
-    assert [p.shape[-1] for p in parts] == [4, 3, 3]
-    torch.testing.assert_close(tp_runtime.gather_to_device(parts, -1, "cpu"), x)
-
-
-# ---------------------------------------------------------------------- graph view
-def test_graph_view_has_an_edge_per_use():
-    """The networkx view links x→fc1→relu→fc2→output."""
-    g = to_networkx(captured(MLP()))
-    assert list(g.edges) == [("x", "fc1"), ("fc1", "relu"), ("relu", "fc2"), ("fc2", "output")]
-
-
-def test_graph_view_finds_the_mlp_chain_and_groups_attention():
-    """fc1 reaches fc2 through relu; q, k, v and out form one group."""
-    gm = captured(MLP())
-    modules = dict(gm.named_modules())
-    linears = {n for n in gm.graph.nodes if n.op == "call_module"}
-    assert find_linear_chains(gm, linears, lambda n: is_shard_transparent(n, modules)) == [("fc1", "fc2")]
-    attention = captured(Attention())
-    linears = {n for n in attention.graph.nodes if n.op == "call_module"}
-    groups = linear_groups(attention, linears, lambda n: is_shard_transparent(n, {}))
-    assert groups == [["q", "k", "v", "out"]]
-
-
-def test_graph_view_does_not_chain_through_a_norm():
-    """A LayerNorm between two Linears breaks the chain."""
-    gm = captured(NormAfterColumn())
-    modules = dict(gm.named_modules())
-    linears = {n for n in gm.graph.nodes if n.op == "call_module" and isinstance(modules[n.target], nn.Linear)}
-    assert find_linear_chains(gm, linears, lambda n: is_shard_transparent(n, modules)) == []
 
 
 def test_sdpa_attention_stays_sharded_by_heads():

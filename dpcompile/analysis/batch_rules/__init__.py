@@ -1,0 +1,58 @@
+"""Per-op batch rules: how an op maps the placements of its inputs to the placement of its output.
+
+A rule gets a :class:`RuleContext` and returns a :class:`~dpcompile.analysis.placement.Placement`,
+or ``None`` when the op cannot run on chunks of the batch (the propagation of
+:mod:`~dpcompile.analysis.batch_dims` then gathers its inputs and runs it once). Rules only see
+nodes with at least one batch-carrying input; ``Partial`` and reduced ``Whole`` inputs are
+shown to them as replicated (they are combined before use).
+
+Rules are grouped by op family (the families of :mod:`dpcompile.analysis.ops`), one file each:
+
+=================  ==============================================================
+``pointwise``      element-wise ops, ``x.to(dtype)``
+``shape``          views and shape ops, ``x.size()``, factories reading a batch size
+``indexing``       ``x[...]`` and ``getattr``
+``reductions``     sum/mean/amax..., softmax-like ops along one dim, losses
+``matrix``         matmul, ``F.linear``, ``nn.Linear``
+``modules``        convolutions, pooling, norms, embeddings, RNNs, attention
+=================  ==============================================================
+
+Each file registers its rules in :data:`BATCH_RULES` (:class:`BatchRuleRegistry`), one table
+by target; :func:`rule_for` looks a node's rule up there.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.analysis.batch_rules import indexing, matrix, modules, pointwise, reductions, shape  # noqa: F401 - they register
+from dpcompile.analysis.batch_rules.context import Rule, RuleContext, node_shape
+from dpcompile.analysis.batch_rules.modules import batch_first
+from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
+from dpcompile.analysis.batch_rules.registry import BATCH_RULES, BatchRuleRegistry
+from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
+from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
+
+
+def rule_for(node: fx.Node, module: nn.Module | None) -> Rule | None:
+    """The batch rule for ``node`` (``module``: what a ``call_module`` node calls), or ``None``."""
+    if node.op == "call_function" and node.target is runtime_flatten_parameters:
+        return None  # an RNN weight flattening call, not an op on the batch
+    return BATCH_RULES.lookup(node, module)
+
+
+__all__ = [
+    "BATCH_RULES",
+    "BatchRuleRegistry",
+    "Rule",
+    "RuleContext",
+    "rule_for",
+    "node_shape",
+    "batch_first",
+    "bind_loss",
+    "loss_kwargs_of_module",
+    "LOSS_MODULES",
+    "LOSS_FUNCTIONS",
+    "BATCH_NORMS",
+]

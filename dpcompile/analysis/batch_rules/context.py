@@ -1,0 +1,86 @@
+"""What a batch rule sees: the node, its inputs' placements, its module; and helpers every family uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.analysis.placement import REPLICATED, Partial, Placement, Replicated, Tuple, Whole
+
+
+@dataclass
+class RuleContext:
+    """One node, the placements of the values before it, and the module it calls (``call_module``)."""
+
+    node: fx.Node
+    placements: Mapping[fx.Node, Placement]
+    module: nn.Module | None
+
+    def p(self, value: Any) -> Placement:
+        if isinstance(value, fx.Node):
+            placement = self.placements[value]
+            if isinstance(placement, Partial) or (isinstance(placement, Whole) and not placement.batch):
+                return REPLICATED
+            return placement
+        if isinstance(value, (list, tuple)):
+            items = [self.p(v) for v in value]
+            if all(isinstance(i, Replicated) for i in items):
+                return REPLICATED
+            return Tuple(tuple(items))
+        return REPLICATED
+
+    def inputs(self) -> list[Placement]:
+        return [self.p(n) for n in self.node.all_input_nodes]
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        args = self.node.args  # call_method args start with self, like call_function's tensor
+        if index < len(args):
+            return args[index]
+        return self.node.kwargs.get(name, default)
+
+    def tensor_arg(self) -> Any:
+        return self.node.args[0] if self.node.args else None
+
+    def ndim(self, value: Any) -> int | None:
+        if isinstance(value, fx.Node):
+            shape = node_shape(value)
+            return None if shape is None else len(shape)
+        return None
+
+    def out_ndim(self) -> int | None:
+        return self.ndim(self.node)
+
+
+def node_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """``node``'s shape from shape propagation (``meta["val"]`` or ``meta["tensor_meta"]``), or ``None``."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape)
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "shape"):
+        return tuple(tm.shape)
+    return None
+
+
+# a rule: the placement of the node's result, or None when it cannot run on chunks of the batch
+Rule = Callable[[RuleContext], Placement | None]
+
+
+AFTER_BATCH = 1 << 20  # "some dim after the batch dim", where shapes are unknown
+
+
+def normalize_dim(dim: Any, ndim: int | None, batch_dim: int) -> int | None:
+    """A non-negative dim, or None if unknown. Without shapes, a negative dim of a tensor
+    split on dim 0 names some dim after it (true of every batched tensor of 2+ dims)."""
+    if not isinstance(dim, int):
+        return None
+    if dim >= 0:
+        return dim
+    if ndim is not None:
+        return dim + ndim
+    return AFTER_BATCH if batch_dim == 0 else None

@@ -1,0 +1,122 @@
+"""Reading parts of values: ``x[...]`` (tensors, tuples, an input's containers) and ``getattr``."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcompile.analysis import ops
+from dpcompile.analysis.batch_rules.context import RuleContext
+from dpcompile.analysis.batch_rules.registry import BATCH_RULES
+from dpcompile.analysis.batch_rules.shape import matrix_transpose
+from dpcompile.analysis.placement import (
+    REPLICATED,
+    BatchSize,
+    Packed,
+    Placement,
+    Replicated,
+    Split,
+    Tuple,
+)
+
+
+def getitem(ctx: RuleContext) -> Placement | None:
+    base, index = ctx.node.args
+    p = ctx.p(base)
+    if isinstance(p, Tuple):
+        if isinstance(index, int) and -len(p.items) <= index < len(p.items):
+            return p.items[index]
+        return None
+    if isinstance(p, BatchSize):
+        if p.shape_of_dim is None:
+            return None
+        if isinstance(index, int):
+            return BatchSize() if index == p.shape_of_dim else REPLICATED
+        return None
+    if not isinstance(p, Split):
+        return None
+    if is_container_access(ctx.node):
+        return p
+    return _index_tensor(ctx, p, index)
+
+
+def is_container_access(node: fx.Node) -> bool:
+    """Whether ``node`` (a getitem or getattr) reads an element of an input's container.
+
+    Inputs may be dicts, tuples or dataclasses of tensors; an element keeps the split of
+    its container. Known example values decide; without them a string key, or a value used
+    only through element access, is a container.
+    """
+    base, key = node.args[0], node.args[1]
+    if not isinstance(base, fx.Node):
+        return False
+    example = base.meta.get("val", ...)
+    if example is not ...:
+        return not isinstance(example, torch.Tensor)
+    if base.op != "placeholder" and not (base.op == "call_function" and base.target in (operator.getitem, getattr) and is_container_access(base)):
+        return False
+    if isinstance(key, str) and node.target is operator.getitem:
+        return True
+    return all(user.op == "call_function" and user.target in (operator.getitem, getattr) for user in base.users) and (
+        node.target is operator.getitem or key not in ops.TENSOR_ATTRIBUTES
+    )
+
+
+def _index_tensor(ctx: RuleContext, p: Split, index: Any) -> Placement | None:
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(i, fx.Node) and not isinstance(ctx.p(i), Replicated) for i in items):
+        return None
+    if any(isinstance(i, fx.Node) for i in items):
+        return None  # advanced indexing: keep it simple and correct
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        before = items[:at]
+        if sum(1 for i in before if i is not None) > p.dim:
+            return _walk_index(p, before)
+        return None
+    return _walk_index(p, items)
+
+
+def _walk_index(p: Split, items: list[Any]) -> Placement | None:
+    in_dim, out_dim = 0, 0
+    for item in items:
+        if item is None:
+            out_dim += 1
+            continue
+        if in_dim == p.dim:
+            if isinstance(item, slice) and item == slice(None, None, None):
+                return Split(out_dim)
+            return None
+        if isinstance(item, int):
+            in_dim += 1
+        elif isinstance(item, slice):
+            in_dim += 1
+            out_dim += 1
+        else:
+            return None
+    return Split(out_dim + (p.dim - in_dim))
+
+
+def tensor_attribute(ctx: RuleContext) -> Placement | None:
+    base, name = ctx.node.args[0], ctx.node.args[1]
+    p = ctx.p(base)
+    if isinstance(p, Split) and name not in ops.TENSOR_ATTRIBUTES and is_container_access(ctx.node):
+        return p
+    if name in ("dtype", "device", "ndim", "is_cuda", "requires_grad", "layout") and isinstance(p, (Split, Packed)):
+        return REPLICATED
+    if name == "shape" and isinstance(p, Split):
+        return BatchSize(shape_of_dim=p.dim)
+    if name == "T" and isinstance(p, Split):
+        return matrix_transpose(ctx)
+    if name == "data" and isinstance(p, Split):
+        return p
+    if isinstance(p, Packed) and name in ("data", "batch_sizes", "sorted_indices", "unsorted_indices"):
+        return None
+    return None
+
+
+BATCH_RULES.register(operator.getitem, getitem)
+BATCH_RULES.register(getattr, tensor_attribute)

@@ -1,0 +1,172 @@
+"""Layers: convolutions and pooling, norms, embeddings, RNNs and packed sequences, attention and
+transformer layers (as modules, and their functional forms)."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.analysis import ops
+from dpcompile.analysis.batch_rules.context import RuleContext
+from dpcompile.analysis.batch_rules.matrix import last_dim_op
+from dpcompile.analysis.batch_rules.registry import BATCH_RULES
+from dpcompile.analysis.placement import (
+    REPLICATED,
+    Packed,
+    Placement,
+    Replicated,
+    Split,
+    Tuple,
+)
+
+
+def per_sample_dim0(ctx: RuleContext) -> Placement | None:
+    """Modules that treat dim 0 as the batch and every sample alike (conv, pooling, ...)."""
+    p = ctx.p(ctx.tensor_arg())
+    others = [ctx.p(n) for n in ctx.node.all_input_nodes[1:]]
+    if isinstance(p, Split) and p.dim == 0 and all(isinstance(o, Replicated) for o in others):
+        return p
+    return None
+
+
+def embedding(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    if isinstance(p, Split) and all(isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
+        return p
+    return None
+
+
+def instance_norm(ctx: RuleContext) -> Placement | None:
+    """Per sample, unless it tracks running statistics: those average over the whole batch,
+    updated once, so it runs whole."""
+    if ctx.module is not None and ctx.module.track_running_stats:
+        return None
+    return per_sample_dim0(ctx)
+
+
+def batch_first(module: nn.Module) -> bool:
+    """``batch_first`` of an RNN, attention or transformer layer (which keep it in ``self_attn``)."""
+    if isinstance(module, nn.TransformerEncoder):
+        module = module.layers[0]
+    if hasattr(module, "batch_first"):
+        return bool(module.batch_first)
+    attention = getattr(module, "self_attn", None)
+    return bool(getattr(attention, "batch_first", False))
+
+
+def rnn(ctx: RuleContext) -> Placement | None:
+    module = ctx.module
+    assert isinstance(module, nn.RNNBase)
+    x = ctx.tensor_arg()
+    p = ctx.p(x)
+    hx = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("hx")
+    p_hx = ctx.p(hx) if hx is not None else None
+    batch_dim = 0 if module.batch_first else 1
+    if isinstance(p, Packed):
+        out = Packed(p.dim)
+    elif isinstance(p, Split) and p.dim == batch_dim:
+        nd = ctx.ndim(x)
+        if nd == 2:
+            return None  # an unbatched sequence
+        out = p
+    else:
+        return None
+    state = Split(1)
+    if p_hx is not None:
+        # h (and an LSTM's c) split on dim 1, as separate values or as one input holding both
+        parts = p_hx.items if isinstance(p_hx, Tuple) and isinstance(module, nn.LSTM) else (p_hx,)
+        if not all(isinstance(q, Split) and q.dim == 1 for q in parts):
+            return None
+    hidden = Tuple((state, state)) if isinstance(module, nn.LSTM) else state
+    return Tuple((out, hidden))
+
+
+def rnn_cell(ctx: RuleContext) -> Placement | None:
+    """RNNCell / GRUCell / LSTMCell: one step for a batch of samples, on dim 0 of the input and
+    of the state (an LSTMCell's ``(h, c)``)."""
+    x = ctx.tensor_arg()
+    p = ctx.p(x)
+    if not (isinstance(p, Split) and p.dim == 0) or ctx.ndim(x) == 1:
+        return None  # a 1-D input is one unbatched sample
+    hx = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("hx")
+    if hx is not None:
+        p_hx = ctx.p(hx)
+        parts = p_hx.items if isinstance(p_hx, Tuple) and isinstance(ctx.module, nn.LSTMCell) else (p_hx,)
+        if not all(isinstance(q, Split) and q.dim == 0 for q in parts):
+            return None
+    return Tuple((Split(0), Split(0))) if isinstance(ctx.module, nn.LSTMCell) else Split(0)
+
+
+def multihead_attention(ctx: RuleContext) -> Placement | None:
+    module = ctx.module
+    batch_dim = 0 if module.batch_first else 1
+    q, k, v = (ctx.node.args + (None, None, None))[:3]
+    for t in (q, k, v):
+        if t is None or ctx.p(t) != Split(batch_dim, ctx.p(t).origin if isinstance(ctx.p(t), Split) else None):
+            return None
+    for name in ("key_padding_mask", "attn_mask"):
+        mask = ctx.node.kwargs.get(name)
+        if isinstance(mask, fx.Node):
+            pm = ctx.p(mask)
+            if name == "key_padding_mask" and not (isinstance(pm, Split) and pm.dim == 0):
+                return None
+            if name == "attn_mask" and not isinstance(pm, Replicated):
+                return None
+    if len(ctx.node.args) > 3:
+        return None
+    need_weights = ctx.node.kwargs.get("need_weights", True)
+    return Tuple((Split(batch_dim), Split(0) if need_weights else REPLICATED))
+
+
+def transformer_layer(ctx: RuleContext) -> Placement | None:
+    batch_dim = 0 if batch_first(ctx.module) else 1
+    x = ctx.tensor_arg()
+    p = ctx.p(x)
+    if not (isinstance(p, Split) and p.dim == batch_dim):
+        return None
+    for name, value in list(ctx.node.kwargs.items()) + [(f"arg{i}", a) for i, a in enumerate(ctx.node.args[1:])]:
+        if isinstance(value, fx.Node):
+            q = ctx.p(value)
+            if "padding" in name and isinstance(q, Split) and q.dim == 0:
+                continue
+            if not isinstance(q, Replicated):
+                return None
+    return p
+
+
+def pack_padded(ctx: RuleContext) -> Placement | None:
+    x, lengths = ctx.node.args[0], ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("lengths")
+    batch_first = ctx.arg(2, "batch_first", False)
+    p, pl = ctx.p(x), ctx.p(lengths)
+    if not isinstance(batch_first, bool):
+        return None
+    want = 0 if batch_first else 1
+    if isinstance(p, Split) and p.dim == want and isinstance(pl, Split) and pl.dim == 0:
+        return Packed(want)
+    return None
+
+
+def pad_packed(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.node.args[0])
+    batch_first = ctx.arg(1, "batch_first", False)
+    if isinstance(p, Packed) and isinstance(batch_first, bool):
+        return Tuple((Split(0 if batch_first else 1), Split(0)))
+    return None
+
+
+BATCH_RULES.register_family(ops.PER_SAMPLE, per_sample_dim0)
+for _norm in ops.BATCH_NORMS:
+    BATCH_RULES.register(_norm, per_sample_dim0)  # per sample here; the data-parallel pass syncs statistics
+for _norm in ops.INSTANCE_NORMS:
+    BATCH_RULES.register(_norm, instance_norm)
+BATCH_RULES.register_family(ops.LAST_DIMS, last_dim_op)
+BATCH_RULES.register_family(ops.EMBEDDING, embedding)
+for _rnn in ops.RNNS:
+    BATCH_RULES.register(_rnn, rnn)
+for _cell in ops.RNN_CELLS:
+    BATCH_RULES.register(_cell, rnn_cell)
+BATCH_RULES.register(nn.MultiheadAttention, multihead_attention)
+for _layer in ops.TRANSFORMER_LAYERS:
+    BATCH_RULES.register(_layer, transformer_layer)
+BATCH_RULES.register_family(ops.PACK_PADDED, pack_padded)
+BATCH_RULES.register_family(ops.PAD_PACKED, pad_packed)

@@ -1,0 +1,71 @@
+"""Element-wise ops (with broadcasting): the result is split as its batch-carrying inputs are."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from dpcompile.analysis import ops
+from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
+from dpcompile.analysis.batch_rules.registry import BATCH_RULES
+from dpcompile.analysis.placement import (
+    REPLICATED,
+    Placement,
+    Replicated,
+    Split,
+)
+
+
+def _origin(splits: list[Split]) -> str | None:
+    origins = {s.origin for s in splits}
+    return origins.pop() if len(origins) == 1 else None
+
+
+def pointwise(ctx: RuleContext) -> Placement | None:
+    """Element-wise ops (with broadcasting): every batch-carrying input split on the same dim."""
+    splits: list[tuple[Split, fx.Node]] = []
+    for n in ctx.node.all_input_nodes:
+        p = ctx.p(n)
+        if isinstance(p, Split):
+            splits.append((p, n))
+        elif not isinstance(p, Replicated):
+            return None
+    out_ndim = ctx.out_ndim()
+    if out_ndim is None:
+        dims = {p.dim for p, _ in splits}
+        if len(dims) != 1:
+            return None
+        return Split(dims.pop(), _origin([p for p, _ in splits]))
+    aligned = set()
+    for p, n in splits:
+        nd = ctx.ndim(n)
+        if nd is None:
+            return None
+        aligned.add(p.dim + out_ndim - nd)
+    if len(aligned) != 1:
+        return None
+    out_dim = aligned.pop()
+    out_shape = node_shape(ctx.node)
+    for n in ctx.node.all_input_nodes:
+        if isinstance(ctx.p(n), Replicated):
+            shape = node_shape(n)
+            if shape is not None and len(shape) > out_ndim - 1 - out_dim and len(shape) > 0:
+                at = out_dim - (out_ndim - len(shape))
+                if at >= 0 and shape[at] != 1 and out_shape is not None and shape[at] == out_shape[out_dim]:
+                    return None  # a replicated operand lines up with the batch: the batch is not per-sample here
+    keep_origin = all(ctx.ndim(n) == out_ndim for _, n in splits)
+    return Split(out_dim, _origin([p for p, _ in splits]) if keep_origin else None)
+
+
+def to_method(ctx: RuleContext) -> Placement | None:
+    """``x.to(dtype)`` is element-wise; moving to a device would defeat the placement."""
+    for a in list(ctx.node.args[1:]) + list(ctx.node.kwargs.values()):
+        if isinstance(a, (str, torch.device)) or (isinstance(a, fx.Node) and ctx.p(a) != REPLICATED):
+            return None
+        if isinstance(a, fx.Node):
+            return None
+    return pointwise(ctx)
+
+
+BATCH_RULES.register_family(ops.POINTWISE, pointwise)
+BATCH_RULES.register("to", to_method)

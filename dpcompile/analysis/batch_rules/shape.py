@@ -1,0 +1,254 @@
+"""Views and shape ops: reshape, flatten, permute/transpose, (un)squeeze, cat/stack, expand,
+chunk/split, ``x.size()``, and factories that read a batch size (``torch.zeros(b, h)``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from dpcompile.analysis import ops
+from dpcompile.analysis.batch_rules.context import RuleContext, normalize_dim
+from dpcompile.analysis.batch_rules.registry import BATCH_RULES
+from dpcompile.analysis.placement import (
+    REPLICATED,
+    BatchSize,
+    Placement,
+    Replicated,
+    Split,
+    Tuple,
+)
+
+
+def flatten(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split):
+        return None
+    if ctx.module is not None:
+        start, end = ctx.module.start_dim, ctx.module.end_dim
+    else:
+        start, end = ctx.arg(1, "start_dim", 0), ctx.arg(2, "end_dim", -1)
+    nd = ctx.ndim(ctx.tensor_arg())
+    start_n = normalize_dim(start, nd, p.dim)
+    if start_n is None:
+        return None
+    if p.dim < start_n:
+        return p
+    if p.dim == start_n:  # rows of a chunk stay contiguous blocks of the flattened whole
+        return Split(p.dim)
+    end_n = normalize_dim(end, nd, p.dim)
+    if end_n is not None and p.dim > end_n and nd is not None:
+        return Split(p.dim - (end_n - start_n))
+    return None
+
+
+def reshape(ctx: RuleContext) -> Placement | None:
+    """view / reshape: the batch must stay at the front, as -1 or as the chunk's own size."""
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split) or p.dim != 0:
+        return None
+    node = ctx.node
+    rest = list(node.args[1:]) if node.op == "call_method" else list(node.args[1:])
+    if node.op == "call_function":
+        rest = list(node.args[1:]) or [node.kwargs.get("shape")]
+    if not rest:
+        rest = [node.kwargs.get("shape") or node.kwargs.get("size")]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        rest = list(rest[0])
+    elif len(rest) == 1 and isinstance(rest[0], fx.Node) and isinstance(ctx.p(rest[0]), BatchSize):
+        shape_p = ctx.p(rest[0])
+        return Split(0) if shape_p.shape_of_dim == 0 else None
+    if not rest:
+        return None
+    first, tail = rest[0], rest[1:]
+    if any(not isinstance(ctx.p(t), Replicated) for t in tail if isinstance(t, fx.Node)):
+        return None
+    if first == -1 and all(not (isinstance(t, int) and t == -1) for t in tail):
+        return Split(0)
+    if isinstance(first, fx.Node) and ctx.p(first) == BatchSize():
+        return Split(0, p.origin)
+    return None
+
+
+def permute(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split):
+        return None
+    node = ctx.node
+    dims = list(node.args[1:]) if node.op == "call_method" else [node.args[1]] if len(node.args) > 1 else []
+    if not dims:
+        dims = [node.kwargs.get("dims")]
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = list(dims[0])
+    nd = len(dims)
+    dims = [d + nd if isinstance(d, int) and d < 0 else d for d in dims]
+    if p.dim in dims:
+        return Split(dims.index(p.dim))
+    return None
+
+
+def transpose(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split):
+        return None
+    nd = ctx.ndim(ctx.tensor_arg())
+    a, b = ctx.arg(1, "dim0"), ctx.arg(2, "dim1")
+    if not isinstance(a, int) or not isinstance(b, int):
+        return None
+    if (a < 0 or b < 0) and nd is None:
+        if p.dim == 0 and a != 0 and b != 0:
+            return p  # negative dims on a batched tensor do not name dim 0 here (checked with shapes)
+        return None
+    if nd is not None:
+        a, b = a % nd, b % nd
+    if p.dim == a:
+        return Split(b)
+    if p.dim == b:
+        return Split(a)
+    return p
+
+
+def matrix_transpose(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    nd = ctx.ndim(ctx.tensor_arg())
+    if isinstance(p, Split) and (nd == 2 or nd is None) and p.dim in (0, 1):
+        return Split(1 - p.dim)
+    return None
+
+
+def unsqueeze(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    dim = ctx.arg(1, "dim")
+    if not isinstance(p, Split) or not isinstance(dim, int):
+        return None
+    nd = ctx.ndim(ctx.tensor_arg())
+    if dim < 0:
+        if nd is None:
+            return p if p.dim == 0 else None
+        dim += nd + 1
+    return Split(p.dim + 1 if dim <= p.dim else p.dim)
+
+
+def squeeze(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    dim = ctx.arg(1, "dim")
+    if not isinstance(p, Split) or not isinstance(dim, int):
+        return None  # squeeze() could drop a batch of one
+    nd = ctx.ndim(ctx.tensor_arg())
+    if dim < 0:
+        if nd is None:
+            return p if p.dim == 0 else None
+        dim += nd
+    if dim == p.dim:
+        return None
+    return Split(p.dim - 1 if dim < p.dim else p.dim)
+
+
+def cat(ctx: RuleContext) -> Placement | None:
+    tensors = ctx.node.args[0] if ctx.node.args else ctx.node.kwargs.get("tensors")
+    dim = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
+        return None
+    placements = [ctx.p(t) for t in tensors]
+    if not all(isinstance(q, Split) for q in placements):
+        return None
+    dims = {q.dim for q in placements}
+    if len(dims) != 1:
+        return None
+    d = dims.pop()
+    nd = ctx.ndim(tensors[0])
+    stacking = ctx.node.target is torch.stack
+    if dim < 0:
+        if nd is None:
+            return Split(d) if d == 0 else None  # a negative dim lies after dim 0 of a batched tensor
+        dim += nd + (1 if stacking else 0)
+    if stacking:  # a new dim at `dim`: the batch dim moves right if it was at or after it
+        return Split(d + 1 if dim <= d else d)
+    return None if dim == d else Split(d)
+
+
+def expand(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    sizes = list(ctx.node.args[1:])
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = list(sizes[0])
+    if not isinstance(p, Split) or p.dim >= len(sizes):
+        return None
+    nd = ctx.ndim(ctx.tensor_arg())
+    offset = len(sizes) - (nd if nd is not None else len(sizes))
+    at = p.dim + offset
+    entry = sizes[at]
+    if entry == -1 or (isinstance(entry, fx.Node) and ctx.p(entry) == BatchSize()):
+        others_ok = all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for i, s in enumerate(sizes) if i != at)
+        return Split(at) if others_ok else None
+    return None
+
+
+def chunk_like(ctx: RuleContext) -> Placement | None:
+    """chunk / split / unbind along a non-batch dim: a tuple of equally split pieces."""
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split):
+        return None
+    name = ctx.node.target if isinstance(ctx.node.target, str) else ctx.node.target.__name__
+    if name == "unbind":
+        dim = ctx.arg(1, "dim", 0)
+    else:
+        dim = ctx.arg(2, "dim", 0)
+    nd = ctx.ndim(ctx.tensor_arg())
+    dim = normalize_dim(dim, nd, p.dim)
+    if dim is None or dim == p.dim:
+        return None
+    piece = Split(p.dim - 1 if name == "unbind" and dim < p.dim else p.dim)
+    return Tuple(tuple([piece] * 64))
+
+
+def size(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split):
+        return None
+    dim = ctx.arg(1, "dim")
+    if dim is None:
+        return BatchSize(shape_of_dim=p.dim)
+    nd = ctx.ndim(ctx.tensor_arg())
+    if isinstance(dim, int):
+        if dim < 0 and nd is not None:
+            dim += nd
+        if dim == p.dim:
+            return BatchSize()
+        if dim >= 0 or p.dim == 0:
+            return REPLICATED
+    return None
+
+
+def factory(ctx: RuleContext) -> Placement | None:
+    """torch.zeros(n, b, h): a batch size among the sizes makes a tensor split there."""
+    sizes = [a for a in ctx.node.args if not isinstance(a, fx.Node) or True]
+    if ctx.node.op == "call_method":
+        sizes = sizes[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = list(sizes[0])
+    batch_at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
+    rest_ok = all(
+        not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated)
+        for i, s in enumerate(sizes)
+        if i not in batch_at
+    )
+    kwargs_ok = all(
+        not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in ctx.node.kwargs.values()
+    )
+    if len(batch_at) == 1 and rest_ok and kwargs_ok:
+        return Split(batch_at[0])
+    return None
+
+
+BATCH_RULES.register_family(ops.FLATTEN, flatten)
+BATCH_RULES.register_family(ops.VIEW, reshape)
+BATCH_RULES.register_family(ops.PERMUTE, permute)
+BATCH_RULES.register_family(ops.TRANSPOSE, transpose)
+BATCH_RULES.register_family(ops.MATRIX_TRANSPOSE, matrix_transpose)
+BATCH_RULES.register_family(ops.UNSQUEEZE, unsqueeze)
+BATCH_RULES.register_family(ops.SQUEEZE, squeeze)
+BATCH_RULES.register_family(ops.CONCAT, cat)
+BATCH_RULES.register_family(ops.EXPAND, expand)
+BATCH_RULES.register_family(ops.CHUNK, chunk_like)
+BATCH_RULES.register_family(ops.FACTORIES, factory)
+BATCH_RULES.register("size", size)

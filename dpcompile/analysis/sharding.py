@@ -1,0 +1,426 @@
+"""The sharding analysis: which ``nn.Linear`` layers a plan can split, and how every value is laid out.
+
+Everything the tensor-parallel planner (:mod:`dpcompile.planning`) and the
+``shard_linear`` pass need to know before anything is rewritten:
+
+- :func:`find_linear_sites` finds the Linear calls (and what blocks one: a shared layer,
+  tied weights); :func:`linear_paths`, :func:`check_plan` and :func:`check_divisible` check
+  a plan against a model, with the arithmetic;
+- :func:`analyze_sharding` gives every value its layout (:class:`Sharded`, replicated,
+  :class:`Copied`, :class:`NotTensor`) under given styles, with the conversions (*f*, *g*,
+  gathers, splits) they need and what those cost, using the per-op rules of
+  :mod:`dpcompile.analysis.sharding_rules`;
+- :func:`resolve_plan` settles which layers really split: a view whose sharded constant cannot
+  be proven to split keeps the column layers feeding it whole, with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from dpcompile.analysis import ops
+from dpcompile.analysis.cost import CommEstimate
+from dpcompile.analysis.placement import REPLICATED, Replicated
+from dpcompile.analysis.sharding_rules import (
+    COPIED,
+    NOT_TENSOR,
+    Copied,
+    Layout,
+    NeedsWhole,
+    NotTensor,
+    Sharded,
+    apply_rule,
+    describe_op,
+    flat_nodes,
+    is_shard_transparent,
+    may_need_grad,
+    node_arg,
+    node_val,
+)
+from dpcompile.runtime.comm import split_sizes
+
+STYLES = ("column", "row", "replicate")
+
+
+# ---------------------------------------------------------------------- finding
+@dataclass
+class LinearSite:
+    """One call of an ``nn.Linear`` in the graph, and why it cannot be sharded (if so)."""
+
+    path: str
+    node: fx.Node
+    input: fx.Node
+    in_features: int
+    out_features: int
+    bias: bool
+    blocker: str | None = None
+
+
+def linear_paths(root: nn.Module) -> list[str]:
+    """Every ``nn.Linear`` of ``root`` by module path (``""`` is ``root`` itself)."""
+    return [name for name, m in root.named_modules() if isinstance(m, nn.Linear)]
+
+
+def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
+    """The Linear layers called in ``gm``'s forward, by module path.
+
+    A call of an ``nn.Linear`` module, or ``F.linear`` on a ``weight`` parameter of one
+    (``""``, the root, when the model itself is a Linear). A layer called more than once, or
+    whose weight is also read directly (tied weights), gets a ``blocker`` and stays whole.
+    """
+    modules = dict(gm.named_modules())
+    sites: dict[str, LinearSite] = {}
+    calls: dict[str, int] = {}
+    attr_reads: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            attr_reads[node.target] = attr_reads.get(node.target, 0) + len(node.users)
+    for node in gm.graph.nodes:
+        path = _linear_path(node, modules)
+        if path is None:
+            continue
+        calls[path] = calls.get(path, 0) + 1
+        x = node.args[0] if node.args else node.kwargs.get("input")
+        if path in sites or not isinstance(x, fx.Node):
+            continue
+        prefix = f"{path}." if path else ""
+        out_features, in_features = gm.get_parameter(f"{prefix}weight").shape
+        if node.op == "call_module":
+            has_bias, own_reads = modules[path].bias is not None, 0
+        else:
+            bias = node_arg(node, 2, "bias")
+            has_bias = isinstance(bias, fx.Node)
+            own_reads = 1 + int(has_bias)
+        sites[path] = LinearSite(path, node, x, int(in_features), int(out_features), has_bias)
+        if attr_reads.get(f"{prefix}weight", 0) + attr_reads.get(f"{prefix}bias", 0) > own_reads:
+            sites[path].blocker = f"the weight of '{path}' is also read directly (tied weights); it stays whole"
+    for path, site in sites.items():
+        if calls[path] > 1:
+            site.blocker = f"'{path}' is called {calls[path]} times in forward; a shared layer stays whole"
+    return sites
+
+
+def _linear_path(node: fx.Node, modules: Mapping[str, nn.Module]) -> str | None:
+    if node.op == "call_module" and isinstance(modules.get(node.target), nn.Linear):
+        return node.target
+    if node.op == "call_function" and node.target is F.linear and len(node.args) >= 2:
+        w = node.args[1]
+        if isinstance(w, fx.Node) and w.op == "get_attr" and w.target.rsplit(".", 1)[-1] == "weight" and "dpcompile_shard" not in w.meta:
+            path = w.target.rsplit(".", 1)[0] if "." in w.target else ""
+            if path == "" or isinstance(modules.get(path), nn.Linear):
+                return path
+    return None
+
+
+def aligned_split(total: int, n: int, granularity: int = 1) -> tuple[int, ...]:
+    """Balanced shard sizes that are multiples of ``granularity``: ``aligned_split(12, 2, 8) == (8, 4)``."""
+    units, rest = divmod(total, granularity)
+    if rest or units < n:
+        raise ValueError(f"{total} cannot be split into {n} shards of whole {granularity}s")
+    return tuple(granularity * s for s in split_sizes(units, n))
+
+
+def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Iterable[str] = ()) -> None:
+    """Raise ``ValueError`` for a plan naming a missing module, a non-Linear or an unknown style."""
+    modules = dict(root.named_modules())
+    valid = linear_paths(root) + [p for p in extra_linears if p not in modules or p == ""]
+    shown = ", ".join(repr(p) for p in valid) or "(none)"
+    for path, style in plan.items():
+        if path in valid:
+            pass
+        elif path not in modules:
+            raise ValueError(
+                f"tensor_parallel plan names {path!r}, which is not a module of {type(root).__name__}; "
+                f"its nn.Linear layers are: {shown}"
+            )
+        elif not isinstance(modules[path], nn.Linear):
+            raise ValueError(
+                f"tensor_parallel plan names {path!r}, a {type(modules[path]).__name__}, not an nn.Linear; "
+                f"its nn.Linear layers are: {shown}"
+            )
+        if style not in STYLES:
+            raise ValueError(f"unknown split style {style!r} for {path!r}; valid styles: {', '.join(map(repr, STYLES))}")
+
+
+def check_divisible(site: LinearSite, style: str, n: int) -> str | None:
+    """Why ``site`` cannot be split ``style``-wise over ``n`` devices, with the arithmetic; or None."""
+    if style == "column" and site.out_features < n:
+        return f"out_features({site.out_features}) of '{site.path}' cannot be split over {n} devices"
+    if style == "row" and site.in_features < n:
+        return f"in_features({site.in_features}) of '{site.path}' cannot be split over {n} devices"
+    return None
+
+
+# ---------------------------------------------------------------------- analysis
+@dataclass(frozen=True)
+class Problem:
+    """A sharded value the pass could not carry through an op it should have (a view)."""
+
+    origins: frozenset[str]
+    reason: str
+    granularity: int | None = None
+
+
+@dataclass
+class ShardingAnalysis:
+    """What ``shard_linear`` will do for given styles: every value's layout, every conversion."""
+
+    layouts: dict[fx.Node, Layout]
+    needs: dict[tuple[fx.Node, fx.Node], str]  # (consumer, producer) -> copy | gather | split | gather_copy | gather_split
+    column_sizes: dict[str, tuple[int, ...]]
+    row_sizes: dict[str, tuple[int, ...]]
+    view_rewrites: dict[fx.Node, tuple[int, tuple[int, ...]]]  # view -> (shape position, local sizes)
+    problems: list[Problem]
+    comms: list[CommEstimate] = field(default_factory=list)
+    gathered: dict[str, list[str]] = field(default_factory=dict)  # column path -> ops its output is gathered for
+    pairs: dict[str, frozenset[str]] = field(default_factory=dict)  # row path -> column layers feeding it sharded
+
+
+class _Analyzer:
+    """One walk over the graph in order, applying :mod:`~dpcompile.analysis.sharding_rules`."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        sites: Mapping[str, LinearSite],
+        styles: Mapping[str, str],
+        n: int,
+        granularity: Mapping[str, int],
+    ):
+        self.gm = gm
+        self.modules = dict(gm.named_modules())
+        self.site_of = {s.node: s for s in sites.values()}
+        self.styles = styles
+        self.n = n
+        self.granularity = granularity
+        self.result = ShardingAnalysis({}, {}, {}, {}, {}, [])
+        self._estimates: dict[fx.Node, int] = {}
+        self._seen_comms: set[tuple[fx.Node, str]] = set()
+
+    def layout(self, node: Any) -> Layout:
+        if not isinstance(node, fx.Node):
+            return NOT_TENSOR
+        return self.result.layouts.get(node, REPLICATED)
+
+    def rewrite_view(self, node: fx.Node, position: int, sizes: tuple[int, ...]) -> None:
+        self.result.view_rewrites[node] = (position, sizes)
+
+    # -- sizes for the cost model: exact from shapes, else features per token
+    def numel(self, node: fx.Node) -> int:
+        v = node_val(node)
+        if isinstance(v, torch.Tensor):
+            return int(v.numel())
+        if node in self._estimates:
+            return self._estimates[node]
+        estimate = 1
+        site = self.site_of.get(node)
+        if site is not None:
+            estimate = site.out_features
+        elif node.op == "placeholder":
+            estimate = next((s.in_features for s in self.site_of.values() if s.input is node), 1)
+        else:
+            firsts = [a for a in flat_nodes((node.args, node.kwargs)) if not isinstance(self.layout(a), NotTensor)]
+            if firsts:
+                estimate = self.numel(firsts[0])
+        self._estimates[node] = estimate
+        return estimate
+
+    def need(self, consumer: fx.Node, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None) -> None:
+        self.result.needs[(consumer, producer)] = kind
+        numel = self.numel(producer)
+        steps = {"gather_copy": ("gather", "copy"), "gather_split": ("gather", "split")}.get(kind, (kind,))
+        for step in steps:
+            key = (producer, step if step != "split" else f"split{sizes}")
+            if key in self._seen_comms:
+                continue
+            self._seen_comms.add(key)
+            if step == "copy":
+                backward = "all_reduce" if may_need_grad(producer) else None
+                self.result.comms.append(CommEstimate("identity", backward, numel, f"{producer.name} -> f"))
+            elif step == "gather":
+                self.result.comms.append(CommEstimate("all_gather", None, numel, f"{producer.name} all-gather"))
+                layout = self.layout(producer)
+                if isinstance(layout, Sharded):
+                    for origin in layout.origins:
+                        self.result.gathered.setdefault(origin, []).append(describe_op(consumer))
+            else:
+                self.result.comms.append(CommEstimate("split", "all_gather", numel, f"{producer.name} split"))
+
+    def run(self) -> ShardingAnalysis:
+        for node in self.gm.graph.nodes:
+            if node.op in ("placeholder", "get_attr"):
+                self.result.layouts[node] = self._plain_layout(node)
+            elif node.op == "output":
+                for a in flat_nodes(node.args):
+                    if isinstance(self.layout(a), Sharded):
+                        self.need(node, a, "gather")
+            elif node in self.site_of and self.styles.get(self.site_of[node].path, "replicate") != "replicate":
+                self._linear(node, self.site_of[node])
+            else:
+                self._generic(node)
+        return self.result
+
+    def _plain_layout(self, node: fx.Node) -> Layout:
+        v = node_val(node)
+        if v is not None and not isinstance(v, torch.Tensor):
+            return NOT_TENSOR
+        if v is not None:
+            return REPLICATED
+        if node.op == "call_method" and node.target in ("size", "dim"):
+            return NOT_TENSOR
+        if node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in ops.SHARD_METADATA_ATTRIBUTES:
+            return NOT_TENSOR
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(self.layout(node.args[0]), NotTensor):
+            return NOT_TENSOR
+        args = flat_nodes((node.args, node.kwargs))
+        if node.op == "call_function" and ops.PYTHON_ARITHMETIC.matches(node) and args and all(
+            isinstance(self.layout(a), NotTensor) for a in args
+        ):
+            return NOT_TENSOR
+        return REPLICATED
+
+    def _linear(self, node: fx.Node, site: LinearSite) -> None:
+        style = self.styles[site.path]
+        x = site.input
+        lx = self.layout(x)
+        numel_out = self.numel(node)
+        if style == "column":
+            self.need(node, x, "gather_copy" if isinstance(lx, Sharded) else "copy")
+            sizes = aligned_split(site.out_features, self.n, self.granularity.get(site.path, 1))
+            self.result.column_sizes[site.path] = sizes
+            self.result.layouts[node] = Sharded(-1, sizes, frozenset({site.path}))
+            return
+        if isinstance(lx, Sharded) and lx.dim == -1 and sum(lx.sizes) == site.in_features:
+            sizes = lx.sizes
+            self.result.pairs[site.path] = lx.origins
+        else:
+            sizes = aligned_split(site.in_features, self.n)
+            self.need(node, x, "gather_split" if isinstance(lx, Sharded) else "split", sizes)
+        self.result.row_sizes[site.path] = sizes
+        self.result.comms.append(CommEstimate("all_reduce", None, numel_out, f"{node.name} all-reduce"))
+        self.result.layouts[node] = REPLICATED
+
+    def _generic(self, node: fx.Node) -> None:
+        args = flat_nodes((node.args, node.kwargs))
+        sharded = [a for a in args if isinstance(self.layout(a), Sharded)]
+        if not sharded:
+            self.result.layouts[node] = self._plain_layout(node)
+            return
+        try:
+            layout, copies = apply_rule(self, node, self.modules)
+        except NeedsWhole as fb:
+            origins = frozenset().union(*(self.layout(a).origins for a in sharded))  # type: ignore[union-attr]
+            if fb.problem:
+                self.result.problems.append(Problem(origins, f"{describe_op(node)}: {fb.reason}", fb.granularity))
+            for a in sharded:
+                self.need(node, a, "gather")
+            self.result.layouts[node] = self._plain_layout(node)
+            return
+        for a in copies:
+            self.need(node, a, "copy")
+        self.result.layouts[node] = layout
+
+    # -- rules: (layout of the result, replicated tensor args that need f) or _Fallback
+
+
+def analyze_sharding(
+    gm: fx.GraphModule,
+    *,
+    styles: Mapping[str, str],
+    n: int,
+    sites: Mapping[str, LinearSite] | None = None,
+    granularity: Mapping[str, int] | None = None,
+) -> ShardingAnalysis:
+    """Find the layout of every value and the collectives ``styles`` need, without rewriting."""
+    sites = find_linear_sites(gm) if sites is None else sites
+    return _Analyzer(gm, sites, styles, n, granularity or {}).run()
+
+
+@dataclass
+class ResolvedPlan:
+    """The styles that will be applied, why any layer was kept whole, and the analysis."""
+
+    styles: dict[str, str]
+    reasons: dict[str, str]
+    granularity: dict[str, int]
+    analysis: ShardingAnalysis
+
+
+def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict: bool = True) -> ResolvedPlan:
+    """Apply blockers and view checks to ``plan``: which layers can really be split, and how.
+
+    ``strict`` raises ``ValueError`` for a layer too narrow for ``n`` devices; otherwise it
+    stays whole with the reason.
+    """
+    sites = find_linear_sites(gm)
+    styles = {path: "replicate" for path in [*linear_paths(gm), *sites]}
+    reasons: dict[str, str] = {}
+    for path, style in plan.items():
+        styles[path] = style
+        if style == "replicate":
+            continue
+        site = sites.get(path)
+        why = (
+            f"'{path}' is not called in forward (or only inside a leaf module)" if site is None
+            else site.blocker or check_divisible(site, style, n)
+        )  # fmt: skip
+        if why is not None and site is not None and site.blocker is None and strict:
+            raise ValueError(why)
+        if why is not None:
+            styles[path], reasons[path] = "replicate", why
+    granularity: dict[str, int] = {}
+    for _ in range(2 * len(styles) + 2):
+        analysis = analyze_sharding(gm, styles=styles, n=n, sites=sites, granularity=granularity)
+        if not analysis.problems:
+            return ResolvedPlan(styles, reasons, granularity, analysis)
+        for problem in analysis.problems:
+            columns = [o for o in problem.origins if styles.get(o) == "column"]
+            g = problem.granularity
+            if g and all(_fits(sites[o].out_features, n, math.lcm(granularity.get(o, 1), g)) for o in columns) and any(
+                granularity.get(o, 1) % g for o in columns
+            ):
+                for o in columns:
+                    granularity[o] = math.lcm(granularity.get(o, 1), g)
+                continue
+            for o in columns:
+                styles[o] = "replicate"
+                reasons[o] = f"kept whole: {problem.reason}"
+    raise AssertionError("resolve_plan did not converge")  # pragma: no cover
+
+
+def _fits(total: int, n: int, g: int) -> bool:
+    return total % g == 0 and total // g >= n
+
+
+__all__ = [
+    "STYLES",
+    "COPIED",
+    "NOT_TENSOR",
+    "REPLICATED",
+    "Copied",
+    "Layout",
+    "NotTensor",
+    "Replicated",
+    "Sharded",
+    "LinearSite",
+    "Problem",
+    "ResolvedPlan",
+    "ShardingAnalysis",
+    "aligned_split",
+    "analyze_sharding",
+    "check_divisible",
+    "check_plan",
+    "find_linear_sites",
+    "is_shard_transparent",
+    "linear_paths",
+    "resolve_plan",
+]

@@ -1,0 +1,341 @@
+"""Per-op sharding rules: how an op maps the layouts of its inputs to the layout of its result.
+
+The tensor-parallel counterpart of :mod:`dpcompile.analysis.batch_rules`. A value of one
+shard's program is :class:`Sharded` (split along a dim, counted from the end), replicated
+(:data:`~dpcompile.analysis.placement.REPLICATED`, the same whole tensor on every shard),
+:class:`Copied` (a replicated value passed through *f* into a sharded region) or
+:class:`NotTensor` (a Python value, the same everywhere). A rule returns the layout of the
+result and the replicated tensor arguments that need *f*, or raises :class:`NeedsWhole`: the
+op then runs on gathered, whole inputs. :mod:`dpcompile.analysis.sharding` walks a graph with
+these rules.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.analysis import ops
+from dpcompile.analysis.placement import Replicated
+
+
+# ---------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class Sharded:
+    """A value split along ``dim`` (counted from the end, so broadcasting lines dims up)."""
+
+    dim: int
+    sizes: tuple[int, ...]
+    origins: frozenset[str] = frozenset()  # the column layers whose outputs it carries
+    unit: int = 1  # output features of the origin layers per unit of ``dim``
+
+
+@dataclass(frozen=True)
+class Copied:
+    """A replicated value passed through *f* into a sharded region (one copy per shard)."""
+
+
+@dataclass(frozen=True)
+class NotTensor:
+    """A Python value (a size, a dtype) that is the same on every shard."""
+
+
+COPIED = Copied()
+NOT_TENSOR = NotTensor()
+Layout = Sharded | Replicated | Copied | NotTensor
+
+
+class NeedsWhole(Exception):
+    """The op needs whole inputs; ``problem`` marks a view the pass should have kept sharded."""
+
+    def __init__(self, reason: str, *, problem: bool = False, granularity: int | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.problem = problem
+        self.granularity = granularity
+
+
+def node_val(node: Any) -> Any:
+    """The fake value shape propagation left on ``node`` (``None`` for non-nodes or without shapes)."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def tensor_shape(node: Any) -> tuple[int, ...] | None:
+    """``node``'s static shape, or ``None`` when unknown (no shapes, or a symbolic size)."""
+    v = node_val(node)
+    if isinstance(v, torch.Tensor):
+        try:
+            return tuple(int(s) for s in v.shape)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def may_need_grad(node: fx.Node) -> bool:
+    """False for values that never carry a gradient (masks, integer tensors): f's backward is then free."""
+    v = node_val(node)
+    return not (isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex()))
+
+
+def tensor_ndim(node: Any) -> int | None:
+    """``node``'s rank, or ``None`` when unknown."""
+    s = tensor_shape(node)
+    return None if s is None else len(s)
+
+
+def from_end(dim: int, ndim: int | None) -> int:
+    """``dim`` counted from the end (``-1`` is the last); :class:`NeedsWhole` when the rank is unknown."""
+    if dim < 0:
+        return dim
+    if ndim is None:
+        raise NeedsWhole("dim counted from the front of a tensor of unknown rank; pass example_inputs=")
+    return dim - ndim
+
+
+def describe_op(node: fx.Node) -> str:
+    """``"relu (relu)"``: a node and its target, for reasons shown to users."""
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return f"{node.name} ({target})"
+
+
+def node_arg(node: fx.Node, pos: int, name: str, default: Any = None) -> Any:
+    """Argument ``pos`` of ``node``, or its keyword ``name``, or ``default``."""
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def flat_nodes(value: Any) -> list[fx.Node]:
+    """Every node inside ``value`` (nested args and kwargs), in order."""
+    out: list[fx.Node] = []
+    fx.node.map_arg(value, lambda n: out.append(n) or n)
+    return out
+
+
+class LayoutContext(Protocol):
+    """What a rule reads and records: the layout of a value, and a view's rewritten constant."""
+
+    def layout(self, node: Any) -> Layout: ...
+
+    def rewrite_view(self, node: fx.Node, position: int, sizes: tuple[int, ...]) -> None: ...
+
+
+# ---------------------------------------------------------------------- rules
+def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Module]) -> tuple[Layout, list[fx.Node]]:
+    """The layout of ``node``'s result and the replicated tensor args that need *f*; or raise :class:`NeedsWhole`."""
+    op, target = node.op, node.target
+    if op == "call_module":
+        module = modules.get(target)
+        if ops.SHARD_UNARY.matches(node, modules):
+            return unary(ctx, node)
+        if ops.SHARD_SOFTMAX.matches(node, modules):
+            return softmax(ctx, node, module.dim)
+        raise NeedsWhole(f"no sharding rule for {type(module).__name__}")
+    for family, rule in _RULES:
+        if family.matches(node):
+            return rule(ctx, node)
+    if op == "call_function" and target is getattr and len(node.args) > 1:
+        if node.args[1] in ("dtype", "ndim"):
+            return NOT_TENSOR, []
+        if node.args[1] == "shape":
+            return shape(ctx, node)
+    if op == "call_method" and target == "size":
+        return size(ctx, node)
+    if op == "call_method" and target == "dim":
+        return NOT_TENSOR, []
+    raise NeedsWhole("needs the whole tensor")
+
+
+def unary(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    x, *rest = flat_nodes((node.args, node.kwargs))
+    layout = ctx.layout(x)
+    if not isinstance(layout, Sharded) or any(not isinstance(ctx.layout(a), NotTensor) for a in rest):
+        raise NeedsWhole("an element-wise op with more than one tensor")
+    return layout, []
+
+
+def elementwise(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    operands = flat_nodes((node.args, node.kwargs))
+    ref = next(ctx.layout(a) for a in operands if isinstance(ctx.layout(a), Sharded))
+    assert isinstance(ref, Sharded)
+    origins, copies = set(ref.origins), []
+    for a in operands:
+        la = ctx.layout(a)
+        if isinstance(la, Sharded):
+            if (la.dim, la.sizes) != (ref.dim, ref.sizes):
+                raise NeedsWhole("operands sharded differently")
+            origins |= la.origins
+        elif isinstance(la, (Replicated, Copied)):
+            shape = tensor_shape(a)
+            if shape is None:
+                raise NeedsWhole("a replicated operand of unknown shape")
+            if len(shape) >= -ref.dim and shape[len(shape) + ref.dim] != 1:
+                raise NeedsWhole("a replicated operand spans the sharded dim")
+            copies.append(a)
+    return Sharded(ref.dim, ref.sizes, frozenset(origins), ref.unit), copies
+
+
+def softmax(ctx: LayoutContext, node: fx.Node, dim: Any) -> tuple[Layout, list[fx.Node]]:
+    x = node.args[0]
+    layout = ctx.layout(x)
+    if not isinstance(layout, Sharded) or not isinstance(dim, int):
+        raise NeedsWhole("softmax over an unknown dim")
+    if from_end(dim, tensor_ndim(x)) == layout.dim:
+        raise NeedsWhole("softmax over the sharded dim")
+    return layout, []
+
+
+def matmul(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    a, b = node.args[0], node.args[1]
+    la, lb = ctx.layout(a), ctx.layout(b)
+    if isinstance(la, Sharded) and isinstance(lb, Sharded) and (la.dim, la.sizes) == (lb.dim, lb.sizes) and la.dim <= -3:
+        return Sharded(la.dim, la.sizes, la.origins | lb.origins, la.unit), []
+    raise NeedsWhole("a matmul that contracts or mixes the sharded dim")
+
+
+def attention(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    q, k, v = node.args[:3]
+    lq, lk, lv = ctx.layout(q), ctx.layout(k), ctx.layout(v)
+    if not all(isinstance(layout, Sharded) for layout in (lq, lk, lv)):
+        raise NeedsWhole("attention with q, k, v not all sharded")
+    if len({(layout.dim, layout.sizes) for layout in (lq, lk, lv)}) != 1 or lq.dim > -3:  # type: ignore[union-attr]
+        raise NeedsWhole("attention with q, k, v sharded differently or along a sequence/feature dim")
+    copies = []
+    mask = node_arg(node, 3, "attn_mask")
+    if isinstance(mask, fx.Node):
+        lm = ctx.layout(mask)
+        if isinstance(lm, Sharded):
+            if (lm.dim, lm.sizes) != (lq.dim, lq.sizes):  # type: ignore[union-attr]
+                raise NeedsWhole("a mask sharded differently")
+        else:
+            shape = tensor_shape(mask)
+            if shape is None or (len(shape) >= -lq.dim and shape[len(shape) + lq.dim] != 1):  # type: ignore[union-attr]
+                raise NeedsWhole("a replicated mask that spans the sharded dim")
+            copies.append(mask)
+    origins = lq.origins | lk.origins | lv.origins  # type: ignore[union-attr]
+    return Sharded(lq.dim, lq.sizes, origins, lq.unit), copies  # type: ignore[union-attr]
+
+
+def transpose(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    x = node.args[0]
+    layout = ctx.layout(x)
+    assert isinstance(layout, Sharded)
+    a, b = node_arg(node, 1, "dim0"), node_arg(node, 2, "dim1")
+    if not (isinstance(a, int) and isinstance(b, int)):
+        raise NeedsWhole("transpose with computed dims")
+    nd = tensor_ndim(x)
+    a, b = from_end(a, nd), from_end(b, nd)
+    dim = b if layout.dim == a else a if layout.dim == b else layout.dim
+    return Sharded(dim, layout.sizes, layout.origins, layout.unit), []
+
+
+def permute(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    x = node.args[0]
+    layout = ctx.layout(x)
+    assert isinstance(layout, Sharded)
+    dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+    nd = tensor_ndim(x)
+    if nd is None or not all(isinstance(d, int) for d in dims):
+        raise NeedsWhole("permute of unknown rank; pass example_inputs=")
+    normal = [d % nd for d in dims]
+    return Sharded(normal.index(layout.dim + nd) - nd, layout.sizes, layout.origins, layout.unit), []
+
+
+def size(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    x = node.args[0]
+    layout = ctx.layout(x)
+    assert isinstance(layout, Sharded)
+    dim = node_arg(node, 1, "dim")
+    if dim is None:  # x.size(): as x.shape
+        return shape(ctx, node)
+    if not isinstance(dim, int) or from_end(dim, tensor_ndim(x)) == layout.dim:
+        raise NeedsWhole("reads the size of the sharded dim")
+    return NOT_TENSOR, []
+
+
+def shape(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    """``x.shape`` / ``x.size()`` of a sharded ``x``: the local shape, fine while every use
+    reads one other dim (``k.shape[-1]``); anything else needs the whole tensor."""
+    x = node.args[0]
+    layout = ctx.layout(x)
+    assert isinstance(layout, Sharded)
+    for user in node.users:
+        index = user.args[1] if user.op == "call_function" and user.target is operator.getitem and len(user.args) == 2 else None
+        if user.args[0] is not node or not isinstance(index, int) or from_end(index, tensor_ndim(x)) == layout.dim:
+            raise NeedsWhole("reads the size of the sharded dim")
+    return NOT_TENSOR, []
+
+
+def view(ctx: LayoutContext, node: fx.Node, first: int) -> tuple[Layout, list[fx.Node]]:
+    x = node.args[0]
+    layout = ctx.layout(x)
+    assert isinstance(layout, Sharded)
+    shape_args = node.args[first:]
+    if len(shape_args) == 1 and isinstance(shape_args[0], (list, tuple)):
+        shape_args = tuple(shape_args[0])
+    if not shape_args or any(isinstance(s, fx.Node) and not isinstance(ctx.layout(s), NotTensor) for s in shape_args):
+        raise NeedsWhole("a view whose shape is a computed tensor", problem=True)
+    in_shape, out_shape = tensor_shape(x), tensor_shape(node)
+    if in_shape is None or out_shape is None or len(shape_args) != len(out_shape):
+        raise NeedsWhole(
+            "shapes are unknown (no example_inputs=, or fake-tensor shape propagation failed), so the "
+            "sharded constant cannot be checked; pass example_inputs=",
+            problem=True,
+        )
+    d = len(in_shape) + layout.dim
+    before, full = math.prod(in_shape[:d]), in_shape[d]
+    j = next((i for i in range(len(out_shape) + 1) if math.prod(out_shape[:i]) == before), None)
+    while j is not None and j < len(out_shape) and out_shape[j] == 1 and full != 1:
+        j += 1
+    if j is None or j == len(out_shape):
+        raise NeedsWhole("the view mixes the sharded dim with the dims before it", problem=True)
+    if out_shape[j] == full:
+        sizes, unit = layout.sizes, layout.unit
+    elif out_shape[j] < full:
+        k = next((i for i in range(j + 1, len(out_shape) + 1) if math.prod(out_shape[j:i]) == full), None)
+        inner = full // out_shape[j]
+        if k is None or full % out_shape[j]:
+            raise NeedsWhole("the view splits the sharded dim unevenly", problem=True)
+        if any(s % inner for s in layout.sizes):
+            raise NeedsWhole(
+                f"shard sizes {list(layout.sizes)} of a dim of {full} do not split into {out_shape[j]} x {inner}",
+                problem=True,
+                granularity=inner * layout.unit,
+            )
+        sizes, unit = tuple(s // inner for s in layout.sizes), layout.unit * inner
+    else:
+        m = next((i for i in range(d + 1, len(in_shape) + 1) if math.prod(in_shape[d:i]) == out_shape[j]), None)
+        if m is None:
+            raise NeedsWhole("the view merges the sharded dim unevenly", problem=True)
+        inner = out_shape[j] // full
+        sizes, unit = tuple(s * inner for s in layout.sizes), max(1, layout.unit // inner)
+    if shape_args[j] != -1:
+        ctx.rewrite_view(node, j, sizes)
+    return Sharded(j - len(out_shape), sizes, layout.origins, unit), []
+
+
+# each op family a sharded value passes through, and its rule (functions and methods)
+_RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layout, list[fx.Node]]]], ...] = (
+    (ops.SHARD_UNARY, unary),
+    (ops.SHARD_BINARY, elementwise),
+    (ops.SHARD_SOFTMAX, lambda ctx, node: softmax(ctx, node, node_arg(node, 1, "dim"))),
+    (ops.MATMUL, matmul),
+    (ops.SHARD_ATTENTION, attention),
+    (ops.VIEW, lambda ctx, node: view(ctx, node, 1)),
+    (ops.SHARD_TRANSPOSE, transpose),
+    (ops.PERMUTE, permute),
+)
+SHARD_TRANSPARENT = tuple(family for family, _ in _RULES)
+
+
+def is_shard_transparent(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
+    """True for ops a sharded value can pass through (given matching shapes): element-wise,
+    softmax, matmul over batch dims, attention, views, transposes."""
+    return any(family.matches(node, modules) for family in SHARD_TRANSPARENT)

@@ -1,0 +1,241 @@
+"""``shard_linear``: tensor-parallel ``nn.Linear``, written down as code (one shard's program).
+
+``shard_linear`` rewrites the captured graph into the program of *one* shard (SPMD form):
+sharded layers read their slice of the weight, and every step that involves the other
+shards is an explicit call of :mod:`dpcompile.runtime.collectives`. ``expand_shards``
+(:mod:`passes.expand_shards`) then lowers that program to single-process code over several devices.
+Which layers split and how every value is laid out is decided first, without rewriting, by
+:mod:`dpcompile.analysis.sharding` (the finder :func:`find_linear_sites` lives there).
+
+Before (an MLP, plan ``{"fc1": "column", "fc2": "row"}``)::
+
+    def forward(self, x):
+        fc1 = self.fc1(x)
+        relu = torch.relu(fc1)
+        fc2 = self.fc2(relu)
+        return fc2
+
+After ``shard_linear`` (one shard's program; ``fc1.weight`` is this shard's rows)::
+
+    def forward(self, x):
+        x_copy = dpcompile_runtime_collectives_copy_to_shards(x)          # f
+        fc1_weight = self.fc1.weight
+        fc1_bias = self.fc1.bias
+        fc1 = torch._C._nn.linear(x_copy, fc1_weight, fc1_bias)
+        relu = torch.relu(fc1)                                             # stays sharded
+        fc2_weight = self.fc2.weight
+        fc2_partial = torch._C._nn.linear(relu, fc2_weight)
+        fc2_all_reduce = dpcompile_runtime_collectives_reduce_from_shards(fc2_partial)   # g
+        fc2_bias = self.fc2.bias
+        fc2 = fc2_all_reduce + fc2_bias                                    # bias added once
+        return fc2
+
+Styles: ``column`` splits ``weight`` (and ``bias``) along ``out_features``; the output stays
+sharded through element-wise ops, softmax, attention and shape ops (``view(b, t, heads, d)``
+with its sharded constant rewritten as ``local_size([..])``) and is all-gathered only where a
+whole tensor is needed (LayerNorm, an output, an op without a rule). ``row`` splits
+``weight`` along ``in_features``; a sharded input of matching sizes is used as it is (the
+Megatron pair, no communication between the layers), a replicated one is split; the partial
+sums are all-reduced and the bias added once after. ``replicate`` leaves the layer whole.
+A view whose sharded constant cannot be proven to split (heads that do not divide, shapes
+unknown) keeps the column layers feeding it replicated, and the reason is recorded.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from dpcompile.analysis.sharding import (
+    COPIED,
+    NOT_TENSOR,
+    REPLICATED,
+    Layout,
+    LinearSite,
+    ResolvedPlan,
+    Sharded,
+    check_plan,
+    find_linear_sites,
+    resolve_plan,
+)
+from dpcompile.analysis.sharding_rules import may_need_grad, node_val
+from dpcompile.devices import Devices
+from dpcompile.infra import PassResult, stamp, stamp_comm
+from dpcompile.runtime import collectives
+from dpcompile.runtime.tensor_parallel import ShardSpec
+
+PASS = "shard_linear"
+
+
+def shard_linear(gm: fx.GraphModule, *, plan: Mapping[str, str], devices: Devices) -> PassResult:
+    """Rewrite ``gm`` into one shard's program for ``plan`` (``{path: style}``; others whole).
+
+    The result's ``info`` holds ``plan`` (the styles applied), ``reasons`` (why a layer was
+    kept whole), ``param_shards`` (``{"fc1.weight": ShardSpec(0, (5, 5))}``) and ``comms``
+    (the :class:`~dpcompile.analysis.cost.CommEstimate` of every collective inserted).
+    """
+    check_plan(gm, plan, extra_linears=find_linear_sites(gm))
+    n = len(devices)
+    resolved = resolve_plan(gm, plan=plan, n=n)
+    if all(style == "replicate" for style in resolved.styles.values()):
+        info = {"plan": resolved.styles, "reasons": resolved.reasons, "param_shards": {}, "comms": [], "gathered": {}, "pairs": {}}
+        return PassResult(gm, False, info)
+    rewriter = _Rewriter(gm, find_linear_sites(gm), resolved)
+    gm.graph = rewriter.build()
+    info = {
+        "plan": resolved.styles,
+        "reasons": resolved.reasons,
+        "param_shards": rewriter.param_shards,
+        "comms": resolved.analysis.comms,
+        "gathered": resolved.analysis.gathered,
+        "pairs": resolved.analysis.pairs,
+    }
+    return PassResult(gm, True, info)
+
+
+class _Rewriter:
+    """Copies ``gm``'s graph node by node, rewriting the sharded layers and inserting the conversions."""
+
+    def __init__(self, gm: fx.GraphModule, sites: Mapping[str, LinearSite], resolved: ResolvedPlan):
+        self.gm = gm
+        self.site_of = {s.node: s for s in sites.values() if resolved.styles.get(s.path) in ("column", "row")}
+        self.styles = resolved.styles
+        self.analysis = resolved.analysis
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.converted: dict[tuple[fx.Node, str], fx.Node] = {}
+        self.param_shards: dict[str, ShardSpec] = {}
+
+    def layout(self, node: fx.Node) -> Layout:
+        return self.analysis.layouts.get(node, REPLICATED)
+
+    def make(self, op: str, target: Any, args: tuple = (), kwargs: dict | None = None, *, name: str,
+             source: fx.Node | None, layout: Layout) -> fx.Node:  # fmt: skip
+        new = self.graph.create_node(op, target, args, kwargs or {}, name=name)
+        stamp(new, PASS, source)
+        new.meta["dpcompile_layout"] = layout
+        return new
+
+    def numel(self, node: fx.Node) -> int | None:
+        v = node_val(node)
+        return int(v.numel()) if isinstance(v, torch.Tensor) else None
+
+    def comm(self, node: fx.Node, kind: str, backward: str | None, source: fx.Node) -> fx.Node:
+        stamp_comm(node, kind, backward=backward)
+        if (numel := self.numel(source)) is not None:
+            node.meta["dpcompile_comm_numel"] = numel
+        return node
+
+    # -- conversions, each made once per value
+    def convert(self, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None) -> fx.Node:
+        key = (producer, kind if sizes is None else f"{kind}{sizes}")
+        if key in self.converted:
+            return self.converted[key]
+        if kind == "gather":
+            layout = self.layout(producer)
+            assert isinstance(layout, Sharded)
+            new = self.make("call_function", collectives.gather_from_shards, (self.env[producer], layout.dim, list(layout.sizes)),
+                            name=f"{producer.name}_all_gather", source=producer, layout=REPLICATED)  # fmt: skip
+            new = self.comm(new, "all_gather", None, producer)
+        elif kind == "copy":
+            new = self.make("call_function", collectives.copy_to_shards, (self.env[producer],),
+                            name=f"{producer.name}_copy", source=producer, layout=COPIED)  # fmt: skip
+            new = self.comm(new, "identity", "all_reduce" if may_need_grad(producer) else None, producer)
+        elif kind == "gather_copy":
+            gathered = self.convert(producer, "gather")
+            new = self.make("call_function", collectives.copy_to_shards, (gathered,),
+                            name=f"{producer.name}_copy", source=producer, layout=COPIED)  # fmt: skip
+            new = self.comm(new, "identity", "all_reduce", producer)
+        elif kind in ("split", "gather_split"):
+            assert sizes is not None
+            whole = self.convert(producer, "gather") if kind == "gather_split" else self.env[producer]
+            new = self.make("call_function", collectives.split_to_shards, (whole, -1, list(sizes)),
+                            name=f"{producer.name}_split", source=producer, layout=Sharded(-1, sizes))  # fmt: skip
+            new = self.comm(new, "split", "all_gather", producer)
+        else:  # pragma: no cover
+            raise AssertionError(kind)
+        self.converted[key] = new
+        return new
+
+    def arg_for(self, consumer: fx.Node, producer: fx.Node, sizes: tuple[int, ...] | None = None) -> fx.Node:
+        kind = self.analysis.needs.get((consumer, producer))
+        return self.env[producer] if kind is None else self.convert(producer, kind, sizes)
+
+    def param(self, path: str, name: str, spec: ShardSpec | None, source: fx.Node) -> fx.Node:
+        target = f"{path}.{name}" if path else name
+        layout: Layout = REPLICATED if spec is None else Sharded(spec.dim - 2 if name == "weight" else -1, spec.sizes)
+        new = self.make("get_attr", target, name=target.replace(".", "_"), source=source, layout=layout)
+        if spec is not None:
+            new.meta["dpcompile_shard"] = spec
+            self.param_shards[target] = spec
+        return new
+
+    # -- the graph
+    def build(self) -> fx.Graph:
+        for node in self.gm.graph.nodes:
+            if node in self.site_of:
+                self.env[node] = self._linear(node, self.site_of[node])
+            elif node.op == "output":
+                self.graph.output(fx.node.map_arg(node.args[0], lambda a, out=node: self.arg_for(out, a)), type_expr=node.type)
+            else:
+                self.env[node] = self._copy(node)
+        for node in list(self.graph.nodes):
+            if node.op == "get_attr" and not node.users:
+                self.graph.erase_node(node)
+        return self.graph
+
+    def _copy(self, node: fx.Node) -> fx.Node:
+        args = fx.node.map_arg(node.args, lambda a: self.arg_for(node, a))
+        kwargs = fx.node.map_arg(node.kwargs, lambda a: self.arg_for(node, a))
+        layout = self.layout(node)
+        if node in self.analysis.view_rewrites:
+            position, sizes = self.analysis.view_rewrites[node]
+            args = self._rewrite_shape(node, args, position, sizes)
+        new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name, type_expr=node.type)
+        new.meta = {k: v for k, v in node.meta.items() if not (k == "val" and isinstance(layout, Sharded))}
+        new.meta["dpcompile_layout"] = layout
+        if node in self.analysis.view_rewrites:
+            stamp(new, PASS, node)
+        return new
+
+    def _rewrite_shape(self, node: fx.Node, args: tuple, position: int, sizes: tuple[int, ...]) -> tuple:
+        size = self.make("call_function", collectives.local_size, (list(sizes),), name=f"{node.name}_size",
+                         source=node, layout=NOT_TENSOR)  # fmt: skip
+        first = 1
+        if len(args) == first + 1 and isinstance(args[first], (list, tuple)):
+            shape = list(args[first])
+            shape[position] = size
+            return (*args[:first], type(args[first])(shape))
+        args = list(args)
+        args[first + position] = size
+        return tuple(args)
+
+    def _linear(self, node: fx.Node, site: LinearSite) -> fx.Node:
+        style = self.styles[site.path]
+        if style == "column":
+            sizes = self.analysis.column_sizes[site.path]
+            x = self.arg_for(node, site.input)
+            spec = ShardSpec(0, sizes)
+            w = self.param(site.path, "weight", spec, node)
+            args = (x, w, self.param(site.path, "bias", spec, node)) if site.bias else (x, w)
+            return self.make("call_function", F.linear, args, name=node.name, source=node, layout=self.layout(node))
+        sizes = self.analysis.row_sizes[site.path]
+        x = self.arg_for(node, site.input, sizes)
+        w = self.param(site.path, "weight", ShardSpec(1, sizes), node)
+        partial = self.make("call_function", F.linear, (x, w), name=f"{node.name}_partial", source=node,
+                            layout=Sharded(-1, (0,) * len(sizes)))  # fmt: skip
+        reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{node.name}_all_reduce",
+                            source=node, layout=REPLICATED)  # fmt: skip
+        self.comm(reduced, "all_reduce", None, node)
+        if not site.bias:
+            return reduced
+        bias = self.param(site.path, "bias", None, node)
+        return self.make("call_function", operator.add, (reduced, bias), name=node.name, source=node, layout=REPLICATED)
+
+
+__all__ = ["PASS", "find_linear_sites", "shard_linear"]

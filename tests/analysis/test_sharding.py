@@ -1,0 +1,158 @@
+"""The sharding analysis: finding Linear layers, splitting sizes, layouts and the ops shards pass through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpcompile.analysis.sharding import (
+    REPLICATED,
+    Sharded,
+    aligned_split,
+    analyze_sharding,
+    check_divisible,
+    check_plan,
+    find_linear_sites,
+    is_shard_transparent,
+    linear_paths,
+    resolve_plan,
+)
+from dpcompile.analysis.sharding_rules import NeedsWhole, apply_rule
+from tests.helpers import captured
+from tests.models import MLP, Attention, NormAfterColumn, Shared, Tied
+
+
+# ---------------------------------------------------------------------- finders
+def test_find_linear_sites_reports_features_and_bias():
+    """Each called Linear is found by path with its in/out features and bias."""
+    sites = find_linear_sites(captured(MLP(8, 16, 4)))
+    assert [(p, s.in_features, s.out_features, s.bias, s.blocker) for p, s in sites.items()] == [
+        ("fc1", 8, 16, True, None),
+        ("fc2", 16, 4, True, None),
+    ]
+
+
+def test_find_linear_sites_finds_a_root_linear_as_empty_path():
+    """A model that is itself an nn.Linear traces to F.linear; its site path is ''."""
+    sites = find_linear_sites(captured(nn.Linear(6, 3)))
+    assert list(sites) == [""] and sites[""].out_features == 3
+
+
+def test_find_linear_sites_blocks_a_shared_layer():
+    """A Linear called twice gets a blocker saying so."""
+    assert "called 2 times" in find_linear_sites(captured(Shared()))["fc"].blocker
+
+
+def test_find_linear_sites_blocks_tied_weights():
+    """A Linear whose weight is also read directly gets a blocker."""
+    assert "tied" in find_linear_sites(captured(Tied()))["fc"].blocker
+
+
+def test_aligned_split_balances_uneven_and_respects_granularity():
+    """10 over 3 is (4, 3, 3); 12 over 2 in whole 4s is (8, 4); too few units raise."""
+    assert aligned_split(10, 3) == (4, 3, 3)
+    assert aligned_split(12, 2, 4) == (8, 4)
+    with pytest.raises(ValueError, match="12 cannot be split into 4 shards of whole 4s"):
+        aligned_split(12, 4, 4)
+
+
+# ---------------------------------------------------------------------- analysis
+def test_analyze_sharding_pairs_column_with_row_without_gathers():
+    """An MLP planned column→row needs only f on the input and g after the row layer."""
+    gm = captured(MLP(), torch.randn(4, 8))
+    analysis = analyze_sharding(gm, styles={"fc1": "column", "fc2": "row"}, n=2)
+    assert [(c.kind, c.backward) for c in analysis.comms] == [("identity", "all_reduce"), ("all_reduce", None)]
+    assert analysis.pairs == {"fc2": frozenset({"fc1"})}
+    assert analysis.row_sizes["fc2"] == analysis.column_sizes["fc1"] == (8, 8)
+
+
+def test_analyze_sharding_gathers_before_layer_norm():
+    """A LayerNorm needs the whole feature dim, so a column output is all-gathered before it."""
+    gm = captured(NormAfterColumn(), torch.randn(4, 8))
+    analysis = analyze_sharding(gm, styles={"fc1": "column", "fc2": "row"}, n=2)
+    kinds = [c.kind for c in analysis.comms]
+    assert "all_gather" in kinds and "split" in kinds
+    assert "norm" in analysis.gathered["fc1"][0]
+
+
+def test_is_shard_transparent_accepts_elementwise_and_rejects_norm():
+    """relu is transparent, LayerNorm is not."""
+    gm = captured(NormAfterColumn())
+    modules = dict(gm.named_modules())
+    by_name = {n.name: n for n in gm.graph.nodes}
+    assert not is_shard_transparent(by_name["norm"], modules)
+    assert is_shard_transparent(next(n for n in captured(MLP()).graph.nodes if n.name == "relu"), {})
+
+
+# ---------------------------------------------------------------------- plans
+def test_linear_paths_lists_every_linear_of_a_model():
+    """Every nn.Linear by module path, called in forward or not."""
+    assert linear_paths(NormAfterColumn()) == ["fc1", "fc2"]
+
+
+def test_check_plan_rejects_a_module_that_is_not_a_linear():
+    """Naming a LayerNorm is a ValueError listing the Linear layers."""
+    with pytest.raises(ValueError, match="'norm', a LayerNorm, not an nn.Linear; its nn.Linear layers are: 'fc1', 'fc2'"):
+        check_plan(NormAfterColumn(), {"norm": "column"})
+
+
+def test_check_divisible_shows_the_arithmetic():
+    """A row split needs at least one input feature per device; the reason says so with numbers."""
+    site = find_linear_sites(captured(MLP(8, 16, 4)))["fc1"]
+    assert check_divisible(site, "column", 16) is None
+    assert check_divisible(site, "row", 16) == "in_features(8) of 'fc1' cannot be split over 16 devices"
+
+
+def test_resolve_plan_keeps_a_too_narrow_layer_whole_when_not_strict():
+    """strict=False keeps a layer that cannot split whole, with the arithmetic as the reason."""
+    gm = captured(MLP(8, 4), torch.randn(2, 8))
+    resolved = resolve_plan(gm, plan={"fc1": "column"}, n=8, strict=False)
+    assert resolved.styles["fc1"] == "replicate"
+    assert resolved.reasons["fc1"] == "out_features(4) of 'fc1' cannot be split over 8 devices"
+    with pytest.raises(ValueError, match="cannot be split over 8 devices"):
+        resolve_plan(gm, plan={"fc1": "column"}, n=8)
+
+
+def test_resolve_plan_aligns_heads_to_whole_heads():
+    """3 heads of 4 features over 2 devices: the column layers split at multiples of 4."""
+    gm = captured(Attention(12, 3), torch.randn(2, 5, 12))
+    resolved = resolve_plan(gm, plan={"q": "column", "k": "column", "v": "column", "out": "row"}, n=2)
+    assert resolved.granularity == {"q": 4, "k": 4, "v": 4}
+    assert resolved.analysis.column_sizes["q"] == (8, 4) and not resolved.analysis.problems
+
+
+# ---------------------------------------------------------------------- layouts
+def test_analyze_sharding_lays_out_every_value():
+    """fc1's output is sharded on the last dim, relu keeps it, fc2's (row) output is replicated."""
+    gm = captured(MLP(), torch.randn(4, 8))
+    layouts = {n.name: layout for n, layout in analyze_sharding(gm, styles={"fc1": "column", "fc2": "row"}, n=2).layouts.items()}
+    assert layouts["fc1"] == layouts["relu"] == Sharded(-1, (8, 8), frozenset({"fc1"}))
+    assert layouts["x"] == layouts["fc2"] == REPLICATED
+
+
+def test_sharding_rule_says_why_an_op_needs_the_whole_tensor():
+    """A sum over the sharded dim has no sharding rule: apply_rule raises NeedsWhole with the reason."""
+
+    class SumAfterColumn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+
+        def forward(self, x):
+            return self.fc(x).sum(-1)
+
+    gm = captured(SumAfterColumn(), torch.randn(2, 4))
+    analysis = analyze_sharding(gm, styles={"fc": "column"}, n=2)
+    assert analysis.gathered == {"fc": ["sum_1 (sum)"]}
+    node = next(n for n in gm.graph.nodes if n.name == "sum_1")
+
+    class Layouts:
+        def layout(self, value):
+            return analysis.layouts.get(value, REPLICATED)
+
+        def rewrite_view(self, node, position, sizes):  # pragma: no cover - views only
+            raise AssertionError
+
+    with pytest.raises(NeedsWhole, match="needs the whole tensor"):
+        apply_rule(Layouts(), node, dict(gm.named_modules()))

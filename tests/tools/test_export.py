@@ -540,6 +540,15 @@ def test_export_of_a_user_leaf_class_needs_trust_code_to_load(tmp_path):
     torch.testing.assert_close(dpcompile.load(folder, trust_code=True)(x), model(x))
 
 
+def test_trusted_pickle_that_is_not_a_parallel_module_is_refused(tmp_path):
+    """Even with trust_code=True, a program.pkl that unpickles to something else (an int) is refused."""
+    folder = dpcompile.export(dpcompile.transform(WithLeaf(), ["cpu", "cpu"], leaf_modules=[Twice]), tmp_path / "out")
+    (folder / "program.pkl").write_bytes(pickle.dumps(42))
+    _rehash(folder)
+    with pytest.raises(ExportError, match="not a ParallelModule"):
+        dpcompile.load(folder, trust_code=True)
+
+
 def test_export_of_a_model_with_root_hooks_needs_trust_code(tmp_path):
     """A forward hook on the model runs around the program (Python code): the folder needs trust_code."""
     model = MLP()

@@ -404,10 +404,10 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> 
         except RecursionError:
             raise ExportError(f"{folder / PROGRAM_FILE} nests values too deeply to be a program") from None
     expected = expected_class(program["kind"])
-    if not isinstance(pm, expected) or pm.mode != program["kind"]:
+    kinds = [c for c in (expected_class("tensor_parallel"),) if c is not expected]
+    if not isinstance(pm, expected) or any(isinstance(pm, c) for c in kinds) or pm.mode != program["kind"]:
         raise ExportError(f"{folder} did not rebuild as a {expected.__name__}")
     return pm
-
 
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "ExportError", "export", "generated_source", "load", "read_manifest"]

@@ -10,7 +10,7 @@ import dpcompile
 from dpcompile import runtime
 from dpcompile.capture import capture
 from tests.helpers import check_against_eager
-from tests.models import MLP
+from tests.models import MLP, CellLoop
 
 
 class Branchy(nn.Module):
@@ -166,21 +166,6 @@ class CausalSelfAttention(nn.Module):
 def test_capture_traces_buffer_sliced_by_input_size():
     """A causal-mask buffer sliced with x.size() traces and matches eager on uneven splits."""
     check_against_eager(CausalSelfAttention, ["cpu"] * 4, torch.randn(9, 5, 8), transform_kwargs={"copy_replicas": True})
-
-
-class CellLoop(nn.Module):
-    """A hand-rolled recurrence whose state starts as torch.zeros(x.size(0), hidden)."""
-
-    def __init__(self):
-        super().__init__()
-        self.cell = nn.GRUCell(4, 6)
-        self.fc = nn.Linear(6, 2)
-
-    def forward(self, x):
-        h = torch.zeros(x.size(0), 6, device=x.device)
-        for t in range(3):
-            h = self.cell(x[:, t], h)
-        return self.fc(h)
 
 
 def test_capture_traces_size_factory_with_batch_size_first():

@@ -29,7 +29,7 @@ from dpcompile.capture import ROOT_LEAF, DpTracer
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import adopt_state, copy_graph, placeholders
-from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
+from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
 
 log = logging.getLogger("dpcompile")
@@ -161,7 +161,7 @@ class ParallelModule(fx.GraphModule):
 
     def _key(self, n: int, none_args: frozenset[str], flags: tuple) -> CallKey:
         guard = self._guard
-        fingerprint = guard.fingerprint() if self._shares_source else ()
+        fingerprint = guard.fingerprint() if self._shares_source else None
         return CallKey(n, guard.modes(), none_args, flags, fingerprint)
 
     def call_key(self, *args: Any, **kwargs: Any) -> CallKey:
@@ -260,7 +260,7 @@ class ParallelModule(fx.GraphModule):
             carried = getattr(self.program_cache.build, "programs", {})  # a restored program's own
             return [*carried.items(), *built]
         main = self.program_cache.main_key
-        other_mode = CallKey(main.devices, tuple((path, not t) for path, t in main.modes), main.none_args, main.flags, main.guard)
+        other_mode = CallKey(main.devices, Modes((path, not t) for path, t in main.modes), main.none_args, main.flags, main.guard)
         built = dict(self.program_cache.items())
         out = []
         for key in {*built, other_mode}:
@@ -400,7 +400,7 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
     if pm.traced_model is None:
         pm._signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
         main = state["main_key"]
-        main_key = CallKey(main.devices, main.modes, main.none_args, main.flags, ())
+        main_key = CallKey(main.devices, main.modes, main.none_args, main.flags)
         object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
         pm.program_cache.reset(main_key, _CarriedPrograms(pm, state["programs"]))
         for key, graph in state["traces"]:  # what a data-parallel program lowers for fewer devices

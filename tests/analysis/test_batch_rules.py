@@ -16,6 +16,7 @@ from dpcompile.analysis.batch_rules.modules import per_sample_dim0
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.placement import REPLICATED, BatchSize, Partial, Placement, Split, Tuple, Whole
 from tests.helpers import captured, check_against_eager
+from tests.models import CellLoop
 
 
 class Fn(nn.Module):
@@ -297,21 +298,6 @@ def test_rule_for_reads_the_shared_registry():
     rule = rule_for(node, None)
     assert rule is BATCH_RULES.function_rule(torch.relu) is pointwise
     assert rule(RuleContext(node, {node.args[0]: Split(0)}, None)) == Split(0)
-
-
-class CellLoop(nn.Module):
-    """A hand-rolled recurrence whose state starts as torch.zeros(x.size(0), hidden)."""
-
-    def __init__(self):
-        super().__init__()
-        self.cell = nn.GRUCell(4, 6)
-        self.fc = nn.Linear(6, 2)
-
-    def forward(self, x):
-        h = torch.zeros(x.size(0), 6, device=x.device)
-        for t in range(3):
-            h = self.cell(x[:, t], h)
-        return self.fc(h)
 
 
 class LSTMCellLoop(nn.Module):

@@ -24,6 +24,7 @@ from torch import nn
 
 from dpcompile.mesh import local_batch
 from tests.helpers import FakeMesh
+from tests.models import OptionalScale
 
 GROUP_TIMEOUT_S = 60.0  # a whole scenario (spawn + checks); a hang fails the test after this
 
@@ -438,18 +439,6 @@ def check_tp_parent_load_state_dict(rank: int, world: int) -> None:
     assert tuple(pm.fc1.weight.shape) == (12 // world, 8)
     x = torch.randn(3, 8)
     torch.testing.assert_close(parent(x), reference(x), atol=1e-5, rtol=1e-5)
-
-
-class OptionalScale(nn.Module):
-    """forward branches on an optional argument (``if scale is not None``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 12), nn.Linear(12, 8)
-
-    def forward(self, x, scale=None):
-        h = self.fc2(F.gelu(self.fc1(x)))
-        return h if scale is None else h * scale
 
 
 def check_optional_argument_left_none(rank: int, world: int) -> None:

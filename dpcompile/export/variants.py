@@ -43,8 +43,10 @@ def encode_key(key: Any) -> dict[str, Any]:
 
 
 def decode_key(data: Any) -> Any:
+    from dpcompile import program_cache
     from dpcompile.program_cache import CallKey
 
+    modes_type = getattr(program_cache, "Modes", tuple)  # a tuple that hashes once
     try:
         if not isinstance(data, dict) or set(data) != {"devices", "modes", "none_args", "flags"} or type(data["devices"]) is not int:
             raise ValueError(data)
@@ -53,7 +55,7 @@ def decode_key(data: Any) -> Any:
             raise ValueError(data["modes"])
         none_args = frozenset(str(n) for n in data["none_args"])
         flags = tuple((str(n), decode_value(v)) for n, v in data["flags"])
-        return CallKey(data["devices"], modes, none_args, flags)
+        return CallKey(data["devices"], modes_type(modes), none_args, flags)
     except (TypeError, ValueError) as e:
         raise ExportError(f"program.json: a call key it cannot read ({e!r:.80})") from None
 

@@ -140,7 +140,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
         "source": None,
     }
     pm = restore_parallel_module(expected_class(kind), state)
-    pm._signature = signature  # where calls depart (none where the module never traced again)
+    pm.call_signature = signature  # where calls depart (none where the module never traced again)
     if kind == "tensor_parallel":
         _check_shards(pm)
     return pm

@@ -203,8 +203,8 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
         "recipe": encode_recipe(pm.recipe),
         "main_key": encode_key(main),
         "signature": {
-            "optional": [[p, n] for p, n in pm._signature.optional],
-            "flags": [[p, n, encode_value(d)] for p, n, d in pm._signature.flags],
+            "optional": [[p, n] for p, n in pm.call_signature.optional],
+            "flags": [[p, n, encode_value(d)] for p, n, d in pm.call_signature.flags],
         },
         "graph": encode_graph(pm.graph),
         "captured": None if captured is None else encode_graph(captured),
@@ -243,7 +243,7 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
     if isinstance(pm, TensorParallelModule):
         cost = getattr(pm, "comm_cost", None)
         config["tensor_parallel"] = {
-            "state_keys": list(pm._state_keys),
+            "state_keys": list(pm.state_keys),
             "param_shards": {k: {"dim": s.dim, "sizes": list(s.sizes), "names": list(n)} for k, (s, n) in pm.param_shards.items()},
             "plan_reasons": dict(pm.plan_reasons),
             "comm_cost": None if cost is None else [float(cost.forward), float(cost.backward)],

@@ -158,7 +158,7 @@ def _keys(pm: nn.Module) -> list[Any]:
     from dpcompile.program_cache import CallKey
 
     main = pm.program_cache.main_key
-    optional = [name for _, name in pm._signature.optional]
+    optional = [name for _, name in pm.call_signature.optional]
     patterns, choices = _patterns(optional), _flag_choices(tuple(main.flags))
     if len(patterns) * len(choices) > MAX_PATTERNS:  # bound the traces: flags as traced only
         choices = [tuple(main.flags)]

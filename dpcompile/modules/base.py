@@ -99,7 +99,7 @@ class ParallelModule(fx.GraphModule):
         object.__setattr__(self, "traced_model", source)
         self._shares_source = shares_source and source is not None
         self._flags = flags  # flag arguments the main program was traced for, and their values
-        self._signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
+        self.call_signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
         is_leaf = DpTracer(getattr(self.recipe, "leaf_modules", ())).is_leaf_module
         # modes are read from the model where pm shares it, else from pm's own modules
         object.__setattr__(self, "_guard", ModelGuard(source if self._shares_source else self, is_leaf))
@@ -166,7 +166,7 @@ class ParallelModule(fx.GraphModule):
 
     def call_key(self, *args: Any, **kwargs: Any) -> CallKey:
         """What the program for this call is specialised on (see :class:`CallKey`)."""
-        nones, flags = self._signature.departures(args, kwargs)
+        nones, flags = self.call_signature.departures(args, kwargs)
         return self._key(self._devices_for(args, kwargs), nones, flags)
 
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
@@ -398,7 +398,7 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
     pm._restore_extra_state(state["extra"])
     pm.training = state["training"]  # each submodule was pickled with its own mode
     if pm.traced_model is None:
-        pm._signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
+        pm.call_signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
         main = state["main_key"]
         main_key = CallKey(main.devices, main.modes, main.none_args, main.flags)
         object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))

@@ -1,0 +1,242 @@
+"""What does the generated program cost beyond the per-device work it does?
+
+    python benchmarks/bench_overhead.py [--rounds 31] [--quick]
+
+Each case runs, in the same process and in alternation (min over rounds), a transformed model
+against the same per-device work written by hand: the batch split with ``tensor_split``, the
+user's model run on each chunk, the results concatenated (and, with grad, ``sum().backward()``).
+
+1. Small MLP (10 layers, d=64, batch 32) on 2 and 4 virtual CPU devices, under ``no_grad`` and
+   with forward+backward (target: <= 1.1x the hand split).
+2. Large MLP (1024 -> 4096 -> 1024, batch 64) on 2 virtual devices, forward+backward
+   (target: <= 1.03x the hand split), and ``copy_replicas=True`` (the code path of distinct
+   GPUs: persistent replicas) against the virtual path (target: <= 1.03x).
+3. The per-call overhead of ``ParallelModule.__call__`` itself: the generated ``forward``
+   called directly against ``pm(x)``, and each call-path step timed alone.
+4. ``torch.compile(pm)`` against ``pm`` on the small MLP (target: >= 1.2x faster), with the
+   graph-break count from ``torch._dynamo.explain``.
+
+Results: results/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+import dpcompile  # noqa: E402
+
+
+class DeepMLP(nn.Module):
+    def __init__(self, layers: int, d: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+class WideMLP(nn.Module):
+    def __init__(self, d: int = 1024, h: int = 4096):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def min_interleaved(fns: dict[str, Callable[[], Any]], *, rounds: int, inner: int, warmup: int = 3) -> dict[str, float]:
+    """Seconds per call of each function: min over rounds of the mean of ``inner`` calls,
+    the functions alternating (and their order reversed every other round). The clock is
+    this thread's CPU time: on a shared machine, time the scheduler gives other processes
+    is not ours (torch runs on one thread here, so the thread's time is all the work)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = {name: float("inf") for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            fn = fns[name]
+            start = time.thread_time()
+            for _ in range(inner):
+                fn()
+            best[name] = min(best[name], (time.thread_time() - start) / inner)
+    return best
+
+
+def hand_split(model: nn.Module, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x):
+        return torch.cat([model(chunk) for chunk in x.tensor_split(n)])
+
+    return run
+
+
+def steps(model: nn.Module, pm: nn.Module, x: torch.Tensor, n: int, grad: bool) -> dict[str, Callable[[], Any]]:
+    by_hand = hand_split(model, n)
+    if not grad:
+        def nograd(f):
+            def run():
+                with torch.no_grad():
+                    f(x)
+            return run
+
+        return {"dpcompile": nograd(pm), "hand_split": nograd(by_hand)}
+
+    def train(f):
+        def run():
+            model.zero_grad(set_to_none=True)
+            f(x).sum().backward()
+        return run
+
+    return {"dpcompile": train(pm), "hand_split": train(by_hand)}
+
+
+def small_mlp(rounds: int) -> dict:
+    out = {}
+    for n in (2, 4):
+        for grad in (False, True):
+            torch.manual_seed(0)
+            model = DeepMLP(10, 64)
+            pm = dpcompile.transform(model, ["cpu"] * n)
+            x = torch.randn(32, 64)
+            times = min_interleaved(steps(model, pm, x, n, grad), rounds=rounds, inner=20)
+            key = f"{n}dev_{'grad' if grad else 'nograd'}"
+            out[key] = {**times, "ratio": times["dpcompile"] / times["hand_split"]}
+            print(f"small MLP {key:12s} dpcompile {times['dpcompile'] * 1e6:7.1f} us  hand split "
+                  f"{times['hand_split'] * 1e6:7.1f} us  ratio {out[key]['ratio']:.3f}", flush=True)
+    return out
+
+
+def large_mlp(rounds: int) -> dict:
+    torch.manual_seed(0)
+    model = WideMLP()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    pm_copy = dpcompile.transform(model, ["cpu"] * 2, copy_replicas=True)
+    x = torch.randn(64, 1024)
+    fns = steps(model, pm, x, 2, True)
+    fns["copy_replicas"] = steps(model, pm_copy, x, 2, True)["dpcompile"]
+    times = min_interleaved(fns, rounds=rounds, inner=3)
+    out = {
+        **times,
+        "ratio": times["dpcompile"] / times["hand_split"],
+        "copy_replicas_over_virtual": times["copy_replicas"] / times["dpcompile"],
+    }
+    print(f"large MLP fwd+bwd: dpcompile {times['dpcompile'] * 1e3:.2f} ms  hand split {times['hand_split'] * 1e3:.2f} ms"
+          f"  ratio {out['ratio']:.3f}; copy_replicas {times['copy_replicas'] * 1e3:.2f} ms"
+          f" ({out['copy_replicas_over_virtual']:.3f}x virtual)", flush=True)
+    return out
+
+
+def call_path(rounds: int) -> dict:
+    """Where the time of ``pm(x)`` goes, layer by layer of the call path (microseconds):
+    ``forward`` is the generated program with its runtime calls; each next entry adds one
+    layer: ``nn.Module.__call__`` (hooks), ``ParallelModule.__call__`` (batch size, variant
+    lookup), ``pm(x)`` (fx's ``call_wrapped`` around it all). ``batch_size`` and ``variant`` are
+    ParallelModule's two call-time checks alone; ``runtime_*`` the runtime calls of the
+    program alone, against ``tensor_split`` / ``cat``, which the hand split calls instead."""
+    out = {}
+    for n in (2, 4):
+        out[f"{n}dev"] = _call_path(n, rounds)
+    return out
+
+
+def _call_path(n: int, rounds: int) -> dict:
+    from dpcompile import runtime
+    from dpcompile.module import ParallelModule
+
+    torch.manual_seed(0)
+    model = DeepMLP(10, 64)
+    pm = dpcompile.transform(model, ["cpu"] * n)
+    x = torch.randn(32, 64)
+    args, kwargs = (x,), {}
+    chunks = list(x.tensor_split(n))
+    devices = ["cpu"] * n
+    fns = {
+        "forward": lambda: pm.forward(x),
+        "module_call": lambda: nn.Module.__call__(pm, x),
+        "parallel_module_call": lambda: ParallelModule.__call__(pm, x),
+        "pm_call": lambda: pm(x),
+        "hand_split": lambda: torch.cat([model(c) for c in x.tensor_split(n)]),
+        "batch_size": lambda: pm.batch_size(args, kwargs),
+        "variant": lambda: pm._variant(args, kwargs),
+        "runtime_replicate": lambda: runtime.replicate({"layers": model.layers}, devices[1:]),
+        "runtime_scatter": lambda: runtime.scatter(x, devices, 0),
+        "runtime_gather": lambda: runtime.gather(chunks, 0, "cpu"),
+        "tensor_split": lambda: x.tensor_split(n),
+        "cat": lambda: torch.cat(chunks),
+        "module_lookup_self": lambda: getattr(pm.layers, "0"),
+    }
+    with torch.no_grad():
+        times = min_interleaved(fns, rounds=rounds, inner=50)
+    us = {k: v * 1e6 for k, v in times.items()}
+    us["call_path_total"] = us["pm_call"] - us["forward"]
+    print(f"call path {n} devices (us): " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
+    return us | {"unit": "us"}
+
+
+def compiled(rounds: int) -> dict:
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = DeepMLP(10, 64)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(32, 64)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(pm)(x)
+    torch._dynamo.reset()
+    cpm = torch.compile(pm)
+    with torch.no_grad():
+        cpm(x)
+        equal = torch.allclose(cpm(x), pm(x), rtol=1e-5, atol=1e-6)
+    times = min_interleaved(
+        {"eager_pm": lambda: _nograd(pm, x), "compiled_pm": lambda: _nograd(cpm, x)}, rounds=rounds, inner=50
+    )
+    out = {
+        **times,
+        "speedup": times["eager_pm"] / times["compiled_pm"],
+        "graph_breaks": explanation.graph_break_count,
+        "graphs": explanation.graph_count,
+        "outputs_equal": bool(equal),
+    }
+    print(f"torch.compile(pm) small MLP no_grad: pm {times['eager_pm'] * 1e6:.1f} us, compiled "
+          f"{times['compiled_pm'] * 1e6:.1f} us, speedup {out['speedup']:.2f}x, "
+          f"graph breaks {out['graph_breaks']}, equal {equal}", flush=True)
+    return out
+
+
+def _nograd(f, x):
+    with torch.no_grad():
+        return f(x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, no JSON")
+    parser.add_argument("--only", choices=["small", "large", "call", "compile"], default=None)
+    a = parser.parse_args()
+    torch.set_num_threads(1)
+    rounds = 7 if a.quick else a.rounds
+    parts = {"small": small_mlp, "large": large_mlp, "call": call_path, "compile": compiled}
+    result = {name: fn(rounds if name != "large" else max(5, rounds // 3)) for name, fn in parts.items()
+              if a.only in (None, name)}
+    if not a.quick and a.only is None:
+        print(f"wrote {write_result('overhead', {'rounds': rounds, **result})}")
+
+
+if __name__ == "__main__":
+    main()

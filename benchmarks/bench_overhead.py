@@ -191,30 +191,33 @@ def _call_path(n: int, rounds: int) -> dict:
 def compiled(rounds: int) -> dict:
     import torch._dynamo
 
-    torch.manual_seed(0)
-    model = DeepMLP(10, 64)
-    pm = dpcompile.transform(model, ["cpu"] * 2)
-    x = torch.randn(32, 64)
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(pm)(x)
-    torch._dynamo.reset()
-    cpm = torch.compile(pm)
-    with torch.no_grad():
-        cpm(x)
-        equal = torch.allclose(cpm(x), pm(x), rtol=1e-5, atol=1e-6)
-    times = min_interleaved(
-        {"eager_pm": lambda: _nograd(pm, x), "compiled_pm": lambda: _nograd(cpm, x)}, rounds=rounds, inner=50
-    )
-    out = {
-        **times,
-        "speedup": times["eager_pm"] / times["compiled_pm"],
-        "graph_breaks": explanation.graph_break_count,
-        "graphs": explanation.graph_count,
-        "outputs_equal": bool(equal),
-    }
-    print(f"torch.compile(pm) small MLP no_grad: pm {times['eager_pm'] * 1e6:.1f} us, compiled "
-          f"{times['compiled_pm'] * 1e6:.1f} us, speedup {out['speedup']:.2f}x, "
-          f"graph breaks {out['graph_breaks']}, equal {equal}", flush=True)
+    out = {}
+    for grad in (False, True):
+        torch.manual_seed(0)
+        model = DeepMLP(10, 64)
+        pm = dpcompile.transform(model, ["cpu"] * 2)
+        x = torch.randn(32, 64)
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(pm)(x)
+        torch._dynamo.reset()
+        cpm = torch.compile(pm)
+        fns = steps(model, pm, x, 2, grad)
+        fns = {"eager_pm": fns["dpcompile"], "compiled_pm": steps(model, cpm, x, 2, grad)["dpcompile"]}
+        with torch.no_grad():
+            cpm(x)
+            equal = torch.allclose(cpm(x), pm(x), rtol=1e-5, atol=1e-6)
+        times = min_interleaved(fns, rounds=rounds, inner=20)
+        key = "grad" if grad else "nograd"
+        out[key] = {
+            **times,
+            "speedup": times["eager_pm"] / times["compiled_pm"],
+            "graph_breaks": explanation.graph_break_count,
+            "graphs": explanation.graph_count,
+            "outputs_equal": bool(equal),
+        }
+        print(f"torch.compile(pm) small MLP 2 devices {key}: pm {times['eager_pm'] * 1e6:.1f} us, compiled "
+              f"{times['compiled_pm'] * 1e6:.1f} us, speedup {out[key]['speedup']:.2f}x, "
+              f"graph breaks {explanation.graph_break_count}, equal {equal}", flush=True)
     return out
 
 

@@ -165,8 +165,22 @@ def _call_path(n: int, rounds: int) -> dict:
     args, kwargs = (x,), {}
     chunks = list(x.tensor_split(n))
     devices = ["cpu"] * n
+    layers = list(model.layers)
+
+    def prebound() -> torch.Tensor:
+        # the generated program's runtime calls and module calls, with every module looked up
+        # once outside the call: what forward would cost if fx's getattr(self.layers, "0") were free
+        runtime.replicate({"layers": model.layers}, devices[1:])  # virtual devices: aliases of the originals
+        outs = []
+        for chunk in runtime.scatter(x, devices, 0):
+            for layer in layers:
+                chunk = torch.relu(layer(chunk))
+            outs.append(chunk)
+        return runtime.gather(outs, 0, "cpu")
+
     fns = {
         "forward": lambda: pm.forward(x),
+        "forward_prebound_modules": prebound,
         "module_call": lambda: nn.Module.__call__(pm, x),
         "parallel_module_call": lambda: ParallelModule.__call__(pm, x),
         "pm_call": lambda: pm(x),
@@ -183,7 +197,10 @@ def _call_path(n: int, rounds: int) -> dict:
     with torch.no_grad():
         times = min_interleaved(fns, rounds=rounds, inner=50)
     us = {k: v * 1e6 for k, v in times.items()}
-    us["call_path_total"] = us["pm_call"] - us["forward"]
+    us["overhead_total"] = us["pm_call"] - us["hand_split"]
+    us["overhead_call_path"] = us["pm_call"] - us["forward"]  # ParallelModule.__call__ and fx's wrapper
+    us["overhead_module_lookups"] = us["forward"] - us["forward_prebound_modules"]  # fx codegen's getattr chains
+    us["overhead_runtime_calls"] = us["forward_prebound_modules"] - us["hand_split"]  # replicate/scatter/gather
     print(f"call path {n} devices (us): " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
     return us | {"unit": "us"}
 
@@ -231,6 +248,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--quick", action="store_true", help="fewer rounds, no JSON")
     parser.add_argument("--only", choices=["small", "large", "call", "compile"], default=None)
+    parser.add_argument("--name", default="overhead", help="results/<name>.json")
+    parser.add_argument("--code-label", default=None, help="which dpcompile was measured (default: its git commit)")
     a = parser.parse_args()
     torch.set_num_threads(1)
     rounds = 7 if a.quick else a.rounds
@@ -238,7 +257,21 @@ def main() -> None:
     result = {name: fn(rounds if name != "large" else max(5, rounds // 3)) for name, fn in parts.items()
               if a.only in (None, name)}
     if not a.quick and a.only is None:
-        print(f"wrote {write_result('overhead', {'rounds': rounds, **result})}")
+        meta = {"command": "python benchmarks/bench_overhead.py " + " ".join(sys.argv[1:]), "rounds": rounds,
+                "dpcompile": a.code_label or _commit(), "clock": "thread CPU time, torch.set_num_threads(1), min over rounds"}
+        print(f"wrote {write_result(a.name, {**meta, **result})}")
+
+
+def _commit() -> str:
+    import subprocess
+
+    where = Path(dpcompile.__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--", "."], capture_output=True, text=True)
+        return head.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def large_mlp(rounds: int) -> dict:
     x = torch.randn(64, 1024)
     fns = steps(model, pm, x, 2, True)
     fns["copy_replicas"] = steps(model, pm_copy, x, 2, True)["dpcompile"]
-    times = min_interleaved(fns, rounds=rounds, inner=3)
+    times = min_interleaved(fns, rounds=rounds, inner=2)
     out = {
         **times,
         "ratio": times["dpcompile"] / times["hand_split"],
@@ -254,7 +254,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rounds = 7 if a.quick else a.rounds
     parts = {"small": small_mlp, "large": large_mlp, "call": call_path, "compile": compiled}
-    result = {name: fn(rounds if name != "large" else max(5, rounds // 3)) for name, fn in parts.items()
+    result = {name: fn(rounds if name != "large" else max(5, rounds // 2)) for name, fn in parts.items()
               if a.only in (None, name)}
     if not a.quick and a.only is None:
         meta = {"command": "python benchmarks/bench_overhead.py " + " ".join(sys.argv[1:]), "rounds": rounds,

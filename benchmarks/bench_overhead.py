@@ -2,7 +2,10 @@
 
     python benchmarks/bench_overhead.py [--rounds 31] [--quick]
 
-Each case runs, in the same process and in alternation (min over rounds), a transformed model
+(It re-runs itself with glibc malloc settings that keep large buffers out of mmap: see
+MALLOC_SETTINGS.)
+
+Each case runs, in the same process and in alternation, a transformed model
 against the same per-device work written by hand: the batch split with ``tensor_split``, the
 user's model run on each chunk, the results concatenated (and, with grad, ``sum().backward()``).
 
@@ -16,6 +19,7 @@ user's model run on each chunk, the results concatenated (and, with grad, ``sum(
 4. ``torch.compile(pm)`` against ``pm`` on the small MLP (target: >= 1.2x faster), with the
    graph-break count from ``torch._dynamo.explain``.
 
+Times are minima over rounds; ratios are medians over rounds of the paired per-round ratio.
 Results: results/overhead.json.
 """
 
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -64,10 +70,17 @@ def min_interleaved(fns: dict[str, Callable[[], Any]], *, rounds: int, inner: in
     the functions alternating (and their order reversed every other round). The clock is
     this thread's CPU time: on a shared machine, time the scheduler gives other processes
     is not ours (torch runs on one thread here, so the thread's time is all the work)."""
+    return interleaved_samples(fns, rounds=rounds, inner=inner, warmup=warmup)[0]
+
+
+def interleaved_samples(
+    fns: dict[str, Callable[[], Any]], *, rounds: int, inner: int, warmup: int = 3
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """``(min seconds per call of each, every round's seconds per call of each)``."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    best = {name: float("inf") for name in fns}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
@@ -75,8 +88,15 @@ def min_interleaved(fns: dict[str, Callable[[], Any]], *, rounds: int, inner: in
             start = time.thread_time()
             for _ in range(inner):
                 fn()
-            best[name] = min(best[name], (time.thread_time() - start) / inner)
-    return best
+            samples[name].append((time.thread_time() - start) / inner)
+    return {name: min(v) for name, v in samples.items()}, samples
+
+
+def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of a / b within each round: adjacent measurements share the
+    machine's momentary load, so this resists the drift of a shared box better than a ratio
+    of two minima taken at different moments."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
 
 def hand_split(model: nn.Module, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -114,9 +134,10 @@ def small_mlp(rounds: int) -> dict:
             model = DeepMLP(10, 64)
             pm = dpcompile.transform(model, ["cpu"] * n)
             x = torch.randn(32, 64)
-            times = min_interleaved(steps(model, pm, x, n, grad), rounds=rounds, inner=20)
+            times, samples = interleaved_samples(steps(model, pm, x, n, grad), rounds=rounds, inner=20)
             key = f"{n}dev_{'grad' if grad else 'nograd'}"
-            out[key] = {**times, "ratio": times["dpcompile"] / times["hand_split"]}
+            out[key] = {**times, "ratio": paired_ratio(samples, "dpcompile", "hand_split"),
+                        "ratio_of_minima": times["dpcompile"] / times["hand_split"]}
             print(f"small MLP {key:12s} dpcompile {times['dpcompile'] * 1e6:7.1f} us  hand split "
                   f"{times['hand_split'] * 1e6:7.1f} us  ratio {out[key]['ratio']:.3f}", flush=True)
     return out
@@ -145,13 +166,13 @@ def large_mlp(rounds: int) -> dict:
             p.grad += q.grad
 
     fns["hand_split_copy"] = hand_split_copy
-    times = min_interleaved(fns, rounds=rounds, inner=2)
+    times, samples = interleaved_samples(fns, rounds=rounds, inner=2)
     out = {
         **times,
-        "ratio": times["dpcompile"] / times["hand_split"],
-        "copy_replicas_over_virtual": times["copy_replicas"] / times["dpcompile"],
-        "copy_replicas_over_hand_split_copy": times["copy_replicas"] / times["hand_split_copy"],
-        "hand_split_copy_over_hand_split": times["hand_split_copy"] / times["hand_split"],
+        "ratio": paired_ratio(samples, "dpcompile", "hand_split"),
+        "copy_replicas_over_virtual": paired_ratio(samples, "copy_replicas", "dpcompile"),
+        "copy_replicas_over_hand_split_copy": paired_ratio(samples, "copy_replicas", "hand_split_copy"),
+        "hand_split_copy_over_hand_split": paired_ratio(samples, "hand_split_copy", "hand_split"),
     }
     print(f"large MLP fwd+bwd: dpcompile {times['dpcompile'] * 1e3:.2f} ms  hand split {times['hand_split'] * 1e3:.2f} ms"
           f"  ratio {out['ratio']:.3f}; copy_replicas {times['copy_replicas'] * 1e3:.2f} ms"
@@ -242,11 +263,11 @@ def compiled(rounds: int) -> dict:
         with torch.no_grad():
             cpm(x)
             equal = torch.allclose(cpm(x), pm(x), rtol=1e-5, atol=1e-6)
-        times = min_interleaved(fns, rounds=rounds, inner=20)
+        times, samples = interleaved_samples(fns, rounds=rounds, inner=20)
         key = "grad" if grad else "nograd"
         out[key] = {
             **times,
-            "speedup": times["eager_pm"] / times["compiled_pm"],
+            "speedup": paired_ratio(samples, "eager_pm", "compiled_pm"),
             "graph_breaks": explanation.graph_break_count,
             "graphs": explanation.graph_count,
             "outputs_equal": bool(equal),
@@ -262,7 +283,21 @@ def _nograd(f, x):
         return f(x)
 
 
+# glibc's malloc otherwise maps and unmaps every large buffer (the 16 MB weight gradients) once
+# its adaptive threshold wanders below them, and the page faults, counted in thread time, swamp
+# the differences being measured; a long training process settles where these settings start.
+MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
+
+
+def _with_steady_malloc() -> None:
+    """Re-run this script with MALLOC_SETTINGS in the environment unless they are there."""
+    if all(os.environ.get(k) == v for k, v in MALLOC_SETTINGS.items()) or os.environ.get("DPCOMPILE_BENCH_RAW_MALLOC"):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_SETTINGS})
+
+
 def main() -> None:
+    _with_steady_malloc()
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--quick", action="store_true", help="fewer rounds, no JSON")

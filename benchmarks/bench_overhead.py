@@ -312,7 +312,7 @@ def main() -> None:
               if a.only in (None, name)}
     if not a.quick and a.only is None:
         meta = {"command": "python benchmarks/bench_overhead.py " + " ".join(sys.argv[1:]), "rounds": rounds,
-                "dpcompile": a.code_label or _commit(), "clock": "thread CPU time, torch.set_num_threads(1), min over rounds"}
+                "dpcompile": a.code_label or _commit(), "clock": "thread CPU time, torch.set_num_threads(1); times: min over rounds; ratios: median over rounds of the paired per-round ratio"}
         print(f"wrote {write_result(a.name, {**meta, **result})}")
 
 

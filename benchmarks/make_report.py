@@ -62,7 +62,7 @@ def _large(result: dict | None, key: str) -> float | None:
     return (result or {}).get("large", {}).get(key)
 
 
-def plot(rows, spmd: dict | None, path: Path) -> bool:
+def plot(rows, spmd: dict | None, path: Path, spmd_before: dict | None = None) -> bool:
     try:
         import matplotlib
 
@@ -82,7 +82,7 @@ def plot(rows, spmd: dict | None, path: Path) -> bool:
             entry = spmd.get("across_runs", {}).get(key)
             if entry:
                 labels.append(s)
-                before.append(0.0)
+                before.append(((spmd_before or {}).get("across_runs", {}).get(key) or {}).get("median_ratio") or 0.0)
                 after.append(entry["median_ratio"])
                 targets.append(1.0 if key == "tp" else 0.8)
     fig, ax = plt.subplots(figsize=(11, 4.2))
@@ -106,7 +106,7 @@ def plot(rows, spmd: dict | None, path: Path) -> bool:
 
 def main() -> None:
     after, before = load("overhead"), load("overhead_base")
-    spmd, gpu = load("spmd_tp"), load("gpu_check")
+    spmd, gpu, spmd_before = load("spmd_tp"), load("gpu_check"), load("spmd_tp_base")
     out: list[str] = ["# Benchmarks: what dpcompile costs at run time", ""]
     out += [
         "Generated from `benchmarks/results/*.json` by `python benchmarks/make_report.py`; every",
@@ -152,7 +152,7 @@ def main() -> None:
             "rows as \"within noise\", not as gains or losses.",
             "",
         ]
-        if plot(rows, spmd, DOCS / "benchmarks.png"):
+        if plot(rows, spmd, DOCS / "benchmarks.png", spmd_before):
             out += ["![ratios before and after, with targets](benchmarks.png)", ""]
         call = after.get("call", {})
         if call:
@@ -176,14 +176,16 @@ def main() -> None:
             "",
             f"`{spmd['command']}`: {spmd['runs']} launches of 2 gloo processes, alternating which side is",
             "built first; in each, the median over rounds of the paired per-round ratio (each round's time",
-            "is the slower rank's). The table gives the median over launches.",
+            "is the slower rank's). The table gives the median over launches; \"before\" is the same",
+            "script on 50fa188 (" + (f"`{spmd_before['command']}`" if spmd_before else "not measured") + ").",
             "",
-            "| MLP | no_grad forward | (peer built first / dpcompile first) | forward with grad | target |",
-            "|---|---|---|---|---|",
+            "| MLP | no_grad forward, before | no_grad forward | (peer built first / dpcompile first) | forward with grad | target |",
+            "|---|---|---|---|---|---|",
         ]
-        for entry in spmd["across_runs"].values():
+        for key, entry in spmd["across_runs"].items():
+            old_entry = ((spmd_before or {}).get("across_runs") or {}).get(key) or {}
             out.append(
-                f"| {entry.get('model')} | {fmt(entry.get('median_ratio'), 3)} | "
+                f"| {entry.get('model')} | {fmt(old_entry.get('median_ratio'), 3)} | {fmt(entry.get('median_ratio'), 3)} | "
                 f"{fmt(entry.get('median_ratio_peer_first'), 3)} / {fmt(entry.get('median_ratio_dpcompile_first'), 3)} | "
                 f"{fmt(entry.get('median_with_grad_ratio'), 3)} | {entry.get('target', '')} |"
             )

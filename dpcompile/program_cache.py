@@ -24,7 +24,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.fx as fx
 from torch import nn
@@ -62,8 +62,7 @@ class Modes(tuple):
         return (Modes, (tuple(self),))
 
 
-@dataclass(frozen=True)
-class CallKey:
+class CallKey(NamedTuple):
     """Everything a call's program depends on beyond the tensors' values.
 
     ``devices``: how many devices it runs on (a batch smaller than the device count uses
@@ -225,6 +224,15 @@ class ModelGuard:
     def modes(self) -> tuple[tuple[str, bool], ...]:
         self._current()
         return self._modes
+
+    def entered_modes(self) -> tuple[tuple[str, bool], ...]:
+        """The modes read afresh from the modules last entered (no version checks)."""
+        return tuple([(path, m.training) for path, m in self.entered])
+
+    def state(self) -> tuple[Modes, int]:
+        """``(modes(), fingerprint())`` in one check of the watched dicts."""
+        self._current()
+        return self._modes, self._fingerprint
 
     def fingerprint(self) -> int:
         """A token of the hooks, structure and attributes: the same token, the same program."""

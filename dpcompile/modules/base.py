@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from dpcompile.capture import ROOT_LEAF, DpTracer
 from dpcompile.devices import Devices
@@ -153,20 +154,30 @@ class ParallelModule(fx.GraphModule):
     def _devices_for(self, args: tuple, kwargs: dict) -> int:
         """How many devices a call runs on: fewer than all for a batch smaller than the count."""
         n = len(self.devices)
-        if self._split_inputs:
-            batch = self.batch_size(args, kwargs)
-            if batch is not None and batch < n:
-                return batch
-        return n
+        split = self._split_inputs
+        if not split:
+            return n
+        if len(split) == 1 and not kwargs:  # the common call: one batched tensor, checked cheaply
+            position, _, dim = split[0]
+            value = args[position] if position < len(args) else None
+            if type(value) is torch.Tensor and value.dim() > dim and value.shape[dim] > 0:
+                return min(n, value.shape[dim])
+        batch = self.batch_size(args, kwargs)
+        return batch if batch is not None and batch < n else n
 
     def _key(self, n: int, none_args: frozenset[str], flags: tuple) -> CallKey:
-        guard = self._guard
-        fingerprint = guard.fingerprint() if self._shares_source else None
-        return CallKey(n, guard.modes(), none_args, flags, fingerprint)
+        if self._shares_source:
+            modes, fingerprint = self._guard.state()
+            return CallKey(n, modes, none_args, flags, fingerprint)
+        return CallKey(n, self._guard.modes(), none_args, flags)
 
     def call_key(self, *args: Any, **kwargs: Any) -> CallKey:
         """What the program for this call is specialised on (see :class:`CallKey`)."""
-        nones, flags = self.call_signature.departures(args, kwargs)
+        signature = self.call_signature
+        if signature.optional or signature.flags:
+            nones, flags = signature.departures(args, kwargs)
+        else:
+            nones, flags = _NO_NONES, ()
         return self._key(self._devices_for(args, kwargs), nones, flags)
 
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
@@ -175,6 +186,22 @@ class ParallelModule(fx.GraphModule):
         >>> pm.eval()                                  # doctest: +SKIP
         >>> print(pm.program_for_call(x).code)         # the eval-mode program  # doctest: +SKIP
         """
+        if torch.compiler.is_compiling() and self._traced_for(args, kwargs):
+            return self  # torch.compile guards on the flags _traced_for read
+        return self._lookup(args, kwargs)
+
+    def _traced_for(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the main program serves this call, read as plain attributes (what torch.compile
+        traces through and guards on, where the cache's dict-version checks would break the graph)."""
+        main = self.program_cache.main_key
+        modes = self._guard.entered_modes()
+        return (
+            not self.call_signature.optional and not self.call_signature.flags
+            and modes == tuple(main.modes) and self._devices_for(args, kwargs) == main.devices
+        )  # fmt: skip
+
+    @torch.compiler.disable
+    def _lookup(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         key = self.call_key(*args, **kwargs)
         if key.guard != self._adopted and self._shares_source:
             adopt_state(self, self.traced_model)  # a submodule or parameter of the model was replaced
@@ -191,10 +218,14 @@ class ParallelModule(fx.GraphModule):
     def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
         """Run ``program`` (from :meth:`program_for_call`) as the model would run: the model's
         own forward hooks around it, which tracing forward never records."""
-        run = super().__call__ if program is self else program
         if self._shares_source and self._guard.root_hooks():
+            run = super().__call__ if program is self else program
             return _call_with_hooks(self.traced_model, run, args, kwargs)
-        return run(*args, **kwargs)
+        if program is self:
+            if _has_hooks(self):  # hooks the user registered on pm itself
+                return super().__call__(*args, **kwargs)
+            return self.forward(*args, **kwargs)
+        return program(*args, **kwargs)
 
     def _build_program(self, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program for ``key``; None where the main program serves it."""
@@ -298,6 +329,21 @@ class ParallelModule(fx.GraphModule):
 
     def _restore_extra_state(self, extra: dict[str, Any]) -> None:
         """The counterpart of :meth:`_extra_state_for_pickle`."""
+
+
+_NO_NONES: frozenset[str] = frozenset()
+_GLOBAL_HOOKS = tuple(
+    getattr(nn_module, name)
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether ``module.__call__`` would do more than call ``forward`` (as ``nn.Module._call_impl`` checks)."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or any(_GLOBAL_HOOKS)
+    )  # fmt: skip
 
 
 def _call_with_hooks(model: nn.Module, run: Any, args: tuple, kwargs: dict) -> Any:

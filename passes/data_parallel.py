@@ -290,6 +290,11 @@ class _Builder:
         args = fx.node.map_arg(node.args, self.whole_value)
         kwargs = fx.node.map_arg(node.kwargs, self.whole_value)
         new = self.node(node.op, node.target, args, kwargs, name=node.name if record else f"{node.name}_whole", source=node)
+        placement = self.placements.get(node)
+        if isinstance(placement, Whole) and placement.batch:
+            new.meta["dpcompile_whole"] = placement.reason or "runs on the gathered batch"
+        elif not record:
+            new.meta["dpcompile_whole"] = "recomputed on the gathered batch"
         if record:
             self.whole[node] = new
         return new

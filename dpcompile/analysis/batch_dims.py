@@ -52,7 +52,8 @@ def decide(node: fx.Node, placements: Mapping[fx.Node, Placement], module: nn.Mo
     """The placement of one node, given its inputs' placements."""
     inputs = _arg_placement((node.args, node.kwargs), placements)
     if any(isinstance(p, Whole) and p.batch for p in inputs):
-        return Whole(batch=True)
+        first = next(n for n in node.all_input_nodes if isinstance(placements[n], Whole) and placements[n].batch)
+        return Whole(batch=True, reason=f"its input '{first.name}' runs whole")
     if not any(carries_batch(p) for p in inputs):
         mutates_shared = node.op == "call_method" and str(node.target).endswith("_")
         if mutates_shared or any(isinstance(p, Whole) for p in inputs):
@@ -62,10 +63,47 @@ def decide(node: fx.Node, placements: Mapping[fx.Node, Placement], module: nn.Mo
         return REPLICATED
     rule = rule_for(node, module)
     placement = rule(RuleContext(node, placements, module)) if rule is not None else None
-    if placement is None:
-        log.debug("%s (%s) has no batch rule for its inputs; it runs once, after a gather", node.name, node.target)
-        return Whole(batch=True)
+    if placement is None or isinstance(placement, Whole):
+        what = op_name(node, module)
+        if rule is None:
+            reason = f"no batch rule for {what}"
+        elif isinstance(placement, Whole) and placement.reason:
+            reason = placement.reason
+        else:
+            reason = f"the batch rule for {what} cannot split it ({_describe_inputs(node, placements)})"
+        log.debug("%s: %s; it runs once, after a gather", node.name, reason)
+        return Whole(batch=True, reason=reason)
     return placement
+
+
+def op_name(node: fx.Node, module: nn.Module | None = None) -> str:
+    """What ``node`` calls, by its qualified name: ``torchvision.ops.stochastic_depth``, ``Tensor.view``."""
+    if node.op == "call_module":
+        cls = type(module) if module is not None else None
+        return f"{cls.__module__}.{cls.__qualname__}" if cls is not None else str(node.target)
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    target = node.target
+    module_name = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    if module_name in ("_operator", "operator"):
+        module_name = "operator"
+    if module_name.rsplit(".", 1)[-1] == name:  # torchvision.ops.stochastic_depth.stochastic_depth
+        module_name = module_name.rsplit(".", 1)[0]
+    return f"{module_name}.{name}" if module_name else name
+
+
+def _describe_inputs(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> str:
+    parts = []
+    for n in node.all_input_nodes:
+        p = placements[n]
+        if isinstance(p, Split):
+            parts.append(f"'{n.name}' split on dim {p.dim}")
+        elif isinstance(p, Partial):
+            parts.append(f"'{n.name}' a partial {p.kind}")
+        elif not isinstance(p, Replicated):
+            parts.append(f"'{n.name}' {type(p).__name__}")
+    return ", ".join(parts) or "no split input"
 
 
 def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[fx.Node, Placement]:

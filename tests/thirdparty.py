@@ -54,8 +54,8 @@ class Seq2Seq(nn.Module):
         _, state = self.encoder(self.embed(src))
         h, _ = self.decoder(self.embed(tgt), state)
         t, b, d = h.shape
-        logits = self.out(h.view(t * b, d))
-        return logits.view(t, b, -1)
+        halves = h.view(t, b, 2, d // 2).flip(2)  # a view that keeps the batch dim (1) apart
+        return self.out(halves.reshape(t, b, d))
 
 
 def _image(size: int = 32, batch: int = 4) -> tuple[torch.Tensor]:

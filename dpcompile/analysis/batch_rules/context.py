@@ -64,6 +64,12 @@ def node_shape(node: fx.Node) -> tuple[int, ...] | None:
     tm = node.meta.get("tensor_meta")
     if tm is not None and hasattr(tm, "shape"):
         return tuple(tm.shape)
+    if node.op == "get_attr" and node.graph.owning_module is not None:  # a parameter or buffer: read it
+        value: Any = node.graph.owning_module
+        for atom in str(node.target).split("."):
+            value = getattr(value, atom, None)
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
     return None
 
 

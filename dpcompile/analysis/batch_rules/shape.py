@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import RuleContext, normalize_dim
+from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
     REPLICATED,
@@ -44,6 +44,8 @@ def flatten(ctx: RuleContext) -> Placement | None:
 def reshape(ctx: RuleContext) -> Placement | None:
     """view / reshape: the batch must stay at the front, as -1 or as the chunk's own size."""
     p = ctx.p(ctx.tensor_arg())
+    if isinstance(p, Split) and p.dim != 0:
+        return _reshape_inner(ctx, p)
     if not isinstance(p, Split) or p.dim != 0:
         return None
     node = ctx.node
@@ -67,6 +69,60 @@ def reshape(ctx: RuleContext) -> Placement | None:
     if isinstance(first, fx.Node) and ctx.p(first) == BatchSize():
         return Split(0, p.origin)
     return None
+
+
+def _view_sizes(ctx: RuleContext) -> list:
+    node = ctx.node
+    rest = list(node.args[1:]) or [node.kwargs.get("shape") or node.kwargs.get("size")]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        rest = list(rest[0])
+    return rest
+
+
+def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
+    """view / reshape of a tensor split on a dim ``d > 0`` (an RNN's ``(T, B, H)``), from the
+    shapes of shape propagation: the split dim must come out whole, with the dims before it
+    regrouped among themselves, and its size written as the chunk's (-1 or ``x.size(d)``)."""
+    from math import prod
+
+    from dpcompile.analysis.placement import Whole
+
+    d = p.dim
+    in_shape, out_shape = node_shape(ctx.tensor_arg()), node_shape(ctx.node)
+    if in_shape is None or out_shape is None:
+        return Whole(reason=f"view of a tensor split on dim {d} needs shapes: pass example_inputs=")
+    before = prod(in_shape[:d])
+    j = next((i for i in range(len(out_shape) + 1) if prod(out_shape[:i]) == before), None)
+    if j is None or j >= len(out_shape) or out_shape[j] != in_shape[d]:
+        return Whole(reason=f"view merges the split dim {d} with another dim ({list(in_shape)} -> {list(out_shape)})")
+    sizes = _view_sizes(ctx)
+    if len(sizes) != len(out_shape):
+        return None
+    entry = sizes[j]
+    others = [x for i, x in enumerate(sizes) if i != j]
+    batch_sized = entry == -1 or (isinstance(entry, fx.Node) and ctx.p(entry) == BatchSize())
+    if not batch_sized or any(x == -1 or (isinstance(x, fx.Node) and not isinstance(ctx.p(x), Replicated)) for x in others):
+        return Whole(reason=f"view writes the split dim {d}'s size as a number, not the chunk's")
+    return Split(j)
+
+
+def along_dims(ctx: RuleContext) -> Placement | None:
+    """flip(dims) / roll(shifts, dims) (Swin's cyclic shift): per sample unless a dim is the split dim."""
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
+        return None
+    name = ctx.node.target if isinstance(ctx.node.target, str) else ctx.node.target.__name__
+    dims = ctx.arg(2, "dims") if name == "roll" else ctx.arg(1, "dims")
+    if name == "flip" and ctx.node.op == "call_method" and len(ctx.node.args) > 2:
+        dims = list(ctx.node.args[1:])
+    if dims is None:
+        return None  # roll without dims rolls the flattened tensor
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    nd = ctx.ndim(ctx.tensor_arg())
+    normal = [normalize_dim(x, nd, p.dim) for x in dims]
+    if any(x is None or x == p.dim for x in normal):
+        return None
+    return p
 
 
 def permute(ctx: RuleContext) -> Placement | None:
@@ -166,11 +222,55 @@ def cat(ctx: RuleContext) -> Placement | None:
     return None if dim == d else Split(d)
 
 
-def expand(ctx: RuleContext) -> Placement | None:
-    p = ctx.p(ctx.tensor_arg())
-    sizes = list(ctx.node.args[1:])
+def _sizes(ctx: RuleContext) -> list:
+    sizes = list(ctx.node.args[1:]) or list(ctx.node.kwargs.get("size", ctx.node.kwargs.get("sizes", ())) or ())
     if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
         sizes = list(sizes[0])
+    return sizes
+
+
+def _batch_entry(ctx: RuleContext, sizes: list) -> int | None:
+    """The one position of ``sizes`` that holds a batch size (others carry no batch), or None."""
+    at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
+    others_ok = all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for i, s in enumerate(sizes) if i not in at)
+    return at[0] if len(at) == 1 and others_ok else None
+
+
+def expand_to_batch(ctx: RuleContext) -> Placement | None:
+    """``token.expand(b, -1, -1)`` / ``token.repeat(b, 1, 1)`` of a tensor that carries no batch, to a
+    chunk's batch size: the result is split there (a ViT's class token becomes per device).
+    ``repeat`` tiles with the period of the tensor's size, which every chunk starts on."""
+    sizes = _sizes(ctx)
+    at = _batch_entry(ctx, sizes)
+    if at is None:
+        return None
+    if ctx.node.target == "expand":
+        nd = ctx.ndim(ctx.tensor_arg())
+        shape = node_shape(ctx.tensor_arg())
+        offset = len(sizes) - nd if nd is not None else None
+        if offset is None or (at >= offset and (shape is None or shape[at - offset] != 1)):
+            return None  # expand only grows size-1 (or new) dims; unknown shapes: keep it whole
+    return Split(at)
+
+
+def repeat(ctx: RuleContext) -> Placement | None:
+    """``x.repeat(*sizes)``: a split tensor repeated once along its split dim stays split there."""
+    p = ctx.p(ctx.tensor_arg())
+    if isinstance(p, Replicated):
+        return expand_to_batch(ctx)
+    sizes = _sizes(ctx)
+    nd = ctx.ndim(ctx.tensor_arg())
+    if not isinstance(p, Split) or nd is None or any(isinstance(s, fx.Node) for s in sizes):
+        return None
+    at = p.dim + len(sizes) - nd
+    return Split(at) if 0 <= at < len(sizes) and sizes[at] == 1 else None
+
+
+def expand(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    if isinstance(p, Replicated):
+        return expand_to_batch(ctx)
+    sizes = _sizes(ctx)
     if not isinstance(p, Split) or p.dim >= len(sizes):
         return None
     nd = ctx.ndim(ctx.tensor_arg())
@@ -249,6 +349,9 @@ BATCH_RULES.register_family(ops.UNSQUEEZE, unsqueeze)
 BATCH_RULES.register_family(ops.SQUEEZE, squeeze)
 BATCH_RULES.register_family(ops.CONCAT, cat)
 BATCH_RULES.register_family(ops.EXPAND, expand)
+BATCH_RULES.register("repeat", repeat)
+for _target in (torch.flip, torch.roll, "flip", "roll"):
+    BATCH_RULES.register(_target, along_dims)
 BATCH_RULES.register_family(ops.CHUNK, chunk_like)
 BATCH_RULES.register_family(ops.FACTORIES, factory)
 BATCH_RULES.register("size", size)

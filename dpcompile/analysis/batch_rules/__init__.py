@@ -41,6 +41,7 @@ from dpcompile.analysis.batch_rules.context import Rule, RuleContext, node_shape
 from dpcompile.analysis.batch_rules.modules import batch_first
 from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES, BatchRuleRegistry
+from dpcompile.analysis.batch_rules.user import register_batch_rule
 from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
 
@@ -53,6 +54,7 @@ def rule_for(node: fx.Node, module: nn.Module | None) -> Rule | None:
 
 
 __all__ = [
+    "register_batch_rule",
     "BATCH_RULES",
     "BatchRuleRegistry",
     "Rule",

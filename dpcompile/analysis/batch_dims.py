@@ -48,7 +48,12 @@ def _arg_placement(value: Any, placements: Mapping[fx.Node, Placement]) -> list[
     return out
 
 
-def decide(node: fx.Node, placements: Mapping[fx.Node, Placement], module: nn.Module | None) -> Placement:
+def decide(
+    node: fx.Node,
+    placements: Mapping[fx.Node, Placement],
+    module: nn.Module | None,
+    ranks: Mapping[fx.Node, int] | None = None,
+) -> Placement:
     """The placement of one node, given its inputs' placements."""
     inputs = _arg_placement((node.args, node.kwargs), placements)
     if any(isinstance(p, Whole) and p.batch for p in inputs):
@@ -62,7 +67,7 @@ def decide(node: fx.Node, placements: Mapping[fx.Node, Placement], module: nn.Mo
             return Whole(batch=False)
         return REPLICATED
     rule = rule_for(node, module)
-    placement = rule(RuleContext(node, placements, module)) if rule is not None else None
+    placement = rule(RuleContext(node, placements, module, ranks if ranks is not None else {})) if rule is not None else None
     if placement is None or isinstance(placement, Whole):
         what = op_name(node, module)
         if rule is None:
@@ -110,7 +115,9 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
     """Placements for every node of ``gm`` (the output node excluded)."""
     modules = dict(gm.named_modules())
     placements: dict[fx.Node, Placement] = {}
+    ranks: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
+        module = None
         if node.op == "placeholder":
             dim = input_dims.get(node.target)
             placements[node] = Split(dim, origin=node.target) if dim is not None else REPLICATED
@@ -120,8 +127,72 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
             continue
         else:
             module = modules.get(node.target) if node.op == "call_module" else None
-            placements[node] = decide(node, placements, module)
+            placements[node] = decide(node, placements, module, ranks)
+        bound = rank_bound(node, placements[node], ranks, module)
+        if bound is not None:
+            ranks[node] = bound
     return placements
+
+
+_CONV_RANKS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.BatchNorm2d: 4, nn.BatchNorm3d: 5, nn.MaxPool2d: 4,
+               nn.AvgPool2d: 4, nn.AdaptiveAvgPool2d: 4, nn.ConvTranspose2d: 4}  # fmt: skip
+
+
+def rank_bound(node: fx.Node, placement: Placement, ranks: Mapping[fx.Node, int], module: nn.Module | None) -> int | None:
+    """A lower bound on the rank of ``node``'s value (its rank where shapes are known), so that
+    a negative dim is resolved only where it surely does not name the batch dim.
+
+    Without shapes: a tensor split on dim d has d+1 dims or more; a view to k sizes, a permute
+    of k dims and a batched Conv2d have exactly k (4); element-wise ops keep the largest of
+    their inputs'; an embedding adds one; ``unsqueeze``/``stack`` add one.
+    """
+    shape = node_shape(node)
+    if shape is not None:
+        return len(shape)
+    low = placement.dim + 1 if isinstance(placement, Split) else None
+
+    def best(*values: int | None) -> int | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    inner = ranks.get(first) if first is not None else None
+    if node.op == "call_module" and module is not None:
+        for cls, rank in _CONV_RANKS.items():
+            if isinstance(module, cls) and isinstance(placement, Split) and placement.dim == 0:
+                return rank
+        if isinstance(module, nn.Embedding):
+            return best(low, inner + 1 if inner is not None else None)
+        if isinstance(module, (nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh)):
+            return best(low, inner)
+        return low
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name in ("view", "reshape", "permute", "expand", "new_zeros", "new_ones", "new_empty", "repeat"):
+        sizes = list(node.args[1:]) if node.op == "call_method" else list(node.args[1:2])
+        if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+            sizes = list(sizes[0])
+        one_shape_node = len(sizes) == 1 and isinstance(sizes[0], fx.Node)  # x.view(shape): rank unknown here
+        if sizes and not one_shape_node and all(not isinstance(x, (list, tuple)) for x in sizes):
+            return best(low, len(sizes))
+        return low
+    if name in ("unsqueeze", "stack"):
+        src = node.args[0][0] if name == "stack" and isinstance(node.args[0], (list, tuple)) and node.args[0] else first
+        r = ranks.get(src) if isinstance(src, fx.Node) else None
+        return best(low, r + 1 if r is not None else None)
+    if name == "embedding":
+        return best(low, inner + 1 if inner is not None else None)
+    if name in ("transpose", "contiguous", "softmax", "log_softmax", "cat", "roll", "flip", "to", "type_as", "clone",
+                "dropout", "layer_norm", "linear", "matmul", "float", "half", "masked_fill", "cumsum", "normalize"):
+        if name == "cat" and isinstance(node.args[0], (list, tuple)) and node.args[0]:
+            src = node.args[0][0]
+            return best(low, ranks.get(src) if isinstance(src, fx.Node) else None)
+        return best(low, *(ranks.get(n) for n in node.all_input_nodes))
+    from dpcompile.analysis.ops import POINTWISE
+
+    if POINTWISE.matches(node) or node.op == "call_function" and target in POINTWISE.functions:
+        return best(low, *(ranks.get(n) for n in node.all_input_nodes))
+    return low
 
 
 def _wanted_dim(node: fx.Node, module: nn.Module | None) -> int | None:

@@ -28,14 +28,14 @@ def flatten(ctx: RuleContext) -> Placement | None:
     else:
         start, end = ctx.arg(1, "start_dim", 0), ctx.arg(2, "end_dim", -1)
     nd = ctx.ndim(ctx.tensor_arg())
-    start_n = normalize_dim(start, nd, p.dim)
+    start_n = normalize_dim(start, nd, p.dim, ctx.min_ndim(ctx.tensor_arg()))
     if start_n is None:
         return None
     if p.dim < start_n:
         return p
     if p.dim == start_n:  # rows of a chunk stay contiguous blocks of the flattened whole
         return Split(p.dim)
-    end_n = normalize_dim(end, nd, p.dim)
+    end_n = normalize_dim(end, nd, p.dim, ctx.min_ndim(ctx.tensor_arg()))
     if end_n is not None and p.dim > end_n and nd is not None:
         return Split(p.dim - (end_n - start_n))
     return None
@@ -65,10 +65,35 @@ def reshape(ctx: RuleContext) -> Placement | None:
     if any(not isinstance(ctx.p(t), Replicated) for t in tail if isinstance(t, fx.Node)):
         return None
     if first == -1 and all(not (isinstance(t, int) and t == -1) for t in tail):
-        return Split(0)
+        return _rows_of_whole_samples(ctx, tail)
     if isinstance(first, fx.Node) and ctx.p(first) == BatchSize():
         return Split(0, p.origin)
     return None
+
+
+def _rows_of_whole_samples(ctx: RuleContext, tail: list) -> Placement | None:
+    """``x.view(-1, *tail)`` of a tensor split on dim 0: each chunk's rows are a contiguous block
+    of the whole's, so the chunks' views concatenate to the whole's view, provided every row
+    of the result lies within one sample. Otherwise (``h.view(-1, 2, D)`` pairing the rows of a
+    ``(B, D)`` batch) a chunk with an odd number of rows cannot be viewed: it runs whole."""
+    from math import prod
+
+    from dpcompile.analysis.placement import Whole
+
+    shape = node_shape(ctx.tensor_arg())
+    if any(not isinstance(t, int) for t in tail):
+        known = None
+    else:
+        known = prod(tail)
+    if shape is not None and known is not None:
+        per_sample = prod(shape[1:])
+        if per_sample % known == 0:
+            return Split(0)
+        return Whole(reason=f"view(-1, {', '.join(map(str, tail))}) groups rows of several samples ({list(shape)})")
+    if len(tail) <= 1:
+        return Split(0)  # rows of the trailing size: whole samples unless a sample's size is not a multiple
+    return Whole(reason=f"view(-1, {', '.join(str(t) if isinstance(t, int) else '?' for t in tail)}) may group rows of "
+                 "several samples; pass example_inputs= so shapes decide")  # fmt: skip
 
 
 def _view_sizes(ctx: RuleContext) -> list:
@@ -119,7 +144,7 @@ def along_dims(ctx: RuleContext) -> Placement | None:
         return None  # roll without dims rolls the flattened tensor
     dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
     nd = ctx.ndim(ctx.tensor_arg())
-    normal = [normalize_dim(x, nd, p.dim) for x in dims]
+    normal = [normalize_dim(x, nd, p.dim, ctx.min_ndim(ctx.tensor_arg())) for x in dims]
     if any(x is None or x == p.dim for x in normal):
         return None
     return p
@@ -151,9 +176,10 @@ def transpose(ctx: RuleContext) -> Placement | None:
     if not isinstance(a, int) or not isinstance(b, int):
         return None
     if (a < 0 or b < 0) and nd is None:
-        if p.dim == 0 and a != 0 and b != 0:
-            return p  # negative dims on a batched tensor do not name dim 0 here (checked with shapes)
-        return None
+        ra, rb = ctx.resolve(a, ctx.tensor_arg(), p.dim), ctx.resolve(b, ctx.tensor_arg(), p.dim)
+        if ra is None or rb is None or ra == p.dim or rb == p.dim:
+            return None  # a negative dim that may name the split dim (the rank is unknown)
+        return p
     if nd is not None:
         a, b = a % nd, b % nd
     if p.dim == a:
@@ -166,7 +192,7 @@ def transpose(ctx: RuleContext) -> Placement | None:
 def matrix_transpose(ctx: RuleContext) -> Placement | None:
     p = ctx.p(ctx.tensor_arg())
     nd = ctx.ndim(ctx.tensor_arg())
-    if isinstance(p, Split) and (nd == 2 or nd is None) and p.dim in (0, 1):
+    if isinstance(p, Split) and (nd == 2 or (nd is None and p.dim == 0 and ctx.min_ndim(ctx.tensor_arg()) == 2)) and p.dim in (0, 1):
         return Split(1 - p.dim)
     return None
 
@@ -179,7 +205,7 @@ def unsqueeze(ctx: RuleContext) -> Placement | None:
     nd = ctx.ndim(ctx.tensor_arg())
     if dim < 0:
         if nd is None:
-            return p if p.dim == 0 else None
+            return p if ctx.resolve(dim, ctx.tensor_arg(), p.dim, extra=1) is not None else None
         dim += nd + 1
     return Split(p.dim + 1 if dim <= p.dim else p.dim)
 
@@ -192,7 +218,7 @@ def squeeze(ctx: RuleContext) -> Placement | None:
     nd = ctx.ndim(ctx.tensor_arg())
     if dim < 0:
         if nd is None:
-            return p if p.dim == 0 else None
+            return p if ctx.resolve(dim, ctx.tensor_arg(), p.dim) is not None else None
         dim += nd
     if dim == p.dim:
         return None
@@ -214,8 +240,8 @@ def cat(ctx: RuleContext) -> Placement | None:
     nd = ctx.ndim(tensors[0])
     stacking = ctx.node.target is torch.stack
     if dim < 0:
-        if nd is None:
-            return Split(d) if d == 0 else None  # a negative dim lies after dim 0 of a batched tensor
+        if nd is None:  # a negative dim must surely lie after the split dim
+            return Split(d) if ctx.resolve(dim, tensors[0], d, extra=1 if stacking else 0) is not None else None
         dim += nd + (1 if stacking else 0)
     if stacking:  # a new dim at `dim`: the batch dim moves right if it was at or after it
         return Split(d + 1 if dim <= d else d)
@@ -294,7 +320,7 @@ def chunk_like(ctx: RuleContext) -> Placement | None:
     else:
         dim = ctx.arg(2, "dim", 0)
     nd = ctx.ndim(ctx.tensor_arg())
-    dim = normalize_dim(dim, nd, p.dim)
+    dim = normalize_dim(dim, nd, p.dim, ctx.min_ndim(ctx.tensor_arg()))
     if dim is None or dim == p.dim:
         return None
     piece = Split(p.dim - 1 if name == "unbind" and dim < p.dim else p.dim)
@@ -308,14 +334,14 @@ def size(ctx: RuleContext) -> Placement | None:
     dim = ctx.arg(1, "dim")
     if dim is None:
         return BatchSize(shape_of_dim=p.dim)
-    nd = ctx.ndim(ctx.tensor_arg())
     if isinstance(dim, int):
-        if dim < 0 and nd is not None:
-            dim += nd
+        if dim < 0:
+            dim = ctx.resolve(dim, ctx.tensor_arg(), p.dim)
+            if dim is None:
+                return None  # x.size(-2) of a tensor of unknown rank may be its batch size
         if dim == p.dim:
             return BatchSize()
-        if dim >= 0 or p.dim == 0:
-            return REPLICATED
+        return REPLICATED
     return None
 
 

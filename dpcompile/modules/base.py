@@ -126,6 +126,7 @@ class ParallelModule(fx.GraphModule):
     def batch_size(self, args: tuple, kwargs: dict) -> int | None:
         """The batch size of a call, checking that every split argument agrees."""
         seen: tuple[str, int] | None = None
+        forced = getattr(self.recipe, "batch_dim", None)
         for position, name, dim in self._split_inputs:
             if position < len(args):
                 value = args[position]
@@ -135,6 +136,11 @@ class ParallelModule(fx.GraphModule):
                 continue
             for path, tensor in tensor_leaves(value):
                 if tensor.dim() <= dim:
+                    if forced is not None and tensor.dim() > 0:
+                        raise ValueError(
+                            f"batch_dim={forced}, but argument '{name}{path}' has {tensor.dim()} dims "
+                            f"(shape {tuple(tensor.shape)}); pass a batch_dim below {tensor.dim()}, or None to infer it"
+                        )
                     continue
                 size = tensor.size(dim)
                 where = f"{name}{path}"

@@ -15,6 +15,7 @@ not match the batch).
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -115,7 +116,7 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
     """Placements for every node of ``gm`` (the output node excluded)."""
     modules = dict(gm.named_modules())
     placements: dict[fx.Node, Placement] = {}
-    ranks: dict[fx.Node, int] = {}
+    ranks: dict[fx.Node, int] = shape_reads(gm)
     for node in gm.graph.nodes:
         module = None
         if node.op == "placeholder":
@@ -130,8 +131,31 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
             placements[node] = decide(node, placements, module, ranks)
         bound = rank_bound(node, placements[node], ranks, module)
         if bound is not None:
-            ranks[node] = bound
+            ranks[node] = max(bound, ranks.get(node, 0))
     return placements
+
+
+def shape_reads(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Lower bounds on ranks from what forward reads of shapes: ``b, t, d = x.shape`` reads
+    ``x.shape[2]``, so ``x`` has 3 dims or more (a tensor's rank is the same all through forward)."""
+    out: dict[fx.Node, int] = {}
+
+    def note(tensor: Any, index: Any) -> None:
+        if isinstance(tensor, fx.Node) and isinstance(index, int) and not isinstance(index, bool):
+            need = index + 1 if index >= 0 else -index
+            out[tensor] = max(out.get(tensor, 0), need)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target == "size" and len(node.args) > 1:
+            note(node.args[0], node.args[1])
+        elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            shape = node.args[0]
+            is_shape = (shape.op == "call_function" and shape.target is getattr and shape.args[1] == "shape") or (
+                shape.op == "call_method" and shape.target == "size" and len(shape.args) == 1
+            )
+            if is_shape:
+                note(shape.args[0], node.args[1])
+    return out
 
 
 _CONV_RANKS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.BatchNorm2d: 4, nn.BatchNorm3d: 5, nn.MaxPool2d: 4,
@@ -180,6 +204,17 @@ def rank_bound(node: fx.Node, placement: Placement, ranks: Mapping[fx.Node, int]
         src = node.args[0][0] if name == "stack" and isinstance(node.args[0], (list, tuple)) and node.args[0] else first
         r = ranks.get(src) if isinstance(src, fx.Node) else None
         return best(low, r + 1 if r is not None else None)
+    if name in ("bmm", "baddbmm"):
+        return best(low, 3)
+    if name == "addmm":
+        return best(low, 2)
+    if name == "einsum" and node.args and isinstance(node.args[0], str) and "->" in node.args[0] and "..." not in node.args[0]:
+        return best(low, len(node.args[0].split("->")[1].strip()))
+    if name == "getitem" and first is not None and first.op in ("call_method", "call_function"):
+        chunked = getattr(first.target, "__name__", first.target)
+        if chunked in ("chunk", "split") and isinstance(node.args[1], int):
+            return best(low, ranks.get(first.args[0]) if isinstance(first.args[0], fx.Node) else None)
+        return low
     if name == "embedding":
         return best(low, inner + 1 if inner is not None else None)
     if name in ("transpose", "contiguous", "softmax", "log_softmax", "cat", "roll", "flip", "to", "type_as", "clone",

@@ -3,11 +3,14 @@ chunk/split, ``x.size()``, and factories that read a batch size (``torch.zeros(b
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from dpcompile.analysis import ops
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim
+from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
     REPLICATED,
@@ -81,7 +84,10 @@ def _rows_of_whole_samples(ctx: RuleContext, tail: list) -> Placement | None:
     from dpcompile.analysis.placement import Whole
 
     shape = node_shape(ctx.tensor_arg())
-    if any(not isinstance(t, int) for t in tail):
+    out_shape = node_shape(ctx.node)
+    if out_shape is not None and len(out_shape) == len(tail) + 1:
+        known = prod(out_shape[1:])  # the sizes as they came out (traced sizes included)
+    elif any(not isinstance(t, int) for t in tail):
         known = None
     else:
         known = prod(tail)
@@ -148,6 +154,16 @@ def along_dims(ctx: RuleContext) -> Placement | None:
     if any(x is None or x == p.dim for x in normal):
         return None
     return p
+
+
+def along_dims_unfold(ctx: RuleContext) -> Placement | None:
+    """``x.unfold(dim, size, step)`` (sliding windows along a dim, as a new last dim): per sample
+    unless ``dim`` is the split dim."""
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
+        return None
+    dim = normalize_dim(ctx.arg(1, "dimension"), ctx.ndim(ctx.tensor_arg()), p.dim, ctx.min_ndim(ctx.tensor_arg()))
+    return p if dim is not None and dim != p.dim else None
 
 
 def permute(ctx: RuleContext) -> Placement | None:
@@ -292,6 +308,18 @@ def repeat(ctx: RuleContext) -> Placement | None:
     return Split(at) if 0 <= at < len(sizes) and sizes[at] == 1 else None
 
 
+def shape_concat(ctx: RuleContext) -> Placement | None:
+    """``x.size()[:-1] + (n,)``: a shape holding the batch size, extended by constant sizes,
+    keeps the batch size where it was (element-wise ``+`` otherwise)."""
+    left, right = (list(ctx.node.args) + [None, None])[:2]
+    pl = ctx.p(left) if isinstance(left, fx.Node) else None
+    if isinstance(pl, BatchSize) and pl.shape_of_dim is not None:
+        if isinstance(right, (tuple, list)) and all(not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in right):
+            return BatchSize(shape_of_dim=pl.shape_of_dim)
+        return None
+    return pointwise(ctx)
+
+
 def expand(ctx: RuleContext) -> Placement | None:
     p = ctx.p(ctx.tensor_arg())
     if isinstance(p, Replicated):
@@ -352,6 +380,10 @@ def factory(ctx: RuleContext) -> Placement | None:
         sizes = sizes[1:]
     if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
         sizes = list(sizes[0])
+    elif len(sizes) == 1 and isinstance(sizes[0], fx.Node) and isinstance(ctx.p(sizes[0]), BatchSize):
+        at = ctx.p(sizes[0]).shape_of_dim  # torch.ones(x.shape[:2]): a shape holding the batch size
+        kwargs_ok = all(not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in ctx.node.kwargs.values())
+        return Split(at) if at is not None and kwargs_ok else None
     batch_at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
     rest_ok = all(
         not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated)
@@ -376,6 +408,9 @@ BATCH_RULES.register_family(ops.SQUEEZE, squeeze)
 BATCH_RULES.register_family(ops.CONCAT, cat)
 BATCH_RULES.register_family(ops.EXPAND, expand)
 BATCH_RULES.register("repeat", repeat)
+BATCH_RULES.register(operator.add, shape_concat, replace=True)
+BATCH_RULES.register(torch.Tensor.unfold, along_dims_unfold)
+BATCH_RULES.register("unfold", along_dims_unfold)
 for _target in (torch.flip, torch.roll, "flip", "roll"):
     BATCH_RULES.register(_target, along_dims)
 BATCH_RULES.register_family(ops.CHUNK, chunk_like)

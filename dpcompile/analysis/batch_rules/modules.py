@@ -185,7 +185,9 @@ def functional_batch_norm(ctx: RuleContext) -> Placement | None:
         return None
     if training is False:
         return p
-    return Whole(reason="F.batch_norm in training mode normalises with the whole batch's statistics")
+    if training is True and isinstance(ctx.arg(6, "momentum", 0.1), (float, int)) and isinstance(ctx.arg(7, "eps", 1e-5), (float, int)):
+        return p  # the data-parallel pass computes the whole batch's statistics (runtime.functional_batch_norm)
+    return Whole(reason="F.batch_norm in training mode with a traced training flag or momentum")
 
 
 BATCH_RULES.register(nn.functional.batch_norm, functional_batch_norm)

@@ -117,10 +117,13 @@ class ParallelModule(fx.GraphModule):
     # ------------------------------------------------------------------ calling
     def _find_split_inputs(self) -> list[tuple[int, str, int]]:
         out = []
+        self._unbatched_below: dict[str, int] = {}  # rank under which an input is one unbatched sample
         for position, node in enumerate(placeholders(self.graph)):
             dim = self.input_dims.get(node.target)
             if dim is not None:
                 out.append((position, str(node.target).lstrip("*"), dim))
+                if "dpcompile_min_rank" in node.meta:
+                    self._unbatched_below[str(node.target).lstrip("*")] = node.meta["dpcompile_min_rank"]
         return out
 
     def batch_size(self, args: tuple, kwargs: dict) -> int | None:
@@ -156,11 +159,26 @@ class ParallelModule(fx.GraphModule):
             raise ValueError(f"argument '{seen[0]}' has an empty batch (size 0); there is nothing to split")
         return None if seen is None else seen[1]
 
+    def _is_unbatched(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an input has fewer dims than the batch rules assumed of it (the batch analysis
+        records ``dpcompile_min_rank`` where a rule took dim 0 of an input of unknown rank for the
+        batch, as a Linear does: a 1-D input there is one unbatched sample)."""
+        below = getattr(self, "_unbatched_below", None)
+        if not below:
+            return False
+        for position, name, _ in self._split_inputs:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            if name in below and isinstance(value, torch.Tensor) and value.dim() < below[name]:
+                return True
+        return False
+
     def _devices_for(self, args: tuple, kwargs: dict) -> int:
         """How many devices a call runs on: fewer than all for a batch smaller than the count."""
         n = len(self.devices)
         if self._split_inputs:
             batch = self.batch_size(args, kwargs)
+            if self._is_unbatched(args, kwargs):
+                return 1  # one sample without a batch dim (nn.Linear on a 1-D input): nothing to split
             if batch is not None and batch < n:
                 return batch
         return n

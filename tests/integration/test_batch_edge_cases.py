@@ -34,3 +34,15 @@ def test_batch_dim_beyond_the_input_rank_is_a_value_error():
     pm = dpcompile.transform(torch.nn.Linear(4, 3), ["cpu"] * 2, batch_dim=3)
     with pytest.raises(ValueError, match=r"batch_dim=3, but argument 'input' has 2 dims \(shape \(6, 4\)\)"):
         pm(torch.randn(6, 4))
+
+
+def test_unbatched_1d_input_runs_as_one_sample():
+    """A 1-D input to a Linear is one sample without a batch dim: it runs on one device, as the
+    model runs it, while a 2-D batch still splits."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(4)
+    torch.testing.assert_close(pm(x), model(x))
+    batch = torch.randn(6, 4)
+    torch.testing.assert_close(pm(batch), model(batch))
+    assert "x_dev1" in pm.program_for_call(batch).code or "input_1_dev1" in pm.program_for_call(batch).code

@@ -18,12 +18,22 @@ from dpcompile.analysis.placement import (
 )
 
 
+def assume_batched(ctx: RuleContext, x: object, p: Split) -> None:
+    """A rule that takes dim ``p.dim`` of ``x`` (rank unknown) for the batch assumes ``x`` has a
+    feature dim after it: recorded on an input, so a call with fewer dims (one unbatched sample,
+    ``nn.Linear`` on a 1-D tensor) runs on one device instead of splitting the features."""
+    if isinstance(x, fx.Node) and x.op == "placeholder" and ctx.ndim(x) is None:
+        x.meta["dpcompile_min_rank"] = max(x.meta.get("dpcompile_min_rank", 0), p.dim + 2)
+
+
 def matmul(ctx: RuleContext) -> Placement | None:
     a, b = ctx.node.args[0], ctx.node.args[1]
     pa, pb = ctx.p(a), ctx.p(b)
     na, nb = ctx.ndim(a), ctx.ndim(b)
     if isinstance(pa, Split) and isinstance(pb, Replicated):
         if na is None:
+            if pa.dim == 0:
+                assume_batched(ctx, a, pa)
             return pa if pa.dim == 0 else None
         if na >= 2 and pa.dim <= na - 2 and (nb is None or nb <= 2 or pa.dim < na - nb):
             return Split(pa.dim)
@@ -43,6 +53,7 @@ def linear_function(ctx: RuleContext) -> Placement | None:
         nd = ctx.ndim(x)
         if nd is not None and p.dim >= nd - 1:
             return None
+        assume_batched(ctx, x, p)
         return p
     return None
 
@@ -56,6 +67,7 @@ def last_dim_op(ctx: RuleContext) -> Placement | None:
     nd = ctx.ndim(ctx.tensor_arg())
     if nd is not None and p.dim >= nd - 1:
         return None
+    assume_batched(ctx, ctx.tensor_arg(), p)
     return p
 
 

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint
 from torch import nn
 
-from dpcompile.analysis.batch_rules import RuleContext, batch_first, node_shape, rule_for
+from dpcompile.analysis.batch_rules import BATCH_RULES, RuleContext, batch_first, node_shape, rule_for
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
@@ -362,6 +363,52 @@ def _drop_inputs_without_batch(
 def output_placements(gm: fx.GraphModule, placements: Mapping[fx.Node, Placement]) -> list[Placement]:
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return _arg_placement(out_node.args, placements)
+
+# a rule that analyses a checkpointed block's own graph with propagate (so it lives here)
+
+def checkpointed(ctx: RuleContext) -> Placement | None:
+    """``torch.utils.checkpoint.checkpoint(self.block, x, ...)`` (captured as a call of the
+    submodule): the block's own graph is analysed with the call's input placements; it runs per
+    device, checkpointed on each, when everything in it runs split there (no partial or whole
+    results, no BatchNorm that would need the whole batch's statistics)."""
+    import torch.fx as fx
+
+    from dpcompile.analysis.ops import BATCH_NORMS
+
+    ref, *args = ctx.node.args
+    owner = ctx.node.graph.owning_module
+    if not (isinstance(ref, fx.Node) and ref.op == "get_attr" and owner is not None):
+        return None
+    try:
+        block = owner.get_submodule(str(ref.target))
+    except AttributeError:
+        return None
+    if any(isinstance(m, BATCH_NORMS) and m.training for m in block.modules()):
+        return Whole(reason="a checkpointed block with BatchNorm in training needs the whole batch's statistics")
+    dims: dict[str, int | None] = {}
+    try:
+        sub = fx.symbolic_trace(block)
+    except Exception:  # noqa: BLE001 - a block fx cannot trace runs whole
+        return Whole(reason="the checkpointed block cannot be traced to check how it treats the batch")
+    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if len(args) > len(inputs) or ctx.node.kwargs.keys() - {"use_reentrant", "preserve_rng_state", "determinism_check", "debug"}:
+        return None
+    for node, arg in zip(inputs, args):
+        p = ctx.p(arg)
+        if isinstance(p, Split):
+            dims[node.target] = p.dim
+        elif isinstance(p, Replicated):
+            dims[node.target] = None
+        else:
+            return None
+    placements = propagate(sub, dims)
+    if any(isinstance(p, (Whole, Partial)) for p in placements.values()):
+        return Whole(reason="the checkpointed block does not run split on its own")
+    outputs = output_placements(sub, placements)
+    return outputs[0] if len(outputs) == 1 else None
+
+
+BATCH_RULES.register(torch.utils.checkpoint.checkpoint, checkpointed)
 
 
 __all__ = [

@@ -46,3 +46,39 @@ def test_unbatched_1d_input_runs_as_one_sample():
     batch = torch.randn(6, 4)
     torch.testing.assert_close(pm(batch), model(batch))
     assert "x_dev1" in pm.program_for_call(batch).code or "input_1_dev1" in pm.program_for_call(batch).code
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+        from torch.utils.checkpoint import checkpoint
+
+        h = cp.checkpoint(self.block, x, use_reentrant=False)
+        h = checkpoint(self.norm, h, use_reentrant=False)  # BatchNorm in training: the whole batch
+        return self.head(h)
+
+
+def test_activation_checkpointing_kept_per_device():
+    """``checkpoint(self.block, x)`` stays a checkpoint call, one per device; a checkpointed
+    BatchNorm in training runs once on the whole batch; outputs and gradients are exact."""
+    model = Checkpointed()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    code = pm.code
+    assert code.count("torch.utils.checkpoint.checkpoint(") == 3  # block on 2 devices, the norm once
+    assert "checkpoint_dev1 = torch.utils.checkpoint.checkpoint(block_dev1" in code
+    x = torch.randn(6, 4)
+    out = pm(x)
+    expected = Checkpointed()
+    expected.load_state_dict(model.state_dict())
+    ref = expected(x)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -63,3 +63,4 @@ BATCH_RULES.register_by_name("torchvision.ops.drop_block.drop_block3d", drop_blo
 # Swin: attention within windows of one sample (its shift mask is built from the sample's shape)
 BATCH_RULES.register_by_name("torchvision.models.swin_transformer.shifted_window_attention", per_sample_dim0)
 BATCH_RULES.register_by_name("torchvision.models.swin_transformer._patch_merging_pad", per_sample_dim0)
+

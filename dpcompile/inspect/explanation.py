@@ -116,7 +116,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     io_forward = sum(c.forward or 0.0 for c in collectives if c.io)
     io_backward = sum(c.backward or 0.0 for c in collectives if c.io)
     params = param_bytes(pm)
-    fraction, whole = _split_flops(gm, recorder)
+    fraction, whole = _split_flops(gm, recorder) if getattr(pm, "mode", "data_parallel") == "data_parallel" else (None, [])
     return Report(
         mode=str(getattr(pm, "mode", "unknown")),
         devices=labels,

@@ -65,3 +65,28 @@ def test_rank_agnostic_view_pairs_with_shapes_run_whole_with_reason():
     pm = dpcompile.transform(model, ["cpu"] * 4, example_inputs=(x,))
     assert "groups rows of several samples" in dpcompile.explain(pm, x).whole[0]["reason"]
     torch.testing.assert_close(pm(x), model(x))
+
+
+def test_rank_agnostic_view_of_sequence_first_rnn_output_splits_without_shapes():
+    """``h.view(t, b, 2, -1)`` of an LSTM's (T, B, H) output, sizes read from ``h.shape``, keeps
+    the batch on dim 1 without example inputs; merging T and B runs whole, with the reason."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.LSTM(4, 8)
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            h, _ = self.rnn(x)
+            t, b, d = h.shape
+            halves = self.fc(h.view(t, b, 2, d // 2))
+            return halves, h.reshape(t * b, d)
+
+    model, x = Net(), torch.randn(5, 6, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    whole = dpcompile.explain(pm, x).whole
+    assert [w["node"] for w in whole if "recomputed" not in w["reason"]] == ["mul", "reshape"]
+    for got, expected in zip(pm(x), model(x)):
+        torch.testing.assert_close(got, expected)
+    assert "batch rule for operator.mul" in whole[[w["node"] for w in whole].index("mul")]["reason"]  # t * b

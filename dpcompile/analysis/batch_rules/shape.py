@@ -110,6 +110,36 @@ def _view_sizes(ctx: RuleContext) -> list:
     return rest
 
 
+def _size_of(node: object, tensor: object) -> int | None:
+    """``i`` where ``node`` is ``tensor.shape[i]``, ``tensor.size()[i]`` or ``tensor.size(i)``."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method" and node.target == "size" and len(node.args) == 2 and node.args[0] is tensor:
+        return node.args[1] if isinstance(node.args[1], int) else None
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        shape, index = node.args
+        reads = (shape.op == "call_function" and shape.target is getattr and shape.args[1] == "shape") or (
+            shape.op == "call_method" and shape.target == "size" and len(shape.args) == 1
+        )
+        if reads and shape.args[0] is tensor and isinstance(index, int) and index >= 0:
+            return index
+    return None
+
+
+def _keeps_leading_dims(ctx: RuleContext, d: int) -> bool:
+    """Without shapes: ``h.view(t, b, ...)`` of ``h`` split on dim ``d``, its first ``d`` sizes read
+    from ``h``'s own shape in order and the next the chunk's batch size, keeps the batch at ``d``."""
+    sizes = _view_sizes(ctx)
+    tensor = ctx.tensor_arg()
+    if len(sizes) <= d or not (isinstance(sizes[d], fx.Node) and ctx.p(sizes[d]) == BatchSize()):
+        return False
+    if any(_size_of(sizes[i], tensor) != i for i in range(d)):
+        return False
+    return all(not isinstance(x, fx.Node) or isinstance(ctx.p(x), Replicated) for x in sizes[d + 1 :]) and all(
+        not (isinstance(x, int) and x == -1) for x in sizes[:d]
+    )
+
+
 def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
     """view / reshape of a tensor split on a dim ``d > 0`` (an RNN's ``(T, B, H)``), from the
     shapes of shape propagation: the split dim must come out whole, with the dims before it
@@ -121,6 +151,8 @@ def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
     d = p.dim
     in_shape, out_shape = node_shape(ctx.tensor_arg()), node_shape(ctx.node)
     if in_shape is None or out_shape is None:
+        if _keeps_leading_dims(ctx, d):
+            return Split(d)
         return Whole(reason=f"view of a tensor split on dim {d} needs shapes: pass example_inputs=")
     before = prod(in_shape[:d])
     j = next((i for i in range(len(out_shape) + 1) if prod(out_shape[:i]) == before), None)

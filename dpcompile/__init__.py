@@ -5,6 +5,7 @@
 >>> print(pm.code)  # doctest: +SKIP
 """
 
+from dpcompile.analysis.batch_rules.user import register_batch_rule
 from dpcompile.api import transform
 from dpcompile.errors import DpCompileError, TraceError
 from dpcompile.export import export, load
@@ -28,6 +29,7 @@ __all__ = [
     "export",
     "load",
     "local_batch",
+    "register_batch_rule",
     "transform",
     "verify",
     "__version__",

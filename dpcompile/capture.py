@@ -74,6 +74,7 @@ class DpTracer(fx.Tracer):
 
         original = nn.RNNBase.flatten_parameters
         nn.RNNBase.flatten_parameters = recorded_flatten_parameters
+        unpatch_checkpoint = _record_checkpoints(tracer, root)
         factories = {name: getattr(torch, name) for name in _SIZE_FACTORIES}
         for name, factory in factories.items():
             setattr(torch, name, _sizes_as_tuple(factory))
@@ -83,11 +84,54 @@ class DpTracer(fx.Tracer):
             graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
+            unpatch_checkpoint()
             for name, factory in factories.items():
                 setattr(torch, name, factory)
             rebound = _restore_state(modules, before)
         _write_back_buffers(graph, rebound)
         return graph
+
+
+def _record_checkpoints(tracer: fx.Tracer, root: Any):
+    """Keep activation checkpointing: ``checkpoint(self.block, x, ...)`` inside forward becomes a
+    ``torch.utils.checkpoint.checkpoint`` node calling the submodule (run per device by data
+    parallelism) instead of being traced through and lost. Other callables are traced through,
+    as before. Returns the function that undoes the patch."""
+    import torch.utils.checkpoint as checkpointing
+
+    original = checkpointing.checkpoint
+
+    def recorded_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+        module = function if isinstance(function, nn.Module) else None
+        if module is None and getattr(function, "__name__", None) == "forward" and isinstance(getattr(function, "__self__", None), nn.Module):
+            module = function.__self__
+        if module is None or not any(isinstance(a, fx.Proxy) for a in args):
+            return original(function, *args, **kwargs)
+        try:
+            path = tracer.path_of_module(module)
+        except NameError:  # not a submodule of the traced model
+            return original(function, *args, **kwargs)
+        ref = tracer.create_proxy("get_attr", path, (), {})
+        return tracer.create_proxy("call_function", original, (ref, *args), kwargs)
+
+    patched: list[tuple[dict, str]] = []
+    namespaces = [checkpointing.__dict__]
+    if isinstance(root, nn.Module):
+        for _, m in root.named_modules():
+            namespace = getattr(sys.modules.get(type(m).__module__), "__dict__", None)
+            if namespace is not None and namespace not in namespaces:
+                namespaces.append(namespace)
+    for namespace in namespaces:
+        for name, value in list(namespace.items()):
+            if value is original:
+                namespace[name] = recorded_checkpoint
+                patched.append((namespace, name))
+
+    def undo() -> None:
+        for namespace, name in patched:
+            namespace[name] = original
+
+    return undo
 
 
 def _restore_state(

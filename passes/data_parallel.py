@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from dpcompile import runtime
 from dpcompile.analysis.batch_dims import propagate
@@ -147,6 +148,8 @@ class _Builder:
                 self._emit_partial(node, placement)
             elif node.op == "call_module" and isinstance(self.modules.get(node.target), BATCH_NORMS):
                 self._emit_batch_norm(node)
+            elif _is_training_batch_norm_function(node):
+                self._emit_functional_batch_norm(node)
             else:
                 self._emit_per_device(node, placement)
         self._drop_unused()
@@ -290,6 +293,11 @@ class _Builder:
         args = fx.node.map_arg(node.args, self.whole_value)
         kwargs = fx.node.map_arg(node.kwargs, self.whole_value)
         new = self.node(node.op, node.target, args, kwargs, name=node.name if record else f"{node.name}_whole", source=node)
+        placement = self.placements.get(node)
+        if isinstance(placement, Whole) and placement.batch:
+            new.meta["dpcompile_whole"] = placement.reason or "runs on the gathered batch"
+        elif not record:
+            new.meta["dpcompile_whole"] = "recomputed on the gathered batch"
         if record:
             self.whole[node] = new
         return new
@@ -336,6 +344,22 @@ class _Builder:
         module_ref = self.node("get_attr", node.target, name=f"{node.name}_module", source=node)
         chunks = [self.on_device(node.args[0], k) for k in range(self.n)]
         normed = self.call(runtime.batch_norm, (module_ref, chunks), name=f"{node.name}_sync", source=node)
+        stamp_comm(normed, "all_reduce", backward="all_reduce")
+        self.per_device[node] = [
+            self.call(operator.getitem, (normed, k), name=f"{node.name}_dev{k}", source=node) for k in range(self.n)
+        ]
+
+    def _emit_functional_batch_norm(self, node: fx.Node) -> None:
+        """``F.batch_norm(x, ..., training=True, ...)`` (timm's BatchNormAct2d) with the whole
+        batch's statistics, as a BatchNorm module gets them."""
+        bound = inspect.signature(F.batch_norm).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        chunks = [self.on_device(a["input"], k) for k in range(self.n)]
+        state = [self.whole_value(v) if isinstance(v, fx.Node) else v for v in (a["running_mean"], a["running_var"], a["weight"], a["bias"])]
+        normed = self.call(
+            runtime.functional_batch_norm, (chunks, *state, a["momentum"], a["eps"]), name=f"{node.name}_sync", source=node
+        )
         stamp_comm(normed, "all_reduce", backward="all_reduce")
         self.per_device[node] = [
             self.call(operator.getitem, (normed, k), name=f"{node.name}_dev{k}", source=node) for k in range(self.n)
@@ -502,6 +526,14 @@ def _names_read_from(root: fx.Node) -> set[str]:
 
 def _has_side_effect(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is runtime.flatten_parameters
+
+
+def _is_training_batch_norm_function(node: fx.Node) -> bool:
+    """``F.batch_norm`` called with ``training=True`` (its rule splits it only then with constants)."""
+    if node.op != "call_function" or node.target is not F.batch_norm:
+        return False
+    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+    return training is True
 
 
 def _is_pad_packed(node: fx.Node) -> bool:

@@ -15,15 +15,17 @@ not match the batch).
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint
 from torch import nn
 
-from dpcompile.analysis.batch_rules import RuleContext, batch_first, node_shape, rule_for
+from dpcompile.analysis.batch_rules import BATCH_RULES, RuleContext, batch_first, node_shape, rule_for
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
@@ -48,11 +50,17 @@ def _arg_placement(value: Any, placements: Mapping[fx.Node, Placement]) -> list[
     return out
 
 
-def decide(node: fx.Node, placements: Mapping[fx.Node, Placement], module: nn.Module | None) -> Placement:
+def decide(
+    node: fx.Node,
+    placements: Mapping[fx.Node, Placement],
+    module: nn.Module | None,
+    ranks: Mapping[fx.Node, int] | None = None,
+) -> Placement:
     """The placement of one node, given its inputs' placements."""
     inputs = _arg_placement((node.args, node.kwargs), placements)
     if any(isinstance(p, Whole) and p.batch for p in inputs):
-        return Whole(batch=True)
+        first = next(n for n in node.all_input_nodes if isinstance(placements[n], Whole) and placements[n].batch)
+        return Whole(batch=True, reason=f"its input '{first.name}' runs whole")
     if not any(carries_batch(p) for p in inputs):
         mutates_shared = node.op == "call_method" and str(node.target).endswith("_")
         if mutates_shared or any(isinstance(p, Whole) for p in inputs):
@@ -61,18 +69,57 @@ def decide(node: fx.Node, placements: Mapping[fx.Node, Placement], module: nn.Mo
             return Whole(batch=False)
         return REPLICATED
     rule = rule_for(node, module)
-    placement = rule(RuleContext(node, placements, module)) if rule is not None else None
-    if placement is None:
-        log.debug("%s (%s) has no batch rule for its inputs; it runs once, after a gather", node.name, node.target)
-        return Whole(batch=True)
+    placement = rule(RuleContext(node, placements, module, ranks if ranks is not None else {})) if rule is not None else None
+    if placement is None or isinstance(placement, Whole):
+        what = op_name(node, module)
+        if rule is None:
+            reason = f"no batch rule for {what}"
+        elif isinstance(placement, Whole) and placement.reason:
+            reason = placement.reason
+        else:
+            reason = f"the batch rule for {what} cannot split it ({_describe_inputs(node, placements)})"
+        log.debug("%s: %s; it runs once, after a gather", node.name, reason)
+        return Whole(batch=True, reason=reason)
     return placement
+
+
+def op_name(node: fx.Node, module: nn.Module | None = None) -> str:
+    """What ``node`` calls, by its qualified name: ``torchvision.ops.stochastic_depth``, ``Tensor.view``."""
+    if node.op == "call_module":
+        cls = type(module) if module is not None else None
+        return f"{cls.__module__}.{cls.__qualname__}" if cls is not None else str(node.target)
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    target = node.target
+    module_name = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    if module_name in ("_operator", "operator"):
+        module_name = "operator"
+    if module_name.rsplit(".", 1)[-1] == name:  # torchvision.ops.stochastic_depth.stochastic_depth
+        module_name = module_name.rsplit(".", 1)[0]
+    return f"{module_name}.{name}" if module_name else name
+
+
+def _describe_inputs(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> str:
+    parts = []
+    for n in node.all_input_nodes:
+        p = placements[n]
+        if isinstance(p, Split):
+            parts.append(f"'{n.name}' split on dim {p.dim}")
+        elif isinstance(p, Partial):
+            parts.append(f"'{n.name}' a partial {p.kind}")
+        elif not isinstance(p, Replicated):
+            parts.append(f"'{n.name}' {type(p).__name__}")
+    return ", ".join(parts) or "no split input"
 
 
 def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[fx.Node, Placement]:
     """Placements for every node of ``gm`` (the output node excluded)."""
     modules = dict(gm.named_modules())
     placements: dict[fx.Node, Placement] = {}
+    ranks: dict[fx.Node, int] = shape_reads(gm)
     for node in gm.graph.nodes:
+        module = None
         if node.op == "placeholder":
             dim = input_dims.get(node.target)
             placements[node] = Split(dim, origin=node.target) if dim is not None else REPLICATED
@@ -82,8 +129,106 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
             continue
         else:
             module = modules.get(node.target) if node.op == "call_module" else None
-            placements[node] = decide(node, placements, module)
+            placements[node] = decide(node, placements, module, ranks)
+        bound = rank_bound(node, placements[node], ranks, module)
+        if bound is not None:
+            ranks[node] = max(bound, ranks.get(node, 0))
     return placements
+
+
+def shape_reads(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Lower bounds on ranks from what forward reads of shapes: ``b, t, d = x.shape`` reads
+    ``x.shape[2]``, so ``x`` has 3 dims or more (a tensor's rank is the same all through forward)."""
+    out: dict[fx.Node, int] = {}
+
+    def note(tensor: Any, index: Any) -> None:
+        if isinstance(tensor, fx.Node) and isinstance(index, int) and not isinstance(index, bool):
+            need = index + 1 if index >= 0 else -index
+            out[tensor] = max(out.get(tensor, 0), need)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target == "size" and len(node.args) > 1:
+            note(node.args[0], node.args[1])
+        elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            shape = node.args[0]
+            is_shape = (shape.op == "call_function" and shape.target is getattr and shape.args[1] == "shape") or (
+                shape.op == "call_method" and shape.target == "size" and len(shape.args) == 1
+            )
+            if is_shape:
+                note(shape.args[0], node.args[1])
+    return out
+
+
+_CONV_RANKS = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.BatchNorm2d: 4, nn.BatchNorm3d: 5, nn.MaxPool2d: 4,
+               nn.AvgPool2d: 4, nn.AdaptiveAvgPool2d: 4, nn.ConvTranspose2d: 4}  # fmt: skip
+
+
+def rank_bound(node: fx.Node, placement: Placement, ranks: Mapping[fx.Node, int], module: nn.Module | None) -> int | None:
+    """A lower bound on the rank of ``node``'s value (its rank where shapes are known), so that
+    a negative dim is resolved only where it surely does not name the batch dim.
+
+    Without shapes: a tensor split on dim d has d+1 dims or more; a view to k sizes, a permute
+    of k dims and a batched Conv2d have exactly k (4); element-wise ops keep the largest of
+    their inputs'; an embedding adds one; ``unsqueeze``/``stack`` add one.
+    """
+    shape = node_shape(node)
+    if shape is not None:
+        return len(shape)
+    low = placement.dim + 1 if isinstance(placement, Split) else None
+
+    def best(*values: int | None) -> int | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    inner = ranks.get(first) if first is not None else None
+    if node.op == "call_module" and module is not None:
+        for cls, rank in _CONV_RANKS.items():
+            if isinstance(module, cls) and isinstance(placement, Split) and placement.dim == 0:
+                return rank
+        if isinstance(module, nn.Embedding):
+            return best(low, inner + 1 if inner is not None else None)
+        if isinstance(module, (nn.Linear, nn.LayerNorm, nn.Dropout, nn.Identity, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh)):
+            return best(low, inner)
+        return low
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name in ("view", "reshape", "permute", "expand", "new_zeros", "new_ones", "new_empty", "repeat"):
+        sizes = list(node.args[1:]) if node.op == "call_method" else list(node.args[1:2])
+        if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+            sizes = list(sizes[0])
+        one_shape_node = len(sizes) == 1 and isinstance(sizes[0], fx.Node)  # x.view(shape): rank unknown here
+        if sizes and not one_shape_node and all(not isinstance(x, (list, tuple)) for x in sizes):
+            return best(low, len(sizes))
+        return low
+    if name in ("unsqueeze", "stack"):
+        src = node.args[0][0] if name == "stack" and isinstance(node.args[0], (list, tuple)) and node.args[0] else first
+        r = ranks.get(src) if isinstance(src, fx.Node) else None
+        return best(low, r + 1 if r is not None else None)
+    if name in ("bmm", "baddbmm"):
+        return best(low, 3)
+    if name == "addmm":
+        return best(low, 2)
+    if name == "einsum" and node.args and isinstance(node.args[0], str) and "->" in node.args[0] and "..." not in node.args[0]:
+        return best(low, len(node.args[0].split("->")[1].strip()))
+    if name == "getitem" and first is not None and first.op in ("call_method", "call_function"):
+        chunked = getattr(first.target, "__name__", first.target)
+        if chunked in ("chunk", "split") and isinstance(node.args[1], int):
+            return best(low, ranks.get(first.args[0]) if isinstance(first.args[0], fx.Node) else None)
+        return low
+    if name == "embedding":
+        return best(low, inner + 1 if inner is not None else None)
+    if name in ("transpose", "contiguous", "softmax", "log_softmax", "cat", "roll", "flip", "to", "type_as", "clone",
+                "dropout", "layer_norm", "linear", "matmul", "float", "half", "masked_fill", "cumsum", "normalize"):
+        if name == "cat" and isinstance(node.args[0], (list, tuple)) and node.args[0]:
+            src = node.args[0][0]
+            return best(low, ranks.get(src) if isinstance(src, fx.Node) else None)
+        return best(low, *(ranks.get(n) for n in node.all_input_nodes))
+    from dpcompile.analysis.ops import POINTWISE
+
+    if POINTWISE.matches(node) or node.op == "call_function" and target in POINTWISE.functions:
+        return best(low, *(ranks.get(n) for n in node.all_input_nodes))
+    return low
 
 
 def _wanted_dim(node: fx.Node, module: nn.Module | None) -> int | None:
@@ -218,6 +363,52 @@ def _drop_inputs_without_batch(
 def output_placements(gm: fx.GraphModule, placements: Mapping[fx.Node, Placement]) -> list[Placement]:
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return _arg_placement(out_node.args, placements)
+
+# a rule that analyses a checkpointed block's own graph with propagate (so it lives here)
+
+def checkpointed(ctx: RuleContext) -> Placement | None:
+    """``torch.utils.checkpoint.checkpoint(self.block, x, ...)`` (captured as a call of the
+    submodule): the block's own graph is analysed with the call's input placements; it runs per
+    device, checkpointed on each, when everything in it runs split there (no partial or whole
+    results, no BatchNorm that would need the whole batch's statistics)."""
+    import torch.fx as fx
+
+    from dpcompile.analysis.ops import BATCH_NORMS
+
+    ref, *args = ctx.node.args
+    owner = ctx.node.graph.owning_module
+    if not (isinstance(ref, fx.Node) and ref.op == "get_attr" and owner is not None):
+        return None
+    try:
+        block = owner.get_submodule(str(ref.target))
+    except AttributeError:
+        return None
+    if any(isinstance(m, BATCH_NORMS) and m.training for m in block.modules()):
+        return Whole(reason="a checkpointed block with BatchNorm in training needs the whole batch's statistics")
+    dims: dict[str, int | None] = {}
+    try:
+        sub = fx.symbolic_trace(block)
+    except Exception:  # noqa: BLE001 - a block fx cannot trace runs whole
+        return Whole(reason="the checkpointed block cannot be traced to check how it treats the batch")
+    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if len(args) > len(inputs) or ctx.node.kwargs.keys() - {"use_reentrant", "preserve_rng_state", "determinism_check", "debug"}:
+        return None
+    for node, arg in zip(inputs, args):
+        p = ctx.p(arg)
+        if isinstance(p, Split):
+            dims[node.target] = p.dim
+        elif isinstance(p, Replicated):
+            dims[node.target] = None
+        else:
+            return None
+    placements = propagate(sub, dims)
+    if any(isinstance(p, (Whole, Partial)) for p in placements.values()):
+        return Whole(reason="the checkpointed block does not run split on its own")
+    outputs = output_placements(sub, placements)
+    return outputs[0] if len(outputs) == 1 else None
+
+
+BATCH_RULES.register(torch.utils.checkpoint.checkpoint, checkpointed)
 
 
 __all__ = [

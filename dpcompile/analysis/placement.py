@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Placement:
@@ -52,6 +52,7 @@ class Partial(Placement):
 @dataclass(frozen=True)
 class Whole(Placement):
     batch: bool = True
+    reason: str | None = field(default=None, compare=False)  # why it cannot run split (explain's ``whole``)
     per_device = False
 
 

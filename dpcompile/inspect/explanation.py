@@ -16,6 +16,7 @@ from torch import nn
 
 from dpcompile import runtime
 from dpcompile.analysis.cost import comm_elements, ring_elements
+from dpcompile.analysis.split_fraction import split_fraction
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.nodes import device_labels, device_list, slot_of, target_name, user_source
@@ -116,6 +117,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     io_forward = sum(c.forward or 0.0 for c in collectives if c.io)
     io_backward = sum(c.backward or 0.0 for c in collectives if c.io)
     params = param_bytes(pm)
+    fraction, whole = _split_flops(gm, recorder) if getattr(pm, "mode", "data_parallel") == "data_parallel" else (None, [])
     return Report(
         mode=str(getattr(pm, "mode", "unknown")),
         devices=labels,
@@ -138,7 +140,26 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         plan=dict(getattr(pm, "plan", {}) or {}),
         plan_reasons={k: str(v) for k, v in (getattr(pm, "plan_reasons", {}) or {}).items()},
         batch=batch,
+        split_flop_fraction=fraction,
+        whole=whole,
     )
+
+
+def _split_flops(gm: fx.GraphModule, recorder: Recorder | None) -> tuple[float | None, list[dict[str, Any]]]:
+    """Data parallel: the share of forward FLOPs that runs split, and the ops that run whole
+    (nodes the data-parallel pass stamped ``dpcompile_whole``, with its reason)."""
+    flops = recorder.flops if recorder is not None else {}
+    whole = []
+    for node in gm.graph.nodes:
+        reason = node.meta.get("dpcompile_whole")
+        if reason is not None:
+            whole.append(
+                {"node": node.name, "target": target_name(node), "reason": reason,
+                 "flops": flops.get(node.name) if recorder is not None else None, "source": user_source(node)}
+            )  # fmt: skip
+    if recorder is None:
+        return None, whole
+    return split_fraction(flops, [w["node"] for w in whole]), whole
 
 
 def _collective(node: fx.Node, comm: Any, recorder: Recorder | None, n: int) -> CollectiveInfo:

@@ -73,6 +73,11 @@ class Report:
     plan: dict[str, str] = field(default_factory=dict)
     plan_reasons: dict[str, str] = field(default_factory=dict)
     batch: int | None = None
+    # data parallel: the share of forward FLOPs that runs split across devices (1.0 = all of
+    # it; None without inputs to count FLOPs on), and each op that runs once on the gathered
+    # batch: {"node", "target", "reason", "flops", "source"}
+    split_flop_fraction: float | None = None
+    whole: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def comm_elements(self) -> float:
@@ -173,6 +178,13 @@ def _render(r: Report) -> str:
         f"  inputs on / outputs back (io): forward {_human_count(r.io_elements_forward if io_sized else None)}, backward "
         f"{_human_count(r.io_elements_backward if io_sized else None)}, total {_human_count(r.io_elements if io_sized else None)}"
     )
+    if r.mode == "data_parallel":
+        fraction = "?" if r.split_flop_fraction is None else f"{100 * r.split_flop_fraction:.1f}%"
+        out += ["", f"Split across devices: {fraction} of forward FLOPs"]
+        if r.whole:
+            out.append("  runs whole, on the gathered batch (teach an op with dpcompile.register_batch_rule):")
+            rows = [[w["node"], _human_count(w.get("flops")), w["reason"], _where(w.get("source"))] for w in r.whole]
+            out += _table(["node", "FLOPs", "reason", "source"], rows, [26, 13, 56, 19])
     if r.plan:
         out += ["", "Tensor-parallel plan"]
         rows = []

@@ -118,15 +118,19 @@ class ParallelModule(fx.GraphModule):
     # ------------------------------------------------------------------ calling
     def _find_split_inputs(self) -> list[tuple[int, str, int]]:
         out = []
+        self._unbatched_below: dict[str, int] = {}  # rank under which an input is one unbatched sample
         for position, node in enumerate(placeholders(self.graph)):
             dim = self.input_dims.get(node.target)
             if dim is not None:
                 out.append((position, str(node.target).lstrip("*"), dim))
+                if "dpcompile_min_rank" in node.meta:
+                    self._unbatched_below[str(node.target).lstrip("*")] = node.meta["dpcompile_min_rank"]
         return out
 
     def batch_size(self, args: tuple, kwargs: dict) -> int | None:
         """The batch size of a call, checking that every split argument agrees."""
         seen: tuple[str, int] | None = None
+        forced = getattr(self.recipe, "batch_dim", None)
         for position, name, dim in self._split_inputs:
             if position < len(args):
                 value = args[position]
@@ -136,6 +140,11 @@ class ParallelModule(fx.GraphModule):
                 continue
             for path, tensor in tensor_leaves(value):
                 if tensor.dim() <= dim:
+                    if forced is not None and tensor.dim() > 0:
+                        raise ValueError(
+                            f"batch_dim={forced}, but argument '{name}{path}' has {tensor.dim()} dims "
+                            f"(shape {tuple(tensor.shape)}); pass a batch_dim below {tensor.dim()}, or None to infer it"
+                        )
                     continue
                 size = tensor.size(dim)
                 where = f"{name}{path}"
@@ -151,18 +160,34 @@ class ParallelModule(fx.GraphModule):
             raise ValueError(f"argument '{seen[0]}' has an empty batch (size 0); there is nothing to split")
         return None if seen is None else seen[1]
 
+    def _is_unbatched(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an input has fewer dims than the batch rules assumed of it (the batch analysis
+        records ``dpcompile_min_rank`` where a rule took dim 0 of an input of unknown rank for the
+        batch, as a Linear does: a 1-D input there is one unbatched sample)."""
+        below = getattr(self, "_unbatched_below", None)
+        if not below:
+            return False
+        for position, name, _ in self._split_inputs:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            if name in below and isinstance(value, torch.Tensor) and value.dim() < below[name]:
+                return True
+        return False
+
     def _devices_for(self, args: tuple, kwargs: dict) -> int:
         """How many devices a call runs on: fewer than all for a batch smaller than the count."""
         n = len(self.devices)
         split = self._split_inputs
         if not split:
             return n
-        if len(split) == 1 and not kwargs:  # the common call: one batched tensor, checked cheaply
+        below = getattr(self, "_unbatched_below", None)
+        if len(split) == 1 and not kwargs and not below:  # the common call: one batched tensor, read cheaply
             position, _, dim = split[0]
             value = args[position] if position < len(args) else None
             if type(value) is torch.Tensor and value.dim() > dim and value.shape[dim] > 0:
                 return min(n, value.shape[dim])
         batch = self.batch_size(args, kwargs)
+        if self._is_unbatched(args, kwargs):
+            return 1  # one sample without a batch dim (nn.Linear on a 1-D input): nothing to split
         return batch if batch is not None and batch < n else n
 
     def _key(self, n: int, none_args: frozenset[str], flags: tuple) -> CallKey:

@@ -13,6 +13,7 @@ program :meth:`DataParallelRecipe.build_program` makes for it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,9 @@ import torch.fx as fx
 from torch import nn
 
 import passes
-from dpcompile.analysis.batch_dims import infer_input_dims
+from dpcompile.analysis.batch_dims import infer_input_dims, propagate
+from dpcompile.analysis.placement import Whole
+from dpcompile.analysis.split_fraction import node_flops, parameter_weights, split_fraction, whole_ops
 from dpcompile.capture import ROOT_LEAF, capture
 from dpcompile.devices import Devices
 from dpcompile.fx_utils import copy_graph, propagate_shapes
@@ -53,6 +56,7 @@ class DataParallelRecipe(Recipe):
             propagate_shapes(gm, [x.to(primary) if isinstance(x, torch.Tensor) else x for x in example_inputs])
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         gm, records = run_passes(gm, passes.frontend_pipeline(self._options()))
+        warn_if_mostly_whole(gm, input_dims, example_inputs, len(self.devices))
         captured = fx.GraphModule(gm, copy_graph(gm.graph), type(model).__name__)
         # forward is Python: traced again where a call takes another path (see build_program)
         retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
@@ -131,3 +135,41 @@ class DataParallelRecipe(Recipe):
             class_name=type(pm).__name__,
             share_all_of=pm,
         )
+
+
+WHOLE_WARNING_THRESHOLD = 0.10  # warn when more than this share of forward FLOPs runs whole
+
+
+def warn_if_mostly_whole(
+    gm: fx.GraphModule, input_dims: Mapping[str, int | None], example_inputs: Sequence[Any] | None, n_devices: int
+) -> float | None:
+    """Warn (once per transform) when more than 10% of forward FLOPs would run whole, naming the
+    first op responsible and ``register_batch_rule``; returns the split fraction.
+
+    With ``example_inputs`` the FLOPs are counted on fake tensors; without them each op weighs
+    the parameter elements it reads (:func:`~dpcompile.analysis.split_fraction.parameter_weights`),
+    so a Linear or convolution that runs whole is still caught.
+    """
+    if n_devices < 2:
+        return None
+    placements = propagate(gm, input_dims)
+    if not any(isinstance(p, Whole) and p.batch for p in placements.values()):
+        return 1.0
+    weights = None
+    if example_inputs is not None:
+        weights = node_flops(gm, list(example_inputs))
+    measure = "FLOPs" if weights else "parameter-weighted ops"
+    weights = weights or parameter_weights(gm)
+    whole = whole_ops(gm, placements, weights)
+    fraction = split_fraction(weights, [w.node for w in whole])
+    if fraction is None or 1.0 - fraction <= WHOLE_WARNING_THRESHOLD:
+        return fraction
+    first = next(w for w in whole)
+    warnings.warn(
+        f"dpcompile: {100 * (1 - fraction):.0f}% of forward {measure} would run whole, once on the gathered "
+        f"batch, not split across the {n_devices} devices: it starts at '{first.node}' ({first.target}): "
+        f"{first.reason}. Teach data parallelism that op with dpcompile.register_batch_rule(target, rule) "
+        "(see docs/data_parallel.md); dpcompile.explain(pm, *inputs).whole lists every op that runs whole.",
+        stacklevel=4,
+    )
+    return fraction

@@ -1,6 +1,6 @@
 """What generated code calls. Every function here is a plain, differentiable Python call."""
 
-from dpcompile.runtime.batchnorm import batch_norm
+from dpcompile.runtime.batchnorm import batch_norm, functional_batch_norm
 from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split_sizes, to_device
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ReplicaRoot, ReplicaSet, refresh_replicas, replicate
@@ -11,6 +11,7 @@ __all__ = [
     "ReplicaSet",
     "TAKE_FIRST",
     "batch_norm",
+    "functional_batch_norm",
     "broadcast",
     "flatten_parameters",
     "gather",

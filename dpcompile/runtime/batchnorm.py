@@ -75,3 +75,26 @@ def _update_running_stats(bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tenso
     unbiased = var * (count / (count - 1))
     bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.device), alpha=factor)
     bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.device), alpha=factor)
+
+
+def functional_batch_norm(
+    chunks: Sequence[torch.Tensor],
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, ...]:
+    """``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, momentum, eps)``
+    of the concatenation of ``chunks``, per chunk: statistics of the whole batch, the running
+    statistics (if given) updated once with ``momentum`` (timm's ``BatchNormAct2d`` counts its
+    own batches)."""
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(
+        training=True, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias, eps=eps,
+        momentum=0.0 if momentum is None else momentum, track_running_stats=running_mean is not None,
+        num_batches_tracked=None,
+    )  # fmt: skip
+    return batch_norm(state, chunks)  # type: ignore[arg-type]

@@ -24,7 +24,10 @@ def mean_of_partials(
     """``sum(partial_sums) / sum(counts)``: the mean over the whole batch, exact for uneven splits."""
     total = reduce_add(partial_sums, device)
     denominator = sum(c.to(total.device) if isinstance(c, torch.Tensor) else c for c in counts)
-    return total / denominator
+    mean = total / denominator
+    if total.is_floating_point() and mean.dtype != total.dtype:  # a float16 loss stays float16, as on one device
+        mean = mean.to(total.dtype)
+    return mean
 
 
 def numel(x: torch.Tensor) -> int:

@@ -15,6 +15,8 @@ Rules are grouped by op family (the families of :mod:`dpcompile.analysis.ops`), 
 ``reductions``     sum/mean/amax..., softmax-like ops along one dim, losses
 ``matrix``         matmul, ``F.linear``, ``nn.Linear``
 ``modules``        convolutions, pooling, norms, embeddings, RNNs, attention
+``third_party``    fx-wrapped functions of other libraries (stochastic depth, Swin), by name
+``user``           :func:`dpcompile.register_batch_rule`: ``"elementwise"``, ``"whole"`` or a callable
 =================  ==============================================================
 
 Each file registers its rules in :data:`BATCH_RULES` (:class:`BatchRuleRegistry`), one table
@@ -26,11 +28,20 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.batch_rules import indexing, matrix, modules, pointwise, reductions, shape  # noqa: F401 - they register
+from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
+    indexing,
+    matrix,
+    modules,
+    pointwise,
+    reductions,
+    shape,
+    third_party,
+)
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, node_shape
 from dpcompile.analysis.batch_rules.modules import batch_first
 from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES, BatchRuleRegistry
+from dpcompile.analysis.batch_rules.user import register_batch_rule
 from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
 
@@ -43,6 +54,7 @@ def rule_for(node: fx.Node, module: nn.Module | None) -> Rule | None:
 
 
 __all__ = [
+    "register_batch_rule",
     "BATCH_RULES",
     "BatchRuleRegistry",
     "Rule",

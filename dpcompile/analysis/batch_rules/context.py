@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ class RuleContext:
     node: fx.Node
     placements: Mapping[fx.Node, Placement]
     module: nn.Module | None
+    ranks: Mapping[fx.Node, int] = field(default_factory=dict)  # lower bounds of ranks (see rank_bound)
 
     def p(self, value: Any) -> Placement:
         if isinstance(value, fx.Node):
@@ -55,6 +56,29 @@ class RuleContext:
     def out_ndim(self) -> int | None:
         return self.ndim(self.node)
 
+    def min_ndim(self, value: Any) -> int | None:
+        """``value``'s rank if known, else a lower bound on it (a tensor split on dim d has d+1+)."""
+        nd = self.ndim(value)
+        if nd is not None or not isinstance(value, fx.Node):
+            return nd
+        return self.ranks.get(value)
+
+    def resolve(self, dim: Any, value: Any, batch_dim: int, extra: int = 0) -> int | None:
+        """A dim of ``value`` (of the result, ``extra`` dims more, for unsqueeze/stack) as a
+        non-negative int; :data:`AFTER_BATCH` for a negative dim that surely lies after
+        ``batch_dim`` though the rank is unknown; None when it might name the batch dim."""
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            return None
+        if dim >= 0:
+            return dim
+        nd = self.ndim(value)
+        if nd is not None:
+            return dim + nd + extra
+        low = self.min_ndim(value)
+        if low is not None and dim + low + extra > batch_dim:
+            return AFTER_BATCH
+        return None
+
 
 def node_shape(node: fx.Node) -> tuple[int, ...] | None:
     """``node``'s shape from shape propagation (``meta["val"]`` or ``meta["tensor_meta"]``), or ``None``."""
@@ -64,6 +88,12 @@ def node_shape(node: fx.Node) -> tuple[int, ...] | None:
     tm = node.meta.get("tensor_meta")
     if tm is not None and hasattr(tm, "shape"):
         return tuple(tm.shape)
+    if node.op == "get_attr" and node.graph.owning_module is not None:  # a parameter or buffer: read it
+        value: Any = node.graph.owning_module
+        for atom in str(node.target).split("."):
+            value = getattr(value, atom, None)
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
     return None
 
 
@@ -74,13 +104,16 @@ Rule = Callable[[RuleContext], Placement | None]
 AFTER_BATCH = 1 << 20  # "some dim after the batch dim", where shapes are unknown
 
 
-def normalize_dim(dim: Any, ndim: int | None, batch_dim: int) -> int | None:
-    """A non-negative dim, or None if unknown. Without shapes, a negative dim of a tensor
-    split on dim 0 names some dim after it (true of every batched tensor of 2+ dims)."""
-    if not isinstance(dim, int):
+def normalize_dim(dim: Any, ndim: int | None, batch_dim: int, min_ndim: int | None = None) -> int | None:
+    """A non-negative dim, or None if unknown. Without the rank, a negative dim names some dim
+    after the batch dim only where a lower bound of the rank says so (``h.mean(-2)`` of a 2-D
+    batch is a mean over the batch): :data:`AFTER_BATCH`."""
+    if not isinstance(dim, int) or isinstance(dim, bool):
         return None
     if dim >= 0:
         return dim
     if ndim is not None:
         return dim + ndim
-    return AFTER_BATCH if batch_dim == 0 else None
+    if min_ndim is not None and dim + min_ndim > batch_dim:
+        return AFTER_BATCH
+    return None

@@ -33,14 +33,42 @@ def getitem(ctx: RuleContext) -> Placement | None:
     if isinstance(p, BatchSize):
         if p.shape_of_dim is None:
             return None
-        if isinstance(index, int):
-            return BatchSize() if index == p.shape_of_dim else REPLICATED
-        return None
+        return _index_shape(ctx, base, p.shape_of_dim, index)
     if not isinstance(p, Split):
         return None
     if is_container_access(ctx.node):
         return p
     return _index_tensor(ctx, p, index)
+
+
+def _index_shape(ctx: RuleContext, shape: Any, at: int, index: Any) -> Placement | None:
+    """``x.shape[i]`` and ``x.size()[:-1]`` (a shape whose entry ``at`` is the batch size): a
+    negative index or bound counts from the rank, which must then be known (or bounded)."""
+    tensor = shape.args[0] if isinstance(shape, fx.Node) and shape.args else None
+    nd = ctx.ndim(tensor)
+    low = ctx.min_ndim(tensor)
+    if isinstance(index, int):
+        if index >= 0:
+            return BatchSize() if index == at else REPLICATED
+        if nd is not None:
+            return BatchSize() if index + nd == at else REPLICATED
+        return REPLICATED if low is not None and index + low > at else None
+    if isinstance(index, slice) and index.step in (None, 1):
+        start, stop = index.start or 0, index.stop
+        if not isinstance(start, int) or (stop is not None and not isinstance(stop, int)):
+            return None
+        if start < 0 or (stop is not None and stop < 0):
+            if nd is None:
+                # x.size()[:-k]: keeps the batch entry (at the front) when the rank is surely above at + k
+                if start == 0 and stop is not None and stop < 0 and low is not None and stop + low > at:
+                    return BatchSize(shape_of_dim=at)
+                return None
+            start = start + nd if start < 0 else start
+            stop = stop + nd if stop is not None and stop < 0 else stop
+        if start <= at and (stop is None or at < stop):
+            return BatchSize(shape_of_dim=at - start)
+        return REPLICATED
+    return None
 
 
 def is_container_access(node: fx.Node) -> bool:
@@ -74,6 +102,9 @@ def _index_tensor(ctx: RuleContext, p: Split, index: Any) -> Placement | None:
     if Ellipsis in items:
         at = items.index(Ellipsis)
         before = items[:at]
+        after = items[at + 1 :]
+        if not before and all(i is None or i == slice(None, None, None) for i in after):
+            return p  # x[..., None]: new or whole dims at the end leave the leading dims where they are
         if sum(1 for i in before if i is not None) > p.dim:
             return _walk_index(p, before)
         return None

@@ -170,3 +170,24 @@ for _layer in ops.TRANSFORMER_LAYERS:
     BATCH_RULES.register(_layer, transformer_layer)
 BATCH_RULES.register_family(ops.PACK_PADDED, pack_padded)
 BATCH_RULES.register_family(ops.PAD_PACKED, pad_packed)
+
+
+def functional_batch_norm(ctx: RuleContext) -> Placement | None:
+    """``F.batch_norm(x, running_mean, running_var, weight, bias, training, ...)`` (timm's
+    ``BatchNormAct2d`` calls it directly): with running statistics (``training=False``) it is per
+    sample; in training it normalises with statistics of the whole batch, so it runs whole."""
+    from dpcompile.analysis.placement import Whole
+
+    p = ctx.p(ctx.tensor_arg())
+    training = ctx.arg(5, "training", False)
+    others = [ctx.p(n) for n in ctx.node.all_input_nodes[1:]]
+    if not (isinstance(p, Split) and p.dim == 0 and all(isinstance(o, Replicated) for o in others)):
+        return None
+    if training is False:
+        return p
+    if training is True and isinstance(ctx.arg(6, "momentum", 0.1), (float, int)) and isinstance(ctx.arg(7, "eps", 1e-5), (float, int)):
+        return p  # the data-parallel pass computes the whole batch's statistics (runtime.functional_batch_norm)
+    return Whole(reason="F.batch_norm in training mode with a traced training flag or momentum")
+
+
+BATCH_RULES.register(nn.functional.batch_norm, functional_batch_norm)

@@ -30,7 +30,7 @@ def softmax_like(ctx: RuleContext) -> Placement | None:
         dim = getattr(ctx.module, "dim", None)
     else:
         dim = ctx.arg(1, "dim")
-    dim = normalize_dim(dim, ctx.ndim(ctx.tensor_arg()), p.dim)
+    dim = normalize_dim(dim, ctx.ndim(ctx.tensor_arg()), p.dim, ctx.min_ndim(ctx.tensor_arg()))
     if dim is None or dim == p.dim:
         return None
     return p
@@ -62,8 +62,9 @@ def reduction(kind: str | None) -> Rule:
             return None
         if any(d < 0 for d in dims):
             if nd is None:
-                if p.dim != 0:
-                    return None
+                dims = [ctx.resolve(d, ctx.tensor_arg(), p.dim) for d in dims]
+                if any(d is None for d in dims):
+                    return None  # a negative dim that may name the batch dim of a tensor of unknown rank
             else:
                 dims = [d % nd for d in dims]
         if p.dim in dims:

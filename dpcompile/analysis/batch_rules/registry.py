@@ -33,6 +33,15 @@ class BatchRuleRegistry:
     functions: dict[Any, Rule] = field(default_factory=dict)
     methods: dict[str, Rule] = field(default_factory=dict)
     modules: dict[type[nn.Module], tuple[Rule, bool]] = field(default_factory=dict)
+    # third-party functions by qualified name (``torchvision.ops.stochastic_depth.stochastic_depth``),
+    # so the library registers rules for them without importing their package
+    by_name: dict[str, Rule] = field(default_factory=dict)
+
+    def register_by_name(self, qualified_name: str, rule: Rule, *, replace: bool = False) -> None:
+        """Use ``rule`` for the function whose ``f"{__module__}.{__qualname__}"`` is ``qualified_name``."""
+        if qualified_name in self.by_name and not replace:
+            raise ValueError(f"{qualified_name!r} already has a batch rule; pass replace=True to override it")
+        self.by_name[qualified_name] = rule
 
     def register(self, target: Any, rule: Rule, *, subclasses: bool = True, replace: bool = False) -> None:
         """Use ``rule`` for ``target``: a callable or ATen op (``call_function``), a method name
@@ -64,6 +73,10 @@ class BatchRuleRegistry:
             return None
         if rule is None and isinstance(target, torch._ops.OpOverload):
             rule = self.functions.get(target.overloadpacket)
+        if rule is None and self.by_name:
+            module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+            if isinstance(module, str) and isinstance(name, str):
+                rule = self.by_name.get(f"{module}.{name}")
         return rule
 
     def module_rule(self, module: nn.Module) -> Rule | None:

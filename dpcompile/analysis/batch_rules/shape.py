@@ -3,11 +3,14 @@ chunk/split, ``x.size()``, and factories that read a batch size (``torch.zeros(b
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import RuleContext, normalize_dim
+from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim
+from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
     REPLICATED,
@@ -28,14 +31,14 @@ def flatten(ctx: RuleContext) -> Placement | None:
     else:
         start, end = ctx.arg(1, "start_dim", 0), ctx.arg(2, "end_dim", -1)
     nd = ctx.ndim(ctx.tensor_arg())
-    start_n = normalize_dim(start, nd, p.dim)
+    start_n = normalize_dim(start, nd, p.dim, ctx.min_ndim(ctx.tensor_arg()))
     if start_n is None:
         return None
     if p.dim < start_n:
         return p
     if p.dim == start_n:  # rows of a chunk stay contiguous blocks of the flattened whole
         return Split(p.dim)
-    end_n = normalize_dim(end, nd, p.dim)
+    end_n = normalize_dim(end, nd, p.dim, ctx.min_ndim(ctx.tensor_arg()))
     if end_n is not None and p.dim > end_n and nd is not None:
         return Split(p.dim - (end_n - start_n))
     return None
@@ -44,6 +47,8 @@ def flatten(ctx: RuleContext) -> Placement | None:
 def reshape(ctx: RuleContext) -> Placement | None:
     """view / reshape: the batch must stay at the front, as -1 or as the chunk's own size."""
     p = ctx.p(ctx.tensor_arg())
+    if isinstance(p, Split) and p.dim != 0:
+        return _reshape_inner(ctx, p)
     if not isinstance(p, Split) or p.dim != 0:
         return None
     node = ctx.node
@@ -63,10 +68,134 @@ def reshape(ctx: RuleContext) -> Placement | None:
     if any(not isinstance(ctx.p(t), Replicated) for t in tail if isinstance(t, fx.Node)):
         return None
     if first == -1 and all(not (isinstance(t, int) and t == -1) for t in tail):
-        return Split(0)
+        return _rows_of_whole_samples(ctx, tail)
     if isinstance(first, fx.Node) and ctx.p(first) == BatchSize():
         return Split(0, p.origin)
     return None
+
+
+def _rows_of_whole_samples(ctx: RuleContext, tail: list) -> Placement | None:
+    """``x.view(-1, *tail)`` of a tensor split on dim 0: each chunk's rows are a contiguous block
+    of the whole's, so the chunks' views concatenate to the whole's view, provided every row
+    of the result lies within one sample. Otherwise (``h.view(-1, 2, D)`` pairing the rows of a
+    ``(B, D)`` batch) a chunk with an odd number of rows cannot be viewed: it runs whole."""
+    from math import prod
+
+    from dpcompile.analysis.placement import Whole
+
+    shape = node_shape(ctx.tensor_arg())
+    out_shape = node_shape(ctx.node)
+    if out_shape is not None and len(out_shape) == len(tail) + 1:
+        known = prod(out_shape[1:])  # the sizes as they came out (traced sizes included)
+    elif any(not isinstance(t, int) for t in tail):
+        known = None
+    else:
+        known = prod(tail)
+    if shape is not None and known is not None:
+        per_sample = prod(shape[1:])
+        if per_sample % known == 0:
+            return Split(0)
+        return Whole(reason=f"view(-1, {', '.join(map(str, tail))}) groups rows of several samples ({list(shape)})")
+    if len(tail) <= 1:
+        return Split(0)  # rows of the trailing size: whole samples unless a sample's size is not a multiple
+    return Whole(reason=f"view(-1, {', '.join(str(t) if isinstance(t, int) else '?' for t in tail)}) may group rows of "
+                 "several samples; pass example_inputs= so shapes decide")  # fmt: skip
+
+
+def _view_sizes(ctx: RuleContext) -> list:
+    node = ctx.node
+    rest = list(node.args[1:]) or [node.kwargs.get("shape") or node.kwargs.get("size")]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        rest = list(rest[0])
+    return rest
+
+
+def _size_of(node: object, tensor: object) -> int | None:
+    """``i`` where ``node`` is ``tensor.shape[i]``, ``tensor.size()[i]`` or ``tensor.size(i)``."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method" and node.target == "size" and len(node.args) == 2 and node.args[0] is tensor:
+        return node.args[1] if isinstance(node.args[1], int) else None
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        shape, index = node.args
+        reads = (shape.op == "call_function" and shape.target is getattr and shape.args[1] == "shape") or (
+            shape.op == "call_method" and shape.target == "size" and len(shape.args) == 1
+        )
+        if reads and shape.args[0] is tensor and isinstance(index, int) and index >= 0:
+            return index
+    return None
+
+
+def _keeps_leading_dims(ctx: RuleContext, d: int) -> bool:
+    """Without shapes: ``h.view(t, b, ...)`` of ``h`` split on dim ``d``, its first ``d`` sizes read
+    from ``h``'s own shape in order and the next the chunk's batch size, keeps the batch at ``d``."""
+    sizes = _view_sizes(ctx)
+    tensor = ctx.tensor_arg()
+    if len(sizes) <= d or not (isinstance(sizes[d], fx.Node) and ctx.p(sizes[d]) == BatchSize()):
+        return False
+    if any(_size_of(sizes[i], tensor) != i for i in range(d)):
+        return False
+    return all(not isinstance(x, fx.Node) or isinstance(ctx.p(x), Replicated) for x in sizes[d + 1 :]) and all(
+        not (isinstance(x, int) and x == -1) for x in sizes[:d]
+    )
+
+
+def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
+    """view / reshape of a tensor split on a dim ``d > 0`` (an RNN's ``(T, B, H)``), from the
+    shapes of shape propagation: the split dim must come out whole, with the dims before it
+    regrouped among themselves, and its size written as the chunk's (-1 or ``x.size(d)``)."""
+    from math import prod
+
+    from dpcompile.analysis.placement import Whole
+
+    d = p.dim
+    in_shape, out_shape = node_shape(ctx.tensor_arg()), node_shape(ctx.node)
+    if in_shape is None or out_shape is None:
+        if _keeps_leading_dims(ctx, d):
+            return Split(d)
+        return Whole(reason=f"view of a tensor split on dim {d} needs shapes: pass example_inputs=")
+    before = prod(in_shape[:d])
+    j = next((i for i in range(len(out_shape) + 1) if prod(out_shape[:i]) == before), None)
+    if j is None or j >= len(out_shape) or out_shape[j] != in_shape[d]:
+        return Whole(reason=f"view merges the split dim {d} with another dim ({list(in_shape)} -> {list(out_shape)})")
+    sizes = _view_sizes(ctx)
+    if len(sizes) != len(out_shape):
+        return None
+    entry = sizes[j]
+    others = [x for i, x in enumerate(sizes) if i != j]
+    batch_sized = entry == -1 or (isinstance(entry, fx.Node) and ctx.p(entry) == BatchSize())
+    if not batch_sized or any(x == -1 or (isinstance(x, fx.Node) and not isinstance(ctx.p(x), Replicated)) for x in others):
+        return Whole(reason=f"view writes the split dim {d}'s size as a number, not the chunk's")
+    return Split(j)
+
+
+def along_dims(ctx: RuleContext) -> Placement | None:
+    """flip(dims) / roll(shifts, dims) (Swin's cyclic shift): per sample unless a dim is the split dim."""
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
+        return None
+    name = ctx.node.target if isinstance(ctx.node.target, str) else ctx.node.target.__name__
+    dims = ctx.arg(2, "dims") if name == "roll" else ctx.arg(1, "dims")
+    if name == "flip" and ctx.node.op == "call_method" and len(ctx.node.args) > 2:
+        dims = list(ctx.node.args[1:])
+    if dims is None:
+        return None  # roll without dims rolls the flattened tensor
+    dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    nd = ctx.ndim(ctx.tensor_arg())
+    normal = [normalize_dim(x, nd, p.dim, ctx.min_ndim(ctx.tensor_arg())) for x in dims]
+    if any(x is None or x == p.dim for x in normal):
+        return None
+    return p
+
+
+def along_dims_unfold(ctx: RuleContext) -> Placement | None:
+    """``x.unfold(dim, size, step)`` (sliding windows along a dim, as a new last dim): per sample
+    unless ``dim`` is the split dim."""
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
+        return None
+    dim = normalize_dim(ctx.arg(1, "dimension"), ctx.ndim(ctx.tensor_arg()), p.dim, ctx.min_ndim(ctx.tensor_arg()))
+    return p if dim is not None and dim != p.dim else None
 
 
 def permute(ctx: RuleContext) -> Placement | None:
@@ -95,9 +224,10 @@ def transpose(ctx: RuleContext) -> Placement | None:
     if not isinstance(a, int) or not isinstance(b, int):
         return None
     if (a < 0 or b < 0) and nd is None:
-        if p.dim == 0 and a != 0 and b != 0:
-            return p  # negative dims on a batched tensor do not name dim 0 here (checked with shapes)
-        return None
+        ra, rb = ctx.resolve(a, ctx.tensor_arg(), p.dim), ctx.resolve(b, ctx.tensor_arg(), p.dim)
+        if ra is None or rb is None or ra == p.dim or rb == p.dim:
+            return None  # a negative dim that may name the split dim (the rank is unknown)
+        return p
     if nd is not None:
         a, b = a % nd, b % nd
     if p.dim == a:
@@ -110,7 +240,7 @@ def transpose(ctx: RuleContext) -> Placement | None:
 def matrix_transpose(ctx: RuleContext) -> Placement | None:
     p = ctx.p(ctx.tensor_arg())
     nd = ctx.ndim(ctx.tensor_arg())
-    if isinstance(p, Split) and (nd == 2 or nd is None) and p.dim in (0, 1):
+    if isinstance(p, Split) and (nd == 2 or (nd is None and p.dim == 0 and ctx.min_ndim(ctx.tensor_arg()) == 2)) and p.dim in (0, 1):
         return Split(1 - p.dim)
     return None
 
@@ -123,7 +253,7 @@ def unsqueeze(ctx: RuleContext) -> Placement | None:
     nd = ctx.ndim(ctx.tensor_arg())
     if dim < 0:
         if nd is None:
-            return p if p.dim == 0 else None
+            return p if ctx.resolve(dim, ctx.tensor_arg(), p.dim, extra=1) is not None else None
         dim += nd + 1
     return Split(p.dim + 1 if dim <= p.dim else p.dim)
 
@@ -136,7 +266,7 @@ def squeeze(ctx: RuleContext) -> Placement | None:
     nd = ctx.ndim(ctx.tensor_arg())
     if dim < 0:
         if nd is None:
-            return p if p.dim == 0 else None
+            return p if ctx.resolve(dim, ctx.tensor_arg(), p.dim) is not None else None
         dim += nd
     if dim == p.dim:
         return None
@@ -158,19 +288,75 @@ def cat(ctx: RuleContext) -> Placement | None:
     nd = ctx.ndim(tensors[0])
     stacking = ctx.node.target is torch.stack
     if dim < 0:
-        if nd is None:
-            return Split(d) if d == 0 else None  # a negative dim lies after dim 0 of a batched tensor
+        if nd is None:  # a negative dim must surely lie after the split dim
+            return Split(d) if ctx.resolve(dim, tensors[0], d, extra=1 if stacking else 0) is not None else None
         dim += nd + (1 if stacking else 0)
     if stacking:  # a new dim at `dim`: the batch dim moves right if it was at or after it
         return Split(d + 1 if dim <= d else d)
     return None if dim == d else Split(d)
 
 
-def expand(ctx: RuleContext) -> Placement | None:
-    p = ctx.p(ctx.tensor_arg())
-    sizes = list(ctx.node.args[1:])
+def _sizes(ctx: RuleContext) -> list:
+    sizes = list(ctx.node.args[1:]) or list(ctx.node.kwargs.get("size", ctx.node.kwargs.get("sizes", ())) or ())
     if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
         sizes = list(sizes[0])
+    return sizes
+
+
+def _batch_entry(ctx: RuleContext, sizes: list) -> int | None:
+    """The one position of ``sizes`` that holds a batch size (others carry no batch), or None."""
+    at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
+    others_ok = all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for i, s in enumerate(sizes) if i not in at)
+    return at[0] if len(at) == 1 and others_ok else None
+
+
+def expand_to_batch(ctx: RuleContext) -> Placement | None:
+    """``token.expand(b, -1, -1)`` / ``token.repeat(b, 1, 1)`` of a tensor that carries no batch, to a
+    chunk's batch size: the result is split there (a ViT's class token becomes per device).
+    ``repeat`` tiles with the period of the tensor's size, which every chunk starts on."""
+    sizes = _sizes(ctx)
+    at = _batch_entry(ctx, sizes)
+    if at is None:
+        return None
+    if ctx.node.target == "expand":
+        nd = ctx.ndim(ctx.tensor_arg())
+        shape = node_shape(ctx.tensor_arg())
+        offset = len(sizes) - nd if nd is not None else None
+        if offset is None or (at >= offset and (shape is None or shape[at - offset] != 1)):
+            return None  # expand only grows size-1 (or new) dims; unknown shapes: keep it whole
+    return Split(at)
+
+
+def repeat(ctx: RuleContext) -> Placement | None:
+    """``x.repeat(*sizes)``: a split tensor repeated once along its split dim stays split there."""
+    p = ctx.p(ctx.tensor_arg())
+    if isinstance(p, Replicated):
+        return expand_to_batch(ctx)
+    sizes = _sizes(ctx)
+    nd = ctx.ndim(ctx.tensor_arg())
+    if not isinstance(p, Split) or nd is None or any(isinstance(s, fx.Node) for s in sizes):
+        return None
+    at = p.dim + len(sizes) - nd
+    return Split(at) if 0 <= at < len(sizes) and sizes[at] == 1 else None
+
+
+def shape_concat(ctx: RuleContext) -> Placement | None:
+    """``x.size()[:-1] + (n,)``: a shape holding the batch size, extended by constant sizes,
+    keeps the batch size where it was (element-wise ``+`` otherwise)."""
+    left, right = (list(ctx.node.args) + [None, None])[:2]
+    pl = ctx.p(left) if isinstance(left, fx.Node) else None
+    if isinstance(pl, BatchSize) and pl.shape_of_dim is not None:
+        if isinstance(right, (tuple, list)) and all(not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in right):
+            return BatchSize(shape_of_dim=pl.shape_of_dim)
+        return None
+    return pointwise(ctx)
+
+
+def expand(ctx: RuleContext) -> Placement | None:
+    p = ctx.p(ctx.tensor_arg())
+    if isinstance(p, Replicated):
+        return expand_to_batch(ctx)
+    sizes = _sizes(ctx)
     if not isinstance(p, Split) or p.dim >= len(sizes):
         return None
     nd = ctx.ndim(ctx.tensor_arg())
@@ -194,7 +380,7 @@ def chunk_like(ctx: RuleContext) -> Placement | None:
     else:
         dim = ctx.arg(2, "dim", 0)
     nd = ctx.ndim(ctx.tensor_arg())
-    dim = normalize_dim(dim, nd, p.dim)
+    dim = normalize_dim(dim, nd, p.dim, ctx.min_ndim(ctx.tensor_arg()))
     if dim is None or dim == p.dim:
         return None
     piece = Split(p.dim - 1 if name == "unbind" and dim < p.dim else p.dim)
@@ -208,14 +394,14 @@ def size(ctx: RuleContext) -> Placement | None:
     dim = ctx.arg(1, "dim")
     if dim is None:
         return BatchSize(shape_of_dim=p.dim)
-    nd = ctx.ndim(ctx.tensor_arg())
     if isinstance(dim, int):
-        if dim < 0 and nd is not None:
-            dim += nd
+        if dim < 0:
+            dim = ctx.resolve(dim, ctx.tensor_arg(), p.dim)
+            if dim is None:
+                return None  # x.size(-2) of a tensor of unknown rank may be its batch size
         if dim == p.dim:
             return BatchSize()
-        if dim >= 0 or p.dim == 0:
-            return REPLICATED
+        return REPLICATED
     return None
 
 
@@ -226,6 +412,10 @@ def factory(ctx: RuleContext) -> Placement | None:
         sizes = sizes[1:]
     if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
         sizes = list(sizes[0])
+    elif len(sizes) == 1 and isinstance(sizes[0], fx.Node) and isinstance(ctx.p(sizes[0]), BatchSize):
+        at = ctx.p(sizes[0]).shape_of_dim  # torch.ones(x.shape[:2]): a shape holding the batch size
+        kwargs_ok = all(not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in ctx.node.kwargs.values())
+        return Split(at) if at is not None and kwargs_ok else None
     batch_at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
     rest_ok = all(
         not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated)
@@ -249,6 +439,12 @@ BATCH_RULES.register_family(ops.UNSQUEEZE, unsqueeze)
 BATCH_RULES.register_family(ops.SQUEEZE, squeeze)
 BATCH_RULES.register_family(ops.CONCAT, cat)
 BATCH_RULES.register_family(ops.EXPAND, expand)
+BATCH_RULES.register("repeat", repeat)
+BATCH_RULES.register(operator.add, shape_concat, replace=True)
+BATCH_RULES.register(torch.Tensor.unfold, along_dims_unfold)
+BATCH_RULES.register("unfold", along_dims_unfold)
+for _target in (torch.flip, torch.roll, "flip", "roll"):
+    BATCH_RULES.register(_target, along_dims)
 BATCH_RULES.register_family(ops.CHUNK, chunk_like)
 BATCH_RULES.register_family(ops.FACTORIES, factory)
 BATCH_RULES.register("size", size)

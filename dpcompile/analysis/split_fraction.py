@@ -1,0 +1,125 @@
+"""How much of a data-parallel program runs split: the share of forward FLOPs that runs per device.
+
+An op with no batch rule (or whose rule cannot split its inputs) runs once, on the gathered
+batch; everything after it that depends on it does too. With 95% of the work whole, 8 devices
+give at most 1.05x (Amdahl), so :func:`whole_ops` says which ops run whole and why, and
+:func:`split_fraction` weighs them by FLOPs.
+
+FLOPs come from ``torch.utils.flop_counter`` on fake tensors (:func:`node_flops`), so they
+need example inputs. Without them :func:`parameter_weights` stands in: each op weighs the
+parameter elements it reads (a Linear or convolution counts its weight; a reshape counts
+nothing), which ranks the ops that matter (matmuls and convolutions) as FLOPs do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.analysis.placement import Placement, Whole
+
+log = logging.getLogger("dpcompile")
+
+__all__ = ["WholeOp", "node_flops", "parameter_weights", "split_fraction", "whole_ops"]
+
+
+@dataclass(frozen=True)
+class WholeOp:
+    """One op that runs on the gathered batch: its node, what it calls, why, and its weight."""
+
+    node: str
+    target: str
+    reason: str
+    flops: int = 0
+
+
+def whole_ops(gm: fx.GraphModule, placements: Mapping[fx.Node, Placement], weights: Mapping[str, int]) -> list[WholeOp]:
+    """The nodes of a captured graph that run whole along the batch, in graph order."""
+    from dpcompile.analysis.batch_dims import op_name
+
+    modules = dict(gm.named_modules())
+    out = []
+    for node in gm.graph.nodes:
+        p = placements.get(node)
+        if isinstance(p, Whole) and p.batch:
+            module = modules.get(node.target) if node.op == "call_module" else None
+            out.append(WholeOp(node.name, op_name(node, module), p.reason or "runs whole", int(weights.get(node.name, 0))))
+    return out
+
+
+def split_fraction(weights: Mapping[str, int], whole: Sequence[str]) -> float | None:
+    """``1 - weight(whole nodes) / weight(all nodes)``; None where nothing weighs anything."""
+    total = sum(weights.values())
+    if total <= 0:
+        return None
+    names = set(whole)
+    return 1.0 - sum(w for name, w in weights.items() if name in names) / total
+
+
+class _FlopRecorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, counter: Any):
+        super().__init__(gm, garbage_collect_values=True)
+        self.counter = counter
+        self.flops: dict[str, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        before = self.counter.get_total_flops()
+        result = super().run_node(n)
+        self.flops[n.name] = int(self.counter.get_total_flops() - before)
+        return result
+
+
+def node_flops(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[str, int] | None:
+    """Forward FLOPs per node of ``gm`` run on fake copies of ``inputs``; None where that fails.
+    Buffers (BatchNorm running statistics) are left as they were."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    buffers = [(b, b.detach().clone()) for b in gm.buffers() if type(b) is torch.Tensor]
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+        with mode, FlopCounterMode(display=False) as counter:
+            recorder = _FlopRecorder(gm, counter)
+            recorder.run(*fake)
+        return recorder.flops
+    except Exception as e:  # noqa: BLE001 - a figure, not a requirement
+        log.debug("cannot count FLOPs on fake tensors: %s", e)
+        return None
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                if not torch.equal(b, saved):
+                    b.copy_(saved)
+
+
+def parameter_weights(gm: fx.GraphModule) -> dict[str, int]:
+    """Per node, the parameter elements it reads (a module's own, or ``get_attr`` inputs):
+    the stand-in for FLOPs where no example inputs give shapes."""
+    modules = dict(gm.named_modules())
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        weight = 0
+        if node.op == "call_module" and isinstance(modules.get(node.target), nn.Module):
+            weight = sum(p.numel() for p in modules[node.target].parameters())
+        elif node.op in ("call_function", "call_method"):
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr":
+                    value = _attr(gm, arg.target)
+                    if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                        weight += value.numel()
+        out[node.name] = weight
+    return out
+
+
+def _attr(gm: nn.Module, path: str) -> Any:
+    value: Any = gm
+    for atom in path.split("."):
+        value = getattr(value, atom, None)
+    return value

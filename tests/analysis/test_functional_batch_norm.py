@@ -1,0 +1,58 @@
+"""``F.batch_norm`` called directly (timm's BatchNormAct2d): split, with the whole batch's
+statistics in training and running statistics updated once, as the module path."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import dpcompile
+
+
+class BatchNormAct(torch.nn.BatchNorm2d):
+    """As timm's BatchNormAct2d: the module's state, ``F.batch_norm`` called in forward."""
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps)
+        return torch.relu(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = BatchNormAct(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).mean((2, 3))
+
+
+def test_functional_batch_norm_training_whole_batch_statistics_exact():
+    """Training on 3 devices (uneven chunks): outputs, gradients and running statistics match eager."""
+    model = Net().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(7, 3, 6, 6, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 3)
+    assert "functional_batch_norm" in pm.code
+    assert dpcompile.explain(pm, x).whole == []
+    out, expected = pm(x), reference(x)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, msg=name)
+
+
+def test_functional_batch_norm_eval_runs_per_chunk():
+    """In eval mode (running statistics) it is per sample: no synchronisation."""
+    model = Net().eval()
+    x = torch.randn(5, 3, 6, 6)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    assert "functional_batch_norm" not in pm.code
+    torch.testing.assert_close(pm(x), model(x))

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from dpcompile.devices import Devices
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
 from dpcompile.fake import fake_devices as fake_devices_of
-from dpcompile.fx_utils import bind_inputs, copy_graph
+from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module
 from dpcompile.recipes import DataParallelRecipe, TensorParallelRecipe
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 
@@ -396,7 +396,7 @@ def _build_fake_program(pm: Any, fake_model: nn.Module, devices: Devices, exampl
     """``pm``'s program rebuilt for ``devices`` (fake CUDA devices) on a fake copy of the model."""
     recipe = pm.recipe
     if isinstance(recipe, DataParallelRecipe) and pm.captured is not None:
-        gm = fx.GraphModule(fake_model, copy_graph(pm.captured.graph), "FakeLayout")
+        gm = graph_module(fake_model, copy_graph(pm.captured.graph), "FakeLayout")
         return dataclasses.replace(recipe, devices=devices, output_device=devices.primary).lower(gm, devices, pm.input_dims)
     if isinstance(recipe, TensorParallelRecipe):
         fake_recipe = dataclasses.replace(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.fx_utils import reserve_names
 from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import CollectiveError, MeshGroup, all_gather, collective_failure
@@ -236,3 +237,6 @@ def build_ddp(
         raise collective_failure("DistributedDataParallel's broadcast of rank 0's parameters", group, e) from e
 
 
+
+
+reserve_names(dir(SpmdModule))

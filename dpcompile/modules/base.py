@@ -285,7 +285,12 @@ class ParallelModule(fx.GraphModule):
 
     # ------------------------------------------------------------------ pickling
     def __reduce__(self):
+        return self._reduce(carry_programs=True)
+
+    def _reduce(self, *, carry_programs: bool):
         source = self._picklable_source()
+        # carried for a copy that cannot trace them: no importable model, or a pickler that keeps
+        # only torch.nn classes (export); a deep copy traces what it needs
         state = {
             "modules": dict(self._modules),
             "leaf_root": self.__dict__.get(ROOT_LEAF) if isinstance(self.__dict__.get(ROOT_LEAF), nn.Module) else None,
@@ -306,7 +311,7 @@ class ParallelModule(fx.GraphModule):
                 "shares_source": self._shares_source,
             },
             "main_key": self.program_cache.main_key.portable(),
-            "programs": self._portable_programs(),
+            "programs": self._portable_programs() if carry_programs else [],
             "traces": [
                 (key.portable(), None if gm is None else copy_graph(gm.graph))
                 for key, gm in self.program_cache.traces.items()
@@ -325,10 +330,18 @@ class ParallelModule(fx.GraphModule):
             carried = getattr(self.program_cache.build, "programs", {})  # a restored program's own
             return [*carried.items(), *built]
         main = self.program_cache.main_key
-        other_mode = CallKey(main.devices, tuple((path, not t) for path, t in main.modes), main.none_args, main.flags, main.guard)
         built = dict(self.program_cache.items())
+        # both modes of every pattern met so far, and of the optional arguments left None
+        # (each alone, and all together), so that pm.eval() and a call without them hold
+        optional = [name for _, name in self._signature.optional]
+        none_patterns = {main.none_args, frozenset(optional), *(frozenset({name}) for name in optional[:2])}
+        wanted = set(built)
+        for key in [main, *built]:
+            for nones in {key.none_args, *(none_patterns if key is main else ())}:
+                for modes in (key.modes, tuple((path, not t) for path, t in key.modes)):
+                    wanted.add(CallKey(key.devices, modes, nones, key.flags, key.guard))
         out = []
-        for key in {*built, other_mode}:
+        for key in wanted:
             try:
                 program = built[key] if key in built else self.program_cache.program(key, (), {})
             except Exception as e:  # noqa: BLE001 - a program not carried is refused at its call, never run wrong
@@ -340,7 +353,8 @@ class ParallelModule(fx.GraphModule):
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
         """An independent copy (an EMA of the weights, a snapshot), built as unpickling builds
         one; ``GraphModule.__deepcopy__`` would drop everything but the graph and modules."""
-        restore, (cls, state) = self.__reduce__()
+        traceable = self.__dict__.get("traced_model") is not None  # the copy traces what it needs
+        restore, (cls, state) = self._reduce(carry_programs=not traceable)
         if state["source"] is None and self.__dict__.get("traced_model") is not None:  # no import needed
             state["source"] = self._source_state()
         return restore(cls, copy.deepcopy(state, memo))

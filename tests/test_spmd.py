@@ -500,8 +500,40 @@ def check_tp_different_batch_sizes_named(rank: int, world: int) -> None:
     torch.testing.assert_close(pm(x[:3]), model(x[:3]), atol=1e-5, rtol=1e-5)  # same shapes again: runs
 
 
+class ReservedNames(nn.Module):
+    """Submodules and a parameter named like the module's own attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.devices, self.plan = nn.Linear(8, 12), nn.Linear(12, 8)
+        self.mode = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.plan(F.gelu(self.devices(x))) * self.mode
+
+
+def check_reserved_names_over_a_mesh(rank: int, world: int) -> None:
+    """A model with submodules named devices/plan and a parameter named mode: TP and DP over a
+    mesh equal eager, keep the model's state keys, and pm.devices/pm.plan/pm.mode stay pm's."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    for mesh, plan in ((_tp_mesh(world), {"devices": "column", "plan": "row"}), (_dp_mesh(world), False)):
+        model = ReservedNames()
+        reference = copy.deepcopy(model)
+        pm = dpcompile.transform(model, mesh, tensor_parallel=plan)
+        assert isinstance(pm.mode, str) and isinstance(pm.plan, dict), (pm.mode, pm.plan)
+        if plan:
+            assert pm.plan == plan and set(pm.shards) == {"devices.weight", "devices.bias", "plan.weight"}, pm.shards
+        torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
+        _train_both(pm, reference, [x, x])
+        _assert_state_equal(pm.state_dict(), reference.state_dict())
+
+
 TP_CHECKS = [
     ("tp_different_batch_sizes_named", check_tp_different_batch_sizes_named),
+    ("reserved_names_over_a_mesh", check_reserved_names_over_a_mesh),
     ("tp_mlp_training_matches_eager", check_tp_mlp_training_matches_eager),
     ("tp_uneven_gather", check_tp_uneven_gather),
     ("tp_block_attention", check_tp_block_attention),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.fx_utils import placeholders, reserve_names
+from dpcompile.fx_utils import placeholders, reserve_names, unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import CollectiveError, MeshGroup, all_gather, collective_failure
@@ -293,7 +293,7 @@ def unused_parameters(gm: fx.GraphModule) -> list[str]:
     used_prefixes: list[str] = []
     for node in gm.graph.nodes:
         if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
-            used_prefixes.append(node.target)
+            used_prefixes.append(unalias(node.target))  # the model's name of `user:devices`
 
     def used(name: str) -> bool:
         return any(name == p or name.startswith(p + ".") or p == "" for p in used_prefixes)

@@ -166,7 +166,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     _out(f"exported {type(model).__name__} ({pm.mode} on {pm.devices.strings()}) to {folder}")
     for item in sorted(folder.iterdir()):
         _out(f"  {item.name}")
-    _out("load it with dpcompile.load(folder); loading runs the folder's Python code, so only load folders you trust")
+    _out("load it with dpcompile.load(folder): it checks every file and runs no code from the folder (docs/export.md)")
     return 0
 
 

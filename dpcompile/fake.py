@@ -11,19 +11,23 @@ check the placement of real multi-GPU programs on a machine without GPUs.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeCopyMode
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpcompile.devices import Devices, parse_devices
 from dpcompile.runtime.structures import is_fake
 
-__all__ = ["FakeCudaOnCpuTorch", "fake_copy", "fake_devices", "is_fake"]
+__all__ = ["FakeCudaOnCpuTorch", "fake_copy", "fake_copy_to_trace", "fake_devices", "is_fake"]
+
+log = logging.getLogger("dpcompile")
 
 _NO_CUDA = "not linked with support for cuda"
 
@@ -90,3 +94,15 @@ def fake_copy(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:
             if isinstance(m, nn.RNNBase):
                 m._init_flat_weights()
     return fake
+
+
+def fake_copy_to_trace(model: nn.Module, device: torch.device) -> nn.Module | None:
+    """A fake-tensor copy of ``model`` (no memory) to trace again for a call that takes another
+    path through forward; None where there is no forward to trace or the copy fails."""
+    if isinstance(model, fx.GraphModule) or type(model).forward is nn.Module.forward:
+        return None
+    try:
+        return fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), device)
+    except Exception as e:  # noqa: BLE001 - variants are a refinement; the main program stands
+        log.debug("no fake copy of the model for variants (%s)", e)
+        return None

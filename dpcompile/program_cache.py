@@ -48,6 +48,20 @@ _GLOBAL_HOOK_DICTS = tuple(
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
 
+class Modes(tuple):
+    """``((path, training), ...)``: a tuple that hashes once (a call in eval mode looks its
+    program up by it every time)."""
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("hash")
+        if cached is None:
+            cached = self.__dict__["hash"] = tuple.__hash__(self)
+        return cached
+
+    def __reduce__(self):
+        return (Modes, (tuple(self),))
+
+
 @dataclass(frozen=True)
 class CallKey:
     """Everything a call's program depends on beyond the tensors' values.
@@ -62,11 +76,11 @@ class CallKey:
     modes: tuple[tuple[str, bool], ...]
     none_args: frozenset[str] = frozenset()
     flags: tuple[tuple[str, Any], ...] = ()
-    guard: tuple = ()
+    guard: int | None = None
 
     def portable(self) -> CallKey:
         """The key without object identities: what a pickled program can be looked up by."""
-        return CallKey(self.devices, self.modes, self.none_args, self.flags)
+        return CallKey(self.devices, Modes(self.modes), self.none_args, self.flags)
 
     def traced(self) -> CallKey:
         """The key of the trace this call's program is lowered from (any device count)."""
@@ -159,6 +173,7 @@ class ModelGuard:
         self.model = model
         self.is_leaf = is_leaf
         self._paths = None if paths is None else tuple(paths)
+        self._tokens: dict[tuple, int] = {}
         self._refresh()
 
     def _entered(self) -> Iterator[tuple[str, nn.Module]]:
@@ -181,8 +196,9 @@ class ModelGuard:
         for _, m in self.entered:
             self._dicts += [m.__dict__, m._modules, m._parameters, m._buffers, *(getattr(m, h) for h in _HOOK_DICTS)]
         self._versions = self._read_versions()
-        self._modes = tuple((path, m.training) for path, m in self.entered)
-        self._fingerprint = self._compute_fingerprint()
+        self._modes = Modes((path, m.training) for path, m in self.entered)
+        # what the program is specialised on, as a small token: equal fingerprints, equal tokens
+        self._fingerprint = self._tokens.setdefault(self._compute_fingerprint(), len(self._tokens))
 
     def _read_versions(self) -> tuple[int, ...] | None:
         return None if dict_version is None else tuple(map(dict_version, self._dicts))
@@ -210,7 +226,8 @@ class ModelGuard:
         self._current()
         return self._modes
 
-    def fingerprint(self) -> tuple:
+    def fingerprint(self) -> int:
+        """A token of the hooks, structure and attributes: the same token, the same program."""
         self._current()
         return self._fingerprint
 

@@ -36,6 +36,7 @@ from dpcompile.devices import Devices
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
 from dpcompile.fake import fake_devices as fake_devices_of
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module
+from dpcompile.inspect import Recorder, slot_of, user_source
 from dpcompile.recipes import DataParallelRecipe, TensorParallelRecipe
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 
@@ -532,8 +533,6 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     >>> bool(check_layout(pm, model, 8, torch.randn(16, 4)))
     True
     """
-    from dpcompile.inspect import Recorder, slot_of, user_source
-
     devices = fake_devices_of(fake_devices)
     label = f"fake {len(devices)}-device layout"
     checked = {"fake devices": len(devices)}

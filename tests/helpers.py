@@ -97,3 +97,12 @@ def captured(model: nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
 def targets(gm: fx.GraphModule) -> list[str]:
     """The names of the functions ``gm`` calls, in order."""
     return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+class FakeMesh:
+    """Enough of a DeviceMesh for a pass, which only records it (groups are looked up lazily)."""
+
+    ndim = 1
+    mesh_dim_names = ("tp",)
+    device_type = "cpu"
+

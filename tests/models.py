@@ -200,3 +200,32 @@ class Departures(nn.Module):
         if double:
             y = y * 2
         return y
+
+
+class OptionalScale(nn.Module):
+    """forward branches on an optional argument and on self.training."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, scale=None):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        if scale is not None:
+            h = h * scale
+        return h + 1 if self.training else h
+
+
+class CellLoop(nn.Module):
+    """A hand-rolled recurrence whose state starts as torch.zeros(x.size(0), hidden)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(4, 6)
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.zeros(x.size(0), 6, device=x.device)
+        for t in range(3):
+            h = self.cell(x[:, t], h)
+        return self.fc(h)

@@ -22,6 +22,7 @@ from dpcompile.inspect.nodes import device_labels, device_list, slot_of, target_
 from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
+from passes.collectives import group_size
 
 __all__ = ["ALL_DEVICES", "explain", "param_bytes"]
 
@@ -162,8 +163,6 @@ def _ddp_collective(pm: nn.Module) -> CollectiveInfo | None:
     ddp = getattr(pm, "ddp", None)
     if ddp is None:
         return None
-    from passes.collectives import group_size
-
     ignored = set(getattr(ddp, "parameters_to_ignore", ()))
     size = sum(p.numel() for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored)
     n = group_size(pm.mesh, pm.dp_dim) or 1

@@ -42,7 +42,7 @@ from dpcompile.fx_utils import (
     reserve_names,
     unalias,
 )
-from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
+from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
 
 log = logging.getLogger("dpcompile")
@@ -72,7 +72,7 @@ class ParallelModule(fx.GraphModule):
         "recipe", "devices", "mode", "input_dims", "output_device", "plan", "records", "captured",
         "traced_model", "program_cache", "captured_code", "plan_reasons", "param_shards",
         "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
-        "_guard", "_flags", "_signature", "_split_inputs", "_shares_source", "_adopted", "_state_keys", "_ddp",
+        "_guard", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
     })  # fmt: skip
 
     def __init__(
@@ -127,7 +127,7 @@ class ParallelModule(fx.GraphModule):
         object.__setattr__(self, "traced_model", source)
         self._shares_source = shares_source and source is not None
         self._flags = flags  # flag arguments the main program was traced for, and their values
-        self._signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
+        self.call_signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
         is_leaf = DpTracer(getattr(self.recipe, "leaf_modules", ())).is_leaf_module
         # modes are read from the model where pm shares it, else from pm's own modules
         object.__setattr__(self, "_guard", ModelGuard(source if self._shares_source else self, is_leaf))
@@ -226,12 +226,12 @@ class ParallelModule(fx.GraphModule):
 
     def _key(self, n: int, none_args: frozenset[str], flags: tuple) -> CallKey:
         guard = self._guard
-        fingerprint = guard.fingerprint() if self._shares_source else ()
+        fingerprint = guard.fingerprint() if self._shares_source else None
         return CallKey(n, guard.modes(), none_args, flags, fingerprint)
 
     def call_key(self, *args: Any, **kwargs: Any) -> CallKey:
         """What the program for this call is specialised on (see :class:`CallKey`)."""
-        nones, flags = self._signature.departures(args, kwargs)
+        nones, flags = self.call_signature.departures(args, kwargs)
         return self._key(self._devices_for(args, kwargs), nones, flags)
 
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
@@ -333,12 +333,12 @@ class ParallelModule(fx.GraphModule):
         built = dict(self.program_cache.items())
         # both modes of every pattern met so far, and of the optional arguments left None
         # (each alone, and all together), so that pm.eval() and a call without them hold
-        optional = [name for _, name in self._signature.optional]
+        optional = [name for _, name in self.call_signature.optional]
         none_patterns = {main.none_args, frozenset(optional), *(frozenset({name}) for name in optional[:2])}
         wanted = set(built)
         for key in [main, *built]:
             for nones in {key.none_args, *(none_patterns if key is main else ())}:
-                for modes in (key.modes, tuple((path, not t) for path, t in key.modes)):
+                for modes in (key.modes, Modes((path, not t) for path, t in key.modes)):
                     wanted.add(CallKey(key.devices, modes, nones, key.flags, key.guard))
         out = []
         for key in wanted:
@@ -477,9 +477,9 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
     pm._restore_extra_state(state["extra"])
     pm.training = state["training"]  # each submodule was pickled with its own mode
     if pm.traced_model is None:
-        pm._signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
+        pm.call_signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
         main = state["main_key"]
-        main_key = CallKey(main.devices, main.modes, main.none_args, main.flags, ())
+        main_key = CallKey(main.devices, main.modes, main.none_args, main.flags)
         object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
         pm.program_cache.reset(main_key, _CarriedPrograms(pm, state["programs"]))
         for key, graph in state["traces"]:  # what a data-parallel program lowers for fewer devices
@@ -489,3 +489,6 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
 
 reserve_names(dir(ParallelModule))
 reserve_names(ParallelModule.own_attributes)
+
+# the public name: dpcompile.load restores a program read as data the way unpickling restores one
+restore_parallel_module = _restore_parallel_module

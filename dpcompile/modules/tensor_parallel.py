@@ -55,7 +55,7 @@ class TensorParallelModule(ParallelModule):
         the code of the trace the program was made from (a variant that traces to the same
         code is the main program)."""
         self.captured_code = captured_code
-        self._state_keys = list(state_keys)
+        self.state_keys = list(state_keys)
         # keys and shard names under the model's names (a pass saw `devices` as `user:devices`)
         self.param_shards = {unalias(k): (spec, [unalias(n) for n in names]) for k, (spec, names) in param_shards.items()}
         self.plan_reasons = dict(plan_reasons)
@@ -82,7 +82,7 @@ class TensorParallelModule(ParallelModule):
         own = super().state_dict(keep_vars=keep_vars)
         if destination is None:
             destination = OrderedDict()
-        for key in self._state_keys:
+        for key in self.state_keys:
             if key in self.param_shards:
                 spec, names = self.param_shards[key]
                 value = unshard([own[name] for name in names], spec, self.devices.primary)
@@ -93,8 +93,8 @@ class TensorParallelModule(ParallelModule):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load full tensors under the original keys, cutting the shards out of them."""
-        keys = set(self._state_keys)
-        missing = [k for k in self._state_keys if k not in state_dict]
+        keys = set(self.state_keys)
+        missing = [k for k in self.state_keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in keys]
         if strict and (missing or unexpected):
             raise RuntimeError(
@@ -103,7 +103,7 @@ class TensorParallelModule(ParallelModule):
             )
         own = super().state_dict(keep_vars=True)
         with torch.no_grad():
-            for key in self._state_keys:
+            for key in self.state_keys:
                 if key not in state_dict:
                     continue
                 value = state_dict[key]
@@ -145,7 +145,7 @@ class TensorParallelModule(ParallelModule):
     # ------------------------------------------------------------------ pickling
     def _extra_state_for_pickle(self) -> dict[str, Any]:
         return {
-            "state_keys": self._state_keys,
+            "state_keys": self.state_keys,
             "param_shards": self.param_shards,
             "plan_reasons": self.plan_reasons,
             "comm_cost": self.comm_cost,

@@ -45,7 +45,7 @@ import passes
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
-from dpcompile.fake import fake_copy
+from dpcompile.fake import fake_copy, fake_copy_to_trace
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_mesh, local_device, mesh_size
@@ -126,7 +126,7 @@ class SpmdRecipe(Recipe):
     ) -> SpmdModule:
         tp_size = mesh_size(self.mesh, tp_dim)
         tp_rank = self.mesh.get_local_rank(tp_dim)
-        pristine = _fake_copy_or_none(model, device)  # to trace again for calls that depart from this one
+        pristine = fake_copy_to_trace(model, device)  # to trace again for calls that depart from this one
         own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
         broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
         gm, flags = capture_with_flags(own, self.leaf_modules, example_inputs)
@@ -196,16 +196,6 @@ class SpmdRecipe(Recipe):
                 "differently; transform the model for that call"
             )
         return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
-
-
-def _fake_copy_or_none(model: nn.Module, device: torch.device) -> nn.Module | None:
-    """A fake-tensor copy of ``model`` (no memory) to trace again, or None where that fails."""
-    if isinstance(model, fx.GraphModule) or type(model).forward is nn.Module.forward:
-        return None
-    try:
-        return fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), device)
-    except Exception:  # noqa: BLE001 - variants are a refinement; the main program stands
-        return None
 
 
 @torch.no_grad()

@@ -40,7 +40,7 @@ from dpcompile.analysis.sharding import linear_paths
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
-from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace
 from dpcompile.fx_utils import adopt_state, alias_of, bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.base import modes_applied
@@ -96,7 +96,7 @@ class TensorParallelRecipe(Recipe):
         }  # fmt: skip
         reasons.update({p: f"replicate: {why}" for p, why in shard_info["reasons"].items()})
         cost = plan_cost(shard_info["comms"], len(self.devices))
-        fake_source = self._fake_source(model) if self.check_available else None  # not for a fake layout check
+        fake_source = fake_copy_to_trace(model, self.devices.primary) if self.check_available else None  # not for a fake layout check
         pm = TensorParallelModule(
             gm,
             gm.graph,
@@ -123,17 +123,6 @@ class TensorParallelRecipe(Recipe):
         pm.train(model.training)
         log.debug("tensor-parallel plan %s: %s per device", applied, cost)
         return pm
-
-    def _fake_source(self, model: nn.Module) -> nn.Module | None:
-        """A fake-tensor copy of ``model`` (no memory) to trace again for a call that takes
-        another path through forward; None where there is no forward to trace."""
-        if type(model).forward is nn.Module.forward or isinstance(model, fx.GraphModule):
-            return None
-        try:
-            return fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), self.devices.primary)
-        except Exception as e:  # noqa: BLE001 - variants are a refinement; the main program stands
-            log.debug("no fake copy of the model for variants (%s)", e)
-            return None
 
     def build_program(self, pm: TensorParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program for a call in another mode or with other arguments left None, built on

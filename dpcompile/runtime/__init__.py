@@ -3,11 +3,12 @@
 from dpcompile.runtime.batchnorm import batch_norm
 from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split_sizes, to_device
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
-from dpcompile.runtime.replicate import ReplicaRoot, replicate
+from dpcompile.runtime.replicate import ReplicaRoot, ReplicaSet, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
 
 __all__ = [
     "ReplicaRoot",
+    "ReplicaSet",
     "TAKE_FIRST",
     "batch_norm",
     "broadcast",
@@ -18,6 +19,7 @@ __all__ = [
     "numel",
     "numel_over",
     "reduce_add",
+    "refresh_replicas",
     "replicate",
     "scatter",
     "split_sizes",

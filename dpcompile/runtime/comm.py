@@ -28,14 +28,36 @@ DeviceLike = torch.device | str
 
 def _cuda_comm_ok(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> bool:
     return (
-        torch.cuda.is_available()
-        and all(d.type == "cuda" for d in devices)
+        all(d.type == "cuda" for d in devices)
         and all(t.is_cuda and not is_fake(t) for t in tensors)
+        and torch.cuda.is_available()
     )
 
 
-def as_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
-    return [d if isinstance(d, torch.device) else torch.device(d) for d in devices]
+# Generated code spells devices as literals (``['cpu', 'cpu']``), the same few on every call:
+# their parsed form is made once. (Keys are the literal's items; hashing a short tuple of
+# strings costs far less than building torch.device objects.)
+_PARSED: dict[tuple[Any, ...], tuple[torch.device, ...]] = {}
+_UNIFORM: dict[tuple[torch.device, ...], torch.device | None] = {}
+
+
+def as_devices(devices: Sequence[DeviceLike]) -> tuple[torch.device, ...]:
+    key = tuple(devices)
+    parsed = _PARSED.get(key)
+    if parsed is None:
+        parsed = tuple(d if isinstance(d, torch.device) else torch.device(d) for d in key)
+        _PARSED[key] = parsed
+        _UNIFORM[parsed] = parsed[0] if parsed and all(d == parsed[0] for d in parsed) else None
+    return parsed
+
+
+def as_device(device: DeviceLike) -> torch.device:
+    return device if isinstance(device, torch.device) else as_devices((device,))[0]
+
+
+def uniform_device(devices: tuple[torch.device, ...]) -> torch.device | None:
+    """The one device all of ``devices`` are (virtual devices), else None."""
+    return _UNIFORM[devices]
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -72,9 +94,11 @@ class _CudaGather(Function):
 
 def scatter_tensor(tensor: torch.Tensor, devices: Sequence[DeviceLike], dim: int) -> tuple[torch.Tensor, ...]:
     devices = as_devices(devices)
+    chunks = torch.tensor_split(tensor, len(devices), dim)
+    if uniform_device(devices) == tensor.device:  # virtual devices: the chunks are views, nothing moves
+        return chunks
     if _cuda_comm_ok([tensor], devices) and len(set(devices)) == len(devices):
         return tuple(_CudaScatter.apply(devices, dim, tensor))
-    chunks = torch.tensor_split(tensor, len(devices), dim)
     return tuple(c if c.device == d else c.to(d, non_blocking=True) for c, d in zip(chunks, devices))
 
 
@@ -85,6 +109,8 @@ def scatter(value: Any, devices: Sequence[DeviceLike], dim: int = 0) -> tuple[An
     fewer than ``dim + 1`` dimensions are copied to every device whole.
     """
     devices = as_devices(devices)
+    if isinstance(value, torch.Tensor) and value.dim() > dim:  # the common case, without the walk
+        return scatter_tensor(value, devices, dim)
 
     def split_leaf(leaf):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > dim:
@@ -112,14 +138,20 @@ def broadcast(value: Any, devices: Sequence[DeviceLike]) -> tuple[Any, ...]:
     def copy_leaf(leaf):
         if not isinstance(leaf, torch.Tensor):
             return tuple(leaf for _ in devices)
+        if uniform_device(devices) == leaf.device:
+            return (leaf,) * len(devices)
         return tuple(leaf if leaf.device == d else leaf.to(d, non_blocking=True) for d in devices)
 
+    if isinstance(value, torch.Tensor):
+        return copy_leaf(value)
     return _transpose_structure(value, copy_leaf, len(devices))
 
 
 def to_device(value: Any, device: DeviceLike) -> Any:
     """``value`` (any structure) moved to ``device``; differentiable, free where it already is."""
-    device = torch.device(device)
+    device = as_device(device)
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device, non_blocking=True)
     return map_structure(
         lambda leaf: leaf.to(device, non_blocking=True)
         if isinstance(leaf, torch.Tensor) and leaf.device != device
@@ -129,9 +161,10 @@ def to_device(value: Any, device: DeviceLike) -> Any:
 
 
 def gather_tensors(tensors: Sequence[torch.Tensor], dim: int, device: DeviceLike) -> torch.Tensor:
-    device = torch.device(device)
+    device = as_device(device)
     if (
-        len(tensors) > 1
+        device.type == "cuda"
+        and len(tensors) > 1
         and _cuda_comm_ok(tensors, [device])
         and len({t.device for t in tensors}) == len(tensors)
     ):
@@ -164,6 +197,8 @@ def gather(values: Sequence[Any], dim: Any, device: DeviceLike) -> Any:
     (or ``TAKE_FIRST``) per leaf, e.g. ``(0, (1, 1))`` for an LSTM's ``out, (h, c)``.
     Non-tensor leaves are taken from the first device.
     """
+    if type(dim) is int and isinstance(values[0], torch.Tensor):  # the common case, without the walk
+        return gather_tensors(values, dim, device)
     if isinstance(dim, int) or dim is TAKE_FIRST:
         def join(*leaves):
             if isinstance(leaves[0], torch.Tensor) and dim is not TAKE_FIRST:
@@ -189,7 +224,7 @@ class Broadcast(Function):
     def forward(ctx, devices, packed_groups, *tensors):
         ctx.source = tensors[0].device
         ctx.count = len(tensors)
-        outputs = _copy_to_devices(tensors, devices, packed_groups)
+        outputs = copy_tensors_to_devices(tensors, devices, packed_groups)
         nondiff = [o for per_device in outputs for o, t in zip(per_device, tensors) if not t.requires_grad]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -197,19 +232,25 @@ class Broadcast(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        per_input: list[torch.Tensor | None] = []
-        for i in range(ctx.count):
-            parts = [g for g in grads[i :: ctx.count] if g is not None]
-            if not parts:
-                per_input.append(None)
-            elif len(parts) > 1 and _cuda_comm_ok(parts, [ctx.source]) and len({p.device for p in parts}) == len(parts):
-                per_input.append(torch.cuda.comm.reduce_add(parts, ctx.source.index))
-            else:
-                total = parts[0].to(ctx.source)
-                for p in parts[1:]:
-                    total = total + p.to(ctx.source)
-                per_input.append(total)
-        return (None, None, *per_input)
+        return (None, None, *sum_to_source(ctx, grads))
+
+
+def sum_to_source(ctx, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Per input of a broadcast (``ctx.count`` of them, from ``ctx.source``), the sum of its
+    copies' gradients (``grads`` device-major), on the source device."""
+    per_input: list[torch.Tensor | None] = []
+    for i in range(ctx.count):
+        parts = [g for g in grads[i :: ctx.count] if g is not None]
+        if not parts:
+            per_input.append(None)
+        elif len(parts) > 1 and _cuda_comm_ok(parts, [ctx.source]) and len({p.device for p in parts}) == len(parts):
+            per_input.append(torch.cuda.comm.reduce_add(parts, ctx.source.index))
+        else:
+            total = parts[0].to(ctx.source)
+            for p in parts[1:]:
+                total = total + p.to(ctx.source)
+            per_input.append(total)
+    return per_input
 
 
 def _shares_one_storage(tensors: Sequence[torch.Tensor]) -> bool:
@@ -218,7 +259,7 @@ def _shares_one_storage(tensors: Sequence[torch.Tensor]) -> bool:
     return len({t.untyped_storage().data_ptr() for t in tensors}) == 1
 
 
-def _copy_to_devices(
+def copy_tensors_to_devices(
     tensors: Sequence[torch.Tensor], devices: Sequence[torch.device], packed_groups: Sequence[Sequence[int]]
 ) -> list[list[torch.Tensor]]:
     out: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in devices]

@@ -226,6 +226,8 @@ def all_reduce(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
 
     >>> y = all_reduce(partial, tp_group)  # doctest: +SKIP
     """
+    if not (x.requires_grad and torch.is_grad_enabled()):  # nothing to record: the collective alone
+        return _all_reduce_(x.clone(memory_format=torch.contiguous_format), _group(group))
     return _AllReduce.apply(x, _group(group))
 
 
@@ -237,6 +239,8 @@ def all_reduce_grad(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
 
     >>> x = all_reduce_grad(x, tp_group)  # doctest: +SKIP
     """
+    if not (x.requires_grad and torch.is_grad_enabled()):  # no gradient will reach x: identity
+        return x
     return _AllReduceGrad.apply(x, _group(group))
 
 
@@ -283,6 +287,8 @@ def sum_across(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
 
     >>> total = sum_across(x.sum(0), dp_group)  # doctest: +SKIP
     """
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return _all_reduce_(x.clone(memory_format=torch.contiguous_format), _group(group))
     return _SumAcross.apply(x, _group(group))
 
 

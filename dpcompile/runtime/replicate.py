@@ -1,21 +1,33 @@
-"""Replicate modules onto other devices for one forward, as data parallelism needs.
+"""Replicate modules onto other devices, as data parallelism needs.
 
 A replica shares nothing mutable with its original: its parameters are the outputs of one
-differentiable :class:`~dpcompile.runtime.comm.Broadcast` (so gradients flow back and are
-summed on the source device), its buffers are copies. Each RNN's weights are copied into one
-contiguous buffer per replica, laid out as cuDNN expects, so that the replica's
-``flatten_parameters`` finds them flat and copies nothing.
+differentiable broadcast (so gradients flow back and are summed on the source device), its
+buffers are copies. The copies persist between forwards (a :class:`ReplicaSet` per program
+and set of devices) and are refreshed only where a source tensor changed, as an optimizer
+step changes them; the module objects around them are made per forward, so mode flags and
+attributes are always the original's. Each RNN's weights are copied into one contiguous
+buffer per replica, laid out as cuDNN expects, so that the replica's ``flatten_parameters``
+finds them flat and copies nothing.
 """
 
 from __future__ import annotations
 
-import itertools
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.autograd import Function
 
-from dpcompile.runtime.comm import Broadcast, DeviceLike, as_devices
+from dpcompile.runtime.comm import (
+    Broadcast,
+    DeviceLike,
+    as_devices,
+    copy_tensors_to_devices,
+    sum_to_source,
+    uniform_device,
+)
+from dpcompile.runtime.structures import is_fake
 
 
 class ReplicaRoot(nn.Module):
@@ -64,10 +76,11 @@ def replicate(
     (True, False)
     """
     devices = as_devices(devices)
-    roots: list[ReplicaRoot] = [_aliasing_root(modules) for _ in devices]
     source = _first_tensor_device(modules)
-    if source is None or (not copy and all(d == source for d in devices)):
-        return tuple(roots)  # virtual devices: every replica is the original, nothing to walk
+    if source is None or (not copy and uniform_device(devices) == source):
+        # virtual devices: every replica is the original, nothing to walk or copy
+        return (_aliasing_root(modules),) * len(devices)
+    roots: list[ReplicaRoot] = [_aliasing_root(modules) for _ in devices]
     all_modules, tensors = _collect(modules)
     to_copy = [k for k, d in enumerate(devices) if copy or d != source]
     index = {id(t): i for i, t in enumerate(tensors)}
@@ -77,7 +90,12 @@ def replicate(
         if isinstance(m, nn.RNNBase) and all(isinstance(w, torch.Tensor) for w in m._flat_weights)
     ]
     packed_groups = _disjoint(packed_groups)
-    flat = Broadcast.apply([devices[k] for k in to_copy], packed_groups, *tensors)
+    targets = tuple(devices[k] for k in to_copy)
+    replica_set = _persistent_set(modules, tensors, targets, packed_groups)
+    if replica_set is None:
+        flat = Broadcast.apply(list(targets), packed_groups, *tensors)
+    else:
+        flat = _Refreshed.apply(replica_set, *tensors)
     for slot, k in enumerate(to_copy):
         copies = {id(t): flat[slot * len(tensors) + i] for i, t in enumerate(tensors)}
         memo: dict[int, nn.Module] = {}
@@ -91,20 +109,161 @@ def replicate(
     return tuple(roots)
 
 
+class ReplicaSet:
+    """Persistent copies of a list of source tensors on a list of devices.
+
+    Made once (RNN weights laid into one buffer per device, as :class:`Broadcast` lays them)
+    and refreshed in place, tensor by tensor, only where a source changed since the last
+    copy: its version counter moved (an optimizer step, ``load_state_dict``, any in-place
+    op) or its data was swapped (``p.data = ...``). A copy whose own version moved (a
+    replica's forward wrote into it) is refreshed as well. Writes through ``p.data`` bypass
+    version counters: call :func:`refresh_replicas` after them.
+    """
+
+    def __init__(self, sources: Sequence[torch.Tensor], devices: Sequence[torch.device], packed_groups):
+        self.sources = list(sources)
+        self.devices = list(devices)
+        self.copies = copy_tensors_to_devices(self.sources, self.devices, packed_groups)
+        self.stale = False
+        self._record()
+
+    def _record(self) -> None:
+        self.seen = [(t._version, t.data_ptr()) for t in self.sources]
+        self.seen_copies = [[c._version for c in per_device] for per_device in self.copies]
+
+    def matches(self, sources: Sequence[torch.Tensor]) -> bool:
+        """Whether these are the same source tensors, with the same shapes and dtypes."""
+        return len(sources) == len(self.sources) and all(
+            a is b and a.shape == c.shape and a.dtype == c.dtype
+            for a, b, c in zip(sources, self.sources, self.copies[0])
+        )
+
+    def refresh(self) -> int:
+        """Copy the sources that changed into their copies; return how many were copied."""
+        copied = 0
+        with torch.no_grad():
+            for i, t in enumerate(self.sources):
+                changed = self.stale or self.seen[i] != (t._version, t.data_ptr())
+                for k, per_device in enumerate(self.copies):
+                    if changed or per_device[i]._version != self.seen_copies[k][i]:
+                        per_device[i].copy_(t.detach(), non_blocking=True)
+                        copied += 1
+        if copied or self.stale:
+            self.stale = False
+            self._record()
+        return copied
+
+
+class _Refreshed(Function):
+    """:class:`Broadcast` onto a :class:`ReplicaSet`'s persistent copies: forward refreshes
+    what changed and hands out the copies; backward reduce-adds the gradients as Broadcast's."""
+
+    @staticmethod
+    def forward(ctx, replica_set: ReplicaSet, *tensors):
+        replica_set.refresh()
+        ctx.source = tensors[0].device
+        ctx.count = len(tensors)
+        outputs = [c.detach() for per_device in replica_set.copies for c in per_device]
+        nondiff = [o for j, o in enumerate(outputs) if not tensors[j % len(tensors)].requires_grad]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *sum_to_source(ctx, grads))
+
+
+# anchor module -> {(names, ids of the values, devices, packed groups): ReplicaSet}
+_SETS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, ReplicaSet]] = weakref.WeakKeyDictionary()
+
+
+def _persistent_set(
+    modules: Mapping[str, nn.Module | torch.Tensor],
+    tensors: Sequence[torch.Tensor],
+    devices: tuple[torch.device, ...],
+    packed_groups: list[list[int]],
+) -> ReplicaSet | None:
+    """The persistent copies of ``tensors`` on ``devices`` (made on first use); None where
+    they cannot persist: no tensors or module to anchor them, fake or meta tensors, tracing."""
+    anchor = next((v for v in modules.values() if isinstance(v, nn.Module)), None)
+    if anchor is None or not tensors or any(is_fake(t) for t in tensors) or torch.compiler.is_compiling():
+        return None
+    key = (
+        tuple(modules),
+        tuple(id(v) for v in modules.values()),
+        devices,
+        tuple(tuple(g) for g in packed_groups),
+    )
+    sets = _SETS.setdefault(anchor, {})
+    replica_set = sets.get(key)
+    if replica_set is None or not replica_set.matches(tensors):
+        if len(sets) >= 8:  # programs for fewer devices, variants: a few; never an unbounded pile
+            sets.clear()
+        replica_set = sets[key] = ReplicaSet(tensors, devices, packed_groups)
+    return replica_set
+
+
+def refresh_replicas(model: nn.Module | None = None) -> None:
+    """Copy every source into the persistent replicas of ``model`` (all models: None) on
+    their next use, whether or not its version counter moved (after writes via ``p.data``)."""
+    anchors = list(_SETS.keys()) if model is None else [m for m in model.modules() if m in _SETS]
+    for anchor in anchors:
+        for replica_set in _SETS.get(anchor, {}).values():
+            replica_set.stale = True
+
+
 def _first_tensor_device(modules: Mapping[str, nn.Module | torch.Tensor]) -> torch.device | None:
     for value in modules.values():
         if isinstance(value, torch.Tensor):
             return value.device
-        for tensor in itertools.chain(value.parameters(), value.buffers()):
+        tensor = _first_tensor(value)
+        if tensor is not None:
             return tensor.device
     return None
 
 
+# module -> one of its tensors: where a module lives, without walking it on every forward. A
+# module moved with ``.to()`` keeps its tensor objects (their data moves), so the entry stays
+# right; one whose tensors are replaced is looked up again.
+_FIRST_TENSOR: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, nn.Module, str, str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _first_tensor(module: nn.Module) -> torch.Tensor | None:
+    entry = _FIRST_TENSOR.get(module)
+    if entry is not None:
+        tensor, owner, kind, name = entry
+        if getattr(owner, kind).get(name) is tensor:
+            return tensor
+    for owner in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(owner, kind).items():
+                if tensor is not None:
+                    _FIRST_TENSOR[module] = (tensor, owner, kind, name)
+                    return tensor
+    return None
+
+
+_BLANK = ReplicaRoot()
+
+
+def _fresh_root() -> ReplicaRoot:
+    """``ReplicaRoot()`` at a fraction of the cost of ``nn.Module.__init__`` (made per forward)."""
+    root = ReplicaRoot.__new__(ReplicaRoot)
+    state = root.__dict__
+    for key, value in _BLANK.__dict__.items():
+        state[key] = type(value)() if isinstance(value, (dict, set, list)) else value
+    return root
+
+
 def _aliasing_root(modules: Mapping[str, nn.Module | torch.Tensor]) -> ReplicaRoot:
-    root = ReplicaRoot()
+    root = _fresh_root()
     for name, value in modules.items():
         if isinstance(value, nn.Module):
             root._modules[name] = value
+            root.__dict__[name] = value  # generated code reads it on every call: a plain lookup
         elif isinstance(value, nn.Parameter):
             root._parameters[name] = value
         else:

@@ -9,7 +9,7 @@ from torch import nn
 from dpcompile.analysis.batch_dims import decide, infer_input_dims, output_placements, propagate
 from dpcompile.analysis.batch_rules import batch_first
 from dpcompile.analysis.placement import REPLICATED, Partial, Split, Whole
-from tests.helpers import captured
+from tests.helpers import captured, check_against_eager
 from tests.models import MLP, SeqEncoder
 
 
@@ -128,3 +128,34 @@ def test_decide_an_in_place_method_on_a_replicated_value_runs_whole():
 def test_batch_first_reads_the_module_or_its_attention(module, want):
     """batch_first of an RNN, a transformer layer (its self_attn), or an encoder (its first layer)."""
     assert batch_first(module) is want
+
+
+class EncoderWithState(nn.Module):
+    """An RNN whose initial state the caller passes: (layers, batch, hidden) whatever batch_first says."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 6, num_layers=2, batch_first=batch_first)
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x, h0, c0):
+        out, (h, c) = self.rnn(x, (h0, c0))
+        return self.fc(out), h, c
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_infer_input_dims_splits_rnn_initial_state_on_dim_1(batch_first):
+    """h0 and c0 fed to an RNN are split on dim 1 (their batch dim), and the RNN runs per device."""
+    x = torch.randn(5, 4, 8) if batch_first else torch.randn(4, 5, 8)
+    pm = check_against_eager(
+        lambda: EncoderWithState(batch_first), ["cpu"] * 3, x, torch.randn(2, 5, 6), torch.randn(2, 5, 6),
+        transform_kwargs={"copy_replicas": True},
+    )
+    assert pm.input_dims == {"x": 0 if batch_first else 1, "h0": 1, "c0": 1}
+    assert "x_whole" not in pm.code
+
+
+def test_infer_input_dims_splits_lstm_root_state_tuple_on_dim_1():
+    """An nn.LSTM root called with (h0, c0) as one argument matches eager."""
+    state = (torch.randn(1, 5, 6), torch.randn(1, 5, 6))
+    check_against_eager(lambda: nn.LSTM(8, 6), ["cpu"] * 3, torch.randn(4, 5, 8), state)

@@ -16,6 +16,7 @@ from dpcompile.analysis.batch_rules.modules import per_sample_dim0
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.placement import REPLICATED, BatchSize, Partial, Placement, Split, Tuple, Whole
 from tests.helpers import captured, check_against_eager
+from tests.models import CellLoop
 
 
 class Fn(nn.Module):
@@ -297,3 +298,32 @@ def test_rule_for_reads_the_shared_registry():
     rule = rule_for(node, None)
     assert rule is BATCH_RULES.function_rule(torch.relu) is pointwise
     assert rule(RuleContext(node, {node.args[0]: Split(0)}, None)) == Split(0)
+
+
+class LSTMCellLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.LSTMCell(4, 6)
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x, h0, c0):
+        state = (h0, c0)
+        for t in range(3):
+            state = self.cell(x[:, t], state)
+        return self.fc(state[0]), state[1]
+
+
+@pytest.mark.parametrize("make, extra", [(CellLoop, 0), (LSTMCellLoop, 2)], ids=["gru_cell", "lstm_cell"])
+def test_batch_rules_rnn_cells_run_per_device(make, extra):
+    """RNN cells run on each device's chunk (input and state split on dim 0), matching eager."""
+    states = [torch.randn(7, 6) for _ in range(extra)]
+    pm = check_against_eager(make, ["cpu"] * 3, torch.randn(7, 3, 4), *states, transform_kwargs={"copy_replicas": True})
+    assert "cell_2_dev2" in pm.code and "gather" not in pm.code.split("cell_2_dev2")[0]
+
+
+def test_batch_rules_instance_norm_with_running_stats_updates_them_once():
+    """InstanceNorm(track_running_stats=True) ends with eager's running statistics (one update, whole batch)."""
+    check_against_eager(
+        lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4, track_running_stats=True)),
+        ["cpu"] * 3, torch.randn(7, 3, 8),
+    )

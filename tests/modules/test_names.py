@@ -108,3 +108,18 @@ def test_names_generated_code_reads_the_alias():
     assert 'getattr(self, "user:devices")' in pm.code
     assert "devices" in RESERVED_NAMES and "fc1" not in RESERVED_NAMES
     assert alias_of("devices.weight") == "user:devices.weight" and unalias("user:devices.weight") == "devices.weight"
+
+
+@pytest.mark.parametrize("tensor_parallel", MODES)
+def test_names_export_and_load_as_data(tensor_parallel, tmp_path):
+    """A program reading the model's ``devices`` and ``mode`` exports as data and loads equal."""
+    torch.manual_seed(0)
+    model = Named("devices", param="mode", buffer="graph")
+    pm = dpcompile.transform(model, ["cpu", "cpu"], tensor_parallel=tensor_parallel)
+    pm.eval()
+    dpcompile.export(pm, tmp_path / "out")
+    assert not (tmp_path / "out" / "program.pkl").exists()
+    loaded = dpcompile.load(tmp_path / "out")
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(loaded(x), pm(x))
+    assert sorted(loaded.state_dict()) == sorted(model.state_dict())

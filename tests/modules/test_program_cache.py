@@ -14,6 +14,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile.program_cache import CallKey, ProgramCache
+from tests.helpers import check_against_eager
 from tests.models import MLP, Departures
 
 KINDS = {
@@ -123,6 +124,65 @@ def test_program_cache_warns_past_its_limit():
         for key in keys:
             cache.program(key, (), {})
     assert len(cache) == 2 and cache.program(keys[-1], (), {}) is not None and len(built) == 4
+
+
+class OptionalInputs(nn.Module):
+    """The Hugging Face shape: optional mask and labels that default to None."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, labels=None, mask=None):
+        logits = self.fc(x)
+        if mask is not None:
+            logits = logits * mask
+        if labels is not None:
+            return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, labels)}
+        return {"logits": logits}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        {},
+        {"labels": True},
+        {"mask": True},
+        {"labels": True, "mask": None},
+    ],
+    ids=["neither", "labels", "mask", "labels-mask-none"],
+)
+@pytest.mark.parametrize("batch", [7, 2])
+def test_parallel_module_optional_arguments_left_none_take_eagers_branch(call, batch):
+    """Calls that leave optional arguments None take forward's None branch, as eager does."""
+    kwargs = {}
+    if call.get("labels"):
+        kwargs["labels"] = torch.randint(0, 4, (batch,))
+    if "mask" in call:
+        kwargs["mask"] = torch.ones(batch, 4) if call["mask"] else None
+    check_against_eager(OptionalInputs, ["cpu"] * 3, torch.randn(batch, 8), **kwargs)
+
+
+class ReturnsHidden(nn.Module):
+    """Branches on a Python flag argument, which fx alone traces as a value it cannot branch on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, return_hidden: bool = False):
+        h = torch.relu(self.fc(x))
+        if return_hidden:
+            return self.head(h), h
+        return self.head(h)
+
+
+@pytest.mark.parametrize("call", [(), (False,), (True,)], ids=["default", "false", "true"])
+def test_transform_traces_flag_arguments_as_their_values(call):
+    """A model branching on a bool argument transforms and follows the flag of each call, as eager."""
+    check_against_eager(ReturnsHidden, ["cpu"] * 3, torch.randn(7, 4), *call)
+    check_against_eager(ReturnsHidden, ["cpu"] * 3, torch.randn(7, 4), return_hidden=bool(call and call[0]))
 
 
 _SAVE_IN_MAIN = r"""

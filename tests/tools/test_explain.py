@@ -15,7 +15,7 @@ import dpcompile
 from dpcompile.analysis.cost import comm_elements
 from dpcompile.infra import stamp_comm
 from dpcompile.inspect import Report
-from tests.models import MLP, BNNet
+from tests.models import MLP, BNNet, OptionalScale
 
 
 class WholeTail(nn.Module):
@@ -200,16 +200,6 @@ def test_explain_table_fits_in_120_columns_on_sixteen_devices():
     text = str(dpcompile.explain(pm, torch.randn(3, 16)))
     assert max(len(line) for line in text.splitlines()) <= 120
     assert "cpu#15" in text and "batch 3" in text
-
-
-class OptionalScale(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x, scale=None):
-        h = self.fc2(torch.relu(self.fc1(x)))
-        return h if scale is None else h * scale
 
 
 def test_explain_tensor_parallel_explains_the_program_the_call_runs():

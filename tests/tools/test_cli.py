@@ -142,7 +142,7 @@ def test_cli_export_writes_a_loadable_folder(factory, tmp_path, capsys):
     """export -o DIR writes the folder, which dpcompile.load reads back."""
     target = tmp_path / "exported"
     assert main(["export", f"{factory}:make", "--devices", "2", "-o", str(target)]) == 0
-    assert "only load folders you trust" in capsys.readouterr().out
+    assert "runs no code from the folder" in capsys.readouterr().out
     loaded = dpcompile.load(target)
     assert loaded.mode == "data_parallel" and len(loaded.devices) == 2
 

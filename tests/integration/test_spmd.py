@@ -22,6 +22,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from dpcompile.mesh import local_batch
+from tests.helpers import FakeMesh
+from tests.models import OptionalScale
+
 GROUP_TIMEOUT_S = 60.0  # a whole scenario (spawn + checks); a hang fails the test after this
 
 
@@ -437,18 +441,6 @@ def check_tp_parent_load_state_dict(rank: int, world: int) -> None:
     torch.testing.assert_close(parent(x), reference(x), atol=1e-5, rtol=1e-5)
 
 
-class OptionalScale(nn.Module):
-    """forward branches on an optional argument (``if scale is not None``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 12), nn.Linear(12, 8)
-
-    def forward(self, x, scale=None):
-        h = self.fc2(F.gelu(self.fc1(x)))
-        return h if scale is None else h * scale
-
-
 def check_optional_argument_left_none(rank: int, world: int) -> None:
     """DP and TP over a mesh: pm(x) and pm(x, scale=s) both equal eager, and the None path trains."""
     import dpcompile
@@ -463,6 +455,27 @@ def check_optional_argument_left_none(rank: int, world: int) -> None:
         torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
         _train_both(pm, reference, [x, x])
         _assert_state_equal(pm.state_dict(), reference.state_dict())
+
+
+def check_departures_over_a_mesh(rank: int, world: int) -> None:
+    """DP and TP over a mesh, as in one process (tests/modules/test_program_cache.py): pm.eval() turns
+    F.dropout(x, p, self.training) off, an argument left None and a flag value run their own programs."""
+    import dpcompile
+    from tests.models import Departures
+
+    torch.manual_seed(0)
+    x, scale = torch.randn(4, 8), torch.tensor(3.0)
+    for mesh, plan in ((_tp_mesh(world), {"fc1": "column", "fc2": "row"}), (_dp_mesh(world), False)):
+        model = Departures()
+        reference = copy.deepcopy(model).eval()
+        pm = dpcompile.transform(model, mesh, tensor_parallel=plan)
+        local = x if plan else local_batch(x, mesh)
+        want = reference(x) if plan else local_batch(reference(x), mesh)
+        assert not torch.allclose(pm(local), want)  # training mode: dropout on
+        pm.eval()
+        torch.testing.assert_close(pm(local), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pm(local, scale), want * scale, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pm(local, None, True), want * 2, atol=1e-5, rtol=1e-5)
 
 
 def check_tp_plan_checked_against_the_model(rank: int, world: int) -> None:
@@ -541,6 +554,7 @@ TP_CHECKS = [
     ("tp_automatic_plan", check_tp_automatic_plan),
     ("tp_parent_load_state_dict", check_tp_parent_load_state_dict),
     ("optional_argument_left_none", check_optional_argument_left_none),
+    ("departures_over_a_mesh", check_departures_over_a_mesh),
     ("tp_plan_checked_against_the_model", check_tp_plan_checked_against_the_model),
 ]
 
@@ -557,7 +571,6 @@ def check_2d_training_matches_eager(rank: int, world: int) -> None:
     reference = copy.deepcopy(model)
     pm = dpcompile.transform(model, mesh, tensor_parallel={"fc1": "column", "fc2": "row"})
     assert pm.mode == "spmd_2d" and pm.ddp is not None
-    from dpcompile.mesh import local_batch
 
     dp, dp_size = mesh.get_local_rank("dp"), mesh.size(0)
     inputs = _batches(dp_size, 8, per_rank=2)
@@ -623,70 +636,6 @@ LAST_CHECKS = {"rank_failure_is_reported", "rank_that_never_calls_forward"}  # r
 
 
 # ---------------------------------------------------------------------------- tests
-# ---------------------------------------------------------------------------- the pass, in process
-class _FakeMesh:
-    """Enough of a DeviceMesh for the pass, which only records it (groups are looked up lazily)."""
-
-    ndim = 1
-    mesh_dim_names = ("tp",)
-    device_type = "cpu"
-
-
-def _captured(model: nn.Module):
-    from dpcompile.capture import capture
-
-    return capture(model)
-
-
-def test_lower_to_collectives_batch_norm_becomes_sync_batch_norm():
-    """With dp_dim, a BatchNorm call becomes sync_batch_norm over dp_group, keeping the node's name."""
-    from dpcompile.runtime import distributed
-    from passes.collectives import lower_to_collectives
-
-    gm = _captured(BNNet())
-    result = lower_to_collectives(gm, mesh=_FakeMesh(), dp_dim="dp")
-    gm.recompile()
-    assert result.modified and result.info["batch_norms"] == ["bn"]
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert distributed.sync_batch_norm in targets
-    assert "bn_sync = dpcompile_runtime_distributed_sync_batch_norm(bn, fc1, dp_group)" in gm.code, gm.code
-    assert all(n.meta.get("dpcompile_pass") == "lower_to_collectives" for n in gm.graph.nodes if n.name in ("bn_sync", "dp_group"))
-
-
-def test_lower_to_collectives_swaps_shard_collectives():
-    """shard_linear's one-shard collectives become process-group collectives named in the code."""
-    from dpcompile.devices import Devices
-    from dpcompile.runtime import collectives, distributed
-    from passes.collectives import lower_to_collectives
-    from passes.shard_linear import shard_linear
-
-    gm = _captured(MLP(8, 7))
-    shard_linear(gm, plan={"fc1": "column"}, devices=Devices((torch.device("cpu"),) * 2))
-    before = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in collectives.COLLECTIVES]
-    result = lower_to_collectives(gm, mesh=_FakeMesh(), tp_dim="tp")
-    gm.recompile()
-    assert result.modified
-    calls = {n.name: n.target for n in gm.graph.nodes if n.op == "call_function"}
-    assert not any(t in collectives.COLLECTIVES for t in calls.values())
-    assert [calls[name] for name in before] == [distributed.all_reduce_grad, distributed.all_gather]
-    assert "dpcompile_runtime_distributed_all_gather(gelu, tp_group, dim = -1, sizes = [4, 3])" in gm.code, gm.code
-
-
-def test_lower_to_collectives_noop_and_idempotent():
-    """Nothing to lower: modified=False; lowering twice changes nothing more."""
-    from passes.collectives import lower_to_collectives
-
-    gm = _captured(MLP())
-    assert not lower_to_collectives(gm, mesh=_FakeMesh(), dp_dim="dp").modified
-    gm = _captured(BNNet())
-    lower_to_collectives(gm, mesh=_FakeMesh(), dp_dim="dp")
-    gm.recompile()
-    code = gm.code
-    assert not lower_to_collectives(gm, mesh=_FakeMesh(), dp_dim="dp").modified
-    gm.recompile()
-    assert gm.code == code
-
-
 def test_transform_spmd_needs_a_process_group():
     """Without init_process_group the error says what to call."""
     import torch.distributed as dist
@@ -696,7 +645,7 @@ def test_transform_spmd_needs_a_process_group():
     if dist.is_initialized():  # pragma: no cover
         pytest.skip("a process group is initialised in this process")
     with pytest.raises(ValueError, match="init_process_group"):
-        SpmdRecipe(mesh=_FakeMesh()).compile(MLP(), None)
+        SpmdRecipe(mesh=FakeMesh()).compile(MLP(), None)
 
 
 # ---------------------------------------------------------------------------- the spawned groups

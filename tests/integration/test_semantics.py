@@ -300,7 +300,7 @@ def test_shape_ops_keep_the_split():
     assert len(gathers) == 6
 
 
-class Attention(nn.Module):
+class EncoderAndAttention(nn.Module):
     def __init__(self):
         super().__init__()
         self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
@@ -315,6 +315,6 @@ def test_transformer_layers_and_attention_run_per_device():
     """TransformerEncoderLayer and MultiheadAttention (with a padding mask) split on the batch."""
     pad = torch.zeros(5, 6, dtype=torch.bool)
     pad[:, -1] = True
-    pm = check_against_eager(Attention, ["cpu"] * 2, torch.randn(5, 6, 8), pad, atol=1e-4)
+    pm = check_against_eager(EncoderAndAttention, ["cpu"] * 2, torch.randn(5, 6, 8), pad, atol=1e-4)
     (gather,) = [n for n in pm.graph.nodes if n.target is runtime.gather]  # the returned (out, weights)
     assert gather.args[1] == (0, 0)

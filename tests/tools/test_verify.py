@@ -201,7 +201,7 @@ def test_verify_compares_structured_outputs_and_keyword_arguments():
     assert result.checked["outputs"] == 2 and result.checked["input gradients"] == 1
 
 
-class Attention(nn.Module):
+class LastTokenAttention(nn.Module):
     """q/k/v heads, ``.contiguous()`` and indexing: ops a CPU-only torch refuses on fake CUDA tensors."""
 
     def __init__(self, d: int = 16, heads: int = 4):
@@ -219,7 +219,7 @@ class Attention(nn.Module):
 
 def test_verify_fake_devices_runs_contiguous_and_indexing():
     """fake_devices= checks a model calling .contiguous() and indexing x[:, -1] (DP and TP) instead of failing."""
-    model, x = Attention(), torch.randn(4, 3, 16)
+    model, x = LastTokenAttention(), torch.randn(4, 3, 16)
     for pm in (dpcompile.transform(model, ["cpu", "cpu"]), _tp(model, ["cpu", "cpu"], (x,))):
         result = dpcompile.verify(pm, model, x, fake_devices=4)
         assert result, str(result)
@@ -230,7 +230,7 @@ def test_verify_fake_devices_builds_the_tensor_parallel_plan_pm_applied(monkeypa
     import importlib
 
     verify_module = importlib.import_module("dpcompile.verify")
-    model, x = Attention(), torch.randn(4, 3, 16)
+    model, x = LastTokenAttention(), torch.randn(4, 3, 16)
     pm = _tp(model, ["cpu", "cpu"], (x,))
     assert pm.plan == {"q": "column", "k": "column", "v": "column", "out": "row"}
     built = []

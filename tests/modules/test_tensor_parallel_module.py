@@ -16,7 +16,7 @@ from torch import nn
 import dpcompile
 from dpcompile.modules.tensor_parallel import TensorParallelModule
 from dpcompile.runtime.tensor_parallel import unshard
-from tests.models import MLP
+from tests.models import MLP, OptionalScale
 
 
 class Block(nn.Module):
@@ -439,20 +439,6 @@ def test_auto_plan_searches_a_large_group_by_coordinate_descent():
         assert {p.split(".")[-1]: s for p, s in pm.plan.items() if p.startswith(f"blocks.{i}.")} == BLOCK_PLAN
     assert "coordinate descent over its group of 13" in pm.plan_reasons["blocks.1.q"]
     check_matches_eager(model, pm, x)
-
-
-class OptionalScale(nn.Module):
-    """forward branches on an optional argument and on self.training."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x, scale=None):
-        h = self.fc2(F.gelu(self.fc1(x)))
-        if scale is not None:
-            h = h * scale
-        return h + 1 if self.training else h
 
 
 def test_transform_runs_calls_that_leave_an_optional_argument_none():

@@ -1,0 +1,217 @@
+"""Building a loaded module from checked parts: the module tree, the graphs, the settings."""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, device_strings
+from dpcompile.export.source import program_source
+
+__all__ = ["build", "place", "readable_programs"]
+
+
+def expected_class(kind: str) -> type:
+    from dpcompile.modules.base import ParallelModule
+    from dpcompile.modules.tensor_parallel import TensorParallelModule
+
+    return TensorParallelModule if kind == "tensor_parallel" else ParallelModule
+
+
+def place(weights: dict[str, torch.Tensor], info: dict[str, dict[str, Any]], target: Any) -> dict[str, torch.Tensor]:
+    """Each saved tensor on its device among ``target`` (slot k → ``target[k]``), a Parameter where it was one."""
+    placed: dict[str, torch.Tensor] = {}
+    for key, tensor in weights.items():
+        meta = info[key]
+        slot = meta["slot"]
+        device = target[slot] if isinstance(slot, int) and slot < len(target) else target.primary
+        t = tensor.to(device)
+        placed[key] = nn.Parameter(t, requires_grad=meta["requires_grad"]) if meta["parameter"] else t
+    return placed
+
+
+def readable_programs(data: Any, paths: Container[str]) -> list[tuple[str, fx.Graph]]:
+    """The graphs ``module.py`` shows, decoded (every target checked): ``forward`` (the main
+    program) and one ``forward_<variant>`` per other program carried."""
+    from dpcompile.export.serialize import decode_graph
+
+    if not isinstance(data, dict) or set(data) != {"recipe", "main_key", "signature", "graph", "captured", "variants", "traces"}:
+        raise ExportError(f"{PROGRAM_FILE}: a program section it cannot read")
+    if not isinstance(data["variants"], list) or not isinstance(data["traces"], list):
+        raise ExportError(f"{PROGRAM_FILE}: variants and traces must be lists")
+    out = [("forward", decode_graph(data["graph"], paths))]
+    for entry in data["variants"]:
+        if not isinstance(entry, dict) or set(entry) != {"label", "key", "graph"}:
+            raise ExportError(f"{PROGRAM_FILE}: a variant entry it cannot read")
+        if entry["graph"] is not None:
+            if not isinstance(entry["label"], str) or not entry["label"].isidentifier():
+                raise ExportError(f"{PROGRAM_FILE}: a variant labelled {entry['label']!r:.40}")
+            out.append((entry["label"], decode_graph(entry["graph"], paths)))
+    return out
+
+
+def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor], target: Any) -> nn.Module:
+    """The module of a checked folder: graphs decoded and ``module.py`` compared first, then
+    the module tree, then the module, restored as unpickling restores one whose model class
+    is not at hand (``dpcompile.modules.base.restore_parallel_module``), carrying its programs."""
+    from dpcompile.export.serialize import decode_graph, decode_tree
+    from dpcompile.export.variants import decode_key, decode_recipe, decode_signature
+    from dpcompile.modules.base import restore_parallel_module
+    from dpcompile.program_cache import CallKey
+
+    config, data, kind = program["config"], program["data"], program["kind"]
+    recorded = list(config["devices"])
+    trees = program["modules"]
+    if not isinstance(trees, list):
+        raise ExportError(f"{folder / PROGRAM_FILE}: no module tree")
+    paths = {e["path"] for e in trees if isinstance(e, dict) and isinstance(e.get("path"), str)}
+    readable = readable_programs(data, paths)
+    source = program_source(readable, class_name=program["class_name"], mode=kind, devices=recorded)
+    if source.encode() != (folder / MODULE_FILE).read_bytes():
+        raise ExportError(
+            f"{folder / MODULE_FILE} is not the program in {PROGRAM_FILE} (regenerated, it differs); "
+            "the folder was edited: re-export"
+        )
+    main_key = decode_key(data["main_key"])
+    signature = decode_signature(data["signature"])
+    captured = decode_graph(data["captured"], paths) if data["captured"] is not None else None
+    variants = [(decode_key(e["key"]), None if e["graph"] is None else decode_graph(e["graph"], paths)) for e in data["variants"]]
+    traces = [(decode_key(e["key"]), None if e["graph"] is None else decode_graph(e["graph"], paths)) for e in data["traces"]]
+    input_dims = _checked_dims(config["input_dims"])
+    plan = config["plan"]
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and v in ("column", "row", "replicate") for k, v in plan.items()):
+        raise ExportError(f"{folder / PROGRAM_FILE}: plan {plan!r:.60}")
+    old_out = str(config["output_device"])
+    output_device = target[recorded.index(old_out)] if old_out in recorded and recorded.index(old_out) < len(target) else target.primary
+    recipe = decode_recipe(kind, data["recipe"], target, output_device)
+    graph = readable[0][1]
+    extra: dict[str, Any] = {}
+    moved = device_strings(target) != recorded
+    # only now, with every file and the program checked, is anything built
+    holder, _, outside = decode_tree(trees, tensors)
+    if kind == "data_parallel" and moved:
+        if captured is None:
+            raise ExportError(f"{folder} holds no captured program to regenerate for {device_strings(target)}")
+        lowered = {None: recipe.lower(fx.GraphModule(holder, _copy(captured), "Retargeted"), target, input_dims).graph}
+        for key, trace in traces:
+            if trace is not None:
+                lowered[key] = recipe.lower(fx.GraphModule(holder, _copy(trace), "Retargeted"), target, input_dims).graph
+        graph = lowered[None]
+        n = len(target)
+        main_key = CallKey(n, main_key.modes, main_key.none_args, main_key.flags)
+        variants = [
+            (CallKey(n, k.modes, k.none_args, k.flags), lowered.get(CallKey(0, k.modes, k.none_args, k.flags)))
+            for k, _ in variants
+            if CallKey(0, k.modes, k.none_args, k.flags) in lowered or CallKey(0, k.modes, k.none_args, k.flags) in dict(traces)
+        ]  # a key whose trace is the main one runs the main program (None)
+    elif kind == "tensor_parallel":
+        mapping = device_mapping(recorded, target) if moved else {}
+        for g in [graph] + [g for _, g in variants if g is not None]:
+            map_devices(g, mapping)
+        extra = _tp_extra(config["tensor_parallel"])
+    state = {
+        "modules": dict(holder._modules),
+        "leaf_root": outside.get("root"),
+        "parameters": dict(holder._parameters),
+        "buffers": dict(holder._buffers),
+        "non_persistent": set(holder._non_persistent_buffers_set),
+        "training": bool(program["training"]),
+        "graph": graph,
+        "captured_graph": captured,
+        "config": {
+            "recipe": recipe,
+            "devices": target,
+            "mode": kind,
+            "input_dims": input_dims,
+            "output_device": output_device,
+            "plan": plan,
+            "class_name": program["class_name"],
+            "shares_source": False,
+        },
+        "main_key": main_key,
+        "programs": variants,
+        "traces": traces,
+        "extra": extra,
+        "source": None,
+    }
+    pm = restore_parallel_module(expected_class(kind), state)
+    pm.call_signature = signature  # where calls depart (none where the module never traced again)
+    if kind == "tensor_parallel":
+        _check_shards(pm)
+    return pm
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    from dpcompile.fx_utils import copy_graph
+
+    return copy_graph(graph)
+
+
+def _checked_dims(dims: Any) -> dict[str, int | None]:
+    if not isinstance(dims, dict) or not all(isinstance(k, str) and (v is None or type(v) is int) for k, v in dims.items()):
+        raise ExportError(f"{PROGRAM_FILE}: input_dims {dims!r:.60}")
+    return dict(dims)
+
+
+def _tp_extra(tp: Any) -> dict[str, Any]:
+    from dpcompile.analysis.cost import CommCost
+    from dpcompile.runtime.tensor_parallel import ShardSpec
+
+    try:
+        shards = {
+            str(k): (ShardSpec(int(v["dim"]), tuple(int(s) for s in v["sizes"])), [str(n) for n in v["names"]])
+            for k, v in tp["param_shards"].items()
+        }
+        cost = None if tp["comm_cost"] is None else CommCost(float(tp["comm_cost"][0]), float(tp["comm_cost"][1]))
+        return {
+            "state_keys": [str(k) for k in tp["state_keys"]],
+            "param_shards": shards,
+            "plan_reasons": {str(k): str(v) for k, v in tp["plan_reasons"].items()},
+            "comm_cost": cost,
+            "captured_code": str(tp["captured_code"]),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"{PROGRAM_FILE}: tensor-parallel settings it cannot read ({e!r:.60})") from None
+
+
+def _check_shards(pm: nn.Module) -> None:
+    own = dict(pm.named_parameters())
+    for key, (spec, names) in pm.param_shards.items():
+        if len(names) != len(spec.sizes) or any(n not in own for n in names):
+            raise ExportError(f"{PROGRAM_FILE}: shards of {key!r} name parameters the module lacks")
+        for k, name in enumerate(names):
+            if own[name].size(spec.dim) != spec.sizes[k]:
+                raise ExportError(f"{PROGRAM_FILE}: shard {k} of {key!r} is not {spec.sizes[k]} along dim {spec.dim}")
+
+
+def device_mapping(recorded: list[str], target: Any) -> dict[str, str]:
+    new = device_strings(target)
+    if len(set(recorded)) != len(recorded) and len(set(new)) != len(new):
+        return {}
+    if len(set(recorded)) != len(recorded):
+        raise ExportError(
+            f"a tensor-parallel program exported for virtual devices {recorded} cannot be moved to {new}; "
+            "transform the model again for those devices"
+        )
+    return dict(zip(recorded, new))
+
+
+def map_devices(graph: fx.Graph, mapping: dict[str, str]) -> None:
+    if not mapping:
+        return
+
+    def swap(leaf: Any) -> Any:
+        if isinstance(leaf, str) and leaf in mapping:
+            return mapping[leaf]
+        if isinstance(leaf, torch.device) and str(leaf) in mapping:
+            return torch.device(mapping[str(leaf)])
+        return leaf
+
+    for node in graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, swap)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)

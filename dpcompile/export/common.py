@@ -1,0 +1,32 @@
+"""Names shared by the export modules: file names, format versions, the error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpcompile.errors import DpCompileError
+
+FORMAT = "dpcompile-export"
+FORMAT_VERSION = 2
+PROGRAM_FORMAT = "dpcompile-program"
+MODULE_FILE = "module.py"
+PROGRAM_FILE = "program.json"
+WEIGHTS_FILE = "weights.safetensors"
+PICKLE_FILE = "program.pkl"
+MANIFEST_FILE = "manifest.json"
+KINDS = ("data_parallel", "tensor_parallel")
+SUMMARY_FIELDS = ("kind", "class_name", "devices", "dpcompile_version", "torch_version", "trust_code")
+
+
+class ExportError(DpCompileError):
+    """An export folder cannot be written or loaded; the message says why and what to do."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_strings(devices: Any) -> list[str]:
+    return devices.strings() if hasattr(devices, "strings") else [str(d) for d in devices]

@@ -1,0 +1,414 @@
+"""Writing and reading an export folder: files, manifest, integrity, then building.
+
+See ``docs/export.md`` for the layout and what :func:`load` promises.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.export.build import build, expected_class, place
+from dpcompile.export.common import (
+    FORMAT,
+    FORMAT_VERSION,
+    KINDS,
+    MANIFEST_FILE,
+    MODULE_FILE,
+    PICKLE_FILE,
+    PROGRAM_FILE,
+    PROGRAM_FORMAT,
+    SUMMARY_FIELDS,
+    WEIGHTS_FILE,
+    ExportError,
+    device_strings,
+    dtype_name,
+)
+from dpcompile.export.integrity import canonical_json, read_manifest, read_program, read_weights, sha256_of
+from dpcompile.export.source import class_name_of, generated_source, program_source
+from dpcompile.fx_utils import unalias
+from dpcompile.version import __version__
+
+log = logging.getLogger("dpcompile")
+
+# what an export (of this version or the last) writes: replaced or removed by the next one
+_OURS = frozenset({MODULE_FILE, PROGRAM_FILE, WEIGHTS_FILE, PICKLE_FILE, MANIFEST_FILE, "weights.pt"})
+
+
+# ---------------------------------------------------------------------- export: tensors
+def _tensor_keys(pm: nn.Module, constants: Mapping[str, torch.Tensor] = {}) -> tuple[dict[int, str], dict[str, torch.Tensor], dict[str, str]]:
+    """Every parameter and buffer once: ``id -> file key``, ``file key -> tensor``, and
+    ``name in pm -> file key``. Data parallel: the module path (the state_dict key).
+    Tensor parallel: shard k of ``fc1.weight`` is ``fc1.weight.shard<k>``."""
+    from dpcompile.modules.tensor_parallel import TensorParallelModule
+
+    rename: dict[str, str] = {}
+    if isinstance(pm, TensorParallelModule):
+        for key, (_, names) in pm.param_shards.items():
+            rename.update({name: f"{key}.shard{k}" for k, name in enumerate(names)})
+    keys: dict[int, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    names: dict[str, str] = {}
+    named = list(pm.named_parameters(remove_duplicate=False)) + list(pm.named_buffers(remove_duplicate=False))
+    outside = pm.__dict__.get("root")
+    if isinstance(outside, nn.Module) and "root" not in pm._modules:
+        named += [(f"root.{n}", t) for n, t in outside.named_parameters(remove_duplicate=False)]
+        named += [(f"root.{n}", t) for n, t in outside.named_buffers(remove_duplicate=False)]
+    named += list(constants.items())
+    for name, t in named:
+        if t is None:
+            continue
+        if id(t) not in keys:
+            key = rename.get(name, name)
+            keys[id(t)] = key
+            tensors[key] = t
+        names[name] = keys[id(t)]
+    return keys, tensors, names
+
+
+def _slots(pm: nn.Module, tensors: Mapping[str, torch.Tensor], names: Mapping[str, str]) -> dict[str, int | None]:
+    """The device slot each tensor lives on (None: ``devices[0]``)."""
+    slots: dict[str, int | None] = dict.fromkeys(tensors)
+    shard_slots = getattr(pm, "shard_param_slots", None) or {}
+    for name, key in names.items():
+        if shard_slots.get(name) is not None:
+            slots[key] = shard_slots[name]
+    strings = device_strings(pm.devices)
+    if len(set(strings)) == len(strings):
+        for key, t in tensors.items():
+            if slots[key] is None and str(t.device) in strings:
+                slots[key] = strings.index(str(t.device))
+    return slots
+
+
+def _used_paths(pm: nn.Module, graphs: Sequence[fx.Graph]) -> set[str]:
+    """Module paths whose class matters: what the program calls (directly, on a replica, or
+    hands to anything but ``replicate``)."""
+    from dpcompile.runtime import replicate
+
+    modules = dict(pm.named_modules(remove_duplicate=False))
+    used: set[str] = set()
+    for graph in graphs:
+        for node in graph.nodes:
+            target = unalias(node.target) if isinstance(node.target, str) else node.target  # the model's name
+            if node.op == "call_module" or (node.op == "call_method" and target in modules and target):
+                used.add(target)
+            elif node.op == "get_attr" and target in modules:
+                if any(u.target is not replicate for u in node.users):
+                    used.add(target)
+    return used
+
+
+def _constants(pm: nn.Module, programs: Sequence[tuple[fx.GraphModule, fx.Graph]]) -> dict[str, torch.Tensor]:
+    """Tensors a variant program holds beyond ``pm`` (the tracer's ``_tensor_constant0``):
+    renamed in the variant's graph (a copy export owns) and returned, to be stored as
+    non-persistent buffers of the root. ``pm`` itself is not touched."""
+    from dpcompile.export.serialize import NotData
+
+    extra: dict[str, torch.Tensor] = {}
+    named: dict[int, str] = {}
+    for index, (owner, graph) in enumerate(programs):
+        for node in graph.nodes:
+            if node.op != "get_attr":
+                continue
+            try:
+                _attr(pm, node.target)
+                continue
+            except AttributeError:
+                pass
+            value = _attr(owner, node.target)
+            if not isinstance(value, torch.Tensor):
+                raise NotData(f"variant program {index} reads {node.target!r}, which is not in the module")
+            if id(value) not in named:  # a program and its trace hold the same tensor: stored once
+                named[id(value)] = f"_dpcompile_variant{index}_{node.target.replace('.', '_')}"
+                extra[named[id(value)]] = value
+            node.target = named[id(value)]
+    return extra
+
+
+def _attr(root: Any, path: str) -> Any:
+    value = root
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# ------------------------------------------------------------------------------ export
+def export(pm: nn.Module, path: str | Path) -> Path:
+    """Write ``pm`` to the folder ``path`` (created if needed); returns the folder.
+
+    ``module.py`` (the readable program), ``program.json`` (the program as data),
+    ``weights.safetensors`` and ``manifest.json``; plus ``program.pkl`` only for a program
+    that holds Python classes fx kept as leaves (loaded with ``trust_code=True`` only).
+
+    >>> import torch, dpcompile
+    >>> pm = dpcompile.transform(torch.nn.Linear(4, 2), ["cpu", "cpu"])
+    >>> sorted(p.name for p in dpcompile.export(pm, "/tmp/dp_export").iterdir())  # doctest: +SKIP
+    ['manifest.json', 'module.py', 'program.json', 'weights.safetensors']
+    """
+    from dpcompile.modules.base import ParallelModule
+
+    if not isinstance(pm, ParallelModule):
+        raise ValueError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
+    if pm.mode not in KINDS:
+        raise ExportError(
+            f"export writes data-parallel and tensor-parallel programs; a {pm.mode} program (over a mesh) "
+            "is rebuilt by running transform in each process: save its weights with pm.state_dict()"
+        )
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ExportError(f"{folder} exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    strangers = sorted(p.name for p in folder.iterdir() if p.name not in _OURS and not p.name.startswith(".dpcompile-"))
+    if strangers:
+        raise ExportError(f"{folder} holds {strangers}, which are not part of an export; export into an empty folder")
+
+    program, files, tensors = _describe(pm)
+    _write(folder, program, files, tensors)
+    log.info("exported %s (%s on %s) to %s", program["class_name"], pm.mode, program["config"]["devices"], folder)
+    return folder
+
+
+def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[int, str], dict[str, torch.Tensor], dict[str, str]]:
+    """The program as data: ``(data section, module tree, tensor keys, tensors, names)``;
+    raises ``NotData`` where part of it is Python code."""
+    from dpcompile.export.serialize import NotData, encode_graph, encode_tree, encode_value
+    from dpcompile.export.variants import collect, encode_key, encode_recipe
+    from dpcompile.fx_utils import copy_graph
+
+    model = pm.__dict__.get("traced_model")
+    if getattr(pm, "_shares_source", False) and model is not None and (model._forward_hooks or model._forward_pre_hooks):
+        raise NotData(f"the model ({type(model).__name__}) has forward hooks on itself, which run around the program (Python code)")
+    captured = pm.captured.graph if getattr(pm, "captured", None) is not None else None
+    programs, traces = collect(pm)
+    # copies: renaming a variant's own tensors (below) must not touch the module's cached programs
+    programs = [(key, None if p is None else (p, copy_graph(p.graph))) for key, p in programs]
+    traces = [(key, None if gm is None else (gm, copy_graph(gm.graph))) for key, gm in traces]
+    owned = [pair for _, pair in programs + traces if pair is not None]
+    constants = _constants(pm, owned)
+    used = _used_paths(pm, [pm.graph, *([captured] if captured is not None else []), *(g for _, g in owned)])
+    keys, tensors, names = _tensor_keys(pm, constants)
+    root = pm.__dict__.get("root")
+    outside = {"root": root} if isinstance(root, nn.Module) and "root" not in pm._modules else {}
+    tree = encode_tree(pm, used, keys, outside, constants)
+    main = pm.program_cache.main_key.portable()
+    labels = _labels([key for key, pair in programs if pair is not None])
+    data = {
+        "recipe": encode_recipe(pm.recipe),
+        "main_key": encode_key(main),
+        "signature": {
+            "optional": [[p, n] for p, n in pm.call_signature.optional],
+            "flags": [[p, n, encode_value(d)] for p, n, d in pm.call_signature.flags],
+        },
+        "graph": encode_graph(pm.graph),
+        "captured": None if captured is None else encode_graph(captured),
+        "variants": [
+            {"label": labels.get(key), "key": encode_key(key), "graph": None if pair is None else encode_graph(pair[1])}
+            for key, pair in programs
+        ],
+        "traces": [{"key": encode_key(key), "graph": None if pair is None else encode_graph(pair[1])} for key, pair in traces],
+    }
+    return data, tree, keys, tensors, names
+
+
+def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
+    """``(program.json's content, files to write beside it, tensors by file key)``."""
+    from dpcompile.export.build import readable_programs
+    from dpcompile.export.serialize import NotData
+    from dpcompile.modules.tensor_parallel import TensorParallelModule
+
+    strings = device_strings(pm.devices)
+    class_name = class_name_of(pm)
+    pickled_reason = None
+    try:
+        data, tree, keys, tensors, names = _as_data(pm)
+    except NotData as e:
+        pickled_reason = str(e)
+        log.warning("export: %s; writing program.pkl, which dpcompile.load reads only with trust_code=True", e)
+        keys, tensors, names = _tensor_keys(pm)
+    slots = _slots(pm, tensors, names)
+    config: dict[str, Any] = {
+        "devices": strings,
+        "output_device": str(pm.output_device),
+        "input_dims": dict(pm.input_dims),
+        "plan": dict(pm.plan),
+        "tensor_parallel": None,
+    }
+    if isinstance(pm, TensorParallelModule):
+        cost = getattr(pm, "comm_cost", None)
+        config["tensor_parallel"] = {
+            "state_keys": list(pm.state_keys),
+            "param_shards": {k: {"dim": s.dim, "sizes": list(s.sizes), "names": list(n)} for k, (s, n) in pm.param_shards.items()},
+            "plan_reasons": dict(pm.plan_reasons),
+            "comm_cost": None if cost is None else [float(cost.forward), float(cost.backward)],
+            "captured_code": str(getattr(pm, "captured_code", "")),
+        }
+    program: dict[str, Any] = {
+        "format": PROGRAM_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": pm.mode,
+        "class_name": class_name,
+        "dpcompile_version": __version__,
+        "torch_version": torch.__version__,
+        "trust_code": pickled_reason is not None,
+        "pickled_because": pickled_reason,
+        "config": config,
+        "training": bool(pm.training),
+        "tensors": {
+            key: {
+                "shape": list(t.shape),
+                "dtype": dtype_name(t.dtype),
+                "parameter": isinstance(t, nn.Parameter),
+                "requires_grad": bool(t.requires_grad),
+                "slot": slots[key],
+            }
+            for key, t in tensors.items()
+        },
+        "modules": None,
+        "data": None,
+    }
+    if pickled_reason is None:
+        program["modules"] = tree
+        program["data"] = data
+        # module.py is made from what load will read, so load can regenerate it exactly
+        readable = readable_programs(data, {e["path"] for e in tree})
+        files: dict[str, bytes] = {}
+    else:
+        readable = [("forward", pm.graph)]
+        files = {PICKLE_FILE: _pickle(pm, keys)}
+    files[PROGRAM_FILE] = canonical_json(program)
+    files[MODULE_FILE] = program_source(readable, class_name=class_name, mode=pm.mode, devices=strings).encode()
+    return program, files, tensors
+
+
+def _write(folder: Path, program: dict[str, Any], files: dict[str, bytes], tensors: dict[str, torch.Tensor]) -> None:
+    """Write under temporary names, rename into place, drop what an earlier export left, and
+    write the manifest last: an interrupted export leaves no folder that loads."""
+    import safetensors.torch
+
+    (folder / MANIFEST_FILE).unlink(missing_ok=True)
+    weights = {}
+    seen_storage: set[int] = set()
+    for key, t in tensors.items():
+        data = t.detach().to("cpu")
+        ptr = data.untyped_storage().data_ptr() if data.numel() else None
+        data = data.clone() if ptr in seen_storage or not data.is_contiguous() else data  # safetensors shares nothing
+        if ptr is not None:
+            seen_storage.add(ptr)
+        weights[key] = data
+    safetensors.torch.save_file(weights, str(folder / f".dpcompile-{WEIGHTS_FILE}.tmp"), metadata={"format": "pt"})
+    for name, data in files.items():
+        (folder / f".dpcompile-{name}.tmp").write_bytes(data)
+    written = [*files, WEIGHTS_FILE]
+    for name in written:
+        (folder / f".dpcompile-{name}.tmp").replace(folder / name)
+    for stale in _OURS - set(written) - {MANIFEST_FILE}:
+        (folder / stale).unlink(missing_ok=True)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "files": {name: {"sha256": sha256_of(folder / name), "size": (folder / name).stat().st_size} for name in sorted(written)},
+        "program": {k: program[k] for k in SUMMARY_FIELDS if k != "devices"} | {"devices": program["config"]["devices"]},
+    }
+    (folder / MANIFEST_FILE).write_bytes(canonical_json(manifest))
+
+
+def _labels(keys: list[Any]) -> dict[Any, str]:
+    """A method name for each variant program in module.py: ``forward_eval_mask_none``."""
+    labels: dict[Any, str] = {}
+    for key in keys:
+        training = {t for _, t in key.modes}
+        mode = "train" if training == {True} else "eval" if training == {False} else "mixed"
+        parts = [mode, *(f"{n}_none" for n in sorted(key.none_args)), *(f"{n}_{v}" for n, v in key.flags)]
+        label = "forward_" + "_".join(re.sub(r"\W", "_", str(p)) for p in parts)
+        labels[key] = label if label not in labels.values() else f"{label}_{len(labels)}"
+    return labels
+
+
+def _pickle(pm: nn.Module, keys: dict[int, str]) -> bytes:
+    from dpcompile.export.pickled import dump
+
+    try:
+        return dump(pm, keys)
+    except Exception as e:
+        raise ExportError(f"cannot serialise the program: {type(e).__name__}: {e}") from e
+
+
+def _target_devices(recorded: list[str], devices: Any) -> Any:
+    from dpcompile.devices import parse_devices
+
+    spec = recorded if devices is None else devices
+    try:
+        return parse_devices(spec)
+    except ValueError as e:
+        if devices is None:
+            raise ExportError(
+                f"the export was made for {recorded}, which this machine does not have ({e}); "
+                f"pass devices=, e.g. load(path, devices={['cpu'] * len(recorded)!r})"
+            ) from None
+        raise
+
+
+def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> nn.Module:
+    """Load an export folder as a :class:`~dpcompile.ParallelModule` of the kind it records.
+
+    Before anything is built: the manifest (every field), every file (listed, present, size
+    and sha256, nothing unlisted), the program (every call target from the allowlist, every
+    module class ``torch.nn`` or registered), the weights (names, shapes and dtypes as the
+    program says) and ``module.py`` (regenerated from the program: it must be equal) are
+    checked; a failure raises :class:`ExportError`. No pickle is read and no code from the
+    folder runs, unless ``trust_code=True`` for a folder that needs it (a program holding
+    Python classes fx kept as leaves). A data-parallel program is regenerated for any
+    device list; a tensor-parallel one needs as many devices as it was exported for.
+
+    >>> import dpcompile
+    >>> pm = dpcompile.load("exported", devices=["cpu"] * 4)  # doctest: +SKIP
+    """
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    program = read_program(folder, manifest)
+    config = program["config"]
+    recorded = list(config["devices"])
+    if program["trust_code"] and not trust_code:
+        raise ExportError(
+            f"{folder} holds a program that is not plain data ({program['pickled_because']}), so it was exported "
+            f"as a pickle ({PICKLE_FILE}), and unpickling runs code from the folder. Load it with "
+            "dpcompile.load(path, trust_code=True) only if you trust who made it; or make the class a torch.nn "
+            "class or register it in both processes (from dpcompile.export import register_module_class, or "
+            "register_output_type for a namedtuple or dataclass the model returns), and export again"
+        )
+    target = _target_devices(recorded, devices)
+    if program["kind"] != "data_parallel" and len(target) != len(recorded):
+        raise ValueError(
+            f"this {program['kind']} export has {len(recorded)} shards ({recorded}); load it onto {len(recorded)} "
+            f"devices, not {len(target)}"
+        )
+    weights = read_weights(folder, program)
+    tensors = place(weights, program["tensors"], target)
+    if program["trust_code"]:
+        from dpcompile.export.pickled import restore
+
+        pm = restore(folder / PICKLE_FILE, tensors, program, target)
+        source = program_source([("forward", pm.graph)], class_name=program["class_name"], mode=program["kind"], devices=recorded)
+        if device_strings(pm.devices) == recorded and source.encode() != (folder / MODULE_FILE).read_bytes():
+            raise ExportError(f"{folder / MODULE_FILE} is not the program in {PICKLE_FILE}; the folder was edited: re-export")
+    else:
+        try:
+            pm = build(folder, program, tensors, target)
+        except RecursionError:
+            raise ExportError(f"{folder / PROGRAM_FILE} nests values too deeply to be a program") from None
+    expected = expected_class(program["kind"])
+    kinds = [c for c in (expected_class("tensor_parallel"),) if c is not expected]
+    if not isinstance(pm, expected) or any(isinstance(pm, c) for c in kinds) or pm.mode != program["kind"]:
+        raise ExportError(f"{folder} did not rebuild as a {expected.__name__}")
+    return pm
+
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "ExportError", "export", "generated_source", "load", "read_manifest"]

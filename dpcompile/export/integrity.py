@@ -1,0 +1,167 @@
+"""What ``load`` checks before it builds anything: the manifest (every field), the files
+(listed, present, size and sha256, nothing unlisted), the program's own fields and the
+weights (names, shapes, dtypes as the program says)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpcompile.export.common import (
+    FORMAT,
+    FORMAT_VERSION,
+    KINDS,
+    MANIFEST_FILE,
+    MODULE_FILE,
+    PICKLE_FILE,
+    PROGRAM_FILE,
+    PROGRAM_FORMAT,
+    SUMMARY_FIELDS,
+    WEIGHTS_FILE,
+    ExportError,
+    dtype_name,
+)
+
+__all__ = ["read_manifest"]
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def canonical_json(data: Any) -> bytes:
+    return (json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The checked manifest of an export folder: every field known and valid, every file in
+    the folder listed and every listed file present with its size and sha256."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ExportError(f"{folder} is not a folder; pass the folder that dpcompile.export wrote")
+    manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.is_file() or manifest_path.is_symlink():
+        raise ExportError(f"{folder} has no {MANIFEST_FILE}; it is not a dpcompile export (or it is incomplete)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{manifest_path} cannot be read as JSON ({e}); re-export the module") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ExportError(f"{manifest_path} is not a dpcompile export manifest (format {found!r})")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ExportError(
+            f"{folder} uses export format version {version!r}; this dpcompile reads version {FORMAT_VERSION}. "
+            "Load it with the dpcompile version that wrote it, or re-export"
+        )
+    if set(manifest) != {"format", "format_version", "files", "program"}:
+        raise ExportError(f"{manifest_path} has fields {sorted(manifest)}; it was changed or written by another tool: re-export")
+    files = manifest["files"]
+    summary = manifest["program"]
+    if not isinstance(summary, dict) or set(summary) != set(SUMMARY_FIELDS):
+        raise ExportError(f"{manifest_path} has no valid 'program' summary; re-export the module")
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and set(v) == {"sha256", "size"} and isinstance(v["sha256"], str) and type(v["size"]) is int
+        for v in files.values()
+    ):
+        raise ExportError(f"{manifest_path} has no valid 'files' table; re-export the module")
+    required = {MODULE_FILE, PROGRAM_FILE, WEIGHTS_FILE} | ({PICKLE_FILE} if summary.get("trust_code") is True else set())
+    listed = set(files)
+    present = {p.name for p in folder.iterdir()} - {MANIFEST_FILE}
+    if listed != required:
+        raise ExportError(
+            f"{manifest_path} lists {sorted(listed)}; an export of this kind lists exactly {sorted(required)} "
+            "(a missing entry is never skipped): re-export the module"
+        )
+    if present - listed:
+        raise ExportError(f"{folder} holds {sorted(present - listed)}, which {MANIFEST_FILE} does not list; remove it or re-export")
+    for name in sorted(listed):
+        file = folder / name
+        if not file.is_file() or file.is_symlink():
+            raise ExportError(f"{folder} is missing {name}; the export is incomplete, re-export the module")
+        if file.stat().st_size != files[name]["size"] or sha256_of(file) != files[name]["sha256"]:
+            raise ExportError(f"{file} does not match the size and checksum in {MANIFEST_FILE}; it was changed or truncated")
+    return manifest
+
+
+def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    try:
+        program = json.loads((folder / PROGRAM_FILE).read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise ExportError(f"{folder / PROGRAM_FILE} cannot be read as JSON ({e})") from None
+    keys = {"format", "format_version", "kind", "class_name", "dpcompile_version", "torch_version", "trust_code",
+            "pickled_because", "config", "training", "tensors", "modules", "data"}  # fmt: skip
+    if not isinstance(program, dict) or set(program) != keys or program["format"] != PROGRAM_FORMAT:
+        raise ExportError(f"{folder / PROGRAM_FILE} is not a dpcompile program of this version; re-export")
+    if program["format_version"] != FORMAT_VERSION or program["kind"] not in KINDS:
+        raise ExportError(f"{folder / PROGRAM_FILE}: version {program['format_version']!r}, kind {program['kind']!r:.40}")
+    config = program["config"]
+    if not isinstance(config, dict) or set(config) != {"devices", "output_device", "input_dims", "plan", "tensor_parallel"}:
+        raise ExportError(f"{folder / PROGRAM_FILE}: a config it cannot read")
+    devices = config["devices"]
+    if not isinstance(devices, list) or not devices or not all(isinstance(d, str) for d in devices):
+        raise ExportError(f"{folder / PROGRAM_FILE}: devices {devices!r:.60}")
+    derived = {k: program[k] for k in SUMMARY_FIELDS if k != "devices"} | {"devices": devices}
+    if derived != manifest["program"]:
+        differ = sorted(k for k in SUMMARY_FIELDS if derived.get(k) != manifest["program"].get(k))
+        raise ExportError(f"{MANIFEST_FILE} and {PROGRAM_FILE} disagree on {differ}; the folder was edited: re-export")
+    if program["trust_code"] is not (program["pickled_because"] is not None):
+        raise ExportError(f"{folder / PROGRAM_FILE}: trust_code and pickled_because disagree")
+    if (program["modules"] is None) is not program["trust_code"] or (program["data"] is None) is not program["trust_code"]:
+        raise ExportError(f"{folder / PROGRAM_FILE}: a data program must carry its modules and programs")
+    tensors = program["tensors"]
+    if not isinstance(tensors, dict):
+        raise ExportError(f"{folder / PROGRAM_FILE}: no tensor table")
+    for key, info in tensors.items():
+        if (
+            not isinstance(info, dict)
+            or set(info) != {"shape", "dtype", "parameter", "requires_grad", "slot"}
+            or not isinstance(info["shape"], list)
+            or not all(type(s) is int and s >= 0 for s in info["shape"])
+            or not isinstance(getattr(torch, str(info["dtype"]), None), torch.dtype)
+            or type(info["parameter"]) is not bool
+            or type(info["requires_grad"]) is not bool
+            or not (info["slot"] is None or (type(info["slot"]) is int and 0 <= info["slot"] < len(devices)))
+        ):
+            raise ExportError(f"{folder / PROGRAM_FILE}: tensor {key!r:.60} is described as {info!r:.80}")
+    return program
+
+
+def read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of weights.safetensors, checked against the program's table (names, shapes, dtypes)."""
+    import safetensors
+    import safetensors.torch
+
+    info = program["tensors"]
+    try:
+        with safetensors.safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+            names = set(f.keys())
+            if names != set(info):
+                missing, extra = sorted(set(info) - names), sorted(names - set(info))
+                raise ExportError(f"{WEIGHTS_FILE} and {PROGRAM_FILE} disagree: missing {missing[:5]}, unexpected {extra[:5]}")
+        weights = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
+    except ExportError:
+        raise
+    except Exception as e:
+        raise ExportError(f"cannot read {folder / WEIGHTS_FILE}: {type(e).__name__}: {e}") from e
+    for key, t in weights.items():
+        want = info[key]
+        if list(t.shape) != want["shape"] or dtype_name(t.dtype) != want["dtype"]:
+            raise ExportError(
+                f"{WEIGHTS_FILE}: tensor {key!r} is {dtype_name(t.dtype)}{list(t.shape)}, the program needs "
+                f"{want['dtype']}{want['shape']}; the folder was edited: re-export"
+            )
+        if want["requires_grad"] and not want["parameter"]:
+            raise ExportError(f"{PROGRAM_FILE}: buffer {key!r} cannot require grad")
+    return weights
+
+

@@ -1,0 +1,412 @@
+"""The program as JSON: graphs (nodes with allowlisted targets) and the module tree.
+
+Values in node arguments and module attributes are JSON with tags for what JSON lacks::
+
+    {"node": "x_dev0"}            a reference to an earlier node (graphs only)
+    {"tuple": [...]}              a tuple (a plain JSON list is a list)
+    {"dict": [[key, value], ...]} a dict (keys: str, int, bool or None)
+    {"slice": [start, stop, step]}, {"float": "inf" | "-inf" | "nan"}, {"ellipsis": null}
+    {"dtype": "float32"}, {"device": "cuda:0"}, {"memory_format": "..."}, {"layout": "strided"}
+    {"size": [...]}               a torch.Size
+    {"fn": "torch.nn.functional.relu"}   an allowlisted function
+    {"tensor": "fc.weight"}       a tensor of weights.safetensors (module attributes only)
+    {"const": "TAKE_FIRST"}       dpcompile.runtime.TAKE_FIRST
+
+Anything else cannot be data: :class:`NotData` says what, and export keeps a pickle that
+only ``load(..., trust_code=True)`` reads.
+"""
+
+from __future__ import annotations
+
+import builtins
+import keyword
+import math
+from collections.abc import Callable, Container, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+from dpcompile.errors import DpCompileError
+from dpcompile.export.allowlist import (
+    NotAllowed,
+    allowed_method,
+    can_rebuild,
+    class_name,
+    qualified_name,
+    resolve_class,
+    resolve_target,
+    safe_attribute,
+)
+from dpcompile.fx_utils import unalias
+
+__all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_value", "encode_tree"]
+
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# attributes a class rebuilds itself after its parameters are in place
+_REBUILT: dict[type, tuple[frozenset[str], Callable[[nn.Module], None]]] = {
+    nn.RNNBase: (frozenset({"_flat_weights", "_flat_weight_refs"}), lambda m: m._init_flat_weights()),
+}
+_RESERVED = frozenset({"self", "torch", *dir(builtins)})
+_OPS = ("placeholder", "get_attr", "call_function", "call_method", "call_module", "output")
+
+
+class NotData(DpCompileError):
+    """Part of a program that JSON cannot hold (a user class, a closure, an odd constant)."""
+
+
+# ------------------------------------------------------------------------------ values
+def encode_value(value: Any, tensors: Mapping[int, str] | None = None) -> Any:
+    """``value`` as tagged JSON (see the module docstring); raises :class:`NotData`."""
+    from dpcompile.runtime import TAKE_FIRST
+
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int) and type(value) is int:
+        return value
+    if isinstance(value, float) and type(value) is float:
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, fx.Node):
+        return {"node": value.name}
+    if isinstance(value, torch.Size):
+        return {"size": [int(v) for v in value]}
+    if type(value) in (list, immutable_list):
+        return [encode_value(v, tensors) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return {"tuple": [encode_value(v, tensors) for v in value]}
+    if type(value) in (dict, immutable_dict):
+        if not all(k is None or type(k) in (str, int, bool) for k in value):
+            raise NotData(f"a dict with keys {list(value)[:4]!r}")
+        return {"dict": [[k, encode_value(v, tensors)] for k, v in value.items()]}
+    if isinstance(value, slice):
+        return {"slice": [encode_value(value.start), encode_value(value.stop), encode_value(value.step)]}
+    if value is Ellipsis:
+        return {"ellipsis": None}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).removeprefix("torch.")}
+    if value is TAKE_FIRST:
+        return {"const": "TAKE_FIRST"}
+    if isinstance(value, torch.Tensor):
+        if tensors is not None and id(value) in tensors:
+            return {"tensor": tensors[id(value)]}
+        raise NotData(f"a tensor constant of shape {tuple(value.shape)} outside the module's state")
+    if callable(value):
+        name = qualified_name(value)
+        if name is not None:
+            return {"fn": name}
+    raise NotData(f"a value of type {type(value).__module__}.{type(value).__qualname__} ({value!r:.60})")
+
+
+def decode_value(data: Any, nodes: Mapping[str, fx.Node] | None = None, tensors: Mapping[str, Any] | None = None) -> Any:
+    """The counterpart of :func:`encode_value`; raises ``ExportError`` for anything unknown."""
+    from dpcompile.export.common import ExportError
+    from dpcompile.runtime import TAKE_FIRST
+
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return data
+    if isinstance(data, list):
+        return [decode_value(v, nodes, tensors) for v in data]
+    if not isinstance(data, dict) or len(data) != 1:
+        raise ExportError(f"program.json holds a value it cannot read: {data!r:.80}")
+    (tag, body), = data.items()
+    try:
+        if tag == "node" and nodes is not None:
+            return nodes[body]
+        if tag == "tuple":
+            return tuple(decode_value(v, nodes, tensors) for v in body)
+        if tag == "dict":
+            out = {}
+            for key, value in body:
+                if not (key is None or type(key) in (str, int, bool)):
+                    raise ExportError(f"program.json: a dict key {key!r:.40}")
+                out[key] = decode_value(value, nodes, tensors)
+            return out
+        if tag == "size":
+            return torch.Size([int(v) for v in body])
+        if tag == "slice":
+            return slice(*(decode_value(v) for v in body))
+        if tag == "float" and body in ("inf", "-inf", "nan"):
+            return float(body)
+        if tag == "ellipsis":
+            return Ellipsis
+        if tag in ("dtype", "memory_format", "layout"):
+            kind = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}[tag]
+            value = getattr(torch, body, None) if isinstance(body, str) and body.isidentifier() else None
+            if isinstance(value, kind):
+                return value
+        if tag == "device" and isinstance(body, str):
+            return torch.device(body)
+        if tag == "fn":
+            return resolve_target(body)
+        if tag == "const" and body == "TAKE_FIRST":
+            return TAKE_FIRST
+        if tag == "tensor" and tensors is not None:
+            return tensors[body]
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ExportError(f"program.json holds a value it cannot read: {data!r:.80} ({e})") from None
+    except NotAllowed as e:
+        raise ExportError(f"program.json: {e}") from None
+    raise ExportError(f"program.json holds a value it cannot read: {data!r:.80}")
+
+
+# ------------------------------------------------------------------------------ graphs
+def encode_graph(graph: fx.Graph) -> dict[str, Any]:
+    """The nodes of ``graph`` as JSON, call targets by allowlisted name."""
+    if type(graph._codegen) is not fx.graph.CodeGen:
+        raise NotData(f"a graph with {type(graph._codegen).__name__} (pytree calling convention)")
+    nodes = []
+    for node in graph.nodes:
+        if node.op == "call_function":
+            target = qualified_name(node.target)
+            if target is None:
+                what = f"{getattr(node.target, '__module__', '?')}.{getattr(node.target, '__qualname__', node.target)!s}"
+                hint = " (a type the model returns: register_output_type)" if isinstance(node.target, type) else ""
+                raise NotData(f"a call of {what}, which is not an allowlisted op{hint}")
+        elif node.op == "call_method" and not allowed_method(node.target) and not safe_attribute(node.target):
+            raise NotData(f"a call of method {node.target!r}")
+        else:
+            target = node.target
+        nodes.append({
+            "op": node.op,
+            "name": node.name,
+            "target": target,
+            "args": encode_value(node.args),
+            "kwargs": encode_value(node.kwargs),
+        })  # fmt: skip
+    return {"nodes": nodes}
+
+
+def decode_graph(data: Any, modules: Container[str] | None = None) -> fx.Graph:
+    """Rebuild a graph from :func:`encode_graph`'s JSON, checking every target.
+
+    ``call_method`` must name a ``torch.Tensor`` method or a submodule path (a module call
+    on a replica); ``get_attr`` / ``call_module`` targets must be attribute paths without
+    dunders (and, given ``modules``, ``call_module`` a module of the tree).
+    """
+    from dpcompile.export.common import ExportError
+
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        raise ExportError("program.json: a graph without a node list")
+    graph = fx.Graph()
+    nodes: dict[str, fx.Node] = {}
+    for item in data["nodes"]:
+        if not isinstance(item, dict) or set(item) != {"op", "name", "target", "args", "kwargs"}:
+            raise ExportError(f"program.json: a node it cannot read: {item!r:.80}")
+        op, name, target = item["op"], item["name"], item["target"]
+        if op not in _OPS or not isinstance(name, str) or not name.isidentifier() or name in nodes:
+            raise ExportError(f"program.json: a node with op {op!r:.20} and name {name!r:.40}")
+        if op == "call_function":
+            try:
+                target = resolve_target(target)
+            except NotAllowed as e:
+                raise ExportError(f"program.json: node {name!r} calls {e}") from None
+        elif op == "call_method":
+            if not (allowed_method(target) or (safe_attribute(target) and modules is not None and unalias(target) in modules)):
+                raise ExportError(f"program.json: node {name!r} calls method {target!r:.60}, which is not a Tensor method")
+        elif op == "placeholder":
+            if not isinstance(target, str) or not target.lstrip("*").isidentifier():
+                raise ExportError(f"program.json: placeholder {target!r:.40}")
+        elif op in ("get_attr", "call_module"):
+            if not safe_attribute(target):
+                raise ExportError(f"program.json: node {name!r} reads {target!r:.60}")
+            if op == "call_module" and modules is not None and unalias(target) not in modules:
+                raise ExportError(f"program.json: node {name!r} calls module {target!r:.60}, which the tree lacks")
+        elif target != "output":
+            raise ExportError(f"program.json: output node with target {target!r:.40}")
+        args = decode_value(item["args"], nodes)
+        kwargs = decode_value(item["kwargs"], nodes)
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ExportError(f"program.json: node {name!r} has malformed arguments")
+        if op == "call_function" and target is getattr and (len(args) < 2 or not safe_attribute(args[1])):
+            raise ExportError(f"program.json: node {name!r} reads attribute {args[1:2]!r:.40}")
+        node = graph.create_node(op, target, args, kwargs, name=name)
+        if node.name != name:
+            raise ExportError(f"program.json: node name {name!r} is taken")
+        nodes[name] = node
+    graph.lint()
+    # a node named like a global of the generated code (``self``, ``torch``, ``getattr``,
+    # ``dpcompile_runtime_scatter``) would make a later call resolve to that node's value
+    code = graph.python_code(root_module="self")
+    clashes = sorted(n for n in nodes if n in code.globals or n in _RESERVED or keyword.iskeyword(n))
+    if clashes:
+        raise ExportError(f"program.json: nodes named {clashes[:3]} would shadow names the generated code uses")
+    return graph
+
+
+# ------------------------------------------------------------------------ module tree
+def _rebuilt_attrs(cls: type) -> tuple[frozenset[str], Callable[[nn.Module], None] | None]:
+    for base, (skip, after) in _REBUILT.items():
+        if issubclass(cls, base):
+            return skip, after
+    return frozenset(), None
+
+
+def encode_tree(
+    pm: nn.Module,
+    used: set[str],
+    tensor_keys: Mapping[int, str],
+    outside: Mapping[str, nn.Module] = {},
+    constants: Mapping[str, torch.Tensor] = {},
+) -> list[dict[str, Any]]:
+    """Every module of ``pm`` (and ``outside`` ones held beside the tree) as JSON entries.
+
+    A module in ``used`` (called by the program, or inside one that is) keeps its class,
+    which must be a ``torch.nn`` or registered class; any other module is stored as a plain
+    container (its parameters, buffers and children, not its Python class).
+    """
+    seen: dict[int, str] = {}
+    entries: list[dict[str, Any]] = []
+
+    def walk(module: nn.Module, path: str, parent_used: bool, is_outside: bool = False) -> None:
+        if id(module) in seen:
+            entries.append({"path": path, "alias": seen[id(module)]})
+            return
+        seen[id(module)] = path
+        is_used = parent_used or path in used
+        cls = type(module)
+        entry: dict[str, Any] = {"path": path, "training": bool(module.training)}
+        if is_outside:
+            entry["outside"] = True
+        if path == "" and not is_outside:
+            entry["class"] = None  # the ParallelModule itself
+        elif can_rebuild(cls):
+            entry["class"] = class_name(cls)
+        elif is_used:
+            raise NotData(
+                f"module '{path}' is a {class_name(cls)}, which the program calls (a leaf module); "
+                "its forward is Python code"
+            )
+        else:
+            entry["class"] = "plain"
+        if entry["class"] not in (None, "plain"):
+            hooks = [h for h in _HOOKS if getattr(module, h, None)]
+            if hooks:
+                raise NotData(f"module '{path}' has {', '.join(hooks)} (Python code)")
+            skip, _ = _rebuilt_attrs(cls)
+            attrs = {}
+            for key, value in module.__dict__.items():
+                if key in _MODULE_INTERNALS or key == "training" or key in skip:
+                    continue
+                try:
+                    attrs[key] = encode_value(value, tensor_keys)
+                except NotData as e:
+                    raise NotData(f"attribute '{key}' of module '{path}' ({class_name(cls)}): {e}") from None
+            entry["attrs"] = attrs
+        entry["parameters"] = {k: None if v is None else tensor_keys[id(v)] for k, v in module._parameters.items()}
+        entry["buffers"] = {k: None if v is None else tensor_keys[id(v)] for k, v in module._buffers.items()}
+        entry["non_persistent"] = sorted(module._non_persistent_buffers_set)
+        if module is pm and not is_outside and constants:  # a variant program's own tensors
+            entry["buffers"].update({k: tensor_keys[id(v)] for k, v in constants.items()})
+            entry["non_persistent"] = sorted({*entry["non_persistent"], *constants})
+        entry["children"] = list(module._modules)
+        entries.append(entry)
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            walk(child, f"{path}.{name}" if path else name, is_used)
+
+    walk(pm, "", False)
+    for path, module in outside.items():
+        walk(module, path, True, is_outside=True)
+    return entries
+
+
+def decode_tree(
+    entries: Any, tensors: Mapping[str, torch.Tensor]
+) -> tuple[nn.Module, dict[str, nn.Module], dict[str, nn.Module]]:
+    """``(root, {path: module}, {outside path: module})`` rebuilt from :func:`encode_tree`'s JSON,
+    without running any constructor: ``cls.__new__`` + ``nn.Module.__init__`` + attributes."""
+    from dpcompile.export.common import ExportError
+
+    if not isinstance(entries, list) or not entries:
+        raise ExportError("program.json: no module tree")
+    modules: dict[str, nn.Module] = {}
+    outside: dict[str, nn.Module] = {}
+    pending_children: list[tuple[nn.Module, str, list]] = []
+    after: list[tuple[nn.Module, Callable[[nn.Module], None]]] = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ExportError(f"program.json: a module entry it cannot read: {entry!r:.80}")
+        path = entry["path"]
+        if path in modules or (path and not safe_attribute(path)):
+            raise ExportError(f"program.json: module path {path!r:.60}")
+        if "alias" in entry:
+            if set(entry) != {"path", "alias"} or entry["alias"] not in modules:
+                raise ExportError(f"program.json: module {path!r} aliases an unknown module")
+            modules[path] = modules[entry["alias"]]
+            continue
+        known = {"path", "training", "class", "attrs", "parameters", "buffers", "non_persistent", "children", "outside"}
+        if not set(entry) <= known or not {"class", "parameters", "buffers", "children"} <= set(entry):
+            raise ExportError(f"program.json: module {path!r} has fields {sorted(entry)}")
+        name = entry["class"]
+        if name is None or name == "plain":
+            module = nn.Module()
+        else:
+            try:
+                cls = resolve_class(name)
+            except NotAllowed as e:
+                raise ExportError(f"program.json: module {path!r}: {e}") from None
+            module = cls.__new__(cls)
+            nn.Module.__init__(module)
+            skip, post = _rebuilt_attrs(cls)
+            attrs = entry.get("attrs", {})
+            if not isinstance(attrs, dict):
+                raise ExportError(f"program.json: module {path!r} attributes")
+            for key, value in attrs.items():
+                if not safe_attribute(key) or "." in key or key in _MODULE_INTERNALS or key in skip or key == "training":
+                    raise ExportError(f"program.json: module {path!r} attribute {key!r:.40}")
+                held = getattr(cls, key, None)
+                if callable(held) or isinstance(held, property):
+                    raise ExportError(f"program.json: module {path!r} would shadow {cls.__name__}.{key}")
+                module.__dict__[key] = decode_value(value, None, tensors)
+            if post is not None:
+                after.append((module, post))
+        module.training = bool(entry.get("training", True))
+        for field, store in (("parameters", module._parameters), ("buffers", module._buffers)):
+            table = entry[field]
+            if not isinstance(table, dict):
+                raise ExportError(f"program.json: module {path!r} {field}")
+            for key, tensor_key in table.items():
+                if not isinstance(key, str) or not key.isidentifier():
+                    raise ExportError(f"program.json: module {path!r} {field[:-1]} {key!r:.40}")
+                if tensor_key is None:
+                    store[key] = None
+                    continue
+                if tensor_key not in tensors:
+                    raise ExportError(f"program.json: module {path!r} refers to tensor {tensor_key!r:.60}, which weights lack")
+                value = tensors[tensor_key]
+                if (field == "parameters") != isinstance(value, nn.Parameter):
+                    raise ExportError(f"program.json: tensor {tensor_key!r} is not a {field[:-1]}")
+                store[key] = value
+        module._non_persistent_buffers_set = set(entry.get("non_persistent", []))
+        children = entry["children"]
+        if not isinstance(children, list):
+            raise ExportError(f"program.json: module {path!r} children")
+        pending_children.append((module, path, children))
+        if entry.get("outside"):
+            if path == "" or "." in path:
+                raise ExportError(f"program.json: outside module {path!r}")
+            outside[path] = module
+        modules[path] = module
+    for module, path, children in pending_children:
+        for child in children:
+            if not isinstance(child, str) or not child.isidentifier() and not child.isdigit():
+                raise ExportError(f"program.json: module {path!r} child {child!r:.40}")
+            full = f"{path}.{child}" if path else child
+            if full not in modules:
+                raise ExportError(f"program.json: module {full!r} is listed but not described")
+            module._modules[child] = modules[full]
+    for module, post in after:
+        post(module)
+    if "" not in modules:
+        raise ExportError("program.json: the module tree has no root")
+    return modules[""], modules, outside

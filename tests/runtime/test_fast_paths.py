@@ -1,0 +1,67 @@
+"""The runtime's fast paths give what the general paths give."""
+
+import torch
+from torch import nn
+
+from dpcompile import runtime
+from dpcompile.runtime.comm import as_devices
+from dpcompile.runtime.replicate import _first_tensor_device
+
+
+def test_scatter_of_a_tensor_on_virtual_devices_gives_views():
+    """A tensor split over virtual devices comes back as tensor_split's views, gradients intact."""
+    x = torch.randn(7, 3, requires_grad=True)
+    chunks = runtime.scatter(x, ["cpu"] * 3, 0)
+    assert [c.shape[0] for c in chunks] == [3, 2, 2]
+    assert all(c._base is x for c in chunks)
+    torch.cat(chunks).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(7, 3))
+
+
+def test_scatter_and_gather_of_structures_unchanged():
+    """Structures still split leaf by leaf and gather back (dicts, tuples, None, scalars)."""
+    value = {"a": torch.arange(6.0).view(3, 2), "b": (None, 5, torch.ones(3))}
+    parts = runtime.scatter(value, ["cpu", "cpu"], 0)
+    assert parts[0]["b"][:2] == (None, 5) and parts[1]["a"].shape == (1, 2)
+    back = runtime.gather(list(parts), 0, "cpu")
+    torch.testing.assert_close(back["a"], value["a"])
+    torch.testing.assert_close(back["b"][2], value["b"][2])
+
+
+def test_gather_of_tensors_matches_cat():
+    """The tensor fast path of gather is torch.cat on the output device."""
+    a, b = torch.randn(2, 3), torch.randn(4, 3)
+    torch.testing.assert_close(runtime.gather([a, b], 0, "cpu"), torch.cat([a, b]))
+    torch.testing.assert_close(runtime.gather([a, b], 0, torch.device("cpu")), torch.cat([a, b]))
+
+
+def test_device_literals_parse_once_to_the_same_devices():
+    """Device strings and torch.device objects parse to tuples of devices, each literal once."""
+    first = as_devices(["cpu", "cpu"])
+    assert first == (torch.device("cpu"), torch.device("cpu"))
+    assert as_devices(["cpu", "cpu"]) is first
+    assert as_devices([torch.device("cpu")]) == (torch.device("cpu"),)
+
+
+def test_broadcast_on_virtual_devices_returns_the_tensor_itself():
+    """No copies where every device is the tensor's own."""
+    w = torch.randn(3)
+    assert all(c is w for c in runtime.broadcast(w, ["cpu"] * 3))
+
+
+def test_first_tensor_device_follows_a_replaced_parameter():
+    """The cached 'first tensor' of a module is looked up again once it is replaced."""
+    lin = nn.Linear(2, 2)
+    assert _first_tensor_device({"lin": lin}) == torch.device("cpu")
+    lin.weight = nn.Parameter(torch.randn(2, 2, dtype=torch.float64))
+    assert _first_tensor_device({"lin": lin}) == torch.device("cpu")
+    seq = nn.Sequential()
+    assert _first_tensor_device({"seq": seq}) is None
+
+
+def test_virtual_replicate_roots_alias_the_modules():
+    """On virtual devices every replica root holds the original modules, readable as attributes."""
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    roots = runtime.replicate({"seq": seq}, ["cpu", "cpu"])
+    assert len(roots) == 2 and all(r.seq is seq for r in roots)
+    assert getattr(roots[0], "seq.0") is seq[0]

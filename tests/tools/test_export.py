@@ -1,0 +1,856 @@
+"""export / load: the program as data, safetensors weights, integrity, fresh-process round trips,
+variants (eval/train, optional arguments None) after load, and tampering that never runs code."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import dpcompile
+from dpcompile.export import ExportError, register_module_class, register_output_type
+from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.tensor_parallel import TensorParallelModule
+
+REPO = Path(dpcompile.__file__).resolve().parents[1]
+
+
+class Encoder(nn.Module):
+    """A user container the generated code never calls (its children are called)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.lstm = nn.LSTM(16, 12, batch_first=True)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.fc(x)))
+        out, _ = self.lstm(h.unsqueeze(1))
+        return out.squeeze(1)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Encoder()
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(x)), x.sum()
+
+
+class Dropping(nn.Module):
+    """Functional dropout reads self.training (baked into the trace) and an optional mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x, mask=None):
+        h = F.dropout(torch.relu(self.fc(x)), 0.5, self.training)
+        if mask is not None:
+            h = h * mask
+        return self.out(h)
+
+
+class Tagger(nn.Module):
+    """An RNN program: embedding, an LSTM over (time, batch) that flattens its weights in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.lstm = nn.LSTM(8, 10, num_layers=2, bidirectional=True)
+        self.norm = nn.LayerNorm(20)
+        self.out = nn.Linear(20, 5)
+
+    def forward(self, tokens):
+        self.lstm.flatten_parameters()
+        h, _ = self.lstm(self.embed(tokens))
+        return self.out(self.norm(h))
+
+
+class Twice(nn.Module):
+    """A user class the program calls as a leaf: its forward is Python code."""
+
+    def forward(self, x):
+        return 2 * x
+
+
+class WithLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.twice = Twice()
+
+    def forward(self, x):
+        return self.twice(self.fc(x))
+
+
+def _trained_dp(devices=("cpu", "cpu")) -> tuple[Model, dpcompile.ParallelModule]:
+    model = Model()
+    pm = dpcompile.transform(model, list(devices))
+    pm(torch.randn(10, 8))  # move the running statistics away from their defaults
+    pm.eval()
+    return model, pm
+
+
+def _tp() -> tuple[nn.Module, TensorParallelModule, torch.Tensor]:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.LayerNorm(8))
+    x = torch.randn(5, 16)
+    return model, dpcompile.transform(model, ["cpu", "cpu"], tensor_parallel=True, example_inputs=(x,)), x
+
+
+# ----------------------------------------------------------------------- fresh process
+_RUN = textwrap.dedent(
+    """
+    import sys, torch, dpcompile
+    folder, data = sys.argv[1], torch.load(sys.argv[2])
+    pm = dpcompile.load(folder, devices=data["devices"])
+    assert isinstance(pm, dpcompile.ParallelModule)
+    for mode, args, kwargs, want in data["calls"]:
+        pm.train(mode == "train")
+        out = pm(*args, **kwargs)
+        out = out if isinstance(out, tuple) else (out,)
+        if want == "random":  # dropout on: two calls differ
+            again = pm(*args, **kwargs)
+            again = again if isinstance(again, tuple) else (again,)
+            assert not torch.equal(out[0], again[0]), "dropout is off in training mode"
+            continue
+        want = want if isinstance(want, tuple) else (want,)
+        for a, b in zip(out, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if data["keys"] is not None:
+        assert sorted(pm.state_dict()) == data["keys"], sorted(pm.state_dict())
+    print("OK", type(pm).__mro__[1].__name__, len(pm.devices))
+    """
+)
+
+
+def _load_in_fresh_process(folder, tmp_path, calls, keys=None, devices=None) -> str:
+    """Load ``folder`` in a new interpreter (the test's classes are not importable there)
+    and check each ``(mode, args, kwargs, want)`` call."""
+    data = tmp_path / "data.pt"
+    torch.save({"calls": calls, "keys": None if keys is None else sorted(keys), "devices": devices}, data)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN, str(folder), str(data)], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_export_data_parallel_loads_in_a_fresh_process(tmp_path):
+    """A DP module (BatchNorm, LSTM, a user container class) loads elsewhere with identical outputs and keys."""
+    model, pm = _trained_dp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    x = torch.randn(7, 8)
+    out = _load_in_fresh_process(folder, tmp_path, [("eval", (x,), {}, pm(x)), ("eval", (x[:1],), {}, pm(x[:1]))],
+                                 model.state_dict().keys())  # fmt: skip
+    assert out.startswith("OK ParallelModule 2")
+
+
+def test_export_tensor_parallel_loads_in_a_fresh_process(tmp_path):
+    """A TP module loads elsewhere with identical outputs and the original state_dict keys."""
+    model, pm, x = _tp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    out = _load_in_fresh_process(folder, tmp_path, [("train", (x,), {}, pm(x))], model.state_dict().keys())
+    assert out.startswith("OK TensorParallelModule 2")
+
+
+def test_export_rnn_program_loads_in_a_fresh_process(tmp_path):
+    """A bidirectional 2-layer LSTM over (time, batch), flattened in forward, loads with identical outputs."""
+    model = Tagger().eval()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    assert "flatten_parameters" in pm.code
+    folder = dpcompile.export(pm, tmp_path / "out")
+    tokens = torch.randint(0, 20, (6, 4))  # (time, batch): split on dim 1
+    out = _load_in_fresh_process(folder, tmp_path, [("eval", (tokens,), {}, model(tokens))], model.state_dict().keys())
+    assert out.startswith("OK")
+
+
+def test_load_honours_eval_and_train_without_the_model_class(tmp_path):
+    """In a process without the class, eval() turns functional dropout off and train() on."""
+    model = Dropping()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    folder = dpcompile.export(pm, tmp_path / "out")
+    model.eval()
+    x, mask = torch.randn(4, 6), torch.rand(4, 6)
+    calls = [("eval", (x, mask), {}, model(x, mask)), ("train", (x, mask), {}, "random"), ("eval", (x, mask), {}, model(x, mask))]
+    _load_in_fresh_process(folder, tmp_path, calls)
+
+
+def test_load_runs_an_optional_argument_left_none_without_the_model_class(tmp_path):
+    """Optional arguments left None (positionally, by keyword, omitted) run the program traced for None."""
+    model = Dropping().eval()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    folder = dpcompile.export(pm, tmp_path / "out")
+    x, mask = torch.randn(5, 6), torch.rand(5, 6)
+    calls = [("eval", (x,), {}, model(x)), ("eval", (x, None), {}, model(x)), ("eval", (x,), {"mask": mask}, model(x, mask)),
+             ("train", (x,), {}, "random")]  # fmt: skip
+    _load_in_fresh_process(folder, tmp_path, calls)
+
+
+def test_load_refuses_a_call_it_carries_no_program_for(tmp_path):
+    """A traced-through module in another mode than the root: a clear DpCompileError, not the wrong program."""
+    model, pm = _trained_dp()
+    loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "out"))
+    loaded.eval()
+    loaded.encoder.train()
+    with pytest.raises(dpcompile.DpCompileError, match="mixed-mode.*not available to trace again"):
+        loaded(torch.randn(4, 8))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.pool(F.relu(self.bn(self.conv(x)))).flatten(1))
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(30, 16, padding_idx=0)
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        h = self.layer(self.embed(tokens))
+        h, _ = self.mha(h, h, h)
+        return self.head(h.mean(1))
+
+
+class Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, double: bool = False, times: int = 1):
+        h = self.fc(x)
+        if times > 1:
+            h = h * times
+        return h * 2 if double else h
+
+
+@pytest.mark.parametrize(
+    "make, example",
+    [(ConvNet, lambda: torch.randn(4, 3, 8, 8)), (Attention, lambda: torch.randint(0, 30, (4, 5))),
+     (lambda: nn.LSTM(4, 6), lambda: torch.randn(5, 4, 4))],
+    ids=["conv-batchnorm", "transformer-mha-embedding", "lstm-as-the-model"],
+)  # fmt: skip
+def test_export_rebuilds_torch_nn_modules_as_data(tmp_path, make, example):
+    """Conv/BatchNorm, TransformerEncoderLayer/MultiheadAttention/Embedding and a bare LSTM load as data."""
+    model = make().eval()
+    folder = dpcompile.export(dpcompile.transform(model, ["cpu", "cpu"]), tmp_path / "out")
+    assert not (folder / "program.pkl").exists()
+    x = example()
+    got, want = dpcompile.load(folder).eval()(x), model(x)
+    torch.testing.assert_close(got[0] if isinstance(got, tuple) else got, want[0] if isinstance(want, tuple) else want)
+
+
+def test_load_runs_both_values_of_a_bool_flag_and_refuses_other_flag_values(tmp_path):
+    """A bool flag's both values are carried; an int flag other than the traced value raises DpCompileError."""
+    model = Flagged()
+    loaded = dpcompile.load(dpcompile.export(dpcompile.transform(model, ["cpu", "cpu"]), tmp_path / "out"))
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(loaded(x), model(x))
+    torch.testing.assert_close(loaded(x, True), model(x, True))
+    torch.testing.assert_close(loaded(x, double=True), model(x, double=True))
+    with pytest.raises(dpcompile.DpCompileError, match="times=3.*not available to trace again"):
+        loaded(x, True, 3)
+
+
+def test_load_tensor_parallel_honours_eval_and_none_arguments(tmp_path):
+    """A TP program carries its eval and mask=None programs: after load, eval() matches the model."""
+    model = Dropping()
+    x, mask = torch.randn(4, 6), torch.rand(4, 6)
+    pm = dpcompile.transform(model, ["cpu", "cpu"], tensor_parallel={"fc": "column", "out": "row"}, example_inputs=(x, mask))
+    loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "out")).eval()
+    model.eval()
+    torch.testing.assert_close(loaded(x, mask), model(x, mask))
+    torch.testing.assert_close(loaded(x), model(x))
+    loaded.train()
+    assert not torch.equal(loaded(x), loaded(x))
+
+
+class Constants(nn.Module):
+    """Tensors made in forward become the tracer's constants, in the main program and the variants."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        h = self.fc(x) * torch.tensor([1.0, 2.0, 3.0, 4.0])
+        if mask is not None:
+            h = h + mask * torch.tensor([0.5, 0.5, 0.5, 0.5])
+        return F.dropout(h, 0.5, self.training)
+
+
+def test_export_carries_tensor_constants_of_every_variant(tmp_path):
+    """Constants a variant program holds are stored once each and read by the loaded variants."""
+    model = Constants()
+    folder = dpcompile.export(dpcompile.transform(model, ["cpu", "cpu"]), tmp_path / "out")
+    assert any(k.startswith("_dpcompile_variant") for k in load_file(folder / "weights.safetensors"))
+    loaded = dpcompile.load(folder).eval()
+    model.eval()
+    x, mask = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(loaded(x), model(x))
+    torch.testing.assert_close(loaded(x, mask), model(x, mask))
+    torch.testing.assert_close(loaded(x[:1], mask[:1]), model(x[:1], mask[:1]))
+    assert "_tensor_constant" not in set(model.state_dict()) and set(loaded.state_dict()) == set(model.state_dict())
+
+
+def test_allowlist_resolves_torch_ops_and_refuses_the_rest():
+    """Qualified names resolve to torch ops (ATen overloads included); file and global-state functions do not."""
+    from dpcompile.export.allowlist import NotAllowed, qualified_name, resolve_target
+
+    for op in (torch.relu, F.dropout, torch._C._nn.linear, torch.ops.aten.add.Tensor, torch.Tensor.add):
+        assert resolve_target(qualified_name(op)) is op
+    for name in ("torch.load", "torch.save", "torch.from_file", "torch.ops.aten.from_file.default", "torch.manual_seed",
+                 "os.system", "builtins.eval", "builtins.open", "operator.attrgetter", "torch.hub.load",
+                 "torch.Tensor.numpy", "dpcompile.runtime.distributed.all_reduce", "math.__loader__"):  # fmt: skip
+        with pytest.raises(NotAllowed):
+            resolve_target(name)
+
+
+# ---------------------------------------------------------------------------- the folder
+def test_export_writes_program_weights_module_and_manifest(tmp_path):
+    """The folder holds module.py, program.json, weights.safetensors (state_dict keys, readable by
+    safetensors alone) and a manifest listing each file's size and sha256."""
+    model, pm = _trained_dp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "module.py", "program.json", "weights.safetensors"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and manifest["program"]["kind"] == "data_parallel"
+    assert manifest["program"]["devices"] == ["cpu", "cpu"] and manifest["program"]["trust_code"] is False
+    for name, entry in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    weights = load_file(folder / "weights.safetensors")
+    assert set(weights) == set(model.state_dict())
+    assert torch.equal(weights["encoder.bn.running_mean"], pm.state_dict()["encoder.bn.running_mean"])
+    program = json.loads((folder / "program.json").read_text())
+    assert program["config"]["plan"] == {} and program["config"]["input_dims"] == dict(pm.input_dims)
+
+
+def test_export_names_tensor_parallel_shards_after_the_state_dict_key(tmp_path):
+    """Shard k of 'fc.weight' is stored as 'fc.weight.shard<k>'; replicated tensors keep their key."""
+    model, pm, _ = _tp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    weights = load_file(folder / "weights.safetensors")
+    assert {"0.weight.shard0", "0.weight.shard1", "2.weight.shard1", "2.bias", "3.weight"} <= set(weights)
+    full = model.state_dict()["0.weight"]
+    torch.testing.assert_close(torch.cat([weights["0.weight.shard0"], weights["0.weight.shard1"]]), full)
+
+
+def test_export_module_py_is_the_importable_generated_forward(tmp_path):
+    """module.py imports with torch + dpcompile, and its forward run on the loaded module gives pm's output."""
+    _, pm = _trained_dp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    text = (folder / "module.py").read_text()
+    assert "dpcompile_runtime_scatter(x, ['cpu', 'cpu'], 0)" in text and "never runs this file" in text
+    spec = importlib.util.spec_from_file_location("exported_module", folder / "module.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loaded = dpcompile.load(folder)
+    x = torch.randn(6, 8)
+    generated = module.Model.forward(loaded, x)
+    assert all(torch.equal(a, b) for a, b in zip(generated, pm(x)))
+
+
+def test_export_module_py_imports_with_string_annotations(tmp_path):
+    """A forward annotated under `from __future__ import annotations` still gives an importable module.py."""
+    from dpcompile.demo import build
+
+    model, example = build()
+    pm = dpcompile.transform(model, ["cpu", "cpu"], example_inputs=example)
+    folder = dpcompile.export(pm, tmp_path / "out")
+    spec = importlib.util.spec_from_file_location("exported_demo", folder / "module.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.testing.assert_close(module.DemoModel.forward(dpcompile.load(folder), *example), pm(*example))
+
+
+def test_load_returns_only_the_recorded_kind(tmp_path):
+    """A DP folder loads as a (non tensor-parallel) ParallelModule, a TP folder as a TensorParallelModule."""
+    _, dp = _trained_dp()
+    _, tp, _ = _tp()
+    loaded_dp = dpcompile.load(dpcompile.export(dp, tmp_path / "dp"))
+    loaded_tp = dpcompile.load(dpcompile.export(tp, tmp_path / "tp"))
+    assert isinstance(loaded_dp, ParallelModule) and not isinstance(loaded_dp, TensorParallelModule)
+    assert isinstance(loaded_tp, TensorParallelModule) and loaded_tp.mode == "tensor_parallel"
+
+
+def test_load_regenerates_a_data_parallel_program_for_other_devices(tmp_path):
+    """Exported for 4 virtual devices, loaded on 3: same outputs, code for 3 devices."""
+    _, pm = _trained_dp(["cpu"] * 4)
+    folder = dpcompile.export(pm, tmp_path / "out")
+    loaded = dpcompile.load(folder, devices=["cpu"] * 3)
+    x = torch.randn(9, 8)
+    assert len(loaded.devices) == 3 and "'cpu', 'cpu', 'cpu']" in loaded.code and "x_dev3" not in loaded.code
+    torch.testing.assert_close(loaded(x), pm(x))
+
+
+def test_load_puts_a_cuda_export_on_cpu_devices(tmp_path, monkeypatch):
+    """A program exported for cuda:0..3 refuses to load here without devices= and loads on ['cpu'] * 4."""
+    import dpcompile.recipes.data_parallel as data_parallel
+    from dpcompile.devices import parse_devices
+
+    model = Model().eval()
+    monkeypatch.setattr(data_parallel, "move_to", lambda module, device: None)  # no CUDA here: keep the weights on the CPU
+    devices = parse_devices([f"cuda:{k}" for k in range(4)], check_available=False)
+    pm = data_parallel.DataParallelRecipe(devices=devices, output_device=devices.primary).compile(model, None)
+    assert "'cuda:3'" in pm.code
+    folder = dpcompile.export(pm, tmp_path / "out")
+    if not torch.cuda.is_available():
+        with pytest.raises(ExportError, match="devices="):
+            dpcompile.load(folder)
+    loaded = dpcompile.load(folder, devices=["cpu"] * 4)
+    assert "cuda" not in loaded.code
+    x = torch.randn(8, 8)
+    want, got = model(x), loaded(x)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+
+
+def test_loaded_module_pickles_with_its_variants(tmp_path):
+    """torch.save / torch.load of a loaded program keeps its eval and None-argument programs."""
+    model = Dropping().eval()
+    loaded = dpcompile.load(dpcompile.export(dpcompile.transform(model, ["cpu", "cpu"]), tmp_path / "out"))
+    torch.save(loaded, tmp_path / "pm.pt")
+    again = torch.load(tmp_path / "pm.pt", weights_only=False).eval()
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(again(x), model(x))
+
+
+# ---------------------------------------------------------------------------- refusals
+def test_load_refuses_an_incompatible_format_version(tmp_path):
+    """A manifest of another export format version raises DpCompileError naming both versions."""
+    _, pm = _trained_dp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(dpcompile.DpCompileError, match="version 99.*reads version 2"):
+        dpcompile.load(folder)
+
+
+def test_load_refuses_a_folder_with_a_missing_file(tmp_path):
+    """Without weights.safetensors the load stops with a DpCompileError before building anything."""
+    _, pm = _trained_dp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    (folder / "weights.safetensors").unlink()
+    with pytest.raises(dpcompile.DpCompileError, match="missing weights.safetensors"):
+        dpcompile.load(folder)
+
+
+def test_load_refuses_a_changed_file(tmp_path):
+    """A program.json that no longer matches its checksum is refused."""
+    _, pm = _trained_dp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    with open(folder / "program.json", "ab") as f:
+        f.write(b" ")
+    with pytest.raises(dpcompile.DpCompileError, match="checksum"):
+        dpcompile.load(folder)
+
+
+def test_load_refuses_something_that_is_not_an_export(tmp_path):
+    """A folder without a manifest, or no folder at all, says so."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(dpcompile.DpCompileError, match="no manifest.json"):
+        dpcompile.load(tmp_path / "empty")
+    with pytest.raises(dpcompile.DpCompileError, match="not a folder"):
+        dpcompile.load(tmp_path / "nowhere")
+
+
+def test_load_refuses_a_malformed_manifest_with_a_dpcompile_error(tmp_path):
+    """A manifest that is not an object, lacks or mangles a field, or adds one, raises DpCompileError."""
+    _, pm = _trained_dp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    good = json.loads((folder / "manifest.json").read_text())
+    broken = [[1], {k: v for k, v in good.items() if k != "program"}, {**good, "files": "all"},
+              {**good, "program": {**good["program"], "devices": "cpu"}}, {**good, "tensors": {}},
+              {**good, "program": {**good["program"], "kind": "tensor_parallel"}}]  # fmt: skip
+    for manifest in broken:
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(dpcompile.DpCompileError, match="manifest|re-export|disagree"):
+            dpcompile.load(folder)
+
+
+def test_export_refuses_a_program_over_a_mesh(tmp_path):
+    """An SPMD program is refused with a message saying what to ship instead."""
+    _, pm = _trained_dp()
+    pm.mode = "spmd_data_parallel"
+    with pytest.raises(ExportError, match="state_dict"):
+        dpcompile.export(pm, tmp_path / "out")
+
+
+def test_export_refuses_a_folder_holding_other_files(tmp_path):
+    """Exporting into a folder with files of its own would leave unlisted files: refused."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="empty folder"):
+        dpcompile.export(_trained_dp()[1], tmp_path / "out")
+
+
+# ----------------------------------------------------------------- trust_code (leaves)
+def test_export_of_a_user_leaf_class_needs_trust_code_to_load(tmp_path):
+    """A program calling a user class (a leaf) is written with program.pkl, marked in the manifest;
+    load refuses it and says why and how; load(trust_code=True) runs it."""
+    model = WithLeaf()
+    pm = dpcompile.transform(model, ["cpu", "cpu"], leaf_modules=[Twice])
+    folder = dpcompile.export(pm, tmp_path / "out")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["program"]["trust_code"] is True and "program.pkl" in manifest["files"]
+    with pytest.raises(ExportError, match=r"Twice.*trust_code=True.*register_module_class"):
+        dpcompile.load(folder)
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(dpcompile.load(folder, trust_code=True)(x), model(x))
+
+
+def test_trusted_pickle_that_is_not_a_parallel_module_is_refused(tmp_path):
+    """Even with trust_code=True, a program.pkl that unpickles to something else (an int) is refused."""
+    folder = dpcompile.export(dpcompile.transform(WithLeaf(), ["cpu", "cpu"], leaf_modules=[Twice]), tmp_path / "out")
+    (folder / "program.pkl").write_bytes(pickle.dumps(42))
+    _rehash(folder)
+    with pytest.raises(ExportError, match="not a ParallelModule"):
+        dpcompile.load(folder, trust_code=True)
+
+
+def test_export_of_a_model_with_root_hooks_needs_trust_code(tmp_path):
+    """A forward hook on the model runs around the program (Python code): the folder needs trust_code."""
+    model = MLP()
+    model.register_forward_hook(lambda module, args, out: out * 2)
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    folder = dpcompile.export(pm, tmp_path / "out")
+    with pytest.raises(ExportError, match="forward hooks"):
+        dpcompile.load(folder)
+
+
+def test_export_of_a_registered_leaf_class_is_data(tmp_path):
+    """A leaf class registered with register_module_class is rebuilt as data: no pickle, no trust_code."""
+
+    class Halve(nn.Module):
+        def forward(self, x):
+            return x / 2
+
+    class UsesHalve(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.halve = Halve()
+
+        def forward(self, x):
+            return self.halve(self.fc(x))
+
+    register_module_class(Halve)
+    model = UsesHalve()
+    folder = dpcompile.export(dpcompile.transform(model, ["cpu", "cpu"], leaf_modules=[Halve]), tmp_path / "out")
+    assert not (folder / "program.pkl").exists()
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(dpcompile.load(folder)(x), model(x))
+
+
+Halves = collections.namedtuple("Halves", "low high")
+
+
+@dataclasses.dataclass
+class Scores:
+    logits: torch.Tensor
+    total: torch.Tensor
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return Halves(h[:, :2], h[:, 2:]), Scores(h, h.sum())
+
+
+def test_export_of_registered_output_types_is_data(tmp_path):
+    """A namedtuple and a dataclass the model returns need trust_code, unless registered: then data."""
+    model = Structured()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    folder = dpcompile.export(pm, tmp_path / "pickled")
+    with pytest.raises(ExportError, match="register_output_type"):
+        dpcompile.load(folder)
+    register_output_type(Halves)
+    register_output_type(Scores)
+    folder = dpcompile.export(pm, tmp_path / "data")
+    assert not (folder / "program.pkl").exists()
+    x = torch.randn(4, 4)
+    (low, high), scores = dpcompile.load(folder)(x)
+    (want_low, want_high), want = model(x)
+    torch.testing.assert_close(low, want_low)
+    torch.testing.assert_close(scores.total, want.total)
+
+
+# --------------------------------------------------------------------------- tampering
+def _rehash(folder: Path) -> None:
+    """What a tamperer does after editing: recompute every size and checksum in the manifest."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name in list(manifest["files"]):
+        if (folder / name).exists():
+            data = (folder / name).read_bytes()
+            manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit_program(folder: Path, edit) -> None:
+    program = json.loads((folder / "program.json").read_text())
+    edit(program)
+    (folder / "program.json").write_text(json.dumps(program))
+    _rehash(folder)
+
+
+class _Payload:
+    """Unpickling this creates ``path``: proof that code from the folder ran."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture
+def exported(tmp_path):
+    _, pm = _trained_dp()
+    folder = dpcompile.export(pm, tmp_path / "out")
+    marker = tmp_path / "PWNED"
+    return folder, marker
+
+
+def _node(program, op):
+    return next(n for n in program["data"]["graph"]["nodes"] if n["op"] == op)
+
+
+@pytest.mark.parametrize("target", ["os.system", "builtins.eval", "builtins.exec", "torch.load", "subprocess.call",
+                                    "posix.system", "torch.hub.load", "builtins.__import__", "torch.from_file"])  # fmt: skip
+def test_tampered_program_json_call_target_never_runs(exported, target):
+    """A call of os.system / eval / torch.load ... planted in program.json (rehashed) is refused; the payload never runs."""
+    folder, marker = exported
+
+    def plant(program):
+        node = _node(program, "call_function")
+        node["target"] = target
+        node["args"] = [f"touch {marker}"] if target.endswith(("system", "call")) else [f"open({str(marker)!r}, 'w')"]
+        node["args"] = {"tuple": node["args"]}
+
+    _edit_program(folder, plant)
+    with pytest.raises(ExportError, match="not an op a loaded program may call"):
+        dpcompile.load(folder)
+    assert not marker.exists()
+
+
+def test_tampered_program_json_module_class_and_attribute_never_run(exported):
+    """A module class or an attribute function outside the allowlist is refused; the payload never runs."""
+    folder, marker = exported
+
+    def plant_class(program):
+        program["modules"][1]["class"] = "os._wrap_close"
+
+    _edit_program(folder, plant_class)
+    with pytest.raises(ExportError, match="neither a torch.nn class"):
+        dpcompile.load(folder)
+
+    def plant_attribute(program):
+        program["modules"][1]["class"] = "plain"
+        linear = next(m for m in program["modules"] if (m.get("class") or "").endswith("Linear"))
+        linear["attrs"]["activation"] = {"fn": "os.system"}
+
+    _edit_program(folder, plant_attribute)
+    with pytest.raises(ExportError, match="os.system"):
+        dpcompile.load(folder)
+
+    def shadow_forward(program):
+        linear = next(m for m in program["modules"] if (m.get("class") or "").endswith("Linear"))
+        linear["attrs"] = {"forward": {"fn": "torch.relu"}}
+
+    _edit_program(folder, shadow_forward)
+    with pytest.raises(ExportError, match="would shadow Linear.forward"):
+        dpcompile.load(folder)
+    assert not marker.exists()
+
+
+def test_tampered_program_json_dunder_access_is_refused(exported):
+    """getattr chains to __class__/__globals__ (the way out of a sandbox) are refused."""
+    folder, _ = exported
+
+    def plant(program):
+        node = _node(program, "get_attr")
+        node["target"] = "encoder.forward.__globals__"
+
+    _edit_program(folder, plant)
+    with pytest.raises(ExportError, match="reads"):
+        dpcompile.load(folder)
+
+
+@pytest.mark.parametrize("name", ["self", "torch", "getattr", "dpcompile_runtime_gather"])
+def test_tampered_program_json_node_shadowing_a_global_is_refused(exported, name):
+    """A node renamed to a name the generated code calls through (self, torch, a runtime function) is refused."""
+    folder, _ = exported
+
+    def rename(program):
+        node = _node(program, "call_function")
+        old = node["name"]
+        node["name"] = name
+        text = json.dumps(program["data"]["graph"]).replace(json.dumps({"node": old}), json.dumps({"node": name}))
+        program["data"]["graph"] = json.loads(text)
+
+    _edit_program(folder, rename)
+    with pytest.raises(ExportError, match="shadow|taken|module.py is not the program"):
+        dpcompile.load(folder)
+
+
+def test_tampered_program_json_nested_too_deep_is_refused(exported):
+    """A value nested beyond the recursion limit is an ExportError, not a crash."""
+    folder, _ = exported
+
+    program = json.loads((folder / "program.json").read_text())
+    _node(program, "call_function")["args"] = "NESTED"
+    deep = '{"tuple": [' * 100_000 + "0" + "]}" * 100_000
+    (folder / "program.json").write_text(json.dumps(program).replace('"NESTED"', deep))
+    _rehash(folder)
+    with pytest.raises(ExportError):
+        dpcompile.load(folder)
+
+
+def test_tampered_weights_payload_never_runs(exported):
+    """weights.safetensors replaced by a pickle payload (rehashed): refused; the payload never runs."""
+    folder, marker = exported
+    (folder / "weights.safetensors").write_bytes(pickle.dumps(_Payload(marker)))
+    _rehash(folder)
+    with pytest.raises(ExportError, match="weights.safetensors"):
+        dpcompile.load(folder)
+    assert not marker.exists()
+
+
+def test_tampered_module_py_is_refused_and_never_runs(exported):
+    """A module.py edited to hold a payload (rehashed) differs from the program it must equal: refused, never run."""
+    folder, marker = exported
+    text = (folder / "module.py").read_text()
+    (folder / "module.py").write_text(f"open({str(marker)!r}, 'w')\n" + text.replace("x_dev0.sum()", "x_dev0.sum() * 0"))
+    _rehash(folder)
+    with pytest.raises(ExportError, match="module.py is not the program"):
+        dpcompile.load(folder)
+    assert not marker.exists()
+
+
+def test_tampered_manifest_smuggling_a_pickle_is_refused(exported):
+    """A program.pkl payload with manifest and program.json rewritten to ask for it: refused without
+    trust_code, and the payload never runs."""
+    folder, marker = exported
+    (folder / "program.pkl").write_bytes(pickle.dumps(_Payload(marker)))
+
+    def ask_for_pickle(program):
+        program.update(trust_code=True, pickled_because="x", modules=None, data=None)
+
+    program = json.loads((folder / "program.json").read_text())
+    ask_for_pickle(program)
+    (folder / "program.json").write_text(json.dumps(program))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["program"]["trust_code"] = True
+    manifest["files"]["program.pkl"] = {}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    _rehash(folder)
+    with pytest.raises(ExportError, match="trust_code=True"):
+        dpcompile.load(folder)
+    assert not marker.exists()
+
+
+def test_tampered_manifest_with_a_removed_entry_is_refused(exported):
+    """Removing a file's entry from the manifest is an error, not a skipped check."""
+    folder, _ = exported
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["files"]["module.py"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match="never skipped"):
+        dpcompile.load(folder)
+
+
+def test_tampered_folder_with_an_unlisted_file_is_refused(exported):
+    """A file in the folder that the manifest does not list is an error."""
+    folder, _ = exported
+    (folder / "extra.py").write_text("print('hello')\n")
+    with pytest.raises(ExportError, match="does not list"):
+        dpcompile.load(folder)
+
+
+def test_tampered_tensor_table_cannot_freeze_parameters(exported):
+    """requires_grad lives in program.json, under its checksum: editing it (or adding a tensors field
+    to the manifest, as the old format had) is refused, so no parameter is frozen silently."""
+    folder, _ = exported
+    program = json.loads((folder / "program.json").read_text())
+    for info in program["tensors"].values():
+        info["requires_grad"] = False
+    (folder / "program.json").write_text(json.dumps(program))
+    with pytest.raises(ExportError, match="checksum"):
+        dpcompile.load(folder)
+    _rehash(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "tensors": program["tensors"]}))
+    with pytest.raises(ExportError, match="fields"):
+        dpcompile.load(folder)
+
+
+def test_tampered_wrong_shaped_tensor_is_refused_before_building(exported):
+    """A tensor of another shape or dtype (rehashed) is refused before anything is built."""
+    folder, _ = exported
+    weights = load_file(folder / "weights.safetensors")
+    weights["head.weight"] = torch.zeros(5, 12)
+    save_file(weights, folder / "weights.safetensors")
+    _rehash(folder)
+    with pytest.raises(ExportError, match=r"'head.weight' is float32\[5, 12\], the program needs float32\[3, 12\]"):
+        dpcompile.load(folder)
+    weights["head.weight"] = torch.zeros(3, 12, dtype=torch.float64)
+    save_file(weights, folder / "weights.safetensors")
+    _rehash(folder)
+    with pytest.raises(ExportError, match="float64"):
+        dpcompile.load(folder)
+
+
+def test_tampered_kind_cannot_turn_data_parallel_into_tensor_parallel(exported):
+    """A DP folder relabelled tensor_parallel (program.json and manifest, rehashed) is refused."""
+    folder, _ = exported
+    _edit_program(folder, lambda p: p.update(kind="tensor_parallel"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["program"]["kind"] = "tensor_parallel"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(dpcompile.DpCompileError):
+        dpcompile.load(folder)

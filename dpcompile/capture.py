@@ -28,6 +28,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.errors import TraceError
+from dpcompile.fx_utils import graph_module
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
 
 _TORCH_DIRS = (os.path.dirname(torch.__file__),)
@@ -280,7 +281,7 @@ def capture(
         remap: dict[fx.Node, fx.Node] = {}
         for node in model.graph.nodes:
             remap[node] = graph.node_copy(node, lambda n: remap[n])
-        return fx.GraphModule(model, graph, class_name=type(model).__name__)
+        return graph_module(model, graph, class_name=type(model).__name__)
     leaf_modules = tuple(leaf_modules)
     for leaf in leaf_modules:
         if not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
@@ -301,7 +302,7 @@ def capture(
         node.meta.pop("is_wrapped", None)
     if concrete:
         _keep_argument_names(graph, frozenset(concrete))
-    return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+    return graph_module(tracer.root, graph, class_name=type(model).__name__)
 
 
 def _keep_argument_names(graph: fx.Graph, concrete: frozenset[str]) -> None:

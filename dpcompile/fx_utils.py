@@ -4,13 +4,15 @@
 * :func:`adopt_state`: make a GraphModule hold *all* of a model's state, not only what its
   graph reads, so state dict keys stay the model's;
 * :func:`propagate_shapes`: record each node's fake value (``node.meta["val"]``);
-* :func:`placeholders`: a graph's inputs in order.
+* :func:`placeholders`: a graph's inputs in order;
+* :func:`graph_module`: ``fx.GraphModule(root, graph)`` where the model's names never collide
+  with the module's own (:data:`RESERVED_NAMES`, read through :func:`alias_of`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,22 +40,25 @@ def placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
-def adopt_state(holder: nn.Module, model: nn.Module) -> None:
+def adopt_state(holder: nn.Module, model: nn.Module, *, aliased: bool = False) -> None:
     """Make ``holder`` hold ``model``'s own submodules, parameters and buffers (the same
     objects) and training mode, so their state dicts have the same keys.
 
     ``fx.GraphModule`` keeps only what its graph reads, with empty stand-ins for the modules
     on the way; this restores the rest. Buffers the program holds beyond the model's (the
     tracer's ``_tensor_constant0`` for a tensor made in forward) stay out of ``state_dict``.
+    ``aliased``: hold reserved names under their alias (:func:`alias_of`), as a plain
+    ``GraphModule`` must (its own ``graph`` and ``meta`` are not the model's).
     """
-    program_only = {key for key in holder._buffers if key not in model._buffers}
+    rename = alias_of if aliased else (lambda key: key)
+    program_only = {key for key in holder._buffers if key not in {rename(k) for k in model._buffers}}
     for name in ("_modules", "_parameters", "_buffers"):
-        ours, theirs = getattr(holder, name), getattr(model, name)
+        ours, theirs = getattr(holder, name), {rename(k): v for k, v in getattr(model, name).items()}
         merged = dict(theirs)  # the model's order, so state_dict keys come in the same order
         merged.update((key, value) for key, value in ours.items() if key not in theirs)
         ours.clear()
         ours.update(merged)
-    holder._non_persistent_buffers_set = set(model._non_persistent_buffers_set) | program_only
+    holder._non_persistent_buffers_set = {rename(k) for k in model._non_persistent_buffers_set} | program_only
     holder.training = model.training
 
 
@@ -94,3 +99,87 @@ def bind_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, An
         else:
             raise TypeError(f"missing argument '{name}' (the program takes {[str(p.target) for p in inputs]})")
     return values
+
+
+# ------------------------------------------------------------------ names that never collide
+#: Attribute names of the modules dpcompile builds (``GraphModule``'s ``graph``, ``code``,
+#: ``meta``; ``ParallelModule``'s ``devices``, ``mode``, ``plan``, ...). A model's top-level
+#: submodule, parameter or buffer of such a name is read by generated code under its alias
+#: (``getattr(self, "user:devices")``), never as ``self.devices``, which is the module's own.
+RESERVED_NAMES: set[str] = set(dir(fx.GraphModule)) | set(vars(fx.GraphModule(nn.Module(), fx.Graph())))
+
+ALIAS_PREFIX = "user:"  # not an identifier: no model attribute is ever named so
+
+
+def reserve_names(names: Iterable[str]) -> None:
+    """Add attribute names of a module class built on ``fx.GraphModule`` to :data:`RESERVED_NAMES`."""
+    RESERVED_NAMES.update(names)
+
+
+def alias_of(path: str) -> str:
+    """``path`` as generated code reads it: its first name aliased where it is reserved.
+
+    >>> alias_of("devices.weight"), alias_of("fc1.weight")
+    ('user:devices.weight', 'fc1.weight')
+    """
+    first, dot, rest = path.partition(".")
+    return f"{ALIAS_PREFIX}{first}{dot}{rest}" if first in RESERVED_NAMES else path
+
+
+def unalias(path: str) -> str:
+    """The model's own name for ``path`` (the inverse of :func:`alias_of`)."""
+    return path[len(ALIAS_PREFIX):] if path.startswith(ALIAS_PREFIX) else path
+
+
+def alias_targets(graph: fx.Graph) -> bool:
+    """Rename every ``get_attr``/``call_module`` target of ``graph`` whose first name is
+    reserved to its alias; return whether any target is an alias."""
+    aliased = False
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and isinstance(node.target, str):
+            node.target = alias_of(node.target)
+            aliased = aliased or node.target.startswith(ALIAS_PREFIX)
+    return aliased
+
+
+def own_attribute(module: nn.Module, name: str) -> Any:
+    """``module``'s submodule, parameter or buffer ``name`` (an alias read as the model's name),
+    found in its state before its attributes (``pm.devices`` is the module's own)."""
+    for candidate in dict.fromkeys((name, unalias(name))):  # held under the alias, else the name
+        for store in ("_parameters", "_buffers", "_modules"):
+            values = module.__dict__.get(store)
+            if values is not None and candidate in values:
+                return values[candidate]
+    if name.startswith(ALIAS_PREFIX):  # never the module's own attribute of that name
+        raise AttributeError(f"{type(module).__name__} holds no submodule, parameter or buffer {unalias(name)!r}")
+    return getattr(module, name)
+
+
+class _AliasedRoot(nn.Module):
+    """``root`` seen by ``fx.GraphModule``'s copy of targets: names looked up in its state first."""
+
+    def __init__(self, root: nn.Module):
+        super().__init__()
+        self.__dict__["_root"] = root
+        self.training = root.training
+
+    def __getattr__(self, name: str) -> Any:
+        return own_attribute(self.__dict__["_root"], name)
+
+
+def aliased_root(root: nn.Module) -> nn.Module:
+    """``root`` as the source of :func:`graph_module`'s copies (reads aliases as the model's names)."""
+    return _AliasedRoot(root)
+
+
+def graph_module(root: nn.Module, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
+    """``fx.GraphModule(root, graph, class_name)`` with reserved names aliased in ``graph``
+    (in place), so a model's submodule named ``graph``, ``meta`` or ``devices`` is held and
+    called as the model's, not confused with the module's own attribute.
+
+    The module holds an aliased submodule under its alias (``gm.get_submodule("user:meta")``);
+    ``ParallelModule`` holds it under the model's name and resolves the alias on access.
+    """
+    if not alias_targets(graph) or not isinstance(root, nn.Module):
+        return fx.GraphModule(root, graph, class_name)
+    return fx.GraphModule(aliased_root(root), graph, class_name)

@@ -36,6 +36,7 @@ from torch import nn
 from torch.fx.node import _get_qualified_name
 
 from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import unalias
 
 __all__ = [
     "NotAllowed",
@@ -159,6 +160,7 @@ def safe_attribute(name: Any) -> bool:
     """An attribute name a program may read: an identifier path without dunders."""
     if not isinstance(name, str) or not name:
         return False
+    name = unalias(name)  # the model's `devices`, as generated code reads it ("user:devices")
     return all((part.isidentifier() or part.isdigit()) and not part.startswith("__") for part in name.split("."))
 
 

@@ -33,6 +33,7 @@ from dpcompile.export.common import (
 )
 from dpcompile.export.integrity import canonical_json, read_manifest, read_program, read_weights, sha256_of
 from dpcompile.export.source import class_name_of, generated_source, program_source
+from dpcompile.fx_utils import unalias
 from dpcompile.version import __version__
 
 log = logging.getLogger("dpcompile")
@@ -96,7 +97,7 @@ def _used_paths(pm: nn.Module, graphs: Sequence[fx.Graph]) -> set[str]:
     used: set[str] = set()
     for graph in graphs:
         for node in graph.nodes:
-            target = node.target
+            target = unalias(node.target) if isinstance(node.target, str) else node.target  # the model's name
             if node.op == "call_module" or (node.op == "call_method" and target in modules and target):
                 used.add(target)
             elif node.op == "get_attr" and target in modules:

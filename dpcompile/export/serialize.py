@@ -40,6 +40,7 @@ from dpcompile.export.allowlist import (
     resolve_target,
     safe_attribute,
 )
+from dpcompile.fx_utils import unalias
 
 __all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_value", "encode_tree"]
 
@@ -209,7 +210,7 @@ def decode_graph(data: Any, modules: Container[str] | None = None) -> fx.Graph:
             except NotAllowed as e:
                 raise ExportError(f"program.json: node {name!r} calls {e}") from None
         elif op == "call_method":
-            if not (allowed_method(target) or (safe_attribute(target) and modules is not None and target in modules)):
+            if not (allowed_method(target) or (safe_attribute(target) and modules is not None and unalias(target) in modules)):
                 raise ExportError(f"program.json: node {name!r} calls method {target!r:.60}, which is not a Tensor method")
         elif op == "placeholder":
             if not isinstance(target, str) or not target.lstrip("*").isidentifier():
@@ -217,7 +218,7 @@ def decode_graph(data: Any, modules: Container[str] | None = None) -> fx.Graph:
         elif op in ("get_attr", "call_module"):
             if not safe_attribute(target):
                 raise ExportError(f"program.json: node {name!r} reads {target!r:.60}")
-            if op == "call_module" and modules is not None and target not in modules:
+            if op == "call_module" and modules is not None and unalias(target) not in modules:
                 raise ExportError(f"program.json: node {name!r} calls module {target!r:.60}, which the tree lacks")
         elif target != "output":
             raise ExportError(f"program.json: output node with target {target!r:.40}")

@@ -29,7 +29,20 @@ from torch.nn.modules import module as nn_module
 from dpcompile.capture import ROOT_LEAF, DpTracer
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import adopt_state, copy_graph, placeholders
+from dpcompile.fx_utils import (
+    ALIAS_PREFIX,
+    RESERVED_NAMES,
+    adopt_state,
+    alias_of,
+    alias_targets,
+    aliased_root,
+    copy_graph,
+    graph_module,
+    own_attribute,
+    placeholders,
+    reserve_names,
+    unalias,
+)
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
 
@@ -48,7 +61,20 @@ class ParallelModule(fx.GraphModule):
     * ``pm.devices``, ``pm.mode``, ``pm.input_dims``, ``pm.output_device``, ``pm.plan``;
     * ``pm.captured``: the traced program before lowering (data parallel), or None;
     * ``pm.records``: the passes that ran, with their timing and findings.
+
+    The model's names never collide with these: a submodule, parameter or buffer named
+    ``devices``, ``mode``, ``graph`` or ``meta`` is held under its own name (``state_dict``
+    keys stay the model's) and generated code reads it as ``getattr(self, "user:devices")``;
+    ``pm.devices`` is the module's own attribute (kept in its ``__dict__``).
     """
+
+    #: the instance attributes of the ParallelModule family (never a model's name in generated code)
+    own_attributes = frozenset({
+        "recipe", "devices", "mode", "input_dims", "output_device", "plan", "records", "captured",
+        "traced_model", "program_cache", "captured_code", "plan_reasons", "param_shards",
+        "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
+        "_guard", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
+    })  # fmt: skip
 
     def __init__(
         self,
@@ -70,9 +96,11 @@ class ParallelModule(fx.GraphModule):
         none_args: frozenset[str] = frozenset(),
         shares_source: bool = True,
     ):
-        super().__init__(root, graph, class_name)
+        aliased = alias_targets(graph)
+        super().__init__(aliased_root(root) if aliased else root, graph, class_name)
         if share_all_of is not None:
             self._share_state_of(share_all_of)
+        self._hold_under_own_names()
         self.recipe = recipe
         self.devices = devices
         self.mode = mode
@@ -114,6 +142,43 @@ class ParallelModule(fx.GraphModule):
         if leaf_root is not None:  # called by the program, but not part of the state
             object.__setattr__(self, ROOT_LEAF, leaf_root)
         adopt_state(self, model)
+
+    def _hold_under_own_names(self) -> None:
+        """Hold each aliased submodule, parameter or buffer (``user:devices``, copied from the
+        program's root) under the model's own name only, so state dict keys stay the model's."""
+        for store in (self._modules, self._parameters, self._buffers):
+            for alias in [k for k in store if k.startswith(ALIAS_PREFIX)]:
+                value = store.pop(alias)
+                store.setdefault(unalias(alias), value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the module's own attributes live in its __dict__, apart from the model's state
+        if name in RESERVED_NAMES and not isinstance(value, (nn.Module, torch.Tensor)):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(ALIAS_PREFIX):  # generated code reading the model's `devices`
+            try:
+                return own_attribute(self, name)
+            except AttributeError:
+                pass
+        return super().__getattr__(name)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """The model's submodule ``target`` (``"devices"`` is the model's, not ``pm.devices``)."""
+        return super().get_submodule(alias_of(target) if target else target)
+
+    def get_parameter(self, target: str) -> nn.Parameter:
+        if target in self._parameters:  # the model's `mode`, not pm.mode
+            return self._parameters[target]
+        return super().get_parameter(target)
+
+    def get_buffer(self, target: str) -> torch.Tensor:
+        if target in self._buffers:
+            return self._buffers[target]
+        return super().get_buffer(target)
 
     # ------------------------------------------------------------------ calling
     def _find_split_inputs(self) -> list[tuple[int, str, int]]:
@@ -276,7 +341,12 @@ class ParallelModule(fx.GraphModule):
 
     # ------------------------------------------------------------------ pickling
     def __reduce__(self):
+        return self._reduce(carry_programs=True)
+
+    def _reduce(self, *, carry_programs: bool):
         source = self._picklable_source()
+        # carried for a copy that cannot trace them: no importable model, or a pickler that keeps
+        # only torch.nn classes (export); a deep copy traces what it needs
         state = {
             "modules": dict(self._modules),
             "leaf_root": self.__dict__.get(ROOT_LEAF) if isinstance(self.__dict__.get(ROOT_LEAF), nn.Module) else None,
@@ -297,7 +367,7 @@ class ParallelModule(fx.GraphModule):
                 "shares_source": self._shares_source,
             },
             "main_key": self.program_cache.main_key.portable(),
-            "programs": self._portable_programs(),
+            "programs": self._portable_programs() if carry_programs else [],
             "traces": [
                 (key.portable(), None if gm is None else copy_graph(gm.graph))
                 for key, gm in self.program_cache.traces.items()
@@ -316,10 +386,18 @@ class ParallelModule(fx.GraphModule):
             carried = getattr(self.program_cache.build, "programs", {})  # a restored program's own
             return [*carried.items(), *built]
         main = self.program_cache.main_key
-        other_mode = CallKey(main.devices, Modes((path, not t) for path, t in main.modes), main.none_args, main.flags, main.guard)
         built = dict(self.program_cache.items())
+        # both modes of every pattern met so far, and of the optional arguments left None
+        # (each alone, and all together), so that pm.eval() and a call without them hold
+        optional = [name for _, name in self.call_signature.optional]
+        none_patterns = {main.none_args, frozenset(optional), *(frozenset({name}) for name in optional[:2])}
+        wanted = set(built)
+        for key in [main, *built]:
+            for nones in {key.none_args, *(none_patterns if key is main else ())}:
+                for modes in (key.modes, Modes((path, not t) for path, t in key.modes)):
+                    wanted.add(CallKey(key.devices, modes, nones, key.flags, key.guard))
         out = []
-        for key in {*built, other_mode}:
+        for key in wanted:
             try:
                 program = built[key] if key in built else self.program_cache.program(key, (), {})
             except Exception as e:  # noqa: BLE001 - a program not carried is refused at its call, never run wrong
@@ -331,7 +409,8 @@ class ParallelModule(fx.GraphModule):
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
         """An independent copy (an EMA of the weights, a snapshot), built as unpickling builds
         one; ``GraphModule.__deepcopy__`` would drop everything but the graph and modules."""
-        restore, (cls, state) = self.__reduce__()
+        traceable = self.__dict__.get("traced_model") is not None  # the copy traces what it needs
+        restore, (cls, state) = self._reduce(carry_programs=not traceable)
         if state["source"] is None and self.__dict__.get("traced_model") is not None:  # no import needed
             state["source"] = self._source_state()
         return restore(cls, copy.deepcopy(state, memo))
@@ -427,7 +506,7 @@ class _CarriedPrograms:
         portable = key.portable()
         if portable in self.programs:
             graph = self.programs[portable]
-            return None if graph is None else fx.GraphModule(self.pm, copy_graph(graph), type(self.pm).__name__)
+            return None if graph is None else graph_module(self.pm, copy_graph(graph), type(self.pm).__name__)
         if key.devices < len(self.pm.devices) and self.pm.captured is not None:
             return self.pm.recipe.build_program(self.pm, key, args, kwargs)
         raise self.pm.cannot_trace_again(key)
@@ -445,7 +524,7 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
     source = state.get("source") or {}
     captured = None
     if state["captured_graph"] is not None:
-        captured = fx.GraphModule(holder, state["captured_graph"], "Captured")
+        captured = graph_module(holder, state["captured_graph"], "Captured")
     pm = cls.__new__(cls)
     ParallelModule.__init__(
         pm,
@@ -475,9 +554,12 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
         object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
         pm.program_cache.reset(main_key, _CarriedPrograms(pm, state["programs"]))
         for key, graph in state["traces"]:  # what a data-parallel program lowers for fewer devices
-            pm.program_cache.traces[key] = None if graph is None else fx.GraphModule(pm, graph, "Captured")
+            pm.program_cache.traces[key] = None if graph is None else graph_module(pm, graph, "Captured")
     return pm
 
+
+reserve_names(dir(ParallelModule))
+reserve_names(ParallelModule.own_attributes)
 
 # the public name: dpcompile.load restores a program read as data the way unpickling restores one
 restore_parallel_module = _restore_parallel_module

@@ -10,8 +10,11 @@ tensors under the original keys (a collective: call it on every rank) and
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,9 +22,11 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.fx_utils import placeholders, reserve_names, unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import CollectiveError, MeshGroup, all_gather, collective_failure
+from dpcompile.runtime.structures import tensor_leaves
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of
 
 log = logging.getLogger("dpcompile")
@@ -55,6 +60,12 @@ class SpmdModule(ParallelModule):
 
     mesh: Any
     shards: dict[str, ShardSpec]
+    #: with tensor parallelism, every call first checks (one all-gather of an 8-byte fingerprint
+    #: over the tp group) that every rank feeds inputs of the same shapes; False skips the check
+    check_inputs: bool = True
+    #: seconds that check waits for the other ranks of the tp group to call forward: a rank
+    #: that never calls fails the others this soon, not after the process group's 30 minutes
+    check_inputs_timeout: float = float(os.environ.get("DPCOMPILE_SPMD_TIMEOUT", "300"))
 
     def attach_mesh(
         self,
@@ -79,6 +90,8 @@ class SpmdModule(ParallelModule):
         return self.__dict__.get("_ddp")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("tp_dim") is not None and self.check_inputs:
+            self.check_inputs_agree(args, kwargs)
         ddp = self.__dict__.get("_ddp")
         if ddp is None:
             return super().__call__(*args, **kwargs)
@@ -94,6 +107,42 @@ class SpmdModule(ParallelModule):
                 "rank most likely raised, exited or timed out first — see its log for the first error. Pass "
                 f"timeout= to torch.distributed.init_process_group to fail sooner. ({_first_line(e)})"
             ) from e
+
+    def check_inputs_agree(self, args: tuple, kwargs: dict) -> None:
+        """Raise ``ValueError`` on every rank of the tp group where ranks feed inputs of different
+        shapes (or leave different arguments None): tensor parallelism needs the same input on
+        every rank, and mismatched collectives would abort inside the backend instead.
+
+        One all-gather of an 8-byte fingerprint of the call's shapes; the shapes themselves are
+        exchanged only where fingerprints differ, to name the input and the sizes. A rank that
+        does not call forward within :attr:`check_inputs_timeout` seconds fails the others.
+        """
+        signature = input_signature(self, args, kwargs)
+        digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
+        group = self._tp_group()
+        device = _group_device(group.group)
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(group.size())]
+        timeout = self.check_inputs_timeout
+        try:
+            work = dist.all_gather(gathered, mine, group=group.group, async_op=True)
+            work.wait(timeout=timedelta(seconds=timeout))
+        except (RuntimeError, dist.DistError) as e:
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise CollectiveError(
+                    f"global rank {dist.get_rank()} waited {timeout:g}s for the other ranks of its tensor-parallel "
+                    "group to call forward: every rank must call pm(...) with the same input each step. Set "
+                    "pm.check_inputs_timeout (seconds; default DPCOMPILE_SPMD_TIMEOUT or 300) to wait longer or "
+                    "fail sooner, and pass timeout= to torch.distributed.init_process_group to bound the other "
+                    f"collectives. ({_first_line(e)})"
+                ) from e
+            raise collective_failure("the check that every rank feeds the same input shapes", group.group, e) from e
+        if all(int(t.item()) == int(mine.item()) for t in gathered):
+            return
+        signatures: list[Any] = [None] * group.size()
+        dist.all_gather_object(signatures, signature, group=group.group)
+        ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
+        raise ValueError(describe_disagreement(signatures, ranks))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -180,6 +229,46 @@ class SpmdModule(ParallelModule):
         )
 
 
+def input_signature(pm: ParallelModule, args: tuple, kwargs: dict) -> list[tuple[str, str]]:
+    """Per input (by the name forward gives it): its tensors' shapes and dtypes, or the value of
+    a plain Python argument (None, a flag), as text every rank can compare."""
+    names = [str(n.target).lstrip("*") for n in placeholders(pm.graph)]
+    named = [(names[i] if i < len(names) else f"args[{i}]", value) for i, value in enumerate(args)]
+    named += sorted(kwargs.items())
+    out = []
+    for name, value in named:
+        leaves = list(tensor_leaves(value))
+        if leaves:
+            for path, t in leaves:
+                out.append((f"{name}{path}", f"shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out.append((name, repr(value)))
+    return out
+
+
+def describe_disagreement(signatures: list[list[tuple[str, str]]], ranks: list[int]) -> str:
+    """The first input on which ranks disagree, with each rank's value."""
+    per_rank = [dict(s) for s in signatures]
+    names = list(dict.fromkeys(name for s in signatures for name, _ in s))
+    for name in names:
+        values = [found.get(name, "not passed") for found in per_rank]
+        if len(set(values)) > 1:
+            shown = "; ".join(f"global rank {rank}: {value}" for rank, value in zip(ranks, values))
+            return (
+                f"tensor parallel over a mesh needs the same input on every rank of a tp group, but input "
+                f"'{name}' differs ({shown}). Feed every rank of the group the same batch (e.g. the same "
+                "sampler seed, drop_last=True so no rank gets a short last batch)"
+            )
+    return "tensor parallel over a mesh needs the same inputs on every rank of a tp group, but they differ"
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -204,7 +293,7 @@ def unused_parameters(gm: fx.GraphModule) -> list[str]:
     used_prefixes: list[str] = []
     for node in gm.graph.nodes:
         if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
-            used_prefixes.append(node.target)
+            used_prefixes.append(unalias(node.target))  # the model's name of `user:devices`
 
     def used(name: str) -> bool:
         return any(name == p or name.startswith(p + ".") or p == "" for p in used_prefixes)
@@ -236,3 +325,7 @@ def build_ddp(
         raise collective_failure("DistributedDataParallel's broadcast of rank 0's parameters", group, e) from e
 
 
+
+
+reserve_names(dir(SpmdModule))
+reserve_names(["check_inputs", "check_inputs_timeout"])

@@ -17,6 +17,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from dpcompile.analysis.cost import CommCost
+from dpcompile.fx_utils import reserve_names, unalias
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
 
@@ -55,7 +56,8 @@ class TensorParallelModule(ParallelModule):
         code is the main program)."""
         self.captured_code = captured_code
         self.state_keys = list(state_keys)
-        self.param_shards = {k: (spec, list(names)) for k, (spec, names) in param_shards.items()}
+        # keys and shard names under the model's names (a pass saw `devices` as `user:devices`)
+        self.param_shards = {unalias(k): (spec, [unalias(n) for n in names]) for k, (spec, names) in param_shards.items()}
         self.plan_reasons = dict(plan_reasons)
         self.comm_cost = comm_cost
         slot_of = {name: k for _, names in self.param_shards.values() for k, name in enumerate(names)}
@@ -158,3 +160,6 @@ class TensorParallelModule(ParallelModule):
             comm_cost=extra["comm_cost"],
             captured_code=extra["captured_code"],
         )
+
+
+reserve_names(dir(TensorParallelModule))

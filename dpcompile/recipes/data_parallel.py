@@ -28,7 +28,7 @@ from dpcompile.analysis.placement import Whole
 from dpcompile.analysis.split_fraction import node_flops, parameter_weights, split_fraction, whole_ops
 from dpcompile.capture import ROOT_LEAF, capture
 from dpcompile.devices import Devices
-from dpcompile.fx_utils import copy_graph, propagate_shapes
+from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule, modes_applied
 from dpcompile.program_cache import CallKey
@@ -57,7 +57,7 @@ class DataParallelRecipe(Recipe):
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         gm, records = run_passes(gm, passes.frontend_pipeline(self._options()))
         warn_if_mostly_whole(gm, input_dims, example_inputs, len(self.devices))
-        captured = fx.GraphModule(gm, copy_graph(gm.graph), type(model).__name__)
+        captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
         # forward is Python: traced again where a call takes another path (see build_program)
         retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
         lowered = self.lower(gm, self.devices, input_dims, recompile=False)  # the module compiles the code
@@ -113,14 +113,14 @@ class DataParallelRecipe(Recipe):
         if captured is None and key.devices == len(pm.devices):
             return None
         owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
-        gm = fx.GraphModule(owner, copy_graph(graph), f"ParallelModule{key.devices}")
+        gm = graph_module(owner, copy_graph(graph), f"ParallelModule{key.devices}")
         return self.lower(gm, pm.devices.prefix(key.devices), pm.input_dims)
 
     def retarget(self, pm: ParallelModule, devices: Devices, output_device: torch.device) -> ParallelModule:
         """``pm``'s program generated again for other ``devices`` (a loaded program moved to
         this machine's GPUs): same captured program, same parameters."""
         recipe = dataclasses.replace(self, devices=devices, output_device=output_device)
-        lowered = recipe.lower(fx.GraphModule(pm, copy_graph(pm.captured.graph), "Retargeted"), devices, pm.input_dims)
+        lowered = recipe.lower(graph_module(pm, copy_graph(pm.captured.graph), "Retargeted"), devices, pm.input_dims)
         return ParallelModule(
             pm,
             lowered.graph,

@@ -46,7 +46,7 @@ from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fake import fake_copy, fake_copy_to_trace
-from dpcompile.fx_utils import bind_inputs, copy_graph, propagate_shapes
+from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_mesh, local_device, mesh_size
 from dpcompile.modules.base import modes_applied
@@ -54,6 +54,7 @@ from dpcompile.modules.spmd import SpmdModule
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags
+from dpcompile.recipes.tensor_parallel import aliased_plan, unaliased_findings
 from dpcompile.runtime.distributed import collective_failure
 from dpcompile.runtime.tensor_parallel import shard_of
 
@@ -132,12 +133,13 @@ class SpmdRecipe(Recipe):
         captured_code = gm.code
         if example_inputs is not None:
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
-        styles, reasons = plan_for(gm, self.plan, tp_size, model)
+        styles, reasons = plan_for(gm, aliased_plan(self.plan), tp_size, model)
         devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
         gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim))
-        info = info_of(records, "shard_linear")
+        info = unaliased_findings(info_of(records, "shard_linear"))
         specs = dict(info.get("param_shards", {}))
         keep_own_shards(gm, own, specs, tp_rank)
+        specs = {unalias(target): spec for target, spec in specs.items()}  # under the model's names
         pm = SpmdModule(
             gm,
             gm.graph,
@@ -154,7 +156,7 @@ class SpmdRecipe(Recipe):
             shares_source=False,
         )
         pm.captured_code = captured_code
-        pm.plan_reasons = {**reasons, **{p: f"replicate: {why}" for p, why in info.get("reasons", {}).items()}}
+        pm.plan_reasons = {**{unalias(p): why for p, why in reasons.items()}, **{p: f"replicate: {why}" for p, why in info.get("reasons", {}).items()}}
         pm.attach_mesh(mesh=self.mesh, dp_dim=dp_dim, tp_dim=tp_dim, shards=specs, ddp_options=self.ddp_options)
         return pm
 
@@ -170,7 +172,7 @@ class SpmdRecipe(Recipe):
             if traced.code == pm.captured_code:
                 return None
             lowered, _ = run_passes(traced, self._data_parallel_pipeline(pm.devices.primary, pm.dp_dim))
-            return fx.GraphModule(pm, copy_graph(lowered.graph), "SpmdVariant")
+            return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
         device = pm.devices.primary
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with modes_applied(source, key.modes):
@@ -185,13 +187,15 @@ class SpmdRecipe(Recipe):
                                bind_inputs(pm, args, kwargs))  # fmt: skip
             propagate_shapes(traced, list(example))
             devices = Devices((device,) * mesh_size(self.mesh, pm.tp_dim))
-            lowered, records = run_passes(traced, self._tensor_parallel_pipeline(devices, pm.plan, pm.dp_dim, pm.tp_dim))
-        if info_of(records, "shard_linear").get("param_shards", {}) != pm.shards:
+            plan = aliased_plan(pm.plan)
+            lowered, records = run_passes(traced, self._tensor_parallel_pipeline(devices, plan, pm.dp_dim, pm.tp_dim))
+        shards = {unalias(t): spec for t, spec in info_of(records, "shard_linear").get("param_shards", {}).items()}
+        if shards != pm.shards:
             raise DpCompileError(
                 f"the call ({key.describe()}) takes another path through forward, whose layers shard "
                 "differently; transform the model for that call"
             )
-        return fx.GraphModule(pm, copy_graph(lowered.graph), "SpmdVariant")
+        return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
 
 
 @torch.no_grad()

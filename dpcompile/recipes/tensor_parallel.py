@@ -41,7 +41,7 @@ from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace
-from dpcompile.fx_utils import adopt_state, bind_inputs, copy_graph, propagate_shapes
+from dpcompile.fx_utils import adopt_state, alias_of, bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.base import modes_applied
 from dpcompile.modules.tensor_parallel import TensorParallelModule
@@ -80,10 +80,11 @@ class TensorParallelRecipe(Recipe):
         captured_code = gm.code
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs))
-        styles, reasons = plan_for(gm, self.plan, len(self.devices), model)
+        styles, reasons = plan_for(gm, aliased_plan(self.plan), len(self.devices), model)
+        reasons = {unalias(p): why for p, why in reasons.items()}
         options = passes.PipelineOptions(devices=self.devices, output_device=self.output_device, plan=styles)
         gm, records = run_passes(gm, passes.frontend_pipeline(options) + passes.tensor_parallel_pipeline(options))
-        shard_info = info_of(records, "shard_linear")
+        shard_info = unaliased_findings(info_of(records, "shard_linear"))
         expand_info = info_of(records, "expand_shards")
         applied = {path: "replicate" for path in linear_paths(model)}
         applied.update(shard_info["plan"])
@@ -148,7 +149,7 @@ class TensorParallelRecipe(Recipe):
                 f"the call ({key.describe()}) takes another path through forward, whose layers shard "
                 "differently; transform the model for that call (example_inputs= of it)"
             )
-        return None if built.code == pm.code else fx.GraphModule(pm, copy_graph(built.graph), "TensorParallelVariant")
+        return None if built.code == pm.code else graph_module(pm, copy_graph(built.graph), "TensorParallelVariant")
 
 
 def capture_owning_everything(
@@ -171,9 +172,25 @@ def capture_owning_everything(
         gm = capture(owned, leaf_modules=leaf_modules, none_args=none_args, flags=dict(flags or {}) or None)
     if isinstance(owned, fx.GraphModule) or not list(owned.children()) and not owned._parameters and not owned._buffers:
         return gm, dict(flags or {})
-    adopt_state(gm, owned)
+    adopt_state(gm, owned, aliased=True)  # the model's `graph` or `meta` is not the GraphModule's
     gm.train(owned.training)
     return gm, dict(flags or {})
+
+
+def aliased_plan(plan: bool | Mapping[str, str]) -> bool | dict[str, str]:
+    """A user's ``{path: style}`` in the paths of the captured graph (``devices`` → ``user:devices``)."""
+    return {alias_of(path): style for path, style in plan.items()} if isinstance(plan, Mapping) else plan
+
+
+def unaliased_findings(info: Mapping[str, Any]) -> dict[str, Any]:
+    """``shard_linear``'s findings keyed by the model's paths (``user:devices`` → ``devices``)."""
+    out = dict(info)
+    for name in ("plan", "reasons", "gathered"):
+        if isinstance(info.get(name), Mapping):
+            out[name] = {unalias(path): value for path, value in info[name].items()}
+    if isinstance(info.get("pairs"), Mapping):
+        out["pairs"] = {unalias(row): frozenset(map(unalias, cols)) for row, cols in info["pairs"].items()}
+    return out
 
 
 def describe_choices(applied: Mapping[str, str], info: Mapping[str, Any]) -> dict[str, str]:

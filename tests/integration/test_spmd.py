@@ -493,7 +493,60 @@ def check_tp_plan_checked_against_the_model(rank: int, world: int) -> None:
             dpcompile.transform(model, _tp_mesh(world), tensor_parallel=plan)
 
 
+def check_tp_different_batch_sizes_named(rank: int, world: int) -> None:
+    """TP over a mesh, ranks feeding different batch sizes: ValueError on every rank naming the
+    input and each rank's shape (not an abort inside gloo); the group works on afterwards."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = MLP(8, 12)
+    pm = dpcompile.transform(model, _tp_mesh(world), tensor_parallel={"fc1": "column", "fc2": "row"})
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
+    mine = x[: 4 - rank]  # rank 0: 4 rows, rank 1: 3
+    with pytest.raises(ValueError, match=r"input 'x' differs") as raised:
+        pm(mine)
+    text = str(raised.value)
+    assert "global rank 0: shape (4, 8)" in text and "global rank 1: shape (3, 8)" in text, text
+    with pytest.raises(ValueError, match="input 'x' differs"):  # the same again (not a cached pass)
+        pm(mine)
+    torch.testing.assert_close(pm(x[:3]), model(x[:3]), atol=1e-5, rtol=1e-5)  # same shapes again: runs
+
+
+class ReservedNames(nn.Module):
+    """Submodules and a parameter named like the module's own attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.devices, self.plan = nn.Linear(8, 12), nn.Linear(12, 8)
+        self.mode = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.plan(F.gelu(self.devices(x))) * self.mode
+
+
+def check_reserved_names_over_a_mesh(rank: int, world: int) -> None:
+    """A model with submodules named devices/plan and a parameter named mode: TP and DP over a
+    mesh equal eager, keep the model's state keys, and pm.devices/pm.plan/pm.mode stay pm's."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    for mesh, plan in ((_tp_mesh(world), {"devices": "column", "plan": "row"}), (_dp_mesh(world), False)):
+        model = ReservedNames()
+        reference = copy.deepcopy(model)
+        pm = dpcompile.transform(model, mesh, tensor_parallel=plan)
+        assert isinstance(pm.mode, str) and isinstance(pm.plan, dict), (pm.mode, pm.plan)
+        if plan:
+            assert pm.plan == plan and set(pm.shards) == {"devices.weight", "devices.bias", "plan.weight"}, pm.shards
+        torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
+        _train_both(pm, reference, [x, x])
+        _assert_state_equal(pm.state_dict(), reference.state_dict())
+
+
 TP_CHECKS = [
+    ("tp_different_batch_sizes_named", check_tp_different_batch_sizes_named),
+    ("reserved_names_over_a_mesh", check_reserved_names_over_a_mesh),
     ("tp_mlp_training_matches_eager", check_tp_mlp_training_matches_eager),
     ("tp_uneven_gather", check_tp_uneven_gather),
     ("tp_block_attention", check_tp_block_attention),
@@ -555,11 +608,31 @@ def check_rank_failure_is_reported(rank: int, world: int) -> None:
         assert time.monotonic() - start < 25, f"transform, {name}: took {time.monotonic() - start:.1f}s to fail"
 
 
+def check_rank_that_never_calls_forward(rank: int, world: int) -> None:
+    """TP over a mesh: rank 1 never calls forward; rank 0 fails within pm.check_inputs_timeout
+    with an error that says how to bound the wait, not after gloo's 30 minutes."""
+    import dpcompile
+    from dpcompile.runtime.distributed import CollectiveError
+
+    torch.manual_seed(0)
+    pm = dpcompile.transform(MLP(8, 12), _tp_mesh(world), tensor_parallel={"fc1": "column", "fc2": "row"})
+    assert pm.check_inputs_timeout == 300.0  # the bounded default
+    if rank != 0:
+        time.sleep(8)  # alive, but never calls forward
+        os._exit(0)
+    pm.check_inputs_timeout = 2
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"waited 2s for the other ranks.*pm.check_inputs_timeout.*init_process_group"):
+        pm(torch.randn(4, 8))
+    assert time.monotonic() - start < 6, f"took {time.monotonic() - start:.1f}s to fail"
+
+
 SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
     "two": DP_CHECKS + TP_CHECKS + [("rank_failure_is_reported", check_rank_failure_is_reported)],
     "four": FOUR_CHECKS,
+    "stall": [("rank_that_never_calls_forward", check_rank_that_never_calls_forward)],
 }
-LAST_CHECKS = {"rank_failure_is_reported"}  # ranks other than 0 exit in it
+LAST_CHECKS = {"rank_failure_is_reported", "rank_that_never_calls_forward"}  # ranks other than 0 exit in it
 
 
 # ---------------------------------------------------------------------------- tests
@@ -612,4 +685,13 @@ def test_spmd_rank_failure_fails_fast(two):
     """A rank that exits makes the others fail with a clear error within the timeout, not hang."""
     assert 0 in two, "rank 0 reported nothing: it hung or crashed"
     error = two[0].get("rank_failure_is_reported", "rank 0 hung: no report within the timeout")
+    assert error is None, error
+
+
+@pytest.mark.distributed
+def test_spmd_rank_that_never_calls_forward_fails_within_the_bound():
+    """A rank that never calls forward fails the others within check_inputs_timeout, saying how to set it."""
+    outcomes = run_group("stall", 2, timeout=40.0)
+    assert 0 in outcomes, "rank 0 reported nothing: it hung or crashed"
+    error = outcomes[0].get("rank_that_never_calls_forward", "rank 0 hung: no report within the timeout")
     assert error is None, error

@@ -4,6 +4,7 @@ after any of them changed runs a program traced for the model as it is now."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,3 +106,41 @@ def test_guard_attribute_forward_never_reads_traces_nothing():
         model.epoch = epoch
         assert pm.program_for_call(x) is pm
     assert len(pm.program_cache) == 0
+
+
+@pytest.mark.parametrize("copy_replicas", [False, True])
+def test_guard_leaf_module_hooks_run_per_replica_on_a_chunk(copy_replicas):
+    """Hooks on leaf nn layers and RNNs run once per replica on its chunk of the batch, registered
+    before or after transform; a leaf_modules= class runs (and hooks) once on the whole batch
+    (docs/data_parallel.md, Hooks)."""
+
+    class Leaf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) * 2
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.rnn = nn.GRU(4, 4, batch_first=True)
+            self.leaf = Leaf()
+
+        def forward(self, x):
+            h, _ = self.rnn(self.fc(x))
+            return self.leaf(h)
+
+    model = Model()
+    seen: dict[str, list[int]] = {"fc": [], "rnn": [], "leaf": [], "fc_pre": []}
+    model.fc.register_forward_hook(lambda m, args, out: seen["fc"].append(out.shape[0]))
+    model.rnn.register_forward_hook(lambda m, args, out: seen["rnn"].append(out[0].shape[0]))
+    pm = dpcompile.transform(model, ["cpu", "cpu"], leaf_modules=[Leaf], copy_replicas=copy_replicas)
+    model.leaf.register_forward_hook(lambda m, args, out: seen["leaf"].append(out.shape[0]))  # after transform
+    model.fc.register_forward_pre_hook(lambda m, args: seen["fc_pre"].append(args[0].shape[0]))
+    x = torch.randn(6, 5, 4)
+    torch.testing.assert_close(pm(x), model.leaf(model.rnn(model.fc(x))[0]))
+    # the eager check above added one whole-batch call to each hook: the program's are the chunks before it
+    assert seen == {"fc": [3, 3, 6], "rnn": [3, 3, 6], "leaf": [6, 6], "fc_pre": [3, 3, 6]}, seen

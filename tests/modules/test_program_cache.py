@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +183,61 @@ def test_transform_traces_flag_arguments_as_their_values(call):
     """A model branching on a bool argument transforms and follows the flag of each call, as eager."""
     check_against_eager(ReturnsHidden, ["cpu"] * 3, torch.randn(7, 4), *call)
     check_against_eager(ReturnsHidden, ["cpu"] * 3, torch.randn(7, 4), return_hidden=bool(call and call[0]))
+
+
+_SAVE_IN_MAIN = r"""
+import sys, torch, torch.nn as nn, torch.nn.functional as F
+import dpcompile
+
+class Net(nn.Module):  # defined in __main__: the loading process cannot import it
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 16), nn.Linear(16, 3)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, scale=None):
+        h = self.drop(torch.relu(self.fc1(x)))
+        h = F.dropout(h, 0.3, self.training)
+        y = self.fc2(h)
+        return y if scale is None else y * scale
+
+torch.manual_seed(0)
+model = Net()
+pm = dpcompile.transform(model, ["cpu", "cpu"])
+x, scale = torch.randn(6, 4), torch.full((6, 3), 2.0)
+pm(x, scale).sum().backward()  # the program met so far: training, scale given
+model.eval()
+torch.save({"pm": pm, "x": x, "scale": scale, "eval": model(x), "eval_scaled": model(x, scale)}, sys.argv[1])
+"""
+
+_LOAD_ELSEWHERE = r"""
+import sys, torch
+import dpcompile
+saved = torch.load(sys.argv[1], weights_only=False)
+pm, x, scale = saved["pm"], saved["x"], saved["scale"]
+assert "Net" not in dir(__import__("__main__"))
+pm.eval()
+torch.testing.assert_close(pm(x), saved["eval"])                 # dropout off, scale left None
+torch.testing.assert_close(pm(x), pm(x))
+torch.testing.assert_close(pm(x, scale), saved["eval_scaled"])
+pm.train()
+a, b = pm(x), pm(x)
+assert not torch.equal(a, b), "training mode: dropout is on again"
+print("LOADED OK")
+"""
+
+
+def test_program_cache_main_class_program_honours_eval_and_none_after_load(tmp_path):
+    """A program whose model class lives in __main__, torch.save'd in one process and loaded in
+    another: pm.eval() turns dropout off (module and F.dropout(self.training)), an optional
+    argument left None runs its own program, training turns dropout back on."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "pm.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))}
+    for script in (_SAVE_IN_MAIN, _LOAD_ELSEWHERE):
+        done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert "LOADED OK" in done.stdout

@@ -12,9 +12,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture import ROOT_LEAF, capture, flag_arguments
+from dpcompile.capture import ROOT_LEAF, capture, capture_fx, capture_model, check_frontend, positional_examples
 from dpcompile.devices import Devices, parse_device, parse_devices
-from dpcompile.errors import TraceError
 from dpcompile.infra import run_passes
 from dpcompile.module import ParallelModule, copy_graph
 
@@ -103,6 +102,8 @@ def transform(
     *,
     tensor_parallel: TensorParallel = False,
     example_inputs: Sequence[Any] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    frontend: str = "auto",
     batch_dim: int | None = None,
     output_device: Any = None,
     leaf_modules: Iterable[type[nn.Module]] = (),
@@ -118,8 +119,12 @@ def transform(
 
     ``copy_replicas=True`` gives virtual devices real replicas (as distinct GPUs get), so the
     multi-GPU code path runs and can be tested on one device.
+
+    ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"`` and ``example_kwargs=`` (HF models:
+    ``input_ids=``, ``attention_mask=``, ``labels=``): see ``docs/frontends.md``.
     """
     model = _check_model(model)
+    model, example_inputs, batch_dim = _apply_frontend(model, frontend, example_inputs, example_kwargs, leaf_modules, batch_dim)
     if _is_device_mesh(devices):
         from dpcompile.spmd import transform_spmd
 
@@ -153,6 +158,33 @@ def transform(
         )
 
 
+def _apply_frontend(
+    model: nn.Module,
+    frontend: str,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: Mapping[str, Any] | None,
+    leaf_modules: Iterable[type[nn.Module]],
+    batch_dim: int | None,
+) -> tuple[nn.Module, Sequence[Any] | None, int | None]:
+    """The model as its frontend captures it (:func:`dpcompile.capture.capture_model`): the model
+    itself where fx traces it (traced again below, with its variants), else the exported program
+    (a GraphModule over the model's own modules and parameters); and the examples as positional
+    values in the program's argument order."""
+    check_frontend(frontend)
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    no_examples = example_inputs is None and not example_kwargs
+    if isinstance(model, fx.GraphModule) or frontend == "fx" or (frontend == "auto" and no_examples):
+        return model, positional_examples(model, example_inputs, example_kwargs), batch_dim
+    gm, info = capture_model(
+        model, frontend=frontend, example_inputs=example_inputs, example_kwargs=example_kwargs,
+        leaf_modules=leaf_modules, batch_dim=batch_dim,
+    )  # fmt: skip
+    if info.frontend == "fx":
+        return model, info.example_inputs, batch_dim
+    return gm, info.example_inputs, batch_dim if batch_dim is not None or not info.batch_dim else info.batch_dim
+
+
 @contextlib.contextmanager
 def _gc_paused():
     """Compiling allocates many small objects that all live on; collecting them midway only
@@ -178,7 +210,7 @@ def _transform_data_parallel(
     import passes
     from dpcompile.analysis.batch_dims import infer_input_dims
 
-    gm, flags = _capture_with_flags(model, leaf_modules, example_inputs)
+    gm, flags = capture_fx(model, leaf_modules=leaf_modules, example_inputs=example_inputs)
     _move_to(model, devices.primary)
     if example_inputs is not None:
         propagate_shapes(gm, [x.to(devices.primary) if isinstance(x, torch.Tensor) else x for x in example_inputs])
@@ -206,25 +238,6 @@ def _transform_data_parallel(
         leaf_modules=leaf_modules,
         flags=flags,
     )
-
-
-def _capture_with_flags(
-    model: nn.Module, leaf_modules: tuple[type[nn.Module], ...], example_inputs: Sequence[Any] | None
-) -> tuple[fx.GraphModule, dict[str, Any]]:
-    """Capture ``model``; where forward branches on a Python flag argument (``if return_hidden:``),
-    which fx traces as a value it cannot branch on, trace the flags as the values the example
-    (else the defaults) gives them: the program then serves calls with those values, and
-    ``ParallelModule`` traces again for others."""
-    try:
-        return capture(model, leaf_modules=leaf_modules), {}
-    except TraceError as error:
-        flags = flag_arguments(model, example_inputs) if not isinstance(model, fx.GraphModule) else {}
-        if not flags:
-            raise
-        try:
-            return capture(model, leaf_modules=leaf_modules, flags=flags), flags
-        except TraceError:
-            raise error from None
 
 
 def recapture(

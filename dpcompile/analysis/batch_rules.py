@@ -957,9 +957,16 @@ def rule_for(node: fx.Node, module: nn.Module | None) -> Rule | None:
         if node.target is runtime_flatten_parameters:
             return None
         try:
-            return FUNCTION_RULES.get(node.target)
+            rule = FUNCTION_RULES.get(node.target)
         except TypeError:  # unhashable target
             return None
+        # --- export frontend: ATen ops of exported graphs (dpcompile/analysis/aten_rules.py) ---
+        if rule is None:
+            from dpcompile.analysis.aten_rules import aten_rule
+
+            rule = aten_rule(node)
+        # --- end export frontend ---
+        return rule
     if node.op == "call_method":
         return METHOD_RULES.get(node.target)
     return None

@@ -1,0 +1,579 @@
+"""The ``torch.export`` frontend: capture what fx cannot (shape and dtype branches, wrapped
+forwards such as transformers 5.x) as an ATen-level graph the passes understand.
+
+``torch.export.export(model, (), kwargs, strict=False)`` runs forward on fake tensors with the
+batch dim dynamic (``Dim.AUTO``), so the program serves other batch sizes. Its unlifted graph
+(``ep.module()``) is then made into a program like the fx frontend's:
+
+* parameters and buffers are ``get_attr`` nodes of the model's own paths, held by the model's
+  own modules (state_dict keys stay the model's; data parallel shares them, never copies);
+* ops that are exactly one module's forward (``aten.linear`` with ``fc.weight``/``fc.bias``,
+  conv, embedding, layer_norm, batch_norm, dropout) become calls of that module again, so the
+  module-level rules apply (tensor parallel shards ``nn.Linear``; batch norm keeps
+  whole-batch statistics; dropout and batch norm follow ``pm.train()``/``pm.eval()``);
+* nodes are named after their module path (``encoder_layer_0_attn_q_proj`` rather than
+  ``linear_17``) and keep export's ``stack_trace``, so errors and explain point at user code;
+* a ``mean`` loss becomes ``sum / count`` (the same value), which data parallel reduces
+  exactly over uneven chunks;
+* the placeholders are forward's own argument names, so ``pm(input_ids=..., labels=...)`` works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import operator
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from dpcompile.capture.fx import forward_parameters
+from dpcompile.errors import DpCompileError, TraceError
+
+log = logging.getLogger("dpcompile")
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class Exported:
+    """What :func:`capture_export` made: the program and how it was made."""
+
+    gm: fx.GraphModule
+    example_inputs: tuple[Any, ...]  # in placeholder order
+    batch_dim: int
+    dynamic_batch: bool
+    export_seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------- run-time helpers
+
+
+def expect_value(value: Any, expected: Any, name: str) -> None:
+    """Checked at each call: a Python argument the program was exported for keeps its value."""
+    if value is not expected and value != expected:
+        raise DpCompileError(
+            f"this program was exported with {name}={expected!r}; a call with {name}={value!r} takes another "
+            f"path through forward: transform the model with example_kwargs holding {name}={value!r}"
+        )
+
+
+def expect_mode(module: nn.Module, training: bool) -> None:
+    """Checked at each call where the exported graph bakes in the mode (dropout in attention)."""
+    if module.training != training:
+        mode = "training" if training else "eval"
+        raise DpCompileError(
+            f"this program was exported in {mode} mode and bakes it in (dropout inside attention); "
+            f"transform the model again after model.{'eval' if training else 'train'}() for the other mode"
+        )
+
+
+def cross_entropy_count(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    """The denominator of ``cross_entropy(..., reduction='mean')``: the (weighted) count of
+    targets that are not ``ignore_index`` (one per sample for class-probability targets)."""
+    from dpcompile.runtime.reduce import target_weight
+
+    return target_weight(target, weight, ignore_index)
+
+
+def element_count(x: torch.Tensor) -> int:
+    """The denominator of an element-wise loss with ``reduction='mean'``."""
+    return x.numel()
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _batch_dim_of(model: nn.Module) -> int:
+    """1 where the model's sequence modules are all sequence-first (``batch_first=False``)."""
+    firsts = [
+        m.batch_first for m in model.modules() if isinstance(m, (nn.MultiheadAttention, nn.RNNBase)) and hasattr(m, "batch_first")
+    ]
+    return 1 if firsts and not any(firsts) else 0
+
+
+def _dynamic_spec(value: Any, batch_dim: int) -> Any:
+    from torch.export import Dim
+
+    if isinstance(value, torch.Tensor):
+        dim = batch_dim if value.dim() > batch_dim else 0
+        return {dim: Dim.AUTO} if value.dim() > 0 else None
+    if isinstance(value, (list, tuple)):
+        return type(value)(_dynamic_spec(v, batch_dim) for v in value) if isinstance(value, (list, tuple)) else None
+    if isinstance(value, dict):
+        return {k: _dynamic_spec(v, batch_dim) for k, v in value.items()}
+    return None
+
+
+def capture_export(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: Mapping[str, Any] | None,
+    *,
+    batch_dim: int | None = None,
+) -> Exported:
+    """Export ``model`` on the examples and make the graph a program the passes understand."""
+    import time
+
+    from torch.export import export
+
+    if example_inputs is None and not example_kwargs:
+        raise TraceError(
+            f"the export frontend needs examples to run {type(model).__name__}.forward on: pass example_inputs= "
+            "(a tuple of arguments) and/or example_kwargs= (a dict, e.g. input_ids=, attention_mask=)"
+        )
+    names = _bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
+    for name, value in names.items():
+        if isinstance(value, (list, tuple, dict)) and any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(value)):
+            raise TraceError(
+                f"the export frontend takes tensors and Python values as arguments; '{name}' is a "
+                f"{type(value).__name__} of tensors: pass its tensors as separate arguments"
+            )
+    dim = _batch_dim_of(model) if batch_dim is None else batch_dim
+    spec = {name: _dynamic_spec(value, dim) for name, value in names.items()}
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
+    except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
+        raise export_error(exc, model) from exc
+    seconds = time.perf_counter() - start
+    unlifted = ep.module()
+    gm, dynamic = _program(model, unlifted, names, dim)
+    if not dynamic:
+        warnings.warn(
+            f"torch.export specialised the batch dim of {type(model).__name__} to the example's size; "
+            "steps that depend on it run whole (correct, not parallel). Give an example batch of 2 or more.",
+            stacklevel=3,
+        )
+    examples = tuple(names[n.target] for n in gm.graph.nodes if n.op == "placeholder")
+    return Exported(gm, examples, dim, dynamic, seconds)
+
+
+def _bind_names(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The examples by argument name, in forward's order (export then takes them as kwargs)."""
+    params = [p for p in forward_parameters(model) if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(args) > len(positional):
+        raise TraceError(f"{type(model).__name__}.forward takes {len(positional)} positional arguments, the example gives {len(args)}")
+    given = {p.name: a for p, a in zip(positional, args)}
+    for key in kwargs:
+        if key in given:
+            raise TraceError(f"example argument '{key}' given both in example_inputs= and example_kwargs=")
+    given.update(kwargs)
+    order = [p.name for p in params if p.name in given] + [k for k in given if k not in {p.name for p in params}]
+    return {name: given[name] for name in order}
+
+
+def export_error(exc: BaseException, model: nn.Module) -> TraceError:
+    """A :class:`TraceError` for a failed export, naming the user's line where export says it."""
+    from dpcompile.capture.errors import _user_frame
+
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    found = _user_frame(exc.__traceback__)
+    where = ""
+    if found is not None:
+        frame, _ = found
+        import linecache
+
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {linecache.getline(frame.filename, frame.lineno).strip()!r}: "
+    data_dependent = "data-dependent" in text or "GuardOnDataDependentSymNode" in type(exc).__name__ or "Could not guard" in text
+    hint = (
+        "forward branches on tensor values (data-dependent control flow), which neither frontend captures; "
+        "mark that module as a leaf (leaf_modules=[...] with the fx frontend, frontend='fx') or run the model "
+        "data parallel over its batch-independent parts"
+        if data_dependent
+        else "check that the examples are what forward accepts"
+    )
+    return TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
+
+
+# ----------------------------------------------------------------------------- the program
+
+_DROPPED = {
+    aten._assert_tensor_metadata.default,
+    aten._assert_scalar.default,
+    aten.sym_constrain_range_for_size.default,
+    aten.sym_constrain_range.default,
+}
+
+
+def _program(model: nn.Module, unlifted: fx.GraphModule, names: Mapping[str, Any], batch_dim: int) -> tuple[fx.GraphModule, bool]:
+    """The unlifted exported graph as a program over ``model``'s own modules and tensors."""
+    from dpcompile.module import adopt_state
+
+    source = unlifted.graph
+    graph = fx.Graph()
+    remap: dict[fx.Node, Any] = {}
+    placeholders = [n for n in source.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(names):
+        raise TraceError(f"torch.export flattened {len(names)} arguments into {len(placeholders)} inputs; pass tensors and Python values only")
+    dynamic = False
+    trailing_defaults = _trailing_python_values(names)
+    for node, (name, value) in zip(placeholders, names.items()):
+        default = (value,) if name in trailing_defaults else ()
+        new = graph.placeholder(name, default_value=default[0] if default else inspect.Signature.empty)
+        new.meta.update(node.meta)
+        remap[node] = new
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+            dim = batch_dim if value.dim() > batch_dim else 0
+            dynamic = dynamic or isinstance(val.shape[dim], torch.SymInt)
+    for node, (name, value) in zip(placeholders, names.items()):
+        if not isinstance(value, torch.Tensor) and _is_python_value(value):
+            check = graph.call_function(expect_value, (remap[node], value, name))
+            check.meta["stack_trace"] = f"  (argument '{name}' of {type(model).__name__}.forward)\n"
+    roots: dict[str, Any] = {}
+    for node in source.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "call_module":  # export's input guards; the program checks nothing at run time
+            continue
+        if node.op == "call_function" and node.target in _DROPPED:
+            continue
+        if node.op == "get_attr":
+            roots[node.target] = _resolve(model, unlifted, node.target)
+        if node.op == "output":
+            graph.output(_rebuild_output(graph, unlifted, [remap.get(a, a) if isinstance(a, fx.Node) else a for a in node.args[0]]))
+            continue
+        remap[node] = graph.node_copy(node, lambda n: remap[n])
+    gm = fx.GraphModule(roots, graph, class_name=type(model).__name__)
+    adopt_state(gm, model)
+    rewrite(gm, model)
+    gm.recompile()
+    return gm, dynamic
+
+
+def _is_python_value(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _trailing_python_values(names: Mapping[str, Any]) -> set[str]:
+    """Python-valued arguments after the last tensor: they keep their example value as default."""
+    out: set[str] = set()
+    for name, value in reversed(list(names.items())):
+        if not _is_python_value(value):
+            break
+        out.add(name)
+    return out
+
+
+def _resolve(model: nn.Module, unlifted: fx.GraphModule, target: str) -> Any:
+    """The model's own object at ``target`` (the same Parameter), else the exported one (a constant)."""
+    obj: Any = model
+    try:
+        for atom in target.split("."):
+            obj = getattr(obj, atom)
+        return obj
+    except AttributeError:
+        obj = unlifted
+        for atom in target.split("."):
+            obj = getattr(obj, atom)
+        return obj
+
+
+def _rebuild_output(graph: fx.Graph, unlifted: fx.GraphModule, leaves: list[Any]) -> Any:
+    """The flat outputs rebuilt into forward's structure (tuples, dicts, dataclasses such as
+    transformers' ``ModelOutput``) by graph nodes."""
+    spec = unlifted._out_spec if hasattr(unlifted, "_out_spec") else None
+    if spec is None:
+        return tuple(leaves)
+    it = iter(leaves)
+    return _build(graph, spec, it)
+
+
+def _build(graph: fx.Graph, spec: Any, leaves: Any) -> Any:
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_build(graph, child, leaves) for child in (spec.children() if hasattr(spec, "children") else spec.children_specs)]
+    kind = spec.type
+    if kind is tuple:
+        return tuple(children)
+    if kind is list:
+        return list(children)
+    if kind is dict:
+        return dict(zip(spec.context, children))
+    if kind is type(None):
+        return None
+    if dataclasses.is_dataclass(kind):
+        keys = spec.context if isinstance(spec.context, (list, tuple)) else [f.name for f in dataclasses.fields(kind)]
+        if isinstance(spec.context, (list, tuple)) and len(spec.context) == 2 and isinstance(spec.context[0], (list, tuple)):
+            keys = spec.context[0]
+        return graph.call_function(kind, (), dict(zip(keys, children)))
+    if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_fields"):
+        return graph.call_function(kind, tuple(children))
+    if isinstance(kind, type) and issubclass(kind, dict):
+        return graph.call_function(kind, (), dict(zip(spec.context, children)))
+    raise TraceError(f"the export frontend cannot rebuild an output of type {kind.__name__}")
+
+
+# ----------------------------------------------------------------------------- rewriting
+
+
+def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Module calls back where an op is exactly a module's forward; mode-aware dropout; mean
+    losses as sum / count; readable names."""
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        owner_path = _owner_path(node)
+        owner = modules.get(owner_path) if owner_path is not None else None
+        if node.target is aten.dropout.default:
+            _rewrite_dropout(gm, node, owner_path, owner)
+        elif owner is not None and _is_plain(owner):
+            _raise_to_module(gm, node, owner_path, owner)
+        if node.graph is graph and node.op == "call_function" and node.target in _LOSSES:
+            _loss_as_sum_over_count(graph, node)
+    if any(_bakes_mode(n) for n in graph.nodes):
+        _add_mode_check(gm, model)
+    graph.eliminate_dead_code()
+    _readable_names(graph)
+
+
+def _owner_path(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return _clean_path(path) if "nn_module_stack" not in path else None
+
+
+def _clean_path(path: str) -> str:
+    """``L['self'].encoder.layer[0]`` or ``encoder.layer.0`` → ``encoder.layer.0``."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    path = path.replace("._modules.", ".").lstrip(".")
+    return path
+
+
+def _is_plain(module: nn.Module) -> bool:
+    """A module whose forward is torch's own and that has no hooks (a call of it is exactly its op)."""
+    kinds = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.modules.batchnorm._BatchNorm, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    if not isinstance(module, kinds):
+        return False
+    base = next(k for k in kinds if isinstance(module, k))
+    own_forward = type(module).forward is base.forward or type(module).forward in (nn.BatchNorm1d.forward,)
+    hooks = module._forward_hooks or module._forward_pre_hooks
+    return own_forward and not hooks and not isinstance(module, nn.SyncBatchNorm)
+
+
+def _attr(node: Any) -> str | None:
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+def _is(gm: fx.GraphModule, node: Any, tensor: torch.Tensor | None) -> bool:
+    """Whether ``node`` reads exactly ``tensor`` (a None argument matches a None tensor)."""
+    if tensor is None:
+        return node is None
+    target = _attr(node)
+    if target is None:
+        return False
+    obj: Any = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom, None)
+    return obj is tensor
+
+
+def _raise_to_module(gm: fx.GraphModule, node: fx.Node, path: str, module: nn.Module) -> None:
+    args = list(node.args) + [None] * 10
+    target = node.target
+    if isinstance(module, nn.Linear) and target is aten.linear.default:
+        ok = _is(gm, args[1], module.weight) and _is(gm, args[2], module.bias)
+    elif isinstance(module, nn.Embedding) and target is aten.embedding.default:
+        padding = node.args[2] if len(node.args) > 2 else -1
+        ok = (
+            _is(gm, args[0], module.weight)
+            and module.max_norm is None
+            and padding == (module.padding_idx if module.padding_idx is not None else -1)
+            and not module.sparse
+            and not module.scale_grad_by_freq
+        )
+        args[1], args[0] = args[0], args[1]  # the module takes the indices
+    elif isinstance(module, nn.LayerNorm) and target is aten.layer_norm.default:
+        eps = node.args[4] if len(node.args) > 4 else 1e-5
+        ok = (
+            list(args[1]) == list(module.normalized_shape)
+            and _is(gm, args[2], module.weight)
+            and _is(gm, args[3], module.bias)
+            and eps == module.eps
+        )
+    elif isinstance(module, nn.modules.batchnorm._BatchNorm) and target is aten.batch_norm.default:
+        ok = (
+            _is(gm, args[1], module.weight)
+            and _is(gm, args[2], module.bias)
+            and _is(gm, args[3], module.running_mean)
+            and _is(gm, args[4], module.running_var)
+            and args[7] == module.eps
+        )
+        if ok:
+            _drop_counter_update(gm, node, module)
+    elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and target in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default):
+        ok = module.padding_mode == "zeros" and _is(gm, args[1], module.weight) and _is(gm, args[2], module.bias)
+    else:
+        ok = False
+    if not ok:
+        return
+    with gm.graph.inserting_before(node):
+        call = gm.graph.call_module(path, (args[0],))
+    call.meta.update(node.meta)
+    node.replace_all_uses_with(call)
+    gm.graph.erase_node(node)
+
+
+def _drop_counter_update(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
+    """The batch norm module counts its batches itself: drop export's ``num_batches_tracked += 1``."""
+    if module.num_batches_tracked is None:
+        return
+    for other in list(gm.graph.nodes):
+        if other.op == "call_function" and other.target is aten.add_.Tensor and _is(gm, other.args[0], module.num_batches_tracked):
+            gm.graph.erase_node(other)
+
+
+def _rewrite_dropout(gm: fx.GraphModule, node: fx.Node, path: str | None, owner: nn.Module | None) -> None:
+    """``aten.dropout(x, p, train)`` with the mode read at run time: an ``nn.Dropout`` module is
+    called; functional dropout reads its module's ``training``; ``p=0`` is dropped."""
+    x, p = node.args[0], node.args[1]
+    if p == 0:
+        node.replace_all_uses_with(x)
+        gm.graph.erase_node(node)
+        return
+    with gm.graph.inserting_before(node):
+        if isinstance(owner, nn.Dropout) and owner.p == p and type(owner).forward is nn.Dropout.forward:
+            new = gm.graph.call_module(path, (x,))
+        elif owner is not None and path:
+            module = gm.graph.get_attr(path)
+            training = gm.graph.call_function(getattr, (module, "training"))
+            new = gm.graph.call_function(F.dropout, (x, p), {"training": training})
+        else:
+            return  # forward's own dropout: the mode it was exported in (checked at run time)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def _bakes_mode(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is aten.dropout.default and node.args[1] != 0:
+        return True
+    if node.target is aten.scaled_dot_product_attention.default:
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return p != 0
+    return False
+
+
+def _add_mode_check(gm: fx.GraphModule, model: nn.Module) -> None:
+    child = next(iter(dict(model.named_children())), None)
+    if child is None:
+        return
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        ref = gm.graph.get_attr(child)
+        gm.graph.call_function(expect_mode, (ref, model.training))
+
+
+_LOSSES = {
+    aten.cross_entropy_loss.default: "class",
+    aten.nll_loss.default: "class",
+    aten.nll_loss_nd.default: "class",
+    aten.mse_loss.default: "elementwise",
+    aten.l1_loss.default: "elementwise",
+    aten.smooth_l1_loss.default: "elementwise",
+    aten.huber_loss.default: "elementwise",
+    aten.binary_cross_entropy.default: "elementwise",
+    aten.binary_cross_entropy_with_logits.default: "elementwise",
+}
+_REDUCTION_AT = {"class": 3, "elementwise": 2}
+_MEAN, _SUM = 1, 2
+
+
+def _loss_as_sum_over_count(graph: fx.Graph, node: fx.Node) -> None:
+    """``loss(x, t)`` with ``reduction='mean'`` as ``loss(x, t, reduction='sum') / count``: the
+    same value, in a form data parallel reduces exactly (sums and counts over chunks)."""
+    kind = _LOSSES[node.target]
+    schema = node.target._schema
+    names = [a.name for a in schema.arguments]
+    bound = {a.name: (a.default_value if a.has_default_value() else None) for a in schema.arguments}
+    bound.update(zip(names, node.args))
+    bound.update(node.kwargs)
+    if bound.get("reduction", _MEAN) != _MEAN:
+        return
+    if node.target in (aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default) and (
+        bound.get("weight") is not None or bound.get("pos_weight") is not None
+    ):
+        return  # weights broadcast over samples: keep it whole-batch, simple and correct
+    if kind == "class" and bound.get("weight") is not None and bound.get("label_smoothing", 0.0):
+        return  # PyTorch's weighted, smoothed mean has no simple sum / count form
+    at = _REDUCTION_AT[kind]
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if len(args) > at:
+        args[at] = _SUM
+    else:
+        kwargs["reduction"] = _SUM
+    with graph.inserting_after(node):
+        total = graph.call_function(node.target, tuple(args), kwargs)
+    total.meta.update(node.meta)
+    with graph.inserting_after(total):
+        if kind == "class":
+            count = graph.call_function(cross_entropy_count, (bound["target"], bound.get("weight"), bound.get("ignore_index", -100)))
+        else:
+            count = graph.call_function(element_count, (bound["self"],))
+    count.meta["stack_trace"] = node.meta.get("stack_trace")
+    with graph.inserting_after(count):
+        mean = graph.call_function(operator.truediv, (total, count))
+    mean.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    node.replace_all_uses_with(mean)
+    graph.erase_node(node)
+
+
+def _readable_names(graph: fx.Graph) -> None:
+    """Name nodes after the module they run in: ``encoder_layer_0_attn_q_proj`` (a module's
+    main op, or a module call) and ``encoder_layer_0_attn_view`` (the rest)."""
+    taken = {n.name for n in graph.nodes if n.op == "placeholder"}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_module":
+            base = node.target.replace(".", "_")
+        elif node.op == "get_attr":
+            base = node.target.replace(".", "_")
+        else:
+            path = _owner_path(node)
+            op = _op_name(node)
+            base = f"{path.replace('.', '_')}_{op}" if path else op
+        name = _unique(_identifier(base), taken)
+        taken.add(name)
+        if name != node.name:
+            node._rename(name)
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__.strip("_") or "op"
+    return getattr(target, "__name__", "op").strip("_") or "op"
+
+
+def _identifier(name: str) -> str:
+    name = re.sub(r"[^0-9a-zA-Z_]", "_", name)
+    return f"_{name}" if name[:1].isdigit() else name
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    if name not in taken:
+        return name
+    i = 1
+    while f"{name}_{i}" in taken:
+        i += 1
+    return f"{name}_{i}"

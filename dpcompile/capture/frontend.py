@@ -102,9 +102,13 @@ def capture_model(
     try:
         exported = capture_export(model, example_inputs, example_kwargs, batch_dim=batch_dim)
     except TraceError as error:
+        route = working_part(model, leaf_modules)
+        message = str(error)
         if fx_error is not None:
-            raise TraceError(f"{error}\n(the fx frontend failed first: {fx_error})") from None
-        raise
+            message += f"\n(the fx frontend failed first: {fx_error})"
+        if route:
+            message += f"\n{route}"
+        raise TraceError(message) from None
     info = CaptureInfo(
         "export",
         exported.example_inputs,
@@ -115,3 +119,25 @@ def capture_model(
         exported.export_seconds,
     )
     return exported.gm, info
+
+
+def working_part(model: nn.Module, leaf_modules: Iterable[type[nn.Module]] = (), tries: int = 4) -> str | None:
+    """A route that works where neither frontend captures ``model`` (a detector's list inputs
+    and data-dependent control flow): its largest direct submodule that fx captures, to transform
+    on its own while the rest runs as it is."""
+    total = sum(p.numel() for p in model.parameters())
+    children = sorted(model.named_children(), key=lambda c: -sum(p.numel() for p in c[1].parameters()))
+    for name, child in children[:tries]:
+        size = sum(p.numel() for p in child.parameters())
+        if size == 0:
+            break
+        try:
+            capture_fx(child, leaf_modules=leaf_modules)
+        except Exception:  # noqa: BLE001 - only a candidate
+            continue
+        return (
+            f"a route that works: transform the part that can be captured, "
+            f"dpcompile.transform(model.{name}, devices) ({size:,} of the {total:,} parameters), and run "
+            f"the rest of {type(model).__name__} as it is (assign the result back: model.{name} = pm)"
+        )
+    return None

@@ -55,6 +55,7 @@ class Exported:
 # ----------------------------------------------------------------------------- run-time helpers
 
 
+@fx.node.has_side_effect
 def expect_value(value: Any, expected: Any, name: str) -> None:
     """Checked at each call: a Python argument the program was exported for keeps its value."""
     if value is not expected and value != expected:
@@ -64,6 +65,7 @@ def expect_value(value: Any, expected: Any, name: str) -> None:
         )
 
 
+@fx.node.has_side_effect
 def expect_mode(module: nn.Module, training: bool) -> None:
     """Checked at each call where the exported graph bakes in the mode (dropout in attention)."""
     if module.training != training:

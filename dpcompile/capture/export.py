@@ -20,6 +20,7 @@ batch dim dynamic (``Dim.AUTO``), so the program serves other batch sizes. Its u
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import inspect
 import logging
@@ -87,6 +88,19 @@ def cross_entropy_count(target: torch.Tensor, weight: torch.Tensor | None, ignor
 def element_count(x: torch.Tensor) -> int:
     """The denominator of an element-wise loss with ``reduction='mean'``."""
     return x.numel()
+
+
+def aten_op(namespace: str, name: str, overload: str) -> torch._ops.OpOverload:
+    """An op overload by name (``aten``, ``view``, ``default``): how exported programs pickle
+    their targets (torch's ``OpOverload`` objects do not pickle)."""
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+def _reduce_op(op: torch._ops.OpOverload) -> tuple:
+    return (aten_op, (op.namespace, op._schema.name.split("::")[-1], op._overloadname))
+
+
+copyreg.pickle(torch._ops.OpOverload, _reduce_op)
 
 
 # ----------------------------------------------------------------------------- export
@@ -247,11 +261,17 @@ def _program(model: nn.Module, unlifted: fx.GraphModule, names: Mapping[str, Any
             graph.output(_rebuild_output(graph, unlifted, [remap.get(a, a) if isinstance(a, fx.Node) else a for a in node.args[0]]))
             continue
         remap[node] = graph.node_copy(node, lambda n: remap[n])
+    for node in graph.nodes:  # what export records for its own tools (NodeSource objects do not pickle)
+        for key in _EXPORT_ONLY_META:
+            node.meta.pop(key, None)
     gm = fx.GraphModule(roots, graph, class_name=type(model).__name__)
     adopt_state(gm, model)
     rewrite(gm, model)
     gm.recompile()
     return gm, dynamic
+
+
+_EXPORT_ONLY_META = ("tensor_meta", "from_node", "torch_fn", "source_fn_stack", "seq_nr", "original_aten", "unbacked_bindings", "custom")
 
 
 def _is_python_value(value: Any) -> bool:

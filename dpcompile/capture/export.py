@@ -358,6 +358,7 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
             _loss_as_sum_over_count(graph, node)
     if any(_bakes_mode(n) for n in graph.nodes):
         _add_mode_check(gm, model)
+    _devices_from_inputs(graph)
     graph.eliminate_dead_code()
     _readable_names(graph)
 
@@ -484,6 +485,45 @@ def _rewrite_dropout(gm: fx.GraphModule, node: fx.Node, path: str | None, owner:
     gm.graph.erase_node(node)
 
 
+def _devices_from_inputs(graph: fx.Graph) -> None:
+    """Export writes the device it ran on into the graph (``arange(n, device='cpu')``,
+    ``x.to(dtype, device='cpu')``); the program runs on other devices (the model moves to
+    ``devices[0]``, chunks live on every device). A conversion to the tensor's own device keeps
+    only its dtype; other device arguments read the device of the first tensor input, per device.
+    """
+    inputs = [
+        n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    device_node: fx.Node | None = None
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.to.device and len(node.args) >= 3 and not node.kwargs.get("copy", False):
+            source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            if isinstance(source, torch.Tensor) and source.device == node.args[1]:
+                node.target, node.args = aten.to.dtype, (node.args[0], node.args[2])
+                continue
+        baked = node.kwargs.get("device")
+        if not isinstance(baked, torch.device):
+            continue
+        if node.target is aten.to.dtype_layout and node.kwargs.get("layout", torch.strided) == torch.strided:
+            source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            if isinstance(source, torch.Tensor) and source.device == baked and "dtype" in node.kwargs:
+                with graph.inserting_before(node):
+                    new = graph.call_function(aten.to.dtype, (node.args[0], node.kwargs["dtype"]))
+                new.meta.update(node.meta)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+                continue
+        if not inputs:
+            continue
+        if device_node is None:
+            with graph.inserting_after(inputs[-1]):
+                device_node = graph.call_function(getattr, (inputs[0], "device"))
+                device_node.meta["dpcompile_name"] = f"{inputs[0].name}_device"
+        node.kwargs = {**node.kwargs, "device": device_node}
+
+
 def _bakes_mode(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
@@ -566,7 +606,9 @@ def _readable_names(graph: fx.Graph) -> None:
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node.op == "call_module":
+        if "dpcompile_name" in node.meta:
+            base = node.meta["dpcompile_name"]
+        elif node.op == "call_module":
             base = node.target.replace(".", "_")
         elif node.op == "get_attr":
             base = node.target.replace(".", "_")

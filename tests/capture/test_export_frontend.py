@@ -197,3 +197,21 @@ def test_export_frontend_explain_and_verify():
     pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x, labels))
     assert "data_parallel" in str(dpcompile.explain(pm, x, labels))
     assert dpcompile.verify(pm, model, x, labels)
+
+
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(6, 4)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device)
+        return x + self.pos(positions).to(x.dtype)
+
+
+def test_export_frontend_reads_devices_from_inputs_not_the_export_device():
+    """Export bakes its device into factories; the program reads it from its input instead."""
+    gm, _ = capture_model(Positions(), frontend="export", example_inputs=(torch.randn(3, 6, 4),))
+    baked = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device)]
+    assert not baked
+    assert "x_device = x.device" in gm.code

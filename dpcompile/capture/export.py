@@ -72,7 +72,8 @@ def expect_mode(module: nn.Module, training: bool) -> None:
     if module.training != training:
         mode = "training" if training else "eval"
         raise DpCompileError(
-            f"this program was exported in {mode} mode and bakes it in (dropout inside attention); "
+            f"this program was exported in {mode} mode, and forward takes another path in the other mode "
+            "(`if self.training:` around ops, which torch.export bakes in); "
             f"transform the model again after model.{'eval' if training else 'train'}() for the other mode"
         )
 
@@ -163,6 +164,10 @@ def capture_export(
     seconds = time.perf_counter() - start
     unlifted = ep.module()
     gm, dynamic = _program(model, unlifted, names, dim)
+    other = _export_in_other_mode(model, gm, names, spec, dim)
+    if other is not None and not _merge_modes(gm, other, model):
+        _add_mode_check(gm, model)
+    gm.recompile()
     if not dynamic:
         warnings.warn(
             f"torch.export specialised the batch dim of {type(model).__name__} to the example's size; "
@@ -350,14 +355,20 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
             continue
         owner_path = _owner_path(node)
         owner = modules.get(owner_path) if owner_path is not None else None
+        if node.target is aten.contiguous.default and len(node.args) == 1 and not node.kwargs:
+            # memory layout only (views below become reshapes, which take any layout): the two
+            # modes' programs then match where eager code makes a copy contiguous in one only
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            continue
+        if node.target is aten.view.default:
+            node.target = aten.reshape.default
         if node.target is aten.dropout.default:
             _rewrite_dropout(gm, node, owner_path, owner)
         elif owner is not None and _is_plain(owner):
             _raise_to_module(gm, node, owner_path, owner)
         if node.graph is graph and node.op == "call_function" and node.target in _LOSSES:
             _loss_as_sum_over_count(graph, node)
-    if any(_bakes_mode(n) for n in graph.nodes):
-        _add_mode_check(gm, model)
     _devices_from_inputs(graph)
     graph.eliminate_dead_code()
     _readable_names(graph)
@@ -522,6 +533,120 @@ def _devices_from_inputs(graph: fx.Graph) -> None:
                 device_node = graph.call_function(getattr, (inputs[0], "device"))
                 device_node.meta["dpcompile_name"] = f"{inputs[0].name}_device"
         node.kwargs = {**node.kwargs, "device": device_node}
+
+
+def _export_in_other_mode(
+    model: nn.Module, gm: fx.GraphModule, names: Mapping[str, Any], spec: Any, dim: int
+) -> fx.GraphModule | None:
+    """The program exported in the other mode, where forward may read ``self.training`` beyond
+    the modules the program calls (which read their own mode at run time); else None."""
+    if not any(_bakes_mode(n) for n in gm.graph.nodes) and not any(_forward_reads_training(type(m)) for m in model.modules()):
+        return None
+    from torch.export import export
+
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.train(not model.training)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
+        other_gm, _ = _program(model, other, names, dim)
+    except Exception as exc:  # noqa: BLE001 - it cannot serve the other mode: check the mode
+        log.debug("export in the other mode failed (%s)", exc)
+        return gm  # compared with itself: nothing to merge, so the mode is checked
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return other_gm
+
+
+def _with_defaults(node: fx.Node, n: int) -> None:
+    """Spell out an op's omitted positional arguments (their schema defaults) up to ``n``."""
+    schema = node.target._schema.arguments
+    args = list(node.args)
+    while len(args) < n and len(args) < len(schema) and schema[len(args)].has_default_value() and not schema[len(args)].kwarg_only:
+        if schema[len(args)].name in node.kwargs:
+            break
+        args.append(schema[len(args)].default_value)
+    node.args = tuple(args)
+
+
+def mode_value(module: nn.Module, if_training: Any, if_eval: Any) -> Any:
+    """A constant of forward that depends on the mode (``dropout_p`` of attention), chosen at run time."""
+    return if_training if module.training else if_eval
+
+
+def _merge_modes(gm: fx.GraphModule, other: fx.GraphModule, model: nn.Module) -> bool:
+    """Make ``gm`` serve both modes where the two programs differ only in Python constants
+    (attention's ``dropout_p``): each such constant becomes ``mode_value(module, ...)``. False
+    where they differ in structure (``if self.training:`` around ops)."""
+    if other is gm:
+        return False
+    ours = list(gm.graph.nodes)
+    theirs = list(other.graph.nodes)
+    if len(ours) != len(theirs):
+        return False
+    pairs: dict[fx.Node, fx.Node] = {}
+    changes: list[tuple[fx.Node, int | str, Any, Any]] = []
+    for a, b in zip(ours, theirs):
+        if a.op == b.op == "call_function" and a.target == b.target and isinstance(a.target, torch._ops.OpOverload):
+            _with_defaults(a, len(b.args))
+            _with_defaults(b, len(a.args))
+        if a.op != b.op or a.target != b.target or len(a.args) != len(b.args) or set(a.kwargs) != set(b.kwargs):
+            return False
+        pairs[b] = a
+        slots = [(i, x, y) for i, (x, y) in enumerate(zip(a.args, b.args))] + [(k, a.kwargs[k], b.kwargs[k]) for k in a.kwargs]
+        for key, x, y in slots:
+            mapped = fx.node.map_arg(y, lambda n: pairs.get(n, n))
+            if mapped == x or (isinstance(x, fx.Node) and mapped is x):
+                continue
+            if type(x) is type(y) and isinstance(x, (bool, int, float)):
+                changes.append((a, key, x, y))
+                continue
+            return False
+    training = model.training
+    for node, key, value, other_value in changes:
+        path = _owner_path(node) or next(iter(dict(model.named_children())), None)
+        if path is None:
+            return False
+        with gm.graph.inserting_before(node):
+            ref = gm.graph.get_attr(path)
+            if_training, if_eval = (value, other_value) if training else (other_value, value)
+            chosen = gm.graph.call_function(mode_value, (ref, if_training, if_eval))
+        chosen.meta["stack_trace"] = node.meta.get("stack_trace")
+        if isinstance(key, int) and isinstance(node.target, torch._ops.OpOverload):
+            label = node.target._schema.arguments[key].name
+        else:
+            label = key if isinstance(key, str) else f"arg{key}"
+        chosen.meta["dpcompile_name"] = f"{node.name}_{label}"
+        if isinstance(key, str):
+            node.kwargs = {**node.kwargs, key: chosen}
+        else:
+            args = list(node.args)
+            args[key] = chosen
+            node.args = tuple(args)
+    for node in gm.graph.nodes:
+        if "dpcompile_name" in node.meta and node.op == "call_function" and node.target is mode_value:
+            node._rename(_identifier(node.meta["dpcompile_name"]))
+    return True
+
+
+_READS_TRAINING: dict[type, bool] = {}
+_MODE_AWARE = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.modules.batchnorm._BatchNorm)
+
+
+def _forward_reads_training(cls: type) -> bool:
+    """Whether ``cls.forward``'s source mentions ``training`` (modules the program calls as
+    modules read their mode themselves)."""
+    if cls not in _READS_TRAINING:
+        if issubclass(cls, _MODE_AWARE) and cls.forward in {c.forward for c in _MODE_AWARE}:
+            _READS_TRAINING[cls] = False
+        else:
+            try:
+                _READS_TRAINING[cls] = "training" in inspect.getsource(inspect.unwrap(cls.forward))
+            except (OSError, TypeError):
+                _READS_TRAINING[cls] = True
+    return _READS_TRAINING[cls]
 
 
 def _bakes_mode(node: fx.Node) -> bool:

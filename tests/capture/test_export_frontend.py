@@ -215,3 +215,49 @@ def test_export_frontend_reads_devices_from_inputs_not_the_export_device():
     baked = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device)]
     assert not baked
     assert "x_device = x.device" in gm.code
+
+
+class Attention(nn.Module):
+    def __init__(self, p=0.1):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.p = p
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0)
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.training:
+            x = x + torch.randn_like(x)
+        return self.fc(x)
+
+
+def test_export_frontend_serves_both_modes_where_only_constants_differ():
+    """Attention's dropout_p (0.1 in training, 0 in eval) is chosen at run time: one program, both modes."""
+    model = Attention().eval()
+    x = torch.randn(4, 5, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert "mode_value" in pm.code
+    torch.testing.assert_close(pm(x), model(x))
+    pm.train()
+    assert pm(x).shape == x.shape  # runs (with dropout) instead of refusing
+    pm.eval()
+    torch.testing.assert_close(pm(x), model(x))
+
+
+def test_export_frontend_checks_the_mode_where_forward_branches_on_it():
+    """`if self.training:` around ops is baked in by export: a call in the other mode raises, never runs the wrong program."""
+    model = Noisy().eval()
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    pm.train()
+    with pytest.raises(dpcompile.DpCompileError, match="exported in eval mode"):
+        pm(x)

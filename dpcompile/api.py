@@ -131,7 +131,10 @@ def transform(
     ``input_ids=``, ``attention_mask=``, ``labels=``): see ``docs/frontends.md``.
     """
     model = _check_model(model)
-    model, example_inputs, batch_dim = _apply_frontend(model, frontend, example_inputs, example_kwargs, leaf_modules, batch_dim)
+    flags_served = tensor_parallel in (False, None) and not _is_device_mesh(devices)  # only DP re-traces for flags
+    model, example_inputs, batch_dim = _apply_frontend(
+        model, frontend, example_inputs, example_kwargs, leaf_modules, batch_dim, flags_served
+    )
     if _is_device_mesh(devices):
         from dpcompile.spmd import transform_spmd
 
@@ -172,6 +175,7 @@ def _apply_frontend(
     example_kwargs: Mapping[str, Any] | None,
     leaf_modules: Iterable[type[nn.Module]],
     batch_dim: int | None,
+    flags_served: bool = True,
 ) -> tuple[nn.Module, Sequence[Any] | None, int | None]:
     """The model as its frontend captures it (:func:`dpcompile.capture.capture_model`): the model
     itself where fx traces it (traced again below, with its variants), else the exported program
@@ -187,8 +191,12 @@ def _apply_frontend(
         model, frontend=frontend, example_inputs=example_inputs, example_kwargs=example_kwargs,
         leaf_modules=leaf_modules, batch_dim=batch_dim,
     )  # fmt: skip
-    if info.frontend == "fx":
+    if info.frontend == "fx" and (flags_served or not info.flags or frontend == "fx"):
         return model, info.example_inputs, batch_dim
+    if info.frontend == "fx":  # fx needs flags fixed, which only data parallel re-checks per call
+        gm, info = capture_model(
+            model, frontend="export", example_inputs=example_inputs, example_kwargs=example_kwargs, batch_dim=batch_dim
+        )
     return gm, info.example_inputs, batch_dim if batch_dim is not None or not info.batch_dim else info.batch_dim
 
 

@@ -195,3 +195,13 @@ def test_detection_model_fails_naming_a_route_that_works():
     assert list(got) == list(want)
     for key in want:
         torch.testing.assert_close(got[key], want[key])
+
+
+def test_timm_vit_tensor_parallel_matches_eager():
+    """timm ViT under tensor parallel: fx would need its flags fixed (only data parallel re-checks
+    them per call), so the export frontend captures it; the output equals eager."""
+    model = _timm("vit_tiny_patch16_224").eval()
+    x = torch.randn(4, 3, 32, 32)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+    assert any(style != "replicate" for style in pm.plan.values())
+    torch.testing.assert_close(pm(x), model(x), atol=2e-5, rtol=1e-4)

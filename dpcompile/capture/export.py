@@ -122,7 +122,7 @@ def _dynamic_spec(value: Any, batch_dim: int) -> Any:
         dim = batch_dim if value.dim() > batch_dim else 0
         return {dim: Dim.AUTO} if value.dim() > 0 else None
     if isinstance(value, (list, tuple)):
-        return type(value)(_dynamic_spec(v, batch_dim) for v in value) if isinstance(value, (list, tuple)) else None
+        return type(value)(_dynamic_spec(v, batch_dim) for v in value)
     if isinstance(value, dict):
         return {k: _dynamic_spec(v, batch_dim) for k, v in value.items()}
     return None
@@ -195,7 +195,7 @@ def _bind_names(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 def export_error(exc: BaseException, model: nn.Module) -> TraceError:
     """A :class:`TraceError` for a failed export, naming the user's line where export says it."""
-    from dpcompile.capture.errors import _user_frame
+    from dpcompile.capture.errors import _leaf_to_suggest, _user_frame
 
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
@@ -207,13 +207,13 @@ def export_error(exc: BaseException, model: nn.Module) -> TraceError:
 
         where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {linecache.getline(frame.filename, frame.lineno).strip()!r}: "
     data_dependent = "data-dependent" in text or "GuardOnDataDependentSymNode" in type(exc).__name__ or "Could not guard" in text
-    hint = (
-        "forward branches on tensor values (data-dependent control flow), which neither frontend captures; "
-        "mark that module as a leaf (leaf_modules=[...] with the fx frontend, frontend='fx') or run the model "
-        "data parallel over its batch-independent parts"
-        if data_dependent
-        else "check that the examples are what forward accepts"
-    )
+    leaf = _leaf_to_suggest(exc.__traceback__, model)
+    if data_dependent:
+        hint = "forward branches on tensor values (data-dependent control flow), which torch.export does not capture"
+        if leaf is not None:
+            hint += f"; with the fx frontend, mark the module as a leaf (frontend='fx', leaf_modules=[{leaf.__name__}])"
+    else:
+        hint = "check that the examples are what forward accepts"
     return TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
 
 

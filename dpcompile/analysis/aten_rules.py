@@ -461,7 +461,7 @@ for _name, _rule in {
 
 
 def _function_rules() -> dict[Any, fxr.Rule]:
-    from dpcompile.capture import export as frontend
+    from dpcompile.capture import runtime as frontend
 
     return {
         frontend.cross_entropy_count: count,

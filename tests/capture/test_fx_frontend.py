@@ -102,3 +102,32 @@ def test_fx_timm_vit_transforms_and_runs_first_call():
     pm = dpcompile.transform(model, ["cpu"] * 4, frontend="fx")
     x = torch.randn(7, 3, 32, 32)
     torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def _wrapped(forward):
+    import functools
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):  # as transformers 5.x wraps every forward
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class WrappedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    @_wrapped
+    def forward(self, x, mask=None, causal: bool = False):
+        return self.fc(x if mask is None and not causal else x * 2)
+
+
+def test_fx_follows_wrapped_to_the_real_signature():
+    """Flags and optional arguments are read behind a decorator (``__wrapped__``)."""
+    from dpcompile.capture import flag_arguments, optional_arguments
+
+    model = WrappedForward()
+    assert flag_arguments(model, example_kwargs={"causal": True}) == {"causal": True}
+    assert optional_arguments(model) == frozenset({"mask"})

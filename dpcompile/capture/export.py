@@ -94,6 +94,7 @@ def capture_export(
             "(a tuple of arguments) and/or example_kwargs= (a dict, e.g. input_ids=, attention_mask=)"
         )
     names = _bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
+    injected = _without_cache(model, names)
     for name, value in names.items():
         if isinstance(value, (list, tuple, dict)) and any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(value)):
             raise TraceError(
@@ -111,8 +112,8 @@ def capture_export(
         raise export_error(exc, model) from exc
     seconds = time.perf_counter() - start
     unlifted = ep.module()
-    gm, dynamic = _program(model, unlifted, names, dim)
-    other = _export_in_other_mode(model, gm, names, spec, dim)
+    gm, dynamic = _program(model, unlifted, names, dim, injected)
+    other = _export_in_other_mode(model, gm, names, spec, dim, injected)
     if other is not None and not _merge_modes(gm, other, model):
         _add_mode_check(gm, model)
     gm.recompile()
@@ -139,6 +140,22 @@ def _bind_names(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     given.update(kwargs)
     order = [p.name for p in params if p.name in given] + [k for k in given if k not in {p.name for p in params}]
     return {name: given[name] for name in order}
+
+
+def _without_cache(model: nn.Module, names: dict[str, Any]) -> frozenset[str]:
+    """transformers models return a key/value cache (not a tensor) unless ``use_cache=False``;
+    a parallel program has no use for it: export with ``use_cache=False`` where the examples do
+    not say (the program then has no ``use_cache`` argument)."""
+    config = getattr(model, "config", None)
+    params = {p.name for p in forward_parameters(model)}
+    if "use_cache" in params and "use_cache" not in names and getattr(config, "use_cache", False):
+        names["use_cache"] = False
+        ordered = [p.name for p in forward_parameters(model) if p.name in names]
+        items = {k: names[k] for k in ordered + [k for k in names if k not in ordered]}
+        names.clear()
+        names.update(items)
+        return frozenset({"use_cache"})
+    return frozenset()
 
 
 def export_error(exc: BaseException, model: nn.Module) -> TraceError:
@@ -175,7 +192,9 @@ _DROPPED = {
 }
 
 
-def _program(model: nn.Module, unlifted: fx.GraphModule, names: Mapping[str, Any], batch_dim: int) -> tuple[fx.GraphModule, bool]:
+def _program(
+    model: nn.Module, unlifted: fx.GraphModule, names: Mapping[str, Any], batch_dim: int, injected: frozenset[str] = frozenset()
+) -> tuple[fx.GraphModule, bool]:
     """The unlifted exported graph as a program over ``model``'s own modules and tensors."""
     from dpcompile.module import adopt_state
 
@@ -186,8 +205,11 @@ def _program(model: nn.Module, unlifted: fx.GraphModule, names: Mapping[str, Any
     if len(placeholders) != len(names):
         raise TraceError(f"torch.export flattened {len(names)} arguments into {len(placeholders)} inputs; pass tensors and Python values only")
     dynamic = False
-    trailing_defaults = _trailing_python_values(names)
+    trailing_defaults = _trailing_python_values({k: v for k, v in names.items() if k not in injected})
     for node, (name, value) in zip(placeholders, names.items()):
+        if name in injected:  # not an argument of the program: the value export ran with
+            remap[node] = value
+            continue
         default = (value,) if name in trailing_defaults else ()
         new = graph.placeholder(name, default_value=default[0] if default else inspect.Signature.empty)
         new.meta.update(node.meta)
@@ -197,7 +219,7 @@ def _program(model: nn.Module, unlifted: fx.GraphModule, names: Mapping[str, Any
             dim = batch_dim if value.dim() > batch_dim else 0
             dynamic = dynamic or isinstance(val.shape[dim], torch.SymInt)
     for node, (name, value) in zip(placeholders, names.items()):
-        if not isinstance(value, torch.Tensor) and _is_python_value(value):
+        if name not in injected and not isinstance(value, torch.Tensor) and _is_python_value(value):
             check = graph.call_function(expect_value, (remap[node], value, name))
             check.meta["stack_trace"] = f"  (argument '{name}' of {type(model).__name__}.forward)\n"
     roots: dict[str, Any] = {}
@@ -291,7 +313,7 @@ def _build(graph: fx.Graph, spec: Any, leaves: Any) -> Any:
 
 
 def _export_in_other_mode(
-    model: nn.Module, gm: fx.GraphModule, names: Mapping[str, Any], spec: Any, dim: int
+    model: nn.Module, gm: fx.GraphModule, names: Mapping[str, Any], spec: Any, dim: int, injected: frozenset[str]
 ) -> fx.GraphModule | None:
     """The program exported in the other mode, where forward may read ``self.training`` beyond
     the modules the program calls (which read their own mode at run time); else None."""
@@ -305,7 +327,7 @@ def _export_in_other_mode(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
-        other_gm, _ = _program(model, other, names, dim)
+        other_gm, _ = _program(model, other, names, dim, injected)
     except Exception as exc:  # noqa: BLE001 - it cannot serve the other mode: check the mode
         log.debug("export in the other mode failed (%s)", exc)
         return gm  # compared with itself: nothing to merge, so the mode is checked

@@ -205,3 +205,15 @@ def test_timm_vit_tensor_parallel_matches_eager():
     pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
     assert any(style != "replicate" for style in pm.plan.values())
     torch.testing.assert_close(pm(x), model(x), atol=2e-5, rtol=1e-4)
+
+
+def test_transformers_default_use_cache_is_exported_without_the_cache():
+    """A config with use_cache=True (the default) still transforms: the program is exported with use_cache=False."""
+    T = import_or_skip("transformers")
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32)).eval()
+    kwargs = _hf_inputs("gpt2", 4)
+    pm = dpcompile.transform(model, DEVICES, example_kwargs=kwargs)
+    kwargs = _hf_inputs("gpt2", 7, seed=1)
+    out, want = pm(**kwargs), model(**kwargs, use_cache=False)
+    torch.testing.assert_close(out.logits, want.logits, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=1e-5)

@@ -195,9 +195,8 @@ def call_path(rounds: int) -> dict:
 
 
 def _call_path(n: int, rounds: int) -> dict:
-    from dpcompile.module import ParallelModule
-
     from dpcompile import runtime
+    from dpcompile.modules.base import ParallelModule
 
     torch.manual_seed(0)
     model = DeepMLP(10, 64)

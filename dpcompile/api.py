@@ -7,17 +7,19 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import torch.fx as fx
 from torch import nn
 
+from dpcompile.capture import capture_model, check_frontend, positional_examples
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.recipes import DataParallelRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
-from dpcompile.recipes.base import FRONTENDS
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -28,6 +30,7 @@ def transform(
     *,
     tensor_parallel: TensorParallel = False,
     example_inputs: Sequence[Any] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
     frontend: str = "auto",
     batch_dim: int | None = None,
     output_device: Any = None,
@@ -45,7 +48,9 @@ def transform(
 
     ``copy_replicas=True`` gives virtual devices real replicas (as distinct GPUs get), so the
     multi-GPU code path runs and can be tested on one device. ``ddp_options`` (over a mesh)
-    are passed to ``DistributedDataParallel``.
+    are passed to ``DistributedDataParallel``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
+    and ``example_kwargs=`` (HF models: ``input_ids=``, ``attention_mask=``, ``labels=``): see
+    ``docs/frontends.md``.
     """
     recipe = make_recipe(
         model,
@@ -59,7 +64,42 @@ def transform(
         ddp_options=ddp_options,
     )
     with _gc_paused():
-        return recipe.compile(model, _example_tuple(example_inputs))
+        model, examples, frontend_batch_dim = _apply_frontend(
+            model, frontend, _example_tuple(example_inputs), example_kwargs, recipe.leaf_modules, batch_dim,
+            flags_served=isinstance(recipe, DataParallelRecipe),
+        )  # fmt: skip
+        if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
+            recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
+        return recipe.compile(model, examples)
+
+
+def _apply_frontend(
+    model: nn.Module,
+    frontend: str,
+    example_inputs: tuple | None,
+    example_kwargs: Mapping[str, Any] | None,
+    leaf_modules: tuple[type[nn.Module], ...],
+    batch_dim: int | None,
+    flags_served: bool,
+) -> tuple[nn.Module, tuple | None, int | None]:
+    """The model as its frontend captures it (:func:`dpcompile.capture.capture_model`): the model
+    itself where fx traces it (the recipe traces it, with its variants), else the exported
+    program (a GraphModule over the model's own modules and parameters); and the examples as
+    positional values in the program's argument order."""
+    no_examples = example_inputs is None and not example_kwargs
+    if isinstance(model, fx.GraphModule) or frontend == "fx" or (frontend == "auto" and no_examples):
+        return model, positional_examples(model, example_inputs, example_kwargs), batch_dim
+    gm, info = capture_model(
+        model, frontend=frontend, example_inputs=example_inputs, example_kwargs=example_kwargs,
+        leaf_modules=leaf_modules, batch_dim=batch_dim,
+    )  # fmt: skip
+    if info.frontend == "fx" and (flags_served or not info.flags or frontend == "fx"):
+        return model, info.example_inputs, batch_dim
+    if info.frontend == "fx":  # fx needs flags fixed, which only data parallel re-checks per call
+        gm, info = capture_model(
+            model, frontend="export", example_inputs=example_inputs, example_kwargs=example_kwargs, batch_dim=batch_dim
+        )
+    return gm, info.example_inputs, batch_dim if batch_dim is not None or not info.batch_dim else info.batch_dim
 
 
 def make_recipe(
@@ -78,8 +118,7 @@ def make_recipe(
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
     leaves = _check_leaf_modules(leaf_modules)
-    if frontend not in FRONTENDS:
-        raise ValueError(f"frontend={frontend!r}: expected one of {', '.join(map(repr, FRONTENDS))}")
+    check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
     common = {"leaf_modules": leaves, "frontend": frontend}
     if is_device_mesh(devices):

@@ -74,7 +74,14 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
             mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
             for x in example_inputs
         ]
-        FakeTensorProp(gm, mode).propagate(*fake_inputs)
+        # fake mode still runs ops on real 0-dim buffers (batch norm's num_batches_tracked += 1)
+        counters = [(b, b.clone()) for b in gm.buffers() if b.dim() == 0 and not isinstance(b, FakeTensor)]
+        try:
+            FakeTensorProp(gm, mode).propagate(*fake_inputs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in counters:
+                    buffer.copy_(value)
         return True
     except Exception as e:  # noqa: BLE001 - shapes are a refinement, not a requirement
         log.debug("shape propagation on fake tensors failed (%s); continuing without shapes", e)

@@ -12,14 +12,15 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 _DEFINED = False
 
 
-def import_torchvision() -> ModuleType:
-    """``torchvision``, importable on this CPU build (defines its missing ops once)."""
+def define_torchvision_ops() -> None:
+    """Define ``torchvision::nms``/``qnms`` once, before anything imports torchvision."""
     global _DEFINED
     if not _DEFINED:
         for name in ("nms", "qnms"):
@@ -28,9 +29,20 @@ def import_torchvision() -> ModuleType:
             except RuntimeError:  # defined already (another helper, an earlier import)
                 pass
         _DEFINED = True
+
+
+def import_torchvision() -> ModuleType:
+    """``torchvision``, importable on this CPU build (defines its missing ops once)."""
+    define_torchvision_ops()
     import torchvision
 
     return torchvision
+
+
+def import_or_skip(name: str) -> ModuleType:
+    """``pytest.importorskip`` after the torchvision ops are defined (transformers and timm import it)."""
+    define_torchvision_ops()
+    return pytest.importorskip(name)
 
 
 def import_timm() -> ModuleType:

@@ -80,6 +80,7 @@ _RUNTIME_MODULES = (
     "dpcompile.runtime.rnn",
     "dpcompile.runtime.batchnorm",
     "dpcompile.runtime.tensor_parallel",
+    "dpcompile.runtime.exported",
 )
 # Tensor methods a program must not call on what it holds (``numpy`` leaves torch's world)
 _METHODS_DENIED = frozenset({"numpy", "tofile", "storage", "untyped_storage", "share_memory_", "register_hook"})
@@ -179,6 +180,7 @@ def _runtime(module_name: str, name: str) -> Any:
     module = sys.modules.get(module_name)
     if module is None:
         import dpcompile.runtime  # noqa: F401 - our own package: imports its submodules
+        import dpcompile.runtime.exported  # noqa: F401
         import dpcompile.runtime.tensor_parallel  # noqa: F401
 
         module = sys.modules.get(module_name)

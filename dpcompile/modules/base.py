@@ -130,8 +130,10 @@ class ParallelModule(fx.GraphModule):
         self._flags = flags  # flag arguments the main program was traced for, and their values
         self.call_signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
         is_leaf = DpTracer(getattr(self.recipe, "leaf_modules", ())).is_leaf_module
-        # modes are read from the model where pm shares it, else from pm's own modules
-        object.__setattr__(self, "_guard", ModelGuard(source if self._shares_source else self, is_leaf))
+        # modes are read from the model where pm shares it, else from pm's own modules; a program
+        # without a forward to trace (a GraphModule given or exported) is code fixed for every mode
+        watched = None if source is not None else ()
+        object.__setattr__(self, "_guard", ModelGuard(source if self._shares_source else self, is_leaf, paths=watched))
         main_key = self._key(len(self.devices), none_args, tuple(flags.items()))
         object.__setattr__(self, "program_cache", ProgramCache(main_key, self._build_program))
         self._adopted = main_key.guard
@@ -388,9 +390,9 @@ class ParallelModule(fx.GraphModule):
         main = self.program_cache.main_key
         built = dict(self.program_cache.items())
         # both modes of every pattern met so far, and of the optional arguments left None
-        # (each alone, and all together), so that pm.eval() and a call without them hold
+        # (none, each alone, all together), so that pm.eval() and a call without them hold
         optional = [name for _, name in self.call_signature.optional]
-        none_patterns = {main.none_args, frozenset(optional), *(frozenset({name}) for name in optional[:2])}
+        none_patterns = {main.none_args, frozenset(), frozenset(optional), *(frozenset({name}) for name in optional[:2])}
         wanted = set(built)
         for key in [main, *built]:
             for nones in {key.none_args, *(none_patterns if key is main else ())}:

@@ -9,11 +9,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx._symbolic_trace import _assert_is_none
 
-from dpcompile.capture import capture, flag_arguments
-from dpcompile.errors import TraceError
-
-FRONTENDS = ("auto", "fx", "export")
+from dpcompile.capture import capture_fx
 
 
 @dataclass(frozen=True)
@@ -40,21 +38,19 @@ class Recipe:
 
 def capture_with_flags(
     model: nn.Module, leaf_modules: tuple[type[nn.Module], ...], example_inputs: Sequence[Any] | None
-) -> tuple[fx.GraphModule, dict[str, Any]]:
-    """Capture ``model``; where forward branches on a Python flag argument (``if return_hidden:``),
-    which fx traces as a value it cannot branch on, trace the flags as the values the example
-    (else the defaults) gives them: the program then serves calls with those values, and the
-    module traces again for others."""
-    try:
-        return capture(model, leaf_modules=leaf_modules), {}
-    except TraceError as error:
-        flags = flag_arguments(model, example_inputs) if not isinstance(model, fx.GraphModule) else {}
-        if not flags:
-            raise
-        try:
-            return capture(model, leaf_modules=leaf_modules, flags=flags), flags
-        except TraceError:
-            raise error from None
+) -> tuple[fx.GraphModule, dict[str, Any], frozenset[str]]:
+    """Capture ``model`` with fx; where forward branches on a Python flag argument (``if
+    return_hidden:``) or an optional argument (``if mask is not None``), trace them as the example
+    (else the default) gives them (:func:`dpcompile.capture.capture_fx`). Returns the graph, the
+    flags and the optional arguments traced as None: the program serves calls with those, and
+    the module traces again for others."""
+    gm, flags = capture_fx(model, leaf_modules=leaf_modules, example_inputs=example_inputs)
+    nones = frozenset(
+        str(node.args[0].target)
+        for node in gm.graph.nodes
+        if node.target is _assert_is_none and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+    )
+    return gm, flags, nones
 
 
 def move_to(model: nn.Module, device: torch.device) -> None:

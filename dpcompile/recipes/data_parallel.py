@@ -1,6 +1,6 @@
 """Data parallelism in one process: capture → hoist → insert_scatter_gather → ParallelModule.
 
-    gm, flags = capture_with_flags(model, ...)          # the model as a graph
+    gm, flags, nones = capture_with_flags(model, ...)   # the model as a graph
     input_dims = infer_input_dims(gm, ...)              # which inputs split on which dim
     gm = frontend_pipeline(gm)                          # hoist_flatten_parameters
     program = data_parallel_pipeline(gm)                # scatter / replicate / gather
@@ -49,7 +49,7 @@ class DataParallelRecipe(Recipe):
     copy_replicas: bool = False
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
-        gm, flags = capture_with_flags(model, self.leaf_modules, example_inputs)
+        gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         move_to(model, self.devices.primary)
         if example_inputs is not None:
             primary = self.devices.primary
@@ -75,6 +75,7 @@ class DataParallelRecipe(Recipe):
             share_all_of=model,
             source=model if retraceable else None,
             flags=flags,
+            none_args=nones,
         )
 
     def _options(self, devices: Devices | None = None, input_dims: Mapping[str, int | None] | None = None):

@@ -92,7 +92,7 @@ class SpmdRecipe(Recipe):
         self, model: nn.Module, dp_dim: str | int | None, device: torch.device, example_inputs: Sequence[Any] | None
     ) -> SpmdModule:
         model.to(device)
-        gm, flags = capture_with_flags(model, self.leaf_modules, example_inputs)
+        gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         captured_code = gm.code
         gm, records = run_passes(gm, self._data_parallel_pipeline(device, dp_dim))
         pm = SpmdModule(
@@ -107,6 +107,7 @@ class SpmdRecipe(Recipe):
             share_all_of=model,
             source=model if not isinstance(model, fx.GraphModule) else None,
             flags=flags,
+            none_args=nones,
         )
         pm.captured_code = captured_code
         pm.attach_mesh(mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options)
@@ -129,7 +130,7 @@ class SpmdRecipe(Recipe):
         pristine = fake_copy_to_trace(model, device)  # to trace again for calls that depart from this one
         own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
         broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
-        gm, flags = capture_with_flags(own, self.leaf_modules, example_inputs)
+        gm, flags, nones = capture_with_flags(own, self.leaf_modules, example_inputs)
         captured_code = gm.code
         if example_inputs is not None:
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
@@ -153,6 +154,7 @@ class SpmdRecipe(Recipe):
             share_all_of=own,
             source=pristine,
             flags=flags,
+            none_args=nones,
             shares_source=False,
         )
         pm.captured_code = captured_code

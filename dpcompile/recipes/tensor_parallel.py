@@ -76,7 +76,7 @@ class TensorParallelRecipe(Recipe):
         as the example's (else their default) values."""
         state_keys = list(model.state_dict().keys())
         owned = copy.deepcopy(model)  # the user's model is never touched
-        gm, flags = capture_owning_everything(owned, self.leaf_modules, example_inputs, none_args, flags)
+        gm, flags, none_args = capture_owning_everything(owned, self.leaf_modules, example_inputs, none_args, flags)
         captured_code = gm.code
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs))
@@ -158,23 +158,23 @@ def capture_owning_everything(
     example_inputs: Sequence[Any] | None,
     none_args: frozenset[str],
     flags: Mapping[str, Any] | None,
-) -> tuple[fx.GraphModule, dict[str, Any]]:
+) -> tuple[fx.GraphModule, dict[str, Any], frozenset[str]]:
     """Capture ``owned`` and give the GraphModule all its state, used in forward or not;
-    return it with the flags it was traced for.
+    return it with the flags and the optional arguments left None it was traced for.
 
     ``fx.GraphModule`` keeps only what the graph reads (with empty stand-ins for the modules
     on the way); the state dict must keep every key, and passes must replace modules in the
     real hierarchy.
     """
     if flags is None and not none_args:
-        gm, flags = capture_with_flags(owned, leaf_modules, example_inputs)
+        gm, flags, none_args = capture_with_flags(owned, leaf_modules, example_inputs)
     else:
         gm = capture(owned, leaf_modules=leaf_modules, none_args=none_args, flags=dict(flags or {}) or None)
     if isinstance(owned, fx.GraphModule) or not list(owned.children()) and not owned._parameters and not owned._buffers:
-        return gm, dict(flags or {})
+        return gm, dict(flags or {}), frozenset(none_args)
     adopt_state(gm, owned, aliased=True)  # the model's `graph` or `meta` is not the GraphModule's
     gm.train(owned.training)
-    return gm, dict(flags or {})
+    return gm, dict(flags or {}), frozenset(none_args)
 
 
 def aliased_plan(plan: bool | Mapping[str, str]) -> bool | dict[str, str]:

@@ -37,6 +37,7 @@ from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
     shape,
     third_party,
 )
+from dpcompile.analysis.batch_rules.aten import aten_rule
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, node_shape
 from dpcompile.analysis.batch_rules.modules import batch_first
 from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
@@ -50,7 +51,10 @@ def rule_for(node: fx.Node, module: nn.Module | None) -> Rule | None:
     """The batch rule for ``node`` (``module``: what a ``call_module`` node calls), or ``None``."""
     if node.op == "call_function" and node.target is runtime_flatten_parameters:
         return None  # an RNN weight flattening call, not an op on the batch
-    return BATCH_RULES.lookup(node, module)
+    rule = BATCH_RULES.lookup(node, module)
+    if rule is None and node.op == "call_function":  # ATen ops of graphs the export frontend captured
+        rule = aten_rule(node)
+    return rule
 
 
 __all__ = [

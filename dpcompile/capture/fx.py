@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-import linecache
-import os
+import operator
 import sys
-import traceback
 from collections.abc import Iterable, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -27,12 +24,10 @@ from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.errors import TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
-
-_TORCH_DIRS = (os.path.dirname(torch.__file__),)
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class DpTracer(fx.Tracer):
@@ -55,10 +50,16 @@ class DpTracer(fx.Tracer):
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if kind not in ("placeholder", "output"):
-            where = _user_source_line()
+            where = user_source_line()
             if where:
                 node.meta["stack_trace"] = where
         return node
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        kind = branch_kind(obj.node)
+        if kind is not None:
+            raise ShapeBranch(kind)
+        return super().to_bool(obj)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, nn.RNNBase) or (self.leaf_module_types and isinstance(m, self.leaf_module_types)):
@@ -135,6 +136,47 @@ def _record_checkpoints(tracer: fx.Tracer, root: Any):
     return undo
 
 
+_SHAPE_METHODS = ("size", "dim", "numel", "nelement")
+_SHAPE_ATTRIBUTES = ("shape", "ndim")
+_DTYPE_ATTRIBUTES = ("dtype", "device", "is_cuda", "is_floating_point", "layout")
+_PYTHON_OPERATORS = {getattr(operator, name) for name in dir(operator) if not name.startswith("_")} | {len, getattr}
+
+
+def branch_kind(node: fx.Node) -> str | None:
+    """What a Python ``if`` on ``node`` branches on, where fx could have been given it or
+    export can capture it: a shape, a dtype, or an argument's value. None for tensor data.
+
+    Walks back through Python operators only (``x.size(0) != y.shape[0]``); a tensor op on the
+    way (``x.sum() > 0``) makes it a branch on data.
+    """
+    seen: set[fx.Node] = set()
+    todo = [node]
+    argument = None
+    while todo:
+        current = todo.pop()
+        if current in seen or len(seen) > 64:
+            continue
+        seen.add(current)
+        if current.op == "call_method" and current.target in _SHAPE_METHODS:
+            return "branches on a shape (Python control flow on tensor sizes, which torch.fx cannot trace)"
+        if current.op == "call_function" and current.target is getattr and len(current.args) > 1:
+            if current.args[1] in _SHAPE_ATTRIBUTES:
+                return "branches on a shape (Python control flow on tensor sizes, which torch.fx cannot trace)"
+            if current.args[1] in _DTYPE_ATTRIBUTES:
+                return "branches on a dtype (Python control flow on a tensor's dtype or device, which torch.fx cannot trace)"
+        if current.op == "placeholder":
+            argument = argument or str(current.target)
+            continue
+        if current.op == "call_function" and current.target in _PYTHON_OPERATORS:
+            todo.extend(current.all_input_nodes)
+    if argument is not None and (node.op == "placeholder" or node.target in _PYTHON_OPERATORS):
+        return (
+            f"branches on the argument '{argument}' (a Python flag or optional argument: give its value "
+            "in example_inputs= / example_kwargs=, or leave it to its default)"
+        )
+    return None
+
+
 def _restore_state(
     modules: list[tuple[str, nn.Module]], before: list[tuple[dict, dict, dict]]
 ) -> list[tuple[str, fx.Node]]:
@@ -184,90 +226,13 @@ def _sizes_as_tuple(factory):
     return call
 
 
-def _is_library_file(filename: str) -> bool:
-    if filename.startswith(_OWN_DIR) and filename.endswith(os.sep + "demo.py"):
-        return False  # the built-in demo model is user code
-    return filename.startswith(_TORCH_DIRS) or filename.startswith(_OWN_DIR) or filename.startswith("<")
-
-
-def _user_source_line() -> str | None:
-    """The innermost user frame, formatted as a one-frame traceback (cheaper than fx's
-    ``record_stack_traces``, which formats the whole stack for every node)."""
-    frame = sys._getframe(2)
-    while frame is not None and _is_library_file(frame.f_code.co_filename):
-        frame = frame.f_back
-    if frame is None:
-        return None
-    code = frame.f_code
-    line = linecache.getline(code.co_filename, frame.f_lineno).strip()
-    return f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n    {line}\n'
-
-
-def _user_frame(tb: TracebackType | None) -> traceback.FrameSummary | None:
-    """The innermost frame of the traceback that is the user's code, not torch's or ours."""
-    frames = traceback.extract_tb(tb)
-    for frame in reversed(frames):
-        filename = frame.filename
-        if _is_library_file(filename):
-            continue
-        if "/site-packages/" in filename and "/torch/" in filename:
-            continue
-        return frame
-    return None
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "symbolically traced variables cannot be used as inputs to control flow" in text:
-        return "branches on a tensor value (control flow that depends on data)"
-    if "iterate" in text and "Proxy" in text:
-        return "iterates over a traced value"
-    return f"{type(exc).__name__}: {text}"
-
-
-def _offending_module(tb: TracebackType | None, frame: traceback.FrameSummary | None) -> type | None:
-    """The class of the module whose code ``frame`` is (its ``self``), if it is a module."""
-    if frame is None:
-        return None
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_filename == frame.filename and tb.tb_lineno == frame.lineno and code.co_name == frame.name:
-            owner = tb.tb_frame.f_locals.get("self")
-            return type(owner) if isinstance(owner, nn.Module) else None
-        tb = tb.tb_next
-    return None
-
-
-def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
-    """Build the :class:`TraceError` for an exception raised while tracing ``model``.
-
-    ``model.py:42 in Encoder.forward: 'if y.sum() > 0' branches on a tensor value; ...``
-    """
-    frame = _user_frame(exc.__traceback__)
-    owner = _offending_module(exc.__traceback__, frame)
-    leaf = owner.__name__ if owner is not None else "..."
-    way_out = (
-        f"mark the module as a leaf (leaf_modules=[{leaf}]) so the tracer does not enter it (it then "
-        "runs whole, after a gather), or make the code traceable: torch.where for a branch on data, "
-        "a Python flag argument with its value in example_inputs="
-    )
-    if frame is None:
-        return TraceError(f"cannot trace {type(model).__name__}: {_describe(exc)}; {way_out}")
-    source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-    short = frame.filename.rsplit("/", 1)[-1]
-    where = f"{owner.__name__}.{frame.name}" if owner is not None else frame.name
-    return TraceError(
-        f"{short}:{frame.lineno} in {where}: {source!r} {_describe(exc)}; {way_out}\n"
-        f"  file: {frame.filename}"
-    )
-
-
 def capture(
     model: nn.Module,
     *,
     leaf_modules: Iterable[type[nn.Module]] = (),
     none_args: Iterable[str] = (),
     flags: Mapping[str, Any] | None = None,
+    check_nones: bool = False,
 ) -> fx.GraphModule:
     """Trace ``model`` into a fresh ``GraphModule`` that shares its submodules and tensors.
 
@@ -301,15 +266,19 @@ def capture(
         # which breaks every later trace in the process (a dotted name is not a global)
         node.meta.pop("is_wrapped", None)
     if concrete:
-        _keep_argument_names(graph, frozenset(concrete))
+        _keep_argument_names(graph, frozenset(concrete), check_nones)
     return graph_module(tracer.root, graph, class_name=type(model).__name__)
 
 
-def _keep_argument_names(graph: fx.Graph, concrete: frozenset[str]) -> None:
+def _keep_argument_names(graph: fx.Graph, concrete: frozenset[str], check_nones: bool = False) -> None:
     """fx names an argument traced as a given value ``mask_1`` and asserts that value; give it
     back its name (callers pass it by keyword) and drop the assert (the caller chose this
-    program for that value)."""
+    program for that value), unless ``check_nones`` keeps those of arguments traced as None."""
     for node in reversed(list(graph.nodes)):
+        if check_nones and node.target is _assert_is_none:
+            node.args = (node.args[0], f"this program was traced with '{node.args[0]}' None; transform the model "
+                         "with an example that passes it (example_kwargs=) for calls that do")
+            continue
         asserting = node.target is _assert_is_none or (
             node.target is torch._assert and "has been specialized" in str(node.args[1:])
         )
@@ -329,23 +298,100 @@ def _keep_argument_names(graph: fx.Graph, concrete: frozenset[str]) -> None:
 FLAG_TYPES = (bool, int, str)
 
 
-def flag_arguments(model: nn.Module, example_inputs: Sequence[Any] | None = None) -> dict[str, Any]:
+def forward_parameters(model: nn.Module) -> list[inspect.Parameter]:
+    """The parameters of ``model.forward``, behind any decorator (``inspect.signature`` follows
+    ``__wrapped__``: transformers wraps every forward as ``wrapper(self, *args, **kwargs)``)."""
+    try:
+        return list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def bind_examples(
+    model: nn.Module, example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """``{argument name: example value}`` for what the examples give, positional or by keyword."""
+    given: dict[str, Any] = {}
+    positional = [p for p in forward_parameters(model) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for param, value in zip(positional, example_inputs or ()):
+        given[param.name] = value
+    given.update(example_kwargs or {})
+    return given
+
+
+def flag_arguments(
+    model: nn.Module, example_inputs: Sequence[Any] | None = None, example_kwargs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Arguments of ``model.forward`` that hold a Python flag (``return_hidden: bool = False``,
     ``mode="sum"``), with the values to trace them as: the example's, else the default."""
-    try:
-        parameters = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        return {}
+    given = bind_examples(model, example_inputs, example_kwargs)
     flags: dict[str, Any] = {}
-    for position, param in enumerate(parameters):
+    for param in forward_parameters(model):
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            break
-        value = param.default
-        if example_inputs is not None and position < len(example_inputs):
-            value = example_inputs[position]
+            continue
+        value = given.get(param.name, param.default)
         if type(value) in FLAG_TYPES:
             flags[param.name] = value
     return flags
+
+
+def optional_arguments(
+    model: nn.Module, example_inputs: Sequence[Any] | None = None, example_kwargs: Mapping[str, Any] | None = None
+) -> frozenset[str]:
+    """Arguments that default to None and that the examples leave None (``attn_mask=None``)."""
+    given = bind_examples(model, example_inputs, example_kwargs)
+    return frozenset(
+        p.name
+        for p in forward_parameters(model)
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is None and given.get(p.name) is None
+    )
+
+
+def capture_fx(
+    model: nn.Module,
+    *,
+    leaf_modules: Iterable[type[nn.Module]] = (),
+    example_inputs: Sequence[Any] | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[fx.GraphModule, dict[str, Any]]:
+    """Capture ``model`` with fx; where forward branches on a Python flag (``if is_causal:``) or
+    on an optional argument (``if attn_mask is not None``), which fx traces as values it cannot
+    branch on, trace them as the example (else the default) gives them: the program serves
+    calls with those values, and ``ParallelModule`` traces again for others.
+
+    Returns the graph and the flags it was specialised on.
+    """
+    leaf_modules = tuple(leaf_modules)
+    if isinstance(model, fx.GraphModule):
+        return capture(model, leaf_modules=leaf_modules), {}
+    nones = optional_arguments(model, example_inputs, example_kwargs)
+    flags = flag_arguments(model, example_inputs, example_kwargs)
+    try:
+        gm = capture(model, leaf_modules=leaf_modules)
+    except TraceError as error:
+        if not flags and not nones:
+            raise
+        # trace the optional arguments as None and the flags as their values; the program
+        # checks at run time that a call leaves those arguments None
+        try:
+            return capture(model, leaf_modules=leaf_modules, none_args=nones, flags=flags, check_nones=True), flags
+        except TraceError as again:
+            raise (again if str(again) != str(error) else error) from None
+    if nones and flags and not _traces_with(model, leaf_modules, nones, {}):
+        # the first call (its optional arguments None) needs its flags fixed to take a path fx
+        # can trace (``if attn_mask is not None or is_causal``): ParallelModule then checks the
+        # flags at every call and traces the variant for them
+        if _traces_with(model, leaf_modules, nones, flags):
+            return gm, flags
+    return gm, {}
+
+
+def _traces_with(model: nn.Module, leaf_modules: tuple, nones: frozenset[str], flags: dict[str, Any]) -> bool:
+    try:
+        capture(model, leaf_modules=leaf_modules, none_args=nones, flags=flags)
+        return True
+    except TraceError:
+        return False
 
 
 ROOT_LEAF = "root"

@@ -1,0 +1,127 @@
+"""``TraceError``: what could not be captured, where in the user's code, and the way out.
+
+``model.py:42 in Encoder.forward: 'if y.sum() > 0' branches on a tensor value; ...``
+
+The way out is always concrete: a module class *below* the model to mark as a leaf (one
+that appears in the failing call stack), or ``example_inputs=`` for the export frontend,
+which captures shape and dtype branches that ``torch.fx`` cannot.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import traceback
+from types import TracebackType
+
+import torch
+from torch import nn
+
+from dpcompile.errors import TraceError
+
+# a trailing separator, so that torch's directory does not swallow ``torchvision/``
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+EXPORT_WAY_OUT = "pass example_inputs= (the export frontend, frontend='export' or 'auto') to capture it with torch.export"
+
+
+class ShapeBranch(Exception):
+    """Raised by the tracer where Python branches on a shape, a dtype or a Python argument."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
+
+
+def _is_library_file(filename: str) -> bool:
+    """Torch's and dpcompile's own files, and generated code: never the user's line."""
+    if filename.startswith(_PACKAGE_DIR) and filename.endswith(os.sep + "demo.py"):
+        return False  # the built-in demo model is user code
+    return filename.startswith(_TORCH_DIR) or filename.startswith(_PACKAGE_DIR) or filename.startswith("<")
+
+
+def user_source_line() -> str | None:
+    """The innermost user frame, formatted as a one-frame traceback (cheaper than fx's
+    ``record_stack_traces``, which formats the whole stack for every node)."""
+    frame = sys._getframe(2)
+    while frame is not None and _is_library_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    line = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    return f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n    {line}\n'
+
+
+def user_frame(tb: TracebackType | None) -> tuple[traceback.FrameSummary, TracebackType] | None:
+    """The innermost frame of the traceback that is not torch's or ours (any package counts:
+    timm, transformers and torchvision code is the user's as far as the message goes)."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    for entry in reversed(entries):
+        code = entry.tb_frame.f_code
+        if _is_library_file(code.co_filename):
+            continue
+        summary = traceback.FrameSummary(code.co_filename, entry.tb_lineno, code.co_name)
+        return summary, entry
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ShapeBranch):
+        return exc.kind
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "symbolically traced variables cannot be used as inputs to control flow" in text:
+        return "branches on a tensor value (control flow that depends on data)"
+    if "iterate" in text and "Proxy" in text:
+        return "iterates over a traced value"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _modules_on_stack(tb: TracebackType | None) -> list[nn.Module]:
+    """The modules whose code is on the failing stack (their ``self``), outermost first."""
+    out: list[nn.Module] = []
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and (not out or out[-1] is not owner):
+            out.append(owner)
+        tb = tb.tb_next
+    return out
+
+
+def leaf_to_suggest(tb: TracebackType | None, model: nn.Module) -> type[nn.Module] | None:
+    """The class of the innermost module below ``model`` whose code failed: making it a leaf
+    gets the tracer past the failure. None where the failing code is the model's own."""
+    below = {id(m) for m in model.modules() if m is not model}
+    for module in reversed(_modules_on_stack(tb)):
+        if id(module) in below and type(module) is not type(model) and not type(module).__module__.startswith("torch.fx"):
+            return type(module)
+    return None
+
+
+def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
+    """Build the :class:`TraceError` for an exception raised while tracing ``model``."""
+    found = user_frame(exc.__traceback__)
+    leaf = leaf_to_suggest(exc.__traceback__, model)
+    ways = []
+    if leaf is not None:
+        ways.append(
+            f"mark the module as a leaf (leaf_modules=[{leaf.__name__}]) so the tracer does not enter it "
+            "(it then runs whole, after a gather)"
+        )
+    ways.append(EXPORT_WAY_OUT)
+    if not isinstance(exc, ShapeBranch):
+        ways.append("or make the code traceable (torch.where for a branch on data)")
+    way_out = "; ".join(ways)
+    if found is None:
+        return TraceError(f"cannot trace {type(model).__name__}: {_describe(exc)}; {way_out}")
+    frame, entry = found
+    source = linecache.getline(frame.filename, frame.lineno).strip()
+    short = frame.filename.rsplit("/", 1)[-1]
+    owner = entry.tb_frame.f_locals.get("self")
+    where = f"{type(owner).__name__}.{frame.name}" if isinstance(owner, nn.Module) else frame.name
+    return TraceError(f"{short}:{frame.lineno} in {where}: {source!r} {_describe(exc)}; {way_out}\n  file: {frame.filename}")

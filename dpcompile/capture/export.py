@@ -1,0 +1,337 @@
+"""The ``torch.export`` frontend: capture what fx cannot (shape and dtype branches, wrapped
+forwards such as transformers 5.x) as an ATen-level graph the passes understand.
+
+``torch.export.export(model, (), kwargs, strict=False)`` runs forward on fake tensors with the
+batch dim dynamic (``Dim.AUTO``), so the program serves other batch sizes. Its unlifted graph
+(``ep.module()``) is then made into a program like the fx frontend's:
+
+* parameters and buffers are ``get_attr`` nodes of the model's own paths, held by the model's
+  own modules (state_dict keys stay the model's; data parallel shares them, never copies);
+* ops that are exactly one module's forward (``aten.linear`` with ``fc.weight``/``fc.bias``,
+  conv, embedding, layer_norm, batch_norm, dropout) become calls of that module again, so the
+  module-level rules apply (tensor parallel shards ``nn.Linear``; batch norm keeps
+  whole-batch statistics; dropout and batch norm follow ``pm.train()``/``pm.eval()``);
+* nodes are named after their module path (``encoder_layer_0_attn_q_proj`` rather than
+  ``linear_17``) and keep export's ``stack_trace``, so errors and explain point at user code;
+* a ``mean`` loss becomes ``sum / count`` (the same value), which data parallel reduces
+  exactly over uneven chunks;
+* the placeholders are forward's own argument names, so ``pm(input_ids=..., labels=...)`` works.
+
+The rewrites live in :mod:`~dpcompile.capture.rewrite`, what the program calls at run time in
+:mod:`~dpcompile.runtime.exported`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.capture.fx import forward_parameters
+from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
+from dpcompile.errors import TraceError
+from dpcompile.runtime.exported import expect_value
+
+log = logging.getLogger("dpcompile")
+aten = torch.ops.aten
+
+
+
+@dataclasses.dataclass
+class Exported:
+    """What :func:`capture_export` made: the program and how it was made."""
+
+    gm: fx.GraphModule
+    example_inputs: tuple[Any, ...]  # in placeholder order
+    batch_dim: int
+    dynamic_batch: bool
+    export_seconds: float = 0.0
+
+
+def _batch_dim_of(model: nn.Module) -> int:
+    """1 where the model's sequence modules are all sequence-first (``batch_first=False``)."""
+    firsts = [
+        m.batch_first for m in model.modules() if isinstance(m, (nn.MultiheadAttention, nn.RNNBase)) and hasattr(m, "batch_first")
+    ]
+    return 1 if firsts and not any(firsts) else 0
+
+
+def _dynamic_spec(value: Any, batch_dim: int) -> Any:
+    from torch.export import Dim
+
+    if isinstance(value, torch.Tensor):
+        dim = batch_dim if value.dim() > batch_dim else 0
+        return {dim: Dim.AUTO} if value.dim() > 0 else None
+    if isinstance(value, (list, tuple)):
+        return type(value)(_dynamic_spec(v, batch_dim) for v in value)
+    if isinstance(value, dict):
+        return {k: _dynamic_spec(v, batch_dim) for k, v in value.items()}
+    return None
+
+
+def capture_export(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: Mapping[str, Any] | None,
+    *,
+    batch_dim: int | None = None,
+) -> Exported:
+    """Export ``model`` on the examples and make the graph a program the passes understand."""
+    import time
+
+    from torch.export import export
+
+    if example_inputs is None and not example_kwargs:
+        raise TraceError(
+            f"the export frontend needs examples to run {type(model).__name__}.forward on: pass example_inputs= "
+            "(a tuple of arguments) and/or example_kwargs= (a dict, e.g. input_ids=, attention_mask=)"
+        )
+    names = _bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
+    injected = _without_cache(model, names)
+    for name, value in names.items():
+        if isinstance(value, (list, tuple, dict)) and any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(value)):
+            raise TraceError(
+                f"the export frontend takes tensors and Python values as arguments; '{name}' is a "
+                f"{type(value).__name__} of tensors: pass its tensors as separate arguments"
+            )
+    dim = _batch_dim_of(model) if batch_dim is None else batch_dim
+    spec = {name: _dynamic_spec(value, dim) for name, value in names.items()}
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
+    except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
+        raise export_error(exc, model) from exc
+    seconds = time.perf_counter() - start
+    unlifted = ep.module()
+    gm, dynamic = _program(model, unlifted, names, dim, injected)
+    other = _export_in_other_mode(model, gm, names, spec, dim, injected)
+    if other is not None and not merge_modes(gm, other, model):
+        add_mode_check(gm, model)
+    gm.recompile()
+    if not dynamic:
+        warnings.warn(
+            f"torch.export specialised the batch dim of {type(model).__name__} to the example's size; "
+            "steps that depend on it run whole (correct, not parallel). Give an example batch of 2 or more.",
+            stacklevel=3,
+        )
+    examples = tuple(names[n.target] for n in gm.graph.nodes if n.op == "placeholder")
+    return Exported(gm, examples, dim, dynamic, seconds)
+
+
+def _bind_names(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The examples by argument name, in forward's order (export then takes them as kwargs)."""
+    params = [p for p in forward_parameters(model) if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(args) > len(positional):
+        raise TraceError(f"{type(model).__name__}.forward takes {len(positional)} positional arguments, the example gives {len(args)}")
+    given = {p.name: a for p, a in zip(positional, args)}
+    for key in kwargs:
+        if key in given:
+            raise TraceError(f"example argument '{key}' given both in example_inputs= and example_kwargs=")
+    given.update(kwargs)
+    order = [p.name for p in params if p.name in given] + [k for k in given if k not in {p.name for p in params}]
+    return {name: given[name] for name in order}
+
+
+def _without_cache(model: nn.Module, names: dict[str, Any]) -> frozenset[str]:
+    """transformers models return a key/value cache (not a tensor) unless ``use_cache=False``;
+    a parallel program has no use for it: export with ``use_cache=False`` where the examples do
+    not say (the program then has no ``use_cache`` argument)."""
+    config = getattr(model, "config", None)
+    params = {p.name for p in forward_parameters(model)}
+    if "use_cache" in params and "use_cache" not in names and getattr(config, "use_cache", False):
+        names["use_cache"] = False
+        ordered = [p.name for p in forward_parameters(model) if p.name in names]
+        items = {k: names[k] for k in ordered + [k for k in names if k not in ordered]}
+        names.clear()
+        names.update(items)
+        return frozenset({"use_cache"})
+    return frozenset()
+
+
+def export_error(exc: BaseException, model: nn.Module) -> TraceError:
+    """A :class:`TraceError` for a failed export, naming the user's line where export says it."""
+    from dpcompile.capture.errors import leaf_to_suggest, user_frame
+
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    found = user_frame(exc.__traceback__)
+    where = ""
+    if found is not None:
+        frame, _ = found
+        import linecache
+
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {linecache.getline(frame.filename, frame.lineno).strip()!r}: "
+    data_dependent = "data-dependent" in text or "GuardOnDataDependentSymNode" in type(exc).__name__ or "Could not guard" in text
+    leaf = leaf_to_suggest(exc.__traceback__, model)
+    if data_dependent:
+        hint = "forward branches on tensor values (data-dependent control flow), which torch.export does not capture"
+        if leaf is not None:
+            hint += f"; with the fx frontend, mark the module as a leaf (frontend='fx', leaf_modules=[{leaf.__name__}])"
+    else:
+        hint = "check that the examples are what forward accepts"
+    return TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
+
+
+# ----------------------------------------------------------------------------- the program
+
+_DROPPED = {
+    aten._assert_tensor_metadata.default,
+    aten._assert_scalar.default,
+    aten.sym_constrain_range_for_size.default,
+    aten.sym_constrain_range.default,
+}
+
+
+def _program(
+    model: nn.Module, unlifted: fx.GraphModule, names: Mapping[str, Any], batch_dim: int, injected: frozenset[str] = frozenset()
+) -> tuple[fx.GraphModule, bool]:
+    """The unlifted exported graph as a program over ``model``'s own modules and tensors."""
+    from dpcompile.fx_utils import adopt_state
+
+    source = unlifted.graph
+    graph = fx.Graph()
+    remap: dict[fx.Node, Any] = {}
+    placeholders = [n for n in source.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(names):
+        raise TraceError(f"torch.export flattened {len(names)} arguments into {len(placeholders)} inputs; pass tensors and Python values only")
+    dynamic = False
+    trailing_defaults = _trailing_python_values({k: v for k, v in names.items() if k not in injected})
+    for node, (name, value) in zip(placeholders, names.items()):
+        if name in injected:  # not an argument of the program: the value export ran with
+            remap[node] = value
+            continue
+        default = (value,) if name in trailing_defaults else ()
+        new = graph.placeholder(name, default_value=default[0] if default else inspect.Signature.empty)
+        new.meta.update(node.meta)
+        remap[node] = new
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+            dim = batch_dim if value.dim() > batch_dim else 0
+            dynamic = dynamic or isinstance(val.shape[dim], torch.SymInt)
+    for node, (name, value) in zip(placeholders, names.items()):
+        if name not in injected and not isinstance(value, torch.Tensor) and _is_python_value(value):
+            check = graph.call_function(expect_value, (remap[node], value, name))
+            check.meta["stack_trace"] = f"  (argument '{name}' of {type(model).__name__}.forward)\n"
+    roots: dict[str, Any] = {}
+    for node in source.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "call_module":  # export's input guards; the program checks nothing at run time
+            continue
+        if node.op == "call_function" and node.target in _DROPPED:
+            continue
+        if node.op == "get_attr":
+            roots[node.target] = _resolve(model, unlifted, node.target)
+        if node.op == "output":
+            graph.output(_rebuild_output(graph, unlifted, [remap.get(a, a) if isinstance(a, fx.Node) else a for a in node.args[0]]))
+            continue
+        remap[node] = graph.node_copy(node, lambda n: remap[n])
+    for node in graph.nodes:  # what export records for its own tools (NodeSource objects do not pickle)
+        for key in _EXPORT_ONLY_META:
+            node.meta.pop(key, None)
+    gm = fx.GraphModule(roots, graph, class_name=type(model).__name__)
+    adopt_state(gm, model)
+    rewrite(gm, model)
+    gm.recompile()
+    return gm, dynamic
+
+
+_EXPORT_ONLY_META = ("tensor_meta", "from_node", "torch_fn", "source_fn_stack", "seq_nr", "original_aten", "unbacked_bindings", "custom")
+
+
+def _is_python_value(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _trailing_python_values(names: Mapping[str, Any]) -> set[str]:
+    """Python-valued arguments after the last tensor: they keep their example value as default."""
+    out: set[str] = set()
+    for name, value in reversed(list(names.items())):
+        if not _is_python_value(value):
+            break
+        out.add(name)
+    return out
+
+
+def _resolve(model: nn.Module, unlifted: fx.GraphModule, target: str) -> Any:
+    """The model's own object at ``target`` (the same Parameter), else the exported one (a constant)."""
+    obj: Any = model
+    try:
+        for atom in target.split("."):
+            obj = getattr(obj, atom)
+        return obj
+    except AttributeError:
+        obj = unlifted
+        for atom in target.split("."):
+            obj = getattr(obj, atom)
+        return obj
+
+
+def _rebuild_output(graph: fx.Graph, unlifted: fx.GraphModule, leaves: list[Any]) -> Any:
+    """The flat outputs rebuilt into forward's structure (tuples, dicts, dataclasses such as
+    transformers' ``ModelOutput``) by graph nodes."""
+    spec = unlifted._out_spec if hasattr(unlifted, "_out_spec") else None
+    if spec is None:
+        return tuple(leaves)
+    it = iter(leaves)
+    return _build(graph, spec, it)
+
+
+def _build(graph: fx.Graph, spec: Any, leaves: Any) -> Any:
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_build(graph, child, leaves) for child in (spec.children() if hasattr(spec, "children") else spec.children_specs)]
+    kind = spec.type
+    if kind is tuple:
+        return tuple(children)
+    if kind is list:
+        return list(children)
+    if kind is dict:
+        return dict(zip(spec.context, children))
+    if kind is type(None):
+        return None
+    if dataclasses.is_dataclass(kind):
+        keys = spec.context if isinstance(spec.context, (list, tuple)) else [f.name for f in dataclasses.fields(kind)]
+        if isinstance(spec.context, (list, tuple)) and len(spec.context) == 2 and isinstance(spec.context[0], (list, tuple)):
+            keys = spec.context[0]
+        return graph.call_function(kind, (), dict(zip(keys, children)))
+    if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_fields"):
+        return graph.call_function(kind, tuple(children))
+    if isinstance(kind, type) and issubclass(kind, dict):
+        return graph.call_function(kind, (), dict(zip(spec.context, children)))
+    raise TraceError(f"the export frontend cannot rebuild an output of type {kind.__name__}")
+
+
+def _export_in_other_mode(
+    model: nn.Module, gm: fx.GraphModule, names: Mapping[str, Any], spec: Any, dim: int, injected: frozenset[str]
+) -> fx.GraphModule | None:
+    """The program exported in the other mode, where forward may read ``self.training`` beyond
+    the modules the program calls (which read their own mode at run time); else None."""
+    if not any(bakes_mode(n) for n in gm.graph.nodes) and not any(forward_reads_training(type(m)) for m in model.modules()):
+        return None
+    from torch.export import export
+
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.train(not model.training)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
+        other_gm, _ = _program(model, other, names, dim, injected)
+    except Exception as exc:  # noqa: BLE001 - it cannot serve the other mode: check the mode
+        log.debug("export in the other mode failed (%s)", exc)
+        return gm  # compared with itself: nothing to merge, so the mode is checked
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return other_gm

@@ -1,0 +1,415 @@
+"""Rewrites that make an exported graph a program like the fx frontend's: module calls
+restored, mode-aware dropout, both modes served, mean losses as ``sum / count``, devices read
+from the inputs, readable names. See :mod:`dpcompile.capture.export`."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from dpcompile.runtime.exported import cross_entropy_count, element_count, expect_mode, mode_value
+
+log = logging.getLogger("dpcompile")
+aten = torch.ops.aten
+
+
+
+def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Module calls back where an op is exactly a module's forward; mode-aware dropout; mean
+    losses as sum / count; readable names."""
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        owner_path = _owner_path(node)
+        owner = modules.get(owner_path) if owner_path is not None else None
+        if node.target is aten.contiguous.default and len(node.args) == 1 and not node.kwargs:
+            # memory layout only (views below become reshapes, which take any layout): the two
+            # modes' programs then match where eager code makes a copy contiguous in one only
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            continue
+        if node.target is aten.view.default:
+            node.target = aten.reshape.default
+        if node.target is aten.dropout.default:
+            _rewrite_dropout(gm, node, owner_path, owner)
+        elif owner is not None and _is_plain(owner):
+            _raise_to_module(gm, node, owner_path, owner)
+        if node.graph is graph and node.op == "call_function" and node.target in _LOSSES:
+            _loss_as_sum_over_count(graph, node)
+    _devices_from_inputs(graph)
+    graph.eliminate_dead_code()
+    _readable_names(graph)
+
+
+def _owner_path(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return _clean_path(path) if "nn_module_stack" not in path else None
+
+
+def _clean_path(path: str) -> str:
+    """``L['self'].encoder.layer[0]`` or ``encoder.layer.0`` → ``encoder.layer.0``."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    path = path.replace("._modules.", ".").lstrip(".")
+    return path
+
+
+def _is_plain(module: nn.Module) -> bool:
+    """A module whose forward is torch's own and that has no hooks (a call of it is exactly its op)."""
+    kinds = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.modules.batchnorm._BatchNorm, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    if not isinstance(module, kinds):
+        return False
+    base = next(k for k in kinds if isinstance(module, k))
+    own_forward = type(module).forward is base.forward or type(module).forward in (nn.BatchNorm1d.forward,)
+    hooks = module._forward_hooks or module._forward_pre_hooks
+    return own_forward and not hooks and not isinstance(module, nn.SyncBatchNorm)
+
+
+def _attr(node: Any) -> str | None:
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+def _is(gm: fx.GraphModule, node: Any, tensor: torch.Tensor | None) -> bool:
+    """Whether ``node`` reads exactly ``tensor`` (a None argument matches a None tensor)."""
+    if tensor is None:
+        return node is None
+    target = _attr(node)
+    if target is None:
+        return False
+    obj: Any = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom, None)
+    return obj is tensor
+
+
+def _raise_to_module(gm: fx.GraphModule, node: fx.Node, path: str, module: nn.Module) -> None:
+    args = list(node.args) + [None] * 10
+    target = node.target
+    if isinstance(module, nn.Linear) and target is aten.linear.default:
+        ok = _is(gm, args[1], module.weight) and _is(gm, args[2], module.bias)
+    elif isinstance(module, nn.Embedding) and target is aten.embedding.default:
+        padding = node.args[2] if len(node.args) > 2 else -1
+        ok = (
+            _is(gm, args[0], module.weight)
+            and module.max_norm is None
+            and padding == (module.padding_idx if module.padding_idx is not None else -1)
+            and not module.sparse
+            and not module.scale_grad_by_freq
+        )
+        args[1], args[0] = args[0], args[1]  # the module takes the indices
+    elif isinstance(module, nn.LayerNorm) and target is aten.layer_norm.default:
+        eps = node.args[4] if len(node.args) > 4 else 1e-5
+        ok = (
+            list(args[1]) == list(module.normalized_shape)
+            and _is(gm, args[2], module.weight)
+            and _is(gm, args[3], module.bias)
+            and eps == module.eps
+        )
+    elif isinstance(module, nn.modules.batchnorm._BatchNorm) and target is aten.batch_norm.default:
+        ok = (
+            _is(gm, args[1], module.weight)
+            and _is(gm, args[2], module.bias)
+            and _is(gm, args[3], module.running_mean)
+            and _is(gm, args[4], module.running_var)
+            and args[7] == module.eps
+        )
+        if ok:
+            _drop_counter_update(gm, node, module)
+    elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and target in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default):
+        ok = module.padding_mode == "zeros" and _is(gm, args[1], module.weight) and _is(gm, args[2], module.bias)
+    else:
+        ok = False
+    if not ok:
+        return
+    with gm.graph.inserting_before(node):
+        call = gm.graph.call_module(path, (args[0],))
+    call.meta.update(node.meta)
+    node.replace_all_uses_with(call)
+    gm.graph.erase_node(node)
+
+
+def _drop_counter_update(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
+    """The batch norm module counts its batches itself: drop export's ``num_batches_tracked += 1``."""
+    if module.num_batches_tracked is None:
+        return
+    for other in list(gm.graph.nodes):
+        if other.op == "call_function" and other.target is aten.add_.Tensor and _is(gm, other.args[0], module.num_batches_tracked):
+            gm.graph.erase_node(other)
+
+
+def _rewrite_dropout(gm: fx.GraphModule, node: fx.Node, path: str | None, owner: nn.Module | None) -> None:
+    """``aten.dropout(x, p, train)`` with the mode read at run time: an ``nn.Dropout`` module is
+    called; functional dropout reads its module's ``training``; ``p=0`` is dropped."""
+    x, p = node.args[0], node.args[1]
+    if p == 0:
+        node.replace_all_uses_with(x)
+        gm.graph.erase_node(node)
+        return
+    with gm.graph.inserting_before(node):
+        if isinstance(owner, nn.Dropout) and owner.p == p and type(owner).forward is nn.Dropout.forward:
+            new = gm.graph.call_module(path, (x,))
+        elif owner is not None and path:
+            module = gm.graph.get_attr(path)
+            training = gm.graph.call_function(getattr, (module, "training"))
+            new = gm.graph.call_function(F.dropout, (x, p), {"training": training})
+        else:
+            return  # forward's own dropout: the mode it was exported in (checked at run time)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def _devices_from_inputs(graph: fx.Graph) -> None:
+    """Export writes the device it ran on into the graph (``arange(n, device='cpu')``,
+    ``x.to(dtype, device='cpu')``); the program runs on other devices (the model moves to
+    ``devices[0]``, chunks live on every device). A conversion to the tensor's own device keeps
+    only its dtype; other device arguments read the device of the first tensor input, per device.
+    """
+    inputs = [
+        n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    device_node: fx.Node | None = None
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.to.device and len(node.args) >= 3 and not node.kwargs.get("copy", False):
+            source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            if isinstance(source, torch.Tensor) and source.device == node.args[1]:
+                node.target, node.args = aten.to.dtype, (node.args[0], node.args[2])
+                continue
+        baked = node.kwargs.get("device")
+        if not isinstance(baked, torch.device):
+            continue
+        if node.target is aten.to.dtype_layout and node.kwargs.get("layout", torch.strided) == torch.strided:
+            source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            if isinstance(source, torch.Tensor) and source.device == baked and "dtype" in node.kwargs:
+                with graph.inserting_before(node):
+                    new = graph.call_function(aten.to.dtype, (node.args[0], node.kwargs["dtype"]))
+                new.meta.update(node.meta)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+                continue
+        if not inputs:
+            continue
+        if device_node is None:
+            with graph.inserting_after(inputs[-1]):
+                device_node = graph.call_function(getattr, (inputs[0], "device"))
+                device_node.meta["dpcompile_name"] = f"{inputs[0].name}_device"
+        node.kwargs = {**node.kwargs, "device": device_node}
+
+
+def _with_defaults(node: fx.Node, n: int) -> None:
+    """Spell out an op's omitted positional arguments (their schema defaults) up to ``n``."""
+    schema = node.target._schema.arguments
+    args = list(node.args)
+    while len(args) < n and len(args) < len(schema) and schema[len(args)].has_default_value() and not schema[len(args)].kwarg_only:
+        if schema[len(args)].name in node.kwargs:
+            break
+        args.append(schema[len(args)].default_value)
+    node.args = tuple(args)
+
+
+def merge_modes(gm: fx.GraphModule, other: fx.GraphModule, model: nn.Module) -> bool:
+    """Make ``gm`` serve both modes where the two programs differ only in Python constants
+    (attention's ``dropout_p``): each such constant becomes ``mode_value(module, ...)``. False
+    where they differ in structure (``if self.training:`` around ops)."""
+    if other is gm:
+        return False
+    ours = list(gm.graph.nodes)
+    theirs = list(other.graph.nodes)
+    if len(ours) != len(theirs):
+        return False
+    pairs: dict[fx.Node, fx.Node] = {}
+    changes: list[tuple[fx.Node, int | str, Any, Any]] = []
+    for a, b in zip(ours, theirs):
+        if a.op == b.op == "call_function" and a.target == b.target and isinstance(a.target, torch._ops.OpOverload):
+            _with_defaults(a, len(b.args))
+            _with_defaults(b, len(a.args))
+        if a.op != b.op or a.target != b.target or len(a.args) != len(b.args) or set(a.kwargs) != set(b.kwargs):
+            return False
+        pairs[b] = a
+        slots = [(i, x, y) for i, (x, y) in enumerate(zip(a.args, b.args))] + [(k, a.kwargs[k], b.kwargs[k]) for k in a.kwargs]
+        for key, x, y in slots:
+            mapped = fx.node.map_arg(y, lambda n: pairs.get(n, n))
+            if mapped == x or (isinstance(x, fx.Node) and mapped is x):
+                continue
+            if type(x) is type(y) and isinstance(x, (bool, int, float)):
+                changes.append((a, key, x, y))
+                continue
+            return False
+    training = model.training
+    for node, key, value, other_value in changes:
+        path = _owner_path(node) or next(iter(dict(model.named_children())), None)
+        if path is None:
+            return False
+        with gm.graph.inserting_before(node):
+            ref = gm.graph.get_attr(path)
+            if_training, if_eval = (value, other_value) if training else (other_value, value)
+            chosen = gm.graph.call_function(mode_value, (ref, if_training, if_eval))
+        chosen.meta["stack_trace"] = node.meta.get("stack_trace")
+        if isinstance(key, int) and isinstance(node.target, torch._ops.OpOverload):
+            label = node.target._schema.arguments[key].name
+        else:
+            label = key if isinstance(key, str) else f"arg{key}"
+        chosen.meta["dpcompile_name"] = f"{node.name}_{label}"
+        if isinstance(key, str):
+            node.kwargs = {**node.kwargs, key: chosen}
+        else:
+            args = list(node.args)
+            args[key] = chosen
+            node.args = tuple(args)
+    for node in gm.graph.nodes:
+        if "dpcompile_name" in node.meta and node.op == "call_function" and node.target is mode_value:
+            node._rename(_identifier(node.meta["dpcompile_name"]))
+    return True
+
+
+_READS_TRAINING: dict[type, bool] = {}
+_MODE_AWARE = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.modules.batchnorm._BatchNorm)
+
+
+def forward_reads_training(cls: type) -> bool:
+    """Whether ``cls.forward``'s source mentions ``training`` (modules the program calls as
+    modules read their mode themselves)."""
+    if cls not in _READS_TRAINING:
+        if issubclass(cls, _MODE_AWARE) and cls.forward in {c.forward for c in _MODE_AWARE}:
+            _READS_TRAINING[cls] = False
+        else:
+            try:
+                _READS_TRAINING[cls] = "training" in inspect.getsource(inspect.unwrap(cls.forward))
+            except (OSError, TypeError):
+                _READS_TRAINING[cls] = True
+    return _READS_TRAINING[cls]
+
+
+def bakes_mode(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is aten.dropout.default and node.args[1] != 0:
+        return True
+    if node.target is aten.scaled_dot_product_attention.default:
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return p != 0
+    return False
+
+
+def add_mode_check(gm: fx.GraphModule, model: nn.Module) -> None:
+    child = next(iter(dict(model.named_children())), None)
+    if child is None:
+        return
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        ref = gm.graph.get_attr(child)
+        gm.graph.call_function(expect_mode, (ref, model.training))
+
+
+_LOSSES = {
+    aten.cross_entropy_loss.default: "class",
+    aten.nll_loss.default: "class",
+    aten.nll_loss_nd.default: "class",
+    aten.mse_loss.default: "elementwise",
+    aten.l1_loss.default: "elementwise",
+    aten.smooth_l1_loss.default: "elementwise",
+    aten.huber_loss.default: "elementwise",
+    aten.binary_cross_entropy.default: "elementwise",
+    aten.binary_cross_entropy_with_logits.default: "elementwise",
+}
+_REDUCTION_AT = {"class": 3, "elementwise": 2}
+_MEAN, _SUM = 1, 2
+
+
+def _loss_as_sum_over_count(graph: fx.Graph, node: fx.Node) -> None:
+    """``loss(x, t)`` with ``reduction='mean'`` as ``loss(x, t, reduction='sum') / count``: the
+    same value, in a form data parallel reduces exactly (sums and counts over chunks)."""
+    kind = _LOSSES[node.target]
+    schema = node.target._schema
+    names = [a.name for a in schema.arguments]
+    bound = {a.name: (a.default_value if a.has_default_value() else None) for a in schema.arguments}
+    bound.update(zip(names, node.args))
+    bound.update(node.kwargs)
+    if bound.get("reduction", _MEAN) != _MEAN:
+        return
+    if node.target in (aten.binary_cross_entropy.default, aten.binary_cross_entropy_with_logits.default) and (
+        bound.get("weight") is not None or bound.get("pos_weight") is not None
+    ):
+        return  # weights broadcast over samples: keep it whole-batch, simple and correct
+    if kind == "class" and bound.get("weight") is not None and bound.get("label_smoothing", 0.0):
+        return  # PyTorch's weighted, smoothed mean has no simple sum / count form
+    at = _REDUCTION_AT[kind]
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if len(args) > at:
+        args[at] = _SUM
+    else:
+        kwargs["reduction"] = _SUM
+    with graph.inserting_after(node):
+        total = graph.call_function(node.target, tuple(args), kwargs)
+    total.meta.update(node.meta)
+    with graph.inserting_after(total):
+        if kind == "class":
+            count = graph.call_function(cross_entropy_count, (bound["target"], bound.get("weight"), bound.get("ignore_index", -100)))
+        else:
+            count = graph.call_function(element_count, (bound["self"],))
+    count.meta["stack_trace"] = node.meta.get("stack_trace")
+    with graph.inserting_after(count):
+        mean = graph.call_function(operator.truediv, (total, count))
+    mean.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    node.replace_all_uses_with(mean)
+    graph.erase_node(node)
+
+
+def _readable_names(graph: fx.Graph) -> None:
+    """Name nodes after the module they run in: ``encoder_layer_0_attn_q_proj`` (a module's
+    main op, or a module call) and ``encoder_layer_0_attn_view`` (the rest)."""
+    taken = {n.name for n in graph.nodes if n.op == "placeholder"}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if "dpcompile_name" in node.meta:
+            base = node.meta["dpcompile_name"]
+        elif node.op == "call_module":
+            base = node.target.replace(".", "_")
+        elif node.op == "get_attr":
+            base = node.target.replace(".", "_")
+        else:
+            path = _owner_path(node)
+            op = _op_name(node)
+            base = f"{path.replace('.', '_')}_{op}" if path else op
+        name = _unique(_identifier(base), taken)
+        taken.add(name)
+        if name != node.name:
+            node._rename(name)
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__.strip("_") or "op"
+    return getattr(target, "__name__", "op").strip("_") or "op"
+
+
+def _identifier(name: str) -> str:
+    name = re.sub(r"[^0-9a-zA-Z_]", "_", name)
+    return f"_{name}" if name[:1].isdigit() else name
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    if name not in taken:
+        return name
+    i = 1
+    while f"{name}_{i}" in taken:
+        i += 1
+    return f"{name}_{i}"

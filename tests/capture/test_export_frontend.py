@@ -1,0 +1,263 @@
+"""The torch.export frontend on small models: the program it makes and how it runs."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpcompile
+from dpcompile.analysis.batch_dims import infer_input_dims, propagate
+from dpcompile.analysis.placement import Split, Whole
+from dpcompile.capture import capture_model
+from dpcompile.fx_utils import propagate_shapes
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        if x.shape[-1] != 8:  # a shape branch: fx cannot trace it, export can
+            x = x[..., :8]
+        return self.norm(self.q_proj(x)).relu()
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, labels=None, scale: float = 1.0):
+        for layer in self.layer:
+            x = layer(x)
+        logits = self.head(x.mean(1)) * scale
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits, labels, ignore_index=-1), logits
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if x.dtype != torch.float32:  # a dtype branch
+            x = x.float()
+        y = self.drop(self.bn(self.conv(x)).relu())
+        return self.fc(y.mean((2, 3)))
+
+
+def _examples(batch=4):
+    labels = torch.randint(0, 3, (batch,))
+    labels[0] = -1  # ignored
+    return torch.randn(batch, 5, 8), labels
+
+
+def test_export_frontend_auto_falls_back_where_fx_fails():
+    """frontend='auto' uses export for a shape branch when examples are given; 'fx' raises."""
+    x, labels = _examples()
+    gm, info = capture_model(Encoder(), frontend="auto", example_inputs=(x,), example_kwargs={"labels": labels})
+    assert info.frontend == "export" and "branches on a shape" in info.fx_error
+    with pytest.raises(dpcompile.TraceError, match="branches on a shape"):
+        dpcompile.transform(Encoder(), ["cpu"] * 2, frontend="fx", example_inputs=(x,))
+
+
+def test_export_frontend_forced_on_traceable_model():
+    """frontend='export' exports even a model fx traces."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    _, info = capture_model(model, frontend="export", example_inputs=(torch.randn(3, 4),))
+    assert info.frontend == "export"
+    _, info = capture_model(model, frontend="auto", example_inputs=(torch.randn(3, 4),))
+    assert info.frontend == "fx"
+
+
+def test_export_frontend_needs_examples():
+    """Without examples, the export frontend says what to pass."""
+    with pytest.raises(dpcompile.TraceError, match="example_inputs="):
+        capture_model(Encoder(), frontend="export")
+
+
+def test_export_frontend_program_reads_the_models_own_parameters():
+    """get_attr targets are the model's paths, holding the model's Parameter objects; module calls restored."""
+    model = Encoder()
+    x, labels = _examples()
+    gm, _ = capture_model(model, frontend="export", example_inputs=(x, labels))
+    assert list(gm.state_dict()) == list(model.state_dict())
+    assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert calls == ["layer.0.q_proj", "layer.0.norm", "layer.1.q_proj", "layer.1.norm", "head"]
+
+
+def test_export_frontend_names_nodes_after_module_paths_and_keeps_stack_traces():
+    """Nodes read 'layer_0_q_proj', not 'linear_17', and point at the user's source."""
+    x, labels = _examples()
+    gm, _ = capture_model(Encoder(), frontend="export", example_inputs=(x, labels))
+    names = {n.name for n in gm.graph.nodes}
+    assert {"layer_0_q_proj", "layer_1_norm", "head"} <= names
+    assert not any(name.startswith("linear") for name in names)
+    q = next(n for n in gm.graph.nodes if n.name == "layer_0_q_proj")
+    assert "test_export_frontend.py" in q.meta["stack_trace"]
+
+
+def test_export_frontend_data_parallel_splits_everything_but_the_loss_combine():
+    """With the ATen rules nothing runs whole except combining the loss's partial sums."""
+    x, labels = _examples()
+    gm, info = capture_model(Encoder(), frontend="export", example_inputs=(x, labels))
+    propagate_shapes(gm, info.example_inputs)
+    placements = propagate(gm, infer_input_dims(gm, example_inputs=info.example_inputs))
+    whole = [n.name for n, p in placements.items() if isinstance(p, Whole) and n.op == "call_function"]
+    assert whole == ["truediv"]
+    assert isinstance(placements[next(n for n in gm.graph.nodes if n.name == "layer_1_q_proj")], Split)
+
+
+def test_export_frontend_data_parallel_kwargs_other_batch_sizes_and_mean_loss_match_eager():
+    """example_kwargs= works, the pm takes the same kwargs, other batch sizes run, the mean loss (ignore_index) is exact."""
+    model = Encoder()
+    reference = copy.deepcopy(model)
+    x, labels = _examples()
+    pm = dpcompile.transform(model, ["cpu"] * 4, example_inputs=(x,), example_kwargs={"labels": labels})
+    for batch in (7, 3, 9):
+        x, labels = _examples(batch)
+        loss, logits = pm(x, labels=labels)
+        want_loss, want_logits = reference(x, labels=labels)
+        torch.testing.assert_close(logits, want_logits)
+        torch.testing.assert_close(loss, want_loss)
+        loss.backward()
+        want_loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_export_frontend_checks_python_arguments_it_was_exported_for():
+    """A Python argument baked in (scale=1.0) is checked at each call."""
+    model = Encoder()
+    x, labels = _examples()
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x, labels, 1.0))
+    pm(x, labels, 1.0)
+    with pytest.raises(dpcompile.DpCompileError, match="scale=2.0"):
+        pm(x, labels, 2.0)
+
+
+def test_export_frontend_batch_norm_and_dropout_follow_the_mode():
+    """Batch norm (whole-batch statistics, running stats updated once) and dropout follow pm.train()/eval()."""
+    model = ConvBN()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 3, example_inputs=(torch.randn(4, 3, 6, 6),))
+    assert {n.target for n in pm.graph.nodes if n.op == "call_module"} >= {"conv", "fc"}
+    model.drop.p = reference.drop.p = 0.0  # the module's own p is read at run time
+    x = torch.randn(7, 3, 6, 6)
+    pm.train()
+    reference.train()
+    torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean)
+    torch.testing.assert_close(model.bn.running_var, reference.bn.running_var)
+    assert model.bn.num_batches_tracked.item() == reference.bn.num_batches_tracked.item() == 1
+    pm.eval()
+    reference.eval()
+    torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+def test_export_frontend_tensor_parallel_shards_restored_linears():
+    """Tensor parallel finds the Linear layers through the restored module calls and matches eager."""
+    model = Encoder()
+    x, labels = _examples()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, frontend="export", example_inputs=(x, labels))
+    assert any(style != "replicate" for style in pm.plan.values())
+    loss, logits = pm(x, labels)
+    want_loss, want_logits = model(x, labels)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+
+
+def test_export_frontend_program_survives_dpcompile_export_and_load(tmp_path):
+    """An exported program's ATen targets serialise by name: dpcompile.export / load give the same outputs."""
+    model = Encoder()
+    x, labels = _examples()
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x, labels))
+    dpcompile.export(pm, tmp_path / "program")
+    loaded = dpcompile.load(tmp_path / "program")
+    x, labels = _examples(6)
+    for got, want in zip(loaded(x, labels), model(x, labels)):
+        torch.testing.assert_close(got, want)
+
+
+def test_export_frontend_explain_and_verify():
+    """explain reports the exported program; verify finds it equal to the model."""
+    model = Encoder()
+    x, labels = _examples()
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x, labels))
+    assert "data_parallel" in str(dpcompile.explain(pm, x, labels))
+    assert dpcompile.verify(pm, model, x, labels)
+
+
+class Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(6, 4)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device)
+        return x + self.pos(positions).to(x.dtype)
+
+
+def test_export_frontend_reads_devices_from_inputs_not_the_export_device():
+    """Export bakes its device into factories; the program reads it from its input instead."""
+    gm, _ = capture_model(Positions(), frontend="export", example_inputs=(torch.randn(3, 6, 4),))
+    baked = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device)]
+    assert not baked
+    assert "x_device = x.device" in gm.code
+
+
+class Attention(nn.Module):
+    def __init__(self, p=0.1):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.p = p
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0)
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.training:
+            x = x + torch.randn_like(x)
+        return self.fc(x)
+
+
+def test_export_frontend_serves_both_modes_where_only_constants_differ():
+    """Attention's dropout_p (0.1 in training, 0 in eval) is chosen at run time: one program, both modes."""
+    model = Attention().eval()
+    x = torch.randn(4, 5, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert "mode_value" in pm.code
+    torch.testing.assert_close(pm(x), model(x))
+    pm.train()
+    assert pm(x).shape == x.shape  # runs (with dropout) instead of refusing
+    pm.eval()
+    torch.testing.assert_close(pm(x), model(x))
+
+
+def test_export_frontend_checks_the_mode_where_forward_branches_on_it():
+    """`if self.training:` around ops is baked in by export: a call in the other mode raises, never runs the wrong program."""
+    model = Noisy().eval()
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    pm.train()
+    with pytest.raises(dpcompile.DpCompileError, match="exported in eval mode"):
+        pm(x)

@@ -1,0 +1,133 @@
+"""The fx frontend on code people have: optional and flag arguments, errors that help."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.capture import capture_fx
+from dpcompile.capture.errors import _is_library_file
+from tests.thirdparty import import_or_skip
+
+
+class ShapeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[1] != 4:  # a branch on a shape
+            x = x[:, :4]
+        return self.fc(x)
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = ShapeBranch()
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+class OwnShapeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.size(0) > 1:
+            return self.fc(x)
+        return x
+
+
+class FlagAndMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, causal: bool = False):
+        if mask is not None or causal:
+            x = x * (mask if mask is not None else 0.5)
+        return self.fc(x)
+
+
+def test_fx_error_names_shape_branch_file_line_and_export_frontend():
+    """A shape branch is named as such, with the file:line and the export frontend as a way out."""
+    with pytest.raises(dpcompile.TraceError) as info:
+        dpcompile.transform(Outer(), ["cpu"] * 2, frontend="fx")
+    message = str(info.value)
+    assert "test_fx_frontend.py:" in message and "if x.shape[1] != 4" in message
+    assert "branches on a shape" in message and "tensor value" not in message
+    assert "example_inputs=" in message and "export frontend" in message
+    assert "leaf_modules=[ShapeBranch]" in message
+
+
+def test_fx_error_never_suggests_root_or_placeholder_as_leaf():
+    """Where the root's own code fails, no leaf is offered (never the root, never '[...]')."""
+    with pytest.raises(dpcompile.TraceError) as info:
+        dpcompile.transform(OwnShapeBranch(), ["cpu"] * 2, frontend="fx")
+    message = str(info.value)
+    assert "leaf_modules=[OwnShapeBranch]" not in message and "[...]" not in message
+    assert "example_inputs=" in message
+
+
+def test_fx_error_file_line_in_any_package():
+    """torch's directory prefix does not swallow torchvision's (a trailing separator)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    assert _is_library_file(os.path.join(torch_dir, "nn", "modules", "linear.py"))
+    assert not _is_library_file(torch_dir + "vision" + os.sep + "models" + os.sep + "resnet.py")
+
+
+def test_fx_specialises_flag_with_optional_none():
+    """`if mask is not None or causal`: the flag is fixed from its default, calls with and without a mask match eager."""
+    model = FlagAndMask()
+    gm, flags = capture_fx(model)
+    assert flags == {"causal": False}
+    pm = dpcompile.transform(model, ["cpu"] * 3)
+    x, mask = torch.randn(7, 4), torch.randn(7, 4)
+    torch.testing.assert_close(pm(x), model(x))
+    torch.testing.assert_close(pm(x, mask), model(x, mask))
+    torch.testing.assert_close(pm(x, causal=True), model(x, causal=True))
+
+
+def test_fx_timm_vit_transforms_and_runs_first_call():
+    """timm ViT (`if attn_mask is not None or is_causal`) transforms with fx and matches eager, uneven batch."""
+    timm = import_or_skip("timm")
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=10, depth=2
+    ).eval()
+    pm = dpcompile.transform(model, ["cpu"] * 4, frontend="fx")
+    x = torch.randn(7, 3, 32, 32)
+    torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def _wrapped(forward):
+    import functools
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):  # as transformers 5.x wraps every forward
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class WrappedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    @_wrapped
+    def forward(self, x, mask=None, causal: bool = False):
+        return self.fc(x if mask is None and not causal else x * 2)
+
+
+def test_fx_follows_wrapped_to_the_real_signature():
+    """Flags and optional arguments are read behind a decorator (``__wrapped__``)."""
+    from dpcompile.capture import flag_arguments, optional_arguments
+
+    model = WrappedForward()
+    assert flag_arguments(model, example_kwargs={"causal": True}) == {"causal": True}
+    assert optional_arguments(model) == frozenset({"mask"})

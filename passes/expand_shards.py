@@ -64,10 +64,12 @@ class LinearShards(nn.Module):
     ``specs`` maps each sharded parameter name (``"weight"``) to its :class:`ShardSpec`.
     """
 
-    def __init__(self, linear: nn.Linear, specs: Mapping[str, ShardSpec], devices: Devices):
+    def __init__(self, linear: nn.Module, specs: Mapping[str, ShardSpec], devices: Devices):
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        w = linear.weight
+        transposed = not hasattr(linear, "in_features")  # Conv1D: weight (in, out)
+        self.in_features = getattr(linear, "in_features", int(w.shape[0]))
+        self.out_features = getattr(linear, "out_features", int(w.shape[1] if transposed else w.shape[0]))
         self.specs = dict(specs)
         for name, p in linear.named_parameters(recurse=False):
             if name in self.specs:

@@ -67,6 +67,7 @@ from dpcompile.analysis.sharding_rules import may_need_grad, node_val
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import collectives
+from dpcompile.runtime import tensor_parallel as tp_runtime
 from dpcompile.runtime.tensor_parallel import ShardSpec
 
 PASS = "shard_linear"
@@ -217,17 +218,19 @@ class _Rewriter:
 
     def _linear(self, node: fx.Node, site: LinearSite) -> fx.Node:
         style = self.styles[site.path]
+        # a Conv1D-like layer stores its weight (in, out): out_features is dim 1, and the call is x @ w (+ b)
+        out_dim, in_dim = (1, 0) if site.transposed else (0, 1)
+        fn = tp_runtime.linear_in_out if site.transposed else F.linear
         if style == "column":
             sizes = self.analysis.column_sizes[site.path]
             x = self.arg_for(node, site.input)
-            spec = ShardSpec(0, sizes)
-            w = self.param(site.path, "weight", spec, node)
-            args = (x, w, self.param(site.path, "bias", spec, node)) if site.bias else (x, w)
-            return self.make("call_function", F.linear, args, name=node.name, source=node, layout=self.layout(node))
+            w = self.param(site.path, "weight", ShardSpec(out_dim, sizes), node)
+            args = (x, w, self.param(site.path, "bias", ShardSpec(0, sizes), node)) if site.bias else (x, w)
+            return self.make("call_function", fn, args, name=node.name, source=node, layout=self.layout(node))
         sizes = self.analysis.row_sizes[site.path]
         x = self.arg_for(node, site.input, sizes)
-        w = self.param(site.path, "weight", ShardSpec(1, sizes), node)
-        partial = self.make("call_function", F.linear, (x, w), name=f"{node.name}_partial", source=node,
+        w = self.param(site.path, "weight", ShardSpec(in_dim, sizes), node)
+        partial = self.make("call_function", fn, (x, w), name=f"{node.name}_partial", source=node,
                             layout=Sharded(-1, (0,) * len(sizes)))  # fmt: skip
         reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{node.name}_all_reduce",
                             source=node, layout=REPLICATED)  # fmt: skip

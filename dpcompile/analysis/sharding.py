@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,11 +64,35 @@ class LinearSite:
     out_features: int
     bias: bool
     blocker: str | None = None
+    transposed: bool = False  # weight stored (in, out), as transformers' Conv1D
+
+
+def linear_like_types() -> tuple[type[nn.Module], ...]:
+    """The module types sharded as Linear layers: ``nn.Linear`` and, where transformers is
+    imported, its ``Conv1D`` (GPT-2's layers: weight ``(in, out)``, ``addmm``)."""
+    found: list[type[nn.Module]] = [nn.Linear]
+    utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(utils, "Conv1D", None)
+    if isinstance(conv1d, type) and issubclass(conv1d, nn.Module):
+        found.append(conv1d)
+    return tuple(found)
+
+
+def linear_like_leaves() -> tuple[type[nn.Module], ...]:
+    """Linear-like types the tracer must keep as calls (their forward reshapes around ``addmm``)."""
+    return tuple(t for t in linear_like_types() if t is not nn.Linear)
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """True for a linear-like module whose weight is stored ``(in, out)`` (transformers' Conv1D)."""
+    return isinstance(module, linear_like_leaves())
 
 
 def linear_paths(root: nn.Module) -> list[str]:
-    """Every ``nn.Linear`` of ``root`` by module path (``""`` is ``root`` itself)."""
-    return [name for name, m in root.named_modules() if isinstance(m, nn.Linear)]
+    """Every ``nn.Linear`` (or other linear-like layer, see :func:`linear_like_types`) of ``root``
+    by module path (``""`` is ``root`` itself)."""
+    kinds = linear_like_types()
+    return [name for name, m in root.named_modules() if isinstance(m, kinds)]
 
 
 def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
@@ -94,13 +119,16 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
             continue
         prefix = f"{path}." if path else ""
         out_features, in_features = gm.get_parameter(f"{prefix}weight").shape
+        transposed = node.op == "call_module" and is_transposed_linear(modules[path])
+        if transposed:
+            in_features, out_features = out_features, in_features
         if node.op == "call_module":
             has_bias, own_reads = modules[path].bias is not None, 0
         else:
             bias = node_arg(node, 2, "bias")
             has_bias = isinstance(bias, fx.Node)
             own_reads = 1 + int(has_bias)
-        sites[path] = LinearSite(path, node, x, int(in_features), int(out_features), has_bias)
+        sites[path] = LinearSite(path, node, x, int(in_features), int(out_features), has_bias, transposed=transposed)
         if attr_reads.get(f"{prefix}weight", 0) + attr_reads.get(f"{prefix}bias", 0) > own_reads:
             sites[path].blocker = f"the weight of '{path}' is also read directly (tied weights); it stays whole"
     for path, site in sites.items():
@@ -110,7 +138,7 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
 
 
 def _linear_path(node: fx.Node, modules: Mapping[str, nn.Module]) -> str | None:
-    if node.op == "call_module" and isinstance(modules.get(node.target), nn.Linear):
+    if node.op == "call_module" and isinstance(modules.get(node.target), linear_like_types()):
         return node.target
     if node.op == "call_function" and node.target is F.linear and len(node.args) >= 2:
         w = node.args[1]
@@ -142,7 +170,7 @@ def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Itera
                 f"tensor_parallel plan names {path!r}, which is not a module of {type(root).__name__}; "
                 f"its nn.Linear layers are: {shown}"
             )
-        elif not isinstance(modules[path], nn.Linear):
+        elif not isinstance(modules[path], linear_like_types()):
             raise ValueError(
                 f"tensor_parallel plan names {path!r}, a {type(modules[path]).__name__}, not an nn.Linear; "
                 f"its nn.Linear layers are: {shown}"
@@ -421,6 +449,9 @@ __all__ = [
     "check_plan",
     "find_linear_sites",
     "is_shard_transparent",
+    "is_transposed_linear",
+    "linear_like_leaves",
+    "linear_like_types",
     "linear_paths",
     "resolve_plan",
 ]

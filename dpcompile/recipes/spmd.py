@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import passes
+from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
@@ -128,7 +129,7 @@ class SpmdRecipe(Recipe):
         pristine = _fake_copy_or_none(model, device)  # to trace again for calls that depart from this one
         own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
         broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
-        gm, flags = capture_with_flags(own, self.leaf_modules, example_inputs)
+        gm, flags = capture_with_flags(own, self.leaf_modules + linear_like_leaves(), example_inputs)
         captured_code = gm.code
         if example_inputs is not None:
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
@@ -174,13 +175,14 @@ class SpmdRecipe(Recipe):
         device = pm.devices.primary
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with modes_applied(source, key.modes):
-            if capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags).code == pm.captured_code:
+            leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, as in _compile_tensor_parallel
+            if capture(source, leaf_modules=leaves, none_args=key.none_args, flags=flags).code == pm.captured_code:
                 return None
             fake = fake_copy(source, mode, device)
         with mode, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             with modes_applied(fake, key.modes):
-                traced = capture(fake, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)
+                traced = capture(fake, leaf_modules=leaves, none_args=key.none_args, flags=flags)
             example = tree_map(lambda v: mode.from_tensor(v.detach()) if isinstance(v, torch.Tensor) else v,
                                bind_inputs(pm, args, kwargs))  # fmt: skip
             propagate_shapes(traced, list(example))

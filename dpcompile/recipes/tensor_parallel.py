@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 
 import passes
 from dpcompile.analysis.cost import plan_cost
-from dpcompile.analysis.sharding import linear_paths
+from dpcompile.analysis.sharding import linear_like_leaves, linear_paths
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
@@ -76,7 +76,8 @@ class TensorParallelRecipe(Recipe):
         as the example's (else their default) values."""
         state_keys = list(model.state_dict().keys())
         owned = copy.deepcopy(model)  # the user's model is never touched
-        gm, flags = capture_owning_everything(owned, self.leaf_modules, example_inputs, none_args, flags)
+        leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, sharded as Linears
+        gm, flags = capture_owning_everything(owned, leaves, example_inputs, none_args, flags)
         captured_code = gm.code
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs))
@@ -141,7 +142,8 @@ class TensorParallelRecipe(Recipe):
         if source is None:
             raise pm.cannot_trace_again(key)
         with modes_applied(source, key.modes):
-            traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
+            leaves = self.leaf_modules + linear_like_leaves()
+            traced = capture(source, leaf_modules=leaves, none_args=key.none_args, flags=dict(key.flags) or None)
             if traced.code == pm.captured_code:
                 return None  # forward takes the same path: the main program (a cheap check)
             mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -99,8 +99,16 @@ def split_to_devices(
     return tuple(_move(shard_of(x, spec, k), torch.device(d)) for k, d in enumerate(devices))
 
 
+def linear_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight (+ bias)`` for a weight stored ``(in, out)``, as transformers' ``Conv1D``
+    (a shard of one: columns of ``weight`` for a column split, rows for a row split)."""
+    out = torch.matmul(x, weight)
+    return out if bias is None else out + bias
+
+
 __all__ = [
     "ShardSpec",
+    "linear_in_out",
     "copy_to_devices",
     "gather_to_device",
     "reduce_to_device",

@@ -169,7 +169,7 @@ class _Rewriter:
 
     def param(self, path: str, name: str, spec: ShardSpec | None, source: fx.Node) -> fx.Node:
         target = f"{path}.{name}" if path else name
-        layout: Layout = REPLICATED if spec is None else Sharded(spec.dim - 2 if name == "weight" else -1, spec.sizes)
+        layout: Layout = REPLICATED if spec is None else Sharded(spec.dim - 2 if name == "weight" else -1, spec.sizes, sections=spec.sections)
         new = self.make("get_attr", target, name=target.replace(".", "_"), source=source, layout=layout)
         if spec is not None:
             new.meta["dpcompile_shard"] = spec
@@ -224,8 +224,9 @@ class _Rewriter:
         if style == "column":
             sizes = self.analysis.column_sizes[site.path]
             x = self.arg_for(node, site.input)
-            w = self.param(site.path, "weight", ShardSpec(out_dim, sizes), node)
-            args = (x, w, self.param(site.path, "bias", ShardSpec(0, sizes), node)) if site.bias else (x, w)
+            sections = self.analysis.column_sections.get(site.path, 1)  # a fused qkv: q, k, v each split
+            w = self.param(site.path, "weight", ShardSpec(out_dim, sizes, sections), node)
+            args = (x, w, self.param(site.path, "bias", ShardSpec(0, sizes, sections), node)) if site.bias else (x, w)
             return self.make("call_function", fn, args, name=node.name, source=node, layout=self.layout(node))
         sizes = self.analysis.row_sizes[site.path]
         x = self.arg_for(node, site.input, sizes)

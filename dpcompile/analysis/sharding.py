@@ -196,6 +196,7 @@ class Problem:
     origins: frozenset[str]
     reason: str
     granularity: int | None = None
+    sections: int | None = None  # shard the origin layers as this many fused blocks (q, k, v)
 
 
 @dataclass
@@ -211,6 +212,8 @@ class ShardingAnalysis:
     comms: list[CommEstimate] = field(default_factory=list)
     gathered: dict[str, list[str]] = field(default_factory=dict)  # column path -> ops its output is gathered for
     pairs: dict[str, frozenset[str]] = field(default_factory=dict)  # row path -> column layers feeding it sharded
+    tuples: set[fx.Node] = field(default_factory=set)  # splits / unbinds of a sharded value (their parts alike)
+    column_sections: dict[str, int] = field(default_factory=dict)  # fused column layers: blocks per output
 
 
 class _Analyzer:
@@ -223,7 +226,9 @@ class _Analyzer:
         styles: Mapping[str, str],
         n: int,
         granularity: Mapping[str, int],
+        sections: Mapping[str, int] | None = None,
     ):
+        self.sections = sections or {}
         self.gm = gm
         self.modules = dict(gm.named_modules())
         self.site_of = {s.node: s for s in sites.values()}
@@ -241,6 +246,12 @@ class _Analyzer:
 
     def rewrite_view(self, node: fx.Node, position: int, sizes: tuple[int, ...]) -> None:
         self.result.view_rewrites[node] = (position, sizes)
+
+    def mark_tuple(self, node: fx.Node) -> None:
+        self.result.tuples.add(node)
+
+    def is_tuple(self, node: Any) -> bool:
+        return node in self.result.tuples
 
     # -- sizes for the cost model: exact from shapes, else features per token
     def numel(self, node: fx.Node) -> int:
@@ -262,7 +273,8 @@ class _Analyzer:
         self._estimates[node] = estimate
         return estimate
 
-    def need(self, consumer: fx.Node, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None) -> None:
+    def need(self, consumer: fx.Node, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None,
+             *, explained: bool = False) -> None:  # fmt: skip
         self.result.needs[(consumer, producer)] = kind
         numel = self.numel(producer)
         steps = {"gather_copy": ("gather", "copy"), "gather_split": ("gather", "split")}.get(kind, (kind,))
@@ -275,6 +287,13 @@ class _Analyzer:
                 backward = "all_reduce" if may_need_grad(producer) else None
                 self.result.comms.append(CommEstimate("identity", backward, numel, f"{producer.name} -> f"))
             elif step == "gather":
+                layout = self.layout(producer)
+                if isinstance(layout, Sharded) and layout.sections > 1 and not explained:
+                    self.result.problems.append(Problem(
+                        layout.origins,
+                        f"{describe_op(consumer)} needs the whole fused output (q, k, v sections); "
+                        "split it into its sections (.split / .chunk / .view(.., 3, heads, d).unbind) before other ops",
+                    ))  # fmt: skip
                 self.result.comms.append(CommEstimate("all_gather", None, numel, f"{producer.name} all-gather"))
                 layout = self.layout(producer)
                 if isinstance(layout, Sharded):
@@ -323,11 +342,14 @@ class _Analyzer:
         numel_out = self.numel(node)
         if style == "column":
             self.need(node, x, "gather_copy" if isinstance(lx, Sharded) else "copy")
-            sizes = aligned_split(site.out_features, self.n, self.granularity.get(site.path, 1))
+            s = self.sections.get(site.path, 1)
+            sizes = tuple(s * size for size in aligned_split(site.out_features // s, self.n, self.granularity.get(site.path, 1)))
             self.result.column_sizes[site.path] = sizes
-            self.result.layouts[node] = Sharded(-1, sizes, frozenset({site.path}))
+            if s > 1:
+                self.result.column_sections[site.path] = s
+            self.result.layouts[node] = Sharded(-1, sizes, frozenset({site.path}), sections=s)
             return
-        if isinstance(lx, Sharded) and lx.dim == -1 and sum(lx.sizes) == site.in_features:
+        if isinstance(lx, Sharded) and lx.dim == -1 and lx.sections == 1 and sum(lx.sizes) == site.in_features:
             sizes = lx.sizes
             self.result.pairs[site.path] = lx.origins
         else:
@@ -348,9 +370,9 @@ class _Analyzer:
         except NeedsWhole as fb:
             origins = frozenset().union(*(self.layout(a).origins for a in sharded))  # type: ignore[union-attr]
             if fb.problem:
-                self.result.problems.append(Problem(origins, f"{describe_op(node)}: {fb.reason}", fb.granularity))
+                self.result.problems.append(Problem(origins, f"{describe_op(node)}: {fb.reason}", fb.granularity, fb.sections))
             for a in sharded:
-                self.need(node, a, "gather")
+                self.need(node, a, "gather", explained=fb.problem)
             self.result.layouts[node] = self._plain_layout(node)
             return
         for a in copies:
@@ -367,10 +389,14 @@ def analyze_sharding(
     n: int,
     sites: Mapping[str, LinearSite] | None = None,
     granularity: Mapping[str, int] | None = None,
+    sections: Mapping[str, int] | None = None,
 ) -> ShardingAnalysis:
-    """Find the layout of every value and the collectives ``styles`` need, without rewriting."""
+    """Find the layout of every value and the collectives ``styles`` need, without rewriting.
+
+    ``sections``: column layers whose output is a fused projection (``{"attn.qkv": 3}``),
+    sharded block by block so each shard holds whole heads of q, k and v."""
     sites = find_linear_sites(gm) if sites is None else sites
-    return _Analyzer(gm, sites, styles, n, granularity or {}).run()
+    return _Analyzer(gm, sites, styles, n, granularity or {}, sections).run()
 
 
 @dataclass
@@ -381,6 +407,7 @@ class ResolvedPlan:
     reasons: dict[str, str]
     granularity: dict[str, int]
     analysis: ShardingAnalysis
+    sections: dict[str, int] = field(default_factory=dict)
 
 
 def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict: bool = True) -> ResolvedPlan:
@@ -406,14 +433,22 @@ def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict:
         if why is not None:
             styles[path], reasons[path] = "replicate", why
     granularity: dict[str, int] = {}
-    for _ in range(2 * len(styles) + 2):
-        analysis = analyze_sharding(gm, styles=styles, n=n, sites=sites, granularity=granularity)
+    sections: dict[str, int] = {}
+    for _ in range(3 * len(styles) + 3):
+        analysis = analyze_sharding(gm, styles=styles, n=n, sites=sites, granularity=granularity, sections=sections)
         if not analysis.problems:
-            return ResolvedPlan(styles, reasons, granularity, analysis)
+            return ResolvedPlan(styles, reasons, granularity, analysis, sections)
         for problem in analysis.problems:
             columns = [o for o in problem.origins if styles.get(o) == "column"]
+            s = problem.sections
+            if s and all(o not in sections for o in columns) and all(
+                sites[o].out_features % s == 0 and _fits(sites[o].out_features // s, n, granularity.get(o, 1)) for o in columns
+            ):
+                for o in columns:
+                    sections[o] = s
+                continue
             g = problem.granularity
-            if g and all(_fits(sites[o].out_features, n, math.lcm(granularity.get(o, 1), g)) for o in columns) and any(
+            if g and all(_fits(sites[o].out_features // sections.get(o, 1), n, math.lcm(granularity.get(o, 1), g)) for o in columns) and any(
                 granularity.get(o, 1) % g for o in columns
             ):
                 for o in columns:

@@ -38,31 +38,54 @@ DeviceLike = torch.device | str
 class ShardSpec:
     """How a tensor is split: along ``dim`` into pieces of ``sizes`` (one per shard).
 
+    ``sections > 1`` is a fused projection (qkv): ``dim`` holds ``sections`` equal blocks
+    (q, k, v) and each block is split in proportion, so shard ``k`` holds its slice of every
+    block (``sizes[k] / sections`` of each), Megatron's layout; ``sizes`` still sum to the
+    whole dim.
+
     >>> ShardSpec(0, (4, 3, 3)).offsets()
     [0, 4, 7]
+    >>> shard_of(torch.arange(12), ShardSpec(0, (6, 6), sections=3), 1)   # q, k, v of 4 each
+    tensor([ 2,  3,  6,  7, 10, 11])
     """
 
     dim: int
     sizes: tuple[int, ...]
+    sections: int = 1
 
     def offsets(self) -> list[int]:
         return [sum(self.sizes[:k]) for k in range(len(self.sizes))]
 
 
 def shard_of(full: torch.Tensor, spec: ShardSpec, k: int) -> torch.Tensor:
-    """Shard ``k`` of ``full`` under ``spec`` (a view; ``.clone()`` it to own the memory)."""
+    """Shard ``k`` of ``full`` under ``spec`` (a view where ``sections == 1``; ``.clone()`` it to own the memory)."""
     if full.size(spec.dim) != sum(spec.sizes):
         raise ValueError(
             f"cannot split dim {spec.dim} of size {full.size(spec.dim)} into shards {list(spec.sizes)} "
             f"(they sum to {sum(spec.sizes)})"
         )
-    return full.narrow(spec.dim, spec.offsets()[k], spec.sizes[k])
+    if spec.sections == 1:
+        return full.narrow(spec.dim, spec.offsets()[k], spec.sizes[k])
+    s = spec.sections
+    blocks = full.chunk(s, spec.dim)
+    return torch.cat([b.narrow(spec.dim, spec.offsets()[k] // s, spec.sizes[k] // s) for b in blocks], spec.dim)
 
 
 def unshard(shards: Sequence[torch.Tensor], spec: ShardSpec, device: DeviceLike) -> torch.Tensor:
     """The full tensor from its shards, on ``device``."""
     device = torch.device(device)
-    return torch.cat([s.to(device) for s in shards], spec.dim)
+    moved = [s.to(device) for s in shards]
+    if spec.sections == 1:
+        return torch.cat(moved, spec.dim)
+    pieces = [m.chunk(spec.sections, spec.dim) for m in moved]
+    return torch.cat([p[i] for i in range(spec.sections) for p in pieces], spec.dim)
+
+
+def regroup_sections(gathered: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The full tensor from the plain concatenation of its shards (an all-gather's result)."""
+    if spec.sections == 1:
+        return gathered
+    return unshard(list(gathered.split(list(spec.sizes), spec.dim)), spec, gathered.device)
 
 
 def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -109,6 +132,7 @@ def linear_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 __all__ = [
     "ShardSpec",
     "linear_in_out",
+    "regroup_sections",
     "copy_to_devices",
     "gather_to_device",
     "reduce_to_device",

@@ -85,7 +85,15 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
     modules = dict(gm.named_modules())
     reasons: dict[str, str] = {}
     options: dict[str, list[str]] = {}
+    vocab: dict[str, str] = {}
     for path, site in sites.items():
+        if site.kind == "embedding":  # no choice to make: vocab-parallel where it can be
+            why = site.blocker or check_divisible(site, "vocab", n)
+            if why is None:
+                vocab[path] = "vocab"
+            else:
+                reasons[path] = why
+            continue
         allowed = [] if site.blocker else [s for s in ("column", "row") if check_divisible(site, s, n) is None]
         if allowed:
             options[path] = allowed
@@ -97,7 +105,7 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
     def transparent(node: fx.Node) -> bool:
         return is_shard_transparent(node, modules)
 
-    styles: dict[str, str] = {path: opts[-1] if len(opts) == 1 else "row" for path, opts in options.items()}
+    styles: dict[str, str] = {**vocab, **{path: opts[-1] if len(opts) == 1 else "row" for path, opts in options.items()}}
     chains = find_linear_chains(gm, nodes, transparent)
     for a, _ in chains:
         if "column" in options[by_name[a]]:

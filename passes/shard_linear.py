@@ -104,7 +104,7 @@ class _Rewriter:
 
     def __init__(self, gm: fx.GraphModule, sites: Mapping[str, LinearSite], resolved: ResolvedPlan):
         self.gm = gm
-        self.site_of = {s.node: s for s in sites.values() if resolved.styles.get(s.path) in ("column", "row")}
+        self.site_of = {s.node: s for s in sites.values() if resolved.styles.get(s.path) in ("column", "row", "vocab")}
         self.styles = resolved.styles
         self.analysis = resolved.analysis
         self.graph = fx.Graph()
@@ -216,7 +216,22 @@ class _Rewriter:
         args[first + position] = size
         return tuple(args)
 
+    def _embedding(self, node: fx.Node, site: LinearSite) -> fx.Node:
+        """Vocab-parallel lookup: this shard's rows, zeros for ids outside them, one all-reduce."""
+        sizes = self.analysis.vocab_sizes[site.path]
+        w = self.param(site.path, "weight", ShardSpec(0, sizes), node)
+        offset = self.make("call_function", collectives.local_offset, (list(sizes),), name=f"{node.name}_offset",
+                           source=node, layout=NOT_TENSOR)  # fmt: skip
+        args = (self.env[site.input], w, offset) + ((site.padding_idx,) if site.padding_idx is not None else ())
+        partial = self.make("call_function", tp_runtime.masked_embedding, args, name=f"{node.name}_partial", source=node,
+                            layout=Sharded(-1, (0,) * len(sizes)))  # fmt: skip
+        reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{node.name}_all_reduce",
+                            source=node, layout=REPLICATED)  # fmt: skip
+        return self.comm(reduced, "all_reduce", None, node)
+
     def _linear(self, node: fx.Node, site: LinearSite) -> fx.Node:
+        if site.kind == "embedding":
+            return self._embedding(node, site)
         style = self.styles[site.path]
         # a Conv1D-like layer stores its weight (in, out): out_features is dim 1, and the call is x @ w (+ b)
         out_dim, in_dim = (1, 0) if site.transposed else (0, 1)

@@ -50,6 +50,7 @@ from dpcompile.analysis.sharding_rules import (
 from dpcompile.runtime.comm import split_sizes
 
 STYLES = ("column", "row", "replicate")
+EMBEDDING_STYLES = ("vocab", "replicate")  # an nn.Embedding: rows (the vocabulary) split, or whole
 
 
 # ---------------------------------------------------------------------- finding
@@ -65,6 +66,9 @@ class LinearSite:
     bias: bool
     blocker: str | None = None
     transposed: bool = False  # weight stored (in, out), as transformers' Conv1D
+    kind: str = "linear"  # or "embedding" (in_features: the vocabulary, out_features: embedding_dim)
+    tied_to: str | None = None  # the embedding whose weight this LM head shares (or the head of an embedding)
+    padding_idx: int | None = None
 
 
 def linear_like_types() -> tuple[type[nn.Module], ...]:
@@ -93,6 +97,11 @@ def linear_paths(root: nn.Module) -> list[str]:
     by module path (``""`` is ``root`` itself)."""
     kinds = linear_like_types()
     return [name for name, m in root.named_modules() if isinstance(m, kinds)]
+
+
+def embedding_paths(root: nn.Module) -> list[str]:
+    """Every ``nn.Embedding`` of ``root`` by module path."""
+    return [name for name, m in root.named_modules() if isinstance(m, nn.Embedding)]
 
 
 def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
@@ -131,10 +140,50 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
         sites[path] = LinearSite(path, node, x, int(in_features), int(out_features), has_bias, transposed=transposed)
         if attr_reads.get(f"{prefix}weight", 0) + attr_reads.get(f"{prefix}bias", 0) > own_reads:
             sites[path].blocker = f"the weight of '{path}' is also read directly (tied weights); it stays whole"
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not isinstance(modules.get(node.target), nn.Embedding):
+            continue
+        path, emb = node.target, modules[node.target]
+        calls[path] = calls.get(path, 0) + 1
+        x = node.args[0] if node.args else node.kwargs.get("input")
+        if path in sites or not isinstance(x, fx.Node):
+            continue
+        site = LinearSite(path, node, x, emb.num_embeddings, emb.embedding_dim, False, kind="embedding", padding_idx=emb.padding_idx)
+        if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
+            site.blocker = f"'{path}' uses max_norm, scale_grad_by_freq or sparse gradients, which a vocab-parallel lookup does not support; it stays whole"
+        sites[path] = site
     for path, site in sites.items():
         if calls[path] > 1:
             site.blocker = f"'{path}' is called {calls[path]} times in forward; a shared layer stays whole"
+    _find_ties(gm, sites)
     return sites
+
+
+def _find_ties(gm: fx.GraphModule, sites: Mapping[str, LinearSite]) -> None:
+    """Mark an LM head that shares its weight with an embedding (both sharded by vocabulary
+    rows, one parameter); any other sharing of a sharded layer's weight blocks it."""
+    owners: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for path, site in sites.items():
+        weight = f"{path}.weight" if path else "weight"
+        try:
+            p = gm.get_parameter(weight)
+        except AttributeError:
+            continue
+        others = [o.rsplit(".", 1)[0] if "." in o else "" for o in owners.get(id(p), []) if o != weight]
+        if not others:
+            continue
+        partners = [o for o in others if o in sites and sites[o].kind != site.kind]
+        plain = not site.transposed and all(not sites[o].transposed for o in partners)
+        if len(others) == 1 and len(partners) == 1 and plain and site.blocker is None:
+            site.tied_to = partners[0]
+        elif site.blocker is None:
+            shown = ", ".join(f"'{o}'" for o in others)
+            site.blocker = (
+                f"the weight of '{path}' is shared with {shown} (tied weights); only an embedding tied to one "
+                "LM head is sharded (by vocabulary rows), so it stays whole"
+            )
 
 
 def _linear_path(node: fx.Node, modules: Mapping[str, nn.Module]) -> str | None:
@@ -163,6 +212,10 @@ def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Itera
     valid = linear_paths(root) + [p for p in extra_linears if p not in modules or p == ""]
     shown = ", ".join(repr(p) for p in valid) or "(none)"
     for path, style in plan.items():
+        if path in modules and isinstance(modules[path], nn.Embedding):
+            if style not in EMBEDDING_STYLES:
+                raise ValueError(f"unknown style {style!r} for the nn.Embedding {path!r}; valid: {', '.join(map(repr, EMBEDDING_STYLES))}")
+            continue
         if path in valid:
             pass
         elif path not in modules:
@@ -181,6 +234,19 @@ def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Itera
 
 def check_divisible(site: LinearSite, style: str, n: int) -> str | None:
     """Why ``site`` cannot be split ``style``-wise over ``n`` devices, with the arithmetic; or None."""
+    if site.kind == "embedding":
+        if style != "vocab":
+            return f"'{site.path}' is an nn.Embedding: its styles are 'vocab' (rows split) or 'replicate'"
+        if site.in_features < n:
+            return f"num_embeddings({site.in_features}) of '{site.path}' cannot be split over {n} devices"
+        return None
+    if style == "vocab":
+        return f"'vocab' is the style of an nn.Embedding; '{site.path}' is a Linear (column, row or replicate)"
+    if site.tied_to is not None and style != "column":
+        return (
+            f"'{site.path}' shares its weight with the embedding '{site.tied_to}', so it is split like it, by "
+            "vocabulary rows (column); a row split would untie them"
+        )
     if style == "column" and site.out_features < n:
         return f"out_features({site.out_features}) of '{site.path}' cannot be split over {n} devices"
     if style == "row" and site.in_features < n:
@@ -212,6 +278,7 @@ class ShardingAnalysis:
     comms: list[CommEstimate] = field(default_factory=list)
     gathered: dict[str, list[str]] = field(default_factory=dict)  # column path -> ops its output is gathered for
     pairs: dict[str, frozenset[str]] = field(default_factory=dict)  # row path -> column layers feeding it sharded
+    vocab_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # embedding path -> rows per shard
     tuples: set[fx.Node] = field(default_factory=set)  # splits / unbinds of a sharded value (their parts alike)
     column_sections: dict[str, int] = field(default_factory=dict)  # fused column layers: blocks per output
 
@@ -310,6 +377,8 @@ class _Analyzer:
                 for a in flat_nodes(node.args):
                     if isinstance(self.layout(a), Sharded):
                         self.need(node, a, "gather")
+            elif node in self.site_of and self.site_of[node].kind == "embedding" and self.styles.get(self.site_of[node].path) == "vocab":
+                self._embedding(node, self.site_of[node])
             elif node in self.site_of and self.styles.get(self.site_of[node].path, "replicate") != "replicate":
                 self._linear(node, self.site_of[node])
             else:
@@ -335,6 +404,18 @@ class _Analyzer:
             return NOT_TENSOR
         return REPLICATED
 
+    def vocab_split(self, site: LinearSite) -> tuple[int, ...]:
+        """Rows per shard of an embedding and of the LM head tied to it (the same split)."""
+        head = site.tied_to if site.kind == "embedding" else site.path
+        return aligned_split(site.in_features if site.kind == "embedding" else site.out_features, self.n,
+                             self.granularity.get(head or site.path, 1))  # fmt: skip
+
+    def _embedding(self, node: fx.Node, site: LinearSite) -> None:
+        sizes = self.vocab_split(site)
+        self.result.vocab_sizes[site.path] = sizes
+        self.result.comms.append(CommEstimate("all_reduce", None, self.numel(node), f"{node.name} all-reduce"))
+        self.result.layouts[node] = REPLICATED
+
     def _linear(self, node: fx.Node, site: LinearSite) -> None:
         style = self.styles[site.path]
         x = site.input
@@ -343,6 +424,11 @@ class _Analyzer:
         if style == "column":
             self.need(node, x, "gather_copy" if isinstance(lx, Sharded) else "copy")
             s = self.sections.get(site.path, 1)
+            if site.tied_to is not None:  # the LM head of a vocab-parallel embedding: its rows, one parameter
+                sizes = self.vocab_split(site)
+                self.result.column_sizes[site.path] = sizes
+                self.result.layouts[node] = Sharded(-1, sizes, frozenset({site.path}))
+                return
             sizes = tuple(s * size for size in aligned_split(site.out_features // s, self.n, self.granularity.get(site.path, 1)))
             self.result.column_sizes[site.path] = sizes
             if s > 1:
@@ -417,7 +503,7 @@ def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict:
     stays whole with the reason.
     """
     sites = find_linear_sites(gm)
-    styles = {path: "replicate" for path in [*linear_paths(gm), *sites]}
+    styles = {path: "replicate" for path in [*linear_paths(gm), *embedding_paths(gm), *sites]}
     reasons: dict[str, str] = {}
     for path, style in plan.items():
         styles[path] = style
@@ -436,16 +522,20 @@ def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict:
     sections: dict[str, int] = {}
     for _ in range(3 * len(styles) + 3):
         analysis = analyze_sharding(gm, styles=styles, n=n, sites=sites, granularity=granularity, sections=sections)
-        if not analysis.problems:
+        if not analysis.problems and not _untie(sites, styles, reasons):
             return ResolvedPlan(styles, reasons, granularity, analysis, sections)
+        changed: set[str] = set()  # settled in this round: later problems of the same layers wait for the next
         for problem in analysis.problems:
             columns = [o for o in problem.origins if styles.get(o) == "column"]
+            if changed & set(columns):
+                continue
             s = problem.sections
             if s and all(o not in sections for o in columns) and all(
                 sites[o].out_features % s == 0 and _fits(sites[o].out_features // s, n, granularity.get(o, 1)) for o in columns
             ):
                 for o in columns:
                     sections[o] = s
+                changed.update(columns)
                 continue
             g = problem.granularity
             if g and all(_fits(sites[o].out_features // sections.get(o, 1), n, math.lcm(granularity.get(o, 1), g)) for o in columns) and any(
@@ -453,11 +543,31 @@ def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict:
             ):
                 for o in columns:
                     granularity[o] = math.lcm(granularity.get(o, 1), g)
+                changed.update(columns)
                 continue
             for o in columns:
                 styles[o] = "replicate"
                 reasons[o] = f"kept whole: {problem.reason}"
     raise AssertionError("resolve_plan did not converge")  # pragma: no cover
+
+
+def _untie(sites: Mapping[str, LinearSite], styles: dict[str, str], reasons: dict[str, str]) -> bool:
+    """Keep an embedding and its tied LM head split alike (vocab / column) or both whole; True if changed."""
+    changed = False
+    for path, site in sites.items():
+        if site.kind != "embedding" or site.tied_to is None:
+            continue
+        head = site.tied_to
+        emb_on, head_on = styles.get(path) == "vocab", styles.get(head) == "column"
+        if emb_on and not head_on:
+            styles[path] = "replicate"
+            reasons[path] = f"its weight is tied to the LM head '{head}', which stays whole ({reasons.get(head, 'replicate')})"
+            changed = True
+        elif head_on and not emb_on:
+            styles[head] = "replicate"
+            reasons[head] = f"its weight is tied to the embedding '{path}', which stays whole ({reasons.get(path, 'replicate')})"
+            changed = True
+    return changed
 
 
 def _fits(total: int, n: int, g: int) -> bool:
@@ -466,6 +576,8 @@ def _fits(total: int, n: int, g: int) -> bool:
 
 __all__ = [
     "STYLES",
+    "EMBEDDING_STYLES",
+    "embedding_paths",
     "COPIED",
     "NOT_TENSOR",
     "REPLICATED",

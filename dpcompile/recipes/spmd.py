@@ -52,6 +52,7 @@ from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_mesh, local_device, mesh_size
 from dpcompile.modules.base import modes_applied
 from dpcompile.modules.spmd import SpmdModule
+from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags
@@ -127,6 +128,7 @@ class SpmdRecipe(Recipe):
         tp_size = mesh_size(self.mesh, tp_dim)
         tp_rank = self.mesh.get_local_rank(tp_dim)
         pristine = _fake_copy_or_none(model, device)  # to trace again for calls that depart from this one
+        watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: make it loud
         own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
         broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
         gm, flags = capture_with_flags(own, self.leaf_modules + linear_like_leaves(), example_inputs)

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 
 import passes
 from dpcompile.analysis.cost import plan_cost
-from dpcompile.analysis.sharding import linear_like_leaves, linear_paths
+from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, linear_paths
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
@@ -44,7 +44,7 @@ from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
 from dpcompile.fx_utils import adopt_state, bind_inputs, copy_graph, propagate_shapes
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.base import modes_applied
-from dpcompile.modules.tensor_parallel import TensorParallelModule
+from dpcompile.modules.tensor_parallel import TensorParallelModule, watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags
@@ -86,7 +86,7 @@ class TensorParallelRecipe(Recipe):
         gm, records = run_passes(gm, passes.frontend_pipeline(options) + passes.tensor_parallel_pipeline(options))
         shard_info = info_of(records, "shard_linear")
         expand_info = info_of(records, "expand_shards")
-        applied = {path: "replicate" for path in linear_paths(model)}
+        applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
         applied.update(shard_info["plan"])
         described = describe_choices(applied, shard_info)
         reasons = {
@@ -121,6 +121,8 @@ class TensorParallelRecipe(Recipe):
             captured_code=captured_code,
         )
         pm.train(model.training)
+        if self.check_available:  # the user's model (not a fake copy for a variant)
+            watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: make it loud
         log.debug("tensor-parallel plan %s: %s per device", applied, cost)
         return pm
 
@@ -211,6 +213,8 @@ def describe_choices(applied: Mapping[str, str], info: Mapping[str, Any]) -> dic
                 out[path] = f"row: takes the sharded output of {', '.join(map(repr, sorted(pairs[path])))}; partial sums all-reduced"
             else:
                 out[path] = "row: replicated input split; partial sums all-reduced"
+        elif style == "vocab":
+            out[path] = "vocab: each shard holds a slice of the rows (masked lookup, one all-reduce)"
         else:
             out[path] = "replicate: left whole"
     return out

@@ -129,8 +129,30 @@ def linear_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out if bias is None else out + bias
 
 
+def masked_embedding(ids: torch.Tensor, weight: torch.Tensor, offset: int, padding_idx: int | None = None) -> torch.Tensor:
+    """One shard's part of a vocab-parallel lookup (Megatron's VocabParallelEmbedding).
+
+    ``weight`` holds rows ``offset .. offset + len(weight)`` of the table; ids outside them
+    give zero rows (and no gradient), so the sum over shards (one all-reduce) is the lookup.
+
+    >>> w = torch.arange(6.).view(3, 2)                 # rows 2, 3, 4 of a 6-row table
+    >>> masked_embedding(torch.tensor([0, 3]), w, 2)
+    tensor([[0., 0.],
+            [2., 3.]])
+    """
+    local = ids - offset
+    outside = (local < 0) | (local >= weight.size(0))
+    pad = None
+    if padding_idx is not None:
+        pad_local = (padding_idx % (weight.size(0) + offset) if padding_idx < 0 else padding_idx) - offset
+        pad = pad_local if 0 <= pad_local < weight.size(0) else None
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight, pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
 __all__ = [
     "ShardSpec",
+    "masked_embedding",
     "linear_in_out",
     "regroup_sections",
     "copy_to_devices",

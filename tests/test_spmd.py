@@ -480,7 +480,27 @@ def check_tp_plan_checked_against_the_model(rank: int, world: int) -> None:
             dpcompile.transform(model, _tp_mesh(world), tensor_parallel=plan)
 
 
+def check_tp_transformer_layouts(rank: int, world: int) -> None:
+    """GPT-2-style LM over a mesh: Conv1D, fused qkv per section, vocab-parallel embedding with its
+    tied head (one parameter), 2 all-reduces per block; 3 steps and the state dict equal eager."""
+    import dpcompile
+    from tests.thirdparty_tp import TinyGPT2
+
+    torch.manual_seed(0)
+    model = TinyGPT2(vocab=64, d=16, heads=4, layers=2, positions=8)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 8))
+    pm = dpcompile.transform(model, _tp_mesh(world), tensor_parallel=True, example_inputs=(ids,))
+    assert pm.plan["h.0.attn.c_attn"] == "column" and pm.plan["wte"] == "vocab" and pm.plan["lm_head"] == "column", pm.plan
+    assert pm.wte.weight is pm.lm_head.weight and tuple(pm.wte.weight.shape) == (64 // world, 16)
+    assert "local_offset" in pm.code and "masked_embedding" in pm.code, pm.code
+    assert pm.code.count("all_reduce(") == 2 * 2 + 2, pm.code  # two per block, one per embedding
+    _train_both(pm, reference, [ids] * 3)
+    _assert_state_equal(pm.state_dict(), reference.state_dict())
+
+
 TP_CHECKS = [
+    ("tp_transformer_layouts", check_tp_transformer_layouts),
     ("tp_mlp_training_matches_eager", check_tp_mlp_training_matches_eager),
     ("tp_uneven_gather", check_tp_uneven_gather),
     ("tp_block_attention", check_tp_block_attention),

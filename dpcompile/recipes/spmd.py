@@ -224,14 +224,18 @@ def broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
 
 
 def keep_own_shards(gm: fx.GraphModule, own: nn.Module, specs: Mapping[str, Any], rank: int) -> None:
-    """Replace each sharded parameter by this rank's shard (a new parameter; the rest is dropped)."""
+    """Replace each sharded parameter by this rank's shard (a new parameter; the rest is dropped).
+    Tied weights (an embedding and its LM head) get one shard, shared as the model shares them."""
+    made: dict[int, nn.Parameter] = {}
     for target, spec in specs.items():
         path, _, name = target.rpartition(".")
         owner = gm.get_submodule(path) if path else gm
         full = getattr(owner, name)
-        with torch.no_grad():
-            shard = shard_of(full.detach(), spec, rank).clone()
-        param = nn.Parameter(shard, requires_grad=full.requires_grad)
+        if id(full) not in made:
+            with torch.no_grad():
+                shard = shard_of(full.detach(), spec, rank).clone()
+            made[id(full)] = nn.Parameter(shard, requires_grad=full.requires_grad)
+        param = made[id(full)]
         setattr(owner, name, param)
         if not path:  # the model itself is a Linear: its own parameters are the root's
             setattr(own, name, param)

@@ -68,8 +68,11 @@ class LinearShards(nn.Module):
     def __init__(self, linear: nn.Module, specs: Mapping[str, ShardSpec], devices: Devices, make: Any = None):
         super().__init__()
         make = make or (lambda full, spec: _make_shards(full, spec, devices))
-        w = linear.weight
-        if isinstance(linear, nn.Embedding):  # vocab-parallel: rows of the table
+        w = getattr(linear, "weight", None)
+        if w is None:  # an nn.MultiheadAttention: its fused in-projection is sharded, out_proj is a child
+            w = linear.in_proj_weight
+            self.in_features, self.out_features = int(w.shape[1]), int(w.shape[0])
+        elif isinstance(linear, nn.Embedding):  # vocab-parallel: rows of the table
             self.in_features, self.out_features = linear.num_embeddings, linear.embedding_dim
         else:  # nn.Linear, or Conv1D (weight (in, out))
             self.in_features = getattr(linear, "in_features", int(w.shape[0]))
@@ -81,6 +84,8 @@ class LinearShards(nn.Module):
                     self.register_parameter(f"{name}_shard{k}", shard)
             else:
                 self.register_parameter(name, p)
+        for name, child in linear.named_children():  # out_proj of an nn.MultiheadAttention
+            self.add_module(name, child)
 
     def extra_repr(self) -> str:
         specs = ", ".join(f"{name}: dim {s.dim} sizes {list(s.sizes)}" for name, s in self.specs.items())

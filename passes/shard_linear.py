@@ -169,7 +169,7 @@ class _Rewriter:
 
     def param(self, path: str, name: str, spec: ShardSpec | None, source: fx.Node) -> fx.Node:
         target = f"{path}.{name}" if path else name
-        layout: Layout = REPLICATED if spec is None else Sharded(spec.dim - 2 if name == "weight" else -1, spec.sizes, sections=spec.sections)
+        layout: Layout = REPLICATED if spec is None else Sharded(spec.dim - 2 if name.endswith("weight") else -1, spec.sizes, sections=spec.sections)
         new = self.make("get_attr", target, name=target.replace(".", "_"), source=source, layout=layout)
         if spec is not None:
             new.meta["dpcompile_shard"] = spec
@@ -240,12 +240,12 @@ class _Rewriter:
             sizes = self.analysis.column_sizes[site.path]
             x = self.arg_for(node, site.input)
             sections = self.analysis.column_sections.get(site.path, 1)  # a fused qkv: q, k, v each split
-            w = self.param(site.path, "weight", ShardSpec(out_dim, sizes, sections), node)
-            args = (x, w, self.param(site.path, "bias", ShardSpec(0, sizes, sections), node)) if site.bias else (x, w)
+            w = self.param(site.path, site.weight_name, ShardSpec(out_dim, sizes, sections), node)
+            args = (x, w, self.param(site.path, site.bias_name, ShardSpec(0, sizes, sections), node)) if site.bias else (x, w)
             return self.make("call_function", fn, args, name=node.name, source=node, layout=self.layout(node))
         sizes = self.analysis.row_sizes[site.path]
         x = self.arg_for(node, site.input, sizes)
-        w = self.param(site.path, "weight", ShardSpec(in_dim, sizes), node)
+        w = self.param(site.path, site.weight_name, ShardSpec(in_dim, sizes), node)
         partial = self.make("call_function", fn, (x, w), name=f"{node.name}_partial", source=node,
                             layout=Sharded(-1, (0,) * len(sizes)))  # fmt: skip
         reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{node.name}_all_reduce",
@@ -253,7 +253,7 @@ class _Rewriter:
         self.comm(reduced, "all_reduce", None, node)
         if not site.bias:
             return reduced
-        bias = self.param(site.path, "bias", None, node)
+        bias = self.param(site.path, site.bias_name, None, node)
         return self.make("call_function", operator.add, (reduced, bias), name=node.name, source=node, layout=REPLICATED)
 
 

@@ -69,6 +69,8 @@ class LinearSite:
     kind: str = "linear"  # or "embedding" (in_features: the vocabulary, out_features: embedding_dim)
     tied_to: str | None = None  # the embedding whose weight this LM head shares (or the head of an embedding)
     padding_idx: int | None = None
+    weight_name: str = "weight"  # "in_proj_weight" for the fused in-projection of an nn.MultiheadAttention
+    bias_name: str = "bias"
 
 
 def linear_like_types() -> tuple[type[nn.Module], ...]:
@@ -100,8 +102,9 @@ def linear_paths(root: nn.Module) -> list[str]:
 
 
 def embedding_paths(root: nn.Module) -> list[str]:
-    """Every ``nn.Embedding`` of ``root`` by module path."""
-    return [name for name, m in root.named_modules() if isinstance(m, nn.Embedding)]
+    """Every ``nn.Embedding`` and ``nn.MultiheadAttention`` (its fused in-projection) of ``root`` by
+    module path: the layers besides the Linear-like ones that tensor parallelism may shard."""
+    return [name for name, m in root.named_modules() if isinstance(m, (nn.Embedding, nn.MultiheadAttention))]
 
 
 def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
@@ -127,7 +130,9 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
         if path in sites or not isinstance(x, fx.Node):
             continue
         prefix = f"{path}." if path else ""
-        out_features, in_features = gm.get_parameter(f"{prefix}weight").shape
+        in_proj = isinstance(modules.get(path), nn.MultiheadAttention)
+        weight_name, bias_name = ("in_proj_weight", "in_proj_bias") if in_proj else ("weight", "bias")
+        out_features, in_features = gm.get_parameter(f"{prefix}{weight_name}").shape
         transposed = node.op == "call_module" and is_transposed_linear(modules[path])
         if transposed:
             in_features, out_features = out_features, in_features
@@ -137,8 +142,9 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
             bias = node_arg(node, 2, "bias")
             has_bias = isinstance(bias, fx.Node)
             own_reads = 1 + int(has_bias)
-        sites[path] = LinearSite(path, node, x, int(in_features), int(out_features), has_bias, transposed=transposed)
-        if attr_reads.get(f"{prefix}weight", 0) + attr_reads.get(f"{prefix}bias", 0) > own_reads:
+        sites[path] = LinearSite(path, node, x, int(in_features), int(out_features), has_bias, transposed=transposed,
+                                 weight_name=weight_name, bias_name=bias_name)  # fmt: skip
+        if attr_reads.get(f"{prefix}{weight_name}", 0) + attr_reads.get(f"{prefix}{bias_name}", 0) > own_reads:
             sites[path].blocker = f"the weight of '{path}' is also read directly (tied weights); it stays whole"
     for node in gm.graph.nodes:
         if node.op != "call_module" or not isinstance(modules.get(node.target), nn.Embedding):
@@ -166,7 +172,7 @@ def _find_ties(gm: fx.GraphModule, sites: Mapping[str, LinearSite]) -> None:
     for name, p in gm.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
     for path, site in sites.items():
-        weight = f"{path}.weight" if path else "weight"
+        weight = f"{path}.{site.weight_name}" if path else site.weight_name
         try:
             p = gm.get_parameter(weight)
         except AttributeError:
@@ -191,10 +197,12 @@ def _linear_path(node: fx.Node, modules: Mapping[str, nn.Module]) -> str | None:
         return node.target
     if node.op == "call_function" and node.target is F.linear and len(node.args) >= 2:
         w = node.args[1]
-        if isinstance(w, fx.Node) and w.op == "get_attr" and w.target.rsplit(".", 1)[-1] == "weight" and "dpcompile_shard" not in w.meta:
-            path = w.target.rsplit(".", 1)[0] if "." in w.target else ""
-            if path == "" or isinstance(modules.get(path), nn.Linear):
+        if isinstance(w, fx.Node) and w.op == "get_attr" and "dpcompile_shard" not in w.meta:
+            path, _, name = w.target.rpartition(".")
+            if name == "weight" and (path == "" or isinstance(modules.get(path), nn.Linear)):
                 return path
+            if name == "in_proj_weight" and isinstance(modules.get(path), nn.MultiheadAttention):
+                return path  # the fused in-projection of a decomposed nn.MultiheadAttention
     return None
 
 
@@ -212,6 +220,10 @@ def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Itera
     valid = linear_paths(root) + [p for p in extra_linears if p not in modules or p == ""]
     shown = ", ".join(repr(p) for p in valid) or "(none)"
     for path, style in plan.items():
+        if path in modules and isinstance(modules[path], nn.MultiheadAttention):
+            if style not in ("column", "replicate"):
+                raise ValueError(f"the nn.MultiheadAttention {path!r} is split by heads ('column') or kept whole ('replicate'), not {style!r}")
+            continue
         if path in modules and isinstance(modules[path], nn.Embedding):
             if style not in EMBEDDING_STYLES:
                 raise ValueError(f"unknown style {style!r} for the nn.Embedding {path!r}; valid: {', '.join(map(repr, EMBEDDING_STYLES))}")

@@ -45,7 +45,7 @@ from dpcompile.fx_utils import adopt_state, bind_inputs, copy_graph, propagate_s
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.base import modes_applied
 from dpcompile.modules.tensor_parallel import TensorParallelModule, watch_source_parameters
-from dpcompile.planning import plan_for
+from dpcompile.planning import plan_for, why_whole
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags
 
@@ -79,9 +79,14 @@ class TensorParallelRecipe(Recipe):
         leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, sharded as Linears
         gm, flags = capture_owning_everything(owned, leaves, example_inputs, none_args, flags)
         captured_code = gm.code
+        attention = passes.decompose_attention(gm)  # nn.MultiheadAttention written out, so heads can be sharded
+        if attention.modified:
+            gm.recompile()
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs))
         styles, reasons = plan_for(gm, self.plan, len(self.devices), model)
+        whole = {p: why_whole(gm, p) for p in [*linear_paths(model), *embedding_paths(model)]}  # before the rewrite
+        reasons.update({p: f"kept whole: {why}" for p, why in attention.info["kept"].items()})
         options = passes.PipelineOptions(devices=self.devices, output_device=self.output_device, plan=styles)
         gm, records = run_passes(gm, passes.frontend_pipeline(options) + passes.tensor_parallel_pipeline(options))
         shard_info = info_of(records, "shard_linear")
@@ -95,6 +100,9 @@ class TensorParallelRecipe(Recipe):
             for p in {**described, **reasons}
         }  # fmt: skip
         reasons.update({p: f"replicate: {why}" for p, why in shard_info["reasons"].items()})
+        for p, style in applied.items():
+            if style == "replicate" and reasons.get(p, "replicate: left whole") == "replicate: left whole":
+                reasons[p] = "replicate: " + whole.get(p, "left whole")
         cost = plan_cost(shard_info["comms"], len(self.devices))
         fake_source = self._fake_source(model) if self.check_available else None  # not for a fake layout check
         pm = TensorParallelModule(

@@ -203,3 +203,53 @@ def test_timm_vit_megatron_layout(vision):
     assert pm.code.count("reduce_to_device") == 2 * 2 + 1  # two per block, and the head
     assert _sharded_fraction(pm, model) >= 0.9
     _train_both(pm, copy.deepcopy(model), (x,))
+
+
+def test_torchvision_vit_mha_sharded_by_heads(vision):
+    """torchvision ViT: nn.MultiheadAttention written out, in_proj per section, out_proj row; 2 all-reduces per block."""
+    import torchvision
+
+    model = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128
+    )
+    x = torch.randn(2, 3, 32, 32)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+    for b in range(2):
+        layer = f"encoder.layers.encoder_layer_{b}"
+        assert pm.plan[f"{layer}.self_attention"] == "column" and pm.plan[f"{layer}.self_attention.out_proj"] == "row"
+        assert pm.param_shards[f"{layer}.self_attention.in_proj_weight"][0].sections == 3
+    assert pm.code.count("reduce_to_device") == 2 * 2
+    assert _sharded_fraction(pm, model) >= 0.9
+    _train_both(pm, copy.deepcopy(model), (x,))
+
+
+def test_cross_attention_mha_kept_whole_says_why():
+    """An nn.MultiheadAttention used as cross-attention stays one call, and plan_reasons says why."""
+
+    class Cross(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+
+        def forward(self, x, y):
+            return self.attn(x, y, y, need_weights=False)[0]
+
+    model = Cross()
+    x, y = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x, y))
+    assert pm.plan["attn"] == "replicate" and "not self-attention" in pm.plan_reasons["attn"]
+    assert "inside 'attn'" in pm.plan_reasons["attn.out_proj"]
+    torch.testing.assert_close(pm(x, y), model(x, y))
+
+
+def test_swin_attention_function_says_why(vision):
+    """torchvision Swin's qkv/proj run inside shifted_window_attention (fx.wrap): left whole, the reason names it."""
+    import torchvision
+
+    model = torchvision.models.SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[2, 2], num_heads=[2, 4],
+                                               window_size=[4, 4], num_classes=10)  # fmt: skip
+    x = torch.randn(2, 3, 32, 32)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+    assert pm.plan["features.1.0.mlp.0"] == "column"
+    assert "shifted_window_attention" in pm.plan_reasons["features.1.0.attn.qkv"]
+    torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)

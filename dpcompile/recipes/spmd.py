@@ -133,6 +133,8 @@ class SpmdRecipe(Recipe):
         broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
         gm, flags = capture_with_flags(own, self.leaf_modules + linear_like_leaves(), example_inputs)
         captured_code = gm.code
+        if passes.decompose_attention(gm).modified:  # nn.MultiheadAttention written out, so heads can be sharded
+            gm.recompile()
         if example_inputs is not None:
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
         styles, reasons = plan_for(gm, self.plan, tp_size, model)
@@ -187,6 +189,8 @@ class SpmdRecipe(Recipe):
                 traced = capture(fake, leaf_modules=leaves, none_args=key.none_args, flags=flags)
             example = tree_map(lambda v: mode.from_tensor(v.detach()) if isinstance(v, torch.Tensor) else v,
                                bind_inputs(pm, args, kwargs))  # fmt: skip
+            if passes.decompose_attention(traced).modified:
+                traced.recompile()
             propagate_shapes(traced, list(example))
             devices = Devices((device,) * mesh_size(self.mesh, pm.tp_dim))
             lowered, records = run_passes(traced, self._tensor_parallel_pipeline(devices, pm.plan, pm.dp_dim, pm.tp_dim))

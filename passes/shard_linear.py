@@ -190,7 +190,32 @@ class _Rewriter:
                 self.graph.erase_node(node)
         return self.graph
 
+    def _vocab_loss(self, node: fx.Node, sizes: tuple[int, ...]) -> fx.Node:
+        """``F.cross_entropy`` on vocab-sharded logits, without gathering them: each shard's
+        logsumexp all-gathered (N x shards), its part of the target logits all-reduced."""
+        n = len(sizes)
+        logits = self.env[node.args[0]]
+        target = self.arg_for(node, node.args[1] if len(node.args) > 1 else node.kwargs["target"])
+        offset = self.make("call_function", collectives.local_offset, (list(sizes),), name=f"{node.name}_offset",
+                           source=node, layout=NOT_TENSOR)  # fmt: skip
+        lse = self.make("call_function", tp_runtime.shard_logsumexp, (logits,), name=f"{node.name}_logsumexp",
+                        source=node, layout=Sharded(-1, (1,) * n))  # fmt: skip
+        lse_all = self.make("call_function", collectives.gather_from_shards, (lse, -1, [1] * n),
+                            name=f"{node.name}_logsumexp_all_gather", source=node, layout=REPLICATED)  # fmt: skip
+        self.comm(lse_all, "all_gather", None, node)
+        picked = self.make("call_function", tp_runtime.shard_target_logit, (logits, target, offset),
+                           name=f"{node.name}_target_logit", source=node, layout=Sharded(-1, (0,) * n))  # fmt: skip
+        target_logit = self.make("call_function", collectives.reduce_from_shards, (picked,),
+                                 name=f"{node.name}_target_logit_all_reduce", source=node, layout=REPLICATED)  # fmt: skip
+        self.comm(target_logit, "all_reduce", None, node)
+        whole_target = self.env[node.args[1] if len(node.args) > 1 else node.kwargs["target"]]
+        options = {k: v for k, v in node.kwargs.items() if k in ("reduction", "ignore_index")}
+        return self.make("call_function", tp_runtime.cross_entropy_from_parts, (lse_all, target_logit, whole_target), options,
+                         name=node.name, source=node, layout=REPLICATED)  # fmt: skip
+
     def _copy(self, node: fx.Node) -> fx.Node:
+        if node in self.analysis.vocab_losses:
+            return self._vocab_loss(node, self.analysis.vocab_losses[node])
         args = fx.node.map_arg(node.args, lambda a: self.arg_for(node, a))
         kwargs = fx.node.map_arg(node.kwargs, lambda a: self.arg_for(node, a))
         layout = self.layout(node)

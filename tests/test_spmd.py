@@ -498,6 +498,23 @@ def check_tp_transformer_layouts(rank: int, world: int) -> None:
     _train_both(pm, reference, [ids] * 3)
     _assert_state_equal(pm.state_dict(), reference.state_dict())
 
+    from tests.thirdparty_tp import TinyGPT2WithLoss
+
+    torch.manual_seed(0)
+    lm = TinyGPT2WithLoss(vocab=64, d=16, heads=4, layers=1, positions=8)
+    reference = copy.deepcopy(lm)
+    pm = dpcompile.transform(lm, _tp_mesh(world), tensor_parallel=True, example_inputs=(ids, ids))
+    assert "all_gather(" in pm.code and "shard_target_logit" in pm.code, pm.code  # logsumexp gathered, logits never
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        loss, want = pm(ids, ids), reference(ids, ids)
+        torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+        for o, value in ((opt, loss), (ref_opt, want)):
+            o.zero_grad()
+            value.backward()
+            o.step()
+    _assert_state_equal(pm.state_dict(), reference.state_dict())
+
 
 TP_CHECKS = [
     ("tp_transformer_layouts", check_tp_transformer_layouts),

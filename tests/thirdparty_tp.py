@@ -100,3 +100,11 @@ class TinyGPT2(nn.Module):
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+class TinyGPT2WithLoss(TinyGPT2):
+    """The LM computing its own loss: ``F.cross_entropy`` on the logits (vocab-parallel under TP)."""
+
+    def forward(self, ids, labels):
+        logits = super().forward(ids)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)

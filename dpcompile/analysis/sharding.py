@@ -291,6 +291,7 @@ class ShardingAnalysis:
     gathered: dict[str, list[str]] = field(default_factory=dict)  # column path -> ops its output is gathered for
     pairs: dict[str, frozenset[str]] = field(default_factory=dict)  # row path -> column layers feeding it sharded
     vocab_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # embedding path -> rows per shard
+    vocab_losses: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)  # vocab-parallel cross-entropies
     tuples: set[fx.Node] = field(default_factory=set)  # splits / unbinds of a sharded value (their parts alike)
     column_sections: dict[str, int] = field(default_factory=dict)  # fused column layers: blocks per output
 
@@ -317,6 +318,7 @@ class _Analyzer:
         self.result = ShardingAnalysis({}, {}, {}, {}, {}, [])
         self._estimates: dict[fx.Node, int] = {}
         self._seen_comms: set[tuple[fx.Node, str]] = set()
+        self._sharded_sizes: set[fx.Node] = set()
 
     def layout(self, node: Any) -> Layout:
         if not isinstance(node, fx.Node):
@@ -331,6 +333,21 @@ class _Analyzer:
 
     def is_tuple(self, node: Any) -> bool:
         return node in self.result.tuples
+
+    def mark_sharded_size(self, node: fx.Node) -> None:
+        self._sharded_sizes.add(node)
+
+    def is_sharded_size(self, node: Any) -> bool:
+        return node in self._sharded_sizes
+
+    def rewritten_at(self, node: fx.Node) -> int | None:
+        return self.result.view_rewrites.get(node, (None, ()))[0]
+
+    def mark_vocab_loss(self, node: fx.Node, sizes: tuple[int, ...]) -> None:
+        self.result.vocab_losses[node] = sizes
+        rows = max(1, self.numel(node.args[0]) // max(1, sum(sizes)))
+        self.result.comms.append(CommEstimate("all_gather", None, rows * self.n, f"{node.name} logsumexp all-gather"))
+        self.result.comms.append(CommEstimate("all_reduce", None, rows, f"{node.name} target logit all-reduce"))
 
     # -- sizes for the cost model: exact from shapes, else features per token
     def numel(self, node: fx.Node) -> int:

@@ -21,10 +21,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.placement import Replicated
+from dpcompile.analysis.placement import REPLICATED, Replicated
 
 
 # ---------------------------------------------------------------------- layouts
@@ -135,6 +136,14 @@ class LayoutContext(Protocol):
 
     def mark_tuple(self, node: fx.Node) -> None: ...
 
+    def mark_vocab_loss(self, node: fx.Node, sizes: tuple[int, ...]) -> None: ...
+
+    def mark_sharded_size(self, node: fx.Node) -> None: ...
+
+    def is_sharded_size(self, node: Any) -> bool: ...
+
+    def rewritten_at(self, node: fx.Node) -> int | None: ...
+
     def is_tuple(self, node: Any) -> bool: ...
 
 
@@ -149,6 +158,8 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
         if ops.SHARD_SOFTMAX.matches(node, modules):
             return softmax(ctx, node, module.dim)
         raise NeedsWhole(f"no sharding rule for {type(module).__name__}")
+    if op == "call_function" and target is F.cross_entropy:
+        return cross_entropy(ctx, node)
     if op == "call_function" and target is operator.getitem and ctx.is_tuple(node.args[0]):
         return ctx.layout(node.args[0]), []  # one part of a split / unbind: laid out as every part
     for family, rule in _RULES:
@@ -268,7 +279,12 @@ def size(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
     dim = node_arg(node, 1, "dim")
     if dim is None:  # x.size(): as x.shape
         return shape(ctx, node)
-    if not isinstance(dim, int) or from_end(dim, tensor_ndim(x)) == layout.dim:
+    if not isinstance(dim, int):
+        raise NeedsWhole("reads the size of a computed dim")
+    if from_end(dim, tensor_ndim(x)) == layout.dim:
+        if node.users and all(ops.VIEW.matches(u) for u in node.users):
+            ctx.mark_sharded_size(node)  # only as a view's sharded extent, which the view rewrites per shard
+            return NOT_TENSOR, []
         raise NeedsWhole("reads the size of the sharded dim")
     return NOT_TENSOR, []
 
@@ -350,6 +366,39 @@ def view(ctx: LayoutContext, node: fx.Node, first: int) -> tuple[Layout, list[fx
     return Sharded(j - len(out_shape), sizes, layout.origins, unit), []
 
 
+def cross_entropy(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    """``F.cross_entropy`` of logits sharded along the vocabulary: a vocab-parallel loss (each
+    shard's logsumexp all-gathered, the target logit all-reduced), the full logits never gathered."""
+    logits, target = node.args[0], node_arg(node, 1, "target")
+    layout = ctx.layout(logits)
+    if not isinstance(layout, Sharded) or layout.sections != 1 or tensor_ndim(logits) != 2 or from_end(layout.dim, 2) != -1:
+        raise NeedsWhole("a cross-entropy whose logits are not (N, classes) sharded along the classes")
+    if not isinstance(target, fx.Node) or isinstance(ctx.layout(target), Sharded):
+        raise NeedsWhole("a cross-entropy with a sharded target")
+    v = node_val(target)
+    if isinstance(v, torch.Tensor) and v.is_floating_point():
+        raise NeedsWhole("a cross-entropy with class probabilities as target")
+    options = {k: val for k, val in node.kwargs.items() if k not in ("input", "target")}
+    if len(node.args) > 2 or options.get("weight") is not None or options.get("label_smoothing", 0.0) != 0.0:
+        raise NeedsWhole("a cross-entropy with class weights or label smoothing")
+    if options.get("reduction", "mean") not in ("mean", "sum", "none") or options.get("size_average") is not None or options.get("reduce") is not None:
+        raise NeedsWhole("a cross-entropy with a legacy reduction argument")
+    ctx.mark_vocab_loss(node, layout.sizes)
+    return REPLICATED, [target]
+
+
+def checked_view(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    """:func:`view`, where the size of a sharded dim (``logits.size(-1)``) may only be the extent the view rewrites."""
+    result = view(ctx, node, 1)
+    shape_args = node.args[1:]
+    if len(shape_args) == 1 and isinstance(shape_args[0], (list, tuple)):
+        shape_args = tuple(shape_args[0])
+    for position, a in enumerate(shape_args):
+        if ctx.is_sharded_size(a) and ctx.rewritten_at(node) != position:
+            raise NeedsWhole("the size of a sharded dim is used as another extent of a view", problem=True)
+    return result
+
+
 def split(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
     """``split`` / ``chunk`` / ``unbind`` of a sharded value: every part laid out alike.
 
@@ -399,7 +448,7 @@ _RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layou
     (ops.SHARD_SOFTMAX, lambda ctx, node: softmax(ctx, node, node_arg(node, 1, "dim"))),
     (ops.MATMUL, matmul),
     (ops.SHARD_ATTENTION, attention),
-    (ops.VIEW, lambda ctx, node: view(ctx, node, 1)),
+    (ops.VIEW, lambda ctx, node: checked_view(ctx, node)),
     (ops.SHARD_TRANSPOSE, transpose),
     (ops.PERMUTE, permute),
     (ops.SHARD_SPLIT, split),

@@ -150,8 +150,39 @@ def masked_embedding(ids: torch.Tensor, weight: torch.Tensor, offset: int, paddi
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
+def shard_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """This shard's ``logsumexp`` over its classes, ``(N, 1)``: all-gathered, they give the whole one."""
+    return logits.logsumexp(-1, keepdim=True)
+
+
+def shard_target_logit(logits: torch.Tensor, target: torch.Tensor, offset: int) -> torch.Tensor:
+    """The logit of each row's target class where this shard holds it, else 0 (summed over shards: the target logit)."""
+    local = target - offset
+    inside = (local >= 0) & (local < logits.size(-1))
+    picked = logits.gather(-1, local.clamp(0, logits.size(-1) - 1).unsqueeze(-1)).squeeze(-1)
+    return picked.masked_fill(~inside, 0.0)
+
+
+def cross_entropy_from_parts(
+    lse_parts: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor, reduction: str = "mean", ignore_index: int = -100
+) -> torch.Tensor:
+    """A vocab-parallel cross-entropy from every shard's logsumexp ``(N, shards)`` and the target
+    logits ``(N,)``: ``logsumexp - target logit`` per row, reduced as ``F.cross_entropy`` does."""
+    loss = lse_parts.logsumexp(-1) - target_logit
+    valid = target != ignore_index
+    loss = loss.masked_fill(~valid, 0.0)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum()
+
+
 __all__ = [
     "ShardSpec",
+    "cross_entropy_from_parts",
+    "shard_logsumexp",
+    "shard_target_logit",
     "masked_embedding",
     "linear_in_out",
     "regroup_sections",

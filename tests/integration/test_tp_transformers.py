@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcompile
-from tests.thirdparty_tp import GPT2MLP, GPT2Block, TinyGPT2, conv1d, import_vision
+from tests.thirdparty_tp import GPT2MLP, GPT2Block, TinyGPT2, TinyGPT2WithLoss, conv1d, import_vision
 
 pytest.importorskip("transformers")
 
@@ -124,6 +124,26 @@ def test_tied_embedding_and_lm_head_stay_tied():
     sd = pm.state_dict()
     torch.testing.assert_close(sd["wte.weight"], sd["lm_head.weight"])
     assert _sharded_fraction(pm, model) >= 0.9
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocab_parallel_cross_entropy_never_gathers_logits(reduction):
+    """F.cross_entropy on vocab-sharded logits: logsumexp parts gathered, the logits never; 3 steps equal eager."""
+
+    class LM(TinyGPT2WithLoss):
+        def forward(self, ids, labels):
+            logits = TinyGPT2.forward(self, ids)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), reduction=reduction)
+
+    model = LM(layers=1)
+    ids = torch.randint(0, 128, (2, 8))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100  # ignored
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(ids, labels))
+    assert pm.plan["lm_head"] == "column"
+    gathers = [line for line in pm.code.splitlines() if "gather_to_device" in line]
+    assert len(gathers) == 1 and "logsumexp" in gathers[0], gathers
+    _train_both(pm, copy.deepcopy(model), (ids, labels), lr=1e-3)
 
 
 def test_tied_head_left_whole_keeps_embedding_whole():

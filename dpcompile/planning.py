@@ -114,10 +114,11 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
     options: dict[str, list[str]] = {}
     vocab: dict[str, str] = {}
     for path, site in sites.items():
-        if site.kind == "embedding":  # no choice to make: vocab-parallel where it can be
-            why = site.blocker or check_divisible(site, "vocab", n)
+        if site.kind in ("embedding", "window_attention"):  # no choice: vocab-parallel / by heads where it can be
+            style = "vocab" if site.kind == "embedding" else "column"
+            why = site.blocker or check_divisible(site, style, n)
             if why is None:
-                vocab[path] = "vocab"
+                vocab[path] = style
             else:
                 reasons[path] = why
             continue

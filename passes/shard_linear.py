@@ -62,6 +62,7 @@ from dpcompile.analysis.sharding import (
     check_plan,
     find_linear_sites,
     resolve_plan,
+    window_attention_args,
 )
 from dpcompile.analysis.sharding_rules import may_need_grad, node_val
 from dpcompile.devices import Devices
@@ -254,9 +255,40 @@ class _Rewriter:
                             source=node, layout=REPLICATED)  # fmt: skip
         return self.comm(reduced, "all_reduce", None, node)
 
+    def _window_attention(self, node: fx.Node, site: LinearSite) -> fx.Node:
+        """torchvision Swin's window attention by heads: this shard's heads of q, k, v and its columns
+        of the projection run torchvision's windows; the partial sums are all-reduced, the bias added once."""
+        heads = self.analysis.window_heads[site.path]
+        name = site.path.replace(".", "_")  # features_1_0_attn_all_reduce: named after the attention module
+        head_dim = site.in_features // site.heads
+        args = window_attention_args(node)["args"]
+        x = self.arg_for(node, site.input)
+        qkv_spec = ShardSpec(0, tuple(3 * head_dim * h for h in heads), sections=3)
+        qkv_w = self.param(f"{site.path}.qkv", "weight", qkv_spec, node)
+        qkv_b = self.param(f"{site.path}.qkv", "bias", qkv_spec, node) if site.bias else None
+        proj_w = self.param(f"{site.path}.proj", "weight", ShardSpec(1, tuple(head_dim * h for h in heads)), node)
+        local = self.make("call_function", collectives.local_size, (list(heads),), name=f"{name}_heads",
+                          source=node, layout=NOT_TENSOR)  # fmt: skip
+        offset = self.make("call_function", collectives.local_offset, (list(heads),), name=f"{name}_head_offset",
+                           source=node, layout=NOT_TENSOR)  # fmt: skip
+        rpb = fx.node.map_arg(args["relative_position_bias"], lambda a: self.arg_for(node, a))
+        call_args = (x, qkv_w, proj_w, rpb, list(args["window_size"]), local, head_dim, offset, list(args["shift_size"]),
+                     args.get("attention_dropout", 0.0), qkv_b, args.get("training", True))  # fmt: skip
+        partial = self.make("call_function", tp_runtime.window_attention_shard, call_args, name=f"{name}_partial",
+                            source=node, layout=Sharded(-1, (0,) * len(heads)))  # fmt: skip
+        reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{name}_all_reduce",
+                            source=node, layout=REPLICATED)  # fmt: skip
+        self.comm(reduced, "all_reduce", None, node)
+        if args.get("proj_bias") is None:
+            return reduced
+        bias = self.param(f"{site.path}.proj", "bias", None, node)
+        return self.make("call_function", operator.add, (reduced, bias), name=name, source=node, layout=REPLICATED)
+
     def _linear(self, node: fx.Node, site: LinearSite) -> fx.Node:
         if site.kind == "embedding":
             return self._embedding(node, site)
+        if site.kind == "window_attention":
+            return self._window_attention(node, site)
         style = self.styles[site.path]
         # a Conv1D-like layer stores its weight (in, out): out_features is dim 1, and the call is x @ w (+ b)
         out_dim, in_dim = (1, 0) if site.transposed else (0, 1)

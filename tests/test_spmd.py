@@ -541,8 +541,30 @@ def check_tp_multihead_attention(rank: int, world: int) -> None:
     _assert_state_equal(pm.state_dict(), reference.state_dict())
 
 
+def check_tp_swin_window_attention(rank: int, world: int) -> None:
+    """torchvision Swin over a mesh: window attention by heads, MLPs column->row; 2 steps and the state dict equal eager."""
+    import dpcompile
+    from tests.thirdparty_tp import import_vision
+
+    import_vision()
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2], num_heads=[2], window_size=[4, 4],
+                                               num_classes=4, stochastic_depth_prob=0.0)  # fmt: skip
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 16, 16)
+    pm = dpcompile.transform(model, _tp_mesh(world), tensor_parallel=True, example_inputs=(x,))
+    assert pm.plan["features.1.0.attn"] == "column", pm.plan  # by heads: this rank's q, k, v rows and proj columns
+    assert tuple(pm.features[1][0].attn.qkv.weight.shape) == (3 * 16 // world, 16), (pm.plan, list(pm.shards), [(n, tuple(p.shape)) for n, p in pm.named_parameters()][:12])
+    assert "window_attention_shard" in pm.code and "local_offset" in pm.code, pm.code
+    _train_both(pm, reference, [x] * 2)
+    _assert_state_equal(pm.state_dict(), reference.state_dict())
+
+
 TP_CHECKS = [
     ("tp_transformer_layouts", check_tp_transformer_layouts),
+    ("tp_swin_window_attention", check_tp_swin_window_attention),
     ("tp_multihead_attention", check_tp_multihead_attention),
     ("tp_mlp_training_matches_eager", check_tp_mlp_training_matches_eager),
     ("tp_uneven_gather", check_tp_uneven_gather),

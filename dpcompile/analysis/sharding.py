@@ -69,6 +69,7 @@ class LinearSite:
     kind: str = "linear"  # or "embedding" (in_features: the vocabulary, out_features: embedding_dim)
     tied_to: str | None = None  # the embedding whose weight this LM head shares (or the head of an embedding)
     padding_idx: int | None = None
+    heads: int = 0  # attention heads of a "window_attention" site (torchvision Swin), sharded whole
     weight_name: str = "weight"  # "in_proj_weight" for the fused in-projection of an nn.MultiheadAttention
     bias_name: str = "bias"
 
@@ -158,11 +159,66 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
         if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
             site.blocker = f"'{path}' uses max_norm, scale_grad_by_freq or sparse gradients, which a vocab-parallel lookup does not support; it stays whole"
         sites[path] = site
+    for node in gm.graph.nodes:
+        window = _window_attention(node)
+        if window is None or window["path"] in sites:
+            continue
+        path = window["path"]
+        calls[path] = calls.get(path, 0) + 1
+        qkv_w = gm.get_parameter(f"{path}.qkv.weight")
+        site = LinearSite(path, node, window["input"], int(qkv_w.shape[1]), int(qkv_w.shape[1]), window["qkv_bias"],
+                          kind="window_attention")  # fmt: skip
+        site.heads = window["num_heads"]
+        if window["dropout"] and window["training"]:
+            site.blocker = f"'{path}' applies dropout after its projection in training, which partial sums cannot; it stays whole"
+        elif window["logit_scale"]:
+            site.blocker = f"'{path}' uses cosine attention (Swin V2's logit_scale), not sharded yet; it stays whole"
+        sites[path] = site
     for path, site in sites.items():
         if calls[path] > 1:
             site.blocker = f"'{path}' is called {calls[path]} times in forward; a shared layer stays whole"
     _find_ties(gm, sites)
     return sites
+
+
+def _window_attention(node: fx.Node) -> dict[str, Any] | None:
+    """torchvision Swin's ``shifted_window_attention(x, self.qkv.weight, self.proj.weight, ...)``
+    call (kept as one call, ``fx.wrap``), with its arguments by name; None for any other node."""
+    target = node.target
+    if node.op != "call_function" or getattr(target, "__name__", "") != "shifted_window_attention":
+        return None
+    if not str(getattr(target, "__module__", "")).startswith("torchvision.models.swin_transformer"):
+        return None
+    names = ("input", "qkv_weight", "proj_weight", "relative_position_bias", "window_size", "num_heads", "shift_size",
+             "attention_dropout", "dropout", "qkv_bias", "proj_bias", "logit_scale", "training")  # fmt: skip
+    args = dict(zip(names, node.args))
+    args.update(node.kwargs)
+    qkv, proj = args.get("qkv_weight"), args.get("proj_weight")
+    if not (isinstance(qkv, fx.Node) and qkv.op == "get_attr" and str(qkv.target).endswith(".qkv.weight")):
+        return None
+    path = str(qkv.target)[: -len(".qkv.weight")]
+    if not (isinstance(proj, fx.Node) and proj.op == "get_attr" and proj.target == f"{path}.proj.weight"):
+        return None
+    bias = args.get("qkv_bias")
+    pbias = args.get("proj_bias")
+    if bias is not None and not (isinstance(bias, fx.Node) and bias.target == f"{path}.qkv.bias"):
+        return None
+    if pbias is not None and not (isinstance(pbias, fx.Node) and pbias.target == f"{path}.proj.bias"):
+        return None
+    if not isinstance(args.get("num_heads"), int) or not isinstance(args.get("input"), fx.Node):
+        return None
+    return {
+        "path": path, "input": args["input"], "num_heads": args["num_heads"], "qkv_bias": bias is not None,
+        "proj_bias": pbias is not None, "dropout": args.get("dropout", 0.0), "training": args.get("training", True),
+        "logit_scale": args.get("logit_scale") is not None, "args": args,
+    }  # fmt: skip
+
+
+def window_attention_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments by name of a ``shifted_window_attention`` call (see :func:`find_linear_sites`)."""
+    found = _window_attention(node)
+    assert found is not None
+    return found
 
 
 def _find_ties(gm: fx.GraphModule, sites: Mapping[str, LinearSite]) -> None:
@@ -217,7 +273,8 @@ def aligned_split(total: int, n: int, granularity: int = 1) -> tuple[int, ...]:
 def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Iterable[str] = ()) -> None:
     """Raise ``ValueError`` for a plan naming a missing module, a non-Linear or an unknown style."""
     modules = dict(root.named_modules())
-    valid = linear_paths(root) + [p for p in extra_linears if p not in modules or p == ""]
+    windows = [p for p, site in extra_linears.items() if site.kind == "window_attention"] if isinstance(extra_linears, Mapping) else []
+    valid = linear_paths(root) + windows + [p for p in extra_linears if p not in modules or p == ""]
     shown = ", ".join(repr(p) for p in valid) or "(none)"
     for path, style in plan.items():
         if path in modules and isinstance(modules[path], nn.MultiheadAttention):
@@ -246,6 +303,12 @@ def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Itera
 
 def check_divisible(site: LinearSite, style: str, n: int) -> str | None:
     """Why ``site`` cannot be split ``style``-wise over ``n`` devices, with the arithmetic; or None."""
+    if site.kind == "window_attention":
+        if style != "column":
+            return f"'{site.path}' (window attention) is split by heads ('column') or kept whole ('replicate')"
+        if site.heads < n:
+            return f"num_heads({site.heads}) of '{site.path}' cannot be split over {n} devices"
+        return None
     if site.kind == "embedding":
         if style != "vocab":
             return f"'{site.path}' is an nn.Embedding: its styles are 'vocab' (rows split) or 'replicate'"
@@ -291,6 +354,7 @@ class ShardingAnalysis:
     gathered: dict[str, list[str]] = field(default_factory=dict)  # column path -> ops its output is gathered for
     pairs: dict[str, frozenset[str]] = field(default_factory=dict)  # row path -> column layers feeding it sharded
     vocab_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # embedding path -> rows per shard
+    window_heads: dict[str, tuple[int, ...]] = field(default_factory=dict)  # Swin window attention -> heads per shard
     vocab_losses: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)  # vocab-parallel cross-entropies
     tuples: set[fx.Node] = field(default_factory=set)  # splits / unbinds of a sharded value (their parts alike)
     column_sections: dict[str, int] = field(default_factory=dict)  # fused column layers: blocks per output
@@ -406,6 +470,8 @@ class _Analyzer:
                 for a in flat_nodes(node.args):
                     if isinstance(self.layout(a), Sharded):
                         self.need(node, a, "gather")
+            elif node in self.site_of and self.site_of[node].kind == "window_attention" and self.styles.get(self.site_of[node].path) == "column":
+                self._window_attention(node, self.site_of[node])
             elif node in self.site_of and self.site_of[node].kind == "embedding" and self.styles.get(self.site_of[node].path) == "vocab":
                 self._embedding(node, self.site_of[node])
             elif node in self.site_of and self.styles.get(self.site_of[node].path, "replicate") != "replicate":
@@ -438,6 +504,13 @@ class _Analyzer:
         head = site.tied_to if site.kind == "embedding" else site.path
         return aligned_split(site.in_features if site.kind == "embedding" else site.out_features, self.n,
                              self.granularity.get(head or site.path, 1))  # fmt: skip
+
+    def _window_attention(self, node: fx.Node, site: LinearSite) -> None:
+        x = site.input
+        self.need(node, x, "gather_copy" if isinstance(self.layout(x), Sharded) else "copy")
+        self.result.window_heads[site.path] = aligned_split(site.heads, self.n)
+        self.result.comms.append(CommEstimate("all_reduce", None, self.numel(node), f"{node.name} all-reduce"))
+        self.result.layouts[node] = REPLICATED
 
     def _embedding(self, node: fx.Node, site: LinearSite) -> None:
         sizes = self.vocab_split(site)
@@ -629,5 +702,6 @@ __all__ = [
     "linear_like_leaves",
     "linear_like_types",
     "linear_paths",
+    "window_attention_args",
     "resolve_plan",
 ]

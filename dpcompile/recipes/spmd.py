@@ -243,3 +243,10 @@ def keep_own_shards(gm: fx.GraphModule, own: nn.Module, specs: Mapping[str, Any]
         setattr(owner, name, param)
         if not path:  # the model itself is a Linear: its own parameters are the root's
             setattr(own, name, param)
+        else:  # a weight forward only reads (torchvision Swin's qkv): gm holds it in a container of its own
+            try:
+                own_owner = own.get_submodule(path)
+            except AttributeError:
+                continue
+            if own_owner is not owner:
+                setattr(own_owner, name, param)

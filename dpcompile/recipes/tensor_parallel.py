@@ -93,7 +93,19 @@ class TensorParallelRecipe(Recipe):
         expand_info = info_of(records, "expand_shards")
         applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
         applied.update(shard_info["plan"])
+        windowed = {}  # torchvision Swin: qkv / proj sharded by heads inside the window-attention call
+        for p, style in shard_info["plan"].items():
+            if style == "column" and f"{p}.qkv.weight" in expand_info["param_shards"] and applied.get(f"{p}.qkv") == "replicate":
+                windowed[f"{p}.qkv"], windowed[f"{p}.proj"] = "column", "row"
+                windowed[p] = "column"
+        applied.update(windowed)
         described = describe_choices(applied, shard_info)
+        for p, style in windowed.items():
+            owner = p.rpartition(".")[0] if p.endswith((".qkv", ".proj")) else p
+            described[p] = (
+                f"{style}: sharded by heads inside '{owner}' (torchvision's shifted_window_attention, run on each "
+                "shard with its heads); the projection's partial sums all-reduced"
+            )
         reasons = {
             p: f"{described[p]} ({reasons[p]})" if p in reasons and p in described and not reasons[p].startswith("replicate:")
             else reasons.get(p, described.get(p, ""))

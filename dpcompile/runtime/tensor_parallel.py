@@ -178,8 +178,82 @@ def cross_entropy_from_parts(
     return loss.sum() / valid.sum()
 
 
+def window_attention_shard(
+    input: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    relative_position_bias: torch.Tensor,
+    window_size: Sequence[int],
+    num_heads: int,
+    head_dim: int,
+    head_offset: int,
+    shift_size: Sequence[int],
+    attention_dropout: float = 0.0,
+    qkv_bias: torch.Tensor | None = None,
+    training: bool = True,
+) -> torch.Tensor:
+    """One shard's part of torchvision's ``shifted_window_attention`` (Swin), sharded by heads.
+
+    ``qkv_weight``/``qkv_bias`` hold this shard's ``num_heads`` heads of q, k and v (rows
+    ``head_offset ..`` of each section), ``proj_weight`` the matching input columns of the
+    projection; the result is this shard's partial sum of the projection, without its bias
+    (the shards' parts are all-reduced and the bias added once). Windows, shifts, masks and
+    padding are torchvision's, so the sum equals the whole call.
+    """
+    import torch.nn.functional as F
+
+    B, H, W, C = input.shape
+    c_local = num_heads * head_dim
+    pad_r = (window_size[1] - W % window_size[1]) % window_size[1]
+    pad_b = (window_size[0] - H % window_size[0]) % window_size[0]
+    x = F.pad(input, (0, 0, 0, pad_r, 0, pad_b))
+    _, pad_H, pad_W, _ = x.shape
+    shift_size = list(shift_size)
+    if window_size[0] >= pad_H:
+        shift_size[0] = 0
+    if window_size[1] >= pad_W:
+        shift_size[1] = 0
+    if sum(shift_size) > 0:
+        x = torch.roll(x, shifts=(-shift_size[0], -shift_size[1]), dims=(1, 2))
+    num_windows = (pad_H // window_size[0]) * (pad_W // window_size[1])
+    x = x.view(B, pad_H // window_size[0], window_size[0], pad_W // window_size[1], window_size[1], C)
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(B * num_windows, window_size[0] * window_size[1], C)
+    qkv = F.linear(x, qkv_weight, qkv_bias)
+    qkv = qkv.reshape(x.size(0), x.size(1), 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    q = q * head_dim**-0.5
+    attn = q.matmul(k.transpose(-2, -1))
+    attn = attn + relative_position_bias[:, head_offset : head_offset + num_heads]
+    if sum(shift_size) > 0:
+        attn_mask = x.new_zeros((pad_H, pad_W))
+        h_slices = ((0, -window_size[0]), (-window_size[0], -shift_size[0]), (-shift_size[0], None))
+        w_slices = ((0, -window_size[1]), (-window_size[1], -shift_size[1]), (-shift_size[1], None))
+        count = 0
+        for h in h_slices:
+            for w in w_slices:
+                attn_mask[h[0] : h[1], w[0] : w[1]] = count
+                count += 1
+        attn_mask = attn_mask.view(pad_H // window_size[0], window_size[0], pad_W // window_size[1], window_size[1])
+        attn_mask = attn_mask.permute(0, 2, 1, 3).reshape(num_windows, window_size[0] * window_size[1])
+        attn_mask = attn_mask.unsqueeze(1) - attn_mask.unsqueeze(2)
+        attn_mask = attn_mask.masked_fill(attn_mask != 0, (-100.0)).masked_fill(attn_mask == 0, 0.0)
+        attn = attn.view(x.size(0) // num_windows, num_windows, num_heads, x.size(1), x.size(1))
+        attn = attn + attn_mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, num_heads, x.size(1), x.size(1))
+    attn = F.softmax(attn, dim=-1)
+    attn = F.dropout(attn, p=attention_dropout, training=training)
+    x = attn.matmul(v).transpose(1, 2).reshape(x.size(0), x.size(1), c_local)
+    x = F.linear(x, proj_weight)
+    x = x.view(B, pad_H // window_size[0], pad_W // window_size[1], window_size[0], window_size[1], C)
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(B, pad_H, pad_W, C)
+    if sum(shift_size) > 0:
+        x = torch.roll(x, shifts=(shift_size[0], shift_size[1]), dims=(1, 2))
+    return x[:, :H, :W, :].contiguous()
+
+
 __all__ = [
     "ShardSpec",
+    "window_attention_shard",
     "cross_entropy_from_parts",
     "shard_logsumexp",
     "shard_target_logit",

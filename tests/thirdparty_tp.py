@@ -108,3 +108,20 @@ class TinyGPT2WithLoss(TinyGPT2):
     def forward(self, ids, labels):
         logits = super().forward(ids)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
+
+
+class FusedChunkAttention(nn.Module):
+    """A fused qkv nn.Linear, chunked, with uneven heads (3 heads over 2 shards)."""
+
+    def __init__(self, d: int = 12, heads: int = 3):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))

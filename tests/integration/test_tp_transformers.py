@@ -11,7 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcompile
-from tests.thirdparty_tp import GPT2MLP, GPT2Block, TinyGPT2, TinyGPT2WithLoss, conv1d, import_vision
+from tests.thirdparty_tp import (
+    GPT2MLP,
+    FusedChunkAttention,
+    GPT2Block,
+    TinyGPT2,
+    TinyGPT2WithLoss,
+    conv1d,
+    import_vision,
+)
 
 pytest.importorskip("transformers")
 
@@ -85,26 +93,9 @@ def test_fused_qkv_split_sharded_per_section():
     _train_both(pm, copy.deepcopy(block), (x,))
 
 
-class _FusedChunk(nn.Module):
-    """A fused qkv nn.Linear, chunked, with uneven heads (3 heads over 2 shards)."""
-
-    def __init__(self, d: int = 12, heads: int = 3):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.out = nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
-
-
 def test_fused_qkv_chunk_uneven_heads():
     """chunk(3) of a fused Linear with 3 heads on 2 shards: 2 heads + 1 head of each of q, k, v."""
-    m = _FusedChunk()
+    m = FusedChunkAttention()
     x = torch.randn(2, 4, 12)
     pm = dpcompile.transform(m, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
     assert pm.plan == {"qkv": "column", "out": "row"}

@@ -132,9 +132,9 @@ class SpmdRecipe(Recipe):
         own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
         broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
         gm, flags = capture_with_flags(own, self.leaf_modules + linear_like_leaves(), example_inputs)
-        captured_code = gm.code
         if passes.decompose_attention(gm).modified:  # nn.MultiheadAttention written out, so heads can be sharded
             gm.recompile()
+        captured_code = gm.code  # after decompose_attention: its dropout_p follows the mode
         if example_inputs is not None:
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
         styles, reasons = plan_for(gm, self.plan, tp_size, model)
@@ -180,7 +180,10 @@ class SpmdRecipe(Recipe):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with modes_applied(source, key.modes):
             leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, as in _compile_tensor_parallel
-            if capture(source, leaf_modules=leaves, none_args=key.none_args, flags=flags).code == pm.captured_code:
+            again = capture(source, leaf_modules=leaves, none_args=key.none_args, flags=flags)
+            if passes.decompose_attention(again).modified:  # as compile does: the attention dropout follows the mode
+                again.recompile()
+            if again.code == pm.captured_code:
                 return None
             fake = fake_copy(source, mode, device)
         with mode, warnings.catch_warnings():

@@ -78,10 +78,10 @@ class TensorParallelRecipe(Recipe):
         owned = copy.deepcopy(model)  # the user's model is never touched
         leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, sharded as Linears
         gm, flags = capture_owning_everything(owned, leaves, example_inputs, none_args, flags)
-        captured_code = gm.code
         attention = passes.decompose_attention(gm)  # nn.MultiheadAttention written out, so heads can be sharded
         if attention.modified:
             gm.recompile()
+        captured_code = gm.code  # after decompose_attention: its dropout_p follows the mode
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs))
         styles, reasons = plan_for(gm, self.plan, len(self.devices), model)
@@ -166,6 +166,8 @@ class TensorParallelRecipe(Recipe):
         with modes_applied(source, key.modes):
             leaves = self.leaf_modules + linear_like_leaves()
             traced = capture(source, leaf_modules=leaves, none_args=key.none_args, flags=dict(key.flags) or None)
+            if passes.decompose_attention(traced).modified:  # as compile does: the attention dropout follows the mode
+                traced.recompile()
             if traced.code == pm.captured_code:
                 return None  # forward takes the same path: the main program (a cheap check)
             mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -269,3 +269,24 @@ def test_torchvision_swin_window_attention_sharded_by_heads(vision):
     assert "gather_to_device" not in pm.code
     assert _sharded_fraction(pm, model) >= 0.9
     _train_both(pm, copy.deepcopy(model), (x,))
+
+
+def test_multihead_attention_dropout_follows_the_mode():
+    """An nn.MultiheadAttention with dropout, written out: pm.eval() runs it without dropout, as the model."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4, dropout=0.5, batch_first=True)
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    model = Block()
+    x = torch.randn(2, 5, 16)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+    assert pm.plan == {"attn": "column", "attn.out_proj": "row"}
+    pm.eval()
+    model.eval()
+    torch.testing.assert_close(pm(x), model(x))
+    assert dpcompile.verify(pm, model, x)

@@ -60,7 +60,7 @@ def models():
     )
     yield "torchvision ViT", tv, (torch.randn(2, 3, 32, 32),), "encoder.layers.encoder_layer_{}", 2
     swin = torchvision.models.SwinTransformer(
-        patch_size=[4, 4], embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4]
+        patch_size=[4, 4], embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4], stochastic_depth_prob=0.0
     )
     yield "torchvision Swin", swin, (torch.randn(2, 3, 32, 32),), "features.1.{}", 2
 

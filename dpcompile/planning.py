@@ -38,6 +38,33 @@ _UNSHARDED_PENALTY = 1e15  # the automatic plan shards every layer it can before
 NOT_CALLED = "'{path}' is not called in forward (or only inside a leaf module); it stays whole"
 
 
+def why_whole(gm: fx.GraphModule, path: str) -> str:
+    """Why the layer at ``path`` was not sharded although forward may use it, in words a user can act on."""
+    modules = dict(gm.named_modules())
+    prefix = f"{path}." if path else ""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not str(node.target).startswith(prefix) or "." in str(node.target)[len(prefix):]:
+            continue
+        for user in node.users:
+            if user.op == "call_function":
+                name = getattr(user.target, "__qualname__", getattr(user.target, "__name__", str(user.target)))
+                return (
+                    f"its weights are passed to {getattr(user.target, '__module__', '')}.{name}(), a function the tracer "
+                    "keeps as one call (fx.wrap), so the layer runs whole inside it; tensor parallelism shards a layer "
+                    "it sees called (self.layer(x) or F.linear(x, self.layer.weight))"
+                )
+    owner = path
+    while owner:
+        owner = owner.rpartition(".")[0]
+        module = modules.get(owner)
+        if module is not None and any(n.op == "call_module" and n.target == owner for n in gm.graph.nodes):
+            return (
+                f"it is called inside '{owner}' ({type(module).__name__}), which the tracer keeps as one call (a leaf "
+                "module), so it runs whole; leave that type out of leaf_modules= to shard its layers"
+            )
+    return NOT_CALLED.format(path=path)
+
+
 def resolve_explicit_plan(gm: fx.GraphModule, plan: Mapping[str, str], model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     """``(styles, reasons)`` for a user's plan: checked against ``model`` (``ValueError`` for a
     path that is no Linear or an unknown style); a Linear forward never calls stays whole."""
@@ -85,7 +112,16 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
     modules = dict(gm.named_modules())
     reasons: dict[str, str] = {}
     options: dict[str, list[str]] = {}
+    vocab: dict[str, str] = {}
     for path, site in sites.items():
+        if site.kind in ("embedding", "window_attention"):  # no choice: vocab-parallel / by heads where it can be
+            style = "vocab" if site.kind == "embedding" else "column"
+            why = site.blocker or check_divisible(site, style, n)
+            if why is None:
+                vocab[path] = style
+            else:
+                reasons[path] = why
+            continue
         allowed = [] if site.blocker else [s for s in ("column", "row") if check_divisible(site, s, n) is None]
         if allowed:
             options[path] = allowed
@@ -97,7 +133,7 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
     def transparent(node: fx.Node) -> bool:
         return is_shard_transparent(node, modules)
 
-    styles: dict[str, str] = {path: opts[-1] if len(opts) == 1 else "row" for path, opts in options.items()}
+    styles: dict[str, str] = {**vocab, **{path: opts[-1] if len(opts) == 1 else "row" for path, opts in options.items()}}
     chains = find_linear_chains(gm, nodes, transparent)
     for a, _ in chains:
         if "column" in options[by_name[a]]:

@@ -19,6 +19,7 @@ from dpcompile.devices import Devices
 from dpcompile.infra import Pass
 from passes.collectives import find_collective_sites, lower_to_collectives
 from passes.data_parallel import insert_scatter_gather
+from passes.decompose_attention import decompose_attention
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.shard_linear import find_linear_sites, shard_linear
@@ -94,6 +95,7 @@ __all__ = [
     "spmd_pipeline",
     "shard_linear",
     "find_linear_sites",
+    "decompose_attention",
     "expand_shards",
     "tensor_parallel_pipeline",
     "spmd_tensor_parallel_pipeline",

@@ -116,6 +116,7 @@ LOWERING: dict[str, Lowering] = {
     "gather_from_shards": Lowering(dist_rt.all_gather, "all_gather", None, ("dim", "sizes")),
     "split_to_shards": Lowering(dist_rt.local_slice, "split", "all_gather", ("dim", "sizes")),
     "local_size": Lowering(dist_rt.local_size, "shape", None, ()),
+    "local_offset": Lowering(dist_rt.local_offset, "shape", None, ()),
 }
 """Keyed by the name of the function in ``dpcompile.runtime.collectives``."""
 
@@ -295,7 +296,7 @@ class _Rewriter:
         rule = LOWERING[name]
         group = self.groups["tp_group"]
         arguments = _bound_arguments(node)
-        if rule.fn is dist_rt.local_size:
+        if rule.kind == "shape":  # local_size / local_offset: (sizes, group), an int
             sizes = arguments.get("sizes", node.args[0] if node.args else None)
             args: tuple[Any, ...] = (_as_literal(sizes), group)
             kwargs: dict[str, Any] = {}

@@ -59,22 +59,33 @@ PASS = "expand_shards"
 
 
 class LinearShards(nn.Module):
-    """What replaces a sharded ``nn.Linear``: its shards (``weight_shard0``, ...) and any whole rest.
+    """What replaces a sharded ``nn.Linear`` (or Conv1D, or vocab-parallel ``nn.Embedding``): its
+    shards (``weight_shard0``, ...) and any whole rest. Tied weights share one set of shards.
 
     ``specs`` maps each sharded parameter name (``"weight"``) to its :class:`ShardSpec`.
     """
 
-    def __init__(self, linear: nn.Linear, specs: Mapping[str, ShardSpec], devices: Devices):
+    def __init__(self, linear: nn.Module, specs: Mapping[str, ShardSpec], devices: Devices, make: Any = None):
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        make = make or (lambda full, spec: _make_shards(full, spec, devices))
+        w = getattr(linear, "weight", None)
+        if w is None:  # an nn.MultiheadAttention: its fused in-projection is sharded, out_proj is a child
+            w = linear.in_proj_weight
+            self.in_features, self.out_features = int(w.shape[1]), int(w.shape[0])
+        elif isinstance(linear, nn.Embedding):  # vocab-parallel: rows of the table
+            self.in_features, self.out_features = linear.num_embeddings, linear.embedding_dim
+        else:  # nn.Linear, or Conv1D (weight (in, out))
+            self.in_features = getattr(linear, "in_features", int(w.shape[0]))
+            self.out_features = getattr(linear, "out_features", int(w.shape[1] if not hasattr(linear, "in_features") else w.shape[0]))
         self.specs = dict(specs)
         for name, p in linear.named_parameters(recurse=False):
             if name in self.specs:
-                for k, shard in enumerate(_make_shards(p, self.specs[name], devices)):
+                for k, shard in enumerate(make(p, self.specs[name])):
                     self.register_parameter(f"{name}_shard{k}", shard)
             else:
                 self.register_parameter(name, p)
+        for name, child in linear.named_children():  # out_proj of an nn.MultiheadAttention
+            self.add_module(name, child)
 
     def extra_repr(self) -> str:
         specs = ", ".join(f"{name}: dim {s.dim} sizes {list(s.sizes)}" for name, s in self.specs.items())
@@ -124,10 +135,17 @@ def _move_whole_state(gm: fx.GraphModule, device: torch.device, *, skip: set[str
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and (node.target in collectives.COLLECTIVES or node.target is collectives.local_size)
+    return node.op == "call_function" and (node.target in collectives.COLLECTIVES or node.target in (collectives.local_size, collectives.local_offset))
 
 
 def _materialize_shards(gm: fx.GraphModule, specs: Mapping[str, ShardSpec], devices: Devices) -> None:
+    made: dict[int, list[nn.Parameter]] = {}  # tied weights (an embedding and its LM head): one set of shards
+
+    def shards_of(full: torch.Tensor, spec: ShardSpec) -> list[nn.Parameter]:
+        if id(full) not in made:
+            made[id(full)] = _make_shards(full, spec, devices)
+        return made[id(full)]
+
     by_module: dict[str, dict[str, ShardSpec]] = {}
     for target, spec in specs.items():
         path, _, name = target.rpartition(".")
@@ -137,12 +155,12 @@ def _materialize_shards(gm: fx.GraphModule, specs: Mapping[str, ShardSpec], devi
         if path == "":  # the root is the Linear: shard its own parameters
             for name, spec in module_specs.items():
                 full = gm._parameters.pop(name)
-                for k, shard in enumerate(_make_shards(full, spec, devices)):
+                for k, shard in enumerate(shards_of(full, spec)):
                     gm.register_parameter(f"{name}_shard{k}", shard)
             continue
         parent_path, _, child = path.rpartition(".")
         parent = gm.get_submodule(parent_path)
-        setattr(parent, child, LinearShards(linear, module_specs, devices))
+        setattr(parent, child, LinearShards(linear, module_specs, devices, shards_of))
 
 
 class _Expander:
@@ -214,6 +232,8 @@ class _Expander:
                 ]
             elif target is collectives.local_size:
                 self.local_sizes[node] = list(node.args[0])
+            elif target is collectives.local_offset:
+                self.local_sizes[node] = ShardSpec(0, tuple(node.args[0])).offsets()
             elif target is collectives.copy_to_shards:
                 new = self.make("call_function", tp_runtime.copy_to_devices, (self.whole_of(node.args[0]), self.devices.strings()), name=node.name, source=node)
                 self.per_device[node] = self.split(self.comm(new, node), node)

@@ -62,11 +62,13 @@ from dpcompile.analysis.sharding import (
     check_plan,
     find_linear_sites,
     resolve_plan,
+    window_attention_args,
 )
 from dpcompile.analysis.sharding_rules import may_need_grad, node_val
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import collectives
+from dpcompile.runtime import tensor_parallel as tp_runtime
 from dpcompile.runtime.tensor_parallel import ShardSpec
 
 PASS = "shard_linear"
@@ -103,7 +105,7 @@ class _Rewriter:
 
     def __init__(self, gm: fx.GraphModule, sites: Mapping[str, LinearSite], resolved: ResolvedPlan):
         self.gm = gm
-        self.site_of = {s.node: s for s in sites.values() if resolved.styles.get(s.path) in ("column", "row")}
+        self.site_of = {s.node: s for s in sites.values() if resolved.styles.get(s.path) in ("column", "row", "vocab")}
         self.styles = resolved.styles
         self.analysis = resolved.analysis
         self.graph = fx.Graph()
@@ -168,7 +170,7 @@ class _Rewriter:
 
     def param(self, path: str, name: str, spec: ShardSpec | None, source: fx.Node) -> fx.Node:
         target = f"{path}.{name}" if path else name
-        layout: Layout = REPLICATED if spec is None else Sharded(spec.dim - 2 if name == "weight" else -1, spec.sizes)
+        layout: Layout = REPLICATED if spec is None else Sharded(spec.dim - 2 if name.endswith("weight") else -1, spec.sizes, sections=spec.sections)
         new = self.make("get_attr", target, name=target.replace(".", "_"), source=source, layout=layout)
         if spec is not None:
             new.meta["dpcompile_shard"] = spec
@@ -189,7 +191,32 @@ class _Rewriter:
                 self.graph.erase_node(node)
         return self.graph
 
+    def _vocab_loss(self, node: fx.Node, sizes: tuple[int, ...]) -> fx.Node:
+        """``F.cross_entropy`` on vocab-sharded logits, without gathering them: each shard's
+        logsumexp all-gathered (N x shards), its part of the target logits all-reduced."""
+        n = len(sizes)
+        logits = self.env[node.args[0]]
+        target = self.arg_for(node, node.args[1] if len(node.args) > 1 else node.kwargs["target"])
+        offset = self.make("call_function", collectives.local_offset, (list(sizes),), name=f"{node.name}_offset",
+                           source=node, layout=NOT_TENSOR)  # fmt: skip
+        lse = self.make("call_function", tp_runtime.shard_logsumexp, (logits,), name=f"{node.name}_logsumexp",
+                        source=node, layout=Sharded(-1, (1,) * n))  # fmt: skip
+        lse_all = self.make("call_function", collectives.gather_from_shards, (lse, -1, [1] * n),
+                            name=f"{node.name}_logsumexp_all_gather", source=node, layout=REPLICATED)  # fmt: skip
+        self.comm(lse_all, "all_gather", None, node)
+        picked = self.make("call_function", tp_runtime.shard_target_logit, (logits, target, offset),
+                           name=f"{node.name}_target_logit", source=node, layout=Sharded(-1, (0,) * n))  # fmt: skip
+        target_logit = self.make("call_function", collectives.reduce_from_shards, (picked,),
+                                 name=f"{node.name}_target_logit_all_reduce", source=node, layout=REPLICATED)  # fmt: skip
+        self.comm(target_logit, "all_reduce", None, node)
+        whole_target = self.env[node.args[1] if len(node.args) > 1 else node.kwargs["target"]]
+        options = {k: v for k, v in node.kwargs.items() if k in ("reduction", "ignore_index")}
+        return self.make("call_function", tp_runtime.cross_entropy_from_parts, (lse_all, target_logit, whole_target), options,
+                         name=node.name, source=node, layout=REPLICATED)  # fmt: skip
+
     def _copy(self, node: fx.Node) -> fx.Node:
+        if node in self.analysis.vocab_losses:
+            return self._vocab_loss(node, self.analysis.vocab_losses[node])
         args = fx.node.map_arg(node.args, lambda a: self.arg_for(node, a))
         kwargs = fx.node.map_arg(node.kwargs, lambda a: self.arg_for(node, a))
         layout = self.layout(node)
@@ -215,26 +242,75 @@ class _Rewriter:
         args[first + position] = size
         return tuple(args)
 
+    def _embedding(self, node: fx.Node, site: LinearSite) -> fx.Node:
+        """Vocab-parallel lookup: this shard's rows, zeros for ids outside them, one all-reduce."""
+        sizes = self.analysis.vocab_sizes[site.path]
+        w = self.param(site.path, "weight", ShardSpec(0, sizes), node)
+        offset = self.make("call_function", collectives.local_offset, (list(sizes),), name=f"{node.name}_offset",
+                           source=node, layout=NOT_TENSOR)  # fmt: skip
+        args = (self.env[site.input], w, offset) + ((site.padding_idx,) if site.padding_idx is not None else ())
+        partial = self.make("call_function", tp_runtime.masked_embedding, args, name=f"{node.name}_partial", source=node,
+                            layout=Sharded(-1, (0,) * len(sizes)))  # fmt: skip
+        reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{node.name}_all_reduce",
+                            source=node, layout=REPLICATED)  # fmt: skip
+        return self.comm(reduced, "all_reduce", None, node)
+
+    def _window_attention(self, node: fx.Node, site: LinearSite) -> fx.Node:
+        """torchvision Swin's window attention by heads: this shard's heads of q, k, v and its columns
+        of the projection run torchvision's windows; the partial sums are all-reduced, the bias added once."""
+        heads = self.analysis.window_heads[site.path]
+        name = site.path.replace(".", "_")  # features_1_0_attn_all_reduce: named after the attention module
+        head_dim = site.in_features // site.heads
+        args = window_attention_args(node)["args"]
+        x = self.arg_for(node, site.input)
+        qkv_spec = ShardSpec(0, tuple(3 * head_dim * h for h in heads), sections=3)
+        qkv_w = self.param(f"{site.path}.qkv", "weight", qkv_spec, node)
+        qkv_b = self.param(f"{site.path}.qkv", "bias", qkv_spec, node) if site.bias else None
+        proj_w = self.param(f"{site.path}.proj", "weight", ShardSpec(1, tuple(head_dim * h for h in heads)), node)
+        local = self.make("call_function", collectives.local_size, (list(heads),), name=f"{name}_heads",
+                          source=node, layout=NOT_TENSOR)  # fmt: skip
+        offset = self.make("call_function", collectives.local_offset, (list(heads),), name=f"{name}_head_offset",
+                           source=node, layout=NOT_TENSOR)  # fmt: skip
+        rpb = fx.node.map_arg(args["relative_position_bias"], lambda a: self.arg_for(node, a))
+        call_args = (x, qkv_w, proj_w, rpb, list(args["window_size"]), local, head_dim, offset, list(args["shift_size"]),
+                     args.get("attention_dropout", 0.0), qkv_b, args.get("training", True))  # fmt: skip
+        partial = self.make("call_function", tp_runtime.window_attention_shard, call_args, name=f"{name}_partial",
+                            source=node, layout=Sharded(-1, (0,) * len(heads)))  # fmt: skip
+        reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{name}_all_reduce",
+                            source=node, layout=REPLICATED)  # fmt: skip
+        self.comm(reduced, "all_reduce", None, node)
+        if args.get("proj_bias") is None:
+            return reduced
+        bias = self.param(f"{site.path}.proj", "bias", None, node)
+        return self.make("call_function", operator.add, (reduced, bias), name=name, source=node, layout=REPLICATED)
+
     def _linear(self, node: fx.Node, site: LinearSite) -> fx.Node:
+        if site.kind == "embedding":
+            return self._embedding(node, site)
+        if site.kind == "window_attention":
+            return self._window_attention(node, site)
         style = self.styles[site.path]
+        # a Conv1D-like layer stores its weight (in, out): out_features is dim 1, and the call is x @ w (+ b)
+        out_dim, in_dim = (1, 0) if site.transposed else (0, 1)
+        fn = tp_runtime.linear_in_out if site.transposed else F.linear
         if style == "column":
             sizes = self.analysis.column_sizes[site.path]
             x = self.arg_for(node, site.input)
-            spec = ShardSpec(0, sizes)
-            w = self.param(site.path, "weight", spec, node)
-            args = (x, w, self.param(site.path, "bias", spec, node)) if site.bias else (x, w)
-            return self.make("call_function", F.linear, args, name=node.name, source=node, layout=self.layout(node))
+            sections = self.analysis.column_sections.get(site.path, 1)  # a fused qkv: q, k, v each split
+            w = self.param(site.path, site.weight_name, ShardSpec(out_dim, sizes, sections), node)
+            args = (x, w, self.param(site.path, site.bias_name, ShardSpec(0, sizes, sections), node)) if site.bias else (x, w)
+            return self.make("call_function", fn, args, name=node.name, source=node, layout=self.layout(node))
         sizes = self.analysis.row_sizes[site.path]
         x = self.arg_for(node, site.input, sizes)
-        w = self.param(site.path, "weight", ShardSpec(1, sizes), node)
-        partial = self.make("call_function", F.linear, (x, w), name=f"{node.name}_partial", source=node,
+        w = self.param(site.path, site.weight_name, ShardSpec(in_dim, sizes), node)
+        partial = self.make("call_function", fn, (x, w), name=f"{node.name}_partial", source=node,
                             layout=Sharded(-1, (0,) * len(sizes)))  # fmt: skip
         reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{node.name}_all_reduce",
                             source=node, layout=REPLICATED)  # fmt: skip
         self.comm(reduced, "all_reduce", None, node)
         if not site.bias:
             return reduced
-        bias = self.param(site.path, "bias", None, node)
+        bias = self.param(site.path, site.bias_name, None, node)
         return self.make("call_function", operator.add, (reduced, bias), name=node.name, source=node, layout=REPLICATED)
 
 

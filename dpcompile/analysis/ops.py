@@ -337,3 +337,9 @@ __all__ = [
     "SHARD_TRANSPOSE",
     "SHARD_METADATA_ATTRIBUTES",
 ]
+
+
+# ---------------------------------------------------------------------- tensor parallel: fused projections
+# (kept apart from the data-parallel families above) a fused qkv output split into q, k, v
+SHARD_SPLIT = CHUNK.only("sharded split", functions={torch.split, torch.chunk, torch.unbind}, methods={"split", "chunk", "unbind"})
+__all__ += ["SHARD_SPLIT"]

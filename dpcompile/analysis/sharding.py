@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ from dpcompile.analysis.sharding_rules import (
 from dpcompile.runtime.comm import split_sizes
 
 STYLES = ("column", "row", "replicate")
+EMBEDDING_STYLES = ("vocab", "replicate")  # an nn.Embedding: rows (the vocabulary) split, or whole
 
 
 # ---------------------------------------------------------------------- finding
@@ -63,11 +65,47 @@ class LinearSite:
     out_features: int
     bias: bool
     blocker: str | None = None
+    transposed: bool = False  # weight stored (in, out), as transformers' Conv1D
+    kind: str = "linear"  # or "embedding" (in_features: the vocabulary, out_features: embedding_dim)
+    tied_to: str | None = None  # the embedding whose weight this LM head shares (or the head of an embedding)
+    padding_idx: int | None = None
+    heads: int = 0  # attention heads of a "window_attention" site (torchvision Swin), sharded whole
+    weight_name: str = "weight"  # "in_proj_weight" for the fused in-projection of an nn.MultiheadAttention
+    bias_name: str = "bias"
+
+
+def linear_like_types() -> tuple[type[nn.Module], ...]:
+    """The module types sharded as Linear layers: ``nn.Linear`` and, where transformers is
+    imported, its ``Conv1D`` (GPT-2's layers: weight ``(in, out)``, ``addmm``)."""
+    found: list[type[nn.Module]] = [nn.Linear]
+    utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(utils, "Conv1D", None)
+    if isinstance(conv1d, type) and issubclass(conv1d, nn.Module):
+        found.append(conv1d)
+    return tuple(found)
+
+
+def linear_like_leaves() -> tuple[type[nn.Module], ...]:
+    """Linear-like types the tracer must keep as calls (their forward reshapes around ``addmm``)."""
+    return tuple(t for t in linear_like_types() if t is not nn.Linear)
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """True for a linear-like module whose weight is stored ``(in, out)`` (transformers' Conv1D)."""
+    return isinstance(module, linear_like_leaves())
 
 
 def linear_paths(root: nn.Module) -> list[str]:
-    """Every ``nn.Linear`` of ``root`` by module path (``""`` is ``root`` itself)."""
-    return [name for name, m in root.named_modules() if isinstance(m, nn.Linear)]
+    """Every ``nn.Linear`` (or other linear-like layer, see :func:`linear_like_types`) of ``root``
+    by module path (``""`` is ``root`` itself)."""
+    kinds = linear_like_types()
+    return [name for name, m in root.named_modules() if isinstance(m, kinds)]
+
+
+def embedding_paths(root: nn.Module) -> list[str]:
+    """Every ``nn.Embedding`` and ``nn.MultiheadAttention`` (its fused in-projection) of ``root`` by
+    module path: the layers besides the Linear-like ones that tensor parallelism may shard."""
+    return [name for name, m in root.named_modules() if isinstance(m, (nn.Embedding, nn.MultiheadAttention))]
 
 
 def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
@@ -93,31 +131,134 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
         if path in sites or not isinstance(x, fx.Node):
             continue
         prefix = f"{path}." if path else ""
-        out_features, in_features = gm.get_parameter(f"{prefix}weight").shape
+        in_proj = isinstance(modules.get(path), nn.MultiheadAttention)
+        weight_name, bias_name = ("in_proj_weight", "in_proj_bias") if in_proj else ("weight", "bias")
+        out_features, in_features = gm.get_parameter(f"{prefix}{weight_name}").shape
+        transposed = node.op == "call_module" and is_transposed_linear(modules[path])
+        if transposed:
+            in_features, out_features = out_features, in_features
         if node.op == "call_module":
             has_bias, own_reads = modules[path].bias is not None, 0
         else:
             bias = node_arg(node, 2, "bias")
             has_bias = isinstance(bias, fx.Node)
             own_reads = 1 + int(has_bias)
-        sites[path] = LinearSite(path, node, x, int(in_features), int(out_features), has_bias)
-        if attr_reads.get(f"{prefix}weight", 0) + attr_reads.get(f"{prefix}bias", 0) > own_reads:
+        sites[path] = LinearSite(path, node, x, int(in_features), int(out_features), has_bias, transposed=transposed,
+                                 weight_name=weight_name, bias_name=bias_name)  # fmt: skip
+        if attr_reads.get(f"{prefix}{weight_name}", 0) + attr_reads.get(f"{prefix}{bias_name}", 0) > own_reads:
             sites[path].blocker = f"the weight of '{path}' is also read directly (tied weights); it stays whole"
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or not isinstance(modules.get(node.target), nn.Embedding):
+            continue
+        path, emb = node.target, modules[node.target]
+        calls[path] = calls.get(path, 0) + 1
+        x = node.args[0] if node.args else node.kwargs.get("input")
+        if path in sites or not isinstance(x, fx.Node):
+            continue
+        site = LinearSite(path, node, x, emb.num_embeddings, emb.embedding_dim, False, kind="embedding", padding_idx=emb.padding_idx)
+        if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
+            site.blocker = f"'{path}' uses max_norm, scale_grad_by_freq or sparse gradients, which a vocab-parallel lookup does not support; it stays whole"
+        sites[path] = site
+    for node in gm.graph.nodes:
+        window = _window_attention(node)
+        if window is None or window["path"] in sites:
+            continue
+        path = window["path"]
+        calls[path] = calls.get(path, 0) + 1
+        qkv_w = gm.get_parameter(f"{path}.qkv.weight")
+        site = LinearSite(path, node, window["input"], int(qkv_w.shape[1]), int(qkv_w.shape[1]), window["qkv_bias"],
+                          kind="window_attention")  # fmt: skip
+        site.heads = window["num_heads"]
+        if window["dropout"] and window["training"]:
+            site.blocker = f"'{path}' applies dropout after its projection in training, which partial sums cannot; it stays whole"
+        elif window["logit_scale"]:
+            site.blocker = f"'{path}' uses cosine attention (Swin V2's logit_scale), not sharded yet; it stays whole"
+        sites[path] = site
     for path, site in sites.items():
         if calls[path] > 1:
             site.blocker = f"'{path}' is called {calls[path]} times in forward; a shared layer stays whole"
+    _find_ties(gm, sites)
     return sites
 
 
+def _window_attention(node: fx.Node) -> dict[str, Any] | None:
+    """torchvision Swin's ``shifted_window_attention(x, self.qkv.weight, self.proj.weight, ...)``
+    call (kept as one call, ``fx.wrap``), with its arguments by name; None for any other node."""
+    target = node.target
+    if node.op != "call_function" or getattr(target, "__name__", "") != "shifted_window_attention":
+        return None
+    if not str(getattr(target, "__module__", "")).startswith("torchvision.models.swin_transformer"):
+        return None
+    names = ("input", "qkv_weight", "proj_weight", "relative_position_bias", "window_size", "num_heads", "shift_size",
+             "attention_dropout", "dropout", "qkv_bias", "proj_bias", "logit_scale", "training")  # fmt: skip
+    args = dict(zip(names, node.args))
+    args.update(node.kwargs)
+    qkv, proj = args.get("qkv_weight"), args.get("proj_weight")
+    if not (isinstance(qkv, fx.Node) and qkv.op == "get_attr" and str(qkv.target).endswith(".qkv.weight")):
+        return None
+    path = str(qkv.target)[: -len(".qkv.weight")]
+    if not (isinstance(proj, fx.Node) and proj.op == "get_attr" and proj.target == f"{path}.proj.weight"):
+        return None
+    bias = args.get("qkv_bias")
+    pbias = args.get("proj_bias")
+    if bias is not None and not (isinstance(bias, fx.Node) and bias.target == f"{path}.qkv.bias"):
+        return None
+    if pbias is not None and not (isinstance(pbias, fx.Node) and pbias.target == f"{path}.proj.bias"):
+        return None
+    if not isinstance(args.get("num_heads"), int) or not isinstance(args.get("input"), fx.Node):
+        return None
+    return {
+        "path": path, "input": args["input"], "num_heads": args["num_heads"], "qkv_bias": bias is not None,
+        "proj_bias": pbias is not None, "dropout": args.get("dropout", 0.0), "training": args.get("training", True),
+        "logit_scale": args.get("logit_scale") is not None, "args": args,
+    }  # fmt: skip
+
+
+def window_attention_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments by name of a ``shifted_window_attention`` call (see :func:`find_linear_sites`)."""
+    found = _window_attention(node)
+    assert found is not None
+    return found
+
+
+def _find_ties(gm: fx.GraphModule, sites: Mapping[str, LinearSite]) -> None:
+    """Mark an LM head that shares its weight with an embedding (both sharded by vocabulary
+    rows, one parameter); any other sharing of a sharded layer's weight blocks it."""
+    owners: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for path, site in sites.items():
+        weight = f"{path}.{site.weight_name}" if path else site.weight_name
+        try:
+            p = gm.get_parameter(weight)
+        except AttributeError:
+            continue
+        others = [o.rsplit(".", 1)[0] if "." in o else "" for o in owners.get(id(p), []) if o != weight]
+        if not others:
+            continue
+        partners = [o for o in others if o in sites and sites[o].kind != site.kind]
+        plain = not site.transposed and all(not sites[o].transposed for o in partners)
+        if len(others) == 1 and len(partners) == 1 and plain and site.blocker is None:
+            site.tied_to = partners[0]
+        elif site.blocker is None:
+            shown = ", ".join(f"'{o}'" for o in others)
+            site.blocker = (
+                f"the weight of '{path}' is shared with {shown} (tied weights); only an embedding tied to one "
+                "LM head is sharded (by vocabulary rows), so it stays whole"
+            )
+
+
 def _linear_path(node: fx.Node, modules: Mapping[str, nn.Module]) -> str | None:
-    if node.op == "call_module" and isinstance(modules.get(node.target), nn.Linear):
+    if node.op == "call_module" and isinstance(modules.get(node.target), linear_like_types()):
         return node.target
     if node.op == "call_function" and node.target is F.linear and len(node.args) >= 2:
         w = node.args[1]
-        if isinstance(w, fx.Node) and w.op == "get_attr" and w.target.rsplit(".", 1)[-1] == "weight" and "dpcompile_shard" not in w.meta:
-            path = w.target.rsplit(".", 1)[0] if "." in w.target else ""
-            if path == "" or isinstance(modules.get(path), nn.Linear):
+        if isinstance(w, fx.Node) and w.op == "get_attr" and "dpcompile_shard" not in w.meta:
+            path, _, name = w.target.rpartition(".")
+            if name == "weight" and (path == "" or isinstance(modules.get(path), nn.Linear)):
                 return path
+            if name == "in_proj_weight" and isinstance(modules.get(path), nn.MultiheadAttention):
+                return path  # the fused in-projection of a decomposed nn.MultiheadAttention
     return None
 
 
@@ -132,9 +273,18 @@ def aligned_split(total: int, n: int, granularity: int = 1) -> tuple[int, ...]:
 def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Iterable[str] = ()) -> None:
     """Raise ``ValueError`` for a plan naming a missing module, a non-Linear or an unknown style."""
     modules = dict(root.named_modules())
-    valid = linear_paths(root) + [p for p in extra_linears if p not in modules or p == ""]
+    windows = [p for p, site in extra_linears.items() if site.kind == "window_attention"] if isinstance(extra_linears, Mapping) else []
+    valid = linear_paths(root) + windows + [p for p in extra_linears if p not in modules or p == ""]
     shown = ", ".join(repr(p) for p in valid) or "(none)"
     for path, style in plan.items():
+        if path in modules and isinstance(modules[path], nn.MultiheadAttention):
+            if style not in ("column", "replicate"):
+                raise ValueError(f"the nn.MultiheadAttention {path!r} is split by heads ('column') or kept whole ('replicate'), not {style!r}")
+            continue
+        if path in modules and isinstance(modules[path], nn.Embedding):
+            if style not in EMBEDDING_STYLES:
+                raise ValueError(f"unknown style {style!r} for the nn.Embedding {path!r}; valid: {', '.join(map(repr, EMBEDDING_STYLES))}")
+            continue
         if path in valid:
             pass
         elif path not in modules:
@@ -142,7 +292,7 @@ def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Itera
                 f"tensor_parallel plan names {path!r}, which is not a module of {type(root).__name__}; "
                 f"its nn.Linear layers are: {shown}"
             )
-        elif not isinstance(modules[path], nn.Linear):
+        elif not isinstance(modules[path], linear_like_types()):
             raise ValueError(
                 f"tensor_parallel plan names {path!r}, a {type(modules[path]).__name__}, not an nn.Linear; "
                 f"its nn.Linear layers are: {shown}"
@@ -153,6 +303,25 @@ def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Itera
 
 def check_divisible(site: LinearSite, style: str, n: int) -> str | None:
     """Why ``site`` cannot be split ``style``-wise over ``n`` devices, with the arithmetic; or None."""
+    if site.kind == "window_attention":
+        if style != "column":
+            return f"'{site.path}' (window attention) is split by heads ('column') or kept whole ('replicate')"
+        if site.heads < n:
+            return f"num_heads({site.heads}) of '{site.path}' cannot be split over {n} devices"
+        return None
+    if site.kind == "embedding":
+        if style != "vocab":
+            return f"'{site.path}' is an nn.Embedding: its styles are 'vocab' (rows split) or 'replicate'"
+        if site.in_features < n:
+            return f"num_embeddings({site.in_features}) of '{site.path}' cannot be split over {n} devices"
+        return None
+    if style == "vocab":
+        return f"'vocab' is the style of an nn.Embedding; '{site.path}' is a Linear (column, row or replicate)"
+    if site.tied_to is not None and style != "column":
+        return (
+            f"'{site.path}' shares its weight with the embedding '{site.tied_to}', so it is split like it, by "
+            "vocabulary rows (column); a row split would untie them"
+        )
     if style == "column" and site.out_features < n:
         return f"out_features({site.out_features}) of '{site.path}' cannot be split over {n} devices"
     if style == "row" and site.in_features < n:
@@ -168,6 +337,7 @@ class Problem:
     origins: frozenset[str]
     reason: str
     granularity: int | None = None
+    sections: int | None = None  # shard the origin layers as this many fused blocks (q, k, v)
 
 
 @dataclass
@@ -183,6 +353,11 @@ class ShardingAnalysis:
     comms: list[CommEstimate] = field(default_factory=list)
     gathered: dict[str, list[str]] = field(default_factory=dict)  # column path -> ops its output is gathered for
     pairs: dict[str, frozenset[str]] = field(default_factory=dict)  # row path -> column layers feeding it sharded
+    vocab_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # embedding path -> rows per shard
+    window_heads: dict[str, tuple[int, ...]] = field(default_factory=dict)  # Swin window attention -> heads per shard
+    vocab_losses: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)  # vocab-parallel cross-entropies
+    tuples: set[fx.Node] = field(default_factory=set)  # splits / unbinds of a sharded value (their parts alike)
+    column_sections: dict[str, int] = field(default_factory=dict)  # fused column layers: blocks per output
 
 
 class _Analyzer:
@@ -195,7 +370,9 @@ class _Analyzer:
         styles: Mapping[str, str],
         n: int,
         granularity: Mapping[str, int],
+        sections: Mapping[str, int] | None = None,
     ):
+        self.sections = sections or {}
         self.gm = gm
         self.modules = dict(gm.named_modules())
         self.site_of = {s.node: s for s in sites.values()}
@@ -205,6 +382,7 @@ class _Analyzer:
         self.result = ShardingAnalysis({}, {}, {}, {}, {}, [])
         self._estimates: dict[fx.Node, int] = {}
         self._seen_comms: set[tuple[fx.Node, str]] = set()
+        self._sharded_sizes: set[fx.Node] = set()
 
     def layout(self, node: Any) -> Layout:
         if not isinstance(node, fx.Node):
@@ -213,6 +391,27 @@ class _Analyzer:
 
     def rewrite_view(self, node: fx.Node, position: int, sizes: tuple[int, ...]) -> None:
         self.result.view_rewrites[node] = (position, sizes)
+
+    def mark_tuple(self, node: fx.Node) -> None:
+        self.result.tuples.add(node)
+
+    def is_tuple(self, node: Any) -> bool:
+        return node in self.result.tuples
+
+    def mark_sharded_size(self, node: fx.Node) -> None:
+        self._sharded_sizes.add(node)
+
+    def is_sharded_size(self, node: Any) -> bool:
+        return node in self._sharded_sizes
+
+    def rewritten_at(self, node: fx.Node) -> int | None:
+        return self.result.view_rewrites.get(node, (None, ()))[0]
+
+    def mark_vocab_loss(self, node: fx.Node, sizes: tuple[int, ...]) -> None:
+        self.result.vocab_losses[node] = sizes
+        rows = max(1, self.numel(node.args[0]) // max(1, sum(sizes)))
+        self.result.comms.append(CommEstimate("all_gather", None, rows * self.n, f"{node.name} logsumexp all-gather"))
+        self.result.comms.append(CommEstimate("all_reduce", None, rows, f"{node.name} target logit all-reduce"))
 
     # -- sizes for the cost model: exact from shapes, else features per token
     def numel(self, node: fx.Node) -> int:
@@ -234,7 +433,8 @@ class _Analyzer:
         self._estimates[node] = estimate
         return estimate
 
-    def need(self, consumer: fx.Node, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None) -> None:
+    def need(self, consumer: fx.Node, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None,
+             *, explained: bool = False) -> None:  # fmt: skip
         self.result.needs[(consumer, producer)] = kind
         numel = self.numel(producer)
         steps = {"gather_copy": ("gather", "copy"), "gather_split": ("gather", "split")}.get(kind, (kind,))
@@ -247,6 +447,13 @@ class _Analyzer:
                 backward = "all_reduce" if may_need_grad(producer) else None
                 self.result.comms.append(CommEstimate("identity", backward, numel, f"{producer.name} -> f"))
             elif step == "gather":
+                layout = self.layout(producer)
+                if isinstance(layout, Sharded) and layout.sections > 1 and not explained:
+                    self.result.problems.append(Problem(
+                        layout.origins,
+                        f"{describe_op(consumer)} needs the whole fused output (q, k, v sections); "
+                        "split it into its sections (.split / .chunk / .view(.., 3, heads, d).unbind) before other ops",
+                    ))  # fmt: skip
                 self.result.comms.append(CommEstimate("all_gather", None, numel, f"{producer.name} all-gather"))
                 layout = self.layout(producer)
                 if isinstance(layout, Sharded):
@@ -263,6 +470,10 @@ class _Analyzer:
                 for a in flat_nodes(node.args):
                     if isinstance(self.layout(a), Sharded):
                         self.need(node, a, "gather")
+            elif node in self.site_of and self.site_of[node].kind == "window_attention" and self.styles.get(self.site_of[node].path) == "column":
+                self._window_attention(node, self.site_of[node])
+            elif node in self.site_of and self.site_of[node].kind == "embedding" and self.styles.get(self.site_of[node].path) == "vocab":
+                self._embedding(node, self.site_of[node])
             elif node in self.site_of and self.styles.get(self.site_of[node].path, "replicate") != "replicate":
                 self._linear(node, self.site_of[node])
             else:
@@ -288,6 +499,25 @@ class _Analyzer:
             return NOT_TENSOR
         return REPLICATED
 
+    def vocab_split(self, site: LinearSite) -> tuple[int, ...]:
+        """Rows per shard of an embedding and of the LM head tied to it (the same split)."""
+        head = site.tied_to if site.kind == "embedding" else site.path
+        return aligned_split(site.in_features if site.kind == "embedding" else site.out_features, self.n,
+                             self.granularity.get(head or site.path, 1))  # fmt: skip
+
+    def _window_attention(self, node: fx.Node, site: LinearSite) -> None:
+        x = site.input
+        self.need(node, x, "gather_copy" if isinstance(self.layout(x), Sharded) else "copy")
+        self.result.window_heads[site.path] = aligned_split(site.heads, self.n)
+        self.result.comms.append(CommEstimate("all_reduce", None, self.numel(node), f"{node.name} all-reduce"))
+        self.result.layouts[node] = REPLICATED
+
+    def _embedding(self, node: fx.Node, site: LinearSite) -> None:
+        sizes = self.vocab_split(site)
+        self.result.vocab_sizes[site.path] = sizes
+        self.result.comms.append(CommEstimate("all_reduce", None, self.numel(node), f"{node.name} all-reduce"))
+        self.result.layouts[node] = REPLICATED
+
     def _linear(self, node: fx.Node, site: LinearSite) -> None:
         style = self.styles[site.path]
         x = site.input
@@ -295,11 +525,19 @@ class _Analyzer:
         numel_out = self.numel(node)
         if style == "column":
             self.need(node, x, "gather_copy" if isinstance(lx, Sharded) else "copy")
-            sizes = aligned_split(site.out_features, self.n, self.granularity.get(site.path, 1))
+            s = self.sections.get(site.path, 1)
+            if site.tied_to is not None:  # the LM head of a vocab-parallel embedding: its rows, one parameter
+                sizes = self.vocab_split(site)
+                self.result.column_sizes[site.path] = sizes
+                self.result.layouts[node] = Sharded(-1, sizes, frozenset({site.path}))
+                return
+            sizes = tuple(s * size for size in aligned_split(site.out_features // s, self.n, self.granularity.get(site.path, 1)))
             self.result.column_sizes[site.path] = sizes
-            self.result.layouts[node] = Sharded(-1, sizes, frozenset({site.path}))
+            if s > 1:
+                self.result.column_sections[site.path] = s
+            self.result.layouts[node] = Sharded(-1, sizes, frozenset({site.path}), sections=s)
             return
-        if isinstance(lx, Sharded) and lx.dim == -1 and sum(lx.sizes) == site.in_features:
+        if isinstance(lx, Sharded) and lx.dim == -1 and lx.sections == 1 and sum(lx.sizes) == site.in_features:
             sizes = lx.sizes
             self.result.pairs[site.path] = lx.origins
         else:
@@ -320,9 +558,9 @@ class _Analyzer:
         except NeedsWhole as fb:
             origins = frozenset().union(*(self.layout(a).origins for a in sharded))  # type: ignore[union-attr]
             if fb.problem:
-                self.result.problems.append(Problem(origins, f"{describe_op(node)}: {fb.reason}", fb.granularity))
+                self.result.problems.append(Problem(origins, f"{describe_op(node)}: {fb.reason}", fb.granularity, fb.sections))
             for a in sharded:
-                self.need(node, a, "gather")
+                self.need(node, a, "gather", explained=fb.problem)
             self.result.layouts[node] = self._plain_layout(node)
             return
         for a in copies:
@@ -339,10 +577,14 @@ def analyze_sharding(
     n: int,
     sites: Mapping[str, LinearSite] | None = None,
     granularity: Mapping[str, int] | None = None,
+    sections: Mapping[str, int] | None = None,
 ) -> ShardingAnalysis:
-    """Find the layout of every value and the collectives ``styles`` need, without rewriting."""
+    """Find the layout of every value and the collectives ``styles`` need, without rewriting.
+
+    ``sections``: column layers whose output is a fused projection (``{"attn.qkv": 3}``),
+    sharded block by block so each shard holds whole heads of q, k and v."""
     sites = find_linear_sites(gm) if sites is None else sites
-    return _Analyzer(gm, sites, styles, n, granularity or {}).run()
+    return _Analyzer(gm, sites, styles, n, granularity or {}, sections).run()
 
 
 @dataclass
@@ -353,6 +595,7 @@ class ResolvedPlan:
     reasons: dict[str, str]
     granularity: dict[str, int]
     analysis: ShardingAnalysis
+    sections: dict[str, int] = field(default_factory=dict)
 
 
 def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict: bool = True) -> ResolvedPlan:
@@ -362,7 +605,7 @@ def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict:
     stays whole with the reason.
     """
     sites = find_linear_sites(gm)
-    styles = {path: "replicate" for path in [*linear_paths(gm), *sites]}
+    styles = {path: "replicate" for path in [*linear_paths(gm), *embedding_paths(gm), *sites]}
     reasons: dict[str, str] = {}
     for path, style in plan.items():
         styles[path] = style
@@ -378,23 +621,55 @@ def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict:
         if why is not None:
             styles[path], reasons[path] = "replicate", why
     granularity: dict[str, int] = {}
-    for _ in range(2 * len(styles) + 2):
-        analysis = analyze_sharding(gm, styles=styles, n=n, sites=sites, granularity=granularity)
-        if not analysis.problems:
-            return ResolvedPlan(styles, reasons, granularity, analysis)
+    sections: dict[str, int] = {}
+    for _ in range(3 * len(styles) + 3):
+        analysis = analyze_sharding(gm, styles=styles, n=n, sites=sites, granularity=granularity, sections=sections)
+        if not analysis.problems and not _untie(sites, styles, reasons):
+            return ResolvedPlan(styles, reasons, granularity, analysis, sections)
+        changed: set[str] = set()  # settled in this round: later problems of the same layers wait for the next
         for problem in analysis.problems:
             columns = [o for o in problem.origins if styles.get(o) == "column"]
+            if changed & set(columns):
+                continue
+            s = problem.sections
+            if s and all(o not in sections for o in columns) and all(
+                sites[o].out_features % s == 0 and _fits(sites[o].out_features // s, n, granularity.get(o, 1)) for o in columns
+            ):
+                for o in columns:
+                    sections[o] = s
+                changed.update(columns)
+                continue
             g = problem.granularity
-            if g and all(_fits(sites[o].out_features, n, math.lcm(granularity.get(o, 1), g)) for o in columns) and any(
+            if g and all(_fits(sites[o].out_features // sections.get(o, 1), n, math.lcm(granularity.get(o, 1), g)) for o in columns) and any(
                 granularity.get(o, 1) % g for o in columns
             ):
                 for o in columns:
                     granularity[o] = math.lcm(granularity.get(o, 1), g)
+                changed.update(columns)
                 continue
             for o in columns:
                 styles[o] = "replicate"
                 reasons[o] = f"kept whole: {problem.reason}"
     raise AssertionError("resolve_plan did not converge")  # pragma: no cover
+
+
+def _untie(sites: Mapping[str, LinearSite], styles: dict[str, str], reasons: dict[str, str]) -> bool:
+    """Keep an embedding and its tied LM head split alike (vocab / column) or both whole; True if changed."""
+    changed = False
+    for path, site in sites.items():
+        if site.kind != "embedding" or site.tied_to is None:
+            continue
+        head = site.tied_to
+        emb_on, head_on = styles.get(path) == "vocab", styles.get(head) == "column"
+        if emb_on and not head_on:
+            styles[path] = "replicate"
+            reasons[path] = f"its weight is tied to the LM head '{head}', which stays whole ({reasons.get(head, 'replicate')})"
+            changed = True
+        elif head_on and not emb_on:
+            styles[head] = "replicate"
+            reasons[head] = f"its weight is tied to the embedding '{path}', which stays whole ({reasons.get(path, 'replicate')})"
+            changed = True
+    return changed
 
 
 def _fits(total: int, n: int, g: int) -> bool:
@@ -403,6 +678,8 @@ def _fits(total: int, n: int, g: int) -> bool:
 
 __all__ = [
     "STYLES",
+    "EMBEDDING_STYLES",
+    "embedding_paths",
     "COPIED",
     "NOT_TENSOR",
     "REPLICATED",
@@ -421,6 +698,10 @@ __all__ = [
     "check_plan",
     "find_linear_sites",
     "is_shard_transparent",
+    "is_transposed_linear",
+    "linear_like_leaves",
+    "linear_like_types",
     "linear_paths",
+    "window_attention_args",
     "resolve_plan",
 ]

@@ -12,6 +12,7 @@ these rules.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Callable, Mapping
@@ -20,10 +21,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.placement import Replicated
+from dpcompile.analysis.placement import REPLICATED, Replicated
 
 
 # ---------------------------------------------------------------------- layouts
@@ -35,6 +37,11 @@ class Sharded:
     sizes: tuple[int, ...]
     origins: frozenset[str] = frozenset()  # the column layers whose outputs it carries
     unit: int = 1  # output features of the origin layers per unit of ``dim``
+    sections: int = 1  # a fused projection: ``dim`` holds this many blocks (q, k, v), each split
+
+    def same_split(self, other: Sharded) -> bool:
+        """True when ``other`` is split along the same dim into the same pieces."""
+        return (self.dim, self.sizes, self.sections) == (other.dim, other.sizes, other.sections)
 
 
 @dataclass(frozen=True)
@@ -55,11 +62,12 @@ Layout = Sharded | Replicated | Copied | NotTensor
 class NeedsWhole(Exception):
     """The op needs whole inputs; ``problem`` marks a view the pass should have kept sharded."""
 
-    def __init__(self, reason: str, *, problem: bool = False, granularity: int | None = None):
+    def __init__(self, reason: str, *, problem: bool = False, granularity: int | None = None, sections: int | None = None):
         super().__init__(reason)
         self.reason = reason
         self.problem = problem
         self.granularity = granularity
+        self.sections = sections  # a fused projection: shard each of this many blocks of the origin layers
 
 
 def node_val(node: Any) -> Any:
@@ -126,6 +134,18 @@ class LayoutContext(Protocol):
 
     def rewrite_view(self, node: fx.Node, position: int, sizes: tuple[int, ...]) -> None: ...
 
+    def mark_tuple(self, node: fx.Node) -> None: ...
+
+    def mark_vocab_loss(self, node: fx.Node, sizes: tuple[int, ...]) -> None: ...
+
+    def mark_sharded_size(self, node: fx.Node) -> None: ...
+
+    def is_sharded_size(self, node: Any) -> bool: ...
+
+    def rewritten_at(self, node: fx.Node) -> int | None: ...
+
+    def is_tuple(self, node: Any) -> bool: ...
+
 
 # ---------------------------------------------------------------------- rules
 def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Module]) -> tuple[Layout, list[fx.Node]]:
@@ -138,6 +158,10 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
         if ops.SHARD_SOFTMAX.matches(node, modules):
             return softmax(ctx, node, module.dim)
         raise NeedsWhole(f"no sharding rule for {type(module).__name__}")
+    if op == "call_function" and target is F.cross_entropy:
+        return cross_entropy(ctx, node)
+    if op == "call_function" and target is operator.getitem and ctx.is_tuple(node.args[0]):
+        return ctx.layout(node.args[0]), []  # one part of a split / unbind: laid out as every part
     for family, rule in _RULES:
         if family.matches(node):
             return rule(ctx, node)
@@ -169,7 +193,7 @@ def elementwise(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node
     for a in operands:
         la = ctx.layout(a)
         if isinstance(la, Sharded):
-            if (la.dim, la.sizes) != (ref.dim, ref.sizes):
+            if not la.same_split(ref):
                 raise NeedsWhole("operands sharded differently")
             origins |= la.origins
         elif isinstance(la, (Replicated, Copied)):
@@ -179,7 +203,7 @@ def elementwise(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node
             if len(shape) >= -ref.dim and shape[len(shape) + ref.dim] != 1:
                 raise NeedsWhole("a replicated operand spans the sharded dim")
             copies.append(a)
-    return Sharded(ref.dim, ref.sizes, frozenset(origins), ref.unit), copies
+    return dataclasses.replace(ref, origins=frozenset(origins)), copies
 
 
 def softmax(ctx: LayoutContext, node: fx.Node, dim: Any) -> tuple[Layout, list[fx.Node]]:
@@ -195,7 +219,7 @@ def softmax(ctx: LayoutContext, node: fx.Node, dim: Any) -> tuple[Layout, list[f
 def matmul(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
     a, b = node.args[0], node.args[1]
     la, lb = ctx.layout(a), ctx.layout(b)
-    if isinstance(la, Sharded) and isinstance(lb, Sharded) and (la.dim, la.sizes) == (lb.dim, lb.sizes) and la.dim <= -3:
+    if isinstance(la, Sharded) and isinstance(lb, Sharded) and la.same_split(lb) and la.sections == 1 and la.dim <= -3:
         return Sharded(la.dim, la.sizes, la.origins | lb.origins, la.unit), []
     raise NeedsWhole("a matmul that contracts or mixes the sharded dim")
 
@@ -205,7 +229,7 @@ def attention(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]
     lq, lk, lv = ctx.layout(q), ctx.layout(k), ctx.layout(v)
     if not all(isinstance(layout, Sharded) for layout in (lq, lk, lv)):
         raise NeedsWhole("attention with q, k, v not all sharded")
-    if len({(layout.dim, layout.sizes) for layout in (lq, lk, lv)}) != 1 or lq.dim > -3:  # type: ignore[union-attr]
+    if len({(layout.dim, layout.sizes, layout.sections) for layout in (lq, lk, lv)}) != 1 or lq.dim > -3 or lq.sections > 1:  # type: ignore[union-attr]
         raise NeedsWhole("attention with q, k, v sharded differently or along a sequence/feature dim")
     copies = []
     mask = node_arg(node, 3, "attn_mask")
@@ -233,7 +257,7 @@ def transpose(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]
     nd = tensor_ndim(x)
     a, b = from_end(a, nd), from_end(b, nd)
     dim = b if layout.dim == a else a if layout.dim == b else layout.dim
-    return Sharded(dim, layout.sizes, layout.origins, layout.unit), []
+    return dataclasses.replace(layout, dim=dim), []
 
 
 def permute(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
@@ -245,7 +269,7 @@ def permute(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
     if nd is None or not all(isinstance(d, int) for d in dims):
         raise NeedsWhole("permute of unknown rank; pass example_inputs=")
     normal = [d % nd for d in dims]
-    return Sharded(normal.index(layout.dim + nd) - nd, layout.sizes, layout.origins, layout.unit), []
+    return dataclasses.replace(layout, dim=normal.index(layout.dim + nd) - nd), []
 
 
 def size(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
@@ -255,7 +279,12 @@ def size(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
     dim = node_arg(node, 1, "dim")
     if dim is None:  # x.size(): as x.shape
         return shape(ctx, node)
-    if not isinstance(dim, int) or from_end(dim, tensor_ndim(x)) == layout.dim:
+    if not isinstance(dim, int):
+        raise NeedsWhole("reads the size of a computed dim")
+    if from_end(dim, tensor_ndim(x)) == layout.dim:
+        if node.users and all(ops.VIEW.matches(u) for u in node.users):
+            ctx.mark_sharded_size(node)  # only as a view's sharded extent, which the view rewrites per shard
+            return NOT_TENSOR, []
         raise NeedsWhole("reads the size of the sharded dim")
     return NOT_TENSOR, []
 
@@ -296,29 +325,120 @@ def view(ctx: LayoutContext, node: fx.Node, first: int) -> tuple[Layout, list[fx
         j += 1
     if j is None or j == len(out_shape):
         raise NeedsWhole("the view mixes the sharded dim with the dims before it", problem=True)
+    s = layout.sections
     if out_shape[j] == full:
         sizes, unit = layout.sizes, layout.unit
-    elif out_shape[j] < full:
+        if shape_args[j] != -1:
+            ctx.rewrite_view(node, j, sizes)
+        return dataclasses.replace(layout, dim=j - len(out_shape)), []
+    if s > 1:  # a fused projection: (.., 3 * features) -> (.., 3, heads, head_dim), q, k, v each split
+        if out_shape[j] != s or j + 1 == len(out_shape):
+            raise NeedsWhole(f"a view that does not separate the {s} fused sections first", problem=True)
+        j, full = j + 1, full // s
+        sizes, unit = tuple(size // s for size in layout.sizes), layout.unit
+        if out_shape[j] == full:
+            if shape_args[j] != -1:
+                ctx.rewrite_view(node, j, sizes)
+            return Sharded(j - len(out_shape), sizes, layout.origins, unit), []
+        layout = Sharded(layout.dim, sizes, layout.origins, unit)
+    if out_shape[j] < full:
         k = next((i for i in range(j + 1, len(out_shape) + 1) if math.prod(out_shape[j:i]) == full), None)
         inner = full // out_shape[j]
         if k is None or full % out_shape[j]:
             raise NeedsWhole("the view splits the sharded dim unevenly", problem=True)
-        if any(s % inner for s in layout.sizes):
+        if s == 1 and 1 < out_shape[j] <= 4 and k >= j + 3:  # (.., 3 * C) -> (.., 3, heads, head_dim): fused qkv
+            raise NeedsWhole(f"the view splits a fused projection into {out_shape[j]} sections", problem=True, sections=out_shape[j])
+        if any(size % inner for size in layout.sizes):
             raise NeedsWhole(
                 f"shard sizes {list(layout.sizes)} of a dim of {full} do not split into {out_shape[j]} x {inner}",
                 problem=True,
                 granularity=inner * layout.unit,
             )
-        sizes, unit = tuple(s // inner for s in layout.sizes), layout.unit * inner
+        sizes, unit = tuple(size // inner for size in layout.sizes), layout.unit * inner
     else:
         m = next((i for i in range(d + 1, len(in_shape) + 1) if math.prod(in_shape[d:i]) == out_shape[j]), None)
         if m is None:
             raise NeedsWhole("the view merges the sharded dim unevenly", problem=True)
         inner = out_shape[j] // full
-        sizes, unit = tuple(s * inner for s in layout.sizes), max(1, layout.unit // inner)
+        sizes, unit = tuple(size * inner for size in layout.sizes), max(1, layout.unit // inner)
     if shape_args[j] != -1:
         ctx.rewrite_view(node, j, sizes)
     return Sharded(j - len(out_shape), sizes, layout.origins, unit), []
+
+
+def cross_entropy(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    """``F.cross_entropy`` of logits sharded along the vocabulary: a vocab-parallel loss (each
+    shard's logsumexp all-gathered, the target logit all-reduced), the full logits never gathered."""
+    logits, target = node.args[0], node_arg(node, 1, "target")
+    layout = ctx.layout(logits)
+    if not isinstance(layout, Sharded) or layout.sections != 1 or tensor_ndim(logits) != 2 or from_end(layout.dim, 2) != -1:
+        raise NeedsWhole("a cross-entropy whose logits are not (N, classes) sharded along the classes")
+    if not isinstance(target, fx.Node) or isinstance(ctx.layout(target), Sharded):
+        raise NeedsWhole("a cross-entropy with a sharded target")
+    v = node_val(target)
+    if isinstance(v, torch.Tensor) and v.is_floating_point():
+        raise NeedsWhole("a cross-entropy with class probabilities as target")
+    options = {k: val for k, val in node.kwargs.items() if k not in ("input", "target")}
+    if len(node.args) > 2 or options.get("weight") is not None or options.get("label_smoothing", 0.0) != 0.0:
+        raise NeedsWhole("a cross-entropy with class weights or label smoothing")
+    if options.get("reduction", "mean") not in ("mean", "sum", "none") or options.get("size_average") is not None or options.get("reduce") is not None:
+        raise NeedsWhole("a cross-entropy with a legacy reduction argument")
+    ctx.mark_vocab_loss(node, layout.sizes)
+    return REPLICATED, [target]
+
+
+def checked_view(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    """:func:`view`, where the size of a sharded dim (``logits.size(-1)``) may only be the extent the view rewrites."""
+    result = view(ctx, node, 1)
+    shape_args = node.args[1:]
+    if len(shape_args) == 1 and isinstance(shape_args[0], (list, tuple)):
+        shape_args = tuple(shape_args[0])
+    for position, a in enumerate(shape_args):
+        if ctx.is_sharded_size(a) and ctx.rewritten_at(node) != position:
+            raise NeedsWhole("the size of a sharded dim is used as another extent of a view", problem=True)
+    return result
+
+
+def split(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    """``split`` / ``chunk`` / ``unbind`` of a sharded value: every part laid out alike.
+
+    Along another dim the parts keep the layout (``unbind`` drops the dim). Along the sharded
+    dim, a fused projection's ``sections`` equal parts (``qkv.split(C, -1)``) each hold their
+    section's slice; an unsectioned value split in 2-4 equal parts asks its origin layers to be
+    sharded as that many sections.
+    """
+    x = node.args[0]
+    layout = ctx.layout(x)
+    assert isinstance(layout, Sharded)
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    nd = tensor_ndim(x)
+    shape_in = tensor_shape(x)
+    dim = from_end(node_arg(node, 1 if name == "unbind" else 2, "dim", 0), nd)
+    if not isinstance(dim, int):
+        raise NeedsWhole("a split along a computed dim")
+    ctx.mark_tuple(node)
+    if dim != layout.dim:
+        if name == "unbind":
+            return dataclasses.replace(layout, dim=layout.dim + (1 if layout.dim < dim else 0)), []
+        return layout, []
+    if name == "unbind" or shape_in is None:
+        raise NeedsWhole("splits the sharded dim")
+    full = sum(layout.sizes)  # the whole extent of the sharded dim
+    arg = node_arg(node, 1, "split_size_or_sections" if name == "split" else "chunks")
+    if name == "chunk" and isinstance(arg, int):
+        parts = arg
+    elif name == "split" and isinstance(arg, int) and arg > 0 and full % arg == 0:
+        parts = full // arg
+    else:
+        raise NeedsWhole("splits the sharded dim unevenly")
+    if parts == layout.sections and parts > 1:
+        per = tuple(size // parts for size in layout.sizes)
+        if name == "split":
+            ctx.rewrite_view(node, 0, per)
+        return Sharded(layout.dim, per, layout.origins, layout.unit), []
+    if layout.sections == 1 and 1 < parts <= 4:
+        raise NeedsWhole(f"splits a fused projection into {parts} sections", problem=True, sections=parts)
+    raise NeedsWhole("splits the sharded dim")
 
 
 # each op family a sharded value passes through, and its rule (functions and methods)
@@ -328,9 +448,10 @@ _RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layou
     (ops.SHARD_SOFTMAX, lambda ctx, node: softmax(ctx, node, node_arg(node, 1, "dim"))),
     (ops.MATMUL, matmul),
     (ops.SHARD_ATTENTION, attention),
-    (ops.VIEW, lambda ctx, node: view(ctx, node, 1)),
+    (ops.VIEW, lambda ctx, node: checked_view(ctx, node)),
     (ops.SHARD_TRANSPOSE, transpose),
     (ops.PERMUTE, permute),
+    (ops.SHARD_SPLIT, split),
 )
 SHARD_TRANSPARENT = tuple(family for family, _ in _RULES)
 
@@ -338,4 +459,6 @@ SHARD_TRANSPARENT = tuple(family for family, _ in _RULES)
 def is_shard_transparent(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
     """True for ops a sharded value can pass through (given matching shapes): element-wise,
     softmax, matmul over batch dims, attention, views, transposes."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return ops.SHARD_SPLIT.matches(node.args[0], modules)  # one part of a split q, k, v
     return any(family.matches(node, modules) for family in SHARD_TRANSPARENT)

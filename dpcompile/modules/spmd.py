@@ -27,7 +27,7 @@ from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import CollectiveError, MeshGroup, all_gather, collective_failure
 from dpcompile.runtime.structures import tensor_leaves
-from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of
+from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections, shard_of
 
 log = logging.getLogger("dpcompile")
 
@@ -182,7 +182,8 @@ class SpmdModule(ParallelModule):
             full_key = prefix + key
             if full_key in sd:
                 with torch.no_grad():
-                    sd[full_key] = all_gather(sd[full_key].detach(), group, dim=spec.dim, sizes=list(spec.sizes))
+                    gathered = all_gather(sd[full_key].detach(), group, dim=spec.dim, sizes=list(spec.sizes))
+                    sd[full_key] = regroup_sections(gathered, spec)  # a fused qkv: q, k, v blocks back in order
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):

@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import passes
+from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
@@ -51,6 +52,7 @@ from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_mesh, local_device, mesh_size
 from dpcompile.modules.base import modes_applied
 from dpcompile.modules.spmd import SpmdModule
+from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags
@@ -128,10 +130,13 @@ class SpmdRecipe(Recipe):
         tp_size = mesh_size(self.mesh, tp_dim)
         tp_rank = self.mesh.get_local_rank(tp_dim)
         pristine = fake_copy_to_trace(model, device)  # to trace again for calls that depart from this one
+        watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: make it loud
         own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
         broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
-        gm, flags, nones = capture_with_flags(own, self.leaf_modules, example_inputs)
-        captured_code = gm.code
+        gm, flags, nones = capture_with_flags(own, self.leaf_modules + linear_like_leaves(), example_inputs)
+        if passes.decompose_attention(gm).modified:  # nn.MultiheadAttention written out, so heads can be sharded
+            gm.recompile()
+        captured_code = gm.code  # after decompose_attention: its dropout_p follows the mode
         if example_inputs is not None:
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
         styles, reasons = plan_for(gm, aliased_plan(self.plan), tp_size, model)
@@ -178,15 +183,21 @@ class SpmdRecipe(Recipe):
         device = pm.devices.primary
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with modes_applied(source, key.modes):
-            if capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags).code == pm.captured_code:
+            leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, as in _compile_tensor_parallel
+            again = capture(source, leaf_modules=leaves, none_args=key.none_args, flags=flags)
+            if passes.decompose_attention(again).modified:  # as compile does: the attention dropout follows the mode
+                again.recompile()
+            if again.code == pm.captured_code:
                 return None
             fake = fake_copy(source, mode, device)
         with mode, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             with modes_applied(fake, key.modes):
-                traced = capture(fake, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)
+                traced = capture(fake, leaf_modules=leaves, none_args=key.none_args, flags=flags)
             example = tree_map(lambda v: mode.from_tensor(v.detach()) if isinstance(v, torch.Tensor) else v,
                                bind_inputs(pm, args, kwargs))  # fmt: skip
+            if passes.decompose_attention(traced).modified:
+                traced.recompile()
             propagate_shapes(traced, list(example))
             devices = Devices((device,) * mesh_size(self.mesh, pm.tp_dim))
             plan = aliased_plan(pm.plan)
@@ -216,14 +227,25 @@ def broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
 
 
 def keep_own_shards(gm: fx.GraphModule, own: nn.Module, specs: Mapping[str, Any], rank: int) -> None:
-    """Replace each sharded parameter by this rank's shard (a new parameter; the rest is dropped)."""
+    """Replace each sharded parameter by this rank's shard (a new parameter; the rest is dropped).
+    Tied weights (an embedding and its LM head) get one shard, shared as the model shares them."""
+    made: dict[int, nn.Parameter] = {}
     for target, spec in specs.items():
         path, _, name = target.rpartition(".")
         owner = gm.get_submodule(path) if path else gm
         full = getattr(owner, name)
-        with torch.no_grad():
-            shard = shard_of(full.detach(), spec, rank).clone()
-        param = nn.Parameter(shard, requires_grad=full.requires_grad)
+        if id(full) not in made:
+            with torch.no_grad():
+                shard = shard_of(full.detach(), spec, rank).clone()
+            made[id(full)] = nn.Parameter(shard, requires_grad=full.requires_grad)
+        param = made[id(full)]
         setattr(owner, name, param)
         if not path:  # the model itself is a Linear: its own parameters are the root's
             setattr(own, name, param)
+        else:  # a weight forward only reads (torchvision Swin's qkv): gm holds it in a container of its own
+            try:
+                own_owner = own.get_submodule(path)
+            except AttributeError:
+                continue
+            if own_owner is not owner:
+                setattr(own_owner, name, param)

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 
 import passes
 from dpcompile.analysis.cost import plan_cost
-from dpcompile.analysis.sharding import linear_paths
+from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, linear_paths
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
@@ -44,8 +44,8 @@ from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace
 from dpcompile.fx_utils import adopt_state, alias_of, bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.base import modes_applied
-from dpcompile.modules.tensor_parallel import TensorParallelModule
-from dpcompile.planning import plan_for
+from dpcompile.modules.tensor_parallel import TensorParallelModule, watch_source_parameters
+from dpcompile.planning import plan_for, why_whole
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags
 
@@ -76,25 +76,46 @@ class TensorParallelRecipe(Recipe):
         as the example's (else their default) values."""
         state_keys = list(model.state_dict().keys())
         owned = copy.deepcopy(model)  # the user's model is never touched
-        gm, flags, none_args = capture_owning_everything(owned, self.leaf_modules, example_inputs, none_args, flags)
-        captured_code = gm.code
+        leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, sharded as Linears
+        gm, flags, none_args = capture_owning_everything(owned, leaves, example_inputs, none_args, flags)
+        attention = passes.decompose_attention(gm)  # nn.MultiheadAttention written out, so heads can be sharded
+        if attention.modified:
+            gm.recompile()
+        captured_code = gm.code  # after decompose_attention: its dropout_p follows the mode
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs))
         styles, reasons = plan_for(gm, aliased_plan(self.plan), len(self.devices), model)
         reasons = {unalias(p): why for p, why in reasons.items()}
+        whole = {p: why_whole(gm, p) for p in [*linear_paths(model), *embedding_paths(model)]}  # before the rewrite
+        reasons.update({p: f"kept whole: {why}" for p, why in attention.info["kept"].items()})
         options = passes.PipelineOptions(devices=self.devices, output_device=self.output_device, plan=styles)
         gm, records = run_passes(gm, passes.frontend_pipeline(options) + passes.tensor_parallel_pipeline(options))
         shard_info = unaliased_findings(info_of(records, "shard_linear"))
         expand_info = info_of(records, "expand_shards")
-        applied = {path: "replicate" for path in linear_paths(model)}
+        applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
         applied.update(shard_info["plan"])
+        windowed = {}  # torchvision Swin: qkv / proj sharded by heads inside the window-attention call
+        for p, style in shard_info["plan"].items():
+            if style == "column" and f"{p}.qkv.weight" in expand_info["param_shards"] and applied.get(f"{p}.qkv") == "replicate":
+                windowed[f"{p}.qkv"], windowed[f"{p}.proj"] = "column", "row"
+                windowed[p] = "column"
+        applied.update(windowed)
         described = describe_choices(applied, shard_info)
+        for p, style in windowed.items():
+            owner = p.rpartition(".")[0] if p.endswith((".qkv", ".proj")) else p
+            described[p] = (
+                f"{style}: sharded by heads inside '{owner}' (torchvision's shifted_window_attention, run on each "
+                "shard with its heads); the projection's partial sums all-reduced"
+            )
         reasons = {
             p: f"{described[p]} ({reasons[p]})" if p in reasons and p in described and not reasons[p].startswith("replicate:")
             else reasons.get(p, described.get(p, ""))
             for p in {**described, **reasons}
         }  # fmt: skip
         reasons.update({p: f"replicate: {why}" for p, why in shard_info["reasons"].items()})
+        for p, style in applied.items():
+            if style == "replicate" and reasons.get(p, "replicate: left whole") == "replicate: left whole":
+                reasons[p] = "replicate: " + whole.get(p, "left whole")
         cost = plan_cost(shard_info["comms"], len(self.devices))
         fake_source = fake_copy_to_trace(model, self.devices.primary) if self.check_available else None  # not for a fake layout check
         pm = TensorParallelModule(
@@ -121,6 +142,8 @@ class TensorParallelRecipe(Recipe):
             captured_code=captured_code,
         )
         pm.train(model.training)
+        if self.check_available:  # the user's model (not a fake copy for a variant)
+            watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: make it loud
         log.debug("tensor-parallel plan %s: %s per device", applied, cost)
         return pm
 
@@ -131,7 +154,10 @@ class TensorParallelRecipe(Recipe):
         if source is None:
             raise pm.cannot_trace_again(key)
         with modes_applied(source, key.modes):
-            traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
+            leaves = self.leaf_modules + linear_like_leaves()
+            traced = capture(source, leaf_modules=leaves, none_args=key.none_args, flags=dict(key.flags) or None)
+            if passes.decompose_attention(traced).modified:  # as compile does: the attention dropout follows the mode
+                traced.recompile()
             if traced.code == pm.captured_code:
                 return None  # forward takes the same path: the main program (a cheap check)
             mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -215,6 +241,8 @@ def describe_choices(applied: Mapping[str, str], info: Mapping[str, Any]) -> dic
                 out[path] = f"row: takes the sharded output of {', '.join(map(repr, sorted(pairs[path])))}; partial sums all-reduced"
             else:
                 out[path] = "row: replicated input split; partial sums all-reduced"
+        elif style == "vocab":
+            out[path] = "vocab: each shard holds a slice of the rows (masked lookup, one all-reduce)"
         else:
             out[path] = "replicate: left whole"
     return out

@@ -13,6 +13,7 @@ call                    forward                      backward
 ``gather_from_shards``  all-gather along ``dim``      keep this shard's slice
 ``split_to_shards``     keep this shard's slice       all-gather along ``dim``
 ``local_size``          ``sizes[rank]`` (an int)      (not a tensor)
+``local_offset``        ``sum(sizes[:rank])``         (not a tensor)
 ======================  ===========================  ===============================
 
 Passes stamp these calls with ``dpcompile.infra.stamp_comm`` as follows (kinds ``identity``
@@ -56,6 +57,7 @@ __all__ = [
     "COLLECTIVES",
     "copy_to_shards",
     "gather_from_shards",
+    "local_offset",
     "local_size",
     "reduce_from_shards",
     "split_to_shards",
@@ -208,6 +210,14 @@ def local_size(sizes: Sequence[int], group: Any = None) -> int:
     rank, world = _world(group)
     _check_sizes(sizes, world)
     return int(sizes[rank])
+
+
+def local_offset(sizes: Sequence[int], group: Any = None) -> int:
+    """Where this shard's slice of a sharded dimension starts: ``sum(sizes[:rank])`` (the first
+    vocabulary row of a vocab-parallel embedding's shard)."""
+    rank, world = _world(group)
+    _check_sizes(sizes, world)
+    return _offset(sizes, rank)
 
 
 COLLECTIVES = (copy_to_shards, reduce_from_shards, gather_from_shards, split_to_shards)

@@ -47,6 +47,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_grad",
+    "local_offset",
     "local_size",
     "local_slice",
     "sum_across",
@@ -277,6 +278,16 @@ def local_size(sizes: Sequence[int], group: GroupLike) -> int:
     """
     g = _group(group)
     return int(_sizes_or_even(0, g, tuple(sizes))[dist.get_rank(g)])
+
+
+def local_offset(sizes: Sequence[int], group: GroupLike) -> int:
+    """Where this rank's slice of a sharded dimension starts, ``sum(sizes[:rank])`` (the first
+    row of a vocab-parallel embedding's shard).
+
+    >>> first_row = local_offset([50, 50], tp_group)  # doctest: +SKIP
+    """
+    g = _group(group)
+    return int(sum(_sizes_or_even(0, g, tuple(sizes))[: dist.get_rank(g)]))
 
 
 def sum_across(x: torch.Tensor, group: GroupLike) -> torch.Tensor:

@@ -38,31 +38,54 @@ DeviceLike = torch.device | str
 class ShardSpec:
     """How a tensor is split: along ``dim`` into pieces of ``sizes`` (one per shard).
 
+    ``sections > 1`` is a fused projection (qkv): ``dim`` holds ``sections`` equal blocks
+    (q, k, v) and each block is split in proportion, so shard ``k`` holds its slice of every
+    block (``sizes[k] / sections`` of each), Megatron's layout; ``sizes`` still sum to the
+    whole dim.
+
     >>> ShardSpec(0, (4, 3, 3)).offsets()
     [0, 4, 7]
+    >>> shard_of(torch.arange(12), ShardSpec(0, (6, 6), sections=3), 1)   # q, k, v of 4 each
+    tensor([ 2,  3,  6,  7, 10, 11])
     """
 
     dim: int
     sizes: tuple[int, ...]
+    sections: int = 1
 
     def offsets(self) -> list[int]:
         return [sum(self.sizes[:k]) for k in range(len(self.sizes))]
 
 
 def shard_of(full: torch.Tensor, spec: ShardSpec, k: int) -> torch.Tensor:
-    """Shard ``k`` of ``full`` under ``spec`` (a view; ``.clone()`` it to own the memory)."""
+    """Shard ``k`` of ``full`` under ``spec`` (a view where ``sections == 1``; ``.clone()`` it to own the memory)."""
     if full.size(spec.dim) != sum(spec.sizes):
         raise ValueError(
             f"cannot split dim {spec.dim} of size {full.size(spec.dim)} into shards {list(spec.sizes)} "
             f"(they sum to {sum(spec.sizes)})"
         )
-    return full.narrow(spec.dim, spec.offsets()[k], spec.sizes[k])
+    if spec.sections == 1:
+        return full.narrow(spec.dim, spec.offsets()[k], spec.sizes[k])
+    s = spec.sections
+    blocks = full.chunk(s, spec.dim)
+    return torch.cat([b.narrow(spec.dim, spec.offsets()[k] // s, spec.sizes[k] // s) for b in blocks], spec.dim)
 
 
 def unshard(shards: Sequence[torch.Tensor], spec: ShardSpec, device: DeviceLike) -> torch.Tensor:
     """The full tensor from its shards, on ``device``."""
     device = torch.device(device)
-    return torch.cat([s.to(device) for s in shards], spec.dim)
+    moved = [s.to(device) for s in shards]
+    if spec.sections == 1:
+        return torch.cat(moved, spec.dim)
+    pieces = [m.chunk(spec.sections, spec.dim) for m in moved]
+    return torch.cat([p[i] for i in range(spec.sections) for p in pieces], spec.dim)
+
+
+def regroup_sections(gathered: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The full tensor from the plain concatenation of its shards (an all-gather's result)."""
+    if spec.sections == 1:
+        return gathered
+    return unshard(list(gathered.split(list(spec.sizes), spec.dim)), spec, gathered.device)
 
 
 def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -99,8 +122,144 @@ def split_to_devices(
     return tuple(_move(shard_of(x, spec, k), torch.device(d)) for k, d in enumerate(devices))
 
 
+def linear_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight (+ bias)`` for a weight stored ``(in, out)``, as transformers' ``Conv1D``
+    (a shard of one: columns of ``weight`` for a column split, rows for a row split)."""
+    out = torch.matmul(x, weight)
+    return out if bias is None else out + bias
+
+
+def masked_embedding(ids: torch.Tensor, weight: torch.Tensor, offset: int, padding_idx: int | None = None) -> torch.Tensor:
+    """One shard's part of a vocab-parallel lookup (Megatron's VocabParallelEmbedding).
+
+    ``weight`` holds rows ``offset .. offset + len(weight)`` of the table; ids outside them
+    give zero rows (and no gradient), so the sum over shards (one all-reduce) is the lookup.
+
+    >>> w = torch.arange(6.).view(3, 2)                 # rows 2, 3, 4 of a 6-row table
+    >>> masked_embedding(torch.tensor([0, 3]), w, 2)
+    tensor([[0., 0.],
+            [2., 3.]])
+    """
+    local = ids - offset
+    outside = (local < 0) | (local >= weight.size(0))
+    pad = None
+    if padding_idx is not None:
+        pad_local = (padding_idx % (weight.size(0) + offset) if padding_idx < 0 else padding_idx) - offset
+        pad = pad_local if 0 <= pad_local < weight.size(0) else None
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight, pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def shard_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """This shard's ``logsumexp`` over its classes, ``(N, 1)``: all-gathered, they give the whole one."""
+    return logits.logsumexp(-1, keepdim=True)
+
+
+def shard_target_logit(logits: torch.Tensor, target: torch.Tensor, offset: int) -> torch.Tensor:
+    """The logit of each row's target class where this shard holds it, else 0 (summed over shards: the target logit)."""
+    local = target - offset
+    inside = (local >= 0) & (local < logits.size(-1))
+    picked = logits.gather(-1, local.clamp(0, logits.size(-1) - 1).unsqueeze(-1)).squeeze(-1)
+    return picked.masked_fill(~inside, 0.0)
+
+
+def cross_entropy_from_parts(
+    lse_parts: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor, reduction: str = "mean", ignore_index: int = -100
+) -> torch.Tensor:
+    """A vocab-parallel cross-entropy from every shard's logsumexp ``(N, shards)`` and the target
+    logits ``(N,)``: ``logsumexp - target logit`` per row, reduced as ``F.cross_entropy`` does."""
+    loss = lse_parts.logsumexp(-1) - target_logit
+    valid = target != ignore_index
+    loss = loss.masked_fill(~valid, 0.0)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum()
+
+
+def window_attention_shard(
+    input: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    relative_position_bias: torch.Tensor,
+    window_size: Sequence[int],
+    num_heads: int,
+    head_dim: int,
+    head_offset: int,
+    shift_size: Sequence[int],
+    attention_dropout: float = 0.0,
+    qkv_bias: torch.Tensor | None = None,
+    training: bool = True,
+) -> torch.Tensor:
+    """One shard's part of torchvision's ``shifted_window_attention`` (Swin), sharded by heads.
+
+    ``qkv_weight``/``qkv_bias`` hold this shard's ``num_heads`` heads of q, k and v (rows
+    ``head_offset ..`` of each section), ``proj_weight`` the matching input columns of the
+    projection; the result is this shard's partial sum of the projection, without its bias
+    (the shards' parts are all-reduced and the bias added once). Windows, shifts, masks and
+    padding are torchvision's, so the sum equals the whole call.
+    """
+    import torch.nn.functional as F
+
+    B, H, W, C = input.shape
+    c_local = num_heads * head_dim
+    pad_r = (window_size[1] - W % window_size[1]) % window_size[1]
+    pad_b = (window_size[0] - H % window_size[0]) % window_size[0]
+    x = F.pad(input, (0, 0, 0, pad_r, 0, pad_b))
+    _, pad_H, pad_W, _ = x.shape
+    shift_size = list(shift_size)
+    if window_size[0] >= pad_H:
+        shift_size[0] = 0
+    if window_size[1] >= pad_W:
+        shift_size[1] = 0
+    if sum(shift_size) > 0:
+        x = torch.roll(x, shifts=(-shift_size[0], -shift_size[1]), dims=(1, 2))
+    num_windows = (pad_H // window_size[0]) * (pad_W // window_size[1])
+    x = x.view(B, pad_H // window_size[0], window_size[0], pad_W // window_size[1], window_size[1], C)
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(B * num_windows, window_size[0] * window_size[1], C)
+    qkv = F.linear(x, qkv_weight, qkv_bias)
+    qkv = qkv.reshape(x.size(0), x.size(1), 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    q = q * head_dim**-0.5
+    attn = q.matmul(k.transpose(-2, -1))
+    attn = attn + relative_position_bias[:, head_offset : head_offset + num_heads]
+    if sum(shift_size) > 0:
+        attn_mask = x.new_zeros((pad_H, pad_W))
+        h_slices = ((0, -window_size[0]), (-window_size[0], -shift_size[0]), (-shift_size[0], None))
+        w_slices = ((0, -window_size[1]), (-window_size[1], -shift_size[1]), (-shift_size[1], None))
+        count = 0
+        for h in h_slices:
+            for w in w_slices:
+                attn_mask[h[0] : h[1], w[0] : w[1]] = count
+                count += 1
+        attn_mask = attn_mask.view(pad_H // window_size[0], window_size[0], pad_W // window_size[1], window_size[1])
+        attn_mask = attn_mask.permute(0, 2, 1, 3).reshape(num_windows, window_size[0] * window_size[1])
+        attn_mask = attn_mask.unsqueeze(1) - attn_mask.unsqueeze(2)
+        attn_mask = attn_mask.masked_fill(attn_mask != 0, (-100.0)).masked_fill(attn_mask == 0, 0.0)
+        attn = attn.view(x.size(0) // num_windows, num_windows, num_heads, x.size(1), x.size(1))
+        attn = attn + attn_mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, num_heads, x.size(1), x.size(1))
+    attn = F.softmax(attn, dim=-1)
+    attn = F.dropout(attn, p=attention_dropout, training=training)
+    x = attn.matmul(v).transpose(1, 2).reshape(x.size(0), x.size(1), c_local)
+    x = F.linear(x, proj_weight)
+    x = x.view(B, pad_H // window_size[0], pad_W // window_size[1], window_size[0], window_size[1], C)
+    x = x.permute(0, 1, 3, 2, 4, 5).reshape(B, pad_H, pad_W, C)
+    if sum(shift_size) > 0:
+        x = torch.roll(x, shifts=(shift_size[0], shift_size[1]), dims=(1, 2))
+    return x[:, :H, :W, :].contiguous()
+
+
 __all__ = [
     "ShardSpec",
+    "window_attention_shard",
+    "cross_entropy_from_parts",
+    "shard_logsumexp",
+    "shard_target_logit",
+    "masked_embedding",
+    "linear_in_out",
+    "regroup_sections",
     "copy_to_devices",
     "gather_to_device",
     "reduce_to_device",

@@ -156,3 +156,39 @@ def test_sharding_rule_says_why_an_op_needs_the_whole_tensor():
 
     with pytest.raises(NeedsWhole, match="needs the whole tensor"):
         apply_rule(Layouts(), node, dict(gm.named_modules()))
+
+
+# ---------------------------------------------------------------------- transformers' layers
+def test_find_linear_sites_finds_conv1d_with_its_transposed_weight():
+    """transformers' Conv1D (kept as a call) is a site with in/out read from its (in, out) weight."""
+    from dpcompile.analysis.sharding import linear_like_leaves
+    from dpcompile.capture import capture
+    from tests.thirdparty_tp import GPT2MLP
+
+    gm = capture(GPT2MLP(8), leaf_modules=linear_like_leaves())
+    sites = find_linear_sites(gm)
+    assert [(p, s.in_features, s.out_features, s.transposed) for p, s in sites.items()] == [
+        ("c_fc", 8, 32, True),
+        ("c_proj", 32, 8, True),
+    ]
+
+
+def test_find_linear_sites_ties_an_embedding_to_its_lm_head():
+    """An LM head sharing the embedding's weight is tied to it (not blocked); both are sites."""
+    from tests.thirdparty_tp import TinyGPT2
+
+    sites = find_linear_sites(captured(TinyGPT2(layers=1), torch.randint(0, 128, (2, 4))))
+    assert sites["lm_head"].tied_to == "wte" and sites["wte"].tied_to == "lm_head"
+    assert sites["wte"].kind == "embedding" and sites["wte"].blocker is None
+    assert check_divisible(sites["lm_head"], "row", 2) is not None  # a row split would untie them
+
+
+def test_resolve_plan_shards_a_fused_qkv_per_section():
+    """A fused qkv output split in three asks its layer to be sharded as 3 sections, each split."""
+    from tests.thirdparty_tp import FusedChunkAttention
+
+    gm = captured(FusedChunkAttention(d=8, heads=2), torch.randn(2, 3, 8))
+    resolved = resolve_plan(gm, plan={"qkv": "column", "out": "row"}, n=2)
+    assert resolved.styles == {"qkv": "column", "out": "row"}
+    assert resolved.sections == {"qkv": 3} and resolved.analysis.column_sizes["qkv"] == (12, 12)
+    assert not any(k == "gather" for k in resolved.analysis.needs.values())

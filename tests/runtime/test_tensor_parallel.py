@@ -21,3 +21,36 @@ def test_runtime_split_and_gather_are_inverse_with_uneven_sizes():
     parts = tp_runtime.split_to_devices(x, -1, [4, 3, 3], ["cpu"] * 3)
     assert [p.shape[-1] for p in parts] == [4, 3, 3]
     torch.testing.assert_close(tp_runtime.gather_to_device(parts, -1, "cpu"), x)
+
+
+def test_shard_spec_sections_round_trip():
+    """A fused (3-section) spec: each shard holds its slice of every section; unshard and regroup rebuild the whole."""
+    from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections, shard_of, unshard
+
+    full = torch.arange(18.0).view(9, 2)  # q, k, v of 3 rows each, split 2 + 1
+    spec = ShardSpec(0, (6, 3), sections=3)
+    shards = [shard_of(full, spec, k) for k in range(2)]
+    assert shards[1][:, 0].tolist() == [4.0, 10.0, 16.0]
+    torch.testing.assert_close(unshard(shards, spec, "cpu"), full)
+    torch.testing.assert_close(regroup_sections(torch.cat(shards), spec), full)
+
+
+def test_masked_embedding_sums_to_the_lookup():
+    """Vocab-parallel lookups over every shard's rows sum to the whole lookup."""
+    from dpcompile.runtime.tensor_parallel import masked_embedding
+
+    table = torch.randn(7, 3)
+    ids = torch.tensor([[0, 6, 3], [4, 4, 1]])
+    parts = [masked_embedding(ids, table[:4], 0), masked_embedding(ids, table[4:], 4)]
+    torch.testing.assert_close(parts[0] + parts[1], torch.nn.functional.embedding(ids, table))
+
+
+def test_vocab_parallel_cross_entropy_parts_equal_cross_entropy():
+    """logsumexp parts and target logits of two vocab shards give F.cross_entropy, ignore_index kept."""
+    from dpcompile.runtime.tensor_parallel import cross_entropy_from_parts, shard_logsumexp, shard_target_logit
+
+    logits, target = torch.randn(5, 9), torch.tensor([0, 8, 4, -100, 5])
+    a, b = logits[:, :5], logits[:, 5:]
+    lse = torch.cat([shard_logsumexp(a), shard_logsumexp(b)], -1)
+    picked = shard_target_logit(a, target, 0) + shard_target_logit(b, target, 5)
+    torch.testing.assert_close(cross_entropy_from_parts(lse, picked, target), torch.nn.functional.cross_entropy(logits, target))

@@ -15,7 +15,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture import capture_model, check_frontend, positional_examples
+from dpcompile.capture import capture_model, check_frontend, check_signature, positional_examples
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
@@ -63,6 +63,8 @@ def transform(
         copy_replicas=copy_replicas,
         ddp_options=ddp_options,
     )
+    if not isinstance(model, fx.GraphModule):
+        check_signature(model)
     with _gc_paused():
         model, examples, frontend_batch_dim = _apply_frontend(
             model, frontend, _example_tuple(example_inputs), example_kwargs, recipe.leaf_modules, batch_dim,

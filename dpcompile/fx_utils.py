@@ -62,13 +62,34 @@ def adopt_state(holder: nn.Module, model: nn.Module, *, aliased: bool = False) -
     holder.training = model.training
 
 
-def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+# what torch's shape checks say when a tensor does not fit an op (not: an op fake tensors cannot run)
+_SHAPE_ERRORS = ("must have same", "size mismatch", "shapes cannot be multiplied", "expected input", "sizes of tensors",
+                 "must match the size", "mat1 and mat2", "is invalid for input of size", "dimension out of range")  # fmt: skip
+
+
+class _ShapeProp(FakeTensorProp):
+    """FakeTensorProp that remembers the node it is running (to name it when an example does not fit)."""
+
+    current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], *, check: bool = False) -> bool:
     """Record each node's shape (``node.meta['val']``) from fake copies of the example inputs.
 
     Costs no real compute; returns False (and records nothing) where fake tensors cannot run
     the model. Inputs that are fake already (``verify(..., fake_devices=)``) run in their own mode.
+    ``check=True`` (the user's ``example_inputs=``): an example that does not fit the model (a
+    shape an op refuses) raises ``ValueError`` naming the op and the user's line.
     """
     mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    prop = _ShapeProp(gm, mode)
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # a refused example is ours to report, once
     try:
         fake_inputs = [
             mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
@@ -77,17 +98,28 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
         # fake mode still runs ops on real 0-dim buffers (batch norm's num_batches_tracked += 1)
         counters = [(b, b.clone()) for b in gm.buffers() if b.dim() == 0 and not isinstance(b, FakeTensor)]
         try:
-            FakeTensorProp(gm, mode).propagate(*fake_inputs)
+            prop.propagate(*fake_inputs)
         finally:
             with torch.no_grad():
                 for buffer, value in counters:
                     buffer.copy_(value)
         return True
     except Exception as e:  # noqa: BLE001 - shapes are a refinement, not a requirement
-        log.debug("shape propagation on fake tensors failed (%s); continuing without shapes", e)
         for node in gm.graph.nodes:
             node.meta.pop("val", None)
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if check and any(words in str(e) for words in _SHAPE_ERRORS):
+            node = prop.current
+            where = node.meta.get("stack_trace", "").strip().splitlines()[0].strip() if node is not None else ""
+            raise ValueError(
+                f"example_inputs= do not fit the model: {node.name if node is not None else 'an op'} refuses them "
+                f"({message}){' at ' + where if where else ''}; pass examples shaped as forward expects them, "
+                "or leave example_inputs= out"
+            ) from None
+        log.debug("shape propagation on fake tensors failed (%s); continuing without shapes", message)
         return False
+    finally:
+        fake_log.setLevel(level)
 
 
 def bind_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:

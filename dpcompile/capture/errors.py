@@ -125,3 +125,30 @@ def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
     owner = entry.tb_frame.f_locals.get("self")
     where = f"{type(owner).__name__}.{frame.name}" if isinstance(owner, nn.Module) else frame.name
     return TraceError(f"{short}:{frame.lineno} in {where}: {source!r} {_describe(exc)}; {way_out}\n  file: {frame.filename}")
+
+
+def check_signature(model: nn.Module) -> None:
+    """Refuse, before any tracing, a ``forward`` no frontend can give a program's arguments:
+    ``forward(self, *xs)`` (a variable number of tensors) and a tensor default value (which
+    generated code cannot spell), each with the way out."""
+    import inspect
+
+    forward = inspect.unwrap(type(model).forward)
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return
+    where = f"{type(model).__name__}.forward"
+    for p in parameters:
+        if p.kind is p.VAR_POSITIONAL:
+            raise TraceError(
+                f"{where}(self, *{p.name}) takes a variable number of arguments, which a program cannot name; "
+                f"wrap the model in a module whose forward names them, e.g. "
+                f"`class Named(nn.Module): forward(self, a, b): return model(a, b)`, and transform that"
+            )
+        if isinstance(p.default, torch.Tensor):
+            raise TraceError(
+                f"{where}: argument '{p.name}' has a tensor as its default value, which generated code cannot "
+                f"spell; default it to None and make the tensor in forward (`if {p.name} is None: {p.name} = ...`), "
+                "or register it as a buffer"
+            )

@@ -53,7 +53,7 @@ class DataParallelRecipe(Recipe):
         move_to(model, self.devices.primary)
         if example_inputs is not None:
             primary = self.devices.primary
-            propagate_shapes(gm, [x.to(primary) if isinstance(x, torch.Tensor) else x for x in example_inputs])
+            propagate_shapes(gm, [x.to(primary) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         gm, records = run_passes(gm, passes.frontend_pipeline(self._options()))
         warn_if_mostly_whole(gm, input_dims, example_inputs, len(self.devices))

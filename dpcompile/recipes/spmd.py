@@ -138,7 +138,7 @@ class SpmdRecipe(Recipe):
             gm.recompile()
         captured_code = gm.code  # after decompose_attention: its dropout_p follows the mode
         if example_inputs is not None:
-            propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
+            propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
         styles, reasons = plan_for(gm, aliased_plan(self.plan), tp_size, model)
         devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
         gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim))

@@ -83,7 +83,7 @@ class TensorParallelRecipe(Recipe):
             gm.recompile()
         captured_code = gm.code  # after decompose_attention: its dropout_p follows the mode
         if example_inputs is not None:
-            propagate_shapes(gm, list(example_inputs))
+            propagate_shapes(gm, list(example_inputs), check=True)
         styles, reasons = plan_for(gm, aliased_plan(self.plan), len(self.devices), model)
         reasons = {unalias(p): why for p, why in reasons.items()}
         whole = {p: why_whole(gm, p) for p in [*linear_paths(model), *embedding_paths(model)]}  # before the rewrite

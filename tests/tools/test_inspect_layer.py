@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = ("dpcompile/__init__.py", "dpcompile/cli.py", "dpcompile/export.py", "dpcompile/verify.py", "dpcompile/inspect/")
+TOOLS = ("dpcompile/__init__.py", "dpcompile/cli.py", "dpcompile/export.py", "dpcompile/verify/", "dpcompile/inspect/")
 INSPECT_NAMES = {"inspect", "explain", "draw", "diff", "Report"}
 
 

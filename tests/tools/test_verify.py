@@ -229,7 +229,7 @@ def test_verify_fake_devices_builds_the_tensor_parallel_plan_pm_applied(monkeypa
     """The fake TP program shards the attention heads as pm does (shapes from the call's inputs)."""
     import importlib
 
-    verify_module = importlib.import_module("dpcompile.verify")
+    verify_module = importlib.import_module("dpcompile.verify.layout")
     model, x = LastTokenAttention(), torch.randn(4, 3, 16)
     pm = _tp(model, ["cpu", "cpu"], (x,))
     assert pm.plan == {"q": "column", "k": "column", "v": "column", "out": "row"}

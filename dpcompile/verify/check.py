@@ -1,0 +1,315 @@
+"""``verify``: run the program and the eager model alike, compare, and judge low-precision
+differences against a float64 run."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcompile.runtime.structures import map_structure, tensor_leaves
+from dpcompile.verify.layout import check_layout
+from dpcompile.verify.result import (
+    Mismatch,
+    VerifyResult,
+    compare_structures,
+    compare_tensors,
+    default_tolerance,
+    first_line,
+)
+
+log = logging.getLogger("dpcompile")
+
+# ------------------------------------------------------------------------ running cleanly
+def _unique(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def _no_side_effects(*modules: nn.Module) -> Iterator[list[str]]:
+    """Restore every parameter's ``.grad``, every buffer and every dropout's mode afterwards."""
+    notes: list[str] = []
+    params = _unique(p for m in modules for p in m.parameters())
+    grads = [(p, p.grad) for p in params]
+    buffers = [(b, b.detach().clone()) for b in _unique(b for m in modules for b in m.buffers())]
+    dropouts = [
+        d for d in _unique_modules(modules)
+        if isinstance(d, nn.modules.dropout._DropoutNd) and d.training and d.p > 0
+    ]
+    if dropouts:
+        notes.append(f"{len(dropouts)} dropout module(s) were switched to eval for the comparison (random masks cannot match)")
+    for d in dropouts:
+        d.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield notes
+    finally:
+        for p, g in grads:
+            p.grad = g
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        for d in dropouts:
+            d.train()
+
+
+def _unique_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    seen: dict[int, nn.Module] = {}
+    for m in modules:
+        for sub in m.modules():
+            seen.setdefault(id(sub), sub)
+    return list(seen.values())
+
+
+def _restore(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for b, value in buffers:
+            b.copy_(value)
+
+
+def _leaf_inputs(value: Any, device: torch.device | None) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """Copies of the inputs (float tensors as fresh leaves that collect gradients)."""
+    leaves: list[torch.Tensor] = []
+
+    def copy_leaf(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        t = leaf.detach().to(device) if device is not None else leaf.detach()
+        t = t.clone()
+        if t.is_floating_point():
+            t.requires_grad_(True)
+            leaves.append(t)
+            return t.clone()  # a non-leaf, so in-place ops in the model stay legal
+        return t
+
+    copied = map_structure(copy_leaf, value)
+    return copied, [(f"input[{i}]", t) for i, t in enumerate(leaves)]
+
+
+def _loss(output: Any, weights: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """A fixed random projection of every differentiable output (the weights are made once)."""
+    weights = {} if weights is None else weights
+    total = None
+    generator = torch.Generator().manual_seed(1234)
+    for path, t in tensor_leaves(output):
+        if not (t.requires_grad and (t.is_floating_point() or t.is_complex())):
+            continue
+        if path not in weights:
+            weights[path] = torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype)
+        term = (t * weights[path].to(t.device)).sum().real.to(torch.float64)
+        term = term.to("cpu")
+        total = term if total is None else total + term
+    return total, weights
+
+
+def _run(module: nn.Module, args: tuple, kwargs: dict, device: torch.device | None, seed: int,
+         weights: dict[str, torch.Tensor] | None) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    (call_args, call_kwargs), inputs = _leaf_inputs((list(args), dict(kwargs)), device)
+    output = module(*call_args, **call_kwargs)
+    loss, weights = _loss(output, weights)
+    if loss is not None:
+        loss.backward()
+    return output, inputs, weights
+
+
+def _module_device(model: nn.Module) -> torch.device | None:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return None
+
+
+def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor | None]:
+    """Gradients of ``pm`` under the model's parameter names (full tensors, shards gathered)."""
+    if getattr(pm, "mode", None) == "data_parallel":
+        own = dict(pm.named_parameters())
+        return {n: (None if own.get(n) is None or own[n].grad is None else own[n].grad.detach().clone()) for n in names}
+    # Tensor parallel: swap each shard's data for its gradient and let state_dict gather them.
+    swapped = []
+    with torch.no_grad():
+        for p in _unique(pm.parameters()):
+            swapped.append((p, p.data))
+            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+        try:
+            gathered = pm.state_dict()
+        finally:
+            for p, data in swapped:
+                p.data = data
+    return {n: (gathered[n].detach().clone() if n in gathered else None) for n in names}
+
+
+# ----------------------------------------------------------------------------------- verify
+def verify(
+    pm: nn.Module,
+    model: nn.Module,
+    *args: Any,
+    fake_devices: int | Sequence[Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **kwargs: Any,
+) -> VerifyResult:
+    """Run ``model`` and ``pm`` on the same inputs, forward and backward, and compare.
+
+    Compares every output, every parameter gradient, the gradients of floating-point inputs
+    and the buffers after the step (running statistics). Tolerances follow the dtype
+    (:data:`TOLERANCES`) unless ``rtol``/``atol`` are given. ``fake_devices=n`` (or a list of
+    device strings) also builds the program for ``cuda:0..n-1`` on fake tensors and checks its
+    layout (:func:`check_layout`).
+
+    >>> import torch, dpcompile
+    >>> model = torch.nn.Linear(4, 2)
+    >>> pm = dpcompile.transform(model, ["cpu", "cpu"])
+    >>> print(dpcompile.verify(pm, model, torch.randn(4, 4)))
+    verify: OK (1 outputs, 2 parameter gradients, 1 input gradients match)
+    """
+    mismatches: list[Mismatch] = []
+    checked = {"outputs": 0, "parameter gradients": 0, "input gradients": 0, "buffers": 0}
+    seed = 0
+    with _no_side_effects(model, pm) as notes:
+        model_buffers = [(b, b.detach().clone()) for b in _unique(b for m in (model, pm) for b in m.buffers())]
+        for p in _unique(p for m in (model, pm) for p in m.parameters()):
+            p.grad = None
+        expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None)
+        param_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        own = dict(model.named_parameters())
+        expected_grads = {n: None if own[n].grad is None else own[n].grad.detach().clone() for n in param_names}
+        expected_buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        for p in _unique(p for m in (model, pm) for p in m.parameters()):
+            p.grad = None
+        _restore(model_buffers)
+
+        actual, actual_inputs, _ = _run(pm, args, kwargs, None, seed, weights)
+        actual_grads = _pm_gradients(pm, param_names)
+        pm_state = pm.state_dict()
+        actual_buffers = {n: pm_state.get(n) for n in expected_buffers}
+
+        problems, count = compare_structures(expected, actual, rtol, atol)
+        mismatches += problems
+        checked["outputs"] = count
+        for name in param_names:
+            e, a = expected_grads[name], actual_grads[name]
+            if e is None and a is not None and not a.any():
+                a = None
+            m = compare_tensors("gradient", name, e, a, rtol, atol)
+            if m is not None:
+                mismatches.append(m)
+            checked["parameter gradients"] += 1
+        for (name, e), (_, a) in zip(expected_inputs, actual_inputs):
+            m = compare_tensors("input gradient", name, e.grad, a.grad, rtol, atol)
+            if m is not None:
+                mismatches.append(m)
+            checked["input gradients"] += 1
+        for name, e in expected_buffers.items():
+            a = actual_buffers[name]
+            if a is None:
+                mismatches.append(Mismatch("buffer", name, "missing from pm.state_dict()"))
+            elif (m := compare_tensors("buffer", name, e, a, rtol, atol)) is not None:
+                mismatches.append(m)
+            checked["buffers"] += 1
+        rounding: list[Mismatch] = []
+        if any(m.kind in _JUDGED and m.max_abs is not None for m in mismatches):
+            _restore(model_buffers)
+            reference = _float64_reference(model, args, kwargs, seed, weights, param_names, notes)
+            if reference is not None:
+                values = {"output": (dict(tensor_leaves(expected)), dict(tensor_leaves(actual)), "output"),
+                          "gradient": (expected_grads, actual_grads, ""),
+                          "input gradient": ({n: t.grad for n, t in expected_inputs}, {n: t.grad for n, t in actual_inputs}, ""),
+                          "buffer": (expected_buffers, actual_buffers, "")}  # fmt: skip
+                mismatches, rounding = _judge(mismatches, values, reference)
+        result_notes = list(notes)
+    if fake_devices is not None:
+        layout = check_layout(pm, model, fake_devices, *args, **kwargs)
+        mismatches += layout.mismatches
+        result_notes += layout.notes
+        checked.update({k: v for k, v in layout.checked.items() if v})
+    return VerifyResult(ok=not mismatches, mismatches=mismatches, checked=checked, notes=result_notes, rounding=rounding)
+
+
+# ---------------------------------------------------------------- rounding against float64
+_JUDGED = ("output", "gradient", "input gradient", "buffer")
+_LOW_PRECISION = (torch.float32, torch.float16, torch.bfloat16, torch.complex64)
+#: pm may be this many times farther (RMS) from the float64 run than the eager model in the same
+#: precision, as torch's own accuracy checks for compiled code allow
+ROUNDING_MULTIPLIER = 2.0
+
+
+def _as_float64(value: Any) -> Any:
+    def convert(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.detach().to(torch.float64)
+        if isinstance(leaf, torch.Tensor) and leaf.is_complex():
+            return leaf.detach().to(torch.complex128)
+        return leaf
+
+    return map_structure(convert, value)
+
+
+def _float64_reference(
+    model: nn.Module, args: tuple, kwargs: dict, seed: int, weights: dict[str, torch.Tensor],
+    param_names: Sequence[str], notes: list[str],
+) -> dict[str, dict[str, torch.Tensor | None]] | None:
+    """The eager model run in float64 (a copy), forward and backward, as the reference that
+    judges low-precision differences; None (with a note) where it cannot run."""
+    try:
+        model64 = copy.deepcopy(model).to(torch.float64)
+        (args64, kwargs64) = _as_float64((list(args), dict(kwargs)))
+        output, inputs, _ = _run(model64, tuple(args64), kwargs64, _module_device(model64), seed, weights)
+    except Exception as e:  # noqa: BLE001 - the reference refines the verdict; without it the tolerances stand
+        notes.append(f"no float64 reference run to judge rounding ({type(e).__name__}: {first_line(e)})")
+        return None
+    own = dict(model64.named_parameters())
+    return {
+        "output": dict(tensor_leaves(output)),
+        "gradient": {n: None if own[n].grad is None else own[n].grad.detach() for n in param_names if n in own},
+        "input gradient": {n: t.grad for n, t in inputs},
+        "buffer": {n: b.detach() for n, b in model64.named_buffers()},
+    }
+
+
+def _rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    difference = (a.detach().cpu().to(torch.complex128 if a.is_complex() else torch.float64) - b.detach().cpu()).abs()
+    return float(difference.pow(2).mean().sqrt()) if difference.numel() else 0.0
+
+
+def _judge(
+    mismatches: list[Mismatch],
+    values: dict[str, tuple[dict[str, Any], dict[str, Any], str]],
+    reference: dict[str, dict[str, torch.Tensor | None]],
+) -> tuple[list[Mismatch], list[Mismatch]]:
+    """Split low-precision mismatches into real ones and rounding: a difference is rounding
+    where pm's RMS error against the float64 run is within :data:`ROUNDING_MULTIPLIER` times
+    the eager model's own (plus a tenth of the dtype's atol)."""
+    real: list[Mismatch] = []
+    rounding: list[Mismatch] = []
+    for m in mismatches:
+        if m.kind not in values or m.max_abs is None:
+            real.append(m)
+            continue
+        expected, actual, prefix = values[m.kind]
+        key = m.name[len(prefix):] if prefix and m.name.startswith(prefix) else m.name
+        e, a, r = expected.get(key), actual.get(key), reference[m.kind].get(key)
+        if not all(isinstance(t, torch.Tensor) for t in (e, a, r)) or e.dtype not in _LOW_PRECISION or r.shape != e.shape:
+            real.append(m)
+            continue
+        m.error64, m.eager_error64 = _rms(a, r), _rms(e, r)
+        if not (math.isfinite(m.error64) and math.isfinite(m.eager_error64)):
+            m.judgement = "real"
+            real.append(m)
+            continue
+        allowed = ROUNDING_MULTIPLIER * m.eager_error64 + default_tolerance(e.dtype)[1] / 10
+        m.judgement = "rounding" if m.error64 <= allowed else "real"
+        (rounding if m.judgement == "rounding" else real).append(m)
+    return real, rounding
+
+

@@ -1,0 +1,119 @@
+"""``check_layout``: build a program for fake CUDA devices and check where every value lives."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dpcompile.devices import Devices
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
+from dpcompile.fake import fake_devices as fake_devices_of
+from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module
+from dpcompile.inspect import Recorder, slot_of, user_source
+from dpcompile.recipes import DataParallelRecipe, TensorParallelRecipe
+from dpcompile.runtime.structures import tensor_leaves
+from dpcompile.verify.result import Mismatch, VerifyResult, first_line
+
+
+# ------------------------------------------------------------------------ fake multi-GPU
+def _build_fake_program(pm: Any, fake_model: nn.Module, devices: Devices, example: tuple | None) -> fx.GraphModule:
+    """``pm``'s program rebuilt for ``devices`` (fake CUDA devices) on a fake copy of the model."""
+    recipe = pm.recipe
+    if isinstance(recipe, DataParallelRecipe) and pm.captured is not None:
+        gm = graph_module(fake_model, copy_graph(pm.captured.graph), "FakeLayout")
+        return dataclasses.replace(recipe, devices=devices, output_device=devices.primary).lower(gm, devices, pm.input_dims)
+    if isinstance(recipe, TensorParallelRecipe):
+        fake_recipe = dataclasses.replace(
+            recipe, devices=devices, output_device=devices.primary, plan=dict(pm.plan) or True, check_available=False
+        )
+        return fake_recipe.compile(fake_model, example)
+    raise ValueError(f"fake_devices= supports data-parallel and tensor-parallel modules, not mode {pm.mode!r}")
+
+
+def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[Any], *args: Any, **kwargs: Any) -> VerifyResult:
+    """Build ``pm``'s program for fake CUDA devices and run it forward and backward on fake tensors.
+
+    Fails when an op mixes devices, when a per-device value (``*_dev{k}``) is not on device
+    ``k``, when the output is not on ``cuda:0`` or when a gradient lands on another device than
+    its parameter. Needs no GPU.
+
+    >>> import torch, dpcompile
+    >>> model = torch.nn.Linear(4, 2)
+    >>> pm = dpcompile.transform(model, ["cpu", "cpu"])
+    >>> from dpcompile.verify import check_layout
+    >>> bool(check_layout(pm, model, 8, torch.randn(16, 4)))
+    True
+    """
+    devices = fake_devices_of(fake_devices)
+    label = f"fake {len(devices)}-device layout"
+    checked = {"fake devices": len(devices)}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    batch = pm.batch_size(tuple(args), dict(kwargs))
+    # Autograd on fake CUDA tensors aborts the process on a torch built without CUDA, so the
+    # backward pass is only checked where the devices really exist.
+    backward = torch.cuda.is_available() and torch.cuda.device_count() >= len(devices)
+    grad_mode = contextlib.nullcontext() if backward else torch.no_grad()
+    try:
+        fake_model = fake_copy(model, mode, devices.primary)
+        with mode, grad_mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            # The call's own arguments as example inputs, so the plan's views are checked as pm's were
+            example = None if kwargs else tuple(
+                mode.from_tensor(x.detach()).to(devices.primary) if isinstance(x, torch.Tensor) else x for x in args
+            )
+            if batch is not None and batch < len(devices):
+                devices = devices.prefix(batch)
+            program = _build_fake_program(pm, fake_model, devices, example)
+    except ImportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        return VerifyResult(False, [Mismatch("layout", label, f"cannot build the program: {type(e).__name__}: {first_line(e)}")],
+                            checked)
+    mismatches: list[Mismatch] = []
+    try:
+        with mode, grad_mode, FakeCudaOnCpuTorch():
+            inputs = [
+                mode.from_tensor(x.detach()).to(devices.primary) if isinstance(x, torch.Tensor) else x
+                for x in bind_inputs(program, args, kwargs)
+            ]
+            recorder = Recorder(program, None)
+            output = recorder.run(*inputs)
+            loss = None
+            for _, t in tensor_leaves(output) if backward else []:
+                if t.requires_grad and t.is_floating_point():
+                    term = t.sum()
+                    loss = term if loss is None else loss + term.to(loss.device)
+            if loss is not None:
+                loss.backward()
+    except Exception as e:  # noqa: BLE001 - a mixed-device op is exactly what this check is for
+        node = recorder.current if "recorder" in locals() else None
+        where = ""
+        if node is not None:
+            source = user_source(node)
+            where = f" at node {node.name}" + (f" ({source})" if source else "")
+        return VerifyResult(False, [Mismatch("layout", label, f"{type(e).__name__}{where}: {first_line(e)}")], checked)
+    n = len(devices)
+    for node in program.graph.nodes:
+        slot = slot_of(node)
+        if slot is None or slot >= n:
+            continue
+        wrong = [d for d in recorder.devices.get(node.name, []) if torch.device(d) != devices[slot]]
+        if wrong:
+            mismatches.append(Mismatch("layout", node.name, f"is on {wrong[0]}, expected {devices[slot]} (slot {slot})"))
+    for path, t in tensor_leaves(output):
+        if t.device != devices.primary:
+            mismatches.append(Mismatch("layout", f"output{path}", f"is on {t.device}, expected {devices.primary}"))
+    for name, p in program.named_parameters():
+        if p.grad is not None and p.grad.device != p.device:
+            mismatches.append(Mismatch("layout", name, f"gradient on {p.grad.device}, parameter on {p.device}"))
+    checked["placed nodes"] = sum(1 for node in program.graph.nodes if slot_of(node) is not None)
+    notes = [] if backward else [f"{label}: forward checked; backward needs the devices (autograd cannot run on fake CUDA here)"]
+    return VerifyResult(not mismatches, mismatches, checked, notes)

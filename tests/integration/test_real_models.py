@@ -180,15 +180,19 @@ def test_real_model_tensor_parallel_matches_eager(name):
 
 def test_gpt2_tensor_parallel_through_export_shards_its_conv1d_layers():
     """transformers' Conv1D reaches the export frontend as view -> addmm -> view; it is raised
-    back to a call of the module, so GPT-2's c_attn / c_proj / c_fc shard like Linears: at least
-    90% of its 2-D parameter bytes sharded, eval outputs and a training step's gradients equal eager."""
+    back to a call of the module, so GPT-2's c_attn / c_proj / c_fc shard like Linears (the ATen
+    split / view / attention after c_attn keep its q, k, v sharded by sections): at least 90% of its
+    2-D parameter bytes sharded, eval outputs and a training step's gradients equal eager."""
     model = _hf("gpt2").eval()
     reference = copy.deepcopy(model)
     kwargs = _hf_inputs("gpt2", 4)
     pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_kwargs=kwargs)
     assert "addmm" not in pm.code
-    for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
-        assert pm.plan[f"transformer.h.0.{layer}"] != "replicate", layer
+    for block in ("transformer.h.0", "transformer.h.1"):  # Megatron: q, k, v by sections, heads stay sharded
+        assert [pm.plan[f"{block}.{layer}"] for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] == [
+            "column", "row", "column", "row"
+        ]  # fmt: skip
+        assert pm.param_shards[f"{block}.attn.c_attn.weight"][0].sections == 3
     matrices = [(n, p.numel()) for n, p in model.named_parameters() if p.dim() == 2]
     fraction = sum(size for n, size in matrices if n in pm.param_shards) / sum(size for _, size in matrices)
     assert fraction >= 0.9, fraction

@@ -289,6 +289,28 @@ SHARD_SOFTMAX = ALONG_DIM.only(
 )
 SHARD_ATTENTION = ATTENTION.only("sharded attention", functions={F.scaled_dot_product_attention})
 SHARD_TRANSPOSE = TRANSPOSE.only("sharded transpose", functions={torch.transpose}, methods={"transpose"})
+# the same ops as the export frontend's ATen overloads (same argument positions as the torch functions)
+_aten = torch.ops.aten
+SHARD_ATEN_UNARY = OpFamily.of(
+    "sharded ATen unary",
+    functions={
+        _aten.relu.default, _aten.gelu.default, _aten.silu.default, _aten.tanh.default, _aten.sigmoid.default,
+        _aten.exp.default, _aten.neg.default, _aten.erf.default, _aten.abs.default, _aten.sqrt.default,
+        _aten.rsqrt.default, _aten.square.default, _aten.clone.default,
+    },
+)  # fmt: skip
+SHARD_ATEN_BINARY = OpFamily.of(
+    "sharded ATen binary",
+    functions={
+        _aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.pow.Tensor_Scalar,
+        _aten.where.self, _aten.maximum.default, _aten.minimum.default,
+    },
+)  # fmt: skip
+SHARD_ATEN_SOFTMAX = OpFamily.of("sharded ATen softmax", functions={_aten.softmax.int, _aten.log_softmax.int})
+SHARD_ATEN_ATTENTION = OpFamily.of("sharded ATen attention", functions={_aten.scaled_dot_product_attention.default})
+SHARD_ATEN_VIEW = OpFamily.of("sharded ATen view", functions={_aten.reshape.default, _aten.view.default})
+SHARD_ATEN_TRANSPOSE = OpFamily.of("sharded ATen transpose", functions={_aten.transpose.int})
+SHARD_ATEN_MATMUL = OpFamily.of("sharded ATen matmul", functions={_aten.matmul.default})
 # the attributes of a sharded tensor that are Python values (``shape`` is the local shape)
 SHARD_METADATA_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda"})
 
@@ -342,4 +364,9 @@ __all__ = [
 # ---------------------------------------------------------------------- tensor parallel: fused projections
 # (kept apart from the data-parallel families above) a fused qkv output split into q, k, v
 SHARD_SPLIT = CHUNK.only("sharded split", functions={torch.split, torch.chunk, torch.unbind}, methods={"split", "chunk", "unbind"})
+SHARD_ATEN_SPLIT = OpFamily.of("sharded ATen split", functions={_aten.split.Tensor, _aten.chunk.default, _aten.unbind.int})
 __all__ += ["SHARD_SPLIT"]
+__all__ += [
+    "SHARD_ATEN_UNARY", "SHARD_ATEN_BINARY", "SHARD_ATEN_SOFTMAX", "SHARD_ATEN_ATTENTION", "SHARD_ATEN_VIEW",
+    "SHARD_ATEN_TRANSPOSE", "SHARD_ATEN_MATMUL", "SHARD_ATEN_SPLIT",
+]  # fmt: skip

@@ -410,7 +410,8 @@ def split(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
     x = node.args[0]
     layout = ctx.layout(x)
     assert isinstance(layout, Sharded)
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    target = node.target.overloadpacket if isinstance(node.target, torch._ops.OpOverload) else node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
     nd = tensor_ndim(x)
     shape_in = tensor_shape(x)
     dim = from_end(node_arg(node, 1 if name == "unbind" else 2, "dim", 0), nd)
@@ -452,6 +453,15 @@ _RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layou
     (ops.SHARD_TRANSPOSE, transpose),
     (ops.PERMUTE, permute),
     (ops.SHARD_SPLIT, split),
+    # the export frontend's ATen overloads of the same ops
+    (ops.SHARD_ATEN_UNARY, unary),
+    (ops.SHARD_ATEN_BINARY, elementwise),
+    (ops.SHARD_ATEN_SOFTMAX, lambda ctx, node: softmax(ctx, node, node_arg(node, 1, "dim"))),
+    (ops.SHARD_ATEN_MATMUL, matmul),
+    (ops.SHARD_ATEN_ATTENTION, attention),
+    (ops.SHARD_ATEN_VIEW, lambda ctx, node: checked_view(ctx, node)),
+    (ops.SHARD_ATEN_TRANSPOSE, transpose),
+    (ops.SHARD_ATEN_SPLIT, split),
 )
 SHARD_TRANSPARENT = tuple(family for family, _ in _RULES)
 
@@ -460,5 +470,5 @@ def is_shard_transparent(node: fx.Node, modules: Mapping[str, nn.Module]) -> boo
     """True for ops a sharded value can pass through (given matching shapes): element-wise,
     softmax, matmul over batch dims, attention, views, transposes."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return ops.SHARD_SPLIT.matches(node.args[0], modules)  # one part of a split q, k, v
+        return ops.SHARD_SPLIT.matches(node.args[0], modules) or ops.SHARD_ATEN_SPLIT.matches(node.args[0])  # a part of q, k, v
     return any(family.matches(node, modules) for family in SHARD_TRANSPARENT)

@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.runtime.exported import cross_entropy_count, element_count, expect_mode, mode_value
 
 log = logging.getLogger("dpcompile")
@@ -44,6 +45,8 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
             _rewrite_dropout(gm, node, owner_path, owner)
         elif owner is not None and _is_plain(owner):
             _raise_to_module(gm, node, owner_path, owner)
+        elif owner is not None and node.target is aten.addmm.default and _is_plain_leaf(owner):
+            _raise_addmm_to_module(gm, node, owner_path, owner)
         if node.graph is graph and node.op == "call_function" and node.target in _LOSSES:
             _loss_as_sum_over_count(graph, node)
     _devices_from_inputs(graph)
@@ -140,6 +143,54 @@ def _raise_to_module(gm: fx.GraphModule, node: fx.Node, path: str, module: nn.Mo
     call.meta.update(node.meta)
     node.replace_all_uses_with(call)
     gm.graph.erase_node(node)
+
+
+def _is_plain_leaf(module: nn.Module) -> bool:
+    """A linear-like leaf (transformers' ``Conv1D``) running its class's own forward, no hooks."""
+    leaves = linear_like_leaves()
+    if not isinstance(module, leaves):
+        return False
+    own_forward = any(type(module).forward is kind.forward for kind in leaves)
+    return own_forward and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _shape(node: Any) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _raise_addmm_to_module(gm: fx.GraphModule, node: fx.Node, path: str, module: nn.Module) -> None:
+    """A Conv1D-like module's forward, ``addmm(bias, x.view(-1, in), weight).view(*x.shape[:-1], out)``
+    (weight stored ``(in, out)``), as one call of the module: the sharding analysis shards it
+    like a Linear, as on the fx path where it stays a leaf."""
+    if len(node.args) != 3 or node.kwargs:
+        return  # beta / alpha: not the module's forward
+    bias, flat, weight = node.args
+    views = (aten.view.default, aten.reshape.default)
+    if not (_is(gm, weight, module.weight) and _is(gm, bias, module.bias)):
+        return
+    if not (isinstance(flat, fx.Node) and flat.op == "call_function" and flat.target in views and _owner_path(flat) == path):
+        return
+    if len(flat.users) != 1 or len(node.users) != 1:
+        return
+    out = next(iter(node.users))
+    if not (out.op == "call_function" and out.target in views and _owner_path(out) == path and out.args[0] is node):
+        return
+    x = flat.args[0]
+    x_shape, out_shape, weight_shape = _shape(x), _shape(out), tuple(module.weight.shape)
+    if x_shape is None or out_shape is None or len(weight_shape) != 2 or len(x_shape) < 1:
+        return
+    if x_shape[-1] != weight_shape[0] or out_shape[-1] != weight_shape[1] or len(out_shape) != len(x_shape):
+        return
+    if any(a is not b and a != b for a, b in zip(x_shape[:-1], out_shape[:-1])):
+        return  # the output view keeps the input's leading dimensions
+    with gm.graph.inserting_before(out):
+        call = gm.graph.call_module(path, (x,))
+    call.meta.update(out.meta)
+    out.replace_all_uses_with(call)
+    gm.graph.erase_node(out)
+    gm.graph.erase_node(node)
+    gm.graph.erase_node(flat)
 
 
 def _drop_counter_update(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:

@@ -19,23 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, write_result  # noqa: E402
+from common import DeepMLP, interleaved, write_result  # noqa: E402
 
 import dpcompile  # noqa: E402
-
-
-class DeepMLP(nn.Module):
-    def __init__(self, layers: int, d: int):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
 
 
 def transform_times() -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -50,3 +51,16 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+class DeepMLP(nn.Module):
+    """``layers`` Linear(d, d) + ReLU: the small model whose per-call overhead the benchmarks measure."""
+
+    def __init__(self, layers: int, d: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x

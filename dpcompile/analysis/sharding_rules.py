@@ -442,24 +442,28 @@ def split(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
     raise NeedsWhole("splits the sharded dim")
 
 
+def _softmax_over_dim(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
+    return softmax(ctx, node, node_arg(node, 1, "dim"))
+
+
 # each op family a sharded value passes through, and its rule (functions and methods)
 _RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layout, list[fx.Node]]]], ...] = (
     (ops.SHARD_UNARY, unary),
     (ops.SHARD_BINARY, elementwise),
-    (ops.SHARD_SOFTMAX, lambda ctx, node: softmax(ctx, node, node_arg(node, 1, "dim"))),
+    (ops.SHARD_SOFTMAX, _softmax_over_dim),
     (ops.MATMUL, matmul),
     (ops.SHARD_ATTENTION, attention),
-    (ops.VIEW, lambda ctx, node: checked_view(ctx, node)),
+    (ops.VIEW, checked_view),
     (ops.SHARD_TRANSPOSE, transpose),
     (ops.PERMUTE, permute),
     (ops.SHARD_SPLIT, split),
     # the export frontend's ATen overloads of the same ops
     (ops.SHARD_ATEN_UNARY, unary),
     (ops.SHARD_ATEN_BINARY, elementwise),
-    (ops.SHARD_ATEN_SOFTMAX, lambda ctx, node: softmax(ctx, node, node_arg(node, 1, "dim"))),
+    (ops.SHARD_ATEN_SOFTMAX, _softmax_over_dim),
     (ops.SHARD_ATEN_MATMUL, matmul),
     (ops.SHARD_ATEN_ATTENTION, attention),
-    (ops.SHARD_ATEN_VIEW, lambda ctx, node: checked_view(ctx, node)),
+    (ops.SHARD_ATEN_VIEW, checked_view),
     (ops.SHARD_ATEN_TRANSPOSE, transpose),
     (ops.SHARD_ATEN_SPLIT, split),
 )

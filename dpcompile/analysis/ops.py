@@ -205,15 +205,24 @@ PER_SAMPLE = OpFamily.of(
     "per sample, batch on dim 0 (convolutions, pooling, per-sample norms)",
     functions={
         F.conv1d, F.conv2d, F.conv3d, F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d,
-        F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.interpolate, F.pad,
+        F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.interpolate,
     },
     modules=(
         nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
         nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
         nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
         nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.GroupNorm, nn.Upsample, nn.PixelShuffle,
-        nn.PixelUnshuffle, nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ReflectionPad2d,
-        nn.ReplicationPad2d, nn.LocalResponseNorm, nn.Dropout2d, nn.Dropout3d, nn.Dropout1d, nn.PReLU,
+        nn.PixelUnshuffle, nn.LocalResponseNorm, nn.Dropout2d, nn.Dropout3d, nn.Dropout1d, nn.PReLU,
+    ),
+)  # fmt: skip
+# pads the last len(pad) // 2 dims: per sample only where those lie after the batch dim
+PAD = OpFamily.of(
+    "padding (the last dims)",
+    functions={F.pad},
+    modules=(
+        nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d,
+        nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d, nn.ReplicationPad1d, nn.ReplicationPad2d,
+        nn.ReplicationPad3d, nn.CircularPad1d, nn.CircularPad2d, nn.CircularPad3d,
     ),
 )  # fmt: skip
 INSTANCE_NORMS: tuple[type[nn.Module], ...] = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -341,6 +350,7 @@ __all__ = [
     "TENSOR_ATTRIBUTES",
     "METADATA_ATTRIBUTES",
     "PER_SAMPLE",
+    "PAD",
     "INSTANCE_NORMS",
     "BATCH_NORMS",
     "LAST_DIMS",

@@ -23,6 +23,19 @@ CASES = {
     "unsqueeze": lambda h: h.unsqueeze(-2).sum(0),
     "squeeze": lambda h: h[:, :1].squeeze(-1),
     "pairs": lambda h: h.view(-1, 2, 4).sum(1),
+    "log_softmax": lambda h: h.log_softmax(-2),
+    "argmax": lambda h: h.argmax(-2),
+    "var": lambda h: h.var(-2),
+    "std": lambda h: h.std(-2),
+    "norm": lambda h: h.norm(dim=-2),
+    "flip": lambda h: h.flip(-2),
+    "stack": lambda h: torch.stack([h, h], -2),
+    "chunk": lambda h: torch.cat(h.chunk(2, -2)[::-1], -1),
+    "split": lambda h: h.split(1, dim=-2)[0],
+    "flatten": lambda h: h.unsqueeze(-1).flatten(-3),
+    "unflatten": lambda h: h.unflatten(-2, (-1, 1)).sum(0),
+    "pad_rows": lambda h: F.pad(h, (0, 0, 1, 1)),
+    "pad_last": lambda h: F.pad(h, (1, 2), value=3.0),
 }
 
 
@@ -44,6 +57,34 @@ def test_rank_agnostic_negative_dim_on_2d_batch_exact(name, n):
     model, x = Head(CASES[name]), torch.randn(6, 4)
     pm = dpcompile.transform(model, ["cpu"] * n)
     torch.testing.assert_close(pm(x), model(x))
+
+
+class Padded(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.pad = torch.nn.ZeroPad2d((1, 1, 2, 0))
+
+    def forward(self, x):
+        return self.pad(self.fc(x))
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (5, 3, 4), (7, 2, 3, 4)])
+@pytest.mark.parametrize("examples", [False, True])
+def test_rank_agnostic_padding_layer_that_may_pad_the_batch_runs_whole(shape, examples):
+    """``ZeroPad2d`` pads the last two dims: of a 2-D batch that is the batch itself (more rows),
+    so it runs whole there; with example inputs of rank 3+ it runs split. Values match."""
+    torch.manual_seed(0)
+    model, x = Padded(), torch.randn(*shape)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,) if examples else None)
+    out = pm(x)
+    assert out.shape == model(x).shape
+    torch.testing.assert_close(out, model(x))
+    whole = dpcompile.explain(pm, x).whole
+    if len(shape) == 2:
+        assert whole
+    elif examples:
+        assert not whole
 
 
 def test_rank_agnostic_known_rank_still_splits():

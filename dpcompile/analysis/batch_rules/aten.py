@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, node_shape, normalize_dim
 from dpcompile.analysis.batch_rules.matrix import linear_function, matmul
-from dpcompile.analysis.batch_rules.modules import per_sample_dim0
+from dpcompile.analysis.batch_rules.modules import pad, per_sample_dim0
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.reductions import reduction, softmax_like
 from dpcompile.analysis.batch_rules.shape import expand as expand_split
@@ -384,8 +384,8 @@ PER_SAMPLE = (
     "conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
     "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
-    "max_pool2d_with_indices", "upsample_nearest2d", "upsample_bilinear2d", "upsample_nearest1d", "pad",
-    "constant_pad_nd", "reflection_pad2d", "replicate_pad2d", "group_norm", "instance_norm", "pixel_shuffle",
+    "max_pool2d_with_indices", "upsample_nearest2d", "upsample_bilinear2d", "upsample_nearest1d",
+    "group_norm", "instance_norm", "pixel_shuffle",
     "pixel_unshuffle", "channel_shuffle",
 )
 
@@ -408,6 +408,8 @@ for _name in POINTWISE:
     register_aten_rule(_name, pointwise)
 for _name in PER_SAMPLE:
     register_aten_rule(_name, per_sample_dim0)
+for _name in ("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d"):
+    register_aten_rule(_name, pad)
 for _name, _rule in {
     "linear": linear_function,
     "addmm": addmm,

@@ -29,6 +29,21 @@ def per_sample_dim0(ctx: RuleContext) -> Placement | None:
     return None
 
 
+def pad(ctx: RuleContext) -> Placement | None:
+    """``F.pad(x, pad)`` and the padding layers pad the last ``len(pad) // 2`` dims: per sample
+    where those surely lie after the batch dim. ``F.pad(h, (0, 0, 1, 1))`` of a 2-D batch pads the
+    batch itself (two more rows), so where the rank is unknown and could be that low it runs whole."""
+    p = ctx.p(ctx.tensor_arg())
+    others = [ctx.p(n) for n in ctx.node.all_input_nodes[1:]]
+    if not (isinstance(p, Split) and all(isinstance(o, Replicated) for o in others)):
+        return None
+    padding = getattr(ctx.module, "padding", None) if ctx.module is not None else ctx.arg(1, "pad")
+    if not isinstance(padding, (list, tuple)) or not padding:
+        return None
+    first_padded = ctx.resolve(-(len(padding) // 2), ctx.tensor_arg(), p.dim)
+    return p if first_padded is not None and first_padded > p.dim else None
+
+
 def embedding(ctx: RuleContext) -> Placement | None:
     p = ctx.p(ctx.tensor_arg())
     if isinstance(p, Split) and all(isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
@@ -155,6 +170,7 @@ def pad_packed(ctx: RuleContext) -> Placement | None:
 
 
 BATCH_RULES.register_family(ops.PER_SAMPLE, per_sample_dim0)
+BATCH_RULES.register_family(ops.PAD, pad)
 for _norm in ops.BATCH_NORMS:
     BATCH_RULES.register(_norm, per_sample_dim0)  # per sample here; the data-parallel pass syncs statistics
 for _norm in ops.INSTANCE_NORMS:

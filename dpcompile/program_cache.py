@@ -18,6 +18,7 @@ the version of one of the watched dicts (a module's ``__dict__``, ``_modules``,
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import types
 import warnings
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.nn.modules import module as nn_module
@@ -37,15 +39,43 @@ except ImportError:  # pragma: no cover - a torch without dynamo's C guards
 
 log = logging.getLogger("dpcompile")
 
-PLAIN_TYPES = (bool, int, float, str, type(None), enum.Enum)
+PLAIN_TYPES = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device)
+# values forward may call or pass along whose identity tracing baked in (``self.act = F.gelu``)
+_CALLABLE_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial, type)
+_UNWATCHED = object()
+_MAX_ITEMS = 64  # a longer list or dict is data, not configuration: not watched
 
-# hooks of every module, registered with torch.nn.modules.module.register_module_forward_*_hook
+# hooks of every module, registered with torch.nn.modules.module.register_module_*_hook
 _GLOBAL_HOOK_DICTS = tuple(
     getattr(nn_module, name)
-    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_with_kwargs")
+    for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_with_kwargs",
+        "_global_backward_hooks", "_global_backward_pre_hooks",
+    )
     if isinstance(getattr(nn_module, name, None), dict)
-)
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+)  # fmt: skip
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_BACKWARD_HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks")
+
+
+def frozen(value: Any, depth: int = 0) -> Any:
+    """``value`` as a hashable description of what tracing read of it: plain values and small
+    tuples, lists and dicts of them by value, functions by identity; :data:`_UNWATCHED` otherwise."""
+    if isinstance(value, PLAIN_TYPES):
+        return value
+    if isinstance(value, _CALLABLE_TYPES):
+        return ("callable", id(value))
+    if depth > 3:
+        return _UNWATCHED
+    if isinstance(value, (tuple, list)) and len(value) <= _MAX_ITEMS:
+        items: tuple = tuple(frozen(v, depth + 1) for v in value)
+        parts = items
+    elif isinstance(value, dict) and len(value) <= _MAX_ITEMS:
+        items = tuple((frozen(k, depth + 1), frozen(v, depth + 1)) for k, v in value.items())
+        parts = tuple(x for pair in items for x in pair)
+    else:
+        return _UNWATCHED
+    return _UNWATCHED if any(x is _UNWATCHED for x in parts) else (type(value).__name__, items)
 
 
 class Modes(tuple):
@@ -158,10 +188,13 @@ class ModelGuard:
     """Watches the modules a model's forward was traced through.
 
     ``fingerprint()`` describes what tracing baked into the program: each entered module's
-    hooks, its children and parameters (by identity) and the plain attributes its code
-    mentions (``self.use_residual``); ``modes()`` their training flags. Leaf modules (RNNs,
-    ``leaf_modules=``, torch.nn layers) run as calls, so their hooks and modes apply at run
-    time and are not watched; swapping one is (it is a child of an entered module).
+    hooks, its children and parameters (by identity) and the attributes its code mentions
+    (``self.use_residual``, ``self.scales = [1.0, 2.0]``, ``self.act = F.gelu``, a ``forward``
+    set on the instance), and those attributes of its leaf children (``self.norm.eps``);
+    ``modes()`` their training flags. Leaf modules (RNNs, ``leaf_modules=``, torch.nn layers) run
+    as calls, so their hooks and modes apply at run time and are not watched; swapping one is
+    (it is a child of an entered module). A list or dict attribute is compared by value at
+    every call, as changing it in place leaves every dict version as it was.
     """
 
     def __init__(
@@ -191,10 +224,23 @@ class ModelGuard:
 
     def _refresh(self) -> None:
         self.entered = list(self._entered())
-        self._dicts = [*_GLOBAL_HOOK_DICTS]
+        entered_ids = {id(m) for _, m in self.entered}
+        self._leaf_children = [
+            (f"{path}.{name}" if path else name, c)
+            for path, m in self.entered for name, c in m._modules.items() if c is not None and id(c) not in entered_ids
+        ]  # fmt: skip
+        self._dicts = [*_GLOBAL_HOOK_DICTS, *(c.__dict__ for _, c in self._leaf_children)]
         for _, m in self.entered:
             self._dicts += [m.__dict__, m._modules, m._parameters, m._buffers, *(getattr(m, h) for h in _HOOK_DICTS)]
+        self._mutables: list[tuple[Any, Any]] = []
         self._versions = self._read_versions()
+        # modules forward enters (not the model itself) with backward hooks, or all of them under a
+        # global backward hook: tracing cannot record those, so a call refuses to run without them
+        everywhere = any(getattr(nn_module, h, None) for h in ("_global_backward_hooks", "_global_backward_pre_hooks"))
+        self.hooks = tuple((path, tuple(id(h) for d in _HOOK_DICTS for h in getattr(m, d).values())) for path, m in self.entered if path)
+        self.backward_hooked = [
+            path for path, m in self.entered if path and (everywhere or any(getattr(m, h) for h in _BACKWARD_HOOK_DICTS))
+        ]
         self._modes = Modes((path, m.training) for path, m in self.entered)
         # what the program is specialised on, as a small token: equal fingerprints, equal tokens
         self._fingerprint = self._tokens.setdefault(self._compute_fingerprint(), len(self._tokens))
@@ -202,24 +248,38 @@ class ModelGuard:
     def _read_versions(self) -> tuple[int, ...] | None:
         return None if dict_version is None else tuple(map(dict_version, self._dicts))
 
+    def _attributes(self, module: nn.Module, names: frozenset[str]) -> tuple:
+        out = []
+        for name, value in module.__dict__.items():
+            if name in names:
+                description = frozen(value)
+                if description is not _UNWATCHED:
+                    out.append((name, description))
+                    if isinstance(value, (list, dict)):
+                        self._mutables.append((value, description))
+        return tuple(out)
+
     def _compute_fingerprint(self) -> tuple:
         out: list[Any] = [tuple(id(h) for d in _GLOBAL_HOOK_DICTS for h in d.values())]
+        read_anywhere: set[str] = set()
         for path, m in self.entered:
-            mentioned = _code_names(type(m))
-            attributes = tuple(
-                (name, value) for name, value in m.__dict__.items()
-                if name in mentioned and isinstance(value, PLAIN_TYPES)
-            )  # fmt: skip
+            mentioned = _code_names(type(m)) | {"forward"}
+            read_anywhere |= mentioned
+            attributes = self._attributes(m, mentioned)
             hooks = tuple(id(h) for name in _HOOK_DICTS if path for h in getattr(m, name).values())
             children = tuple((name, id(c)) for name, c in m._modules.items())
             tensors = tuple((name, id(t)) for d in (m._parameters, m._buffers) for name, t in d.items())
             out.append((path, type(m), attributes, hooks, children, tensors))
+        read_of_leaves = frozenset(read_anywhere - {"training", "forward"})  # their modes apply at run time
+        out.append(tuple((path, self._attributes(c, read_of_leaves)) for path, c in self._leaf_children))
         return tuple(out)
 
     def _current(self) -> None:
         versions = self._read_versions()
         if versions is None or versions != self._versions:
             self._refresh()
+        elif self._mutables and any(frozen(value) != seen for value, seen in self._mutables):
+            self._refresh()  # a list or dict attribute changed in place
 
     def modes(self) -> tuple[tuple[str, bool], ...]:
         self._current()
@@ -240,8 +300,9 @@ class ModelGuard:
         return self._fingerprint
 
     def root_hooks(self) -> bool:
-        """Whether the model itself has forward hooks (tracing forward never runs them)."""
-        return bool(self.model._forward_hooks or self.model._forward_pre_hooks)
+        """Whether the model itself has forward or backward hooks (tracing forward never runs them)."""
+        m = self.model
+        return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
 class ProgramCache:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.nn.modules import module as nn_module
 
 from dpcompile.capture import ROOT_LEAF, DpTracer
 from dpcompile.devices import Devices
@@ -43,6 +42,7 @@ from dpcompile.fx_utils import (
     reserve_names,
     unalias,
 )
+from dpcompile.modules.hooks import call_with_hooks, has_hooks, load_pre_hooks, state_dict_with_hooks
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
 
@@ -73,7 +73,7 @@ class ParallelModule(fx.GraphModule):
         "recipe", "devices", "mode", "input_dims", "output_device", "plan", "records", "captured",
         "traced_model", "program_cache", "captured_code", "plan_reasons", "param_shards",
         "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
-        "_guard", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
+        "_guard", "_hooks_traced", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
     })  # fmt: skip
 
     def __init__(
@@ -136,6 +136,7 @@ class ParallelModule(fx.GraphModule):
         object.__setattr__(self, "_guard", ModelGuard(source if self._shares_source else self, is_leaf, paths=watched))
         main_key = self._key(len(self.devices), none_args, tuple(flags.items()))
         object.__setattr__(self, "program_cache", ProgramCache(main_key, self._build_program))
+        object.__setattr__(self, "_hooks_traced", self._guard.hooks)  # a private copy's: checked, not followed
         self._adopted = main_key.guard
 
     def _share_state_of(self, model: nn.Module) -> None:
@@ -295,6 +296,14 @@ class ParallelModule(fx.GraphModule):
     @torch.compiler.disable
     def _lookup(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         key = self.call_key(*args, **kwargs)
+        if self._shares_source and self._guard.backward_hooked:
+            raise self._backward_hooks_error(self._guard.backward_hooked)
+        if not self._shares_source and self.traced_model is not None and self._guard.hooks != self._hooks_traced:
+            raise DpCompileError(
+                "a forward or backward hook was added to or removed from a submodule of this tensor-parallel "
+                "program after transform; hooks of modules forward is traced through are part of the program. "
+                "Register them on the model before dpcompile.transform (or on the program itself, pm.register_forward_hook)."
+            )
         if key.guard != self._adopted and self._shares_source:
             adopt_state(self, self.traced_model)  # a submodule or parameter of the model was replaced
             self._adopted = key.guard
@@ -312,12 +321,36 @@ class ParallelModule(fx.GraphModule):
         own forward hooks around it, which tracing forward never records."""
         if self._shares_source and self._guard.root_hooks():
             run = super().__call__ if program is self else program
-            return _call_with_hooks(self.traced_model, run, args, kwargs)
+            return call_with_hooks(self.traced_model, run, args, kwargs)
         if program is self:
-            if _has_hooks(self):  # hooks the user registered on pm itself
+            if has_hooks(self):  # hooks the user registered on pm itself
                 return super().__call__(*args, **kwargs)
             return self.forward(*args, **kwargs)
         return program(*args, **kwargs)
+
+    def _backward_hooks_error(self, paths: list[str]) -> DpCompileError:
+        first = self.traced_model.get_submodule(paths[0])
+        return DpCompileError(
+            f"backward hooks on {', '.join(repr(p) for p in paths[:3])} (a module forward is traced through, "
+            "not called) cannot run in the generated program, and the program would silently skip them. "
+            f"Mark the module as a leaf (leaf_modules=[{type(first).__name__}]) so it is called with its hooks, "
+            "register the hook on the model itself or on a tensor (tensor.register_hook), or remove it."
+        )
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The model's keys and tensors, with the model's own ``state_dict`` hooks run as it runs them."""
+        model = self.__dict__.get("traced_model")
+        save = super().state_dict
+        if not getattr(self, "_shares_source", False) or not (model._state_dict_pre_hooks or model._state_dict_hooks):
+            return save(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return state_dict_with_hooks(
+            model, lambda: save(*args, destination=destination, prefix=prefix, keep_vars=keep_vars), prefix, keep_vars
+        )
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *rest: Any) -> None:
+        if getattr(self, "_shares_source", False):
+            load_pre_hooks(self.traced_model, state_dict, prefix, *rest)  # the model's own, not pm's
+        super()._load_from_state_dict(state_dict, prefix, *rest)
 
     def _build_program(self, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program for ``key``; None where the main program serves it."""
@@ -438,43 +471,6 @@ class ParallelModule(fx.GraphModule):
 
 
 _NO_NONES: frozenset[str] = frozenset()
-_GLOBAL_HOOKS = tuple(
-    getattr(nn_module, name)
-    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
-)
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    """Whether ``module.__call__`` would do more than call ``forward`` (as ``nn.Module._call_impl`` checks)."""
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-        or any(_GLOBAL_HOOKS)
-    )  # fmt: skip
-
-
-def _call_with_hooks(model: nn.Module, run: Any, args: tuple, kwargs: dict) -> Any:
-    """Run ``run`` as ``model.__call__`` would run ``model.forward``: its forward pre-hooks
-    and hooks around it (tracing forward never runs the root's own hooks)."""
-    for hook_id, hook in list(model._forward_pre_hooks.items()):
-        if hook_id in model._forward_pre_hooks_with_kwargs:
-            result = hook(model, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        else:
-            result = hook(model, args)
-            if result is not None:
-                args = result if isinstance(result, tuple) else (result,)
-    output = run(*args, **kwargs)
-    for hook_id, hook in list(model._forward_hooks.items()):
-        if hook_id in model._forward_hooks_with_kwargs:
-            result = hook(model, args, kwargs, output)
-        else:
-            result = hook(model, args, output)
-        if result is not None:
-            output = result
-    return output
-
-
 @contextlib.contextmanager
 def modes_applied(model: nn.Module, modes: Sequence[tuple[str, bool]]) -> Iterator[nn.Module]:
     """``model`` with the training flag of each module set as ``modes`` (by path) says, for

@@ -144,3 +144,176 @@ def test_guard_leaf_module_hooks_run_per_replica_on_a_chunk(copy_replicas):
     torch.testing.assert_close(pm(x), model.leaf(model.rnn(model.fc(x))[0]))
     # the eager check above added one whole-batch call to each hook: the program's are the chunks before it
     assert seen == {"fc": [3, 3, 6], "rnn": [3, 3, 6], "leaf": [6, 6], "fc_pre": [3, 3, 6]}, seen
+
+
+class Configured(nn.Module):
+    """Forward reads a list, a tuple, a function, a dtype and a leaf child's attribute (``self.norm.eps``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.scales = [1.0, 2.0]
+        self.dims = (1,)
+        self.act = torch.relu
+        self.dtype = torch.float32
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        for s in self.scales:
+            h = h * s
+        h = nn.functional.layer_norm(h, (8,), self.norm.weight, self.norm.bias, self.norm.eps)
+        return h.to(self.dtype).amax(self.dims)
+
+
+def _configured() -> tuple[Configured, dpcompile.ParallelModule, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Configured()
+    return model, dpcompile.transform(model, ["cpu"] * 2), torch.randn(6, 8)
+
+
+def _same_typed(pm: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
+    out, expected = pm(x), model(x)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out, expected)
+
+
+def test_guard_list_attribute_replaced_or_changed_in_place_is_followed():
+    """model.scales = [3.0], then model.scales.append(5.0) (no dict version changes): pm follows both."""
+    model, pm, x = _configured()
+    model.scales = [3.0]
+    _same_typed(pm, model, x)
+    model.scales.append(5.0)
+    _same_typed(pm, model, x)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m, "dims", (0, 1)),
+        lambda m: setattr(m, "act", torch.tanh),
+        lambda m: setattr(m, "dtype", torch.float64),
+        lambda m: setattr(m.norm, "eps", 10.0),
+    ],
+    ids=["tuple", "function", "dtype", "leaf_child_attribute"],
+)
+def test_guard_non_scalar_attribute_forward_reads_is_followed(change):
+    """A tuple, a function, a dtype, or an attribute of a leaf child that forward reads, changed after transform."""
+    model, pm, x = _configured()
+    change(model)
+    _same_typed(pm, model, x)
+
+
+def test_guard_forward_replaced_on_a_container_instance_is_followed():
+    """model.block.forward = ... after transform: pm runs the new forward."""
+    model, pm, x = _pair()
+    model.block.forward = lambda h: h * 0 + 1
+    _same(pm, model, x)
+
+
+def test_guard_container_hook_variants_apply():
+    """with_kwargs, prepend and always_call forward hooks, and a with_kwargs pre-hook, on containers after transform."""
+    model, pm, x = _pair()
+    model.block.register_forward_hook(lambda m, args, kwargs, out: out * 2, with_kwargs=True)
+    model.block.register_forward_hook(lambda m, args, out: out + 1, prepend=True)
+    model.block.register_forward_hook(lambda m, args, out: out - 3, always_call=True)
+    model.block.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 0.5,), kwargs), with_kwargs=True)
+    _same(pm, model, x)
+
+
+def test_guard_global_module_hooks_apply_and_stop_applying():
+    """A global forward hook and pre-hook (register_module_forward_*_hook) registered after transform, then removed."""
+    model, pm, x = _pair()
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: out * 2 if isinstance(m, nn.Sequential) else None
+    )
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, args: (args[0] + 1,) if isinstance(m, nn.Sequential) else None
+    )
+    try:
+        _same(pm, model, x)
+    finally:
+        hook.remove(), pre.remove()
+    _same(pm, model, x)
+
+
+def _grads(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = x.clone().requires_grad_()
+    module(x).pow(2).sum().backward()
+    return x.grad
+
+
+def test_guard_root_backward_hooks_run_as_on_the_model():
+    """Full backward hooks and pre-hooks on the model itself change the input gradient as eager, once per backward."""
+    model, pm, x = _pair()
+    calls = []
+    model.register_full_backward_pre_hook(lambda m, grad_out: (grad_out[0] * 3,))
+    model.register_full_backward_hook(lambda m, grad_in, grad_out: calls.append(m) or (grad_in[0] * 2,))
+    torch.testing.assert_close(_grads(pm, x), _grads(model, x))
+    assert calls == [model, model]
+
+
+def test_guard_container_backward_hook_is_refused_not_skipped():
+    """A backward hook on a module forward is traced through cannot run: the call says so and how to
+    keep it (leaf_modules=), which then runs the hook as eager does."""
+    model, pm, x = _pair()
+    handle = model.block.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 2,))
+    with pytest.raises(dpcompile.DpCompileError, match=r"leaf_modules=\[Sequential\]"):
+        pm(x)
+    torch.manual_seed(0)
+    leafy = dpcompile.transform(model, ["cpu"] * 2, leaf_modules=[nn.Sequential])
+    torch.testing.assert_close(_grads(leafy, x), _grads(model, x))
+    handle.remove()
+    _same(pm, model, x)
+
+
+def test_guard_root_state_dict_hooks_run_as_on_the_model():
+    """The model's own state_dict post-hook and load_state_dict pre-hook run on pm.state_dict() / pm.load_state_dict()."""
+    model, pm, x = _pair()
+
+    def add_step(module, state, prefix, metadata):
+        state[prefix + "step"] = torch.tensor(7)
+
+    def drop_step(state, prefix, *rest):
+        state.pop(prefix + "step", None)
+
+    model._register_state_dict_hook(add_step)
+    model._register_load_state_dict_pre_hook(drop_step)
+    assert pm.state_dict().keys() == model.state_dict().keys()
+    assert int(pm.state_dict()["step"]) == 7
+    state = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    pm.load_state_dict(state)
+    assert torch.equal(model.gain, torch.zeros(8))
+    _same(pm, model, x)
+
+
+def test_guard_tensor_parallel_hook_on_a_program_container_is_refused():
+    """A hook added to a submodule of a tensor-parallel program after transform is refused, never skipped."""
+    torch.manual_seed(0)
+    model = Residual()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True)
+    x = torch.randn(6, 8)
+    handle = pm.block.register_forward_hook(lambda m, args, out: out * 2)
+    with pytest.raises(dpcompile.DpCompileError, match="before dpcompile.transform"):
+        pm(x)
+    handle.remove()
+    torch.testing.assert_close(pm(x), model(x))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.to(torch.float64),
+        lambda m: m.block.eval(),
+        lambda m: delattr(m, "fc2") or setattr(m, "fc2", nn.Identity()),
+        lambda m: m.block[0].weight.requires_grad_(False),
+    ],
+    ids=["float64", "child_eval", "deleted_and_replaced", "frozen_parameter"],
+)
+def test_guard_model_changed_after_transform_is_followed(change):
+    """The model converted to float64, a child put in eval, a submodule deleted and replaced, a parameter frozen."""
+    model, pm, x = _pair()
+    change(model)
+    x = x.to(model.gain.dtype)
+    torch.testing.assert_close(pm(x), model(x))
+    torch.testing.assert_close(_grads(pm, x), _grads(model, x))

@@ -1,0 +1,90 @@
+"""The model's own hooks, which tracing ``model.forward`` never records, run around a program as
+``model(x)`` runs them: forward pre-hooks and hooks, backward hooks and pre-hooks, and the
+``state_dict`` hooks of the model itself (a data-parallel program shares the model's submodules,
+so theirs run as they are).
+
+    output = call_with_hooks(model, program, args, kwargs)   # model.__call__ with program as forward
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as nn_module
+from torch.utils.hooks import BackwardHook
+
+_GLOBAL_HOOKS = tuple(
+    getattr(nn_module, name)
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module.__call__`` would do more than call ``forward`` (as ``nn.Module._call_impl`` checks)."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or any(_GLOBAL_HOOKS)
+    )  # fmt: skip
+
+
+def call_with_hooks(model: nn.Module, run: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``run`` as ``model.__call__`` would run ``model.forward``: the model's own forward
+    pre-hooks and hooks around it, and its backward hooks on the gradients of its inputs and
+    outputs (global hooks run in ``run``'s own call)."""
+    for hook_id, hook in list(model._forward_pre_hooks.items()):
+        if hook_id in model._forward_pre_hooks_with_kwargs:
+            result = hook(model, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(model, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    backward = None
+    full_hooks = list(model._backward_hooks.values()) if model._is_full_backward_hook is True else []
+    if full_hooks or model._backward_pre_hooks:
+        backward = BackwardHook(model, full_hooks, list(model._backward_pre_hooks.values()))
+        args = backward.setup_input_hook(args)
+    output = run(*args, **kwargs)
+    for hook_id, hook in list(model._forward_hooks.items()):
+        if hook_id in model._forward_hooks_with_kwargs:
+            result = hook(model, args, kwargs, output)
+        else:
+            result = hook(model, args, output)
+        if result is not None:
+            output = result
+    if backward is not None:
+        output = backward.setup_output_hook(output)
+    if model._backward_hooks and model._is_full_backward_hook is False:  # register_backward_hook (deprecated)
+        _register_module_backward_hooks(model, output)
+    return output
+
+
+def _register_module_backward_hooks(model: nn.Module, output: Any) -> None:
+    var = output
+    while not hasattr(var, "grad_fn"):
+        var = next(iter(var.values())) if isinstance(var, dict) else var[0]
+    if var.grad_fn is not None:
+        for hook in model._backward_hooks.values():
+            var.grad_fn.register_hook(nn_module._WrappedHook(hook, model))
+
+
+def state_dict_with_hooks(model: nn.Module, save: Any, prefix: str, keep_vars: bool) -> Any:
+    """``save()`` (the program's state dict, the model's keys) with the model's own
+    ``state_dict`` pre-hooks and post-hooks around it, as ``model.state_dict()`` runs them."""
+    for hook in model._state_dict_pre_hooks.values():
+        hook(model, prefix, keep_vars)
+    destination = save()
+    metadata = getattr(destination, "_metadata", {}).get(prefix[:-1], {"version": model._version})
+    for hook in model._state_dict_hooks.values():
+        result = hook(model, destination, prefix, metadata)
+        if result is not None and not getattr(hook, "_from_public_api", False):
+            destination = result
+    return destination
+
+
+def load_pre_hooks(model: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
+    """Run the model's own ``load_state_dict`` pre-hooks (they may rename or convert entries)."""
+    for hook in model._load_state_dict_pre_hooks.values():
+        hook(state_dict, prefix, *rest)

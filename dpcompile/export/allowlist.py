@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx._symbolic_trace import _assert_is_none
 from torch.fx.node import _get_qualified_name
 
 from dpcompile.errors import DpCompileError
@@ -61,6 +62,7 @@ _TORCH_DENIED = frozenset(
      "set_printoptions", "set_flush_denormal", "use_deterministic_algorithms", "set_warn_always"}
 )  # fmt: skip
 _TORCH_PRIVATE_OK = frozenset({"_assert"})
+_ASSERT_IS_NONE = "torch.fx._symbolic_trace._assert_is_none"
 _OPERATORS = frozenset(
     {"getitem", "setitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "neg", "pos",
      "invert", "and_", "or_", "xor", "lshift", "rshift", "eq", "ne", "lt", "le", "gt", "ge", "not_", "is_",
@@ -211,6 +213,8 @@ def _aten(qualname: str) -> Any:
 def _lookup(qualname: str) -> Any:
     if qualname in _outputs:
         return _outputs[qualname]
+    if qualname == _ASSERT_IS_NONE:  # the check of an optional argument a program was traced with as None
+        return _assert_is_none
     if qualname.startswith("torch.ops.aten."):
         return _aten(qualname)
     namespace, _, name = qualname.rpartition(".")

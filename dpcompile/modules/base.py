@@ -431,6 +431,11 @@ class ParallelModule(fx.GraphModule):
             for nones in {key.none_args, *(none_patterns if key is main else ())}:
                 for modes in (key.modes, Modes((path, not t) for path, t in key.modes)):
                     wanted.add(CallKey(key.devices, modes, nones, key.flags, key.guard))
+        for name, value in main.flags:  # the other value of each bool flag
+            if type(value) is bool:
+                flipped = tuple((n, not v if n == name else v) for n, v in main.flags)
+                for modes in (main.modes, Modes((path, not t) for path, t in main.modes)):
+                    wanted.add(CallKey(main.devices, modes, main.none_args, flipped, main.guard))
         out = []
         for key in wanted:
             try:

@@ -198,11 +198,18 @@ class ModelGuard:
     """
 
     def __init__(
-        self, model: nn.Module, is_leaf: Callable[[nn.Module, str], bool], *, paths: Sequence[str] | None = None
+        self,
+        model: nn.Module,
+        is_leaf: Callable[[nn.Module, str], bool],
+        *,
+        paths: Sequence[str] | None = None,
+        root_class: type | None = None,
     ):
         """``paths``: watch these modules of ``model`` (a restored program's, whose modules are
-        plain stand-ins) instead of the ones tracing would enter."""
+        plain stand-ins) instead of the ones tracing would enter; ``root_class``: the class whose
+        code forward ran at the root, where ``model`` is a program standing in for the model."""
         self.model = model
+        self.root_class = root_class
         self.is_leaf = is_leaf
         self._paths = None if paths is None else tuple(paths)
         self._tokens: dict[tuple, int] = {}
@@ -261,17 +268,22 @@ class ModelGuard:
 
     def _compute_fingerprint(self) -> tuple:
         out: list[Any] = [tuple(id(h) for d in _GLOBAL_HOOK_DICTS for h in d.values())]
-        read_anywhere: set[str] = set()
+        # a module's attribute may be read by its own code or by a parent's (``self.block.enabled``)
+        classes = {type(m) for _, m in self.entered if not isinstance(m, fx.GraphModule)}
+        readers = classes | ({self.root_class} if self.root_class not in (None, type(None)) else set())
+        read_anywhere = frozenset().union(*map(_code_names, readers)) - {"training"} | {"forward"}  # modes: keyed apart
+        read_of_leaves = read_anywhere - {"forward"}
+        attributes = [(path, self._attributes(m, read_anywhere)) for path, m in self.entered if type(m) in classes]
+        attributes += [(path, self._attributes(c, read_of_leaves)) for path, c in self._leaf_children]
+        self.attributes = tuple(attributes)
         for path, m in self.entered:
-            mentioned = _code_names(type(m)) | {"forward"}
-            read_anywhere |= mentioned
-            attributes = self._attributes(m, mentioned)
+            if isinstance(m, fx.GraphModule):  # a program (tensor parallel): its code is its graph
+                continue
             hooks = tuple(id(h) for name in _HOOK_DICTS if path for h in getattr(m, name).values())
             children = tuple((name, id(c)) for name, c in m._modules.items())
             tensors = tuple((name, id(t)) for d in (m._parameters, m._buffers) for name, t in d.items())
-            out.append((path, type(m), attributes, hooks, children, tensors))
-        read_of_leaves = frozenset(read_anywhere - {"training", "forward"})  # their modes apply at run time
-        out.append(tuple((path, self._attributes(c, read_of_leaves)) for path, c in self._leaf_children))
+            out.append((path, type(m), hooks, children, tensors))
+        out.append(self.attributes)
         return tuple(out)
 
     def _current(self) -> None:

@@ -162,6 +162,11 @@ def export(pm: nn.Module, path: str | Path) -> Path:
             f"export writes data-parallel and tensor-parallel programs; a {pm.mode} program (over a mesh) "
             "is rebuilt by running transform in each process: save its weights with pm.state_dict()"
         )
+    if pm.model_changed_since_transform():
+        raise ExportError(
+            "the model changed since transform (a hook, submodule, parameter or attribute forward reads): the "
+            "program would be the one traced before; call dpcompile.transform again and export that"
+        )
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise ExportError(f"{folder} exists and is not a folder")
@@ -184,8 +189,10 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
     from dpcompile.fx_utils import copy_graph
 
     model = pm.__dict__.get("traced_model")
-    if getattr(pm, "_shares_source", False) and model is not None and (model._forward_hooks or model._forward_pre_hooks):
-        raise NotData(f"the model ({type(model).__name__}) has forward hooks on itself, which run around the program (Python code)")
+    if getattr(pm, "_shares_source", False) and model is not None and (
+        model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or model._backward_pre_hooks
+    ):
+        raise NotData(f"the model ({type(model).__name__}) has forward hooks (or backward hooks) on itself, which run around the program (Python code)")
     captured = pm.captured.graph if getattr(pm, "captured", None) is not None else None
     programs, traces = collect(pm)
     # copies: renaming a variant's own tensors (below) must not touch the module's cached programs

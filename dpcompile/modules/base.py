@@ -133,10 +133,12 @@ class ParallelModule(fx.GraphModule):
         # modes are read from the model where pm shares it, else from pm's own modules; a program
         # without a forward to trace (a GraphModule given or exported) is code fixed for every mode
         watched = None if source is not None else ()
-        object.__setattr__(self, "_guard", ModelGuard(source if self._shares_source else self, is_leaf, paths=watched))
+        guarded = source if self._shares_source else self  # a program's root reads what the model's code read
+        object.__setattr__(self, "_guard", ModelGuard(guarded, is_leaf, paths=watched, root_class=type(source)))
         main_key = self._key(len(self.devices), none_args, tuple(flags.items()))
         object.__setattr__(self, "program_cache", ProgramCache(main_key, self._build_program))
-        object.__setattr__(self, "_hooks_traced", self._guard.hooks)  # a private copy's: checked, not followed
+        # a private copy's hooks and attributes: checked, not followed
+        object.__setattr__(self, "_hooks_traced", (self._guard.hooks, self._guard.attributes))
         self._adopted = main_key.guard
 
     def _share_state_of(self, model: nn.Module) -> None:
@@ -298,12 +300,8 @@ class ParallelModule(fx.GraphModule):
         key = self.call_key(*args, **kwargs)
         if self._shares_source and self._guard.backward_hooked:
             raise self._backward_hooks_error(self._guard.backward_hooked)
-        if not self._shares_source and self.traced_model is not None and self._guard.hooks != self._hooks_traced:
-            raise DpCompileError(
-                "a forward or backward hook was added to or removed from a submodule of this tensor-parallel "
-                "program after transform; hooks of modules forward is traced through are part of the program. "
-                "Register them on the model before dpcompile.transform (or on the program itself, pm.register_forward_hook)."
-            )
+        if not self._shares_source and self.traced_model is not None:
+            self._check_unchanged_since_transform()
         if key.guard != self._adopted and self._shares_source:
             adopt_state(self, self.traced_model)  # a submodule or parameter of the model was replaced
             self._adopted = key.guard
@@ -327,6 +325,25 @@ class ParallelModule(fx.GraphModule):
                 return super().__call__(*args, **kwargs)
             return self.forward(*args, **kwargs)
         return program(*args, **kwargs)
+
+    def _check_unchanged_since_transform(self) -> None:
+        """A tensor-parallel program traced a private copy of the model: a hook or an attribute
+        forward reads, changed on ``pm``'s submodules since, cannot be followed; refuse it."""
+        hooks, attributes = self._hooks_traced
+        if self._guard.hooks != hooks:
+            raise DpCompileError(
+                "a forward or backward hook was added to or removed from a submodule of this tensor-parallel "
+                "program after transform; hooks of modules forward is traced through are part of the program. "
+                "Register them on the model before dpcompile.transform (or on the program itself, pm.register_forward_hook)."
+            )
+        if self._guard.attributes != attributes:
+            before, now = ({(p, n): v for p, pairs in attrs for n, v in pairs} for attrs in (attributes, self._guard.attributes))
+            changed = sorted(f"{p}.{n}".lstrip(".") for p, n in before.keys() | now.keys() if before.get((p, n)) != now.get((p, n)))
+            raise DpCompileError(
+                f"attributes forward reads ({', '.join(changed[:4])}) changed on this tensor-parallel program's "
+                "submodules after transform; the program was traced with their old values. Set them on the model "
+                "and call dpcompile.transform again."
+            )
 
     def _backward_hooks_error(self, paths: list[str]) -> DpCompileError:
         first = self.traced_model.get_submodule(paths[0])
@@ -378,8 +395,19 @@ class ParallelModule(fx.GraphModule):
     def __reduce__(self):
         return self._reduce(carry_programs=True)
 
+    def model_changed_since_transform(self) -> bool:
+        """Whether the model's hooks, submodules, parameters or attributes forward reads departed
+        from those the main program (``pm.graph``) was traced with."""
+        return self._shares_source and self._guard.fingerprint() != self.program_cache.main_key.guard
+
     def _reduce(self, *, carry_programs: bool):
         source = self._picklable_source()
+        stale = self.model_changed_since_transform()  # the copy traces every call afresh
+        if stale and source is None and carry_programs:
+            raise DpCompileError(
+                f"the model changed since transform and its class {type(self.traced_model).__qualname__} cannot be "
+                "imported to trace it again where this copy is loaded; call dpcompile.transform again before saving"
+            )
         # carried for a copy that cannot trace them: no importable model, or a pickler that keeps
         # only torch.nn classes (export); a deep copy traces what it needs
         state = {
@@ -409,6 +437,7 @@ class ParallelModule(fx.GraphModule):
             ],
             "extra": self._extra_state_for_pickle(),
             "source": source,
+            "stale_main": stale,
         }
         return (_restore_parallel_module, (_importable_class(self), state))
 
@@ -550,6 +579,8 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
         pm._modules.pop(ROOT_LEAF, None)
     pm._restore_extra_state(state["extra"])
     pm.training = state["training"]  # each submodule was pickled with its own mode
+    if state.get("stale_main") and pm.traced_model is not None:  # pm.graph was traced for the model as it was
+        pm.program_cache.main_key = pm.program_cache.main_key._replace(guard=-1)
     if pm.traced_model is None:
         pm.call_signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
         main = state["main_key"]

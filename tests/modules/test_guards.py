@@ -4,6 +4,8 @@ after any of them changed runs a program traced for the model as it is now."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -317,3 +319,67 @@ def test_guard_model_changed_after_transform_is_followed(change):
     x = x.to(model.gain.dtype)
     torch.testing.assert_close(pm(x), model(x))
     torch.testing.assert_close(_grads(pm, x), _grads(model, x))
+
+
+class Switched(nn.Module):
+    """The parent reads attributes of a child container: ``self.block.enabled``, ``self.block.gain``."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.block.enabled = True
+        self.block.gain = 1
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.block(x) if self.block.enabled else x
+        return self.head(h * self.block.gain)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_guard_child_attribute_the_parent_reads_is_followed(n):
+    """model.block.enabled = False, model.block.gain = 3 after transform (read by the parent's forward)."""
+    torch.manual_seed(0)
+    model = Switched()
+    pm = dpcompile.transform(model, ["cpu"] * n)
+    x = torch.randn(7, 8)
+    model.block.enabled = False
+    _same(pm, model, x)
+    model.block.gain = 3
+    _same(pm, model, x)
+
+
+def test_guard_copies_made_after_a_change_follow_the_model():
+    """A deep copy and a torch.save round trip of pm, made after the model changed, run the model as it is now."""
+    import io
+
+    model, pm, x = _pair()
+    model.use_residual = False
+    copied = copy.deepcopy(pm)
+    torch.testing.assert_close(copied(x), model(x))
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), model(x))
+
+
+def test_guard_export_after_a_change_is_refused(tmp_path):
+    """Exporting a program whose model changed since transform says to transform again (no stale program)."""
+    model, pm, x = _pair()
+    model.use_residual = False
+    with pytest.raises(dpcompile.DpCompileError, match="transform again"):
+        dpcompile.export(pm, tmp_path / "out")
+
+
+def test_guard_tensor_parallel_attribute_changed_on_the_program_is_refused():
+    """pm.block.gain changed on a tensor-parallel program: refused, naming it; pm.eval()/train() are not changes."""
+    torch.manual_seed(0)
+    model = Switched()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True)
+    x = torch.randn(6, 8)
+    pm.eval()
+    pm.train()
+    torch.testing.assert_close(pm(x), model(x))
+    pm.block.gain = 3
+    with pytest.raises(dpcompile.DpCompileError, match=r"block\.gain"):
+        pm(x)

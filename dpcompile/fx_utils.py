@@ -40,7 +40,7 @@ def placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
-def adopt_state(holder: nn.Module, model: nn.Module, *, aliased: bool = False) -> None:
+def adopt_state(holder: nn.Module, model: nn.Module, *, aliased: bool = False, follow_removals: bool = False) -> None:
     """Make ``holder`` hold ``model``'s own submodules, parameters and buffers (the same
     objects) and training mode, so their state dicts have the same keys.
 
@@ -49,13 +49,16 @@ def adopt_state(holder: nn.Module, model: nn.Module, *, aliased: bool = False) -
     tracer's ``_tensor_constant0`` for a tensor made in forward) stay out of ``state_dict``.
     ``aliased``: hold reserved names under their alias (:func:`alias_of`), as a plain
     ``GraphModule`` must (its own ``graph`` and ``meta`` are not the model's).
+    ``follow_removals``: drop the submodules and parameters the model no longer has (``del
+    model.head`` after transform), where ``holder`` holds nothing of its own but the model's.
     """
     rename = alias_of if aliased else (lambda key: key)
     program_only = {key for key in holder._buffers if key not in {rename(k) for k in model._buffers}}
     for name in ("_modules", "_parameters", "_buffers"):
         ours, theirs = getattr(holder, name), {rename(k): v for k, v in getattr(model, name).items()}
         merged = dict(theirs)  # the model's order, so state_dict keys come in the same order
-        merged.update((key, value) for key, value in ours.items() if key not in theirs)
+        if not (follow_removals and name in ("_modules", "_parameters")):
+            merged.update((key, value) for key, value in ours.items() if key not in theirs)
         ours.clear()
         ours.update(merged)
     holder._non_persistent_buffers_set = {rename(k) for k in model._non_persistent_buffers_set} | program_only

@@ -42,7 +42,14 @@ from dpcompile.fx_utils import (
     reserve_names,
     unalias,
 )
-from dpcompile.modules.hooks import call_with_hooks, has_hooks, load_pre_hooks, state_dict_with_hooks
+from dpcompile.modules.hooks import (
+    backward_hooks_error,
+    call_with_hooks,
+    check_unchanged_since_transform,
+    has_hooks,
+    load_pre_hooks,
+    state_dict_with_hooks,
+)
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
 
@@ -299,11 +306,11 @@ class ParallelModule(fx.GraphModule):
     def _lookup(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         key = self.call_key(*args, **kwargs)
         if self._shares_source and self._guard.backward_hooked:
-            raise self._backward_hooks_error(self._guard.backward_hooked)
+            raise backward_hooks_error(self.traced_model, self._guard.backward_hooked)
         if not self._shares_source and self.traced_model is not None:
-            self._check_unchanged_since_transform()
+            check_unchanged_since_transform(self._guard, *self._hooks_traced)
         if key.guard != self._adopted and self._shares_source:
-            adopt_state(self, self.traced_model)  # a submodule or parameter of the model was replaced
+            adopt_state(self, self.traced_model, follow_removals=True)  # the model's submodules changed
             self._adopted = key.guard
         program = self.program_cache.program(key, args, kwargs)
         if program is None:
@@ -325,34 +332,6 @@ class ParallelModule(fx.GraphModule):
                 return super().__call__(*args, **kwargs)
             return self.forward(*args, **kwargs)
         return program(*args, **kwargs)
-
-    def _check_unchanged_since_transform(self) -> None:
-        """A tensor-parallel program traced a private copy of the model: a hook or an attribute
-        forward reads, changed on ``pm``'s submodules since, cannot be followed; refuse it."""
-        hooks, attributes = self._hooks_traced
-        if self._guard.hooks != hooks:
-            raise DpCompileError(
-                "a forward or backward hook was added to or removed from a submodule of this tensor-parallel "
-                "program after transform; hooks of modules forward is traced through are part of the program. "
-                "Register them on the model before dpcompile.transform (or on the program itself, pm.register_forward_hook)."
-            )
-        if self._guard.attributes != attributes:
-            before, now = ({(p, n): v for p, pairs in attrs for n, v in pairs} for attrs in (attributes, self._guard.attributes))
-            changed = sorted(f"{p}.{n}".lstrip(".") for p, n in before.keys() | now.keys() if before.get((p, n)) != now.get((p, n)))
-            raise DpCompileError(
-                f"attributes forward reads ({', '.join(changed[:4])}) changed on this tensor-parallel program's "
-                "submodules after transform; the program was traced with their old values. Set them on the model "
-                "and call dpcompile.transform again."
-            )
-
-    def _backward_hooks_error(self, paths: list[str]) -> DpCompileError:
-        first = self.traced_model.get_submodule(paths[0])
-        return DpCompileError(
-            f"backward hooks on {', '.join(repr(p) for p in paths[:3])} (a module forward is traced through, "
-            "not called) cannot run in the generated program, and the program would silently skip them. "
-            f"Mark the module as a leaf (leaf_modules=[{type(first).__name__}]) so it is called with its hooks, "
-            "register the hook on the model itself or on a tensor (tensor.register_hook), or remove it."
-        )
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The model's keys and tensors, with the model's own ``state_dict`` hooks run as it runs them."""

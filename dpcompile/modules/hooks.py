@@ -4,6 +4,9 @@
 so theirs run as they are).
 
     output = call_with_hooks(model, program, args, kwargs)   # model.__call__ with program as forward
+
+And the refusals where a hook or a change cannot be followed: backward hooks on a module forward
+is traced through, and changes to a tensor-parallel program's own submodules.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import BackwardHook
+
+from dpcompile.errors import DpCompileError
 
 _GLOBAL_HOOKS = tuple(
     getattr(nn_module, name)
@@ -88,3 +93,39 @@ def load_pre_hooks(model: nn.Module, state_dict: Any, prefix: str, *rest: Any) -
     """Run the model's own ``load_state_dict`` pre-hooks (they may rename or convert entries)."""
     for hook in model._load_state_dict_pre_hooks.values():
         hook(state_dict, prefix, *rest)
+
+
+def backward_hooks_error(model: nn.Module, paths: list[str]) -> DpCompileError:
+    """The error for backward hooks on modules forward is traced through (``paths``)."""
+    first = model.get_submodule(paths[0])
+    return DpCompileError(
+        f"backward hooks on {', '.join(repr(p) for p in paths[:3])} (a module forward is traced through, "
+        "not called) cannot run in the generated program, and the program would silently skip them. "
+        f"Mark the module as a leaf (leaf_modules=[{type(first).__name__}]) so it is called with its hooks, "
+        "register the hook on the model itself or on a tensor (tensor.register_hook), or remove it."
+    )
+
+
+def check_unchanged_since_transform(guard: Any, hooks: tuple, attributes: tuple) -> None:
+    """A tensor-parallel program traced a private copy of the model: a submodule, hook or attribute
+    forward reads, changed on the program's own submodules since (``guard`` watches them; ``hooks``
+    and ``attributes`` are what it saw at transform), cannot be followed, so it is refused."""
+    if [p for p, _ in guard.hooks] != [p for p, _ in hooks]:
+        raise DpCompileError(
+            "a submodule forward is traced through was replaced or removed on this tensor-parallel program "
+            "after transform; change the model and call dpcompile.transform again"
+        )
+    if guard.hooks != hooks:
+        raise DpCompileError(
+            "a forward or backward hook was added to or removed from a submodule of this tensor-parallel "
+            "program after transform; hooks of modules forward is traced through are part of the program. "
+            "Register them on the model before dpcompile.transform (or on the program itself, pm.register_forward_hook)."
+        )
+    if guard.attributes != attributes:
+        before, now = ({(p, n): v for p, pairs in attrs for n, v in pairs} for attrs in (attributes, guard.attributes))
+        changed = sorted(f"{p}.{n}".lstrip(".") for p, n in before.keys() | now.keys() if before.get((p, n)) != now.get((p, n)))
+        raise DpCompileError(
+            f"attributes forward reads ({', '.join(changed[:4])}) changed on this tensor-parallel program's "
+            "submodules after transform; the program was traced with their old values. Set them on the model "
+            "and call dpcompile.transform again."
+        )

@@ -383,3 +383,34 @@ def test_guard_tensor_parallel_attribute_changed_on_the_program_is_refused():
     pm.block.gain = 3
     with pytest.raises(dpcompile.DpCompileError, match=r"block\.gain"):
         pm(x)
+
+
+def test_guard_deleted_submodule_leaves_the_state_dict():
+    """del model.fc2 (forward checks hasattr) after transform: pm skips it and its keys leave pm.state_dict()."""
+
+    class Optional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.fc2 = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.fc2(h) if hasattr(self, "fc2") else h
+
+    torch.manual_seed(0)
+    model = Optional()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(5, 8)
+    del model.fc2
+    _same(pm, model, x)
+    assert pm.state_dict().keys() == model.state_dict().keys()
+
+
+def test_guard_tensor_parallel_container_replaced_on_the_program_is_refused():
+    """pm.block = Other() on a tensor-parallel program (its trace is of a private copy): refused, not the old program."""
+    torch.manual_seed(0)
+    pm = dpcompile.transform(Residual(), ["cpu"] * 2, tensor_parallel=True)
+    pm.block = nn.Sequential(nn.Tanh())
+    with pytest.raises(dpcompile.DpCompileError, match="replaced or removed"):
+        pm(torch.randn(4, 8))

@@ -35,6 +35,13 @@ __all__ = [
     "trace_error",
 ]
 
-from dpcompile.capture.frontend import FRONTENDS, CaptureInfo, capture_model, check_frontend, positional_examples  # noqa: E402
+from dpcompile.capture.frontend import (  # noqa: E402
+    EXPORTED_FROM,
+    FRONTENDS,
+    CaptureInfo,
+    capture_model,
+    check_frontend,
+    positional_examples,
+)
 
-__all__ += ["FRONTENDS", "CaptureInfo", "capture_model", "check_frontend", "positional_examples"]
+__all__ += ["EXPORTED_FROM", "FRONTENDS", "CaptureInfo", "capture_model", "check_frontend", "positional_examples"]

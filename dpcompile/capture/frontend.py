@@ -16,6 +16,8 @@ from dpcompile.errors import TraceError
 log = logging.getLogger("dpcompile")
 
 FRONTENDS = ("auto", "fx", "export")
+# gm.meta key of an exported program: the model it was captured from (its changes are watched)
+EXPORTED_FROM = "dpcompile_exported_from"
 
 
 @dataclasses.dataclass
@@ -118,6 +120,7 @@ def capture_model(
         None if fx_error is None else str(fx_error),
         exported.export_seconds,
     )
+    exported.gm.meta[EXPORTED_FROM] = model
     return exported.gm, info
 
 

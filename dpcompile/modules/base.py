@@ -43,6 +43,7 @@ from dpcompile.fx_utils import (
     unalias,
 )
 from dpcompile.modules.hooks import (
+    ExportedModelCheck,
     backward_hooks_error,
     call_with_hooks,
     check_unchanged_since_transform,
@@ -80,7 +81,7 @@ class ParallelModule(fx.GraphModule):
         "recipe", "devices", "mode", "input_dims", "output_device", "plan", "records", "captured",
         "traced_model", "program_cache", "captured_code", "plan_reasons", "param_shards",
         "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
-        "_guard", "_hooks_traced", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
+        "_guard", "_hooks_traced", "_exported_check", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
     })  # fmt: skip
 
     def __init__(
@@ -102,6 +103,7 @@ class ParallelModule(fx.GraphModule):
         flags: dict[str, Any] | None = None,
         none_args: frozenset[str] = frozenset(),
         shares_source: bool = True,
+        exported_from: nn.Module | None = None,
     ):
         aliased = alias_targets(graph)
         super().__init__(aliased_root(root) if aliased else root, graph, class_name)
@@ -122,6 +124,9 @@ class ParallelModule(fx.GraphModule):
         if source is not None and type(source).forward is nn.Module.forward:
             source = None
         self._attach_cache(source, dict(flags or {}), none_args, shares_source)
+        is_leaf = DpTracer(getattr(recipe, "leaf_modules", ())).is_leaf_module
+        watch = None if exported_from is None else ExportedModelCheck(exported_from, is_leaf)
+        object.__setattr__(self, "_exported_check", watch)
 
     def _attach_cache(
         self, source: nn.Module | None, flags: dict[str, Any], none_args: frozenset[str], shares_source: bool
@@ -305,6 +310,8 @@ class ParallelModule(fx.GraphModule):
     @torch.compiler.disable
     def _lookup(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         key = self.call_key(*args, **kwargs)
+        if self.__dict__.get("_exported_check") is not None:
+            self._exported_check.check()
         if self._shares_source and self._guard.backward_hooked:
             raise backward_hooks_error(self.traced_model, self._guard.backward_hooked)
         if not self._shares_source and self.traced_model is not None:
@@ -363,7 +370,8 @@ class ParallelModule(fx.GraphModule):
 
     def train(self, mode: bool = True) -> ParallelModule:
         super().train(mode)
-        source = self.__dict__.get("traced_model")
+        source, exported = self.__dict__.get("traced_model"), self.__dict__.get("_exported_check")
+        source = exported.guard.model if source is None and exported is not None else source
         if source is not None:
             source.training = mode  # the model's own flag (its submodules are ours)
         if isinstance(self.__dict__.get(ROOT_LEAF), nn.Module):

@@ -129,3 +129,41 @@ def check_unchanged_since_transform(guard: Any, hooks: tuple, attributes: tuple)
             "submodules after transform; the program was traced with their old values. Set them on the model "
             "and call dpcompile.transform again."
         )
+
+
+_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class ExportedModelCheck:
+    """Watches the model a ``torch.export``-captured program was made from: that program has no
+    forward to trace again, so a change to what it baked in (hooks, submodules, parameters, the
+    attributes forward reads, as :class:`~dpcompile.program_cache.ModelGuard` sees them) is refused
+    at the next call instead of running the old program."""
+
+    def __init__(self, model: nn.Module, is_leaf: Any):
+        from dpcompile.program_cache import ModelGuard
+
+        self.guard = ModelGuard(model, is_leaf)
+        self.token = self._token()
+
+    def _token(self) -> tuple:
+        model = self.guard.model
+        root_hooks = tuple(id(h) for name in _ROOT_HOOKS for h in getattr(model, name).values())
+        return self.guard.fingerprint(), root_hooks
+
+    def check(self) -> None:
+        model = self.guard.model
+        if model._backward_hooks or model._backward_pre_hooks or self.guard.backward_hooked:
+            paths = ["(the model)"] if model._backward_hooks or model._backward_pre_hooks else self.guard.backward_hooked
+            raise DpCompileError(
+                f"backward hooks on {', '.join(paths[:3])} cannot run in a program captured with torch.export "
+                "(frontend='export'), and would be silently skipped: hook a tensor (tensor.register_hook), or use "
+                "frontend='fx' where the model traces"
+            )
+        if self._token() != self.token:
+            raise DpCompileError(
+                f"the model ({type(self.guard.model).__name__}) changed since transform (a hook, a submodule, a "
+                "parameter or an attribute forward reads), and this program was captured with torch.export "
+                "(frontend='export'), which cannot be traced again at call time: call dpcompile.transform again "
+                "(or use frontend='fx' where the model traces, which follows such changes)"
+            )

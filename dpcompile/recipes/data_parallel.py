@@ -26,7 +26,7 @@ import passes
 from dpcompile.analysis.batch_dims import infer_input_dims, propagate
 from dpcompile.analysis.placement import Whole
 from dpcompile.analysis.split_fraction import node_flops, parameter_weights, split_fraction, whole_ops
-from dpcompile.capture import ROOT_LEAF, capture
+from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture
 from dpcompile.devices import Devices
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import run_passes
@@ -76,6 +76,7 @@ class DataParallelRecipe(Recipe):
             source=model if retraceable else None,
             flags=flags,
             none_args=nones,
+            exported_from=model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,
         )
 
     def _options(self, devices: Devices | None = None, input_dims: Mapping[str, int | None] | None = None):

@@ -414,3 +414,56 @@ def test_guard_tensor_parallel_container_replaced_on_the_program_is_refused():
     pm.block = nn.Sequential(nn.Tanh())
     with pytest.raises(dpcompile.DpCompileError, match="replaced or removed"):
         pm(torch.randn(4, 8))
+
+
+def _exported() -> tuple[Residual, dpcompile.ParallelModule, torch.Tensor]:
+    torch.manual_seed(0)
+    model, x = Residual(), torch.randn(6, 8)
+    return model, dpcompile.transform(model, ["cpu"] * 3, example_inputs=(x,), frontend="export"), x
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.block.register_forward_hook(lambda mod, args, out: out * 3),
+        lambda m: setattr(m, "use_residual", False),
+        lambda m: setattr(m, "fc2", nn.Linear(8, 8)),
+        lambda m: setattr(m, "gain", nn.Parameter(torch.zeros(8))),
+        lambda m: m.register_forward_hook(lambda mod, args, out: out * 3),
+    ],
+    ids=["container_hook", "attribute", "submodule", "parameter", "root_hook"],
+)
+def test_guard_export_frontend_change_after_transform_is_refused(change):
+    """A program captured with torch.export cannot be traced again: a change to the model is refused, never stale."""
+    model, pm, x = _exported()
+    _same(pm, model, x)
+    change(model)
+    with pytest.raises(dpcompile.DpCompileError, match="transform again"):
+        pm(x)
+
+
+def test_guard_export_frontend_backward_hooks_are_refused():
+    """A backward hook on the model or a container of an exported program is refused, not skipped."""
+    model, pm, x = _exported()
+    model.register_full_backward_hook(lambda mod, grad_in, grad_out: (grad_in[0] * 2,))
+    with pytest.raises(dpcompile.DpCompileError, match="backward hooks"):
+        pm(x)
+
+
+def test_guard_export_frontend_eval_reaches_the_model():
+    """pm.eval() on an exported program puts the model itself in eval mode too, as with fx; outputs match."""
+
+    class Dropping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return nn.functional.dropout(self.fc(x), 0.5, self.training)
+
+    torch.manual_seed(0)
+    model, x = Dropping(), torch.randn(6, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 3, example_inputs=(x,), frontend="export")
+    pm.eval()
+    assert not model.training
+    _same(pm, model, x)

@@ -478,6 +478,45 @@ def check_departures_over_a_mesh(rank: int, world: int) -> None:
         torch.testing.assert_close(pm(local, None, True), want * 2, atol=1e-5, rtol=1e-5)
 
 
+class HalfLoss(nn.Module):
+    """Returns a loss (cross entropy, MSE or NLL), an int64 argmax and a bool mask."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.fc1, self.fc2, self.kind = nn.Linear(8, 16), nn.Linear(16, 4), kind
+
+    def forward(self, x, y):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        if self.kind == "cross_entropy":
+            loss = F.cross_entropy(out, y)
+        elif self.kind == "mse":
+            loss = F.mse_loss(out, F.one_hot(y, 4).to(out.dtype))
+        else:
+            loss = F.nll_loss(F.log_softmax(out, -1), y)
+        return loss, out.argmax(-1), out > 0
+
+
+def check_half_precision_losses_over_a_mesh(rank: int, world: int) -> None:
+    """DP and TP over a mesh, float16 and bfloat16 models: each loss, the argmax and the mask keep
+    eager's dtype and shape (TP: eager's values too; DP: each rank's own batch)."""
+    import dpcompile
+
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    for dtype in (torch.float16, torch.bfloat16):
+        for kind in ("cross_entropy", "mse", "nll"):
+            for mesh, plan in ((_tp_mesh(world), {"fc1": "column", "fc2": "row"}), (_dp_mesh(world), False)):
+                torch.manual_seed(0)
+                model = HalfLoss(kind).to(dtype)
+                reference = copy.deepcopy(model)
+                pm = dpcompile.transform(model, mesh, tensor_parallel=plan)
+                args = (x.to(dtype), y) if plan else (local_batch(x.to(dtype), mesh), local_batch(y, mesh))
+                got, want = pm(*args), reference(*args)
+                for g, w in zip(got, want):
+                    assert (g.dtype, g.shape) == (w.dtype, w.shape), (kind, dtype, g.dtype, w.dtype, g.shape, w.shape)
+                if plan:
+                    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+
+
 def check_tp_plan_checked_against_the_model(rank: int, world: int) -> None:
     """TP over a mesh: a plan naming an unused Linear keeps it whole with the reason; bad plans raise ValueError."""
     import dpcompile
@@ -639,6 +678,7 @@ TP_CHECKS = [
     ("tp_automatic_plan", check_tp_automatic_plan),
     ("tp_parent_load_state_dict", check_tp_parent_load_state_dict),
     ("optional_argument_left_none", check_optional_argument_left_none),
+    ("half_precision_losses_over_a_mesh", check_half_precision_losses_over_a_mesh),
     ("departures_over_a_mesh", check_departures_over_a_mesh),
     ("tp_plan_checked_against_the_model", check_tp_plan_checked_against_the_model),
 ]

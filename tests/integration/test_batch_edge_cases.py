@@ -82,3 +82,62 @@ def test_activation_checkpointing_kept_per_device():
     ref.sum().backward()
     for (name, p), q in zip(model.named_parameters(), expected.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class ScaledByScalar(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, t):
+        return self.w * t
+
+
+def test_scalar_input_runs_on_one_device():
+    """A 0-d tensor carries no batch: it runs once, as eager (replicas would each return the
+    whole output and the gather would concatenate them into twice the rows)."""
+    model = ScaledByScalar()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    t = torch.tensor(3.0)
+    out = pm(t)
+    assert out.shape == (4,)
+    torch.testing.assert_close(out, model(t))
+
+
+@pytest.mark.parametrize(
+    ("layer", "sample"),
+    [(torch.nn.Conv1d(3, 4, 3), (3, 10)), (torch.nn.Conv2d(3, 4, 3), (3, 8, 8)), (torch.nn.MaxPool2d(2), (3, 8, 8))],
+    ids=["conv1d", "conv2d", "maxpool2d"],
+)
+def test_unbatched_convolution_input_runs_as_one_sample(layer, sample):
+    """Conv2d on a (C, H, W) input is one sample: it runs on one device instead of splitting the
+    channels ("expected 3 channels, but got 2"), while a batch still splits."""
+    model = torch.nn.Sequential(layer, torch.nn.ReLU())
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(*sample)
+    torch.testing.assert_close(pm(x), model(x))
+    batch = torch.randn(6, *sample)
+    torch.testing.assert_close(pm(batch), model(batch))
+    assert "dev1" in pm.program_for_call(batch).code
+
+
+class AddBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, bias=None):
+        y = self.fc(x)
+        return y if bias is None else y + bias
+
+
+def test_broadcast_argument_error_names_the_route_that_works():
+    """A bias of shape (4,) next to a batch of 6: the error names 'bias' and says to give it an
+    example; doing so runs as eager, with and without the bias."""
+    model, x, bias = AddBias(), torch.randn(6, 4), torch.randn(4)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    with pytest.raises(ValueError, match=r"argument 'bias' has batch size 4.*example_inputs= that give 'bias' an example"):
+        pm(x, bias)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x, bias))
+    torch.testing.assert_close(pm(x, bias), model(x, bias))
+    torch.testing.assert_close(pm(x), model(x))

@@ -8,7 +8,7 @@ from torch import nn
 
 from dpcompile.analysis import ops
 from dpcompile.analysis.batch_rules.context import RuleContext
-from dpcompile.analysis.batch_rules.matrix import last_dim_op
+from dpcompile.analysis.batch_rules.matrix import assume_batched, last_dim_op
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
     REPLICATED,
@@ -22,11 +22,33 @@ from dpcompile.analysis.placement import (
 
 def per_sample_dim0(ctx: RuleContext) -> Placement | None:
     """Modules that treat dim 0 as the batch and every sample alike (conv, pooling, ...)."""
-    p = ctx.p(ctx.tensor_arg())
+    x = ctx.tensor_arg()
+    p = ctx.p(x)
     others = [ctx.p(n) for n in ctx.node.all_input_nodes[1:]]
     if isinstance(p, Split) and p.dim == 0 and all(isinstance(o, Replicated) for o in others):
+        rank = batched_rank(ctx)
+        if rank is not None:  # Conv2d takes (N, C, H, W) or one unbatched (C, H, W)
+            assume_batched(ctx, x, p, rank)
         return p
     return None
+
+
+_SPATIAL_MODULES = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+                    nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)  # fmt: skip
+_SPATIAL_FUNCTIONS = ("conv1d", "conv2d", "conv3d", "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d",
+                      "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d")  # fmt: skip
+
+
+def batched_rank(ctx: RuleContext) -> int | None:
+    """The rank of a batched input of a convolution or pooling (``Conv2d``: 4), which also takes
+    one sample without the batch dim; None for other layers."""
+    if isinstance(ctx.module, _SPATIAL_MODULES):
+        suffix = type(ctx.module).__name__[-2:]
+    elif ctx.node.op == "call_function" and getattr(ctx.node.target, "__name__", "") in _SPATIAL_FUNCTIONS:
+        suffix = ctx.node.target.__name__[-2:]
+    else:
+        return None
+    return int(suffix[0]) + 2 if suffix in ("1d", "2d", "3d") else None
 
 
 def embedding(ctx: RuleContext) -> Placement | None:

@@ -141,3 +141,89 @@ def test_broadcast_argument_error_names_the_route_that_works():
     pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x, bias))
     torch.testing.assert_close(pm(x, bias), model(x, bias))
     torch.testing.assert_close(pm(x), model(x))
+
+
+class NoGradTeacher(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Linear(4, 4)
+        self.teacher = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = torch.relu(self.teacher(x))
+        with torch.set_grad_enabled(False):
+            scale = self.teacher(x).sigmoid()
+        return self.student(x) * t + scale
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True])
+def test_no_grad_block_inside_forward_stops_gradients(tensor_parallel):
+    """``with torch.no_grad():`` inside forward: the block's values carry no gradient, so the
+    teacher gets none (tracing used to drop the block and train it); the student's are exact."""
+    model = NoGradTeacher()
+    reference = NoGradTeacher()
+    reference.load_state_dict(model.state_dict())
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel)
+    assert "without_grad" in pm.code
+    x = torch.randn(6, 4)
+    out, expected = pm(x), reference(x)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    grads = dict(pm.named_parameters())
+    assert all(p.grad is None for name, p in grads.items() if name.startswith("teacher"))
+    if not tensor_parallel:
+        torch.testing.assert_close(model.student.weight.grad, reference.student.weight.grad)
+
+
+def test_transform_under_no_grad_keeps_gradients():
+    """transform called inside ``torch.no_grad()`` (as an eval script may): the program still
+    trains when called with gradients on."""
+    model = NoGradTeacher()
+    with torch.no_grad():
+        pm = dpcompile.transform(model, ["cpu"] * 2)
+    pm(torch.randn(6, 4)).sum().backward()
+    assert model.student.weight.grad is not None and model.teacher.weight.grad is None
+
+
+class AutocastInside(torch.nn.Module):
+    def __init__(self, enabled: bool = True):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 2)
+        self.enabled = enabled
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.enabled):
+            h = self.fc(x)
+        return self.head(h.float())
+
+
+def test_autocast_inside_forward_is_refused_with_the_way_out():
+    """``torch.autocast`` entered inside forward: fx cannot record it (the program ran the block in
+    float32, silently); a TraceError says so, and the route it names (examples, for the export
+    frontend) runs as eager. ``autocast(enabled=False)`` inside forward changes nothing: kept."""
+    model, x = AutocastInside(), torch.randn(6, 4)
+    with pytest.raises(dpcompile.TraceError, match=r"enters torch.autocast.*pm\(x\).*example_inputs="):
+        dpcompile.transform(model, ["cpu"] * 2)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    plain = AutocastInside(enabled=False)
+    torch.testing.assert_close(dpcompile.transform(plain, ["cpu"] * 2)(x), plain(x))
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True])
+def test_autocast_and_inference_mode_around_the_call(tensor_parallel):
+    """``torch.autocast`` and ``torch.inference_mode`` around ``pm(x)`` give what they give eager (a
+    row-parallel bias added after the reduction used to promote the output back to float32)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel)
+    x = torch.randn(6, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = pm(x), model(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    with torch.inference_mode():
+        torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
+    pm(x).sum().backward()  # and trains again afterwards

@@ -246,6 +246,9 @@ def own_attribute(module: nn.Module, name: str) -> Any:
             if values is not None and candidate in values:
                 return values[candidate]
     if name.startswith(ALIAS_PREFIX):  # never the module's own attribute of that name
+        plain = module.__dict__.get(unalias(name))
+        if isinstance(plain, torch.Tensor):  # a tensor the model holds as a plain attribute (self.mode = torch.ones(4))
+            return plain
         raise AttributeError(f"{type(module).__name__} holds no submodule, parameter or buffer {unalias(name)!r}")
     return getattr(module, name)
 

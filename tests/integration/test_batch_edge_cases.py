@@ -227,3 +227,24 @@ def test_autocast_and_inference_mode_around_the_call(tensor_parallel):
     with torch.inference_mode():
         torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
     pm(x).sum().backward()  # and trains again afterwards
+
+
+class Recurrent(torch.nn.Module):
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 5, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_unbatched_sequence_to_an_rnn_runs_as_one_sample(batch_first):
+    """A 2-D (length, features) sequence is one unbatched sample to an LSTM: it runs on one device
+    instead of splitting the features ("input.size(-1) must be equal to input_size")."""
+    model = Recurrent(batch_first)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    sequence = torch.randn(7, 4)
+    torch.testing.assert_close(pm(sequence), model(sequence))
+    batch = torch.randn(6, 7, 4) if batch_first else torch.randn(7, 6, 4)
+    torch.testing.assert_close(pm(batch), model(batch), atol=1e-5, rtol=1e-5)

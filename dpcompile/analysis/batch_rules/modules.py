@@ -90,6 +90,7 @@ def rnn(ctx: RuleContext) -> Placement | None:
         nd = ctx.ndim(x)
         if nd == 2:
             return None  # an unbatched sequence
+        assume_batched(ctx, x, p, rank=3)  # a call with a 2-D (unbatched) sequence runs as one sample
         out = p
     else:
         return None

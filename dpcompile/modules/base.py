@@ -166,6 +166,12 @@ class ParallelModule(fx.GraphModule):
                 return own_attribute(self, name)
             except AttributeError:
                 pass
+        if name == "module" and "module" not in self._modules:  # DataParallel's and DDP's wrapped model
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute 'module': a ParallelModule is no wrapper "
+                "(as DataParallel's pm.module is); it holds the model's own submodules, parameters and state "
+                "dict keys, so use pm itself (pm.state_dict(), pm.fc1), or the model you transformed"
+            )
         return super().__getattr__(name)
 
     def get_submodule(self, target: str) -> nn.Module:

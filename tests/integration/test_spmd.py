@@ -531,6 +531,8 @@ def check_tp_different_batch_sizes_named(rank: int, world: int) -> None:
     assert "global rank 0: shape (4, 8)" in text and "global rank 1: shape (3, 8)" in text, text
     with pytest.raises(ValueError, match="input 'x' differs"):  # the same again (not a cached pass)
         pm(mine)
+    with pytest.raises(ValueError, match=r"input 'x' differs \(global rank 0: shape \(4, 8\) float32; global rank 1: shape \(4, 8\) float64\)"):
+        pm(x if rank == 0 else x.double())
     torch.testing.assert_close(pm(x[:3]), model(x[:3]), atol=1e-5, rtol=1e-5)  # same shapes again: runs
 
 

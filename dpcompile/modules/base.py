@@ -166,13 +166,16 @@ class ParallelModule(fx.GraphModule):
                 return own_attribute(self, name)
             except AttributeError:
                 pass
-        if name == "module" and "module" not in self._modules:  # DataParallel's and DDP's wrapped model
-            raise AttributeError(
-                f"'{type(self).__name__}' object has no attribute 'module': a ParallelModule is no wrapper "
-                "(as DataParallel's pm.module is); it holds the model's own submodules, parameters and state "
-                "dict keys, so use pm itself (pm.state_dict(), pm.fc1), or the model you transformed"
-            )
-        return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "module":
+                raise
+        raise AttributeError(  # DataParallel's and DDP's wrapped model
+            f"'{type(self).__name__}' object has no attribute 'module': a ParallelModule is no wrapper "
+            "(as DataParallel's pm.module is); it holds the model's own submodules, parameters and state "
+            "dict keys, so use pm itself (pm.state_dict(), pm.fc1), or the model you transformed"
+        )
 
     def get_submodule(self, target: str) -> nn.Module:
         """The model's submodule ``target`` (``"devices"`` is the model's, not ``pm.devices``)."""

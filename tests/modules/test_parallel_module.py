@@ -260,3 +260,6 @@ def test_parallel_module_has_no_module_attribute_and_says_why():
     holder = Holder()
     pm = dpcompile.transform(holder, ["cpu"] * 2)
     assert pm.module is holder.module
+    scaled = MLP()
+    scaled.register_buffer("module", torch.ones(1))  # a buffer of that name, too
+    assert dpcompile.transform(scaled, ["cpu"] * 2).module is scaled.module

@@ -248,3 +248,35 @@ def test_unbatched_sequence_to_an_rnn_runs_as_one_sample(batch_first):
     torch.testing.assert_close(pm(sequence), model(sequence))
     batch = torch.randn(6, 7, 4) if batch_first else torch.randn(7, 6, 4)
     torch.testing.assert_close(pm(batch), model(batch), atol=1e-5, rtol=1e-5)
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("kind", ["attention", "encoder_layer"])
+def test_unbatched_sequence_to_attention_runs_as_one_sample(kind, batch_first):
+    """A (length, embedding) sequence is one unbatched sample to attention: it runs on one device,
+    not split on the embedding ("expecting embedding dimension of 8, but got 4") or, worse, on the
+    sequence (attention within each half: a silently wrong result)."""
+    model = SelfAttention(batch_first) if kind == "attention" else Encoder(batch_first)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    sequence = torch.randn(5, 8)
+    torch.testing.assert_close(pm(sequence), model(sequence), atol=1e-5, rtol=1e-5)
+    batch = torch.randn(6, 5, 8) if batch_first else torch.randn(5, 6, 8)
+    torch.testing.assert_close(pm(batch), model(batch), atol=1e-5, rtol=1e-5)

@@ -111,6 +111,7 @@ def rnn_cell(ctx: RuleContext) -> Placement | None:
     p = ctx.p(x)
     if not (isinstance(p, Split) and p.dim == 0) or ctx.ndim(x) == 1:
         return None  # a 1-D input is one unbatched sample
+    assume_batched(ctx, x, p)  # and a call with one runs on one device
     hx = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("hx")
     if hx is not None:
         p_hx = ctx.p(hx)
@@ -127,6 +128,10 @@ def multihead_attention(ctx: RuleContext) -> Placement | None:
     for t in (q, k, v):
         if t is None or ctx.p(t) != Split(batch_dim, ctx.p(t).origin if isinstance(ctx.p(t), Split) else None):
             return None
+        if ctx.ndim(t) == 2:
+            return None  # an unbatched (length, embedding) sequence
+    for t in (q, k, v):  # a call with a 2-D (unbatched) sequence runs as one sample
+        assume_batched(ctx, t, ctx.p(t), rank=3)
     for name in ("key_padding_mask", "attn_mask"):
         mask = ctx.node.kwargs.get(name)
         if isinstance(mask, fx.Node):
@@ -145,8 +150,9 @@ def transformer_layer(ctx: RuleContext) -> Placement | None:
     batch_dim = 0 if batch_first(ctx.module) else 1
     x = ctx.tensor_arg()
     p = ctx.p(x)
-    if not (isinstance(p, Split) and p.dim == batch_dim):
-        return None
+    if not (isinstance(p, Split) and p.dim == batch_dim) or ctx.ndim(x) == 2:
+        return None  # a 2-D input is one unbatched sequence
+    assume_batched(ctx, x, p, rank=3)
     for name, value in list(ctx.node.kwargs.items()) + [(f"arg{i}", a) for i, a in enumerate(ctx.node.args[1:])]:
         if isinstance(value, fx.Node):
             q = ctx.p(value)

@@ -15,8 +15,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture import capture_model, check_frontend, check_signature, positional_examples
+from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.devices import parse_device, parse_devices
+from dpcompile.errors import ExampleError
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.recipes import DataParallelRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
@@ -65,9 +66,11 @@ def transform(
     )
     if not isinstance(model, fx.GraphModule):
         check_signature(model)
+    example_tuple = _example_tuple(example_inputs)
+    check_examples(model, example_tuple, example_kwargs)
     with _gc_paused():
         model, examples, frontend_batch_dim = _apply_frontend(
-            model, frontend, _example_tuple(example_inputs), example_kwargs, recipe.leaf_modules, batch_dim,
+            model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
             flags_served=isinstance(recipe, DataParallelRecipe),
         )  # fmt: skip
         if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
@@ -143,6 +146,12 @@ def _check_plan_argument(tensor_parallel: object) -> bool | dict[str, str]:
     if tensor_parallel is True:
         return True
     if isinstance(tensor_parallel, Mapping):
+        for path in tensor_parallel:
+            if not isinstance(path, str):
+                raise ValueError(
+                    f"tensor_parallel= plan key {path!r} is a {type(path).__name__}; keys are module paths as "
+                    "model.named_modules() spells them, e.g. {'fc1': 'column', 'layers.0.fc2': 'row'}"
+                )
         return dict(tensor_parallel)  # paths and styles are checked against the model (planning)
     raise ValueError(f"tensor_parallel={tensor_parallel!r}: expected False, True (automatic plan) or a dict {{path: style}}")
 
@@ -155,8 +164,13 @@ def _check_batch_dim(batch_dim: object) -> int | None:
     return batch_dim
 
 
-def _check_leaf_modules(leaf_modules: Iterable[type[nn.Module]]) -> tuple[type[nn.Module], ...]:
-    leaves = tuple(leaf_modules)
+def _check_leaf_modules(leaf_modules: Iterable[type[nn.Module]] | type[nn.Module]) -> tuple[type[nn.Module], ...]:
+    if isinstance(leaf_modules, type):  # leaf_modules=Block: one class, as leaf_modules=[Block]
+        leaf_modules = (leaf_modules,)
+    try:
+        leaves = tuple(leaf_modules)
+    except TypeError:
+        raise ValueError(f"leaf_modules= must be a list of nn.Module subclasses, got {leaf_modules!r}") from None
     for leaf in leaves:
         if not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
             raise ValueError(f"leaf_modules must hold nn.Module subclasses, got {leaf!r}")
@@ -164,8 +178,14 @@ def _check_leaf_modules(leaf_modules: Iterable[type[nn.Module]]) -> tuple[type[n
 
 
 def _example_tuple(example_inputs: Any) -> tuple | None:
+    """The positional examples as a tuple (one bare value: a tuple of one)."""
     if example_inputs is None:
         return None
+    if isinstance(example_inputs, Mapping):
+        raise ExampleError(
+            f"example_inputs= takes the positional examples as a tuple, got a dict (keys {list(example_inputs)[:4]}); "
+            "pass examples by name as example_kwargs={...}, or (d,) where forward takes one dict"
+        )
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 

@@ -18,3 +18,10 @@ class TraceError(DpCompileError):
 
 class PassError(DpCompileError):
     """A graph pass failed; the message says which pass and what ran before it."""
+
+
+class ExampleError(DpCompileError, ValueError, TypeError):
+    """``example_inputs=`` / ``example_kwargs=`` that ``forward`` cannot take: a wrong count, a
+    keyword it does not have, a value of the wrong type, dtype or shape. Raised by ``transform``
+    before anything is traced; a ``ValueError`` (a bad argument) and a ``TypeError`` (as Python
+    says of a call that does not fit the signature) alike."""

@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from dpcompile.errors import ExampleError
 
 log = logging.getLogger("dpcompile")
 
@@ -67,17 +70,38 @@ def adopt_state(holder: nn.Module, model: nn.Module, *, aliased: bool = False, f
 
 # what torch's shape checks say when a tensor does not fit an op (not: an op fake tensors cannot run)
 _SHAPE_ERRORS = ("must have same", "size mismatch", "shapes cannot be multiplied", "expected input", "sizes of tensors",
-                 "must match the size", "mat1 and mat2", "is invalid for input of size", "dimension out of range")  # fmt: skip
+                 "must match the size", "mat1 and mat2", "is invalid for input of size", "dimension out of range",
+                 "must be Tensor, not", "invalid combination of arguments", "the dtype of its weight")  # fmt: skip
+#: modules and functions whose input must have the dtype of their weight (fake tensors do not check it)
+_SAME_DTYPE_MODULES = (nn.Linear, nn.modules.conv._ConvNd)
+_SAME_DTYPE_FUNCTIONS = {torch.nn.functional.linear, torch._C._nn.linear, torch.conv1d, torch.conv2d, torch.conv3d,
+                         torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d}  # fmt: skip
 
 
 class _ShapeProp(FakeTensorProp):
-    """FakeTensorProp that remembers the node it is running (to name it when an example does not fit)."""
+    """FakeTensorProp that remembers the node it is running (to name it when an example does not fit)
+    and checks what fake kernels leave out: a Linear's or convolution's input has its weight's dtype."""
 
     current: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
+        value, weight = self._input_and_weight(n)
+        if (isinstance(value, torch.Tensor) and isinstance(weight, torch.Tensor) and value.dtype != weight.dtype
+                and not torch.is_autocast_enabled(value.device.type)):  # fmt: skip
+            raise RuntimeError(f"expected {weight.dtype} input, the dtype of its weight, got {value.dtype}")
         return super().run_node(n)
+
+    def _input_and_weight(self, n: fx.Node) -> tuple[Any, Any]:
+        if len(n.args) < 1 + (n.op == "call_function") or not isinstance(n.args[0], fx.Node):
+            return None, None
+        value = n.args[0].meta.get("val")
+        if n.op == "call_module":
+            module = self.fetch_attr(str(n.target))
+            return (value, getattr(module, "weight", None)) if isinstance(module, _SAME_DTYPE_MODULES) else (None, None)
+        if n.op == "call_function" and n.target in _SAME_DTYPE_FUNCTIONS and isinstance(n.args[1], fx.Node):
+            return value, n.args[1].meta.get("val")
+        return None, None
 
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], *, check: bool = False) -> bool:
@@ -86,43 +110,75 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], *, check
     Costs no real compute; returns False (and records nothing) where fake tensors cannot run
     the model. Inputs that are fake already (``verify(..., fake_devices=)``) run in their own mode.
     ``check=True`` (the user's ``example_inputs=``): an example that does not fit the model (a
-    shape an op refuses) raises ``ValueError`` naming the op and the user's line.
+    shape, dtype or type an op refuses) raises :class:`~dpcompile.errors.ExampleError` (a ``ValueError``) naming the op and the user's line.
     """
     mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     prop = _ShapeProp(gm, mode)
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)  # a refused example is ours to report, once
     try:
-        fake_inputs = [
-            mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
-            for x in example_inputs
-        ]
-        # fake mode still runs ops on real 0-dim buffers (batch norm's num_batches_tracked += 1)
-        counters = [(b, b.clone()) for b in gm.buffers() if b.dim() == 0 and not isinstance(b, FakeTensor)]
-        try:
-            prop.propagate(*fake_inputs)
-        finally:
-            with torch.no_grad():
-                for buffer, value in counters:
-                    buffer.copy_(value)
-        return True
+        with quiet_fake_tensor_log():
+            return _propagate(gm, prop, mode, example_inputs)
     except Exception as e:  # noqa: BLE001 - shapes are a refinement, not a requirement
         for node in gm.graph.nodes:
             node.meta.pop("val", None)
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if check and any(words in str(e) for words in _SHAPE_ERRORS):
+        if check and is_example_misfit(e):
             node = prop.current
             where = node.meta.get("stack_trace", "").strip().splitlines()[0].strip() if node is not None else ""
-            raise ValueError(
-                f"example_inputs= do not fit the model: {node.name if node is not None else 'an op'} refuses them "
+            raise ExampleError(
+                f"example_inputs= do not fit the model: {_op_name(gm, node)} refuses them "
                 f"({message}){' at ' + where if where else ''}; pass examples shaped as forward expects them, "
                 "or leave example_inputs= out"
             ) from None
         log.debug("shape propagation on fake tensors failed (%s); continuing without shapes", message)
         return False
+
+
+def _propagate(gm: fx.GraphModule, prop: _ShapeProp, mode: FakeTensorMode, example_inputs: Sequence[Any]) -> bool:
+    """Run ``prop`` on fake copies of the examples, giving back the counters fake mode bumps."""
+    fake_inputs = [
+        mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+        for x in example_inputs
+    ]
+    # fake mode still runs ops on real 0-dim buffers (batch norm's num_batches_tracked += 1)
+    counters = [(b, b.clone()) for b in gm.buffers() if b.dim() == 0 and not isinstance(b, FakeTensor)]
+    try:
+        prop.propagate(*fake_inputs)
+    finally:
+        with torch.no_grad():
+            for buffer, value in counters:
+                buffer.copy_(value)
+    return True
+
+
+def is_example_misfit(error: BaseException) -> bool:
+    """Whether ``error`` is torch saying an input does not fit an op (a shape, dtype or type it
+    refuses), not that fake tensors cannot run the op."""
+    return any(words in str(error) for words in _SHAPE_ERRORS)
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_log() -> Iterator[None]:
+    """Silence fake tensors' logged traceback of an op that refused its inputs: the error that
+    follows is ours to report, once."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
     finally:
         fake_log.setLevel(level)
+
+
+def _op_name(gm: fx.GraphModule, node: fx.Node | None) -> str:
+    """``fc1 (Linear)`` for a module call, else the node's name."""
+    if node is None:
+        return "an op"
+    if node.op == "call_module":
+        try:
+            return f"{node.target} ({type(gm.get_submodule(str(node.target))).__name__})"
+        except AttributeError:
+            pass
+    return node.name
 
 
 def bind_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
@@ -193,6 +249,9 @@ def own_attribute(module: nn.Module, name: str) -> Any:
             if values is not None and candidate in values:
                 return values[candidate]
     if name.startswith(ALIAS_PREFIX):  # never the module's own attribute of that name
+        plain = module.__dict__.get(unalias(name))
+        if isinstance(plain, torch.Tensor):  # a tensor the model holds as a plain attribute (self.mode = torch.ones(4))
+            return plain
         raise AttributeError(f"{type(module).__name__} holds no submodule, parameter or buffer {unalias(name)!r}")
     return getattr(module, name)
 

@@ -50,7 +50,7 @@ column, fc2 row)::
         fc2_partial = torch._C._nn.linear(relu, fc2_weight)
         fc2_all_reduce = dpcompile_runtime_collectives_reduce_from_shards(fc2_partial)   # g
         fc2_bias = self.fc2.bias
-        fc2 = fc2_all_reduce + fc2_bias
+        fc2 = add_bias(fc2_all_reduce, fc2_bias)
         return fc2
 
 After ``lower_to_collectives(gm, mesh=mesh, tp_dim="tp")``::
@@ -66,7 +66,7 @@ After ``lower_to_collectives(gm, mesh=mesh, tp_dim="tp")``::
         fc2_partial = torch._C._nn.linear(relu, fc2_weight)
         fc2_all_reduce = dpcompile_runtime_distributed_all_reduce(fc2_partial, tp_group)
         fc2_bias = self.fc2.bias
-        fc2 = fc2_all_reduce + fc2_bias
+        fc2 = add_bias(fc2_all_reduce, fc2_bias)
         return fc2
 
 ``gather_from_shards(x, dim, sizes)`` becomes ``all_gather(x, tp_group, dim=, sizes=)``,

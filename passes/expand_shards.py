@@ -15,7 +15,7 @@ MLP planned ``{"fc1": "column", "fc2": "row"}`` (see :mod:`passes.shard_linear`)
         fc2_partial = torch._C._nn.linear(relu, fc2_weight)
         fc2_all_reduce = dpcompile_runtime_collectives_reduce_from_shards(fc2_partial)
         fc2_bias = self.fc2.bias
-        fc2 = fc2_all_reduce + fc2_bias
+        fc2 = add_bias(fc2_all_reduce, fc2_bias)
         return fc2
 
 After ``expand_shards`` on ``["cpu", "cpu"]``::
@@ -33,7 +33,7 @@ After ``expand_shards`` on ``["cpu", "cpu"]``::
         relu_dev1 = torch.relu(fc1_dev1)
         ...
         fc2_all_reduce = dpcompile_runtime_tensor_parallel_reduce_to_device([fc2_partial_dev0, fc2_partial_dev1], 'cpu')
-        fc2 = fc2_all_reduce + fc2_bias
+        fc2 = add_bias(fc2_all_reduce, fc2_bias)
         return fc2
 """
 

@@ -27,7 +27,7 @@ After ``shard_linear`` (one shard's program; ``fc1.weight`` is this shard's rows
         fc2_partial = torch._C._nn.linear(relu, fc2_weight)
         fc2_all_reduce = dpcompile_runtime_collectives_reduce_from_shards(fc2_partial)   # g
         fc2_bias = self.fc2.bias
-        fc2 = fc2_all_reduce + fc2_bias                                    # bias added once
+        fc2 = add_bias(fc2_all_reduce, fc2_bias)                           # bias added once
         return fc2
 
 Styles: ``column`` splits ``weight`` (and ``bias``) along ``out_features``; the output stays
@@ -43,7 +43,6 @@ unknown) keeps the column layers feeding it replicated, and the reason is record
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -282,7 +281,7 @@ class _Rewriter:
         if args.get("proj_bias") is None:
             return reduced
         bias = self.param(f"{site.path}.proj", "bias", None, node)
-        return self.make("call_function", operator.add, (reduced, bias), name=name, source=node, layout=REPLICATED)
+        return self.make("call_function", tp_runtime.add_bias, (reduced, bias), name=name, source=node, layout=REPLICATED)
 
     def _linear(self, node: fx.Node, site: LinearSite) -> fx.Node:
         if site.kind == "embedding":
@@ -311,7 +310,7 @@ class _Rewriter:
         if not site.bias:
             return reduced
         bias = self.param(site.path, site.bias_name, None, node)
-        return self.make("call_function", operator.add, (reduced, bias), name=node.name, source=node, layout=REPLICATED)
+        return self.make("call_function", tp_runtime.add_bias, (reduced, bias), name=node.name, source=node, layout=REPLICATED)
 
 
 __all__ = ["PASS", "find_linear_sites", "shard_linear"]

@@ -3,12 +3,19 @@ up front with the way out (never a NameError from generated code, never silently
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import dpcompile
 from tests.models import MLP
+
+
+@dataclasses.dataclass
+class Cfg:
+    scale: float = 2.0
 
 
 class TensorDefault(nn.Module):
@@ -76,3 +83,111 @@ def test_transform_refuses_examples_that_do_not_fit(tensor_parallel):
     """example_inputs= shaped (6, 5) for a Linear(8, ...): ValueError naming the op, not ignored."""
     with pytest.raises(ValueError, match=r"example_inputs= do not fit the model: fc1"):
         dpcompile.transform(MLP(), ["cpu"] * 2, tensor_parallel=tensor_parallel, example_inputs=(torch.randn(6, 5),))
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.fc(x) + y
+
+
+@pytest.mark.parametrize(
+    ("model", "example_inputs", "example_kwargs", "message"),
+    [
+        (nn.Linear(4, 4), (torch.randn(6, 4), torch.randn(6, 4)), None, r"do not fit Linear.forward\(input: torch.Tensor\).*too many positional arguments"),
+        (TwoInputs(), (torch.randn(6, 4),), None, r"do not fit TwoInputs.forward\(x, y\): missing a required argument: 'y'"),
+        (nn.Linear(4, 4), None, {"nope": torch.randn(6, 4)}, r"example_kwargs= name 'nope', which Linear.forward.* does not take"),
+        (TwoInputs(), (torch.randn(6, 4),), {"x": torch.randn(6, 4)}, r"multiple values for argument 'x'"),
+        (nn.Linear(4, 4), {"input": torch.randn(6, 4)}, None, r"example_inputs= takes the positional examples as a tuple, got a dict.*example_kwargs="),
+        (nn.Linear(4, 4), None, [torch.randn(6, 4)], r"example_kwargs= must be a dict"),
+    ],
+    ids=["too_many", "too_few", "unknown_keyword", "given_twice", "dict_as_inputs", "list_as_kwargs"],
+)
+def test_transform_refuses_examples_forward_cannot_take(model, example_inputs, example_kwargs, message):
+    """Examples that do not bind to forward's signature: an ExampleError (a ValueError and a
+    TypeError) at transform, in Python's words, before anything is traced."""
+    for error in (ValueError, TypeError, dpcompile.DpCompileError):
+        with pytest.raises(error, match=message):
+            dpcompile.transform(model, ["cpu"] * 2, example_inputs=example_inputs, example_kwargs=example_kwargs)
+
+
+@pytest.mark.parametrize(
+    ("example", "message"),
+    [
+        (torch.randint(0, 3, (6, 8)), r"fc1 \(Linear\) refuses them \(expected torch.float32 input, the dtype of its weight, got torch.int64\)"),
+        ("hello", r"must be Tensor, not str"),
+        (torch.randn(6, 8).double(), r"expected torch.float32 input.*got torch.float64"),
+    ],
+    ids=["int", "str", "float64"],
+)
+def test_transform_refuses_examples_of_the_wrong_type(example, message):
+    """An example of the wrong dtype or type is refused at transform (fake tensors do not check a
+    Linear's dtype), not logged and ignored."""
+    with pytest.raises(ValueError, match=message):
+        dpcompile.transform(MLP(), ["cpu"] * 2, example_inputs=(example,))
+
+
+def test_transform_refuses_examples_that_do_not_fit_the_export_frontend():
+    """frontend='export' with a misshapen example: the same ValueError as fx's, not a TraceError."""
+    with pytest.raises(ValueError, match=r"example_inputs= do not fit Linear: .*same reduction dim"):
+        dpcompile.transform(nn.Linear(4, 4), ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(6, 5),))
+
+
+class CfgDefault(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, cfg=Cfg()):  # noqa: B008 - the case under test
+        return self.fc(x) * cfg.scale
+
+
+class FunctionDefault(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, act=torch.relu):
+        return act(self.fc(x))
+
+
+@pytest.mark.parametrize("model", [CfgDefault(), FunctionDefault()], ids=["dataclass", "function"])
+def test_transform_refuses_a_default_code_cannot_spell(model):
+    """A default generated code cannot write (a dataclass instance, a function): a TraceError naming
+    the argument and the way out, not a NameError from fx's code generation."""
+    name = "cfg" if isinstance(model, CfgDefault) else "act"
+    with pytest.raises(dpcompile.TraceError, match=rf"argument '{name}' defaults to .*default it to None"):
+        dpcompile.transform(model, ["cpu"] * 2)
+
+
+def test_transform_keeps_defaults_code_can_spell():
+    """Floats, strings, tuples, dicts and dtypes as defaults trace and run as eager."""
+
+    class Spelled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, scale=2.0, act="relu", dims=(0, 1), opts={"s": 3.0}, dtype=torch.float32):  # noqa: B006
+            y = self.fc(x).to(dtype) * scale * opts["s"]
+            return (torch.relu(y) if act == "relu" else torch.tanh(y)).sum(dims[1])
+
+    model, x = Spelled(), torch.randn(6, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    torch.testing.assert_close(pm(x), model(x))
+    torch.testing.assert_close(pm(x, 0.5, act="tanh"), model(x, 0.5, act="tanh"))
+
+
+def test_transform_checks_leaf_modules_and_plan_keys():
+    """leaf_modules=Block (one class) works as [Block]; a plan keyed by an int names the fix."""
+    model = MLP()
+    pm = dpcompile.transform(model, ["cpu"] * 2, leaf_modules=nn.Linear)
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(pm(x), model(x))
+    with pytest.raises(ValueError, match=r"plan key 0 is a int; keys are module paths"):
+        dpcompile.transform(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), ["cpu"] * 2, tensor_parallel={0: "column"})
+    with pytest.raises(ValueError, match=r"leaf_modules= must be a list of nn.Module subclasses"):
+        dpcompile.transform(model, ["cpu"] * 2, leaf_modules=3)

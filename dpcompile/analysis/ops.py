@@ -29,6 +29,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from dpcompile import runtime
+
 
 @dataclass(frozen=True)
 class OpFamily:
@@ -108,6 +110,7 @@ UNARY = OpFamily.of(
         F.hardtanh, F.hardswish, F.hardsigmoid, F.mish, F.tanhshrink, F.logsigmoid, F.sigmoid, F.tanh,
         F.dropout, F.alpha_dropout, F.threshold,
         F.glu,  # halves its ``dim`` (-1 by default); per sample all the same
+        runtime.without_grad,  # where a torch.no_grad() block's value leaves it
     },
     methods={
         "neg", "abs", "exp", "log", "log1p", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu",

@@ -8,7 +8,7 @@
   the user's file and line and the way out.
 """
 
-from dpcompile.capture.errors import check_signature, trace_error
+from dpcompile.capture.errors import check_examples, check_signature, trace_error
 from dpcompile.capture.fx import (
     FLAG_TYPES,
     ROOT_LEAF,
@@ -26,6 +26,7 @@ __all__ = [
     "ROOT_LEAF",
     "DpTracer",
     "bind_examples",
+    "check_examples",
     "check_signature",
     "capture",
     "capture_fx",

@@ -18,7 +18,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from dpcompile.errors import TraceError
+from dpcompile.errors import ExampleError, TraceError
 
 # a trailing separator, so that torch's directory does not swallow ``torchvision/``
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -129,8 +129,8 @@ def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
 
 def check_signature(model: nn.Module) -> None:
     """Refuse, before any tracing, a ``forward`` no frontend can give a program's arguments:
-    ``forward(self, *xs)`` (a variable number of tensors) and a tensor default value (which
-    generated code cannot spell), each with the way out."""
+    ``forward(self, *xs)`` (a variable number of tensors) and a default value generated code
+    cannot spell (a tensor, an instance of the user's class, a function), each with the way out."""
     import inspect
 
     forward = inspect.unwrap(type(model).forward)
@@ -146,9 +146,81 @@ def check_signature(model: nn.Module) -> None:
                 f"wrap the model in a module whose forward names them, e.g. "
                 f"`class Named(nn.Module): forward(self, a, b): return model(a, b)`, and transform that"
             )
-        if isinstance(p.default, torch.Tensor):
+        if p.default is p.empty:
+            continue
+        if any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(p.default)):
             raise TraceError(
                 f"{where}: argument '{p.name}' has a tensor as its default value, which generated code cannot "
                 f"spell; default it to None and make the tensor in forward (`if {p.name} is None: {p.name} = ...`), "
                 "or register it as a buffer"
             )
+        if not _spellable(p.default):
+            raise TraceError(
+                f"{where}: argument '{p.name}' defaults to {_short_repr(p.default)} (a {type(p.default).__name__}), "
+                "which generated code cannot spell as a default value; default it to None and make the value in "
+                f"forward (`if {p.name} is None: {p.name} = ...`)"
+            )
+
+
+_PLAIN_DEFAULTS = (type(None), bool, int, str)
+
+
+def _spellable(value: object) -> bool:
+    """Whether ``torch.fx`` code generation writes ``value`` as a default that evaluates (a
+    literal, a dtype, an enum), not ``cfg = cfg`` or ``act = <function relu at 0x...>``."""
+    if isinstance(value, _PLAIN_DEFAULTS):
+        return True
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    graph.output(graph.placeholder("a", default_value=value))
+    try:
+        fx.GraphModule(nn.Module(), graph)
+    except Exception:  # noqa: BLE001 - a NameError, a SyntaxError: code that does not compile or run
+        return False
+    return True
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_examples(model: nn.Module, example_inputs: tuple | None, example_kwargs: object) -> None:
+    """Refuse, before any tracing, examples ``forward`` cannot take (too many, too few, a keyword
+    it does not have), in Python's words, with ``forward``'s signature to compare against.
+
+    >>> check_examples(nn.Linear(4, 2), (torch.ones(3, 4), torch.ones(3, 4)), None)
+    Traceback (most recent call last):
+    dpcompile.errors.ExampleError: example_inputs= do not fit Linear.forward(input: torch.Tensor) -> torch.Tensor: too many positional arguments; ...
+    """
+    import inspect
+    from collections.abc import Mapping
+
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise ExampleError(
+            f"example_kwargs= must be a dict {{argument name: example}}, got {type(example_kwargs).__name__}; "
+            "pass positional examples as example_inputs=(...)"
+        )
+    if example_inputs is None and not example_kwargs:
+        return
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    params = signature.parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        unknown = [k for k in example_kwargs or {} if k not in signature.parameters]
+        if unknown:
+            raise ExampleError(
+                f"example_kwargs= name {unknown[0]!r}, which {type(model).__name__}.forward{signature} does not take; "
+                f"its arguments are {[p.name for p in params]}"
+            )
+    try:
+        signature.bind(*(example_inputs or ()), **dict(example_kwargs or {}))
+    except TypeError as e:
+        given = "example_inputs=" if not example_kwargs else "example_inputs=/example_kwargs=" if example_inputs else "example_kwargs="
+        raise ExampleError(
+            f"{given} do not fit {type(model).__name__}.forward{signature}: {e}; give one example per argument "
+            "forward takes, positional ones in example_inputs=(...) and keyword ones in example_kwargs={...}"
+        ) from None

@@ -36,7 +36,8 @@ from torch import nn
 
 from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
-from dpcompile.errors import TraceError
+from dpcompile.errors import ExampleError, TraceError
+from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
 from dpcompile.runtime.exported import expect_value
 
 log = logging.getLogger("dpcompile")
@@ -105,10 +106,12 @@ def capture_export(
     spec = {name: _dynamic_spec(value, dim) for name, value in names.items()}
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_fake_tensor_log():
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
-    except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
+    except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
+        if is_example_misfit(exc):
+            raise misfit_error(exc, model) from None
         raise export_error(exc, model) from exc
     seconds = time.perf_counter() - start
     unlifted = ep.module()
@@ -138,6 +141,14 @@ def _bind_names(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
         if key in given:
             raise TraceError(f"example argument '{key}' given both in example_inputs= and example_kwargs=")
     given.update(kwargs)
+    var_keyword = next((p.name for p in forward_parameters(model) if p.kind is p.VAR_KEYWORD), None)
+    collected = [k for k in kwargs if k not in {p.name for p in params}]
+    if var_keyword is not None and collected:
+        raise TraceError(
+            f"the export frontend cannot pass {collected} through {type(model).__name__}.forward's **{var_keyword} "
+            f"(torch.export takes no dynamic shapes there); name it in forward, e.g. "
+            f"`def forward(self, ..., {collected[0]}=None, **{var_keyword})`"
+        )
     order = [p.name for p in params if p.name in given] + [k for k in given if k not in {p.name for p in params}]
     return {name: given[name] for name in order}
 
@@ -156,6 +167,20 @@ def _without_cache(model: nn.Module, names: dict[str, Any]) -> frozenset[str]:
         names.update(items)
         return frozenset({"use_cache"})
     return frozenset()
+
+
+def misfit_error(exc: BaseException, model: nn.Module) -> ExampleError:
+    """The error for examples an op of ``model`` refuses while export runs it, naming the user's line."""
+    from dpcompile.capture.errors import user_frame
+
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    found = user_frame(exc.__traceback__)
+    where = f" at {found[0].filename.rsplit('/', 1)[-1]}:{found[0].lineno} in {found[0].name}" if found is not None else ""
+    return ExampleError(
+        f"example_inputs= do not fit {type(model).__name__}: {first}{where}; pass examples shaped as forward "
+        "expects them"
+    )
 
 
 def export_error(exc: BaseException, model: nn.Module) -> TraceError:

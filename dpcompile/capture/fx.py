@@ -28,6 +28,7 @@ from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.errors import TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
+from dpcompile.runtime import without_grad as runtime_without_grad
 
 
 class DpTracer(fx.Tracer):
@@ -77,21 +78,93 @@ class DpTracer(fx.Tracer):
         original = nn.RNNBase.flatten_parameters
         nn.RNNBase.flatten_parameters = recorded_flatten_parameters
         unpatch_checkpoint = _record_checkpoints(tracer, root)
+        grad_switches, unpatch_grad_mode = _record_grad_mode(tracer)
         factories = {name: getattr(torch, name) for name in _SIZE_FACTORIES}
         for name, factory in factories.items():
             setattr(torch, name, _sizes_as_tuple(factory))
         modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:
-            graph = super().trace(root, concrete_args)
+            with torch.enable_grad():  # forward's own switches are then relative to a call with gradients
+                graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
             unpatch_checkpoint()
+            unpatch_grad_mode()
             for name, factory in factories.items():
                 setattr(torch, name, factory)
             rebound = _restore_state(modules, before)
         _write_back_buffers(graph, rebound)
+        _keep_no_grad_blocks(graph, grad_switches)
         return graph
+
+
+def _record_grad_mode(tracer: fx.Tracer) -> tuple[list[tuple[fx.Node | None, bool]], Any]:
+    """Record where forward switches grad mode (``with torch.no_grad():``, ``set_grad_enabled``):
+    the last node traced before each switch, and the mode. Tracing runs the switch itself and
+    records no node, so without this a no_grad block's values would carry gradients in the
+    program (its parameters trained, where eager leaves them alone). Entering ``torch.autocast``
+    is refused the same way (a TraceError with the way out), not silently run in float32."""
+    switches: list[tuple[fx.Node | None, bool]] = []
+    original = torch._C._set_grad_enabled
+    autocast_enter = torch.amp.autocast_mode.autocast.__enter__
+
+    def recorded(mode: bool) -> None:
+        graph = getattr(tracer, "graph", None)
+        if graph is not None:
+            switches.append((next(iter(reversed(graph.nodes)), None), bool(mode)))
+        original(mode)
+
+    def refused_autocast(context: torch.amp.autocast_mode.autocast) -> Any:
+        if context._enabled:  # autocast(enabled=False) in forward changes nothing for a call without autocast
+            raise ShapeBranch(
+                "enters torch.autocast, which tracing does not record (the program would run in full "
+                "precision); call the program under autocast instead (`with torch.autocast(...): pm(x)`)"
+            )
+        return autocast_enter(context)
+
+    torch._C._set_grad_enabled = recorded
+    torch.amp.autocast_mode.autocast.__enter__ = refused_autocast
+
+    def undo() -> None:
+        torch._C._set_grad_enabled = original
+        torch.amp.autocast_mode.autocast.__enter__ = autocast_enter
+
+    return switches, undo
+
+
+def _keep_no_grad_blocks(graph: fx.Graph, switches: list[tuple[fx.Node | None, bool]]) -> None:
+    """Where a value computed inside a ``torch.no_grad()`` block is used after it, use it
+    through :func:`~dpcompile.runtime.without_grad` (detached), so gradients stop there as in eager.
+
+    Before (eager)::                          After (the captured program)::
+
+        with torch.no_grad():                     teacher = self.teacher(x)
+            t = self.teacher(x)                   teacher_no_grad = without_grad(teacher)
+        return self.student(x) * t                return student * teacher_no_grad
+    """
+    if all(enabled for _, enabled in switches):
+        return
+    after: dict[fx.Node | None, list[bool]] = {}
+    for last, enabled in switches:
+        after.setdefault(last, []).append(enabled)
+    enabled = after[None][-1] if None in after else True  # relative to the call's own grad mode
+    in_block: set[fx.Node] = set()
+    for node in graph.nodes:
+        if not enabled and node.op in ("call_function", "call_method", "call_module"):
+            in_block.add(node)
+        if node in after:
+            enabled = after[node][-1]
+    for node in [n for n in graph.nodes if n in in_block]:
+        outside = [user for user in node.users if user not in in_block]
+        if not outside:
+            continue
+        with graph.inserting_after(node):
+            detached = graph.call_function(runtime_without_grad, (node,))
+        detached.name = graph._graph_namespace.create_name(f"{node.name}_no_grad", None)
+        detached.meta["stack_trace"] = node.meta.get("stack_trace", "")
+        for user in outside:
+            user.replace_input_with(node, detached)
 
 
 def _record_checkpoints(tracer: fx.Tracer, root: Any):

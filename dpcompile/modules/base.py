@@ -181,7 +181,16 @@ class ParallelModule(fx.GraphModule):
                 return own_attribute(self, name)
             except AttributeError:
                 pass
-        return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "module":
+                raise
+        raise AttributeError(  # DataParallel's and DDP's wrapped model
+            f"'{type(self).__name__}' object has no attribute 'module': a ParallelModule is no wrapper "
+            "(as DataParallel's pm.module is); it holds the model's own submodules, parameters and state "
+            "dict keys, so use pm itself (pm.state_dict(), pm.fc1), or the model you transformed"
+        )
 
     def get_submodule(self, target: str) -> nn.Module:
         """The model's submodule ``target`` (``"devices"`` is the model's, not ``pm.devices``)."""
@@ -235,8 +244,9 @@ class ParallelModule(fx.GraphModule):
                 elif size != seen[1]:
                     raise ValueError(
                         f"argument '{where}' has batch size {size} on dim {dim}, but '{seen[0]}' has "
-                        f"{seen[1]}; every split input must carry the same batch (pass batch_dim= to "
-                        "choose another dim, or example_inputs= so inputs without a batch are replicated)"
+                        f"{seen[1]}; every split input must carry the same batch. If '{name}' has no batch "
+                        f"(it broadcasts), pass example_inputs= that give '{name}' an example value, so that it "
+                        "is replicated, not split; or batch_dim= to choose another dim"
                     )
         if seen is not None and seen[1] == 0:
             raise ValueError(f"argument '{seen[0]}' has an empty batch (size 0); there is nothing to split")
@@ -268,9 +278,11 @@ class ParallelModule(fx.GraphModule):
             if type(value) is torch.Tensor and value.dim() > dim and value.shape[dim] > 0:
                 return min(n, value.shape[dim])
         batch = self.batch_size(args, kwargs)
-        if self._is_unbatched(args, kwargs):
-            return 1  # one sample without a batch dim (nn.Linear on a 1-D input): nothing to split
-        return batch if batch is not None and batch < n else n
+        if batch is None or self._is_unbatched(args, kwargs):
+            # no input carries a batch (0-d tensors), or one sample without a batch dim (nn.Linear
+            # on a 1-D input): nothing to split, and replicas would each give the whole output
+            return 1
+        return min(batch, n)
 
     def _key(self, n: int, none_args: frozenset[str], flags: tuple) -> CallKey:
         if self._shares_source:

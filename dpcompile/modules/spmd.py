@@ -60,10 +60,11 @@ class SpmdModule(ParallelModule):
 
     mesh: Any
     shards: dict[str, ShardSpec]
-    #: with tensor parallelism, every call first checks (one all-gather of an 8-byte fingerprint
-    #: over the tp group) that every rank feeds inputs of the same shapes; False skips the check
+    #: every call first checks (one all-gather of an 8-byte fingerprint) that every rank of the tp
+    #: group feeds inputs of the same shapes, or, data parallel, that every rank of the dp group
+    #: calls with the same arguments, dtypes and ranks; False skips the check
     check_inputs: bool = True
-    #: seconds that check waits for the other ranks of the tp group to call forward: a rank
+    #: seconds that check waits for the other ranks of the group to call forward: a rank
     #: that never calls fails the others this soon, not after the process group's 30 minutes
     check_inputs_timeout: float = float(os.environ.get("DPCOMPILE_SPMD_TIMEOUT", "300"))
 
@@ -90,8 +91,11 @@ class SpmdModule(ParallelModule):
         return self.__dict__.get("_ddp")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.__dict__.get("tp_dim") is not None and self.check_inputs:
-            self.check_inputs_agree(args, kwargs)
+        if self.check_inputs:
+            if self.__dict__.get("tp_dim") is not None:
+                self.check_inputs_agree(args, kwargs)
+            elif self.__dict__.get("_ddp") is not None:
+                self.check_calls_agree(args, kwargs)
         ddp = self.__dict__.get("_ddp")
         if ddp is None:
             return super().__call__(*args, **kwargs)
@@ -117,9 +121,31 @@ class SpmdModule(ParallelModule):
         exchanged only where fingerprints differ, to name the input and the sizes. A rank that
         does not call forward within :attr:`check_inputs_timeout` seconds fails the others.
         """
-        signature = input_signature(self, args, kwargs)
-        digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
         group = self._tp_group()
+        signatures = self._exchange_if_different(group, input_signature(self, args, kwargs), "tensor-parallel")
+        if signatures is not None:
+            ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
+            raise ValueError(describe_disagreement(signatures, ranks))
+
+    def check_calls_agree(self, args: tuple, kwargs: dict) -> None:
+        """Data parallel over a mesh: raise ``ValueError`` on every rank of the dp group where
+        ranks call with different arguments (one passes ``mask=``, another leaves it None), dtypes
+        or ranks of tensors; batch sizes may differ. They would run different programs, whose
+        collectives (DDP's, sync BatchNorm's) never match: a hang until the process group's
+        timeout, or a crash on one rank only. A rank that does not call forward within
+        :attr:`check_inputs_timeout` seconds fails the others."""
+        group = MeshGroup(self.mesh, self.dp_dim)
+        signature = input_signature(self, args, kwargs, batch_free=True)
+        signatures = self._exchange_if_different(group, signature, "data-parallel")
+        if signatures is not None:
+            ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
+            raise ValueError(describe_disagreement(signatures, ranks, data_parallel=True))
+
+    def _exchange_if_different(self, group: MeshGroup, signature: list[tuple[str, str]], kind: str) -> list[Any] | None:
+        """Every rank's signature where they differ (None where all agree): one all-gather of an
+        8-byte fingerprint, bounded by :attr:`check_inputs_timeout`; the signatures themselves only
+        where fingerprints differ."""
+        digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
         device = _group_device(group.group)
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(group.size())]
@@ -130,19 +156,18 @@ class SpmdModule(ParallelModule):
         except (RuntimeError, dist.DistError) as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise CollectiveError(
-                    f"global rank {dist.get_rank()} waited {timeout:g}s for the other ranks of its tensor-parallel "
-                    "group to call forward: every rank must call pm(...) with the same input each step. Set "
+                    f"global rank {dist.get_rank()} waited {timeout:g}s for the other ranks of its {kind} "
+                    "group to call forward: every rank must call pm(...) each step. Set "
                     "pm.check_inputs_timeout (seconds; default DPCOMPILE_SPMD_TIMEOUT or 300) to wait longer or "
                     "fail sooner, and pass timeout= to torch.distributed.init_process_group to bound the other "
                     f"collectives. ({_first_line(e)})"
                 ) from e
-            raise collective_failure("the check that every rank feeds the same input shapes", group.group, e) from e
+            raise collective_failure("the check that every rank calls forward alike", group.group, e) from e
         if all(int(t.item()) == int(mine.item()) for t in gathered):
-            return
+            return None
         signatures: list[Any] = [None] * group.size()
         dist.all_gather_object(signatures, signature, group=group.group)
-        ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
-        raise ValueError(describe_disagreement(signatures, ranks))
+        return signatures
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -230,9 +255,10 @@ class SpmdModule(ParallelModule):
         )
 
 
-def input_signature(pm: ParallelModule, args: tuple, kwargs: dict) -> list[tuple[str, str]]:
-    """Per input (by the name forward gives it): its tensors' shapes and dtypes, or the value of
-    a plain Python argument (None, a flag), as text every rank can compare."""
+def input_signature(pm: ParallelModule, args: tuple, kwargs: dict, *, batch_free: bool = False) -> list[tuple[str, str]]:
+    """Per input (by the name forward gives it): its tensors' shapes and dtypes (``batch_free``:
+    their number of dims, not the sizes), or the value of a plain Python argument (None, a
+    flag), as text every rank can compare."""
     names = [str(n.target).lstrip("*") for n in placeholders(pm.graph)]
     named = [(names[i] if i < len(names) else f"args[{i}]", value) for i, value in enumerate(args)]
     named += sorted(kwargs.items())
@@ -241,13 +267,14 @@ def input_signature(pm: ParallelModule, args: tuple, kwargs: dict) -> list[tuple
         leaves = list(tensor_leaves(value))
         if leaves:
             for path, t in leaves:
-                out.append((f"{name}{path}", f"shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"))
+                shape = f"{t.dim()}-d" if batch_free else f"shape {tuple(t.shape)}"
+                out.append((f"{name}{path}", f"{shape} {str(t.dtype).replace('torch.', '')}"))
         elif value is None or isinstance(value, (bool, int, float, str)):
             out.append((name, repr(value)))
     return out
 
 
-def describe_disagreement(signatures: list[list[tuple[str, str]]], ranks: list[int]) -> str:
+def describe_disagreement(signatures: list[list[tuple[str, str]]], ranks: list[int], *, data_parallel: bool = False) -> str:
     """The first input on which ranks disagree, with each rank's value."""
     per_rank = [dict(s) for s in signatures]
     names = list(dict.fromkeys(name for s in signatures for name, _ in s))
@@ -255,6 +282,12 @@ def describe_disagreement(signatures: list[list[tuple[str, str]]], ranks: list[i
         values = [found.get(name, "not passed") for found in per_rank]
         if len(set(values)) > 1:
             shown = "; ".join(f"global rank {rank}: {value}" for rank, value in zip(ranks, values))
+            if data_parallel:
+                return (
+                    f"data parallel over a mesh needs every rank of a dp group to call forward alike (batch sizes "
+                    f"may differ), but input '{name}' differs ({shown}); pass the same arguments, dtypes and "
+                    "number of dims on every rank"
+                )
             return (
                 f"tensor parallel over a mesh needs the same input on every rank of a tp group, but input "
                 f"'{name}' differs ({shown}). Feed every rank of the group the same batch (e.g. the same "

@@ -9,6 +9,8 @@ other mode, an optional argument left None) run programs from the recipe, as eve
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dpcompile.analysis.cost import CommCost
@@ -58,6 +60,51 @@ def watch_source_parameters(model: nn.Module) -> None:
     if not _hook_installed:
         register_optimizer_step_pre_hook(_refuse_untrained_step)
         _hook_installed = True
+
+
+_PROGRAM_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # first trainable parameter of a program -> the program
+_post_hook_installed = False
+
+GRADIENTS_NOT_CLEARED = (
+    "dpcompile: the gradients of this tensor-parallel program were not cleared since the last optimizer step, "
+    "so this step adds to them. model.zero_grad() clears the original model's gradients, not the program's "
+    "(pm trains its own sharded parameters): call optimizer.zero_grad() or pm.zero_grad() each step"
+)
+
+
+def watch_program_gradients(pm: nn.Module) -> None:
+    """Make the other half of the trap loud: after an optimizer step over ``pm``'s parameters, a
+    call of ``pm`` with gradients on that finds the gradients of that step still there
+    (``model.zero_grad()`` called instead of ``pm.zero_grad()``, so they pile up) warns once,
+    naming the fix. It reads one parameter's gradient per step."""
+    global _post_hook_installed
+    first = next((p for p in pm.parameters() if p.requires_grad), None)
+    if first is None:
+        return
+    _PROGRAM_OF[first] = weakref.ref(pm)
+    if not _post_hook_installed:
+        register_optimizer_step_post_hook(_remember_stepped_gradients)
+        _post_hook_installed = True
+
+
+def _remember_stepped_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _PROGRAM_OF.get(p)
+            pm = ref() if ref is not None else None
+            if pm is not None and p.grad is not None and not pm.__dict__.get("_warned_gradients"):
+                pm.__dict__["_stepped_gradient"] = (p, p.grad)
+
+
+def warn_if_gradients_not_cleared(pm: nn.Module) -> None:
+    """The check :func:`watch_program_gradients` installs, at the head of a call."""
+    stepped = pm.__dict__.pop("_stepped_gradient", None)
+    if stepped is None:
+        return
+    p, grad = stepped
+    if p.grad is grad and bool(grad.detach().ne(0).any()):
+        pm.__dict__["_warned_gradients"] = True
+        warnings.warn(GRADIENTS_NOT_CLEARED, stacklevel=3)
 
 
 def _refuse_untrained_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -107,6 +154,12 @@ class TensorParallelModule(ParallelModule):
         self.comm_cost = comm_cost
         slot_of = {name: k for _, names in self.param_shards.values() for k, name in enumerate(names)}
         self.shard_param_slots = {name: slot_of.get(name) for name, _ in self.named_parameters()}
+        watch_program_gradients(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if "_stepped_gradient" in self.__dict__ and torch.is_grad_enabled():  # not an evaluation under no_grad
+            warn_if_gradients_not_cleared(self)
+        return super().__call__(*args, **kwargs)
 
     def param_bytes_per_slot(self) -> dict[int, int]:
         """Bytes of parameters each shard slot holds: its shards plus the replicated rest."""

@@ -122,6 +122,15 @@ def split_to_devices(
     return tuple(_move(shard_of(x, spec, k), torch.device(d)) for k, d in enumerate(devices))
 
 
+def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``x + bias``: the bias a row-parallel Linear adds once, after the reduction, in the dtype
+    ``F.linear`` would give: under ``torch.autocast`` the bias joins ``x``'s (bfloat16) dtype
+    instead of promoting the output back to float32."""
+    if bias.dtype != x.dtype and torch.is_autocast_enabled(x.device.type):
+        bias = bias.to(x.dtype)
+    return x + bias
+
+
 def linear_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight (+ bias)`` for a weight stored ``(in, out)``, as transformers' ``Conv1D``
     (a shard of one: columns of ``weight`` for a column split, rows for a row split)."""
@@ -253,6 +262,7 @@ def window_attention_shard(
 
 __all__ = [
     "ShardSpec",
+    "add_bias",
     "window_attention_shard",
     "cross_entropy_from_parts",
     "shard_logsumexp",

@@ -173,6 +173,7 @@ def verify(
     >>> print(dpcompile.verify(pm, model, torch.randn(4, 4)))
     verify: OK (1 outputs, 2 parameter gradients, 1 input gradients match)
     """
+    _check_modules(pm, model)
     mismatches: list[Mismatch] = []
     checked = {"outputs": 0, "parameter gradients": 0, "input gradients": 0, "buffers": 0}
     seed = 0
@@ -192,7 +193,8 @@ def verify(
         actual, actual_inputs, _ = _run(pm, args, kwargs, None, seed, weights)
         actual_grads = _pm_gradients(pm, param_names)
         pm_state = pm.state_dict()
-        actual_buffers = {n: pm_state.get(n) for n in expected_buffers}
+        # copies: in data parallel pm's buffers are the model's, restored below for the float64 run
+        actual_buffers = {n: None if pm_state.get(n) is None else pm_state[n].detach().clone() for n in expected_buffers}
 
         problems, count = compare_structures(expected, actual, rtol, atol)
         mismatches += problems
@@ -234,6 +236,16 @@ def verify(
         result_notes += layout.notes
         checked.update({k: v for k, v in layout.checked.items() if v})
     return VerifyResult(ok=not mismatches, mismatches=mismatches, checked=checked, notes=result_notes, rounding=rounding)
+
+
+def _check_modules(pm: object, model: object) -> None:
+    """``verify(pm, model, *inputs)``: both modules first, then the inputs."""
+    for name, value in (("pm", pm), ("model", model)):
+        if not isinstance(value, nn.Module):
+            raise TypeError(
+                f"verify(pm, model, *inputs): {name} must be a module, got {type(value).__name__}; pass the "
+                "ParallelModule and the model first, then the inputs forward takes"
+            )
 
 
 # ---------------------------------------------------------------- rounding against float64

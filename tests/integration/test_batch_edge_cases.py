@@ -82,3 +82,201 @@ def test_activation_checkpointing_kept_per_device():
     ref.sum().backward()
     for (name, p), q in zip(model.named_parameters(), expected.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class ScaledByScalar(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, t):
+        return self.w * t
+
+
+def test_scalar_input_runs_on_one_device():
+    """A 0-d tensor carries no batch: it runs once, as eager (replicas would each return the
+    whole output and the gather would concatenate them into twice the rows)."""
+    model = ScaledByScalar()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    t = torch.tensor(3.0)
+    out = pm(t)
+    assert out.shape == (4,)
+    torch.testing.assert_close(out, model(t))
+
+
+@pytest.mark.parametrize(
+    ("layer", "sample"),
+    [(torch.nn.Conv1d(3, 4, 3), (3, 10)), (torch.nn.Conv2d(3, 4, 3), (3, 8, 8)), (torch.nn.MaxPool2d(2), (3, 8, 8))],
+    ids=["conv1d", "conv2d", "maxpool2d"],
+)
+def test_unbatched_convolution_input_runs_as_one_sample(layer, sample):
+    """Conv2d on a (C, H, W) input is one sample: it runs on one device instead of splitting the
+    channels ("expected 3 channels, but got 2"), while a batch still splits."""
+    model = torch.nn.Sequential(layer, torch.nn.ReLU())
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(*sample)
+    torch.testing.assert_close(pm(x), model(x))
+    batch = torch.randn(6, *sample)
+    torch.testing.assert_close(pm(batch), model(batch))
+    assert "dev1" in pm.program_for_call(batch).code
+
+
+class AddBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, bias=None):
+        y = self.fc(x)
+        return y if bias is None else y + bias
+
+
+def test_broadcast_argument_error_names_the_route_that_works():
+    """A bias of shape (4,) next to a batch of 6: the error names 'bias' and says to give it an
+    example; doing so runs as eager, with and without the bias."""
+    model, x, bias = AddBias(), torch.randn(6, 4), torch.randn(4)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    with pytest.raises(ValueError, match=r"argument 'bias' has batch size 4.*example_inputs= that give 'bias' an example"):
+        pm(x, bias)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x, bias))
+    torch.testing.assert_close(pm(x, bias), model(x, bias))
+    torch.testing.assert_close(pm(x), model(x))
+
+
+class NoGradTeacher(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Linear(4, 4)
+        self.teacher = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = torch.relu(self.teacher(x))
+        with torch.set_grad_enabled(False):
+            scale = self.teacher(x).sigmoid()
+        return self.student(x) * t + scale
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True])
+def test_no_grad_block_inside_forward_stops_gradients(tensor_parallel):
+    """``with torch.no_grad():`` inside forward: the block's values carry no gradient, so the
+    teacher gets none (tracing used to drop the block and train it); the student's are exact."""
+    model = NoGradTeacher()
+    reference = NoGradTeacher()
+    reference.load_state_dict(model.state_dict())
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel)
+    assert "without_grad" in pm.code
+    x = torch.randn(6, 4)
+    out, expected = pm(x), reference(x)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    grads = dict(pm.named_parameters())
+    assert all(p.grad is None for name, p in grads.items() if name.startswith("teacher"))
+    if not tensor_parallel:
+        torch.testing.assert_close(model.student.weight.grad, reference.student.weight.grad)
+
+
+def test_transform_under_no_grad_keeps_gradients():
+    """transform called inside ``torch.no_grad()`` (as an eval script may): the program still
+    trains when called with gradients on."""
+    model = NoGradTeacher()
+    with torch.no_grad():
+        pm = dpcompile.transform(model, ["cpu"] * 2)
+    pm(torch.randn(6, 4)).sum().backward()
+    assert model.student.weight.grad is not None and model.teacher.weight.grad is None
+
+
+class AutocastInside(torch.nn.Module):
+    def __init__(self, enabled: bool = True):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 2)
+        self.enabled = enabled
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.enabled):
+            h = self.fc(x)
+        return self.head(h.float())
+
+
+def test_autocast_inside_forward_is_refused_with_the_way_out():
+    """``torch.autocast`` entered inside forward: fx cannot record it (the program ran the block in
+    float32, silently); a TraceError says so, and the route it names (examples, for the export
+    frontend) runs as eager. ``autocast(enabled=False)`` inside forward changes nothing: kept."""
+    model, x = AutocastInside(), torch.randn(6, 4)
+    with pytest.raises(dpcompile.TraceError, match=r"enters torch.autocast.*pm\(x\).*example_inputs="):
+        dpcompile.transform(model, ["cpu"] * 2)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    plain = AutocastInside(enabled=False)
+    torch.testing.assert_close(dpcompile.transform(plain, ["cpu"] * 2)(x), plain(x))
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True])
+def test_autocast_and_inference_mode_around_the_call(tensor_parallel):
+    """``torch.autocast`` and ``torch.inference_mode`` around ``pm(x)`` give what they give eager (a
+    row-parallel bias added after the reduction used to promote the output back to float32)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel)
+    x = torch.randn(6, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = pm(x), model(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    with torch.inference_mode():
+        torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
+    pm(x).sum().backward()  # and trains again afterwards
+
+
+class Recurrent(torch.nn.Module):
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 5, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_unbatched_sequence_to_an_rnn_runs_as_one_sample(batch_first):
+    """A 2-D (length, features) sequence is one unbatched sample to an LSTM: it runs on one device
+    instead of splitting the features ("input.size(-1) must be equal to input_size")."""
+    model = Recurrent(batch_first)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    sequence = torch.randn(7, 4)
+    torch.testing.assert_close(pm(sequence), model(sequence))
+    batch = torch.randn(6, 7, 4) if batch_first else torch.randn(7, 6, 4)
+    torch.testing.assert_close(pm(batch), model(batch), atol=1e-5, rtol=1e-5)
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("kind", ["attention", "encoder_layer"])
+def test_unbatched_sequence_to_attention_runs_as_one_sample(kind, batch_first):
+    """A (length, embedding) sequence is one unbatched sample to attention: it runs on one device,
+    not split on the embedding ("expecting embedding dimension of 8, but got 4") or, worse, on the
+    sequence (attention within each half: a silently wrong result)."""
+    model = SelfAttention(batch_first) if kind == "attention" else Encoder(batch_first)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    sequence = torch.randn(5, 8)
+    torch.testing.assert_close(pm(sequence), model(sequence), atol=1e-5, rtol=1e-5)
+    batch = torch.randn(6, 5, 8) if batch_first else torch.randn(5, 6, 8)
+    torch.testing.assert_close(pm(batch), model(batch), atol=1e-5, rtol=1e-5)

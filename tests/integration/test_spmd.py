@@ -306,7 +306,28 @@ def check_dp_explain_counts_ddp_and_sync_bn(rank: int, world: int) -> None:
     assert report.comm_elements_backward == ring * (21 + params)
 
 
+def check_dp_ranks_calling_differently_named(rank: int, world: int) -> None:
+    """DP over a mesh: uneven batches run; ranks passing different dtypes, or an argument on one
+    rank only, get a ValueError on every rank naming the input (not a crash on one rank and a
+    hang in DDP's all-reduce on the others); the group works on afterwards."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = OptionalScale()
+    pm = dpcompile.transform(model, _dp_mesh(world))
+    x = torch.randn(5, 8)
+    mine = x[:3] if rank == 0 else x[3:]  # uneven: 3 rows and 2
+    torch.testing.assert_close(pm(mine), model(mine))
+    with pytest.raises(ValueError, match=r"input 'x' differs \(global rank 0: 2-d float32; global rank 1: 2-d float64\)"):
+        pm(mine if rank == 0 else mine.double())
+    scale = torch.full((len(mine), 8), 2.0)
+    with pytest.raises(ValueError, match=r"input 'scale' differs \(global rank 0: 2-d float32; global rank 1: None\)"):
+        pm(mine, scale if rank == 0 else None)
+    torch.testing.assert_close(pm(mine, scale), model(mine, scale))
+
+
 DP_CHECKS = [
+    ("dp_ranks_calling_differently_named", check_dp_ranks_calling_differently_named),
     ("dp_training_matches_eager", check_dp_training_matches_eager),
     ("dp_state_dict_and_code", check_dp_state_dict_and_code),
     ("dp_rnn_flatten_hoisted", check_dp_rnn_flatten_hoisted),
@@ -549,6 +570,8 @@ def check_tp_different_batch_sizes_named(rank: int, world: int) -> None:
     assert "global rank 0: shape (4, 8)" in text and "global rank 1: shape (3, 8)" in text, text
     with pytest.raises(ValueError, match="input 'x' differs"):  # the same again (not a cached pass)
         pm(mine)
+    with pytest.raises(ValueError, match=r"input 'x' differs \(global rank 0: shape \(4, 8\) float32; global rank 1: shape \(4, 8\) float64\)"):
+        pm(x if rank == 0 else x.double())
     torch.testing.assert_close(pm(x[:3]), model(x[:3]), atol=1e-5, rtol=1e-5)  # same shapes again: runs
 
 
@@ -734,22 +757,24 @@ def check_rank_failure_is_reported(rank: int, world: int) -> None:
 
 
 def check_rank_that_never_calls_forward(rank: int, world: int) -> None:
-    """TP over a mesh: rank 1 never calls forward; rank 0 fails within pm.check_inputs_timeout
+    """TP and DP over a mesh: rank 1 never calls forward; rank 0 fails within pm.check_inputs_timeout
     with an error that says how to bound the wait, not after gloo's 30 minutes."""
     import dpcompile
     from dpcompile.runtime.distributed import CollectiveError
 
     torch.manual_seed(0)
-    pm = dpcompile.transform(MLP(8, 12), _tp_mesh(world), tensor_parallel={"fc1": "column", "fc2": "row"})
-    assert pm.check_inputs_timeout == 300.0  # the bounded default
+    tp = dpcompile.transform(MLP(8, 12), _tp_mesh(world), tensor_parallel={"fc1": "column", "fc2": "row"})
+    dp = dpcompile.transform(BNNet(), _dp_mesh(world))  # transform is collective: built on every rank first
+    assert tp.check_inputs_timeout == dp.check_inputs_timeout == 300.0  # the bounded default
     if rank != 0:
-        time.sleep(8)  # alive, but never calls forward
+        time.sleep(12)  # alive, but never calls forward
         os._exit(0)
-    pm.check_inputs_timeout = 2
-    start = time.monotonic()
-    with pytest.raises(CollectiveError, match=r"waited 2s for the other ranks.*pm.check_inputs_timeout.*init_process_group"):
-        pm(torch.randn(4, 8))
-    assert time.monotonic() - start < 6, f"took {time.monotonic() - start:.1f}s to fail"
+    for pm, x, kind in ((tp, torch.randn(4, 8), "tensor-parallel"), (dp, torch.randn(4, 6), "data-parallel")):
+        pm.check_inputs_timeout = 2
+        start = time.monotonic()
+        with pytest.raises(CollectiveError, match=rf"waited 2s for the other ranks of its {kind} group.*pm.check_inputs_timeout.*init_process_group"):
+            pm(x)
+        assert time.monotonic() - start < 6, f"{kind}: took {time.monotonic() - start:.1f}s to fail"
 
 
 SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {

@@ -123,3 +123,27 @@ def test_names_export_and_load_as_data(tensor_parallel, tmp_path):
     x = torch.randn(6, 4)
     torch.testing.assert_close(loaded(x), pm(x))
     assert sorted(loaded.state_dict()) == sorted(model.state_dict())
+
+
+class PlainTensorAttributes(nn.Module):
+    """Tensors held as plain attributes (not registered buffers) under reserved names."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.mode = torch.full((4,), 2.0)
+        self.graph = torch.full((4,), 0.5)
+
+    def forward(self, x):
+        return self.fc(x) * self.mode + self.graph
+
+
+@pytest.mark.parametrize("tensor_parallel", MODES)
+def test_names_plain_tensor_attribute_named_like_an_attribute_of_the_module(tensor_parallel):
+    """``self.mode = torch.ones(4)`` (a plain tensor, no buffer): read as the model's, not refused
+    with "holds no submodule, parameter or buffer 'mode'"; pm.mode stays pm's."""
+    model = PlainTensorAttributes()
+    pm = dpcompile.transform(model, ["cpu", "cpu"], tensor_parallel=tensor_parallel)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(pm(x), model(x))
+    assert pm.mode in ("data_parallel", "tensor_parallel") and isinstance(pm.graph, torch.fx.Graph)

@@ -240,3 +240,26 @@ def test_parallel_module_deepcopy_is_an_independent_working_copy():
     torch.testing.assert_close(twin(x), pm(x))
     torch.testing.assert_close(twin(x[:2]), pm(x[:2]))
     assert all(a is not b for a, b in zip(twin.parameters(), pm.parameters()))
+
+
+def test_parallel_module_has_no_module_attribute_and_says_why():
+    """pm.module (DataParallel's habit): an AttributeError saying pm is no wrapper, not a bare one;
+    a model's own submodule named ``module`` is still found."""
+    pm = dpcompile.transform(MLP(), ["cpu"] * 2)
+    with pytest.raises(AttributeError, match=r"no attribute 'module': a ParallelModule is no wrapper"):
+        pm.module  # noqa: B018
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = MLP()
+
+        def forward(self, x):
+            return self.module(x)
+
+    holder = Holder()
+    pm = dpcompile.transform(holder, ["cpu"] * 2)
+    assert pm.module is holder.module
+    scaled = MLP()
+    scaled.register_buffer("module", torch.ones(1))  # a buffer of that name, too
+    assert dpcompile.transform(scaled, ["cpu"] * 2).module is scaled.module

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -454,3 +455,44 @@ def test_transform_runs_calls_that_leave_an_optional_argument_none():
         torch.testing.assert_close(pm(x, None), model(x))
     pm(x).sum().backward()
     assert all(p.grad is not None for p in params)
+
+
+@pytest.mark.parametrize("built", ["before_transform", "after_transform"])
+def test_tensor_parallel_optimizer_over_the_models_parameters_is_refused(built):
+    """An optimizer over model.parameters() (built before or after transform) would step nothing:
+    its step raises, naming pm.parameters(); the model trained eagerly still steps."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if built == "before_transform" else None
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True)
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
+    pm(torch.randn(6, 8)).sum().backward()
+    with pytest.raises(dpcompile.DpCompileError, match=r"optimizer holds parameters of the MLP.*pm.parameters\(\)"):
+        opt.step()
+    model(torch.randn(6, 8)).sum().backward()
+    opt.step()
+
+
+def test_tensor_parallel_model_zero_grad_instead_of_pm_warns():
+    """model.zero_grad() clears the model's gradients, not pm's: the next call (with gradients on)
+    after a step that finds pm's gradients still there warns once, naming the fix;
+    optimizer.zero_grad() and an evaluation under no_grad do not."""
+    model = MLP()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    x = torch.randn(6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            opt.zero_grad()
+            pm(x).sum().backward()
+            opt.step()
+        with torch.no_grad():
+            pm(x)  # an evaluation between steps
+    model.zero_grad()  # the wrong module
+    with pytest.warns(UserWarning, match=r"not cleared since the last optimizer step.*model.zero_grad\(\).*pm.zero_grad\(\)"):
+        pm(x).sum().backward()
+    opt.step()
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        pm(x)

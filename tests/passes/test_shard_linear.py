@@ -30,7 +30,7 @@ def spmd(model: nn.Module, plan: dict[str, str], n: int, *inputs: torch.Tensor) 
 def test_shard_linear_writes_one_shards_program_with_explicit_collectives():
     """Column→row becomes f, linear, relu, linear, g, bias add, in that order."""
     gm = spmd(MLP(), {"fc1": "column", "fc2": "row"}, 2, torch.randn(4, 8))
-    assert targets(gm) == ["copy_to_shards", "linear", "relu", "linear", "reduce_from_shards", "add"]
+    assert targets(gm) == ["copy_to_shards", "linear", "relu", "linear", "reduce_from_shards", "add_bias"]
 
 
 def test_shard_linear_records_param_shards_and_stamps_nodes():
@@ -52,7 +52,7 @@ def test_shard_linear_adds_row_bias_once_after_the_all_reduce():
     """The row layer's partial product has no bias; the bias is added to the reduced sum."""
     code = spmd(MLP(), {"fc2": "row"}, 2, torch.randn(4, 8)).code
     assert "fc2_partial = torch._C._nn.linear(split, fc2_weight)" in code.replace("relu_split", "split")
-    assert "fc2 = fc2_all_reduce + fc2_bias" in code
+    assert "fc2 = dpcompile_runtime_tensor_parallel_add_bias(fc2_all_reduce, fc2_bias)" in code
 
 
 def test_shard_linear_gathers_a_lone_column_output():

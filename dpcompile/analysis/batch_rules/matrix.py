@@ -18,12 +18,13 @@ from dpcompile.analysis.placement import (
 )
 
 
-def assume_batched(ctx: RuleContext, x: object, p: Split) -> None:
+def assume_batched(ctx: RuleContext, x: object, p: Split, rank: int | None = None) -> None:
     """A rule that takes dim ``p.dim`` of ``x`` (rank unknown) for the batch assumes ``x`` has a
-    feature dim after it: recorded on an input, so a call with fewer dims (one unbatched sample,
-    ``nn.Linear`` on a 1-D tensor) runs on one device instead of splitting the features."""
+    feature dim after it (or ``rank`` dims, a convolution's batched input): recorded on an input,
+    so a call with fewer dims (one unbatched sample, ``nn.Linear`` on a 1-D tensor, ``nn.Conv2d``
+    on a 3-D one) runs on one device instead of splitting the features or channels."""
     if isinstance(x, fx.Node) and x.op == "placeholder" and ctx.ndim(x) is None:
-        x.meta["dpcompile_min_rank"] = max(x.meta.get("dpcompile_min_rank", 0), p.dim + 2)
+        x.meta["dpcompile_min_rank"] = max(x.meta.get("dpcompile_min_rank", 0), rank or p.dim + 2)
 
 
 def matmul(ctx: RuleContext) -> Placement | None:

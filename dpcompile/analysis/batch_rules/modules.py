@@ -8,7 +8,7 @@ from torch import nn
 
 from dpcompile.analysis import ops
 from dpcompile.analysis.batch_rules.context import RuleContext
-from dpcompile.analysis.batch_rules.matrix import last_dim_op
+from dpcompile.analysis.batch_rules.matrix import assume_batched, last_dim_op
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
     REPLICATED,
@@ -22,9 +22,13 @@ from dpcompile.analysis.placement import (
 
 def per_sample_dim0(ctx: RuleContext) -> Placement | None:
     """Modules that treat dim 0 as the batch and every sample alike (conv, pooling, ...)."""
-    p = ctx.p(ctx.tensor_arg())
+    x = ctx.tensor_arg()
+    p = ctx.p(x)
     others = [ctx.p(n) for n in ctx.node.all_input_nodes[1:]]
     if isinstance(p, Split) and p.dim == 0 and all(isinstance(o, Replicated) for o in others):
+        rank = batched_rank(ctx)
+        if rank is not None:  # Conv2d takes (N, C, H, W) or one unbatched (C, H, W)
+            assume_batched(ctx, x, p, rank)
         return p
     return None
 
@@ -42,6 +46,24 @@ def pad(ctx: RuleContext) -> Placement | None:
         return None
     first_padded = ctx.resolve(-(len(padding) // 2), ctx.tensor_arg(), p.dim)
     return p if first_padded is not None and first_padded > p.dim else None
+
+
+_SPATIAL_MODULES = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+                    nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)  # fmt: skip
+_SPATIAL_FUNCTIONS = ("conv1d", "conv2d", "conv3d", "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d",
+                      "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d")  # fmt: skip
+
+
+def batched_rank(ctx: RuleContext) -> int | None:
+    """The rank of a batched input of a convolution or pooling (``Conv2d``: 4), which also takes
+    one sample without the batch dim; None for other layers."""
+    if isinstance(ctx.module, _SPATIAL_MODULES):
+        suffix = type(ctx.module).__name__[-2:]
+    elif ctx.node.op == "call_function" and getattr(ctx.node.target, "__name__", "") in _SPATIAL_FUNCTIONS:
+        suffix = ctx.node.target.__name__[-2:]
+    else:
+        return None
+    return int(suffix[0]) + 2 if suffix in ("1d", "2d", "3d") else None
 
 
 def embedding(ctx: RuleContext) -> Placement | None:
@@ -83,6 +105,7 @@ def rnn(ctx: RuleContext) -> Placement | None:
         nd = ctx.ndim(x)
         if nd == 2:
             return None  # an unbatched sequence
+        assume_batched(ctx, x, p, rank=3)  # a call with a 2-D (unbatched) sequence runs as one sample
         out = p
     else:
         return None
@@ -103,6 +126,7 @@ def rnn_cell(ctx: RuleContext) -> Placement | None:
     p = ctx.p(x)
     if not (isinstance(p, Split) and p.dim == 0) or ctx.ndim(x) == 1:
         return None  # a 1-D input is one unbatched sample
+    assume_batched(ctx, x, p)  # and a call with one runs on one device
     hx = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("hx")
     if hx is not None:
         p_hx = ctx.p(hx)
@@ -119,6 +143,10 @@ def multihead_attention(ctx: RuleContext) -> Placement | None:
     for t in (q, k, v):
         if t is None or ctx.p(t) != Split(batch_dim, ctx.p(t).origin if isinstance(ctx.p(t), Split) else None):
             return None
+        if ctx.ndim(t) == 2:
+            return None  # an unbatched (length, embedding) sequence
+    for t in (q, k, v):  # a call with a 2-D (unbatched) sequence runs as one sample
+        assume_batched(ctx, t, ctx.p(t), rank=3)
     for name in ("key_padding_mask", "attn_mask"):
         mask = ctx.node.kwargs.get(name)
         if isinstance(mask, fx.Node):
@@ -137,8 +165,9 @@ def transformer_layer(ctx: RuleContext) -> Placement | None:
     batch_dim = 0 if batch_first(ctx.module) else 1
     x = ctx.tensor_arg()
     p = ctx.p(x)
-    if not (isinstance(p, Split) and p.dim == batch_dim):
-        return None
+    if not (isinstance(p, Split) and p.dim == batch_dim) or ctx.ndim(x) == 2:
+        return None  # a 2-D input is one unbatched sequence
+    assume_batched(ctx, x, p, rank=3)
     for name, value in list(ctx.node.kwargs.items()) + [(f"arg{i}", a) for i, a in enumerate(ctx.node.args[1:])]:
         if isinstance(value, fx.Node):
             q = ctx.p(value)

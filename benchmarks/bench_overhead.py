@@ -215,7 +215,7 @@ def _call_path(n: int, rounds: int) -> dict:
         "pm_call": lambda: pm(x),
         "hand_split": lambda: torch.cat([model(c) for c in x.tensor_split(n)]),
         "batch_size": lambda: pm.batch_size(args, kwargs),
-        "variant": lambda: pm._variant(args, kwargs),
+        "program_for_call": lambda: pm.program_for_call(*args, **kwargs),
         "runtime_replicate": lambda: runtime.replicate({"layers": model.layers}, devices[1:]),
         "runtime_scatter": lambda: runtime.scatter(x, devices, 0),
         "runtime_gather": lambda: runtime.gather(chunks, 0, "cpu"),

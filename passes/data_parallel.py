@@ -178,8 +178,7 @@ class _Builder:
                 self.graph.erase_node(src)
 
     def _emit_replicas(self, nodes: list[fx.Node]) -> None:
-        targets = [k for k in range(self.n) if self.uses_replica[k]]
-        if not targets:
+        if self.n < 2:
             return
         roots: dict[str, fx.Node] = {}
         for node in nodes:
@@ -187,15 +186,13 @@ class _Builder:
                 top = node.target.split(".")[0]
                 if top not in roots:
                     roots[top] = self.node("get_attr", top, name=f"{top}_src")
+        options = {"copy": True} if self.copy_replicas else {}
         replicas = self.call(
-            runtime.replicate,
-            (roots, [self.device_str(k) for k in targets]),
-            {"copy": True} if self.copy_replicas else {},
-            name="replicas",
+            runtime.replicate, (roots, self.devices.strings()), {**options, "include_source": True}, name="replicas"
         )
         stamp_comm(replicas, "broadcast", backward="reduce")
-        for i, k in enumerate(targets):
-            self.replica_roots[k] = self.call(operator.getitem, (replicas, i), name=f"replica_dev{k}")
+        for k in range(self.n):
+            self.replica_roots[k] = self.call(operator.getitem, (replicas, k), name=f"replica_dev{k}")
 
     # ------------------------------------------------------------------ values
     def on_device(self, value: Any, k: int) -> Any:
@@ -322,7 +319,7 @@ class _Builder:
             if node.op == "get_attr":
                 values.append(self._attr_on_device(node, k))
                 continue
-            if node.op == "call_module" and self.uses_replica[k]:
+            if node.op == "call_module" and k in self.replica_roots:
                 values.append(self.node("call_method", node.target, (self.replica_roots[k], *args), kwargs, name=name, source=node))
                 continue
             if _is_pad_packed(node):
@@ -335,6 +332,9 @@ class _Builder:
             value: fx.Node = self.replica_roots[k]
             for atom in node.target.split("."):
                 value = self.call(getattr, (value, atom), name=f"{atom}_dev{k}", source=node)
+            module = self.modules.get(node.target)
+            if module is not None and module._modules:  # handed on whole: the module, not its view
+                value = self.call(runtime.module_of, (value,), name=f"{value.name}_module", source=node)
             return value
         if node not in self.whole:
             self.whole[node] = self.node("get_attr", node.target, name=node.name, source=node)

@@ -278,7 +278,9 @@ class ParallelModule(fx.GraphModule):
         >>> pm.eval()                                  # doctest: +SKIP
         >>> print(pm.program_for_call(x).code)         # the eval-mode program  # doctest: +SKIP
         """
-        if torch.compiler.is_compiling() and self._traced_for(args, kwargs):
+        if not torch.compiler.is_compiling():
+            return self._find_program(args, kwargs)
+        if self._traced_for(args, kwargs):
             return self  # torch.compile guards on the flags _traced_for read
         return self._lookup(args, kwargs)
 
@@ -292,8 +294,7 @@ class ParallelModule(fx.GraphModule):
             and modes == tuple(main.modes) and self._devices_for(args, kwargs) == main.devices
         )  # fmt: skip
 
-    @torch.compiler.disable
-    def _lookup(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+    def _find_program(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         key = self.call_key(*args, **kwargs)
         if key.guard != self._adopted and self._shares_source:
             adopt_state(self, self.traced_model)  # a submodule or parameter of the model was replaced
@@ -303,6 +304,17 @@ class ParallelModule(fx.GraphModule):
             return self
         program.training = self.training  # its submodules are ours: their own modes stand
         return program
+
+    _lookup = torch.compiler.disable(_find_program)  # under torch.compile: the cache, run eagerly
+
+    def recompile(self) -> Any:
+        code = super().recompile()
+        # fx's wrapper around __call__ (which prints the generated code around an error) costs
+        # microseconds per call; a traceback shows those lines anyway: call pm's own __call__
+        cls = type(self)
+        if cls is not ParallelModule and "<locals>" in cls.__qualname__:
+            cls.__call__ = next(c.__dict__["__call__"] for c in cls.__mro__[1:] if "__call__" in c.__dict__)
+        return code
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)

@@ -319,6 +319,8 @@ _FIRST_TENSOR: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, nn.Modul
 
 
 def _first_tensor(module: nn.Module) -> torch.Tensor | None:
+    if torch.compiler.is_compiling():  # no guards on the cache's weak entries, which come and go
+        return next((t for m in module.modules() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None), None)
     entry = _FIRST_TENSOR.get(module)
     if entry is not None:
         tensor, owner, kind, name = entry

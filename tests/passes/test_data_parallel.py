@@ -203,3 +203,34 @@ def test_insert_scatter_gather_replicates_only_modules_devices_run():
     replicate = next(n for n in pm.graph.nodes if n.target is runtime.replicate)
     assert list(replicate.args[0]) == ["fc"]
     assert "head_src" not in pm.code
+
+
+def lib_apply_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    assert isinstance(block, nn.Sequential), type(block)  # the module itself, never a view of it
+    return block(x)
+
+
+torch.fx.wrap("lib_apply_block")
+
+
+class _HandsOnABlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def forward(self, x):
+        return lib_apply_block(self.block, x)
+
+
+def test_insert_scatter_gather_hands_a_submodule_whole_to_a_function():
+    """A submodule passed to a function reaches it as the module on every device (not a lookup view)."""
+    from dpcompile.analysis.batch_rules import BATCH_RULES
+
+    dpcompile.register_batch_rule(lib_apply_block, "elementwise")
+    try:
+        model, x = _HandsOnABlock(), torch.randn(6, 4)
+        pm = dpcompile.transform(model, ["cpu"] * 2)
+        assert "dpcompile_runtime_module_of(block_dev1)" in pm.code
+        torch.testing.assert_close(pm(x), model(x))
+    finally:
+        BATCH_RULES.functions.pop(lib_apply_block, None)

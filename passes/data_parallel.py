@@ -13,16 +13,17 @@ After, on ``["cpu", "cpu"]``::
     def forward(self, x):
         fc1_src = self.fc1
         fc2_src = self.fc2
-        replicas = dpcompile_runtime_replicate({'fc1': fc1_src, 'fc2': fc2_src}, ['cpu'])
-        replica_dev1 = replicas[0]
+        replicas = dpcompile_runtime_replicate({'fc1': fc1_src, 'fc2': fc2_src}, ['cpu', 'cpu'], include_source=True)
+        replica_dev0 = replicas[0]
+        replica_dev1 = replicas[1]
         x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu'], 0)
         x_dev0 = x_scatter[0]
         x_dev1 = x_scatter[1]
-        fc1_dev0 = self.fc1(x_dev0)
+        fc1_dev0 = replica_dev0.fc1(x_dev0)
         fc1_dev1 = replica_dev1.fc1(x_dev1)
         relu_dev0 = torch.relu(fc1_dev0)
         relu_dev1 = torch.relu(fc1_dev1)
-        fc2_dev0 = self.fc2(relu_dev0)
+        fc2_dev0 = replica_dev0.fc2(relu_dev0)
         fc2_dev1 = replica_dev1.fc2(relu_dev1)
         mean_sum_dev0 = relu_dev0.sum()                    # partial sums ...
         mean_count_dev0 = dpcompile_runtime_numel(relu_dev0)
@@ -31,9 +32,10 @@ After, on ``["cpu", "cpu"]``::
         mean = dpcompile_runtime_mean_of_partials([mean_sum_dev0, mean_sum_dev1], [mean_count_dev0, mean_count_dev1], 'cpu')
         return (fc2, mean)
 
-Device 0 runs the user's own modules; device ``k`` runs ``replica_devk``, made once at the
-head of forward: an alias of the originals on a virtual device (nothing copied), a copy on a
-distinct GPU (one coalesced, differentiable broadcast). Where a value must be whole (an op
+Device 0 runs the user's own modules, read through ``replica_dev0``; device ``k`` runs
+``replica_devk``, made once at the head of forward: an alias of the originals on a virtual
+device (nothing copied), a copy on a distinct GPU (one coalesced, differentiable broadcast).
+Every device looks its modules up in its root, in plain attribute reads. Where a value must be whole (an op
 with no batch rule, an output) the split ends with a gather; per-device partial sums end
 with a reduction.
 """

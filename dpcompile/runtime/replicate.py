@@ -150,6 +150,8 @@ def replicate(
     (True, False)
     """
     devices = as_devices(devices)
+    if include_source and not copy and uniform_device(devices) is not None:
+        return (_aliasing_root(modules),) * len(devices)  # virtual devices of the modules' own
     source = _first_tensor_device(modules)
     if source is None or (not copy and uniform_device(devices) == source):
         # virtual devices: every replica is the original, nothing to walk or copy

@@ -326,13 +326,12 @@ class ParallelModule(fx.GraphModule):
         return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Compile ``pm``'s calls in place with ``torch.compile`` (same arguments). With inductor
-        and no ``mode``, ``options`` default to :data:`COMPILE_OPTIONS`.
-
-        >>> pm.compile()          # then pm(x) runs compiled  # doctest: +SKIP
+        """Compile ``pm``'s calls in place with ``torch.compile`` (same arguments); with inductor and
+        no ``mode``, ``options`` default to :data:`COMPILE_OPTIONS`. ``pm.compile(); pm(x)``.
         """
         if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
-            kwargs["options"] = {**COMPILE_OPTIONS, **(kwargs.get("options") or {})}
+            cpu = all(getattr(d, "type", None) == "cpu" for d in self.devices)
+            kwargs["options"] = {**COMPILE_OPTIONS, **(CPU_COMPILE_OPTIONS if cpu else {}), **(kwargs.get("options") or {})}
         self._compiled_call_impl = torch.compile(self._call_program, *args, **kwargs)
 
     def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
@@ -467,8 +466,10 @@ class ParallelModule(fx.GraphModule):
 
 _NO_NONES: frozenset[str] = frozenset()
 #: inductor options of ``pm.compile()``: no per-call size/stride asserts on the ~2 inputs per
-#: layer (the parameters), which dynamo's guards already check; ~10% of a small model's step
+#: layer (the parameters), which dynamo's guards already check; ~10% of a small model's step.
+#: On CPU also a C++ wrapper around the kernels (a longer compile, no Python per op).
 COMPILE_OPTIONS: dict[str, Any] = {"size_asserts": False}
+CPU_COMPILE_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
 _GLOBAL_HOOKS = tuple(
     getattr(nn_module, name)
     for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")

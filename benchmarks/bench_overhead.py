@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -278,6 +279,8 @@ def compiled(rounds: int) -> dict:
               f"{times['compiled_pm'] * 1e6:.1f} us ({out[key]['speedup']:.2f}x), pm.compile() "
               f"{times['pm_compile'] * 1e6:.1f} us ({out[key]['speedup_pm_compile']:.2f}x), "
               f"graph breaks {explanation.graph_break_count}, equal {equal} / {equal_in_place}", flush=True)
+        del fns, cpm, in_place, pm, model  # nothing of this round alive while the next compiles
+        gc.collect()
     return out
 
 

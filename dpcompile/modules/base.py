@@ -161,6 +161,8 @@ class ParallelModule(fx.GraphModule):
             super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("_modules", ()):  # generated code's `self.fc1`: one lookup
+            return self.__dict__["_modules"][name]
         if name.startswith(ALIAS_PREFIX):  # generated code reading the model's `devices`
             try:
                 return own_attribute(self, name)
@@ -311,8 +313,7 @@ class ParallelModule(fx.GraphModule):
 
     def recompile(self) -> Any:
         code = super().recompile()
-        # fx's wrapper around __call__ (printing the code around an error, which tracebacks show
-        # anyway) costs microseconds per call: pm's own __call__ is called directly
+        # fx wraps __call__ to print the code around an error (tracebacks show it): µs per call, skipped
         cls = type(self)
         if cls is not ParallelModule and "<locals>" in cls.__qualname__:
             cls.__call__ = next(c.__dict__["__call__"] for c in cls.__mro__[1:] if "__call__" in c.__dict__)
@@ -320,15 +321,15 @@ class ParallelModule(fx.GraphModule):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self.__dict__.get("_compiled_call_impl")  # set by pm.compile()
-        return self._call_program(*args, **kwargs) if compiled is None else compiled(*args, **kwargs)
+        if compiled is not None or torch.compiler.is_compiling():
+            return self._call_program(*args, **kwargs) if compiled is None else compiled(*args, **kwargs)
+        return self.run_program(self._find_program(args, kwargs), args, kwargs)  # program_for_call, inlined
 
     def _call_program(self, *args: Any, **kwargs: Any) -> Any:
         return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Compile ``pm``'s calls in place with ``torch.compile`` (same arguments); with inductor and
-        no ``mode``, ``options`` default to :data:`COMPILE_OPTIONS`. ``pm.compile(); pm(x)``.
-        """
+        """``torch.compile`` pm's calls in place (``pm.compile(); pm(x)``); inductor options default to COMPILE_OPTIONS."""
         if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
             cpu = all(getattr(d, "type", None) == "cpu" for d in self.devices)
             kwargs["options"] = {**COMPILE_OPTIONS, **(CPU_COMPILE_OPTIONS if cpu else {}), **(kwargs.get("options") or {})}
@@ -465,9 +466,8 @@ class ParallelModule(fx.GraphModule):
 
 
 _NO_NONES: frozenset[str] = frozenset()
-#: inductor options of ``pm.compile()``: no per-call size/stride asserts on the ~2 inputs per
-#: layer (the parameters), which dynamo's guards already check; ~10% of a small model's step.
-#: On CPU also a C++ wrapper around the kernels (a longer compile, no Python per op).
+#: inductor options of ``pm.compile()``: no per-call size/stride asserts on the inputs (the parameters),
+#: which dynamo's guards check; on CPU also a C++ wrapper (a longer compile, no Python per kernel call)
 COMPILE_OPTIONS: dict[str, Any] = {"size_asserts": False}
 CPU_COMPILE_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
 _GLOBAL_HOOKS = tuple(

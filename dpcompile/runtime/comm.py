@@ -180,8 +180,10 @@ def gather_tensors(tensors: Sequence[torch.Tensor], dim: int, device: DeviceLike
     ):
         return _CudaGather.apply(device, dim, *tensors)
     moved = tensors
-    if not all(t.device == device for t in tensors):
-        moved = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
+    for t in tensors:
+        if t.device != device:
+            moved = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
+            break
     if len(moved) == 1:
         return moved[0]
     if moved[0].dim() == 0:

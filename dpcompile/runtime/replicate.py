@@ -12,6 +12,7 @@ finds them flat and copies nothing.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -340,25 +341,31 @@ def _first_tensor(module: nn.Module) -> torch.Tensor | None:
 _BLANK = ReplicaRoot()
 
 
-# what a root needs of nn.Module's state: its own dicts of modules and tensors; the rest
-# (hook dicts, flags) is the blank one's, as nothing registers hooks on a root or calls it
-_BLANK_STATE = dict(_BLANK.__dict__)
-_OWN_DICTS = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
+# what a root needs of nn.Module's state: its own dict of modules; the rest is the blank one's
+# (read-only empties where tensors go, given their own dicts only where a root holds tensors),
+# as nothing registers hooks on a root, calls it or adds to it
+_BLANK_STATE = {
+    **_BLANK.__dict__,
+    "_parameters": types.MappingProxyType({}),
+    "_buffers": types.MappingProxyType({}),
+    "_non_persistent_buffers_set": frozenset(),
+}
 
 
-def _fresh_root() -> ReplicaRoot:
+def _fresh_root(tensors: bool = True) -> ReplicaRoot:
     """``ReplicaRoot()`` at a fraction of the cost of ``nn.Module.__init__`` (made per forward)."""
     root = ReplicaRoot.__new__(ReplicaRoot)
     state = root.__dict__
     state.update(_BLANK_STATE)
-    for key in _OWN_DICTS:
-        state[key] = type(_BLANK_STATE[key])()
+    state["_modules"] = {}
+    if tensors:
+        state["_parameters"], state["_buffers"], state["_non_persistent_buffers_set"] = {}, {}, set()
     return root
 
 
 def _aliasing_root(modules: Mapping[str, nn.Module | torch.Tensor]) -> ReplicaRoot:
     compiling = torch.compiler.is_compiling()  # torch.compile reads the modules themselves
-    root = _fresh_root()
+    root = _fresh_root(tensors=compiling or not all(isinstance(v, nn.Module) for v in modules.values()))
     for name, value in modules.items():
         if isinstance(value, nn.Module):
             root._modules[name] = value

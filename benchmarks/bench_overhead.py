@@ -16,8 +16,9 @@ user's model run on each chunk, the results concatenated (and, with grad, ``sum(
    GPUs: persistent replicas) against the virtual path (target: <= 1.03x).
 3. The per-call overhead of ``ParallelModule.__call__`` itself: the generated ``forward``
    called directly against ``pm(x)``, and each call-path step timed alone.
-4. ``torch.compile(pm)`` against ``pm`` on the small MLP (target: >= 1.2x faster), with the
-   graph-break count from ``torch._dynamo.explain``.
+4. ``torch.compile(pm)`` and ``pm.compile()`` (in place, dpcompile's inductor options) against
+   ``pm`` on the small MLP (target: >= 1.2x faster), with the graph-break count from
+   ``torch._dynamo.explain``.
 
 Times are minima over rounds; ratios are medians over rounds of the paired per-round ratio.
 Results: results/overhead.json.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -173,8 +175,8 @@ def large_mlp(rounds: int) -> dict:
 def call_path(rounds: int) -> dict:
     """Where the time of ``pm(x)`` goes, layer by layer of the call path (microseconds):
     ``forward`` is the generated program with its runtime calls; each next entry adds one
-    layer: ``nn.Module.__call__`` (hooks), ``ParallelModule.__call__`` (batch size, variant
-    lookup), ``pm(x)`` (fx's ``call_wrapped`` around it all). ``batch_size`` and ``variant`` are
+    layer: ``nn.Module.__call__`` (hooks), ``ParallelModule.__call__`` (batch size, program
+    lookup), ``pm(x)`` (the call as users make it). ``batch_size`` and ``program_for_call`` are
     ParallelModule's two call-time checks alone; ``runtime_*`` the runtime calls of the
     program alone, against ``tensor_split`` / ``cat``, which the hand split calls instead."""
     out = {}
@@ -195,10 +197,11 @@ def _call_path(n: int, rounds: int) -> dict:
     chunks = list(x.tensor_split(n))
     devices = ["cpu"] * n
     layers = list(model.layers)
+    root = runtime.replicate({"layers": model.layers}, devices[1:])[0]
 
     def prebound() -> torch.Tensor:
         # the generated program's runtime calls and module calls, with every module looked up
-        # once outside the call: what forward would cost if fx's getattr(self.layers, "0") were free
+        # once outside the call: what forward would cost if its module lookups were free
         runtime.replicate({"layers": model.layers}, devices[1:])  # virtual devices: aliases of the originals
         outs = []
         for chunk in runtime.scatter(x, devices, 0):
@@ -215,26 +218,29 @@ def _call_path(n: int, rounds: int) -> dict:
         "pm_call": lambda: pm(x),
         "hand_split": lambda: torch.cat([model(c) for c in x.tensor_split(n)]),
         "batch_size": lambda: pm.batch_size(args, kwargs),
-        "variant": lambda: pm._variant(args, kwargs),
+        "program_for_call": lambda: pm.program_for_call(*args, **kwargs),
         "runtime_replicate": lambda: runtime.replicate({"layers": model.layers}, devices[1:]),
         "runtime_scatter": lambda: runtime.scatter(x, devices, 0),
         "runtime_gather": lambda: runtime.gather(chunks, 0, "cpu"),
         "tensor_split": lambda: x.tensor_split(n),
         "cat": lambda: torch.cat(chunks),
         "module_lookup_self": lambda: getattr(pm.layers, "0"),
+        "module_lookup_replica": lambda: getattr(root.layers, "0"),  # what generated code reads
     }
     with torch.no_grad():
         times = min_interleaved(fns, rounds=rounds, inner=50)
     us = {k: v * 1e6 for k, v in times.items()}
     us["overhead_total"] = us["pm_call"] - us["hand_split"]
-    us["overhead_call_path"] = us["pm_call"] - us["forward"]  # ParallelModule.__call__ and fx's wrapper
-    us["overhead_module_lookups"] = us["forward"] - us["forward_prebound_modules"]  # fx codegen's getattr chains
+    us["overhead_call_path"] = us["pm_call"] - us["forward"]  # ParallelModule.__call__ (and fx's wrapper, before)
+    us["overhead_module_lookups"] = us["forward"] - us["forward_prebound_modules"]  # the code's module lookups
     us["overhead_runtime_calls"] = us["forward_prebound_modules"] - us["hand_split"]  # replicate/scatter/gather
     print(f"call path {n} devices (us): " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
     return us | {"unit": "us"}
 
 
 def compiled(rounds: int) -> dict:
+    """``torch.compile(pm)`` with torch's defaults, and ``pm.compile()`` (in place, with
+    dpcompile's inductor options), each against the eager ``pm``."""
     import torch._dynamo
 
     out = {}
@@ -242,28 +248,39 @@ def compiled(rounds: int) -> dict:
         torch.manual_seed(0)
         model = DeepMLP(10, 64)
         pm = dpcompile.transform(model, ["cpu"] * 2)
+        in_place = dpcompile.transform(model, ["cpu"] * 2)
         x = torch.randn(32, 64)
         torch._dynamo.reset()
         explanation = torch._dynamo.explain(pm)(x)
         torch._dynamo.reset()
         cpm = torch.compile(pm)
-        fns = steps(model, pm, x, 2, grad)
-        fns = {"eager_pm": fns["dpcompile"], "compiled_pm": steps(model, cpm, x, 2, grad)["dpcompile"]}
+        in_place.compile()
+        fns = {
+            "eager_pm": steps(model, pm, x, 2, grad)["dpcompile"],
+            "compiled_pm": steps(model, cpm, x, 2, grad)["dpcompile"],
+            "pm_compile": steps(model, in_place, x, 2, grad)["dpcompile"],
+        }
         with torch.no_grad():
             cpm(x)
             equal = torch.allclose(cpm(x), pm(x), rtol=1e-5, atol=1e-6)
+            equal_in_place = torch.allclose(in_place(x), pm(x), rtol=1e-5, atol=1e-6)
         times, samples = interleaved_samples(fns, rounds=rounds, inner=20)
         key = "grad" if grad else "nograd"
         out[key] = {
             **times,
             "speedup": paired_ratio(samples, "eager_pm", "compiled_pm"),
+            "speedup_pm_compile": paired_ratio(samples, "eager_pm", "pm_compile"),
             "graph_breaks": explanation.graph_break_count,
             "graphs": explanation.graph_count,
             "outputs_equal": bool(equal),
+            "outputs_equal_pm_compile": bool(equal_in_place),
         }
-        print(f"torch.compile(pm) small MLP 2 devices {key}: pm {times['eager_pm'] * 1e6:.1f} us, compiled "
-              f"{times['compiled_pm'] * 1e6:.1f} us, speedup {out[key]['speedup']:.2f}x, "
-              f"graph breaks {explanation.graph_break_count}, equal {equal}", flush=True)
+        print(f"small MLP 2 devices {key}: pm {times['eager_pm'] * 1e6:.1f} us, torch.compile(pm) "
+              f"{times['compiled_pm'] * 1e6:.1f} us ({out[key]['speedup']:.2f}x), pm.compile() "
+              f"{times['pm_compile'] * 1e6:.1f} us ({out[key]['speedup_pm_compile']:.2f}x), "
+              f"graph breaks {explanation.graph_break_count}, equal {equal} / {equal_in_place}", flush=True)
+        del fns, cpm, in_place, pm, model  # nothing of this round alive while the next compiles
+        gc.collect()
     return out
 
 

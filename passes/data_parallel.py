@@ -13,16 +13,17 @@ After, on ``["cpu", "cpu"]``::
     def forward(self, x):
         fc1_src = self.fc1
         fc2_src = self.fc2
-        replicas = dpcompile_runtime_replicate({'fc1': fc1_src, 'fc2': fc2_src}, ['cpu'])
-        replica_dev1 = replicas[0]
+        replicas = dpcompile_runtime_replicate({'fc1': fc1_src, 'fc2': fc2_src}, ['cpu', 'cpu'], include_source=True)
+        replica_dev0 = replicas[0]
+        replica_dev1 = replicas[1]
         x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu'], 0)
         x_dev0 = x_scatter[0]
         x_dev1 = x_scatter[1]
-        fc1_dev0 = self.fc1(x_dev0)
+        fc1_dev0 = replica_dev0.fc1(x_dev0)
         fc1_dev1 = replica_dev1.fc1(x_dev1)
         relu_dev0 = torch.relu(fc1_dev0)
         relu_dev1 = torch.relu(fc1_dev1)
-        fc2_dev0 = self.fc2(relu_dev0)
+        fc2_dev0 = replica_dev0.fc2(relu_dev0)
         fc2_dev1 = replica_dev1.fc2(relu_dev1)
         mean_sum_dev0 = relu_dev0.sum()                    # partial sums ...
         mean_count_dev0 = dpcompile_runtime_numel(relu_dev0)
@@ -31,9 +32,10 @@ After, on ``["cpu", "cpu"]``::
         mean = dpcompile_runtime_mean_of_partials([mean_sum_dev0, mean_sum_dev1], [mean_count_dev0, mean_count_dev1], 'cpu')
         return (fc2, mean)
 
-Device 0 runs the user's own modules; device ``k`` runs ``replica_devk``, made once at the
-head of forward: an alias of the originals on a virtual device (nothing copied), a copy on a
-distinct GPU (one coalesced, differentiable broadcast). Where a value must be whole (an op
+Device 0 runs the user's own modules, read through ``replica_dev0``; device ``k`` runs
+``replica_devk``, made once at the head of forward: an alias of the originals on a virtual
+device (nothing copied), a copy on a distinct GPU (one coalesced, differentiable broadcast).
+Every device looks its modules up in its root, in plain attribute reads. Where a value must be whole (an op
 with no batch rule, an output) the split ends with a gather; per-device partial sums end
 with a reduction.
 """
@@ -178,8 +180,7 @@ class _Builder:
                 self.graph.erase_node(src)
 
     def _emit_replicas(self, nodes: list[fx.Node]) -> None:
-        targets = [k for k in range(self.n) if self.uses_replica[k]]
-        if not targets:
+        if self.n < 2:
             return
         roots: dict[str, fx.Node] = {}
         for node in nodes:
@@ -187,15 +188,13 @@ class _Builder:
                 top = node.target.split(".")[0]
                 if top not in roots:
                     roots[top] = self.node("get_attr", top, name=f"{top}_src")
+        options = {"copy": True} if self.copy_replicas else {}
         replicas = self.call(
-            runtime.replicate,
-            (roots, [self.device_str(k) for k in targets]),
-            {"copy": True} if self.copy_replicas else {},
-            name="replicas",
+            runtime.replicate, (roots, self.devices.strings()), {**options, "include_source": True}, name="replicas"
         )
         stamp_comm(replicas, "broadcast", backward="reduce")
-        for i, k in enumerate(targets):
-            self.replica_roots[k] = self.call(operator.getitem, (replicas, i), name=f"replica_dev{k}")
+        for k in range(self.n):
+            self.replica_roots[k] = self.call(operator.getitem, (replicas, k), name=f"replica_dev{k}")
 
     # ------------------------------------------------------------------ values
     def on_device(self, value: Any, k: int) -> Any:
@@ -322,7 +321,7 @@ class _Builder:
             if node.op == "get_attr":
                 values.append(self._attr_on_device(node, k))
                 continue
-            if node.op == "call_module" and self.uses_replica[k]:
+            if node.op == "call_module" and k in self.replica_roots:
                 values.append(self.node("call_method", node.target, (self.replica_roots[k], *args), kwargs, name=name, source=node))
                 continue
             if _is_pad_packed(node):
@@ -335,6 +334,9 @@ class _Builder:
             value: fx.Node = self.replica_roots[k]
             for atom in node.target.split("."):
                 value = self.call(getattr, (value, atom), name=f"{atom}_dev{k}", source=node)
+            module = self.modules.get(node.target)
+            if module is not None and module._modules:  # handed on whole: the module, not its view
+                value = self.call(runtime.module_of, (value,), name=f"{value.name}_module", source=node)
             return value
         if node not in self.whole:
             self.whole[node] = self.node("get_attr", node.target, name=node.name, source=node)

@@ -15,10 +15,8 @@ question for tools (explain, verify, draw, export).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +40,7 @@ from dpcompile.fx_utils import (
     reserve_names,
     unalias,
 )
+from dpcompile.modules.carried import CarriedPrograms
 from dpcompile.modules.hooks import (
     ExportedModelCheck,
     backward_hooks_error,
@@ -176,6 +175,8 @@ class ParallelModule(fx.GraphModule):
             super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
+        if name in self.__dict__.get("_modules", ()):  # generated code's `self.fc1`: one lookup
+            return self.__dict__["_modules"][name]
         if name.startswith(ALIAS_PREFIX):  # generated code reading the model's `devices`
             try:
                 return own_attribute(self, name)
@@ -272,11 +273,13 @@ class ParallelModule(fx.GraphModule):
         if not split:
             return n
         below = getattr(self, "_unbatched_below", None)
-        if len(split) == 1 and not kwargs and not below:  # the common call: one batched tensor, read cheaply
-            position, _, dim = split[0]
+        if len(split) == 1 and not kwargs:  # the common call: one batched tensor, read cheaply
+            position, name, dim = split[0]
             value = args[position] if position < len(args) else None
-            if type(value) is torch.Tensor and value.dim() > dim and value.shape[dim] > 0:
-                return min(n, value.shape[dim])
+            if type(value) is torch.Tensor and (rank := value.dim()) > dim and (not below or rank >= below.get(name, 0)):
+                size = value.shape[dim]
+                if size > 0:
+                    return min(n, size)
         batch = self.batch_size(args, kwargs)
         if batch is None or self._is_unbatched(args, kwargs):
             # no input carries a batch (0-d tensors), or one sample without a batch dim (nn.Linear
@@ -305,7 +308,9 @@ class ParallelModule(fx.GraphModule):
         >>> pm.eval()                                  # doctest: +SKIP
         >>> print(pm.program_for_call(x).code)         # the eval-mode program  # doctest: +SKIP
         """
-        if torch.compiler.is_compiling() and self._traced_for(args, kwargs):
+        if not torch.compiler.is_compiling():
+            return self._find_program(args, kwargs)
+        if self._traced_for(args, kwargs):
             return self  # torch.compile guards on the flags _traced_for read
         return self._lookup(args, kwargs)
 
@@ -319,8 +324,7 @@ class ParallelModule(fx.GraphModule):
             and modes == tuple(main.modes) and self._devices_for(args, kwargs) == main.devices
         )  # fmt: skip
 
-    @torch.compiler.disable
-    def _lookup(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+    def _find_program(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         key = self.call_key(*args, **kwargs)
         if self.__dict__.get("_exported_check") is not None:
             self._exported_check.check()
@@ -337,8 +341,31 @@ class ParallelModule(fx.GraphModule):
         program.training = self.training  # its submodules are ours: their own modes stand
         return program
 
+    _lookup = torch.compiler.disable(_find_program)  # under torch.compile: the cache, run eagerly
+
+    def recompile(self) -> Any:
+        code = super().recompile()
+        # fx wraps __call__ to print the code around an error (tracebacks show it): µs per call, skipped
+        cls = type(self)
+        if cls is not ParallelModule and "<locals>" in cls.__qualname__:
+            cls.__call__ = next(c.__dict__["__call__"] for c in cls.__mro__[1:] if "__call__" in c.__dict__)
+        return code
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self.__dict__.get("_compiled_call_impl")  # set by pm.compile()
+        if compiled is not None or torch.compiler.is_compiling():
+            return self._call_program(*args, **kwargs) if compiled is None else compiled(*args, **kwargs)
+        return self.run_program(self._find_program(args, kwargs), args, kwargs)  # program_for_call, inlined
+
+    def _call_program(self, *args: Any, **kwargs: Any) -> Any:
         return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``torch.compile`` pm's calls in place (``pm.compile(); pm(x)``); inductor options default to COMPILE_OPTIONS."""
+        if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
+            cpu = all(getattr(d, "type", None) == "cpu" for d in self.devices)
+            kwargs["options"] = {**COMPILE_OPTIONS, **(CPU_COMPILE_OPTIONS if cpu else {}), **(kwargs.get("options") or {})}
+        self._compiled_call_impl = torch.compile(self._call_program, *args, **kwargs)
 
     def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
         """Run ``program`` (from :meth:`program_for_call`) as the model would run: the model's
@@ -504,43 +531,15 @@ class ParallelModule(fx.GraphModule):
 
 
 _NO_NONES: frozenset[str] = frozenset()
-@contextlib.contextmanager
-def modes_applied(model: nn.Module, modes: Sequence[tuple[str, bool]]) -> Iterator[nn.Module]:
-    """``model`` with the training flag of each module set as ``modes`` (by path) says, for
-    tracing a program of that mode; the flags are given back afterwards."""
-    before = [(m, m.training) for m in model.modules()]
-    try:
-        modules = dict(model.named_modules())
-        for path, training in modes:
-            if path in modules:
-                modules[path].training = training
-        yield model
-    finally:
-        for m, training in before:
-            m.training = training
+#: inductor options of ``pm.compile()``: no per-call size/stride asserts on the inputs (the parameters),
+#: which dynamo's guards check; on CPU also a C++ wrapper (a longer compile, no Python per kernel call)
+COMPILE_OPTIONS: dict[str, Any] = {"size_asserts": False}
+CPU_COMPILE_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
 
 
 def _importable_class(pm: ParallelModule) -> type:
     """The class of ``pm`` that pickle can import (GraphModule adds a throwaway subclass)."""
     return next(c for c in type(pm).__mro__ if "<locals>" not in c.__qualname__)
-
-
-class _CarriedPrograms:
-    """The build function of a program restored without its model: the programs carried in
-    the pickle, or an error naming what the call needs."""
-
-    def __init__(self, pm: ParallelModule, programs: Sequence[tuple[CallKey, fx.Graph | None]]):
-        self.pm = pm
-        self.programs = dict(programs)
-
-    def __call__(self, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
-        portable = key.portable()
-        if portable in self.programs:
-            graph = self.programs[portable]
-            return None if graph is None else graph_module(self.pm, copy_graph(graph), type(self.pm).__name__)
-        if key.devices < len(self.pm.devices) and self.pm.captured is not None:
-            return self.pm.recipe.build_program(self.pm, key, args, kwargs)
-        raise self.pm.cannot_trace_again(key)
 
 
 def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule:
@@ -585,7 +584,7 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
         main = state["main_key"]
         main_key = CallKey(main.devices, main.modes, main.none_args, main.flags)
         object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
-        pm.program_cache.reset(main_key, _CarriedPrograms(pm, state["programs"]))
+        pm.program_cache.reset(main_key, CarriedPrograms(pm, state["programs"]))
         for key, graph in state["traces"]:  # what a data-parallel program lowers for fewer devices
             pm.program_cache.traces[key] = None if graph is None else graph_module(pm, graph, "Captured")
     return pm

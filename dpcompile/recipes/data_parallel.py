@@ -30,7 +30,8 @@ from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture
 from dpcompile.devices import Devices
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import run_passes
-from dpcompile.modules.base import ParallelModule, modes_applied
+from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.carried import modes_applied
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags, move_to
 

@@ -50,7 +50,7 @@ from dpcompile.fake import fake_copy, fake_copy_to_trace
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_mesh, local_device, mesh_size
-from dpcompile.modules.base import modes_applied
+from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.spmd import SpmdModule
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for

@@ -43,7 +43,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace
 from dpcompile.fx_utils import adopt_state, alias_of, bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
-from dpcompile.modules.base import modes_applied
+from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.tensor_parallel import TensorParallelModule, watch_source_parameters
 from dpcompile.planning import plan_for, why_whole
 from dpcompile.program_cache import CallKey

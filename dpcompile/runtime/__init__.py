@@ -4,10 +4,11 @@ from dpcompile.runtime.batchnorm import batch_norm, functional_batch_norm
 from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split_sizes, to_device
 from dpcompile.runtime.grad import without_grad
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
-from dpcompile.runtime.replicate import ReplicaRoot, ReplicaSet, refresh_replicas, replicate
+from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
 
 __all__ = [
+    "ModuleView",
     "ReplicaRoot",
     "ReplicaSet",
     "TAKE_FIRST",
@@ -18,6 +19,7 @@ __all__ = [
     "gather",
     "max_length",
     "mean_of_partials",
+    "module_of",
     "numel",
     "numel_over",
     "reduce_add",

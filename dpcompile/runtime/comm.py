@@ -51,8 +51,16 @@ def as_devices(devices: Sequence[DeviceLike]) -> tuple[torch.device, ...]:
     return parsed
 
 
+_ONE: dict[Any, torch.device] = {}
+
+
 def as_device(device: DeviceLike) -> torch.device:
-    return device if isinstance(device, torch.device) else as_devices((device,))[0]
+    if isinstance(device, torch.device):
+        return device
+    parsed = _ONE.get(device)
+    if parsed is None:
+        parsed = _ONE[device] = as_devices((device,))[0]
+    return parsed
 
 
 def uniform_device(devices: tuple[torch.device, ...]) -> torch.device | None:
@@ -110,6 +118,8 @@ def scatter(value: Any, devices: Sequence[DeviceLike], dim: int = 0) -> tuple[An
     """
     devices = as_devices(devices)
     if isinstance(value, torch.Tensor) and value.dim() > dim:  # the common case, without the walk
+        if uniform_device(devices) == value.device:  # virtual devices: views
+            return torch.tensor_split(value, len(devices), dim)
         return scatter_tensor(value, devices, dim)
 
     def split_leaf(leaf):
@@ -169,7 +179,11 @@ def gather_tensors(tensors: Sequence[torch.Tensor], dim: int, device: DeviceLike
         and len({t.device for t in tensors}) == len(tensors)
     ):
         return _CudaGather.apply(device, dim, *tensors)
-    moved = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
+    moved = tensors
+    for t in tensors:
+        if t.device != device:
+            moved = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
+            break
     if len(moved) == 1:
         return moved[0]
     if moved[0].dim() == 0:

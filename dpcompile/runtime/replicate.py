@@ -12,6 +12,7 @@ finds them flat and copies nothing.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -29,21 +30,89 @@ from dpcompile.runtime.comm import (
 )
 from dpcompile.runtime.structures import is_fake
 
+try:  # CPython's dict version tag, as torch.compile's guards read it
+    from torch._C._dynamo.guards import dict_version
+except ImportError:  # pragma: no cover - an older torch: views are made per forward
+    dict_version = None
+
 
 class ReplicaRoot(nn.Module):
     """The per-device stand-in for ``self`` in generated code: ``replica_dev1.fc1(x_dev1)``.
 
-    Dotted names resolve as paths (``getattr(root, "enc.fc1")``), as fx's ``Interpreter`` asks
-    for them when it runs a ``call_method`` node such as ``replica_dev1.enc.fc1(x)``.
+    Each of its modules is an attribute in its ``__dict__``, a module with children as a
+    :class:`ModuleView`, so ``getattr(replica_dev1.layers, "0")`` is two dictionary lookups
+    where ``getattr(self.layers, "0")`` calls ``nn.Module.__getattr__`` twice. Dotted names
+    resolve as paths through the modules themselves (``getattr(root, "enc.fc1")``), as fx's
+    ``Interpreter`` asks for them when it runs a ``call_method`` node such as
+    ``replica_dev1.enc.fc1(x)``.
     """
 
     def __getattr__(self, name: str):
         if "." in name:
-            value = self
-            for atom in name.split("."):
+            first, *rest = name.split(".")
+            value = super().__getattr__(first)
+            for atom in rest:
                 value = getattr(value, atom)
             return value
         return super().__getattr__(name)
+
+
+class ModuleView:
+    """A module's children as plain attributes, for generated code to look up cheaply.
+
+    ``view.fc1`` is the child itself (or, if the child has children of its own, its view);
+    anything else (parameters, buffers, attributes, a call, indexing) is the module's own,
+    so a view reads and calls exactly as the module does. Made per forward (a copy's children
+    are the copies) or kept while the module's children stay the same (virtual devices).
+    """
+
+    __slots__ = ("__dict__", "_dpcompile_module")
+
+    def __init__(self, module: nn.Module | weakref.ReferenceType, children: dict[str, object]):
+        object.__setattr__(self, "_dpcompile_module", module)
+        self.__dict__.update(children)
+
+    def __getattr__(self, name: str):
+        return getattr(module_of(self), name)
+
+    def __call__(self, *args, **kwargs):
+        return module_of(self)(*args, **kwargs)
+
+    def __getitem__(self, index):
+        return module_of(self)[index]
+
+    def __iter__(self):
+        return iter(module_of(self))
+
+    def __len__(self) -> int:
+        return len(module_of(self))
+
+    def __repr__(self) -> str:
+        return f"ModuleView({type(module_of(self)).__name__})"
+
+
+def module_of(value):
+    """The module a :class:`ModuleView` stands for; anything else as it is."""
+    if type(value) is not ModuleView:
+        return value
+    module = value._dpcompile_module
+    return module() if type(module) is weakref.ReferenceType else module  # a kept view holds it weakly
+
+
+def _viewable(module: nn.Module) -> bool:
+    """Whether ``module``'s children can be plain attributes of a view: none is missing or
+    named like an attribute of the view itself."""
+    return bool(module._modules) and all(
+        child is not None and not hasattr(ModuleView, name) for name, child in module._modules.items()
+    )
+
+
+def view_of(module: nn.Module) -> nn.Module | ModuleView:
+    """``module`` itself if it has no children, else a :class:`ModuleView` of it (and of
+    each of its children that has children)."""
+    if not _viewable(module):
+        return module
+    return ModuleView(module, {name: view_of(child) for name, child in module._modules.items()})
 
 
 def _collect(values: Mapping[str, nn.Module | torch.Tensor]) -> tuple[list[nn.Module], list[torch.Tensor]]:
@@ -62,13 +131,19 @@ def _collect(values: Mapping[str, nn.Module | torch.Tensor]) -> tuple[list[nn.Mo
 
 
 def replicate(
-    modules: Mapping[str, nn.Module | torch.Tensor], devices: Sequence[DeviceLike], *, copy: bool = False
+    modules: Mapping[str, nn.Module | torch.Tensor],
+    devices: Sequence[DeviceLike],
+    *,
+    copy: bool = False,
+    include_source: bool = False,
 ) -> tuple[ReplicaRoot, ...]:
     """One :class:`ReplicaRoot` per device holding replicas of ``modules`` (names kept).
 
     On a device that already holds the tensors (a virtual device) the replica *is* the
     original: nothing is copied and autograd sums the gradients of the shared tensors.
     ``copy=True`` copies there too, as a distinct GPU needs, to exercise that path.
+    ``include_source=True``: ``devices[0]`` is where the modules are, and its root holds
+    them (never copies), so generated code reads every device's modules alike.
 
     >>> lin = nn.Linear(2, 2)
     >>> (r,) = replicate({"fc": lin}, ["cpu"], copy=True)
@@ -76,10 +151,22 @@ def replicate(
     (True, False)
     """
     devices = as_devices(devices)
+    if include_source and not copy and uniform_device(devices) is not None:
+        return (_aliasing_root(modules),) * len(devices)  # virtual devices of the modules' own
     source = _first_tensor_device(modules)
     if source is None or (not copy and uniform_device(devices) == source):
         # virtual devices: every replica is the original, nothing to walk or copy
         return (_aliasing_root(modules),) * len(devices)
+    if include_source:
+        return (_aliasing_root(modules), *_replicas(modules, devices[1:], copy, source))
+    return _replicas(modules, devices, copy, source)
+
+
+def _replicas(
+    modules: Mapping[str, nn.Module | torch.Tensor], devices: tuple[torch.device, ...], copy: bool, source: torch.device
+) -> tuple[ReplicaRoot, ...]:
+    if not devices:
+        return ()
     roots: list[ReplicaRoot] = [_aliasing_root(modules) for _ in devices]
     all_modules, tensors = _collect(modules)
     to_copy = [k for k, d in enumerate(devices) if copy or d != source]
@@ -96,13 +183,16 @@ def replicate(
         flat = Broadcast.apply(list(targets), packed_groups, *tensors)
     else:
         flat = _Refreshed.apply(replica_set, *tensors)
+    compiling = torch.compiler.is_compiling()
     for slot, k in enumerate(to_copy):
         copies = {id(t): flat[slot * len(tensors) + i] for i, t in enumerate(tensors)}
         memo: dict[int, nn.Module] = {}
-        root = ReplicaRoot()
+        root = _fresh_root()
         for name, value in modules.items():
             if isinstance(value, nn.Module):
-                root._modules[name] = _replicate_module(value, copies, memo)
+                replica = _replicate_module(value, copies, memo)
+                root._modules[name] = replica
+                root.__dict__[name] = replica if compiling else view_of(replica)
             else:
                 root._buffers[name] = copies[id(value)]
         roots[k] = root
@@ -232,6 +322,8 @@ _FIRST_TENSOR: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, nn.Modul
 
 
 def _first_tensor(module: nn.Module) -> torch.Tensor | None:
+    if torch.compiler.is_compiling():  # no guards on the cache's weak entries, which come and go
+        return next((t for m in module.modules() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None), None)
     entry = _FIRST_TENSOR.get(module)
     if entry is not None:
         tensor, owner, kind, name = entry
@@ -249,26 +341,66 @@ def _first_tensor(module: nn.Module) -> torch.Tensor | None:
 _BLANK = ReplicaRoot()
 
 
-def _fresh_root() -> ReplicaRoot:
+# what a root needs of nn.Module's state: its own dict of modules; the rest is the blank one's
+# (read-only empties where tensors go, given their own dicts only where a root holds tensors),
+# as nothing registers hooks on a root, calls it or adds to it
+_BLANK_STATE = {
+    **_BLANK.__dict__,
+    "_parameters": types.MappingProxyType({}),
+    "_buffers": types.MappingProxyType({}),
+    "_non_persistent_buffers_set": frozenset(),
+}
+
+
+def _fresh_root(tensors: bool = True) -> ReplicaRoot:
     """``ReplicaRoot()`` at a fraction of the cost of ``nn.Module.__init__`` (made per forward)."""
     root = ReplicaRoot.__new__(ReplicaRoot)
     state = root.__dict__
-    for key, value in _BLANK.__dict__.items():
-        state[key] = type(value)() if isinstance(value, (dict, set, list)) else value
+    state.update(_BLANK_STATE)
+    state["_modules"] = {}
+    if tensors:
+        state["_parameters"], state["_buffers"], state["_non_persistent_buffers_set"] = {}, {}, set()
     return root
 
 
 def _aliasing_root(modules: Mapping[str, nn.Module | torch.Tensor]) -> ReplicaRoot:
-    root = _fresh_root()
+    compiling = torch.compiler.is_compiling()  # torch.compile reads the modules themselves
+    root = _fresh_root(tensors=compiling or not all(isinstance(v, nn.Module) for v in modules.values()))
     for name, value in modules.items():
         if isinstance(value, nn.Module):
             root._modules[name] = value
-            root.__dict__[name] = value  # generated code reads it on every call: a plain lookup
+            # generated code reads it on every call: plain lookups, down to the module it calls
+            root.__dict__[name] = value if compiling else _cached_view(value)
         elif isinstance(value, nn.Parameter):
             root._parameters[name] = value
         else:
             root._buffers[name] = value
     return root
+
+
+# id(module) -> (a weak reference to it, the dicts its view was made from, their versions, the
+# view): a view of an original is made again only where a module was added, removed or
+# replaced under it. The view holds the module weakly, so the entry keeps no module alive.
+_VIEWS: dict[int, tuple[weakref.ReferenceType, tuple[tuple[dict, int], ...], ModuleView]] = {}
+
+
+def _cached_view(module: nn.Module) -> nn.Module | ModuleView:
+    entry = _VIEWS.get(id(module))
+    if entry is None or entry[0]() is not module or not _unchanged(entry[1]):
+        if not _viewable(module) or dict_version is None:
+            return view_of(module)
+        key = id(module)
+        ref = weakref.ref(module, lambda _: _VIEWS.pop(key, None))
+        versions = tuple((m._modules, dict_version(m._modules)) for m in module.modules() if m._modules)
+        entry = _VIEWS[key] = (ref, versions, ModuleView(ref, view_of(module).__dict__))
+    return entry[2]
+
+
+def _unchanged(versions: tuple[tuple[dict, int], ...]) -> bool:
+    for d, version in versions:
+        if dict_version(d) != version:
+            return False
+    return True
 
 
 def _disjoint(groups: list[list[int]]) -> list[list[int]]:

@@ -263,3 +263,34 @@ def test_parallel_module_has_no_module_attribute_and_says_why():
     scaled = MLP()
     scaled.register_buffer("module", torch.ones(1))  # a buffer of that name, too
     assert dpcompile.transform(scaled, ["cpu"] * 2).module is scaled.module
+
+
+def test_parallel_module_compile_in_place_matches_eager():
+    """pm.compile() makes pm(x) run compiled, with the eager model's outputs and gradients; a copy runs eagerly."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    pm.compile()
+    x = torch.randn(6, 8)
+    out = pm(x)
+    out.sum().backward()
+    expected = reference(x)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert pm.__dict__["_compiled_call_impl"] is not None
+    assert copy.deepcopy(pm).__dict__.get("_compiled_call_impl") is None
+
+
+def test_parallel_module_call_goes_straight_to_its_own_call():
+    """pm(x) calls ParallelModule.__call__ directly (not fx's wrapper); an error in the program still
+    raises with the generated line in its traceback."""
+    import traceback
+
+    pm = dpcompile.transform(MLP(), ["cpu"] * 2)
+    assert type(pm).__call__ is dpcompile.ParallelModule.__call__
+    with pytest.raises(RuntimeError) as info:
+        pm(torch.randn(4, 5))  # 5 features where fc1 takes 8
+    assert any("replica_dev0.fc1(x_dev0)" in (frame.line or "") for frame in traceback.extract_tb(info.value.__traceback__))

@@ -28,14 +28,14 @@ def test_insert_scatter_gather_emits_scatter_per_device_calls_and_gather():
     pm = dpcompile.transform(MLP(), ["cpu", "cpu"])
     names = [n.name for n in pm.graph.nodes]
     assert names == [
-        "x", "fc1_src", "fc2_src", "replicas", "replica_dev1", "x_scatter", "x_dev0", "x_dev1",
+        "x", "fc1_src", "fc2_src", "replicas", "replica_dev0", "replica_dev1", "x_scatter", "x_dev0", "x_dev1",
         "fc1_dev0", "fc1_dev1", "relu_dev0", "relu_dev1", "fc2_dev0", "fc2_dev1",
         "fc2", "output",
     ]
     targets = _targets(pm)
     assert targets.count(runtime.scatter) == 1 and targets.count(runtime.gather) == 1
     calls = [n.target for n in pm.graph.nodes if n.op in ("call_module", "call_method")]
-    assert calls == ["fc1", "fc1", "fc2", "fc2"]  # self.fc1(x_dev0), replica_dev1.fc1(x_dev1), ...
+    assert calls == ["fc1", "fc1", "fc2", "fc2"]  # replica_dev0.fc1(x_dev0), replica_dev1.fc1(x_dev1), ...
     assert targets.count(runtime.replicate) == 1
 
 
@@ -43,8 +43,12 @@ def test_insert_scatter_gather_code_reads_like_handwritten():
     """Generated code names the inserted calls and the device of every value."""
     code = dpcompile.transform(MLP(), ["cpu"] * 3).code
     assert "x_scatter = dpcompile_runtime_scatter(x, ['cpu', 'cpu', 'cpu'], 0)" in code
-    assert "replicas = dpcompile_runtime_replicate({'fc1': fc1_src, 'fc2': fc2_src}, ['cpu', 'cpu'])" in code
-    assert "fc1_dev0 = self.fc1(x_dev0)" in code and "fc1_dev2 = replica_dev2.fc1(x_dev2)" in code
+    assert (
+        "replicas = dpcompile_runtime_replicate({'fc1': fc1_src, 'fc2': fc2_src}, ['cpu', 'cpu', 'cpu'], include_source = True)"
+        in code
+    )
+    # device 0's root holds the user's own modules: every device reads its modules alike, in one lookup
+    assert "fc1_dev0 = replica_dev0.fc1(x_dev0)" in code and "fc1_dev2 = replica_dev2.fc1(x_dev2)" in code
     assert "fc2 = dpcompile_runtime_gather([fc2_dev0, fc2_dev1, fc2_dev2], 0, 'cpu')" in code
 
 
@@ -54,8 +58,8 @@ def test_insert_scatter_gather_replicates_modules_for_distinct_devices():
     code = pm.code
     assert code.count("dpcompile_runtime_replicate(") == 1 and "copy = True" in code
     assert "fc1_dev1 = replica_dev1.fc1(x_dev1)" in code
-    assert "fc1_dev0 = self.fc1(x_dev0)" in code
-    first_compute = next(n for n in pm.graph.nodes if n.op == "call_module")
+    assert "fc1_dev0 = replica_dev0.fc1(x_dev0)" in code
+    first_compute = next(n for n in pm.graph.nodes if n.op == "call_method")
     replicate_node = next(n for n in pm.graph.nodes if n.target is runtime.replicate)
     order = list(pm.graph.nodes)
     assert order.index(replicate_node) < order.index(first_compute)
@@ -199,3 +203,34 @@ def test_insert_scatter_gather_replicates_only_modules_devices_run():
     replicate = next(n for n in pm.graph.nodes if n.target is runtime.replicate)
     assert list(replicate.args[0]) == ["fc"]
     assert "head_src" not in pm.code
+
+
+def lib_apply_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    assert isinstance(block, nn.Sequential), type(block)  # the module itself, never a view of it
+    return block(x)
+
+
+torch.fx.wrap("lib_apply_block")
+
+
+class _HandsOnABlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def forward(self, x):
+        return lib_apply_block(self.block, x)
+
+
+def test_insert_scatter_gather_hands_a_submodule_whole_to_a_function():
+    """A submodule passed to a function reaches it as the module on every device (not a lookup view)."""
+    from dpcompile.analysis.batch_rules import BATCH_RULES
+
+    dpcompile.register_batch_rule(lib_apply_block, "elementwise")
+    try:
+        model, x = _HandsOnABlock(), torch.randn(6, 4)
+        pm = dpcompile.transform(model, ["cpu"] * 2)
+        assert "dpcompile_runtime_module_of(block_dev1)" in pm.code
+        torch.testing.assert_close(pm(x), model(x))
+    finally:
+        BATCH_RULES.functions.pop(lib_apply_block, None)

@@ -60,8 +60,59 @@ def test_first_tensor_device_follows_a_replaced_parameter():
 
 
 def test_virtual_replicate_roots_alias_the_modules():
-    """On virtual devices every replica root holds the original modules, readable as attributes."""
+    """On virtual devices every replica root holds the original modules, readable as attributes
+    (a module with children through a view whose children are the originals)."""
     seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     roots = runtime.replicate({"seq": seq}, ["cpu", "cpu"])
-    assert len(roots) == 2 and all(r.seq is seq for r in roots)
+    assert len(roots) == 2 and all(runtime.module_of(r.seq) is seq and getattr(r.seq, "0") is seq[0] for r in roots)
     assert getattr(roots[0], "seq.0") is seq[0]
+
+
+def test_module_view_reads_and_calls_as_the_module():
+    """A view's children are the module's; attributes, calls, indexing and hooks are the module's own."""
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU()))
+    seen = []
+    seq.register_forward_hook(lambda module, args, out: seen.append(module))
+    (root,) = runtime.replicate({"seq": seq}, ["cpu"])
+    view = root.seq
+    assert type(view) is runtime.ModuleView and runtime.module_of(view) is seq
+    assert getattr(view, "0") is seq[0] and runtime.module_of(getattr(view, "1")) is seq[1]
+    assert view[0] is seq[0] and len(view) == 2 and list(view) == list(seq)
+    seq.eval()
+    assert view.training is False and view.state_dict().keys() == seq.state_dict().keys()
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(view(x), seq(x))
+    assert seen == [seq, seq]
+
+
+def test_module_view_follows_a_replaced_or_added_child():
+    """A kept view is made again once a module is replaced or added anywhere under it."""
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    first = runtime.replicate({"seq": seq}, ["cpu"])[0].seq
+    assert runtime.replicate({"seq": seq}, ["cpu"])[0].seq is first  # nothing changed: the same view
+    seq[0] = nn.Linear(2, 2)
+    assert getattr(runtime.replicate({"seq": seq}, ["cpu"])[0].seq, "0") is seq[0]
+    seq[1].add_module("extra", nn.ReLU())
+    inner = getattr(runtime.replicate({"seq": seq}, ["cpu"])[0].seq, "1")
+    assert inner.extra is seq[1].extra
+
+
+def test_module_view_keeps_no_module_alive():
+    """The views kept between forwards hold their module weakly: a dropped model is freed."""
+    import gc
+    import weakref
+
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    runtime.replicate({"seq": seq}, ["cpu", "cpu"], include_source=True)
+    ref = weakref.ref(seq)
+    del seq
+    gc.collect()
+    assert ref() is None
+
+
+def test_replicate_include_source_gives_device_0_the_modules_themselves():
+    """With include_source the first root holds the originals, even where the others are copies."""
+    lin = nn.Linear(2, 2)
+    r0, r1 = runtime.replicate({"lin": lin}, ["cpu", "cpu"], copy=True, include_source=True)
+    assert r0.lin is lin and r1.lin is not lin and r1.lin.weight is not lin.weight
+    torch.testing.assert_close(r1.lin.weight, lin.weight)

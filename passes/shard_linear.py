@@ -64,7 +64,7 @@ from dpcompile.analysis.sharding import (
     resolve_plan,
     window_attention_args,
 )
-from dpcompile.analysis.sharding_rules import may_need_grad, node_val
+from dpcompile.analysis.sharding_rules import cross_entropy_options, may_need_grad, node_val
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import collectives
@@ -210,7 +210,7 @@ class _Rewriter:
                                  name=f"{node.name}_target_logit_all_reduce", source=node, layout=REPLICATED)  # fmt: skip
         self.comm(target_logit, "all_reduce", None, node)
         whole_target = self.env[node.args[1] if len(node.args) > 1 else node.kwargs["target"]]
-        options = {k: v for k, v in node.kwargs.items() if k in ("reduction", "ignore_index")}
+        options = cross_entropy_options(node)
         return self.make("call_function", tp_runtime.cross_entropy_from_parts, (lse_all, target_logit, whole_target), options,
                          name=node.name, source=node, layout=REPLICATED)  # fmt: skip
 

@@ -134,8 +134,8 @@ class _Rewriter:
         return node
 
     # -- conversions, each made once per value
-    def convert(self, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None) -> fx.Node:
-        key = (producer, kind if sizes is None else f"{kind}{sizes}")
+    def convert(self, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None, dim: int = -1) -> fx.Node:
+        key = (producer, kind if sizes is None else f"{kind}{sizes}@{dim}")
         if key in self.converted:
             return self.converted[key]
         if kind == "gather":
@@ -156,8 +156,8 @@ class _Rewriter:
         elif kind in ("split", "gather_split"):
             assert sizes is not None
             whole = self.convert(producer, "gather") if kind == "gather_split" else self.env[producer]
-            new = self.make("call_function", collectives.split_to_shards, (whole, -1, list(sizes)),
-                            name=f"{producer.name}_split", source=producer, layout=Sharded(-1, sizes))  # fmt: skip
+            new = self.make("call_function", collectives.split_to_shards, (whole, dim, list(sizes)),
+                            name=f"{producer.name}_split", source=producer, layout=Sharded(dim, sizes))  # fmt: skip
             new = self.comm(new, "split", "all_gather", producer)
         else:  # pragma: no cover
             raise AssertionError(kind)
@@ -166,6 +166,9 @@ class _Rewriter:
 
     def arg_for(self, consumer: fx.Node, producer: fx.Node, sizes: tuple[int, ...] | None = None) -> fx.Node:
         kind = self.analysis.needs.get((consumer, producer))
+        if (consumer, producer) in self.analysis.arg_splits:  # a replicated argument sliced for this shard (a per-head bias)
+            dim, sizes = self.analysis.arg_splits[(consumer, producer)]
+            return self.convert(producer, "split", sizes, dim)
         return self.env[producer] if kind is None else self.convert(producer, kind, sizes)
 
     def param(self, path: str, name: str, spec: ShardSpec | None, source: fx.Node) -> fx.Node:

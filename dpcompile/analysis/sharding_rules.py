@@ -148,9 +148,13 @@ def attention(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]
                 raise NeedsWhole("a mask sharded differently")
         else:
             shape = tensor_shape(mask)
-            if shape is None or (len(shape) >= -lq.dim and shape[len(shape) + lq.dim] != 1):  # type: ignore[union-attr]
+            spans = shape is not None and len(shape) >= -lq.dim and shape[len(shape) + lq.dim] != 1  # type: ignore[union-attr]
+            if spans and shape[len(shape) + lq.dim] == sum(lq.sizes):  # type: ignore[union-attr,index]
+                ctx.split_arg(node, mask, lq.dim, lq.sizes)  # a bias per head (T5's position bias): each shard its heads'
+            elif shape is None or spans:
                 raise NeedsWhole("a replicated mask that spans the sharded dim")
-            copies.append(mask)
+            else:
+                copies.append(mask)
     origins = lq.origins | lk.origins | lv.origins  # type: ignore[union-attr]
     return Sharded(lq.dim, lq.sizes, origins, lq.unit), copies  # type: ignore[union-attr]
 

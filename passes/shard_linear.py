@@ -63,7 +63,7 @@ from dpcompile.analysis.sharding import (
     resolve_plan,
     window_attention_args,
 )
-from dpcompile.analysis.sharding_rules import may_need_grad, node_val
+from dpcompile.analysis.sharding_rules import cross_entropy_options, may_need_grad, node_val
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import collectives
@@ -133,8 +133,8 @@ class _Rewriter:
         return node
 
     # -- conversions, each made once per value
-    def convert(self, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None) -> fx.Node:
-        key = (producer, kind if sizes is None else f"{kind}{sizes}")
+    def convert(self, producer: fx.Node, kind: str, sizes: tuple[int, ...] | None = None, dim: int = -1) -> fx.Node:
+        key = (producer, kind if sizes is None else f"{kind}{sizes}@{dim}")
         if key in self.converted:
             return self.converted[key]
         if kind == "gather":
@@ -155,8 +155,8 @@ class _Rewriter:
         elif kind in ("split", "gather_split"):
             assert sizes is not None
             whole = self.convert(producer, "gather") if kind == "gather_split" else self.env[producer]
-            new = self.make("call_function", collectives.split_to_shards, (whole, -1, list(sizes)),
-                            name=f"{producer.name}_split", source=producer, layout=Sharded(-1, sizes))  # fmt: skip
+            new = self.make("call_function", collectives.split_to_shards, (whole, dim, list(sizes)),
+                            name=f"{producer.name}_split", source=producer, layout=Sharded(dim, sizes))  # fmt: skip
             new = self.comm(new, "split", "all_gather", producer)
         else:  # pragma: no cover
             raise AssertionError(kind)
@@ -165,6 +165,9 @@ class _Rewriter:
 
     def arg_for(self, consumer: fx.Node, producer: fx.Node, sizes: tuple[int, ...] | None = None) -> fx.Node:
         kind = self.analysis.needs.get((consumer, producer))
+        if (consumer, producer) in self.analysis.arg_splits:  # a replicated argument sliced for this shard (a per-head bias)
+            dim, sizes = self.analysis.arg_splits[(consumer, producer)]
+            return self.convert(producer, "split", sizes, dim)
         return self.env[producer] if kind is None else self.convert(producer, kind, sizes)
 
     def param(self, path: str, name: str, spec: ShardSpec | None, source: fx.Node) -> fx.Node:
@@ -209,7 +212,7 @@ class _Rewriter:
                                  name=f"{node.name}_target_logit_all_reduce", source=node, layout=REPLICATED)  # fmt: skip
         self.comm(target_logit, "all_reduce", None, node)
         whole_target = self.env[node.args[1] if len(node.args) > 1 else node.kwargs["target"]]
-        options = {k: v for k, v in node.kwargs.items() if k in ("reduction", "ignore_index")}
+        options = cross_entropy_options(node)
         return self.make("call_function", tp_runtime.cross_entropy_from_parts, (lse_all, target_logit, whole_target), options,
                          name=node.name, source=node, layout=REPLICATED)  # fmt: skip
 

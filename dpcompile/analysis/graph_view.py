@@ -44,9 +44,15 @@ def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
 
 
 def _transparent_subgraph(gm: fx.GraphModule, linears: Collection[fx.Node], is_transparent: NodePredicate) -> nx.DiGraph:
-    """Edges a sharded value can travel: out of a Linear or transparent op into another."""
+    """Edges a sharded value can travel: out of a Linear or transparent op into another.
+
+    Only transparent ops a Linear's output reaches count: a value computed before every Linear
+    (Llama's rotary ``cos`` / ``sin``, read by every layer) does not tie the layers together."""
     full = to_networkx(gm)
-    keep = {n.name for n in gm.graph.nodes if n in linears or is_transparent(n)}
+    keep = {n.name for n in linears}
+    for node in gm.graph.nodes:  # in order: a transparent op joins when one of its inputs is kept
+        if node.name not in keep and is_transparent(node) and any(a.name in keep for a in node.all_input_nodes):
+            keep.add(node.name)
     g = nx.DiGraph()
     g.add_nodes_from(keep)
     for u, v in full.edges:

@@ -383,3 +383,33 @@ __all__ += [
     "SHARD_ATEN_UNARY", "SHARD_ATEN_BINARY", "SHARD_ATEN_SOFTMAX", "SHARD_ATEN_ATTENTION", "SHARD_ATEN_VIEW",
     "SHARD_ATEN_TRANSPOSE", "SHARD_ATEN_MATMUL", "SHARD_ATEN_SPLIT",
 ]  # fmt: skip
+
+# ---------------------------------------------------------------------- tensor parallel: shapes and casts
+# rotary embeddings (slice / getitem, cat, unsqueeze), grouped-query attention (expand + reshape,
+# repeat_interleave of kv heads) and ops that leave values as they are (casts, copies, dropout)
+SHARD_CAST = OpFamily.of(
+    "sharded cast",
+    functions={
+        torch.clone, torch.detach, _aten.to.dtype, _aten.to.dtype_layout, _aten._to_copy.default, _aten.alias.default,
+        _aten.detach.default, _aten.contiguous.default, _aten.lift_fresh_copy.default, _aten.dropout.default,
+        _aten.feature_dropout.default,
+    },
+    methods={"to", "detach", "float", "half", "bfloat16", "double", "contiguous", "clone"},
+)  # fmt: skip
+SHARD_TUPLE_DROPOUT = OpFamily.of("sharded dropout with its mask", functions={_aten.native_dropout.default})
+SHARD_TYPE_AS = OpFamily.of("sharded type_as", functions={_aten.type_as.default}, methods={"type_as"})
+SHARD_SLICE = OpFamily.of("sharded slice", functions={_aten.slice.Tensor})
+SHARD_CAT = OpFamily.of("sharded concatenate", functions={torch.cat, torch.concat, _aten.cat.default})
+SHARD_UNSQUEEZE = OpFamily.of("sharded unsqueeze", functions={torch.unsqueeze, _aten.unsqueeze.default}, methods={"unsqueeze"})
+SHARD_EXPAND = OpFamily.of("sharded expand", functions={_aten.expand.default}, methods={"expand"})
+SHARD_REPEAT_INTERLEAVE = OpFamily.of(
+    "sharded repeat_interleave",
+    functions={torch.repeat_interleave, _aten.repeat_interleave.self_int},
+    methods={"repeat_interleave"},
+)
+SHARD_ATEN_PERMUTE = OpFamily.of("sharded ATen permute", functions={_aten.permute.default})
+SHARD_ATEN_CROSS_ENTROPY = OpFamily.of("sharded ATen cross-entropy", functions={_aten.cross_entropy_loss.default})
+__all__ += [
+    "SHARD_CAST", "SHARD_TUPLE_DROPOUT", "SHARD_TYPE_AS", "SHARD_SLICE", "SHARD_CAT", "SHARD_UNSQUEEZE", "SHARD_EXPAND",
+    "SHARD_REPEAT_INTERLEAVE", "SHARD_ATEN_PERMUTE", "SHARD_ATEN_CROSS_ENTROPY",
+]  # fmt: skip

@@ -89,6 +89,7 @@ class ShardingAnalysis:
     vocab_losses: dict[fx.Node, tuple[int, ...]] = field(default_factory=dict)  # vocab-parallel cross-entropies
     tuples: set[fx.Node] = field(default_factory=set)  # splits / unbinds of a sharded value (their parts alike)
     column_sections: dict[str, int] = field(default_factory=dict)  # fused column layers: blocks per output
+    arg_splits: dict[tuple[fx.Node, fx.Node], tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # (consumer, replicated arg) -> its slice
 
 
 class _Analyzer:
@@ -143,6 +144,10 @@ class _Analyzer:
         rows = max(1, self.numel(node.args[0]) // max(1, sum(sizes)))
         self.result.comms.append(CommEstimate("all_gather", None, rows * self.n, f"{node.name} logsumexp all-gather"))
         self.result.comms.append(CommEstimate("all_reduce", None, rows, f"{node.name} target logit all-reduce"))
+
+    def split_arg(self, consumer: fx.Node, producer: fx.Node, dim: int, sizes: tuple[int, ...]) -> None:
+        self.result.arg_splits[(consumer, producer)] = (dim, sizes)
+        self.need(consumer, producer, "split", sizes)
 
     # -- sizes for the cost model: exact from shapes, else features per token
     def numel(self, node: fx.Node) -> int:

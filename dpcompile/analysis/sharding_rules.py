@@ -16,8 +16,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -25,126 +24,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.analysis import ops
+from dpcompile.analysis import sharding_rules_shape as shape_rules
 from dpcompile.analysis.placement import REPLICATED, Replicated
-
-
-# ---------------------------------------------------------------------- layouts
-@dataclass(frozen=True)
-class Sharded:
-    """A value split along ``dim`` (counted from the end, so broadcasting lines dims up)."""
-
-    dim: int
-    sizes: tuple[int, ...]
-    origins: frozenset[str] = frozenset()  # the column layers whose outputs it carries
-    unit: int = 1  # output features of the origin layers per unit of ``dim``
-    sections: int = 1  # a fused projection: ``dim`` holds this many blocks (q, k, v), each split
-
-    def same_split(self, other: Sharded) -> bool:
-        """True when ``other`` is split along the same dim into the same pieces."""
-        return (self.dim, self.sizes, self.sections) == (other.dim, other.sizes, other.sections)
-
-
-@dataclass(frozen=True)
-class Copied:
-    """A replicated value passed through *f* into a sharded region (one copy per shard)."""
-
-
-@dataclass(frozen=True)
-class NotTensor:
-    """A Python value (a size, a dtype) that is the same on every shard."""
-
-
-COPIED = Copied()
-NOT_TENSOR = NotTensor()
-Layout = Sharded | Replicated | Copied | NotTensor
-
-
-class NeedsWhole(Exception):
-    """The op needs whole inputs; ``problem`` marks a view the pass should have kept sharded."""
-
-    def __init__(self, reason: str, *, problem: bool = False, granularity: int | None = None, sections: int | None = None):
-        super().__init__(reason)
-        self.reason = reason
-        self.problem = problem
-        self.granularity = granularity
-        self.sections = sections  # a fused projection: shard each of this many blocks of the origin layers
-
-
-def node_val(node: Any) -> Any:
-    """The fake value shape propagation left on ``node`` (``None`` for non-nodes or without shapes)."""
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def tensor_shape(node: Any) -> tuple[int, ...] | None:
-    """``node``'s static shape, or ``None`` when unknown (no shapes, or a symbolic size)."""
-    v = node_val(node)
-    if isinstance(v, torch.Tensor):
-        try:
-            return tuple(int(s) for s in v.shape)
-        except (TypeError, ValueError):
-            return None
-    return None
-
-
-def may_need_grad(node: fx.Node) -> bool:
-    """False for values that never carry a gradient (masks, integer tensors): f's backward is then free."""
-    v = node_val(node)
-    return not (isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex()))
-
-
-def tensor_ndim(node: Any) -> int | None:
-    """``node``'s rank, or ``None`` when unknown."""
-    s = tensor_shape(node)
-    return None if s is None else len(s)
-
-
-def from_end(dim: int, ndim: int | None) -> int:
-    """``dim`` counted from the end (``-1`` is the last); :class:`NeedsWhole` when the rank is unknown."""
-    if dim < 0:
-        return dim
-    if ndim is None:
-        raise NeedsWhole("dim counted from the front of a tensor of unknown rank; pass example_inputs=")
-    return dim - ndim
-
-
-def describe_op(node: fx.Node) -> str:
-    """``"relu (relu)"``: a node and its target, for reasons shown to users."""
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return f"{node.name} ({target})"
-
-
-def node_arg(node: fx.Node, pos: int, name: str, default: Any = None) -> Any:
-    """Argument ``pos`` of ``node``, or its keyword ``name``, or ``default``."""
-    if len(node.args) > pos:
-        return node.args[pos]
-    return node.kwargs.get(name, default)
-
-
-def flat_nodes(value: Any) -> list[fx.Node]:
-    """Every node inside ``value`` (nested args and kwargs), in order."""
-    out: list[fx.Node] = []
-    fx.node.map_arg(value, lambda n: out.append(n) or n)
-    return out
-
-
-class LayoutContext(Protocol):
-    """What a rule reads and records: the layout of a value, and a view's rewritten constant."""
-
-    def layout(self, node: Any) -> Layout: ...
-
-    def rewrite_view(self, node: fx.Node, position: int, sizes: tuple[int, ...]) -> None: ...
-
-    def mark_tuple(self, node: fx.Node) -> None: ...
-
-    def mark_vocab_loss(self, node: fx.Node, sizes: tuple[int, ...]) -> None: ...
-
-    def mark_sharded_size(self, node: fx.Node) -> None: ...
-
-    def is_sharded_size(self, node: Any) -> bool: ...
-
-    def rewritten_at(self, node: fx.Node) -> int | None: ...
-
-    def is_tuple(self, node: Any) -> bool: ...
+from dpcompile.analysis.sharding_layout import (  # noqa: F401 - the layouts, re-exported for the analysis and passes
+    COPIED,
+    NOT_TENSOR,
+    Copied,
+    Layout,
+    LayoutContext,
+    NeedsWhole,
+    NotTensor,
+    Sharded,
+    describe_op,
+    flat_nodes,
+    from_end,
+    may_need_grad,
+    node_arg,
+    node_val,
+    tensor_ndim,
+    tensor_shape,
+)
 
 
 # ---------------------------------------------------------------------- rules
@@ -162,6 +61,8 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
         return cross_entropy(ctx, node)
     if op == "call_function" and target is operator.getitem and ctx.is_tuple(node.args[0]):
         return ctx.layout(node.args[0]), []  # one part of a split / unbind: laid out as every part
+    if shape_rules.is_basic_getitem(node):
+        return shape_rules.getitem(ctx, node)
     for family, rule in _RULES:
         if family.matches(node):
             return rule(ctx, node)
@@ -229,6 +130,13 @@ def attention(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]
     lq, lk, lv = ctx.layout(q), ctx.layout(k), ctx.layout(v)
     if not all(isinstance(layout, Sharded) for layout in (lq, lk, lv)):
         raise NeedsWhole("attention with q, k, v not all sharded")
+    if len({layout.dim for layout in (lq, lk, lv)}) == 1 and len({layout.sizes for layout in (lq, lk, lv)}) > 1:  # type: ignore[union-attr]
+        raise NeedsWhole(
+            f"q, k and v hold different heads per shard ({', '.join(str(list(la.sizes)) for la in (lq, lk, lv))}): "  # type: ignore[union-attr]
+            "with grouped-query attention each shard needs whole kv heads and their query heads, so "
+            "num_key_value_heads must divide by the number of devices",
+            problem=True,
+        )
     if len({(layout.dim, layout.sizes, layout.sections) for layout in (lq, lk, lv)}) != 1 or lq.dim > -3 or lq.sections > 1:  # type: ignore[union-attr]
         raise NeedsWhole("attention with q, k, v sharded differently or along a sequence/feature dim")
     copies = []
@@ -240,9 +148,13 @@ def attention(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]
                 raise NeedsWhole("a mask sharded differently")
         else:
             shape = tensor_shape(mask)
-            if shape is None or (len(shape) >= -lq.dim and shape[len(shape) + lq.dim] != 1):  # type: ignore[union-attr]
+            spans = shape is not None and len(shape) >= -lq.dim and shape[len(shape) + lq.dim] != 1  # type: ignore[union-attr]
+            if spans and shape[len(shape) + lq.dim] == sum(lq.sizes):  # type: ignore[union-attr,index]
+                ctx.split_arg(node, mask, lq.dim, lq.sizes)  # a bias per head (T5's position bias): each shard its heads'
+            elif shape is None or spans:
                 raise NeedsWhole("a replicated mask that spans the sharded dim")
-            copies.append(mask)
+            else:
+                copies.append(mask)
     origins = lq.origins | lk.origins | lv.origins  # type: ignore[union-attr]
     return Sharded(lq.dim, lq.sizes, origins, lq.unit), copies  # type: ignore[union-attr]
 
@@ -378,13 +290,29 @@ def cross_entropy(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.No
     v = node_val(target)
     if isinstance(v, torch.Tensor) and v.is_floating_point():
         raise NeedsWhole("a cross-entropy with class probabilities as target")
-    options = {k: val for k, val in node.kwargs.items() if k not in ("input", "target")}
-    if len(node.args) > 2 or options.get("weight") is not None or options.get("label_smoothing", 0.0) != 0.0:
-        raise NeedsWhole("a cross-entropy with class weights or label smoothing")
-    if options.get("reduction", "mean") not in ("mean", "sum", "none") or options.get("size_average") is not None or options.get("reduce") is not None:
-        raise NeedsWhole("a cross-entropy with a legacy reduction argument")
+    cross_entropy_options(node)  # raises for class weights, label smoothing, legacy arguments
     ctx.mark_vocab_loss(node, layout.sizes)
     return REPLICATED, [target]
+
+
+_ATEN_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def cross_entropy_options(node: fx.Node) -> dict[str, Any]:
+    """``reduction`` and ``ignore_index`` of an ``F.cross_entropy`` or ``aten.cross_entropy_loss``
+    call, as ``F.cross_entropy``'s keywords; :class:`NeedsWhole` for what the vocab-parallel loss lacks."""
+    aten = isinstance(node.target, torch._ops.OpOverload)
+    names = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing") if aten else (
+        "input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")  # fmt: skip
+    bound = {**dict(zip(names, node.args)), **node.kwargs}
+    if bound.get("weight") is not None or bound.get("label_smoothing", 0.0) != 0.0:
+        raise NeedsWhole("a cross-entropy with class weights or label smoothing")
+    if bound.get("size_average") is not None or bound.get("reduce") is not None:
+        raise NeedsWhole("a cross-entropy with a legacy reduction argument")
+    reduction = _ATEN_REDUCTIONS.get(bound.get("reduction", 1)) if aten else bound.get("reduction", "mean")
+    if reduction not in ("mean", "sum", "none") or not isinstance(bound.get("ignore_index", -100), int):
+        raise NeedsWhole("a cross-entropy with an unknown reduction or a computed ignore_index")
+    return {"reduction": reduction, "ignore_index": bound.get("ignore_index", -100)}
 
 
 def checked_view(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
@@ -466,6 +394,17 @@ _RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layou
     (ops.SHARD_ATEN_VIEW, checked_view),
     (ops.SHARD_ATEN_TRANSPOSE, transpose),
     (ops.SHARD_ATEN_SPLIT, split),
+    (ops.SHARD_ATEN_PERMUTE, permute),
+    (ops.SHARD_ATEN_CROSS_ENTROPY, cross_entropy),
+    # rotary embeddings, grouped-query attention, casts (both forms)
+    (ops.SHARD_CAST, shape_rules.cast),
+    (ops.SHARD_TUPLE_DROPOUT, shape_rules.tuple_dropout),
+    (ops.SHARD_TYPE_AS, shape_rules.type_as),
+    (ops.SHARD_SLICE, shape_rules.slice_),
+    (ops.SHARD_CAT, shape_rules.cat),
+    (ops.SHARD_UNSQUEEZE, shape_rules.unsqueeze),
+    (ops.SHARD_EXPAND, shape_rules.expand),
+    (ops.SHARD_REPEAT_INTERLEAVE, shape_rules.repeat_interleave),
 )
 SHARD_TRANSPARENT = tuple(family for family, _ in _RULES)
 
@@ -474,5 +413,7 @@ def is_shard_transparent(node: fx.Node, modules: Mapping[str, nn.Module]) -> boo
     """True for ops a sharded value can pass through (given matching shapes): element-wise,
     softmax, matmul over batch dims, attention, views, transposes."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return ops.SHARD_SPLIT.matches(node.args[0], modules) or ops.SHARD_ATEN_SPLIT.matches(node.args[0])  # a part of q, k, v
+        if ops.SHARD_SPLIT.matches(node.args[0], modules) or ops.SHARD_ATEN_SPLIT.matches(node.args[0]):
+            return True  # a part of q, k, v
+        return shape_rules.is_basic_getitem(node)
     return any(family.matches(node, modules) for family in SHARD_TRANSPARENT)

@@ -81,6 +81,7 @@ class ParallelModule(fx.GraphModule):
         "traced_model", "program_cache", "captured_code", "plan_reasons", "param_shards",
         "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
         "_guard", "_hooks_traced", "_exported_check", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
+        "state_aliases",
     })  # fmt: skip
 
     def __init__(

@@ -142,12 +142,14 @@ class TensorParallelModule(ParallelModule):
         plan_reasons: Mapping[str, str],
         comm_cost: CommCost | None,
         captured_code: str = "",
+        state_aliases: Mapping[str, str] | None = None,
     ) -> None:
         """Record what the recipe found: the state keys, the shards, the reasons, the cost, and
         the code of the trace the program was made from (a variant that traces to the same
         code is the main program)."""
         self.captured_code = captured_code
         self.state_keys = list(state_keys)
+        self.state_aliases = dict(state_aliases or {})  # a tied key forward never reads -> a key of the same tensor
         # keys and shard names under the model's names (a pass saw `devices` as `user:devices`)
         self.param_shards = {unalias(k): (spec, [unalias(n) for n in names]) for k, (spec, names) in param_shards.items()}
         self.plan_reasons = dict(plan_reasons)
@@ -180,13 +182,15 @@ class TensorParallelModule(ParallelModule):
         own = super().state_dict(keep_vars=keep_vars)
         if destination is None:
             destination = OrderedDict()
+        aliases = getattr(self, "state_aliases", {})
         for key in self.state_keys:
-            if key in self.param_shards:
-                spec, names = self.param_shards[key]
+            source = key if key in self.param_shards or key in own else aliases.get(key, key)  # T5's `shared`, never called
+            if source in self.param_shards:
+                spec, names = self.param_shards[source]
                 value = unshard([own[name] for name in names], spec, self.devices.primary)
                 destination[prefix + key] = value if keep_vars else value.detach()
-            elif key in own:
-                destination[prefix + key] = own[key]
+            elif source in own:
+                destination[prefix + key] = own[source]
         return destination
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:

@@ -75,6 +75,7 @@ class TensorParallelRecipe(Recipe):
         a call that departs from the first one); by default flags forward branches on are traced
         as the example's (else their default) values."""
         state_keys = list(model.state_dict().keys())
+        state_aliases = tied_state_keys(model)
         owned = copy.deepcopy(model)  # the user's model is never touched
         leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, sharded as Linears
         gm, flags, none_args = capture_owning_everything(owned, leaves, example_inputs, none_args, flags)
@@ -140,6 +141,7 @@ class TensorParallelRecipe(Recipe):
             plan_reasons=reasons,
             comm_cost=cost,
             captured_code=captured_code,
+            state_aliases=state_aliases,
         )
         pm.train(model.training)
         if self.check_available:  # the user's model (not a fake copy for a variant)
@@ -201,6 +203,19 @@ def capture_owning_everything(
     adopt_state(gm, owned, aliased=True)  # the model's `graph` or `meta` is not the GraphModule's
     gm.train(owned.training)
     return gm, dict(flags or {}), frozenset(none_args)
+
+
+def tied_state_keys(model: nn.Module) -> dict[str, str]:
+    """``{key: another key of the same tensor}`` for every tied state key (the program may lack
+    the module of one of them: T5's ``shared`` is never called)."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        other = first.setdefault(id(value), key)
+        if other != key:
+            tied[key] = other
+            tied.setdefault(other, key)
+    return tied
 
 
 def aliased_plan(plan: bool | Mapping[str, str]) -> bool | dict[str, str]:

@@ -192,3 +192,47 @@ def test_resolve_plan_shards_a_fused_qkv_per_section():
     assert resolved.styles == {"qkv": "column", "out": "row"}
     assert resolved.sections == {"qkv": 3} and resolved.analysis.column_sizes["qkv"] == (12, 12)
     assert not any(k == "gather" for k in resolved.analysis.needs.values())
+
+
+# ---------------------------------------------------------------------- rotary embeddings, GQA, casts
+class _HeadsThen(nn.Module):
+    """A column layer's output as (batch, heads, tokens, head_dim), sharded by heads, then ``op``."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.fc, self.op = nn.Linear(8, 8), op
+
+    def forward(self, x):
+        return self.op(self.fc(x).view(2, 3, 2, 4).transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    "op, layout",
+    [
+        (lambda y: y.unsqueeze(2), (-4, (1, 1))),
+        (lambda y: y.unsqueeze(0), (-3, (1, 1))),
+        (lambda y: y.unsqueeze(-1), (-4, (1, 1))),
+        (lambda y: y[..., :2], (-3, (1, 1))),
+        (lambda y: y[:, None], (-3, (1, 1))),
+        (lambda y: y[:, :, 0], (-2, (1, 1))),
+        (lambda y: torch.cat([-y[..., 2:], y[..., :2]], dim=-1), (-3, (1, 1))),
+        (lambda y: y.repeat_interleave(2, dim=1), (-3, (2, 2))),
+        (lambda y: y[:, :, None].expand(2, 2, 3, 3, 4), (-4, (1, 1))),
+        (lambda y: y.to(torch.float64).type_as(y).contiguous().clone().detach(), (-3, (1, 1))),
+        (lambda y: y[:, 0], None),  # indexes the sharded heads dim
+        (lambda y: y[:, :1], None),  # slices it
+        (lambda y: torch.cat([y, y], dim=1), None),  # concatenates along it
+        (lambda y: y.to("cpu"), None),  # a move, not a cast
+    ],
+)
+def test_shape_ops_and_casts_keep_a_head_sharded_value_sharded(op, layout):
+    """Rotary embeddings (slices, cat, unsqueeze), GQA (expand, repeat_interleave) and casts keep
+    the heads sharded, with the sharded dim where it moved; on the heads dim they need the whole value."""
+    gm = captured(_HeadsThen(op), torch.randn(2, 3, 8))
+    analysis = analyze_sharding(gm, styles={"fc": "column"}, n=2)
+    last = list(gm.graph.nodes)[-2]
+    got = analysis.layouts.get(last, REPLICATED)
+    if layout is None:
+        assert got == REPLICATED and any(c.kind == "all_gather" for c in analysis.comms)
+    else:
+        assert isinstance(got, Sharded) and (got.dim, got.sizes) == layout

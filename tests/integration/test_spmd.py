@@ -13,6 +13,7 @@ import queue
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -688,6 +689,47 @@ def check_tp_swin_window_attention(rank: int, world: int) -> None:
     _assert_state_equal(pm.state_dict(), reference.state_dict())
 
 
+def check_tp_llama_over_a_mesh(rank: int, world: int) -> None:
+    """transformers' Llama (rotary embeddings, grouped-query attention, tied LM head, loss in the
+    model) through the export frontend over a mesh, Megatron's plan: two all-reduces per block, one
+    for the embedding, the loss's target logit all-reduced and its logsumexp gathered (never the
+    logits); 3 SGD steps and the state dict equal eager."""
+    from tests.thirdparty import define_torchvision_ops
+
+    define_torchvision_ops()
+    import transformers as T
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                                             max_position_embeddings=16, use_cache=False, tie_word_embeddings=True))  # fmt: skip
+    reference = copy.deepcopy(model)
+    plan = {"model.embed_tokens": "vocab", "lm_head": "column"}
+    for i in range(2):
+        layer = f"model.layers.{i}"
+        plan.update({f"{layer}.self_attn.{p}": "column" for p in ("q_proj", "k_proj", "v_proj")})
+        plan.update({f"{layer}.mlp.{p}": "column" for p in ("gate_proj", "up_proj")})
+        plan.update({f"{layer}.self_attn.o_proj": "row", f"{layer}.mlp.down_proj": "row"})
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(model, _tp_mesh(world), tensor_parallel=plan, example_kwargs={"input_ids": ids, "labels": ids})
+    assert {pm.plan[p] for p in plan} <= {"column", "row", "vocab"}, pm.plan
+    assert pm.code.count("all_reduce(") == 2 * 2 + 1 + 1, pm.code
+    assert pm.code.count("all_gather(") == 2, pm.code  # the loss's logsumexp, the returned logits
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        loss, want = pm(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+        for o, value in ((opt, loss), (ref_opt, want)):
+            o.zero_grad()
+            value.backward()
+            o.step()
+    _assert_state_equal(pm.state_dict(), reference.state_dict())
+
+
 TP_CHECKS = [
     ("tp_different_batch_sizes_named", check_tp_different_batch_sizes_named),
     ("reserved_names_over_a_mesh", check_reserved_names_over_a_mesh),
@@ -781,6 +823,7 @@ SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
     "two": DP_CHECKS + TP_CHECKS + [("rank_failure_is_reported", check_rank_failure_is_reported)],
     "four": FOUR_CHECKS,
     "stall": [("rank_that_never_calls_forward", check_rank_that_never_calls_forward)],
+    "llama": [("tp_llama_over_a_mesh", check_tp_llama_over_a_mesh)],
 }
 LAST_CHECKS = {"rank_failure_is_reported", "rank_that_never_calls_forward"}  # ranks other than 0 exit in it
 
@@ -845,3 +888,11 @@ def test_spmd_rank_that_never_calls_forward_fails_within_the_bound():
     assert 0 in outcomes, "rank 0 reported nothing: it hung or crashed"
     error = outcomes[0].get("rank_that_never_calls_forward", "rank 0 hung: no report within the timeout")
     assert error is None, error
+
+
+@pytest.mark.distributed
+def test_spmd_tensor_parallel_llama_2():
+    """transformers' Llama over a 2-process mesh: Megatron's layout, 3 steps equal eager."""
+    pytest.importorskip("transformers")
+    outcomes = run_group("llama", 2, timeout=180.0)
+    _lookup(outcomes, 2, "tp_llama_over_a_mesh")

@@ -102,18 +102,16 @@ def test_sharded_bytes_and_per_device_bytes(built):
     assert max(pm.param_bytes_per_slot().values()) <= 1.1 * shard_bytes / 2 + rest
 
 
-def test_three_sgd_steps_equal_eager_and_tied_head_stays_tied(built):
-    name, model, pm = built
-    pm = copy.deepcopy(pm)
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+def _three_sgd_steps_equal_eager(pm, reference, inputs_for, loss_of, momentum=0.0):
+    """Train ``pm`` and ``reference`` alike for 3 SGD steps (``inputs_for(step)`` the keyword inputs,
+    ``loss_of(output)`` the loss): losses equal at every step, state dicts equal after; pm's state dict."""
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=momentum)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum)
     for step in range(3):
-        kwargs = _inputs(name, step)
+        kwargs = inputs_for(step)
         losses = []
         for program, o in ((pm, opt), (reference, ref_opt)):
-            out = program(**kwargs)
-            loss = out.loss if name != "bert" else (out.last_hidden_state * torch.linspace(0.5, 1.5, 32)).pow(2).mean()
+            loss = loss_of(program(**kwargs))
             o.zero_grad()
             loss.backward()
             o.step()
@@ -123,6 +121,18 @@ def test_three_sgd_steps_equal_eager_and_tied_head_stays_tied(built):
     assert list(got) == list(want)
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-4, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+    return got
+
+
+def test_three_sgd_steps_equal_eager_and_tied_head_stays_tied(built):
+    name, model, pm = built
+    pm = copy.deepcopy(pm)
+    reference = copy.deepcopy(model)
+
+    def loss_of(out):
+        return out.loss if name != "bert" else (out.last_hidden_state * torch.linspace(0.5, 1.5, 32)).pow(2).mean()
+
+    got = _three_sgd_steps_equal_eager(pm, reference, lambda step: _inputs(name, step), loss_of, momentum=0.9)
     if name != "bert":  # one parameter per shard for both uses; both keys give the same full tensor
         emb = "transformer.wte.weight" if name == "gpt2" else "model.embed_tokens.weight"
         for head, table in zip(pm.param_shards["lm_head.weight"][1], pm.param_shards[emb][1]):
@@ -242,18 +252,7 @@ def test_t5_position_bias_sliced_by_heads_and_three_steps_equal_eager():
         if m := re.match(r"((?:en|de)coder_block_\d+)_", node):
             per_block.setdefault(m.group(1), []).append(kind)
     assert per_block == {"encoder_block_0": ["all_reduce"] * 2, "decoder_block_0": ["all_reduce"] * 3}, per_block
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(3):
-        losses = []
-        for program, o in ((pm, opt), (reference, ref_opt)):
-            loss = (program(**kwargs).logits * torch.linspace(0.5, 1.5, V)).pow(2).mean()
-            o.zero_grad()
-            loss.backward()
-            o.step()
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[0], losses[1], atol=2e-5, rtol=1e-5)
-    got, want = pm.state_dict(), reference.state_dict()
-    assert list(got) == list(want)  # `shared.weight` too, tied to the embeddings forward reads
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=1e-4, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+    # the state dict keys include `shared.weight`, tied to the embeddings forward reads
+    _three_sgd_steps_equal_eager(
+        pm, reference, lambda step: kwargs, lambda out: (out.logits * torch.linspace(0.5, 1.5, V)).pow(2).mean()
+    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,8 @@ from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, devi
 from dpcompile.export.source import program_source
 
 __all__ = ["build", "place", "readable_programs"]
+
+_STYLES = ("column", "row", "replicate", "vocab")  # tensor-parallel styles a plan records
 
 
 def expected_class(kind: str) -> type:
@@ -35,7 +36,7 @@ def place(weights: dict[str, torch.Tensor], info: dict[str, dict[str, Any]], tar
     return placed
 
 
-def readable_programs(data: Any, paths: Container[str]) -> list[tuple[str, fx.Graph]]:
+def readable_programs(data: Any, tree: Any) -> list[tuple[str, fx.Graph]]:
     """The graphs ``module.py`` shows, decoded (every target checked): ``forward`` (the main
     program) and one ``forward_<variant>`` per other program carried."""
     from dpcompile.export.serialize import decode_graph
@@ -44,14 +45,14 @@ def readable_programs(data: Any, paths: Container[str]) -> list[tuple[str, fx.Gr
         raise ExportError(f"{PROGRAM_FILE}: a program section it cannot read")
     if not isinstance(data["variants"], list) or not isinstance(data["traces"], list):
         raise ExportError(f"{PROGRAM_FILE}: variants and traces must be lists")
-    out = [("forward", decode_graph(data["graph"], paths))]
+    out = [("forward", decode_graph(data["graph"], tree))]
     for entry in data["variants"]:
         if not isinstance(entry, dict) or set(entry) != {"label", "key", "graph"}:
             raise ExportError(f"{PROGRAM_FILE}: a variant entry it cannot read")
         if entry["graph"] is not None:
             if not isinstance(entry["label"], str) or not entry["label"].isidentifier():
                 raise ExportError(f"{PROGRAM_FILE}: a variant labelled {entry['label']!r:.40}")
-            out.append((entry["label"], decode_graph(entry["graph"], paths)))
+            out.append((entry["label"], decode_graph(entry["graph"], tree)))
     return out
 
 
@@ -59,6 +60,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     """The module of a checked folder: graphs decoded and ``module.py`` compared first, then
     the module tree, then the module, restored as unpickling restores one whose model class
     is not at hand (``dpcompile.modules.base.restore_parallel_module``), carrying its programs."""
+    from dpcompile.export.kinds import TreeIndex
     from dpcompile.export.serialize import decode_graph, decode_tree
     from dpcompile.export.variants import decode_key, decode_recipe, decode_signature
     from dpcompile.modules.base import restore_parallel_module
@@ -69,7 +71,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     trees = program["modules"]
     if not isinstance(trees, list):
         raise ExportError(f"{folder / PROGRAM_FILE}: no module tree")
-    paths = {e["path"] for e in trees if isinstance(e, dict) and isinstance(e.get("path"), str)}
+    paths = TreeIndex(trees)
     readable = readable_programs(data, paths)
     source = program_source(readable, class_name=program["class_name"], mode=kind, devices=recorded)
     if source.encode() != (folder / MODULE_FILE).read_bytes():
@@ -84,7 +86,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     traces = [(decode_key(e["key"]), None if e["graph"] is None else decode_graph(e["graph"], paths)) for e in data["traces"]]
     input_dims = _checked_dims(config["input_dims"])
     plan = config["plan"]
-    if not isinstance(plan, dict) or not all(isinstance(k, str) and v in ("column", "row", "replicate") for k, v in plan.items()):
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and v in _STYLES for k, v in plan.items()):
         raise ExportError(f"{folder / PROGRAM_FILE}: plan {plan!r:.60}")
     old_out = str(config["output_device"])
     output_device = target[recorded.index(old_out)] if old_out in recorded and recorded.index(old_out) < len(target) else target.primary

@@ -285,7 +285,9 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         program["modules"] = tree
         program["data"] = data
         # module.py is made from what load will read, so load can regenerate it exactly
-        readable = readable_programs(data, {e["path"] for e in tree})
+        from dpcompile.export.kinds import TreeIndex
+
+        readable = readable_programs(data, TreeIndex(tree))
         files: dict[str, bytes] = {}
     else:
         readable = [("forward", pm.graph)]

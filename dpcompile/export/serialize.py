@@ -21,7 +21,7 @@ from __future__ import annotations
 import builtins
 import keyword
 import math
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,14 +33,14 @@ from dpcompile.errors import DpCompileError
 from dpcompile.export.allowlist import (
     NotAllowed,
     allowed_method,
-    can_rebuild,
     class_name,
     qualified_name,
     resolve_class,
     resolve_target,
     safe_attribute,
+    stand_in_name,
 )
-from dpcompile.fx_utils import unalias
+from dpcompile.export.kinds import TreeIndex, check_graph
 
 __all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_value", "encode_tree"]
 
@@ -59,8 +59,9 @@ class NotData(DpCompileError):
 
 
 # ------------------------------------------------------------------------------ values
-def encode_value(value: Any, tensors: Mapping[int, str] | None = None) -> Any:
-    """``value`` as tagged JSON (see the module docstring); raises :class:`NotData`."""
+def encode_value(value: Any, tensors: Mapping[int, str] | None = None, functions: bool = True) -> Any:
+    """``value`` as tagged JSON (see the module docstring); raises :class:`NotData`. A graph's
+    arguments hold no functions (``functions=False``): a program calls functions, never passes them."""
     from dpcompile.runtime import TAKE_FIRST
 
     if value is None or isinstance(value, (bool, str)):
@@ -74,13 +75,13 @@ def encode_value(value: Any, tensors: Mapping[int, str] | None = None) -> Any:
     if isinstance(value, torch.Size):
         return {"size": [int(v) for v in value]}
     if type(value) in (list, immutable_list):
-        return [encode_value(v, tensors) for v in value]
+        return [encode_value(v, tensors, functions) for v in value]
     if isinstance(value, tuple) and type(value) is tuple:
-        return {"tuple": [encode_value(v, tensors) for v in value]}
+        return {"tuple": [encode_value(v, tensors, functions) for v in value]}
     if type(value) in (dict, immutable_dict):
         if not all(k is None or type(k) in (str, int, bool) for k in value):
             raise NotData(f"a dict with keys {list(value)[:4]!r}")
-        return {"dict": [[k, encode_value(v, tensors)] for k, v in value.items()]}
+        return {"dict": [[k, encode_value(v, tensors, functions)] for k, v in value.items()]}
     if isinstance(value, slice):
         return {"slice": [encode_value(value.start), encode_value(value.stop), encode_value(value.step)]}
     if value is Ellipsis:
@@ -99,22 +100,25 @@ def encode_value(value: Any, tensors: Mapping[int, str] | None = None) -> Any:
         if tensors is not None and id(value) in tensors:
             return {"tensor": tensors[id(value)]}
         raise NotData(f"a tensor constant of shape {tuple(value.shape)} outside the module's state")
-    if callable(value):
+    if callable(value) and functions:
         name = qualified_name(value)
         if name is not None:
             return {"fn": name}
     raise NotData(f"a value of type {type(value).__module__}.{type(value).__qualname__} ({value!r:.60})")
 
 
-def decode_value(data: Any, nodes: Mapping[str, fx.Node] | None = None, tensors: Mapping[str, Any] | None = None) -> Any:
-    """The counterpart of :func:`encode_value`; raises ``ExportError`` for anything unknown."""
+def decode_value(
+    data: Any, nodes: Mapping[str, fx.Node] | None = None, tensors: Mapping[str, Any] | None = None, functions: bool = True
+) -> Any:
+    """The counterpart of :func:`encode_value`; raises ``ExportError`` for anything unknown
+    (with ``functions=False``, a function among a graph's arguments)."""
     from dpcompile.export.common import ExportError
     from dpcompile.runtime import TAKE_FIRST
 
     if data is None or isinstance(data, (bool, int, float, str)):
         return data
     if isinstance(data, list):
-        return [decode_value(v, nodes, tensors) for v in data]
+        return [decode_value(v, nodes, tensors, functions) for v in data]
     if not isinstance(data, dict) or len(data) != 1:
         raise ExportError(f"program.json holds a value it cannot read: {data!r:.80}")
     (tag, body), = data.items()
@@ -122,13 +126,13 @@ def decode_value(data: Any, nodes: Mapping[str, fx.Node] | None = None, tensors:
         if tag == "node" and nodes is not None:
             return nodes[body]
         if tag == "tuple":
-            return tuple(decode_value(v, nodes, tensors) for v in body)
+            return tuple(decode_value(v, nodes, tensors, functions) for v in body)
         if tag == "dict":
             out = {}
             for key, value in body:
                 if not (key is None or type(key) in (str, int, bool)):
                     raise ExportError(f"program.json: a dict key {key!r:.40}")
-                out[key] = decode_value(value, nodes, tensors)
+                out[key] = decode_value(value, nodes, tensors, functions)
             return out
         if tag == "size":
             return torch.Size([int(v) for v in body])
@@ -145,14 +149,14 @@ def decode_value(data: Any, nodes: Mapping[str, fx.Node] | None = None, tensors:
                 return value
         if tag == "device" and isinstance(body, str):
             return torch.device(body)
-        if tag == "fn":
+        if tag == "fn" and functions:
             return resolve_target(body)
         if tag == "const" and body == "TAKE_FIRST":
             return TAKE_FIRST
         if tag == "tensor" and tensors is not None:
             return tensors[body]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ExportError(f"program.json holds a value it cannot read: {data!r:.80} ({e})") from None
+        raise ExportError(f"program.json holds a value it cannot read: {data!r:.80} ({e!s:.80})") from None
     except NotAllowed as e:
         raise ExportError(f"program.json: {e}") from None
     raise ExportError(f"program.json holds a value it cannot read: {data!r:.80}")
@@ -165,8 +169,12 @@ def encode_graph(graph: fx.Graph) -> dict[str, Any]:
         raise NotData(f"a graph with {type(graph._codegen).__name__} (pytree calling convention)")
     nodes = []
     for node in graph.nodes:
+        args = node.args
         if node.op == "call_function":
             target = qualified_name(node.target)
+            fields = _model_output_fields(node.target) if target is None else None
+            if fields is not None:  # transformers' output class: a record of its fields (data, no class)
+                target, args = _MODEL_OUTPUT, (class_name(node.target), fields, *node.args)
             if target is None:
                 what = f"{getattr(node.target, '__module__', '?')}.{getattr(node.target, '__qualname__', node.target)!s}"
                 hint = " (a type the model returns: register_output_type)" if isinstance(node.target, type) else ""
@@ -179,18 +187,33 @@ def encode_graph(graph: fx.Graph) -> dict[str, Any]:
             "op": node.op,
             "name": node.name,
             "target": target,
-            "args": encode_value(node.args),
-            "kwargs": encode_value(node.kwargs),
+            "args": encode_value(args, functions=False),
+            "kwargs": encode_value(node.kwargs, functions=False),
         })  # fmt: skip
     return {"nodes": nodes}
 
 
-def decode_graph(data: Any, modules: Container[str] | None = None) -> fx.Graph:
+_MODEL_OUTPUT = "dpcompile.runtime.exported.model_output"
+
+
+def _model_output_fields(cls: Any) -> tuple[str, ...] | None:
+    """The fields of a transformers ``ModelOutput`` dataclass (by the name of its base: nothing
+    imports transformers here), or None for anything else."""
+    import dataclasses
+
+    bases = {f"{c.__module__}.{c.__qualname__}" for c in getattr(cls, "__mro__", ())}
+    if isinstance(cls, type) and "transformers.utils.generic.ModelOutput" in bases and dataclasses.is_dataclass(cls):
+        return tuple(f.name for f in dataclasses.fields(cls))
+    return None
+
+
+def decode_graph(data: Any, tree: TreeIndex | None = None) -> fx.Graph:
     """Rebuild a graph from :func:`encode_graph`'s JSON, checking every target.
 
-    ``call_method`` must name a ``torch.Tensor`` method or a submodule path (a module call
-    on a replica); ``get_attr`` / ``call_module`` targets must be attribute paths without
-    dunders (and, given ``modules``, ``call_module`` a module of the tree).
+    ``call_function`` targets come from the vocabulary; ``get_attr``, ``call_module`` and
+    ``call_method`` targets must be attribute paths without dunders, and, given the module
+    ``tree``, each is checked against the kind of value it names (:mod:`dpcompile.export.kinds`):
+    a Tensor method on a value, a module call on a replica, a module or tensor of the tree.
     """
     from dpcompile.export.common import ExportError
 
@@ -209,29 +232,25 @@ def decode_graph(data: Any, modules: Container[str] | None = None) -> fx.Graph:
                 target = resolve_target(target)
             except NotAllowed as e:
                 raise ExportError(f"program.json: node {name!r} calls {e}") from None
-        elif op == "call_method":
-            if not (allowed_method(target) or (safe_attribute(target) and modules is not None and unalias(target) in modules)):
-                raise ExportError(f"program.json: node {name!r} calls method {target!r:.60}, which is not a Tensor method")
         elif op == "placeholder":
             if not isinstance(target, str) or not target.lstrip("*").isidentifier():
                 raise ExportError(f"program.json: placeholder {target!r:.40}")
-        elif op in ("get_attr", "call_module"):
+        elif op in ("get_attr", "call_module", "call_method"):
             if not safe_attribute(target):
-                raise ExportError(f"program.json: node {name!r} reads {target!r:.60}")
-            if op == "call_module" and modules is not None and unalias(target) not in modules:
-                raise ExportError(f"program.json: node {name!r} calls module {target!r:.60}, which the tree lacks")
+                verb = "reads" if op == "get_attr" else "calls"
+                raise ExportError(f"program.json: node {name!r} {verb} {target!r:.60}, not an attribute path")
         elif target != "output":
             raise ExportError(f"program.json: output node with target {target!r:.40}")
-        args = decode_value(item["args"], nodes)
-        kwargs = decode_value(item["kwargs"], nodes)
+        args = decode_value(item["args"], nodes, functions=False)
+        kwargs = decode_value(item["kwargs"], nodes, functions=False)
         if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
             raise ExportError(f"program.json: node {name!r} has malformed arguments")
-        if op == "call_function" and target is getattr and (len(args) < 2 or not safe_attribute(args[1])):
-            raise ExportError(f"program.json: node {name!r} reads attribute {args[1:2]!r:.40}")
         node = graph.create_node(op, target, args, kwargs, name=name)
         if node.name != name:
             raise ExportError(f"program.json: node name {name!r} is taken")
         nodes[name] = node
+    if tree is not None:
+        check_graph(graph, tree)
     graph.lint()
     # a node named like a global of the generated code (``self``, ``torch``, ``getattr``,
     # ``dpcompile_runtime_scatter``) would make a later call resolve to that node's value
@@ -278,11 +297,11 @@ def encode_tree(
             entry["outside"] = True
         if path == "" and not is_outside:
             entry["class"] = None  # the ParallelModule itself
-        elif can_rebuild(cls):
-            entry["class"] = class_name(cls)
+        elif stand_in_name(module) is not None:
+            entry["class"] = stand_in_name(module)
         elif is_used:
             raise NotData(
-                f"module '{path}' is a {class_name(cls)}, which the program calls (a leaf module); "
+                f"module '{path}' is a {cls.__module__}.{cls.__qualname__}, which the program calls (a leaf module); "
                 "its forward is Python code"
             )
         else:
@@ -299,7 +318,7 @@ def encode_tree(
                 try:
                     attrs[key] = encode_value(value, tensor_keys)
                 except NotData as e:
-                    raise NotData(f"attribute '{key}' of module '{path}' ({class_name(cls)}): {e}") from None
+                    raise NotData(f"attribute '{key}' of module '{path}' ({entry['class']}): {e}") from None
             entry["attrs"] = attrs
         entry["parameters"] = {k: None if v is None else tensor_keys[id(v)] for k, v in module._parameters.items()}
         entry["buffers"] = {k: None if v is None else tensor_keys[id(v)] for k, v in module._buffers.items()}

@@ -49,9 +49,32 @@ def element_count(x: torch.Tensor) -> int:
 
 
 def aten_op(namespace: str, name: str, overload: str) -> torch._ops.OpOverload:
-    """An op overload by name (``aten``, ``view``, ``default``): how exported programs pickle
-    their targets (torch's ``OpOverload`` objects do not pickle)."""
-    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    """An op overload by name (``aten``, ``view``, ``default``): how pickled programs name their
+    targets (torch's ``OpOverload`` objects do not pickle). Only a registered operator's own
+    names resolve (the dispatcher is asked first), never other attributes along the way, and
+    never an op that reads or writes files.
+
+    >>> aten_op("aten", "add", "Tensor") is torch.ops.aten.add.Tensor
+    True
+    """
+    names = (namespace, name, overload)
+    if not all(isinstance(p, str) and p.isidentifier() and not p.startswith("__") for p in names[::2]) or not (
+        isinstance(name, str) and name.isidentifier()
+    ):
+        raise DpCompileError(f"aten_op{names!r:.80}: not the name of an operator")
+    if name.strip("_") in _FILE_OPS or "file" in name:
+        raise DpCompileError(f"aten_op: {namespace}::{name} reads or writes files; no program calls it")
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"{namespace}::{name}", "" if overload == "default" else overload)
+    except RuntimeError:
+        raise DpCompileError(f"aten_op: {namespace}::{name}.{overload} is not a registered operator") from None
+    op = getattr(getattr(getattr(torch.ops, namespace), name), overload)  # a registered op's own names only
+    if not isinstance(op, torch._ops.OpOverload):
+        raise DpCompileError(f"aten_op: {namespace}::{name}.{overload} is not an operator overload")
+    return op
+
+
+_FILE_OPS = frozenset({"from_file", "save", "load", "to_file", "tofile"})
 
 
 def _reduce_op(op: torch._ops.OpOverload) -> tuple:
@@ -65,4 +88,75 @@ def mode_value(module: nn.Module, if_training: Any, if_eval: Any) -> Any:
     """A constant of forward that depends on the mode (``dropout_p`` of attention), chosen at run time."""
     return if_training if module.training else if_eval
 
-__all__ = ["aten_op", "cross_entropy_count", "element_count", "expect_mode", "expect_value", "mode_value"]
+
+class TransposedLinear(nn.Module):
+    """``x @ weight + bias`` with ``weight`` stored ``(in, out)``: transformers' ``Conv1D`` (GPT-2's
+    layers) as an exported program holds it, so a loaded program runs dpcompile's forward, not a
+    class named by the folder. The same attributes (``nf``, ``nx``, ``weight``, ``bias``) and the
+    same arithmetic as ``Conv1D.forward``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class ModelOutputRecord(dict):
+    """A structured output (transformers' ``ModelOutput``) as a loaded program returns it: the
+    fields that are not None, by name and in order, read as attributes (``out.logits``; a field
+    left None reads None), keys (``out["logits"]``) or positions (``out[0]``, ``out.to_tuple()``),
+    as ``ModelOutput`` reads them. It holds values only: no class named by the folder is built."""
+
+    _name = "ModelOutput"
+    _fields: tuple[str, ...] = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            if name in self:
+                return self[name]
+            if name in self._fields:
+                return None
+        raise AttributeError(f"{self._name} has no field {name!r}")
+
+    def __getitem__(self, key: Any) -> Any:
+        return dict.__getitem__(self, key) if isinstance(key, str) else self.to_tuple()[key]
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        return tuple(self.values())
+
+    def __repr__(self) -> str:
+        return f"{self._name.rpartition('.')[2]}({', '.join(f'{k}={v!r}' for k, v in self.items())})"
+
+
+def model_output(name: str, fields: tuple[str, ...], *args: Any, **kwargs: Any) -> ModelOutputRecord:
+    """A :class:`ModelOutputRecord` of the output class ``name`` with ``fields``, from the
+    arguments its constructor was called with (positional in field order, or by keyword)."""
+    values = dict(zip(fields, args))
+    unknown = sorted(set(kwargs) - set(fields)) + (["(too many positional)"] if len(args) > len(fields) else [])
+    if unknown:
+        raise TypeError(f"{name} has no fields {unknown}")
+    values.update(kwargs)
+    record = ModelOutputRecord()
+    record._name, record._fields = str(name), tuple(fields)
+    for field in fields:
+        if values.get(field) is not None:
+            record[field] = values[field]
+    return record
+
+
+__all__ = [
+    "ModelOutputRecord",
+    "TransposedLinear",
+    "aten_op",
+    "cross_entropy_count",
+    "element_count",
+    "expect_mode",
+    "expect_value",
+    "mode_value",
+    "model_output",
+]

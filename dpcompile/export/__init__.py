@@ -26,7 +26,7 @@ the folder records, on the exported devices or others (data parallel: any number
 from dpcompile.export.allowlist import register_module_class, register_output_type
 from dpcompile.export.common import FORMAT, FORMAT_VERSION, ExportError
 from dpcompile.export.folder import export, load
-from dpcompile.export.integrity import read_manifest
+from dpcompile.export.integrity import manifest_hash, read_manifest
 from dpcompile.export.source import generated_source
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "export",
     "generated_source",
     "load",
+    "manifest_hash",
     "read_manifest",
     "register_module_class",
     "register_output_type",

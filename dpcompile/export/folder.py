@@ -31,7 +31,14 @@ from dpcompile.export.common import (
     device_strings,
     dtype_name,
 )
-from dpcompile.export.integrity import canonical_json, read_manifest, read_program, read_weights, sha256_of
+from dpcompile.export.integrity import (
+    canonical_json,
+    check_manifest_hash,
+    read_manifest,
+    read_program,
+    read_weights,
+    sha256_of,
+)
 from dpcompile.export.source import class_name_of, generated_source, program_source
 from dpcompile.fx_utils import unalias
 from dpcompile.version import __version__
@@ -365,7 +372,7 @@ def _target_devices(recorded: list[str], devices: Any) -> Any:
         raise
 
 
-def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> nn.Module:
+def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, expected_hash: str | None = None) -> nn.Module:
     """Load an export folder as a :class:`~dpcompile.ParallelModule` of the kind it records.
 
     Before anything is built: the manifest (every field), every file (listed, present, size
@@ -377,10 +384,17 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> 
     Python classes fx kept as leaves). A data-parallel program is regenerated for any
     device list; a tensor-parallel one needs as many devices as it was exported for.
 
+    ``expected_hash``: the sha256 of ``manifest.json`` (:func:`manifest_hash` where it was
+    exported) from a channel you trust; the manifest lists every file's sha256, so a folder
+    that loads with it is byte for byte the one exported. Without it, the checks detect
+    corruption and inconsistent edits, not who wrote the folder (``docs/export.md``).
+
     >>> import dpcompile
     >>> pm = dpcompile.load("exported", devices=["cpu"] * 4)  # doctest: +SKIP
     """
     folder = Path(path)
+    if expected_hash is not None:
+        check_manifest_hash(folder, expected_hash)
     manifest = read_manifest(folder)
     program = read_program(folder, manifest)
     config = program["config"]
@@ -413,6 +427,12 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False) -> 
             pm = build(folder, program, tensors, target)
         except RecursionError:
             raise ExportError(f"{folder / PROGRAM_FILE} nests values too deeply to be a program") from None
+        except ExportError:
+            raise
+        except Exception as e:  # a program that passed every check and still cannot be built: the folder's fault
+            raise ExportError(
+                f"{folder / PROGRAM_FILE} cannot be rebuilt as a program ({type(e).__name__}: {e!s:.200}); re-export"
+            ) from e
     expected = expected_class(program["kind"])
     kinds = [c for c in (expected_class("tensor_parallel"),) if c is not expected]
     if not isinstance(pm, expected) or any(isinstance(pm, c) for c in kinds) or pm.mode != program["kind"]:

@@ -26,7 +26,7 @@ from dpcompile.export.common import (
     dtype_name,
 )
 
-__all__ = ["read_manifest"]
+__all__ = ["check_manifest_hash", "manifest_hash", "read_manifest"]
 
 
 def sha256_of(path: Path) -> str:
@@ -165,3 +165,26 @@ def read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tenso
     return weights
 
 
+def manifest_hash(path: str | Path) -> str:
+    """The sha256 of an export folder's ``manifest.json``: hand it to whoever loads the folder
+    over a channel you trust, for ``dpcompile.load(path, expected_hash=...)``.
+
+    >>> manifest_hash("exported")  # doctest: +SKIP
+    '3f2a...'
+    """
+    file = Path(path) / MANIFEST_FILE
+    if not file.is_file() or file.is_symlink():
+        raise ExportError(f"{Path(path)} has no {MANIFEST_FILE}; it is not a dpcompile export (or it is incomplete)")
+    return sha256_of(file)
+
+
+def check_manifest_hash(folder: Path, expected: str) -> None:
+    """Refuse ``folder`` unless its manifest's sha256 is ``expected`` (the trusted hash)."""
+    if not isinstance(expected, str) or len(expected) != 64 or any(c not in "0123456789abcdefABCDEF" for c in expected):
+        raise ValueError(f"expected_hash must be a sha256 in hex (64 characters), got {expected!r:.80}")
+    actual = manifest_hash(folder)
+    if actual != expected.lower():
+        raise ExportError(
+            f"{folder / MANIFEST_FILE} has sha256 {actual}, not the expected {expected.lower()}: the folder is not "
+            "the one whose hash you were given (edited, or another export); do not load it"
+        )

@@ -182,7 +182,7 @@ def _tp_extra(tp: Any) -> dict[str, Any]:
 
 
 def _check_shards(pm: nn.Module) -> None:
-    own = dict(pm.named_parameters())
+    own = dict(pm.named_parameters(remove_duplicate=False))  # a tied shard is named at both paths
     for key, (spec, names) in pm.param_shards.items():
         if len(names) != len(spec.sizes) or any(n not in own for n in names):
             raise ExportError(f"{PROGRAM_FILE}: shards of {key!r} name parameters the module lacks")

@@ -1,0 +1,127 @@
+"""Ordinary use under the closed vocabulary: transformers models through the torch.export frontend
+export as data (no pickle) and load in a fresh process with eager's outputs; tensor parallel with
+every style (column, row, replicate, vocab, a tied LM head) exports and loads."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.modules.tensor_parallel import TensorParallelModule
+from tests.thirdparty import import_or_skip
+
+REPO = Path(dpcompile.__file__).resolve().parents[1]
+
+
+def _fresh_process(script: str, *args: str, cwd: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=cwd, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+_LOAD_AND_COMPARE = textwrap.dedent(
+    """
+    import sys, torch, dpcompile
+    cases = torch.load(sys.argv[1])
+    for name, folder, kwargs, logits, loss in cases:
+        pm = dpcompile.load(folder).eval()
+        out = pm(**kwargs)
+        torch.testing.assert_close(out.logits, logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.loss, loss, rtol=1e-5, atol=1e-5)
+        print("OK", name, type(pm).__name__)
+    """
+)
+
+
+@pytest.mark.slow
+def test_transformers_export_frontend_programs_are_data_and_load_in_a_fresh_process(tmp_path):
+    """GPT-2 (Conv1D), BERT, Llama (GQA, rotary) and T5 through frontend='export': no program.pkl,
+    and loaded where neither the model classes nor transformers' output classes are built, each gives
+    eager's logits and loss."""
+    from tests.integration.test_real_models import _hf, _hf_inputs
+
+    import_or_skip("transformers")
+    cases = []
+    for name in ("gpt2", "bert", "llama", "t5"):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = _hf(name).eval()
+            kwargs = _hf_inputs(name, 4)
+            pm = dpcompile.transform(model, ["cpu", "cpu"], example_kwargs=kwargs, frontend="export")
+        folder = dpcompile.export(pm, tmp_path / name)
+        program = json.loads((folder / "program.json").read_text())
+        assert not (folder / "program.pkl").exists() and program["trust_code"] is False, program["pickled_because"]
+        want = model(**kwargs)
+        cases.append((name, str(folder), kwargs, want.logits.detach(), want.loss.detach()))
+    torch.save(cases, tmp_path / "cases.pt")
+    out = _fresh_process(_LOAD_AND_COMPARE, str(tmp_path / "cases.pt"), cwd=tmp_path)
+    assert [line.split()[1] for line in out.splitlines()] == ["gpt2", "bert", "llama", "t5"], out
+
+
+class EveryStyle(nn.Module):
+    """A small LM: vocab-parallel embedding, a tied LM head, column and row layers, a replicated one."""
+
+    def __init__(self, vocab: int = 32, d: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.up = nn.Linear(d, 16)
+        self.down = nn.Linear(16, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.down(torch.relu(self.up(h)))
+        return self.head(self.mix(h))
+
+
+def test_tensor_parallel_with_every_style_exports_and_loads(tmp_path):
+    """Plan {emb: vocab, up: column, down: row, mix: replicate, head: column (tied)}: exported as data,
+    loaded with the same plan, outputs and state_dict; training on the loaded module keeps the tie."""
+    torch.manual_seed(0)
+    model = EveryStyle()
+    ids = torch.randint(0, 32, (3, 5))
+    plan = {"emb": "vocab", "up": "column", "down": "row", "mix": "replicate", "head": "column"}
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu", "cpu"], tensor_parallel=plan, example_inputs=(ids,))
+    assert pm.plan == plan
+    folder = dpcompile.export(pm, tmp_path / "out")
+    assert not (folder / "program.pkl").exists()
+    loaded = dpcompile.load(folder)
+    assert isinstance(loaded, TensorParallelModule) and loaded.plan == plan
+    torch.testing.assert_close(loaded(ids), model(ids))
+    assert loaded.emb.weight_shard0 is loaded.head.weight_shard0  # the tie survives
+    assert sorted(loaded.state_dict()) == sorted(model.state_dict())
+    torch.testing.assert_close(loaded.state_dict()["emb.weight"], model.emb.weight)
+    loss = loaded(ids).square().mean()
+    loss.backward()
+    grads = [p.grad for p in loaded.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    out = _fresh_process(
+        "import sys, torch, dpcompile\npm = dpcompile.load(sys.argv[1])\nids, want = torch.load(sys.argv[2])\n"
+        "torch.testing.assert_close(pm(ids), want)\nprint('OK', pm.plan)",
+        str(folder),
+        str(_save(tmp_path / "io.pt", (ids, model(ids).detach()))),
+        cwd=tmp_path,
+    )
+    assert out.startswith("OK") and "'emb': 'vocab'" in out
+
+
+def _save(path: Path, value) -> Path:
+    torch.save(value, path)
+    return path

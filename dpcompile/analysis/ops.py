@@ -109,7 +109,6 @@ UNARY = OpFamily.of(
         F.relu, F.relu6, F.gelu, F.silu, F.elu, F.selu, F.celu, F.leaky_relu, F.softplus, F.softsign,
         F.hardtanh, F.hardswish, F.hardsigmoid, F.mish, F.tanhshrink, F.logsigmoid, F.sigmoid, F.tanh,
         F.dropout, F.alpha_dropout, F.threshold,
-        F.glu,  # halves its ``dim`` (-1 by default); per sample all the same
         runtime.without_grad,  # where a torch.no_grad() block's value leaves it
     },
     methods={
@@ -124,7 +123,6 @@ UNARY = OpFamily.of(
         nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.ELU, nn.SELU, nn.CELU, nn.LeakyReLU, nn.Tanh,
         nn.Sigmoid, nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Mish,
         nn.Identity, nn.Dropout, nn.AlphaDropout, nn.Tanhshrink, nn.LogSigmoid, nn.Threshold,
-        nn.GLU,
     ),
 )  # fmt: skip
 
@@ -139,7 +137,7 @@ BINARY = OpFamily.of(
         torch.logical_and, torch.logical_or, torch.eq, torch.ne, torch.gt, torch.lt, torch.ge, torch.le,
     },
     methods={
-        "add", "sub", "mul", "div", "pow", "type_as", "masked_fill", "masked_scatter", "expand_as",
+        "add", "sub", "mul", "div", "pow", "type_as", "masked_fill", "expand_as",
         "eq", "ne", "gt", "lt", "ge", "le", "maximum", "minimum", "where", "lerp",
         "add_", "sub_", "mul_", "div_", "pow_", "masked_fill_",
     },

@@ -15,12 +15,16 @@ Rules are grouped by op family (the families of :mod:`dpcompile.analysis.ops`), 
 ``reductions``     sum/mean/amax..., softmax-like ops along one dim, losses
 ``matrix``         matmul, ``F.linear``, ``nn.Linear``
 ``modules``        convolutions, pooling, norms, embeddings, RNNs, attention
+``selection``      gather/scatter/index_select/index_put, ``*_scatter``, fft and cdist along named dims
+``aten``           what only ATen graphs need: ``slice``/``select``/``index``, attention, ATen losses
 ``third_party``    fx-wrapped functions of other libraries (stochastic depth, Swin), by name
 ``user``           :func:`dpcompile.register_batch_rule`: ``"elementwise"``, ``"whole"`` or a callable
 =================  ==============================================================
 
 Each file registers its rules in :data:`BATCH_RULES` (:class:`BatchRuleRegistry`), one table
-by target; :func:`rule_for` looks a node's rule up there.
+by target; :func:`rule_for` looks a node's rule up there. :mod:`~dpcompile.analysis.batch_rules.table`
+gives every ATen op (the whole core opset) its rule or an explicit ``whole``, registered for the
+op and its fx spellings alike.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
     shape,
     third_party,
 )
+from dpcompile.analysis.batch_rules import table as table  # noqa: F401 - after the families: the ATen ops and their spellings
 from dpcompile.analysis.batch_rules.aten import aten_rule
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, node_shape
 from dpcompile.analysis.batch_rules.modules import batch_first

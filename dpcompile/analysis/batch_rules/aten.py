@@ -1,8 +1,8 @@
-"""Batch rules for the ATen ops of an exported graph (the export frontend).
+"""Batch rules only ATen ops need (the export frontend's graphs): ``slice``/``select``/``index``
+(fx records ``x[...]``), attention, batch norm's ATen forms, losses with an integer ``reduction``.
 
-``torch.export`` gives ``torch.ops.aten.*`` calls where fx gives modules, functions and
-methods. Rules are keyed by op overload *packet* (``aten.view`` covers ``aten.view.default``);
-most reuse the fx-level rules of :mod:`~dpcompile.analysis.batch_rules`, whose argument
+Every ATen op's rule is in the one table of :mod:`~dpcompile.analysis.batch_rules.table`, keyed by
+op packet (``aten.view`` covers ``aten.view.default``); most are the fx-level rules, whose argument
 positions are those of the ATen schemas. Ops without a rule run whole after a gather (correct,
 not parallel).
 
@@ -20,20 +20,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, node_shape, normalize_dim
-from dpcompile.analysis.batch_rules.matrix import linear_function, matmul
-from dpcompile.analysis.batch_rules.modules import pad, per_sample_dim0
-from dpcompile.analysis.batch_rules.pointwise import pointwise
-from dpcompile.analysis.batch_rules.reductions import reduction, softmax_like
-from dpcompile.analysis.batch_rules.shape import expand as expand_split
-from dpcompile.analysis.batch_rules.shape import (
-    flatten,
-    matrix_transpose,
-    permute,
-    reshape,
-    squeeze,
-    transpose,
-    unsqueeze,
-)
+from dpcompile.analysis.batch_rules.modules import per_sample_dim0
 from dpcompile.analysis.placement import REPLICATED, BatchSize, Partial, Placement, Replicated, Split, Tuple
 from dpcompile.runtime import exported as frontend
 
@@ -50,37 +37,6 @@ def _others_replicated(ctx: RuleContext, *skip: Any) -> bool:
     return all(isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes if n not in skip)
 
 
-def addmm(ctx: RuleContext) -> Placement | None:
-    """``addmm(bias, x, w)``: rows of ``x`` are samples."""
-    x = ctx.node.args[1]
-    p = _split(ctx, x)
-    if p is not None and p.dim == 0 and _others_replicated(ctx, x):
-        return Split(0)
-    return None
-
-
-def embedding(ctx: RuleContext) -> Placement | None:
-    """``embedding(weight, indices)``: the output is split as the indices."""
-    weight, indices = ctx.node.args[0], ctx.node.args[1]
-    p = _split(ctx, indices)
-    if p is not None and isinstance(ctx.p(weight), Replicated):
-        return Split(p.dim)
-    return None
-
-
-def layer_norm(ctx: RuleContext) -> Placement | None:
-    """``layer_norm(x, normalized_shape, w, b)``: any dim before the normalised ones may be split."""
-    x = ctx.node.args[0]
-    p = _split(ctx, x)
-    shape = ctx.node.args[1]
-    nd = ctx.ndim(x)
-    if p is None or not _others_replicated(ctx, x) or not isinstance(shape, (list, tuple)):
-        return None
-    if nd is not None and p.dim >= nd - len(shape):
-        return None
-    return p
-
-
 def batch_norm(ctx: RuleContext) -> Placement | None:
     """Batch norm with running statistics (eval) is per sample; with batch statistics it needs
     the whole batch (a module call, which the export frontend restores where it can, keeps
@@ -88,17 +44,51 @@ def batch_norm(ctx: RuleContext) -> Placement | None:
     target = ctx.node.target
     if target.overloadpacket is aten._native_batch_norm_legit_no_training:
         training = False
-    elif target.overloadpacket is aten.batch_norm:
-        training = ctx.node.args[5] if len(ctx.node.args) > 5 else True
-    else:
-        training = True
-    if training:
+    else:  # batch_norm(..., training, ...) / _native_batch_norm_legit(..., training, ...) and .no_stats
+        training = _bound(ctx).get("training", True)
+    if training is not False:
         return None
     p = per_sample_dim0(ctx)
     if p is None:
         return None
-    if target.overloadpacket is aten._native_batch_norm_legit_no_training:
-        return Tuple((p, REPLICATED, REPLICATED))
+    if target.overloadpacket is aten.batch_norm:
+        return p
+    return Tuple((p, REPLICATED, REPLICATED))  # the saved statistics of training: empty here
+
+
+def _bound(ctx: RuleContext) -> dict[str, Any]:
+    """The arguments of an ATen call by their schema names."""
+    names = [a.name for a in ctx.node.target._schema.arguments]
+    bound = dict(zip(names, ctx.node.args))
+    bound.update(ctx.node.kwargs)
+    return bound
+
+
+def last_two_dims(ctx: RuleContext) -> Placement | None:
+    """``tril``/``triu`` (a mask by row and column index of the last two dims): per sample where
+    the batch dim is before them (a row index of a chunk is not the whole's)."""
+    p = _split(ctx, ctx.tensor_arg())
+    nd = ctx.ndim(ctx.tensor_arg())
+    if p is None or nd is None or p.dim >= nd - 2 or not _others_replicated(ctx, ctx.tensor_arg()):
+        return None
+    return p
+
+
+def glu(ctx: RuleContext) -> Placement | None:
+    """``glu(x, dim=-1)`` halves ``dim``: per sample unless that is the batch dim."""
+    p = _split(ctx, ctx.tensor_arg())
+    if p is None or not _others_replicated(ctx, ctx.tensor_arg()):
+        return None
+    dim = ctx.module.dim if ctx.module is not None else ctx.arg(1, "dim", -1)
+    dim = normalize_dim(dim, ctx.ndim(ctx.tensor_arg()), p.dim, ctx.min_ndim(ctx.tensor_arg()))
+    return p if dim is not None and dim != p.dim else None
+
+
+def col2im(ctx: RuleContext) -> Placement | None:
+    """``col2im`` / ``F.fold`` of a batched ``(N, C*k, L)`` input (a 2-D one is one sample)."""
+    p = _split(ctx, ctx.tensor_arg())
+    if p is None or p.dim != 0 or ctx.ndim(ctx.tensor_arg()) != 3 or not _others_replicated(ctx, ctx.tensor_arg()):
+        return None
     return p
 
 
@@ -115,6 +105,9 @@ def sdpa(ctx: RuleContext) -> Placement | None:
     nd = ctx.ndim(q)
     if nd is not None and dim >= nd - 2:
         return None
+    low = ctx.min_ndim(q)
+    if nd is None and (low is None or low < dim + 3):
+        return None  # a 2-D query is one unbatched sequence: its dim 0 is the sequence
     if isinstance(mask, fx.Node):
         pm = ctx.p(mask)
         if isinstance(pm, Split):
@@ -126,37 +119,6 @@ def sdpa(ctx: RuleContext) -> Placement | None:
         if key != "attn_mask" and isinstance(value, fx.Node) and not isinstance(ctx.p(value), Replicated):
             return None
     return Split(dim)
-
-
-def sym_size(ctx: RuleContext) -> Placement | None:
-    """``sym_size(x, d)``: the batch size where ``d`` is the split dim."""
-    x, dim = ctx.node.args[0], ctx.node.args[1]
-    p = _split(ctx, x)
-    if p is None or not isinstance(dim, int):
-        return None
-    nd = ctx.ndim(x)
-    if dim < 0 and nd is not None:
-        dim += nd
-    return BatchSize() if dim == p.dim else REPLICATED
-
-
-def expand(ctx: RuleContext) -> Placement | None:
-    """``expand(x, sizes)``: a split ``x`` keeps its split; a replicated one expanded to the batch
-    size (``mask.expand(b, -1, t, t)``) becomes split there."""
-    x = ctx.node.args[0]
-    sizes = list(ctx.node.args[1]) if len(ctx.node.args) > 1 and isinstance(ctx.node.args[1], (list, tuple)) else None
-    if sizes is None:
-        return None
-    p = ctx.p(x)
-    if isinstance(p, Split):
-        return expand_split(ctx)
-    if not isinstance(p, Replicated):
-        return None
-    batch_at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
-    rest = [s for i, s in enumerate(sizes) if i not in batch_at and isinstance(s, fx.Node)]
-    if len(batch_at) == 1 and all(isinstance(ctx.p(s), Replicated) for s in rest):
-        return Split(batch_at[0])
-    return None
 
 
 def slice_(ctx: RuleContext) -> Placement | None:
@@ -192,67 +154,6 @@ def select(ctx: RuleContext) -> Placement | None:
     if dim == p.dim:
         return None
     return Split(p.dim - 1 if dim < p.dim else p.dim)
-
-
-def split_like(ctx: RuleContext) -> Placement | None:
-    """``split(x, n, dim)`` / ``split_with_sizes`` / ``chunk`` / ``unbind(x, dim)`` along a non-batch dim."""
-    x = ctx.node.args[0]
-    p = _split(ctx, x)
-    if p is None:
-        return None
-    unbind = ctx.node.target.overloadpacket is aten.unbind
-    dim = ctx.arg(1, "dim", 0) if unbind else ctx.arg(2, "dim", 0)
-    dim = normalize_dim(dim, ctx.ndim(x), p.dim)
-    if dim is None or dim == p.dim:
-        return None
-    piece = Split(p.dim - 1 if unbind and dim < p.dim else p.dim)
-    return Tuple(tuple([piece] * 64))
-
-
-def cat(ctx: RuleContext) -> Placement | None:
-    """``cat(tensors, dim)`` / ``stack``: every tensor split on the same dim, another dim joined."""
-    tensors = ctx.node.args[0]
-    dim = ctx.node.args[1] if len(ctx.node.args) > 1 else 0
-    if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
-        return None
-    ps = [ctx.p(t) for t in tensors]
-    if not all(isinstance(q, Split) for q in ps) or len({q.dim for q in ps}) != 1:
-        return None
-    d = ps[0].dim
-    nd = ctx.ndim(tensors[0])
-    stacking = ctx.node.target.overloadpacket is aten.stack
-    if dim < 0:
-        if nd is None:
-            return Split(d) if d == 0 else None
-        dim += nd + (1 if stacking else 0)
-    if stacking:
-        return Split(d + 1 if dim <= d else d)
-    return None if dim == d else Split(d)
-
-
-def new_factory(ctx: RuleContext) -> Placement | None:
-    """``x.new_ones(sizes)`` and friends: split where a size is the batch size."""
-    sizes = ctx.node.args[1] if len(ctx.node.args) > 1 else None
-    if not isinstance(sizes, (list, tuple)):
-        return None
-    batch_at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
-    others = [s for i, s in enumerate(sizes) if i not in batch_at and isinstance(s, fx.Node)]
-    if len(batch_at) == 1 and all(isinstance(ctx.p(s), Replicated) for s in others):
-        return Split(batch_at[0])
-    return None
-
-
-def factory(ctx: RuleContext) -> Placement | None:
-    """``full(sizes, v)`` / ``ones`` / ``zeros`` / ``empty``: split where a size is the batch size."""
-    sizes = ctx.node.args[0] if ctx.node.args else None
-    if not isinstance(sizes, (list, tuple)):
-        return None
-    batch_at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
-    others = [s for i, s in enumerate(sizes) if i not in batch_at and isinstance(s, fx.Node)]
-    kwargs_ok = all(not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in ctx.node.kwargs.values())
-    if len(batch_at) == 1 and kwargs_ok and all(isinstance(ctx.p(s), Replicated) for s in others):
-        return Split(batch_at[0])
-    return None
 
 
 _INDEX_PATH = {"unsqueeze", "view", "reshape", "_unsafe_view", "expand", "slice", "clone", "contiguous", "to", "_to_copy"}
@@ -307,18 +208,6 @@ def index(ctx: RuleContext) -> Placement | None:
     return Split(pi.dim + nd - len(shapes[0]))
 
 
-def reduction_sum(ctx: RuleContext) -> Placement | None:
-    return reduction("sum")(ctx)
-
-
-def reduction_mean(ctx: RuleContext) -> Placement | None:
-    return reduction("mean")(ctx)
-
-
-def reduction_other(ctx: RuleContext) -> Placement | None:
-    return reduction(None)(ctx)
-
-
 def summed_loss(ctx: RuleContext) -> Placement | None:
     """A loss with ``reduction=sum`` (the export frontend writes ``mean`` as ``sum / count``) over
     inputs split on dim 0: partial sums; ``reduction=none`` stays split."""
@@ -367,114 +256,13 @@ def mode_check(ctx: RuleContext) -> Placement | None:
     return REPLICATED
 
 
-POINTWISE = (
-    "add", "sub", "rsub", "mul", "div", "pow", "neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt",
-    "sin", "cos", "tanh", "sigmoid", "relu", "gelu", "silu", "elu", "leaky_relu", "hardtanh", "hardswish",
-    "hardsigmoid", "mish", "softplus", "erf", "where", "masked_fill", "clamp", "clamp_min", "clamp_max",
-    "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "__xor__", "__invert__", "bitwise_and",
-    "bitwise_or", "bitwise_not", "bitwise_xor", "logical_and", "logical_or", "logical_not", "logical_xor",
-    "maximum", "minimum", "reciprocal", "square", "sign", "floor", "ceil", "round", "trunc", "isnan",
-    "isinf", "isfinite", "nan_to_num", "lerp", "addcmul", "addcdiv", "clone", "contiguous", "detach",
-    "alias", "type_as", "to", "_to_copy", "lift_fresh_copy", "zeros_like", "ones_like", "full_like",
-    "empty_like", "rand_like", "randn_like", "dropout", "fmod", "remainder", "floor_divide", "bitwise_left_shift",
-    "bitwise_right_shift", "relu6", "glu", "prelu", "logsigmoid", "tril", "triu",
-)
-
-PER_SAMPLE = (
-    "conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
-    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
-    "max_pool2d_with_indices", "upsample_nearest2d", "upsample_bilinear2d", "upsample_nearest1d",
-    "group_norm", "instance_norm", "pixel_shuffle",
-    "pixel_unshuffle", "channel_shuffle",
-)
-
-
-def _packet(name: str) -> Any:
-    return getattr(aten, name, None)
-
-
-ATEN_RULES: dict[Any, Rule] = {}
-
-
 def register_aten_rule(name: str, rule: Rule) -> None:
-    """Teach data parallelism an ATen op (by packet name, ``"addmm"``)."""
-    packet = _packet(name)
+    """Teach data parallelism an ATen op (by packet name, ``"addmm"``), replacing the table's rule."""
+    from dpcompile.analysis.batch_rules.registry import BATCH_RULES
+
+    packet = getattr(aten, name, None)
     if packet is not None:
-        ATEN_RULES[packet] = rule
-
-
-for _name in POINTWISE:
-    register_aten_rule(_name, pointwise)
-for _name in PER_SAMPLE:
-    register_aten_rule(_name, per_sample_dim0)
-for _name in ("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d"):
-    register_aten_rule(_name, pad)
-for _name, _rule in {
-    "linear": linear_function,
-    "addmm": addmm,
-    "mm": matmul,
-    "bmm": matmul,
-    "matmul": matmul,
-    "embedding": embedding,
-    "layer_norm": layer_norm,
-    "rms_norm": layer_norm,
-    "batch_norm": batch_norm,
-    "_native_batch_norm_legit_no_training": batch_norm,
-    "scaled_dot_product_attention": sdpa,
-    "softmax": softmax_like,
-    "_softmax": softmax_like,
-    "log_softmax": softmax_like,
-    "_log_softmax": softmax_like,
-    "cumsum": softmax_like,
-    "view": reshape,
-    "reshape": reshape,
-    "_unsafe_view": reshape,
-    "permute": permute,
-    "transpose": transpose,
-    "t": matrix_transpose,
-    "unsqueeze": unsqueeze,
-    "squeeze": squeeze,
-    "flatten": flatten,
-    "expand": expand,
-    "slice": slice_,
-    "select": select,
-    "split": split_like,
-    "split_with_sizes": split_like,
-    "chunk": split_like,
-    "unbind": split_like,
-    "cat": cat,
-    "stack": cat,
-    "sym_size": sym_size,
-    "arange": arange,
-    "index": index,
-    "new_ones": new_factory,
-    "new_zeros": new_factory,
-    "new_full": new_factory,
-    "new_empty": new_factory,
-    "full": factory,
-    "ones": factory,
-    "zeros": factory,
-    "empty": factory,
-    "sum": reduction_sum,
-    "mean": reduction_mean,
-    "amax": reduction_other,
-    "amin": reduction_other,
-    "argmax": reduction_other,
-    "argmin": reduction_other,
-    "logsumexp": reduction_other,
-    "diff": diff,
-    "cross_entropy_loss": summed_loss,
-    "nll_loss": summed_loss,
-    "nll_loss_nd": summed_loss,
-    "mse_loss": summed_loss,
-    "l1_loss": summed_loss,
-    "smooth_l1_loss": summed_loss,
-    "huber_loss": summed_loss,
-    "binary_cross_entropy": summed_loss,
-    "binary_cross_entropy_with_logits": summed_loss,
-}.items():
-    register_aten_rule(_name, _rule)
+        BATCH_RULES.register(packet, rule, replace=True)
 
 
 def _function_rules() -> dict[Any, Rule]:
@@ -490,19 +278,14 @@ _FUNCTIONS: dict[Any, Rule] | None = None
 
 
 def aten_rule(node: fx.Node) -> Rule | None:
-    """The rule for an ATen op (or a helper the export frontend writes into its graphs)."""
+    """The rule for a helper the export frontend writes into its graphs (ATen ops are in the table)."""
     global _FUNCTIONS
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return ATEN_RULES.get(target.overloadpacket)
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return ATEN_RULES.get(target)
     if _FUNCTIONS is None:
         _FUNCTIONS = _function_rules()
     try:
-        return _FUNCTIONS.get(target)
+        return _FUNCTIONS.get(node.target)
     except TypeError:
         return None
 
 
-__all__ = ["ATEN_RULES", "aten_rule", "register_aten_rule"]
+__all__ = ["aten_rule", "register_aten_rule"]

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.placement import REPLICATED, Partial, Placement, Replicated, Tuple, Whole
+from dpcompile.analysis.placement import REPLICATED, Partial, Placement, Replicated, Split, Tuple, Whole
 
 
 @dataclass
@@ -80,6 +80,22 @@ class RuleContext:
         return None
 
 
+def target_name(node: fx.Node) -> str:
+    """The name of what ``node`` calls, the same for every spelling of an op: ``"unbind"`` for
+    ``torch.unbind``, ``x.unbind()`` and ``aten.unbind.int``."""
+    target = node.target
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target._opname if isinstance(target, torch._ops.OpOverload) else target.__name__
+    return getattr(target, "__name__", "") or ""
+
+
+def is_aten(node: fx.Node) -> bool:
+    """Whether ``node`` calls an ATen op (an exported graph's spelling)."""
+    return isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
 def node_shape(node: fx.Node) -> tuple[int, ...] | None:
     """``node``'s shape from shape propagation (``meta["val"]`` or ``meta["tensor_meta"]``), or ``None``."""
     val = node.meta.get("val")
@@ -117,3 +133,17 @@ def normalize_dim(dim: Any, ndim: int | None, batch_dim: int, min_ndim: int | No
     if min_ndim is not None and dim + min_ndim > batch_dim:
         return AFTER_BATCH
     return None
+
+
+def tuple_of(rule: Rule, count: int) -> Rule:
+    """``rule`` for an op that returns ``count`` tensors split alike (``native_layer_norm``'s
+    output, mean and rstd; ``max_pool2d_with_indices``' values and indices)."""
+
+    def tupled(ctx: RuleContext) -> Placement | None:
+        out = rule(ctx)
+        return Tuple((out,) * count) if isinstance(out, Split) else out
+
+    tupled.__name__ = tupled.__qualname__ = f"{rule.__name__}_x{count}"
+    tupled.__doc__ = f"{count} tensors, each split as :func:`{rule.__name__}` splits one."
+    tupled.__wrapped__ = rule  # type: ignore[attr-defined]
+    return tupled

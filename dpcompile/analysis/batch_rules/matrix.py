@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
+from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, target_name
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
@@ -106,8 +106,7 @@ def bmm(ctx: RuleContext) -> Placement | None:
     added term split on dim 0 too, or broadcasting over it)."""
     args = list(ctx.node.args)
     added = None
-    name = ctx.node.target if isinstance(ctx.node.target, str) else ctx.node.target.__name__
-    if name == "baddbmm":
+    if target_name(ctx.node) == "baddbmm":
         added, args = args[0], args[1:]
     if len(args) < 2:
         return None

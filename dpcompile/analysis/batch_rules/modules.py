@@ -4,14 +4,16 @@ transformer layers (as modules, and their functional forms)."""
 from __future__ import annotations
 
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import RuleContext
-from dpcompile.analysis.batch_rules.matrix import assume_batched, last_dim_op
+from dpcompile.analysis.batch_rules.context import RuleContext, target_name
+from dpcompile.analysis.batch_rules.matrix import assume_batched
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
     REPLICATED,
+    BatchSize,
     Packed,
     Placement,
     Replicated,
@@ -28,8 +30,20 @@ def per_sample_dim0(ctx: RuleContext) -> Placement | None:
     if isinstance(p, Split) and p.dim == 0 and all(isinstance(o, Replicated) for o in others):
         rank = batched_rank(ctx)
         if rank is not None:  # Conv2d takes (N, C, H, W) or one unbatched (C, H, W)
+            nd = ctx.ndim(x)
+            if nd is not None and nd < rank:
+                return None  # one unbatched sample: dim 0 is its channels
             assume_batched(ctx, x, p, rank)
         return p
+    return None
+
+
+def per_sample_all_dim0(ctx: RuleContext) -> Placement | None:
+    """Ops of several batched tensors (``grid_sample(x, grid)``, a pooling's backward of its
+    gradient and input): every tensor input split on dim 0."""
+    ps = [ctx.p(n) for n in ctx.node.all_input_nodes]
+    if ps and all(isinstance(q, Split) and q.dim == 0 for q in ps):
+        return Split(0)
     return None
 
 
@@ -50,7 +64,8 @@ def pad(ctx: RuleContext) -> Placement | None:
 
 _SPATIAL_MODULES = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
                     nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)  # fmt: skip
-_SPATIAL_FUNCTIONS = ("conv1d", "conv2d", "conv3d", "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d",
+_SPATIAL_FUNCTIONS = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                      "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d",
                       "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d")  # fmt: skip
 
 
@@ -59,18 +74,63 @@ def batched_rank(ctx: RuleContext) -> int | None:
     one sample without the batch dim; None for other layers."""
     if isinstance(ctx.module, _SPATIAL_MODULES):
         suffix = type(ctx.module).__name__[-2:]
-    elif ctx.node.op == "call_function" and getattr(ctx.node.target, "__name__", "") in _SPATIAL_FUNCTIONS:
-        suffix = ctx.node.target.__name__[-2:]
+    elif ctx.node.op == "call_function":
+        name = target_name(ctx.node).removesuffix("_with_indices").removesuffix(".vec").lstrip("_")
+        if name == "convolution":
+            weight = ctx.ndim(ctx.node.args[1]) if len(ctx.node.args) > 1 else None
+            return weight
+        if name not in _SPATIAL_FUNCTIONS and not name.startswith("upsample_"):
+            return None
+        suffix = name[-2:] if name[-2:] in ("1d", "2d", "3d") else "2d"  # pixel_shuffle: (N, C, H, W)
     else:
         return None
     return int(suffix[0]) + 2 if suffix in ("1d", "2d", "3d") else None
 
 
 def embedding(ctx: RuleContext) -> Placement | None:
-    p = ctx.p(ctx.tensor_arg())
-    if isinstance(p, Split) and all(isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
+    """A lookup per index: split as the indices, the table carries no batch. ``F.embedding(input,
+    weight)`` and ``nn.Embedding`` take the indices first, ``torch.embedding`` and
+    ``aten.embedding(weight, indices)`` second."""
+    indices_first = ctx.module is not None or ctx.node.target is F.embedding
+    indices = ctx.tensor_arg() if indices_first else (ctx.node.args[1] if len(ctx.node.args) > 1 else None)
+    p = ctx.p(indices)
+    if isinstance(p, Split) and all(isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes if n is not indices):
         return p
     return None
+
+
+def layer_norm(ctx: RuleContext) -> Placement | None:
+    """``F.layer_norm(x, normalized_shape, w, b)``, ``nn.LayerNorm``/``nn.RMSNorm`` and their ATen
+    ops normalise the last ``len(normalized_shape)`` dims: any dim before those may be split."""
+    x = ctx.tensor_arg()
+    p = ctx.p(x)
+    if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes if n is not x):
+        return None
+    shape = getattr(ctx.module, "normalized_shape", None) if ctx.module is not None else ctx.arg(1, "normalized_shape")
+    if isinstance(shape, int):
+        shape = (shape,)
+    if not isinstance(shape, (list, tuple)):
+        return None
+    nd = ctx.ndim(x)
+    if nd is not None and p.dim >= nd - len(shape):
+        return None
+    if nd is None:
+        assume_batched(ctx, x, p, p.dim + 1 + len(shape))
+    return p
+
+
+def group_norm(ctx: RuleContext) -> Placement | None:
+    """Per sample (statistics over groups of one sample's channels). ``aten.native_group_norm``
+    spells out the batch size ``N``: it must be the chunk's (a number would be the whole batch's)."""
+    if target_name(ctx.node) == "native_group_norm":
+        x, n = ctx.node.args[0], ctx.arg(3, "N")
+        p = ctx.p(x)
+        if not (isinstance(n, fx.Node) and ctx.p(n) == BatchSize() and isinstance(p, Split) and p.dim == 0):
+            return None
+        if any(not isinstance(ctx.p(v), Replicated) for v in ctx.node.all_input_nodes if v not in (x, n)):
+            return None
+        return Tuple((Split(0), Split(0), Split(0)))
+    return per_sample_dim0(ctx)
 
 
 def instance_norm(ctx: RuleContext) -> Placement | None:
@@ -204,7 +264,9 @@ for _norm in ops.BATCH_NORMS:
     BATCH_RULES.register(_norm, per_sample_dim0)  # per sample here; the data-parallel pass syncs statistics
 for _norm in ops.INSTANCE_NORMS:
     BATCH_RULES.register(_norm, instance_norm)
-BATCH_RULES.register_family(ops.LAST_DIMS, last_dim_op)
+BATCH_RULES.register_family(ops.LAST_DIMS, layer_norm)
+BATCH_RULES.register(nn.GroupNorm, group_norm, replace=True)
+BATCH_RULES.register(F.group_norm, group_norm)
 BATCH_RULES.register_family(ops.EMBEDDING, embedding)
 for _rnn in ops.RNNS:
     BATCH_RULES.register(_rnn, rnn)

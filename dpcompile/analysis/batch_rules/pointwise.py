@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
+from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, target_name
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
     REPLICATED,
@@ -23,6 +23,8 @@ def _origin(splits: list[Split]) -> str | None:
 
 def pointwise(ctx: RuleContext) -> Placement | None:
     """Element-wise ops (with broadcasting): every batch-carrying input split on the same dim."""
+    if len(ctx.node.args) == 1 and not ctx.node.kwargs and target_name(ctx.node) == "where":
+        return None  # where(cond): the indices of the whole tensor's true elements
     splits: list[tuple[Split, fx.Node]] = []
     for n in ctx.node.all_input_nodes:
         p = ctx.p(n)

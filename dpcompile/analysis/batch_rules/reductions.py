@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -11,13 +12,14 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import Rule, RuleContext, normalize_dim
+from dpcompile.analysis.batch_rules.context import Rule, RuleContext, is_aten, normalize_dim, target_name
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
     Partial,
     Placement,
     Replicated,
     Split,
+    Tuple,
 )
 
 
@@ -37,13 +39,24 @@ def softmax_like(ctx: RuleContext) -> Placement | None:
 
 
 def _reduction_dims(ctx: RuleContext) -> tuple[Any, bool]:
+    """``(dim, keepdim)`` of a reduction in any spelling: ``x.sum(1, True)``, ``torch.var(x, 1,
+    True, True)`` (``unbiased`` comes before ``keepdim``), ``aten.var.correction(x, [1], keepdim=True)``."""
+    node = ctx.node
+    if is_aten(node) and hasattr(node.target, "_schema"):
+        names = [a.name for a in node.target._schema.arguments]
+        bound = dict(zip(names, node.args))
+        bound.update(node.kwargs)
+        return bound.get("dim"), bool(bound.get("keepdim", False))
+    keep_at = 3 if target_name(node) in ("var", "std") else 2
     dim = ctx.arg(1, "dim")
-    keepdim = ctx.arg(2, "keepdim", False)
-    return dim, bool(keepdim)
+    keepdim = ctx.arg(keep_at, "keepdim", False)
+    return dim, bool(keepdim) if isinstance(keepdim, bool) else keepdim
 
 
+@functools.cache
 def reduction(kind: str | None) -> Rule:
-    """sum/mean (kind) become partial results over the batch; other reductions must avoid it."""
+    """sum/mean (kind) become partial results over the batch; other reductions must avoid it.
+    One rule per kind, whatever the spelling (``torch.sum``, ``x.sum()``, ``aten.sum.dim_IntList``)."""
 
     def rule(ctx: RuleContext) -> Placement | None:
         p = ctx.p(ctx.tensor_arg())
@@ -52,31 +65,60 @@ def reduction(kind: str | None) -> Rule:
         ):
             return None
         dim, keepdim = _reduction_dims(ctx)
-        if isinstance(dim, fx.Node):
+        if isinstance(dim, fx.Node) or not isinstance(keepdim, bool):
             return None
         nd = ctx.ndim(ctx.tensor_arg())
         if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
             return Partial(kind) if kind else None
         dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
-        if not all(isinstance(d, int) for d in dims):
-            return None
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+            return None  # torch.var(x, True): the flag is unbiased, not a dim
         if any(d < 0 for d in dims):
             if nd is None:
                 dims = [ctx.resolve(d, ctx.tensor_arg(), p.dim) for d in dims]
                 if any(d is None for d in dims):
                     return None  # a negative dim that may name the batch dim of a tensor of unknown rank
             else:
-                dims = [d % nd for d in dims]
+                dims = [d % nd if nd else d for d in dims]
         if p.dim in dims:
             if kind and not keepdim and len(dims) == 1:
                 return Partial(kind)
             return None
         if keepdim:
             return p
-        shift = sum(1 for d in dims if 0 <= d < p.dim)
+        shift = sum(1 for d in set(dims) if 0 <= d < p.dim)
         return Split(p.dim - shift)
 
+    rule.__name__ = f"reduction_{kind or 'along_other_dims'}"
+    rule.__qualname__ = rule.__name__
     return rule
+
+
+def values_and_indices(ctx: RuleContext) -> Placement | None:
+    """``max(x, dim)`` / ``min(x, dim)`` (values and indices of a reduction), ``sort(x, dim)`` and
+    ``topk(x, k, dim)`` along a non-batch dim: two tensors split alike. ``max(x, y)`` is element-wise;
+    ``max(x)`` reduces the whole batch and runs whole."""
+    from dpcompile.analysis.batch_rules.pointwise import pointwise
+
+    name = target_name(ctx.node)
+    second = ctx.arg(1, "dim" if name in ("max", "min") else "other")
+    if name in ("max", "min"):
+        if isinstance(second, fx.Node) or "other" in ctx.node.kwargs:
+            return pointwise(ctx)
+        if not isinstance(second, int):
+            return None
+        out = reduction(None)(ctx)
+        return Tuple((out, out)) if isinstance(out, Split) else None
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
+        return None
+    dim = ctx.arg(2, "dim", -1) if name == "topk" else ctx.arg(1, "dim", -1)
+    if name == "sort" and isinstance(ctx.arg(1, "dim", -1), bool):
+        dim = -1  # sort(x, stable=...) spelled positionally
+    dim = normalize_dim(dim, ctx.ndim(ctx.tensor_arg()), p.dim, ctx.min_ndim(ctx.tensor_arg()))
+    if dim is None or dim == p.dim:
+        return None
+    return Tuple((p, p))
 
 
 def loss_kwargs_of_module(module: nn.Module) -> dict[str, Any]:

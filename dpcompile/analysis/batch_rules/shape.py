@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim
+from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim, target_name
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
@@ -174,7 +174,7 @@ def along_dims(ctx: RuleContext) -> Placement | None:
     p = ctx.p(ctx.tensor_arg())
     if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
         return None
-    name = ctx.node.target if isinstance(ctx.node.target, str) else ctx.node.target.__name__
+    name = target_name(ctx.node)
     dims = ctx.arg(2, "dims") if name == "roll" else ctx.arg(1, "dims")
     if name == "flip" and ctx.node.op == "call_method" and len(ctx.node.args) > 2:
         dims = list(ctx.node.args[1:])
@@ -259,18 +259,43 @@ def unsqueeze(ctx: RuleContext) -> Placement | None:
 
 
 def squeeze(ctx: RuleContext) -> Placement | None:
+    """``squeeze(dim)`` / ``squeeze(dims)``: drops the named dims of size 1 (others stay), never the
+    batch dim; ``squeeze()`` could drop a batch of one, so it runs whole."""
     p = ctx.p(ctx.tensor_arg())
     dim = ctx.arg(1, "dim")
-    if not isinstance(p, Split) or not isinstance(dim, int):
-        return None  # squeeze() could drop a batch of one
-    nd = ctx.ndim(ctx.tensor_arg())
-    if dim < 0:
-        if nd is None:
-            return p if ctx.resolve(dim, ctx.tensor_arg(), p.dim) is not None else None
-        dim += nd
-    if dim == p.dim:
+    if ctx.node.op == "call_method" and len(ctx.node.args) > 2:
+        dim = list(ctx.node.args[1:])
+    if not isinstance(p, Split) or not (isinstance(dim, int) or isinstance(dim, (list, tuple)) and dim):
         return None
-    return Split(p.dim - 1 if dim < p.dim else p.dim)
+    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    shape = node_shape(ctx.tensor_arg())
+    nd = ctx.ndim(ctx.tensor_arg())
+    if nd is None:
+        if len(dims) != 1 or ctx.resolve(dims[0], ctx.tensor_arg(), p.dim) is None:
+            return None
+        return p if dims[0] < 0 else (Split(p.dim - 1) if dims[0] < p.dim else p)
+    dims = [d % nd if nd else d for d in dims]
+    if p.dim in dims:
+        return None
+    removed = [d for d in dims if shape is None or shape[d] == 1]
+    return Split(p.dim - sum(1 for d in set(removed) if d < p.dim))
+
+
+def diagonal(ctx: RuleContext) -> Placement | None:
+    """``diagonal(x, offset, dim1, dim2)`` of two non-batch dims: they go, the diagonal comes last."""
+    p = ctx.p(ctx.tensor_arg())
+    nd = ctx.ndim(ctx.tensor_arg())
+    if not isinstance(p, Split) or nd is None:
+        return None
+    d1, d2 = ctx.arg(2, "dim1", 0), ctx.arg(3, "dim2", 1)
+    if not isinstance(d1, int) or not isinstance(d2, int):
+        return None
+    d1, d2 = d1 % nd, d2 % nd
+    if p.dim in (d1, d2):
+        return None
+    return Split(p.dim - sum(1 for d in (d1, d2) if d < p.dim))
 
 
 def cat(ctx: RuleContext) -> Placement | None:
@@ -286,7 +311,7 @@ def cat(ctx: RuleContext) -> Placement | None:
         return None
     d = dims.pop()
     nd = ctx.ndim(tensors[0])
-    stacking = ctx.node.target is torch.stack
+    stacking = target_name(ctx.node) == "stack"
     if dim < 0:
         if nd is None:  # a negative dim must surely lie after the split dim
             return Split(d) if ctx.resolve(dim, tensors[0], d, extra=1 if stacking else 0) is not None else None
@@ -318,7 +343,7 @@ def expand_to_batch(ctx: RuleContext) -> Placement | None:
     at = _batch_entry(ctx, sizes)
     if at is None:
         return None
-    if ctx.node.target == "expand":
+    if target_name(ctx.node) == "expand":
         nd = ctx.ndim(ctx.tensor_arg())
         shape = node_shape(ctx.tensor_arg())
         offset = len(sizes) - nd if nd is not None else None
@@ -370,11 +395,11 @@ def expand(ctx: RuleContext) -> Placement | None:
 
 
 def chunk_like(ctx: RuleContext) -> Placement | None:
-    """chunk / split / unbind along a non-batch dim: a tuple of equally split pieces."""
+    """chunk / split / split_with_sizes / unbind along a non-batch dim: a tuple of equally split pieces."""
     p = ctx.p(ctx.tensor_arg())
     if not isinstance(p, Split):
         return None
-    name = ctx.node.target if isinstance(ctx.node.target, str) else ctx.node.target.__name__
+    name = target_name(ctx.node)
     if name == "unbind":
         dim = ctx.arg(1, "dim", 0)
     else:
@@ -384,7 +409,9 @@ def chunk_like(ctx: RuleContext) -> Placement | None:
     if dim is None or dim == p.dim:
         return None
     piece = Split(p.dim - 1 if name == "unbind" and dim < p.dim else p.dim)
-    return Tuple(tuple([piece] * 64))
+    val = ctx.node.meta.get("val")
+    count = len(val) if isinstance(val, (list, tuple)) else 64  # pieces; 64 where no example says
+    return Tuple(tuple([piece] * count))
 
 
 def size(ctx: RuleContext) -> Placement | None:
@@ -405,29 +432,37 @@ def size(ctx: RuleContext) -> Placement | None:
     return None
 
 
+def _factory_sizes(ctx: RuleContext) -> tuple[list | fx.Node | None, list]:
+    """The sizes of a factory and its other arguments, for each spelling: ``torch.zeros(b, h)``,
+    ``torch.zeros((b, h))``, ``torch.full((b, h), v)``, ``x.new_zeros(b, h)``, ``aten.full([b, h], v)``."""
+    args = list(ctx.node.args)
+    if ctx.node.op == "call_method" or target_name(ctx.node).startswith("new_"):
+        args = args[1:]  # the tensor a new_* factory takes its dtype and device from
+    if not args:
+        size = ctx.node.kwargs.get("size")
+        return (list(size) if isinstance(size, (list, tuple)) else size), []
+    if isinstance(args[0], (list, tuple)):
+        return list(args[0]), args[1:]
+    if isinstance(args[0], fx.Node) and isinstance(ctx.p(args[0]), BatchSize) and ctx.p(args[0]).shape_of_dim is not None:
+        return args[0], args[1:]
+    if target_name(ctx.node) in ("full", "new_full"):
+        return None, []  # full(size, value) takes its size as one sequence
+    return args, []
+
+
 def factory(ctx: RuleContext) -> Placement | None:
-    """torch.zeros(n, b, h): a batch size among the sizes makes a tensor split there."""
-    sizes = [a for a in ctx.node.args if not isinstance(a, fx.Node) or True]
-    if ctx.node.op == "call_method":
-        sizes = sizes[1:]
-    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
-        sizes = list(sizes[0])
-    elif len(sizes) == 1 and isinstance(sizes[0], fx.Node) and isinstance(ctx.p(sizes[0]), BatchSize):
-        at = ctx.p(sizes[0]).shape_of_dim  # torch.ones(x.shape[:2]): a shape holding the batch size
-        kwargs_ok = all(not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in ctx.node.kwargs.values())
-        return Split(at) if at is not None and kwargs_ok else None
-    batch_at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
-    rest_ok = all(
-        not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated)
-        for i, s in enumerate(sizes)
-        if i not in batch_at
-    )
-    kwargs_ok = all(
-        not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in ctx.node.kwargs.values()
-    )
-    if len(batch_at) == 1 and rest_ok and kwargs_ok:
-        return Split(batch_at[0])
-    return None
+    """torch.zeros(n, b, h) / full((b, h), v) / x.new_ones(b, h): a batch size among the sizes
+    makes a tensor split there (each device makes its chunk's rows)."""
+    sizes, rest = _factory_sizes(ctx)
+    others = list(rest) + list(ctx.node.kwargs.values())
+    if any(isinstance(v, fx.Node) and not isinstance(ctx.p(v), Replicated) for v in others):
+        return None
+    if isinstance(sizes, fx.Node):  # torch.ones(x.shape[:2]): a shape holding the batch size
+        return Split(ctx.p(sizes).shape_of_dim)
+    if sizes is None:
+        return None
+    at = _batch_entry(ctx, sizes)
+    return Split(at) if at is not None else None
 
 
 BATCH_RULES.register_family(ops.FLATTEN, flatten)
@@ -446,5 +481,7 @@ BATCH_RULES.register("unfold", along_dims_unfold)
 for _target in (torch.flip, torch.roll, "flip", "roll"):
     BATCH_RULES.register(_target, along_dims)
 BATCH_RULES.register_family(ops.CHUNK, chunk_like)
+BATCH_RULES.register(torch.diagonal, diagonal)
+BATCH_RULES.register("diagonal", diagonal)
 BATCH_RULES.register_family(ops.FACTORIES, factory)
 BATCH_RULES.register("size", size)

@@ -64,17 +64,34 @@ def _batch_dim_of(model: nn.Module) -> int:
     return 1 if firsts and not any(firsts) else 0
 
 
-def _dynamic_spec(value: Any, batch_dim: int) -> Any:
+def _dynamic_spec(value: Any, batch_dim: int, varying: Sequence[int] = ()) -> Any:
+    """The batch dim and the ``varying`` dims (those ``dynamic_dims=`` names) of ``value`` dynamic."""
     from torch.export import Dim
 
     if isinstance(value, torch.Tensor):
         dim = batch_dim if value.dim() > batch_dim else 0
-        return {dim: Dim.AUTO} if value.dim() > 0 else None
+        dims = {dim, *(d for d in varying if d < value.dim())}
+        return {d: Dim.AUTO for d in sorted(dims)} if value.dim() > 0 else None
     if isinstance(value, (list, tuple)):
-        return type(value)(_dynamic_spec(v, batch_dim) for v in value)
+        return type(value)(_dynamic_spec(v, batch_dim, varying) for v in value)
     if isinstance(value, dict):
-        return {k: _dynamic_spec(v, batch_dim) for k, v in value.items()}
+        return {k: _dynamic_spec(v, batch_dim, varying) for k, v in value.items()}
     return None
+
+
+def varying_dims(dynamic_dims: Any, name: str) -> tuple[int, ...]:
+    """The dims of argument ``name`` that ``dynamic_dims=`` says vary between calls: a mapping
+    ``{argument: dims}``, or dims for every tensor argument that has them."""
+    if dynamic_dims is None:
+        return ()
+    if isinstance(dynamic_dims, Mapping):
+        dims = dynamic_dims.get(name, ())
+    else:
+        dims = dynamic_dims
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ValueError(f"dynamic_dims= takes non-negative dims (ints), got {dynamic_dims!r}")
+    return dims
 
 
 def capture_export(
@@ -83,6 +100,7 @@ def capture_export(
     example_kwargs: Mapping[str, Any] | None,
     *,
     batch_dim: int | None = None,
+    dynamic_dims: Any = None,
 ) -> Exported:
     """Export ``model`` on the examples and make the graph a program the passes understand."""
     import time
@@ -103,7 +121,9 @@ def capture_export(
                 f"{type(value).__name__} of tensors: pass its tensors as separate arguments"
             )
     dim = _batch_dim_of(model) if batch_dim is None else batch_dim
-    spec = {name: _dynamic_spec(value, dim) for name, value in names.items()}
+    if isinstance(dynamic_dims, Mapping) and (unknown := set(dynamic_dims) - set(names)):
+        raise ValueError(f"dynamic_dims= names {sorted(unknown)}, which the examples do not give (they give {list(names)})")
+    spec = {name: _dynamic_spec(value, dim, varying_dims(dynamic_dims, name)) for name, value in names.items()}
     start = time.perf_counter()
     try:
         with warnings.catch_warnings(), quiet_fake_tensor_log():

@@ -41,8 +41,8 @@ from dpcompile.fx_utils import (
     unalias,
 )
 from dpcompile.modules.carried import CarriedPrograms
+from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
-    ExportedModelCheck,
     backward_hooks_error,
     call_with_hooks,
     check_unchanged_since_transform,
@@ -124,8 +124,7 @@ class ParallelModule(fx.GraphModule):
         if source is not None and type(source).forward is nn.Module.forward:
             source = None
         self._attach_cache(source, dict(flags or {}), none_args, shares_source)
-        is_leaf = DpTracer(getattr(recipe, "leaf_modules", ())).is_leaf_module
-        watch = None if exported_from is None else ExportedModelCheck(exported_from, is_leaf)
+        watch = None if exported_from is None else ExportedModelCheck(exported_from)
         object.__setattr__(self, "_exported_check", watch)
 
     def _attach_cache(
@@ -328,7 +327,7 @@ class ParallelModule(fx.GraphModule):
     def _find_program(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         key = self.call_key(*args, **kwargs)
         if self.__dict__.get("_exported_check") is not None:
-            self._exported_check.check()
+            self._exported_check.check(args, kwargs)
         if self._shares_source and self._guard.backward_hooked:
             raise backward_hooks_error(self.traced_model, self._guard.backward_hooked)
         if not self._shares_source and self.traced_model is not None:
@@ -423,8 +422,10 @@ class ParallelModule(fx.GraphModule):
         return self._reduce(carry_programs=True)
 
     def model_changed_since_transform(self) -> bool:
-        """Whether the model's hooks, submodules, parameters or attributes forward reads departed
-        from those the main program (``pm.graph``) was traced with."""
+        """Whether the model's hooks, submodules, parameters or attributes forward reads (or, for an
+        exported program, dtypes) departed from those the main program (``pm.graph``) was traced with."""
+        if (exported := self.__dict__.get("_exported_check")) is not None and exported.changed():
+            return True
         return self._shares_source and self._guard.fingerprint() != self.program_cache.main_key.guard
 
     def _reduce(self, *, carry_programs: bool):

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 

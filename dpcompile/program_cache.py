@@ -267,7 +267,7 @@ class ModelGuard:
     def _attributes(self, module: nn.Module, names: frozenset[str]) -> tuple:
         out = []
         for name, value in module.__dict__.items():
-            if name in names:
+            if name in names and not (type(value) is dict and not value):  # an empty dict: a cache (timm's attention biases)
                 description = frozen(value)
                 if description is not _UNWATCHED:
                     out.append((name, description))

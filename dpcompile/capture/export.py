@@ -36,6 +36,7 @@ from torch import nn
 
 from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
+from dpcompile.capture.state import python_state_kept
 from dpcompile.errors import ExampleError, TraceError
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
 from dpcompile.runtime.exported import expect_value
@@ -126,7 +127,7 @@ def capture_export(
     spec = {name: _dynamic_spec(value, dim, varying_dims(dynamic_dims, name)) for name, value in names.items()}
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings(), quiet_fake_tensor_log():
+        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model):
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
@@ -276,7 +277,14 @@ def _program(
         if node.op == "call_function" and node.target in _DROPPED:
             continue
         if node.op == "get_attr":
-            roots[node.target] = _resolve(model, unlifted, node.target)
+            value = _resolve(model, unlifted, node.target)
+            if not _owned_by(model, node.target):  # a constant export lifted (`torch.tensor(...)` in forward)
+                flat = _constant_name(model, roots, node.target)
+                roots[flat] = value
+                remap[node] = graph.get_attr(flat)
+                remap[node].meta.update(node.meta)
+                continue
+            roots[node.target] = value
         if node.op == "output":
             graph.output(_rebuild_output(graph, unlifted, [remap.get(a, a) if isinstance(a, fx.Node) else a for a in node.args[0]]))
             continue
@@ -320,6 +328,25 @@ def _resolve(model: nn.Module, unlifted: fx.GraphModule, target: str) -> Any:
         for atom in target.split("."):
             obj = getattr(obj, atom)
         return obj
+
+
+def _owned_by(model: nn.Module, target: str) -> bool:
+    obj: Any = model
+    for atom in target.split("."):
+        if not hasattr(obj, atom):
+            return False
+        obj = getattr(obj, atom)
+    return True
+
+
+def _constant_name(model: nn.Module, roots: Mapping[str, Any], target: str) -> str:
+    """A root attribute for a constant export lifted inside a submodule (``encoder.lifted_tensor_0``):
+    the model's own ``encoder`` is held in its place, which has no such attribute."""
+    name, n = target.replace(".", "_"), 0
+    while hasattr(model, name) or name in roots:
+        n += 1
+        name = f"{target.replace('.', '_')}_{n}"
+    return name
 
 
 def _rebuild_output(graph: fx.Graph, unlifted: fx.GraphModule, leaves: list[Any]) -> Any:
@@ -369,7 +396,7 @@ def _export_in_other_mode(
     modes = {m: m.training for m in model.modules()}
     try:
         model.train(not model.training)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), python_state_kept(model):
             warnings.simplefilter("ignore")
             other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
         other_gm, _ = _program(model, other, names, dim, injected)

@@ -152,3 +152,84 @@ def test_export_guard_example_batch_of_one_then_four_is_refused():
         pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_kwargs={"input_ids": _ids(1, 8)})
     with pytest.raises(dpcompile.DpCompileError, match=r"'input_ids' has shape \(4, 8\).*shape \(1, 8\).*dim 0: 4 vs 1"):
         pm(input_ids=_ids(4, 8))
+
+
+class ScaledInner(nn.Module):
+    """Falcon/DeBERTa-v2-style: a tensor made in a submodule's forward, which torch.export lifts."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        scale = torch.tensor(0.5)
+        if x.shape[-1] > 4:  # a shape branch: fx cannot trace it, export captures it
+            return self.fc(x) * scale
+        return x
+
+
+class TwoScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = ScaledInner()
+        self.inner2 = ScaledInner()
+
+    def forward(self, x):
+        return self.inner2(self.inner(x))
+
+
+def test_export_capture_tensor_constant_made_inside_a_submodule_forward():
+    """export lifts it as inner.lifted_tensor_0: the program holds it (not in state_dict), runs, and copies."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = TwoScaled(), torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    assert pm.state_dict().keys() == model.state_dict().keys()
+    torch.testing.assert_close(copy.deepcopy(pm)(x), model(x))
+
+
+class CachedBias(nn.Module):
+    """timm's LeViT/EfficientFormer attention-bias cache: filled per device in eval, emptied by train()."""
+
+    def __init__(self, shape_branch: bool):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.attention_biases = nn.Parameter(torch.randn(8))
+        self.register_buffer("idxs", torch.arange(8).flip(0), persistent=False)
+        self.attention_bias_cache = {}
+        self.shape_branch = shape_branch
+
+    @torch.no_grad()
+    def train(self, mode=True):
+        super().train(mode)
+        if mode and self.attention_bias_cache:
+            self.attention_bias_cache = {}
+        return self
+
+    def get_attention_biases(self, device):
+        if torch.jit.is_tracing() or self.training:
+            return self.attention_biases[self.idxs]
+        key = str(device)
+        if key not in self.attention_bias_cache:
+            self.attention_bias_cache[key] = self.attention_biases[self.idxs]
+        return self.attention_bias_cache[key]
+
+    def forward(self, x):
+        if self.shape_branch and x.shape[-1] <= 4:
+            return x
+        return self.fc(x) + self.get_attention_biases(x.device)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_capture_per_device_cache_twice_with_examples_then_eager_fills_it(frontend):
+    """Captured twice (example_inputs=): no traced value is left in the cache; pm and eager agree, before and after eager fills it."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(CachedBias(frontend == "export"), CachedBias(frontend == "export")).eval(), torch.randn(4, 8)
+    first = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    assert model[0].attention_bias_cache == {}
+    second = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    for pm in (first, second, first):
+        torch.testing.assert_close(pm(x), model(x))  # eager fills the cache on its first call
+    assert type(model[0].attention_bias_cache["cpu"]) is torch.Tensor

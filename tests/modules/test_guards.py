@@ -500,3 +500,26 @@ def test_guard_changes_inside_a_module_list_are_followed(change):
     _same(pm, model, x)
     change(model)
     _same(pm, model, x)
+
+
+@pytest.mark.parametrize("compiled", ["pm.compile", "torch.compile"])
+def test_guard_changes_after_compile_are_followed(compiled):
+    """After pm.compile() or torch.compile(pm): an attribute forward reads, a swapped submodule (at the root
+    and inside a container) and a hook on a container are followed, as without compile."""
+    model, pm, x = _pair()
+    if compiled == "pm.compile":
+        pm.compile(backend="eager")
+        run = pm
+    else:
+        run = torch.compile(pm, backend="eager")
+    _same(run, model, x)
+    model.use_residual = False
+    _same(run, model, x)
+    model.fc2 = nn.Linear(8, 8)
+    _same(run, model, x)
+    model.block[0] = nn.Linear(8, 8)
+    _same(run, model, x)
+    handle = model.block.register_forward_hook(lambda module, args, out: out * 3)
+    _same(run, model, x)
+    handle.remove()
+    _same(run, model, x)

@@ -38,6 +38,7 @@ def transform(
     leaf_modules: Iterable[type[nn.Module]] = (),
     copy_replicas: bool = False,
     ddp_options: Mapping[str, Any] | None = None,
+    dynamic_dims: Mapping[str, Sequence[int]] | Sequence[int] | None = None,
 ) -> ParallelModule:
     """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
 
@@ -51,7 +52,9 @@ def transform(
     multi-GPU code path runs and can be tested on one device. ``ddp_options`` (over a mesh)
     are passed to ``DistributedDataParallel``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
     and ``example_kwargs=`` (HF models: ``input_ids=``, ``attention_mask=``, ``labels=``): see
-    ``docs/frontends.md``.
+    ``docs/frontends.md``. ``dynamic_dims=`` (``{"input_ids": [1]}``, or ``[1]`` for every tensor
+    argument): dims besides the batch that vary between calls (a sequence length), which the
+    export frontend keeps dynamic; see ``docs/guards.md``.
     """
     recipe = make_recipe(
         model,
@@ -71,7 +74,7 @@ def transform(
     with _gc_paused():
         model, examples, frontend_batch_dim = _apply_frontend(
             model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
-            flags_served=isinstance(recipe, DataParallelRecipe),
+            flags_served=isinstance(recipe, DataParallelRecipe), dynamic_dims=dynamic_dims,
         )  # fmt: skip
         if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
             recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
@@ -86,6 +89,7 @@ def _apply_frontend(
     leaf_modules: tuple[type[nn.Module], ...],
     batch_dim: int | None,
     flags_served: bool,
+    dynamic_dims: Any = None,
 ) -> tuple[nn.Module, tuple | None, int | None]:
     """The model as its frontend captures it (:func:`dpcompile.capture.capture_model`): the model
     itself where fx traces it (the recipe traces it, with its variants), else the exported
@@ -96,13 +100,14 @@ def _apply_frontend(
         return model, positional_examples(model, example_inputs, example_kwargs), batch_dim
     gm, info = capture_model(
         model, frontend=frontend, example_inputs=example_inputs, example_kwargs=example_kwargs,
-        leaf_modules=leaf_modules, batch_dim=batch_dim,
+        leaf_modules=leaf_modules, batch_dim=batch_dim, dynamic_dims=dynamic_dims,
     )  # fmt: skip
     if info.frontend == "fx" and (flags_served or not info.flags or frontend == "fx"):
         return model, info.example_inputs, batch_dim
     if info.frontend == "fx":  # fx needs flags fixed, which only data parallel re-checks per call
         gm, info = capture_model(
-            model, frontend="export", example_inputs=example_inputs, example_kwargs=example_kwargs, batch_dim=batch_dim
+            model, frontend="export", example_inputs=example_inputs, example_kwargs=example_kwargs, batch_dim=batch_dim,
+            dynamic_dims=dynamic_dims,
         )
     return gm, info.example_inputs, batch_dim if batch_dim is not None or not info.batch_dim else info.batch_dim
 

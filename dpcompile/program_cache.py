@@ -56,6 +56,9 @@ _GLOBAL_HOOK_DICTS = tuple(
 )  # fmt: skip
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _BACKWARD_HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks")
+# containers forward indexes but never calls (``for layer in self.layers``): their modules are
+# entered at every depth (``encoder.layer.3.attention``), though tracing takes the list for a leaf
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def frozen(value: Any, depth: int = 0) -> Any:
@@ -226,7 +229,7 @@ class ModelGuard:
             yield path, module
             for name, child in reversed(module._modules.items()):
                 child_path = f"{path}.{name}" if path else name
-                if child is not None and not self.is_leaf(child, child_path):
+                if child is not None and (type(child) in _CONTAINERS or not self.is_leaf(child, child_path)):
                     stack.append((child_path, child))
 
     def _refresh(self) -> None:
@@ -250,7 +253,13 @@ class ModelGuard:
         ]
         self._modes = Modes((path, m.training) for path, m in self.entered)
         # what the program is specialised on, as a small token: equal fingerprints, equal tokens
-        self._fingerprint = self._tokens.setdefault(self._compute_fingerprint(), len(self._tokens))
+        self.description = self._compute_fingerprint()
+        self._fingerprint = self._tokens.setdefault(self.description, len(self._tokens))
+
+    def watched_modules(self) -> list[tuple[str, nn.Module]]:
+        """The modules entered, then their leaf children, by path."""
+        self._current()
+        return [*self.entered, *self._leaf_children]
 
     def _read_versions(self) -> tuple[int, ...] | None:
         return None if dict_version is None else tuple(map(dict_version, self._dicts))
@@ -258,7 +267,7 @@ class ModelGuard:
     def _attributes(self, module: nn.Module, names: frozenset[str]) -> tuple:
         out = []
         for name, value in module.__dict__.items():
-            if name in names:
+            if name in names and not (type(value) is dict and not value):  # an empty dict: a cache (timm's attention biases)
                 description = frozen(value)
                 if description is not _UNWATCHED:
                     out.append((name, description))
@@ -315,6 +324,36 @@ class ModelGuard:
         """Whether the model itself has forward or backward hooks (tracing forward never runs them)."""
         m = self.model
         return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def describe_changes(before: tuple, now: tuple) -> list[str]:
+    """What departs between two :attr:`ModelGuard.description` s, in words, one change per path."""
+    changes: dict[str, str] = {}
+    if before[0] != now[0]:
+        changes[""] = "a global module hook (torch.nn.modules.module.register_module_*_hook)"
+    old = {entry[0]: entry for entry in before[1:-1]}
+    new = {entry[0]: entry for entry in now[1:-1]}
+    for path in sorted(old.keys() | new.keys()):
+        where = repr(path) if path else "the model"
+        if path not in new or path not in old:
+            changes.setdefault(path, f"submodule {where} {'removed' if path not in new else 'added'}")
+        elif old[path][1] is not new[path][1]:
+            changes.setdefault(path, f"submodule {where} replaced ({old[path][1].__name__} -> {new[path][1].__name__})")
+        else:
+            _, _, hooks, children, tensors = old[path]
+            if hooks != new[path][2]:
+                changes.setdefault(path, f"a forward or backward hook added to or removed from {where}")
+            for label, seen, now_seen in (("submodule", children, new[path][3]), ("parameter or buffer", tensors, new[path][4])):
+                for name in sorted({n for n, _ in set(seen) ^ set(now_seen)}):
+                    full = f"{path}.{name}" if path else name
+                    changes.setdefault(full, f"{label} {full!r} replaced, added or removed")
+    attrs_before = {(p, n): v for p, pairs in before[-1] for n, v in pairs}
+    attrs_now = {(p, n): v for p, pairs in now[-1] for n, v in pairs}
+    for p, n in sorted(attrs_before.keys() | attrs_now.keys()):
+        if attrs_before.get((p, n)) != attrs_now.get((p, n)):
+            full = f"{p}.{n}" if p else n
+            changes.setdefault(full, f"attribute {full!r} (forward reads it) changed")
+    return list(changes.values())
 
 
 class ProgramCache:

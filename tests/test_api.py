@@ -51,23 +51,17 @@ def test_transform_refuses_a_tensor_default_saying_how():
         dpcompile.transform(TensorDefault(), ["cpu"] * 2)
 
 
-def test_transform_refuses_varargs_with_a_route_that_works():
-    """forward(self, *xs): the error's route (a module naming the arguments) transforms and matches."""
-    model = Varargs()
-    with pytest.raises(dpcompile.TraceError, match=r"forward\(self, \*xs\).*wrap the model in a module"):
-        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(torch.randn(6, 4), torch.randn(6, 4)))
-
-    class Named(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, a, b):
-            return self.model(a, b)
-
-    a, b = torch.randn(6, 4), torch.randn(6, 4)
-    pm = dpcompile.transform(Named(), ["cpu"] * 2)
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["data_parallel", "tensor_parallel"])
+def test_transform_runs_a_varargs_forward_each_value_split(tensor_parallel):
+    """forward(self, *xs), as nn.DataParallel runs it: one argument per example value (xs_0, xs_1),
+    each split on its batch; a call with another count is refused by Python's binding, not run short."""
+    model, a, b = Varargs(), torch.randn(6, 4), torch.randn(6, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel, example_inputs=(a, b))
     torch.testing.assert_close(pm(a, b), model(a, b))
+    if not tensor_parallel:
+        assert pm.input_dims == {"xs_0": 0, "xs_1": 0}
+    with pytest.raises(TypeError, match="positional arguments"):
+        pm(a, b, a)
 
 
 def test_transform_runs_a_forward_with_keyword_arguments():

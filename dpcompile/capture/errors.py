@@ -78,7 +78,7 @@ def _describe(exc: BaseException) -> str:
     if "symbolically traced variables cannot be used as inputs to control flow" in text:
         return "branches on a tensor value (control flow that depends on data)"
     if "iterate" in text and "Proxy" in text:
-        return "iterates over a traced value"
+        return "iterates over a traced value (for `*inputs`: index it, inputs[0], or name the arguments)"
     return f"{type(exc).__name__}: {text}"
 
 
@@ -129,8 +129,7 @@ def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
 
 def check_signature(model: nn.Module) -> None:
     """Refuse, before any tracing, a ``forward`` no frontend can give a program's arguments:
-    ``forward(self, *xs)`` (a variable number of tensors) and a default value generated code
-    cannot spell (a tensor, an instance of the user's class, a function), each with the way out."""
+    a default value generated code cannot spell (a tensor, an instance of the user's class, a function), each with the way out."""
     import inspect
 
     forward = inspect.unwrap(type(model).forward)
@@ -140,12 +139,6 @@ def check_signature(model: nn.Module) -> None:
         return
     where = f"{type(model).__name__}.forward"
     for p in parameters:
-        if p.kind is p.VAR_POSITIONAL:
-            raise TraceError(
-                f"{where}(self, *{p.name}) takes a variable number of arguments, which a program cannot name; "
-                f"wrap the model in a module whose forward names them, e.g. "
-                f"`class Named(nn.Module): forward(self, a, b): return model(a, b)`, and transform that"
-            )
         if p.default is p.empty:
             continue
         if any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(p.default)):

@@ -36,6 +36,7 @@ from torch import nn
 
 from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
+from dpcompile.capture.state import python_state_kept
 from dpcompile.errors import ExampleError, TraceError
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
 from dpcompile.runtime.exported import expect_value
@@ -64,17 +65,34 @@ def _batch_dim_of(model: nn.Module) -> int:
     return 1 if firsts and not any(firsts) else 0
 
 
-def _dynamic_spec(value: Any, batch_dim: int) -> Any:
+def _dynamic_spec(value: Any, batch_dim: int, varying: Sequence[int] = ()) -> Any:
+    """The batch dim and the ``varying`` dims (those ``dynamic_dims=`` names) of ``value`` dynamic."""
     from torch.export import Dim
 
     if isinstance(value, torch.Tensor):
         dim = batch_dim if value.dim() > batch_dim else 0
-        return {dim: Dim.AUTO} if value.dim() > 0 else None
+        dims = {dim, *(d for d in varying if d < value.dim())}
+        return {d: Dim.AUTO for d in sorted(dims)} if value.dim() > 0 else None
     if isinstance(value, (list, tuple)):
-        return type(value)(_dynamic_spec(v, batch_dim) for v in value)
+        return type(value)(_dynamic_spec(v, batch_dim, varying) for v in value)
     if isinstance(value, dict):
-        return {k: _dynamic_spec(v, batch_dim) for k, v in value.items()}
+        return {k: _dynamic_spec(v, batch_dim, varying) for k, v in value.items()}
     return None
+
+
+def varying_dims(dynamic_dims: Any, name: str) -> tuple[int, ...]:
+    """The dims of argument ``name`` that ``dynamic_dims=`` says vary between calls: a mapping
+    ``{argument: dims}``, or dims for every tensor argument that has them."""
+    if dynamic_dims is None:
+        return ()
+    if isinstance(dynamic_dims, Mapping):
+        dims = dynamic_dims.get(name, ())
+    else:
+        dims = dynamic_dims
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ValueError(f"dynamic_dims= takes non-negative dims (ints), got {dynamic_dims!r}")
+    return dims
 
 
 def capture_export(
@@ -83,6 +101,7 @@ def capture_export(
     example_kwargs: Mapping[str, Any] | None,
     *,
     batch_dim: int | None = None,
+    dynamic_dims: Any = None,
 ) -> Exported:
     """Export ``model`` on the examples and make the graph a program the passes understand."""
     import time
@@ -103,10 +122,12 @@ def capture_export(
                 f"{type(value).__name__} of tensors: pass its tensors as separate arguments"
             )
     dim = _batch_dim_of(model) if batch_dim is None else batch_dim
-    spec = {name: _dynamic_spec(value, dim) for name, value in names.items()}
+    if isinstance(dynamic_dims, Mapping) and (unknown := set(dynamic_dims) - set(names)):
+        raise ValueError(f"dynamic_dims= names {sorted(unknown)}, which the examples do not give (they give {list(names)})")
+    spec = {name: _dynamic_spec(value, dim, varying_dims(dynamic_dims, name)) for name, value in names.items()}
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings(), quiet_fake_tensor_log():
+        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model):
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
@@ -256,7 +277,14 @@ def _program(
         if node.op == "call_function" and node.target in _DROPPED:
             continue
         if node.op == "get_attr":
-            roots[node.target] = _resolve(model, unlifted, node.target)
+            value = _resolve(model, unlifted, node.target)
+            if not _owned_by(model, node.target):  # a constant export lifted (`torch.tensor(...)` in forward)
+                flat = _constant_name(model, roots, node.target)
+                roots[flat] = value
+                remap[node] = graph.get_attr(flat)
+                remap[node].meta.update(node.meta)
+                continue
+            roots[node.target] = value
         if node.op == "output":
             graph.output(_rebuild_output(graph, unlifted, [remap.get(a, a) if isinstance(a, fx.Node) else a for a in node.args[0]]))
             continue
@@ -300,6 +328,25 @@ def _resolve(model: nn.Module, unlifted: fx.GraphModule, target: str) -> Any:
         for atom in target.split("."):
             obj = getattr(obj, atom)
         return obj
+
+
+def _owned_by(model: nn.Module, target: str) -> bool:
+    obj: Any = model
+    for atom in target.split("."):
+        if not hasattr(obj, atom):
+            return False
+        obj = getattr(obj, atom)
+    return True
+
+
+def _constant_name(model: nn.Module, roots: Mapping[str, Any], target: str) -> str:
+    """A root attribute for a constant export lifted inside a submodule (``encoder.lifted_tensor_0``):
+    the model's own ``encoder`` is held in its place, which has no such attribute."""
+    name, n = target.replace(".", "_"), 0
+    while hasattr(model, name) or name in roots:
+        n += 1
+        name = f"{target.replace('.', '_')}_{n}"
+    return name
 
 
 def _rebuild_output(graph: fx.Graph, unlifted: fx.GraphModule, leaves: list[Any]) -> Any:
@@ -349,7 +396,7 @@ def _export_in_other_mode(
     modes = {m: m.training for m in model.modules()}
     try:
         model.train(not model.training)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), python_state_kept(model):
             warnings.simplefilter("ignore")
             other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
         other_gm, _ = _program(model, other, names, dim, injected)

@@ -11,12 +11,14 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.capture.fx import bind_examples, capture_fx, forward_parameters
+from dpcompile.capture.inputs import ExportedFrom, called_modules, input_specs
 from dpcompile.errors import TraceError
 
 log = logging.getLogger("dpcompile")
 
 FRONTENDS = ("auto", "fx", "export")
 # gm.meta key of an exported program: the model it was captured from (its changes are watched)
+# and what the program fixed (an ExportedFrom)
 EXPORTED_FROM = "dpcompile_exported_from"
 
 
@@ -74,11 +76,13 @@ def capture_model(
     example_kwargs: Mapping[str, Any] | None = None,
     leaf_modules: Iterable[type[nn.Module]] = (),
     batch_dim: int | None = None,
+    dynamic_dims: Any = None,
 ) -> tuple[fx.GraphModule, CaptureInfo]:
     """Capture ``model`` with the chosen frontend.
 
     ``"fx"``: ``torch.fx`` tracing (optional arguments and flags specialised where needed);
-    ``"export"``: ``torch.export`` on the examples, the batch dim dynamic; ``"auto"``: fx, and
+    ``"export"``: ``torch.export`` on the examples, the batch dim dynamic (and ``dynamic_dims=``:
+    ``{argument: [dims]}``, or dims of every tensor argument); ``"auto"``: fx, and
     export where fx fails and examples are given.
 
     >>> gm, info = capture_model(model, frontend="auto", example_kwargs={"input_ids": ids})  # doctest: +SKIP
@@ -102,7 +106,7 @@ def capture_model(
     from dpcompile.capture.export import capture_export
 
     try:
-        exported = capture_export(model, example_inputs, example_kwargs, batch_dim=batch_dim)
+        exported = capture_export(model, example_inputs, example_kwargs, batch_dim=batch_dim, dynamic_dims=dynamic_dims)
     except TraceError as error:
         route = working_part(model, leaf_modules)
         message = str(error)
@@ -120,7 +124,7 @@ def capture_model(
         None if fx_error is None else str(fx_error),
         exported.export_seconds,
     )
-    exported.gm.meta[EXPORTED_FROM] = model
+    exported.gm.meta[EXPORTED_FROM] = ExportedFrom(model, input_specs(exported.gm), called_modules(exported.gm))
     return exported.gm, info
 
 

@@ -25,6 +25,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
+from dpcompile.capture.state import python_state_kept
 from dpcompile.errors import TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
@@ -62,6 +63,21 @@ class DpTracer(fx.Tracer):
             raise ShapeBranch(kind)
         return super().to_bool(obj)
 
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        """``forward(self, *inputs)`` traced as the examples call it: one placeholder per value
+        (``inputs_0``, ``inputs_1``), each split like any argument, and ``inputs`` a tuple
+        forward can iterate; a call with another count is refused by Python's own binding."""
+        root_fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        count = getattr(self, "varargs_count", None)
+        for i, arg in enumerate(args):
+            target = str(arg.node.target) if isinstance(arg, fx.Proxy) and arg.node.op == "placeholder" else ""
+            if count is not None and target.startswith("*") and not target.startswith("**"):
+                with self.graph.inserting_before(arg.node):
+                    values = tuple(self.create_proxy("placeholder", f"{target[1:]}_{j}", (), {}) for j in range(count))
+                self.graph.erase_node(arg.node)
+                args[i] = values
+        return root_fn, args
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, nn.RNNBase) or (self.leaf_module_types and isinstance(m, self.leaf_module_types)):
             return True
@@ -85,7 +101,7 @@ class DpTracer(fx.Tracer):
         modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:
-            with torch.enable_grad():  # forward's own switches are then relative to a call with gradients
+            with torch.enable_grad(), python_state_kept(root):  # switches relative to a call with gradients
                 graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
@@ -325,6 +341,7 @@ def capture(
         if not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
             raise ValueError(f"leaf_modules must hold nn.Module subclasses, got {leaf!r}")
     tracer = DpTracer(leaf_modules)
+    tracer.varargs_count = model.__dict__.get(VARARGS_COUNT)
     if tracer.is_leaf_module(model, "") and not _traces_cleanly(model):
         return _call_leaf_root(model)
     concrete = {**dict.fromkeys(none_args), **(flags or {})}
@@ -437,6 +454,7 @@ def capture_fx(
     leaf_modules = tuple(leaf_modules)
     if isinstance(model, fx.GraphModule):
         return capture(model, leaf_modules=leaf_modules), {}
+    _remember_varargs_count(model, example_inputs)
     nones = optional_arguments(model, example_inputs, example_kwargs)
     flags = flag_arguments(model, example_inputs, example_kwargs)
     try:
@@ -457,6 +475,19 @@ def capture_fx(
         if _traces_with(model, leaf_modules, nones, flags):
             return gm, flags
     return gm, {}
+
+
+#: the instance attribute holding how many values ``forward(self, *inputs)`` was given by the
+#: examples (a copy of the model, which tensor parallel traces, carries it)
+VARARGS_COUNT = "_dpcompile_varargs_count"
+
+
+def _remember_varargs_count(model: nn.Module, example_inputs: Sequence[Any] | None) -> None:
+    params = forward_parameters(model)
+    if example_inputs is None or not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    model.__dict__[VARARGS_COUNT] = max(len(example_inputs) - len(named), 0)
 
 
 def _traces_with(model: nn.Module, leaf_modules: tuple, nones: frozenset[str], flags: dict[str, Any]) -> bool:

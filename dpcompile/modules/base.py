@@ -41,8 +41,8 @@ from dpcompile.fx_utils import (
     unalias,
 )
 from dpcompile.modules.carried import CarriedPrograms
+from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
-    ExportedModelCheck,
     backward_hooks_error,
     call_with_hooks,
     check_unchanged_since_transform,
@@ -124,8 +124,7 @@ class ParallelModule(fx.GraphModule):
         if source is not None and type(source).forward is nn.Module.forward:
             source = None
         self._attach_cache(source, dict(flags or {}), none_args, shares_source)
-        is_leaf = DpTracer(getattr(recipe, "leaf_modules", ())).is_leaf_module
-        watch = None if exported_from is None else ExportedModelCheck(exported_from, is_leaf)
+        watch = None if exported_from is None else ExportedModelCheck(exported_from)
         object.__setattr__(self, "_exported_check", watch)
 
     def _attach_cache(
@@ -311,24 +310,14 @@ class ParallelModule(fx.GraphModule):
         """
         if not torch.compiler.is_compiling():
             return self._find_program(args, kwargs)
-        if self._traced_for(args, kwargs):
-            return self  # torch.compile guards on the flags _traced_for read
+        # torch.compile(pm): the lookup runs eagerly at each call (a graph break), and the code after
+        # it is guarded on the program it returns, so a change to the model is followed, never stale
         return self._lookup(args, kwargs)
-
-    def _traced_for(self, args: tuple, kwargs: dict) -> bool:
-        """Whether the main program serves this call, read as plain attributes (what torch.compile
-        traces through and guards on, where the cache's dict-version checks would break the graph)."""
-        main = self.program_cache.main_key
-        modes = self._guard.entered_modes()
-        return (
-            not self.call_signature.optional and not self.call_signature.flags
-            and modes == tuple(main.modes) and self._devices_for(args, kwargs) == main.devices
-        )  # fmt: skip
 
     def _find_program(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         key = self.call_key(*args, **kwargs)
         if self.__dict__.get("_exported_check") is not None:
-            self._exported_check.check()
+            self._exported_check.check(args, kwargs)
         if self._shares_source and self._guard.backward_hooked:
             raise backward_hooks_error(self.traced_model, self._guard.backward_hooked)
         if not self._shares_source and self.traced_model is not None:
@@ -354,19 +343,21 @@ class ParallelModule(fx.GraphModule):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled = self.__dict__.get("_compiled_call_impl")  # set by pm.compile()
-        if compiled is not None or torch.compiler.is_compiling():
-            return self._call_program(*args, **kwargs) if compiled is None else compiled(*args, **kwargs)
-        return self.run_program(self._find_program(args, kwargs), args, kwargs)  # program_for_call, inlined
+        if torch.compiler.is_compiling():
+            return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)
+        program = self._find_program(args, kwargs)  # program_for_call, inlined
+        return self.run_program(program, args, kwargs) if compiled is None else compiled(program, *args, **kwargs)
 
-    def _call_program(self, *args: Any, **kwargs: Any) -> Any:
-        return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)
+    def _run_compiled(self, program: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        """What pm.compile() compiles: ``program`` is an argument, so its guards follow the lookup's answer."""
+        return self.run_program(program, args, kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """``torch.compile`` pm's calls in place (``pm.compile(); pm(x)``); inductor options default to COMPILE_OPTIONS."""
         if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
             cpu = all(getattr(d, "type", None) == "cpu" for d in self.devices)
             kwargs["options"] = {**COMPILE_OPTIONS, **(CPU_COMPILE_OPTIONS if cpu else {}), **(kwargs.get("options") or {})}
-        self._compiled_call_impl = torch.compile(self._call_program, *args, **kwargs)
+        self._compiled_call_impl = torch.compile(self._run_compiled, *args, **kwargs)
 
     def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
         """Run ``program`` (from :meth:`program_for_call`) as the model would run: the model's
@@ -423,8 +414,10 @@ class ParallelModule(fx.GraphModule):
         return self._reduce(carry_programs=True)
 
     def model_changed_since_transform(self) -> bool:
-        """Whether the model's hooks, submodules, parameters or attributes forward reads departed
-        from those the main program (``pm.graph``) was traced with."""
+        """Whether the model's hooks, submodules, parameters or attributes forward reads (or, for an
+        exported program, dtypes) departed from those the main program (``pm.graph``) was traced with."""
+        if (exported := self.__dict__.get("_exported_check")) is not None and exported.changed():
+            return True
         return self._shares_source and self._guard.fingerprint() != self.program_cache.main_key.guard
 
     def _reduce(self, *, carry_programs: bool):

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
 
 def _uses_batch_statistics(bn: nn.modules.batchnorm._BatchNorm) -> bool:
     return bn.training or bn.running_mean is None or bn.running_var is None
@@ -36,6 +38,9 @@ def batch_norm(bn: nn.modules.batchnorm._BatchNorm, chunks: Sequence[torch.Tenso
             for x in chunks
         )
     home = chunks[0].device
+    dtype = chunks[0].dtype
+    if dtype in _LOW_PRECISION:  # statistics accumulate in float32, as cuDNN's and ATen's kernels do
+        chunks = [x.float() for x in chunks]
     dims = [d for d in range(chunks[0].dim()) if d != 1]
     count = sum(x.numel() // x.size(1) for x in chunks)
     if count <= 1:
@@ -49,10 +54,10 @@ def batch_norm(bn: nn.modules.batchnorm._BatchNorm, chunks: Sequence[torch.Tenso
         shape = _channel_shape(x)
         y = (x - m.view(shape)) * invstd.to(x.device).view(shape)
         if bn.weight is not None:
-            y = y * bn.weight.to(x.device).view(shape)
+            y = y * bn.weight.to(x.device, y.dtype).view(shape)
         if bn.bias is not None:
-            y = y + bn.bias.to(x.device).view(shape)
-        outputs.append(y)
+            y = y + bn.bias.to(x.device, y.dtype).view(shape)
+        outputs.append(y.to(dtype))
     if bn.training and bn.track_running_stats:
         _update_running_stats(bn, mean.detach(), var.detach(), count)
     return tuple(outputs)

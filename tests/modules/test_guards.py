@@ -467,3 +467,59 @@ def test_guard_export_frontend_eval_reaches_the_model():
     pm.eval()
     assert not model.training
     _same(pm, model, x)
+
+
+class Layered(nn.Module):
+    """Blocks in a ModuleList (``encoder.layer.N``): forward indexes the list, never calls it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Residual(), Residual()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.layers[1].block.register_forward_hook(lambda mod, args, out: out * 3),
+        lambda m: setattr(m.layers[1], "use_residual", False),
+        lambda m: m.layers[0].register_forward_pre_hook(lambda mod, args: (args[0] * 2,)),
+    ],
+    ids=["nested_container_hook", "nested_attribute", "block_pre_hook"],
+)
+def test_guard_changes_inside_a_module_list_are_followed(change):
+    """A hook or an attribute forward reads, two levels inside a ModuleList, changes pm's output as the model's."""
+    torch.manual_seed(0)
+    model = Layered()
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(6, 8)
+    _same(pm, model, x)
+    change(model)
+    _same(pm, model, x)
+
+
+@pytest.mark.parametrize("compiled", ["pm.compile", "torch.compile"])
+def test_guard_changes_after_compile_are_followed(compiled):
+    """After pm.compile() or torch.compile(pm): an attribute forward reads, a swapped submodule (at the root
+    and inside a container) and a hook on a container are followed, as without compile."""
+    model, pm, x = _pair()
+    if compiled == "pm.compile":
+        pm.compile(backend="eager")
+        run = pm
+    else:
+        run = torch.compile(pm, backend="eager")
+    _same(run, model, x)
+    model.use_residual = False
+    _same(run, model, x)
+    model.fc2 = nn.Linear(8, 8)
+    _same(run, model, x)
+    model.block[0] = nn.Linear(8, 8)
+    _same(run, model, x)
+    handle = model.block.register_forward_hook(lambda module, args, out: out * 3)
+    _same(run, model, x)
+    handle.remove()
+    _same(run, model, x)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,9 +19,11 @@ from torch import nn
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import ExampleError
+from dpcompile.fake import has_meta_tensors
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.recipes import DataParallelRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
+from dpcompile.recipes.meta import compile_meta_model
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -69,13 +72,23 @@ def transform(
     example_tuple = _example_tuple(example_inputs)
     check_examples(model, example_tuple, example_kwargs)
     with _gc_paused():
-        model, examples, frontend_batch_dim = _apply_frontend(
-            model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
-            flags_served=isinstance(recipe, DataParallelRecipe),
-        )  # fmt: skip
-        if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
-            recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
-        return recipe.compile(model, examples)
+        if has_meta_tensors(model):  # built on meta: capture and plan on fake tensors, allocate per device
+            compile_one = functools.partial(_compile, recipe, frontend=frontend, batch_dim=batch_dim)
+            return compile_meta_model(recipe, model, example_tuple, example_kwargs, compile_one)
+        return _compile(recipe, model, example_tuple, example_kwargs, frontend=frontend, batch_dim=batch_dim)
+
+
+def _compile(
+    recipe: Recipe, model: nn.Module, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, *,
+    frontend: str, batch_dim: int | None,
+) -> ParallelModule:  # fmt: skip
+    model, examples, frontend_batch_dim = _apply_frontend(
+        model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
+        flags_served=isinstance(recipe, DataParallelRecipe),
+    )  # fmt: skip
+    if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
+        recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
+    return recipe.compile(model, examples)
 
 
 def _apply_frontend(

@@ -71,22 +71,29 @@ def compile_on_fake(
     example_inputs: Sequence[Any] | None,
     example_kwargs: Mapping[str, Any] | None,
     build: Callable[[nn.Module, Sequence[Any] | None, Mapping[str, Any] | None], nn.Module],
+    *,
+    allocate: bool = True,
 ) -> nn.Module:
     """``build(fake model, fake examples, fake kwargs)`` on a fake copy of the meta ``model``
     (on ``device``), then each fake parameter and buffer of the program it returns allocated on
     the device it claims. Values the model did hold (the buffers accelerate's
     ``init_empty_weights(include_buffers=False)`` keeps real) are copied in; the program
-    waits for the rest (:func:`~dpcompile.modules.weights.await_weights`)."""
+    waits for the rest (:func:`~dpcompile.modules.weights.await_weights`). ``allocate=False``
+    keeps the program on fake tensors: the layout of devices this machine lacks (fake CUDA),
+    whose bytes per device can be counted."""
     known = {name: t for name, t in (*model.named_parameters(), *model.named_buffers()) if not t.is_meta}
     unset = meta_buffers(model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = fake_copy(model, mode, device)
-    with on_fake(mode):
+    # autograd on fake CUDA tensors aborts a torch built without CUDA: no gradients for a layout
+    with on_fake(mode), contextlib.nullcontext() if allocate else torch.no_grad():
         args, kwargs = tree_map(
             lambda x: mode.from_tensor(x.detach()).to(device) if isinstance(x, torch.Tensor) else x,
             (example_inputs, dict(example_kwargs or {})),
         )  # fmt: skip
         pm = build(fake, args, kwargs or None)
+    if not allocate:
+        return pm
     materialize(pm)
     write_known_values(pm, known)
     await_weights(pm, model, unset)
@@ -131,7 +138,10 @@ def compile_meta_model(
     on meta: tensor parallel on a fake copy (:func:`compile_on_fake`), data parallel on the
     model given memory on its device (:func:`materialize_replica`)."""
     if isinstance(recipe, TensorParallelRecipe):
-        return compile_on_fake(model, recipe.devices.primary, example_inputs, example_kwargs, compile_one)
+        allocate = recipe.check_available  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
+        return compile_on_fake(
+            model, recipe.devices.primary, example_inputs, example_kwargs, compile_one, allocate=allocate
+        )
     if isinstance(recipe, DataParallelRecipe):
         device = recipe.devices.primary
     elif isinstance(recipe, SpmdRecipe) and recipe.plan is False:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,33 +47,32 @@ def load_checkpoint(pm: ParallelModule, path: str | Path, *, strict: bool = True
     unexpected = [k for k in where if k not in targets and k not in buffers]
     if strict and (missing or unexpected):
         raise CheckpointError(_key_report(path, missing, unexpected, len(targets)))
-    with contextlib.ExitStack() as stack:
-        files: dict[Path, Any] = {}
-
-        def opened(key: str) -> Any:
-            file = where[key]
-            if file not in files:
-                files[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            return files[file]
-
-        present = {k: t for k, t in targets.items() if k in where}
-        _check_shapes(path, present, {k: opened(k).get_slice(k) for k in present})
-        in_checkpoint = {name for name in buffers if name in where}
-        computed = (
-            compute_buffers(pm.__dict__[WEIGHTS_SOURCE], [n for n in buffers if n not in in_checkpoint])
-            if buffers
-            else {}
-        )
-        # everything checked: from here on, write
-        written: set[int] = set()
-        with torch.no_grad():
-            for key, target in present.items():
-                for piece in target.pieces:
-                    if id(piece.tensor) not in written:
-                        piece.tensor.copy_(_read_piece(opened(key).get_slice(key), target, piece))
-                        written.add(id(piece.tensor))
-            for name, buffer in buffers.items():
-                buffer.copy_(opened(name).get_tensor(name) if name in in_checkpoint else computed[name])
+    present = {k: t for k, t in targets.items() if k in where}
+    by_file: dict[Path, list[str]] = {}
+    for key in [*present, *(name for name in buffers if name in where)]:
+        by_file.setdefault(where[key], []).append(key)
+    for file, keys in by_file.items():  # headers only: every shape and dtype before any write
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            _check_shapes(path, {k: present[k] for k in keys if k in present}, {k: f.get_slice(k) for k in keys})
+    in_checkpoint = {name for name in buffers if name in where}
+    to_compute = [n for n in buffers if n not in in_checkpoint]
+    computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
+    # everything checked: from here on, write. One file open at a time: its mapped pages are
+    # the only memory reading adds to the program's own
+    written: set[int] = set()
+    with torch.no_grad():
+        for file, keys in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in keys:
+                    if key in buffers:
+                        buffers[key].copy_(f.get_tensor(key))
+                        continue
+                    for piece in present[key].pieces:
+                        if id(piece.tensor) not in written:
+                            piece.tensor.copy_(_read_piece(f.get_slice(key), present[key], piece))
+                            written.add(id(piece.tensor))
+        for name, value in computed.items():
+            buffers[name].copy_(value)
     if missing:
         log.warning(
             "load_checkpoint(strict=False): %d key(s) not in %s keep their values: %s", len(missing), path, missing[:8]

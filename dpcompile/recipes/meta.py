@@ -33,7 +33,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from dpcompile.errors import DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, has_meta_tensors, materialize
 from dpcompile.fx_utils import unalias
 from dpcompile.mesh import local_device
@@ -146,11 +145,13 @@ def compile_meta_model(
         device = recipe.devices.primary
     elif isinstance(recipe, SpmdRecipe) and recipe.plan is False:
         device = local_device(recipe.mesh)
-    else:
-        raise DpCompileError(
-            "tensor parallelism over a mesh does not take a model on the meta device yet; build it on "
-            "'cpu' or use a device list (dpcompile.transform(model, ['cuda:0', 'cuda:1'], tensor_parallel=True))"
-        )
+    else:  # tensor parallel over a mesh: this rank's shards
+        pm = compile_on_fake(model, local_device(recipe.mesh), example_inputs, example_kwargs, compile_one)
+        if pm.dp_dim is not None:  # 2-D: DDP over the dp groups, now that the shards have memory
+            pm.attach_mesh(
+                mesh=recipe.mesh, dp_dim=pm.dp_dim, tp_dim=pm.tp_dim, shards=pm.shards, ddp_options=recipe.ddp_options
+            )
+        return pm
     unset = materialize_replica(model, device)
     return mark_replica_awaiting(compile_one(model, example_inputs, example_kwargs), model, unset)
 

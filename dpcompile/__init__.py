@@ -7,6 +7,7 @@
 
 from dpcompile.analysis.batch_rules.user import register_batch_rule
 from dpcompile.api import transform
+from dpcompile.checkpoint import load_checkpoint, save_checkpoint
 from dpcompile.errors import DpCompileError, TraceError
 from dpcompile.export import export, load
 from dpcompile.inspect import Report, diff, draw, explain
@@ -28,8 +29,10 @@ __all__ = [
     "explain",
     "export",
     "load",
+    "load_checkpoint",
     "local_batch",
     "register_batch_rule",
+    "save_checkpoint",
     "transform",
     "verify",
     "__version__",

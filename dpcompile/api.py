@@ -1,13 +1,14 @@
 """``transform``: validate the arguments once into a :class:`~dpcompile.recipes.Recipe`, compile.
 
-    recipe = make_recipe(model, devices, ...)    # devices parsed, options checked: once
-    pm = recipe.compile(model, example_inputs)   # capture → passes → ParallelModule
+recipe = make_recipe(model, devices, ...)    # devices parsed, options checked: once
+pm = recipe.compile(model, example_inputs)   # capture → passes → ParallelModule
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,9 +19,11 @@ from torch import nn
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import ExampleError
+from dpcompile.fake import has_meta_tensors
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.recipes import DataParallelRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
+from dpcompile.recipes.meta import compile_meta_model
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -72,13 +75,33 @@ def transform(
     example_tuple = _example_tuple(example_inputs)
     check_examples(model, example_tuple, example_kwargs)
     with _gc_paused():
-        model, examples, frontend_batch_dim = _apply_frontend(
-            model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
-            flags_served=isinstance(recipe, DataParallelRecipe), dynamic_dims=dynamic_dims,
-        )  # fmt: skip
-        if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
-            recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
-        return recipe.compile(model, examples)
+        if has_meta_tensors(model):  # built on meta: capture and plan on fake tensors, allocate per device
+            compile_one = functools.partial(
+                _compile, recipe, frontend=frontend, batch_dim=batch_dim, dynamic_dims=dynamic_dims
+            )
+            return compile_meta_model(recipe, model, example_tuple, example_kwargs, compile_one)
+        return _compile(
+            recipe,
+            model,
+            example_tuple,
+            example_kwargs,
+            frontend=frontend,
+            batch_dim=batch_dim,
+            dynamic_dims=dynamic_dims,
+        )
+
+
+def _compile(
+    recipe: Recipe, model: nn.Module, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, *,
+    frontend: str, batch_dim: int | None, dynamic_dims: Any = None,
+) -> ParallelModule:  # fmt: skip
+    model, examples, frontend_batch_dim = _apply_frontend(
+        model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
+        flags_served=isinstance(recipe, DataParallelRecipe), dynamic_dims=dynamic_dims,
+    )  # fmt: skip
+    if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
+        recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
+    return recipe.compile(model, examples)
 
 
 def _apply_frontend(
@@ -106,7 +129,11 @@ def _apply_frontend(
         return model, info.example_inputs, batch_dim
     if info.frontend == "fx":  # fx needs flags fixed, which only data parallel re-checks per call
         gm, info = capture_model(
-            model, frontend="export", example_inputs=example_inputs, example_kwargs=example_kwargs, batch_dim=batch_dim,
+            model,
+            frontend="export",
+            example_inputs=example_inputs,
+            example_kwargs=example_kwargs,
+            batch_dim=batch_dim,
             dynamic_dims=dynamic_dims,
         )
     return gm, info.example_inputs, batch_dim if batch_dim is not None or not info.batch_dim else info.batch_dim
@@ -158,7 +185,9 @@ def _check_plan_argument(tensor_parallel: object) -> bool | dict[str, str]:
                     "model.named_modules() spells them, e.g. {'fc1': 'column', 'layers.0.fc2': 'row'}"
                 )
         return dict(tensor_parallel)  # paths and styles are checked against the model (planning)
-    raise ValueError(f"tensor_parallel={tensor_parallel!r}: expected False, True (automatic plan) or a dict {{path: style}}")
+    raise ValueError(
+        f"tensor_parallel={tensor_parallel!r}: expected False, True (automatic plan) or a dict {{path: style}}"
+    )
 
 
 def _check_batch_dim(batch_dim: object) -> int | None:

@@ -25,7 +25,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from dpcompile.devices import Devices, parse_devices
 from dpcompile.runtime.structures import is_fake
 
-__all__ = ["FakeCudaOnCpuTorch", "fake_copy", "fake_copy_to_trace", "fake_devices", "is_fake"]
+__all__ = [
+    "FakeCudaOnCpuTorch", "fake_copy", "fake_copy_to_trace", "fake_devices", "has_meta_tensors", "is_fake",
+    "is_placeholder", "materialize",
+]  # fmt: skip
 
 log = logging.getLogger("dpcompile")
 
@@ -106,3 +109,76 @@ def fake_copy_to_trace(model: nn.Module, device: torch.device) -> nn.Module | No
     except Exception as e:  # noqa: BLE001 - variants are a refinement; the main program stands
         log.debug("no fake copy of the model for variants (%s)", e)
         return None
+
+
+# ------------------------------------------------------------------------ meta models
+def has_meta_tensors(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the ``meta`` device (built under
+    ``torch.device("meta")`` or accelerate's ``init_empty_weights``): it has shapes, no data."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    """A tensor with no data behind it: on ``meta``, or fake (:func:`is_fake` says both)."""
+    return is_fake(t)
+
+
+def materialize(
+    root: nn.Module,
+    device: Any = None,
+    *,
+    names: Any = None,
+    memo: dict[int, torch.Tensor] | None = None,
+) -> list[str]:
+    """Give every meta or fake parameter and buffer of ``root`` real, uninitialised memory.
+
+    Each becomes ``torch.empty`` of its shape and dtype on ``device`` (default: the device a fake
+    tensor claims; a meta tensor needs ``device``), as ``nn.Module.to_empty`` does, but ties
+    stay ties (one tensor shared by two modules stays one) and ``names`` (state-dict style,
+    ``"layers.0.fc1.weight"``) limits it to those: a pipeline stage materialises only its
+    own modules. ``memo`` (``{id(placeholder): tensor}``) carries ties across calls. Returns
+    the names materialised; their values are garbage until loaded.
+
+    >>> with torch.device("meta"):
+    ...     lin = nn.Linear(4, 2)
+    >>> materialize(lin, "cpu")
+    ['weight', 'bias']
+    >>> lin.weight.device
+    device(type='cpu')
+    """
+    wanted = None if names is None else set(names)
+    memo = {} if memo is None else memo
+    done: list[str] = []
+    for path, module in root.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        for slots in (module._parameters, module._buffers):
+            for name, t in list(slots.items()):
+                if t is None or (wanted is not None and prefix + name not in wanted):
+                    continue
+                if id(t) not in memo and not is_placeholder(t):
+                    continue
+                if id(t) not in memo:
+                    memo[id(t)] = _empty_like(t, device, prefix + name)
+                slots[name] = memo[id(t)]
+                done.append(prefix + name)
+        if isinstance(module, nn.RNNBase):
+            module._init_flat_weights()
+    return list(dict.fromkeys(done))
+
+
+def _empty_like(t: torch.Tensor, device: Any, name: str) -> torch.Tensor:
+    """``t`` with real memory on ``device``: the same Python object where it can be swapped in
+    place (a meta tensor: optimizers, fx copies and ties that hold it see the new memory),
+    else a new tensor (a fake one, which its mode references)."""
+    target = torch.device(device) if device is not None else t.device
+    if target.type == "meta":
+        raise ValueError(f"'{name}' is on meta: materialize(..., device=) needs a device")
+    empty = torch.empty(t.shape, dtype=t.dtype, device=target)
+    new = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    if type(t) in (torch.Tensor, nn.Parameter) and t.is_meta:  # not a FakeTensor
+        try:
+            torch.utils.swap_tensors(t, new)
+            return t
+        except RuntimeError:  # weak references to it: a new tensor instead
+            pass
+    return new

@@ -1,6 +1,6 @@
 """The import layers of dpcompile: imports only point down, no cycles, no private names across files.
 
-    tools      dpcompile (the package), cli, demo, export, verify, inspect
+    tools      dpcompile (the package), cli, demo, export, verify, inspect, checkpoint
     api        api
     recipes    recipes, planning
     modules    modules                      } modules and passes never import each other
@@ -41,7 +41,7 @@ def layer_of(module: str) -> str:
         "modules": "modules",
         "recipes": "recipes", "planning": "recipes",
         "api": "api",
-        "cli": "tools", "demo": "tools", "export": "tools", "verify": "tools", "inspect": "tools",
+        "cli": "tools", "demo": "tools", "checkpoint": "tools", "export": "tools", "verify": "tools", "inspect": "tools",
     }[second]  # fmt: skip
 
 

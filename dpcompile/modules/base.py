@@ -50,6 +50,7 @@ from dpcompile.modules.hooks import (
     load_pre_hooks,
     state_dict_with_hooks,
 )
+from dpcompile.modules.weights import NEEDS_WEIGHTS, needs_weights, weights_not_loaded
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
 
@@ -83,6 +84,7 @@ class ParallelModule(fx.GraphModule):
         "_guard", "_hooks_traced", "_exported_check", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
         "state_aliases",
     })  # fmt: skip
+    needs_weights = property(needs_weights, doc="True for a program built on meta until dpcompile.load_checkpoint fills it")
 
     def __init__(
         self,
@@ -299,7 +301,7 @@ class ParallelModule(fx.GraphModule):
         if signature.optional or signature.flags:
             nones, flags = signature.departures(args, kwargs)
         else:
-            nones, flags = _NO_NONES, ()
+            nones, flags = frozenset(), ()
         return self._key(self._devices_for(args, kwargs), nones, flags)
 
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
@@ -342,6 +344,8 @@ class ParallelModule(fx.GraphModule):
         return code
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get(NEEDS_WEIGHTS):
+            raise weights_not_loaded(self)
         compiled = self.__dict__.get("_compiled_call_impl")  # set by pm.compile()
         if torch.compiler.is_compiling():
             return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)
@@ -524,7 +528,6 @@ class ParallelModule(fx.GraphModule):
         """The counterpart of :meth:`_extra_state_for_pickle`."""
 
 
-_NO_NONES: frozenset[str] = frozenset()
 #: inductor options of ``pm.compile()``: no per-call size/stride asserts on the inputs (the parameters),
 #: which dynamo's guards check; on CPU also a C++ wrapper (a longer compile, no Python per kernel call)
 COMPILE_OPTIONS: dict[str, Any] = {"size_asserts": False}

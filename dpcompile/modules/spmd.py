@@ -25,8 +25,9 @@ from torch import nn
 from dpcompile.fx_utils import placeholders, reserve_names, unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.weights import NEEDS_WEIGHTS, weights_not_loaded
 from dpcompile.runtime.distributed import CollectiveError, MeshGroup, all_gather, collective_failure
-from dpcompile.runtime.structures import tensor_leaves
+from dpcompile.runtime.structures import is_fake, tensor_leaves
 from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections, shard_of
 
 log = logging.getLogger("dpcompile")
@@ -83,7 +84,8 @@ class SpmdModule(ParallelModule):
         self.tp_dim = tp_dim
         self.shards = dict(shards or {})
         self.__dict__["_ddp"] = None
-        if dp_dim is not None and any(p.requires_grad for p in self.parameters()):
+        fake = any(is_fake(p) for p in self.parameters())  # a meta model's: DDP is built once they have memory
+        if dp_dim is not None and not fake and any(p.requires_grad for p in self.parameters()):
             self.__dict__["_ddp"] = build_ddp(self, mesh, dp_dim, ddp_options or {})
 
     @property
@@ -91,6 +93,8 @@ class SpmdModule(ParallelModule):
         return self.__dict__.get("_ddp")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get(NEEDS_WEIGHTS):  # before DDP, which calls the program directly
+            raise weights_not_loaded(self)
         if self.check_inputs:
             if self.__dict__.get("tp_dim") is not None:
                 self.check_inputs_agree(args, kwargs)

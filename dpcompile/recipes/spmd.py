@@ -46,7 +46,7 @@ from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
-from dpcompile.fake import fake_copy, fake_copy_to_trace
+from dpcompile.fake import fake_copy, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_mesh, local_device, mesh_size
@@ -55,7 +55,7 @@ from dpcompile.modules.spmd import SpmdModule
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
-from dpcompile.recipes.base import Recipe, capture_with_flags
+from dpcompile.recipes.base import Recipe, capture_with_flags, move_to
 from dpcompile.recipes.tensor_parallel import aliased_plan, unaliased_findings
 from dpcompile.runtime.distributed import collective_failure
 from dpcompile.runtime.tensor_parallel import shard_of
@@ -131,8 +131,10 @@ class SpmdRecipe(Recipe):
         tp_rank = self.mesh.get_local_rank(tp_dim)
         pristine = fake_copy_to_trace(model, device)  # to trace again for calls that depart from this one
         watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: make it loud
-        own = copy.deepcopy(model).to(device)  # pm owns its shards; the user's model is left unchanged
-        broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
+        own = copy.deepcopy(model)  # pm owns its shards; the user's model is left unchanged
+        move_to(own, device)  # skipped where it is there (a fake copy of a meta model: no memory to move)
+        if not any(is_fake(p) for p in own.parameters()):  # fake: a meta model, its values come from load_checkpoint
+            broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
         gm, flags, nones = capture_with_flags(own, self.leaf_modules + linear_like_leaves(), example_inputs)
         if passes.decompose_attention(gm).modified:  # nn.MultiheadAttention written out, so heads can be sharded
             gm.recompile()

@@ -1,0 +1,13 @@
+"""Safetensors checkpoints for programs: ``load_checkpoint`` (each device reads only its slices)
+and ``save_checkpoint`` (tensor by tensor), in the layout transformers writes. See
+``docs/big_models.md``."""
+
+from dpcompile.checkpoint.buffers import BuffersNotComputedError, compute_buffers
+from dpcompile.checkpoint.files import CheckpointError, write_safetensors
+from dpcompile.checkpoint.load import load_checkpoint
+from dpcompile.checkpoint.save import save_checkpoint
+
+__all__ = [
+    "BuffersNotComputedError", "CheckpointError", "compute_buffers", "load_checkpoint", "save_checkpoint",
+    "write_safetensors",
+]  # fmt: skip

@@ -1,0 +1,106 @@
+"""``save_checkpoint``: the layout ``load_checkpoint`` reads, written tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from dpcompile.checkpoint.files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    parse_size,
+    plan_files,
+    shard_file_name,
+    write_safetensors,
+)
+from dpcompile.checkpoint.targets import targets_of, tie_groups
+from dpcompile.modules.base import ParallelModule
+from dpcompile.runtime.distributed import MeshGroup, all_gather
+from dpcompile.runtime.tensor_parallel import regroup_sections
+
+log = logging.getLogger("dpcompile")
+
+
+def save_checkpoint(pm: ParallelModule, path: str | Path, *, max_shard_size: int | str = "5GB") -> Path:
+    """Write ``pm``'s weights as full tensors under the model's keys, in transformers' layout.
+
+    ``path`` ending in ``.safetensors`` is one file; any other ``path`` is a folder (created)
+    holding ``model.safetensors``, or ``model-00001-of-0000n.safetensors`` files and
+    ``model.safetensors.index.json`` where the tensors pass ``max_shard_size`` (bytes, or
+    ``"5GB"``, ``"500MiB"``). Each tensor is put together from its shards only when its bytes
+    are written, so the model is never gathered whole. Of tied keys (an LM head tied to the
+    embedding) only the first is written, as transformers does; ``load_checkpoint`` ties them
+    back. Over a mesh it is a collective (sharded tensors are all-gathered): call it on every
+    rank; rank 0 writes. Returns ``path``.
+
+    >>> dpcompile.save_checkpoint(pm, "ckpt/", max_shard_size="2GB")  # doctest: +SKIP
+    PosixPath('ckpt')
+    """
+    if pm.needs_weights:
+        raise CheckpointError(
+            "this program has no weights yet (built on meta): dpcompile.load_checkpoint(pm, path) first"
+        )
+    path = Path(path)
+    targets = targets_of(pm)
+    ties = tie_groups(targets)
+    keys = [k for k in targets if ties[k][0] == k]
+    sizes = [(k, _bytes(targets[k])) for k in keys]
+    writes = _is_writer(pm)
+
+    def make(key: str):
+        target = targets[key]
+        if target.gathered:
+            return target.full()
+        piece = target.pieces[0]  # this rank's shard: the others' come by all-gather
+        gathered = all_gather(
+            piece.tensor.detach(), MeshGroup(pm.mesh, pm.tp_dim).group, dim=piece.spec.dim, sizes=list(piece.spec.sizes)
+        )
+        return regroup_sections(gathered, piece.spec).to("cpu")
+
+    if path.suffix == ".safetensors":
+        files = {path: keys}
+    else:
+        groups = plan_files(sizes, parse_size(max_shard_size))
+        names = [SINGLE_FILE] if len(groups) == 1 else [shard_file_name(k, len(groups)) for k in range(len(groups))]
+        files = {path / name: group for name, group in zip(names, groups)}
+        if writes:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / INDEX_FILE).unlink(missing_ok=True)
+    for file, group in files.items():
+        entries = [(k, targets[k].shape, targets[k].dtype) for k in group]
+        if writes:
+            write_safetensors(file, entries, make)
+        else:  # the other ranks take part in the all-gathers only
+            for k in group:
+                if not targets[k].gathered:
+                    make(k)
+    if writes and len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(size for _, size in sizes)},
+            "weight_map": {k: file.name for file, group in files.items() for k in group},
+        }
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    log.debug("saved %d tensors in %d file(s) under %s", len(keys), len(files), path)
+    return path
+
+
+def _bytes(target) -> int:
+    n = target.pieces[0].tensor.element_size()
+    for s in target.shape:
+        n *= s
+    return n
+
+
+def _is_writer(pm: ParallelModule) -> bool:
+    """Rank 0 writes over a mesh; in one process the process does."""
+    mesh = getattr(pm, "mesh", None)
+    if mesh is None:
+        return True
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+__all__ = ["save_checkpoint"]

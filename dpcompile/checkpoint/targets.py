@@ -1,0 +1,108 @@
+"""Where each of a model's state keys lives in a program: whole, or as shards on their devices.
+
+:func:`targets_of` answers for every kind of ``ParallelModule``: data parallel (the model's own
+tensors), tensor parallel in one process (``pm.param_shards``: one shard per device) and over a
+mesh (``pm.shards``: this rank's shard). Loading reads each piece's slice of the checkpoint
+tensor; saving puts the pieces back together, one key at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dpcompile.fx_utils import unalias
+from dpcompile.modules.base import ParallelModule
+from dpcompile.runtime.distributed import MeshGroup
+from dpcompile.runtime.tensor_parallel import ShardSpec, unshard
+
+
+@dataclass
+class Piece:
+    """``tensor`` holds slice ``index`` of the full tensor under ``spec`` (None: all of it)."""
+
+    tensor: torch.Tensor
+    spec: ShardSpec | None = None
+    index: int = 0
+
+
+@dataclass
+class Target:
+    """A state key of the model: its full shape and dtype, and the pieces that hold it.
+
+    ``gathered``: the pieces are every shard (one process); False where they are this rank's
+    only (over a mesh), so the full tensor needs the other ranks.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece] = field(default_factory=list)
+    gathered: bool = True
+
+    def full(self) -> torch.Tensor:
+        """The full tensor on the CPU (pieces put back together)."""
+        if self.pieces[0].spec is None:
+            return self.pieces[0].tensor.detach().to("cpu")
+        if not self.gathered:
+            raise ValueError(f"'{self.key}' is sharded across ranks; gather it first")
+        spec = self.pieces[0].spec
+        return unshard([p.tensor.detach() for p in self.pieces], spec, "cpu")
+
+
+def targets_of(pm: ParallelModule) -> dict[str, Target]:
+    """``{state key: Target}`` for the model's persistent state, in the model's key order."""
+    param_shards = getattr(pm, "param_shards", None)
+    mesh_shards = getattr(pm, "shards", None)
+    if isinstance(param_shards, dict) and hasattr(pm, "state_keys"):
+        own = {unalias(k): v for k, v in ParallelModule.state_dict(pm, keep_vars=True).items()}
+        aliases = getattr(pm, "state_aliases", {})
+        out = {}
+        for key in pm.state_keys:
+            source = key if key in param_shards or key in own else aliases.get(key, key)
+            if source in param_shards:
+                spec, names = param_shards[source]
+                first = own[names[0]]
+                out[key] = Target(
+                    key, _full_shape(first, spec), first.dtype, [Piece(own[n], spec, k) for k, n in enumerate(names)]
+                )
+            elif source in own:
+                out[key] = Target(key, tuple(own[source].shape), own[source].dtype, [Piece(own[source])])
+        return out
+    own = {unalias(k): v for k, v in ParallelModule.state_dict(pm, keep_vars=True).items()}
+    out = {key: Target(key, tuple(t.shape), t.dtype, [Piece(t)]) for key, t in own.items()}
+    if isinstance(mesh_shards, dict) and mesh_shards:
+        rank = MeshGroup(pm.mesh, pm.tp_dim).rank()
+        sizes = {key: sum(spec.sizes) for key, spec in mesh_shards.items()}
+        for key, spec in mesh_shards.items():
+            if key in out:
+                t = out[key].pieces[0].tensor
+                shape = list(t.shape)
+                shape[spec.dim] = sizes[key]
+                out[key] = Target(key, tuple(shape), t.dtype, [Piece(t, spec, rank)], gathered=False)
+    return out
+
+
+def tie_groups(targets: dict[str, Target]) -> dict[str, list[str]]:
+    """``{key: every key held by the same tensors}`` (an embedding and its tied LM head)."""
+    by_tensor: dict[int, list[str]] = {}
+    for key, target in targets.items():
+        by_tensor.setdefault(id(target.pieces[0].tensor), []).append(key)
+    return {key: keys for keys in by_tensor.values() for key in keys}
+
+
+def unset_buffers(pm: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """``{name: buffer}`` of ``pm`` for the non-persistent buffers ``names``."""
+    own = {unalias(k): b for k, b in pm.named_buffers()}
+    return {name: own[name] for name in names if name in own}
+
+
+def _full_shape(shard: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
+    shape = list(shard.shape)
+    shape[spec.dim] = sum(spec.sizes)
+    return tuple(shape)
+
+
+__all__ = ["Piece", "Target", "targets_of", "tie_groups", "unset_buffers"]

@@ -1,0 +1,58 @@
+"""Programs built from a model on ``meta``: their memory is allocated, their values are not.
+
+``transform`` of a meta model gives each device uninitialised memory for what it holds and
+marks the program as waiting for weights (:func:`await_weights`); calling it then raises
+:class:`WeightsNotLoadedError` until ``dpcompile.load_checkpoint`` fills it
+(:func:`weights_loaded`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from dpcompile.errors import DpCompileError
+
+NEEDS_WEIGHTS = "_needs_weights"
+WEIGHTS_SOURCE = "_weights_source"
+UNSET_BUFFERS = "_unset_buffers"
+
+
+class WeightsNotLoadedError(DpCompileError):
+    """A program built from a ``meta`` model was called before its weights were loaded."""
+
+
+def await_weights(pm: nn.Module, source: nn.Module, unset_buffers: Sequence[str]) -> None:
+    """Mark ``pm`` (built from the meta model ``source``) as holding garbage until loaded.
+
+    ``unset_buffers``: the non-persistent buffers (rotary ``inv_freq``, ``position_ids``) that
+    were on meta, so no checkpoint holds them; loading computes them from ``source``'s modules.
+    """
+    pm.__dict__[NEEDS_WEIGHTS] = True
+    pm.__dict__[WEIGHTS_SOURCE] = source
+    pm.__dict__[UNSET_BUFFERS] = list(unset_buffers)
+
+
+def needs_weights(pm: nn.Module) -> bool:
+    """True for a program built from a ``meta`` model until ``dpcompile.load_checkpoint`` fills it."""
+    return bool(pm.__dict__.get(NEEDS_WEIGHTS, False))
+
+
+def weights_loaded(pm: nn.Module) -> None:
+    """Every value of ``pm`` is real now: calls may run."""
+    pm.__dict__[NEEDS_WEIGHTS] = False
+    pm.__dict__[UNSET_BUFFERS] = []
+
+
+def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
+    source = pm.__dict__.get(WEIGHTS_SOURCE)
+    name = type(source).__name__ if source is not None else "model"
+    return WeightsNotLoadedError(
+        f"this program was built from a {name} on the meta device: its {len(pm.devices)} device(s) hold "
+        "memory for their parameters but no values yet. Load them first: "
+        "dpcompile.load_checkpoint(pm, 'path/to/model.safetensors' or a checkpoint folder)"
+    )
+
+
+__all__ = ["WeightsNotLoadedError", "await_weights", "needs_weights", "weights_loaded", "weights_not_loaded"]

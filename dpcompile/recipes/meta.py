@@ -1,0 +1,166 @@
+"""Models on ``meta``: capture and plan on fake tensors, then give each device memory for what it holds.
+
+A model built under ``torch.device("meta")`` (or accelerate's ``init_empty_weights``) has
+shapes and no data. ``transform`` compiles it as it compiles any model, and at the end each
+device allocates, uninitialised, only what it holds:
+
+* data parallel (one process or over a mesh): the model's own tensors are given memory on
+  the primary (or this rank's) device, in place (:func:`materialize_replica`) — that is the
+  replica; the program shares it, as data parallelism always does;
+* tensor parallel: the whole transform runs on a fake copy of the model with fake examples
+  (:func:`compile_on_fake`); the program it gives holds fake shards, and
+  :func:`~dpcompile.fake.materialize` then allocates each shard on its own device. No full
+  tensor is ever allocated.
+
+The program then waits for its weights (``pm.needs_weights``) until
+``dpcompile.load_checkpoint`` fills it.
+
+    with torch.device("meta"):
+        model = MyModel(config)
+    pm = dpcompile.transform(model, ["cpu"] * 4, tensor_parallel=True)   # shards on their devices
+    dpcompile.load_checkpoint(pm, "ckpt/")                                # each reads its slices
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, has_meta_tensors, materialize
+from dpcompile.fx_utils import unalias
+from dpcompile.mesh import local_device
+from dpcompile.modules.weights import await_weights
+from dpcompile.recipes.data_parallel import DataParallelRecipe
+from dpcompile.recipes.spmd import SpmdRecipe
+from dpcompile.recipes.tensor_parallel import TensorParallelRecipe
+
+
+def meta_buffers(model: nn.Module) -> list[str]:
+    """The non-persistent buffers of ``model`` on ``meta``: no checkpoint holds them
+    (rotary ``inv_freq``, ``position_ids``), so loading must compute them."""
+    out = []
+    for path, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta and name in module._non_persistent_buffers_set:
+                out.append(f"{path}.{name}" if path else name)
+    return out
+
+
+def materialize_replica(model: nn.Module, device: torch.device) -> list[str] | None:
+    """Data parallel: give ``model``'s meta tensors uninitialised memory on ``device``, in place
+    (the same tensor objects, so ties hold); returns the non-persistent buffers left to
+    compute (:func:`meta_buffers`), or None where nothing was on meta."""
+    if not has_meta_tensors(model):
+        return None
+    unset = meta_buffers(model)
+    materialize(model, device)
+    return unset
+
+
+def compile_on_fake(
+    model: nn.Module,
+    device: torch.device,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: Mapping[str, Any] | None,
+    build: Callable[[nn.Module, Sequence[Any] | None, Mapping[str, Any] | None], nn.Module],
+    *,
+    allocate: bool = True,
+) -> nn.Module:
+    """``build(fake model, fake examples, fake kwargs)`` on a fake copy of the meta ``model``
+    (on ``device``), then each fake parameter and buffer of the program it returns allocated on
+    the device it claims. Values the model did hold (the buffers accelerate's
+    ``init_empty_weights(include_buffers=False)`` keeps real) are copied in; the program
+    waits for the rest (:func:`~dpcompile.modules.weights.await_weights`). ``allocate=False``
+    keeps the program on fake tensors: the layout of devices this machine lacks (fake CUDA),
+    whose bytes per device can be counted."""
+    known = {name: t for name, t in (*model.named_parameters(), *model.named_buffers()) if not t.is_meta}
+    unset = meta_buffers(model)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = fake_copy(model, mode, device)
+    # autograd on fake CUDA tensors aborts a torch built without CUDA: no gradients for a layout
+    with on_fake(mode), contextlib.nullcontext() if allocate else torch.no_grad():
+        args, kwargs = tree_map(
+            lambda x: mode.from_tensor(x.detach()).to(device) if isinstance(x, torch.Tensor) else x,
+            (example_inputs, dict(example_kwargs or {})),
+        )  # fmt: skip
+        pm = build(fake, args, kwargs or None)
+    if not allocate:
+        return pm
+    materialize(pm)
+    write_known_values(pm, known)
+    await_weights(pm, model, unset)
+    return pm
+
+
+@contextlib.contextmanager
+def on_fake(mode: FakeTensorMode) -> Iterator[None]:
+    """``mode`` on, CPU-only torch taught fake CUDA, fake-tensor warnings quiet."""
+    with mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        yield
+
+
+@torch.no_grad()
+def write_known_values(pm: nn.Module, known: Mapping[str, torch.Tensor]) -> None:
+    """Copy the model's real tensors (of a partly-meta model) into ``pm``'s, by name."""
+    if not known:
+        return
+    own = {unalias(name): t for name, t in (*pm.named_parameters(), *pm.named_buffers())}
+    for name, value in known.items():
+        target = own.get(name)
+        if target is not None and target.shape == value.shape:
+            target.copy_(value)
+
+
+def mark_replica_awaiting(pm: nn.Module, model: nn.Module, unset: list[str] | None) -> nn.Module:
+    """The data-parallel program of a meta ``model`` waits for its weights; others are left as they are."""
+    if unset is not None:
+        await_weights(pm, model, unset)
+    return pm
+
+
+def compile_meta_model(
+    recipe: Any,
+    model: nn.Module,
+    example_inputs: Sequence[Any] | None,
+    example_kwargs: Mapping[str, Any] | None,
+    compile_one: Callable[[nn.Module, Sequence[Any] | None, Mapping[str, Any] | None], nn.Module],
+) -> nn.Module:
+    """``compile_one(model, examples, kwargs)`` (transform's frontend and compile) for a model
+    on meta: tensor parallel on a fake copy (:func:`compile_on_fake`), data parallel on the
+    model given memory on its device (:func:`materialize_replica`)."""
+    if isinstance(recipe, TensorParallelRecipe):
+        allocate = recipe.check_available  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
+        return compile_on_fake(
+            model, recipe.devices.primary, example_inputs, example_kwargs, compile_one, allocate=allocate
+        )
+    if isinstance(recipe, DataParallelRecipe):
+        device = recipe.devices.primary
+    elif isinstance(recipe, SpmdRecipe) and recipe.plan is False:
+        device = local_device(recipe.mesh)
+    else:  # tensor parallel over a mesh: this rank's shards
+        pm = compile_on_fake(model, local_device(recipe.mesh), example_inputs, example_kwargs, compile_one)
+        if pm.dp_dim is not None:  # 2-D: DDP over the dp groups, now that the shards have memory
+            pm.attach_mesh(
+                mesh=recipe.mesh, dp_dim=pm.dp_dim, tp_dim=pm.tp_dim, shards=pm.shards, ddp_options=recipe.ddp_options
+            )
+        return pm
+    unset = materialize_replica(model, device)
+    return mark_replica_awaiting(compile_one(model, example_inputs, example_kwargs), model, unset)
+
+
+__all__ = [
+    "compile_meta_model",
+    "compile_on_fake",
+    "mark_replica_awaiting",
+    "materialize_replica",
+    "meta_buffers",
+    "on_fake",
+]

@@ -232,6 +232,7 @@ class _Builder:
         new = self.graph.create_node(node.op, node.target, args, kwargs, name=name, type_expr=node.type)
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta", "dpcompile_name")})
         new.meta[STAGE] = s
+        new.meta["dpcompile_slot"] = s  # explain: the node's device is its stage's
         return new
 
     def _value_for(self, value: fx.Node, s: int, consumer: fx.Node) -> fx.Node:

@@ -149,8 +149,13 @@ def _balanced_cuts(body: list[fx.Node], weight: list[int], stages: int) -> list[
         nearest = min(range(low, high + 1), key=lambda i: abs(prefix[i] - ideal))
         window = BALANCE_TOLERANCE * total / stages
         candidates = [i for i in range(low, high + 1) if abs(prefix[i] - ideal) <= window] or [nearest]
+        # fewest values sent, then a cut before a module call that does work (an activation stays
+        # with the layer it follows), then the nearest to an equal share
         cuts.append(
-            min(candidates, key=lambda i: (crossings[i], not _starts_module(body, i), abs(prefix[i] - ideal), i))
+            min(
+                candidates,
+                key=lambda i: (crossings[i], not _starts_module(body, i), weight[i] == 0, abs(prefix[i] - ideal), i),
+            )
         )
     return cuts
 

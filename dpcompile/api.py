@@ -18,12 +18,13 @@ from torch import nn
 
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.devices import parse_device, parse_devices
-from dpcompile.errors import ExampleError
+from dpcompile.errors import DpCompileError, ExampleError
 from dpcompile.fake import has_meta_tensors
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
-from dpcompile.recipes import DataParallelRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
+from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model
+from dpcompile.recipes.pipeline import check_pipeline_arguments
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -42,6 +43,9 @@ def transform(
     copy_replicas: bool = False,
     ddp_options: Mapping[str, Any] | None = None,
     dynamic_dims: Mapping[str, Sequence[int]] | Sequence[int] | None = None,
+    pipeline: int | Sequence[str] | None = None,
+    micro_batches: int = 1,
+    schedule: str = "gpipe",
 ) -> ParallelModule:
     """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
 
@@ -58,6 +62,8 @@ def transform(
     ``docs/frontends.md``. ``dynamic_dims=`` (``{"input_ids": [1]}``, or ``[1]`` for every tensor
     argument): dims besides the batch that vary between calls (a sequence length), which the
     export frontend keeps dynamic; see ``docs/guards.md``.
+    ``pipeline=N`` (or the module paths where stages start),
+    ``micro_batches=``, ``schedule=``: pipeline parallelism, see ``docs/pipeline.md``.
     """
     recipe = make_recipe(
         model,
@@ -69,6 +75,9 @@ def transform(
         leaf_modules=leaf_modules,
         copy_replicas=copy_replicas,
         ddp_options=ddp_options,
+        pipeline=pipeline,
+        micro_batches=micro_batches,
+        schedule=schedule,
     )
     if not isinstance(model, fx.GraphModule):
         check_signature(model)
@@ -97,9 +106,9 @@ def _compile(
 ) -> ParallelModule:  # fmt: skip
     model, examples, frontend_batch_dim = _apply_frontend(
         model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
-        flags_served=isinstance(recipe, DataParallelRecipe), dynamic_dims=dynamic_dims,
+        flags_served=isinstance(recipe, (DataParallelRecipe, PipelineRecipe)), dynamic_dims=dynamic_dims,
     )  # fmt: skip
-    if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
+    if isinstance(recipe, (DataParallelRecipe, PipelineRecipe)) and frontend_batch_dim != recipe.batch_dim:
         recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
     return recipe.compile(model, examples)
 
@@ -150,6 +159,9 @@ def make_recipe(
     leaf_modules: Iterable[type[nn.Module]] = (),
     copy_replicas: bool = False,
     ddp_options: Mapping[str, Any] | None = None,
+    pipeline: int | Sequence[str] | None = None,
+    micro_batches: int = 1,
+    schedule: str = "gpipe",
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -158,6 +170,8 @@ def make_recipe(
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
     common = {"leaf_modules": leaves, "frontend": frontend}
+    if pipeline is not None:
+        return _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)
     if is_device_mesh(devices):
         check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
         return SpmdRecipe(**common, mesh=devices, plan=plan, ddp_options=dict(ddp_options or {}))
@@ -168,6 +182,28 @@ def make_recipe(
     return DataParallelRecipe(
         **common, devices=parsed, output_device=out_device, batch_dim=_check_batch_dim(batch_dim),
         copy_replicas=bool(copy_replicas),
+    )  # fmt: skip
+
+
+def _pipeline_recipe(
+    common: dict[str, Any], devices: Any, plan: object, output_device: Any, batch_dim: object,
+    pipeline: object, micro_batches: object, schedule: object,
+) -> PipelineRecipe:  # fmt: skip
+    stages, micro, schedule_name = check_pipeline_arguments(pipeline, micro_batches, schedule)
+    if is_device_mesh(devices):
+        raise DpCompileError(
+            "pipeline= over a DeviceMesh (torch.distributed.pipelining stages) is not built yet; run the pipeline in "
+            "one process over a device list (devices=['cuda:0', 'cuda:1'])"
+        )
+    if plan is not False:
+        raise DpCompileError(
+            "pipeline= with tensor_parallel= is not built yet; choose one: pipeline stages, or tensor-parallel shards"
+        )
+    parsed = parse_devices(devices)
+    out_device = parsed.primary if output_device is None else parse_device(output_device)
+    return PipelineRecipe(
+        **common, devices=parsed, output_device=out_device, stages=stages, micro_batches=micro,
+        schedule=schedule_name, batch_dim=_check_batch_dim(batch_dim),
     )  # fmt: skip
 
 

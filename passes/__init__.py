@@ -2,7 +2,8 @@
 
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
                                          ├─► shard_linear ─► expand_shards          (tensor parallel)
-                                         └─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
+                                         ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
+                                         └─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
 
 See ``passes/README.md`` for the invariants every pass keeps and why the order is this one.
 """
@@ -23,6 +24,8 @@ from passes.decompose_attention import decompose_attention
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.shard_linear import find_linear_sites, shard_linear
+from passes.split_stages import StagePlan, find_stage_boundaries, split_stages
+from passes.stage_transfers import insert_stage_transfers
 
 
 @dataclass
@@ -78,6 +81,22 @@ def spmd_pipeline(
     return [functools.partial(lower_to_collectives, mesh=mesh, dp_dim=dp_dim, tp_dim=tp_dim)]
 
 
+def pipeline_parallel_pipeline(options: PipelineOptions, *, plan: StagePlan, micro_batches: int) -> list[Pass]:
+    """Lower a tidied graph to one program over the stages' devices: stages stamped, micro-batches
+    split as data parallelism splits a batch (over ``micro_batches`` virtual devices), then each
+    stage placed on its device with explicit sends, in GPipe order."""
+    out: list[Pass] = [functools.partial(split_stages, plan=plan)]
+    if micro_batches > 1:
+        micro = Devices((options.devices.primary,) * micro_batches)
+        out.append(functools.partial(insert_scatter_gather, devices=micro, input_dims=options.input_dims,
+                                     output_device=options.devices.primary))  # fmt: skip
+    out.append(functools.partial(
+        insert_stage_transfers, plan=plan, devices=options.devices, micro_batches=micro_batches,
+        output_device=options.output_device,
+    ))  # fmt: skip
+    return out
+
+
 def default_pipeline(options: PipelineOptions) -> list[Pass]:
     return frontend_pipeline(options) + data_parallel_pipeline(options)
 
@@ -99,4 +118,9 @@ __all__ = [
     "expand_shards",
     "tensor_parallel_pipeline",
     "spmd_tensor_parallel_pipeline",
+    "StagePlan",
+    "find_stage_boundaries",
+    "split_stages",
+    "insert_stage_transfers",
+    "pipeline_parallel_pipeline",
 ]

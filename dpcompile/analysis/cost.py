@@ -9,6 +9,7 @@ all_gather         ``(n-1)/n * size``
 reduce_scatter     ``(n-1)/n * size``
 scatter, gather,   ``(n-1)/n * size``  (one device sends or receives all but its own share)
 broadcast, reduce
+send               ``size``            (point to point: one pipeline stage to the next)
 =================  ===================
 
 Tensor parallelism adds two kinds that move nothing: ``identity`` (the forward of Megatron's
@@ -71,6 +72,7 @@ RING_FACTOR = {
     "gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
     "reduce": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,  # a pipeline stage sends the whole value to the next stage's device
     "identity": lambda n: 0.0,
     "split": lambda n: 0.0,
 }

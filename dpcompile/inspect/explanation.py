@@ -7,6 +7,7 @@ and per collective the elements each device sends (the one rule of
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
 from passes.collectives import group_size
+from passes.split_stages import STAGE
 
 __all__ = ["ALL_DEVICES", "explain", "param_bytes"]
 
@@ -117,6 +119,9 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     io_forward = sum(c.forward or 0.0 for c in collectives if c.io)
     io_backward = sum(c.backward or 0.0 for c in collectives if c.io)
     params = param_bytes(pm)
+    pipeline = _pipeline_report(pm, gm, recorder, labels, batch)
+    if pipeline is not None:
+        params = {labels[st["stage"]]: st["param_bytes"] for st in pipeline["stages"]}
     fraction, whole = _split_flops(gm, recorder) if getattr(pm, "mode", "data_parallel") == "data_parallel" else (None, [])
     return Report(
         mode=str(getattr(pm, "mode", "unknown")),
@@ -142,7 +147,53 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         batch=batch,
         split_flop_fraction=fraction,
         whole=whole,
+        pipeline=pipeline,
     )
+
+
+def _pipeline_report(
+    pm: nn.Module, gm: fx.GraphModule, recorder: Recorder | None, labels: list[str], batch: int | None
+) -> dict[str, Any] | None:
+    """A pipeline's stages: forward FLOPs (of a run, else the planner's), parameter and activation
+    bytes and the elements each sends on, per stage; their imbalance (max/mean FLOPs) and the
+    GPipe bubble ``(S-1)/(M+S-1)`` of this call's micro-batches."""
+    stages = getattr(pm, "stages", None)
+    if not stages:
+        return None
+    n = len(stages)
+    flops, activation, sent = [0] * n, [0] * n, [0] * n
+    for node in gm.graph.nodes:
+        s = node.meta.get(STAGE)
+        if s is None or recorder is None:
+            continue
+        flops[s] += recorder.flops.get(node.name, 0)
+        summary = recorder.summaries.get(node.name)
+        comm = node.meta.get("dpcompile_comm")
+        if comm is not None and comm.kind == "send":
+            source = node.args[0]
+            elements = sum(math.prod(shape) for shape in summary[0]) if summary else 0
+            sent[source.meta.get(STAGE, s) if isinstance(source, fx.Node) else s] += elements
+        elif summary and node.target not in (operator.getitem, getattr) and node.op != "get_attr":
+            activation[s] += summary[2]
+    measure = "flops"
+    if recorder is None or not any(flops):
+        flops = [st.flops for st in stages]
+        measure = pm.stage_plan.measure
+    micro = getattr(pm, "micro_batches", 1) if batch is None else min(batch, getattr(pm, "micro_batches", 1))
+    mean = sum(flops) / n if sum(flops) else 0
+    return {
+        "schedule": getattr(pm, "schedule", "gpipe"),
+        "micro_batches": micro,
+        "bubble_fraction": (n - 1) / (micro + n - 1),
+        "imbalance": round(max(flops) / mean, 4) if mean else 1.0,
+        "measure": measure,
+        "stages": [
+            {"stage": st.index, "device": labels[st.index], "module_paths": list(st.module_paths), "flops": int(flops[st.index]),
+             "param_bytes": int(st.param_bytes), "activation_bytes": int(activation[st.index]),
+             "sends_elements": int(sent[st.index])}
+            for st in stages
+        ],
+    }  # fmt: skip
 
 
 def _split_flops(gm: fx.GraphModule, recorder: Recorder | None) -> tuple[float | None, list[dict[str, Any]]]:

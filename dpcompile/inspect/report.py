@@ -78,6 +78,9 @@ class Report:
     # batch: {"node", "target", "reason", "flops", "source"}
     split_flop_fraction: float | None = None
     whole: list[dict[str, Any]] = field(default_factory=list)
+    # pipeline: {"schedule", "micro_batches", "bubble_fraction", "imbalance", "measure", "stages": [{"stage",
+    # "device", "module_paths", "flops", "param_bytes", "activation_bytes", "sends_elements"}]}
+    pipeline: dict[str, Any] | None = None
 
     @property
     def comm_elements(self) -> float:
@@ -144,6 +147,21 @@ def _where(source: str | None) -> str:
     return (source or "").split(" in ", 1)[0]
 
 
+def _render_pipeline(p: Mapping[str, Any]) -> list[str]:
+    out = [
+        "",
+        f"Pipeline: {len(p['stages'])} stages, {p['micro_batches']} micro-batches, {p['schedule']}; bubble "
+        f"(S-1)/(M+S-1) = {p['bubble_fraction']:.3f}; stage {p['measure']} max/mean = {p['imbalance']:.3f}",
+    ]
+    rows = [
+        [str(st["stage"]), st["device"], f"{st['flops'] / 1e6:,.2f}", _human_bytes(st["param_bytes"]),
+         _human_bytes(st["activation_bytes"]), _human_count(st["sends_elements"]), ", ".join(st["module_paths"])]
+        for st in p["stages"]
+    ]  # fmt: skip
+    headers = ["stage", "device", "MFLOPs (fwd)", "parameters", "activations", "sends", "modules"]
+    return out + _table(headers, rows, [6, 8, 13, 11, 12, 9, 40])
+
+
 def _render(r: Report) -> str:
     title = (
         f"dpcompile explain: {r.mode} on {len(r.devices)} devices ({', '.join(r.devices)})"
@@ -185,6 +203,8 @@ def _render(r: Report) -> str:
             out.append("  runs whole, on the gathered batch (teach an op with dpcompile.register_batch_rule):")
             rows = [[w["node"], _human_count(w.get("flops")), w["reason"], _where(w.get("source"))] for w in r.whole]
             out += _table(["node", "FLOPs", "reason", "source"], rows, [26, 13, 56, 19])
+    if r.pipeline:
+        out += _render_pipeline(r.pipeline)
     if r.plan:
         out += ["", "Tensor-parallel plan"]
         rows = []

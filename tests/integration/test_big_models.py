@@ -13,7 +13,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile.checkpoint import BuffersNotComputedError, CheckpointError
-from dpcompile.fake import fake_devices, is_fake
+from dpcompile.fake import fake_devices, is_fake, materialize
 from dpcompile.recipes import TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model
 from tests.integration.test_tp_hf_megatron import _inputs, _model, _three_sgd_steps_equal_eager
@@ -251,6 +251,9 @@ def test_save_checkpoint_round_trips_a_single_file(tmp_path):
     dpcompile.load_checkpoint(other, tmp_path / "x.safetensors")
     x = torch.randn(3, 8)
     torch.testing.assert_close(other(x), model(x))
+    real = dpcompile.transform(MLP(), ["cpu"] * 2)  # a program of a real model: its weights are overwritten
+    dpcompile.load_checkpoint(real, tmp_path / "x.safetensors")
+    torch.testing.assert_close(real(x), model(x))
 
 
 class Block(nn.Module):
@@ -295,3 +298,13 @@ def test_meta_transformer_on_eight_fake_gpus_splits_parameter_bytes_evenly():
     expected = sharded / 8 + rest
     for slot, got in pm.param_bytes_per_slot().items():
         assert abs(got - expected) <= 0.05 * expected, (slot, got, expected)
+
+
+def test_materialize_gives_memory_to_the_named_tensors_only_and_keeps_ties():
+    """materialize(names=...) allocates only those (a pipeline stage's), in place; ties stay ties."""
+    model = _on_meta(Tied)
+    weight = model.fc.weight
+    assert materialize(model, "cpu", names=["fc.weight", "fc.bias"]) == ["fc.weight", "fc.bias"]
+    assert model.fc.weight is weight and not weight.is_meta and model.embed.weight.is_meta
+    assert materialize(model, "cpu") == ["embed.weight", "head.weight"]
+    assert model.head.weight is model.embed.weight and not model.embed.weight.is_meta

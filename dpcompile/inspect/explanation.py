@@ -24,6 +24,7 @@ from dpcompile.inspect.nodes import device_labels, device_list, slot_of, target_
 from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.pipeline import PipelineModule
 from passes.collectives import group_size
 from passes.split_stages import STAGE
 
@@ -157,9 +158,9 @@ def _pipeline_report(
     """A pipeline's stages: forward FLOPs (of a run, else the planner's), parameter and activation
     bytes and the elements each sends on, per stage; their imbalance (max/mean FLOPs) and the
     GPipe bubble ``(S-1)/(M+S-1)`` of this call's micro-batches."""
-    stages = getattr(pm, "stages", None)
-    if not stages:
+    if not isinstance(pm, PipelineModule):  # pm.stages of other programs may be the model's own submodule
         return None
+    stages = pm.stages
     n = len(stages)
     flops, activation, sent = [0] * n, [0] * n, [0] * n
     for node in gm.graph.nodes:

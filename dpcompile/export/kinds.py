@@ -177,7 +177,7 @@ class _Checker:
         if target is builtins.getattr:
             if len(node.args) != 2 or node.kwargs or not isinstance(node.args[1], str):
                 raise self.refuse(node, "calls getattr with other than a value and a name")
-            receiver, name = self.receiver(node), node.args[1]
+            receiver, name = self.receiver(node), unalias(node.args[1])
             if receiver.what in ("module", "replica"):
                 path = self.member_path(node, receiver, name) if "." not in name else None
                 if name == "training":
@@ -226,7 +226,7 @@ class _Checker:
             for key, value in modules.items():
                 kind = self.kinds[value]
                 if kind.what in ("module", "value") and kind.path:
-                    members[key] = kind.path
+                    members[key] = members[unalias(key)] = kind.path  # generated code names `devices` `user:devices`
             return Kind("replicas", members=members)
         if name == "module_of":
             return self.kinds[node.args[0]]

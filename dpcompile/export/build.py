@@ -96,6 +96,11 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     moved = device_strings(target) != recorded
     # only now, with every file and the program checked, is anything built
     holder, _, outside = decode_tree(trees, tensors)
+    if captured is not None:
+        with_shapes(holder, captured, data["captured"].get("inputs"), target)
+    for (_, trace), entry in zip(traces, data["traces"]):
+        if trace is not None:
+            with_shapes(holder, trace, entry["graph"].get("inputs"), target)
     if kind == "data_parallel" and moved:
         if captured is None:
             raise ExportError(f"{folder} holds no captured program to regenerate for {device_strings(target)}")
@@ -146,6 +151,38 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     if kind == "tensor_parallel":
         _check_shards(pm)
     return pm
+
+
+def with_shapes(holder: nn.Module, graph: fx.Graph, inputs: Any, target: Any) -> None:
+    """Each node's shape (``meta['val']``), propagated on fake tensors (nothing allocated) from
+    the example shapes export recorded, as ``transform`` had them: lowering a captured program
+    for other devices reads them (a mask built from the batch's shape). Nothing where none were
+    recorded or they do not fit."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpcompile.fx_utils import propagate_shapes
+
+    if not isinstance(inputs, list) or not all(
+        isinstance(i, list)
+        and len(i) == 2
+        and isinstance(i[0], list)
+        and all(type(s) is int and 0 <= s < 2**31 for s in i[0])
+        and isinstance(getattr(torch, str(i[1]), None), torch.dtype)
+        for i in inputs
+    ):
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        examples = [torch.empty(sizes, dtype=getattr(torch, dtype), device=target.primary) for sizes, dtype in inputs]
+    copy = _copy(graph)
+    try:
+        shaped = propagate_shapes(fx.GraphModule(holder, copy, "Shapes"), examples)
+    except Exception:  # noqa: BLE001 - shapes refine the lowering; without them it is the one of old folders
+        return
+    if shaped:
+        for node, shaped in zip(graph.nodes, copy.nodes):
+            if "val" in shaped.meta:
+                node.meta["val"] = shaped.meta["val"]
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:

@@ -13,8 +13,9 @@ attribute are checked against the kind of the value they name it on:
   of a plain value, a data attribute of
   :data:`~dpcompile.export.vocabulary.GETATTR_NAMES` or a registered output type's field,
   never a method (a bound method in hand is a call the vocabulary does not list).
-* a module or replica is handed only to dpcompile's runtime functions (``replicate``,
-  ``batch_norm``, ...), never to torch or Python functions; ``builtins`` take no keywords
+* a module is handed only to the runtime functions made for one (``replicate``,
+  ``batch_norm``, ``expect_mode``, ...), as their first argument; a replica to none; never to
+  torch or Python functions; and no program returns one. ``builtins`` take no keywords
   (``max(xs, key=f)`` calls ``f``).
 
 >>> tree = TreeIndex([{"path": "", "class": None, "parameters": {}, "buffers": {}, "children": ["fc"]},
@@ -86,6 +87,12 @@ class Kind:
 
 
 VALUE = Kind("value")
+
+
+# the runtime functions that take a module (first) or, ``replicate``, a table of them
+_TAKE_A_MODULE = frozenset(
+    {"replicate", "batch_norm", "flatten_parameters", "weights_in_one_buffer", "module_of", "expect_mode", "mode_value"}
+)
 
 
 def _fields(node: fx.Node) -> tuple[str, ...]:
@@ -170,7 +177,7 @@ class _Checker:
         if target is builtins.getattr:
             if len(node.args) != 2 or node.kwargs or not isinstance(node.args[1], str):
                 raise self.refuse(node, "calls getattr with other than a value and a name")
-            receiver, name = self.receiver(node), node.args[1]
+            receiver, name = self.receiver(node), unalias(node.args[1])
             if receiver.what in ("module", "replica"):
                 path = self.member_path(node, receiver, name) if "." not in name else None
                 if name == "training":
@@ -203,6 +210,12 @@ class _Checker:
         args = [self.kinds[n] for n in _nodes_in((node.args, node.kwargs))]
         if any(k.what in ("replicas", "replica") for k in args):
             raise self.refuse(node, "hands replicas to a function")
+        if name not in _TAKE_A_MODULE:
+            self.only_values(node)
+        elif name != "replicate":  # the module comes first, values after it
+            self.only_values(node, skip_first=True)
+            if not node.args or not isinstance(node.args[0], fx.Node) or self.kinds[node.args[0]].what != "module":
+                raise self.refuse(node, f"hands {name} something that is not a module of the tree")
         if name == "replicate":
             modules = node.args[0] if node.args else None
             if not isinstance(modules, dict) or not all(
@@ -213,9 +226,9 @@ class _Checker:
             for key, value in modules.items():
                 kind = self.kinds[value]
                 if kind.what in ("module", "value") and kind.path:
-                    members[key] = kind.path
+                    members[key] = members[unalias(key)] = kind.path  # generated code names `devices` `user:devices`
             return Kind("replicas", members=members)
-        if name == "module_of" and len(node.args) == 1 and isinstance(node.args[0], fx.Node):
+        if name == "module_of":
             return self.kinds[node.args[0]]
         return VALUE
 

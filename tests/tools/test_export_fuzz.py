@@ -64,6 +64,7 @@ def fuzz_bases(tmp_path_factory):
     return bases(tmp_path_factory.mktemp("fuzz_bases"))
 
 
+@pytest.mark.slow
 def test_load_fuzzed_programs_refuses_or_computes_and_never_runs_a_payload(fuzz_bases, tmp_path):
     """1000 seeded mutations over four real programs: each is an ExportError at load, or loads and
     computes; the marker every payload would write never appears, nor does any other file."""

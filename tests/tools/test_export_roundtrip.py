@@ -51,7 +51,7 @@ _LOAD_AND_COMPARE = textwrap.dedent(
 def test_transformers_export_frontend_programs_are_data_and_load_in_a_fresh_process(tmp_path):
     """GPT-2 (Conv1D), BERT, Llama (GQA, rotary) and T5 through frontend='export': no program.pkl,
     and loaded where neither the model classes nor transformers' output classes are built, each gives
-    eager's logits and loss."""
+    eager's logits and loss; loaded onto three devices (the program lowered again), eager's logits."""
     from tests.integration.test_real_models import _hf, _hf_inputs
 
     import_or_skip("transformers")
@@ -67,6 +67,8 @@ def test_transformers_export_frontend_programs_are_data_and_load_in_a_fresh_proc
         program = json.loads((folder / "program.json").read_text())
         assert not (folder / "program.pkl").exists() and program["trust_code"] is False, program["pickled_because"]
         want = model(**kwargs)
+        moved = dpcompile.load(folder, devices=["cpu"] * 3).eval()  # lowered again, from the shapes export recorded
+        torch.testing.assert_close(moved(**kwargs).logits, want.logits, rtol=1e-5, atol=1e-5)
         cases.append((name, str(folder), kwargs, want.logits.detach(), want.loss.detach()))
     torch.save(cases, tmp_path / "cases.pt")
     out = _fresh_process(_LOAD_AND_COMPARE, str(tmp_path / "cases.pt"), cwd=tmp_path)

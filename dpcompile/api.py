@@ -38,6 +38,8 @@ def transform(
     leaf_modules: Iterable[type[nn.Module]] = (),
     copy_replicas: bool = False,
     ddp_options: Mapping[str, Any] | None = None,
+    data_parallel: str = "ddp",
+    mixed_precision: Any = None,
 ) -> ParallelModule:
     """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
 
@@ -49,7 +51,9 @@ def transform(
 
     ``copy_replicas=True`` gives virtual devices real replicas (as distinct GPUs get), so the
     multi-GPU code path runs and can be tested on one device. ``ddp_options`` (over a mesh)
-    are passed to ``DistributedDataParallel``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
+    are passed to ``DistributedDataParallel``; ``data_parallel="fsdp"`` (over a mesh) shards
+    parameters, gradients and optimizer state with FSDP2 instead (``mixed_precision=``: its
+    ``MixedPrecisionPolicy``), see ``docs/fsdp.md``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
     and ``example_kwargs=`` (HF models: ``input_ids=``, ``attention_mask=``, ``labels=``): see
     ``docs/frontends.md``.
     """
@@ -63,6 +67,8 @@ def transform(
         leaf_modules=leaf_modules,
         copy_replicas=copy_replicas,
         ddp_options=ddp_options,
+        data_parallel=data_parallel,
+        mixed_precision=mixed_precision,
     )
     if not isinstance(model, fx.GraphModule):
         check_signature(model)
@@ -118,6 +124,8 @@ def make_recipe(
     leaf_modules: Iterable[type[nn.Module]] = (),
     copy_replicas: bool = False,
     ddp_options: Mapping[str, Any] | None = None,
+    data_parallel: str = "ddp",
+    mixed_precision: Any = None,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -126,9 +134,13 @@ def make_recipe(
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
     common = {"leaf_modules": leaves, "frontend": frontend}
+    _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if is_device_mesh(devices):
         check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
-        return SpmdRecipe(**common, mesh=devices, plan=plan, ddp_options=dict(ddp_options or {}))
+        return SpmdRecipe(
+            **common, mesh=devices, plan=plan, ddp_options=dict(ddp_options or {}), data_parallel=data_parallel,
+            mixed_precision=mixed_precision,
+        )  # fmt: skip
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)
     if plan is not False:
@@ -154,6 +166,18 @@ def _check_plan_argument(tensor_parallel: object) -> bool | dict[str, str]:
                 )
         return dict(tensor_parallel)  # paths and styles are checked against the model (planning)
     raise ValueError(f"tensor_parallel={tensor_parallel!r}: expected False, True (automatic plan) or a dict {{path: style}}")
+
+
+def _check_data_parallel(data_parallel: object, mixed_precision: object, over_mesh: bool) -> None:
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(f'data_parallel={data_parallel!r}: expected "ddp" (the default) or "fsdp"')
+    if data_parallel == "fsdp" and not over_mesh:
+        raise ValueError(
+            'data_parallel="fsdp" shards over the processes of a DeviceMesh: pass a mesh with a "dp" dimension, '
+            'e.g. init_device_mesh("cuda", (world_size,), mesh_dim_names=("dp",))'
+        )
+    if mixed_precision is not None and data_parallel != "fsdp":
+        raise ValueError('mixed_precision= is FSDP2\'s MixedPrecisionPolicy: pass it with data_parallel="fsdp"')
 
 
 def _check_batch_dim(batch_dim: object) -> int | None:

@@ -76,27 +76,42 @@ class SpmdModule(ParallelModule):
         tp_dim: str | int | None,
         shards: Mapping[str, ShardSpec] | None = None,
         ddp_options: Mapping[str, Any] | None = None,
+        fsdp: Mapping[str, Any] | None = None,
     ) -> None:
-        """Hold the mesh and this rank's shards; build DDP where there is a data-parallel dim."""
+        """Hold the mesh and this rank's shards; build DDP where there is a data-parallel dim,
+        or FSDP2 (``fsdp``: ``fully_shard``'s keyword arguments) where asked."""
         self.__dict__["mesh"] = mesh
         self.dp_dim = dp_dim
         self.tp_dim = tp_dim
         self.shards = dict(shards or {})
         self.__dict__["_ddp"] = None
-        if dp_dim is not None and any(p.requires_grad for p in self.parameters()):
+        self.__dict__["_fsdp"] = None
+        if dp_dim is not None and fsdp is not None:
+            self.__dict__["_fsdp"] = build_fsdp(self, mesh, dp_dim, fsdp)
+        elif dp_dim is not None and any(p.requires_grad for p in self.parameters()):
             self.__dict__["_ddp"] = build_ddp(self, mesh, dp_dim, ddp_options or {})
 
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel | None:
         return self.__dict__.get("_ddp")
 
+    @property
+    def fsdp(self) -> nn.Module | None:
+        """The ``fully_shard`` root that runs the program with ``data_parallel="fsdp"`` (else None)."""
+        return self.__dict__.get("_fsdp")
+
+    @property
+    def fsdp_blocks(self) -> list[str]:
+        """The module paths wrapped with ``fully_shard`` of their own (the repeated blocks)."""
+        return list(self.__dict__.get("_fsdp_blocks", ()))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.check_inputs:
             if self.__dict__.get("tp_dim") is not None:
                 self.check_inputs_agree(args, kwargs)
-            elif self.__dict__.get("_ddp") is not None:
+            elif self.__dict__.get("_ddp") is not None or self.__dict__.get("_fsdp") is not None:
                 self.check_calls_agree(args, kwargs)
-        ddp = self.__dict__.get("_ddp")
+        ddp = self.__dict__.get("_ddp") or self.__dict__.get("_fsdp")
         if ddp is None:
             return super().__call__(*args, **kwargs)
         try:
@@ -176,7 +191,14 @@ class SpmdModule(ParallelModule):
         As ``DistributedDataParallel.no_sync``: the first backward after the block all-reduces
         the accumulated gradients. A no-op without a data-parallel dimension.
         """
-        ddp = self.__dict__.get("_ddp")
+        ddp, fsdp = self.__dict__.get("_ddp"), self.__dict__.get("_fsdp")
+        if fsdp is not None:
+            fsdp.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                fsdp.set_requires_gradient_sync(True)
+            return
         if ddp is None:
             yield
             return
@@ -200,6 +222,8 @@ class SpmdModule(ParallelModule):
         if args:
             raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
         sd = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if self.__dict__.get("_fsdp") is not None:  # FSDP's DTensor shards over dp, all-gathered
+            sd.update((key, full_tensor(value)) for key, value in sd.items())
         if not self.shards:
             return sd
         group = self._tp_group().group
@@ -359,6 +383,53 @@ def build_ddp(
         raise collective_failure("DistributedDataParallel's broadcast of rank 0's parameters", group, e) from e
 
 
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Paths of the model's repeated blocks: the children of a ``ModuleList`` or ``Sequential``
+    of two or more modules of one class (a transformer's layers), outermost lists first.
+
+    >>> repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([Block(), Block()])))  # doctest: +SKIP
+    ['1.0', '1.1']
+    """
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if any(path == p or path.startswith(p + ".") for p in found):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            classes = {type(child) for child in module}
+            if len(classes) == 1 and all(next(child.children(), None) is not None for child in module):
+                found += [f"{path}.{name}" if path else name for name in module._modules]
+    return found
+
+
+def build_fsdp(pm: SpmdModule, mesh: Any, dp_dim: str | int, options: Mapping[str, Any]) -> nn.Module:
+    """FSDP2 over the ``dp_dim`` of ``mesh``, as torchtitan applies it: ``fully_shard`` on each
+    repeated block the program calls as a module, then on a root that runs the program (which
+    holds the rest: embeddings, final norm, head). ``options`` go to every ``fully_shard``
+    (``mp_policy=``, ``reshard_after_forward=``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh[dp_dim] if isinstance(dp_dim, str) and mesh.ndim > 1 else mesh
+    called = {str(n.target) for n in pm.graph.nodes if n.op == "call_module"}
+    blocks = [path for path in repeated_blocks(pm) if path in called]
+    group = dp_mesh.get_group()
+    try:
+        for path in blocks:
+            fully_shard(pm.get_submodule(path), mesh=dp_mesh, **options)
+        root = _LocalProgram(pm)
+        fully_shard(root, mesh=dp_mesh, **options)
+    except (RuntimeError, dist.DistError) as e:
+        if not is_communication_failure(e):
+            raise
+        raise collective_failure("fully_shard's setup", group, e) from e
+    pm.__dict__["_fsdp_blocks"] = blocks
+    return root
+
+
+def full_tensor(value: Any) -> Any:
+    """A DTensor's full value (a collective over its mesh); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 reserve_names(dir(SpmdModule))

@@ -15,11 +15,13 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.memory import MemoryEstimate, activation_bytes, choose_strategy, optimizer_bytes, parse_budget
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import ExampleError
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
+from dpcompile.planning import memory_candidates, no_fit_error
 from dpcompile.recipes import DataParallelRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 
 TensorParallel = bool | Mapping[str, str]
@@ -40,6 +42,9 @@ def transform(
     ddp_options: Mapping[str, Any] | None = None,
     data_parallel: str = "ddp",
     mixed_precision: Any = None,
+    memory_per_device: Any = None,
+    optimizer: str | None = None,
+    training: bool = True,
 ) -> ParallelModule:
     """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
 
@@ -53,10 +58,18 @@ def transform(
     multi-GPU code path runs and can be tested on one device. ``ddp_options`` (over a mesh)
     are passed to ``DistributedDataParallel``; ``data_parallel="fsdp"`` (over a mesh) shards
     parameters, gradients and optimizer state with FSDP2 instead (``mixed_precision=``: its
-    ``MixedPrecisionPolicy``), see ``docs/fsdp.md``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
+    ``MixedPrecisionPolicy``), see ``docs/fsdp.md``. ``memory_per_device=`` (``"24GiB"``, bytes,
+    or ``{device: budget}``) with ``optimizer=`` and ``training=`` chooses the program that fits
+    (``pm.strategy``), see ``docs/memory.md``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
     and ``example_kwargs=`` (HF models: ``input_ids=``, ``attention_mask=``, ``labels=``): see
     ``docs/frontends.md``.
     """
+    estimate = None
+    if memory_per_device is not None:
+        tensor_parallel, estimate = _plan_for_memory(
+            model, devices, memory_per_device, optimizer, training, _example_tuple(example_inputs), example_kwargs,
+            tensor_parallel,
+        )  # fmt: skip
     recipe = make_recipe(
         model,
         devices,
@@ -81,7 +94,45 @@ def transform(
         )  # fmt: skip
         if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
             recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
-        return recipe.compile(model, examples)
+        pm = recipe.compile(model, examples)
+    pm.strategy = "data_parallel" if "data_parallel" in pm.mode else "tensor_parallel"
+    pm.memory_options = {"optimizer": optimizer, "training": training}
+    pm.memory_plan = estimate
+    return pm
+
+
+def _plan_for_memory(
+    model: nn.Module, devices: Any, budget: Any, optimizer: str | None, training: bool,
+    example_inputs: tuple | None, example_kwargs: Mapping[str, Any] | None, tensor_parallel: Any,
+) -> tuple[Any, MemoryEstimate]:  # fmt: skip
+    """``tensor_parallel=`` for the program that fits ``budget`` on every device, and its estimate
+    (see ``docs/memory.md``); :class:`DpCompileError` with the arithmetic where none fits."""
+    if is_device_mesh(devices):
+        raise ValueError("memory_per_device= plans over a list of devices; over a DeviceMesh choose data_parallel= / tensor_parallel=")
+    parsed = parse_devices(devices)
+    labels = parsed.labels()
+    if isinstance(budget, Mapping):
+        given = {str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
+        missing = sorted({str(d) for d in parsed.devices} - set(given))
+        if missing:
+            raise ValueError(f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all")
+        budgets = {label: given[str(d)] for label, d in zip(labels, parsed.devices)}
+    else:
+        budgets = dict.fromkeys(labels, parse_budget(budget))
+    optimizer_bytes([], optimizer)  # an unknown optimizer fails here
+    activations, batch = 0, None
+    if example_inputs is not None or example_kwargs:
+        activations = activation_bytes(model, example_inputs or (), example_kwargs, training=training)
+        first = next((x for x in [*(example_inputs or ()), *(example_kwargs or {}).values()] if hasattr(x, "dim") and x.dim()), None)
+        batch = None if first is None else int(first.shape[0])
+    candidates = memory_candidates(model, labels, optimizer=optimizer, training=training, activations=activations,
+                                   batch=batch, tensor_parallel=tensor_parallel)  # fmt: skip
+    choice = choose_strategy(candidates, budgets)
+    if choice is None:
+        raise no_fit_error(model, candidates, budgets, optimizer=optimizer, training=training, activations=activations)
+    chosen = candidates[choice]
+    chosen.what = "saved for backward (fake run of the examples)" if training else "peak live in forward (fake run)"
+    return (False if choice == "data_parallel" else (tensor_parallel or True)), chosen
 
 
 def _apply_frontend(

@@ -78,6 +78,9 @@ class Report:
     # batch: {"node", "target", "reason", "flops", "source"}
     split_flop_fraction: float | None = None
     whole: list[dict[str, Any]] = field(default_factory=list)
+    # bytes each device needs, by kind: {device: {"parameters", "gradients", "optimizer", "activations"}}
+    # (optimizer and training as given to transform; see docs/memory.md)
+    memory_estimate: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def comm_elements(self) -> float:
@@ -185,6 +188,11 @@ def _render(r: Report) -> str:
             out.append("  runs whole, on the gathered batch (teach an op with dpcompile.register_batch_rule):")
             rows = [[w["node"], _human_count(w.get("flops")), w["reason"], _where(w.get("source"))] for w in r.whole]
             out += _table(["node", "FLOPs", "reason", "source"], rows, [26, 13, 56, 19])
+    if r.memory_estimate:
+        out += ["", "Memory estimate (bytes each device needs)"]
+        kinds = ("parameters", "gradients", "optimizer", "activations")
+        rows = [[d, *(_human_bytes(m.get(k, 0)) for k in kinds), _human_bytes(sum(m.values()))] for d, m in r.memory_estimate.items()]
+        out += _table(["device", *kinds, "total"], rows, [12, 12, 12, 12, 12, 12])
     if r.plan:
         out += ["", "Tensor-parallel plan"]
         rows = []

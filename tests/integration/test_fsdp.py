@@ -123,6 +123,28 @@ def check_fsdp_grads_exact(rank: int, world: int) -> None:
         )
 
 
+def check_fsdp_mixed_precision(rank: int, world: int) -> None:
+    """mixed_precision= reaches fully_shard: bfloat16 compute, float32 shards and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = Stack(layers=2)
+    reference = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    pm = dpcompile.transform(model, mesh, data_parallel="fsdp", mixed_precision=policy)
+    x = _batches(world, 1)[0]
+    per = x.size(0) // world
+    out = pm(x[rank * per : (rank + 1) * per])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference(x)[rank * per : (rank + 1) * per], atol=5e-2, rtol=5e-2)
+    out.float().pow(2).mean().backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in pm.parameters())
+
+
 def check_fsdp_2d(rank: int, world: int) -> None:
     """A ("dp", "tp") mesh: tensor parallel over tp, FSDP over dp; 3 steps and state_dict equal eager."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -141,7 +163,11 @@ def check_fsdp_2d(rank: int, world: int) -> None:
 
 
 SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
-    "one_d": [("check_fsdp_1d", check_fsdp_1d), ("check_fsdp_grads_exact", check_fsdp_grads_exact)],
+    "one_d": [
+        ("check_fsdp_1d", check_fsdp_1d),
+        ("check_fsdp_grads_exact", check_fsdp_grads_exact),
+        ("check_fsdp_mixed_precision", check_fsdp_mixed_precision),
+    ],
     "two_d": [("check_fsdp_1d", check_fsdp_1d), ("check_fsdp_2d", check_fsdp_2d)],
 }
 

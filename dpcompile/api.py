@@ -95,7 +95,6 @@ def transform(
         if isinstance(recipe, DataParallelRecipe) and frontend_batch_dim != recipe.batch_dim:
             recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
         pm = recipe.compile(model, examples)
-    pm.strategy = "data_parallel" if "data_parallel" in pm.mode else "tensor_parallel"
     pm.memory_options = {"optimizer": optimizer, "training": training}
     pm.memory_plan = estimate
     return pm

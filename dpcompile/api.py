@@ -16,12 +16,14 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.memory import MemoryEstimate, activation_bytes, choose_strategy, optimizer_bytes, parse_budget
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import DpCompileError, ExampleError
 from dpcompile.fake import has_meta_tensors
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
+from dpcompile.planning import memory_candidates, no_fit_error
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model
 from dpcompile.recipes.pipeline import check_pipeline_arguments
@@ -46,6 +48,11 @@ def transform(
     pipeline: int | Sequence[str] | None = None,
     micro_batches: int = 1,
     schedule: str = "gpipe",
+    data_parallel: str = "ddp",
+    mixed_precision: Any = None,
+    memory_per_device: Any = None,
+    optimizer: str | None = None,
+    training: bool = True,
 ) -> ParallelModule:
     """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
 
@@ -57,7 +64,11 @@ def transform(
 
     ``copy_replicas=True`` gives virtual devices real replicas (as distinct GPUs get), so the
     multi-GPU code path runs and can be tested on one device. ``ddp_options`` (over a mesh)
-    are passed to ``DistributedDataParallel``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
+    are passed to ``DistributedDataParallel``; ``data_parallel="fsdp"`` (over a mesh) shards
+    parameters, gradients and optimizer state with FSDP2 instead (``mixed_precision=``: its
+    ``MixedPrecisionPolicy``), see ``docs/fsdp.md``. ``memory_per_device=`` (``"24GiB"``, bytes,
+    or ``{device: budget}``) with ``optimizer=`` and ``training=`` chooses the program that fits
+    (``pm.strategy``), see ``docs/memory.md``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
     and ``example_kwargs=`` (HF models: ``input_ids=``, ``attention_mask=``, ``labels=``): see
     ``docs/frontends.md``. ``dynamic_dims=`` (``{"input_ids": [1]}``, or ``[1]`` for every tensor
     argument): dims besides the batch that vary between calls (a sequence length), which the
@@ -65,6 +76,17 @@ def transform(
     ``pipeline=N`` (or the module paths where stages start),
     ``micro_batches=``, ``schedule=``: pipeline parallelism, see ``docs/pipeline.md``.
     """
+    estimate = None
+    if memory_per_device is not None and pipeline is not None:
+        raise ValueError(
+            "memory_per_device= does not plan pipeline stages yet: give pipeline= alone (explain(pm, x) reports "
+            "each stage's memory), or memory_per_device= alone to choose between data and tensor parallel"
+        )
+    if memory_per_device is not None:
+        tensor_parallel, estimate = _plan_for_memory(
+            model, devices, memory_per_device, optimizer, training, _example_tuple(example_inputs), example_kwargs,
+            tensor_parallel,
+        )  # fmt: skip
     recipe = make_recipe(
         model,
         devices,
@@ -78,6 +100,8 @@ def transform(
         pipeline=pipeline,
         micro_batches=micro_batches,
         schedule=schedule,
+        data_parallel=data_parallel,
+        mixed_precision=mixed_precision,
     )
     if not isinstance(model, fx.GraphModule):
         check_signature(model)
@@ -88,16 +112,20 @@ def transform(
             compile_one = functools.partial(
                 _compile, recipe, frontend=frontend, batch_dim=batch_dim, dynamic_dims=dynamic_dims
             )
-            return compile_meta_model(recipe, model, example_tuple, example_kwargs, compile_one)
-        return _compile(
-            recipe,
-            model,
-            example_tuple,
-            example_kwargs,
-            frontend=frontend,
-            batch_dim=batch_dim,
-            dynamic_dims=dynamic_dims,
-        )
+            pm = compile_meta_model(recipe, model, example_tuple, example_kwargs, compile_one)
+        else:
+            pm = _compile(
+                recipe,
+                model,
+                example_tuple,
+                example_kwargs,
+                frontend=frontend,
+                batch_dim=batch_dim,
+                dynamic_dims=dynamic_dims,
+            )
+    pm.memory_options = {"optimizer": optimizer, "training": training}
+    pm.memory_plan = estimate
+    return pm
 
 
 def _compile(
@@ -111,6 +139,47 @@ def _compile(
     if isinstance(recipe, (DataParallelRecipe, PipelineRecipe)) and frontend_batch_dim != recipe.batch_dim:
         recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
     return recipe.compile(model, examples)
+
+
+def _plan_for_memory(
+    model: nn.Module, devices: Any, budget: Any, optimizer: str | None, training: bool,
+    example_inputs: tuple | None, example_kwargs: Mapping[str, Any] | None, tensor_parallel: Any,
+) -> tuple[Any, MemoryEstimate]:  # fmt: skip
+    """``tensor_parallel=`` for the program that fits ``budget`` on every device, and its estimate
+    (see ``docs/memory.md``); :class:`DpCompileError` with the arithmetic where none fits."""
+    if is_device_mesh(devices):
+        raise ValueError(
+            "memory_per_device= plans over a list of devices; over a DeviceMesh choose data_parallel= / tensor_parallel="
+        )
+    parsed = parse_devices(devices)
+    labels = parsed.labels()
+    if isinstance(budget, Mapping):
+        given = {str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
+        missing = sorted({str(d) for d in parsed.devices} - set(given))
+        if missing:
+            raise ValueError(
+                f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all"
+            )
+        budgets = {label: given[str(d)] for label, d in zip(labels, parsed.devices)}
+    else:
+        budgets = dict.fromkeys(labels, parse_budget(budget))
+    optimizer_bytes([], optimizer)  # an unknown optimizer fails here
+    activations, batch = 0, None
+    if example_inputs is not None or example_kwargs:
+        activations = activation_bytes(model, example_inputs or (), example_kwargs, training=training)
+        first = next(
+            (x for x in [*(example_inputs or ()), *(example_kwargs or {}).values()] if hasattr(x, "dim") and x.dim()),
+            None,
+        )
+        batch = None if first is None else int(first.shape[0])
+    candidates = memory_candidates(model, labels, optimizer=optimizer, training=training, activations=activations,
+                                   batch=batch, tensor_parallel=tensor_parallel)  # fmt: skip
+    choice = choose_strategy(candidates, budgets)
+    if choice is None:
+        raise no_fit_error(model, candidates, budgets, optimizer=optimizer, training=training, activations=activations)
+    chosen = candidates[choice]
+    chosen.what = "saved for backward (fake run of the examples)" if training else "peak live in forward (fake run)"
+    return (False if choice == "data_parallel" else (tensor_parallel or True)), chosen
 
 
 def _apply_frontend(
@@ -162,6 +231,8 @@ def make_recipe(
     pipeline: int | Sequence[str] | None = None,
     micro_batches: int = 1,
     schedule: str = "gpipe",
+    data_parallel: str = "ddp",
+    mixed_precision: Any = None,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -170,11 +241,15 @@ def make_recipe(
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
     common = {"leaf_modules": leaves, "frontend": frontend}
+    _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
         return _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)
     if is_device_mesh(devices):
         check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
-        return SpmdRecipe(**common, mesh=devices, plan=plan, ddp_options=dict(ddp_options or {}))
+        return SpmdRecipe(
+            **common, mesh=devices, plan=plan, ddp_options=dict(ddp_options or {}), data_parallel=data_parallel,
+            mixed_precision=mixed_precision,
+        )  # fmt: skip
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)
     if plan is not False:
@@ -224,6 +299,18 @@ def _check_plan_argument(tensor_parallel: object) -> bool | dict[str, str]:
     raise ValueError(
         f"tensor_parallel={tensor_parallel!r}: expected False, True (automatic plan) or a dict {{path: style}}"
     )
+
+
+def _check_data_parallel(data_parallel: object, mixed_precision: object, over_mesh: bool) -> None:
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(f'data_parallel={data_parallel!r}: expected "ddp" (the default) or "fsdp"')
+    if data_parallel == "fsdp" and not over_mesh:
+        raise ValueError(
+            'data_parallel="fsdp" shards over the processes of a DeviceMesh: pass a mesh with a "dp" dimension, '
+            'e.g. init_device_mesh("cuda", (world_size,), mesh_dim_names=("dp",))'
+        )
+    if mixed_precision is not None and data_parallel != "fsdp":
+        raise ValueError('mixed_precision= is FSDP2\'s MixedPrecisionPolicy: pass it with data_parallel="fsdp"')
 
 
 def _check_batch_dim(batch_dim: object) -> int | None:

@@ -23,6 +23,14 @@ from torch import nn
 
 from dpcompile.analysis.cost import plan_cost
 from dpcompile.analysis.graph_view import find_linear_chains, linear_groups
+from dpcompile.analysis.memory import (
+    KINDS,
+    MemoryEstimate,
+    format_bytes,
+    parameter_kinds,
+    shardable_parameters,
+    smallest_device_count,
+)
 from dpcompile.analysis.sharding import (
     check_divisible,
     check_plan,
@@ -30,6 +38,7 @@ from dpcompile.analysis.sharding import (
     is_shard_transparent,
     resolve_plan,
 )
+from dpcompile.errors import DpCompileError
 
 log = logging.getLogger("dpcompile")
 
@@ -182,3 +191,69 @@ def _descend(gm: fx.GraphModule, styles: dict[str, str], paths: list[str], optio
         if not improved:
             break
     return styles
+
+
+# ----------------------------------------------------------------------------- memory-aware plans
+def memory_candidates(
+    model: nn.Module,
+    labels: list[str],
+    *,
+    optimizer: str | None,
+    training: bool,
+    activations: int,
+    batch: int | None,
+    tensor_parallel: object = False,
+) -> dict[str, MemoryEstimate]:
+    """Per-device estimates of the programs ``transform`` can choose for ``labels``, in the order
+    that moves the fewest bytes: data parallel (a full replica each, the batch split) unless a
+    tensor-parallel plan was asked for, then tensor parallel (each ``nn.Linear`` whose output
+    features divide split over the devices, the rest replicated, activations counted whole)."""
+    n = len(labels)
+    params = list(model.parameters())
+    out: dict[str, MemoryEstimate] = {}
+    if tensor_parallel is False:
+        share = activations if not batch else activations * -(-batch // n) // batch
+        kinds = {**parameter_kinds(params, optimizer, training), "activations": share}
+        out["data_parallel"] = MemoryEstimate({d: dict(kinds) for d in labels}, optimizer, training)
+    kinds = tensor_parallel_kinds(model, n, optimizer, training, activations)
+    out["tensor_parallel"] = MemoryEstimate({d: dict(kinds) for d in labels}, optimizer, training)
+    return out
+
+
+def tensor_parallel_kinds(model: nn.Module, n: int, optimizer: str | None, training: bool, activations: int) -> dict[str, int]:
+    """Bytes each of ``n`` devices holds under tensor parallelism, by kind."""
+    sharded = shardable_parameters(model, n)
+    ids = {id(p) for p in sharded}
+    split = parameter_kinds(sharded, optimizer, training)
+    whole = parameter_kinds([p for p in model.parameters() if id(p) not in ids], optimizer, training)
+    return {**{k: -(-split[k] // n) + whole[k] for k in split}, "activations": activations}
+
+
+def no_fit_error(
+    model: nn.Module, candidates: Mapping[str, MemoryEstimate], budgets: Mapping[str, int], *,
+    optimizer: str | None, training: bool, activations: int,
+) -> DpCompileError:  # fmt: skip
+    """Where no program fits: the smallest device count that would (tensor parallel), or the
+    smallest budget, with the arithmetic."""
+    budget = min(budgets.values())
+    n = len(budgets)
+    lines = []
+    for name, estimate in candidates.items():
+        device = max(estimate.per_device, key=estimate.total)
+        kinds = estimate.per_device[device]
+        terms = " + ".join(f"{format_bytes(kinds[k])} {k}" for k in KINDS)
+        lines.append(f"{name}: {terms} = {format_bytes(estimate.total(device))} per device")
+    count = smallest_device_count(lambda k: sum(tensor_parallel_kinds(model, k, optimizer, training, activations).values()), budget, n + 1)
+    least = min(c.peak for c in candidates.values())
+    way_out = (
+        f"tensor parallel over {count} devices would fit (needs {format_bytes(sum(tensor_parallel_kinds(model, count, optimizer, training, activations).values()))} each)"
+        if count is not None
+        else "no device count fits: what stays whole (activations, layers that do not split) alone exceeds it"
+    )
+    return DpCompileError(
+        f"no program fits memory_per_device={format_bytes(budget)} on {n} devices: "
+        + "; ".join(lines)
+        + f". The way out: {way_out}, or a budget of at least {format_bytes(least)} per device on {n} devices"
+        + ("" if optimizer is None else f", or a lighter optimizer than {optimizer!r}")
+        + " (or training=False for inference)."
+    )

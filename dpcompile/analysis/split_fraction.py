@@ -14,6 +14,7 @@ nothing), which ranks the ops that matter (matmuls and convolutions) as FLOPs do
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from dpcompile.analysis.placement import Placement, Whole
 
 log = logging.getLogger("dpcompile")
 
-__all__ = ["WholeOp", "node_flops", "parameter_weights", "split_fraction", "whole_ops"]
+__all__ = ["WholeOp", "node_flops", "node_flops_from_shapes", "parameter_weights", "split_fraction", "whole_ops"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,9 @@ def whole_ops(gm: fx.GraphModule, placements: Mapping[fx.Node, Placement], weigh
         p = placements.get(node)
         if isinstance(p, Whole) and p.batch:
             module = modules.get(node.target) if node.op == "call_module" else None
-            out.append(WholeOp(node.name, op_name(node, module), p.reason or "runs whole", int(weights.get(node.name, 0))))
+            out.append(
+                WholeOp(node.name, op_name(node, module), p.reason or "runs whole", int(weights.get(node.name, 0)))
+            )
     return out
 
 
@@ -97,6 +100,97 @@ def node_flops(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[str, int] | No
             for b, saved in buffers:
                 if not torch.equal(b, saved):
                     b.copy_(saved)
+
+
+_NO_FLOPS = (operator.getitem, getattr, len)
+#: modules whose forward runs no op FlopCounterMode counts (no matmul, convolution or attention)
+_NO_FLOP_MODULES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.Embedding, nn.Dropout, nn.Identity,
+                    nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Softmax)  # fmt: skip
+
+
+def _standard_forward(module: nn.Module, classes: tuple[type, ...]) -> bool:
+    """``module`` is one of ``classes`` and runs that class's own forward (not a subclass's)."""
+    return any(isinstance(module, c) and type(module).forward is c.forward for c in classes)
+
+
+def node_flops_from_shapes(gm: fx.GraphModule) -> dict[str, int] | None:
+    """Forward FLOPs per node from the shapes shape propagation recorded (``node.meta['val']``),
+    without running the graph again: an ATen op with a FLOP formula (``mm``, ``addmm``, attention,
+    convolution) is counted from its arguments' shapes; a module call, or an op that decomposes
+    into such ops, runs alone on its recorded fake arguments. None where a node has no shape.
+
+    The figures equal :func:`node_flops` on the inputs the shapes were propagated from, at the
+    cost of a few module calls instead of a second fake run of the whole graph.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    def recorded(n: fx.Node) -> Any:
+        return _attr(gm, str(n.target)) if n.op == "get_attr" and "val" not in n.meta else n.meta["val"]
+
+    def value(arg: Any) -> Any:
+        return fx.node.map_arg(arg, recorded)
+
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            out[node.name] = 0
+            continue
+        target = node.target
+        formula = flop_registry.get(target.overloadpacket) if isinstance(target, torch._ops.OpOverload) else None
+        if (node.op == "call_function" and target in _NO_FLOPS) or (
+            isinstance(target, torch._ops.OpOverload) and formula is None
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
+        ):  # fmt: skip
+            out[node.name] = 0  # a kernel of its own and no FLOP formula: FlopCounterMode counts 0 too
+            continue
+        if (
+            any("val" not in arg.meta and arg.op != "get_attr" for arg in node.all_input_nodes)
+            or "val" not in node.meta
+        ):
+            return None
+        if formula is not None:
+            out[node.name] = int(formula(*value(node.args), **value(node.kwargs), out_val=node.meta["val"]))
+            continue
+        args, kwargs = value(node.args), value(node.kwargs)
+        module = gm.get_submodule(str(target)) if node.op == "call_module" else None
+        if module is not None and _standard_forward(module, (nn.Linear,)) and isinstance(args[0], torch.Tensor):
+            out[node.name] = 2 * args[0].numel() * module.out_features  # what FlopCounterMode counts of its mm
+            continue
+        if module is not None and _standard_forward(module, _NO_FLOP_MODULES):
+            out[node.name] = 0
+            continue
+        fake = [v for v in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(v, FakeTensor)]
+        if not fake:
+            if isinstance(node.meta["val"], torch.Tensor):
+                return None
+            out[node.name] = 0  # Python values in and out (the mode's dropout_p)
+            continue
+        if module is not None:
+            fn = module
+        elif node.op == "call_method":
+            fn = getattr(args[0], str(target))
+            args = args[1:]
+        else:
+            fn = target
+        buffers = (
+            [(b, b.detach().clone()) for b in fn.buffers() if type(b) is torch.Tensor]
+            if isinstance(fn, nn.Module)
+            else []
+        )
+        try:
+            with fake[0].fake_mode, FlopCounterMode(display=False) as counter:
+                fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a figure, not a requirement
+            log.debug("cannot count FLOPs of %s from its shapes: %s", node.name, e)
+            return None
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    if not torch.equal(b, saved):
+                        b.copy_(saved)
+        out[node.name] = int(counter.get_total_flops())
+    return out
 
 
 def parameter_weights(gm: fx.GraphModule) -> dict[str, int]:

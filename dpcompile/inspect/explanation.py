@@ -17,6 +17,7 @@ from torch import nn
 
 from dpcompile import runtime
 from dpcompile.analysis.cost import comm_elements, ring_elements
+from dpcompile.analysis.memory import activation_bytes, optimizer_bytes
 from dpcompile.analysis.split_fraction import split_fraction
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
@@ -57,7 +58,9 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     n = len(labels)
     gm, batch = _program(pm, args, kwargs) if (args or kwargs) else (pm, None)
     if not isinstance(gm, fx.GraphModule):
-        raise DpCompileError(f"explain needs a dpcompile.ParallelModule (a torch.fx.GraphModule), got {type(pm).__name__}")
+        raise DpCompileError(
+            f"explain needs a dpcompile.ParallelModule (a torch.fx.GraphModule), got {type(pm).__name__}"
+        )
     recorder, how = (None, "none")
     if args or kwargs:
         recorder, how = propagate(gm, bind_inputs(gm, args, kwargs))
@@ -123,7 +126,9 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     pipeline = _pipeline_report(pm, gm, recorder, labels, batch)
     if pipeline is not None:
         params = {labels[st["stage"]]: st["param_bytes"] for st in pipeline["stages"]}
-    fraction, whole = _split_flops(gm, recorder) if getattr(pm, "mode", "data_parallel") == "data_parallel" else (None, [])
+    fraction, whole = (
+        _split_flops(gm, recorder) if getattr(pm, "mode", "data_parallel") == "data_parallel" else (None, [])
+    )
     return Report(
         mode=str(getattr(pm, "mode", "unknown")),
         devices=labels,
@@ -149,6 +154,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         split_flop_fraction=fraction,
         whole=whole,
         pipeline=pipeline,
+        memory_estimate=memory_estimate(pm, params, args, kwargs),
     )
 
 
@@ -197,6 +203,39 @@ def _pipeline_report(
     }  # fmt: skip
 
 
+def memory_estimate(
+    pm: nn.Module, params: Mapping[str, int], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, dict[str, int]]:
+    """Bytes per device by kind for ``pm`` as transform was told it trains (``optimizer=``,
+    ``training=``): the parameters each device holds (:func:`param_bytes`), as many bytes of
+    gradients, the optimizer's state, and the activations of a fake run of the inputs (data
+    parallel: this device's share of the batch; tensor parallel: counted whole)."""
+    options = getattr(pm, "memory_options", None) or {"optimizer": None, "training": pm.training}
+    optimizer, training = options["optimizer"], options["training"]
+    trainable = sum(p.numel() * p.element_size() for p in pm.parameters() if p.requires_grad)
+    total = sum(p.numel() * p.element_size() for p in pm.parameters()) or 1
+    state = optimizer_bytes(list(pm.parameters()), optimizer) if training else 0
+    activations, share = 0, 1.0
+    model = getattr(pm, "captured", None) or getattr(pm, "traced_model", None)
+    if (args or kwargs) and isinstance(model, nn.Module):
+        try:
+            activations = activation_bytes(model, args, kwargs, training=training)
+        except Exception:  # noqa: BLE001 - a figure, not a requirement
+            activations = 0
+        if "data_parallel" in str(getattr(pm, "mode", "")) and len(params) > 1:
+            share = 1.0 / len(params)
+    out = {}
+    for device, held in params.items():
+        fraction = held / total
+        out[device] = {
+            "parameters": held,
+            "gradients": round(trainable * fraction) if training else 0,
+            "optimizer": round(state * fraction),
+            "activations": round(activations * share),
+        }
+    return out
+
+
 def _split_flops(gm: fx.GraphModule, recorder: Recorder | None) -> tuple[float | None, list[dict[str, Any]]]:
     """Data parallel: the share of forward FLOPs that runs split, and the ops that run whole
     (nodes the data-parallel pass stamped ``dpcompile_whole``, with its reason)."""
@@ -240,7 +279,12 @@ def _ddp_collective(pm: nn.Module) -> CollectiveInfo | None:
     size = sum(p.numel() for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored)
     n = group_size(pm.mesh, pm.dp_dim) or 1
     return CollectiveInfo(
-        name="ddp_gradients", kind="ddp", backward_kind="all_reduce", io=False, elements=size, forward=0.0,
+        name="ddp_gradients",
+        kind="ddp",
+        backward_kind="all_reduce",
+        io=False,
+        elements=size,
+        forward=0.0,
         backward=ring_elements("all_reduce", size, n),
     )
 
@@ -278,4 +322,3 @@ def _imbalance(values: Mapping[str, float]) -> float:
     if not numbers or sum(numbers) == 0:
         return 1.0
     return round(max(numbers) / (sum(numbers) / len(numbers)), 4)
-

@@ -40,8 +40,10 @@ def to_dot(pm: fx.GraphModule) -> str:
         label = f"{node.name}\\n{target_name(node)}"
         if comm is not None:
             kind = comm.kind + (" (io)" if comm.io else "")
-            attrs = (f'label="{node.name}\\n{kind}" shape=box style="filled,bold" fillcolor="#fde0dd" '
-                     f'color="{_COMM_COLOR}" penwidth=2.5')
+            attrs = (
+                f'label="{node.name}\\n{kind}" shape=box style="filled,bold" fillcolor="#fde0dd" '
+                f'color="{_COMM_COLOR}" penwidth=2.5'
+            )
             loose.append(f"  {quote(node.name)} [{attrs}];")
         elif node.op in ("placeholder", "output"):
             loose.append(f'  {quote(node.name)} [label="{node.name}" shape=oval style=filled fillcolor="#f0f0f0"];')
@@ -60,9 +62,12 @@ def to_dot(pm: fx.GraphModule) -> str:
     for slot, body in clusters.items():
         if not body:
             continue
-        lines += [f"  subgraph cluster_{slot} {{",
-                  f'    label="{labels[slot]}"; style="rounded,filled"; fillcolor="{_device_color(slot)}30";',
-                  *body, "  }"]
+        lines += [
+            f"  subgraph cluster_{slot} {{",
+            f'    label="{labels[slot]}"; style="rounded,filled"; fillcolor="{_device_color(slot)}30";',
+            *body,
+            "  }",
+        ]
     lines += loose + edges + ["}"]
     return "\n".join(lines) + "\n"
 
@@ -128,8 +133,15 @@ def _draw_matplotlib(pm: fx.GraphModule, path: Path) -> Path:
         comm = node.meta.get("dpcompile_comm")
         face = "#fde0dd" if comm else (_device_color(int(x)) if x < len(labels) else "#f0f0f0")
         edge = _COMM_COLOR if comm else "#333333"
-        ax.text(x, y, node.name, ha="center", va="center", fontsize=7,
-                bbox={"boxstyle": "round", "facecolor": face, "edgecolor": edge, "linewidth": 2 if comm else 0.8})
+        ax.text(
+            x,
+            y,
+            node.name,
+            ha="center",
+            va="center",
+            fontsize=7,
+            bbox={"boxstyle": "round", "facecolor": face, "edgecolor": edge, "linewidth": 2 if comm else 0.8},
+        )
     for k, label in enumerate([*labels, "collectives / whole"]):
         ax.text(k, 1, label, ha="center", va="bottom", fontsize=9, weight="bold")
     ax.set_xlim(-0.8, columns - 0.2)
@@ -139,4 +151,3 @@ def _draw_matplotlib(pm: fx.GraphModule, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-

@@ -61,7 +61,6 @@ class Recorder(fx.Interpreter):
         return result
 
 
-
 def _snapshot_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(b, b.detach().clone()) for b in module.buffers() if not is_fake(b)]
 
@@ -94,7 +93,9 @@ def propagate(gm: fx.GraphModule, inputs: list[Any]) -> tuple[Recorder | None, s
                 recorder.run(*fake_inputs)
             return recorder, "fake"
         except Exception as e:  # noqa: BLE001 - fall back to real (no-grad) propagation
-            log.info("explain: fake-tensor propagation failed (%s: %s); running for real", type(e).__name__, _first_line(e))
+            log.info(
+                "explain: fake-tensor propagation failed (%s: %s); running for real", type(e).__name__, _first_line(e)
+            )
         _restore_buffers(saved)
         try:
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -102,8 +103,9 @@ def propagate(gm: fx.GraphModule, inputs: list[Any]) -> tuple[Recorder | None, s
                 recorder.run(*inputs)
             return recorder, "real"
         except Exception as e:  # noqa: BLE001 - explain what can be explained without shapes
-            log.warning("explain: shape propagation failed (%s: %s); reporting without shapes", type(e).__name__, _first_line(e))
+            log.warning(
+                "explain: shape propagation failed (%s: %s); reporting without shapes", type(e).__name__, _first_line(e)
+            )
             return None, "none"
     finally:
         _restore_buffers(saved)
-

@@ -81,6 +81,9 @@ class Report:
     # pipeline: {"schedule", "micro_batches", "bubble_fraction", "imbalance", "measure", "stages": [{"stage",
     # "device", "module_paths", "flops", "param_bytes", "activation_bytes", "sends_elements"}]}
     pipeline: dict[str, Any] | None = None
+    # bytes each device needs, by kind: {device: {"parameters", "gradients", "optimizer", "activations"}}
+    # (optimizer and training as given to transform; see docs/memory.md)
+    memory_estimate: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def comm_elements(self) -> float:
@@ -104,7 +107,6 @@ class Report:
 
     def __str__(self) -> str:
         return _render(self)
-
 
 
 # ----------------------------------------------------------------------------------- tables
@@ -170,21 +172,39 @@ def _render(r: Report) -> str:
     )
     out = [*textwrap.wrap(title, WIDTH, subsequent_indent="  ", break_on_hyphens=False), "", "Per device"]
     rows = [
-        [label, _human_bytes(r.param_bytes.get(label, 0)), _human_bytes(r.activation_bytes.get(label, 0)),
-         f"{r.flops.get(label, 0) / 1e6:,.2f}"]
+        [
+            label,
+            _human_bytes(r.param_bytes.get(label, 0)),
+            _human_bytes(r.activation_bytes.get(label, 0)),
+            f"{r.flops.get(label, 0) / 1e6:,.2f}",
+        ]
         for label in r.devices
     ]
-    rows.append(["max/mean", f"{r.imbalance['param_bytes']:.2f}", f"{r.imbalance['activation_bytes']:.2f}",
-                 f"{r.imbalance['flops']:.2f}"])
+    rows.append(
+        [
+            "max/mean",
+            f"{r.imbalance['param_bytes']:.2f}",
+            f"{r.imbalance['activation_bytes']:.2f}",
+            f"{r.imbalance['flops']:.2f}",
+        ]
+    )
     out += _table(["device", "parameters", "activations (est.)", "MFLOPs (fwd)"], rows, [12, 12, 18, 14])
     out += ["", "Communication (elements each device sends, ring algorithms)"]
     rows = [
-        [c.name, c.kind + (" (io)" if c.io else ""), _human_count(c.elements), _human_count(c.forward),
-         c.backward_kind or "-", _human_count(c.backward), _where(c.source)]
+        [
+            c.name,
+            c.kind + (" (io)" if c.io else ""),
+            _human_count(c.elements),
+            _human_count(c.forward),
+            c.backward_kind or "-",
+            _human_count(c.backward),
+            _where(c.source),
+        ]
         for c in r.collectives
     ]
-    out += _table(["node", "kind", "S", "forward", "backward kind", "backward", "from"], rows,
-                  [26, 15, 11, 11, 13, 11, 19])
+    out += _table(
+        ["node", "kind", "S", "forward", "backward kind", "backward", "from"], rows, [26, 15, 11, 11, 13, 11, 19]
+    )
     sized = all(c.forward is not None for c in r.collectives if not c.io)  # else the totals are unknown, not 0
     io_sized = all(c.forward is not None for c in r.collectives if c.io)
     out.append(
@@ -205,6 +225,14 @@ def _render(r: Report) -> str:
             out += _table(["node", "FLOPs", "reason", "source"], rows, [26, 13, 56, 19])
     if r.pipeline:
         out += _render_pipeline(r.pipeline)
+    if r.memory_estimate:
+        out += ["", "Memory estimate (bytes each device needs)"]
+        kinds = ("parameters", "gradients", "optimizer", "activations")
+        rows = [
+            [d, *(_human_bytes(m.get(k, 0)) for k in kinds), _human_bytes(sum(m.values()))]
+            for d, m in r.memory_estimate.items()
+        ]
+        out += _table(["device", *kinds, "total"], rows, [12, 12, 12, 12, 12, 12])
     if r.plan:
         out += ["", "Tensor-parallel plan"]
         rows = []
@@ -215,10 +243,16 @@ def _render(r: Report) -> str:
         out += _table(["module", "style", "reason"], rows, [24, 10, 80])
     out += ["", "Nodes"]
     rows = [
-        [i.name, i.op.replace("call_", ""), i.target, i.device, _shape_text(i), ",".join(sorted(set(i.dtype or []))) or "-",
-         _where(i.source)]
+        [
+            i.name,
+            i.op.replace("call_", ""),
+            i.target,
+            i.device,
+            _shape_text(i),
+            ",".join(sorted(set(i.dtype or []))) or "-",
+            _where(i.source),
+        ]
         for i in r.nodes
     ]
     out += _table(["node", "op", "target", "device", "shape", "dtype", "source"], rows, [26, 11, 19, 8, 16, 7, 19])
     return "\n".join(out)
-

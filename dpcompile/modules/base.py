@@ -304,6 +304,7 @@ class ParallelModule(fx.GraphModule):
             nones, flags = frozenset(), ()
         return self._key(self._devices_for(args, kwargs), nones, flags)
 
+    strategy = property(lambda self: next((s for s in ("data_parallel", "pipeline") if s in str(self.mode)), "tensor_parallel"))
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
         """The program a call with these arguments runs: ``self`` or one traced for the call.
 

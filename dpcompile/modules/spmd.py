@@ -77,20 +77,35 @@ class SpmdModule(ParallelModule):
         tp_dim: str | int | None,
         shards: Mapping[str, ShardSpec] | None = None,
         ddp_options: Mapping[str, Any] | None = None,
+        fsdp: Mapping[str, Any] | None = None,
     ) -> None:
-        """Hold the mesh and this rank's shards; build DDP where there is a data-parallel dim."""
+        """Hold the mesh and this rank's shards; build DDP where there is a data-parallel dim,
+        or FSDP2 (``fsdp``: ``fully_shard``'s keyword arguments) where asked."""
         self.__dict__["mesh"] = mesh
         self.dp_dim = dp_dim
         self.tp_dim = tp_dim
         self.shards = dict(shards or {})
         self.__dict__["_ddp"] = None
-        fake = any(is_fake(p) for p in self.parameters())  # a meta model's: DDP is built once they have memory
-        if dp_dim is not None and not fake and any(p.requires_grad for p in self.parameters()):
+        fake = any(is_fake(p) for p in self.parameters())  # a meta model's: DDP/FSDP are built once they have memory
+        self.__dict__["_fsdp"] = None
+        if dp_dim is not None and not fake and fsdp is not None:
+            self.__dict__["_fsdp"] = build_fsdp(self, mesh, dp_dim, fsdp)
+        elif dp_dim is not None and not fake and any(p.requires_grad for p in self.parameters()):
             self.__dict__["_ddp"] = build_ddp(self, mesh, dp_dim, ddp_options or {})
 
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel | None:
         return self.__dict__.get("_ddp")
+
+    @property
+    def fsdp(self) -> nn.Module | None:
+        """The ``fully_shard`` root that runs the program with ``data_parallel="fsdp"`` (else None)."""
+        return self.__dict__.get("_fsdp")
+
+    @property
+    def fsdp_blocks(self) -> list[str]:
+        """The module paths wrapped with ``fully_shard`` of their own (the repeated blocks)."""
+        return list(self.__dict__.get("_fsdp_blocks", ()))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.__dict__.get(NEEDS_WEIGHTS):  # before DDP, which calls the program directly
@@ -98,9 +113,9 @@ class SpmdModule(ParallelModule):
         if self.check_inputs:
             if self.__dict__.get("tp_dim") is not None:
                 self.check_inputs_agree(args, kwargs)
-            elif self.__dict__.get("_ddp") is not None:
+            elif self.__dict__.get("_ddp") is not None or self.__dict__.get("_fsdp") is not None:
                 self.check_calls_agree(args, kwargs)
-        ddp = self.__dict__.get("_ddp")
+        ddp = self.__dict__.get("_ddp") or self.__dict__.get("_fsdp")
         if ddp is None:
             return super().__call__(*args, **kwargs)
         try:
@@ -180,7 +195,14 @@ class SpmdModule(ParallelModule):
         As ``DistributedDataParallel.no_sync``: the first backward after the block all-reduces
         the accumulated gradients. A no-op without a data-parallel dimension.
         """
-        ddp = self.__dict__.get("_ddp")
+        ddp, fsdp = self.__dict__.get("_ddp"), self.__dict__.get("_fsdp")
+        if fsdp is not None:
+            fsdp.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                fsdp.set_requires_gradient_sync(True)
+            return
         if ddp is None:
             yield
             return
@@ -196,7 +218,9 @@ class SpmdModule(ParallelModule):
         return self
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
         """The original model's keys with full tensors; sharded ones are all-gathered.
 
         With tensor parallelism this is a collective: call it on every rank of the mesh.
@@ -204,6 +228,8 @@ class SpmdModule(ParallelModule):
         if args:
             raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
         sd = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if self.__dict__.get("_fsdp") is not None:  # FSDP's DTensor shards over dp, all-gathered
+            sd.update((key, full_tensor(value)) for key, value in sd.items())
         if not self.shards:
             return sd
         group = self._tp_group().group
@@ -244,7 +270,9 @@ class SpmdModule(ParallelModule):
                 full = state_dict.get(prefix + key)
                 if isinstance(full, torch.Tensor) and full.dim() > spec.dim and full.size(spec.dim) == sum(spec.sizes):
                     state_dict[prefix + key] = shard_of(full, spec, rank)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def _tp_group(self) -> MeshGroup:
         group = getattr(self, "tp_group", None)
@@ -259,7 +287,9 @@ class SpmdModule(ParallelModule):
         )
 
 
-def input_signature(pm: ParallelModule, args: tuple, kwargs: dict, *, batch_free: bool = False) -> list[tuple[str, str]]:
+def input_signature(
+    pm: ParallelModule, args: tuple, kwargs: dict, *, batch_free: bool = False
+) -> list[tuple[str, str]]:
     """Per input (by the name forward gives it): its tensors' shapes and dtypes (``batch_free``:
     their number of dims, not the sizes), or the value of a plain Python argument (None, a
     flag), as text every rank can compare."""
@@ -278,7 +308,9 @@ def input_signature(pm: ParallelModule, args: tuple, kwargs: dict, *, batch_free
     return out
 
 
-def describe_disagreement(signatures: list[list[tuple[str, str]]], ranks: list[int], *, data_parallel: bool = False) -> str:
+def describe_disagreement(
+    signatures: list[list[tuple[str, str]]], ranks: list[int], *, data_parallel: bool = False
+) -> str:
     """The first input on which ranks disagree, with each rank's value."""
     per_rank = [dict(s) for s in signatures]
     names = list(dict.fromkeys(name for s in signatures for name, _ in s))
@@ -363,6 +395,53 @@ def build_ddp(
         raise collective_failure("DistributedDataParallel's broadcast of rank 0's parameters", group, e) from e
 
 
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Paths of the model's repeated blocks: the children of a ``ModuleList`` or ``Sequential``
+    of two or more modules of one class (a transformer's layers), outermost lists first.
+
+    >>> repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([Block(), Block()])))  # doctest: +SKIP
+    ['1.0', '1.1']
+    """
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if any(path == p or path.startswith(p + ".") for p in found):
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            classes = {type(child) for child in module}
+            if len(classes) == 1 and all(next(child.children(), None) is not None for child in module):
+                found += [f"{path}.{name}" if path else name for name in module._modules]
+    return found
+
+
+def build_fsdp(pm: SpmdModule, mesh: Any, dp_dim: str | int, options: Mapping[str, Any]) -> nn.Module:
+    """FSDP2 over the ``dp_dim`` of ``mesh``, as torchtitan applies it: ``fully_shard`` on each
+    repeated block the program calls as a module, then on a root that runs the program (which
+    holds the rest: embeddings, final norm, head). ``options`` go to every ``fully_shard``
+    (``mp_policy=``, ``reshard_after_forward=``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh[dp_dim] if isinstance(dp_dim, str) and mesh.ndim > 1 else mesh
+    called = {str(n.target) for n in pm.graph.nodes if n.op == "call_module"}
+    blocks = [path for path in repeated_blocks(pm) if path in called]
+    group = dp_mesh.get_group()
+    try:
+        for path in blocks:
+            fully_shard(pm.get_submodule(path), mesh=dp_mesh, **options)
+        root = _LocalProgram(pm)
+        fully_shard(root, mesh=dp_mesh, **options)
+    except (RuntimeError, dist.DistError) as e:
+        if not is_communication_failure(e):
+            raise
+        raise collective_failure("fully_shard's setup", group, e) from e
+    pm.__dict__["_fsdp_blocks"] = blocks
+    return root
+
+
+def full_tensor(value: Any) -> Any:
+    """A DTensor's full value (a collective over its mesh); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 reserve_names(dir(SpmdModule))

@@ -25,7 +25,13 @@ from torch import nn
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims, propagate
 from dpcompile.analysis.placement import Whole
-from dpcompile.analysis.split_fraction import node_flops, parameter_weights, split_fraction, whole_ops
+from dpcompile.analysis.split_fraction import (
+    node_flops,
+    node_flops_from_shapes,
+    parameter_weights,
+    split_fraction,
+    whole_ops,
+)
 from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture
 from dpcompile.devices import Devices
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
@@ -160,7 +166,7 @@ def warn_if_mostly_whole(
         return 1.0
     weights = None
     if example_inputs is not None:
-        weights = node_flops(gm, list(example_inputs))
+        weights = node_flops_from_shapes(gm) or node_flops(gm, list(example_inputs))
     measure = "FLOPs" if weights else "parameter-weighted ops"
     weights = weights or parameter_weights(gm)
     whole = whole_ops(gm, placements, weights)

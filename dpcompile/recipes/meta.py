@@ -149,7 +149,12 @@ def compile_meta_model(
         pm = compile_on_fake(model, local_device(recipe.mesh), example_inputs, example_kwargs, compile_one)
         if pm.dp_dim is not None:  # 2-D: DDP over the dp groups, now that the shards have memory
             pm.attach_mesh(
-                mesh=recipe.mesh, dp_dim=pm.dp_dim, tp_dim=pm.tp_dim, shards=pm.shards, ddp_options=recipe.ddp_options
+                mesh=recipe.mesh,
+                dp_dim=pm.dp_dim,
+                tp_dim=pm.tp_dim,
+                shards=pm.shards,
+                ddp_options=recipe.ddp_options,
+                fsdp=recipe.fsdp_options(),
             )
         return pm
     unset = materialize_replica(model, device)

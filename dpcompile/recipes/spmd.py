@@ -29,6 +29,7 @@ parallel) or on a fake-tensor copy with ``pm``'s plan (tensor parallel).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_mesh, local_device, mesh_size
 from dpcompile.modules.carried import modes_applied
-from dpcompile.modules.spmd import SpmdModule
+from dpcompile.modules.spmd import SpmdModule, repeated_blocks
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
@@ -66,11 +67,15 @@ class SpmdRecipe(Recipe):
     """This rank's program over ``mesh``; ``plan``: False (data parallel), True or ``{path: style}``.
 
     ``ddp_options`` are passed to ``DistributedDataParallel`` (``bucket_cap_mb=``, ...).
+    ``data_parallel``: ``"ddp"`` or ``"fsdp"`` (FSDP2's ``fully_shard`` per repeated block, then
+    the root; ``mixed_precision``: its ``MixedPrecisionPolicy``).
     """
 
     mesh: Any = field(default=None, compare=False)
     plan: bool | Mapping[str, str] = False
     ddp_options: Mapping[str, Any] = field(default_factory=dict)
+    data_parallel: str = "ddp"
+    mixed_precision: Any = field(default=None, compare=False)
 
     @property
     def mode(self) -> str:
@@ -81,9 +86,24 @@ class SpmdRecipe(Recipe):
         the first rank's parameters and buffers)."""
         mode, dp_dim, tp_dim = check_mesh(self.mesh, self.plan)
         device = local_device(self.mesh)
+        if self.data_parallel == "fsdp" and dp_dim is None:
+            raise ValueError(
+                'data_parallel="fsdp" shards over the mesh\'s data-parallel dimension, and this mesh has none '
+                f"(dims {tuple(self.mesh.mesh_dim_names or ())}); pass a ('dp',) or ('dp', 'tp') mesh"
+            )
         if mode == "spmd_data_parallel":
+            if self.data_parallel == "fsdp":  # the blocks stay calls: fully_shard hooks their forward
+                blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
+                recipe = dataclasses.replace(self, leaf_modules=self.leaf_modules + blocks)
+                return recipe._compile_data_parallel(model, dp_dim, device, example_inputs)
             return self._compile_data_parallel(model, dp_dim, device, example_inputs)
         return self._compile_tensor_parallel(model, mode, dp_dim, tp_dim, device, example_inputs)
+
+    def fsdp_options(self) -> dict[str, Any] | None:
+        """``fully_shard``'s keyword arguments where ``data_parallel="fsdp"``, else None."""
+        if self.data_parallel != "fsdp":
+            return None
+        return {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
 
     # ------------------------------------------------------------------ data parallel
     def _data_parallel_pipeline(self, device: torch.device, dp_dim: str | int | None) -> list:
@@ -112,7 +132,9 @@ class SpmdRecipe(Recipe):
             none_args=nones,
         )
         pm.captured_code = captured_code
-        pm.attach_mesh(mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options)
+        pm.attach_mesh(
+            mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options, fsdp=self.fsdp_options()
+        )
         return pm
 
     # ------------------------------------------------------------------ tensor parallel
@@ -166,7 +188,9 @@ class SpmdRecipe(Recipe):
         )
         pm.captured_code = captured_code
         pm.plan_reasons = {**{unalias(p): why for p, why in reasons.items()}, **{p: f"replicate: {why}" for p, why in info.get("reasons", {}).items()}}
-        pm.attach_mesh(mesh=self.mesh, dp_dim=dp_dim, tp_dim=tp_dim, shards=specs, ddp_options=self.ddp_options)
+        pm.attach_mesh(
+            mesh=self.mesh, dp_dim=dp_dim, tp_dim=tp_dim, shards=specs, ddp_options=self.ddp_options, fsdp=self.fsdp_options()
+        )
         return pm
 
     # ------------------------------------------------------------------ variants

@@ -1,0 +1,207 @@
+"""What a program needs per device: parameters, gradients, optimizer state and activations.
+
+:func:`activation_bytes` runs forward on fake tensors (no memory, no compute) and counts the
+tensors autograd saves for backward (``training=True``) or the peak of the tensors alive at once
+(``training=False``), without parameters or inputs. :func:`optimizer_bytes` is the state
+``torch.optim`` keeps: ``"sgd"`` none (plain SGD, no momentum: pass ``"sgd_momentum"`` for one
+buffer per parameter), ``"adamw"`` / ``"adam"`` two float32 buffers per parameter (``exp_avg``,
+``exp_avg_sq``) and a 4-byte ``step`` each.
+
+:class:`MemoryEstimate` holds the four kinds per device; :func:`choose_strategy` picks the first
+candidate (in the order that moves the fewest bytes: data parallel, then tensor parallel, then
+pipeline stages where given) whose every device fits its budget, and :func:`no_fit_message`
+says how many devices, or how large a budget, would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "KINDS",
+    "MemoryEstimate",
+    "activation_bytes",
+    "choose_strategy",
+    "format_bytes",
+    "optimizer_bytes",
+    "parse_budget",
+]
+
+KINDS = ("parameters", "gradients", "optimizer", "activations")
+_OPTIMIZER_BUFFERS = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Bytes per device by kind: ``{device label: {"parameters": b, "gradients": b, "optimizer": b,
+    "activations": b}}``; ``what`` says how activations were counted."""
+
+    per_device: dict[str, dict[str, int]]
+    optimizer: str | None = None
+    training: bool = True
+    what: str = ""
+
+    def total(self, device: str) -> int:
+        return sum(self.per_device[device].values())
+
+    @property
+    def peak(self) -> int:
+        """The most any device needs."""
+        return max((self.total(d) for d in self.per_device), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_device": {d: {**kinds, "total": sum(kinds.values())} for d, kinds in self.per_device.items()},
+                "optimizer": self.optimizer, "training": self.training, "activations_counted": self.what}  # fmt: skip
+
+    def table(self) -> str:
+        rows = [f"  {'device':<12}" + "".join(f"{k:>14}" for k in (*KINDS, "total"))]
+        for device, kinds in self.per_device.items():
+            cells = [format_bytes(kinds[k]) for k in KINDS] + [format_bytes(sum(kinds.values()))]
+            rows.append(f"  {device:<12}" + "".join(f"{c:>14}" for c in cells))
+        return "\n".join(rows)
+
+
+def parse_budget(budget: Any) -> int:
+    """``"24GiB"``, ``"1.5 GB"``, ``"512MiB"`` or an int of bytes, as bytes."""
+    if isinstance(budget, bool):
+        raise ValueError(f"memory_per_device={budget!r}: expected bytes (an int) or a size such as '24GiB'")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"memory_per_device={budget}: a budget must be positive")
+        return budget
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(budget).lower())
+    if not isinstance(budget, str) or match is None:
+        raise ValueError(f"memory_per_device={budget!r}: expected bytes (an int) or a size such as '24GiB', '512MB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def optimizer_bytes(params: Iterable[torch.Tensor], optimizer: str | None) -> int:
+    """Bytes of the state ``optimizer`` keeps for ``params`` (those that require grad)."""
+    if optimizer not in _OPTIMIZER_BUFFERS:
+        raise ValueError(f"optimizer={optimizer!r}: expected None, 'sgd', 'sgd_momentum', 'adam' or 'adamw'")
+    buffers = _OPTIMIZER_BUFFERS[optimizer]
+    total = 0
+    for p in params:
+        if p.requires_grad and buffers:
+            state = p.numel() * (4 if p.is_floating_point() and p.element_size() < 4 else p.element_size())
+            total += buffers * state + (4 if optimizer in ("adam", "adamw") else 0)  # `step`: a float32 scalar
+    return total
+
+
+def activation_bytes(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
+                     training: bool = True) -> int:  # fmt: skip
+    """Bytes of activations of ``model(*args, **kwargs)`` on fake copies of its parameters,
+    buffers and arguments (no memory, no compute).
+
+    ``training``: the tensors autograd saves for backward (unique storages; parameters, buffers,
+    inputs and their views left out), what a training step holds at the end of forward.
+    Otherwise the peak of the bytes of op outputs alive at once during forward (no graph kept).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(v: Any) -> Any:
+        return mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+
+    state = {name: fake(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    fake_args = [fake(a) for a in args]
+    fake_kwargs = {k: fake(v) for k, v in (kwargs or {}).items()}
+    held = [*state.values(), *fake_args, *fake_kwargs.values()]
+    excluded = {_storage_key(v) for v in held if isinstance(v, torch.Tensor)}
+    saved: dict[int, int] = {}
+    live = {"now": 0, "peak": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in excluded:
+            saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    class Live(TorchDispatchMode):
+        seen: dict[int, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and _storage_key(t) not in self.seen and _storage_key(t) not in excluded:
+                    size = t.untyped_storage().nbytes()
+                    self.seen[_storage_key(t)] = size
+                    live["now"] += size
+                    live["peak"] = max(live["peak"], live["now"])
+                    weakref.finalize(t, _release, live, size)
+            return out
+
+    grad = torch.enable_grad() if training else torch.no_grad()
+    with mode, grad, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if training:
+            functional_call(model, state, tuple(fake_args), fake_kwargs)
+        else:
+            with Live():
+                functional_call(model, state, tuple(fake_args), fake_kwargs)
+    return sum(saved.values()) if training else live["peak"]
+
+
+def _release(live: dict[str, int], size: int) -> None:
+    live["now"] -= size
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def choose_strategy(candidates: Mapping[str, MemoryEstimate | None], budgets: Mapping[str, int]) -> str | None:
+    """The first candidate (in the given order: fewest bytes moved first) where every device's
+    total fits its budget; None where none does."""
+    for name, estimate in candidates.items():
+        if estimate is not None and all(estimate.total(d) <= budgets[d] for d in estimate.per_device):
+            return name
+    return None
+
+
+def smallest_device_count(bytes_for: Callable[[int], int], budget: int, start: int, limit: int = 4096) -> int | None:
+    """The fewest devices ``k >= start`` with ``bytes_for(k) <= budget`` (None up to ``limit``)."""
+    k = start
+    while k <= limit:
+        if bytes_for(k) <= budget:
+            return k
+        k += 1
+    return None
+
+
+def parameter_kinds(params: Sequence[torch.Tensor], optimizer: str | None, training: bool) -> dict[str, int]:
+    """Parameters, gradients and optimizer state of ``params``, in bytes (no activations)."""
+    unique = list({id(p): p for p in params}.values())
+    return {
+        "parameters": sum(p.numel() * p.element_size() for p in unique),
+        "gradients": sum(p.numel() * p.element_size() for p in unique if p.requires_grad) if training else 0,
+        "optimizer": optimizer_bytes(unique, optimizer) if training else 0,
+    }
+
+
+def shardable_parameters(model: nn.Module, n: int) -> list[torch.Tensor]:
+    """Parameters tensor parallelism over ``n`` devices splits: each ``nn.Linear``'s weight (and
+    bias) whose output features divide by ``n``."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.out_features % n == 0 and module.out_features >= n:
+            out += [p for p in (module.weight, module.bias) if p is not None]
+    return out

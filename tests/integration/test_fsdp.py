@@ -1,0 +1,263 @@
+"""``transform(model, mesh, data_parallel="fsdp")``: FSDP2 over gloo processes on CPU.
+
+Each scenario spawns one group (a few seconds each), so checks share groups: losses, gradients,
+three SGD steps and ``pm.state_dict()`` against the eager model on the whole batch; per-rank
+parameter bytes against total / world size; a 2-D ``("dp", "tp")`` mesh.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from tests.integration.test_spmd import Block
+
+GROUP_TIMEOUT_S = 300.0  # spawning, importing and the first gloo connections are slow on a loaded machine
+
+
+class Stack(nn.Module):
+    """Repeated blocks between an input projection and a head (the layout FSDP wraps per block)."""
+
+    def __init__(self, d: int = 8, layers: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _batches(world: int, steps: int = 3):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2 * world, 5, 8, generator=g) for _ in range(steps)]
+
+
+def _local_bytes(pm) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in pm.parameters())
+
+
+def _train_and_compare(pm, reference, world: int, dp_rank: int, dp_size: int) -> None:
+    """Three SGD steps on this rank's part of each batch against eager on the whole batch: the
+    losses, then ``pm.state_dict()`` (full tensors, the model's keys) against the eager model's."""
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    names = [n for n, _ in reference.named_parameters()]
+    for x in _batches(world):
+        per = x.size(0) // dp_size
+        local = x[dp_rank * per : (dp_rank + 1) * per]
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = (pm(local) ** 2).mean()
+        want = reference(x)
+        want_local = (want[dp_rank * per : (dp_rank + 1) * per] ** 2).mean()
+        (want**2).mean().backward()
+        loss.backward()
+        torch.testing.assert_close(loss, want_local, atol=1e-5, rtol=1e-5)
+        opt.step()
+        ref_opt.step()
+    state = pm.state_dict()
+    want_state = reference.state_dict()
+    assert list(state) == list(want_state) and [n for n in state if n in names] == names
+    for key, value in want_state.items():
+        torch.testing.assert_close(state[key], value, atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def check_fsdp_1d(rank: int, world: int) -> None:
+    """FSDP over a ("dp",) mesh: fully_shard per block then the root; gradients, 3 steps and
+    state_dict equal eager; each rank holds about total / world of the parameter bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    pm = dpcompile.transform(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), data_parallel="fsdp")
+    assert pm.fsdp is not None and pm.ddp is None
+    assert pm.fsdp_blocks == ["layers.0", "layers.1", "layers.2"], pm.fsdp_blocks
+    assert all(isinstance(p, DTensor) for p in pm.parameters())
+    local = _local_bytes(pm)
+    # dim-0 shards are padded to equal rows: at most one row per parameter more than total / world
+    slack = sum(p.numel() // p.size(0) * p.element_size() for p in reference.parameters())
+    assert total / world <= local <= total / world + slack, (local, total, world)
+    _train_and_compare(pm, reference, world, rank, world)
+
+
+def check_fsdp_grads_exact(rank: int, world: int) -> None:
+    """The first step's gradients (all-gathered) equal eager's on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = Stack(layers=2)
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), data_parallel="fsdp")
+    x = _batches(world, 1)[0]
+    per = x.size(0) // world
+    (pm(x[rank * per : (rank + 1) * per]) ** 2).mean().backward()
+    (reference(x) ** 2).mean().backward()
+    got = dict(pm.named_parameters())
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(
+            got[name].grad.full_tensor(), q.grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def check_fsdp_mixed_precision(rank: int, world: int) -> None:
+    """mixed_precision= reaches fully_shard: bfloat16 compute, float32 shards and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = Stack(layers=2)
+    reference = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    pm = dpcompile.transform(model, mesh, data_parallel="fsdp", mixed_precision=policy)
+    x = _batches(world, 1)[0]
+    per = x.size(0) // world
+    out = pm(x[rank * per : (rank + 1) * per])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference(x)[rank * per : (rank + 1) * per], atol=5e-2, rtol=5e-2)
+    out.float().pow(2).mean().backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in pm.parameters())
+
+
+def check_fsdp_2d(rank: int, world: int) -> None:
+    """A ("dp", "tp") mesh: tensor parallel over tp, FSDP over dp; 3 steps and state_dict equal eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = Stack(layers=2)
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    pm = dpcompile.transform(model, mesh, tensor_parallel=True, data_parallel="fsdp")
+    assert pm.mode == "spmd_2d" and pm.fsdp is not None and pm.ddp is None
+    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert _local_bytes(pm) < total / 2, (_local_bytes(pm), total)
+    _train_and_compare(pm, reference, world, mesh.get_local_rank("dp"), 2)
+
+
+SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
+    "one_d": [
+        ("check_fsdp_1d", check_fsdp_1d),
+        ("check_fsdp_grads_exact", check_fsdp_grads_exact),
+        ("check_fsdp_mixed_precision", check_fsdp_mixed_precision),
+    ],
+    "two_d": [("check_fsdp_1d", check_fsdp_1d), ("check_fsdp_2d", check_fsdp_2d)],
+}
+
+
+# ---------------------------------------------------------------------------- harness
+def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    outcome: dict[str, str | None] = {}
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+        )
+        for name, check in SCENARIOS[scenario]:
+            try:
+                check(rank, world)
+                outcome[name] = None
+            except Exception:  # noqa: BLE001 - report every check
+                outcome[name] = traceback.format_exc()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        outcome["<setup>"] = traceback.format_exc()
+    results.put((rank, outcome))
+
+
+def _run(scenario: str, world: int) -> dict[int, dict[str, str | None]]:
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, scenario, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, dict[str, str | None]] = {}
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    try:
+        while len(outcomes) < world and time.monotonic() < deadline:
+            try:
+                rank, outcome = results.get(timeout=1.0)
+                outcomes[rank] = outcome
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def two():
+    return _run("one_d", 2)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return _run("two_d", 4)
+
+
+def _check(outcomes: dict[int, dict[str, str | None]], world: int, name: str) -> None:
+    assert sorted(outcomes) == list(range(world)), f"ranks {sorted(set(range(world)) - set(outcomes))} reported nothing"
+    for rank in range(world):
+        assert "<setup>" not in outcomes[rank], outcomes[rank]["<setup>"]
+        assert outcomes[rank].get(name, "not run") is None, (
+            f"rank {rank}, {name}:\n{outcomes[rank].get(name, 'not run')}"
+        )
+
+
+@pytest.mark.parametrize("name", [name for name, _ in SCENARIOS["one_d"]])
+def test_fsdp_2_processes(two, name):
+    _check(two, 2, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name, _ in SCENARIOS["two_d"]])
+def test_fsdp_4_processes(four, name):
+    _check(four, 4, name)
+
+
+def test_fsdp_needs_a_mesh():
+    """Without a mesh there are no processes to shard over: a ValueError naming the way out."""
+    import dpcompile
+
+    with pytest.raises(ValueError, match="DeviceMesh"):
+        dpcompile.transform(Stack(), ["cpu", "cpu"], data_parallel="fsdp")
+    with pytest.raises(ValueError, match='"ddp"'):
+        dpcompile.transform(Stack(), ["cpu", "cpu"], data_parallel="zero3")

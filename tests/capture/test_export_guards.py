@@ -152,6 +152,8 @@ def test_export_guard_example_batch_of_one_then_four_is_refused():
         pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_kwargs={"input_ids": _ids(1, 8)})
     with pytest.raises(dpcompile.DpCompileError, match=r"'input_ids' has shape \(4, 8\).*shape \(1, 8\).*dim 0: 4 vs 1"):
         pm(input_ids=_ids(4, 8))
+    with pytest.raises(dpcompile.DpCompileError, match="captured by torch.export without 'attention_mask'.*example_kwargs="):
+        pm(input_ids=_ids(1, 8), attention_mask=torch.ones(1, 8))
 
 
 class ScaledInner(nn.Module):

@@ -266,3 +266,28 @@ def test_export_labels_only_t5_style_shift_tokens_right_matches_eager():
     ids, labels = _ids(4, 12), _ids(4, 6)
     pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_kwargs={"input_ids": ids, "labels": labels})
     torch.testing.assert_close(pm(input_ids=ids, labels=labels), model(ids, labels))
+
+
+@pytest.mark.slow
+def test_export_guard_bert_shorter_sequence_and_changed_scaling_are_refused():
+    """A transformers BERT captured with 8 tokens: 1 token is refused (never (4, 8, 32)); dynamic_dims=[1] serves it;
+    ``encoder.layer.1.attention.self.scaling`` changed (read behind a decorator and in eager_attention_forward) is refused."""
+    from tests.thirdparty import import_or_skip
+
+    transformers = import_or_skip("transformers")
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=50,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids, mask = _ids(4, 8), torch.ones(4, 8, dtype=torch.long)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_kwargs={"input_ids": ids, "attention_mask": mask})
+    with pytest.raises(dpcompile.DpCompileError, match=r"'input_ids' has shape \(4, 1\).*\(\*, 8\)"):
+        pm(input_ids=ids[:, :1], attention_mask=mask[:, :1])
+    dynamic = dpcompile.transform(model, ["cpu"] * 2, example_kwargs={"input_ids": ids, "attention_mask": mask}, dynamic_dims=[1])
+    out = dynamic(input_ids=ids[:, :1], attention_mask=mask[:, :1]).last_hidden_state
+    torch.testing.assert_close(out, model(input_ids=ids[:, :1], attention_mask=mask[:, :1]).last_hidden_state)
+    model.encoder.layer[1].attention.self.scaling = 0.5
+    with pytest.raises(dpcompile.DpCompileError, match="'encoder.layer.1.attention.self.scaling'"):
+        pm(input_ids=ids, attention_mask=mask)

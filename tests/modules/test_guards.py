@@ -5,6 +5,7 @@ after any of them changed runs a program traced for the model as it is now."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -553,3 +554,37 @@ def test_guard_hook_computing_in_place_on_a_container_is_traced_in_once():
     model.block.register_forward_hook(scale)
     pm = dpcompile.transform(model, ["cpu"] * 2)
     _same(pm, model, torch.randn(6, 8))
+
+
+def _passthrough(forward):
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _scaled_by(module, h):
+    return h * module.helper_scale  # read by a function the forward calls, as transformers' attention functions do
+
+
+class Decorated(nn.Module):
+    """A decorated forward (transformers wraps every forward) that reads an attribute through a helper function."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.helper_scale = 1.0
+
+    @_passthrough
+    def forward(self, x):
+        return _scaled_by(self, self.fc(x))
+
+
+def test_guard_attribute_read_behind_a_decorator_and_in_a_helper_is_followed():
+    torch.manual_seed(0)
+    model = nn.Sequential(Decorated(), Decorated())
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(6, 8)
+    model[1].helper_scale = 2.0
+    _same(pm, model, x)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 import logging
 import types
 import warnings
@@ -163,15 +164,26 @@ class CallSignature:
 
 
 def _code_names(cls: type, _cache: dict[type, frozenset[str]] = {}) -> frozenset[str]:  # noqa: B006 - a memo
-    """Attribute names the methods of ``cls`` (and its bases below nn.Module) read, but ``__init__``."""
+    """Attribute names the methods of ``cls`` (and its bases below nn.Module) read, but ``__init__``:
+    behind decorators (``functools.wraps``), and in the functions of their own module they call
+    (transformers' ``eager_attention_forward(self, ...)`` reads ``module.scaling``)."""
     if cls not in _cache:
         names: set[str] = set()
+        seen: set[types.CodeType] = set()
 
-        def visit(code: types.CodeType) -> None:
+        def visit(code: types.CodeType, namespace: dict, depth: int) -> None:
+            if code in seen:
+                return
+            seen.add(code)
             names.update(code.co_names)
             for const in code.co_consts:
                 if isinstance(const, types.CodeType):
-                    visit(const)
+                    visit(const, namespace, depth)
+            if depth < 2:
+                for name in code.co_names:
+                    called = namespace.get(name)
+                    if isinstance(called, types.FunctionType) and called.__module__ == namespace.get("__name__"):
+                        visit(called.__code__, namespace, depth + 1)
 
         for klass in cls.__mro__:
             if klass in (nn.Module, object) or klass.__module__.startswith("torch.nn"):
@@ -180,9 +192,14 @@ def _code_names(cls: type, _cache: dict[type, frozenset[str]] = {}) -> frozenset
                 if name == "__init__":  # sets attributes; only what the other methods read matters
                     continue
                 func = getattr(value, "__func__", value)
+                if callable(func) and hasattr(func, "__wrapped__"):
+                    try:
+                        func = inspect.unwrap(func)
+                    except ValueError:
+                        pass
                 code = getattr(func, "__code__", None)
                 if isinstance(code, types.CodeType):
-                    visit(code)
+                    visit(code, getattr(func, "__globals__", {}), 0)
         _cache[cls] = frozenset(names)
     return _cache[cls]
 

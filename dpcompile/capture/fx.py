@@ -29,6 +29,7 @@ from dpcompile.capture.state import python_state_kept
 from dpcompile.errors import TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
+from dpcompile.runtime import run_forward_hook as runtime_run_forward_hook
 from dpcompile.runtime import without_grad as runtime_without_grad
 
 
@@ -77,6 +78,31 @@ class DpTracer(fx.Tracer):
                 self.graph.erase_node(arg.node)
                 args[i] = values
         return root_fn, args
+
+    def call_module(self, m, forward, args, kwargs):
+        """A module forward is traced through, with its forward hooks: one that computes the output
+        is traced in; one that only records (returns None, computes nothing) runs at call time."""
+        hooks = m._forward_hooks
+        if not hooks or self.is_leaf_module(m, self.path_of_module(m)):
+            return super().call_module(m, forward, args, kwargs)
+        saved = dict(hooks)
+        hooks.clear()
+        try:
+            output = super().call_module(m, forward, args, kwargs)
+        finally:
+            hooks.clear()
+            hooks.update(saved)
+        for hook_id, hook in saved.items():
+            with_kwargs = hook_id in m._forward_hooks_with_kwargs
+            last = next(iter(reversed(self.graph.nodes)))
+            result = hook(m, args, kwargs, output) if with_kwargs else hook(m, args, output)
+            if result is not None:
+                output = result
+            elif next(iter(reversed(self.graph.nodes))) is last:  # it recorded: run it at each call
+                module = self.create_proxy("get_attr", self.path_of_module(m), (), {})
+                call_kwargs = kwargs if with_kwargs else None
+                self.create_proxy("call_function", runtime_run_forward_hook, (module, hook_id, args, call_kwargs, output), {})
+        return output
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, nn.RNNBase) or (self.leaf_module_types and isinstance(m, self.leaf_module_types)):

@@ -73,7 +73,15 @@ def called_modules(gm: fx.GraphModule) -> frozenset[str]:
 
 def check_inputs(specs: Sequence[InputSpec], args: tuple, kwargs: Mapping[str, Any], model_name: str = "the model") -> None:
     """Raise :class:`InputMismatch` for the first argument whose shape, dtype or tensor-ness
-    departs from what the program was captured with."""
+    departs from what the program was captured with, or that the program has no place for."""
+    names = {spec.name for spec in specs}
+    extra = [k for k in kwargs if k not in names] + [f"positional argument {i + 1}" for i in range(len(specs), len(args))]
+    if extra:
+        raise InputMismatch(
+            f"{model_name} was captured by torch.export without {extra[0]!r} (the examples did not pass it), so the "
+            f"program takes only {sorted(names)}; call dpcompile.transform with examples that pass it "
+            "(example_kwargs=) for calls that do"
+        )
     for position, spec in enumerate(specs):
         if spec.dtype is None:
             continue

@@ -5,6 +5,7 @@ after any of them changed runs a program traced for the model as it is now."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -523,3 +524,67 @@ def test_guard_changes_after_compile_are_followed(compiled):
     _same(run, model, x)
     handle.remove()
     _same(run, model, x)
+
+
+def test_guard_recording_hook_on_a_container_before_transform_runs_at_each_call():
+    """A feature-extraction hook (records, returns None) on a container forward enters, registered before
+    transform: each call records the whole batch's real output, as the model's own call does."""
+    torch.manual_seed(0)
+    model = Residual()
+    features: dict[str, torch.Tensor] = {}
+    model.block.register_forward_hook(lambda module, args, out: features.__setitem__("block", out))
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    for _ in range(2):
+        x = torch.randn(6, 8)
+        pm(x)
+        recorded = features["block"]
+        model(x)
+        assert type(recorded) is torch.Tensor
+        torch.testing.assert_close(recorded, features["block"])
+
+
+def test_guard_hook_computing_in_place_on_a_container_is_traced_in_once():
+    """A hook that returns None but scales the output in place is part of the program, applied once."""
+    torch.manual_seed(0)
+    model = Residual()
+
+    def scale(module, args, out):
+        out.mul_(3)
+
+    model.block.register_forward_hook(scale)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    _same(pm, model, torch.randn(6, 8))
+
+
+def _passthrough(forward):
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _scaled_by(module, h):
+    return h * module.helper_scale  # read by a function the forward calls, as transformers' attention functions do
+
+
+class Decorated(nn.Module):
+    """A decorated forward (transformers wraps every forward) that reads an attribute through a helper function."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.helper_scale = 1.0
+
+    @_passthrough
+    def forward(self, x):
+        return _scaled_by(self, self.fc(x))
+
+
+def test_guard_attribute_read_behind_a_decorator_and_in_a_helper_is_followed():
+    torch.manual_seed(0)
+    model = nn.Sequential(Decorated(), Decorated())
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    x = torch.randn(6, 8)
+    model[1].helper_scale = 2.0
+    _same(pm, model, x)

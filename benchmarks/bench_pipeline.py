@@ -1,7 +1,7 @@
 """What does a dpcompile pipeline cost against the same pipeline written by hand, and how well
 does the planner balance the stages?
 
-    python benchmarks/bench_pipeline.py
+    python benchmarks/bench_pipeline.py [--mesh]
 
 A deep MLP (16 x Linear(512, 512) + ReLU, a mean loss) on ``["cpu"] * 4``
 virtual devices, 4 stages, 4 micro-batches, batch 64, forward + backward:
@@ -14,14 +14,25 @@ virtual devices, 4 stages, 4 micro-batches, batch 64, forward + backward:
 - ``stage_flops_max_over_mean``: the planner's balance on this uniform stack (goal: at most 1.1),
   from ``dpcompile.explain``, and the bubble fraction ``(S-1)/(M+S-1)``.
 
-The baseline is a one-process loop, not ``torch.distributed.pipelining`` (which needs one
-process per stage; the mesh mode is not built yet). Ratios come from one process, measured
-in alternation. Results: results/pipeline.json.
+Over a mesh (``--mesh``, 2 gloo processes on CPU, a ``("pp",)`` mesh, GPipe, 4 micro-batches):
+
+- ``mesh_dpcompile_s``: ``dpcompile.transform(model, mesh, pipeline=2, micro_batches=4)``, one
+  training step (forward and backward run by the schedule);
+- ``mesh_by_hand_s``: the same two stages written by hand with ``torch.distributed.pipelining``
+  (``PipelineStage`` over ``nn.Sequential`` of the planner's modules, ``ScheduleGPipe`` with a
+  ``loss_fn``): what a user of the engine writes;
+- ``mesh_ratio`` = dpcompile / by hand (goal: at most 1.05).
+
+Ratios come from one process (each rank of the mesh), measured in alternation. Results:
+results/pipeline.json.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -63,7 +74,68 @@ def by_hand(model: LossMLP, stage_paths: list[tuple[str, ...]], devices: list[st
     return step
 
 
+def _mesh_rank(rank: int, port: int, out: dict) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = LossMLP()
+    x = torch.randn(BATCH, WIDTH)
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=MICRO, example_inputs=(x,))
+    hand_model = LossMLP()
+    hand_model.load_state_dict(model.state_dict())
+    mine = nn.Sequential(*[hand_model.get_submodule(p) for p in pm.module_paths])
+    stage = PipelineStage(mine, rank, 2, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, MICRO, loss_fn=lambda out, _: out.pow(2).mean() / MICRO)
+    target = torch.zeros(BATCH)
+
+    def ours():
+        model.zero_grad(set_to_none=True)
+        pm(x)
+
+    def by_hand():
+        hand_model.zero_grad(set_to_none=True)
+        schedule.step(*((x,) if rank == 0 else ()), target=target)
+
+    times = interleaved({"dpcompile": ours, "by_hand": by_hand}, rounds=15, warmup=3)
+    if rank == 0:
+        out.update(times)
+    dist.destroy_process_group()
+
+
+def _mesh_entry(rank: int, port: int, queue) -> None:
+    out: dict = {}
+    _mesh_rank(rank, port, out)
+    if rank == 0:
+        queue.put(out)
+
+
+def mesh_times() -> dict:
+    """Step times over a 2-process ("pp",) gloo mesh: dpcompile's pipeline and the same stages by hand."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_mesh_entry, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    return result
+
+
 def main() -> None:
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     devices = ["cpu"] * STAGES
     model = LossMLP()
@@ -94,6 +166,12 @@ def main() -> None:
         "bubble_fraction": report["bubble_fraction"],
         "stage_module_paths": [s["module_paths"] for s in report["stages"]],
     }
+    if "--mesh" in sys.argv:
+        mesh = mesh_times()
+        payload.update(mesh_dpcompile_s=mesh["dpcompile"], mesh_by_hand_s=mesh["by_hand"],
+                       mesh_ratio=mesh["dpcompile"] / mesh["by_hand"])  # fmt: skip
+        print(f"mesh ratio {payload['mesh_ratio']:.3f} (dpcompile {mesh['dpcompile'] * 1e3:.2f} ms, "
+              f"by hand {mesh['by_hand'] * 1e3:.2f} ms)")  # fmt: skip
     path = write_result("pipeline", payload)
     print(f"ratio {payload['ratio']:.3f} (dpcompile {times['dpcompile'] * 1e3:.2f} ms, by hand {times['by_hand'] * 1e3:.2f} ms); "
           f"stage FLOPs max/mean {report['imbalance']:.3f}; bubble {report['bubble_fraction']:.3f} -> {path}")  # fmt: skip

@@ -226,7 +226,10 @@ class MeshPipelineModule(nn.Module):
             step = p.grad if old is None else p.grad - old
             if self.dp_group is not None:
                 dist.all_reduce(step, group=self.dp_group)
-            p.grad = step / count if old is None else old + step / count
+            if old is None:
+                p.grad.div_(count)
+            else:
+                p.grad = old + step / count
 
     def _rebuild(self, merged: Any, totals: torch.Tensor) -> Any:
         flat = merged if isinstance(merged, (tuple, list)) else (merged,)

@@ -189,7 +189,15 @@ def place_stages(program: fx.GraphModule, devices: Devices) -> None:
         device = devices[s]
         if tensor.device == device:
             continue
-        if isinstance(tensor, nn.Parameter):
+        fake_mode = getattr(tensor, "fake_mode", None)
+        if fake_mode is not None and module is not None:  # a placement check on fake GPUs
+            with fake_mode:
+                store = module._parameters if name in module._parameters else module._buffers
+                moved = tensor.detach().to(device)
+                store[name] = (
+                    nn.Parameter(moved, requires_grad=tensor.requires_grad) if store is module._parameters else moved
+                )
+        elif isinstance(tensor, nn.Parameter):
             tensor.data = tensor.data.to(device)  # the same Parameter: optimizers built on it still hold it
         elif module is not None:
             module._buffers[name] = tensor.to(device)

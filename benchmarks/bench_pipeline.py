@@ -3,13 +3,13 @@ does the planner balance the stages?
 
     python benchmarks/bench_pipeline.py [--mesh]
 
-A deep MLP (16 x Linear(512, 512) + ReLU, a mean loss) on ``["cpu"] * 4``
+A deep MLP (16 x Linear(512, 512) + ReLU, a cross-entropy loss in forward) on ``["cpu"] * 4``
 virtual devices, 4 stages, 4 micro-batches, batch 64, forward + backward:
 
 - ``dpcompile_s``: ``dpcompile.transform(model, devices, pipeline=4, micro_batches=4)``;
 - ``by_hand_s``: the PyTorch model-parallel tutorial's loop over the same stages (the planner's
   cut, the same modules): ``x.chunk(4)``, each chunk through stage 0, moved, stage 1, ...,
-  the per-chunk loss sums added and divided by the element count;
+  the per-chunk loss sums added and divided by the batch;
 - ``ratio`` = dpcompile / by hand (goal: at most 1.05);
 - ``stage_flops_max_over_mean``: the planner's balance on this uniform stack (goal: at most 1.1),
   from ``dpcompile.explain``, and the bubble fraction ``(S-1)/(M+S-1)``.
@@ -36,6 +36,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent
@@ -53,23 +54,23 @@ class LossMLP(nn.Module):
         super().__init__()
         self.layers = nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
 
-    def forward(self, x):
-        return self.layers(x).pow(2).mean()
+    def forward(self, x, labels):
+        return F.cross_entropy(self.layers(x), labels)
 
 
 def by_hand(model: LossMLP, stage_paths: list[tuple[str, ...]], devices: list[str]):
     """The tutorial's pipeline over the planner's stages: a loop over micro-batches and stages."""
     stages = [nn.Sequential(*[model.get_submodule(p) for p in paths]) for paths in stage_paths]
 
-    def step(x: torch.Tensor) -> torch.Tensor:
+    def step(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = None
-        for chunk in x.chunk(MICRO):
+        for chunk, chunk_labels in zip(x.chunk(MICRO), labels.chunk(MICRO)):
             h = chunk
             for stage, device in zip(stages, devices):
                 h = stage(h.to(device))
-            part = h.pow(2).sum().to(devices[0])
+            part = F.cross_entropy(h, chunk_labels.to(h.device), reduction="sum").to(devices[0])
             total = part if total is None else total + part
-        return total / (x.size(0) * WIDTH)
+        return total / x.size(0)
 
     return step
 
@@ -86,22 +87,21 @@ def _mesh_rank(rank: int, port: int, out: dict) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     torch.manual_seed(0)
     model = LossMLP()
-    x = torch.randn(BATCH, WIDTH)
-    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=MICRO, example_inputs=(x,))
+    x, labels = torch.randn(BATCH, WIDTH), torch.randint(0, WIDTH, (BATCH,))
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=MICRO, example_inputs=(x, labels))
     hand_model = LossMLP()
     hand_model.load_state_dict(model.state_dict())
     mine = nn.Sequential(*[hand_model.get_submodule(p) for p in pm.module_paths])
     stage = PipelineStage(mine, rank, 2, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, MICRO, loss_fn=lambda out, _: out.pow(2).mean() / MICRO)
-    target = torch.zeros(BATCH)
+    schedule = ScheduleGPipe(stage, MICRO, loss_fn=lambda out, target: F.cross_entropy(out, target) / MICRO)
 
     def ours():
         model.zero_grad(set_to_none=True)
-        pm(x)
+        pm(x, labels)
 
     def by_hand():
         hand_model.zero_grad(set_to_none=True)
-        schedule.step(*((x,) if rank == 0 else ()), target=target)
+        schedule.step(*((x,) if rank == 0 else ()), target=labels)
 
     times = interleaved({"dpcompile": ours, "by_hand": by_hand}, rounds=15, warmup=3)
     if rank == 0:
@@ -139,16 +139,16 @@ def main() -> None:
     torch.manual_seed(0)
     devices = ["cpu"] * STAGES
     model = LossMLP()
-    x = torch.randn(BATCH, WIDTH)
-    pm = dpcompile.transform(model, devices, pipeline=STAGES, micro_batches=MICRO, example_inputs=(x,))
-    report = dpcompile.explain(pm, x).pipeline
+    x, labels = torch.randn(BATCH, WIDTH), torch.randint(0, WIDTH, (BATCH,))
+    pm = dpcompile.transform(model, devices, pipeline=STAGES, micro_batches=MICRO, example_inputs=(x, labels))
+    report = dpcompile.explain(pm, x, labels).pipeline
     hand = by_hand(model, [s.module_paths for s in pm.stages], devices)
-    torch.testing.assert_close(pm(x), hand(x))
+    torch.testing.assert_close(pm(x, labels), hand(x, labels))
 
     def run(fn):
         def step():
             model.zero_grad(set_to_none=True)
-            fn(x).backward()
+            fn(x, labels).backward()
 
         return step
 

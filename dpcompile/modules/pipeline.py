@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile import runtime
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.base import ParallelModule
@@ -116,6 +117,8 @@ class MeshPipelineModule(nn.Module):
         self.module_paths, self.pp_group, self.dp_group, self.last_rank = module_paths, pp_group, dp_group, last_rank
         self.has_loss = has_loss
         self._schedules: dict[Any, Any] = {}
+        self._loss_scale = 1.0
+        object.__setattr__(self, "_count_program", count_program(whole) if has_loss else None)
 
     def _schedule_for(self, inputs: tuple, train: bool) -> Any:
         """The schedule for micro-batches shaped as ``inputs``' first one (built once per shape)."""
@@ -134,7 +137,8 @@ class MeshPipelineModule(nn.Module):
             kind = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
             # each micro-batch's loss *sum*; the step's gradients are divided by the whole batch's count after
             self._schedules[key] = kind(
-                stage, self.micro_batches, loss_fn=(lambda out, _: out[loss_at].sum()) if self.has_loss else None,
+                stage, self.micro_batches,
+                loss_fn=(lambda out, _: out[loss_at].sum() * self._loss_scale) if self.has_loss else None,
                 scale_grads=False,
             )  # fmt: skip
         return self._schedules[key]
@@ -192,21 +196,29 @@ class MeshPipelineModule(nn.Module):
         first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
         target = torch.zeros(batch or self.micro_batches) if last else None
         train = self.training and torch.is_grad_enabled() and self.has_loss
+        # where the loss's count follows from the inputs alone (labels), every rank knows it before
+        # the step: each micro-batch's loss is its sum over the whole count, and nothing is divided after
+        known = train and self._count_program is not None
+        self._loss_scale = 1.0
+        if known:
+            count = torch.as_tensor(self._count_program(*inputs), dtype=torch.float64).reshape(1)
+            if self.dp_group is not None:
+                dist.all_reduce(count, group=self.dp_group)
+            self._loss_scale = 1.0 / float(count)
         before = {p: p.grad.clone() for p in self.program.parameters() if p.grad is not None} if train else {}
         schedule = self._schedule_for(inputs, train)
         run = schedule.step if train else schedule.eval
         merged = run(*(inputs if first else ()), target=target)
-        # the whole batch's loss sum and count: on the last stage, to every stage, over dp too
-        totals = torch.zeros(2, dtype=torch.float64)
+        totals = torch.zeros(2, dtype=torch.float64)  # the whole batch's loss sum and count
         if last and self.has_loss:
             pair = next(leaf for leaf in self.outputs.leaves if leaf[0] == "mean")
             totals = torch.stack([merged[pair[1]].detach().double().sum(), merged[pair[2]].detach().double().sum()])
-        if self.has_loss:
+        if last and self.has_loss and self.dp_group is not None and (known or not train):
+            dist.all_reduce(totals, group=self.dp_group)  # the dp group of a last stage holds last stages only
+        if train and not known:  # every stage divides by the count the last stage found
             dist.broadcast(totals, src=self.last_rank, group=self.pp_group)
-            if self.dp_group is not None:
-                dist.all_reduce(totals, group=self.dp_group)
         if train:
-            self._average_gradients(before, float(totals[1]))
+            self._average_gradients(before, 1.0 if known else float(totals[1]))
         return self._rebuild(merged, totals) if last else None
 
     def _shape_inputs(self, args: tuple, kwargs: dict) -> tuple:
@@ -227,7 +239,8 @@ class MeshPipelineModule(nn.Module):
             if self.dp_group is not None:
                 dist.all_reduce(step, group=self.dp_group)
             if old is None:
-                p.grad.div_(count)
+                if count != 1.0:
+                    p.grad.div_(count)
             else:
                 p.grad = old + step / count
 
@@ -240,6 +253,34 @@ class MeshPipelineModule(nn.Module):
             else:
                 values.append(flat[leaf[1]])
         return fx.node.map_aggregate(self.outputs.structure, lambda i: values[i] if isinstance(i, int) else i)
+
+
+def count_program(whole: fx.GraphModule) -> fx.GraphModule | None:
+    """The loss's count (``target_weight(labels)``) computed from the inputs alone, where it reads
+    no module or parameter (a count of activations' elements does: None)."""
+    output = next(n for n in reversed(whole.graph.nodes) if n.op == "output")
+    mean = next(
+        (n for n in output.all_input_nodes if n.op == "call_function" and n.target is runtime.mean_of_partials), None
+    )
+    if mean is None or not isinstance(mean.args[1][0], fx.Node):
+        return None
+    needed: set[fx.Node] = set()
+    stack = [mean.args[1][0]]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        if node.op in ("call_module", "get_attr"):
+            return None
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in whole.graph.nodes:
+        if node.op == "placeholder" or node in needed:
+            env[node] = graph.node_copy(node, lambda v: env[v])
+    graph.output(env[mean.args[1][0]])
+    return fx.GraphModule(nn.Module(), graph, "LossCount")
 
 
 class _Enough(Exception):

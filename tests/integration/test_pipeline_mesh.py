@@ -46,6 +46,19 @@ def _inputs(batch: int):
     return x, labels
 
 
+class SquareMean(torch.nn.Module):
+    """A loss whose count is the number of elements of an activation: found by the last stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x, labels):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x, (x * x).mean()
+
+
 def check_pipeline(
     rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], schedule: str, micro: int
 ) -> None:
@@ -56,7 +69,9 @@ def check_pipeline(
     from dpcompile.mesh import local_batch
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    reference = _stack()
+    torch.manual_seed(0)
+    reference = SquareMean() if schedule.startswith("square:") else _stack()
+    schedule = schedule.removeprefix("square:")
     model = copy.deepcopy(reference)
     x, labels = _inputs(8 if "dp" not in names else 16)  # equal micro-batches: pipelining's buffers
     pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=micro, schedule=schedule)
@@ -87,7 +102,7 @@ def check_pipeline(
 
 SCENARIOS = {
     "pp2": (2, [("gpipe_m1", ((2,), ("pp",), "gpipe", 1)), ("gpipe_m4", ((2,), ("pp",), "gpipe", 4)),
-                ("1f1b_m4", ((2,), ("pp",), "1f1b", 4))]),
+                ("1f1b_m4", ((2,), ("pp",), "1f1b", 4)), ("square_mean", ((2,), ("pp",), "square:gpipe", 2))]),
     "pp4": (4, [("gpipe_m2", ((4,), ("pp",), "gpipe", 2)), ("1f1b_m4", ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", ((2, 2), ("pp", "dp"), "1f1b", 2))]),
 }  # fmt: skip
@@ -166,9 +181,10 @@ def _check(outcomes: dict, scenario: str, name: str) -> None:
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize("name", ["gpipe_m1", "gpipe_m4", "1f1b_m4"])
+@pytest.mark.parametrize("name", ["gpipe_m1", "gpipe_m4", "1f1b_m4", "square_mean"])
 def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
-    """A 2-process ("pp",) mesh: loss, logits and each stage's gradients as eager (GPipe, 1F1B)."""
+    """A 2-process ("pp",) mesh: loss, outputs and each stage's gradients as eager (GPipe, 1F1B;
+    a loss over labels, and one whose count only the last stage finds)."""
     _check(outcomes, "pp2", name)
 
 

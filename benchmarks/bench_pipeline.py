@@ -154,7 +154,7 @@ def main() -> None:
 
     times = interleaved({"dpcompile": run(pm), "by_hand": run(hand)}, rounds=15, warmup=3)
     payload = {
-        "model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}) + ReLU, mean loss",
+        "model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}) + ReLU, cross-entropy in forward",
         "devices": devices,
         "stages": STAGES,
         "micro_batches": MICRO,

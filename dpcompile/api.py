@@ -26,7 +26,8 @@ from dpcompile.modules.base import ParallelModule
 from dpcompile.planning import memory_candidates, no_fit_error
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model
-from dpcompile.recipes.pipeline import check_pipeline_arguments
+from dpcompile.recipes.pipeline import check_one_process_schedule, check_pipeline_arguments
+from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -263,13 +264,16 @@ def make_recipe(
 def _pipeline_recipe(
     common: dict[str, Any], devices: Any, plan: object, output_device: Any, batch_dim: object,
     pipeline: object, micro_batches: object, schedule: object,
-) -> PipelineRecipe:  # fmt: skip
+) -> PipelineRecipe | MeshPipelineRecipe:  # fmt: skip
     stages, micro, schedule_name = check_pipeline_arguments(pipeline, micro_batches, schedule)
     if is_device_mesh(devices):
-        raise DpCompileError(
-            "pipeline= over a DeviceMesh (torch.distributed.pipelining stages) is not built yet; run the pipeline in "
-            "one process over a device list (devices=['cuda:0', 'cuda:1'])"
-        )
+        if plan is not False:
+            raise DpCompileError("pipeline= with tensor_parallel= over a mesh is not built yet; use a ('pp', 'dp') mesh")
+        return MeshPipelineRecipe(
+            **common, mesh=devices, stages=stages, micro_batches=micro, schedule=schedule_name,
+            batch_dim=_check_batch_dim(batch_dim),
+        )  # fmt: skip
+    check_one_process_schedule(schedule_name)
     if plan is not False:
         raise DpCompileError(
             "pipeline= with tensor_parallel= is not built yet; choose one: pipeline stages, or tensor-parallel shards"

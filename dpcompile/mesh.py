@@ -75,14 +75,14 @@ def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:
 
     Balanced ``tensor_split`` parts over the mesh's ``"dp"`` dimension (a 1-D mesh not named
     ``"tp"`` is all data parallel); tensor-parallel ranks of one dp group get the same part,
-    and a ``("tp",)`` mesh gets the whole batch. Non-tensor leaves are passed through.
+    and a ``("tp",)`` or ``("pp",)`` mesh gets the whole batch. Non-tensor leaves are passed through.
 
     >>> x_local, y_local = local_batch((x, y), mesh)  # doctest: +SKIP
     """
     names = tuple(mesh.mesh_dim_names or ())
     if "dp" in names:
         parts, rank = mesh.size(names.index("dp")), mesh.get_local_rank("dp")
-    elif mesh.ndim == 1 and names != ("tp",):
+    elif mesh.ndim == 1 and names not in (("tp",), ("pp",)):
         parts, rank = mesh.size(0), mesh.get_local_rank(0)
     else:
         return value

@@ -3,7 +3,8 @@
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
                                          ├─► shard_linear ─► expand_shards          (tensor parallel)
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
-                                         └─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
+                                         ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
+                                         └─► split_stages ─► insert_scatter_gather ─► cut_stage (pipeline, one "pp" rank)
 
 See ``passes/README.md`` for the invariants every pass keeps and why the order is this one.
 """
@@ -19,6 +20,7 @@ import torch
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
 from passes.collectives import find_collective_sites, lower_to_collectives
+from passes.cut_stage import cut_stage
 from passes.data_parallel import insert_scatter_gather
 from passes.decompose_attention import decompose_attention
 from passes.expand_shards import expand_shards
@@ -123,4 +125,5 @@ __all__ = [
     "split_stages",
     "insert_stage_transfers",
     "pipeline_parallel_pipeline",
+    "cut_stage",
 ]

@@ -69,7 +69,7 @@ def insert_stage_transfers(
     if len(devices) != plan.stages:
         raise PassError(f"{plan.stages} stages need {plan.stages} devices, got {len(devices)}")
     _run_on_own_modules(gm)
-    stage = _stages_of(gm, plan)
+    stage = node_stages(gm, plan)
     builder = _Builder(gm, stage, devices, micro_batches, str(output_device or devices.primary))
     replace_graph(gm, builder.build())
     return PassResult(gm, True, {"plan": plan, "micro_batches": micro_batches, "sends": builder.sends})
@@ -127,7 +127,7 @@ def _take_place(old: fx.Node, new: fx.Node, keep: bool = False) -> None:
 
 
 # ------------------------------------------------------------------ stages
-def _stages_of(gm: fx.GraphModule, plan: StagePlan) -> dict[fx.Node, int]:
+def node_stages(gm: fx.GraphModule, plan: StagePlan) -> dict[fx.Node, int]:
     """Each node's stage: its source node's (data parallelism stamps the node it came from), else
     the earliest stage that reads it (inputs scattered straight to the stage that needs them)."""
     stage: dict[fx.Node, int] = {}
@@ -281,4 +281,4 @@ def _on_device(value: Any, primary: str, device: str) -> Any:
     return value
 
 
-__all__ = ["insert_stage_transfers"]
+__all__ = ["insert_stage_transfers", "node_stages"]

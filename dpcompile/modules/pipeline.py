@@ -11,8 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
+from torch import nn
 
+from dpcompile import runtime
+from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.base import ParallelModule
 
@@ -75,8 +79,6 @@ class PipelineModule(ParallelModule):
         return (s - 1) / (m + s - 1)
 
     def __reduce__(self):
-        from dpcompile.errors import DpCompileError
-
         raise DpCompileError(
             "a pipeline program cannot be pickled or exported yet; save the model's state_dict "
             "(pm.state_dict() has the model's keys) and call dpcompile.transform again where it is loaded"
@@ -84,3 +86,233 @@ class PipelineModule(ParallelModule):
 
 
 reserve_names(PipelineModule.own_attributes)
+
+
+class MeshPipelineModule(nn.Module):
+    """This rank's pipeline stage under ``torch.distributed.pipelining`` (``PipelineStage`` with
+    ``ScheduleGPipe`` or ``Schedule1F1B``), over the ``"pp"`` dimension of a mesh (and ``"dp"``).
+
+    In training mode with gradients enabled a call runs the schedule's ``step``: forward *and*
+    backward of the model's own mean loss, as the pipelining schedules do; gradients land on this
+    stage's parameters (the model's own), and equal the single-device gradients of the whole
+    batch (over every ``dp`` rank). Under ``torch.no_grad()`` or in eval mode it runs forward only.
+    The last stage returns the model's output (the loss is the whole batch's mean, detached);
+    other stages return None. ``pm.code`` is this rank's program.
+
+    Each stage's input and output shapes are worked out on fake tensors from the whole program
+    (``whole``) for the first micro-batch of a call, and handed to ``PipelineStage`` (its static
+    mode), so the engine never runs a stage on uninitialised buffers (labels as indices would fail).
+    """
+
+    def __init__(self, program: fx.GraphModule, *, whole: fx.GraphModule, stage_index: int, num_stages: int,
+                 device: Any, pp_group: Any, dp_group: Any, micro_batches: int, schedule: str, outputs: Any,
+                 live_in: list[str], module_paths: tuple[str, ...], last_rank: int,
+                 has_loss: bool):  # fmt: skip
+        super().__init__()
+        self.program = program
+        object.__setattr__(self, "whole", whole)  # the single-device program: shapes only, not state
+        self.stage_index, self.num_stages, self.micro_batches = stage_index, num_stages, micro_batches
+        self.schedule_name, self.outputs = schedule, outputs
+        self.live_in, self.device = live_in, torch.device(device)
+        self.module_paths, self.pp_group, self.dp_group, self.last_rank = module_paths, pp_group, dp_group, last_rank
+        self.has_loss = has_loss
+        self._schedules: dict[Any, Any] = {}
+        self._loss_scale = 1.0
+        object.__setattr__(self, "_count_program", count_program(whole) if has_loss else None)
+
+    def _schedule_for(self, inputs: tuple, train: bool) -> Any:
+        """The schedule for micro-batches shaped as ``inputs``' first one (built once per shape)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        firsts = tuple(
+            torch.tensor_split(t, self.micro_batches)[0] if isinstance(t, torch.Tensor) and t.dim() else t
+            for t in inputs
+        )
+        key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in firsts), train)
+        if key not in self._schedules:
+            stage_in, stage_out = self._stage_examples(firsts, train)
+            stage = PipelineStage(self.program, self.stage_index, self.num_stages, self.device, input_args=stage_in,
+                                  output_args=stage_out, group=self.pp_group)  # fmt: skip
+            loss_at = next((leaf[1] for leaf in self.outputs.leaves if leaf[0] == "mean"), 0) if self.outputs else 0
+            kind = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+            # each micro-batch's loss *sum*; the step's gradients are divided by the whole batch's count after
+            self._schedules[key] = kind(
+                stage, self.micro_batches,
+                loss_fn=(lambda out, _: out[loss_at].sum() * self._loss_scale) if self.has_loss else None,
+                scale_grads=False,
+            )  # fmt: skip
+        return self._schedules[key]
+
+    def _stage_examples(self, firsts: tuple, train: bool) -> tuple[tuple, tuple]:
+        """Empty tensors shaped as this stage's inputs and outputs for one micro-batch."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        buffers = [(b, b.detach().clone()) for b in self.whole.buffers()]
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in firsts]
+                values = _node_values(self.whole, fakes, self.live_in)
+                ins = [values[name] for name in self.live_in]
+                if self.stage_index > 0:
+                    ins = [
+                        v.detach().requires_grad_(train and v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+                        for v in ins
+                    ]
+                with torch.set_grad_enabled(train):
+                    outs = self.program(*ins)
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
+        def empty(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            return torch.empty(v.shape, dtype=v.dtype, device=self.device).requires_grad_(v.requires_grad)
+
+        return tuple(empty(v) for v in ins), tuple(empty(v) for v in outs)
+
+    @property
+    def code(self) -> str:
+        return self.program.code
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        inputs = self._shape_inputs(args, kwargs)
+        batch = next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        if batch is not None and batch < self.micro_batches:
+            raise DpCompileError(
+                f"a batch of {batch} cannot feed {self.micro_batches} micro-batches over a mesh; pass at least "
+                f"{self.micro_batches} samples per dp rank, or fewer micro_batches="
+            )
+        if batch is not None and batch % self.micro_batches:
+            raise DpCompileError(
+                f"a batch of {batch} does not split into {self.micro_batches} equal micro-batches ({batch} % "
+                f"{self.micro_batches} = {batch % self.micro_batches}); torch.distributed.pipelining sizes its "
+                "buffers once, from the first micro-batch. Pass a batch that divides evenly, or run the pipeline "
+                "in one process (devices=[...]), where the last micro-batch may be smaller"
+            )
+        first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        target = torch.zeros(batch or self.micro_batches) if last else None
+        train = self.training and torch.is_grad_enabled() and self.has_loss
+        # where the loss's count follows from the inputs alone (labels), every rank knows it before
+        # the step: each micro-batch's loss is its sum over the whole count, and nothing is divided after
+        known = train and self._count_program is not None
+        self._loss_scale = 1.0
+        if known:
+            count = torch.as_tensor(self._count_program(*inputs), dtype=torch.float64).reshape(1)
+            if self.dp_group is not None:
+                dist.all_reduce(count, group=self.dp_group)
+            self._loss_scale = 1.0 / float(count)
+        before = {p: p.grad.clone() for p in self.program.parameters() if p.grad is not None} if train else {}
+        schedule = self._schedule_for(inputs, train)
+        run = schedule.step if train else schedule.eval
+        merged = run(*(inputs if first else ()), target=target)
+        totals = torch.zeros(2, dtype=torch.float64)  # the whole batch's loss sum and count
+        if last and self.has_loss:
+            pair = next(leaf for leaf in self.outputs.leaves if leaf[0] == "mean")
+            totals = torch.stack([merged[pair[1]].detach().double().sum(), merged[pair[2]].detach().double().sum()])
+        if last and self.has_loss and self.dp_group is not None and (known or not train):
+            dist.all_reduce(totals, group=self.dp_group)  # the dp group of a last stage holds last stages only
+        if train and not known:  # every stage divides by the count the last stage found
+            dist.broadcast(totals, src=self.last_rank, group=self.pp_group)
+        if train:
+            self._average_gradients(before, 1.0 if known else float(totals[1]))
+        return self._rebuild(merged, totals) if last else None
+
+    def _shape_inputs(self, args: tuple, kwargs: dict) -> tuple:
+        """The call's inputs in the whole program's order (every rank is called with them)."""
+        names = [str(n.target) for n in self.whole.graph.nodes if n.op == "placeholder"]
+        return _positional(names, args, kwargs)
+
+    def _average_gradients(self, before: dict, count: float) -> None:
+        """The step summed each micro-batch's loss sum: divide this step's gradients by the whole
+        batch's count (after adding them up over dp), keeping what was accumulated before."""
+        import torch.distributed as dist
+
+        for p in self.program.parameters():
+            if p.grad is None:
+                continue
+            old = before.get(p)
+            step = p.grad if old is None else p.grad - old
+            if self.dp_group is not None:
+                dist.all_reduce(step, group=self.dp_group)
+            if old is None:
+                if count != 1.0:
+                    p.grad.div_(count)
+            else:
+                p.grad = old + step / count
+
+    def _rebuild(self, merged: Any, totals: torch.Tensor) -> Any:
+        flat = merged if isinstance(merged, (tuple, list)) else (merged,)
+        values = []
+        for leaf in self.outputs.leaves:
+            if leaf[0] == "mean":
+                values.append((totals[0] / totals[1]).to(flat[leaf[1]].dtype))
+            else:
+                values.append(flat[leaf[1]])
+        return fx.node.map_aggregate(self.outputs.structure, lambda i: values[i] if isinstance(i, int) else i)
+
+
+def count_program(whole: fx.GraphModule) -> fx.GraphModule | None:
+    """The loss's count (``target_weight(labels)``) computed from the inputs alone, where it reads
+    no module or parameter (a count of activations' elements does: None)."""
+    output = next(n for n in reversed(whole.graph.nodes) if n.op == "output")
+    mean = next(
+        (n for n in output.all_input_nodes if n.op == "call_function" and n.target is runtime.mean_of_partials), None
+    )
+    if mean is None or not isinstance(mean.args[1][0], fx.Node):
+        return None
+    needed: set[fx.Node] = set()
+    stack = [mean.args[1][0]]
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        if node.op in ("call_module", "get_attr"):
+            return None
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in whole.graph.nodes:
+        if node.op == "placeholder" or node in needed:
+            env[node] = graph.node_copy(node, lambda v: env[v])
+    graph.output(env[mean.args[1][0]])
+    return fx.GraphModule(nn.Module(), graph, "LossCount")
+
+
+class _Enough(Exception):
+    pass
+
+
+def _node_values(gm: fx.GraphModule, inputs: list, wanted: list[str]) -> dict[str, Any]:
+    """The values of the nodes ``wanted`` when ``gm`` runs on ``inputs`` (it stops there: what
+    follows may read values fake tensors do not have, such as a loss's count)."""
+    values: dict[str, Any] = {}
+    missing = set(wanted)
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            values[n.name] = result = super().run_node(n)
+            missing.discard(n.name)
+            if not missing:
+                raise _Enough
+            return result
+
+    try:
+        Recorder(gm).run(*inputs)
+    except _Enough:
+        pass
+    return values
+
+
+def _positional(names: list[str], args: tuple, kwargs: dict) -> tuple:
+    """The call's arguments in the program's placeholder order."""
+    values = list(args)
+    for name in names[len(args) :]:
+        if name not in kwargs:
+            raise TypeError(f"missing argument '{name}'")
+        values.append(kwargs[name])
+    return tuple(values)

@@ -189,10 +189,28 @@ def place_stages(program: fx.GraphModule, devices: Devices) -> None:
         device = devices[s]
         if tensor.device == device:
             continue
-        if isinstance(tensor, nn.Parameter):
+        fake_mode = getattr(tensor, "fake_mode", None)
+        if fake_mode is not None and module is not None:  # a placement check on fake GPUs
+            with fake_mode:
+                store = module._parameters if name in module._parameters else module._buffers
+                moved = tensor.detach().to(device)
+                store[name] = (
+                    nn.Parameter(moved, requires_grad=tensor.requires_grad) if store is module._parameters else moved
+                )
+        elif isinstance(tensor, nn.Parameter):
             tensor.data = tensor.data.to(device)  # the same Parameter: optimizers built on it still hold it
         elif module is not None:
             module._buffers[name] = tensor.to(device)
+
+
+def check_one_process_schedule(schedule: str) -> None:
+    """In one process autograd runs the backward: only GPipe's order can be written down."""
+    if schedule == "1f1b":
+        raise DpCompileError(
+            "schedule='1f1b' interleaves each micro-batch's backward with later forwards; in one process autograd "
+            "runs the whole backward after loss.backward(), so only 'gpipe' is served here (same values and "
+            "gradients). Use schedule='gpipe', or a DeviceMesh with a 'pp' dimension (torch.distributed.pipelining)"
+        )
 
 
 def _spelled(stages: int | tuple[str, ...]) -> str:
@@ -212,13 +230,7 @@ def check_pipeline_arguments(
         raise ValueError(f"micro_batches={micro_batches!r} must be a positive int")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: expected one of {list(SCHEDULES)}")
-    if schedule == "1f1b":
-        raise DpCompileError(
-            "schedule='1f1b' interleaves each micro-batch's backward with later forwards; in one process autograd "
-            "runs the whole backward after loss.backward(), so only 'gpipe' is served here (same values and "
-            "gradients). Use schedule='gpipe'"
-        )
     return stages, micro_batches, str(schedule)
 
 
-__all__ = ["PipelineRecipe", "SCHEDULES", "check_pipeline_arguments", "place_stages"]
+__all__ = ["PipelineRecipe", "SCHEDULES", "check_one_process_schedule", "check_pipeline_arguments", "place_stages"]

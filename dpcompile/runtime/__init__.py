@@ -3,8 +3,8 @@
 from dpcompile.runtime.batchnorm import batch_norm, functional_batch_norm
 from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split_sizes, to_device
 from dpcompile.runtime.grad import without_grad
-from dpcompile.runtime.pipeline import send
 from dpcompile.runtime.hooks import run_forward_hook
+from dpcompile.runtime.pipeline import partial_pair, send
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
@@ -24,6 +24,7 @@ __all__ = [
     "module_of",
     "numel",
     "numel_over",
+    "partial_pair",
     "reduce_add",
     "refresh_replicas",
     "replicate",

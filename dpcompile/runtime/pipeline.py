@@ -22,4 +22,11 @@ def send(value: Any, device: DeviceLike) -> Any:
     return to_device(value, device)
 
 
-__all__ = ["send"]
+def partial_pair(partial_sum: torch.Tensor, count: torch.Tensor | int | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mean's partial sum and count as two ``(1,)`` tensors, which a pipeline schedule
+    concatenates over micro-batches (``sum(sums) / sum(counts)``: the whole batch's mean)."""
+    count = torch.as_tensor(count, dtype=partial_sum.dtype, device=partial_sum.device)
+    return partial_sum.reshape(1), count.reshape(1).detach()
+
+
+__all__ = ["partial_pair", "send"]

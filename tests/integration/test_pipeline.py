@@ -167,3 +167,31 @@ def test_pipeline_planner_balances_a_uniform_stack():
     assert report["bubble_fraction"] == pytest.approx(3 / 7)
     assert [s["module_paths"] for s in report["stages"]] == [[str(i) for i in range(k, k + 4)] for k in (0, 4, 8, 12)]
     assert all(s["sends_elements"] == 8 * 16 for s in report["stages"][:3])
+
+
+@pytest.mark.parametrize("make, inputs", [
+    (Stack, lambda: (torch.randn(7, 8), torch.randint(0, 3, (7,)))),
+    (BNCNN, lambda: (torch.randn(7, 3, 6, 6),)),
+], ids=["stack-loss", "cnn-batchnorm"])  # fmt: skip
+def test_pipeline_program_places_every_value_on_its_gpu(make, inputs):
+    """On 4 fake GPUs (FakeTensorMode raises on any op that mixes devices) forward runs: each
+    stage's modules sit on its GPU and every crossing value is sent there (a CPU build cannot
+    run autograd on fake CUDA tensors; backward mirrors the forward's sends)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpcompile.devices import parse_devices
+    from dpcompile.recipes import PipelineRecipe
+    from tests.helpers import to_fake_cuda
+
+    mode = FakeTensorMode()
+    model = to_fake_cuda(make(), mode)
+    devices = parse_devices([f"cuda:{i}" for i in range(4)], check_available=False)
+    pm = PipelineRecipe(devices=devices, output_device=devices.primary, stages=4, micro_batches=2).compile(model, None)
+    assert [str(p.device) for p in pm.stages[3].program.parameters()] and all(
+        str(p.device) == f"cuda:{s.index}" for s in pm.stages for p in s.program.parameters()
+    )
+    with mode, torch.no_grad():
+        out = pm(*[x.to("cuda:0") for x in inputs()])
+    leaves = out if isinstance(out, tuple) else (out,)
+    assert all(str(t.device) == "cuda:0" for t in leaves)
+    assert "_to_stage3 = dpcompile_runtime_send(" in pm.code and "'cuda:3'" in pm.code

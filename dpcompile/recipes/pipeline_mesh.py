@@ -1,0 +1,129 @@
+"""Pipeline parallelism over a mesh's ``"pp"`` dimension, run by ``torch.distributed.pipelining``.
+
+    gm = capture(model)                                        # every rank, the same graph
+    plan = find_stage_boundaries(gm, stages=N, weights=flops)  # the same plan on every rank
+    program = split_stages → insert_scatter_gather (one device: mean losses as sums and counts)
+              → cut_stage(stage=pp rank)                       # this rank's stage, for one micro-batch
+    PipelineStage(program, pp rank, N, device, group=pp) + ScheduleGPipe / Schedule1F1B
+
+A ``"dp"`` dimension beside ``"pp"`` averages gradients over its ranks (each feeds its own part
+of the batch, ``dpcompile.mesh.local_batch``), exactly: the loss is the mean over the whole
+global batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+import passes
+from dpcompile.analysis.batch_dims import infer_input_dims
+from dpcompile.analysis.split_fraction import node_flops
+from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
+from dpcompile.infra import info_of, run_passes
+from dpcompile.mesh import local_device
+from dpcompile.modules.pipeline import MeshPipelineModule
+from dpcompile.recipes.base import Recipe, capture_with_flags
+from passes.cut_stage import cut_stage
+
+
+@dataclass(frozen=True)
+class MeshPipelineRecipe(Recipe):
+    """``stages`` (a count or module paths) over the ``"pp"`` dimension of ``mesh``."""
+
+    mesh: Any = None
+    stages: int | tuple[str, ...] = 1
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+    batch_dim: int | None = None
+
+    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> MeshPipelineModule:
+        import torch.distributed as dist
+
+        names = tuple(self.mesh.mesh_dim_names or ())
+        check_pipeline_mesh(names)
+        pp_size = self.mesh.size(names.index("pp"))
+        pp_rank = self.mesh.get_local_rank("pp")
+        pp_group = self.mesh.get_group("pp")
+        dp_group = self.mesh.get_group("dp") if "dp" in names else None
+        device = local_device(self.mesh)
+        gm, _, _ = capture_with_flags(model, self.leaf_modules, example_inputs)
+        weights = None
+        if example_inputs is not None:
+            propagate_shapes(gm, list(example_inputs), check=True)
+            weights = node_flops(gm, list(example_inputs))
+        input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
+        options = passes.PipelineOptions(devices=Devices((device,)), input_dims=dict(input_dims), output_device=device)
+        gm, _ = run_passes(gm, passes.frontend_pipeline(options))
+        plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights)
+        if plan.stages != pp_size:
+            raise ValueError(
+                f"pipeline={self.stages!r} makes {plan.stages} stages, but the mesh's 'pp' dimension has {pp_size} "
+                f"ranks; a pipeline runs one stage per pp rank"
+            )
+        if (
+            self.micro_batches > 1
+            and model.training
+            and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        ):
+            raise DpCompileError(
+                "over a mesh each stage sees one micro-batch at a time, so BatchNorm in training cannot use the whole "
+                f"batch's statistics with micro_batches={self.micro_batches}; pass micro_batches=1, or run the pipeline "
+                "in one process (devices=[...]), where the micro-batches meet at BatchNorm"
+            )
+        pipeline = [
+            functools.partial(passes.split_stages, plan=plan),
+            functools.partial(passes.insert_scatter_gather, devices=Devices((device,)), input_dims=input_dims,
+                              output_device=device),
+        ]  # fmt: skip
+        gm, _ = run_passes(gm, pipeline)
+        whole = graph_module(gm, copy_graph(gm.graph), "WholeProgram")
+        gm, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
+        found = info_of(records, "cut_stage")
+        program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
+        program.to(device)
+        last_rank = dist.get_global_rank(pp_group, pp_size - 1)
+        return MeshPipelineModule(
+            program,
+            stage_index=pp_rank,
+            num_stages=pp_size,
+            device=device,
+            pp_group=pp_group,
+            dp_group=dp_group,
+            micro_batches=self.micro_batches,
+            schedule=self.schedule,
+            outputs=found.get("outputs"),
+            whole=whole,
+            live_in=found["inputs"],
+            module_paths=plan.module_paths[pp_rank],
+            last_rank=last_rank,
+            has_loss=found["has_loss"],
+        )
+
+    def build_program(self, pm: Any, key: Any, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        return None
+
+
+def check_pipeline_mesh(names: tuple[str, ...]) -> None:
+    """A mesh for ``pipeline=``: a ``"pp"`` dimension, and ``"dp"`` beside it at most."""
+    if "pp" not in names:
+        raise ValueError(
+            f"pipeline= over a DeviceMesh needs a dimension named 'pp', got mesh_dim_names={names}; e.g. "
+            "init_device_mesh('cuda', (pp, dp), mesh_dim_names=('pp', 'dp'))"
+        )
+    others = set(names) - {"pp", "dp"}
+    if others:
+        raise DpCompileError(
+            f"pipeline= over a mesh composes with a 'dp' dimension; {sorted(others)} (tensor parallel inside a "
+            "stage) is not built yet: use a ('pp',) or ('pp', 'dp') mesh"
+        )
+
+
+__all__ = ["MeshPipelineRecipe", "check_pipeline_mesh"]

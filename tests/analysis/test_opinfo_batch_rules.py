@@ -25,6 +25,7 @@ FAMILIES = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_opinfo_samples_split_by_their_rules_equal_the_whole_op():
     """Every sample with a float input of 3+ rows: split (or kept whole) by its rule, equal."""
     tally = sweep(1, ops=FAMILIES)

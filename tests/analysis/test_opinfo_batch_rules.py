@@ -31,3 +31,12 @@ def test_opinfo_samples_split_by_their_rules_equal_the_whole_op():
     tally = sweep(1, ops=FAMILIES)
     assert tally.failed == [], "\n".join(tally.failed)
     assert tally.split >= 40, tally.line()  # 46 of 115 when written; the rest kept whole, also equal
+
+
+@pytest.mark.slow
+def test_opinfo_samples_in_core_aten_split_by_the_table_equal_the_whole_op():
+    """The same samples captured as core ATen ops (make_fx with the core decompositions, what
+    torch.export gives): the table's ATen rules split them, equal to the op."""
+    tally = sweep(1, ops=FAMILIES, aten=True)
+    assert tally.failed == [], "\n".join(tally.failed)
+    assert tally.split >= 50, tally.line()  # 70 of 123 when written

@@ -16,7 +16,7 @@ FAMILIES = {
     "sum", "mean", "amax", "argmax", "prod", "var", "any", "max.reduction_with_dim", "min.reduction_with_dim",
     "sort", "topk", "cumsum", "softmax", "log_softmax", "flip", "roll", "diagonal",
     "view", "reshape", "permute", "transpose", "unsqueeze", "squeeze", "expand", "repeat", "split", "chunk",
-    "unbind", "cat", "stack", "select", "narrow", "tril", "triu",
+    "unbind", "cat", "stack", "select", "narrow", "slice", "tril", "triu",
     "gather", "scatter", "scatter_add", "index_select", "index_put", "slice_scatter", "select_scatter",
     "masked_scatter", "nonzero", "mm", "bmm", "addmm", "matmul", "cdist",
     "nn.functional.conv2d", "nn.functional.avg_pool2d", "nn.functional.max_pool2d", "nn.functional.layer_norm",

@@ -26,6 +26,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dpcompile.analysis.batch_rules import BATCH_RULES, RuleContext, batch_first, node_shape, rule_for
+from dpcompile.analysis.batch_rules.checks import check_placement
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
@@ -70,6 +71,8 @@ def decide(
         return REPLICATED
     rule = rule_for(node, module)
     placement = rule(RuleContext(node, placements, module, ranks if ranks is not None else {})) if rule is not None else None
+    if placement is not None:
+        check_placement(node, placement, rule, op_name(node, module))
     if placement is None or isinstance(placement, Whole):
         what = op_name(node, module)
         if rule is None:

@@ -50,7 +50,7 @@ class Tally:
     def line(self) -> str:
         skipped = sum(self.skipped.values())
         return (
-            f"{len(self.ops)} ops, {self.split + self.whole + skipped + len(self.failed)} samples: "
+            f"{len(self.ops)} ops, {self.split + self.whole + skipped + len(self.failed)} runs (sample x 2 or 3 devices): "
             f"{self.split + self.whole} passed ({self.split} split, {self.whole} whole), "
             f"{skipped} skipped, {len(self.failed)} failed"
         )
@@ -72,11 +72,17 @@ def _batch_input(sample: Any) -> torch.Tensor | None:
     return x
 
 
+_PRINTABLE = (torch.Tensor, int, float, bool, str, type(None), complex, torch.dtype, torch.device, torch.memory_format,
+              torch.layout, slice, type(Ellipsis))  # fmt: skip
+
+
 def _graph_for(fn: Any, sample: Any) -> tuple[fx.GraphModule, list[Any], dict[str, int | None]] | None:
     """A graph calling ``fn(input, *args, **kwargs)`` with every tensor a placeholder: the input and
     tensors of its shape on dim 0 split, the others replicated."""
     x = sample.input
     leaves, spec = tree_flatten((sample.args, sample.kwargs))
+    if any(not isinstance(leaf, _PRINTABLE) for leaf in leaves):
+        return None  # an argument generated code cannot spell (an options object, a module)
     graph = fx.Graph()
     inputs: list[Any] = [x]
     dims: dict[str, int | None] = {"x": 0}
@@ -101,14 +107,17 @@ def _aten_graph(fn: Any, sample: Any) -> tuple[fx.GraphModule, list[Any], dict[s
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    gm, inputs, dims = _graph_for(fn, sample)
+    built = _graph_for(fn, sample)
+    if built is None:
+        return None
+    gm, inputs, dims = built
     traced = make_fx(gm, decomposition_table=core_aten_decompositions(), tracing_mode="symbolic")(*inputs)
     names = [n.target for n in traced.graph.nodes if n.op == "placeholder"]
     return traced, inputs, dict(zip(names, dims.values()))
 
 
-def _split_placements(placements: dict[str, Any]) -> bool:
-    return any(not isinstance(p, Whole) for name, p in placements.items() if not name.startswith(("x", "t", "arg")))
+def _split_placements(placements: dict[str, Any], inputs: set[str]) -> bool:
+    return any(not isinstance(p, Whole) for name, p in placements.items() if name not in inputs)
 
 
 def run_sample(fn: Any, sample: Any, devices: int, *, aten: bool = False) -> str:
@@ -131,6 +140,8 @@ def run_sample(fn: Any, sample: Any, devices: int, *, aten: bool = False) -> str
         built = _aten_graph(fn, sample) if aten else _graph_for(fn, sample)
     except Exception:  # noqa: BLE001
         return "skip: cannot capture the sample"
+    if built is None:
+        return "skip: an argument generated code cannot spell"
     gm, inputs, dims = built
     try:
         _Recorder(gm).run(*inputs)
@@ -142,7 +153,7 @@ def run_sample(fn: Any, sample: Any, devices: int, *, aten: bool = False) -> str
     if aten and isinstance(got, (list, tuple)) and len(got) == 1 and not isinstance(expected, (list, tuple)):
         got = got[0]
     torch.testing.assert_close(got, expected, equal_nan=True, check_stride=False, atol=1e-5, rtol=1.3e-6)
-    return "split" if _split_placements(result.info["placements"]) else "whole"
+    return "split" if _split_placements(result.info["placements"], set(dims)) else "whole"
 
 
 def opinfo_samples(max_per_op: int | None, ops: set[str] | None = None) -> Iterator[tuple[str, Any, Any]]:

@@ -3,12 +3,16 @@ docs/batch_rules_coverage.md is written from it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from dpcompile.analysis.batch_rules import BATCH_RULES, coverage, rule_for
+from dpcompile.analysis.batch_rules.checks import BatchRuleError, check_placement
+from dpcompile.analysis.batch_rules.modules import per_sample_dim0
 from dpcompile.analysis.batch_rules.table import OWN_RULES, TABLE, core_ops, spellings
+from dpcompile.analysis.placement import Split, Tuple
 
 aten = torch.ops.aten
 
@@ -58,3 +62,19 @@ def test_one_rule_for_a_function_a_method_and_an_aten_node():
 def test_the_coverage_page_is_current():
     """docs/batch_rules_coverage.md is what the table writes (regenerate it with the command it names)."""
     assert coverage.PAGE.read_text() == coverage.render(), "run python -m dpcompile.analysis.batch_rules.coverage"
+
+
+def test_a_placement_the_example_output_cannot_have_names_the_rule_and_the_op():
+    """One split for an ATen op's tuple of tensors, or a dim past the output's rank, is refused
+    when the program is built (check_placement runs on every rule's answer in propagation)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    pool = graph.call_function(aten.max_pool2d_with_indices.default, (x, [2, 2]))
+    pool.meta["val"] = aten.max_pool2d_with_indices.default(torch.randn(5, 3, 4, 4), [2, 2])
+    check_placement(pool, Tuple((Split(0), Split(0))), TABLE["max_pool2d_with_indices"].rule, "pool")
+    with pytest.raises(BatchRuleError, match=r"batch rule per_sample_dim0 for aten.max_pool2d.* one split for a tuple"):
+        check_placement(pool, Split(0), per_sample_dim0, "aten.max_pool2d_with_indices")
+    relu = graph.call_function(aten.relu.default, (x,))
+    relu.meta["val"] = torch.randn(5, 3)
+    with pytest.raises(BatchRuleError, match="split on dim 2, but the output has 2 dims"):
+        check_placement(relu, Split(2), TABLE["relu"].rule, "aten.relu")

@@ -16,7 +16,7 @@ FAMILIES = {
     "sum", "mean", "amax", "argmax", "prod", "var", "any", "max.reduction_with_dim", "min.reduction_with_dim",
     "sort", "topk", "cumsum", "softmax", "log_softmax", "flip", "roll", "diagonal",
     "view", "reshape", "permute", "transpose", "unsqueeze", "squeeze", "expand", "repeat", "split", "chunk",
-    "unbind", "cat", "stack", "select", "narrow", "tril", "triu",
+    "unbind", "cat", "stack", "select", "narrow", "slice", "tril", "triu",
     "gather", "scatter", "scatter_add", "index_select", "index_put", "slice_scatter", "select_scatter",
     "masked_scatter", "nonzero", "mm", "bmm", "addmm", "matmul", "cdist",
     "nn.functional.conv2d", "nn.functional.avg_pool2d", "nn.functional.max_pool2d", "nn.functional.layer_norm",
@@ -25,8 +25,18 @@ FAMILIES = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_opinfo_samples_split_by_their_rules_equal_the_whole_op():
     """Every sample with a float input of 3+ rows: split (or kept whole) by its rule, equal."""
     tally = sweep(1, ops=FAMILIES)
     assert tally.failed == [], "\n".join(tally.failed)
     assert tally.split >= 40, tally.line()  # 46 of 115 when written; the rest kept whole, also equal
+
+
+@pytest.mark.slow
+def test_opinfo_samples_in_core_aten_split_by_the_table_equal_the_whole_op():
+    """The same samples captured as core ATen ops (make_fx with the core decompositions, what
+    torch.export gives): the table's ATen rules split them, equal to the op."""
+    tally = sweep(1, ops=FAMILIES, aten=True)
+    assert tally.failed == [], "\n".join(tally.failed)
+    assert tally.split >= 50, tally.line()  # 70 of 123 when written

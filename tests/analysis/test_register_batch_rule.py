@@ -72,3 +72,17 @@ def test_register_batch_rule_whole_and_errors(clean):
     report = dpcompile.explain(pm, x)
     assert report.whole[0]["node"] == "lib_gelu" and "registered as 'whole'" in report.whole[0]["reason"]
     torch.testing.assert_close(pm(x), model(x))
+
+
+def test_a_rule_claiming_a_dim_the_output_lacks_is_refused_when_built(clean):
+    """A rule saying dim 2 of a 2-D output (or a tuple for one tensor) fails at transform time,
+    naming the rule and the op, not inside gather at call time."""
+    from dpcompile.analysis.batch_rules.checks import BatchRuleError
+
+    model, x = Net(), torch.randn(6, 8)
+    dpcompile.register_batch_rule(lib_gelu, lambda in_dims: 2)
+    with pytest.raises(BatchRuleError, match=r"batch rule .* for .*lib_gelu.* split on dim 2, but the output has 2 dims"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))
+    dpcompile.register_batch_rule(lib_gelu, lambda in_dims: (0, 0), replace=True)
+    with pytest.raises(BatchRuleError, match="returns a tuple of 2 placements for one tensor"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))

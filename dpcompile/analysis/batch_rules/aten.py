@@ -127,8 +127,9 @@ def slice_(ctx: RuleContext) -> Placement | None:
     p = _split(ctx, x)
     if p is None or not _others_replicated(ctx, x):
         return None
-    args = list(ctx.node.args) + [None] * 5
-    dim, start, end, step = (args[1] if args[1] is not None else 0), args[2], args[3], args[4]
+    bound = _bound(ctx)  # dim, start, end and step may come by keyword
+    dim, start, end, step = bound.get("dim", 0), bound.get("start"), bound.get("end"), bound.get("step", 1)
+    dim = 0 if dim is None else dim
     nd = ctx.ndim(x)
     if isinstance(dim, int) and dim < 0 and nd is not None:
         dim += nd
@@ -142,7 +143,7 @@ def slice_(ctx: RuleContext) -> Placement | None:
 
 def select(ctx: RuleContext) -> Placement | None:
     """``select(x, dim, i)`` of a non-batch dim."""
-    x, dim = ctx.node.args[0], ctx.node.args[1]
+    x, dim = ctx.node.args[0], ctx.arg(1, "dim")
     p = _split(ctx, x)
     if p is None or not isinstance(dim, int) or not _others_replicated(ctx, x):
         return None

@@ -125,7 +125,7 @@ def along_named_dims(ctx: RuleContext) -> Placement | None:
 def cdist(ctx: RuleContext) -> Placement | None:
     """``cdist(x1, x2)``: distances from each row of ``x1`` to every row of ``x2``; per row of a
     split ``x1`` against an ``x2`` that carries no batch, or batched (``(B, P, M)``) both split on dim 0."""
-    x1, x2 = ctx.node.args[0], ctx.node.args[1]
+    x1, x2 = ctx.node.args[0], ctx.arg(1, "x2")
     p1, p2 = ctx.p(x1), ctx.p(x2)
     n1 = ctx.ndim(x1)
     if not isinstance(p1, Split) or n1 is None:

@@ -283,6 +283,15 @@ def squeeze(ctx: RuleContext) -> Placement | None:
     return Split(p.dim - sum(1 for d in set(removed) if d < p.dim))
 
 
+def narrow(ctx: RuleContext) -> Placement | None:
+    """``narrow(x, dim, start, length)`` of a non-batch dim (the batch dim's rows are the chunk's)."""
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
+        return None
+    dim = normalize_dim(ctx.arg(1, "dim"), ctx.ndim(ctx.tensor_arg()), p.dim, ctx.min_ndim(ctx.tensor_arg()))
+    return p if dim is not None and dim != p.dim else None
+
+
 def diagonal(ctx: RuleContext) -> Placement | None:
     """``diagonal(x, offset, dim1, dim2)`` of two non-batch dims: they go, the diagonal comes last."""
     p = ctx.p(ctx.tensor_arg())

@@ -32,6 +32,7 @@ from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
     batch_values,
     indexing,
     matrix,
+    model_constructs,
     modules,
     pointwise,
     reductions,

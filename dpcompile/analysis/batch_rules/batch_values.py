@@ -21,6 +21,7 @@ from dpcompile.analysis.batch_positions import INT64_MAX, batch_arange_size, ind
 from dpcompile.analysis.batch_rules.aten import ATEN_RULES
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
 from dpcompile.analysis.batch_rules.indexing import getitem
+from dpcompile.analysis.batch_rules.model_constructs import last_dims_slice
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.shape import matrix_transpose
 from dpcompile.analysis.placement import Placement, Replicated, Split
@@ -77,7 +78,7 @@ def fx_getitem(ctx: RuleContext) -> Placement | None:
     """``x[...]``: by positions where :func:`index_by_positions` applies, else as indexing says."""
     if index_positions(ctx.node, ctx.placements) is not None and isinstance(ctx.node.args[1], tuple):
         return index_by_positions(ctx)
-    return getitem(ctx)
+    return getitem(ctx) or last_dims_slice(ctx)
 
 
 def aten_index(ctx: RuleContext) -> Placement | None:

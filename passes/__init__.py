@@ -25,6 +25,7 @@ from passes.data_parallel import insert_scatter_gather
 from passes.decompose_attention import decompose_attention
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
+from passes.functionalize import find_mutations, functionalize_mutations
 from passes.shard_linear import find_linear_sites, shard_linear
 from passes.split_stages import StagePlan, find_stage_boundaries, split_stages
 from passes.stage_transfers import insert_stage_transfers
@@ -43,7 +44,7 @@ class PipelineOptions:
 
 def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
     """Passes that tidy the captured graph, whatever the parallelism."""
-    return [hoist_flatten_parameters]
+    return [hoist_flatten_parameters, functionalize_mutations]
 
 
 def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
@@ -110,6 +111,8 @@ __all__ = [
     "data_parallel_pipeline",
     "hoist_flatten_parameters",
     "find_flatten_sites",
+    "functionalize_mutations",
+    "find_mutations",
     "insert_scatter_gather",
     "lower_to_collectives",
     "find_collective_sites",

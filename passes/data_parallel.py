@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from dpcompile import runtime
 from dpcompile.analysis.batch_dims import propagate
+from dpcompile.analysis.batch_positions import batch_arange_size, index_positions
 from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
 from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
 from dpcompile.analysis.placement import (
@@ -303,6 +304,9 @@ class _Builder:
 
     def _emit_per_device(self, node: fx.Node, placement: Placement) -> None:
         values: list[Any] = []
+        split = isinstance(placement, Split)
+        arange_size = batch_arange_size(node, self.placements) if split else None
+        positions = index_positions(node, self.placements) if split and node.op == "call_function" else None
         for k in range(self.n):
             # a value the same on every device is computed once per physical device; module
             # state is still read from each device's replica, as on distinct GPUs
@@ -326,8 +330,23 @@ class _Builder:
                 continue
             if _is_pad_packed(node):
                 kwargs = self._with_total_length(node, kwargs)
+            if arange_size is not None:  # device k's slice of arange(B): its rows' positions in the batch
+                sizes = [self.on_device(arange_size, j) for j in range(self.n)]
+                values.append(self.call(runtime.batch_arange, (sizes, k), kwargs, name=name, source=node))
+                continue
+            if positions is not None:
+                args = self._rows_of_device(node, args, positions, k)
             values.append(self.node(node.op, node.target, args, kwargs, name=name, source=node))
         self.per_device[node] = values
+
+    def _rows_of_device(self, node: fx.Node, args: tuple, positions: tuple[int, fx.Node], k: int) -> tuple:
+        """``h[positions, i]`` on device ``k``: positions in the batch made rows of its own chunk."""
+        slot, arange = positions
+        size = batch_arange_size(arange, self.placements)
+        sizes = [self.on_device(size, j) for j in range(self.n)]
+        indices = list(args[1])
+        indices[slot] = self.call(runtime.local_positions, (indices[slot], sizes, k), name=f"{node.name}_rows_dev{k}", source=node)
+        return (args[0], type(args[1])(indices), *args[2:])
 
     def _attr_on_device(self, node: fx.Node, k: int) -> fx.Node:
         if self.uses_replica[k]:

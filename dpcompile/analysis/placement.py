@@ -42,6 +42,7 @@ class BatchSize(Placement):
     """A Python value read from a chunk's shape along its split dim (or a shape holding one)."""
 
     shape_of_dim: int | None = None  # for ``x.shape``: where the batch size sits; None for an int
+    rows: bool = False  # ``b * t``: the batch size times a per-sample size (the rows of ``(b, t, ...)``)
 
 
 @dataclass(frozen=True)

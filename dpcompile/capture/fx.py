@@ -33,6 +33,14 @@ from dpcompile.runtime import run_forward_hook as runtime_run_forward_hook
 from dpcompile.runtime import without_grad as runtime_without_grad
 
 
+class WritableProxy(fx.Proxy):
+    """A traced tensor that records ``x[i] = v`` as an ``operator.setitem`` node (fx's own
+    proxies refuse it); :mod:`passes.functionalize` later makes the write functional."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
 class DpTracer(fx.Tracer):
     """An fx tracer that keeps RNNs whole and records their ``flatten_parameters`` calls.
 
@@ -57,6 +65,9 @@ class DpTracer(fx.Tracer):
             if where:
                 node.meta["stack_trace"] = where
         return node
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return WritableProxy(node, self)
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         kind = branch_kind(obj.node)

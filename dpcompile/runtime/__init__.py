@@ -1,5 +1,6 @@
 """What generated code calls. Every function here is a plain, differentiable Python call."""
 
+from dpcompile.runtime.batch_values import batch_arange, local_positions, written
 from dpcompile.runtime.batchnorm import batch_norm, functional_batch_norm
 from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split_sizes, to_device
 from dpcompile.runtime.grad import without_grad
@@ -14,11 +15,13 @@ __all__ = [
     "ReplicaRoot",
     "ReplicaSet",
     "TAKE_FIRST",
+    "batch_arange",
     "batch_norm",
     "functional_batch_norm",
     "broadcast",
     "flatten_parameters",
     "gather",
+    "local_positions",
     "max_length",
     "mean_of_partials",
     "module_of",
@@ -36,6 +39,7 @@ __all__ = [
     "to_device",
     "weights_in_one_buffer",
     "without_grad",
+    "written",
 ]
 
 

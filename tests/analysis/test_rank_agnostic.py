@@ -127,7 +127,6 @@ def test_rank_agnostic_view_of_sequence_first_rnn_output_splits_without_shapes()
     model, x = Net(), torch.randn(5, 6, 4)
     pm = dpcompile.transform(model, ["cpu"] * 2)
     whole = dpcompile.explain(pm, x).whole
-    assert [w["node"] for w in whole if "recomputed" not in w["reason"]] == ["mul", "reshape"]
+    assert [w["node"] for w in whole if "recomputed" not in w["reason"]] == ["reshape"]  # t * b is a size, T and B merge
     for got, expected in zip(pm(x), model(x)):
         torch.testing.assert_close(got, expected)
-    assert "batch rule for operator.mul" in whole[[w["node"] for w in whole].index("mul")]["reason"]  # t * b

@@ -33,8 +33,10 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
+    batch_values,
     indexing,
     matrix,
+    model_constructs,
     modules,
     pointwise,
     reductions,

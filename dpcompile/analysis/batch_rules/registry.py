@@ -85,6 +85,9 @@ class BatchRuleRegistry:
             entry = self.modules.get(cls)
             if entry is not None and (depth == 0 or entry[1]):
                 return entry[0]
+            by_name = self.by_name.get(f"{cls.__module__}.{cls.__qualname__}") if self.by_name else None
+            if by_name is not None:  # a third-party module class, registered without importing it
+                return by_name
         return None
 
     def lookup(self, node: fx.Node, module: nn.Module | None = None) -> Rule | None:

@@ -69,7 +69,7 @@ def reshape(ctx: RuleContext) -> Placement | None:
         return None
     if first == -1 and all(not (isinstance(t, int) and t == -1) for t in tail):
         return _rows_of_whole_samples(ctx, tail)
-    if isinstance(first, fx.Node) and ctx.p(first) == BatchSize():
+    if isinstance(first, fx.Node) and ctx.p(first) in (BatchSize(), BatchSize(rows=True)):
         return Split(0, p.origin)
     return None
 

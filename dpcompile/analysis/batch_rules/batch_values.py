@@ -1,0 +1,224 @@
+"""Values made from the batch size, indices of batch positions, and functional writes.
+
+* ``arange(b)`` of a batch size is split on dim 0; each device holds the global positions of its
+  rows (:mod:`dpcompile.analysis.batch_positions`), so it gathers to ``arange(B)``.
+* ``h[positions, i]`` (``aten.index``) of a tensor split on dim 0 runs per device, each reading its
+  own rows; other index tensors must be split the same way (after broadcasting) or replicated.
+* ``written(base, steps, op, ...)`` (:func:`dpcompile.runtime.written`, what
+  ``passes.functionalize`` makes of ``x[:, 1:] = y`` and ``x.copy_(y)``) is split as ``base``
+  where the written view keeps the batch dim whole and what is written lines up with it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from dpcompile.analysis.batch_positions import INT64_MAX, batch_arange_size, index_positions
+from dpcompile.analysis.batch_rules.aten import ATEN_RULES
+from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
+from dpcompile.analysis.batch_rules.indexing import getitem
+from dpcompile.analysis.batch_rules.model_constructs import last_dims_slice
+from dpcompile.analysis.batch_rules.registry import BATCH_RULES
+from dpcompile.analysis.batch_rules.shape import matrix_transpose
+from dpcompile.analysis.placement import Placement, Replicated, Split
+from dpcompile.runtime import written
+
+aten = torch.ops.aten
+
+
+def arange(ctx: RuleContext) -> Placement | None:
+    """``arange(b)`` of a batch size: split on dim 0, each device holding its rows' positions."""
+    if batch_arange_size(ctx.node, ctx.placements) is None:
+        return None
+    kwargs_ok = all(not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in ctx.node.kwargs.values())
+    return Split(0) if kwargs_ok else None
+
+
+def _rank(value: Any) -> int | None:
+    shape = node_shape(value) if isinstance(value, fx.Node) else None
+    return None if shape is None else len(shape)
+
+
+def index_by_positions(ctx: RuleContext) -> Placement | None:
+    """``x[positions, i1, ...]`` of ``x`` split on dim 0: per device, where every index tensor is
+    split on the dim the batch takes after broadcasting (or replicated), and shapes are known."""
+    found = index_positions(ctx.node, ctx.placements)
+    if found is None:
+        return None
+    x, indices = ctx.node.args[0], list(ctx.node.args[1])
+    px = ctx.p(x)
+    if not isinstance(px, Split) or px.dim != 0:
+        return None
+    tensors = [i for i in indices if isinstance(i, fx.Node)]
+    if any(not (isinstance(i, int) and not isinstance(i, bool)) for i in indices if not isinstance(i, fx.Node)):
+        return None  # slices or None among advanced indices move the result's dims around
+    ranks = [_rank(i) for i in tensors]
+    if any(r is None for r in ranks):
+        return None
+    out_rank = max(ranks)
+    dims = set()
+    for i, r in zip(tensors, ranks):
+        p = ctx.p(i)
+        if isinstance(p, Split):
+            dims.add(p.dim + out_rank - r)
+        elif not isinstance(p, Replicated):
+            return None
+        elif (
+            (shape := node_shape(i)) is not None and out_rank - r <= 0 < len(shape) and shape[0] != 1 and r == out_rank
+        ):
+            return None  # a replicated index as long as the batch lines up with it
+    return Split(dims.pop()) if len(dims) == 1 else None
+
+
+def fx_getitem(ctx: RuleContext) -> Placement | None:
+    """``x[...]``: by positions where :func:`index_by_positions` applies, else as indexing says."""
+    if index_positions(ctx.node, ctx.placements) is not None and isinstance(ctx.node.args[1], tuple):
+        return index_by_positions(ctx)
+    return getitem(ctx) or last_dims_slice(ctx)
+
+
+def aten_index(ctx: RuleContext) -> Placement | None:
+    """``aten.index(x, indices)``: only by batch positions (any other index along the batch
+    would read rows another device holds)."""
+    return index_by_positions(ctx)
+
+
+def _nodes_in(value: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, found.append)
+    return found
+
+
+def _view_split(ctx: RuleContext, p: Split, rank: int | None, steps: Any) -> tuple[int, int | None] | None:
+    """The split dim (and rank) of ``base`` seen through ``steps``, where every step keeps the batch whole."""
+    d = p.dim
+    for step, args in steps:
+        args = list(args)
+        if _nodes_in(args):
+            return None
+        if step == "__getitem__" or step is operator.getitem:
+            walked = _walk_basic_index(d, rank, args[0])
+            if walked is None:
+                return None
+            d, rank = walked
+        elif step in (aten.slice.Tensor, "narrow") or (
+            isinstance(step, torch._ops.OpOverload) and step.overloadpacket is aten.slice
+        ):
+            dim = args[0] if args else 0
+            dim = dim + rank if isinstance(dim, int) and dim < 0 and rank is not None else dim
+            if not isinstance(dim, int) or dim < 0:
+                return None
+            if dim == d:
+                rest = [*args[1:], None, None, None][:3]
+                if step == "narrow" or not (
+                    rest[0] in (None, 0) and rest[1] in (None, INT64_MAX) and rest[2] in (None, 1)
+                ):
+                    return None
+        elif step == "select" or (isinstance(step, torch._ops.OpOverload) and step.overloadpacket is aten.select):
+            dim = args[0]
+            dim = dim + rank if isinstance(dim, int) and dim < 0 and rank is not None else dim
+            if not isinstance(dim, int) or dim < 0 or dim == d:
+                return None
+            d, rank = (d - 1 if dim < d else d), (rank - 1 if rank is not None else None)
+        else:
+            return None
+    return d, rank
+
+
+def _walk_basic_index(d: int, rank: int | None, index: Any) -> tuple[int, int | None] | None:
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(i, fx.Node) or not (i is None or isinstance(i, (int, slice))) for i in items):
+        return None
+    in_dim = out_dim = 0
+    for item in items:
+        if item is None:
+            out_dim += 1
+            continue
+        if in_dim == d:
+            if item != slice(None):
+                return None
+            return out_dim, _indexed_rank(rank, items)
+        in_dim += 1
+        if isinstance(item, slice):
+            out_dim += 1
+    return out_dim + (d - in_dim), _indexed_rank(rank, items)
+
+
+def _indexed_rank(rank: int | None, items: list) -> int | None:
+    if rank is None:
+        return None
+    return rank - sum(1 for i in items if isinstance(i, int)) + sum(1 for i in items if i is None)
+
+
+# writes that act on each element of the written view alone (what is written lines up with it)
+_ELEMENTWISE_WRITES = frozenset(
+    {"__setitem__", "copy_", "fill_", "zero_", "masked_fill_", "index_put_", "add_", "sub_", "mul_", "div_",
+     "clamp_", "clamp_min_", "clamp_max_", "pow_", "neg_", "abs_", "exp_", "log_", "sqrt_", "rsqrt_", "relu_",
+     "sigmoid_", "tanh_", "silu_", "gelu_", "hardtanh_", "leaky_relu_", "elu_", "hardswish_", "floor_", "round_"}
+)  # fmt: skip
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    tm = node.meta.get("tensor_meta")
+    return getattr(tm, "dtype", None)
+
+
+def written_rule(ctx: RuleContext) -> Placement | None:
+    """``written(base, steps, op, *args)``: split as ``base`` where the written view keeps the
+    batch dim whole and every split argument lines up with the view's batch dim."""
+    base, steps, op, *args = ctx.node.args
+    p = ctx.p(base)
+    name = op if isinstance(op, str) else getattr(getattr(op, "overloadpacket", None), "__name__", None)
+    if not isinstance(p, Split) or name not in _ELEMENTWISE_WRITES:
+        return None
+    if name == "index_put_" and (
+        any(_dtype(i) is not torch.bool for i in _nodes_in(args[0]))
+        or (isinstance(args[1], fx.Node) and _rank(args[1]) != 0)
+    ):
+        return None  # integer indices would name rows another device holds; values are taken in order
+    rank = _rank(base)
+    view = _view_split(ctx, p, rank, steps)
+    if view is None:
+        return None
+    if op == "__setitem__" and isinstance(args[0], fx.Node):  # x[mask] = v: a mask of x's shape, v one value
+        mask, value = args[0], args[1]
+        q = ctx.p(mask)
+        if _dtype(mask) is not torch.bool or not isinstance(q, Split) or q.dim != view[0] or _rank(mask) != view[1]:
+            return None
+        return (
+            Split(p.dim)
+            if not isinstance(value, fx.Node) or (_rank(value) == 0 and isinstance(ctx.p(value), Replicated))
+            else None
+        )
+    if op == "__setitem__":
+        view = _walk_basic_index(view[0], view[1], args[0])
+        if view is None:
+            return None
+        args = args[1:]
+    d, view_rank = view
+    for value in [*args, *ctx.node.kwargs.values()]:
+        for n in _nodes_in(value):
+            q = ctx.p(n)
+            if isinstance(q, Replicated):
+                continue
+            r = _rank(n)
+            if not isinstance(q, Split) or (r is None) != (view_rank is None):
+                return None
+            if q.dim + ((view_rank - r) if r is not None and view_rank is not None else 0) != d:
+                return None
+    return Split(p.dim)
+
+
+BATCH_RULES.register(torch.arange, arange)
+BATCH_RULES.register(operator.getitem, fx_getitem, replace=True)
+BATCH_RULES.register(written, written_rule)
+ATEN_RULES[aten.arange] = arange
+ATEN_RULES[aten.index] = aten_index
+ATEN_RULES[aten.numpy_T] = matrix_transpose  # ``x.T`` in an exported graph

@@ -1,0 +1,132 @@
+"""Rules for constructs real models use that would otherwise run whole.
+
+=====================================  =========================================================
+``F.scaled_dot_product_attention``     the fx spelling of ``aten.scaled_dot_product_attention``
+``topk`` / ``sort`` / ``argsort``      along a dim that is not the batch (a mixture-of-experts router)
+``aten.gather`` / ``torch.gather``     along another dim, index split as the input
+``w @ x`` (weight on the left)         a replicated matrix times a batch of matrices
+``x[..., 1::2]``                       slices (any step) of the last dims (rotary embeddings)
+``b * t``                              a batch size times a per-sample size: the rows of ``(b, t)``
+transformers' ``Conv1D``               ``x @ W + b`` on the last dim (GPT-2), by qualified name
+=====================================  =========================================================
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from dpcompile.analysis.batch_rules.aten import ATEN_RULES, sdpa
+from dpcompile.analysis.batch_rules.context import RuleContext, normalize_dim
+from dpcompile.analysis.batch_rules.matrix import last_dim_op, matmul
+from dpcompile.analysis.batch_rules.pointwise import pointwise
+from dpcompile.analysis.batch_rules.registry import BATCH_RULES
+from dpcompile.analysis.placement import BatchSize, Placement, Replicated, Split, Tuple
+
+aten = torch.ops.aten
+
+
+def along_other_dim(dim_index: int, dim_name: str, default: Any, outputs: int) -> Any:
+    """A rule for ops working along one dim (``topk(x, k, dim)``): per sample where that dim is not
+    the split dim; ``outputs`` results (values and indices) split alike."""
+
+    def rule(ctx: RuleContext) -> Placement | None:
+        x = ctx.tensor_arg()
+        p = ctx.p(x)
+        if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
+            return None
+        dim = normalize_dim(ctx.arg(dim_index, dim_name, default), ctx.ndim(x), p.dim, ctx.min_ndim(x))
+        if dim is None or dim == p.dim:
+            return None
+        return Tuple((p,) * outputs) if outputs > 1 else p
+
+    return rule
+
+
+def gather(ctx: RuleContext) -> Placement | None:
+    """``gather(x, dim, index)``: ``x`` and ``index`` split on the same dim, gathered along another."""
+    x, dim, index = (list(ctx.node.args) + [None, None, None])[:3]
+    index = ctx.node.kwargs.get("index", index)
+    px, pi = ctx.p(x), ctx.p(index)
+    if not (isinstance(px, Split) and isinstance(pi, Split) and px.dim == pi.dim):
+        return None
+    if ctx.ndim(x) is not None and ctx.ndim(index) is not None and ctx.ndim(x) != ctx.ndim(index):
+        return None
+    dim = normalize_dim(dim, ctx.ndim(x), px.dim, ctx.min_ndim(x))
+    return Split(px.dim) if dim is not None and dim != px.dim else None
+
+
+def matmul_weight_left(ctx: RuleContext) -> Placement | None:
+    """``w @ x`` with ``w`` a replicated matrix and ``x`` a batch of matrices (``(B, n, m)``):
+    split as ``x`` wherever its split dim is a batch dim of the product; else matmul's rule."""
+    a, b = ctx.node.args[0], ctx.node.args[1]
+    pa, pb = ctx.p(a), ctx.p(b)
+    if isinstance(pa, Replicated) and isinstance(pb, Split):
+        na, nb = ctx.ndim(a), ctx.ndim(b)
+        nb = nb if nb is not None else ctx.min_ndim(b)
+        if na is not None and na <= 2 and nb is not None and nb >= 3 and pb.dim < nb - 2:
+            return Split(pb.dim)
+        return None
+    return matmul(ctx)
+
+
+def last_dims_slice(ctx: RuleContext) -> Placement | None:
+    """``x[..., a:b:c]`` and ``x[..., None]`` (slices of the last dims, any step): the leading dims,
+    the batch among them, stay where they are when the rank is surely above the sliced dims."""
+    base, index = ctx.node.args
+    p = ctx.p(base)
+    if not isinstance(p, Split) or not isinstance(index, tuple) or not index or index[0] is not Ellipsis:
+        return None
+    after = index[1:]
+    if Ellipsis in after or not all(i is None or isinstance(i, slice) for i in after):
+        return None
+    if any(isinstance(v, fx.Node) for i in after if isinstance(i, slice) for v in (i.start, i.stop, i.step)):
+        return None
+    sliced = sum(1 for i in after if isinstance(i, slice))
+    rank = ctx.min_ndim(base)
+    return p if rank is not None and rank - sliced > p.dim else None
+
+
+def batch_size_product(ctx: RuleContext) -> Placement | None:
+    """``b * t`` of a batch size and a size that carries no batch: the row count of a chunk's
+    ``(b, t, ...)`` flattened, which ``view``/``reshape`` take as the first size."""
+    left, right = (list(ctx.node.args) + [None, None])[:2]
+    sides = [ctx.p(v) if isinstance(v, fx.Node) else None for v in (left, right)]
+    if BatchSize() in sides:
+        other = right if sides[0] == BatchSize() else left
+        if (
+            isinstance(other, int)
+            and not isinstance(other, bool)
+            and other > 0
+            or (isinstance(other, fx.Node) and isinstance(ctx.p(other), Replicated))
+        ):
+            return BatchSize(rows=True)
+        return None
+    return pointwise(ctx)
+
+
+def conv1d_transformers(ctx: RuleContext) -> Placement | None:
+    """transformers' ``Conv1D`` (``x @ W + b`` on the last dim, GPT-2): like ``nn.Linear``."""
+    return last_dim_op(ctx)
+
+
+BATCH_RULES.register(F.scaled_dot_product_attention, sdpa)
+_TOPK = along_other_dim(2, "dim", -1, 2)
+_SORT = along_other_dim(1, "dim", -1, 2)
+_ARGSORT = along_other_dim(1, "dim", -1, 1)
+for _target, _rule in ((torch.topk, _TOPK), ("topk", _TOPK), (torch.sort, _SORT), ("sort", _SORT),
+                       (torch.argsort, _ARGSORT), ("argsort", _ARGSORT), (torch.gather, gather), ("gather", gather)):  # fmt: skip
+    BATCH_RULES.register(_target, _rule, replace=True)
+for _target in (operator.matmul, torch.matmul, "matmul"):
+    BATCH_RULES.register(_target, matmul_weight_left, replace=True)
+BATCH_RULES.register(operator.mul, batch_size_product, replace=True)
+BATCH_RULES.register_by_name("transformers.pytorch_utils.Conv1D", conv1d_transformers)
+ATEN_RULES[aten.topk] = _TOPK
+ATEN_RULES[aten.sort] = _SORT
+ATEN_RULES[aten.argsort] = _ARGSORT
+ATEN_RULES[aten.gather] = gather
+ATEN_RULES[aten.matmul] = matmul_weight_left

@@ -1,0 +1,68 @@
+"""Values the batch size makes, and writes into a tensor, as data-parallel code computes them.
+
+``batch_arange`` is device ``k``'s slice of ``torch.arange(B)``: the positions, in the whole
+batch, of the rows device ``k`` holds (device 1 of a batch of 5 split 3/2 holds ``[3, 4]``).
+``local_positions`` turns such positions back into rows of the device's own chunk, for an
+index into it. ``written`` is an in-place write made functional: the written copy of a tensor,
+so a program can say what a mutation produced instead of relying on aliasing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def _offset(sizes: Sequence[int | torch.SymInt], k: int) -> int:
+    return int(sum(int(s) for s in sizes[:k]))
+
+
+def batch_arange(sizes: Sequence[int], k: int, **kwargs: Any) -> torch.Tensor:
+    """Device ``k``'s slice of ``torch.arange(sum(sizes), **kwargs)``, where ``sizes`` are the
+    chunk sizes of every device.
+
+    >>> batch_arange([3, 2], 1)
+    tensor([3, 4])
+    """
+    start = _offset(sizes, k)
+    return torch.arange(start, start + int(sizes[k]), **kwargs)
+
+
+def local_positions(positions: torch.Tensor, sizes: Sequence[int], k: int) -> torch.Tensor:
+    """Positions in the whole batch made rows of device ``k``'s chunk.
+
+    >>> local_positions(torch.tensor([3, 4]), [3, 2], 1)
+    tensor([0, 1])
+    """
+    offset = _offset(sizes, k)
+    return positions - offset if offset else positions
+
+
+Op = str | Callable[..., Any]  # a Tensor method's name (``"copy_"``, ``"__setitem__"``) or an ATen op
+
+
+def _call(op: Op, tensor: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> Any:
+    return getattr(tensor, op)(*args, **(kwargs or {})) if isinstance(op, str) else op(tensor, *args, **(kwargs or {}))
+
+
+def written(
+    base: torch.Tensor, steps: Sequence[tuple[Op, tuple[Any, ...]]], op: Op, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """``base`` after ``op`` wrote into a view of it, as a new tensor; ``base`` is left as it was.
+
+    The view is ``base`` seen through ``steps`` (``[("__getitem__", ((slice(None), slice(1, None)),))]``
+    for ``base[:, 1:]``, ``[(torch.ops.aten.select.int, (1, 0))]`` for ``base[:, 0]``); ``op`` is an
+    in-place method's name (``"copy_"``, ``"__setitem__"``) or an in-place ATen op.
+
+    >>> written(torch.zeros(2, 3), [], "__setitem__", (slice(None), 0), 7.0)
+    tensor([[7., 0., 0.],
+            [7., 0., 0.]])
+    """
+    out = base.clone()
+    view = out
+    for step, step_args in steps:
+        view = _call(step, view, step_args)
+    _call(op, view, args, kwargs)
+    return out

@@ -1,0 +1,277 @@
+"""``functionalize_mutations``: writes into tensors made explicit, so each device writes its own slice.
+
+Before (transformers' ``shift_tokens_right``, captured by fx)::
+
+    def forward(self, labels):
+        new_zeros = labels.new_zeros(getattr_1)
+        getitem = labels[(slice(None, None, None), slice(None, -1, None))]
+        clone = getitem.clone()
+        setitem = operator.setitem(new_zeros, (slice(None, None, None), slice(1, None, None)), clone)
+        setitem_1 = operator.setitem(new_zeros, (slice(None, None, None), 0), 2)
+        eq = new_zeros == -100
+        masked_fill_ = new_zeros.masked_fill_(eq, 1)
+        return self.emb(new_zeros)
+
+After::
+
+    def forward(self, labels):
+        new_zeros = labels.new_zeros(getattr_1)
+        getitem = labels[(slice(None, None, None), slice(None, -1, None))]
+        clone = getitem.clone()
+        setitem = dpcompile_runtime_written(new_zeros, [], operator.setitem, (slice(None, None, None), slice(1, None, None)), clone)
+        setitem_1 = dpcompile_runtime_written(setitem, [], operator.setitem, (slice(None, None, None), 0), 2)
+        eq = setitem_1 == -100
+        masked_fill_ = setitem_1.masked_fill(eq, 1)
+        return self.emb(masked_fill_)
+
+A write through a view (``aten.copy_(aten.slice(t, 1, 1), src)`` in an exported graph) becomes
+``written(t, [(aten.slice.Tensor, (1, 1))], aten.copy_.default, src)``; an in-place op on a whole
+tensor becomes its out-of-place twin where there is one (``silu_`` -> ``silu``). Later reads of
+the tensor read the written value, so batch rules see a plain data flow, and a mutation of a
+split value runs on every device's own chunk instead of on a gathered copy.
+
+A write is left as it is where that could change what the program computes: into an input, a
+parameter or a buffer (the caller sees those); through an op that may or may not copy
+(``reshape``, ``contiguous``, ``to``); or where another view of the tensor is read after the write.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from dpcompile.infra import PassResult, stamp
+from dpcompile.runtime import written
+
+PASS = "functionalize_mutations"
+aten = torch.ops.aten
+
+# ops whose result always shares memory with their first argument
+_VIEW_METHODS = frozenset(
+    {"view", "transpose", "permute", "unsqueeze", "squeeze", "expand", "narrow", "select", "t", "unflatten",
+     "diagonal", "movedim", "unfold", "view_as", "expand_as", "swapaxes", "as_strided"}
+)  # fmt: skip
+_VIEW_FUNCTIONS = frozenset(
+    {torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.narrow, torch.select, torch.t}
+)
+_VIEW_ATEN = frozenset(
+    {aten.slice, aten.select, aten.view, aten.unsqueeze, aten.squeeze, aten.transpose, aten.permute, aten.expand,
+     aten.t, aten.alias, aten.diagonal, aten.narrow, aten.unfold, aten.as_strided}
+)  # fmt: skip
+# ops that return their argument itself or a copy, depending on values: a write through them is left alone
+_MAYBE_VIEW_METHODS = frozenset(
+    {"reshape", "flatten", "contiguous", "to", "type_as", "float", "half", "double", "bfloat16", "long", "int",
+     "bool", "type", "detach", "reshape_as", "cuda", "cpu", "data", "chunk", "split", "unbind", "tensor_split"}
+)  # fmt: skip
+_MAYBE_VIEW_ATEN = frozenset({aten.reshape, aten.contiguous, aten.flatten, aten._to_copy, aten.to, aten.detach, aten.split,
+                              aten.chunk, aten.unbind, aten.split_with_sizes, aten.lift_fresh})  # fmt: skip
+# in-place methods that are not writes into the batch's values
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad_", "share_memory_", "record_stream_", "resize_", "set_", "_"})
+_INPLACE_FUNCTIONS = frozenset(
+    {F.relu, F.relu6, F.elu, F.selu, F.celu, F.leaky_relu, F.hardtanh, F.hardswish, F.hardsigmoid, F.silu, F.mish,
+     F.rrelu, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.threshold}
+)  # fmt: skip
+
+
+@dataclass
+class Mutation:
+    """One write: ``op`` into ``base`` seen through ``chain`` (view nodes, base first)."""
+
+    node: fx.Node
+    base: fx.Node
+    chain: list[fx.Node]
+    op: Any  # what ``written`` calls: a Tensor method's name or an ATen op
+    rest: tuple[Any, ...]  # op's arguments after the written tensor
+    kwargs: dict[str, Any]
+    twin: Any = None  # an out-of-place op giving the same value (no chain): ``(op, is_method)``
+
+
+def _is_view(node: fx.Node) -> bool | None:
+    """True where ``node`` is surely a view of its first argument, None where it may be one, False otherwise."""
+    if node.op == "call_method":
+        if node.target in _VIEW_METHODS:
+            return True if not node.kwargs else None
+        return None if node.target in _MAYBE_VIEW_METHODS or str(node.target).endswith("_") else False
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        base, index = node.args
+        if not isinstance(base, fx.Node):
+            return False
+        value = base.meta.get("val", ...)
+        known_tensor = isinstance(value, torch.Tensor) or (value is ... and isinstance(index, tuple))
+        return True if known_tensor and _is_basic_index(index) else None
+    if target is getattr:
+        return None if node.args[1] in ("T", "mT", "H", "real", "imag", "data") else False
+    if target in _VIEW_FUNCTIONS:
+        return True if not node.kwargs else None
+    if isinstance(target, torch._ops.OpOverload):
+        packet = target.overloadpacket
+        if packet in _VIEW_ATEN:
+            return True if not node.kwargs else None
+        if packet in _MAYBE_VIEW_ATEN or _aten_inplace(target):
+            return None
+    return False
+
+
+def _is_basic_index(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) and not isinstance(i, bool) for i in items)
+
+
+def _aten_inplace(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    return (
+        bool(schema.arguments)
+        and schema.arguments[0].alias_info is not None
+        and schema.arguments[0].alias_info.is_write
+    )
+
+
+def _write_of(node: fx.Node) -> tuple[Any, Any, tuple, dict] | None:
+    """``(written tensor, callable, other args, kwargs)`` where ``node`` writes into its first argument."""
+    if node.op == "call_function" and node.target is operator.setitem:
+        return node.args[0], "__setitem__", tuple(node.args[1:]), dict(node.kwargs)
+    if node.op == "call_method":
+        name = str(node.target)
+        if name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES and hasattr(torch.Tensor, name):
+            return node.args[0], name, tuple(node.args[1:]), dict(node.kwargs)
+        return None
+    if node.op == "call_function" and node.target in _INPLACE_FUNCTIONS and node.kwargs.get("inplace") is True:
+        return node.args[0], node.target, tuple(node.args[1:]), dict(node.kwargs)
+    if (
+        node.op == "call_function"
+        and _aten_inplace(node.target)
+        and node.target.overloadpacket not in (aten.set_, aten.resize_)
+    ):
+        return node.args[0], node.target, tuple(node.args[1:]), dict(node.kwargs)
+    return None
+
+
+def _out_of_place_twin(node: fx.Node) -> tuple[Any, str] | None:
+    """The op computing an in-place op's result out of place: ``("silu", "call_method")``."""
+    if node.op == "call_method":
+        name = str(node.target)[:-1]
+        return (name, "call_method") if name not in ("copy", "fill", "zero") and hasattr(torch.Tensor, name) else None
+    if node.op == "call_function" and node.target in _INPLACE_FUNCTIONS:
+        return node.target, "call_function"
+    if isinstance(node.target, torch._ops.OpOverload):
+        packet = getattr(aten, node.target.overloadpacket.__name__[:-1], None)
+        if packet is not None and packet.__name__ not in ("copy", "fill", "zero", "index_put"):
+            overload = getattr(packet, node.target._overloadname, None)
+            if overload is not None:
+                return overload, "call_function"
+    return None
+
+
+def _analyse(node: fx.Node, order: dict[fx.Node, int]) -> Mutation | None:
+    """The write ``node`` makes, where it can be made functional; None otherwise."""
+    write = _write_of(node)
+    if write is None or not isinstance(write[0], fx.Node):
+        return None
+    target, op, rest, kwargs = write
+    chain: list[fx.Node] = []
+    base = target
+    while (view := _is_view(base)) is True:
+        chain.insert(0, base)
+        base = base.args[0]
+    if view is None or base.op in ("placeholder", "get_attr") or not _write_is_alone(base, chain, node, order):
+        return None
+    twin = _out_of_place_twin(node) if not chain and op != "__setitem__" else None
+    if twin is None and not isinstance(op, (str, torch._ops.OpOverload)):
+        return None  # F.silu(x[:, 0], inplace=True): no name generated code can call it by
+    return Mutation(node, base, chain, op, rest, kwargs, twin)
+
+
+def find_mutations(gm: fx.GraphModule) -> list[Mutation]:
+    """Every write into a tensor the program made itself that can be made functional, in order."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return [m for node in gm.graph.nodes if (m := _analyse(node, order)) is not None]
+
+
+def _aliases(base: fx.Node) -> list[fx.Node]:
+    """Values that may share memory with ``base``: its views, views of those, and writes' results."""
+    out: list[fx.Node] = []
+    stack = [base]
+    while stack:
+        tensor = stack.pop()
+        for user in tensor.users:
+            if user in out or not user.args or user.args[0] is not tensor:
+                continue
+            if _is_view(user) is not False or _write_of(user) is not None:
+                out.append(user)
+                stack.append(user)
+    return out
+
+
+def _write_is_alone(base: fx.Node, chain: list[fx.Node], write: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether no alias of ``base`` made before ``write`` is read after it (the written view
+    ``chain`` is read by the write alone)."""
+    at = order[write]
+    for alias in _aliases(base):
+        if alias is write or order[alias] > at:
+            continue
+        if any(order[user] > at for user in alias.users if user is not write):
+            return False
+    return True
+
+
+def functionalize_mutations(gm: fx.GraphModule) -> PassResult:
+    """Replace each write :func:`find_mutations` finds by the value it produces (see the module docstring)."""
+    graph = gm.graph
+    done: list[str] = []
+    for node in [n for n in graph.nodes if _write_of(n) is not None]:
+        m = _analyse(node, {n: i for i, n in enumerate(graph.nodes)})
+        if m is not None:
+            done.append(m.node.name)
+            _replace(graph, m)
+    return PassResult(gm, bool(done), {"functionalized": done})
+
+
+def _replace(graph: fx.Graph, m: Mutation) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_before(m.node):
+        if m.twin is not None:
+            op, kind = m.twin
+            kwargs = {k: v for k, v in m.kwargs.items() if k != "inplace"}
+            value = graph.create_node(kind, op, (m.base, *m.rest), kwargs)
+        else:
+            steps = [_step(view) for view in m.chain]
+            value = graph.call_function(written, (m.base, steps, m.op, *m.rest), m.kwargs)
+    stamp(value, PASS, m.node)
+    for key in ("val", "tensor_meta"):  # the written tensor keeps its shape and dtype
+        if key in m.base.meta:
+            value.meta[key] = m.base.meta[key]
+    for user in list(m.base.users):
+        if user is not value and order.get(user, -1) > order[m.node]:
+            user.replace_input_with(m.base, value)
+    if m.node.users:
+        result: fx.Node = value
+        if m.chain:  # the write's own result: the written view, read again from the new value
+            with graph.inserting_before(m.node):
+                for link in m.chain:
+                    result = graph.node_copy(link, lambda n, link=link, prev=result: prev if n is link.args[0] else n)
+        m.node.replace_all_uses_with(result)
+    graph.erase_node(m.node)
+    for link in reversed(m.chain):
+        if not link.users:
+            graph.erase_node(link)
+
+
+def _step(view: fx.Node) -> tuple[Any, tuple[Any, ...]]:
+    """A view node as ``(callable, arguments after the tensor)`` for :func:`~dpcompile.runtime.written`."""
+    if view.op == "call_method":
+        return str(view.target), tuple(view.args[1:])
+    if view.target is operator.getitem:
+        return "__getitem__", tuple(view.args[1:])
+    if isinstance(view.target, torch._ops.OpOverload):
+        return view.target, tuple(view.args[1:])
+    return view.target.__name__, tuple(view.args[1:])  # torch.transpose(x, 0, 1) as x.transpose(0, 1)

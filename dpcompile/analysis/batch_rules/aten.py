@@ -6,10 +6,8 @@ op packet (``aten.view`` covers ``aten.view.default``); most are the fx-level ru
 positions are those of the ATen schemas. Ops without a rule run whole after a gather (correct,
 not parallel).
 
-One convention is specific to exported graphs: ``aten.arange(b)`` of a chunk's batch size
-``b`` holds that chunk's *local* batch indices, which is what indexing a split tensor along its
-batch needs (transformers' attention masks do ``mask[batch_arange, head, q, kv]``); it is split
-only where every use is such an index.
+``aten.arange(b)`` of a batch size and ``aten.index`` by such positions are rules of
+:mod:`~dpcompile.analysis.batch_rules.batch_values` (each device holds its rows' global positions).
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.analysis.batch_rules.context import Rule, RuleContext, node_shape, normalize_dim
+from dpcompile.analysis.batch_rules.context import Rule, RuleContext, normalize_dim
 from dpcompile.analysis.batch_rules.modules import per_sample_dim0
-from dpcompile.analysis.placement import REPLICATED, BatchSize, Partial, Placement, Replicated, Split, Tuple
+from dpcompile.analysis.placement import REPLICATED, Partial, Placement, Replicated, Split, Tuple
 from dpcompile.runtime import exported as frontend
 
 aten = torch.ops.aten
@@ -155,58 +153,6 @@ def select(ctx: RuleContext) -> Placement | None:
     if dim == p.dim:
         return None
     return Split(p.dim - 1 if dim < p.dim else p.dim)
-
-
-_INDEX_PATH = {"unsqueeze", "view", "reshape", "_unsafe_view", "expand", "slice", "clone", "contiguous", "to", "_to_copy"}
-
-
-def _only_indexes(node: fx.Node, depth: int = 0) -> bool:
-    """Whether every use of ``node`` (through reshapes) is as an index of ``aten.index``."""
-    if depth > 12 or not node.users:
-        return False
-    for user in node.users:
-        if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
-            return False
-        name = user.target.overloadpacket.__name__
-        if name == "index" and user.args[0] is not node:
-            continue
-        if name in _INDEX_PATH and user.args[0] is node:
-            if not _only_indexes(user, depth + 1):
-                return False
-            continue
-        return False
-    return True
-
-
-def arange(ctx: RuleContext) -> Placement | None:
-    """``arange(b)`` of the batch size: each chunk's local batch indices, where only used as an index."""
-    args = ctx.node.args
-    end = args[0] if ctx.node.target is aten.arange.default else None
-    if isinstance(end, fx.Node) and ctx.p(end) == BatchSize() and len(args) == 1 and _only_indexes(ctx.node):
-        return Split(0)
-    return None
-
-
-def index(ctx: RuleContext) -> Placement | None:
-    """``x[i0, i1, ...]`` (``aten.index``): ``x`` split on dim 0, indexed on it by local batch
-    indices (split) and elsewhere by replicated ones; the result is split where ``i0`` is."""
-    x, indices = ctx.node.args[0], ctx.node.args[1]
-    p = _split(ctx, x)
-    if p is None or p.dim != 0 or not isinstance(indices, (list, tuple)) or not indices:
-        return None
-    first = indices[0]
-    if not isinstance(first, fx.Node):
-        return None
-    pi = ctx.p(first)
-    if not isinstance(pi, Split):
-        return None
-    if any(isinstance(i, fx.Node) and not isinstance(ctx.p(i), Replicated) for i in indices[1:]):
-        return None
-    shapes = [node_shape(i) for i in indices if isinstance(i, fx.Node)]
-    if any(s is None for s in shapes):
-        return None
-    nd = max(len(s) for s in shapes)
-    return Split(pi.dim + nd - len(shapes[0]))
 
 
 def summed_loss(ctx: RuleContext) -> Placement | None:

@@ -18,7 +18,6 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis.batch_positions import INT64_MAX, batch_arange_size, index_positions
-from dpcompile.analysis.batch_rules.aten import ATEN_RULES
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
 from dpcompile.analysis.batch_rules.indexing import getitem
 from dpcompile.analysis.batch_rules.model_constructs import last_dims_slice
@@ -219,6 +218,4 @@ def written_rule(ctx: RuleContext) -> Placement | None:
 BATCH_RULES.register(torch.arange, arange)
 BATCH_RULES.register(operator.getitem, fx_getitem, replace=True)
 BATCH_RULES.register(written, written_rule)
-ATEN_RULES[aten.arange] = arange
-ATEN_RULES[aten.index] = aten_index
-ATEN_RULES[aten.numpy_T] = matrix_transpose  # ``x.T`` in an exported graph
+BATCH_RULES.register(aten.numpy_T, matrix_transpose)  # ``x.T`` in an exported graph

@@ -14,50 +14,19 @@ transformers' ``Conv1D``               ``x @ W + b`` on the last dim (GPT-2), by
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from dpcompile.analysis.batch_rules.aten import ATEN_RULES, sdpa
-from dpcompile.analysis.batch_rules.context import RuleContext, normalize_dim
+from dpcompile.analysis.batch_rules.aten import sdpa
+from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.matrix import last_dim_op, matmul
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
-from dpcompile.analysis.placement import BatchSize, Placement, Replicated, Split, Tuple
+from dpcompile.analysis.placement import BatchSize, Placement, Replicated, Split
 
 aten = torch.ops.aten
-
-
-def along_other_dim(dim_index: int, dim_name: str, default: Any, outputs: int) -> Any:
-    """A rule for ops working along one dim (``topk(x, k, dim)``): per sample where that dim is not
-    the split dim; ``outputs`` results (values and indices) split alike."""
-
-    def rule(ctx: RuleContext) -> Placement | None:
-        x = ctx.tensor_arg()
-        p = ctx.p(x)
-        if not isinstance(p, Split) or any(not isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes[1:]):
-            return None
-        dim = normalize_dim(ctx.arg(dim_index, dim_name, default), ctx.ndim(x), p.dim, ctx.min_ndim(x))
-        if dim is None or dim == p.dim:
-            return None
-        return Tuple((p,) * outputs) if outputs > 1 else p
-
-    return rule
-
-
-def gather(ctx: RuleContext) -> Placement | None:
-    """``gather(x, dim, index)``: ``x`` and ``index`` split on the same dim, gathered along another."""
-    x, dim, index = (list(ctx.node.args) + [None, None, None])[:3]
-    index = ctx.node.kwargs.get("index", index)
-    px, pi = ctx.p(x), ctx.p(index)
-    if not (isinstance(px, Split) and isinstance(pi, Split) and px.dim == pi.dim):
-        return None
-    if ctx.ndim(x) is not None and ctx.ndim(index) is not None and ctx.ndim(x) != ctx.ndim(index):
-        return None
-    dim = normalize_dim(dim, ctx.ndim(x), px.dim, ctx.min_ndim(x))
-    return Split(px.dim) if dim is not None and dim != px.dim else None
 
 
 def matmul_weight_left(ctx: RuleContext) -> Placement | None:
@@ -115,18 +84,7 @@ def conv1d_transformers(ctx: RuleContext) -> Placement | None:
 
 
 BATCH_RULES.register(F.scaled_dot_product_attention, sdpa)
-_TOPK = along_other_dim(2, "dim", -1, 2)
-_SORT = along_other_dim(1, "dim", -1, 2)
-_ARGSORT = along_other_dim(1, "dim", -1, 1)
-for _target, _rule in ((torch.topk, _TOPK), ("topk", _TOPK), (torch.sort, _SORT), ("sort", _SORT),
-                       (torch.argsort, _ARGSORT), ("argsort", _ARGSORT), (torch.gather, gather), ("gather", gather)):  # fmt: skip
-    BATCH_RULES.register(_target, _rule, replace=True)
 for _target in (operator.matmul, torch.matmul, "matmul"):
     BATCH_RULES.register(_target, matmul_weight_left, replace=True)
 BATCH_RULES.register(operator.mul, batch_size_product, replace=True)
 BATCH_RULES.register_by_name("transformers.pytorch_utils.Conv1D", conv1d_transformers)
-ATEN_RULES[aten.topk] = _TOPK
-ATEN_RULES[aten.sort] = _SORT
-ATEN_RULES[aten.argsort] = _ARGSORT
-ATEN_RULES[aten.gather] = gather
-ATEN_RULES[aten.matmul] = matmul_weight_left

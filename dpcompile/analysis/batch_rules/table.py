@@ -30,7 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.analysis.batch_rules import aten as aten_rules
-from dpcompile.analysis.batch_rules import matrix, modules, pointwise, reductions, selection, shape
+from dpcompile.analysis.batch_rules import (
+    batch_values,
+    matrix,
+    model_constructs,
+    modules,
+    pointwise,
+    reductions,
+    selection,
+    shape,
+)
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, tuple_of
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import Placement, Whole
@@ -135,12 +144,12 @@ _whole("a layout flag of the chunk, asked of the whole tensor", "sym_is_contiguo
 
 # ---------------------------------------------------------------------- factories (sizes that hold a batch size)
 _add("factory", shape.factory, "empty full rand randn empty_strided new_ones new_zeros new_full new_empty ones zeros")
-_add("factory", aten_rules.arange, "arange")
+_add("factory", batch_values.arange, "arange")
 _whole("a tensor holding a batch size (each device's chunk size) is not a slice of the whole's", "scalar_tensor")
 _whole("a permutation of the whole batch's indices", "randperm")
 
 # ---------------------------------------------------------------------- indexing
-_add("indexing", aten_rules.index, "index", same_name=False)
+_add("indexing", batch_values.aten_index, "index", same_name=False)
 _add("indexing", selection.gather, "gather")
 _add("indexing", selection.scatter, "scatter scatter_add scatter_reduce")
 _add("indexing", selection.index_select, "index_select")
@@ -151,7 +160,7 @@ _whole("the indices of the whole tensor, a data-dependent count", "nonzero")
 _whole("reads one number of the tensor (one sample's, per device)", "_local_scalar_dense")
 
 # ---------------------------------------------------------------------- matrix ops
-_add("matmul", matrix.matmul, "mm matmul")
+_add("matmul", model_constructs.matmul_weight_left, "mm matmul")
 _add("matmul", matrix.bmm, "bmm")
 _add("matmul", matrix.addmm, "addmm")
 _add("matmul", matrix.linear_function, "linear")

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpcompile.errors import DpCompileError
+
 __all__ = [
     "KINDS",
     "MemoryEstimate",
@@ -113,14 +115,24 @@ def activation_bytes(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str,
     inputs and their views left out), what a training step holds at the end of forward.
     Otherwise the peak of the bytes of op outputs alive at once during forward (no graph kept).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.func import functional_call
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    tensors = [t for t in [*model.parameters(), *model.buffers(), *args, *(kwargs or {}).values()] if isinstance(t, torch.Tensor)]
+    # already fake (a layout checked on fake CUDA devices): run in their mode, a second one would mix modes
+    mode = detect_fake_mode(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
+    if training and not torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors):
+        raise DpCompileError(  # autograd on fake CUDA tensors aborts a CPU-only build of PyTorch
+            "the activations of a training step on CUDA tensors cannot be counted without CUDA: "
+            "pass training=False, or count on CPU tensors of the same shapes"
+        )
 
     def fake(v: Any) -> Any:
-        return mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+        if not isinstance(v, torch.Tensor) or isinstance(v, FakeTensor):
+            return v
+        return mode.from_tensor(v)
 
     state = {name: fake(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
     fake_args = [fake(a) for a in args]

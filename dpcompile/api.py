@@ -18,11 +18,13 @@ from torch import nn
 
 from dpcompile.analysis.memory import MemoryEstimate, activation_bytes, choose_strategy, optimizer_bytes, parse_budget
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
+from dpcompile.capture.export import OTHER_MODE_PENDING
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import DpCompileError, ExampleError
 from dpcompile.fake import has_meta_tensors
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.other_mode import OtherModePending
 from dpcompile.planning import memory_candidates, no_fit_error
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model
@@ -123,6 +125,7 @@ def transform(
                 frontend=frontend,
                 batch_dim=batch_dim,
                 dynamic_dims=dynamic_dims,
+                lazy_other_mode=True,
             )
     pm.memory_options = {"optimizer": optimizer, "training": training}
     pm.memory_plan = estimate
@@ -131,15 +134,36 @@ def transform(
 
 def _compile(
     recipe: Recipe, model: nn.Module, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, *,
-    frontend: str, batch_dim: int | None, dynamic_dims: Any = None,
+    frontend: str, batch_dim: int | None, dynamic_dims: Any = None, lazy_other_mode: bool = False,
 ) -> ParallelModule:  # fmt: skip
-    model, examples, frontend_batch_dim = _apply_frontend(
+    """``lazy_other_mode``: a data-parallel program exported in one mode captures the other at its
+    first call in it (:mod:`dpcompile.modules.other_mode`)."""
+    lazy_other_mode = lazy_other_mode and type(recipe) is DataParallelRecipe
+    captured, examples, frontend_batch_dim = _apply_frontend(
         model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
         flags_served=isinstance(recipe, (DataParallelRecipe, PipelineRecipe)), dynamic_dims=dynamic_dims,
+        lazy_other_mode=lazy_other_mode,
     )  # fmt: skip
+    lowering = recipe
     if isinstance(recipe, (DataParallelRecipe, PipelineRecipe)) and frontend_batch_dim != recipe.batch_dim:
-        recipe = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
-    return recipe.compile(model, examples)
+        lowering = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
+    pm = lowering.compile(captured, examples)
+    if isinstance(captured, fx.GraphModule) and captured.meta.get(OTHER_MODE_PENDING):
+        modes = {m: m.training for m in model.modules()}
+
+        def build_both_modes() -> ParallelModule:
+            now = {m: m.training for m in modes}
+            try:
+                for m, training in modes.items():  # as at transform, so the program is the one it would have made
+                    m.training = training
+                options = {"batch_dim": batch_dim, "dynamic_dims": dynamic_dims}
+                return _compile(recipe, model, example_tuple, example_kwargs, frontend="export", **options)
+            finally:
+                for m, training in now.items():
+                    m.training = training
+
+        object.__setattr__(pm, "_other_mode", OtherModePending(build_both_modes, model))
+    return pm
 
 
 def _plan_for_memory(
@@ -192,6 +216,7 @@ def _apply_frontend(
     batch_dim: int | None,
     flags_served: bool,
     dynamic_dims: Any = None,
+    lazy_other_mode: bool = False,
 ) -> tuple[nn.Module, tuple | None, int | None]:
     """The model as its frontend captures it (:func:`dpcompile.capture.capture_model`): the model
     itself where fx traces it (the recipe traces it, with its variants), else the exported
@@ -202,7 +227,7 @@ def _apply_frontend(
         return model, positional_examples(model, example_inputs, example_kwargs), batch_dim
     gm, info = capture_model(
         model, frontend=frontend, example_inputs=example_inputs, example_kwargs=example_kwargs,
-        leaf_modules=leaf_modules, batch_dim=batch_dim, dynamic_dims=dynamic_dims,
+        leaf_modules=leaf_modules, batch_dim=batch_dim, dynamic_dims=dynamic_dims, lazy_other_mode=lazy_other_mode,
     )  # fmt: skip
     if info.frontend == "fx" and (flags_served or not info.flags or frontend == "fx"):
         return model, info.example_inputs, batch_dim

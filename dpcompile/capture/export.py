@@ -43,7 +43,7 @@ from dpcompile.runtime.exported import expect_value
 
 log = logging.getLogger("dpcompile")
 aten = torch.ops.aten
-
+OTHER_MODE_PENDING = "dpcompile_other_mode_pending"  # gm.meta key: exported in the model's mode only
 
 
 @dataclasses.dataclass
@@ -102,8 +102,13 @@ def capture_export(
     *,
     batch_dim: int | None = None,
     dynamic_dims: Any = None,
+    lazy_other_mode: bool = False,
 ) -> Exported:
-    """Export ``model`` on the examples and make the graph a program the passes understand."""
+    """Export ``model`` on the examples and make the graph a program the passes understand.
+
+    ``lazy_other_mode``: where forward may read ``self.training``, export only the mode the model
+    is in and mark the program ``meta[OTHER_MODE_PENDING]`` (the caller captures again, both
+    modes, the first time a call runs in the other one) instead of exporting the other mode now."""
     import time
 
     from torch.export import export
@@ -137,9 +142,12 @@ def capture_export(
     seconds = time.perf_counter() - start
     unlifted = ep.module()
     gm, dynamic = _program(model, unlifted, names, dim, injected)
-    other = _export_in_other_mode(model, gm, names, spec, dim, injected)
-    if other is not None and not merge_modes(gm, other, model):
-        add_mode_check(gm, model)
+    if lazy_other_mode and _reads_mode(model, gm):
+        gm.meta[OTHER_MODE_PENDING] = True
+    else:
+        other = _export_in_other_mode(model, gm, names, spec, dim, injected)
+        if other is not None and not merge_modes(gm, other, model):
+            add_mode_check(gm, model)
     gm.recompile()
     if not dynamic:
         warnings.warn(
@@ -384,12 +392,18 @@ def _build(graph: fx.Graph, spec: Any, leaves: Any) -> Any:
     raise TraceError(f"the export frontend cannot rebuild an output of type {kind.__name__}")
 
 
+def _reads_mode(model: nn.Module, gm: fx.GraphModule) -> bool:
+    """Whether the program may differ in the other mode (forward reads ``self.training`` beyond the
+    modules the program calls, or an op baked the mode in)."""
+    return any(bakes_mode(n) for n in gm.graph.nodes) or any(forward_reads_training(type(m)) for m in model.modules())
+
+
 def _export_in_other_mode(
     model: nn.Module, gm: fx.GraphModule, names: Mapping[str, Any], spec: Any, dim: int, injected: frozenset[str]
 ) -> fx.GraphModule | None:
     """The program exported in the other mode, where forward may read ``self.training`` beyond
     the modules the program calls (which read their own mode at run time); else None."""
-    if not any(bakes_mode(n) for n in gm.graph.nodes) and not any(forward_reads_training(type(m)) for m in model.modules()):
+    if not _reads_mode(model, gm):
         return None
     from torch.export import export
 

@@ -77,13 +77,15 @@ def capture_model(
     leaf_modules: Iterable[type[nn.Module]] = (),
     batch_dim: int | None = None,
     dynamic_dims: Any = None,
+    lazy_other_mode: bool = False,
 ) -> tuple[fx.GraphModule, CaptureInfo]:
     """Capture ``model`` with the chosen frontend.
 
     ``"fx"``: ``torch.fx`` tracing (optional arguments and flags specialised where needed);
     ``"export"``: ``torch.export`` on the examples, the batch dim dynamic (and ``dynamic_dims=``:
     ``{argument: [dims]}``, or dims of every tensor argument); ``"auto"``: fx, and
-    export where fx fails and examples are given.
+    export where fx fails and examples are given. ``lazy_other_mode``: see
+    :func:`~dpcompile.capture.export.capture_export`.
 
     >>> gm, info = capture_model(model, frontend="auto", example_kwargs={"input_ids": ids})  # doctest: +SKIP
     >>> info.frontend  # doctest: +SKIP
@@ -106,7 +108,10 @@ def capture_model(
     from dpcompile.capture.export import capture_export
 
     try:
-        exported = capture_export(model, example_inputs, example_kwargs, batch_dim=batch_dim, dynamic_dims=dynamic_dims)
+        exported = capture_export(
+            model, example_inputs, example_kwargs, batch_dim=batch_dim, dynamic_dims=dynamic_dims,
+            lazy_other_mode=lazy_other_mode,
+        )  # fmt: skip
     except TraceError as error:
         route = working_part(model, leaf_modules)
         message = str(error)

@@ -161,9 +161,11 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     ['manifest.json', 'module.py', 'program.json', 'weights.safetensors']
     """
     from dpcompile.modules.base import ParallelModule
+    from dpcompile.modules.other_mode import both_modes
 
     if not isinstance(pm, ParallelModule):
         raise ValueError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
+    pm = both_modes(pm)  # a program exported in one mode captures the other now: the folder serves both
     if pm.mode not in KINDS:
         raise ExportError(
             f"export writes data-parallel and tensor-parallel programs; a {pm.mode} program (over a mesh) "

@@ -50,6 +50,7 @@ from dpcompile.modules.hooks import (
     load_pre_hooks,
     state_dict_with_hooks,
 )
+from dpcompile.modules.other_mode import both_modes, program_in_other_mode
 from dpcompile.modules.weights import NEEDS_WEIGHTS, needs_weights, weights_not_loaded
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
@@ -81,7 +82,7 @@ class ParallelModule(fx.GraphModule):
         "recipe", "devices", "mode", "input_dims", "output_device", "plan", "records", "captured",
         "traced_model", "program_cache", "captured_code", "plan_reasons", "param_shards",
         "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
-        "_guard", "_hooks_traced", "_exported_check", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
+        "_guard", "_hooks_traced", "_exported_check", "_other_mode", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
         "state_aliases",
     })  # fmt: skip
     needs_weights = property(needs_weights, doc="True for a program built on meta until dpcompile.load_checkpoint fills it")
@@ -321,6 +322,8 @@ class ParallelModule(fx.GraphModule):
         key = self.call_key(*args, **kwargs)
         if self.__dict__.get("_exported_check") is not None:
             self._exported_check.check(args, kwargs)
+            if (other := program_in_other_mode(self)) is not None:
+                return other
         if self._shares_source and self._guard.backward_hooked:
             raise backward_hooks_error(self.traced_model, self._guard.backward_hooked)
         if not self._shares_source and self.traced_model is not None:
@@ -416,7 +419,7 @@ class ParallelModule(fx.GraphModule):
 
     # ------------------------------------------------------------------ pickling
     def __reduce__(self):
-        return self._reduce(carry_programs=True)
+        return both_modes(self)._reduce(carry_programs=True)
 
     def model_changed_since_transform(self) -> bool:
         """Whether the model's hooks, submodules, parameters or attributes forward reads (or, for an
@@ -503,6 +506,8 @@ class ParallelModule(fx.GraphModule):
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
         """An independent copy (an EMA of the weights, a snapshot), built as unpickling builds
         one; ``GraphModule.__deepcopy__`` would drop everything but the graph and modules."""
+        if (whole := both_modes(self)) is not self:
+            return copy.deepcopy(whole, memo)
         traceable = self.__dict__.get("traced_model") is not None  # the copy traces what it needs
         restore, (cls, state) = self._reduce(carry_programs=not traceable)
         if state["source"] is None and self.__dict__.get("traced_model") is not None:  # no import needed

@@ -228,6 +228,15 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0)
 
 
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * (2.0 if self.training else 1.0)
+
+
 class Noisy(nn.Module):
     def __init__(self):
         super().__init__()
@@ -244,12 +253,39 @@ def test_export_frontend_serves_both_modes_where_only_constants_differ():
     model = Attention().eval()
     x = torch.randn(4, 5, 8)
     pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
-    assert "mode_value" in pm.code
     torch.testing.assert_close(pm(x), model(x))
     pm.train()
+    assert "mode_value" in pm.program_for_call(x).code  # the training mode, captured at its first call
     assert pm(x).shape == x.shape  # runs (with dropout) instead of refusing
     pm.eval()
     torch.testing.assert_close(pm(x), model(x))
+
+
+def test_export_frontend_exports_the_other_mode_at_its_first_call(monkeypatch):
+    """Transform exports only the mode the model is in; the first call in the other mode exports it,
+    and gives eager's numbers there."""
+    import torch.export
+
+    calls = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = Scaled().eval()
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    torch.testing.assert_close(pm(x), model(x))
+    assert len(calls) == 1
+    pm.train()
+    model.train()
+    torch.testing.assert_close(pm(x), model(x))
+    assert len(calls) > 1
+    exports = len(calls)
+    pm.eval()
+    model.eval()
+    torch.testing.assert_close(pm(x), model(x))
+    pm.train()
+    pm(x)
+    assert len(calls) == exports  # captured once
 
 
 def test_export_frontend_checks_the_mode_where_forward_branches_on_it():

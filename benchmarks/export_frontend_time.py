@@ -4,8 +4,9 @@ GPT-2 from a tiny config (random weights, dropout on) of 8, 16 and 32 layers, da
 virtual CPU devices. Each is timed after one warm-up run (torch.export's first call in a process
 pays for imports and caches); runs alternate, the median of ``--repeat`` each, in process CPU
 seconds (on a shared machine wall time mostly measures the neighbours) and wall seconds. GPT-2's
-attention reads ``self.training`` (its dropout), so transform exports twice, once per mode: the
-floor of the ratio is about 2.3 (an export in training mode records the dropouts too). Writes
+attention reads ``self.training`` (its dropout); transform exports only the mode the model is in
+(eval here), the other at the first call in it, so the ratio is one export plus the passes
+(it was about 2.65 when transform exported both modes). Writes
 ``benchmarks/results/export_frontend_time.json``.
 
     python benchmarks/export_frontend_time.py [--repeat 3] [--layers 8 16 32]

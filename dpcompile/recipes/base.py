@@ -36,6 +36,22 @@ class Recipe:
         raise NotImplementedError
 
 
+def departing_trace(recipe: Any, pm: Any, key: Any) -> fx.GraphModule | None:
+    """The captured graph a call as ``key`` lowers: None for ``pm``'s main trace, else the model
+    traced again for ``key``'s modes, None arguments and flags (``recipe.trace``), once per such
+    key (kept in ``pm.program_cache.traces``; None there too where it came out the same)."""
+    trace_key = key.traced()
+    if trace_key == pm.program_cache.main_key.traced():
+        return None
+    traces = pm.program_cache.traces
+    if trace_key not in traces:
+        if pm.traced_model is None:
+            raise pm.cannot_trace_again(key)
+        traced = recipe.trace(pm.traced_model, key)
+        traces[trace_key] = None if traced.code == pm.captured.code else traced
+    return traces[trace_key]
+
+
 def capture_with_flags(
     model: nn.Module, leaf_modules: tuple[type[nn.Module], ...], example_inputs: Sequence[Any] | None
 ) -> tuple[fx.GraphModule, dict[str, Any], frozenset[str]]:

@@ -39,7 +39,7 @@ from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
 from dpcompile.program_cache import CallKey
-from dpcompile.recipes.base import Recipe, capture_with_flags, move_to
+from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, move_to
 
 
 @dataclass(frozen=True)
@@ -109,16 +109,7 @@ class DataParallelRecipe(Recipe):
         return gm
 
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
-        captured = None  # None: the main trace
-        trace_key = key.traced()
-        if trace_key != pm.program_cache.main_key.traced():
-            traces = pm.program_cache.traces
-            if trace_key not in traces:
-                if pm.traced_model is None:
-                    raise pm.cannot_trace_again(key)
-                traced = self.trace(pm.traced_model, key)
-                traces[trace_key] = None if traced.code == pm.captured.code else traced
-            captured = traces[trace_key]
+        captured = departing_trace(self, pm, key)  # None: the main trace
         if captured is None and key.devices == len(pm.devices):
             return None
         owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)

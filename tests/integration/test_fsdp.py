@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import queue
-import socket
-import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.gloo_groups import run_spawned
 from tests.integration.test_spmd import Block
 
 GROUP_TIMEOUT_S = 300.0  # spawning, importing and the first gloo connections are slow on a loaded machine
@@ -196,31 +194,7 @@ def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -
 
 
 def _run(scenario: str, world: int) -> dict[int, dict[str, str | None]]:
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_entry, args=(r, world, port, scenario, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    outcomes: dict[int, dict[str, str | None]] = {}
-    deadline = time.monotonic() + GROUP_TIMEOUT_S
-    try:
-        while len(outcomes) < world and time.monotonic() < deadline:
-            try:
-                rank, outcome = results.get(timeout=1.0)
-                outcomes[rank] = outcome
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return outcomes
+    return run_spawned(_entry, world, scenario, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

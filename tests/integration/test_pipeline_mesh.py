@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import queue
-import socket
-import time
 import traceback
 from datetime import timedelta
 
@@ -22,14 +19,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.gloo_groups import run_spawned
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all
 GROUP_TIMEOUT_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stack():
@@ -134,30 +127,7 @@ def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -
 
 
 def run_group(scenario: str) -> dict[int, dict[str, str | None]]:
-    world = SCENARIOS[scenario][0]
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, scenario, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + GROUP_TIMEOUT_S
-    outcomes: dict[int, dict[str, str | None]] = {}
-    try:
-        while len(outcomes) < world and time.monotonic() < deadline:
-            try:
-                rank, outcome = results.get(timeout=1.0)
-                outcomes[rank] = outcome
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return outcomes
+    return run_spawned(_entry, SCENARIOS[scenario][0], scenario, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,47 @@
+"""Spawned gloo process groups for the tests of programs over a mesh: start ``world`` processes
+running ``entry(rank, world, port, *args, results)``, collect one ``(rank, outcome)`` report per
+rank within a bounded time, and never leave a process behind."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_spawned(entry: Callable[..., None], world: int, *args: Any, timeout: float) -> dict[int, Any]:
+    """Each rank's report (what ``entry`` put on its last argument, a queue); a rank that hung or
+    crashed is missing from the result."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=entry, args=(r, world, port, *args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world and time.monotonic() < deadline:
+            try:
+                rank, outcome = results.get(timeout=1.0)
+                outcomes[rank] = outcome
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return outcomes

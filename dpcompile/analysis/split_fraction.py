@@ -13,9 +13,10 @@ nothing), which ranks the ops that matter (matmuls and convolutions) as FLOPs do
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,17 +85,24 @@ def node_flops(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[str, int] | No
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    buffers = [(b, b.detach().clone()) for b in gm.buffers() if type(b) is torch.Tensor]
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
-        with mode, FlopCounterMode(display=False) as counter:
+        with _buffers_kept(gm), mode, FlopCounterMode(display=False) as counter:
             recorder = _FlopRecorder(gm, counter)
             recorder.run(*fake)
         return recorder.flops
     except Exception as e:  # noqa: BLE001 - a figure, not a requirement
         log.debug("cannot count FLOPs on fake tensors: %s", e)
         return None
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: Any) -> Iterator[None]:
+    """Run the block, then put ``module``'s real buffers (BatchNorm running statistics) back as they were."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers() if type(b) is torch.Tensor] if isinstance(module, nn.Module) else []
+    try:
+        yield
     finally:
         with torch.no_grad():
             for b, saved in buffers:
@@ -173,22 +181,12 @@ def node_flops_from_shapes(gm: fx.GraphModule) -> dict[str, int] | None:
             args = args[1:]
         else:
             fn = target
-        buffers = (
-            [(b, b.detach().clone()) for b in fn.buffers() if type(b) is torch.Tensor]
-            if isinstance(fn, nn.Module)
-            else []
-        )
         try:
-            with fake[0].fake_mode, FlopCounterMode(display=False) as counter:
+            with _buffers_kept(fn), fake[0].fake_mode, FlopCounterMode(display=False) as counter:
                 fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a figure, not a requirement
             log.debug("cannot count FLOPs of %s from its shapes: %s", node.name, e)
             return None
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    if not torch.equal(b, saved):
-                        b.copy_(saved)
         out[node.name] = int(counter.get_total_flops())
     return out
 

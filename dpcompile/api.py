@@ -29,7 +29,7 @@ from dpcompile.planning import memory_candidates, no_fit_error
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model
 from dpcompile.recipes.pipeline import check_one_process_schedule, check_pipeline_arguments
-from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe
+from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -292,11 +292,10 @@ def _pipeline_recipe(
 ) -> PipelineRecipe | MeshPipelineRecipe:  # fmt: skip
     stages, micro, schedule_name = check_pipeline_arguments(pipeline, micro_batches, schedule)
     if is_device_mesh(devices):
-        if plan is not False:
-            raise DpCompileError("pipeline= with tensor_parallel= over a mesh is not built yet; use a ('pp', 'dp') mesh")
+        check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan)  # fails here, not mid-compile
         return MeshPipelineRecipe(
             **common, mesh=devices, stages=stages, micro_batches=micro, schedule=schedule_name,
-            batch_dim=_check_batch_dim(batch_dim),
+            batch_dim=_check_batch_dim(batch_dim), plan=plan,
         )  # fmt: skip
     check_one_process_schedule(schedule_name)
     if plan is not False:

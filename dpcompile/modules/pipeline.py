@@ -119,6 +119,18 @@ class MeshPipelineModule(nn.Module):
         self._schedules: dict[Any, Any] = {}
         self._loss_scale = 1.0
         object.__setattr__(self, "_count_program", count_program(whole) if has_loss else None)
+        object.__setattr__(self, "shape_program", program)
+        self.shards: dict[str, Any] = {}
+        self.plan: dict[str, str] = {}
+        self.plan_reasons: dict[str, str] = {}
+
+    def attach_shards(self, *, shape_program: fx.GraphModule, shards: dict[str, Any], plan: dict[str, str],
+                      reasons: dict[str, str]) -> None:  # fmt: skip
+        """Tensor parallel inside the stage (a ``("pp", "tp")`` mesh): ``self.program`` holds this tp
+        rank's ``shards`` (``{param: ShardSpec}``, the model's names) under ``plan``; ``shape_program``
+        is the stage unsharded (its inputs and outputs are the same), run on fake tensors for shapes."""
+        object.__setattr__(self, "shape_program", shape_program)
+        self.shards, self.plan, self.plan_reasons = dict(shards), dict(plan), dict(reasons)
 
     def _schedule_for(self, inputs: tuple, train: bool) -> Any:
         """The schedule for micro-batches shaped as ``inputs``' first one (built once per shape)."""
@@ -159,7 +171,7 @@ class MeshPipelineModule(nn.Module):
                         for v in ins
                     ]
                 with torch.set_grad_enabled(train):
-                    outs = self.program(*ins)
+                    outs = self.shape_program(*ins)
         finally:
             with torch.no_grad():
                 for b, saved in buffers:

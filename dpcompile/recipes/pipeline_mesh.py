@@ -14,8 +14,8 @@ global batch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
@@ -23,6 +23,7 @@ from torch import nn
 
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
+from dpcompile.analysis.linear_sites import linear_like_leaves
 from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
@@ -31,30 +32,34 @@ from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
 from dpcompile.modules.pipeline import MeshPipelineModule
 from dpcompile.recipes.base import Recipe, capture_with_flags
+from dpcompile.recipes.pipeline_mesh_tp import shard_stage
 from passes.cut_stage import cut_stage
 
 
 @dataclass(frozen=True)
 class MeshPipelineRecipe(Recipe):
-    """``stages`` (a count or module paths) over the ``"pp"`` dimension of ``mesh``."""
+    """``stages`` (a count or module paths) over the ``"pp"`` dimension of ``mesh``; ``plan``:
+    tensor parallel inside each stage over a ``"tp"`` dimension (True or ``{path: style}``)."""
 
     mesh: Any = None
     stages: int | tuple[str, ...] = 1
     micro_batches: int = 1
     schedule: str = "gpipe"
     batch_dim: int | None = None
+    plan: bool | Mapping[str, str] = field(default=False)
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> MeshPipelineModule:
         import torch.distributed as dist
 
         names = tuple(self.mesh.mesh_dim_names or ())
-        check_pipeline_mesh(names)
+        check_pipeline_mesh(names, self.plan)
         pp_size = self.mesh.size(names.index("pp"))
         pp_rank = self.mesh.get_local_rank("pp")
         pp_group = self.mesh.get_group("pp")
         dp_group = self.mesh.get_group("dp") if "dp" in names else None
         device = local_device(self.mesh)
-        gm, _, _ = capture_with_flags(model, self.leaf_modules, example_inputs)
+        leaves = self.leaf_modules + (linear_like_leaves() if self.plan is not False else ())
+        gm, _, _ = capture_with_flags(model, leaves, example_inputs)
         weights = None
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs), check=True)
@@ -89,9 +94,10 @@ class MeshPipelineRecipe(Recipe):
         found = info_of(records, "cut_stage")
         program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
         program.to(device)
+        sharded = shard_stage(program, model=model, mesh=self.mesh, plan=self.plan) if self.plan is not False else None
         last_rank = dist.get_global_rank(pp_group, pp_size - 1)
-        return MeshPipelineModule(
-            program,
+        pm = MeshPipelineModule(
+            program if sharded is None else sharded.program,
             stage_index=pp_rank,
             num_stages=pp_size,
             device=device,
@@ -106,23 +112,39 @@ class MeshPipelineRecipe(Recipe):
             last_rank=last_rank,
             has_loss=found["has_loss"],
         )
+        if sharded is not None:  # the stage's shapes are the unsharded program's: it runs on fake tensors
+            pm.attach_shards(shape_program=program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
+        return pm
 
     def build_program(self, pm: Any, key: Any, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         return None
 
 
-def check_pipeline_mesh(names: tuple[str, ...]) -> None:
-    """A mesh for ``pipeline=``: a ``"pp"`` dimension, and ``"dp"`` beside it at most."""
+def check_pipeline_mesh(names: tuple[str, ...], plan: object = False) -> None:
+    """A mesh for ``pipeline=``: a ``"pp"`` dimension, and ``"dp"`` or ``"tp"`` beside it (``"tp"``
+    with ``tensor_parallel=``, and only with it)."""
     if "pp" not in names:
         raise ValueError(
             f"pipeline= over a DeviceMesh needs a dimension named 'pp', got mesh_dim_names={names}; e.g. "
             "init_device_mesh('cuda', (pp, dp), mesh_dim_names=('pp', 'dp'))"
         )
-    others = set(names) - {"pp", "dp"}
-    if others:
+    others = set(names) - {"pp", "dp", "tp"}
+    if others or {"dp", "tp"} <= set(names):
         raise DpCompileError(
-            f"pipeline= over a mesh composes with a 'dp' dimension; {sorted(others)} (tensor parallel inside a "
-            "stage) is not built yet: use a ('pp',) or ('pp', 'dp') mesh"
+            f"pipeline= over a mesh composes with one 'dp' or one 'tp' dimension; mesh_dim_names={names} is not "
+            "built yet: use a ('pp',), ('pp', 'dp') or ('pp', 'tp') mesh"
+        )
+    tensor_parallel = plan is not False and plan is not None
+    if "tp" in names and not tensor_parallel:
+        raise ValueError(
+            "a ('pp', 'tp') mesh shards each stage's layers over 'tp': pass tensor_parallel=True (the automatic "
+            "plan) or a {path: style} plan, or use a ('pp',) / ('pp', 'dp') mesh"
+        )
+    if tensor_parallel and "tp" not in names:
+        raise ValueError(
+            f"tensor_parallel= with pipeline= shards each stage over the mesh's 'tp' dimension, and mesh_dim_names="
+            f"{names} has none; build a ('pp', 'tp') mesh, e.g. init_device_mesh('cuda', (pp, tp), "
+            "mesh_dim_names=('pp', 'tp'))"
         )
 
 

@@ -1,0 +1,82 @@
+"""Tensor parallel inside a pipeline stage: a ``("pp", "tp")`` mesh.
+
+Each process first gets its stage's program from ``cut_stage`` (its pp rank's, for one
+micro-batch), exactly as on a ``("pp",)`` mesh; that program is then rewritten by the same
+tensor-parallel lowering a ``("tp",)`` mesh uses (``shard_linear`` → ``lower_to_collectives``
+over ``"tp"``), on a private copy of the stage's modules whose parameters are cut into this tp
+rank's shards::
+
+    stage = cut_stage(..., stage=pp rank)              # inputs: what the stage receives; outputs: what it sends
+    sharded = copy(stage) → broadcast from tp rank 0 → shard_linear(plan) → lower_to_collectives(tp)
+
+Every tp rank of a stage is fed the same micro-batch (the stage's inputs are whole: replicated
+over tp) and ends with the whole outputs (``shard_linear`` gathers a sharded value where it
+leaves the program), which is what ``PipelineStage`` sends on; tp rank ``t`` of stage ``i``
+sends to tp rank ``t`` of stage ``i + 1`` (the pp group of ``mesh["pp"]`` holds one tp rank of
+every stage).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+import passes
+from dpcompile.devices import Devices
+from dpcompile.fx_utils import unalias
+from dpcompile.infra import info_of, run_passes
+from dpcompile.mesh import local_device, mesh_size
+from dpcompile.planning import plan_for
+from dpcompile.recipes.spmd import broadcast_state, keep_own_shards
+from dpcompile.recipes.tensor_parallel import aliased_plan, unaliased_findings
+from dpcompile.runtime.tensor_parallel import ShardSpec
+
+
+@dataclass(frozen=True)
+class ShardedStage:
+    """A stage's tensor-parallel program: ``program`` (holds this tp rank's shards), ``shards``
+    (``{"layers.0.weight": ShardSpec(0, (4, 4))}``, the model's names), ``plan`` (the styles
+    applied) and ``reasons`` (why a layer stayed whole)."""
+
+    program: fx.GraphModule
+    shards: dict[str, ShardSpec]
+    plan: dict[str, str]
+    reasons: dict[str, str]
+
+
+def shard_stage(stage: fx.GraphModule, *, model: nn.Module, mesh: Any, plan: bool | Mapping[str, str]) -> ShardedStage:
+    """``stage`` (a ``cut_stage`` program sharing ``model``'s modules) sharded over ``mesh``'s
+    ``"tp"`` dimension by ``plan`` (True: the automatic plan; a ``{path: style}`` dict may name
+    layers of every stage, each stage applies its own). ``stage`` and ``model`` are left unchanged.
+
+    Collective: every rank of the stage's tp group must call it (the shards are cut from tp rank 0's
+    parameters, broadcast first, as a ``("tp",)`` mesh does).
+    """
+    tp_size, tp_rank = mesh_size(mesh, "tp"), mesh.get_local_rank("tp")
+    own = copy.deepcopy(stage)  # the stage's modules only; the user's model keeps its full parameters
+    broadcast_state(own, mesh.get_group("tp"))
+    if passes.decompose_attention(own).modified:  # nn.MultiheadAttention written out, so heads can be sharded
+        own.recompile()
+    styles, reasons = plan_for(own, aliased_plan(plan), tp_size, model)
+    options = passes.PipelineOptions(devices=Devices((local_device(mesh),) * tp_size), plan=dict(styles))
+    lowering = passes.spmd_tensor_parallel_pipeline(options) + passes.spmd_pipeline(options, mesh=mesh, tp_dim="tp")
+    own, records = run_passes(own, lowering)
+    info = unaliased_findings(info_of(records, "shard_linear"))
+    specs = dict(info.get("param_shards", {}))
+    keep_own_shards(own, own, specs, tp_rank)
+    held = {unalias(path) for path, _ in stage.named_modules()}  # an explicit plan names other stages' layers too
+    applied = {path: style for path, style in info.get("plan", styles).items() if path in held}
+    why = {
+        **{unalias(p): r for p, r in reasons.items()},
+        **{p: f"replicate: {r}" for p, r in info.get("reasons", {}).items()},
+    }
+    why = {path: reason for path, reason in why.items() if path in held}
+    return ShardedStage(own, {unalias(t): spec for t, spec in specs.items()}, applied, why)
+
+
+__all__ = ["ShardedStage", "shard_stage"]

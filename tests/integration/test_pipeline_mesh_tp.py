@@ -1,0 +1,164 @@
+"""Pipeline stages sharded by tensor parallel: a 4-process gloo ``("pp", "tp")`` mesh of 2 x 2.
+
+Each stage's program (``cut_stage``'s) is rewritten by the ``("tp",)`` mesh's lowering
+(``shard_linear`` → ``lower_to_collectives`` over ``"tp"``) and run under
+``torch.distributed.pipelining`` (GPipe, 1F1B) with 1, 2 and 4 micro-batches. The loss and the
+outputs equal eager's, and so does every gradient: a sharded parameter's once its tp shards are
+gathered, a replicated one's on every tp rank. All checks run in one spawned group (spawning is
+the slow part on two cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.gloo_groups import run_spawned
+
+GROUP_TIMEOUT_S = 120.0
+MEGATRON = {"layers.0": "column", "layers.1": "row", "layers.2": "column", "layers.3": "row", "head": "column"}
+
+
+def _stack():
+    from tests.integration.test_pipeline import Stack
+
+    torch.manual_seed(0)
+    return Stack(depth=4)
+
+
+def _inputs(batch: int = 8):
+    g = torch.Generator().manual_seed(1)
+    x, labels = torch.randn(batch, 8, generator=g), torch.randint(0, 3, (batch,), generator=g)
+    labels[0] = -100  # ignored: the mean is over the others, of the whole batch
+    return x, labels
+
+
+def _full_grad(pm, name: str, grad: torch.Tensor, group) -> torch.Tensor:
+    """The whole gradient of parameter ``name``: its tp shards gathered where it is sharded."""
+    import torch.distributed as dist
+
+    from dpcompile.runtime.tensor_parallel import unshard
+
+    spec = pm.shards.get(name)
+    if spec is None:
+        return grad
+    shape = list(grad.shape)
+    shape[spec.dim] = max(spec.sizes)  # gloo gathers equal shapes: pad uneven shards, then trim
+    padded = grad.new_zeros(shape)
+    padded.narrow(spec.dim, 0, grad.size(spec.dim)).copy_(grad)
+    gathered = [torch.empty_like(padded) for _ in spec.sizes]
+    dist.all_gather(gathered, padded, group=group)
+    return unshard([g.narrow(spec.dim, 0, size) for g, size in zip(gathered, spec.sizes)], spec, "cpu")
+
+
+def check_pipeline_tp(schedule: str, micro: int, plan: object) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.fx_utils import unalias
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    reference = _stack()
+    model = copy.deepcopy(reference)
+    x, labels = _inputs()
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=micro, schedule=schedule, tensor_parallel=plan)
+    out = pm(x, labels)
+    expected_logits, expected_loss = reference(x, labels)
+    expected_loss.backward()
+    if mesh.get_local_rank("pp") == 1:
+        logits, loss = out
+        torch.testing.assert_close(loss, expected_loss)
+        torch.testing.assert_close(logits, expected_logits.detach())
+    else:
+        assert out is None
+    assert pm.shards, f"nothing sharded in stage {mesh.get_local_rank('pp')}: {pm.plan_reasons}"
+    assert "all_reduce(" in pm.code and "tp_group" in pm.code, pm.code
+    for name, p in pm.program.named_parameters():
+        name = unalias(name)
+        full = reference.get_parameter(name)
+        if name in pm.shards:
+            assert p.shape != full.shape, f"{name} is said sharded, yet whole: {tuple(p.shape)}"
+        torch.testing.assert_close(
+            _full_grad(pm, name, p.grad, mesh.get_group("tp")), full.grad, msg=lambda m, name=name: f"{name}: {m}"
+        )
+    assert all(p.grad is None for p in model.parameters()), "the user's model trained: pm holds its own shards"
+    dist.barrier()
+
+
+CHECKS = [
+    ("gpipe_m1", ("gpipe", 1, MEGATRON)),
+    ("gpipe_m2", ("gpipe", 2, MEGATRON)),
+    ("gpipe_m4", ("gpipe", 4, MEGATRON)),
+    ("1f1b_m2", ("1f1b", 2, MEGATRON)),
+    ("1f1b_m4", ("1f1b", 4, MEGATRON)),
+    ("1f1b_m4_auto", ("1f1b", 4, True)),
+]
+
+
+def _entry(rank: int, world: int, port: int, results: mp.Queue) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    outcome: dict[str, str | None] = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=30))  # fmt: skip
+        for name, config in CHECKS:
+            try:
+                check_pipeline_tp(*config)
+                outcome[name] = None
+            except Exception:  # noqa: BLE001 - report every check
+                outcome[name] = traceback.format_exc()
+    except Exception:  # noqa: BLE001
+        outcome["<setup>"] = traceback.format_exc()
+    results.put((rank, outcome))
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_spawned(_entry, 4, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # 4 processes spawned
+@pytest.mark.parametrize("name", [name for name, _ in CHECKS])
+def test_pipeline_over_pp_tp_mesh_equals_eager(outcomes, name):
+    """A ("pp", "tp") mesh of 2 x 2: loss, outputs and every gradient (tp shards gathered) as eager."""
+    missing = [r for r in range(4) if r not in outcomes]
+    assert not missing, f"ranks {missing} reported nothing within {GROUP_TIMEOUT_S} s (hang or crash)"
+    errors = [
+        f"rank {rank}, {check}:\n{outcomes[rank][check]}"
+        for rank in range(4)
+        for check in ("<setup>", name)
+        if outcomes[rank].get(check) is not None
+    ]
+    assert not errors, "\n".join(errors)
+
+
+def test_pipeline_mesh_names_its_tensor_parallel_dimension():
+    """A "tp" dimension needs tensor_parallel=, tensor_parallel= needs a "tp" dimension; "dp" and
+    "tp" together are not built yet."""
+    from dpcompile.errors import DpCompileError
+    from dpcompile.recipes.pipeline_mesh import check_pipeline_mesh
+
+    check_pipeline_mesh(("pp", "tp"), True)
+    check_pipeline_mesh(("pp", "tp"), MEGATRON)
+    with pytest.raises(ValueError, match="pass tensor_parallel=True"):
+        check_pipeline_mesh(("pp", "tp"))
+    with pytest.raises(ValueError, match="has none; build a \\('pp', 'tp'\\) mesh"):
+        check_pipeline_mesh(("pp", "dp"), True)
+    with pytest.raises(DpCompileError, match="is not built yet"):
+        check_pipeline_mesh(("pp", "dp", "tp"), True)

@@ -97,7 +97,9 @@ class MeshPipelineModule(nn.Module):
     stage's parameters (the model's own), and equal the single-device gradients of the whole
     batch (over every ``dp`` rank). Under ``torch.no_grad()`` or in eval mode it runs forward only.
     The last stage returns the model's output (the loss is the whole batch's mean, detached);
-    other stages return None. ``pm.code`` is this rank's program.
+    other stages return None. ``pm.code`` is this rank's program. On a ``("pp", "tp")`` mesh the
+    program holds this tp rank's shards of the stage (``pm.shards``, ``pm.plan``; see
+    :meth:`attach_shards`).
 
     Each stage's input and output shapes are worked out on fake tensors from the whole program
     (``whole``) for the first micro-batch of a call, and handed to ``PipelineStage`` (its static
@@ -124,22 +126,31 @@ class MeshPipelineModule(nn.Module):
         self.plan: dict[str, str] = {}
         self.plan_reasons: dict[str, str] = {}
 
-    def attach_shards(self, *, shape_program: fx.GraphModule, shards: dict[str, Any], plan: dict[str, str],
+    def attach_shards(self, program: fx.GraphModule, *, shards: dict[str, Any], plan: dict[str, str],
                       reasons: dict[str, str]) -> None:  # fmt: skip
-        """Tensor parallel inside the stage (a ``("pp", "tp")`` mesh): ``self.program`` holds this tp
-        rank's ``shards`` (``{param: ShardSpec}``, the model's names) under ``plan``; ``shape_program``
-        is the stage unsharded (its inputs and outputs are the same), run on fake tensors for shapes."""
-        object.__setattr__(self, "shape_program", shape_program)
+        """Tensor parallel inside the stage (a ``("pp", "tp")`` mesh): ``program`` replaces the stage's,
+        holding this tp rank's ``shards`` (``{param: ShardSpec}``, the model's names) under ``plan``. The
+        unsharded program stays for shapes (it takes and returns the same values; it runs on fake tensors)."""
+        object.__setattr__(self, "shape_program", self.program)
+        self.program = program
         self.shards, self.plan, self.plan_reasons = dict(shards), dict(plan), dict(reasons)
+
+    def example_stage_inputs(self, inputs: tuple) -> tuple:
+        """Empty tensors shaped as this stage's inputs for the first micro-batch of ``inputs``
+        (the model's inputs, in forward's order)."""
+        return self._stage_examples(self._first_micro_batch(inputs), False)[0]
+
+    def _first_micro_batch(self, inputs: tuple) -> tuple:
+        return tuple(
+            torch.tensor_split(t, self.micro_batches)[0] if isinstance(t, torch.Tensor) and t.dim() else t
+            for t in inputs
+        )
 
     def _schedule_for(self, inputs: tuple, train: bool) -> Any:
         """The schedule for micro-batches shaped as ``inputs``' first one (built once per shape)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        firsts = tuple(
-            torch.tensor_split(t, self.micro_batches)[0] if isinstance(t, torch.Tensor) and t.dim() else t
-            for t in inputs
-        )
+        firsts = self._first_micro_batch(inputs)
         key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in firsts), train)
         if key not in self._schedules:
             stage_in, stage_out = self._stage_examples(firsts, train)

@@ -8,7 +8,8 @@
 
 A ``"dp"`` dimension beside ``"pp"`` averages gradients over its ranks (each feeds its own part
 of the batch, ``dpcompile.mesh.local_batch``), exactly: the loss is the mean over the whole
-global batch.
+global batch. A ``"tp"`` dimension (with ``tensor_parallel=``) shards each stage's layers over
+its ranks: :func:`~dpcompile.recipes.pipeline_mesh_tp.shard_stage`.
 """
 
 from __future__ import annotations
@@ -94,10 +95,9 @@ class MeshPipelineRecipe(Recipe):
         found = info_of(records, "cut_stage")
         program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
         program.to(device)
-        sharded = shard_stage(program, model=model, mesh=self.mesh, plan=self.plan) if self.plan is not False else None
         last_rank = dist.get_global_rank(pp_group, pp_size - 1)
         pm = MeshPipelineModule(
-            program if sharded is None else sharded.program,
+            program,
             stage_index=pp_rank,
             num_stages=pp_size,
             device=device,
@@ -112,8 +112,10 @@ class MeshPipelineRecipe(Recipe):
             last_rank=last_rank,
             has_loss=found["has_loss"],
         )
-        if sharded is not None:  # the stage's shapes are the unsharded program's: it runs on fake tensors
-            pm.attach_shards(shape_program=program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
+        if self.plan is not False:  # tensor parallel inside the stage, over the mesh's "tp" dimension
+            examples = None if example_inputs is None else pm.example_stage_inputs(tuple(example_inputs))
+            sharded = shard_stage(program, model=model, mesh=self.mesh, plan=self.plan, example_inputs=examples)
+            pm.attach_shards(sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
         return pm
 
     def build_program(self, pm: Any, key: Any, args: tuple, kwargs: dict) -> fx.GraphModule | None:

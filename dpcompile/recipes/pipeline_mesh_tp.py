@@ -19,7 +19,7 @@ every stage).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from torch import nn
 
 import passes
 from dpcompile.devices import Devices
-from dpcompile.fx_utils import unalias
+from dpcompile.fx_utils import propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device, mesh_size
 from dpcompile.planning import plan_for
@@ -49,10 +49,19 @@ class ShardedStage:
     reasons: dict[str, str]
 
 
-def shard_stage(stage: fx.GraphModule, *, model: nn.Module, mesh: Any, plan: bool | Mapping[str, str]) -> ShardedStage:
+def shard_stage(
+    stage: fx.GraphModule,
+    *,
+    model: nn.Module,
+    mesh: Any,
+    plan: bool | Mapping[str, str],
+    example_inputs: Sequence[Any] | None = None,
+) -> ShardedStage:
     """``stage`` (a ``cut_stage`` program sharing ``model``'s modules) sharded over ``mesh``'s
     ``"tp"`` dimension by ``plan`` (True: the automatic plan; a ``{path: style}`` dict may name
     layers of every stage, each stage applies its own). ``stage`` and ``model`` are left unchanged.
+    ``example_inputs``: the stage's inputs for one micro-batch, so views of sharded heads can be
+    proven to split (without them such layers stay whole, as on a ``("tp",)`` mesh).
 
     Collective: every rank of the stage's tp group must call it (the shards are cut from tp rank 0's
     parameters, broadcast first, as a ``("tp",)`` mesh does).
@@ -62,6 +71,8 @@ def shard_stage(stage: fx.GraphModule, *, model: nn.Module, mesh: Any, plan: boo
     broadcast_state(own, mesh.get_group("tp"))
     if passes.decompose_attention(own).modified:  # nn.MultiheadAttention written out, so heads can be sharded
         own.recompile()
+    if example_inputs is not None:
+        propagate_shapes(own, list(example_inputs))
     styles, reasons = plan_for(own, aliased_plan(plan), tp_size, model)
     options = passes.PipelineOptions(devices=Devices((local_device(mesh),) * tp_size), plan=dict(styles))
     lowering = passes.spmd_tensor_parallel_pipeline(options) + passes.spmd_pipeline(options, mesh=mesh, tp_dim="tp")

@@ -39,6 +39,38 @@ def _inputs(batch: int = 8):
     return x, labels
 
 
+class TinyDecoder(torch.nn.Module):
+    """Embedding, two attention blocks (heads split by ``view``), LayerNorm, LM head, token loss."""
+
+    def __init__(self, vocab: int = 16, d: int = 8):
+        super().__init__()
+        from tests.integration.test_spmd import Block
+
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([Block(d) for _ in range(2)])
+        self.norm = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.lm_head(self.norm(h))
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _decoder():
+    torch.manual_seed(0)
+    return TinyDecoder()
+
+
+def _tokens(batch: int = 4):
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 16, (batch, 6), generator=g), torch.randint(0, 16, (batch, 6), generator=g)
+    labels[0, :3] = -100
+    return ids, labels
+
+
 def _full_grad(pm, name: str, grad: torch.Tensor, group) -> torch.Tensor:
     """The whole gradient of parameter ``name``: its tp shards gathered where it is sharded."""
     import torch.distributed as dist
@@ -57,7 +89,9 @@ def _full_grad(pm, name: str, grad: torch.Tensor, group) -> torch.Tensor:
     return unshard([g.narrow(spec.dim, 0, size) for g, size in zip(gathered, spec.sizes)], spec, "cpu")
 
 
-def check_pipeline_tp(schedule: str, micro: int, plan: object) -> None:
+def check_pipeline_tp(
+    schedule: str, micro: int, plan: object, model: str = "stack", pipeline: object = 2, sharded: tuple[str, ...] = ()
+) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -65,12 +99,12 @@ def check_pipeline_tp(schedule: str, micro: int, plan: object) -> None:
     from dpcompile.fx_utils import unalias
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    reference = _stack()
+    reference, inputs = (_stack(), _inputs()) if model == "stack" else (_decoder(), _tokens())
     model = copy.deepcopy(reference)
-    x, labels = _inputs()
-    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=micro, schedule=schedule, tensor_parallel=plan)
-    out = pm(x, labels)
-    expected_logits, expected_loss = reference(x, labels)
+    pm = dpcompile.transform(model, mesh, pipeline=pipeline, micro_batches=micro, schedule=schedule,
+                             tensor_parallel=plan, example_inputs=inputs)  # fmt: skip
+    out = pm(*inputs)
+    expected_logits, expected_loss = reference(*inputs)
     expected_loss.backward()
     if mesh.get_local_rank("pp") == 1:
         logits, loss = out
@@ -80,6 +114,9 @@ def check_pipeline_tp(schedule: str, micro: int, plan: object) -> None:
         assert out is None
     assert pm.shards, f"nothing sharded in stage {mesh.get_local_rank('pp')}: {pm.plan_reasons}"
     assert "all_reduce(" in pm.code and "tp_group" in pm.code, pm.code
+    mine = [path for path in sharded if any(path == m or path.startswith(m + ".") for m in pm.module_paths)]
+    assert mine or not sharded, (sharded, pm.module_paths)
+    assert set(mine) <= {n.rpartition(".")[0] for n in pm.shards}, pm.plan_reasons
     for name, p in pm.program.named_parameters():
         name = unalias(name)
         full = reference.get_parameter(name)
@@ -92,6 +129,7 @@ def check_pipeline_tp(schedule: str, micro: int, plan: object) -> None:
     dist.barrier()
 
 
+HEADS = tuple(f"blocks.{i}.{layer}" for i in range(2) for layer in ("q", "k", "v", "out", "up", "down"))
 CHECKS = [
     ("gpipe_m1", ("gpipe", 1, MEGATRON)),
     ("gpipe_m2", ("gpipe", 2, MEGATRON)),
@@ -99,6 +137,7 @@ CHECKS = [
     ("1f1b_m2", ("1f1b", 2, MEGATRON)),
     ("1f1b_m4", ("1f1b", 4, MEGATRON)),
     ("1f1b_m4_auto", ("1f1b", 4, True)),
+    ("decoder_1f1b_m2_auto", ("1f1b", 2, True, "decoder", ["blocks.1"], ("emb", "lm_head", *HEADS))),
 ]
 
 

@@ -2,9 +2,11 @@
 
 Each stage's program (``cut_stage``'s) is rewritten by the ``("tp",)`` mesh's lowering
 (``shard_linear`` → ``lower_to_collectives`` over ``"tp"``) and run under
-``torch.distributed.pipelining`` (GPipe, 1F1B) with 1, 2 and 4 micro-batches. The loss and the
-outputs equal eager's, and so does every gradient: a sharded parameter's once its tp shards are
-gathered, a replicated one's on every tp rank. All checks run in one spawned group (spawning is
+``torch.distributed.pipelining`` (GPipe, 1F1B) with 1, 2 and 4 micro-batches, on an MLP stack
+(an explicit Megatron plan and the automatic one) and a tiny decoder (automatic plan: a
+vocab-parallel embedding, heads split by ``view``). The loss and the outputs equal eager's, and
+so does every gradient: a sharded parameter's once its tp shards are gathered, a replicated
+one's on every tp rank; after an SGD step on ``pm.parameters()`` a forward still equals eager's. All checks run in one spawned group (spawning is
 the slow part on two cores).
 """
 
@@ -90,7 +92,13 @@ def _full_grad(pm, name: str, grad: torch.Tensor, group) -> torch.Tensor:
 
 
 def check_pipeline_tp(
-    schedule: str, micro: int, plan: object, model: str = "stack", pipeline: object = 2, sharded: tuple[str, ...] = ()
+    schedule: str,
+    micro: int,
+    plan: object,
+    kind: str = "stack",
+    pipeline: object = 2,
+    sharded: tuple[str, ...] = (),
+    then_step: bool = False,
 ) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -99,7 +107,7 @@ def check_pipeline_tp(
     from dpcompile.fx_utils import unalias
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    reference, inputs = (_stack(), _inputs()) if model == "stack" else (_decoder(), _tokens())
+    reference, inputs = (_stack(), _inputs()) if kind == "stack" else (_decoder(), _tokens())
     model = copy.deepcopy(reference)
     pm = dpcompile.transform(model, mesh, pipeline=pipeline, micro_batches=micro, schedule=schedule,
                              tensor_parallel=plan, example_inputs=inputs)  # fmt: skip
@@ -126,18 +134,27 @@ def check_pipeline_tp(
             _full_grad(pm, name, p.grad, mesh.get_group("tp")), full.grad, msg=lambda m, name=name: f"{name}: {m}"
         )
     assert all(p.grad is None for p in model.parameters()), "the user's model trained: pm holds its own shards"
+    if then_step:  # an SGD step on pm's shards and on eager's parameters, then a forward alone (no_grad)
+        torch.optim.SGD(pm.parameters(), lr=0.5).step()
+        torch.optim.SGD(reference.parameters(), lr=0.5).step()
+        with torch.no_grad():
+            out = pm(*inputs)
+            expected_logits, expected_loss = reference(*inputs)
+        if mesh.get_local_rank("pp") == 1:
+            torch.testing.assert_close(out[1], expected_loss)
+            torch.testing.assert_close(out[0], expected_logits)
     dist.barrier()
 
 
-HEADS = tuple(f"blocks.{i}.{layer}" for i in range(2) for layer in ("q", "k", "v", "out", "up", "down"))
+BLOCK_LAYERS = tuple(f"blocks.{i}.{layer}" for i in range(2) for layer in ("q", "k", "v", "out", "up", "down"))
 CHECKS = [
     ("gpipe_m1", ("gpipe", 1, MEGATRON)),
     ("gpipe_m2", ("gpipe", 2, MEGATRON)),
     ("gpipe_m4", ("gpipe", 4, MEGATRON)),
     ("1f1b_m2", ("1f1b", 2, MEGATRON)),
-    ("1f1b_m4", ("1f1b", 4, MEGATRON)),
+    ("1f1b_m4_then_step", ("1f1b", 4, MEGATRON, "stack", 2, (), True)),
     ("1f1b_m4_auto", ("1f1b", 4, True)),
-    ("decoder_1f1b_m2_auto", ("1f1b", 2, True, "decoder", ["blocks.1"], ("emb", "lm_head", *HEADS))),
+    ("decoder_1f1b_m2_auto", ("1f1b", 2, True, "decoder", ["blocks.1"], ("emb", "lm_head", *BLOCK_LAYERS), True)),
 ]
 
 

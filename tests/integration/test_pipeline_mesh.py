@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 
 from tests.gloo_groups import run_spawned
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all
-GROUP_TIMEOUT_S = 90.0
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all; GPT-2 exported on each
+GROUP_TIMEOUT_S = 240.0  # a loaded 2-core machine; unloaded a group takes well under a minute
 
 
 def _stack():

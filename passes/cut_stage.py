@@ -113,7 +113,11 @@ def cut_stage(gm: fx.GraphModule, *, plan: StagePlan, stage: int) -> PassResult:
         graph.output(tuple(flat))
         info["outputs"] = layout
     for node in reversed(list(graph.nodes)):  # the one-device gather and mean (and the output's class) replaced
-        if not node.users and node.op == "call_function" and (node.target in _REPLACED or isinstance(node.target, type)):
+        if (
+            not node.users
+            and node.op == "call_function"
+            and (node.target in _REPLACED or isinstance(node.target, type))
+        ):
             graph.erase_node(node)
     for node in graph.nodes:
         if node.op not in ("placeholder", "output") and "dpcompile_pass" not in node.meta:

@@ -100,8 +100,10 @@ class MeshPipelineModule(nn.Module):
     other stages return None. ``pm.code`` is this rank's program.
 
     Each stage's input and output shapes are worked out on fake tensors from the whole program
-    (``whole``) for the first micro-batch of a call, and handed to ``PipelineStage`` (its static
-    mode), so the engine never runs a stage on uninitialised buffers (labels as indices would fail).
+    (``whole``) for each micro-batch shape, and handed to ``PipelineStage`` (its static mode), so
+    the engine never runs a stage on uninitialised buffers (labels as indices would fail). A batch
+    that does not divide into ``micro_batches`` runs as two runs of equal micro-batches, one
+    schedule step each (:mod:`dpcompile.modules.mesh_stage`).
     """
 
     def __init__(self, program: fx.GraphModule, *, whole: fx.GraphModule, stage_index: int, num_stages: int,
@@ -110,7 +112,7 @@ class MeshPipelineModule(nn.Module):
                  has_loss: bool, count: str | None = None, shared: list | None = None):  # fmt: skip
         super().__init__()
         self.program = program
-        object.__setattr__(self, "whole", whole)  # the single-device program: shapes only, not state
+        object.__setattr__(self, "whole", whole)  # the single-device program: shapes, every stage's modes
         self.stage_index, self.num_stages, self.micro_batches = stage_index, num_stages, micro_batches
         self.schedule_name, self.outputs = schedule, outputs
         self.live_in, self.device = live_in, torch.device(device)

@@ -73,16 +73,17 @@ def _here(value: Any, device: torch.device) -> Any:
     return value
 
 
-def batch_statistics_sites(program: fx.GraphModule) -> list[str]:
+def batch_statistics_sites(program: fx.GraphModule, *, training: bool | None = None) -> list[str]:
     """The BatchNorm calls of ``program`` that normalise with the batch's statistics now (a
-    module in training mode, or one without running statistics; ``F.batch_norm(training=True)``)."""
+    module in training mode, or one without running statistics; ``F.batch_norm(training=True)``),
+    or with ``training=True`` those that would in training mode."""
     sites = []
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is runtime.batch_norm:
             bn = _module_at(program, node.args[0])
-            if bn is None or bn.training or bn.running_mean is None:
+            if bn is None or (bn.training if training is None else training) or bn.running_mean is None:
                 sites.append(str(node.args[0].target if isinstance(node.args[0], fx.Node) else node.name))
         elif node.target is runtime.functional_batch_norm:
             sites.append(node.name)

@@ -122,6 +122,7 @@ class MeshPipelineModule(nn.Module):
         self._schedules: dict[Any, Any] = {}
         self._loss_scale = 1.0
         object.__setattr__(self, "_count_program", count_program(whole, count) if has_loss else None)
+        object.__setattr__(self, "_may_use_batch_statistics", bool(batch_statistics_sites(whole, training=True)))
 
     def _schedule_for(self, inputs: tuple, count: int, train: bool) -> Any:
         """The schedule for a run of ``count`` equal micro-batches shaped as ``inputs``' first one
@@ -195,7 +196,7 @@ class MeshPipelineModule(nn.Module):
         inputs = self._shape_inputs(args, kwargs)
         batch = next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
         runs = micro_batch_runs(batch, self.micro_batches) if batch else [(self.micro_batches, 0)]
-        if sum(count for count, _ in runs) > 1:
+        if self._may_use_batch_statistics and sum(count for count, _ in runs) > 1:
             sites = batch_statistics_sites(self.whole)  # the whole program's: every rank decides alike
             if sites:
                 raise batch_norm_refusal(sites, self.micro_batches)

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 
 import torch.fx as fx
+from torch import nn
 
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
@@ -48,6 +49,33 @@ class StageOutputs:
     leaves: tuple[tuple, ...]
     structure: object
 
+    def assemble(self, values: list) -> object:
+        """The model's output from each leaf's value (``values[i]`` for ``leaves[i]``)."""
+        return _assemble(self.structure, values)
+
+
+@dataclass(frozen=True)
+class Built:
+    """An output the program builds by a call (the export frontend rebuilds transformers'
+    ``ModelOutput`` and named tuples that way): ``kind(*args, **kwargs)`` of leaf indices."""
+
+    kind: type
+    args: tuple
+    kwargs: dict
+
+
+def _assemble(structure: object, values: list) -> object:
+    if isinstance(structure, Built):
+        args = tuple(_assemble(a, values) for a in structure.args)
+        return structure.kind(*args, **{k: _assemble(v, values) for k, v in structure.kwargs.items()})
+    if isinstance(structure, int) and not isinstance(structure, bool):
+        return values[structure]
+    if isinstance(structure, (tuple, list)):
+        return type(structure)(_assemble(v, values) for v in structure)
+    if isinstance(structure, dict):
+        return {k: _assemble(v, values) for k, v in structure.items()}
+    return structure
+
 
 def cut_stage(gm: fx.GraphModule, *, plan: StagePlan, stage: int) -> PassResult:
     """Rewrite ``gm`` (lowered for one device) into the program of pipeline stage ``stage``."""
@@ -66,8 +94,8 @@ def cut_stage(gm: fx.GraphModule, *, plan: StagePlan, stage: int) -> PassResult:
     def live_after(b: int) -> list[fx.Node]:
         return [n for n in nodes if n.op != "output" and where(n) <= b and any(s > b for s in readers(n))]
 
-    leaves = [n for n in output.all_input_nodes]
-    has_loss = any(n.op == "call_function" and n.target is runtime.mean_of_partials for n in leaves)
+    means = [parts for parts in map(mean_parts, _output_leaves(output)) if parts is not None]
+    has_loss = bool(means)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs = [n for n in nodes if n.op == "placeholder"] if stage == 0 else live_after(stage - 1)
@@ -77,15 +105,19 @@ def cut_stage(gm: fx.GraphModule, *, plan: StagePlan, stage: int) -> PassResult:
         if node.op in ("placeholder", "output") or stages[node] != stage:
             continue
         env[node] = graph.node_copy(node, lambda v: env[v])
-    info: dict = {"has_loss": has_loss}
+    info: dict = {"has_loss": has_loss, "count": means[0][1].name if means else None}
     if stage < last:
         graph.output(tuple(env[v] for v in live_after(stage)))
     else:
         flat, layout = _last_stage_outputs(graph, output, env)
         graph.output(tuple(flat))
         info["outputs"] = layout
-    for node in reversed(list(graph.nodes)):  # the one-device gather and mean the outputs replaced
-        if not node.users and node.op == "call_function" and node.target in (runtime.gather, runtime.mean_of_partials):
+    for node in reversed(list(graph.nodes)):  # the one-device gather and mean (and the output's class) replaced
+        if (
+            not node.users
+            and node.op == "call_function"
+            and (node.target in _REPLACED or isinstance(node.target, type))
+        ):
             graph.erase_node(node)
     for node in graph.nodes:
         if node.op not in ("placeholder", "output") and "dpcompile_pass" not in node.meta:
@@ -93,6 +125,67 @@ def cut_stage(gm: fx.GraphModule, *, plan: StagePlan, stage: int) -> PassResult:
     replace_graph(gm, graph)
     _tidy_names(gm.graph)
     return PassResult(gm, True, {"stage": stage, "inputs": [v.name for v in inputs], **info})
+
+
+def find_shared_parameters(gm: fx.GraphModule, plan: StagePlan) -> list[tuple[str, tuple[int, ...]]]:
+    """Trainable parameters that two stages read (tied weights: GPT-2's ``lm_head`` and ``wte``),
+    each named where the graph first reads it, with the stages that read it. Over a mesh each of
+    those stages' ranks holds its own copy, so their gradients are summed over those ranks.
+    The order is the graph's: the same on every rank."""
+    stages = node_stages(gm, plan)
+    names: dict[int, str] = {}
+    readers: dict[int, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "get_attr") or node not in stages:
+            continue
+        value = gm.get_submodule(str(node.target)) if node.op == "call_module" else _attribute(gm, str(node.target))
+        if isinstance(value, nn.Module):
+            found = [(f"{node.target}.{n}", p) for n, p in value.named_parameters()]
+        else:
+            found = [(str(node.target), value)] if isinstance(value, nn.Parameter) else []
+        for name, param in found:
+            if param.requires_grad:
+                names.setdefault(id(param), name)
+                readers.setdefault(id(param), set()).add(stages[node])
+    return [(names[k], tuple(sorted(s))) for k, s in readers.items() if len(s) > 1]
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> object:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name, None)
+
+
+def mean_parts(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """A mean loss's partial sum and count, as ``insert_scatter_gather`` over one device writes it:
+    ``mean_of_partials([sum], [count])``, or (``aten.cross_entropy_loss`` from the export frontend)
+    ``reduce_add([sum]) / reduce_add([count])``."""
+    if node.op != "call_function":
+        return None
+    if node.target is runtime.mean_of_partials and isinstance(node.args[1][0], fx.Node):
+        return node.args[0][0], node.args[1][0]
+    if node.target is operator.truediv and all(
+        isinstance(a, fx.Node) and a.op == "call_function" and a.target is runtime.reduce_add and len(a.args[0]) == 1
+        for a in node.args[:2]
+    ):
+        return node.args[0].args[0][0], node.args[1].args[0][0]
+    return None
+
+
+def _output_leaves(output: fx.Node) -> list[fx.Node]:
+    """The output's values, inside the classes it builds (``ModelOutput(loss=..., logits=...)``)."""
+    found: list[fx.Node] = []
+
+    def visit(v: object) -> None:
+        if isinstance(v, fx.Node) and v.op == "call_function" and isinstance(v.target, type):
+            fx.node.map_aggregate((v.args, v.kwargs), visit)
+        elif isinstance(v, fx.Node):
+            found.append(v)
+
+    fx.node.map_aggregate(output.args[0], visit)
+    return found
+
+
+_REPLACED = (runtime.gather, runtime.mean_of_partials, runtime.reduce_add, operator.truediv)
 
 
 def _drop_one_device_scatter(gm: fx.GraphModule) -> None:
@@ -117,22 +210,57 @@ def _last_stage_outputs(
         if node.op == "call_function" and node.target is runtime.gather and isinstance(node.args[1], int):
             flat.append(env[node.args[0][0]])
             leaves.append(("split", len(flat) - 1, node.args[1]))
-        elif node.op == "call_function" and node.target is runtime.mean_of_partials:
-            pair = graph.call_function(runtime.partial_pair, (env[node.args[0][0]], env[node.args[1][0]]))
+        elif mean_parts(node) is not None:
+            partial_sum, count = mean_parts(node)
+            pair = graph.call_function(runtime.partial_pair, (env[partial_sum], env[count]))
             flat.extend(
                 [graph.call_function(operator.getitem, (pair, 0)), graph.call_function(operator.getitem, (pair, 1))]
             )
             leaves.append(("mean", len(flat) - 2, len(flat) - 1))
         else:
+            why = _mixing_message(node)
             raise DpCompileError(
                 f"over a mesh, a pipeline's outputs must be split along the batch or be a mean loss; output "
-                f"'{node.name}' is neither ({node.op} {getattr(node.target, '__name__', node.target)}): return the "
-                "per-sample values and the loss, or run the pipeline in one process (devices=[...])"
+                f"'{node.name}' is neither ({node.op} {getattr(node.target, '__name__', node.target)})"
+                + (f": {why}. Keep the rows apart, or" if why else ": return the per-sample values and the loss, or")
+                + " run the pipeline in one process (devices=[...])"
             )
         return len(leaves) - 1
 
-    structure = fx.node.map_aggregate(output.args[0], lambda v: leaf(v) if isinstance(v, fx.Node) else v)
+    def value(v: object) -> object:
+        if not isinstance(v, fx.Node):
+            return fx.node.map_aggregate(v, lambda u: value(u) if isinstance(u, fx.Node) else u)
+        if v.op == "call_function" and isinstance(v.target, type):  # ModelOutput(loss=..., logits=...)
+            return Built(v.target, tuple(value(a) for a in v.args), {k: value(a) for k, a in v.kwargs.items()})
+        return leaf(v)
+
+    structure = fx.node.map_aggregate(output.args[0], value)
     return flat, StageOutputs(tuple(leaves), structure)
+
+
+def _mixing_message(node: fx.Node) -> str | None:
+    """Where ``node`` (an output the whole batch computes) met the other rows: the first op that
+    reads a value gathered from the micro-batches (an op that mixes rows, or has no batch rule)."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    readers: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target is runtime.gather:
+            readers.update(u for u in n.users if u.op != "output")
+            continue
+        stack.extend(n.all_input_nodes)
+    found = next((n for n in node.graph.nodes if n in readers), None)
+    if found is None:
+        return None
+    return (
+        f"'{found.name}' ({getattr(found.target, '__name__', found.target)}) mixes the rows of the batch (or has no "
+        "batch rule), so it runs once on the gathered batch; over a mesh a stage runs one micro-batch at a time, and "
+        "the outputs after it are the whole batch's"
+    )
 
 
 def _tidy_names(graph: fx.Graph) -> None:

@@ -15,10 +15,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile import runtime
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, micro_batch_runs, on_wire
 
 
 @dataclass(frozen=True)
@@ -102,25 +102,29 @@ class MeshPipelineModule(nn.Module):
     :meth:`attach_shards`).
 
     Each stage's input and output shapes are worked out on fake tensors from the whole program
-    (``whole``) for the first micro-batch of a call, and handed to ``PipelineStage`` (its static
-    mode), so the engine never runs a stage on uninitialised buffers (labels as indices would fail).
+    (``whole``) for each micro-batch shape, and handed to ``PipelineStage`` (its static mode), so
+    the engine never runs a stage on uninitialised buffers (labels as indices would fail). A batch
+    that does not divide into ``micro_batches`` runs as two runs of equal micro-batches, one
+    schedule step each (:mod:`dpcompile.modules.mesh_stage`).
     """
 
     def __init__(self, program: fx.GraphModule, *, whole: fx.GraphModule, stage_index: int, num_stages: int,
                  device: Any, pp_group: Any, dp_group: Any, micro_batches: int, schedule: str, outputs: Any,
                  live_in: list[str], module_paths: tuple[str, ...], last_rank: int,
-                 has_loss: bool):  # fmt: skip
+                 has_loss: bool, count: str | None = None, shared: list | None = None):  # fmt: skip
         super().__init__()
         self.program = program
-        object.__setattr__(self, "whole", whole)  # the single-device program: shapes only, not state
+        object.__setattr__(self, "whole", whole)  # the single-device program: shapes, every stage's modes
         self.stage_index, self.num_stages, self.micro_batches = stage_index, num_stages, micro_batches
         self.schedule_name, self.outputs = schedule, outputs
         self.live_in, self.device = live_in, torch.device(device)
         self.module_paths, self.pp_group, self.dp_group, self.last_rank = module_paths, pp_group, dp_group, last_rank
         self.has_loss = has_loss
+        self.shared = list(shared or [])  # (parameter, stages reading it): tied weights, summed over those stages
         self._schedules: dict[Any, Any] = {}
         self._loss_scale = 1.0
-        object.__setattr__(self, "_count_program", count_program(whole) if has_loss else None)
+                object.__setattr__(self, "_count_program", count_program(whole, count) if has_loss else None)
+        object.__setattr__(self, "_may_use_batch_statistics", bool(batch_statistics_sites(whole, training=True)))
         object.__setattr__(self, "shape_program", program)
         self.shards: dict[str, Any] = {}
         self.plan: dict[str, str] = {}
@@ -138,29 +142,32 @@ class MeshPipelineModule(nn.Module):
     def example_stage_inputs(self, inputs: tuple) -> tuple:
         """Empty tensors shaped as this stage's inputs for the first micro-batch of ``inputs``
         (the model's inputs, in forward's order)."""
-        return self._stage_examples(self._first_micro_batch(inputs), False)[0]
+        return self._stage_examples(self._first_micro_batch(inputs, self.micro_batches), False)[0]
 
-    def _first_micro_batch(self, inputs: tuple) -> tuple:
-        return tuple(
-            torch.tensor_split(t, self.micro_batches)[0] if isinstance(t, torch.Tensor) and t.dim() else t
-            for t in inputs
-        )
+    @staticmethod
+    def _first_micro_batch(inputs: tuple, count: int) -> tuple:
+        return tuple(torch.tensor_split(t, count)[0] if isinstance(t, torch.Tensor) and t.dim() else t for t in inputs)
 
-    def _schedule_for(self, inputs: tuple, train: bool) -> Any:
-        """The schedule for micro-batches shaped as ``inputs``' first one (built once per shape)."""
+    def _schedule_for(self, inputs: tuple, count: int, train: bool) -> Any:
+        """The schedule for a run of ``count`` equal micro-batches shaped as ``inputs``' first one
+        (built once per shape). Fewer micro-batches than stages run GPipe's order: torch's
+        ``Schedule1F1B`` needs ``M >= S``, and with ``M < S`` its warm-up holds every forward anyway."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        firsts = self._first_micro_batch(inputs)
-        key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in firsts), train)
+        firsts = self._first_micro_batch(inputs, count)
+        key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in firsts), count, train)
         if key not in self._schedules:
             stage_in, stage_out = self._stage_examples(firsts, train)
-            stage = PipelineStage(self.program, self.stage_index, self.num_stages, self.device, input_args=stage_in,
+            module, stage_in, stage_out = on_wire(
+                self.program, stage_in, stage_out, first=self.stage_index == 0, device=self.device
+            )
+            stage = PipelineStage(module, self.stage_index, self.num_stages, self.device, input_args=stage_in,
                                   output_args=stage_out, group=self.pp_group)  # fmt: skip
             loss_at = next((leaf[1] for leaf in self.outputs.leaves if leaf[0] == "mean"), 0) if self.outputs else 0
-            kind = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+            kind = Schedule1F1B if self.schedule_name == "1f1b" and count >= self.num_stages else ScheduleGPipe
             # each micro-batch's loss *sum*; the step's gradients are divided by the whole batch's count after
             self._schedules[key] = kind(
-                stage, self.micro_batches,
+                stage, count,
                 loss_fn=(lambda out, _: out[loss_at].sum() * self._loss_scale) if self.has_loss else None,
                 scale_grads=False,
             )  # fmt: skip
@@ -199,25 +206,23 @@ class MeshPipelineModule(nn.Module):
     def code(self) -> str:
         return self.program.code
 
+    def train(self, mode: bool = True) -> MeshPipelineModule:
+        """The mode of every stage's modules, so that each rank sees where BatchNorm trains."""
+        super().train(mode)
+        self.whole.train(mode)
+        return self
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         import torch.distributed as dist
 
         inputs = self._shape_inputs(args, kwargs)
         batch = next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-        if batch is not None and batch < self.micro_batches:
-            raise DpCompileError(
-                f"a batch of {batch} cannot feed {self.micro_batches} micro-batches over a mesh; pass at least "
-                f"{self.micro_batches} samples per dp rank, or fewer micro_batches="
-            )
-        if batch is not None and batch % self.micro_batches:
-            raise DpCompileError(
-                f"a batch of {batch} does not split into {self.micro_batches} equal micro-batches ({batch} % "
-                f"{self.micro_batches} = {batch % self.micro_batches}); torch.distributed.pipelining sizes its "
-                "buffers once, from the first micro-batch. Pass a batch that divides evenly, or run the pipeline "
-                "in one process (devices=[...]), where the last micro-batch may be smaller"
-            )
+        runs = micro_batch_runs(batch, self.micro_batches) if batch else [(self.micro_batches, 0)]
+        if self._may_use_batch_statistics and sum(count for count, _ in runs) > 1:
+            sites = batch_statistics_sites(self.whole)  # the whole program's: every rank decides alike
+            if sites:
+                raise batch_norm_refusal(sites, self.micro_batches)
         first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
-        target = torch.zeros(batch or self.micro_batches) if last else None
         train = self.training and torch.is_grad_enabled() and self.has_loss
         # where the loss's count follows from the inputs alone (labels), every rank knows it before
         # the step: each micro-batch's loss is its sum over the whole count, and nothing is divided after
@@ -229,9 +234,16 @@ class MeshPipelineModule(nn.Module):
                 dist.all_reduce(count, group=self.dp_group)
             self._loss_scale = 1.0 / float(count)
         before = {p: p.grad.clone() for p in self.program.parameters() if p.grad is not None} if train else {}
-        schedule = self._schedule_for(inputs, train)
-        run = schedule.step if train else schedule.eval
-        merged = run(*(inputs if first else ()), target=target)
+        pieces, start = [], 0  # each run of equal micro-batches is one step of its own schedule
+        for micro, rows in runs:
+            stop = start + micro * rows
+            part = tuple(t[start:stop] if isinstance(t, torch.Tensor) and t.dim() and batch else t for t in inputs)
+            schedule = self._schedule_for(part, micro, train)
+            run = schedule.step if train else schedule.eval
+            target = torch.zeros(stop - start if batch else micro) if last else None
+            pieces.append(run(*(part if first else ()), target=target))
+            start = stop
+        merged = _concatenated(pieces) if last else None
         totals = torch.zeros(2, dtype=torch.float64)  # the whole batch's loss sum and count
         if last and self.has_loss:
             pair = next(leaf for leaf in self.outputs.leaves if leaf[0] == "mean")
@@ -241,6 +253,7 @@ class MeshPipelineModule(nn.Module):
         if train and not known:  # every stage divides by the count the last stage found
             dist.broadcast(totals, src=self.last_rank, group=self.pp_group)
         if train:
+            self._sum_shared_gradients(before)
             self._average_gradients(before, 1.0 if known else float(totals[1]))
         return self._rebuild(merged, totals) if last else None
 
@@ -248,6 +261,20 @@ class MeshPipelineModule(nn.Module):
         """The call's inputs in the whole program's order (every rank is called with them)."""
         names = [str(n.target) for n in self.whole.graph.nodes if n.op == "placeholder"]
         return _positional(names, args, kwargs)
+
+    def _sum_shared_gradients(self, before: dict) -> None:
+        """A parameter two stages read (tied weights) has a copy on each of their ranks: each copy
+        gets the sum of this step's gradients over the pp ranks (every pp rank joins, in the same order)."""
+        import torch.distributed as dist
+
+        for p, stages in self.shared:
+            mine = self.stage_index in stages
+            old = before.get(p)
+            step = torch.zeros_like(p) if not mine or p.grad is None else p.grad if old is None else p.grad - old
+            step = step.clone() if step is p.grad else step
+            dist.all_reduce(step, group=self.pp_group)
+            if mine:
+                p.grad = step if old is None else old + step
 
     def _average_gradients(self, before: dict, count: float) -> None:
         """The step summed each micro-batch's loss sum: divide this step's gradients by the whole
@@ -275,20 +302,25 @@ class MeshPipelineModule(nn.Module):
                 values.append((totals[0] / totals[1]).to(flat[leaf[1]].dtype))
             else:
                 values.append(flat[leaf[1]])
-        return fx.node.map_aggregate(self.outputs.structure, lambda i: values[i] if isinstance(i, int) else i)
+        return self.outputs.assemble(values)
 
 
-def count_program(whole: fx.GraphModule) -> fx.GraphModule | None:
-    """The loss's count (``target_weight(labels)``) computed from the inputs alone, where it reads
-    no module or parameter (a count of activations' elements does: None)."""
-    output = next(n for n in reversed(whole.graph.nodes) if n.op == "output")
-    mean = next(
-        (n for n in output.all_input_nodes if n.op == "call_function" and n.target is runtime.mean_of_partials), None
-    )
-    if mean is None or not isinstance(mean.args[1][0], fx.Node):
+def _concatenated(pieces: list) -> Any:
+    """The last stage's merged outputs of each run, one batch (the schedule merges on dim 0)."""
+    flat = [p if isinstance(p, (tuple, list)) else (p,) for p in pieces]
+    if len(flat) == 1:
+        return flat[0]
+    return tuple(torch.cat([f[i] for f in flat]) for i in range(len(flat[0])))
+
+
+def count_program(whole: fx.GraphModule, count: str | None) -> fx.GraphModule | None:
+    """The loss's count (the node ``count``, e.g. ``target_weight(labels)``) computed from the
+    inputs alone, where it reads no module or parameter (a count of activations' elements does: None)."""
+    start = next((n for n in whole.graph.nodes if n.name == count), None)
+    if start is None:
         return None
     needed: set[fx.Node] = set()
-    stack = [mean.args[1][0]]
+    stack = [start]
     while stack:
         node = stack.pop()
         if node in needed:
@@ -302,7 +334,7 @@ def count_program(whole: fx.GraphModule) -> fx.GraphModule | None:
     for node in whole.graph.nodes:
         if node.op == "placeholder" or node in needed:
             env[node] = graph.node_copy(node, lambda v: env[v])
-    graph.output(env[mean.args[1][0]])
+    graph.output(env[start])
     return fx.GraphModule(nn.Module(), graph, "LossCount")
 
 

@@ -31,10 +31,11 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
+from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites
 from dpcompile.modules.pipeline import MeshPipelineModule
 from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage
-from passes.cut_stage import cut_stage
+from passes.cut_stage import cut_stage, find_shared_parameters
 
 
 @dataclass(frozen=True)
@@ -74,16 +75,6 @@ class MeshPipelineRecipe(Recipe):
                 f"pipeline={self.stages!r} makes {plan.stages} stages, but the mesh's 'pp' dimension has {pp_size} "
                 f"ranks; a pipeline runs one stage per pp rank"
             )
-        if (
-            self.micro_batches > 1
-            and model.training
-            and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-        ):
-            raise DpCompileError(
-                "over a mesh each stage sees one micro-batch at a time, so BatchNorm in training cannot use the whole "
-                f"batch's statistics with micro_batches={self.micro_batches}; pass micro_batches=1, or run the pipeline "
-                "in one process (devices=[...]), where the micro-batches meet at BatchNorm"
-            )
         pipeline = [
             functools.partial(passes.split_stages, plan=plan),
             functools.partial(passes.insert_scatter_gather, devices=Devices((device,)), input_dims=input_dims,
@@ -91,6 +82,16 @@ class MeshPipelineRecipe(Recipe):
         ]  # fmt: skip
         gm, _ = run_passes(gm, pipeline)
         whole = graph_module(gm, copy_graph(gm.graph), "WholeProgram")
+        sites = batch_statistics_sites(whole) if self.micro_batches > 1 else []
+        if sites:  # in eval mode BatchNorm's running statistics serve any micro_batches (checked per call too)
+            raise batch_norm_refusal(sites, self.micro_batches)
+        shared = [(gm.get_parameter(name), stages) for name, stages in find_shared_parameters(gm, plan)]
+        if shared and self.plan is not False:  # each stage shards a private copy: the tied copies would part
+            raise DpCompileError(
+                f"parameters {[name for name, _ in find_shared_parameters(gm, plan)]} are read by more than one "
+                "stage (tied weights), which a ('pp', 'tp') mesh does not support yet: untie them, name stage "
+                "boundaries (pipeline=[...]) that keep their readers in one stage, or use a ('pp',) mesh"
+            )
         gm, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
         found = info_of(records, "cut_stage")
         program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
@@ -111,6 +112,8 @@ class MeshPipelineRecipe(Recipe):
             module_paths=plan.module_paths[pp_rank],
             last_rank=last_rank,
             has_loss=found["has_loss"],
+            count=found["count"],
+            shared=shared,
         )
         if self.plan is not False:  # tensor parallel inside the stage, over the mesh's "tp" dimension
             examples = None if example_inputs is None else pm.example_stage_inputs(tuple(example_inputs))

@@ -1,8 +1,10 @@
 """Pipeline parallelism over a gloo mesh: ``torch.distributed.pipelining`` runs dpcompile's stage
 programs (``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B``). The loss is the whole
 batch's mean, every gradient the single-device one, on a ``("pp",)`` mesh of 2 and 4 processes
-and a ``("pp", "dp")`` mesh of 4. (``torch.distributed.pipelining`` sizes its buffers from the
-first micro-batch: over a mesh micro-batches are equal, an uneven batch is refused.)
+and a ``("pp", "dp")`` mesh of 4: an MLP stack, a transformers decoder through the export
+frontend (GPT-2 with ``labels=``, its tied ``wte``/``lm_head``) and a CNN with BatchNorm, with 1, 2
+and 4 micro-batches and an uneven last one (a batch of 7 in 4 runs as 3 micro-batches of 2, then
+one of 1: two steps of equal micro-batches).
 
 Spawning is the expensive part: each process group runs a whole scenario and reports each
 check's outcome (the pattern of ``test_spmd.py``).
@@ -21,8 +23,8 @@ import torch.multiprocessing as mp
 
 from tests.gloo_groups import run_spawned
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all
-GROUP_TIMEOUT_S = 90.0
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all; GPT-2 exported on each
+GROUP_TIMEOUT_S = 240.0  # a loaded 2-core machine; unloaded a group takes well under a minute
 
 
 def _stack():
@@ -53,7 +55,7 @@ class SquareMean(torch.nn.Module):
 
 
 def check_pipeline(
-    rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], schedule: str, micro: int
+    rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], schedule: str, micro: int, batch: int = 8
 ) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -66,7 +68,7 @@ def check_pipeline(
     reference = SquareMean() if schedule.startswith("square:") else _stack()
     schedule = schedule.removeprefix("square:")
     model = copy.deepcopy(reference)
-    x, labels = _inputs(8 if "dp" not in names else 16)  # equal micro-batches: pipelining's buffers
+    x, labels = _inputs(batch)
     pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=micro, schedule=schedule)
     out = pm(*local_batch((x, labels), mesh))
     expected_logits, expected_loss = reference(x, labels)
@@ -78,26 +80,153 @@ def check_pipeline(
         torch.testing.assert_close(logits, local_batch(expected_logits.detach(), mesh))
     else:
         assert out is None
-    mine = set(pm.module_paths)
+    _grads_equal_on_stage(model, reference, pm.module_paths)
+    dist.barrier()
+
+
+def _grads_equal_on_stage(model, reference, module_paths) -> None:
+    """This stage's parameters have eager's gradients; the others none (another rank's stage)."""
+    mine = set(module_paths)
     checked = 0
     for name, p in model.named_parameters():
-        module = name.rpartition(".")[0]
-        if module in mine:
-            torch.testing.assert_close(
-                p.grad, reference.get_parameter(name).grad, msg=lambda m, name=name: f"{name}: {m}"
-            )
+        if name.rpartition(".")[0] in mine:
+            q = reference.get_parameter(name)
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
             checked += 1
         else:
             assert p.grad is None, f"{name} is another stage's, yet has a gradient here"
     assert checked > 0
+
+
+def check_decoder(rank: int, world: int, configs: tuple) -> None:
+    """GPT-2 (tiny, float64) exported once on each rank, then one pipeline per (micro, schedule)
+    config over a ("pp",) mesh: logits, the mean loss over non-ignored tokens, every gradient
+    (the tied wte/lm_head weight: summed over the two stages that read it)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.capture import capture_model
+    from tests.thirdparty import import_or_skip
+
+    T = import_or_skip("transformers")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    V = 64
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+    reference = T.GPT2LMHeadModel(config).double()
+    model = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(0)
+    kwargs = {"input_ids": torch.randint(1, V, (5, 8), generator=g), "labels": torch.randint(0, V, (5, 8), generator=g)}
+    kwargs["labels"][0, :5] = -100
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported, _ = capture_model(model, frontend="export", example_kwargs=kwargs)
+    expected = reference(**kwargs)
+    expected.loss.backward()
+    for micro, schedule in configs:
+        model.zero_grad(set_to_none=True)
+        pm = dpcompile.transform(exported, mesh, pipeline=world, micro_batches=micro, schedule=schedule,
+                                 example_kwargs=kwargs)  # fmt: skip
+        out = pm(**kwargs)
+        if rank == world - 1:
+            torch.testing.assert_close(out.loss, expected.loss)
+            torch.testing.assert_close(out.logits, expected.logits)
+        else:
+            assert out is None
+        tied = {"transformer.wte", "lm_head"}  # one Parameter: named wte.weight, read by both ends
+        paths = set(pm.module_paths) | (tied if tied & set(pm.module_paths) else set())
+        _grads_equal_on_stage(model, reference, paths)
+    dist.barrier()
+
+
+class BNClassifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.conv2, self.bn2 = nn.Conv2d(6, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, labels):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        logits = self.fc(x.mean((2, 3)))
+        return logits, torch.nn.functional.cross_entropy(logits, labels)
+
+
+def check_batchnorm(rank: int, world: int, eval_micro: tuple[int, ...]) -> None:
+    """A CNN with BatchNorm over a ("pp",) mesh: in training with micro_batches=1 (logits, loss,
+    gradients, running statistics as eager); in eval mode with ``eval_micro`` micro-batches (a batch
+    of 7: uneven); in training with 2 micro-batches refused, at transform and at a call."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.errors import DpCompileError
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    reference = BNClassifier()
+    model = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(2)
+    x, labels = torch.randn(7, 3, 6, 6, generator=g), torch.randint(0, 4, (7,), generator=g)
+    last = rank == world - 1
+    pm = dpcompile.transform(model, mesh, pipeline=world, micro_batches=1)
+    out = pm(x, labels)
+    expected_logits, expected_loss = reference(x, labels)
+    expected_loss.backward()
+    if last:
+        torch.testing.assert_close(out[0], expected_logits.detach())
+        torch.testing.assert_close(out[1], expected_loss)
+    _grads_equal_on_stage(model, reference, pm.module_paths)
+    for name, b in model.named_buffers():
+        if name.rpartition(".")[0] in pm.module_paths:
+            torch.testing.assert_close(b, reference.get_buffer(name), msg=lambda m, name=name: f"{name}: {m}")
+    model.eval()
+    reference.eval()
+    expected_logits, expected_loss = reference(x, labels)
+    for micro in eval_micro:
+        out = dpcompile.transform(model, mesh, pipeline=world, micro_batches=micro)(x, labels)
+        if last:
+            torch.testing.assert_close(out[0], expected_logits)
+            torch.testing.assert_close(out[1], expected_loss)
+    pm = dpcompile.transform(model, mesh, pipeline=world, micro_batches=2)
+    model.train()
+    for attempt in (lambda: pm(x, labels), lambda: dpcompile.transform(model, mesh, pipeline=world, micro_batches=2)):
+        try:
+            attempt()
+        except DpCompileError as e:
+            assert "one micro-batch at a time" in str(e) and "micro_batches=1" in str(e) and "eval mode" in str(e)
+        else:
+            raise AssertionError("BatchNorm in training with 2 micro-batches over a mesh was not refused")
     dist.barrier()
 
 
 SCENARIOS = {
-    "pp2": (2, [("gpipe_m1", ((2,), ("pp",), "gpipe", 1)), ("gpipe_m4", ((2,), ("pp",), "gpipe", 4)),
-                ("1f1b_m4", ((2,), ("pp",), "1f1b", 4)), ("square_mean", ((2,), ("pp",), "square:gpipe", 2))]),
-    "pp4": (4, [("gpipe_m2", ((4,), ("pp",), "gpipe", 2)), ("1f1b_m4", ((4,), ("pp",), "1f1b", 4)),
-                ("pp_dp", ((2, 2), ("pp", "dp"), "1f1b", 2))]),
+    "pp2": (2, [("gpipe_m1", check_pipeline, ((2,), ("pp",), "gpipe", 1)),
+                ("gpipe_m4", check_pipeline, ((2,), ("pp",), "gpipe", 4)),
+                ("1f1b_m4", check_pipeline, ((2,), ("pp",), "1f1b", 4)),
+                ("square_mean", check_pipeline, ((2,), ("pp",), "square:gpipe", 2)),
+                ("uneven_gpipe_m4", check_pipeline, ((2,), ("pp",), "gpipe", 4, 7)),
+                ("uneven_1f1b_m4", check_pipeline, ((2,), ("pp",), "1f1b", 4, 10)),
+                ("uneven_1f1b_m2", check_pipeline, ((2,), ("pp",), "1f1b", 2, 7)),
+                ("uneven_square_mean", check_pipeline, ((2,), ("pp",), "square:1f1b", 4, 7)),
+                ("decoder", check_decoder, (((1, "gpipe"), (2, "1f1b"), (4, "1f1b")),)),
+                ("batchnorm", check_batchnorm, ((2, 4),))]),
+    "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
+                ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
+                ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16)),
+                ("uneven_gpipe_m4", check_pipeline, ((4,), ("pp",), "gpipe", 4, 10)),
+                ("1f1b_m1", check_pipeline, ((4,), ("pp",), "1f1b", 1, 7)),
+                ("uneven_1f1b_m2", check_pipeline, ((4,), ("pp",), "1f1b", 2, 7)),
+                ("uneven_1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4, 9)),
+                ("uneven_pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "gpipe", 2, 15)),
+                ("decoder", check_decoder, (((2, "gpipe"), (4, "1f1b")),)),
+                ("batchnorm", check_batchnorm, ((4,),))]),
 }  # fmt: skip
 
 
@@ -110,9 +239,9 @@ def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=30))  # fmt: skip
-        for name, config in SCENARIOS[scenario][1]:
+        for name, check, config in SCENARIOS[scenario][1]:
             try:
-                check_pipeline(rank, world, *config)
+                check(rank, world, *config)
                 outcome[name] = None
             except Exception:  # noqa: BLE001 - report every check
                 outcome[name] = traceback.format_exc()
@@ -151,14 +280,15 @@ def _check(outcomes: dict, scenario: str, name: str) -> None:
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize("name", ["gpipe_m1", "gpipe_m4", "1f1b_m4", "square_mean"])
+@pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp2"][1]])
 def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
     """A 2-process ("pp",) mesh: loss, outputs and each stage's gradients as eager (GPipe, 1F1B;
-    a loss over labels, and one whose count only the last stage finds)."""
+    a loss over labels, and one whose count only the last stage finds; uneven micro-batches;
+    GPT-2 through the export frontend; BatchNorm with one micro-batch, or in eval mode)."""
     _check(outcomes, "pp2", name)
 
 
-@pytest.mark.parametrize("name", ["gpipe_m2", "1f1b_m4", "pp_dp"])
+@pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp4"][1]])
 def test_pipeline_mesh_four_processes_equal_eager(outcomes, name):
     """4 processes: a ("pp",) mesh of 4 stages, and a ("pp", "dp") mesh of 2 x 2, as eager."""
     _check(outcomes, "pp4", name)

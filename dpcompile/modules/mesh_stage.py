@@ -1,0 +1,115 @@
+"""What a pipeline over a mesh adds around ``torch.distributed.pipelining``'s ``PipelineStage``.
+
+- **Uneven micro-batches.** A schedule sizes its receive buffers once, so the micro-batches of
+  one step must be equal. ``micro_batch_runs`` cuts a batch as ``torch.tensor_split`` does (as
+  the one-process pipeline does) into at most two runs of equal micro-batches; each run is one
+  step of its own schedule, and the module adds the runs' loss sums, counts and gradients.
+- **Only tensors on the wire.** ``PipelineStage`` sends tensors only; an int read from a shape or
+  a ``torch.device`` that a later stage uses (transformers decoders pass both) is bound to its
+  value for the run's micro-batch shape (``TensorsOnWire``): every rank works it out on fake tensors.
+- **BatchNorm's statistics.** ``batch_norm_refusal``: why training BatchNorm needs one micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile import runtime
+from dpcompile.errors import DpCompileError
+
+
+def micro_batch_runs(batch: int, micro_batches: int) -> list[tuple[int, int]]:
+    """``(count, size)`` runs of equal micro-batches, in batch order, with ``torch.tensor_split``'s
+    sizes: ``batch % M`` micro-batches of ``batch // M + 1`` samples, then the rest of ``batch // M``.
+
+    >>> micro_batch_runs(8, 4), micro_batch_runs(7, 4), micro_batch_runs(10, 4), micro_batch_runs(3, 4)
+    ([(4, 2)], [(3, 2), (1, 1)], [(2, 3), (2, 2)], [(3, 1)])
+    """
+    n = min(batch, micro_batches)
+    size, extra = divmod(batch, n)
+    return [(count, rows) for count, rows in ((extra, size + 1), (n - extra, size)) if count]
+
+
+class TensorsOnWire(nn.Module):
+    """``program`` with only tensors in and out: inputs at ``bound`` (position → value) are not
+    received but bound, and outputs that are not tensors (positions not in ``sent``) are not sent
+    (the next stage binds them). The values are those of one micro-batch shape: one per run."""
+
+    def __init__(self, program: fx.GraphModule, bound: dict[int, Any], arity: int, sent: tuple[int, ...]):
+        super().__init__()
+        self.program = program
+        self.bound, self.arity, self.sent = bound, arity, sent
+
+    def forward(self, *received: Any) -> tuple:
+        it = iter(received)
+        args = [self.bound[i] if i in self.bound else next(it) for i in range(self.arity)]
+        outs = self.program(*args)
+        return tuple(outs[i] for i in self.sent)
+
+
+def on_wire(
+    program: fx.GraphModule, ins: tuple, outs: tuple, *, first: bool, device: torch.device
+) -> tuple[nn.Module, tuple, tuple]:
+    """The module ``PipelineStage`` runs and its tensor inputs and outputs (``ins``, ``outs``: a
+    micro-batch's values, fake or empty). A stage past the first binds the inputs that are not
+    tensors; a ``torch.device`` is bound as this rank's own, as in the one-process pipeline."""
+    bound = {} if first else {i: _here(v, device) for i, v in enumerate(ins) if not isinstance(v, torch.Tensor)}
+    sent = tuple(i for i, v in enumerate(outs) if isinstance(v, torch.Tensor))
+    if not bound and len(sent) == len(outs):
+        return program, ins, outs
+    module = TensorsOnWire(program, bound, len(ins), sent)
+    return module, tuple(v for i, v in enumerate(ins) if i not in bound), tuple(outs[i] for i in sent)
+
+
+def _here(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.device):
+        return device
+    if isinstance(value, (tuple, list)):
+        return type(value)(_here(v, device) for v in value)
+    return value
+
+
+def batch_statistics_sites(program: fx.GraphModule, *, training: bool | None = None) -> list[str]:
+    """The BatchNorm calls of ``program`` that normalise with the batch's statistics now (a
+    module in training mode, or one without running statistics; ``F.batch_norm(training=True)``),
+    or with ``training=True`` those that would in training mode."""
+    sites = []
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is runtime.batch_norm:
+            bn = _module_at(program, node.args[0])
+            if bn is None or (bn.training if training is None else training) or bn.running_mean is None:
+                sites.append(str(node.args[0].target if isinstance(node.args[0], fx.Node) else node.name))
+        elif node.target is runtime.functional_batch_norm:
+            sites.append(node.name)
+    return sites
+
+
+def _module_at(program: fx.GraphModule, ref: Any) -> nn.Module | None:
+    if isinstance(ref, fx.Node) and ref.op == "get_attr":
+        try:
+            return program.get_submodule(str(ref.target))
+        except AttributeError:
+            return None
+    return None
+
+
+def batch_norm_refusal(sites: list[str], micro_batches: int) -> DpCompileError:
+    """Why BatchNorm with batch statistics cannot run on ``micro_batches`` > 1 over a mesh, and the ways out."""
+    return DpCompileError(
+        f"BatchNorm with batch statistics ({', '.join(sites)}) over a mesh with micro_batches={micro_batches}: its "
+        "statistics are the whole batch's, which couples the micro-batches, while torch.distributed.pipelining's "
+        "PipelineStage runs one micro-batch at a time, forward and backward, so each micro-batch would be normalised "
+        "with its own statistics (and the running statistics updated once per micro-batch): exact whole-batch "
+        "BatchNorm is impossible in this engine. Pass micro_batches=1 (one micro-batch: the whole batch), put the "
+        "model in eval mode (running statistics: any micro_batches), or run the pipeline in one process "
+        "(devices=[...]), where the micro-batches meet at BatchNorm"
+    )
+
+
+__all__ = ["TensorsOnWire", "batch_norm_refusal", "batch_statistics_sites", "micro_batch_runs", "on_wire"]

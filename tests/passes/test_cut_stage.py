@@ -1,0 +1,90 @@
+"""``cut_stage`` and ``find_shared_parameters`` on programs lowered for one device, as a mesh rank
+lowers them (no process group needed): tied weights found, a mean loss cut into its sum and count,
+an output class rebuilt, an op that mixes rows refused with its name."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import passes
+from dpcompile.capture import capture
+from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
+from dpcompile.infra import info_of, run_passes
+from passes.cut_stage import cut_stage, find_shared_parameters
+
+
+class Out(NamedTuple):
+    logits: torch.Tensor
+    loss: torch.Tensor
+
+
+class TiedLM(nn.Module):
+    """An embedding and a head that share one weight (as GPT-2's wte and lm_head)."""
+
+    def __init__(self, mix: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.mix = mix
+
+    def forward(self, ids, labels):
+        h = torch.tanh(self.body(self.embed(ids)))
+        if self.mix:
+            h = h - h.mean(0, keepdim=True)
+        logits = self.head(h)
+        return Out(logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+def _lowered(model: nn.Module, boundaries: list[str]):
+    gm = capture(model)
+    cpu = torch.device("cpu")
+    options = passes.PipelineOptions(devices=Devices((cpu,)), input_dims={"ids": 0, "labels": 0}, output_device=cpu)
+    gm, _ = run_passes(gm, passes.frontend_pipeline(options))
+    plan = passes.find_stage_boundaries(gm, stages=boundaries)
+    lowering = [
+        functools.partial(passes.split_stages, plan=plan),
+        functools.partial(passes.insert_scatter_gather, devices=Devices((cpu,)), input_dims={"ids": 0, "labels": 0},
+                          output_device=cpu),
+    ]  # fmt: skip
+    gm, _ = run_passes(gm, lowering)
+    return gm, plan
+
+
+def test_tied_weight_is_shared_by_first_and_last_stage():
+    gm, plan = _lowered(TiedLM(), ["body", "head"])
+    assert find_shared_parameters(gm, plan) == [("embed.weight", (0, 2))]
+
+
+def test_last_stage_returns_sum_count_and_rebuilds_the_output_class():
+    """The last stage's flat outputs: logits, the loss's partial sum and count; the module
+    rebuilds ``Out(logits, sum / count)`` from them."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    gm, plan = _lowered(model, ["head"])
+    cut, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=1)])
+    found = info_of(records, "cut_stage")
+    assert found["has_loss"] and found["count"] is not None
+    ids, labels = torch.randint(0, 16, (3, 5)), torch.randint(0, 16, (3, 5))
+    h = torch.tanh(model.body(model.embed(ids)))
+    assert found["inputs"] == ["labels", "tanh_dev0"]  # live across the boundary, in graph order
+    logits, partial_sum, count = cut(labels, h)
+    out = found["outputs"].assemble([logits, partial_sum / count])
+    expected = model(ids, labels)
+    assert isinstance(out, Out)
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.loss, expected.loss.reshape(1))
+
+
+def test_rows_mixed_in_the_program_are_refused_by_name():
+    gm, plan = _lowered(TiedLM(mix=True), ["head"])
+    with pytest.raises(DpCompileError, match="'mean' .* mixes the rows of the batch"):
+        run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=1)])

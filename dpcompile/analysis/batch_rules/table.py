@@ -32,6 +32,7 @@ from torch import nn
 from dpcompile.analysis.batch_rules import aten as aten_rules
 from dpcompile.analysis.batch_rules import (
     batch_values,
+    local_order,
     matrix,
     model_constructs,
     modules,
@@ -113,7 +114,8 @@ _add("along the last two dims", aten_rules.last_two_dims, "tril triu")
 _add("reduction (partial sum over the batch)", reductions.reduction("sum"), "sum")
 _add("reduction (partial mean over the batch)", reductions.reduction("mean"), "mean")
 _add("reduction (along other dims)", reductions.reduction(None), "amax amin argmax argmin any prod var logsumexp")
-_add("values and indices along other dims", reductions.values_and_indices, "max min sort topk")
+_add("values and indices along other dims", reductions.values_and_indices, "max min topk")
+_add("values and indices along other dims; along the batch, each device's own order", local_order.sort, "sort")
 _add("along one dim", reductions.softmax_like, "_softmax _log_softmax cumsum softmax log_softmax")
 _add("along named dims", shape.along_dims, "flip roll")
 _add("along named dims", selection.along_named_dims, "_fft_r2c _fft_c2r")

@@ -88,6 +88,26 @@ class SortedExperts(nn.Module):
         return out
 
 
+class BatchedExperts(nn.Module):
+    """transformers' ``batched_mm`` experts: every token repeated top-k times, each row times the
+    weights of its expert (``W[ids]``), one batched matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 8)
+        self.router = nn.Linear(8, 4, bias=False)
+        self.up = nn.Parameter(torch.randn(4, 8, 8) * 0.3)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        flat = self.emb(x).view(-1, 8)
+        weights, index = torch.topk(self.router(flat).softmax(-1), 2, dim=-1)
+        rows = flat.repeat_interleave(2, dim=0)
+        y = torch.bmm(self.up[index.reshape(-1)], rows.unsqueeze(-1)).squeeze(-1) * weights.reshape(-1, 1)
+        return self.out(y.view(b * t, 2, 8).sum(1).view(b, t, 8))
+
+
 def _run(model: nn.Module, training: bool) -> tuple[Any, list[str]]:
     torch.manual_seed(0)
     eager = copy.deepcopy(model)
@@ -116,6 +136,13 @@ def test_sorted_expert_dispatch_runs_split_and_equals_eager(training):
     explanation, whole = _run(SortedExperts(), training)
     assert whole == []
     assert explanation.split_flop_fraction == 1.0
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_batched_expert_weights_per_token_run_split(training):
+    """``repeat_interleave`` of the tokens and a replicated table indexed by split ids run per device."""
+    _, whole = _run(BatchedExperts(), training)
+    assert whole == []
 
 
 @pytest.mark.parametrize("leak", ["sorted ids", "positions as numbers"])

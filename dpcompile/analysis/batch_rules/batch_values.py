@@ -21,7 +21,7 @@ from dpcompile.analysis.batch_positions import INT64_MAX, batch_arange_size, ind
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
 from dpcompile.analysis.batch_rules.indexing import getitem
 from dpcompile.analysis.batch_rules.local_order import local_arange
-from dpcompile.analysis.batch_rules.model_constructs import last_dims_slice
+from dpcompile.analysis.batch_rules.model_constructs import index_replicated_by_split, last_dims_slice
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.shape import matrix_transpose
 from dpcompile.analysis.placement import Placement, Replicated, Split
@@ -83,9 +83,9 @@ def fx_getitem(ctx: RuleContext) -> Placement | None:
 
 
 def aten_index(ctx: RuleContext) -> Placement | None:
-    """``aten.index(x, indices)``: only by batch positions (any other index along the batch
-    would read rows another device holds)."""
-    return index_by_positions(ctx)
+    """``aten.index(x, indices)``: by batch positions (any other index along the batch would read
+    rows another device holds), or rows of a replicated table by split indices."""
+    return index_by_positions(ctx) or index_replicated_by_split(ctx)
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:

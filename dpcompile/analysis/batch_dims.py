@@ -140,7 +140,7 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
             return placements
         for root in escaping:
             whole_orders[root] = (
-                "sorting each device's own rows would not do: a value in that order is read whole further on"
+                "each device would order (or number) its own rows, and a value in that order is read whole further on"
             )
 
 

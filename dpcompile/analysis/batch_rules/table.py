@@ -144,6 +144,8 @@ _whole("the element count of a chunk is not a size along one dim", "sym_numel", 
 _whole("where a chunk starts in memory differs by device", "sym_storage_offset", same_name=False)
 _whole("strides address the whole tensor's memory", "as_strided")
 _whole("a layout flag of the chunk, asked of the whole tensor", "sym_is_contiguous", same_name=False)
+# named here also so that its packet exists from import on: torch.ops.aten loads packets when first read
+_whole("resizes a tensor in place to sizes it names (the whole batch's, not a chunk's)", "resize_", same_name=False)
 
 # ---------------------------------------------------------------------- factories (sizes that hold a batch size)
 _add("factory", shape.factory, "empty full rand randn empty_strided new_ones new_zeros new_full new_empty ones zeros")

@@ -105,6 +105,8 @@ def _is_view(node: fx.Node) -> bool | None:
         if not isinstance(base, fx.Node):
             return False
         value = base.meta.get("val", ...)
+        if isinstance(value, (tuple, list)) and isinstance(index, int) and _returns_fresh(base):
+            return False  # one result of an op that returns new tensors (topk's values), not a view
         known_tensor = isinstance(value, torch.Tensor) or (value is ... and isinstance(index, tuple))
         return True if known_tensor and _is_basic_index(index) else None
     if target is getattr:
@@ -118,6 +120,17 @@ def _is_view(node: fx.Node) -> bool | None:
         if packet in _MAYBE_VIEW_ATEN or _aten_inplace(target):
             return None
     return False
+
+
+def _returns_fresh(node: fx.Node) -> bool:
+    """Whether ``node`` is an ATen op none of whose results alias an argument (``topk``, not ``chunk``)."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and not _aten_inplace(target)
+        and all(r.alias_info is None for r in target._schema.returns)
+    )
 
 
 def _is_basic_index(index: Any) -> bool:

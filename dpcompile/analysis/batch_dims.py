@@ -27,9 +27,11 @@ from torch import nn
 
 from dpcompile.analysis.batch_rules import BATCH_RULES, RuleContext, batch_first, node_shape, rule_for
 from dpcompile.analysis.batch_rules.checks import check_placement
+from dpcompile.analysis.batch_rules.local_order import escaping_roots, local_order_placement
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
+    LocalOrder,
     Packed,
     Partial,
     Placement,
@@ -56,12 +58,21 @@ def decide(
     placements: Mapping[fx.Node, Placement],
     module: nn.Module | None,
     ranks: Mapping[fx.Node, int] | None = None,
+    whole_orders: Mapping[str, str] | None = None,
 ) -> Placement:
-    """The placement of one node, given its inputs' placements."""
+    """The placement of one node, given its inputs' placements (``whole_orders``: nodes whose
+    device-local order would be read whole, and why; they run whole)."""
     inputs = _arg_placement((node.args, node.kwargs), placements)
     if any(isinstance(p, Whole) and p.batch for p in inputs):
         first = next(n for n in node.all_input_nodes if isinstance(placements[n], Whole) and placements[n].batch)
         return Whole(batch=True, reason=f"its input '{first.name}' runs whole")
+    if whole_orders and node.name in whole_orders:
+        return Whole(batch=True, reason=whole_orders[node.name])
+    if any(isinstance(p, LocalOrder) for p in inputs):
+        ctx = RuleContext(node, placements, module, ranks if ranks is not None else {})
+        local = local_order_placement(ctx)
+        what = op_name(node, module)
+        return local if local is not None else Whole(batch=True, reason=f"{what} reads rows in a device's own order")
     if not any(carries_batch(p) for p in inputs):
         mutates_shared = node.op == "call_method" and str(node.target).endswith("_")
         if mutates_shared or any(isinstance(p, Whole) for p in inputs):
@@ -117,7 +128,25 @@ def _describe_inputs(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> 
 
 
 def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[fx.Node, Placement]:
-    """Placements for every node of ``gm`` (the output node excluded)."""
+    """Placements for every node of ``gm`` (the output node excluded).
+
+    A device-local order (:mod:`~dpcompile.analysis.batch_rules.local_order`) that something
+    would read whole is not made: the propagation runs again with the node that made it whole."""
+    whole_orders: dict[str, str] = {}
+    while True:
+        placements = _propagate_once(gm, input_dims, whole_orders)
+        escaping = escaping_roots(gm, placements) - whole_orders.keys()
+        if not escaping:
+            return placements
+        for root in escaping:
+            whole_orders[root] = (
+                "each device would order (or number) its own rows, and a value in that order is read whole further on"
+            )
+
+
+def _propagate_once(
+    gm: fx.GraphModule, input_dims: Mapping[str, int | None], whole_orders: Mapping[str, str]
+) -> dict[fx.Node, Placement]:
     modules = dict(gm.named_modules())
     placements: dict[fx.Node, Placement] = {}
     ranks: dict[fx.Node, int] = shape_reads(gm)
@@ -132,7 +161,7 @@ def propagate(gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> dict[
             continue
         else:
             module = modules.get(node.target) if node.op == "call_module" else None
-            placements[node] = decide(node, placements, module, ranks)
+            placements[node] = decide(node, placements, module, ranks, whole_orders)
         bound = rank_bound(node, placements[node], ranks, module)
         if bound is not None:
             ranks[node] = max(bound, ranks.get(node, 0))

@@ -9,6 +9,8 @@
 ``Whole(batch)``       computed once, on the primary device (after a gather)
 ``Tuple(items)``       a tuple-valued node (an LSTM's ``out, (h, c)``): one placement each
 ``Packed(dim)``        a PackedSequence whose batch is split (``dim`` of the padded input)
+``LocalOrder(...)``    split on dim 0, each device's rows in an order of its own (a sort
+                       along the batch); never gathered (``batch_rules.local_order``)
 =====================  ==========================================================
 """
 
@@ -27,6 +29,20 @@ class Placement:
 class Split(Placement):
     dim: int
     origin: str | None = None  # the input placeholder it came from, while its dim is unchanged
+
+
+@dataclass(frozen=True)
+class LocalOrder(Split):
+    """Split on dim 0, each device's chunk holding its own rows in an order of its own, made by
+    ``root`` (a sort along the batch): the chunks exist per device only and are never gathered.
+    ``kind`` says what the values are: ``rows``, ``keys`` (the sorted non-negative integer keys),
+    ``positions`` (into the sorted dim's chunk, floor-divided by ``step``), ``blank`` (a fresh
+    tensor shaped like positions), ``arange`` (``0..n-1`` of the chunk; ``root`` is the arange),
+    ``inverse`` (the permutation undoing the order), ``counts``/``offsets`` (the rows per key)."""
+
+    root: str = ""
+    kind: str = "rows"
+    step: int = 1
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import torch.fx as fx
 from dpcompile.analysis.batch_positions import INT64_MAX, batch_arange_size, index_positions
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
 from dpcompile.analysis.batch_rules.indexing import getitem
-from dpcompile.analysis.batch_rules.model_constructs import last_dims_slice
+from dpcompile.analysis.batch_rules.local_order import local_arange
+from dpcompile.analysis.batch_rules.model_constructs import index_replicated_by_split, last_dims_slice
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.shape import matrix_transpose
 from dpcompile.analysis.placement import Placement, Replicated, Split
@@ -30,9 +31,10 @@ aten = torch.ops.aten
 
 
 def arange(ctx: RuleContext) -> Placement | None:
-    """``arange(b)`` of a batch size: split on dim 0, each device holding its rows' positions."""
+    """``arange(b)`` of a batch size: split on dim 0, each device holding its rows' positions;
+    ``arange(b * t)`` of a row count: each device's own positions (:func:`local_arange`)."""
     if batch_arange_size(ctx.node, ctx.placements) is None:
-        return None
+        return local_arange(ctx)
     kwargs_ok = all(not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in ctx.node.kwargs.values())
     return Split(0) if kwargs_ok else None
 
@@ -81,9 +83,9 @@ def fx_getitem(ctx: RuleContext) -> Placement | None:
 
 
 def aten_index(ctx: RuleContext) -> Placement | None:
-    """``aten.index(x, indices)``: only by batch positions (any other index along the batch
-    would read rows another device holds)."""
-    return index_by_positions(ctx)
+    """``aten.index(x, indices)``: by batch positions (any other index along the batch would read
+    rows another device holds), or rows of a replicated table by split indices."""
+    return index_by_positions(ctx) or index_replicated_by_split(ctx)
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:

@@ -8,6 +8,9 @@
 ``x[..., 1::2]``                       slices (any step) of the last dims (rotary embeddings)
 ``b * t``                              a batch size times a per-sample size: the rows of ``(b, t)``
 transformers' ``Conv1D``               ``x @ W + b`` on the last dim (GPT-2), by qualified name
+``x.repeat_interleave(k, dim)``        each sample's rows (or features) repeated: split as ``x``
+``W[ids]`` (``aten.index``)            rows of a replicated table by split indices (an expert's
+                                       weights per token): split as ``ids``
 =====================================  =========================================================
 """
 
@@ -81,6 +84,33 @@ def batch_size_product(ctx: RuleContext) -> Placement | None:
 def conv1d_transformers(ctx: RuleContext) -> Placement | None:
     """transformers' ``Conv1D`` (``x @ W + b`` on the last dim, GPT-2): like ``nn.Linear``."""
     return last_dim_op(ctx)
+
+
+def repeat_interleave(ctx: RuleContext) -> Placement | None:
+    """``x.repeat_interleave(k, dim)`` with an int ``k``: every row of each sample repeated in place,
+    along the batch dim or another, so each device repeats its own rows."""
+    x, repeats = ctx.tensor_arg(), ctx.arg(1, "repeats")
+    p = ctx.p(x)
+    dim = ctx.arg(2, "dim")
+    if not isinstance(p, Split) or not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        return None
+    if not isinstance(dim, int) or isinstance(dim, bool) or ctx.node.kwargs.get("output_size") is not None:
+        return None  # no dim flattens x first; an output size is the whole batch's
+    return p
+
+
+def index_replicated_by_split(ctx: RuleContext) -> Placement | None:
+    """``aten.index(W, [ids])`` of a replicated ``W`` by one integer index tensor split on ``d``:
+    ``W[ids[j]]`` for every element alone, split on ``d`` like ``ids`` (an embedding lookup)."""
+    x, indices = ctx.node.args[0], ctx.node.args[1]
+    if not isinstance(ctx.p(x), Replicated) or not isinstance(indices, (list, tuple)) or len(indices) != 1:
+        return None
+    index = indices[0]
+    p = ctx.p(index)
+    value = index.meta.get("val") if isinstance(index, fx.Node) else None
+    if not isinstance(p, Split) or not isinstance(value, torch.Tensor) or value.dtype in (torch.bool, torch.uint8):
+        return None
+    return Split(p.dim)
 
 
 BATCH_RULES.register(F.scaled_dot_product_attention, sdpa)

@@ -32,6 +32,7 @@ from torch import nn
 from dpcompile.analysis.batch_rules import aten as aten_rules
 from dpcompile.analysis.batch_rules import (
     batch_values,
+    local_order,
     matrix,
     model_constructs,
     modules,
@@ -113,7 +114,8 @@ _add("along the last two dims", aten_rules.last_two_dims, "tril triu")
 _add("reduction (partial sum over the batch)", reductions.reduction("sum"), "sum")
 _add("reduction (partial mean over the batch)", reductions.reduction("mean"), "mean")
 _add("reduction (along other dims)", reductions.reduction(None), "amax amin argmax argmin any prod var logsumexp")
-_add("values and indices along other dims", reductions.values_and_indices, "max min sort topk")
+_add("values and indices along other dims", reductions.values_and_indices, "max min topk")
+_add("values and indices along other dims; along the batch, each device's own order", local_order.sort, "sort")
 _add("along one dim", reductions.softmax_like, "_softmax _log_softmax cumsum softmax log_softmax")
 _add("along named dims", shape.along_dims, "flip roll")
 _add("along named dims", selection.along_named_dims, "_fft_r2c _fft_c2r")
@@ -135,12 +137,15 @@ _add("view", aten_rules.select, "select")
 _add("view", shape.chunk_like, "split_with_sizes split chunk unbind")
 _add("concatenate", shape.cat, "cat stack")
 _add("view", shape.repeat, "repeat")
+_add("view", model_constructs.repeat_interleave, "repeat_interleave")
 _add("size", shape.size, "sym_size", same_name=False)
 _add("size", selection.stride, "sym_stride", same_name=False)
 _whole("the element count of a chunk is not a size along one dim", "sym_numel", same_name=False)
 _whole("where a chunk starts in memory differs by device", "sym_storage_offset", same_name=False)
 _whole("strides address the whole tensor's memory", "as_strided")
 _whole("a layout flag of the chunk, asked of the whole tensor", "sym_is_contiguous", same_name=False)
+# named here also so that its packet exists from import on: torch.ops.aten loads packets when first read
+_whole("resizes a tensor in place to sizes it names (the whole batch's, not a chunk's)", "resize_", same_name=False)
 
 # ---------------------------------------------------------------------- factories (sizes that hold a batch size)
 _add("factory", shape.factory, "empty full rand randn empty_strided new_ones new_zeros new_full new_empty ones zeros")

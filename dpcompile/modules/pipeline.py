@@ -123,7 +123,7 @@ class MeshPipelineModule(nn.Module):
         self.shared = list(shared or [])  # (parameter, stages reading it): tied weights, summed over those stages
         self._schedules: dict[Any, Any] = {}
         self._loss_scale = 1.0
-                object.__setattr__(self, "_count_program", count_program(whole, count) if has_loss else None)
+        object.__setattr__(self, "_count_program", count_program(whole, count) if has_loss else None)
         object.__setattr__(self, "_may_use_batch_statistics", bool(batch_statistics_sites(whole, training=True)))
         object.__setattr__(self, "shape_program", program)
         self.shards: dict[str, Any] = {}

@@ -19,6 +19,7 @@ from dpcompile import runtime
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.hooks import call_with_hooks
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,10 @@ class PipelineModule(ParallelModule):
                 if len(steps) >= 8:  # keys that departed long ago (a changed model) are not kept forever
                     steps.pop(next(iter(steps)))
                 steps[key] = self.recipe.one_f_one_b_step(self, key)
-            return steps[key](args, kwargs)
+            step = steps[key]
+            if self._shares_source and self._guard.root_hooks():  # the model's own forward hooks, as for GPipe
+                return call_with_hooks(self.traced_model, lambda *a, **k: step(a, k), args, kwargs)
+            return step(args, kwargs)
         return super().run_program(program, args, kwargs)
 
     @property

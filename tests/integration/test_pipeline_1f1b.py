@@ -22,6 +22,7 @@ from torch import nn
 import dpcompile
 from dpcompile.capture import capture_model
 from dpcompile.errors import DpCompileError
+from dpcompile.modules.pipeline_1f1b import one_f_one_b_order
 from tests.integration.test_pipeline import BNCNN, Stack, _grads_equal, _stack_inputs
 from tests.thirdparty import import_or_skip
 
@@ -86,7 +87,8 @@ def textbook_1f1b(stages: int, micro: int, s: int) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("stages,micro", CONFIGS)
 def test_1f1b_mlp_stack_loss_and_gradients_equal_eager(stages, micro):
-    """The call runs the backward: the returned loss, logits and every gradient as eager's."""
+    """The call runs the backward: the returned loss, logits and every gradient (the input's
+    too) as eager's."""
     torch.manual_seed(0)
     reference = Stack().double()
     model = copy.deepcopy(reference)
@@ -94,13 +96,15 @@ def test_1f1b_mlp_stack_loss_and_gradients_equal_eager(stages, micro):
     x = x.double()
     pm = dpcompile.transform(model, ["cpu"] * stages, pipeline=stages, micro_batches=micro, schedule="1f1b",
                              example_inputs=(x, labels))  # fmt: skip
-    logits, loss = pm(x, labels)
-    expected_logits, expected_loss = reference(x, labels)
+    x_in, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()  # the input's gradient too
+    logits, loss = pm(x_in, labels)
+    expected_logits, expected_loss = reference(x_ref, labels)
     expected_loss.backward()
     torch.testing.assert_close(logits, expected_logits)
     torch.testing.assert_close(loss, expected_loss)
     assert not logits.requires_grad
     _grads_equal(model, reference)
+    torch.testing.assert_close(x_in.grad, x_ref.grad)
 
 
 @pytest.mark.parametrize("stages,micro", [(2, 2), (2, 4), (4, 1), (4, 2), (4, 4)])
@@ -124,6 +128,29 @@ def test_1f1b_runs_the_textbook_order_and_holds_at_most_s_minus_stage_micro_batc
             live += 1 if kind == "F" else -1
             peak = max(peak, live)
         assert peak == min(micro, stages - s)
+
+
+def test_1f1b_order_has_the_bubble_explain_reports():
+    """Run as soon as its inputs are ready, one clock per forward or backward, the merged 1F1B
+    order takes ``2 (M + S - 1)`` clocks: each stage waits ``(S-1)/(M+S-1)`` of the step, the
+    bubble ``pm.bubble_fraction`` and ``explain`` report."""
+    for stages in (2, 4):
+        for micro in (1, 2, 4, 8):
+            clock: dict[tuple[str, int, int], int] = {}
+            free = [0] * stages
+            for kind, s, m in one_f_one_b_order(stages, micro):
+                waits = [free[s], clock.get(("F", s - 1, m), 0) if kind == "F" else clock[("F", s, m)]]
+                if kind == "B":
+                    waits.append(clock.get(("B", s + 1, m), 0))
+                clock[(kind, s, m)] = free[s] = max(waits) + 1
+            steps = max(clock.values())
+            assert steps == 2 * (micro + stages - 1)
+            assert 1 - 2 * micro / steps == pytest.approx((stages - 1) / (micro + stages - 1))
+    x, labels = _stack_inputs(8)
+    pm = dpcompile.transform(Stack(), ["cpu"] * 4, pipeline=4, micro_batches=4, schedule="1f1b")
+    report = dpcompile.explain(pm, x, labels).to_dict()["pipeline"]
+    assert report["schedule"] == "1f1b"
+    assert report["bubble_fraction"] == pm.bubble_fraction == pytest.approx(3 / 7)
 
 
 def test_1f1b_gradients_accumulate_and_a_loss_from_activations_divides_after():

@@ -180,12 +180,10 @@ class _StepState:
         self.runner.env = env
         self.leaves[unit] = []
         for n in step.units.get(unit, ()):
-            if n not in self.values:
-                env[n] = self.runner.run_node(n)
+            env[n] = self.runner.run_node(n)
         sent: dict[fx.Node, tuple] = {}
         for n in step.units.get(unit, ()):
-            readers = step.readers[n]
-            value = env[n] if n not in self.values else self.values[n]
+            readers, value = step.readers[n], env[n]
             if any(r is not None and r != unit for r in readers):
                 sent[n] = tree_flatten(value)
             if None in readers or n in step.counts:
@@ -193,7 +191,7 @@ class _StepState:
             if n in step.sums:
                 self.losses[unit] = value
         self.sent[unit] = sent
-        self.runner.env = self.values
+        self.runner.env = self.values  # the unit's other values go: autograd holds what its backward needs
 
     def backward(self, unit: Unit) -> None:
         tensors, grads = [], []

@@ -146,7 +146,8 @@ class OneFOneBStep:
     # ------------------------------------------------------------------ the step
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         runner = _Runner(self.program)
-        values: dict[fx.Node, Any] = dict(zip(_placeholders(self.program), _bind(self.program, args, kwargs)))
+        inputs = _bind(self.program, args, kwargs)
+        values: dict[fx.Node, Any] = dict(zip(_placeholders(self.program), inputs))
         runner.env = values
         for n in self.head:
             values[n] = runner.run_node(n)
@@ -154,12 +155,13 @@ class OneFOneBStep:
         if self.counts_known:
             scale = 1.0 / _total(self.counts, values)
         else:  # the count is found with the activations: divide this step's gradients after it
-            divide_after = {p: p.grad.clone() for p in self.program.parameters() if p.grad is not None}
+            leaves = _gradient_leaves(self.program, inputs)
+            divide_after = {t: None if t.grad is None else t.grad.clone() for t in leaves}
         state = _StepState(self, runner, values, scale)
         for kind, s, m in one_f_one_b_order(self.stages, self.micro_batches):
             (state.forward if kind == "F" else state.backward)((s, m))
         if divide_after is not None:
-            _divide_step_gradients(self.program, divide_after, _total(self.counts, state.kept))
+            _divide_step_gradients(divide_after, _total(self.counts, state.kept))
         return state.finish()
 
 
@@ -372,17 +374,33 @@ def _total(counts: list, values: Mapping[fx.Node, Any]) -> float:
     return sum(float(values[c]) if isinstance(c, fx.Node) else float(c) for c in counts)
 
 
-def _divide_step_gradients(program: fx.GraphModule, before: Mapping[torch.Tensor, torch.Tensor], total: float) -> None:
+def _gradient_leaves(program: fx.GraphModule, inputs: list) -> list[torch.Tensor]:
+    """What a step's backward adds gradients to: the parameters, and inputs that require grad
+    (leaves: a gradient that flows on into the caller's graph cannot be divided after the step)."""
+    leaves = list(program.parameters())
+    for t in tree_flatten(inputs)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            if not t.is_leaf:
+                raise DpCompileError(
+                    "schedule='1f1b' divides this step's gradients by the loss's count after the step (the mean is "
+                    "over activations, so the count is known only after the forwards), but an input requires grad "
+                    "and is not a leaf: its gradient would flow on undivided. Pass it detached "
+                    "(x.detach().requires_grad_()), or use schedule='gpipe'"
+                )
+            leaves.append(t)
+    return leaves
+
+
+def _divide_step_gradients(before: Mapping[torch.Tensor, torch.Tensor | None], total: float) -> None:
     """The step back-propagated loss sums: divide what it added to each gradient by the count,
     keeping what was accumulated before the call."""
-    for p in program.parameters():
-        if p.grad is None:
+    for t, old in before.items():
+        if t.grad is None:
             continue
-        old = before.get(p)
         if old is None:
-            p.grad.div_(total)
+            t.grad.div_(total)
         else:
-            p.grad.copy_(old + (p.grad - old) / total)
+            t.grad.copy_(old + (t.grad - old) / total)
 
 
 def _detached(value: Any) -> Any:

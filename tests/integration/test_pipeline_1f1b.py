@@ -169,12 +169,14 @@ def test_1f1b_gradients_accumulate_and_a_loss_from_activations_divides_after():
     x, labels = _stack_inputs()
     x = x.double()
     pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=4, schedule="1f1b")
-    pm(x, labels)
-    loss = pm(x, labels)
-    expected = reference(x, labels)
+    x_in, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    pm(x_in, labels)
+    loss = pm(x_in, labels)
+    expected = reference(x_ref, labels)
     (2 * expected).backward()
     torch.testing.assert_close(loss, expected)
     _grads_equal(model, reference)
+    torch.testing.assert_close(x_in.grad, x_ref.grad)
 
 
 def test_1f1b_refuses_backward_on_its_loss_and_runs_forward_only_without_grad():

@@ -46,7 +46,7 @@ def one_f_one_b_order(stages: int, micro_batches: int) -> list[tuple[str, int, i
     clock every stage runs its next action if what it waits for ran at an earlier clock.
 
     >>> one_f_one_b_order(2, 2)
-    [('F', 0, 0), ('F', 0, 1), ('F', 1, 0), ('B', 1, 0), ('F', 1, 1), ('B', 0, 0), ('B', 1, 1), ('B', 0, 1)]
+    [('F', 0, 0), ('F', 0, 1), ('F', 1, 0), ('B', 1, 0), ('B', 0, 0), ('F', 1, 1), ('B', 1, 1), ('B', 0, 1)]
     """
     queues = []
     for s in range(stages):
@@ -142,10 +142,11 @@ class OneFOneBStep:
         # counts that follow from the inputs alone (non-ignored labels) are known before any backward
         self.counts_known = not any(c in stateful for c in self.counts if isinstance(c, fx.Node))
         self.readers = {n: {self.unit_of[u] if u in self.unit_of else None for u in n.users} for n in self.unit_of}
+        self.runner = _Runner(program, garbage_collect_values=False)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        runner = _Runner(self.program)
+        runner = self.runner
         inputs = _bind(self.program, args, kwargs)
         values: dict[fx.Node, Any] = dict(zip(_placeholders(self.program), inputs))
         runner.env = values

@@ -107,7 +107,7 @@ def test_1f1b_mlp_stack_loss_and_gradients_equal_eager(stages, micro):
     torch.testing.assert_close(x_in.grad, x_ref.grad)
 
 
-@pytest.mark.parametrize("stages,micro", [(2, 2), (2, 4), (4, 1), (4, 2), (4, 4)])
+@pytest.mark.parametrize("stages,micro", CONFIGS)
 def test_1f1b_runs_the_textbook_order_and_holds_at_most_s_minus_stage_micro_batches(stages, micro):
     """Each stage's forwards and backwards, as the model saw them, are 1F1B's; stage ``s`` never
     holds more than ``S - s`` micro-batches whose backward has not run."""

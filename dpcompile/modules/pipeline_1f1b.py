@@ -24,6 +24,7 @@ once at the end, without gradients: the call returns the outputs detached.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from collections.abc import Mapping
@@ -142,7 +143,7 @@ class OneFOneBStep:
         # counts that follow from the inputs alone (non-ignored labels) are known before any backward
         self.counts_known = not any(c in stateful for c in self.counts if isinstance(c, fx.Node))
         self.readers = {n: {self.unit_of[u] if u in self.unit_of else None for u in n.users} for n in self.unit_of}
-        self.runner = _Runner(program, garbage_collect_values=False)
+        self.runner = _Runner(program)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -169,7 +170,7 @@ class OneFOneBStep:
 class _StepState:
     """One call's values: what each unit keeps for later units, for the tail and for backward."""
 
-    def __init__(self, step: OneFOneBStep, runner: fx.Interpreter, values: dict, scale: float):
+    def __init__(self, step: OneFOneBStep, runner: _Runner, values: dict, scale: float):
         self.step, self.runner, self.values, self.scale = step, runner, values, scale
         self.sent: dict[Unit, dict[fx.Node, tuple]] = {}  # unit -> node -> (flat leaves, spec) later units read
         self.leaves: dict[Unit, list[tuple[fx.Node, int, torch.Tensor]]] = {}  # boundary leaves a unit made
@@ -225,11 +226,27 @@ class _StepState:
         return fx.node.map_arg(self.step.output.args[0], lambda n: env[n])
 
 
-class _Runner(fx.Interpreter):
-    """Runs one node at a time in ``env``, which finds what a unit reads where it lives (``__missing__``)."""
+class _Runner:
+    """Runs one node at a time in ``env``, which finds what a unit reads where it lives
+    (``__missing__``): fx's ``Interpreter`` without its per-node bookkeeping."""
 
-    def map_nodes_to_values(self, args: Any, n: fx.Node) -> Any:
-        return fx.node.map_arg(args, lambda a: self.env[a])
+    def __init__(self, program: fx.GraphModule):
+        self.program = program
+        self.modules = dict(program.named_modules())
+        self.env: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        load = self.env.__getitem__
+        args, kwargs = fx.node.map_arg(n.args, load), fx.node.map_arg(n.kwargs, load)
+        if n.op == "call_function":
+            return n.target(*args, **kwargs)
+        if n.op == "call_module":
+            return self.modules[n.target](*args, **kwargs)
+        if n.op == "call_method":
+            return getattr(args[0], n.target)(*args[1:], **kwargs)
+        if n.op == "get_attr":
+            return functools.reduce(getattr, str(n.target).split("."), self.program)
+        raise ValueError(f"cannot run {n.op} '{n.name}' alone")
 
 
 class _UnitEnv(dict):

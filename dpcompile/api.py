@@ -28,7 +28,7 @@ from dpcompile.modules.other_mode import OtherModePending
 from dpcompile.planning import memory_candidates, no_fit_error
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model
-from dpcompile.recipes.pipeline import check_one_process_schedule, check_pipeline_arguments
+from dpcompile.recipes.pipeline import check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
 
 TensorParallel = bool | Mapping[str, str]
@@ -297,7 +297,6 @@ def _pipeline_recipe(
             **common, mesh=devices, stages=stages, micro_batches=micro, schedule=schedule_name,
             batch_dim=_check_batch_dim(batch_dim), plan=plan,
         )  # fmt: skip
-    check_one_process_schedule(schedule_name)
     if plan is not False:
         raise DpCompileError(
             "pipeline= with tensor_parallel= is not built yet; choose one: pipeline stages, or tensor-parallel shards"

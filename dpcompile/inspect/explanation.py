@@ -163,7 +163,8 @@ def _pipeline_report(
 ) -> dict[str, Any] | None:
     """A pipeline's stages: forward FLOPs (of a run, else the planner's), parameter and activation
     bytes and the elements each sends on, per stage; their imbalance (max/mean FLOPs) and the
-    GPipe bubble ``(S-1)/(M+S-1)`` of this call's micro-batches."""
+    bubble ``(S-1)/(M+S-1)`` of this call's micro-batches (GPipe's and 1F1B's: 1F1B holds fewer
+    micro-batches, it does not wait less)."""
     if not isinstance(pm, PipelineModule):  # pm.stages of other programs may be the model's own submodule
         return None
     stages = pm.stages

@@ -18,6 +18,7 @@ from torch import nn
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.hooks import call_with_hooks
 from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, micro_batch_runs, on_wire
 
 
@@ -50,7 +51,9 @@ class PipelineModule(ParallelModule):
     [('0', '1'), ('2', '3')]
     """
 
-    own_attributes = ParallelModule.own_attributes | frozenset({"stages", "micro_batches", "schedule", "stage_plan"})
+    own_attributes = ParallelModule.own_attributes | frozenset(
+        {"stages", "micro_batches", "schedule", "stage_plan", "one_f_one_b_steps"}
+    )
 
     def set_pipeline(self, *, stages: list[Stage], micro_batches: int, schedule: str, stage_plan: Any) -> None:
         """Record the stages and key the program cache by micro-batches (a batch of ``b`` below
@@ -72,9 +75,25 @@ class PipelineModule(ParallelModule):
             return 1
         return min(batch, n)
 
+    def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
+        """A training call of a ``"1f1b"`` pipeline runs the 1F1B step (forward and backward, see
+        ``modules/pipeline_1f1b.py``); every other call runs the program (GPipe's order)."""
+        if self.__dict__.get("schedule") == "1f1b" and self.training and torch.is_grad_enabled():
+            key = self.call_key(*args, **kwargs)
+            steps = self.__dict__.setdefault("one_f_one_b_steps", {})
+            if key not in steps:
+                if len(steps) >= 8:  # keys that departed long ago (a changed model) are not kept forever
+                    steps.pop(next(iter(steps)))
+                steps[key] = self.recipe.one_f_one_b_step(self, key)
+            step = steps[key]
+            if self._shares_source and self._guard.root_hooks():  # the model's own forward hooks, as for GPipe
+                return call_with_hooks(self.traced_model, lambda *a, **k: step(a, k), args, kwargs)
+            return step(args, kwargs)
+        return super().run_program(program, args, kwargs)
+
     @property
     def bubble_fraction(self) -> float:
-        """The GPipe bubble ``(S-1)/(M+S-1)``: the share of a step each device waits."""
+        """The bubble ``(S-1)/(M+S-1)`` of GPipe and of 1F1B: the share of a step each device waits."""
         s, m = len(self.stages), self.micro_batches
         return (s - 1) / (m + s - 1)
 

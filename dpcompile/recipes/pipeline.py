@@ -34,6 +34,7 @@ from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.pipeline import PipelineModule, Stage
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace
+from dpcompile.recipes.pipeline_1f1b import one_f_one_b_step
 from passes.split_stages import STAGE, StagePlan, follow_plan, stage_programs
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -42,7 +43,7 @@ SCHEDULES = ("gpipe", "1f1b")
 @dataclass(frozen=True)
 class PipelineRecipe(Recipe):
     """``stages`` (a count, or the module paths where stages 1.. start) over ``devices`` (one
-    stage each), ``micro_batches`` per call, ``schedule`` (``"gpipe"`` in one process)."""
+    stage each), ``micro_batches`` per call, ``schedule`` (``"gpipe"`` or ``"1f1b"``)."""
 
     devices: Devices = Devices((torch.device("cpu"),))
     output_device: torch.device = torch.device("cpu")
@@ -129,6 +130,10 @@ class PipelineRecipe(Recipe):
         plan = pm.stage_plan if captured is None else follow_plan(gm, pm.stage_plan)
         return self.lower(gm, plan, key.devices, pm.input_dims)
 
+    def one_f_one_b_step(self, pm: PipelineModule, key: CallKey) -> Any:
+        """The 1F1B step a training call as ``key`` runs (``recipes/pipeline_1f1b.py``)."""
+        return one_f_one_b_step(self, pm, key)
+
 
 def place_stages(program: fx.GraphModule, devices: Devices) -> None:
     """Move each stage's modules, parameters and buffers to its device, in place (as the PyTorch
@@ -194,16 +199,6 @@ def place_stages(program: fx.GraphModule, devices: Devices) -> None:
             module._buffers[name] = tensor.to(device)
 
 
-def check_one_process_schedule(schedule: str) -> None:
-    """In one process autograd runs the backward: only GPipe's order can be written down."""
-    if schedule == "1f1b":
-        raise DpCompileError(
-            "schedule='1f1b' interleaves each micro-batch's backward with later forwards; in one process autograd "
-            "runs the whole backward after loss.backward(), so only 'gpipe' is served here (same values and "
-            "gradients). Use schedule='gpipe', or a DeviceMesh with a 'pp' dimension (torch.distributed.pipelining)"
-        )
-
-
 def _spelled(stages: int | tuple[str, ...]) -> str:
     return str(stages) if isinstance(stages, int) else str(list(stages))
 
@@ -224,4 +219,4 @@ def check_pipeline_arguments(
     return stages, micro_batches, str(schedule)
 
 
-__all__ = ["PipelineRecipe", "SCHEDULES", "check_one_process_schedule", "check_pipeline_arguments", "place_stages"]
+__all__ = ["PipelineRecipe", "SCHEDULES", "check_pipeline_arguments", "place_stages"]

@@ -149,10 +149,8 @@ def test_pipeline_stage_count_must_match_devices():
         dpcompile.transform(Stack(depth=4), ["cpu"] * 2, pipeline=3)
 
 
-def test_pipeline_one_process_refuses_1f1b_and_tensor_parallel():
+def test_pipeline_one_process_refuses_tensor_parallel():
     """What one process does not serve yet says so."""
-    with pytest.raises(DpCompileError, match="only 'gpipe'"):
-        dpcompile.transform(Stack(), ["cpu"] * 2, pipeline=2, schedule="1f1b")
     with pytest.raises(DpCompileError, match="tensor_parallel= is not built yet"):
         dpcompile.transform(Stack(), ["cpu"] * 2, pipeline=2, tensor_parallel=True)
 

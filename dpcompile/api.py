@@ -30,6 +30,7 @@ from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRe
 from dpcompile.recipes.meta import compile_meta_model
 from dpcompile.recipes.pipeline import check_one_process_schedule, check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe
+from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe, pipeline_tensor_parallel_recipe
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -289,7 +290,7 @@ def make_recipe(
 def _pipeline_recipe(
     common: dict[str, Any], devices: Any, plan: object, output_device: Any, batch_dim: object,
     pipeline: object, micro_batches: object, schedule: object,
-) -> PipelineRecipe | MeshPipelineRecipe:  # fmt: skip
+) -> PipelineRecipe | PipelineTensorParallelRecipe | MeshPipelineRecipe:  # fmt: skip
     stages, micro, schedule_name = check_pipeline_arguments(pipeline, micro_batches, schedule)
     if is_device_mesh(devices):
         if plan is not False:
@@ -299,12 +300,12 @@ def _pipeline_recipe(
             batch_dim=_check_batch_dim(batch_dim),
         )  # fmt: skip
     check_one_process_schedule(schedule_name)
-    if plan is not False:
-        raise DpCompileError(
-            "pipeline= with tensor_parallel= is not built yet; choose one: pipeline stages, or tensor-parallel shards"
-        )
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)
+    if plan is not False:  # each stage's layers sharded over its group of devices
+        return pipeline_tensor_parallel_recipe(
+            common, parsed, out_device, plan, stages, micro, schedule_name, _check_batch_dim(batch_dim)
+        )
     return PipelineRecipe(
         **common, devices=parsed, output_device=out_device, stages=stages, micro_batches=micro,
         schedule=schedule_name, batch_dim=_check_batch_dim(batch_dim),

@@ -153,8 +153,6 @@ def test_pipeline_one_process_refuses_1f1b_and_tensor_parallel():
     """What one process does not serve yet says so."""
     with pytest.raises(DpCompileError, match="only 'gpipe'"):
         dpcompile.transform(Stack(), ["cpu"] * 2, pipeline=2, schedule="1f1b")
-    with pytest.raises(DpCompileError, match="tensor_parallel= is not built yet"):
-        dpcompile.transform(Stack(), ["cpu"] * 2, pipeline=2, tensor_parallel=True)
 
 
 def test_pipeline_planner_balances_a_uniform_stack():

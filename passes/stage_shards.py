@@ -151,15 +151,34 @@ def borrow_shapes(gm: fx.GraphModule, shapes: Mapping[str, Mapping[str, Any]]) -
                 node.meta.update(borrowed)
 
 
-def restore_shard_layouts(gm: fx.GraphModule, layouts: Mapping[str, Any], specs: Mapping[str, Any]) -> None:
-    """Give the lowered pipeline's nodes the layouts ``shard_linear`` found (``expand_shards`` reads
-    them): a micro-batch's node (``fc1_mb0``) takes its source node's, a parameter read its shard spec."""
+def shard_findings(gm: fx.GraphModule) -> tuple[dict[str, tuple[Any, dict[str, Any]]], dict[str, Any]]:
+    """What ``shard_linear`` stamped on its program, to hand on past the pipeline passes: per node
+    name its target and its layout and communication records; per sharded parameter its spec."""
+    nodes = {
+        n.name: (n.target, {k: n.meta[k] for k in _CARRIED if k in n.meta})
+        for n in gm.graph.nodes
+        if n.op not in ("placeholder", "output")
+    }
+    specs = {str(n.target): n.meta[SHARD] for n in gm.graph.nodes if n.op == "get_attr" and SHARD in n.meta}
+    return nodes, specs
+
+
+_CARRIED = (LAYOUT, "dpcompile_comm")  # not the element count: a micro-batch moves its own share
+
+
+def restore_shard_layouts(
+    gm: fx.GraphModule, found: Mapping[str, tuple[Any, Mapping[str, Any]]], specs: Mapping[str, Any]
+) -> None:
+    """Give the lowered pipeline's nodes what ``shard_linear`` found (:func:`shard_findings`;
+    ``expand_shards`` reads it): a micro-batch's node (``fc1_mb0``) takes its source node's layout,
+    a micro-batch's collective its communication record, a parameter read its shard spec."""
     for node in gm.graph.nodes:
         if node.op == "get_attr" and str(node.target) in specs:
             node.meta[SHARD] = specs[str(node.target)]
         source = node.meta.get("dpcompile_source", node.name)
-        if source in layouts:
-            node.meta[LAYOUT] = layouts[source]
+        if source in found:
+            target, meta = found[source]
+            node.meta.update(meta if target == node.target else {k: v for k, v in meta.items() if k == LAYOUT})
 
 
 def read_each_parameter_once(gm: fx.GraphModule) -> None:
@@ -209,6 +228,8 @@ def place_shard_values(gm: fx.GraphModule, groups: Sequence[Devices]) -> dict[fx
             continue
         group = groups[s].strings()
         args = list(node.args)
+        if node.target in _TO_GROUP or node.target in _TO_ONE:
+            node.meta["dpcompile_comm_world"] = t  # a collective among the stage's devices
         if node.target in _TO_GROUP:
             args[-1] = group
         elif node.target in _TO_ONE:
@@ -249,5 +270,6 @@ __all__ = [
     "place_shard_values",
     "read_each_parameter_once",
     "restore_shard_layouts",
+    "shard_findings",
     "stages_of_shards",
 ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import nn
+
 from dpcompile.devices import Devices
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.pipeline import PipelineModule
@@ -30,32 +32,28 @@ class PipelineTensorParallelModule(PipelineModule, TensorParallelModule):
     own_attributes = PipelineModule.own_attributes | frozenset({"stage_groups"})
 
     def set_stage_groups(self, groups: Sequence[Devices]) -> None:
-        """Record the devices of each stage."""
+        """Record the devices of each stage, and the device slot (``s * T + k``) of every parameter:
+        stage ``s``'s shard ``k``, or its replicated rest on ``k == 0`` (``explain``'s bytes per device)."""
         object.__setattr__(self, "stage_groups", [tuple(g.strings()) for g in groups])
-
-    def param_bytes_per_slot(self) -> dict[int, int]:
-        """Bytes of parameters each device (``devices[s*T + k]``) holds: stage ``s``'s shard ``k``
-        and, on ``k == 0``, the stage's replicated rest."""
-        out = dict.fromkeys(range(len(self.devices)), 0)
         slot_of: dict[int, int] = {}
         for node in self.graph.nodes:
-            if node.op == "get_attr" and "dpcompile_slot" in node.meta:
-                value = self.get_parameter(str(node.target)) if _is_parameter(self, str(node.target)) else None
-                if value is not None:
-                    slot_of.setdefault(id(value), node.meta["dpcompile_slot"])
-        for p in self.parameters():
-            slot = slot_of.get(id(p))
-            if slot is not None:
-                out[slot] += p.numel() * p.element_size()
-        return out
+            slot = node.meta.get("dpcompile_slot")
+            if slot is None or node.op not in ("get_attr", "call_module"):
+                continue
+            value = (
+                self.get_submodule(str(node.target)) if node.op == "call_module" else _attribute(self, str(node.target))
+            )
+            tensors = value.parameters() if isinstance(value, nn.Module) else [value]
+            for t in tensors:
+                slot_of.setdefault(id(t), slot)
+        self.shard_param_slots = {name: slot_of.get(id(p), 0) for name, p in self.named_parameters()}
 
 
-def _is_parameter(module: PipelineModule, target: str) -> bool:
-    try:
-        module.get_parameter(target)
-    except AttributeError:
-        return False
-    return True
+def _attribute(root: nn.Module, path: str) -> object:
+    value: object = root
+    for atom in path.split("."):
+        value = getattr(value, atom)
+    return value
 
 
 reserve_names(PipelineTensorParallelModule.own_attributes)

@@ -60,14 +60,13 @@ from dpcompile.recipes.tensor_parallel import (
 )
 from passes.split_stages import STAGE, StagePlan, stage_programs
 from passes.stage_shards import (
-    LAYOUT,
-    SHARD,
     borrow_shapes,
     inside_sharded_regions,
     name_own_sources,
     place_shard_values,
     read_each_parameter_once,
     restore_shard_layouts,
+    shard_findings,
     stages_of_shards,
 )
 
@@ -191,15 +190,14 @@ class PipelineTensorParallelRecipe(Recipe):
         """One shard's program (``gm``, staged by ``plan``) lowered to micro-batches on the stages,
         then its shards expanded over each stage's devices (the parameters are cut here)."""
         groups = self.groups()
-        layouts = {n.name: n.meta[LAYOUT] for n in gm.graph.nodes if LAYOUT in n.meta}
-        specs = {str(n.target): n.meta[SHARD] for n in gm.graph.nodes if n.op == "get_attr" and SHARD in n.meta}
+        found, specs = shard_findings(gm)
         stage_devices = Devices(tuple(g.primary for g in groups))
         options = passes.PipelineOptions(
             devices=stage_devices, input_dims=dict(input_dims), output_device=self.output_device
         )
         pipeline = passes.pipeline_parallel_pipeline(options, plan=plan, micro_batches=micro_batches)
         lowered, _ = run_passes(gm, pipeline, recompile=False)
-        restore_shard_layouts(lowered, layouts, specs)
+        restore_shard_layouts(lowered, found, specs)
         expand = passes.tensor_parallel_pipeline(
             passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary)
         )[-1]

@@ -181,6 +181,20 @@ def restore_shard_layouts(
             node.meta.update(meta if target == node.target else {k: v for k, v in meta.items() if k == LAYOUT})
 
 
+def tidy_micro_batch_names(gm: fx.GraphModule) -> None:
+    """``fc1_mb1_2_dev0`` (a name made unique along the way) back to ``fc1_mb1_dev0`` where it is free."""
+    taken = {n.name for n in gm.graph.nodes}
+    for node in gm.graph.nodes:
+        found = _DEDUPLICATED.fullmatch(node.name)
+        if found and found.group(1) + (found.group(2) or "") not in taken:
+            taken.discard(node.name)
+            node._rename(found.group(1) + (found.group(2) or ""))
+            taken.add(node.name)
+
+
+_DEDUPLICATED = re.compile(r"(.+_mb\d+)_\d+(_dev\d+)?")
+
+
 def read_each_parameter_once(gm: fx.GraphModule) -> None:
     """One ``get_attr`` per parameter: every micro-batch reads the first one (the earliest in the
     graph, so before all their readers)."""
@@ -272,4 +286,5 @@ __all__ = [
     "restore_shard_layouts",
     "shard_findings",
     "stages_of_shards",
+    "tidy_micro_batch_names",
 ]

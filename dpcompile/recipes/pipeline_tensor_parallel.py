@@ -68,6 +68,7 @@ from passes.stage_shards import (
     restore_shard_layouts,
     shard_findings,
     stages_of_shards,
+    tidy_micro_batch_names,
 )
 
 
@@ -203,6 +204,7 @@ class PipelineTensorParallelRecipe(Recipe):
         )[-1]
         expanded, records = run_passes(lowered, [expand], recompile=False)
         read_each_parameter_once(expanded)
+        tidy_micro_batch_names(expanded)
         expanded.recompile()
         return expanded, records
 

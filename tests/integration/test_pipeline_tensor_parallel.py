@@ -118,6 +118,22 @@ def test_pipeline_tensor_parallel_owns_its_shards_and_trains_them():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_pipeline_tensor_parallel_meta_model_loads_a_checkpoint(tmp_path):
+    """A model built on the meta device: each device allocates its shards, load_checkpoint fills them."""
+    reference = Stack().double()
+    x, labels = _inputs()
+    real = dpcompile.transform(copy.deepcopy(reference), ["cpu"] * 4, pipeline=2, tensor_parallel=True,
+                               micro_batches=2, example_inputs=(x, labels))  # fmt: skip
+    dpcompile.save_checkpoint(real, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = Stack().double()
+    pm = dpcompile.transform(model, ["cpu"] * 4, pipeline=2, tensor_parallel=True, micro_batches=2,
+                             example_inputs=(x, labels))  # fmt: skip
+    assert pm.needs_weights and all(not p.is_meta for p in pm.parameters())
+    dpcompile.load_checkpoint(pm, tmp_path / "model.safetensors")
+    torch.testing.assert_close(pm(x, labels)[1], reference(x, labels)[1])
+
+
 def test_pipeline_tensor_parallel_code_stage_programs_and_explain():
     """pm.stages[i].code is one shard's program of the stage; explain shows each stage's devices, the
     parameters per device and the all-reduces among a stage's 2 devices."""

@@ -1,8 +1,9 @@
 """Pipeline stages whose layers are tensor parallel, in one process: 4 virtual devices = 2 stages x 2
 shards (stage i on devices[2i:2i+2]). Outputs, the mean loss and every gradient (the shards'
 gradients gathered) equal the eager model's for 1, 2 and 4 micro-batches with an uneven last
-micro-batch (a batch of 7, of 5 for GPT-2), in float64; on 4 fake GPUs every value and shard sits
-on its stage's device.
+micro-batch (a batch of 7), in float64; on 4 fake GPUs every value and shard sits on its stage's
+device. GPT-2 through the export frontend: ``tests/integration/test_pipeline_transformers.py``
+(it shares that file's exported program).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile.errors import DpCompileError
-from dpcompile.runtime.tensor_parallel import unshard
-from tests.thirdparty import import_or_skip
+from tests.helpers import full_gradients
 
 
 class Stack(nn.Module):
@@ -41,17 +41,6 @@ class Stack(nn.Module):
 def _inputs(batch: int = 7):
     g = torch.Generator().manual_seed(1)
     return torch.randn(batch, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g)
-
-
-def full_gradients(pm: nn.Module) -> dict[str, torch.Tensor]:
-    """The gradient of every parameter under the model's name: shards gathered, the rest as they are."""
-    out = {
-        key: unshard([pm.get_parameter(n).grad for n in names], spec, "cpu")
-        for key, (spec, names) in pm.param_shards.items()
-    }
-    sharded = {n for _, names in pm.param_shards.values() for n in names}
-    out.update({name: p.grad for name, p in pm.named_parameters() if name not in sharded})
-    return out
 
 
 def _assert_gradients_equal(pm: nn.Module, reference: nn.Module) -> None:
@@ -184,40 +173,3 @@ def test_pipeline_tensor_parallel_places_every_value_on_its_gpu():
     assert placed["layers.3.bias"] == "cuda:2"
     assert all(str(t.device) == "cuda:0" for t in out)
     assert "copy_to_devices(tanh_1_mb1_to_stage1, ['cuda:2', 'cuda:3'])" in pm.code
-
-
-V = 64
-
-
-@pytest.mark.slow  # one torch.export of GPT-2: ~10 s
-def test_pipeline_tensor_parallel_gpt2_with_labels_equals_eager():
-    """GPT-2 (export frontend, labels=): 2 stages x 2 shards with 1, 2 and 4 micro-batches: logits, the
-    mean loss over the non-ignored tokens and every gradient as eager (vocab-parallel embedding and
-    loss, the tied LM head sharing its shards)."""
-    T = import_or_skip("transformers")
-    from dpcompile.capture import capture_model
-
-    torch.manual_seed(0)
-    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
-    reference = T.GPT2LMHeadModel(config).double()
-    g = torch.Generator().manual_seed(0)
-    kwargs = {"input_ids": torch.randint(1, V, (5, 8), generator=g), "labels": torch.randint(0, V, (5, 8), generator=g)}
-    kwargs["labels"][0, :5] = -100
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exported, info = capture_model(copy.deepcopy(reference), frontend="export", example_kwargs=kwargs)
-    assert info.frontend == "export"
-    want = reference(**kwargs)
-    want.loss.backward()
-    plan = True  # the automatic plan once, then as the user's plan (planning is most of the compile time)
-    for micro in (1, 2, 4):
-        pm = dpcompile.transform(exported, ["cpu"] * 4, pipeline=2, tensor_parallel=plan, micro_batches=micro,
-                                 example_kwargs=kwargs)  # fmt: skip
-        assert pm.plan["transformer.h.1.attn.c_attn"] == "column" and pm.plan["lm_head"] == "column"
-        out = pm(**kwargs)
-        torch.testing.assert_close(out.logits, want.logits)
-        torch.testing.assert_close(out.loss, want.loss)
-        out.loss.backward()
-        _assert_gradients_equal(pm, reference)
-        plan = dict(pm.plan)

@@ -40,20 +40,16 @@ class PipelineTensorParallelModule(PipelineModule, TensorParallelModule):
             slot = node.meta.get("dpcompile_slot")
             if slot is None or node.op not in ("get_attr", "call_module"):
                 continue
+            parent, _, name = str(node.target).rpartition(".")
             value = (
-                self.get_submodule(str(node.target)) if node.op == "call_module" else _attribute(self, str(node.target))
+                self.get_submodule(str(node.target))
+                if node.op == "call_module"
+                else getattr(self.get_submodule(parent), name)
             )
             tensors = value.parameters() if isinstance(value, nn.Module) else [value]
             for t in tensors:
                 slot_of.setdefault(id(t), slot)
         self.shard_param_slots = {name: slot_of.get(id(p), 0) for name, p in self.named_parameters()}
-
-
-def _attribute(root: nn.Module, path: str) -> object:
-    value: object = root
-    for atom in path.split("."):
-        value = getattr(value, atom)
-    return value
 
 
 reserve_names(PipelineTensorParallelModule.own_attributes)

@@ -58,7 +58,7 @@ from dpcompile.recipes.tensor_parallel import (
     tied_state_keys,
     unaliased_findings,
 )
-from passes.split_stages import STAGE, StagePlan, stage_programs
+from passes.split_stages import StagePlan, stage_programs
 from passes.stage_shards import (
     borrow_shapes,
     inside_sharded_regions,
@@ -173,13 +173,14 @@ class PipelineTensorParallelRecipe(Recipe):
             captured_code=captured_code,
             state_aliases=state_aliases,
         )
+        pm.set_stage_groups(groups)
+        held = pm.param_bytes_per_slot()
         stages = [
             Stage(s, ",".join(groups[s].strings()), stage_plan.module_paths[s], stage_plan.weights[s],
-                  stage_param_bytes(lowered, s), programs[s])
+                  sum(held[s * shards + k] for k in range(shards)), programs[s])
             for s in range(stage_plan.stages)
         ]  # fmt: skip
         pm.set_pipeline(stages=stages, micro_batches=self.micro_batches, schedule=self.schedule, stage_plan=plan)
-        pm.set_stage_groups(groups)
         pm.train(model.training)
         if self.check_available:
             watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: loud
@@ -276,35 +277,6 @@ def place_shards(gm: fx.GraphModule, groups: Sequence[Devices]) -> None:
                     setattr(parent, name, nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad))
             else:
                 param.data = param.data.to(device)
-
-
-def stage_param_bytes(gm: fx.GraphModule, s: int) -> int:
-    """Bytes of the parameters and buffers stage ``s`` reads, over all its devices."""
-    seen: set[int] = set()
-    total = 0
-    for node in gm.graph.nodes:
-        if node.meta.get(STAGE) != s or node.op not in ("get_attr", "call_module"):
-            continue
-        value = gm.get_submodule(str(node.target)) if node.op == "call_module" else _attribute(gm, str(node.target))
-        tensors = (
-            [value]
-            if isinstance(value, torch.Tensor)
-            else [*value.parameters(), *value.buffers()]
-            if isinstance(value, nn.Module)
-            else []
-        )
-        for t in tensors:
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
-
-
-def _attribute(root: nn.Module, path: str) -> object:
-    value: object = root
-    for atom in path.split("."):
-        value = getattr(value, atom)
-    return value
 
 
 def detached(programs: Sequence[fx.GraphModule]) -> list[fx.GraphModule]:

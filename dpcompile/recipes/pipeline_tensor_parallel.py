@@ -138,7 +138,6 @@ class PipelineTensorParallelRecipe(Recipe):
         name_own_sources(gm)
         stage_devices = Devices(tuple(g.primary for g in groups))
         programs = detached(stage_programs(gm, plan, stage_devices.strings()))
-        captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
         lowered, expand_records = self.lower(gm, plan, self.micro_batches, input_dims)
         records += expand_records
         place_shards(lowered, groups)
@@ -156,8 +155,7 @@ class PipelineTensorParallelRecipe(Recipe):
             input_dims=input_dims,
             output_device=self.output_device,
             plan=applied,
-            captured=captured,
-            records=records,
+            records=records,  # no captured program kept: it would hold the whole, unsharded layers
             class_name=type(model).__name__,
             share_all_of=lowered,
             source=fake_copy_to_trace(model, groups[0].primary) if self.check_available else None,

@@ -73,6 +73,34 @@ def test_pipeline_tensor_parallel_mlp_equals_eager(micro):
         assert "layers_2_mb1_dev1 = torch._C._nn.linear(tanh_1_copy_mb1_dev1" in pm.code
 
 
+class BNStack(nn.Module):
+    """A column -> row pair, BatchNorm, another pair; a sum loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.bn = nn.Linear(8, 16), nn.Linear(16, 8), nn.BatchNorm1d(8)
+        self.fc3, self.fc4 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.bn(self.fc2(F.relu(self.fc1(x))))
+        return self.fc4(F.relu(self.fc3(h))).sum()
+
+
+def test_pipeline_tensor_parallel_batchnorm_uses_whole_batch_statistics():
+    """The micro-batches meet at BatchNorm (whole-batch statistics, running stats updated once)."""
+    reference = BNStack().double()
+    x, _ = _inputs()
+    pm = dpcompile.transform(copy.deepcopy(reference), ["cpu"] * 4, pipeline=2, tensor_parallel=True,
+                             micro_batches=2, example_inputs=(x,))  # fmt: skip
+    assert "dpcompile_runtime_batch_norm(" in pm.code
+    out, want = pm(x), reference(x)
+    torch.testing.assert_close(out, want)
+    out.backward()
+    want.backward()
+    _assert_gradients_equal(pm, reference)
+    torch.testing.assert_close(pm.state_dict()["bn.running_var"], reference.bn.running_var)
+
+
 def test_pipeline_tensor_parallel_user_plan_smaller_batch_and_eval():
     """The user's plan; a batch below micro_batches and eval mode run their own programs, as eager."""
     reference = Stack().double()

@@ -30,6 +30,7 @@ from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRe
 from dpcompile.recipes.meta import compile_meta_model
 from dpcompile.recipes.pipeline import check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
+from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe, pipeline_tensor_parallel_recipe
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -289,7 +290,7 @@ def make_recipe(
 def _pipeline_recipe(
     common: dict[str, Any], devices: Any, plan: object, output_device: Any, batch_dim: object,
     pipeline: object, micro_batches: object, schedule: object,
-) -> PipelineRecipe | MeshPipelineRecipe:  # fmt: skip
+) -> PipelineRecipe | PipelineTensorParallelRecipe | MeshPipelineRecipe:  # fmt: skip
     stages, micro, schedule_name = check_pipeline_arguments(pipeline, micro_batches, schedule)
     if is_device_mesh(devices):
         check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan)  # fails here, not mid-compile
@@ -297,12 +298,17 @@ def _pipeline_recipe(
             **common, mesh=devices, stages=stages, micro_batches=micro, schedule=schedule_name,
             batch_dim=_check_batch_dim(batch_dim), plan=plan,
         )  # fmt: skip
-    if plan is not False:
+    if plan is not False and schedule_name == "1f1b":
         raise DpCompileError(
-            "pipeline= with tensor_parallel= is not built yet; choose one: pipeline stages, or tensor-parallel shards"
+            "schedule='1f1b' with tensor_parallel= in one process is not built yet; use schedule='gpipe' "
+            "(the same loss and gradients), or a ('pp', 'tp') DeviceMesh, where 1F1B shards each stage"
         )
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)
+    if plan is not False:  # each stage's layers sharded over its group of devices
+        return pipeline_tensor_parallel_recipe(
+            common, parsed, out_device, plan, stages, micro, schedule_name, _check_batch_dim(batch_dim)
+        )
     return PipelineRecipe(
         **common, devices=parsed, output_device=out_device, stages=stages, micro_batches=micro,
         schedule=schedule_name, batch_dim=_check_batch_dim(batch_dim),

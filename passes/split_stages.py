@@ -26,7 +26,7 @@ After ``split_stages`` with ``pipeline=2`` (the same code; stages as stamps, sho
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -108,11 +108,16 @@ def _crossings(body: Sequence[fx.Node]) -> list[int]:
 
 
 def find_stage_boundaries(
-    gm: fx.GraphModule, *, stages: int | Sequence[str], weights: Mapping[str, int] | None = None
+    gm: fx.GraphModule,
+    *,
+    stages: int | Sequence[str],
+    weights: Mapping[str, int] | None = None,
+    no_cut_before: Collection[str] = (),
 ) -> StagePlan:
     """Where each stage of ``gm`` starts: before each module path of ``stages`` (a list), or
     ``stages`` (an int) stages of near-equal ``weights`` (node name -> forward FLOPs; by default
-    the parameter elements each op reads)."""
+    the parameter elements each op reads), not before the nodes named in ``no_cut_before`` where
+    another cut will do (inside a tensor-parallel region, whose values are sharded)."""
     from dpcompile.analysis.split_fraction import parameter_weights
 
     measure = "flops" if weights is not None else "parameter elements"
@@ -125,13 +130,14 @@ def find_stage_boundaries(
             raise DpCompileError(
                 f"pipeline={stages}: the graph has {len(body)} ops, too few to cut into {stages} stages"
             )
-        cuts = _balanced_cuts(body, [int(weights.get(n.name, 0)) for n in body], stages)
+        allowed = [n.name not in no_cut_before for n in body]
+        cuts = _balanced_cuts(body, [int(weights.get(n.name, 0)) for n in body], stages, allowed)
     else:
         cuts = _named_cuts(body, list(stages))
     return _plan(gm, body, cuts, weights, measure)
 
 
-def _balanced_cuts(body: list[fx.Node], weight: list[int], stages: int) -> list[int]:
+def _balanced_cuts(body: list[fx.Node], weight: list[int], stages: int, allowed: list[bool]) -> list[int]:
     """Indices of the first node of stages 1.. ``stages-1``: each within ``BALANCE_TOLERANCE`` of an
     equal share of the weight, the fewest values crossing it, then the nearest to the share."""
     prefix = [0]
@@ -142,13 +148,15 @@ def _balanced_cuts(body: list[fx.Node], weight: list[int], stages: int) -> list[
     cuts: list[int] = []
     for k in range(1, stages):
         low, high = (cuts[-1] + 1 if cuts else 1), len(body) - (stages - k)
+        span = [i for i in range(low, high + 1) if allowed[i]] or list(range(low, high + 1))
         if total == 0:  # nothing weighs anything: equal node counts
-            cuts.append(max(low, min(high, round(k * len(body) / stages))))
+            even = max(low, min(high, round(k * len(body) / stages)))
+            cuts.append(min(span, key=lambda i: (abs(i - even), i)))
             continue
         ideal = k * total / stages
-        nearest = min(range(low, high + 1), key=lambda i: abs(prefix[i] - ideal))
+        nearest = min(span, key=lambda i: abs(prefix[i] - ideal))
         window = BALANCE_TOLERANCE * total / stages
-        candidates = [i for i in range(low, high + 1) if abs(prefix[i] - ideal) <= window] or [nearest]
+        candidates = [i for i in span if abs(prefix[i] - ideal) <= window] or [nearest]
         # fewest values sent, then a cut before a module call that does work (an activation stays
         # with the layer it follows), then the nearest to an equal share
         cuts.append(

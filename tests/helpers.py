@@ -14,6 +14,7 @@ import dpcompile
 from dpcompile.capture import capture
 from dpcompile.fx_utils import propagate_shapes
 from dpcompile.runtime.structures import tensor_leaves
+from dpcompile.runtime.tensor_parallel import unshard
 
 
 def scalar_of(output: Any) -> torch.Tensor:
@@ -106,3 +107,13 @@ class FakeMesh:
     mesh_dim_names = ("tp",)
     device_type = "cpu"
 
+
+def full_gradients(pm: nn.Module) -> dict[str, torch.Tensor]:
+    """The gradient of every parameter under the model's name: shards gathered, the rest as they are."""
+    out = {
+        key: unshard([pm.get_parameter(n).grad for n in names], spec, "cpu")
+        for key, (spec, names) in pm.param_shards.items()
+    }
+    sharded = {n for _, names in pm.param_shards.values() for n in names}
+    out.update({name: p.grad for name, p in pm.named_parameters() if name not in sharded})
+    return out

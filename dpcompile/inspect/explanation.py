@@ -124,7 +124,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     io_backward = sum(c.backward or 0.0 for c in collectives if c.io)
     params = param_bytes(pm)
     pipeline = _pipeline_report(pm, gm, recorder, labels, batch)
-    if pipeline is not None:
+    if pipeline is not None and not getattr(pm, "stage_groups", None):  # one device per stage
         params = {labels[st["stage"]]: st["param_bytes"] for st in pipeline["stages"]}
     fraction, whole = (
         _split_flops(gm, recorder) if getattr(pm, "mode", "data_parallel") == "data_parallel" else (None, [])
@@ -196,12 +196,21 @@ def _pipeline_report(
         "imbalance": round(max(flops) / mean, 4) if mean else 1.0,
         "measure": measure,
         "stages": [
-            {"stage": st.index, "device": labels[st.index], "module_paths": list(st.module_paths), "flops": int(flops[st.index]),
+            {"stage": st.index, "device": _stage_label(pm, st.index, labels), "module_paths": list(st.module_paths), "flops": int(flops[st.index]),
              "param_bytes": int(st.param_bytes), "activation_bytes": int(activation[st.index]),
              "sends_elements": int(sent[st.index])}
             for st in stages
         ],
     }  # fmt: skip
+
+
+def _stage_label(pm: nn.Module, s: int, labels: list[str]) -> str:
+    """Stage ``s``'s device, or its devices (``cpu#2,cpu#3``) where its layers are tensor parallel."""
+    groups = getattr(pm, "stage_groups", None)
+    if not groups:
+        return labels[s]
+    t = len(groups[0])
+    return ",".join(labels[s * t : (s + 1) * t])
 
 
 def memory_estimate(

@@ -38,6 +38,7 @@ from dpcompile.fx_utils import unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.weights import await_weights
 from dpcompile.recipes.data_parallel import DataParallelRecipe
+from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
 from dpcompile.recipes.spmd import SpmdRecipe
 from dpcompile.recipes.tensor_parallel import TensorParallelRecipe
 
@@ -136,7 +137,7 @@ def compile_meta_model(
     """``compile_one(model, examples, kwargs)`` (transform's frontend and compile) for a model
     on meta: tensor parallel on a fake copy (:func:`compile_on_fake`), data parallel on the
     model given memory on its device (:func:`materialize_replica`)."""
-    if isinstance(recipe, TensorParallelRecipe):
+    if isinstance(recipe, (TensorParallelRecipe, PipelineTensorParallelRecipe)):  # the program owns its shards
         allocate = recipe.check_available  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
         return compile_on_fake(
             model, recipe.devices.primary, example_inputs, example_kwargs, compile_one, allocate=allocate

@@ -149,10 +149,10 @@ def test_pipeline_stage_count_must_match_devices():
         dpcompile.transform(Stack(depth=4), ["cpu"] * 2, pipeline=3)
 
 
-def test_pipeline_one_process_refuses_tensor_parallel():
+def test_pipeline_one_process_refuses_1f1b_with_tensor_parallel():
     """What one process does not serve yet says so."""
-    with pytest.raises(DpCompileError, match="tensor_parallel= is not built yet"):
-        dpcompile.transform(Stack(), ["cpu"] * 2, pipeline=2, tensor_parallel=True)
+    with pytest.raises(DpCompileError, match="1f1b' with tensor_parallel= in one process is not built yet"):
+        dpcompile.transform(Stack(), ["cpu"] * 4, pipeline=2, tensor_parallel=True, schedule="1f1b")
 
 
 def test_pipeline_planner_balances_a_uniform_stack():

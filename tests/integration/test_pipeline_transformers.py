@@ -54,3 +54,28 @@ def test_pipeline_gpt2_with_labels_equals_eager(gpt2, stages, micro):
     torch.testing.assert_close(out.loss, expected.loss)
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_pipeline_tensor_parallel_gpt2_with_labels_equals_eager(gpt2):
+    """pipeline=2 with tensor_parallel= on 4 devices (2 stages x 2 shards), 1, 2 and 4 micro-batches:
+    logits, loss and every gradient as eager (vocab-parallel embedding and loss, the tied LM head
+    sharing its shards; the shards' gradients gathered)."""
+    from tests.helpers import full_gradients
+
+    reference, _, exported, kwargs = gpt2
+    reference.zero_grad()
+    expected = reference(**kwargs)
+    expected.loss.backward()
+    plan = True  # the automatic plan once, then as the user's plan (planning is most of the compile time)
+    for micro in (1, 2, 4):
+        pm = dpcompile.transform(exported, ["cpu"] * 4, pipeline=2, tensor_parallel=plan, micro_batches=micro,
+                                 example_kwargs=kwargs)  # fmt: skip
+        assert pm.plan["transformer.h.1.attn.c_attn"] == "column" and pm.plan["lm_head"] == "column"
+        out = pm(**kwargs)
+        out.loss.backward()
+        torch.testing.assert_close(out.logits, expected.logits)
+        torch.testing.assert_close(out.loss, expected.loss)
+        got = full_gradients(pm)
+        for name, q in reference.named_parameters():
+            torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+        plan = dict(pm.plan)

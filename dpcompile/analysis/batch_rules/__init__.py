@@ -41,6 +41,7 @@ from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
     pointwise,
     reductions,
     shape,
+    tensor_parallel,
     third_party,
 )
 from dpcompile.analysis.batch_rules import table as table  # noqa: F401 - after the families: the ATen ops and their spellings

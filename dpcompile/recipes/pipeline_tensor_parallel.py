@@ -1,0 +1,311 @@
+"""Pipeline stages whose layers are tensor parallel, in one process:
+``transform(model, devices, pipeline=S, tensor_parallel=True | {path: style}, micro_batches=M)``.
+
+``len(devices) == S * T``: stage ``i`` runs on ``devices[i*T:(i+1)*T]``, its linear layers sharded
+over those ``T`` devices. The existing passes, composed:
+
+    owned = copy.deepcopy(model)                        # as tensor parallelism: pm owns its shards
+    gm = capture(owned); styles = plan_for(gm, plan, T)  # the tensor-parallel plan, for T shards
+    stage_plan = find_stage_boundaries(gm, stages=S)    # cut by depth, on the unsharded graph
+    gm = shard_linear(gm, plan=styles)                  # one shard's program (SPMD form)
+    gm = split_stages → insert_scatter_gather → insert_stage_transfers   # micro-batches, stages, sends
+    gm = expand_shards(gm, devices=T shards)            # one node per shard: fc1_mb0_dev1
+    place_shards(gm, groups)                            # stage s, shard k on devices[s*T + k]
+
+Micro-batches are split before the shards are expanded, so each micro-batch's column → row pair
+runs on its stage's devices, and a mean loss, BatchNorm and every gradient keep the
+single-device values. Values that cross a stage boundary are whole (replicated or gathered):
+a cut between a column layer and the row layer it feeds is refused, with the way out.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+import passes
+from dpcompile.analysis.batch_dims import infer_input_dims
+from dpcompile.analysis.cost import plan_cost
+from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, linear_paths, resolve_plan
+from dpcompile.analysis.split_fraction import node_flops
+from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace
+from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
+from dpcompile.infra import info_of, run_passes
+from dpcompile.modules.carried import modes_applied
+from dpcompile.modules.pipeline import Stage
+from dpcompile.modules.pipeline_tensor_parallel import PipelineTensorParallelModule
+from dpcompile.modules.tensor_parallel import watch_source_parameters
+from dpcompile.planning import plan_for
+from dpcompile.program_cache import CallKey
+from dpcompile.recipes.base import Recipe
+from dpcompile.recipes.pipeline import place_stages
+from dpcompile.recipes.tensor_parallel import (
+    aliased_plan,
+    capture_owning_everything,
+    describe_choices,
+    tied_state_keys,
+    unaliased_findings,
+)
+from passes.split_stages import StagePlan, stage_programs
+from passes.stage_shards import (
+    borrow_shapes,
+    inside_sharded_regions,
+    name_own_sources,
+    place_shard_values,
+    read_each_parameter_once,
+    restore_shard_layouts,
+    shard_findings,
+    stages_of_shards,
+    tidy_micro_batch_names,
+)
+
+
+@dataclass(frozen=True)
+class PipelineTensorParallelRecipe(Recipe):
+    """``stages`` (a count, or the module paths where stages 1.. start) over ``devices`` in groups of
+    ``len(devices) // stages`` (one group per stage, its layers sharded over the group by ``plan``),
+    ``micro_batches`` per call. ``check_available=False``: fake devices (placement checks)."""
+
+    devices: Devices = Devices((torch.device("cpu"),))
+    output_device: torch.device = torch.device("cpu")
+    stages: int | tuple[str, ...] = 1
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+    batch_dim: int | None = None
+    plan: bool | Mapping[str, str] = True
+    check_available: bool = True
+
+    @property
+    def stage_count(self) -> int:
+        return self.stages if isinstance(self.stages, int) else len(self.stages) + 1
+
+    def groups(self) -> list[Devices]:
+        """The devices of each stage: ``devices[i*T:(i+1)*T]``."""
+        return stage_groups(self.devices, self.stage_count)
+
+    def compile(
+        self,
+        model: nn.Module,
+        example_inputs: Sequence[Any] | None,
+        *,
+        none_args: frozenset[str] = frozenset(),
+        flags: Mapping[str, Any] | None = None,
+    ) -> PipelineTensorParallelModule:
+        groups = self.groups()
+        shards = len(groups[0])
+        state_keys, state_aliases = list(model.state_dict().keys()), tied_state_keys(model)
+        owned = copy.deepcopy(model)  # the user's model is never touched: pm owns its shards
+        gm, flags, none_args = capture_owning_everything(
+            owned, self.leaf_modules + linear_like_leaves(), example_inputs, none_args, flags
+        )
+        if passes.decompose_attention(gm).modified:
+            gm.recompile()
+        captured_code = gm.code
+        weights = None
+        if example_inputs is not None:
+            propagate_shapes(gm, list(example_inputs), check=True)
+            weights = node_flops(gm, list(example_inputs))
+        input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
+        styles, reasons = plan_for(gm, aliased_plan(self.plan), shards, model)
+        options = passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary, plan=styles)
+        gm, records = run_passes(gm, passes.frontend_pipeline(options))
+        inside = inside_sharded_regions(gm, resolve_plan(gm, plan=styles, n=shards).analysis.layouts)
+        stage_plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights, no_cut_before=inside)
+        if stage_plan.stages * shards != len(self.devices):
+            raise ValueError(
+                f"pipeline={self.stages!r} makes {stage_plan.stages} stages of {shards} tensor-parallel shards "
+                f"({stage_plan.stages} x {shards} = {stage_plan.stages * shards}), but {len(self.devices)} devices "
+                "were given"
+            )
+        shapes = {n.name: {k: n.meta[k] for k in ("val", "tensor_meta") if k in n.meta} for n in gm.graph.nodes}
+        gm, shard_records = run_passes(gm, passes.spmd_tensor_parallel_pipeline(options))
+        records += shard_records
+        shard_info = unaliased_findings(info_of(shard_records, "shard_linear"))
+        plan = stages_of_shards(gm, stage_plan)
+        borrow_shapes(gm, shapes)
+        name_own_sources(gm)
+        stage_devices = Devices(tuple(g.primary for g in groups))
+        programs = detached(stage_programs(gm, plan, stage_devices.strings()))
+        lowered, expand_records = self.lower(gm, plan, self.micro_batches, input_dims)
+        records += expand_records
+        place_shards(lowered, groups)
+        applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
+        applied.update(shard_info["plan"])
+        described = describe_choices(applied, shard_info)
+        reasons = {unalias(p): why for p, why in reasons.items()}
+        reasons = {p: reasons.get(p, described.get(p, "")) for p in {**described, **reasons}}
+        pm = PipelineTensorParallelModule(
+            lowered,
+            lowered.graph,
+            recipe=self,
+            devices=self.devices,
+            mode="pipeline_tensor_parallel",
+            input_dims=input_dims,
+            output_device=self.output_device,
+            plan=applied,
+            records=records,  # no captured program kept: it would hold the whole, unsharded layers
+            class_name=type(model).__name__,
+            share_all_of=lowered,
+            source=fake_copy_to_trace(model, groups[0].primary) if self.check_available else None,
+            flags=flags,
+            none_args=none_args,
+            shares_source=False,
+        )
+        pm.init_tensor_parallel(
+            state_keys=state_keys,
+            param_shards=info_of(expand_records, "expand_shards")["param_shards"],
+            plan_reasons=reasons,
+            comm_cost=plan_cost(shard_info["comms"], shards),
+            captured_code=captured_code,
+            state_aliases=state_aliases,
+        )
+        pm.set_stage_groups(groups)
+        held = pm.param_bytes_per_slot()
+        stages = [
+            Stage(s, ",".join(groups[s].strings()), stage_plan.module_paths[s], stage_plan.weights[s],
+                  sum(held[s * shards + k] for k in range(shards)), programs[s])
+            for s in range(stage_plan.stages)
+        ]  # fmt: skip
+        pm.set_pipeline(stages=stages, micro_batches=self.micro_batches, schedule=self.schedule, stage_plan=plan)
+        pm.train(model.training)
+        if self.check_available:
+            watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: loud
+        return pm
+
+    def lower(
+        self, gm: fx.GraphModule, plan: StagePlan, micro_batches: int, input_dims: Mapping[str, int | None]
+    ) -> tuple[fx.GraphModule, list]:
+        """One shard's program (``gm``, staged by ``plan``) lowered to micro-batches on the stages,
+        then its shards expanded over each stage's devices (the parameters are cut here)."""
+        groups = self.groups()
+        found, specs = shard_findings(gm)
+        stage_devices = Devices(tuple(g.primary for g in groups))
+        options = passes.PipelineOptions(
+            devices=stage_devices, input_dims=dict(input_dims), output_device=self.output_device
+        )
+        pipeline = passes.pipeline_parallel_pipeline(options, plan=plan, micro_batches=micro_batches)
+        lowered, _ = run_passes(gm, pipeline, recompile=False)
+        restore_shard_layouts(lowered, found, specs)
+        expand = passes.tensor_parallel_pipeline(
+            passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary)
+        )[-1]
+        expanded, records = run_passes(lowered, [expand], recompile=False)
+        read_each_parameter_once(expanded)
+        tidy_micro_batch_names(expanded)
+        expanded.recompile()
+        return expanded, records
+
+    def build_program(
+        self, pm: PipelineTensorParallelModule, key: CallKey, args: tuple, kwargs: dict
+    ) -> fx.GraphModule | None:
+        """The program for fewer micro-batches (a small batch), another mode or other arguments left
+        None: the recipe compiled again on the fake copy of the model with ``pm``'s plan, its code
+        run on ``pm``'s shards."""
+        source = pm.traced_model
+        if source is None:
+            raise pm.cannot_trace_again(key)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        values = bind_inputs(pm, args, kwargs) if args or kwargs else None
+        with modes_applied(source, key.modes), mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            example = None if values is None else tree_map(
+                lambda v: mode.from_tensor(v.detach()).to(self.devices.primary) if isinstance(v, torch.Tensor) else v,
+                values,
+            )  # fmt: skip
+            variant = dataclasses.replace(self, plan=dict(pm.plan), micro_batches=key.devices, check_available=False)
+            built = variant.compile(source, example, none_args=key.none_args, flags=dict(key.flags))
+        if built.param_shards != pm.param_shards:
+            raise DpCompileError(
+                f"the call ({key.describe()}) takes another path through forward, whose layers shard "
+                "differently; transform the model for that call (example_inputs= of it)"
+            )
+        return (
+            None
+            if built.code == pm.code
+            else graph_module(pm, copy_graph(built.graph), "PipelineTensorParallelVariant")
+        )
+
+
+def stage_groups(devices: Devices, stages: int) -> list[Devices]:
+    """``devices`` cut into ``stages`` groups of ``len(devices) // stages``, in order."""
+    if stages < 1 or len(devices) % stages:
+        raise ValueError(
+            f"pipeline= with tensor_parallel= runs each of the {stages} stages on an equal group of devices, but "
+            f"{len(devices)} devices do not divide into {stages} groups ({len(devices)} % {stages} = "
+            f"{len(devices) % stages if stages else len(devices)}); pass stages x shards devices"
+        )
+    t = len(devices) // stages
+    return [Devices(tuple(devices[s * t + k] for k in range(t))) for s in range(stages)]
+
+
+def place_shards(gm: fx.GraphModule, groups: Sequence[Devices]) -> None:
+    """Put stage ``s``'s shard ``k`` on ``groups[s][k]`` (:func:`~passes.stage_shards.place_shard_values`)
+    and its parameters there; the rest of stage ``s``'s state on ``groups[s][0]``, in place."""
+    reads = place_shard_values(gm, groups)
+    gm.recompile()
+    place_stages(gm, Devices(tuple(g.primary for g in groups)))
+    home: dict[int, int] = {}
+    for node, (s, k) in reads.items():
+        parent_path, _, name = str(node.target).rpartition(".")
+        parent = gm.get_submodule(parent_path)
+        param = getattr(parent, name)
+        device = groups[s][k]
+        first = home.setdefault(id(param), s)
+        if groups[first][k] != device:
+            raise DpCompileError(
+                f"the shard '{node.target}' is read in stage {first} ({groups[first][k]}) and stage {s} ({device}) "
+                "(tied weights); it cannot live on both. Name stage boundaries (pipeline=[...]) that keep both "
+                "readers in one stage, or plan that layer 'replicate'"
+            )
+        if param.device != device:
+            if getattr(param, "fake_mode", None) is not None:  # a placement check on fake GPUs
+                with param.fake_mode:
+                    setattr(parent, name, nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad))
+            else:
+                param.data = param.data.to(device)
+
+
+def detached(programs: Sequence[fx.GraphModule]) -> list[fx.GraphModule]:
+    """Copies of the stage programs holding meta tensors (they are for reading: ``pm.stages[i].code``;
+    the full, unsharded weights they were made from are not kept)."""
+    out = []
+    for program in programs:
+        memo: dict[int, Any] = {}
+        for t in [*program.parameters(), *program.buffers()]:
+            meta = t.detach().to("meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        out.append(copy.deepcopy(program, memo))
+    return out
+
+
+def pipeline_tensor_parallel_recipe(
+    common: Mapping[str, Any], devices: Devices, output_device: torch.device, plan: bool | Mapping[str, str],
+    stages: int | tuple[str, ...], micro_batches: int, schedule: str, batch_dim: int | None,
+) -> PipelineTensorParallelRecipe:  # fmt: skip
+    """``transform``'s arguments for ``pipeline=`` with ``tensor_parallel=`` in one process, checked."""
+    count = stages if isinstance(stages, int) else len(stages) + 1
+    stage_groups(devices, count)  # the arithmetic, before anything is captured
+    return PipelineTensorParallelRecipe(
+        **common, devices=devices, output_device=output_device, stages=stages, micro_batches=micro_batches,
+        schedule=schedule, batch_dim=batch_dim, plan=plan,
+    )  # fmt: skip
+
+
+__all__ = [
+    "PipelineTensorParallelRecipe",
+    "pipeline_tensor_parallel_recipe",
+    "place_shards",
+    "stage_groups",
+]

@@ -3,8 +3,9 @@
 ``batch_arange`` is device ``k``'s slice of ``torch.arange(B)``: the positions, in the whole
 batch, of the rows device ``k`` holds (device 1 of a batch of 5 split 3/2 holds ``[3, 4]``).
 ``local_positions`` turns such positions back into rows of the device's own chunk, for an
-index into it. ``squeeze_except`` is ``squeeze()`` on a chunk that may hold one sample. ``written`` is an in-place write made functional: the written copy of a tensor,
-so a program can say what a mutation produced instead of relying on aliasing.
+index into it. ``squeeze_except`` is ``squeeze()`` on a chunk that may hold one sample.
+``written`` is an in-place write made functional: the written copy of a tensor, so a program
+can say what a mutation produced instead of relying on aliasing.
 """
 
 from __future__ import annotations

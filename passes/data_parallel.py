@@ -55,6 +55,7 @@ from dpcompile import runtime
 from dpcompile.analysis.batch_dims import propagate
 from dpcompile.analysis.batch_positions import batch_arange_size, index_positions
 from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
+from dpcompile.analysis.batch_rules.shape import squeeze_keeps
 from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
 from dpcompile.analysis.placement import (
     Partial,
@@ -307,6 +308,7 @@ class _Builder:
         split = isinstance(placement, Split)
         arange_size = batch_arange_size(node, self.placements) if split else None
         positions = index_positions(node, self.placements) if split and node.op == "call_function" else None
+        keep = squeeze_keeps(node, self.placements) if split else None
         for k in range(self.n):
             # a value the same on every device is computed once per physical device; module
             # state is still read from each device's replica, as on distinct GPUs
@@ -336,6 +338,9 @@ class _Builder:
                 continue
             if positions is not None:
                 args = self._rows_of_device(node, args, positions, k)
+            if keep is not None:  # squeeze() would drop the batch dim of a chunk of one sample
+                values.append(self.call(runtime.squeeze_except, (args[0], keep), name=name, source=node))
+                continue
             values.append(self.node(node.op, node.target, args, kwargs, name=name, source=node))
         self.per_device[node] = values
 

@@ -1,6 +1,6 @@
 """What generated code calls. Every function here is a plain, differentiable Python call."""
 
-from dpcompile.runtime.batch_values import batch_arange, local_positions, written
+from dpcompile.runtime.batch_values import batch_arange, local_positions, squeeze_except, written
 from dpcompile.runtime.batchnorm import batch_norm, functional_batch_norm
 from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split_sizes, to_device
 from dpcompile.runtime.grad import without_grad
@@ -35,6 +35,7 @@ __all__ = [
     "scatter",
     "send",
     "split_sizes",
+    "squeeze_except",
     "target_weight",
     "to_device",
     "weights_in_one_buffer",

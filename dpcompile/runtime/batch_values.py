@@ -3,8 +3,9 @@
 ``batch_arange`` is device ``k``'s slice of ``torch.arange(B)``: the positions, in the whole
 batch, of the rows device ``k`` holds (device 1 of a batch of 5 split 3/2 holds ``[3, 4]``).
 ``local_positions`` turns such positions back into rows of the device's own chunk, for an
-index into it. ``written`` is an in-place write made functional: the written copy of a tensor,
-so a program can say what a mutation produced instead of relying on aliasing.
+index into it. ``squeeze_except`` is ``squeeze()`` on a chunk that may hold one sample.
+``written`` is an in-place write made functional: the written copy of a tensor, so a program
+can say what a mutation produced instead of relying on aliasing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ def local_positions(positions: torch.Tensor, sizes: Sequence[int], k: int) -> to
     """
     offset = _offset(sizes, k)
     return positions - offset if offset else positions
+
+
+def squeeze_except(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """``tensor.squeeze()`` that keeps ``dim``: a device's chunk of one sample keeps its batch
+    dim, as the whole batch does.
+
+    >>> squeeze_except(torch.zeros(1, 1, 3), 0).shape
+    torch.Size([1, 3])
+    """
+    return tensor.squeeze([i for i, n in enumerate(tensor.shape) if n == 1 and i != dim])
 
 
 Op = str | Callable[..., Any]  # a Tensor method's name (``"copy_"``, ``"__setitem__"``) or an ATen op

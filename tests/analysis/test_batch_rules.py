@@ -184,10 +184,12 @@ def test_matrix_rules_keep_the_batch_out_of_the_contraction():
     assert result(lambda m, x: torch.bmm(x, x.transpose(1, 2)), X) == Split(0)
 
 
-def test_matrix_rule_runs_whole_when_the_batch_is_contracted():
-    """x.T @ x contracts over the batch: it needs the whole batch."""
+def test_matrix_rule_sums_partials_when_the_batch_is_contracted():
+    """x.T @ x contracts over the batch: each device's product is a partial sum of the whole's;
+    x @ x.T pairs every sample with every sample: it needs the whole batch."""
     x = torch.randn(4, 6)
-    assert result(lambda m, x: x.t() @ x, x) == WHOLE
+    assert result(lambda m, x: x.t() @ x, x) == Partial("sum")
+    assert result(lambda m, x: x @ x.t(), x) == WHOLE
 
 
 # ---------------------------------------------------------------------- modules

@@ -63,6 +63,27 @@ class RuleContext:
             return nd
         return self.ranks.get(value)
 
+    def example_batch(self) -> Any:
+        """The batch size of the example (an int, or a symbol under export): the split dim's size
+        of every split input, or None where shapes are unknown or the inputs disagree."""
+        sizes = set()
+        for node, placement in self.placements.items():
+            if node.op != "placeholder":
+                break  # placeholders come first
+            shape = node_shape(node) if isinstance(placement, Split) else None
+            if shape is not None and placement.dim < len(shape):
+                sizes.add(shape[placement.dim])
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def rows_per_sample(self, value: fx.Node, dim: int) -> int:
+        """How many entries of ``value``'s split dim ``dim`` one sample owns, from the example's
+        shapes: ``k`` where the dim is ``batch * k`` (Swin's windows, ``(B * nW, ws, ws, C)``);
+        1 where shapes do not say (each entry may start a sample's block: always safe)."""
+        shape, batch = node_shape(value), self.example_batch()
+        if shape is None or batch is None or dim >= len(shape):
+            return 1
+        return whole_ratio(shape[dim], batch) or 1
+
     def resolve(self, dim: Any, value: Any, batch_dim: int, extra: int = 0) -> int | None:
         """A dim of ``value`` (of the result, ``extra`` dims more, for unsqueeze/stack) as a
         non-negative int; :data:`AFTER_BATCH` for a negative dim that surely lies after
@@ -110,6 +131,21 @@ def node_shape(node: fx.Node) -> tuple[int, ...] | None:
             value = getattr(value, atom, None)
         if isinstance(value, torch.Tensor):
             return tuple(value.shape)
+    return None
+
+
+def whole_ratio(size: Any, batch: Any) -> int | None:
+    """``size / batch`` where it is a whole number (ints, or symbols under export: ``4*s0 / s0``)."""
+    if isinstance(size, int) and isinstance(batch, int):
+        return size // batch if batch > 0 and size % batch == 0 else None
+    if isinstance(size, torch.SymInt) or isinstance(batch, torch.SymInt):
+        import sympy
+
+        def expr(v: Any) -> Any:
+            return v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(v)
+
+        ratio = sympy.simplify(expr(size) / expr(batch))
+        return int(ratio) if ratio.is_Integer and ratio > 0 else None
     return None
 
 

@@ -5,6 +5,7 @@
 ``topk`` / ``sort`` / ``argsort``      along a dim that is not the batch (a mixture-of-experts router)
 ``aten.gather`` / ``torch.gather``     along another dim, index split as the input
 ``w @ x`` (weight on the left)         a replicated matrix times a batch of matrices
+``a.T @ b`` / ``a @ b.T``              a partial sum over the batch / a B x B pairing (whole)
 ``x[..., 1::2]``                       slices (any step) of the last dims (rotary embeddings)
 ``b * t``                              a batch size times a per-sample size: the rows of ``(b, t)``
 transformers' ``Conv1D``               ``x @ W + b`` on the last dim (GPT-2), by qualified name
@@ -27,7 +28,7 @@ from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.matrix import last_dim_op, matmul
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
-from dpcompile.analysis.placement import BatchSize, Placement, Replicated, Split
+from dpcompile.analysis.placement import BatchSize, Partial, Placement, Replicated, Split, Whole
 
 aten = torch.ops.aten
 
@@ -43,7 +44,28 @@ def matmul_weight_left(ctx: RuleContext) -> Placement | None:
         if na is not None and na <= 2 and nb is not None and nb >= 3 and pb.dim < nb - 2:
             return Split(pb.dim)
         return None
+    if isinstance(pa, Split) and isinstance(pb, Split):
+        return samples_product(ctx, pa, pb) or matmul(ctx)
     return matmul(ctx)
+
+
+def samples_product(ctx: RuleContext, pa: Split, pb: Split) -> Placement | None:
+    """``a @ b`` of two split tensors whose matrix dims hold the samples (rank 2 or less each):
+
+    * ``a.T @ b`` contracts over the batch (a Gram or cross-covariance matrix): each device's
+      product is a partial sum of the whole's, ``Partial("sum")``;
+    * ``a @ b.T`` pairs every sample with every sample (a ``(B, B)`` matrix, CLIP's contrastive
+      logits ``text @ image.T``): a row needs every device's samples, so it runs whole, by nature."""
+    a, b = ctx.node.args[0], ctx.node.args[1]
+    na, nb = ctx.ndim(a), ctx.ndim(b)
+    if na is None or nb is None or not (1 <= na <= 2 and 1 <= nb <= 2):
+        return None
+    if pa.dim == na - 1 and pb.dim == (0 if nb == 1 else nb - 2):
+        return Partial("sum")
+    if na == 2 and nb == 2 and pa.dim == 0 and pb.dim == 1:
+        return Whole(reason="a @ b.T of two batches pairs every sample with every sample (a B x B matrix): "
+                     "each row needs every device's samples")  # fmt: skip
+    return None
 
 
 def last_dims_slice(ctx: RuleContext) -> Placement | None:

@@ -4,6 +4,7 @@ chunk/split, ``x.size()``, and factories that read a batch size (``torch.zeros(b
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
@@ -78,7 +79,11 @@ def _rows_of_whole_samples(ctx: RuleContext, tail: list) -> Placement | None:
     """``x.view(-1, *tail)`` of a tensor split on dim 0: each chunk's rows are a contiguous block
     of the whole's, so the chunks' views concatenate to the whole's view, provided every row
     of the result lies within one sample. Otherwise (``h.view(-1, 2, D)`` pairing the rows of a
-    ``(B, D)`` batch) a chunk with an odd number of rows cannot be viewed: it runs whole."""
+    ``(B, D)`` batch) a chunk with an odd number of rows cannot be viewed: it runs whole.
+
+    A sample may own several rows, as the example's shapes show (``k = rows / batch``): Swin's
+    ``windows.view(-1, H // ws, W // ws, ws, ws, C)`` of ``(B * nW, ws, ws, C)`` puts a sample's
+    ``nW`` windows back in one row."""
     from math import prod
 
     from dpcompile.analysis.placement import Whole
@@ -92,7 +97,7 @@ def _rows_of_whole_samples(ctx: RuleContext, tail: list) -> Placement | None:
     else:
         known = prod(tail)
     if shape is not None and known is not None:
-        per_sample = prod(shape[1:])
+        per_sample = prod(shape[1:]) * ctx.rows_per_sample(ctx.tensor_arg(), 0)
         if per_sample % known == 0:
             return Split(0)
         return Whole(reason=f"view(-1, {', '.join(map(str, tail))}) groups rows of several samples ({list(shape)})")
@@ -260,11 +265,13 @@ def unsqueeze(ctx: RuleContext) -> Placement | None:
 
 def squeeze(ctx: RuleContext) -> Placement | None:
     """``squeeze(dim)`` / ``squeeze(dims)``: drops the named dims of size 1 (others stay), never the
-    batch dim; ``squeeze()`` could drop a batch of one, so it runs whole."""
+    batch dim; ``squeeze()``: see :func:`squeeze_all`."""
     p = ctx.p(ctx.tensor_arg())
     dim = ctx.arg(1, "dim")
     if ctx.node.op == "call_method" and len(ctx.node.args) > 2:
         dim = list(ctx.node.args[1:])
+    if dim is None:
+        return squeeze_all(ctx)
     if not isinstance(p, Split) or not (isinstance(dim, int) or isinstance(dim, (list, tuple)) and dim):
         return None
     dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
@@ -281,6 +288,37 @@ def squeeze(ctx: RuleContext) -> Placement | None:
         return None
     removed = [d for d in dims if shape is None or shape[d] == 1]
     return Split(p.dim - sum(1 for d in set(removed) if d < p.dim))
+
+
+def squeeze_all(ctx: RuleContext) -> Placement | None:
+    """``squeeze()`` (no dims) of a tensor split on dim ``d``: the example's shapes show that the
+    batch dim survives (the batch is not 1) and which other dims go, so the result is split on
+    ``d`` less the size-1 dims before it. A device's chunk of one sample would lose its batch dim
+    to ``squeeze()``: ``insert_scatter_gather`` runs :func:`dpcompile.runtime.squeeze_except`
+    there (:func:`squeeze_keeps`), which keeps it: transformers' ``shift_tokens_right`` (mBART)
+    squeezes ``tokens.gather(1, eos)`` of ``(B, 1)`` to ``(B,)``, and a device of one sample gets ``(1,)``.
+    """
+    p = ctx.p(ctx.tensor_arg())
+    in_shape, out_shape = node_shape(ctx.tensor_arg()), node_shape(ctx.node)
+    if not isinstance(p, Split) or in_shape is None or out_shape is None or p.dim >= len(in_shape):
+        return None
+    ones = [i for i, n in enumerate(in_shape) if isinstance(n, int) and n == 1]
+    if p.dim in ones or len(out_shape) != len(in_shape) - len(ones):
+        return None  # a batch of one in the example (squeeze() drops it), or a size not known to be 1
+    return Split(p.dim - sum(1 for i in ones if i < p.dim))
+
+
+def squeeze_keeps(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> int | None:
+    """The split dim of ``node``'s input where ``node`` is ``squeeze()`` without dims of a split
+    tensor (which each device must run keeping that dim), else None."""
+    if node.op not in ("call_function", "call_method") or target_name(node) != "squeeze" or not node.args:
+        return None
+    if len(node.args) > 1 or node.kwargs.get("dim") is not None:
+        return None
+    if isinstance(node.target, torch._ops.OpOverload) and node.target._overloadname != "default":
+        return None
+    p = placements.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    return p.dim if isinstance(p, Split) and isinstance(placements.get(node), Split) else None
 
 
 def narrow(ctx: RuleContext) -> Placement | None:

@@ -20,7 +20,11 @@ import torch.fx as fx
 from dpcompile.analysis.batch_positions import INT64_MAX, batch_arange_size, index_positions
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
 from dpcompile.analysis.batch_rules.indexing import getitem
-from dpcompile.analysis.batch_rules.model_constructs import last_dims_slice
+from dpcompile.analysis.batch_rules.model_constructs import (
+    aten_index_other_dims,
+    getitem_other_dims,
+    last_dims_slice,
+)
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.shape import matrix_transpose
 from dpcompile.analysis.placement import Placement, Replicated, Split
@@ -77,13 +81,15 @@ def fx_getitem(ctx: RuleContext) -> Placement | None:
     """``x[...]``: by positions where :func:`index_by_positions` applies, else as indexing says."""
     if index_positions(ctx.node, ctx.placements) is not None and isinstance(ctx.node.args[1], tuple):
         return index_by_positions(ctx)
-    return getitem(ctx) or last_dims_slice(ctx)
+    return getitem(ctx) or last_dims_slice(ctx) or getitem_other_dims(ctx)
 
 
 def aten_index(ctx: RuleContext) -> Placement | None:
-    """``aten.index(x, indices)``: only by batch positions (any other index along the batch
-    would read rows another device holds)."""
-    return index_by_positions(ctx)
+    """``aten.index(x, indices)``: by batch positions, or by index tensors that carry no batch on
+    the other dims (any other index along the batch would read rows another device holds)."""
+    if index_positions(ctx.node, ctx.placements) is not None:
+        return index_by_positions(ctx)
+    return aten_index_other_dims(ctx)
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:

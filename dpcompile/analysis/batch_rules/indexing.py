@@ -97,8 +97,8 @@ def _index_tensor(ctx: RuleContext, p: Split, index: Any) -> Placement | None:
     items = list(index) if isinstance(index, tuple) else [index]
     if any(isinstance(i, fx.Node) and not isinstance(ctx.p(i), Replicated) for i in items):
         return None
-    if any(isinstance(i, fx.Node) for i in items):
-        return None  # advanced indexing: keep it simple and correct
+    if any(isinstance(i, (fx.Node, list)) for i in items):
+        return None  # advanced indexing (x[:, [0, 2], :, [1, 3]] moves the batch dim): not basic indexing
     if Ellipsis in items:
         at = items.index(Ellipsis)
         before = items[:at]

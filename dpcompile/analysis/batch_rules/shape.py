@@ -471,6 +471,8 @@ def factory(ctx: RuleContext) -> Placement | None:
     if sizes is None:
         return None
     at = _batch_entry(ctx, sizes)
+    if at is None and all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for s in sizes):
+        return REPLICATED  # x.new_ones([]) / x.new_zeros(h, w) of a split x: no batch size among the sizes
     return Split(at) if at is not None else None
 
 

@@ -161,7 +161,7 @@ _whole("reads one number of the tensor (one sample's, per device)", "_local_scal
 
 # ---------------------------------------------------------------------- matrix ops
 _add("matmul", model_constructs.matmul_weight_left, "mm matmul")
-_add("matmul", matrix.bmm, "bmm")
+_add("matmul", matrix.bmm, "bmm baddbmm")
 _add("matmul", matrix.addmm, "addmm")
 _add("matmul", matrix.linear_function, "linear")
 _add("matmul", selection.cdist, "_cdist_forward")

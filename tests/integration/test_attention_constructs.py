@@ -75,7 +75,7 @@ class FusedHeads(nn.Module):
 
 
 class ApartIndices(nn.Module):
-    """Indices on two dims apart (``h[:, i, :, [1, 3, 0]]``, a buffer and a list): their result dim goes first."""
+    """Indices on two dims apart (``h[:, i, :, [1, 3, 0]]``, buffers and lists): their result dim goes first."""
 
     def __init__(self):
         super().__init__()
@@ -85,7 +85,8 @@ class ApartIndices(nn.Module):
 
     def forward(self, x):
         b, t, _ = x.shape
-        h = self.a(x).view(b, t, 4, 4)[:, self.i, :, [1, 3, 0]]  # (3, b, 4)
+        h = self.a(x).view(b, t, 4, 4)
+        h = h[:, self.i, :, [1, 3, 0]] + h[:, [1, 0, 4], :, [2, 2, 3]]  # (3, b, 4)
         return self.o(h.permute(1, 2, 0).reshape(b, 4, 3).repeat(1, 1, 2))
 
 

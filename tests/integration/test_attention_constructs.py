@@ -3,7 +3,7 @@
 BLOOM's ALiBi (a bias built from the attention mask, folded with the heads into a ``B*H``
 leading dim and added by ``baddbmm``), Gemma 2's sliding-window mask (``x.new_ones(())`` of a
 split tensor: a scalar that carries no batch), and Falcon's fused heads (``qkv[:, :, [-2]]``:
-integer indices on dims other than the batch). One toy per construct, on a batch of 5 over
+integer indices on dims other than the batch, then ``broadcast_to``). One toy per construct, on a batch of 5 over
 2 virtual devices (chunks of 3 and 2), both frontends: forward and every gradient against
 eager, and ``explain`` finds nothing running whole.
 """
@@ -58,7 +58,8 @@ class ScalarNewOnes(nn.Module):
 
 
 class FusedHeads(nn.Module):
-    """Falcon's multi-query split: ``qkv[:, :, :-2]``, ``qkv[:, :, [-2]]``, ``qkv[:, :, [-1]]``."""
+    """Falcon's multi-query split: ``qkv[:, :, :-2]``, ``qkv[:, :, [-2]]`` broadcast to the query's
+    shape, ``qkv[:, :, [-1]]``."""
 
     def __init__(self):
         super().__init__()
@@ -69,6 +70,7 @@ class FusedHeads(nn.Module):
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, H + 2, 4)
         q, k, v = qkv[:, :, :-2], qkv[:, :, [-2]], qkv[:, :, [-1]]
+        k = torch.broadcast_to(k, q.shape)
         scores = (q.transpose(1, 2) @ k.permute(0, 2, 3, 1)).softmax(-1)
         context = scores @ v.transpose(1, 2)
         return self.o(context.transpose(1, 2).reshape(b, t, 8))

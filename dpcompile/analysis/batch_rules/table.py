@@ -121,7 +121,7 @@ _add("along one dim", aten_rules.diff, "diff")
 
 # ---------------------------------------------------------------------- views and shapes
 _add("view", shape.reshape, "view reshape _unsafe_view")
-_add("view", shape.expand, "expand")
+_add("view", shape.expand, "expand broadcast_to")
 _add("view", shape.permute, "permute")
 _add("view", shape.transpose, "transpose")
 _add("view", shape.matrix_transpose, "t")

@@ -2,8 +2,9 @@
 
 A representative few of ``benchmarks/dp_models_sweep.py`` (which runs more than 30): CLIP's text
 pooler and a padded ``*ForSequenceClassification`` (indexing by ``arange(B)``), BART trained with
-``labels=`` alone (``shift_tokens_right`` writes into a new tensor), GPT-2's ``Conv1D``, and a
-vision model with in-place activations and BatchNorm. Each runs on a
+``labels=`` alone (``shift_tokens_right`` writes into a new tensor), GPT-2's ``Conv1D``, BLOOM's
+ALiBi (``baddbmm`` over a ``B*H`` leading dim), and a vision model with in-place activations and
+BatchNorm. Each runs on a
 batch of 5 over 2 virtual devices (uneven chunks) in training mode: outputs, every gradient and
 every buffer equal eager (``dpcompile.verify``, float64 re-check), and the forward runs split.
 """
@@ -81,6 +82,17 @@ def gpt2_classifier():
     return T.GPT2ForSequenceClassification(config), inputs
 
 
+def bloom_lm():  # ALiBi: a bias from the mask's cumsum over a B*H leading dim, added by baddbmm
+    T = import_or_skip("transformers")
+    config = T.BloomConfig(vocab_size=V, hidden_size=32, n_layer=1, n_head=4, use_cache=False, pad_token_id=0)
+
+    def inputs(b):
+        ids = _ids(b, pad=False)
+        return {"input_ids": ids, "labels": ids}
+
+    return T.BloomForCausalLM(config), inputs
+
+
 def _image(b):
     return (torch.randn(b, 3, 32, 32, generator=torch.Generator().manual_seed(b)),)
 
@@ -95,6 +107,7 @@ MODELS = {
     "bart_labels_only": bart_labels_only,
     "gpt2_classifier": gpt2_classifier,
     "tv_mobilenet_v3": tv_mobilenet_v3,
+    "bloom_lm": bloom_lm,
 }
 
 

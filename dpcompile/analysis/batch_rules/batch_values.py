@@ -21,7 +21,12 @@ from dpcompile.analysis.batch_positions import INT64_MAX, batch_arange_size, ind
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
 from dpcompile.analysis.batch_rules.indexing import getitem
 from dpcompile.analysis.batch_rules.local_order import local_arange
-from dpcompile.analysis.batch_rules.model_constructs import index_replicated_by_split, last_dims_slice
+from dpcompile.analysis.batch_rules.model_constructs import (
+    aten_index_other_dims,
+    getitem_other_dims,
+    index_replicated_by_split,
+    last_dims_slice,
+)
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.shape import matrix_transpose
 from dpcompile.analysis.placement import Placement, Replicated, Split
@@ -79,13 +84,18 @@ def fx_getitem(ctx: RuleContext) -> Placement | None:
     """``x[...]``: by positions where :func:`index_by_positions` applies, else as indexing says."""
     if index_positions(ctx.node, ctx.placements) is not None and isinstance(ctx.node.args[1], tuple):
         return index_by_positions(ctx)
-    return getitem(ctx) or last_dims_slice(ctx)
+    return getitem(ctx) or last_dims_slice(ctx) or getitem_other_dims(ctx)
 
 
 def aten_index(ctx: RuleContext) -> Placement | None:
-    """``aten.index(x, indices)``: by batch positions (any other index along the batch would read
-    rows another device holds), or rows of a replicated table by split indices."""
-    return index_by_positions(ctx) or index_replicated_by_split(ctx)
+    """``aten.index(x, indices)``: by batch positions, by index tensors that carry no batch on the
+    other dims (any other index along the batch would read rows another device holds), or rows of
+    a replicated table by split indices."""
+    if index_positions(ctx.node, ctx.placements) is not None:
+        found = index_by_positions(ctx)
+        if found is not None:
+            return found
+    return aten_index_other_dims(ctx) or index_replicated_by_split(ctx)
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:

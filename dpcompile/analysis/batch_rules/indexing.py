@@ -99,6 +99,9 @@ def _index_tensor(ctx: RuleContext, p: Split, index: Any) -> Placement | None:
         return None
     if any(isinstance(i, fx.Node) for i in items):
         return None  # advanced indexing: keep it simple and correct
+    lists = [i for i in items if isinstance(i, list)]
+    if len(lists) > 1 or any(isinstance(v, list) for i in lists for v in i):
+        return None  # several index lists (x[:, [0, 2], :, [1, 3]] puts their dim first) or nested ones
     if Ellipsis in items:
         at = items.index(Ellipsis)
         before = items[:at]

@@ -104,12 +104,11 @@ def addmm(ctx: RuleContext) -> Placement | None:
 def bmm(ctx: RuleContext) -> Placement | None:
     """``torch.bmm(a, b)`` / ``baddbmm(c, a, b)``: batches of matrices, both split on dim 0 (the
     added term split on dim 0 too, or broadcasting over it)."""
-    args = list(ctx.node.args)
     added = None
-    if target_name(ctx.node) == "baddbmm":
-        added, args = args[0], args[1:]
-    if len(args) < 2:
-        return None
+    if target_name(ctx.node) == "baddbmm":  # baddbmm(input, batch1, batch2), any of them by keyword
+        added, args = ctx.arg(0, "input"), [ctx.arg(1, "batch1"), ctx.arg(2, "batch2")]
+    else:
+        args = [ctx.arg(0, "input"), ctx.arg(1, "mat2")]
     pa, pb = ctx.p(args[0]), ctx.p(args[1])
     if not (isinstance(pa, Split) and pa.dim == 0 and isinstance(pb, Split) and pb.dim == 0):
         return None

@@ -8,6 +8,7 @@
 ``a.T @ b`` / ``a @ b.T``              a partial sum over the batch / a B x B pairing (whole)
 ``x[..., 1::2]``                       slices (any step) of the last dims (rotary embeddings)
 ``b * t``                              a batch size times a per-sample size: the rows of ``(b, t)``
+``x[:, :, idx]`` / ``aten.index``      integer index tensors that carry no batch, on other dims
 transformers' ``Conv1D``               ``x @ W + b`` on the last dim (GPT-2), by qualified name
 ``x.repeat_interleave(k, dim)``        each sample's rows (or features) repeated: split as ``x``
 ``W[ids]`` (``aten.index``)            rows of a replicated table by split indices (an expert's
@@ -24,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from dpcompile.analysis.batch_rules.aten import sdpa
-from dpcompile.analysis.batch_rules.context import RuleContext
+from dpcompile.analysis.batch_rules.context import RuleContext, node_shape
 from dpcompile.analysis.batch_rules.matrix import last_dim_op, matmul
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
@@ -101,6 +102,63 @@ def batch_size_product(ctx: RuleContext) -> Placement | None:
             return BatchSize(rows=True)
         return None
     return pointwise(ctx)
+
+
+def index_other_dims(ctx: RuleContext, base: fx.Node, indices: list) -> Placement | None:
+    """``aten.index(x, [None, None, idx])`` (``x[:, :, [-2]]``, Falcon's fused heads): integer
+    index tensors that carry no batch on dims other than the batch dim of ``x`` (``None``: a dim
+    kept whole). The batch dim moves as advanced indexing moves dims: where the indexed dims are
+    adjacent, their broadcast result takes their place; else it goes first."""
+    p = ctx.p(base)
+    if not isinstance(p, Split) or (p.dim < len(indices) and indices[p.dim] is not None):
+        return None
+    at = [i for i, index in enumerate(indices) if index is not None]
+    ranks = []
+    for i in at:
+        index = indices[i]
+        if isinstance(index, (list, tuple)):  # x[:, [0, 2]] in an fx graph: a 1-D index of ints
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in index):
+                return None
+            ranks.append(1)
+            continue
+        value = index.meta.get("val") if isinstance(index, fx.Node) else None
+        if not isinstance(ctx.p(index), Replicated) or not isinstance(value, torch.Tensor):
+            return None
+        if value.dtype in (torch.bool, torch.uint8) or value.is_floating_point():
+            return None  # a mask indexes as many dims as it has: not one dim per index
+        ranks.append(len(node_shape(index) or value.shape))
+    if not at:
+        return None
+    rank = max(ranks)
+    if at == list(range(at[0], at[-1] + 1)):
+        return Split(p.dim if p.dim < at[0] else p.dim - len(at) + rank)
+    return Split(rank + sum(1 for i in range(p.dim) if i not in at))
+
+
+def aten_index_other_dims(ctx: RuleContext) -> Placement | None:
+    """``aten.index(x, indices)`` by :func:`index_other_dims`."""
+    base, indices = ctx.node.args[0], ctx.node.args[1]
+    if not isinstance(base, fx.Node) or not isinstance(indices, (list, tuple)):
+        return None
+    return index_other_dims(ctx, base, list(indices))
+
+
+def getitem_other_dims(ctx: RuleContext) -> Placement | None:
+    """``x[:, :, idx]`` / ``x[..., [0, 2]]`` (full slices, index tensors and lists of ints) by
+    :func:`index_other_dims`."""
+    base, index = ctx.node.args[0], ctx.node.args[1]
+    items = list(index) if isinstance(index, tuple) else [index]
+    if not isinstance(base, fx.Node) or not any(isinstance(i, (fx.Node, list)) for i in items):
+        return None
+    if Ellipsis in items:
+        rank = ctx.ndim(base)
+        if rank is None or items.count(Ellipsis) > 1:
+            return None
+        at = items.index(Ellipsis)
+        items[at : at + 1] = [slice(None)] * (rank - (len(items) - 1))
+    if not all(isinstance(i, (fx.Node, list)) or i == slice(None) for i in items):
+        return None  # ints, None and partial slices beside index tensors
+    return index_other_dims(ctx, base, [None if isinstance(i, slice) else i for i in items])
 
 
 def conv1d_transformers(ctx: RuleContext) -> Placement | None:

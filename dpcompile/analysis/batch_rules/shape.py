@@ -390,7 +390,7 @@ def expand_to_batch(ctx: RuleContext) -> Placement | None:
     at = _batch_entry(ctx, sizes)
     if at is None:
         return None
-    if target_name(ctx.node) == "expand":
+    if target_name(ctx.node) in ("expand", "broadcast_to"):
         nd = ctx.ndim(ctx.tensor_arg())
         shape = node_shape(ctx.tensor_arg())
         offset = len(sizes) - nd if nd is not None else None
@@ -429,16 +429,30 @@ def expand(ctx: RuleContext) -> Placement | None:
     if isinstance(p, Replicated):
         return expand_to_batch(ctx)
     sizes = _sizes(ctx)
+    if isinstance(p, Split) and len(sizes) == 1 and isinstance(sizes[0], fx.Node):
+        return _expand_to_shape(ctx, p, sizes[0])
     if not isinstance(p, Split) or p.dim >= len(sizes):
         return None
     nd = ctx.ndim(ctx.tensor_arg())
     offset = len(sizes) - (nd if nd is not None else len(sizes))
     at = p.dim + offset
+    if not 0 <= at < len(sizes):
+        return None
     entry = sizes[at]
     if entry == -1 or (isinstance(entry, fx.Node) and ctx.p(entry) == BatchSize()):
         others_ok = all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for i, s in enumerate(sizes) if i != at)
         return Split(at) if others_ok else None
     return None
+
+
+def _expand_to_shape(ctx: RuleContext, p: Split, shape: fx.Node) -> Placement | None:
+    """``k.expand(q.shape)`` / ``torch.broadcast_to(k, q.shape)`` of a split ``k``: split where
+    ``q.shape`` holds the batch size and ``k``'s split dim lands (ranks known)."""
+    q = ctx.p(shape)
+    nd, out_nd = ctx.ndim(ctx.tensor_arg()), ctx.out_ndim()
+    if not isinstance(q, BatchSize) or q.shape_of_dim is None or nd is None or out_nd is None:
+        return None
+    return Split(q.shape_of_dim) if p.dim + out_nd - nd == q.shape_of_dim else None
 
 
 def chunk_like(ctx: RuleContext) -> Placement | None:
@@ -509,6 +523,8 @@ def factory(ctx: RuleContext) -> Placement | None:
     if sizes is None:
         return None
     at = _batch_entry(ctx, sizes)
+    if at is None and all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for s in sizes):
+        return REPLICATED  # x.new_ones([]) / x.new_zeros(h, w) of a split x: no batch size among the sizes
     return Split(at) if at is not None else None
 
 

@@ -123,7 +123,7 @@ _add("along one dim", aten_rules.diff, "diff")
 
 # ---------------------------------------------------------------------- views and shapes
 _add("view", shape.reshape, "view reshape _unsafe_view")
-_add("view", shape.expand, "expand")
+_add("view", shape.expand, "expand broadcast_to")
 _add("view", shape.permute, "permute")
 _add("view", shape.transpose, "transpose")
 _add("view", shape.matrix_transpose, "t")
@@ -166,7 +166,7 @@ _whole("reads one number of the tensor (one sample's, per device)", "_local_scal
 
 # ---------------------------------------------------------------------- matrix ops
 _add("matmul", model_constructs.matmul_weight_left, "mm matmul")
-_add("matmul", matrix.bmm, "bmm")
+_add("matmul", matrix.bmm, "bmm baddbmm")
 _add("matmul", matrix.addmm, "addmm")
 _add("matmul", matrix.linear_function, "linear")
 _add("matmul", selection.cdist, "_cdist_forward")

@@ -11,6 +11,7 @@ The :class:`DpTracer` differs from ``torch.fx.Tracer`` in three ways:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import operator
@@ -480,11 +481,17 @@ def capture_fx(
     leaf_modules: Iterable[type[nn.Module]] = (),
     example_inputs: Sequence[Any] | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    optional_as_none: bool = False,
 ) -> tuple[fx.GraphModule, dict[str, Any]]:
     """Capture ``model`` with fx; where forward branches on a Python flag (``if is_causal:``) or
     on an optional argument (``if attn_mask is not None``), which fx traces as values it cannot
     branch on, trace them as the example (else the default) gives them: the program serves
     calls with those values, and ``ParallelModule`` traces again for others.
+
+    ``optional_as_none``: trace every optional argument the examples leave None as None, also
+    where forward does not branch on it (``sdpa(q, k, v, attn_mask=attn_mask)``): a placeholder
+    no example gives has no shape, so the ops it reaches could not be split. A call that passes a
+    tensor there is traced again.
 
     Returns the graph and the flags it was specialised on.
     """
@@ -494,6 +501,10 @@ def capture_fx(
     _remember_varargs_count(model, example_inputs)
     nones = optional_arguments(model, example_inputs, example_kwargs)
     flags = flag_arguments(model, example_inputs, example_kwargs)
+    if optional_as_none and nones:
+        for fixed in ({}, flags) if flags else ({},):
+            with contextlib.suppress(TraceError):  # else as below: traced as they come
+                return capture(model, leaf_modules=leaf_modules, none_args=nones, flags=fixed, check_nones=True), fixed
     try:
         gm = capture(model, leaf_modules=leaf_modules)
     except TraceError as error:

@@ -53,14 +53,21 @@ def departing_trace(recipe: Any, pm: Any, key: Any) -> fx.GraphModule | None:
 
 
 def capture_with_flags(
-    model: nn.Module, leaf_modules: tuple[type[nn.Module], ...], example_inputs: Sequence[Any] | None
+    model: nn.Module,
+    leaf_modules: tuple[type[nn.Module], ...],
+    example_inputs: Sequence[Any] | None,
+    *,
+    optional_as_none: bool = True,
 ) -> tuple[fx.GraphModule, dict[str, Any], frozenset[str]]:
-    """Capture ``model`` with fx; where forward branches on a Python flag argument (``if
-    return_hidden:``) or an optional argument (``if mask is not None``), trace them as the example
-    (else the default) gives them (:func:`dpcompile.capture.capture_fx`). Returns the graph, the
-    flags and the optional arguments traced as None: the program serves calls with those, and
-    the module traces again for others."""
-    gm, flags = capture_fx(model, leaf_modules=leaf_modules, example_inputs=example_inputs)
+    """Capture ``model`` with fx; trace a Python flag argument (``return_hidden``) and an optional
+    argument the examples leave None (``mask=None``) as the example (else the default) gives them
+    (:func:`dpcompile.capture.capture_fx`). Returns the graph, the flags and the optional
+    arguments traced as None: the program serves calls with those, and the module traces again
+    for others. ``optional_as_none=False``: only where forward branches on them (for a program
+    that is never traced again)."""
+    gm, flags = capture_fx(
+        model, leaf_modules=leaf_modules, example_inputs=example_inputs, optional_as_none=optional_as_none
+    )
     nones = frozenset(
         str(node.args[0].target)
         for node in gm.graph.nodes

@@ -61,7 +61,7 @@ class MeshPipelineRecipe(Recipe):
         dp_group = self.mesh.get_group("dp") if "dp" in names else None
         device = local_device(self.mesh)
         leaves = self.leaf_modules + (linear_like_leaves() if self.plan is not False else ())
-        gm, _, _ = capture_with_flags(model, leaves, example_inputs)
+        gm, _, _ = capture_with_flags(model, leaves, example_inputs, optional_as_none=False)
         weights = None
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs), check=True)

@@ -200,3 +200,60 @@ def test_construct_runs_split_and_equals_eager(name, frontend):
     report = dpcompile.explain(pm, *inputs)
     assert report.split_flop_fraction in (None, 1.0)
     assert [w for w in report.whole if not w["reason"].startswith("recomputed")] == []
+
+
+class MaskPassedThrough(nn.Module):
+    """timm's ViT: ``forward(x, attn_mask=None)`` hands the mask to SDPA without branching on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.o = nn.Linear(8, 8)
+
+    def forward(self, x, attn_mask=None):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.o(a.transpose(1, 2).reshape(b, t, 8))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_optional_argument_the_examples_leave_out_is_traced_as_none(training):
+    """The program serves calls without the mask, all split; a call with a per-sample mask is
+    traced again and equals eager; a (L, S) mask no example gave is refused, naming the argument."""
+    torch.manual_seed(0)
+    model = MaskPassedThrough().train(training)
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 3, example_inputs=(torch.randn(4, 6, 8),))
+    x = torch.randn(5, 6, 8)
+    assert pm.program_cache.main_key.none_args == frozenset({"attn_mask"})
+    report = dpcompile.explain(pm, x)
+    assert report.split_flop_fraction == 1.0
+    assert report.whole == []
+    per_sample = torch.randn(5, 1, 6, 6)
+    for kwargs in ({}, {"attn_mask": per_sample}):
+        model.zero_grad()
+        eager.zero_grad()
+        out, expected = pm(x, **kwargs), eager(x, **kwargs)
+        torch.testing.assert_close(out, expected)
+        weights = torch.linspace(0.5, 1.5, out.numel()).view(out.shape)
+        (out * weights).sum().backward()
+        (expected * weights).sum().backward()
+        grads = dict(eager.named_parameters())
+        for key, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[key].grad, msg=lambda m, key=key: f"{key}: {m}")
+    with pytest.raises(ValueError, match="'attn_mask' has batch size 6 on dim 0"):
+        pm(x, attn_mask=torch.randn(6, 6))
+
+
+def test_optional_argument_given_by_the_examples_is_traced_with_it():
+    """A (L, S) mask in the examples is replicated: the program serves it split, and equals eager
+    for it and for a call without it."""
+    torch.manual_seed(0)
+    model = MaskPassedThrough().eval()
+    square = torch.randn(6, 6)
+    pm = dpcompile.transform(model, ["cpu"] * 3, example_inputs=(torch.randn(4, 6, 8), square))
+    x = torch.randn(5, 6, 8)
+    assert dpcompile.explain(pm, x, square).split_flop_fraction == 1.0
+    torch.testing.assert_close(pm(x, square), model(x, square))
+    torch.testing.assert_close(pm(x), model(x))

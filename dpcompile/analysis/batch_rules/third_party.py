@@ -8,6 +8,8 @@ distribution as on one device, not the same numbers, as with dropout).
 
 from __future__ import annotations
 
+from torch.fx._symbolic_trace import _assert_is_none
+
 from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import Placement, Replicated, Split, Whole
@@ -63,4 +65,6 @@ BATCH_RULES.register_by_name("torchvision.ops.drop_block.drop_block3d", drop_blo
 # Swin: attention within windows of one sample (its shift mask is built from the sample's shape)
 BATCH_RULES.register_by_name("torchvision.models.swin_transformer.shifted_window_attention", per_sample_dim0)
 BATCH_RULES.register_by_name("torchvision.models.swin_transformer._patch_merging_pad", per_sample_dim0)
-
+# fx's check that an optional argument traced as None is None: checked on each device's chunk
+# (None scatters as None), so nothing is gathered for it
+BATCH_RULES.register(_assert_is_none, per_sample)

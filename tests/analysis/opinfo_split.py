@@ -5,6 +5,8 @@ combines) rewrites it for 2 and 3 virtual CPU devices, and the split program mus
 
     PYTHONPATH=. python -m tests.analysis.opinfo_split [--all] [--aten]   # prints ops x samples
 
+With ``--all`` it also writes the figures to ``benchmarks/results/opinfo_split[_aten].json``.
+
 ``--aten`` runs the core ATen spelling instead: the sample captured with ``make_fx`` and the core
 decompositions (what ``torch.export`` gives), so the table's ATen rules are the ones asked.
 """
@@ -12,10 +14,13 @@ decompositions (what ``torch.export`` gives), so the table's ATen rules are the 
 from __future__ import annotations
 
 import collections
+import json
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +59,18 @@ class Tally:
             f"{self.split + self.whole} passed ({self.split} split, {self.whole} whole), "
             f"{skipped} skipped, {len(self.failed)} failed"
         )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "ops": len(self.ops),
+            "runs": self.split + self.whole + sum(self.skipped.values()) + len(self.failed),
+            "passed": self.split + self.whole,
+            "split": self.split,
+            "whole": self.whole,
+            "skipped": sum(self.skipped.values()),
+            "skipped_by_reason": dict(self.skipped.most_common()),
+            "failed": self.failed,
+        }
 
 
 class _Recorder(fx.Interpreter):
@@ -207,9 +224,17 @@ def sweep(max_per_op: int | None, *, aten: bool = False, ops: set[str] | None = 
 
 
 if __name__ == "__main__":
-    t = sweep(None if "--all" in sys.argv else 2, aten="--aten" in sys.argv)
+    start = time.time()
+    aten = "--aten" in sys.argv
+    t = sweep(None if "--all" in sys.argv else 2, aten=aten)
     print(t.line())
     for reason, count in t.skipped.most_common():
         print(f"  {count:5d} {reason}")
     for failure in t.failed:
         print("  FAILED", failure)
+    if "--all" in sys.argv:
+        name = f"opinfo_split{'_aten' if aten else ''}.json"
+        out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name
+        figures = {"command": "PYTHONPATH=. python -m tests.analysis.opinfo_split " + " ".join(sys.argv[1:]),
+                   "torch": torch.__version__, "seconds": round(time.time() - start), **t.as_json()}  # fmt: skip
+        out.write_text(json.dumps(figures, indent=2) + "\n")

@@ -1,7 +1,8 @@
 """Run PyTorch's OpInfo samples split by their batch rules, as DTensor's ``test_dtensor_ops.py`` runs
 them sharded: each sample becomes a one-op fx graph (the op's torch-function spelling), the
 data-parallel pass (``insert_scatter_gather``: the real rule lookup, scatter, gather and partial
-combines) rewrites it for 2 and 3 virtual CPU devices, and the split program must equal the op.
+combines) rewrites it for 2 and 3 virtual CPU devices, after the write functionalisation every
+program gets (``functionalize_mutations``), and the split program must equal the op.
 
     PYTHONPATH=. python -m tests.analysis.opinfo_split [--all] [--aten]   # prints ops x samples
 
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dpcompile.analysis.placement import Whole
 from dpcompile.devices import parse_devices
 from passes.data_parallel import insert_scatter_gather
+from passes.functionalize import functionalize_mutations
 
 # random ops (a draw per device is not the whole's draw) and ops whose values are not comparable
 SKIP_OPS = {
@@ -164,6 +166,7 @@ def run_sample(fn: Any, sample: Any, devices: int, *, aten: bool = False) -> str
         _Recorder(gm).run(*inputs)
     except Exception:  # noqa: BLE001
         return "skip: the captured graph does not run"
+    functionalize_mutations(gm)  # as transform's frontend pipeline does: writes into views become values
     result = insert_scatter_gather(gm, devices=parse_devices(["cpu"] * devices), input_dims=dims)
     gm.recompile()
     got = gm(*inputs)

@@ -6,7 +6,8 @@ program gets (``functionalize_mutations``), and the split program must equal the
 
     PYTHONPATH=. python -m tests.analysis.opinfo_split [--all] [--aten]   # prints ops x samples
 
-With ``--all`` it also writes the figures to ``benchmarks/results/opinfo_split[_aten].json``.
+``--max=N`` takes N samples per op (2 by default; ``--all`` every sample). With ``--all`` or
+``--write`` it also writes the figures to ``benchmarks/results/opinfo_split[_aten].json``.
 
 ``--aten`` runs the core ATen spelling instead: the sample captured with ``make_fx`` and the core
 decompositions (what ``torch.export`` gives), so the table's ATen rules are the ones asked.
@@ -229,15 +230,18 @@ def sweep(max_per_op: int | None, *, aten: bool = False, ops: set[str] | None = 
 if __name__ == "__main__":
     start = time.time()
     aten = "--aten" in sys.argv
-    t = sweep(None if "--all" in sys.argv else 2, aten=aten)
+    limit = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--max=")), 2)
+    limit_or_all = None if "--all" in sys.argv else limit
+    t = sweep(limit_or_all, aten=aten)
     print(t.line())
     for reason, count in t.skipped.most_common():
         print(f"  {count:5d} {reason}")
     for failure in t.failed:
         print("  FAILED", failure)
-    if "--all" in sys.argv:
+    if "--all" in sys.argv or "--write" in sys.argv:
         name = f"opinfo_split{'_aten' if aten else ''}.json"
         out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name
         figures = {"command": "PYTHONPATH=. python -m tests.analysis.opinfo_split " + " ".join(sys.argv[1:]),
-                   "torch": torch.__version__, "seconds": round(time.time() - start), **t.as_json()}  # fmt: skip
+                   "torch": torch.__version__, "samples_per_op": limit_or_all or "all",
+                   "seconds": round(time.time() - start), **t.as_json()}  # fmt: skip
         out.write_text(json.dumps(figures, indent=2) + "\n")

@@ -339,12 +339,12 @@ def float64_step_equal(factory: Any, kind: str) -> str:
                     p.grad, grads[name].grad, rtol=1e-7, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}"
                 )
         # the buffers after the step (batch norm's running statistics, its momentum and batch count)
-        theirs_state = eager.state_dict()
-        for name, b in pm.state_dict().items():
-            if name in theirs_state and isinstance(b, torch.Tensor) and name in dict(model.named_buffers()):
-                torch.testing.assert_close(
-                    b, theirs_state[name], rtol=1e-7, atol=1e-9, msg=lambda m, n=name: f"buffer {n}: {m}"
-                )
+        theirs_state, ours_state = eager.state_dict(), pm.state_dict()
+        buffers = [n for n, _ in model.named_buffers() if n in theirs_state]
+        for name in buffers:
+            torch.testing.assert_close(
+                ours_state[name], theirs_state[name], rtol=1e-7, atol=1e-9, msg=lambda m, n=name: f"buffer {n}: {m}"
+            )
         return "ok"
     except Exception as e:  # noqa: BLE001
         return f"FAIL {type(e).__name__}: {str(e)[:200]}"

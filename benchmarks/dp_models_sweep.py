@@ -308,14 +308,18 @@ def run(name: str, factory: Any, kind: str) -> dict[str, Any]:
 
 
 def float64_step_equal(factory: Any, kind: str) -> str:
-    """The training step again with the model in float64: outputs and every gradient equal eager to 1e-7?"""
+    """The training step again with the model in float64: outputs, every gradient and every buffer
+    equal eager to 1e-7? Made as the float32 step is (transformed in eval mode, then both trained),
+    with the same seed before each forward (the same dropout masks where the program draws them
+    in the eager order, as virtual CPU devices do)."""
     torch.manual_seed(0)
-    model = factory().double().train()
-    eager = copy.deepcopy(model)
+    model = factory().double().eval()
+    eager = copy.deepcopy(model).train()
     args, kwargs = inputs(kind, 4, 0)
     args = tuple(a.double() if a.is_floating_point() else a for a in args)
     try:
         pm = dpcompile.transform(model, DEVICES, example_inputs=args or None, example_kwargs=kwargs or None)
+        model.train()
         pm.train()
         args, kwargs = inputs(kind, 7, 3)
         args = tuple(a.double() if a.is_floating_point() else a for a in args)
@@ -334,6 +338,13 @@ def float64_step_equal(factory: Any, kind: str) -> str:
                 torch.testing.assert_close(
                     p.grad, grads[name].grad, rtol=1e-7, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}"
                 )
+        # the buffers after the step (batch norm's running statistics, its momentum and batch count)
+        theirs_state, ours_state = eager.state_dict(), pm.state_dict()
+        buffers = [n for n, _ in model.named_buffers() if n in theirs_state]
+        for name in buffers:
+            torch.testing.assert_close(
+                ours_state[name], theirs_state[name], rtol=1e-7, atol=1e-9, msg=lambda m, n=name: f"buffer {n}: {m}"
+            )
         return "ok"
     except Exception as e:  # noqa: BLE001
         return f"FAIL {type(e).__name__}: {str(e)[:200]}"

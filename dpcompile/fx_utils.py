@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dpcompile.errors import ExampleError
@@ -112,11 +113,21 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], *, check
     ``check=True`` (the user's ``example_inputs=``): an example that does not fit the model (a
     shape, dtype or type an op refuses) raises :class:`~dpcompile.errors.ExampleError` (a ``ValueError``) naming the op and the user's line.
     """
-    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    given = detect_fake_mode(example_inputs)
+    mode = given or FakeTensorMode(allow_non_fake_inputs=True)
     prop = _ShapeProp(gm, mode)
     try:
         with quiet_fake_tensor_log():
-            return _propagate(gm, prop, mode, example_inputs)
+            try:
+                return _propagate(gm, prop, mode, example_inputs)
+            except DynamicOutputShapeException:
+                if given is not None:
+                    raise
+                # an op whose output size depends on values (nonzero): again with a shape
+                # environment, where that size is a symbol (u0) rather than an error
+                mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+                prop = _ShapeProp(gm, mode)
+                return _propagate(gm, prop, mode, example_inputs)
     except Exception as e:  # noqa: BLE001 - shapes are a refinement, not a requirement
         for node in gm.graph.nodes:
             node.meta.pop("val", None)

@@ -158,12 +158,12 @@ def node_flops_from_shapes(gm: fx.GraphModule) -> dict[str, int] | None:
         ):
             return None
         if formula is not None:
-            out[node.name] = int(formula(*value(node.args), **value(node.kwargs), out_val=node.meta["val"]))
+            out[node.name] = _count(formula(*value(node.args), **value(node.kwargs), out_val=node.meta["val"]))
             continue
         args, kwargs = value(node.args), value(node.kwargs)
         module = gm.get_submodule(str(target)) if node.op == "call_module" else None
         if module is not None and _standard_forward(module, (nn.Linear,)) and isinstance(args[0], torch.Tensor):
-            out[node.name] = 2 * args[0].numel() * module.out_features  # what FlopCounterMode counts of its mm
+            out[node.name] = _count(2 * args[0].numel() * module.out_features)  # what FlopCounterMode counts of its mm
             continue
         if module is not None and _standard_forward(module, _NO_FLOP_MODULES):
             out[node.name] = 0
@@ -187,8 +187,17 @@ def node_flops_from_shapes(gm: fx.GraphModule) -> dict[str, int] | None:
         except Exception as e:  # noqa: BLE001 - a figure, not a requirement
             log.debug("cannot count FLOPs of %s from its shapes: %s", node.name, e)
             return None
-        out[node.name] = int(counter.get_total_flops())
+        out[node.name] = _count(counter.get_total_flops())
     return out
+
+
+def _count(flops: Any) -> int:
+    """A node's FLOPs as an int; a count that depends on a data-dependent size (the rows
+    ``nonzero`` selects) is unknown before the call and counts 0."""
+    try:
+        return int(flops)
+    except Exception:  # noqa: BLE001 - torch's GuardOnDataDependentSymNode: no value to count
+        return 0
 
 
 def parameter_weights(gm: fx.GraphModule) -> dict[str, int]:

@@ -131,6 +131,7 @@ def capture_export(
         raise ValueError(f"dynamic_dims= names {sorted(unknown)}, which the examples do not give (they give {list(names)})")
     spec = {name: _dynamic_spec(value, dim, varying_dims(dynamic_dims, name)) for name, value in names.items()}
     start = time.perf_counter()
+    decided = False
     try:
         with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model):
             warnings.simplefilter("ignore")
@@ -138,10 +139,13 @@ def capture_export(
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
         if is_example_misfit(exc):
             raise misfit_error(exc, model) from None
-        raise export_error(exc, model) from exc
+        ep = _export_deciding_on_examples(model, names, spec) if _is_data_dependent(exc) else None
+        if ep is None:
+            raise export_error(exc, model) from exc
+        decided = True
     seconds = time.perf_counter() - start
     unlifted = ep.module()
-    gm, dynamic = _program(model, unlifted, names, dim, injected)
+    gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
     if lazy_other_mode and _reads_mode(model, gm):
         gm.meta[OTHER_MODE_PENDING] = True
     else:
@@ -198,6 +202,33 @@ def _without_cache(model: nn.Module, names: dict[str, Any]) -> frozenset[str]:
     return frozenset()
 
 
+def _is_data_dependent(exc: BaseException) -> bool:
+    text = str(exc)
+    return "data-dependent" in text or "GuardOnDataDependentSymNode" in type(exc).__name__ or "Could not guard" in text
+
+
+def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spec: Any) -> Any:
+    """Export again with each branch on a data-dependent size taken as the example takes it, and
+    checked at run time (:mod:`~dpcompile.capture.decided`); None where that is not sound
+    (a decision that reads an input size) or export still fails."""
+    from torch.export import export
+
+    from dpcompile.capture.decided import decided_on_examples, reads_only_data_sizes
+
+    try:
+        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model), decided_on_examples() as decisions:
+            warnings.simplefilter("ignore")
+            ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
+    except Exception as exc:  # noqa: BLE001 - the first error is the one to report
+        log.debug("export deciding data-dependent branches on the examples failed (%s)", exc)
+        return None
+    if not all(reads_only_data_sizes(d) for d in decisions):
+        log.debug("a data-dependent branch also reads an input size (%s): not kept", decisions)
+        return None
+    log.info("%s: %d data-dependent branch(es) taken as the example takes them, checked at every call", type(model).__name__, len(decisions))
+    return ep
+
+
 def misfit_error(exc: BaseException, model: nn.Module) -> ExampleError:
     """The error for examples an op of ``model`` refuses while export runs it, naming the user's line."""
     from dpcompile.capture.errors import user_frame
@@ -225,7 +256,7 @@ def export_error(exc: BaseException, model: nn.Module) -> TraceError:
         import linecache
 
         where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {linecache.getline(frame.filename, frame.lineno).strip()!r}: "
-    data_dependent = "data-dependent" in text or "GuardOnDataDependentSymNode" in type(exc).__name__ or "Could not guard" in text
+    data_dependent = _is_data_dependent(exc)
     leaf = leaf_to_suggest(exc.__traceback__, model)
     if data_dependent:
         hint = "forward branches on tensor values (data-dependent control flow), which torch.export does not capture"
@@ -247,9 +278,13 @@ _DROPPED = {
 
 
 def _program(
-    model: nn.Module, unlifted: fx.GraphModule, names: Mapping[str, Any], batch_dim: int, injected: frozenset[str] = frozenset()
+    model: nn.Module, unlifted: fx.GraphModule, names: Mapping[str, Any], batch_dim: int, injected: frozenset[str] = frozenset(),
+    *, keep_data_checks: bool = False,
 ) -> tuple[fx.GraphModule, bool]:
-    """The unlifted exported graph as a program over ``model``'s own modules and tensors."""
+    """The unlifted exported graph as a program over ``model``'s own modules and tensors;
+    ``keep_data_checks``: the runtime assertions on data-dependent sizes stay (branches decided
+    on the examples, :mod:`~dpcompile.capture.decided`)."""
+    from dpcompile.capture.decided import data_check_message, is_data_check
     from dpcompile.fx_utils import adopt_state
 
     source = unlifted.graph
@@ -282,7 +317,7 @@ def _program(
             continue
         if node.op == "call_module":  # export's input guards; the program checks nothing at run time
             continue
-        if node.op == "call_function" and node.target in _DROPPED:
+        if node.op == "call_function" and node.target in _DROPPED and not (keep_data_checks and is_data_check(node)):
             continue
         if node.op == "get_attr":
             value = _resolve(model, unlifted, node.target)
@@ -297,6 +332,8 @@ def _program(
             graph.output(_rebuild_output(graph, unlifted, [remap.get(a, a) if isinstance(a, fx.Node) else a for a in node.args[0]]))
             continue
         remap[node] = graph.node_copy(node, lambda n: remap[n])
+        if keep_data_checks and is_data_check(node):
+            remap[node].args = (remap[node].args[0], data_check_message(node))
     for node in graph.nodes:  # what export records for its own tools (NodeSource objects do not pickle)
         for key in _EXPORT_ONLY_META:
             node.meta.pop(key, None)
@@ -410,10 +447,17 @@ def _export_in_other_mode(
     modes = {m: m.training for m in model.modules()}
     try:
         model.train(not model.training)
-        with warnings.catch_warnings(), python_state_kept(model):
-            warnings.simplefilter("ignore")
-            other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
-        other_gm, _ = _program(model, other, names, dim, injected)
+        decided = False
+        try:
+            with warnings.catch_warnings(), python_state_kept(model):
+                warnings.simplefilter("ignore")
+                other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
+        except Exception as exc:  # noqa: BLE001 - a branch on data may be decided on the examples, as in the first mode
+            ep = _export_deciding_on_examples(model, names, spec) if _is_data_dependent(exc) else None
+            if ep is None:
+                raise
+            other, decided = ep.module(), True
+        other_gm, _ = _program(model, other, names, dim, injected, keep_data_checks=decided)
     except Exception as exc:  # noqa: BLE001 - it cannot serve the other mode: check the mode
         log.debug("export in the other mode failed (%s)", exc)
         return gm  # compared with itself: nothing to merge, so the mode is checked

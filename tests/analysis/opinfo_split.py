@@ -1,9 +1,13 @@
 """Run PyTorch's OpInfo samples split by their batch rules, as DTensor's ``test_dtensor_ops.py`` runs
 them sharded: each sample becomes a one-op fx graph (the op's torch-function spelling), the
 data-parallel pass (``insert_scatter_gather``: the real rule lookup, scatter, gather and partial
-combines) rewrites it for 2 and 3 virtual CPU devices, and the split program must equal the op.
+combines) rewrites it for 2 and 3 virtual CPU devices, after the write functionalisation every
+program gets (``functionalize_mutations``), and the split program must equal the op.
 
     PYTHONPATH=. python -m tests.analysis.opinfo_split [--all] [--aten]   # prints ops x samples
+
+``--max=N`` takes N samples per op (2 by default; ``--all`` every sample). With ``--all`` or
+``--write`` it also writes the figures to ``benchmarks/results/opinfo_split[_aten].json``.
 
 ``--aten`` runs the core ATen spelling instead: the sample captured with ``make_fx`` and the core
 decompositions (what ``torch.export`` gives), so the table's ATen rules are the ones asked.
@@ -12,10 +16,13 @@ decompositions (what ``torch.export`` gives), so the table's ATen rules are the 
 from __future__ import annotations
 
 import collections
+import json
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dpcompile.analysis.placement import Whole
 from dpcompile.devices import parse_devices
 from passes.data_parallel import insert_scatter_gather
+from passes.functionalize import functionalize_mutations
 
 # random ops (a draw per device is not the whole's draw) and ops whose values are not comparable
 SKIP_OPS = {
@@ -54,6 +62,18 @@ class Tally:
             f"{self.split + self.whole} passed ({self.split} split, {self.whole} whole), "
             f"{skipped} skipped, {len(self.failed)} failed"
         )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "ops": len(self.ops),
+            "runs": self.split + self.whole + sum(self.skipped.values()) + len(self.failed),
+            "passed": self.split + self.whole,
+            "split": self.split,
+            "whole": self.whole,
+            "skipped": sum(self.skipped.values()),
+            "skipped_by_reason": dict(self.skipped.most_common()),
+            "failed": self.failed,
+        }
 
 
 class _Recorder(fx.Interpreter):
@@ -147,6 +167,7 @@ def run_sample(fn: Any, sample: Any, devices: int, *, aten: bool = False) -> str
         _Recorder(gm).run(*inputs)
     except Exception:  # noqa: BLE001
         return "skip: the captured graph does not run"
+    functionalize_mutations(gm)  # as transform's frontend pipeline does: writes into views become values
     result = insert_scatter_gather(gm, devices=parse_devices(["cpu"] * devices), input_dims=dims)
     gm.recompile()
     got = gm(*inputs)
@@ -207,9 +228,20 @@ def sweep(max_per_op: int | None, *, aten: bool = False, ops: set[str] | None = 
 
 
 if __name__ == "__main__":
-    t = sweep(None if "--all" in sys.argv else 2, aten="--aten" in sys.argv)
+    start = time.time()
+    aten = "--aten" in sys.argv
+    limit = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--max=")), 2)
+    limit_or_all = None if "--all" in sys.argv else limit
+    t = sweep(limit_or_all, aten=aten)
     print(t.line())
     for reason, count in t.skipped.most_common():
         print(f"  {count:5d} {reason}")
     for failure in t.failed:
         print("  FAILED", failure)
+    if "--all" in sys.argv or "--write" in sys.argv:
+        name = f"opinfo_split{'_aten' if aten else ''}.json"
+        out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name
+        figures = {"command": "PYTHONPATH=. python -m tests.analysis.opinfo_split " + " ".join(sys.argv[1:]),
+                   "torch": torch.__version__, "samples_per_op": limit_or_all or "all",
+                   "seconds": round(time.time() - start), **t.as_json()}  # fmt: skip
+        out.write_text(json.dumps(figures, indent=2) + "\n")

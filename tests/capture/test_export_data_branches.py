@@ -1,0 +1,88 @@
+"""A branch on a data-dependent size (DeBERTa's ``if label_index.size(0) > 0`` after ``nonzero``):
+the export frontend takes the branch the example takes and checks it at every call."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.errors import TraceError
+
+
+class LabelledHead(nn.Module):
+    """DebertaV2ForSequenceClassification's loss: only rows with a label (>= 0) count."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.classifier = nn.Linear(6, 3)
+
+    def forward(self, x, labels):
+        logits = self.classifier(self.body(x).relu())
+        label_index = (labels >= 0).nonzero()
+        if label_index.size(0) > 0:
+            labeled = torch.gather(logits, 0, label_index.expand(label_index.size(0), logits.size(1)))
+            picked = torch.gather(labels, 0, label_index.view(-1))
+            loss = nn.functional.cross_entropy(labeled, picked)
+        else:
+            loss = torch.tensor(0).to(logits)
+        return loss, logits
+
+
+class ComparesToBatch(LabelledHead):
+    """The same branch, but on the count against the batch size: a per-device check would read
+    the device's batch, so it cannot be kept."""
+
+    def forward(self, x, labels):
+        logits = self.classifier(self.body(x).relu())
+        label_index = (labels >= 0).nonzero()
+        if label_index.size(0) == labels.size(0):
+            return logits.sum()
+        return logits.mean()
+
+
+def test_branch_on_a_data_dependent_count_is_decided_on_the_example_and_equals_eager():
+    torch.manual_seed(0)
+    model = LabelledHead()
+    eager = copy.deepcopy(model)
+    labels = torch.tensor([0, -100, 2, 1])
+    pm = dpcompile.transform(model, ["cpu"] * 3, example_inputs=(torch.randn(4, 6), labels), frontend="export")
+    x, labels = torch.randn(7, 6, requires_grad=True), torch.tensor([0, -100, 2, 1, -100, -100, 2])
+    x_eager = x.detach().clone().requires_grad_()
+    loss, logits = pm(x, labels)
+    expected_loss, expected_logits = eager(x_eager, labels)
+    torch.testing.assert_close(logits, expected_logits)
+    torch.testing.assert_close(loss, expected_loss)
+    loss.backward()
+    expected_loss.backward()
+    torch.testing.assert_close(x.grad, x_eager.grad)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_call_taking_the_other_branch_stops_instead_of_computing_the_wrong_one():
+    model = LabelledHead()
+    pm = dpcompile.transform(
+        model, ["cpu"] * 2, example_inputs=(torch.randn(4, 6), torch.tensor([0, 1, 2, 1])), frontend="export"
+    )
+    with pytest.raises(RuntimeError, match="captured with .*u0.* true, as the example made it"):
+        pm(torch.randn(4, 6), torch.full((4,), -100))
+
+
+def test_branch_that_also_reads_the_batch_size_is_refused_with_the_line():
+    with pytest.raises(TraceError, match=r"label_index.size\(0\) == labels.size\(0\).*data-dependent"):
+        dpcompile.transform(ComparesToBatch(), ["cpu"] * 2, example_inputs=(torch.randn(4, 6), torch.tensor([0, 1, 2, 1])),
+                            frontend="export")  # fmt: skip
+
+
+def test_shapes_propagate_through_nonzero_as_a_symbol():
+    """Shape propagation on fake tensors gives nonzero's rows a symbol, so the ops before and
+    after it keep their shapes (the batch rules read them)."""
+    from dpcompile.fx_utils import propagate_shapes
+
+    gm = torch.fx.symbolic_trace(lambda x: (x > 0).nonzero().float().sum() + x.sum())
+    assert propagate_shapes(gm, [torch.randn(4, 3)])
+    shapes = {n.name: n.meta["val"].shape for n in gm.graph.nodes if n.op == "call_method" or n.op == "call_function"}
+    assert shapes["gt"] == (4, 3) and str(shapes["nonzero"][0]).startswith("u") and shapes["nonzero"][1] == 2

@@ -43,9 +43,29 @@ class ComparesToBatch(LabelledHead):
         return logits.mean()
 
 
-def test_branch_on_a_data_dependent_count_is_decided_on_the_example_and_equals_eager():
+
+class RowsPerSample(LabelledHead):
+    """The branch, and rows of whole samples viewed back (``view(-1, 2, 3)`` of ``(2B, 3)``, as
+    DeBERTa's attention does): the batch analysis reads the example's (symbolic) batch size."""
+
+    def forward(self, x, labels):
+        rows = self.body(x).reshape(-1, 3).relu()
+        logits = self.classifier(rows.view(-1, 2, 3).flatten(1))
+        return self.forward_loss(logits, labels)
+
+    def forward_loss(self, logits, labels):
+        label_index = (labels >= 0).nonzero()
+        if label_index.size(0) > 0:
+            labeled = torch.gather(logits, 0, label_index.expand(label_index.size(0), logits.size(1)))
+            picked = torch.gather(labels, 0, label_index.view(-1))
+            return nn.functional.cross_entropy(labeled, picked), logits
+        return torch.tensor(0).to(logits), logits
+
+
+@pytest.mark.parametrize("cls", [LabelledHead, RowsPerSample])
+def test_branch_on_a_data_dependent_count_is_decided_on_the_example_and_equals_eager(cls):
     torch.manual_seed(0)
-    model = LabelledHead()
+    model = cls()
     eager = copy.deepcopy(model)
     labels = torch.tensor([0, -100, 2, 1])
     pm = dpcompile.transform(model, ["cpu"] * 3, example_inputs=(torch.randn(4, 6), labels), frontend="export")

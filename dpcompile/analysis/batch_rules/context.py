@@ -66,14 +66,15 @@ class RuleContext:
     def example_batch(self) -> Any:
         """The batch size of the example (an int, or a symbol under export): the split dim's size
         of every split input, or None where shapes are unknown or the inputs disagree."""
-        sizes = set()
+        sizes = {}  # keyed by the symbol's expression: a SymInt is not hashable
         for node, placement in self.placements.items():
             if node.op != "placeholder":
                 break  # placeholders come first
             shape = node_shape(node) if isinstance(placement, Split) else None
             if shape is not None and placement.dim < len(shape):
-                sizes.add(shape[placement.dim])
-        return sizes.pop() if len(sizes) == 1 else None
+                size = shape[placement.dim]
+                sizes[size.node.expr if isinstance(size, torch.SymInt) else size] = size
+        return next(iter(sizes.values())) if len(sizes) == 1 else None
 
     def rows_per_sample(self, value: fx.Node, dim: int) -> int:
         """How many entries of ``value``'s split dim ``dim`` one sample owns, from the example's

@@ -45,3 +45,35 @@ def run_spawned(entry: Callable[..., None], world: int, *args: Any, timeout: flo
                 p.kill()
                 p.join(timeout=5)
     return outcomes
+
+
+def run_checks(rank: int, world: int, port: int, checks: list[tuple[str, Callable[[], None]]], results: Any) -> None:
+    """A spawned rank's body: join the gloo group, run each ``(name, check)`` and put ``(rank,
+    {name: None or the traceback})`` on ``results``; the group is torn down whatever happened."""
+    import os
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    outcome: dict[str, str | None] = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=30))  # fmt: skip
+        for name, check in checks:
+            try:
+                check()
+                outcome[name] = None
+            except Exception:  # noqa: BLE001 - report every check
+                outcome[name] = traceback.format_exc()
+    except Exception:  # noqa: BLE001
+        outcome["<setup>"] = traceback.format_exc()
+    results.put((rank, outcome))
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass

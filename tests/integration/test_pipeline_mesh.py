@@ -13,15 +13,13 @@ check's outcome (the pattern of ``test_spmd.py``).
 from __future__ import annotations
 
 import copy
-import os
-import traceback
-from datetime import timedelta
+import functools
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.gloo_groups import run_spawned
+from tests.gloo_groups import run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all; GPT-2 exported on each
 GROUP_TIMEOUT_S = 240.0  # a loaded 2-core machine; unloaded a group takes well under a minute
@@ -231,28 +229,8 @@ SCENARIOS = {
 
 
 def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    outcome: dict[str, str | None] = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=30))  # fmt: skip
-        for name, check, config in SCENARIOS[scenario][1]:
-            try:
-                check(rank, world, *config)
-                outcome[name] = None
-            except Exception:  # noqa: BLE001 - report every check
-                outcome[name] = traceback.format_exc()
-    except Exception:  # noqa: BLE001
-        outcome["<setup>"] = traceback.format_exc()
-    results.put((rank, outcome))
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    checks = [(name, functools.partial(check, rank, world, *config)) for name, check, config in SCENARIOS[scenario][1]]
+    run_checks(rank, world, port, checks, results)
 
 
 def run_group(scenario: str) -> dict[int, dict[str, str | None]]:

@@ -13,15 +13,13 @@ the slow part on two cores).
 from __future__ import annotations
 
 import copy
-import os
-import traceback
-from datetime import timedelta
+import functools
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.gloo_groups import run_spawned
+from tests.gloo_groups import run_checks, run_spawned
 
 GROUP_TIMEOUT_S = 120.0
 MEGATRON = {"layers.0": "column", "layers.1": "row", "layers.2": "column", "layers.3": "row", "head": "column"}
@@ -159,28 +157,7 @@ CHECKS = [
 
 
 def _entry(rank: int, world: int, port: int, results: mp.Queue) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    outcome: dict[str, str | None] = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=30))  # fmt: skip
-        for name, config in CHECKS:
-            try:
-                check_pipeline_tp(*config)
-                outcome[name] = None
-            except Exception:  # noqa: BLE001 - report every check
-                outcome[name] = traceback.format_exc()
-    except Exception:  # noqa: BLE001
-        outcome["<setup>"] = traceback.format_exc()
-    results.put((rank, outcome))
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    run_checks(rank, world, port, [(name, functools.partial(check_pipeline_tp, *config)) for name, config in CHECKS], results)
 
 
 @pytest.fixture(scope="module")

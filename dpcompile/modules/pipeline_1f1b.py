@@ -297,24 +297,33 @@ class _TailEnv(dict):
 
 
 class _BackwardHasRun(torch.autograd.Function):
-    """The loss a 1F1B step returns: its backward has run inside the call."""
+    """The loss a 1F1B step returns: its backward has run inside the call. One plain
+    ``loss.backward()`` (a gradient of 1, as after eager's forward) adds nothing more, so the usual
+    training loop reads as it does for eager; anything that would need other gradients (a scaled
+    loss, a second backward) raises instead of leaving ``.grad`` silently different."""
 
     @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, loss: torch.Tensor, done: list) -> torch.Tensor:
+        ctx.done = done
         return loss.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        if not ctx.done and grad.numel() == 1 and bool(grad.eq(1).all()):
+            ctx.done.append(True)
+            return None, None
+        again = "a second backward" if ctx.done else f"a backward with gradient {grad.flatten()[:4].tolist()}"
         raise DpCompileError(
-            "schedule='1f1b' runs the backward inside the call (each micro-batch's backward between later "
-            "micro-batches' forwards): the gradients are already in .grad. Do not call backward() on the loss it "
-            "returns; call optimizer.step(). For a loss you backward yourself, use schedule='gpipe'"
+            f"schedule='1f1b' ran this loss's backward inside the call (each micro-batch's backward between later "
+            f"micro-batches' forwards): the gradients are already in .grad, so {again} cannot be added to them. "
+            "Call loss.backward() once (it adds nothing) or not at all, then optimizer.step(); for a loss you "
+            "scale or combine yourself, use schedule='gpipe'"
         )
 
 
 def _backward_has_run(loss: torch.Tensor) -> torch.Tensor:
     with torch.enable_grad():
-        return _BackwardHasRun.apply(loss.detach().requires_grad_(loss.is_floating_point()))
+        return _BackwardHasRun.apply(loss.detach().requires_grad_(loss.is_floating_point()), [])
 
 
 def _micro_batches_read(nodes: list[fx.Node], stateful: set[fx.Node]) -> dict[fx.Node, frozenset[int]]:

@@ -179,18 +179,28 @@ def test_1f1b_gradients_accumulate_and_a_loss_from_activations_divides_after():
     torch.testing.assert_close(x_in.grad, x_ref.grad)
 
 
-def test_1f1b_refuses_backward_on_its_loss_and_runs_forward_only_without_grad():
-    """The loss comes back with its backward done: backward() again says so; under no_grad and in
-    eval mode a call runs forward only (no gradient appears)."""
+def test_1f1b_loss_backward_once_adds_nothing_else_refused_and_forward_only_without_grad():
+    """The loss comes back with its backward done: one plain loss.backward() (the usual loop) leaves
+    eager's gradients; a scaled loss or a second backward says why not; under no_grad and in eval
+    mode a call runs forward only (no gradient appears)."""
     torch.manual_seed(0)
     reference = Stack()
     model = copy.deepcopy(reference)
     pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b")
     x, labels = _stack_inputs()
     _, loss = pm(x, labels)
-    with pytest.raises(DpCompileError, match="already in .grad"):
+    _, expected = reference(x, labels)
+    expected.backward()
+    loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    with pytest.raises(DpCompileError, match="already in .grad, so a second backward"):
         loss.backward()
+    _, loss = pm(x, labels)
+    with pytest.raises(DpCompileError, match=r"already in .grad, so a backward with gradient \[2.0\]"):
+        (loss * 2).backward()
     model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
     with torch.no_grad():
         torch.testing.assert_close(pm(x, labels), reference(x, labels))
     pm.eval()

@@ -112,4 +112,43 @@ def batch_norm_refusal(sites: list[str], micro_batches: int) -> DpCompileError:
     )
 
 
-__all__ = ["TensorsOnWire", "batch_norm_refusal", "batch_statistics_sites", "micro_batch_runs", "on_wire"]
+class _BackwardDone(torch.autograd.Function):
+    """The loss a pipeline step returns (one-process 1F1B, any schedule over a mesh): its backward
+    has run inside the call. One plain ``loss.backward()`` (a gradient of 1, as after eager's
+    forward) adds nothing more, so the usual
+    training loop reads as it does for eager; anything that would need other gradients (a scaled
+    loss, a second backward) raises instead of leaving ``.grad`` silently different."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, done: list) -> torch.Tensor:
+        ctx.done = done
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        if not ctx.done and grad.numel() == 1 and bool(grad.eq(1).all()):
+            ctx.done.append(True)
+            return None, None
+        again = "a second backward" if ctx.done else f"a backward with gradient {grad.flatten()[:4].tolist()}"
+        raise DpCompileError(
+            f"this pipeline ran the loss's backward inside the call (the schedule's step: each micro-batch's "
+            f"backward between later micro-batches' forwards): the gradients are already in .grad, so {again} cannot be added to them. "
+            "Call loss.backward() once (it adds nothing) or not at all, then optimizer.step(); for a loss you "
+            "scale or combine yourself, use schedule='gpipe'"
+        )
+
+
+def backward_done(loss: torch.Tensor) -> torch.Tensor:
+    """``loss``, detached, whose one plain ``backward()`` adds nothing and any other raises."""
+    with torch.enable_grad():
+        return _BackwardDone.apply(loss.detach().requires_grad_(loss.is_floating_point()), [])
+
+
+__all__ = [
+    "TensorsOnWire",
+    "backward_done",
+    "batch_norm_refusal",
+    "batch_statistics_sites",
+    "micro_batch_runs",
+    "on_wire",
+]

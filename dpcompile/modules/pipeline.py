@@ -19,7 +19,13 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.hooks import call_with_hooks
-from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, micro_batch_runs, on_wire
+from dpcompile.modules.mesh_stage import (
+    backward_done,
+    batch_norm_refusal,
+    batch_statistics_sites,
+    micro_batch_runs,
+    on_wire,
+)
 
 
 @dataclass(frozen=True)
@@ -274,7 +280,7 @@ class MeshPipelineModule(nn.Module):
         if train:
             self._sum_shared_gradients(before)
             self._average_gradients(before, 1.0 if known else float(totals[1]))
-        return self._rebuild(merged, totals) if last else None
+        return self._rebuild(merged, totals, train) if last else None
 
     def _shape_inputs(self, args: tuple, kwargs: dict) -> tuple:
         """The call's inputs in the whole program's order (every rank is called with them)."""
@@ -313,12 +319,13 @@ class MeshPipelineModule(nn.Module):
             else:
                 p.grad = old + step / count
 
-    def _rebuild(self, merged: Any, totals: torch.Tensor) -> Any:
+    def _rebuild(self, merged: Any, totals: torch.Tensor, train: bool) -> Any:
         flat = merged if isinstance(merged, (tuple, list)) else (merged,)
         values = []
         for leaf in self.outputs.leaves:
             if leaf[0] == "mean":
-                values.append((totals[0] / totals[1]).to(flat[leaf[1]].dtype))
+                loss = (totals[0] / totals[1]).to(flat[leaf[1]].dtype)
+                values.append(backward_done(loss) if train else loss)  # the step ran its backward
             else:
                 values.append(flat[leaf[1]])
         return self.outputs.assemble(values)

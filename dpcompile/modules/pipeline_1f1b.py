@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
+from dpcompile.modules.mesh_stage import backward_done
 
 Unit = tuple[int, int]  # (stage, micro-batch)
 _COMBINERS = (runtime.gather, runtime.mean_of_partials, runtime.reduce_add)
@@ -222,7 +223,7 @@ class _StepState:
         for n in self.step.tail:  # only the loss is attached to a graph (the guard below): the rest is detached
             env[n] = self.runner.run_node(n)
             if n is self.step.loss:
-                env[n] = _backward_has_run(env[n])
+                env[n] = backward_done(env[n])
         return fx.node.map_arg(self.step.output.args[0], lambda n: env[n])
 
 
@@ -294,36 +295,6 @@ class _TailEnv(dict):
                 self[node] = value = state.runner.run_node(node)
             return value
         raise KeyError(node.name)
-
-
-class _BackwardHasRun(torch.autograd.Function):
-    """The loss a 1F1B step returns: its backward has run inside the call. One plain
-    ``loss.backward()`` (a gradient of 1, as after eager's forward) adds nothing more, so the usual
-    training loop reads as it does for eager; anything that would need other gradients (a scaled
-    loss, a second backward) raises instead of leaving ``.grad`` silently different."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, done: list) -> torch.Tensor:
-        ctx.done = done
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        if not ctx.done and grad.numel() == 1 and bool(grad.eq(1).all()):
-            ctx.done.append(True)
-            return None, None
-        again = "a second backward" if ctx.done else f"a backward with gradient {grad.flatten()[:4].tolist()}"
-        raise DpCompileError(
-            f"schedule='1f1b' ran this loss's backward inside the call (each micro-batch's backward between later "
-            f"micro-batches' forwards): the gradients are already in .grad, so {again} cannot be added to them. "
-            "Call loss.backward() once (it adds nothing) or not at all, then optimizer.step(); for a loss you "
-            "scale or combine yourself, use schedule='gpipe'"
-        )
-
-
-def _backward_has_run(loss: torch.Tensor) -> torch.Tensor:
-    with torch.enable_grad():
-        return _BackwardHasRun.apply(loss.detach().requires_grad_(loss.is_floating_point()), [])
 
 
 def _micro_batches_read(nodes: list[fx.Node], stateful: set[fx.Node]) -> dict[fx.Node, frozenset[int]]:

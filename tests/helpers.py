@@ -27,6 +27,19 @@ def scalar_of(output: Any) -> torch.Tensor:
     return total
 
 
+def assert_weighted_gradients_equal(
+    model: nn.Module, eager: nn.Module, out: torch.Tensor, expected: torch.Tensor
+) -> None:
+    """Backward ``sum(out * w)`` and ``sum(expected * w)`` (``w`` a fixed ramp, so every element
+    counts differently) and compare every parameter gradient of ``model`` with ``eager``'s by name."""
+    weights = torch.linspace(0.5, 1.5, out.numel()).view(out.shape)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    grads = dict(eager.named_parameters())
+    for key, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[key].grad, msg=lambda m, key=key: f"{key}: {m}")
+
+
 def assert_same_outputs(got: Any, want: Any, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     assert type(got) is type(want), f"{type(got).__name__} != {type(want).__name__}"
     got_leaves, want_leaves = tensor_leaves(got), tensor_leaves(want)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import dpcompile
+from tests.helpers import assert_weighted_gradients_equal
 
 H = 2  # heads
 
@@ -117,12 +118,7 @@ def test_attention_construct_runs_split_and_equals_eager(name, frontend):
     inputs = _inputs(name, 5)
     out, expected = pm(*inputs), eager(*inputs)
     torch.testing.assert_close(out, expected)
-    weights = torch.linspace(0.5, 1.5, out.numel()).view(out.shape)
-    (out * weights).sum().backward()
-    (expected * weights).sum().backward()
-    grads = dict(eager.named_parameters())
-    for key, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[key].grad, msg=lambda m, key=key: f"{key}: {m}")
+    assert_weighted_gradients_equal(model, eager, out, expected)
     report = dpcompile.explain(pm, *inputs)
     assert report.split_flop_fraction == 1.0
     assert [w for w in report.whole if not w["reason"].startswith("recomputed")] == []

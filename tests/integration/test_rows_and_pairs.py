@@ -20,6 +20,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile.runtime import squeeze_except
+from tests.helpers import assert_weighted_gradients_equal
 
 DEVICES = ["cpu"] * 4
 
@@ -155,12 +156,7 @@ def test_runs_split_where_it_can_and_equals_eager(name, frontend):
     inputs = _inputs(name, 5)  # chunks of 2, 1, 1, 1
     out, expected = pm(*inputs), eager(*inputs)
     torch.testing.assert_close(out, expected)
-    weights = torch.linspace(0.5, 1.5, out.numel()).view(out.shape)
-    (out * weights).sum().backward()
-    (expected * weights).sum().backward()
-    grads = dict(eager.named_parameters())
-    for key, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[key].grad, msg=lambda m, key=key: f"{key}: {m}")
+    assert_weighted_gradients_equal(model, eager, out, expected)
     report = dpcompile.explain(pm, *inputs)
     whole = [w for w in report.whole if not w["reason"].startswith(("recomputed", "its input"))]
     if name in WHOLE:

@@ -22,6 +22,7 @@ from dpcompile.capture.export import OTHER_MODE_PENDING
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import DpCompileError, ExampleError
 from dpcompile.fake import has_meta_tensors
+from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.other_mode import OtherModePending
@@ -31,6 +32,7 @@ from dpcompile.recipes.meta import compile_meta_model
 from dpcompile.recipes.pipeline import check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
 from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe, pipeline_tensor_parallel_recipe
+from dpcompile.target import resolve_target, strategies_of
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -57,6 +59,11 @@ def transform(
     memory_per_device: Any = None,
     optimizer: str | None = None,
     training: bool = True,
+    mesh: Mapping[str, int] | None = None,
+    sequence_parallel: bool = False,
+    activation_checkpointing: Any = False,
+    exact_random: bool | None = None,
+    plan: str | None = None,
 ) -> ParallelModule:
     """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
 
@@ -79,7 +86,21 @@ def transform(
     export frontend keeps dynamic; see ``docs/guards.md``.
     ``pipeline=N`` (or the module paths where stages start),
     ``micro_batches=``, ``schedule=``: pipeline parallelism, see ``docs/pipeline.md``.
+    ``mesh={"pp": 2, "tp": 2}`` names the dimensions of a device list (``docs/layouts.md``);
+    ``pm.layout`` and ``pm.strategies`` say what each dimension does.
     """
+    data_parallel = "ddp" if data_parallel == "replicate" else data_parallel
+    check_keywords_honoured(
+        devices, mesh=mesh, tensor_parallel=tensor_parallel, pipeline=pipeline, micro_batches=micro_batches,
+        schedule=schedule, data_parallel=data_parallel, ddp_options=ddp_options, copy_replicas=copy_replicas,
+        batch_dim=batch_dim, output_device=output_device, sequence_parallel=sequence_parallel,
+        activation_checkpointing=activation_checkpointing, exact_random=exact_random, plan=plan,
+        memory_per_device=memory_per_device,
+    )  # fmt: skip
+    target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
+    if target is not None:  # mesh= over a device list: the same builders, devices in their order
+        arguments = target.arguments()
+        devices, pipeline, tensor_parallel = target.canonical_devices(), arguments["pipeline"], arguments["tensor_parallel"]
     estimate = None
     if memory_per_device is not None and pipeline is not None:
         raise ValueError(
@@ -130,6 +151,9 @@ def transform(
             )
     pm.memory_options = {"optimizer": optimizer, "training": training}
     pm.memory_plan = estimate
+    layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
+    pm.layout = layout
+    pm.strategies = strategies_of(layout, data_parallel=data_parallel, schedule=schedule)
     return pm
 
 

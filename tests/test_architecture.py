@@ -5,7 +5,7 @@
     recipes    recipes, planning
     modules    modules                      } modules and passes never import each other
     passes     passes                       }
-    core       analysis, capture, infra, fx_utils, fake, program_cache
+    core       analysis, capture, infra, fx_utils, fake, program_cache, target, keywords
     bottom     runtime, devices, mesh, errors
 
 Built from the source with ``ast`` (every import, at module level or inside a function) and
@@ -37,7 +37,7 @@ def layer_of(module: str) -> str:
     return {
         "runtime": "bottom", "devices": "bottom", "mesh": "bottom", "errors": "bottom", "version": "bottom",
         "analysis": "core", "capture": "core", "infra": "core", "fx_utils": "core", "fake": "core",
-        "program_cache": "core",
+        "program_cache": "core", "target": "core", "keywords": "core",
         "modules": "modules",
         "recipes": "recipes", "planning": "recipes",
         "api": "api",

@@ -83,7 +83,7 @@ class ParallelModule(fx.GraphModule):
         "traced_model", "program_cache", "captured_code", "plan_reasons", "param_shards",
         "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
         "_guard", "_hooks_traced", "_exported_check", "_other_mode", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
-        "state_aliases",
+        "state_aliases", "layout", "strategies",
     })  # fmt: skip
     needs_weights = property(needs_weights, doc="True for a program built on meta until dpcompile.load_checkpoint fills it")
 

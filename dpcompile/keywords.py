@@ -1,0 +1,113 @@
+"""No keyword of :func:`dpcompile.transform` is silently ignored: each is honoured by the layout
+it is given with, or refused here, by name, with the way out.
+
+>>> check_keywords_honoured(["cpu"] * 2, micro_batches=4)  # doctest: +IGNORE_EXCEPTION_DETAIL
+Traceback (most recent call last):
+ValueError: micro_batches=4 feeds a pipeline ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dpcompile.devices import parse_devices
+from dpcompile.errors import DpCompileError
+from dpcompile.mesh import is_device_mesh
+from dpcompile.target import check_built, mesh_layout, sugar_layout
+
+
+def check_keywords_honoured(
+    devices: Any, *, mesh: Mapping[str, int] | None = None, tensor_parallel: Any = False, pipeline: Any = None,
+    micro_batches: int = 1, schedule: str = "gpipe", data_parallel: str = "ddp", ddp_options: Any = None,
+    copy_replicas: bool = False, batch_dim: Any = None, output_device: Any = None, sequence_parallel: Any = False,
+    activation_checkpointing: Any = False, exact_random: Any = None, plan: Any = None, memory_per_device: Any = None,
+) -> None:  # fmt: skip
+    """Refuse every keyword the layout would not read (a keyword at its default is never refused)."""
+    over_mesh = is_device_mesh(devices)
+    pipelined = pipeline is not None or (isinstance(mesh, Mapping) and mesh.get("pp", 1) > 1)
+    sharded = (tensor_parallel is not None and tensor_parallel is not False) or (
+        isinstance(mesh, Mapping) and mesh.get("tp", 1) > 1
+    )
+    if not pipelined and micro_batches != 1:
+        raise ValueError(
+            f"micro_batches={micro_batches!r} feeds a pipeline, and there is none: add pipeline=N (or a 'pp' "
+            "dimension to mesh=), or leave micro_batches= out"
+        )
+    if not pipelined and schedule != "gpipe":
+        raise ValueError(f"schedule={schedule!r} orders a pipeline's micro-batches: add pipeline=N, or leave it out")
+    if ddp_options and not over_mesh:
+        raise ValueError(
+            "ddp_options= configures DistributedDataParallel over a DeviceMesh; over a device list data "
+            "parallelism is one process's program (see docs/data_parallel.md): leave ddp_options= out"
+        )
+    if copy_replicas and (over_mesh or pipelined or sharded):
+        raise ValueError(
+            "copy_replicas=True gives virtual devices real replicas under data parallelism in one process; "
+            "with a pipeline, tensor parallelism or a DeviceMesh each device already holds its own modules"
+        )
+    if over_mesh and output_device is not None:
+        raise ValueError(
+            "output_device= names where a one-process program gathers its outputs; over a DeviceMesh every rank "
+            "returns its outputs on its own device: leave output_device= out"
+        )
+    if over_mesh and pipelined and (data_parallel == "fsdp" or ddp_options):
+        given = 'data_parallel="fsdp"' if data_parallel == "fsdp" else "ddp_options="
+        raise DpCompileError(
+            f"{given} with pipeline= over a DeviceMesh is not built yet: the 'dp' groups of a pipeline average "
+            "their gradients with one all-reduce per step after the schedule; use the default data_parallel=, or "
+            "FSDP without a pipeline on a ('dp',) / ('dp', 'tp') mesh"
+        )
+    if over_mesh:
+        check_built(
+            {name for name, size in mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel).items()
+             if size > 1}, over_mesh=True,
+            layout=mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel),
+        )  # fmt: skip
+    _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
+
+
+def _check_new_strategies(
+    sequence_parallel: Any, activation_checkpointing: Any, exact_random: Any, plan: Any, memory_per_device: Any,
+    sharded: bool,
+) -> None:  # fmt: skip
+    if sequence_parallel not in (False, True):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
+    if sequence_parallel:
+        if not sharded:
+            raise ValueError("sequence_parallel=True shards the sequence over the 'tp' dimension: add tensor_parallel=")
+        raise DpCompileError(
+            "sequence_parallel=True is not built yet: tensor_parallel= alone (an all-reduce after each row layer) "
+            "gives the same values with whole-sequence activations; leave sequence_parallel= out"
+        )
+    if activation_checkpointing is not False and activation_checkpointing is not None:
+        raise DpCompileError(
+            f"activation_checkpointing={activation_checkpointing!r} is not built yet: wrap the blocks with "
+            "torch.utils.checkpoint.checkpoint in the model itself, or leave activation_checkpointing= out"
+        )
+    if exact_random not in (None, False, True):
+        raise ValueError(f"exact_random={exact_random!r}: expected True or False")
+    if exact_random:
+        raise DpCompileError(
+            "exact_random=True is not built yet: random ops draw on each device from its own generator "
+            "(docs/limitations.md says when that equals the single-device draw); pass exact_random=False, or leave "
+            "it out"
+        )
+    if plan is not None:
+        if plan != "auto":
+            raise ValueError(f'plan={plan!r}: expected None or "auto"')
+        if memory_per_device is None:
+            raise ValueError(
+                'plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. '
+                'memory_per_device="24GiB"'
+            )
+
+
+def layout_of_keywords(devices: Any, pipeline: Any, tensor_parallel: Any) -> dict[str, int]:
+    """``pm.layout`` where the older keywords (not ``mesh=``) spelled it."""
+    if is_device_mesh(devices):
+        return mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
+    return sugar_layout(len(parse_devices(devices)), pipeline=pipeline, tensor_parallel=tensor_parallel)
+
+
+__all__ = ["check_keywords_honoured", "layout_of_keywords"]

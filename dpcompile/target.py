@@ -1,0 +1,238 @@
+"""The target: named mesh dimensions over the devices, their arithmetic checked once.
+
+A layout is a dict of dimension sizes, outermost first. ``mesh={"pp": 2, "tp": 2}`` over four
+devices puts stage 0 on ``devices[0:2]`` and stage 1 on ``devices[2:4]``; the older keywords are
+sugar for the same thing::
+
+    transform(model, ["cpu"] * 4, pipeline=2, tensor_parallel=True)   # mesh={"pp": 2, "tp": 2}
+    transform(model, ["cpu"] * 4, tensor_parallel=True)               # mesh={"tp": 4}
+    transform(model, ["cpu"] * 4)                                     # mesh={"dp": 4}
+
+>>> target = resolve_target(["cpu"] * 4, {"tp": 2, "pp": 2}, pipeline=None, tensor_parallel=False)
+>>> target.layout, target.arguments()["pipeline"], target.arguments()["tensor_parallel"]
+({'tp': 2, 'pp': 2}, 2, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dpcompile.devices import Devices, parse_devices
+from dpcompile.errors import DpCompileError
+from dpcompile.mesh import is_device_mesh
+
+#: the dimensions a layout may name, and the strategy each turns on
+DIMENSIONS = {"pp": "pipeline", "dp": "data parallel", "cp": "context parallel", "tp": "tensor parallel"}
+#: the order the compiler lays devices out in (stage-major, shards innermost)
+CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
+
+#: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1)
+BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"})
+BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"})
+
+
+@dataclass(frozen=True)
+class Target:
+    """Named dimensions over ``devices`` (one process) or a ``DeviceMesh`` (one process per rank).
+
+    ``dims`` is in the order the devices are laid out, outermost first; a dimension of size 1
+    turns nothing on and is kept only so ``layout`` echoes what the user wrote.
+    """
+
+    dims: tuple[tuple[str, int], ...]
+    devices: Devices | None = None
+    stage_paths: tuple[str, ...] | None = None  # pipeline=[paths]: where stages start
+    plan: bool | dict[str, str] = False
+
+    @property
+    def layout(self) -> dict[str, int]:
+        return dict(self.dims)
+
+    def size(self, name: str) -> int:
+        return self.layout.get(name, 1)
+
+    @property
+    def active(self) -> set[str]:
+        """The dimensions that split something (size > 1)."""
+        return {name for name, size in self.dims if size > 1}
+
+    def canonical_devices(self) -> Devices:
+        """The devices reordered so that the dimensions run in :data:`CANONICAL_ORDER` (pp outermost,
+        tp innermost): the order the one-process builders group them in."""
+        assert self.devices is not None
+        names = [name for name, _ in self.dims]
+        sizes = [size for _, size in self.dims]
+        order = sorted(range(len(names)), key=lambda i: CANONICAL_ORDER.index(names[i]))
+        strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+        picked = []
+        for index in _counting([sizes[i] for i in order]):
+            flat = sum(index[j] * strides[order[j]] for j in range(len(order)))
+            picked.append(self.devices[flat])
+        return Devices(tuple(picked))
+
+    def arguments(self) -> dict[str, Any]:
+        """The layout as the builders' keywords: ``pipeline=`` (stages or cut paths) and ``tensor_parallel=``."""
+        pipeline: int | tuple[str, ...] | None = None
+        if "pp" in self.active:
+            pipeline = self.stage_paths if self.stage_paths is not None else self.size("pp")
+        plan = self.plan if "tp" in self.active else False
+        if "tp" in self.active and plan is False:
+            plan = True
+        return {"pipeline": pipeline, "tensor_parallel": plan}
+
+
+def _counting(sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every index of a grid of ``sizes``, last dimension fastest."""
+    indices: list[tuple[int, ...]] = [()]
+    for size in sizes:
+        indices = [index + (k,) for index in indices for k in range(size)]
+    return indices
+
+
+def resolve_target(
+    devices: Any, mesh: Mapping[str, int] | None, *, pipeline: Any, tensor_parallel: Any
+) -> Target | None:
+    """The target of ``transform(model, devices, mesh=...)``, checked: names, sizes, their product,
+    and agreement with ``pipeline=`` / ``tensor_parallel=``. None when ``mesh=`` is not given (the
+    older keywords then build the layout, see :func:`sugar_layout`)."""
+    if mesh is None:
+        return None
+    if is_device_mesh(devices):
+        raise ValueError(
+            "mesh= names the dimensions of a device list; a DeviceMesh names its own (mesh_dim_names=('pp', 'dp', "
+            "'tp')): pass one or the other"
+        )
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise ValueError(f"mesh= takes a dict of dimension sizes, outermost first, e.g. {{'dp': 2, 'tp': 2}}; got {mesh!r}")
+    dims = []
+    for name, size in mesh.items():
+        if name not in DIMENSIONS:
+            raise ValueError(f"mesh= dimension {name!r} is not one of {list(DIMENSIONS)} ({_spelled_dimensions()})")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh= dimension {name!r} has size {size!r}; sizes are positive ints")
+        dims.append((name, size))
+    parsed = parse_devices(devices)
+    product = math.prod(size for _, size in dims)
+    if product != len(parsed):
+        arithmetic = " x ".join(f"{name}({size})" for name, size in dims)
+        raise ValueError(
+            f"mesh={dict(mesh)} lays out {arithmetic} = {product} devices, but {len(parsed)} were given; "
+            f"pass {product} devices or sizes whose product is {len(parsed)}"
+        )
+    target = Target(tuple(dims), parsed, _stage_paths(pipeline, dict(dims)), _plan(tensor_parallel, dict(dims)))
+    check_built(target.active, over_mesh=False, layout=target.layout)
+    return target
+
+
+def _stage_paths(pipeline: Any, layout: dict[str, int]) -> tuple[str, ...] | None:
+    if pipeline is None:
+        return None
+    stages = layout.get("pp", 1)
+    if isinstance(pipeline, (list, tuple)) and len(pipeline) + 1 == stages:
+        return tuple(pipeline)
+    if isinstance(pipeline, int) and not isinstance(pipeline, bool) and pipeline == stages:
+        return None
+    count = len(pipeline) + 1 if isinstance(pipeline, (list, tuple)) else pipeline
+    raise ValueError(
+        f"pipeline={pipeline!r} makes {count} stages but mesh= has 'pp': {stages}; leave pipeline= out (the mesh "
+        "says how many stages) or give it the module paths of the pp-1 cuts"
+    )
+
+
+def _plan(tensor_parallel: Any, layout: dict[str, int]) -> bool | dict[str, str]:
+    wants = tensor_parallel is not None and tensor_parallel is not False
+    if wants and layout.get("tp", 1) == 1:
+        raise ValueError(
+            f"tensor_parallel= shards layers over the mesh's 'tp' dimension, and mesh={layout} has none (or size 1); "
+            "add one, e.g. mesh={'tp': 2}"
+        )
+    return tensor_parallel if wants else False
+
+
+def sugar_layout(n_devices: int, *, pipeline: Any, tensor_parallel: Any) -> dict[str, int]:
+    """The layout the older keywords spell: ``pipeline=S`` with ``tensor_parallel=`` on ``S*T``
+    devices is ``{"pp": S, "tp": T}``; ``tensor_parallel=`` alone ``{"tp": n}``; neither ``{"dp": n}``."""
+    wants_tp = tensor_parallel is not None and tensor_parallel is not False
+    if pipeline is not None:
+        stages = len(pipeline) + 1 if isinstance(pipeline, (list, tuple)) else int(pipeline)
+        if wants_tp and stages and n_devices % stages == 0:
+            return {"pp": stages, "tp": n_devices // stages}
+        return {"pp": stages}
+    return {"tp": n_devices} if wants_tp else {"dp": n_devices}
+
+
+def mesh_layout(mesh: Any, *, pipeline: Any, tensor_parallel: Any) -> dict[str, int]:
+    """The layout of a ``DeviceMesh``: its named dimensions, or for an unnamed 1-D mesh the role
+    the keywords give it."""
+    names = tuple(mesh.mesh_dim_names or ())
+    shape = tuple(mesh.mesh.shape)
+    if mesh.ndim == 1 and (not names or pipeline is None):
+        wants_tp = tensor_parallel is not None and tensor_parallel is not False
+        role = "pp" if pipeline is not None else "tp" if wants_tp else "dp"
+        return {role: shape[0]}
+    return dict(zip(names, shape))
+
+
+def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int]) -> None:
+    """Refuse, by name, a layout that is not built yet, naming the nearest one that is."""
+    built = BUILT_OVER_MESH if over_mesh else BUILT_ONE_PROCESS
+    if not active or active in built:
+        return
+    where = "over a DeviceMesh" if over_mesh else "in one process"
+    if "cp" in active:
+        nearest = "leave 'cp' out: the sequence then stays whole on each device"
+    elif not over_mesh and active in ({"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}):
+        names = tuple(name for name in CANONICAL_ORDER if name in active)
+        nearest = (
+            f"the same mesh_dim_names={names} over processes (a DeviceMesh, launched with torchrun), "
+            f"or {_nearest_one_process(active)} in one process"
+            if active != {"pp", "dp", "tp"}
+            else "mesh={'pp': ..., 'tp': ...} in one process, or a ('pp', 'dp') / ('pp', 'tp') DeviceMesh"
+        )
+    else:
+        nearest = "a ('pp', 'dp') or ('pp', 'tp') DeviceMesh, or ('dp', 'tp') without a pipeline"
+    raise DpCompileError(f"the layout {dict(layout)} ({_describe(active)}) is not built {where} yet; use {nearest}")
+
+
+def _nearest_one_process(active: set[str]) -> str:
+    return "mesh={'tp': N} (tensor parallel on every device)" if "tp" in active else "mesh={'pp': N}"
+
+
+def _describe(active: set[str]) -> str:
+    return " x ".join(DIMENSIONS[name] for name in CANONICAL_ORDER if name in active)
+
+
+def _spelled_dimensions() -> str:
+    return ", ".join(f"{name}: {what}" for name, what in DIMENSIONS.items())
+
+
+def strategies_of(layout: Mapping[str, int], *, data_parallel: str, schedule: str) -> dict[str, str]:
+    """What each dimension of ``layout`` does: ``{"pp": "pipeline (gpipe)", "tp": "tensor parallel"}``."""
+    named = {}
+    for name, size in layout.items():
+        if name == "pp":
+            named[name] = f"pipeline ({schedule})"
+        elif name == "dp":
+            named[name] = "data parallel (fsdp)" if data_parallel == "fsdp" else "data parallel (replicate)"
+        else:
+            named[name] = DIMENSIONS[name]
+        if size == 1:
+            named[name] += " (size 1: nothing split)"
+    return named
+
+
+__all__ = [
+    "BUILT_ONE_PROCESS",
+    "BUILT_OVER_MESH",
+    "CANONICAL_ORDER",
+    "DIMENSIONS",
+    "Target",
+    "check_built",
+    "mesh_layout",
+    "resolve_target",
+    "strategies_of",
+    "sugar_layout",
+]

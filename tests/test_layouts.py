@@ -1,0 +1,173 @@
+"""Layouts named by ``mesh=`` over a device list: the arithmetic checked once, the same programs as
+the older keywords, ``pm.layout`` / ``pm.strategies``, and no keyword silently ignored."""
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile import DpCompileError
+from dpcompile.devices import Devices
+from dpcompile.target import Target, resolve_target
+
+
+class Stack(nn.Module):
+    def __init__(self, width=8, depth=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+                                    for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.sum(dim=-1).mean()
+
+
+def _train_step(module, params, x):
+    loss = module(x)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in params]
+
+
+def test_layout_of_the_older_keywords():
+    """pm.layout and pm.strategies spell what the keywords built."""
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2)
+    assert pm.layout == {"dp": 2} and pm.strategies == {"dp": "data parallel (replicate)"}
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2, tensor_parallel=True)
+    assert pm.layout == {"tp": 2} and pm.strategies == {"tp": "tensor parallel"}
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"pp": 2, "tp": 2}, {"tp": 2, "pp": 2}])
+def test_layout_mesh_trains_like_eager(mesh):
+    """Every layout built in one process, named by mesh=: loss and gradients equal eager."""
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(6, 8)
+    reference = Stack()
+    reference.load_state_dict(model.state_dict())
+    n = 1
+    for size in mesh.values():
+        n *= size
+    pm = dpcompile.transform(model, ["cpu"] * n, mesh=mesh)
+    assert pm.layout == mesh
+    loss, grads = _train_step(pm, list(pm.parameters()), x)
+    ref_loss, _ = _train_step(reference, list(reference.parameters()), x)
+    torch.testing.assert_close(loss, ref_loss)
+    ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+    for key, value in pm.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[key])
+    named = dict(pm.named_parameters())
+    if mesh == {"dp": 2} or mesh == {"pp": 2}:  # shares the model's parameters: gradients by the model's names
+        for key, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[key])
+    else:
+        assert named and all(p.grad is not None for p in named.values())
+    del grads
+
+
+def test_layout_mesh_tp_outermost_lays_out_devices_as_written():
+    """{"tp": 2, "pp": 2}: stage 0 holds devices 0 and 2 (tp outermost), reordered stage-major."""
+    target = resolve_target(["cpu:0", "cpu:1", "cpu:2", "cpu:3"], {"tp": 2, "pp": 2}, pipeline=None,
+                            tensor_parallel=False)
+    assert [str(d) for d in target.canonical_devices()] == ["cpu:0", "cpu:2", "cpu:1", "cpu:3"]
+    target = Target((("pp", 2), ("tp", 2)), Devices(tuple(torch.device(f"cpu:{k}") for k in range(4))))
+    assert [d.index for d in target.canonical_devices()] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "n", "match"),
+    [
+        ({"pp": 2, "tp": 2}, 6, r"pp\(2\) x tp\(2\) = 4 devices, but 6 were given"),
+        ({"xp": 2}, 2, "not one of"),
+        ({"dp": 0}, 2, "positive ints"),
+        ({"dp": True}, 1, "positive ints"),
+        ({}, 2, "dict of dimension sizes"),
+    ],
+)
+def test_layout_mesh_arithmetic_is_checked_with_the_numbers(mesh, n, match):
+    """A mesh that does not fit the devices is refused with its arithmetic."""
+    with pytest.raises(ValueError, match=match):
+        dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "tp": 2}, {"cp": 2}])
+def test_layout_not_built_names_the_nearest(mesh):
+    """A layout not built in one process is a DpCompileError that names one that works."""
+    n = 1
+    for size in mesh.values():
+        n *= size
+    with pytest.raises(DpCompileError, match="is not built in one process yet; use"):
+        dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
+
+
+def test_layout_mesh_disagreeing_keywords_are_refused():
+    """pipeline= / tensor_parallel= that contradict mesh= are refused, not overridden."""
+    with pytest.raises(ValueError, match="makes 3 stages but mesh= has 'pp': 2"):
+        dpcompile.transform(Stack(), ["cpu"] * 2, mesh={"pp": 2}, pipeline=3)
+    with pytest.raises(ValueError, match="has none"):
+        dpcompile.transform(Stack(), ["cpu"] * 2, mesh={"dp": 2}, tensor_parallel=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"micro_batches": 4}, "feeds a pipeline"),
+        ({"schedule": "1f1b"}, "orders a pipeline"),
+        ({"ddp_options": {"bucket_cap_mb": 1}}, "over a DeviceMesh"),
+        ({"copy_replicas": True, "tensor_parallel": True}, "copy_replicas=True"),
+        ({"sequence_parallel": True, "tensor_parallel": True}, "sequence_parallel=True is not built yet"),
+        ({"activation_checkpointing": True}, "activation_checkpointing=True is not built yet"),
+        ({"plan": "auto"}, "memory_per_device="),
+        ({"exact_random": "yes"}, "exact_random="),
+        ({"exact_random": True}, "exact_random=True is not built yet"),
+    ],
+)
+def test_layout_keyword_never_silently_ignored(kwargs, match):
+    """A keyword the layout would not read is refused by name."""
+    with pytest.raises((ValueError, DpCompileError), match=match):
+        dpcompile.transform(Stack(), ["cpu"] * 2, **kwargs)
+
+
+def test_layout_exact_random_false_is_todays_draw():
+    """exact_random=False (per-device draws) is honoured: the program builds and runs."""
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2, exact_random=False)
+    assert pm(torch.randn(4, 8)).shape == ()
+
+
+def test_layout_data_parallel_replicate_is_the_default_spelled():
+    """data_parallel="replicate" is the default data parallelism."""
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2, data_parallel="replicate")
+    assert pm.strategies == {"dp": "data parallel (replicate)"}
+
+
+def _unjoined_mesh(shape, names):
+    """A DeviceMesh that joins no process group: enough to check arguments against."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).view(*shape), mesh_dim_names=names,
+                      _init_backend=False, _rank=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pipeline": 2, "data_parallel": "fsdp"}, 'data_parallel="fsdp" with pipeline= over a DeviceMesh'),
+        ({"pipeline": 2, "ddp_options": {"bucket_cap_mb": 1}}, "ddp_options= with pipeline="),
+        ({"output_device": "cpu"}, "output_device="),
+    ],
+)
+def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, match):
+    """Over a ('pp', 'dp') DeviceMesh, FSDP and DDP options with a pipeline are refused by name (they
+    were checked, then dropped)."""
+    from dpcompile.keywords import check_keywords_honoured
+
+    with pytest.raises((ValueError, DpCompileError), match=match):
+        check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), **kwargs)
+
+
+def test_layout_three_dimensional_mesh_refused_with_the_nearest():
+    """A ('pp', 'dp', 'tp') DeviceMesh is refused before anything is captured, naming what works."""
+    from dpcompile.keywords import check_keywords_honoured
+
+    with pytest.raises(DpCompileError, match=r"\{'pp': 2, 'dp': 2, 'tp': 2\}.*use a \('pp', 'dp'\)"):
+        check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("pp", "dp", "tp")), pipeline=2, tensor_parallel=True)

@@ -1,0 +1,172 @@
+"""The layout matrix in one process: every layout built on virtual devices (``docs/layouts.md``) x
+{an MLP stack, GPT-2 through the export frontend with ``labels=``, a Llama-style decoder}: the loss
+of each of 3 AdamW steps, and the parameters after them, equal eager; ``state_dict`` keys and
+values equal the model's; a model built on meta and filled by ``load_checkpoint`` gives eager's
+outputs. (float64 models, so equal means equal up to float64 rounding.)"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.capture import capture_model
+from tests.helpers import full_gradients
+from tests.thirdparty import import_or_skip
+
+LAYOUTS = [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"pp": 2, "tp": 2}]
+V = 64
+
+
+class MLPStack(nn.Module):
+    def __init__(self, width: int = 8, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x, labels):
+        for layer in self.layers:
+            x = x + layer(x)
+        return nn.functional.cross_entropy(self.head(x), labels)
+
+
+def _mlp():
+    g = torch.Generator().manual_seed(1)
+    return MLPStack, {"x": torch.randn(6, 8, generator=g, dtype=torch.float64), "labels": torch.randint(0, 4, (6,), generator=g)}
+
+
+def _gpt2():
+    T = import_or_skip("transformers")
+    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+    return (lambda: T.GPT2LMHeadModel(config)), _tokens()
+
+
+def _llama():
+    T = import_or_skip("transformers")
+    config = T.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=2, vocab_size=V, max_position_embeddings=32, use_cache=False)  # fmt: skip
+    return (lambda: T.LlamaForCausalLM(config)), _tokens()
+
+
+def _tokens():
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(1, V, (4, 8), generator=g), "labels": torch.randint(0, V, (4, 8), generator=g)}
+
+
+MODELS = {"mlp": _mlp, "gpt2": _gpt2, "llama": _llama}
+# Llama computes its RMSNorms and logits in float32 whatever the parameters' dtype, and a sharded
+# program sums those float32 values in another order: float32 tolerances there
+TOLERANCE = {"llama": {"rtol": 1e-5, "atol": 1e-5}}
+# AdamW divides each update by the gradient's running magnitude: an element whose gradient is near
+# zero moves by ~lr whatever its rounding, so the parameters of a float32-rounding model are compared
+# to a fraction of lr (its gradients, compared above at every step, are the exact check)
+PARAMETER_TOLERANCE = {"llama": {"rtol": 1e-4, "atol": 1e-4}}
+
+
+def _loss(out):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _build(make):
+    torch.manual_seed(0)
+    return make().double()
+
+
+def _devices(layout):
+    n = 1
+    for size in layout.values():
+        n *= size
+    return ["cpu"] * n
+
+
+def _transform(model, layout, kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dpcompile.transform(model, _devices(layout), mesh=layout, example_kwargs=kwargs)
+
+
+_CAPTURED: dict[str, tuple] = {}
+
+
+def _captured(name):
+    """``(make, kwargs, model, initial state, program)``: the transformers models are exported once
+    per module (most of the time of a test), and every layout lowers that program."""
+    if name not in _CAPTURED:
+        make, kwargs = MODELS[name]()
+        model = _build(make)
+        program = model
+        if name != "mlp":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = capture_model(model, frontend="export", example_kwargs=kwargs)[0]
+        _CAPTURED[name] = (make, kwargs, model, copy.deepcopy(model.state_dict()), program)
+    return _CAPTURED[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "x".join(layout))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_layout_matrix_trains_like_eager(name, layout):
+    """3 AdamW steps: each loss and gradient equals eager, and the parameters after them; state_dict
+    equals the model's."""
+    make, kwargs, model, initial, program = _captured(name)
+    model.load_state_dict(initial)
+    model.zero_grad(set_to_none=True)
+    reference = _build(make)
+    reference.load_state_dict(initial)
+    pm = _transform(program, layout, kwargs)
+    assert pm.layout == layout
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        loss = _loss(pm(**kwargs))
+        loss.backward()
+        expected = _loss(reference(**kwargs))
+        expected.backward()
+        torch.testing.assert_close(loss, expected, **TOLERANCE.get(name, {}),
+                                   msg=lambda m, step=step: f"loss of step {step}: {m}")
+        grads = full_gradients(pm) if getattr(pm, "param_shards", None) else dict(pm.named_parameters())
+        for key, p in reference.named_parameters():
+            got = grads[key] if getattr(pm, "param_shards", None) else grads[key].grad
+            torch.testing.assert_close(got, p.grad, **TOLERANCE.get(name, {}),
+                                       msg=lambda m, key=key, step=step: f"gradient of {key}, step {step}: {m}")
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    state, ref_state = pm.state_dict(), reference.state_dict()
+    assert list(state) == list(ref_state)
+    for key, value in ref_state.items():
+        # AdamW divides by the gradient's running magnitude, so a float64 rounding difference in a
+        # near-zero gradient (a rare token's embedding row, summed in another order) shows at ~1e-7
+        torch.testing.assert_close(state[key], value, **PARAMETER_TOLERANCE.get(name, {"rtol": 1e-5, "atol": 1e-6}),
+                                   msg=lambda m, key=key: f"{key} after 3 steps: {m}")
+
+
+META_CELLS = [("mlp", layout) for layout in LAYOUTS] + [("gpt2", LAYOUTS[-1]), ("llama", LAYOUTS[-1])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "layout"), META_CELLS, ids=lambda v: v if isinstance(v, str) else "x".join(v))
+def test_layout_matrix_meta_model_loads_checkpoint(name, layout, tmp_path):
+    """A model built on meta, transformed, then filled by load_checkpoint gives eager's outputs."""
+    make, kwargs = MODELS[name]()
+    reference = _build(make)
+    path = tmp_path / "ckpt"
+    dpcompile.save_checkpoint(_transform(copy.deepcopy(reference), {"dp": 2}, kwargs), path)
+    with torch.device("meta"):
+        meta = _build(make)
+    pm = _transform(meta, layout, kwargs)
+    assert pm.needs_weights
+    dpcompile.load_checkpoint(pm, path)
+    assert not pm.needs_weights
+    reference.eval()
+    pm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(_loss(pm(**kwargs)), _loss(reference(**kwargs)), **TOLERANCE.get(name, {}))

@@ -18,7 +18,8 @@ from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
 from dpcompile.fake import fake_devices as fake_devices_of
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module
 from dpcompile.inspect import Recorder, slot_of, user_source
-from dpcompile.recipes import DataParallelRecipe, TensorParallelRecipe
+from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, TensorParallelRecipe
+from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
 from dpcompile.runtime.structures import tensor_leaves
 from dpcompile.verify.result import Mismatch, VerifyResult, first_line
 
@@ -35,7 +36,25 @@ def _build_fake_program(pm: Any, fake_model: nn.Module, devices: Devices, exampl
             recipe, devices=devices, output_device=devices.primary, plan=dict(pm.plan) or True, check_available=False
         )
         return fake_recipe.compile(fake_model, example)
-    raise ValueError(f"fake_devices= supports data-parallel and tensor-parallel modules, not mode {pm.mode!r}")
+    if isinstance(recipe, (PipelineRecipe, PipelineTensorParallelRecipe)):
+        fields = {"plan": dict(pm.plan) or True} if isinstance(recipe, PipelineTensorParallelRecipe) else {}
+        fake_recipe = dataclasses.replace(recipe, devices=devices, output_device=devices.primary, **fields)
+        return fake_recipe.compile(fake_model, example)
+    raise ValueError(
+        f"fake_devices= checks programs of one process (data, tensor and pipeline parallel), not mode {pm.mode!r}: "
+        "over a DeviceMesh each rank's placement is its own device"
+    )
+
+
+_TRANSFERS = ("send", "to_device", "gather", "reduce_to", "copy_to", "to_stage")
+
+
+def _moves_between_devices(node: fx.Node) -> bool:
+    """A runtime call that moves values to another device (a send between stages, a gather)."""
+    target = node.target
+    module = getattr(target, "__module__", "") or ""
+    name = getattr(target, "__name__", "") or ""
+    return node.op == "call_function" and module.startswith("dpcompile.runtime") and any(w in name for w in _TRANSFERS)
 
 
 def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[Any], *args: Any, **kwargs: Any) -> VerifyResult:
@@ -69,7 +88,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
             example = None if kwargs else tuple(
                 mode.from_tensor(x.detach()).to(devices.primary) if isinstance(x, torch.Tensor) else x for x in args
             )
-            if batch is not None and batch < len(devices):
+            if batch is not None and batch < len(devices) and isinstance(pm.recipe, DataParallelRecipe):
                 devices = devices.prefix(batch)
             program = _build_fake_program(pm, fake_model, devices, example)
     except ImportError:
@@ -105,7 +124,10 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
         slot = slot_of(node)
         if slot is None or slot >= n:
             continue
-        wrong = [d for d in recorder.devices.get(node.name, []) if torch.device(d) != devices[slot]]
+        seen = recorder.devices.get(node.name, [])
+        if len(set(seen)) > 1 or _moves_between_devices(node):  # a transfer lands where it is sent, not on its slot
+            continue
+        wrong = [d for d in seen if torch.device(d) != devices[slot]]
         if wrong:
             mismatches.append(Mismatch("layout", node.name, f"is on {wrong[0]}, expected {devices[slot]} (slot {slot})"))
     for path, t in tensor_leaves(output):

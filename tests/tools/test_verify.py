@@ -334,3 +334,34 @@ class _RowNormalised(nn.Module):
 
     def forward(self, x):
         return _divide_by_batch_sum(self.fc(x))
+
+
+class _Layers(nn.Module):
+    def __init__(self, make_on_cpu: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.make_on_cpu = make_on_cpu
+
+    def forward(self, x):
+        for k, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if k == 3 and self.make_on_cpu:
+                x = x * torch.arange(x.size(1))  # made on the default device: wrong on the last stage's GPU
+        return x.mean()
+
+
+@pytest.mark.parametrize(("kwargs", "n"), [({"pipeline": 2, "micro_batches": 2}, 2),
+                                           ({"pipeline": 2, "tensor_parallel": True}, 4)])
+def test_verify_fake_devices_checks_pipeline_layouts(kwargs, n):
+    """Pipelines (and pipeline x tensor parallel) rebuilt for fake CUDA devices: every stage's values
+    on its devices; a tensor made on the CPU in the last stage is caught with the user's line."""
+    model = _Layers()
+    pm = dpcompile.transform(model, ["cpu"] * n, **kwargs)
+    result = dpcompile.verify(pm, model, torch.randn(4, 8), fake_devices=n)
+    assert result, str(result)
+    assert result.checked["fake devices"] == n and result.checked["placed nodes"] > n * 4
+    model = _Layers(make_on_cpu=True)
+    pm = dpcompile.transform(model, ["cpu"] * n, **kwargs)
+    assert dpcompile.verify(pm, model, torch.randn(4, 8))
+    result = dpcompile.verify(pm, model, torch.randn(4, 8), fake_devices=n)
+    assert not result and "test_verify.py" in str(result), str(result)

@@ -171,3 +171,15 @@ def test_layout_three_dimensional_mesh_refused_with_the_nearest():
 
     with pytest.raises(DpCompileError, match=r"\{'pp': 2, 'dp': 2, 'tp': 2\}.*use a \('pp', 'dp'\)"):
         check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("pp", "dp", "tp")), pipeline=2, tensor_parallel=True)
+
+
+def test_layout_survives_pickling():
+    """torch.save / torch.load keep pm.layout and pm.strategies."""
+    import io
+
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2, tensor_parallel=True)
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    assert copy.layout == {"tp": 2} and copy.strategies == {"tp": "tensor parallel"}

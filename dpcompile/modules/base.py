@@ -466,6 +466,7 @@ class ParallelModule(fx.GraphModule):
             "extra": self._extra_state_for_pickle(),
             "source": source,
             "stale_main": stale,
+            "described": {name: self.__dict__[name] for name in DESCRIBED if name in self.__dict__},
         }
         return (_restore_parallel_module, (_importable_class(self), state))
 
@@ -534,6 +535,9 @@ class ParallelModule(fx.GraphModule):
         """The counterpart of :meth:`_extra_state_for_pickle`."""
 
 
+#: what transform records about a program (its layout and plan), carried by a pickled copy
+DESCRIBED = ("layout", "strategies", "memory_options", "memory_plan")
+
 #: inductor options of ``pm.compile()``: no per-call size/stride asserts on the inputs (the parameters),
 #: which dynamo's guards check; on CPU also a C++ wrapper (a longer compile, no Python per kernel call)
 COMPILE_OPTIONS: dict[str, Any] = {"size_asserts": False}
@@ -579,6 +583,7 @@ def _restore_parallel_module(cls: type, state: dict[str, Any]) -> ParallelModule
     if state.get("leaf_root") is not None:
         pm._modules.pop(ROOT_LEAF, None)
     pm._restore_extra_state(state["extra"])
+    pm.__dict__.update(state.get("described", {}))
     pm.training = state["training"]  # each submodule was pickled with its own mode
     if state.get("stale_main") and pm.traced_model is not None:  # pm.graph was traced for the model as it was
         pm.program_cache.main_key = pm.program_cache.main_key._replace(guard=-1)

@@ -3,7 +3,9 @@
 * :func:`resolve_explicit_plan`: a user's ``{path: style}`` checked against the model, with a
   reason for each layer forward never calls;
 * :func:`choose_plan`: the automatic plan (``tensor_parallel=True``) that minimises the
-  elements each device sends (:func:`dpcompile.analysis.cost.plan_cost`).
+  elements each device sends (:func:`dpcompile.analysis.cost.plan_cost`);
+* :func:`plan_for_memory`: ``memory_per_device=``: data parallel where a replica fits, else the
+  tensor-parallel program, costed as built (on fake tensors) by explain's rule.
 
 The automatic plan gives every ``nn.Linear`` whose shapes allow it a ``column`` or ``row``
 style, choosing, group by group of interacting layers (see

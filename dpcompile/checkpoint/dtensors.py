@@ -6,7 +6,9 @@ checkpoint targets of such parameters so that the rest of the checkpoint code se
 
 * loading: the piece is this rank's local rows (``DTensor.to_local()``, which shares the
   parameter's memory) with the rows of the full tensor it holds (a :class:`ShardSpec` of three
-  parts: before, this rank's, after), so each rank reads only its own slice of the file;
+  parts: before, this rank's, after), so each rank reads only its own slice of the file (on a
+  ``("dp", "tp")`` mesh, where FSDP's rows and the tensor-parallel split lie on different dims,
+  the rank reads its tensor-parallel slice and keeps its rows of it);
 * saving: ``target.gather()`` puts one tensor together at a time (``full_tensor()`` over ``dp``,
   then the tensor-parallel all-gather over ``tp`` where the shard is one), on every rank.
 
@@ -26,7 +28,7 @@ from dpcompile.checkpoint.files import CheckpointError
 from dpcompile.runtime.distributed import MeshGroup, all_gather
 from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections
 
-__all__ = ["PeerFailed", "check_peers", "is_dtensor", "localize", "signal"]
+__all__ = ["PeerFailed", "RowsOf", "check_peers", "is_dtensor", "localize", "signal"]
 
 
 class PeerFailed(CheckpointError):
@@ -58,8 +60,7 @@ def check_peers() -> None:
 def localize(pm: Any, targets: dict[str, Any]) -> None:
     """In place: each target of ``targets`` held by a DTensor reads and writes through this
     rank's local part, and each target whose full value needs other ranks (FSDP's or
-    tensor-parallel shards over a mesh) gets ``gather``. ``CheckpointError`` for a layout whose
-    local part is not one block of rows (FSDP over a tensor-parallel shard split on another dim)."""
+    tensor-parallel shards over a mesh) gets ``gather``."""
     done: dict[int, tuple[Any, ShardSpec | None, int, Callable[[], torch.Tensor]]] = {}
     for key, target in targets.items():
         piece = target.pieces[0]
@@ -78,26 +79,42 @@ def localize(pm: Any, targets: dict[str, Any]) -> None:
 
 def _local_piece(
     key: str, full_shape: tuple[int, ...], tensor: Any, outer: ShardSpec | None, outer_index: int
-) -> tuple[torch.Tensor, ShardSpec | None, int]:
-    """``(local tensor, spec, index)``: this rank's part of the full tensor ``key`` as one block."""
+) -> tuple[Any, ShardSpec | None, int]:
+    """``(piece tensor, spec, index)``: this rank's part of the full tensor ``key`` as the load reads it.
+
+    One block of rows of the full tensor (FSDP alone, or over a tensor-parallel shard split on
+    the same dim): the local tensor and a spec of three parts (before, this rank's, after).
+    FSDP's rows of a shard split on another dim (a row-parallel weight) or of a fused
+    projection: the tensor-parallel shard is read and this rank's rows are cut from it
+    (:class:`RowsOf`)."""
     starts, sizes = _local_region(tensor)
     partial = [d for d, (s, n) in enumerate(zip(starts, sizes)) if (s, n) != (0, tensor.shape[d])]
     local = tensor.to_local()
     if not partial:
         return local, outer, outer_index
-    dim = partial[0]
-    start, size = starts[dim], sizes[dim]
-    if outer is not None:
-        if outer.dim != dim or outer.sections != 1:
-            raise CheckpointError(
-                f"'{key}': this rank holds FSDP's rows {start}..{start + size} of a tensor-parallel shard split on "
-                f"dim {outer.dim}{' (a fused projection)' if outer.sections != 1 else ''}, not one block of the "
-                "checkpoint tensor; save or load it from a program with data_parallel='ddp', or without tensor_parallel"
-            )
-        start += outer.offsets()[outer_index]
     if len(partial) > 1:
         raise CheckpointError(f"'{key}': this rank's part is split on dims {partial}, not one block of rows")
-    return local, ShardSpec(dim, (start, size, full_shape[dim] - start - size)), 1
+    dim = partial[0]
+    start, size = starts[dim], sizes[dim]
+    if outer is None or (outer.dim == dim and outer.sections == 1):
+        start += 0 if outer is None else outer.offsets()[outer_index]
+        return local, ShardSpec(dim, (start, size, full_shape[dim] - start - size)), 1
+    return RowsOf(local, dim, start, size), outer, outer_index
+
+
+class RowsOf:
+    """FSDP's rows ``start:start + size`` (along ``dim``) of a tensor-parallel shard, held in
+    ``local``: a load reads the shard and copies this rank's rows out of it."""
+
+    def __init__(self, local: torch.Tensor, dim: int, start: int, size: int):
+        self.local, self.dim, self.start, self.size = local, dim, start, size
+
+    def copy_(self, shard: torch.Tensor) -> RowsOf:
+        self.local.copy_(shard.narrow(self.dim, self.start, self.size))
+        return self
+
+    def element_size(self) -> int:
+        return self.local.element_size()
 
 
 def _local_region(tensor: Any) -> tuple[list[int], list[int]]:

@@ -181,6 +181,42 @@ def check_ranks_agree_on_failure(folder: str) -> None:
     _same(fresh, pm.state_dict(), torch.ones(2, 3, 8), pm(torch.ones(2, 3, 8)))
 
 
+def check_two_d(folder: str) -> None:
+    """A ("dp", "tp") mesh: saved (FSDP's rows gathered, then the tp shards) and loaded back into a
+    fresh 2-D program (row-parallel weights: the tp slice read, this rank's rows kept): equal."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    pm = dpcompile.transform(Net(), mesh, tensor_parallel=True, data_parallel="fsdp")
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    want_state, want_out = pm.state_dict(), pm(x)
+    path = Path(folder) / "two_d"
+    dpcompile.save_checkpoint(pm, path)
+    dist.barrier()
+    torch.manual_seed(3)
+    fresh = dpcompile.transform(Net(), mesh, tensor_parallel=True, data_parallel="fsdp")
+    dpcompile.load_checkpoint(fresh, path)
+    _same(fresh, want_state, x, want_out)
+    replicas = dpcompile.transform(Net(), ["cpu", "cpu"])
+    dpcompile.load_checkpoint(replicas, path)
+    _same(replicas, want_state, x, want_out)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_checkpoint_4_processes_two_d(tmp_path):
+    """FSDP over dp with tensor parallel over tp (2 x 2 gloo ranks): save and load equal; see check_two_d."""
+    outcomes = run_spawned(run_checks, 4, [("two_d", functools.partial(check_two_d, str(tmp_path)))],
+                           timeout=GROUP_TIMEOUT_S)  # fmt: skip
+    assert sorted(outcomes) == [0, 1, 2, 3], f"ranks reported: {sorted(outcomes)} (a hang or a crash)"
+    for rank, outcome in outcomes.items():
+        assert outcome.get("two_d", "not run") is None, f"rank {rank}:\n{outcome.get('two_d', outcome)}"
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("fsdp_checkpoint"))

@@ -243,16 +243,20 @@ def memory_candidates(
     batch: int | None,
     tensor_parallel: object = False,
     fake_program: FakeProgram,
+    budgets: Mapping[str, int] | None = None,
 ) -> dict[str, MemoryEstimate | None]:
     """Per-device estimates of the programs ``transform`` can choose for ``labels``, in the order
     that moves the fewest bytes: data parallel (a full replica each, the batch split) unless a
     tensor-parallel plan was asked for, then the tensor-parallel program itself, built on fake
-    tensors by ``fake_program(len(labels))`` (None where it cannot be built)."""
+    tensors by ``fake_program(len(labels))`` (None where it cannot be built) unless data
+    parallel already fits ``budgets``."""
     out: dict[str, MemoryEstimate | None] = {}
     if tensor_parallel is False:
         out["data_parallel"] = data_parallel_estimate(
             model, labels, optimizer=optimizer, training=training, activations=activations, batch=batch
         )
+        if budgets is not None and choose_strategy(out, budgets) is not None:
+            return out  # the first choice fits: no tensor-parallel program to build
     pm = fake_program(len(labels))
     out["tensor_parallel"] = (
         None if pm is None else program_estimate(pm, optimizer=optimizer, training=training, activations=activations)
@@ -382,17 +386,17 @@ def plan_for_memory(
     plan = tensor_parallel or True
 
     def fake_program(k: int) -> nn.Module | None:
-        if k == len(labels):
-            return build(devices, plan)  # the user's devices: a plan that cannot be built says why
-        try:  # a device count the user did not ask for: virtual devices hold what distinct ones would
-            return build([parsed.primary] * k, plan)
+        if k == len(labels) and tensor_parallel is not False:
+            return build(devices, plan)  # the plan the user gave: where it cannot be built, say why
+        try:  # another device count: virtual devices hold what distinct ones would
+            return build(devices if k == len(labels) else [parsed.primary] * k, plan)
         except (DpCompileError, ValueError) as e:
             log.debug("no tensor-parallel program over %d devices: %s", k, e)
             return None
 
     options = {"optimizer": optimizer, "training": training, "activations": activations, "batch": batch,
                "tensor_parallel": tensor_parallel, "fake_program": fake_program}  # fmt: skip
-    candidates = memory_candidates(model, labels, **options)
+    candidates = memory_candidates(model, labels, budgets=budgets, **options)
     choice = choose_strategy(candidates, budgets)
     if choice is None:
         at_n = candidates.get("tensor_parallel")

@@ -10,7 +10,7 @@ buffer per parameter), ``"adamw"`` / ``"adam"`` two buffers per parameter in the
 
 :class:`MemoryEstimate` holds the four kinds per device; :func:`choose_strategy` picks the first
 candidate (in the order that moves the fewest bytes: data parallel, then tensor parallel, then
-pipeline stages where given) whose every device fits its budget, and :func:`no_fit_message`
+pipeline stages where given) whose every device fits its budget; :func:`dpcompile.planning.no_fit_error`
 says how many devices, or how large a budget, would fit.
 """
 

@@ -18,48 +18,43 @@ from pathlib import Path
 from typing import Any
 
 from dpcompile.checkpoint import load, save
-from dpcompile.checkpoint.dtensors import PeerFailed, signal
+from dpcompile.checkpoint.dtensors import PeerFailed, ranks_of, signal
 from dpcompile.checkpoint.files import CheckpointError
 from dpcompile.modules.weights import NEEDS_WEIGHTS
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 
-def over_processes(pm: Any) -> bool:
-    """Whether ``pm`` runs over a mesh of processes (its save and load involve every rank)."""
-    import torch.distributed as dist
-
-    return getattr(pm, "mesh", None) is not None and dist.is_available() and dist.is_initialized()
-
-
 def agreed(what: str, pm: Any, action: Callable[[], Any]) -> Any:
     """``action()`` on every rank, its outcome agreed: a failure anywhere raises everywhere."""
-    if not over_processes(pm):
+    over, group = ranks_of(pm)
+    if not over:
         return action()
     try:
         result = action()
     except BaseException as e:
-        _settle(what, pm, e)
+        _settle(what, pm, e, group)
         raise
-    _settle(what, pm, None)
+    _settle(what, pm, None, group)
     return result
 
 
-def _settle(what: str, pm: Any, error: BaseException | None) -> None:
+def _settle(what: str, pm: Any, error: BaseException | None, group: Any) -> None:
     """Report this rank's outcome; where any rank failed, raise on this one too."""
     import torch.distributed as dist
 
     # a rank stopped by PeerFailed already heard the failure (in place of a gather): no second report
-    if not isinstance(error, PeerFailed) and not signal(error is not None):
+    if not isinstance(error, PeerFailed) and not signal(error is not None, group):
         return
-    messages: list[Any] = [None] * dist.get_world_size()
+    messages: list[Any] = [None] * dist.get_world_size(group)
     own = None if error is None or isinstance(error, PeerFailed) else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(messages, own)
+    dist.all_gather_object(messages, own, group=group)
     if what == "load_checkpoint":
         pm.__dict__[NEEDS_WEIGHTS] = True  # the ranks may hold different weights: none runs on them
     if error is not None and not isinstance(error, PeerFailed):
         return  # the caller re-raises this rank's own error
-    failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(messages))
+    failed = "; ".join(f"rank {r}: {m}" for r, m in zip(ranks, messages) if m is not None)
     raise CheckpointError(
         f"{what} failed on another rank, so it fails on every rank ({failed})"
         + ("; the program waits for a load again" if what == "load_checkpoint" else "")

@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from dpcompile.checkpoint.files import CheckpointError
+from dpcompile.mesh import is_device_mesh
 from dpcompile.runtime.distributed import MeshGroup, all_gather
 from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections
 
-__all__ = ["PeerFailed", "RowsOf", "check_peers", "is_dtensor", "localize", "signal"]
+__all__ = ["PeerFailed", "RowsOf", "check_peers", "is_dtensor", "localize", "ranks_of", "signal"]
 
 
 class PeerFailed(CheckpointError):
@@ -41,19 +42,34 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def signal(failed: bool) -> bool:
-    """One status exchange between all ranks: True where any rank reports a failure."""
+def ranks_of(pm: Any) -> tuple[bool, Any]:
+    """``(over processes, group)``: whether ``pm`` runs over a ``DeviceMesh`` of processes, and
+    the process group of all its ranks (None: the default group, where the mesh spans it; a
+    mesh over part of the processes: its own group, where it has one dim)."""
+    import torch.distributed as dist
+
+    mesh = getattr(pm, "mesh", None)
+    if not (dist.is_available() and dist.is_initialized() and is_device_mesh(mesh)):
+        return False, None
+    if mesh.size() == dist.get_world_size():
+        return True, None
+    return (True, mesh.get_group()) if mesh.ndim == 1 else (False, None)
+
+
+def signal(failed: bool, group: Any = None) -> bool:
+    """One status exchange between the ranks of ``group``: True where any reports a failure."""
     import torch.distributed as dist
 
     flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
-def check_peers() -> None:
+def check_peers(pm: Any) -> None:
     """Before a gather: raise :class:`PeerFailed` where another rank has failed (it sent its
     failure to this exchange instead of its part of the gather)."""
-    if signal(False):
+    over, group = ranks_of(pm)
+    if over and signal(False, group):
         raise PeerFailed("another rank failed during this checkpoint; see its error")
 
 
@@ -139,7 +155,7 @@ def _local_region(tensor: Any) -> tuple[list[int], list[int]]:
 
 def _dtensor_gather(pm: Any, tensor: Any, outer: ShardSpec | None) -> Callable[[], torch.Tensor]:
     def gather() -> torch.Tensor:
-        check_peers()
+        check_peers(pm)
         with torch.no_grad():
             value = tensor.detach().full_tensor()
         return _gather_tensor_parallel(pm, value, outer) if outer is not None else value.to("cpu")
@@ -149,7 +165,7 @@ def _dtensor_gather(pm: Any, tensor: Any, outer: ShardSpec | None) -> Callable[[
 
 def _tensor_parallel_gather(pm: Any, tensor: torch.Tensor, spec: ShardSpec | None) -> Callable[[], torch.Tensor]:
     def gather() -> torch.Tensor:
-        check_peers()
+        check_peers(pm)
         return _gather_tensor_parallel(pm, tensor.detach(), spec)
 
     return gather

@@ -16,7 +16,6 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.memory import MemoryEstimate, activation_bytes, choose_strategy, optimizer_bytes, parse_budget
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING
 from dpcompile.devices import parse_device, parse_devices
@@ -26,9 +25,9 @@ from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.other_mode import OtherModePending
-from dpcompile.planning import memory_candidates, no_fit_error
+from dpcompile.planning import plan_for_memory
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
-from dpcompile.recipes.meta import compile_meta_model
+from dpcompile.recipes.meta import compile_meta_model, compile_on_fake
 from dpcompile.recipes.pipeline import check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
 from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe, pipeline_tensor_parallel_recipe
@@ -107,30 +106,35 @@ def transform(
             "memory_per_device= does not plan pipeline stages yet: give pipeline= alone (explain(pm, x) reports "
             "each stage's memory), or memory_per_device= alone to choose between data and tensor parallel"
         )
+    recipe_options = {
+        "frontend": frontend, "batch_dim": batch_dim, "output_device": output_device, "leaf_modules": leaf_modules,
+        "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
+        "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
+        "mixed_precision": mixed_precision,
+    }  # fmt: skip
+    example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
-        tensor_parallel, estimate = _plan_for_memory(
-            model, devices, memory_per_device, optimizer, training, _example_tuple(example_inputs), example_kwargs,
-            tensor_parallel,
+        if not isinstance(model, fx.GraphModule):
+            check_signature(model)
+        check_examples(model, example_tuple, example_kwargs)
+
+        def fake_program(devices_k: Any, plan: Any) -> ParallelModule:
+            """The tensor-parallel program transform would build over ``devices_k``, on fake tensors."""
+            fake_recipe = make_recipe(model, devices_k, tensor_parallel=plan, **recipe_options)
+            compile_one = functools.partial(
+                _compile, fake_recipe, frontend=frontend, batch_dim=batch_dim, dynamic_dims=dynamic_dims
+            )
+            primary = fake_recipe.devices.primary  # type: ignore[attr-defined]
+            with _gc_paused():
+                return compile_on_fake(model, primary, example_tuple, example_kwargs, compile_one, allocate=False)
+
+        tensor_parallel, estimate = plan_for_memory(
+            model, devices, memory_per_device, optimizer, training, example_tuple, example_kwargs, tensor_parallel,
+            fake_program,
         )  # fmt: skip
-    recipe = make_recipe(
-        model,
-        devices,
-        tensor_parallel=tensor_parallel,
-        frontend=frontend,
-        batch_dim=batch_dim,
-        output_device=output_device,
-        leaf_modules=leaf_modules,
-        copy_replicas=copy_replicas,
-        ddp_options=ddp_options,
-        pipeline=pipeline,
-        micro_batches=micro_batches,
-        schedule=schedule,
-        data_parallel=data_parallel,
-        mixed_precision=mixed_precision,
-    )
+    recipe = make_recipe(model, devices, tensor_parallel=tensor_parallel, **recipe_options)
     if not isinstance(model, fx.GraphModule):
         check_signature(model)
-    example_tuple = _example_tuple(example_inputs)
     check_examples(model, example_tuple, example_kwargs)
     with _gc_paused():
         if has_meta_tensors(model):  # built on meta: capture and plan on fake tensors, allocate per device
@@ -189,47 +193,6 @@ def _compile(
 
         object.__setattr__(pm, "_other_mode", OtherModePending(build_both_modes, model))
     return pm
-
-
-def _plan_for_memory(
-    model: nn.Module, devices: Any, budget: Any, optimizer: str | None, training: bool,
-    example_inputs: tuple | None, example_kwargs: Mapping[str, Any] | None, tensor_parallel: Any,
-) -> tuple[Any, MemoryEstimate]:  # fmt: skip
-    """``tensor_parallel=`` for the program that fits ``budget`` on every device, and its estimate
-    (see ``docs/memory.md``); :class:`DpCompileError` with the arithmetic where none fits."""
-    if is_device_mesh(devices):
-        raise ValueError(
-            "memory_per_device= plans over a list of devices; over a DeviceMesh choose data_parallel= / tensor_parallel="
-        )
-    parsed = parse_devices(devices)
-    labels = parsed.labels()
-    if isinstance(budget, Mapping):
-        given = {str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
-        missing = sorted({str(d) for d in parsed.devices} - set(given))
-        if missing:
-            raise ValueError(
-                f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all"
-            )
-        budgets = {label: given[str(d)] for label, d in zip(labels, parsed.devices)}
-    else:
-        budgets = dict.fromkeys(labels, parse_budget(budget))
-    optimizer_bytes([], optimizer)  # an unknown optimizer fails here
-    activations, batch = 0, None
-    if example_inputs is not None or example_kwargs:
-        activations = activation_bytes(model, example_inputs or (), example_kwargs, training=training)
-        first = next(
-            (x for x in [*(example_inputs or ()), *(example_kwargs or {}).values()] if hasattr(x, "dim") and x.dim()),
-            None,
-        )
-        batch = None if first is None else int(first.shape[0])
-    candidates = memory_candidates(model, labels, optimizer=optimizer, training=training, activations=activations,
-                                   batch=batch, tensor_parallel=tensor_parallel)  # fmt: skip
-    choice = choose_strategy(candidates, budgets)
-    if choice is None:
-        raise no_fit_error(model, candidates, budgets, optimizer=optimizer, training=training, activations=activations)
-    chosen = candidates[choice]
-    chosen.what = "saved for backward (fake run of the examples)" if training else "peak live in forward (fake run)"
-    return (False if choice == "data_parallel" else (tensor_parallel or True)), chosen
 
 
 def _apply_frontend(

@@ -3,7 +3,9 @@
 * :func:`resolve_explicit_plan`: a user's ``{path: style}`` checked against the model, with a
   reason for each layer forward never calls;
 * :func:`choose_plan`: the automatic plan (``tensor_parallel=True``) that minimises the
-  elements each device sends (:func:`dpcompile.analysis.cost.plan_cost`).
+  elements each device sends (:func:`dpcompile.analysis.cost.plan_cost`);
+* :func:`plan_for_memory`: ``memory_per_device=``: data parallel where a replica fits, else the
+  tensor-parallel program, costed as built (on fake tensors) by explain's rule.
 
 The automatic plan gives every ``nn.Linear`` whose shapes allow it a ``column`` or ``row``
 style, choosing, group by group of interacting layers (see
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch.fx as fx
 from torch import nn
@@ -26,11 +29,15 @@ from dpcompile.analysis.graph_view import find_linear_chains, linear_groups
 from dpcompile.analysis.memory import (
     KINDS,
     MemoryEstimate,
+    activation_bytes,
+    choose_strategy,
+    format_budget_up,
     format_bytes,
+    optimizer_bytes,
     parameter_kinds,
-    shardable_parameters,
-    smallest_device_count,
+    parse_budget,
 )
+from dpcompile.analysis.program_memory import held_parameter_bytes, program_memory
 from dpcompile.analysis.sharding import (
     check_divisible,
     check_plan,
@@ -38,7 +45,9 @@ from dpcompile.analysis.sharding import (
     is_shard_transparent,
     resolve_plan,
 )
+from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import DpCompileError
+from dpcompile.mesh import is_device_mesh
 
 log = logging.getLogger("dpcompile")
 
@@ -194,6 +203,36 @@ def _descend(gm: fx.GraphModule, styles: dict[str, str], paths: list[str], optio
 
 
 # ----------------------------------------------------------------------------- memory-aware plans
+#: builds the tensor-parallel program over ``k`` devices on fake tensors (no memory), or None where it cannot
+FakeProgram = Callable[[int], "nn.Module | None"]
+
+
+def data_parallel_estimate(
+    model: nn.Module, labels: list[str], *, optimizer: str | None, training: bool, activations: int, batch: int | None
+) -> MemoryEstimate:
+    """Data parallel: a full replica on every device, and the device's share of the batch's activations."""
+    n = len(labels)
+    share = activations if not batch else activations * -(-batch // n) // batch
+    kinds = {**parameter_kinds(list(model.parameters()), optimizer, training), "activations": share}
+    return MemoryEstimate({d: dict(kinds) for d in labels}, optimizer, training)
+
+
+def program_estimate(pm: nn.Module, *, optimizer: str | None, training: bool, activations: int) -> MemoryEstimate:
+    """A built tensor-parallel program's own estimate (what ``explain`` reports for it): the
+    parameters each device really holds under its plan, leaf modules and dtypes, with the
+    gradients and optimizer state that go with them, and the activations counted whole."""
+    labels, devices = pm.devices.labels(), list(pm.devices)
+    held = held_parameter_bytes(pm, labels, devices)
+    kinds = program_memory(pm, held, optimizer=optimizer, training=training, activations=activations, share=1.0)
+    estimate = MemoryEstimate(kinds, optimizer, training)
+    slots = getattr(pm, "shard_param_slots", {}) or {}
+    replicated = sum(p.numel() * p.element_size() for name, p in pm.named_parameters() if slots.get(name, 0) is None)
+    peak = max(held, key=estimate.total)
+    if held[peak]:
+        estimate.whole = round((estimate.total(peak) - activations) * min(1.0, replicated / held[peak]))
+    return estimate
+
+
 def memory_candidates(
     model: nn.Module,
     labels: list[str],
@@ -203,57 +242,167 @@ def memory_candidates(
     activations: int,
     batch: int | None,
     tensor_parallel: object = False,
-) -> dict[str, MemoryEstimate]:
+    fake_program: FakeProgram,
+    budgets: Mapping[str, int] | None = None,
+) -> dict[str, MemoryEstimate | None]:
     """Per-device estimates of the programs ``transform`` can choose for ``labels``, in the order
     that moves the fewest bytes: data parallel (a full replica each, the batch split) unless a
-    tensor-parallel plan was asked for, then tensor parallel (each ``nn.Linear`` whose output
-    features divide split over the devices, the rest replicated, activations counted whole)."""
-    n = len(labels)
-    params = list(model.parameters())
-    out: dict[str, MemoryEstimate] = {}
+    tensor-parallel plan was asked for, then the tensor-parallel program itself, built on fake
+    tensors by ``fake_program(len(labels))`` (None where it cannot be built) unless data
+    parallel already fits ``budgets``."""
+    out: dict[str, MemoryEstimate | None] = {}
     if tensor_parallel is False:
-        share = activations if not batch else activations * -(-batch // n) // batch
-        kinds = {**parameter_kinds(params, optimizer, training), "activations": share}
-        out["data_parallel"] = MemoryEstimate({d: dict(kinds) for d in labels}, optimizer, training)
-    kinds = tensor_parallel_kinds(model, n, optimizer, training, activations)
-    out["tensor_parallel"] = MemoryEstimate({d: dict(kinds) for d in labels}, optimizer, training)
+        out["data_parallel"] = data_parallel_estimate(
+            model, labels, optimizer=optimizer, training=training, activations=activations, batch=batch
+        )
+        if budgets is not None and choose_strategy(out, budgets) is not None:
+            return out  # the first choice fits: no tensor-parallel program to build
+    pm = fake_program(len(labels))
+    out["tensor_parallel"] = (
+        None if pm is None else program_estimate(pm, optimizer=optimizer, training=training, activations=activations)
+    )
     return out
 
 
-def tensor_parallel_kinds(model: nn.Module, n: int, optimizer: str | None, training: bool, activations: int) -> dict[str, int]:
-    """Bytes each of ``n`` devices holds under tensor parallelism, by kind."""
-    sharded = shardable_parameters(model, n)
-    ids = {id(p) for p in sharded}
-    split = parameter_kinds(sharded, optimizer, training)
-    whole = parameter_kinds([p for p in model.parameters() if id(p) not in ids], optimizer, training)
-    return {**{k: -(-split[k] // n) + whole[k] for k in split}, "activations": activations}
+def fewest_devices(
+    model: nn.Module, n: int, budget: int, *, optimizer: str | None, training: bool, activations: int,
+    batch: int | None, tensor_parallel: object, fake_program: FakeProgram, at_n: MemoryEstimate | None = None,
+    max_builds: int = 3, limit: int | None = None,
+) -> tuple[int, str, MemoryEstimate] | None:  # fmt: skip
+    """The fewest devices ``k > n`` on which a program fits ``budget``: ``(k, strategy, estimate)``.
+
+    Data parallel is checked at every ``k`` (no build needed); a tensor-parallel program is built
+    (on fake tensors) only where a lower bound (activations whole, everything else split ``k``
+    ways) fits and the program over ``n`` devices (``at_n``), its replicated part kept whole and
+    the rest split ``k`` ways, predicts a fit; at most ``max_builds`` times, up to ``limit``
+    devices (:func:`search_limit`). Each answer is a program built and checked, so following it fits."""
+    replica = sum(parameter_kinds(list(model.parameters()), optimizer, training).values())
+    builds = 0
+
+    def predicted(k: int) -> float:
+        if at_n is None:
+            return 0.0
+        return activations + at_n.whole + (at_n.peak - activations - at_n.whole) * n / k
+    for k in range(n + 1, search_limit(n, limit) + 1):
+        labels = [f"device{i}" for i in range(k)]
+        if tensor_parallel is False:
+            dp = data_parallel_estimate(model, labels, optimizer=optimizer, training=training,
+                                        activations=activations, batch=batch)  # fmt: skip
+            if dp.peak <= budget:
+                return k, "data_parallel", dp
+        if activations + replica / k > budget or predicted(k) > budget:
+            continue
+        if builds >= max_builds:
+            break
+        builds += 1
+        pm = fake_program(k)
+        if pm is not None:
+            estimate = program_estimate(pm, optimizer=optimizer, training=training, activations=activations)
+            if estimate.peak <= budget:
+                return k, "tensor_parallel", estimate
+    return None
+
+
+def search_limit(n: int, limit: int | None = None) -> int:
+    """The most devices :func:`fewest_devices` tries for a program over ``n``: 8 times as many, at least 16."""
+    return limit if limit is not None else max(8 * n, 16)
 
 
 def no_fit_error(
-    model: nn.Module, candidates: Mapping[str, MemoryEstimate], budgets: Mapping[str, int], *,
-    optimizer: str | None, training: bool, activations: int,
+    candidates: Mapping[str, MemoryEstimate | None], budgets: Mapping[str, int], *,
+    optimizer: str | None, more_devices: tuple[int, str, MemoryEstimate] | None,
 ) -> DpCompileError:  # fmt: skip
-    """Where no program fits: the smallest device count that would (tensor parallel), or the
-    smallest budget, with the arithmetic."""
+    """Where no program fits: the smallest device count that would (``more_devices``), and the
+    smallest budget that would, rounded up so that passing it back fits, with the arithmetic."""
     budget = min(budgets.values())
     n = len(budgets)
     lines = []
     for name, estimate in candidates.items():
+        if estimate is None:
+            lines.append(f"{name}: no program could be built over {n} devices")
+            continue
         device = max(estimate.per_device, key=estimate.total)
         kinds = estimate.per_device[device]
         terms = " + ".join(f"{format_bytes(kinds[k])} {k}" for k in KINDS)
         lines.append(f"{name}: {terms} = {format_bytes(estimate.total(device))} per device")
-    count = smallest_device_count(lambda k: sum(tensor_parallel_kinds(model, k, optimizer, training, activations).values()), budget, n + 1)
-    least = min(c.peak for c in candidates.values())
-    way_out = (
-        f"tensor parallel over {count} devices would fit (needs {format_bytes(sum(tensor_parallel_kinds(model, count, optimizer, training, activations).values()))} each)"
-        if count is not None
-        else "no device count fits: what stays whole (activations, layers that do not split) alone exceeds it"
+    if more_devices is not None:
+        k, strategy, estimate = more_devices
+        way_out = f"{strategy.replace('_', ' ')} over {k} devices would fit (needs {format_bytes(estimate.peak)} each)"
+    else:
+        way_out = (
+            f"no device count up to {search_limit(n)} fits: what stays whole on every device (activations, layers "
+            "that do not split) leaves too little room"
+        )
+    fitting = [c.peak for c in candidates.values() if c is not None]
+    least = (
+        f", or a budget of at least {format_budget_up(min(fitting))} ({min(fitting)} bytes) per device on {n} devices"
+        if fitting
+        else ""
     )
     return DpCompileError(
         f"no program fits memory_per_device={format_bytes(budget)} on {n} devices: "
         + "; ".join(lines)
-        + f". The way out: {way_out}, or a budget of at least {format_bytes(least)} per device on {n} devices"
+        + f". The way out: {way_out}{least}"
         + ("" if optimizer is None else f", or a lighter optimizer than {optimizer!r}")
         + " (or training=False for inference)."
     )
+
+
+def plan_for_memory(
+    model: nn.Module, devices: Any, budget: Any, optimizer: str | None, training: bool,
+    example_inputs: tuple | None, example_kwargs: Mapping[str, Any] | None, tensor_parallel: Any,
+    build: Callable[[Any, Any], nn.Module],
+) -> tuple[Any, MemoryEstimate]:  # fmt: skip
+    """``tensor_parallel=`` for the program that fits ``budget`` on every device, and its estimate
+    (see ``docs/memory.md``); :class:`DpCompileError` with the arithmetic where none fits.
+
+    ``build(devices, plan)`` builds the tensor-parallel program transform would build over those
+    devices, on fake tensors: its estimate is that program's own (what ``explain`` reports)."""
+    if is_device_mesh(devices):
+        raise ValueError(
+            "memory_per_device= plans over a list of devices; over a DeviceMesh choose data_parallel= / tensor_parallel="
+        )
+    parsed = parse_devices(devices)
+    labels = parsed.labels()
+    if isinstance(budget, Mapping):
+        given = {str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
+        missing = sorted({str(d) for d in parsed.devices} - set(given))
+        if missing:
+            raise ValueError(
+                f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all"
+            )
+        budgets = {label: given[str(d)] for label, d in zip(labels, parsed.devices)}
+    else:
+        budgets = dict.fromkeys(labels, parse_budget(budget))
+    optimizer_bytes([], optimizer)  # an unknown optimizer fails here
+    activations, batch = 0, None
+    if example_inputs is not None or example_kwargs:
+        activations = activation_bytes(model, example_inputs or (), example_kwargs, training=training)
+        first = next(
+            (x for x in [*(example_inputs or ()), *(example_kwargs or {}).values()] if hasattr(x, "dim") and x.dim()),
+            None,
+        )
+        batch = None if first is None else int(first.shape[0])
+    plan = tensor_parallel or True
+
+    def fake_program(k: int) -> nn.Module | None:
+        if k == len(labels) and tensor_parallel is not False:
+            return build(devices, plan)  # the plan the user gave: where it cannot be built, say why
+        try:  # another device count: virtual devices hold what distinct ones would
+            return build(devices if k == len(labels) else [parsed.primary] * k, plan)
+        except (DpCompileError, ValueError) as e:
+            log.debug("no tensor-parallel program over %d devices: %s", k, e)
+            return None
+
+    options = {"optimizer": optimizer, "training": training, "activations": activations, "batch": batch,
+               "tensor_parallel": tensor_parallel, "fake_program": fake_program}  # fmt: skip
+    candidates = memory_candidates(model, labels, budgets=budgets, **options)
+    choice = choose_strategy(candidates, budgets)
+    if choice is None:
+        at_n = candidates.get("tensor_parallel")
+        more = fewest_devices(model, len(labels), min(budgets.values()), at_n=at_n, **options)
+        raise no_fit_error(candidates, budgets, optimizer=optimizer, more_devices=more)
+    chosen = candidates[choice]
+    assert chosen is not None
+    chosen.what = "saved for backward (fake run of the examples)" if training else "peak live in forward (fake run)"
+    return (False if choice == "data_parallel" else plan), chosen

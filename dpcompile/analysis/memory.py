@@ -4,12 +4,13 @@
 tensors autograd saves for backward (``training=True``) or the peak of the tensors alive at once
 (``training=False``), without parameters or inputs. :func:`optimizer_bytes` is the state
 ``torch.optim`` keeps: ``"sgd"`` none (plain SGD, no momentum: pass ``"sgd_momentum"`` for one
-buffer per parameter), ``"adamw"`` / ``"adam"`` two float32 buffers per parameter (``exp_avg``,
-``exp_avg_sq``) and a 4-byte ``step`` each.
+buffer per parameter), ``"adamw"`` / ``"adam"`` two buffers per parameter in the parameter's own dtype (``exp_avg``,
+``exp_avg_sq``: ``torch.zeros_like(p)``, so bf16 parameters keep bf16 state) and a float32
+``step`` each.
 
 :class:`MemoryEstimate` holds the four kinds per device; :func:`choose_strategy` picks the first
 candidate (in the order that moves the fewest bytes: data parallel, then tensor parallel, then
-pipeline stages where given) whose every device fits its budget, and :func:`no_fit_message`
+pipeline stages where given) whose every device fits its budget; :func:`dpcompile.planning.no_fit_error`
 says how many devices, or how large a budget, would fit.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "MemoryEstimate",
     "activation_bytes",
     "choose_strategy",
+    "format_budget_up",
     "format_bytes",
     "optimizer_bytes",
     "parse_budget",
@@ -51,6 +53,9 @@ class MemoryEstimate:
     optimizer: str | None = None
     training: bool = True
     what: str = ""
+    #: of the peak device's bytes (activations aside), those it holds whatever the device count
+    #: (a tensor-parallel program's replicated parameters, with their gradients and state)
+    whole: int = 0
 
     def total(self, device: str) -> int:
         return sum(self.per_device[device].values())
@@ -93,6 +98,18 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def format_budget_up(n: int) -> str:
+    """``n`` bytes as a size that :func:`parse_budget` reads back as at least ``n`` (rounded up,
+    never down: a budget suggested to a user must fit when passed back)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            hundredths = -(-n * 100 // size)
+            while parse_budget(f"{hundredths / 100:.2f} {unit}") < n:
+                hundredths += 1
+            return f"{hundredths / 100:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def optimizer_bytes(params: Iterable[torch.Tensor], optimizer: str | None) -> int:
     """Bytes of the state ``optimizer`` keeps for ``params`` (those that require grad)."""
     if optimizer not in _OPTIMIZER_BUFFERS:
@@ -101,7 +118,7 @@ def optimizer_bytes(params: Iterable[torch.Tensor], optimizer: str | None) -> in
     total = 0
     for p in params:
         if p.requires_grad and buffers:
-            state = p.numel() * (4 if p.is_floating_point() and p.element_size() < 4 else p.element_size())
+            state = p.numel() * p.element_size()  # torch.zeros_like(p): the parameter's own dtype (bf16: 2 bytes)
             total += buffers * state + (4 if optimizer in ("adam", "adamw") else 0)  # `step`: a float32 scalar
     return total
 
@@ -129,9 +146,16 @@ def activation_bytes(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str,
             "pass training=False, or count on CPU tensors of the same shapes"
         )
 
+    # a model on meta (built under torch.device("meta")) runs on fake copies on its inputs' device
+    target = next((t.device for t in [*args, *(kwargs or {}).values()] if isinstance(t, torch.Tensor) and not t.is_meta),
+                  next((t.device for t in tensors if not t.is_meta), None))  # fmt: skip
+
     def fake(v: Any) -> Any:
         if not isinstance(v, torch.Tensor) or isinstance(v, FakeTensor):
             return v
+        if v.is_meta and target is not None:
+            with mode:
+                return mode.from_tensor(v).to(target)
         return mode.from_tensor(v)
 
     state = {name: fake(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -189,16 +213,6 @@ def choose_strategy(candidates: Mapping[str, MemoryEstimate | None], budgets: Ma
     return None
 
 
-def smallest_device_count(bytes_for: Callable[[int], int], budget: int, start: int, limit: int = 4096) -> int | None:
-    """The fewest devices ``k >= start`` with ``bytes_for(k) <= budget`` (None up to ``limit``)."""
-    k = start
-    while k <= limit:
-        if bytes_for(k) <= budget:
-            return k
-        k += 1
-    return None
-
-
 def parameter_kinds(params: Sequence[torch.Tensor], optimizer: str | None, training: bool) -> dict[str, int]:
     """Parameters, gradients and optimizer state of ``params``, in bytes (no activations)."""
     unique = list({id(p): p for p in params}.values())
@@ -207,13 +221,3 @@ def parameter_kinds(params: Sequence[torch.Tensor], optimizer: str | None, train
         "gradients": sum(p.numel() * p.element_size() for p in unique if p.requires_grad) if training else 0,
         "optimizer": optimizer_bytes(unique, optimizer) if training else 0,
     }
-
-
-def shardable_parameters(model: nn.Module, n: int) -> list[torch.Tensor]:
-    """Parameters tensor parallelism over ``n`` devices splits: each ``nn.Linear``'s weight (and
-    bias) whose output features divide by ``n``."""
-    out = []
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.out_features % n == 0 and module.out_features >= n:
-            out += [p for p in (module.weight, module.bias) if p is not None]
-    return out

@@ -2,10 +2,9 @@
 and ``save_checkpoint`` (tensor by tensor), in the layout transformers writes. See
 ``docs/big_models.md``."""
 
+from dpcompile.checkpoint.agreement import load_checkpoint, save_checkpoint  # every rank of a mesh agrees
 from dpcompile.checkpoint.buffers import BuffersNotComputedError, compute_buffers
 from dpcompile.checkpoint.files import CheckpointError, write_safetensors
-from dpcompile.checkpoint.load import load_checkpoint
-from dpcompile.checkpoint.save import save_checkpoint
 
 __all__ = [
     "BuffersNotComputedError", "CheckpointError", "compute_buffers", "load_checkpoint", "save_checkpoint",

@@ -17,8 +17,6 @@ from dpcompile.checkpoint.files import (
 )
 from dpcompile.checkpoint.targets import targets_of, tie_groups
 from dpcompile.modules.base import ParallelModule
-from dpcompile.runtime.distributed import MeshGroup, all_gather
-from dpcompile.runtime.tensor_parallel import regroup_sections
 
 log = logging.getLogger("dpcompile")
 
@@ -53,11 +51,7 @@ def save_checkpoint(pm: ParallelModule, path: str | Path, *, max_shard_size: int
         target = targets[key]
         if target.gathered:
             return target.full()
-        piece = target.pieces[0]  # this rank's shard: the others' come by all-gather
-        gathered = all_gather(
-            piece.tensor.detach(), MeshGroup(pm.mesh, pm.tp_dim).group, dim=piece.spec.dim, sizes=list(piece.spec.sizes)
-        )
-        return regroup_sections(gathered, piece.spec).to("cpu")
+        return target.gather()  # this rank's shard: the others' come by all-gather, one tensor at a time
 
     if path.suffix == ".safetensors":
         files = {path: keys}

@@ -2,17 +2,19 @@
 
 :func:`targets_of` answers for every kind of ``ParallelModule``: data parallel (the model's own
 tensors), tensor parallel in one process (``pm.param_shards``: one shard per device) and over a
-mesh (``pm.shards``: this rank's shard). Loading reads each piece's slice of the checkpoint
+mesh (``pm.shards``: this rank's shard), FSDP's DTensors (this rank's rows). Loading reads each piece's slice of the checkpoint
 tensor; saving puts the pieces back together, one key at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from dpcompile.checkpoint.dtensors import localize
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import MeshGroup
@@ -33,7 +35,8 @@ class Target:
     """A state key of the model: its full shape and dtype, and the pieces that hold it.
 
     ``gathered``: the pieces are every shard (one process); False where they are this rank's
-    only (over a mesh), so the full tensor needs the other ranks.
+    only (over a mesh), so the full tensor needs the other ranks: ``gather()`` (a collective,
+    :mod:`dpcompile.checkpoint.dtensors`) puts it together on every rank.
     """
 
     key: str
@@ -41,6 +44,7 @@ class Target:
     dtype: torch.dtype
     pieces: list[Piece] = field(default_factory=list)
     gathered: bool = True
+    gather: Callable[[], torch.Tensor] | None = None
 
     def full(self) -> torch.Tensor:
         """The full tensor on the CPU (pieces put back together)."""
@@ -82,6 +86,7 @@ def targets_of(pm: ParallelModule) -> dict[str, Target]:
                 shape = list(t.shape)
                 shape[spec.dim] = sizes[key]
                 out[key] = Target(key, tuple(shape), t.dtype, [Piece(t, spec, rank)], gathered=False)
+    localize(pm, out)  # FSDP's DTensors: this rank's rows; gathers for what other ranks hold
     return out
 
 

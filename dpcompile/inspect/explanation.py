@@ -17,7 +17,8 @@ from torch import nn
 
 from dpcompile import runtime
 from dpcompile.analysis.cost import comm_elements, ring_elements
-from dpcompile.analysis.memory import activation_bytes, optimizer_bytes
+from dpcompile.analysis.memory import activation_bytes
+from dpcompile.analysis.program_memory import held_parameter_bytes, program_memory
 from dpcompile.analysis.split_fraction import split_fraction
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
@@ -219,12 +220,10 @@ def memory_estimate(
     """Bytes per device by kind for ``pm`` as transform was told it trains (``optimizer=``,
     ``training=``): the parameters each device holds (:func:`param_bytes`), as many bytes of
     gradients, the optimizer's state, and the activations of a fake run of the inputs (data
-    parallel: this device's share of the batch; tensor parallel: counted whole)."""
+    parallel: this device's share of the batch; tensor parallel: counted whole); the one rule
+    of :func:`dpcompile.analysis.program_memory.program_memory`, which memory plans apply too."""
     options = getattr(pm, "memory_options", None) or {"optimizer": None, "training": pm.training}
     optimizer, training = options["optimizer"], options["training"]
-    trainable = sum(p.numel() * p.element_size() for p in pm.parameters() if p.requires_grad)
-    total = sum(p.numel() * p.element_size() for p in pm.parameters()) or 1
-    state = optimizer_bytes(list(pm.parameters()), optimizer) if training else 0
     activations, share = 0, 1.0
     model = getattr(pm, "captured", None) or getattr(pm, "traced_model", None)
     if (args or kwargs) and isinstance(model, nn.Module):
@@ -234,16 +233,7 @@ def memory_estimate(
             activations = 0
         if "data_parallel" in str(getattr(pm, "mode", "")) and len(params) > 1:
             share = 1.0 / len(params)
-    out = {}
-    for device, held in params.items():
-        fraction = held / total
-        out[device] = {
-            "parameters": held,
-            "gradients": round(trainable * fraction) if training else 0,
-            "optimizer": round(state * fraction),
-            "activations": round(activations * share),
-        }
-    return out
+    return program_memory(pm, params, optimizer=optimizer, training=training, activations=activations, share=share)
 
 
 def _split_flops(gm: fx.GraphModule, recorder: Recorder | None) -> tuple[float | None, list[dict[str, Any]]]:
@@ -305,25 +295,7 @@ def param_bytes(pm: nn.Module) -> dict[str, int]:
     Data parallel: every replica holds a full copy. Tensor parallel: each shard's bytes on its
     slot (``pm.shard_param_slots``), replicated parameters on every device.
     """
-    labels = device_labels(pm)
-    out = dict.fromkeys(labels, 0)
-    named = list(pm.named_parameters())
-    if getattr(pm, "mode", None) == "data_parallel":
-        total = sum(p.numel() * p.element_size() for _, p in named)
-        return dict.fromkeys(labels, total)
-    slots = getattr(pm, "shard_param_slots", None)
-    devices = device_list(pm)
-    for name, p in named:
-        size = p.numel() * p.element_size()
-        if isinstance(slots, Mapping) and name in slots:
-            slot = slots[name]
-            targets = labels if slot is None else [labels[slot]]
-        else:
-            matching = [label for label, d in zip(labels, devices) if d == p.device]
-            targets = matching[:1] or labels[:1]
-        for label in targets:
-            out[label] += size
-    return out
+    return held_parameter_bytes(pm, device_labels(pm), device_list(pm))
 
 
 def _imbalance(values: Mapping[str, float]) -> float:

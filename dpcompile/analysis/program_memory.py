@@ -1,0 +1,67 @@
+"""What a built program holds per device, by kind: one rule for ``explain`` and for memory plans.
+
+:func:`held_parameter_bytes` reads the parameters each device of a program holds (a replica, or
+its shards plus the replicated rest); :func:`program_memory` adds the gradients, the optimizer's
+state and the activations of the kinds :mod:`dpcompile.analysis.memory` counts. ``explain`` reports
+it for the program that was built; ``transform(..., memory_per_device=)`` computes it for the
+program it would build (the tensor-parallel one built on fake tensors first, with its own plan,
+leaf modules and dtypes), so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from dpcompile.analysis.memory import optimizer_bytes
+
+__all__ = ["held_parameter_bytes", "program_memory"]
+
+
+def held_parameter_bytes(pm: nn.Module, labels: Sequence[str], devices: Sequence[torch.device]) -> dict[str, int]:
+    """Parameter bytes each device of ``pm`` holds, keyed by ``labels`` (one per device).
+
+    Data parallel: every replica holds a full copy. Tensor parallel: each shard's bytes on its
+    slot (``pm.shard_param_slots``), replicated parameters on every device.
+    """
+    out = dict.fromkeys(labels, 0)
+    named = list(pm.named_parameters())
+    if getattr(pm, "mode", None) == "data_parallel":
+        total = sum(p.numel() * p.element_size() for _, p in named)
+        return dict.fromkeys(labels, total)
+    slots = getattr(pm, "shard_param_slots", None)
+    for name, p in named:
+        size = p.numel() * p.element_size()
+        if isinstance(slots, Mapping) and name in slots:
+            slot = slots[name]
+            targets = list(labels) if slot is None else [labels[slot]]
+        else:
+            matching = [label for label, d in zip(labels, devices) if d == p.device]
+            targets = matching[:1] or list(labels[:1])
+        for label in targets:
+            out[label] += size
+    return out
+
+
+def program_memory(
+    pm: nn.Module, held: Mapping[str, int], *, optimizer: str | None, training: bool, activations: int, share: float
+) -> dict[str, dict[str, int]]:
+    """Bytes per device by kind: the parameters each device holds (``held``), as large a share of
+    the gradients and of ``optimizer``'s state (``training``), and ``activations * share`` (data
+    parallel: the device's share of the batch; tensor parallel: 1, counted whole)."""
+    params = list(pm.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    total = sum(p.numel() * p.element_size() for p in params) or 1
+    state = optimizer_bytes(params, optimizer) if training else 0
+    out = {}
+    for device, bytes_held in held.items():
+        fraction = bytes_held / total
+        out[device] = {
+            "parameters": bytes_held,
+            "gradients": round(trainable * fraction) if training else 0,
+            "optimizer": round(state * fraction),
+            "activations": round(activations * share),
+        }
+    return out

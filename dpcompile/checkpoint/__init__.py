@@ -3,11 +3,13 @@ and ``save_checkpoint`` (tensor by tensor), in the layout transformers writes. S
 ``docs/big_models.md``."""
 
 from dpcompile.checkpoint.buffers import BuffersNotComputedError, compute_buffers
-from dpcompile.checkpoint.files import CheckpointError, write_safetensors
+from dpcompile.checkpoint.files import write_safetensors
+from dpcompile.checkpoint.headers import CheckpointError, read_checkpoint
 from dpcompile.checkpoint.load import load_checkpoint
 from dpcompile.checkpoint.save import save_checkpoint
 
 __all__ = [
-    "BuffersNotComputedError", "CheckpointError", "compute_buffers", "load_checkpoint", "save_checkpoint",
+    "BuffersNotComputedError", "CheckpointError", "compute_buffers", "load_checkpoint", "read_checkpoint",
+    "save_checkpoint",
     "write_safetensors",
 ]  # fmt: skip

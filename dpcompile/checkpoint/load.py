@@ -57,7 +57,7 @@ def load_checkpoint(
     targets = targets_of(pm)
     ties = tie_groups(targets)
     buffers = unset_buffers(pm, list(pm.__dict__.get(UNSET_BUFFERS, [])))
-    source = pm.__dict__.get(WEIGHTS_SOURCE) or pm.__dict__.get("traced_model")
+    source = _source_model(pm)
     placement = place_keys(checkpoint.entries, [*targets, *buffers], source, key_mapping)
     converted = _converted_shapes(placement.converted.values())  # conversions run on meta: shapes only
     unexpected = list(placement.unplaced)
@@ -110,6 +110,15 @@ def load_checkpoint(
     weights_loaded(pm)  # strict=False: what the checkpoint lacks is the caller's to fill
     log.debug("loaded %d tensors from %s", len(written), path)
     return pm
+
+
+def _source_model(pm: ParallelModule) -> Any:
+    """The model ``pm`` was built from (its class and config say which names transformers maps), or None."""
+    exported = getattr(pm.__dict__.get("_exported_check"), "guard", None)
+    for model in (pm.__dict__.get(WEIGHTS_SOURCE), pm.__dict__.get("traced_model"), getattr(exported, "model", None)):
+        if model is not None:
+            return model
+    return None
 
 
 def _write(key: str, target: Target | None, buffer: torch.Tensor | None, written: set[int], read: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,8 @@ def _renamer(
 ) -> Callable[[str], tuple[str, str | None, Any]] | None:
     """``rename(checkpoint key) -> (model key, source pattern, converter or None)`` as transformers
     renames on load; None where there is nothing to rename with."""
+    if "transformers" not in sys.modules:  # no model of transformers' then: not worth its import
+        return _plain_renamer(model, key_mapping)
     try:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:

@@ -177,7 +177,7 @@ def edit_header(case: Case) -> None:
     name, raw = _raw(case)
     try:
         header, data = split(raw)
-    except (ValueError, struct.error):
+    except (ValueError, struct.error, RecursionError):
         return random_bytes(case)
     if not isinstance(header, dict):
         return random_bytes(case)

@@ -237,6 +237,7 @@ def edit_index(case: Case) -> None:
     index = case.index if isinstance(case.index, dict) else {"weight_map": {}}
     weight_map = index.get("weight_map") if isinstance(index.get("weight_map"), dict) else {}
     key = rng.choice(sorted(weight_map)) if weight_map else "fc.weight"
+    files = sorted({v for v in weight_map.values() if isinstance(v, str)})  # earlier edits may have left others
     how = rng.choice(["malformed", "list", "int", "string", "null", "map_type", "value_type", "parent", "absolute",
                       "symlink_out", "symlink_in", "deep", "drop_key", "add_key", "wrong_file", "dot", "subfolder",
                       "empty_name", "no_map", "bytes"])  # fmt: skip
@@ -274,10 +275,10 @@ def edit_index(case: Case) -> None:
         weight_map.pop(key)
         case.index = {**index, "weight_map": weight_map}
     elif how == "add_key":
-        weight_map["not.a.key"] = rng.choice(sorted(set(weight_map.values())) or ["model.safetensors"])
+        weight_map["not.a.key"] = rng.choice(files or ["model.safetensors"])
         case.index = {**index, "weight_map": weight_map}
-    elif how == "wrong_file" and len(set(weight_map.values())) > 1:
-        weight_map[key] = rng.choice(sorted(set(weight_map.values()) - {weight_map[key]}))
+    elif how == "wrong_file" and len(files) > 1:
+        weight_map[key] = rng.choice([f for f in files if f != weight_map[key]])
         case.index = {**index, "weight_map": weight_map}
     elif how == "no_map":
         case.index = {"metadata": {}}

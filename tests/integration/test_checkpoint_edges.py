@@ -375,3 +375,18 @@ def test_save_pretrained_folders_with_legacy_keys_load_into_a_meta_program(name,
         pm = dpcompile.transform(model, ["cpu"] * 2, example_kwargs=kwargs)
     dpcompile.load_checkpoint(pm, tmp_path)
     torch.testing.assert_close(pm(**kwargs)[out], eager(**kwargs)[out])
+
+
+def test_key_mapping_renames_checkpoint_keys_as_from_pretrained_takes_it(tmp_path):
+    """key_mapping={regex: replacement} places keys saved under other names; without it they are named."""
+    from safetensors.torch import save_file
+
+    eager = _trained()
+    save_file({k.replace("fc.", "head.proj."): v.clone() for k, v in eager.state_dict().items()},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    pm = _meta_program()
+    with pytest.raises(CheckpointError, match=r"does not have: 'head.proj.bias', 'head.proj.weight'"):
+        dpcompile.load_checkpoint(pm, tmp_path)
+    dpcompile.load_checkpoint(pm, tmp_path, key_mapping={r"^head\.proj\.": "fc."})
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(pm(x), eager(x))

@@ -61,6 +61,13 @@ def load_checkpoint(
     placement = place_keys(checkpoint.entries, [*targets, *buffers], source, key_mapping)
     converted = _converted_shapes(placement.converted.values())  # conversions run on meta: shapes only
     unexpected = list(placement.unplaced)
+    for key, (conversion, _) in converted.items():
+        if key in placement.direct:
+            entry = conversion.sources[0][1]
+            raise CheckpointError(
+                f"both '{placement.direct[key].key}' and '{entry.key}' (by transformers' conversion) of {path} fill the "
+                f"model's '{key}': remove one", file=entry.file, key=entry.key,
+            )  # fmt: skip
     for key, (conversion, _) in list(converted.items()):
         if key not in targets and key not in buffers:
             unexpected += [e.key for _, e, _ in conversion.sources]

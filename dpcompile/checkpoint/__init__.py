@@ -4,9 +4,11 @@ and ``save_checkpoint`` (tensor by tensor), in the layout transformers writes. S
 
 from dpcompile.checkpoint.agreement import load_checkpoint, save_checkpoint  # every rank of a mesh agrees
 from dpcompile.checkpoint.buffers import BuffersNotComputedError, compute_buffers
-from dpcompile.checkpoint.files import CheckpointError, write_safetensors
+from dpcompile.checkpoint.files import write_safetensors
+from dpcompile.checkpoint.headers import CheckpointError, read_checkpoint
 
 __all__ = [
-    "BuffersNotComputedError", "CheckpointError", "compute_buffers", "load_checkpoint", "save_checkpoint",
+    "BuffersNotComputedError", "CheckpointError", "compute_buffers", "load_checkpoint", "read_checkpoint",
+    "save_checkpoint",
     "write_safetensors",
 ]  # fmt: skip

@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from dpcompile.checkpoint.files import CheckpointError
+from dpcompile.checkpoint.headers import CheckpointError
+from dpcompile.modules.weights import BUFFER_COMPUTERS
 
 log = logging.getLogger("dpcompile")
 
@@ -56,6 +57,9 @@ def compute_buffers(source: nn.Module, names: Sequence[str]) -> dict[str, torch.
             "persistent=True so the checkpoint holds them, or pass strict=False and fill them yourself"
         )
     return out
+
+
+BUFFER_COMPUTERS.append(compute_buffers)  # pm.load_state_dict(full) computes them as load_checkpoint does
 
 
 def configs_above(root: nn.Module, path: str) -> list[object]:

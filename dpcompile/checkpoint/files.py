@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,57 +19,17 @@ from pathlib import Path
 
 import torch
 
-from dpcompile.errors import DpCompileError
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
-DTYPE_OF: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPES.items()}
+from dpcompile.checkpoint.headers import DTYPE_OF, DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointError, read_checkpoint
 
 
-class CheckpointError(DpCompileError):
-    """A checkpoint that cannot be read, or does not fit the program."""
-
-
-def find_tensors(path: str | Path) -> dict[str, Path]:
-    """``{key: file holding it}`` for the checkpoint at ``path``.
+def find_tensors(path: str | Path, *, allow_symlinks: bool = False) -> dict[str, Path]:
+    """``{key: file holding it}`` for the checkpoint at ``path``, every header and the index
+    checked first (:func:`~dpcompile.checkpoint.headers.read_checkpoint`).
 
     >>> find_tensors("ckpt/")  # doctest: +SKIP
     {'model.embed_tokens.weight': PosixPath('ckpt/model-00001-of-00002.safetensors'), ...}
     """
-    from safetensors import safe_open
-
-    path = Path(path)
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise CheckpointError(f"{path} is not a .safetensors file; pass a .safetensors file or a checkpoint folder")
-        with safe_open(str(path), framework="pt") as f:
-            return dict.fromkeys(f.keys(), path)
-    if not path.is_dir():
-        raise CheckpointError(
-            f"no checkpoint at {path}: expected a .safetensors file or a folder holding {SINGLE_FILE}"
-        )
-    index = path / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, Mapping):
-            raise CheckpointError(f"{index} has no 'weight_map' (the layout transformers writes: {{key: file}})")
-        absent = sorted({name for name in weight_map.values() if not (path / name).is_file()})
-        if absent:
-            raise CheckpointError(f"{index} names files that are not in {path}: {', '.join(absent[:5])}")
-        return {key: path / name for key, name in weight_map.items()}
-    if (path / SINGLE_FILE).is_file():
-        return find_tensors(path / SINGLE_FILE)
-    found = sorted(p.name for p in path.glob("*.safetensors"))
-    raise CheckpointError(
-        f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}"
-        + (f" (it has {', '.join(found[:4])}: write the index json that maps keys to them)" if found else "")
-    )
+    return {key: e.file for key, e in read_checkpoint(path, allow_symlinks=allow_symlinks).entries.items()}
 
 
 def write_safetensors(
@@ -90,7 +51,8 @@ def write_safetensors(
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with open(path, "wb") as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    with os.fdopen(os.open(path, flags, 0o644), "wb") as f:  # a link at `path` is refused, not followed
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for key, shape, dtype in entries:
@@ -101,7 +63,63 @@ def write_safetensors(
                 )
             data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             f.write(memoryview(data.numpy()))
+        f.flush()
+        os.fsync(f.fileno())
     return offset
+
+
+class StagedFiles:
+    """Files written beside their final names (``.model.safetensors.<token>.tmp``, same folder)
+    and renamed into place together by :meth:`commit`; :meth:`discard` removes what was
+    written. A save that fails before ``commit`` leaves every final name as it was.
+
+    >>> staged = StagedFiles()                               # doctest: +SKIP
+    >>> write_safetensors(staged.temp(folder / "model.safetensors"), entries, make)  # doctest: +SKIP
+    >>> staged.commit()                                      # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.token = f"{os.getpid()}-{os.urandom(4).hex()}"
+        self.pending: list[tuple[Path, Path]] = []  # (temporary, final), renamed in this order
+
+    def temp(self, final: Path) -> Path:
+        """A fresh name for ``final``'s bytes, in its folder."""
+        temp = final.parent / f".{final.name}.{self.token}.tmp"
+        self.pending.append((temp, final))
+        return temp
+
+    def write_text(self, final: Path, text: str) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with os.fdopen(os.open(self.temp(final), flags, 0o644), "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def commit(self) -> None:
+        """Rename every file into place (``os.replace``: a link at a final name is replaced, not followed)."""
+        for temp, final in self.pending:
+            os.replace(temp, final)
+        for folder in {final.parent for _, final in self.pending}:
+            _fsync_dir(folder)
+        self.pending = []
+
+    def discard(self) -> None:
+        for temp, _ in self.pending:
+            temp.unlink(missing_ok=True)
+        self.pending = []
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def plan_files(sizes: Iterable[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
@@ -155,6 +173,6 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 __all__ = [
-    "DTYPES", "DTYPE_OF", "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "find_tensors", "parse_size", "plan_files",
+    "DTYPES", "DTYPE_OF", "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "StagedFiles", "find_tensors", "parse_size", "plan_files",
     "shard_file_name", "write_safetensors",
 ]  # fmt: skip

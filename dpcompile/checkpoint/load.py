@@ -2,81 +2,114 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dpcompile.checkpoint.buffers import compute_buffers
-from dpcompile.checkpoint.files import DTYPE_OF, CheckpointError, find_tensors
+from dpcompile.checkpoint.headers import CheckpointError, Entry, read_checkpoint
+from dpcompile.checkpoint.keys import Conversion, place_keys
 from dpcompile.checkpoint.targets import Piece, Target, targets_of, tie_groups, unset_buffers
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.weights import UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
+from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
 
 log = logging.getLogger("dpcompile")
 
 
-def load_checkpoint(pm: ParallelModule, path: str | Path, *, strict: bool = True) -> ParallelModule:
+def load_checkpoint(
+    pm: ParallelModule,
+    path: str | Path,
+    *,
+    strict: bool = True,
+    key_mapping: Mapping[str, str] | None = None,
+    allow_symlinks: bool = False,
+) -> ParallelModule:
     """Fill ``pm`` from the safetensors checkpoint at ``path``; each device reads only its slices.
 
     ``path``: a ``.safetensors`` file, or a folder holding ``model.safetensors``, or shards
     with ``model.safetensors.index.json`` (the layout transformers writes). Keys are the
-    model's own ``state_dict`` keys; a tied key (an LM head tied to the embedding) may be left
+    model's own ``state_dict`` keys, or names transformers' ``from_pretrained`` maps to them
+    (legacy ``LayerNorm.gamma``/``beta``, ``attention.attention.query``, per-expert weights:
+    the model's conversion mapping, and ``key_mapping={regex: replacement}`` as
+    ``from_pretrained`` takes it); a tied key (an LM head tied to the embedding) may be left
     out, as transformers leaves it out. A row, column or vocab shard is read as a slice
-    (``safe_open(...).get_slice``), never the full tensor. Every key, shape and dtype is
-    checked before anything is written: with ``strict=True`` a missing or unexpected key
-    raises :class:`~dpcompile.checkpoint.files.CheckpointError` listing them, and ``pm`` is
-    left as it was. Non-persistent buffers that were on meta (rotary ``inv_freq``) are computed
-    as the model's own code computes them, or the error names them. Returns ``pm``.
+    (``safe_open(...).get_slice``), never the full tensor.
+
+    Before anything is read, the index json and every file's header are validated, and every
+    key, shape and dtype (0-dim tensors, non-persistent buffers included) is checked against
+    the program: any fault raises :class:`~dpcompile.checkpoint.headers.CheckpointError` naming
+    the file and the key, and ``pm`` is left as it was. ``strict=True``: a missing or unexpected
+    key is such a fault. Non-persistent buffers that were on meta (rotary ``inv_freq``) are
+    computed as the model's own code computes them, or the error names them. A symbolic link in
+    the checkpoint is refused unless ``allow_symlinks=True`` (the Hugging Face cache's snapshot
+    folders link into ``blobs/``). Returns ``pm``.
 
     >>> with torch.device("meta"):                                         # doctest: +SKIP
     ...     model = MyModel(config)
     >>> pm = dpcompile.transform(model, ["cpu"] * 4, tensor_parallel=True)  # doctest: +SKIP
     >>> dpcompile.load_checkpoint(pm, "ckpt/")                             # doctest: +SKIP
     """
-    from safetensors import safe_open
-
-    where = find_tensors(path)
+    checkpoint = read_checkpoint(path, allow_symlinks=allow_symlinks)
     targets = targets_of(pm)
     ties = tie_groups(targets)
-    pending = list(pm.__dict__.get(UNSET_BUFFERS, []))
-    buffers = unset_buffers(pm, pending)
-    missing = [k for k in targets if not any(t in where for t in ties[k])]
-    unexpected = [k for k in where if k not in targets and k not in buffers]
+    buffers = unset_buffers(pm, list(pm.__dict__.get(UNSET_BUFFERS, [])))
+    source = _source_model(pm)
+    placement = place_keys(checkpoint.entries, [*targets, *buffers], source, key_mapping)
+    converted = _converted_shapes(placement.converted.values())  # conversions run on meta: shapes only
+    unexpected = list(placement.unplaced)
+    for key, (conversion, _) in converted.items():
+        if key in placement.direct:
+            entry = conversion.sources[0][1]
+            raise CheckpointError(
+                f"both '{placement.direct[key].key}' and '{entry.key}' (by transformers' conversion) of {path} fill the "
+                f"model's '{key}': remove one", file=entry.file, key=entry.key,
+            )  # fmt: skip
+    for key, (conversion, _) in list(converted.items()):
+        if key not in targets and key not in buffers:
+            unexpected += [e.key for _, e, _ in conversion.sources]
+            del converted[key]
+    placed = {*placement.direct, *converted}
+    missing = [k for k in targets if not any(t in placed for t in ties[k])]
     if strict and (missing or unexpected):
-        raise CheckpointError(_key_report(path, missing, unexpected, len(targets)))
-    present = {k: t for k, t in targets.items() if k in where}
-    by_file: dict[Path, list[str]] = {}
-    for key in [*present, *(name for name in buffers if name in where)]:
-        by_file.setdefault(where[key], []).append(key)
-    for file, keys in by_file.items():  # headers only: every shape and dtype before any write
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            _check_shapes(path, {k: present[k] for k in keys if k in present}, {k: f.get_slice(k) for k in keys})
-    in_checkpoint = {name for name in buffers if name in where}
-    to_compute = [n for n in buffers if n not in in_checkpoint]
+        raise CheckpointError(
+            _key_report(path, missing, sorted(set(unexpected)), len(targets), placement.renamed, source),
+            file=path, key=(missing or unexpected)[0],
+        )  # fmt: skip
+    shapes = {k: (e.shape, e.torch_dtype, e) for k, e in placement.direct.items()}
+    shapes.update((k, (tuple(t.shape), t.dtype, c.sources[0][1])) for k, (c, t) in converted.items())
+    _check_shapes(path, {k: (tuple(t.shape), t.dtype) for k, t in targets.items()}, shapes)
+    _check_shapes(path, {k: (tuple(b.shape), b.dtype) for k, b in buffers.items()}, shapes)
+    to_compute = [n for n in buffers if n not in placed]
     computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
     # everything checked: from here on, write. The file is mapped again for each piece (its
     # header parsed again: ~1 ms): the pages a read touches leave this process's resident memory
     # when the mapping closes, so reading adds one piece to the program's memory, not one file
     written: set[int] = set()
-    with torch.no_grad():
-        for file, keys in by_file.items():
-            for key in keys:
-                if key in buffers:
-                    with safe_open(str(file), framework="pt", device="cpu") as f:
-                        buffers[key].copy_(f.get_tensor(key))
-                    continue
-                for piece in present[key].pieces:
-                    if id(piece.tensor) not in written:
-                        with safe_open(str(file), framework="pt", device="cpu") as f:
-                            value = _read_piece(f.get_slice(key), present[key], piece)
-                        piece.tensor.copy_(value)
-                        written.add(id(piece.tensor))
-                        del value
-        for name, value in computed.items():
-            buffers[name].copy_(value)
+    try:
+        with torch.no_grad():
+            for key, entry in placement.direct.items():
+                _write(key, targets.get(key), buffers.get(key), written, lambda index, e=entry: _read(e, index))
+            for conversion in {id(c): c for c, _ in converted.values()}.values():
+                values = conversion.run(lambda e: _read(e, None))
+                for key, value in values.items():
+                    if key in converted:
+                        _write(key, targets.get(key), buffers.get(key), written, lambda index, v=value: _cut(v, index))
+                del values
+            for name, value in computed.items():
+                buffers[name].copy_(value)
+    except Exception as e:
+        pm.__dict__[NEEDS_WEIGHTS] = True  # partly written: the program must not run on it
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(
+            f"reading {path} failed after its headers were checked (a file changed or cannot be read: "
+            f"{type(e).__name__}: {e}); the program is partly written and waits for a load again",
+            file=path,
+        ) from e
     if missing:
         log.warning(
             "load_checkpoint(strict=False): %d key(s) not in %s keep their values: %s", len(missing), path, missing[:8]
@@ -86,52 +119,115 @@ def load_checkpoint(pm: ParallelModule, path: str | Path, *, strict: bool = True
     return pm
 
 
-def _read_piece(slice_: Any, target: Target, piece: Piece) -> torch.Tensor:
+def _source_model(pm: ParallelModule) -> Any:
+    """The model ``pm`` was built from (its class and config say which names transformers maps), or None."""
+    exported = getattr(pm.__dict__.get("_exported_check"), "guard", None)
+    for model in (pm.__dict__.get(WEIGHTS_SOURCE), pm.__dict__.get("traced_model"), getattr(exported, "model", None)):
+        if model is not None:
+            return model
+    return None
+
+
+def _write(key: str, target: Target | None, buffer: torch.Tensor | None, written: set[int], read: Any) -> None:
+    """Copy into every piece of ``key`` the part ``read(index)`` gives (``index``: a slice tuple, or
+    None for the whole tensor)."""
+    if target is None:
+        if buffer is not None:
+            buffer.copy_(read(None))
+        return
+    for piece in target.pieces:
+        if id(piece.tensor) not in written:
+            value = _read_piece(read, target, piece)
+            piece.tensor.copy_(value)
+            written.add(id(piece.tensor))
+            del value
+
+
+@contextlib.contextmanager
+def _reading(entry: Entry) -> Iterator[Any]:
+    """``safe_open`` of ``entry``'s file; any failure a CheckpointError naming the file and key."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(entry.file), framework="pt", device="cpu") as f:
+            yield f
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors name neither file nor key
+        raise CheckpointError(f"{entry.file}: '{entry.key}' cannot be read ({type(e).__name__}: {e})",
+                              file=entry.file, key=entry.key) from None  # fmt: skip
+
+
+def _read(entry: Entry, index: tuple[slice, ...] | None) -> torch.Tensor:
+    """The tensor of ``entry``, or its part ``index`` read as a slice (never the whole tensor)."""
+    with _reading(entry) as f:
+        return f.get_slice(entry.key)[... if index is None else index]  # `...`: every rank, 0-dim too
+
+
+def _cut(value: torch.Tensor, index: tuple[slice, ...] | None) -> torch.Tensor:
+    return value if index is None else value[index]
+
+
+def _read_piece(read: Any, target: Target, piece: Piece) -> torch.Tensor:
     """The part of the checkpoint tensor ``piece`` holds, read as slices."""
     spec = piece.spec
     if spec is None:
-        return slice_[:]
+        return read(None)
     dim, size = spec.dim, spec.sizes[piece.index]
     start = spec.offsets()[piece.index]
     if spec.sections == 1:
-        return slice_[_index(dim, start, size)]
+        return read(_index(dim, start, size))
     block = target.shape[dim] // spec.sections  # a fused qkv: this shard's part of each block
-    parts = [
-        slice_[_index(dim, s * block + start // spec.sections, size // spec.sections)] for s in range(spec.sections)
-    ]
+    parts = [read(_index(dim, s * block + start // spec.sections, size // spec.sections)) for s in range(spec.sections)]
     return torch.cat(parts, dim)
+
+
+def _converted_shapes(conversions: Any) -> dict[str, tuple[Conversion, torch.Tensor]]:
+    """``{model key: (conversion, meta tensor)}``: each conversion run on meta tensors."""
+    out: dict[str, tuple[Conversion, torch.Tensor]] = {}
+    for conversion in conversions:
+        values = conversion.run(lambda e: torch.empty(e.shape, dtype=e.torch_dtype, device="meta"))
+        out.update((key, (conversion, value)) for key, value in values.items())
+    return out
 
 
 def _index(dim: int, start: int, size: int) -> tuple[slice, ...]:
     return (*[slice(None)] * dim, slice(start, start + size))
 
 
-def _check_shapes(path: Any, targets: Mapping[str, Target], slices: Mapping[str, Any]) -> None:
-    """Raise listing every key whose shape or kind of dtype differs from the model's."""
-    wrong = []
-    for key, target in targets.items():
-        shape = tuple(slices[key].get_shape())
-        dtype = DTYPE_OF.get(slices[key].get_dtype())
-        if shape != target.shape:
-            wrong.append(f"'{key}': checkpoint {list(shape)}, model {list(target.shape)}")
-        elif dtype is None or dtype.is_floating_point != target.dtype.is_floating_point:
-            wrong.append(f"'{key}': checkpoint {slices[key].get_dtype()}, model {target.dtype}")
+def _check_shapes(path: Any, model: Mapping[str, tuple[tuple[int, ...], torch.dtype]], found: Mapping[str, Any]) -> None:
+    """Raise naming every key of ``model`` whose shape or kind of dtype differs in the checkpoint."""
+    wrong: list[tuple[str, Entry]] = []
+    for key, (shape, dtype) in model.items():
+        if key not in found:
+            continue
+        got_shape, got_dtype, entry = found[key]
+        if tuple(got_shape) != tuple(shape):
+            wrong.append((f"'{key}': checkpoint {list(got_shape)}, model {list(shape)} ({entry.file.name})", entry))
+        elif got_dtype.is_floating_point != dtype.is_floating_point or (got_dtype == torch.bool) != (dtype == torch.bool):
+            wrong.append((f"'{key}': checkpoint {got_dtype}, model {dtype} ({entry.file.name})", entry))
     if wrong:
         raise CheckpointError(
-            f"{len(wrong)} tensor(s) of {path} do not fit the model (nothing was loaded): {'; '.join(wrong[:8])}"
-            + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else "")
-        )
+            f"{len(wrong)} tensor(s) of {path} do not fit the model (nothing was loaded): "
+            f"{'; '.join(w for w, _ in wrong[:8])}" + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else ""),
+            file=wrong[0][1].file, key=wrong[0][1].key,
+        )  # fmt: skip
 
 
-def _key_report(path: Any, missing: list[str], unexpected: list[str], total: int) -> str:
+def _key_report(
+    path: Any, missing: list[str], unexpected: list[str], total: int, renamed: Mapping[str, str], model: Any
+) -> str:
     parts = []
     if missing:
         parts.append(f"{len(missing)} of the model's {total} keys are missing: {_listed(missing)}")
     if unexpected:
         parts.append(f"{len(unexpected)} key(s) the model does not have: {_listed(unexpected)}")
+    how = "the model's own state_dict keys"
+    if renamed or unexpected:
+        how += f", or names transformers' from_pretrained maps to them (for {type(model).__name__}; key_mapping= adds more)"
     return (
-        f"the checkpoint {path} does not match the model (nothing was loaded): {'; '.join(parts)}. Keys are the "
-        "model's own state_dict keys; pass strict=False to load the keys both have"
+        f"the checkpoint {path} does not match the model (nothing was loaded): {'; '.join(parts)}. Keys are "
+        f"{how}; pass strict=False to load the keys both have"
     )
 
 

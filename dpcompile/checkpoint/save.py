@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from dpcompile.checkpoint.files import (
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointError,
+    StagedFiles,
     parse_size,
     plan_files,
     shard_file_name,
@@ -55,29 +57,62 @@ def save_checkpoint(pm: ParallelModule, path: str | Path, *, max_shard_size: int
 
     if path.suffix == ".safetensors":
         files = {path: keys}
+        if writes:
+            path.parent.mkdir(parents=True, exist_ok=True)
     else:
         groups = plan_files(sizes, parse_size(max_shard_size))
         names = [SINGLE_FILE] if len(groups) == 1 else [shard_file_name(k, len(groups)) for k in range(len(groups))]
         files = {path / name: group for name, group in zip(names, groups)}
         if writes:
             path.mkdir(parents=True, exist_ok=True)
-            (path / INDEX_FILE).unlink(missing_ok=True)
-    for file, group in files.items():
-        entries = [(k, targets[k].shape, targets[k].dtype) for k in group]
-        if writes:
-            write_safetensors(file, entries, make)
-        else:  # the other ranks take part in the all-gathers only
-            for k in group:
-                if not targets[k].gathered:
-                    make(k)
-    if writes and len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(size for _, size in sizes)},
-            "weight_map": {k: file.name for file, group in files.items() for k in group},
-        }
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    # every file is written beside its final name and renamed into place at the end: a save that
+    # fails midway leaves the previous checkpoint as it was, and loadable
+    staged = StagedFiles()
+    try:
+        for file, group in files.items():
+            entries = [(k, targets[k].shape, targets[k].dtype) for k in group]
+            if writes:
+                write_safetensors(staged.temp(file), entries, make)
+            else:  # the other ranks take part in the all-gathers only
+                for k in group:
+                    if not targets[k].gathered:
+                        make(k)
+        if writes and len(files) > 1:
+            index = {
+                "metadata": {"total_size": sum(size for _, size in sizes)},
+                "weight_map": {k: file.name for file, group in files.items() for k in group},
+            }
+            staged.write_text(path / INDEX_FILE, json.dumps(index, indent=2))
+    except BaseException:
+        staged.discard()
+        raise
+    if writes:
+        stale = _stale_files(path, set(files), len(files) > 1) if path.suffix != ".safetensors" else []
+        staged.commit()  # shards first, the index last: it switches the checkpoint over
+        for old in stale:
+            old.unlink(missing_ok=True)
     log.debug("saved %d tensors in %d file(s) under %s", len(keys), len(files), path)
     return path
+
+
+def _stale_files(folder: Path, new: set[Path], new_index: bool) -> list[Path]:
+    """What the previous save left that the new one does not replace, removed once the new files
+    are in place: its index where the new checkpoint is one file (the index would shadow it), and
+    its shards the new set does not overwrite (``model-0000k-of-0000n.safetensors`` only, never a
+    user's file)."""
+    index = folder / INDEX_FILE
+    if not (index.exists() or index.is_symlink()):
+        return []
+    old = [] if new_index else [index]
+    try:
+        names = set(json.loads(index.read_text()).get("weight_map", {}).values()) if index.is_file() else set()
+    except (OSError, ValueError, AttributeError, TypeError):
+        names = set()
+    for name in names:
+        file = folder / str(name)
+        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", str(name)) and file not in new and file.is_file():
+            old.append(file)
+    return old
 
 
 def _bytes(target) -> int:

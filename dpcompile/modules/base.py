@@ -51,14 +51,14 @@ from dpcompile.modules.hooks import (
     state_dict_with_hooks,
 )
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
-from dpcompile.modules.weights import NEEDS_WEIGHTS, needs_weights, weights_not_loaded
+from dpcompile.modules.weights import NEEDS_WEIGHTS, LoadsWeights, needs_weights, weights_not_loaded
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
 
 log = logging.getLogger("dpcompile")
 
 
-class ParallelModule(fx.GraphModule):
+class ParallelModule(LoadsWeights, fx.GraphModule):
     """A generated multi-device module. Build it with :func:`dpcompile.transform`.
 
     >>> import torch, dpcompile

@@ -25,6 +25,7 @@ from dpcompile.analysis.cost import CommCost
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names, unalias
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.weights import state_dict_loaded
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
 
 _SOURCE_PARAMETERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter of a transformed model -> its model's name
@@ -223,6 +224,7 @@ class TensorParallelModule(ParallelModule):
                     if own[key].shape != value.shape:
                         raise RuntimeError(f"size mismatch for {key}: got {tuple(value.shape)}, expected {tuple(own[key].shape)}")
                     own[key].copy_(value)
+        state_dict_loaded(self, missing)  # a program built on meta holds its weights now
         return _IncompatibleKeys(missing, unexpected)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,

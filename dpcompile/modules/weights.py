@@ -8,8 +8,10 @@ marks the program as waiting for weights (:func:`await_weights`); calling it the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
 from dpcompile.errors import DpCompileError
@@ -45,6 +47,38 @@ def weights_loaded(pm: nn.Module) -> None:
     pm.__dict__[UNSET_BUFFERS] = []
 
 
+class LoadsWeights:
+    """``pm.load_state_dict(sd)`` of every key fills a program built on meta as ``load_checkpoint``
+    does: its non-persistent buffers are computed and ``pm.needs_weights`` turns False."""
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
+        state_dict_loaded(self, result.missing_keys)  # type: ignore[arg-type]
+        return result
+
+
+#: ``compute(source model, buffer names) -> {name: value}``, set by ``dpcompile.checkpoint``
+#: (``compute_buffers``): the non-persistent buffers no state dict holds
+BUFFER_COMPUTERS: list[Callable[[nn.Module, Sequence[str]], Mapping[str, torch.Tensor]]] = []
+
+
+def state_dict_loaded(pm: nn.Module, missing: Sequence[str]) -> None:
+    """After ``pm.load_state_dict``: where every state key was loaded, compute the non-persistent
+    buffers still on meta (or raise naming them) and mark the weights loaded."""
+    if not needs_weights(pm) or missing:
+        return
+    pending = list(pm.__dict__.get(UNSET_BUFFERS, []))
+    if pending and BUFFER_COMPUTERS:
+        values = BUFFER_COMPUTERS[-1](pm.__dict__[WEIGHTS_SOURCE], pending)
+        own = dict(pm.named_buffers())
+        with torch.no_grad():
+            for name, value in values.items():
+                own[name].copy_(value)
+    elif pending:
+        return
+    weights_loaded(pm)
+
+
 def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
     source = pm.__dict__.get(WEIGHTS_SOURCE)
     name = type(source).__name__ if source is not None else "model"
@@ -55,4 +89,7 @@ def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
     )
 
 
-__all__ = ["WeightsNotLoadedError", "await_weights", "needs_weights", "weights_loaded", "weights_not_loaded"]
+__all__ = [
+    "BUFFER_COMPUTERS", "LoadsWeights", "WeightsNotLoadedError", "await_weights", "needs_weights", "state_dict_loaded",
+    "weights_loaded", "weights_not_loaded",
+]  # fmt: skip

@@ -1,0 +1,319 @@
+"""One validation pass over a checkpoint before anything is read: the index json and every file's header.
+
+:func:`read_checkpoint` returns a :class:`Checkpoint` (``{key: Entry}``: the file, dtype,
+shape and byte range of each tensor) or raises :class:`CheckpointError` naming the file and,
+where one is to blame, the key. What it checks is a schema, not a list of known faults:
+
+* the index json: at most ``MAX_JSON_BYTES``, nesting at most ``MAX_NESTING`` deep, an object
+  whose ``weight_map`` is an object of string keys mapping to file-name strings; each name
+  relative, without ``..``, inside the folder, a regular file, no symlink on the way (unless
+  ``allow_symlinks=True``: the Hugging Face cache links its snapshot files into ``blobs/``);
+* each safetensors header, as the format defines it: an 8-byte little-endian length that fits
+  the file, a JSON object (no duplicate keys, bounded nesting) of ``{key: {"dtype", "shape",
+  "data_offsets"}}`` plus an optional ``__metadata__`` of strings; a known dtype; a shape of
+  non-negative ints (``[]`` for a 0-dim tensor); offsets whose length is the shape's bytes,
+  laid end to end from 0 to exactly the end of the file;
+* the shard set: every key of the index is in the header of the file it names, and no key is
+  held by two files.
+
+After it, safetensors reads only what was checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpcompile.errors import DpCompileError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+MAX_JSON_BYTES = 100_000_000
+MAX_NESTING = 64
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+DTYPE_OF: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPES.items()}
+ITEM_SIZE: dict[str, int] = {name: torch.empty((), dtype=dtype).element_size() for dtype, name in DTYPES.items()}
+
+
+class CheckpointError(DpCompileError):
+    """A checkpoint that cannot be read, or does not fit the program. ``file`` and ``key`` name
+    what is to blame (None where nothing single is)."""
+
+    def __init__(self, message: str, *, file: str | Path | None = None, key: str | None = None):
+        super().__init__(message)
+        self.file = None if file is None else Path(file)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a checkpoint, as its file's header describes it."""
+
+    key: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # byte offsets in the file's data section
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPE_OF[self.dtype]
+
+
+@dataclass
+class Checkpoint:
+    """``path`` as given, and ``entries``: ``{key: Entry}`` for every tensor it holds, checked."""
+
+    path: Path
+    entries: dict[str, Entry]
+
+    def files(self) -> list[Path]:
+        return sorted({e.file for e in self.entries.values()})
+
+
+def read_checkpoint(path: str | Path, *, allow_symlinks: bool = False) -> Checkpoint:
+    """Validate the checkpoint at ``path`` (a ``.safetensors`` file, or a folder holding
+    ``model.safetensors`` or shards with ``model.safetensors.index.json``); nothing is read
+    from a tensor's data.
+
+    >>> read_checkpoint("ckpt/").entries["fc.weight"]  # doctest: +SKIP
+    Entry(key='fc.weight', file=PosixPath('ckpt/model.safetensors'), dtype='F32', shape=(8, 4), ...)
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"no checkpoint at {path}: expected a .safetensors file or a folder holding {SINGLE_FILE}", file=path
+        )
+    if not path.is_dir():
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path} is not a .safetensors file; pass a .safetensors file or a checkpoint folder", file=path)
+        _regular_file(path, path.parent, allow_symlinks, path)
+        return Checkpoint(path, read_header(path))
+    index = path / INDEX_FILE
+    if index.exists() or index.is_symlink():
+        _regular_file(index, path, allow_symlinks, index)
+        weight_map = read_index(index)
+        files = {name: _inside(path, name, index, allow_symlinks) for name in sorted(set(weight_map.values()))}
+        headers = {name: read_header(file) for name, file in files.items()}
+        return Checkpoint(path, _shard_set(index, weight_map, headers))
+    single = path / SINGLE_FILE
+    if single.exists() or single.is_symlink():
+        _regular_file(single, path, allow_symlinks, single)
+        return Checkpoint(path, read_header(single))
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    raise CheckpointError(
+        f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}"
+        + (f" (it has {', '.join(found[:4])}: write the index json that maps keys to them)" if found else ""),
+        file=path,
+    )
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of an index json, checked: ``{key: file name}``, both strings."""
+    size = index.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{index} is {size} bytes, more than an index json can be ({MAX_JSON_BYTES})", file=index)
+    try:
+        text = index.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index} cannot be read as UTF-8 text: {e}", file=index) from None
+    data = _parse_json(text, index, "the index json")
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{index} holds a JSON {type(data).__name__}, not an object with a 'weight_map'", file=index)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{index} has no 'weight_map' object (the layout transformers writes: {{\"weight_map\": {{key: file}}}})",
+            file=index,
+        )
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"{index} maps '{key}' to {name!r}, not a file name", file=index, key=key)
+    return weight_map
+
+
+def read_header(file: Path) -> dict[str, Entry]:
+    """``{key: Entry}`` from the header of the safetensors ``file``, checked against the format."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{file} is {size} bytes: too short for a safetensors header (truncated?)", file=file)
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(
+                    f"{file}: the header claims {n} bytes, but the file has {size - 8} after the length (truncated or corrupt)",
+                    file=file,
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{file} cannot be read: {e}", file=file) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{file}: the safetensors header is not UTF-8 text (corrupt)", file=file) from None
+    if not text.startswith("{"):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object (corrupt)", file=file)
+    header = _parse_json(text, file, "the safetensors header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object (corrupt)", file=file)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{file}: '__metadata__' must map strings to strings", file=file)
+    entries = {key: _entry(file, key, info) for key, info in header.items()}
+    data = size - 8 - n
+    at = 0
+    for e in sorted(entries.values(), key=lambda e: (e.start, e.end)):
+        if e.start != at:
+            raise CheckpointError(
+                f"{file}: '{e.key}' starts at byte {e.start} of the data, expected {at} (tensors overlap or leave a gap)",
+                file=file, key=e.key,
+            )  # fmt: skip
+        at = e.end
+    if at != data:
+        raise CheckpointError(
+            f"{file}: the header describes {at} bytes of tensor data, the file holds {data} (truncated or corrupt)",
+            file=file,
+        )
+    return entries
+
+
+def _entry(file: Path, key: str, info: Any) -> Entry:
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{file}: '{key}' {what}", file=file, key=key)
+
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise bad("is not described by exactly 'dtype', 'shape' and 'data_offsets'")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_OF:
+        raise bad(f"has dtype {dtype!r}, which dpcompile does not read (it reads {', '.join(DTYPE_OF)})")
+    if not isinstance(shape, list) or not all(_natural(s) for s in shape):
+        raise bad(f"has shape {shape!r}: expected a list of non-negative ints ([] for a 0-dim tensor)")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(o) for o in offsets):
+        raise bad(f"has data_offsets {offsets!r}: expected [begin, end], non-negative ints")
+    numel = 1
+    for s in shape:
+        numel *= s
+    if offsets[1] - offsets[0] != numel * ITEM_SIZE[dtype]:
+        raise bad(
+            f"is {dtype} {shape} ({numel * ITEM_SIZE[dtype]} bytes), but its data_offsets {offsets} hold "
+            f"{offsets[1] - offsets[0]}"
+        )
+    return Entry(key, file, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _natural(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _shard_set(index: Path, weight_map: Mapping[str, str], headers: Mapping[str, dict[str, Entry]]) -> dict[str, Entry]:
+    """Every key of the index in the file it names; no key in two files."""
+    held: dict[str, str] = {}
+    for name, entries in headers.items():
+        for key in entries:
+            if key in held:
+                raise CheckpointError(
+                    f"'{key}' is held by both {held[key]} and {name} in {index.parent}: the shards do not agree",
+                    file=index.parent / name, key=key,
+                )  # fmt: skip
+            held[key] = name
+    out = {}
+    for key, name in weight_map.items():
+        entry = headers[name].get(key)
+        if entry is None:
+            raise CheckpointError(
+                f"{index} maps '{key}' to {name}, which does not hold it"
+                + (f" ({held[key]} does)" if key in held else ""),
+                file=index.parent / name, key=key,
+            )  # fmt: skip
+        out[key] = entry
+    for key, name in held.items():
+        if key not in weight_map:
+            raise CheckpointError(
+                f"{name} holds '{key}', which {index} does not name: the index does not describe the shards",
+                file=index.parent / name, key=key,
+            )  # fmt: skip
+    return out
+
+
+def _inside(folder: Path, name: str, index: Path, allow_symlinks: bool) -> Path:
+    """``folder / name`` for a file name of the index: relative, no ``..``, a regular file inside."""
+    parts = Path(name).parts
+    if Path(name).is_absolute() or not parts or any(p in ("..", ".", "") for p in parts) or "\\" in name:
+        raise CheckpointError(
+            f"{index} names {name!r}: shard names must be relative to the folder, without '..'", file=index
+        )
+    _regular_file(folder / name, folder, allow_symlinks, index)
+    return folder / name
+
+
+def _regular_file(file: Path, folder: Path, allow_symlinks: bool, blame: Path) -> None:
+    """``file`` (under ``folder``) exists and is a regular file; no link on the way unless allowed."""
+    here = folder
+    rel = file.relative_to(folder).parts if file != folder else ()
+    for part in rel:
+        here = here / part
+        try:
+            mode = os.lstat(here).st_mode
+        except OSError:
+            raise CheckpointError(f"{blame} names {file.name}, which is not in {folder}", file=file) from None
+        if stat.S_ISLNK(mode):
+            if not allow_symlinks:
+                raise CheckpointError(
+                    f"{here} is a symbolic link: refused, as it may lead outside the checkpoint "
+                    "(pass allow_symlinks=True to follow links, as the Hugging Face cache needs)",
+                    file=here,
+                )
+    if not file.is_file():
+        raise CheckpointError(f"{file} is not a regular file", file=file)
+
+
+def _parse_json(text: str, file: Path, what: str) -> Any:
+    depth = _nesting(text)
+    if depth > MAX_NESTING:
+        raise CheckpointError(f"{file}: {what} nests {depth} levels deep (at most {MAX_NESTING})", file=file)
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise CheckpointError(f"{file}: {what} names '{k}' twice", file=file, key=k)
+            out[k] = v
+        return out
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{file}: {what} is not valid JSON ({e})", file=file) from None
+
+
+def _nesting(text: str) -> int:
+    """How deep ``[``/``{`` nest in the JSON ``text`` (brackets inside strings not counted)."""
+    depth = deepest = 0
+    for bracket in re.findall(r"[\[\]{}]", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+__all__ = [
+    "DTYPES", "DTYPE_OF", "INDEX_FILE", "MAX_NESTING", "SINGLE_FILE", "Checkpoint", "CheckpointError", "Entry",
+    "read_checkpoint", "read_header", "read_index",
+]  # fmt: skip

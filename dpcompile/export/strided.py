@@ -22,6 +22,7 @@ dpcompile.errors.DpCompileError: as_strided: the view (sizes [2, 2], strides [2,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,10 +32,7 @@ import torch.fx as fx
 from dpcompile.errors import DpCompileError
 from dpcompile.export.common import ExportError
 
-__all__ = ["STRIDED", "as_strided", "as_strided_", "as_strided_copy", "as_strided_scatter", "bound", "original_name"]
-
-STRIDED = ("as_strided", "as_strided_", "as_strided_copy", "as_strided_scatter")
-
+__all__ = ["as_strided", "as_strided_", "as_strided_copy", "as_strided_scatter", "bound", "original_name", "strided_ops"]
 
 def _positions(sizes: Sequence[int], strides: Sequence[int], offset: int) -> torch.Tensor:
     """The storage position of every element of a view, flat (int64)."""
@@ -122,20 +120,27 @@ _BOUNDED = {"as_strided": as_strided, "as_strided_": as_strided_, "as_strided_co
 _NAMES = {fn: f"torch.ops.aten.{name}.default" for name, fn in _BOUNDED.items()}
 
 
+@functools.cache
+def strided_ops() -> tuple[tuple[Any, str], ...]:
+    """``(function, op name)`` for each vocabulary entry of an op taking explicit strides."""
+    from dpcompile.export.vocabulary import vocabulary
+
+    table = vocabulary()
+    found = []
+    for name in _BOUNDED:
+        for qualified in (f"torch.{name}", f"torch.Tensor.{name}", f"torch.ops.aten.{name}.default"):
+            if qualified in table:
+                found.append((table[qualified], name))
+    return tuple(found)
+
+
 def _strided_name(node: fx.Node) -> str | None:
     """The op name (``as_strided``...) ``node`` calls, in any namespace, or None."""
     if node.op == "call_method":
         return node.target if node.target in _BOUNDED else None
     if node.op != "call_function":
         return None
-    from dpcompile.export.allowlist import qualified_name
-
-    name = qualified_name(node.target)
-    if name is None:
-        return None
-    parts = name.split(".")
-    leaf = parts[-2] if name.startswith("torch.ops.aten.") else parts[-1]
-    return leaf if leaf in _BOUNDED else None
+    return next((name for fn, name in strided_ops() if node.target is fn), None)
 
 
 def _bind(args: tuple, kwargs: dict, names: Sequence[str]) -> tuple:

@@ -269,9 +269,8 @@ def decode_graph(data: Any, tree: TreeIndex | None = None) -> fx.Graph:
         if node.name != name:
             raise ExportError(f"program.json: node name {name!r} is taken")
         nodes[name] = node
-    if tree is not None:
-        check_graph(graph, tree)
-    bound(graph)  # as_strided and its kin: within their input's own elements (dpcompile.export.strided)
+    kinds = check_graph(graph, tree) if tree is not None else None
+    bound(graph, kinds)  # as_strided and its kin: within their input's own elements (dpcompile.export.strided)
     graph.lint()
     # a node named like a global of the generated code (``self``, ``torch``, ``getattr``,
     # ``dpcompile_runtime_scatter``) would make a later call resolve to that node's value

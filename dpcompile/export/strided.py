@@ -23,7 +23,7 @@ dpcompile.errors.DpCompileError: as_strided: the view (sizes [2, 2], strides [2,
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -160,13 +160,19 @@ def _bind(args: tuple, kwargs: dict, names: Sequence[str]) -> tuple:
     return tuple(values)
 
 
-def bound(graph: fx.Graph) -> None:
+def bound(graph: fx.Graph, kinds: Mapping[fx.Node, Any] | None = None) -> None:
     """Swap every call of an op that takes explicit strides for the function of this module that
-    checks the view lies within its input (see the module docstring); in place."""
+    checks the view lies within its input (see the module docstring); in place. ``kinds``
+    (:func:`~dpcompile.export.kinds.check_graph`'s): a ``call_method`` on a module or replica
+    calls a child module that happens to be named ``as_strided``, and stays."""
     for node in graph.nodes:
         name = _strided_name(node)
         if name is None:
             continue
+        receiver = node.args[0] if node.args else None
+        if node.op == "call_method" and kinds is not None and isinstance(receiver, fx.Node):
+            if getattr(kinds.get(receiver), "what", "value") != "value":
+                continue
         names = ("input", "src", "size", "stride", "storage_offset") if name == "as_strided_scatter" else (
             "input", "size", "stride", "storage_offset"
         )

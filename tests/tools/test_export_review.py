@@ -159,6 +159,26 @@ def test_as_strided_within_its_input_loads_and_matches_eager(tmp_path):
     torch.testing.assert_close(dpcompile.load(again)(x), model(x))
 
 
+class ChildNamedAsStrided(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.as_strided = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.as_strided(x))
+
+
+def test_a_child_module_named_as_strided_is_called_as_a_module(tmp_path):
+    """Only a Tensor's as_strided is bounded: replicas calling a child of that name run it."""
+    torch.manual_seed(0)
+    model = ChildNamedAsStrided()
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    assert ".as_strided(" in pm.code or 'getattr(replica_dev0, "as_strided")' in pm.code
+    folder = dpcompile.export(pm, tmp_path / "out")
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(dpcompile.load(folder)(x), model(x))
+
+
 @pytest.fixture
 def linear_folder(tmp_path):
     torch.manual_seed(0)

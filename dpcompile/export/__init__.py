@@ -3,8 +3,9 @@
 ``export(pm, folder)`` writes (``docs/export.md`` has the details):
 
 =======================  ===============================================================
-``module.py``            the generated code, readable; never run by ``load``, which
-                         regenerates it from ``program.json`` and refuses a difference
+``module.py``            the generated code, readable: every program of ``program.json``
+                         (variants and the programs before lowering included); never
+                         run by ``load``, which regenerates it and refuses a difference
 ``program.json``         the program as data: graphs (one per variant: train/eval,
                          optional arguments left None), module tree, settings, tensors
 ``weights.safetensors``  every parameter and buffer (tensor-parallel shards as they are)

@@ -30,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from dpcompile.errors import DpCompileError
+from dpcompile.export.strided import original_name
 from dpcompile.export.vocabulary import TENSOR_METHODS, denied, vocabulary
 from dpcompile.fx_utils import unalias
 from dpcompile.runtime.exported import TransposedLinear
@@ -190,6 +191,9 @@ def qualified_name(target: Any) -> str | None:
     """The vocabulary's name of ``target`` (or a registered output type's), or None where it has none."""
     if isinstance(target, type) and _outputs.get(class_name(target)) is target:
         return class_name(target)
+    bounded = original_name(target)  # a loaded program's bounded as_strided: stored as the op
+    if bounded is not None:
+        return bounded
     name = _names_by_identity().get(id(target))
     return name if name is not None and vocabulary()[name] is target else None
 

@@ -37,9 +37,14 @@ def place(weights: dict[str, torch.Tensor], info: dict[str, dict[str, Any]], tar
 
 
 def readable_programs(data: Any, tree: Any) -> list[tuple[str, fx.Graph]]:
-    """The graphs ``module.py`` shows, decoded (every target checked): ``forward`` (the main
-    program) and one ``forward_<variant>`` per other program carried."""
+    """The graphs ``module.py`` shows, decoded (every target checked): every graph of the
+    program section. ``forward`` (the main program), one ``forward_<variant>`` per other program
+    carried, and, data parallel, ``captured`` (the main one before lowering) and one
+    ``traced_<variant>`` per variant before lowering: what a smaller batch or other devices
+    lower again. A graph of ``program.json`` that is not here could run unread."""
     from dpcompile.export.serialize import decode_graph
+    from dpcompile.export.source import CAPTURED, TRACED, call_label
+    from dpcompile.export.variants import decode_key
 
     if not isinstance(data, dict) or set(data) != {"recipe", "main_key", "signature", "graph", "captured", "variants", "traces"}:
         raise ExportError(f"{PROGRAM_FILE}: a program section it cannot read")
@@ -50,9 +55,22 @@ def readable_programs(data: Any, tree: Any) -> list[tuple[str, fx.Graph]]:
         if not isinstance(entry, dict) or set(entry) != {"label", "key", "graph"}:
             raise ExportError(f"{PROGRAM_FILE}: a variant entry it cannot read")
         if entry["graph"] is not None:
-            if not isinstance(entry["label"], str) or not entry["label"].isidentifier():
+            if not isinstance(entry["label"], str) or not entry["label"].isidentifier() or not entry["label"].startswith("forward_"):
                 raise ExportError(f"{PROGRAM_FILE}: a variant labelled {entry['label']!r:.40}")
             out.append((entry["label"], decode_graph(entry["graph"], tree)))
+    if data["captured"] is not None:
+        out.append((CAPTURED, decode_graph(data["captured"], tree)))
+    for entry in data["traces"]:
+        if not isinstance(entry, dict) or set(entry) != {"key", "graph"}:
+            raise ExportError(f"{PROGRAM_FILE}: a trace entry it cannot read")
+        if entry["graph"] is not None:
+            label = call_label(TRACED, decode_key(entry["key"]))
+            taken = {name for name, _ in out}
+            label = label if label not in taken else f"{label}_{len(out)}"
+            out.append((label, decode_graph(entry["graph"], tree)))
+    labels = [name for name, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ExportError(f"{PROGRAM_FILE}: two programs share a method name in {MODULE_FILE}")
     return out
 
 

@@ -6,7 +6,7 @@ See ``docs/export.md`` for the layout and what :func:`load` promises.
 from __future__ import annotations
 
 import logging
-import re
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from dpcompile.export.integrity import (
     read_weights,
     sha256_of,
 )
-from dpcompile.export.source import class_name_of, generated_source, program_source
+from dpcompile.export.source import call_label, class_name_of, generated_source, program_source
 from dpcompile.fx_utils import unalias
 from dpcompile.version import __version__
 
@@ -311,10 +311,12 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
 
 def _write(folder: Path, program: dict[str, Any], files: dict[str, bytes], tensors: dict[str, torch.Tensor]) -> None:
     """Write under temporary names, rename into place, drop what an earlier export left, and
-    write the manifest last: an interrupted export leaves no folder that loads."""
+    write the manifest last: an interrupted export leaves no folder that loads. Temporary files
+    are created new (``O_EXCL | O_NOFOLLOW``): a link planted at one is never followed."""
     import safetensors.torch
 
     (folder / MANIFEST_FILE).unlink(missing_ok=True)
+    _drop_temporaries(folder)
     weights = {}
     seen_storage: set[int] = set()
     for key, t in tensors.items():
@@ -324,31 +326,57 @@ def _write(folder: Path, program: dict[str, Any], files: dict[str, bytes], tenso
         if ptr is not None:
             seen_storage.add(ptr)
         weights[key] = data
-    safetensors.torch.save_file(weights, str(folder / f".dpcompile-{WEIGHTS_FILE}.tmp"), metadata={"format": "pt"})
-    for name, data in files.items():
-        (folder / f".dpcompile-{name}.tmp").write_bytes(data)
-    written = [*files, WEIGHTS_FILE]
-    for name in written:
-        (folder / f".dpcompile-{name}.tmp").replace(folder / name)
-    for stale in _OURS - set(written) - {MANIFEST_FILE}:
+    contents = {**files, WEIGHTS_FILE: safetensors.torch.save(weights, metadata={"format": "pt"})}
+    del weights
+    for name, data in contents.items():
+        _write_new(folder, _temporary(name), data)
+    for name in contents:
+        (folder / _temporary(name)).replace(folder / name)  # a rename replaces a link, never follows it
+    for stale in _OURS - set(contents) - {MANIFEST_FILE}:
         (folder / stale).unlink(missing_ok=True)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "files": {name: {"sha256": sha256_of(folder / name), "size": (folder / name).stat().st_size} for name in sorted(written)},
+        "files": {name: {"sha256": sha256_of(folder / name), "size": (folder / name).stat().st_size} for name in sorted(contents)},
         "program": {k: program[k] for k in SUMMARY_FIELDS if k != "devices"} | {"devices": program["config"]["devices"]},
     }
-    (folder / MANIFEST_FILE).write_bytes(canonical_json(manifest))
+    _write_new(folder, _temporary(MANIFEST_FILE), canonical_json(manifest))
+    (folder / _temporary(MANIFEST_FILE)).replace(folder / MANIFEST_FILE)
+
+
+def _temporary(name: str) -> str:
+    return f".dpcompile-{name}.tmp"
+
+
+def _drop_temporaries(folder: Path) -> None:
+    """Remove what an interrupted export left (a link itself, never what it points to)."""
+    for path in folder.iterdir():
+        if path.name.startswith(".dpcompile-") and path.name.endswith(".tmp"):
+            if path.is_dir() and not path.is_symlink():
+                raise ExportError(f"{path} is a folder where export writes a temporary file; remove it and export again")
+            path.unlink(missing_ok=True)
+
+
+def _write_new(folder: Path, name: str, data: bytes) -> None:
+    """Write ``data`` to the new file ``folder/name``: created, never opened if anything (a file,
+    a link) is already there, so a link planted at the name is not followed."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(folder / name, flags, 0o666)
+    except FileExistsError:
+        raise ExportError(
+            f"{folder / name} appeared while export was writing {folder} (another process writes there); "
+            "export into a folder only you write"
+        ) from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def _labels(keys: list[Any]) -> dict[Any, str]:
     """A method name for each variant program in module.py: ``forward_eval_mask_none``."""
     labels: dict[Any, str] = {}
     for key in keys:
-        training = {t for _, t in key.modes}
-        mode = "train" if training == {True} else "eval" if training == {False} else "mixed"
-        parts = [mode, *(f"{n}_none" for n in sorted(key.none_args)), *(f"{n}_{v}" for n, v in key.flags)]
-        label = "forward_" + "_".join(re.sub(r"\W", "_", str(p)) for p in parts)
+        label = call_label("forward_", key)
         labels[key] = label if label not in labels.values() else f"{label}_{len(labels)}"
     return labels
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,13 @@ from dpcompile.export.common import (
     dtype_name,
 )
 
-__all__ = ["check_manifest_hash", "manifest_hash", "read_manifest"]
+__all__ = ["MAX_NESTING", "check_manifest_hash", "manifest_hash", "read_json", "read_manifest"]
+
+# how deep a manifest or program may nest lists and objects: real programs stay far below
+# (a node's arguments: tuples of tuples); Python's parser would raise RecursionError near 1000
+MAX_NESTING = 200
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\Z)', re.DOTALL)  # linear: an unclosed string ends the text
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]")
 
 
 def sha256_of(path: Path) -> str:
@@ -41,6 +48,34 @@ def canonical_json(data: Any) -> bytes:
     return (json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
+def nesting(text: bytes) -> int:
+    """How deep ``text`` (JSON) nests lists and objects, counted without parsing (no recursion)."""
+    import numpy as np
+
+    brackets = np.frombuffer(_NOT_BRACKET.sub(b"", _STRING.sub(b"", text)), dtype=np.uint8)
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max()) if steps.size else 0
+
+
+def read_json(path: Path, limit: int = MAX_NESTING) -> Any:
+    """The JSON value of the file ``path``, refused with an :class:`ExportError` naming the file
+    where it cannot be read or nests deeper than ``limit`` (checked before parsing)."""
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise ExportError(f"{path} cannot be read ({e}); re-export the module") from None
+    depth = nesting(text)
+    if depth > limit:
+        raise ExportError(
+            f"{path} nests lists and objects {depth} deep, more than the {limit} an export ever writes; "
+            "it was not written by dpcompile.export: re-export the module"
+        )
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ExportError(f"{path} cannot be read as JSON ({e!s:.200}); re-export the module") from None
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The checked manifest of an export folder: every field known and valid, every file in
     the folder listed and every listed file present with its size and sha256."""
@@ -50,10 +85,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file() or manifest_path.is_symlink():
         raise ExportError(f"{folder} has no {MANIFEST_FILE}; it is not a dpcompile export (or it is incomplete)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{manifest_path} cannot be read as JSON ({e}); re-export the module") from None
+    manifest = read_json(manifest_path)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise ExportError(f"{manifest_path} is not a dpcompile export manifest (format {found!r})")
@@ -94,10 +126,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    try:
-        program = json.loads((folder / PROGRAM_FILE).read_bytes())
-    except (ValueError, RecursionError) as e:
-        raise ExportError(f"{folder / PROGRAM_FILE} cannot be read as JSON ({e})") from None
+    program = read_json(folder / PROGRAM_FILE)
     keys = {"format", "format_version", "kind", "class_name", "dpcompile_version", "torch_version", "trust_code",
             "pickled_because", "config", "training", "tensors", "modules", "data"}  # fmt: skip
     if not isinstance(program, dict) or set(program) != keys or program["format"] != PROGRAM_FORMAT:

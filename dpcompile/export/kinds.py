@@ -241,9 +241,10 @@ class _Checker:
                 )
 
 
-def check_graph(graph: fx.Graph, tree: TreeIndex) -> None:
+def check_graph(graph: fx.Graph, tree: TreeIndex) -> Mapping[fx.Node, Kind]:
     """Raise :class:`ExportError` where ``graph`` calls a method, reads an attribute or hands a
-    module to a function other than its kind allows (see the module docstring)."""
+    module to a function other than its kind allows (see the module docstring); return each
+    node's kind."""
     checker = _Checker(tree)
     for node in graph.nodes:
         checker.kinds[node] = checker.kind(node)
@@ -252,3 +253,4 @@ def check_graph(graph: fx.Graph, tree: TreeIndex) -> None:
         for n in _nodes_in(output.args):
             if checker.kinds[n].what != "value":
                 raise ExportError(f"program.json: the program returns the {checker.kinds[n].what} {n.name!r}")
+    return checker.kinds

@@ -41,6 +41,7 @@ from dpcompile.export.allowlist import (
     stand_in_name,
 )
 from dpcompile.export.kinds import TreeIndex, check_graph
+from dpcompile.export.strided import bound
 
 __all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_inputs", "encode_tree", "encode_value"]
 
@@ -228,7 +229,8 @@ def _model_output_fields(cls: Any) -> tuple[str, ...] | None:
 def decode_graph(data: Any, tree: TreeIndex | None = None) -> fx.Graph:
     """Rebuild a graph from :func:`encode_graph`'s JSON, checking every target.
 
-    ``call_function`` targets come from the vocabulary; ``get_attr``, ``call_module`` and
+    ``call_function`` targets come from the vocabulary (an op taking explicit strides becomes
+    its bounded counterpart of :mod:`dpcompile.export.strided`); ``get_attr``, ``call_module`` and
     ``call_method`` targets must be attribute paths without dunders, and, given the module
     ``tree``, each is checked against the kind of value it names (:mod:`dpcompile.export.kinds`):
     a Tensor method on a value, a module call on a replica, a module or tensor of the tree.
@@ -267,8 +269,8 @@ def decode_graph(data: Any, tree: TreeIndex | None = None) -> fx.Graph:
         if node.name != name:
             raise ExportError(f"program.json: node name {name!r} is taken")
         nodes[name] = node
-    if tree is not None:
-        check_graph(graph, tree)
+    kinds = check_graph(graph, tree) if tree is not None else None
+    bound(graph, kinds)  # as_strided and its kin: within their input's own elements (dpcompile.export.strided)
     graph.lint()
     # a node named like a global of the generated code (``self``, ``torch``, ``getattr``,
     # ``dpcompile_runtime_scatter``) would make a later call resolve to that node's value

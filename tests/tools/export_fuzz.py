@@ -1,10 +1,13 @@
 """Random mutations of real ``program.json`` files, loaded as an attacker would leave them.
 
 Each mutation edits one exported program (call targets, method names, attribute paths,
-arguments, module classes, nesting, whole nodes), regenerates ``module.py`` with dpcompile's
-own code where it still decodes, rehashes the manifest and calls ``dpcompile.load``. The only
-outcomes allowed: ``ExportError``, or a module that runs (any exception a computation may raise
-is fine) and returns values; and a marker file, whose path every payload carries, never appears.
+arguments, module classes, nesting, whole nodes, views with explicit strides), regenerates
+``module.py`` with dpcompile's own code where it still decodes (one time in eight it leaves the
+old one), rehashes the manifest and calls ``dpcompile.load``. The only outcomes allowed:
+``ExportError``, or a module that runs (any exception a computation may raise is fine) and
+returns values; a folder whose ``module.py`` is not the one its program regenerates never
+loads, nor one nested past the bound; and a marker file, whose path every payload carries,
+never appears.
 Used by ``tests/tools/test_export_fuzz.py`` (bounded) and ``benchmarks/export_fuzz.py`` (more).
 """
 
@@ -22,8 +25,11 @@ import torch
 
 import dpcompile
 from dpcompile.export import ExportError
+from dpcompile.export.build import readable_programs
+from dpcompile.export.integrity import MAX_NESTING
+from dpcompile.export.source import program_source
 from dpcompile.export.vocabulary import TENSOR_METHODS, vocabulary
-from tests.tools.export_attacks import write_program
+from tests.tools.export_attacks import rehash, write_program
 
 DANGEROUS_TARGETS = [
     "os.system", "builtins.eval", "builtins.exec", "builtins.open", "builtins.__import__", "subprocess.call",
@@ -38,6 +44,8 @@ DANGEROUS_METHODS = ["numpy", "tofile", "__class__", "__reduce_ex__", "data_ptr"
 DANGEROUS_PATHS = ["__class__", "forward.__globals__", "__dict__", "_modules", "0.__class__", "training", "numpy"]
 DANGEROUS_CLASSES = ["os._wrap_close", "subprocess.Popen", "builtins.object", "transformers.pytorch_utils.Conv1D",
                      "torch.nn.modules.module.Module", "dpcompile.runtime.replicate.ReplicaRoot", "plain", None, 3]  # fmt: skip
+STRIDED_TARGETS = ["torch.as_strided", "torch.Tensor.as_strided", "torch.ops.aten.as_strided.default",
+                   "torch.as_strided_copy", "torch.ops.aten.as_strided_.default", "torch.Tensor.as_strided_"]  # fmt: skip
 GETATTR_NAMES = ["numpy", "tofile", "shape", "dtype", "training", "__class__", "forward", "weight", "T", "_modules"]
 
 
@@ -128,7 +136,8 @@ class Mutator:
         nodes = graph["nodes"]
         names = [n["name"] for n in nodes]
         kind = r.choice(["target", "target", "method", "attr_path", "args", "args", "args", "getattr", "module_class",
-                         "module_attr", "nesting", "insert_node", "drop_node", "op", "tree_child", "kwargs"])  # fmt: skip
+                         "module_attr", "nesting", "insert_node", "drop_node", "op", "tree_child", "kwargs",
+                         "deep_nesting", "strided"])  # fmt: skip
         calls = [n for n in nodes if n["op"] == "call_function"]
         if kind == "target" and calls:
             r.choice(calls)["target"] = r.choice(DANGEROUS_TARGETS + r.sample(self.vocab, 20))
@@ -144,6 +153,21 @@ class Mutator:
             node["target"] = r.choice(
                 DANGEROUS_PATHS + paths + [f"{r.choice(paths or ['x'])}.{r.choice(DANGEROUS_PATHS)}"]
             )
+        elif kind == "deep_nesting":  # past the bound: refused before parsing, whatever it holds
+            node = r.choice(nodes)
+            value = self.payload_value(names)
+            for _ in range(r.randint(MAX_NESTING, 2 * MAX_NESTING)):  # json.dumps still writes it
+                value = r.choice([{"tuple": [value]}, [value]])
+            node["args"] = {"tuple": [value]}
+        elif kind == "strided":  # a view of the memory around a value: raises at run time unless within it
+            at = r.randint(1, max(1, len(nodes) - 1))
+            size = [r.randint(0, 9) for _ in range(r.randint(1, 3))]
+            stride = [r.choice([0, 1, 2, 4, 8, 64]) for _ in size]
+            args = [{"node": r.choice(names[:at] or names)}, {"tuple": size}, {"tuple": stride}, r.choice([None, 0, 3, 4096])]
+            op = r.choice(["call_function", "call_function", "call_method"])
+            target = r.choice(STRIDED_TARGETS) if op == "call_function" else r.choice(["as_strided", "as_strided_"])
+            nodes.insert(at, {"op": op, "name": f"fuzz_{r.randint(0, 10**6)}", "target": target,
+                              "args": {"tuple": args}, "kwargs": {"dict": []}})  # fmt: skip
         elif kind in ("args", "kwargs", "nesting"):
             node = r.choice(nodes)
             spots = _leaves(node["args" if kind != "kwargs" else "kwargs"])
@@ -226,10 +250,15 @@ def fuzz(bases: list[Base], work: Path, marker: Path, count: int, seed: int = 0)
         base = schedule[i % len(schedule)]
         folder = copies[base.name]
         program = json.loads(texts[base.name])
-        for _ in range(rng.choice([1, 1, 1, 2, 3])):
-            kind = mutator.mutate(program)
+        kinds = [mutator.mutate(program) for _ in range(rng.choice([1, 1, 1, 2, 3]))]
+        for kind in kinds:
             tally.by_kind[kind] = tally.by_kind.get(kind, 0) + 1
-        write_program(folder, program)
+        stale = rng.random() < 0.125  # module.py left as the last mutation's: loads only if it shows this program
+        if stale:
+            (folder / "program.json").write_text(json.dumps(program))
+            rehash(folder)
+        else:
+            write_program(folder, program)
         tally.tried += 1
         try:
             loaded = dpcompile.load(folder)
@@ -238,6 +267,11 @@ def fuzz(bases: list[Base], work: Path, marker: Path, count: int, seed: int = 0)
         except Exception as e:  # noqa: BLE001 - the failure this fuzzer looks for
             raise AssertionError(f"mutation {i} of {base.name}: load raised {type(e).__name__}: {e}") from e
         else:
+            assert "deep_nesting" not in kinds, f"mutation {i} of {base.name}: a program nested past the bound loaded"
+            if stale:
+                shown = program_source(readable_programs(program["data"], None), class_name=program["class_name"],
+                                       mode=program["kind"], devices=program["config"]["devices"])  # fmt: skip
+                assert shown == (folder / "module.py").read_text(), f"mutation {i}: loaded with a module.py that is not its program"
             tally.loaded += 1
             try:
                 out = base.run(loaded)

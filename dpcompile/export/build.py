@@ -77,11 +77,11 @@ def readable_programs(data: Any, tree: Any) -> list[tuple[str, fx.Graph]]:
 def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor], target: Any) -> nn.Module:
     """The module of a checked folder: graphs decoded and ``module.py`` compared first, then
     the module tree, then the module, restored as unpickling restores one whose model class
-    is not at hand (``dpcompile.modules.base.restore_parallel_module``), carrying its programs."""
+    is not at hand (``dpcompile.modules.pickling.restore_parallel_module``), carrying its programs."""
     from dpcompile.export.kinds import TreeIndex
     from dpcompile.export.serialize import decode_graph, decode_tree
     from dpcompile.export.variants import decode_key, decode_recipe, decode_signature
-    from dpcompile.modules.base import restore_parallel_module
+    from dpcompile.modules.pickling import restore_parallel_module
     from dpcompile.program_cache import CallKey
 
     config, data, kind = program["config"], program["data"], program["kind"]

@@ -1,0 +1,197 @@
+"""Pickling a :class:`~dpcompile.modules.base.ParallelModule`: ``torch.save(pm)``, ``copy.deepcopy(pm)``
+and ``dpcompile.load`` rebuild a program from its modules, graphs and the programs it carries.
+
+A copy whose model class can be imported traces what it needs where it is loaded; one that cannot
+(a class defined in ``__main__``, a pickler that keeps only ``torch.nn`` classes) carries every
+program it could be asked for: both modes, the optional arguments left None, flags, smaller batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.capture import ROOT_LEAF
+from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import copy_graph, graph_module
+from dpcompile.modules.carried import CarriedPrograms
+from dpcompile.modules.other_mode import both_modes
+from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes
+
+log = logging.getLogger("dpcompile")
+
+#: what transform records about a program (its layout and plan), carried by a pickled copy
+DESCRIBED = ("layout", "strategies", "memory_options", "memory_plan")
+
+
+class PicklesPrograms:
+    """The pickling half of ``ParallelModule`` (a mixin: it reads the module's program cache, graph and state)."""
+
+    def _reduce(self, *, carry_programs: bool):
+        source = self._picklable_source()
+        stale = self.model_changed_since_transform()  # the copy traces every call afresh
+        if stale and source is None and carry_programs:
+            raise DpCompileError(
+                f"the model changed since transform and its class {type(self.traced_model).__qualname__} cannot be "
+                "imported to trace it again where this copy is loaded; call dpcompile.transform again before saving"
+            )
+        # carried for a copy that cannot trace them: no importable model, or a pickler that keeps
+        # only torch.nn classes (export); a deep copy traces what it needs
+        state = {
+            "modules": dict(self._modules),
+            "leaf_root": self.__dict__.get(ROOT_LEAF) if isinstance(self.__dict__.get(ROOT_LEAF), nn.Module) else None,
+            "parameters": dict(self._parameters),
+            "buffers": dict(self._buffers),
+            "non_persistent": set(self._non_persistent_buffers_set),
+            "training": self.training,
+            "graph": copy_graph(self.graph),
+            "captured_graph": copy_graph(self.captured.graph) if self.captured is not None else None,
+            "config": {
+                "recipe": self.recipe,
+                "devices": self.devices,
+                "mode": self.mode,
+                "input_dims": self.input_dims,
+                "output_device": self.output_device,
+                "plan": self.plan,
+                "class_name": type(self).__name__,
+                "shares_source": self._shares_source,
+            },
+            "main_key": self.program_cache.main_key.portable(),
+            "programs": self._portable_programs() if carry_programs else [],
+            "traces": [
+                (key.portable(), None if gm is None else copy_graph(gm.graph))
+                for key, gm in self.program_cache.traces.items()
+            ],
+            "extra": self._extra_state_for_pickle(),
+            "source": source,
+            "stale_main": stale,
+            "described": {name: self.__dict__[name] for name in DESCRIBED if name in self.__dict__},
+        }
+        return (restore_parallel_module, (_importable_class(self), state))
+
+    def _portable_programs(self) -> list[tuple[CallKey, fx.Graph | None]]:
+        """The programs a copy without the model's class (a pickler that keeps only torch.nn
+        classes, an unimportable class) could not trace: the other mode, and every variant met
+        so far (optional arguments left None, flags, smaller batches); None: the main program."""
+        if self.__dict__.get("traced_model") is None:
+            built = [(key.portable(), None if p is None else copy_graph(p.graph)) for key, p in self.program_cache.items()]
+            carried = getattr(self.program_cache.build, "programs", {})  # a restored program's own
+            return [*carried.items(), *built]
+        main = self.program_cache.main_key
+        built = dict(self.program_cache.items())
+        # both modes of every pattern met so far, and of the optional arguments left None
+        # (none, each alone, all together), so that pm.eval() and a call without them hold
+        optional = [name for _, name in self.call_signature.optional]
+        none_patterns = {main.none_args, frozenset(), frozenset(optional), *(frozenset({name}) for name in optional[:2])}
+        wanted = set(built)
+        for key in [main, *built]:
+            for nones in {key.none_args, *(none_patterns if key is main else ())}:
+                for modes in (key.modes, Modes((path, not t) for path, t in key.modes)):
+                    wanted.add(CallKey(key.devices, modes, nones, key.flags, key.guard))
+        for name, value in main.flags:  # the other value of each bool flag
+            if type(value) is bool:
+                flipped = tuple((n, not v if n == name else v) for n, v in main.flags)
+                for modes in (main.modes, Modes((path, not t) for path, t in main.modes)):
+                    wanted.add(CallKey(main.devices, modes, main.none_args, flipped, main.guard))
+        out = []
+        for key in wanted:
+            try:
+                program = built[key] if key in built else self.program_cache.program(key, (), {})
+            except Exception as e:  # noqa: BLE001 - a program not carried is refused at its call, never run wrong
+                log.debug("no program carried for %s (%s)", key.describe(), e)
+                continue
+            out.append((key.portable(), None if program is None else copy_graph(program.graph)))
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """An independent copy (an EMA of the weights, a snapshot), built as unpickling builds
+        one; ``GraphModule.__deepcopy__`` would drop everything but the graph and modules."""
+        if (whole := both_modes(self)) is not self:
+            return copy.deepcopy(whole, memo)
+        traceable = self.__dict__.get("traced_model") is not None  # the copy traces what it needs
+        restore, (cls, state) = self._reduce(carry_programs=not traceable)
+        if state["source"] is None and self.__dict__.get("traced_model") is not None:  # no import needed
+            state["source"] = self._source_state()
+        return restore(cls, copy.deepcopy(state, memo))
+
+    def _picklable_source(self) -> dict[str, Any] | None:
+        """The model (to trace variants after loading) where pickle can import its classes."""
+        source = self.__dict__.get("traced_model")
+        classes = [type(source), *getattr(self.recipe, "leaf_modules", ())]
+        if source is None or not self._shares_source or any("<locals>" in c.__qualname__ or c.__module__ == "__main__" for c in classes):
+            return None
+        return self._source_state()
+
+    def _source_state(self) -> dict[str, Any]:
+        main = self.program_cache.main_key
+        return {"model": self.traced_model, "flags": self._flags, "none_args": main.none_args}
+
+    def _extra_state_for_pickle(self) -> dict[str, Any]:
+        """What a subclass (tensor parallel) needs, beyond modules and graph, to rebuild itself."""
+        return {}
+
+    def _restore_extra_state(self, extra: dict[str, Any]) -> None:
+        """The counterpart of :meth:`_extra_state_for_pickle`."""
+
+
+def _importable_class(pm: Any) -> type:
+    """The class of ``pm`` that pickle can import (GraphModule adds a throwaway subclass)."""
+    return next(c for c in type(pm).__mro__ if "<locals>" not in c.__qualname__)
+
+
+def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
+    """The program ``state`` describes, as class ``cls`` (unpickling; ``dpcompile.load`` restores a
+    program read as data the same way)."""
+    holder = nn.Module()
+    holder._modules.update(state["modules"])
+    if state.get("leaf_root") is not None:
+        holder._modules[ROOT_LEAF] = state["leaf_root"]
+    holder._parameters.update(state["parameters"])
+    holder._buffers.update(state["buffers"])
+    holder._non_persistent_buffers_set = set(state["non_persistent"])
+    config = state["config"]
+    source = state.get("source") or {}
+    captured = None
+    if state["captured_graph"] is not None:
+        captured = graph_module(holder, state["captured_graph"], "Captured")
+    pm = cls.__new__(cls)
+    cls._init_parallel_module(
+        pm,
+        holder,
+        state["graph"],
+        recipe=config["recipe"],
+        devices=config["devices"],
+        mode=config["mode"],
+        input_dims=config["input_dims"],
+        output_device=config["output_device"],
+        plan=config["plan"],
+        captured=captured,
+        share_all_of=holder,
+        source=source.get("model"),
+        flags=source.get("flags") or dict(state["main_key"].flags),
+        none_args=source.get("none_args", state["main_key"].none_args),
+        shares_source=config["shares_source"],
+    )
+    if state.get("leaf_root") is not None:
+        pm._modules.pop(ROOT_LEAF, None)
+    pm._restore_extra_state(state["extra"])
+    pm.__dict__.update(state.get("described", {}))
+    pm.training = state["training"]  # each submodule was pickled with its own mode
+    if state.get("stale_main") and pm.traced_model is not None:  # pm.graph was traced for the model as it was
+        pm.program_cache.main_key = pm.program_cache.main_key._replace(guard=-1)
+    if pm.traced_model is None:
+        pm.call_signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
+        main = state["main_key"]
+        main_key = CallKey(main.devices, main.modes, main.none_args, main.flags)
+        object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
+        pm.program_cache.reset(main_key, CarriedPrograms(pm, state["programs"]))
+        for key, graph in state["traces"]:  # what a data-parallel program lowers for fewer devices
+            pm.program_cache.traces[key] = None if graph is None else graph_module(pm, graph, "Captured")
+    return pm
+
+
+__all__ = ["DESCRIBED", "PicklesPrograms", "restore_parallel_module"]

@@ -92,6 +92,7 @@ class DataParallelRecipe(Recipe):
             input_dims=dict(input_dims or {}),
             output_device=self.output_device,
             copy_replicas=self.copy_replicas,
+            write_back_inputs=True,
         )
 
     def lower(

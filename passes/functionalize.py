@@ -97,6 +97,7 @@ class Mutation:
     rest: tuple[Any, ...]  # op's arguments after the written tensor
     kwargs: dict[str, Any]
     twin: Any = None  # an out-of-place op giving the same value (no chain): ``(op, is_method)``
+    stale: tuple[fx.Node, ...] = ()  # views of ``base`` made before the write and read after: made again
 
 
 def _is_view(node: fx.Node) -> bool | None:
@@ -228,12 +229,13 @@ def _analyse(node: fx.Node, order: dict[fx.Node, int], inputs: bool = False) -> 
         chain.insert(0, base)
         base = base.args[0]
     kept = ("get_attr",) if inputs else ("placeholder", "get_attr")
-    if view is None or base.op in kept or not _write_is_alone(base, chain, node, order):
+    stale = _stale_views(base, node, order)
+    if view is None or base.op in kept or stale is None:
         return None
     twin = _out_of_place_twin(node) if not chain and op != "__setitem__" else None
     if twin is None and not isinstance(op, (str, torch._ops.OpOverload)):
         return None  # F.silu(x[:, 0], inplace=True): no name generated code can call it by
-    return Mutation(node, base, chain, op, rest, kwargs, twin)
+    return Mutation(node, base, chain, op, rest, kwargs, twin, tuple(stale))
 
 
 def find_mutations(gm: fx.GraphModule, *, inputs: bool = False) -> list[Mutation]:
@@ -258,16 +260,27 @@ def _aliases(base: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _write_is_alone(base: fx.Node, chain: list[fx.Node], write: fx.Node, order: dict[fx.Node, int]) -> bool:
-    """Whether no alias of ``base`` made before ``write`` is read after it (the written view
-    ``chain`` is read by the write alone)."""
+def _stale_views(base: fx.Node, write: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
+    """The aliases of ``base`` made before ``write`` and read after it, which the functional program
+    makes again from the written value (as ``torch.func.functionalize`` does); None where one of them
+    is not surely a view of ``base`` (a write's result, a ``reshape`` that may copy)."""
     at = order[write]
+    stale = []
     for alias in _aliases(base):
-        if alias is write or order[alias] > at:
+        if alias is write or order[alias] > at or not any(order[u] > at for u in alias.users if u is not write):
             continue
-        if any(order[user] > at for user in alias.users if user is not write):
-            return False
-    return True
+        if any(_is_view(link) is not True or _write_of(link) is not None for link in _view_path(base, alias)):
+            return None
+        stale.append(alias)
+    return sorted(stale, key=order.__getitem__)
+
+
+def _view_path(base: fx.Node, alias: fx.Node) -> list[fx.Node]:
+    """The nodes from ``base`` (excluded) to its alias ``alias`` (included), base first."""
+    path = [alias]
+    while path[0].args and path[0].args[0] is not base:
+        path.insert(0, path[0].args[0])
+    return path
 
 
 def functionalize_mutations(gm: fx.GraphModule, *, inputs: bool = False) -> PassResult:
@@ -311,6 +324,15 @@ def _replace(graph: fx.Graph, m: Mutation) -> fx.Node:
     for user in list(m.base.users):
         if user is not value and order.get(user, -1) > order[m.node]:
             user.replace_input_with(m.base, value)
+    made: dict[fx.Node, fx.Node] = {m.base: value}
+    for alias in m.stale:  # a view read after the write reads the written value: made again from it
+        with graph.inserting_before(m.node):
+            for link in _view_path(m.base, alias):
+                if link not in made:
+                    made[link] = graph.node_copy(link, lambda n: made.get(n, n))
+        for user in list(alias.users):
+            if user is not m.node and order.get(user, -1) > order[m.node]:
+                user.replace_input_with(alias, made[alias])
     if m.node.users:
         result: fx.Node = value
         if m.chain:  # the write's own result: the written view, read again from the new value

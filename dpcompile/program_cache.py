@@ -145,9 +145,9 @@ class CallSignature:
 
     optional: tuple[tuple[int, str], ...] = ()
     flags: tuple[tuple[int, str, Any], ...] = ()
-    # data parallel: inputs replicated in the examples, ``(position, name, dim, size)``: a call whose
-    # tensor there has another size on ``dim`` (the batch dim it would split on) departs
-    replicated: tuple[tuple[int, str, int, int], ...] = ()
+    # data parallel: inputs replicated in the examples, ``(position, name, dim, size, rank)``: a call whose
+    # tensor there has another size on ``dim`` (the batch dim it would split on), or more dims, departs
+    replicated: tuple[tuple[int, str, int, int, int], ...] = ()
 
     @classmethod
     def of(cls, graph: fx.Graph, flag_names: Sequence[str] = ()) -> CallSignature:
@@ -173,17 +173,17 @@ class CallSignature:
         """The replicated inputs this call gives the batch (their size on ``dim`` is the call's
         batch size); :class:`~dpcompile.errors.DpCompileError` for one of another size."""
         out = []
-        for position, name, dim, size in self.replicated:
+        for position, name, dim, size, rank in self.replicated:
             value = args[position] if position < len(args) else kwargs.get(name)
-            if not isinstance(value, torch.Tensor) or value.dim() <= dim or value.shape[dim] == size:
-                continue
+            if not isinstance(value, torch.Tensor) or value.dim() < rank or (value.dim() == rank and value.shape[dim] == size):
+                continue  # as in the example, or fewer dims (it broadcasts, as eager's does)
             batch = batch_size(args, kwargs)
             if value.shape[dim] != batch:
                 from dpcompile.errors import DpCompileError
 
                 raise DpCompileError(
-                    f"argument '{name}' has shape {tuple(value.shape)}, but the example gave it size {size} on dim "
-                    f"{dim}, so the program replicates it (every device reads all of it); this call's batch is "
+                    f"argument '{name}' has shape {tuple(value.shape)}, but the example gave it {rank} dims and size "
+                    f"{size} on dim {dim}, so the program replicates it (every device reads all of it); this call's batch is "
                     f"{batch}, so dim {dim} of '{name}' is neither the example's size nor the batch. Pass "
                     f"'{name}' as in the example, or with the batch on dim {dim}; or call dpcompile.transform with "
                     f"example_inputs= that give '{name}' the batch dim"

@@ -119,7 +119,7 @@ class DataParallelRecipe(Recipe):
         owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
         gm = graph_module(owner, copy_graph(graph), f"ParallelModule{key.devices}")
         # inputs the examples gave without a batch dim that this call gives it: split, not replicated
-        batched = {name: dim for _, name, dim, _ in pm.call_signature.replicated if name in key.batched}
+        batched = {name: dim for _, name, dim, _, _ in pm.call_signature.replicated if name in key.batched}
         return self.lower(gm, pm.devices.prefix(key.devices), {**pm.input_dims, **batched})
 
     def retarget(self, pm: ParallelModule, devices: Devices, output_device: torch.device) -> ParallelModule:
@@ -145,10 +145,11 @@ class DataParallelRecipe(Recipe):
 
 def replicated_inputs(
     gm: fx.GraphModule, input_dims: Mapping[str, int | None], example_inputs: Sequence[Any] | None, batch_dim: int | None
-) -> tuple[tuple[int, str, int, int], ...]:
-    """``(position, name, dim, size)`` of each tensor input the examples made replicated (a mask
-    of shape ``(1, 1, L, S)``): ``dim`` is the dim it would split on, ``size`` the example's there.
-    A call that gives it another size there departs (:meth:`CallSignature.batched`)."""
+) -> tuple[tuple[int, str, int, int, int], ...]:
+    """``(position, name, dim, size, rank)`` of each tensor input the examples made replicated (a
+    mask of shape ``(1, 1, L, S)`` or ``(L, S)``): ``dim`` is the dim it would split on, ``size`` the
+    example's there. A call that gives it another size there, or more dims, departs
+    (:meth:`~dpcompile.program_cache.CallSignature.batched`)."""
     if example_inputs is None:
         return ()
     would_split = infer_input_dims(gm, batch_dim=batch_dim)
@@ -157,7 +158,7 @@ def replicated_inputs(
     for position, (node, example) in enumerate(zip(placeholders, example_inputs)):
         name, dim = str(node.target), would_split.get(node.target)
         if input_dims.get(node.target) is None and dim is not None and isinstance(example, torch.Tensor) and example.dim() > dim:
-            out.append((position, name, dim, int(example.shape[dim])))
+            out.append((position, name, dim, int(example.shape[dim]), example.dim()))
     return tuple(out)
 
 

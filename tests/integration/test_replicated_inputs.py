@@ -47,6 +47,26 @@ def test_replicated_input_given_the_batch_later_runs_a_program_that_splits_it(ba
     torch.testing.assert_close(pm(x, shared), eager(x, shared))  # the first program still serves the first form
 
 
+class PairMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        q = self.q(x)
+        return ((q @ q.transpose(-1, -2)) + mask).softmax(-1).mean((1, 2)) * q.sum((1, 2))
+
+
+def test_replicated_input_given_more_dims_later_is_split():
+    """An ``(L, L)`` mask in the examples, ``(B, L, L)`` in a call whose batch happens to equal L:
+    the size on dim 0 is the example's, the rank is not."""
+    torch.manual_seed(0)
+    model = PairMask()
+    pm = dpcompile.transform(model, ["cpu", "cpu"], example_inputs=(torch.randn(4, L, 8), torch.randn(L, L)))
+    x, mask = torch.randn(L, L, 8), torch.randn(L, L, L)
+    torch.testing.assert_close(pm(x, mask), model(x, mask))
+
+
 def test_replicated_input_of_another_size_is_refused_by_name():
     model = MaskedScores()
     x = torch.randn(4, L, 8)

@@ -30,9 +30,17 @@ tensor becomes its out-of-place twin where there is one (``silu_`` -> ``silu``).
 the tensor read the written value, so batch rules see a plain data flow, and a mutation of a
 split value runs on every device's own chunk instead of on a gathered copy.
 
-A write is left as it is where that could change what the program computes: into an input, a
-parameter or a buffer (the caller sees those); through an op that may or may not copy
-(``reshape``, ``contiguous``, ``to``); or where another view of the tensor is read after the write.
+A view of the tensor made before the write and read after it is made again from the written value
+(as ``torch.func.functionalize`` regenerates views). Whether ``reshape``, ``contiguous`` or ``to``
+returned a view is read from the shapes propagated on the examples (shared storage).
+With ``inputs=True`` (data parallelism) a write into an input is made functional too, and the
+input's last value is copied into the caller's tensor at the end: ``write_back(x, written)``.
+
+A write is left as it is where that could change what the program computes: into a parameter or a
+buffer (the caller sees those), or an input without ``inputs``; through an op that may or may not
+copy, with no shapes to tell; or where a view read after the write cannot be made again (a write's
+result). :func:`refuse_lost_writes` then refuses, at lowering, a write data parallelism would make
+into a gathered copy while the original is still read.
 """
 
 from __future__ import annotations

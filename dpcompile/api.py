@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
-from dpcompile.capture.export import OTHER_MODE_PENDING
+from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import DpCompileError, ExampleError
 from dpcompile.fake import has_meta_tensors
@@ -212,6 +212,8 @@ def _apply_frontend(
     positional values in the program's argument order."""
     no_examples = example_inputs is None and not example_kwargs
     if isinstance(model, fx.GraphModule) or frontend == "fx" or (frontend == "auto" and no_examples):
+        if dynamic_dims is not None and not isinstance(model, fx.GraphModule):
+            check_dynamic_dims(model, dynamic_dims, example_inputs, example_kwargs)  # fx: every dim may vary
         return model, positional_examples(model, example_inputs, example_kwargs), batch_dim
     gm, info = capture_model(
         model, frontend=frontend, example_inputs=example_inputs, example_kwargs=example_kwargs,

@@ -102,7 +102,8 @@ class CallKey(NamedTuple):
     ``devices``: how many devices it runs on (a batch smaller than the device count uses
     fewer); ``modes``: the training flag of each module forward enters, by path;
     ``none_args``/``flags``: optional arguments left None and flag values; ``guard``: the
-    hooks, structure and attributes fingerprint (not portable across processes).
+    hooks, structure and attributes fingerprint (not portable across processes); ``batched``:
+    inputs replicated in the examples (a mask without a batch dim) that this call gives the batch.
     """
 
     devices: int
@@ -110,13 +111,14 @@ class CallKey(NamedTuple):
     none_args: frozenset[str] = frozenset()
     flags: tuple[tuple[str, Any], ...] = ()
     guard: int | None = None
+    batched: frozenset[str] = frozenset()
 
     def portable(self) -> CallKey:
         """The key without object identities: what a pickled program can be looked up by."""
-        return CallKey(self.devices, Modes(self.modes), self.none_args, self.flags)
+        return CallKey(self.devices, Modes(self.modes), self.none_args, self.flags, None, self.batched)
 
     def traced(self) -> CallKey:
-        """The key of the trace this call's program is lowered from (any device count)."""
+        """The key of the trace this call's program is lowered from (any device count, any inputs batched)."""
         return CallKey(0, self.modes, self.none_args, self.flags, self.guard)
 
     def describe(self) -> str:
@@ -127,6 +129,8 @@ class CallKey(NamedTuple):
             parts.append(f"{', '.join(sorted(self.none_args))} left None")
         if self.flags:
             parts.append(", ".join(f"{name}={value!r}" for name, value in self.flags))
+        if self.batched:
+            parts.append(f"{', '.join(sorted(self.batched))} with the batch")
         return "; ".join(parts)
 
 
@@ -141,6 +145,9 @@ class CallSignature:
 
     optional: tuple[tuple[int, str], ...] = ()
     flags: tuple[tuple[int, str, Any], ...] = ()
+    # data parallel: inputs replicated in the examples, ``(position, name, dim, size, rank)``: a call whose
+    # tensor there has another size on ``dim`` (the batch dim it would split on), or more dims, departs
+    replicated: tuple[tuple[int, str, int, int, int], ...] = ()
 
     @classmethod
     def of(cls, graph: fx.Graph, flag_names: Sequence[str] = ()) -> CallSignature:
@@ -161,6 +168,28 @@ class CallSignature:
             for position, name, default in self.flags
         )
         return nones, flags
+
+    def batched(self, args: tuple, kwargs: dict, batch_size: Callable[[tuple, dict], int | None]) -> frozenset[str]:
+        """The replicated inputs this call gives the batch (their size on ``dim`` is the call's
+        batch size); :class:`~dpcompile.errors.DpCompileError` for one of another size."""
+        out = []
+        for position, name, dim, size, rank in self.replicated:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            if not isinstance(value, torch.Tensor) or value.dim() < rank or (value.dim() == rank and value.shape[dim] == size):
+                continue  # as in the example, or fewer dims (it broadcasts, as eager's does)
+            batch = batch_size(args, kwargs)
+            if value.shape[dim] != batch:
+                from dpcompile.errors import DpCompileError
+
+                raise DpCompileError(
+                    f"argument '{name}' has shape {tuple(value.shape)}, but the example gave it {rank} dims and size "
+                    f"{size} on dim {dim}, so the program replicates it (every device reads all of it); this call's batch is "
+                    f"{batch}, so dim {dim} of '{name}' is neither the example's size nor the batch. Pass "
+                    f"'{name}' as in the example, or with the batch on dim {dim}; or call dpcompile.transform with "
+                    f"example_inputs= that give '{name}' the batch dim"
+                )
+            out.append(name)
+        return frozenset(out)
 
 
 def _code_names(cls: type, _cache: dict[type, frozenset[str]] = {}) -> frozenset[str]:  # noqa: B006 - a memo

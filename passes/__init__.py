@@ -40,10 +40,13 @@ class PipelineOptions:
     output_device: torch.device | None = None
     copy_replicas: bool = False
     plan: dict[str, str] = field(default_factory=dict)  # tensor parallel: {module path: style} to apply
+    write_back_inputs: bool = False  # data parallel: writes into inputs made functional, copied back at the end
 
 
 def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
     """Passes that tidy the captured graph, whatever the parallelism."""
+    if options.write_back_inputs:
+        return [hoist_flatten_parameters, functools.partial(functionalize_mutations, inputs=True)]
     return [hoist_flatten_parameters, functionalize_mutations]
 
 

@@ -67,6 +67,7 @@ from dpcompile.analysis.placement import (
 )
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, replace_graph, stamp, stamp_comm
+from passes.functionalize import refuse_lost_writes
 
 PASS = "insert_scatter_gather"
 
@@ -86,6 +87,8 @@ def insert_scatter_gather(
     ``devices[0]`` (virtual devices), which exercises the multi-GPU code path on a CPU.
     """
     placements = propagate(gm, input_dims)
+    if len(devices) > 1:  # one device splits nothing: every write lands where eager's does
+        refuse_lost_writes(gm, placements)
     builder = _Builder(gm, devices, placements, output_device or devices.primary, copy_replicas)
     replace_graph(gm, builder.build())
     return PassResult(gm, True, {"placements": {n.name: p for n, p in placements.items()}, "input_dims": dict(input_dims)})
@@ -291,7 +294,10 @@ class _Builder:
 
     # ------------------------------------------------------------------ emitters
     def _emit_whole(self, node: fx.Node, record: bool = True) -> fx.Node:
-        args = fx.node.map_arg(node.args, self.whole_value)
+        read = node.args[1:] if node.target is runtime.write_back else node.args
+        args = fx.node.map_arg(read, self.whole_value)
+        if node.target is runtime.write_back:  # into the caller's own tensor, wherever it lies
+            args = (self.whole[node.args[0]], *args)
         kwargs = fx.node.map_arg(node.kwargs, self.whole_value)
         new = self.node(node.op, node.target, args, kwargs, name=node.name if record else f"{node.name}_whole", source=node)
         placement = self.placements.get(node)

@@ -30,23 +30,37 @@ tensor becomes its out-of-place twin where there is one (``silu_`` -> ``silu``).
 the tensor read the written value, so batch rules see a plain data flow, and a mutation of a
 split value runs on every device's own chunk instead of on a gathered copy.
 
-A write is left as it is where that could change what the program computes: into an input, a
-parameter or a buffer (the caller sees those); through an op that may or may not copy
-(``reshape``, ``contiguous``, ``to``); or where another view of the tensor is read after the write.
+A view of the tensor made before the write and read after it is made again from the written value
+(as ``torch.func.functionalize`` regenerates views). Whether ``reshape``, ``contiguous`` or ``to``
+returned a view is read from the shapes propagated on the examples (shared storage).
+With ``inputs=True`` (data parallelism) a write into an input is made functional too, and the
+input's last value is copied into the caller's tensor at the end: ``write_back(x, written)``.
+
+A write is left as it is where that could change what the program computes: into a parameter or a
+buffer (the caller sees those), or an input without ``inputs``; through an op that may or may not
+copy, with no shapes to tell; or where a view read after the write cannot be made again (a write's
+result). :func:`refuse_lost_writes` then refuses, at lowering, a write data parallelism would make
+into a gathered copy while the original is still read.
 """
 
 from __future__ import annotations
 
 import operator
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from dpcompile.analysis.placement import BatchSize, Replicated, Whole
+from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, stamp
-from dpcompile.runtime import written
+from dpcompile.runtime import write_back, written
 
 PASS = "functionalize_mutations"
 aten = torch.ops.aten
@@ -57,8 +71,10 @@ _VIEW_METHODS = frozenset(
      "diagonal", "movedim", "unfold", "view_as", "expand_as", "swapaxes", "as_strided"}
 )  # fmt: skip
 _VIEW_FUNCTIONS = frozenset(
-    {torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.narrow, torch.select, torch.t}
-)
+    {torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.narrow, torch.select, torch.t,
+     torch.diagonal, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims, torch.as_strided,
+     torch.unflatten, torch.adjoint}
+)  # fmt: skip
 _VIEW_ATEN = frozenset(
     {aten.slice, aten.select, aten.view, aten.unsqueeze, aten.squeeze, aten.transpose, aten.permute, aten.expand,
      aten.t, aten.alias, aten.diagonal, aten.narrow, aten.unfold, aten.as_strided}
@@ -89,10 +105,34 @@ class Mutation:
     rest: tuple[Any, ...]  # op's arguments after the written tensor
     kwargs: dict[str, Any]
     twin: Any = None  # an out-of-place op giving the same value (no chain): ``(op, is_method)``
+    stale: tuple[fx.Node, ...] = ()  # views of ``base`` made before the write and read after: made again
 
 
 def _is_view(node: fx.Node) -> bool | None:
-    """True where ``node`` is surely a view of its first argument, None where it may be one, False otherwise."""
+    """True where ``node`` is surely a view of its first argument, None where it may be one, False otherwise.
+
+    Where the syntax leaves it open (``reshape``, ``contiguous``, ``to``: a view or a copy depending on
+    strides), the shapes propagated on the examples say which it was: whether ``node``'s value shares
+    its first argument's storage."""
+    syntactic = _is_view_by_syntax(node)
+    if syntactic is None and _write_of(node) is None:
+        return _shares_storage(node)
+    return syntactic
+
+
+def _shares_storage(node: fx.Node) -> bool | None:
+    """Whether ``node``'s value shares memory with its first argument's, as the examples ran (None: unknown)."""
+    value = node.meta.get("val")
+    source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not isinstance(source, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage()) == StorageWeakRef(source.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # a tensor with no storage (sparse, nested)
+        return None
+
+
+def _is_view_by_syntax(node: fx.Node) -> bool | None:
     if node.op == "call_method":
         if node.target in _VIEW_METHODS:
             return True if not node.kwargs else None
@@ -185,8 +225,8 @@ def _out_of_place_twin(node: fx.Node) -> tuple[Any, str] | None:
     return None
 
 
-def _analyse(node: fx.Node, order: dict[fx.Node, int]) -> Mutation | None:
-    """The write ``node`` makes, where it can be made functional; None otherwise."""
+def _analyse(node: fx.Node, order: dict[fx.Node, int], inputs: bool = False) -> Mutation | None:
+    """The write ``node`` makes, where it can be made functional (into an input too with ``inputs``); None otherwise."""
     write = _write_of(node)
     if write is None or not isinstance(write[0], fx.Node):
         return None
@@ -196,18 +236,21 @@ def _analyse(node: fx.Node, order: dict[fx.Node, int]) -> Mutation | None:
     while (view := _is_view(base)) is True:
         chain.insert(0, base)
         base = base.args[0]
-    if view is None or base.op in ("placeholder", "get_attr") or not _write_is_alone(base, chain, node, order):
+    kept = ("get_attr",) if inputs else ("placeholder", "get_attr")
+    stale = _stale_views(base, node, order)
+    if view is None or base.op in kept or stale is None:
         return None
     twin = _out_of_place_twin(node) if not chain and op != "__setitem__" else None
     if twin is None and not isinstance(op, (str, torch._ops.OpOverload)):
         return None  # F.silu(x[:, 0], inplace=True): no name generated code can call it by
-    return Mutation(node, base, chain, op, rest, kwargs, twin)
+    return Mutation(node, base, chain, op, rest, kwargs, twin, tuple(stale))
 
 
-def find_mutations(gm: fx.GraphModule) -> list[Mutation]:
-    """Every write into a tensor the program made itself that can be made functional, in order."""
+def find_mutations(gm: fx.GraphModule, *, inputs: bool = False) -> list[Mutation]:
+    """Every write into a tensor the program made itself (or an input, with ``inputs``) that can be
+    made functional, in order."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return [m for node in gm.graph.nodes if (m := _analyse(node, order)) is not None]
+    return [m for node in gm.graph.nodes if (m := _analyse(node, order, inputs)) is not None]
 
 
 def _aliases(base: fx.Node) -> list[fx.Node]:
@@ -225,31 +268,54 @@ def _aliases(base: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _write_is_alone(base: fx.Node, chain: list[fx.Node], write: fx.Node, order: dict[fx.Node, int]) -> bool:
-    """Whether no alias of ``base`` made before ``write`` is read after it (the written view
-    ``chain`` is read by the write alone)."""
+def _stale_views(base: fx.Node, write: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
+    """The aliases of ``base`` made before ``write`` and read after it, which the functional program
+    makes again from the written value (as ``torch.func.functionalize`` does); None where one of them
+    is not surely a view of ``base`` (a write's result, a ``reshape`` that may copy)."""
     at = order[write]
+    stale = []
     for alias in _aliases(base):
-        if alias is write or order[alias] > at:
+        if alias is write or order[alias] > at or not any(order[u] > at for u in alias.users if u is not write):
             continue
-        if any(order[user] > at for user in alias.users if user is not write):
-            return False
-    return True
+        if any(_is_view(link) is not True or _write_of(link) is not None for link in _view_path(base, alias)):
+            return None
+        stale.append(alias)
+    return sorted(stale, key=order.__getitem__)
 
 
-def functionalize_mutations(gm: fx.GraphModule) -> PassResult:
-    """Replace each write :func:`find_mutations` finds by the value it produces (see the module docstring)."""
+def _view_path(base: fx.Node, alias: fx.Node) -> list[fx.Node]:
+    """The nodes from ``base`` (excluded) to its alias ``alias`` (included), base first."""
+    path = [alias]
+    while path[0].args and path[0].args[0] is not base:
+        path.insert(0, path[0].args[0])
+    return path
+
+
+def functionalize_mutations(gm: fx.GraphModule, *, inputs: bool = False) -> PassResult:
+    """Replace each write :func:`find_mutations` finds by the value it produces (see the module docstring).
+
+    With ``inputs`` a write into an input is made functional too, and the input's last value is
+    copied into the caller's tensor at the end (``write_back(x, mul)``), as eager's write lands there:
+    data parallelism writes each device's slice, then the gathered whole, not into a scattered copy."""
     graph = gm.graph
     done: list[str] = []
+    inputs_written: dict[fx.Node, fx.Node] = {}  # an input's current value -> the input
     for node in [n for n in graph.nodes if _write_of(n) is not None]:
-        m = _analyse(node, {n: i for i, n in enumerate(graph.nodes)})
+        m = _analyse(node, {n: i for i, n in enumerate(graph.nodes)}, inputs)
         if m is not None:
             done.append(m.node.name)
-            _replace(graph, m)
-    return PassResult(gm, bool(done), {"functionalized": done})
+            origin = m.base if m.base.op == "placeholder" else inputs_written.pop(m.base, None)
+            value = _replace(graph, m)
+            if origin is not None:
+                inputs_written[value] = origin
+    output = next(n for n in graph.nodes if n.op == "output")
+    for value, placeholder in inputs_written.items():
+        with graph.inserting_before(output):
+            stamp(graph.call_function(write_back, (placeholder, value)), PASS, value)
+    return PassResult(gm, bool(done), {"functionalized": done, "written_back": [p.name for p in inputs_written.values()]})
 
 
-def _replace(graph: fx.Graph, m: Mutation) -> None:
+def _replace(graph: fx.Graph, m: Mutation) -> fx.Node:
     order = {n: i for i, n in enumerate(graph.nodes)}
     with graph.inserting_before(m.node):
         if m.twin is not None:
@@ -266,6 +332,15 @@ def _replace(graph: fx.Graph, m: Mutation) -> None:
     for user in list(m.base.users):
         if user is not value and order.get(user, -1) > order[m.node]:
             user.replace_input_with(m.base, value)
+    made: dict[fx.Node, fx.Node] = {m.base: value}
+    for alias in m.stale:  # a view read after the write reads the written value: made again from it
+        with graph.inserting_before(m.node):
+            for link in _view_path(m.base, alias):
+                if link not in made:
+                    made[link] = graph.node_copy(link, lambda n: made.get(n, n))
+        for user in list(alias.users):
+            if user is not m.node and order.get(user, -1) > order[m.node]:
+                user.replace_input_with(alias, made[alias])
     if m.node.users:
         result: fx.Node = value
         if m.chain:  # the write's own result: the written view, read again from the new value
@@ -277,6 +352,7 @@ def _replace(graph: fx.Graph, m: Mutation) -> None:
     for link in reversed(m.chain):
         if not link.users:
             graph.erase_node(link)
+    return value
 
 
 def _step(view: fx.Node) -> tuple[Any, tuple[Any, ...]]:
@@ -288,3 +364,79 @@ def _step(view: fx.Node) -> tuple[Any, tuple[Any, ...]]:
     if isinstance(view.target, torch._ops.OpOverload):
         return view.target, tuple(view.args[1:])
     return view.target.__name__, tuple(view.args[1:])  # torch.transpose(x, 0, 1) as x.transpose(0, 1)
+
+
+# ---------------------------------------------------------------- writes data parallelism would lose
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
+_SKIPPED_DIRS = (str(Path(torch.__file__).parent) + "/", str(Path(__file__).parent) + "/",
+                 str(Path(__file__).parent.parent / "dpcompile") + "/")  # fmt: skip
+
+
+def _per_device(placement: Any) -> bool:
+    """Whether a value lives as per-device pieces (split, partial sums), not whole or replicated."""
+    return placement is not None and not isinstance(placement, (Whole, Replicated, BatchSize))
+
+
+def find_lost_writes(gm: fx.GraphModule, placements: Mapping[fx.Node, Any]) -> list[fx.Node]:
+    """The writes left in place that data parallelism, with these placements, would make into a
+    copy while the program (or the caller, for an input) still reads the original afterwards:
+
+    * a write that runs whole (its view has no batch rule: ``torch.diagonal(h).zero_()``) into a
+      view of a value split across devices: it lands in the gathered copy, not in the slices;
+    * a write that runs on each device's slice while a gathered copy made before it is read after.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    lost = []
+    for node in gm.graph.nodes:
+        write = _write_of(node)
+        if write is None or not isinstance(write[0], fx.Node):
+            continue
+        path = [write[0]]
+        while _is_view(path[-1]) is not False and path[-1].args and isinstance(path[-1].args[0], fx.Node):
+            path.append(path[-1].args[0])
+        root, at = path[-1], order[node]
+        if not any(_per_device(placements.get(n)) for n in path):
+            continue  # a whole or replicated value: every copy is written
+        earlier = [a for a in (root, *_aliases(root)) if a is not node and order[a] < at]
+        if isinstance(placements.get(node), Whole):
+            if root.op == "placeholder" or any(order[u] > at for a in earlier for u in a.users if u is not node):
+                lost.append(node)
+        elif any(_stale_copy(a, placements, order, at) for a in earlier):
+            lost.append(node)
+    return lost
+
+
+def _stale_copy(alias: fx.Node, placements: Mapping[fx.Node, Any], order: dict[fx.Node, int], at: int) -> bool:
+    """Whether a whole copy of ``alias`` made before position ``at`` is read after it."""
+    later_whole = [u for u in alias.users if order[u] > at and isinstance(placements.get(u), Whole)]
+    if isinstance(placements.get(alias), Whole):
+        return any(order[u] > at for u in alias.users)
+    earlier_whole = [u for u in alias.users if order[u] < at and isinstance(placements.get(u), Whole)]
+    return bool(earlier_whole and later_whole)
+
+
+def refuse_lost_writes(gm: fx.GraphModule, placements: Mapping[fx.Node, Any]) -> None:
+    """Raise :class:`~dpcompile.errors.DpCompileError` naming the first write :func:`find_lost_writes` finds."""
+    lost = find_lost_writes(gm, placements)
+    if not lost:
+        return
+    node = lost[0]
+    op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    where = source_line(node)
+    raise DpCompileError(
+        f"data parallelism cannot split the in-place write '{op}' ({node.name})"
+        f"{' at ' + where if where else ''}: it writes through a view of a value split across the devices "
+        "that runs on a gathered copy (or while a gathered copy is read later), so the write would not land "
+        "in every device's slice. Write it out of place (h = h.clone(); ...; or torch.diagonal_scatter / "
+        "select_scatter / slice_scatter), write through a view the batch rules split, or register a batch "
+        "rule for the view (dpcompile.register_batch_rule)"
+    )
+
+
+def source_line(node: fx.Node) -> str | None:
+    """``"model.py:42 in forward: h[:, 0].mul_(2)"``: the user's frame in ``node``'s stack trace."""
+    for m in reversed(list(_FRAME.finditer(node.meta.get("stack_trace") or ""))):
+        if m.group("file").startswith(_SKIPPED_DIRS) or m.group("file").startswith("<"):
+            continue
+        return f"{m.group('file').rsplit('/', 1)[-1]}:{m.group('line')} in {m.group('func')}: {m.group('code').strip()}"
+    return None

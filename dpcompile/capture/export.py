@@ -95,6 +95,26 @@ def varying_dims(dynamic_dims: Any, name: str) -> tuple[int, ...]:
     return dims
 
 
+def check_dynamic_dims(model: nn.Module, dynamic_dims: Any, example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None) -> None:
+    """``ValueError`` where ``dynamic_dims={argument: dims}`` names an argument the examples do not
+    give, or a dim that argument's example does not have (``[1]`` for every tensor applies where it can)."""
+    if not isinstance(dynamic_dims, Mapping) or (example_inputs is None and not example_kwargs):
+        return
+    names = _bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
+    if unknown := set(dynamic_dims) - set(names):
+        raise ValueError(f"dynamic_dims= names {sorted(unknown)}, which the examples do not give (they give {list(names)})")
+    for name in dynamic_dims:
+        value = names[name]
+        rank = value.dim() if isinstance(value, torch.Tensor) else None
+        for dim in varying_dims(dynamic_dims, name):
+            if rank is None or dim >= rank:
+                has = f"{rank} dims (shape {tuple(value.shape)})" if rank is not None else f"no dims (a {type(value).__name__})"
+                raise ValueError(
+                    f"dynamic_dims= names dim {dim} of '{name}', but the example of '{name}' has {has}: name a "
+                    f"dim below {rank or 0}, or drop '{name}' from dynamic_dims="
+                )
+
+
 def capture_export(
     model: nn.Module,
     example_inputs: Sequence[Any] | None,

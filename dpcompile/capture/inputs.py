@@ -102,11 +102,21 @@ def check_inputs(specs: Sequence[InputSpec], args: tuple, kwargs: Mapping[str, A
         if len(shape) != len(spec.shape) or any(d is not None and d != s for d, s in zip(spec.shape, shape)):
             fixed = [i for i, (d, s) in enumerate(zip(spec.shape, shape)) if d is not None and d != s]
             where = f" (dim {fixed[0]}: {shape[fixed[0]]} vs {spec.shape[fixed[0]]})" if fixed else ""
+            way_out = (
+                f"Pass dynamic_dims={{'{spec.name}': [{fixed[0] if fixed else 1}]}} to dpcompile.transform "
+                "(or examples of this shape); an example batch of 2 or more keeps the batch dim dynamic"
+            )
+            if fixed and spec.shape[fixed[0]] == 1:  # export fixes a size-1 dim: dynamic_dims= cannot free it
+                way_out = (
+                    f"The example gave '{spec.name}' size 1 there, and export fixes a dim of size 1 (a mask that "
+                    "broadcasts, replicated): call dpcompile.transform with example_inputs= whose "
+                    f"'{spec.name}' has the size calls give it there (the batch: an example batch of 2 or more "
+                    "keeps the batch dim dynamic)"
+                )
             raise InputMismatch(
                 f"argument '{spec.name}' has shape {tuple(shape)}, but {model_name} was captured by torch.export "
                 f"for shape {spec.describe()} (* = dynamic){where}: export fixed every dim the examples did not "
-                f"say varies. Pass dynamic_dims={{'{spec.name}': [{fixed[0] if fixed else 1}]}} to dpcompile.transform "
-                "(or examples of this shape); an example batch of 2 or more keeps the batch dim dynamic"
+                f"say varies. {way_out}"
             )
         if value.dtype != spec.dtype:
             raise InputMismatch(

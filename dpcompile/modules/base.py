@@ -287,20 +287,18 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             return 1
         return min(batch, n)
 
-    def _key(self, n: int, none_args: frozenset[str], flags: tuple) -> CallKey:
+    def _key(self, n: int, none_args: frozenset[str], flags: tuple, batched: frozenset[str] = frozenset()) -> CallKey:
         if self._shares_source:
             modes, fingerprint = self._guard.state()
-            return CallKey(n, modes, none_args, flags, fingerprint)
-        return CallKey(n, self._guard.modes(), none_args, flags)
+            return CallKey(n, modes, none_args, flags, fingerprint, batched)
+        return CallKey(n, self._guard.modes(), none_args, flags, None, batched)
 
     def call_key(self, *args: Any, **kwargs: Any) -> CallKey:
         """What the program for this call is specialised on (see :class:`CallKey`)."""
         signature = self.call_signature
-        if signature.optional or signature.flags:
-            nones, flags = signature.departures(args, kwargs)
-        else:
-            nones, flags = frozenset(), ()
-        return self._key(self._devices_for(args, kwargs), nones, flags)
+        nones, flags = signature.departures(args, kwargs) if signature.optional or signature.flags else (frozenset(), ())
+        batched = signature.batched(args, kwargs, self.batch_size) if signature.replicated else frozenset()
+        return self._key(self._devices_for(args, kwargs), nones, flags, batched)
 
     strategy = property(lambda self: next((s for s in ("data_parallel", "pipeline") if s in str(self.mode)), "tensor_parallel"))
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:

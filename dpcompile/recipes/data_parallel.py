@@ -68,7 +68,7 @@ class DataParallelRecipe(Recipe):
         # forward is Python: traced again where a call takes another path (see build_program)
         retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
         lowered = self.lower(gm, self.devices, input_dims, recompile=False)  # the module compiles the code
-        return ParallelModule(
+        pm = ParallelModule(
             lowered,
             lowered.graph,
             recipe=self,
@@ -85,6 +85,9 @@ class DataParallelRecipe(Recipe):
             none_args=nones,
             exported_from=model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,
         )
+        replicated = replicated_inputs(gm, input_dims, example_inputs, self.batch_dim)
+        pm.call_signature = dataclasses.replace(pm.call_signature, replicated=replicated)
+        return pm
 
     def _options(self, devices: Devices | None = None, input_dims: Mapping[str, int | None] | None = None):
         return passes.PipelineOptions(
@@ -92,6 +95,7 @@ class DataParallelRecipe(Recipe):
             input_dims=dict(input_dims or {}),
             output_device=self.output_device,
             copy_replicas=self.copy_replicas,
+            write_back_inputs=True,
         )
 
     def lower(
@@ -110,11 +114,13 @@ class DataParallelRecipe(Recipe):
 
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         captured = departing_trace(self, pm, key)  # None: the main trace
-        if captured is None and key.devices == len(pm.devices):
+        if captured is None and key.devices == len(pm.devices) and not key.batched:
             return None
         owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
         gm = graph_module(owner, copy_graph(graph), f"ParallelModule{key.devices}")
-        return self.lower(gm, pm.devices.prefix(key.devices), pm.input_dims)
+        # inputs the examples gave without a batch dim that this call gives it: split, not replicated
+        batched = {name: dim for _, name, dim, _, _ in pm.call_signature.replicated if name in key.batched}
+        return self.lower(gm, pm.devices.prefix(key.devices), {**pm.input_dims, **batched})
 
     def retarget(self, pm: ParallelModule, devices: Devices, output_device: torch.device) -> ParallelModule:
         """``pm``'s program generated again for other ``devices`` (a loaded program moved to
@@ -135,6 +141,25 @@ class DataParallelRecipe(Recipe):
             class_name=type(pm).__name__,
             share_all_of=pm,
         )
+
+
+def replicated_inputs(
+    gm: fx.GraphModule, input_dims: Mapping[str, int | None], example_inputs: Sequence[Any] | None, batch_dim: int | None
+) -> tuple[tuple[int, str, int, int, int], ...]:
+    """``(position, name, dim, size, rank)`` of each tensor input the examples made replicated (a
+    mask of shape ``(1, 1, L, S)`` or ``(L, S)``): ``dim`` is the dim it would split on, ``size`` the
+    example's there. A call that gives it another size there, or more dims, departs
+    (:meth:`~dpcompile.program_cache.CallSignature.batched`)."""
+    if example_inputs is None:
+        return ()
+    would_split = infer_input_dims(gm, batch_dim=batch_dim)
+    out = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for position, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        name, dim = str(node.target), would_split.get(node.target)
+        if input_dims.get(node.target) is None and dim is not None and isinstance(example, torch.Tensor) and example.dim() > dim:
+            out.append((position, name, dim, int(example.shape[dim]), example.dim()))
+    return tuple(out)
 
 
 WHOLE_WARNING_THRESHOLD = 0.10  # warn when more than this share of forward FLOPs runs whole

@@ -1,6 +1,6 @@
 """What generated code calls. Every function here is a plain, differentiable Python call."""
 
-from dpcompile.runtime.batch_values import batch_arange, local_positions, squeeze_except, written
+from dpcompile.runtime.batch_values import batch_arange, local_positions, squeeze_except, write_back, written
 from dpcompile.runtime.batchnorm import batch_norm, functional_batch_norm
 from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split_sizes, to_device
 from dpcompile.runtime.grad import without_grad
@@ -40,6 +40,7 @@ __all__ = [
     "to_device",
     "weights_in_one_buffer",
     "without_grad",
+    "write_back",
     "written",
 ]
 

@@ -5,7 +5,8 @@ batch, of the rows device ``k`` holds (device 1 of a batch of 5 split 3/2 holds 
 ``local_positions`` turns such positions back into rows of the device's own chunk, for an
 index into it. ``squeeze_except`` is ``squeeze()`` on a chunk that may hold one sample.
 ``written`` is an in-place write made functional: the written copy of a tensor, so a program
-can say what a mutation produced instead of relying on aliasing.
+can say what a mutation produced instead of relying on aliasing; ``write_back`` puts such a
+value into the caller's input tensor at the end of forward, as the eager write would have.
 """
 
 from __future__ import annotations
@@ -77,3 +78,14 @@ def written(
         view = _call(step, view, step_args)
     _call(op, view, args, kwargs)
     return out
+
+
+def write_back(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Copy ``value`` (an input's written value, whole) into the caller's tensor ``target``.
+
+    >>> x = torch.zeros(2); _ = write_back(x, torch.ones(2)); x
+    tensor([1., 1.])
+    """
+    if value is not target:
+        target.copy_(value)
+    return target

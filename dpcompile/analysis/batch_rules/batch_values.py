@@ -29,7 +29,7 @@ from dpcompile.analysis.batch_rules.model_constructs import (
 )
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.shape import matrix_transpose
-from dpcompile.analysis.placement import Placement, Replicated, Split
+from dpcompile.analysis.placement import BatchSize, Placement, Replicated, Split
 from dpcompile.runtime import written
 
 aten = torch.ops.aten
@@ -109,6 +109,12 @@ def _view_split(ctx: RuleContext, p: Split, rank: int | None, steps: Any) -> tup
     d = p.dim
     for step, args in steps:
         args = list(args)
+        if _is_reshape(step):
+            sizes = _leading_batch_sizes(ctx, d, args)
+            if sizes is None:
+                return None
+            rank = len(sizes)
+            continue
         if _nodes_in(args):
             return None
         if step == "__getitem__" or step is operator.getitem:
@@ -138,6 +144,25 @@ def _view_split(ctx: RuleContext, p: Split, rank: int | None, steps: Any) -> tup
         else:
             return None
     return d, rank
+
+
+def _is_reshape(step: Any) -> bool:
+    if isinstance(step, str):
+        return step in ("view", "reshape")
+    packet = getattr(step, "overloadpacket", None)
+    return packet in (aten.view, aten.reshape, aten._unsafe_view)
+
+
+def _leading_batch_sizes(ctx: RuleContext, d: int, args: list) -> list | None:
+    """The sizes of ``view(b, *rest)`` / ``reshape([b, *rest])`` of a tensor split on dim 0 where
+    ``b`` is the chunk's own batch size and ``rest`` the same on every device: the batch stays on
+    dim 0 (as the ``reshape`` batch rule decides); None otherwise."""
+    sizes = list(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+    if d != 0 or not sizes or not isinstance(sizes[0], fx.Node) or ctx.p(sizes[0]) not in (BatchSize(), BatchSize(rows=True)):
+        return None
+    if any(isinstance(s, fx.Node) and not isinstance(ctx.p(s), Replicated) for s in sizes[1:]):
+        return None
+    return sizes
 
 
 def _walk_basic_index(d: int, rank: int | None, index: Any) -> tuple[int, int | None] | None:

@@ -1,0 +1,59 @@
+"""Pipelines at their edges (issue 29): what a forward does besides computing, in one process.
+
+- A parameter the root module holds, read by a later stage (timm ViT's ``cls_token`` and
+  ``pos_embed`` after a cut, a root-level scale in the last stage): outputs, loss and every
+  gradient as eager's, under GPipe and 1F1B.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpcompile
+
+
+class TinyViT(nn.Module):
+    """A ViT's shape in miniature: the root holds ``cls_token``, ``pos_embed`` and ``scale`` and
+    reads them through tensor methods (``expand``, ``unsqueeze``) after the stem and the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.embed = nn.Linear(4, 8)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 8))
+        self.pos_embed = nn.Parameter(torch.randn(1, 4, 8))
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+        self.scale = nn.Parameter(torch.rand(3) + 0.5)
+
+    def forward(self, x, labels):
+        h = self.embed(torch.tanh(self.stem(x)))
+        h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], 1) + self.pos_embed
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        logits = self.head(h[:, 0]) * self.scale.unsqueeze(0)
+        return logits, F.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_later_stage_reads_root_parameters_as_eager(schedule):
+    """cls_token and pos_embed read in stage 1, scale in stage 2: outputs, loss and gradients equal eager's."""
+    torch.manual_seed(0)
+    reference = TinyViT().double()
+    model = copy.deepcopy(reference)
+    x, labels = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    pm = dpcompile.transform(model, ["cpu"] * 3, pipeline=["embed", "blocks.1"], micro_batches=2, schedule=schedule)
+    assert pm.stages[1].module_paths[0] == "embed" and "head" in pm.stages[2].module_paths
+    logits, loss = pm(x, labels)
+    expected_logits, expected = reference(x, labels)
+    torch.testing.assert_close(logits, expected_logits.detach())
+    torch.testing.assert_close(loss, expected.detach())
+    expected.backward()
+    loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -3,11 +3,14 @@
 - A parameter the root module holds, read by a later stage (timm ViT's ``cls_token`` and
   ``pos_embed`` after a cut, a root-level scale in the last stage): outputs, loss and every
   gradient as eager's, under GPipe and 1F1B.
+- A model built on ``meta`` with ``pipeline=`` over a device list: it waits for its weights
+  (``pm.needs_weights``), loads a checkpoint the real model wrote, then runs as eager.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -56,4 +59,44 @@ def test_pipeline_later_stage_reads_root_parameters_as_eager(schedule):
     expected.backward()
     loss.backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class MetaStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        logits = self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return logits, F.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("schedule,example", [("gpipe", False), ("1f1b", True)])
+def test_pipeline_meta_model_loads_a_checkpoint_and_runs_as_eager(tmp_path, schedule, example):
+    """A meta model with pipeline=2 over ["cpu"] * 2 needs weights, refuses a call, then loads what
+    save_checkpoint wrote from the real model: outputs, loss and gradients equal eager's."""
+    torch.manual_seed(0)
+    reference = MetaStack().double()
+    x, labels = torch.randn(5, 8, dtype=torch.float64), torch.randint(0, 3, (5,))
+    path = os.fspath(tmp_path / "model.safetensors")
+    dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(reference), ["cpu"]), path)
+    with torch.device("meta"):
+        model = MetaStack().double()
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule=schedule,
+                             example_inputs=(x, labels) if example else None)  # fmt: skip
+    assert pm.needs_weights and len(pm.stages) == 2
+    with pytest.raises(dpcompile.DpCompileError, match="load_checkpoint"):
+        pm(x, labels)
+    dpcompile.load_checkpoint(pm, path)
+    assert not pm.needs_weights
+    logits, loss = pm(x, labels)
+    expected_logits, expected = reference(x, labels)
+    torch.testing.assert_close(logits, expected_logits.detach())
+    torch.testing.assert_close(loss, expected.detach())
+    expected.backward()
+    loss.backward()
+    for (name, p), q in zip(pm.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)

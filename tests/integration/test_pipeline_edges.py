@@ -3,6 +3,9 @@
 - A parameter the root module holds, read by a later stage (timm ViT's ``cls_token`` and
   ``pos_embed`` after a cut, a root-level scale in the last stage): outputs, loss and every
   gradient as eager's, under GPipe and 1F1B.
+- What forward writes besides its outputs (a step counter ``self.calls.add_(1)``, an EMA of a
+  parameter or of an activation, BatchNorm's running statistics): under 1F1B once per call, as
+  eager and GPipe do; the buffers equal eager's after every call.
 - A model built on ``meta`` with ``pipeline=`` over a device list: it waits for its weights
   (``pm.needs_weights``), loads a checkpoint the real model wrote, then runs as eager.
 """
@@ -100,3 +103,50 @@ def test_pipeline_meta_model_loads_a_checkpoint_and_runs_as_eager(tmp_path, sche
     loss.backward()
     for (name, p), q in zip(pm.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class Counted(nn.Module):
+    """A forward with writes: a step counter (read again after the write), an EMA of a parameter,
+    an EMA of an activation's batch mean; with ``bn``, BatchNorm's running statistics."""
+
+    def __init__(self, bn: bool = False):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8) if bn else nn.Identity()
+        self.b = nn.Linear(8, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("weight_ema", torch.zeros(3, 8))
+        self.register_buffer("feature_ema", torch.zeros(8))
+
+    def forward(self, x, labels):
+        self.calls.add_(1)
+        self.weight_ema.mul_(0.5).add_(self.b.weight.detach(), alpha=0.5)
+        h = torch.tanh(self.norm(self.a(x)))
+        self.feature_ema.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        logits = self.b(h) * (1 + self.calls / 10)
+        return logits, F.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("bn,micro", [(False, 3), (True, 1)])
+def test_1f1b_runs_every_write_once_per_call_as_eager(bn, micro):
+    """Three training steps under 1F1B: the loss, and every buffer (counter, EMAs, BatchNorm's
+    running statistics) equal eager's after each call."""
+    torch.manual_seed(0)
+    reference = Counted(bn).double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=micro, schedule="1f1b")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, labels = torch.randn(7, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (7,), generator=g)
+        _, loss = pm(x, labels)
+        loss.backward()
+        optimizer.step()
+        _, expected = reference(x, labels)
+        expected.backward()
+        reference_optimizer.step()
+        torch.testing.assert_close(loss, expected.detach())
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], value, msg=name)
+    assert int(model.calls) == 3

@@ -236,7 +236,46 @@ class _StepState:
                 env[n] = self.runner.run_node(n)
             if n is self.step.loss:
                 env[n] = backward_done(env[n])
-        return fx.node.map_arg(self.step.output.args[0], lambda n: env[n])
+
+        def returned(n: fx.Node) -> Any:  # the loss is guarded above; inputs returned as they are keep their graph
+            if n is self.step.loss or n.op == "placeholder" or not torch.is_grad_enabled():
+                return env[n]
+            return no_gradient_path(env[n], n.meta.get("dpcompile_name", n.name))
+
+        return fx.node.map_arg(self.step.output.args[0], returned)
+
+
+class _NoGradientPath(torch.autograd.Function):
+    """An output of a 1F1B step other than its loss: the values, with a backward that refuses."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.name = name
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        raise DpCompileError(
+            f"a backward reached the output '{ctx.name}' of a schedule='1f1b' pipeline, which has no gradient path: "
+            "1F1B runs the backward of the model's own loss inside the call (each micro-batch's backward between "
+            "later micro-batches' forwards), so a loss computed from the returned outputs cannot reach the "
+            "parameters and its gradient would be silently lost. Compute the whole loss in forward and return it "
+            "(loss.backward() then adds nothing), or use schedule='gpipe' to call backward on any function of the outputs"
+        )
+
+
+def no_gradient_path(value: Any, name: str) -> Any:
+    """``value``'s floating tensors made to refuse any backward (they are detached: 1F1B's own
+    backward has run), so a gradient through them raises instead of being dropped."""
+    flat, spec = tree_flatten(value)
+    with torch.enable_grad():
+        flat = [
+            _NoGradientPath.apply(t.detach().requires_grad_(), name)
+            if isinstance(t, torch.Tensor) and not t.requires_grad and (t.is_floating_point() or t.is_complex())
+            else t
+            for t in flat
+        ]
+    return tree_unflatten(flat, spec)
 
 
 class _Runner:

@@ -6,6 +6,8 @@
 - What forward writes besides its outputs (a step counter ``self.calls.add_(1)``, an EMA of a
   parameter or of an activation, BatchNorm's running statistics): under 1F1B once per call, as
   eager and GPipe do; the buffers equal eager's after every call.
+- A backward 1F1B cannot make exact (a loss combined from the returned logits, whose gradient
+  would be dropped) raises, naming the ways out (which work); a plain ``loss.backward()`` still works.
 - A model built on ``meta`` with ``pipeline=`` over a device list: it waits for its weights
   (``pm.needs_weights``), loads a checkpoint the real model wrote, then runs as eager.
 """
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcompile
+from tests.integration.test_pipeline import Stack, _stack_inputs
 
 
 class TinyViT(nn.Module):
@@ -150,3 +153,35 @@ def test_1f1b_runs_every_write_once_per_call_as_eager(bn, micro):
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(model.state_dict()[name], value, msg=name)
     assert int(model.calls) == 3
+
+
+def test_1f1b_refuses_a_backward_through_returned_outputs_and_gpipe_makes_it_exact():
+    """(loss + 0.1 * logits.square().mean()).backward() under 1F1B raises and adds nothing, as does
+    logits.sum().backward(); a plain loss.backward() then works; GPipe gives eager's gradients for it."""
+    torch.manual_seed(0)
+    reference = Stack().double()
+    model = copy.deepcopy(reference)
+    x, labels = _stack_inputs()
+    x = x.double()
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b")
+    logits, loss = pm(x, labels)
+    after_call = [p.grad.clone() for p in model.parameters()]
+    for combined in (lambda: loss + 0.1 * logits.square().mean(), lambda: logits.sum()):
+        with pytest.raises(dpcompile.DpCompileError, match=r"output 'head' .* no gradient path.*schedule='gpipe'"):
+            combined().backward()
+        for before, p in zip(after_call, model.parameters()):
+            torch.testing.assert_close(p.grad, before)
+    loss.backward()  # the usual loop: adds nothing
+    reference(x, labels)[1].backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="gpipe")
+    logits, loss = pm(x, labels)
+    (loss + 0.1 * logits.square().mean()).backward()
+    expected_logits, expected = reference(x, labels)
+    (expected + 0.1 * expected_logits.square().mean()).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -24,6 +24,7 @@ from dpcompile.modules.mesh_stage import (
     batch_norm_refusal,
     batch_statistics_sites,
     micro_batch_runs,
+    no_gradient_path,
     on_wire,
 )
 
@@ -326,8 +327,8 @@ class MeshPipelineModule(nn.Module):
             if leaf[0] == "mean":
                 loss = (totals[0] / totals[1]).to(flat[leaf[1]].dtype)
                 values.append(backward_done(loss) if train else loss)  # the step ran its backward
-            else:
-                values.append(flat[leaf[1]])
+            else:  # detached by the schedule: a backward through it would be dropped, so it refuses
+                values.append(no_gradient_path(flat[leaf[1]], f"output {len(values)}") if train else flat[leaf[1]])
         return self.outputs.assemble(values)
 
 

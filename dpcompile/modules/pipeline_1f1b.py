@@ -36,11 +36,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
-from dpcompile.modules.mesh_stage import backward_done
+from dpcompile.modules.mesh_stage import backward_done, no_gradient_path, writes
 
 Unit = tuple[int, int]  # (stage, micro-batch)
 _COMBINERS = (runtime.gather, runtime.mean_of_partials, runtime.reduce_add)
-_NOT_WRITES = frozenset({"requires_grad_", "retain_grad_", "share_memory_", "record_stream_"})
 _TAIL_OPS = (*_COMBINERS, runtime.send, operator.getitem, operator.truediv, torch.div, torch.ops.aten.div.Tensor)
 
 
@@ -245,39 +244,6 @@ class _StepState:
         return fx.node.map_arg(self.step.output.args[0], returned)
 
 
-class _NoGradientPath(torch.autograd.Function):
-    """An output of a 1F1B step other than its loss: the values, with a backward that refuses."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, name: str) -> torch.Tensor:
-        ctx.name = name
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        raise DpCompileError(
-            f"a backward reached the output '{ctx.name}' of a schedule='1f1b' pipeline, which has no gradient path: "
-            "1F1B runs the backward of the model's own loss inside the call (each micro-batch's backward between "
-            "later micro-batches' forwards), so a loss computed from the returned outputs cannot reach the "
-            "parameters and its gradient would be silently lost. Compute the whole loss in forward and return it "
-            "(loss.backward() then adds nothing), or use schedule='gpipe' to call backward on any function of the outputs"
-        )
-
-
-def no_gradient_path(value: Any, name: str) -> Any:
-    """``value``'s floating tensors made to refuse any backward (they are detached: 1F1B's own
-    backward has run), so a gradient through them raises instead of being dropped."""
-    flat, spec = tree_flatten(value)
-    with torch.enable_grad():
-        flat = [
-            _NoGradientPath.apply(t.detach().requires_grad_(), name)
-            if isinstance(t, torch.Tensor) and not t.requires_grad and (t.is_floating_point() or t.is_complex())
-            else t
-            for t in flat
-        ]
-    return tree_unflatten(flat, spec)
-
-
 class _Runner:
     """Runs one node at a time in ``env``, which finds what a unit reads where it lives
     (``__missing__``): fx's ``Interpreter`` without its per-node bookkeeping."""
@@ -368,20 +334,9 @@ def _micro_batches_read(nodes: list[fx.Node], stateful: set[fx.Node]) -> dict[fx
 
 
 def has_effect(n: fx.Node) -> bool:
-    """Whether ``n`` writes into a tensor (``self.calls.add_(1)``, ``buf.copy_(v)``, ``t[i] = v``, an
-    in-place ATen op) or is otherwise impure: eager runs it once per call, whoever reads it."""
-    if n.op == "call_method":
-        name = str(n.target)
-        return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES and hasattr(torch.Tensor, name)
-    if n.op != "call_function":
-        return n.op == "call_module" and n.is_impure()
-    target = n.target
-    if target is operator.setitem or n.kwargs.get("inplace") is True:
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    name = getattr(target, "__name__", "")
-    return (name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES) or n.is_impure()
+    """Whether ``n`` writes into a tensor (:func:`~dpcompile.modules.mesh_stage.writes`) or is otherwise
+    impure: eager runs it once per call, whoever reads it."""
+    return writes(n) or (n.op in ("call_function", "call_module") and n.is_impure())
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

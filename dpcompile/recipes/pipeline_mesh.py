@@ -31,11 +31,12 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
-from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites
+from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
 from dpcompile.modules.pipeline import MeshPipelineModule
 from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage
 from passes.cut_stage import cut_stage, find_shared_parameters
+from passes.stage_transfers import node_stages
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class MeshPipelineRecipe(Recipe):
         sites = batch_statistics_sites(whole) if self.micro_batches > 1 else []
         if sites:  # in eval mode BatchNorm's running statistics serve any micro_batches (checked per call too)
             raise batch_norm_refusal(sites, self.micro_batches)
+        check_writes(gm, plan, self.micro_batches)
         shared = [(gm.get_parameter(name), stages) for name, stages in find_shared_parameters(gm, plan)]
         if shared and self.plan is not False:  # each stage shards a private copy: the tied copies would part
             raise DpCompileError(
@@ -125,6 +127,29 @@ class MeshPipelineRecipe(Recipe):
         return None
 
 
+def check_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> None:
+    """Writes forward makes in place (a step counter ``self.calls.add_(1)``, an EMA buffer) run as
+    often as eager runs them only with one micro-batch and inside one stage: ``PipelineStage`` runs a
+    stage's program once per micro-batch, and a written buffer sent to another stage is a copy there."""
+    stages = node_stages(gm, plan)
+    found = [n for n in gm.graph.nodes if writes(n)]
+    crossing = [n for n in found if any(u.op != "output" and stages.get(u) != stages.get(n) for u in n.users)]
+    if found and (micro_batches > 1 or crossing):
+        why = (
+            f"runs each stage's program once per micro-batch, so with micro_batches={micro_batches} each write would "
+            f"run {micro_batches} times a call"
+            if micro_batches > 1
+            else f"cannot send a written tensor to another stage ({', '.join(n.name for n in crossing)} is read there)"
+        )
+        raise DpCompileError(
+            f"forward writes into tensors in place ({', '.join(n.name for n in found)}: a step counter, an EMA "
+            f"buffer), and over a mesh torch.distributed.pipelining {why}. Run the pipeline in one process "
+            "(devices=[...]: every write runs once per call, as eager, under GPipe and 1F1B), pass micro_batches=1 "
+            "with each write and its readers in one stage (pipeline=[...module paths...]), or make the write outside "
+            "forward (count steps in the training loop)"
+        )
+
+
 def check_pipeline_mesh(names: tuple[str, ...], plan: object = False) -> None:
     """A mesh for ``pipeline=``: a ``"pp"`` dimension, and ``"dp"`` or ``"tp"`` beside it (``"tp"``
     with ``tensor_parallel=``, and only with it)."""
@@ -153,4 +178,4 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False) -> None:
         )
 
 
-__all__ = ["MeshPipelineRecipe", "check_pipeline_mesh"]
+__all__ = ["MeshPipelineRecipe", "check_pipeline_mesh", "check_writes"]

@@ -77,6 +77,12 @@ def check_pipeline(
         torch.testing.assert_close(loss, expected_loss)
         torch.testing.assert_close(logits, local_batch(expected_logits.detach(), mesh))
         loss.backward()  # the step ran it: the usual loop's one backward adds nothing
+        try:  # the logits have no gradient path: a backward through them refuses instead of being dropped
+            logits.sum().backward()
+        except dpcompile.DpCompileError as e:
+            assert "no gradient path" in str(e) and "return it" in str(e)
+        else:
+            raise AssertionError("a backward through the returned logits was not refused")
     else:
         assert out is None
     _grads_equal_on_stage(model, reference, pm.module_paths)
@@ -205,6 +211,50 @@ def check_batchnorm(rank: int, world: int, eval_micro: tuple[int, ...]) -> None:
     dist.barrier()
 
 
+class Counted(torch.nn.Module):
+    """A step counter written in forward (``self.calls.add_(1)``) and read again after the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, labels):
+        self.calls.add_(1)
+        logits = self.b(torch.tanh(self.a(x))) * (1 + self.calls / 10)
+        return logits, torch.nn.functional.cross_entropy(logits, labels)
+
+
+def check_writes(rank: int, world: int) -> None:
+    """A write in forward over a ("pp",) mesh: with one micro-batch it runs once per call (the
+    counter equals eager's, the loss too); with 2 it would run twice a call: refused, naming it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    reference = Counted().double()
+    model = copy.deepcopy(reference)
+    x, labels = _inputs(6)
+    pm = dpcompile.transform(model, mesh, pipeline=world, micro_batches=1, schedule="1f1b")
+    for _ in range(2):
+        out = pm(x.double(), labels)
+        expected = reference(x.double(), labels)[1]
+        if rank == world - 1:
+            torch.testing.assert_close(out[1], expected.detach())
+    if "add_" in pm.code:
+        assert int(model.calls) == int(reference.calls) == 2
+    try:
+        dpcompile.transform(copy.deepcopy(reference), mesh, pipeline=world, micro_batches=2)
+    except dpcompile.DpCompileError as e:
+        assert "add_" in str(e) and "2 times a call" in str(e) and "one process" in str(e)
+    else:
+        raise AssertionError("a write in forward with 2 micro-batches over a mesh was not refused")
+    dist.barrier()
+
+
 SCENARIOS = {
     "pp2": (2, [("gpipe_m1", check_pipeline, ((2,), ("pp",), "gpipe", 1)),
                 ("gpipe_m4", check_pipeline, ((2,), ("pp",), "gpipe", 4)),
@@ -215,7 +265,8 @@ SCENARIOS = {
                 ("uneven_1f1b_m2", check_pipeline, ((2,), ("pp",), "1f1b", 2, 7)),
                 ("uneven_square_mean", check_pipeline, ((2,), ("pp",), "square:1f1b", 4, 7)),
                 ("decoder", check_decoder, (((1, "gpipe"), (2, "1f1b"), (4, "1f1b")),)),
-                ("batchnorm", check_batchnorm, ((2, 4),))]),
+                ("batchnorm", check_batchnorm, ((2, 4),)),
+                ("writes", check_writes, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16)),

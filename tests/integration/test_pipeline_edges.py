@@ -68,6 +68,28 @@ def test_pipeline_later_stage_reads_root_parameters_as_eager(schedule):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+def test_pipeline_timm_vit_reads_cls_token_and_pos_embed_after_the_cut():
+    """timm's ViT cut before patch_embed.norm: cls_token and pos_embed are read in stage 1; logits
+    and every gradient equal eager's (GPipe)."""
+    from tests.thirdparty import import_timm
+
+    timm = import_timm()
+    torch.manual_seed(0)
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, num_classes=3,
+                                  depth=1, embed_dim=16, num_heads=2).double()  # fmt: skip
+    model = copy.deepcopy(reference)
+    x = torch.randn(5, 3, 16, 16, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=["patch_embed.norm"], micro_batches=2)
+    assert "cls_token" in pm.stages[1].code and "cls_token" not in pm.stages[0].code
+    out = pm(x)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected)
+    expected.square().mean().backward()
+    out.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 class MetaStack(nn.Module):
     def __init__(self):
         super().__init__()

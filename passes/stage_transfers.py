@@ -85,7 +85,7 @@ def _run_on_own_modules(gm: fx.GraphModule) -> None:
         return
     paths: dict[fx.Node, str] = {root: "" for root in replicas.users}
     for node in list(graph.nodes):
-        if node.op == "call_method" and node.args and node.args[0] in paths:
+        if node.op == "call_method" and node.args and node.args[0] in paths and _is_module(gm, paths[node.args[0]]):
             with graph.inserting_before(node):
                 call = graph.call_module(_join(paths[node.args[0]], str(node.target)), node.args[1:], node.kwargs)
             _take_place(node, call)
@@ -112,6 +112,16 @@ def _run_on_own_modules(gm: fx.GraphModule) -> None:
     for src in sources:
         if not src.users:
             graph.erase_node(src)
+
+
+def _is_module(gm: fx.GraphModule, path: str) -> bool:
+    """Whether ``path`` names a module of ``gm``: ``replica.fc1(x)`` calls one, while
+    ``replica.cls_token.expand(...)`` (a parameter the root holds) is a tensor method."""
+    parent, _, name = path.rpartition(".")
+    try:
+        return isinstance(getattr(gm.get_submodule(parent), name) if name else gm, torch.nn.Module)
+    except AttributeError:
+        return False
 
 
 def _join(prefix: str, atom: str) -> str:

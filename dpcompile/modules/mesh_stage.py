@@ -12,11 +12,13 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
@@ -138,6 +140,61 @@ class _BackwardDone(torch.autograd.Function):
         )
 
 
+class _NoGradientPath(torch.autograd.Function):
+    """An output beside the loss of a pipeline step that ran its backward: the values, with a
+    backward that refuses."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.name = name
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        raise DpCompileError(
+            f"a backward reached the output '{ctx.name}' of a pipeline that ran its loss's backward inside the call "
+            "(schedule='1f1b' in one process, every schedule over a mesh: each micro-batch's backward between later "
+            "micro-batches' forwards); this output has no gradient path, so a loss computed from it cannot reach the "
+            "parameters and its gradient would be silently lost. Compute the whole loss in forward and return it "
+            "(loss.backward() then adds nothing), or, in one process, use schedule='gpipe' to call backward on any "
+            "function of the outputs"
+        )
+
+
+def no_gradient_path(value: Any, name: str) -> Any:
+    """``value``'s floating tensors made to refuse any backward (they are detached: the step's own
+    backward has run), so a gradient through them raises instead of being dropped."""
+    flat, spec = tree_flatten(value)
+    with torch.enable_grad():
+        flat = [
+            _NoGradientPath.apply(t.detach().requires_grad_(), name)
+            if isinstance(t, torch.Tensor) and not t.requires_grad and (t.is_floating_point() or t.is_complex())
+            else t
+            for t in flat
+        ]
+    return tree_unflatten(flat, spec)
+
+
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad_", "share_memory_", "record_stream_"})
+
+
+def writes(n: fx.Node) -> bool:
+    """Whether ``n`` writes into a tensor: ``self.calls.add_(1)``, ``buf.copy_(v)``, ``t[i] = v``,
+    ``F.relu(x, inplace=True)``, an ATen op whose schema writes."""
+    if n.op == "call_method":
+        name = str(n.target)
+        return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES and hasattr(torch.Tensor, name)
+    if n.op != "call_function":
+        return False
+    target = n.target
+    if target is operator.setitem or n.kwargs.get("inplace") is True:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+
+
 def backward_done(loss: torch.Tensor) -> torch.Tensor:
     """``loss``, detached, whose one plain ``backward()`` adds nothing and any other raises."""
     with torch.enable_grad():
@@ -150,5 +207,7 @@ __all__ = [
     "batch_norm_refusal",
     "batch_statistics_sites",
     "micro_batch_runs",
+    "no_gradient_path",
     "on_wire",
+    "writes",
 ]

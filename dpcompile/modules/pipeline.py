@@ -24,6 +24,7 @@ from dpcompile.modules.mesh_stage import (
     batch_norm_refusal,
     batch_statistics_sites,
     micro_batch_runs,
+    no_gradient_path,
     on_wire,
 )
 
@@ -136,7 +137,8 @@ class MeshPipelineModule(nn.Module):
     def __init__(self, program: fx.GraphModule, *, whole: fx.GraphModule, stage_index: int, num_stages: int,
                  device: Any, pp_group: Any, dp_group: Any, micro_batches: int, schedule: str, outputs: Any,
                  live_in: list[str], module_paths: tuple[str, ...], last_rank: int,
-                 has_loss: bool, count: str | None = None, shared: list | None = None):  # fmt: skip
+                 has_loss: bool, count: str | None = None, shared: list | None = None,
+                 writes_once: fx.GraphModule | None = None):  # fmt: skip
         super().__init__()
         self.program = program
         object.__setattr__(self, "whole", whole)  # the single-device program: shapes, every stage's modes
@@ -146,6 +148,7 @@ class MeshPipelineModule(nn.Module):
         self.module_paths, self.pp_group, self.dp_group, self.last_rank = module_paths, pp_group, dp_group, last_rank
         self.has_loss = has_loss
         self.shared = list(shared or [])  # (parameter, stages reading it): tied weights, summed over those stages
+        object.__setattr__(self, "writes_once", writes_once)  # this stage's writes no input reads: once a call
         self._schedules: dict[Any, Any] = {}
         self._loss_scale = 1.0
         object.__setattr__(self, "_count_program", count_program(whole, count) if has_loss else None)
@@ -248,6 +251,8 @@ class MeshPipelineModule(nn.Module):
             if sites:
                 raise batch_norm_refusal(sites, self.micro_batches)
         first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        if self.writes_once is not None:  # a step counter, an EMA of a parameter: once per call, as eager
+            self.writes_once()
         train = self.training and torch.is_grad_enabled() and self.has_loss
         # where the loss's count follows from the inputs alone (labels), every rank knows it before
         # the step: each micro-batch's loss is its sum over the whole count, and nothing is divided after
@@ -326,8 +331,8 @@ class MeshPipelineModule(nn.Module):
             if leaf[0] == "mean":
                 loss = (totals[0] / totals[1]).to(flat[leaf[1]].dtype)
                 values.append(backward_done(loss) if train else loss)  # the step ran its backward
-            else:
-                values.append(flat[leaf[1]])
+            else:  # detached by the schedule: a backward through it would be dropped, so it refuses
+                values.append(no_gradient_path(flat[leaf[1]], f"output {len(values)}") if train else flat[leaf[1]])
         return self.outputs.assemble(values)
 
 

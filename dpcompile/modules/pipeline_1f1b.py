@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
-from dpcompile.modules.mesh_stage import backward_done
+from dpcompile.modules.mesh_stage import backward_done, no_gradient_path, writes
 
 Unit = tuple[int, int]  # (stage, micro-batch)
 _COMBINERS = (runtime.gather, runtime.mean_of_partials, runtime.reduce_add)
@@ -109,6 +109,7 @@ class OneFOneBStep:
         self.head: list[fx.Node] = []  # functions of the inputs alone (masks, positions, counts): run first
         self.shared: set[fx.Node] = set()  # read parameters, no micro-batch: run again in each unit that reads them
         self.tail = [n for n in nodes if n in tail]
+        self.once: set[fx.Node] = set()  # writes no micro-batch reads (a step counter): once a call, in order
         for n in nodes:
             if n in tail:
                 continue
@@ -121,10 +122,15 @@ class OneFOneBStep:
                 unit = (stage_of[n], next(iter(micro[n])))
                 self.units.setdefault(unit, []).append(n)
                 self.unit_of[n] = unit
+            elif has_effect(n):  # in micro-batch 0's forward of its stage, where program order puts it
+                self.units.setdefault((stage_of[n], 0), []).append(n)
+                self.once.add(n)
             else:
                 self.shared.add(n)
-        for n in self.tail:
-            if n.op != "call_function" or not (n.target in _TAIL_OPS or isinstance(n.target, type)):
+        returned = _ancestors(self.output)
+        for n in self.tail:  # what reaches no output (an EMA of the loss) runs once, at the end, detached
+            tail_op = n.op == "call_function" and (n.target in _TAIL_OPS or isinstance(n.target, type))
+            if n in returned and not tail_op:
                 raise _coupled_error(n, micro_batches)
         for n, unit in self.unit_of.items():
             for a in n.all_input_nodes:
@@ -132,7 +138,7 @@ class OneFOneBStep:
                     raise DpCompileError(
                         f"'{n.name}' (stage {unit[0]}) reads '{a.name}' of a later stage; 1F1B cannot order it"
                     )
-        self.loss, self.sums, self.counts = _find_mean_loss(self.tail, self.output)
+        self.loss, self.sums, self.counts = _find_mean_loss([n for n in self.tail if n in returned], self.output)
         if self.loss is None:
             raise DpCompileError(
                 "schedule='1f1b' runs each micro-batch's backward inside a training call, from the model's own mean "
@@ -186,8 +192,12 @@ class _StepState:
         self.leaves[unit] = []
         for n in step.units.get(unit, ()):
             env[n] = self.runner.run_node(n)
+            if n in step.once:  # every unit and the tail read the one value
+                self.values[n] = env[n]
         sent: dict[fx.Node, tuple] = {}
         for n in step.units.get(unit, ()):
+            if n in step.once:
+                continue
             readers, value = step.readers[n], env[n]
             if any(r is not None and r != unit for r in readers):
                 sent[n] = tree_flatten(value)
@@ -221,10 +231,17 @@ class _StepState:
         env = _TailEnv(self)
         self.runner.env = env
         for n in self.step.tail:  # only the loss is attached to a graph (the guard below): the rest is detached
-            env[n] = self.runner.run_node(n)
+            with torch.no_grad():
+                env[n] = self.runner.run_node(n)
             if n is self.step.loss:
                 env[n] = backward_done(env[n])
-        return fx.node.map_arg(self.step.output.args[0], lambda n: env[n])
+
+        def returned(n: fx.Node) -> Any:  # the loss is guarded above; inputs returned as they are keep their graph
+            if n is self.step.loss or n.op == "placeholder" or not torch.is_grad_enabled():
+                return env[n]
+            return no_gradient_path(env[n], n.meta.get("dpcompile_name", n.name))
+
+        return fx.node.map_arg(self.step.output.args[0], returned)
 
 
 class _Runner:
@@ -314,6 +331,23 @@ def _micro_batches_read(nodes: list[fx.Node], stateful: set[fx.Node]) -> dict[fx
             reads = (micro[a] for a in n.all_input_nodes if a in stateful or len(micro[a]) <= 1)
             micro[n] = frozenset().union(*reads)
     return micro
+
+
+def has_effect(n: fx.Node) -> bool:
+    """Whether ``n`` writes into a tensor (:func:`~dpcompile.modules.mesh_stage.writes`) or is otherwise
+    impure: eager runs it once per call, whoever reads it."""
+    return writes(n) or (n.op in ("call_function", "call_module") and n.is_impure())
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node its value is computed from."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _reads_metadata(n: fx.Node) -> bool:

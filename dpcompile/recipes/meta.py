@@ -38,6 +38,7 @@ from dpcompile.fx_utils import unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.weights import await_weights
 from dpcompile.recipes.data_parallel import DataParallelRecipe
+from dpcompile.recipes.pipeline import PipelineRecipe
 from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
 from dpcompile.recipes.spmd import SpmdRecipe
 from dpcompile.recipes.tensor_parallel import TensorParallelRecipe
@@ -142,6 +143,8 @@ def compile_meta_model(
         return compile_on_fake(
             model, recipe.devices.primary, example_inputs, example_kwargs, compile_one, allocate=allocate
         )
+    if isinstance(recipe, PipelineRecipe):  # each stage's modules placed on its device (fake), then allocated there
+        return compile_on_fake(model, recipe.devices.primary, example_inputs, example_kwargs, compile_one)
     if isinstance(recipe, DataParallelRecipe):
         device = recipe.devices.primary
     elif isinstance(recipe, SpmdRecipe) and recipe.plan is False:

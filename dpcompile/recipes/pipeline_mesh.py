@@ -31,11 +31,12 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
-from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites
+from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
 from dpcompile.modules.pipeline import MeshPipelineModule
 from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage
 from passes.cut_stage import cut_stage, find_shared_parameters
+from passes.stage_transfers import node_stages
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class MeshPipelineRecipe(Recipe):
                               output_device=device),
         ]  # fmt: skip
         gm, _ = run_passes(gm, pipeline)
+        writes_once = hoist_writes(gm, plan, self.micro_batches)  # run once a call, apart from the stages
         whole = graph_module(gm, copy_graph(gm.graph), "WholeProgram")
         sites = batch_statistics_sites(whole) if self.micro_batches > 1 else []
         if sites:  # in eval mode BatchNorm's running statistics serve any micro_batches (checked per call too)
@@ -114,6 +116,7 @@ class MeshPipelineRecipe(Recipe):
             has_loss=found["has_loss"],
             count=found["count"],
             shared=shared,
+            writes_once=writes_once.get(pp_rank),
         )
         if self.plan is not False:  # tensor parallel inside the stage, over the mesh's "tp" dimension
             examples = None if example_inputs is None else pm.example_stage_inputs(tuple(example_inputs))
@@ -123,6 +126,70 @@ class MeshPipelineRecipe(Recipe):
 
     def build_program(self, pm: Any, key: Any, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         return None
+
+
+def hoist_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> dict[int, fx.GraphModule]:
+    """Writes ``forward`` makes in place that read no input (a step counter ``self.calls.add_(1)``, an
+    EMA of a parameter) taken out of ``gm`` into one program per stage, which its rank runs once per
+    call before the schedule (``PipelineStage`` runs a stage's program once per micro-batch). Other
+    writes run as often as eager runs them only with one micro-batch and inside one stage; refused
+    otherwise, naming them and the ways out."""
+    stages = node_stages(gm, plan)
+    found = [n for n in gm.graph.nodes if writes(n)]
+    reads_inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    for n in gm.graph.nodes:
+        if any(a in reads_inputs for a in n.all_input_nodes):
+            reads_inputs.add(n)
+    once = [n for n in found if n not in reads_inputs and all(u in found for u in n.users)]
+    rest = [n for n in found if n not in once]
+    crossing = [n for n in rest if any(u.op != "output" and stages.get(u) != stages.get(n) for u in n.users)]
+    if rest and (micro_batches > 1 or crossing):
+        why = (
+            f"runs each stage's program once per micro-batch, so with micro_batches={micro_batches} each write would "
+            f"run {micro_batches} times a call"
+            if micro_batches > 1
+            else f"cannot send a written tensor to another stage ({', '.join(n.name for n in crossing)} is read there)"
+        )
+        raise DpCompileError(
+            f"forward writes into tensors in place from the batch ({', '.join(n.name for n in rest)}: an EMA of "
+            f"an activation), and over a mesh torch.distributed.pipelining {why}. Run the pipeline in one process "
+            "(devices=[...]: every write runs once per call, as eager, under GPipe and 1F1B), pass micro_batches=1 "
+            "with each write and its readers in one stage (pipeline=[...module paths...]), or make the write outside "
+            "forward"
+        )
+    chains: dict[fx.Node, list[fx.Node]] = {}  # writes into one tensor (ema.mul_(0.9).add_(w)) stay together,
+    for n in once:  # on the last of their stages: it holds what they read (split_stages put w there)
+        root = n
+        while isinstance(root.args[0], fx.Node) and root.args[0] in once:
+            root = root.args[0]
+        chains.setdefault(root, []).append(n)
+    stage_of = {n: max(stages[w] for w in chain) for chain in chains.values() for n in chain}
+    programs: dict[int, fx.GraphModule] = {}
+    for stage in sorted(set(stage_of.values())):
+        mine = [n for n in once if stage_of[n] == stage]
+        needed = set().union(*(_ancestors(n) for n in mine))
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in gm.graph.nodes:
+            if node in needed:
+                env[node] = graph.node_copy(node, env.__getitem__)
+        graph.output(None)
+        programs[stage] = graph_module(gm, graph, f"WritesOnceStage{stage}")
+    hoisted = set().union(*(_ancestors(n) for n in once))
+    for node in reversed(list(gm.graph.nodes)):  # the writes, then what only they read
+        if node in once or (node in hoisted and node.op != "placeholder" and not node.users):
+            gm.graph.erase_node(node)
+    return programs
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def check_pipeline_mesh(names: tuple[str, ...], plan: object = False) -> None:
@@ -153,4 +220,4 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False) -> None:
         )
 
 
-__all__ = ["MeshPipelineRecipe", "check_pipeline_mesh"]
+__all__ = ["MeshPipelineRecipe", "check_pipeline_mesh", "hoist_writes"]

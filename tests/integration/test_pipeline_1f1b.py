@@ -102,7 +102,7 @@ def test_1f1b_mlp_stack_loss_and_gradients_equal_eager(stages, micro):
     expected_loss.backward()
     torch.testing.assert_close(logits, expected_logits)
     torch.testing.assert_close(loss, expected_loss)
-    assert not logits.requires_grad
+    assert type(logits.grad_fn).__name__ == "_NoGradientPathBackward"  # a backward through it refuses
     _grads_equal(model, reference)
     torch.testing.assert_close(x_in.grad, x_ref.grad)
 

@@ -77,6 +77,12 @@ def check_pipeline(
         torch.testing.assert_close(loss, expected_loss)
         torch.testing.assert_close(logits, local_batch(expected_logits.detach(), mesh))
         loss.backward()  # the step ran it: the usual loop's one backward adds nothing
+        try:  # the logits have no gradient path: a backward through them refuses instead of being dropped
+            logits.sum().backward()
+        except dpcompile.DpCompileError as e:
+            assert "no gradient path" in str(e) and "return it" in str(e)
+        else:
+            raise AssertionError("a backward through the returned logits was not refused")
     else:
         assert out is None
     _grads_equal_on_stage(model, reference, pm.module_paths)
@@ -205,6 +211,65 @@ def check_batchnorm(rank: int, world: int, eval_micro: tuple[int, ...]) -> None:
     dist.barrier()
 
 
+class Counted(torch.nn.Module):
+    """A step counter written in forward (``self.calls.add_(1)``) and read again after the write, an
+    EMA of a parameter; with ``batch_ema``, an EMA of an activation's batch mean too."""
+
+    def __init__(self, batch_ema: bool = False):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+        self.batch_ema = batch_ema
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("weight_ema", torch.zeros(3, 8))
+        self.register_buffer("feature_ema", torch.zeros(8))
+
+    def forward(self, x, labels):
+        self.calls.add_(1)
+        self.weight_ema.mul_(0.5).add_(self.b.weight.detach(), alpha=0.5)
+        h = torch.tanh(self.a(x))
+        if self.batch_ema:
+            self.feature_ema.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        logits = self.b(h) * (1 + self.calls / 10)
+        return logits, torch.nn.functional.cross_entropy(logits, labels)
+
+
+def check_writes(rank: int, world: int) -> None:
+    """Writes in forward over a ("pp",) mesh with 2 micro-batches: a counter and an EMA of a parameter
+    run once per call on the rank holding them (buffers and loss equal eager's after each call); an
+    EMA of an activation's batch mean would run once per micro-batch: refused, naming it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    reference = Counted().double()
+    model = copy.deepcopy(reference)
+    x, labels = _inputs(6)
+    pm = dpcompile.transform(model, mesh, pipeline=["b"], micro_batches=2, schedule="1f1b")  # a, then b
+    writes_here = pm.writes_once is not None
+    for _ in range(2):
+        out = pm(x.double(), labels)
+        expected = reference(x.double(), labels)[1]
+        if rank == world - 1:
+            torch.testing.assert_close(out[1], expected.detach())
+        mine = [name for name in ("calls", "weight_ema") if writes_here and f"self.{name}" in pm.writes_once.code]
+        for name in mine:  # the rank whose stage makes the write holds eager's value
+            torch.testing.assert_close(model.get_buffer(name), reference.get_buffer(name), msg=name)
+    assert int(reference.calls) == 2
+    checked = torch.tensor(len(mine))
+    dist.all_reduce(checked)
+    assert int(checked) == 2, "each write runs on one rank"
+    try:
+        dpcompile.transform(Counted(batch_ema=True), mesh, pipeline=["b"], micro_batches=2)
+    except dpcompile.DpCompileError as e:
+        assert "add_" in str(e) and "2 times a call" in str(e) and "one process" in str(e)
+    else:
+        raise AssertionError("an EMA of a batch mean with 2 micro-batches over a mesh was not refused")
+    dist.barrier()
+
+
 SCENARIOS = {
     "pp2": (2, [("gpipe_m1", check_pipeline, ((2,), ("pp",), "gpipe", 1)),
                 ("gpipe_m4", check_pipeline, ((2,), ("pp",), "gpipe", 4)),
@@ -215,7 +280,8 @@ SCENARIOS = {
                 ("uneven_1f1b_m2", check_pipeline, ((2,), ("pp",), "1f1b", 2, 7)),
                 ("uneven_square_mean", check_pipeline, ((2,), ("pp",), "square:1f1b", 4, 7)),
                 ("decoder", check_decoder, (((1, "gpipe"), (2, "1f1b"), (4, "1f1b")),)),
-                ("batchnorm", check_batchnorm, ((2, 4),))]),
+                ("batchnorm", check_batchnorm, ((2, 4),)),
+                ("writes", check_writes, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16)),

@@ -1,0 +1,144 @@
+"""What forward writes (parameters, buffers, attributes, hooks, the RNG seed) is replayed at each
+call as eager does it, or refused at transform by name; and ``transform`` leaves the user's model
+exactly as it found it (docs/guards.md, "Side effects in forward")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+import dpcompile
+from tests import models
+from tests.thirdparty import import_or_skip, import_timm
+
+_GLOBAL_HOOKS = [n for n in dir(nn_module) if n.startswith("_global_") and isinstance(getattr(nn_module, n), dict)]
+
+
+def _value(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.detach().clone())
+    if isinstance(value, nn.Module):
+        return ("module", id(value))
+    if depth < 4 and isinstance(value, dict):
+        return (type(value).__name__, [(repr(k), _value(v, depth + 1)) for k, v in value.items()])
+    if depth < 4 and isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_value(v, depth + 1) for v in value])
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return ("plain", value)
+    return ("object", type(value).__name__, id(value))
+
+
+def snapshot(model: nn.Module) -> dict:
+    """The model's full state: every module's ``__dict__`` (attributes, hook dicts, parameters,
+    buffers and their values, recursively) and nn.Module's global hook dicts."""
+    state = {(path, name): _value(v) for path, m in model.named_modules() for name, v in m.__dict__.items()}
+    state.update({("<global>", name): _value(getattr(nn_module, name)) for name in _GLOBAL_HOOKS})
+    return state
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    return sorted(f"{p}.{n}" for p, n in before.keys() | after.keys() if not _equal(before.get((p, n)), after.get((p, n))))
+
+
+def _bert_hidden_states(layers: int = 1) -> nn.Module:
+    transformers = import_or_skip("transformers")
+    config = transformers.BertConfig(
+        num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = transformers.BertModel(config)
+
+        def forward(self, input_ids):
+            out = self.bert(input_ids=input_ids, output_hidden_states=True)
+            return out.last_hidden_state, out.hidden_states
+
+    return Wrapper().eval()
+
+
+def _gpt2() -> nn.Module:
+    transformers = import_or_skip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt2 = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, input_ids):
+            out = self.gpt2(input_ids=input_ids, output_hidden_states=True)
+            return out.logits, out.hidden_states
+
+    return Wrapper().eval()
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 64, (4, 8))
+
+
+FAMILIES = {
+    "mlp": lambda: (models.MLP(), (torch.randn(4, 8),), {}),
+    "batchnorm_cnn": lambda: (models.CNN(), (torch.randn(4, 3, 8, 8),), {}),
+    "rnn": lambda: (models.SeqEncoder(), (torch.randint(0, 20, (5, 4)),), {}),
+    "bert": lambda: (_bert_hidden_states(), (_ids(),), {}),
+    "gpt2": lambda: (_gpt2(), (_ids(),), {}),
+    "timm": lambda: (import_timm().create_model("convnext_atto", num_classes=10), (torch.randn(4, 3, 32, 32),), {}),
+}
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("bert", "gpt2", "timm") else f for f in FAMILIES])
+def test_transform_leaves_the_model_as_it_found_it(family, tensor_parallel):
+    """Attributes (recursively), hooks of every kind (also nn.Module's global ones), parameters and
+    buffers, by value: the same before and after transform (transformers 5 installs its output
+    recorders in the first forward, which capture runs: they are removed again)."""
+    model, args, kwargs = FAMILIES[family]()
+    model(*args, **kwargs) if family == "rnn" else None  # nothing: a model called before is as good
+    before = snapshot(model)
+    dpcompile.transform(model, ["cpu"] * 2, example_inputs=args or None, example_kwargs=kwargs or None,
+                        tensor_parallel=tensor_parallel)  # fmt: skip
+    assert changed(before, snapshot(model)) == []
+
+
+def test_bert_hidden_states_are_not_duplicated_by_transform():
+    """Two transforms of a BERT wrapper asking output_hidden_states: the model and the program both
+    return 2 hidden states (1 layer), as before transform (they returned 4: hooks left behind)."""
+    torch.manual_seed(0)
+    model, ids = _bert_hidden_states(), _ids()
+    for frontend in ("export", "export"):
+        pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids,), frontend=frontend)
+    eager = model(ids)
+    out = pm(ids)
+    assert len(eager[1]) == 2 and len(out[1]) == 2
+    for got, want in zip(out[1], eager[1]):
+        torch.testing.assert_close(got, want)
+
+
+def test_export_program_serves_calls_after_an_eager_call_that_installs_hooks():
+    """transformers 5's output recorders, which forward installs at its first eager call, are the
+    model's own: the export program keeps serving (it refused every call with ModelChanged)."""
+    torch.manual_seed(0)
+    model, ids = _bert_hidden_states(), _ids()
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids,), frontend="export")
+    eager = model(ids)  # installs the hooks
+    out = pm(ids)
+    torch.testing.assert_close(out[0], eager[0])
+    assert len(out[1]) == len(eager[1]) == 2

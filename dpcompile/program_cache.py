@@ -212,6 +212,9 @@ def _hook_ids(dicts: Iterable[dict]) -> tuple[int, ...]:
     return tuple(id(h) for d in dicts for h in d.values() if not installed_by_forward(h))
 
 
+code_names = _code_names  # the attribute names a class's code reads (capture keeps writes of those)
+
+
 class ModelGuard:
     """Watches the modules a model's forward was traced through.
 

@@ -32,6 +32,7 @@ from dpcompile.fx_utils import graph_module
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
 from dpcompile.runtime import run_forward_hook as runtime_run_forward_hook
 from dpcompile.runtime import without_grad as runtime_without_grad
+from dpcompile.runtime.side_effects import assign_buffer, attributes_written, in_place_without_grad, manual_seed
 
 
 class WritableProxy(fx.Proxy):
@@ -129,8 +130,14 @@ class DpTracer(fx.Tracer):
             module_ref = tracer.create_proxy("get_attr", path, (), {})
             tracer.create_proxy("call_function", runtime_flatten_parameters, (module_ref,), {})
 
+        def recorded_manual_seed(seed: int) -> Any:
+            tracer.create_proxy("call_function", manual_seed, (int(seed),), {})
+            return seed_original(seed)
+
         original = nn.RNNBase.flatten_parameters
         nn.RNNBase.flatten_parameters = recorded_flatten_parameters
+        seed_original = torch.manual_seed
+        torch.manual_seed = recorded_manual_seed
         unpatch_checkpoint = _record_checkpoints(tracer, root)
         grad_switches, unpatch_grad_mode = _record_grad_mode(tracer)
         factories = {name: getattr(torch, name) for name in _SIZE_FACTORIES}
@@ -139,16 +146,20 @@ class DpTracer(fx.Tracer):
         modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:
-            with torch.enable_grad(), python_state_kept(root):  # switches relative to a call with gradients
+            rng = torch.random.get_rng_state()
+            with torch.enable_grad(), python_state_kept(root) as effects:  # switches relative to a call with gradients
                 graph = super().trace(root, concrete_args)
         finally:
+            torch.random.set_rng_state(rng)  # a seed forward set is the program's, not transform's
             nn.RNNBase.flatten_parameters = original
+            torch.manual_seed = seed_original
             unpatch_checkpoint()
             unpatch_grad_mode()
             for name, factory in factories.items():
                 setattr(torch, name, factory)
             rebound = _restore_state(modules, before)
         _write_back_buffers(graph, rebound)
+        _write_back_attributes(graph, effects, root)
         _keep_no_grad_blocks(graph, grad_switches)
         return graph
 
@@ -210,6 +221,9 @@ def _keep_no_grad_blocks(graph: fx.Graph, switches: list[tuple[fx.Node | None, b
         if node in after:
             enabled = after[node][-1]
     for node in [n for n in graph.nodes if n in in_block]:
+        if node.op == "call_method" and _in_place(node.target):  # ``w.div_(2)`` on a parameter: as eager, untracked
+            node.args = (node.args[0], node.target, *node.args[1:])
+            node.op, node.target = "call_function", in_place_without_grad
         outside = [user for user in node.users if user not in in_block]
         if not outside:
             continue
@@ -219,6 +233,10 @@ def _keep_no_grad_blocks(graph: fx.Graph, switches: list[tuple[fx.Node | None, b
         detached.meta["stack_trace"] = node.meta.get("stack_trace", "")
         for user in outside:
             user.replace_input_with(node, detached)
+
+
+def _in_place(method: str) -> bool:
+    return method.endswith("_") and not method.startswith("_")
 
 
 def _record_checkpoints(tracer: fx.Tracer, root: Any):
@@ -321,6 +339,7 @@ def _restore_state(
         module._parameters.update(parameters)
         for name, value in list(module.__dict__.items()):
             if isinstance(value, fx.Proxy):
+                rebound.append((f"{path}.{name}" if path else name, value.node))  # ``self.cache = x.mean(0)``
                 if name in attributes:
                     module.__dict__[name] = attributes[name]
                 else:
@@ -329,11 +348,36 @@ def _restore_state(
 
 
 def _write_back_buffers(graph: fx.Graph, rebound: list[tuple[str, fx.Node]]) -> None:
-    """End forward by copying each rebound buffer's new value into it, as eager leaves it."""
+    """End forward by writing each buffer (or tensor attribute) forward rebound, as eager leaves it:
+    in place where the new value has the buffer's shape (``self.count += 1``), else rebound
+    (``self.cache = x.mean(0)``, a cache of another shape)."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     with graph.inserting_before(output):
         for path, value in rebound:
-            graph.call_method("copy_", (graph.get_attr(path), value))
+            owner, _, name = path.rpartition(".")
+            graph.call_function(assign_buffer, (graph.get_attr(owner) if owner else None, name, value))
+
+
+def _write_back_attributes(graph: fx.Graph, effects: Any, root: Any) -> None:
+    """End forward by setting the plain attributes forward set, as eager leaves them
+    (``if not self.rescaled: ...; self.rescaled = True``): the guard then sees the new value and
+    the next call runs the program traced for it. Attributes no code of the model reads (a marker
+    transformers sets beside the hooks it installs, which capture removed) are left as found."""
+    from dpcompile.program_cache import code_names
+
+    if not effects.attributes or not isinstance(root, nn.Module):
+        return
+    modules = dict(root.named_modules())
+    read = frozenset().union(*(code_names(type(m)) for m in modules.values()))
+    writes: dict[str, dict[str, Any]] = {}
+    for path, name, value in effects.attributes:
+        before = effects.before[(path, name)]
+        if name in read and path in modules and (type(before) is not type(value) or before != value):
+            writes.setdefault(path, {})[name] = value
+    if writes:
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        with graph.inserting_before(output):
+            graph.call_function(attributes_written, (writes,))
 
 
 # factories taking sizes as ``*size``: given a traced size first (``torch.zeros(x.size(0), 4)``)

@@ -158,6 +158,11 @@ class DpTracer(fx.Tracer):
             for name, factory in factories.items():
                 setattr(torch, name, factory)
             rebound = _restore_state(modules, before)
+        seen = {path for path, _ in rebound}
+        for path, name, value in effects.tensors:  # ``self.inner.last = y``: a tensor kept as an attribute
+            full = f"{path}.{name}" if path else name
+            if isinstance(value, fx.Proxy) and value.tracer is self and full not in seen:
+                rebound.append((full, value.node))
         _write_back_buffers(graph, rebound)
         _write_back_attributes(graph, effects, root)
         _keep_no_grad_blocks(graph, grad_switches)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.nn.modules import module as nn_module
 
@@ -56,6 +57,7 @@ class SideEffects:
     attributes: list[tuple[str, str, Any]] = dataclasses.field(default_factory=list)
     before: dict[tuple[str, str], Any] = dataclasses.field(default_factory=dict)
     hooks_added: list[tuple[str, str, Any]] = dataclasses.field(default_factory=list)
+    tensors: list[tuple[str, str, Any]] = dataclasses.field(default_factory=list)  # set to a tensor
 
 
 _MISSING = object()
@@ -72,18 +74,31 @@ def python_state_kept(model: nn.Module) -> Iterator[SideEffects]:
         hooks = {name: dict(module.__dict__[name]) for name in _HOOK_DICTS if name in module.__dict__}
         saved.append((path, module, attributes, contents, hooks, module.__dict__.get("_is_full_backward_hook")))
     global_hooks = {name: dict(getattr(nn_module, name)) for name in _GLOBAL_HOOK_DICTS}
+    # writes as forward makes them (torch.export may undo a plain attribute's before it returns)
+    paths = {id(m): p for p, m in modules}
+    written: dict[tuple[str, str], Any] = {}
+    setattr_ = nn.Module.__setattr__
+
+    def recording(module: nn.Module, name: str, value: Any) -> None:
+        setattr_(module, name, value)
+        path = paths.get(id(module))
+        if path is not None and name not in module._buffers and name not in module._parameters and name not in module._modules:
+            written[(path, name)] = value
+
+    nn.Module.__setattr__ = recording
     try:
         yield effects
     finally:
+        nn.Module.__setattr__ = setattr_
         for path, module, attributes, contents, hooks, full_backward in saved:
             state = module.__dict__
             for name in [k for k in state if k not in _MODULE_INTERNALS and k not in attributes]:
                 if not name.startswith(_FX_CONSTANTS):  # fx's own: the graph reads them
-                    _record(effects, path, name, _MISSING, state[name])
+                    written.setdefault((path, name), state[name])
                     del state[name]  # set while traced
             for name, value in attributes.items():
                 if state.get(name, _MISSING) is not value:
-                    _record(effects, path, name, value, state.get(name, _MISSING))
+                    written.setdefault((path, name), state.get(name, _MISSING))
                     state[name] = value
                 if name in contents and _changed(value, contents[name]):
                     if type(value) is dict:
@@ -95,12 +110,23 @@ def python_state_kept(model: nn.Module) -> Iterator[SideEffects]:
                 _restore_hooks(state[name], before, effects, path, name)
             if "_is_full_backward_hook" in state:
                 state["_is_full_backward_hook"] = full_backward
+            for (where, name), value in written.items():
+                if where == path and name not in _MODULE_INTERNALS and not name.startswith(_FX_CONSTANTS):
+                    _record(effects, path, name, attributes.get(name, _MISSING), value)
         for name, before in global_hooks.items():
             _restore_hooks(getattr(nn_module, name), before, effects, "<global>", name)
 
 
 def _record(effects: SideEffects, path: str, name: str, before: Any, after: Any) -> None:
-    if type(after) in _PLAIN or isinstance(after, enum.Enum):
+    if after is _MISSING:
+        return
+    if isinstance(after, (torch.SymInt, torch.SymFloat, torch.SymBool)):  # export: the example's value
+        after = after.node.hint
+        if after is None:
+            return
+    if isinstance(after, (torch.Tensor, fx.Proxy)):
+        effects.tensors.append((path, name, after))
+    elif (type(after) in _PLAIN or isinstance(after, enum.Enum)) and (type(before) is not type(after) or before != after):
         effects.attributes.append((path, name, after))
         effects.before[(path, name)] = before
 

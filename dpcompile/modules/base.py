@@ -48,6 +48,7 @@ from dpcompile.modules.hooks import (
     check_unchanged_since_transform,
     has_hooks,
     load_pre_hooks,
+    refuse_writes_of_a_private_copy,
     state_dict_with_hooks,
 )
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
@@ -142,6 +143,8 @@ class ParallelModule(fx.GraphModule):
         """
         object.__setattr__(self, "traced_model", source)
         self._shares_source = shares_source and source is not None
+        if source is not None and not self._shares_source:
+            refuse_writes_of_a_private_copy(self.graph, source)
         self._flags = flags  # flag arguments the main program was traced for, and their values
         self.call_signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
         is_leaf = DpTracer(getattr(self.recipe, "leaf_modules", ())).is_leaf_module

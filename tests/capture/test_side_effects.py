@@ -142,3 +142,135 @@ def test_export_program_serves_calls_after_an_eager_call_that_installs_hooks():
     out = pm(ids)
     torch.testing.assert_close(out[0], eager[0])
     assert len(out[1]) == len(eager[1]) == 2
+
+
+class RescaleOnce(nn.Module):
+    """A parameter rescaled in place once, behind a Python flag (read before it is written)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+        self.rescaled = False
+
+    def forward(self, x):
+        if not self.rescaled:
+            with torch.no_grad():
+                self.block.weight.div_(2)
+            self.rescaled = True
+        return self.block(x)
+
+
+class SeedInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        torch.manual_seed(3)
+        return self.fc(x) + torch.randn(x.shape[-1])
+
+
+class CacheOfAnotherShape(nn.Module):
+    """A buffer rebound to a newly computed tensor of another shape, and a tensor kept as an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(1))
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.cache = y.mean(0)
+        self.inner.last = y.sum(0)
+        return self.inner(y)
+
+
+class WritesFirst(nn.Module):
+    """An attribute forward writes before it reads: no change of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.scale = 2.0
+        return self.fc(x) * self.scale
+
+
+def _pair(cls):
+    torch.manual_seed(0)
+    model, eager = cls(), cls()
+    eager.load_state_dict(model.state_dict())
+    return model, eager
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_flag_written_by_forward_is_replayed_at_each_call(tensor_parallel):
+    """fx: the first call rescales and sets the flag, as eager does; the next calls run the program
+    traced for the flag's new value (they rescaled again at every call: outputs drifted). Tensor
+    parallel (sharded copies of the state) refuses it at transform, by name."""
+    model, eager = _pair(RescaleOnce)
+    x = torch.randn(4, 4)
+    if tensor_parallel:
+        with pytest.raises(dpcompile.DpCompileError, match=r"updates block.weight in place \(div_\).*tensor-parallel"):
+            dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True)
+        assert model.rescaled is False
+        torch.testing.assert_close(model.block.weight, eager.block.weight)
+        return
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    for _ in range(3):
+        torch.testing.assert_close(pm(x), eager(x))
+    assert model.rescaled is True
+    torch.testing.assert_close(model.block.weight, eager.block.weight)
+
+
+def test_flag_written_by_forward_is_refused_by_the_export_frontend():
+    model, _ = _pair(RescaleOnce)
+    with pytest.raises(dpcompile.DpCompileError, match="sets 'rescaled' to True"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
+    assert model.rescaled is False
+
+
+def test_seed_set_in_forward_is_set_as_eager_sets_it():
+    """fx: the program seeds the global generator where forward does: the same draw, and the
+    generator left as eager leaves it; export refuses by name (it kept the draw, not the seed)."""
+    model, eager = _pair(SeedInForward)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    torch.manual_seed(100)
+    out, after = pm(x), torch.rand(3)
+    torch.manual_seed(100)
+    want, eager_after = eager(x), torch.rand(3)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(after, eager_after)
+    with pytest.raises(dpcompile.DpCompileError, match=r"torch.manual_seed\(3\)"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+
+
+def test_buffer_rebound_to_another_shape_is_written():
+    """fx: ``self.cache = y.mean(0)`` rebinds the (1,) buffer to a (4,) one, and a tensor kept as a
+    plain attribute is kept, as eager leaves them (it failed at every call: copy_ into (1,))."""
+    model, eager = _pair(CacheOfAnotherShape)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    for _ in range(2):
+        torch.testing.assert_close(pm(x), eager(x))
+        torch.testing.assert_close(model.cache, eager.cache)
+        torch.testing.assert_close(model.inner.last, eager.inner.last)
+    assert "cache" in dict(model.named_buffers())
+    with pytest.raises(dpcompile.DpCompileError, match="cache"):
+        dpcompile.transform(CacheOfAnotherShape(), ["cpu"] * 2, frontend="export", example_inputs=(x,))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_attribute_written_before_read_is_no_change(frontend):
+    """An eager call after transform sets ``scale`` as forward does: the export program keeps
+    serving (it refused every call with ModelChanged), the fx one too."""
+    model, eager = _pair(WritesFirst)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    assert "scale" not in model.__dict__  # transform left it as found
+    model(x)
+    torch.testing.assert_close(pm(x), eager(x))
+    torch.testing.assert_close(pm(x), eager(x))

@@ -32,7 +32,13 @@ from dpcompile.fx_utils import graph_module
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
 from dpcompile.runtime import run_forward_hook as runtime_run_forward_hook
 from dpcompile.runtime import without_grad as runtime_without_grad
-from dpcompile.runtime.side_effects import assign_buffer, attributes_written, in_place_without_grad, manual_seed
+from dpcompile.runtime.side_effects import (
+    apply_function,
+    assign_buffer,
+    attributes_written,
+    in_place_without_grad,
+    manual_seed,
+)
 
 
 class WritableProxy(fx.Proxy):
@@ -134,10 +140,17 @@ class DpTracer(fx.Tracer):
             tracer.create_proxy("call_function", manual_seed, (int(seed),), {})
             return seed_original(seed)
 
+        def recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, fx.Proxy) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+                return tracer.create_proxy("call_function", apply_function(cls), args, kwargs)
+            return apply_original.__get__(None, cls)(*args, **kwargs)
+
         original = nn.RNNBase.flatten_parameters
         nn.RNNBase.flatten_parameters = recorded_flatten_parameters
         seed_original = torch.manual_seed
         torch.manual_seed = recorded_manual_seed
+        apply_original = torch.autograd.Function.__dict__["apply"]  # a classmethod
+        torch.autograd.Function.apply = classmethod(recorded_apply)
         unpatch_checkpoint = _record_checkpoints(tracer, root)
         grad_switches, unpatch_grad_mode = _record_grad_mode(tracer)
         factories = {name: getattr(torch, name) for name in _SIZE_FACTORIES}
@@ -153,6 +166,7 @@ class DpTracer(fx.Tracer):
             torch.random.set_rng_state(rng)  # a seed forward set is the program's, not transform's
             nn.RNNBase.flatten_parameters = original
             torch.manual_seed = seed_original
+            torch.autograd.Function.apply = apply_original
             unpatch_checkpoint()
             unpatch_grad_mode()
             for name, factory in factories.items():

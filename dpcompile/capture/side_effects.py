@@ -36,20 +36,29 @@ class SideEffectRefused(DpCompileError):
 
 @contextlib.contextmanager
 def seeds_recorded() -> Iterator[list[str]]:
-    """While export runs: each ``torch.manual_seed`` forward calls, by where it is called."""
+    """While export runs: each ``torch.manual_seed`` forward calls and each ``torch.autograd.Function``
+    it applies (export traces through its forward and drops its backward), by where it is called."""
     calls: list[str] = []
     original = torch.manual_seed
+    apply = torch.autograd.Function.__dict__["apply"]
 
     def recorded(seed: int) -> Any:
-        calls.append(f"torch.manual_seed({seed})" + _where())
+        calls.append(f"calls torch.manual_seed({seed})" + _where())
         return original(seed)
 
+    def recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch."):  # torch's own (checkpointing) export handles
+            calls.append(f"applies the autograd.Function {cls.__qualname__}" + _where())
+        return apply.__get__(None, cls)(*args, **kwargs)
+
     torch.manual_seed = recorded
+    torch.autograd.Function.apply = classmethod(recorded_apply)
     rng = torch.random.get_rng_state()
     try:
         yield calls
     finally:
         torch.manual_seed = original
+        torch.autograd.Function.apply = apply
         torch.random.set_rng_state(rng)  # the seed forward set is no effect of transform
 
 
@@ -65,10 +74,15 @@ def check_export_effects(
     """``exported_code``: the exported graph's code; ``export_again()``: export with the model as it is."""
     """Refuse what the exported program would not replay; mark attribute writes that are no change."""
     name = type(model).__name__
-    if seeds:
+    for call in seeds:
+        if "manual_seed" in call:
+            raise SideEffectRefused(
+                f"{name}.forward {call}: the program exported with torch.export keeps the draws but not the "
+                f"seed, so it would draw other values than eager; seed before calling the program, or {_WAY_OUT}"
+            )
         raise SideEffectRefused(
-            f"{name}.forward calls {seeds[0]}: the program exported with torch.export keeps the draws but not the "
-            f"seed, so it would draw other values than eager; seed before calling the program, or {_WAY_OUT}"
+            f"{name}.forward {call}: torch.export traces through its forward and drops its backward (and the "
+            f"grad mode its forward sets), so gradients would not be eager's; use frontend='fx', which calls it whole"
         )
     if effects.tensors:
         paths = [f"{p}.{n}".lstrip(".") for p, n, _ in effects.tensors]

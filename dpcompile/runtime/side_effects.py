@@ -86,3 +86,20 @@ def in_place_without_grad(tensor: torch.Tensor, method: str, *args: Any, **kwarg
     """``tensor.<method>(*args)``, an in-place update forward made inside ``torch.no_grad()``."""
     with torch.no_grad():
         return getattr(tensor, method)(*args, **kwargs)
+
+
+_APPLIES: dict[type, Any] = {}
+
+
+def apply_function(function: type) -> Any:
+    """``function.apply`` as a plain function named after it (``ReversibleFn_apply(x, w)``): a
+    ``torch.autograd.Function`` forward calls is kept whole in the program, so its own backward (and
+    any ``torch.no_grad()`` block in its forward, as reversible layers hold) stand as in eager."""
+    if function not in _APPLIES:
+
+        def apply(*args: Any, **kwargs: Any) -> Any:
+            return function.apply(*args, **kwargs)
+
+        apply.__name__ = apply.__qualname__ = f"{function.__name__}_apply"
+        _APPLIES[function] = apply
+    return _APPLIES[function]

@@ -274,3 +274,54 @@ def test_attribute_written_before_read_is_no_change(frontend):
     model(x)
     torch.testing.assert_close(pm(x), eager(x))
     torch.testing.assert_close(pm(x), eager(x))
+
+
+class _Reversible(torch.autograd.Function):
+    """A reversible layer's shape: its forward holds a ``torch.no_grad()`` block, its backward is its own."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        with torch.no_grad():
+            y = x * 2
+        ctx.save_for_backward(w)
+        return y @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad @ w.t() * 2, None
+
+
+class Reversible(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Reversible.apply(self.fc(x), self.fc.weight).sum()
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_autograd_function_with_no_grad_block_keeps_its_backward(tensor_parallel):
+    """fx calls the Function whole: the loss has a grad_fn and the gradients are its backward's
+    (the loss had none: tracing through its no_grad block detached everything after it)."""
+    model, eager = _pair(Reversible)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel)
+    loss, want = pm(x), eager(x)
+    assert loss.grad_fn is not None
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    want.backward()
+    got = dict(pm.named_parameters())
+    for name, param in eager.named_parameters():
+        full = got[name] if name in got else None
+        if full is not None and full.grad is not None and full.grad.shape == param.grad.shape:
+            torch.testing.assert_close(full.grad, param.grad)
+    assert any(p.grad is not None for p in pm.parameters())
+
+
+def test_autograd_function_is_refused_by_the_export_frontend():
+    model, _ = _pair(Reversible)
+    with pytest.raises(dpcompile.DpCompileError, match="autograd.Function _Reversible"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))

@@ -133,18 +133,17 @@ def check_unchanged_since_transform(guard: Any, hooks: tuple, attributes: tuple)
 
 def refuse_writes_of_a_private_copy(graph: Any, model: nn.Module) -> None:
     """A tensor-parallel program traced a private copy of the model and owns sharded parameters:
-    what forward writes to the model (a flag, an in-place update inside ``no_grad``, a rebound
-    buffer) would land on the copy or on one shard, so it is refused at transform, by name."""
-    from dpcompile.runtime.side_effects import assign_buffer, attributes_written, in_place_without_grad
+    what forward writes to the model (a flag, an in-place update inside ``no_grad``) would land on
+    the copy or on one shard, so it is refused at transform, by name (buffers forward writes are
+    the program's own: they are written as in data parallel)."""
+    from dpcompile.runtime.side_effects import attributes_written, in_place_without_grad
 
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in (attributes_written, assign_buffer, in_place_without_grad):
+        if node.op != "call_function" or node.target not in (attributes_written, in_place_without_grad):
             continue
         if node.target is attributes_written:
             what = ", ".join(f"{p}.{n}".lstrip(".") for p, values in node.args[0].items() for n in values)
             what = f"sets {what}"
-        elif node.target is assign_buffer:
-            what = f"rebinds the buffer {node.args[1]!r}"
         else:
             what = f"updates {getattr(node.args[0], 'target', node.args[0])!s} in place ({node.args[1]})"
         where = (node.meta.get("stack_trace") or "").strip().splitlines()

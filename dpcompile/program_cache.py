@@ -123,7 +123,7 @@ class CallKey(NamedTuple):
 
     def describe(self) -> str:
         training = {mode for _, mode in self.modes}
-        mode = "training" if training == {True} else "eval" if training == {False} else "mixed-mode"
+        mode = "training" if training == {True} else "eval" if training == {False} else "mixed-mode" if training else "any"
         parts = [f"{mode} mode", f"{self.devices} device(s)"]
         if self.none_args:
             parts.append(f"{', '.join(sorted(self.none_args))} left None")

@@ -324,3 +324,21 @@ def test_autograd_function_is_refused_by_the_export_frontend():
     model, _ = _pair(Reversible)
     with pytest.raises(dpcompile.DpCompileError, match="autograd.Function _Reversible"):
         dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
+
+
+def test_program_without_watched_modes_is_not_described_as_mixed_mode():
+    """An export program of a model in eval with ``**kwargs`` watches no module's mode: its key
+    says so ("any mode"), not "mixed-mode" (which it is not)."""
+
+    class KeywordForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, **kwargs):
+            return self.fc(x)
+
+    model, x = KeywordForward().eval(), torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert "mixed-mode" not in pm.program_cache.main_key.describe()
+    torch.testing.assert_close(pm(x), model(x))

@@ -141,7 +141,8 @@ class DpTracer(fx.Tracer):
             return seed_original(seed)
 
         def recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-            if any(isinstance(a, fx.Proxy) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            traced = any(isinstance(a, fx.Proxy) for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+            if traced and not cls.__module__.startswith("torch."):  # torch's own (checkpointing): as before
                 return tracer.create_proxy("call_function", apply_function(cls), args, kwargs)
             return apply_original.__get__(None, cls)(*args, **kwargs)
 
@@ -358,7 +359,6 @@ def _restore_state(
         module._parameters.update(parameters)
         for name, value in list(module.__dict__.items()):
             if isinstance(value, fx.Proxy):
-                rebound.append((f"{path}.{name}" if path else name, value.node))  # ``self.cache = x.mean(0)``
                 if name in attributes:
                     module.__dict__[name] = attributes[name]
                 else:

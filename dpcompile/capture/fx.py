@@ -26,19 +26,13 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
+from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
 from dpcompile.capture.state import python_state_kept
 from dpcompile.errors import TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
 from dpcompile.runtime import run_forward_hook as runtime_run_forward_hook
 from dpcompile.runtime import without_grad as runtime_without_grad
-from dpcompile.runtime.side_effects import (
-    apply_function,
-    assign_buffer,
-    attributes_written,
-    in_place_without_grad,
-    manual_seed,
-)
 
 
 class WritableProxy(fx.Proxy):
@@ -136,22 +130,9 @@ class DpTracer(fx.Tracer):
             module_ref = tracer.create_proxy("get_attr", path, (), {})
             tracer.create_proxy("call_function", runtime_flatten_parameters, (module_ref,), {})
 
-        def recorded_manual_seed(seed: int) -> Any:
-            tracer.create_proxy("call_function", manual_seed, (int(seed),), {})
-            return seed_original(seed)
-
-        def recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-            traced = any(isinstance(a, fx.Proxy) for a in torch.utils._pytree.tree_leaves((args, kwargs)))
-            if traced and not cls.__module__.startswith("torch."):  # torch's own (checkpointing): as before
-                return tracer.create_proxy("call_function", apply_function(cls), args, kwargs)
-            return apply_original.__get__(None, cls)(*args, **kwargs)
-
         original = nn.RNNBase.flatten_parameters
         nn.RNNBase.flatten_parameters = recorded_flatten_parameters
-        seed_original = torch.manual_seed
-        torch.manual_seed = recorded_manual_seed
-        apply_original = torch.autograd.Function.__dict__["apply"]  # a classmethod
-        torch.autograd.Function.apply = classmethod(recorded_apply)
+        unpatch_calls = record_calls(tracer)
         unpatch_checkpoint = _record_checkpoints(tracer, root)
         grad_switches, unpatch_grad_mode = _record_grad_mode(tracer)
         factories = {name: getattr(torch, name) for name in _SIZE_FACTORIES}
@@ -160,26 +141,17 @@ class DpTracer(fx.Tracer):
         modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:
-            rng = torch.random.get_rng_state()
             with torch.enable_grad(), python_state_kept(root) as effects:  # switches relative to a call with gradients
                 graph = super().trace(root, concrete_args)
         finally:
-            torch.random.set_rng_state(rng)  # a seed forward set is the program's, not transform's
             nn.RNNBase.flatten_parameters = original
-            torch.manual_seed = seed_original
-            torch.autograd.Function.apply = apply_original
+            unpatch_calls()
             unpatch_checkpoint()
             unpatch_grad_mode()
             for name, factory in factories.items():
                 setattr(torch, name, factory)
             rebound = _restore_state(modules, before)
-        seen = {path for path, _ in rebound}
-        for path, name, value in effects.tensors:  # ``self.inner.last = y``: a tensor kept as an attribute
-            full = f"{path}.{name}" if path else name
-            if isinstance(value, fx.Proxy) and value.tracer is self and full not in seen:
-                rebound.append((full, value.node))
-        _write_back_buffers(graph, rebound)
-        _write_back_attributes(graph, effects, root)
+        write_back(graph, rebound, effects, root, self)
         _keep_no_grad_blocks(graph, grad_switches)
         return graph
 
@@ -241,9 +213,7 @@ def _keep_no_grad_blocks(graph: fx.Graph, switches: list[tuple[fx.Node | None, b
         if node in after:
             enabled = after[node][-1]
     for node in [n for n in graph.nodes if n in in_block]:
-        if node.op == "call_method" and _in_place(node.target):  # ``w.div_(2)`` on a parameter: as eager, untracked
-            node.args = (node.args[0], node.target, *node.args[1:])
-            node.op, node.target = "call_function", in_place_without_grad
+        untracked_in_place(node)  # ``w.div_(2)`` on a parameter: as eager, untracked
         outside = [user for user in node.users if user not in in_block]
         if not outside:
             continue
@@ -253,10 +223,6 @@ def _keep_no_grad_blocks(graph: fx.Graph, switches: list[tuple[fx.Node | None, b
         detached.meta["stack_trace"] = node.meta.get("stack_trace", "")
         for user in outside:
             user.replace_input_with(node, detached)
-
-
-def _in_place(method: str) -> bool:
-    return method.endswith("_") and not method.startswith("_")
 
 
 def _record_checkpoints(tracer: fx.Tracer, root: Any):
@@ -364,39 +330,6 @@ def _restore_state(
                 else:
                     del module.__dict__[name]
     return rebound
-
-
-def _write_back_buffers(graph: fx.Graph, rebound: list[tuple[str, fx.Node]]) -> None:
-    """End forward by writing each buffer (or tensor attribute) forward rebound, as eager leaves it:
-    in place where the new value has the buffer's shape (``self.count += 1``), else rebound
-    (``self.cache = x.mean(0)``, a cache of another shape)."""
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    with graph.inserting_before(output):
-        for path, value in rebound:
-            owner, _, name = path.rpartition(".")
-            graph.call_function(assign_buffer, (graph.get_attr(owner) if owner else None, name, value))
-
-
-def _write_back_attributes(graph: fx.Graph, effects: Any, root: Any) -> None:
-    """End forward by setting the plain attributes forward set, as eager leaves them
-    (``if not self.rescaled: ...; self.rescaled = True``): the guard then sees the new value and
-    the next call runs the program traced for it. Attributes no code of the model reads (a marker
-    transformers sets beside the hooks it installs, which capture removed) are left as found."""
-    from dpcompile.program_cache import code_names
-
-    if not effects.attributes or not isinstance(root, nn.Module):
-        return
-    modules = dict(root.named_modules())
-    read = frozenset().union(*(code_names(type(m)) for m in modules.values()))
-    writes: dict[str, dict[str, Any]] = {}
-    for path, name, value in effects.attributes:
-        before = effects.before[(path, name)]
-        if name in read and path in modules and (type(before) is not type(value) or before != value):
-            writes.setdefault(path, {})[name] = value
-    if writes:
-        output = next(n for n in reversed(graph.nodes) if n.op == "output")
-        with graph.inserting_before(output):
-            graph.call_function(attributes_written, (writes,))
 
 
 # factories taking sizes as ``*size``: given a traced size first (``torch.zeros(x.size(0), 4)``)

@@ -44,17 +44,15 @@ from dpcompile.modules.carried import CarriedPrograms
 from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
     backward_hooks_error,
-    call_with_hooks,
     check_unchanged_since_transform,
-    has_hooks,
     load_pre_hooks,
     refuse_writes_of_a_private_copy,
+    run_as_model,
     state_dict_with_hooks,
 )
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
 from dpcompile.modules.weights import NEEDS_WEIGHTS, needs_weights, weights_not_loaded
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes, ProgramCache
-from dpcompile.runtime.side_effects import assign_buffer, attributes_written_by, set_attributes, take_root_writes
 from dpcompile.runtime.structures import tensor_leaves
 
 log = logging.getLogger("dpcompile")
@@ -372,27 +370,8 @@ class ParallelModule(fx.GraphModule):
         self._compiled_call_impl = torch.compile(self._run_compiled, *args, **kwargs)
 
     def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
-        """Run ``program`` (from :meth:`program_for_call`) as the model would run: the model's
-        own forward hooks around it, which tracing forward never records."""
-        take_root_writes()  # none left from a call that failed
-        writes = program.__dict__.get("_attributes_written")
-        if writes is None:  # plain attributes forward sets (``self.rescaled = True``), set as eager sets them
-            writes = program.__dict__["_attributes_written"] = attributes_written_by(program.graph)
-        if self._shares_source and self._guard.root_hooks():
-            run = super().__call__ if program is self else program
-            output = call_with_hooks(self.traced_model, run, args, kwargs)
-        elif program is self:
-            # hooks the user registered on pm itself
-            output = super().__call__(*args, **kwargs) if has_hooks(self) else self.forward(*args, **kwargs)
-        else:
-            output = program(*args, **kwargs)
-        rebound = take_root_writes()  # the model's own buffers forward rebound
-        if writes or rebound:
-            model = self.traced_model if self._shares_source and self.traced_model is not None else self
-            set_attributes(model, writes)
-            for name, value in rebound:
-                assign_buffer(model, name, value)
-        return output
+        """Run ``program`` (from :meth:`program_for_call`) as the model would run (see :func:`run_as_model`)."""
+        return run_as_model(self, program, args, kwargs, super().__call__)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The model's keys and tensors, with the model's own ``state_dict`` hooks run as it runs them."""

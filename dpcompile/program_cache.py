@@ -24,7 +24,7 @@ import logging
 import types
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -32,6 +32,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.nn.modules import module as nn_module
+
+from dpcompile.capture.state import installed_by_forward, not_a_change
 
 try:  # CPython's dict version tag, as torch.compile's guards read it
     from torch._C._dynamo.guards import dict_version
@@ -123,7 +125,7 @@ class CallKey(NamedTuple):
 
     def describe(self) -> str:
         training = {mode for _, mode in self.modes}
-        mode = "training" if training == {True} else "eval" if training == {False} else "mixed-mode"
+        mode = "training" if training == {True} else "eval" if training == {False} else "mixed-mode" if training else "any"
         parts = [f"{mode} mode", f"{self.devices} device(s)"]
         if self.none_args:
             parts.append(f"{', '.join(sorted(self.none_args))} left None")
@@ -233,6 +235,15 @@ def _code_names(cls: type, _cache: dict[type, frozenset[str]] = {}) -> frozenset
     return _cache[cls]
 
 
+def _hook_ids(dicts: Iterable[dict]) -> tuple[int, ...]:
+    """The hooks of ``dicts`` by identity, but those forward registers itself (transformers 5's
+    output recorders, installed at the first call): their presence changes nothing traced."""
+    return tuple(id(h) for d in dicts for h in d.values() if not installed_by_forward(h))
+
+
+code_names = _code_names  # the attribute names a class's code reads (capture keeps writes of those)
+
+
 class ModelGuard:
     """Watches the modules a model's forward was traced through.
 
@@ -293,7 +304,7 @@ class ModelGuard:
         # modules forward enters (not the model itself) with backward hooks, or all of them under a
         # global backward hook: tracing cannot record those, so a call refuses to run without them
         everywhere = any(getattr(nn_module, h, None) for h in ("_global_backward_hooks", "_global_backward_pre_hooks"))
-        self.hooks = tuple((path, tuple(id(h) for d in _HOOK_DICTS for h in getattr(m, d).values())) for path, m in self.entered if path)
+        self.hooks = tuple((path, _hook_ids(getattr(m, d) for d in _HOOK_DICTS)) for path, m in self.entered if path)
         self.backward_hooked = [
             path for path, m in self.entered if path and (everywhere or any(getattr(m, h) for h in _BACKWARD_HOOK_DICTS))
         ]
@@ -312,7 +323,10 @@ class ModelGuard:
 
     def _attributes(self, module: nn.Module, names: frozenset[str]) -> tuple:
         out = []
+        written = not_a_change(module)  # forward writes them before they matter
         for name, value in module.__dict__.items():
+            if written and name in written:
+                continue
             if name in names and not (type(value) is dict and not value):  # an empty dict: a cache (timm's attention biases)
                 description = frozen(value)
                 if description is not _UNWATCHED:
@@ -322,7 +336,7 @@ class ModelGuard:
         return tuple(out)
 
     def _compute_fingerprint(self) -> tuple:
-        out: list[Any] = [tuple(id(h) for d in _GLOBAL_HOOK_DICTS for h in d.values())]
+        out: list[Any] = [_hook_ids(_GLOBAL_HOOK_DICTS)]
         # a module's attribute may be read by its own code or by a parent's (``self.block.enabled``)
         classes = {type(m) for _, m in self.entered if not isinstance(m, fx.GraphModule)}
         readers = classes | ({self.root_class} if self.root_class not in (None, type(None)) else set())
@@ -334,7 +348,7 @@ class ModelGuard:
         for path, m in self.entered:
             if isinstance(m, fx.GraphModule):  # a program (tensor parallel): its code is its graph
                 continue
-            hooks = tuple(id(h) for name in _HOOK_DICTS if path for h in getattr(m, name).values())
+            hooks = _hook_ids(getattr(m, name) for name in _HOOK_DICTS if path)
             children = tuple((name, id(c)) for name, c in m._modules.items())
             tensors = tuple((name, id(t)) for d in (m._parameters, m._buffers) for name, t in d.items())
             out.append((path, type(m), hooks, children, tensors))

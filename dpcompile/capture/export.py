@@ -36,7 +36,8 @@ from torch import nn
 
 from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
-from dpcompile.capture.state import python_state_kept
+from dpcompile.capture.side_effects import check_export_effects, seeds_recorded
+from dpcompile.capture.state import SideEffects, python_state_kept
 from dpcompile.errors import ExampleError, TraceError
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
 from dpcompile.runtime.exported import expect_value
@@ -152,8 +153,14 @@ def capture_export(
     spec = {name: _dynamic_spec(value, dim, varying_dims(dynamic_dims, name)) for name, value in names.items()}
     start = time.perf_counter()
     decided = False
+    def export_again() -> Any:
+        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model), seeds_recorded():
+            warnings.simplefilter("ignore")
+            return export(model, (), dict(names), dynamic_shapes=spec, strict=False)
+
+    effects, seeds = SideEffects(), []
     try:
-        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model):
+        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model) as effects, seeds_recorded() as seeds:
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
@@ -165,6 +172,9 @@ def capture_export(
         decided = True
     seconds = time.perf_counter() - start
     unlifted = ep.module()
+    from dpcompile.program_cache import code_names  # it imports capture.state: not at import time
+
+    check_export_effects(model, effects, seeds, unlifted, ep.graph_module.code, export_again, code_names)
     gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
     if lazy_other_mode and _reads_mode(model, gm):
         gm.meta[OTHER_MODE_PENDING] = True

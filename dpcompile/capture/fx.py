@@ -26,6 +26,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
+from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
 from dpcompile.capture.state import python_state_kept
 from dpcompile.errors import TraceError
 from dpcompile.fx_utils import graph_module
@@ -131,6 +132,7 @@ class DpTracer(fx.Tracer):
 
         original = nn.RNNBase.flatten_parameters
         nn.RNNBase.flatten_parameters = recorded_flatten_parameters
+        unpatch_calls = record_calls(tracer)
         unpatch_checkpoint = _record_checkpoints(tracer, root)
         grad_switches, unpatch_grad_mode = _record_grad_mode(tracer)
         factories = {name: getattr(torch, name) for name in _SIZE_FACTORIES}
@@ -139,16 +141,17 @@ class DpTracer(fx.Tracer):
         modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:
-            with torch.enable_grad(), python_state_kept(root):  # switches relative to a call with gradients
+            with torch.enable_grad(), python_state_kept(root) as effects:  # switches relative to a call with gradients
                 graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
+            unpatch_calls()
             unpatch_checkpoint()
             unpatch_grad_mode()
             for name, factory in factories.items():
                 setattr(torch, name, factory)
             rebound = _restore_state(modules, before)
-        _write_back_buffers(graph, rebound)
+        write_back(graph, rebound, effects, root, self)
         _keep_no_grad_blocks(graph, grad_switches)
         return graph
 
@@ -210,6 +213,7 @@ def _keep_no_grad_blocks(graph: fx.Graph, switches: list[tuple[fx.Node | None, b
         if node in after:
             enabled = after[node][-1]
     for node in [n for n in graph.nodes if n in in_block]:
+        untracked_in_place(node)  # ``w.div_(2)`` on a parameter: as eager, untracked
         outside = [user for user in node.users if user not in in_block]
         if not outside:
             continue
@@ -326,14 +330,6 @@ def _restore_state(
                 else:
                     del module.__dict__[name]
     return rebound
-
-
-def _write_back_buffers(graph: fx.Graph, rebound: list[tuple[str, fx.Node]]) -> None:
-    """End forward by copying each rebound buffer's new value into it, as eager leaves it."""
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    with graph.inserting_before(output):
-        for path, value in rebound:
-            graph.call_method("copy_", (graph.get_attr(path), value))
 
 
 # factories taking sizes as ``*size``: given a traced size first (``torch.zeros(x.size(0), 4)``)

@@ -40,10 +40,10 @@ from dpcompile.fx_utils import (
 from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
     backward_hooks_error,
-    call_with_hooks,
     check_unchanged_since_transform,
-    has_hooks,
     load_pre_hooks,
+    refuse_writes_of_a_private_copy,
+    run_as_model,
     state_dict_with_hooks,
 )
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
@@ -138,6 +138,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         """
         object.__setattr__(self, "traced_model", source)
         self._shares_source = shares_source and source is not None
+        if source is not None and not self._shares_source:
+            refuse_writes_of_a_private_copy(self.graph, source)
         self._flags = flags  # flag arguments the main program was traced for, and their values
         self.call_signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
         is_leaf = DpTracer(getattr(self.recipe, "leaf_modules", ())).is_leaf_module
@@ -363,16 +365,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         self._compiled_call_impl = torch.compile(self._run_compiled, *args, **kwargs)
 
     def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
-        """Run ``program`` (from :meth:`program_for_call`) as the model would run: the model's
-        own forward hooks around it, which tracing forward never records."""
-        if self._shares_source and self._guard.root_hooks():
-            run = super().__call__ if program is self else program
-            return call_with_hooks(self.traced_model, run, args, kwargs)
-        if program is self:
-            if has_hooks(self):  # hooks the user registered on pm itself
-                return super().__call__(*args, **kwargs)
-            return self.forward(*args, **kwargs)
-        return program(*args, **kwargs)
+        """Run ``program`` (from :meth:`program_for_call`) as the model would run (see :func:`run_as_model`)."""
+        return run_as_model(self, program, args, kwargs, super().__call__)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The model's keys and tensors, with the model's own ``state_dict`` hooks run as it runs them."""

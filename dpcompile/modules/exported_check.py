@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dpcompile.capture.inputs import ExportedFrom, check_inputs
+from dpcompile.capture.state import installed_by_forward
 from dpcompile.errors import DpCompileError
 from dpcompile.program_cache import ModelGuard, describe_changes
 
@@ -47,7 +48,7 @@ class ExportedModelCheck:
 
     def _token(self) -> tuple:
         model = self.guard.model
-        root_hooks = tuple(id(h) for name in _ROOT_HOOKS for h in getattr(model, name).values())
+        root_hooks = tuple(id(h) for name in _ROOT_HOOKS for h in getattr(model, name).values() if not installed_by_forward(h))
         return self.guard.fingerprint(), root_hooks
 
     def _one_tensor_per_module(self) -> list[tuple[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils.hooks import BackwardHook
 
 from dpcompile.errors import DpCompileError
+from dpcompile.runtime.side_effects import assign_buffer, attributes_written_by, set_attributes, take_root_writes
 
 _GLOBAL_HOOKS = tuple(
     getattr(nn_module, name)
@@ -63,6 +64,31 @@ def call_with_hooks(model: nn.Module, run: Any, args: tuple, kwargs: dict) -> An
         output = backward.setup_output_hook(output)
     if model._backward_hooks and model._is_full_backward_hook is False:  # register_backward_hook (deprecated)
         _register_module_backward_hooks(model, output)
+    return output
+
+
+def run_as_model(pm: Any, program: Any, args: tuple, kwargs: dict, call: Any) -> Any:
+    """Run ``program`` as the model would run: the model's own forward hooks around it, which
+    tracing forward never records (``call``: ``pm``'s own ``nn.Module.__call__``, which runs hooks
+    the user registered on ``pm``); then what forward writes to the model itself, which the graph
+    has no name for: the plain attributes it sets (``self.rescaled = True``) and the buffers it
+    rebinds (:mod:`dpcompile.runtime.side_effects`)."""
+    take_root_writes()  # none left from a call that failed
+    writes = program.__dict__.get("_attributes_written")
+    if writes is None:
+        writes = program.__dict__["_attributes_written"] = attributes_written_by(program.graph)
+    if pm._shares_source and pm._guard.root_hooks():
+        output = call_with_hooks(pm.traced_model, call if program is pm else program, args, kwargs)
+    elif program is pm:
+        output = call(*args, **kwargs) if has_hooks(pm) else pm.forward(*args, **kwargs)
+    else:
+        output = program(*args, **kwargs)
+    rebound = take_root_writes()
+    if writes or rebound:
+        model = pm.traced_model if pm._shares_source and pm.traced_model is not None else pm
+        set_attributes(model, writes)
+        for name, value in rebound:
+            assign_buffer(model, name, value)
     return output
 
 
@@ -128,4 +154,27 @@ def check_unchanged_since_transform(guard: Any, hooks: tuple, attributes: tuple)
             f"attributes forward reads ({', '.join(changed[:4])}) changed on this tensor-parallel program's "
             "submodules after transform; the program was traced with their old values. Set them on the model "
             "and call dpcompile.transform again."
+        )
+
+
+def refuse_writes_of_a_private_copy(graph: Any, model: nn.Module) -> None:
+    """A tensor-parallel program traced a private copy of the model and owns sharded parameters:
+    what forward writes to the model (a flag, an in-place update inside ``no_grad``) would land on
+    the copy or on one shard, so it is refused at transform, by name (buffers forward writes are
+    the program's own: they are written as in data parallel)."""
+    from dpcompile.runtime.side_effects import attributes_written, in_place_without_grad
+
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in (attributes_written, in_place_without_grad):
+            continue
+        if node.target is attributes_written:
+            what = ", ".join(f"{p}.{n}".lstrip(".") for p, values in node.args[0].items() for n in values)
+            what = f"sets {what}"
+        else:
+            what = f"updates {getattr(node.args[0], 'target', node.args[0])!s} in place ({node.args[1]})"
+        where = (node.meta.get("stack_trace") or "").strip().splitlines()
+        raise DpCompileError(
+            f"{type(model).__name__}.forward {what}{' (' + where[0].strip() + ')' if where else ''}: a tensor-parallel "
+            "program owns sharded copies of the model's state and cannot replay that write as eager does. Do the "
+            "one-time work before dpcompile.transform, or use data parallelism (tensor_parallel=False)."
         )

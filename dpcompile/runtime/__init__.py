@@ -9,19 +9,31 @@ from dpcompile.runtime.pipeline import partial_pair, send
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
+from dpcompile.runtime.side_effects import (
+    apply_function,
+    assign_buffer,
+    attributes_written,
+    in_place_without_grad,
+    manual_seed,
+)
 
 __all__ = [
     "ModuleView",
     "ReplicaRoot",
     "ReplicaSet",
     "TAKE_FIRST",
+    "apply_function",
+    "assign_buffer",
+    "attributes_written",
     "batch_arange",
     "batch_norm",
     "functional_batch_norm",
     "broadcast",
     "flatten_parameters",
     "gather",
+    "in_place_without_grad",
     "local_positions",
+    "manual_seed",
     "max_length",
     "mean_of_partials",
     "module_of",

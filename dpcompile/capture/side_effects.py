@@ -1,0 +1,121 @@
+"""What the ``torch.export`` frontend cannot replay of what forward writes, refused at transform by
+name; and the attribute writes that are no change of the model.
+
+Export runs forward once on fake tensors and keeps its tensor ops: a ``torch.manual_seed(k)`` in
+forward, a buffer rebound to a value of another shape, a tensor stored as a plain attribute
+(``self.cache = x.mean(0)``) or a Python flag forward flips (``if not self.rescaled: w.div_(2);
+self.rescaled = True``) would be lost or frozen, so the program would drift from eager at the next
+call. Each is a ``DpCompileError`` naming it; the fx frontend replays them all
+(:mod:`dpcompile.runtime.side_effects`).
+
+An attribute forward writes before it reads (``self.scale = 2.0`` then ``x * self.scale``) is no
+change: exported again with the value forward leaves, the program is the same, so the guard does
+not watch it (:func:`~dpcompile.capture.state.mark_not_a_change`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.capture.errors import user_source_line
+from dpcompile.capture.state import SideEffects, mark_not_a_change, python_state_kept
+from dpcompile.errors import DpCompileError
+
+_WAY_OUT = "frontend='fx' replays it at each call where the model traces"
+
+
+class SideEffectRefused(DpCompileError):
+    """Forward writes state the export frontend cannot replay at each call."""
+
+
+@contextlib.contextmanager
+def seeds_recorded() -> Iterator[list[str]]:
+    """While export runs: each ``torch.manual_seed`` forward calls and each ``torch.autograd.Function``
+    it applies (export traces through its forward and drops its backward), by where it is called."""
+    calls: list[str] = []
+    original = torch.manual_seed
+    apply = torch.autograd.Function.__dict__["apply"]
+
+    def recorded(seed: int) -> Any:
+        calls.append(f"calls torch.manual_seed({seed})" + _where())
+        return original(seed)
+
+    def recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch."):  # torch's own (checkpointing) export handles
+            calls.append(f"applies the autograd.Function {cls.__qualname__}" + _where())
+        return apply.__get__(None, cls)(*args, **kwargs)
+
+    torch.manual_seed = recorded
+    torch.autograd.Function.apply = classmethod(recorded_apply)
+    rng = torch.random.get_rng_state()
+    try:
+        yield calls
+    finally:
+        torch.manual_seed = original
+        torch.autograd.Function.apply = apply
+        torch.random.set_rng_state(rng)  # the seed forward set is no effect of transform
+
+
+def _where() -> str:
+    where = (user_source_line() or "").strip().splitlines()
+    return f" ({where[0].strip()})" if where else ""
+
+
+def check_export_effects(
+    model: nn.Module, effects: SideEffects, seeds: list[str], unlifted: fx.GraphModule, exported_code: str,
+    export_again: Callable[[], Any], code_names: Callable[[type], frozenset[str]],
+) -> None:
+    """``exported_code``: the exported graph's code; ``export_again()``: export with the model as it is."""
+    """Refuse what the exported program would not replay; mark attribute writes that are no change."""
+    name = type(model).__name__
+    for call in seeds:
+        if "manual_seed" in call:
+            raise SideEffectRefused(
+                f"{name}.forward {call}: the program exported with torch.export keeps the draws but not the "
+                f"seed, so it would draw other values than eager; seed before calling the program, or {_WAY_OUT}"
+            )
+        raise SideEffectRefused(
+            f"{name}.forward {call}: torch.export traces through its forward and drops its backward (and the "
+            f"grad mode its forward sets), so gradients would not be eager's; use frontend='fx', which calls it whole"
+        )
+    if effects.tensors:
+        paths = [f"{p}.{n}".lstrip(".") for p, n, _ in effects.tensors]
+        raise SideEffectRefused(
+            f"{name}.forward stores a new tensor in {', '.join(repr(p) for p in paths[:3])} (a cache kept on the "
+            f"module): the program exported with torch.export does not store it; return it instead, or {_WAY_OUT}"
+        )
+    for node in unlifted.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+        target, value = node.args[0], node.args[1]
+        old, new = (getattr(a, "meta", {}).get("val") for a in (target, value))
+        if target.op == "get_attr" and isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.shape != new.shape:
+            raise SideEffectRefused(
+                f"{name}.forward rebinds the buffer '{target.target}' of shape {tuple(old.shape)} to a value of shape "
+                f"{tuple(new.shape)}: torch.export writes it in place, which fails at every call; keep its shape, "
+                f"or {_WAY_OUT}"
+            )
+    modules = dict(model.named_modules())
+    read = frozenset().union(*(code_names(type(m)) for m in modules.values()))
+    writes = [(p, n, v) for p, n, v in effects.attributes if n in read and p in modules]
+    if not writes:
+        return
+    with python_state_kept(model):
+        for path, attr, value in writes:
+            setattr(modules[path], attr, value)
+        again = export_again()
+    if again.graph_module.code != exported_code:
+        path, attr, value = writes[0]
+        full = f"{path}.{attr}".lstrip(".")
+        raise SideEffectRefused(
+            f"{name}.forward sets {full!r} to {value!r} and what it computes depends on it (a flag read before it is "
+            f"written, e.g. a one-time rescale): the program exported with torch.export would repeat the first call's "
+            f"path at every call; do the one-time work before transform, or {_WAY_OUT}"
+        )
+    for path, attr, _ in writes:
+        mark_not_a_change(modules[path], attr)
+

@@ -1,0 +1,344 @@
+"""What forward writes (parameters, buffers, attributes, hooks, the RNG seed) is replayed at each
+call as eager does it, or refused at transform by name; and ``transform`` leaves the user's model
+exactly as it found it (docs/guards.md, "Side effects in forward")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+import dpcompile
+from tests import models
+from tests.thirdparty import import_or_skip, import_timm
+
+_GLOBAL_HOOKS = [n for n in dir(nn_module) if n.startswith("_global_") and isinstance(getattr(nn_module, n), dict)]
+
+
+def _value(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.detach().clone())
+    if isinstance(value, nn.Module):
+        return ("module", id(value))
+    if depth < 4 and isinstance(value, dict):
+        return (type(value).__name__, [(repr(k), _value(v, depth + 1)) for k, v in value.items()])
+    if depth < 4 and isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_value(v, depth + 1) for v in value])
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return ("plain", value)
+    return ("object", type(value).__name__, id(value))
+
+
+def snapshot(model: nn.Module) -> dict:
+    """The model's full state: every module's ``__dict__`` (attributes, hook dicts, parameters,
+    buffers and their values, recursively) and nn.Module's global hook dicts."""
+    state = {(path, name): _value(v) for path, m in model.named_modules() for name, v in m.__dict__.items()}
+    state.update({("<global>", name): _value(getattr(nn_module, name)) for name in _GLOBAL_HOOKS})
+    return state
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    return sorted(f"{p}.{n}" for p, n in before.keys() | after.keys() if not _equal(before.get((p, n)), after.get((p, n))))
+
+
+def _bert_hidden_states(layers: int = 1) -> nn.Module:
+    transformers = import_or_skip("transformers")
+    config = transformers.BertConfig(
+        num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = transformers.BertModel(config)
+
+        def forward(self, input_ids):
+            out = self.bert(input_ids=input_ids, output_hidden_states=True)
+            return out.last_hidden_state, out.hidden_states
+
+    return Wrapper().eval()
+
+
+def _gpt2() -> nn.Module:
+    transformers = import_or_skip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt2 = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, input_ids):
+            out = self.gpt2(input_ids=input_ids, output_hidden_states=True)
+            return out.logits, out.hidden_states
+
+    return Wrapper().eval()
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 64, (4, 8))
+
+
+FAMILIES = {
+    "mlp": lambda: (models.MLP(), (torch.randn(4, 8),), {}),
+    "batchnorm_cnn": lambda: (models.CNN(), (torch.randn(4, 3, 8, 8),), {}),
+    "rnn": lambda: (models.SeqEncoder(), (torch.randint(0, 20, (5, 4)),), {}),
+    "bert": lambda: (_bert_hidden_states(), (_ids(),), {}),
+    "gpt2": lambda: (_gpt2(), (_ids(),), {}),
+    "timm": lambda: (import_timm().create_model("convnext_atto", num_classes=10), (torch.randn(4, 3, 32, 32),), {}),
+}
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("bert", "gpt2", "timm") else f for f in FAMILIES])
+def test_transform_leaves_the_model_as_it_found_it(family, tensor_parallel):
+    """Attributes (recursively), hooks of every kind (also nn.Module's global ones), parameters and
+    buffers, by value: the same before and after transform (transformers 5 installs its output
+    recorders in the first forward, which capture runs: they are removed again)."""
+    model, args, kwargs = FAMILIES[family]()
+    model(*args, **kwargs) if family == "rnn" else None  # nothing: a model called before is as good
+    before = snapshot(model)
+    dpcompile.transform(model, ["cpu"] * 2, example_inputs=args or None, example_kwargs=kwargs or None,
+                        tensor_parallel=tensor_parallel)  # fmt: skip
+    assert changed(before, snapshot(model)) == []
+
+
+def test_bert_hidden_states_are_not_duplicated_by_transform():
+    """Two transforms of a BERT wrapper asking output_hidden_states: the model and the program both
+    return 2 hidden states (1 layer), as before transform (they returned 4: hooks left behind)."""
+    torch.manual_seed(0)
+    model, ids = _bert_hidden_states(), _ids()
+    for frontend in ("export", "export"):
+        pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids,), frontend=frontend)
+    eager = model(ids)
+    out = pm(ids)
+    assert len(eager[1]) == 2 and len(out[1]) == 2
+    for got, want in zip(out[1], eager[1]):
+        torch.testing.assert_close(got, want)
+
+
+def test_export_program_serves_calls_after_an_eager_call_that_installs_hooks():
+    """transformers 5's output recorders, which forward installs at its first eager call, are the
+    model's own: the export program keeps serving (it refused every call with ModelChanged)."""
+    torch.manual_seed(0)
+    model, ids = _bert_hidden_states(), _ids()
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids,), frontend="export")
+    eager = model(ids)  # installs the hooks
+    out = pm(ids)
+    torch.testing.assert_close(out[0], eager[0])
+    assert len(out[1]) == len(eager[1]) == 2
+
+
+class RescaleOnce(nn.Module):
+    """A parameter rescaled in place once, behind a Python flag (read before it is written)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+        self.rescaled = False
+
+    def forward(self, x):
+        if not self.rescaled:
+            with torch.no_grad():
+                self.block.weight.div_(2)
+            self.rescaled = True
+        return self.block(x)
+
+
+class SeedInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        torch.manual_seed(3)
+        return self.fc(x) + torch.randn(x.shape[-1])
+
+
+class CacheOfAnotherShape(nn.Module):
+    """A buffer rebound to a newly computed tensor of another shape, and a tensor kept as an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(1))
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.cache = y.mean(0)
+        self.inner.last = y.sum(0)
+        return self.inner(y)
+
+
+class WritesFirst(nn.Module):
+    """An attribute forward writes before it reads: no change of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.scale = 2.0
+        return self.fc(x) * self.scale
+
+
+def _pair(cls):
+    torch.manual_seed(0)
+    model, eager = cls(), cls()
+    eager.load_state_dict(model.state_dict())
+    return model, eager
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_flag_written_by_forward_is_replayed_at_each_call(tensor_parallel):
+    """fx: the first call rescales and sets the flag, as eager does; the next calls run the program
+    traced for the flag's new value (they rescaled again at every call: outputs drifted). Tensor
+    parallel (sharded copies of the state) refuses it at transform, by name."""
+    model, eager = _pair(RescaleOnce)
+    x = torch.randn(4, 4)
+    if tensor_parallel:
+        with pytest.raises(dpcompile.DpCompileError, match=r"updates block.weight in place \(div_\).*tensor-parallel"):
+            dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True)
+        assert model.rescaled is False
+        torch.testing.assert_close(model.block.weight, eager.block.weight)
+        return
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    for _ in range(3):
+        torch.testing.assert_close(pm(x), eager(x))
+    assert model.rescaled is True
+    torch.testing.assert_close(model.block.weight, eager.block.weight)
+
+
+def test_flag_written_by_forward_is_refused_by_the_export_frontend():
+    model, _ = _pair(RescaleOnce)
+    with pytest.raises(dpcompile.DpCompileError, match="sets 'rescaled' to True"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
+    assert model.rescaled is False
+
+
+def test_seed_set_in_forward_is_set_as_eager_sets_it():
+    """fx: the program seeds the global generator where forward does: the same draw, and the
+    generator left as eager leaves it; export refuses by name (it kept the draw, not the seed)."""
+    model, eager = _pair(SeedInForward)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    torch.manual_seed(100)
+    out, after = pm(x), torch.rand(3)
+    torch.manual_seed(100)
+    want, eager_after = eager(x), torch.rand(3)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(after, eager_after)
+    with pytest.raises(dpcompile.DpCompileError, match=r"torch.manual_seed\(3\)"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+
+
+def test_buffer_rebound_to_another_shape_is_written():
+    """fx: ``self.cache = y.mean(0)`` rebinds the (1,) buffer to a (4,) one, and a tensor kept as a
+    plain attribute is kept, as eager leaves them (it failed at every call: copy_ into (1,))."""
+    model, eager = _pair(CacheOfAnotherShape)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    for _ in range(2):
+        torch.testing.assert_close(pm(x), eager(x))
+        torch.testing.assert_close(model.cache, eager.cache)
+        torch.testing.assert_close(model.inner.last, eager.inner.last)
+    assert "cache" in dict(model.named_buffers())
+    with pytest.raises(dpcompile.DpCompileError, match="cache"):
+        dpcompile.transform(CacheOfAnotherShape(), ["cpu"] * 2, frontend="export", example_inputs=(x,))
+
+
+def test_attribute_written_before_read_is_no_change():
+    """An eager call after transform sets ``scale`` as forward does: the export program keeps
+    serving (it refused every call with ModelChanged)."""
+    model, eager = _pair(WritesFirst)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert "scale" not in model.__dict__  # transform left it as found
+    model(x)
+    torch.testing.assert_close(pm(x), eager(x))
+    torch.testing.assert_close(pm(x), eager(x))
+
+
+class _Reversible(torch.autograd.Function):
+    """A reversible layer's shape: its forward holds a ``torch.no_grad()`` block, its backward is its own."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        with torch.no_grad():
+            y = x * 2
+        ctx.save_for_backward(w)
+        return y @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad @ w.t() * 2, None
+
+
+class Reversible(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Reversible.apply(self.fc(x), self.fc.weight).sum()
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_autograd_function_with_no_grad_block_keeps_its_backward(tensor_parallel):
+    """fx calls the Function whole: the loss has a grad_fn and the gradients are its backward's
+    (the loss had none: tracing through its no_grad block detached everything after it)."""
+    model, eager = _pair(Reversible)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel)
+    loss, want = pm(x), eager(x)
+    assert loss.grad_fn is not None
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    want.backward()
+    got = dict(pm.named_parameters())
+    for name, param in eager.named_parameters():
+        full = got[name] if name in got else None
+        if full is not None and full.grad is not None and full.grad.shape == param.grad.shape:
+            torch.testing.assert_close(full.grad, param.grad)
+    assert any(p.grad is not None for p in pm.parameters())
+
+
+def test_autograd_function_is_refused_by_the_export_frontend():
+    model, _ = _pair(Reversible)
+    with pytest.raises(dpcompile.DpCompileError, match="autograd.Function _Reversible"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
+
+
+def test_program_without_watched_modes_is_not_described_as_mixed_mode():
+    """An export program of a model in eval with ``**kwargs`` watches no module's mode: its key
+    says so ("any mode"), not "mixed-mode" (which it is not)."""
+
+    class KeywordForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, **kwargs):
+            return self.fc(x)
+
+    model, x = KeywordForward().eval(), torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert "mixed-mode" not in pm.program_cache.main_key.describe()
+    torch.testing.assert_close(pm(x), model(x))

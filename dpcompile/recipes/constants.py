@@ -58,7 +58,7 @@ class RealConstants(TorchFunctionMode):
 def deepcopy_on_fake(model: T) -> T:
     """``copy.deepcopy(model)`` where ``model`` may hold real tensors (constants) beside fake ones
     and a fake mode may be on: the real ones are copied with the mode off (a fake mode cannot
-    copy a real tensor's storage)."""
+    copy a real tensor's storage). An exported program's lifted constants stay out of its state dict."""
     memo: dict[int, Any] = {}
     if isinstance(model, torch.nn.Module):
         with unset_fake_temporarily():
@@ -66,7 +66,10 @@ def deepcopy_on_fake(model: T) -> T:
                 for value in list(vars(module).values()) + list(module._buffers.values()):
                     if isinstance(value, torch.Tensor) and not is_fake(value) and not value.is_meta:
                         memo[id(value)] = copy.deepcopy(value)
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    if isinstance(model, fx.GraphModule):  # its deepcopy rebuilds the root and forgets which buffers do not persist
+        copied._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+    return copied
 
 
 __all__ = ["DATA_FACTORIES", "RealConstants", "deepcopy_on_fake"]

@@ -260,6 +260,25 @@ def share_tied_shards(
     return out
 
 
+def share_tied_shard(own: nn.Module, groups: Sequence[Sequence[str]], specs: Mapping[str, Any]) -> dict[str, Any]:
+    """Over a mesh: ``specs`` (``{key: ShardSpec}``) with every key tied to a sharded parameter
+    holding this rank's same shard (one parameter, as in one process :func:`share_tied_shards`)."""
+    out = dict(specs)
+    for keys in groups:
+        sharded = next((k for k in keys if k in specs), None)
+        if sharded is None:
+            continue
+        shard = own.get_parameter(sharded)
+        for key in keys:
+            if key not in out:
+                path, _, name = key.rpartition(".")
+                owner = own.get_submodule(path) if path else own
+                if name in owner._parameters:
+                    owner._parameters[name] = shard
+                    out[key] = specs[sharded]
+    return out
+
+
 def aliased_plan(plan: bool | Mapping[str, str]) -> bool | dict[str, str]:
     """A user's ``{path: style}`` in the paths of the captured graph (``devices`` → ``user:devices``)."""
     return {alias_of(path): style for path, style in plan.items()} if isinstance(plan, Mapping) else plan

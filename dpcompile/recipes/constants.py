@@ -1,7 +1,7 @@
 """Tensor constants of a program traced on fake tensors (a model built on ``meta``).
 
-A forward that makes a tensor from Python data (``torch.tensor([0.5, 2.0])``, a scale table)
-gives the captured program a constant: fx records the value the call returned, torch.export
+A forward that makes a tensor from Python data (``torch.tensor([0.5, 2.0])``, a scale table;
+``torch.arange(4)``, ``torch.ones(3)`` of constant sizes) gives the captured program a constant: fx records the value the call returned, torch.export
 lifts it. On fake tensors that value would be fake, so the program would hold garbage once
 allocated, and no checkpoint holds it. :class:`RealConstants` makes such calls return real
 tensors while tracing; :func:`deepcopy_on_fake` copies a program holding them under a fake mode.
@@ -24,8 +24,11 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-#: the calls that make a tensor from Python data (not from another tensor)
-DATA_FACTORIES = frozenset({torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor})
+#: the calls that make a tensor from Python data and sizes (not from another tensor)
+DATA_FACTORIES = frozenset({
+    torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor, torch.arange, torch.linspace, torch.logspace,
+    torch.zeros, torch.ones, torch.full, torch.eye, torch.tril_indices, torch.triu_indices,
+})  # fmt: skip
 
 T = TypeVar("T")
 

@@ -138,3 +138,28 @@ def test_embedding_read_by_a_later_matmul_stays_whole_and_tied(how, frontend, tm
     assert pm.plan["emb"] == "replicate" and "read directly" in pm.plan_reasons["emb"]
     assert [n for n, _ in pm.named_parameters() if n.startswith("emb.")] == ["emb.weight"]
     assert pm.plan["fc1"] == "column" and pm.plan["fc2"] == "row"  # the rest is still sharded
+
+
+class MadeInForward(nn.Module):
+    """Constants of constant sizes made in forward: fx records their values."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        positions = torch.arange(4, dtype=x.dtype) + torch.ones(4)
+        return self.fc2(F.relu(self.fc1(x * positions))) * torch.full((4,), 0.5)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_meta_model_constants_made_in_forward_are_real(frontend, tmp_path):
+    """arange / ones / full of constant sizes in forward: a meta model's program holds their values."""
+    torch.manual_seed(0)
+    eager, x = MadeInForward(), torch.randn(3, 4)
+    with torch.device("meta"):
+        model = MadeInForward()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,), frontend=frontend)
+    save_model(eager, str(tmp_path / "model.safetensors"))
+    dpcompile.load_checkpoint(pm, tmp_path)
+    torch.testing.assert_close(pm(x), eager(x), atol=1e-5, rtol=1e-5)

@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from tests.gloo_groups import run_checks, run_spawned
 from tests.integration.test_tp_edges import MODELS
 
-GROUP_TIMEOUT_S = 240.0
+GROUP_TIMEOUT_S = 300.0  # spawning, importing and the first gloo connections are slow on a loaded machine
 WORLD = 2
-CASES = [(name, frontend, meta) for name in MODELS for frontend in ("fx", "export") for meta in (False, True)]
+CASES = [(name, frontend, meta) for name in MODELS if name != "head_linear" for frontend in ("fx", "export") for meta in (False, True)]  # head_linear: as head_matmul
 
 
 def _case_id(name: str, frontend: str, meta: bool) -> str:
@@ -86,6 +86,7 @@ def outcomes():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # one spawned group of 2 processes for all cases
 @pytest.mark.parametrize("case", [_case_id(*case) for case in CASES])
 def test_tp_edge_model_over_a_mesh_matches_eager(outcomes, case):
     """Over 2 gloo ranks: outputs, gradients, state_dict keys and values as eager (each case by its parameter)."""

@@ -202,9 +202,9 @@ def window_attention_args(node: fx.Node) -> dict[str, Any]:
 
 def _find_ties(gm: fx.GraphModule, sites: Mapping[str, LinearSite]) -> None:
     """Mark an LM head that shares its weight with an embedding (both sharded by vocabulary
-    rows, one parameter); any other sharing of a sharded layer's weight or bias with a module
-    forward reads blocks it. A partner forward never reads (an unused head, the second name of
-    a tied bias) is no obstacle: its key names the sharded parameter (``state_aliases``)."""
+    rows, one parameter); any other sharing that forward reads of a sharded layer's weight, or
+    of its bias with anything but another layer, blocks it. A partner forward never reads (an
+    unused head, the second name of a tied bias) is no obstacle: its key names the same shards."""
     owners: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
@@ -222,6 +222,8 @@ def _find_ties(gm: fx.GraphModule, sites: Mapping[str, LinearSite]) -> None:
             except AttributeError:
                 continue
             others = [o.rsplit(".", 1)[0] if "." in o else "" for o in owners.get(id(p), []) if o != prefix + attr and read(o)]
+            if attr == site.bias_name and all(o in sites for o in others):
+                others = []  # a bias shared by layers forward calls: split alike, they share the shards (expand_shards)
             if not others or site.blocker is not None:
                 continue
             partners = [o for o in others if o in sites and sites[o].kind != site.kind]

@@ -163,3 +163,35 @@ def test_meta_model_constants_made_in_forward_are_real(frontend, tmp_path):
     save_model(eager, str(tmp_path / "model.safetensors"))
     dpcompile.load_checkpoint(pm, tmp_path)
     torch.testing.assert_close(pm(x), eager(x), atol=1e-5, rtol=1e-5)
+
+
+class SharedBias(nn.Module):
+    """Two called layers share one bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.b.bias = self.a.bias
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(F.relu(self.a(x)) + self.b(x))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_bias_shared_by_two_called_layers_is_one_set_of_shards(frontend):
+    """Both layers split alike and share the bias's shards; two SGD steps and the state dict equal eager's."""
+    torch.manual_seed(0)
+    eager, x = SharedBias(), torch.randn(3, 8)
+    pm = dpcompile.transform(copy.deepcopy(eager), ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,), frontend=frontend)
+    assert pm.plan["a"] == pm.plan["b"] == "column"
+    assert pm.param_shards["a.bias"][1] == pm.param_shards["b.bias"][1] or pm.get_parameter(
+        pm.param_shards["a.bias"][1][0]) is pm.get_parameter(pm.param_shards["b.bias"][1][0])  # fmt: skip
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    for _ in range(2):
+        for module, optimizer in ((pm, opt), (eager, ref_opt)):
+            optimizer.zero_grad()
+            module(x).pow(2).mean().backward()
+            optimizer.step()
+    torch.testing.assert_close(pm(x), eager(x), atol=1e-5, rtol=1e-5)
+    _assert_state_equal(pm, eager)

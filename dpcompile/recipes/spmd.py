@@ -173,7 +173,7 @@ class SpmdRecipe(Recipe):
         specs = dict(info.get("param_shards", {}))
         keep_own_shards(gm, own, specs, tp_rank)
         specs = {unalias(target): spec for target, spec in specs.items()}  # under the model's names
-        specs = share_tied_shard(own, tied_groups(model), specs)  # an unused layer's tied bias: the same shard
+        specs = share_tied_shard(own, gm, tied_groups(model), specs)  # an unused layer's tied bias: the same shard
         pm = SpmdModule(
             gm,
             gm.graph,

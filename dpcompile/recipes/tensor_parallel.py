@@ -260,17 +260,21 @@ def share_tied_shards(
     return out
 
 
-def share_tied_shard(own: nn.Module, groups: Sequence[Sequence[str]], specs: Mapping[str, Any]) -> dict[str, Any]:
+def share_tied_shard(
+    own: nn.Module, gm: fx.GraphModule, groups: Sequence[Sequence[str]], specs: Mapping[str, Any]
+) -> dict[str, Any]:
     """Over a mesh: ``specs`` (``{key: ShardSpec}``) with every key tied to a sharded parameter
-    holding this rank's same shard (one parameter, as in one process :func:`share_tied_shards`)."""
+    that ``gm``'s forward never reads holding this rank's same shard (one parameter, as in one
+    process :func:`share_tied_shards`)."""
     out = dict(specs)
+    read = {unalias(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module") and isinstance(n.target, str)}
     for keys in groups:
         sharded = next((k for k in keys if k in specs), None)
         if sharded is None:
             continue
         shard = own.get_parameter(sharded)
         for key in keys:
-            if key not in out:
+            if key not in out and not (key in read or any(key.startswith(f"{m}.") for m in read)):
                 path, _, name = key.rpartition(".")
                 owner = own.get_submodule(path) if path else own
                 if name in owner._parameters:

@@ -45,6 +45,7 @@ class LinearSite:
     heads: int = 0  # attention heads of a "window_attention" site (torchvision Swin), sharded whole
     weight_name: str = "weight"  # "in_proj_weight" for the fused in-projection of an nn.MultiheadAttention
     bias_name: str = "bias"
+    bias_shared_with: tuple[str, ...] = ()  # other called layers holding the same bias: split alike or all whole
 
 
 def linear_like_types() -> tuple[type[nn.Module], ...]:
@@ -223,7 +224,8 @@ def _find_ties(gm: fx.GraphModule, sites: Mapping[str, LinearSite]) -> None:
                 continue
             others = [o.rsplit(".", 1)[0] if "." in o else "" for o in owners.get(id(p), []) if o != prefix + attr and read(o)]
             if attr == site.bias_name and all(o in sites for o in others):
-                others = []  # a bias shared by layers forward calls: split alike, they share the shards (expand_shards)
+                site.bias_shared_with = tuple(others)  # split alike, they share the shards (expand_shards)
+                others = []
             if not others or site.blocker is not None:
                 continue
             partners = [o for o in others if o in sites and sites[o].kind != site.kind]

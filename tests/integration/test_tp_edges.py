@@ -195,3 +195,18 @@ def test_bias_shared_by_two_called_layers_is_one_set_of_shards(frontend):
             optimizer.step()
     torch.testing.assert_close(pm(x), eager(x), atol=1e-5, rtol=1e-5)
     _assert_state_equal(pm, eager)
+
+
+def test_bias_shared_by_layers_split_differently_keeps_them_whole():
+    """A plan splitting two layers of one bias differently keeps both whole (the tie holds), with the reason."""
+    torch.manual_seed(0)
+    eager, x = SharedBias(), torch.randn(3, 8)
+    plan = {"a": "column", "b": "row", "out": "row"}
+    pm = dpcompile.transform(copy.deepcopy(eager), ["cpu"] * 2, tensor_parallel=plan, example_inputs=(x,))
+    assert pm.plan["a"] == pm.plan["b"] == "replicate" and "bias is shared" in pm.plan_reasons["b"]
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    for module, optimizer in ((pm, opt), (eager, ref_opt)):
+        module(x).pow(2).mean().backward()
+        optimizer.step()
+    torch.testing.assert_close(pm(x), eager(x), atol=1e-5, rtol=1e-5)
+    _assert_state_equal(pm, eager)

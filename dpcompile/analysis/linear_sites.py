@@ -45,6 +45,7 @@ class LinearSite:
     heads: int = 0  # attention heads of a "window_attention" site (torchvision Swin), sharded whole
     weight_name: str = "weight"  # "in_proj_weight" for the fused in-projection of an nn.MultiheadAttention
     bias_name: str = "bias"
+    bias_shared_with: tuple[str, ...] = ()  # other called layers holding the same bias: split alike or all whole
 
 
 def linear_like_types() -> tuple[type[nn.Module], ...]:
@@ -131,6 +132,12 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
         site = LinearSite(path, node, x, emb.num_embeddings, emb.embedding_dim, False, kind="embedding", padding_idx=emb.padding_idx)
         if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
             site.blocker = f"'{path}' uses max_norm, scale_grad_by_freq or sparse gradients, which a vocab-parallel lookup does not support; it stays whole"
+        elif attr_reads.get(f"{path}.weight" if path else "weight", 0):  # `h @ self.emb.weight.T`: a tied head written out
+            site.blocker = (
+                f"the weight of '{path}' is also read directly in forward (a tied LM head written as "
+                f"F.linear(h, {path}.weight) or h @ {path}.weight.T); it stays whole. An nn.Linear head sharing the "
+                "weight (lm_head.weight = emb.weight) is split with it"
+            )
         sites[path] = site
     for node in gm.graph.nodes:
         window = _window_attention(node)
@@ -196,29 +203,41 @@ def window_attention_args(node: fx.Node) -> dict[str, Any]:
 
 def _find_ties(gm: fx.GraphModule, sites: Mapping[str, LinearSite]) -> None:
     """Mark an LM head that shares its weight with an embedding (both sharded by vocabulary
-    rows, one parameter); any other sharing of a sharded layer's weight blocks it."""
+    rows, one parameter); any other sharing that forward reads of a sharded layer's weight, or
+    of its bias with anything but another layer, blocks it. A partner forward never reads (an
+    unused head, the second name of a tied bias) is no obstacle: its key names the same shards."""
     owners: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    attrs = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+
+    def read(name: str) -> bool:
+        return name in attrs or "" in called or any(name.startswith(f"{m}.") for m in called)
+
     for path, site in sites.items():
-        weight = f"{path}.{site.weight_name}" if path else site.weight_name
-        try:
-            p = gm.get_parameter(weight)
-        except AttributeError:
-            continue
-        others = [o.rsplit(".", 1)[0] if "." in o else "" for o in owners.get(id(p), []) if o != weight]
-        if not others:
-            continue
-        partners = [o for o in others if o in sites and sites[o].kind != site.kind]
-        plain = not site.transposed and all(not sites[o].transposed for o in partners)
-        if len(others) == 1 and len(partners) == 1 and plain and site.blocker is None:
-            site.tied_to = partners[0]
-        elif site.blocker is None:
-            shown = ", ".join(f"'{o}'" for o in others)
-            site.blocker = (
-                f"the weight of '{path}' is shared with {shown} (tied weights); only an embedding tied to one "
-                "LM head is sharded (by vocabulary rows), so it stays whole"
-            )
+        prefix = f"{path}." if path else ""
+        for attr in (site.weight_name, site.bias_name):
+            try:
+                p = gm.get_parameter(prefix + attr)
+            except AttributeError:
+                continue
+            others = [o.rsplit(".", 1)[0] if "." in o else "" for o in owners.get(id(p), []) if o != prefix + attr and read(o)]
+            if attr == site.bias_name and all(o in sites for o in others):
+                site.bias_shared_with = tuple(others)  # split alike, they share the shards (expand_shards)
+                others = []
+            if not others or site.blocker is not None:
+                continue
+            partners = [o for o in others if o in sites and sites[o].kind != site.kind]
+            plain = not site.transposed and all(not sites[o].transposed for o in partners)
+            if attr == site.weight_name and len(others) == 1 and len(partners) == 1 and plain:
+                site.tied_to = partners[0]
+            else:
+                shown = ", ".join(f"'{o}'" for o in others)
+                site.blocker = (
+                    f"the {attr} of '{path}' is shared with {shown} (tied weights); only an embedding tied to one "
+                    "LM head is sharded (by vocabulary rows), so it stays whole"
+                )
 
 
 def _linear_path(node: fx.Node, modules: Mapping[str, nn.Module]) -> str | None:

@@ -390,8 +390,17 @@ def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict:
 
 
 def _untie(sites: Mapping[str, LinearSite], styles: dict[str, str], reasons: dict[str, str]) -> bool:
-    """Keep an embedding and its tied LM head split alike (vocab / column) or both whole; True if changed."""
+    """Keep an embedding and its tied LM head split alike (vocab / column) or both whole, and so
+    layers sharing one bias; True if changed."""
     changed = False
+    for path, site in sites.items():
+        group = [path, *site.bias_shared_with]
+        if len({styles.get(p) for p in group}) > 1:
+            for p in group:
+                if styles.get(p) != "replicate":
+                    styles[p] = "replicate"
+                    reasons[p] = f"its bias is shared with {', '.join(repr(o) for o in group if o != p)}, split otherwise; all stay whole"
+                    changed = True
     for path, site in sites.items():
         if site.kind != "embedding" or site.tied_to is None:
             continue

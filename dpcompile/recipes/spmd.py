@@ -28,7 +28,7 @@ parallel) or on a fake-tensor copy with ``pm``'s plan (tensor parallel).
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
@@ -57,7 +57,8 @@ from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags, move_to
-from dpcompile.recipes.tensor_parallel import aliased_plan, unaliased_findings
+from dpcompile.recipes.constants import RealConstants, deepcopy_on_fake
+from dpcompile.recipes.tensor_parallel import aliased_plan, share_tied_shard, tied_groups, unaliased_findings
 from dpcompile.runtime.distributed import collective_failure
 from dpcompile.runtime.tensor_parallel import shard_of
 
@@ -153,11 +154,13 @@ class SpmdRecipe(Recipe):
         tp_rank = self.mesh.get_local_rank(tp_dim)
         pristine = fake_copy_to_trace(model, device)  # to trace again for calls that depart from this one
         watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: make it loud
-        own = copy.deepcopy(model)  # pm owns its shards; the user's model is left unchanged
+        own = deepcopy_on_fake(model)  # pm owns its shards; the user's model is left unchanged
         move_to(own, device)  # skipped where it is there (a fake copy of a meta model: no memory to move)
         if not any(is_fake(p) for p in own.parameters()):  # fake: a meta model, its values come from load_checkpoint
             broadcast_state(own, self.mesh.get_group(tp_dim))  # every shard cut from the same (tp rank 0's) model
-        gm, flags, nones = capture_with_flags(own, self.leaf_modules + linear_like_leaves(), example_inputs)
+        on_fake = any(is_fake(t) for t in (*own.parameters(), *own.buffers()))  # a meta model's fake copy
+        with RealConstants() if on_fake else contextlib.nullcontext():  # `torch.tensor([...])` in forward: a real constant
+            gm, flags, nones = capture_with_flags(own, self.leaf_modules + linear_like_leaves(), example_inputs)
         if passes.decompose_attention(gm).modified:  # nn.MultiheadAttention written out, so heads can be sharded
             gm.recompile()
         captured_code = gm.code  # after decompose_attention: its dropout_p follows the mode
@@ -170,6 +173,7 @@ class SpmdRecipe(Recipe):
         specs = dict(info.get("param_shards", {}))
         keep_own_shards(gm, own, specs, tp_rank)
         specs = {unalias(target): spec for target, spec in specs.items()}  # under the model's names
+        specs = share_tied_shard(own, gm, tied_groups(model), specs)  # an unused layer's tied bias: the same shard
         pm = SpmdModule(
             gm,
             gm.graph,

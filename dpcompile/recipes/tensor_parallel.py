@@ -20,7 +20,7 @@ runs a program traced on a fake-tensor copy of the model (no memory) with ``pm``
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
 import logging
 import warnings
@@ -40,7 +40,7 @@ from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, lin
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
-from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import adopt_state, alias_of, bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.carried import modes_applied
@@ -48,6 +48,7 @@ from dpcompile.modules.tensor_parallel import TensorParallelModule, watch_source
 from dpcompile.planning import plan_for, why_whole
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags
+from dpcompile.recipes.constants import RealConstants, deepcopy_on_fake
 
 log = logging.getLogger("dpcompile")
 
@@ -76,9 +77,12 @@ class TensorParallelRecipe(Recipe):
         as the example's (else their default) values."""
         state_keys = list(model.state_dict().keys())
         state_aliases = tied_state_keys(model)
-        owned = copy.deepcopy(model)  # the user's model is never touched
+        ties = tied_groups(model)
+        owned = deepcopy_on_fake(model)  # the user's model is never touched (an exported one may hold real constants)
         leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, sharded as Linears
-        gm, flags, none_args = capture_owning_everything(owned, leaves, example_inputs, none_args, flags)
+        on_fake = any(is_fake(t) for t in (*owned.parameters(), *owned.buffers()))  # a meta model's fake copy
+        with RealConstants() if on_fake else contextlib.nullcontext():  # `torch.tensor([...])` in forward: a real constant
+            gm, flags, none_args = capture_owning_everything(owned, leaves, example_inputs, none_args, flags)
         attention = passes.decompose_attention(gm)  # nn.MultiheadAttention written out, so heads can be sharded
         if attention.modified:
             gm.recompile()
@@ -93,6 +97,7 @@ class TensorParallelRecipe(Recipe):
         gm, records = run_passes(gm, passes.frontend_pipeline(options) + passes.tensor_parallel_pipeline(options))
         shard_info = unaliased_findings(info_of(records, "shard_linear"))
         expand_info = info_of(records, "expand_shards")
+        expand_info = {**expand_info, "param_shards": share_tied_shards(gm, ties, expand_info["param_shards"])}
         applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
         applied.update(shard_info["plan"])
         windowed = {}  # torchvision Swin: qkv / proj sharded by heads inside the window-attention call
@@ -198,7 +203,7 @@ def capture_owning_everything(
         gm, flags, none_args = capture_with_flags(owned, leaf_modules, example_inputs)
     else:
         gm = capture(owned, leaf_modules=leaf_modules, none_args=none_args, flags=dict(flags or {}) or None)
-    if isinstance(owned, fx.GraphModule) or not list(owned.children()) and not owned._parameters and not owned._buffers:
+    if not list(owned.children()) and not owned._parameters and not owned._buffers:
         return gm, dict(flags or {}), frozenset(none_args)
     adopt_state(gm, owned, aliased=True)  # the model's `graph` or `meta` is not the GraphModule's
     gm.train(owned.training)
@@ -216,6 +221,66 @@ def tied_state_keys(model: nn.Module) -> dict[str, str]:
             tied[key] = other
             tied.setdefault(other, key)
     return tied
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The model's state keys that name one tensor, in groups of two or more."""
+    by_tensor: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(value), []).append(key)
+    return [keys for keys in by_tensor.values() if len(keys) > 1]
+
+
+def share_tied_shards(
+    gm: fx.GraphModule, groups: Sequence[Sequence[str]], param_shards: Mapping[str, tuple[Any, list[str]]]
+) -> dict[str, tuple[Any, list[str]]]:
+    """``param_shards`` with every key tied to a sharded parameter naming the same shards.
+
+    Where forward never reads another name of a sharded parameter (an unused head, the second
+    name of a tied bias; :func:`~dpcompile.analysis.linear_sites.find_linear_sites` keeps a
+    layer whole where forward reads a shared weight), its module's stale full copy is dropped
+    (set to None: the program holds one parameter) and the key reads and loads the shards.
+    """
+    out = dict(param_shards)
+    read = {n.target for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    for keys in groups:
+        sharded = next((alias_of(k) for k in keys if alias_of(k) in param_shards), None)
+        if sharded is None:
+            continue
+        for key in map(alias_of, keys):
+            if key in out:
+                continue
+            path, _, name = key.rpartition(".")
+            if key in read or any(key.startswith(f"{m}.") for m in read if isinstance(m, str)):
+                continue  # forward reads it whole (a bias shared with a layer split otherwise): left as it is
+            owner = gm.get_submodule(path) if path else gm
+            if name in owner._parameters:
+                owner._parameters[name] = None
+            out[key] = param_shards[sharded]
+    return out
+
+
+def share_tied_shard(
+    own: nn.Module, gm: fx.GraphModule, groups: Sequence[Sequence[str]], specs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Over a mesh: ``specs`` (``{key: ShardSpec}``) with every key tied to a sharded parameter
+    that ``gm``'s forward never reads holding this rank's same shard (one parameter, as in one
+    process :func:`share_tied_shards`)."""
+    out = dict(specs)
+    read = {unalias(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module") and isinstance(n.target, str)}
+    for keys in groups:
+        sharded = next((k for k in keys if k in specs), None)
+        if sharded is None:
+            continue
+        shard = own.get_parameter(sharded)
+        for key in keys:
+            if key not in out and not (key in read or any(key.startswith(f"{m}.") for m in read)):
+                path, _, name = key.rpartition(".")
+                owner = own.get_submodule(path) if path else own
+                if name in owner._parameters:
+                    owner._parameters[name] = shard
+                    out[key] = specs[sharded]
+    return out
 
 
 def aliased_plan(plan: bool | Mapping[str, str]) -> bool | dict[str, str]:

@@ -1,0 +1,212 @@
+"""Tensor parallelism at its edges, on both frontends, on real and on meta models: parameters
+forward never reads (an unused head, the second name of a tied bias) keep their keys and their
+tie; a tensor constant made in forward (a scale table) is real on a meta model; an embedding
+whose weight a later matmul reads (a tied head written out) runs. Each against eager: outputs,
+gradients, ``state_dict`` keys and values, and ``load_checkpoint`` of the model's own checkpoint."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_model
+from torch import nn
+
+import dpcompile
+from tests.helpers import full_gradients
+
+
+class UnusedAndTied(nn.Module):
+    """An unused head, and a bias tied to a layer forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.head = nn.Linear(8, 4)  # never called
+        self.out, self.spare = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.spare.bias = self.out.bias  # the second name of a tied bias (spare is never called)
+
+    def forward(self, x):
+        return self.out(self.fc2(F.relu(self.fc1(x))))
+
+
+class ScaleTable(nn.Module):
+    """A tensor made in forward from Python data."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        scale = torch.tensor([0.5, 2.0, 3.0])
+        return self.fc2(F.relu(self.fc1(x))) * scale[1] + scale[2]
+
+
+class WrittenOutHead(nn.Module):
+    """An LM head tied to the embedding, written as a matmul on its weight."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(16, 8)
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return h @ self.emb.weight.T if self.how == "matmul" else F.linear(h, self.emb.weight)
+
+
+MODELS = {
+    "unused_and_tied": (UnusedAndTied, lambda: torch.randn(3, 8)),
+    "scale_table": (ScaleTable, lambda: torch.randn(3, 8)),
+    "head_matmul": (lambda: WrittenOutHead("matmul"), lambda: torch.randint(0, 16, (2, 5))),
+    "head_linear": (lambda: WrittenOutHead("linear"), lambda: torch.randint(0, 16, (2, 5))),
+}
+
+
+def _transformed(name: str, frontend: str, meta: bool, tmp_path):
+    """(pm, eager twin, input); a meta model is loaded from the eager model's own checkpoint."""
+    make, example = MODELS[name]
+    torch.manual_seed(0)
+    eager, x = make(), example()
+    if meta:
+        with torch.device("meta"):
+            model = make()
+    else:
+        model = copy.deepcopy(eager)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,), frontend=frontend)
+    if meta:
+        save_model(eager, str(tmp_path / "model.safetensors"))  # tied keys written once, as transformers does
+        dpcompile.load_checkpoint(pm, tmp_path)
+    return pm, eager, x
+
+
+def _assert_state_equal(pm, eager) -> None:
+    got, want = pm.state_dict(), eager.state_dict()
+    assert list(got) == list(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["real", "meta"])
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tp_edge_model_matches_eager(name, frontend, meta, tmp_path):
+    """Outputs, gradients, state_dict keys and values equal eager's, before and after one SGD step."""
+    pm, eager, x = _transformed(name, frontend, meta, tmp_path)
+    _assert_state_equal(pm, eager)
+    out, want = pm(x), eager(x)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    weights = torch.linspace(0.5, 1.5, want.numel()).view(want.shape)
+    (out * weights).sum().backward()
+    (want * weights).sum().backward()
+    grads = full_gradients(pm)
+    for key, p in eager.named_parameters():
+        torch.testing.assert_close(grads[key], p.grad, atol=1e-5, rtol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    for optimizer in (torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)):
+        optimizer.step()
+    _assert_state_equal(pm, eager)  # ties stayed ties: the second name moved with the first
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_unused_and_tied_parameters_round_trip_a_checkpoint(frontend, tmp_path):
+    """load_checkpoint takes the program's own save (and the model's, tied keys written once); the tie holds one parameter."""
+    pm, eager, x = _transformed("unused_and_tied", frontend, False, tmp_path)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.add_(1.0)
+    save_model(eager, str(tmp_path / "model.safetensors"))
+    dpcompile.load_checkpoint(pm, tmp_path)
+    _assert_state_equal(pm, eager)
+    dpcompile.save_checkpoint(pm, tmp_path / "again")
+    dpcompile.load_checkpoint(pm, tmp_path / "again")
+    _assert_state_equal(pm, eager)
+    shards = pm.param_shards
+    assert shards["spare.bias"][1] == shards["out.bias"][1]  # one set of shards under both keys
+    names = {n for n, _ in pm.named_parameters()}
+    assert "spare.bias" not in names and "head.weight" in names  # no stale copy of the tied bias
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("how", ["matmul", "linear"])
+def test_embedding_read_by_a_later_matmul_stays_whole_and_tied(how, frontend, tmp_path):
+    """The embedding whose weight a written-out head reads stays whole (one parameter), with the reason."""
+    pm, _, _ = _transformed(f"head_{how}", frontend, False, tmp_path)
+    assert pm.plan["emb"] == "replicate" and "read directly" in pm.plan_reasons["emb"]
+    assert [n for n, _ in pm.named_parameters() if n.startswith("emb.")] == ["emb.weight"]
+    assert pm.plan["fc1"] == "column" and pm.plan["fc2"] == "row"  # the rest is still sharded
+
+
+class MadeInForward(nn.Module):
+    """Constants of constant sizes made in forward: fx records their values."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        positions = torch.arange(4, dtype=x.dtype) + torch.ones(4)
+        return self.fc2(F.relu(self.fc1(x * positions))) * torch.full((4,), 0.5)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_meta_model_constants_made_in_forward_are_real(frontend, tmp_path):
+    """arange / ones / full of constant sizes in forward: a meta model's program holds their values."""
+    torch.manual_seed(0)
+    eager, x = MadeInForward(), torch.randn(3, 4)
+    with torch.device("meta"):
+        model = MadeInForward()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,), frontend=frontend)
+    save_model(eager, str(tmp_path / "model.safetensors"))
+    dpcompile.load_checkpoint(pm, tmp_path)
+    torch.testing.assert_close(pm(x), eager(x), atol=1e-5, rtol=1e-5)
+
+
+class SharedBias(nn.Module):
+    """Two called layers share one bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.b.bias = self.a.bias
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(F.relu(self.a(x)) + self.b(x))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_bias_shared_by_two_called_layers_is_one_set_of_shards(frontend):
+    """Both layers split alike and share the bias's shards; two SGD steps and the state dict equal eager's."""
+    torch.manual_seed(0)
+    eager, x = SharedBias(), torch.randn(3, 8)
+    pm = dpcompile.transform(copy.deepcopy(eager), ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,), frontend=frontend)
+    assert pm.plan["a"] == pm.plan["b"] == "column"
+    assert pm.param_shards["a.bias"][1] == pm.param_shards["b.bias"][1] or pm.get_parameter(
+        pm.param_shards["a.bias"][1][0]) is pm.get_parameter(pm.param_shards["b.bias"][1][0])  # fmt: skip
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    for _ in range(2):
+        for module, optimizer in ((pm, opt), (eager, ref_opt)):
+            optimizer.zero_grad()
+            module(x).pow(2).mean().backward()
+            optimizer.step()
+    torch.testing.assert_close(pm(x), eager(x), atol=1e-5, rtol=1e-5)
+    _assert_state_equal(pm, eager)
+
+
+def test_bias_shared_by_layers_split_differently_keeps_them_whole():
+    """A plan splitting two layers of one bias differently keeps both whole (the tie holds), with the reason."""
+    torch.manual_seed(0)
+    eager, x = SharedBias(), torch.randn(3, 8)
+    plan = {"a": "column", "b": "row", "out": "row"}
+    pm = dpcompile.transform(copy.deepcopy(eager), ["cpu"] * 2, tensor_parallel=plan, example_inputs=(x,))
+    assert pm.plan["a"] == pm.plan["b"] == "replicate" and "bias is shared" in pm.plan_reasons["b"]
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    for module, optimizer in ((pm, opt), (eager, ref_opt)):
+        module(x).pow(2).mean().backward()
+        optimizer.step()
+    torch.testing.assert_close(pm(x), eager(x), atol=1e-5, rtol=1e-5)
+    _assert_state_equal(pm, eager)

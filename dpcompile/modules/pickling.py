@@ -29,26 +29,6 @@ log = logging.getLogger("dpcompile")
 DESCRIBED = ("layout", "strategies", "memory_options", "memory_plan")
 
 
-def _portable_graph(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` without the fake tensors shape propagation left in ``node.meta["val"]``
-    (they hold their fake mode, which cannot be pickled; ``tensor_meta`` keeps the shapes)."""
-    clone = copy_graph(graph)
-    for node in clone.nodes:
-        if _holds_fake(node.meta.get("val")):
-            node.meta = {k: v for k, v in node.meta.items() if k != "val"}
-    return clone
-
-
-def _holds_fake(value: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(value, (list, tuple)):
-        return any(_holds_fake(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_fake(v) for v in value.values())
-    return isinstance(value, FakeTensor)
-
-
 class PicklesPrograms:
     """The pickling half of ``ParallelModule`` (a mixin: it reads the module's program cache, graph and state)."""
 
@@ -69,8 +49,8 @@ class PicklesPrograms:
             "buffers": dict(self._buffers),
             "non_persistent": set(self._non_persistent_buffers_set),
             "training": self.training,
-            "graph": _portable_graph(self.graph),
-            "captured_graph": _portable_graph(self.captured.graph) if self.captured is not None else None,
+            "graph": copy_graph(self.graph),
+            "captured_graph": copy_graph(self.captured.graph) if self.captured is not None else None,
             "config": {
                 "recipe": self.recipe,
                 "devices": self.devices,
@@ -84,7 +64,7 @@ class PicklesPrograms:
             "main_key": self.program_cache.main_key.portable(),
             "programs": self._portable_programs() if carry_programs else [],
             "traces": [
-                (key.portable(), None if gm is None else _portable_graph(gm.graph))
+                (key.portable(), None if gm is None else copy_graph(gm.graph))
                 for key, gm in self.program_cache.traces.items()
             ],
             "extra": self._extra_state_for_pickle(),
@@ -100,7 +80,7 @@ class PicklesPrograms:
         classes, an unimportable class) could not trace: the other mode, and every variant met
         so far (optional arguments left None, flags, smaller batches); None: the main program."""
         if self.__dict__.get("traced_model") is None:
-            built = [(key.portable(), None if p is None else _portable_graph(p.graph)) for key, p in self.program_cache.items()]
+            built = [(key.portable(), None if p is None else copy_graph(p.graph)) for key, p in self.program_cache.items()]
             carried = getattr(self.program_cache.build, "programs", {})  # a restored program's own
             return [*carried.items(), *built]
         main = self.program_cache.main_key
@@ -126,7 +106,7 @@ class PicklesPrograms:
             except Exception as e:  # noqa: BLE001 - a program not carried is refused at its call, never run wrong
                 log.debug("no program carried for %s (%s)", key.describe(), e)
                 continue
-            out.append((key.portable(), None if program is None else _portable_graph(program.graph)))
+            out.append((key.portable(), None if program is None else copy_graph(program.graph)))
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -207,14 +187,14 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
         pm.program_cache.main_key = pm.program_cache.main_key._replace(guard=-1)
     if pm.traced_model is None:
         pm.call_signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
-    if state.get("replicated"):  # the guard on inputs the examples gave without the batch
-        pm.call_signature = dataclasses.replace(pm.call_signature, replicated=tuple(state["replicated"]))
         main = state["main_key"]
         main_key = CallKey(main.devices, main.modes, main.none_args, main.flags)
         object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
         pm.program_cache.reset(main_key, CarriedPrograms(pm, state["programs"]))
         for key, graph in state["traces"]:  # what a data-parallel program lowers for fewer devices
             pm.program_cache.traces[key] = None if graph is None else graph_module(pm, graph, "Captured")
+    if state.get("replicated"):  # the guard on inputs the examples gave without the batch
+        pm.call_signature = dataclasses.replace(pm.call_signature, replicated=tuple(state["replicated"]))
     return pm
 
 

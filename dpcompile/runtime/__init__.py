@@ -14,7 +14,6 @@ from dpcompile.runtime.side_effects import (
     assign_buffer,
     attributes_written,
     in_place_without_grad,
-    manual_seed,
 )
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "gather",
     "in_place_without_grad",
     "local_positions",
-    "manual_seed",
     "max_length",
     "mean_of_partials",
     "module_of",

@@ -92,20 +92,3 @@ def test_dynamic_dims_naming_a_dim_the_input_lacks_raises(frontend):
     with pytest.raises(ValueError, match=r"dynamic_dims= names \['y'\]"):
         dpcompile.transform(model, ["cpu", "cpu"], example_inputs=examples, dynamic_dims={"y": [1]}, frontend=frontend)
 
-
-def test_replicated_input_guard_survives_pickling():
-    """A pickled copy keeps the guard: a mask given with the batch after torch.load still equals eager."""
-    import io
-
-    torch.manual_seed(0)
-    model = MaskedScores()
-    x = torch.randn(2, L, 8)
-    pm = dpcompile.transform(model, ["cpu", "cpu"], example_inputs=(x, torch.randn(1, 1, L, L)))
-    buffer = io.BytesIO()
-    torch.save(pm, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    per_sample = torch.randn(2, 1, L, L)
-    out = loaded(x, per_sample)
-    assert out.shape == (2,)
-    torch.testing.assert_close(out, model(x, per_sample))

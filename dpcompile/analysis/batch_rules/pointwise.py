@@ -9,7 +9,6 @@ from dpcompile.analysis import ops
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, target_name
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
-    REPLICATED,
     Placement,
     Replicated,
     Split,
@@ -60,13 +59,27 @@ def pointwise(ctx: RuleContext) -> Placement | None:
 
 
 def to_method(ctx: RuleContext) -> Placement | None:
-    """``x.to(dtype)`` is element-wise; moving to a device would defeat the placement."""
-    for a in list(ctx.node.args[1:]) + list(ctx.node.kwargs.values()):
-        if isinstance(a, (str, torch.device)) or (isinstance(a, fx.Node) and ctx.p(a) != REPLICATED):
+    """``x.to(dtype)`` / ``x.to(y)`` / ``x.to(y.device)`` / ``x.to(y.dtype)``: element-wise. What it
+    takes from ``y`` (its dtype and device) is the same for each device's chunk as for the whole,
+    and a device's chunk of ``y`` lives on that device, so each chunk stays where it runs. A
+    device spelled out (``x.to("cuda:0")``) would move every chunk to one device: whole."""
+    values = list(ctx.node.args[1:]) + list(ctx.node.kwargs.values())
+    if any(isinstance(a, (str, torch.device)) for a in values):
+        return None
+    for a in values:
+        if isinstance(a, fx.Node) and not (_is_attribute(a, ("dtype", "device")) or isinstance(ctx.p(a), Split)):
             return None
-        if isinstance(a, fx.Node):
-            return None
+    first = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("other")
+    p = ctx.p(ctx.tensor_arg())
+    if isinstance(p, Split) and isinstance(first, fx.Node) and isinstance(ctx.p(first), Split):
+        return p  # x.to(y): only y's dtype and device are read; x keeps its own split
+    if any(isinstance(a, fx.Node) and isinstance(ctx.p(a), Split) for a in values):
+        return None  # a replicated x moved to the device of a split y: each device's own copy
     return pointwise(ctx)
+
+
+def _is_attribute(node: fx.Node, names: tuple[str, ...]) -> bool:
+    return node.op == "call_function" and node.target is getattr and node.args[1] in names
 
 
 BATCH_RULES.register_family(ops.POINTWISE, pointwise)

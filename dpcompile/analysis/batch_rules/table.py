@@ -40,6 +40,8 @@ from dpcompile.analysis.batch_rules import (
     reductions,
     selection,
     shape,
+    sizes,
+    training_ir,
 )
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, tuple_of
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
@@ -120,6 +122,8 @@ _add("along one dim", reductions.softmax_like, "_softmax _log_softmax cumsum sof
 _add("along named dims", shape.along_dims, "flip roll")
 _add("along named dims", selection.along_named_dims, "_fft_r2c _fft_c2r")
 _add("along one dim", aten_rules.diff, "diff")
+_add("reduction (along other dims)", training_ir.norm, "norm linalg_vector_norm linalg_norm")
+_add("values and indices along other dims", training_ir.argsort, "argsort")
 
 # ---------------------------------------------------------------------- views and shapes
 _add("view", shape.reshape, "view reshape _unsafe_view")
@@ -134,9 +138,12 @@ _add("view", shape.diagonal, "diagonal")
 _add("view", shape.narrow, "narrow")
 _add("view", aten_rules.slice_, "slice", same_name=False)
 _add("view", aten_rules.select, "select")
-_add("view", shape.chunk_like, "split_with_sizes split chunk unbind")
+_add("view", shape.chunk_like, "split_with_sizes split chunk unbind tensor_split unsafe_split unsafe_chunk")
 _add("concatenate", shape.cat, "cat stack")
 _add("view", shape.repeat, "repeat")
+_add("view", training_ir.shaped_as, "reshape_as view_as")
+_add("pointwise", pointwise.pointwise, "expand_as")  # broadcasting y's shape, as y + 0 * x would
+_add("along named dims", shape.along_dims_unfold, "unfold", same_name=False)  # F.unfold is im2col
 _add("view", model_constructs.repeat_interleave, "repeat_interleave")
 _add("size", shape.size, "sym_size", same_name=False)
 _add("size", selection.stride, "sym_stride", same_name=False)
@@ -171,6 +178,7 @@ _add("matmul", matrix.addmm, "addmm")
 _add("matmul", matrix.linear_function, "linear")
 _add("matmul", selection.cdist, "_cdist_forward")
 _whole("distances between every pair of rows: the rows are the samples", "_pdist_forward")
+_add("matmul", matrix.einsum, "einsum")
 _add("attention", aten_rules.sdpa, "scaled_dot_product_attention")
 
 # ---------------------------------------------------------------------- layers: convolution, pooling, padding
@@ -182,7 +190,7 @@ _add(
     upsample_nearest2d
     conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d max_pool1d max_pool2d max_pool3d
     avg_pool1d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d
-    upsample_nearest1d pixel_shuffle pixel_unshuffle channel_shuffle
+    upsample_nearest1d pixel_shuffle pixel_unshuffle channel_shuffle im2col
 """,
 )
 _add(
@@ -295,6 +303,9 @@ OTHER_SPELLINGS: dict[str, tuple[Any, ...]] = {
     "view": ("reshape", torch.reshape),
     "sym_size": ("size",),
     "_local_scalar_dense": ("item",),
+    "linalg_vector_norm": (torch.linalg.vector_norm,),
+    "linalg_norm": (torch.linalg.norm,),
+    "unfold": ("unfold", torch.Tensor.unfold),
     "glu": (nn.GLU,),
     "relu": (nn.ReLU,), "gelu": (nn.GELU,), "elu": (nn.ELU,), "hardtanh": (nn.Hardtanh,),
     "leaky_relu": (nn.LeakyReLU,), "sigmoid": (nn.Sigmoid,), "tanh": (nn.Tanh,),
@@ -350,6 +361,7 @@ def _register() -> None:
 
 
 _register()
+sizes.register()  # arithmetic on batch sizes, around whatever rule ``*``, ``//``, ``+``, ``-`` have
 
 
 @functools.cache

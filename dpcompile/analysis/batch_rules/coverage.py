@@ -63,6 +63,7 @@ def render() -> str:
         names = ", ".join(dict.fromkeys(_spelling(t) for t in same if not _is_aten(t))) or "—"
         family = entry.family if entry.whole is None else f"whole: {entry.whole}"
         lines.append(f"| `{entry.op}` | {', '.join(by_op[entry.op])} | {family} | {_rule_name(entry)} | {names} |")
+    lines += _export_ir_section()
     own = "\n".join(f"- {_spelling(t)}: {why}" for t, why in rules_table.OWN_RULES.items())
     extra = sorted(name for name, e in rules_table.TABLE.items() if not e.core)
     lines += [
@@ -78,6 +79,30 @@ def render() -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _export_ir_section() -> list[str]:
+    """The ops of ``torch.export``'s default (training) IR, each with what the table does with it."""
+    from dpcompile.analysis.batch_rules.export_ir import EXPORT_IR_OPS, resolve
+
+    ops = sorted(dict.fromkeys(EXPORT_IR_OPS), key=lambda o: o.lstrip("_"))
+    lines = [
+        "",
+        "## torch.export's default (training) IR",
+        "",
+        "`torch.export.export` keeps ops above the core opset (`aten.linear`, `aten.layer_norm`, `aten.dropout`,",
+        "`aten.tensor_split`, `aten.pad`, in-place ops). The ops it emitted for the models of",
+        "`benchmarks/dp_models_sweep.py` and the constructs of `tests/analysis/test_split_by_construction.py`,",
+        "each resolved (`dpcompile/analysis/batch_rules/export_ir.py`; `tests/analysis/test_batch_rule_table.py`",
+        "also exports small models and checks that every op they emit resolves):",
+        "",
+        "| ATen overload | resolved to | rule or reason |",
+        "|---|---|---|",
+    ]
+    for op in ops:
+        how, what = resolve(op)
+        lines.append(f"| `aten.{op}` | {how} | {what if how != 'rule' else f'`{what}`'} |")
+    return lines
 
 
 def _is_aten(target: Any) -> bool:

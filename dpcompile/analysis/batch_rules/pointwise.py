@@ -84,3 +84,7 @@ def _is_attribute(node: fx.Node, names: tuple[str, ...]) -> bool:
 
 BATCH_RULES.register_family(ops.POINTWISE, pointwise)
 BATCH_RULES.register("to", to_method)
+for _name in ("__radd__", "__rsub__", "__rmul__", "__rdiv__", "__rtruediv__", "__rpow__", "__rmod__", "__rfloordiv__"):
+    _fn = getattr(torch.Tensor, _name, None)  # 2 + x called as a function (fx records operator.add)
+    if callable(_fn) and _fn not in BATCH_RULES.functions:  # __rtruediv__ is __rdiv__
+        BATCH_RULES.register(_fn, pointwise)

@@ -106,6 +106,18 @@ _add(
     masked_fill
 """,
 )
+_add(
+    "pointwise",
+    pointwise.pointwise,
+    """
+    angle copysign deg2rad rad2deg digamma erfc erfinv exp2 float_power fmax fmin frac heaviside hypot i0 igamma
+    igammac isneginf isposinf isreal ldexp lgamma logaddexp logaddexp2 logit mvlgamma nextafter polar positive
+    real imag sgn signbit sinc xlogy conj conj_physical resolve_conj resolve_neg complex hardshrink softshrink
+    alias_copy true_divide clip fix negative absolute arccos arcsin arctan arctan2 arccosh arcsinh arctanh
+    multiply subtract divide greater greater_equal less less_equal not_equal
+""",
+)
+_add("pointwise", pointwise.pointwise, " ".join(n for n in dir(aten) if n.startswith("special_")), same_name=False)
 _add("pointwise", pointwise.pointwise, "to", same_name=False)  # x.to(device) is not: its rule is to_method
 _add("pointwise", pointwise.pointwise, "rand_like randn_like dropout")  # random: a draw per element, per device
 _add("pointwise", tuple_of(pointwise.pointwise, 2), "native_dropout")
@@ -113,14 +125,15 @@ _add("along one dim", aten_rules.glu, "glu")
 _add("along the last two dims", aten_rules.last_two_dims, "tril triu")
 
 # ---------------------------------------------------------------------- reductions and ops along dims
-_add("reduction (partial sum over the batch)", reductions.reduction("sum"), "sum")
+_add("reduction (partial sum over the batch)", reductions.reduction("sum"), "sum nansum")
 _add("reduction (partial mean over the batch)", reductions.reduction("mean"), "mean")
-_add("reduction (along other dims)", reductions.reduction(None), "amax amin argmax argmin any prod var logsumexp")
+_add("reduction (along other dims)", reductions.reduction(None), "amax amin argmax argmin any prod var std logsumexp")
 _add("values and indices along other dims", reductions.values_and_indices, "max min topk")
 _add("values and indices along other dims; along the batch, each device's own order", local_order.sort, "sort")
 _add("along one dim", reductions.softmax_like, "_softmax _log_softmax cumsum softmax log_softmax")
 _add("along named dims", shape.along_dims, "flip roll")
 _add("along named dims", selection.along_named_dims, "_fft_r2c _fft_c2r")
+_add("along named dims", training_ir.fft, " ".join(f"fft_{n}" for n in training_ir.FFTS.split()), same_name=False)
 _add("along one dim", aten_rules.diff, "diff")
 _add("reduction (along other dims)", training_ir.norm, "norm linalg_vector_norm linalg_norm")
 _add("values and indices along other dims", training_ir.argsort, "argsort")
@@ -129,13 +142,13 @@ _add("values and indices along other dims", training_ir.argsort, "argsort")
 _add("view", shape.reshape, "view reshape _unsafe_view")
 _add("view", shape.expand, "expand broadcast_to")
 _add("view", shape.permute, "permute")
-_add("view", shape.transpose, "transpose")
+_add("view", shape.transpose, "transpose transpose_copy swapaxes swapdims")
 _add("view", shape.matrix_transpose, "t")
-_add("view", shape.unsqueeze, "unsqueeze")
-_add("view", shape.squeeze, "squeeze")
-_add("view", shape.flatten, "flatten")
+_add("view", shape.unsqueeze, "unsqueeze unsqueeze_copy")
+_add("view", shape.squeeze, "squeeze squeeze_copy")
+_add("view", shape.flatten, "flatten ravel")
 _add("view", shape.diagonal, "diagonal")
-_add("view", shape.narrow, "narrow")
+_add("view", shape.narrow, "narrow narrow_copy")
 _add("view", aten_rules.slice_, "slice", same_name=False)
 _add("view", aten_rules.select, "select")
 _add("view", shape.chunk_like, "split_with_sizes split chunk unbind tensor_split unsafe_split unsafe_chunk")
@@ -218,6 +231,7 @@ _add(
 )
 _add("embedding", modules.embedding, "embedding")
 _whole("bags are ranges of the whole batch's indices (offsets)", "_embedding_bag")
+_whole("bags are ranges of the whole batch's indices (offsets)", "embedding_bag", same_name=False)  # export's spelling
 
 # ---------------------------------------------------------------------- norms
 _add("norm over the last dims", tuple_of(modules.layer_norm, 3), "native_layer_norm")
@@ -306,6 +320,9 @@ OTHER_SPELLINGS: dict[str, tuple[Any, ...]] = {
     "linalg_vector_norm": (torch.linalg.vector_norm,),
     "linalg_norm": (torch.linalg.norm,),
     "unfold": ("unfold", torch.Tensor.unfold),
+    **{f"fft_{n}": (getattr(torch.fft, n),) for n in training_ir.FFTS.split()},
+    **{n: (getattr(torch.special, n.removeprefix("special_")),) for n in dir(aten)
+       if n.startswith("special_") and callable(getattr(torch.special, n.removeprefix("special_"), None))},
     "glu": (nn.GLU,),
     "relu": (nn.ReLU,), "gelu": (nn.GELU,), "elu": (nn.ELU,), "hardtanh": (nn.Hardtanh,),
     "leaky_relu": (nn.LeakyReLU,), "sigmoid": (nn.Sigmoid,), "tanh": (nn.Tanh,),

@@ -82,3 +82,39 @@ def shaped_as(ctx: RuleContext) -> Placement | None:
 
 
 __all__ = ["norm", "argsort", "shaped_as"]
+
+
+def fft(ctx: RuleContext) -> Placement | None:
+    """``torch.fft.fft(x, n, dim)`` / ``fft2(x, s, dim)`` / ``fftn(x, s, dim)`` and their real and
+    Hermitian forms: transforms along ``dim`` (the last, the last two, or every dim, or the last
+    ``len(s)`` for ``*n``), per sample unless the batch dim is among them."""
+    p = ctx.p(ctx.tensor_arg())
+    if not isinstance(p, Split) or not _others_replicated(ctx):
+        return None
+    name = _fft_name(ctx)
+    bound = _bound(ctx, ("input", "s", "dim", "norm"))
+    dim = bound.get("dim")
+    nd = ctx.ndim(ctx.tensor_arg())
+    if dim is None:
+        if name.endswith("2"):
+            dim = (-2, -1)
+        elif name.endswith("n"):
+            s = bound.get("s")
+            if not isinstance(s, (list, tuple)) or nd is None:
+                return None  # every dim, the batch's too
+            dim = tuple(range(nd - len(s), nd))
+        else:
+            dim = -1
+    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    low = ctx.min_ndim(ctx.tensor_arg())
+    normal = [normalize_dim(d, nd, p.dim, low) for d in dims]
+    return p if dims and all(d is not None and d != p.dim for d in normal) else None
+
+
+def _fft_name(ctx: RuleContext) -> str:
+    target = ctx.node.target
+    name = getattr(target, "_opname", None) or getattr(target, "__name__", "")
+    return name.removeprefix("fft_")
+
+
+FFTS = "fft ifft rfft irfft hfft ihfft fft2 ifft2 rfft2 irfft2 hfft2 ihfft2 fftn ifftn rfftn irfftn hfftn ihfftn"

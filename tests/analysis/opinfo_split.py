@@ -71,7 +71,7 @@ KNOWN_WHOLE: dict[str, str] = {
         ["dot", "vdot", "inner", "outer", "kron", "mv", "linalg.vecdot", "linalg.cross", "__rmatmul__", "tile",
          "rot90", "fliplr", "movedim", "atleast_1d", "atleast_2d", "atleast_3d", "frexp", "grid_sampler_3d",
          "nanmean", "prod", "roll", "diff", "linalg.norm.subgradients_at_zero", "_upsample_bilinear2d_aa",
-         "native_dropout_backward", "ravel"],
+         "native_dropout_backward", "ravel", "squeeze_copy", "dsplit", "hsplit", "vsplit"],
         "not in any model's graph the project has run (or along the batch dim in this sample: prod, roll, diff, "
         "nanmean's NaN counts differ by chunk); runs whole, exact"),
 }
@@ -358,11 +358,13 @@ def sweep(max_per_op: int | None, *, aten: bool = False, ops: set[str] | None = 
     return tally
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> Tally:
+    """Run the sweep (``--aten``: the core ATen spelling; ``--max=N`` / ``--all``), print it, and
+    with ``--all`` or ``--write`` write ``benchmarks/results/opinfo_split[_aten].json``."""
     start = time.time()
-    aten = "--aten" in sys.argv
-    limit = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--max=")), 2)
-    limit_or_all = None if "--all" in sys.argv else limit
+    aten = "--aten" in argv
+    limit = next((int(a.split("=")[1]) for a in argv if a.startswith("--max=")), 2)
+    limit_or_all = None if "--all" in argv else limit
     t = sweep(limit_or_all, aten=aten)
     print(t.line())
     print(t.split_line())
@@ -374,10 +376,15 @@ if __name__ == "__main__":
         print(f"  {count:5d} {reason}")
     for failure in t.failed:
         print("  FAILED", failure)
-    if "--all" in sys.argv or "--write" in sys.argv:
+    if "--all" in argv or "--write" in argv:
         name = f"opinfo_split{'_aten' if aten else ''}.json"
         out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name
-        figures = {"command": "PYTHONPATH=. python -m tests.analysis.opinfo_split " + " ".join(sys.argv[1:]),
+        figures = {"command": "PYTHONPATH=. python -m benchmarks.opinfo_split " + " ".join(argv),
                    "torch": torch.__version__, "samples_per_op": limit_or_all or "all",
                    "seconds": round(time.time() - start), **t.as_json()}  # fmt: skip
         out.write_text(json.dumps(figures, indent=2) + "\n")
+    return t
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

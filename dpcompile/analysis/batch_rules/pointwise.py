@@ -67,7 +67,7 @@ def to_method(ctx: RuleContext) -> Placement | None:
     if any(isinstance(a, (str, torch.device)) for a in values):
         return None
     for a in values:
-        if isinstance(a, fx.Node) and not (_is_attribute(a, ("dtype", "device")) or isinstance(ctx.p(a), Split)):
+        if isinstance(a, fx.Node) and not (_same_on_each_device(ctx, a) or isinstance(ctx.p(a), Split)):
             return None
     first = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("other")
     p = ctx.p(ctx.tensor_arg())
@@ -78,8 +78,15 @@ def to_method(ctx: RuleContext) -> Placement | None:
     return pointwise(ctx)
 
 
-def _is_attribute(node: fx.Node, names: tuple[str, ...]) -> bool:
-    return node.op == "call_function" and node.target is getattr and node.args[1] in names
+def _same_on_each_device(ctx: RuleContext, node: fx.Node) -> bool:
+    """``y.dtype``, or ``y.device`` of a chunk or of a parameter (each device's replica's own
+    device): what ``x.to`` takes from them moves no chunk to another device."""
+    if not (node.op == "call_function" and node.target is getattr and isinstance(node.args[0], fx.Node)):
+        return False
+    if node.args[1] == "dtype":
+        return True
+    base = node.args[0]
+    return node.args[1] == "device" and (isinstance(ctx.p(base), Split) or base.op == "get_attr")
 
 
 BATCH_RULES.register_family(ops.POINTWISE, pointwise)

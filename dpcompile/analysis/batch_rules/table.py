@@ -114,7 +114,7 @@ _add(
     igammac isneginf isposinf isreal ldexp lgamma logaddexp logaddexp2 logit mvlgamma nextafter polar positive
     real imag sgn signbit sinc xlogy conj conj_physical resolve_conj resolve_neg complex hardshrink softshrink
     alias_copy true_divide clip fix negative absolute arccos arcsin arctan arctan2 arccosh arcsinh arctanh
-    multiply subtract divide greater greater_equal less less_equal not_equal
+    multiply subtract divide greater greater_equal less less_equal not_equal isclose
 """,
 )
 _add("pointwise", pointwise.pointwise, " ".join(n for n in dir(aten) if n.startswith("special_")), same_name=False)
@@ -145,7 +145,7 @@ _add("view", shape.permute, "permute")
 _add("view", shape.transpose, "transpose transpose_copy swapaxes swapdims")
 _add("view", shape.matrix_transpose, "t")
 _add("view", shape.unsqueeze, "unsqueeze unsqueeze_copy")
-_add("view", shape.squeeze, "squeeze squeeze_copy")
+_add("view", shape.squeeze, "squeeze")  # not squeeze_copy: squeeze() keeps a 1-row chunk's dim only for squeeze
 _add("view", shape.flatten, "flatten ravel")
 _add("view", shape.diagonal, "diagonal")
 _add("view", shape.narrow, "narrow narrow_copy")

@@ -47,6 +47,8 @@ SKIP_OPS = {
 
 # ops whose rule keeps a sample whole though the oracle joins its chunks, and why that is right
 KNOWN_WHOLE: dict[str, str] = {
+    "squeeze": "squeeze(dims) naming the batch dim: a no-op on the whole (its size is not 1), but a device "
+               "holding one row would drop that dim",
     **dict.fromkeys(
         ["nn.functional.adaptive_avg_pool1d", "nn.functional.adaptive_avg_pool2d", "nn.functional.adaptive_max_pool2d",
          "nn.functional.adaptive_max_pool3d", "nn.functional.instance_norm"],
@@ -235,6 +237,9 @@ def splittable(fn: Any, sample: Any) -> bool:
     x = sample.input
     leaves, spec = tree_flatten((sample.args, sample.kwargs))
     cut = x.size(0) // 2
+    if any(isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex()
+           and leaf.numel() and (leaf.dtype == torch.bool or int(leaf.max()) >= cut) for leaf in leaves):  # fmt: skip
+        return False  # indices (or a mask) that may name rows a chunk lacks: some kernels do not check them
     outs = []
     try:
         for rows in (slice(0, cut), slice(cut, None)):

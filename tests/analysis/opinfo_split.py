@@ -45,6 +45,40 @@ SKIP_OPS = {
 }  # fmt: skip
 
 
+# ops whose rule keeps a sample whole though the oracle joins its chunks, and why that is right
+KNOWN_WHOLE: dict[str, str] = {
+    "squeeze": "squeeze(dims) naming the batch dim: a no-op on the whole (its size is not 1), but a device "
+               "holding one row would drop that dim",
+    **dict.fromkeys(
+        ["nn.functional.adaptive_avg_pool1d", "nn.functional.adaptive_avg_pool2d", "nn.functional.adaptive_max_pool2d",
+         "nn.functional.adaptive_max_pool3d", "nn.functional.instance_norm"],
+        "the sample is one unbatched input ((C, L) / (C, H, W)): its dim 0 is channels, which the rule does not "
+        "take for a batch (a batched call splits)"),
+    **dict.fromkeys(
+        ["nn.functional.gaussian_nll_loss", "nn.functional.hinge_embedding_loss", "nn.functional.margin_ranking_loss",
+         "nn.functional.multilabel_soft_margin_loss", "nn.functional.poisson_nll_loss", "nn.functional.soft_margin_loss",
+         "nn.functional.triplet_margin_loss", "nn.functional.cosine_similarity"],
+        "a loss (or similarity) without a rule yet: runs whole, exact; register_batch_rule can teach it"),
+    **dict.fromkeys(
+        [f"masked.{n}" for n in ("amax", "amin", "cumprod", "cumsum", "logaddexp", "logsumexp", "mean", "prod", "sum")],
+        "torch.masked: Python functions over a mask argument, not traced ops; none in the models' graphs"),
+    **dict.fromkeys(
+        ["index_add", "index_copy", "index_fill", "index_reduce.amax", "index_reduce.amin", "index_reduce.mean",
+         "index_reduce.prod", "masked_select", "nonzero", "nonzero_static", "unique", "unique_consecutive", "isin",
+         "as_strided", "as_strided_copy", "as_strided_scatter", "slice_scatter", "view_as_complex", "svd", "histc",
+         "kthvalue", "mode", "diag_embed", "combinations", "meshgrid.variadic_tensors", "broadcast_tensors"],
+        "no split the rule can prove from shapes: indices or counts over the whole tensor, strides of its memory, "
+        "or the oracle joined the chunks by the sample's values, not by the op"),
+    **dict.fromkeys(
+        ["dot", "vdot", "inner", "outer", "kron", "mv", "linalg.vecdot", "linalg.cross", "__rmatmul__", "tile",
+         "rot90", "fliplr", "movedim", "atleast_1d", "atleast_2d", "atleast_3d", "frexp", "grid_sampler_3d",
+         "nanmean", "prod", "roll", "diff", "linalg.norm.subgradients_at_zero", "_upsample_bilinear2d_aa",
+         "native_dropout_backward", "ravel", "squeeze_copy", "dsplit", "hsplit", "vsplit"],
+        "not in any model's graph the project has run (or along the batch dim in this sample: prod, roll, diff, "
+        "nanmean's NaN counts differ by chunk); runs whole, exact"),
+}
+
+
 @dataclass
 class Tally:
     """Ops x samples: split (run split and equal), whole (the rule kept it whole; equal), skipped, failed."""
@@ -54,6 +88,24 @@ class Tally:
     skipped: collections.Counter = field(default_factory=collections.Counter)
     failed: list[str] = field(default_factory=list)
     ops: set[str] = field(default_factory=set)
+    # samples whose op has a split on the sample's dim 0 (the oracle: :func:`splittable`), by op
+    # family, and how many of them the rule split: {family: [split, splittable]}
+    families: dict[str, list[int]] = field(default_factory=dict)
+    # ops whose rule kept a splittable sample whole: {op: (family, reason)}
+    missed: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def count(self, family: str, outcome: str, op: str, reason: str | None) -> None:
+        entry = self.families.setdefault(family, [0, 0])
+        entry[1] += 1
+        if outcome == "split":
+            entry[0] += 1
+        elif op not in self.missed:
+            self.missed[op] = (family, reason or "")
+
+    def split_line(self) -> str:
+        done = sum(v[0] for v in self.families.values())
+        total = sum(v[1] for v in self.families.values())
+        return f"splittable samples (a split on dim 0 exists): {done} of {total} split"
 
     def line(self) -> str:
         skipped = sum(self.skipped.values())
@@ -73,6 +125,12 @@ class Tally:
             "skipped": sum(self.skipped.values()),
             "skipped_by_reason": dict(self.skipped.most_common()),
             "failed": self.failed,
+            "splittable": sum(v[1] for v in self.families.values()),
+            "splittable_split": sum(v[0] for v in self.families.values()),
+            "by_family": {f: {"split": v[0], "splittable": v[1]} for f, v in sorted(self.families.items())},
+            "whole_where_a_split_exists": {
+                op: {"family": f, "reason": KNOWN_WHOLE.get(op) or reason} for op, (f, reason) in sorted(self.missed.items())
+            },
         }
 
 
@@ -140,12 +198,70 @@ def _split_placements(placements: dict[str, Any], inputs: set[str]) -> bool:
     return any(not isinstance(p, Whole) for name, p in placements.items() if name not in inputs)
 
 
+def _batched(leaf: Any, x: torch.Tensor) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.dim() == x.dim() and leaf.dim() > 0 and leaf.size(0) == x.size(0)
+
+
+def _joins(parts: list[Any], whole: Any, rows: list[int]) -> bool:
+    """Whether the outputs on chunks of the rows give the whole's: concatenated along some dim,
+    summed (a partial sum) or averaged by rows (a partial mean); other values equal."""
+    if isinstance(whole, (list, tuple)):
+        return (
+            all(isinstance(p, (list, tuple)) and len(p) == len(whole) for p in parts)
+            and all(_joins([p[i] for p in parts], w, rows) for i, w in enumerate(whole))
+        )
+    if not isinstance(whole, torch.Tensor):
+        return False  # a Python value (allclose, equal): a question about the whole tensor
+    if not all(isinstance(p, torch.Tensor) for p in parts):
+        return False
+
+    def close(a: torch.Tensor) -> bool:
+        return a.shape == whole.shape and bool(torch.allclose(a, whole, rtol=1e-4, atol=1e-5, equal_nan=True))
+
+    for d in range(whole.dim()):
+        try:
+            if close(torch.cat(parts, d)):
+                return True
+        except RuntimeError:
+            continue
+    if whole.is_floating_point() and all(p.shape == whole.shape for p in parts):
+        total = sum(parts[1:], parts[0])
+        mean = sum((p * n for p, n in zip(parts[1:], rows[1:])), parts[0] * rows[0]) / sum(rows)
+        return close(total) or close(mean)
+    return False
+
+
+def splittable(fn: Any, sample: Any) -> bool:
+    """The oracle: the op run on chunks of the sample's dim 0 (the input and every argument of
+    its rows), its outputs joined, equals the op on the whole; so a split on dim 0 exists."""
+    x = sample.input
+    leaves, spec = tree_flatten((sample.args, sample.kwargs))
+    cut = x.size(0) // 2
+    if any(isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex()
+           and leaf.numel() and (leaf.dtype == torch.bool or int(leaf.max()) >= cut) for leaf in leaves):  # fmt: skip
+        return False  # indices (or a mask) that may name rows a chunk lacks: some kernels do not check them
+    outs = []
+    try:
+        for rows in (slice(0, cut), slice(cut, None)):
+            args, kwargs = tree_unflatten([leaf[rows] if _batched(leaf, x) else leaf for leaf in leaves], spec)
+            outs.append(fn(x[rows], *args, **kwargs))
+        whole = fn(x, *sample.args, **sample.kwargs)
+        return _joins(outs, whole, [cut, x.size(0) - cut])
+    except Exception:  # noqa: BLE001 - the op refuses a chunk: no split on dim 0
+        return False
+
+
 def run_sample(fn: Any, sample: Any, devices: int, *, aten: bool = False) -> str:
     """``"split"``/``"whole"`` where the split program equals the op; ``"skip: why"``; raises on a mismatch."""
+    return run_sample_detail(fn, sample, devices, aten=aten)[0]
+
+
+def run_sample_detail(fn: Any, sample: Any, devices: int, *, aten: bool = False) -> tuple[str, str | None]:
+    """:func:`run_sample`'s outcome, and for ``"whole"`` the reason the propagation gave."""
     if _batch_input(sample) is None:
-        return "skip: no float input with 3+ rows"
+        return "skip: no float input with 3+ rows", None
     if getattr(fn, "__name__", "<lambda>") == "<lambda>" or not callable(fn):
-        return "skip: the OpInfo op is a lambda, not an fx spelling"
+        return "skip: the OpInfo op is a lambda, not an fx spelling", None
     try:
         with torch.random.fork_rng():
             torch.manual_seed(0)
@@ -155,18 +271,18 @@ def run_sample(fn: Any, sample: Any, devices: int, *, aten: bool = False) -> str
             again = fn(sample.input, *sample.args, **sample.kwargs)
         torch.testing.assert_close(again, expected, equal_nan=True, atol=0, rtol=0)
     except Exception:  # noqa: BLE001 - the op itself refuses or is not deterministic
-        return "skip: the op is not deterministic or not callable on the sample"
+        return "skip: the op is not deterministic or not callable on the sample", None
     try:
         built = _aten_graph(fn, sample) if aten else _graph_for(fn, sample)
     except Exception:  # noqa: BLE001
-        return "skip: cannot capture the sample"
+        return "skip: cannot capture the sample", None
     if built is None:
-        return "skip: an argument generated code cannot spell"
+        return "skip: an argument generated code cannot spell", None
     gm, inputs, dims = built
     try:
         _Recorder(gm).run(*inputs)
     except Exception:  # noqa: BLE001
-        return "skip: the captured graph does not run"
+        return "skip: the captured graph does not run", None
     functionalize_mutations(gm)  # as transform's frontend pipeline does: writes into views become values
     result = insert_scatter_gather(gm, devices=parse_devices(["cpu"] * devices), input_dims=dims)
     gm.recompile()
@@ -174,7 +290,11 @@ def run_sample(fn: Any, sample: Any, devices: int, *, aten: bool = False) -> str
     if aten and isinstance(got, (list, tuple)) and len(got) == 1 and not isinstance(expected, (list, tuple)):
         got = got[0]
     torch.testing.assert_close(got, expected, equal_nan=True, check_stride=False, atol=1e-5, rtol=1.3e-6)
-    return "split" if _split_placements(result.info["placements"], set(dims)) else "whole"
+    placements = result.info["placements"]
+    if _split_placements(placements, set(dims)):
+        return "split", None
+    reasons = [p.reason for name, p in placements.items() if name not in dims and isinstance(p, Whole) and p.reason]
+    return "whole", reasons[0] if reasons else None
 
 
 def opinfo_samples(max_per_op: int | None, ops: set[str] | None = None) -> Iterator[tuple[str, Any, Any]]:
@@ -204,6 +324,20 @@ def opinfo_samples(max_per_op: int | None, ops: set[str] | None = None) -> Itera
                 break
 
 
+def family_of(fn: Any) -> str:
+    """The op family of ``fn``'s rule, as the table names it (``"pointwise"``, ``"view"``), or ``"no rule"``."""
+    from dpcompile.analysis.batch_rules import BATCH_RULES
+    from dpcompile.analysis.batch_rules.table import TABLE
+
+    rule = BATCH_RULES.function_rule(fn)
+    if rule is None:
+        return "no rule"
+    for entry in TABLE.values():
+        if entry.rule is rule or getattr(rule, "__wrapped__", None) is entry.rule:
+            return entry.family
+    return getattr(rule, "__name__", "other").removeprefix("size_arithmetic_")
+
+
 def sweep(max_per_op: int | None, *, aten: bool = False, ops: set[str] | None = None) -> Tally:
     tally = Tally()
     for name, fn, sample in opinfo_samples(max_per_op, ops):
@@ -212,10 +346,12 @@ def sweep(max_per_op: int | None, *, aten: bool = False, ops: set[str] | None = 
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    outcome = run_sample(fn, sample, devices, aten=aten)
+                    outcome, reason = run_sample_detail(fn, sample, devices, aten=aten)
             except Exception as e:  # noqa: BLE001 - the split program differs from the op: a rule bug
                 tally.failed.append(f"{name} on {devices} devices: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 continue
+            if devices == 2 and not outcome.startswith("skip") and splittable(fn, sample):
+                tally.count(family_of(fn), outcome, name, reason)
             if outcome == "split":
                 tally.split += 1
             elif outcome == "whole":
@@ -227,21 +363,33 @@ def sweep(max_per_op: int | None, *, aten: bool = False, ops: set[str] | None = 
     return tally
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> Tally:
+    """Run the sweep (``--aten``: the core ATen spelling; ``--max=N`` / ``--all``), print it, and
+    with ``--all`` or ``--write`` write ``benchmarks/results/opinfo_split[_aten].json``."""
     start = time.time()
-    aten = "--aten" in sys.argv
-    limit = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--max=")), 2)
-    limit_or_all = None if "--all" in sys.argv else limit
+    aten = "--aten" in argv
+    limit = next((int(a.split("=")[1]) for a in argv if a.startswith("--max=")), 2)
+    limit_or_all = None if "--all" in argv else limit
     t = sweep(limit_or_all, aten=aten)
     print(t.line())
+    print(t.split_line())
+    for family, (done, total) in sorted(t.families.items()):
+        print(f"  {family:60s} {done:5d} / {total:5d}")
+    for op, (family, reason) in sorted(t.missed.items()):
+        print(f"  WHOLE where a split exists: {op} ({family}): {KNOWN_WHOLE.get(op) or reason}")
     for reason, count in t.skipped.most_common():
         print(f"  {count:5d} {reason}")
     for failure in t.failed:
         print("  FAILED", failure)
-    if "--all" in sys.argv or "--write" in sys.argv:
+    if "--all" in argv or "--write" in argv:
         name = f"opinfo_split{'_aten' if aten else ''}.json"
         out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name
-        figures = {"command": "PYTHONPATH=. python -m tests.analysis.opinfo_split " + " ".join(sys.argv[1:]),
+        figures = {"command": "PYTHONPATH=. python -m benchmarks.opinfo_split " + " ".join(argv),
                    "torch": torch.__version__, "samples_per_op": limit_or_all or "all",
                    "seconds": round(time.time() - start), **t.as_json()}  # fmt: skip
         out.write_text(json.dumps(figures, indent=2) + "\n")
+    return t
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -78,3 +78,62 @@ def test_a_placement_the_example_output_cannot_have_names_the_rule_and_the_op():
     relu.meta["val"] = torch.randn(5, 3)
     with pytest.raises(BatchRuleError, match="split on dim 2, but the output has 2 dims"):
         check_placement(relu, Split(2), TABLE["relu"].rule, "aten.relu")
+
+
+def test_every_op_of_the_export_training_ir_resolves_to_a_rule_or_a_reason():
+    """The ops torch.export's default IR emits (not only core ATen) each resolve: a rule, a whole
+    with its reason, an in-place op functionalised first, or a check the frontend drops."""
+    from dpcompile.analysis.batch_rules.export_ir import EXPORT_IR_OPS, resolve
+
+    assert len(EXPORT_IR_OPS) > 100
+    unresolved = [op for op in EXPORT_IR_OPS if resolve(op)[0] == "none"]
+    assert unresolved == []
+    for op in ("tensor_split.indices", "pad.default", "linear.default", "dropout.default", "layer_norm.default",
+               "group_norm.default", "linalg_vector_norm.default", "einsum.default", "argsort.default",
+               "reshape_as.default", "unfold.default", "im2col.default", "to.dtype"):  # fmt: skip
+        assert resolve(op)[0] == "rule", op
+    assert resolve("add_.Tensor")[0] == "in place" and resolve("_assert_tensor_metadata.default")[0] == "dropped"
+
+
+class _ExportZoo(torch.nn.Module):
+    """Layers of common models, for what torch.export emits for them."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.gn = torch.nn.GroupNorm(2, 4)
+        self.ln = torch.nn.LayerNorm(8)
+        self.lin = torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.0)
+
+    def forward(self, img, seq):
+        h = F.max_pool2d(torch.relu_(self.gn(self.conv(img))), 2)
+        h = F.adaptive_avg_pool2d(F.pad(h, (1, 1, 1, 1)), 1).flatten(1)
+        s = self.drop(F.gelu(self.lin(self.ln(seq))))
+        q = s.view(s.shape[0], s.shape[1], 2, 4).transpose(1, 2)
+        s = F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape_as(s)
+        parts = torch.tensor_split(s, [2], dim=1)
+        return h.sum(-1) + parts[0].norm(dim=-1).sum(-1) + parts[1].float().mean((1, 2))
+
+
+def test_what_export_emits_for_small_models_resolves():
+    """Every ATen op of a default torch.export of common layers resolves (none asks a missing rule),
+    and the export frontend's program of them runs all split, equal to eager."""
+    from dpcompile.analysis.batch_rules.export_ir import resolve
+
+    program = torch.export.export(_ExportZoo(), (torch.randn(2, 3, 8, 8), torch.randn(2, 6, 8)), strict=False)
+    emitted = {str(n.target).removeprefix("aten.") for n in program.graph.nodes if n.op == "call_function"
+               and isinstance(n.target, torch._ops.OpOverload)}  # fmt: skip
+    assert {"tensor_split.indices", "pad.default", "linear.default", "group_norm.default"} <= emitted
+    assert [op for op in sorted(emitted) if resolve(op)[0] == "none"] == []
+    import copy
+
+    import dpcompile
+
+    model = _ExportZoo()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 3, frontend="export", example_inputs=(torch.randn(4, 3, 8, 8), torch.randn(4, 6, 8)))
+    inputs = (torch.randn(5, 3, 8, 8), torch.randn(5, 6, 8))
+    torch.testing.assert_close(pm(*inputs), eager(*inputs))
+    report = dpcompile.explain(pm, *inputs)
+    assert report.whole == [] and report.split_flop_fraction == 1.0

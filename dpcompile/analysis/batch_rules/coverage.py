@@ -63,6 +63,8 @@ def render() -> str:
         names = ", ".join(dict.fromkeys(_spelling(t) for t in same if not _is_aten(t))) or "—"
         family = entry.family if entry.whole is None else f"whole: {entry.whole}"
         lines.append(f"| `{entry.op}` | {', '.join(by_op[entry.op])} | {family} | {_rule_name(entry)} | {names} |")
+    lines += _export_ir_section()
+    lines += _proof_section()
     own = "\n".join(f"- {_spelling(t)}: {why}" for t, why in rules_table.OWN_RULES.items())
     extra = sorted(name for name, e in rules_table.TABLE.items() if not e.core)
     lines += [
@@ -78,6 +80,61 @@ def render() -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _export_ir_section() -> list[str]:
+    """The ops of ``torch.export``'s default (training) IR, each with what the table does with it."""
+    from dpcompile.analysis.batch_rules.export_ir import EXPORT_IR_OPS, resolve
+
+    ops = sorted(dict.fromkeys(EXPORT_IR_OPS), key=lambda o: o.lstrip("_"))
+    lines = [
+        "",
+        "## torch.export's default (training) IR",
+        "",
+        "`torch.export.export` keeps ops above the core opset (`aten.linear`, `aten.layer_norm`, `aten.dropout`,",
+        "`aten.tensor_split`, `aten.pad`, in-place ops). The ops it emitted for the models of",
+        "`benchmarks/dp_models_sweep.py` and the constructs of `tests/analysis/test_split_by_construction.py`,",
+        "each resolved (`dpcompile/analysis/batch_rules/export_ir.py`; `tests/analysis/test_batch_rule_table.py`",
+        "also exports small models and checks that every op they emit resolves):",
+        "",
+        "| ATen overload | resolved to | rule or reason |",
+        "|---|---|---|",
+    ]
+    for op in ops:
+        how, what = resolve(op)
+        lines.append(f"| `aten.{op}` | {how} | {what if how != 'rule' else f'`{what}`'} |")
+    return lines
+
+
+def _proof_section() -> list[str]:
+    """Split / splittable per op family, from the OpInfo sweep's results (``benchmarks/opinfo_split.py``)."""
+    import json
+
+    results = PAGE.parents[1] / "benchmarks" / "results"
+    lines = ["", "## The proof: splittable OpInfo samples, split", ""]
+    lines += [
+        "For every OpInfo sample the oracle asks whether a split on the sample's dim 0 exists (the op on",
+        "chunks of the rows, joined by concatenation, a sum or a mean, equals the op on the whole); of those,",
+        "how many the rule split (the split program is also checked equal to the op). Ops kept whole where",
+        "a split exists are listed in the JSON (`whole_where_a_split_exists`) with the reason written in",
+        "`tests/analysis/opinfo_split.py` (`KNOWN_WHOLE`) or the propagation's own; the CI subset",
+        "(`tests/analysis/test_opinfo_batch_rules.py`) fails on any without a written one. `no rule` is the",
+        "work left: ops with no rule yet (linalg, cumulative, masked, quantile ops among them).",
+        "",
+    ]
+    for name, what in (("opinfo_split.json", "fx spellings"), ("opinfo_split_aten.json", "core ATen (export)")):
+        path = results / name
+        data = json.loads(path.read_text()) if path.exists() else {}
+        if "by_family" not in data:
+            continue
+        lines += [f"**{what}** (`{data['command']}`, {data['samples_per_op']} samples per op): "
+                  f"{data['splittable_split']} of {data['splittable']} splittable samples split; "
+                  f"{len(data['whole_where_a_split_exists'])} ops keep some splittable sample whole (each listed in the "
+                  "JSON with a written reason, or the propagation's own, most often `no batch rule`).", "",
+                  "| family | split | splittable |", "|---|---|---|"]  # fmt: skip
+        lines += [f"| {f} | {v['split']} | {v['splittable']} |" for f, v in data["by_family"].items()]
+        lines.append("")
+    return lines
 
 
 def _is_aten(target: Any) -> bool:

@@ -114,7 +114,7 @@ def bmm(ctx: RuleContext) -> Placement | None:
         return None
     if added is not None:
         pc = ctx.p(added) if isinstance(added, fx.Node) else Replicated()
-        if not ((isinstance(pc, Split) and pc.dim == 0) or _rows_broadcast(ctx, added, 1)):
+        if not ((isinstance(pc, Split) and pc.dim == 0) or _rows_broadcast(ctx, added, 2)):
             return None
     return Split(0)
 

@@ -59,7 +59,13 @@ def pad(ctx: RuleContext) -> Placement | None:
     if not isinstance(padding, (list, tuple)) or not padding:
         return None
     first_padded = ctx.resolve(-(len(padding) // 2), ctx.tensor_arg(), p.dim)
-    return p if first_padded is not None and first_padded > p.dim else None
+    if first_padded is not None and first_padded > p.dim:
+        return p
+    nd = ctx.ndim(ctx.tensor_arg())
+    if nd is not None and len(padding) >= 2 * (nd - p.dim):  # the pad names the batch dim: by (0, 0) only
+        at = 2 * (nd - 1 - p.dim)
+        return p if padding[at] == 0 and padding[at + 1] == 0 else None
+    return None
 
 
 _SPATIAL_MODULES = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,

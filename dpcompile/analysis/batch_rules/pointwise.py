@@ -9,7 +9,6 @@ from dpcompile.analysis import ops
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, target_name
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import (
-    REPLICATED,
     Placement,
     Replicated,
     Split,
@@ -60,14 +59,39 @@ def pointwise(ctx: RuleContext) -> Placement | None:
 
 
 def to_method(ctx: RuleContext) -> Placement | None:
-    """``x.to(dtype)`` is element-wise; moving to a device would defeat the placement."""
-    for a in list(ctx.node.args[1:]) + list(ctx.node.kwargs.values()):
-        if isinstance(a, (str, torch.device)) or (isinstance(a, fx.Node) and ctx.p(a) != REPLICATED):
+    """``x.to(dtype)`` / ``x.to(y)`` / ``x.to(y.device)`` / ``x.to(y.dtype)``: element-wise. What it
+    takes from ``y`` (its dtype and device) is the same for each device's chunk as for the whole,
+    and a device's chunk of ``y`` lives on that device, so each chunk stays where it runs. A
+    device spelled out (``x.to("cuda:0")``) would move every chunk to one device: whole."""
+    values = list(ctx.node.args[1:]) + list(ctx.node.kwargs.values())
+    if any(isinstance(a, (str, torch.device)) for a in values):
+        return None
+    for a in values:
+        if isinstance(a, fx.Node) and not (_same_on_each_device(ctx, a) or isinstance(ctx.p(a), Split)):
             return None
-        if isinstance(a, fx.Node):
-            return None
+    first = ctx.node.args[1] if len(ctx.node.args) > 1 else ctx.node.kwargs.get("other")
+    p = ctx.p(ctx.tensor_arg())
+    if isinstance(p, Split) and isinstance(first, fx.Node) and isinstance(ctx.p(first), Split):
+        return p  # x.to(y): only y's dtype and device are read; x keeps its own split
+    if any(isinstance(a, fx.Node) and isinstance(ctx.p(a), Split) for a in values):
+        return None  # a replicated x moved to the device of a split y: each device's own copy
     return pointwise(ctx)
+
+
+def _same_on_each_device(ctx: RuleContext, node: fx.Node) -> bool:
+    """``y.dtype``, or ``y.device`` of a chunk or of a parameter (each device's replica's own
+    device): what ``x.to`` takes from them moves no chunk to another device."""
+    if not (node.op == "call_function" and node.target is getattr and isinstance(node.args[0], fx.Node)):
+        return False
+    if node.args[1] == "dtype":
+        return True
+    base = node.args[0]
+    return node.args[1] == "device" and (isinstance(ctx.p(base), Split) or base.op == "get_attr")
 
 
 BATCH_RULES.register_family(ops.POINTWISE, pointwise)
 BATCH_RULES.register("to", to_method)
+for _name in ("__radd__", "__rsub__", "__rmul__", "__rdiv__", "__rtruediv__", "__rpow__", "__rmod__", "__rfloordiv__"):
+    _fn = getattr(torch.Tensor, _name, None)  # 2 + x called as a function (fx records operator.add)
+    if callable(_fn) and _fn not in BATCH_RULES.functions:  # __rtruediv__ is __rdiv__
+        BATCH_RULES.register(_fn, pointwise)

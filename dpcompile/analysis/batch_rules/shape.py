@@ -376,8 +376,9 @@ def _sizes(ctx: RuleContext) -> list:
 
 
 def _batch_entry(ctx: RuleContext, sizes: list) -> int | None:
-    """The one position of ``sizes`` that holds a batch size (others carry no batch), or None."""
-    at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) == BatchSize()]
+    """The one position of ``sizes`` that holds a batch size, or a multiple of it (others carry no
+    batch), or None: ``zeros(b * k, d)`` makes ``k`` rows per sample, as the whole does."""
+    at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) in (BatchSize(), BatchSize(rows=True))]
     others_ok = all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for i, s in enumerate(sizes) if i not in at)
     return at[0] if len(at) == 1 and others_ok else None
 

@@ -40,6 +40,8 @@ from dpcompile.analysis.batch_rules import (
     reductions,
     selection,
     shape,
+    sizes,
+    training_ir,
 )
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, tuple_of
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
@@ -104,6 +106,18 @@ _add(
     masked_fill
 """,
 )
+_add(
+    "pointwise",
+    pointwise.pointwise,
+    """
+    angle copysign deg2rad rad2deg digamma erfc erfinv exp2 float_power fmax fmin frac heaviside hypot i0 igamma
+    igammac isneginf isposinf isreal ldexp lgamma logaddexp logaddexp2 logit mvlgamma nextafter polar positive
+    real imag sgn signbit sinc xlogy conj conj_physical resolve_conj resolve_neg complex hardshrink softshrink
+    alias_copy true_divide clip fix negative absolute arccos arcsin arctan arctan2 arccosh arcsinh arctanh
+    multiply subtract divide greater greater_equal less less_equal not_equal isclose
+""",
+)
+_add("pointwise", pointwise.pointwise, " ".join(n for n in dir(aten) if n.startswith("special_")), same_name=False)
 _add("pointwise", pointwise.pointwise, "to", same_name=False)  # x.to(device) is not: its rule is to_method
 _add("pointwise", pointwise.pointwise, "rand_like randn_like dropout")  # random: a draw per element, per device
 _add("pointwise", tuple_of(pointwise.pointwise, 2), "native_dropout")
@@ -111,32 +125,38 @@ _add("along one dim", aten_rules.glu, "glu")
 _add("along the last two dims", aten_rules.last_two_dims, "tril triu")
 
 # ---------------------------------------------------------------------- reductions and ops along dims
-_add("reduction (partial sum over the batch)", reductions.reduction("sum"), "sum")
+_add("reduction (partial sum over the batch)", reductions.reduction("sum"), "sum nansum")
 _add("reduction (partial mean over the batch)", reductions.reduction("mean"), "mean")
-_add("reduction (along other dims)", reductions.reduction(None), "amax amin argmax argmin any prod var logsumexp")
+_add("reduction (along other dims)", reductions.reduction(None), "amax amin argmax argmin any prod var std logsumexp")
 _add("values and indices along other dims", reductions.values_and_indices, "max min topk")
 _add("values and indices along other dims; along the batch, each device's own order", local_order.sort, "sort")
 _add("along one dim", reductions.softmax_like, "_softmax _log_softmax cumsum softmax log_softmax")
 _add("along named dims", shape.along_dims, "flip roll")
 _add("along named dims", selection.along_named_dims, "_fft_r2c _fft_c2r")
+_add("along named dims", training_ir.fft, " ".join(f"fft_{n}" for n in training_ir.FFTS.split()), same_name=False)
 _add("along one dim", aten_rules.diff, "diff")
+_add("reduction (along other dims)", training_ir.norm, "norm linalg_vector_norm linalg_norm")
+_add("values and indices along other dims", training_ir.argsort, "argsort")
 
 # ---------------------------------------------------------------------- views and shapes
 _add("view", shape.reshape, "view reshape _unsafe_view")
 _add("view", shape.expand, "expand broadcast_to")
 _add("view", shape.permute, "permute")
-_add("view", shape.transpose, "transpose")
+_add("view", shape.transpose, "transpose transpose_copy swapaxes swapdims")
 _add("view", shape.matrix_transpose, "t")
-_add("view", shape.unsqueeze, "unsqueeze")
-_add("view", shape.squeeze, "squeeze")
-_add("view", shape.flatten, "flatten")
+_add("view", shape.unsqueeze, "unsqueeze unsqueeze_copy")
+_add("view", shape.squeeze, "squeeze")  # not squeeze_copy: squeeze() keeps a 1-row chunk's dim only for squeeze
+_add("view", shape.flatten, "flatten ravel")
 _add("view", shape.diagonal, "diagonal")
-_add("view", shape.narrow, "narrow")
+_add("view", shape.narrow, "narrow narrow_copy")
 _add("view", aten_rules.slice_, "slice", same_name=False)
 _add("view", aten_rules.select, "select")
-_add("view", shape.chunk_like, "split_with_sizes split chunk unbind")
+_add("view", shape.chunk_like, "split_with_sizes split chunk unbind tensor_split unsafe_split unsafe_chunk")
 _add("concatenate", shape.cat, "cat stack")
 _add("view", shape.repeat, "repeat")
+_add("view", training_ir.shaped_as, "reshape_as view_as")
+_add("pointwise", pointwise.pointwise, "expand_as")  # broadcasting y's shape, as y + 0 * x would
+_add("along named dims", shape.along_dims_unfold, "unfold", same_name=False)  # F.unfold is im2col
 _add("view", model_constructs.repeat_interleave, "repeat_interleave")
 _add("size", shape.size, "sym_size", same_name=False)
 _add("size", selection.stride, "sym_stride", same_name=False)
@@ -171,6 +191,7 @@ _add("matmul", matrix.addmm, "addmm")
 _add("matmul", matrix.linear_function, "linear")
 _add("matmul", selection.cdist, "_cdist_forward")
 _whole("distances between every pair of rows: the rows are the samples", "_pdist_forward")
+_add("matmul", matrix.einsum, "einsum")
 _add("attention", aten_rules.sdpa, "scaled_dot_product_attention")
 
 # ---------------------------------------------------------------------- layers: convolution, pooling, padding
@@ -182,7 +203,7 @@ _add(
     upsample_nearest2d
     conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d max_pool1d max_pool2d max_pool3d
     avg_pool1d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d
-    upsample_nearest1d pixel_shuffle pixel_unshuffle channel_shuffle
+    upsample_nearest1d pixel_shuffle pixel_unshuffle channel_shuffle im2col
 """,
 )
 _add(
@@ -210,6 +231,7 @@ _add(
 )
 _add("embedding", modules.embedding, "embedding")
 _whole("bags are ranges of the whole batch's indices (offsets)", "_embedding_bag")
+_whole("bags are ranges of the whole batch's indices (offsets)", "embedding_bag", same_name=False)  # export's spelling
 
 # ---------------------------------------------------------------------- norms
 _add("norm over the last dims", tuple_of(modules.layer_norm, 3), "native_layer_norm")
@@ -295,6 +317,12 @@ OTHER_SPELLINGS: dict[str, tuple[Any, ...]] = {
     "view": ("reshape", torch.reshape),
     "sym_size": ("size",),
     "_local_scalar_dense": ("item",),
+    "linalg_vector_norm": (torch.linalg.vector_norm,),
+    "linalg_norm": (torch.linalg.norm,),
+    "unfold": ("unfold", torch.Tensor.unfold),
+    **{f"fft_{n}": (getattr(torch.fft, n),) for n in training_ir.FFTS.split()},
+    **{n: (getattr(torch.special, n.removeprefix("special_")),) for n in dir(aten)
+       if n.startswith("special_") and callable(getattr(torch.special, n.removeprefix("special_"), None))},
     "glu": (nn.GLU,),
     "relu": (nn.ReLU,), "gelu": (nn.GELU,), "elu": (nn.ELU,), "hardtanh": (nn.Hardtanh,),
     "leaky_relu": (nn.LeakyReLU,), "sigmoid": (nn.Sigmoid,), "tanh": (nn.Tanh,),
@@ -350,6 +378,7 @@ def _register() -> None:
 
 
 _register()
+sizes.register()  # arithmetic on batch sizes, around whatever rule ``*``, ``//``, ``+``, ``-`` have
 
 
 @functools.cache

@@ -503,7 +503,7 @@ def vision_models() -> dict[str, tuple[Any, str]]:
     }
 
 
-class _Timeout(Exception):
+class _Timeout(BaseException):  # not caught by the sweep's own `except Exception`
     pass
 
 

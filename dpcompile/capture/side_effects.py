@@ -47,7 +47,9 @@ def seeds_recorded() -> Iterator[list[str]]:
         return original(seed)
 
     def recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not cls.__module__.startswith("torch."):  # torch's own (checkpointing) export handles
+        # torch's own (checkpointing) export handles; a forward that keeps the grad mode (BLOOM's
+        # GeLUFunction) differentiates as its backward does
+        if not cls.__module__.startswith("torch.") and _sets_grad_mode(cls):
             calls.append(f"applies the autograd.Function {cls.__qualname__}" + _where())
         return apply.__get__(None, cls)(*args, **kwargs)
 
@@ -60,6 +62,21 @@ def seeds_recorded() -> Iterator[list[str]]:
         torch.manual_seed = original
         torch.autograd.Function.apply = apply
         torch.random.set_rng_state(rng)  # the seed forward set is no effect of transform
+
+
+_GRAD_MODE = ("no_grad", "enable_grad", "set_grad_enabled", "inference_mode", "detach")
+
+
+def _sets_grad_mode(cls: type) -> bool:
+    """Whether the Function's forward leaves autograd (a ``no_grad`` block, a ``detach``): then its
+    values differentiate only through its own backward, which export drops."""
+    import inspect
+
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True  # unknown: refused, as before
+    return any(word in source for word in _GRAD_MODE)
 
 
 def _where() -> str:

@@ -39,6 +39,17 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     return clone
 
 
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node its value is computed from."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
 def placeholders(graph: fx.Graph) -> list[fx.Node]:
     """The inputs of ``graph``, in order."""
     return [n for n in graph.nodes if n.op == "placeholder"]

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import ancestors
 from dpcompile.modules.mesh_stage import backward_done, no_gradient_path, writes
 
 Unit = tuple[int, int]  # (stage, micro-batch)
@@ -127,7 +128,7 @@ class OneFOneBStep:
                 self.once.add(n)
             else:
                 self.shared.add(n)
-        returned = _ancestors(self.output)
+        returned = ancestors(self.output)
         for n in self.tail:  # what reaches no output (an EMA of the loss) runs once, at the end, detached
             tail_op = n.op == "call_function" and (n.target in _TAIL_OPS or isinstance(n.target, type))
             if n in returned and not tail_op:
@@ -337,17 +338,6 @@ def has_effect(n: fx.Node) -> bool:
     """Whether ``n`` writes into a tensor (:func:`~dpcompile.modules.mesh_stage.writes`) or is otherwise
     impure: eager runs it once per call, whoever reads it."""
     return writes(n) or (n.op in ("call_function", "call_module") and n.is_impure())
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    """``node`` and every node its value is computed from."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _reads_metadata(n: fx.Node) -> bool:

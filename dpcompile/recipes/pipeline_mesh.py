@@ -28,7 +28,7 @@ from dpcompile.analysis.linear_sites import linear_like_leaves
 from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
+from dpcompile.fx_utils import ancestors, copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
 from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
@@ -167,7 +167,7 @@ def hoist_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> dict[int,
     programs: dict[int, fx.GraphModule] = {}
     for stage in sorted(set(stage_of.values())):
         mine = [n for n in once if stage_of[n] == stage]
-        needed = set().union(*(_ancestors(n) for n in mine))
+        needed = set().union(*(ancestors(n) for n in mine))
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         for node in gm.graph.nodes:
@@ -175,21 +175,11 @@ def hoist_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> dict[int,
                 env[node] = graph.node_copy(node, env.__getitem__)
         graph.output(None)
         programs[stage] = graph_module(gm, graph, f"WritesOnceStage{stage}")
-    hoisted = set().union(*(_ancestors(n) for n in once))
+    hoisted = set().union(*(ancestors(n) for n in once))
     for node in reversed(list(gm.graph.nodes)):  # the writes, then what only they read
         if node in once or (node in hoisted and node.op != "placeholder" and not node.users):
             gm.graph.erase_node(node)
     return programs
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def check_pipeline_mesh(names: tuple[str, ...], plan: object = False) -> None:

@@ -4,6 +4,8 @@
 * :func:`adopt_state`: make a GraphModule hold *all* of a model's state, not only what its
   graph reads, so state dict keys stay the model's;
 * :func:`propagate_shapes`: record each node's fake value (``node.meta["val"]``);
+* :func:`example_shapes` / :func:`propagate_example_shapes` / :class:`PicklableGraph`: a graph
+  whose fake values cannot be pickled or written, and the example shapes to propagate them again;
 * :func:`placeholders`: a graph's inputs in order;
 * :func:`graph_module`: ``fx.GraphModule(root, graph)`` where the model's names never collide
   with the module's own (:data:`RESERVED_NAMES`, read through :func:`alias_of`).
@@ -170,6 +172,105 @@ def _propagate(gm: fx.GraphModule, prop: _ShapeProp, mode: FakeTensorMode, examp
             for buffer, value in counters:
                 buffer.copy_(value)
     return True
+
+
+def example_shapes(graph: fx.Graph) -> list[list[Any]] | None:
+    """The example inputs' shapes and dtypes (``[[sizes], "float32"]`` per placeholder) a graph's
+    shapes were propagated from (symbolic sizes at their hints), so a copy that drops its fake
+    values (pickling, ``export``) can propagate them again; None where a placeholder was not a
+    tensor of known shape."""
+    out = []
+    for node in placeholders(graph):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        sizes = [s if isinstance(s, int) else getattr(getattr(s, "node", None), "hint", None) for s in val.shape]
+        if not all(isinstance(s, int) for s in sizes):
+            return None
+        out.append([sizes, str(val.dtype).removeprefix("torch.")])
+    return out
+
+
+def propagate_example_shapes(holder: nn.Module, graph: fx.Graph, inputs: Any, device: Any) -> None:
+    """Each node's shape (``meta['val']``) propagated again on fake tensors (nothing allocated)
+    from :func:`example_shapes`' record, on ``device``: lowering a captured program for other
+    devices reads them (a mask built from the batch's shape). Nothing where none were recorded,
+    the record is malformed (it may come from a file) or the shapes do not fit."""
+    if not isinstance(inputs, list) or not all(
+        isinstance(i, list)
+        and len(i) == 2
+        and isinstance(i[0], list)
+        and all(type(s) is int and 0 <= s < 2**31 for s in i[0])
+        and isinstance(getattr(torch, str(i[1]), None), torch.dtype)
+        for i in inputs
+    ):
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        examples = [torch.empty(sizes, dtype=getattr(torch, dtype), device=device) for sizes, dtype in inputs]
+    shaped_graph = copy_graph(graph)
+    try:
+        shaped = propagate_shapes(fx.GraphModule(holder, shaped_graph, "Shapes"), examples)
+    except Exception:  # noqa: BLE001 - shapes refine the lowering; without them it is the lowering of old
+        return
+    if shaped:
+        for node, shaped_node in zip(graph.nodes, shaped_graph.nodes):
+            if "val" in shaped_node.meta:
+                node.meta["val"] = shaped_node.meta["val"]
+
+
+class PicklableGraph:
+    """A graph as pickle can write it: its nodes as a flat list (pickle follows fx's linked nodes
+    one level per node and overflows the stack on a graph of a few hundred), without the fake
+    tensors and symbolic sizes shape propagation left in their meta (those hold their fake mode
+    and shape environment). :meth:`graph` rebuilds it."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.codegen = graph._codegen
+        self.nodes = [
+            (n.op, n.name, n.target, fx.node.map_arg(n.args, _name_of), fx.node.map_arg(n.kwargs, _name_of), n.type,
+             {k: v for k, v in n.meta.items() if not _holds_fake_values(v)})
+            for n in graph.nodes
+        ]  # fmt: skip
+
+    def graph(self) -> fx.Graph:
+        graph = fx.Graph()
+        graph._codegen = self.codegen
+        made: dict[str, fx.Node] = {}
+        for op, name, target, args, kwargs, type_expr, meta in self.nodes:
+            args, kwargs = _named_nodes(args, made), _named_nodes(kwargs, made)
+            node = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)
+            node.meta.update(meta)
+            made[name] = node
+        return graph
+
+
+class _NodeName(str):
+    """An argument that names a node of the graph (:class:`PicklableGraph`)."""
+
+
+def _name_of(node: fx.Node) -> _NodeName:
+    return _NodeName(node.name)
+
+
+def _named_nodes(value: Any, made: dict[str, fx.Node]) -> Any:
+    if type(value) is _NodeName:
+        return made[str(value)]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_named_nodes(v, made) for v in value)
+    if isinstance(value, dict):
+        return {k: _named_nodes(v, made) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(*(_named_nodes(v, made) for v in (value.start, value.stop, value.step)))
+    return value
+
+
+def _holds_fake_values(value: Any) -> bool:
+    symbolic = (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+    for leaf in torch.utils._pytree.tree_leaves(value):
+        if isinstance(leaf, symbolic) or (isinstance(leaf, torch.Size) and any(isinstance(s, symbolic) for s in leaf)):
+            return True
+    return False
 
 
 def is_example_misfit(error: BaseException) -> bool:

@@ -11,6 +11,7 @@ from torch import nn
 
 from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, device_strings
 from dpcompile.export.source import program_source
+from dpcompile.fx_utils import copy_graph, propagate_example_shapes
 
 __all__ = ["build", "place", "readable_programs"]
 
@@ -122,10 +123,10 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     if kind == "data_parallel" and moved:
         if captured is None:
             raise ExportError(f"{folder} holds no captured program to regenerate for {device_strings(target)}")
-        lowered = {None: recipe.lower(fx.GraphModule(holder, _copy(captured), "Retargeted"), target, input_dims).graph}
+        lowered = {None: recipe.lower(fx.GraphModule(holder, copy_graph(captured), "Retargeted"), target, input_dims).graph}
         for key, trace in traces:
             if trace is not None:
-                lowered[key] = recipe.lower(fx.GraphModule(holder, _copy(trace), "Retargeted"), target, input_dims).graph
+                lowered[key] = recipe.lower(fx.GraphModule(holder, copy_graph(trace), "Retargeted"), target, input_dims).graph
         graph = lowered[None]
         n = len(target)
         main_key = CallKey(n, main_key.modes, main_key.none_args, main_key.flags)
@@ -160,7 +161,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
         },
         "main_key": main_key,
         "programs": variants,
-        "traces": traces,
+        "traces": [(key, None if trace is None else (trace, None)) for key, trace in traces],  # shaped above
         "extra": extra,
         "source": None,
     }
@@ -172,41 +173,9 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
 
 
 def with_shapes(holder: nn.Module, graph: fx.Graph, inputs: Any, target: Any) -> None:
-    """Each node's shape (``meta['val']``), propagated on fake tensors (nothing allocated) from
-    the example shapes export recorded, as ``transform`` had them: lowering a captured program
-    for other devices reads them (a mask built from the batch's shape). Nothing where none were
-    recorded or they do not fit."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from dpcompile.fx_utils import propagate_shapes
-
-    if not isinstance(inputs, list) or not all(
-        isinstance(i, list)
-        and len(i) == 2
-        and isinstance(i[0], list)
-        and all(type(s) is int and 0 <= s < 2**31 for s in i[0])
-        and isinstance(getattr(torch, str(i[1]), None), torch.dtype)
-        for i in inputs
-    ):
-        return
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        examples = [torch.empty(sizes, dtype=getattr(torch, dtype), device=target.primary) for sizes, dtype in inputs]
-    copy = _copy(graph)
-    try:
-        shaped = propagate_shapes(fx.GraphModule(holder, copy, "Shapes"), examples)
-    except Exception:  # noqa: BLE001 - shapes refine the lowering; without them it is the one of old folders
-        return
-    if shaped:
-        for node, shaped in zip(graph.nodes, copy.nodes):
-            if "val" in shaped.meta:
-                node.meta["val"] = shaped.meta["val"]
-
-
-def _copy(graph: fx.Graph) -> fx.Graph:
-    from dpcompile.fx_utils import copy_graph
-
-    return copy_graph(graph)
+    """Each node's shape (``meta['val']``) propagated again from the example shapes export
+    recorded, as ``transform`` had them (lowering a captured program for other devices reads them)."""
+    propagate_example_shapes(holder, graph, inputs, target.primary)
 
 
 def _checked_dims(dims: Any) -> dict[str, int | None]:

@@ -42,6 +42,7 @@ from dpcompile.export.allowlist import (
 )
 from dpcompile.export.kinds import TreeIndex, check_graph
 from dpcompile.export.strided import bound
+from dpcompile.fx_utils import example_shapes
 
 __all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_inputs", "encode_tree", "encode_value"]
 
@@ -198,18 +199,7 @@ def encode_inputs(graph: fx.Graph) -> list[list[Any]] | None:
     """The example inputs' shapes and dtypes (``[[sizes], "float32"]`` per placeholder) a
     captured graph's shapes were propagated from, so ``load`` can propagate them again before
     lowering it for other devices; None where a placeholder was not a tensor of known shape."""
-    out = []
-    for node in graph.nodes:
-        if node.op != "placeholder":
-            continue
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            return None
-        sizes = [s if isinstance(s, int) else getattr(getattr(s, "node", None), "hint", None) for s in val.shape]
-        if not all(isinstance(s, int) for s in sizes):
-            return None
-        out.append([sizes, str(val.dtype).removeprefix("torch.")])
-    return out
+    return example_shapes(graph)
 
 
 _MODEL_OUTPUT = "dpcompile.runtime.exported.model_output"

@@ -13,12 +13,13 @@ import dataclasses
 import logging
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from dpcompile.capture import ROOT_LEAF
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import copy_graph, graph_module
+from dpcompile.fx_utils import PicklableGraph, example_shapes, graph_module, propagate_example_shapes
 from dpcompile.modules.carried import CarriedPrograms
 from dpcompile.modules.other_mode import both_modes
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes
@@ -49,8 +50,11 @@ class PicklesPrograms:
             "buffers": dict(self._buffers),
             "non_persistent": set(self._non_persistent_buffers_set),
             "training": self.training,
-            "graph": copy_graph(self.graph),
-            "captured_graph": copy_graph(self.captured.graph) if self.captured is not None else None,
+            "graph": PicklableGraph(self.graph),
+            "captured_graph": PicklableGraph(self.captured.graph) if self.captured is not None else None,
+            # fake values hold their fake mode (pickle cannot write them): the example shapes to
+            # propagate them again, which lowering the captured program for a new call reads
+            "captured_shapes": example_shapes(self.captured.graph) if self.captured is not None else None,
             "config": {
                 "recipe": self.recipe,
                 "devices": self.devices,
@@ -64,7 +68,7 @@ class PicklesPrograms:
             "main_key": self.program_cache.main_key.portable(),
             "programs": self._portable_programs() if carry_programs else [],
             "traces": [
-                (key.portable(), None if gm is None else copy_graph(gm.graph))
+                (key.portable(), None if gm is None else (PicklableGraph(gm.graph), example_shapes(gm.graph)))
                 for key, gm in self.program_cache.traces.items()
             ],
             "extra": self._extra_state_for_pickle(),
@@ -75,14 +79,15 @@ class PicklesPrograms:
         }
         return (restore_parallel_module, (_importable_class(self), state))
 
-    def _portable_programs(self) -> list[tuple[CallKey, fx.Graph | None]]:
+    def _portable_programs(self) -> list[tuple[CallKey, PicklableGraph | None]]:
         """The programs a copy without the model's class (a pickler that keeps only torch.nn
         classes, an unimportable class) could not trace: the other mode, and every variant met
         so far (optional arguments left None, flags, smaller batches); None: the main program."""
         if self.__dict__.get("traced_model") is None:
-            built = [(key.portable(), None if p is None else copy_graph(p.graph)) for key, p in self.program_cache.items()]
+            built = [(key.portable(), None if p is None else PicklableGraph(p.graph)) for key, p in self.program_cache.items()]
             carried = getattr(self.program_cache.build, "programs", {})  # a restored program's own
-            return [*carried.items(), *built]
+            carried = [(key, None if g is None else PicklableGraph(g)) for key, g in carried.items()]
+            return [*carried, *built]
         main = self.program_cache.main_key
         built = dict(self.program_cache.items())
         # both modes of every pattern met so far, and of the optional arguments left None
@@ -106,7 +111,7 @@ class PicklesPrograms:
             except Exception as e:  # noqa: BLE001 - a program not carried is refused at its call, never run wrong
                 log.debug("no program carried for %s (%s)", key.describe(), e)
                 continue
-            out.append((key.portable(), None if program is None else copy_graph(program.graph)))
+            out.append((key.portable(), None if program is None else PicklableGraph(program.graph)))
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -148,6 +153,7 @@ def _importable_class(pm: Any) -> type:
 def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
     """The program ``state`` describes, as class ``cls`` (unpickling; ``dpcompile.load`` restores a
     program read as data the same way)."""
+    state = _with_graphs(state)
     holder = nn.Module()
     holder._modules.update(state["modules"])
     if state.get("leaf_root") is not None:
@@ -160,6 +166,7 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
     captured = None
     if state["captured_graph"] is not None:
         captured = graph_module(holder, state["captured_graph"], "Captured")
+        propagate_example_shapes(holder, captured.graph, state.get("captured_shapes"), _first_device(config["devices"]))
     pm = cls.__new__(cls)
     cls._init_parallel_module(
         pm,
@@ -191,11 +198,38 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
         main_key = CallKey(main.devices, main.modes, main.none_args, main.flags)
         object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
         pm.program_cache.reset(main_key, CarriedPrograms(pm, state["programs"]))
-        for key, graph in state["traces"]:  # what a data-parallel program lowers for fewer devices
-            pm.program_cache.traces[key] = None if graph is None else graph_module(pm, graph, "Captured")
+        for key, trace in state["traces"]:  # what a data-parallel program lowers for fewer devices
+            pm.program_cache.traces[key] = None if trace is None else _shaped_trace(pm, *trace, config["devices"])
     if state.get("replicated"):  # the guard on inputs the examples gave without the batch
         pm.call_signature = dataclasses.replace(pm.call_signature, replicated=tuple(state["replicated"]))
     return pm
 
 
 __all__ = ["DESCRIBED", "PicklesPrograms", "restore_parallel_module"]
+
+
+def _with_graphs(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each :class:`PicklableGraph` (a pickled copy's) rebuilt as a graph."""
+
+    def graph(g: Any) -> Any:
+        return g.graph() if isinstance(g, PicklableGraph) else g
+
+    return {
+        **state,
+        "graph": graph(state["graph"]),
+        "captured_graph": graph(state["captured_graph"]),
+        "programs": [(key, graph(g)) for key, g in state["programs"]],
+        "traces": [(key, None if t is None else (graph(t[0]), t[1])) for key, t in state["traces"]],
+    }
+
+
+def _shaped_trace(pm: Any, graph: fx.Graph, shapes: Any, devices: Any) -> fx.GraphModule:
+    trace = graph_module(pm, graph, "Captured")
+    propagate_example_shapes(pm, trace.graph, shapes, _first_device(devices))
+    return trace
+
+
+def _first_device(devices: Any) -> Any:
+    """The device fake examples of a restored program's shapes live on (its first device)."""
+    first = devices[0] if isinstance(devices, (list, tuple)) and devices else "cpu"
+    return first if isinstance(first, torch.device) else torch.device(str(first))

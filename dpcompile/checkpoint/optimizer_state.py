@@ -124,7 +124,11 @@ def _save_one(out: SavedState, key: str, name: str, target: Target, pieces: list
             shape = list(ordered[0].shape)
             shape[pieces[0].spec.dim] = target.shape[pieces[0].spec.dim]
             spec = pieces[0].spec
-            out.tensors[file_key] = (tuple(shape), values[0].dtype, lambda o=ordered, s=spec: unshard([x.detach() for x in o], s, "cpu"))
+            out.tensors[file_key] = (
+                tuple(shape),
+                values[0].dtype,
+                lambda o=ordered, s=spec: unshard([x.detach() for x in o], s, "cpu"),
+            )
         return LIKE_PARAM
     if any(not torch.equal(v.detach().cpu(), values[0].detach().cpu()) for v in values[1:]):
         raise CheckpointError(
@@ -158,13 +162,14 @@ def loaded_state(
     groups = []
     for g, (saved, group) in enumerate(zip(saved_groups, current["param_groups"])):
         keys = _unique([places[id(params[i])].key for i in group["params"]])
-        if set(keys) != set(saved["params"]):
-            extra, lacking = sorted(set(keys) - set(saved["params"])), sorted(set(saved["params"]) - set(keys))
+        extra, lacking = sorted(set(keys) - set(saved["params"])), sorted(set(saved["params"]) - set(keys))
+        if extra or (lacking and strict):
             raise CheckpointError(
                 f"param group {g} of the optimizer differs from the checkpoint's: here but not saved {extra[:5]}, "
-                f"saved but not here {lacking[:5]}: build the param groups as the saving run did",
-                file=where,
-            )
+                f"saved but not here {lacking[:5]}: build the param groups as the saving run did"
+                + ("" if extra else " (or pass strict=False to load the state of the parameters this one holds)"),
+                file=where, key=(extra or lacking)[0],
+            )  # fmt: skip
         groups.append({**saved["hyper"], "params": group["params"]})
     kinds = meta["state"]
     entries = files.entries if files is not None else {}
@@ -185,17 +190,11 @@ def loaded_state(
                 raise CheckpointError(f"the checkpoint lacks '{file_key}'", file=where, key=file_key)
             _check_entry(entry, kind, place, file_key)
             if kind == LIKE_PARAM:
-                reads.append((index, name, lambda e=entry, p=place: read_piece(lambda i: read_entry(e, i), p.target, p.piece)))
+                reads.append(
+                    (index, name, lambda e=entry, p=place: read_piece(lambda i: read_entry(e, i), p.target, p.piece))
+                )
             else:
                 reads.append((index, name, lambda e=entry: read_entry(e, None)))
-    if strict:
-        unexpected = sorted(set(kinds) - {p.key for p in places.values()})
-        if unexpected:
-            raise CheckpointError(
-                f"the checkpoint holds optimizer state of {len(unexpected)} parameter(s) this optimizer does not hold: "
-                f"{unexpected[:8]}; pass strict=False to leave them out",
-                file=where, key=unexpected[0],
-            )  # fmt: skip
     for index, name, read in reads:  # everything checked: read each piece's slices
         state[index][name] = read()
     return {"state": state, "param_groups": groups}

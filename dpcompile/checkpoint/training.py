@@ -81,10 +81,14 @@ def write_training(staged: StagedFiles, folder: Path, save: TrainingSave, max_sh
     written: set[Path] = set()
     if save.optimizer is not None:
         tensors = save.optimizer.tensors
-        sizes = [(k, _numel(shape) * torch.empty((), dtype=dtype).element_size()) for k, (shape, dtype, _) in tensors.items()]
+        sizes = [
+            (k, _numel(shape) * torch.empty((), dtype=dtype).element_size()) for k, (shape, dtype, _) in tensors.items()
+        ]
         groups = plan_files(sizes, parse_size(max_shard_size))
         n = len(groups)
-        names = [OPTIMIZER_FILE] if n == 1 else [f"{OPTIMIZER_STEM}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        names = (
+            [OPTIMIZER_FILE] if n == 1 else [f"{OPTIMIZER_STEM}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        )
         for name, group in zip(names, groups):
             entries = [(k, tensors[k][0], tensors[k][1]) for k in group]
             write_safetensors(staged.temp(folder / name), entries, lambda k: tensors[k][2]())
@@ -129,7 +133,9 @@ def read_training(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict
     if optimizer is not None:
         meta = document.get("optimizer")
         if meta is None:
-            raise CheckpointError(f"{path} was saved without optimizer=: there is no optimizer state to load", file=file)
+            raise CheckpointError(
+                f"{path} was saved without optimizer=: there is no optimizer state to load", file=file
+            )
         files = read_checkpoint(path, stem=OPTIMIZER_STEM) if meta["state"] else None
         sd = loaded_state(pm, optimizer, decode(meta), files, strict)  # betas come back a tuple, as saved
         load_optimizer = lambda: optimizer.load_state_dict(sd)  # noqa: E731
@@ -139,7 +145,9 @@ def read_training(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict
         if saved is None:
             raise CheckpointError(f"{path} was saved without lr_scheduler=: there is no scheduler state", file=file)
         if saved["kind"] != _kind(lr_scheduler):
-            raise CheckpointError(f"{file} holds a {saved['kind']}'s state, the scheduler is a {_kind(lr_scheduler)}", file=file)
+            raise CheckpointError(
+                f"{file} holds a {saved['kind']}'s state, the scheduler is a {_kind(lr_scheduler)}", file=file
+            )
         state = decode(saved["state"])
         load_scheduler = lambda: lr_scheduler.load_state_dict(state)  # noqa: E731
     rng = document.get("rng") or {}

@@ -15,7 +15,6 @@ from dpcompile.checkpoint.keys import Conversion, place_keys
 from dpcompile.checkpoint.slices import cut, read_entry, read_piece
 from dpcompile.checkpoint.targets import Target, targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import read_training
-from dpcompile.mesh import is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
 
@@ -65,10 +64,6 @@ def load_checkpoint(
     >>> pm = dpcompile.transform(model, ["cpu"] * 4, tensor_parallel=True)  # doctest: +SKIP
     >>> dpcompile.load_checkpoint(pm, "ckpt/")                             # doctest: +SKIP
     """
-    if is_device_mesh(getattr(pm, "mesh", None)) and optimizer is not None:
-        raise CheckpointError(
-            "load_checkpoint(optimizer=) over a DeviceMesh is not supported yet: load the weights, or run in one process"
-        )
     checkpoint = read_checkpoint(path, allow_symlinks=allow_symlinks)
     training = read_training(pm, Path(path), optimizer, lr_scheduler, strict)  # checked and read; nothing set yet
     targets = targets_of(pm)

@@ -20,9 +20,12 @@ from typing import Any
 
 import torch
 
+from dpcompile.checkpoint.dtensors import RowsOf, gather_like, is_dtensor
 from dpcompile.checkpoint.headers import Checkpoint, CheckpointError
 from dpcompile.checkpoint.slices import read_entry, read_piece
 from dpcompile.checkpoint.targets import Piece, Target, targets_of, tie_groups
+from dpcompile.fx_utils import unalias
+from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.tensor_parallel import unshard
 
 STATE_PREFIX = "optimizer.state."
@@ -63,6 +66,10 @@ def param_places(pm: Any, optimizer: torch.optim.Optimizer) -> dict[int, Place]:
             continue  # a tied key (an LM head tied to the embedding): its tensors are the first key's
         for piece in target.pieces:
             by_tensor.setdefault(id(piece.tensor), Place(key, target, piece))
+    for name, tensor in ParallelModule.state_dict(pm, keep_vars=True).items():
+        key = unalias(name)  # over a mesh FSDP's pieces are the DTensors' local parts: the DTensor is the parameter
+        if key in targets and ties[key][0] == key:
+            by_tensor.setdefault(id(tensor), Place(key, targets[key], targets[key].pieces[0]))
     names = {id(p): n for n, p in pm.named_parameters(remove_duplicate=False)}
     out: dict[int, Place] = {}
     for g, group in enumerate(optimizer.param_groups):
@@ -82,10 +89,10 @@ def saved_state(pm: Any, optimizer: torch.optim.Optimizer) -> SavedState:
     """The optimizer's state keyed by model keys, each state tensor in its parameter's whole layout.
     Everything is checked here, before a byte is written."""
     places = param_places(pm, optimizer)
-    by_key: dict[str, list[tuple[Piece, dict[str, Any]]]] = {}
+    by_key: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
     target_of: dict[str, Target] = {}
     for param, place in ((p, places[id(p)]) for group in optimizer.param_groups for p in group["params"]):
-        by_key.setdefault(place.key, []).append((place.piece, optimizer.state.get(param, {})))
+        by_key.setdefault(place.key, []).append(((param, place.piece), optimizer.state.get(param, {})))
         target_of[place.key] = place.target
     out = SavedState()
     kinds: dict[str, dict[str, Any]] = {}
@@ -97,7 +104,7 @@ def saved_state(pm: Any, optimizer: torch.optim.Optimizer) -> SavedState:
         kinds[key] = {}
         for name in names[0]:
             values = [state[name] for _, state in pieces]
-            kinds[key][name] = _save_one(out, key, name, target, [p for p, _ in pieces], values)
+            kinds[key][name] = _save_one(pm, out, key, name, target, [p for p, _ in pieces], values)
     sd = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     groups = []
@@ -108,14 +115,24 @@ def saved_state(pm: Any, optimizer: torch.optim.Optimizer) -> SavedState:
     return out
 
 
-def _save_one(out: SavedState, key: str, name: str, target: Target, pieces: list[Piece], values: list[Any]) -> Any:
-    """Record one state value of ``key``; returns its kind for the JSON (or the value itself)."""
+def _save_one(
+    pm: Any, out: SavedState, key: str, name: str, target: Target, held: list[tuple[Any, Piece]], values: list[Any]
+) -> Any:
+    """Record one state value of ``key`` (``held``: each parameter holding it and its piece);
+    returns its kind for the JSON (or the value itself)."""
     file_key = f"{STATE_PREFIX}{key}.{name}"
     if not all(isinstance(v, torch.Tensor) for v in values):
         if any(isinstance(v, torch.Tensor) for v in values) or any(v != values[0] for v in values):
             raise CheckpointError(f"the optimizer's state '{name}' of '{key}' differs between its shards")
         return {"value": values[0]}
-    like_param = all(tuple(v.shape) == tuple(p.tensor.shape) for v, p in zip(values, pieces))
+    like_param = all(tuple(v.shape) == tuple(param.shape) for v, (param, _) in zip(values, held))
+    pieces = [p for _, p in held]
+    if like_param and not target.gathered:  # over a mesh: gathered from the ranks, one tensor at a time
+        gather = gather_like(pm, values[0], (getattr(pm, "shards", None) or {}).get(key))
+        out.tensors[file_key] = (tuple(target.shape), values[0].dtype, gather)
+        return LIKE_PARAM
+    if is_dtensor(values[0]):
+        raise CheckpointError(f"the optimizer's state '{name}' of '{key}' is a DTensor not laid out as its parameter")
     if like_param:
         if pieces[0].spec is None:
             out.tensors[file_key] = (tuple(values[0].shape), values[0].dtype, lambda v=values[0]: v.detach().to("cpu"))
@@ -190,14 +207,28 @@ def loaded_state(
                 raise CheckpointError(f"the checkpoint lacks '{file_key}'", file=where, key=file_key)
             _check_entry(entry, kind, place, file_key)
             if kind == LIKE_PARAM:
-                reads.append(
-                    (index, name, lambda e=entry, p=place: read_piece(lambda i: read_entry(e, i), p.target, p.piece))
-                )
+                reads.append((index, name, lambda e=entry, p=place, q=param: _read_like(e, p, q)))
             else:
                 reads.append((index, name, lambda e=entry: read_entry(e, None)))
     for index, name, read in reads:  # everything checked: read each piece's slices
         state[index][name] = read()
     return {"state": state, "param_groups": groups}
+
+
+def _read_like(entry: Any, place: Place, param: Any) -> torch.Tensor:
+    """This parameter's part of a state tensor laid out as the parameter, read as slices; over a
+    mesh a DTensor parameter's is a DTensor of this rank's rows."""
+    value = read_piece(lambda i: read_entry(entry, i), place.target, place.piece)
+    if isinstance(place.piece.tensor, RowsOf):  # FSDP's rows of a tensor-parallel shard
+        rows = place.piece.tensor
+        value = value.narrow(rows.dim, rows.start, rows.size)
+    if not is_dtensor(param):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    local = value.to(param.to_local().device).contiguous()
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())  # fmt: skip
 
 
 def _check_entry(entry: Any, kind: str, place: Place, file_key: str) -> None:

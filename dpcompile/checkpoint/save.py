@@ -19,8 +19,7 @@ from dpcompile.checkpoint.files import (
     write_safetensors,
 )
 from dpcompile.checkpoint.targets import targets_of, tie_groups
-from dpcompile.checkpoint.training import prepare_training, stale_training_files, write_training
-from dpcompile.mesh import is_device_mesh
+from dpcompile.checkpoint.training import prepare_training, stale_training_files, take_part, write_training
 from dpcompile.modules.base import ParallelModule
 
 log = logging.getLogger("dpcompile")
@@ -70,10 +69,6 @@ def save_checkpoint(
         raise ValueError(
             f"{path}: a training checkpoint (optimizer=, lr_scheduler=, extra=) is a folder; pass a folder path"
         )
-    if is_device_mesh(getattr(pm, "mesh", None)) and optimizer is not None:
-        raise CheckpointError(
-            "save_checkpoint(optimizer=) over a DeviceMesh is not supported yet: save the weights, or run in one process"
-        )
     training = prepare_training(pm, optimizer, lr_scheduler, extra)  # checked whole before a byte is written
     targets = targets_of(pm)
     ties = tie_groups(targets)
@@ -115,7 +110,11 @@ def save_checkpoint(
                 "weight_map": {k: file.name for file, group in files.items() for k in group},
             }
             staged.write_text(path / INDEX_FILE, json.dumps(index, indent=2))
-        written = write_training(staged, path, training, max_shard_size) if writes and training is not None else set()
+        written: set[Path] = set()
+        if training is not None and writes:
+            written = write_training(staged, path, training, max_shard_size)
+        elif training is not None:  # the other ranks take part in the gathers of the optimizer's state
+            take_part(training)
     except BaseException:
         staged.discard()
         raise

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dpcompile.checkpoint.dtensors import ranks_of
 from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, write_safetensors
 from dpcompile.checkpoint.headers import CheckpointError, read_checkpoint
 from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, saved_state
@@ -69,7 +70,7 @@ def prepare_training(pm: Any, optimizer: Any, lr_scheduler: Any, extra: Any) -> 
         "lr_scheduler": None if lr_scheduler is None else {
             "kind": _kind(lr_scheduler), "state": encode(lr_scheduler.state_dict()),
         },
-        "rng": _rng_state(),
+        "rng": _rng_state(pm),
         "extra": extra,
     }  # fmt: skip
     _dumps(document, "the optimizer's or scheduler's state")
@@ -103,6 +104,14 @@ def write_training(staged: StagedFiles, folder: Path, save: TrainingSave, max_sh
     staged.write_text(folder / TRAINING_FILE, json.dumps(save.document, indent=1))
     written.add(folder / TRAINING_FILE)
     return written
+
+
+def take_part(save: TrainingSave) -> None:
+    """Over a mesh, on the ranks that do not write: the gathers of the optimizer's tensors, in the
+    writer's order (each maker is a collective there)."""
+    if save.optimizer is not None:
+        for _, _, make in save.optimizer.tensors.values():
+            make()
 
 
 def stale_training_files(folder: Path, new: set[Path]) -> list[Path]:
@@ -150,7 +159,7 @@ def read_training(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict
             )
         state = decode(saved["state"])
         load_scheduler = lambda: lr_scheduler.load_state_dict(state)  # noqa: E731
-    rng = document.get("rng") or {}
+    rng = _own_rng(pm, document.get("rng") or {})
     return TrainingLoad(load_optimizer, load_scheduler, lambda: _set_rng(rng), document.get("extra"))
 
 
@@ -206,12 +215,32 @@ def _kind(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _rng_state() -> dict[str, Any]:
-    """The CPU generator's state, and each CUDA device's where CUDA is in use."""
+def _rng_state(pm: Any) -> dict[str, Any]:
+    """The CPU generator's state, and each CUDA device's where CUDA is in use; over a mesh every
+    rank's too (``ranks``), so that each rank of the same mesh size gets its own back."""
     out: dict[str, Any] = {"cpu": _b64(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    over, group = ranks_of(pm)
+    if over:
+        import torch.distributed as dist
+
+        ranks: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ranks, dict(out), group=group)
+        out["ranks"] = ranks
     return out
+
+
+def _own_rng(pm: Any, rng: dict[str, Any]) -> dict[str, Any]:
+    """This rank's RNG states where the save had as many ranks; else the saving rank 0's."""
+    over, group = ranks_of(pm)
+    ranks = rng.get("ranks")
+    if over and isinstance(ranks, list):
+        import torch.distributed as dist
+
+        if len(ranks) == dist.get_world_size(group):
+            return ranks[dist.get_rank(group)]
+    return rng
 
 
 def _set_rng(rng: dict[str, Any]) -> None:
@@ -240,5 +269,5 @@ def _numel(shape: Any) -> int:
 
 __all__ = [
     "OPTIMIZER_FILE", "OPTIMIZER_INDEX", "TRAINING_FILE", "TrainingLoad", "TrainingSave", "decode", "encode",
-    "prepare_training", "read_training", "stale_training_files", "write_training",
+    "prepare_training", "read_training", "stale_training_files", "take_part", "write_training",
 ]  # fmt: skip

@@ -14,19 +14,20 @@ state tensor whole, so that what one layout saved loads into any other.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dpcompile.checkpoint.dtensors import RowsOf, gather_like, is_dtensor
+from dpcompile.checkpoint.files import Runs
 from dpcompile.checkpoint.headers import Checkpoint, CheckpointError
 from dpcompile.checkpoint.slices import read_entry, read_piece
 from dpcompile.checkpoint.targets import Piece, Target, targets_of, tie_groups
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
-from dpcompile.runtime.tensor_parallel import unshard
+from dpcompile.runtime.tensor_parallel import ShardSpec
 
 STATE_PREFIX = "optimizer.state."
 LIKE_PARAM = "param"  # a state tensor laid out as its parameter (exp_avg, momentum_buffer): sliced as it is
@@ -47,7 +48,9 @@ class SavedState:
     """What a save writes of an optimizer: ``tensors`` (file key -> shape, dtype and a maker that
     puts the whole tensor together) and ``meta`` (JSON-able: kind, groups, the kind of each state)."""
 
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]] = field(default_factory=dict)
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[], torch.Tensor | Runs]]] = field(
+        default_factory=dict
+    )
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -138,14 +141,9 @@ def _save_one(
             out.tensors[file_key] = (tuple(values[0].shape), values[0].dtype, lambda v=values[0]: v.detach().to("cpu"))
         else:
             ordered = [v for _, v in sorted(zip((p.index for p in pieces), values), key=lambda x: x[0])]
-            shape = list(ordered[0].shape)
-            shape[pieces[0].spec.dim] = target.shape[pieces[0].spec.dim]
             spec = pieces[0].spec
-            out.tensors[file_key] = (
-                tuple(shape),
-                values[0].dtype,
-                lambda o=ordered, s=spec: unshard([x.detach() for x in o], s, "cpu"),
-            )
+            runs = Runs(target.shape, values[0].dtype, lambda o=ordered, s=spec: shard_runs(o, s))
+            out.tensors[file_key] = (tuple(target.shape), values[0].dtype, lambda r=runs: r)
         return LIKE_PARAM
     if any(not torch.equal(v.detach().cpu(), values[0].detach().cpu()) for v in values[1:]):
         raise CheckpointError(
@@ -154,6 +152,19 @@ def _save_one(
         )
     out.tensors[file_key] = (tuple(values[0].shape), values[0].dtype, lambda v=values[0]: v.detach().to("cpu"))
     return WHOLE
+
+
+def shard_runs(shards: list[torch.Tensor], spec: ShardSpec) -> Iterator[torch.Tensor]:
+    """The bytes of the whole tensor in order, as runs of its ``shards`` (each on its device; by
+    sections for a fused qkv): for each index before the split dim, each section, each shard."""
+    outer = 1
+    for size in shards[0].shape[: spec.dim]:
+        outer *= size
+    views = [s.detach().reshape(outer, spec.sections, -1) for s in shards]
+    for o in range(outer):
+        for section in range(spec.sections):
+            for view in views:
+                yield view[o, section]
 
 
 def loaded_state(

@@ -331,7 +331,7 @@ import dpcompile
 from dpcompile.checkpoint import save, training
 from tests.integration.test_training_checkpoint import LAYOUTS, batches, build, train_step
 
-pm, opt, sched = build(LAYOUTS["tp2"])
+pm, opt, sched = build(LAYOUTS["dp3"])
 train_step(pm, opt, sched, batches()[0])
 dpcompile.save_checkpoint(pm, {path!r}, optimizer=opt, lr_scheduler=sched, extra={{"step": 1}})
 torch.save({{k: v for k, v in pm.state_dict().items()}}, {expected!r})
@@ -362,3 +362,25 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     for key, value in pm.state_dict().items():
         assert torch.equal(value, params[key]), key
     assert all(float(s["step"]) == 1.0 for s in opt.state.values())
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "sizes", "sections"),
+    [
+        ((7, 4), 0, (4, 3), 1),
+        ((5, 6), 1, (2, 4), 1),
+        ((18, 4), 0, (12, 6), 3),
+        ((2, 3, 9), 2, (6, 3), 3),
+        ((8,), 0, (5, 3), 1),
+    ],
+)
+def test_shard_runs_are_the_whole_tensors_bytes(shape, dim, sizes, sections):
+    """A sharded state tensor is written as runs of its shards, never put together: the runs'
+    bytes are the whole tensor's, in order (row, column and fused-qkv shards, uneven too)."""
+    from dpcompile.checkpoint.optimizer_state import shard_runs
+    from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of
+
+    whole = torch.randn(shape, dtype=torch.float64)
+    spec = ShardSpec(dim, sizes, sections=sections)
+    shards = [shard_of(whole, spec, k) for k in range(len(sizes))]
+    assert torch.equal(torch.cat([r.reshape(-1) for r in shard_runs(shards, spec)]), whole.reshape(-1))

@@ -14,7 +14,7 @@ state tensor whole, so that what one layout saved loads into any other.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +24,9 @@ from dpcompile.checkpoint.dtensors import RowsOf, gather_like, is_dtensor
 from dpcompile.checkpoint.files import Runs
 from dpcompile.checkpoint.headers import Checkpoint, CheckpointError
 from dpcompile.checkpoint.slices import read_entry, read_piece
-from dpcompile.checkpoint.targets import Piece, Target, targets_of, tie_groups
+from dpcompile.checkpoint.targets import Piece, Target, shard_runs, targets_of, tie_groups
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
-from dpcompile.runtime.tensor_parallel import ShardSpec
 
 STATE_PREFIX = "optimizer.state."
 LIKE_PARAM = "param"  # a state tensor laid out as its parameter (exp_avg, momentum_buffer): sliced as it is
@@ -152,19 +151,6 @@ def _save_one(
         )
     out.tensors[file_key] = (tuple(values[0].shape), values[0].dtype, lambda v=values[0]: v.detach().to("cpu"))
     return WHOLE
-
-
-def shard_runs(shards: list[torch.Tensor], spec: ShardSpec) -> Iterator[torch.Tensor]:
-    """The bytes of the whole tensor in order, as runs of its ``shards`` (each on its device; by
-    sections for a fused qkv): for each index before the split dim, each section, each shard."""
-    outer = 1
-    for size in shards[0].shape[: spec.dim]:
-        outer *= size
-    views = [s.detach().reshape(outer, spec.sections, -1) for s in shards]
-    for o in range(outer):
-        for section in range(spec.sections):
-            for view in views:
-                yield view[o, section]
 
 
 def loaded_state(

@@ -40,8 +40,8 @@ def save_checkpoint(
     ``path`` ending in ``.safetensors`` is one file; any other ``path`` is a folder (created)
     holding ``model.safetensors``, or ``model-00001-of-0000n.safetensors`` files and
     ``model.safetensors.index.json`` where the tensors pass ``max_shard_size`` (bytes, or
-    ``"5GB"``, ``"500MiB"``). Each tensor is put together from its shards only when its bytes
-    are written, so the model is never gathered whole. Of tied keys (an LM head tied to the
+    ``"5GB"``, ``"500MiB"``). A sharded tensor is written as the runs of its shards' bytes, never
+    put together (over a mesh: gathered one tensor at a time), so the model is never gathered whole. Of tied keys (an LM head tied to the
     embedding) only the first is written, as transformers does; ``load_checkpoint`` ties them
     back. Over a mesh it is a collective (sharded tensors are all-gathered): call it on every
     rank; rank 0 writes. Returns ``path``.
@@ -79,7 +79,7 @@ def save_checkpoint(
     def make(key: str):
         target = targets[key]
         if target.gathered:
-            return target.full()
+            return target.runs()  # a sharded tensor: its shards' bytes in order, never put together
         return target.gather()  # this rank's shard: the others' come by all-gather, one tensor at a time
 
     if path.suffix == ".safetensors":

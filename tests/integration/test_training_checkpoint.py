@@ -374,13 +374,17 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
         ((8,), 0, (5, 3), 1),
     ],
 )
-def test_shard_runs_are_the_whole_tensors_bytes(shape, dim, sizes, sections):
-    """A sharded state tensor is written as runs of its shards, never put together: the runs'
-    bytes are the whole tensor's, in order (row, column and fused-qkv shards, uneven too)."""
-    from dpcompile.checkpoint.optimizer_state import shard_runs
+def test_shard_runs_are_the_whole_tensors_bytes(shape, dim, sizes, sections, monkeypatch):
+    """A sharded tensor is written as runs of its shards, never put together: the runs' bytes are
+    the whole tensor's, in order (row, column and fused-qkv shards, uneven too; rows in blocks)."""
+    from dpcompile.checkpoint import targets
     from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of
 
     whole = torch.randn(shape, dtype=torch.float64)
     spec = ShardSpec(dim, sizes, sections=sections)
     shards = [shard_of(whole, spec, k) for k in range(len(sizes))]
-    assert torch.equal(torch.cat([r.reshape(-1) for r in shard_runs(shards, spec)]), whole.reshape(-1))
+    for run_bytes in (targets.RUN_BYTES, 1, 100):  # one block of rows, a row at a time, a few rows
+        monkeypatch.setattr(targets, "RUN_BYTES", run_bytes)
+        runs = list(targets.shard_runs(shards, spec))
+        assert all(r.numel() < whole.numel() for r in runs) or dim > 0 and run_bytes == targets.RUN_BYTES
+        assert torch.equal(torch.cat([r.reshape(-1) for r in runs]), whole.reshape(-1)), run_bytes

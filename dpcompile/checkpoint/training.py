@@ -145,8 +145,13 @@ def read_training(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict
             raise CheckpointError(
                 f"{path} was saved without optimizer=: there is no optimizer state to load", file=file
             )
-        files = read_checkpoint(path, stem=OPTIMIZER_STEM) if meta["state"] else None
-        sd = loaded_state(pm, optimizer, decode(meta), files, strict)  # betas come back a tuple, as saved
+        try:
+            files = read_checkpoint(path, stem=OPTIMIZER_STEM) if meta["state"] else None
+            sd = loaded_state(pm, optimizer, decode(meta), files, strict)  # betas come back a tuple, as saved
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise CheckpointError(
+                f"{file}: its optimizer entry is malformed ({type(e).__name__}: {e})", file=file
+            ) from None
         load_optimizer = lambda: optimizer.load_state_dict(sd)  # noqa: E731
     load_scheduler = None
     if lr_scheduler is not None:

@@ -7,6 +7,7 @@ uninterrupted eager run. Then what a load refuses (and leaves untouched), and a 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -292,6 +293,12 @@ def test_refused_loads_name_the_fault_and_change_nothing(tp_checkpoint, tmp_path
         dpcompile.load_checkpoint(
             pm, _edited(tp_checkpoint, tmp_path / "lacking", drop), optimizer=opt, lr_scheduler=sched
         )
+    malformed = _edited(tp_checkpoint, tmp_path / "malformed", lambda tensors: None)
+    document = json.loads((malformed / "training_state.json").read_text())
+    document["optimizer"]["groups"] = 5
+    (malformed / "training_state.json").write_text(json.dumps(document))
+    with pytest.raises(CheckpointError, match="optimizer entry is malformed"):
+        dpcompile.load_checkpoint(pm, malformed, optimizer=opt)
     _assert_unchanged(pm, opt, snapshot)
     assert sched.last_epoch == 1
 

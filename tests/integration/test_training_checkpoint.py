@@ -328,6 +328,9 @@ def test_bad_save_arguments_write_nothing(tmp_path):
         dpcompile.save_checkpoint(pm, tmp_path / "b.safetensors", optimizer=opt)
     with pytest.raises(ValueError, match="format='safetensors'"):
         dpcompile.save_checkpoint(pm, tmp_path / "c", format="zip")
+    foreign = torch.optim.AdamW(make_model().parameters())  # the model's tensors, not the program's
+    with pytest.raises(CheckpointError, match="not a parameter of this program"):
+        dpcompile.save_checkpoint(pm, tmp_path / "d", optimizer=foreign)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -41,9 +41,9 @@ def save_checkpoint(
     holding ``model.safetensors``, or ``model-00001-of-0000n.safetensors`` files and
     ``model.safetensors.index.json`` where the tensors pass ``max_shard_size`` (bytes, or
     ``"5GB"``, ``"500MiB"``). A sharded tensor is written as the runs of its shards' bytes, never
-    put together (over a mesh: gathered one tensor at a time), so the model is never gathered whole. Of tied keys (an LM head tied to the
-    embedding) only the first is written, as transformers does; ``load_checkpoint`` ties them
-    back. Over a mesh it is a collective (sharded tensors are all-gathered): call it on every
+    put together (over a mesh: gathered one tensor at a time), so the model is never gathered
+    whole. Of tied keys (an LM head tied to the embedding) only the first is written, as
+    transformers does; ``load_checkpoint`` ties them back. Over a mesh it is a collective (sharded tensors are all-gathered): call it on every
     rank; rank 0 writes. Returns ``path``.
 
     A training checkpoint (a folder): with ``optimizer=`` its state, keyed by the model's
@@ -59,7 +59,9 @@ def save_checkpoint(
     PosixPath('ckpt')
     """
     if format != "safetensors":
-        raise ValueError(f"format={format!r}: only format='safetensors' is available (torch.distributed.checkpoint is not yet)")
+        raise ValueError(
+            f"format={format!r}: only format='safetensors' is available (torch.distributed.checkpoint is not yet)"
+        )
     if pm.needs_weights:
         raise CheckpointError(
             "this program has no weights yet (built on meta): dpcompile.load_checkpoint(pm, path) first"

@@ -65,7 +65,7 @@ def load_checkpoint(
     >>> dpcompile.load_checkpoint(pm, "ckpt/")                             # doctest: +SKIP
     """
     checkpoint = read_checkpoint(path, allow_symlinks=allow_symlinks)
-    training = read_training(pm, Path(path), optimizer, lr_scheduler, strict)  # checked and read; nothing set yet
+    training = read_training(pm, Path(path), optimizer, lr_scheduler, strict, checkpoint.files())  # checked and read; nothing set yet
     targets = targets_of(pm)
     ties = tie_groups(targets)
     buffers = unset_buffers(pm, list(pm.__dict__.get(UNSET_BUFFERS, [])))

@@ -19,7 +19,13 @@ from dpcompile.checkpoint.files import (
     write_safetensors,
 )
 from dpcompile.checkpoint.targets import targets_of, tie_groups
-from dpcompile.checkpoint.training import prepare_training, stale_training_files, take_part, write_training
+from dpcompile.checkpoint.training import (
+    prepare_training,
+    save_stamp,
+    stale_training_files,
+    take_part,
+    write_training,
+)
 from dpcompile.modules.base import ParallelModule
 
 log = logging.getLogger("dpcompile")
@@ -97,11 +103,12 @@ def save_checkpoint(
     # every file is written beside its final name and renamed into place at the end: a save that
     # fails midway leaves the previous checkpoint as it was, and loadable
     staged = StagedFiles()
+    stamp = save_stamp(staged.token) if training is not None else None  # every file of a training save: its token
     try:
         for file, group in files.items():
             entries = [(k, targets[k].shape, targets[k].dtype) for k in group]
             if writes:
-                write_safetensors(staged.temp(file), entries, make)
+                write_safetensors(staged.temp(file), entries, make, stamp)
             else:  # the other ranks take part in the all-gathers only
                 for k in group:
                     if not targets[k].gathered:

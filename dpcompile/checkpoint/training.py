@@ -32,6 +32,7 @@ OPTIMIZER_FILE = f"{OPTIMIZER_STEM}.safetensors"
 OPTIMIZER_INDEX = f"{OPTIMIZER_STEM}.safetensors.index.json"
 FORMAT = "dpcompile.training_state"
 VERSION = 1
+SAVE_KEY = "dpcompile_save"
 
 
 @dataclass
@@ -92,7 +93,7 @@ def write_training(staged: StagedFiles, folder: Path, save: TrainingSave, max_sh
         )
         for name, group in zip(names, groups):
             entries = [(k, tensors[k][0], tensors[k][1]) for k in group]
-            write_safetensors(staged.temp(folder / name), entries, lambda k: tensors[k][2]())
+            write_safetensors(staged.temp(folder / name), entries, lambda k: tensors[k][2](), save_stamp(staged.token))
             written.add(folder / name)
         if n > 1:
             index = {
@@ -101,9 +102,15 @@ def write_training(staged: StagedFiles, folder: Path, save: TrainingSave, max_sh
             }
             staged.write_text(folder / OPTIMIZER_INDEX, json.dumps(index, indent=2))
             written.add(folder / OPTIMIZER_INDEX)
-    staged.write_text(folder / TRAINING_FILE, json.dumps(save.document, indent=1))
+    staged.write_text(folder / TRAINING_FILE, json.dumps({**save.document, "save": staged.token}, indent=1))
     written.add(folder / TRAINING_FILE)
     return written
+
+
+def save_stamp(token: str) -> dict[str, str]:
+    """The metadata of every safetensors file of a training save: the save's token, which
+    ``training_state.json`` names too, so that a load sees files of two saves mixed."""
+    return {"format": "pt", SAVE_KEY: token}
 
 
 def take_part(save: TrainingSave) -> None:
@@ -121,7 +128,9 @@ def stale_training_files(folder: Path, new: set[Path]) -> list[Path]:
     return [f for f in old if f not in new and f.is_file()]
 
 
-def read_training(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: bool) -> TrainingLoad:
+def read_training(
+    pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: bool, weights: list[Path]
+) -> TrainingLoad:
     """Everything a load sets besides the weights, checked and read (each piece's slices only);
     nothing is set yet. Raises :class:`CheckpointError` naming what disagrees."""
     file = path / TRAINING_FILE
@@ -138,6 +147,8 @@ def read_training(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict
         raise CheckpointError(f"{file} cannot be read as JSON ({e})", file=file) from None
     if not isinstance(document, dict) or document.get("format") != FORMAT or document.get("version") != VERSION:
         raise CheckpointError(f"{file} is not a dpcompile training state of version {VERSION}", file=file)
+    if optimizer is not None or lr_scheduler is not None:
+        _same_save(document, file, weights)
     load_optimizer = None
     if optimizer is not None:
         meta = document.get("optimizer")
@@ -147,6 +158,7 @@ def read_training(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict
             )
         try:
             files = read_checkpoint(path, stem=OPTIMIZER_STEM) if meta["state"] else None
+            _same_save(document, file, files.files() if files is not None else [])
             sd = loaded_state(pm, optimizer, decode(meta), files, strict)  # betas come back a tuple, as saved
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise CheckpointError(
@@ -166,6 +178,25 @@ def read_training(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict
         load_scheduler = lambda: lr_scheduler.load_state_dict(state)  # noqa: E731
     rng = _own_rng(pm, document.get("rng") or {})
     return TrainingLoad(load_optimizer, load_scheduler, lambda: _set_rng(rng), document.get("extra"))
+
+
+def _same_save(document: dict[str, Any], file: Path, files: list[Path]) -> None:
+    """Every file carries the token of the save ``training_state.json`` names, or the load is refused."""
+    from safetensors import safe_open
+
+    token = document.get("save")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as opened:
+                stamp = (opened.metadata() or {}).get(SAVE_KEY)
+        except Exception as e:  # noqa: BLE001 - safetensors' errors name no file
+            raise CheckpointError(f"{f} cannot be read ({type(e).__name__}: {e})", file=f) from None
+        if stamp != token:
+            raise CheckpointError(
+                f"{f.name} is not from the save {file.name} describes ({stamp} vs {token}): the folder mixes two saves "
+                "(a crash during a save's final renames, or files copied in); load the weights alone or save again",
+                file=f,
+            )
 
 
 def encode(value: Any) -> Any:

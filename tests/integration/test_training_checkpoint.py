@@ -246,14 +246,17 @@ def tp_checkpoint(tmp_path_factory):
 
 def _edited(checkpoint: Path, to: Path, edit) -> Path:
     """A copy of ``checkpoint`` whose optimizer tensors ``edit`` changed."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     to.mkdir()
     for file in checkpoint.iterdir():
         (to / file.name).write_bytes(file.read_bytes())
     tensors = load_file(to / "optimizer.safetensors")
+    with safe_open(str(to / "optimizer.safetensors"), framework="pt") as f:
+        metadata = f.metadata()  # the save's token: still the same save
     edit(tensors)
-    save_file(tensors, to / "optimizer.safetensors")
+    save_file(tensors, to / "optimizer.safetensors", metadata=metadata)
     return to
 
 
@@ -398,3 +401,21 @@ def test_shard_runs_are_the_whole_tensors_bytes(shape, dim, sizes, sections, mon
         runs = list(targets.shard_runs(shards, spec))
         assert all(r.numel() < whole.numel() for r in runs) or dim > 0 and run_bytes == targets.RUN_BYTES
         assert torch.equal(torch.cat([r.reshape(-1) for r in runs]), whole.reshape(-1)), run_bytes
+
+
+def test_a_folder_mixing_two_saves_is_refused(tp_checkpoint, tmp_path):
+    """Weights of another save copied over a training checkpoint's (what a crash among the final
+    renames leaves): the files' save token differs from training_state.json's; nothing loaded."""
+    pm, opt, sched = _trained_pp()
+    snapshot = _snapshot(pm, opt)
+    other = tmp_path / "other"
+    dpcompile.save_checkpoint(pm, other, optimizer=opt)
+    mixed = _edited(tp_checkpoint, tmp_path / "mixed", lambda tensors: None)
+    (mixed / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="model.safetensors is not from the save.*mixes two saves"):
+        dpcompile.load_checkpoint(pm, mixed, optimizer=opt, lr_scheduler=sched)
+    (mixed / "model.safetensors").write_bytes((tp_checkpoint / "model.safetensors").read_bytes())
+    (mixed / "optimizer.safetensors").write_bytes((other / "optimizer.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="optimizer.safetensors is not from the save"):
+        dpcompile.load_checkpoint(pm, mixed, optimizer=opt)
+    _assert_unchanged(pm, opt, snapshot)

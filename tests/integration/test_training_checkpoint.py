@@ -360,6 +360,7 @@ dpcompile.save_checkpoint(pm, {path!r}, optimizer=opt, lr_scheduler=sched, extra
 """
 
 
+@pytest.mark.slow  # a fresh process: torch's import and a build, about 10 s
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
     script = KILLED_SAVE.format(root=str(ROOT), path=str(path), expected=str(expected))

@@ -29,7 +29,7 @@ from dpcompile.mesh import is_device_mesh
 from dpcompile.runtime.distributed import MeshGroup, all_gather
 from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections
 
-__all__ = ["PeerFailed", "RowsOf", "check_peers", "is_dtensor", "localize", "ranks_of", "signal"]
+__all__ = ["PeerFailed", "RowsOf", "check_peers", "gather_like", "is_dtensor", "localize", "ranks_of", "signal"]
 
 
 class PeerFailed(CheckpointError):
@@ -151,6 +151,14 @@ def _local_region(tensor: Any) -> tuple[list[int], list[int]]:
         starts[d] += begin
         sizes[d] = max(0, min(chunk, sizes[d] - begin))
     return starts, sizes
+
+
+def gather_like(pm: Any, tensor: Any, spec: ShardSpec | None) -> Callable[[], torch.Tensor]:
+    """A collective giving the full tensor of ``tensor`` on the CPU, laid out as a parameter:
+    a DTensor's rows (FSDP), then the tensor-parallel shards under ``spec``, as for a weight."""
+    if is_dtensor(tensor):
+        return _dtensor_gather(pm, tensor, spec)
+    return _tensor_parallel_gather(pm, tensor, spec)
 
 
 def _dtensor_gather(pm: Any, tensor: Any, outer: ShardSpec | None) -> Callable[[], torch.Tensor]:

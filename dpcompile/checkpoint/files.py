@@ -32,15 +32,25 @@ def find_tensors(path: str | Path, *, allow_symlinks: bool = False) -> dict[str,
     return {key: e.file for key, e in read_checkpoint(path, allow_symlinks=allow_symlinks).entries.items()}
 
 
+class Runs:
+    """A tensor of ``shape`` and ``dtype`` given as the runs of its bytes in order (``parts()``
+    yields tensors whose bytes, one after the other, are the tensor's): a sharded tensor written
+    shard by shard, never put together."""
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, parts: Callable[[], Iterable[torch.Tensor]]):
+        self.shape, self.dtype, self.parts = tuple(shape), dtype, parts
+
+
 def write_safetensors(
     path: str | Path,
     entries: Sequence[tuple[str, Sequence[int], torch.dtype]],
-    make: Callable[[str], torch.Tensor],
+    make: Callable[[str], torch.Tensor | Runs],
     metadata: Mapping[str, str] | None = None,
 ) -> int:
     """Write a safetensors file holding ``entries`` (key, shape, dtype), asking ``make(key)``
-    for each tensor only when its bytes are due: one tensor in memory at a time. Returns the
-    bytes of tensor data written. ``safetensors.safe_open`` reads it as any other."""
+    for each tensor only when its bytes are due: one tensor in memory at a time (or a
+    :class:`Runs`: its parts one after the other). Returns the bytes of tensor data written.
+    ``safetensors.safe_open`` reads it as any other."""
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     for key, shape, dtype in entries:
@@ -61,8 +71,13 @@ def write_safetensors(
                 raise CheckpointError(
                     f"'{key}': made {tuple(tensor.shape)} {tensor.dtype}, announced {tuple(shape)} {dtype}"
                 )
-            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            f.write(memoryview(data.numpy()))
+            size = 0
+            for part in tensor.parts() if isinstance(tensor, Runs) else [tensor]:
+                data = part.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))
+                size += data.numel()
+            if size != _numel(shape) * torch.empty((), dtype=dtype).element_size():
+                raise CheckpointError(f"'{key}': {size} bytes made, {list(shape)} {dtype} announced")
         f.flush()
         os.fsync(f.fileno())
     return offset
@@ -173,6 +188,6 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 __all__ = [
-    "DTYPES", "DTYPE_OF", "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "StagedFiles", "find_tensors", "parse_size", "plan_files",
+    "DTYPES", "DTYPE_OF", "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "Runs", "StagedFiles", "find_tensors", "parse_size", "plan_files",
     "shard_file_name", "write_safetensors",
 ]  # fmt: skip

@@ -87,38 +87,40 @@ class Checkpoint:
         return sorted({e.file for e in self.entries.values()})
 
 
-def read_checkpoint(path: str | Path, *, allow_symlinks: bool = False) -> Checkpoint:
+def read_checkpoint(path: str | Path, *, allow_symlinks: bool = False, stem: str = "model") -> Checkpoint:
     """Validate the checkpoint at ``path`` (a ``.safetensors`` file, or a folder holding
     ``model.safetensors`` or shards with ``model.safetensors.index.json``); nothing is read
-    from a tensor's data.
+    from a tensor's data. ``stem="optimizer"``: the folder's ``optimizer.safetensors`` (or its
+    index) instead, where ``save_checkpoint(..., optimizer=)`` writes the optimizer's state.
 
     >>> read_checkpoint("ckpt/").entries["fc.weight"]  # doctest: +SKIP
     Entry(key='fc.weight', file=PosixPath('ckpt/model.safetensors'), dtype='F32', shape=(8, 4), ...)
     """
     path = Path(path)
+    single_name, index_name = f"{stem}.safetensors", f"{stem}.safetensors.index.json"
     if not path.exists():
         raise CheckpointError(
-            f"no checkpoint at {path}: expected a .safetensors file or a folder holding {SINGLE_FILE}", file=path
+            f"no checkpoint at {path}: expected a .safetensors file or a folder holding {single_name}", file=path
         )
     if not path.is_dir():
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path} is not a .safetensors file; pass a .safetensors file or a checkpoint folder", file=path)
         _regular_file(path, path.parent, allow_symlinks, path)
         return Checkpoint(path, read_header(path))
-    index = path / INDEX_FILE
+    index = path / index_name
     if index.exists() or index.is_symlink():
         _regular_file(index, path, allow_symlinks, index)
         weight_map = read_index(index)
         files = {name: _inside(path, name, index, allow_symlinks) for name in sorted(set(weight_map.values()))}
         headers = {name: read_header(file) for name, file in files.items()}
         return Checkpoint(path, _shard_set(index, weight_map, headers))
-    single = path / SINGLE_FILE
+    single = path / single_name
     if single.exists() or single.is_symlink():
         _regular_file(single, path, allow_symlinks, single)
         return Checkpoint(path, read_header(single))
     found = sorted(p.name for p in path.glob("*.safetensors"))
     raise CheckpointError(
-        f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}"
+        f"{path} holds neither {single_name} nor {index_name}"
         + (f" (it has {', '.join(found[:4])}: write the index json that maps keys to them)" if found else ""),
         file=path,
     )

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,9 @@ import torch
 from dpcompile.checkpoint.buffers import compute_buffers
 from dpcompile.checkpoint.headers import CheckpointError, Entry, read_checkpoint
 from dpcompile.checkpoint.keys import Conversion, place_keys
-from dpcompile.checkpoint.targets import Piece, Target, targets_of, tie_groups, unset_buffers
+from dpcompile.checkpoint.slices import cut, read_entry, read_piece
+from dpcompile.checkpoint.targets import Target, targets_of, tie_groups, unset_buffers
+from dpcompile.checkpoint.training import read_training
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
 
@@ -24,6 +25,8 @@ def load_checkpoint(
     pm: ParallelModule,
     path: str | Path,
     *,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
     strict: bool = True,
     key_mapping: Mapping[str, str] | None = None,
     allow_symlinks: bool = False,
@@ -48,12 +51,21 @@ def load_checkpoint(
     the checkpoint is refused unless ``allow_symlinks=True`` (the Hugging Face cache's snapshot
     folders link into ``blobs/``). Returns ``pm``.
 
+    A training checkpoint (``save_checkpoint(..., optimizer=, lr_scheduler=, extra=)``) loads
+    into any layout and device count: ``optimizer`` (built on this program's parameters) gets
+    the saved state of its own parameters, each piece read as its slice of the whole tensor;
+    ``lr_scheduler`` its state; the RNG states are restored; ``extra`` is set as
+    ``pm.checkpoint_extra``. The optimizer's kind, param groups (by model key), every state key,
+    shape and dtype are checked before anything is set; a fault raises ``CheckpointError`` and
+    changes nothing.
+
     >>> with torch.device("meta"):                                         # doctest: +SKIP
     ...     model = MyModel(config)
     >>> pm = dpcompile.transform(model, ["cpu"] * 4, tensor_parallel=True)  # doctest: +SKIP
     >>> dpcompile.load_checkpoint(pm, "ckpt/")                             # doctest: +SKIP
     """
     checkpoint = read_checkpoint(path, allow_symlinks=allow_symlinks)
+    training = read_training(pm, Path(path), optimizer, lr_scheduler, strict, checkpoint.files())  # checked and read; nothing set yet
     targets = targets_of(pm)
     ties = tie_groups(targets)
     buffers = unset_buffers(pm, list(pm.__dict__.get(UNSET_BUFFERS, [])))
@@ -92,12 +104,12 @@ def load_checkpoint(
     try:
         with torch.no_grad():
             for key, entry in placement.direct.items():
-                _write(key, targets.get(key), buffers.get(key), written, lambda index, e=entry: _read(e, index))
+                _write(key, targets.get(key), buffers.get(key), written, lambda index, e=entry: read_entry(e, index))
             for conversion in {id(c): c for c, _ in converted.values()}.values():
-                values = conversion.run(lambda e: _read(e, None))
+                values = conversion.run(lambda e: read_entry(e, None))
                 for key, value in values.items():
                     if key in converted:
-                        _write(key, targets.get(key), buffers.get(key), written, lambda index, v=value: _cut(v, index))
+                        _write(key, targets.get(key), buffers.get(key), written, lambda index, v=value: cut(v, index))
                 del values
             for name, value in computed.items():
                 buffers[name].copy_(value)
@@ -115,6 +127,11 @@ def load_checkpoint(
             "load_checkpoint(strict=False): %d key(s) not in %s keep their values: %s", len(missing), path, missing[:8]
         )
     weights_loaded(pm)  # strict=False: what the checkpoint lacks is the caller's to fill
+    for action in (training.optimizer, training.lr_scheduler, training.rng):
+        if action is not None:
+            action()
+    if training.extra is not None:
+        pm.__dict__["checkpoint_extra"] = training.extra
     log.debug("loaded %d tensors from %s", len(written), path)
     return pm
 
@@ -137,49 +154,10 @@ def _write(key: str, target: Target | None, buffer: torch.Tensor | None, written
         return
     for piece in target.pieces:
         if id(piece.tensor) not in written:
-            value = _read_piece(read, target, piece)
+            value = read_piece(read, target, piece)
             piece.tensor.copy_(value)
             written.add(id(piece.tensor))
             del value
-
-
-@contextlib.contextmanager
-def _reading(entry: Entry) -> Iterator[Any]:
-    """``safe_open`` of ``entry``'s file; any failure a CheckpointError naming the file and key."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(entry.file), framework="pt", device="cpu") as f:
-            yield f
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors' own errors name neither file nor key
-        raise CheckpointError(f"{entry.file}: '{entry.key}' cannot be read ({type(e).__name__}: {e})",
-                              file=entry.file, key=entry.key) from None  # fmt: skip
-
-
-def _read(entry: Entry, index: tuple[slice, ...] | None) -> torch.Tensor:
-    """The tensor of ``entry``, or its part ``index`` read as a slice (never the whole tensor)."""
-    with _reading(entry) as f:
-        return f.get_slice(entry.key)[... if index is None else index]  # `...`: every rank, 0-dim too
-
-
-def _cut(value: torch.Tensor, index: tuple[slice, ...] | None) -> torch.Tensor:
-    return value if index is None else value[index]
-
-
-def _read_piece(read: Any, target: Target, piece: Piece) -> torch.Tensor:
-    """The part of the checkpoint tensor ``piece`` holds, read as slices."""
-    spec = piece.spec
-    if spec is None:
-        return read(None)
-    dim, size = spec.dim, spec.sizes[piece.index]
-    start = spec.offsets()[piece.index]
-    if spec.sections == 1:
-        return read(_index(dim, start, size))
-    block = target.shape[dim] // spec.sections  # a fused qkv: this shard's part of each block
-    parts = [read(_index(dim, s * block + start // spec.sections, size // spec.sections)) for s in range(spec.sections)]
-    return torch.cat(parts, dim)
 
 
 def _converted_shapes(conversions: Any) -> dict[str, tuple[Conversion, torch.Tensor]]:
@@ -189,10 +167,6 @@ def _converted_shapes(conversions: Any) -> dict[str, tuple[Conversion, torch.Ten
         values = conversion.run(lambda e: torch.empty(e.shape, dtype=e.torch_dtype, device="meta"))
         out.update((key, (conversion, value)) for key, value in values.items())
     return out
-
-
-def _index(dim: int, start: int, size: int) -> tuple[slice, ...]:
-    return (*[slice(None)] * dim, slice(start, start + size))
 
 
 def _check_shapes(path: Any, model: Mapping[str, tuple[tuple[int, ...], torch.dtype]], found: Mapping[str, Any]) -> None:

@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 from dpcompile.checkpoint.files import (
     INDEX_FILE,
@@ -18,31 +19,65 @@ from dpcompile.checkpoint.files import (
     write_safetensors,
 )
 from dpcompile.checkpoint.targets import targets_of, tie_groups
+from dpcompile.checkpoint.training import (
+    prepare_training,
+    save_stamp,
+    stale_training_files,
+    take_part,
+    write_training,
+)
 from dpcompile.modules.base import ParallelModule
 
 log = logging.getLogger("dpcompile")
 
 
-def save_checkpoint(pm: ParallelModule, path: str | Path, *, max_shard_size: int | str = "5GB") -> Path:
+def save_checkpoint(
+    pm: ParallelModule,
+    path: str | Path,
+    *,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+    max_shard_size: int | str = "5GB",
+    format: str = "safetensors",
+) -> Path:
     """Write ``pm``'s weights as full tensors under the model's keys, in transformers' layout.
 
     ``path`` ending in ``.safetensors`` is one file; any other ``path`` is a folder (created)
     holding ``model.safetensors``, or ``model-00001-of-0000n.safetensors`` files and
     ``model.safetensors.index.json`` where the tensors pass ``max_shard_size`` (bytes, or
-    ``"5GB"``, ``"500MiB"``). Each tensor is put together from its shards only when its bytes
-    are written, so the model is never gathered whole. Of tied keys (an LM head tied to the
-    embedding) only the first is written, as transformers does; ``load_checkpoint`` ties them
-    back. Over a mesh it is a collective (sharded tensors are all-gathered): call it on every
+    ``"5GB"``, ``"500MiB"``). A sharded tensor is written as the runs of its shards' bytes, never
+    put together (over a mesh: gathered one tensor at a time), so the model is never gathered
+    whole. Of tied keys (an LM head tied to the embedding) only the first is written, as
+    transformers does; ``load_checkpoint`` ties them back. Over a mesh it is a collective (sharded tensors are all-gathered): call it on every
     rank; rank 0 writes. Returns ``path``.
+
+    A training checkpoint (a folder): with ``optimizer=`` its state, keyed by the model's
+    parameter names, each state tensor in its parameter's whole layout
+    (``optimizer.safetensors``), so that any layout and device count loads it; with
+    ``lr_scheduler=`` its ``state_dict``; the RNG states; ``extra`` (a JSON-able dict, back as
+    ``pm.checkpoint_extra`` after :func:`load_checkpoint`); all in ``training_state.json``
+    beside the weights. The whole save is staged and switched over at the end.
 
     >>> dpcompile.save_checkpoint(pm, "ckpt/", max_shard_size="2GB")  # doctest: +SKIP
     PosixPath('ckpt')
+    >>> dpcompile.save_checkpoint(pm, "ckpt/", optimizer=opt, lr_scheduler=sched, extra={"step": 100})  # doctest: +SKIP
+    PosixPath('ckpt')
     """
+    if format != "safetensors":
+        raise ValueError(
+            f"format={format!r}: only format='safetensors' is available (torch.distributed.checkpoint is not yet)"
+        )
     if pm.needs_weights:
         raise CheckpointError(
             "this program has no weights yet (built on meta): dpcompile.load_checkpoint(pm, path) first"
         )
     path = Path(path)
+    if path.suffix == ".safetensors" and not (optimizer is None and lr_scheduler is None and extra is None):
+        raise ValueError(
+            f"{path}: a training checkpoint (optimizer=, lr_scheduler=, extra=) is a folder; pass a folder path"
+        )
+    training = prepare_training(pm, optimizer, lr_scheduler, extra)  # checked whole before a byte is written
     targets = targets_of(pm)
     ties = tie_groups(targets)
     keys = [k for k in targets if ties[k][0] == k]
@@ -52,7 +87,7 @@ def save_checkpoint(pm: ParallelModule, path: str | Path, *, max_shard_size: int
     def make(key: str):
         target = targets[key]
         if target.gathered:
-            return target.full()
+            return target.runs()  # a sharded tensor: its shards' bytes in order, never put together
         return target.gather()  # this rank's shard: the others' come by all-gather, one tensor at a time
 
     if path.suffix == ".safetensors":
@@ -68,11 +103,12 @@ def save_checkpoint(pm: ParallelModule, path: str | Path, *, max_shard_size: int
     # every file is written beside its final name and renamed into place at the end: a save that
     # fails midway leaves the previous checkpoint as it was, and loadable
     staged = StagedFiles()
+    stamp = save_stamp(staged.token) if training is not None else None  # every file of a training save: its token
     try:
         for file, group in files.items():
             entries = [(k, targets[k].shape, targets[k].dtype) for k in group]
             if writes:
-                write_safetensors(staged.temp(file), entries, make)
+                write_safetensors(staged.temp(file), entries, make, stamp)
             else:  # the other ranks take part in the all-gathers only
                 for k in group:
                     if not targets[k].gathered:
@@ -83,11 +119,17 @@ def save_checkpoint(pm: ParallelModule, path: str | Path, *, max_shard_size: int
                 "weight_map": {k: file.name for file, group in files.items() for k in group},
             }
             staged.write_text(path / INDEX_FILE, json.dumps(index, indent=2))
+        written: set[Path] = set()
+        if training is not None and writes:
+            written = write_training(staged, path, training, max_shard_size)
+        elif training is not None:  # the other ranks take part in the gathers of the optimizer's state
+            take_part(training)
     except BaseException:
         staged.discard()
         raise
     if writes:
         stale = _stale_files(path, set(files), len(files) > 1) if path.suffix != ".safetensors" else []
+        stale += stale_training_files(path, written) if path.suffix != ".safetensors" else []
         staged.commit()  # shards first, the index last: it switches the checkpoint over
         for old in stale:
             old.unlink(missing_ok=True)

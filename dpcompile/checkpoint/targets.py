@@ -8,13 +8,14 @@ tensor; saving puts the pieces back together, one key at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from dpcompile.checkpoint.dtensors import localize
+from dpcompile.checkpoint.files import Runs
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import MeshGroup
@@ -55,6 +56,17 @@ class Target:
         spec = self.pieces[0].spec
         return unshard([p.tensor.detach() for p in self.pieces], spec, "cpu")
 
+    def runs(self) -> torch.Tensor | Runs:
+        """The full tensor for a file: whole where one piece holds it, else the runs of its pieces'
+        bytes in order (:func:`shard_runs`), never put together."""
+        spec = self.pieces[0].spec
+        if spec is None:
+            return self.pieces[0].tensor.detach().to("cpu")
+        if not self.gathered:
+            raise ValueError(f"'{self.key}' is sharded across ranks; gather it first")
+        shards = [p.tensor for p in sorted(self.pieces, key=lambda p: p.index)]
+        return Runs(self.shape, self.dtype, lambda: shard_runs(shards, spec))
+
 
 def targets_of(pm: ParallelModule) -> dict[str, Target]:
     """``{state key: Target}`` for the model's persistent state, in the model's key order."""
@@ -90,6 +102,29 @@ def targets_of(pm: ParallelModule) -> dict[str, Target]:
     return out
 
 
+RUN_BYTES = 64 * 2**20  # a split past dim 0: rows of the whole tensor are written this many bytes at a time
+
+
+def shard_runs(shards: list[torch.Tensor], spec: ShardSpec) -> Iterator[torch.Tensor]:
+    """The bytes of the whole tensor in order, as runs of its ``shards`` (by sections for a fused
+    qkv): split on dim 0, each section of each shard in turn; split past dim 0, blocks of rows
+    (the dims before the split), each about ``RUN_BYTES``, cut from every shard and laid side by
+    side. Never the whole tensor at once."""
+    outer = 1
+    for size in shards[0].shape[: spec.dim]:
+        outer *= size
+    views = [s.detach().reshape(outer, spec.sections, -1) for s in shards]
+    if outer == 1:
+        for section in range(spec.sections):
+            for view in views:
+                yield view[0, section]
+        return
+    row_bytes = sum(v[0].numel() for v in views) * views[0].element_size()
+    block = max(1, RUN_BYTES // max(1, row_bytes))
+    for start in range(0, outer, block):
+        yield torch.cat([v[start : start + block].to("cpu") for v in views], dim=2)
+
+
 def tie_groups(targets: dict[str, Target]) -> dict[str, list[str]]:
     """``{key: every key held by the same tensors}`` (an embedding and its tied LM head)."""
     by_tensor: dict[int, list[str]] = {}
@@ -110,4 +145,4 @@ def _full_shape(shard: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
     return tuple(shape)
 
 
-__all__ = ["Piece", "Target", "targets_of", "tie_groups", "unset_buffers"]
+__all__ = ["Piece", "Target", "shard_runs", "targets_of", "tie_groups", "unset_buffers"]

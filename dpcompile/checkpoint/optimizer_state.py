@@ -1,0 +1,252 @@
+"""An optimizer's state in the model's own layout: keyed by the model's parameter names, each
+state tensor whole, so that what one layout saved loads into any other.
+
+* :func:`param_places`: for each parameter the optimizer holds, its model key and the piece of
+  the whole tensor it is (a tensor-parallel shard, a fused-qkv shard by sections, a vocab shard
+  of a tied embedding, a pipeline stage's parameter): the mapping the weights use
+  (:func:`~dpcompile.checkpoint.targets.targets_of`);
+* :func:`saved_state`: what a save writes: ``optimizer.state.<model key>.<state name>`` tensors
+  (put together from the pieces one tensor at a time) and the JSON of the rest (hyper-parameters,
+  param groups by model key, non-tensor state);
+* :func:`loaded_state`: the ``state_dict`` this program's optimizer takes, each piece's state
+  read as its slice of the file, every key, shape and dtype checked before anything is returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dpcompile.checkpoint.dtensors import RowsOf, gather_like, is_dtensor
+from dpcompile.checkpoint.files import Runs
+from dpcompile.checkpoint.headers import Checkpoint, CheckpointError
+from dpcompile.checkpoint.slices import read_entry, read_piece
+from dpcompile.checkpoint.targets import Piece, Target, shard_runs, targets_of, tie_groups
+from dpcompile.fx_utils import unalias
+from dpcompile.modules.base import ParallelModule
+
+STATE_PREFIX = "optimizer.state."
+LIKE_PARAM = "param"  # a state tensor laid out as its parameter (exp_avg, momentum_buffer): sliced as it is
+WHOLE = "whole"  # any other tensor (step): the same on every piece, saved once
+
+
+@dataclass
+class Place:
+    """Where an optimizer parameter lies in the model: ``key``'s ``piece`` (of ``target``)."""
+
+    key: str
+    target: Target
+    piece: Piece
+
+
+@dataclass
+class SavedState:
+    """What a save writes of an optimizer: ``tensors`` (file key -> shape, dtype and a maker that
+    puts the whole tensor together) and ``meta`` (JSON-able: kind, groups, the kind of each state)."""
+
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[], torch.Tensor | Runs]]] = field(
+        default_factory=dict
+    )
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def param_places(pm: Any, optimizer: torch.optim.Optimizer) -> dict[int, Place]:
+    """``{id(parameter): Place}`` for every parameter of ``optimizer``; a parameter that is not one
+    of ``pm``'s raises, naming it."""
+    targets = targets_of(pm)
+    ties = tie_groups(targets)
+    by_tensor: dict[int, Place] = {}
+    for key, target in targets.items():
+        if ties[key][0] != key:
+            continue  # a tied key (an LM head tied to the embedding): its tensors are the first key's
+        for piece in target.pieces:
+            by_tensor.setdefault(id(piece.tensor), Place(key, target, piece))
+    for name, tensor in ParallelModule.state_dict(pm, keep_vars=True).items():
+        key = unalias(name)  # over a mesh FSDP's pieces are the DTensors' local parts: the DTensor is the parameter
+        if key in targets and ties[key][0] == key:
+            by_tensor.setdefault(id(tensor), Place(key, targets[key], targets[key].pieces[0]))
+    names = {id(p): n for n, p in pm.named_parameters(remove_duplicate=False)}
+    out: dict[int, Place] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for k, param in enumerate(group["params"]):
+            place = by_tensor.get(id(param))
+            if place is None:
+                what = f"'{names[id(param)]}'" if id(param) in names else f"{tuple(param.shape)}"
+                raise CheckpointError(
+                    f"the optimizer's parameter {k} of group {g} ({what}) is not a parameter of this program: build "
+                    "the optimizer from pm.parameters() (the program's own tensors, not the model's)"
+                )
+            out[id(param)] = place
+    return out
+
+
+def saved_state(pm: Any, optimizer: torch.optim.Optimizer) -> SavedState:
+    """The optimizer's state keyed by model keys, each state tensor in its parameter's whole layout.
+    Everything is checked here, before a byte is written."""
+    places = param_places(pm, optimizer)
+    by_key: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
+    target_of: dict[str, Target] = {}
+    for param, place in ((p, places[id(p)]) for group in optimizer.param_groups for p in group["params"]):
+        by_key.setdefault(place.key, []).append(((param, place.piece), optimizer.state.get(param, {})))
+        target_of[place.key] = place.target
+    out = SavedState()
+    kinds: dict[str, dict[str, Any]] = {}
+    for key, pieces in by_key.items():
+        target = target_of[key]
+        names = [sorted(state) for _, state in pieces]
+        if any(n != names[0] for n in names):
+            raise CheckpointError(f"the optimizer's shards of '{key}' hold different state ({names}): step every shard")
+        kinds[key] = {}
+        for name in names[0]:
+            values = [state[name] for _, state in pieces]
+            kinds[key][name] = _save_one(pm, out, key, name, target, [p for p, _ in pieces], values)
+    sd = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = []
+    for group in sd["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({"hyper": hyper, "params": _unique([places[id(params[i])].key for i in group["params"]])})
+    out.meta = {"kind": optimizer_kind(optimizer), "groups": groups, "state": kinds}
+    return out
+
+
+def _save_one(
+    pm: Any, out: SavedState, key: str, name: str, target: Target, held: list[tuple[Any, Piece]], values: list[Any]
+) -> Any:
+    """Record one state value of ``key`` (``held``: each parameter holding it and its piece);
+    returns its kind for the JSON (or the value itself)."""
+    file_key = f"{STATE_PREFIX}{key}.{name}"
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        if any(isinstance(v, torch.Tensor) for v in values) or any(v != values[0] for v in values):
+            raise CheckpointError(f"the optimizer's state '{name}' of '{key}' differs between its shards")
+        return {"value": values[0]}
+    like_param = all(tuple(v.shape) == tuple(param.shape) for v, (param, _) in zip(values, held))
+    pieces = [p for _, p in held]
+    if like_param and not target.gathered:  # over a mesh: gathered from the ranks, one tensor at a time
+        gather = gather_like(pm, values[0], (getattr(pm, "shards", None) or {}).get(key))
+        out.tensors[file_key] = (tuple(target.shape), values[0].dtype, gather)
+        return LIKE_PARAM
+    if is_dtensor(values[0]):
+        raise CheckpointError(f"the optimizer's state '{name}' of '{key}' is a DTensor not laid out as its parameter")
+    if like_param:
+        if pieces[0].spec is None:
+            out.tensors[file_key] = (tuple(values[0].shape), values[0].dtype, lambda v=values[0]: v.detach().to("cpu"))
+        else:
+            ordered = [v for _, v in sorted(zip((p.index for p in pieces), values), key=lambda x: x[0])]
+            spec = pieces[0].spec
+            runs = Runs(target.shape, values[0].dtype, lambda o=ordered, s=spec: shard_runs(o, s))
+            out.tensors[file_key] = (tuple(target.shape), values[0].dtype, lambda r=runs: r)
+        return LIKE_PARAM
+    if any(not torch.equal(v.detach().cpu(), values[0].detach().cpu()) for v in values[1:]):
+        raise CheckpointError(
+            f"the optimizer's state '{name}' of '{key}' ({tuple(values[0].shape)}) is neither laid out as the parameter "
+            "nor the same on every shard: it cannot be saved in the whole layout"
+        )
+    out.tensors[file_key] = (tuple(values[0].shape), values[0].dtype, lambda v=values[0]: v.detach().to("cpu"))
+    return WHOLE
+
+
+def loaded_state(
+    pm: Any, optimizer: torch.optim.Optimizer, meta: Mapping[str, Any], files: Checkpoint | None, strict: bool
+) -> dict[str, Any]:
+    """The ``state_dict`` for ``optimizer`` (this program's parameters) from what a save wrote;
+    raises :class:`CheckpointError` naming the first disagreement before anything is read."""
+    where = files.path if files is not None else None
+    if meta.get("kind") != optimizer_kind(optimizer):
+        raise CheckpointError(
+            f"the checkpoint holds the state of a {meta.get('kind')}, the optimizer is a {optimizer_kind(optimizer)}",
+            file=where,
+        )
+    places = param_places(pm, optimizer)
+    current = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_groups = meta["groups"]
+    if len(saved_groups) != len(current["param_groups"]):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved_groups)} param group(s), this one {len(current['param_groups'])}",
+            file=where,
+        )
+    groups = []
+    for g, (saved, group) in enumerate(zip(saved_groups, current["param_groups"])):
+        keys = _unique([places[id(params[i])].key for i in group["params"]])
+        extra, lacking = sorted(set(keys) - set(saved["params"])), sorted(set(saved["params"]) - set(keys))
+        if extra or (lacking and strict):
+            raise CheckpointError(
+                f"param group {g} of the optimizer differs from the checkpoint's: here but not saved {extra[:5]}, "
+                f"saved but not here {lacking[:5]}: build the param groups as the saving run did"
+                + ("" if extra else " (or pass strict=False to load the state of the parameters this one holds)"),
+                file=where, key=(extra or lacking)[0],
+            )  # fmt: skip
+        groups.append({**saved["hyper"], "params": group["params"]})
+    kinds = meta["state"]
+    entries = files.entries if files is not None else {}
+    state: dict[int, dict[str, Any]] = {}
+    reads: list[tuple[int, str, Callable[[], torch.Tensor]]] = []
+    for index, param in enumerate(params):
+        place = places[id(param)]
+        if place.key not in kinds:
+            continue  # saved before its first step: no state, as here
+        state[index] = {}
+        for name, kind in kinds[place.key].items():
+            if isinstance(kind, dict):
+                state[index][name] = kind["value"]
+                continue
+            file_key = f"{STATE_PREFIX}{place.key}.{name}"
+            entry = entries.get(file_key)
+            if entry is None:
+                raise CheckpointError(f"the checkpoint lacks '{file_key}'", file=where, key=file_key)
+            _check_entry(entry, kind, place, file_key)
+            if kind == LIKE_PARAM:
+                reads.append((index, name, lambda e=entry, p=place, q=param: _read_like(e, p, q)))
+            else:
+                reads.append((index, name, lambda e=entry: read_entry(e, None)))
+    for index, name, read in reads:  # everything checked: read each piece's slices
+        state[index][name] = read()
+    return {"state": state, "param_groups": groups}
+
+
+def _read_like(entry: Any, place: Place, param: Any) -> torch.Tensor:
+    """This parameter's part of a state tensor laid out as the parameter, read as slices; over a
+    mesh a DTensor parameter's is a DTensor of this rank's rows."""
+    value = read_piece(lambda i: read_entry(entry, i), place.target, place.piece)
+    if isinstance(place.piece.tensor, RowsOf):  # FSDP's rows of a tensor-parallel shard
+        rows = place.piece.tensor
+        value = value.narrow(rows.dim, rows.start, rows.size)
+    if not is_dtensor(param):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    local = value.to(param.to_local().device).contiguous()
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())  # fmt: skip
+
+
+def _check_entry(entry: Any, kind: str, place: Place, file_key: str) -> None:
+    if kind == LIKE_PARAM:
+        shape = place.target.shape
+        if tuple(entry.shape) != tuple(shape):
+            raise CheckpointError(
+                f"'{file_key}' is {list(entry.shape)} in {entry.file.name}, the parameter '{place.key}' is {list(shape)}",
+                file=entry.file, key=file_key,
+            )  # fmt: skip
+        if entry.torch_dtype.is_floating_point != place.target.dtype.is_floating_point:
+            raise CheckpointError(
+                f"'{file_key}' is {entry.torch_dtype} in {entry.file.name}, the parameter '{place.key}' {place.target.dtype}",
+                file=entry.file, key=file_key,
+            )  # fmt: skip
+    elif kind != WHOLE:
+        raise CheckpointError(f"'{file_key}': unknown kind of state {kind!r}", file=entry.file, key=file_key)
+
+
+def _unique(keys: list[str]) -> list[str]:
+    return list(dict.fromkeys(keys))
+
+
+__all__ = ["STATE_PREFIX", "Place", "SavedState", "loaded_state", "optimizer_kind", "param_places", "saved_state"]

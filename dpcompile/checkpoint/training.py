@@ -1,0 +1,309 @@
+"""The training state a checkpoint carries beside the weights: optimizer, LR scheduler, RNG, ``extra``.
+
+A folder checkpoint saved with ``optimizer=``, ``lr_scheduler=`` or ``extra=`` holds, beside the
+weights, ``optimizer.safetensors`` (or ``optimizer-0000k-of-0000n.safetensors`` shards and
+``optimizer.safetensors.index.json``: the optimizer's state tensors under
+``optimizer.state.<model key>.<state name>``, each in its parameter's whole layout) and
+``training_state.json`` (the layout saved from, the optimizer's kind, hyper-parameters and param
+groups by model key, the scheduler's ``state_dict``, the RNG states, ``extra``). The JSON is
+written last: it switches the checkpoint over. :func:`prepare_training` checks everything
+before a byte is written; :func:`read_training` checks everything before anything is set.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpcompile.checkpoint.dtensors import ranks_of
+from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, write_safetensors
+from dpcompile.checkpoint.headers import CheckpointError, read_checkpoint
+from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, saved_state
+
+TRAINING_FILE = "training_state.json"
+OPTIMIZER_STEM = "optimizer"
+OPTIMIZER_FILE = f"{OPTIMIZER_STEM}.safetensors"
+OPTIMIZER_INDEX = f"{OPTIMIZER_STEM}.safetensors.index.json"
+FORMAT = "dpcompile.training_state"
+VERSION = 1
+SAVE_KEY = "dpcompile_save"
+
+
+@dataclass
+class TrainingSave:
+    """What a save writes beside the weights: the optimizer's tensors and the JSON document."""
+
+    optimizer: SavedState | None
+    document: dict[str, Any]
+
+
+@dataclass
+class TrainingLoad:
+    """What a load sets once the weights are in: each a callable, or None where not asked for."""
+
+    optimizer: Callable[[], None] | None
+    lr_scheduler: Callable[[], None] | None
+    rng: Callable[[], None]
+    extra: Any
+
+
+def prepare_training(pm: Any, optimizer: Any, lr_scheduler: Any, extra: Any) -> TrainingSave | None:
+    """The training state of a save, checked whole (JSON-able, every parameter placed); None
+    where none of ``optimizer``, ``lr_scheduler``, ``extra`` is given."""
+    if optimizer is None and lr_scheduler is None and extra is None:
+        return None
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ValueError(f"extra= must be a dict (JSON-able), not {type(extra).__name__}")
+        _dumps(extra, "extra=")
+    saved = saved_state(pm, optimizer) if optimizer is not None else None
+    document = {
+        "format": FORMAT,
+        "version": VERSION,
+        "saved_from": _layout(pm),
+        "optimizer": None if saved is None else encode(saved.meta),
+        "lr_scheduler": None if lr_scheduler is None else {
+            "kind": _kind(lr_scheduler), "state": encode(lr_scheduler.state_dict()),
+        },
+        "rng": _rng_state(pm),
+        "extra": extra,
+    }  # fmt: skip
+    _dumps(document, "the optimizer's or scheduler's state")
+    return TrainingSave(saved, document)
+
+
+def write_training(staged: StagedFiles, folder: Path, save: TrainingSave, max_shard_size: int | str) -> set[Path]:
+    """Stage the optimizer's files and ``training_state.json`` (last) in ``folder``; returns their final paths."""
+    written: set[Path] = set()
+    if save.optimizer is not None:
+        tensors = save.optimizer.tensors
+        sizes = [
+            (k, _numel(shape) * torch.empty((), dtype=dtype).element_size()) for k, (shape, dtype, _) in tensors.items()
+        ]
+        groups = plan_files(sizes, parse_size(max_shard_size))
+        n = len(groups)
+        names = (
+            [OPTIMIZER_FILE] if n == 1 else [f"{OPTIMIZER_STEM}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        )
+        for name, group in zip(names, groups):
+            entries = [(k, tensors[k][0], tensors[k][1]) for k in group]
+            write_safetensors(staged.temp(folder / name), entries, lambda k: tensors[k][2](), save_stamp(staged.token))
+            written.add(folder / name)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": sum(s for _, s in sizes)},
+                "weight_map": {k: name for name, group in zip(names, groups) for k in group},
+            }
+            staged.write_text(folder / OPTIMIZER_INDEX, json.dumps(index, indent=2))
+            written.add(folder / OPTIMIZER_INDEX)
+    staged.write_text(folder / TRAINING_FILE, json.dumps({**save.document, "save": staged.token}, indent=1))
+    written.add(folder / TRAINING_FILE)
+    return written
+
+
+def save_stamp(token: str) -> dict[str, str]:
+    """The metadata of every safetensors file of a training save: the save's token, which
+    ``training_state.json`` names too, so that a load sees files of two saves mixed."""
+    return {"format": "pt", SAVE_KEY: token}
+
+
+def take_part(save: TrainingSave) -> None:
+    """Over a mesh, on the ranks that do not write: the gathers of the optimizer's tensors, in the
+    writer's order (each maker is a collective there)."""
+    if save.optimizer is not None:
+        for _, _, make in save.optimizer.tensors.values():
+            make()
+
+
+def stale_training_files(folder: Path, new: set[Path]) -> list[Path]:
+    """The previous save's training files the new one does not replace (removed after the switch)."""
+    old = [folder / TRAINING_FILE, folder / OPTIMIZER_INDEX, folder / OPTIMIZER_FILE]
+    old += sorted(folder.glob(f"{OPTIMIZER_STEM}-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors"))
+    return [f for f in old if f not in new and f.is_file()]
+
+
+def read_training(
+    pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: bool, weights: list[Path]
+) -> TrainingLoad:
+    """Everything a load sets besides the weights, checked and read (each piece's slices only);
+    nothing is set yet. Raises :class:`CheckpointError` naming what disagrees."""
+    file = path / TRAINING_FILE
+    if not path.is_dir() or not file.is_file():
+        if optimizer is None and lr_scheduler is None:
+            return TrainingLoad(None, None, lambda: None, None)
+        raise CheckpointError(
+            f"{path} holds no {TRAINING_FILE}: it was saved without optimizer=/lr_scheduler=; load it without them",
+            file=path,
+        )
+    try:
+        document = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} cannot be read as JSON ({e})", file=file) from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT or document.get("version") != VERSION:
+        raise CheckpointError(f"{file} is not a dpcompile training state of version {VERSION}", file=file)
+    if optimizer is not None or lr_scheduler is not None:
+        _same_save(document, file, weights)
+    load_optimizer = None
+    if optimizer is not None:
+        meta = document.get("optimizer")
+        if meta is None:
+            raise CheckpointError(
+                f"{path} was saved without optimizer=: there is no optimizer state to load", file=file
+            )
+        try:
+            files = read_checkpoint(path, stem=OPTIMIZER_STEM) if meta["state"] else None
+            _same_save(document, file, files.files() if files is not None else [])
+            sd = loaded_state(pm, optimizer, decode(meta), files, strict)  # betas come back a tuple, as saved
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise CheckpointError(
+                f"{file}: its optimizer entry is malformed ({type(e).__name__}: {e})", file=file
+            ) from None
+        load_optimizer = lambda: optimizer.load_state_dict(sd)  # noqa: E731
+    load_scheduler = None
+    if lr_scheduler is not None:
+        saved = document.get("lr_scheduler")
+        if saved is None:
+            raise CheckpointError(f"{path} was saved without lr_scheduler=: there is no scheduler state", file=file)
+        if saved["kind"] != _kind(lr_scheduler):
+            raise CheckpointError(
+                f"{file} holds a {saved['kind']}'s state, the scheduler is a {_kind(lr_scheduler)}", file=file
+            )
+        state = decode(saved["state"])
+        load_scheduler = lambda: lr_scheduler.load_state_dict(state)  # noqa: E731
+    rng = _own_rng(pm, document.get("rng") or {})
+    return TrainingLoad(load_optimizer, load_scheduler, lambda: _set_rng(rng), document.get("extra"))
+
+
+def _same_save(document: dict[str, Any], file: Path, files: list[Path]) -> None:
+    """Every file carries the token of the save ``training_state.json`` names, or the load is refused."""
+    from safetensors import safe_open
+
+    token = document.get("save")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as opened:
+                stamp = (opened.metadata() or {}).get(SAVE_KEY)
+        except Exception as e:  # noqa: BLE001 - safetensors' errors name no file
+            raise CheckpointError(f"{f} cannot be read ({type(e).__name__}: {e})", file=f) from None
+        if stamp != token:
+            raise CheckpointError(
+                f"{f.name} is not from the save {file.name} describes ({stamp} vs {token}): the folder mixes two saves "
+                "(a crash during a save's final renames, or files copied in); load the weights alone or save again",
+                file=f,
+            )
+
+
+def encode(value: Any) -> Any:
+    """JSON-able form of a state_dict: tuples, tensors and non-string keys kept recoverable by :func:`decode`."""
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.detach().cpu().tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v) for v in value]}
+    if isinstance(value, list):
+        return [encode(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: encode(v) for k, v in value.items()}
+        return {"__items__": [[encode(k), encode(v)] for k, v in value.items()]}
+    return value
+
+
+def decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+    if "__tuple__" in value:
+        return tuple(decode(v) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {decode(k): decode(v) for k, v in value["__items__"]}
+    return {k: decode(v) for k, v in value.items()}
+
+
+def _dumps(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} must be JSON-able for a checkpoint ({e}); nothing was written") from None
+
+
+def _layout(pm: Any) -> dict[str, Any]:
+    devices = getattr(pm, "devices", None)
+    mesh = getattr(pm, "mesh", None)
+    return {
+        "program": type(pm).__name__,
+        "layout": encode(getattr(pm, "layout", None)),
+        "strategies": encode(getattr(pm, "strategies", None)),
+        "devices": [str(d) for d in devices] if devices is not None else None,
+        "mesh": str(mesh) if mesh is not None else None,
+    }
+
+
+def _kind(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _rng_state(pm: Any) -> dict[str, Any]:
+    """The CPU generator's state, and each CUDA device's where CUDA is in use; over a mesh every
+    rank's too (``ranks``), so that each rank of the same mesh size gets its own back."""
+    out: dict[str, Any] = {"cpu": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    over, group = ranks_of(pm)
+    if over:
+        import torch.distributed as dist
+
+        ranks: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ranks, dict(out), group=group)
+        out["ranks"] = ranks
+    return out
+
+
+def _own_rng(pm: Any, rng: dict[str, Any]) -> dict[str, Any]:
+    """This rank's RNG states where the save had as many ranks; else the saving rank 0's."""
+    over, group = ranks_of(pm)
+    ranks = rng.get("ranks")
+    if over and isinstance(ranks, list):
+        import torch.distributed as dist
+
+        if len(ranks) == dist.get_world_size(group):
+            return ranks[dist.get_rank(group)]
+    return rng
+
+
+def _set_rng(rng: dict[str, Any]) -> None:
+    if "cpu" in rng:
+        torch.set_rng_state(_unb64(rng["cpu"]))
+    if rng.get("cuda") and torch.cuda.is_available():
+        states = [_unb64(s) for s in rng["cuda"]][: torch.cuda.device_count()]
+        for device, state in enumerate(states):
+            torch.cuda.set_rng_state(state, device)
+
+
+def _b64(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+__all__ = [
+    "OPTIMIZER_FILE", "OPTIMIZER_INDEX", "TRAINING_FILE", "TrainingLoad", "TrainingSave", "decode", "encode",
+    "prepare_training", "read_training", "stale_training_files", "take_part", "write_training",
+]  # fmt: skip

@@ -1,0 +1,422 @@
+"""Training checkpoints across layouts in one process: a small LM (fused qkv, 3 heads, an LM head tied
+to the embedding; float64) trained one AdamW step under one layout, saved with its optimizer,
+scheduler, RNG and ``extra``, and loaded under every other layout and device count: parameters
+and AdamW state bit-identical to what was saved, the next 2 steps' losses and parameters equal an
+uninterrupted eager run. Then what a load refuses (and leaves untouched), and a save killed midway."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile import CheckpointError
+
+LAYOUTS = {"dp3": {"dp": 3}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "pp2xtp2": {"pp": 2, "tp": 2}}
+V, D, HEADS = 32, 12, 3
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        # fused, sharded by sections (whole heads of q, k and v); no bias: the k bias has no gradient
+        # (softmax ignores it), and AdamW moves such an element by ~lr whatever the rounding
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.proj = nn.Linear(D, D)
+        self.fc, self.out = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        q, k, v = (y.view(b, t, HEADS, c // HEADS).transpose(1, 2) for y in (q, k, v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(nn.functional.gelu(self.fc(x)))
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.embed.weight  # tied: vocab-parallel under tensor parallelism
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, V, (4, 6), generator=g), torch.randint(0, V, (4, 6), generator=g)) for _ in range(3)]
+
+
+def make_model():
+    torch.manual_seed(0)
+    return TinyLM().double()
+
+
+def build(layout: dict[str, int]):
+    """``(program, AdamW, StepLR)`` of a fresh model under ``layout`` (virtual CPU devices)."""
+    n = 1
+    for size in layout.values():
+        n *= size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(make_model(), ["cpu"] * n, mesh=layout, example_inputs=batches()[0])
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    return pm, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def train_step(pm, opt, sched, batch) -> float:
+    loss = pm(*batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return loss.item()
+
+
+def state_in_model_layout(pm, opt, name: str) -> dict[str, torch.Tensor]:
+    """The optimizer's ``name`` state of every parameter, as the model's full tensors: written into
+    the program's parameters for a moment and read back through ``pm.state_dict()`` (the program's
+    own unsharding, not the checkpoint code's)."""
+    params = list(pm.parameters())
+    kept = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(opt.state[p][name])
+        out = {k: v.clone() for k, v in pm.state_dict().items()}
+        for p, k in zip(params, kept):
+            p.copy_(k)
+    return out
+
+
+def eager_run():
+    """Losses of 3 AdamW steps of the eager model, and its parameters after them."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    losses = [train_step(model, opt, sched, b) for b in batches()]
+    return losses, model.state_dict()
+
+
+_PROGRAMS: dict[str, tuple] = {}
+_SAVED: dict[str, dict] = {}
+
+
+def program(name: str):
+    """One program per layout for the whole module (building is most of a test's time), set back to
+    the model's initial weights, with a fresh AdamW and StepLR."""
+    if name not in _PROGRAMS:
+        _PROGRAMS[name] = build(LAYOUTS[name])[0]
+    pm = _PROGRAMS[name]
+    pm.load_state_dict(make_model().state_dict())
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    return pm, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def saved(name: str, folder: Path) -> dict:
+    """Layout ``name`` trained one step and saved under ``folder``: what it held when saved."""
+    if name not in _SAVED:
+        pm, opt, sched = program(name)
+        train_step(pm, opt, sched, batches()[0])
+        rng = torch.get_rng_state()
+        dpcompile.save_checkpoint(pm, folder / name, optimizer=opt, lr_scheduler=sched, extra={"step": 1, "from": name})
+        _SAVED[name] = {
+            "path": folder / name,
+            "params": {k: v.clone() for k, v in pm.state_dict().items()},
+            "exp_avg": state_in_model_layout(pm, opt, "exp_avg"),
+            "exp_avg_sq": state_in_model_layout(pm, opt, "exp_avg_sq"),
+            "step": float(next(iter(opt.state.values()))["step"]),
+            "lr": opt.param_groups[0]["lr"],
+            "rng": rng,
+        }
+    return _SAVED[name]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("training_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return eager_run()
+
+
+PAIRS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
+
+
+@pytest.mark.parametrize(("source", "dest"), PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
+def test_saved_under_one_layout_resumes_under_another(source, dest, folder, eager):
+    """Parameters and AdamW state bit-identical after the load; the next 2 steps equal eager's."""
+    before = saved(source, folder)
+    pm = program(dest)[0]
+    opt = torch.optim.AdamW(pm.parameters(), lr=1.0, weight_decay=0.0)  # hyper-parameters come from the checkpoint
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    torch.manual_seed(123)  # the load restores the RNG the save saw
+    dpcompile.load_checkpoint(pm, before["path"], optimizer=opt, lr_scheduler=sched)
+
+    assert torch.equal(torch.get_rng_state(), before["rng"])
+    assert pm.checkpoint_extra == {"step": 1, "from": source}
+    for key, value in pm.state_dict().items():
+        assert torch.equal(value, before["params"][key]), key
+    for name in ("exp_avg", "exp_avg_sq"):
+        for key, value in state_in_model_layout(pm, opt, name).items():
+            assert torch.equal(value, before[name][key]), (name, key)
+    assert all(float(s["step"]) == before["step"] for s in opt.state.values())
+    assert opt.param_groups[0]["lr"] == before["lr"] and opt.param_groups[0]["weight_decay"] == 0.1
+    assert opt.param_groups[0]["betas"] == (0.9, 0.999)
+
+    losses, params = eager
+    resumed = [train_step(pm, opt, sched, b) for b in batches()[1:]]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-12, atol=0)
+    for key, value in pm.state_dict().items():
+        torch.testing.assert_close(value, params[key], rtol=1e-10, atol=1e-12, msg=key)
+
+
+def test_sgd_momentum_and_sharded_optimizer_files(tmp_path):
+    """SGD's momentum_buffer from tensor parallel into data parallel, the optimizer state in
+    several files with their index; a one-file save after it removes the stale shards."""
+    pm = program("tp2")[0]
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
+    for batch in batches()[:2]:
+        pm(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+    dpcompile.save_checkpoint(pm, tmp_path, optimizer=opt, max_shard_size="4KB")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    shards = [n for n in names if n.startswith("optimizer-")]
+    assert "optimizer.safetensors.index.json" in names and len(shards) > 1, names
+    assert not any(n.endswith(".tmp") for n in names)
+
+    dp = program("dp3")[0]
+    dp_opt = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
+    dpcompile.load_checkpoint(dp, tmp_path, optimizer=dp_opt)
+    expected = state_in_model_layout(pm, opt, "momentum_buffer")
+    for key, value in state_in_model_layout(dp, dp_opt, "momentum_buffer").items():
+        assert torch.equal(value, expected[key]), key
+
+    dpcompile.save_checkpoint(dp, tmp_path, optimizer=dp_opt)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n for n in names if n.startswith("optimizer")] == ["optimizer.safetensors"], names
+
+
+def _snapshot(pm, opt):
+    return copy.deepcopy(pm.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def _assert_unchanged(pm, opt, snapshot):
+    params, state = snapshot
+    for key, value in pm.state_dict().items():
+        assert torch.equal(value, params[key]), key
+    now = opt.state_dict()
+    assert now["param_groups"] == state["param_groups"]
+    assert now["state"].keys() == state["state"].keys()
+    for index, values in state["state"].items():
+        for name, value in values.items():
+            assert torch.equal(now["state"][index][name], value), (index, name)
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoint(tmp_path_factory):
+    """A checkpoint saved under tensor parallelism after one AdamW step."""
+    path = tmp_path_factory.mktemp("tp_checkpoint")
+    pm, opt, sched = program("tp2")
+    train_step(pm, opt, sched, batches()[0])
+    dpcompile.save_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched)
+    return path
+
+
+def _edited(checkpoint: Path, to: Path, edit) -> Path:
+    """A copy of ``checkpoint`` whose optimizer tensors ``edit`` changed."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    to.mkdir()
+    for file in checkpoint.iterdir():
+        (to / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(to / "optimizer.safetensors")
+    with safe_open(str(to / "optimizer.safetensors"), framework="pt") as f:
+        metadata = f.metadata()  # the save's token: still the same save
+    edit(tensors)
+    save_file(tensors, to / "optimizer.safetensors", metadata=metadata)
+    return to
+
+
+def _trained_pp():
+    pm, opt, sched = program("pp2")
+    train_step(pm, opt, sched, batches()[2])  # some other state, to see that a refused load keeps it
+    return pm, opt, sched
+
+
+def test_refused_loads_name_the_fault_and_change_nothing(tp_checkpoint, tmp_path):
+    pm, opt, sched = _trained_pp()
+    snapshot = _snapshot(pm, opt)
+
+    sgd = torch.optim.SGD(pm.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match=r"AdamW.*SGD|SGD.*AdamW"):
+        dpcompile.load_checkpoint(pm, tp_checkpoint, optimizer=sgd)
+
+    embed = [p for n, p in pm.named_parameters() if "embed" in n]
+    rest = [p for n, p in pm.named_parameters() if "embed" not in n]
+    grouped = torch.optim.AdamW([{"params": rest}, {"params": embed, "weight_decay": 0.0}], lr=1e-2)
+    with pytest.raises(CheckpointError, match="param group"):
+        dpcompile.load_checkpoint(pm, tp_checkpoint, optimizer=grouped)
+
+    part = torch.optim.AdamW(rest, lr=1e-2)
+    with pytest.raises(CheckpointError, match=r"saved but not here \['embed.weight'\].*strict=False"):
+        dpcompile.load_checkpoint(pm, tp_checkpoint, optimizer=part)
+
+    plain = tmp_path / "plain"
+    dpcompile.save_checkpoint(pm, plain)  # weights only
+    with pytest.raises(CheckpointError, match="saved without optimizer"):
+        dpcompile.load_checkpoint(pm, plain, optimizer=opt)
+
+    def drop(tensors):
+        del tensors["optimizer.state.blocks.0.fc.weight.exp_avg"]
+
+    with pytest.raises(CheckpointError, match=r"lacks 'optimizer.state.blocks.0.fc.weight.exp_avg'"):
+        dpcompile.load_checkpoint(
+            pm, _edited(tp_checkpoint, tmp_path / "lacking", drop), optimizer=opt, lr_scheduler=sched
+        )
+    malformed = _edited(tp_checkpoint, tmp_path / "malformed", lambda tensors: None)
+    document = json.loads((malformed / "training_state.json").read_text())
+    document["optimizer"]["groups"] = 5
+    (malformed / "training_state.json").write_text(json.dumps(document))
+    with pytest.raises(CheckpointError, match="optimizer entry is malformed"):
+        dpcompile.load_checkpoint(pm, malformed, optimizer=opt)
+    _assert_unchanged(pm, opt, snapshot)
+    assert sched.last_epoch == 1
+
+    dpcompile.load_checkpoint(pm, tp_checkpoint, optimizer=part, strict=False)  # the state of what it holds
+    assert len(part.state) == len(rest) and all(float(s["step"]) == 1.0 for s in part.state.values())
+
+
+def test_a_shape_that_differs_is_named(tp_checkpoint, tmp_path):
+    """A state tensor whose shape is not its parameter's: the key, both shapes; nothing loaded."""
+    pm, opt, sched = _trained_pp()
+    snapshot = _snapshot(pm, opt)
+
+    def widen(tensors):
+        tensors["optimizer.state.blocks.1.proj.weight.exp_avg"] = torch.zeros(D, D + 1, dtype=torch.float64)
+
+    broken = _edited(tp_checkpoint, tmp_path / "wider", widen)
+    with pytest.raises(CheckpointError, match=r"blocks.1.proj.weight.exp_avg' is \[12, 13\].*\[12, 12\]"):
+        dpcompile.load_checkpoint(pm, broken, optimizer=opt)
+    _assert_unchanged(pm, opt, snapshot)
+
+
+def test_bad_save_arguments_write_nothing(tmp_path):
+    pm, opt, _ = program("dp3")
+    with pytest.raises(ValueError, match="JSON-able"):
+        dpcompile.save_checkpoint(pm, tmp_path / "a", optimizer=opt, extra={"when": object()})
+    with pytest.raises(ValueError, match="folder"):
+        dpcompile.save_checkpoint(pm, tmp_path / "b.safetensors", optimizer=opt)
+    with pytest.raises(ValueError, match="format='safetensors'"):
+        dpcompile.save_checkpoint(pm, tmp_path / "c", format="zip")
+    foreign = torch.optim.AdamW(make_model().parameters())  # the model's tensors, not the program's
+    with pytest.raises(CheckpointError, match="not a parameter of this program"):
+        dpcompile.save_checkpoint(pm, tmp_path / "d", optimizer=foreign)
+    assert list(tmp_path.iterdir()) == []
+
+
+KILLED_SAVE = """
+import os, signal, sys, torch
+sys.path.insert(0, {root!r})
+import dpcompile
+from dpcompile.checkpoint import save, training
+from tests.integration.test_training_checkpoint import LAYOUTS, batches, build, train_step
+
+pm, opt, sched = build(LAYOUTS["dp3"])
+train_step(pm, opt, sched, batches()[0])
+dpcompile.save_checkpoint(pm, {path!r}, optimizer=opt, lr_scheduler=sched, extra={{"step": 1}})
+torch.save({{k: v for k, v in pm.state_dict().items()}}, {expected!r})
+train_step(pm, opt, sched, batches()[1])
+
+real = save.write_safetensors
+def write_then_die(*args, **kwargs):
+    n = real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)  # the first file of the second save is written, nothing renamed
+    return n
+save.write_safetensors = training.write_safetensors = write_then_die
+dpcompile.save_checkpoint(pm, {path!r}, optimizer=opt, lr_scheduler=sched, extra={{"step": 2}})
+"""
+
+
+@pytest.mark.slow  # a fresh process: torch's import and a build, about 10 s
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
+    script = KILLED_SAVE.format(root=str(ROOT), path=str(path), expected=str(expected))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert any(p.name.endswith(".tmp") for p in path.iterdir())  # the second save had begun
+
+    pm, opt, sched = program("pp2xtp2")
+    dpcompile.load_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched)
+    assert pm.checkpoint_extra == {"step": 1}
+    params = torch.load(expected)
+    for key, value in pm.state_dict().items():
+        assert torch.equal(value, params[key]), key
+    assert all(float(s["step"]) == 1.0 for s in opt.state.values())
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "sizes", "sections"),
+    [
+        ((7, 4), 0, (4, 3), 1),
+        ((5, 6), 1, (2, 4), 1),
+        ((18, 4), 0, (12, 6), 3),
+        ((2, 3, 9), 2, (6, 3), 3),
+        ((8,), 0, (5, 3), 1),
+    ],
+)
+def test_shard_runs_are_the_whole_tensors_bytes(shape, dim, sizes, sections, monkeypatch):
+    """A sharded tensor is written as runs of its shards, never put together: the runs' bytes are
+    the whole tensor's, in order (row, column and fused-qkv shards, uneven too; rows in blocks)."""
+    from dpcompile.checkpoint import targets
+    from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of
+
+    whole = torch.randn(shape, dtype=torch.float64)
+    spec = ShardSpec(dim, sizes, sections=sections)
+    shards = [shard_of(whole, spec, k) for k in range(len(sizes))]
+    for run_bytes in (targets.RUN_BYTES, 1, 100):  # one block of rows, a row at a time, a few rows
+        monkeypatch.setattr(targets, "RUN_BYTES", run_bytes)
+        runs = list(targets.shard_runs(shards, spec))
+        assert all(r.numel() < whole.numel() for r in runs) or dim > 0 and run_bytes == targets.RUN_BYTES
+        assert torch.equal(torch.cat([r.reshape(-1) for r in runs]), whole.reshape(-1)), run_bytes
+
+
+def test_a_folder_mixing_two_saves_is_refused(tp_checkpoint, tmp_path):
+    """Weights of another save copied over a training checkpoint's (what a crash among the final
+    renames leaves): the files' save token differs from training_state.json's; nothing loaded."""
+    pm, opt, sched = _trained_pp()
+    snapshot = _snapshot(pm, opt)
+    other = tmp_path / "other"
+    dpcompile.save_checkpoint(pm, other, optimizer=opt)
+    mixed = _edited(tp_checkpoint, tmp_path / "mixed", lambda tensors: None)
+    (mixed / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="model.safetensors is not from the save.*mixes two saves"):
+        dpcompile.load_checkpoint(pm, mixed, optimizer=opt, lr_scheduler=sched)
+    (mixed / "model.safetensors").write_bytes((tp_checkpoint / "model.safetensors").read_bytes())
+    (mixed / "optimizer.safetensors").write_bytes((other / "optimizer.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="optimizer.safetensors is not from the save"):
+        dpcompile.load_checkpoint(pm, mixed, optimizer=opt)
+    _assert_unchanged(pm, opt, snapshot)

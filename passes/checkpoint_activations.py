@@ -129,7 +129,7 @@ def find_checkpoint_regions(gm: fx.GraphModule, paths: Sequence[str]) -> list[Ch
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     outer = [p for p in dict.fromkeys(paths) if not any(p.startswith(q + ".") for q in paths if q != p)]
     regions: list[CheckpointRegion] = []
-    taken = {n.name for n in gm.graph.nodes}
+    taken: set[str] = set()  # names among regions; a region takes its nodes' names once they are gone
     for path in outer:
         members = {n for n in gm.graph.nodes if _recomputable(n) and _in_path(n, path)}
         if not members:
@@ -237,7 +237,9 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str]) -> PassR
     for region in regions:
         region.inputs = [replaced.get(n, n) for n in region.inputs]
         module, arguments = _region_module(region)
-        attribute = f"{region.name}_region"
+        attribute, k = f"{region.name}_region", 1
+        while hasattr(gm, attribute):
+            attribute, k = f"{region.name}_{k}_region", k + 1
         gm.add_submodule(attribute, module)
         last = region.nodes[-1]
         with graph.inserting_after(last):
@@ -253,7 +255,7 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str]) -> PassR
             else:
                 values.append(argument)
         with graph.inserting_after(cursor):
-            call = graph.create_node("call_function", checkpoint, (holder, *values), name=region.name)
+            call = graph.create_node("call_function", checkpoint, (holder, *values), name=f"{region.name}_checkpoint")
         _placed(stamp(call, PASS, last), last).meta["dpcompile_region"] = region.path
         results = [call]
         if len(region.outputs) > 1:
@@ -270,9 +272,12 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str]) -> PassR
         names = [out.name for out in region.outputs]
         for node in reversed(region.nodes):
             graph.erase_node(node)
+        live = {n.name for n in graph.nodes}
         if len(results) > 1:  # the values keep their names: the code after the region reads as before
             for result, name in zip(results, names, strict=True):
                 _take_name(graph, result, name)
+        if region.name not in live:
+            _take_name(graph, call, region.name)
     _stable_topological_order(graph)
     return PassResult(gm, bool(regions), {"regions": {r.name: r.path for r in regions}})
 

@@ -130,8 +130,11 @@ def find_checkpoint_regions(gm: fx.GraphModule, paths: Sequence[str]) -> list[Ch
     outer = [p for p in dict.fromkeys(paths) if not any(p.startswith(q + ".") for q in paths if q != p)]
     regions: list[CheckpointRegion] = []
     taken: set[str] = set()  # names among regions; a region takes its nodes' names once they are gone
+    done = {n.meta.get("dpcompile_region") for n in gm.graph.nodes}
     for path in outer:
         members = {n for n in gm.graph.nodes if _recomputable(n) and _in_path(n, path)}
+        if not members and path in done:  # checkpointed already: running the pass again changes nothing
+            continue
         if not members:
             raise DpCompileError(
                 f"activation_checkpointing names {path!r}, but no operation of the program runs in it (a module "

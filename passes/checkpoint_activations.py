@@ -39,6 +39,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import copy_graph, graph_module
 from dpcompile.infra import PassResult, module_path_of, stamp
 from dpcompile.runtime import checkpoint
 
@@ -285,4 +286,13 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str]) -> PassR
     return PassResult(gm, bool(regions), {"regions": {r.name: r.path for r in regions}})
 
 
-__all__ = ["CheckpointRegion", "checkpoint_activations", "find_checkpoint_regions"]
+def with_regions_recomputed(gm: fx.GraphModule, paths: Sequence[str]) -> fx.GraphModule:
+    """A copy of the single-device program ``gm`` with ``paths`` checkpointed (for counting what a
+    step saves for backward: ``explain``'s memory estimate); ``gm`` is left as it is."""
+    copy = graph_module(gm, copy_graph(gm.graph), type(gm).__name__)
+    checkpoint_activations(copy, paths=paths)
+    copy.recompile()
+    return copy
+
+
+__all__ = ["CheckpointRegion", "checkpoint_activations", "find_checkpoint_regions", "with_regions_recomputed"]

@@ -194,3 +194,17 @@ def test_activation_checkpointing_true_without_blocks_is_refused():
     """True on a model with no repeated blocks says to name the modules."""
     with pytest.raises(DpCompileError, match="name the modules"):
         dpcompile.transform(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), ["cpu"] * 2, activation_checkpointing=True)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_activation_checkpointing_explain_shows_regions_and_fewer_activations(layout):
+    """explain lists the regions, and its estimate counts the activations saved with them
+    recomputed: with every block of four recomputed, a quarter or less of those saved without."""
+    x = torch.randn(16, 8)
+    plain = dpcompile.explain(dpcompile.transform(Stack(), ["cpu"] * 2, **LAYOUTS[layout]), x)
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing=True, **LAYOUTS[layout])
+    report = dpcompile.explain(pm, x)
+    assert set(report.checkpoint_regions.values()) == {f"layers.{i}" for i in range(4)}
+    assert "Recomputed in backward (activation checkpointing)" in str(report)
+    for device, kinds in report.memory_estimate.items():
+        assert 0 < kinds["activations"] <= plain.memory_estimate[device]["activations"] / 4

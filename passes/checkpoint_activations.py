@@ -183,12 +183,11 @@ def _region_module(region: CheckpointRegion) -> tuple[fx.GraphModule, list[fx.No
             continue
         owner, method = _owner_and_method(str(node.target), region.path, _STAGE in node.meta)
         if owner not in owners:
-            owners[owner] = graph.placeholder(owner.replace(".", "_"))
+            owners[owner] = graph.placeholder(owner.replace(".", "_") + "_module")
             arguments.append(owner)
         args = tuple(fx.map_arg(node.args, env.__getitem__))
         kwargs = fx.map_arg(node.kwargs, env.__getitem__)
-        env[node] = graph.call_method(method, (owners[owner], *args), kwargs)  # type: ignore[arg-type]
-        env[node].name = graph._graph_namespace.create_name(node.name, None)
+        env[node] = graph.create_node("call_method", method, (owners[owner], *args), kwargs, name=node.name)
         env[node].meta = dict(node.meta)
     outs = [env[n] for n in region.outputs]
     graph.output(outs[0] if len(outs) == 1 else tuple(outs))

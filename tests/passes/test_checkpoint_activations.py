@@ -66,7 +66,7 @@ def test_checkpoint_activations_rewrites_into_checkpoint_calls():
     model, gm = _traced()
     gm, _ = run_passes(gm, [lambda g: checkpoint_activations(g, paths=["layers.0", "layers.1", "layers.2"])])
     assert "layers_1 = dpcompile_runtime_checkpoint(layers_1_region, layers_0, layers_1_module)" in gm.code
-    assert "layers_1_fc1 = layers_1.fc1(layers_0)" in gm.layers_1_region.code
+    assert "layers_1_fc1 = layers_1_module.fc1(layers_0)" in gm.layers_1_region.code
     assert not list(gm.layers_1_region.parameters())  # weights are arguments, not the region's own
     x = torch.randn(5, 4, dtype=torch.float64)
     gm(x).backward()

@@ -42,6 +42,11 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     """
     if activation_checkpointing is None or activation_checkpointing is False:
         return ()
+    if activation_checkpointing == "auto":
+        raise DpCompileError(
+            'activation_checkpointing="auto" (the planner choosing what to recompute under memory_per_device=) is '
+            "not built yet: pass True (every repeated block) or the module paths to recompute"
+        )
     if activation_checkpointing is True:
         blocks = repeated_blocks(model)
         if not blocks:

@@ -208,3 +208,9 @@ def test_activation_checkpointing_explain_shows_regions_and_fewer_activations(la
     assert "Recomputed in backward (activation checkpointing)" in str(report)
     for device, kinds in report.memory_estimate.items():
         assert 0 < kinds["activations"] <= plain.memory_estimate[device]["activations"] / 4
+
+
+def test_activation_checkpointing_auto_is_refused_with_the_way_out():
+    """"auto" is not built yet: refused, naming True and the paths."""
+    with pytest.raises(DpCompileError, match="pass True"):
+        dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing="auto", memory_per_device="1GiB")

@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import copy_graph, graph_module
+from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module
 from dpcompile.infra import PassResult, module_path_of, stamp
 from dpcompile.runtime import checkpoint
 
@@ -191,7 +191,9 @@ def _region_module(region: CheckpointRegion) -> tuple[fx.GraphModule, list[fx.No
         env[node].meta = dict(node.meta)
     outs = [env[n] for n in region.outputs]
     graph.output(outs[0] if len(outs) == 1 else tuple(outs))
-    return fx.GraphModule(nn.Module(), graph, class_name=f"Region_{region.name}"), arguments
+    module = fx.GraphModule(nn.Module(), graph, class_name=f"Region_{region.name}")
+    setattr(module, PROGRAM_OWNED, True)
+    return module, arguments
 
 
 def _stable_topological_order(graph: fx.Graph) -> None:

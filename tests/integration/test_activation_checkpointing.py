@@ -214,3 +214,14 @@ def test_activation_checkpointing_auto_is_refused_with_the_way_out():
     """"auto" is not built yet: refused, naming True and the paths."""
     with pytest.raises(DpCompileError, match="pass True"):
         dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing="auto", memory_per_device="1GiB")
+
+
+def test_activation_checkpointing_regions_survive_a_model_change():
+    """A submodule added to the model after transform (the program re-adopts the model's modules)
+    leaves the regions in place; state_dict keeps the model's keys."""
+    model = Stack()
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=True)
+    model.extra = nn.Identity()
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(pm(x), model(x))
+    assert list(pm.state_dict()) == list(model.state_dict())

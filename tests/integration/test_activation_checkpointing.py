@@ -225,3 +225,20 @@ def test_activation_checkpointing_regions_survive_a_model_change():
     x = torch.randn(4, 8)
     torch.testing.assert_close(pm(x), model(x))
     assert list(pm.state_dict()) == list(model.state_dict())
+
+
+def test_activation_checkpointing_one_f_one_b_recomputes_and_equals_eager():
+    """schedule="1f1b": each micro-batch's blocks run again in its backward; gradients as eager's."""
+    reference = Stack().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b",
+                             activation_checkpointing=True, leaf_modules=[Counted])  # fmt: skip
+    x = torch.randn(6, 8, dtype=torch.float64)
+    Counted.calls = 0
+    loss = pm(x)  # a training call runs forward and backward
+    assert Counted.calls == 2 * 4 * 2  # 4 blocks x 2 micro-batches, forward and recompute
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

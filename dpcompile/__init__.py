@@ -10,7 +10,7 @@ from dpcompile.api import transform
 from dpcompile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dpcompile.errors import DpCompileError, TraceError
 from dpcompile.export import export, load
-from dpcompile.inspect import Report, diff, draw, explain
+from dpcompile.inspect import Measurement, Report, diff, draw, explain, measure
 from dpcompile.mesh import local_batch
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import CollectiveError
@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "DpCompileError",
+    "Measurement",
     "ParallelModule",
     "Report",
     "TraceError",
@@ -32,6 +33,7 @@ __all__ = [
     "load",
     "load_checkpoint",
     "local_batch",
+    "measure",
     "register_batch_rule",
     "save_checkpoint",
     "transform",

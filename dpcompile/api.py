@@ -16,6 +16,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.checkpoint_regions import checkpoint_paths
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
 from dpcompile.devices import parse_device, parse_devices
@@ -110,7 +111,7 @@ def transform(
         "frontend": frontend, "batch_dim": batch_dim, "output_device": output_device, "leaf_modules": leaf_modules,
         "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
         "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
-        "mixed_precision": mixed_precision,
+        "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
     }  # fmt: skip
     example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
@@ -158,6 +159,8 @@ def transform(
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
     pm.layout = layout
     pm.strategies = strategies_of(layout, data_parallel=data_parallel, schedule=schedule)
+    if recipe.checkpointed:
+        pm.strategies["activation_checkpointing"] = f"recompute in backward: {', '.join(recipe.checkpointed)}"
     return pm
 
 
@@ -249,6 +252,7 @@ def make_recipe(
     schedule: str = "gpipe",
     data_parallel: str = "ddp",
     mixed_precision: Any = None,
+    activation_checkpointing: Any = False,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -256,7 +260,8 @@ def make_recipe(
     leaves = _check_leaf_modules(leaf_modules)
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
-    common = {"leaf_modules": leaves, "frontend": frontend}
+    common = {"leaf_modules": leaves, "frontend": frontend,
+              "checkpointed": checkpoint_paths(model, activation_checkpointing)}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
         return _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)

@@ -57,6 +57,10 @@ def placeholders(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
+#: set on a submodule a pass adds to the program (it holds no state of the model's): kept by adopt_state
+PROGRAM_OWNED = "dpcompile_program_owned"
+
+
 def adopt_state(holder: nn.Module, model: nn.Module, *, aliased: bool = False, follow_removals: bool = False) -> None:
     """Make ``holder`` hold ``model``'s own submodules, parameters and buffers (the same
     objects) and training mode, so their state dicts have the same keys.
@@ -76,6 +80,8 @@ def adopt_state(holder: nn.Module, model: nn.Module, *, aliased: bool = False, f
         merged = dict(theirs)  # the model's order, so state_dict keys come in the same order
         if not (follow_removals and name in ("_modules", "_parameters")):
             merged.update((key, value) for key, value in ours.items() if key not in theirs)
+        elif name == "_modules":  # the program's own (a region recomputed in backward) stay
+            merged.update((k, v) for k, v in ours.items() if k not in theirs and getattr(v, PROGRAM_OWNED, False))
         ours.clear()
         ours.update(merged)
     holder._non_persistent_buffers_set = {rename(k) for k in model._non_persistent_buffers_set} | program_only

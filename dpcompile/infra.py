@@ -79,7 +79,24 @@ def stamp(node: fx.Node, pass_name: str, source: fx.Node | None = None) -> fx.No
         if source.meta.get("stack_trace"):
             node.meta["stack_trace"] = source.meta["stack_trace"]
         node.meta.setdefault("dpcompile_source", source.meta.get("dpcompile_source", source.name))
+        module = module_path_of(source)
+        if module is not None:
+            node.meta.setdefault("dpcompile_module", module)
     return node
+
+
+def module_path_of(node: fx.Node) -> str | None:
+    """The path of the innermost module whose forward made ``node`` (``"layers.0.mlp"``), or None
+    at the top level; lowered nodes carry their user node's as ``meta["dpcompile_module"]``."""
+    if "dpcompile_module" in node.meta:
+        return node.meta["dpcompile_module"]
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return path or None
 
 
 def _debug_level() -> int:

@@ -58,6 +58,11 @@ def check_keywords_honoured(
             "their gradients with one all-reduce per step after the schedule; use the default data_parallel=, or "
             "FSDP without a pipeline on a ('dp',) / ('dp', 'tp') mesh"
         )
+    if over_mesh and activation_checkpointing not in (None, False):
+        raise DpCompileError(
+            f"activation_checkpointing={activation_checkpointing!r} over a DeviceMesh is not built yet (it is in one "
+            "process, on a device list); wrap the blocks with torch.utils.checkpoint.checkpoint in the model itself"
+        )
     if over_mesh:
         check_built(
             {name for name, size in mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel).items()
@@ -80,11 +85,7 @@ def _check_new_strategies(
             "sequence_parallel=True is not built yet: tensor_parallel= alone (an all-reduce after each row layer) "
             "gives the same values with whole-sequence activations; leave sequence_parallel= out"
         )
-    if activation_checkpointing is not False and activation_checkpointing is not None:
-        raise DpCompileError(
-            f"activation_checkpointing={activation_checkpointing!r} is not built yet: wrap the blocks with "
-            "torch.utils.checkpoint.checkpoint in the model itself, or leave activation_checkpointing= out"
-        )
+    _check_activation_checkpointing(activation_checkpointing, memory_per_device)
     if exact_random not in (None, False, True):
         raise ValueError(f"exact_random={exact_random!r}: expected True or False")
     if exact_random:
@@ -101,6 +102,23 @@ def _check_new_strategies(
                 'plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. '
                 'memory_per_device="24GiB"'
             )
+
+
+def _check_activation_checkpointing(value: Any, memory_per_device: Any) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if value == "auto":
+        if memory_per_device is None:
+            raise ValueError(
+                'activation_checkpointing="auto" recomputes what does not fit memory_per_device=: give a budget, '
+                'e.g. memory_per_device="24GiB", or name the modules (True: every repeated block)'
+            )
+        return
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+        raise ValueError(
+            f"activation_checkpointing={value!r}: expected False, True (every repeated block), a list of module "
+            'paths (["layers.0", "layers.1"]) or "auto"'
+        )
 
 
 def layout_of_keywords(devices: Any, pipeline: Any, tensor_parallel: Any) -> dict[str, int]:

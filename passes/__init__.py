@@ -5,6 +5,7 @@
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
                                          └─► split_stages ─► insert_scatter_gather ─► cut_stage (pipeline, one "pp" rank)
+    ... ─► checkpoint_activations (last, in one process, where activation_checkpointing= names regions)
 
 See ``passes/README.md`` for the invariants every pass keeps and why the order is this one.
 """
@@ -19,6 +20,7 @@ import torch
 
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
+from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
 from passes.collectives import find_collective_sites, lower_to_collectives
 from passes.cut_stage import cut_stage
 from passes.data_parallel import insert_scatter_gather
@@ -103,6 +105,11 @@ def pipeline_parallel_pipeline(options: PipelineOptions, *, plan: StagePlan, mic
     return out
 
 
+def checkpoint_pipeline(paths: tuple[str, ...]) -> list[Pass]:
+    """``checkpoint_activations`` over ``paths``, last on a lowered program (nothing where none)."""
+    return [functools.partial(checkpoint_activations, paths=paths)] if paths else []
+
+
 def default_pipeline(options: PipelineOptions) -> list[Pass]:
     return frontend_pipeline(options) + data_parallel_pipeline(options)
 
@@ -132,4 +139,8 @@ __all__ = [
     "insert_stage_transfers",
     "pipeline_parallel_pipeline",
     "cut_stage",
+    "CheckpointRegion",
+    "find_checkpoint_regions",
+    "checkpoint_activations",
+    "checkpoint_pipeline",
 ]

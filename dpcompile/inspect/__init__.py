@@ -22,6 +22,7 @@ The package, one concern per file:
 - ``report``: :class:`Report` (with :class:`NodeInfo`, :class:`CollectiveInfo`), ``to_dict``
   and the table ``str(report)`` prints;
 - ``explanation``: :func:`explain` and :func:`param_bytes`;
+- ``measure``: :func:`measure`, one real step's peak bytes per device and its time, beside the prediction;
 - ``recorder``: the interpreter that runs a program on fake tensors and records what it sees;
 - ``nodes``: what the tools read off a node (``slot_of``, ``user_source``) and a module's devices;
 - ``pictures``: :func:`draw` and its graphviz source :func:`to_dot`;
@@ -32,6 +33,7 @@ How many elements a collective moves is the rule of :mod:`dpcompile.analysis.cos
 
 from dpcompile.inspect.code_diff import diff
 from dpcompile.inspect.explanation import ALL_DEVICES, explain, param_bytes
+from dpcompile.inspect.measure import Measurement, measure
 from dpcompile.inspect.nodes import slot_of, user_source
 from dpcompile.inspect.pictures import draw, to_dot
 from dpcompile.inspect.recorder import Recorder
@@ -41,12 +43,14 @@ __all__ = [
     "ALL_DEVICES",
     "WIDTH",
     "CollectiveInfo",
+    "Measurement",
     "NodeInfo",
     "Recorder",
     "Report",
     "diff",
     "draw",
     "explain",
+    "measure",
     "param_bytes",
     "slot_of",
     "to_dot",

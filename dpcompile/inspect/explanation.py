@@ -20,6 +20,7 @@ from dpcompile.analysis.cost import comm_elements, ring_elements
 from dpcompile.analysis.memory import activation_bytes
 from dpcompile.analysis.program_memory import held_parameter_bytes, program_memory
 from dpcompile.analysis.split_fraction import split_fraction
+from dpcompile.capture import capture_fx
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.nodes import device_labels, device_list, slot_of, target_name, user_source
@@ -27,6 +28,7 @@ from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.pipeline import PipelineModule
+from passes.checkpoint_activations import with_regions_recomputed
 from passes.collectives import group_size
 from passes.split_stages import STAGE
 
@@ -156,6 +158,9 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         whole=whole,
         pipeline=pipeline,
         memory_estimate=memory_estimate(pm, params, args, kwargs),
+        checkpoint_regions={
+            n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
+        },
     )
 
 
@@ -226,6 +231,15 @@ def memory_estimate(
     optimizer, training = options["optimizer"], options["training"]
     activations, share = 0, 1.0
     model = getattr(pm, "captured", None) or getattr(pm, "traced_model", None)
+    recipe = getattr(pm, "recipe", None)
+    checkpointed = getattr(recipe, "checkpointed", ())
+    if checkpointed and isinstance(model, nn.Module) and not isinstance(model, fx.GraphModule):
+        try:  # a tensor-parallel program keeps the model, not its single-device graph
+            model, _ = capture_fx(model, leaf_modules=recipe.leaf_modules, example_inputs=tuple(args))
+        except Exception:  # noqa: BLE001 - then counted without the recompute
+            pass
+    if checkpointed and isinstance(model, fx.GraphModule):  # activations saved with the regions recomputed
+        model = with_regions_recomputed(model, checkpointed)
     if (args or kwargs) and isinstance(model, nn.Module):
         try:
             activations = activation_bytes(model, args, kwargs, training=training)

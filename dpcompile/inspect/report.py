@@ -84,6 +84,9 @@ class Report:
     # bytes each device needs, by kind: {device: {"parameters", "gradients", "optimizer", "activations"}}
     # (optimizer and training as given to transform; see docs/memory.md)
     memory_estimate: dict[str, dict[str, int]] = field(default_factory=dict)
+    # activation checkpointing: {region name in the code: module path}, recomputed in backward
+    # (the memory estimate's activations count what is saved with them recomputed)
+    checkpoint_regions: dict[str, str] = field(default_factory=dict)
 
     @property
     def comm_elements(self) -> float:
@@ -225,6 +228,10 @@ def _render(r: Report) -> str:
             out += _table(["node", "FLOPs", "reason", "source"], rows, [26, 13, 56, 19])
     if r.pipeline:
         out += _render_pipeline(r.pipeline)
+    if r.checkpoint_regions:
+        paths = list(dict.fromkeys(r.checkpoint_regions.values()))
+        out += ["", f"Recomputed in backward (activation checkpointing): {len(r.checkpoint_regions)} regions of "
+                    f"{', '.join(paths)}"]  # fmt: skip
     if r.memory_estimate:
         out += ["", "Memory estimate (bytes each device needs)"]
         kinds = ("parameters", "gradients", "optimizer", "activations")

@@ -19,12 +19,14 @@ class Recipe:
     """How to compile a model, whatever the parallelism.
 
     ``leaf_modules``: module types the tracer must not enter; ``frontend``: ``"fx"``,
-    ``"export"`` or ``"auto"``. Subclasses add what their kind needs and implement
+    ``"export"`` or ``"auto"``; ``checkpointed``: the module paths whose activations are
+    recomputed in backward (``passes.checkpoint_activations``, last in every lowering). Subclasses add what their kind needs and implement
     :meth:`compile` and :meth:`build_program`.
     """
 
     leaf_modules: tuple[type[nn.Module], ...] = ()
     frontend: str = "auto"
+    checkpointed: tuple[str, ...] = ()  # module paths recomputed in backward (activation_checkpointing=)
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> nn.Module:
         """``model`` compiled into this recipe's kind of ``ParallelModule``."""

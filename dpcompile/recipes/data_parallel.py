@@ -102,7 +102,8 @@ class DataParallelRecipe(Recipe):
         self, gm: fx.GraphModule, devices: Devices, input_dims: Mapping[str, int | None], *, recompile: bool = True
     ) -> fx.GraphModule:
         """A captured (and tidied) graph lowered to data-parallel code for ``devices``."""
-        lowered, _ = run_passes(gm, passes.data_parallel_pipeline(self._options(devices, input_dims)), recompile=recompile)
+        lowering = passes.data_parallel_pipeline(self._options(devices, input_dims)) + passes.checkpoint_pipeline(self.checkpointed)
+        lowered, _ = run_passes(gm, lowering, recompile=recompile)
         return lowered
 
     def trace(self, model: nn.Module, key: CallKey) -> fx.GraphModule:

@@ -111,7 +111,7 @@ class PipelineRecipe(Recipe):
     ) -> fx.GraphModule:
         """A captured (and tidied) graph lowered to the pipeline program for ``micro_batches``."""
         pipeline = passes.pipeline_parallel_pipeline(self._options(input_dims), plan=plan, micro_batches=micro_batches)
-        lowered, _ = run_passes(gm, pipeline, recompile=recompile)
+        lowered, _ = run_passes(gm, pipeline + passes.checkpoint_pipeline(self.checkpointed), recompile=recompile)
         return lowered
 
     def trace(self, model: nn.Module, key: CallKey) -> fx.GraphModule:

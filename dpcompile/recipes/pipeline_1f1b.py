@@ -38,7 +38,7 @@ def one_f_one_b_step(recipe: Any, pm: Any, key: CallKey) -> OneFOneBStep:
         functools.partial(passes.insert_stage_transfers, plan=plan, devices=recipe.devices,
                           micro_batches=key.devices, output_device=recipe.output_device),
     ]  # fmt: skip
-    program, _ = run_passes(gm, lowering)
+    program, _ = run_passes(gm, lowering + passes.checkpoint_pipeline(recipe.checkpointed))
     stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
     return OneFOneBStep(program, stage_of, plan.stages, key.devices)
 

@@ -204,6 +204,7 @@ class PipelineTensorParallelRecipe(Recipe):
         expanded, records = run_passes(lowered, [expand], recompile=False)
         read_each_parameter_once(expanded)
         tidy_micro_batch_names(expanded)
+        expanded, _ = run_passes(expanded, passes.checkpoint_pipeline(self.checkpointed), recompile=False)
         expanded.recompile()
         return expanded, records
 

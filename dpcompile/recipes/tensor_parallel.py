@@ -94,7 +94,8 @@ class TensorParallelRecipe(Recipe):
         whole = {p: why_whole(gm, p) for p in [*linear_paths(model), *embedding_paths(model)]}  # before the rewrite
         reasons.update({p: f"kept whole: {why}" for p, why in attention.info["kept"].items()})
         options = passes.PipelineOptions(devices=self.devices, output_device=self.output_device, plan=styles)
-        gm, records = run_passes(gm, passes.frontend_pipeline(options) + passes.tensor_parallel_pipeline(options))
+        lowering = passes.tensor_parallel_pipeline(options) + passes.checkpoint_pipeline(self.checkpointed)
+        gm, records = run_passes(gm, passes.frontend_pipeline(options) + lowering)
         shard_info = unaliased_findings(info_of(records, "shard_linear"))
         expand_info = info_of(records, "expand_shards")
         expand_info = {**expand_info, "param_shards": share_tied_shards(gm, ties, expand_info["param_shards"])}

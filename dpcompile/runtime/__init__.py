@@ -6,6 +6,7 @@ from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split
 from dpcompile.runtime.grad import without_grad
 from dpcompile.runtime.hooks import run_forward_hook
 from dpcompile.runtime.pipeline import partial_pair, send
+from dpcompile.runtime.recompute import checkpoint
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
@@ -28,6 +29,7 @@ __all__ = [
     "batch_norm",
     "functional_batch_norm",
     "broadcast",
+    "checkpoint",
     "flatten_parameters",
     "gather",
     "in_place_without_grad",

@@ -1,0 +1,194 @@
+"""Activation checkpointing on a 12-layer transformer stack: measured peak and recomputed FLOPs of
+the pass's region choices against torchtitan's selective rule (recompute every second matmul of each
+block), all as ratios against the run without checkpointing, measured in the same run.
+
+    PYTHONPATH=. python benchmarks/bench_activation_checkpointing.py [--json]
+
+- peak: the peak bytes allocated during one training step (forward + backward), each new storage
+  counted until it is freed (a TorchDispatchMode, as ``dpcompile.measure`` counts virtual devices);
+- recomputed FLOPs: the step's FLOPs (``FlopCounterMode``) minus those of the step without
+  checkpointing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import FlopCounterMode
+
+import dpcompile
+from benchmarks.common import RESULTS
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d), MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int = 64, heads: int = 4, layers: int = 12):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten.max.default,
+}
+
+
+def torchtitan_selective(block: nn.Module):
+    """torchtitan's selective op rule: save the outputs of the ops in its save list, except every
+    second matmul of each block, and recompute everything else."""
+
+    def policy(meta, ctx, func, *args, **kwargs):
+        key = "recompute_mm" if ctx.is_recompute else "forward_mm"
+        if func == torch.ops.aten.mm.default:
+            meta[key] += 1
+        save = func in _SAVE and not (func == torch.ops.aten.mm.default and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context():
+        return create_selective_checkpoint_contexts(functools.partial(policy, defaultdict(int)))
+
+    forward = block.forward
+    block.forward = lambda x: checkpoint(forward, x, use_reentrant=False, context_fn=context)
+    return block
+
+
+class _Peak(TorchDispatchMode):
+    """The peak of the bytes of storages created and not yet freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def _free(self, key: int, size: int) -> None:
+        self.seen.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                storage = t.untyped_storage()
+                key, size = storage._cdata, storage.nbytes()
+                if key not in self.seen and key not in inputs and size:
+                    self.seen.add(key)
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, size)
+        return out
+
+
+def step_figures(module: nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """Peak bytes and FLOPs of one training step (the output's sum, backward)."""
+    for p in module.parameters():
+        p.grad = None
+    with _Peak() as peak:
+        module(x).sum().backward()
+    for p in module.parameters():
+        p.grad = None
+    with FlopCounterMode(display=False) as flops:
+        module(x).sum().backward()
+    return {"peak_bytes": peak.peak, "flops": flops.get_total_flops()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true", help="write benchmarks/results/activation_checkpointing.json")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(args.batch, args.seq, 64)
+    every = [f"layers.{i}" for i in range(12)]
+    variants = {
+        "none": dpcompile.transform(copy.deepcopy(model), ["cpu"]),
+        "torchtitan selective (every 2nd matmul)": None,
+        "pass: every block": dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing=True),
+        "pass: every block's mlp": dpcompile.transform(
+            copy.deepcopy(model), ["cpu"], activation_checkpointing=[f"{p}.mlp" for p in every]
+        ),
+        "pass: every block's attn and mlp": dpcompile.transform(
+            copy.deepcopy(model), ["cpu"], activation_checkpointing=[f"{p}.{m}" for p in every for m in ("attn", "mlp")]
+        ),
+    }
+    selective = copy.deepcopy(model)
+    for block in selective.layers:
+        torchtitan_selective(block)
+    variants["torchtitan selective (every 2nd matmul)"] = selective
+    figures = {name: step_figures(module, x) for name, module in variants.items()}
+    base = figures["none"]
+    forward_flops = base["flops"] / 3  # forward : backward = 1 : 2 for matmuls
+    rows = {}
+    for name, f in figures.items():
+        recomputed = f["flops"] - base["flops"]
+        rows[name] = {
+            "peak_bytes": f["peak_bytes"],
+            "peak_ratio": f["peak_bytes"] / base["peak_bytes"],
+            "recomputed_flops": recomputed,
+            "extra_step_flops": recomputed / base["flops"],
+            "recomputed_of_forward": recomputed / forward_flops,
+        }
+    sac = rows["torchtitan selective (every 2nd matmul)"]
+    print(f"12-layer transformer stack, d=64, batch {args.batch} x seq {args.seq}, one training step on CPU")
+    print(f"{'variant':42s} {'peak':>12s} {'peak/none':>10s} {'extra FLOPs':>12s} {'recompute/SAC':>14s}")
+    for name, r in rows.items():
+        vs = r["recomputed_flops"] / sac["recomputed_flops"] if sac["recomputed_flops"] else float("nan")
+        print(f"{name:42s} {r['peak_bytes']:>12,d} {r['peak_ratio']:>10.3f} {r['extra_step_flops']:>11.1%} {vs:>14.2f}")
+    if args.json:
+        (RESULTS / "activation_checkpointing.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

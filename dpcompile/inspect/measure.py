@@ -1,0 +1,245 @@
+"""``measure``: run one step of a program and report the peak bytes of each device and the step time,
+beside ``explain``'s prediction.
+
+On virtual devices (``["cpu"] * n``, a repeated ``"cuda:0"``) one allocator serves every device, so
+each new storage is counted against the device of the node that made it: the program runs under an
+``fx.Interpreter`` that names the running node's device slot (``slot_of``), a ``TorchDispatchMode``
+sees every storage an op creates, and a finalizer takes it off when it is freed. In backward the
+slot is the one of the forward node whose autograd node is running. On distinct CUDA devices the
+allocator's own ``max_memory_allocated(d)`` is read instead.
+
+>>> import torch, dpcompile
+>>> pm = dpcompile.transform(torch.nn.Linear(8, 4), ["cpu", "cpu"])
+>>> m = dpcompile.measure(pm, torch.randn(16, 8))
+>>> sorted(m.peak_bytes)
+['cpu#0', 'cpu#1']
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import bind_inputs
+from dpcompile.inspect.explanation import explain
+from dpcompile.inspect.nodes import device_labels, device_list, slot_of
+from dpcompile.runtime import checkpoint
+
+
+@dataclass
+class Measurement:
+    """What one step measured, per device label (``"cpu#0"``, ``"cuda:1"``).
+
+    ``peak_bytes``: the parameters the device holds (as ``explain`` counts them) plus the peak of
+    the bytes allocated on it during the step; ``step_allocated_peak``: that peak alone;
+    ``step_time``: seconds of one uninstrumented step; ``predicted_peak_bytes``: ``explain``'s
+    ``memory_estimate`` total; ``training``: forward and backward (else forward only).
+    """
+
+    peak_bytes: dict[str, int]
+    step_time: float
+    predicted_peak_bytes: dict[str, int]
+    step_allocated_peak: dict[str, int] = field(default_factory=dict)
+    memory_estimate: dict[str, dict[str, int]] = field(default_factory=dict)
+    training: bool = True
+
+    def __str__(self) -> str:
+        rows = [
+            f"  {d:<10} measured {self.peak_bytes[d]:>14,} B   predicted {self.predicted_peak_bytes.get(d, 0):>14,} B"
+            for d in self.peak_bytes
+        ]
+        kind = "training step" if self.training else "forward"
+        return "\n".join([f"dpcompile measure: one {kind}, {self.step_time * 1e3:.2f} ms", *rows])
+
+
+_SLOT_KEY = "dpcompile_slot"  # on an autograd node's metadata: the slot of the forward node that made it
+
+
+class _Ledger:
+    """Live and peak bytes per device slot."""
+
+    def __init__(self, n: int) -> None:
+        self.live = [0] * n
+        self.peak = [0] * n
+        self.slot = 0  # the device slot of the node now running
+        self.seen: set[int] = set()
+
+    def add(self, key: int, slot: int, size: int) -> None:
+        self.seen.add(key)
+        self.live[slot] += size
+        self.peak[slot] = max(self.peak[slot], self.live[slot])
+
+    def release(self, key: int, slot: int, size: int) -> None:
+        self.seen.discard(key)
+        self.live[slot] -= size
+
+    def current_slot(self) -> int:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return self.slot
+        todo, seen = [node], set()
+        while todo:  # the nearest autograd node a forward node made (a gradient's own device)
+            n = todo.pop(0)
+            if _SLOT_KEY in n.metadata:
+                return n.metadata[_SLOT_KEY]
+            seen.add(n)
+            todo += [f for f, _ in getattr(n, "next_functions", ()) if f is not None and f not in seen][:4]
+            if len(seen) > 64:
+                break
+        return 0
+
+
+class _Allocations(TorchDispatchMode):
+    """Counts every new storage an op returns against the running node's device slot."""
+
+    def __init__(self, ledger: _Ledger) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                storage = t.untyped_storage()
+                key = storage._cdata  # a view or an in-place result shares its input's storage: not new
+                if key not in self.ledger.seen and key not in inputs and storage.nbytes():
+                    slot = self.ledger.current_slot()
+                    self.ledger.add(key, slot, storage.nbytes())
+                    weakref.finalize(storage, self.ledger.release, key, slot, storage.nbytes())
+        return out
+
+
+class _SlotInterpreter(fx.Interpreter):
+    """Runs a program node by node, naming each node's device slot; regions recomputed in backward
+    run through it too (forward and recompute alike)."""
+
+    def __init__(self, module: fx.GraphModule, ledger: _Ledger) -> None:
+        super().__init__(module)
+        self.ledger = ledger
+
+    def run_node(self, n: fx.Node) -> Any:
+        slot = slot_of(n)  # a node of no one device (a scatter, a gather, a whole op) runs on the first
+        self.ledger.slot = slot if slot is not None and slot < len(self.ledger.live) else 0
+        if n.op == "call_function" and n.target is checkpoint:
+            region, *rest = self.map_nodes_to_values(n.args, n)
+            ledger = self.ledger
+            out = checkpoint(lambda *a: _SlotInterpreter(region, ledger).run(*a), *rest)
+        else:
+            out = super().run_node(n)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.metadata.setdefault(_SLOT_KEY, self.ledger.slot)  # no reference kept: saved tensors free
+        return out
+
+
+def _loss_of(out: Any) -> torch.Tensor | None:
+    """The model's own loss (``out.loss``, ``out["loss"]``), else the sum of every floating output."""
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return sum(t.float().sum() for t in leaves) if leaves else None  # type: ignore[return-value]
+
+
+@contextmanager
+def _state_kept(pm: nn.Module) -> Any:
+    """The step leaves gradients, buffers (running statistics) and the RNG as they were."""
+    grads = {p: p.grad for p in pm.parameters()}
+    buffers = {b: b.detach().clone() for b in pm.buffers()}
+    rng = torch.get_rng_state()
+    for p in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+        with torch.no_grad():
+            for b, value in buffers.items():
+                b.copy_(value)
+        torch.set_rng_state(rng)
+
+
+def _step(run: Callable[[], Any], training: bool) -> None:
+    with torch.enable_grad() if training else torch.no_grad():
+        out = run()
+        loss = _loss_of(out) if training else None
+        if loss is not None:
+            loss.backward()
+
+
+def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
+    """One step of ``pm`` on ``args``/``kwargs``: the measured peak bytes per device, the step time,
+    and ``explain``'s prediction beside them. In training mode the step is forward and backward of
+    the model's loss (``out.loss``) or of the sum of its outputs; in eval mode, forward. Gradients,
+    buffers and the RNG state are left as they were."""
+    if not isinstance(pm, fx.GraphModule) or not hasattr(pm, "program_for_call"):
+        raise DpCompileError(f"measure needs a dpcompile.ParallelModule, got {type(pm).__name__}")
+    training = pm.training
+    labels = device_labels(pm)
+    estimate = explain(pm, *args, **kwargs).memory_estimate
+    predicted = {d: sum(kinds.values()) for d, kinds in estimate.items()}
+    held = {d: estimate.get(d, {}).get("parameters", 0) for d in labels}
+    devices = device_list(pm)
+    distinct_cuda = all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices)
+    if distinct_cuda:
+        allocated = _cuda_peaks(pm, args, kwargs, training, devices, labels)
+    else:
+        allocated = _virtual_peaks(pm, args, kwargs, training, labels)
+    with _state_kept(pm):
+        _synchronize(devices)
+        start = time.perf_counter()
+        _step(lambda: pm(*args, **kwargs), training)
+        _synchronize(devices)
+        seconds = time.perf_counter() - start
+    return Measurement(
+        peak_bytes={d: held[d] + allocated[d] for d in labels},
+        step_time=seconds,
+        predicted_peak_bytes=predicted,
+        step_allocated_peak=allocated,
+        memory_estimate=estimate,
+        training=training,
+    )
+
+
+def _virtual_peaks(pm: Any, args: tuple, kwargs: dict, training: bool, labels: list[str]) -> dict[str, int]:
+    program = pm.program_for_call(*args, **kwargs)
+    values = bind_inputs(program, args, kwargs)
+    ledger = _Ledger(len(labels))
+    with _state_kept(pm), _Allocations(ledger):
+        _step(lambda: _SlotInterpreter(program, ledger).run(*values), training)
+    return dict(zip(labels, ledger.peak, strict=True))
+
+
+def _cuda_peaks(
+    pm: Any, args: tuple, kwargs: dict, training: bool, devices: list[torch.device], labels: list[str]
+) -> dict[str, int]:
+    before = {}
+    for d in devices:
+        torch.cuda.synchronize(d)
+        torch.cuda.reset_peak_memory_stats(d)
+        before[d] = torch.cuda.memory_allocated(d)
+    with _state_kept(pm):
+        _step(lambda: pm(*args, **kwargs), training)
+    _synchronize(devices)
+    return {label: torch.cuda.max_memory_allocated(d) - before[d] for label, d in zip(labels, devices, strict=True)}
+
+
+def _synchronize(devices: list[torch.device]) -> None:
+    for d in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(d)
+
+
+__all__ = ["Measurement", "measure"]

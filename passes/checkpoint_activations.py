@@ -1,0 +1,299 @@
+"""``checkpoint_activations``: regions of the program recomputed in backward instead of saved.
+
+Before (data parallel over two virtual devices, one block ``layers.0``)::
+
+    def forward(self, x):
+        ...
+        layers_0_fc1_dev0 = getattr(replica_dev0.layers, "0").fc1(x_dev0)
+        relu_dev0 = torch.relu(layers_0_fc1_dev0)
+        layers_0_fc2_dev0 = getattr(replica_dev0.layers, "0").fc2(relu_dev0)
+        add_dev0 = x_dev0 + layers_0_fc2_dev0
+        ...
+
+After (``paths=["layers.0"]``)::
+
+    def forward(self, x):
+        ...
+        layers_0_dev0_region = self.layers_0_dev0_region
+        layers_0_dev0 = dpcompile_runtime_checkpoint(layers_0_dev0_region, replica_dev0, x_dev0)
+        ...
+
+The region (a submodule holding the extracted nodes, with no parameters of its own: modules and
+weights come in as arguments) runs under ``torch.utils.checkpoint`` (non-reentrant, RNG state
+kept), so backward keeps only its inputs and runs it again. A region is every node whose user
+node ran inside the module (``node.meta["dpcompile_module"]``), closed over the nodes between
+them (a send, a collective), and split into its independent parts: one region per replica or
+micro-batch, one across the shards of a tensor-parallel block. It runs last, on the lowered
+program, so it composes with data, tensor and pipeline parallelism alike.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module
+from dpcompile.infra import PassResult, module_path_of, stamp
+from dpcompile.runtime import checkpoint
+
+PASS = "checkpoint_activations"
+_COMPUTE = ("call_function", "call_method", "call_module")
+_STAGE = "dpcompile_stage"  # passes.split_stages.STAGE
+_PLACEMENT = ("dpcompile_stage", "dpcompile_slot")  # where a pipeline runs a node: its new nodes run there too
+_PLACE_SUFFIX = re.compile(r"_(dev\d+|mb\d+)$")
+
+
+@dataclass
+class CheckpointRegion:
+    """One region to recompute: the module ``path`` it comes from, its ``name`` in the code, its
+    nodes in graph order, the values it reads (``inputs``) and the ones read after it (``outputs``)."""
+
+    path: str
+    name: str
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+
+
+def _in_path(node: fx.Node, path: str) -> bool:
+    module = module_path_of(node)
+    return module is not None and (module == path or module.startswith(path + "."))
+
+
+def _recomputable(node: fx.Node) -> bool:
+    return node.op in _COMPUTE and node.target is not checkpoint and node.meta.get("dpcompile_pass") != PASS
+
+
+def _closed(members: set[fx.Node], order: dict[fx.Node, int], *, staged: bool = False) -> set[fx.Node]:
+    """``members`` with every node on a path between two of them (a send, a collective)."""
+    low, high = min(order[n] for n in members), max(order[n] for n in members)
+    after: set[fx.Node] = set()
+    stack = list(members)
+    while stack:
+        for user in stack.pop().users:
+            if user not in after and order[user] <= high:
+                after.add(user)
+                stack.append(user)
+    before: set[fx.Node] = set()
+    stack = list(members)
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in before and order[arg] >= low:
+                before.add(arg)
+                stack.append(arg)
+    stages = {n.meta.get(_STAGE) for n in members}
+    return members | {n for n in after & before if _recomputable(n) and (not staged or n.meta.get(_STAGE) in stages)}
+
+
+def _components(nodes: set[fx.Node]) -> list[set[fx.Node]]:
+    """The parts of ``nodes`` that share no value (replicas, micro-batches)."""
+    parent = {n: n for n in nodes}
+
+    def root(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg in nodes:
+                parent[root(arg)] = root(node)
+    parts: dict[fx.Node, set[fx.Node]] = {}
+    for node in nodes:
+        parts.setdefault(root(node), set()).add(node)
+    return list(parts.values())
+
+
+def _region_name(path: str, nodes: list[fx.Node], taken: set[str]) -> str:
+    suffixes = {m.group(0) for n in nodes if (m := _PLACE_SUFFIX.search(n.name))}
+    base = path.replace(".", "_") + (suffixes.pop() if len(suffixes) == 1 else "")
+    name, k = base, 1
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def find_checkpoint_regions(gm: fx.GraphModule, paths: Sequence[str]) -> list[CheckpointRegion]:
+    """The regions of ``paths`` (module paths; a path inside another given one is part of it).
+
+    Raises ``DpCompileError`` for a path no node of the program ran in.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    outer = [p for p in dict.fromkeys(paths) if not any(p.startswith(q + ".") for q in paths if q != p)]
+    regions: list[CheckpointRegion] = []
+    taken: set[str] = set()  # names among regions; a region takes its nodes' names once they are gone
+    done = {n.meta.get("dpcompile_region") for n in gm.graph.nodes}
+    for path in outer:
+        members = {n for n in gm.graph.nodes if _recomputable(n) and _in_path(n, path)}
+        if not members and path in done:  # checkpointed already: running the pass again changes nothing
+            continue
+        if not members:
+            raise DpCompileError(
+                f"activation_checkpointing names {path!r}, but no operation of the program runs in it (a module "
+                "forward does not call); leave it out of the list"
+            )
+        by_stage: dict[object, set[fx.Node]] = {}  # a pipeline stage's part of a module runs on its device
+        for node in members:
+            by_stage.setdefault(node.meta.get(_STAGE), set()).add(node)
+        parts = [p for group in by_stage.values() for p in _components(_closed(group, order, staged=len(by_stage) > 1))]
+        for part in sorted(parts, key=lambda p: min(order[n] for n in p)):
+            nodes = sorted(part, key=order.__getitem__)
+            inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in part))
+            outputs = [n for n in nodes if any(u not in part for u in n.users)]
+            if outputs:
+                regions.append(CheckpointRegion(path, _region_name(path, nodes, taken), nodes, inputs, outputs))
+    return regions
+
+
+def _owner_and_method(target: str, path: str, staged: bool) -> tuple[str, str]:
+    """The module a region gets as an argument for ``call_module`` ``target``, and the method path on
+    it; in a pipeline the module itself (a stage moves the modules it is given onto its device)."""
+    if staged:
+        return target, "__call__"
+    if target.startswith(path + "."):
+        return path, target[len(path) + 1 :]
+    if "." in target:
+        owner, _, last = target.rpartition(".")
+        return owner, last
+    return target, "__call__"
+
+
+def _region_module(region: CheckpointRegion) -> tuple[fx.GraphModule, list[fx.Node | str]]:
+    """The region's nodes as a parameter-free GraphModule, and what the call passes it: its input
+    nodes, and the module paths it calls (as strings, for the caller to fetch)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    arguments: list[fx.Node | str] = []
+    for value in region.inputs:
+        env[value] = graph.placeholder(value.name)
+        arguments.append(value)
+    owners: dict[str, fx.Node] = {}
+    for node in region.nodes:
+        if node.op != "call_module":
+            env[node] = graph.node_copy(node, env.__getitem__)
+            continue
+        owner, method = _owner_and_method(str(node.target), region.path, _STAGE in node.meta)
+        if owner not in owners:
+            owners[owner] = graph.placeholder(owner.replace(".", "_") + "_module")
+            arguments.append(owner)
+        args = tuple(fx.map_arg(node.args, env.__getitem__))
+        kwargs = fx.map_arg(node.kwargs, env.__getitem__)
+        env[node] = graph.create_node("call_method", method, (owners[owner], *args), kwargs, name=node.name)
+        env[node].meta = dict(node.meta)
+    outs = [env[n] for n in region.outputs]
+    graph.output(outs[0] if len(outs) == 1 else tuple(outs))
+    module = fx.GraphModule(nn.Module(), graph, class_name=f"Region_{region.name}")
+    setattr(module, PROGRAM_OWNED, True)
+    return module, arguments
+
+
+def _stable_topological_order(graph: fx.Graph) -> None:
+    """Reorder ``graph`` so every node follows its inputs, keeping the old order where it can."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(index[n], n) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    ordered: list[fx.Node] = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        ordered.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, (index[user], user))
+    cursor = graph._root  # type: ignore[attr-defined]
+    for node in ordered:
+        cursor.append(node)
+        cursor = node
+
+
+def _placed(node: fx.Node, like: fx.Node) -> fx.Node:
+    node.meta.update({k: like.meta[k] for k in _PLACEMENT if k in like.meta})
+    return node
+
+
+def _take_name(graph: fx.Graph, node: fx.Node, name: str) -> None:
+    """Give ``node`` the name of a node erased from ``graph``."""
+    namespace = graph._graph_namespace  # type: ignore[attr-defined]
+    namespace._used_names.discard(name)
+    node._rename(name)
+
+
+def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str]) -> PassResult:
+    """Rewrite each region of ``paths`` into ``dpcompile_runtime_checkpoint(self.<name>_region, ...)``.
+
+    ``info["regions"]`` is ``{region name: module path}``; no paths: a no-op.
+    """
+    if not paths:
+        return PassResult(gm, False, {"regions": {}})
+    regions = find_checkpoint_regions(gm, paths)
+    graph = gm.graph
+    replaced: dict[fx.Node, fx.Node] = {}  # an earlier region's outputs, read by a later one
+    for region in regions:
+        region.inputs = [replaced.get(n, n) for n in region.inputs]
+        module, arguments = _region_module(region)
+        attribute, k = f"{region.name}_region", 1
+        while hasattr(gm, attribute):
+            attribute, k = f"{region.name}_{k}_region", k + 1
+        gm.add_submodule(attribute, module)
+        last = region.nodes[-1]
+        with graph.inserting_after(last):
+            holder = _placed(stamp(graph.create_node("get_attr", attribute, name=attribute), PASS, last), last)
+        values: list[fx.Node] = []
+        cursor = holder
+        for argument in arguments:
+            if isinstance(argument, str):
+                with graph.inserting_after(cursor):
+                    name = argument.replace(".", "_") + "_module"
+                    cursor = _placed(stamp(graph.create_node("get_attr", argument, name=name), PASS, last), last)
+                values.append(cursor)
+            else:
+                values.append(argument)
+        with graph.inserting_after(cursor):
+            call = graph.create_node("call_function", checkpoint, (holder, *values), name=f"{region.name}_checkpoint")
+        _placed(stamp(call, PASS, last), last).meta["dpcompile_region"] = region.path
+        results = [call]
+        if len(region.outputs) > 1:
+            results = []
+            for i, out in enumerate(region.outputs):
+                with graph.inserting_after(results[-1] if results else call):
+                    results.append(_placed(stamp(graph.call_function(operator.getitem, (call, i)), PASS, out), out))
+        inside = set(region.nodes)
+        for out, result in zip(region.outputs, results, strict=True):
+            out.replace_all_uses_with(result, delete_user_cb=lambda user, inside=inside: user not in inside)
+            replaced[out] = result
+            if "val" in out.meta:
+                result.meta["val"] = out.meta["val"]
+        names = [out.name for out in region.outputs]
+        for node in reversed(region.nodes):
+            graph.erase_node(node)
+        live = {n.name for n in graph.nodes}
+        if len(results) > 1:  # the values keep their names: the code after the region reads as before
+            for result, name in zip(results, names, strict=True):
+                _take_name(graph, result, name)
+        if region.name not in live:
+            _take_name(graph, call, region.name)
+    _stable_topological_order(graph)
+    return PassResult(gm, bool(regions), {"regions": {r.name: r.path for r in regions}})
+
+
+def with_regions_recomputed(gm: fx.GraphModule, paths: Sequence[str]) -> fx.GraphModule:
+    """A copy of the single-device program ``gm`` with ``paths`` checkpointed (for counting what a
+    step saves for backward: ``explain``'s memory estimate); ``gm`` is left as it is."""
+    copy = graph_module(gm, copy_graph(gm.graph), type(gm).__name__)
+    checkpoint_activations(copy, paths=paths)
+    copy.recompile()
+    return copy
+
+
+__all__ = ["CheckpointRegion", "checkpoint_activations", "find_checkpoint_regions", "with_regions_recomputed"]

@@ -1,0 +1,244 @@
+"""``activation_checkpointing=``: regions recomputed in backward, on every layout in one process.
+
+Loss and every gradient equal eager's (float64) with data, tensor and pipeline parallelism and the
+export frontend; dropout draws what the program without checkpointing draws from the same seed;
+and the recompute really happens: fewer bytes saved for backward, each region's forward run again.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.errors import DpCompileError
+from tests.helpers import full_gradients
+
+
+class Counted(nn.Module):
+    """A ReLU kept as one call (a leaf) that counts how often it runs."""
+
+    calls = 0
+
+    def forward(self, x):
+        type(self).calls += 1
+        return torch.relu(x)
+
+
+dpcompile.register_batch_rule(Counted, "elementwise")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, p: float = 0.0):
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.drop = nn.Linear(d, 4 * d), Counted(), nn.Linear(4 * d, d), nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int = 8, n: int = 4, p: float = 0.0):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(d, p) for _ in range(n)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).pow(2).mean()
+
+
+class ConvNet(nn.Module):
+    """A small CNN without BatchNorm: repeated conv blocks, pooled, a linear head."""
+
+    def __init__(self, c: int = 4, n: int = 3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.GELU()) for _ in range(n)])
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+LAYOUTS = {
+    "data_parallel": {},
+    "tensor_parallel": {"tensor_parallel": True},
+    "pipeline": {"pipeline": 2, "micro_batches": 2},
+}
+
+
+def _saved_bytes(run) -> int:
+    """Bytes autograd saves for backward while ``run()`` runs (outside checkpointed regions)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return total, out
+
+
+def _grads(model, pm, sharded):
+    return full_gradients(pm) if sharded else {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_activation_checkpointing_mlp_stack_equals_eager(layout):
+    """Loss and every gradient equal eager's (float64) with every block recomputed."""
+    reference = Stack().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=True, **LAYOUTS[layout])
+    assert "dpcompile_runtime_checkpoint(layers_0" in pm.code
+    x = torch.randn(6, 8, dtype=torch.float64)
+    loss = pm(x)
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    got = _grads(model, pm, layout == "tensor_parallel")
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_activation_checkpointing_recomputes_in_backward(layout):
+    """Each checkpointed block's forward runs again in backward, and fewer bytes are saved."""
+    x = torch.randn(6, 8)
+    plain = dpcompile.transform(Stack(), ["cpu"] * 2, leaf_modules=[Counted], **LAYOUTS[layout])
+    checkpointed = dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing=["layers.1", "layers.2"],
+                                       leaf_modules=[Counted], **LAYOUTS[layout])  # fmt: skip
+    saved_plain, loss_plain = _saved_bytes(lambda: plain(x))
+    saved_checkpointed, loss = _saved_bytes(lambda: checkpointed(x))
+    assert saved_checkpointed < saved_plain
+    Counted.calls = 0
+    loss_plain.backward()
+    assert Counted.calls == 0
+    loss.backward()
+    replicas = {"data_parallel": 2, "tensor_parallel": 1, "pipeline": 2}[layout]  # replicas / micro-batches
+    assert Counted.calls == 2 * replicas  # layers.1 and layers.2, once per replica, again
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", "pipeline"])
+def test_activation_checkpointing_dropout_draws_as_without(layout):
+    """With dropout on and the same seed, outputs and gradients equal the program without
+    checkpointing: the recompute restores the RNG state and draws the same masks."""
+    reference = Stack(p=0.3).double()
+    model = copy.deepcopy(reference)
+    plain = dpcompile.transform(reference, ["cpu"] * 2, **LAYOUTS[layout])
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=True, **LAYOUTS[layout])
+    x = torch.randn(6, 8, dtype=torch.float64)
+    torch.manual_seed(7)
+    expected = plain(x)
+    expected.backward()
+    torch.manual_seed(7)
+    loss = pm(x)
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_activation_checkpointing_cnn_equals_eager():
+    """A BN-free CNN: its repeated conv blocks recomputed, data parallel, gradients as eager."""
+    reference = ConvNet().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=True)
+    assert pm.code.count("dpcompile_runtime_checkpoint(") == 6  # 3 blocks x 2 replicas
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    out = pm(x)
+    out.pow(2).sum().backward()
+    expected = reference(x)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_activation_checkpointing_export_frontend_equals_eager():
+    """Under the export frontend the same regions are found (module paths from the export's
+    module stack) and gradients equal eager's."""
+    reference = Stack().double()
+    model = copy.deepcopy(reference)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,),
+                             activation_checkpointing=["layers.0", "layers.3"])  # fmt: skip
+    assert pm.code.count("dpcompile_runtime_checkpoint(") == 4
+    pm(x).backward()
+    reference(x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_activation_checkpointing_any_submodule_granularity():
+    """A path below a block (``layers.0.fc2``) is a region of its own."""
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing=["layers.0.fc2"])
+    assert "layers_0_fc2_dev0 = dpcompile_runtime_checkpoint(layers_0_fc2_dev0_region" in pm.code
+    assert pm.strategies["activation_checkpointing"] == "recompute in backward: layers.0.fc2"
+
+
+def test_activation_checkpointing_unknown_path_names_the_nearest():
+    """A path that is not a module is refused, naming the nearest ones, before anything is built."""
+    with pytest.raises(ValueError, match=r"'layers\.9', which is not a module of Stack; nearest: \['layers\.3'"):
+        dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing=["layers.9"])
+
+
+def test_activation_checkpointing_true_without_blocks_is_refused():
+    """True on a model with no repeated blocks says to name the modules."""
+    with pytest.raises(DpCompileError, match="name the modules"):
+        dpcompile.transform(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), ["cpu"] * 2, activation_checkpointing=True)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_activation_checkpointing_explain_shows_regions_and_fewer_activations(layout):
+    """explain lists the regions, and its estimate counts the activations saved with them
+    recomputed: with every block of four recomputed, a quarter or less of those saved without."""
+    x = torch.randn(16, 8)
+    plain = dpcompile.explain(dpcompile.transform(Stack(), ["cpu"] * 2, **LAYOUTS[layout]), x)
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing=True, **LAYOUTS[layout])
+    report = dpcompile.explain(pm, x)
+    assert set(report.checkpoint_regions.values()) == {f"layers.{i}" for i in range(4)}
+    assert "Recomputed in backward (activation checkpointing)" in str(report)
+    for device, kinds in report.memory_estimate.items():
+        assert 0 < kinds["activations"] <= plain.memory_estimate[device]["activations"] / 4
+
+
+def test_activation_checkpointing_auto_is_refused_with_the_way_out():
+    """"auto" is not built yet: refused, naming True and the paths."""
+    with pytest.raises(DpCompileError, match="pass True"):
+        dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing="auto", memory_per_device="1GiB")
+
+
+def test_activation_checkpointing_regions_survive_a_model_change():
+    """A submodule added to the model after transform (the program re-adopts the model's modules)
+    leaves the regions in place; state_dict keeps the model's keys."""
+    model = Stack()
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=True)
+    model.extra = nn.Identity()
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(pm(x), model(x))
+    assert list(pm.state_dict()) == list(model.state_dict())
+
+
+def test_activation_checkpointing_one_f_one_b_recomputes_and_equals_eager():
+    """schedule="1f1b": each micro-batch's blocks run again in its backward; gradients as eager's."""
+    reference = Stack().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b",
+                             activation_checkpointing=True, leaf_modules=[Counted])  # fmt: skip
+    x = torch.randn(6, 8, dtype=torch.float64)
+    Counted.calls = 0
+    loss = pm(x)  # a training call runs forward and backward
+    assert Counted.calls == 2 * 4 * 2  # 4 blocks x 2 micro-batches, forward and recompute
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -1,0 +1,55 @@
+"""``activation_checkpointing=True`` on a transformers GPT-2 (tiny config, random weights, float64)
+through the export frontend: each block ``transformer.h.i`` recomputed in backward, the loss and
+every gradient equal eager's with data parallelism, tensor parallelism and a pipeline."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import dpcompile
+from dpcompile.capture import capture_model
+from tests.helpers import full_gradients
+from tests.thirdparty import import_or_skip
+
+V = 64
+pytestmark = pytest.mark.slow  # one torch.export of GPT-2: ~10 s
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    T = import_or_skip("transformers")
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+    reference = T.GPT2LMHeadModel(config).double()
+    g = torch.Generator().manual_seed(0)
+    kwargs = {"input_ids": torch.randint(1, V, (4, 8), generator=g), "labels": torch.randint(0, V, (4, 8), generator=g)}
+    expected = reference(**kwargs)
+    expected.loss.backward()
+    model = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported, _ = capture_model(model, frontend="export", example_kwargs=kwargs)  # once: each layout lowers it
+    return reference, model, exported, kwargs, expected
+
+
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel": True}, {"pipeline": 2}])
+def test_activation_checkpointing_gpt2_equals_eager(gpt2, layout):
+    """Every block recomputed: loss and every gradient as eager's, the blocks' checkpoint calls in the code."""
+    reference, model, exported, kwargs, expected = gpt2
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(exported, ["cpu"] * 2, example_kwargs=kwargs, activation_checkpointing=True, **layout)
+    assert "transformer.h.0" in pm.strategies["activation_checkpointing"]
+    assert "= dpcompile_runtime_checkpoint(transformer_h_1" in pm.code
+    out = pm(**kwargs)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    got = full_gradients(pm) if layout.get("tensor_parallel") else {n: p.grad for n, p in model.named_parameters()}
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -131,3 +131,27 @@ def test_kept_root_is_reused_and_reads_dotted_names():
     seq[1][0] = nn.Linear(2, 2)  # a module replaced under it: a new root
     changed = runtime.replicate({"enc": seq}, ["cpu", "cpu"], include_source=True)
     assert getattr(changed[0], "enc.1.0") is seq[1][0]
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def test_last_call_tensor_parallel_follows_the_mode():
+    """Tensor parallel (nothing split): the shortcut is armed, and pm.eval() after it runs the eval program."""
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True)
+    x = torch.randn(4, 8)
+    pm(x)
+    assert pm.program_cache.last is not None
+    pm.eval()
+    model.eval()
+    torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
+    pm.train()
+    assert not torch.equal(pm(x), pm(x))  # dropout draws again in training

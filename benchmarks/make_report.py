@@ -3,13 +3,16 @@
     python benchmarks/make_report.py
 
 Reads ``overhead.json`` (and ``overhead_base.json``, the same script run on the code before
-the performance work, for the "before" column), ``spmd_tp.json`` and ``gpu_check.json``
-where present. Every figure in the page comes from those files; nothing is typed in.
+the performance work, for the "before" column), ``spmd_tp.json``, ``pipeline.json``,
+``tensor_parallel.json`` (each with its ``*_base.json``) and ``gpu_check.json`` where present,
+and rewrites the figures of README.md's Benchmarks section (between its ``benchmarks:start`` /
+``benchmarks:end`` markers). Every figure comes from those files; nothing is typed in.
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +90,7 @@ def plot(rows, spmd: dict | None, path: Path, spmd_before: dict | None = None, b
                 targets.append(1.0 if key == "tp" else 0.8)
     fig, ax = plt.subplots(figsize=(11, 4.2))
     xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], before, 0.4, label=f"before (DP: {before_label}; SPMD: 50fa188)", color="#bbbbbb")
+    ax.bar([x - 0.2 for x in xs], before, 0.4, label=f"before ({before_label})", color="#bbbbbb")
     ax.bar([x + 0.2 for x in xs], after, 0.4, label="after", color="#3a78b5")
     for x, t in zip(xs, targets):
         ax.plot([x - 0.45, x + 0.45], [t, t], color="#d62728", lw=2)
@@ -186,7 +189,7 @@ def main() -> None:
             f"`{spmd['command']}`: {spmd['runs']} launches of 2 gloo processes, alternating which side is",
             "built first; in each, the median over rounds of the paired per-round ratio (each round's time",
             "is the slower rank's). The table gives the median over launches; \"before\" is the same",
-            "script on 50fa188 (" + (f"`{spmd_before['command']}`" if spmd_before else "not measured") + ").",
+            f"script on {_before_commit(before)} (" + (f"`{spmd_before['command']}`" if spmd_before else "not measured") + ").",
             "",
             "| MLP | no_grad forward, before | no_grad forward | (peer built first / dpcompile first) | forward with grad | target |",
             "|---|---|---|---|---|---|",
@@ -199,6 +202,7 @@ def main() -> None:
                 f"{fmt(entry.get('median_with_grad_ratio'), 3)} | {entry.get('target', '')} |"
             )
         out.append("")
+    out += before_after_section(after, before, spmd, spmd_before)
     out += ["## On GPUs", ""]
     if gpu and not gpu.get("skipped"):
         out.append(f"`python benchmarks/gpu_check.py` on {gpu['machine'].get('gpus')}: failed sections {gpu.get('failed')}.")
@@ -219,6 +223,108 @@ def main() -> None:
             "against DDP: [benchmarks_more.md](benchmarks_more.md).", ""]
     (DOCS / "benchmarks.md").write_text("\n".join(out))
     print(f"wrote {DOCS / 'benchmarks.md'}")
+    if write_readme_figures(readme_figures(after, spmd, load("pipeline"))):
+        print(f"wrote {ROOT / 'README.md'} (its Benchmarks figures)")
+
+
+def _before_commit(before: dict | None) -> str:
+    """The commit the "before" files were measured on (recorded by bench_overhead.py)."""
+    return (before or {}).get("dpcompile") or "the code before"
+
+
+def _spmd(result: dict | None, key: str, field: str = "median_ratio") -> float | None:
+    return ((result or {}).get("across_runs", {}).get(key) or {}).get(field)
+
+
+def _get(result: dict | None, *path: str) -> float | None:
+    for part in path:
+        if not isinstance(result, dict):
+            return None
+        result = result.get(part)
+    return result if isinstance(result, (int, float)) else None
+
+
+def before_after_section(after: dict | None, before: dict | None, spmd: dict | None, spmd_before: dict | None) -> list[str]:
+    """One table, before -> after, of the four run-time benchmarks' headline ratios."""
+    pipeline, pipeline_before = load("pipeline"), load("pipeline_base")
+    tp, tp_before = load("tensor_parallel"), load("tensor_parallel_base")
+    rows = [
+        ("`bench_overhead.py`", "small MLP, 2 virtual devices, no_grad: / hand split", _small(before, "2dev_nograd"), _small(after, "2dev_nograd"), "≤ 1.10"),
+        ("`bench_overhead.py`", "small MLP, 4 virtual devices, no_grad: / hand split", _small(before, "4dev_nograd"), _small(after, "4dev_nograd"), "≤ 1.10"),
+        ("`bench_overhead.py`", "small MLP, 2 virtual devices, forward+backward: / hand split", _small(before, "2dev_grad"), _small(after, "2dev_grad"), "≤ 1.10"),
+        ("`bench_spmd.py`", "TP d=1024 over 2 gloo processes, no_grad: / `parallelize_module`", _spmd(spmd_before, "tp"), _spmd(spmd, "tp"), "≤ 1.0"),
+        ("`bench_spmd.py`", "TP d=1024, forward with grad: / `parallelize_module`", _spmd(spmd_before, "tp", "median_with_grad_ratio"),
+         _spmd(spmd, "tp", "median_with_grad_ratio"), "≤ 1.0"),
+        ("`bench_spmd.py`", "TP d=128, no_grad: / `parallelize_module`", _spmd(spmd_before, "tp_small"), _spmd(spmd, "tp_small"), "≤ 0.8"),
+        ("`bench_pipeline.py --mesh`", "4 virtual stages, training step: / the tutorial's loop", _get(pipeline_before, "ratio"), _get(pipeline, "ratio"), "≤ 1.05"),
+        ("`bench_pipeline.py --mesh`", "2-process mesh, training step: / `torch.distributed.pipelining` by hand",
+         _get(pipeline_before, "mesh_ratio"), _get(pipeline, "mesh_ratio"), "≤ 1.05"),
+        ("`bench_tensor_parallel.py`", "TP d=1024 on 2 virtual devices, forward: / eager (medians)",
+         _get(tp_before, "ratios", "dpcompile_over_eager"), _get(tp, "ratios", "dpcompile_over_eager"), "—"),
+    ]
+    if not any(b is not None for _, _, b, _, _ in rows):
+        return []
+    out = [
+        "## Before and after the last performance round",
+        "",
+        f"Each script's headline ratio, \"before\" measured on {_before_commit(before)} (files `benchmarks/results/*_base.json`),",
+        "\"after\" on the code of this page (`benchmarks/results/*.json`), both with the commands above and",
+        "`python benchmarks/bench_pipeline.py --mesh`, `python benchmarks/bench_tensor_parallel.py`. The pipeline and",
+        "one-process tensor-parallel scripts time sides in alternation but take medians, not paired ratios, so on",
+        "this shared box their figures move by more than the other two.",
+    ]
+    loads = [(label, (r or {}).get("load_average")) for label, r in (("before", tp_before), ("after", tp))]
+    if all(load for _, load in loads):
+        out.append("The box's load averages (1, 5, 15 min) as `bench_tensor_parallel.py` ended, the last of the four: "
+                   + "; ".join(f"{label} {', '.join(f'{v:.1f}' for v in load)}" for label, load in loads)
+                   + " (two cores): ratios of a few percent are within the noise of such runs.")
+    out += [
+        "",
+        "| script | ratio | before | after | target |",
+        "|---|---|---|---|---|",
+    ]
+    out += [f"| {script} | {what} | {fmt(b, 3)} | {fmt(a, 3)} | {t} |" for script, what, b, a, t in rows]
+    return [*out, ""]
+
+
+def readme_figures(after: dict | None, spmd: dict | None, pipeline: dict | None) -> str | None:
+    """The figures paragraph of README.md's Benchmarks section, from the results."""
+    if not after or not spmd:
+        return None
+
+    def span(values: list[float | None]) -> str:
+        shown = sorted(f"{v:.2f}" for v in values if v is not None)
+        return "—" if not shown else shown[0] if shown[0] == shown[-1] else f"{shown[0]}–{shown[-1]}"
+
+    compile_speedups = [(after.get("compile", {}).get(k) or {}).get("speedup") for k in ("nograd", "grad")]
+    text = (
+        "Scripts in `benchmarks/` measure ratios against a baseline in the same run. Against the same\n"
+        f"per-device work written by hand, a data-parallel step of a large MLP costs {fmt(_large(after, 'ratio'))} (forward and\n"
+        f"backward), a small one {span([_small(after, '2dev_grad'), _small(after, '4dev_grad')])}× "
+        f"({span([_small(after, '2dev_nograd'), _small(after, '4dev_nograd')])}× without grad: Python call overhead);\n"
+        f"`copy_replicas=True` keeps its replicas between steps ({fmt(_large(after, 'copy_replicas_over_virtual'))} the virtual path);\n"
+        f"`torch.compile(pm)` runs {span(compile_speedups)}× faster with no graph break; SPMD tensor parallel runs at\n"
+        f"{fmt(_spmd(spmd, 'tp'))} (d=1024) and {fmt(_spmd(spmd, 'tp_small'))} (d=128) DTensor's `parallelize_module`"
+    )
+    if pipeline and pipeline.get("ratio") is not None:
+        text += (f"; a pipeline step costs\n{fmt(pipeline['ratio'])} the tutorial's loop on virtual devices and "
+                 f"{fmt(pipeline.get('mesh_ratio'))} `torch.distributed.pipelining`\nby hand over a mesh")
+    return textwrap.fill((text + ".").replace("\n", " "), width=104, break_on_hyphens=False, break_long_words=False)
+
+
+README_START, README_END = "<!-- benchmarks:start (python benchmarks/make_report.py) -->", "<!-- benchmarks:end -->"
+
+
+def write_readme_figures(text: str | None) -> bool:
+    """Put ``text`` between README.md's markers (nothing is written where the markers are missing)."""
+    readme = ROOT / "README.md"
+    page = readme.read_text()
+    if text is None or README_START not in page or README_END not in page:
+        return False
+    head, rest = page.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_START}\n{text}\n{README_END}{tail}")
+    return True
 
 
 if __name__ == "__main__":

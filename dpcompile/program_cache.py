@@ -362,6 +362,18 @@ class ModelGuard:
         elif self._mutables and any(frozen(value) != seen for value, seen in self._mutables):
             self._refresh()  # a list or dict attribute changed in place
 
+    def versions_read(self) -> tuple[int, ...] | None:
+        """The versions of the watched dicts as last read (None without CPython's version tags)."""
+        return self._versions
+
+    def unchanged_since(self, versions: tuple[int, ...] | None) -> bool:
+        """Whether nothing watched changed since ``versions`` were read: this guard has not been
+        refreshed since, every watched dict is at its version and watched lists and dicts are equal
+        (the same answer :meth:`state` would give, without refreshing)."""
+        if versions is None or versions is not self._versions or self._read_versions() != versions:
+            return False
+        return not self._mutables or all(frozen(value) == seen for value, seen in self._mutables)
+
     def modes(self) -> tuple[tuple[str, bool], ...]:
         self._current()
         return self._modes
@@ -430,6 +442,7 @@ class ProgramCache:
         self.limit = limit
         self._programs: OrderedDict[CallKey, fx.GraphModule | None] = OrderedDict()
         self.traces: dict[Any, Any] = {}  # the builder's memo of traces (a key without its device count)
+        self.last: Any = None  # the module's shortcut for a call like the last (modules/last_call.py)
         self._warned = False
 
     def program(self, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
@@ -465,6 +478,7 @@ class ProgramCache:
         return list(self._programs.items())
 
     def clear(self) -> None:
+        self.last = None
         self._programs.clear()
         self.traces.clear()
 

@@ -46,6 +46,7 @@ from dpcompile.modules.hooks import (
     run_as_model,
     state_dict_with_hooks,
 )
+from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
 from dpcompile.modules.pickling import PicklesPrograms
 from dpcompile.modules.weights import NEEDS_WEIGHTS, LoadsWeights, needs_weights, weights_not_loaded
@@ -316,6 +317,13 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         return self._lookup(args, kwargs)
 
     def _find_program(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+        cache = self.program_cache
+        last = cache.last
+        if last is not None and last.serves(args, kwargs):  # the last call's key, checked cheaply
+            program = last.program
+            if program is not self:
+                program.training = self.training
+            return program
         key = self.call_key(*args, **kwargs)
         if self.__dict__.get("_exported_check") is not None:
             self._exported_check.check(args, kwargs)
@@ -328,10 +336,11 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         if key.guard != self._adopted and self._shares_source:
             adopt_state(self, self.traced_model, follow_removals=True)  # the model's submodules changed
             self._adopted = key.guard
-        program = self.program_cache.program(key, args, kwargs)
-        if program is None:
-            return self
-        program.training = self.training  # its submodules are ours: their own modes stand
+        program = cache.program(key, args, kwargs) or self
+        if type(self)._devices_for is ParallelModule._devices_for:  # a pipeline counts micro-batches its own way
+            cache.last = LastCall.of(self, key, program, args, kwargs)
+        if program is not self:
+            program.training = self.training  # its submodules are ours: their own modes stand
         return program
 
     _lookup = torch.compiler.disable(_find_program)  # under torch.compile: the cache, run eagerly

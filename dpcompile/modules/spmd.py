@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +26,14 @@ from dpcompile.fx_utils import placeholders, reserve_names, unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.weights import NEEDS_WEIGHTS, weights_not_loaded
-from dpcompile.runtime.distributed import CollectiveError, MeshGroup, all_gather, collective_failure
+from dpcompile.runtime.distributed import (
+    CollectiveError,
+    MeshGroup,
+    all_gather,
+    collective_failure,
+    defer_to_next_collective,
+    settle_deferred_check,
+)
 from dpcompile.runtime.structures import is_fake, tensor_leaves
 from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections, shard_of
 
@@ -110,12 +117,17 @@ class SpmdModule(ParallelModule):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.__dict__.get(NEEDS_WEIGHTS):  # before DDP, which calls the program directly
             raise weights_not_loaded(self)
+        ddp = self.__dict__.get("_ddp") or self.__dict__.get("_fsdp")
         if self.check_inputs:
             if self.__dict__.get("tp_dim") is not None:
-                self.check_inputs_agree(args, kwargs)
-            elif self.__dict__.get("_ddp") is not None or self.__dict__.get("_fsdp") is not None:
+                # tensor parallel alone: the check's all-gather runs while the program computes up to its
+                # first collective, which waits for it (so mismatched shapes never reach a collective)
+                deferred = ddp is None and self.__dict__.get("_compiled_call_impl") is None
+                self.check_inputs_agree(args, kwargs, defer=deferred)
+                if deferred:
+                    return self._call_with_deferred_check(args, kwargs)
+            elif ddp is not None:
                 self.check_calls_agree(args, kwargs)
-        ddp = self.__dict__.get("_ddp") or self.__dict__.get("_fsdp")
         if ddp is None:
             return super().__call__(*args, **kwargs)
         try:
@@ -131,7 +143,22 @@ class SpmdModule(ParallelModule):
                 f"timeout= to torch.distributed.init_process_group to fail sooner. ({_first_line(e)})"
             ) from e
 
-    def check_inputs_agree(self, args: tuple, kwargs: dict) -> None:
+    def _call_with_deferred_check(self, args: tuple, kwargs: dict) -> Any:
+        """Run the program; the input check deferred to its first collective is settled by the end,
+        and where the program failed first (one rank's shapes broke its local work), the check's
+        ``ValueError`` is what every rank raises."""
+        try:
+            out = super().__call__(*args, **kwargs)
+        except BaseException as failure:
+            try:
+                settle_deferred_check()
+            except ValueError as disagreement:
+                raise disagreement from failure
+            raise
+        settle_deferred_check()
+        return out
+
+    def check_inputs_agree(self, args: tuple, kwargs: dict, *, defer: bool = False) -> None:
         """Raise ``ValueError`` on every rank of the tp group where ranks feed inputs of different
         shapes (or leave different arguments None): tensor parallelism needs the same input on
         every rank, and mismatched collectives would abort inside the backend instead.
@@ -139,12 +166,22 @@ class SpmdModule(ParallelModule):
         One all-gather of an 8-byte fingerprint of the call's shapes; the shapes themselves are
         exchanged only where fingerprints differ, to name the input and the sizes. A rank that
         does not call forward within :attr:`check_inputs_timeout` seconds fails the others.
+        ``defer``: start the all-gather now and finish the check before this thread's next
+        collective of :mod:`dpcompile.runtime.distributed` (or at ``settle_deferred_check()``).
         """
         group = self._tp_group()
-        signatures = self._exchange_if_different(group, input_signature(self, args, kwargs), "tensor-parallel")
-        if signatures is not None:
-            ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
-            raise ValueError(describe_disagreement(signatures, ranks))
+        finish = self._start_exchange(group, self._input_signature(args, kwargs), "tensor-parallel")
+
+        def settle() -> None:
+            signatures = finish()
+            if signatures is not None:
+                ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
+                raise ValueError(describe_disagreement(signatures, ranks))
+
+        if defer:
+            defer_to_next_collective(settle)
+        else:
+            settle()
 
     def check_calls_agree(self, args: tuple, kwargs: dict) -> None:
         """Data parallel over a mesh: raise ``ValueError`` on every rank of the dp group where
@@ -160,33 +197,62 @@ class SpmdModule(ParallelModule):
             ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
             raise ValueError(describe_disagreement(signatures, ranks, data_parallel=True))
 
+    def _input_signature(self, args: tuple, kwargs: dict) -> list[tuple[str, str]]:
+        """:func:`input_signature` of a call, kept by shapes and dtypes where every argument is a tensor."""
+        if kwargs or not all(type(a) is torch.Tensor for a in args):
+            return input_signature(self, args, kwargs)
+        key = tuple((a.shape, a.dtype) for a in args)
+        kept = self.__dict__.setdefault("_input_signatures", {})
+        signature = kept.get(key)
+        if signature is None:
+            if len(kept) >= 16:  # a few shapes in turn (the last batch of an epoch), never an unbounded pile
+                kept.clear()
+            signature = kept[key] = input_signature(self, args, kwargs)
+        return signature
+
     def _exchange_if_different(self, group: MeshGroup, signature: list[tuple[str, str]], kind: str) -> list[Any] | None:
         """Every rank's signature where they differ (None where all agree): one all-gather of an
         8-byte fingerprint, bounded by :attr:`check_inputs_timeout`; the signatures themselves only
         where fingerprints differ."""
-        digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
-        device = _group_device(group.group)
-        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
+        return self._start_exchange(group, signature, kind)()
+
+    def _start_exchange(
+        self, group: MeshGroup, signature: list[tuple[str, str]], kind: str
+    ) -> Callable[[], list[Any] | None]:
+        """Start :meth:`_exchange_if_different`'s all-gather; the function returned finishes it."""
+        mine_value = _fingerprint(signature)
+        mine = torch.tensor([mine_value], dtype=torch.int64, device=_group_device(group.group))
         gathered = [torch.empty_like(mine) for _ in range(group.size())]
         timeout = self.check_inputs_timeout
-        try:
-            work = dist.all_gather(gathered, mine, group=group.group, async_op=True)
-            work.wait(timeout=timedelta(seconds=timeout))
-        except (RuntimeError, dist.DistError) as e:
+
+        def failed(e: BaseException) -> CollectiveError:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise CollectiveError(
+                return CollectiveError(
                     f"global rank {dist.get_rank()} waited {timeout:g}s for the other ranks of its {kind} "
                     "group to call forward: every rank must call pm(...) each step. Set "
                     "pm.check_inputs_timeout (seconds; default DPCOMPILE_SPMD_TIMEOUT or 300) to wait longer or "
                     "fail sooner, and pass timeout= to torch.distributed.init_process_group to bound the other "
                     f"collectives. ({_first_line(e)})"
-                ) from e
-            raise collective_failure("the check that every rank calls forward alike", group.group, e) from e
-        if all(int(t.item()) == int(mine.item()) for t in gathered):
-            return None
-        signatures: list[Any] = [None] * group.size()
-        dist.all_gather_object(signatures, signature, group=group.group)
-        return signatures
+                )
+            return collective_failure("the check that every rank calls forward alike", group.group, e)
+
+        try:
+            work = dist.all_gather(gathered, mine, group=group.group, async_op=True)
+        except (RuntimeError, dist.DistError) as e:
+            raise failed(e) from e
+
+        def finish() -> list[Any] | None:
+            try:
+                work.wait(timeout=timedelta(seconds=timeout))
+            except (RuntimeError, dist.DistError) as e:
+                raise failed(e) from e
+            if all(int(t) == mine_value for t in gathered):
+                return None
+            signatures: list[Any] = [None] * group.size()
+            dist.all_gather_object(signatures, signature, group=group.group)
+            return signatures
+
+        return finish
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -285,6 +351,17 @@ class SpmdModule(ParallelModule):
             "an SPMD ParallelModule holds process groups and cannot be pickled; save pm.state_dict() "
             "(full tensors, the original keys) and rebuild with dpcompile.transform(model, mesh)"
         )
+
+
+def _fingerprint(signature: list[tuple[str, str]], _kept: dict[str, int] = {}) -> int:  # noqa: B006 - a memo
+    """An 8-byte fingerprint of a signature, the same on every rank (kept by its text)."""
+    text = repr(signature)
+    value = _kept.get(text)
+    if value is None:
+        if len(_kept) >= 256:
+            _kept.clear()
+        value = _kept[text] = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+    return value
 
 
 def input_signature(

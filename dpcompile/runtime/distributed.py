@@ -30,7 +30,8 @@ it reads ``dpcompile_runtime_distributed_all_reduce(fc2, tp_group)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,8 @@ __all__ = [
     "CollectiveError",
     "MeshGroup",
     "collective_failure",
+    "defer_to_next_collective",
+    "settle_deferred_check",
     "all_gather",
     "all_reduce",
     "all_reduce_grad",
@@ -119,7 +122,29 @@ def collective_failure(what: str, group: dist.ProcessGroup | None, error: BaseEx
     )
 
 
+# a check this thread's next collective runs first (SpmdModule's input check, overlapped with the
+# program's local work up to its first collective)
+_deferred = threading.local()
+
+
+def defer_to_next_collective(check: Callable[[], None]) -> None:
+    """Run ``check`` before this thread's next collective of this module, or at
+    :func:`settle_deferred_check`, whichever comes first (a check deferred before runs now)."""
+    settle_deferred_check()
+    _deferred.check = check
+
+
+def settle_deferred_check() -> None:
+    """Run the check :func:`defer_to_next_collective` left, if it has not run yet."""
+    if torch.compiler.is_compiling():  # a compiled program's collectives: the check ran before it
+        return
+    check = _deferred.__dict__.pop("check", None)
+    if check is not None:
+        check()
+
+
 def _all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    settle_deferred_check()
     try:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     except (RuntimeError, dist.DistError) as e:
@@ -128,6 +153,7 @@ def _all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
 
 
 def _all_gather_(parts: list[torch.Tensor], t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    settle_deferred_check()
     try:
         dist.all_gather(parts, t, group=group)
     except (RuntimeError, dist.DistError) as e:

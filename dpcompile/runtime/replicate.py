@@ -50,7 +50,7 @@ class ReplicaRoot(nn.Module):
     def __getattr__(self, name: str):
         if "." in name:
             first, *rest = name.split(".")
-            value = super().__getattr__(first)
+            value = getattr(self, first)  # a kept root holds its modules' views alone
             for atom in rest:
                 value = getattr(value, atom)
             return value
@@ -365,6 +365,10 @@ def _fresh_root(tensors: bool = True) -> ReplicaRoot:
 
 def _aliasing_root(modules: Mapping[str, nn.Module | torch.Tensor]) -> ReplicaRoot:
     compiling = torch.compiler.is_compiling()  # torch.compile reads the modules themselves
+    if not compiling:
+        kept = _kept_root(modules)
+        if kept is not None:
+            return kept
     root = _fresh_root(tensors=compiling or not all(isinstance(v, nn.Module) for v in modules.values()))
     for name, value in modules.items():
         if isinstance(value, nn.Module):
@@ -375,6 +379,34 @@ def _aliasing_root(modules: Mapping[str, nn.Module | torch.Tensor]) -> ReplicaRo
             root._parameters[name] = value
         else:
             root._buffers[name] = value
+    return root
+
+
+# (names, ids of the modules) -> (weak references to them, the dicts and versions their views were
+# made from, the root): the root of virtual devices whose modules all have children, made again only
+# where a module was replaced, added or removed under one. It holds its modules only through their
+# views, weakly, so the entry keeps no module alive (and goes when one of them goes).
+_KEPT_ROOTS: dict[tuple, tuple[tuple[weakref.ReferenceType, ...], tuple[tuple[dict, int], ...], ReplicaRoot]] = {}
+
+
+def _kept_root(modules: Mapping[str, nn.Module | torch.Tensor]) -> ReplicaRoot | None:
+    """The kept root of ``modules`` on virtual devices: views of them as plain attributes, and
+    nothing else (no ``_modules``: it would hold them); None where one is no module with children."""
+    values = modules.values()
+    key = (*modules, *map(id, values))
+    entry = _KEPT_ROOTS.get(key)
+    if entry is not None:
+        refs, versions, root = entry
+        if all(ref() is value for ref, value in zip(refs, values)) and _unchanged(versions):
+            return root
+    if dict_version is None or not all(isinstance(v, nn.Module) and _viewable(v) for v in values):
+        return None
+    root = _fresh_root(tensors=False)
+    for name, value in modules.items():
+        root.__dict__[name] = _cached_view(value)
+    refs = tuple(weakref.ref(v, lambda _, key=key: _KEPT_ROOTS.pop(key, None)) for v in values)
+    versions = tuple((m._modules, dict_version(m._modules)) for v in values for m in v.modules() if m._modules)
+    _KEPT_ROOTS[key] = (refs, versions, root)
     return root
 
 

@@ -576,6 +576,22 @@ def check_tp_different_batch_sizes_named(rank: int, world: int) -> None:
     torch.testing.assert_close(pm(x[:3]), model(x[:3]), atol=1e-5, rtol=1e-5)  # same shapes again: runs
 
 
+def check_tp_rank_failing_before_a_collective_named(rank: int, world: int) -> None:
+    """TP over a mesh: rank 1 feeds an input its first layer cannot take (it fails before any
+    collective, while the input check runs beside it): every rank raises the check's ValueError
+    naming the input, none hangs; the group works on afterwards."""
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = MLP(8, 12)
+    pm = dpcompile.transform(model, _tp_mesh(world), tensor_parallel={"fc1": "column", "fc2": "row"})
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"input 'x' differs \(global rank 0: shape \(4, 8\) float32; global rank 1: shape \(4, 7\)"):
+        pm(x if rank == 0 else x[:, :7])
+    torch.testing.assert_close(pm(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 class ReservedNames(nn.Module):
     """Submodules and a parameter named like the module's own attributes."""
 
@@ -732,6 +748,7 @@ def check_tp_llama_over_a_mesh(rank: int, world: int) -> None:
 
 TP_CHECKS = [
     ("tp_different_batch_sizes_named", check_tp_different_batch_sizes_named),
+    ("tp_rank_failing_before_a_collective_named", check_tp_rank_failing_before_a_collective_named),
     ("reserved_names_over_a_mesh", check_reserved_names_over_a_mesh),
     ("tp_transformer_layouts", check_tp_transformer_layouts),
     ("tp_swin_window_attention", check_tp_swin_window_attention),

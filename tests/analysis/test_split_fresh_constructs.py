@@ -43,7 +43,8 @@ class MaskTypeAs(nn.Module):
 
     def forward(self, x):  # (B, L, 8)
         mask = (x.sum(-1) > 0).type_as(x)  # (B, L): lower rank than x
-        return self.head(x) * mask[..., None] + mask.type_as(self.head.weight)[..., None]
+        scales = torch.arange(8).type_as(x)  # PEGASUS-X: a replicated x in a split y's dtype
+        return self.head(x) * mask[..., None] + mask.type_as(self.head.weight)[..., None] + scales
 
 
 class SliceToBatchSize(nn.Module):

@@ -46,6 +46,8 @@ def pointwise(ctx: RuleContext) -> Placement | None:
     if len(aligned) != 1:
         return None
     out_dim = aligned.pop()
+    if out_dim < 0:
+        return None  # an input of higher rank than the output (not broadcasting): no dim lines up
     out_shape = node_shape(ctx.node)
     for n in ctx.node.all_input_nodes:
         if isinstance(ctx.p(n), Replicated):
@@ -80,11 +82,12 @@ def to_method(ctx: RuleContext) -> Placement | None:
 
 def type_as(ctx: RuleContext) -> Placement | None:
     """``x.type_as(y)``: ``x`` in ``y``'s type. Only ``y``'s type is read, the same for a chunk as
-    for the whole, so a split ``x`` keeps its own split whatever ``y``'s rank (Funnel's
-    ``attention_mask.type_as(inputs_embeds)``); else element-wise."""
+    for the whole, so ``x`` keeps its own placement whatever ``y``'s rank: split (Funnel's
+    ``attention_mask.type_as(inputs_embeds)``) or replicated (PEGASUS-X's
+    ``torch.arange(d).type_as(inputs_embeds)``, each device's own copy)."""
     x, y = ctx.tensor_arg(), ctx.arg(1, "other")
     p = ctx.p(x)
-    if isinstance(p, Split) and isinstance(ctx.p(y), (Split, Replicated)):
+    if isinstance(p, (Split, Replicated)) and isinstance(ctx.p(y), (Split, Replicated)):
         return p
     return pointwise(ctx)
 

@@ -7,7 +7,9 @@ timm and torchvision (the fx frontend, ``example_inputs=``), on 4 virtual CPU de
 * ``split``: the share of forward FLOPs that runs split (``dpcompile.explain(...).split_flop_fraction``);
 * ``eval``: eval outputs on a batch of 8 equal eager; ``uneven``: on a batch of 7;
 * ``train``: in training mode, on a batch of 7, the loss (or outputs), every parameter gradient and
-  every buffer equal eager, with float64 re-check of rounding (``dpcompile.verify``).
+  every buffer equal eager, with float64 re-check of rounding (``dpcompile.verify``). The program
+  trained is transformed in training mode (``model.train()`` before ``transform``, as a user who
+  trains does): an exported program keeps the mode it was exported in (``if self.training:``).
 
     PYTHONPATH=. python benchmarks/dp_models_sweep.py                 # every model
     PYTHONPATH=. python benchmarks/dp_models_sweep.py clip_text bart  # some
@@ -290,15 +292,16 @@ def run(name: str, factory: Any, kind: str) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001
             res[label] = f"FAIL {type(e).__name__}: {str(e)[:200]}"
     model.train()
-    pm.train()
-    args, kwargs = inputs(kind, 7, 3)
+    args, kwargs = inputs(kind, 4, 0)
     try:
+        pm = dpcompile.transform(model, DEVICES, example_inputs=args or None, example_kwargs=kwargs or None)
+        args, kwargs = inputs(kind, 7, 3)
         result = dpcompile.verify(pm, model, *args, **kwargs)
         # a non-persistent buffer (transformers' position_ids) is in no state_dict: nothing to compare
         transient = {n for n, _ in model.named_buffers()} - set(model.state_dict())
         wrong = [m for m in result.mismatches if not (m.kind == "buffer" and m.name in transient)]
         res["train"] = "ok" if not wrong else "FAIL " + "; ".join(str(m) for m in wrong)[:300]
-        if wrong and all(m.kind in ("gradient", "buffer", "output") for m in wrong):
+        if wrong and all(m.kind in ("gradient", "input gradient", "buffer", "output") for m in wrong):
             res["train_float64"] = float64_step_equal(factory, kind)
             if res["train_float64"] == "ok":
                 res["train"] = "ok (float64; float32 differs by rounding)"
@@ -308,25 +311,24 @@ def run(name: str, factory: Any, kind: str) -> dict[str, Any]:
 
 
 def float64_step_equal(factory: Any, kind: str) -> str:
-    """The training step again with the model in float64: outputs, every gradient and every buffer
-    equal eager to 1e-7? Made as the float32 step is (transformed in eval mode, then both trained),
+    """The training step again with the model in float64: outputs, every gradient (of the parameters
+    and of the float inputs) and every buffer equal eager to 1e-7? Made as the float32 step is (transformed in training mode, both trained),
     with the same seed before each forward (the same dropout masks where the program draws them
     in the eager order, as virtual CPU devices do)."""
     torch.manual_seed(0)
-    model = factory().double().eval()
-    eager = copy.deepcopy(model).train()
+    model = factory().double().train()
+    eager = copy.deepcopy(model)
     args, kwargs = inputs(kind, 4, 0)
     args = tuple(a.double() if a.is_floating_point() else a for a in args)
     try:
         pm = dpcompile.transform(model, DEVICES, example_inputs=args or None, example_kwargs=kwargs or None)
-        model.train()
-        pm.train()
         args, kwargs = inputs(kind, 7, 3)
         args = tuple(a.double() if a.is_floating_point() else a for a in args)
+        ours_args, theirs_args = ([a.clone().requires_grad_(a.is_floating_point()) for a in args] for _ in range(2))
         torch.manual_seed(1)  # the same dropout masks in both runs
-        ours = pm(*args, **kwargs)
+        ours = pm(*ours_args, **kwargs)
         torch.manual_seed(1)
-        theirs = eager(*args, **kwargs)
+        theirs = eager(*theirs_args, **kwargs)
         loss = getattr(ours, "loss", None)
         (loss if loss is not None else main_output(ours).sum()).backward()
         loss = getattr(theirs, "loss", None)
@@ -338,6 +340,9 @@ def float64_step_equal(factory: Any, kind: str) -> str:
                 torch.testing.assert_close(
                     p.grad, grads[name].grad, rtol=1e-7, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}"
                 )
+        for i, (a, b) in enumerate(zip(ours_args, theirs_args)):
+            if a.requires_grad:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-7, atol=1e-9, msg=lambda m, i=i: f"input {i}: {m}")
         # the buffers after the step (batch norm's running statistics, its momentum and batch count)
         theirs_state, ours_state = eager.state_dict(), pm.state_dict()
         buffers = [n for n, _ in model.named_buffers() if n in theirs_state]

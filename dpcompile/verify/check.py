@@ -76,8 +76,11 @@ def _restore(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             b.copy_(value)
 
 
-def _leaf_inputs(value: Any, device: torch.device | None) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
-    """Copies of the inputs (float tensors as fresh leaves that collect gradients)."""
+def _leaf_inputs(
+    value: Any, device: torch.device | None, grad: bool = True
+) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """Copies of the inputs (float tensors as fresh leaves that collect gradients, unless ``grad``
+    is False: then plain copies, for a forward that sets ``requires_grad`` on a view of its input)."""
     leaves: list[torch.Tensor] = []
 
     def copy_leaf(leaf: Any) -> Any:
@@ -85,7 +88,7 @@ def _leaf_inputs(value: Any, device: torch.device | None) -> tuple[Any, list[tup
             return leaf
         t = leaf.detach().to(device) if device is not None else leaf.detach()
         t = t.clone()
-        if t.is_floating_point():
+        if t.is_floating_point() and grad:
             t.requires_grad_(True)
             leaves.append(t)
             return t.clone()  # a non-leaf, so in-place ops in the model stay legal
@@ -112,9 +115,10 @@ def _loss(output: Any, weights: dict[str, torch.Tensor] | None) -> tuple[torch.T
 
 
 def _run(module: nn.Module, args: tuple, kwargs: dict, device: torch.device | None, seed: int,
-         weights: dict[str, torch.Tensor] | None) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:
+         weights: dict[str, torch.Tensor] | None,
+         grad_inputs: bool = True) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:
     torch.manual_seed(seed)
-    (call_args, call_kwargs), inputs = _leaf_inputs((list(args), dict(kwargs)), device)
+    (call_args, call_kwargs), inputs = _leaf_inputs((list(args), dict(kwargs)), device, grad_inputs)
     output = module(*call_args, **call_kwargs)
     loss, weights = _loss(output, weights)
     if loss is not None:
@@ -181,7 +185,18 @@ def verify(
         model_buffers = [(b, b.detach().clone()) for b in _unique(b for m in (model, pm) for b in m.buffers())]
         for p in _unique(p for m in (model, pm) for p in m.parameters()):
             p.grad = None
-        expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None)
+        grad_inputs = True
+        try:
+            expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None)
+        except RuntimeError as e:
+            if not _sets_requires_grad_of_input(e):
+                raise
+            _restore(model_buffers)  # the forward that failed may have begun a step
+            for p in _unique(p for m in (model, pm) for p in m.parameters()):
+                p.grad = None
+            grad_inputs = False
+            notes.append(f"the inputs do not require grad and their gradients are not compared: {_INPUT_FLAG_NOTE}")
+            expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None, False)
         param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         own = dict(model.named_parameters())
         expected_grads = {n: None if own[n].grad is None else own[n].grad.detach().clone() for n in param_names}
@@ -191,7 +206,7 @@ def verify(
             p.grad = None
         _restore(model_buffers)
 
-        actual, actual_inputs, _ = _run(pm, args, kwargs, None, seed, weights)
+        actual, actual_inputs, _ = _run(pm, args, kwargs, None, seed, weights, grad_inputs)
         actual_grads = _pm_gradients(pm, param_names)
         pm_state = pm.state_dict()
         # copies: in data parallel pm's buffers are the model's, restored below for the float64 run
@@ -223,7 +238,7 @@ def verify(
         rounding: list[Mismatch] = []
         if any(m.kind in _JUDGED and m.max_abs is not None for m in mismatches):
             _restore(model_buffers)
-            reference = _float64_reference(model, args, kwargs, seed, weights, param_names, notes)
+            reference = _float64_reference(model, args, kwargs, seed, weights, param_names, notes, grad_inputs)
             if reference is not None:
                 values = {"output": (dict(tensor_leaves(expected)), dict(tensor_leaves(actual)), "output"),
                           "gradient": (expected_grads, actual_grads, ""),
@@ -237,6 +252,18 @@ def verify(
         result_notes += layout.notes
         checked.update({k: v for k, v in layout.checked.items() if v})
     return VerifyResult(ok=not mismatches, mismatches=mismatches, checked=checked, notes=result_notes, rounding=rounding)
+
+
+_INPUT_FLAG_NOTE = (
+    "forward sets requires_grad on a view of an input (Wav2Vec2's feature encoder), which torch "
+    "allows only where the input itself does not require grad"
+)
+
+
+def _sets_requires_grad_of_input(error: RuntimeError) -> bool:
+    """The model's forward set ``requires_grad`` on a tensor computed from an input that requires
+    grad (torch refuses: only leaves' flags change), as it may where the input requires none."""
+    return "you can only change requires_grad flags of leaf variables" in str(error)
 
 
 def _check_modules(pm: object, model: object) -> None:
@@ -270,14 +297,14 @@ def _as_float64(value: Any) -> Any:
 
 def _float64_reference(
     model: nn.Module, args: tuple, kwargs: dict, seed: int, weights: dict[str, torch.Tensor],
-    param_names: Sequence[str], notes: list[str],
+    param_names: Sequence[str], notes: list[str], grad_inputs: bool = True,
 ) -> dict[str, dict[str, torch.Tensor | None]] | None:
     """The eager model run in float64 (a copy), forward and backward, as the reference that
     judges low-precision differences; None (with a note) where it cannot run."""
     try:
         model64 = copy.deepcopy(model).to(torch.float64)
         (args64, kwargs64) = _as_float64((list(args), dict(kwargs)))
-        output, inputs, _ = _run(model64, tuple(args64), kwargs64, _module_device(model64), seed, weights)
+        output, inputs, _ = _run(model64, tuple(args64), kwargs64, _module_device(model64), seed, weights, grad_inputs)
     except Exception as e:  # noqa: BLE001 - the reference refines the verdict; without it the tolerances stand
         notes.append(f"no float64 reference run to judge rounding ({type(e).__name__}: {first_line(e)})")
         return None

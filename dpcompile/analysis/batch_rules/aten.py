@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, normalize_dim
 from dpcompile.analysis.batch_rules.modules import per_sample_dim0
+from dpcompile.analysis.batch_rules.sizes import is_whole_split_size
 from dpcompile.analysis.placement import REPLICATED, Partial, Placement, Replicated, Split, Tuple
 from dpcompile.runtime import exported as frontend
 
@@ -123,16 +124,19 @@ def slice_(ctx: RuleContext) -> Placement | None:
     """``slice(x, dim, start, end, step)``: any slice of another dim; all of the batch dim."""
     x = ctx.node.args[0]
     p = _split(ctx, x)
-    if p is None or not _others_replicated(ctx, x):
-        return None
     bound = _bound(ctx)  # dim, start, end and step may come by keyword
     dim, start, end, step = bound.get("dim", 0), bound.get("start"), bound.get("end"), bound.get("step", 1)
     dim = 0 if dim is None else dim
     nd = ctx.ndim(x)
     if isinstance(dim, int) and dim < 0 and nd is not None:
         dim += nd
-    if not isinstance(dim, int):
+    if p is None or not isinstance(dim, int):
         return None
+    batch_end = dim == p.dim and is_whole_split_size(ctx, x, p, end)
+    if not _others_replicated(ctx, x, end if batch_end else x):
+        return None
+    if batch_end:
+        end = None  # x[:batch_size]: the whole batch, each device's chunk whole
     if dim != p.dim:
         return p
     whole = start in (None, 0) and (end is None or (isinstance(end, int) and end >= INT64_MAX)) and step in (None, 1)

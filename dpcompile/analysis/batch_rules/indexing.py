@@ -12,6 +12,7 @@ from dpcompile.analysis import ops
 from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.shape import matrix_transpose
+from dpcompile.analysis.batch_rules.sizes import is_whole_split_size
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
@@ -38,7 +39,22 @@ def getitem(ctx: RuleContext) -> Placement | None:
         return None
     if is_container_access(ctx.node):
         return p
-    return _index_tensor(ctx, p, index)
+    return _index_tensor(ctx, p, _batch_prefix_as_whole(ctx, base, p, index))
+
+
+def _batch_prefix_as_whole(ctx: RuleContext, base: Any, p: Split, index: Any) -> Any:
+    """``index`` with ``x[:batch_size]`` on the split dim written ``x[:]``: the batch size read
+    from the input (:func:`is_whole_split_size`) is each device's whole chunk."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items or None in items[: p.dim + 1] or len(items) <= p.dim:
+        return index
+    item = items[p.dim]
+    if not (isinstance(item, slice) and item.start in (None, 0) and item.step in (None, 1)):
+        return index
+    if not isinstance(base, fx.Node) or not is_whole_split_size(ctx, base, p, item.stop):
+        return index
+    items[p.dim] = slice(None)
+    return tuple(items) if isinstance(index, tuple) else items[0]
 
 
 def _index_shape(ctx: RuleContext, shape: Any, at: int, index: Any) -> Placement | None:

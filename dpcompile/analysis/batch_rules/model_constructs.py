@@ -167,16 +167,28 @@ def conv1d_transformers(ctx: RuleContext) -> Placement | None:
 
 
 def repeat_interleave(ctx: RuleContext) -> Placement | None:
-    """``x.repeat_interleave(k, dim)`` with an int ``k``: every row of each sample repeated in place,
-    along the batch dim or another, so each device repeats its own rows."""
-    x, repeats = ctx.tensor_arg(), ctx.arg(1, "repeats")
+    """``x.repeat_interleave(k, dim)`` with a whole number ``k`` (a literal, or a size that carries
+    no batch: GCViT's ``B // q.shape[0]``): every row of each sample repeated in place, along the
+    batch dim or another, so each device repeats its own rows. ``output_size`` (Mamba2's) is
+    the whole batch's along the batch dim, a per-sample size along another."""
+    x, repeats, dim = ctx.tensor_arg(), ctx.arg(1, "repeats"), ctx.arg(2, "dim")
     p = ctx.p(x)
-    dim = ctx.arg(2, "dim")
-    if not isinstance(p, Split) or not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+    if not isinstance(p, Split) or not _whole_repeats(ctx, repeats):
         return None
-    if not isinstance(dim, int) or isinstance(dim, bool) or ctx.node.kwargs.get("output_size") is not None:
-        return None  # no dim flattens x first; an output size is the whole batch's
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        return None  # no dim flattens x first
+    if ctx.arg(3, "output_size") is not None and ctx.resolve(dim, x, p.dim) in (None, p.dim):
+        return None  # an output size of the whole batch's rows
     return p
+
+
+def _whole_repeats(ctx: RuleContext, repeats: object) -> bool:
+    """A positive whole number of repeats, the same on every device."""
+    if isinstance(repeats, fx.Node) and isinstance(ctx.p(repeats), Replicated):
+        repeats = repeats.meta.get("val")
+        if isinstance(repeats, torch.SymInt):
+            return True  # a size symbol of the export frontend, replicated: the same count everywhere
+    return isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1
 
 
 def index_replicated_by_split(ctx: RuleContext) -> Placement | None:

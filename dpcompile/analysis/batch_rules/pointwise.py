@@ -46,6 +46,8 @@ def pointwise(ctx: RuleContext) -> Placement | None:
     if len(aligned) != 1:
         return None
     out_dim = aligned.pop()
+    if out_dim < 0:
+        return None  # an input of higher rank than the output (not broadcasting): no dim lines up
     out_shape = node_shape(ctx.node)
     for n in ctx.node.all_input_nodes:
         if isinstance(ctx.p(n), Replicated):
@@ -78,6 +80,18 @@ def to_method(ctx: RuleContext) -> Placement | None:
     return pointwise(ctx)
 
 
+def type_as(ctx: RuleContext) -> Placement | None:
+    """``x.type_as(y)``: ``x`` in ``y``'s type. Only ``y``'s type is read, the same for a chunk as
+    for the whole, so ``x`` keeps its own placement whatever ``y``'s rank: split (Funnel's
+    ``attention_mask.type_as(inputs_embeds)``) or replicated (PEGASUS-X's
+    ``torch.arange(d).type_as(inputs_embeds)``, each device's own copy)."""
+    x, y = ctx.tensor_arg(), ctx.arg(1, "other")
+    p = ctx.p(x)
+    if isinstance(p, (Split, Replicated)) and isinstance(ctx.p(y), (Split, Replicated)):
+        return p
+    return pointwise(ctx)
+
+
 def _same_on_each_device(ctx: RuleContext, node: fx.Node) -> bool:
     """``y.dtype``, or ``y.device`` of a chunk or of a parameter (each device's replica's own
     device): what ``x.to`` takes from them moves no chunk to another device."""
@@ -91,6 +105,7 @@ def _same_on_each_device(ctx: RuleContext, node: fx.Node) -> bool:
 
 BATCH_RULES.register_family(ops.POINTWISE, pointwise)
 BATCH_RULES.register("to", to_method)
+BATCH_RULES.register("type_as", type_as, replace=True)  # a binary op of ops.POINTWISE that reads only y's type
 for _name in ("__radd__", "__rsub__", "__rmul__", "__rdiv__", "__rtruediv__", "__rpow__", "__rmod__", "__rfloordiv__"):
     _fn = getattr(torch.Tensor, _name, None)  # 2 + x called as a function (fx records operator.add)
     if callable(_fn) and _fn not in BATCH_RULES.functions:  # __rtruediv__ is __rdiv__

@@ -10,9 +10,10 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim, target_name
+from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim, target_name, whole_ratio
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
+from dpcompile.analysis.batch_rules.sizes import batch_multiple
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
@@ -161,6 +162,10 @@ def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
         return Whole(reason=f"view of a tensor split on dim {d} needs shapes: pass example_inputs=")
     before = prod(in_shape[:d])
     j = next((i for i in range(len(out_shape) + 1) if prod(out_shape[:i]) == before), None)
+    if j is not None and j < len(out_shape) and out_shape[j] != in_shape[d]:
+        merged = _heads_folded_in(ctx, p, in_shape, out_shape, j)
+        if merged is not None:
+            return merged
     if j is None or j >= len(out_shape) or out_shape[j] != in_shape[d]:
         return Whole(reason=f"view merges the split dim {d} with another dim ({list(in_shape)} -> {list(out_shape)})")
     sizes = _view_sizes(ctx)
@@ -171,6 +176,30 @@ def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
     batch_sized = entry == -1 or (isinstance(entry, fx.Node) and ctx.p(entry) == BatchSize())
     if not batch_sized or any(x == -1 or (isinstance(x, fx.Node) and not isinstance(ctx.p(x), Replicated)) for x in others):
         return Whole(reason=f"view writes the split dim {d}'s size as a number, not the chunk's")
+    return Split(j)
+
+
+def _heads_folded_in(ctx: RuleContext, p: Split, in_shape: tuple, out_shape: tuple, j: int) -> Placement | None:
+    """``(T, B, E) -> (T, B * H, E // H)`` (``F.multi_head_attention_forward``'s heads folded into
+    the batch): the split dim as the outer factor of dim ``j``, merged with a part of one sample's
+    dims after it, its size written as the chunk's batch size times that part (or -1)."""
+    from math import prod
+
+    d = p.dim
+    rows = whole_ratio(out_shape[j], in_shape[d])
+    per_sample = prod(in_shape[d + 1 :])
+    if rows is None or rows < 2 or not isinstance(per_sample, int) or per_sample % rows:
+        return None
+    sizes = _view_sizes(ctx)
+    if len(sizes) != len(out_shape):
+        return None
+    entry, others = sizes[j], [x for i, x in enumerate(sizes) if i != j]
+    if any(x == -1 or (isinstance(x, fx.Node) and not isinstance(ctx.p(x), Replicated)) for x in others):
+        return None
+    if entry != -1:
+        multiple = batch_multiple(ctx, entry, depth=1) if isinstance(entry, fx.Node) else None
+        if not isinstance(ctx.p(entry), BatchSize) or multiple != rows * ctx.rows_per_sample(ctx.tensor_arg(), d):
+            return None
     return Split(j)
 
 

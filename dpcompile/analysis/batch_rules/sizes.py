@@ -8,8 +8,10 @@ size times a whole number ``k`` (its *multiple*): ``BatchSize()`` for ``k == 1``
 flattened, which ``view``/``reshape`` and the factories take as the size of the split dim). A
 window partition's ``view(B * nW, ws, ws, C)`` and back ``view(n // nW, ...)``, heads folded into
 the batch (``reshape(B * heads, L, d)``) and frames into it (``reshape(B * T, C, H, W)``) keep the
-split that way. Anything else (``b - 1``, ``b * b``, ``b // 3`` where 3 does not divide the
-multiple) runs as before: it is not the chunk's share of a size of the whole batch.
+split that way. One batch size over another
+(``(b * nW) // b``) is the same number on every device: it carries no batch. Anything else
+(``b - 1``, ``b * b``, ``b // 3`` where 3 does not divide the multiple) runs as before: it is
+not the chunk's share of a size of the whole batch.
 
 The multiple is computed from the graph (literal numbers, and sizes that carry no batch by the
 value the example gave them); under the export frontend, where sizes are symbols (``4*s0``), it
@@ -27,7 +29,7 @@ import torch.fx as fx
 
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, whole_ratio
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
-from dpcompile.analysis.placement import BatchSize, Placement, Replicated
+from dpcompile.analysis.placement import REPLICATED, BatchSize, Placement, Replicated, Split
 
 _ARITHMETIC = {operator.mul, operator.floordiv, operator.truediv, operator.add, operator.sub}
 
@@ -74,6 +76,16 @@ def batch_multiple(ctx: RuleContext, value: Any, depth: int = 0) -> Fraction | N
     return _example_multiple(ctx, value, whole_read=p == BatchSize())
 
 
+def is_whole_split_size(ctx: RuleContext, x: fx.Node, p: Split, value: Any) -> bool:
+    """``value`` is the size of ``x``'s split dim on every device: a batch size whose multiple is
+    the rows one sample owns along that dim (TimeSformer's ``embeddings[:batch_size]``, the batch
+    size read from the input, takes each device's whole chunk)."""
+    if not isinstance(value, fx.Node) or not isinstance(ctx.p(value), BatchSize):
+        return False
+    multiple = batch_multiple(ctx, value, depth=1)
+    return multiple is not None and multiple == ctx.rows_per_sample(x, p.dim)
+
+
 def _example_multiple(ctx: RuleContext, value: fx.Node, *, whole_read: bool) -> Fraction | None:
     """The multiple the example shows: exact for a symbol of the export frontend (``4*s0 / s0``);
     for a plain size read (``x.size(0)``, a chunk's size) the example's rows per sample, 1 where
@@ -95,6 +107,18 @@ def _classify(multiple: Fraction | None) -> Placement | None:
     return BatchSize() if multiple == 1 else BatchSize(rows=True)
 
 
+def _ratio_of_batch_sizes(ctx: RuleContext) -> bool:
+    """``(b * k) // (b * m)`` (or ``/``): one batch size over another, ``k / m`` on every device, a
+    number that carries no batch (GCViT's windows per image, ``B // q_global.shape[0]``)."""
+    if ctx.node.target not in (operator.floordiv, operator.truediv) or len(ctx.node.args) != 2:
+        return False
+    a, b = ctx.node.args
+    multiples = [batch_multiple(ctx, v, depth=1) for v in (a, b)]
+    return all(isinstance(v, fx.Node) and isinstance(ctx.p(v), BatchSize) for v in (a, b)) and all(
+        m is not None and m > 0 for m in multiples
+    )
+
+
 def size_arithmetic(fallback: Rule) -> Rule:
     """``fallback`` (the op's rule for tensors) unless a chunk's batch size is among the operands:
     then the batch size times its multiple (:func:`batch_multiple`), or ``fallback``'s answer."""
@@ -104,6 +128,8 @@ def size_arithmetic(fallback: Rule) -> Rule:
         if not sizes or any(ctx.p(a).shape_of_dim is not None for a in sizes):
             return fallback(ctx)
         found = _classify(batch_multiple(ctx, ctx.node))
+        if found is None and _ratio_of_batch_sizes(ctx):
+            return REPLICATED
         return found if found is not None else fallback(ctx)
 
     rule.__name__ = rule.__qualname__ = f"size_arithmetic_{fallback.__name__}"

@@ -101,7 +101,7 @@ _add(
     maximum minimum mul ne neg pow reciprocal relu remainder round rsqrt sigmoid sign sin sinh sqrt sub
     tan tanh trunc where _to_copy
     rsub silu hardswish hardsigmoid mish softplus clamp_min clamp_max __and__ __or__ __xor__ __invert__
-    square isfinite nan_to_num lerp addcmul addcdiv contiguous detach type_as lift_fresh_copy zeros_like
+    square isfinite nan_to_num lerp addcmul addcdiv contiguous detach lift_fresh_copy zeros_like
     ones_like empty_like floor_divide bitwise_left_shift bitwise_right_shift relu6 prelu logsigmoid
     masked_fill
 """,
@@ -119,6 +119,7 @@ _add(
 )
 _add("pointwise", pointwise.pointwise, " ".join(n for n in dir(aten) if n.startswith("special_")), same_name=False)
 _add("pointwise", pointwise.pointwise, "to", same_name=False)  # x.to(device) is not: its rule is to_method
+_add("pointwise", pointwise.type_as, "type_as")  # only y's type is read: x keeps its split whatever y's rank
 _add("pointwise", pointwise.pointwise, "rand_like randn_like dropout")  # random: a draw per element, per device
 _add("pointwise", tuple_of(pointwise.pointwise, 2), "native_dropout")
 _add("along one dim", aten_rules.glu, "glu")

@@ -110,7 +110,7 @@ def transform(
         "frontend": frontend, "batch_dim": batch_dim, "output_device": output_device, "leaf_modules": leaf_modules,
         "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
         "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
-        "mixed_precision": mixed_precision,
+        "mixed_precision": mixed_precision, "exact_random": exact_random is not False,
     }  # fmt: skip
     example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
@@ -249,6 +249,7 @@ def make_recipe(
     schedule: str = "gpipe",
     data_parallel: str = "ddp",
     mixed_precision: Any = None,
+    exact_random: bool = True,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -256,7 +257,7 @@ def make_recipe(
     leaves = _check_leaf_modules(leaf_modules)
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
-    common = {"leaf_modules": leaves, "frontend": frontend}
+    common = {"leaf_modules": leaves, "frontend": frontend, "exact_random": bool(exact_random)}
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
         return _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)

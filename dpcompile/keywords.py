@@ -87,12 +87,6 @@ def _check_new_strategies(
         )
     if exact_random not in (None, False, True):
         raise ValueError(f"exact_random={exact_random!r}: expected True or False")
-    if exact_random:
-        raise DpCompileError(
-            "exact_random=True is not built yet: random ops draw on each device from its own generator "
-            "(docs/limitations.md says when that equals the single-device draw); pass exact_random=False, or leave "
-            "it out"
-        )
     if plan is not None:
         if plan != "auto":
             raise ValueError(f'plan={plan!r}: expected None or "auto"')

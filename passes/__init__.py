@@ -23,6 +23,7 @@ from passes.collectives import find_collective_sites, lower_to_collectives
 from passes.cut_stage import cut_stage
 from passes.data_parallel import insert_scatter_gather
 from passes.decompose_attention import decompose_attention
+from passes.exact_random import draw_random_whole, find_random_sites
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.functionalize import find_mutations, functionalize_mutations
@@ -41,6 +42,12 @@ class PipelineOptions:
     copy_replicas: bool = False
     plan: dict[str, str] = field(default_factory=dict)  # tensor parallel: {module path: style} to apply
     write_back_inputs: bool = False  # data parallel: writes into inputs made functional, copied back at the end
+    exact_random: bool = False  # random ops draw the single-device values (draw_random_whole, last)
+
+
+def exact_random_pipeline(options: PipelineOptions) -> list[Pass]:
+    """``draw_random_whole`` where ``options.exact_random``: after lowering, which stamps each piece's place."""
+    return [draw_random_whole] if options.exact_random else []
 
 
 def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
@@ -60,6 +67,7 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
             output_device=options.output_device,
             copy_replicas=options.copy_replicas,
         ),
+        *exact_random_pipeline(options),
     ]
 
 
@@ -77,6 +85,7 @@ def tensor_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
     return [
         *spmd_tensor_parallel_pipeline(options),
         functools.partial(expand_shards, devices=options.devices, output_device=options.output_device),
+        *exact_random_pipeline(options),
     ]
 
 
@@ -100,7 +109,7 @@ def pipeline_parallel_pipeline(options: PipelineOptions, *, plan: StagePlan, mic
         insert_stage_transfers, plan=plan, devices=options.devices, micro_batches=micro_batches,
         output_device=options.output_device,
     ))  # fmt: skip
-    return out
+    return out + exact_random_pipeline(options)
 
 
 def default_pipeline(options: PipelineOptions) -> list[Pass]:
@@ -123,6 +132,9 @@ __all__ = [
     "shard_linear",
     "find_linear_sites",
     "decompose_attention",
+    "draw_random_whole",
+    "exact_random_pipeline",
+    "find_random_sites",
     "expand_shards",
     "tensor_parallel_pipeline",
     "spmd_tensor_parallel_pipeline",

@@ -1,5 +1,5 @@
 """Random ops draw the single-device values in every one-process layout (``exact_random=True``, the
-default): an MLP with dropout (module, functional) and ``rand_like`` noise, GPT-2 and BERT with
+default): an MLP with dropout (module, functional) and ``randn_like`` noise, GPT-2 and BERT with
 their default dropout and a ViT with attention dropout (transformers, tiny configs, the export
 frontend with ``labels=``). Over 3 SGD steps from the same seed each loss and gradient equals
 eager's and ``torch.get_rng_state()`` after each step equals eager's, on dp, tp, the pipeline
@@ -31,7 +31,7 @@ V = 64
 
 
 class DropoutMLP(nn.Module):
-    """Dropout in both pipeline stages, as a module and as a function, and noise from ``rand_like``."""
+    """Dropout in both pipeline stages, as a module and as a function, and noise from ``randn_like``."""
 
     def __init__(self, width: int = 8):
         super().__init__()
@@ -43,7 +43,7 @@ class DropoutMLP(nn.Module):
 
     def forward(self, x, labels):
         h = self.fc2(self.drop1(F.gelu(self.fc1(x))))
-        h = h + 0.1 * torch.rand_like(h)
+        h = h + 0.1 * torch.randn_like(h)
         h = F.dropout(F.gelu(self.fc3(h)), p=0.5, training=self.training)
         return F.cross_entropy(self.fc4(h), labels)
 
@@ -148,7 +148,7 @@ def _check_training_matches_eager(name, layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_exact_random_mlp_trains_like_eager(layout):
-    """Dropout and rand_like in both stages: 3 steps' losses, gradients and generator states equal eager's."""
+    """Dropout and randn_like in both stages: 3 steps' losses, gradients and generator states equal eager's."""
     _check_training_matches_eager("mlp", LAYOUTS[layout])
 
 

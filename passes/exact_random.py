@@ -25,35 +25,19 @@ draws; ``info["per_device"]`` names it (``explain`` reports it).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch import nn
 
 from dpcompile import runtime
+from dpcompile.analysis.random_ops import FILL_ATEN, LIKE_FUNCTIONS, called_module_path, random_kind
 from dpcompile.infra import PassResult, stamp
 
 PASS = "draw_random_whole"
 ROWS = "dpcompile_rows"
 COLS = "dpcompile_cols"
-
-aten = torch.ops.aten
-_DROPOUT = {F.dropout, torch.dropout, aten.dropout.default}
-_ATTENTION = {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
-_LIKE = {torch.rand_like: "rand_like", torch.randn_like: "randn_like", torch.randint_like: "randint_like",
-         aten.rand_like.default: "rand_like", aten.randn_like.default: "randn_like",
-         aten.randint_like.default: "randint_like", aten.randint_like.low_dtype: "randint_like",
-         aten.bernoulli.p: "bernoulli"}  # fmt: skip
-_FILL_METHODS = {"normal_", "uniform_", "bernoulli_", "exponential_", "random_"}
-_FILL_ATEN = {aten.normal_.default: "normal_", aten.uniform_.default: "uniform_", aten.bernoulli_.float: "bernoulli_"}
-# kinds of random op the runtime knows nothing about: they keep per-device draws, and are named
-_OTHER_RANDOM = {torch.multinomial, torch.normal, torch.poisson, F.dropout1d, F.dropout2d, F.dropout3d,
-                 F.alpha_dropout, F.feature_alpha_dropout}  # fmt: skip
-_OTHER_MODULES = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @dataclass(frozen=True)
@@ -63,38 +47,6 @@ class RandomSite:
     source: str  # the user's node (``dpcompile_source``): one whole draw per call
     kind: str  # "dropout" | "dropout_module" | "native_dropout" | "attention" | "like" | "bernoulli" | "fill"
     nodes: tuple[fx.Node, ...]
-
-
-def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
-    """The kind of random op ``node`` runs ("other" for one this pass cannot make exact), or None."""
-    if node.op == "call_function":
-        target = node.target
-        if target in _DROPOUT:
-            return "dropout"
-        if target is aten.native_dropout.default:
-            return "native_dropout"
-        if target in _ATTENTION or getattr(target, "__name__", "") == "scaled_dot_product_attention":
-            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-            return None if p == 0 else "attention"
-        if target in _LIKE:
-            return "like"
-        if target in (torch.bernoulli, aten.bernoulli.default):
-            return "like" if len(node.args) > 1 or "p" in node.kwargs else "bernoulli"
-        if target in _FILL_ATEN:
-            return "fill"
-        return "other" if target in _OTHER_RANDOM else None
-    if node.op in ("call_module", "call_method"):
-        module = _module(gm, node)
-        if module is not None:
-            if type(module) is nn.Dropout:
-                return "dropout_module"
-            return "other" if isinstance(module, _OTHER_MODULES) else None
-    if node.op == "call_method":
-        if node.target in _FILL_METHODS:
-            return "fill"
-        if node.target == "bernoulli":
-            return "like" if len(node.args) > 1 or "p" in node.kwargs else "bernoulli"
-    return None
 
 
 def find_random_sites(gm: fx.GraphModule) -> list[RandomSite]:
@@ -129,7 +81,7 @@ def draw_random_whole(gm: fx.GraphModule) -> PassResult:
         for node in site.nodes:
             with graph.inserting_before(node):
                 if site.kind == "dropout_module" and module is None:
-                    module = _placed_as(stamp(graph.get_attr(str(_module_path(node))), PASS, node), node)
+                    module = _placed_as(stamp(graph.get_attr(str(called_module_path(node))), PASS, node), node)
                     module.name = f"{site.source}_module"
                 new = graph.call_function(*_exact_call(site, node, draws, module))
             stamp(new, PASS, node)
@@ -160,9 +112,9 @@ def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node
     if site.kind == "bernoulli":
         return runtime.exact_bernoulli, (*head, args[0]), where
     if site.kind == "fill":
-        method = _FILL_ATEN.get(node.target, node.target)
+        method = FILL_ATEN.get(node.target, node.target)
         return runtime.exact_fill_random, (*head, method, *args), {**kwargs, **where}
-    name = _LIKE.get(node.target, "bernoulli")  # a bernoulli(x, p) function or method
+    name = LIKE_FUNCTIONS.get(node.target, "bernoulli")  # a bernoulli(x, p) function or method
     return runtime.exact_random_like, (*head, name, *args), {**kwargs, **where}
 
 
@@ -172,29 +124,4 @@ def _placed_as(new: fx.Node, node: fx.Node) -> fx.Node:
     return new
 
 
-def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
-    path = _module_path(node)
-    if path is None:
-        return None
-    try:
-        return gm.get_submodule(path)
-    except AttributeError:
-        return None
-
-
-def _module_path(node: fx.Node) -> str | None:
-    """The module a call runs: ``self.drop(x)``, or a replica's ``replica_dev1.drop(x)``."""
-    if node.op == "call_module":
-        return str(node.target)
-    if node.op == "call_method" and isinstance(node.args[0], fx.Node):
-        root = node.args[0]
-        if root.op == "call_function" and root.target is operator.getitem and _is_replicas(root.args[0]):
-            return str(node.target)
-    return None
-
-
-def _is_replicas(value: Any) -> bool:
-    return isinstance(value, fx.Node) and value.op == "call_function" and value.target is runtime.replicate
-
-
-__all__ = ["PASS", "RandomSite", "draw_random_whole", "find_random_sites", "random_kind"]
+__all__ = ["PASS", "RandomSite", "draw_random_whole", "find_random_sites"]

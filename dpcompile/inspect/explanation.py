@@ -19,6 +19,7 @@ from dpcompile import runtime
 from dpcompile.analysis.cost import comm_elements, ring_elements
 from dpcompile.analysis.memory import activation_bytes
 from dpcompile.analysis.program_memory import held_parameter_bytes, program_memory
+from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.analysis.split_fraction import split_fraction
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
@@ -156,6 +157,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         whole=whole,
         pipeline=pipeline,
         memory_estimate=memory_estimate(pm, params, args, kwargs),
+        random={**random_draws_of(gm), "note": per_device_note(gm)},
     )
 
 

@@ -77,8 +77,9 @@ def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tu
 
 
 def _dropout_noise(like: torch.Tensor, p: float) -> Callable[[tuple[int, ...]], torch.Tensor]:
-    """What ``at::dropout`` multiplies its input by: ``bernoulli_(1 - p) / (1 - p)``."""
-    return lambda shape: _empty(like)(shape).bernoulli_(1 - p).div_(1 - p)
+    """What dropout multiplies its input by, drawn as dropout draws it on this device (on CPU
+    ``bernoulli_(1 - p) / (1 - p)``): dropout of ones."""
+    return lambda shape: F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
 
 
 def exact_dropout(draws: RandomDraws, site: str, x: torch.Tensor, p: Any = 0.5, training: bool = True,

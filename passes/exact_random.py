@@ -71,7 +71,7 @@ def draw_random_whole(gm: fx.GraphModule) -> PassResult:
         return PassResult(gm, False, info)
     graph = gm.graph
     first = exact[0].nodes[0]
-    scatter = next((n for n in graph.nodes if n.op == "call_function" and n.target is runtime.scatter), None)
+    scatter = _batch_scatter(graph)
     with graph.inserting_before(first):
         args = (scatter, scatter.args[2] if len(scatter.args) > 2 else 0) if scatter is not None else ()
         draws = _placed_as(stamp(graph.call_function(runtime.random_draws, args), PASS, first), first)
@@ -104,7 +104,7 @@ def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node
         names = ("input", "p", "training", "inplace") if node.target is F.dropout else ("input", "p", "train")
         bound = {**dict(zip(names, args)), **kwargs}
         p, training = bound.get("p", 0.5), bound.get("training", bound.get("train", True))
-        return runtime.exact_dropout, (*head, bound["input"], p, training), where
+        return runtime.exact_dropout, (*head, bound["input"]), {"p": p, "training": training, **where}
     if site.kind == "native_dropout":
         return runtime.exact_native_dropout, (*head, *args), {**kwargs, **where}
     if site.kind == "attention":
@@ -116,6 +116,14 @@ def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node
         return runtime.exact_fill_random, (*head, method, *args), {**kwargs, **where}
     name = LIKE_FUNCTIONS.get(node.target, "bernoulli")  # a bernoulli(x, p) function or method
     return runtime.exact_random_like, (*head, name, *args), {**kwargs, **where}
+
+
+def _batch_scatter(graph: fx.Graph) -> fx.Node | None:
+    """The scatter whose pieces give the batch's split: of a required input where there is one (an
+    optional one may be None)."""
+    scatters = [n for n in graph.nodes if n.op == "call_function" and n.target is runtime.scatter]
+    required = [n for n in scatters if isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and not n.args[0].args]
+    return (required or scatters or [None])[0]
 
 
 def _placed_as(new: fx.Node, node: fx.Node) -> fx.Node:

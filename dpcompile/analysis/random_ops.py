@@ -46,7 +46,7 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
     if node.op == "call_function":
         target = node.target
         if target in DROPOUT_FUNCTIONS:
-            return "dropout"
+            return None if _draws_nothing(node) else "dropout"
         if target is aten.native_dropout.default:
             return "native_dropout"
         if target in ATTENTION_FUNCTIONS or getattr(target, "__name__", "") == "scaled_dot_product_attention":
@@ -119,6 +119,13 @@ def per_device_note(gm: fx.GraphModule) -> str | None:
         f"random ops {', '.join(sites)} draw per device (exact_random=False, or no exact rule for the op): "
         "each device draws its own piece, so the values differ from a single-device run with the same seed"
     )
+
+
+def _draws_nothing(node: fx.Node) -> bool:
+    """A dropout call written with ``training=False`` or ``p=0`` (an eval-mode program) draws nothing."""
+    names = ("input", "p", "training", "inplace") if node.target is F.dropout else ("input", "p", "train")
+    bound = {**dict(zip(names, node.args)), **node.kwargs}
+    return bound.get("training", bound.get("train", True)) is False or bound.get("p", 0.5) == 0
 
 
 def _is_replicas(value: Any) -> bool:

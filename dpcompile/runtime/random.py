@@ -69,7 +69,10 @@ class RandomDraws:
 
 def random_draws(scattered: Sequence[torch.Tensor] | None = None, dim: int = 0) -> RandomDraws:
     """A fresh record of one call's draws; ``scattered``: the pieces of a split input (their rows)."""
-    return RandomDraws(None if scattered is None else [int(t.shape[dim]) for t in scattered])
+    pieces = list(scattered) if scattered is not None else []
+    if not pieces or not all(isinstance(t, torch.Tensor) for t in pieces):
+        return RandomDraws(None)  # an optional input left None: no rows to slice by (a site with rows says so)
+    return RandomDraws([int(t.shape[dim]) for t in pieces])
 
 
 def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tuple[int, ...]], torch.Tensor]:

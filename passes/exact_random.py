@@ -16,8 +16,8 @@ After::
 
     random_draws = dpcompile_runtime_random_draws(x_scatter, 0)
     drop_module = self.drop
-    drop_dev0 = dpcompile_runtime_exact_dropout(random_draws, 'drop', relu_dev0, drop_module, rows = (0, 0))
-    drop_dev1 = dpcompile_runtime_exact_dropout(random_draws, 'drop', relu_dev1, drop_module, rows = (1, 0))
+    drop_dev0 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev0, rows = (0, 0))
+    drop_dev1 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev1, rows = (1, 0))
 
 A random op this pass does not know (``nn.Dropout2d``, ``torch.multinomial``) keeps its per-device
 draws; ``info["per_device"]`` names it (``explain`` reports it).
@@ -99,7 +99,7 @@ def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node
     head = (draws, site.source)
     args, kwargs = node.args, dict(node.kwargs)
     if site.kind == "dropout_module":
-        return runtime.exact_dropout, (*head, args[-1], module), where
+        return runtime.exact_dropout_module, (module, *head, args[-1]), where
     if site.kind == "dropout":
         names = ("input", "p", "training", "inplace") if node.target is F.dropout else ("input", "p", "train")
         bound = {**dict(zip(names, args)), **kwargs}

@@ -35,7 +35,7 @@ FILL_ATEN = {aten.normal_.default: "normal_", aten.uniform_.default: "uniform_",
 OTHER_RANDOM = {torch.multinomial, torch.normal, torch.poisson, F.dropout1d, F.dropout2d, F.dropout3d,
                 F.alpha_dropout, F.feature_alpha_dropout}  # fmt: skip
 OTHER_RANDOM_MODULES = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-EXACT_RUNTIME = {runtime.exact_dropout, runtime.exact_native_dropout, runtime.exact_attention,
+EXACT_RUNTIME = {runtime.exact_dropout, runtime.exact_dropout_module, runtime.exact_native_dropout, runtime.exact_attention,
                  runtime.exact_random_like, runtime.exact_bernoulli, runtime.exact_fill_random}  # fmt: skip
 
 

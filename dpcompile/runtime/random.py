@@ -88,13 +88,17 @@ def _dropout_noise(like: torch.Tensor, p: float) -> Callable[[tuple[int, ...]], 
 def exact_dropout(draws: RandomDraws, site: str, x: torch.Tensor, p: Any = 0.5, training: bool = True,
                   inplace: bool = False, *, rows: Rows = None, cols: Cols = None) -> torch.Tensor:  # fmt: skip
     """``F.dropout(x, p, training)`` with this piece's slice of the single-device mask."""
-    if isinstance(p, torch.nn.Module):  # an nn.Dropout called as a module: its p and mode at run time
-        p, training = p.p, p.training
     if not training or p == 0 or x.numel() == 0:
         return x
     if p == 1:
         return x.mul(torch.zeros((), dtype=x.dtype, device=x.device))
     return x * draws.piece(site, x, rows, cols, _dropout_noise(x, p))
+
+
+def exact_dropout_module(module: torch.nn.Module, draws: RandomDraws, site: str, x: torch.Tensor, *,
+                         rows: Rows = None, cols: Cols = None) -> torch.Tensor:  # fmt: skip
+    """An ``nn.Dropout`` call, its ``p`` and mode read at run time: :func:`exact_dropout`."""
+    return exact_dropout(draws, site, x, module.p, module.training, rows=rows, cols=cols)
 
 
 def exact_native_dropout(draws: RandomDraws, site: str, x: torch.Tensor, p: float, train: bool | None, *,
@@ -170,6 +174,7 @@ __all__ = [
     "exact_attention",
     "exact_bernoulli",
     "exact_dropout",
+    "exact_dropout_module",
     "exact_fill_random",
     "exact_native_dropout",
     "exact_random_like",

@@ -71,7 +71,7 @@ def test_draw_random_whole_code_slices_one_whole_draw():
     _, pm = _program()
     code = pm.code
     assert "random_draws = dpcompile_runtime_random_draws(x_scatter, 0)" in code
-    assert "dpcompile_runtime_exact_dropout(random_draws, 'drop', relu_dev1, drop_module, rows = (1, 0))" in code
+    assert "dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev1, rows = (1, 0))" in code
     assert "dpcompile_runtime_exact_random_like(random_draws, 'randn_like', 'randn_like', drop_dev0, rows = (0, 0))" in code
     assert code.count("dpcompile_runtime_exact_") == 6
 
@@ -192,3 +192,15 @@ def test_exact_draws_equal_the_whole_draw(op):
         parts = [runtime.exact_dropout(draws, "c", part, 0.4, True, cols=(k, -1, (2, 4))) for k, part in enumerate(x.split([2, 4], 1))]
         got = torch.cat(parts, 1)
     assert torch.equal(got, expected) and torch.equal(torch.get_rng_state(), after)
+
+
+def test_exact_random_program_exports_and_loads(tmp_path):
+    """dpcompile.export/load: the loaded program draws the single-device masks too."""
+    model, pm = _program()
+    dpcompile.export(pm, tmp_path / "out")
+    loaded = dpcompile.load(tmp_path / "out")
+    x = torch.randn(6, 8)
+    torch.manual_seed(4)
+    got = loaded(x)
+    torch.manual_seed(4)
+    torch.testing.assert_close(got, model(x))

@@ -6,7 +6,9 @@
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
                                          └─► split_stages ─► insert_scatter_gather ─► cut_stage (pipeline, one "pp" rank)
 
-See ``passes/README.md`` for the invariants every pass keeps and why the order is this one.
+Every one-process lowering ends with ``draw_random_whole`` where ``exact_random=True`` (the default):
+random ops draw the single-device values. See ``passes/README.md`` for the invariants every pass
+keeps and why the order is this one.
 """
 
 from __future__ import annotations

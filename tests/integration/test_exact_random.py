@@ -158,3 +158,25 @@ def test_exact_random_mlp_trains_like_eager(layout):
 def test_exact_random_transformers_train_like_eager(name, layout):
     """GPT-2 and BERT with their default dropout, ViT with attention dropout: as eager over 3 steps."""
     _check_training_matches_eager(name, LAYOUTS[layout])
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("layout", ["dp", "gpipe", "1f1b"])
+def test_exact_random_uneven_and_small_batches(layout, batch):
+    """A batch that splits unevenly (5 over 2), or is smaller than the devices or micro-batches (1):
+    the program built for it still draws eager's values and leaves the generator where eager does."""
+    make, kwargs, initial, program = _captured("mlp")
+    program.load_state_dict(initial)
+    reference = make().double().train()
+    reference.load_state_dict(initial)
+    options = dict(LAYOUTS[layout])
+    if "micro_batches" in options:
+        options["micro_batches"] = 4
+    pm = dpcompile.transform(program, _devices(options), example_kwargs=kwargs, **options)
+    x, labels = kwargs["x"][:batch], kwargs["labels"][:batch]
+    torch.manual_seed(7)
+    got = pm(x, labels)
+    state = torch.get_rng_state()
+    torch.manual_seed(7)
+    torch.testing.assert_close(got, reference(x, labels))
+    assert torch.equal(state, torch.get_rng_state())

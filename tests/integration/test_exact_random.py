@@ -180,3 +180,24 @@ def test_exact_random_uneven_and_small_batches(layout, batch):
     torch.manual_seed(7)
     torch.testing.assert_close(got, reference(x, labels))
     assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dp", "tp", "gpipe"])
+def test_exact_random_on_cuda_matches_eager(layout):
+    """On CUDA (two virtual devices on cuda:0) dropout and randn_like draw eager's values from the
+    CUDA generator (dropout of ones draws the fused kernel's mask), which ends where eager's does."""
+    make, kwargs, initial, _ = _captured("mlp")
+    torch.manual_seed(0)
+    model = make().double().cuda().train()
+    model.load_state_dict(initial)
+    reference = make().double().cuda().train()
+    reference.load_state_dict(initial)
+    cuda_kwargs = {k: v.cuda() for k, v in kwargs.items()}
+    pm = dpcompile.transform(model, ["cuda:0"] * 2, example_kwargs=cuda_kwargs, **LAYOUTS[layout])
+    torch.cuda.manual_seed(5)
+    got = pm(**cuda_kwargs)
+    state = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(5)
+    torch.testing.assert_close(got, reference(**cuda_kwargs))
+    assert torch.equal(state, torch.cuda.get_rng_state())

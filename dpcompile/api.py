@@ -112,6 +112,7 @@ def transform(
         "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
         "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
         "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
+        "exact_random": exact_random is not False,
     }  # fmt: skip
     example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
@@ -253,6 +254,7 @@ def make_recipe(
     data_parallel: str = "ddp",
     mixed_precision: Any = None,
     activation_checkpointing: Any = False,
+    exact_random: bool = True,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -260,7 +262,7 @@ def make_recipe(
     leaves = _check_leaf_modules(leaf_modules)
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
-    common = {"leaf_modules": leaves, "frontend": frontend,
+    common = {"leaf_modules": leaves, "frontend": frontend, "exact_random": bool(exact_random),
               "checkpointed": checkpoint_paths(model, activation_checkpointing)}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:

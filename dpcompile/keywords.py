@@ -69,6 +69,12 @@ def check_keywords_honoured(
              if size > 1}, over_mesh=True,
             layout=mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel),
         )  # fmt: skip
+    if over_mesh and exact_random is True:
+        raise DpCompileError(
+            "exact_random=True over a DeviceMesh is not built yet: each rank draws its own piece from its own "
+            "generator; exact_random=True works over a device list (one process, virtual or real devices). Leave "
+            "exact_random= out (per-rank draws) or pass exact_random=False"
+        )
     _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
 
 
@@ -88,12 +94,6 @@ def _check_new_strategies(
     _check_activation_checkpointing(activation_checkpointing, memory_per_device)
     if exact_random not in (None, False, True):
         raise ValueError(f"exact_random={exact_random!r}: expected True or False")
-    if exact_random:
-        raise DpCompileError(
-            "exact_random=True is not built yet: random ops draw on each device from its own generator "
-            "(docs/limitations.md says when that equals the single-device draw); pass exact_random=False, or leave "
-            "it out"
-        )
     if plan is not None:
         if plan != "auto":
             raise ValueError(f'plan={plan!r}: expected None or "auto"')

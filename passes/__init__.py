@@ -5,9 +5,12 @@
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
                                          └─► split_stages ─► insert_scatter_gather ─► cut_stage (pipeline, one "pp" rank)
-    ... ─► checkpoint_activations (last, in one process, where activation_checkpointing= names regions)
+    ... ─► draw_random_whole ─► checkpoint_activations                                (one process)
 
-See ``passes/README.md`` for the invariants every pass keeps and why the order is this one.
+Every one-process lowering ends with ``draw_random_whole`` where ``exact_random=True`` (the default:
+random ops draw the single-device values), then ``checkpoint_activations`` where
+``activation_checkpointing=`` names regions (a recomputed region reads the draws its call made). See ``passes/README.md`` for the invariants every pass
+keeps and why the order is this one.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from passes.collectives import find_collective_sites, lower_to_collectives
 from passes.cut_stage import cut_stage
 from passes.data_parallel import insert_scatter_gather
 from passes.decompose_attention import decompose_attention
+from passes.exact_random import draw_random_whole, find_random_sites
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.functionalize import find_mutations, functionalize_mutations
@@ -43,6 +47,12 @@ class PipelineOptions:
     copy_replicas: bool = False
     plan: dict[str, str] = field(default_factory=dict)  # tensor parallel: {module path: style} to apply
     write_back_inputs: bool = False  # data parallel: writes into inputs made functional, copied back at the end
+    exact_random: bool = False  # random ops draw the single-device values (draw_random_whole, last)
+
+
+def exact_random_pipeline(options: PipelineOptions) -> list[Pass]:
+    """``draw_random_whole`` where ``options.exact_random``: after lowering, which stamps each piece's place."""
+    return [draw_random_whole] if options.exact_random else []
 
 
 def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
@@ -62,6 +72,7 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
             output_device=options.output_device,
             copy_replicas=options.copy_replicas,
         ),
+        *exact_random_pipeline(options),
     ]
 
 
@@ -79,6 +90,7 @@ def tensor_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
     return [
         *spmd_tensor_parallel_pipeline(options),
         functools.partial(expand_shards, devices=options.devices, output_device=options.output_device),
+        *exact_random_pipeline(options),
     ]
 
 
@@ -102,7 +114,7 @@ def pipeline_parallel_pipeline(options: PipelineOptions, *, plan: StagePlan, mic
         insert_stage_transfers, plan=plan, devices=options.devices, micro_batches=micro_batches,
         output_device=options.output_device,
     ))  # fmt: skip
-    return out
+    return out + exact_random_pipeline(options)
 
 
 def checkpoint_pipeline(paths: tuple[str, ...]) -> list[Pass]:
@@ -130,6 +142,9 @@ __all__ = [
     "shard_linear",
     "find_linear_sites",
     "decompose_attention",
+    "draw_random_whole",
+    "exact_random_pipeline",
+    "find_random_sites",
     "expand_shards",
     "tensor_parallel_pipeline",
     "spmd_tensor_parallel_pipeline",

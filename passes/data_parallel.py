@@ -335,6 +335,7 @@ class _Builder:
                 continue
             if node.op == "call_module" and k in self.replica_roots:
                 values.append(self.node("call_method", node.target, (self.replica_roots[k], *args), kwargs, name=name, source=node))
+                _stamp_rows(values[-1], placement, k)
                 continue
             if _is_pad_packed(node):
                 kwargs = self._with_total_length(node, kwargs)
@@ -347,7 +348,7 @@ class _Builder:
             if keep is not None:  # squeeze() would drop the batch dim of a chunk of one sample
                 values.append(self.call(runtime.squeeze_except, (args[0], keep), name=name, source=node))
                 continue
-            values.append(self.node(node.op, node.target, args, kwargs, name=name, source=node))
+            values.append(_stamp_rows(self.node(node.op, node.target, args, kwargs, name=name, source=node), placement, k))
         self.per_device[node] = values
 
     def _rows_of_device(self, node: fx.Node, args: tuple, positions: tuple[int, fx.Node], k: int) -> tuple:
@@ -501,6 +502,15 @@ class _Builder:
             return value
 
         self.graph.output(fx.node.map_arg(node.args[0], finish), type_expr=node.type)
+
+
+def _stamp_rows(new: fx.Node, placement: Placement, k: int) -> fx.Node:
+    """Where device ``k``'s piece lies in the batch (``draw_random_whole`` slices random draws by it)."""
+    if isinstance(placement, Tuple) and placement.items and isinstance(placement.items[0], Split):
+        placement = placement.items[0]
+    if isinstance(placement, Split):
+        new.meta["dpcompile_rows"] = (k, placement.dim)
+    return new
 
 
 def _gather_dims(placement: Placement) -> Any:

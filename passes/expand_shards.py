@@ -250,7 +250,7 @@ class _Expander:
                 self.whole[node] = self.comm(new, node)
             elif isinstance(layout, (Sharded, Copied)):
                 self.per_device[node] = [
-                    self.make(node.op, target, self.on_device(node.args, k), self.on_device(node.kwargs, k), name=f"{node.name}_dev{k}", source=node)
+                    _stamp_cols(self.make(node.op, target, self.on_device(node.args, k), self.on_device(node.kwargs, k), name=f"{node.name}_dev{k}", source=node), node, layout, k)
                     for k in range(self.n)
                 ]
             elif any(a in self.per_device for a in flat_nodes((node.args, node.kwargs))):
@@ -266,6 +266,18 @@ class _Expander:
 
     def gm_nodes(self) -> Iterable[fx.Node]:
         return list(self.gm.graph.nodes)
+
+
+def _stamp_cols(new: fx.Node, source: fx.Node, layout: Any, k: int) -> fx.Node:
+    """Where shard ``k``'s piece lies (``draw_random_whole`` slices random draws by it), and its rows
+    where the value is a micro-batch's."""
+    if isinstance(layout, Sharded):  # blocks of a fused projection are no one slice: "sections"
+        new.meta["dpcompile_cols"] = (k, layout.dim, tuple(layout.sizes)) if layout.sections == 1 else "sections"
+    else:
+        new.meta["dpcompile_cols"] = (k, None, None)
+    if "dpcompile_rows" in source.meta:
+        new.meta["dpcompile_rows"] = source.meta["dpcompile_rows"]
+    return new
 
 
 __all__ = ["PASS", "LinearShards", "expand_shards"]

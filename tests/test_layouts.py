@@ -120,13 +120,18 @@ def test_layout_mesh_disagreeing_keywords_are_refused():
         ({"activation_checkpointing": "auto"}, "memory_per_device="),
         ({"plan": "auto"}, "memory_per_device="),
         ({"exact_random": "yes"}, "exact_random="),
-        ({"exact_random": True}, "exact_random=True is not built yet"),
     ],
 )
 def test_layout_keyword_never_silently_ignored(kwargs, match):
     """A keyword the layout would not read is refused by name."""
     with pytest.raises((ValueError, DpCompileError), match=match):
         dpcompile.transform(Stack(), ["cpu"] * 2, **kwargs)
+
+
+def test_layout_exact_random_true_is_accepted():
+    """exact_random=True (the default, spelled) builds a program that draws the single-device values."""
+    pm = dpcompile.transform(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)), ["cpu"] * 2, exact_random=True)
+    assert "exact_dropout" in pm.code
 
 
 def test_layout_exact_random_false_is_todays_draw():
@@ -155,6 +160,7 @@ def _unjoined_mesh(shape, names):
         ({"pipeline": 2, "data_parallel": "fsdp"}, 'data_parallel="fsdp" with pipeline= over a DeviceMesh'),
         ({"pipeline": 2, "ddp_options": {"bucket_cap_mb": 1}}, "ddp_options= with pipeline="),
         ({"output_device": "cpu"}, "output_device="),
+        ({"exact_random": True}, "exact_random=True over a DeviceMesh is not built yet"),
     ],
 )
 def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, match):

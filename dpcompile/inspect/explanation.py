@@ -19,6 +19,7 @@ from dpcompile import runtime
 from dpcompile.analysis.cost import comm_elements, ring_elements
 from dpcompile.analysis.memory import activation_bytes
 from dpcompile.analysis.program_memory import held_parameter_bytes, program_memory
+from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.analysis.split_fraction import split_fraction
 from dpcompile.capture import capture_fx
 from dpcompile.errors import DpCompileError
@@ -161,6 +162,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         checkpoint_regions={
             n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
         },
+        random={**random_draws_of(gm), "note": per_device_note(gm)},
     )
 
 

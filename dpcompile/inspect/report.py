@@ -87,6 +87,9 @@ class Report:
     # activation checkpointing: {region name in the code: module path}, recomputed in backward
     # (the memory estimate's activations count what is saved with them recomputed)
     checkpoint_regions: dict[str, str] = field(default_factory=dict)
+    # random ops by the user's node: {"exact": [sites drawing the single-device values], "per_device":
+    # [sites each device draws itself], "note": what the per-device draws mean, or None}
+    random: dict[str, Any] = field(default_factory=dict)
 
     @property
     def comm_elements(self) -> float:
@@ -226,6 +229,14 @@ def _render(r: Report) -> str:
             out.append("  runs whole, on the gathered batch (teach an op with dpcompile.register_batch_rule):")
             rows = [[w["node"], _human_count(w.get("flops")), w["reason"], _where(w.get("source"))] for w in r.whole]
             out += _table(["node", "FLOPs", "reason", "source"], rows, [26, 13, 56, 19])
+    if r.random.get("exact") or r.random.get("per_device"):
+        out += ["", "Random ops"]
+        if r.random.get("exact"):
+            out += textwrap.wrap(f"single-device values (exact_random=True; each site draws its whole tensor once and "
+                                 f"each device takes its slice): {', '.join(r.random['exact'])}", WIDTH,
+                                 initial_indent="  ", subsequent_indent="    ")  # fmt: skip
+        if r.random.get("note"):
+            out += textwrap.wrap(r.random["note"], WIDTH, initial_indent="  ", subsequent_indent="    ")
     if r.pipeline:
         out += _render_pipeline(r.pipeline)
     if r.checkpoint_regions:

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.random_ops import per_device_note
 from dpcompile.capture import ROOT_LEAF, DpTracer
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
@@ -344,6 +345,13 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         return program
 
     _lookup = torch.compiler.disable(_find_program)  # under torch.compile: the cache, run eagerly
+
+    @property
+    def code(self) -> str:
+        """The program as Python, headed by a comment where random ops draw per device."""
+        code = fx.GraphModule.code.fget(self)  # type: ignore[attr-defined]
+        note = per_device_note(self)
+        return f"# {note}\n{code}" if note else code
 
     def recompile(self) -> Any:
         code = super().recompile()

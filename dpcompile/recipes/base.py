@@ -27,6 +27,7 @@ class Recipe:
     leaf_modules: tuple[type[nn.Module], ...] = ()
     frontend: str = "auto"
     checkpointed: tuple[str, ...] = ()  # module paths recomputed in backward (activation_checkpointing=)
+    exact_random: bool = True  # random ops draw the single-device values (passes.draw_random_whole)
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> nn.Module:
         """``model`` compiled into this recipe's kind of ``ParallelModule``."""

@@ -96,6 +96,7 @@ class DataParallelRecipe(Recipe):
             output_device=self.output_device,
             copy_replicas=self.copy_replicas,
             write_back_inputs=True,
+            exact_random=self.exact_random,
         )
 
     def lower(

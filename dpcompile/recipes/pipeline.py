@@ -97,7 +97,8 @@ class PipelineRecipe(Recipe):
 
     def _options(self, input_dims: Mapping[str, int | None] | None = None) -> passes.PipelineOptions:
         return passes.PipelineOptions(
-            devices=self.devices, input_dims=dict(input_dims or {}), output_device=self.output_device
+            devices=self.devices, input_dims=dict(input_dims or {}), output_device=self.output_device,
+            exact_random=self.exact_random,
         )
 
     def lower(

@@ -37,6 +37,7 @@ def one_f_one_b_step(recipe: Any, pm: Any, key: CallKey) -> OneFOneBStep:
                           input_dims=pm.input_dims, output_device=primary),
         functools.partial(passes.insert_stage_transfers, plan=plan, devices=recipe.devices,
                           micro_batches=key.devices, output_device=recipe.output_device),
+        *passes.exact_random_pipeline(passes.PipelineOptions(devices=recipe.devices, exact_random=recipe.exact_random)),
     ]  # fmt: skip
     program, _ = run_passes(gm, lowering + passes.checkpoint_pipeline(recipe.checkpointed))
     stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}

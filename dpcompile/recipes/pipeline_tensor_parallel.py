@@ -201,7 +201,8 @@ class PipelineTensorParallelRecipe(Recipe):
         expand = passes.tensor_parallel_pipeline(
             passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary)
         )[-1]
-        expanded, records = run_passes(lowered, [expand], recompile=False)
+        exact = passes.exact_random_pipeline(passes.PipelineOptions(devices=groups[0], exact_random=self.exact_random))
+        expanded, records = run_passes(lowered, [expand, *exact], recompile=False)
         read_each_parameter_once(expanded)
         tidy_micro_batch_names(expanded)
         expanded, _ = run_passes(expanded, passes.checkpoint_pipeline(self.checkpointed), recompile=False)

@@ -93,7 +93,9 @@ class TensorParallelRecipe(Recipe):
         reasons = {unalias(p): why for p, why in reasons.items()}
         whole = {p: why_whole(gm, p) for p in [*linear_paths(model), *embedding_paths(model)]}  # before the rewrite
         reasons.update({p: f"kept whole: {why}" for p, why in attention.info["kept"].items()})
-        options = passes.PipelineOptions(devices=self.devices, output_device=self.output_device, plan=styles)
+        options = passes.PipelineOptions(
+            devices=self.devices, output_device=self.output_device, plan=styles, exact_random=self.exact_random
+        )
         lowering = passes.tensor_parallel_pipeline(options) + passes.checkpoint_pipeline(self.checkpointed)
         gm, records = run_passes(gm, passes.frontend_pipeline(options) + lowering)
         shard_info = unaliased_findings(info_of(records, "shard_linear"))

@@ -6,6 +6,17 @@ from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split
 from dpcompile.runtime.grad import without_grad
 from dpcompile.runtime.hooks import run_forward_hook
 from dpcompile.runtime.pipeline import partial_pair, send
+from dpcompile.runtime.random import (
+    RandomDraws,
+    exact_attention,
+    exact_bernoulli,
+    exact_dropout,
+    exact_dropout_module,
+    exact_fill_random,
+    exact_native_dropout,
+    exact_random_like,
+    random_draws,
+)
 from dpcompile.runtime.recompute import checkpoint
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
@@ -19,6 +30,15 @@ from dpcompile.runtime.side_effects import (
 
 __all__ = [
     "ModuleView",
+    "RandomDraws",
+    "exact_attention",
+    "exact_bernoulli",
+    "exact_dropout",
+    "exact_dropout_module",
+    "exact_fill_random",
+    "exact_native_dropout",
+    "exact_random_like",
+    "random_draws",
     "ReplicaRoot",
     "ReplicaSet",
     "TAKE_FIRST",

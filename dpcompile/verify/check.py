@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
 from dpcompile.verify.result import (
@@ -36,7 +37,9 @@ def _unique(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def _no_side_effects(*modules: nn.Module) -> Iterator[list[str]]:
-    """Restore every parameter's ``.grad``, every buffer and every dropout's mode afterwards."""
+    """Restore every parameter's ``.grad``, every buffer and every dropout's mode afterwards. Dropout
+    stays on where the program draws the single-device values (``exact_random=True``); where it
+    draws per device, dropout modules are switched to eval for the comparison."""
     notes: list[str] = []
     params = _unique(p for m in modules for p in m.parameters())
     grads = [(p, p.grad) for p in params]
@@ -45,6 +48,9 @@ def _no_side_effects(*modules: nn.Module) -> Iterator[list[str]]:
         d for d in _unique_modules(modules)
         if isinstance(d, nn.modules.dropout._DropoutNd) and d.training and d.p > 0
     ]
+    if dropouts and _draws_single_device_values(modules[-1]):
+        notes.append(f"{len(dropouts)} dropout module(s) stayed in training: the program draws the single-device masks")
+        dropouts = []
     if dropouts:
         notes.append(f"{len(dropouts)} dropout module(s) were switched to eval for the comparison (random masks cannot match)")
     for d in dropouts:
@@ -60,6 +66,13 @@ def _no_side_effects(*modules: nn.Module) -> Iterator[list[str]]:
                 b.copy_(value)
         for d in dropouts:
             d.train()
+
+
+def _draws_single_device_values(pm: nn.Module) -> bool:
+    """Whether every random op of ``pm``'s program draws the single-device values."""
+    if not isinstance(pm, torch.fx.GraphModule):
+        return False
+    return bool(random_draws_of(pm)["exact"]) and per_device_note(pm) is None
 
 
 def _unique_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:

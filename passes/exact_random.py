@@ -1,0 +1,135 @@
+"""``draw_random_whole``: every random op draws the single-device values (``exact_random=True``).
+
+A lowered program runs a random op once per device (or micro-batch), each drawing its own piece
+from the generator: values and generator state then differ from the single-device run. This pass
+makes each random site draw its whole tensor once, in program order, and hand every device its
+slice (:mod:`dpcompile.runtime.random`). The lowering passes stamped where each piece lies:
+``insert_scatter_gather`` its rows (``dpcompile_rows``: device or micro-batch ``k``, batch dim),
+``expand_shards`` its columns (``dpcompile_cols``: shard ``k``, dim, sizes).
+
+Before (data parallel on ``["cpu", "cpu"]``)::
+
+    drop_dev0 = replica_dev0.drop(relu_dev0)
+    drop_dev1 = replica_dev1.drop(relu_dev1)
+
+After::
+
+    random_draws = dpcompile_runtime_random_draws(x_scatter, 0)
+    drop_module = self.drop
+    drop_dev0 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev0, rows = (0, 0))
+    drop_dev1 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev1, rows = (1, 0))
+
+A random op this pass does not know (``nn.Dropout2d``, ``torch.multinomial``) keeps its per-device
+draws; ``info["per_device"]`` names it (``explain`` reports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+import torch.nn.functional as F
+
+from dpcompile import runtime
+from dpcompile.analysis.random_ops import FILL_ATEN, LIKE_FUNCTIONS, called_module_path, random_kind
+from dpcompile.infra import PassResult, stamp
+
+PASS = "draw_random_whole"
+ROWS = "dpcompile_rows"
+COLS = "dpcompile_cols"
+
+
+@dataclass(frozen=True)
+class RandomSite:
+    """A random op of the lowered program: its ``kind``, and the per-device nodes that run it."""
+
+    source: str  # the user's node (``dpcompile_source``): one whole draw per call
+    kind: str  # "dropout" | "dropout_module" | "native_dropout" | "attention" | "like" | "bernoulli" | "fill"
+    nodes: tuple[fx.Node, ...]
+
+
+def find_random_sites(gm: fx.GraphModule) -> list[RandomSite]:
+    """The random sites of ``gm`` in program order, each with its per-device nodes."""
+    sites: dict[str, tuple[str, list[fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        kind = random_kind(gm, node)
+        if kind is not None and node.meta.get(COLS) == "sections":
+            kind = "other"
+        if kind is not None:
+            source = node.meta.get("dpcompile_source", node.name)
+            sites.setdefault(source, (kind, []))[1].append(node)
+    return [RandomSite(source, kind, tuple(nodes)) for source, (kind, nodes) in sites.items()]
+
+
+def draw_random_whole(gm: fx.GraphModule) -> PassResult:
+    """Rewrite each random site of the lowered ``gm`` to draw its whole tensor once and slice it."""
+    sites = find_random_sites(gm)
+    exact = [s for s in sites if s.kind != "other"]
+    info: dict[str, Any] = {"exact": [s.source for s in exact], "per_device": [s.source for s in sites if s.kind == "other"]}
+    if not exact:
+        return PassResult(gm, False, info)
+    graph = gm.graph
+    first = exact[0].nodes[0]
+    scatter = _batch_scatter(graph)
+    with graph.inserting_before(first):
+        args = (scatter, scatter.args[2] if len(scatter.args) > 2 else 0) if scatter is not None else ()
+        draws = _placed_as(stamp(graph.call_function(runtime.random_draws, args), PASS, first), first)
+        draws.name = "random_draws"
+    for site in exact:
+        module = None
+        for node in site.nodes:
+            with graph.inserting_before(node):
+                if site.kind == "dropout_module" and module is None:
+                    module = _placed_as(stamp(graph.get_attr(str(called_module_path(node))), PASS, node), node)
+                    module.name = f"{site.source}_module"
+                new = graph.call_function(*_exact_call(site, node, draws, module))
+            stamp(new, PASS, node)
+            new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta", "dpcompile_pass")})
+            node.replace_all_uses_with(new)
+            name = node.name
+            graph.erase_node(node)
+            new.name = name
+    return PassResult(gm, True, info)
+
+
+def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node | None) -> tuple[Any, tuple, dict]:
+    """The runtime call that replaces ``node``: target, args, kwargs."""
+    where = {k: v for k, v in (("rows", node.meta.get(ROWS)), ("cols", node.meta.get(COLS))) if v is not None}
+    head = (draws, site.source)
+    args, kwargs = node.args, dict(node.kwargs)
+    if site.kind == "dropout_module":
+        return runtime.exact_dropout_module, (module, *head, args[-1]), where
+    if site.kind == "dropout":
+        names = ("input", "p", "training", "inplace") if node.target is F.dropout else ("input", "p", "train")
+        bound = {**dict(zip(names, args)), **kwargs}
+        p, training = bound.get("p", 0.5), bound.get("training", bound.get("train", True))
+        return runtime.exact_dropout, (*head, bound["input"]), {"p": p, "training": training, **where}
+    if site.kind == "native_dropout":
+        return runtime.exact_native_dropout, (*head, *args), {**kwargs, **where}
+    if site.kind == "attention":
+        return runtime.exact_attention, (*head, *args), {**kwargs, **where}
+    if site.kind == "bernoulli":
+        return runtime.exact_bernoulli, (*head, args[0]), where
+    if site.kind == "fill":
+        method = FILL_ATEN.get(node.target, node.target)
+        return runtime.exact_fill_random, (*head, method, *args), {**kwargs, **where}
+    name = LIKE_FUNCTIONS.get(node.target, "bernoulli")  # a bernoulli(x, p) function or method
+    return runtime.exact_random_like, (*head, name, *args), {**kwargs, **where}
+
+
+def _batch_scatter(graph: fx.Graph) -> fx.Node | None:
+    """The scatter whose pieces give the batch's split: of a required input where there is one (an
+    optional one may be None)."""
+    scatters = [n for n in graph.nodes if n.op == "call_function" and n.target is runtime.scatter]
+    required = [n for n in scatters if isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and not n.args[0].args]
+    return (required or scatters or [None])[0]
+
+
+def _placed_as(new: fx.Node, node: fx.Node) -> fx.Node:
+    """``new`` on ``node``'s pipeline stage and device slot (the schedules run a node by its stage)."""
+    new.meta.update({k: node.meta[k] for k in ("dpcompile_stage", "dpcompile_slot") if k in node.meta})
+    return new
+
+
+__all__ = ["PASS", "RandomSite", "draw_random_whole", "find_random_sites"]

@@ -1,0 +1,203 @@
+"""Random ops draw the single-device values in every one-process layout (``exact_random=True``, the
+default): an MLP with dropout (module, functional) and ``randn_like`` noise, GPT-2 and BERT with
+their default dropout and a ViT with attention dropout (transformers, tiny configs, the export
+frontend with ``labels=``). Over 3 SGD steps from the same seed each loss and gradient equals
+eager's and ``torch.get_rng_state()`` after each step equals eager's, on dp, tp, the pipeline
+(GPipe and 1F1B) and pp x tp. (float64 models: equal up to float64 rounding.)"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpcompile
+from dpcompile.capture import capture_model
+from tests.helpers import full_gradients
+from tests.thirdparty import import_or_skip
+
+LAYOUTS = {
+    "dp": {"mesh": {"dp": 2}},
+    "tp": {"mesh": {"tp": 2}},
+    "gpipe": {"mesh": {"pp": 2}, "micro_batches": 2},
+    "1f1b": {"mesh": {"pp": 2}, "micro_batches": 2, "schedule": "1f1b"},
+    "pp_tp": {"mesh": {"pp": 2, "tp": 2}, "micro_batches": 2},
+}
+V = 64
+
+
+class DropoutMLP(nn.Module):
+    """Dropout in both pipeline stages, as a module and as a function, and noise from ``randn_like``."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.drop1 = nn.Dropout(0.25)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.fc3 = nn.Linear(width, 4 * width)
+        self.fc4 = nn.Linear(4 * width, 4)
+
+    def forward(self, x, labels):
+        h = self.fc2(self.drop1(F.gelu(self.fc1(x))))
+        h = h + 0.1 * torch.randn_like(h)
+        h = F.dropout(F.gelu(self.fc3(h)), p=0.5, training=self.training)
+        return F.cross_entropy(self.fc4(h), labels)
+
+
+def _mlp():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    return DropoutMLP, {"x": x, "labels": torch.randint(0, 4, (6,), generator=g)}
+
+
+def _tokens():
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(1, V, (4, 8), generator=g), "labels": torch.randint(0, V, (4, 8), generator=g)}
+
+
+def _gpt2():
+    T = import_or_skip("transformers")
+    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, use_cache=False)
+    return (lambda: T.GPT2LMHeadModel(config)), _tokens()
+
+
+def _bert():
+    T = import_or_skip("transformers")
+    config = T.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                          vocab_size=V, max_position_embeddings=16)  # fmt: skip
+    kwargs = _tokens()
+    kwargs["labels"] = kwargs["labels"][:, 0] % 2
+    return (lambda: T.BertForSequenceClassification(config)), kwargs
+
+
+def _vit():
+    T = import_or_skip("transformers")
+    config = T.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, intermediate_size=32, num_labels=3, hidden_dropout_prob=0.1,
+                         attention_probs_dropout_prob=0.1)  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    pixels = torch.randn(4, 3, 8, 8, generator=g, dtype=torch.float64)
+    return (lambda: T.ViTForImageClassification(config)), {"pixel_values": pixels, "labels": torch.tensor([0, 2, 1, 2])}
+
+
+MODELS = {"mlp": _mlp, "gpt2": _gpt2, "bert": _bert, "vit": _vit}
+_CAPTURED: dict[str, tuple] = {}
+
+
+def _captured(name):
+    """``(make, kwargs, initial state, program)``: each transformers model is exported once per module."""
+    if name not in _CAPTURED:
+        make, kwargs = MODELS[name]()
+        torch.manual_seed(0)
+        model = make().double().train()
+        program = model
+        if name != "mlp":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = capture_model(model, frontend="export", example_kwargs=kwargs)[0]
+        _CAPTURED[name] = (make, kwargs, copy.deepcopy(model.state_dict()), program)
+    return _CAPTURED[name]
+
+
+def _loss(out):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _devices(layout):
+    n = 1
+    for size in layout["mesh"].values():
+        n *= size
+    return ["cpu"] * n
+
+
+def _check_training_matches_eager(name, layout):
+    make, kwargs, initial, program = _captured(name)
+    program.load_state_dict(initial)
+    program.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    reference = make().double().train()
+    reference.load_state_dict(initial)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(program, _devices(layout), example_kwargs=kwargs, **layout)
+    pm.train()
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    sharded = bool(getattr(pm, "param_shards", None))
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        loss = _loss(pm(**kwargs))
+        loss.backward()
+        state = torch.get_rng_state()
+        torch.manual_seed(100 + step)
+        expected = _loss(reference(**kwargs))
+        expected.backward()
+        assert torch.equal(state, torch.get_rng_state()), f"the generator after step {step} is not eager's"
+        torch.testing.assert_close(loss, expected, msg=lambda m, step=step: f"loss of step {step}: {m}")
+        grads = full_gradients(pm) if sharded else {k: p.grad for k, p in pm.named_parameters()}
+        for key, p in reference.named_parameters():
+            torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key, step=step: f"grad {key}, step {step}: {m}")
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_exact_random_mlp_trains_like_eager(layout):
+    """Dropout and randn_like in both stages: 3 steps' losses, gradients and generator states equal eager's."""
+    _check_training_matches_eager("mlp", LAYOUTS[layout])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
+def test_exact_random_transformers_train_like_eager(name, layout):
+    """GPT-2 and BERT with their default dropout, ViT with attention dropout: as eager over 3 steps."""
+    _check_training_matches_eager(name, LAYOUTS[layout])
+
+
+@pytest.mark.parametrize("batch", [3, 5])
+@pytest.mark.parametrize("layout", ["dp", "gpipe", "1f1b"])
+def test_exact_random_uneven_and_small_batches(layout, batch):
+    """A batch that splits unevenly (3 or 5 over 2), or is smaller than the micro-batches (3 or 5 over 4):
+    the program built for it still draws eager's values and leaves the generator where eager does."""
+    make, kwargs, initial, program = _captured("mlp")
+    program.load_state_dict(initial)
+    reference = make().double().train()
+    reference.load_state_dict(initial)
+    options = dict(LAYOUTS[layout])
+    if "micro_batches" in options:
+        options["micro_batches"] = 4
+    pm = dpcompile.transform(program, _devices(options), example_kwargs=kwargs, **options)
+    x, labels = kwargs["x"][:batch], kwargs["labels"][:batch]
+    torch.manual_seed(7)
+    got = pm(x, labels)
+    state = torch.get_rng_state()
+    torch.manual_seed(7)
+    torch.testing.assert_close(got, reference(x, labels))
+    assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dp", "tp", "gpipe"])
+def test_exact_random_on_cuda_matches_eager(layout):
+    """On CUDA (two virtual devices on cuda:0) dropout and randn_like draw eager's values from the
+    CUDA generator (dropout of ones draws the fused kernel's mask), which ends where eager's does."""
+    make, kwargs, initial, _ = _captured("mlp")
+    torch.manual_seed(0)
+    model = make().double().cuda().train()
+    model.load_state_dict(initial)
+    reference = make().double().cuda().train()
+    reference.load_state_dict(initial)
+    cuda_kwargs = {k: v.cuda() for k, v in kwargs.items()}
+    pm = dpcompile.transform(model, ["cuda:0"] * 2, example_kwargs=cuda_kwargs, **LAYOUTS[layout])
+    torch.cuda.manual_seed(5)
+    got = pm(**cuda_kwargs)
+    state = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(5)
+    torch.testing.assert_close(got, reference(**cuda_kwargs))
+    assert torch.equal(state, torch.cuda.get_rng_state())

@@ -1,0 +1,206 @@
+"""``draw_random_whole``: the finder, the rewritten code, what stays per device, and the runtime's
+exact draws against eager's (``dpcompile/runtime/random.py``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+import dpcompile
+from dpcompile import runtime
+from dpcompile.analysis.random_ops import random_kind
+from passes import draw_random_whole, find_random_sites
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.drop(torch.relu(self.fc1(x)))
+        return self.fc2(F.dropout(h + torch.randn_like(h), 0.2, self.training))
+
+
+class ChannelDropNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.drop = nn.Dropout2d(0.5)
+
+    def forward(self, x):
+        return self.drop(self.conv(x))
+
+
+def _program(exact_random=True, **kw):
+    torch.manual_seed(0)
+    model = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, dpcompile.transform(model, ["cpu"] * 2, exact_random=exact_random, **kw)
+
+
+def test_random_kind_names_each_random_op():
+    """Module and functional dropout, randn_like: kinds; a Linear draws nothing."""
+    gm = fx.symbolic_trace(Net())
+    kinds = {n.name: random_kind(gm, n) for n in gm.graph.nodes}
+    assert kinds["drop"] == "dropout_module"
+    assert kinds["dropout"] == "dropout"
+    assert kinds["randn_like"] == "like"
+    assert kinds["fc1"] is None
+
+
+def test_find_random_sites_groups_the_devices_of_each_site():
+    """On the lowered data-parallel program each site holds its two per-device nodes, in program order."""
+    _, pm = _program(exact_random=False)
+    sites = find_random_sites(pm)
+    assert [(s.source, s.kind, len(s.nodes)) for s in sites] == [
+        ("drop", "dropout_module", 2), ("randn_like", "like", 2), ("dropout", "dropout", 2)
+    ]
+
+
+def test_draw_random_whole_code_slices_one_whole_draw():
+    """pm.code draws through one record per call and names each device's rows."""
+    _, pm = _program()
+    code = pm.code
+    assert "random_draws = dpcompile_runtime_random_draws(x_scatter, 0)" in code
+    assert "dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev1, rows = (1, 0))" in code
+    assert "dpcompile_runtime_exact_random_like(random_draws, 'randn_like', 'randn_like', drop_dev0, rows = (0, 0))" in code
+    assert code.count("dpcompile_runtime_exact_") == 6
+
+
+def test_draw_random_whole_again_changes_nothing():
+    """A second run finds no random op left: modified=False."""
+    _, pm = _program()
+    assert not draw_random_whole(pm).modified
+
+
+def test_exact_random_false_keeps_per_device_draws_and_says_so():
+    """exact_random=False: the module calls stay, pm.code and explain say the draws are per device."""
+    _, pm = _program(exact_random=False)
+    assert "exact_dropout" not in pm.code
+    assert pm.code.startswith("# random ops drop, randn_like, dropout draw per device")
+    report = dpcompile.explain(pm, torch.randn(6, 8))
+    assert report.random["per_device"] == ["drop", "randn_like", "dropout"] and report.random["exact"] == []
+    assert "draw per device" in str(report)
+
+
+def test_an_op_without_exact_rule_draws_per_device_and_is_named():
+    """Dropout2d has no exact rule: it stays a per-device call, named in explain and pm.code."""
+    torch.manual_seed(0)
+    pm = dpcompile.transform(ChannelDropNet(), ["cpu"] * 2)
+    assert "replica_dev1.drop(" in pm.code and pm.code.startswith("# random ops drop draw per device")
+    assert dpcompile.explain(pm, torch.randn(4, 3, 6, 6)).random["per_device"] == ["drop"]
+
+
+def test_exact_random_eval_mode_matches_eager():
+    """In eval mode dropout is the identity and randn_like still draws its whole tensor, as eager."""
+    model, pm = _program()
+    pm.eval()
+    model.eval()
+    x = torch.randn(6, 8)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        out = pm(x)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(after, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("kw", [{}, {"tensor_parallel": True}])
+def test_verify_keeps_dropout_on_where_draws_are_exact(kw):
+    """verify compares training runs with dropout on, and says so."""
+    model, pm = _program(**kw)
+    result = dpcompile.verify(pm, model, torch.randn(6, 8))
+    assert result, str(result)
+    assert any("stayed in training" in n for n in result.notes)
+
+
+def test_verify_switches_dropout_off_where_draws_are_per_device():
+    """exact_random=False: verify compares with dropout modules in eval, as before."""
+    model, pm = _program(exact_random=False)
+    result = dpcompile.verify(pm, model, torch.randn(6, 8))
+    assert any("switched to eval" in n for n in result.notes)
+
+
+def test_transform_refuses_a_non_bool_exact_random():
+    """exact_random= takes True or False."""
+    with pytest.raises(ValueError, match="exact_random='yes'"):
+        dpcompile.transform(Net(), ["cpu"] * 2, exact_random="yes")
+
+
+# ------------------------------------------------------------------ the runtime's draws
+def _pieces(draws, fn, whole, sizes, dim=0, **kw):
+    """``fn`` on each row piece of ``whole`` (split by ``sizes`` along ``dim``), concatenated."""
+    parts = whole.split(sizes, dim)
+    return torch.cat([fn(draws, "site", part, rows=(k, dim), **kw) for k, part in enumerate(parts)], dim)
+
+
+@pytest.mark.parametrize("sdpa", [{"is_causal": True}, {}, {"scale": 0.7}])
+def test_exact_attention_equals_sdpa_with_dropout(sdpa):
+    """The math kernel written out draws and computes exactly what SDPA with dropout_p does on CPU."""
+    q, k, v = (torch.randn(3, 2, 5, 4) for _ in range(3))
+    torch.manual_seed(1)
+    expected = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, **sdpa)
+    after = torch.get_rng_state()
+    torch.manual_seed(1)
+    draws = runtime.random_draws([q[:2], q[2:]], 0)
+    got = torch.cat([
+        runtime.exact_attention(draws, "a", q[:2], k[:2], v[:2], dropout_p=0.2, rows=(0, 0), **sdpa),
+        runtime.exact_attention(draws, "a", q[2:], k[2:], v[2:], dropout_p=0.2, rows=(1, 0), **sdpa),
+    ])
+    assert torch.equal(got, expected) and torch.equal(torch.get_rng_state(), after)
+
+
+@pytest.mark.parametrize("op", ["native_dropout", "bernoulli", "normal_", "randint_like", "columns"])
+def test_exact_draws_equal_the_whole_draw(op):
+    """Each piece is its slice of the whole tensor eager draws, and the generator ends where eager's does."""
+    x = torch.rand(5, 6)
+    torch.manual_seed(2)
+    if op == "native_dropout":
+        expected = torch.ops.aten.native_dropout(x, 0.3, True)[0]
+    elif op == "bernoulli":
+        expected = torch.bernoulli(x)
+    elif op == "normal_":
+        expected = x.clone().normal_(0.0, 2.0)
+    elif op == "randint_like":
+        expected = torch.randint_like(x, 0, 7)
+    else:
+        expected = F.dropout(x, 0.4)
+    after = torch.get_rng_state()
+    torch.manual_seed(2)
+    draws = runtime.random_draws([x[:3], x[3:]], 0)
+    if op == "native_dropout":
+        got = _pieces(draws, lambda d, s, p, **kw: runtime.exact_native_dropout(d, s, p, 0.3, True, **kw)[0], x, [3, 2])
+    elif op == "bernoulli":
+        got = _pieces(draws, runtime.exact_bernoulli, x, [3, 2])
+    elif op == "normal_":
+        got = _pieces(draws, lambda d, s, p, **kw: runtime.exact_fill_random(d, s, "normal_", p.clone(), 0.0, 2.0, **kw), x, [3, 2])
+    elif op == "randint_like":
+        got = _pieces(draws, lambda d, s, p, **kw: runtime.exact_random_like(d, s, "randint_like", p, 0, 7, **kw), x, [3, 2])
+    else:
+        parts = [runtime.exact_dropout(draws, "c", part, 0.4, True, cols=(k, -1, (2, 4))) for k, part in enumerate(x.split([2, 4], 1))]
+        got = torch.cat(parts, 1)
+    assert torch.equal(got, expected) and torch.equal(torch.get_rng_state(), after)
+
+
+def test_exact_random_program_exports_and_loads(tmp_path):
+    """dpcompile.export/load: the loaded program draws the single-device masks too."""
+    model, pm = _program()
+    dpcompile.export(pm, tmp_path / "out")
+    loaded = dpcompile.load(tmp_path / "out")
+    x = torch.randn(6, 8)
+    torch.manual_seed(4)
+    got = loaded(x)
+    torch.manual_seed(4)
+    torch.testing.assert_close(got, model(x))

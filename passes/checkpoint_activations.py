@@ -41,7 +41,7 @@ from torch import nn
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module
 from dpcompile.infra import PassResult, module_path_of, stamp
-from dpcompile.runtime import checkpoint
+from dpcompile.runtime import checkpoint, random_draws
 
 PASS = "checkpoint_activations"
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -68,7 +68,10 @@ def _in_path(node: fx.Node, path: str) -> bool:
 
 
 def _recomputable(node: fx.Node) -> bool:
-    return node.op in _COMPUTE and node.target is not checkpoint and node.meta.get("dpcompile_pass") != PASS
+    # random_draws: one call's record of whole draws, shared by every replica and micro-batch (a region
+    # reads it; recomputing reads the same draws, and the parts stay apart)
+    return (node.op in _COMPUTE and node.target not in (checkpoint, random_draws)
+            and node.meta.get("dpcompile_pass") != PASS)  # fmt: skip
 
 
 def _closed(members: set[fx.Node], order: dict[fx.Node, int], *, staged: bool = False) -> set[fx.Node]:

@@ -9,7 +9,7 @@ the rule split it; per op family in the JSON (``by_family``), with the ops kept 
 Writes ``benchmarks/results/opinfo_split.json`` / ``opinfo_split_aten.json``. Exits 1 where a split
 program differs from the op, or where an op keeps a splittable sample whole without its reason in
 ``dpcompile/analysis/batch_rules/reasons.py`` (``WHOLE_REASONS``), naming the op. ``--ops=a,b`` and
-``--prefix=linalg.`` run a slice (and write nothing):
+``--prefix=linalg.``, ``--ops-file=F`` run a slice (``--write``: to ``opinfo_split_slice[_aten].json``):
 
     PYTHONPATH=. python -m benchmarks.opinfo_split --ops=cumprod,quantile --prefix=masked.
 """

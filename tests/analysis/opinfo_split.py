@@ -64,12 +64,16 @@ class Tally:
     families: dict[str, list[int]] = field(default_factory=dict)
     # ops whose rule kept a splittable sample whole: {op: (family, reason)}
     missed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    by_op: dict[str, list[int]] = field(default_factory=dict)  # {op: [split, splittable]}
 
     def count(self, family: str, outcome: str, op: str, reason: str | None) -> None:
         entry = self.families.setdefault(family, [0, 0])
+        per_op = self.by_op.setdefault(op, [0, 0])
         entry[1] += 1
+        per_op[1] += 1
         if outcome == "split":
             entry[0] += 1
+            per_op[0] += 1
         elif op not in self.missed:
             self.missed[op] = (family, reason or "")
 
@@ -109,6 +113,7 @@ class Tally:
                 for op, (f, reason) in sorted(self.missed.items())
             },
             "without_written_reason": sorted(self.without_reason()),
+            "by_op": {op: {"split": v[0], "splittable": v[1]} for op, v in sorted(self.by_op.items())},
         }
 
 
@@ -345,11 +350,14 @@ def sweep(max_per_op: int | None, *, aten: bool = False, ops: set[str] | None = 
 
 
 def selected_ops(argv: list[str]) -> set[str] | None:
-    """The OpInfo names ``--ops=cumprod,linalg.det`` names, and those starting with ``--prefix=linalg.``;
-    None (every op) where neither is given."""
+    """The OpInfo names ``--ops=cumprod,linalg.det`` names (``--ops-file=F``: one a line), and those
+    starting with ``--prefix=linalg.``; None (every op) where none is given."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     names = {n for a in argv if a.startswith("--ops=") for n in a.split("=", 1)[1].split(",") if n}
+    for a in argv:
+        if a.startswith("--ops-file="):
+            names |= {line.strip() for line in Path(a.split("=", 1)[1]).read_text().splitlines() if line.strip()}
     prefixes = [a.split("=", 1)[1] for a in argv if a.startswith("--prefix=")]
     if not names and not prefixes:
         return None
@@ -376,8 +384,8 @@ def main(argv: list[str]) -> Tally:
         print(f"  {count:5d} {reason}")
     for failure in t.failed:
         print("  FAILED", failure)
-    if ("--all" in argv or "--write" in argv) and selected is None:  # a slice never overwrites the figures
-        name = f"opinfo_split{'_aten' if aten else ''}.json"
+    if ("--all" in argv and selected is None) or "--write" in argv:  # a slice writes its own file
+        name = f"opinfo_split{'_slice' if selected is not None else ''}{'_aten' if aten else ''}.json"
         out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name
         figures = {"command": "PYTHONPATH=. python -m benchmarks.opinfo_split " + " ".join(argv),
                    "torch": torch.__version__, "samples_per_op": limit_or_all or "all",

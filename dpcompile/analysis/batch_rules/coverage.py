@@ -121,10 +121,14 @@ def _proof_section() -> list[str]:
         "`dpcompile/analysis/batch_rules/reasons.py` (`WHOLE_REASONS`, listed below): the harness exits 1",
         "naming any without one, and `tests/analysis/test_opinfo_batch_rules.py` checks a slice in the suite.",
         "Families are the rule's (`leading_dims_2`: linalg on stacks, `reduce_dims`/`along_dim`: ops over",
-        "named dims, `whole`: an op whose only rule is its written reason).",
+        "named dims, `whole`: an op whose only rule is its written reason). The gap slice",
+        "(`--ops-file=benchmarks/results/opinfo_gap_ops.txt`) is every op a full run had kept whole on a",
+        "splittable sample, or had no rule for; its JSON also counts each op (`by_op`).",
         "",
     ]
-    for name, what in (("opinfo_split.json", "fx spellings"), ("opinfo_split_aten.json", "core ATen (export)")):
+    for name, what in (("opinfo_split.json", "fx spellings"), ("opinfo_split_aten.json", "core ATen (export)"),
+                       ("opinfo_split_slice.json", "fx spellings, the gap slice"),
+                       ("opinfo_split_slice_aten.json", "core ATen (export), the gap slice")):
         path = results / name
         data = json.loads(path.read_text()) if path.exists() else {}
         if "by_family" not in data:

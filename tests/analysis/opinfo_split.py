@@ -9,6 +9,8 @@ program gets (``functionalize_mutations``), and the split program must equal the
 ``--max=N`` takes N samples per op (2 by default; ``--all`` every sample). With ``--all`` or
 ``--write`` it also writes the figures to ``benchmarks/results/opinfo_split[_aten].json``.
 
+``--refresh-reasons=FILE`` rewrites a results file's reasons from the table (not its counts).
+
 ``--aten`` runs the core ATen spelling instead: the sample captured with ``make_fx`` and the core
 decompositions (what ``torch.export`` gives), so the table's ATen rules are the ones asked.
 """
@@ -397,6 +399,21 @@ def main(argv: list[str]) -> Tally:
     return t
 
 
+def refresh_reasons(path: Path) -> int:
+    """Rewrite a results file's reasons from :data:`WHOLE_REASONS` (the counts stay as measured): the
+    reasons written after a run; 1 where an op still has none."""
+    data = json.loads(path.read_text())
+    missed = data["whole_where_a_split_exists"]
+    for op, entry in missed.items():
+        written = reason_for(op)
+        entry["reason"], entry["written"] = written or entry["reason"], written is not None
+    data["without_written_reason"] = sorted(op for op, entry in missed.items() if not entry["written"])
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    for op in data["without_written_reason"]:
+        print(f"  NO WRITTEN REASON: {op} ({missed[op]['family']})")
+    return 1 if data["without_written_reason"] else 0
+
+
 def exit_status(t: Tally) -> int:
     """1 where a split program differed from the op, or an op kept a splittable sample whole
     without a written reason; else 0."""
@@ -404,4 +421,6 @@ def exit_status(t: Tally) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] and sys.argv[1].startswith("--refresh-reasons="):
+        raise SystemExit(refresh_reasons(Path(sys.argv[1].split("=", 1)[1])))
     raise SystemExit(exit_status(main(sys.argv[1:])))

@@ -445,7 +445,7 @@ class _Builder:
             if name not in ("reduction", "size_average", "reduce") and value is not defaults.get(name) and value != defaults.get(name)
         }
         total = self.call(fn, tuple(inputs[:2]), {**options, "reduction": "sum"}, name=f"{node.name}_sum_dev{k}", source=node)
-        if LOSS_FUNCTIONS[fn] == "class":
+        if LOSS_FUNCTIONS.get(fn) == "class":  # the others (batch_rules.losses) average every element
             count = self.call(
                 runtime.target_weight,
                 (inputs[1], bound.arguments.get("weight"), bound.arguments.get("ignore_index", -100)),

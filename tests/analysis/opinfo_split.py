@@ -9,6 +9,8 @@ program gets (``functionalize_mutations``), and the split program must equal the
 ``--max=N`` takes N samples per op (2 by default; ``--all`` every sample). With ``--all`` or
 ``--write`` it also writes the figures to ``benchmarks/results/opinfo_split[_aten].json``.
 
+``--refresh-reasons=FILE`` rewrites a results file's reasons from the table (not its counts).
+
 ``--aten`` runs the core ATen spelling instead: the sample captured with ``make_fx`` and the core
 decompositions (what ``torch.export`` gives), so the table's ATen rules are the ones asked.
 """
@@ -29,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dpcompile.analysis.batch_rules.reasons import WHOLE_REASONS, reason_for
 from dpcompile.analysis.placement import Whole
 from dpcompile.devices import parse_devices
 from passes.data_parallel import insert_scatter_gather
@@ -45,38 +48,8 @@ SKIP_OPS = {
 }  # fmt: skip
 
 
-# ops whose rule keeps a sample whole though the oracle joins its chunks, and why that is right
-KNOWN_WHOLE: dict[str, str] = {
-    "squeeze": "squeeze(dims) naming the batch dim: a no-op on the whole (its size is not 1), but a device "
-               "holding one row would drop that dim",
-    **dict.fromkeys(
-        ["nn.functional.adaptive_avg_pool1d", "nn.functional.adaptive_avg_pool2d", "nn.functional.adaptive_max_pool2d",
-         "nn.functional.adaptive_max_pool3d", "nn.functional.instance_norm"],
-        "the sample is one unbatched input ((C, L) / (C, H, W)): its dim 0 is channels, which the rule does not "
-        "take for a batch (a batched call splits)"),
-    **dict.fromkeys(
-        ["nn.functional.gaussian_nll_loss", "nn.functional.hinge_embedding_loss", "nn.functional.margin_ranking_loss",
-         "nn.functional.multilabel_soft_margin_loss", "nn.functional.poisson_nll_loss", "nn.functional.soft_margin_loss",
-         "nn.functional.triplet_margin_loss", "nn.functional.cosine_similarity"],
-        "a loss (or similarity) without a rule yet: runs whole, exact; register_batch_rule can teach it"),
-    **dict.fromkeys(
-        [f"masked.{n}" for n in ("amax", "amin", "cumprod", "cumsum", "logaddexp", "logsumexp", "mean", "prod", "sum")],
-        "torch.masked: Python functions over a mask argument, not traced ops; none in the models' graphs"),
-    **dict.fromkeys(
-        ["index_add", "index_copy", "index_fill", "index_reduce.amax", "index_reduce.amin", "index_reduce.mean",
-         "index_reduce.prod", "masked_select", "nonzero", "nonzero_static", "unique", "unique_consecutive", "isin",
-         "as_strided", "as_strided_copy", "as_strided_scatter", "slice_scatter", "view_as_complex", "svd", "histc",
-         "kthvalue", "mode", "diag_embed", "combinations", "meshgrid.variadic_tensors", "broadcast_tensors"],
-        "no split the rule can prove from shapes: indices or counts over the whole tensor, strides of its memory, "
-        "or the oracle joined the chunks by the sample's values, not by the op"),
-    **dict.fromkeys(
-        ["dot", "vdot", "inner", "outer", "kron", "mv", "linalg.vecdot", "linalg.cross", "__rmatmul__", "tile",
-         "rot90", "fliplr", "movedim", "atleast_1d", "atleast_2d", "atleast_3d", "frexp", "grid_sampler_3d",
-         "nanmean", "prod", "roll", "diff", "linalg.norm.subgradients_at_zero", "_upsample_bilinear2d_aa",
-         "native_dropout_backward", "ravel", "squeeze_copy", "dsplit", "hsplit", "vsplit"],
-        "not in any model's graph the project has run (or along the batch dim in this sample: prod, roll, diff, "
-        "nanmean's NaN counts differ by chunk); runs whole, exact"),
-}
+# why an op's rule keeps a sample whole though the oracle joins its chunks: the one table of reasons
+KNOWN_WHOLE = WHOLE_REASONS
 
 
 @dataclass
@@ -93,14 +66,23 @@ class Tally:
     families: dict[str, list[int]] = field(default_factory=dict)
     # ops whose rule kept a splittable sample whole: {op: (family, reason)}
     missed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    by_op: dict[str, list[int]] = field(default_factory=dict)  # {op: [split, splittable]}
 
     def count(self, family: str, outcome: str, op: str, reason: str | None) -> None:
         entry = self.families.setdefault(family, [0, 0])
+        per_op = self.by_op.setdefault(op, [0, 0])
         entry[1] += 1
+        per_op[1] += 1
         if outcome == "split":
             entry[0] += 1
+            per_op[0] += 1
         elif op not in self.missed:
             self.missed[op] = (family, reason or "")
+
+    def without_reason(self) -> dict[str, str]:
+        """Ops that kept a splittable sample whole with no written reason (in
+        :data:`~dpcompile.analysis.batch_rules.reasons.WHOLE_REASONS`): {op: family}."""
+        return {op: family for op, (family, _) in sorted(self.missed.items()) if reason_for(op) is None}
 
     def split_line(self) -> str:
         done = sum(v[0] for v in self.families.values())
@@ -129,8 +111,11 @@ class Tally:
             "splittable_split": sum(v[0] for v in self.families.values()),
             "by_family": {f: {"split": v[0], "splittable": v[1]} for f, v in sorted(self.families.items())},
             "whole_where_a_split_exists": {
-                op: {"family": f, "reason": KNOWN_WHOLE.get(op) or reason} for op, (f, reason) in sorted(self.missed.items())
+                op: {"family": f, "reason": reason_for(op) or reason, "written": reason_for(op) is not None}
+                for op, (f, reason) in sorted(self.missed.items())
             },
+            "without_written_reason": sorted(self.without_reason()),
+            "by_op": {op: {"split": v[0], "splittable": v[1]} for op, v in sorted(self.by_op.items())},
         }
 
 
@@ -233,7 +218,8 @@ def _joins(parts: list[Any], whole: Any, rows: list[int]) -> bool:
 
 def splittable(fn: Any, sample: Any) -> bool:
     """The oracle: the op run on chunks of the sample's dim 0 (the input and every argument of
-    its rows), its outputs joined, equals the op on the whole; so a split on dim 0 exists."""
+    its rows), its outputs joined, equals the op on the whole; so a split on dim 0 exists. A sample
+    with an empty output is not counted (any join of empty chunks matches it)."""
     x = sample.input
     leaves, spec = tree_flatten((sample.args, sample.kwargs))
     cut = x.size(0) // 2
@@ -246,6 +232,8 @@ def splittable(fn: Any, sample: Any) -> bool:
             args, kwargs = tree_unflatten([leaf[rows] if _batched(leaf, x) else leaf for leaf in leaves], spec)
             outs.append(fn(x[rows], *args, **kwargs))
         whole = fn(x, *sample.args, **sample.kwargs)
+        if any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tree_flatten(whole)[0]):
+            return False  # an empty output (a dim of size 0): any join matches, there is nothing to split
         return _joins(outs, whole, [cut, x.size(0) - cut])
     except Exception:  # noqa: BLE001 - the op refuses a chunk: no split on dim 0
         return False
@@ -363,6 +351,22 @@ def sweep(max_per_op: int | None, *, aten: bool = False, ops: set[str] | None = 
     return tally
 
 
+def selected_ops(argv: list[str]) -> set[str] | None:
+    """The OpInfo names ``--ops=cumprod,linalg.det`` names (``--ops-file=F``: one a line), and those
+    starting with ``--prefix=linalg.``; None (every op) where none is given."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    names = {n for a in argv if a.startswith("--ops=") for n in a.split("=", 1)[1].split(",") if n}
+    for a in argv:
+        if a.startswith("--ops-file="):
+            names |= {line.strip() for line in Path(a.split("=", 1)[1]).read_text().splitlines() if line.strip()}
+    prefixes = [a.split("=", 1)[1] for a in argv if a.startswith("--prefix=")]
+    if not names and not prefixes:
+        return None
+    every = {op.name + (f".{op.variant_test_name}" if op.variant_test_name else "") for op in op_db}
+    return names | {n for n in every if any(n.startswith(p) for p in prefixes)}
+
+
 def main(argv: list[str]) -> Tally:
     """Run the sweep (``--aten``: the core ATen spelling; ``--max=N`` / ``--all``), print it, and
     with ``--all`` or ``--write`` write ``benchmarks/results/opinfo_split[_aten].json``."""
@@ -370,26 +374,53 @@ def main(argv: list[str]) -> Tally:
     aten = "--aten" in argv
     limit = next((int(a.split("=")[1]) for a in argv if a.startswith("--max=")), 2)
     limit_or_all = None if "--all" in argv else limit
-    t = sweep(limit_or_all, aten=aten)
+    selected = selected_ops(argv)
+    t = sweep(limit_or_all, aten=aten, ops=selected)
     print(t.line())
     print(t.split_line())
     for family, (done, total) in sorted(t.families.items()):
         print(f"  {family:60s} {done:5d} / {total:5d}")
     for op, (family, reason) in sorted(t.missed.items()):
-        print(f"  WHOLE where a split exists: {op} ({family}): {KNOWN_WHOLE.get(op) or reason}")
+        print(f"  WHOLE where a split exists: {op} ({family}): {reason_for(op) or reason}")
     for reason, count in t.skipped.most_common():
         print(f"  {count:5d} {reason}")
     for failure in t.failed:
         print("  FAILED", failure)
-    if "--all" in argv or "--write" in argv:
-        name = f"opinfo_split{'_aten' if aten else ''}.json"
+    if ("--all" in argv and selected is None) or "--write" in argv:  # a slice writes its own file
+        name = f"opinfo_split{'_slice' if selected is not None else ''}{'_aten' if aten else ''}.json"
         out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name
         figures = {"command": "PYTHONPATH=. python -m benchmarks.opinfo_split " + " ".join(argv),
                    "torch": torch.__version__, "samples_per_op": limit_or_all or "all",
                    "seconds": round(time.time() - start), **t.as_json()}  # fmt: skip
         out.write_text(json.dumps(figures, indent=2) + "\n")
+    for op, family in t.without_reason().items():
+        print(f"  NO WRITTEN REASON: {op} ({family}) runs whole on a splittable sample; give it a rule, or its reason "
+              "in dpcompile/analysis/batch_rules/reasons.py (WHOLE_REASONS)")  # fmt: skip
     return t
 
 
+def refresh_reasons(path: Path) -> int:
+    """Rewrite a results file's reasons from :data:`WHOLE_REASONS` (the counts stay as measured): the
+    reasons written after a run; 1 where an op still has none."""
+    data = json.loads(path.read_text())
+    missed = data["whole_where_a_split_exists"]
+    for op, entry in missed.items():
+        written = reason_for(op)
+        entry["reason"], entry["written"] = written or entry["reason"], written is not None
+    data["without_written_reason"] = sorted(op for op, entry in missed.items() if not entry["written"])
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    for op in data["without_written_reason"]:
+        print(f"  NO WRITTEN REASON: {op} ({missed[op]['family']})")
+    return 1 if data["without_written_reason"] else 0
+
+
+def exit_status(t: Tally) -> int:
+    """1 where a split program differed from the op, or an op kept a splittable sample whole
+    without a written reason; else 0."""
+    return 1 if t.failed or t.without_reason() else 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] and sys.argv[1].startswith("--refresh-reasons="):
+        raise SystemExit(refresh_reasons(Path(sys.argv[1].split("=", 1)[1])))
+    raise SystemExit(exit_status(main(sys.argv[1:])))

@@ -11,7 +11,18 @@ import pytest
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it (in the test extras)
 
-from tests.analysis.opinfo_split import KNOWN_WHOLE, sweep  # noqa: E402
+import torch  # noqa: E402
+from torch.testing._internal.opinfo.core import SampleInput  # noqa: E402
+
+from dpcompile.analysis.batch_rules import reasons  # noqa: E402
+from tests.analysis.opinfo_split import (  # noqa: E402
+    Tally,
+    exit_status,
+    family_of,
+    run_sample_detail,
+    splittable,
+    sweep,
+)
 
 FAMILIES = {
     "abs", "add", "sub", "mul", "div.no_rounding_mode", "pow", "where", "clamp", "exp", "sigmoid", "tanh", "atan2",
@@ -32,8 +43,7 @@ FAMILIES = {
 def _no_silent_whole(tally) -> None:
     """Every op that kept a splittable sample whole carries its reason (a rule that always says
     'whole' fails here, by the op's name)."""
-    missed = {op: reason for op, (_, reason) in tally.missed.items() if op not in KNOWN_WHOLE}
-    assert missed == {}, f"rules kept splittable samples whole: {missed}"
+    assert tally.without_reason() == {}, f"rules kept splittable samples whole: {tally.without_reason()}"
 
 
 @pytest.mark.slow
@@ -55,3 +65,56 @@ def test_opinfo_samples_in_core_aten_split_by_the_table_equal_the_whole_op():
     assert tally.failed == [], "\n".join(tally.failed)
     assert tally.split >= 50, tally.line()  # 70 of 123 when written
     _no_silent_whole(tally)
+
+
+# ops the new rule files cover (linalg on stacks, cumulative and order statistics, masked
+# reductions, losses, products, reordering): one sample each, fast
+NEW_RULES = {
+    "cumprod", "cummax", "logcumsumexp", "quantile", "median", "var_mean", "take_along_dim", "linalg.det",
+    "linalg.svd", "linalg.solve", "masked.sum", "masked.softmax", "nn.functional.gaussian_nll_loss",
+    "nn.functional.poisson_nll_loss", "dot", "outer", "fliplr", "tile", "movedim", "atleast_2d", "frexp",
+}  # fmt: skip
+
+
+def test_the_new_rules_split_every_splittable_sample_of_a_slice_and_equal_the_op():
+    torch.manual_seed(0)
+    tally = sweep(1, ops=NEW_RULES)
+    assert tally.failed == [], "\n".join(tally.failed)
+    assert tally.without_reason() == {}, tally.without_reason()
+    done, total = (sum(v[i] for v in tally.families.values()) for i in (0, 1))
+    assert total >= 8 and done == total, (tally.split_line(), tally.missed)
+
+
+def scale_rows(x: torch.Tensor) -> torch.Tensor:
+    """A function no batch rule knows: per sample, so a split exists, but it runs whole."""
+    return x * 2
+
+
+def _tally_of(fn, sample, name: str) -> Tally:
+    tally = Tally()
+    outcome, reason = run_sample_detail(fn, sample, 2)
+    assert outcome == "whole" and splittable(fn, sample)
+    tally.count(family_of(fn), outcome, name, reason)
+    return tally
+
+
+def test_an_op_kept_whole_on_a_splittable_sample_without_a_written_reason_fails_by_name(capsys):
+    tally = _tally_of(scale_rows, SampleInput(torch.randn(6, 3)), "scale_rows")
+    assert tally.without_reason() == {"scale_rows": "no rule"}
+    assert exit_status(tally) == 1
+
+
+def test_a_written_reason_lets_the_proof_pass(monkeypatch):
+    monkeypatch.setitem(reasons.WHOLE_REASONS, "scale_rows", "a test function, kept whole on purpose")
+    tally = _tally_of(scale_rows, SampleInput(torch.randn(6, 3)), "scale_rows")
+    assert tally.without_reason() == {} and exit_status(tally) == 0
+
+
+def test_a_rule_runs_whole_along_the_batch_dim_and_the_table_says_why():
+    """cumprod along dim 0 mixes rows: whole (the oracle finds no split, so no reason is needed);
+    flipud's samples are splittable only when empty, and its reason is written."""
+    x = torch.randn(6, 3)
+    assert run_sample_detail(torch.cumprod, SampleInput(x, args=(0,)), 2)[0] == "whole"
+    assert not splittable(torch.cumprod, SampleInput(x, args=(0,)))
+    assert run_sample_detail(torch.cumprod, SampleInput(x, args=(1,)), 3)[0] == "split"
+    assert "dim 0" in reasons.reason_for("flipud") and reasons.reason_for("index_reduce.amax")

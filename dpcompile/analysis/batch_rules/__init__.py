@@ -19,7 +19,18 @@ Rules are grouped by op family (the families of :mod:`dpcompile.analysis.ops`), 
 ``aten``           what only ATen graphs need: ``slice``/``select``/``index``, attention, ATen losses
 ``third_party``    fx-wrapped functions of other libraries (stochastic depth, Swin), by name
 ``user``           :func:`dpcompile.register_batch_rule`: ``"elementwise"``, ``"whole"`` or a callable
+``linalg``         ``torch.linalg.*`` (and ``torch.det``, ``torch.svd``...) on stacks of matrices
+``named_dims``     cumulative ops, quantiles, median/mode/kthvalue, ``var_mean``, ``take_along_dim``
+``masked``         ``torch.masked`` reductions and normalisations along named dims
+``losses``         per-element losses beyond ``LOSS_FUNCTIONS`` (Gaussian/Poisson NLL, margins)
+``products``       ``dot``/``inner``/``outer``/``mv``, ``F.bilinear``, ``cross``, ``linalg.vecdot``
+``reorder``        ``fliplr``, ``rot90``, ``tile``, ``movedim``, ``atleast_*d``, the ``*_copy`` views
+``per_sample_ops`` antialiased upsampling, 3-D grid sampling, ``F.softmin``
+``reasons``        why an op runs whole where a split of its rows exists (one table)
 =================  ==============================================================
+
+``over_dims`` holds the factories the newer files share (an op along, or over, the dims its
+arguments name; an op on the last dims, batched over the ones before).
 
 Each file registers its rules in :data:`BATCH_RULES` (:class:`BatchRuleRegistry`), one table
 by target; :func:`rule_for` looks a node's rule up there. :mod:`~dpcompile.analysis.batch_rules.table`
@@ -35,11 +46,19 @@ from torch import nn
 from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
     batch_values,
     indexing,
+    linalg,
+    losses,
+    masked,
     matrix,
     model_constructs,
     modules,
+    named_dims,
+    per_sample_ops,
     pointwise,
+    products,
+    reasons,
     reductions,
+    reorder,
     shape,
     tensor_parallel,
     third_party,
@@ -53,6 +72,8 @@ from dpcompile.analysis.batch_rules.registry import BATCH_RULES, BatchRuleRegist
 from dpcompile.analysis.batch_rules.user import register_batch_rule
 from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
+
+reasons.register()  # last: a whole rule with its written reason for each op no family has a rule for
 
 
 def rule_for(node: fx.Node, module: nn.Module | None) -> Rule | None:

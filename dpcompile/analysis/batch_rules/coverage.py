@@ -65,6 +65,7 @@ def render() -> str:
         lines.append(f"| `{entry.op}` | {', '.join(by_op[entry.op])} | {family} | {_rule_name(entry)} | {names} |")
     lines += _export_ir_section()
     lines += _proof_section()
+    lines += _reasons_section()
     own = "\n".join(f"- {_spelling(t)}: {why}" for t, why in rules_table.OWN_RULES.items())
     extra = sorted(name for name, e in rules_table.TABLE.items() if not e.core)
     lines += [
@@ -114,26 +115,45 @@ def _proof_section() -> list[str]:
     lines = ["", "## The proof: splittable OpInfo samples, split", ""]
     lines += [
         "For every OpInfo sample the oracle asks whether a split on the sample's dim 0 exists (the op on",
-        "chunks of the rows, joined by concatenation, a sum or a mean, equals the op on the whole); of those,",
-        "how many the rule split (the split program is also checked equal to the op). Ops kept whole where",
-        "a split exists are listed in the JSON (`whole_where_a_split_exists`) with the reason written in",
-        "`tests/analysis/opinfo_split.py` (`KNOWN_WHOLE`) or the propagation's own; the CI subset",
-        "(`tests/analysis/test_opinfo_batch_rules.py`) fails on any without a written one. `no rule` is the",
-        "work left: ops with no rule yet (linalg, cumulative, masked, quantile ops among them).",
+        "chunks of the rows, joined by concatenation, a sum or a mean, equals the op on the whole; a sample",
+        "with an empty output is not counted); of those, how many the rule split (the split program is also",
+        "checked equal to the op). An op that keeps such a sample whole must have its reason written in",
+        "`dpcompile/analysis/batch_rules/reasons.py` (`WHOLE_REASONS`, listed below): the harness exits 1",
+        "naming any without one, and `tests/analysis/test_opinfo_batch_rules.py` checks a slice in the suite.",
+        "Families are the rule's (`leading_dims_2`: linalg on stacks, `reduce_dims`/`along_dim`: ops over",
+        "named dims, `whole`: an op whose only rule is its written reason). The gap slice",
+        "(`--ops-file=benchmarks/results/opinfo_gap_ops.txt`) is every op a full run had kept whole on a",
+        "splittable sample, or had no rule for; its JSON also counts each op (`by_op`).",
         "",
     ]
-    for name, what in (("opinfo_split.json", "fx spellings"), ("opinfo_split_aten.json", "core ATen (export)")):
+    for name, what in (("opinfo_split.json", "fx spellings"), ("opinfo_split_aten.json", "core ATen (export)"),
+                       ("opinfo_split_slice.json", "fx spellings, the gap slice"),
+                       ("opinfo_split_slice_aten.json", "core ATen (export), the gap slice")):
         path = results / name
         data = json.loads(path.read_text()) if path.exists() else {}
         if "by_family" not in data:
             continue
         lines += [f"**{what}** (`{data['command']}`, {data['samples_per_op']} samples per op): "
                   f"{data['splittable_split']} of {data['splittable']} splittable samples split; "
-                  f"{len(data['whole_where_a_split_exists'])} ops keep some splittable sample whole (each listed in the "
-                  "JSON with a written reason, or the propagation's own, most often `no batch rule`).", "",
+                  f"{len(data['whole_where_a_split_exists'])} ops keep some splittable sample whole, "
+                  f"{len(data.get('without_written_reason', []))} of them without a written reason."
+                  + ("" if "by_op" in data else " (A run recorded before the per-op counts, the written reasons and "
+                     "the rules of linalg, named_dims, masked, losses, products and reorder: the gap slice below "
+                     "re-measures every op it kept whole.)"), "",
                   "| family | split | splittable |", "|---|---|---|"]  # fmt: skip
         lines += [f"| {f} | {v['split']} | {v['splittable']} |" for f, v in data["by_family"].items()]
         lines.append("")
+    return lines
+
+
+def _reasons_section() -> list[str]:
+    """Every written reason an op runs whole where a split of its rows exists."""
+    from dpcompile.analysis.batch_rules.reasons import WHOLE_REASONS
+
+    lines = ["", "## Ops that run whole where a split exists, and why", "",
+             "By OpInfo name (`torch.<name>`), for both frontends (`dpcompile/analysis/batch_rules/reasons.py`):", "",
+             "| op | reason |", "|---|---|"]  # fmt: skip
+    lines += [f"| `{op}` | {why} |" for op, why in sorted(WHOLE_REASONS.items())]
     return lines
 
 

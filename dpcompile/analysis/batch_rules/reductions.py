@@ -81,7 +81,7 @@ def reduction(kind: str | None) -> Rule:
             else:
                 dims = [d % nd if nd else d for d in dims]
         if p.dim in dims:
-            if kind and not keepdim and len(dims) == 1:
+            if kind:  # any dims with the batch dim among them, kept or not: each device sums (counts) its rows
                 return Partial(kind)
             return None
         if keepdim:

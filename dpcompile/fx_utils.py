@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -277,6 +278,26 @@ def _holds_fake_values(value: Any) -> bool:
         if isinstance(leaf, symbolic) or (isinstance(leaf, torch.Size) and any(isinstance(s, symbolic) for s in leaf)):
             return True
     return False
+
+
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad_", "share_memory_", "record_stream_"})
+
+
+def writes(n: fx.Node) -> bool:
+    """Whether ``n`` writes into a tensor: ``self.calls.add_(1)``, ``buf.copy_(v)``, ``t[i] = v``,
+    ``F.relu(x, inplace=True)``, an ATen op whose schema writes."""
+    if n.op == "call_method":
+        name = str(n.target)
+        return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES and hasattr(torch.Tensor, name)
+    if n.op != "call_function":
+        return False
+    target = n.target
+    if target is operator.setitem or n.kwargs.get("inplace") is True:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
 
 
 def is_example_misfit(error: BaseException) -> bool:

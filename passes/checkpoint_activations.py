@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module
+from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module, writes
 from dpcompile.infra import PassResult, module_path_of, stamp
 from dpcompile.runtime import checkpoint, random_draws
 
@@ -153,8 +153,26 @@ def find_checkpoint_regions(gm: fx.GraphModule, paths: Sequence[str]) -> list[Ch
             inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in part))
             outputs = [n for n in nodes if any(u not in part for u in n.users)]
             if outputs:
+                _refuse_writes_into_inputs(path, nodes, part)
                 regions.append(CheckpointRegion(path, _region_name(path, nodes, taken), nodes, inputs, outputs))
     return regions
+
+
+def _refuse_writes_into_inputs(path: str, nodes: list[fx.Node], part: set[fx.Node]) -> None:
+    """A region that writes in place into a tensor it reads from outside (``self.seen.add_(h)``)
+    cannot be recomputed: checkpoint saves that tensor as it was before the write (backward then
+    finds it modified), and the recompute would read it after. Module-internal writes (batch norm's
+    running statistics) are not nodes here, and the runtime undoes them after the recompute."""
+    for node in nodes:
+        written = node.args[0] if node.args else None
+        if writes(node) and isinstance(written, fx.Node) and written not in part:
+            line = node.meta.get("stack_trace", "").strip().splitlines()
+            where = f" ({line[-1].strip()})" if line else ""
+            raise DpCompileError(
+                f"activation_checkpointing: {path!r} writes in place into {written.name!r}, which it reads from "
+                f"outside, at {node.name!r}{where}; a recompute in backward would read it after the write. Leave "
+                f"{path!r} out of activation_checkpointing=, or name its submodules that do not write"
+            )
 
 
 def _owner_and_method(target: str, path: str, staged: bool) -> tuple[str, str]:

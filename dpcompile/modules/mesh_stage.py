@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import writes
 
 
 def micro_batch_runs(batch: int, micro_batches: int) -> list[tuple[int, int]]:
@@ -173,26 +173,6 @@ def no_gradient_path(value: Any, name: str) -> Any:
             for t in flat
         ]
     return tree_unflatten(flat, spec)
-
-
-_NOT_WRITES = frozenset({"requires_grad_", "retain_grad_", "share_memory_", "record_stream_"})
-
-
-def writes(n: fx.Node) -> bool:
-    """Whether ``n`` writes into a tensor: ``self.calls.add_(1)``, ``buf.copy_(v)``, ``t[i] = v``,
-    ``F.relu(x, inplace=True)``, an ATen op whose schema writes."""
-    if n.op == "call_method":
-        name = str(n.target)
-        return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES and hasattr(torch.Tensor, name)
-    if n.op != "call_function":
-        return False
-    target = n.target
-    if target is operator.setitem or n.kwargs.get("inplace") is True:
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    name = getattr(target, "__name__", "")
-    return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
 
 
 def backward_done(loss: torch.Tensor) -> torch.Tensor:

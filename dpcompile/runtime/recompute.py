@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def checkpoint(region: Callable[..., Any], *args: Any) -> Any:
     """``region(*args)``, saving only ``args`` for backward, which runs ``region`` again to get its
-    activations; the RNG state is restored first, so dropout draws the same values.
+    activations; the RNG state is restored first, so dropout draws the same values, and whatever
+    the recompute writes outside the region (BatchNorm's running statistics, a step counter) is put
+    back, so each call updates the model's state once, as eager does.
 
     >>> import torch
     >>> x = torch.ones(2, requires_grad=True)
@@ -20,7 +24,68 @@ def checkpoint(region: Callable[..., Any], *args: Any) -> Any:
     """
     if not torch.is_grad_enabled():
         return region(*args)
-    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True)
+    return torch.utils.checkpoint.checkpoint(
+        region, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_recompute_writes_nothing
+    )
+
+
+def _recompute_writes_nothing() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    return contextlib.nullcontext(), _outside_writes_undone()
+
+
+@contextlib.contextmanager
+def _outside_writes_undone() -> Iterator[None]:
+    mode = _OutsideWrites()
+    try:
+        with mode:
+            yield  # checkpoint may stop the recompute early, by an exception, once it has what backward needs
+    finally:
+        with torch.no_grad():
+            for tensor, before in mode.saved.values():
+                # through .data: the version counter stays, so a kernel that saved the tensor for
+                # backward (batch norm saves its running statistics) does not see it modified
+                tensor.data.copy_(before)
+
+
+# batch norm kernels whose schema does not mark the running statistics they update (arguments 3, 4)
+_RUNNING_STATS = {
+    op: (3, 4)
+    for op in (torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,
+               torch.ops.aten._batch_norm_impl_index, torch.ops.aten.batch_norm)
+}  # fmt: skip
+
+
+class _OutsideWrites(TorchDispatchMode):
+    """Saves, before its first in-place write, each tensor a recompute writes that it did not make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: set[int] = set()  # storages of tensors made during the recompute
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        written = _RUNNING_STATS.get(func.overloadpacket, ())
+        if schema.is_mutable or written:
+            for i, argument in enumerate(schema.arguments):
+                info = argument.alias_info
+                if (info is not None and info.is_write) or i in written:
+                    value = args[i] if i < len(args) else kwargs.get(argument.name)
+                    for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                        if isinstance(tensor, torch.Tensor):
+                            self._save(tensor)
+        out = func(*args, **kwargs)
+        outputs = out if isinstance(out, (list, tuple)) else [out]
+        for returned, value in zip(schema.returns, outputs):
+            if returned.alias_info is None and isinstance(value, torch.Tensor):  # new memory, not a view or the input
+                self.made.add(value.untyped_storage().data_ptr())
+        return out
+
+    def _save(self, tensor: torch.Tensor) -> None:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer and pointer not in self.made and id(tensor) not in self.saved:
+            self.saved[id(tensor)] = (tensor, tensor.detach().clone())
 
 
 __all__ = ["checkpoint"]

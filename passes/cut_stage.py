@@ -186,6 +186,35 @@ def _output_leaves(output: fx.Node) -> list[fx.Node]:
 
 
 _REPLACED = (runtime.gather, runtime.mean_of_partials, runtime.reduce_add, operator.truediv)
+_COMBINERS = (runtime.gather, runtime.mean_of_partials, runtime.reduce_add)
+
+
+def find_row_meetings(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """Where the program lowered over one device combines the batch's rows and computes on
+    with the result (``h - h.mean(0, keepdim=True)``: a partial mean read by a subtraction), as
+    ``(combiner, first reader)``. Over a mesh ``torch.distributed.pipelining`` runs each
+    micro-batch apart, so there the combination would be each micro-batch's, not the batch's;
+    combining only to make an output (the mean loss, the gathered logits) is what the stages
+    assemble over micro-batches."""
+    meetings = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _COMBINERS:
+            reader = _first_computing_reader(node)
+            if reader is not None:
+                meetings.append((node, reader))
+    return meetings
+
+
+def _first_computing_reader(node: fx.Node) -> fx.Node | None:
+    for user in node.users:
+        assembles = user.op == "output" or (
+            user.op == "call_function" and (isinstance(user.target, type) or user.target in _REPLACED)
+        )
+        if not assembles:
+            return user
+        if user.op != "output" and (reader := _first_computing_reader(user)) is not None:
+            return reader
+    return None
 
 
 def _drop_one_device_scatter(gm: fx.GraphModule) -> None:

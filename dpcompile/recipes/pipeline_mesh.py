@@ -35,7 +35,7 @@ from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_si
 from dpcompile.modules.pipeline import MeshPipelineModule
 from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage
-from passes.cut_stage import cut_stage, find_shared_parameters
+from passes.cut_stage import cut_stage, find_row_meetings, find_shared_parameters
 from passes.stage_transfers import node_stages
 
 
@@ -87,6 +87,14 @@ class MeshPipelineRecipe(Recipe):
         sites = batch_statistics_sites(whole) if self.micro_batches > 1 else []
         if sites:  # in eval mode BatchNorm's running statistics serve any micro_batches (checked per call too)
             raise batch_norm_refusal(sites, self.micro_batches)
+        if self.micro_batches > 1 and (meetings := find_row_meetings(whole)):
+            combiner, reader = meetings[0]
+            raise DpCompileError(
+                f"'{reader.name}' reads '{combiner.name}', which mixes the rows of the batch (a statistic over the "
+                f"batch dim), over a mesh with micro_batches={self.micro_batches}: torch.distributed.pipelining runs "
+                "each micro-batch apart, so it would be each micro-batch's statistic, not the batch's. Use "
+                "micro_batches=1, or run the pipeline in one process (devices=[...]), where it is the batch's"
+            )
         shared = [(gm.get_parameter(name), stages) for name, stages in find_shared_parameters(gm, plan)]
         if shared and self.plan is not False:  # each stage shards a private copy: the tied copies would part
             raise DpCompileError(

@@ -267,7 +267,26 @@ def check_writes(rank: int, world: int) -> None:
         assert "add_" in str(e) and "2 times a call" in str(e) and "one process" in str(e)
     else:
         raise AssertionError("an EMA of a batch mean with 2 micro-batches over a mesh was not refused")
+    try:  # a statistic over the batch read by the next op would be each micro-batch's
+        dpcompile.transform(Centered(), mesh, pipeline=["b"], micro_batches=2)
+    except dpcompile.DpCompileError as e:
+        assert "mixes the rows of the batch" in str(e) and "micro_batches=1" in str(e) and "sub" in str(e)
+    else:
+        raise AssertionError("a batch-centred activation with 2 micro-batches over a mesh was not refused")
     dist.barrier()
+
+
+class Centered(torch.nn.Module):
+    """``h - h.mean(0, keepdim=True)``: runs split (a partial mean), but couples the micro-batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        h = torch.tanh(self.a(x))
+        logits = self.b(h - h.mean(0, keepdim=True))
+        return logits, torch.nn.functional.cross_entropy(logits, labels)
 
 
 SCENARIOS = {

@@ -17,7 +17,7 @@ from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.infra import info_of, run_passes
-from passes.cut_stage import cut_stage, find_shared_parameters
+from passes.cut_stage import cut_stage, find_row_meetings, find_shared_parameters
 
 
 class Out(NamedTuple):
@@ -28,18 +28,20 @@ class Out(NamedTuple):
 class TiedLM(nn.Module):
     """An embedding and a head that share one weight (as GPT-2's wte and lm_head)."""
 
-    def __init__(self, mix: bool = False):
+    def __init__(self, mix: bool = False, whole: bool = False):
         super().__init__()
         self.embed = nn.Embedding(16, 8)
         self.body = nn.Linear(8, 8)
         self.head = nn.Linear(8, 16, bias=False)
         self.head.weight = self.embed.weight
-        self.mix = mix
+        self.mix, self.whole = mix, whole
 
     def forward(self, ids, labels):
         h = torch.tanh(self.body(self.embed(ids)))
         if self.mix:
             h = h - h.mean(0, keepdim=True)
+        if self.whole:
+            h = torch.cumsum(h, 0)  # along the batch: runs whole, on the gathered batch
         logits = self.head(h)
         return Out(logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
 
@@ -84,7 +86,16 @@ def test_last_stage_returns_sum_count_and_rebuilds_the_output_class():
     torch.testing.assert_close(out.loss, expected.loss.reshape(1))
 
 
-def test_rows_mixed_in_the_program_are_refused_by_name():
+def test_rows_mixed_in_the_program_are_found_by_name():
+    """``h - h.mean(0, keepdim=True)`` runs split, as a partial mean read by a subtraction: a meeting
+    of the rows that a pipeline over a mesh (each micro-batch apart) refuses for micro_batches > 1."""
     gm, plan = _lowered(TiedLM(mix=True), ["head"])
-    with pytest.raises(DpCompileError, match="'mean' .* mixes the rows of the batch"):
+    assert [(c.name, r.name) for c, r in find_row_meetings(gm)] == [("mean", "sub_dev0")]
+    gm, plan = _lowered(TiedLM(), ["head"])
+    assert find_row_meetings(gm) == []  # the mean loss and the gathered logits only make outputs
+
+
+def test_an_output_computed_from_the_whole_batch_is_refused_by_name():
+    gm, plan = _lowered(TiedLM(whole=True), ["head"])
+    with pytest.raises(DpCompileError, match="mixes the rows of the batch"):
         run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=1)])

@@ -130,3 +130,19 @@ def full_gradients(pm: nn.Module) -> dict[str, torch.Tensor]:
     sharded = {n for _, names in pm.param_shards.values() for n in names}
     out.update({name: p.grad for name, p in pm.named_parameters() if name not in sharded})
     return out
+
+
+def assert_runs_split_like_eager(cls: type[nn.Module], shape: tuple[int, ...], frontend: str) -> None:
+    """``cls()`` on 3 devices (examples of 4 rows, called with 5: uneven chunks): forward and
+    every gradient equal eager, nothing runs whole, every FLOP runs split."""
+    torch.manual_seed(0)
+    model = cls()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 3, frontend=frontend, example_inputs=(torch.randn(4, *shape),))
+    x = torch.randn(5, *shape)
+    out, expected = pm(x), eager(x)
+    torch.testing.assert_close(out, expected)
+    assert_weighted_gradients_equal(model, eager, out, expected)
+    report = dpcompile.explain(pm, x)
+    assert report.whole == []
+    assert report.split_flop_fraction == 1.0

@@ -15,15 +15,12 @@ virtual devices (uneven chunks), and checked against eager, forward and every gr
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dpcompile
-from tests.helpers import assert_weighted_gradients_equal
+from tests.helpers import assert_runs_split_like_eager
 
 
 class _Head(nn.Module):
@@ -199,15 +196,4 @@ CASES = {
 def test_construct_runs_split_and_equals_eager(name, frontend):
     """Forward and every gradient equal eager on uneven chunks; nothing runs whole (not even a
     size recomputed on the gathered batch), and every FLOP runs split."""
-    torch.manual_seed(0)
-    cls, shape = CASES[name]
-    model = cls()
-    eager = copy.deepcopy(model)
-    pm = dpcompile.transform(model, ["cpu"] * 3, frontend=frontend, example_inputs=(torch.randn(4, *shape),))
-    x = torch.randn(5, *shape)
-    out, expected = pm(x), eager(x)
-    torch.testing.assert_close(out, expected)
-    assert_weighted_gradients_equal(model, eager, out, expected)
-    report = dpcompile.explain(pm, x)
-    assert report.whole == []
-    assert report.split_flop_fraction == 1.0
+    assert_runs_split_like_eager(*CASES[name], frontend)

@@ -12,14 +12,11 @@ checked against eager, forward and every gradient; ``explain`` lists nothing tha
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
-import dpcompile
-from tests.helpers import assert_weighted_gradients_equal
+from tests.helpers import assert_runs_split_like_eager
 
 
 class GroupsRepeated(nn.Module):
@@ -108,15 +105,4 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fresh_construct_runs_split_and_equals_eager(name, frontend):
     """Forward and every gradient equal eager on uneven chunks; nothing runs whole, every FLOP split."""
-    torch.manual_seed(0)
-    cls, shape = CASES[name]
-    model = cls()
-    eager = copy.deepcopy(model)
-    pm = dpcompile.transform(model, ["cpu"] * 3, frontend=frontend, example_inputs=(torch.randn(4, *shape),))
-    x = torch.randn(5, *shape)
-    out, expected = pm(x), eager(x)
-    torch.testing.assert_close(out, expected)
-    assert_weighted_gradients_equal(model, eager, out, expected)
-    report = dpcompile.explain(pm, x)
-    assert report.whole == []
-    assert report.split_flop_fraction == 1.0
+    assert_runs_split_like_eager(*CASES[name], frontend)

@@ -124,6 +124,35 @@ class StagedFiles:
         self.pending = []
 
 
+_STAGING = re.compile(r"^\..+\.(\d+)-[0-9a-f]{8}\.tmp$")
+
+
+def remove_orphaned_staging(folder: Path) -> list[Path]:
+    """Remove the staging files (:meth:`StagedFiles.temp`) a save killed midway left in ``folder``:
+    those whose writing process is gone. A save still running elsewhere keeps its files."""
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _STAGING.match(entry.name)
+        if match and not _process_alive(int(match.group(1))):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, under another user
+        return True
+    return True
+
+
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)

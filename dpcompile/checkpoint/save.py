@@ -15,6 +15,7 @@ from dpcompile.checkpoint.files import (
     StagedFiles,
     parse_size,
     plan_files,
+    remove_orphaned_staging,
     shard_file_name,
     write_safetensors,
 )
@@ -133,6 +134,7 @@ def save_checkpoint(
         staged.commit()  # shards first, the index last: it switches the checkpoint over
         for old in stale:
             old.unlink(missing_ok=True)
+        remove_orphaned_staging(path if path.suffix != ".safetensors" else path.parent)
     log.debug("saved %d tensors in %d file(s) under %s", len(keys), len(files), path)
     return path
 

@@ -377,6 +377,12 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
         assert torch.equal(value, params[key]), key
     assert all(float(s["step"]) == 1.0 for s in opt.state.values())
 
+    live = path / f".model.safetensors.{os.getpid()}-0123abcd.tmp"  # a save still running in this process
+    live.write_bytes(b"")
+    dpcompile.save_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched)  # the next save clears the dead one's
+    assert [p.name for p in path.iterdir() if p.name.endswith(".tmp")] == [live.name]
+    dpcompile.load_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched)
+
 
 @pytest.mark.parametrize(
     ("shape", "dim", "sizes", "sections"),

@@ -116,10 +116,10 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     # only now, with every file and the program checked, is anything built
     holder, _, outside = decode_tree(trees, tensors)
     if captured is not None:
-        with_shapes(holder, captured, data["captured"].get("inputs"), target)
+        propagate_example_shapes(holder, captured, data["captured"].get("inputs"), target.primary)
     for (_, trace), entry in zip(traces, data["traces"]):
         if trace is not None:
-            with_shapes(holder, trace, entry["graph"].get("inputs"), target)
+            propagate_example_shapes(holder, trace, entry["graph"].get("inputs"), target.primary)
     if kind == "data_parallel" and moved:
         if captured is None:
             raise ExportError(f"{folder} holds no captured program to regenerate for {device_strings(target)}")
@@ -170,12 +170,6 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     if kind == "tensor_parallel":
         _check_shards(pm)
     return pm
-
-
-def with_shapes(holder: nn.Module, graph: fx.Graph, inputs: Any, target: Any) -> None:
-    """Each node's shape (``meta['val']``) propagated again from the example shapes export
-    recorded, as ``transform`` had them (lowering a captured program for other devices reads them)."""
-    propagate_example_shapes(holder, graph, inputs, target.primary)
 
 
 def _checked_dims(dims: Any) -> dict[str, int | None]:

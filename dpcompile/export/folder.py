@@ -193,9 +193,9 @@ def export(pm: nn.Module, path: str | Path) -> Path:
 def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[int, str], dict[str, torch.Tensor], dict[str, str]]:
     """The program as data: ``(data section, module tree, tensor keys, tensors, names)``;
     raises ``NotData`` where part of it is Python code."""
-    from dpcompile.export.serialize import NotData, encode_graph, encode_inputs, encode_tree, encode_value
+    from dpcompile.export.serialize import NotData, encode_graph, encode_tree, encode_value
     from dpcompile.export.variants import collect, encode_key, encode_recipe
-    from dpcompile.fx_utils import copy_graph
+    from dpcompile.fx_utils import copy_graph, example_shapes
 
     model = pm.__dict__.get("traced_model")
     if getattr(pm, "_shares_source", False) and model is not None and (
@@ -224,13 +224,13 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
             "flags": [[p, n, encode_value(d)] for p, n, d in pm.call_signature.flags],
         },
         "graph": encode_graph(pm.graph),
-        "captured": None if captured is None else encode_graph(captured) | {"inputs": encode_inputs(captured)},
+        "captured": None if captured is None else encode_graph(captured) | {"inputs": example_shapes(captured)},
         "variants": [
             {"label": labels.get(key), "key": encode_key(key), "graph": None if pair is None else encode_graph(pair[1])}
             for key, pair in programs
         ],
         "traces": [
-            {"key": encode_key(key), "graph": None if pair is None else encode_graph(pair[1]) | {"inputs": encode_inputs(pair[1])}}
+            {"key": encode_key(key), "graph": None if pair is None else encode_graph(pair[1]) | {"inputs": example_shapes(pair[1])}}
             for key, pair in traces
         ],
     }

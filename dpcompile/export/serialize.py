@@ -42,9 +42,8 @@ from dpcompile.export.allowlist import (
 )
 from dpcompile.export.kinds import TreeIndex, check_graph
 from dpcompile.export.strided import bound
-from dpcompile.fx_utils import example_shapes
 
-__all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_inputs", "encode_tree", "encode_value"]
+__all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_tree", "encode_value"]
 
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -193,13 +192,6 @@ def encode_graph(graph: fx.Graph) -> dict[str, Any]:
             "kwargs": encode_value(node.kwargs, functions=False),
         })  # fmt: skip
     return {"nodes": nodes}
-
-
-def encode_inputs(graph: fx.Graph) -> list[list[Any]] | None:
-    """The example inputs' shapes and dtypes (``[[sizes], "float32"]`` per placeholder) a
-    captured graph's shapes were propagated from, so ``load`` can propagate them again before
-    lowering it for other devices; None where a placeholder was not a tensor of known shape."""
-    return example_shapes(graph)
 
 
 _MODEL_OUTPUT = "dpcompile.runtime.exported.model_output"

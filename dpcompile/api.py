@@ -98,9 +98,12 @@ def transform(
         memory_per_device=memory_per_device,
     )  # fmt: skip
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
+    context_parallel = False
     if target is not None:  # mesh= over a device list: the same builders, devices in their order
         arguments = target.arguments()
         devices, pipeline, tensor_parallel = target.canonical_devices(), arguments["pipeline"], arguments["tensor_parallel"]
+        context_parallel = arguments["context_parallel"]
+        batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
     estimate = None
     if memory_per_device is not None and pipeline is not None:
         raise ValueError(
@@ -112,7 +115,7 @@ def transform(
         "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
         "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
         "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
-        "exact_random": exact_random is not False,
+        "exact_random": exact_random is not False, "context_parallel": context_parallel,
     }  # fmt: skip
     example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
@@ -255,6 +258,7 @@ def make_recipe(
     mixed_precision: Any = None,
     activation_checkpointing: Any = False,
     exact_random: bool = True,
+    context_parallel: bool = False,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -279,8 +283,23 @@ def make_recipe(
         return TensorParallelRecipe(**common, devices=parsed, output_device=out_device, plan=plan)
     return DataParallelRecipe(
         **common, devices=parsed, output_device=out_device, batch_dim=_check_batch_dim(batch_dim),
-        copy_replicas=bool(copy_replicas),
+        copy_replicas=bool(copy_replicas), context_parallel=bool(context_parallel),
     )  # fmt: skip
+
+
+def _sequence_dim(batch_dim: object, memory_per_device: object) -> int:
+    """The dim context parallelism splits: the sequence of batch-first inputs, ``(batch, seq, ...)``."""
+    if batch_dim is not None:
+        raise ValueError(
+            f"batch_dim={batch_dim!r} with mesh={{'cp': N}}: context parallel splits dim 1, the sequence of "
+            "batch-first inputs (batch, seq, ...); leave batch_dim= out"
+        )
+    if memory_per_device is not None:
+        raise DpCompileError(
+            "memory_per_device= does not plan context parallel yet: give mesh={'cp': N} alone (explain(pm, ...) "
+            "reports the activation memory per device), or memory_per_device= without a 'cp' dimension"
+        )
+    return 1
 
 
 def _pipeline_recipe(

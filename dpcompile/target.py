@@ -30,7 +30,7 @@ DIMENSIONS = {"pp": "pipeline", "dp": "data parallel", "cp": "context parallel",
 CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 
 #: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1)
-BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"})
+BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"cp"})
 BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"})
 
 
@@ -74,14 +74,15 @@ class Target:
         return Devices(tuple(picked))
 
     def arguments(self) -> dict[str, Any]:
-        """The layout as the builders' keywords: ``pipeline=`` (stages or cut paths) and ``tensor_parallel=``."""
+        """The layout as the builders' keywords: ``pipeline=`` (stages or cut paths), ``tensor_parallel=``
+        and ``context_parallel`` (the sequence split)."""
         pipeline: int | tuple[str, ...] | None = None
         if "pp" in self.active:
             pipeline = self.stage_paths if self.stage_paths is not None else self.size("pp")
         plan = self.plan if "tp" in self.active else False
         if "tp" in self.active and plan is False:
             plan = True
-        return {"pipeline": pipeline, "tensor_parallel": plan}
+        return {"pipeline": pipeline, "tensor_parallel": plan, "context_parallel": "cp" in self.active}
 
 
 def _counting(sizes: Sequence[int]) -> list[tuple[int, ...]]:
@@ -183,7 +184,10 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
         return
     where = "over a DeviceMesh" if over_mesh else "in one process"
     if "cp" in active:
-        nearest = "leave 'cp' out: the sequence then stays whole on each device"
+        nearest = (
+            "mesh={'cp': N} alone in one process (the sequence split, attention's keys and values all-gathered), "
+            "or leave 'cp' out: the sequence then stays whole on each device"
+        )
     elif not over_mesh and active in ({"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}):
         names = tuple(name for name in CANONICAL_ORDER if name in active)
         nearest = (
@@ -215,6 +219,8 @@ def strategies_of(layout: Mapping[str, int], *, data_parallel: str, schedule: st
     for name, size in layout.items():
         if name == "pp":
             named[name] = f"pipeline ({schedule})"
+        elif name == "cp":
+            named[name] = "context parallel (all-gather keys/values)"
         elif name == "dp":
             named[name] = "data parallel (fsdp)" if data_parallel == "fsdp" else "data parallel (replicate)"
         else:

@@ -1,6 +1,7 @@
 """The graph passes of dpcompile and every pipeline that orders them, on one screen.
 
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
+                                         ├─► insert_sequence_exchange ─► insert_scatter_gather (context parallel)
                                          ├─► shard_linear ─► expand_shards          (tensor parallel)
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
@@ -25,6 +26,7 @@ from dpcompile.devices import Devices
 from dpcompile.infra import Pass
 from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
 from passes.collectives import find_collective_sites, lower_to_collectives
+from passes.context_parallel import find_sequence_attention, insert_sequence_exchange
 from passes.cut_stage import cut_stage
 from passes.data_parallel import insert_scatter_gather
 from passes.decompose_attention import decompose_attention
@@ -48,6 +50,7 @@ class PipelineOptions:
     plan: dict[str, str] = field(default_factory=dict)  # tensor parallel: {module path: style} to apply
     write_back_inputs: bool = False  # data parallel: writes into inputs made functional, copied back at the end
     exact_random: bool = False  # random ops draw the single-device values (draw_random_whole, last)
+    context_parallel: bool = False  # the split dim is the sequence: attention's exchanges made explicit first
 
 
 def exact_random_pipeline(options: PipelineOptions) -> list[Pass]:
@@ -63,8 +66,11 @@ def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
 
 
 def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
-    """Lower a tidied graph to explicit per-device data-parallel code."""
+    """Lower a tidied graph to explicit per-device data-parallel code (context parallel: the split
+    dim is the sequence, and ``insert_sequence_exchange`` first marks what attention needs)."""
+    exchange = [functools.partial(insert_sequence_exchange, input_dims=options.input_dims)] if options.context_parallel else []
     return [
+        *exchange,
         functools.partial(
             insert_scatter_gather,
             devices=options.devices,
@@ -136,6 +142,8 @@ __all__ = [
     "functionalize_mutations",
     "find_mutations",
     "insert_scatter_gather",
+    "insert_sequence_exchange",
+    "find_sequence_attention",
     "lower_to_collectives",
     "find_collective_sites",
     "spmd_pipeline",

@@ -65,8 +65,20 @@ from dpcompile.analysis.placement import (
     Tuple,
     Whole,
 )
+from dpcompile.analysis.sequence_exchange import is_sequence_marker
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, replace_graph, stamp, stamp_comm
+from passes.data_parallel_nodes import (
+    gather_dims,
+    has_side_effect,
+    is_pad_packed,
+    is_pure_read,
+    is_training_batch_norm_function,
+    is_view,
+    names_read_from,
+    packed_lengths,
+    stamp_rows,
+)
 from passes.functionalize import refuse_lost_writes
 
 PASS = "insert_scatter_gather"
@@ -149,13 +161,15 @@ class _Builder:
                 self._emit_output(node)
                 continue
             placement = self.placements[node]
-            if isinstance(placement, Whole):
+            if is_sequence_marker(node) and len(self.devices) > 1:
+                self._emit_exchange(node, placement)
+            elif isinstance(placement, Whole):
                 self._emit_whole(node)
             elif isinstance(placement, Partial):
                 self._emit_partial(node, placement)
             elif node.op == "call_module" and isinstance(self.modules.get(node.target), BATCH_NORMS):
                 self._emit_batch_norm(node)
-            elif _is_training_batch_norm_function(node):
+            elif is_training_batch_norm_function(node):
                 self._emit_functional_batch_norm(node)
             else:
                 self._emit_per_device(node, placement)
@@ -167,12 +181,12 @@ class _Builder:
         op that then ran whole, and replicas (or parts of them) no device runs, which on
         distinct GPUs would cost a broadcast of their weights every step."""
         for node in reversed(list(self.graph.nodes)):
-            if not node.users and _is_pure_read(node):
+            if not node.users and is_pure_read(node):
                 self.graph.erase_node(node)
         replicas = next((n for n in self.graph.nodes if n.target is runtime.replicate), None)
         if replicas is None:
             return
-        used = {name for root in self.replica_roots.values() for name in _names_read_from(root)}
+        used = {name for root in self.replica_roots.values() for name in names_read_from(root)}
         roots: dict[str, fx.Node] = replicas.args[0]
         if not used:
             for user in list(replicas.users):
@@ -275,7 +289,7 @@ class _Builder:
             value = self._combine(node, self.primary)
         elif isinstance(placement, Replicated):
             value = self.per_device[node][0]
-        elif (dims := _gather_dims(placement)) is not None:
+        elif (dims := gather_dims(placement)) is not None:
             value = self._gather_or_recompute(node, dims)
         else:  # batch sizes and packed sequences: recompute from whole inputs
             value = self._emit_whole(node, record=False)
@@ -285,7 +299,7 @@ class _Builder:
     def _gather_or_recompute(self, node: fx.Node, dims: Any) -> fx.Node:
         """Views of a split value are recomputed from its gathered source, not gathered again."""
         sources = [n for n in node.all_input_nodes if not isinstance(self.placements.get(n), Replicated)]
-        if _is_view(node) and len(sources) == 1 and sources[0] in self.per_device:
+        if is_view(node) and len(sources) == 1 and sources[0] in self.per_device:
             return self._emit_whole(node, record=False)
         gathered = self.call(
             runtime.gather, (list(self.per_device[node]), dims, self.primary), name=node.name, source=node
@@ -309,6 +323,32 @@ class _Builder:
             self.whole[node] = new
         return new
 
+    def _emit_exchange(self, node: fx.Node, placement: Placement) -> None:
+        """Context parallelism's markers: keys and values all-gathered along the sequence
+        (``gather_sequence``), a mask's query rows scattered (nothing where already split)."""
+        value, dim = node.args[0], node.args[1]
+        split = self.placements.get(value)
+        if isinstance(placement, Whole) and placement.batch:
+            self._emit_whole(node)
+        elif node.target is runtime.sequence_split:
+            if isinstance(split, Split) and split.dim == dim:
+                self.per_device[node] = list(self.per_device[value])
+                return
+            scattered = self.call(
+                runtime.scatter, (self.whole_value(value), self.devices.strings(), dim), name=f"{node.name}_scatter", source=node
+            )
+            stamp_comm(scattered, "scatter", backward="gather")
+            self.per_device[node] = [
+                self.call(operator.getitem, (scattered, k), name=f"{node.name}_dev{k}", source=node) for k in range(self.n)
+            ]
+        elif isinstance(split, Split) and value in self.per_device:
+            gathered = self.call(runtime.gather_sequence, (list(self.per_device[value]), dim, self.primary), name=node.name, source=node)
+            self.whole[node] = stamp_comm(gathered, "all_gather", backward="reduce_scatter")
+        elif isinstance(placement, Replicated):
+            self.per_device[node] = [self.on_device(value, k) for k in range(self.n)]
+        else:
+            self.whole[node] = self.whole_value(value)
+
     def _emit_per_device(self, node: fx.Node, placement: Placement) -> None:
         values: list[Any] = []
         split = isinstance(placement, Split)
@@ -323,7 +363,7 @@ class _Builder:
                 and k > 0
                 and self._same_place(k)
                 and node.op != "get_attr"
-                and not _has_side_effect(node)
+                and not has_side_effect(node)
             ):
                 values.append(values[0])
                 continue
@@ -335,9 +375,9 @@ class _Builder:
                 continue
             if node.op == "call_module" and k in self.replica_roots:
                 values.append(self.node("call_method", node.target, (self.replica_roots[k], *args), kwargs, name=name, source=node))
-                _stamp_rows(values[-1], placement, k)
+                stamp_rows(values[-1], placement, k)
                 continue
-            if _is_pad_packed(node):
+            if is_pad_packed(node):
                 kwargs = self._with_total_length(node, kwargs)
             if arange_size is not None:  # device k's slice of arange(B): its rows' positions in the batch
                 sizes = [self.on_device(arange_size, j) for j in range(self.n)]
@@ -348,7 +388,7 @@ class _Builder:
             if keep is not None:  # squeeze() would drop the batch dim of a chunk of one sample
                 values.append(self.call(runtime.squeeze_except, (args[0], keep), name=name, source=node))
                 continue
-            values.append(_stamp_rows(self.node(node.op, node.target, args, kwargs, name=name, source=node), placement, k))
+            values.append(stamp_rows(self.node(node.op, node.target, args, kwargs, name=name, source=node), placement, k))
         self.per_device[node] = values
 
     def _rows_of_device(self, node: fx.Node, args: tuple, positions: tuple[int, fx.Node], k: int) -> tuple:
@@ -477,7 +517,7 @@ class _Builder:
         given = node.args[3] if len(node.args) > 3 else node.kwargs.get("total_length")
         if given is not None:
             return kwargs
-        lengths = _packed_lengths(node)
+        lengths = packed_lengths(node)
         if lengths is None:
             return kwargs
         if lengths not in self.max_lengths:
@@ -492,7 +532,7 @@ class _Builder:
             target = str(self.output_device)
             if isinstance(placement, Partial):
                 return self._combine(n, target)
-            if isinstance(placement, (Split, Tuple)) and (dims := _gather_dims(placement)) is not None and n.op != "placeholder":
+            if isinstance(placement, (Split, Tuple)) and (dims := gather_dims(placement)) is not None and n.op != "placeholder":
                 gathered = self.call(runtime.gather, (list(self.per_device[n]), dims, target), name=n.name, source=n)
                 return stamp_comm(gathered, "gather", io=True, backward="scatter")
             value = self.whole_value(n)
@@ -502,96 +542,3 @@ class _Builder:
             return value
 
         self.graph.output(fx.node.map_arg(node.args[0], finish), type_expr=node.type)
-
-
-def _stamp_rows(new: fx.Node, placement: Placement, k: int) -> fx.Node:
-    """Where device ``k``'s piece lies in the batch (``draw_random_whole`` slices random draws by it)."""
-    if isinstance(placement, Tuple) and placement.items and isinstance(placement.items[0], Split):
-        placement = placement.items[0]
-    if isinstance(placement, Split):
-        new.meta["dpcompile_rows"] = (k, placement.dim)
-    return new
-
-
-def _gather_dims(placement: Placement) -> Any:
-    """The ``dim`` argument of ``runtime.gather`` for a placement, or None if it cannot gather."""
-    if isinstance(placement, Split):
-        return placement.dim
-    if isinstance(placement, Replicated):
-        return None
-    if isinstance(placement, Tuple):
-        dims = []
-        for item in placement.items:
-            if isinstance(item, Replicated):
-                dims.append(runtime.TAKE_FIRST)
-                continue
-            d = _gather_dims(item)
-            if d is None:
-                return None
-            dims.append(d)
-        return tuple(dims)
-    return None
-
-
-_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "t", "flatten", "unsqueeze", "squeeze", "contiguous", "expand"}
-_VIEW_FUNCTIONS = {torch.transpose, torch.permute, torch.t, torch.flatten, torch.reshape, torch.unsqueeze, torch.squeeze}
-
-
-def _is_view(node: fx.Node) -> bool:
-    """Cheap reshapes that are better recomputed from a gathered source than gathered again."""
-    if node.op == "call_method":
-        return node.target in _VIEW_METHODS
-    if node.op == "call_function":
-        return node.target in _VIEW_FUNCTIONS or (node.target is getattr and node.args[1] in ("T", "mT"))
-    return False
-
-
-def _is_pure_read(node: fx.Node) -> bool:
-    """A read of a shape, an attribute or an element: nothing lost when its result is unused."""
-    if node.op == "call_method":
-        return node.target in ("size", "dim")
-    return node.op == "call_function" and node.target in (operator.getitem, getattr)
-
-
-def _names_read_from(root: fx.Node) -> set[str]:
-    """The top-level names a replica root is used for (``replica_dev1.enc.fc1(...)``: ``enc``)."""
-    names = set()
-    for user in root.users:
-        if user.op == "call_method" and user.args[0] is root:
-            names.add(str(user.target).split(".")[0])
-        elif user.op == "call_function" and user.target is getattr and user.args[0] is root:
-            names.add(user.args[1])
-        else:  # handed on whole: keep everything
-            names.add("*")
-    return names
-
-
-def _has_side_effect(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is runtime.flatten_parameters
-
-
-def _is_training_batch_norm_function(node: fx.Node) -> bool:
-    """``F.batch_norm`` called with ``training=True`` (its rule splits it only then with constants)."""
-    if node.op != "call_function" or node.target is not F.batch_norm:
-        return False
-    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
-    return training is True
-
-
-def _is_pad_packed(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is torch.nn.utils.rnn.pad_packed_sequence
-
-
-def _packed_lengths(node: fx.Node) -> fx.Node | None:
-    """Walk back from ``pad_packed_sequence`` to the ``lengths`` its sequence was packed with."""
-    seen = 0
-    current: Any = node.args[0]
-    while isinstance(current, fx.Node) and seen < 64:
-        seen += 1
-        if current.op == "call_function" and current.target is torch.nn.utils.rnn.pack_padded_sequence:
-            return current.args[1] if len(current.args) > 1 else current.kwargs.get("lengths")
-        if not current.args:
-            return None
-        current = current.args[0]
-    return None
-

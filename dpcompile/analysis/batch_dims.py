@@ -41,6 +41,7 @@ from dpcompile.analysis.placement import (
     Whole,
     carries_batch,
 )
+from dpcompile.analysis.sequence_exchange import is_sequence_marker, marker_placement
 
 log = logging.getLogger("dpcompile")
 
@@ -62,6 +63,8 @@ def decide(
 ) -> Placement:
     """The placement of one node, given its inputs' placements (``whole_orders``: nodes whose
     device-local order would be read whole, and why; they run whole)."""
+    if is_sequence_marker(node):  # context parallelism's exchanges take whole inputs too
+        return marker_placement(node, placements)
     inputs = _arg_placement((node.args, node.kwargs), placements)
     if any(isinstance(p, Whole) and p.batch for p in inputs):
         first = next(n for n in node.all_input_nodes if isinstance(placements[n], Whole) and placements[n].batch)

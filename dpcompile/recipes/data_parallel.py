@@ -34,6 +34,7 @@ from dpcompile.analysis.split_fraction import (
 )
 from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture
 from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
@@ -47,15 +48,22 @@ class DataParallelRecipe(Recipe):
     """Replicas on ``devices`` (repeated entries: virtual devices), outputs on ``output_device``.
 
     ``batch_dim``: None (inferred) or the dim every input splits on; ``copy_replicas``: real
-    replica copies on virtual devices too (the code path of distinct GPUs).
+    replica copies on virtual devices too (the code path of distinct GPUs); ``context_parallel``:
+    ``batch_dim`` is the sequence (``mesh={"cp": N}``, ``docs/context_parallel.md``).
     """
 
     devices: Devices = Devices((torch.device("cpu"),))
     output_device: torch.device = torch.device("cpu")
     batch_dim: int | None = None
     copy_replicas: bool = False
+    context_parallel: bool = False  # batch_dim is the sequence dim; attention all-gathers keys/values
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
+        if self.context_parallel and example_inputs is None:
+            raise DpCompileError(
+                "context parallel (mesh={'cp': N}) finds the sequence and attention's shapes from examples: pass "
+                "example_inputs= or example_kwargs= (e.g. input_ids=, labels=)"
+            )
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         move_to(model, self.devices.primary)
         if example_inputs is not None:
@@ -97,6 +105,7 @@ class DataParallelRecipe(Recipe):
             copy_replicas=self.copy_replicas,
             write_back_inputs=True,
             exact_random=self.exact_random,
+            context_parallel=self.context_parallel,
         )
 
     def lower(

@@ -21,6 +21,7 @@ from dpcompile.runtime.recompute import checkpoint
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
+from dpcompile.runtime.sequence import gather_sequence, sequence_split, sequence_whole
 from dpcompile.runtime.side_effects import (
     apply_function,
     assign_buffer,
@@ -52,6 +53,7 @@ __all__ = [
     "checkpoint",
     "flatten_parameters",
     "gather",
+    "gather_sequence",
     "in_place_without_grad",
     "local_positions",
     "max_length",
@@ -65,6 +67,8 @@ __all__ = [
     "replicate",
     "run_forward_hook",
     "scatter",
+    "sequence_split",
+    "sequence_whole",
     "send",
     "split_sizes",
     "squeeze_except",

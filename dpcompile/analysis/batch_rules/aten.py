@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcompile.analysis.batch_rules.attention import sdpa_query_rows
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, normalize_dim
 from dpcompile.analysis.batch_rules.modules import per_sample_dim0
 from dpcompile.analysis.batch_rules.sizes import is_whole_split_size
@@ -93,7 +94,12 @@ def col2im(ctx: RuleContext) -> Placement | None:
 
 def sdpa(ctx: RuleContext) -> Placement | None:
     """``scaled_dot_product_attention(q, k, v, mask)``: the same batch dim (before the last two)
-    split in q, k, v; the mask split there too or replicated."""
+    split in q, k, v; the mask split there too or replicated. Or the queries split on their own
+    dim, keys and values whole (:func:`~dpcompile.analysis.batch_rules.attention.sdpa_query_rows`)."""
+    return _sdpa_batch(ctx) or sdpa_query_rows(ctx)
+
+
+def _sdpa_batch(ctx: RuleContext) -> Placement | None:
     args = list(ctx.node.args) + [None] * 4
     q, k, v, mask = args[:4]
     mask = ctx.node.kwargs.get("attn_mask", mask)

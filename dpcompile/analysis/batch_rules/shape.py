@@ -173,8 +173,11 @@ def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
         return None
     entry = sizes[j]
     others = [x for i, x in enumerate(sizes) if i != j]
-    batch_sized = entry == -1 or (isinstance(entry, fx.Node) and ctx.p(entry) == BatchSize())
-    if not batch_sized or any(x == -1 or (isinstance(x, fx.Node) and not isinstance(ctx.p(x), Replicated)) for x in others):
+    chunk_sized = isinstance(entry, fx.Node) and ctx.p(entry) == BatchSize()  # then a -1 elsewhere is the same
+    batch_sized = entry == -1 or chunk_sized
+    if not batch_sized or any(
+        (x == -1 and not chunk_sized) or (isinstance(x, fx.Node) and not isinstance(ctx.p(x), Replicated)) for x in others
+    ):
         return Whole(reason=f"view writes the split dim {d}'s size as a number, not the chunk's")
     return Split(j)
 

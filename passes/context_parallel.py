@@ -1,0 +1,204 @@
+"""``insert_sequence_exchange``: what attention needs of the sequence, made explicit for context parallelism.
+
+Context parallelism splits the sequence as data parallelism splits the batch (the same lowering,
+``insert_scatter_gather``, on the sequence dim). Everything position-wise then runs on each
+device's own tokens; attention is the one op that mixes positions. Each device keeps its own
+queries and needs every key and value: this pass marks keys and values ``sequence_whole`` (an
+all-gather, once lowered), a mask's query rows ``sequence_split``, and writes ``is_causal=True``
+out as a mask of positions, so a device's queries see the keys up to their own positions.
+
+Before::
+
+    def forward(self, q, k, v):
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return sdpa
+
+After::
+
+    def forward(self, q, k, v):
+        sdpa_keys = dpcompile_runtime_sequence_whole(k, 2)
+        sdpa_values = dpcompile_runtime_sequence_whole(v, 2)
+        sdpa_query_len = q.size(2)
+        sdpa_key_len = sdpa_keys.size(2)
+        ...
+        sdpa_causal_mask = operator.ge(sdpa_query_positions_column, sdpa_key_positions)
+        sdpa = F.scaled_dot_product_attention(q, sdpa_keys, sdpa_values, attn_mask=sdpa_causal_mask)
+        return sdpa
+
+Lowered over two devices, ``sdpa_keys = dpcompile_runtime_gather_sequence([k_dev0, k_dev1], 2, 'cpu')``
+and each device's query positions are its own (``dpcompile_runtime_batch_arange``). An
+attention that would still run whole (its queries could not be split: a table indexed by
+the sequence that no rule splits) is a ``DpCompileError`` naming the value and the op.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from dpcompile import runtime
+from dpcompile.analysis.batch_dims import op_name, propagate
+from dpcompile.analysis.batch_rules.attention import SDPA_ARGUMENTS, sdpa_arguments
+from dpcompile.analysis.batch_rules.context import node_shape
+from dpcompile.analysis.placement import Placement, Whole
+from dpcompile.errors import DpCompileError
+from dpcompile.infra import PassResult, stamp
+
+PASS = "insert_sequence_exchange"
+SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+#: what ``explain`` and ``pm.strategies`` call the exchange chosen, and the ones not chosen (yet)
+EXCHANGE = "all-gather keys/values"
+OTHER_EXCHANGES = ("ring exchange of keys/values (not built)", "head-to-sequence all-to-all (not built)")
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention call: its node, the queries' and keys' sequence dims, what its mask needs."""
+
+    node: fx.Node
+    query_dim: int
+    key_dim: int
+    causal: bool
+    mask: fx.Node | None
+    mask_rows_dim: int | None  # the mask's query-rows dim, to split; None where its rows broadcast
+    mask_keys_dim: int | None  # the mask's key dim, to gather where its rows broadcast
+
+
+def is_attention(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in SDPA_TARGETS
+
+
+def find_sequence_attention(gm: fx.GraphModule) -> list[AttentionSite]:
+    """Every batched attention call whose shapes are known (``example_inputs=``)."""
+    sites = []
+    for node in gm.graph.nodes:
+        if not is_attention(node):
+            continue
+        bound = sdpa_arguments(node)
+        q_shape, k_shape = node_shape(bound["query"]), node_shape(bound["key"])
+        if q_shape is None or k_shape is None or len(q_shape) < 3:
+            continue
+        mask = bound.get("attn_mask") if isinstance(bound.get("attn_mask"), fx.Node) else None
+        mask_shape = node_shape(mask) if mask is not None else None
+        rows_dim = keys_dim = None
+        if mask_shape is not None and len(mask_shape) >= 2:
+            if mask_shape[-2] == 1:
+                keys_dim = len(mask_shape) - 1
+            else:
+                rows_dim = len(mask_shape) - 2
+        causal = bound.get("is_causal") is True
+        sites.append(AttentionSite(node, len(q_shape) - 2, len(k_shape) - 2, causal, mask, rows_dim, keys_dim))
+    return sites
+
+
+def insert_sequence_exchange(gm: fx.GraphModule, *, input_dims: Mapping[str, int | None]) -> PassResult:
+    """Mark what each attention needs of the sequence (see the module's docstring); refuse, by
+    name, an attention whose queries cannot be split."""
+    sites = find_sequence_attention(gm)
+    for site in sites:
+        _rewrite(gm.graph, site)
+    placements = propagate(gm, input_dims)
+    for site in sites:
+        if isinstance(placements[site.node], Whole) and placements[site.node].batch:
+            raise DpCompileError(_whole_attention_message(site.node, placements))
+    return PassResult(gm, bool(sites), {"attention": [s.node.name for s in sites], "exchange": EXCHANGE})
+
+
+def _rewrite(graph: fx.Graph, site: AttentionSite) -> None:
+    node = site.node
+    bound = sdpa_arguments(node)
+    with graph.inserting_before(node):
+        keys = _marker(graph, runtime.sequence_whole, bound["key"], site.key_dim, f"{node.name}_keys", node)
+        values = _marker(graph, runtime.sequence_whole, bound["value"], site.key_dim, f"{node.name}_values", node)
+        mask: Any = bound.get("attn_mask")
+        if site.causal:
+            mask = _causal_mask(graph, bound["query"], keys, site, node)
+        elif site.mask is not None and site.mask_rows_dim is not None:
+            mask = _marker(graph, runtime.sequence_split, site.mask, site.mask_rows_dim, f"{node.name}_mask_rows", node)
+        elif site.mask is not None and site.mask_keys_dim is not None:
+            mask = _marker(graph, runtime.sequence_whole, site.mask, site.mask_keys_dim, f"{node.name}_mask_keys", node)
+    named = {**bound, "key": keys, "value": values, "attn_mask": mask}
+    if site.causal:
+        named["is_causal"] = False
+    positional = len(node.args)
+    if mask is not None and positional < 4 and "attn_mask" not in node.kwargs:
+        node.kwargs = {**node.kwargs, "attn_mask": mask}
+    node.args = tuple(named[name] for name in SDPA_ARGUMENTS[:positional])
+    node.kwargs = {name: named.get(name, value) for name, value in node.kwargs.items()}
+
+
+def _marker(graph: fx.Graph, fn: Any, value: fx.Node, dim: int, name: str, source: fx.Node) -> fx.Node:
+    new = stamp(graph.call_function(fn, (value, dim)), PASS, source)
+    new.name = graph._graph_namespace.create_name(name, None)
+    for key in ("val", "tensor_meta"):
+        if key in value.meta:
+            new.meta[key] = value.meta[key]
+    return new
+
+
+def _causal_mask(graph: fx.Graph, query: fx.Node, keys: fx.Node, site: AttentionSite, source: fx.Node) -> fx.Node:
+    """``is_causal=True`` as positions: query position ``i`` sees key positions ``<= i``. Split,
+    each device's query positions are its own (``arange`` of a split size is the shard's positions)."""
+    q_len, k_len = node_shape(query)[site.query_dim], node_shape(keys)[site.key_dim]  # type: ignore[index]
+
+    def make(op: str, target: Any, args: tuple, kwargs: dict | None, name: str, shape: Any = None, dtype: Any = None) -> fx.Node:
+        new = stamp(graph.create_node(op, target, args, kwargs or {}), PASS, source)
+        new.name = graph._graph_namespace.create_name(f"{source.name}_{name}", None)
+        if shape is not None:
+            new.meta["tensor_meta"] = TensorMetadata(torch.Size(shape), dtype, False, (), torch.contiguous_format, False, {})
+        return new
+
+    query_len = make("call_method", "size", (query, site.query_dim), None, "query_len")
+    key_len = make("call_method", "size", (keys, site.key_dim), None, "key_len")
+    device = make("call_function", getattr, (query, "device"), None, "device")
+    rows = make("call_function", torch.arange, (query_len,), {"device": device}, "query_positions", (q_len,), torch.int64)
+    cols = make("call_function", torch.arange, (key_len,), {"device": device}, "key_positions", (k_len,), torch.int64)
+    column = make("call_method", "unsqueeze", (rows, -1), None, "query_positions_column", (q_len, 1), torch.int64)
+    return make("call_function", operator.ge, (column, cols), None, "causal_mask", (q_len, k_len), torch.bool)
+
+
+def _whole_attention_message(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> str:
+    root = _first_whole(node, placements)
+    placement = placements[root]
+    reason = placement.reason if isinstance(placement, Whole) and placement.reason else "it runs whole"
+    where = _user_line(root)
+    return (
+        f"context parallel: attention '{node.name}' cannot run on sequence shards: the value '{root.name}' "
+        f"({op_name(root)}{', ' + where if where else ''}) that it reads runs on the whole sequence, because {reason}. "
+        "Every value indexed by the sequence (positions, rotary cos/sin tables, masks) must be split with it: compute "
+        "it from positions (torch.arange(seq_len), position_ids), teach its op with dpcompile.register_batch_rule, "
+        "or leave 'cp' out of mesh="
+    )
+
+
+def _first_whole(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> fx.Node:
+    """Back from ``node`` to the first value that runs whole on its own account (not because of an input)."""
+    current = node
+    while True:
+        inputs = [n for n in current.all_input_nodes if isinstance(placements.get(n), Whole) and placements[n].batch]
+        if not inputs:
+            return current
+        current = inputs[0]
+
+
+def _user_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    frames = [line for line in lines if line.startswith("File ")]
+    if not frames:
+        return ""
+    last = frames[-1]
+    code = lines[lines.index(last) + 1] if lines.index(last) + 1 < len(lines) else ""
+    filename = last.split('"')[1].rsplit("/", 1)[-1] if '"' in last else last
+    line = last.split("line ")[1].split(",")[0] if "line " in last else "?"
+    return f"{filename}:{line}: {code}"
+
+
+__all__ = ["EXCHANGE", "OTHER_EXCHANGES", "AttentionSite", "find_sequence_attention", "insert_sequence_exchange"]

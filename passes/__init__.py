@@ -59,18 +59,17 @@ def exact_random_pipeline(options: PipelineOptions) -> list[Pass]:
 
 
 def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
-    """Passes that tidy the captured graph, whatever the parallelism."""
+    """Passes that tidy the captured graph, whatever the parallelism (context parallel: then
+    ``insert_sequence_exchange`` marks what attention needs of the sequence)."""
+    exchange = [functools.partial(insert_sequence_exchange, input_dims=options.input_dims)] if options.context_parallel else []
     if options.write_back_inputs:
-        return [hoist_flatten_parameters, functools.partial(functionalize_mutations, inputs=True)]
-    return [hoist_flatten_parameters, functionalize_mutations]
+        return [hoist_flatten_parameters, functools.partial(functionalize_mutations, inputs=True), *exchange]
+    return [hoist_flatten_parameters, functionalize_mutations, *exchange]
 
 
 def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
-    """Lower a tidied graph to explicit per-device data-parallel code (context parallel: the split
-    dim is the sequence, and ``insert_sequence_exchange`` first marks what attention needs)."""
-    exchange = [functools.partial(insert_sequence_exchange, input_dims=options.input_dims)] if options.context_parallel else []
+    """Lower a tidied graph to explicit per-device data-parallel code."""
     return [
-        *exchange,
         functools.partial(
             insert_scatter_gather,
             devices=options.devices,

@@ -48,6 +48,7 @@ from dpcompile.analysis.batch_dims import op_name, propagate
 from dpcompile.analysis.batch_rules.attention import SDPA_ARGUMENTS, sdpa_arguments
 from dpcompile.analysis.batch_rules.context import node_shape
 from dpcompile.analysis.placement import Placement, Whole
+from dpcompile.analysis.sequence_exchange import is_sequence_marker
 from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, stamp
 
@@ -76,12 +77,14 @@ def is_attention(node: fx.Node) -> bool:
 
 
 def find_sequence_attention(gm: fx.GraphModule) -> list[AttentionSite]:
-    """Every batched attention call whose shapes are known (``example_inputs=``)."""
+    """Every batched attention call whose shapes are known (``example_inputs=``), not marked yet."""
     sites = []
     for node in gm.graph.nodes:
         if not is_attention(node):
             continue
         bound = sdpa_arguments(node)
+        if is_sequence_marker(bound["key"]):
+            continue  # marked already: the pass runs once per graph
         q_shape, k_shape = node_shape(bound["query"]), node_shape(bound["key"])
         if q_shape is None or k_shape is None or len(q_shape) < 3:
             continue

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from dpcompile import runtime
 from dpcompile.analysis.batch_dims import propagate
-from dpcompile.analysis.batch_positions import batch_arange_size, index_positions
+from dpcompile.analysis.batch_positions import batch_arange_size, index_positions, table_rows
 from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
 from dpcompile.analysis.batch_rules.shape import squeeze_keeps
 from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
@@ -353,6 +353,7 @@ class _Builder:
         values: list[Any] = []
         split = isinstance(placement, Split)
         arange_size = batch_arange_size(node, self.placements) if split else None
+        rows = table_rows(node, self.placements) if split else None
         positions = index_positions(node, self.placements) if split and node.op == "call_function" else None
         keep = squeeze_keeps(node, self.placements) if split else None
         for k in range(self.n):
@@ -382,6 +383,10 @@ class _Builder:
             if arange_size is not None:  # device k's slice of arange(B): its rows' positions in the batch
                 sizes = [self.on_device(arange_size, j) for j in range(self.n)]
                 values.append(self.call(runtime.batch_arange, (sizes, k), kwargs, name=name, source=node))
+                continue
+            if rows is not None:  # table[:size] of a split size: device k's own rows of the table
+                sizes = [self.on_device(rows[1], j) for j in range(self.n)]
+                values.append(self.call(runtime.rows_of_shard, (args[0], rows[0], sizes, k), name=name, source=node))
                 continue
             if positions is not None:
                 args = self._rows_of_device(node, args, positions, k)

@@ -90,7 +90,7 @@ def test_layout_mesh_arithmetic_is_checked_with_the_numbers(mesh, n, match):
         dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
 
 
-@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "tp": 2}, {"cp": 2}])
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "tp": 2}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}])
 def test_layout_not_built_names_the_nearest(mesh):
     """A layout not built in one process is a DpCompileError that names one that works."""
     n = 1

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.analysis.placement import BatchSize, Placement
+from dpcompile.analysis.placement import BatchSize, Placement, Replicated
 
 aten = torch.ops.aten
 INT64_MAX = 9223372036854775807
@@ -51,6 +51,29 @@ def batch_arange_size(node: fx.Node, placements: Mapping[fx.Node, Placement]) ->
         return None
     size = args[0]
     return size if placements.get(size) == BatchSize() else None
+
+
+def table_rows(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> tuple[int, fx.Node] | None:
+    """``(dim, size)`` where ``node`` slices a tensor the same on every device from 0 to a split
+    size along ``dim`` (``aten.slice(position_ids, 1, 0, seq_len)``): each device's chunk of the
+    result is its own rows of the table (``runtime.rows_of_shard``). Else None."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if node.target.overloadpacket is not aten.slice:
+        return None
+    table, dim, start, end, step = [*node.args, *[None, 0, None, None, 1][len(node.args) :]][:5]
+    if not isinstance(table, fx.Node) or not isinstance(dim, int) or not isinstance(end, fx.Node):
+        return None
+    if start not in (None, 0) or step not in (None, 1) or placements.get(end) != BatchSize():
+        return None
+    if not isinstance(placements.get(table), Replicated):
+        return None
+    if dim < 0:
+        shape = table.meta.get("val")
+        if not isinstance(shape, torch.Tensor):
+            return None
+        dim += shape.dim()
+    return dim, end
 
 
 def positions_source(node: Any, placements: Mapping[fx.Node, Placement]) -> fx.Node | None:

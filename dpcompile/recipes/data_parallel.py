@@ -70,7 +70,9 @@ class DataParallelRecipe(Recipe):
             primary = self.devices.primary
             propagate_shapes(gm, [x.to(primary) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
-        gm, records = run_passes(gm, passes.frontend_pipeline(self._options()))
+        if self.context_parallel:
+            input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
+        gm, records = run_passes(gm, passes.frontend_pipeline(self._options(input_dims=input_dims)))
         warn_if_mostly_whole(gm, input_dims, example_inputs, len(self.devices))
         captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
         # forward is Python: traced again where a call takes another path (see build_program)
@@ -152,6 +154,20 @@ class DataParallelRecipe(Recipe):
             class_name=type(pm).__name__,
             share_all_of=pm,
         )
+
+
+def without_sequence_replicated(
+    gm: fx.GraphModule, input_dims: Mapping[str, int | None], example_inputs: Sequence[Any] | None
+) -> dict[str, int | None]:
+    """Context parallel: an input whose example has no sequence dim (a classifier's ``labels`` of
+    shape ``(batch,)``) is the same on every device, not split."""
+    out = dict(input_dims)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, example in zip(placeholders, example_inputs or ()):
+        dim = out.get(node.target)
+        if dim is not None and isinstance(example, torch.Tensor) and example.dim() <= dim:
+            out[node.target] = None
+    return out
 
 
 def replicated_inputs(

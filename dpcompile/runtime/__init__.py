@@ -1,6 +1,13 @@
 """What generated code calls. Every function here is a plain, differentiable Python call."""
 
-from dpcompile.runtime.batch_values import batch_arange, local_positions, squeeze_except, write_back, written
+from dpcompile.runtime.batch_values import (
+    batch_arange,
+    local_positions,
+    rows_of_shard,
+    squeeze_except,
+    write_back,
+    written,
+)
 from dpcompile.runtime.batchnorm import batch_norm, functional_batch_norm
 from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split_sizes, to_device
 from dpcompile.runtime.grad import without_grad
@@ -65,6 +72,7 @@ __all__ = [
     "reduce_add",
     "refresh_replicas",
     "replicate",
+    "rows_of_shard",
     "run_forward_hook",
     "scatter",
     "sequence_split",

@@ -2,7 +2,7 @@
 
 ``batch_arange`` is device ``k``'s slice of ``torch.arange(B)``: the positions, in the whole
 batch, of the rows device ``k`` holds (device 1 of a batch of 5 split 3/2 holds ``[3, 4]``).
-``local_positions`` turns such positions back into rows of the device's own chunk, for an
+``rows_of_shard`` is device ``k``'s rows of a table sliced by a split size. ``local_positions`` turns such positions back into rows of the device's own chunk, for an
 index into it. ``squeeze_except`` is ``squeeze()`` on a chunk that may hold one sample.
 ``written`` is an in-place write made functional: the written copy of a tensor, so a program
 can say what a mutation produced instead of relying on aliasing; ``write_back`` puts such a
@@ -30,6 +30,16 @@ def batch_arange(sizes: Sequence[int], k: int, **kwargs: Any) -> torch.Tensor:
     """
     start = _offset(sizes, k)
     return torch.arange(start, start + int(sizes[k]), **kwargs)
+
+
+def rows_of_shard(table: torch.Tensor, dim: int, sizes: Sequence[int], k: int) -> torch.Tensor:
+    """Device ``k``'s rows of ``table.narrow(dim, 0, sum(sizes))``: a table sliced by a split
+    size (``position_ids[:, :seq_len]``, ``cos_cached[:seq_len]``) holds each shard's own rows.
+
+    >>> rows_of_shard(torch.arange(10), 0, [3, 2], 1)
+    tensor([3, 4])
+    """
+    return table.narrow(dim, _offset(sizes, k), int(sizes[k]))
 
 
 def local_positions(positions: torch.Tensor, sizes: Sequence[int], k: int) -> torch.Tensor:

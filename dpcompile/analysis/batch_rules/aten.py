@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcompile.analysis.batch_positions import table_rows
 from dpcompile.analysis.batch_rules.attention import sdpa_query_rows
 from dpcompile.analysis.batch_rules.context import Rule, RuleContext, normalize_dim
 from dpcompile.analysis.batch_rules.modules import per_sample_dim0
@@ -127,7 +128,11 @@ def _sdpa_batch(ctx: RuleContext) -> Placement | None:
 
 
 def slice_(ctx: RuleContext) -> Placement | None:
-    """``slice(x, dim, start, end, step)``: any slice of another dim; all of the batch dim."""
+    """``slice(x, dim, start, end, step)``: any slice of another dim; all of the batch dim; a
+    table the same on every device sliced to a split size, each device its own rows."""
+    rows = table_rows(ctx.node, ctx.placements)
+    if rows is not None:
+        return Split(rows[0])
     x = ctx.node.args[0]
     p = _split(ctx, x)
     bound = _bound(ctx)  # dim, start, end and step may come by keyword

@@ -1,0 +1,154 @@
+"""Context parallelism in one process (``mesh={"cp": N}``): the sequence split over virtual
+devices with no annotations, attention's keys and values all-gathered. Outputs, the loss and
+every gradient equal the eager model (float64), for sequence lengths that divide the devices
+and that do not; a sequence-indexed table that no rule splits is refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpcompile
+from dpcompile import DpCompileError
+from tests.thirdparty import import_or_skip
+
+V = 64  # vocabulary
+
+
+class CausalSelfAttention(nn.Module):
+    """One causal attention block over ``(batch, seq, 16)``, positions from ``arange``."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.pos = nn.Embedding(32, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = x + self.pos(torch.arange(s, device=x.device))
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(a.transpose(1, 2).reshape(b, s, d)) + h
+
+
+class UnsplitRotaryTable(CausalSelfAttention):
+    """Rotary-style scaling read from a cached table sliced by the sequence length and read
+    backwards: no rule gives each device its own rows of the reversed table."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos_cached", torch.randn(32, 8))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        cos = self.cos_cached[: q.shape[2]].flip(0)
+        a = F.scaled_dot_product_attention(q * cos, k * cos, v, is_causal=True)
+        return self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
+def _transformers_model(name: str) -> nn.Module:
+    T = import_or_skip("transformers")
+    if name == "gpt2":
+        config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
+                              embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+        return T.GPT2LMHeadModel(config)
+    if name == "llama":
+        config = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=64, vocab_size=V, max_position_embeddings=32, use_cache=False,
+                               bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+        return T.LlamaForCausalLM(config)
+    config = T.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                          vocab_size=V, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, pad_token_id=0)  # fmt: skip
+    return T.BertForSequenceClassification(config)
+
+
+def _inputs(name: str, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    kwargs = {"input_ids": torch.randint(1, V, (2, seq), generator=g)}
+    if name == "bert":
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[0, seq - 3 :] = 0  # padding on the last device's tokens
+        kwargs.update(attention_mask=mask, labels=torch.tensor([0, 1]))
+    else:
+        kwargs["labels"] = torch.randint(0, V, (2, seq), generator=g)
+    return kwargs
+
+
+def _assert_step_equals_eager(pm: nn.Module, model: nn.Module, eager: nn.Module, inputs: dict) -> None:
+    """Outputs, loss and every parameter gradient of one step equal eager's."""
+    got, want = pm(**inputs), eager(**inputs)
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.loss, want.loss)
+    weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+    (got.loss + (got.logits * weights).sum()).backward()
+    (want.loss + (want.logits * weights).sum()).backward()
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"no gradient reached {name}"
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    model.zero_grad()
+    eager.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_context_parallel_transformers_equal_eager(name, n):
+    """GPT-2 (labels), Llama (rotary, grouped-query heads) and BERT (a padding mask) on n
+    virtual devices: a sequence that divides them and one that does not, equal to eager."""
+    torch.manual_seed(0)
+    model = _transformers_model(name).double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=_inputs(name, 12), frontend="export")
+    assert "dpcompile_runtime_gather_sequence" in pm.code
+    for seq in (12, 13):
+        _assert_step_equals_eager(pm, model, eager, _inputs(name, seq, seed=seq))
+
+
+def test_context_parallel_causal_attention_sees_earlier_shards():
+    """is_causal=True with the queries split: each shard's queries see every earlier key, on
+    3 devices and a length of 7 (shards of 3, 2, 2), outputs and gradients equal eager."""
+    torch.manual_seed(0)
+    model = CausalSelfAttention().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 3, mesh={"cp": 3}, example_inputs=(x,))
+    assert pm.code.count("dpcompile_runtime_gather_sequence") == 2  # keys and values
+    assert "dpcompile_runtime_batch_arange" in pm.code  # each shard's own query positions
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_context_parallel_layout_and_strategy_are_named():
+    """pm.layout and pm.strategies say what the cp dimension does."""
+    x = torch.randn(2, 6, 16)
+    pm = dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
+    assert pm.layout == {"cp": 2}
+    assert pm.strategies == {"cp": "context parallel (all-gather keys/values)"}
+
+
+def test_context_parallel_unsplit_rotary_table_is_refused_by_name():
+    """A table sliced by the sequence length that no rule splits fails loudly, naming the
+    value and the attention, instead of every device reading the table's first rows."""
+    x = torch.randn(2, 6, 16)
+    with pytest.raises(DpCompileError, match=r"attention 'scaled_dot_product_attention' cannot run on sequence "
+                       r"shards: the value '(getitem|flip)\w*' .*cos_cached\[: q.shape\[2\]\].flip\(0\)"):  # fmt: skip
+        dpcompile.transform(UnsplitRotaryTable(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
+
+
+def test_context_parallel_needs_examples():
+    """Without examples there are no shapes to find the sequence and attention's by."""
+    with pytest.raises(DpCompileError, match="example_inputs= or example_kwargs="):
+        dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2})

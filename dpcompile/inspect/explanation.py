@@ -31,6 +31,7 @@ from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.pipeline import PipelineModule
 from passes.checkpoint_activations import with_regions_recomputed
 from passes.collectives import group_size
+from passes.context_parallel import EXCHANGE, OTHER_EXCHANGES
 from passes.split_stages import STAGE
 
 __all__ = ["ALL_DEVICES", "explain", "param_bytes"]
@@ -163,7 +164,22 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
             n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
         },
         random={**random_draws_of(gm), "note": per_device_note(gm)},
+        context_parallel=_context_parallel(pm, gm, activation),
     )
+
+
+def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str, int]) -> dict[str, Any] | None:
+    """What the ``cp`` dimension does: the sequence split, the exchange chosen and the others."""
+    size = (getattr(pm, "layout", None) or {}).get("cp", 1)
+    if size < 2:
+        return None
+    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is runtime.gather_sequence]
+    attention = sorted({str(n.meta.get("dpcompile_source", n.name)) for n in gathers})  # the user's attention calls
+    return {
+        "dimension": "cp", "size": size, "sequence_dim": getattr(pm.recipe, "batch_dim", 1),
+        "exchange": EXCHANGE, "not_chosen": list(OTHER_EXCHANGES), "attention": attention,
+        "activation_bytes": dict(activation),
+    }  # fmt: skip
 
 
 def _pipeline_report(

@@ -90,6 +90,9 @@ class Report:
     # random ops by the user's node: {"exact": [sites drawing the single-device values], "per_device":
     # [sites each device draws itself], "note": what the per-device draws mean, or None}
     random: dict[str, Any] = field(default_factory=dict)
+    # context parallel: {"dimension": "cp", "size", "sequence_dim", "exchange", "not_chosen": [...],
+    # "attention": [attention calls], "activation_bytes": {device: bytes}} (docs/context_parallel.md)
+    context_parallel: dict[str, Any] | None = None
 
     @property
     def comm_elements(self) -> float:
@@ -222,6 +225,13 @@ def _render(r: Report) -> str:
         f"  inputs on / outputs back (io): forward {_human_count(r.io_elements_forward if io_sized else None)}, backward "
         f"{_human_count(r.io_elements_backward if io_sized else None)}, total {_human_count(r.io_elements if io_sized else None)}"
     )
+    if r.context_parallel:
+        cp = r.context_parallel
+        out += ["", f"Context parallel: '{cp['dimension']}' of size {cp['size']} splits the sequence (dim "
+                    f"{cp['sequence_dim']}); exchange: {cp['exchange']} at {len(cp['attention'])} attention call(s)"]  # fmt: skip
+        out.append(f"  not chosen: {', '.join(cp['not_chosen'])}")
+        per_device = ", ".join(f"{d} {_human_bytes(b)}" for d, b in cp["activation_bytes"].items())
+        out.append(f"  activations per device (est.): {per_device}")
     if r.mode == "data_parallel":
         fraction = "?" if r.split_flop_fraction is None else f"{100 * r.split_flop_fraction:.1f}%"
         out += ["", f"Split across devices: {fraction} of forward FLOPs"]

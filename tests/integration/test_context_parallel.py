@@ -57,15 +57,15 @@ class UnsplitRotaryTable(CausalSelfAttention):
 def _transformers_model(name: str) -> nn.Module:
     T = import_or_skip("transformers")
     if name == "gpt2":
-        config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
+        config = T.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
                               embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
         return T.GPT2LMHeadModel(config)
     if name == "llama":
-        config = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        config = T.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                intermediate_size=64, vocab_size=V, max_position_embeddings=32, use_cache=False,
                                bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
         return T.LlamaForCausalLM(config)
-    config = T.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+    config = T.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64,
                           vocab_size=V, max_position_embeddings=32, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0, pad_token_id=0)  # fmt: skip
     return T.BertForSequenceClassification(config)
@@ -99,6 +99,7 @@ def _assert_step_equals_eager(pm: nn.Module, model: nn.Module, eager: nn.Module,
     eager.zero_grad()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_context_parallel_transformers_equal_eager(name, n):
@@ -137,6 +138,19 @@ def test_context_parallel_layout_and_strategy_are_named():
     pm = dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
     assert pm.layout == {"cp": 2}
     assert pm.strategies == {"cp": "context parallel (all-gather keys/values)"}
+
+
+def test_context_parallel_explain_names_the_exchange_and_activations():
+    """explain names the cp dimension, the exchange chosen (and the others) and each device's activations."""
+    x = torch.randn(2, 8, 16)
+    pm = dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
+    report = dpcompile.explain(pm, x)
+    cp = report.context_parallel
+    assert (cp["dimension"], cp["size"], cp["exchange"]) == ("cp", 2, "all-gather keys/values")
+    assert cp["attention"] == ["scaled_dot_product_attention"]
+    assert any("ring" in other for other in cp["not_chosen"])
+    assert set(cp["activation_bytes"]) == set(report.devices) and all(b > 0 for b in cp["activation_bytes"].values())
+    assert "Context parallel: 'cp' of size 2 splits the sequence (dim 1); exchange: all-gather keys/values" in str(report)
 
 
 def test_context_parallel_unsplit_rotary_table_is_refused_by_name():

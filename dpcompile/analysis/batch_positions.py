@@ -57,11 +57,17 @@ def table_rows(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> tuple[
     """``(dim, size)`` where ``node`` slices a tensor the same on every device from 0 to a split
     size along ``dim`` (``aten.slice(position_ids, 1, 0, seq_len)``): each device's chunk of the
     result is its own rows of the table (``runtime.rows_of_shard``). Else None."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function":
         return None
-    if node.target.overloadpacket is not aten.slice:
+    if node.target is operator.getitem:  # table[:n], table[:, :n]: fx's spelling
+        found = _sliced_dim(node.args[1])
+        if found is None:
+            return None
+        table, (dim, start, end, step) = node.args[0], found
+    elif isinstance(node.target, torch._ops.OpOverload) and node.target.overloadpacket is aten.slice:
+        table, dim, start, end, step = [*node.args, *[None, 0, None, None, 1][len(node.args) :]][:5]
+    else:
         return None
-    table, dim, start, end, step = [*node.args, *[None, 0, None, None, 1][len(node.args) :]][:5]
     if not isinstance(table, fx.Node) or not isinstance(dim, int) or not isinstance(end, fx.Node):
         return None
     if start not in (None, 0) or step not in (None, 1) or placements.get(end) != BatchSize():
@@ -74,6 +80,18 @@ def table_rows(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> tuple[
             return None
         dim += shape.dim()
     return dim, end
+
+
+def _sliced_dim(index: Any) -> tuple[int, Any, Any, Any] | None:
+    """``(dim, start, end, step)`` of the one bounded slice in an index of slices (``[:, :n]``)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, slice) for i in items):
+        return None
+    bounded = [(d, i) for d, i in enumerate(items) if i != slice(None)]
+    if len(bounded) != 1:
+        return None
+    dim, item = bounded[0]
+    return dim, item.start, item.stop, item.step
 
 
 def positions_source(node: Any, placements: Mapping[fx.Node, Placement]) -> fx.Node | None:

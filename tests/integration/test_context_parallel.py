@@ -38,18 +38,21 @@ class CausalSelfAttention(nn.Module):
         return self.out(a.transpose(1, 2).reshape(b, s, d)) + h
 
 
-class UnsplitRotaryTable(CausalSelfAttention):
-    """Rotary-style scaling read from a cached table sliced by the sequence length and read
-    backwards: no rule gives each device its own rows of the reversed table."""
+class CachedRotaryTable(CausalSelfAttention):
+    """Rotary-style scaling read from a cached table sliced by the sequence length (``reverse``:
+    read backwards, which no rule splits: each device would need another device's rows)."""
 
-    def __init__(self):
+    def __init__(self, reverse: bool = False):
         super().__init__()
+        self.reverse = reverse
         self.register_buffer("cos_cached", torch.randn(32, 8))
 
     def forward(self, x):
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        cos = self.cos_cached[: q.shape[2]].flip(0)
+        cos = self.cos_cached[: q.shape[2]]
+        if self.reverse:
+            cos = cos.flip(0)
         a = F.scaled_dot_product_attention(q * cos, k * cos, v, is_causal=True)
         return self.out(a.transpose(1, 2).reshape(b, s, d))
 
@@ -153,13 +156,23 @@ def test_context_parallel_explain_names_the_exchange_and_activations():
     assert "Context parallel: 'cp' of size 2 splits the sequence (dim 1); exchange: all-gather keys/values" in str(report)
 
 
+def test_context_parallel_cached_rotary_table_gives_each_device_its_rows():
+    """A table sliced to the sequence length is split with it (each device its own rows), equal to eager."""
+    torch.manual_seed(0)
+    model = CachedRotaryTable().double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
+    assert "dpcompile_runtime_rows_of_shard" in pm.code
+    torch.testing.assert_close(pm(x), model(x))
+
+
 def test_context_parallel_unsplit_rotary_table_is_refused_by_name():
-    """A table sliced by the sequence length that no rule splits fails loudly, naming the
-    value and the attention, instead of every device reading the table's first rows."""
+    """A table read backwards, which no rule splits, fails loudly naming the value and the
+    attention, instead of every device reading the wrong rows."""
     x = torch.randn(2, 6, 16)
     with pytest.raises(DpCompileError, match=r"attention 'scaled_dot_product_attention' cannot run on sequence "
-                       r"shards: the value '(getitem|flip)\w*' .*cos_cached\[: q.shape\[2\]\].flip\(0\)"):  # fmt: skip
-        dpcompile.transform(UnsplitRotaryTable(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
+                       r"shards: the value 'flip' .*cos = cos.flip\(0\)"):  # fmt: skip
+        dpcompile.transform(CachedRotaryTable(reverse=True), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
 
 
 def test_context_parallel_needs_examples():

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis import ops
+from dpcompile.analysis.batch_positions import table_rows
 from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.shape import matrix_transpose
@@ -26,6 +27,9 @@ from dpcompile.analysis.placement import (
 
 def getitem(ctx: RuleContext) -> Placement | None:
     base, index = ctx.node.args
+    rows = table_rows(ctx.node, ctx.placements)  # table[:n] of a split size n: each device's own rows
+    if rows is not None:
+        return Split(rows[0])
     p = ctx.p(base)
     if isinstance(p, Tuple):
         if isinstance(index, int) and -len(p.items) <= index < len(p.items):

@@ -161,7 +161,8 @@ def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
             return Split(d)
         return Whole(reason=f"view of a tensor split on dim {d} needs shapes: pass example_inputs=")
     before = prod(in_shape[:d])
-    j = next((i for i in range(len(out_shape) + 1) if prod(out_shape[:i]) == before), None)
+    prefixes = [i for i in range(len(out_shape) + 1) if prod(out_shape[:i]) == before]  # several where sizes are 1
+    j = next((i for i in prefixes if i < len(out_shape) and out_shape[i] == in_shape[d]), prefixes[0] if prefixes else None)
     if j is not None and j < len(out_shape) and out_shape[j] != in_shape[d]:
         merged = _heads_folded_in(ctx, p, in_shape, out_shape, j)
         if merged is not None:

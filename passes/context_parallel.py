@@ -4,8 +4,9 @@ Context parallelism splits the sequence as data parallelism splits the batch (th
 ``insert_scatter_gather``, on the sequence dim). Everything position-wise then runs on each
 device's own tokens; attention is the one op that mixes positions. Each device keeps its own
 queries and needs every key and value: this pass marks keys and values ``sequence_whole`` (an
-all-gather, once lowered), a mask's query rows ``sequence_split``, and writes ``is_causal=True``
-out as a mask of positions, so a device's queries see the keys up to their own positions.
+all-gather, once lowered), a mask's query rows ``sequence_split``, and turns ``is_causal=True``
+into ``runtime.causal_attention`` at the queries' positions, so a device's queries see the keys up
+to their own positions (with the causal kernel as it is: no mask of queries by keys).
 
 Before::
 
@@ -19,10 +20,9 @@ After::
         sdpa_keys = dpcompile_runtime_sequence_whole(k, 2)
         sdpa_values = dpcompile_runtime_sequence_whole(v, 2)
         sdpa_query_len = q.size(2)
-        sdpa_key_len = sdpa_keys.size(2)
-        ...
-        sdpa_causal_mask = operator.ge(sdpa_query_positions_column, sdpa_key_positions)
-        sdpa = F.scaled_dot_product_attention(q, sdpa_keys, sdpa_values, attn_mask=sdpa_causal_mask)
+        getattr_1 = q.device
+        sdpa_query_positions = torch.arange(sdpa_query_len, device = getattr_1)
+        sdpa = dpcompile_runtime_causal_attention(q, sdpa_keys, sdpa_values, sdpa_query_positions)
         return sdpa
 
 Lowered over two devices, ``sdpa_keys = dpcompile_runtime_gather_sequence([k_dev0, k_dev1], 2, 'cpu')``
@@ -33,7 +33,6 @@ the sequence that no rule splits) is a ``DpCompileError`` naming the value and t
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -73,14 +72,14 @@ class AttentionSite:
 
 
 def is_attention(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in SDPA_TARGETS
+    return node.op == "call_function" and (node.target in SDPA_TARGETS or node.target is runtime.causal_attention)
 
 
 def find_sequence_attention(gm: fx.GraphModule) -> list[AttentionSite]:
     """Every batched attention call whose shapes are known (``example_inputs=``), not marked yet."""
     sites = []
     for node in gm.graph.nodes:
-        if not is_attention(node):
+        if not is_attention(node) or node.target is runtime.causal_attention:
             continue
         bound = sdpa_arguments(node)
         if is_sequence_marker(bound["key"]):
@@ -122,14 +121,15 @@ def _rewrite(graph: fx.Graph, site: AttentionSite) -> None:
         values = _marker(graph, runtime.sequence_whole, bound["value"], site.key_dim, f"{node.name}_values", node)
         mask: Any = bound.get("attn_mask")
         if site.causal:
-            mask = _causal_mask(graph, bound["query"], keys, site, node)
-        elif site.mask is not None and site.mask_rows_dim is not None:
+            positions = _query_positions(graph, bound["query"], site, node)
+            options = {name: value for name, value in bound.items() if name not in SDPA_ARGUMENTS[:4] + ("is_causal",)}
+            node.target, node.args, node.kwargs = runtime.causal_attention, (bound["query"], keys, values, positions), options
+            return
+        if site.mask is not None and site.mask_rows_dim is not None:
             mask = _marker(graph, runtime.sequence_split, site.mask, site.mask_rows_dim, f"{node.name}_mask_rows", node)
         elif site.mask is not None and site.mask_keys_dim is not None:
             mask = _marker(graph, runtime.sequence_whole, site.mask, site.mask_keys_dim, f"{node.name}_mask_keys", node)
     named = {**bound, "key": keys, "value": values, "attn_mask": mask}
-    if site.causal:
-        named["is_causal"] = False
     positional = len(node.args)
     if mask is not None and positional < 4 and "attn_mask" not in node.kwargs:
         node.kwargs = {**node.kwargs, "attn_mask": mask}
@@ -146,25 +146,16 @@ def _marker(graph: fx.Graph, fn: Any, value: fx.Node, dim: int, name: str, sourc
     return new
 
 
-def _causal_mask(graph: fx.Graph, query: fx.Node, keys: fx.Node, site: AttentionSite, source: fx.Node) -> fx.Node:
-    """``is_causal=True`` as positions: query position ``i`` sees key positions ``<= i``. Split,
-    each device's query positions are its own (``arange`` of a split size is the shard's positions)."""
-    q_len, k_len = node_shape(query)[site.query_dim], node_shape(keys)[site.key_dim]  # type: ignore[index]
-
-    def make(op: str, target: Any, args: tuple, kwargs: dict | None, name: str, shape: Any = None, dtype: Any = None) -> fx.Node:
-        new = stamp(graph.create_node(op, target, args, kwargs or {}), PASS, source)
-        new.name = graph._graph_namespace.create_name(f"{source.name}_{name}", None)
-        if shape is not None:
-            new.meta["tensor_meta"] = TensorMetadata(torch.Size(shape), dtype, False, (), torch.contiguous_format, False, {})
-        return new
-
-    query_len = make("call_method", "size", (query, site.query_dim), None, "query_len")
-    key_len = make("call_method", "size", (keys, site.key_dim), None, "key_len")
-    device = make("call_function", getattr, (query, "device"), None, "device")
-    rows = make("call_function", torch.arange, (query_len,), {"device": device}, "query_positions", (q_len,), torch.int64)
-    cols = make("call_function", torch.arange, (key_len,), {"device": device}, "key_positions", (k_len,), torch.int64)
-    column = make("call_method", "unsqueeze", (rows, -1), None, "query_positions_column", (q_len, 1), torch.int64)
-    return make("call_function", operator.ge, (column, cols), None, "causal_mask", (q_len, k_len), torch.bool)
+def _query_positions(graph: fx.Graph, query: fx.Node, site: AttentionSite, source: fx.Node) -> fx.Node:
+    """``arange(q.size(dim))``: split, each device holds its queries' positions in the whole sequence."""
+    length = node_shape(query)[site.query_dim]  # type: ignore[index]
+    size = stamp(graph.call_method("size", (query, site.query_dim)), PASS, source)
+    size.name = graph._graph_namespace.create_name(f"{source.name}_query_len", None)
+    device = stamp(graph.call_function(getattr, (query, "device")), PASS, source)
+    positions = stamp(graph.call_function(torch.arange, (size,), {"device": device}), PASS, source)
+    positions.name = graph._graph_namespace.create_name(f"{source.name}_query_positions", None)
+    positions.meta["tensor_meta"] = TensorMetadata(torch.Size((length,)), torch.int64, False, (1,), torch.contiguous_format, False, {})
+    return positions
 
 
 def _whole_attention_message(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> str:

@@ -28,7 +28,7 @@ from dpcompile.runtime.recompute import checkpoint
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
-from dpcompile.runtime.sequence import gather_sequence, sequence_split, sequence_whole
+from dpcompile.runtime.sequence import causal_attention, gather_sequence, sequence_split, sequence_whole
 from dpcompile.runtime.side_effects import (
     apply_function,
     assign_buffer,
@@ -57,6 +57,7 @@ __all__ = [
     "batch_norm",
     "functional_batch_norm",
     "broadcast",
+    "causal_attention",
     "checkpoint",
     "flatten_parameters",
     "gather",

@@ -10,6 +10,9 @@ program still runs as it did); ``insert_scatter_gather`` lowers them to an excha
                             query rows): lowered to a scatter of the whole value, or nothing
                             where ``x`` is split there already
 ==========================  ===================================================================
+
+``causal_attention`` is causal attention of a shard of queries against every key, at their
+positions in the whole sequence.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from dpcompile.runtime.comm import gather_tensors
 
@@ -42,4 +46,26 @@ def gather_sequence(shards: Sequence[torch.Tensor], dim: int, device: Any) -> to
     return gather_tensors(list(shards), dim, device)
 
 
-__all__ = ["gather_sequence", "sequence_split", "sequence_whole"]
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
+    """``scaled_dot_product_attention(..., is_causal=True)`` of queries at the consecutive
+    ``positions`` (in the whole sequence) against every key from position 0: the keys are cut
+    after the last query, the queries padded in front with zeros up to the first (rows computed
+    and dropped), so the causal kernel runs as it is, with no mask of queries by keys.
+
+    >>> q, k = torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
+    >>> whole = F.scaled_dot_product_attention(q, k, k, is_causal=True)
+    >>> torch.allclose(causal_attention(q[:, :, 3:], k, k, torch.arange(3, 5)), whole[:, :, 3:], atol=1e-6)
+    True
+    """
+    rows = query.shape[-2]
+    start = int(positions[0]) if rows else 0
+    key, value = key.narrow(-2, 0, start + rows), value.narrow(-2, 0, start + rows)
+    if start:
+        query = torch.cat([query.new_zeros(*query.shape[:-2], start, query.shape[-1]), query], dim=-2)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, **kwargs)
+    return out.narrow(-2, start, rows) if start else out
+
+
+__all__ = ["causal_attention", "gather_sequence", "sequence_split", "sequence_whole"]

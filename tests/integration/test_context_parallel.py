@@ -126,6 +126,7 @@ def test_context_parallel_causal_attention_sees_earlier_shards():
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     pm = dpcompile.transform(model, ["cpu"] * 3, mesh={"cp": 3}, example_inputs=(x,))
     assert pm.code.count("dpcompile_runtime_gather_sequence") == 2  # keys and values
+    assert "dpcompile_runtime_causal_attention" in pm.code
     assert "dpcompile_runtime_batch_arange" in pm.code  # each shard's own query positions
     got, want = pm(x), eager(x)
     torch.testing.assert_close(got, want)

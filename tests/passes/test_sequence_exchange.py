@@ -74,8 +74,8 @@ def test_sequence_markers_place_keys_whole_and_mask_rows_split():
     assert propagate(fx.GraphModule(nn.Module(), graph), {"x": None, "table": None})[whole] == REPLICATED
 
 
-def test_insert_sequence_exchange_marks_keys_values_and_writes_causal_out():
-    """Keys and values marked whole, is_causal written out as a mask of positions; the
+def test_insert_sequence_exchange_marks_keys_values_and_causal_positions():
+    """Keys and values marked whole, is_causal made causal attention at the queries' positions; the
     program still computes what it did on one device; a second run changes nothing."""
     q, k, v = _qkv()
     gm = captured(Attend(causal=True), q, k, v)
@@ -84,9 +84,10 @@ def test_insert_sequence_exchange_marks_keys_values_and_writes_causal_out():
     gm.recompile()
     assert result.modified
     assert [n.target for n in gm.graph.nodes].count(runtime.sequence_whole) == 2
-    sdpa = next(n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
-    assert sdpa.kwargs["is_causal"] is False and sdpa.kwargs["attn_mask"].name.endswith("causal_mask")
-    assert _placement_of_attention(gm, {"q": 2, "k": 2, "v": 2}) == Split(2)
+    attention = next(n for n in gm.graph.nodes if n.target is runtime.causal_attention)
+    assert attention.args[3].name.endswith("query_positions")
+    placements = propagate(gm, {"q": 2, "k": 2, "v": 2})
+    assert placements[attention] == Split(2)
     torch.testing.assert_close(gm(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True))
     count = len(gm.graph.nodes)
     assert not insert_sequence_exchange(gm, input_dims={"q": 2, "k": 2, "v": 2}).modified

@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
+    attention,
     batch_values,
     indexing,
     linalg,

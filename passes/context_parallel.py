@@ -154,7 +154,7 @@ def _query_positions(graph: fx.Graph, query: fx.Node, site: AttentionSite, sourc
     device = stamp(graph.call_function(getattr, (query, "device")), PASS, source)
     positions = stamp(graph.call_function(torch.arange, (size,), {"device": device}), PASS, source)
     positions.name = graph._graph_namespace.create_name(f"{source.name}_query_positions", None)
-    positions.meta["tensor_meta"] = TensorMetadata(torch.Size((length,)), torch.int64, False, (1,), torch.contiguous_format, False, {})
+    positions.meta["tensor_meta"] = TensorMetadata(torch.Size((length,)), torch.int64, False, (1,), None, False, {})
     return positions
 
 

@@ -136,6 +136,17 @@ def test_context_parallel_causal_attention_sees_earlier_shards():
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
+def test_context_parallel_program_saves_and_exports(tmp_path):
+    """A context-parallel program round-trips through torch.save and dpcompile.export / load."""
+    model = CausalSelfAttention()
+    x = torch.randn(2, 7, 16)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
+    torch.save(pm, tmp_path / "pm.pt")
+    torch.testing.assert_close(torch.load(tmp_path / "pm.pt", weights_only=False)(x), model(x))
+    dpcompile.export(pm, tmp_path / "exported")
+    torch.testing.assert_close(dpcompile.load(tmp_path / "exported")(x), model(x))
+
+
 def test_context_parallel_layout_and_strategy_are_named():
     """pm.layout and pm.strategies say what the cp dimension does."""
     x = torch.randn(2, 6, 16)

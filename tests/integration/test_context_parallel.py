@@ -57,6 +57,16 @@ class CachedRotaryTable(CausalSelfAttention):
         return self.out(a.transpose(1, 2).reshape(b, s, d))
 
 
+class PaddedSelfAttention(CausalSelfAttention):
+    """Bidirectional attention with a padding mask of one query row, ``(b, 1, 1, seq)``."""
+
+    def forward(self, x, keep):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+        return self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
 def _transformers_model(name: str) -> nn.Module:
     T = import_or_skip("transformers")
     if name == "gpt2":
@@ -129,6 +139,25 @@ def test_context_parallel_causal_attention_sees_earlier_shards():
     assert "dpcompile_runtime_causal_attention" in pm.code
     assert "dpcompile_runtime_batch_arange" in pm.code  # each shard's own query positions
     got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_context_parallel_padding_mask_is_gathered_along_keys():
+    """A padding mask of one query row, split with the tokens, is all-gathered along the keys:
+    every device's queries skip the padded keys of every device, equal to eager."""
+    torch.manual_seed(0)
+    model = PaddedSelfAttention().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[0, 1:3] = False  # padding on the first device's tokens, read by the second's queries
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x, keep))
+    assert pm.code.count("dpcompile_runtime_gather_sequence") == 3  # keys, values, the mask
+    got, want = pm(x, keep), eager(x, keep)
     torch.testing.assert_close(got, want)
     got.square().sum().backward()
     want.square().sum().backward()

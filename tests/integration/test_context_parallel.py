@@ -216,6 +216,16 @@ def test_context_parallel_unsplit_rotary_table_is_refused_by_name():
         dpcompile.transform(CachedRotaryTable(reverse=True), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
 
 
+def test_context_parallel_refuses_what_it_would_ignore():
+    """batch_dim= (the sequence is dim 1) and memory_per_device= (not planned) are refused by name."""
+    x = torch.randn(2, 6, 16)
+    with pytest.raises(ValueError, match="context parallel splits dim 1"):
+        dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), batch_dim=0)
+    with pytest.raises(DpCompileError, match="does not plan context parallel yet"):
+        dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,),
+                            memory_per_device="1GiB")  # fmt: skip
+
+
 def test_context_parallel_needs_examples():
     """Without examples there are no shapes to find the sequence and attention's by."""
     with pytest.raises(DpCompileError, match="example_inputs= or example_kwargs="):

@@ -31,7 +31,7 @@ CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 
 #: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1)
 BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"})
-BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"})
+BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"})
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ class TensorsOnWire(nn.Module):
     """``program`` with only tensors in and out: inputs at ``bound`` (position → value) are not
     received but bound, and outputs that are not tensors (positions not in ``sent``) are not sent
     (the next stage binds them). The values are those of one micro-batch shape: one per run.
-    ``sent=None``: every input received, every output sent (until :meth:`rewire`)."""
+    ``sent=None``: every input received, every output sent (until :meth:`rewire`). Sent tensors are
+    made contiguous (a send of a view, such as Llama's expanded rotary ``cos``/``sin``, fails)."""
 
     def __init__(self, program: fx.GraphModule, bound: dict[int, Any], arity: int, sent: tuple[int, ...] | None):
         super().__init__()
@@ -55,7 +56,8 @@ class TensorsOnWire(nn.Module):
         it = iter(received)
         args = [self.bound[i] if i in self.bound else next(it) for i in range(self.arity)] if self.bound else received
         outs = self.program(*args)
-        return outs if self.sent is None else tuple(outs[i] for i in self.sent)
+        sent = outs if self.sent is None else tuple(outs[i] for i in self.sent)
+        return tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in sent)  # sends need contiguous
 
 
 def on_wire(
@@ -65,8 +67,6 @@ def on_wire(
     micro-batch's values, fake or empty). A stage past the first binds the inputs that are not
     tensors; a ``torch.device`` is bound as this rank's own, as in the one-process pipeline."""
     bound, sent = wiring(ins, outs, first=first, device=device)
-    if not bound and len(sent) == len(outs):
-        return program, ins, outs
     module = TensorsOnWire(program, bound, len(ins), sent)
     return module, tuple(v for i, v in enumerate(ins) if i not in bound), tuple(outs[i] for i in sent)
 

@@ -118,12 +118,80 @@ def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2,
     dist.barrier()
 
 
+V = 64
+
+
+def _gpt2():
+    """A tiny GPT-2 (float64, random weights; ``wte`` and ``lm_head`` tied, read by the first and
+    the last stage) and its tokens with ``labels=``."""
+    from tests.thirdparty import import_or_skip
+
+    T = import_or_skip("transformers")
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+    model = T.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(0)
+    kwargs = {"input_ids": torch.randint(1, V, (4, 8), generator=g), "labels": torch.randint(0, V, (4, 8), generator=g)}
+    kwargs["labels"][0, :5] = -100
+    return model.double(), kwargs
+
+
+def check_gpt2_trains_like_eager(shape, names, data_parallel, *, plan=False):
+    """GPT-2 through the export frontend with labels=: 3 AdamW steps as eager (loss, gradients,
+    then state_dict; the tied weight's gradient summed over the two stages that read it)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.capture import capture_model
+    from dpcompile.mesh import local_batch
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    reference, kwargs = _gpt2()
+    model = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported, _ = capture_model(model, frontend="export", example_kwargs=kwargs)
+        pm = dpcompile.transform(exported, mesh, pipeline=mesh.size(0), micro_batches=2, schedule="1f1b",
+                                 tensor_parallel=plan, data_parallel=data_parallel, example_kwargs=kwargs)  # fmt: skip
+    if plan:
+        assert pm.shards, pm.plan_reasons
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
+    expected_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    last = mesh.get_local_rank("pp") == mesh.size(0) - 1
+    local = local_batch(kwargs, mesh)
+    for step in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = pm(**local)
+        expected = reference(**kwargs)
+        expected.loss.backward()
+        if last:
+            torch.testing.assert_close(out.loss, expected.loss.detach())
+        for name, grad in full_gradients(pm).items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")  # fmt: skip
+        opt.step()
+        expected_opt.step()
+        opt.zero_grad()
+        expected_opt.zero_grad()
+    state = pm.state_dict()
+    assert list(state) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    dist.barrier()
+
+
 SCENARIOS = {
     "pp_dp_fsdp": (4, [
         ("fsdp_1f1b", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {})),
         ("fsdp_gpipe_m1", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"micro": 1, "schedule": "gpipe"})),
         ("fsdp_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"tied": True})),
         ("replicate_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "ddp"), {"tied": True})),
+        ("gpt2_fsdp", check_gpt2_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {})),
     ]),
     "pp_dp_tp": (8, [
         ("replicate_1f1b", check_trains_like_eager, (((2, 2, 2), ("pp", "dp", "tp"), "ddp"), {"plan": True})),

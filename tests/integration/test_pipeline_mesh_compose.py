@@ -74,7 +74,19 @@ def full_gradients(pm) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2, schedule="1f1b", tied=False):
+def _model_and_inputs(kind: str):
+    """``"mlp"``, ``"tied"`` (an MLP stack whose head reads the embedding's weight) or ``"decoder"``
+    (a GPT-style tiny decoder: embedding, attention blocks with heads split by ``view``, LayerNorm,
+    LM head, token loss), float64, and a global batch of 8."""
+    torch.manual_seed(0)
+    if kind == "decoder":
+        from tests.integration.test_pipeline_mesh_tp import TinyDecoder, _tokens
+
+        return TinyDecoder().double(), _tokens(8)
+    return (TiedStack() if kind == "tied" else MLPStack()).double(), _inputs()
+
+
+def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2, schedule="1f1b", kind="mlp"):
     """3 AdamW steps: each loss and every gradient as eager's; then state_dict equals the model's."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -83,20 +95,26 @@ def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2,
     from dpcompile.mesh import local_batch
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    torch.manual_seed(0)
-    reference = (TiedStack() if tied else MLPStack()).double()
+    reference, (x, labels) = _model_and_inputs(kind)
     model = copy.deepcopy(reference)
-    x, labels = _inputs()
+    local = local_batch((x, labels), mesh)  # this dp rank's part; the tp ranks of a dp rank feed the same
     pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=micro, schedule=schedule,
-                             tensor_parallel=plan, data_parallel=data_parallel, example_inputs=(x, labels))  # fmt: skip
+                             tensor_parallel=plan, data_parallel=data_parallel, example_inputs=local)  # fmt: skip
+    if plan:
+        assert pm.shards, f"nothing sharded over tp: {pm.plan_reasons}"
     if data_parallel == "fsdp":
         assert pm.fsdp is not None and all(type(p).__name__ == "DTensor" for p in pm.parameters())
     opt = torch.optim.AdamW(pm.parameters(), lr=0.05)
     expected_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
     last = mesh.get_local_rank("pp") == mesh.size(0) - 1
     for step in range(3):
-        loss = pm(*local_batch((x, labels), mesh))
+        loss = pm(*local)
         expected = reference(x, labels)
+        if kind == "decoder":  # (logits, loss): the last stage returns this dp rank's logits
+            if last:
+                torch.testing.assert_close(loss[0], local_batch(expected[0].detach(), mesh))
+                loss = loss[1]
+            expected = expected[1]
         expected.backward()
         if last:
             torch.testing.assert_close(loss, expected.detach(), msg=lambda m, step=step: f"step {step} loss: {m}")
@@ -189,14 +207,16 @@ SCENARIOS = {
     "pp_dp_fsdp": (4, [
         ("fsdp_1f1b", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {})),
         ("fsdp_gpipe_m1", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"micro": 1, "schedule": "gpipe"})),
-        ("fsdp_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"tied": True})),
-        ("replicate_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "ddp"), {"tied": True})),
+        ("fsdp_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"kind": "tied"})),
+        ("replicate_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "ddp"), {"kind": "tied"})),
         ("gpt2_fsdp", check_gpt2_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {})),
     ]),
     "pp_dp_tp": (8, [
         ("replicate_1f1b", check_trains_like_eager, (((2, 2, 2), ("pp", "dp", "tp"), "ddp"), {"plan": True})),
         ("fsdp_gpipe", check_trains_like_eager,
          (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": True, "schedule": "gpipe", "micro": 4})),
+        ("decoder_fsdp", check_trains_like_eager,
+         (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": True, "kind": "decoder"})),
     ]),
 }  # fmt: skip
 

@@ -248,9 +248,9 @@ class MeshPipelineModule(nn.Module):
                 fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in firsts]
                 values = _node_values(self.whole, fakes, self.live_in)
                 ins = [values[name] for name in self.live_in]
-                if self.stage_index > 0:
-                    ins = [
-                        v.detach().requires_grad_(train and v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+                if self.stage_index > 0:  # a value needs a gradient where it does in the whole program: then the
+                    ins = [  # stage before sends it and expects its gradient back (not rotary cos/sin, a float mask)
+                        v.detach().requires_grad_(train and v.requires_grad) if isinstance(v, torch.Tensor) else v
                         for v in ins
                     ]
                 with torch.set_grad_enabled(train):

@@ -190,7 +190,7 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
             f"the same mesh_dim_names={names} over processes (a DeviceMesh, launched with torchrun), "
             f"or {_nearest_one_process(active)} in one process"
             if active != {"pp", "dp", "tp"}
-            else "mesh={'pp': ..., 'tp': ...} in one process, or a ('pp', 'dp') / ('pp', 'tp') DeviceMesh"
+            else "mesh={'pp': ..., 'tp': ...} in one process, or a ('pp', 'dp', 'tp') DeviceMesh (torchrun)"
         )
     else:
         nearest = "a ('pp', 'dp') or ('pp', 'tp') DeviceMesh, or ('dp', 'tp') without a pipeline"

@@ -133,7 +133,8 @@ class MeshPipelineModule(nn.Module):
     The last stage returns the model's output (the loss is the whole batch's mean, detached);
     other stages return None. ``pm.code`` is this rank's program. On a ``("pp", "tp")`` mesh the
     program holds this tp rank's shards of the stage (``pm.shards``, ``pm.plan``; see
-    :meth:`attach_shards`).
+    :meth:`attach_shards`); with ``data_parallel="fsdp"`` FSDP2 wraps the stage over ``"dp"``
+    (``pm.fsdp``, :meth:`shard_over_dp`). ``pm.state_dict()`` is the model's, whole (a collective).
 
     Each stage's input and output shapes are worked out on fake tensors from the whole program
     (``whole``) for each micro-batch shape, and handed to ``PipelineStage`` (its static mode), so
@@ -182,7 +183,8 @@ class MeshPipelineModule(nn.Module):
                 module, name = owners[id(p)]
                 shared.append((module._parameters[name], stages))
             else:
-                shared.append((torch.empty(local_rows_shape(p.shape, dp_size, dp_rank), dtype=p.dtype), stages))
+                rows = local_rows_shape(p.shape, dp_size, dp_rank)
+                shared.append((torch.empty(rows, dtype=p.dtype, device=self.device), stages))
         self.shared = shared
 
     def attach_shards(self, program: fx.GraphModule, *, shards: dict[str, Any], plan: dict[str, str],

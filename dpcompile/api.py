@@ -270,7 +270,11 @@ def make_recipe(
               "checkpointed": checkpoint_paths(model, activation_checkpointing)}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
-        return _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)
+        recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)
+        if isinstance(recipe, MeshPipelineRecipe):  # data parallel over a mesh's "dp": replicated or FSDP
+            check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan, data_parallel)
+            recipe = dataclasses.replace(recipe, data_parallel=data_parallel, mixed_precision=mixed_precision)
+        return recipe
     if is_device_mesh(devices):
         check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
         return SpmdRecipe(

@@ -51,12 +51,11 @@ def check_keywords_honoured(
             "output_device= names where a one-process program gathers its outputs; over a DeviceMesh every rank "
             "returns its outputs on its own device: leave output_device= out"
         )
-    if over_mesh and pipelined and (data_parallel == "fsdp" or ddp_options):
-        given = 'data_parallel="fsdp"' if data_parallel == "fsdp" else "ddp_options="
+    if over_mesh and pipelined and ddp_options:
         raise DpCompileError(
-            f"{given} with pipeline= over a DeviceMesh is not built yet: the 'dp' groups of a pipeline average "
-            "their gradients with one all-reduce per step after the schedule; use the default data_parallel=, or "
-            "FSDP without a pipeline on a ('dp',) / ('dp', 'tp') mesh"
+            "ddp_options= with pipeline= over a DeviceMesh is not built yet: the 'dp' groups of a pipeline average "
+            "their gradients with one all-reduce per step after the schedule, not DistributedDataParallel; leave "
+            'ddp_options= out (the default data_parallel=), or pass data_parallel="fsdp" (FSDP2 on each stage)'
         )
     if over_mesh and activation_checkpointing not in (None, False):
         raise DpCompileError(

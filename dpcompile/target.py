@@ -31,7 +31,7 @@ CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 
 #: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1)
 BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"cp"})
-BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"})
+BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"})
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
             f"the same mesh_dim_names={names} over processes (a DeviceMesh, launched with torchrun), "
             f"or {_nearest_one_process(active)} in one process"
             if active != {"pp", "dp", "tp"}
-            else "mesh={'pp': ..., 'tp': ...} in one process, or a ('pp', 'dp') / ('pp', 'tp') DeviceMesh"
+            else "mesh={'pp': ..., 'tp': ...} in one process, or a ('pp', 'dp', 'tp') DeviceMesh (torchrun)"
         )
     else:
         nearest = "a ('pp', 'dp') or ('pp', 'tp') DeviceMesh, or ('dp', 'tp') without a pipeline"

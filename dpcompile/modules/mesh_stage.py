@@ -39,18 +39,25 @@ def micro_batch_runs(batch: int, micro_batches: int) -> list[tuple[int, int]]:
 class TensorsOnWire(nn.Module):
     """``program`` with only tensors in and out: inputs at ``bound`` (position → value) are not
     received but bound, and outputs that are not tensors (positions not in ``sent``) are not sent
-    (the next stage binds them). The values are those of one micro-batch shape: one per run."""
+    (the next stage binds them). The values are those of one micro-batch shape: one per run.
+    ``sent=None``: every input received, every output sent (until :meth:`rewire`). Sent tensors are
+    made contiguous (a send of a view, such as Llama's expanded rotary ``cos``/``sin``, fails)."""
 
-    def __init__(self, program: fx.GraphModule, bound: dict[int, Any], arity: int, sent: tuple[int, ...]):
+    def __init__(self, program: fx.GraphModule, bound: dict[int, Any], arity: int, sent: tuple[int, ...] | None):
         super().__init__()
         self.program = program
+        self.rewire(bound, arity, sent)
+
+    def rewire(self, bound: dict[int, Any], arity: int, sent: tuple[int, ...] | None) -> None:
+        """Bind and send as for another micro-batch shape (one module kept: FSDP wraps it once)."""
         self.bound, self.arity, self.sent = bound, arity, sent
 
     def forward(self, *received: Any) -> tuple:
         it = iter(received)
-        args = [self.bound[i] if i in self.bound else next(it) for i in range(self.arity)]
+        args = [self.bound[i] if i in self.bound else next(it) for i in range(self.arity)] if self.bound else received
         outs = self.program(*args)
-        return tuple(outs[i] for i in self.sent)
+        sent = outs if self.sent is None else tuple(outs[i] for i in self.sent)
+        return tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in sent)  # sends need contiguous
 
 
 def on_wire(
@@ -59,12 +66,15 @@ def on_wire(
     """The module ``PipelineStage`` runs and its tensor inputs and outputs (``ins``, ``outs``: a
     micro-batch's values, fake or empty). A stage past the first binds the inputs that are not
     tensors; a ``torch.device`` is bound as this rank's own, as in the one-process pipeline."""
-    bound = {} if first else {i: _here(v, device) for i, v in enumerate(ins) if not isinstance(v, torch.Tensor)}
-    sent = tuple(i for i, v in enumerate(outs) if isinstance(v, torch.Tensor))
-    if not bound and len(sent) == len(outs):
-        return program, ins, outs
+    bound, sent = wiring(ins, outs, first=first, device=device)
     module = TensorsOnWire(program, bound, len(ins), sent)
     return module, tuple(v for i, v in enumerate(ins) if i not in bound), tuple(outs[i] for i in sent)
+
+
+def wiring(ins: tuple, outs: tuple, *, first: bool, device: torch.device) -> tuple[dict[int, Any], tuple[int, ...]]:
+    """``(bound, sent)`` of :class:`TensorsOnWire` for a micro-batch's ``ins`` and ``outs``."""
+    bound = {} if first else {i: _here(v, device) for i, v in enumerate(ins) if not isinstance(v, torch.Tensor)}
+    return bound, tuple(i for i, v in enumerate(outs) if isinstance(v, torch.Tensor))
 
 
 def _here(value: Any, device: torch.device) -> Any:
@@ -189,5 +199,6 @@ __all__ = [
     "micro_batch_runs",
     "no_gradient_path",
     "on_wire",
+    "wiring",
     "writes",
 ]

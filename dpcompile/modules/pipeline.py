@@ -26,6 +26,14 @@ from dpcompile.modules.mesh_stage import (
     micro_batch_runs,
     no_gradient_path,
     on_wire,
+    wiring,
+)
+from dpcompile.modules.mesh_stage_dp import (
+    full_state_dict,
+    local,
+    local_rows_shape,
+    shard_stage_over_dp,
+    whole_parameters_on_fake,
 )
 
 
@@ -125,7 +133,8 @@ class MeshPipelineModule(nn.Module):
     The last stage returns the model's output (the loss is the whole batch's mean, detached);
     other stages return None. ``pm.code`` is this rank's program. On a ``("pp", "tp")`` mesh the
     program holds this tp rank's shards of the stage (``pm.shards``, ``pm.plan``; see
-    :meth:`attach_shards`).
+    :meth:`attach_shards`); with ``data_parallel="fsdp"`` FSDP2 wraps the stage over ``"dp"``
+    (``pm.fsdp``, :meth:`shard_over_dp`). ``pm.state_dict()`` is the model's, whole (a collective).
 
     Each stage's input and output shapes are worked out on fake tensors from the whole program
     (``whole``) for each micro-batch shape, and handed to ``PipelineStage`` (its static mode), so
@@ -150,6 +159,7 @@ class MeshPipelineModule(nn.Module):
         self.shared = list(shared or [])  # (parameter, stages reading it): tied weights, summed over those stages
         object.__setattr__(self, "writes_once", writes_once)  # this stage's writes no input reads: once a call
         self._schedules: dict[Any, Any] = {}
+        self._wirings: dict[Any, Any] = {}
         self._loss_scale = 1.0
         object.__setattr__(self, "_count_program", count_program(whole, count) if has_loss else None)
         object.__setattr__(self, "_may_use_batch_statistics", bool(batch_statistics_sites(whole, training=True)))
@@ -157,6 +167,25 @@ class MeshPipelineModule(nn.Module):
         self.shards: dict[str, Any] = {}
         self.plan: dict[str, str] = {}
         self.plan_reasons: dict[str, str] = {}
+        self.tp_group: Any = None
+        self.fsdp: nn.Module | None = None  # the FSDP2 root PipelineStage runs (data_parallel="fsdp")
+        self.state_ties: dict[str, tuple[str, ...]] = {}  # the model's state_dict keys, each with its tied names
+
+    def shard_over_dp(self, dp_mesh: Any, options: dict[str, Any]) -> None:
+        """FSDP2 over ``dp_mesh`` on this stage's program (after its tensor-parallel sharding, as
+        torchtitan orders them): see :mod:`dpcompile.modules.mesh_stage_dp`. Collective over ``dp``."""
+        owners = {id(p): (m, n) for m in self.program.modules() for n, p in m._parameters.items() if p is not None}
+        object.__setattr__(self, "fsdp", shard_stage_over_dp(self.program, dp_mesh, options))
+        dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+        shared = []
+        for p, stages in self.shared:  # tied weights: this stage's FSDP shard, or zeros shaped as the peers' shards
+            if id(p) in owners:
+                module, name = owners[id(p)]
+                shared.append((module._parameters[name], stages))
+            else:
+                rows = local_rows_shape(p.shape, dp_size, dp_rank)
+                shared.append((torch.empty(rows, dtype=p.dtype, device=self.device), stages))
+        self.shared = shared
 
     def attach_shards(self, program: fx.GraphModule, *, shards: dict[str, Any], plan: dict[str, str],
                       reasons: dict[str, str]) -> None:  # fmt: skip
@@ -186,9 +215,16 @@ class MeshPipelineModule(nn.Module):
         key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in firsts), count, train)
         if key not in self._schedules:
             stage_in, stage_out = self._stage_examples(firsts, train)
-            module, stage_in, stage_out = on_wire(
-                self.program, stage_in, stage_out, first=self.stage_index == 0, device=self.device
-            )
+            if self.fsdp is not None:  # one FSDP root for every shape: rewired before each run
+                bound, sent = wiring(stage_in, stage_out, first=self.stage_index == 0, device=self.device)
+                self._wirings[key] = (bound, len(stage_in), sent)
+                module = self.fsdp
+                stage_in = tuple(v for i, v in enumerate(stage_in) if i not in bound)
+                stage_out = tuple(stage_out[i] for i in sent)
+            else:
+                module, stage_in, stage_out = on_wire(
+                    self.program, stage_in, stage_out, first=self.stage_index == 0, device=self.device
+                )
             stage = PipelineStage(module, self.stage_index, self.num_stages, self.device, input_args=stage_in,
                                   output_args=stage_out, group=self.pp_group)  # fmt: skip
             loss_at = next((leaf[1] for leaf in self.outputs.leaves if leaf[0] == "mean"), 0) if self.outputs else 0
@@ -199,6 +235,8 @@ class MeshPipelineModule(nn.Module):
                 loss_fn=(lambda out, _: out[loss_at].sum() * self._loss_scale) if self.has_loss else None,
                 scale_grads=False,
             )  # fmt: skip
+        if self.fsdp is not None:
+            self.fsdp.rewire(*self._wirings[key])
         return self._schedules[key]
 
     def _stage_examples(self, firsts: tuple, train: bool) -> tuple[tuple, tuple]:
@@ -207,13 +245,14 @@ class MeshPipelineModule(nn.Module):
 
         buffers = [(b, b.detach().clone()) for b in self.whole.buffers()]
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            modules = [self.whole, self.shape_program]
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode, whole_parameters_on_fake(modules, self.device):
                 fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in firsts]
                 values = _node_values(self.whole, fakes, self.live_in)
                 ins = [values[name] for name in self.live_in]
-                if self.stage_index > 0:
-                    ins = [
-                        v.detach().requires_grad_(train and v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+                if self.stage_index > 0:  # a value needs a gradient where it does in the whole program: then the
+                    ins = [  # stage before sends it and expects its gradient back (not rotary cos/sin, a float mask)
+                        v.detach().requires_grad_(train and v.requires_grad) if isinstance(v, torch.Tensor) else v
                         for v in ins
                     ]
                 with torch.set_grad_enabled(train):
@@ -233,6 +272,11 @@ class MeshPipelineModule(nn.Module):
     @property
     def code(self) -> str:
         return self.program.code
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The model's keys with whole tensors, put together from every stage: a collective, call
+        it on every rank (:func:`~dpcompile.modules.mesh_stage_dp.full_state_dict`)."""
+        return full_state_dict(self)
 
     def train(self, mode: bool = True) -> MeshPipelineModule:
         """The mode of every stage's modules, so that each rank sees where BatchNorm trains."""
@@ -273,6 +317,8 @@ class MeshPipelineModule(nn.Module):
             target = torch.zeros(stop - start if batch else micro) if last else None
             pieces.append(run(*(part if first else ()), target=target))
             start = stop
+        if self.fsdp is not None and not train:  # a forward alone keeps the gathered parameters: free them
+            self.fsdp.reshard()
         merged = _concatenated(pieces) if last else None
         totals = torch.zeros(2, dtype=torch.float64)  # the whole batch's loss sum and count
         if last and self.has_loss:
@@ -302,7 +348,7 @@ class MeshPipelineModule(nn.Module):
             old = before.get(p)
             step = torch.zeros_like(p) if not mine or p.grad is None else p.grad if old is None else p.grad - old
             step = step.clone() if step is p.grad else step
-            dist.all_reduce(step, group=self.pp_group)
+            dist.all_reduce(local(step), group=self.pp_group)  # FSDP: every stage holds the same rows
             if mine:
                 p.grad = step if old is None else old + step
 
@@ -316,7 +362,7 @@ class MeshPipelineModule(nn.Module):
                 continue
             old = before.get(p)
             step = p.grad if old is None else p.grad - old
-            if self.dp_group is not None:
+            if self.dp_group is not None and self.fsdp is None:  # FSDP reduce-scattered them in the step
                 dist.all_reduce(step, group=self.dp_group)
             if old is None:
                 if count != 1.0:

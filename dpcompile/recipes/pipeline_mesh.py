@@ -9,7 +9,10 @@
 A ``"dp"`` dimension beside ``"pp"`` averages gradients over its ranks (each feeds its own part
 of the batch, ``dpcompile.mesh.local_batch``), exactly: the loss is the mean over the whole
 global batch. A ``"tp"`` dimension (with ``tensor_parallel=``) shards each stage's layers over
-its ranks: :func:`~dpcompile.recipes.pipeline_mesh_tp.shard_stage`.
+its ranks: :func:`~dpcompile.recipes.pipeline_mesh_tp.shard_stage`. Both on a ``("pp", "dp",
+"tp")`` mesh. The order is torchtitan's: cut the stage, shard it over ``"tp"``, then data
+parallel over ``"dp"``: replicated (one all-reduce per step) or ``data_parallel="fsdp"``
+(``fully_shard`` on the stage: :mod:`dpcompile.modules.mesh_stage_dp`).
 """
 
 from __future__ import annotations
@@ -50,12 +53,14 @@ class MeshPipelineRecipe(Recipe):
     schedule: str = "gpipe"
     batch_dim: int | None = None
     plan: bool | Mapping[str, str] = field(default=False)
+    data_parallel: str = "ddp"
+    mixed_precision: Any = field(default=None, compare=False)
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> MeshPipelineModule:
         import torch.distributed as dist
 
         names = tuple(self.mesh.mesh_dim_names or ())
-        check_pipeline_mesh(names, self.plan)
+        check_pipeline_mesh(names, self.plan, self.data_parallel)
         pp_size = self.mesh.size(names.index("pp"))
         pp_rank = self.mesh.get_local_rank("pp")
         pp_group = self.mesh.get_group("pp")
@@ -99,8 +104,9 @@ class MeshPipelineRecipe(Recipe):
         if shared and self.plan is not False:  # each stage shards a private copy: the tied copies would part
             raise DpCompileError(
                 f"parameters {[name for name, _ in find_shared_parameters(gm, plan)]} are read by more than one "
-                "stage (tied weights), which a ('pp', 'tp') mesh does not support yet: untie them, name stage "
-                "boundaries (pipeline=[...]) that keep their readers in one stage, or use a ('pp',) mesh"
+                "stage (tied weights), which a mesh with 'pp' and 'tp' does not support yet: untie them, name stage "
+                "boundaries (pipeline=[...]) that keep their readers in one stage, or use a ('pp',) or ('pp', 'dp') "
+                "mesh (replicated or FSDP: the tied copies' gradients are summed)"
             )
         gm, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
         found = info_of(records, "cut_stage")
@@ -130,6 +136,11 @@ class MeshPipelineRecipe(Recipe):
             examples = None if example_inputs is None else pm.example_stage_inputs(tuple(example_inputs))
             sharded = shard_stage(program, model=model, mesh=self.mesh, plan=self.plan, example_inputs=examples)
             pm.attach_shards(sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
+            pm.tp_group = self.mesh.get_group("tp")
+        if self.data_parallel == "fsdp":  # FSDP over "dp" last, on the (sharded) stage
+            options = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
+            pm.shard_over_dp(self.mesh["dp"], options)
+        pm.state_ties = state_ties(model)
         return pm
 
     def build_program(self, pm: Any, key: Any, args: tuple, kwargs: dict) -> fx.GraphModule | None:
@@ -190,19 +201,33 @@ def hoist_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> dict[int,
     return programs
 
 
-def check_pipeline_mesh(names: tuple[str, ...], plan: object = False) -> None:
-    """A mesh for ``pipeline=``: a ``"pp"`` dimension, and ``"dp"`` or ``"tp"`` beside it (``"tp"``
-    with ``tensor_parallel=``, and only with it)."""
+def state_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every key of ``model.state_dict()`` with the keys of the same tensor (tied weights), its own first."""
+    state = model.state_dict(keep_vars=True)
+    names: dict[int, list[str]] = {}
+    for key, value in state.items():
+        names.setdefault(id(value), []).append(key)
+    return {key: (key, *(n for n in names[id(value)] if n != key)) for key, value in state.items()}
+
+
+def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_parallel: str = "ddp") -> None:
+    """A mesh for ``pipeline=``: a ``"pp"`` dimension, and ``"dp"``, ``"tp"`` or both beside it
+    (``"tp"`` with ``tensor_parallel=``, and only with it; ``data_parallel="fsdp"`` with ``"dp"``)."""
     if "pp" not in names:
         raise ValueError(
             f"pipeline= over a DeviceMesh needs a dimension named 'pp', got mesh_dim_names={names}; e.g. "
             "init_device_mesh('cuda', (pp, dp), mesh_dim_names=('pp', 'dp'))"
         )
     others = set(names) - {"pp", "dp", "tp"}
-    if others or {"dp", "tp"} <= set(names):
+    if others:
         raise DpCompileError(
-            f"pipeline= over a mesh composes with one 'dp' or one 'tp' dimension; mesh_dim_names={names} is not "
-            "built yet: use a ('pp',), ('pp', 'dp') or ('pp', 'tp') mesh"
+            f"pipeline= over a mesh composes with 'dp' and 'tp' dimensions; mesh_dim_names={names} names "
+            f"{sorted(others)}, which is not built yet: use a ('pp', 'dp', 'tp') mesh or a part of it"
+        )
+    if data_parallel == "fsdp" and "dp" not in names:
+        raise ValueError(
+            f"data_parallel=\"fsdp\" shards each stage over the mesh's 'dp' dimension, and mesh_dim_names={names} "
+            "has none; build a ('pp', 'dp') or ('pp', 'dp', 'tp') mesh, or leave data_parallel= out"
         )
     tensor_parallel = plan is not False and plan is not None
     if "tp" in names and not tensor_parallel:
@@ -218,4 +243,4 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False) -> None:
         )
 
 
-__all__ = ["MeshPipelineRecipe", "check_pipeline_mesh", "hoist_writes"]
+__all__ = ["MeshPipelineRecipe", "check_pipeline_mesh", "hoist_writes", "state_ties"]

@@ -183,7 +183,7 @@ def test_pipeline_over_pp_tp_mesh_equals_eager(outcomes, name):
 
 def test_pipeline_mesh_names_its_tensor_parallel_dimension():
     """A "tp" dimension needs tensor_parallel=, tensor_parallel= needs a "tp" dimension; "dp" and
-    "tp" together are not built yet."""
+    "tp" together are built (data_parallel="fsdp" needs "dp"); a dimension beside them is not."""
     from dpcompile.errors import DpCompileError
     from dpcompile.recipes.pipeline_mesh import check_pipeline_mesh
 
@@ -193,5 +193,9 @@ def test_pipeline_mesh_names_its_tensor_parallel_dimension():
         check_pipeline_mesh(("pp", "tp"))
     with pytest.raises(ValueError, match="has none; build a \\('pp', 'tp'\\) mesh"):
         check_pipeline_mesh(("pp", "dp"), True)
-    with pytest.raises(DpCompileError, match="is not built yet"):
-        check_pipeline_mesh(("pp", "dp", "tp"), True)
+    check_pipeline_mesh(("pp", "dp", "tp"), True)
+    check_pipeline_mesh(("pp", "dp", "tp"), True, "fsdp")
+    with pytest.raises(ValueError, match="data_parallel=\"fsdp\" shards each stage over the mesh's 'dp'"):
+        check_pipeline_mesh(("pp", "tp"), True, "fsdp")
+    with pytest.raises(DpCompileError, match="names \\['cp'\\], which is not built yet"):
+        check_pipeline_mesh(("pp", "cp"), False)

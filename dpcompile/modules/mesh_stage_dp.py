@@ -1,0 +1,139 @@
+"""What a ``"dp"`` dimension adds to a pipeline stage over a mesh: FSDP2 on the stage, and the state.
+
+- **FSDP on a stage** (``data_parallel="fsdp"``), as torchtitan composes them: the stage is cut
+  first (and sharded over ``"tp"`` where there is one), then ``fully_shard`` wraps it over the
+  ``"dp"`` sub-mesh. The root ``PipelineStage`` runs is that FSDP module, so the engine's own
+  FSDP handling applies: parameters stay unsharded between micro-batches (no all-gather per
+  micro-batch: ``reshard_after_forward=False``, torchtitan's choice with a pipeline), gradients
+  accumulate unreduced until the last micro-batch's backward, then one reduce-scatter per step.
+  The reduce-scatter sums (divide factor 1): each micro-batch's loss is already its share of the
+  whole global batch's mean.
+- **The full state** (``pm.state_dict()``): every rank gets the model's keys with whole tensors,
+  put together from every stage (FSDP shards all-gathered over ``"dp"``, tensor-parallel shards
+  over ``"tp"``, then each stage's tensors broadcast over ``"pp"``), one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.modules.mesh_stage import TensorsOnWire
+
+
+def shard_stage_over_dp(program: fx.GraphModule, dp_mesh: Any, options: Mapping[str, Any]) -> TensorsOnWire:
+    """``program`` under one FSDP2 root over ``dp_mesh`` (a 1-D mesh): the module every schedule's
+    ``PipelineStage`` runs (its wiring is set per micro-batch shape: :meth:`TensorsOnWire.rewire`).
+    Collective over ``dp_mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    root = TensorsOnWire(program, {}, 0, None)
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, **options)
+    root.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # summed: each loss is its share of the mean
+    return root
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: writes reach it); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_rows_shape(shape: torch.Size, parts: int, index: int) -> torch.Size:
+    """The shape of FSDP2's shard ``index`` of ``parts`` of a tensor of ``shape`` (``torch.chunk``
+    rows; a rank past the last chunk holds none)."""
+    chunks = torch.chunk(torch.empty(shape, device="meta"), parts) if len(shape) else ()
+    if not len(shape):
+        return shape
+    return chunks[index].shape if index < len(chunks) else torch.Size((0, *shape[1:]))
+
+
+@contextlib.contextmanager
+def whole_parameters_on_fake(modules: list[nn.Module], device: torch.device) -> Iterator[None]:
+    """Inside a ``FakeTensorMode``: every FSDP-sharded parameter of ``modules`` seen as an empty
+    (fake) tensor of its whole shape, so the stage's shapes can be worked out without a gather."""
+    from torch.distributed.tensor import DTensor
+
+    swapped = []
+    for module in modules:
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if isinstance(p, DTensor):
+                    swapped.append((sub, name, p))
+                    sub._parameters[name] = nn.Parameter(
+                        torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
+                    )
+    try:
+        yield
+    finally:
+        for sub, name, p in swapped:
+            sub._parameters[name] = p
+
+
+def full_state_dict(pm: Any) -> dict[str, torch.Tensor]:
+    """The model's state (its keys, whole tensors) on every rank of the mesh: a collective.
+
+    This stage's tensors are made whole (``full_tensor()`` over ``"dp"`` for FSDP, the ``"tp"``
+    gather for tensor-parallel shards), then every stage's are broadcast over ``"pp"``, in one
+    order on every rank."""
+    import torch.distributed as dist
+
+    from dpcompile.fx_utils import unalias
+
+    mine: dict[str, torch.Tensor] = {}
+    for name, value in sorted(pm.program.state_dict(keep_vars=True).items()):
+        name = unalias(name)
+        if name not in pm.state_ties:
+            continue  # a non-persistent buffer, or a constant the program made
+        value = whole_tensor(value.detach(), pm.shards.get(name), pm.tp_group)
+        mine[name] = value
+    listed: list[Any] = [None] * dist.get_world_size(pm.pp_group)
+    dist.all_gather_object(listed, [(n, tuple(t.shape), t.dtype) for n, t in mine.items()], group=pm.pp_group)
+    out: dict[str, torch.Tensor] = {}
+    for stage, entries in enumerate(listed):
+        src = dist.get_global_rank(pm.pp_group, stage)
+        for name, shape, dtype in entries:
+            if name in out:
+                continue  # a tied weight another stage sent already
+            value = mine[name].clone() if stage == pm.stage_index else torch.empty(shape, dtype=dtype, device=pm.device)
+            dist.broadcast(value, src=src, group=pm.pp_group)
+            out[name] = value
+    found = {key: next((n for n in names if n in out), None) for key, names in pm.state_ties.items()}
+    return {key: out[source] for key, source in found.items() if source is not None}
+
+
+def whole_tensor(value: torch.Tensor, spec: Any, tp_group: Any) -> torch.Tensor:
+    """``value`` whole: all-gathered over ``"dp"`` where it is an FSDP shard (a DTensor), then over
+    ``tp_group`` where ``spec`` says it is a tensor-parallel shard (a collective over both)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from dpcompile.runtime.tensor_parallel import unshard
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if spec is None:
+        return value
+    shape = list(value.shape)
+    shape[spec.dim] = max(spec.sizes)  # gloo gathers equal shapes: pad uneven shards, then trim
+    padded = value.new_zeros(shape)
+    padded.narrow(spec.dim, 0, value.size(spec.dim)).copy_(value)
+    gathered = [torch.empty_like(padded) for _ in spec.sizes]
+    dist.all_gather(gathered, padded, group=tp_group)
+    return unshard([g.narrow(spec.dim, 0, size) for g, size in zip(gathered, spec.sizes)], spec, value.device)
+
+
+__all__ = [
+    "full_state_dict",
+    "local",
+    "local_rows_shape",
+    "shard_stage_over_dp",
+    "whole_parameters_on_fake",
+    "whole_tensor",
+]

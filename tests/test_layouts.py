@@ -179,7 +179,7 @@ def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():
     check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("pp", "dp", "tp")), pipeline=2, tensor_parallel=True)
     check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("pp", "dp", "tp")), pipeline=2, data_parallel="fsdp")
     check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), pipeline=2, data_parallel="fsdp")
-    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use leave 'cp'"):
+    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use mesh=\{'cp': N\} alone in one process"):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "cp")), pipeline=2)
 
 

@@ -23,6 +23,7 @@ import torch
 from dpcompile.checkpoint.dtensors import RowsOf, gather_like, is_dtensor
 from dpcompile.checkpoint.files import Runs
 from dpcompile.checkpoint.headers import Checkpoint, CheckpointError
+from dpcompile.checkpoint.rank_writes import Block, piece_blocks
 from dpcompile.checkpoint.slices import read_entry, read_piece
 from dpcompile.checkpoint.targets import Piece, Target, shard_runs, targets_of, tie_groups
 from dpcompile.fx_utils import unalias
@@ -51,6 +52,7 @@ class SavedState:
         default_factory=dict
     )
     meta: dict[str, Any] = field(default_factory=dict)
+    local: dict[str, Callable[[], list[Block]]] = field(default_factory=dict)  # over a mesh: this rank's blocks
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -132,6 +134,7 @@ def _save_one(
     if like_param and not target.gathered:  # over a mesh: gathered from the ranks, one tensor at a time
         gather = gather_like(pm, values[0], (getattr(pm, "shards", None) or {}).get(key))
         out.tensors[file_key] = (tuple(target.shape), values[0].dtype, gather)
+        out.local[file_key] = lambda v=values[0], p=pieces[0]: _local_blocks(target, p, v)
         return LIKE_PARAM
     if is_dtensor(values[0]):
         raise CheckpointError(f"the optimizer's state '{name}' of '{key}' is a DTensor not laid out as its parameter")
@@ -151,6 +154,14 @@ def _save_one(
         )
     out.tensors[file_key] = (tuple(values[0].shape), values[0].dtype, lambda v=values[0]: v.detach().to("cpu"))
     return WHOLE
+
+
+def _local_blocks(target: Target, piece: Piece, value: Any) -> list[Block]:
+    """This rank's blocks of a state tensor laid out as its parameter's piece (over a mesh)."""
+    if isinstance(piece.tensor, RowsOf):
+        rows = piece.tensor
+        return piece_blocks(target.shape, piece.spec, piece.index, value, (rows.dim, rows.start, rows.size))
+    return piece_blocks(target.shape, piece.spec, piece.index, value)
 
 
 def loaded_state(

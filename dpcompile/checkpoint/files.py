@@ -166,7 +166,7 @@ def remove_orphaned_staging(folder: Path) -> list[Path]:
         return removed
     for entry in entries:
         match = _STAGING.match(entry.name)
-        if match and not _process_alive(int(match.group(1))):
+        if match and entry.is_file() and not entry.is_symlink() and not _process_alive(int(match.group(1))):
             entry.unlink(missing_ok=True)
             removed.append(entry)
     return removed

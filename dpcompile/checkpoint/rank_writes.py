@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,17 +92,18 @@ def piece_blocks(
     return out
 
 
-def target_blocks(target: object) -> list[Block]:
-    """This rank's blocks of a checkpoint target (:class:`~dpcompile.checkpoint.targets.Target`)
-    over a mesh: its one piece (a shard, FSDP's rows, or the whole tensor)."""
-    pieces = target.pieces  # type: ignore[attr-defined]
-    if len(pieces) != 1:
-        raise CheckpointError(f"'{target.key}': over a mesh a rank holds one piece, not {len(pieces)}")  # type: ignore[attr-defined]
-    piece = pieces[0]
-    if isinstance(piece.tensor, RowsOf):
-        rows = piece.tensor
-        return piece_blocks(target.shape, piece.spec, piece.index, rows.local, (rows.dim, rows.start, rows.size))  # type: ignore[attr-defined]
-    return piece_blocks(target.shape, piece.spec, piece.index, piece.tensor)  # type: ignore[attr-defined]
+def target_blocks(target: Any) -> list[Block]:
+    """The blocks of a checkpoint target (:class:`~dpcompile.checkpoint.targets.Target`) its pieces
+    hold here: every shard in one process, this rank's piece over a mesh (a shard, FSDP's rows,
+    or the whole tensor)."""
+    out = []
+    for piece in target.pieces:
+        if isinstance(piece.tensor, RowsOf):
+            rows = piece.tensor
+            out += piece_blocks(target.shape, piece.spec, piece.index, rows.local, (rows.dim, rows.start, rows.size))
+        else:
+            out += piece_blocks(target.shape, piece.spec, piece.index, piece.tensor)
+    return out
 
 
 def assign_writers(

@@ -59,10 +59,8 @@ def save_checkpoint(
     >>> dpcompile.save_checkpoint(pm, "ckpt/", optimizer=opt, lr_scheduler=sched, extra={"step": 100})  # doctest: +SKIP
     PosixPath('ckpt')
     """
-    if format != "safetensors":
-        raise ValueError(
-            f"format={format!r}: only format='safetensors' is available (torch.distributed.checkpoint is not yet)"
-        )
+    if format not in ("safetensors", "dcp"):
+        raise ValueError(f"format={format!r}: expected format='safetensors' or format='dcp' (torch.distributed.checkpoint)")
     if pm.needs_weights:
         raise CheckpointError(
             "this program has no weights yet (built on meta): dpcompile.load_checkpoint(pm, path) first"
@@ -72,6 +70,13 @@ def save_checkpoint(
         raise ValueError(
             f"{path}: a training checkpoint (optimizer=, lr_scheduler=, extra=) is a folder; pass a folder path"
         )
+    if format == "dcp":
+        from dpcompile.checkpoint import dcp
+
+        dcp.check_dcp_target(path)
+        dcp.save_dcp(pm, path, prepare_training(pm, optimizer, lr_scheduler, extra))
+        log.debug("saved %s as a torch.distributed.checkpoint", path)
+        return path
     training = prepare_training(pm, optimizer, lr_scheduler, extra)  # checked whole before a byte is written
     targets = targets_of(pm)
     ties = tie_groups(targets)

@@ -157,6 +157,27 @@ def read_training(
         raise CheckpointError(f"{file} is not a dpcompile training state of version {VERSION}", file=file)
     if optimizer is not None or lr_scheduler is not None:
         _same_save(document, file, weights)
+
+    def state_of(meta: dict[str, Any]) -> dict[str, Any]:
+        files = read_checkpoint(path, stem=OPTIMIZER_STEM) if meta["state"] else None
+        _same_save(document, file, files.files() if files is not None else [])
+        return loaded_state(pm, optimizer, meta, files, strict)
+
+    return training_from_document(pm, document, file, optimizer, lr_scheduler, state_of)
+
+
+def training_from_document(
+    pm: Any,
+    document: dict[str, Any],
+    file: Path,
+    optimizer: Any,
+    lr_scheduler: Any,
+    state_of: Callable[[dict[str, Any]], dict[str, Any]],
+) -> TrainingLoad:
+    """What a load sets from a training state ``document`` (read from ``file``): the optimizer's
+    ``state_dict`` (``state_of(meta)`` reads its tensors), the scheduler's, the RNG, ``extra``;
+    checked and read, nothing set yet."""
+    path = file.parent
     load_optimizer = None
     if optimizer is not None:
         meta = document.get("optimizer")
@@ -165,9 +186,7 @@ def read_training(
                 f"{path} was saved without optimizer=: there is no optimizer state to load", file=file
             )
         try:
-            files = read_checkpoint(path, stem=OPTIMIZER_STEM) if meta["state"] else None
-            _same_save(document, file, files.files() if files is not None else [])
-            sd = loaded_state(pm, optimizer, decode(meta), files, strict)  # betas come back a tuple, as saved
+            sd = state_of(decode(meta))  # betas come back a tuple, as saved
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise CheckpointError(
                 f"{file}: its optimizer entry is malformed ({type(e).__name__}: {e})", file=file
@@ -317,6 +336,6 @@ def _numel(shape: Any) -> int:
 
 __all__ = [
     "OPTIMIZER_FILE", "OPTIMIZER_INDEX", "TRAINING_FILE", "TrainingLoad", "TrainingSave", "decode", "encode",
-    "optimizer_files", "prepare_training", "read_training", "save_stamp", "stage_documents", "stale_training_files",
+    "optimizer_files", "prepare_training", "read_training", "training_from_document", "save_stamp", "stage_documents", "stale_training_files",
     "take_part", "write_training",
 ]  # fmt: skip

@@ -156,6 +156,13 @@ def check_mesh_resume(folder: str) -> None:
         assert not list((root / name).glob(".*.tmp"))
         programs[name] = (pm, mesh)
 
+    pm, mesh = programs["fsdp2xtp2"]  # the same state as a torch.distributed.checkpoint, each rank its blocks
+    opt, sched = _optimizer(pm)
+    dpcompile.load_checkpoint(pm, root / "fsdp2xtp2", optimizer=opt, lr_scheduler=sched)
+    dpcompile.save_checkpoint(pm, root / "dcp", optimizer=opt, lr_scheduler=sched, extra={"from": "dcp"}, format="dcp")
+    saved["dcp"] = saved["fsdp2xtp2"]
+    assert (root / "dcp" / ".metadata").is_file() and len(list((root / "dcp").glob("*.distcp"))) == 4
+
     one = ONE_PROCESS[rank]  # one-process layouts: each rank its own, in turn
     onep, one_opt, one_sched = build(
         {"pp2": {"pp": 2}, "dp3": {"dp": 3}, "tp2": {"tp": 2}, "pp2xtp2": {"pp": 2, "tp": 2}}[one]
@@ -170,7 +177,7 @@ def check_mesh_resume(folder: str) -> None:
     saved["one_process"] = shared[0]
 
     for dest, (pm, mesh) in programs.items():
-        for source in [*MESH_LAYOUTS, "one_process"]:
+        for source in [*MESH_LAYOUTS, "one_process", "dcp"]:
             what = f"{source} -> {dest}"
             opt, sched = _optimizer(pm, lr=1.0, weight_decay=0.0)  # hyper-parameters come from the checkpoint
             dpcompile.load_checkpoint(pm, root / source, optimizer=opt, lr_scheduler=sched)

@@ -42,10 +42,13 @@ def save_checkpoint(
     holding ``model.safetensors``, or ``model-00001-of-0000n.safetensors`` files and
     ``model.safetensors.index.json`` where the tensors pass ``max_shard_size`` (bytes, or
     ``"5GB"``, ``"500MiB"``). A sharded tensor is written as the runs of its shards' bytes, never
-    put together (over a mesh: gathered one tensor at a time), so the model is never gathered
-    whole. Of tied keys (an LM head tied to the embedding) only the first is written, as
-    transformers does; ``load_checkpoint`` ties them back. Over a mesh it is a collective (sharded tensors are all-gathered): call it on every
-    rank; rank 0 writes. Returns ``path``.
+    put together, so the model is never gathered. Of tied keys (an LM head tied to the
+    embedding) only the first is written, as transformers does; ``load_checkpoint`` ties them
+    back. Over a mesh it is a collective: call it on every rank; each rank writes its own slices
+    into their place in the files (:mod:`dpcompile.checkpoint.rank_save`; every rank must see the
+    folder) and rank 0 switches the checkpoint over. ``format="dcp"``: a
+    ``torch.distributed.checkpoint`` folder instead (:mod:`dpcompile.checkpoint.dcp`), with the
+    keys plain torch saves. Returns ``path``.
 
     A training checkpoint (a folder): with ``optimizer=`` its state, keyed by the model's
     parameter names, each state tensor in its parameter's whole layout

@@ -210,7 +210,7 @@ def loaded_state(
     kinds = meta["state"]
     entries = source.entries if source is not None else files.entries if files is not None else {}
     like = source.like if source is not None else _read_like
-    whole = source.whole if source is not None else (lambda e: read_entry(e, None))
+    whole = source.whole if source is not None else (lambda e: read_entry(e, None).clone())
     state: dict[int, dict[str, Any]] = {}
     reads: list[tuple[int, str, Callable[[], torch.Tensor]]] = []
     for index, param in enumerate(params):
@@ -243,6 +243,7 @@ def _read_like(entry: Any, place: Place, param: Any) -> torch.Tensor:
     if isinstance(place.piece.tensor, RowsOf):  # FSDP's rows of a tensor-parallel shard
         rows = place.piece.tensor
         value = value.narrow(rows.dim, rows.start, rows.size)
+    value = value.clone(memory_format=torch.contiguous_format)  # a slice read is a view of the file's mapping
     if not is_dtensor(param):
         return value
     from torch.distributed.tensor import DTensor

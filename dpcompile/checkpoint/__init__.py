@@ -1,5 +1,6 @@
 """Safetensors checkpoints for programs: ``load_checkpoint`` (each device reads only its slices)
-and ``save_checkpoint`` (tensor by tensor), in the layout transformers writes. See
+and ``save_checkpoint`` (tensor by tensor; over a mesh each rank its own slices), in the layout
+transformers writes, or ``torch.distributed.checkpoint`` folders (``format="dcp"``). See
 ``docs/big_models.md``."""
 
 from dpcompile.checkpoint.agreement import load_checkpoint, save_checkpoint  # every rank of a mesh agrees

@@ -1,11 +1,11 @@
 """Over a mesh, every rank of a save or a load agrees on its outcome: all succeed, or all raise.
 
-A save over processes is a collective (rank 0 writes what the ranks gather, one tensor at a
-time); a load is not (each rank reads its own slices). Without agreement a rank that fails alone
-(rank 0's disk, a file one rank cannot read) leaves the others waiting in a gather, or running a
+A save over processes is a collective (each rank writes its own slices, rank 0 switches the
+checkpoint over); a load is not (each rank reads its own slices). Without agreement a rank that fails alone
+(rank 0's disk, a file one rank cannot read) leaves the others waiting in an exchange, or running a
 program whose ranks hold different weights. Here each rank reports its outcome once: a failing
-rank at the next status exchange (:func:`~dpcompile.checkpoint.dtensors.check_peers`, before
-every gather) or at the end; then every rank raises, the others with a
+rank at the next status exchange (:func:`~dpcompile.checkpoint.dtensors.check_peers`, at each
+step of a save) or at the end; then every rank raises, the others with a
 :class:`~dpcompile.checkpoint.files.CheckpointError` naming the rank and its error. A load that
 failed elsewhere leaves this rank's program waiting for a load again (``pm.needs_weights``).
 """

@@ -51,16 +51,8 @@ def write_safetensors(
     for each tensor only when its bytes are due: one tensor in memory at a time (or a
     :class:`Runs`: its parts one after the other). Returns the bytes of tensor data written.
     ``safetensors.safe_open`` reads it as any other."""
-    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    for key, shape, dtype in entries:
-        if dtype not in DTYPES:
-            raise CheckpointError(f"'{key}' is {dtype}, which safetensors cannot hold")
-        size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    text, _ = safetensors_header(entries, metadata)
+    written = 0
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     with os.fdopen(os.open(path, flags, 0o644), "wb") as f:  # a link at `path` is refused, not followed
         f.write(struct.pack("<Q", len(text)))
@@ -78,9 +70,46 @@ def write_safetensors(
                 size += data.numel()
             if size != _numel(shape) * torch.empty((), dtype=dtype).element_size():
                 raise CheckpointError(f"'{key}': {size} bytes made, {list(shape)} {dtype} announced")
+            written += size
         f.flush()
         os.fsync(f.fileno())
-    return offset
+    return written
+
+
+def safetensors_header(
+    entries: Sequence[tuple[str, Sequence[int], torch.dtype]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, dict[str, int]]:
+    """The header bytes of a safetensors file holding ``entries`` (padded so the data starts 8-byte
+    aligned, as safetensors writes it) and each key's byte offset in the data. The same entries
+    and metadata give the same bytes on every rank."""
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offsets: dict[str, int] = {}
+    offset = 0
+    for key, shape, dtype in entries:
+        if dtype not in DTYPES:
+            raise CheckpointError(f"'{key}' is {dtype}, which safetensors cannot hold")
+        size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offsets[key] = offset
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return text + b" " * (-len(text) % 8), offsets
+
+
+def allocate_safetensors(
+    path: Path, entries: Sequence[tuple[str, Sequence[int], torch.dtype]], metadata: Mapping[str, str] | None
+) -> None:
+    """Create the safetensors file ``path`` at its full size: the header written, the data left
+    for the ranks to fill in place (:func:`~dpcompile.checkpoint.rank_writes.write_blocks`)."""
+    text, offsets = safetensors_header(entries, metadata)
+    data = sum(_numel(s) * torch.empty((), dtype=d).element_size() for _, s, d in entries)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    with os.fdopen(os.open(path, flags, 0o644), "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        f.truncate(8 + len(text) + data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class StagedFiles:
@@ -93,8 +122,8 @@ class StagedFiles:
     >>> staged.commit()                                      # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
-        self.token = f"{os.getpid()}-{os.urandom(4).hex()}"
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token or f"{os.getpid()}-{os.urandom(4).hex()}"  # over a mesh: the leading rank's
         self.pending: list[tuple[Path, Path]] = []  # (temporary, final), renamed in this order
 
     def temp(self, final: Path) -> Path:
@@ -137,7 +166,7 @@ def remove_orphaned_staging(folder: Path) -> list[Path]:
         return removed
     for entry in entries:
         match = _STAGING.match(entry.name)
-        if match and not _process_alive(int(match.group(1))):
+        if match and entry.is_file() and not entry.is_symlink() and not _process_alive(int(match.group(1))):
             entry.unlink(missing_ok=True)
             removed.append(entry)
     return removed
@@ -166,6 +195,26 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def stale_weight_files(folder: Path, new: set[Path], new_index: bool) -> list[Path]:
+    """What the previous save left that the new one does not replace, removed once the new files
+    are in place: its index where the new checkpoint is one file (the index would shadow it), and
+    its shards the new set does not overwrite (``model-0000k-of-0000n.safetensors`` only, never a
+    user's file)."""
+    index = folder / INDEX_FILE
+    if not (index.exists() or index.is_symlink()):
+        return []
+    old = [] if new_index else [index]
+    try:
+        names = set(json.loads(index.read_text()).get("weight_map", {}).values()) if index.is_file() else set()
+    except (OSError, ValueError, AttributeError, TypeError):
+        names = set()
+    for name in names:
+        file = folder / str(name)
+        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", str(name)) and file not in new and file.is_file():
+            old.append(file)
+    return old
+
+
 def plan_files(sizes: Iterable[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
     """The keys of each file, in order, a new file started where the next tensor would pass
     ``max_shard_size`` bytes (a tensor bigger than that gets a file of its own)."""
@@ -178,6 +227,12 @@ def plan_files(sizes: Iterable[tuple[str, int]], max_shard_size: int) -> list[li
         files[-1].append(key)
         used += size
     return files
+
+
+def weights_index(files: Mapping[Path, Sequence[str]], total_size: int) -> str:
+    """The index json of a sharded checkpoint (transformers' layout): ``{key: file name}``."""
+    weight_map = {k: file.name for file, keys in files.items() for k in keys}
+    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2)
 
 
 def shard_file_name(k: int, n: int) -> str:
@@ -217,6 +272,6 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 __all__ = [
-    "DTYPES", "DTYPE_OF", "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "Runs", "StagedFiles", "find_tensors", "parse_size", "plan_files",
-    "shard_file_name", "write_safetensors",
+    "DTYPES", "DTYPE_OF", "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "Runs", "StagedFiles", "allocate_safetensors",
+    "find_tensors", "parse_size", "plan_files", "safetensors_header", "shard_file_name", "stale_weight_files", "write_safetensors", "weights_index",
 ]  # fmt: skip

@@ -64,6 +64,12 @@ def load_checkpoint(
     >>> pm = dpcompile.transform(model, ["cpu"] * 4, tensor_parallel=True)  # doctest: +SKIP
     >>> dpcompile.load_checkpoint(pm, "ckpt/")                             # doctest: +SKIP
     """
+    if Path(path).is_dir() and (Path(path) / ".metadata").is_file() and not (Path(path) / "model.safetensors").exists():
+        from dpcompile.checkpoint import dcp  # a torch.distributed.checkpoint folder
+
+        if key_mapping is not None:
+            raise ValueError(f"{path} is a torch.distributed.checkpoint: key_mapping= applies to safetensors checkpoints")
+        return dcp.load_dcp(pm, Path(path), optimizer, lr_scheduler, strict)
     checkpoint = read_checkpoint(path, allow_symlinks=allow_symlinks)
     training = read_training(pm, Path(path), optimizer, lr_scheduler, strict, checkpoint.files())  # checked and read; nothing set yet
     targets = targets_of(pm)

@@ -23,6 +23,7 @@ import torch
 from dpcompile.checkpoint.dtensors import RowsOf, gather_like, is_dtensor
 from dpcompile.checkpoint.files import Runs
 from dpcompile.checkpoint.headers import Checkpoint, CheckpointError
+from dpcompile.checkpoint.rank_writes import Block, piece_blocks
 from dpcompile.checkpoint.slices import read_entry, read_piece
 from dpcompile.checkpoint.targets import Piece, Target, shard_runs, targets_of, tie_groups
 from dpcompile.fx_utils import unalias
@@ -51,6 +52,7 @@ class SavedState:
         default_factory=dict
     )
     meta: dict[str, Any] = field(default_factory=dict)
+    local: dict[str, Callable[[], list[Block]]] = field(default_factory=dict)  # over a mesh: this rank's blocks
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -132,6 +134,7 @@ def _save_one(
     if like_param and not target.gathered:  # over a mesh: gathered from the ranks, one tensor at a time
         gather = gather_like(pm, values[0], (getattr(pm, "shards", None) or {}).get(key))
         out.tensors[file_key] = (tuple(target.shape), values[0].dtype, gather)
+        out.local[file_key] = lambda v=values[0], p=pieces[0]: local_blocks(target, p, v)
         return LIKE_PARAM
     if is_dtensor(values[0]):
         raise CheckpointError(f"the optimizer's state '{name}' of '{key}' is a DTensor not laid out as its parameter")
@@ -143,6 +146,7 @@ def _save_one(
             spec = pieces[0].spec
             runs = Runs(target.shape, values[0].dtype, lambda o=ordered, s=spec: shard_runs(o, s))
             out.tensors[file_key] = (tuple(target.shape), values[0].dtype, lambda r=runs: r)
+            out.local[file_key] = lambda: [b for p, v in zip(pieces, values) for b in local_blocks(target, p, v)]
         return LIKE_PARAM
     if any(not torch.equal(v.detach().cpu(), values[0].detach().cpu()) for v in values[1:]):
         raise CheckpointError(
@@ -153,13 +157,31 @@ def _save_one(
     return WHOLE
 
 
+def local_blocks(target: Target, piece: Piece, value: Any) -> list[Block]:
+    """This rank's blocks of a state tensor laid out as its parameter's piece (over a mesh)."""
+    if isinstance(piece.tensor, RowsOf):
+        rows = piece.tensor
+        return piece_blocks(target.shape, piece.spec, piece.index, value, (rows.dim, rows.start, rows.size))
+    return piece_blocks(target.shape, piece.spec, piece.index, value)
+
+
 def loaded_state(
-    pm: Any, optimizer: torch.optim.Optimizer, meta: Mapping[str, Any], files: Checkpoint | None, strict: bool
+    pm: Any,
+    optimizer: torch.optim.Optimizer,
+    meta: Mapping[str, Any],
+    files: Checkpoint | None,
+    strict: bool,
+    *,
+    source: Any = None,
 ) -> dict[str, Any]:
     """The ``state_dict`` for ``optimizer`` (this program's parameters) from what a save wrote;
-    raises :class:`CheckpointError` naming the first disagreement before anything is read."""
-    where = files.path if files is not None else None
-    if meta.get("kind") != optimizer_kind(optimizer):
+    raises :class:`CheckpointError` naming the first disagreement before anything is read.
+    ``source``: where the tensors come from where not ``files`` (safetensors): an object with
+    ``entries`` (``{file key: Entry}``), ``path``, ``like(entry, place, param)`` and ``whole(entry)``
+    (a ``torch.distributed.checkpoint`` folder, :mod:`dpcompile.checkpoint.dcp`). A ``meta`` without
+    a ``kind`` (a checkpoint plain torch saved) is not checked against the optimizer's kind."""
+    where = source.path if source is not None else files.path if files is not None else None
+    if meta.get("kind") is not None and meta.get("kind") != optimizer_kind(optimizer):
         raise CheckpointError(
             f"the checkpoint holds the state of a {meta.get('kind')}, the optimizer is a {optimizer_kind(optimizer)}",
             file=where,
@@ -186,7 +208,9 @@ def loaded_state(
             )  # fmt: skip
         groups.append({**saved["hyper"], "params": group["params"]})
     kinds = meta["state"]
-    entries = files.entries if files is not None else {}
+    entries = source.entries if source is not None else files.entries if files is not None else {}
+    like = source.like if source is not None else _read_like
+    whole = source.whole if source is not None else (lambda e: read_entry(e, None).clone())
     state: dict[int, dict[str, Any]] = {}
     reads: list[tuple[int, str, Callable[[], torch.Tensor]]] = []
     for index, param in enumerate(params):
@@ -204,9 +228,9 @@ def loaded_state(
                 raise CheckpointError(f"the checkpoint lacks '{file_key}'", file=where, key=file_key)
             _check_entry(entry, kind, place, file_key)
             if kind == LIKE_PARAM:
-                reads.append((index, name, lambda e=entry, p=place, q=param: _read_like(e, p, q)))
+                reads.append((index, name, lambda e=entry, p=place, q=param: like(e, p, q)))
             else:
-                reads.append((index, name, lambda e=entry: read_entry(e, None)))
+                reads.append((index, name, lambda e=entry: whole(e)))
     for index, name, read in reads:  # everything checked: read each piece's slices
         state[index][name] = read()
     return {"state": state, "param_groups": groups}
@@ -219,6 +243,7 @@ def _read_like(entry: Any, place: Place, param: Any) -> torch.Tensor:
     if isinstance(place.piece.tensor, RowsOf):  # FSDP's rows of a tensor-parallel shard
         rows = place.piece.tensor
         value = value.narrow(rows.dim, rows.start, rows.size)
+    value = value.clone(memory_format=torch.contiguous_format)  # a slice read is a view of the file's mapping
     if not is_dtensor(param):
         return value
     from torch.distributed.tensor import DTensor
@@ -249,4 +274,4 @@ def _unique(keys: list[str]) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
-__all__ = ["STATE_PREFIX", "Place", "SavedState", "loaded_state", "optimizer_kind", "param_places", "saved_state"]
+__all__ = ["LIKE_PARAM", "local_blocks", "STATE_PREFIX", "WHOLE", "Place", "SavedState", "loaded_state", "optimizer_kind", "param_places", "saved_state"]

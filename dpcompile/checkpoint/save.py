@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
+from dpcompile.checkpoint.dtensors import ranks_of
 from dpcompile.checkpoint.files import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -15,18 +14,13 @@ from dpcompile.checkpoint.files import (
     StagedFiles,
     parse_size,
     plan_files,
-    remove_orphaned_staging,
     shard_file_name,
+    weights_index,
     write_safetensors,
 )
+from dpcompile.checkpoint.rank_save import save_by_ranks, switch_over
 from dpcompile.checkpoint.targets import targets_of, tie_groups
-from dpcompile.checkpoint.training import (
-    prepare_training,
-    save_stamp,
-    stale_training_files,
-    take_part,
-    write_training,
-)
+from dpcompile.checkpoint.training import prepare_training, save_stamp, take_part, write_training
 from dpcompile.modules.base import ParallelModule
 
 log = logging.getLogger("dpcompile")
@@ -48,10 +42,13 @@ def save_checkpoint(
     holding ``model.safetensors``, or ``model-00001-of-0000n.safetensors`` files and
     ``model.safetensors.index.json`` where the tensors pass ``max_shard_size`` (bytes, or
     ``"5GB"``, ``"500MiB"``). A sharded tensor is written as the runs of its shards' bytes, never
-    put together (over a mesh: gathered one tensor at a time), so the model is never gathered
-    whole. Of tied keys (an LM head tied to the embedding) only the first is written, as
-    transformers does; ``load_checkpoint`` ties them back. Over a mesh it is a collective (sharded tensors are all-gathered): call it on every
-    rank; rank 0 writes. Returns ``path``.
+    put together, so the model is never gathered. Of tied keys (an LM head tied to the
+    embedding) only the first is written, as transformers does; ``load_checkpoint`` ties them
+    back. Over a mesh it is a collective: call it on every rank; each rank writes its own slices
+    into their place in the files (:mod:`dpcompile.checkpoint.rank_save`; every rank must see the
+    folder) and rank 0 switches the checkpoint over. ``format="dcp"``: a
+    ``torch.distributed.checkpoint`` folder instead (:mod:`dpcompile.checkpoint.dcp`), with the
+    keys plain torch saves. Returns ``path``.
 
     A training checkpoint (a folder): with ``optimizer=`` its state, keyed by the model's
     parameter names, each state tensor in its parameter's whole layout
@@ -65,10 +62,8 @@ def save_checkpoint(
     >>> dpcompile.save_checkpoint(pm, "ckpt/", optimizer=opt, lr_scheduler=sched, extra={"step": 100})  # doctest: +SKIP
     PosixPath('ckpt')
     """
-    if format != "safetensors":
-        raise ValueError(
-            f"format={format!r}: only format='safetensors' is available (torch.distributed.checkpoint is not yet)"
-        )
+    if format not in ("safetensors", "dcp"):
+        raise ValueError(f"format={format!r}: expected format='safetensors' or format='dcp' (torch.distributed.checkpoint)")
     if pm.needs_weights:
         raise CheckpointError(
             "this program has no weights yet (built on meta): dpcompile.load_checkpoint(pm, path) first"
@@ -78,11 +73,29 @@ def save_checkpoint(
         raise ValueError(
             f"{path}: a training checkpoint (optimizer=, lr_scheduler=, extra=) is a folder; pass a folder path"
         )
+    if format == "dcp":
+        from dpcompile.checkpoint import dcp
+
+        dcp.check_dcp_target(path)
+        dcp.save_dcp(pm, path, prepare_training(pm, optimizer, lr_scheduler, extra))
+        log.debug("saved %s as a torch.distributed.checkpoint", path)
+        return path
     training = prepare_training(pm, optimizer, lr_scheduler, extra)  # checked whole before a byte is written
     targets = targets_of(pm)
     ties = tie_groups(targets)
     keys = [k for k in targets if ties[k][0] == k]
     sizes = [(k, _bytes(targets[k])) for k in keys]
+    if path.suffix == ".safetensors":
+        files = {path: keys}
+    else:
+        groups = plan_files(sizes, parse_size(max_shard_size))
+        names = [SINGLE_FILE] if len(groups) == 1 else [shard_file_name(k, len(groups)) for k in range(len(groups))]
+        files = {path / name: group for name, group in zip(names, groups)}
+    over, group = ranks_of(pm)
+    if over:  # every rank writes its own slices into the files
+        save_by_ranks(pm, path, files, targets, training, max_shard_size, group)
+        log.debug("saved %d tensors in %d file(s) under %s, each rank its slices", len(keys), len(files), path)
+        return path
     writes = _is_writer(pm)
 
     def make(key: str):
@@ -91,35 +104,23 @@ def save_checkpoint(
             return target.runs()  # a sharded tensor: its shards' bytes in order, never put together
         return target.gather()  # this rank's shard: the others' come by all-gather, one tensor at a time
 
-    if path.suffix == ".safetensors":
-        files = {path: keys}
-        if writes:
-            path.parent.mkdir(parents=True, exist_ok=True)
-    else:
-        groups = plan_files(sizes, parse_size(max_shard_size))
-        names = [SINGLE_FILE] if len(groups) == 1 else [shard_file_name(k, len(groups)) for k in range(len(groups))]
-        files = {path / name: group for name, group in zip(names, groups)}
-        if writes:
-            path.mkdir(parents=True, exist_ok=True)
+    if writes:
+        (path.parent if path.suffix == ".safetensors" else path).mkdir(parents=True, exist_ok=True)
     # every file is written beside its final name and renamed into place at the end: a save that
     # fails midway leaves the previous checkpoint as it was, and loadable
     staged = StagedFiles()
     stamp = save_stamp(staged.token) if training is not None else None  # every file of a training save: its token
     try:
-        for file, group in files.items():
-            entries = [(k, targets[k].shape, targets[k].dtype) for k in group]
+        for file, group_keys in files.items():
+            entries = [(k, targets[k].shape, targets[k].dtype) for k in group_keys]
             if writes:
                 write_safetensors(staged.temp(file), entries, make, stamp)
             else:  # the other ranks take part in the all-gathers only
-                for k in group:
+                for k in group_keys:
                     if not targets[k].gathered:
                         make(k)
         if writes and len(files) > 1:
-            index = {
-                "metadata": {"total_size": sum(size for _, size in sizes)},
-                "weight_map": {k: file.name for file, group in files.items() for k in group},
-            }
-            staged.write_text(path / INDEX_FILE, json.dumps(index, indent=2))
+            staged.write_text(path / INDEX_FILE, weights_index(files, sum(size for _, size in sizes)))
         written: set[Path] = set()
         if training is not None and writes:
             written = write_training(staged, path, training, max_shard_size)
@@ -129,34 +130,9 @@ def save_checkpoint(
         staged.discard()
         raise
     if writes:
-        stale = _stale_files(path, set(files), len(files) > 1) if path.suffix != ".safetensors" else []
-        stale += stale_training_files(path, written) if path.suffix != ".safetensors" else []
-        staged.commit()  # shards first, the index last: it switches the checkpoint over
-        for old in stale:
-            old.unlink(missing_ok=True)
-        remove_orphaned_staging(path if path.suffix != ".safetensors" else path.parent)
+        switch_over(staged, path, set(files), written)
     log.debug("saved %d tensors in %d file(s) under %s", len(keys), len(files), path)
     return path
-
-
-def _stale_files(folder: Path, new: set[Path], new_index: bool) -> list[Path]:
-    """What the previous save left that the new one does not replace, removed once the new files
-    are in place: its index where the new checkpoint is one file (the index would shadow it), and
-    its shards the new set does not overwrite (``model-0000k-of-0000n.safetensors`` only, never a
-    user's file)."""
-    index = folder / INDEX_FILE
-    if not (index.exists() or index.is_symlink()):
-        return []
-    old = [] if new_index else [index]
-    try:
-        names = set(json.loads(index.read_text()).get("weight_map", {}).values()) if index.is_file() else set()
-    except (OSError, ValueError, AttributeError, TypeError):
-        names = set()
-    for name in names:
-        file = folder / str(name)
-        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", str(name)) and file not in new and file.is_file():
-            old.append(file)
-    return old
 
 
 def _bytes(target) -> int:

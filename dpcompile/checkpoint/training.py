@@ -80,31 +80,39 @@ def prepare_training(pm: Any, optimizer: Any, lr_scheduler: Any, extra: Any) -> 
 
 def write_training(staged: StagedFiles, folder: Path, save: TrainingSave, max_shard_size: int | str) -> set[Path]:
     """Stage the optimizer's files and ``training_state.json`` (last) in ``folder``; returns their final paths."""
+    files = optimizer_files(save, folder, max_shard_size)
+    tensors = save.optimizer.tensors if save.optimizer is not None else {}
+    for file, entries in files.items():
+        write_safetensors(staged.temp(file), entries, lambda k: tensors[k][2](), save_stamp(staged.token))
+    return set(files) | stage_documents(staged, folder, save, files)
+
+
+def optimizer_files(save: TrainingSave, folder: Path, max_shard_size: int | str) -> dict[Path, list[Any]]:
+    """``{file: [(key, shape, dtype)]}``: where the optimizer's tensors go (one file, or shards past
+    ``max_shard_size``); the same on every rank."""
+    if save.optimizer is None:
+        return {}
+    tensors = save.optimizer.tensors
+    sizes = [(k, _bytes(shape, dtype)) for k, (shape, dtype, _) in tensors.items()]
+    groups = plan_files(sizes, parse_size(max_shard_size))
+    n = len(groups)
+    names = [OPTIMIZER_FILE] if n == 1 else [f"{OPTIMIZER_STEM}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    return {folder / name: [(k, tensors[k][0], tensors[k][1]) for k in group] for name, group in zip(names, groups)}
+
+
+def stage_documents(staged: StagedFiles, folder: Path, save: TrainingSave, files: dict[Path, list[Any]]) -> set[Path]:
+    """Stage the optimizer's index (where its tensors are in several files) and ``training_state.json``
+    (staged last: renamed last, it switches the checkpoint over); returns their final paths."""
     written: set[Path] = set()
-    if save.optimizer is not None:
-        tensors = save.optimizer.tensors
-        sizes = [
-            (k, _numel(shape) * torch.empty((), dtype=dtype).element_size()) for k, (shape, dtype, _) in tensors.items()
-        ]
-        groups = plan_files(sizes, parse_size(max_shard_size))
-        n = len(groups)
-        names = (
-            [OPTIMIZER_FILE] if n == 1 else [f"{OPTIMIZER_STEM}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-        )
-        for name, group in zip(names, groups):
-            entries = [(k, tensors[k][0], tensors[k][1]) for k in group]
-            write_safetensors(staged.temp(folder / name), entries, lambda k: tensors[k][2](), save_stamp(staged.token))
-            written.add(folder / name)
-        if n > 1:
-            index = {
-                "metadata": {"total_size": sum(s for _, s in sizes)},
-                "weight_map": {k: name for name, group in zip(names, groups) for k in group},
-            }
-            staged.write_text(folder / OPTIMIZER_INDEX, json.dumps(index, indent=2))
-            written.add(folder / OPTIMIZER_INDEX)
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(_bytes(shape, dtype) for entries in files.values() for _, shape, dtype in entries)},
+            "weight_map": {k: file.name for file, entries in files.items() for k, _, _ in entries},
+        }
+        staged.write_text(folder / OPTIMIZER_INDEX, json.dumps(index, indent=2))
+        written.add(folder / OPTIMIZER_INDEX)
     staged.write_text(folder / TRAINING_FILE, json.dumps({**save.document, "save": staged.token}, indent=1))
-    written.add(folder / TRAINING_FILE)
-    return written
+    return written | {folder / TRAINING_FILE}
 
 
 def save_stamp(token: str) -> dict[str, str]:
@@ -149,6 +157,27 @@ def read_training(
         raise CheckpointError(f"{file} is not a dpcompile training state of version {VERSION}", file=file)
     if optimizer is not None or lr_scheduler is not None:
         _same_save(document, file, weights)
+
+    def state_of(meta: dict[str, Any]) -> dict[str, Any]:
+        files = read_checkpoint(path, stem=OPTIMIZER_STEM) if meta["state"] else None
+        _same_save(document, file, files.files() if files is not None else [])
+        return loaded_state(pm, optimizer, meta, files, strict)
+
+    return training_from_document(pm, document, file, optimizer, lr_scheduler, state_of)
+
+
+def training_from_document(
+    pm: Any,
+    document: dict[str, Any],
+    file: Path,
+    optimizer: Any,
+    lr_scheduler: Any,
+    state_of: Callable[[dict[str, Any]], dict[str, Any]],
+) -> TrainingLoad:
+    """What a load sets from a training state ``document`` (read from ``file``): the optimizer's
+    ``state_dict`` (``state_of(meta)`` reads its tensors), the scheduler's, the RNG, ``extra``;
+    checked and read, nothing set yet."""
+    path = file.parent
     load_optimizer = None
     if optimizer is not None:
         meta = document.get("optimizer")
@@ -157,9 +186,7 @@ def read_training(
                 f"{path} was saved without optimizer=: there is no optimizer state to load", file=file
             )
         try:
-            files = read_checkpoint(path, stem=OPTIMIZER_STEM) if meta["state"] else None
-            _same_save(document, file, files.files() if files is not None else [])
-            sd = loaded_state(pm, optimizer, decode(meta), files, strict)  # betas come back a tuple, as saved
+            sd = state_of(decode(meta))  # betas come back a tuple, as saved
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise CheckpointError(
                 f"{file}: its optimizer entry is malformed ({type(e).__name__}: {e})", file=file
@@ -296,6 +323,10 @@ def _unb64(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
+def _bytes(shape: Any, dtype: torch.dtype) -> int:
+    return _numel(shape) * torch.empty((), dtype=dtype).element_size()
+
+
 def _numel(shape: Any) -> int:
     n = 1
     for s in shape:
@@ -305,5 +336,6 @@ def _numel(shape: Any) -> int:
 
 __all__ = [
     "OPTIMIZER_FILE", "OPTIMIZER_INDEX", "TRAINING_FILE", "TrainingLoad", "TrainingSave", "decode", "encode",
-    "prepare_training", "read_training", "stale_training_files", "take_part", "write_training",
+    "optimizer_files", "prepare_training", "read_training", "training_from_document", "save_stamp", "stage_documents", "stale_training_files",
+    "take_part", "write_training",
 ]  # fmt: skip

@@ -426,3 +426,14 @@ def test_a_folder_mixing_two_saves_is_refused(tp_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match="optimizer.safetensors is not from the save"):
         dpcompile.load_checkpoint(pm, mixed, optimizer=opt)
     _assert_unchanged(pm, opt, snapshot)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_loaded_optimizer_state_is_memory_of_its_own(tp_checkpoint):
+    """Each state tensor is read into memory of its own: none stays a view of a checkpoint file's
+    mapping (its bytes would be read at the first step, and the file held open)."""
+    pm, opt, _ = program("pp2xtp2")
+    dpcompile.load_checkpoint(pm, tp_checkpoint, optimizer=opt)
+    assert len(opt.state) == len(list(pm.parameters()))
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if str(tp_checkpoint) in line]
+    assert mapped == [], mapped[:3]

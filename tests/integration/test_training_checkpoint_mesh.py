@@ -1,0 +1,252 @@
+"""Training checkpoints over a gloo mesh of 4 processes, each rank writing its own slices: the small
+LM of test_training_checkpoint (fused qkv, tied vocab-parallel embedding; float64, AdamW) under
+tensor parallel (1-D), data x tensor (DDP x TP on ("dp", "tp")) and FSDP x tensor, saved after one
+step and loaded under each of the others and under one-process layouts (and back): parameters and
+AdamW state bit-identical to what was saved, the next 2 steps equal the uninterrupted eager run.
+Every byte of the files is written once, by the rank the writers' plan names, nothing gathered; a
+save that fails on one rank leaves the previous checkpoint as it was, on every rank."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gloo_groups import run_checks, run_spawned
+from tests.integration.test_fsdp_checkpoint import GROUP_TIMEOUT_S
+
+MESH_LAYOUTS = {  # name: (mesh shape, dim names, transform keywords)
+    "tp4": ((4,), ("tp",), {"tensor_parallel": True}),
+    "dp2xtp2": ((2, 2), ("dp", "tp"), {"tensor_parallel": True}),
+    "fsdp2xtp2": ((2, 2), ("dp", "tp"), {"tensor_parallel": True, "data_parallel": "fsdp"}),
+}
+ONE_PROCESS = ["pp2", "dp3", "tp2", "pp2xtp2"]  # rank r loads into ONE_PROCESS[r] on its own
+
+
+def _mesh_program(name: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from tests.integration.test_training_checkpoint import make_model
+
+    shape, names, keywords = MESH_LAYOUTS[name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return dpcompile.transform(make_model(), mesh, **keywords), mesh
+
+
+def _optimizer(pm, lr=1e-2, weight_decay=0.1):
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr, weight_decay=weight_decay)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def _mesh_step(pm, mesh, opt, sched, batch) -> float:
+    """One step with this rank's part of the batch (its dp coordinate's rows); the whole batch's loss."""
+    import torch.distributed as dist
+
+    dp = mesh.size(0) if "dp" in (mesh.mesh_dim_names or ()) else 1
+    part = mesh.get_local_rank("dp") if dp > 1 else 0
+    ids, labels = (t.chunk(dp)[part] for t in batch)
+    loss = pm(ids, labels)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    total = loss.detach().clone()
+    if dp > 1:
+        dist.all_reduce(total, group=mesh.get_group("dp"))
+    return total.item() / dp
+
+
+def _full(value):
+    from dpcompile.checkpoint.dtensors import is_dtensor
+
+    return value.full_tensor() if is_dtensor(value) else value
+
+
+def _state(pm, opt, name):
+    """The optimizer's ``name`` state as the model's full tensors (written into the parameters for a
+    moment and read back through the program's own state_dict, a collective over the mesh)."""
+    params = list(pm.parameters())
+    kept = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(opt.state[p][name])
+        out = {k: _full(v).clone() for k, v in pm.state_dict().items()}
+        for p, k in zip(params, kept):
+            p.copy_(k)
+    return out
+
+
+def _snapshot(pm, opt, sched) -> dict:
+    return {
+        "params": {k: _full(v).clone() for k, v in pm.state_dict().items()},
+        "exp_avg": _state(pm, opt, "exp_avg"),
+        "exp_avg_sq": _state(pm, opt, "exp_avg_sq"),
+        "lr": opt.param_groups[0]["lr"],
+    }
+
+
+def _assert_resumed(pm, opt, want: dict, what: str) -> None:
+    got = _snapshot(pm, opt, None)
+    for part in ("params", "exp_avg", "exp_avg_sq"):
+        assert got[part].keys() == want[part].keys(), (what, part)
+        for key, value in want[part].items():
+            assert torch.equal(got[part][key], value), (what, part, key)
+    assert got["lr"] == want["lr"] and opt.param_groups[0]["weight_decay"] == 0.1, what
+    assert all(float(s["step"]) == 1.0 for s in opt.state.values()), what
+
+
+def _no_gathers(monkeypatch_targets: list) -> None:
+    """Make every gather a save could fall back on fail loudly (restored by the caller)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a save over the mesh gathered a tensor")
+
+    for owner, name in monkeypatch_targets:
+        setattr(owner, name, refuse)
+
+
+def check_mesh_resume(folder: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import dpcompile
+    from dpcompile.checkpoint import dtensors, rank_save
+    from dpcompile.checkpoint.headers import read_header
+    from tests.integration.test_training_checkpoint import batches, build, eager_run, train_step
+
+    rank = dist.get_rank()
+    root = Path(folder)
+    xs = batches()
+    losses, final = eager_run()
+    written: list[int] = []
+    real_write = rank_save.write_blocks
+
+    def counted(*args, **kwargs):
+        n = real_write(*args, **kwargs)
+        written.append(n)
+        return n
+
+    saved: dict[str, dict] = {}
+    programs = {}
+    gathers = [(dtensors, "_gather_tensor_parallel"), (DTensor, "full_tensor")]
+    for name in MESH_LAYOUTS:
+        pm, mesh = _mesh_program(name)
+        opt, sched = _optimizer(pm)
+        _mesh_step(pm, mesh, opt, sched, xs[0])
+        saved[name] = _snapshot(pm, opt, sched)
+        kept = {(o, n): getattr(o, n) for o, n in gathers}
+        rank_save.write_blocks, written[:] = counted, []
+        _no_gathers(gathers)
+        try:
+            dpcompile.save_checkpoint(pm, root / name, optimizer=opt, lr_scheduler=sched, extra={"from": name},
+                                      max_shard_size=20_000)  # fmt: skip
+        finally:
+            for (o, n), value in kept.items():
+                setattr(o, n, value)
+            rank_save.write_blocks = real_write
+        # every byte of every file's data written once, by the ranks together
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, sum(written))
+        data = sum(e.end - e.start for f in (root / name).glob("*.safetensors") for e in read_header(f).values())
+        assert sum(per_rank) == data and all(n > 0 for n in per_rank), (name, per_rank, data)
+        assert len(list((root / name).glob("model-*.safetensors"))) > 1, "the weights in several files"
+        assert not list((root / name).glob(".*.tmp"))
+        programs[name] = (pm, mesh)
+
+    pm, mesh = programs["fsdp2xtp2"]  # the same state as a torch.distributed.checkpoint, each rank its blocks
+    opt, sched = _optimizer(pm)
+    dpcompile.load_checkpoint(pm, root / "fsdp2xtp2", optimizer=opt, lr_scheduler=sched)
+    dpcompile.save_checkpoint(pm, root / "dcp", optimizer=opt, lr_scheduler=sched, extra={"from": "dcp"}, format="dcp")
+    saved["dcp"] = saved["fsdp2xtp2"]
+    assert (root / "dcp" / ".metadata").is_file() and len(list((root / "dcp").glob("*.distcp"))) == 4
+
+    one = ONE_PROCESS[rank]  # one-process layouts: each rank its own, in turn
+    onep, one_opt, one_sched = build(
+        {"pp2": {"pp": 2}, "dp3": {"dp": 3}, "tp2": {"tp": 2}, "pp2xtp2": {"pp": 2, "tp": 2}}[one]
+    )
+    if rank == 0:
+        train_step(onep, one_opt, one_sched, xs[0])
+        dpcompile.save_checkpoint(onep, root / "one_process", optimizer=one_opt, lr_scheduler=one_sched)
+        saved["one_process"] = _snapshot(onep, one_opt, one_sched)
+    dist.barrier()
+    shared: list = [saved.get("one_process")]
+    dist.broadcast_object_list(shared, src=0)
+    saved["one_process"] = shared[0]
+
+    for dest, (pm, mesh) in programs.items():
+        for source in [*MESH_LAYOUTS, "one_process", "dcp"]:
+            what = f"{source} -> {dest}"
+            opt, sched = _optimizer(pm, lr=1.0, weight_decay=0.0)  # hyper-parameters come from the checkpoint
+            dpcompile.load_checkpoint(pm, root / source, optimizer=opt, lr_scheduler=sched)
+            _assert_resumed(pm, opt, saved[source], what)
+            resumed = [_mesh_step(pm, mesh, opt, sched, b) for b in xs[1:]]
+            torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-12, atol=0, msg=what)
+            for key, value in pm.state_dict().items():
+                torch.testing.assert_close(_full(value), final[key], rtol=1e-10, atol=1e-12, msg=f"{what}: {key}")
+
+    source = list(MESH_LAYOUTS)[rank % len(MESH_LAYOUTS)]  # a mesh checkpoint into this rank's one-process layout
+    opt, sched = _optimizer(onep, lr=1.0, weight_decay=0.0)
+    dpcompile.load_checkpoint(onep, root / source, optimizer=opt, lr_scheduler=sched)
+    assert onep.checkpoint_extra == {"from": source}
+    _assert_resumed(onep, opt, saved[source], f"{source} -> {one}")
+    resumed = [train_step(onep, opt, sched, b) for b in xs[1:]]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-12, atol=0)
+
+
+def check_failed_save_changes_nothing(folder: str) -> None:
+    """Rank 1 fails while writing its slices: every rank raises, the staged files are gone, and
+    the previous checkpoint (saved by the same ranks) loads as it was."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.checkpoint import rank_save
+    from tests.integration.test_training_checkpoint import batches
+
+    rank = dist.get_rank()
+    path = Path(folder) / "failing"
+    pm, mesh = _mesh_program("dp2xtp2")
+    opt, sched = _optimizer(pm)
+    _mesh_step(pm, mesh, opt, sched, batches()[0])
+    dpcompile.save_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched, extra={"step": 1})
+    before = _snapshot(pm, opt, sched)
+    files = {p.name: p.read_bytes() for p in path.iterdir()}
+    dist.barrier()
+    _mesh_step(pm, mesh, opt, sched, batches()[1])
+    real = rank_save.write_blocks
+
+    def fail_on_rank_1(*args, **kwargs):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    rank_save.write_blocks = fail_on_rank_1
+    try:
+        with pytest.raises(Exception, match="No space left on device|failed on another rank"):
+            dpcompile.save_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched, extra={"step": 2})
+    finally:
+        rank_save.write_blocks = real
+    dist.barrier()
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == files  # no staged file left, nothing renamed
+    fresh, _ = _mesh_program("dp2xtp2")
+    fresh_opt, fresh_sched = _optimizer(fresh, lr=1.0, weight_decay=0.0)
+    dpcompile.load_checkpoint(fresh, path, optimizer=fresh_opt, lr_scheduler=fresh_sched)
+    assert fresh.checkpoint_extra == {"step": 1}
+    _assert_resumed(fresh, fresh_opt, before, "after a failed save")
+
+
+@pytest.mark.slow  # 4 processes, 3 mesh programs each: about a minute on 2 cores
+@pytest.mark.distributed
+def test_training_checkpoints_over_a_mesh_resume_under_any_layout(tmp_path):
+    checks = [
+        ("resume", functools.partial(check_mesh_resume, str(tmp_path))),
+        ("failed_save", functools.partial(check_failed_save_changes_nothing, str(tmp_path))),
+    ]
+    outcomes = run_spawned(run_checks, 4, checks, timeout=2 * GROUP_TIMEOUT_S)
+    assert sorted(outcomes) == [0, 1, 2, 3], f"ranks reported: {sorted(outcomes)} (a hang or a crash)"
+    for rank, outcome in outcomes.items():
+        assert "<setup>" not in outcome, outcome["<setup>"]
+        for name, _ in checks:
+            assert outcome.get(name, "not run") is None, f"rank {rank}, {name}:\n{outcome.get(name, 'not run')}"

@@ -62,8 +62,11 @@ def find_random_sites(gm: fx.GraphModule) -> list[RandomSite]:
     return [RandomSite(source, kind, tuple(nodes)) for source, (kind, nodes) in sites.items()]
 
 
-def draw_random_whole(gm: fx.GraphModule) -> PassResult:
-    """Rewrite each random site of the lowered ``gm`` to draw its whole tensor once and slice it."""
+def draw_random_whole(gm: fx.GraphModule, *, rank_batch: tuple[str, int, int] | None = None) -> PassResult:
+    """Rewrite each random site of the lowered ``gm`` to draw its whole tensor once and slice it.
+
+    ``rank_batch=(input, dim, ranks)``: ``gm`` is one data-parallel rank's program over a mesh, fed
+    its local batch as ``input`` (split on ``dim``); the global batch is ``ranks`` such batches."""
     sites = find_random_sites(gm)
     exact = [s for s in sites if s.kind != "other"]
     info: dict[str, Any] = {"exact": [s.source for s in exact], "per_device": [s.source for s in sites if s.kind == "other"]}
@@ -71,10 +74,9 @@ def draw_random_whole(gm: fx.GraphModule) -> PassResult:
         return PassResult(gm, False, info)
     graph = gm.graph
     first = exact[0].nodes[0]
-    scatter = _batch_scatter(graph)
     with graph.inserting_before(first):
-        args = (scatter, scatter.args[2] if len(scatter.args) > 2 else 0) if scatter is not None else ()
-        draws = _placed_as(stamp(graph.call_function(runtime.random_draws, args), PASS, first), first)
+        target, args = _draws_call(graph, rank_batch)
+        draws = _placed_as(stamp(graph.call_function(target, args), PASS, first), first)
         draws.name = "random_draws"
     for site in exact:
         module = None
@@ -116,6 +118,16 @@ def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node
         return runtime.exact_fill_random, (*head, method, *args), {**kwargs, **where}
     name = LIKE_FUNCTIONS.get(node.target, "bernoulli")  # a bernoulli(x, p) function or method
     return runtime.exact_random_like, (*head, name, *args), {**kwargs, **where}
+
+
+def _draws_call(graph: fx.Graph, rank_batch: tuple[str, int, int] | None) -> tuple[Any, tuple]:
+    """The call that opens one call's record of draws, knowing the batch's split."""
+    if rank_batch is not None:
+        name, dim, ranks = rank_batch
+        local = next((n for n in graph.nodes if n.op == "placeholder" and n.target == name), None)
+        return runtime.random_draws_over_ranks, (local, dim, ranks)
+    scatter = _batch_scatter(graph)
+    return runtime.random_draws, ((scatter, scatter.args[2] if len(scatter.args) > 2 else 0) if scatter is not None else ())
 
 
 def _batch_scatter(graph: fx.Graph) -> fx.Node | None:

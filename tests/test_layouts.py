@@ -160,7 +160,7 @@ def _unjoined_mesh(shape, names):
         ({"pipeline": 2, "data_parallel": "fsdp"}, 'data_parallel="fsdp" with pipeline= over a DeviceMesh'),
         ({"pipeline": 2, "ddp_options": {"bucket_cap_mb": 1}}, "ddp_options= with pipeline="),
         ({"output_device": "cpu"}, "output_device="),
-        ({"exact_random": True}, "exact_random=True over a DeviceMesh is not built yet"),
+        ({"exact_random": True}, "exact_random=True with a pipeline over a DeviceMesh is not built yet"),
     ],
 )
 def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, match):

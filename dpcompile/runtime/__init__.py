@@ -16,6 +16,7 @@ from dpcompile.runtime.random import (
     exact_native_dropout,
     exact_random_like,
     random_draws,
+    random_draws_over_ranks,
 )
 from dpcompile.runtime.recompute import checkpoint
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
@@ -39,6 +40,7 @@ __all__ = [
     "exact_native_dropout",
     "exact_random_like",
     "random_draws",
+    "random_draws_over_ranks",
     "ReplicaRoot",
     "ReplicaSet",
     "TAKE_FIRST",

@@ -75,6 +75,14 @@ def random_draws(scattered: Sequence[torch.Tensor] | None = None, dim: int = 0) 
     return RandomDraws([int(t.shape[dim]) for t in pieces])
 
 
+def random_draws_over_ranks(local: torch.Tensor | None, dim: int, ranks: int) -> RandomDraws:
+    """A fresh record of one call's draws on one rank of ``ranks`` data-parallel ranks: the global
+    batch is the ranks' equal local batches in rank order (``local`` is this rank's, split on ``dim``)."""
+    if not isinstance(local, torch.Tensor):
+        return RandomDraws(None)
+    return RandomDraws([int(local.shape[dim])] * ranks)
+
+
 def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tuple[int, ...]], torch.Tensor]:
     return lambda shape: torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
@@ -179,4 +187,5 @@ __all__ = [
     "exact_native_dropout",
     "exact_random_like",
     "random_draws",
+    "random_draws_over_ranks",
 ]

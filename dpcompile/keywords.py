@@ -69,14 +69,6 @@ def check_keywords_honoured(
              if size > 1}, over_mesh=True,
             layout=mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel),
         )  # fmt: skip
-    mesh_pipelined = over_mesh and (pipeline is not None or "pp" in tuple(devices.mesh_dim_names or ()))
-    if mesh_pipelined and exact_random is True:
-        raise DpCompileError(
-            "exact_random=True with a pipeline over a DeviceMesh is not built yet: each stage's rank draws its own "
-            "piece from its own generator; it works over a DeviceMesh without 'pp' (dp, tp, dp x tp) and over a "
-            "device list in every layout. Leave exact_random= out (per-rank draws, which explain states) or pass "
-            "exact_random=False"
-        )
     _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
 
 

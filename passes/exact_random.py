@@ -62,11 +62,15 @@ def find_random_sites(gm: fx.GraphModule) -> list[RandomSite]:
     return [RandomSite(source, kind, tuple(nodes)) for source, (kind, nodes) in sites.items()]
 
 
-def draw_random_whole(gm: fx.GraphModule, *, rank_batch: tuple[str, int, int] | None = None) -> PassResult:
+def draw_random_whole(
+    gm: fx.GraphModule, *, rank_batch: tuple[str, int, int] | None = None, planned: bool = False
+) -> PassResult:
     """Rewrite each random site of the lowered ``gm`` to draw its whole tensor once and slice it.
 
     ``rank_batch=(input, dim, ranks)``: ``gm`` is one data-parallel rank's program over a mesh, fed
-    its local batch as ``input`` (split on ``dim``); the global batch is ``ranks`` such batches."""
+    its local batch as ``input`` (split on ``dim``); the global batch is ``ranks`` such batches.
+    ``planned``: ``gm`` is a pipeline stage over a mesh, run once per micro-batch; it draws through
+    the record its module opens for the call (``current_random_draws()``, every stage's sites in order)."""
     sites = find_random_sites(gm)
     exact = [s for s in sites if s.kind != "other"]
     info: dict[str, Any] = {"exact": [s.source for s in exact], "per_device": [s.source for s in sites if s.kind == "other"]}
@@ -75,7 +79,7 @@ def draw_random_whole(gm: fx.GraphModule, *, rank_batch: tuple[str, int, int] | 
     graph = gm.graph
     first = exact[0].nodes[0]
     with graph.inserting_before(first):
-        target, args = _draws_call(graph, rank_batch)
+        target, args = (runtime.current_random_draws, ()) if planned else _draws_call(graph, rank_batch)
         draws = _placed_as(stamp(graph.call_function(target, args), PASS, first), first)
         draws.name = "random_draws"
     for site in exact:

@@ -42,7 +42,7 @@ class RandomDraws:
         shape = list(like.shape)
         index: list[slice] = [slice(None)] * len(shape)
         if rows is not None:
-            k, dim = rows
+            k, dim = self.rows_of(site, rows)
             sizes = self._batch_sizes()
             per_row, rest = divmod(shape[dim], sizes[k]) if sizes[k] else (0, 1)
             if rest:
@@ -55,11 +55,19 @@ class RandomDraws:
                 raise ValueError(f"shard {k} holds {shape[dim]} along dim {dim}, the plan says {sizes[k]}")
             index[dim] = slice(sum(sizes[:k]), sum(sizes[: k + 1]))
             shape[dim] = sum(sizes)
-        if site not in self.drawn:
-            self.drawn[site] = draw(tuple(shape))
-        whole = self.drawn[site]
+        whole = self.whole(site, tuple(shape), draw)
         piece = whole[tuple(index)] if any(s != slice(None) for s in index) else whole
         return piece.to(like.device)
+
+    def rows_of(self, site: str, rows: tuple[int, int]) -> tuple[int, int]:
+        """``(piece, dim)``: which piece of the batch split a site's value is, along which dim."""
+        return rows
+
+    def whole(self, site: str, shape: tuple[int, ...], draw: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
+        """The whole tensor of ``site``: drawn by the first piece to reach it."""
+        if site not in self.drawn:
+            self.drawn[site] = draw(shape)
+        return self.drawn[site]
 
     def _batch_sizes(self) -> list[int]:
         if self.batch_sizes is None:

@@ -22,7 +22,7 @@ GROUP_TIMEOUT_S = 400.0  # spawning, importing transformers and the first gloo c
 V = 64
 
 
-def _mlp(rows: int):
+def _mlp(rows: int, tied: bool = True):
     from tests.integration.test_exact_random import DropoutMLP
 
     g = torch.Generator().manual_seed(1)
@@ -30,12 +30,13 @@ def _mlp(rows: int):
     return DropoutMLP, kwargs
 
 
-def _gpt2(rows: int):
+def _gpt2(rows: int, tied: bool = True):
     from tests.thirdparty import import_or_skip
 
     T = import_or_skip("transformers")
 
-    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, use_cache=False)
+    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, use_cache=False,
+                          tie_word_embeddings=tied)  # a ("pp", "tp") mesh refuses tied weights across stages
     g = torch.Generator().manual_seed(0)
     kwargs = {"input_ids": torch.randint(1, V, (rows, 8), generator=g), "labels": torch.randint(0, V, (rows, 8), generator=g)}
     return (lambda: T.GPT2LMHeadModel(config)), kwargs
@@ -108,16 +109,76 @@ def check_trains_like_eager(name: str, layout: dict[str, int], data_parallel: st
             optimizer.zero_grad()
 
 
+def check_pipeline_trains_like_eager(name: str, layout: dict[str, int], schedule: str = "gpipe") -> None:
+    """A pipeline over the mesh, 2 micro-batches per rank: 3 steps (each call runs forward and backward)
+    against eager on the global batch: the last stage's loss, this stage's gradients (this tp rank's
+    shards), every rank's generator state."""
+    import dpcompile
+    from dpcompile.capture import capture_model
+    from dpcompile.fx_utils import unalias
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    mesh = _mesh(layout)
+    dp = layout.get("dp", 1)
+    dp_rank = mesh.get_local_rank("dp") if "dp" in layout else 0
+    tp_rank = mesh.get_local_rank("tp") if "tp" in layout else 0
+    make, kwargs = (_mlp if name == "mlp" else _gpt2)(4 * dp, tied="tp" not in layout)
+    torch.manual_seed(0)
+    model = make().double().train()
+    reference = copy.deepcopy(model)
+    per = 4
+    local = {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in kwargs.items()}
+    program = model
+    if name != "mlp":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = capture_model(model, frontend="export", example_kwargs=local)[0]
+    options = {"tensor_parallel": True} if "tp" in layout else {}
+    cut = ["transformer.h.1"] if name == "gpt2" and "tp" in layout else layout["pp"]  # whole blocks per stage
+    pm = dpcompile.transform(program, mesh, pipeline=cut, micro_batches=2, schedule=schedule,
+                             example_kwargs=local, **options)  # fmt: skip
+    assert "current_random_draws" in pm.code, pm.code
+    pm.train()
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    last = mesh.get_local_rank("pp") == layout["pp"] - 1
+    wanted = dict(reference.named_parameters(remove_duplicate=False))  # a tied lm_head.weight too
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        out = pm(**local)
+        state = torch.get_rng_state()
+        torch.manual_seed(100 + step)
+        expected = _loss(reference(**kwargs))
+        expected.backward()
+        assert torch.equal(state, torch.get_rng_state()), f"the generator after step {step} is not eager's"
+        if last:
+            torch.testing.assert_close(_loss(out), expected.detach(), msg=lambda m, step=step: f"loss of step {step}: {m}")
+        for path, p in pm.program.named_parameters():
+            key = unalias(path)
+            want = shard_of(wanted[key].grad, pm.shards[key], tp_rank) if key in pm.shards else wanted[key].grad
+            torch.testing.assert_close(p.grad, want, msg=lambda m, key=key, step=step: f"grad {key}, step {step}: {m}")
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def _checks(world: int) -> list[tuple[str, object]]:
     import functools
 
     if world == 2:
-        layouts = {"dp": {"dp": 2}, "tp": {"tp": 2}}
+        layouts = {"dp": ({"dp": 2}, "ddp"), "fsdp": ({"dp": 2}, "fsdp"), "tp": ({"tp": 2}, "ddp")}
     else:
-        layouts = {"dp_tp": {"dp": 2, "tp": 2}}
-    return [
-        (f"{name}-{label}", functools.partial(check_trains_like_eager, name, layout))
-        for label, layout in layouts.items()
+        layouts = {"dp_tp": ({"dp": 2, "tp": 2}, "ddp"), "fsdp_tp": ({"dp": 2, "tp": 2}, "fsdp")}
+    checks = [
+        (f"{name}-{label}", functools.partial(check_trains_like_eager, name, layout, data_parallel))
+        for label, (layout, data_parallel) in layouts.items()
+        for name in ("mlp", "gpt2")
+    ]
+    pipelines = {"pp": ({"pp": 2}, "gpipe"), "pp_1f1b": ({"pp": 2}, "1f1b")} if world == 2 else {
+        "pp_dp": ({"pp": 2, "dp": 2}, "gpipe"), "pp_tp": ({"pp": 2, "tp": 2}, "gpipe")}  # fmt: skip
+    return checks + [
+        (f"{name}-{label}", functools.partial(check_pipeline_trains_like_eager, name, layout, schedule))
+        for label, (layout, schedule) in pipelines.items()
         for name in ("mlp", "gpt2")
     ]
 

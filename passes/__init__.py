@@ -118,21 +118,23 @@ def pipeline_parallel_pipeline(options: PipelineOptions, *, plan: StagePlan, mic
     return out + exact_random_pipeline(options)
 
 
-def rank_rows_pipeline(options: PipelineOptions, *, dp_rank: int | None) -> list[Pass]:
+def rank_rows_pipeline(options: PipelineOptions, *, dp_rank: int | None, scopes: tuple[str, ...] = ()) -> list[Pass]:
     """``stamp_rank_rows`` on a captured program that one data-parallel rank of a mesh runs on its
-    part of the batch (``options.input_dims``): where its random draws' rows lie."""
+    part of the batch (``options.input_dims``): where its random draws' rows lie (``scopes``: the
+    modules called whole, FSDP's blocks)."""
     if dp_rank is None:
         return []
-    return [functools.partial(stamp_rank_rows, input_dims=dict(options.input_dims), dp_rank=dp_rank)]
+    return [functools.partial(stamp_rank_rows, input_dims=dict(options.input_dims), dp_rank=dp_rank, scopes=scopes)]
 
 
-def exact_random_rank_pipeline(options: PipelineOptions, *, tp_rank: int | None, dp_size: int | None) -> list[Pass]:
+def exact_random_rank_pipeline(options: PipelineOptions, *, tp_rank: int | None, dp_size: int | None,
+                               scopes: tuple[str, ...] = ()) -> list[Pass]:  # fmt: skip
     """One rank's program over a mesh: its random sites' columns stamped (``tp_rank``), then, where
     ``options.exact_random``, ``draw_random_whole`` over the ``dp_size`` ranks' batches."""
     out: list[Pass] = [] if tp_rank is None else [functools.partial(stamp_rank_cols, tp_rank=tp_rank)]
     if options.exact_random:
         rank_batch = rank_batch_input(options.input_dims, dp_size) if dp_size else None
-        out.append(functools.partial(draw_random_whole, rank_batch=rank_batch))
+        out.append(functools.partial(draw_random_whole, rank_batch=rank_batch, scopes=scopes))
     return out
 
 

@@ -49,11 +49,12 @@ class RandomSite:
     nodes: tuple[fx.Node, ...]
 
 
-def find_random_sites(gm: fx.GraphModule) -> list[RandomSite]:
-    """The random sites of ``gm`` in program order, each with its per-device nodes."""
+def find_random_sites(gm: fx.GraphModule, scopes: tuple[str, ...] = ()) -> list[RandomSite]:
+    """The random sites of ``gm`` in program order, each with its per-device nodes; a call of a module
+    of ``scopes`` (an FSDP block, called whole) is a site of kind ``"scope"``."""
     sites: dict[str, tuple[str, list[fx.Node]]] = {}
     for node in gm.graph.nodes:
-        kind = random_kind(gm, node)
+        kind = "scope" if node.op == "call_module" and node.target in scopes else random_kind(gm, node)
         if kind is not None and node.meta.get(COLS) == "sections":
             kind = "other"
         if kind is not None:
@@ -63,15 +64,17 @@ def find_random_sites(gm: fx.GraphModule) -> list[RandomSite]:
 
 
 def draw_random_whole(
-    gm: fx.GraphModule, *, rank_batch: tuple[str, int, int] | None = None, planned: bool = False
+    gm: fx.GraphModule, *, rank_batch: tuple[str, int, int] | None = None, planned: bool = False,
+    scopes: tuple[str, ...] = (),
 ) -> PassResult:
     """Rewrite each random site of the lowered ``gm`` to draw its whole tensor once and slice it.
 
     ``rank_batch=(input, dim, ranks)``: ``gm`` is one data-parallel rank's program over a mesh, fed
     its local batch as ``input`` (split on ``dim``); the global batch is ``ranks`` such batches.
     ``planned``: ``gm`` is a pipeline stage over a mesh, run once per micro-batch; it draws through
-    the record its module opens for the call (``current_random_draws()``, every stage's sites in order)."""
-    sites = find_random_sites(gm)
+    the record its module opens for the call (``current_random_draws()``, every stage's sites in order).
+    ``scopes``: paths of modules called whole (FSDP blocks), whose random ops draw through the record too."""
+    sites = find_random_sites(gm, scopes)
     exact = [s for s in sites if s.kind != "other"]
     info: dict[str, Any] = {"exact": [s.source for s in exact], "per_device": [s.source for s in sites if s.kind == "other"]}
     if not exact:
@@ -86,7 +89,7 @@ def draw_random_whole(
         module = None
         for node in site.nodes:
             with graph.inserting_before(node):
-                if site.kind == "dropout_module" and module is None:
+                if site.kind in ("dropout_module", "scope") and module is None:
                     module = _placed_as(stamp(graph.get_attr(str(called_module_path(node))), PASS, node), node)
                     module.name = f"{site.source}_module"
                 new = graph.call_function(*_exact_call(site, node, draws, module))
@@ -111,6 +114,8 @@ def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node
         bound = {**dict(zip(names, args)), **kwargs}
         p, training = bound.get("p", 0.5), bound.get("training", bound.get("train", True))
         return runtime.exact_dropout, (*head, bound["input"]), {"p": p, "training": training, **where}
+    if site.kind == "scope":
+        return runtime.exact_random_scope, (*head, node.meta.get(ROWS), module, *args), kwargs
     if site.kind == "native_dropout":
         return runtime.exact_native_dropout, (*head, *args), {**kwargs, **where}
     if site.kind == "attention":

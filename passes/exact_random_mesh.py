@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 import torch.fx as fx
 
 from dpcompile.analysis.batch_dims import propagate
@@ -42,20 +43,46 @@ def find_random_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if random_kind(gm, n) is not None]
 
 
-def stamp_rank_rows(gm: fx.GraphModule, *, input_dims: Mapping[str, int | None], dp_rank: int) -> PassResult:
-    """Stamp each random site split by the batch with rank ``dp_rank``'s rows (``(dp_rank, dim)``)."""
-    sites = find_random_nodes(gm)
+def stamp_rank_rows(
+    gm: fx.GraphModule, *, input_dims: Mapping[str, int | None], dp_rank: int, scopes: tuple[str, ...] = ()
+) -> PassResult:
+    """Stamp each random site split by the batch with rank ``dp_rank``'s rows (``(dp_rank, dim)``);
+    ``scopes``: modules called whole (FSDP blocks), stamped by their input's batch dim."""
+    sites = [n for n in gm.graph.nodes if n.op == "call_module" and n.target in scopes or random_kind(gm, n)]
     if not sites or not any(d is not None for d in input_dims.values()):
         return PassResult(gm, False, {"rows": {}})
-    placements = propagate(gm, input_dims)
+    placements = _placements_by_name(gm, input_dims, scopes)
     stamped: dict[str, tuple[int, int]] = {}
     for node in sites:
-        placement = placements.get(node)
+        scope = node.op == "call_module" and node.target in scopes  # its random ops: its input's rows
+        placement = placements.get((node.args[0] if scope and node.args else node).name)
         if isinstance(placement, Tuple) and placement.items and isinstance(placement.items[0], Split):
             placement = placement.items[0]
         if isinstance(placement, Split) and placement.dim is not None:
             node.meta[ROWS] = stamped[node.name] = (dp_rank, placement.dim)
     return PassResult(gm, False, {"rows": stamped})  # metadata only: the code is unchanged
+
+
+def _placements_by_name(gm: fx.GraphModule, input_dims: Mapping[str, int | None], scopes: tuple[str, ...]) -> dict:
+    """Batch placements of ``gm``'s nodes by name, each module of ``scopes`` (a transformer block that
+    FSDP wraps, no batch rule of its own) read as per sample: an identity of its first input."""
+    if not scopes:
+        return {n.name: p for n, p in propagate(gm, input_dims).items()}
+    root = torch.nn.Module()
+    for name, child in gm.named_children():
+        root.add_module(name, child)
+    for name, value in [*gm.named_parameters(recurse=False), *gm.named_buffers(recurse=False)]:
+        setattr(root, name, value)
+    root.add_module("per_sample_block", torch.nn.Identity())
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in scopes:
+            env[node] = graph.call_module("per_sample_block", (env[node.args[0]],))
+            env[node].name = node.name
+        else:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    return {n.name: p for n, p in propagate(fx.GraphModule(root, graph), input_dims).items()}
 
 
 def stamp_rank_cols(gm: fx.GraphModule, *, tp_rank: int) -> PassResult:

@@ -36,7 +36,8 @@ OTHER_RANDOM = {torch.multinomial, torch.normal, torch.poisson, F.dropout1d, F.d
                 F.alpha_dropout, F.feature_alpha_dropout}  # fmt: skip
 OTHER_RANDOM_MODULES = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 EXACT_RUNTIME = {runtime.exact_dropout, runtime.exact_dropout_module, runtime.exact_native_dropout, runtime.exact_attention,
-                 runtime.exact_random_like, runtime.exact_bernoulli, runtime.exact_fill_random}  # fmt: skip
+                 runtime.exact_random_like, runtime.exact_bernoulli, runtime.exact_fill_random,
+                 runtime.exact_random_scope}  # fmt: skip
 
 
 def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:

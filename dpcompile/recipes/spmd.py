@@ -78,6 +78,7 @@ class SpmdRecipe(Recipe):
     ddp_options: Mapping[str, Any] = field(default_factory=dict)
     data_parallel: str = "ddp"
     mixed_precision: Any = field(default=None, compare=False)
+    fsdp_blocks: tuple[type[nn.Module], ...] = ()  # the block classes FSDP wraps, called whole by the program
 
     @property
     def mode(self) -> str:
@@ -96,7 +97,7 @@ class SpmdRecipe(Recipe):
         if mode == "spmd_data_parallel":
             if self.data_parallel == "fsdp":  # the blocks stay calls: fully_shard hooks their forward
                 blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
-                recipe = dataclasses.replace(self, leaf_modules=self.leaf_modules + blocks)
+                recipe = dataclasses.replace(self, leaf_modules=self.leaf_modules + blocks, fsdp_blocks=blocks)
                 return recipe._compile_data_parallel(model, dp_dim, device, example_inputs)
             return self._compile_data_parallel(model, dp_dim, device, example_inputs)
         return self._compile_tensor_parallel(model, mode, dp_dim, tp_dim, device, example_inputs)
@@ -119,10 +120,14 @@ class SpmdRecipe(Recipe):
                                 example_inputs: Any = None) -> list:  # fmt: skip
         options = self._random_options(Devices((device,)), gm, dp_dim, example_inputs)
         dp_rank, dp_size = self.mesh.get_local_rank(dp_dim), mesh_size(self.mesh, dp_dim)
+        scopes = tuple(  # FSDP's blocks: their random ops draw through a scope around the call
+            str(n.target) for n in gm.graph.nodes
+            if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), self.fsdp_blocks)
+        ) if self.fsdp_blocks else ()  # fmt: skip
         return (
             passes.frontend_pipeline(options)
-            + passes.rank_rows_pipeline(options, dp_rank=dp_rank)
-            + passes.exact_random_rank_pipeline(options, tp_rank=None, dp_size=dp_size)
+            + passes.rank_rows_pipeline(options, dp_rank=dp_rank, scopes=scopes)
+            + passes.exact_random_rank_pipeline(options, tp_rank=None, dp_size=dp_size, scopes=scopes)
             + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim)
         )
 

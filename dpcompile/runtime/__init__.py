@@ -19,6 +19,7 @@ from dpcompile.runtime.random import (
     random_draws_over_ranks,
 )
 from dpcompile.runtime.random_plan import current_random_draws
+from dpcompile.runtime.random_scope import exact_random_scope
 from dpcompile.runtime.recompute import checkpoint
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
@@ -42,6 +43,7 @@ __all__ = [
     "exact_random_like",
     "random_draws",
     "current_random_draws",
+    "exact_random_scope",
     "random_draws_over_ranks",
     "ReplicaRoot",
     "ReplicaSet",

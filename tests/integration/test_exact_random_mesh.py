@@ -30,6 +30,44 @@ def _mlp(rows: int, tied: bool = True):
     return DropoutMLP, kwargs
 
 
+class DropoutBlock(torch.nn.Module):
+    """A residual block with dropout as a module and as a function, and ``randn_like`` noise."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.drop = torch.nn.Dropout(0.25)
+
+    def forward(self, h):
+        import torch.nn.functional as F
+
+        h = h + self.drop(torch.tanh(self.fc(h)))
+        return F.dropout(h + 0.1 * torch.randn_like(h), p=0.5, training=self.training)
+
+
+class DropoutStack(torch.nn.Module):
+    """Repeated blocks (FSDP wraps each and the program calls it whole) between dropout at the top."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.drop = torch.nn.Dropout(0.1)
+        self.layers = torch.nn.ModuleList(DropoutBlock(d) for _ in range(2))
+        self.head = torch.nn.Linear(d, 4)
+
+    def forward(self, x, labels):
+        h = self.drop(self.inp(x))
+        for layer in self.layers:
+            h = layer(h)
+        return torch.nn.functional.cross_entropy(self.head(h), labels)
+
+
+def _blocks(rows: int, tied: bool = True):
+    g = torch.Generator().manual_seed(1)
+    kwargs = {"x": torch.randn(rows, 8, generator=g, dtype=torch.float64), "labels": torch.randint(0, 4, (rows,), generator=g)}
+    return DropoutStack, kwargs
+
+
 def _gpt2(rows: int, tied: bool = True):
     from tests.thirdparty import import_or_skip
 
@@ -64,14 +102,14 @@ def check_trains_like_eager(name: str, layout: dict[str, int], data_parallel: st
     dp = layout.get("dp", 1)
     dp_rank = mesh.get_local_rank("dp") if "dp" in layout else 0
     tp_rank = mesh.get_local_rank("tp") if "tp" in layout else 0
-    make, kwargs = (_mlp if name == "mlp" else _gpt2)(2 * dp)
+    make, kwargs = {"mlp": _mlp, "blocks": _blocks, "gpt2": _gpt2}[name](2 * dp)
     torch.manual_seed(0)
     model = make().double().train()
     reference = copy.deepcopy(model)
     per = 2
     local = {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in kwargs.items()}
     program = model
-    if name != "mlp":
+    if name == "gpt2":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = capture_model(model, frontend="export", example_kwargs=local)[0]
@@ -174,6 +212,8 @@ def _checks(world: int) -> list[tuple[str, object]]:
         for label, (layout, data_parallel) in layouts.items()
         for name in ("mlp", "gpt2")
     ]
+    if world == 2:  # FSDP's blocks are called whole: their random ops draw through a scope
+        checks.append(("blocks-fsdp", functools.partial(check_trains_like_eager, "blocks", {"dp": 2}, "fsdp")))
     pipelines = {"pp": ({"pp": 2}, "gpipe"), "pp_1f1b": ({"pp": 2}, "1f1b")} if world == 2 else {
         "pp_dp": ({"pp": 2, "dp": 2}, "gpipe"), "pp_tp": ({"pp": 2, "tp": 2}, "gpipe")}  # fmt: skip
     return checks + [

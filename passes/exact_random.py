@@ -19,8 +19,8 @@ After::
     drop_dev0 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev0, rows = (0, 0))
     drop_dev1 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev1, rows = (1, 0))
 
-A random op this pass does not know (``nn.Dropout2d``, ``torch.multinomial``) keeps its per-device
-draws; ``info["per_device"]`` names it (``explain`` reports it).
+A random op this pass does not know (``torch.poisson``, ``torch.multinomial`` with replacement) keeps
+its per-device draws; ``info["per_device"]`` names it (``explain`` reports it).
 """
 
 from __future__ import annotations
@@ -32,7 +32,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from dpcompile import runtime
-from dpcompile.analysis.random_ops import FILL_ATEN, LIKE_FUNCTIONS, called_module_path, random_kind
+from dpcompile.analysis.random_ops import (
+    FILL_ATEN,
+    LIKE_FUNCTIONS,
+    SPECIAL_DROPOUT_FUNCTIONS,
+    SPECIAL_DROPOUT_MODULES,
+    called_module,
+    called_module_path,
+    random_kind,
+)
 from dpcompile.infra import PassResult, stamp
 
 PASS = "draw_random_whole"
@@ -89,10 +97,10 @@ def draw_random_whole(
         module = None
         for node in site.nodes:
             with graph.inserting_before(node):
-                if site.kind in ("dropout_module", "scope") and module is None:
+                if site.kind in ("dropout_module", "special_dropout_module", "scope") and module is None:
                     module = _placed_as(stamp(graph.get_attr(str(called_module_path(node))), PASS, node), node)
                     module.name = f"{site.source}_module"
-                new = graph.call_function(*_exact_call(site, node, draws, module))
+                new = graph.call_function(*_exact_call(gm, site, node, draws, module))
             stamp(new, PASS, node)
             new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta", "dpcompile_pass")})
             node.replace_all_uses_with(new)
@@ -102,7 +110,8 @@ def draw_random_whole(
     return PassResult(gm, True, info)
 
 
-def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node | None) -> tuple[Any, tuple, dict]:
+def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.Node,
+                module: fx.Node | None) -> tuple[Any, tuple, dict]:  # fmt: skip
     """The runtime call that replaces ``node``: target, args, kwargs."""
     where = {k: v for k, v in (("rows", node.meta.get(ROWS)), ("cols", node.meta.get(COLS))) if v is not None}
     head = (draws, site.source)
@@ -114,6 +123,16 @@ def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node
         bound = {**dict(zip(names, args)), **kwargs}
         p, training = bound.get("p", 0.5), bound.get("training", bound.get("train", True))
         return runtime.exact_dropout, (*head, bound["input"]), {"p": p, "training": training, **where}
+    if site.kind == "special_dropout_module":
+        variant = SPECIAL_DROPOUT_MODULES[type(called_module(gm, node))]
+        return runtime.exact_special_dropout_module, (module, *head, variant, args[-1]), where
+    if site.kind == "special_dropout":
+        variant = SPECIAL_DROPOUT_FUNCTIONS[node.target]
+        return runtime.exact_special_dropout, (*head, variant, *args), {**kwargs, **where}
+    if site.kind == "normal":
+        return runtime.exact_normal, (*head, *args), {**kwargs, **where}
+    if site.kind == "multinomial":
+        return runtime.exact_multinomial, (*head, *args), {**kwargs, **where}
     if site.kind == "scope":
         return runtime.exact_random_scope, (*head, node.meta.get(ROWS), module, *args), kwargs
     if site.kind == "native_dropout":

@@ -18,6 +18,12 @@ from dpcompile.runtime.random import (
     random_draws,
     random_draws_over_ranks,
 )
+from dpcompile.runtime.random_more import (
+    exact_multinomial,
+    exact_normal,
+    exact_special_dropout,
+    exact_special_dropout_module,
+)
 from dpcompile.runtime.random_plan import current_random_draws
 from dpcompile.runtime.random_scope import exact_random_scope
 from dpcompile.runtime.recompute import checkpoint
@@ -44,6 +50,10 @@ __all__ = [
     "random_draws",
     "current_random_draws",
     "exact_random_scope",
+    "exact_multinomial",
+    "exact_normal",
+    "exact_special_dropout",
+    "exact_special_dropout_module",
     "random_draws_over_ranks",
     "ReplicaRoot",
     "ReplicaSet",

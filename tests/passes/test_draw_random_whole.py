@@ -220,3 +220,16 @@ def test_exact_random_program_exports_and_loads(tmp_path):
     got = loaded(x)
     torch.manual_seed(4)
     torch.testing.assert_close(got, model(x))
+
+
+def test_channel_dropout_program_exports_and_loads(tmp_path):
+    """A Dropout2d program exported and loaded still draws the single-device channel mask."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Dropout2d(0.5))
+    dpcompile.export(dpcompile.transform(model, ["cpu"] * 2), tmp_path / "out")
+    loaded = dpcompile.load(tmp_path / "out")
+    x = torch.randn(4, 3, 6, 6)
+    torch.manual_seed(4)
+    got = loaded(x)
+    torch.manual_seed(4)
+    torch.testing.assert_close(got, model(x))

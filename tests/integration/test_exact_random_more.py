@@ -80,8 +80,7 @@ def test_exact_random_more_ops_train_like_eager(layout):
 
 
 class FunctionalSpellings(nn.Module):
-    """The functional spellings: F.dropout2d, F.alpha_dropout, F.feature_alpha_dropout (they have no batch
-    rule yet, so data parallelism runs them on the gathered batch; the draws are still eager's)."""
+    """The functional spellings: F.dropout2d, F.alpha_dropout, F.feature_alpha_dropout."""
 
     def __init__(self):
         super().__init__()
@@ -96,13 +95,18 @@ class FunctionalSpellings(nn.Module):
 
 @pytest.mark.parametrize("layout", ["dp", "tp", "gpipe"])
 def test_exact_random_functional_spellings_match_eager(layout):
-    """The functional channel and alpha dropouts: the loss, the gradients and the generator are eager's."""
+    """The functional channel and alpha dropouts run split (dp) and draw exactly: the loss, the gradients
+    and the generator are eager's."""
     torch.manual_seed(0)
     model = FunctionalSpellings().double().train()
     reference = copy.deepcopy(model)
     x, labels = _inputs(5)
     options = LAYOUTS[layout]
     pm = dpcompile.transform(model, _devices(options), example_inputs=(x, labels), **options)
+    report = dpcompile.explain(pm, x, labels)
+    assert report.random["per_device"] == [] and len(report.random["exact"]) == 3, report.random
+    if layout == "dp":  # per sample now: they run split, not on the gathered batch
+        assert report.whole == [], report.whole
     torch.manual_seed(3)
     loss = pm(x, labels)
     loss.backward()

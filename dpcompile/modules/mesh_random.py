@@ -42,7 +42,8 @@ class StageRandomPlan:
             return None
         dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
-        key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in inputs), self.program.training)
+        modes = tuple(m.training for m in self.program.modules())  # which sites draw: the modules' modes
+        key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in inputs), modes)
         if key not in self._plans:
             self._plans[key] = self._recorded(inputs, [batch or 0] * dp_size)
         local = [rows for micro, rows in runs for _ in range(micro)]

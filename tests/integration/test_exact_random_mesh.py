@@ -1,11 +1,12 @@
 """Random ops draw the single-device values over a gloo ``DeviceMesh`` (``exact_random=True``, the
 default): every rank draws each site's whole tensor from its identically seeded generator and keeps
-its slice, with no collective. An MLP with dropout (module, functional) and ``randn_like`` noise, and
-GPT-2 with its default dropout (tiny, float64, exported), over ``("dp",)`` (DDP), ``("tp",)`` and
-``("dp", "tp")`` meshes: over 3 SGD steps from the same seed the loss (averaged over the dp ranks)
-and every gradient (this rank's shard of it) equal eager's on the global batch, and
-``torch.get_rng_state()`` after each step equals eager's. Spawning is the expensive part, so one
-group of 2 and one of 4 run every check."""
+its slice, with no collective. An MLP with dropout (module, functional) and ``randn_like`` noise, a
+stack of FSDP-wrapped blocks with dropout inside, and GPT-2 with its default dropout (tiny, float64,
+exported), over ``("dp",)`` (DDP, FSDP), ``("tp",)``, ``("dp", "tp")``, ``("pp",)`` (GPipe, 1F1B),
+``("pp", "dp")`` and ``("pp", "tp")`` meshes: over 3 SGD steps from the same seed the loss (averaged
+over the dp ranks) and every gradient (this rank's shard, this stage's parameters) equal eager's on
+the global batch, and ``torch.get_rng_state()`` after each step equals eager's on every rank.
+Spawning is the expensive part, so one group of 2 and one of 4 run every check."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from tests.gloo_groups import run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned; GPT-2 exported on each
-GROUP_TIMEOUT_S = 400.0  # spawning, importing transformers and the first gloo connections are slow on a loaded machine
+GROUP_TIMEOUT_S = 900.0  # spawning, importing transformers and the first gloo connections are slow on a loaded machine
 V = 64
 
 
@@ -244,13 +245,19 @@ def _assert_passed(world: int, check: str) -> None:
         assert outcome.get(check, "missing") is None, f"rank {rank}: {outcome.get(check, 'missing')}"
 
 
-@pytest.mark.parametrize("check", ["mlp-dp", "gpt2-dp", "mlp-tp", "gpt2-tp"])
+@pytest.mark.parametrize(
+    "check", ["mlp-dp", "gpt2-dp", "mlp-fsdp", "gpt2-fsdp", "blocks-fsdp", "mlp-tp", "gpt2-tp",
+              "mlp-pp", "gpt2-pp", "mlp-pp_1f1b", "gpt2-pp_1f1b"],
+)  # fmt: skip
 def test_exact_random_mesh_trains_like_eager(check):
-    """dp (DDP) and tp over 2 gloo ranks: losses, gradients and generator states equal eager's."""
+    """dp (DDP, FSDP), tp and pp (GPipe, 1F1B) over 2 gloo ranks: losses, gradients, generator states."""
     _assert_passed(2, check)
 
 
-@pytest.mark.parametrize("check", ["mlp-dp_tp", "gpt2-dp_tp"])
-def test_exact_random_mesh_dp_tp_trains_like_eager(check):
-    """dp x tp over 4 gloo ranks: losses, gradients and generator states equal eager's."""
+@pytest.mark.parametrize(
+    "check", ["mlp-dp_tp", "gpt2-dp_tp", "mlp-fsdp_tp", "gpt2-fsdp_tp", "mlp-pp_dp", "gpt2-pp_dp", "mlp-pp_tp",
+              "gpt2-pp_tp"],
+)  # fmt: skip
+def test_exact_random_mesh_combinations_train_like_eager(check):
+    """dp x tp (DDP, FSDP), pp x dp and pp x tp over 4 gloo ranks: losses, gradients, generator states."""
     _assert_passed(4, check)

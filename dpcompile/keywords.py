@@ -68,12 +68,6 @@ def check_keywords_honoured(
              if size > 1}, over_mesh=True,
             layout=mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel),
         )  # fmt: skip
-    if over_mesh and exact_random is True:
-        raise DpCompileError(
-            "exact_random=True over a DeviceMesh is not built yet: each rank draws its own piece from its own "
-            "generator; exact_random=True works over a device list (one process, virtual or real devices). Leave "
-            "exact_random= out (per-rank draws) or pass exact_random=False"
-        )
     _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
 
 

@@ -31,6 +31,7 @@ from passes.cut_stage import cut_stage
 from passes.data_parallel import insert_scatter_gather
 from passes.decompose_attention import decompose_attention
 from passes.exact_random import draw_random_whole, find_random_sites
+from passes.exact_random_mesh import rank_batch_input, stamp_rank_cols, stamp_rank_rows
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.functionalize import find_mutations, functionalize_mutations
@@ -122,6 +123,26 @@ def pipeline_parallel_pipeline(options: PipelineOptions, *, plan: StagePlan, mic
     return out + exact_random_pipeline(options)
 
 
+def rank_rows_pipeline(options: PipelineOptions, *, dp_rank: int | None, scopes: tuple[str, ...] = ()) -> list[Pass]:
+    """``stamp_rank_rows`` on a captured program that one data-parallel rank of a mesh runs on its
+    part of the batch (``options.input_dims``): where its random draws' rows lie (``scopes``: the
+    modules called whole, FSDP's blocks)."""
+    if dp_rank is None:
+        return []
+    return [functools.partial(stamp_rank_rows, input_dims=dict(options.input_dims), dp_rank=dp_rank, scopes=scopes)]
+
+
+def exact_random_rank_pipeline(options: PipelineOptions, *, tp_rank: int | None, dp_size: int | None,
+                               scopes: tuple[str, ...] = ()) -> list[Pass]:  # fmt: skip
+    """One rank's program over a mesh: its random sites' columns stamped (``tp_rank``), then, where
+    ``options.exact_random``, ``draw_random_whole`` over the ``dp_size`` ranks' batches."""
+    out: list[Pass] = [] if tp_rank is None else [functools.partial(stamp_rank_cols, tp_rank=tp_rank)]
+    if options.exact_random:
+        rank_batch = rank_batch_input(options.input_dims, dp_size) if dp_size else None
+        out.append(functools.partial(draw_random_whole, rank_batch=rank_batch, scopes=scopes))
+    return out
+
+
 def checkpoint_pipeline(paths: tuple[str, ...]) -> list[Pass]:
     """``checkpoint_activations`` over ``paths``, last on a lowered program (nothing where none)."""
     return [functools.partial(checkpoint_activations, paths=paths)] if paths else []
@@ -151,6 +172,10 @@ __all__ = [
     "decompose_attention",
     "draw_random_whole",
     "exact_random_pipeline",
+    "exact_random_rank_pipeline",
+    "rank_rows_pipeline",
+    "stamp_rank_cols",
+    "stamp_rank_rows",
     "find_random_sites",
     "expand_shards",
     "tensor_parallel_pipeline",

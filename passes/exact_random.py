@@ -19,8 +19,8 @@ After::
     drop_dev0 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev0, rows = (0, 0))
     drop_dev1 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev1, rows = (1, 0))
 
-A random op this pass does not know (``nn.Dropout2d``, ``torch.multinomial``) keeps its per-device
-draws; ``info["per_device"]`` names it (``explain`` reports it).
+A random op this pass does not know (``torch.poisson``, ``torch.multinomial`` with replacement) keeps
+its per-device draws; ``info["per_device"]`` names it (``explain`` reports it).
 """
 
 from __future__ import annotations
@@ -32,7 +32,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from dpcompile import runtime
-from dpcompile.analysis.random_ops import FILL_ATEN, LIKE_FUNCTIONS, called_module_path, random_kind
+from dpcompile.analysis.random_ops import (
+    FILL_ATEN,
+    LIKE_FUNCTIONS,
+    SPECIAL_DROPOUT_FUNCTIONS,
+    SPECIAL_DROPOUT_MODULES,
+    called_module,
+    called_module_path,
+    random_kind,
+)
 from dpcompile.infra import PassResult, stamp
 
 PASS = "draw_random_whole"
@@ -49,11 +57,12 @@ class RandomSite:
     nodes: tuple[fx.Node, ...]
 
 
-def find_random_sites(gm: fx.GraphModule) -> list[RandomSite]:
-    """The random sites of ``gm`` in program order, each with its per-device nodes."""
+def find_random_sites(gm: fx.GraphModule, scopes: tuple[str, ...] = ()) -> list[RandomSite]:
+    """The random sites of ``gm`` in program order, each with its per-device nodes; a call of a module
+    of ``scopes`` (an FSDP block, called whole) is a site of kind ``"scope"``."""
     sites: dict[str, tuple[str, list[fx.Node]]] = {}
     for node in gm.graph.nodes:
-        kind = random_kind(gm, node)
+        kind = "scope" if node.op == "call_module" and node.target in scopes else random_kind(gm, node)
         if kind is not None and node.meta.get(COLS) == "sections":
             kind = "other"
         if kind is not None:
@@ -62,28 +71,36 @@ def find_random_sites(gm: fx.GraphModule) -> list[RandomSite]:
     return [RandomSite(source, kind, tuple(nodes)) for source, (kind, nodes) in sites.items()]
 
 
-def draw_random_whole(gm: fx.GraphModule) -> PassResult:
-    """Rewrite each random site of the lowered ``gm`` to draw its whole tensor once and slice it."""
-    sites = find_random_sites(gm)
+def draw_random_whole(
+    gm: fx.GraphModule, *, rank_batch: tuple[str, int, int] | None = None, planned: bool = False,
+    scopes: tuple[str, ...] = (),
+) -> PassResult:
+    """Rewrite each random site of the lowered ``gm`` to draw its whole tensor once and slice it.
+
+    ``rank_batch=(input, dim, ranks)``: ``gm`` is one data-parallel rank's program over a mesh, fed
+    its local batch as ``input`` (split on ``dim``); the global batch is ``ranks`` such batches.
+    ``planned``: ``gm`` is a pipeline stage over a mesh, run once per micro-batch; it draws through
+    the record its module opens for the call (``current_random_draws()``, every stage's sites in order).
+    ``scopes``: paths of modules called whole (FSDP blocks), whose random ops draw through the record too."""
+    sites = find_random_sites(gm, scopes)
     exact = [s for s in sites if s.kind != "other"]
     info: dict[str, Any] = {"exact": [s.source for s in exact], "per_device": [s.source for s in sites if s.kind == "other"]}
     if not exact:
         return PassResult(gm, False, info)
     graph = gm.graph
     first = exact[0].nodes[0]
-    scatter = _batch_scatter(graph)
     with graph.inserting_before(first):
-        args = (scatter, scatter.args[2] if len(scatter.args) > 2 else 0) if scatter is not None else ()
-        draws = _placed_as(stamp(graph.call_function(runtime.random_draws, args), PASS, first), first)
+        target, args = (runtime.current_random_draws, ()) if planned else _draws_call(graph, rank_batch)
+        draws = _placed_as(stamp(graph.call_function(target, args), PASS, first), first)
         draws.name = "random_draws"
     for site in exact:
         module = None
         for node in site.nodes:
             with graph.inserting_before(node):
-                if site.kind == "dropout_module" and module is None:
+                if site.kind in ("dropout_module", "special_dropout_module", "scope") and module is None:
                     module = _placed_as(stamp(graph.get_attr(str(called_module_path(node))), PASS, node), node)
                     module.name = f"{site.source}_module"
-                new = graph.call_function(*_exact_call(site, node, draws, module))
+                new = graph.call_function(*_exact_call(gm, site, node, draws, module))
             stamp(new, PASS, node)
             new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta", "dpcompile_pass")})
             node.replace_all_uses_with(new)
@@ -93,7 +110,8 @@ def draw_random_whole(gm: fx.GraphModule) -> PassResult:
     return PassResult(gm, True, info)
 
 
-def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node | None) -> tuple[Any, tuple, dict]:
+def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.Node,
+                module: fx.Node | None) -> tuple[Any, tuple, dict]:  # fmt: skip
     """The runtime call that replaces ``node``: target, args, kwargs."""
     where = {k: v for k, v in (("rows", node.meta.get(ROWS)), ("cols", node.meta.get(COLS))) if v is not None}
     head = (draws, site.source)
@@ -105,6 +123,18 @@ def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node
         bound = {**dict(zip(names, args)), **kwargs}
         p, training = bound.get("p", 0.5), bound.get("training", bound.get("train", True))
         return runtime.exact_dropout, (*head, bound["input"]), {"p": p, "training": training, **where}
+    if site.kind == "special_dropout_module":
+        variant = SPECIAL_DROPOUT_MODULES[type(called_module(gm, node))]
+        return runtime.exact_special_dropout_module, (module, *head, variant, args[-1]), where
+    if site.kind == "special_dropout":
+        variant = SPECIAL_DROPOUT_FUNCTIONS[node.target]
+        return runtime.exact_special_dropout, (*head, variant, *args), {**kwargs, **where}
+    if site.kind == "normal":
+        return runtime.exact_normal, (*head, *args), {**kwargs, **where}
+    if site.kind == "multinomial":
+        return runtime.exact_multinomial, (*head, *args), {**kwargs, **where}
+    if site.kind == "scope":
+        return runtime.exact_random_scope, (*head, node.meta.get(ROWS), module, *args), kwargs
     if site.kind == "native_dropout":
         return runtime.exact_native_dropout, (*head, *args), {**kwargs, **where}
     if site.kind == "attention":
@@ -116,6 +146,16 @@ def _exact_call(site: RandomSite, node: fx.Node, draws: fx.Node, module: fx.Node
         return runtime.exact_fill_random, (*head, method, *args), {**kwargs, **where}
     name = LIKE_FUNCTIONS.get(node.target, "bernoulli")  # a bernoulli(x, p) function or method
     return runtime.exact_random_like, (*head, name, *args), {**kwargs, **where}
+
+
+def _draws_call(graph: fx.Graph, rank_batch: tuple[str, int, int] | None) -> tuple[Any, tuple]:
+    """The call that opens one call's record of draws, knowing the batch's split."""
+    if rank_batch is not None:
+        name, dim, ranks = rank_batch
+        local = next((n for n in graph.nodes if n.op == "placeholder" and n.target == name), None)
+        return runtime.random_draws_over_ranks, (local, dim, ranks)
+    scatter = _batch_scatter(graph)
+    return runtime.random_draws, ((scatter, scatter.args[2] if len(scatter.args) > 2 else 0) if scatter is not None else ())
 
 
 def _batch_scatter(graph: fx.Graph) -> fx.Node | None:

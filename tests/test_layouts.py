@@ -159,7 +159,6 @@ def _unjoined_mesh(shape, names):
     [
         ({"pipeline": 2, "ddp_options": {"bucket_cap_mb": 1}}, 'ddp_options= with pipeline=.*data_parallel="fsdp"'),
         ({"output_device": "cpu"}, "output_device="),
-        ({"exact_random": True}, "exact_random=True over a DeviceMesh is not built yet"),
     ],
 )
 def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, match):
@@ -169,6 +168,15 @@ def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, match):
 
     with pytest.raises((ValueError, DpCompileError), match=match):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), **kwargs)
+
+
+@pytest.mark.parametrize("names", [("pp", "dp"), ("dp", "tp")])
+def test_layout_exact_random_true_over_a_mesh_is_honoured(names):
+    """exact_random=True over a DeviceMesh (with or without 'pp') passes the keyword check: every rank
+    draws the single-device values (tests/integration/test_exact_random_mesh.py runs it)."""
+    from dpcompile.keywords import check_keywords_honoured
+
+    check_keywords_honoured(_unjoined_mesh((2, 2), names), exact_random=True, tensor_parallel="tp" in names)
 
 
 def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():

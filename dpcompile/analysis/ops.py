@@ -132,6 +132,7 @@ BINARY = OpFamily.of(
         operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow,
         operator.mod, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
         operator.and_, operator.or_, operator.xor,
+        torch.normal,  # normal(mean, std): a draw per element of the broadcast shape
         torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.where,
         torch.maximum, torch.minimum, torch.masked_fill, torch.lerp, torch.addcmul, torch.addcdiv,
         torch.logical_and, torch.logical_or, torch.eq, torch.ne, torch.gt, torch.lt, torch.ge, torch.le,
@@ -207,6 +208,7 @@ PER_SAMPLE = OpFamily.of(
     functions={
         F.conv1d, F.conv2d, F.conv3d, F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d,
         F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.interpolate,
+        F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout, torch.multinomial,
     },
     modules=(
         nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
@@ -214,6 +216,7 @@ PER_SAMPLE = OpFamily.of(
         nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
         nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.GroupNorm, nn.Upsample, nn.PixelShuffle,
         nn.PixelUnshuffle, nn.LocalResponseNorm, nn.Dropout2d, nn.Dropout3d, nn.Dropout1d, nn.PReLU,
+        nn.FeatureAlphaDropout,
     ),
 )  # fmt: skip
 # pads the last len(pad) // 2 dims: per sample only where those lie after the batch dim

@@ -31,17 +31,23 @@ LIKE_FUNCTIONS = {torch.rand_like: "rand_like", torch.randn_like: "randn_like", 
                   aten.bernoulli.p: "bernoulli"}  # fmt: skip
 FILL_METHODS = {"normal_", "uniform_", "bernoulli_", "exponential_", "random_"}
 FILL_ATEN = {aten.normal_.default: "normal_", aten.uniform_.default: "uniform_", aten.bernoulli_.float: "bernoulli_"}
+# channel and alpha dropouts: the variant of runtime.exact_special_dropout, by function and by module
+SPECIAL_DROPOUT_FUNCTIONS = {F.dropout1d: "dropout1d", F.dropout2d: "dropout2d", F.dropout3d: "dropout3d",
+                             F.alpha_dropout: "alpha", F.feature_alpha_dropout: "feature_alpha"}  # fmt: skip
+SPECIAL_DROPOUT_MODULES = {nn.Dropout1d: "dropout1d", nn.Dropout2d: "dropout2d", nn.Dropout3d: "dropout3d",
+                           nn.AlphaDropout: "alpha", nn.FeatureAlphaDropout: "feature_alpha"}  # fmt: skip
 # random ops the runtime cannot make exact: they draw per device, and explain names them
-OTHER_RANDOM = {torch.multinomial, torch.normal, torch.poisson, F.dropout1d, F.dropout2d, F.dropout3d,
-                F.alpha_dropout, F.feature_alpha_dropout}  # fmt: skip
-OTHER_RANDOM_MODULES = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+OTHER_RANDOM = {torch.multinomial, torch.normal, torch.poisson}
 EXACT_RUNTIME = {runtime.exact_dropout, runtime.exact_dropout_module, runtime.exact_native_dropout, runtime.exact_attention,
-                 runtime.exact_random_like, runtime.exact_bernoulli, runtime.exact_fill_random}  # fmt: skip
+                 runtime.exact_random_like, runtime.exact_bernoulli, runtime.exact_fill_random,
+                 runtime.exact_random_scope, runtime.exact_special_dropout, runtime.exact_special_dropout_module,
+                 runtime.exact_normal, runtime.exact_multinomial}  # fmt: skip
 
 
 def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
     """The kind of random op ``node`` runs: ``"dropout"``, ``"dropout_module"``, ``"native_dropout"``,
-    ``"attention"`` (with ``dropout_p``), ``"like"``, ``"bernoulli"``, ``"fill"``, or ``"other"`` for
+    ``"attention"`` (with ``dropout_p``), ``"like"``, ``"bernoulli"``, ``"fill"``, ``"special_dropout"``
+    (``_module``: channel and alpha dropouts), ``"normal"``, ``"multinomial"``, or ``"other"`` for
     one that cannot draw the single-device values; None for a node that draws nothing."""
     if node.op == "call_function":
         target = node.target
@@ -58,13 +64,21 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
             return "like" if len(node.args) > 1 or "p" in node.kwargs else "bernoulli"
         if target in FILL_ATEN:
             return "fill"
+        if target in SPECIAL_DROPOUT_FUNCTIONS:
+            return "special_dropout"
+        if target is torch.normal and _tensor_mean_and_std(node):
+            return "normal"
+        if target is torch.multinomial and _without_replacement(node):
+            return "multinomial"
         return "other" if target in OTHER_RANDOM else None
     if node.op in ("call_module", "call_method"):
         module = called_module(gm, node)
         if module is not None:
             if type(module) is nn.Dropout:
                 return "dropout_module"
-            return "other" if isinstance(module, OTHER_RANDOM_MODULES) else None
+            if type(module) in SPECIAL_DROPOUT_MODULES:
+                return "special_dropout_module"
+            return None
     if node.op == "call_method":
         if node.target in FILL_METHODS:
             return "fill"
@@ -92,6 +106,14 @@ def called_module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
         return gm.get_submodule(path)
     except AttributeError:
         return None
+
+
+def scoped_module_paths(gm: fx.GraphModule) -> set[str]:
+    """The modules ``gm`` calls whole through ``exact_random_scope`` (FSDP's blocks, their random ops exact)."""
+    return {
+        str(n.args[3].target) for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is runtime.exact_random_scope and n.args[3].op == "get_attr"
+    }  # fmt: skip
 
 
 def random_draws_of(gm: fx.GraphModule) -> dict[str, list[str]]:
@@ -128,8 +150,24 @@ def _draws_nothing(node: fx.Node) -> bool:
     return bound.get("training", bound.get("train", True)) is False or bound.get("p", 0.5) == 0
 
 
+def _tensor_mean_and_std(node: fx.Node) -> bool:
+    """``torch.normal(mean, std)`` with both tensors (values of the graph), no generator or ``out``."""
+    names = ("mean", "std")
+    bound = {**dict(zip(names, node.args)), **node.kwargs}
+    return set(bound) == set(names) and all(isinstance(bound[n], fx.Node) for n in names)
+
+
+def _without_replacement(node: fx.Node) -> bool:
+    """``torch.multinomial(probs, n)`` without replacement, or with one sample, and no generator."""
+    bound = {**dict(zip(("input", "num_samples", "replacement"), node.args)), **node.kwargs}
+    if set(bound) - {"input", "num_samples", "replacement"}:
+        return False
+    return bound.get("replacement", False) is False or bound.get("num_samples") == 1
+
+
 def _is_replicas(value: Any) -> bool:
     return isinstance(value, fx.Node) and value.op == "call_function" and value.target is runtime.replicate
 
 
-__all__ = ["called_module", "called_module_path", "per_device_note", "random_draws_of", "random_kind"]
+__all__ = ["called_module", "called_module_path", "per_device_note", "random_draws_of", "random_kind",
+           "scoped_module_paths"]

@@ -92,7 +92,7 @@ VALUE = Kind("value")
 # the runtime functions that take a module (first) or, ``replicate``, a table of them
 _TAKE_A_MODULE = frozenset(
     {"replicate", "batch_norm", "flatten_parameters", "weights_in_one_buffer", "module_of", "expect_mode", "mode_value",
-     "exact_dropout_module"}
+     "exact_dropout_module", "exact_special_dropout_module"}
 )
 
 

@@ -8,6 +8,7 @@ modules it holds and its program for one micro-batch (``pm.stages[i].code``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.hooks import call_with_hooks
+from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
 from dpcompile.modules.mesh_stage import (
     backward_done,
     batch_norm_refusal,
@@ -35,6 +37,7 @@ from dpcompile.modules.mesh_stage_dp import (
     shard_stage_over_dp,
     whole_parameters_on_fake,
 )
+from dpcompile.runtime.random_plan import drawing
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ class MeshPipelineModule(nn.Module):
                  device: Any, pp_group: Any, dp_group: Any, micro_batches: int, schedule: str, outputs: Any,
                  live_in: list[str], module_paths: tuple[str, ...], last_rank: int,
                  has_loss: bool, count: str | None = None, shared: list | None = None,
-                 writes_once: fx.GraphModule | None = None):  # fmt: skip
+                 writes_once: fx.GraphModule | None = None, random_plan: StageRandomPlan | None = None):  # fmt: skip
         super().__init__()
         self.program = program
         object.__setattr__(self, "whole", whole)  # the single-device program: shapes, every stage's modes
@@ -164,6 +167,7 @@ class MeshPipelineModule(nn.Module):
         object.__setattr__(self, "_count_program", count_program(whole, count) if has_loss else None)
         object.__setattr__(self, "_may_use_batch_statistics", bool(batch_statistics_sites(whole, training=True)))
         object.__setattr__(self, "shape_program", program)
+        object.__setattr__(self, "random_plan", random_plan)  # every stage's random sites, drawn in order a call
         self.shards: dict[str, Any] = {}
         self.plan: dict[str, str] = {}
         self.plan_reasons: dict[str, str] = {}
@@ -246,7 +250,11 @@ class MeshPipelineModule(nn.Module):
         buffers = [(b, b.detach().clone()) for b in self.whole.buffers()]
         try:
             modules = [self.whole, self.shape_program]
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode, whole_parameters_on_fake(modules, self.device):
+            with (
+                FakeTensorMode(allow_non_fake_inputs=True) as mode,
+                whole_parameters_on_fake(modules, self.device),
+                drawing(FakeRunDraws()),
+            ):
                 fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in firsts]
                 values = _node_values(self.whole, fakes, self.live_in)
                 ins = [values[name] for name in self.live_in]
@@ -282,6 +290,8 @@ class MeshPipelineModule(nn.Module):
         """The mode of every stage's modules, so that each rank sees where BatchNorm trains."""
         super().train(mode)
         self.whole.train(mode)
+        if self.random_plan is not None:
+            self.random_plan.train(mode)
         return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -308,15 +318,19 @@ class MeshPipelineModule(nn.Module):
                 dist.all_reduce(count, group=self.dp_group)
             self._loss_scale = 1.0 / float(count)
         before = {p: p.grad.clone() for p in self.program.parameters() if p.grad is not None} if train else {}
+        draws = self.random_plan.record(inputs, batch, runs, self.dp_group) if self.random_plan is not None else None
         pieces, start = [], 0  # each run of equal micro-batches is one step of its own schedule
-        for micro, rows in runs:
-            stop = start + micro * rows
-            part = tuple(t[start:stop] if isinstance(t, torch.Tensor) and t.dim() and batch else t for t in inputs)
-            schedule = self._schedule_for(part, micro, train)
-            run = schedule.step if train else schedule.eval
-            target = torch.zeros(stop - start if batch else micro) if last else None
-            pieces.append(run(*(part if first else ()), target=target))
-            start = stop
+        with drawing(draws) if draws is not None else contextlib.nullcontext():
+            for micro, rows in runs:
+                stop = start + micro * rows
+                part = tuple(t[start:stop] if isinstance(t, torch.Tensor) and t.dim() and batch else t for t in inputs)
+                schedule = self._schedule_for(part, micro, train)
+                run = schedule.step if train else schedule.eval
+                target = torch.zeros(stop - start if batch else micro) if last else None
+                pieces.append(run(*(part if first else ()), target=target))
+                start = stop
+        if draws is not None:
+            draws.finish()  # the later stages' sites: the generator ends where eager's does
         if self.fsdp is not None and not train:  # a forward alone keeps the gathered parameters: free them
             self.fsdp.reshard()
         merged = _concatenated(pieces) if last else None

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.random_ops import scoped_module_paths
 from dpcompile.fx_utils import placeholders, reserve_names, unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
@@ -498,7 +499,7 @@ def build_fsdp(pm: SpmdModule, mesh: Any, dp_dim: str | int, options: Mapping[st
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh[dp_dim] if isinstance(dp_dim, str) and mesh.ndim > 1 else mesh
-    called = {str(n.target) for n in pm.graph.nodes if n.op == "call_module"}
+    called = {str(n.target) for n in pm.graph.nodes if n.op == "call_module"} | scoped_module_paths(pm)
     blocks = [path for path in repeated_blocks(pm) if path in called]
     group = dp_mesh.get_group()
     try:

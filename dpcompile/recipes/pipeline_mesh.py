@@ -34,6 +34,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import ancestors, copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
+from dpcompile.modules.mesh_random import StageRandomPlan
 from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
 from dpcompile.modules.pipeline import MeshPipelineModule
 from dpcompile.recipes.base import Recipe, capture_with_flags
@@ -89,6 +90,7 @@ class MeshPipelineRecipe(Recipe):
         gm, _ = run_passes(gm, pipeline)
         writes_once = hoist_writes(gm, plan, self.micro_batches)  # run once a call, apart from the stages
         whole = graph_module(gm, copy_graph(gm.graph), "WholeProgram")
+        random_plan = self._random_plan(gm)
         sites = batch_statistics_sites(whole) if self.micro_batches > 1 else []
         if sites:  # in eval mode BatchNorm's running statistics serve any micro_batches (checked per call too)
             raise batch_norm_refusal(sites, self.micro_batches)
@@ -110,6 +112,9 @@ class MeshPipelineRecipe(Recipe):
             )
         gm, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
         found = info_of(records, "cut_stage")
+        own_sites = frozenset(site.source for site in passes.find_random_sites(gm))  # this stage's
+        if self.exact_random and self.plan is False:  # with "tp", shard_stage rewrites the sharded program
+            gm, _ = run_passes(gm, [functools.partial(passes.draw_random_whole, planned=True)])
         program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
         program.to(device)
         last_rank = dist.get_global_rank(pp_group, pp_size - 1)
@@ -131,10 +136,12 @@ class MeshPipelineRecipe(Recipe):
             count=found["count"],
             shared=shared,
             writes_once=writes_once.get(pp_rank),
+            random_plan=StageRandomPlan(random_plan, own_sites) if random_plan is not None else None,
         )
         if self.plan is not False:  # tensor parallel inside the stage, over the mesh's "tp" dimension
             examples = None if example_inputs is None else pm.example_stage_inputs(tuple(example_inputs))
-            sharded = shard_stage(program, model=model, mesh=self.mesh, plan=self.plan, example_inputs=examples)
+            sharded = shard_stage(program, model=model, mesh=self.mesh, plan=self.plan, example_inputs=examples,
+                                  exact_random=self.exact_random)  # fmt: skip
             pm.attach_shards(sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
             pm.tp_group = self.mesh.get_group("tp")
         if self.data_parallel == "fsdp":  # FSDP over "dp" last, on the (sharded) stage
@@ -142,6 +149,15 @@ class MeshPipelineRecipe(Recipe):
             pm.shard_over_dp(self.mesh["dp"], options)
         pm.state_ties = state_ties(model)
         return pm
+
+    def _random_plan(self, gm: fx.GraphModule) -> fx.GraphModule | None:
+        """The whole program with its random sites drawing through the call's record: run on fake
+        tensors, it gives every stage's sites and shapes in order (None where nothing is drawn exactly)."""
+        if not self.exact_random:
+            return None
+        program = graph_module(gm, copy_graph(gm.graph), "WholeRandomPlan")
+        program, records = run_passes(program, [functools.partial(passes.draw_random_whole, planned=True)])
+        return program if info_of(records, "draw_random_whole").get("exact") else None
 
     def build_program(self, pm: Any, key: Any, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         return None

@@ -19,6 +19,7 @@ every stage).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ def shard_stage(
     mesh: Any,
     plan: bool | Mapping[str, str],
     example_inputs: Sequence[Any] | None = None,
+    exact_random: bool = False,
 ) -> ShardedStage:
     """``stage`` (a ``cut_stage`` program sharing ``model``'s modules) sharded over ``mesh``'s
     ``"tp"`` dimension by ``plan`` (True: the automatic plan; a ``{path: style}`` dict may name
@@ -76,6 +78,9 @@ def shard_stage(
     styles, reasons = plan_for(own, aliased_plan(plan), tp_size, model)
     options = passes.PipelineOptions(devices=Devices((local_device(mesh),) * tp_size), plan=dict(styles))
     lowering = passes.spmd_tensor_parallel_pipeline(options) + passes.spmd_pipeline(options, mesh=mesh, tp_dim="tp")
+    if exact_random:  # each random site draws through the call's plan, keeping this rank's columns
+        lowering[1:1] = [functools.partial(passes.stamp_rank_cols, tp_rank=tp_rank),
+                         functools.partial(passes.draw_random_whole, planned=True)]  # fmt: skip
     own, records = run_passes(own, lowering)
     info = unaliased_findings(info_of(records, "shard_linear"))
     specs = dict(info.get("param_shards", {}))

@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import passes
+from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
@@ -77,6 +78,7 @@ class SpmdRecipe(Recipe):
     ddp_options: Mapping[str, Any] = field(default_factory=dict)
     data_parallel: str = "ddp"
     mixed_precision: Any = field(default=None, compare=False)
+    fsdp_blocks: tuple[type[nn.Module], ...] = ()  # the block classes FSDP wraps, called whole by the program
 
     @property
     def mode(self) -> str:
@@ -95,7 +97,7 @@ class SpmdRecipe(Recipe):
         if mode == "spmd_data_parallel":
             if self.data_parallel == "fsdp":  # the blocks stay calls: fully_shard hooks their forward
                 blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
-                recipe = dataclasses.replace(self, leaf_modules=self.leaf_modules + blocks)
+                recipe = dataclasses.replace(self, leaf_modules=self.leaf_modules + blocks, fsdp_blocks=blocks)
                 return recipe._compile_data_parallel(model, dp_dim, device, example_inputs)
             return self._compile_data_parallel(model, dp_dim, device, example_inputs)
         return self._compile_tensor_parallel(model, mode, dp_dim, tp_dim, device, example_inputs)
@@ -107,9 +109,27 @@ class SpmdRecipe(Recipe):
         return {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
 
     # ------------------------------------------------------------------ data parallel
-    def _data_parallel_pipeline(self, device: torch.device, dp_dim: str | int | None) -> list:
-        options = passes.PipelineOptions(devices=Devices((device,)))
-        return passes.frontend_pipeline(options) + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim)
+    def _random_options(self, devices: Devices, gm: fx.GraphModule, dp_dim: Any, example_inputs: Any = None,
+                        plan: Mapping[str, str] | None = None) -> passes.PipelineOptions:  # fmt: skip
+        """Options of this rank's passes: its inputs' batch dims (split over ``dp_dim``), ``exact_random``."""
+        input_dims = infer_input_dims(gm, example_inputs=example_inputs) if dp_dim is not None else {}
+        return passes.PipelineOptions(devices=devices, input_dims=input_dims, plan=dict(plan or {}),
+                                      exact_random=self.exact_random)  # fmt: skip
+
+    def _data_parallel_pipeline(self, device: torch.device, dp_dim: str | int | None, gm: fx.GraphModule,
+                                example_inputs: Any = None) -> list:  # fmt: skip
+        options = self._random_options(Devices((device,)), gm, dp_dim, example_inputs)
+        dp_rank, dp_size = self.mesh.get_local_rank(dp_dim), mesh_size(self.mesh, dp_dim)
+        scopes = tuple(  # FSDP's blocks: their random ops draw through a scope around the call
+            str(n.target) for n in gm.graph.nodes
+            if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), self.fsdp_blocks)
+        ) if self.fsdp_blocks else ()  # fmt: skip
+        return (
+            passes.frontend_pipeline(options)
+            + passes.rank_rows_pipeline(options, dp_rank=dp_rank, scopes=scopes)
+            + passes.exact_random_rank_pipeline(options, tp_rank=None, dp_size=dp_size, scopes=scopes)
+            + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim)
+        )
 
     def _compile_data_parallel(
         self, model: nn.Module, dp_dim: str | int | None, device: torch.device, example_inputs: Sequence[Any] | None
@@ -117,7 +137,7 @@ class SpmdRecipe(Recipe):
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         captured_code = gm.code
-        gm, records = run_passes(gm, self._data_parallel_pipeline(device, dp_dim))
+        gm, records = run_passes(gm, self._data_parallel_pipeline(device, dp_dim, gm, example_inputs))
         pm = SpmdModule(
             gm,
             gm.graph,
@@ -139,11 +159,16 @@ class SpmdRecipe(Recipe):
         return pm
 
     # ------------------------------------------------------------------ tensor parallel
-    def _tensor_parallel_pipeline(self, devices: Devices, styles: Mapping[str, str], dp_dim: Any, tp_dim: Any) -> list:
-        options = passes.PipelineOptions(devices=devices, plan=dict(styles))
+    def _tensor_parallel_pipeline(self, devices: Devices, styles: Mapping[str, str], dp_dim: Any, tp_dim: Any,
+                                  gm: fx.GraphModule, example_inputs: Any = None) -> list:  # fmt: skip
+        options = self._random_options(devices, gm, dp_dim, example_inputs, styles)
+        dp_rank = self.mesh.get_local_rank(dp_dim) if dp_dim is not None else None
+        dp_size = mesh_size(self.mesh, dp_dim) if dp_dim is not None else None
         return (
             passes.frontend_pipeline(options)
+            + passes.rank_rows_pipeline(options, dp_rank=dp_rank)
             + passes.spmd_tensor_parallel_pipeline(options)
+            + passes.exact_random_rank_pipeline(options, tp_rank=self.mesh.get_local_rank(tp_dim), dp_size=dp_size)
             + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim, tp_dim=tp_dim)
         )
 
@@ -168,7 +193,7 @@ class SpmdRecipe(Recipe):
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
         styles, reasons = plan_for(gm, aliased_plan(self.plan), tp_size, model)
         devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
-        gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim))
+        gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim, gm, example_inputs))
         info = unaliased_findings(info_of(records, "shard_linear"))
         specs = dict(info.get("param_shards", {}))
         keep_own_shards(gm, own, specs, tp_rank)
@@ -208,7 +233,7 @@ class SpmdRecipe(Recipe):
                 traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)
             if traced.code == pm.captured_code:
                 return None
-            lowered, _ = run_passes(traced, self._data_parallel_pipeline(pm.devices.primary, pm.dp_dim))
+            lowered, _ = run_passes(traced, self._data_parallel_pipeline(pm.devices.primary, pm.dp_dim, traced))
             return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
         device = pm.devices.primary
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -231,7 +256,8 @@ class SpmdRecipe(Recipe):
             propagate_shapes(traced, list(example))
             devices = Devices((device,) * mesh_size(self.mesh, pm.tp_dim))
             plan = aliased_plan(pm.plan)
-            lowered, records = run_passes(traced, self._tensor_parallel_pipeline(devices, plan, pm.dp_dim, pm.tp_dim))
+            pipeline = self._tensor_parallel_pipeline(devices, plan, pm.dp_dim, pm.tp_dim, traced)
+            lowered, records = run_passes(traced, pipeline)
         shards = {unalias(t): spec for t, spec in info_of(records, "shard_linear").get("param_shards", {}).items()}
         if shards != pm.shards:
             raise DpCompileError(

@@ -23,7 +23,16 @@ from dpcompile.runtime.random import (
     exact_native_dropout,
     exact_random_like,
     random_draws,
+    random_draws_over_ranks,
 )
+from dpcompile.runtime.random_more import (
+    exact_multinomial,
+    exact_normal,
+    exact_special_dropout,
+    exact_special_dropout_module,
+)
+from dpcompile.runtime.random_plan import current_random_draws
+from dpcompile.runtime.random_scope import exact_random_scope
 from dpcompile.runtime.recompute import checkpoint
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
@@ -47,6 +56,13 @@ __all__ = [
     "exact_native_dropout",
     "exact_random_like",
     "random_draws",
+    "current_random_draws",
+    "exact_random_scope",
+    "exact_multinomial",
+    "exact_normal",
+    "exact_special_dropout",
+    "exact_special_dropout_module",
+    "random_draws_over_ranks",
     "ReplicaRoot",
     "ReplicaSet",
     "TAKE_FIRST",

@@ -42,7 +42,7 @@ class RandomDraws:
         shape = list(like.shape)
         index: list[slice] = [slice(None)] * len(shape)
         if rows is not None:
-            k, dim = rows
+            k, dim = self.rows_of(site, rows)
             sizes = self._batch_sizes()
             per_row, rest = divmod(shape[dim], sizes[k]) if sizes[k] else (0, 1)
             if rest:
@@ -55,11 +55,19 @@ class RandomDraws:
                 raise ValueError(f"shard {k} holds {shape[dim]} along dim {dim}, the plan says {sizes[k]}")
             index[dim] = slice(sum(sizes[:k]), sum(sizes[: k + 1]))
             shape[dim] = sum(sizes)
-        if site not in self.drawn:
-            self.drawn[site] = draw(tuple(shape))
-        whole = self.drawn[site]
+        whole = self.whole(site, tuple(shape), draw)
         piece = whole[tuple(index)] if any(s != slice(None) for s in index) else whole
         return piece.to(like.device)
+
+    def rows_of(self, site: str, rows: tuple[int, int]) -> tuple[int, int]:
+        """``(piece, dim)``: which piece of the batch split a site's value is, along which dim."""
+        return rows
+
+    def whole(self, site: str, shape: tuple[int, ...], draw: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
+        """The whole tensor of ``site``: drawn by the first piece to reach it."""
+        if site not in self.drawn:
+            self.drawn[site] = draw(shape)
+        return self.drawn[site]
 
     def _batch_sizes(self) -> list[int]:
         if self.batch_sizes is None:
@@ -73,6 +81,14 @@ def random_draws(scattered: Sequence[torch.Tensor] | None = None, dim: int = 0) 
     if not pieces or not all(isinstance(t, torch.Tensor) for t in pieces):
         return RandomDraws(None)  # an optional input left None: no rows to slice by (a site with rows says so)
     return RandomDraws([int(t.shape[dim]) for t in pieces])
+
+
+def random_draws_over_ranks(local: torch.Tensor | None, dim: int, ranks: int) -> RandomDraws:
+    """A fresh record of one call's draws on one rank of ``ranks`` data-parallel ranks: the global
+    batch is the ranks' equal local batches in rank order (``local`` is this rank's, split on ``dim``)."""
+    if not isinstance(local, torch.Tensor):
+        return RandomDraws(None)
+    return RandomDraws([int(local.shape[dim])] * ranks)
 
 
 def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tuple[int, ...]], torch.Tensor]:
@@ -179,4 +195,5 @@ __all__ = [
     "exact_native_dropout",
     "exact_random_like",
     "random_draws",
+    "random_draws_over_ranks",
 ]

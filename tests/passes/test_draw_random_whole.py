@@ -29,14 +29,15 @@ class Net(nn.Module):
         return self.fc2(F.dropout(h + torch.randn_like(h), 0.2, self.training))
 
 
-class ChannelDropNet(nn.Module):
+class SampleWithReplacementNet(nn.Module):
+    """``torch.multinomial`` with replacement draws per sample: no exact rule."""
+
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.drop = nn.Dropout2d(0.5)
+        self.fc = nn.Linear(8, 5)
 
     def forward(self, x):
-        return self.drop(self.conv(x))
+        return torch.multinomial(torch.softmax(self.fc(x), -1).detach(), 3, replacement=True)
 
 
 def _program(exact_random=True, **kw):
@@ -93,11 +94,26 @@ def test_exact_random_false_keeps_per_device_draws_and_says_so():
 
 
 def test_an_op_without_exact_rule_draws_per_device_and_is_named():
-    """Dropout2d has no exact rule: it stays a per-device call, named in explain and pm.code."""
+    """multinomial with replacement has no exact rule: it stays a per-device call, named in explain and pm.code."""
     torch.manual_seed(0)
-    pm = dpcompile.transform(ChannelDropNet(), ["cpu"] * 2)
-    assert "replica_dev1.drop(" in pm.code and pm.code.startswith("# random ops drop draw per device")
-    assert dpcompile.explain(pm, torch.randn(4, 3, 6, 6)).random["per_device"] == ["drop"]
+    pm = dpcompile.transform(SampleWithReplacementNet(), ["cpu"] * 2)
+    assert "torch.multinomial(" in pm.code and "exact_multinomial" not in pm.code
+    assert pm.code.startswith("# random ops multinomial draw per device")
+    assert dpcompile.explain(pm, torch.randn(4, 8)).random["per_device"] == ["multinomial"]
+
+
+def test_channel_dropout_draws_exactly_and_is_not_named():
+    """Dropout2d draws its whole channel mask once (runtime.exact_special_dropout_module): nothing per device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Dropout2d(0.5))
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    assert "exact_special_dropout_module(_1_module, random_draws, '_1', 'dropout2d', _0_dev1, rows = (1, 0))" in pm.code, pm.code
+    x = torch.randn(4, 3, 6, 6)
+    assert dpcompile.explain(pm, x).random == {"exact": ["_1"], "per_device": [], "note": None}
+    torch.manual_seed(1)
+    got = pm(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(got, model(x))
 
 
 def test_exact_random_eval_mode_matches_eager():
@@ -200,6 +216,19 @@ def test_exact_random_program_exports_and_loads(tmp_path):
     dpcompile.export(pm, tmp_path / "out")
     loaded = dpcompile.load(tmp_path / "out")
     x = torch.randn(6, 8)
+    torch.manual_seed(4)
+    got = loaded(x)
+    torch.manual_seed(4)
+    torch.testing.assert_close(got, model(x))
+
+
+def test_channel_dropout_program_exports_and_loads(tmp_path):
+    """A Dropout2d program exported and loaded still draws the single-device channel mask."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Dropout2d(0.5))
+    dpcompile.export(dpcompile.transform(model, ["cpu"] * 2), tmp_path / "out")
+    loaded = dpcompile.load(tmp_path / "out")
+    x = torch.randn(4, 3, 6, 6)
     torch.manual_seed(4)
     got = loaded(x)
     torch.manual_seed(4)

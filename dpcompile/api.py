@@ -32,7 +32,7 @@ from dpcompile.recipes.meta import compile_meta_model, compile_on_fake
 from dpcompile.recipes.pipeline import check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
 from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe, pipeline_tensor_parallel_recipe
-from dpcompile.target import resolve_target, strategies_of
+from dpcompile.target import replicate_over_dp, resolve_target, strategies_of
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -98,10 +98,19 @@ def transform(
         memory_per_device=memory_per_device,
     )  # fmt: skip
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
-    if target is not None:  # mesh= over a device list: the same builders, devices in their order
-        arguments = target.arguments()
-        devices, pipeline, tensor_parallel = target.canonical_devices(), arguments["pipeline"], arguments["tensor_parallel"]
+    copies, per_copy = 1, None
+    if target is not None:  # mesh= over a device list: the same builders, devices in their order, dp composed over them
+        arguments = replicate_over_dp(target, micro_batches)
+        devices, pipeline, tensor_parallel = arguments["devices"], arguments["pipeline"], arguments["tensor_parallel"]
+        copies, per_copy = arguments["dp_copies"], micro_batches if arguments["dp_copies"] > 1 else None
+        micro_batches = arguments["micro_batches"]
     estimate = None
+    if memory_per_device is not None and copies > 1:
+        raise ValueError(
+            f"memory_per_device= does not plan a layout of {copies} dp copies over a pipeline or tensor-parallel "
+            "program yet: give mesh= alone (explain(pm, x) reports each device's memory), or memory_per_device= "
+            "alone to choose between data and tensor parallel"
+        )
     if memory_per_device is not None and pipeline is not None:
         raise ValueError(
             "memory_per_device= does not plan pipeline stages yet: give pipeline= alone (explain(pm, x) reports "
@@ -112,7 +121,7 @@ def transform(
         "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
         "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
         "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
-        "exact_random": exact_random is not False,
+        "exact_random": exact_random is not False, "dp_micro_batches": per_copy,
     }  # fmt: skip
     example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
@@ -255,6 +264,7 @@ def make_recipe(
     mixed_precision: Any = None,
     activation_checkpointing: Any = False,
     exact_random: bool = True,
+    dp_micro_batches: int | None = None,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -263,7 +273,7 @@ def make_recipe(
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
     common = {"leaf_modules": leaves, "frontend": frontend, "exact_random": bool(exact_random),
-              "checkpointed": checkpoint_paths(model, activation_checkpointing)}  # fmt: skip
+              "checkpointed": checkpoint_paths(model, activation_checkpointing), "dp_micro_batches": dp_micro_batches}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
         return _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)

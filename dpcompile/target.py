@@ -29,8 +29,9 @@ DIMENSIONS = {"pp": "pipeline", "dp": "data parallel", "cp": "context parallel",
 #: the order the compiler lays devices out in (stage-major, shards innermost)
 CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 
-#: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1)
-BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"})
+#: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1);
+#: in one process ``dp`` composes over any other program (:func:`replicate_over_dp`)
+BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"})
 BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"})
 
 
@@ -82,6 +83,48 @@ class Target:
         if "tp" in self.active and plan is False:
             plan = True
         return {"pipeline": pipeline, "tensor_parallel": plan}
+
+
+def dp_copies(target: Target) -> list[Devices]:
+    """The devices of each ``dp`` index, in canonical order: copy ``r`` of the program the other
+    dimensions build runs on ``dp_copies(target)[r]`` (one copy, all devices, without ``dp``)."""
+    devices = target.canonical_devices()
+    order = [name for name in CANONICAL_ORDER if name in target.layout]
+    copies = target.size("dp")
+    inner = math.prod(target.size(name) for name in order[order.index("dp") + 1 :]) if "dp" in order else 1
+    return [
+        Devices(tuple(d for i, d in enumerate(devices) if (i // inner) % copies == r)) for r in range(copies)
+    ]
+
+
+def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
+    """The builders' keywords for ``dp`` composed over the program the other dimensions build (the
+    pipeline, the tensor-parallel program, or both): ``D`` copies of it, the batch split into
+    ``D x micro_batches`` pieces by data parallelism's split (``insert_scatter_gather``: exact mean
+    and sum losses, BatchNorm over the whole batch), piece ``j`` run by copy ``j // micro_batches``.
+    A program without a pipeline is a pipeline of one stage. In one process the copies share the
+    one set of parameters, so every copy's devices must be the same (virtual) devices.
+
+    >>> t = resolve_target(["cpu"] * 8, {"pp": 2, "dp": 2, "tp": 2}, pipeline=None, tensor_parallel=False)
+    >>> args = replicate_over_dp(t, micro_batches=2)
+    >>> args["pipeline"], args["tensor_parallel"], args["micro_batches"], args["dp_copies"], len(args["devices"])
+    (2, True, 4, 2, 4)
+    """
+    arguments = {**target.arguments(), "devices": target.canonical_devices(), "micro_batches": micro_batches}
+    if "dp" not in target.active or target.active == {"dp"}:
+        return {**arguments, "dp_copies": 1}
+    copies = dp_copies(target)
+    distinct = next((r for r, group in enumerate(copies) if group != copies[0]), None)
+    if distinct is not None:
+        raise DpCompileError(
+            f"mesh={target.layout}: dp copy 0 runs on {copies[0].strings()} and copy {distinct} on "
+            f"{copies[distinct].strings()}; in one process the dp copies of a pipeline or tensor-parallel program "
+            "share one set of parameters, so they run on the same (virtual) devices: repeat each device over 'dp' "
+            "(e.g. ['cpu'] * n), or use a DeviceMesh with a 'dp' dimension (one process per rank)"
+        )
+    pipeline = arguments["pipeline"] if arguments["pipeline"] is not None else 1
+    return {**arguments, "devices": copies[0], "pipeline": pipeline,
+            "micro_batches": micro_batches * len(copies), "dp_copies": len(copies)}  # fmt: skip
 
 
 def _counting(sizes: Sequence[int]) -> list[tuple[int, ...]]:
@@ -184,21 +227,12 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
     where = "over a DeviceMesh" if over_mesh else "in one process"
     if "cp" in active:
         nearest = "leave 'cp' out: the sequence then stays whole on each device"
-    elif not over_mesh and active in ({"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}):
-        names = tuple(name for name in CANONICAL_ORDER if name in active)
-        nearest = (
-            f"the same mesh_dim_names={names} over processes (a DeviceMesh, launched with torchrun), "
-            f"or {_nearest_one_process(active)} in one process"
-            if active != {"pp", "dp", "tp"}
-            else "mesh={'pp': ..., 'tp': ...} in one process, or a ('pp', 'dp') / ('pp', 'tp') DeviceMesh"
-        )
     else:
-        nearest = "a ('pp', 'dp') or ('pp', 'tp') DeviceMesh, or ('dp', 'tp') without a pipeline"
+        nearest = (
+            "a ('pp', 'dp') or ('pp', 'tp') DeviceMesh, ('dp', 'tp') without a pipeline, or the same layout over a "
+            "device list in one process (mesh={'pp': ..., 'dp': ..., 'tp': ...})"
+        )
     raise DpCompileError(f"the layout {dict(layout)} ({_describe(active)}) is not built {where} yet; use {nearest}")
-
-
-def _nearest_one_process(active: set[str]) -> str:
-    return "mesh={'tp': N} (tensor parallel on every device)" if "tp" in active else "mesh={'pp': N}"
 
 
 def _describe(active: set[str]) -> str:
@@ -231,7 +265,9 @@ __all__ = [
     "DIMENSIONS",
     "Target",
     "check_built",
+    "dp_copies",
     "mesh_layout",
+    "replicate_over_dp",
     "resolve_target",
     "strategies_of",
     "sugar_layout",

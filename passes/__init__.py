@@ -5,7 +5,7 @@
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
                                          └─► split_stages ─► insert_scatter_gather ─► cut_stage (pipeline, one "pp" rank)
-    ... ─► draw_random_whole ─► checkpoint_activations                                (one process)
+    ... ─► draw_random_whole ─► checkpoint_activations ─► [name_dp_copies]             (one process)
 
 Every one-process lowering ends with ``draw_random_whole`` where ``exact_random=True`` (the default:
 random ops draw the single-device values), then ``checkpoint_activations`` where
@@ -32,6 +32,7 @@ from passes.exact_random import draw_random_whole, find_random_sites
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.functionalize import find_mutations, functionalize_mutations
+from passes.name_dp_copies import find_piece_names, name_dp_copies
 from passes.shard_linear import find_linear_sites, shard_linear
 from passes.split_stages import StagePlan, find_stage_boundaries, split_stages
 from passes.stage_transfers import insert_stage_transfers
@@ -122,6 +123,14 @@ def checkpoint_pipeline(paths: tuple[str, ...]) -> list[Pass]:
     return [functools.partial(checkpoint_activations, paths=paths)] if paths else []
 
 
+def dp_copies_pipeline(micro_batches_per_copy: int | None) -> list[Pass]:
+    """``name_dp_copies`` where a ``dp`` dimension made copies of the program, each of
+    ``micro_batches_per_copy`` pieces (nothing without one): last, after every rename."""
+    if micro_batches_per_copy is None:
+        return []
+    return [functools.partial(name_dp_copies, micro_batches=micro_batches_per_copy)]
+
+
 def default_pipeline(options: PipelineOptions) -> list[Pass]:
     return frontend_pipeline(options) + data_parallel_pipeline(options)
 
@@ -158,4 +167,7 @@ __all__ = [
     "find_checkpoint_regions",
     "checkpoint_activations",
     "checkpoint_pipeline",
+    "dp_copies_pipeline",
+    "find_piece_names",
+    "name_dp_copies",
 ]

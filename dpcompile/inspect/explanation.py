@@ -163,6 +163,10 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
             n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
         },
         random={**random_draws_of(gm), "note": per_device_note(gm)},
+        layout={
+            name: f"{size}: {(getattr(pm, 'strategies', None) or {}).get(name, name)}"
+            for name, size in (getattr(pm, "layout", None) or {}).items()
+        },
     )
 
 
@@ -196,10 +200,14 @@ def _pipeline_report(
         flops = [st.flops for st in stages]
         measure = pm.stage_plan.measure
     micro = getattr(pm, "micro_batches", 1) if batch is None else min(batch, getattr(pm, "micro_batches", 1))
+    per_copy = getattr(getattr(pm, "recipe", None), "dp_micro_batches", None)  # dp composed over the pipeline
+    copies = -(-micro // per_copy) if per_copy else 1
+    micro = min(micro, per_copy) if per_copy else micro
     mean = sum(flops) / n if sum(flops) else 0
     return {
         "schedule": getattr(pm, "schedule", "gpipe"),
         "micro_batches": micro,
+        "dp_copies": copies,
         "bubble_fraction": (n - 1) / (micro + n - 1),
         "imbalance": round(max(flops) / mean, 4) if mean else 1.0,
         "measure": measure,

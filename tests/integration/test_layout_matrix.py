@@ -121,11 +121,9 @@ def test_layout_matrix_trains_like_eager(name, layout):
     _check_trains_like_eager(name, layout)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["mlp", "gpt2"])
-def test_layout_matrix_pp_dp_1f1b_trains_like_eager(name):
+def test_layout_matrix_pp_dp_1f1b_trains_like_eager():
     """pp x dp with schedule='1f1b' and 2 micro-batches in each dp copy: the same 3 steps as eager."""
-    _check_trains_like_eager(name, {"pp": 2, "dp": 2}, schedule="1f1b", micro_batches=2)
+    _check_trains_like_eager("mlp", {"pp": 2, "dp": 2}, schedule="1f1b", micro_batches=2)
 
 
 def _check_trains_like_eager(name, layout, **options):
@@ -162,9 +160,7 @@ def _check_trains_like_eager(name, layout, **options):
                                    msg=lambda m, key=key: f"{key} after 3 steps: {m}")
 
 
-META_CELLS = [("mlp", layout) for layout in LAYOUTS + COMPOSED] + [
-    ("gpt2", LAYOUTS[-1]), ("llama", LAYOUTS[-1]), ("gpt2", COMPOSED[-1])
-]
+META_CELLS = [("mlp", layout) for layout in LAYOUTS + COMPOSED] + [("gpt2", LAYOUTS[-1]), ("llama", LAYOUTS[-1])]
 
 
 @pytest.mark.slow

@@ -113,7 +113,8 @@ def test_layout_not_built_names_the_nearest(mesh):
     ],
 )
 def test_layout_dp_composed_trains_like_eager_and_names_each_copy(mesh, options, names):
-    """dp over a pipeline or tensor-parallel program: eager's loss and gradients, each copy named in pm.code."""
+    """dp over a pipeline or tensor-parallel program: eager's loss and gradients, each copy named in
+    pm.code, and load_state_dict in the model's keys."""
     torch.manual_seed(0)
     model, reference = Stack(), Stack()
     reference.load_state_dict(model.state_dict())
@@ -132,6 +133,10 @@ def test_layout_dp_composed_trains_like_eager_and_names_each_copy(mesh, options,
         torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key: f"gradient of {key}: {m}")
     assert set(re.findall(r"_dp\d+(?:_mb\d+)?(?=\b|_)", pm.code)) == names
     assert pm.layout == mesh and pm.strategies["dp"] == "data parallel (replicate)"
+    other = Stack()  # load_state_dict takes the model's keys and whole tensors, and the program follows
+    pm.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), other(x))
 
 
 def test_layout_dp_composed_explain_names_each_dimension():

@@ -98,11 +98,12 @@ def transform(
         memory_per_device=memory_per_device,
     )  # fmt: skip
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
-    copies, per_copy = 1, None
+    copies, per_copy, dp_devices = 1, None, None
     if target is not None:  # mesh= over a device list: the same builders, devices in their order, dp composed over them
         arguments = replicate_over_dp(target, micro_batches)
         devices, pipeline, tensor_parallel = arguments["devices"], arguments["pipeline"], arguments["tensor_parallel"]
         copies, per_copy = arguments["dp_copies"], micro_batches if arguments["dp_copies"] > 1 else None
+        dp_devices = arguments["dp_devices"]
         micro_batches = arguments["micro_batches"]
     estimate = None
     if memory_per_device is not None and copies > 1:
@@ -122,6 +123,7 @@ def transform(
         "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
         "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
         "exact_random": exact_random is not False, "dp_micro_batches": per_copy,
+        "dp_devices": dp_devices,
     }  # fmt: skip
     example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
@@ -265,6 +267,7 @@ def make_recipe(
     activation_checkpointing: Any = False,
     exact_random: bool = True,
     dp_micro_batches: int | None = None,
+    dp_devices: tuple[tuple[str, ...], ...] | None = None,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -273,7 +276,8 @@ def make_recipe(
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
     common = {"leaf_modules": leaves, "frontend": frontend, "exact_random": bool(exact_random),
-              "checkpointed": checkpoint_paths(model, activation_checkpointing), "dp_micro_batches": dp_micro_batches}  # fmt: skip
+              "checkpointed": checkpoint_paths(model, activation_checkpointing), "dp_micro_batches": dp_micro_batches,
+              "dp_devices": dp_devices}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
         return _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)

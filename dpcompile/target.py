@@ -102,8 +102,9 @@ def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
     pipeline, the tensor-parallel program, or both): ``D`` copies of it, the batch split into
     ``D x micro_batches`` pieces by data parallelism's split (``insert_scatter_gather``: exact mean
     and sum losses, BatchNorm over the whole batch), piece ``j`` run by copy ``j // micro_batches``.
-    A program without a pipeline is a pipeline of one stage. In one process the copies share the
-    one set of parameters, so every copy's devices must be the same (virtual) devices.
+    A program without a pipeline is a pipeline of one stage. The program is built on copy 0's
+    devices; ``dp_devices`` (each copy's devices, as strings) tells ``passes.place_dp_copies``
+    where copy ``r`` runs.
 
     >>> t = resolve_target(["cpu"] * 8, {"pp": 2, "dp": 2, "tp": 2}, pipeline=None, tensor_parallel=False)
     >>> args = replicate_over_dp(t, micro_batches=2)
@@ -112,19 +113,28 @@ def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
     """
     arguments = {**target.arguments(), "devices": target.canonical_devices(), "micro_batches": micro_batches}
     if "dp" not in target.active or target.active == {"dp"}:
-        return {**arguments, "dp_copies": 1}
+        return {**arguments, "dp_copies": 1, "dp_devices": None}
     copies = dp_copies(target)
-    distinct = next((r for r, group in enumerate(copies) if group != copies[0]), None)
-    if distinct is not None:
-        raise DpCompileError(
-            f"mesh={target.layout}: dp copy 0 runs on {copies[0].strings()} and copy {distinct} on "
-            f"{copies[distinct].strings()}; in one process the dp copies of a pipeline or tensor-parallel program "
-            "share one set of parameters, so they run on the same (virtual) devices: repeat each device over 'dp' "
-            "(e.g. ['cpu'] * n), or use a DeviceMesh with a 'dp' dimension (one process per rank)"
-        )
+    dp_devices = tuple(tuple(copy.strings()) for copy in copies)
+    check_copy_devices(dp_devices, layout=target.layout)
     pipeline = arguments["pipeline"] if arguments["pipeline"] is not None else 1
-    return {**arguments, "devices": copies[0], "pipeline": pipeline,
-            "micro_batches": micro_batches * len(copies), "dp_copies": len(copies)}  # fmt: skip
+    return {**arguments, "devices": copies[0], "pipeline": pipeline, "micro_batches": micro_batches * len(copies),
+            "dp_copies": len(copies), "dp_devices": dp_devices}  # fmt: skip
+
+
+def check_copy_devices(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[str, int] | None = None) -> None:
+    """Each copy's devices must follow from copy 0's: copy 0's device ``d`` is one device in copy
+    ``r`` (a program addresses devices by name, so one name cannot stand for two)."""
+    for r, copy in enumerate(dp_devices[1:], start=1):
+        seen: dict[str, str] = {}
+        for own, other in zip(dp_devices[0], copy):
+            if seen.setdefault(own, other) != other:
+                raise DpCompileError(
+                    f"mesh={dict(layout or {})}: dp copy 0 runs on {list(dp_devices[0])} and copy {r} on {list(copy)}; "
+                    f"copy 0 repeats {own!r} where copy {r} uses {seen[own]!r} and {other!r}, so the copies cannot be "
+                    "placed by device name: give every dp copy the same pattern of devices (e.g. ['cpu'] * n, or "
+                    "distinct devices throughout)"
+                )
 
 
 def _counting(sizes: Sequence[int]) -> list[tuple[int, ...]]:
@@ -265,6 +275,7 @@ __all__ = [
     "DIMENSIONS",
     "Target",
     "check_built",
+    "check_copy_devices",
     "dp_copies",
     "mesh_layout",
     "replicate_over_dp",

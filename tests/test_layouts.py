@@ -108,7 +108,8 @@ def test_layout_not_built_names_the_nearest(mesh):
     [
         ({"dp": 2, "tp": 2}, {}, {"_dp0", "_dp1"}),
         ({"pp": 2, "dp": 2}, {}, {"_dp0", "_dp1"}),
-        ({"pp": 2, "dp": 2}, {"micro_batches": 2}, {"_dp0_mb0", "_dp0_mb1", "_dp1_mb0", "_dp1_mb1"}),
+        # copy 1's replicas are made once a call, not once a micro-batch: replica_dp1_stage0
+        ({"pp": 2, "dp": 2}, {"micro_batches": 2}, {"_dp0_mb0", "_dp0_mb1", "_dp1_mb0", "_dp1_mb1", "_dp1"}),
         ({"dp": 2, "pp": 2, "tp": 2}, {}, {"_dp0", "_dp1"}),
     ],
 )
@@ -149,16 +150,15 @@ def test_layout_dp_composed_explain_names_each_dimension():
     assert "2 micro-batches in each of 2 dp copies" in str(report)
 
 
-def test_layout_dp_composed_over_distinct_devices_is_refused():
-    """dp copies of a pipeline on distinct devices would need parameters on both: refused, model unchanged."""
+def test_layout_dp_composed_over_distinct_devices_places_each_copy():
+    """dp copies of a pipeline on distinct devices: copy r on the devices of dp index r (more in
+    tests/test_layouts_dp_copies.py)."""
     target = resolve_target(["cpu:0", "cpu:1", "cpu:2", "cpu:3"], {"pp": 2, "dp": 2}, pipeline=None,
                             tensor_parallel=False)
     assert [[str(d) for d in copy] for copy in dp_copies(target)] == [["cpu:0", "cpu:2"], ["cpu:1", "cpu:3"]]
-    model = Stack()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(DpCompileError, match="dp copy 0 runs on .* and copy 1 on"):
-        dpcompile.transform(model, ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], mesh={"pp": 2, "dp": 2})
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    pm = dpcompile.transform(Stack(), ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], mesh={"pp": 2, "dp": 2})
+    assert pm.recipe.dp_devices == (("cpu:0", "cpu:2"), ("cpu:1", "cpu:3"))
+    assert [str(d) for d in pm.devices] == ["cpu:0", "cpu:2"]
 
 
 def test_layout_dp_composed_keywords_it_cannot_honour_are_refused():

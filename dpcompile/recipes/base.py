@@ -31,6 +31,7 @@ class Recipe:
     checkpointed: tuple[str, ...] = ()  # module paths recomputed in backward (activation_checkpointing=)
     exact_random: bool = True  # random ops draw the single-device values (passes.draw_random_whole)
     dp_micro_batches: int | None = None  # each dp copy's micro-batches, where dp composes over a pipeline (target.replicate_over_dp)
+    dp_devices: tuple[tuple[str, ...], ...] | None = None  # each dp copy's devices (passes.place_dp_copies)
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> nn.Module:
         """``model`` compiled into this recipe's kind of ``ParallelModule``."""

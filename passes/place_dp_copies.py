@@ -7,8 +7,8 @@ that program, built on copy 0's devices (``dpcompile.target.replicate_over_dp``)
 
 * every device a copy-``r`` node names (a send, a tensor-parallel copy or gather) becomes copy
   ``r``'s device of the same place, and the batch's scatter sends each piece to its copy;
-* every parameter, buffer or shared value a copy-``r`` node reads is sent to that node's device
-  once per call (``fc1_weight_shard0_dp1 = dpcompile_runtime_send(fc1_weight_shard0, 'cuda:1')``):
+* every parameter, buffer or shared value a copy-``r`` node reads (a batch-independent value
+  another copy made: ``rotary_dp0_to_dp1``) is sent to that node's device once per call (``fc1_weight_shard0_dp1 = dpcompile_runtime_send(fc1_weight_shard0, 'cuda:1')``):
   a differentiable copy, so its gradient is summed back into the one parameter by autograd;
 * every module a copy calls is replicated once per call, one replicate per stage onto every other
   copy's device there (``replicas_stage0 = dpcompile_runtime_replicate({'fc1': fc1_src}, ['cuda:1'])``,
@@ -98,8 +98,8 @@ class _Placer:
         node.kwargs = _renamed(node.kwargs, self.maps[r])
         container = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
         for value in node.all_input_nodes:
-            if value is container or value.meta.get(COPY) is not None or self._is_module(value):
-                continue
+            if value is container or value.meta.get(COPY) == r or self._is_module(value):
+                continue  # a value of another copy (one batch-independent value, made once) is sent too
             node.replace_input_with(value, self._send(value, node, r, device))
         if node.op == "call_module":
             self._call_replica(node, r, device)
@@ -117,7 +117,7 @@ class _Placer:
         if key not in self.sent:
             with self.gm.graph.inserting_before(consumer):
                 sent = self.gm.graph.call_function(runtime.send, (value, device))
-            sent._rename(f"{value.name}_dp{r}")
+            sent._rename(f"{value.name}_to_dp{r}" if COPY in value.meta else f"{value.name}_dp{r}")
             self._stamp(sent, consumer, r)
             stamp_comm(sent, "send", io=value.op == "placeholder", backward="send")
             self.sent[key] = sent

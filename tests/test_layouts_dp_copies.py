@@ -52,7 +52,8 @@ def test_dp_copies_pass_the_fake_cuda_placement_check(mesh, n, options):
     pm = dpcompile.transform(model, ["cpu"] * n, mesh=mesh, **options)
     result = dpcompile.verify(pm, model, torch.randn(8, 8), fake_devices=n)
     assert result, str(result)
-    assert result.checked["fake devices"] == n and result.checked["placed nodes"] > 0
+    assert result.checked["fake devices"] == n and result.checked["dp copies"] == 2
+    assert result.checked["placed nodes"] > 0
 
 
 @pytest.mark.parametrize(

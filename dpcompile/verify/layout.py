@@ -153,5 +153,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
         if p.grad is not None and p.grad.device != p.device:
             mismatches.append(Mismatch("layout", name, f"gradient on {p.grad.device}, parameter on {p.device}"))
     checked["placed nodes"] = sum(1 for node in program.graph.nodes if slot_of(node) is not None)
+    if len(copies) > 1:  # dp composed over the program: each copy checked on its own devices
+        checked["dp copies"] = len(copies)
     notes = [] if backward else [f"{label}: forward checked; backward needs the devices (autograd cannot run on fake CUDA here)"]
     return VerifyResult(not mismatches, mismatches, checked, notes)

@@ -15,8 +15,9 @@ that program, built on copy 0's devices (``dpcompile.target.replicate_over_dp``)
   ``replica_dp1_stage0 = replicas_stage0[0]``, ``fc1_dp1 = replica_dp1_stage0.fc1(x_dp1)``), as
   one-process data parallelism replicates (one differentiable broadcast).
 
-On virtual devices (copy ``r``'s devices named as copy 0's) the sends and replicas are the
-originals, nothing is copied, and the program computes what it computed before.
+Where copy ``r``'s device of a place is copy 0's (repeated, virtual devices, as ``["cpu"] * 8``)
+nothing is sent or replicated: the program is the one built, each copy still named and stamped
+with its copy (``explain`` places it on its own devices).
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ def find_copy_nodes(gm: fx.GraphModule, copies: Sequence[Sequence[str]]) -> dict
     for node in gm.graph.nodes:
         r = node.meta.get(COPY)
         if isinstance(r, int) and r > 0:
-            slot = node.meta.get(SLOT, 0)
-            found[node] = (r, copies[r][slot if isinstance(slot, int) and slot < len(copies[r]) else 0])
+            found[node] = (r, copies[r][_slot_index(node, len(copies[r]))])
     return found
+
+
+def _slot_index(node: fx.Node, places: int) -> int:
+    slot = node.meta.get(SLOT, 0)
+    return slot if isinstance(slot, int) and slot < places else 0
 
 
 def place_dp_copies(gm: fx.GraphModule, *, copies: Sequence[Sequence[str]], micro_batches: int) -> PassResult:
@@ -69,7 +74,8 @@ def place_dp_copies(gm: fx.GraphModule, *, copies: Sequence[Sequence[str]], micr
     _place_scatters(gm, maps, micro_batches)
     placer = _Placer(gm, maps)
     for node, (r, device) in found.items():
-        placer.place(node, r, device)
+        home = copies[0][_slot_index(node, len(copies[0]))]
+        placer.place(node, r, device, moves=device != home)
     gm.graph.lint()
     return PassResult(gm, bool(found), {"placed": len(found), "sends": placer.sends, "replicas": len(placer.replicas)})
 
@@ -93,9 +99,13 @@ class _Placer:
         self.roots: dict[tuple[int, int], fx.Node] = {}  # by (copy, slot): that copy's replica root
         self.sends: list[str] = []
 
-    def place(self, node: fx.Node, r: int, device: str) -> None:
+    def place(self, node: fx.Node, r: int, device: str, *, moves: bool) -> None:
+        """``node`` of copy ``r`` onto ``device``: its device names renamed and, where ``moves``
+        (copy 0's device of its place is another), what it reads sent or replicated there."""
         node.args = _renamed(node.args, self.maps[r])
         node.kwargs = _renamed(node.kwargs, self.maps[r])
+        if not moves:  # a virtual device: copy 0's values are already where copy r reads them
+            return
         container = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
         for value in node.all_input_nodes:
             if value is container or value.meta.get(COPY) == r or self._is_module(value):

@@ -108,8 +108,7 @@ def test_layout_not_built_names_the_nearest(mesh):
     [
         ({"dp": 2, "tp": 2}, {}, {"_dp0", "_dp1"}),
         ({"pp": 2, "dp": 2}, {}, {"_dp0", "_dp1"}),
-        # copy 1's replicas are made once a call, not once a micro-batch: replica_dp1_stage0
-        ({"pp": 2, "dp": 2}, {"micro_batches": 2}, {"_dp0_mb0", "_dp0_mb1", "_dp1_mb0", "_dp1_mb1", "_dp1"}),
+        ({"pp": 2, "dp": 2}, {"micro_batches": 2}, {"_dp0_mb0", "_dp0_mb1", "_dp1_mb0", "_dp1_mb1"}),
         ({"dp": 2, "pp": 2, "tp": 2}, {}, {"_dp0", "_dp1"}),
     ],
 )

@@ -97,3 +97,14 @@ def test_place_dp_copies_without_copies_changes_nothing():
     code = gm.code
     assert not place_dp_copies(gm, copies=COPIES, micro_batches=1).modified
     assert gm.code == code
+
+
+def test_place_dp_copies_on_virtual_devices_sends_and_replicates_nothing():
+    """Copy 1 named on copy 0's devices (virtual devices): nothing to move, the code is unchanged."""
+    gm = _program()
+    gm.recompile()
+    code = gm.code
+    result = place_dp_copies(gm, copies=(("cpu:0", "cpu:2"), ("cpu:0", "cpu:2")), micro_batches=1)
+    gm.recompile()
+    assert result.info["sends"] == [] and result.info["replicas"] == 0
+    assert gm.code == code

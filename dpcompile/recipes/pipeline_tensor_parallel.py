@@ -141,7 +141,8 @@ class PipelineTensorParallelRecipe(Recipe):
         lowered, expand_records = self.lower(gm, plan, self.micro_batches, input_dims)
         records += expand_records
         place_shards(lowered, groups)
-        lowered, _ = run_passes(lowered, passes.place_copies_pipeline(self.dp_micro_batches, self.dp_devices))
+        if placing := passes.place_copies_pipeline(self.dp_micro_batches, self.dp_devices):  # dp copies, each on its devices
+            lowered, _ = run_passes(lowered, placing)
         applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
         applied.update(shard_info["plan"])
         described = describe_choices(applied, shard_info)

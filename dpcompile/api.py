@@ -32,7 +32,7 @@ from dpcompile.recipes.meta import compile_meta_model, compile_on_fake
 from dpcompile.recipes.pipeline import check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
 from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe, pipeline_tensor_parallel_recipe
-from dpcompile.target import resolve_target, strategies_of
+from dpcompile.target import replicate_over_dp, resolve_target, strategies_of
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -98,13 +98,22 @@ def transform(
         memory_per_device=memory_per_device,
     )  # fmt: skip
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
-    context_parallel = False
-    if target is not None:  # mesh= over a device list: the same builders, devices in their order
-        arguments = target.arguments()
-        devices, pipeline, tensor_parallel = target.canonical_devices(), arguments["pipeline"], arguments["tensor_parallel"]
+    copies, per_copy, dp_devices, context_parallel = 1, None, None, False
+    if target is not None:  # mesh= over a device list: the same builders, devices in their order, dp composed over them
+        arguments = replicate_over_dp(target, micro_batches)
+        devices, pipeline, tensor_parallel = arguments["devices"], arguments["pipeline"], arguments["tensor_parallel"]
+        copies, per_copy = arguments["dp_copies"], micro_batches if arguments["dp_copies"] > 1 else None
+        dp_devices = arguments["dp_devices"]
+        micro_batches = arguments["micro_batches"]
         context_parallel = arguments["context_parallel"]
         batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
     estimate = None
+    if memory_per_device is not None and copies > 1:
+        raise ValueError(
+            f"memory_per_device= does not plan a layout of {copies} dp copies over a pipeline or tensor-parallel "
+            "program yet: give mesh= alone (explain(pm, x) reports each device's memory), or memory_per_device= "
+            "alone to choose between data and tensor parallel"
+        )
     if memory_per_device is not None and pipeline is not None:
         raise ValueError(
             "memory_per_device= does not plan pipeline stages yet: give pipeline= alone (explain(pm, x) reports "
@@ -116,6 +125,7 @@ def transform(
         "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
         "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
         "exact_random": exact_random is not False, "context_parallel": context_parallel,
+        "dp_micro_batches": per_copy, "dp_devices": dp_devices,
     }  # fmt: skip
     example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
@@ -259,6 +269,8 @@ def make_recipe(
     activation_checkpointing: Any = False,
     exact_random: bool = True,
     context_parallel: bool = False,
+    dp_micro_batches: int | None = None,
+    dp_devices: tuple[tuple[str, ...], ...] | None = None,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -267,7 +279,8 @@ def make_recipe(
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
     common = {"leaf_modules": leaves, "frontend": frontend, "exact_random": bool(exact_random),
-              "checkpointed": checkpoint_paths(model, activation_checkpointing)}  # fmt: skip
+              "checkpointed": checkpoint_paths(model, activation_checkpointing), "dp_micro_batches": dp_micro_batches,
+              "dp_devices": dp_devices}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
         recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)

@@ -29,8 +29,9 @@ DIMENSIONS = {"pp": "pipeline", "dp": "data parallel", "cp": "context parallel",
 #: the order the compiler lays devices out in (stage-major, shards innermost)
 CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 
-#: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1)
-BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"cp"})
+#: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1);
+#: in one process ``dp`` composes over any other program (:func:`replicate_over_dp`)
+BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}, {"cp"})
 BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"})
 
 
@@ -83,6 +84,58 @@ class Target:
         if "tp" in self.active and plan is False:
             plan = True
         return {"pipeline": pipeline, "tensor_parallel": plan, "context_parallel": "cp" in self.active}
+
+
+def dp_copies(target: Target) -> list[Devices]:
+    """The devices of each ``dp`` index, in canonical order: copy ``r`` of the program the other
+    dimensions build runs on ``dp_copies(target)[r]`` (one copy, all devices, without ``dp``)."""
+    devices = target.canonical_devices()
+    order = [name for name in CANONICAL_ORDER if name in target.layout]
+    copies = target.size("dp")
+    inner = math.prod(target.size(name) for name in order[order.index("dp") + 1 :]) if "dp" in order else 1
+    return [
+        Devices(tuple(d for i, d in enumerate(devices) if (i // inner) % copies == r)) for r in range(copies)
+    ]
+
+
+def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
+    """The builders' keywords for ``dp`` composed over the program the other dimensions build (the
+    pipeline, the tensor-parallel program, or both): ``D`` copies of it, the batch split into
+    ``D x micro_batches`` pieces by data parallelism's split (``insert_scatter_gather``: exact mean
+    and sum losses, BatchNorm over the whole batch), piece ``j`` run by copy ``j // micro_batches``.
+    A program without a pipeline is a pipeline of one stage. The program is built on copy 0's
+    devices; ``dp_devices`` (each copy's devices, as strings) tells ``passes.place_dp_copies``
+    where copy ``r`` runs.
+
+    >>> t = resolve_target(["cpu"] * 8, {"pp": 2, "dp": 2, "tp": 2}, pipeline=None, tensor_parallel=False)
+    >>> args = replicate_over_dp(t, micro_batches=2)
+    >>> args["pipeline"], args["tensor_parallel"], args["micro_batches"], args["dp_copies"], len(args["devices"])
+    (2, True, 4, 2, 4)
+    """
+    arguments = {**target.arguments(), "devices": target.canonical_devices(), "micro_batches": micro_batches}
+    if "dp" not in target.active or target.active == {"dp"}:
+        return {**arguments, "dp_copies": 1, "dp_devices": None}
+    copies = dp_copies(target)
+    dp_devices = tuple(tuple(copy.strings()) for copy in copies)
+    check_copy_devices(dp_devices, layout=target.layout)
+    pipeline = arguments["pipeline"] if arguments["pipeline"] is not None else 1
+    return {**arguments, "devices": copies[0], "pipeline": pipeline, "micro_batches": micro_batches * len(copies),
+            "dp_copies": len(copies), "dp_devices": dp_devices}  # fmt: skip
+
+
+def check_copy_devices(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[str, int] | None = None) -> None:
+    """Each copy's devices must follow from copy 0's: copy 0's device ``d`` is one device in copy
+    ``r`` (a program addresses devices by name, so one name cannot stand for two)."""
+    for r, copy in enumerate(dp_devices[1:], start=1):
+        seen: dict[str, str] = {}
+        for own, other in zip(dp_devices[0], copy):
+            if seen.setdefault(own, other) != other:
+                raise DpCompileError(
+                    f"mesh={dict(layout or {})}: dp copy 0 runs on {list(dp_devices[0])} and copy {r} on {list(copy)}; "
+                    f"copy 0 repeats {own!r} where copy {r} uses {seen[own]!r} and {other!r}, so the copies cannot be "
+                    "placed by device name: give every dp copy the same pattern of devices (e.g. ['cpu'] * n, or "
+                    "distinct devices throughout)"
+                )
 
 
 def _counting(sizes: Sequence[int]) -> list[tuple[int, ...]]:
@@ -188,21 +241,12 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
             "mesh={'cp': N} alone in one process (the sequence split, attention's keys and values all-gathered), "
             "or leave 'cp' out: the sequence then stays whole on each device"
         )
-    elif not over_mesh and active in ({"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}):
-        names = tuple(name for name in CANONICAL_ORDER if name in active)
-        nearest = (
-            f"the same mesh_dim_names={names} over processes (a DeviceMesh, launched with torchrun), "
-            f"or {_nearest_one_process(active)} in one process"
-            if active != {"pp", "dp", "tp"}
-            else "mesh={'pp': ..., 'tp': ...} in one process, or a ('pp', 'dp', 'tp') DeviceMesh (torchrun)"
-        )
     else:
-        nearest = "a ('pp', 'dp') or ('pp', 'tp') DeviceMesh, or ('dp', 'tp') without a pipeline"
+        nearest = (
+            "a ('pp', 'dp') or ('pp', 'tp') DeviceMesh, ('dp', 'tp') without a pipeline, or the same layout over a "
+            "device list in one process (mesh={'pp': ..., 'dp': ..., 'tp': ...})"
+        )
     raise DpCompileError(f"the layout {dict(layout)} ({_describe(active)}) is not built {where} yet; use {nearest}")
-
-
-def _nearest_one_process(active: set[str]) -> str:
-    return "mesh={'tp': N} (tensor parallel on every device)" if "tp" in active else "mesh={'pp': N}"
 
 
 def _describe(active: set[str]) -> str:
@@ -237,7 +281,10 @@ __all__ = [
     "DIMENSIONS",
     "Target",
     "check_built",
+    "check_copy_devices",
+    "dp_copies",
     "mesh_layout",
+    "replicate_over_dp",
     "resolve_target",
     "strategies_of",
     "sugar_layout",

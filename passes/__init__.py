@@ -6,7 +6,7 @@
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
                                          └─► split_stages ─► insert_scatter_gather ─► cut_stage (pipeline, one "pp" rank)
-    ... ─► draw_random_whole ─► checkpoint_activations                                (one process)
+    ... ─► draw_random_whole ─► checkpoint_activations ─► [name_dp_copies ─► place_dp_copies] (one process)
 
 Every one-process lowering ends with ``draw_random_whole`` where ``exact_random=True`` (the default:
 random ops draw the single-device values), then ``checkpoint_activations`` where
@@ -35,6 +35,8 @@ from passes.exact_random_mesh import rank_batch_input, stamp_rank_cols, stamp_ra
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.functionalize import find_mutations, functionalize_mutations
+from passes.name_dp_copies import find_piece_names, name_dp_copies
+from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
 from passes.shard_linear import find_linear_sites, shard_linear
 from passes.split_stages import StagePlan, find_stage_boundaries, split_stages
 from passes.stage_transfers import insert_stage_transfers
@@ -148,6 +150,26 @@ def checkpoint_pipeline(paths: tuple[str, ...]) -> list[Pass]:
     return [functools.partial(checkpoint_activations, paths=paths)] if paths else []
 
 
+def dp_copies_pipeline(
+    micro_batches_per_copy: int | None, copies: tuple[tuple[str, ...], ...] | None = None
+) -> list[Pass]:
+    """``name_dp_copies`` where a ``dp`` dimension made copies of the program, each of
+    ``micro_batches_per_copy`` pieces, then :func:`place_copies_pipeline` (nothing without a
+    ``dp`` dimension): last, after every rename."""
+    if micro_batches_per_copy is None:
+        return []
+    named: list[Pass] = [functools.partial(name_dp_copies, micro_batches=micro_batches_per_copy)]
+    return named + place_copies_pipeline(micro_batches_per_copy, copies)
+
+
+def place_copies_pipeline(micro_batches_per_copy: int | None, copies: tuple[tuple[str, ...], ...] | None) -> list[Pass]:
+    """``place_dp_copies`` onto each copy's devices (``copies``), after the program is placed on
+    copy 0's devices (a pipeline of tensor-parallel stages places its shards last)."""
+    if micro_batches_per_copy is None or copies is None:
+        return []
+    return [functools.partial(place_dp_copies, copies=copies, micro_batches=micro_batches_per_copy)]
+
+
 def default_pipeline(options: PipelineOptions) -> list[Pass]:
     return frontend_pipeline(options) + data_parallel_pipeline(options)
 
@@ -190,4 +212,11 @@ __all__ = [
     "find_checkpoint_regions",
     "checkpoint_activations",
     "checkpoint_pipeline",
+    "dp_copies_pipeline",
+    "find_piece_names",
+    "name_dp_copies",
+    "copy_device_maps",
+    "find_copy_nodes",
+    "place_dp_copies",
+    "place_copies_pipeline",
 ]

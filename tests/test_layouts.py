@@ -1,6 +1,8 @@
 """Layouts named by ``mesh=`` over a device list: the arithmetic checked once, the same programs as
 the older keywords, ``pm.layout`` / ``pm.strategies``, and no keyword silently ignored."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +10,8 @@ from torch import nn
 import dpcompile
 from dpcompile import DpCompileError
 from dpcompile.devices import Devices
-from dpcompile.target import Target, resolve_target
+from dpcompile.target import Target, dp_copies, resolve_target
+from tests.helpers import full_gradients
 
 
 class Stack(nn.Module):
@@ -90,7 +93,7 @@ def test_layout_mesh_arithmetic_is_checked_with_the_numbers(mesh, n, match):
         dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
 
 
-@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "tp": 2}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}])
+@pytest.mark.parametrize("mesh", [{"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}])
 def test_layout_not_built_names_the_nearest(mesh):
     """A layout not built in one process is a DpCompileError that names one that works."""
     n = 1
@@ -98,6 +101,71 @@ def test_layout_not_built_names_the_nearest(mesh):
         n *= size
     with pytest.raises(DpCompileError, match="is not built in one process yet; use"):
         dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "options", "names"),
+    [
+        ({"dp": 2, "tp": 2}, {}, {"_dp0", "_dp1"}),
+        ({"pp": 2, "dp": 2}, {}, {"_dp0", "_dp1"}),
+        ({"pp": 2, "dp": 2}, {"micro_batches": 2}, {"_dp0_mb0", "_dp0_mb1", "_dp1_mb0", "_dp1_mb1"}),
+        ({"dp": 2, "pp": 2, "tp": 2}, {}, {"_dp0", "_dp1"}),
+    ],
+)
+def test_layout_dp_composed_trains_like_eager_and_names_each_copy(mesh, options, names):
+    """dp over a pipeline or tensor-parallel program: eager's loss and gradients, each copy named in
+    pm.code, and load_state_dict in the model's keys."""
+    torch.manual_seed(0)
+    model, reference = Stack(), Stack()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(6, 8)
+    n = 1
+    for size in mesh.values():
+        n *= size
+    pm = dpcompile.transform(model, ["cpu"] * n, mesh=mesh, **options)
+    loss = pm(x)
+    loss.backward()
+    ref_loss = reference(x)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {k: p.grad for k, p in pm.named_parameters()}
+    for key, p in reference.named_parameters():
+        torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key: f"gradient of {key}: {m}")
+    assert set(re.findall(r"_dp\d+(?:_mb\d+)?(?=\b|_)", pm.code)) == names
+    assert pm.layout == mesh and pm.strategies["dp"] == "data parallel (replicate)"
+    other = Stack()  # load_state_dict takes the model's keys and whole tensors, and the program follows
+    pm.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), other(x))
+
+
+def test_layout_dp_composed_explain_names_each_dimension():
+    """explain names every dimension, and counts a pipeline's micro-batches in each dp copy."""
+    pm = dpcompile.transform(Stack(), ["cpu"] * 8, mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=2)
+    report = dpcompile.explain(pm, torch.randn(8, 8))
+    assert report.layout == {"pp": "2: pipeline (gpipe)", "dp": "2: data parallel (replicate)", "tp": "2: tensor parallel"}
+    assert report.pipeline["micro_batches"] == 2 and report.pipeline["dp_copies"] == 2
+    assert "Layout: pp(2: pipeline (gpipe)); dp(2: data parallel (replicate)); tp(2: tensor parallel)" in str(report)
+    assert "2 micro-batches in each of 2 dp copies" in str(report)
+
+
+def test_layout_dp_composed_over_distinct_devices_places_each_copy():
+    """dp copies of a pipeline on distinct devices: copy r on the devices of dp index r (more in
+    tests/test_layouts_dp_copies.py)."""
+    target = resolve_target(["cpu:0", "cpu:1", "cpu:2", "cpu:3"], {"pp": 2, "dp": 2}, pipeline=None,
+                            tensor_parallel=False)
+    assert [[str(d) for d in copy] for copy in dp_copies(target)] == [["cpu:0", "cpu:2"], ["cpu:1", "cpu:3"]]
+    pm = dpcompile.transform(Stack(), ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], mesh={"pp": 2, "dp": 2})
+    assert pm.recipe.dp_devices == (("cpu:0", "cpu:2"), ("cpu:1", "cpu:3"))
+    assert [str(d) for d in pm.devices] == ["cpu:0", "cpu:2"]
+
+
+def test_layout_dp_composed_keywords_it_cannot_honour_are_refused():
+    """1F1B over tensor-parallel stages and memory planning over dp copies are refused by name."""
+    with pytest.raises(DpCompileError, match="schedule='1f1b' with tensor_parallel= in one process"):
+        dpcompile.transform(Stack(), ["cpu"] * 8, mesh={"pp": 2, "dp": 2, "tp": 2}, schedule="1f1b")
+    with pytest.raises(ValueError, match="memory_per_device= does not plan a layout of 2 dp copies"):
+        dpcompile.transform(Stack(), ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, memory_per_device="1GiB")
 
 
 def test_layout_mesh_disagreeing_keywords_are_refused():

@@ -24,7 +24,7 @@ from dpcompile.analysis.split_fraction import split_fraction
 from dpcompile.capture import capture_fx
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
-from dpcompile.inspect.nodes import device_labels, device_list, slot_of, target_name, user_source
+from dpcompile.inspect.nodes import copy_labels, device_labels, device_list, slot_of, target_name, user_source
 from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
@@ -32,6 +32,7 @@ from dpcompile.modules.pipeline import PipelineModule
 from passes.checkpoint_activations import with_regions_recomputed
 from passes.collectives import group_size
 from passes.context_parallel import EXCHANGE, OTHER_EXCHANGES
+from passes.name_dp_copies import COPY
 from passes.split_stages import STAGE
 
 __all__ = ["ALL_DEVICES", "explain", "param_bytes"]
@@ -59,7 +60,10 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     >>> r.io_elements_forward  # the input scattered, the output gathered, each (N-1)/N*S
     96.0
     """
-    labels = device_labels(pm)
+    labels = own_labels = device_labels(pm)
+    copies = None
+    if (found := copy_labels(pm)) is not None:  # dp copies of a pipeline or tensor-parallel program
+        copies, labels = found
     n = len(labels)
     gm, batch = _program(pm, args, kwargs) if (args or kwargs) else (pm, None)
     if not isinstance(gm, fx.GraphModule):
@@ -83,6 +87,8 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
             device = "-"
         elif comm is not None:
             device = ALL_DEVICES
+        elif copies is not None and slot is not None and slot < len(own_labels):
+            device = copies[node.meta.get(COPY) or 0][slot]
         elif slot is not None and slot < n:
             device = labels[slot]
         else:
@@ -128,9 +134,12 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     io_forward = sum(c.forward or 0.0 for c in collectives if c.io)
     io_backward = sum(c.backward or 0.0 for c in collectives if c.io)
     params = param_bytes(pm)
-    pipeline = _pipeline_report(pm, gm, recorder, labels, batch)
+    pipeline = _pipeline_report(pm, gm, recorder, own_labels, batch)
     if pipeline is not None and not getattr(pm, "stage_groups", None):  # one device per stage
-        params = {labels[st["stage"]]: st["param_bytes"] for st in pipeline["stages"]}
+        params = {own_labels[st["stage"]]: st["param_bytes"] for st in pipeline["stages"]}
+    if copies is not None:  # each copy holds copy 0's parameters on its own devices
+        held = {copy[k]: params.get(label, 0) for copy in copies for k, label in enumerate(own_labels)}
+        params = {label: held[label] for label in labels}
     fraction, whole = (
         _split_flops(gm, recorder) if getattr(pm, "mode", "data_parallel") == "data_parallel" else (None, [])
     )
@@ -165,6 +174,10 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         },
         random={**random_draws_of(gm), "note": per_device_note(gm)},
         context_parallel=_context_parallel(pm, gm, activation),
+        layout={
+            name: f"{size}: {(getattr(pm, 'strategies', None) or {}).get(name, name)}"
+            for name, size in (getattr(pm, "layout", None) or {}).items()
+        },
     )
 
 
@@ -212,10 +225,14 @@ def _pipeline_report(
         flops = [st.flops for st in stages]
         measure = pm.stage_plan.measure
     micro = getattr(pm, "micro_batches", 1) if batch is None else min(batch, getattr(pm, "micro_batches", 1))
+    per_copy = getattr(getattr(pm, "recipe", None), "dp_micro_batches", None)  # dp composed over the pipeline
+    copies = -(-micro // per_copy) if per_copy else 1
+    micro = min(micro, per_copy) if per_copy else micro
     mean = sum(flops) / n if sum(flops) else 0
     return {
         "schedule": getattr(pm, "schedule", "gpipe"),
         "micro_batches": micro,
+        "dp_copies": copies,
         "bubble_fraction": (n - 1) / (micro + n - 1),
         "imbalance": round(max(flops) / mean, 4) if mean else 1.0,
         "measure": measure,

@@ -9,7 +9,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["device_labels", "device_list", "slot_of", "target_name", "user_source"]
+from dpcompile.devices import Devices
+
+__all__ = ["copy_labels", "device_labels", "device_list", "slot_of", "target_name", "user_source"]
 
 _SLOT = re.compile(r"_(?:dev|shard|rank)(\d+)$")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
@@ -29,6 +31,23 @@ def device_labels(pm: nn.Module) -> list[str]:
         return [str(d) for d in devices]
     except TypeError:
         return [str(devices)]
+
+
+def copy_labels(pm: nn.Module) -> tuple[list[list[str]], list[str]] | None:
+    """Each dp copy's device labels, and every label in canonical order (pp, dp, tp: ``cpu#2`` is
+    stage 0 of copy 1 with ``{"pp": 2, "dp": 2}``), where ``dp`` composes over a pipeline or
+    tensor-parallel program (``recipe.dp_devices``); None for other programs."""
+    copies = getattr(getattr(pm, "recipe", None), "dp_devices", None)
+    if not copies:
+        return None
+    d, shards = len(copies), (getattr(pm, "layout", None) or {}).get("tp", 1)
+    stages = len(copies[0]) // shards
+    place = {(r, s * shards + t): s * d * shards + r * shards + t for r in range(d) for s in range(stages) for t in range(shards)}
+    canonical = [""] * len(place)
+    for (r, k), i in place.items():
+        canonical[i] = copies[r][k]
+    labels = Devices(tuple(torch.device(x) for x in canonical)).labels()
+    return [[labels[place[(r, k)]] for k in range(len(copies[r]))] for r in range(d)], labels
 
 
 def device_list(pm: nn.Module) -> list[torch.device]:

@@ -78,7 +78,7 @@ class Report:
     # batch: {"node", "target", "reason", "flops", "source"}
     split_flop_fraction: float | None = None
     whole: list[dict[str, Any]] = field(default_factory=list)
-    # pipeline: {"schedule", "micro_batches", "bubble_fraction", "imbalance", "measure", "stages": [{"stage",
+    # pipeline: {"schedule", "micro_batches" (of each dp copy), "dp_copies", "bubble_fraction", "imbalance", "measure", "stages": [{"stage",
     # "device", "module_paths", "flops", "param_bytes", "activation_bytes", "sends_elements"}]}
     pipeline: dict[str, Any] | None = None
     # bytes each device needs, by kind: {device: {"parameters", "gradients", "optimizer", "activations"}}
@@ -93,6 +93,8 @@ class Report:
     # context parallel: {"dimension": "cp", "size", "sequence_dim", "exchange", "not_chosen": [...],
     # "attention": [attention calls], "activation_bytes": {device: bytes}} (docs/context_parallel.md)
     context_parallel: dict[str, Any] | None = None
+    # what each mesh dimension does: {"pp": "2: pipeline (gpipe)", "dp": "2: data parallel (replicate)"}
+    layout: dict[str, str] = field(default_factory=dict)
 
     @property
     def comm_elements(self) -> float:
@@ -161,7 +163,7 @@ def _where(source: str | None) -> str:
 def _render_pipeline(p: Mapping[str, Any]) -> list[str]:
     out = [
         "",
-        f"Pipeline: {len(p['stages'])} stages, {p['micro_batches']} micro-batches, {p['schedule']}; bubble "
+        f"Pipeline: {len(p['stages'])} stages, {p['micro_batches']} micro-batches{_per_copy(p)}, {p['schedule']}; bubble "
         f"(S-1)/(M+S-1) = {p['bubble_fraction']:.3f}; stage {p['measure']} max/mean = {p['imbalance']:.3f}",
     ]
     rows = [
@@ -173,13 +175,22 @@ def _render_pipeline(p: Mapping[str, Any]) -> list[str]:
     return out + _table(headers, rows, [6, 8, 13, 11, 12, 9, 40])
 
 
+def _per_copy(p: Mapping[str, Any]) -> str:
+    copies = p.get("dp_copies", 1)
+    return f" in each of {copies} dp copies" if copies > 1 else ""
+
+
 def _render(r: Report) -> str:
     title = (
         f"dpcompile explain: {r.mode} on {len(r.devices)} devices ({', '.join(r.devices)})"
         + (f", batch {r.batch}" if r.batch is not None else "")
         + f"; shapes from {'fake tensors' if r.shapes == 'fake' else 'a real no-grad run' if r.shapes == 'real' else 'nowhere (no inputs)'}"
     )
-    out = [*textwrap.wrap(title, WIDTH, subsequent_indent="  ", break_on_hyphens=False), "", "Per device"]
+    out = [*textwrap.wrap(title, WIDTH, subsequent_indent="  ", break_on_hyphens=False)]
+    if r.layout:
+        spelled = "; ".join(f"{name}({what})" for name, what in r.layout.items())
+        out += textwrap.wrap(f"Layout: {spelled}", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+    out += ["", "Per device"]
     rows = [
         [
             label,

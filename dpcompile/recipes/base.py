@@ -20,7 +20,9 @@ class Recipe:
 
     ``leaf_modules``: module types the tracer must not enter; ``frontend``: ``"fx"``,
     ``"export"`` or ``"auto"``; ``checkpointed``: the module paths whose activations are
-    recomputed in backward (``passes.checkpoint_activations``, last in every lowering). Subclasses add what their kind needs and implement
+    recomputed in backward (``passes.checkpoint_activations``, last in every lowering); ``dp_micro_batches``:
+    where a ``dp`` dimension composes over a pipeline's program, the micro-batches of each of its
+    copies (``micro_batches // dp_micro_batches`` copies, pieces named by ``passes.name_dp_copies``). Subclasses add what their kind needs and implement
     :meth:`compile` and :meth:`build_program`.
     """
 
@@ -28,6 +30,8 @@ class Recipe:
     frontend: str = "auto"
     checkpointed: tuple[str, ...] = ()  # module paths recomputed in backward (activation_checkpointing=)
     exact_random: bool = True  # random ops draw the single-device values (passes.draw_random_whole)
+    dp_micro_batches: int | None = None  # each dp copy's micro-batches, where dp composes over a pipeline (target.replicate_over_dp)
+    dp_devices: tuple[tuple[str, ...], ...] | None = None  # each dp copy's devices (passes.place_dp_copies)
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> nn.Module:
         """``model`` compiled into this recipe's kind of ``ParallelModule``."""

@@ -141,6 +141,8 @@ class PipelineTensorParallelRecipe(Recipe):
         lowered, expand_records = self.lower(gm, plan, self.micro_batches, input_dims)
         records += expand_records
         place_shards(lowered, groups)
+        if placing := passes.place_copies_pipeline(self.dp_micro_batches, self.dp_devices):  # dp copies, each on its devices
+            lowered, _ = run_passes(lowered, placing)
         applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
         applied.update(shard_info["plan"])
         described = describe_choices(applied, shard_info)
@@ -205,7 +207,8 @@ class PipelineTensorParallelRecipe(Recipe):
         expanded, records = run_passes(lowered, [expand, *exact], recompile=False)
         read_each_parameter_once(expanded)
         tidy_micro_batch_names(expanded)
-        expanded, _ = run_passes(expanded, passes.checkpoint_pipeline(self.checkpointed), recompile=False)
+        finishing = passes.checkpoint_pipeline(self.checkpointed) + passes.dp_copies_pipeline(self.dp_micro_batches)
+        expanded, _ = run_passes(expanded, finishing, recompile=False)
         expanded.recompile()
         return expanded, records
 

@@ -21,7 +21,9 @@ from dpcompile.inspect import Recorder, slot_of, user_source
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, TensorParallelRecipe
 from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
 from dpcompile.runtime.structures import tensor_leaves
+from dpcompile.target import dp_copies, resolve_target
 from dpcompile.verify.result import Mismatch, VerifyResult, first_line
+from passes.name_dp_copies import COPY
 
 
 # ------------------------------------------------------------------------ fake multi-GPU
@@ -38,6 +40,10 @@ def _build_fake_program(pm: Any, fake_model: nn.Module, devices: Devices, exampl
         return fake_recipe.compile(fake_model, example)
     if isinstance(recipe, (PipelineRecipe, PipelineTensorParallelRecipe)):
         fields = {"plan": dict(pm.plan) or True} if isinstance(recipe, PipelineTensorParallelRecipe) else {}
+        if recipe.dp_devices is not None:  # dp copies: copy 0 builds the program, each copy on its devices
+            copies = dp_copies(resolve_target(devices, pm.layout, pipeline=None, tensor_parallel=False))
+            fields["dp_devices"] = tuple(tuple(copy.strings()) for copy in copies)
+            devices = copies[0]
         fake_recipe = dataclasses.replace(recipe, devices=devices, output_device=devices.primary, **fields)
         return fake_recipe.compile(fake_model, example)
     raise ValueError(
@@ -55,6 +61,15 @@ def _moves_between_devices(node: fx.Node) -> bool:
     module = getattr(target, "__module__", "") or ""
     name = getattr(target, "__name__", "") or ""
     return node.op == "call_function" and module.startswith("dpcompile.runtime") and any(w in name for w in _TRANSFERS)
+
+
+def _copy_devices(program: fx.GraphModule, devices: Devices) -> list[list[torch.device]]:
+    """Each dp copy's devices, where a node's slot is its place (one copy, ``devices``, without dp)."""
+    recipe = getattr(program, "recipe", None)
+    copies = getattr(recipe, "dp_devices", None)
+    if not copies:
+        return [list(devices)]
+    return [[torch.device(d) for d in copy] for copy in copies]
 
 
 def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[Any], *args: Any, **kwargs: Any) -> VerifyResult:
@@ -119,17 +134,18 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
             source = user_source(node)
             where = f" at node {node.name}" + (f" ({source})" if source else "")
         return VerifyResult(False, [Mismatch("layout", label, f"{type(e).__name__}{where}: {first_line(e)}")], checked)
-    n = len(devices)
+    copies = _copy_devices(program, devices)
     for node in program.graph.nodes:
         slot = slot_of(node)
-        if slot is None or slot >= n:
+        own = copies[node.meta.get(COPY) or 0]
+        if slot is None or slot >= len(own):
             continue
         seen = recorder.devices.get(node.name, [])
         if len(set(seen)) > 1 or _moves_between_devices(node):  # a transfer lands where it is sent, not on its slot
             continue
-        wrong = [d for d in seen if torch.device(d) != devices[slot]]
+        wrong = [d for d in seen if torch.device(d) != own[slot]]
         if wrong:
-            mismatches.append(Mismatch("layout", node.name, f"is on {wrong[0]}, expected {devices[slot]} (slot {slot})"))
+            mismatches.append(Mismatch("layout", node.name, f"is on {wrong[0]}, expected {own[slot]} (slot {slot})"))
     for path, t in tensor_leaves(output):
         if t.device != devices.primary:
             mismatches.append(Mismatch("layout", f"output{path}", f"is on {t.device}, expected {devices.primary}"))
@@ -137,5 +153,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
         if p.grad is not None and p.grad.device != p.device:
             mismatches.append(Mismatch("layout", name, f"gradient on {p.grad.device}, parameter on {p.device}"))
     checked["placed nodes"] = sum(1 for node in program.graph.nodes if slot_of(node) is not None)
+    if len(copies) > 1:  # dp composed over the program: each copy checked on its own devices
+        checked["dp copies"] = len(copies)
     notes = [] if backward else [f"{label}: forward checked; backward needs the devices (autograd cannot run on fake CUDA here)"]
     return VerifyResult(not mismatches, mismatches, checked, notes)

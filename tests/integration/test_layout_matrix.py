@@ -19,6 +19,8 @@ from tests.helpers import full_gradients
 from tests.thirdparty import import_or_skip
 
 LAYOUTS = [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"pp": 2, "tp": 2}]
+# dp composed over the program the other dimensions build (target.replicate_over_dp)
+COMPOSED = [{"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "tp": 2}]
 V = 64
 
 
@@ -86,10 +88,10 @@ def _devices(layout):
     return ["cpu"] * n
 
 
-def _transform(model, layout, kwargs):
+def _transform(model, layout, kwargs, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return dpcompile.transform(model, _devices(layout), mesh=layout, example_kwargs=kwargs)
+        return dpcompile.transform(model, _devices(layout), mesh=layout, example_kwargs=kwargs, **options)
 
 
 _CAPTURED: dict[str, tuple] = {}
@@ -111,17 +113,26 @@ def _captured(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "x".join(layout))
+@pytest.mark.parametrize("layout", LAYOUTS + COMPOSED, ids=lambda layout: "x".join(layout))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_layout_matrix_trains_like_eager(name, layout):
     """3 AdamW steps: each loss and gradient equals eager, and the parameters after them; state_dict
     equals the model's."""
+    _check_trains_like_eager(name, layout)
+
+
+def test_layout_matrix_pp_dp_1f1b_trains_like_eager():
+    """pp x dp with schedule='1f1b' and 2 micro-batches in each dp copy: the same 3 steps as eager."""
+    _check_trains_like_eager("mlp", {"pp": 2, "dp": 2}, schedule="1f1b", micro_batches=2)
+
+
+def _check_trains_like_eager(name, layout, **options):
     make, kwargs, model, initial, program = _captured(name)
     model.load_state_dict(initial)
     model.zero_grad(set_to_none=True)
     reference = _build(make)
     reference.load_state_dict(initial)
-    pm = _transform(program, layout, kwargs)
+    pm = _transform(program, layout, kwargs, **options)
     assert pm.layout == layout
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -149,7 +160,7 @@ def test_layout_matrix_trains_like_eager(name, layout):
                                    msg=lambda m, key=key: f"{key} after 3 steps: {m}")
 
 
-META_CELLS = [("mlp", layout) for layout in LAYOUTS] + [("gpt2", LAYOUTS[-1]), ("llama", LAYOUTS[-1])]
+META_CELLS = [("mlp", layout) for layout in LAYOUTS + COMPOSED] + [("gpt2", LAYOUTS[-1]), ("llama", LAYOUTS[-1])]
 
 
 @pytest.mark.slow

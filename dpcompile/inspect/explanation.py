@@ -163,6 +163,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
             n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
         },
         random={**random_draws_of(gm), "note": per_device_note(gm)},
+        candidates=[c.to_dict() for c in getattr(pm, "candidates", None) or ()],
     )
 
 

@@ -13,6 +13,8 @@ the step's seconds:
   pipeline stage: its units' share, all micro-batches under GPipe, ``min(M, S - s)`` of ``M`` under
   1F1B; checkpointed blocks keep their inputs, plus one block recomputed at a time; under tensor
   parallelism counted whole (an upper bound, as ``explain`` counts it);
+- the peak is the largest of the moments of a backward sweep (:func:`_stage_memory`): activations
+  are freed unit by unit as gradients appear, so it is less than the sum of the kinds;
 - step time: the busiest device's FLOPs (3x forward for a training step, plus forward again for
   recomputed blocks; a pipeline's ``(M + S - 1) / M`` for its bubble) at the calibrated matmul
   FLOP/s, plus the bytes sent (data parallel: parameters replicated and gradients reduced; tensor
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.memory import KINDS
-from dpcompile.analysis.model_profile import ModelProfile, Unit, ceil_share
+from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
 
 __all__ = ["LayoutSpec", "Prediction", "cut_units", "predict"]
 
@@ -87,25 +89,46 @@ def cut_units(units: Sequence[Unit], stages: int) -> list[list[Unit]] | None:
     return [list(units[a:b]) for a, b in reversed(bounds)]
 
 
-def _split_bytes(units: Sequence[Unit], t: int) -> tuple[int, int, int]:
-    """Parameter, gradient and optimizer bytes that ``t``-way tensor parallelism takes off each device."""
-    if t <= 1:
-        return 0, 0, 0
-    saved = [0, 0, 0]
-    for u in units:
-        for w in u.shardable:
-            if w.rows % t == 0 or (w.kind == "linear" and w.cols % t == 0):
-                for i, size in enumerate((w.bytes, w.grad_bytes, w.optimizer_bytes)):
-                    saved[i] += size - size // t
-    return saved[0], saved[1], saved[2]
+def _splits(w: ShardableWeight, t: int) -> bool:
+    return t > 1 and (w.rows % t == 0 or (w.kind == "linear" and w.cols % t == 0))
 
 
-def _activations(units: Sequence[Unit], checkpointing: bool) -> tuple[int, int]:
-    """(bytes held through forward, bytes of one block recomputed in backward)."""
-    if not checkpointing:
-        return sum(u.saved_bytes for u in units), 0
-    held = sum(u.input_bytes if u.block else u.saved_bytes for u in units)
-    return held, max((u.saved_bytes for u in units if u.block), default=0)
+def _unit_state(u: Unit, t: int) -> tuple[int, int, int]:
+    """A unit's parameter, gradient and optimizer bytes on each of ``t`` tensor-parallel devices."""
+    out = [u.param_bytes, u.grad_bytes, u.optimizer_bytes]
+    for w in u.shardable:
+        if _splits(w, t):
+            for i, size in enumerate((w.bytes, w.grad_bytes, w.optimizer_bytes)):
+                out[i] -= size - size // t
+    return out[0], out[1], out[2]
+
+
+def _stage_memory(
+    units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool
+) -> dict[str, int]:
+    """Bytes by kind at the predicted peak of a stage's device (see :func:`predict`).
+
+    ``share``: the fraction of one unit's saved bytes a backward sweep holds (a micro-batch's, the
+    device's share of the batch); ``rest``: the fraction held besides, for the other micro-batches
+    still in flight. The sweep runs backward unit by unit: at unit ``k``, the activations of units
+    before it, unit ``k``'s own (all of them again where it is recomputed) and the gradients of
+    units ``k`` and after are held at once; after the sweep, every gradient. Without ``sweep`` (a
+    pipeline stage, whose program keeps each micro-batch's saved tensors until its backward is
+    over: measured) every activation and every gradient at once."""
+    state = [_unit_state(u, t) for u in units]
+    params, optimizer = sum(x[0] for x in state), sum(x[2] for x in state)
+    kept = [u.input_bytes if checkpointing and u.block else u.saved_bytes for u in units]
+    held_rest = round(sum(kept) * rest)
+    grads = [x[1] for x in state]
+    moments = [(sum(grads), 0)]  # after backward (and at the optimizer step): every gradient, no activation
+    if not sweep:
+        recompute = max((u.saved_bytes - kept[i] for i, u in enumerate(units)), default=0)
+        moments.append((sum(grads), round((sum(kept) + recompute) * share) + held_rest))
+    for k in range(len(units) if sweep else 0):
+        own = units[k].saved_bytes if training else kept[k]
+        moments.append((sum(grads[k:]), round((sum(kept[:k]) + own) * share) + held_rest))
+    gradients, activations = max(moments, key=sum)
+    return {"parameters": params, "gradients": gradients, "optimizer": optimizer, "activations": activations}
 
 
 def _batch_fraction(batch: int | None, d: int) -> float:
@@ -123,9 +146,7 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
     if stages is None:
         return Prediction([], 0.0, f"{len(profile.units)} pieces (repeated blocks and what surrounds them) "
                                    f"cannot be cut into {s_count} stages")  # fmt: skip
-    if t > 1 and not any(
-        w.rows % t == 0 or (w.kind == "linear" and w.cols % t == 0) for u in profile.units for w in u.shardable
-    ):
+    if t > 1 and not any(_splits(w, t) for u in profile.units for w in u.shardable):
         return Prediction([], 0.0, f"no Linear or Embedding of the model splits {t} ways")
     if m > 1 and (profile.batch is None or profile.batch < m):
         return Prediction([], 0.0, f"{m} micro-batches need a batch of at least {m} (the examples' is {profile.batch})")
@@ -136,18 +157,10 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
     per_device: list[dict[str, int]] = []
     busiest, sent = 0.0, 0.0
     for s, units in enumerate(stages):
-        split = _split_bytes(units, t)
-        held, recompute = _activations(units, spec.checkpointing and training)
-        if s_count > 1:
-            in_flight = m if spec.schedule != "1f1b" else min(m, s_count - s)
-            held = held * in_flight // m
-            recompute //= m
-        kinds = {
-            "parameters": sum(u.param_bytes for u in units) - split[0],
-            "gradients": sum(u.grad_bytes for u in units) - split[1],
-            "optimizer": sum(u.optimizer_bytes for u in units) - split[2],
-            "activations": ceil_share(held + recompute, profile.batch, d),
-        }
+        in_flight = (m if spec.schedule != "1f1b" else min(m, s_count - s)) if s_count > 1 else 1
+        share = _batch_fraction(profile.batch, d) / m
+        kinds = _stage_memory(units, t, checkpointing=spec.checkpointing and training, share=share,
+                              rest=share * (in_flight - 1), training=training, sweep=s_count == 1)  # fmt: skip
         per_device += [dict(kinds) for _ in range(d * t)]
         flops = sum(u.flops for u in units)
         work = (3 * flops + (sum(u.flops for u in units if u.block) if spec.checkpointing else 0)) if training else flops

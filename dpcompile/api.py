@@ -176,7 +176,7 @@ _LAYOUT_DEFAULTS = {"tensor_parallel": False, "pipeline": None, "mesh": None, "m
 
 def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]) -> ParallelModule:
     """``plan="auto"``: every layout predicted (``dpcompile.planner``), the fastest that fits built."""
-    given = [f"{k}={v!r}" for k, v in _LAYOUT_DEFAULTS.items() if arguments[k] != v and arguments[k] is not None]
+    given = [f"{k}={arguments[k]!r}" for k, v in _LAYOUT_DEFAULTS.items() if arguments[k] != v and arguments[k] is not None]
     if given:
         raise ValueError(f'plan="auto" chooses the layout itself: leave {", ".join(given)} out, or leave plan= out')
     if arguments["memory_per_device"] is None:

@@ -7,7 +7,9 @@ each: ``transform(..., memory_per_device=budget, optimizer="sgd", plan="auto")``
 devices, then ``dpcompile.measure`` of one training step: the chosen layout, the predicted and the
 measured peak bytes of each device (parameters held plus the peak allocated during the step; plain
 SGD keeps no state, so the two count the same things), their error, and whether every device stayed
-within the budget. Also the seconds planning a 32-layer decoder takes (``plan_layouts`` alone).
+within the budget. ``measure`` runs a 1F1B pipeline as its GPipe program (docs/activation_checkpointing.md):
+for a 1F1B choice the row compares the GPipe twin's prediction (``measured_as``), and "held" is that
+program's (which holds more than 1F1B). Also the seconds planning a 32-layer decoder takes (``plan_layouts`` alone).
 
     PYTHONPATH=. python benchmarks/bench_planner.py [--devices 2] [--only gpt2,bert]
 
@@ -17,6 +19,7 @@ Writes ``benchmarks/results/planner.json`` and prints the table and its summary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -170,7 +173,11 @@ def run_one(name: str, devices: list[str]) -> list[dict[str, Any]]:
             chosen = next(c for c in pm.candidates if c.rejected is None)
             row["choice"] = chosen.spec.name
             measured = dpcompile.measure(pm, *args, **kwargs)
-            predicted = {d: sum(k.values()) for d, k in chosen.per_device.items()}
+            twin = chosen
+            if chosen.spec.schedule == "1f1b":  # measure runs a 1F1B pipeline as its GPipe program: compare with that
+                twin = next(c for c in pm.candidates if c.spec == dataclasses.replace(chosen.spec, schedule="gpipe"))
+                row["measured_as"] = twin.spec.name
+            predicted = {d: sum(k.values()) for d, k in twin.per_device.items()}
             errors = {d: (predicted[d] - measured.peak_bytes[d]) / measured.peak_bytes[d] for d in predicted}
             worst = max(errors, key=lambda d: abs(errors[d]))
             row.update(
@@ -198,7 +205,8 @@ def _print_row(row: dict[str, Any]) -> None:
     print(
         f"{row['model']:<22} {row['budget_kind']:<7} {format_bytes(row['budget']):>11}  {row['choice']:<24} "
         f"pred {format_bytes(max(row['predicted'].values())):>11} meas {format_bytes(max(row['measured'].values())):>11} "
-        f"peak err {row['peak_error']:+7.1%}  worst device err {row['error']:+7.1%}  held {row['held']}",
+        f"peak err {row['peak_error']:+7.1%}  worst device err {row['error']:+7.1%}  held {row['held']}"
+        + (f"  (measured as {row['measured_as']})" if "measured_as" in row else ""),
         flush=True,
     )
 

@@ -7,9 +7,7 @@ each: ``transform(..., memory_per_device=budget, optimizer="sgd", plan="auto")``
 devices, then ``dpcompile.measure`` of one training step: the chosen layout, the predicted and the
 measured peak bytes of each device (parameters held plus the peak allocated during the step; plain
 SGD keeps no state, so the two count the same things), their error, and whether every device stayed
-within the budget. ``measure`` runs a 1F1B pipeline as its GPipe program (docs/activation_checkpointing.md):
-for a 1F1B choice the row compares the GPipe twin's prediction (``measured_as``), and "held" is that
-program's (which holds more than 1F1B). Also the seconds planning a 32-layer decoder takes (``plan_layouts`` alone).
+within the budget (a 1F1B pipeline is measured running its own 1F1B step). Also the seconds planning a 32-layer decoder takes (``plan_layouts`` alone).
 
     PYTHONPATH=. python benchmarks/bench_planner.py [--devices 2] [--only gpt2,bert]
 
@@ -19,7 +17,6 @@ Writes ``benchmarks/results/planner.json`` and prints the table and its summary.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -145,6 +142,12 @@ MODELS = {
 }  # fmt: skip
 
 
+#: families interleaved, so a run stopped early still spans them
+ORDER = ["mlp_stack", "gpt2", "tv_resnet18", "bert", "timm_vit_tiny", "llama", "tv_vit", "distilbert", "timm_mixer",
+         "vit_hf", "roberta", "tv_mobilenet_v3_small", "qwen2", "timm_resnet10t", "opt", "mistral",
+         "tv_squeezenet1_0", "timm_convnext_atto", "timm_efficientnet_b0"]  # fmt: skip
+
+
 def budgets_for(model: nn.Module, args: tuple, kwargs: dict, devices: list[str]) -> dict[str, int]:
     """Loose, medium and tight budgets from the planner's own predictions (no program built)."""
     labels = parse_devices(devices).labels()
@@ -173,11 +176,7 @@ def run_one(name: str, devices: list[str]) -> list[dict[str, Any]]:
             chosen = next(c for c in pm.candidates if c.rejected is None)
             row["choice"] = chosen.spec.name
             measured = dpcompile.measure(pm, *args, **kwargs)
-            twin = chosen
-            if chosen.spec.schedule == "1f1b":  # measure runs a 1F1B pipeline as its GPipe program: compare with that
-                twin = next(c for c in pm.candidates if c.spec == dataclasses.replace(chosen.spec, schedule="gpipe"))
-                row["measured_as"] = twin.spec.name
-            predicted = {d: sum(k.values()) for d, k in twin.per_device.items()}
+            predicted = {d: sum(k.values()) for d, k in chosen.per_device.items()}
             errors = {d: (predicted[d] - measured.peak_bytes[d]) / measured.peak_bytes[d] for d in predicted}
             worst = max(errors, key=lambda d: abs(errors[d]))
             row.update(
@@ -205,8 +204,7 @@ def _print_row(row: dict[str, Any]) -> None:
     print(
         f"{row['model']:<22} {row['budget_kind']:<7} {format_bytes(row['budget']):>11}  {row['choice']:<24} "
         f"pred {format_bytes(max(row['predicted'].values())):>11} meas {format_bytes(max(row['measured'].values())):>11} "
-        f"peak err {row['peak_error']:+7.1%}  worst device err {row['error']:+7.1%}  held {row['held']}"
-        + (f"  (measured as {row['measured_as']})" if "measured_as" in row else ""),
+        f"peak err {row['peak_error']:+7.1%}  worst device err {row['error']:+7.1%}  held {row['held']}",
         flush=True,
     )
 
@@ -233,25 +231,36 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--only", default="")
     options = parser.parse_args()
-    names = [n for n in options.only.split(",") if n] or list(MODELS)
+    names = [n for n in options.only.split(",") if n] or ORDER
     devices = ["cpu"] * options.devices
-    rows = []
+    decoder_seconds = round(decoder_planning_seconds(), 2)
+    rows: list[dict[str, Any]] = []
     for name in names:
         rows += run_one(name, devices)
+        _write(options.devices, _summary(rows, names, decoder_seconds), rows)  # what is done survives a stop
+    summary = _summary(rows, names, decoder_seconds)
+    print(json.dumps(summary, indent=1))
+    _write(options.devices, summary, rows)
+
+
+def _write(devices: int, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"devices": devices, "summary": summary, "rows": rows}, indent=1))
+
+
+def _summary(rows: list[dict[str, Any]], names: list[str], decoder_seconds: float) -> dict[str, Any]:
     measured = [r for r in rows if "error" in r]
     within = [r for r in measured if abs(r["peak_error"]) <= 0.10]
-    summary = {
+    return {
         "runs": len(rows), "models": len(names), "measured": len(measured),
         "budget_held": sum(r["held"] for r in measured),
         "peak_within_10pct": len(within),
         "median_abs_peak_error": sorted(abs(r["peak_error"]) for r in measured)[len(measured) // 2] if measured else None,
         "max_abs_peak_error": max((abs(r["peak_error"]) for r in measured), default=None),
-        "decoder32_planning_s": round(decoder_planning_seconds(), 2),
+        "models_done": len({r["model"] for r in rows}),
+        "decoder32_planning_s": decoder_seconds,
         "calibration": calibrate("cpu").__dict__,
     }  # fmt: skip
-    print(json.dumps(summary, indent=1))
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"devices": options.devices, "summary": summary, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -170,3 +170,16 @@ def test_calibration_is_cached_and_can_be_turned_off(monkeypatch, tmp_path):
     monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
     planned = _planned(1 << 40)  # the planner's step times use the cached constants
     assert planned.calibration.source == "cache" and len(runs) == 2
+
+
+def test_measure_counts_the_1f1b_step_itself():
+    """A 1F1B pipeline is measured running 1F1B (each micro-batch's backward as soon as it can), which
+    holds less on every device than its GPipe program; the step leaves the gradients as they were."""
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        model = _stack()
+        pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), pipeline=2, micro_batches=4,
+                                 schedule=schedule)  # fmt: skip
+        peaks[schedule] = dpcompile.measure(pm, X, Y).step_allocated_peak
+        assert all(p.grad is None for p in model.parameters())
+    assert all(0 < peaks["1f1b"][d] < peaks["gpipe"][d] for d in ("cpu#0", "cpu#1")), peaks

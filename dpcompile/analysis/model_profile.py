@@ -1,12 +1,13 @@
 """One fake run of the model (``FakeTensorMode``: no memory, no compute) cut into units, what the
 layout planner predicts every candidate from without building any of them.
 
-The units are the model's repeated blocks (:func:`repeated_blocks`), with what runs before the first
-(``"pre"``: embeddings) and after the last (``"post"``: the head, the loss); a model without repeated
-blocks is cut at its top-level children, in the order forward calls them. Per unit: the bytes of its
+The units are the model's repeated blocks (:func:`repeated_blocks`) and every module beside them on
+the way down to them (GPT-2: ``transformer.wte``, ``transformer.wpe``, ``transformer.drop``, the
+blocks ``transformer.h.0`` ..., ``transformer.ln_f``, ``lm_head``), in the order forward calls them;
+a model without repeated blocks is cut at its top-level children. Per unit: the bytes of its
 parameters (a tensor counted in the first unit that calls its module), of what autograd saves for
 backward in it, of its input (what a checkpointed block keeps) and its forward FLOPs. Ops that run
-between two units count with the one before (after a block: with ``"post"``).
+between two units count with the one before (``"pre"``: before the first).
 """
 
 from __future__ import annotations
@@ -72,12 +73,24 @@ class ModelProfile:
         return sum(getattr(u, attribute) for u in self.units)
 
 
-def _unit_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], bool]:
-    modules = dict(model.named_modules())
-    blocks = repeated_blocks(model)
-    if blocks:
-        return [(p, modules[p]) for p in blocks], True
-    return list(model.named_children()), False
+def _unit_modules(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """``(path, module, is a repeated block)`` of every unit (see the module's docstring)."""
+    blocks = set(repeated_blocks(model))
+    if not blocks:
+        return [(path, m, False) for path, m in model.named_children()]
+    above = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
+    out: list[tuple[str, nn.Module, bool]] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if path in above:
+                walk(path, child)
+            else:
+                out.append((path, child, path in blocks))
+
+    walk("", model)
+    return out
 
 
 def profile_model(
@@ -90,11 +103,9 @@ def profile_model(
     from torch.utils.flop_counter import FlopCounterMode
 
     kwargs = dict(kwargs or {})
-    units_of, blocked = _unit_modules(model)
-    unit_names = {id(m): path for path, m in units_of}
-    units = {"pre": Unit("pre")} | {path: Unit(path, block=blocked) for path, _ in units_of}
-    if blocked:
-        units["post"] = Unit("post")
+    units_of = _unit_modules(model)
+    unit_names = {id(m): path for path, m, _ in units_of}
+    units = {"pre": Unit("pre")} | {path: Unit(path, block=block) for path, _, block in units_of}
     order: list[str] = ["pre"]
     state = {"current": "pre"}
     tensors = [t for t in [*model.parameters(), *model.buffers(), *args, *kwargs.values()] if isinstance(t, torch.Tensor)]
@@ -143,9 +154,7 @@ def profile_model(
         count_params(module, name, True)
 
     def leave(module: nn.Module, inputs: Any, output: Any) -> None:
-        _close(units[state["current"]], counter, flops_at)
-        if blocked:  # after a block: the final norm, the head, the loss (else: with the child before)
-            state["current"] = "post"
+        _close(units[state["current"]], counter, flops_at)  # what runs up to the next unit counts here too
 
     def called(module: nn.Module, inputs: Any) -> None:
         if id(module) not in unit_names:
@@ -169,7 +178,7 @@ def profile_model(
 
     shardable_seen: set[int] = set()
     handles = []
-    for _, m in units_of:
+    for _, m, _ in units_of:
         handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
     for m in model.modules():
         if any(True for _ in m.parameters(recurse=False)):
@@ -194,8 +203,7 @@ def profile_model(
     count_params(model, "pre", True)  # never called: counted with the first unit
     for unit, size in saved.values():
         units[unit].saved_bytes += size
-    ordered = list(dict.fromkeys(order)) + [n for n in units if n not in order and n != "post"]
-    ordered += ["post"] if blocked else []
+    ordered = list(dict.fromkeys(order)) + [n for n in units if n not in order]
     first = next((a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor) and a.dim()), None)
     return ModelProfile(
         units=[units[n] for n in ordered if n in units],

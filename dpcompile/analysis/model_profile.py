@@ -12,6 +12,7 @@ between two units count with the one before (``"pre"``: before the first).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,9 +74,9 @@ class ModelProfile:
         return sum(getattr(u, attribute) for u in self.units)
 
 
-def _unit_modules(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+def _unit_modules(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, nn.Module, bool]]:
     """``(path, module, is a repeated block)`` of every unit (see the module's docstring)."""
-    blocks = set(repeated_blocks(model))
+    blocks = set(blocks)
     if not blocks:
         return [(path, m, False) for path, m in model.named_children()]
     above = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
@@ -93,17 +94,58 @@ def _unit_modules(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return out
 
 
+#: identical repeated blocks beyond this many are not run: they repeat the last one run
+PROFILED_BLOCKS = 2
+
+
 def profile_model(
     model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *, optimizer: str | None, training: bool
 ) -> ModelProfile:
-    """The :class:`ModelProfile` of ``model(*args, **kwargs)`` (see the module's docstring)."""
+    """The :class:`ModelProfile` of ``model(*args, **kwargs)`` (see the module's docstring).
+
+    Where the repeated blocks are more than :data:`PROFILED_BLOCKS` modules of one type with
+    parameters of the same shapes, only the first ones run (their container is shortened for the
+    fake run, and put back) and the others repeat the last one run: planning a 32-layer decoder
+    costs what a 2-layer one does. A model whose forward needs every block runs whole."""
+    blocks = repeated_blocks(model)
+    modules = dict(model.named_modules())
+    container = modules.get(blocks[0].rpartition(".")[0]) if blocks else None
+    if len(blocks) > PROFILED_BLOCKS + 1 and container is not None and _identical(modules[b] for b in blocks):
+        kept, skipped = blocks[:PROFILED_BLOCKS], blocks[PROFILED_BLOCKS:]
+        whole = container._modules
+        container._modules = type(whole)(list(whole.items())[:PROFILED_BLOCKS])
+        try:
+            profile = _profile(model, kept, args, kwargs, optimizer=optimizer, training=training)
+        except Exception:  # noqa: BLE001 - forward needs every block (it indexes them): run it whole
+            profile = None
+        finally:
+            container._modules = whole
+        if profile is not None:
+            names = [u.name for u in profile.units]
+            last = profile.units[names.index(kept[-1])]
+            copies = [dataclasses.replace(last, name=b, shardable=list(last.shardable)) for b in skipped]
+            at = names.index(kept[-1]) + 1
+            profile.units[at:at] = copies
+            return profile
+    return _profile(model, blocks, args, kwargs, optimizer=optimizer, training=training)
+
+
+def _identical(blocks: Any) -> bool:
+    shapes = {(type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())) for m in blocks}
+    return len(shapes) == 1
+
+
+def _profile(
+    model: nn.Module, blocks: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,
+    optimizer: str | None, training: bool,
+) -> ModelProfile:  # fmt: skip
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
     kwargs = dict(kwargs or {})
-    units_of = _unit_modules(model)
+    units_of = _unit_modules(model, blocks)
     unit_names = {id(m): path for path, m, _ in units_of}
     units = {"pre": Unit("pre")} | {path: Unit(path, block=block) for path, _, block in units_of}
     order: list[str] = ["pre"]

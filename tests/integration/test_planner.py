@@ -183,3 +183,21 @@ def test_measure_counts_the_1f1b_step_itself():
         peaks[schedule] = dpcompile.measure(pm, X, Y).step_allocated_peak
         assert all(p.grad is None for p in model.parameters())
     assert all(0 < peaks["1f1b"][d] < peaks["gpipe"][d] for d in ("cpu#0", "cpu#1")), peaks
+
+
+def test_identical_blocks_are_profiled_once_with_the_same_figures(monkeypatch):
+    """Planning runs the first two of six identical blocks and repeats them: every unit's figures
+    equal those of the run through all six, and the model keeps its six blocks."""
+    from dpcompile.analysis import model_profile
+
+    torch.manual_seed(0)
+    model = Stack(layers=6).double()
+    figures = []
+    for profiled in (2, 100):
+        monkeypatch.setattr(model_profile, "PROFILED_BLOCKS", profiled)
+        profile = model_profile.profile_model(model, (X, Y), None, optimizer="adamw", training=True)
+        figures.append([(u.name, u.block, u.param_bytes, u.grad_bytes, u.optimizer_bytes, u.saved_bytes,
+                         u.input_bytes, u.flops, u.shardable) for u in profile.units])  # fmt: skip
+    assert figures[0] == figures[1] and [f[0] for f in figures[0] if f[1]] == [f"layers.{i}" for i in range(6)]
+    assert len(model.layers) == 6
+    assert sum(f[2] for f in figures[0]) == sum(p.numel() * 8 for p in model.parameters())

@@ -104,8 +104,9 @@ def _unit_state(u: Unit, t: int) -> tuple[int, int, int]:
 
 
 def _stage_memory(
-    units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool
-) -> dict[str, int]:
+    units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool,
+    accumulates: bool,
+) -> dict[str, int]:  # fmt: skip
     """Bytes by kind at the predicted peak of a stage's device (see :func:`predict`).
 
     ``share``: the fraction of one unit's saved bytes a backward sweep holds (a micro-batch's, the
@@ -114,12 +115,15 @@ def _stage_memory(
     before it, unit ``k``'s own (all of them again where it is recomputed) and the gradients of
     units ``k`` and after are held at once; after the sweep, every gradient. Without ``sweep`` (a
     pipeline stage, whose program keeps each micro-batch's saved tensors until its backward is
-    over: measured) every activation and every gradient at once."""
+    over: measured) every activation and every gradient at once. Where gradients ``accumulate`` (a
+    second micro-batch, the replicas of data parallelism), a unit's new gradient is made before it is
+    added to the one held: one unit's gradient more."""
     state = [_unit_state(u, t) for u in units]
     params, optimizer = sum(x[0] for x in state), sum(x[2] for x in state)
     kept = [u.input_bytes if checkpointing and u.block else u.saved_bytes for u in units]
     held_rest = round(sum(kept) * rest)
     grads = [x[1] for x in state]
+    transient = max(grads, default=0) if accumulates and training else 0
     moments = [(sum(grads), 0)]  # after backward (and at the optimizer step): every gradient, no activation
     if not sweep:
         recompute = max((u.saved_bytes - kept[i] for i, u in enumerate(units)), default=0)
@@ -128,6 +132,7 @@ def _stage_memory(
         own = units[k].saved_bytes if training else kept[k]
         moments.append((sum(grads[k:]), round((sum(kept[:k]) + own) * share) + held_rest))
     gradients, activations = max(moments, key=sum)
+    gradients += transient
     return {"parameters": params, "gradients": gradients, "optimizer": optimizer, "activations": activations}
 
 
@@ -160,7 +165,8 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         in_flight = (m if spec.schedule != "1f1b" else min(m, s_count - s)) if s_count > 1 else 1
         share = _batch_fraction(profile.batch, d) / m
         kinds = _stage_memory(units, t, checkpointing=spec.checkpointing and training, share=share,
-                              rest=share * (in_flight - 1), training=training, sweep=s_count == 1)  # fmt: skip
+                              rest=share * (in_flight - 1), training=training, sweep=s_count == 1,
+                              accumulates=m > 1 or d > 1)  # fmt: skip
         per_device += [dict(kinds) for _ in range(d * t)]
         flops = sum(u.flops for u in units)
         work = (3 * flops + (sum(u.flops for u in units if u.block) if spec.checkpointing else 0)) if training else flops

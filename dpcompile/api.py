@@ -26,7 +26,7 @@ from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.other_mode import OtherModePending
-from dpcompile.planner import plan_layouts
+from dpcompile.planner import UNBUILT, plan_layouts
 from dpcompile.planning import device_budgets, plan_for_memory
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model, compile_on_fake
@@ -204,8 +204,11 @@ def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]
         options = {**arguments, **candidate.keywords(), "memory_per_device": None}
         try:
             pm = transform(model, devices, **options)
+            if candidate.spec.schedule == "1f1b" and training:  # its step is planned at the first call: plan it now
+                examples = example_tuple or ()
+                pm.recipe.one_f_one_b_step(pm, pm.call_key(*examples, **(arguments["example_kwargs"] or {})))
         except (DpCompileError, ValueError) as e:
-            candidate.rejected = f"fits, but could not be built: {e}"
+            candidate.rejected, candidate.fits = f"{UNBUILT}{e}", False
             continue
         planned.choose(candidate)
         pm.memory_plan = planned.estimate(candidate, optimizer, training)

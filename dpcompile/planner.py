@@ -25,9 +25,10 @@ from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, f
 from dpcompile.analysis.model_profile import profile_model
 from dpcompile.errors import DpCompileError
 
-__all__ = ["Candidate", "Planned", "enumerate_layouts", "plan_layouts"]
+__all__ = ["UNBUILT", "Candidate", "Planned", "enumerate_layouts", "plan_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
+UNBUILT = "predicted to fit, but could not be built: "
 
 
 @dataclass
@@ -99,7 +100,7 @@ class Planned:
 
     def no_fit_error(self, devices: int) -> DpCompileError:
         """Nothing fits: the smallest predicted peak, with its arithmetic and the way out."""
-        predicted = [c for c in self.candidates if c.per_device]
+        predicted = [c for c in self.candidates if c.per_device and not (c.rejected or "").startswith(UNBUILT)]
         budget = min(self.budgets.values())
         if not predicted:
             return DpCompileError(f"no layout over {devices} devices can be built for this model: "

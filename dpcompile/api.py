@@ -26,7 +26,8 @@ from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.other_mode import OtherModePending
-from dpcompile.planning import plan_for_memory
+from dpcompile.planner import UNBUILT, plan_layouts
+from dpcompile.planning import device_budgets, plan_for_memory
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model, compile_on_fake
 from dpcompile.recipes.pipeline import check_pipeline_arguments
@@ -89,6 +90,9 @@ def transform(
     ``mesh={"pp": 2, "tp": 2}`` names the dimensions of a device list (``docs/layouts.md``);
     ``pm.layout`` and ``pm.strategies`` say what each dimension does.
     """
+    if plan == "auto":
+        arguments = {k: v for k, v in locals().items() if k not in ("model", "devices", "plan")}
+        return _planned_transform(model, devices, arguments)
     data_parallel = "ddp" if data_parallel == "replicate" else data_parallel
     check_keywords_honoured(
         devices, mesh=mesh, tensor_parallel=tensor_parallel, pipeline=pipeline, micro_batches=micro_batches,
@@ -176,6 +180,55 @@ def transform(
     if recipe.checkpointed:
         pm.strategies["activation_checkpointing"] = f"recompute in backward: {', '.join(recipe.checkpointed)}"
     return pm
+
+
+#: keywords that name a layout: plan="auto" chooses them
+_LAYOUT_DEFAULTS = {"tensor_parallel": False, "pipeline": None, "mesh": None, "micro_batches": 1, "schedule": "gpipe",
+                    "activation_checkpointing": False, "sequence_parallel": False}  # fmt: skip
+
+
+def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]) -> ParallelModule:
+    """``plan="auto"``: every layout predicted (``dpcompile.planner``), the fastest that fits built."""
+    given = [f"{k}={arguments[k]!r}" for k, v in _LAYOUT_DEFAULTS.items() if arguments[k] != v and arguments[k] is not None]
+    if given:
+        raise ValueError(f'plan="auto" chooses the layout itself: leave {", ".join(given)} out, or leave plan= out')
+    if arguments["memory_per_device"] is None:
+        raise ValueError('plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. "24GiB"')
+    if is_device_mesh(devices):
+        raise DpCompileError(
+            'plan="auto" plans over a list of devices (one process); over a DeviceMesh name the layout with '
+            "data_parallel= / tensor_parallel= / pipeline="
+        )
+    example_tuple = _example_tuple(arguments["example_inputs"])
+    if example_tuple is None and not arguments["example_kwargs"]:
+        raise ValueError('plan="auto" predicts activations and step times from a fake run: give example_inputs= '
+                         "(or example_kwargs=)")  # fmt: skip
+    if not isinstance(model, fx.GraphModule):
+        check_signature(model)
+    check_examples(model, example_tuple, arguments["example_kwargs"])
+    budgets = device_budgets(devices, arguments["memory_per_device"])
+    parsed = parse_devices(devices)
+    optimizer, training = arguments["optimizer"], arguments["training"]
+    planned = plan_layouts(
+        model, parsed.labels(), budgets, optimizer=optimizer, training=training, example_inputs=example_tuple,
+        example_kwargs=arguments["example_kwargs"], device=parsed.primary,
+    )  # fmt: skip
+    for candidate in planned.fitting:
+        options = {**arguments, **candidate.keywords(), "memory_per_device": None}
+        try:
+            pm = transform(model, devices, **options)
+            if candidate.spec.schedule == "1f1b" and training:  # its step is planned at the first call: plan it now
+                examples = example_tuple or ()
+                pm.recipe.one_f_one_b_step(pm, pm.call_key(*examples, **(arguments["example_kwargs"] or {})))
+        except (DpCompileError, ValueError) as e:
+            candidate.rejected, candidate.fits = f"{UNBUILT}{e}", False
+            continue
+        planned.choose(candidate)
+        pm.memory_plan = planned.estimate(candidate, optimizer, training)
+        pm.candidates = planned.candidates
+        pm.calibration = planned.calibration
+        return pm
+    raise planned.no_fit_error(len(parsed.labels()))
 
 
 def _compile(

@@ -344,8 +344,21 @@ def no_fit_error(
         + "; ".join(lines)
         + f". The way out: {way_out}{least}"
         + ("" if optimizer is None else f", or a lighter optimizer than {optimizer!r}")
-        + " (or training=False for inference)."
+        + " (or training=False for inference); plan=\"auto\" also weighs pipeline stages and activation checkpointing."
     )
+
+
+def device_budgets(devices: Any, budget: Any) -> dict[str, int]:
+    """``memory_per_device=`` as bytes per device label (one budget for all, or ``{device: budget}``)."""
+    parsed = parse_devices(devices)
+    labels = parsed.labels()
+    if not isinstance(budget, Mapping):
+        return dict.fromkeys(labels, parse_budget(budget))
+    given = {str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
+    missing = sorted({str(d) for d in parsed.devices} - set(given))
+    if missing:
+        raise ValueError(f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all")
+    return {label: given[str(d)] for label, d in zip(labels, parsed.devices)}
 
 
 def plan_for_memory(
@@ -364,16 +377,7 @@ def plan_for_memory(
         )
     parsed = parse_devices(devices)
     labels = parsed.labels()
-    if isinstance(budget, Mapping):
-        given = {str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
-        missing = sorted({str(d) for d in parsed.devices} - set(given))
-        if missing:
-            raise ValueError(
-                f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all"
-            )
-        budgets = {label: given[str(d)] for label, d in zip(labels, parsed.devices)}
-    else:
-        budgets = dict.fromkeys(labels, parse_budget(budget))
+    budgets = device_budgets(devices, budget)
     optimizer_bytes([], optimizer)  # an unknown optimizer fails here
     activations, batch = 0, None
     if example_inputs is not None or example_kwargs:

@@ -39,7 +39,7 @@ def layer_of(module: str) -> str:
         "analysis": "core", "capture": "core", "infra": "core", "fx_utils": "core", "fake": "core",
         "program_cache": "core", "target": "core", "keywords": "core",
         "modules": "modules",
-        "recipes": "recipes", "planning": "recipes",
+        "recipes": "recipes", "planning": "recipes", "planner": "recipes",
         "api": "api",
         "cli": "tools", "demo": "tools", "checkpoint": "tools", "export": "tools", "verify": "tools", "inspect": "tools",
     }[second]  # fmt: skip

@@ -178,6 +178,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
             name: f"{size}: {(getattr(pm, 'strategies', None) or {}).get(name, name)}"
             for name, size in (getattr(pm, "layout", None) or {}).items()
         },
+        candidates=[c.to_dict() for c in getattr(pm, "candidates", None) or ()],
     )
 
 

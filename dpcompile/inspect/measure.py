@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.explanation import explain
+from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b
 from dpcompile.inspect.nodes import device_labels, device_list, slot_of
 from dpcompile.runtime import checkpoint
 
@@ -215,9 +216,13 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
 
 
 def _virtual_peaks(pm: Any, args: tuple, kwargs: dict, training: bool, labels: list[str]) -> dict[str, int]:
+    ledger = _Ledger(len(labels))
+    if runs_one_f_one_b(pm, training):
+        with _state_kept(pm), _Allocations(ledger):
+            one_f_one_b_peaks(pm, args, kwargs, ledger, _SLOT_KEY)
+        return dict(zip(labels, ledger.peak, strict=True))
     program = pm.program_for_call(*args, **kwargs)
     values = bind_inputs(program, args, kwargs)
-    ledger = _Ledger(len(labels))
     with _state_kept(pm), _Allocations(ledger):
         _step(lambda: _SlotInterpreter(program, ledger).run(*values), training)
     return dict(zip(labels, ledger.peak, strict=True))

@@ -95,6 +95,9 @@ class Report:
     context_parallel: dict[str, Any] | None = None
     # what each mesh dimension does: {"pp": "2: pipeline (gpipe)", "dp": "2: data parallel (replicate)"}
     layout: dict[str, str] = field(default_factory=dict)
+    # plan="auto": every layout the planner considered, {"layout", "schedule", "micro_batches", "checkpointing",
+    # "predicted_peak_bytes", "predicted_peak_by_kind", "predicted_step_time", "fits", "rejected" (None: chosen)}
+    candidates: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def comm_elements(self) -> float:
@@ -144,6 +147,15 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], widths: Sequen
     for row in rows:
         lines.append("  " + "  ".join(cut(str(c), w).ljust(w) for c, w in zip(row, widths)).rstrip())
     return lines
+
+
+def _candidate_row(c: Mapping[str, Any]) -> list[str]:
+    dims = "x".join(f"{k}{v}" for k, v in c["layout"].items())
+    pipe = f" {c['schedule']} mb{c['micro_batches']}" if c.get("schedule") else ""
+    name = f"{dims}{pipe}{' +ckpt' if c['checkpointing'] else ''}"
+    peak = _human_bytes(c["predicted_peak_bytes"]) if c["predicted_peak_bytes"] else "-"
+    step = f"{c['predicted_step_time'] * 1e3:.3f} ms" if c["predicted_peak_bytes"] else "-"
+    return [name, peak, step, "chosen" if c["rejected"] is None else c["rejected"]]
 
 
 def _shape_text(info: NodeInfo) -> str:
@@ -272,6 +284,10 @@ def _render(r: Report) -> str:
             for d, m in r.memory_estimate.items()
         ]
         out += _table(["device", *kinds, "total"], rows, [12, 12, 12, 12, 12, 12])
+    if r.candidates:
+        out += ["", "Layouts considered (plan=\"auto\": the fastest predicted that fits)"]
+        out += _table(["layout", "peak/device", "step", "why not"], [_candidate_row(c) for c in r.candidates],
+                      [28, 12, 12, 70])  # fmt: skip
     if r.plan:
         out += ["", "Tensor-parallel plan"]
         rows = []

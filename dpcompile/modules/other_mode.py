@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 # what transform sets on the program after building it, carried to the one built later
-_CARRIED = ("memory_options", "memory_plan")
+_CARRIED = ("memory_options", "memory_plan", "candidates", "calibration")
 
 
 class OtherModePending:

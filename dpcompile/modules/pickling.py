@@ -27,7 +27,7 @@ from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes
 log = logging.getLogger("dpcompile")
 
 #: what transform records about a program (its layout and plan), carried by a pickled copy
-DESCRIBED = ("layout", "strategies", "memory_options", "memory_plan")
+DESCRIBED = ("layout", "strategies", "memory_options", "memory_plan", "candidates", "calibration")
 
 
 class PicklesPrograms:

@@ -1,0 +1,185 @@
+"""What a layout would need per device and how long its step would take, predicted from one
+:class:`~dpcompile.analysis.model_profile.ModelProfile` (no program built).
+
+A :class:`LayoutSpec` is a layout of one process's devices (``{"dp": n}``, ``{"tp": n}``,
+``{"pp": S}``, ``{"pp": S, "tp": T}``), a pipeline's schedule and micro-batches, and whether the
+repeated blocks are recomputed in backward. :func:`predict` gives, per device, the bytes by kind and
+the step's seconds:
+
+- parameters, gradients, optimizer state: the units each device holds (a pipeline's stages are the
+  units cut into contiguous runs of near-equal FLOPs), Linear / Embedding weights split ``tp`` ways
+  where their sizes divide;
+- activations: what autograd saves for backward; data parallel: the device's share of the batch; a
+  pipeline stage: its units' share, all micro-batches under GPipe, ``min(M, S - s)`` of ``M`` under
+  1F1B; checkpointed blocks keep their inputs, plus one block recomputed at a time; under tensor
+  parallelism counted whole (an upper bound, as ``explain`` counts it);
+- the peak is the largest of the moments of a backward sweep (:func:`_stage_memory`): activations
+  are freed unit by unit as gradients appear, so it is less than the sum of the kinds;
+- step time: the busiest device's FLOPs (3x forward for a training step, plus forward again for
+  recomputed blocks; a pipeline's ``(M + S - 1) / M`` for its bubble) at the calibrated matmul
+  FLOP/s, plus the bytes sent (data parallel: parameters replicated and gradients reduced; tensor
+  parallel: an all-reduce of each row layer's output; a pipeline: each boundary's values) at the
+  calibrated copy bytes/s, with no overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dpcompile.analysis.calibration import Calibration
+from dpcompile.analysis.memory import KINDS
+from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
+
+__all__ = ["LayoutSpec", "Prediction", "cut_units", "predict"]
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    layout: tuple[tuple[str, int], ...]  # outermost first, as pm.layout
+    schedule: str | None = None  # a pipeline's: "gpipe" | "1f1b"
+    micro_batches: int = 1
+    checkpointing: bool = False
+
+    def size(self, dim: str) -> int:
+        return dict(self.layout).get(dim, 1)
+
+    @property
+    def name(self) -> str:
+        dims = "x".join(f"{k}{v}" for k, v in self.layout)
+        pipe = f" {self.schedule} mb{self.micro_batches}" if self.size("pp") > 1 else ""
+        return f"{dims}{pipe}{' +ckpt' if self.checkpointing else ''}"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    per_device: list[dict[str, int]]  # one per device, in the layout's device order
+    step_time: float
+    unbuildable: str | None = None  # why this layout cannot be built for this model
+
+    @property
+    def peak(self) -> int:
+        return max((sum(k.values()) for k in self.per_device), default=0)
+
+
+def cut_units(units: Sequence[Unit], stages: int) -> list[list[Unit]] | None:
+    """``units`` cut into ``stages`` contiguous runs minimising the largest run's FLOPs (parameter
+    bytes break ties); None where there are fewer units than stages."""
+    n = len(units)
+    if n < stages:
+        return None
+    weight = [u.flops + 1e-9 * u.param_bytes for u in units]
+    prefix = [0.0]
+    for w in weight:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, n + 1):
+            for i in range(s - 1, j):
+                value = max(best[s - 1][i], prefix[j] - prefix[i])
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    bounds, j = [], n
+    for s in range(stages, 0, -1):
+        bounds.append((cut[s][j], j))
+        j = cut[s][j]
+    return [list(units[a:b]) for a, b in reversed(bounds)]
+
+
+def _splits(w: ShardableWeight, t: int) -> bool:
+    return t > 1 and (w.rows % t == 0 or (w.kind == "linear" and w.cols % t == 0))
+
+
+def _unit_state(u: Unit, t: int) -> tuple[int, int, int]:
+    """A unit's parameter, gradient and optimizer bytes on each of ``t`` tensor-parallel devices."""
+    out = [u.param_bytes, u.grad_bytes, u.optimizer_bytes]
+    for w in u.shardable:
+        if _splits(w, t):
+            for i, size in enumerate((w.bytes, w.grad_bytes, w.optimizer_bytes)):
+                out[i] -= size - size // t
+    return out[0], out[1], out[2]
+
+
+def _stage_memory(
+    units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool,
+    accumulates: bool,
+) -> dict[str, int]:  # fmt: skip
+    """Bytes by kind at the predicted peak of a stage's device (see :func:`predict`).
+
+    ``share``: the fraction of one unit's saved bytes a backward sweep holds (a micro-batch's, the
+    device's share of the batch); ``rest``: the fraction held besides, for the other micro-batches
+    still in flight. The sweep runs backward unit by unit: at unit ``k``, the activations of units
+    before it, unit ``k``'s own (all of them again where it is recomputed) and the gradients of
+    units ``k`` and after are held at once; after the sweep, every gradient. Without ``sweep`` (a
+    pipeline stage, whose program keeps each micro-batch's saved tensors until its backward is
+    over: measured) every activation and every gradient at once. Where gradients ``accumulate`` (a
+    second micro-batch, the replicas of data parallelism), a unit's new gradient is made before it is
+    added to the one held: one unit's gradient more."""
+    state = [_unit_state(u, t) for u in units]
+    params, optimizer = sum(x[0] for x in state), sum(x[2] for x in state)
+    kept = [u.input_bytes if checkpointing and u.block else u.saved_bytes for u in units]
+    held_rest = round(sum(kept) * rest)
+    grads = [x[1] for x in state]
+    transient = max(grads, default=0) if accumulates and training else 0
+    moments = [(sum(grads), 0)]  # after backward (and at the optimizer step): every gradient, no activation
+    if not sweep:
+        recompute = max((u.saved_bytes - kept[i] for i, u in enumerate(units)), default=0)
+        moments.append((sum(grads), round((sum(kept) + recompute) * share) + held_rest))
+    for k in range(len(units) if sweep else 0):
+        own = units[k].saved_bytes if training else kept[k]
+        moments.append((sum(grads[k:]), round((sum(kept[:k]) + own) * share) + held_rest))
+    gradients, activations = max(moments, key=sum)
+    gradients += transient
+    return {"parameters": params, "gradients": gradients, "optimizer": optimizer, "activations": activations}
+
+
+def _batch_fraction(batch: int | None, d: int) -> float:
+    """The share of the batch the busiest of ``d`` data-parallel devices runs."""
+    if d <= 1:
+        return 1.0
+    return -(-batch // d) / batch if batch else 1.0 / d
+
+
+def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -> Prediction:
+    """Bytes per device by kind and the step's seconds for ``spec`` (see the module's docstring)."""
+    d, t, s_count = spec.size("dp"), spec.size("tp"), spec.size("pp")
+    m = spec.micro_batches
+    stages = cut_units(profile.units, s_count) if s_count > 1 else [profile.units]
+    if stages is None:
+        return Prediction([], 0.0, f"{len(profile.units)} pieces (repeated blocks and what surrounds them) "
+                                   f"cannot be cut into {s_count} stages")  # fmt: skip
+    if t > 1 and not any(_splits(w, t) for u in profile.units for w in u.shardable):
+        return Prediction([], 0.0, f"no Linear or Embedding of the model splits {t} ways")
+    if m > 1 and (profile.batch is None or profile.batch < m):
+        return Prediction([], 0.0, f"{m} micro-batches need a batch of at least {m} (the examples' is {profile.batch})")
+    training = profile.training
+    if spec.schedule == "1f1b" and training and not profile.returns_loss:
+        return Prediction([], 0.0, "1F1B runs each micro-batch's backward from the model's own mean loss, and "
+                                   "forward returns none")  # fmt: skip
+    per_device: list[dict[str, int]] = []
+    busiest, sent = 0.0, 0.0
+    for s, units in enumerate(stages):
+        in_flight = (m if spec.schedule != "1f1b" else min(m, s_count - s)) if s_count > 1 else 1
+        share = _batch_fraction(profile.batch, d) / m
+        kinds = _stage_memory(units, t, checkpointing=spec.checkpointing and training, share=share,
+                              rest=share * (in_flight - 1), training=training, sweep=s_count == 1,
+                              accumulates=m > 1 or d > 1)  # fmt: skip
+        per_device += [dict(kinds) for _ in range(d * t)]
+        flops = sum(u.flops for u in units)
+        work = (3 * flops + (sum(u.flops for u in units if u.block) if spec.checkpointing else 0)) if training else flops
+        busiest = max(busiest, work / t * _batch_fraction(profile.batch, d))
+        if t > 1:
+            outputs = sum(w.output_elements for u in units for w in u.shardable)
+            sent += 0.5 * outputs * 4 * 2 * (t - 1) / t * (2 if training else 1)
+        if s > 0:
+            sent += units[0].input_bytes * (2 if training else 1)
+    if d > 1:
+        params = profile.total("param_bytes")
+        sent += (d - 1) / d * params * (3 if training else 1)  # replicate, and all-reduce the gradients
+    bubble = (m + s_count - 1) / m if s_count > 1 else 1.0
+    seconds = busiest * bubble / calibration.flops_per_s + sent / calibration.copy_bytes_per_s
+    assert all(set(k) == set(KINDS) for k in per_device)
+    return Prediction(per_device, seconds)

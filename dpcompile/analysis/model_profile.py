@@ -1,0 +1,279 @@
+"""One fake run of the model (``FakeTensorMode``: no memory, no compute) cut into units, what the
+layout planner predicts every candidate from without building any of them.
+
+The units are the model's repeated blocks (:func:`repeated_blocks`) and every module beside them on
+the way down to them (GPT-2: ``transformer.wte``, ``transformer.wpe``, ``transformer.drop``, the
+blocks ``transformer.h.0`` ..., ``transformer.ln_f``, ``lm_head``), in the order forward calls them;
+a model without repeated blocks is cut at its top-level children. Per unit: the bytes of its
+parameters (a tensor counted in the first unit that calls its module), of what autograd saves for
+backward in it, of its input (what a checkpointed block keeps) and its forward FLOPs. Ops that run
+between two units count with the one before (``"pre"``: before the first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from dpcompile.analysis.checkpoint_regions import repeated_blocks
+from dpcompile.analysis.memory import optimizer_bytes
+
+__all__ = ["ModelProfile", "ShardableWeight", "Unit", "profile_model"]
+
+
+@dataclass
+class Unit:
+    """A piece of the model, in the order forward runs it (see the module's docstring)."""
+
+    name: str
+    block: bool = False  # one of the repeated blocks: activation checkpointing recomputes it
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    saved_bytes: int = 0
+    input_bytes: int = 0
+    flops: int = 0
+    shardable: list[ShardableWeight] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ShardableWeight:
+    """A Linear / Conv1D / Embedding weight tensor parallelism can split: its size along the split
+    (out features, or the vocabulary), the bytes it and its bias hold (with gradients and optimizer
+    state), and the elements of its output per step (what a row layer all-reduces)."""
+
+    rows: int
+    cols: int
+    kind: str  # "linear" | "embedding"
+    bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    output_elements: int
+
+
+@dataclass
+class ModelProfile:
+    units: list[Unit]
+    batch: int | None
+    training: bool
+    optimizer: str | None
+    returns_loss: bool = False  # forward returns a scalar (its own loss): what a 1F1B schedule needs
+
+    @property
+    def blocks(self) -> list[Unit]:
+        return [u for u in self.units if u.block]
+
+    def total(self, attribute: str) -> int:
+        return sum(getattr(u, attribute) for u in self.units)
+
+
+def _unit_modules(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, nn.Module, bool]]:
+    """``(path, module, is a repeated block)`` of every unit (see the module's docstring)."""
+    blocks = set(blocks)
+    if not blocks:
+        return [(path, m, False) for path, m in model.named_children()]
+    above = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
+    out: list[tuple[str, nn.Module, bool]] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if path in above:
+                walk(path, child)
+            else:
+                out.append((path, child, path in blocks))
+
+    walk("", model)
+    return out
+
+
+#: identical repeated blocks beyond this many are not run: they repeat the last one run
+PROFILED_BLOCKS = 2
+
+
+def profile_model(
+    model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *, optimizer: str | None, training: bool
+) -> ModelProfile:
+    """The :class:`ModelProfile` of ``model(*args, **kwargs)`` (see the module's docstring).
+
+    Where the repeated blocks are more than :data:`PROFILED_BLOCKS` modules of one type with
+    parameters of the same shapes, only the first ones run (their container is shortened for the
+    fake run, and put back) and the others repeat the last one run: planning a 32-layer decoder
+    costs what a 2-layer one does. A model whose forward needs every block runs whole."""
+    blocks = repeated_blocks(model)
+    modules = dict(model.named_modules())
+    container = modules.get(blocks[0].rpartition(".")[0]) if blocks else None
+    if len(blocks) > PROFILED_BLOCKS + 1 and container is not None and _identical(modules[b] for b in blocks):
+        kept, skipped = blocks[:PROFILED_BLOCKS], blocks[PROFILED_BLOCKS:]
+        whole = container._modules
+        container._modules = type(whole)(list(whole.items())[:PROFILED_BLOCKS])
+        try:
+            profile = _profile(model, kept, args, kwargs, optimizer=optimizer, training=training)
+        except Exception:  # noqa: BLE001 - forward needs every block (it indexes them): run it whole
+            profile = None
+        finally:
+            container._modules = whole
+        if profile is not None:
+            names = [u.name for u in profile.units]
+            last = profile.units[names.index(kept[-1])]
+            copies = [dataclasses.replace(last, name=b, shardable=list(last.shardable)) for b in skipped]
+            at = names.index(kept[-1]) + 1
+            profile.units[at:at] = copies
+            return profile
+    return _profile(model, blocks, args, kwargs, optimizer=optimizer, training=training)
+
+
+def _identical(blocks: Any) -> bool:
+    shapes = {(type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())) for m in blocks}
+    return len(shapes) == 1
+
+
+def _profile(
+    model: nn.Module, blocks: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,
+    optimizer: str | None, training: bool,
+) -> ModelProfile:  # fmt: skip
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.func import functional_call
+    from torch.utils.flop_counter import FlopCounterMode
+
+    kwargs = dict(kwargs or {})
+    units_of = _unit_modules(model, blocks)
+    unit_names = {id(m): path for path, m, _ in units_of}
+    units = {"pre": Unit("pre")} | {path: Unit(path, block=block) for path, _, block in units_of}
+    order: list[str] = ["pre"]
+    state = {"current": "pre"}
+    tensors = [t for t in [*model.parameters(), *model.buffers(), *args, *kwargs.values()] if isinstance(t, torch.Tensor)]
+    mode = detect_fake_mode(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
+    target = next((t.device for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and not t.is_meta), None)
+
+    def fake(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or isinstance(v, FakeTensor):
+            return v
+        if v.is_meta and target is not None:
+            with mode:
+                return mode.from_tensor(v).to(target)
+        return mode.from_tensor(v)
+
+    named = {name: fake(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    fake_args = [fake(a) for a in args]
+    fake_kwargs = {k: fake(v) for k, v in kwargs.items()}
+    excluded = {_key(v) for v in [*named.values(), *fake_args, *fake_kwargs.values()] if isinstance(v, torch.Tensor)}
+    saved: dict[int, tuple[str, int]] = {}
+    counted: set[Any] = set()
+    identity = {id(t): name for name, t in [*named.items(), *model.named_parameters(), *model.named_buffers()]}
+    counter = FlopCounterMode(display=False)
+    flops_at = {"start": 0}
+
+    def count_params(module: nn.Module, unit: str, recurse: bool) -> None:
+        for p in module.parameters(recurse=recurse):
+            ident = identity.get(id(p), id(p))  # the fake copy and the real tensor are one parameter
+            if ident in counted:
+                continue
+            counted.add(ident)
+            u = units[unit]
+            size = p.numel() * p.element_size()
+            u.param_bytes += size
+            if training and p.requires_grad:
+                u.grad_bytes += size
+                u.optimizer_bytes += optimizer_bytes([p], optimizer)
+
+    def enter(module: nn.Module, inputs: Any) -> None:
+        name = unit_names[id(module)]
+        _close(units[state["current"]], counter, flops_at)
+        state["current"] = name
+        order.append(name)
+        units[name].input_bytes = sum(
+            t.untyped_storage().nbytes() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()
+        )
+        count_params(module, name, True)
+
+    def leave(module: nn.Module, inputs: Any, output: Any) -> None:
+        _close(units[state["current"]], counter, flops_at)  # what runs up to the next unit counts here too
+
+    def called(module: nn.Module, inputs: Any) -> None:
+        if id(module) not in unit_names:
+            count_params(module, state["current"], False)
+
+    def linear_output(module: nn.Module, inputs: Any, output: Any) -> None:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or id(weight) in shardable_seen:
+            return
+        shardable_seen.add(id(weight))
+        kind = "embedding" if isinstance(module, nn.Embedding) else "linear"
+        rows = weight.shape[1] if type(module).__name__ == "Conv1D" else weight.shape[0]  # transformers' Conv1D: (in, out)
+        params = [p for p in (weight, getattr(module, "bias", None)) if isinstance(p, torch.Tensor)]
+        size = sum(p.numel() * p.element_size() for p in params)
+        out = sum(t.numel() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+        units[state["current"]].shardable.append(ShardableWeight(
+            rows=int(rows), cols=int(weight.numel() // rows), kind=kind, bytes=size,
+            grad_bytes=size if training and weight.requires_grad else 0,
+            optimizer_bytes=optimizer_bytes(params, optimizer) if training else 0, output_elements=int(out),
+        ))  # fmt: skip
+
+    shardable_seen: set[int] = set()
+    handles = []
+    for _, m, _ in units_of:
+        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+    for m in model.modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            handles.append(m.register_forward_pre_hook(called))
+        if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == "Conv1D":
+            handles.append(m.register_forward_hook(linear_output))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _key(t)
+        if key not in excluded and key not in saved:
+            saved[key] = (state["current"], t.untyped_storage().nbytes())
+        return t
+
+    grad = torch.enable_grad() if training else torch.no_grad()
+    try:
+        with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = functional_call(model, named, tuple(fake_args), fake_kwargs)
+            _close(units[state["current"]], counter, flops_at)
+    finally:
+        for h in handles:
+            h.remove()
+    count_params(model, "pre", True)  # never called: counted with the first unit
+    for unit, size in saved.values():
+        units[unit].saved_bytes += size
+    ordered = list(dict.fromkeys(order)) + [n for n in units if n not in order]
+    first = next((a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor) and a.dim()), None)
+    return ModelProfile(
+        units=[units[n] for n in ordered if n in units],
+        batch=None if first is None else int(first.shape[0]),
+        training=training,
+        optimizer=optimizer,
+        returns_loss=_returns_loss(out),
+    )
+
+
+def _close(unit: Unit, counter: Any, flops_at: dict[str, int]) -> None:
+    total = counter.get_total_flops()
+    unit.flops += total - flops_at["start"]
+    flops_at["start"] = total
+
+
+def _returns_loss(out: Any) -> bool:
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
+    leaves = [loss] if isinstance(loss, torch.Tensor) else tree_leaves(out)
+    return any(isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() for t in leaves)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def ceil_share(total: int, batch: int | None, parts: int) -> int:
+    """The bytes of ``total`` (over a batch of ``batch``) that the largest of ``parts`` batch shares holds."""
+    if not batch or parts <= 1:
+        return total
+    return total * math.ceil(batch / parts) // batch

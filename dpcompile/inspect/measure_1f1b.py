@@ -1,0 +1,45 @@
+"""``measure`` of a ``schedule="1f1b"`` pipeline's training step on virtual devices: the 1F1B step
+itself (each micro-batch's backward as soon as its forward is through), not its GPipe program.
+
+The step runs its nodes one at a time (``modules/pipeline_1f1b.py``); here each node's device slot is
+named before it runs and stamped on the autograd nodes it makes, as ``measure``'s interpreter does
+for every other program, so each device's allocations are counted apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from dpcompile.inspect.nodes import slot_of
+
+__all__ = ["one_f_one_b_peaks", "runs_one_f_one_b"]
+
+
+def runs_one_f_one_b(pm: Any, training: bool) -> bool:
+    """A training call of ``pm`` runs the 1F1B step."""
+    return pm.__dict__.get("schedule") == "1f1b" and training and hasattr(pm.recipe, "one_f_one_b_step")
+
+
+def one_f_one_b_peaks(pm: Any, args: tuple, kwargs: dict, ledger: Any, slot_key: str) -> None:
+    """Run one 1F1B step of ``pm`` (a fresh one: the program's own cached step is left alone), each
+    node's allocations counted on its slot of ``ledger``."""
+    step = pm.recipe.one_f_one_b_step(pm, pm.call_key(*args, **kwargs))
+    runner = step.runner
+    plain = runner.run_node
+    devices = len(ledger.live)
+
+    def run_node(n: Any) -> Any:
+        slot = slot_of(n)
+        ledger.slot = slot if slot is not None and slot < devices else 0
+        out = plain(n)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.metadata.setdefault(slot_key, ledger.slot)
+        return out
+
+    runner.run_node = run_node
+    with torch.enable_grad():
+        step(args, kwargs)  # the step runs every micro-batch's backward itself

@@ -1,0 +1,162 @@
+"""``plan="auto"``: every layout one process's devices allow, predicted, and the fastest that fits.
+
+:func:`enumerate_layouts` lists the layouts built in one process for ``n`` devices (data parallel,
+tensor parallel, a pipeline with GPipe or 1F1B and 1, 2, 4 or 8 micro-batches, pipeline stages of
+tensor-parallel shards), each with and without activation checkpointing of the repeated blocks.
+:func:`plan_layouts` predicts each one's peak bytes per device by kind and its step time from one
+fake run of the model (:mod:`dpcompile.analysis.layout_costs`, constants from
+:mod:`dpcompile.analysis.calibration`) and ranks them: the fitting ones fastest first, each of the
+others with the reason it was rejected. ``transform`` builds the first that builds
+(see ``docs/planner.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcompile.analysis.calibration import Calibration, calibrate
+from dpcompile.analysis.layout_costs import LayoutSpec, predict
+from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
+from dpcompile.analysis.model_profile import profile_model
+from dpcompile.errors import DpCompileError
+
+__all__ = ["UNBUILT", "Candidate", "Planned", "enumerate_layouts", "plan_layouts"]
+
+MICRO_BATCHES = (1, 2, 4, 8)
+UNBUILT = "predicted to fit, but could not be built: "
+
+
+@dataclass
+class Candidate:
+    """One row of ``explain(pm, x).candidates``: a layout, its prediction and its fate."""
+
+    spec: LayoutSpec
+    per_device: dict[str, dict[str, int]] = field(default_factory=dict)
+    step_time: float = 0.0
+    rejected: str | None = None  # None: the one chosen
+    fits: bool = False
+
+    @property
+    def peak(self) -> int:
+        return max((sum(k.values()) for k in self.per_device.values()), default=0)
+
+    @property
+    def layout(self) -> dict[str, int]:
+        return dict(self.spec.layout)
+
+    def keywords(self) -> dict[str, Any]:
+        """The ``transform`` keywords that build this layout in one process."""
+        spec = self.spec
+        out: dict[str, Any] = {"activation_checkpointing": spec.checkpointing}
+        if spec.size("tp") > 1:
+            out["tensor_parallel"] = True
+        if spec.size("pp") > 1:
+            out.update(pipeline=spec.size("pp"), micro_batches=spec.micro_batches, schedule=spec.schedule)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        peak_device = max(self.per_device, key=lambda d: sum(self.per_device[d].values()), default=None)
+        return {
+            "layout": self.layout, "schedule": self.spec.schedule,
+            "micro_batches": self.spec.micro_batches if self.spec.size("pp") > 1 else None,
+            "checkpointing": self.spec.checkpointing, "predicted_peak_bytes": self.peak,
+            "predicted_peak_by_kind": dict(self.per_device[peak_device]) if peak_device else {},
+            "predicted_step_time": self.step_time, "fits": self.fits, "rejected": self.rejected,
+        }  # fmt: skip
+
+    def row(self) -> list[str]:
+        why = "chosen" if self.rejected is None else self.rejected
+        time = f"{self.step_time * 1e3:.3f} ms" if self.per_device else "-"
+        return [self.spec.name, format_bytes(self.peak) if self.per_device else "-", time, why]
+
+
+@dataclass
+class Planned:
+    """The ranked candidates: ``fitting`` fastest first (``transform`` builds the first that builds)."""
+
+    candidates: list[Candidate]
+    calibration: Calibration
+    budgets: dict[str, int]
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        return sorted((c for c in self.candidates if c.fits), key=lambda c: (c.step_time, c.peak))
+
+    def choose(self, chosen: Candidate) -> None:
+        """Mark ``chosen``; every other fitting candidate is rejected as slower (or unbuilt)."""
+        chosen.rejected = None
+        for c in self.candidates:
+            if c is not chosen and c.fits and c.rejected is None:
+                c.rejected = f"fits, but predicted slower than {chosen.spec.name} ({chosen.step_time * 1e3:.3f} ms)"
+
+    def estimate(self, chosen: Candidate, optimizer: str | None, training: bool) -> MemoryEstimate:
+        what = "planner: saved for backward per device (fake run)" if training else "planner: fake run"
+        return MemoryEstimate({d: dict(k) for d, k in chosen.per_device.items()}, optimizer, training, what)
+
+    def no_fit_error(self, devices: int) -> DpCompileError:
+        """Nothing fits: the smallest predicted peak, with its arithmetic and the way out."""
+        predicted = [c for c in self.candidates if c.per_device and not (c.rejected or "").startswith(UNBUILT)]
+        budget = min(self.budgets.values())
+        if not predicted:
+            return DpCompileError(f"no layout over {devices} devices can be built for this model: "
+                                  + "; ".join(f"{c.spec.name}: {c.rejected}" for c in self.candidates))  # fmt: skip
+        least = min(predicted, key=lambda c: c.peak)
+        device = max(least.per_device, key=lambda d: sum(least.per_device[d].values()))
+        terms = " + ".join(f"{format_bytes(least.per_device[device][k])} {k}" for k in KINDS)
+        return DpCompileError(
+            f"no layout fits memory_per_device={format_bytes(budget)} on {devices} devices: of the "
+            f"{len(self.candidates)} considered, the smallest predicted peak is {format_bytes(least.peak)} per device "
+            f"({least.spec.name}: {terms}). The way out: a budget of at least {format_budget_up(least.peak)} "
+            f"({least.peak} bytes), more devices, a lighter optimizer, or a smaller batch "
+            "(explain(pm, x).candidates lists each layout's prediction)"
+        )
+
+
+def enumerate_layouts(n: int, *, batch: int | None, blocks: bool) -> list[LayoutSpec]:
+    """The layouts built in one process over ``n`` devices, fewest bytes moved first; each with
+    activation checkpointing too where the model has repeated blocks."""
+    shapes: list[tuple[tuple[tuple[str, int], ...], str | None, int]] = [((("dp", n),), None, 1)]
+    if n > 1:
+        shapes.append(((("tp", n),), None, 1))
+        for stages in [s for s in range(2, n + 1) if n % s == 0]:
+            layout = (("pp", stages),) if stages == n else (("pp", stages), ("tp", n // stages))
+            for m in MICRO_BATCHES:
+                if m > 1 and (batch is None or m > batch):
+                    continue
+                shapes += [(layout, "gpipe", m)] + ([(layout, "1f1b", m)] if m > 1 else [])
+    out = []
+    for layout, schedule, m in shapes:
+        for checkpointing in (False, True) if blocks else (False,):
+            out.append(LayoutSpec(layout, schedule, m, checkpointing))
+    return out
+
+
+def plan_layouts(
+    model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
+    example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None, device: torch.device,
+) -> Planned:  # fmt: skip
+    """Every layout of :func:`enumerate_layouts` predicted and judged against ``budgets``."""
+    profile = profile_model(model, tuple(example_inputs or ()), example_kwargs, optimizer=optimizer, training=training)
+    calibration = calibrate(device)
+    candidates = []
+    for spec in enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks)):
+        prediction = predict(profile, spec, calibration)
+        candidate = Candidate(spec)
+        if prediction.unbuildable:
+            candidate.rejected = f"cannot be built: {prediction.unbuildable}"
+        else:
+            candidate.per_device = dict(zip(labels, prediction.per_device, strict=True))
+            candidate.step_time = prediction.step_time
+            over = [d for d, kinds in candidate.per_device.items() if sum(kinds.values()) > budgets[d]]
+            candidate.fits = not over
+            if over:
+                d = max(over, key=lambda x: sum(candidate.per_device[x].values()))
+                candidate.rejected = (f"does not fit: {format_bytes(sum(candidate.per_device[d].values()))} predicted "
+                                      f"on {d} > {format_bytes(budgets[d])}")  # fmt: skip
+        candidates.append(candidate)
+    return Planned(candidates, calibration, dict(budgets))

@@ -1,0 +1,203 @@
+"""plan="auto": every layout of the devices predicted, the fastest that fits built; the candidates
+table; the no-fit error; the chosen program equals eager; the calibration cache."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.analysis import calibration
+from dpcompile.analysis.memory import format_bytes
+from dpcompile.errors import DpCompileError
+from dpcompile.planner import enumerate_layouts, plan_layouts
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*would run whole")
+
+
+@pytest.fixture(autouse=True)
+def _reference_constants(monkeypatch):
+    """The same cost-model constants on every machine, and no cache written under the user's home."""
+    monkeypatch.setenv("DPCOMPILE_CALIBRATION", "off")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 4, d: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return nn.functional.mse_loss(self.head(h), y)
+
+
+def _stack() -> nn.Module:
+    torch.manual_seed(0)
+    return Stack().double()
+
+
+X, Y = torch.randn(8, 16, 16, dtype=torch.float64), torch.randn(8, 16, 8, dtype=torch.float64)
+LABELS = ["cpu#0", "cpu#1"]
+
+
+def _planned(budget: int):
+    return plan_layouts(_stack(), LABELS, dict.fromkeys(LABELS, budget), optimizer="adamw", training=True,
+                        example_inputs=(X, Y), example_kwargs=None, device=torch.device("cpu"))  # fmt: skip
+
+
+def _budget_between_data_parallel_and_the_least() -> tuple[int, int]:
+    """A budget data parallel (and plain tensor parallel) do not fit, and the data-parallel peak."""
+    planned = _planned(1 << 40)
+    peak = {c.spec.name: c.peak for c in planned.candidates if c.per_device}
+    assert min(peak.values()) < peak["tp2"] < peak["dp2"]
+    return (min(peak.values()) + peak["tp2"]) // 2, peak["dp2"]
+
+
+def test_planner_chooses_a_layout_that_fits_where_data_parallel_does_not():
+    budget, dp_peak = _budget_between_data_parallel_and_the_least()
+    pm = dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), memory_per_device=budget,
+                             optimizer="adamw", plan="auto")  # fmt: skip
+    assert pm.layout != {"dp": 2} and pm.strategy == "pipeline"
+    chosen = [c for c in pm.candidates if c.rejected is None]
+    assert len(chosen) == 1 and chosen[0].fits and chosen[0].peak <= budget < dp_peak
+    assert pm.memory_plan.peak == chosen[0].peak
+    fitting = [c for c in pm.candidates if c.fits]
+    assert min(c.step_time for c in fitting) == chosen[0].step_time  # the fastest that fits
+    by_name = {c.spec.name: c for c in pm.candidates}
+    assert by_name["dp2"].rejected.startswith("does not fit")
+    expected = {"pipeline": 2, "micro_batches": chosen[0].spec.micro_batches, "schedule": chosen[0].spec.schedule}
+    assert chosen[0].keywords().items() >= expected.items()
+
+
+def test_candidates_table_lists_every_enumerated_layout_with_a_reason():
+    budget, _ = _budget_between_data_parallel_and_the_least()
+    pm = dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), memory_per_device=budget,
+                             optimizer="adamw", plan="auto")  # fmt: skip
+    report = dpcompile.explain(pm, X, Y)
+    enumerated = enumerate_layouts(2, batch=8, blocks=True)
+    assert len(enumerated) == 18  # dp, tp, pp x (gpipe 1, 2, 4, 8 + 1f1b 2, 4, 8), each with and without ckpt
+    assert [(dict(s.layout), s.schedule, s.checkpointing) for s in enumerated] == [
+        (c["layout"], c["schedule"], c["checkpointing"]) for c in report.candidates
+    ]
+    assert [c["rejected"] for c in report.candidates].count(None) == 1
+    for c in report.candidates:
+        assert c["rejected"] is None or c["rejected"].startswith(("does not fit", "fits, but"))
+        assert c["predicted_peak_bytes"] == sum(c["predicted_peak_by_kind"].values()) > 0
+        assert c["predicted_step_time"] > 0
+    text = str(report)
+    assert "Layouts considered" in text and "pp2 1f1b mb8" in text
+    json.dumps(report.to_dict())
+
+
+def test_a_budget_nothing_meets_names_the_smallest_predicted_peak():
+    planned = _planned(1 << 40)
+    least = min(c.peak for c in planned.candidates if c.per_device)
+    model = _stack()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DpCompileError, match="no layout fits") as caught:
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), memory_per_device=least - 1,
+                            optimizer="adamw", plan="auto")  # fmt: skip
+    assert f"the smallest predicted peak is {format_bytes(least)}" in str(caught.value)
+    assert f"({least} bytes)" in str(caught.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # a failure changes nothing
+    dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), memory_per_device=least,
+                        optimizer="adamw", plan="auto")  # fmt: skip  # the suggested budget fits
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.5], ids=["tight", "loose"])
+def test_the_chosen_program_equals_eager(fraction):
+    planned = _planned(1 << 40)
+    peaks = sorted(c.peak for c in planned.candidates if c.per_device)
+    dp = next(c.peak for c in planned.candidates if c.spec.name == "dp2")
+    budget = int(dp * fraction) if fraction > 1 else int(peaks[0] * 1.02)
+    model = _stack()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), memory_per_device=budget,
+                             optimizer="adamw", plan="auto")  # fmt: skip
+    assert ("activation_checkpointing" in pm.strategies) == (fraction < 1)  # only checkpointing fits the tight one
+    loss = pm(X, Y)
+    loss.backward()
+    expected = reference(X, Y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_plan_auto_refuses_a_layout_given_and_needs_examples():
+    with pytest.raises(ValueError, match="leave tensor_parallel=True out"):
+        dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), memory_per_device="1GiB", plan="auto",
+                            tensor_parallel=True)  # fmt: skip
+    with pytest.raises(ValueError, match="example_inputs="):
+        dpcompile.transform(_stack(), ["cpu"] * 2, memory_per_device="1GiB", plan="auto")
+
+
+def test_calibration_is_cached_and_can_be_turned_off(monkeypatch, tmp_path):
+    runs = []
+    monkeypatch.setattr(calibration, "_matmul_flops_per_s", lambda device: runs.append(device) or 1e9)
+    monkeypatch.setattr(calibration, "_copy_bytes_per_s", lambda device: 2e9)
+    monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DPCOMPILE_CALIBRATION")
+    first = calibration.calibrate("cpu")
+    assert (first.source, first.flops_per_s, first.copy_bytes_per_s, len(runs)) == ("measured", 1e9, 2e9, 1)
+    assert calibration.cache_path("cpu").parent == tmp_path and calibration.cache_path("cpu").is_file()
+    again = calibration.calibrate("cpu")
+    assert (again.source, again.flops_per_s, len(runs)) == ("cache", 1e9, 1)  # read back, not measured again
+    monkeypatch.setenv("DPCOMPILE_CALIBRATION", "fresh")
+    assert calibration.calibrate("cpu").source == "measured" and len(runs) == 2
+    monkeypatch.setenv("DPCOMPILE_CALIBRATION", "off")
+    monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert calibration.calibrate("cpu") == calibration.REFERENCE and len(runs) == 2
+    assert not (tmp_path / "elsewhere").exists()
+    monkeypatch.delenv("DPCOMPILE_CALIBRATION")
+    monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
+    planned = _planned(1 << 40)  # the planner's step times use the cached constants
+    assert planned.calibration.source == "cache" and len(runs) == 2
+
+
+def test_measure_counts_the_1f1b_step_itself():
+    """A 1F1B pipeline is measured running 1F1B (each micro-batch's backward as soon as it can), which
+    holds less on every device than its GPipe program; the step leaves the gradients as they were."""
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        model = _stack()
+        pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), pipeline=2, micro_batches=4,
+                                 schedule=schedule)  # fmt: skip
+        peaks[schedule] = dpcompile.measure(pm, X, Y).step_allocated_peak
+        assert all(p.grad is None for p in model.parameters())
+    assert all(0 < peaks["1f1b"][d] < peaks["gpipe"][d] for d in ("cpu#0", "cpu#1")), peaks
+
+
+def test_identical_blocks_are_profiled_once_with_the_same_figures(monkeypatch):
+    """Planning runs the first two of six identical blocks and repeats them: every unit's figures
+    equal those of the run through all six, and the model keeps its six blocks."""
+    from dpcompile.analysis import model_profile
+
+    torch.manual_seed(0)
+    model = Stack(layers=6).double()
+    figures = []
+    for profiled in (2, 100):
+        monkeypatch.setattr(model_profile, "PROFILED_BLOCKS", profiled)
+        profile = model_profile.profile_model(model, (X, Y), None, optimizer="adamw", training=True)
+        figures.append([(u.name, u.block, u.param_bytes, u.grad_bytes, u.optimizer_bytes, u.saved_bytes,
+                         u.input_bytes, u.flops, u.shardable) for u in profile.units])  # fmt: skip
+    assert figures[0] == figures[1] and [f[0] for f in figures[0] if f[1]] == [f"layers.{i}" for i in range(6)]
+    assert len(model.layers) == 6
+    assert sum(f[2] for f in figures[0]) == sum(p.numel() * 8 for p in model.parameters())

@@ -238,7 +238,7 @@ def _compile(
     """``lazy_other_mode``: a data-parallel program exported in one mode captures the other at its
     first call in it (:mod:`dpcompile.modules.other_mode`)."""
     lazy_other_mode = lazy_other_mode and type(recipe) is DataParallelRecipe
-    captured, examples, frontend_batch_dim = _apply_frontend(
+    captured, examples, frontend_batch_dim = apply_frontend(
         model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
         flags_served=isinstance(recipe, (DataParallelRecipe, PipelineRecipe)), dynamic_dims=dynamic_dims,
         lazy_other_mode=lazy_other_mode,
@@ -265,7 +265,7 @@ def _compile(
     return pm
 
 
-def _apply_frontend(
+def apply_frontend(
     model: nn.Module,
     frontend: str,
     example_inputs: tuple | None,

@@ -188,7 +188,11 @@ def place_stages(program: fx.GraphModule, devices: Devices) -> None:
         if tensor.device == device:
             continue
         fake_mode = getattr(tensor, "fake_mode", None)
-        if fake_mode is not None and module is not None:  # a placement check on fake GPUs
+        if fake_mode is not None and isinstance(tensor, nn.Parameter):  # a placement check on fake GPUs
+            with fake_mode:  # in place, as below: every module tree holding the Parameter (an exported
+                tensor.data = tensor.detach().to(device)  # program's and the model's) sees the move
+            tensor.fake_device = torch.device(device)  # a FakeTensor keeps its device beside its data
+        elif fake_mode is not None and module is not None:
             with fake_mode:
                 store = module._parameters if name in module._parameters else module._buffers
                 moved = tensor.detach().to(device)

@@ -149,7 +149,7 @@ def masked_embedding(ids: torch.Tensor, weight: torch.Tensor, offset: int, paddi
     tensor([[0., 0.],
             [2., 3.]])
     """
-    local = ids - offset
+    local = ids.to(weight.device, non_blocking=True) - offset  # the ids may still be where the input arrived
     outside = (local < 0) | (local >= weight.size(0))
     pad = None
     if padding_idx is not None:

@@ -52,6 +52,25 @@ def _build_fake_program(pm: Any, fake_model: nn.Module, devices: Devices, exampl
     )
 
 
+def _captured_like_pm(
+    pm: Any, fake_model: nn.Module, mode: FakeTensorMode, device: torch.device, args: tuple, kwargs: dict
+) -> tuple[nn.Module, tuple | None]:
+    """The fake model captured as ``transform`` captured the real one for a call with keyword
+    inputs (``input_ids=``, ``labels=``: the export frontend), and its examples in program order."""
+    from dpcompile.api import apply_frontend
+
+    def fake(x: Any) -> Any:
+        return mode.from_tensor(x.detach()).to(device) if isinstance(x, torch.Tensor) else x
+
+    recipe = pm.recipe
+    frontend = recipe.frontend if recipe.frontend != "fx" else "auto"
+    captured, examples, _ = apply_frontend(
+        fake_model, frontend, tuple(fake(x) for x in args), {k: fake(v) for k, v in kwargs.items()},
+        recipe.leaf_modules, None, flags_served=isinstance(recipe, PipelineRecipe),
+    )  # fmt: skip
+    return captured, examples
+
+
 _TRANSFERS = ("send", "to_device", "gather", "reduce_to", "copy_to", "to_stage")
 
 
@@ -105,6 +124,8 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
             )
             if batch is not None and batch < len(devices) and isinstance(pm.recipe, DataParallelRecipe):
                 devices = devices.prefix(batch)
+            if kwargs and not isinstance(pm.recipe, DataParallelRecipe):  # keyword inputs: export captured it
+                fake_model, example = _captured_like_pm(pm, fake_model, mode, devices.primary, args, kwargs)
             program = _build_fake_program(pm, fake_model, devices, example)
     except ImportError:
         raise

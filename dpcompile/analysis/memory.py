@@ -133,7 +133,7 @@ def activation_bytes(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str,
     Otherwise the peak of the bytes of op outputs alive at once during forward (no graph kept).
     """
     from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -150,14 +150,7 @@ def activation_bytes(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str,
     target = next((t.device for t in [*args, *(kwargs or {}).values()] if isinstance(t, torch.Tensor) and not t.is_meta),
                   next((t.device for t in tensors if not t.is_meta), None))  # fmt: skip
 
-    def fake(v: Any) -> Any:
-        if not isinstance(v, torch.Tensor) or isinstance(v, FakeTensor):
-            return v
-        if v.is_meta and target is not None:
-            with mode:
-                return mode.from_tensor(v).to(target)
-        return mode.from_tensor(v)
-
+    fake = faker(mode, target)
     state = {name: fake(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
     fake_args = [fake(a) for a in args]
     fake_kwargs = {k: fake(v) for k, v in (kwargs or {}).items()}
@@ -194,6 +187,22 @@ def activation_bytes(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str,
             with Live():
                 functional_call(model, state, tuple(fake_args), fake_kwargs)
     return sum(saved.values()) if training else live["peak"]
+
+
+def faker(mode: Any, target: torch.device | None) -> Any:
+    """``fake(v)``: a tensor as a fake tensor of ``mode`` (a meta one on ``target``, the inputs'
+    device); fake tensors and other values as they are."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def fake(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or isinstance(v, FakeTensor):
+            return v
+        if v.is_meta and target is not None:
+            with mode:
+                return mode.from_tensor(v).to(target)
+        return mode.from_tensor(v)
+
+    return fake
 
 
 def _release(live: dict[str, int], size: int) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dpcompile.analysis.checkpoint_regions import repeated_blocks
-from dpcompile.analysis.memory import optimizer_bytes
+from dpcompile.analysis.memory import faker, optimizer_bytes
 
 __all__ = ["ModelProfile", "ShardableWeight", "Unit", "profile_model"]
 
@@ -140,7 +140,7 @@ def _profile(
     optimizer: str | None, training: bool,
 ) -> ModelProfile:  # fmt: skip
     from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -154,14 +154,7 @@ def _profile(
     mode = detect_fake_mode(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
     target = next((t.device for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and not t.is_meta), None)
 
-    def fake(v: Any) -> Any:
-        if not isinstance(v, torch.Tensor) or isinstance(v, FakeTensor):
-            return v
-        if v.is_meta and target is not None:
-            with mode:
-                return mode.from_tensor(v).to(target)
-        return mode.from_tensor(v)
-
+    fake = faker(mode, target)
     named = {name: fake(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
     fake_args = [fake(a) for a in args]
     fake_kwargs = {k: fake(v) for k, v in kwargs.items()}

@@ -113,8 +113,7 @@ def _assert_step_equals_eager(pm: nn.Module, model: nn.Module, eager: nn.Module,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(("name", "n"), [("gpt2", 2), ("llama", 2), ("llama", 4), ("bert", 4)])
 def test_context_parallel_transformers_equal_eager(name, n):
     """GPT-2 (labels), Llama (rotary, grouped-query heads) and BERT (a padding mask) on n
     virtual devices: a sequence that divides them and one that does not, equal to eager."""

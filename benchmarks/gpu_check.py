@@ -204,15 +204,20 @@ def rnn(cfg: Config) -> dict[str, Any]:
         finally:
             torch.set_warn_always(warn_always)
         eager(x).sum().backward()
-        grads_equal = all(
-            torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-4) for p, q in zip(model.parameters(), eager.parameters())
+        # two half batches against one whole batch through 50 float32 steps (TF32 on by default):
+        # each gradient's largest error against its largest entry (3.4e-5 on an H200)
+        grad_error = max(
+            float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30))
+            for p, q in zip(model.parameters(), eager.parameters())
         )
+        grads_equal = grad_error <= 1e-4
         chunk_warnings = sum(CHUNK_WARNING in str(w.message) for w in caught)
         key = "copy_replicas" if copy_replicas else "default"
         out[key] = {
             "chunk_warnings": chunk_warnings,
             "reflatten_copies": count[0],
             "gradients_match_eager": grads_equal,
+            "gradient_error": grad_error,
             "other_warnings": sorted({str(w.message).splitlines()[0][:160] for w in caught} - {""})[:5],
         }
         ok = ok and chunk_warnings == 0 and count[0] == 0 and grads_equal

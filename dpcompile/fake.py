@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses import fake_tensor as _fake_tensor
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -67,6 +68,22 @@ class FakeCudaOnCpuTorch(TorchFunctionMode):
         if name.endswith("_") and not name.startswith("__") and args:  # in place (copy_): the tensor itself
             return args[0]
         return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x, out)
+
+
+_REAL_GPU_CONTEXT = _fake_tensor.init_gpu_context
+
+
+def _gpu_context_of_real_devices_only(device: torch.device) -> None:
+    """A fake tensor first made on ``device`` initialises that GPU's real context (so that its
+    backward finds one). ``cuda:5`` on a machine with one GPU raises "invalid device ordinal"
+    there (seen on an H200), and a fake tensor never runs a kernel: skip the GPUs this machine lacks."""
+    if device.type == "cuda" and device.index is not None and torch.cuda.is_available():
+        if device.index >= torch.cuda.device_count():
+            return None
+    return _REAL_GPU_CONTEXT(device)
+
+
+_fake_tensor.init_gpu_context = _gpu_context_of_real_devices_only
 
 
 def fake_devices(spec: int | Sequence[Any]) -> Devices:

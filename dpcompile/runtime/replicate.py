@@ -6,7 +6,7 @@ buffers are copies. The copies persist between forwards (a :class:`ReplicaSet` p
 and set of devices) and are refreshed only where a source tensor changed, as an optimizer
 step changes them; the module objects around them are made per forward, so mode flags and
 attributes are always the original's. Each RNN's weights are copied into one contiguous
-buffer per replica, laid out as cuDNN expects, so that the replica's ``flatten_parameters``
+buffer per replica, laid out as cuDNN expects (matrices, then biases), so that the replica's ``flatten_parameters``
 finds them flat and copies nothing.
 """
 
@@ -28,6 +28,7 @@ from dpcompile.runtime.comm import (
     sum_to_source,
     uniform_device,
 )
+from dpcompile.runtime.rnn import cudnn_order
 from dpcompile.runtime.structures import is_fake
 
 try:  # CPython's dict version tag, as torch.compile's guards read it
@@ -171,8 +172,8 @@ def _replicas(
     all_modules, tensors = _collect(modules)
     to_copy = [k for k, d in enumerate(devices) if copy or d != source]
     index = {id(t): i for i, t in enumerate(tensors)}
-    packed_groups = [
-        [index[id(w)] for w in m._flat_weights]
+    packed_groups = [  # each RNN's weights, packed as cuDNN lays them out
+        [index[id(m._flat_weights[k])] for k in cudnn_order(list(m._flat_weights_names))]
         for m in all_modules
         if isinstance(m, nn.RNNBase) and all(isinstance(w, torch.Tensor) for w in m._flat_weights)
     ]

@@ -61,16 +61,47 @@ def test_replicate_gives_independent_modules_with_shared_gradients():
 
 @pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN])
 def test_replicate_lays_rnn_weights_into_one_buffer(kind):
-    """A replica's RNN weights are views, in order, into one contiguous buffer."""
+    """A replica's RNN weights are views into one contiguous buffer, end to end in cuDNN's order:
+    every matrix, then every bias (as cuDNN 9 flattens a 2-layer LSTM on an H200)."""
     rnn = kind(4, 5, num_layers=2, bidirectional=True)
     (root,) = runtime.replicate({"rnn": rnn}, ["cpu"], copy=True)
-    weights = root.rnn._flat_weights
+    names, weights = root.rnn._flat_weights_names, root.rnn._flat_weights
     assert runtime.weights_in_one_buffer(root.rnn)
     assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
-    offsets = [w.storage_offset() for w in weights]
-    assert offsets == sorted(offsets) and offsets[0] == 0
+    laid = sorted(range(len(weights)), key=lambda k: weights[k].storage_offset())
+    matrices = [n for n in names if n.startswith("weight")]
+    assert [names[k] for k in laid] == matrices + [n for n in names if n.startswith("bias")]
+    ends = [weights[k].storage_offset() + weights[k].numel() for k in laid]
+    assert [weights[k].storage_offset() for k in laid] == [0, *ends[:-1]]
     x = torch.randn(3, 2, 4)
     torch.testing.assert_close(root.rnn(x)[0], rnn(x)[0])
+
+
+def _lay_into_one_storage(rnn, names):
+    """Point ``rnn``'s weights into one fresh storage, end to end in the order ``names``."""
+    params = dict(rnn.named_parameters())
+    buffer = torch.cat([params[n].detach().reshape(-1) for n in names])
+    offset = 0
+    with torch.no_grad():
+        for n in names:
+            p = params[n]
+            p.set_(buffer.untyped_storage(), offset, p.shape, p.stride())
+            offset += p.numel()
+
+
+def test_weights_flattened_as_cudnn_lays_them_count_as_one_buffer():
+    """cuDNN 9 flattens a 2-layer LSTM as every matrix, then every bias (seen on an H200): that is
+    flat, and ``flatten_parameters`` must not copy it again each forward; a layer-by-layer layout
+    is not what cuDNN reads, so it is not."""
+    lstm = nn.LSTM(3, 4, num_layers=2)
+    x = torch.randn(5, 2, 3)
+    expected = lstm(x)[0]
+    names = list(lstm._flat_weights_names)
+    _lay_into_one_storage(lstm, [n for n in names if n.startswith("weight")] + [n for n in names if n.startswith("bias")])
+    assert runtime.weights_in_one_buffer(lstm)
+    torch.testing.assert_close(lstm(x)[0], expected)
+    _lay_into_one_storage(lstm, names)  # weight_ih_l0, weight_hh_l0, bias_ih_l0, bias_hh_l0, weight_ih_l1, ...
+    assert not runtime.weights_in_one_buffer(lstm)
 
 
 def test_replicate_copies_a_flat_source_span_exactly():

@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dpcompile.checkpoint.dtensors import ranks_of
 from dpcompile.checkpoint.files import (
     INDEX_FILE,
@@ -19,8 +21,9 @@ from dpcompile.checkpoint.files import (
     write_safetensors,
 )
 from dpcompile.checkpoint.rank_save import save_by_ranks, switch_over
+from dpcompile.checkpoint.stages import is_mesh_pipeline, merge_stage_states
 from dpcompile.checkpoint.targets import targets_of, tie_groups
-from dpcompile.checkpoint.training import prepare_training, save_stamp, take_part, write_training
+from dpcompile.checkpoint.training import encode, prepare_training, save_stamp, take_part, write_training
 from dpcompile.modules.base import ParallelModule
 
 log = logging.getLogger("dpcompile")
@@ -64,7 +67,7 @@ def save_checkpoint(
     """
     if format not in ("safetensors", "dcp"):
         raise ValueError(f"format={format!r}: expected format='safetensors' or format='dcp' (torch.distributed.checkpoint)")
-    if pm.needs_weights:
+    if getattr(pm, "needs_weights", False):
         raise CheckpointError(
             "this program has no weights yet (built on meta): dpcompile.load_checkpoint(pm, path) first"
         )
@@ -72,6 +75,11 @@ def save_checkpoint(
     if path.suffix == ".safetensors" and not (optimizer is None and lr_scheduler is None and extra is None):
         raise ValueError(
             f"{path}: a training checkpoint (optimizer=, lr_scheduler=, extra=) is a folder; pass a folder path"
+        )
+    if format == "dcp" and is_mesh_pipeline(pm):
+        raise ValueError(
+            "format='dcp' does not save a pipeline over a mesh yet (each rank one stage): save with "
+            "format='safetensors' (the default); any layout loads it"
         )
     if format == "dcp":
         from dpcompile.checkpoint import dcp
@@ -81,6 +89,10 @@ def save_checkpoint(
         log.debug("saved %s as a torch.distributed.checkpoint", path)
         return path
     training = prepare_training(pm, optimizer, lr_scheduler, extra)  # checked whole before a byte is written
+    if is_mesh_pipeline(pm):  # each stage's optimizer holds its own parameters: every rank plans them all
+        merge_stage_states(training.optimizer if training is not None else None)
+        if training is not None and training.optimizer is not None:
+            training.document["optimizer"] = encode(training.optimizer.meta)
     targets = targets_of(pm)
     ties = tie_groups(targets)
     keys = [k for k in targets if ties[k][0] == k]
@@ -136,7 +148,7 @@ def save_checkpoint(
 
 
 def _bytes(target) -> int:
-    n = target.pieces[0].tensor.element_size()
+    n = torch.empty((), dtype=target.dtype).element_size()
     for s in target.shape:
         n *= s
     return n

@@ -3,7 +3,7 @@ LM of test_training_checkpoint (fused qkv, tied vocab-parallel embedding; float6
 data parallel (DDP), FSDP, tensor parallel (1-D), data x tensor (DDP x TP on ("dp", "tp")), FSDP x
 tensor, a 2-stage pipeline over ("pp", "dp") with DDP and with FSDP (each rank one stage; the LM
 head tied to the embedding across the stages), saved after one step and loaded under each of the
-others (the diagonal too) and under one-process layouts (and back): parameters and AdamW state
+others (DDP x TP is saved only) and under one-process layouts (and back): parameters and AdamW state
 bit-identical to what was saved, the next 2 steps equal the uninterrupted eager run. (Pipeline x
 tensor over a mesh refuses weights tied across stages, so this model cannot take it:
 test_training_checkpoint covers pipeline x tensor in one process.)
@@ -31,6 +31,7 @@ MESH_LAYOUTS = {  # name: (mesh shape, dim names, transform keywords)
     "dp2xtp2": ((2, 2), ("dp", "tp"), {"tensor_parallel": True}),
     "fsdp2xtp2": ((2, 2), ("dp", "tp"), {"tensor_parallel": True, "data_parallel": "fsdp"}),
 }
+SOURCES_ONLY = {"dp2xtp2"}  # saved and loaded elsewhere, not loaded into (the suite's time)
 ONE_PROCESS = ["pp2", "dp3", "tp2", "pp2xtp2"]  # rank r loads into ONE_PROCESS[r] on its own
 
 
@@ -200,7 +201,9 @@ def check_mesh_resume(folder: str) -> None:
     saved["one_process"] = shared[0]
 
     for dest, (pm, mesh) in programs.items():
-        for source in [*MESH_LAYOUTS, "one_process", "dcp"]:
+        if dest in SOURCES_ONLY:
+            continue
+        for source in [s for s in [*MESH_LAYOUTS, "one_process", "dcp"] if s != dest]:
             what = f"{source} -> {dest}"
             opt, sched = _optimizer(pm, lr=1.0, weight_decay=0.0)  # hyper-parameters come from the checkpoint
             if source == "dcp" and "pipeline" in MESH_LAYOUTS[dest][2]:  # refused by name, before anything is read
@@ -265,7 +268,7 @@ def check_failed_save_changes_nothing(folder: str) -> None:
     _assert_resumed(fresh, fresh_opt, before, "after a failed save")
 
 
-@pytest.mark.slow  # 4 processes, 7 mesh programs each, 63 loads over the mesh: minutes on 2 cores
+@pytest.mark.slow  # 4 processes, 7 mesh programs each, 48 loads over the mesh: 2 to 3 minutes on 2 busy cores
 @pytest.mark.distributed
 def test_training_checkpoints_over_a_mesh_resume_under_any_layout(tmp_path):
     checks = [

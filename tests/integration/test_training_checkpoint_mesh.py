@@ -4,9 +4,9 @@ data parallel (DDP), FSDP, tensor parallel (1-D), data x tensor (DDP x TP on ("d
 tensor, a 2-stage pipeline over ("pp", "dp") with DDP and with FSDP (each rank one stage; the LM
 head tied to the embedding across the stages), saved after one step and loaded under each of the
 others (DDP x TP is saved only) and under one-process layouts (and back): parameters and AdamW state
-bit-identical to what was saved, the next 2 steps equal the uninterrupted eager run. (Pipeline x
-tensor over a mesh refuses weights tied across stages, so this model cannot take it:
-test_training_checkpoint covers pipeline x tensor in one process.)
+bit-identical to what was saved, the next 2 steps equal the uninterrupted eager run. Pipeline x
+tensor over a mesh refuses weights tied across stages: the same LM untied is saved on ("pp", "tp")
+and loaded into its layout and into tensor parallel in one process.
 Every byte of the files is written once, by the rank the writers' plan names, nothing gathered; a
 save that fails on one rank leaves the previous checkpoint as it was, on every rank."""
 
@@ -77,8 +77,10 @@ def _mesh_step(pm, mesh, opt, sched, batch) -> float:
     sched.step()
     total = loss.detach().clone() if loss is not None else torch.zeros((), dtype=torch.float64)
     if pipeline:  # the last stage's ranks hold the loss: every rank gets their mean
-        dist.all_reduce(total)
-    elif dp > 1:
+        held = torch.tensor([total.item(), float(loss is not None)], dtype=torch.float64)
+        dist.all_reduce(held)
+        return (held[0] / held[1]).item()
+    if dp > 1:
         dist.all_reduce(total, group=mesh.get_group("dp"))
     return total.item() / dp
 
@@ -227,6 +229,63 @@ def check_mesh_resume(folder: str) -> None:
                                    msg=f"{source} -> {one}")  # fmt: skip
 
 
+def _untied():
+    """The LM with its head untied from the embedding (a copy of its values): what a ("pp", "tp")
+    mesh takes, as it refuses weights tied across stages."""
+    from tests.integration.test_training_checkpoint import make_model
+
+    model = make_model()
+    model.head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
+    return model
+
+
+def check_pipeline_tensor_parallel(folder: str) -> None:
+    """Pipeline x tensor over a ("pp", "tp") mesh (each rank a tp shard of one stage), untied: saved
+    after one step, loaded back into a fresh program of its layout and into tensor parallel in one
+    process; bit-identical, and the next 2 steps equal the eager run's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from tests.integration.test_training_checkpoint import batches, state_in_model_layout, train_step
+
+    xs, path = batches(), Path(folder) / "pp2xtp2_untied"
+    eager = _untied()
+    eager_opt, eager_sched = _optimizer(eager)
+    losses = [train_step(eager, eager_opt, eager_sched, b) for b in xs]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+
+    def build():
+        pm = dpcompile.transform(_untied(), mesh, tensor_parallel=True, example_inputs=xs[0], **PIPELINE)
+        return pm, *_optimizer(pm)
+
+    pm, opt, sched = build()
+    assert pm.shards, "nothing sharded over tp"
+    _mesh_step(pm, mesh, opt, sched, xs[0])
+    saved = _snapshot(pm, opt, sched)
+    dpcompile.save_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched, extra={"from": "pp2xtp2"})
+    fresh, _, _ = build()
+    opt, sched = _optimizer(fresh, lr=1.0, weight_decay=0.0)
+    dpcompile.load_checkpoint(fresh, path, optimizer=opt, lr_scheduler=sched)
+    _assert_resumed(fresh, opt, saved, "pp2xtp2 -> pp2xtp2")
+    resumed = [_mesh_step(fresh, mesh, opt, sched, b) for b in xs[1:]]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-12, atol=0)
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, eager.state_dict()[key], rtol=1e-10, atol=1e-12, msg=key)
+    if dist.get_rank() == 0:  # into tensor parallel in one process
+        one = dpcompile.transform(_untied(), ["cpu"] * 2, mesh={"tp": 2}, example_inputs=xs[0])
+        one_opt, one_sched = _optimizer(one, lr=1.0, weight_decay=0.0)
+        dpcompile.load_checkpoint(one, path, optimizer=one_opt, lr_scheduler=one_sched)
+        for key, value in one.state_dict().items():
+            assert torch.equal(value, saved["params"][key]), key
+        for name in ("exp_avg", "exp_avg_sq"):
+            for key, value in state_in_model_layout(one, one_opt, name).items():
+                assert torch.equal(value, saved[name][key]), (name, key)
+        resumed = [train_step(one, one_opt, one_sched, b) for b in xs[1:]]
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-12, atol=0)
+    dist.barrier()
+
+
 def check_failed_save_changes_nothing(folder: str) -> None:
     """Rank 1 fails while writing its slices: every rank raises, the staged files are gone, and
     the previous checkpoint (saved by the same ranks) loads as it was."""
@@ -274,6 +333,7 @@ def test_training_checkpoints_over_a_mesh_resume_under_any_layout(tmp_path):
     checks = [
         ("resume", functools.partial(check_mesh_resume, str(tmp_path))),
         ("failed_save", functools.partial(check_failed_save_changes_nothing, str(tmp_path))),
+        ("pipeline_tensor_parallel", functools.partial(check_pipeline_tensor_parallel, str(tmp_path))),
     ]
     outcomes = run_spawned(run_checks, 4, checks, timeout=2 * GROUP_TIMEOUT_S)
     assert sorted(outcomes) == [0, 1, 2, 3], f"ranks reported: {sorted(outcomes)} (a hang or a crash)"

@@ -49,6 +49,8 @@ def ranks_of(pm: Any) -> tuple[bool, Any]:
     import torch.distributed as dist
 
     mesh = getattr(pm, "mesh", None)
+    if dist.is_available() and dist.is_initialized() and hasattr(pm, "pp_group"):
+        return True, None  # a pipeline's stage over a mesh: every rank holds part of the model
     if not (dist.is_available() and dist.is_initialized() and is_device_mesh(mesh)):
         return False, None
     if mesh.size() == dist.get_world_size():
@@ -79,6 +81,8 @@ def localize(pm: Any, targets: dict[str, Any]) -> None:
     tensor-parallel shards over a mesh) gets ``gather``."""
     done: dict[int, tuple[Any, ShardSpec | None, int, Callable[[], torch.Tensor]]] = {}
     for key, target in targets.items():
+        if not target.pieces:
+            continue  # another stage of a pipeline holds it
         piece = target.pieces[0]
         tensor = piece.tensor
         if not is_dtensor(tensor):

@@ -12,7 +12,9 @@ import torch
 from dpcompile.checkpoint.buffers import compute_buffers
 from dpcompile.checkpoint.headers import CheckpointError, Entry, read_checkpoint
 from dpcompile.checkpoint.keys import Conversion, place_keys
+from dpcompile.checkpoint.progress import check_progress, progress_bar
 from dpcompile.checkpoint.slices import cut, read_entry, read_piece
+from dpcompile.checkpoint.stages import is_mesh_pipeline
 from dpcompile.checkpoint.targets import Target, targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import read_training
 from dpcompile.modules.base import ParallelModule
@@ -30,6 +32,7 @@ def load_checkpoint(
     strict: bool = True,
     key_mapping: Mapping[str, str] | None = None,
     allow_symlinks: bool = False,
+    progress: bool | None = None,
 ) -> ParallelModule:
     """Fill ``pm`` from the safetensors checkpoint at ``path``; each device reads only its slices.
 
@@ -49,7 +52,9 @@ def load_checkpoint(
     key is such a fault. Non-persistent buffers that were on meta (rotary ``inv_freq``) are
     computed as the model's own code computes them, or the error names them. A symbolic link in
     the checkpoint is refused unless ``allow_symlinks=True`` (the Hugging Face cache's snapshot
-    folders link into ``blobs/``). Returns ``pm``.
+    folders link into ``blobs/``). ``progress``: a bar on stderr, one step per tensor of the
+    weights read ("Loading checkpoint"): None (default) where stderr is a terminal (rank 0 over a
+    mesh), True always, False never. Returns ``pm``.
 
     A training checkpoint (``save_checkpoint(..., optimizer=, lr_scheduler=, extra=)``) loads
     into any layout and device count: ``optimizer`` (built on this program's parameters) gets
@@ -64,9 +69,15 @@ def load_checkpoint(
     >>> pm = dpcompile.transform(model, ["cpu"] * 4, tensor_parallel=True)  # doctest: +SKIP
     >>> dpcompile.load_checkpoint(pm, "ckpt/")                             # doctest: +SKIP
     """
+    check_progress(progress)  # a bad progress= is refused before anything is read
     if Path(path).is_dir() and (Path(path) / ".metadata").is_file() and not (Path(path) / "model.safetensors").exists():
         from dpcompile.checkpoint import dcp  # a torch.distributed.checkpoint folder
 
+        if is_mesh_pipeline(pm):
+            raise ValueError(
+                f"{path} is a torch.distributed.checkpoint: a pipeline over a mesh (each rank one stage) does not read "
+                "those yet; load it into another layout and save_checkpoint it as safetensors (the default)"
+            )
         if key_mapping is not None:
             raise ValueError(f"{path} is a torch.distributed.checkpoint: key_mapping= applies to safetensors checkpoints")
         return dcp.load_dcp(pm, Path(path), optimizer, lr_scheduler, strict)
@@ -107,11 +118,15 @@ def load_checkpoint(
     # header parsed again: ~1 ms): the pages a read touches leave this process's resident memory
     # when the mapping closes, so reading adds one piece to the program's memory, not one file
     written: set[int] = set()
+    conversions = {id(c): c for c, _ in converted.values()}.values()
+    bar = progress_bar("Loading checkpoint", len(placement.direct) + len(conversions), progress)
     try:
         with torch.no_grad():
             for key, entry in placement.direct.items():
                 _write(key, targets.get(key), buffers.get(key), written, lambda index, e=entry: read_entry(e, index))
-            for conversion in {id(c): c for c, _ in converted.values()}.values():
+                bar.update()
+            for conversion in conversions:
+                bar.update()
                 values = conversion.run(lambda e: read_entry(e, None))
                 for key, value in values.items():
                     if key in converted:
@@ -128,6 +143,8 @@ def load_checkpoint(
             f"{type(e).__name__}: {e}); the program is partly written and waits for a load again",
             file=path,
         ) from e
+    finally:
+        bar.close()
     if missing:
         log.warning(
             "load_checkpoint(strict=False): %d key(s) not in %s keep their values: %s", len(missing), path, missing[:8]

@@ -25,6 +25,7 @@ from dpcompile.checkpoint.files import Runs
 from dpcompile.checkpoint.headers import Checkpoint, CheckpointError
 from dpcompile.checkpoint.rank_writes import Block, piece_blocks
 from dpcompile.checkpoint.slices import read_entry, read_piece
+from dpcompile.checkpoint.stages import is_mesh_pipeline, stage_state
 from dpcompile.checkpoint.targets import Piece, Target, shard_runs, targets_of, tie_groups
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
@@ -70,9 +71,11 @@ def param_places(pm: Any, optimizer: torch.optim.Optimizer) -> dict[int, Place]:
             continue  # a tied key (an LM head tied to the embedding): its tensors are the first key's
         for piece in target.pieces:
             by_tensor.setdefault(id(piece.tensor), Place(key, target, piece))
-    for name, tensor in ParallelModule.state_dict(pm, keep_vars=True).items():
+    own = stage_state(pm) if is_mesh_pipeline(pm) else ParallelModule.state_dict(pm, keep_vars=True)
+    for name, tensor in own.items():
         key = unalias(name)  # over a mesh FSDP's pieces are the DTensors' local parts: the DTensor is the parameter
-        if key in targets and ties[key][0] == key:
+        key = ties[key][0] if key in ties else key  # a pipeline stage's tied name: the first key's
+        if key in targets and targets[key].pieces:
             by_tensor.setdefault(id(tensor), Place(key, targets[key], targets[key].pieces[0]))
     names = {id(p): n for n, p in pm.named_parameters(remove_duplicate=False)}
     out: dict[int, Place] = {}
@@ -187,6 +190,7 @@ def loaded_state(
             file=where,
         )
     places = param_places(pm, optimizer)
+    held = {key: bool(target.pieces) for key, target in targets_of(pm).items()}
     current = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved_groups = meta["groups"]
@@ -199,6 +203,8 @@ def loaded_state(
     for g, (saved, group) in enumerate(zip(saved_groups, current["param_groups"])):
         keys = _unique([places[id(params[i])].key for i in group["params"]])
         extra, lacking = sorted(set(keys) - set(saved["params"])), sorted(set(saved["params"]) - set(keys))
+        if is_mesh_pipeline(pm):  # a stage's optimizer holds its own parameters: the others' are not lacking
+            lacking = [k for k in lacking if held.get(k)]
         if extra or (lacking and strict):
             raise CheckpointError(
                 f"param group {g} of the optimizer differs from the checkpoint's: here but not saved {extra[:5]}, "

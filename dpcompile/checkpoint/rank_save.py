@@ -36,6 +36,7 @@ from dpcompile.checkpoint.files import (
     stale_weight_files,
     weights_index,
 )
+from dpcompile.checkpoint.progress import progress_bar
 from dpcompile.checkpoint.rank_writes import Block, Box, assign_writers, piece_blocks, target_blocks, write_blocks
 from dpcompile.checkpoint.training import (
     TrainingSave,
@@ -56,6 +57,7 @@ def save_by_ranks(
     training: TrainingSave | None,
     max_shard_size: int | str,
     group: Any,
+    progress: bool | None = None,
 ) -> None:
     """Write the checkpoint at ``path`` from every rank of ``group`` (each its own slices); the
     leading rank switches it over once all have written. A collective: call it on every rank."""
@@ -100,10 +102,14 @@ def save_by_ranks(
             if training is not None:
                 written = set(optimizer) | stage_documents(staged, folder, training, optimizer)
         check_peers(pm)  # the files exist
-        for file, entries in layout.items():
-            mine = [(k, s, d, writes[(file.name, k)]) for k, s, d in entries if (file.name, k) in writes]
-            if mine:
-                _write_own(temps[file], entries, stamp, mine, makers, file.name)
+        bar = progress_bar("Saving checkpoint", len(writes), progress)
+        try:
+            for file, entries in layout.items():
+                mine = [(k, s, d, writes[(file.name, k)]) for k, s, d in entries if (file.name, k) in writes]
+                if mine:
+                    _write_own(temps[file], entries, stamp, mine, makers, file.name, bar)
+        finally:
+            bar.close()
         check_peers(pm)  # every rank has written its slices
         if leader:
             switch_over(staged, path, set(weights), written)
@@ -142,6 +148,7 @@ def _write_own(
     mine: list[tuple[str, Any, Any, list[Box]]],
     makers: dict[tuple[str, str], Callable[[], list[Block]]],
     name: str,
+    bar: Any,
 ) -> None:
     """Write this rank's boxes of ``mine`` into the staged file ``temp`` the leading rank created."""
     header, offsets = safetensors_header(entries, stamp)
@@ -159,6 +166,7 @@ def _write_own(
             wanted = set(boxes)
             blocks = [b for b in makers[(name, key)]() if b.box in wanted]
             write_blocks(fd, data + offsets[key], shape, dtype, blocks)
+            bar.update()
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dpcompile.checkpoint.dtensors import ranks_of
 from dpcompile.checkpoint.files import (
     INDEX_FILE,
@@ -18,9 +20,11 @@ from dpcompile.checkpoint.files import (
     weights_index,
     write_safetensors,
 )
+from dpcompile.checkpoint.progress import check_progress, progress_bar
 from dpcompile.checkpoint.rank_save import save_by_ranks, switch_over
+from dpcompile.checkpoint.stages import is_mesh_pipeline, merge_stage_states
 from dpcompile.checkpoint.targets import targets_of, tie_groups
-from dpcompile.checkpoint.training import prepare_training, save_stamp, take_part, write_training
+from dpcompile.checkpoint.training import encode, prepare_training, save_stamp, take_part, write_training
 from dpcompile.modules.base import ParallelModule
 
 log = logging.getLogger("dpcompile")
@@ -35,6 +39,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     max_shard_size: int | str = "5GB",
     format: str = "safetensors",
+    progress: bool | None = None,
 ) -> Path:
     """Write ``pm``'s weights as full tensors under the model's keys, in transformers' layout.
 
@@ -57,14 +62,19 @@ def save_checkpoint(
     ``pm.checkpoint_extra`` after :func:`load_checkpoint`); all in ``training_state.json``
     beside the weights. The whole save is staged and switched over at the end.
 
+    ``progress``: a bar on stderr, one step per tensor written (weights and optimizer state; over a
+    mesh, per tensor this rank writes): None (default) where stderr is a terminal (rank 0 over a
+    mesh), True always, False never. ``format="dcp"`` draws none.
+
     >>> dpcompile.save_checkpoint(pm, "ckpt/", max_shard_size="2GB")  # doctest: +SKIP
     PosixPath('ckpt')
     >>> dpcompile.save_checkpoint(pm, "ckpt/", optimizer=opt, lr_scheduler=sched, extra={"step": 100})  # doctest: +SKIP
     PosixPath('ckpt')
     """
+    check_progress(progress)  # a bad progress= is refused before anything is written
     if format not in ("safetensors", "dcp"):
         raise ValueError(f"format={format!r}: expected format='safetensors' or format='dcp' (torch.distributed.checkpoint)")
-    if pm.needs_weights:
+    if getattr(pm, "needs_weights", False):
         raise CheckpointError(
             "this program has no weights yet (built on meta): dpcompile.load_checkpoint(pm, path) first"
         )
@@ -72,6 +82,11 @@ def save_checkpoint(
     if path.suffix == ".safetensors" and not (optimizer is None and lr_scheduler is None and extra is None):
         raise ValueError(
             f"{path}: a training checkpoint (optimizer=, lr_scheduler=, extra=) is a folder; pass a folder path"
+        )
+    if format == "dcp" and is_mesh_pipeline(pm):
+        raise ValueError(
+            "format='dcp' does not save a pipeline over a mesh yet (each rank one stage): save with "
+            "format='safetensors' (the default); any layout loads it"
         )
     if format == "dcp":
         from dpcompile.checkpoint import dcp
@@ -81,6 +96,10 @@ def save_checkpoint(
         log.debug("saved %s as a torch.distributed.checkpoint", path)
         return path
     training = prepare_training(pm, optimizer, lr_scheduler, extra)  # checked whole before a byte is written
+    if is_mesh_pipeline(pm):  # each stage's optimizer holds its own parameters: every rank plans them all
+        merge_stage_states(training.optimizer if training is not None else None)
+        if training is not None and training.optimizer is not None:
+            training.document["optimizer"] = encode(training.optimizer.meta)
     targets = targets_of(pm)
     ties = tie_groups(targets)
     keys = [k for k in targets if ties[k][0] == k]
@@ -93,12 +112,17 @@ def save_checkpoint(
         files = {path / name: group for name, group in zip(names, groups)}
     over, group = ranks_of(pm)
     if over:  # every rank writes its own slices into the files
-        save_by_ranks(pm, path, files, targets, training, max_shard_size, group)
+        save_by_ranks(pm, path, files, targets, training, max_shard_size, group, progress)
         log.debug("saved %d tensors in %d file(s) under %s, each rank its slices", len(keys), len(files), path)
         return path
     writes = _is_writer(pm)
+    optimizer_tensors = training.optimizer.tensors if training is not None and training.optimizer is not None else {}
+    bar = progress_bar("Saving checkpoint", len(keys) + len(optimizer_tensors), progress if writes else False)
+    for k, (shape, dtype, maker) in list(optimizer_tensors.items()):
+        optimizer_tensors[k] = (shape, dtype, _counted(maker, bar))
 
     def make(key: str):
+        bar.update()
         target = targets[key]
         if target.gathered:
             return target.runs()  # a sharded tensor: its shards' bytes in order, never put together
@@ -129,14 +153,24 @@ def save_checkpoint(
     except BaseException:
         staged.discard()
         raise
+    finally:
+        bar.close()
     if writes:
         switch_over(staged, path, set(files), written)
     log.debug("saved %d tensors in %d file(s) under %s", len(keys), len(files), path)
     return path
 
 
+def _counted(make: Any, bar: Any) -> Any:
+    def counted() -> Any:
+        bar.update()
+        return make()
+
+    return counted
+
+
 def _bytes(target) -> int:
-    n = target.pieces[0].tensor.element_size()
+    n = torch.empty((), dtype=target.dtype).element_size()
     for s in target.shape:
         n *= s
     return n

@@ -16,6 +16,7 @@ from torch import nn
 
 from dpcompile.checkpoint.dtensors import localize
 from dpcompile.checkpoint.files import Runs
+from dpcompile.checkpoint.stages import is_mesh_pipeline, stage_targets
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import MeshGroup
@@ -46,6 +47,7 @@ class Target:
     pieces: list[Piece] = field(default_factory=list)
     gathered: bool = True
     gather: Callable[[], torch.Tensor] | None = None
+    tied: tuple[str, ...] | None = None  # the keys of the same tensor, where pieces cannot say (a pipeline's stages)
 
     def full(self) -> torch.Tensor:
         """The full tensor on the CPU (pieces put back together)."""
@@ -70,6 +72,10 @@ class Target:
 
 def targets_of(pm: ParallelModule) -> dict[str, Target]:
     """``{state key: Target}`` for the model's persistent state, in the model's key order."""
+    if is_mesh_pipeline(pm):  # this rank's stage: every key listed, pieces where this rank holds it
+        out = stage_targets(pm, Target, Piece)
+        localize(pm, out)
+        return out
     param_shards = getattr(pm, "param_shards", None)
     mesh_shards = getattr(pm, "shards", None)
     if isinstance(param_shards, dict) and hasattr(pm, "state_keys"):
@@ -128,9 +134,12 @@ def shard_runs(shards: list[torch.Tensor], spec: ShardSpec) -> Iterator[torch.Te
 def tie_groups(targets: dict[str, Target]) -> dict[str, list[str]]:
     """``{key: every key held by the same tensors}`` (an embedding and its tied LM head)."""
     by_tensor: dict[int, list[str]] = {}
+    named = {key: list(t.tied) for key, t in targets.items() if t.tied is not None}
     for key, target in targets.items():
+        if key in named:
+            continue
         by_tensor.setdefault(id(target.pieces[0].tensor), []).append(key)
-    return {key: keys for keys in by_tensor.values() for key in keys}
+    return {**{key: keys for keys in by_tensor.values() for key in keys}, **named}
 
 
 def unset_buffers(pm: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:

@@ -144,10 +144,10 @@ class MeshPipelineRecipe(Recipe):
                                   exact_random=self.exact_random)  # fmt: skip
             pm.attach_shards(sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
             pm.tp_group = self.mesh.get_group("tp")
+        pm.state_ties = state_ties(model)  # before FSDP: fully_shard swaps the model's tied tensors apart
         if self.data_parallel == "fsdp":  # FSDP over "dp" last, on the (sharded) stage
             options = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
             pm.shard_over_dp(self.mesh["dp"], options)
-        pm.state_ties = state_ties(model)
         return pm
 
     def _random_plan(self, gm: fx.GraphModule) -> fx.GraphModule | None:

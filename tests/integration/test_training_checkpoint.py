@@ -338,7 +338,7 @@ def test_bad_save_arguments_write_nothing(tmp_path):
 
 
 KILLED_SAVE = """
-import os, signal, sys, torch
+import sys, time, torch
 sys.path.insert(0, {root!r})
 import dpcompile
 from dpcompile.checkpoint import save, training
@@ -348,26 +348,48 @@ pm, opt, sched = build(LAYOUTS["dp3"])
 train_step(pm, opt, sched, batches()[0])
 dpcompile.save_checkpoint(pm, {path!r}, optimizer=opt, lr_scheduler=sched, extra={{"step": 1}})
 torch.save({{k: v for k, v in pm.state_dict().items()}}, {expected!r})
+print("SAVED", flush=True)
 train_step(pm, opt, sched, batches()[1])
 
 real = save.write_safetensors
-def write_then_die(*args, **kwargs):
-    n = real(*args, **kwargs)
-    os.kill(os.getpid(), signal.SIGKILL)  # the first file of the second save is written, nothing renamed
-    return n
-save.write_safetensors = training.write_safetensors = write_then_die
+def write_slowly(path, entries, make, *args, **kwargs):
+    def made(key):
+        if key == entries[len(entries) // 2][0]:  # half of the first file written: wait to be killed
+            print("WRITING", flush=True)
+            time.sleep(600)
+        return make(key)
+    return real(path, entries, made, *args, **kwargs)
+save.write_safetensors = training.write_safetensors = write_slowly
 dpcompile.save_checkpoint(pm, {path!r}, optimizer=opt, lr_scheduler=sched, extra={{"step": 2}})
 """
 
 
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if not p.name.endswith(".tmp")}
+
+
 @pytest.mark.slow  # a fresh process: torch's import and a build, about 10 s
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    """A process saving over a checkpoint is SIGKILLed (from here) halfway through a file: the
+    previous checkpoint's files are byte for byte as they were, and it loads whole."""
     path, expected = tmp_path / "ckpt", tmp_path / "expected.pt"
     script = KILLED_SAVE.format(root=str(ROOT), path=str(path), expected=str(expected))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    assert any(p.name.endswith(".tmp") for p in path.iterdir())  # the second save had begun
+    child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "SAVED", child.stderr.read()[-2000:] if child.poll() else ""
+        before = _files(path)
+        assert child.stdout.readline().strip() == "WRITING", child.stderr.read()[-2000:] if child.poll() else ""
+        staged = [p for p in path.iterdir() if p.name.endswith(".tmp")]
+        assert staged  # the second save is writing its first file
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert _files(path) == before  # nothing of the killed save renamed into place, nothing removed
 
     pm, opt, sched = program("pp2xtp2")
     dpcompile.load_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched)

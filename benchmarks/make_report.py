@@ -308,6 +308,8 @@ def readme_figures(after: dict | None, spmd: dict | None, pipeline: dict | None)
         f"`torch.compile(pm)` runs {span(compile_speedups)}× faster with no graph break; SPMD tensor parallel runs at\n"
         f"{fmt(_spmd(spmd, 'tp'))} (d=1024) and {fmt(_spmd(spmd, 'tp_small'))} (d=128) DTensor's `parallelize_module`"
     )
+    if (step := _spmd(spmd, "tp", "median_training_step_ratio")) is not None:
+        text += f" (a d=1024 training step: {fmt(step)})"
     if pipeline and pipeline.get("ratio") is not None:
         text += (f"; a pipeline step costs\n{fmt(pipeline['ratio'])} the tutorial's loop on virtual devices and "
                  f"{fmt(pipeline.get('mesh_ratio'))} `torch.distributed.pipelining`\nby hand over a mesh")

@@ -2,7 +2,8 @@
 
 * DP training step (forward, backward, SGD step): ``dpcompile.transform(model, mesh)`` against
   ``torch.nn.parallel.DistributedDataParallel`` on the same model and data (target ≤ 1.05×).
-* TP forward of an MLP (d=1024, h=4096, batch 64): ``dpcompile.transform(mlp, mesh,
+* TP forward of an MLP (d=1024, h=4096, batch 64), with and without grad, and its training step
+  (zero_grad, forward, ``sum().backward()``, SGD step; ``training_step``): ``dpcompile.transform(mlp, mesh,
   tensor_parallel=True)`` against ``torch.distributed.tensor.parallel.parallelize_module`` with
   ``ColwiseParallel`` / ``RowwiseParallel`` (target ≤ 1.0×: at least as fast; the matmuls set
   the time there), and the same at d=128 (h=512, batch 8), where DTensor's per-call dispatch
@@ -179,6 +180,16 @@ def bench_tp(rank: int, args, d: int | None = None, h: int | None = None, batch:
 
         return run
 
+    def train_step(module):
+        optimizer = torch.optim.SGD(module.parameters(), lr=1e-6)
+
+        def run():
+            optimizer.zero_grad(set_to_none=True)
+            module(x).sum().backward()
+            optimizer.step()
+
+        return run
+
     # The floor: this rank's two matmuls on its shards, no communication at all.
     w1, b1 = peer.fc1.weight.to_local().detach(), peer.fc1.bias.to_local().detach()
     w2 = peer.fc2.weight.to_local().detach()
@@ -195,6 +206,9 @@ def bench_tp(rank: int, args, d: int | None = None, h: int | None = None, batch:
     if pm is not None:
         sides["dpcompile_grad"] = forward(pm, grad=True)
     sides["parallelize_module_grad"] = forward(peer, grad=True)
+    if pm is not None:
+        sides["dpcompile_step"] = train_step(pm)
+    sides["parallelize_module_step"] = train_step(peer)
     samples = _interleaved(sides, args.rounds, args.iters, dist.barrier)
     floor = _summary(samples, "local_compute_floor", "parallelize_module")
     result: dict = {
@@ -215,6 +229,8 @@ def bench_tp(rank: int, args, d: int | None = None, h: int | None = None, batch:
         want = want.full_tensor() if hasattr(want, "full_tensor") else want
     grad = _summary(samples, "dpcompile_grad", "parallelize_module_grad")
     result["with_grad"] = {"what": "the same forward with autograd recording (training forward)", **grad}
+    step = _summary(samples, "dpcompile_step", "parallelize_module_step")
+    result["training_step"] = {"what": "training step: zero_grad, forward, sum().backward(), SGD step", **step}
     result.update(_summary(samples, "dpcompile", "parallelize_module"))
     result.update(plan=getattr(pm, "plan", None), same_output=bool(torch.allclose(out, want, atol=1e-4, rtol=1e-4)))
     result["met"] = result["ratio"] <= target
@@ -269,7 +285,8 @@ def _across_runs(runs: list[dict]) -> dict:
     for key in runs[0]["report"]:
         entries = [(r["order"], r["report"][key]) for r in runs]
         summary: dict = {"what": entries[0][1].get("what"), "model": entries[0][1].get("model")}
-        for field, pick in (("ratio", lambda e: e.get("ratio")), ("with_grad_ratio", lambda e: (e.get("with_grad") or {}).get("ratio"))):
+        for field, pick in (("ratio", lambda e: e.get("ratio")), ("with_grad_ratio", lambda e: (e.get("with_grad") or {}).get("ratio")),
+                            ("training_step_ratio", lambda e: (e.get("training_step") or {}).get("ratio"))):
             values = [(order, pick(e)) for order, e in entries if pick(e) is not None]
             if not values:
                 continue
@@ -316,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         runs.append({"order": args.order, "report": report})
         for key, r in report.items():
             print(f"run {k + 1}/{args.runs} ({args.order}) {key}: ratio {r.get('ratio', float('nan')):.3f}"
-                  + (f", with grad {r['with_grad']['ratio']:.3f}" if "with_grad" in r else ""), flush=True)
+                  + (f", with grad {r['with_grad']['ratio']:.3f}" if "with_grad" in r else "")
+                  + (f", training step {r['training_step']['ratio']:.3f}" if "training_step" in r else ""), flush=True)
     result = {
         "note": "floor_ratio = (this rank's matmuls alone, no communication) / parallelize_module: "
         "no implementation of the same plan can beat it",

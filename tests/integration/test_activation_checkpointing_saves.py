@@ -92,6 +92,25 @@ def test_gradients_equal_eager(rule, devices):
     assert "keeping" in pm.strategies["activation_checkpointing"]
 
 
+@pytest.mark.parametrize("layout", [{"pipeline": 2, "micro_batches": 2}, {"tensor_parallel": True}], ids=["pp", "tp"])
+def test_composes_with_pipeline_and_tensor_parallel(layout):
+    model, x = _example()
+    eager = copy.deepcopy(model)
+    eager(x).sum().backward()
+    spec = {"regions": True, "save": "matmuls"}
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=spec, example_inputs=(x,), **layout)
+    out = pm(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager(x), rtol=0, atol=1e-12)
+    reference = dict(eager.named_parameters())
+    whole = [(n, p) for n, p in pm.named_parameters() if n in reference]  # tp: the unsharded ones (norms, biases)
+    assert whole
+    for name, p in whole:
+        torch.testing.assert_close(p.grad, reference[name].grad, rtol=1e-10, atol=1e-12, msg=name)
+    regions = [m for n, m in pm.named_children() if n.endswith("_region")]
+    assert any("dpcompile_runtime_keep_outputs(True)" in m.code for m in regions)
+
+
 def _step(pm, x) -> tuple[int, int]:
     """FLOPs of one training step and the peak bytes dpcompile.measure reports."""
     with FlopCounterMode(display=False) as flops:

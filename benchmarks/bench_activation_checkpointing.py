@@ -1,6 +1,6 @@
 """Activation checkpointing on a 12-layer transformer stack: measured peak and recomputed FLOPs of
-the pass's region choices against torchtitan's selective rule (recompute every second matmul of each
-block), all as ratios against the run without checkpointing, measured in the same run.
+the pass's region choices and save rules against torchtitan's selective rule (recompute every second
+matmul of each block), all as ratios against the run without checkpointing, measured in the same run.
 
     PYTHONPATH=. python benchmarks/bench_activation_checkpointing.py [--json]
 
@@ -8,6 +8,10 @@ block), all as ratios against the run without checkpointing, measured in the sam
   counted until it is freed (a TorchDispatchMode, as ``dpcompile.measure`` counts virtual devices);
 - recomputed FLOPs: the step's FLOPs (``FlopCounterMode``) minus those of the step without
   checkpointing.
+
+The two goals of issue 34 are checked on the figures: (a) among the pass's variants whose peak is at
+most torchtitan's, the fewest recomputed FLOPs against torchtitan's (goal <= 0.8); (b) among those
+that halve the peak, the fewest extra step FLOPs (goal <= 35%).
 """
 
 from __future__ import annotations
@@ -152,6 +156,10 @@ def main() -> None:
     model = Stack()
     x = torch.randn(args.batch, args.seq, 64)
     every = [f"layers.{i}" for i in range(12)]
+
+    def kept(regions, save):
+        return dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing={"regions": regions, "save": save})
+
     variants = {
         "none": dpcompile.transform(copy.deepcopy(model), ["cpu"]),
         "torchtitan selective (every 2nd matmul)": None,
@@ -162,6 +170,10 @@ def main() -> None:
         "pass: every block's attn and mlp": dpcompile.transform(
             copy.deepcopy(model), ["cpu"], activation_checkpointing=[f"{p}.{m}" for p in every for m in ("attn", "mlp")]
         ),
+        "pass: every block, keeping matmuls": kept(True, "matmuls"),
+        "pass: every block, keeping every 2nd matmul": kept(True, "every_second_matmul"),
+        "pass: blocks 0-10, keeping every 2nd matmul": kept(every[:-1], "every_second_matmul"),
+        "pass: blocks 0-10, keeping matmuls": kept(every[:-1], "matmuls"),
     }
     selective = copy.deepcopy(model)
     for block in selective.layers:
@@ -181,13 +193,25 @@ def main() -> None:
             "recomputed_of_forward": recomputed / forward_flops,
         }
     sac = rows["torchtitan selective (every 2nd matmul)"]
+    ours = {name: r for name, r in rows.items() if name.startswith("pass")}
+    at_sac = [r["recomputed_flops"] for r in ours.values() if r["peak_bytes"] <= sac["peak_bytes"]]
+    halving = [r["extra_step_flops"] for r in ours.values() if r["peak_ratio"] <= 0.5]
+    goals = {
+        "a_recomputed_vs_torchtitan_at_its_peak": min(at_sac) / sac["recomputed_flops"] if at_sac else None,
+        "b_extra_step_flops_at_half_peak": min(halving) if halving else None,
+    }
     print(f"12-layer transformer stack, d=64, batch {args.batch} x seq {args.seq}, one training step on CPU")
     print(f"{'variant':42s} {'peak':>12s} {'peak/none':>10s} {'extra FLOPs':>12s} {'recompute/SAC':>14s}")
     for name, r in rows.items():
         vs = r["recomputed_flops"] / sac["recomputed_flops"] if sac["recomputed_flops"] else float("nan")
         print(f"{name:42s} {r['peak_bytes']:>12,d} {r['peak_ratio']:>10.3f} {r['extra_step_flops']:>11.1%} {vs:>14.2f}")
+    a, b = goals.values()
+    print(f"(a) at most torchtitan's peak, the pass recomputes {a:.2f}x its FLOPs (goal <= 0.80)" if a is not None
+          else "(a) no variant of the pass is at or under torchtitan's peak")
+    print(f"(b) at half the peak or less, {b:.1%} extra step FLOPs (goal <= 35%)" if b is not None
+          else "(b) no variant of the pass halves the peak")
     if args.json:
-        (RESULTS / "activation_checkpointing.json").write_text(json.dumps(rows, indent=2) + "\n")
+        (RESULTS / "activation_checkpointing.json").write_text(json.dumps({"rows": rows, "goals": goals}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

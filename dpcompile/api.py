@@ -16,7 +16,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.checkpoint_regions import checkpoint_paths
+from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
 from dpcompile.devices import parse_device, parse_devices
@@ -178,7 +178,8 @@ def transform(
     pm.layout = layout
     pm.strategies = strategies_of(layout, data_parallel=data_parallel, schedule=schedule)
     if recipe.checkpointed:
-        pm.strategies["activation_checkpointing"] = f"recompute in backward: {', '.join(recipe.checkpointed)}"
+        kept = "" if recipe.checkpoint_save == "nothing" else f" (keeping {recipe.checkpoint_save.replace('_', ' ')})"
+        pm.strategies["activation_checkpointing"] = f"recompute in backward{kept}: {', '.join(recipe.checkpointed)}"
     return pm
 
 
@@ -332,7 +333,8 @@ def make_recipe(
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
     common = {"leaf_modules": leaves, "frontend": frontend, "exact_random": bool(exact_random),
-              "checkpointed": checkpoint_paths(model, activation_checkpointing), "dp_micro_batches": dp_micro_batches,
+              "checkpointed": checkpoint_paths(model, activation_checkpointing),
+              "checkpoint_save": checkpoint_save_rule(activation_checkpointing), "dp_micro_batches": dp_micro_batches,
               "dp_devices": dp_devices}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:

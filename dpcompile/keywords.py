@@ -98,6 +98,8 @@ def _check_new_strategies(
 
 
 def _check_activation_checkpointing(value: Any, memory_per_device: Any) -> None:
+    if isinstance(value, dict):  # {"regions": ..., "save": rule}: checked with the model (checkpoint_regions)
+        return
     if value is None or isinstance(value, bool):
         return
     if value == "auto":

@@ -145,9 +145,10 @@ def exact_random_rank_pipeline(options: PipelineOptions, *, tp_rank: int | None,
     return out
 
 
-def checkpoint_pipeline(paths: tuple[str, ...]) -> list[Pass]:
-    """``checkpoint_activations`` over ``paths``, last on a lowered program (nothing where none)."""
-    return [functools.partial(checkpoint_activations, paths=paths)] if paths else []
+def checkpoint_pipeline(paths: tuple[str, ...], save: str = "nothing") -> list[Pass]:
+    """``checkpoint_activations`` over ``paths`` keeping what ``save`` names, last on a lowered program
+    (nothing where no paths)."""
+    return [functools.partial(checkpoint_activations, paths=paths, save=save)] if paths else []
 
 
 def dp_copies_pipeline(

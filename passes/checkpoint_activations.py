@@ -33,7 +33,7 @@ import heapq
 import operator
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 from torch import nn
@@ -41,7 +41,8 @@ from torch import nn
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module, writes
 from dpcompile.infra import PassResult, module_path_of, stamp
-from dpcompile.runtime import checkpoint, random_draws
+from dpcompile.runtime import checkpoint, keep_outputs, random_draws
+from passes.checkpoint_saves import kept_nodes
 
 PASS = "checkpoint_activations"
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -53,13 +54,15 @@ _PLACE_SUFFIX = re.compile(r"_(dev\d+|mb\d+)$")
 @dataclass
 class CheckpointRegion:
     """One region to recompute: the module ``path`` it comes from, its ``name`` in the code, its
-    nodes in graph order, the values it reads (``inputs``) and the ones read after it (``outputs``)."""
+    nodes in graph order, the values it reads (``inputs``), the ones read after it (``outputs``) and
+    the nodes whose outputs backward keeps instead of recomputing (``kept``, the save rule's)."""
 
     path: str
     name: str
     nodes: list[fx.Node]
     inputs: list[fx.Node]
     outputs: list[fx.Node]
+    kept: list[fx.Node] = field(default_factory=list)
 
 
 def _in_path(node: fx.Node, path: str) -> bool:
@@ -198,10 +201,26 @@ def _region_module(region: CheckpointRegion) -> tuple[fx.GraphModule, list[fx.No
         env[value] = graph.placeholder(value.name)
         arguments.append(value)
     owners: dict[str, fx.Node] = {}
+    kept = set(region.kept)
     for node in region.nodes:
-        if node.op != "call_module":
-            env[node] = graph.node_copy(node, env.__getitem__)
-            continue
+        if node in kept:
+            graph.call_function(keep_outputs, (True,))
+        _copy_into(graph, node, region, env, owners, arguments)
+        if node in kept:
+            graph.call_function(keep_outputs, (False,))
+    outs = [env[n] for n in region.outputs]
+    graph.output(outs[0] if len(outs) == 1 else tuple(outs))
+    module = fx.GraphModule(nn.Module(), graph, class_name=f"Region_{region.name}")
+    setattr(module, PROGRAM_OWNED, True)
+    return module, arguments
+
+
+def _copy_into(graph: fx.Graph, node: fx.Node, region: CheckpointRegion, env: dict[fx.Node, fx.Node],
+               owners: dict[str, fx.Node], arguments: list[fx.Node | str]) -> None:  # fmt: skip
+    """Copy ``node`` into the region's ``graph``; a module it calls comes in as an argument."""
+    if node.op != "call_module":
+        env[node] = graph.node_copy(node, env.__getitem__)
+    else:
         owner, method = _owner_and_method(str(node.target), region.path, _STAGE in node.meta)
         if owner not in owners:
             owners[owner] = graph.placeholder(owner.replace(".", "_") + "_module")
@@ -210,11 +229,6 @@ def _region_module(region: CheckpointRegion) -> tuple[fx.GraphModule, list[fx.No
         kwargs = fx.map_arg(node.kwargs, env.__getitem__)
         env[node] = graph.create_node("call_method", method, (owners[owner], *args), kwargs, name=node.name)
         env[node].meta = dict(node.meta)
-    outs = [env[n] for n in region.outputs]
-    graph.output(outs[0] if len(outs) == 1 else tuple(outs))
-    module = fx.GraphModule(nn.Module(), graph, class_name=f"Region_{region.name}")
-    setattr(module, PROGRAM_OWNED, True)
-    return module, arguments
 
 
 def _stable_topological_order(graph: fx.Graph) -> None:
@@ -250,8 +264,10 @@ def _take_name(graph: fx.Graph, node: fx.Node, name: str) -> None:
     node._rename(name)
 
 
-def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str]) -> PassResult:
-    """Rewrite each region of ``paths`` into ``dpcompile_runtime_checkpoint(self.<name>_region, ...)``.
+def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: str = "nothing") -> PassResult:
+    """Rewrite each region of ``paths`` into ``dpcompile_runtime_checkpoint(self.<name>_region, ...)``;
+    the nodes ``save`` names (``passes.checkpoint_saves``) keep their outputs, between
+    ``dpcompile_runtime_keep_outputs(True)`` and ``(False)`` in the region's code.
 
     ``info["regions"]`` is ``{region name: module path}``; no paths: a no-op.
     """
@@ -262,6 +278,7 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str]) -> PassR
     replaced: dict[fx.Node, fx.Node] = {}  # an earlier region's outputs, read by a later one
     for region in regions:
         region.inputs = [replaced.get(n, n) for n in region.inputs]
+        region.kept = kept_nodes(gm, region.nodes, save)
         module, arguments = _region_module(region)
         attribute, k = f"{region.name}_region", 1
         while hasattr(gm, attribute):
@@ -281,7 +298,8 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str]) -> PassR
             else:
                 values.append(argument)
         with graph.inserting_after(cursor):
-            call = graph.create_node("call_function", checkpoint, (holder, *values), name=f"{region.name}_checkpoint")
+            saving = {"saving": True} if region.kept else {}
+            call = graph.create_node("call_function", checkpoint, (holder, *values), saving, name=f"{region.name}_checkpoint")
         _placed(stamp(call, PASS, last), last).meta["dpcompile_region"] = region.path
         results = [call]
         if len(region.outputs) > 1:
@@ -308,11 +326,11 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str]) -> PassR
     return PassResult(gm, bool(regions), {"regions": {r.name: r.path for r in regions}})
 
 
-def with_regions_recomputed(gm: fx.GraphModule, paths: Sequence[str]) -> fx.GraphModule:
+def with_regions_recomputed(gm: fx.GraphModule, paths: Sequence[str], save: str = "nothing") -> fx.GraphModule:
     """A copy of the single-device program ``gm`` with ``paths`` checkpointed (for counting what a
     step saves for backward: ``explain``'s memory estimate); ``gm`` is left as it is."""
     copy = graph_module(gm, copy_graph(gm.graph), type(gm).__name__)
-    checkpoint_activations(copy, paths=paths)
+    checkpoint_activations(copy, paths=paths, save=save)
     copy.recompile()
     return copy
 

@@ -16,6 +16,40 @@ from torch import nn
 
 from dpcompile.errors import DpCompileError
 
+#: what a recomputed region keeps for backward (``passes.checkpoint_saves``)
+SAVE_RULES = ("nothing", "matmuls", "every_second_matmul")
+_SPEC_KEYS = {"regions", "save"}
+
+
+def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
+    """``activation_checkpointing=`` split into the regions it names and the save rule."""
+    if not isinstance(activation_checkpointing, dict):
+        return activation_checkpointing, "nothing"
+    unknown = set(activation_checkpointing) - _SPEC_KEYS
+    if unknown or "regions" not in activation_checkpointing:
+        raise ValueError(
+            f"activation_checkpointing={activation_checkpointing!r}: a dict takes 'regions' (True or module paths) "
+            f"and 'save' (one of {list(SAVE_RULES)}), e.g. {{'regions': True, 'save': 'matmuls'}}"
+        )
+    rule = activation_checkpointing.get("save", "nothing")
+    if rule not in SAVE_RULES:
+        raise ValueError(
+            f"activation_checkpointing 'save': {rule!r} is not a rule; one of {list(SAVE_RULES)} ('matmuls': "
+            "matmul and attention outputs kept, norms, activations and elementwise ops recomputed)"
+        )
+    regions = activation_checkpointing["regions"]
+    if regions is False or regions is None or regions == "auto":
+        raise ValueError(
+            f"activation_checkpointing 'regions': {regions!r}; give True (every repeated block) or module paths"
+        )
+    return regions, rule
+
+
+def checkpoint_save_rule(activation_checkpointing: Any) -> str:
+    """What each recomputed region keeps: ``activation_checkpointing["save"]``, else ``"nothing"``."""
+    return _regions_and_rule(activation_checkpointing)[1]
+
+
 
 def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
     """The items of the model's largest ``ModuleList`` / ``Sequential`` of blocks of one type
@@ -40,6 +74,7 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     An unknown path is a ``ValueError`` naming the nearest ones; ``True`` on a model without
     repeated blocks is a ``DpCompileError`` saying to name the modules.
     """
+    activation_checkpointing, _ = _regions_and_rule(activation_checkpointing)
     if activation_checkpointing is None or activation_checkpointing is False:
         return ()
     if activation_checkpointing == "auto":
@@ -68,4 +103,4 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     return paths
 
 
-__all__ = ["checkpoint_paths", "repeated_blocks"]
+__all__ = ["SAVE_RULES", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]

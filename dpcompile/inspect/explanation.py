@@ -275,7 +275,7 @@ def memory_estimate(
         except Exception:  # noqa: BLE001 - then counted without the recompute
             pass
     if checkpointed and isinstance(model, fx.GraphModule):  # activations saved with the regions recomputed
-        model = with_regions_recomputed(model, checkpointed)
+        model = with_regions_recomputed(model, checkpointed, getattr(recipe, "checkpoint_save", "nothing"))
     if (args or kwargs) and isinstance(model, nn.Module):
         try:
             activations = activation_bytes(model, args, kwargs, training=training)

@@ -17,6 +17,7 @@ allocator's own ``max_memory_allocated(d)`` is read instead.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -136,13 +137,19 @@ class _SlotInterpreter(fx.Interpreter):
         if n.op == "call_function" and n.target is checkpoint:
             region, *rest = self.map_nodes_to_values(n.args, n)
             ledger = self.ledger
-            out = checkpoint(lambda *a: _SlotInterpreter(region, ledger).run(*a), *rest)
+            out = checkpoint(lambda *a: _SlotInterpreter(region, ledger).run(*a), *rest, **n.kwargs)
         else:
             out = super().run_node(n)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 t.grad_fn.metadata.setdefault(_SLOT_KEY, self.ledger.slot)  # no reference kept: saved tensors free
         return out
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(target, str) and "." in target:  # a region's call of a submodule: block.attn.q(x)
+            owner, *rest = args
+            return functools.reduce(getattr, target.split("."), owner)(*rest, **kwargs)
+        return super().call_method(target, args, kwargs)
 
 
 def _loss_of(out: Any) -> torch.Tensor | None:

@@ -29,6 +29,7 @@ class Recipe:
     leaf_modules: tuple[type[nn.Module], ...] = ()
     frontend: str = "auto"
     checkpointed: tuple[str, ...] = ()  # module paths recomputed in backward (activation_checkpointing=)
+    checkpoint_save: str = "nothing"  # what a recomputed region keeps (passes.checkpoint_saves.SAVE_RULES)
     exact_random: bool = True  # random ops draw the single-device values (passes.draw_random_whole)
     dp_micro_batches: int | None = None  # each dp copy's micro-batches, where dp composes over a pipeline (target.replicate_over_dp)
     dp_devices: tuple[tuple[str, ...], ...] | None = None  # each dp copy's devices (passes.place_dp_copies)

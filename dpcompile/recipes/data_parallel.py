@@ -114,7 +114,7 @@ class DataParallelRecipe(Recipe):
         self, gm: fx.GraphModule, devices: Devices, input_dims: Mapping[str, int | None], *, recompile: bool = True
     ) -> fx.GraphModule:
         """A captured (and tidied) graph lowered to data-parallel code for ``devices``."""
-        lowering = passes.data_parallel_pipeline(self._options(devices, input_dims)) + passes.checkpoint_pipeline(self.checkpointed)
+        lowering = passes.data_parallel_pipeline(self._options(devices, input_dims)) + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
         lowered, _ = run_passes(gm, lowering, recompile=recompile)
         return lowered
 

@@ -112,7 +112,7 @@ class PipelineRecipe(Recipe):
     ) -> fx.GraphModule:
         """A captured (and tidied) graph lowered to the pipeline program for ``micro_batches``."""
         pipeline = passes.pipeline_parallel_pipeline(self._options(input_dims), plan=plan, micro_batches=micro_batches)
-        finishing = passes.checkpoint_pipeline(self.checkpointed) + passes.dp_copies_pipeline(self.dp_micro_batches, self.dp_devices)
+        finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(self.dp_micro_batches, self.dp_devices)
         lowered, _ = run_passes(gm, pipeline + finishing, recompile=recompile)
         return lowered
 

@@ -39,7 +39,7 @@ def one_f_one_b_step(recipe: Any, pm: Any, key: CallKey) -> OneFOneBStep:
                           micro_batches=key.devices, output_device=recipe.output_device),
         *passes.exact_random_pipeline(passes.PipelineOptions(devices=recipe.devices, exact_random=recipe.exact_random)),
     ]  # fmt: skip
-    finishing = passes.checkpoint_pipeline(recipe.checkpointed) + passes.dp_copies_pipeline(recipe.dp_micro_batches, recipe.dp_devices)
+    finishing = passes.checkpoint_pipeline(recipe.checkpointed, recipe.checkpoint_save) + passes.dp_copies_pipeline(recipe.dp_micro_batches, recipe.dp_devices)
     program, _ = run_passes(gm, lowering + finishing)
     stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
     return OneFOneBStep(program, stage_of, plan.stages, key.devices)

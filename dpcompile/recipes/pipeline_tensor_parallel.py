@@ -207,7 +207,7 @@ class PipelineTensorParallelRecipe(Recipe):
         expanded, records = run_passes(lowered, [expand, *exact], recompile=False)
         read_each_parameter_once(expanded)
         tidy_micro_batch_names(expanded)
-        finishing = passes.checkpoint_pipeline(self.checkpointed) + passes.dp_copies_pipeline(self.dp_micro_batches)
+        finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(self.dp_micro_batches)
         expanded, _ = run_passes(expanded, finishing, recompile=False)
         expanded.recompile()
         return expanded, records

@@ -96,7 +96,7 @@ class TensorParallelRecipe(Recipe):
         options = passes.PipelineOptions(
             devices=self.devices, output_device=self.output_device, plan=styles, exact_random=self.exact_random
         )
-        lowering = passes.tensor_parallel_pipeline(options) + passes.checkpoint_pipeline(self.checkpointed)
+        lowering = passes.tensor_parallel_pipeline(options) + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
         gm, records = run_passes(gm, passes.frontend_pipeline(options) + lowering)
         shard_info = unaliased_findings(info_of(records, "shard_linear"))
         expand_info = info_of(records, "expand_shards")

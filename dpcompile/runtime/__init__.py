@@ -33,7 +33,7 @@ from dpcompile.runtime.random_more import (
 )
 from dpcompile.runtime.random_plan import current_random_draws
 from dpcompile.runtime.random_scope import exact_random_scope
-from dpcompile.runtime.recompute import checkpoint
+from dpcompile.runtime.recompute import checkpoint, keep_outputs
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
@@ -76,6 +76,7 @@ __all__ = [
     "causal_attention",
     "checkpoint",
     "flatten_parameters",
+    "keep_outputs",
     "gather",
     "gather_sequence",
     "in_place_without_grad",

@@ -9,9 +9,12 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_KEEPING = [False]  # between keep_outputs(True) and keep_outputs(False): the region's ops are saved, not recomputed
 
 
-def checkpoint(region: Callable[..., Any], *args: Any) -> Any:
+def checkpoint(region: Callable[..., Any], *args: Any, saving: bool = False) -> Any:
     """``region(*args)``, saving only ``args`` for backward, which runs ``region`` again to get its
     activations; the RNG state is restored first, so dropout draws the same values, and whatever
     the recompute writes outside the region (BatchNorm's running statistics, a step counter) is put
@@ -21,12 +24,44 @@ def checkpoint(region: Callable[..., Any], *args: Any) -> Any:
     >>> x = torch.ones(2, requires_grad=True)
     >>> checkpoint(torch.sin, x).sum().backward(); x.grad.shape
     torch.Size([2])
+
+    ``saving=True``: what the region runs between ``keep_outputs(True)`` and ``keep_outputs(False)``
+    is saved for backward (selective checkpointing), not run again.
     """
+    _KEEPING[0] = False
     if not torch.is_grad_enabled():
         return region(*args)
     return torch.utils.checkpoint.checkpoint(
-        region, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_recompute_writes_nothing
+        region, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=_kept_ops_saved if saving else _recompute_writes_nothing,
     )
+
+
+def keep_outputs(on: bool) -> None:
+    """In a region run by ``checkpoint(..., saving=True)``: from ``keep_outputs(True)`` to
+    ``keep_outputs(False)`` the outputs of every op are saved for backward instead of recomputed."""
+    _KEEPING[0] = on
+
+
+def _keep_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    # a view is free to recompute, and saving one would keep its base (a Linear's input) alive
+    if _KEEPING[0] and not any(r.alias_info is not None for r in func._schema.returns):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _kept_ops_saved() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    forward, recompute = create_selective_checkpoint_contexts(_keep_policy)
+    return forward, _recompute_then_undo(recompute)
+
+
+@contextlib.contextmanager
+def _recompute_then_undo(recompute: contextlib.AbstractContextManager) -> Iterator[None]:
+    try:
+        with recompute, _outside_writes_undone():
+            yield
+    finally:  # an early stop leaves the region between its markers
+        _KEEPING[0] = False
 
 
 def _recompute_writes_nothing() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -88,4 +123,4 @@ class _OutsideWrites(TorchDispatchMode):
             self.saved[id(tensor)] = (tensor, tensor.detach().clone())
 
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "keep_outputs"]

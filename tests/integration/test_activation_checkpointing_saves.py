@@ -1,0 +1,151 @@
+"""``activation_checkpointing={"regions": ..., "save": rule}``: a recomputed region keeps the outputs of
+the ops its rule names (selective checkpointing): which ones, that gradients equal eager's, and that
+kept ops are not run again while the measured peak lands between no checkpointing and full recompute."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import dpcompile
+from passes.checkpoint_saves import kept_nodes
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d), nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList([Block() for _ in range(layers)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _example(dtype=torch.float64) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return Stack().to(dtype), torch.randn(4, 8, 16, dtype=dtype)
+
+
+def _kept_names(rule: str) -> set[str]:
+    gm = fx.symbolic_trace(Block())
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    return {n.name for n in kept_nodes(gm, nodes, rule)}
+
+
+def test_matmuls_keeps_the_matmuls_and_attention_backward_reads():
+    # fc2's output only feeds the residual add, which backward does not read: it keeps nothing;
+    # o's feeds the add that ln2 reads, so it is kept
+    assert _kept_names("matmuls") == {"attn_q", "attn_k", "attn_v", "scaled_dot_product_attention", "attn_o", "fc1"}
+
+
+def test_every_second_matmul_is_torchtitans_rule():
+    assert _kept_names("every_second_matmul") == {"attn_q", "attn_v", "fc1", "scaled_dot_product_attention"}
+    assert _kept_names("nothing") == set()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("rule", ["matmuls", "every_second_matmul"])
+def test_gradients_equal_eager(rule, devices):
+    model, x = _example()
+    eager = copy.deepcopy(model)
+    eager(x).sum().backward()
+    pm = dpcompile.transform(model, ["cpu"] * devices, activation_checkpointing={"regions": True, "save": rule})
+    out = pm(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager(x), rtol=0, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert "saving = True" in pm.code
+    region = next(m for n, m in pm.named_children() if n.endswith("_region"))
+    assert "dpcompile_runtime_keep_outputs(True)" in region.code
+    assert "keeping" in pm.strategies["activation_checkpointing"]
+
+
+@pytest.mark.parametrize("layout", [{"pipeline": 2, "micro_batches": 2}, {"tensor_parallel": True}], ids=["pp", "tp"])
+def test_composes_with_pipeline_and_tensor_parallel(layout):
+    model, x = _example()
+    eager = copy.deepcopy(model)
+    eager(x).sum().backward()
+    spec = {"regions": True, "save": "matmuls"}
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=spec, example_inputs=(x,), **layout)
+    out = pm(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager(x), rtol=0, atol=1e-12)
+    reference = dict(eager.named_parameters())
+    whole = [(n, p) for n, p in pm.named_parameters() if n in reference]  # tp: the unsharded ones (norms, biases)
+    assert whole
+    for name, p in whole:
+        torch.testing.assert_close(p.grad, reference[name].grad, rtol=1e-10, atol=1e-12, msg=name)
+    regions = [m for n, m in pm.named_children() if n.endswith("_region")]
+    assert any("dpcompile_runtime_keep_outputs(True)" in m.code for m in regions)
+
+
+def _step(pm, x) -> tuple[int, int]:
+    """FLOPs of one training step and the peak bytes dpcompile.measure reports."""
+    with FlopCounterMode(display=False) as flops:
+        pm(x).sum().backward()
+    for p in pm.parameters():
+        p.grad = None
+    return flops.get_total_flops(), max(dpcompile.measure(pm, x).peak_bytes.values())
+
+
+def test_kept_ops_are_not_recomputed_and_the_peak_is_between():
+    model, x = _example(torch.float32)
+    figures = {
+        rule: _step(dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing=spec), x)
+        for rule, spec in [("none", False), ("nothing", True),
+                           ("matmuls", {"regions": True, "save": "matmuls"}),
+                           ("every_second_matmul", {"regions": True, "save": "every_second_matmul"})]
+    }  # fmt: skip
+    flops = {rule: f for rule, (f, _) in figures.items()}
+    peak = {rule: p for rule, (_, p) in figures.items()}
+    assert flops["matmuls"] == flops["none"]  # every matmul kept: only free ops run again
+    assert flops["none"] < flops["every_second_matmul"] < flops["nothing"]
+    assert peak["nothing"] < peak["every_second_matmul"] < peak["matmuls"] < peak["none"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [({"regions": True, "save": "everything"}, "is not a rule"),
+     ({"save": "matmuls"}, "'regions'"),
+     ({"regions": True, "keep": "matmuls"}, "'regions'"),
+     ({"regions": False, "save": "matmuls"}, "give True")],
+)  # fmt: skip
+def test_bad_spec_says_what_to_give_and_builds_nothing(spec, words):
+    model, x = _example()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=words):
+        dpcompile.transform(model, ["cpu"], activation_checkpointing=spec)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])

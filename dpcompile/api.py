@@ -383,11 +383,6 @@ def _pipeline_recipe(
             **common, mesh=devices, stages=stages, micro_batches=micro, schedule=schedule_name,
             batch_dim=_check_batch_dim(batch_dim), plan=plan,
         )  # fmt: skip
-    if plan is not False and schedule_name == "1f1b":
-        raise DpCompileError(
-            "schedule='1f1b' with tensor_parallel= in one process is not built yet; use schedule='gpipe' "
-            "(the same loss and gradients), or a ('pp', 'tp') DeviceMesh, where 1F1B shards each stage"
-        )
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)
     if plan is not False:  # each stage's layers sharded over its group of devices

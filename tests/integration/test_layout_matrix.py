@@ -121,9 +121,20 @@ def test_layout_matrix_trains_like_eager(name, layout):
     _check_trains_like_eager(name, layout)
 
 
-def test_layout_matrix_pp_dp_1f1b_trains_like_eager():
-    """pp x dp with schedule='1f1b' and 2 micro-batches in each dp copy: the same 3 steps as eager."""
-    _check_trains_like_eager("mlp", {"pp": 2, "dp": 2}, schedule="1f1b", micro_batches=2)
+ONE_F_ONE_B = [
+    ("mlp", {"pp": 2, "dp": 2}),
+    ("mlp", {"pp": 2, "tp": 2}),
+    pytest.param("gpt2", {"pp": 2, "tp": 2}, marks=pytest.mark.slow),
+    pytest.param("llama", {"pp": 2, "tp": 2}, marks=pytest.mark.slow),
+    ("mlp", {"pp": 2, "dp": 2, "tp": 2}),
+]
+
+
+@pytest.mark.parametrize(("name", "layout"), ONE_F_ONE_B, ids=lambda v: v if isinstance(v, str) else "x".join(v))
+def test_layout_matrix_1f1b_trains_like_eager(name, layout):
+    """schedule='1f1b' with 2 micro-batches in each dp copy (each unit a stage's shards for one
+    micro-batch, their collectives inside it): the same 3 steps as eager."""
+    _check_trains_like_eager(name, layout, schedule="1f1b", micro_batches=2)
 
 
 def _check_trains_like_eager(name, layout, **options):

@@ -24,6 +24,7 @@ import torch
 
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
+from passes.borrowed_modules import find_module_homes, replicate_borrowed_modules
 from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
 from passes.collectives import find_collective_sites, lower_to_collectives
 from passes.context_parallel import find_sequence_attention, insert_sequence_exchange
@@ -217,9 +218,11 @@ __all__ = [
     "checkpoint_pipeline",
     "dp_copies_pipeline",
     "find_piece_names",
+    "find_module_homes",
     "name_dp_copies",
     "copy_device_maps",
     "find_copy_nodes",
     "place_dp_copies",
+    "replicate_borrowed_modules",
     "place_copies_pipeline",
 ]

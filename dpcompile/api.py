@@ -17,9 +17,11 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule
+from dpcompile.analysis.layout_costs import LayoutSpec
+from dpcompile.analysis.memory import format_budget_up
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
-from dpcompile.devices import parse_device, parse_devices
+from dpcompile.devices import Devices, parse_device, parse_devices
 from dpcompile.errors import DpCompileError, ExampleError
 from dpcompile.fake import has_meta_tensors
 from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
@@ -112,17 +114,20 @@ def transform(
         context_parallel = arguments["context_parallel"]
         batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
     estimate = None
-    if memory_per_device is not None and copies > 1:
+    if memory_per_device is not None and pipeline is not None and is_device_mesh(devices):
         raise ValueError(
-            f"memory_per_device= does not plan a layout of {copies} dp copies over a pipeline or tensor-parallel "
-            "program yet: give mesh= alone (explain(pm, x) reports each device's memory), or memory_per_device= "
-            "alone to choose between data and tensor parallel"
+            "memory_per_device= does not plan pipeline stages over a DeviceMesh yet: give pipeline= alone, or "
+            "plan the layout in one process (a device list with memory_per_device=)"
         )
-    if memory_per_device is not None and pipeline is not None:
-        raise ValueError(
-            "memory_per_device= does not plan pipeline stages yet: give pipeline= alone (explain(pm, x) reports "
-            "each stage's memory), or memory_per_device= alone to choose between data and tensor parallel"
-        )
+    if memory_per_device is not None and (copies > 1 or pipeline is not None):  # a named layout: checked, not chosen
+        layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
+        all_devices = target.canonical_devices() if target is not None else parse_devices(devices)
+        spec = LayoutSpec(tuple((k, layout[k]) for k in ("pp", "dp", "tp") if layout.get(k, 1) > 1),
+                          schedule if pipeline is not None else None, per_copy or micro_batches,
+                          activation_checkpointing not in (False, None))  # fmt: skip
+        estimate = _check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
+                                      _example_tuple(example_inputs), example_kwargs)  # fmt: skip
+        memory_per_device = None  # the layout is the user's: nothing left to choose
     recipe_options = {
         "frontend": frontend, "batch_dim": batch_dim, "output_device": output_device, "leaf_modules": leaf_modules,
         "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
@@ -230,6 +235,33 @@ def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]
         pm.calibration = planned.calibration
         return pm
     raise planned.no_fit_error(len(parsed.labels()))
+
+
+def _check_layout_fits(
+    model: nn.Module, devices: Devices, spec: LayoutSpec, memory_per_device: Any, optimizer: str | None,
+    training: bool, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None,
+) -> Any:  # fmt: skip
+    """The planner's prediction for the layout the user named (a pipeline, dp copies), per device;
+    a ``DpCompileError`` with the arithmetic where it does not fit the budget."""
+    if example_tuple is None and not example_kwargs:
+        raise ValueError(f"memory_per_device= with the layout {dict(spec.layout)} predicts each device's memory from "
+                         "a fake run: give example_inputs= (or example_kwargs=)")  # fmt: skip
+    if not isinstance(model, fx.GraphModule):
+        check_signature(model)
+    check_examples(model, example_tuple, example_kwargs)
+    budgets = device_budgets(devices, memory_per_device)
+    planned = plan_layouts(model, devices.labels(), budgets, optimizer=optimizer, training=training,
+                           example_inputs=example_tuple, example_kwargs=example_kwargs, device=devices.primary,
+                           specs=[spec])  # fmt: skip
+    (candidate,) = planned.candidates
+    if not candidate.fits:
+        least = format_budget_up(candidate.peak) if candidate.per_device else None
+        way_out = f"a budget of at least {least}, " if least else ""
+        raise DpCompileError(
+            f"memory_per_device=: the layout {spec.name} {candidate.rejected}; the way out: {way_out}more devices, "
+            "another layout (plan='auto' with memory_per_device= chooses one), a lighter optimizer or a smaller batch"
+        )
+    return planned.estimate(candidate, optimizer, training)
 
 
 def _compile(
@@ -385,11 +417,6 @@ def _pipeline_recipe(
             **common, mesh=devices, stages=stages, micro_batches=micro, schedule=schedule_name,
             batch_dim=_check_batch_dim(batch_dim), plan=plan,
         )  # fmt: skip
-    if plan is not False and schedule_name == "1f1b":
-        raise DpCompileError(
-            "schedule='1f1b' with tensor_parallel= in one process is not built yet; use schedule='gpipe' "
-            "(the same loss and gradients), or a ('pp', 'tp') DeviceMesh, where 1F1B shards each stage"
-        )
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)
     if plan is not False:  # each stage's layers sharded over its group of devices

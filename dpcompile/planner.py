@@ -139,12 +139,16 @@ def enumerate_layouts(n: int, *, batch: int | None, blocks: bool) -> list[Layout
 def plan_layouts(
     model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
     example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None, device: torch.device,
+    specs: Sequence[LayoutSpec] | None = None,
 ) -> Planned:  # fmt: skip
-    """Every layout of :func:`enumerate_layouts` predicted and judged against ``budgets``."""
+    """Every layout of :func:`enumerate_layouts` (or ``specs``: the layout the user named, its
+    devices ``labels`` in canonical order pp, dp, tp) predicted and judged against ``budgets``."""
     profile = profile_model(model, tuple(example_inputs or ()), example_kwargs, optimizer=optimizer, training=training)
     calibration = calibrate(device)
     candidates = []
-    for spec in enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks)):
+    if specs is None:
+        specs = enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks))
+    for spec in specs:
         prediction = predict(profile, spec, calibration)
         candidate = Candidate(spec)
         if prediction.unbuildable:

@@ -24,6 +24,7 @@ import torch
 
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
+from passes.borrowed_modules import find_module_homes, replicate_borrowed_modules
 from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
 from passes.collectives import find_collective_sites, lower_to_collectives
 from passes.context_parallel import find_sequence_attention, insert_sequence_exchange
@@ -109,12 +110,15 @@ def spmd_pipeline(
     return [functools.partial(lower_to_collectives, mesh=mesh, dp_dim=dp_dim, tp_dim=tp_dim)]
 
 
-def pipeline_parallel_pipeline(options: PipelineOptions, *, plan: StagePlan, micro_batches: int) -> list[Pass]:
+def pipeline_parallel_pipeline(
+    options: PipelineOptions, *, plan: StagePlan, micro_batches: int, split_always: bool = False
+) -> list[Pass]:
     """Lower a tidied graph to one program over the stages' devices: stages stamped, micro-batches
     split as data parallelism splits a batch (over ``micro_batches`` virtual devices), then each
-    stage placed on its device with explicit sends, in GPipe order."""
+    stage placed on its device with explicit sends, in GPipe order. ``split_always``: split even one
+    micro-batch (1F1B backwards each micro-batch's loss *sum*, which the split writes)."""
     out: list[Pass] = [functools.partial(split_stages, plan=plan)]
-    if micro_batches > 1:
+    if micro_batches > 1 or split_always:
         micro = Devices((options.devices.primary,) * micro_batches)
         out.append(functools.partial(insert_scatter_gather, devices=micro, input_dims=options.input_dims,
                                      output_device=options.devices.primary))  # fmt: skip
@@ -215,9 +219,11 @@ __all__ = [
     "checkpoint_pipeline",
     "dp_copies_pipeline",
     "find_piece_names",
+    "find_module_homes",
     "name_dp_copies",
     "copy_device_maps",
     "find_copy_nodes",
     "place_dp_copies",
+    "replicate_borrowed_modules",
     "place_copies_pipeline",
 ]

@@ -203,7 +203,9 @@ class _Rewriter:
                            source=node, layout=NOT_TENSOR)  # fmt: skip
         lse = self.make("call_function", tp_runtime.shard_logsumexp, (logits,), name=f"{node.name}_logsumexp",
                         source=node, layout=Sharded(-1, (1,) * n))  # fmt: skip
-        lse_all = self.make("call_function", collectives.gather_from_shards, (lse, -1, [1] * n),
+        logits_val = node_val(node.args[0])  # the gather's dim spelled non-negative where known: the batch
+        last = logits_val.dim() - 1 if isinstance(logits_val, torch.Tensor) else -1  # rules see it is not dim 0
+        lse_all = self.make("call_function", collectives.gather_from_shards, (lse, last, [1] * n),
                             name=f"{node.name}_logsumexp_all_gather", source=node, layout=REPLICATED)  # fmt: skip
         self.comm(lse_all, "all_gather", None, node)
         picked = self.make("call_function", tp_runtime.shard_target_logit, (logits, target, offset),

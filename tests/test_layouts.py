@@ -160,11 +160,9 @@ def test_layout_dp_composed_over_distinct_devices_places_each_copy():
     assert [str(d) for d in pm.devices] == ["cpu:0", "cpu:2"]
 
 
-def test_layout_dp_composed_keywords_it_cannot_honour_are_refused():
-    """1F1B over tensor-parallel stages and memory planning over dp copies are refused by name."""
-    with pytest.raises(DpCompileError, match="schedule='1f1b' with tensor_parallel= in one process"):
-        dpcompile.transform(Stack(), ["cpu"] * 8, mesh={"pp": 2, "dp": 2, "tp": 2}, schedule="1f1b")
-    with pytest.raises(ValueError, match="memory_per_device= does not plan a layout of 2 dp copies"):
+def test_layout_dp_composed_memory_per_device_needs_examples():
+    """memory_per_device= with dp copies predicts from a fake run: without examples, refused by name."""
+    with pytest.raises(ValueError, match=r"memory_per_device= with the layout \{'dp': 2, 'tp': 2\} predicts"):
         dpcompile.transform(Stack(), ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, memory_per_device="1GiB")
 
 

@@ -166,6 +166,12 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     if not isinstance(pm, ParallelModule):
         raise ValueError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
     pm = both_modes(pm)  # a program exported in one mode captures the other now: the folder serves both
+    if pm.mode in ("pipeline", "pipeline_tensor_parallel"):
+        raise ExportError(
+            "export writes data-parallel and tensor-parallel programs, not a pipeline's yet; the nearest that "
+            "works: torch.save(pm, f) (a one-process pp or pp x dp program pickles whole), or "
+            "dpcompile.save_checkpoint(pm, path) and transform again where it is loaded"
+        )
     if pm.mode not in KINDS:
         raise ExportError(
             f"export writes data-parallel and tensor-parallel programs; a {pm.mode} program (over a mesh) "

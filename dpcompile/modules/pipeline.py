@@ -16,7 +16,6 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.hooks import call_with_hooks
@@ -115,11 +114,15 @@ class PipelineModule(ParallelModule):
         s, m = len(self.stages), self.micro_batches
         return (s - 1) / (m + s - 1)
 
-    def __reduce__(self):
-        raise DpCompileError(
-            "a pipeline program cannot be pickled or exported yet; save the model's state_dict "
-            "(pm.state_dict() has the model's keys) and call dpcompile.transform again where it is loaded"
-        )
+    # ------------------------------------------------------------------ pickling
+    def _extra_state_for_pickle(self) -> dict[str, Any]:
+        """The stages, micro-batches, schedule and plan (names only) beside what the module kind keeps."""
+        pipeline = {name: self.__dict__[name] for name in ("stages", "micro_batches", "schedule", "stage_plan")}
+        return {**super()._extra_state_for_pickle(), "pipeline": pipeline}
+
+    def _restore_extra_state(self, extra: dict[str, Any]) -> None:
+        super()._restore_extra_state({k: v for k, v in extra.items() if k != "pipeline"})
+        self.set_pipeline(**extra["pipeline"])
 
 
 reserve_names(PipelineModule.own_attributes)

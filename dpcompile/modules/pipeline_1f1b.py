@@ -231,14 +231,16 @@ class _StepState:
     def finish(self) -> Any:
         env = _TailEnv(self)
         self.runner.env = env
+        guarded = {self.step.loss}  # the loss, and the loss sent to the output device (not the last stage's)
         for n in self.step.tail:  # only the loss is attached to a graph (the guard below): the rest is detached
             with torch.no_grad():
                 env[n] = self.runner.run_node(n)
-            if n is self.step.loss:
+            if n is self.step.loss or (n.target is runtime.send and n.args[0] in guarded):
                 env[n] = backward_done(env[n])
+                guarded.add(n)
 
         def returned(n: fx.Node) -> Any:  # the loss is guarded above; inputs returned as they are keep their graph
-            if n is self.step.loss or n.op == "placeholder" or not torch.is_grad_enabled():
+            if n in guarded or n.op == "placeholder" or not torch.is_grad_enabled():
                 return env[n]
             return no_gradient_path(env[n], n.meta.get("dpcompile_name", n.name))
 

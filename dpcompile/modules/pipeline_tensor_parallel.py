@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.pipeline import PipelineModule
 from dpcompile.modules.tensor_parallel import TensorParallelModule
@@ -50,6 +51,14 @@ class PipelineTensorParallelModule(PipelineModule, TensorParallelModule):
             for t in tensors:
                 slot_of.setdefault(id(t), slot)
         self.shard_param_slots = {name: slot_of.get(id(p), 0) for name, p in self.named_parameters()}
+
+
+    def __reduce__(self):
+        raise DpCompileError(
+            "a pipeline of tensor-parallel stages (pp x tp, and dp x tp or pp x dp x tp in one process) cannot be "
+            "pickled yet; the nearest that works: torch.save of a pp or pp x dp program, or of a tp program alone; "
+            "for this layout dpcompile.save_checkpoint(pm, path) and transform again where it is loaded"
+        )
 
 
 reserve_names(PipelineTensorParallelModule.own_attributes)

@@ -14,6 +14,7 @@ single-device ones (see ``passes/stage_transfers.py``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from dpcompile.modules.pipeline import PipelineModule, Stage
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace
 from dpcompile.recipes.pipeline_1f1b import one_f_one_b_step
+from passes.borrowed_modules import find_module_homes, node_tensors
 from passes.split_stages import STAGE, StagePlan, follow_plan, stage_programs
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -69,7 +71,7 @@ class PipelineRecipe(Recipe):
         captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
         programs = stage_programs(gm, plan, self.devices.strings())
         lowered = self.lower(gm, plan, self.micro_batches, input_dims, recompile=False)
-        place_stages(lowered, self.devices)
+        place_stages(lowered, self.devices, borrow=True)
         retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
         pm = PipelineModule(
             lowered,
@@ -113,7 +115,8 @@ class PipelineRecipe(Recipe):
         """A captured (and tidied) graph lowered to the pipeline program for ``micro_batches``."""
         pipeline = passes.pipeline_parallel_pipeline(self._options(input_dims), plan=plan, micro_batches=micro_batches)
         finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(self.dp_micro_batches, self.dp_devices)
-        lowered, _ = run_passes(gm, pipeline + finishing, recompile=recompile)
+        borrowing = [functools.partial(passes.replicate_borrowed_modules, devices=self.devices)]
+        lowered, _ = run_passes(gm, pipeline + borrowing + finishing, recompile=recompile)
         return lowered
 
     def trace(self, model: nn.Module, key: CallKey) -> fx.GraphModule:
@@ -137,52 +140,25 @@ class PipelineRecipe(Recipe):
         return one_f_one_b_step(self, pm, key)
 
 
-def place_stages(program: fx.GraphModule, devices: Devices) -> None:
+def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = False) -> None:
     """Move each stage's modules, parameters and buffers to its device, in place (as the PyTorch
-    model-parallel tutorial does: ``self.seq1.to("cuda:0")``). A parameter that two stages on
-    distinct devices read through module calls cannot live on both: refused, with the way out."""
-    modules = dict(program.named_modules())
-    home: dict[int, tuple[int, str]] = {}
+    model-parallel tutorial does: ``self.seq1.to("cuda:0")``). A module whose tensors an earlier
+    stage on another device holds (tied weights) stays there: with ``borrow`` the later stage calls
+    a replica of it (``passes/borrowed_modules.py``), without it the call is refused, with the way out."""
+    homes = find_module_homes(program, devices)
     moves: list[tuple[nn.Module | None, str, torch.Tensor, int]] = []
-    for node in program.graph.nodes:
-        if node.op not in ("call_module", "get_attr") or STAGE not in node.meta:
-            continue
-        s = node.meta[STAGE]
-        if node.op == "call_module":
-            owner = modules[node.target]
-            tensors = [
-                (m, name, t)
-                for m in owner.modules()
-                for name, t in [*m._parameters.items(), *m._buffers.items()]
-                if t is not None
-            ]
-        else:
-            parent_path, _, name = str(node.target).rpartition(".")
-            parent = program.get_submodule(parent_path)
-            value = getattr(parent, name)
-            if isinstance(value, nn.Module):
-                tensors = [
-                    (m, n, t)
-                    for m in value.modules()
-                    for n, t in [*m._parameters.items(), *m._buffers.items()]
-                    if t is not None
-                ]
-            elif isinstance(value, torch.Tensor):
-                tensors = [(parent, name, value)]
-            else:
-                tensors = []
-        for module, name, tensor in tensors:
-            if id(tensor) in home:
-                first, where = home[id(tensor)]
-                if devices[first] != devices[s] and node.op == "call_module":
-                    raise DpCompileError(
-                        f"'{where}' (stage {first}, {devices[first]}) and '{node.target}' (stage {s}, {devices[s]}) both "
-                        f"hold the tensor '{name}' (tied weights, or a module called in two stages); it cannot live on "
-                        "both devices. Name stage boundaries (pipeline=[...module paths...]) that keep both in one stage"
-                    )
-                continue
-            home[id(tensor)] = (s, str(node.target))
-            moves.append((module, name, tensor, s))
+    seen: set[int] = set()
+    for node, s in homes.items():
+        if not borrow and node.op == "call_module" and s != node.meta[STAGE]:
+            raise DpCompileError(
+                f"'{node.target}' (stage {node.meta[STAGE]}, {devices[node.meta[STAGE]]}) holds a tensor stage {s} "
+                f"({devices[s]}) holds too (tied weights, or a module called in two stages); it cannot live on both "
+                "devices. Name stage boundaries (pipeline=[...module paths...]) that keep both in one stage"
+            )
+        for module, name, tensor in node_tensors(program, node):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                moves.append((module, name, tensor, s))
     for module, name, tensor, s in moves:
         device = devices[s]
         if tensor.device == device:

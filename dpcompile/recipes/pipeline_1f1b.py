@@ -38,6 +38,7 @@ def one_f_one_b_step(recipe: Any, pm: Any, key: CallKey) -> OneFOneBStep:
         functools.partial(passes.insert_stage_transfers, plan=plan, devices=recipe.devices,
                           micro_batches=key.devices, output_device=recipe.output_device),
         *passes.exact_random_pipeline(passes.PipelineOptions(devices=recipe.devices, exact_random=recipe.exact_random)),
+        functools.partial(passes.replicate_borrowed_modules, devices=recipe.devices),
     ]  # fmt: skip
     finishing = passes.checkpoint_pipeline(recipe.checkpointed, recipe.checkpoint_save) + passes.dp_copies_pipeline(recipe.dp_micro_batches, recipe.dp_devices)
     program, _ = run_passes(gm, lowering + finishing)

@@ -45,6 +45,7 @@ from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.pipeline import Stage
+from dpcompile.modules.pipeline_1f1b import OneFOneBStep
 from dpcompile.modules.pipeline_tensor_parallel import PipelineTensorParallelModule
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
@@ -58,7 +59,7 @@ from dpcompile.recipes.tensor_parallel import (
     tied_state_keys,
     unaliased_findings,
 )
-from passes.split_stages import StagePlan, stage_programs
+from passes.split_stages import STAGE, StagePlan, stage_programs
 from passes.stage_shards import (
     borrow_shapes,
     inside_sharded_regions,
@@ -197,7 +198,9 @@ class PipelineTensorParallelRecipe(Recipe):
         options = passes.PipelineOptions(
             devices=stage_devices, input_dims=dict(input_dims), output_device=self.output_device
         )
-        pipeline = passes.pipeline_parallel_pipeline(options, plan=plan, micro_batches=micro_batches)
+        pipeline = passes.pipeline_parallel_pipeline(
+            options, plan=plan, micro_batches=micro_batches, split_always=self.schedule == "1f1b"
+        )
         lowered, _ = run_passes(gm, pipeline, recompile=False)
         restore_shard_layouts(lowered, found, specs)
         expand = passes.tensor_parallel_pipeline(
@@ -241,6 +244,16 @@ class PipelineTensorParallelRecipe(Recipe):
             if built.code == pm.code
             else graph_module(pm, copy_graph(built.graph), "PipelineTensorParallelVariant")
         )
+
+
+    def one_f_one_b_step(self, pm: PipelineTensorParallelModule, key: CallKey) -> OneFOneBStep:
+        """The 1F1B step of a training call as ``key``: the program the call runs (lowered with its
+        micro-batches split even where there is one, see :meth:`lower`), run as units of one stage
+        and micro-batch, each unit's shards and their collectives together."""
+        program = pm.program_cache.program(key, (), {})
+        program = pm if program is None else program
+        stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
+        return OneFOneBStep(program, stage_of, self.stage_count, key.devices)
 
 
 def stage_groups(devices: Devices, stages: int) -> list[Devices]:

@@ -138,3 +138,57 @@ def test_memory_plan_of_a_meta_model(budget, strategy):
     real = dpcompile.transform(_mlp(), ["cpu", "cpu"], example_inputs=(X,), memory_per_device=budget, optimizer="adamw")
     assert pm.strategy == real.strategy == strategy and pm.needs_weights
     assert pm.memory_plan.per_device == real.memory_plan.per_device
+
+
+class Residual(nn.Module):
+    """Four residual MLP blocks and a classification loss: a model a pipeline cuts between blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x, labels):
+        for layer in self.layers:
+            x = x + layer(x)
+        return nn.functional.cross_entropy(self.head(x), labels)
+
+
+NAMED_LAYOUTS = [
+    (2, {"pipeline": 2}),
+    (2, {"pipeline": 2, "micro_batches": 4, "schedule": "1f1b"}),
+    (4, {"mesh": {"pp": 2, "dp": 2}}),
+    (4, {"mesh": {"dp": 2, "tp": 2}}),
+]
+
+
+@pytest.mark.parametrize(("n", "layout"), NAMED_LAYOUTS, ids=["pp", "pp_1f1b", "pp_dp", "dp_tp"])
+def test_memory_plan_of_a_named_layout_is_within_30_percent_of_measure(n, layout):
+    """memory_per_device= with a pipeline or dp copies builds that layout and predicts every device's
+    bytes; on each device measure reports (a dp layout's: copy 0's) the prediction is within 30% of
+    one measured training step."""
+    torch.manual_seed(0)
+    x, labels = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    pm = dpcompile.transform(Residual(), ["cpu"] * n, memory_per_device="1GiB", example_inputs=(x, labels), **layout)
+    predicted = {d: sum(kinds.values()) for d, kinds in pm.memory_plan.per_device.items()}
+    assert sorted(predicted) == [f"cpu#{i}" for i in range(n)]
+    measured = dpcompile.measure(pm, x, labels).peak_bytes
+    for device, peak in measured.items():
+        assert abs(predicted[device] - peak) <= 0.3 * peak, (device, predicted, measured)
+
+
+def test_memory_plan_of_a_named_layout_that_does_not_fit_says_the_budget_and_builds_nothing():
+    """A pp x dp layout over a budget it exceeds: the error names the layout, the device and the
+    budget that fits (which then builds); the model is left as it was."""
+    torch.manual_seed(0)
+    model, x, labels = Residual(), torch.randn(32, 64), torch.randint(0, 10, (32,))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DpCompileError, match=r"layout pp2xdp2 gpipe mb1 does not fit: .* predicted on cpu#\d > "
+                                             r"100.00 KiB; the way out: a budget of at least ([\d.]+ KiB)") as caught:
+        dpcompile.transform(model, ["cpu"] * 4, mesh={"pp": 2, "dp": 2}, memory_per_device="100KiB",
+                            example_inputs=(x, labels))  # fmt: skip
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    budget = re.search(r"at least ([\d.]+ KiB)", str(caught.value)).group(1).replace(" ", "")
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"pp": 2, "dp": 2}, memory_per_device=budget,
+                             example_inputs=(x, labels))  # fmt: skip
+    assert pm.layout == {"pp": 2, "dp": 2}

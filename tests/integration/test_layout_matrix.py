@@ -7,6 +7,8 @@ outputs. (float64 models, so equal means equal up to float64 rounding.)"""
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 import warnings
 
 import pytest
@@ -15,6 +17,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile.capture import capture_model
+from dpcompile.errors import DpCompileError
 from tests.helpers import full_gradients
 from tests.thirdparty import import_or_skip
 
@@ -121,9 +124,20 @@ def test_layout_matrix_trains_like_eager(name, layout):
     _check_trains_like_eager(name, layout)
 
 
-def test_layout_matrix_pp_dp_1f1b_trains_like_eager():
-    """pp x dp with schedule='1f1b' and 2 micro-batches in each dp copy: the same 3 steps as eager."""
-    _check_trains_like_eager("mlp", {"pp": 2, "dp": 2}, schedule="1f1b", micro_batches=2)
+ONE_F_ONE_B = [
+    ("mlp", {"pp": 2, "dp": 2}),
+    ("mlp", {"pp": 2, "tp": 2}),
+    pytest.param("gpt2", {"pp": 2, "tp": 2}, marks=pytest.mark.slow),
+    pytest.param("llama", {"pp": 2, "tp": 2}, marks=pytest.mark.slow),
+    ("mlp", {"pp": 2, "dp": 2, "tp": 2}),
+]
+
+
+@pytest.mark.parametrize(("name", "layout"), ONE_F_ONE_B, ids=lambda v: v if isinstance(v, str) else "x".join(v))
+def test_layout_matrix_1f1b_trains_like_eager(name, layout):
+    """schedule='1f1b' with 2 micro-batches in each dp copy (each unit a stage's shards for one
+    micro-batch, their collectives inside it): the same 3 steps as eager."""
+    _check_trains_like_eager(name, layout, schedule="1f1b", micro_batches=2)
 
 
 def _check_trains_like_eager(name, layout, **options):
@@ -158,6 +172,41 @@ def _check_trains_like_eager(name, layout, **options):
         # near-zero gradient (a rare token's embedding row, summed in another order) shows at ~1e-7
         torch.testing.assert_close(state[key], value, **PARAMETER_TOLERANCE.get(name, {"rtol": 1e-5, "atol": 1e-6}),
                                    msg=lambda m, key=key: f"{key} after 3 steps: {m}")
+
+
+@pytest.mark.parametrize("options", [{"mesh": {"pp": 2}, "micro_batches": 2},
+                                     {"mesh": {"pp": 2}, "micro_batches": 2, "schedule": "1f1b"},
+                                     {"mesh": {"pp": 2, "dp": 2}}], ids=["pp", "pp_1f1b", "pp_dp"])  # fmt: skip
+def test_layout_matrix_pipeline_pickles_with_its_outputs_and_gradients(options):
+    """torch.save / torch.load of a one-process pipeline: the copy's loss and every gradient equal the
+    original's, and it is the same kind of program (stages, schedule)."""
+    make, kwargs, model, initial, _ = _captured("mlp")
+    model.load_state_dict(initial)
+    layout = options["mesh"]
+    pm = _transform(copy.deepcopy(model), layout, kwargs, **{k: v for k, v in options.items() if k != "mesh"})
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert (type(loaded).__mro__[1:], len(loaded.stages), loaded.schedule) == (type(pm).__mro__[1:], 2, pm.schedule)
+    losses = []
+    for program in (pm, loaded):
+        losses.append(_loss(program(**kwargs)))
+        losses[-1].backward()
+    torch.testing.assert_close(losses[1].detach(), losses[0].detach())
+    for (name, p), q in zip(pm.named_parameters(), loaded.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_layout_matrix_cells_that_do_not_pickle_name_the_nearest_that_does(tmp_path):
+    """Tensor-parallel stages (pp x tp, dp x tp) refuse pickling, and every pipeline refuses export,
+    each naming what works (docs/layouts.md's table)."""
+    make, kwargs, model, initial, _ = _captured("mlp")
+    for layout in ({"pp": 2, "tp": 2}, {"dp": 2, "tp": 2}):
+        with pytest.raises(DpCompileError, match="torch.save of a pp or pp x dp program"):
+            pickle.dumps(_transform(copy.deepcopy(model), layout, kwargs))
+    with pytest.raises(DpCompileError, match=r"torch.save\(pm, f\) \(a one-process pp or pp x dp program"):
+        dpcompile.export(_transform(copy.deepcopy(model), {"pp": 2}, kwargs), tmp_path / "pp")
 
 
 META_CELLS = [("mlp", layout) for layout in LAYOUTS + COMPOSED] + [("gpt2", LAYOUTS[-1]), ("llama", LAYOUTS[-1])]

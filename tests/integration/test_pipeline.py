@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcompile
-from dpcompile.errors import DpCompileError
 
 CONFIGS = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)]  # (stages, micro-batches)
 
@@ -147,12 +146,6 @@ def test_pipeline_stage_count_must_match_devices():
     """pipeline=3 on 2 devices is refused with the arithmetic."""
     with pytest.raises(ValueError, match="makes 3 stages, but 2 devices were given"):
         dpcompile.transform(Stack(depth=4), ["cpu"] * 2, pipeline=3)
-
-
-def test_pipeline_one_process_refuses_1f1b_with_tensor_parallel():
-    """What one process does not serve yet says so."""
-    with pytest.raises(DpCompileError, match="1f1b' with tensor_parallel= in one process is not built yet"):
-        dpcompile.transform(Stack(), ["cpu"] * 4, pipeline=2, tensor_parallel=True, schedule="1f1b")
 
 
 def test_pipeline_planner_balances_a_uniform_stack():

@@ -23,6 +23,7 @@ import dpcompile
 from dpcompile.capture import capture_model
 from dpcompile.errors import DpCompileError
 from dpcompile.modules.pipeline_1f1b import one_f_one_b_order
+from tests.helpers import full_gradients
 from tests.integration.test_pipeline import BNCNN, Stack, _grads_equal, _stack_inputs
 from tests.thirdparty import import_or_skip
 
@@ -207,6 +208,27 @@ def test_1f1b_loss_backward_once_adds_nothing_else_refused_and_forward_only_with
     reference.eval()
     torch.testing.assert_close(pm(x, labels)[1].detach(), reference(x, labels)[1].detach())
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("options", [{}, {"tensor_parallel": True}], ids=["pp", "pp_tp"])
+def test_1f1b_loss_sent_to_an_output_device_off_the_last_stage_backwards_once(options):
+    """On distinct device names the loss is sent from the last stage (cpu:1, or cpu:2-3) to the output
+    device (cpu:0): loss.backward() on it adds nothing, as on the last stage's device; eager's gradients."""
+    torch.manual_seed(0)
+    reference = Stack().double()
+    model = copy.deepcopy(reference)
+    devices = [f"cpu:{i}" for i in range(4 if options else 2)]
+    pm = dpcompile.transform(model, devices, pipeline=2, micro_batches=2, schedule="1f1b", **options)
+    x, labels = _stack_inputs()
+    _, loss = pm(x.double(), labels)
+    assert "_out = dpcompile_runtime_send(" in pm.code  # the loss leaves the last stage's device
+    loss.backward()
+    _, expected = reference(x.double(), labels)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    grads = full_gradients(pm) if options else {name: p.grad for name, p in model.named_parameters()}
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
 def test_1f1b_refuses_batchnorm_in_training_and_outputs_without_a_loss():

@@ -86,6 +86,22 @@ class BNStack(nn.Module):
         return self.fc4(F.relu(self.fc3(h))).sum()
 
 
+@pytest.mark.parametrize(("micro", "batch"), [(1, 7), (4, 3)])
+def test_pipeline_tensor_parallel_1f1b_equals_eager(micro, batch):
+    """schedule='1f1b' with one micro-batch, and with a batch below micro_batches (a program built
+    for the call): the call backwards the mean loss; logits, loss and every gradient as eager."""
+    reference = Stack().double()
+    x, labels = _inputs(batch)
+    pm = dpcompile.transform(copy.deepcopy(reference), ["cpu"] * 4, pipeline=2, tensor_parallel=True,
+                             micro_batches=micro, schedule="1f1b", example_inputs=_inputs())  # fmt: skip
+    logits, loss = pm(x, labels)
+    expected_logits, expected = reference(x, labels)
+    expected.backward()
+    torch.testing.assert_close(logits, expected_logits)
+    torch.testing.assert_close(loss, expected)
+    _assert_gradients_equal(pm, reference)
+
+
 def test_pipeline_tensor_parallel_batchnorm_uses_whole_batch_statistics():
     """The micro-batches meet at BatchNorm (whole-batch statistics, running stats updated once)."""
     reference = BNStack().double()

@@ -5,8 +5,9 @@ pipeline stage that is tensor parallel runs them per micro-batch
 (``transform(..., pipeline=2, tensor_parallel=True)``, :mod:`dpcompile.recipes.pipeline_tensor_parallel`).
 
 ``gather_from_shards(x, dim, sizes)`` and ``split_to_shards`` are per sample where ``dim`` is not the
-batch dim; a vocab-parallel ``cross_entropy_from_parts`` that reduces (mean, sum) runs once, on the
-gathered batch (its parts are a few numbers per row).
+batch dim; a vocab-parallel ``cross_entropy_from_parts`` with ``reduction="sum"`` (the export
+frontend's mean is ``sum / count``) is a partial sum per micro-batch, so each micro-batch reaches
+its loss on its own (1F1B); a mean runs once, on the gathered batch (its count is the valid rows).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.third_party import per_sample
-from dpcompile.analysis.placement import Placement, Split, Whole
+from dpcompile.analysis.placement import Partial, Placement, Split, Whole
 from dpcompile.runtime import collectives
 from dpcompile.runtime import tensor_parallel as tp_runtime
 
@@ -40,12 +41,15 @@ def last_dim(ctx: RuleContext) -> Placement | None:
 
 
 def cross_entropy_from_parts(ctx: RuleContext) -> Placement | None:
-    """Per row with ``reduction="none"``; a mean or sum over the rows needs them all: whole."""
+    """Per row with ``reduction="none"``; a sum over rows split on dim 0 is a partial sum; a mean
+    (its count is the rows whose target is not ignored) needs them all: whole."""
     reduction = ctx.arg(3, "reduction", "mean")
-    if reduction == "none":
-        return per_sample(ctx)
     p = per_sample(ctx)
-    return Whole(reason=f"vocab-parallel cross_entropy(reduction={reduction!r}) reduces over the batch") if p else None
+    if reduction == "none" or p is None:
+        return p
+    if reduction == "sum" and isinstance(p, Split) and p.dim == 0:
+        return Partial("sum")
+    return Whole(reason=f"vocab-parallel cross_entropy(reduction={reduction!r}) reduces over the batch")
 
 
 for _function in (collectives.copy_to_shards, collectives.reduce_from_shards, tp_runtime.add_bias,

@@ -239,11 +239,20 @@ class _Expander:
                 self.per_device[node] = self.split(self.comm(new, node), node)
             elif target is collectives.split_to_shards:
                 x, dim, sizes = node.args[:3]
-                new = self.make("call_function", tp_runtime.split_to_devices, (self.whole_of(x), dim, list(sizes), self.devices.strings()), name=node.name, source=node)
+                split = tp_runtime.split_sequence_to_devices if node.meta.get("dpcompile_sequence_split") else tp_runtime.split_to_devices
+                new = self.make("call_function", split, (self.whole_of(x), dim, list(sizes), self.devices.strings()), name=node.name, source=node)
                 self.per_device[node] = self.split(self.comm(new, node), node)
             elif target is collectives.reduce_from_shards:
                 new = self.make("call_function", tp_runtime.reduce_to_device, (list(self.per_device[node.args[0]]), self.primary), name=node.name, source=node)
                 self.whole[node] = self.comm(new, node)
+            elif target is collectives.reduce_scatter_to_shards:
+                x, dim, sizes = node.args[:3]
+                new = self.make("call_function", tp_runtime.reduce_scatter_to_devices, (list(self.per_device[x]), dim, list(sizes), self.devices.strings()), name=node.name, source=node)
+                self.per_device[node] = self.split(self.comm(new, node), node)
+            elif target is collectives.all_gather_to_shards:
+                x, dim = node.args[:2]
+                new = self.make("call_function", tp_runtime.all_gather_to_devices, (list(self.per_device[x]), dim, self.devices.strings()), name=node.name, source=node)
+                self.per_device[node] = self.split(self.comm(new, node), node)
             elif target is collectives.gather_from_shards:
                 x, dim = node.args[:2]
                 new = self.make("call_function", tp_runtime.gather_to_device, (list(self.per_device[x]), dim, self.primary), name=node.name, source=node)
@@ -275,8 +284,9 @@ def _stamp_cols(new: fx.Node, source: fx.Node, layout: Any, k: int) -> fx.Node:
         new.meta["dpcompile_cols"] = (k, layout.dim, tuple(layout.sizes)) if layout.sections == 1 else "sections"
     else:
         new.meta["dpcompile_cols"] = (k, None, None)
-    if "dpcompile_rows" in source.meta:
-        new.meta["dpcompile_rows"] = source.meta["dpcompile_rows"]
+    for key in ("dpcompile_rows", "dpcompile_sequence"):  # the sequence: shard_sequence's values
+        if key in source.meta:
+            new.meta[key] = source.meta[key]
     return new
 
 

@@ -12,6 +12,10 @@ call                    forward                      backward
 ``reduce_from_shards``  all-reduce (sum) (*g*)        identity
 ``gather_from_shards``  all-gather along ``dim``      keep this shard's slice
 ``split_to_shards``     keep this shard's slice       all-gather along ``dim``
+``reduce_scatter_to_``  sum, keep this shard's slice  all-gather along ``dim``
+``shards``              (sequence parallel's *g*)
+``all_gather_to_``      all-gather along ``dim``,     reduce-scatter along ``dim``
+``shards``              whole on every shard (*f*)
 ``local_size``          ``sizes[rank]`` (an int)      (not a tensor)
 ``local_offset``        ``sum(sizes[:rank])``         (not a tensor)
 ======================  ===========================  ===============================
@@ -24,6 +28,8 @@ and ``split`` move nothing; ``dpcompile.analysis.cost`` knows them):
 ``reduce_from_shards``  ``Comm("all_reduce")``
 ``gather_from_shards``  ``Comm("all_gather")``
 ``split_to_shards``     ``Comm("split", backward="all_gather")``
+``reduce_scatter_...``  ``Comm("reduce_scatter", backward="all_gather")``
+``all_gather_to_...``   ``Comm("all_gather", backward="reduce_scatter")``
 ======================  ====================================
 
 ``sizes`` lists every shard's extent along ``dim`` (``[4, 3, 3]`` for 10 features over 3
@@ -55,11 +61,13 @@ from torch.autograd import Function
 
 __all__ = [
     "COLLECTIVES",
+    "all_gather_to_shards",
     "copy_to_shards",
     "gather_from_shards",
     "local_offset",
     "local_size",
     "reduce_from_shards",
+    "reduce_scatter_to_shards",
     "split_to_shards",
 ]
 
@@ -163,6 +171,28 @@ class _SplitToShards(Function):
         return _all_gather(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
+class _ReduceScatterToShards(Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group):
+        ctx.dim, ctx.sizes, ctx.group = dim, list(sizes), group
+        return _own_slice(_all_reduce(x, group), dim, sizes, group).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
+
+
+class _AllGatherToShards(Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group):
+        ctx.dim, ctx.sizes, ctx.group = dim, list(sizes), group
+        return _all_gather(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(_all_reduce(grad, ctx.group), ctx.dim, ctx.sizes, ctx.group).clone(), None, None, None
+
+
 def copy_to_shards(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Megatron's *f*, on the input of a column-parallel region.
 
@@ -201,6 +231,24 @@ def split_to_shards(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Any 
     return _SplitToShards.apply(x, dim, tuple(sizes), group)
 
 
+def reduce_scatter_to_shards(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Any = None) -> torch.Tensor:
+    """Sequence parallelism's *g*, on the output of a row-parallel layer: sum the shards' partial
+    results and keep this shard's slice of the sum along ``dim`` (the sequence).
+
+    Forward: reduce-scatter. Backward: all-gather of the gradient slices along ``dim``.
+    """
+    return _ReduceScatterToShards.apply(x, dim, tuple(sizes), group)
+
+
+def all_gather_to_shards(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Any = None) -> torch.Tensor:
+    """Sequence parallelism's *f*, on the input of a column-parallel layer: every shard gets the
+    whole tensor from the slices along ``dim`` (the sequence) each holds.
+
+    Forward: all-gather. Backward: reduce-scatter (sum the shards' gradients, keep this slice).
+    """
+    return _AllGatherToShards.apply(x, dim, tuple(sizes), group)
+
+
 def local_size(sizes: Sequence[int], group: Any = None) -> int:
     """This shard's extent of a sharded dimension: ``sizes[rank]``.
 
@@ -220,5 +268,7 @@ def local_offset(sizes: Sequence[int], group: Any = None) -> int:
     return _offset(sizes, rank)
 
 
-COLLECTIVES = (copy_to_shards, reduce_from_shards, gather_from_shards, split_to_shards)
+COLLECTIVES = (
+    copy_to_shards, reduce_from_shards, gather_from_shards, split_to_shards, reduce_scatter_to_shards, all_gather_to_shards,
+)
 """The tensor-valued collectives; ``local_size`` is a shape helper, not a collective."""

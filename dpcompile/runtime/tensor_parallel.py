@@ -122,6 +122,52 @@ def split_to_devices(
     return tuple(_move(shard_of(x, spec, k), torch.device(d)) for k, d in enumerate(devices))
 
 
+def _sequence_sizes(length: int, sizes: Sequence[int]) -> list[int]:
+    """``sizes`` where they cover ``length``; else the balanced ``tensor_split`` sizes of ``length``
+    (a call with another sequence length than the example's)."""
+    if sum(sizes) == length:
+        return list(sizes)
+    n = len(sizes)
+    return [length // n + (1 if k < length % n else 0) for k in range(n)]
+
+
+def reduce_scatter_to_devices(
+    partials: Sequence[torch.Tensor], dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
+) -> tuple[torch.Tensor, ...]:
+    """Sequence parallelism's *g*: slice ``k`` along ``dim`` of the sum of ``partials``, on device
+    ``k`` (only that slice is summed there). Backward: the slices' gradients gathered (all-gather)."""
+    sizes = _sequence_sizes(partials[0].size(dim), sizes)
+    offsets = ShardSpec(dim, tuple(sizes)).offsets()
+    out = []
+    for k, d in enumerate(devices):
+        device = torch.device(d)
+        total = _move(partials[0].narrow(dim, offsets[k], sizes[k]), device)
+        for p in partials[1:]:
+            total = total + _move(p.narrow(dim, offsets[k], sizes[k]), device)
+        out.append(total if len(partials) > 1 else total.clone())
+    return tuple(out)
+
+
+def split_sequence_to_devices(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
+) -> tuple[torch.Tensor, ...]:
+    """Slice ``k`` of ``x`` along the sequence ``dim`` on device ``k``, balanced over the call's own
+    length (``sizes`` are the example's). Backward concatenates."""
+    return split_to_devices(x, dim, _sequence_sizes(x.size(dim), sizes), devices)
+
+
+def all_gather_to_devices(shards: Sequence[torch.Tensor], dim: int, devices: Sequence[DeviceLike]) -> tuple[torch.Tensor, ...]:
+    """Sequence parallelism's *f*: the slices concatenated along ``dim``, whole on every device (one
+    tensor shared where the devices are one: virtual devices). Backward: the copies' gradients summed,
+    each device keeping its slice (reduce-scatter)."""
+    targets = [torch.device(d) for d in devices]
+    whole: dict[torch.device, torch.Tensor] = {}
+    for device in targets:
+        if device not in whole:
+            whole[device] = torch.cat([_move(s, device) for s in shards], dim)
+    return tuple(whole[d] for d in targets)
+
+
 def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``x + bias``: the bias a row-parallel Linear adds once, after the reduction, in the dtype
     ``F.linear`` would give: under ``torch.autocast`` the bias joins ``x``'s (bfloat16) dtype

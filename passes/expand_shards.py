@@ -135,7 +135,9 @@ def _move_whole_state(gm: fx.GraphModule, device: torch.device, *, skip: set[str
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and (node.target in collectives.COLLECTIVES or node.target in (collectives.local_size, collectives.local_offset))
+    return node.op == "call_function" and (
+        node.target in collectives.COLLECTIVES or node.target in (collectives.local_size, collectives.local_offset, collectives.whole_size)
+    )
 
 
 def _materialize_shards(gm: fx.GraphModule, specs: Mapping[str, ShardSpec], devices: Devices) -> None:
@@ -253,6 +255,17 @@ class _Expander:
                 x, dim = node.args[:2]
                 new = self.make("call_function", tp_runtime.all_gather_to_devices, (list(self.per_device[x]), dim, self.devices.strings()), name=node.name, source=node)
                 self.per_device[node] = self.split(self.comm(new, node), node)
+            elif target is collectives.linear_of_gathered:
+                gathered, x, weight, bias, dim, _sizes, transposed = node.args[:7]
+                self.per_device[node] = [
+                    _stamp_cols(self.make("call_function", tp_runtime.linear_of_gathered, (
+                        self.on_device(gathered, k), list(self.per_device[x]), self.on_device(weight, k),
+                        self.on_device(bias, k), dim, transposed), name=f"{node.name}_dev{k}", source=node), node, layout, k)
+                    for k in range(self.n)
+                ]  # fmt: skip
+            elif target is collectives.whole_size:
+                x, dim, _sizes, index = node.args[:4]
+                self.whole[node] = self.make("call_function", tp_runtime.whole_size, (list(self.per_device[x]), dim, index), name=node.name, source=node)
             elif target is collectives.gather_from_shards:
                 x, dim = node.args[:2]
                 new = self.make("call_function", tp_runtime.gather_to_device, (list(self.per_device[x]), dim, self.primary), name=node.name, source=node)

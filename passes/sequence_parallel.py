@@ -54,6 +54,7 @@ from dpcompile.analysis.sharding import REPLICATED as WHOLE
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import collectives
+from dpcompile.runtime import tensor_parallel as tp_runtime
 
 PASS = "shard_sequence"
 SEQ = 1  # batch-first values: (batch, seq, ...)
@@ -90,7 +91,7 @@ def _whole(node: fx.Node) -> bool:
 
 def _is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in collectives.COLLECTIVES or node.target in (
-        collectives.local_size, collectives.local_offset))  # fmt: skip
+        collectives.local_size, collectives.local_offset, collectives.whole_size))  # fmt: skip
 
 
 def _sequence_dims(node: fx.Node, out_ndim: int, length: int) -> list[int]:
@@ -213,6 +214,12 @@ def shard_sequence(gm: fx.GraphModule, *, devices: Devices) -> PassResult:
     return PassResult(gm, True, info)
 
 
+def _column_call(node: fx.Node, gathered: fx.Node) -> bool:
+    """``node`` is a sharded layer's call on ``gathered`` (``F.linear`` or a Conv1D's ``linear_in_out``)."""
+    return (node.op == "call_function" and node.target in (torch.nn.functional.linear, tp_runtime.linear_in_out)
+            and node.args[:1] == (gathered,) and gathered not in node.args[1:])  # fmt: skip
+
+
 class _Rewriter:
     """Rewrites the region in place: seeds, the region's operands, and its exits."""
 
@@ -246,6 +253,23 @@ class _Rewriter:
             node.meta[SEQUENCE_MARK] = True
         for node in self.region.nodes:
             self._exits(node)
+        for gathered in [g for g in self.all_gathers if g.target is collectives.all_gather_to_shards]:
+            self._save_slices(gathered)
+
+    def _save_slices(self, gathered: fx.Node) -> None:
+        """The column layers reading an all-gathered input keep this shard's slice for backward, not the
+        whole (``linear_of_gathered``), where every user is one."""
+        users = list(gathered.users)
+        if not users or not all(_column_call(u, gathered) for u in users):
+            return
+        x = gathered.args[0]
+        for user in users:
+            weight = user.args[1] if len(user.args) > 1 else user.kwargs["weight"]
+            bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
+            transposed = user.target is tp_runtime.linear_in_out
+            user.target = collectives.linear_of_gathered
+            user.args, user.kwargs = (gathered, x, weight, bias, SEQ, self.sizes, transposed), {}
+            stamp(user, PASS, user)
 
     def _operands(self, node: fx.Node) -> None:
         sliced = self.region.sliced.get(node, {})
@@ -290,7 +314,22 @@ class _Rewriter:
                 stamp_comm(user, "all_gather", backward="reduce_scatter")
                 self.all_gathers.append(user)
                 continue
+            if self._reads_shape(node, user):
+                continue
             user.replace_input_with(node, self._gather(node))
+
+    def _reads_shape(self, node: fx.Node, user: fx.Node) -> bool:
+        """``node.shape`` / ``node.size(i)`` becomes the whole tensor's, read without gathering it."""
+        if user.op == "call_function" and user.target is getattr and user.args[1:] == ("shape",):
+            index = None
+        elif user.op == "call_method" and user.target == "size" and len(user.args) <= 2 and not user.kwargs:
+            index = user.args[1] if len(user.args) == 2 else None
+        else:
+            return False
+        user.op, user.target = "call_function", collectives.whole_size
+        user.args = (node, SEQ, self.sizes, index)
+        stamp(user, PASS, node)
+        return True
 
     def _gather(self, node: fx.Node) -> fx.Node:
         if node not in self.gathers:

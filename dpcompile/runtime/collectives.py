@@ -65,10 +65,12 @@ __all__ = [
     "copy_to_shards",
     "gather_from_shards",
     "local_offset",
+    "linear_of_gathered",
     "local_size",
     "reduce_from_shards",
     "reduce_scatter_to_shards",
     "split_to_shards",
+    "whole_size",
 ]
 
 
@@ -247,6 +249,49 @@ def all_gather_to_shards(x: torch.Tensor, dim: int, sizes: Sequence[int], group:
     Forward: all-gather. Backward: reduce-scatter (sum the shards' gradients, keep this slice).
     """
     return _AllGatherToShards.apply(x, dim, tuple(sizes), group)
+
+
+class _LinearOfGathered(Function):
+    @staticmethod
+    def forward(ctx, gathered, x, weight, bias, dim, sizes, transposed, group):
+        ctx.dim, ctx.sizes, ctx.transposed, ctx.group, ctx.has_bias = dim, list(sizes), transposed, group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return _linear(gathered, weight, bias, transposed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = _all_gather(x, ctx.dim, ctx.sizes, ctx.group)  # gathered again, not saved
+        grad_input = grad @ weight if not ctx.transposed else grad @ weight.t()
+        flat_grad, flat_in = grad.reshape(-1, grad.shape[-1]), whole.reshape(-1, whole.shape[-1])
+        grad_weight = flat_grad.t() @ flat_in if not ctx.transposed else flat_in.t() @ flat_grad
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_input, None, grad_weight, grad_bias, None, None, None, None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    if not transposed:
+        return torch.nn.functional.linear(x, weight, bias)
+    out = x @ weight
+    return out if bias is None else out + bias
+
+
+def linear_of_gathered(
+    gathered: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,
+    sizes: Sequence[int], transposed: bool = False, group: Any = None,
+) -> torch.Tensor:  # fmt: skip
+    """A column layer on ``gathered`` (the all-gather of ``x``, this shard's sequence slice) that saves
+    ``x`` for backward, not ``gathered``, and all-gathers it again there (Megatron's sequence parallel
+    linear). ``transposed``: ``weight`` is ``(in, out)`` (transformers' Conv1D)."""
+    return _LinearOfGathered.apply(gathered, x, weight, bias, dim, tuple(sizes), transposed, group)
+
+
+def whole_size(x: torch.Tensor, dim: int, sizes: Sequence[int], index: int | None = None) -> Any:
+    """``x.size(index)`` (``x.shape`` where ``index`` is None) of the whole tensor whose slices along
+    ``dim`` the shards hold (``sizes``): ``x.shape`` read without gathering ``x``."""
+    shape = list(x.shape)
+    shape[dim % x.dim()] = sum(sizes)
+    return torch.Size(shape) if index is None else shape[index]
 
 
 def local_size(sizes: Sequence[int], group: Any = None) -> int:

@@ -134,7 +134,7 @@ def transform(
         "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
         "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
         "exact_random": exact_random is not False, "context_parallel": context_parallel,
-        "dp_micro_batches": per_copy, "dp_devices": dp_devices,
+        "dp_micro_batches": per_copy, "dp_devices": dp_devices, "sequence_parallel": bool(sequence_parallel),
     }  # fmt: skip
     example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
@@ -182,6 +182,8 @@ def transform(
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
     pm.layout = layout
     pm.strategies = strategies_of(layout, data_parallel=data_parallel, schedule=schedule)
+    if sequence_parallel and "tp" in pm.strategies:
+        pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:
         kept = "" if recipe.checkpoint_save == "nothing" else f" (keeping {recipe.checkpoint_save.replace('_', ' ')})"
         pm.strategies["activation_checkpointing"] = f"recompute in backward{kept}: {', '.join(recipe.checkpointed)}"
@@ -357,6 +359,7 @@ def make_recipe(
     context_parallel: bool = False,
     dp_micro_batches: int | None = None,
     dp_devices: tuple[tuple[str, ...], ...] | None = None,
+    sequence_parallel: bool = False,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -384,7 +387,9 @@ def make_recipe(
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)
     if plan is not False:
-        return TensorParallelRecipe(**common, devices=parsed, output_device=out_device, plan=plan)
+        return TensorParallelRecipe(
+            **common, devices=parsed, output_device=out_device, plan=plan, sequence_parallel=sequence_parallel
+        )
     return DataParallelRecipe(
         **common, devices=parsed, output_device=out_device, batch_dim=_check_batch_dim(batch_dim),
         copy_replicas=bool(copy_replicas), context_parallel=bool(context_parallel),

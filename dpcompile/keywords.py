@@ -68,22 +68,39 @@ def check_keywords_honoured(
              if size > 1}, over_mesh=True,
             layout=mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel),
         )  # fmt: skip
+    _check_sequence_parallel(sequence_parallel, sharded, over_mesh=over_mesh, pipelined=pipelined, mesh=mesh,
+                             memory_per_device=memory_per_device)  # fmt: skip
     _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
+
+
+def _check_sequence_parallel(
+    sequence_parallel: Any, sharded: bool, *, over_mesh: bool, pipelined: bool, mesh: Any, memory_per_device: Any
+) -> None:  # fmt: skip
+    """``sequence_parallel=True`` is built on a ``tp`` dimension alone, in one process."""
+    if sequence_parallel not in (False, True):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
+    if not sequence_parallel:
+        return
+    if not sharded:
+        raise ValueError("sequence_parallel=True shards the sequence over the 'tp' dimension: add tensor_parallel=")
+    others = sorted(k for k, v in (mesh or {}).items() if k != "tp" and v > 1) if isinstance(mesh, Mapping) else []
+    if over_mesh or pipelined or others:
+        where = "over a DeviceMesh" if over_mesh else f"with {', '.join(others) or 'pp'}"
+        raise DpCompileError(
+            f"sequence_parallel=True {where} is not built yet: it runs on a 'tp' dimension alone, in one process "
+            "(tensor_parallel= over a device list, or mesh={'tp': N}); leave sequence_parallel= out for this layout"
+        )
+    if memory_per_device is not None:
+        raise DpCompileError(
+            "memory_per_device= does not plan sequence parallel yet: give tensor_parallel= with sequence_parallel=True "
+            "alone (explain(pm, ...) reports each device's memory), or leave sequence_parallel= out"
+        )
 
 
 def _check_new_strategies(
     sequence_parallel: Any, activation_checkpointing: Any, exact_random: Any, plan: Any, memory_per_device: Any,
     sharded: bool,
 ) -> None:  # fmt: skip
-    if sequence_parallel not in (False, True):
-        raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
-    if sequence_parallel:
-        if not sharded:
-            raise ValueError("sequence_parallel=True shards the sequence over the 'tp' dimension: add tensor_parallel=")
-        raise DpCompileError(
-            "sequence_parallel=True is not built yet: tensor_parallel= alone (an all-reduce after each row layer) "
-            "gives the same values with whole-sequence activations; leave sequence_parallel= out"
-        )
     _check_activation_checkpointing(activation_checkpointing, memory_per_device)
     if exact_random not in (None, False, True):
         raise ValueError(f"exact_random={exact_random!r}: expected True or False")

@@ -2,7 +2,7 @@
 
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
                                          ├─► insert_sequence_exchange ─► insert_scatter_gather (context parallel)
-                                         ├─► shard_linear ─► expand_shards          (tensor parallel)
+                                         ├─► shard_linear ─► [shard_sequence ─►] expand_shards (tensor, sequence parallel)
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
                                          └─► split_stages ─► insert_scatter_gather ─► cut_stage (pipeline, one "pp" rank)
@@ -38,6 +38,7 @@ from passes.flatten_parameters import find_flatten_sites, hoist_flatten_paramete
 from passes.functionalize import find_mutations, functionalize_mutations
 from passes.name_dp_copies import find_piece_names, name_dp_copies
 from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
+from passes.sequence_parallel import find_sequence_region, shard_sequence
 from passes.shard_linear import find_linear_sites, shard_linear
 from passes.split_stages import StagePlan, find_stage_boundaries, split_stages
 from passes.stage_transfers import insert_stage_transfers
@@ -55,6 +56,7 @@ class PipelineOptions:
     write_back_inputs: bool = False  # data parallel: writes into inputs made functional, copied back at the end
     exact_random: bool = False  # random ops draw the single-device values (draw_random_whole, last)
     context_parallel: bool = False  # the split dim is the sequence: attention's exchanges made explicit first
+    sequence_parallel: bool = False  # tensor parallel: activations between the pairs on sequence shards
 
 
 def exact_random_pipeline(options: PipelineOptions) -> list[Pass]:
@@ -98,6 +100,7 @@ def tensor_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
     """Lower a tidied graph to single-process tensor-parallel code over ``options.devices``."""
     return [
         *spmd_tensor_parallel_pipeline(options),
+        *([functools.partial(shard_sequence, devices=options.devices)] if options.sequence_parallel else []),
         functools.partial(expand_shards, devices=options.devices, output_device=options.output_device),
         *exact_random_pipeline(options),
     ]
@@ -196,6 +199,8 @@ __all__ = [
     "spmd_pipeline",
     "shard_linear",
     "find_linear_sites",
+    "shard_sequence",
+    "find_sequence_region",
     "decompose_attention",
     "draw_random_whole",
     "exact_random_pipeline",

@@ -135,7 +135,9 @@ def _move_whole_state(gm: fx.GraphModule, device: torch.device, *, skip: set[str
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and (node.target in collectives.COLLECTIVES or node.target in (collectives.local_size, collectives.local_offset))
+    return node.op == "call_function" and (
+        node.target in collectives.COLLECTIVES or node.target in (collectives.local_size, collectives.local_offset, collectives.whole_size)
+    )
 
 
 def _materialize_shards(gm: fx.GraphModule, specs: Mapping[str, ShardSpec], devices: Devices) -> None:
@@ -239,11 +241,31 @@ class _Expander:
                 self.per_device[node] = self.split(self.comm(new, node), node)
             elif target is collectives.split_to_shards:
                 x, dim, sizes = node.args[:3]
-                new = self.make("call_function", tp_runtime.split_to_devices, (self.whole_of(x), dim, list(sizes), self.devices.strings()), name=node.name, source=node)
+                split = tp_runtime.split_sequence_to_devices if node.meta.get("dpcompile_sequence_split") else tp_runtime.split_to_devices
+                new = self.make("call_function", split, (self.whole_of(x), dim, list(sizes), self.devices.strings()), name=node.name, source=node)
                 self.per_device[node] = self.split(self.comm(new, node), node)
             elif target is collectives.reduce_from_shards:
                 new = self.make("call_function", tp_runtime.reduce_to_device, (list(self.per_device[node.args[0]]), self.primary), name=node.name, source=node)
                 self.whole[node] = self.comm(new, node)
+            elif target is collectives.reduce_scatter_to_shards:
+                x, dim, sizes = node.args[:3]
+                new = self.make("call_function", tp_runtime.reduce_scatter_to_devices, (list(self.per_device[x]), dim, list(sizes), self.devices.strings()), name=node.name, source=node)
+                self.per_device[node] = self.split(self.comm(new, node), node)
+            elif target is collectives.all_gather_to_shards:
+                x, dim = node.args[:2]
+                new = self.make("call_function", tp_runtime.all_gather_to_devices, (list(self.per_device[x]), dim, self.devices.strings()), name=node.name, source=node)
+                self.per_device[node] = self.split(self.comm(new, node), node)
+            elif target is collectives.linear_of_gathered:
+                gathered, x, weight, bias, dim, _sizes, transposed = node.args[:7]
+                self.per_device[node] = [
+                    _stamp_cols(self.make("call_function", tp_runtime.linear_of_gathered, (
+                        self.on_device(gathered, k), list(self.per_device[x]), self.on_device(weight, k),
+                        self.on_device(bias, k), dim, transposed), name=f"{node.name}_dev{k}", source=node), node, layout, k)
+                    for k in range(self.n)
+                ]  # fmt: skip
+            elif target is collectives.whole_size:
+                x, dim, _sizes, index = node.args[:4]
+                self.whole[node] = self.make("call_function", tp_runtime.whole_size, (list(self.per_device[x]), dim, index), name=node.name, source=node)
             elif target is collectives.gather_from_shards:
                 x, dim = node.args[:2]
                 new = self.make("call_function", tp_runtime.gather_to_device, (list(self.per_device[x]), dim, self.primary), name=node.name, source=node)
@@ -275,8 +297,9 @@ def _stamp_cols(new: fx.Node, source: fx.Node, layout: Any, k: int) -> fx.Node:
         new.meta["dpcompile_cols"] = (k, layout.dim, tuple(layout.sizes)) if layout.sections == 1 else "sections"
     else:
         new.meta["dpcompile_cols"] = (k, None, None)
-    if "dpcompile_rows" in source.meta:
-        new.meta["dpcompile_rows"] = source.meta["dpcompile_rows"]
+    for key in ("dpcompile_rows", "dpcompile_sequence"):  # the sequence: shard_sequence's values
+        if key in source.meta:
+            new.meta[key] = source.meta[key]
     return new
 
 

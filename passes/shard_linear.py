@@ -142,10 +142,12 @@ class _Rewriter:
             assert isinstance(layout, Sharded)
             new = self.make("call_function", collectives.gather_from_shards, (self.env[producer], layout.dim, list(layout.sizes)),
                             name=f"{producer.name}_all_gather", source=producer, layout=REPLICATED)  # fmt: skip
+            _whole_val(new, producer)
             new = self.comm(new, "all_gather", None, producer)
         elif kind == "copy":
             new = self.make("call_function", collectives.copy_to_shards, (self.env[producer],),
                             name=f"{producer.name}_copy", source=producer, layout=COPIED)  # fmt: skip
+            _whole_val(new, producer)
             new = self.comm(new, "identity", "all_reduce" if may_need_grad(producer) else None, producer)
         elif kind == "gather_copy":
             gathered = self.convert(producer, "gather")
@@ -257,7 +259,7 @@ class _Rewriter:
                             layout=Sharded(-1, (0,) * len(sizes)))  # fmt: skip
         reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{node.name}_all_reduce",
                             source=node, layout=REPLICATED)  # fmt: skip
-        return self.comm(reduced, "all_reduce", None, node)
+        return self.comm(_whole_val(reduced, node), "all_reduce", None, node)
 
     def _window_attention(self, node: fx.Node, site: LinearSite) -> fx.Node:
         """torchvision Swin's window attention by heads: this shard's heads of q, k, v and its columns
@@ -311,11 +313,20 @@ class _Rewriter:
                             layout=Sharded(-1, (0,) * len(sizes)))  # fmt: skip
         reduced = self.make("call_function", collectives.reduce_from_shards, (partial,), name=f"{node.name}_all_reduce",
                             source=node, layout=REPLICATED)  # fmt: skip
-        self.comm(reduced, "all_reduce", None, node)
+        self.comm(_whole_val(reduced, node), "all_reduce", None, node)
         if not site.bias:
             return reduced
         bias = self.param(site.path, site.bias_name, None, node)
-        return self.make("call_function", tp_runtime.add_bias, (reduced, bias), name=node.name, source=node, layout=REPLICATED)
+        added = self.make("call_function", tp_runtime.add_bias, (reduced, bias), name=node.name, source=node, layout=REPLICATED)
+        return _whole_val(added, node)
+
+
+def _whole_val(new: fx.Node, source: fx.Node) -> fx.Node:
+    """``new`` holds ``source``'s whole value (an all-reduce, a copy, a gather): its example value too,
+    so passes after this one (``shard_sequence``) read its shape."""
+    if isinstance(node_val(source), torch.Tensor):
+        new.meta["val"] = source.meta["val"]
+    return new
 
 
 __all__ = ["PASS", "find_linear_sites", "shard_linear"]

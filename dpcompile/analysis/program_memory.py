@@ -46,11 +46,13 @@ def held_parameter_bytes(pm: nn.Module, labels: Sequence[str], devices: Sequence
 
 
 def program_memory(
-    pm: nn.Module, held: Mapping[str, int], *, optimizer: str | None, training: bool, activations: int, share: float
+    pm: nn.Module, held: Mapping[str, int], *, optimizer: str | None, training: bool, activations: int,
+    share: float | Mapping[str, float],
 ) -> dict[str, dict[str, int]]:
     """Bytes per device by kind: the parameters each device holds (``held``), as large a share of
     the gradients and of ``optimizer``'s state (``training``), and ``activations * share`` (data
-    parallel: the device's share of the batch; tensor parallel: 1, counted whole)."""
+    parallel: the device's share of the batch; tensor parallel: 1, counted whole; a mapping gives each
+    device its own share: sequence parallel)."""
     params = list(pm.parameters())
     trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     total = sum(p.numel() * p.element_size() for p in params) or 1
@@ -62,6 +64,6 @@ def program_memory(
             "parameters": bytes_held,
             "gradients": round(trainable * fraction) if training else 0,
             "optimizer": round(state * fraction),
-            "activations": round(activations * share),
+            "activations": round(activations * (share.get(device, 1.0) if isinstance(share, Mapping) else share)),
         }
     return out

@@ -29,10 +29,12 @@ from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.pipeline import PipelineModule
+from dpcompile.runtime import tensor_parallel as tp_runtime
 from passes.checkpoint_activations import with_regions_recomputed
 from passes.collectives import group_size
 from passes.context_parallel import EXCHANGE, OTHER_EXCHANGES
 from passes.name_dp_copies import COPY
+from passes.sequence_parallel import SEQUENCE_MARK
 from passes.split_stages import STAGE
 
 __all__ = ["ALL_DEVICES", "explain", "param_bytes"]
@@ -168,18 +170,60 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
         split_flop_fraction=fraction,
         whole=whole,
         pipeline=pipeline,
-        memory_estimate=memory_estimate(pm, params, args, kwargs),
+        memory_estimate=memory_estimate(pm, params, args, kwargs, sequence_shares(gm, nodes, activation)),
         checkpoint_regions={
             n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
         },
         random={**random_draws_of(gm), "note": per_device_note(gm)},
         context_parallel=_context_parallel(pm, gm, activation),
+        sequence_parallel=sequence_parallel_report(pm, gm, nodes, activation),
         layout={
             name: f"{size}: {(getattr(pm, 'strategies', None) or {}).get(name, name)}"
             for name, size in (getattr(pm, "layout", None) or {}).items()
         },
         candidates=[c.to_dict() for c in getattr(pm, "candidates", None) or ()],
     )
+
+
+def _activation_without_sequence(gm: fx.GraphModule, nodes: Sequence[NodeInfo],
+                                 activation: Mapping[str, int]) -> dict[str, int]:  # fmt: skip
+    """Each device's activation bytes were the values on sequence shards whole on the first device,
+    as tensor parallel alone holds them."""
+    labels = list(activation)
+    without = dict(activation)
+    marked = {n.name for n in gm.graph.nodes if n.meta.get(SEQUENCE_MARK)}
+    for info in nodes:
+        if info.name in marked and info.device in without and info.bytes:
+            without[info.device] -= info.bytes
+            without[labels[0]] += info.bytes
+    return without
+
+
+def sequence_parallel_report(pm: nn.Module, gm: fx.GraphModule, nodes: Sequence[NodeInfo],
+                             activation: Mapping[str, int]) -> dict[str, Any] | None:  # fmt: skip
+    """What sequence parallelism on ``tp`` does: its collectives, and each device's activation bytes
+    with it and without it (the values on sequence shards held whole on the first device)."""
+    if not any(n.meta.get(SEQUENCE_MARK) for n in gm.graph.nodes):
+        return None
+    made = [n for n in gm.graph.nodes if n.meta.get("dpcompile_pass") == "shard_sequence" or n.target in (
+        tp_runtime.reduce_scatter_to_devices, tp_runtime.all_gather_to_devices)]  # fmt: skip
+    return {
+        "dimension": "tp", "sequence_dim": 1,
+        "reduce_scatters": sorted({n.name for n in made if n.target is tp_runtime.reduce_scatter_to_devices}),
+        "all_gathers": sorted({n.name for n in made if n.target is tp_runtime.all_gather_to_devices}),
+        "activation_bytes": dict(activation),
+        "activation_bytes_without": _activation_without_sequence(gm, nodes, activation),
+    }  # fmt: skip
+
+
+def sequence_shares(gm: fx.GraphModule, nodes: Sequence[NodeInfo], activation: Mapping[str, int]) -> dict[str, float] | None:
+    """Sequence parallel: each device's activation bytes over tensor parallel's first device's (the
+    whole count's share each holds); None for other programs."""
+    if not any(n.meta.get(SEQUENCE_MARK) for n in gm.graph.nodes):
+        return None
+    without = _activation_without_sequence(gm, nodes, activation)
+    first = without[next(iter(without))] or 1
+    return {d: b / first for d, b in activation.items()}
 
 
 def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str, int]) -> dict[str, Any] | None:
@@ -256,7 +300,8 @@ def _stage_label(pm: nn.Module, s: int, labels: list[str]) -> str:
 
 
 def memory_estimate(
-    pm: nn.Module, params: Mapping[str, int], args: Sequence[Any], kwargs: Mapping[str, Any]
+    pm: nn.Module, params: Mapping[str, int], args: Sequence[Any], kwargs: Mapping[str, Any],
+    sequence_share: Mapping[str, float] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Bytes per device by kind for ``pm`` as transform was told it trains (``optimizer=``,
     ``training=``): the parameters each device holds (:func:`param_bytes`), as many bytes of
@@ -283,6 +328,9 @@ def memory_estimate(
             activations = 0
         if "data_parallel" in str(getattr(pm, "mode", "")) and len(params) > 1:
             share = 1.0 / len(params)
+    if sequence_share:
+        return program_memory(pm, params, optimizer=optimizer, training=training, activations=activations,
+                              share=sequence_share)  # fmt: skip
     return program_memory(pm, params, optimizer=optimizer, training=training, activations=activations, share=share)
 
 

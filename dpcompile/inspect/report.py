@@ -93,6 +93,9 @@ class Report:
     # context parallel: {"dimension": "cp", "size", "sequence_dim", "exchange", "not_chosen": [...],
     # "attention": [attention calls], "activation_bytes": {device: bytes}} (docs/context_parallel.md)
     context_parallel: dict[str, Any] | None = None
+    # sequence parallel on "tp": {"dimension", "sequence_dim", "reduce_scatters", "all_gathers",
+    # "activation_bytes", "activation_bytes_without": {device: bytes}} (docs/tensor_parallel.md)
+    sequence_parallel: dict[str, Any] | None = None
     # what each mesh dimension does: {"pp": "2: pipeline (gpipe)", "dp": "2: data parallel (replicate)"}
     layout: dict[str, str] = field(default_factory=dict)
     # plan="auto": every layout the planner considered, {"layout", "schedule", "micro_batches", "checkpointing",
@@ -254,6 +257,15 @@ def _render(r: Report) -> str:
                     f"{cp['sequence_dim']}); exchange: {cp['exchange']} at {len(cp['attention'])} attention call(s)"]  # fmt: skip
         out.append(f"  not chosen: {', '.join(cp['not_chosen'])}")
         per_device = ", ".join(f"{d} {_human_bytes(b)}" for d, b in cp["activation_bytes"].items())
+        out.append(f"  activations per device (est.): {per_device}")
+    if r.sequence_parallel:
+        sp = r.sequence_parallel
+        out += ["", f"Sequence parallel on '{sp['dimension']}': the sequence (dim {sp['sequence_dim']}) split between the "
+                    f"pairs; {len(sp['reduce_scatters'])} reduce-scatter(s), {len(sp['all_gathers'])} all-gather(s)"]  # fmt: skip
+        per_device = ", ".join(
+            f"{d} {_human_bytes(b)} (without {_human_bytes(sp['activation_bytes_without'][d])})"
+            for d, b in sp["activation_bytes"].items()
+        )
         out.append(f"  activations per device (est.): {per_device}")
     if r.mode == "data_parallel":
         fraction = "?" if r.split_flop_fraction is None else f"{100 * r.split_flop_fraction:.1f}%"

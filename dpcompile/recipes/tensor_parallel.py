@@ -63,6 +63,7 @@ class TensorParallelRecipe(Recipe):
     output_device: torch.device = torch.device("cpu")
     plan: bool | Mapping[str, str] = True
     check_available: bool = True
+    sequence_parallel: bool = False  # activations between the pairs on sequence shards (passes.shard_sequence)
 
     def compile(
         self,
@@ -93,8 +94,14 @@ class TensorParallelRecipe(Recipe):
         reasons = {unalias(p): why for p, why in reasons.items()}
         whole = {p: why_whole(gm, p) for p in [*linear_paths(model), *embedding_paths(model)]}  # before the rewrite
         reasons.update({p: f"kept whole: {why}" for p, why in attention.info["kept"].items()})
+        if self.sequence_parallel and example_inputs is None:
+            raise DpCompileError(
+                "sequence_parallel=True finds the sequence dim from the example's shapes: pass example_inputs= "
+                "(or example_kwargs=)"
+            )
         options = passes.PipelineOptions(
-            devices=self.devices, output_device=self.output_device, plan=styles, exact_random=self.exact_random
+            devices=self.devices, output_device=self.output_device, plan=styles, exact_random=self.exact_random,
+            sequence_parallel=self.sequence_parallel,
         )
         lowering = passes.tensor_parallel_pipeline(options) + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
         gm, records = run_passes(gm, passes.frontend_pipeline(options) + lowering)

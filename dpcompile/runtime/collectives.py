@@ -12,6 +12,10 @@ call                    forward                      backward
 ``reduce_from_shards``  all-reduce (sum) (*g*)        identity
 ``gather_from_shards``  all-gather along ``dim``      keep this shard's slice
 ``split_to_shards``     keep this shard's slice       all-gather along ``dim``
+``reduce_scatter_to_``  sum, keep this shard's slice  all-gather along ``dim``
+``shards``              (sequence parallel's *g*)
+``all_gather_to_``      all-gather along ``dim``,     reduce-scatter along ``dim``
+``shards``              whole on every shard (*f*)
 ``local_size``          ``sizes[rank]`` (an int)      (not a tensor)
 ``local_offset``        ``sum(sizes[:rank])``         (not a tensor)
 ======================  ===========================  ===============================
@@ -24,6 +28,8 @@ and ``split`` move nothing; ``dpcompile.analysis.cost`` knows them):
 ``reduce_from_shards``  ``Comm("all_reduce")``
 ``gather_from_shards``  ``Comm("all_gather")``
 ``split_to_shards``     ``Comm("split", backward="all_gather")``
+``reduce_scatter_...``  ``Comm("reduce_scatter", backward="all_gather")``
+``all_gather_to_...``   ``Comm("all_gather", backward="reduce_scatter")``
 ======================  ====================================
 
 ``sizes`` lists every shard's extent along ``dim`` (``[4, 3, 3]`` for 10 features over 3
@@ -55,12 +61,16 @@ from torch.autograd import Function
 
 __all__ = [
     "COLLECTIVES",
+    "all_gather_to_shards",
     "copy_to_shards",
     "gather_from_shards",
     "local_offset",
+    "linear_of_gathered",
     "local_size",
     "reduce_from_shards",
+    "reduce_scatter_to_shards",
     "split_to_shards",
+    "whole_size",
 ]
 
 
@@ -163,6 +173,28 @@ class _SplitToShards(Function):
         return _all_gather(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
+class _ReduceScatterToShards(Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group):
+        ctx.dim, ctx.sizes, ctx.group = dim, list(sizes), group
+        return _own_slice(_all_reduce(x, group), dim, sizes, group).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
+
+
+class _AllGatherToShards(Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group):
+        ctx.dim, ctx.sizes, ctx.group = dim, list(sizes), group
+        return _all_gather(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(_all_reduce(grad, ctx.group), ctx.dim, ctx.sizes, ctx.group).clone(), None, None, None
+
+
 def copy_to_shards(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Megatron's *f*, on the input of a column-parallel region.
 
@@ -201,6 +233,67 @@ def split_to_shards(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Any 
     return _SplitToShards.apply(x, dim, tuple(sizes), group)
 
 
+def reduce_scatter_to_shards(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Any = None) -> torch.Tensor:
+    """Sequence parallelism's *g*, on the output of a row-parallel layer: sum the shards' partial
+    results and keep this shard's slice of the sum along ``dim`` (the sequence).
+
+    Forward: reduce-scatter. Backward: all-gather of the gradient slices along ``dim``.
+    """
+    return _ReduceScatterToShards.apply(x, dim, tuple(sizes), group)
+
+
+def all_gather_to_shards(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Any = None) -> torch.Tensor:
+    """Sequence parallelism's *f*, on the input of a column-parallel layer: every shard gets the
+    whole tensor from the slices along ``dim`` (the sequence) each holds.
+
+    Forward: all-gather. Backward: reduce-scatter (sum the shards' gradients, keep this slice).
+    """
+    return _AllGatherToShards.apply(x, dim, tuple(sizes), group)
+
+
+class _LinearOfGathered(Function):
+    @staticmethod
+    def forward(ctx, gathered, x, weight, bias, dim, sizes, transposed, group):
+        ctx.dim, ctx.sizes, ctx.transposed, ctx.group, ctx.has_bias = dim, list(sizes), transposed, group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return _linear(gathered, weight, bias, transposed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = _all_gather(x, ctx.dim, ctx.sizes, ctx.group)  # gathered again, not saved
+        grad_input = grad @ weight if not ctx.transposed else grad @ weight.t()
+        flat_grad, flat_in = grad.reshape(-1, grad.shape[-1]), whole.reshape(-1, whole.shape[-1])
+        grad_weight = flat_grad.t() @ flat_in if not ctx.transposed else flat_in.t() @ flat_grad
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_input, None, grad_weight, grad_bias, None, None, None, None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    if not transposed:
+        return torch.nn.functional.linear(x, weight, bias)
+    out = x @ weight
+    return out if bias is None else out + bias
+
+
+def linear_of_gathered(
+    gathered: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,
+    sizes: Sequence[int], transposed: bool = False, group: Any = None,
+) -> torch.Tensor:  # fmt: skip
+    """A column layer on ``gathered`` (the all-gather of ``x``, this shard's sequence slice) that saves
+    ``x`` for backward, not ``gathered``, and all-gathers it again there (Megatron's sequence parallel
+    linear). ``transposed``: ``weight`` is ``(in, out)`` (transformers' Conv1D)."""
+    return _LinearOfGathered.apply(gathered, x, weight, bias, dim, tuple(sizes), transposed, group)
+
+
+def whole_size(x: torch.Tensor, dim: int, sizes: Sequence[int], index: int | None = None) -> Any:
+    """``x.size(index)`` (``x.shape`` where ``index`` is None) of the whole tensor whose slices along
+    ``dim`` the shards hold (``sizes``): ``x.shape`` read without gathering ``x``."""
+    shape = list(x.shape)
+    shape[dim % x.dim()] = sum(sizes)
+    return torch.Size(shape) if index is None else shape[index]
+
+
 def local_size(sizes: Sequence[int], group: Any = None) -> int:
     """This shard's extent of a sharded dimension: ``sizes[rank]``.
 
@@ -220,5 +313,7 @@ def local_offset(sizes: Sequence[int], group: Any = None) -> int:
     return _offset(sizes, rank)
 
 
-COLLECTIVES = (copy_to_shards, reduce_from_shards, gather_from_shards, split_to_shards)
+COLLECTIVES = (
+    copy_to_shards, reduce_from_shards, gather_from_shards, split_to_shards, reduce_scatter_to_shards, all_gather_to_shards,
+)
 """The tensor-valued collectives; ``local_size`` is a shape helper, not a collective."""

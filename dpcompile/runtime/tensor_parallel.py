@@ -122,6 +122,115 @@ def split_to_devices(
     return tuple(_move(shard_of(x, spec, k), torch.device(d)) for k, d in enumerate(devices))
 
 
+def _sequence_sizes(length: int, sizes: Sequence[int]) -> list[int]:
+    """``sizes`` where they cover ``length``; else the balanced ``tensor_split`` sizes of ``length``
+    (a call with another sequence length than the example's)."""
+    if sum(sizes) == length:
+        return list(sizes)
+    n = len(sizes)
+    return [length // n + (1 if k < length % n else 0) for k in range(n)]
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Forward: slice ``k`` of the sum of the partials, summed on device ``k``. Backward: every partial's
+    gradient is the slices' gradients concatenated (the all-gather), made once per distinct device."""
+
+    @staticmethod
+    def forward(ctx, dim, sizes, devices, *partials):  # noqa: ANN001, ANN205
+        offsets = ShardSpec(dim, tuple(sizes)).offsets()
+        ctx.dim, ctx.sources = dim, [p.device for p in partials]
+        out = []
+        for k, d in enumerate(devices):
+            device = torch.device(d)
+            total = _move(partials[0].narrow(dim, offsets[k], sizes[k]), device).clone()
+            for p in partials[1:]:
+                total += _move(p.narrow(dim, offsets[k], sizes[k]), device)
+            out.append(total)
+        ctx.shapes = [tuple(o.shape) for o in out]
+        ctx.meta = [(o.dtype, o.device) for o in out]
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: ANN001, ANN205
+        grads = [
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, shape, (dtype, device) in zip(grads, ctx.shapes, ctx.meta, strict=True)
+        ]
+        whole: dict[torch.device, torch.Tensor] = {}
+        for device in ctx.sources:
+            if device not in whole:
+                whole[device] = torch.cat([_move(g, device) for g in grads], ctx.dim)
+        return (None, None, None, *(whole[d] for d in ctx.sources))
+
+
+def reduce_scatter_to_devices(
+    partials: Sequence[torch.Tensor], dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
+) -> tuple[torch.Tensor, ...]:
+    """Sequence parallelism's *g*: slice ``k`` along ``dim`` of the sum of ``partials``, on device
+    ``k`` (only that slice is summed there). Backward: the slices' gradients gathered (all-gather),
+    one tensor shared by the partials of one device (virtual devices)."""
+    dim = dim % partials[0].dim()
+    sizes = _sequence_sizes(partials[0].size(dim), sizes)
+    return _ReduceScatter.apply(dim, sizes, list(devices), *partials)
+
+
+class _LinearOfGathered(torch.autograd.Function):
+    """A column layer on the all-gathered sequence that keeps only the slices for backward."""
+
+    @staticmethod
+    def forward(ctx, gathered, weight, bias, dim, transposed, *shards):  # noqa: ANN001, ANN205
+        ctx.dim, ctx.transposed, ctx.has_bias = dim, transposed, bias is not None
+        ctx.save_for_backward(weight, *shards)
+        return linear_in_out(gathered, weight, bias) if transposed else torch.nn.functional.linear(gathered, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        weight, *shards = ctx.saved_tensors
+        whole = torch.cat([_move(s, weight.device) for s in shards], ctx.dim)  # gathered again, not saved
+        grad_input = grad @ weight.t() if ctx.transposed else grad @ weight
+        flat_grad, flat_in = grad.reshape(-1, grad.shape[-1]), whole.reshape(-1, whole.shape[-1])
+        grad_weight = flat_in.t() @ flat_grad if ctx.transposed else flat_grad.t() @ flat_in
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return (grad_input, grad_weight, grad_bias, None, None, *(None for _ in shards))
+
+
+def linear_of_gathered(
+    gathered: torch.Tensor, shards: Sequence[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None, dim: int,
+    transposed: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """A column layer on ``gathered`` (the sequence ``shards`` concatenated along ``dim``) that saves the
+    shards for backward, not ``gathered``, and concatenates them again there (Megatron's sequence
+    parallel linear): the whole input is not held from forward to backward."""
+    return _LinearOfGathered.apply(gathered, weight, bias, dim % gathered.dim(), transposed, *shards)
+
+
+def whole_size(shards: Sequence[torch.Tensor], dim: int, index: int | None = None) -> torch.Size | int:
+    """The size (``index``) or shape of the whole tensor whose slices along ``dim`` are ``shards``."""
+    shape = list(shards[0].shape)
+    shape[dim] = sum(s.size(dim) for s in shards)
+    return torch.Size(shape) if index is None else shape[index]
+
+
+def split_sequence_to_devices(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], devices: Sequence[DeviceLike]
+) -> tuple[torch.Tensor, ...]:
+    """Slice ``k`` of ``x`` along the sequence ``dim`` on device ``k``, balanced over the call's own
+    length (``sizes`` are the example's). Backward concatenates."""
+    return split_to_devices(x, dim, _sequence_sizes(x.size(dim), sizes), devices)
+
+
+def all_gather_to_devices(shards: Sequence[torch.Tensor], dim: int, devices: Sequence[DeviceLike]) -> tuple[torch.Tensor, ...]:
+    """Sequence parallelism's *f*: the slices concatenated along ``dim``, whole on every device (one
+    tensor shared where the devices are one: virtual devices). Backward: the copies' gradients summed,
+    each device keeping its slice (reduce-scatter)."""
+    targets = [torch.device(d) for d in devices]
+    whole: dict[torch.device, torch.Tensor] = {}
+    for device in targets:
+        if device not in whole:
+            whole[device] = torch.cat([_move(s, device) for s in shards], dim)
+    return tuple(whole[d] for d in targets)
+
+
 def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``x + bias``: the bias a row-parallel Linear adds once, after the reduction, in the dtype
     ``F.linear`` would give: under ``torch.autocast`` the bias joins ``x``'s (bfloat16) dtype

@@ -1,0 +1,101 @@
+"""Context parallelism (``mesh={"cp": N}``) on more transformers models, tiny configs, no annotation:
+Mistral, Qwen2, Gemma, Phi (decoders with ``labels=``) and a T5 encoder (relative position bias, a
+padding mask) equal eager (float64); RoBERTa and a ViT are refused with a DpCompileError naming the
+value and the op that cannot be placed (docs/context_parallel.md has the table)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile import DpCompileError
+from tests.thirdparty import import_or_skip
+
+V = 64  # vocabulary
+
+
+def _model(name: str) -> nn.Module:
+    T = import_or_skip("transformers")
+    ids = {"vocab_size": V, "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    decoder = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
+               "max_position_embeddings": 32, **ids}  # fmt: skip
+    if name == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(num_key_value_heads=2, **decoder))
+    if name == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(num_key_value_heads=2, **decoder))
+    if name == "gemma":
+        return T.GemmaForCausalLM(T.GemmaConfig(num_key_value_heads=2, head_dim=8, **decoder))
+    if name == "phi":
+        return T.PhiForCausalLM(T.PhiConfig(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **decoder))
+    if name == "t5":
+        return T.T5EncoderModel(T.T5Config(num_layers=1, d_model=32, num_heads=4, d_kv=8, d_ff=64, vocab_size=V,
+                                           dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))  # fmt: skip
+    if name == "roberta":
+        return T.RobertaForSequenceClassification(T.RobertaConfig(
+            num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=V,
+            max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1))  # fmt: skip
+    return T.ViTForImageClassification(T.ViTConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=4,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))  # fmt: skip
+
+
+def _inputs(name: str, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if name == "vit":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g, dtype=torch.float64), "labels": torch.tensor([0, 2])}
+    ids = torch.randint(2, V, (2, seq), generator=g)
+    if name in ("t5", "roberta"):
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[0, seq - 3 :] = 0  # padding on the last device's tokens
+        return {"input_ids": ids, "attention_mask": mask, **({"labels": torch.tensor([0, 1])} if name == "roberta" else {})}
+    return {"input_ids": ids, "labels": torch.randint(0, V, (2, seq), generator=g)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "n"), [("mistral", 2), ("qwen2", 4), ("gemma", 2), ("phi", 4), ("t5", 2)])
+def test_context_parallel_more_models_equal_eager(name, n):
+    """Outputs, the loss and every gradient of one step equal eager's, on a length that does not
+    divide the devices (13) and one that does (12). Gemma's norms compute in float32 (its own code):
+    its gradients to float32 rounding."""
+    torch.manual_seed(0)
+    model = _model(name).double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=_inputs(name, 12), frontend="export")
+    assert pm.code.count("dpcompile_runtime_gather_sequence(") == 2  # keys and values
+    grad_tolerance = {"atol": 1e-5, "rtol": 1e-5} if name == "gemma" else {}
+    for seq in (13, 12):
+        inputs = _inputs(name, seq, seed=seq)
+        got, want = pm(**inputs), eager(**inputs)
+        key = "last_hidden_state" if name == "t5" else "logits"
+        out, expected = getattr(got, key), getattr(want, key)
+        torch.testing.assert_close(out, expected)
+        weights = torch.linspace(0.5, 1.5, expected.numel(), dtype=torch.float64).view(expected.shape)
+        loss, expected_loss = (got.loss, want.loss) if name != "t5" else (0.0, 0.0)
+        if name != "t5":
+            torch.testing.assert_close(loss, expected_loss)
+        (loss + (out * weights).sum()).backward()
+        (expected_loss + (expected * weights).sum()).backward()
+        grads = dict(eager.named_parameters())
+        for p_name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[p_name].grad, **grad_tolerance,
+                                       msg=lambda m, p_name=p_name: f"grad {p_name}: {m}")  # fmt: skip
+        model.zero_grad()
+        eager.zero_grad()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "value", "op"),
+    [("roberta", "roberta_embeddings_cumsum", "cumsum"), ("vit", "vit_embeddings_patch_embeddings_projection", "Conv2d")],
+)
+def test_context_parallel_unplaced_value_is_named(name, value, op):
+    """RoBERTa's position ids (a cumulative sum of the padding mask) and a ViT's patch embedding (a
+    convolution over the image, whose dim 1 is channels) cannot be placed: refused by name."""
+    model = _model(name).double()
+    with pytest.raises(DpCompileError, match="cannot run on sequence shards") as raised:
+        dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_kwargs=_inputs(name, 12), frontend="export")
+    assert value in str(raised.value) and op in str(raised.value)

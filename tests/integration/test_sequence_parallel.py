@@ -1,0 +1,195 @@
+"""Sequence parallelism on the tensor-parallel dimension (``sequence_parallel=True``) in one
+process: between the column/row pairs, norms, dropout and residual adds run on sequence shards;
+the row layer's all-reduce is a reduce-scatter and the next column layer's input an all-gather.
+Outputs and every gradient equal eager (float64), for sequence lengths that divide the devices
+and that do not; explain shows the activations each device holds with and without.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile import DpCompileError
+from tests.helpers import full_gradients
+from tests.thirdparty import import_or_skip
+
+V = 64  # vocabulary
+
+
+class Block(nn.Module):
+    """A pre-norm block: two column/row pairs, dropout on the residual branch."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.fc3, self.fc4 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        x = x + self.drop(self.fc2(torch.relu(self.fc1(self.ln1(x)))))
+        return x + self.fc4(nn.functional.gelu(self.fc3(self.ln2(x))))
+
+
+class Stack(nn.Module):
+    """Embedding, two blocks, a final norm and an LM head: ``(batch, seq)`` ids to logits."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.blocks = nn.Sequential(Block(d), Block(d))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, V)
+
+    def forward(self, ids):
+        return self.head(self.ln(self.blocks(self.emb(ids))))
+
+
+def _ids(seq: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_grads_equal(pm: nn.Module, eager: nn.Module) -> None:
+    got, want = full_gradients(pm), dict(eager.named_parameters())
+    assert set(want) <= set(got)  # got names a tied weight twice too (GPT-2's lm_head and wte)
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+@pytest.mark.parametrize(("n", "seq"), [(2, 8), (3, 13)])
+def test_sequence_parallel_stack_equals_eager_in_training(n, seq):
+    """Training mode (dropout drawn exactly): outputs and every gradient equal eager on n devices,
+    for a sequence that divides them and one that does not."""
+    torch.manual_seed(0)
+    model = Stack().double().train()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * n, tensor_parallel=True, sequence_parallel=True, example_inputs=(_ids(seq),))
+    ids = _ids(seq, seed=1)
+    torch.manual_seed(5)
+    got = pm(ids)
+    torch.manual_seed(5)
+    want = eager(ids)
+    torch.testing.assert_close(got, want)
+    weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    _assert_grads_equal(pm, eager)
+
+
+def test_sequence_parallel_code_reduce_scatters_and_all_gathers():
+    """Every row layer (and the vocab-parallel lookup) reduce-scatters; every column layer's input is
+    all-gathered; nothing between the pairs is all-reduced; the norms run once per shard."""
+    ids = _ids(8)
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2, tensor_parallel=True, sequence_parallel=True, example_inputs=(ids,))
+    tp = dpcompile.transform(Stack(), ["cpu"] * 2, tensor_parallel=True, example_inputs=(ids,))
+    assert tp.code.count("reduce_to_device(") == 5 and "reduce_scatter" not in tp.code
+    assert pm.code.count("reduce_scatter_to_devices(") == 5  # emb, fc2 and fc4 of both blocks
+    assert pm.code.count("all_gather_to_devices(") == 5  # ln1, ln2 of both blocks, the final ln
+    assert "reduce_to_device(" not in pm.code
+    for name in ("blocks_0_fc2_reduce_scatter", "blocks_1_ln2_all_gather", "emb_reduce_scatter", "ln_all_gather"):
+        assert f"{name} = " in pm.code
+    assert 'getattr(self.blocks, "0").ln1(emb_reduce_scatter_dev1)' in pm.code  # the norm on shard 1's tokens
+    assert pm.strategies == {"tp": "tensor parallel with sequence parallel"}
+
+
+def test_sequence_parallel_another_length_at_call_time():
+    """A program built on a sequence of 13 runs a call of 12 (shards of 6, 6) equal to eager."""
+    model = Stack().eval()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, sequence_parallel=True, example_inputs=(_ids(13),))
+    for seq in (12, 5):
+        torch.testing.assert_close(pm(_ids(seq, seed=seq)), model(_ids(seq, seed=seq)))
+
+
+def test_sequence_parallel_explain_shows_the_saving():
+    """explain: the collectives, each device's activations with and without sequence parallel, and a
+    memory estimate below tensor parallel's on the first device."""
+    ids = _ids(16)
+    model = Stack()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, sequence_parallel=True, example_inputs=(ids,))
+    tp = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(ids,))
+    report, alone = dpcompile.explain(pm, ids), dpcompile.explain(tp, ids)
+    sp = report.sequence_parallel
+    assert alone.sequence_parallel is None
+    assert len(sp["reduce_scatters"]) == 5 and len(sp["all_gathers"]) == 5
+    first, second = report.devices
+    assert sp["activation_bytes"][first] < sp["activation_bytes_without"][first]
+    assert sp["activation_bytes"][second] > sp["activation_bytes_without"][second]
+    assert abs(sp["activation_bytes_without"][first] - alone.activation_bytes[first]) < 0.05 * alone.activation_bytes[first]
+    peak = max(sp["activation_bytes"].values())
+    assert peak < max(alone.activation_bytes.values())
+    est, est_alone = report.memory_estimate, alone.memory_estimate
+    assert est[first]["activations"] < est_alone[first]["activations"]
+    assert "Sequence parallel on 'tp'" in str(report)
+
+
+def test_sequence_parallel_without_a_sequence_changes_nothing():
+    """An MLP on (batch, features): no sequence to split, the tensor-parallel program as it is."""
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(mlp, ["cpu"] * 2, tensor_parallel=True, sequence_parallel=True, example_inputs=(x,))
+    tp = dpcompile.transform(mlp, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+    assert pm.code == tp.code
+    torch.testing.assert_close(pm(x), mlp(x))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mesh": {"dp": 2, "tp": 2}}, "sequence_parallel=True with dp is not built yet"),
+        ({"mesh": {"pp": 2, "tp": 2}}, "sequence_parallel=True with pp is not built yet"),
+        ({"mesh": {"dp": 4}}, "add tensor_parallel="),
+        ({"tensor_parallel": True, "memory_per_device": "1GiB"}, "does not plan sequence parallel"),
+    ],
+)
+def test_sequence_parallel_refused_where_not_built(kwargs, match):
+    """Layouts sequence parallel does not run in are refused by name, before anything is built."""
+    with pytest.raises((ValueError, DpCompileError), match=match):
+        dpcompile.transform(Stack(), ["cpu"] * 4, sequence_parallel=True, example_inputs=(_ids(8),), **kwargs)
+
+
+def _transformers_model(name: str) -> nn.Module:
+    T = import_or_skip("transformers")
+    if name == "gpt2":
+        config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.1,
+                              embd_pdrop=0.1, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+        return T.GPT2LMHeadModel(config)
+    config = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=64, vocab_size=V, max_position_embeddings=32, use_cache=False,
+                           bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    return T.LlamaForCausalLM(config)
+
+
+def _inputs(seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(1, V, (2, seq), generator=g), "labels": torch.randint(0, V, (2, seq), generator=g)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "seq", "lookups"), [("gpt2", 13, 2), ("llama", 12, 1)])
+def test_sequence_parallel_transformers_equal_eager(name, seq, lookups):
+    """GPT-2 (training, dropout drawn exactly) and Llama (rotary, grouped-query heads, RMSNorm written
+    out) on 2 devices, on a length that does not divide them (13) and one that does (12): logits and
+    every gradient equal eager (float64); the loss, which transformers computes in float32, to float32
+    rounding."""
+    torch.manual_seed(0)
+    model = _transformers_model(name).double().train()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, sequence_parallel=True,
+                             example_kwargs=_inputs(seq))  # fmt: skip
+    assert pm.code.count("reduce_scatter_to_devices(") == lookups + 4  # the lookups, each layer's two row layers
+    assert pm.code.count("all_gather_to_devices(") == 5  # each layer's two norms and the final norm
+    torch.manual_seed(seq)
+    got = pm(**_inputs(seq, seed=seq))
+    torch.manual_seed(seq)
+    want = eager(**_inputs(seq, seed=seq))
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+    weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+    (got.logits * weights).sum().backward()
+    (want.logits * weights).sum().backward()
+    _assert_grads_equal(pm, eager)

@@ -96,8 +96,12 @@ def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tu
 
 
 def _dropout_noise(like: torch.Tensor, p: float) -> Callable[[tuple[int, ...]], torch.Tensor]:
-    """What dropout multiplies its input by, drawn as dropout draws it on this device (on CPU
-    ``bernoulli_(1 - p) / (1 - p)``): dropout of ones."""
+    """What dropout multiplies its input by, drawn as dropout draws it on this device: on CPU
+    ``empty.bernoulli_(1 - p).div_(1 - p)``, the noise ``at::dropout`` draws (no tensor of ones to
+    fill and multiply); elsewhere dropout of ones (on CUDA the fused kernel's mask and stream)."""
+    if like.device.type == "cpu":
+        keep = 1.0 - p
+        return lambda shape: _empty(like)(shape).bernoulli_(keep).div_(keep)
     return lambda shape: F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
 
 

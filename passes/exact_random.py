@@ -83,7 +83,8 @@ def draw_random_whole(
     ``planned``: ``gm`` is a pipeline stage over a mesh, run once per micro-batch; it draws through
     the record its module opens for the call (``current_random_draws()``, every stage's sites in order).
     ``scopes``: paths of modules called whole (FSDP blocks), whose random ops draw through the record too."""
-    sites = [_poisson_joinable(s, gm.graph, over_ranks=rank_batch is not None or planned)
+    over_ranks = rank_batch is not None or planned
+    sites = [_poisson_joinable(_sized_over_ranks(s, over_ranks), gm.graph, over_ranks=over_ranks)
              for s in find_random_sites(gm, scopes)]  # fmt: skip
     exact = [s for s in sites if s.kind != "other"]
     info: dict[str, Any] = {"exact": [s.source for s in exact], "per_device": [s.source for s in sites if s.kind == "other"]}
@@ -160,6 +161,14 @@ def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.N
 def _piece_index(node: fx.Node) -> int:
     where = node.meta.get(ROWS) or node.meta.get(COLS)
     return where[0] if where else 0
+
+
+def _sized_over_ranks(site: RandomSite, over_ranks: bool) -> RandomSite:
+    """Over a mesh a rank's ``torch.normal(mean, std, size)`` not stamped with its rows may be sized by
+    the local batch (a factory has no batch rule), where eager's is the global one: per device, named."""
+    if site.kind == "normal_size" and over_ranks and not any(ROWS in n.meta for n in site.nodes):
+        return RandomSite(site.source, "other", site.nodes)
+    return site
 
 
 def _poisson_joinable(site: RandomSite, graph: fx.Graph, *, over_ranks: bool) -> RandomSite:

@@ -239,3 +239,17 @@ def test_channel_dropout_program_exports_and_loads(tmp_path):
     got = loaded(x)
     torch.manual_seed(4)
     torch.testing.assert_close(got, model(x))
+
+
+def test_normal_of_a_size_over_ranks_stays_per_device_without_its_rows():
+    """Over a mesh a rank's ``torch.normal(0., 1., (x.size(0), 4))`` is sized by its local batch, eager's
+    by the global one: unstamped with rows it stays per device (named); in one process it is exact."""
+
+    class Noise(nn.Module):
+        def forward(self, x):
+            return x + torch.normal(0.0, 1.0, (x.size(0), 4))
+
+    gm = fx.symbolic_trace(Noise())
+    assert draw_random_whole(gm).info["exact"] == ["normal"]
+    gm = fx.symbolic_trace(Noise())
+    assert draw_random_whole(gm, rank_batch=("x", 0, 2)).info["per_device"] == ["normal"]

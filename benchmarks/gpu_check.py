@@ -15,6 +15,10 @@ devices ``["cuda:0"] * 2``), downloads nothing, and writes JSON with one entry p
 * ``tp_forward``: tensor-parallel forward of the MLP against eager, outputs compared.
 * ``explain_fake_8gpu``: the data-parallel program built for 8 fake GPUs, run forward and
   backward on fake tensors (``dpcompile.verify.check_layout``) and explained.
+* ``exact_random``: random ops draw the single-device values on ``[cuda:0] * 2`` (dp, tp, gpipe): an
+  MLP with dropout (float64, float32) and a hand-written GPT block with SDPA dropout (float32, the
+  memory-efficient kernel's mask): 2 training steps' losses and gradients against eager from the
+  same seeds, the CUDA generator's state after each, and exact against ``exact_random=False`` timed.
 
 Each section records its own error instead of stopping the others; the exit status is 1 when
 any section failed or a check did not hold. Without CUDA it prints why, writes
@@ -284,11 +288,132 @@ def explain_fake_8gpu(cfg: Config) -> dict[str, Any]:
     }
 
 
+class TinyGPT(nn.Module):
+    """A GPT-style block written by hand (transformers does not import on every GPU image): embedding
+    dropout, causal SDPA with ``dropout_p``, residual dropouts, an LM head."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, p: float = 0.1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.proj = (nn.Linear(d, d) for _ in range(4))
+        self.fc, self.out, self.head = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Linear(d, vocab)
+        self.drop = nn.Dropout(p)
+        self.heads, self.p = heads, p
+
+    def forward(self, ids, labels):
+        h = self.drop(self.emb(ids))
+        b, t, d = h.shape
+        x = self.ln1(h)
+        q, k, v = (f(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=True)
+        h = h + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        h = h + self.drop(self.out(nn.functional.gelu(self.fc(self.ln2(h)))))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.25)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.fc2(self.drop(torch.relu(self.fc1(x)))), y)
+
+
+def _generator_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _exact_random_case(cfg: Config, make: Callable[[], nn.Module], inputs: tuple, layout: dict) -> dict[str, Any]:
+    """One model on one layout of ``["cuda:0"] * 2``: 2 training steps against eager from the same
+    seeds (loss, gradients, the generator state after), then exact against per-device draws, timed."""
+    import dpcompile
+
+    devices = [cfg.devices[0]] * 2
+    torch.manual_seed(0)
+    model = make().to(cfg.device).train()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = dpcompile.transform(model, devices, example_inputs=inputs, **layout)
+        out: dict[str, Any] = {"max_loss_diff": 0.0, "max_grad_diff": 0.0, "generator_equal": True}
+        for step in range(2):
+            for module in (model, reference):
+                module.zero_grad(set_to_none=True)
+            torch.manual_seed(10 + step)
+            pm(*inputs).backward()
+            state = _generator_state(cfg.device)
+            torch.manual_seed(10 + step)
+            loss = reference(*inputs)
+            loss.backward()
+            out["generator_equal"] &= bool(torch.equal(state, _generator_state(cfg.device)))
+            torch.manual_seed(10 + step)
+            got = pm(*inputs).detach()
+            out["max_loss_diff"] = max(out["max_loss_diff"], float((got - loss.detach()).abs()))
+        grads = {k: p.grad for k, p in pm.named_parameters() if p.grad is not None}
+        if getattr(pm, "param_shards", None):
+            out["max_grad_diff"] = None  # sharded parameters (tp): the loss and the generator say it
+        else:
+            out["max_grad_diff"] = max((float((grads[k] - p.grad).abs().max()) for k, p in reference.named_parameters()
+                                        if k in grads and p.grad is not None), default=0.0)  # fmt: skip
+        per_device = dpcompile.transform(copy.deepcopy(model), devices, example_inputs=inputs, exact_random=False,
+                                         **layout)  # fmt: skip
+
+        def step(program):
+            def run():
+                program(*inputs).backward()
+
+            return run
+
+        times = interleaved(cfg, {"exact": step(pm), "per_device": step(per_device)})
+    out.update(times)
+    out["warnings"] = sorted({str(w.message)[:200] for w in caught if "dpcompile" in str(w.message)})[:3]
+    return out
+
+
+def exact_random(cfg: Config) -> dict[str, Any]:
+    """Random ops draw the single-device values on ``[device] * 2`` (dp, tp, gpipe): an MLP with dropout
+    (float64 and float32) and a tiny GPT block (SDPA with dropout, float32: the memory-efficient
+    kernel's mask on CUDA), each check on its own."""
+    g = torch.Generator().manual_seed(0)
+    d = cfg.d if cfg.smoke else 256
+    x, y = (torch.randn(16, d, generator=g).to(cfg.device) for _ in range(2))
+    ids = torch.randint(0, 64, (8, 16), generator=g).to(cfg.device)
+    labels = torch.randint(0, 64, (8, 16), generator=g).to(cfg.device)
+    layouts = {"dp": {}, "tp": {"tensor_parallel": True}, "gpipe": {"mesh": {"pp": 2}, "micro_batches": 2}}
+    cases = {
+        "mlp_float64": (lambda: DropoutMLP(d).double(), (x.double(), y.double())),
+        "mlp_float32": (lambda: DropoutMLP(d), (x, y)),
+        "gpt_sdpa_float32": (TinyGPT, (ids, labels)),
+    }
+    out: dict[str, Any] = {"devices": [cfg.devices[0]] * 2}
+    checks: dict[str, bool] = {}
+    smoke = {"mlp_float32_dp", "gpt_sdpa_float32_tp", "gpt_sdpa_float32_gpipe"}  # the code paths, quickly
+    for name, (make, inputs) in cases.items():
+        for label, layout in layouts.items():
+            key = f"{name}_{label}"
+            if cfg.smoke and key not in smoke:
+                continue
+            try:
+                entry = _exact_random_case(cfg, make, inputs, layout)
+                tolerance = 1e-9 if "float64" in name else 1e-4
+                grad_ok = entry["max_grad_diff"] is None or entry["max_grad_diff"] <= 10 * tolerance
+                checks[key] = entry["generator_equal"] and entry["max_loss_diff"] <= tolerance and grad_ok
+            except Exception as e:  # noqa: BLE001 - record it, run the other cases
+                entry = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc()[-1500:]}
+                checks[key] = False
+            out[key] = entry
+    out["checks"] = checks
+    return out
+
+
 SECTIONS: dict[str, Callable[[Config], dict[str, Any]]] = {
     "dp_training_step": dp_training_step,
     "rnn": rnn,
     "tp_forward": tp_forward,
     "explain_fake_8gpu": explain_fake_8gpu,
+    "exact_random": exact_random,
 }
 
 

@@ -19,8 +19,9 @@ After::
     drop_dev0 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev0, rows = (0, 0))
     drop_dev1 = dpcompile_runtime_exact_dropout_module(drop_module, random_draws, 'drop', relu_dev1, rows = (1, 0))
 
-A random op this pass does not know (``torch.poisson``, ``torch.multinomial`` with replacement) keeps
-its per-device draws; ``info["per_device"]`` names it (``explain`` reports it).
+A random op this pass cannot make exact (one given a ``generator``; ``torch.poisson`` where its first
+piece cannot see every piece's rates: a pipeline's micro-batches, another rank's rows) keeps its
+per-device draws; ``info["per_device"]`` names it (``explain`` reports it).
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def draw_random_whole(
     ``planned``: ``gm`` is a pipeline stage over a mesh, run once per micro-batch; it draws through
     the record its module opens for the call (``current_random_draws()``, every stage's sites in order).
     ``scopes``: paths of modules called whole (FSDP blocks), whose random ops draw through the record too."""
-    sites = find_random_sites(gm, scopes)
+    over_ranks = rank_batch is not None or planned
+    sites = [_poisson_joinable(_sized_over_ranks(s, over_ranks), gm.graph, over_ranks=over_ranks)
+             for s in find_random_sites(gm, scopes)]  # fmt: skip
     exact = [s for s in sites if s.kind != "other"]
     info: dict[str, Any] = {"exact": [s.source for s in exact], "per_device": [s.source for s in sites if s.kind == "other"]}
     if not exact:
@@ -133,6 +136,13 @@ def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.N
         return runtime.exact_normal, (*head, *args), {**kwargs, **where}
     if site.kind == "multinomial":
         return runtime.exact_multinomial, (*head, *args), {**kwargs, **where}
+    if site.kind == "normal_size":
+        return runtime.exact_normal_size, (*head, *args), {**kwargs, **where}
+    if site.kind == "poisson":
+        split = any(ROWS in n.meta or isinstance(n.meta.get(COLS), tuple) and n.meta[COLS][1] is not None
+                    for n in site.nodes)  # fmt: skip
+        pieces = tuple(n.args[0] for n in sorted(site.nodes, key=_piece_index)) if split else (args[0],)
+        return runtime.exact_poisson, (*head, args[0]), {"pieces": pieces, **where}
     if site.kind == "scope":
         return runtime.exact_random_scope, (*head, node.meta.get(ROWS), module, *args), kwargs
     if site.kind == "native_dropout":
@@ -146,6 +156,40 @@ def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.N
         return runtime.exact_fill_random, (*head, method, *args), {**kwargs, **where}
     name = LIKE_FUNCTIONS.get(node.target, "bernoulli")  # a bernoulli(x, p) function or method
     return runtime.exact_random_like, (*head, name, *args), {**kwargs, **where}
+
+
+def _piece_index(node: fx.Node) -> int:
+    where = node.meta.get(ROWS) or node.meta.get(COLS)
+    return where[0] if where else 0
+
+
+def _sized_over_ranks(site: RandomSite, over_ranks: bool) -> RandomSite:
+    """Over a mesh a rank's ``torch.normal(mean, std, size)`` not stamped with its rows may be sized by
+    the local batch (a factory has no batch rule), where eager's is the global one: per device, named."""
+    if site.kind == "normal_size" and over_ranks and not any(ROWS in n.meta for n in site.nodes):
+        return RandomSite(site.source, "other", site.nodes)
+    return site
+
+
+def _poisson_joinable(site: RandomSite, graph: fx.Graph, *, over_ranks: bool) -> RandomSite:
+    """A ``torch.poisson`` site draws exactly only where its first piece can see every piece's rates
+    (their number of draws depends on them): one piece per device, split one way, each rate computed
+    before the first draw; else (a pipeline's micro-batches, another rank's rows) it stays per device."""
+    if site.kind != "poisson":
+        return site
+    rows = [n.meta.get(ROWS) for n in site.nodes]
+    cols = [n.meta.get(COLS) if isinstance(n.meta.get(COLS), tuple) and n.meta[COLS][1] is not None else None
+            for n in site.nodes]  # fmt: skip
+    split = any(rows) or any(cols)
+    one_way = not (any(rows) and any(cols)) and not (over_ranks and split)
+    indices = sorted(_piece_index(n) for n in site.nodes)
+    complete = indices == list(range(len(site.nodes))) and all(c is None or len(c[2]) == len(site.nodes) for c in cols)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[n] for n in site.nodes)
+    ready = all(not isinstance(n.args[0], fx.Node) or order[n.args[0]] < first for n in site.nodes)
+    if one_way and (complete or not split) and ready:
+        return site
+    return RandomSite(site.source, "other", site.nodes)
 
 
 def _draws_call(graph: fx.Graph, rank_batch: tuple[str, int, int] | None) -> tuple[Any, tuple]:

@@ -36,19 +36,21 @@ SPECIAL_DROPOUT_FUNCTIONS = {F.dropout1d: "dropout1d", F.dropout2d: "dropout2d",
                              F.alpha_dropout: "alpha", F.feature_alpha_dropout: "feature_alpha"}  # fmt: skip
 SPECIAL_DROPOUT_MODULES = {nn.Dropout1d: "dropout1d", nn.Dropout2d: "dropout2d", nn.Dropout3d: "dropout3d",
                            nn.AlphaDropout: "alpha", nn.FeatureAlphaDropout: "feature_alpha"}  # fmt: skip
-# random ops the runtime cannot make exact: they draw per device, and explain names them
+# random ops with no exact rule when called otherwise (a generator, ``out=``): per device, named by explain
 OTHER_RANDOM = {torch.multinomial, torch.normal, torch.poisson}
 EXACT_RUNTIME = {runtime.exact_dropout, runtime.exact_dropout_module, runtime.exact_native_dropout, runtime.exact_attention,
                  runtime.exact_random_like, runtime.exact_bernoulli, runtime.exact_fill_random,
                  runtime.exact_random_scope, runtime.exact_special_dropout, runtime.exact_special_dropout_module,
-                 runtime.exact_normal, runtime.exact_multinomial}  # fmt: skip
+                 runtime.exact_normal, runtime.exact_multinomial, runtime.exact_normal_size,
+                 runtime.exact_poisson}  # fmt: skip
 
 
 def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
     """The kind of random op ``node`` runs: ``"dropout"``, ``"dropout_module"``, ``"native_dropout"``,
     ``"attention"`` (with ``dropout_p``), ``"like"``, ``"bernoulli"``, ``"fill"``, ``"special_dropout"``
-    (``_module``: channel and alpha dropouts), ``"normal"``, ``"multinomial"``, or ``"other"`` for
-    one that cannot draw the single-device values; None for a node that draws nothing."""
+    (``_module``: channel and alpha dropouts), ``"normal"``, ``"normal_size"``, ``"multinomial"``,
+    ``"poisson"``, or ``"other"`` for one that cannot draw the single-device values; None for a node
+    that draws nothing."""
     if node.op == "call_function":
         target = node.target
         if target in DROPOUT_FUNCTIONS:
@@ -68,8 +70,12 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
             return "special_dropout"
         if target is torch.normal and _tensor_mean_and_std(node):
             return "normal"
-        if target is torch.multinomial and _without_replacement(node):
+        if target is torch.normal and _float_mean_and_std_with_size(node):
+            return "normal_size"
+        if target is torch.multinomial and _no_generator(node, ("input", "num_samples", "replacement")):
             return "multinomial"
+        if target is torch.poisson and _no_generator(node, ("input",)):
+            return "poisson"
         return "other" if target in OTHER_RANDOM else None
     if node.op in ("call_module", "call_method"):
         module = called_module(gm, node)
@@ -157,12 +163,19 @@ def _tensor_mean_and_std(node: fx.Node) -> bool:
     return set(bound) == set(names) and all(isinstance(bound[n], fx.Node) for n in names)
 
 
-def _without_replacement(node: fx.Node) -> bool:
-    """``torch.multinomial(probs, n)`` without replacement, or with one sample, and no generator."""
-    bound = {**dict(zip(("input", "num_samples", "replacement"), node.args)), **node.kwargs}
-    if set(bound) - {"input", "num_samples", "replacement"}:
-        return False
-    return bound.get("replacement", False) is False or bound.get("num_samples") == 1
+def _no_generator(node: fx.Node, names: tuple[str, ...]) -> bool:
+    """A call of ``names`` alone (``torch.multinomial``, ``torch.poisson``): no ``generator`` or ``out``."""
+    bound = {**dict(zip(names, node.args)), **node.kwargs}
+    return not set(bound) - set(names)
+
+
+def _float_mean_and_std_with_size(node: fx.Node) -> bool:
+    """``torch.normal(mean, std, size)`` with numbers, and only ``dtype``/``device``/``layout``/
+    ``requires_grad`` beside (no generator or ``out``)."""
+    bound = {**dict(zip(("mean", "std", "size"), node.args)), **node.kwargs}
+    numbers = all(isinstance(bound.get(n), (int, float)) for n in ("mean", "std"))
+    return numbers and "size" in bound and not set(bound) - {"mean", "std", "size", "dtype", "device", "layout",
+                                                               "requires_grad"}  # fmt: skip
 
 
 def _is_replicas(value: Any) -> bool:

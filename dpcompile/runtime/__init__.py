@@ -28,6 +28,8 @@ from dpcompile.runtime.random import (
 from dpcompile.runtime.random_more import (
     exact_multinomial,
     exact_normal,
+    exact_normal_size,
+    exact_poisson,
     exact_special_dropout,
     exact_special_dropout_module,
 )
@@ -60,6 +62,8 @@ __all__ = [
     "exact_random_scope",
     "exact_multinomial",
     "exact_normal",
+    "exact_normal_size",
+    "exact_poisson",
     "exact_special_dropout",
     "exact_special_dropout_module",
     "random_draws_over_ranks",

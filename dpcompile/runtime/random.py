@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dpcompile.runtime.random_cuda import attention_kernel, attention_noise, dropout_of_ones
+
 Rows = tuple[int, int] | None
 Cols = tuple[int, int | None, Sequence[int] | None] | None
 
@@ -96,9 +98,13 @@ def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tu
 
 
 def _dropout_noise(like: torch.Tensor, p: float) -> Callable[[tuple[int, ...]], torch.Tensor]:
-    """What dropout multiplies its input by, drawn as dropout draws it on this device (on CPU
-    ``bernoulli_(1 - p) / (1 - p)``): dropout of ones."""
-    return lambda shape: F.dropout(torch.ones(shape, dtype=like.dtype, device=like.device), p, True)
+    """What dropout multiplies its input by, drawn as dropout draws it on this device: on CPU
+    ``empty.bernoulli_(1 - p).div_(1 - p)``, the noise ``at::dropout`` draws (no tensor of ones to
+    fill and multiply); elsewhere dropout of ones (on CUDA the fused kernel's mask and stream)."""
+    if like.device.type == "cpu":
+        keep = 1.0 - p
+        return lambda shape: _empty(like)(shape).bernoulli_(keep).div_(keep)
+    return dropout_of_ones(like, p)
 
 
 def exact_dropout(draws: RandomDraws, site: str, x: torch.Tensor, p: Any = 0.5, training: bool = True,
@@ -161,10 +167,12 @@ def exact_attention(draws: RandomDraws, site: str, query: torch.Tensor, key: tor
                     scale: float | None = None, enable_gqa: bool = False, *, rows: Rows = None,
                     cols: Cols = None) -> torch.Tensor:  # fmt: skip
     """``F.scaled_dot_product_attention`` with ``dropout_p``: the math kernel (the one CPU runs with
-    dropout) written out, its dropout this piece's slice of the single-device mask."""
+    dropout) written out, its dropout this piece's slice of the single-device mask (on CUDA the mask
+    of the kernel eager runs there: :mod:`dpcompile.runtime.random_cuda`)."""
     if not dropout_p:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)  # fmt: skip
+    kernel = attention_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     negative = scale is not None and scale < 0
     factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(query.size(-1)))
     q = query * (-factor if negative else factor)
@@ -181,7 +189,8 @@ def exact_attention(draws: RandomDraws, site: str, query: torch.Tensor, key: tor
     if attn_mask is not None:
         attn = attn + attn_mask
     attn = torch.ops.aten._safe_softmax(attn, -1)
-    attn = attn * draws.piece(site, attn, rows, cols, _dropout_noise(attn, dropout_p))
+    noise = attention_noise(site, kernel, attn, dropout_p, _dropout_noise(attn, dropout_p))
+    attn = attn * draws.piece(site, attn, rows, cols, noise)
     return torch.matmul(attn, value)
 
 

@@ -12,7 +12,10 @@ element-wise arithmetic:
 - ``torch.normal(mean, std)``: a standard normal fill, times ``std`` plus ``mean`` (zero gradient to
   both, as eager's);
 - ``torch.multinomial(probs, n)`` without replacement (or ``n == 1``): an ``exponential_(1)`` fill
-  ``q``, then ``argmax``/``topk`` of ``probs / q`` per row (the Gumbel trick the CPU kernel uses).
+  ``q``, then ``argmax``/``topk`` of ``probs / q`` per row (the Gumbel trick the CPU kernel uses);
+  with replacement: a float64 uniform per sample and a binary search in the row's cumulative sum;
+- ``torch.normal(mean, std, size)`` with floats: a ``normal_(mean, std)`` fill of the whole shape;
+- ``torch.poisson(rates)``: sampled on the whole rates, joined from every device's piece.
 """
 
 from __future__ import annotations
@@ -74,33 +77,88 @@ def exact_normal(draws: RandomDraws, site: str, mean: torch.Tensor, std: torch.T
 
 
 class _ZeroGradient(torch.autograd.Function):
-    """``value``, whose gradient to ``mean`` and ``std`` is zero, as ``torch.normal``'s backward says."""
+    """``value``, whose gradient to its inputs is zero, as ``torch.normal``'s and ``torch.poisson``'s
+    backward say."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-        ctx.mean_like, ctx.std_like = (mean.shape, mean.dtype, mean.device), (std.shape, std.dtype, std.device)
+    def forward(ctx: Any, value: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.likes = [(t.shape, t.dtype, t.device) for t in inputs]
         return value
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in (ctx.mean_like, ctx.std_like)]
-        return None, *zeros
+        return None, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.likes)
 
 
 def exact_multinomial(draws: RandomDraws, site: str, probs: torch.Tensor, num_samples: int,
                       replacement: bool = False, *, rows: Rows = None, cols: Cols = None) -> Any:  # fmt: skip
-    """``torch.multinomial(probs, num_samples)`` without replacement (or one sample): the CPU kernel's
-    ``exponential_(1)`` draw on the whole shape, then ``argmax``/``topk`` of ``probs / q`` on this piece."""
-    if replacement and num_samples > 1:
-        raise ValueError("multinomial with replacement draws per sample: it has no exact rule (exact_random=False)")
+    """``torch.multinomial(probs, num_samples, replacement)`` as the CPU kernel draws it. Without
+    replacement (or one sample): an ``exponential_(1)`` fill on the whole shape, then ``argmax``/``topk``
+    of ``probs / q`` on this piece. With replacement: one float64 uniform per sample, row after row,
+    on the whole ``[rows, num_samples]``, and each row's slot by binary search in its normalized
+    cumulative sum (summed in ``probs``' dtype, element after element, as the kernel does)."""
     if cols is not None and cols[1] is not None:
         raise ValueError("multinomial over a sharded class dim has no exact rule: leave its input whole")
-    q = draws.piece(site, probs, rows, None,
-                    lambda s: torch.empty(s, dtype=probs.dtype, device=probs.device).exponential_(1))  # fmt: skip
-    ratio = probs / q
-    if num_samples == 1:
-        return ratio.argmax(-1, keepdim=True)
-    return torch.topk(ratio, num_samples).indices
+    if not replacement or num_samples == 1:
+        q = draws.piece(site, probs, rows, None,
+                        lambda s: torch.empty(s, dtype=probs.dtype, device=probs.device).exponential_(1))  # fmt: skip
+        ratio = probs / q
+        if num_samples == 1:
+            return ratio.argmax(-1, keepdim=True)
+        return torch.topk(ratio, num_samples).indices
+    if probs.device.type != "cpu" or probs.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"multinomial with replacement is exact for float32/float64 on CPU, not {probs.dtype} on "
+                         f"{probs.device.type}: pass exact_random=False to draw it per device")  # fmt: skip
+    table = probs if probs.dim() > 1 else probs.unsqueeze(0)
+    like = torch.empty((table.size(0), num_samples), dtype=torch.float64, device=probs.device)
+    uniform = draws.piece(site, like, rows, None,
+                          lambda s: torch.empty(s, dtype=torch.float64, device=probs.device).uniform_())  # fmt: skip
+    with torch.no_grad():
+        slots = torch.searchsorted(_normalized_cumsum(table).double(), uniform.contiguous())
+    return slots if probs.dim() > 1 else slots.squeeze(0)
 
 
-__all__ = ["exact_multinomial", "exact_normal", "exact_special_dropout", "exact_special_dropout_module"]
+def _normalized_cumsum(table: torch.Tensor) -> torch.Tensor:
+    """Each row's running sum over its last dim in the table's own dtype (``cumsum`` of float32
+    accumulates in float64), divided by its total, the last slot 1: the CPU kernel's table."""
+    if table.dtype == torch.float64:
+        cum = table.cumsum(-1)
+    else:
+        running = torch.zeros(table.shape[:-1], dtype=table.dtype, device=table.device)
+        columns = []
+        for j in range(table.size(-1)):
+            running = running + table[..., j]
+            columns.append(running)
+        cum = torch.stack(columns, -1)
+    cum = cum / cum[..., -1:]
+    cum[..., -1] = 1
+    return cum
+
+
+def exact_normal_size(draws: RandomDraws, site: str, mean: float, std: float, size: Any, *, rows: Rows = None,
+                      cols: Cols = None, **options: Any) -> torch.Tensor:  # fmt: skip
+    """``torch.normal(mean, std, size, dtype=, device=)`` with floats: the whole shape filled with
+    ``normal_(mean, std)`` (as ``at::normal``), this piece's slice."""
+    like = torch.empty(tuple(size), **options)
+    piece = draws.piece(site, like, rows, cols, lambda s: torch.empty(s, **options).normal_(mean, std))
+    return piece.contiguous() if not options.get("requires_grad") else piece.contiguous().requires_grad_()
+
+
+def exact_poisson(draws: RandomDraws, site: str, rates: torch.Tensor, *, pieces: tuple[torch.Tensor, ...],
+                  rows: Rows = None, cols: Cols = None) -> torch.Tensor:  # fmt: skip
+    """``torch.poisson(rates)``: the number of draws depends on each rate, so the first piece to reach
+    the site samples the *whole* rates (``pieces``: every device's, in order, joined along the split
+    dim) and each piece takes its slice."""
+    def whole(shape: tuple[int, ...]) -> torch.Tensor:
+        dim = rows[1] if rows is not None else len(shape) + cols[1] if cols is not None and cols[1] is not None else 0
+        joined = torch.cat([p.to(rates.device) for p in pieces], dim) if len(pieces) > 1 else pieces[0]
+        if tuple(joined.shape) != tuple(shape):
+            raise ValueError(f"poisson's pieces join to {tuple(joined.shape)}, the site's whole shape is {tuple(shape)}")
+        return torch.poisson(joined.detach())
+
+    value = draws.piece(site, rates, rows, cols, whole).contiguous()
+    return _ZeroGradient.apply(value, rates) if rates.requires_grad else value
+
+
+__all__ = ["exact_multinomial", "exact_normal", "exact_normal_size", "exact_poisson", "exact_special_dropout",
+           "exact_special_dropout_module"]

@@ -44,7 +44,7 @@ SKIP_OPS = {
     "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout", "nn.functional.rrelu",
     "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted",
     "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d", "cauchy", "exponential",
-    "geometric", "log_normal", "torch._scaled_mm", "svd_lowrank", "pca_lowrank", "randperm",
+    "geometric", "log_normal", "torch._scaled_mm", "svd_lowrank", "pca_lowrank", "randperm", "poisson",
 }  # fmt: skip
 
 

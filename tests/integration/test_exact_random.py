@@ -201,3 +201,68 @@ def test_exact_random_on_cuda_matches_eager(layout):
     torch.cuda.manual_seed(5)
     torch.testing.assert_close(got, reference(**cuda_kwargs))
     assert torch.equal(state, torch.cuda.get_rng_state())
+
+
+@pytest.mark.gpu
+def test_exact_attention_on_cuda_draws_the_memory_efficient_kernels_mask():
+    """float32 SDPA with dropout on CUDA runs the memory-efficient kernel: split in two by rows, the
+    written-out attention multiplies by that kernel's mask (equal up to float32 rounding) and leaves the
+    CUDA generator where the kernel does."""
+    from dpcompile.runtime import exact_attention, random_draws
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 2, 16, 8, generator=g).cuda() for _ in range(3))
+    torch.cuda.manual_seed(3)
+    want = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True)
+    state = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(3)
+    pieces = [(t[:2], t[2:]) for t in (q, k, v)]
+    draws = random_draws(pieces[0], 0)
+    got = torch.cat([exact_attention(draws, "attn", pieces[0][r], pieces[1][r], pieces[2][r], None, 0.25, True,
+                                     rows=(r, 0)) for r in range(2)])  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(state, torch.cuda.get_rng_state())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dp", "tp", "gpipe"])
+def test_exact_random_gpt_block_with_sdpa_dropout_on_cuda_trains_like_eager(layout):
+    """A hand-written GPT block (SDPA dropout, float32) on ``["cuda:0"] * 2``: 2 steps' losses equal
+    eager's up to float32 rounding and the CUDA generator's state after each equals eager's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    torch.manual_seed(0)
+    model = gpu_check.TinyGPT().cuda().train()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, 64, (8, 16), generator=g).cuda() for _ in range(2))
+    pm = dpcompile.transform(model, ["cuda:0"] * 2, example_inputs=(ids, labels), **LAYOUTS[layout])
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        loss = pm(ids, labels)
+        loss.backward()
+        state = torch.cuda.get_rng_state()
+        torch.manual_seed(10 + step)
+        want = reference(ids, labels)
+        want.backward()
+        assert torch.equal(state, torch.cuda.get_rng_state()), f"the CUDA generator after step {step} is not eager's"
+        torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_dropout_of_an_unreproduced_kernel_warns_once():
+    """Where eager would run the flash or cuDNN kernel (half precision on CUDA), whose mask is not
+    reproduced, the site warns once, naming itself and the kernel, and draws dropout of ones."""
+    from dpcompile.runtime.random_cuda import attention_noise
+
+    fallback = object()
+    with pytest.warns(UserWarning, match="'attn_half'.*flash kernel.*not reproduced"):
+        assert attention_noise("attn_half", "flash", torch.empty(2, 2, 4, 4), 0.1, fallback) is fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert attention_noise("attn_half", "flash", torch.empty(2, 2, 4, 4), 0.1, fallback) is fallback
+        assert attention_noise("attn_math", "math", torch.empty(2, 2, 4, 4), 0.1, fallback) is fallback

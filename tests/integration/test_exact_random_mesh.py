@@ -1,11 +1,12 @@
 """Random ops draw the single-device values over a gloo ``DeviceMesh`` (``exact_random=True``, the
 default): every rank draws each site's whole tensor from its identically seeded generator and keeps
 its slice, with no collective. An MLP with dropout (module, functional) and ``randn_like`` noise, a
-stack of FSDP-wrapped blocks with dropout inside, and GPT-2 with its default dropout (tiny, float64,
-exported), over ``("dp",)`` (DDP, FSDP), ``("tp",)``, ``("dp", "tp")``, ``("pp",)`` (GPipe, 1F1B),
-``("pp", "dp")`` and ``("pp", "tp")`` meshes: over 3 SGD steps from the same seed the loss (averaged
+stack of FSDP-wrapped blocks with dropout inside, GPT-2 and BERT with their default dropout and a ViT
+with attention dropout (tiny, float64, exported), over ``("dp",)`` (DDP, FSDP), ``("tp",)``,
+``("dp", "tp")``, ``("pp",)`` (GPipe, 1F1B), ``("pp", "dp")`` and ``("pp", "tp")`` meshes: over 3 SGD steps from the same seed the loss (averaged
 over the dp ranks) and every gradient (this rank's shard, this stage's parameters) equal eager's on
-the global batch, and ``torch.get_rng_state()`` after each step equals eager's on every rank.
+the global batch, and ``torch.get_rng_state()`` after each step equals eager's on every rank; BERT
+and ViT train with AdamW and their parameters after the 3 steps equal eager's too.
 Spawning is the expensive part, so one group of 2 and one of 4 run every check."""
 
 from __future__ import annotations
@@ -81,6 +82,45 @@ def _gpt2(rows: int, tied: bool = True):
     return (lambda: T.GPT2LMHeadModel(config)), kwargs
 
 
+def _bert(rows: int, tied: bool = True):
+    from tests.thirdparty import import_or_skip
+
+    T = import_or_skip("transformers")
+    config = T.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                          vocab_size=V, max_position_embeddings=16)  # default dropout: hidden and attention 0.1
+    g = torch.Generator().manual_seed(0)
+    kwargs = {"input_ids": torch.randint(1, V, (rows, 8), generator=g), "labels": torch.randint(0, 2, (rows,), generator=g)}
+    return (lambda: T.BertForSequenceClassification(config)), kwargs
+
+
+def _vit(rows: int, tied: bool = True):
+    from tests.thirdparty import import_or_skip
+
+    T = import_or_skip("transformers")
+    config = T.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, intermediate_size=32, num_labels=3, hidden_dropout_prob=0.1,
+                         attention_probs_dropout_prob=0.1)  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    kwargs = {"pixel_values": torch.randn(rows, 3, 8, 8, generator=g, dtype=torch.float64),
+              "labels": torch.randint(0, 3, (rows,), generator=g)}  # fmt: skip
+    return (lambda: T.ViTForImageClassification(config)), kwargs
+
+
+MODELS = {"mlp": _mlp, "blocks": _blocks, "gpt2": _gpt2, "bert": _bert, "vit": _vit}
+#: BERT and ViT train with AdamW (its state moves every parameter, so the parameters after 3 steps are checked too)
+ADAMW = {"bert", "vit"}
+
+
+def _optimizers(name: str, params, ref_params):
+    if name in ADAMW:
+        return torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref_params, lr=1e-2)
+    return torch.optim.SGD(params, lr=0.1), torch.optim.SGD(ref_params, lr=0.1)
+
+
+def _local(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _mesh(layout: dict[str, int]):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -103,14 +143,14 @@ def check_trains_like_eager(name: str, layout: dict[str, int], data_parallel: st
     dp = layout.get("dp", 1)
     dp_rank = mesh.get_local_rank("dp") if "dp" in layout else 0
     tp_rank = mesh.get_local_rank("tp") if "tp" in layout else 0
-    make, kwargs = {"mlp": _mlp, "blocks": _blocks, "gpt2": _gpt2}[name](2 * dp)
+    make, kwargs = MODELS[name](2 * dp)
     torch.manual_seed(0)
     model = make().double().train()
     reference = copy.deepcopy(model)
     per = 2
     local = {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in kwargs.items()}
     program = model
-    if name == "gpt2":
+    if name not in ("mlp", "blocks"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = capture_model(model, frontend="export", example_kwargs=local)[0]
@@ -120,8 +160,7 @@ def check_trains_like_eager(name: str, layout: dict[str, int], data_parallel: st
     pm = dpcompile.transform(program, mesh, example_kwargs=local, **options)
     assert "random_draws" in pm.code, pm.code
     pm.train()
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt, ref_opt = _optimizers(name, pm.parameters(), reference.parameters())
     shards = getattr(pm, "shards", {}) or {}
     for step in range(3):
         torch.manual_seed(100 + step)
@@ -140,12 +179,15 @@ def check_trains_like_eager(name: str, layout: dict[str, int], data_parallel: st
         grads = {n.removeprefix("module."): p.grad for n, p in pm.named_parameters()}
         for key, p in reference.named_parameters():
             want = shard_of(p.grad, shards[key], tp_rank) if key in shards else p.grad
-            got = grads[key]
-            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            got = _local(grads[key])
             torch.testing.assert_close(got, want, msg=lambda m, key=key, step=step: f"grad {key}, step {step}: {m}")
         for optimizer in (opt, ref_opt):
             optimizer.step()
             optimizer.zero_grad()
+    params = {n.removeprefix("module."): p for n, p in pm.named_parameters()}
+    for key, p in reference.named_parameters():
+        want = shard_of(p.detach(), shards[key], tp_rank) if key in shards else p.detach()
+        torch.testing.assert_close(_local(params[key].detach()), want, msg=lambda m, key=key: f"param {key} after 3 steps: {m}")
 
 
 def check_pipeline_trains_like_eager(name: str, layout: dict[str, int], schedule: str = "gpipe") -> None:
@@ -161,7 +203,7 @@ def check_pipeline_trains_like_eager(name: str, layout: dict[str, int], schedule
     dp = layout.get("dp", 1)
     dp_rank = mesh.get_local_rank("dp") if "dp" in layout else 0
     tp_rank = mesh.get_local_rank("tp") if "tp" in layout else 0
-    make, kwargs = (_mlp if name == "mlp" else _gpt2)(4 * dp, tied="tp" not in layout)
+    make, kwargs = MODELS[name](4 * dp, tied="tp" not in layout)
     torch.manual_seed(0)
     model = make().double().train()
     reference = copy.deepcopy(model)
@@ -178,8 +220,7 @@ def check_pipeline_trains_like_eager(name: str, layout: dict[str, int], schedule
                              example_kwargs=local, **options)  # fmt: skip
     assert "current_random_draws" in pm.code, pm.code
     pm.train()
-    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt, ref_opt = _optimizers(name, pm.parameters(), reference.parameters())
     last = mesh.get_local_rank("pp") == layout["pp"] - 1
     wanted = dict(reference.named_parameters(remove_duplicate=False))  # a tied lm_head.weight too
     for step in range(3):
@@ -199,14 +240,21 @@ def check_pipeline_trains_like_eager(name: str, layout: dict[str, int], schedule
         for optimizer in (opt, ref_opt):
             optimizer.step()
             optimizer.zero_grad()
+    for path, p in pm.program.named_parameters():
+        key = unalias(path)
+        want = wanted[key].detach()
+        want = shard_of(want, pm.shards[key], tp_rank) if key in pm.shards else want
+        torch.testing.assert_close(p.detach(), want, msg=lambda m, key=key: f"param {key} after 3 steps: {m}")
 
 
-#: GPT-2 runs on data parallel and dp x tp (the suite's time); the MLP on every layout
-GPT2_LAYOUTS = {"dp", "dp_tp"}
+#: the MLP runs on every layout; GPT-2, BERT and ViT (attention dropout) each on a few (the suite's time),
+#: together one layout per strategy: dp, FSDP, tp, pp 1F1B and dp x tp
+TRANSFORMERS_LAYOUTS = {"dp": ("gpt2", "bert"), "fsdp": ("vit",), "tp": ("bert",), "pp_1f1b": ("vit",),
+                        "dp_tp": ("gpt2", "vit")}  # fmt: skip
 
 
 def _models(label: str) -> tuple[str, ...]:
-    return ("mlp", "gpt2") if label in GPT2_LAYOUTS else ("mlp",)
+    return ("mlp", *TRANSFORMERS_LAYOUTS.get(label, ()))
 
 
 def _checks(world: int) -> list[tuple[str, object]]:
@@ -254,15 +302,17 @@ def _assert_passed(world: int, check: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "check", ["mlp-dp", "gpt2-dp", "mlp-fsdp", "blocks-fsdp", "mlp-tp", "mlp-pp", "mlp-pp_1f1b"],
+    "check", ["mlp-dp", "gpt2-dp", "bert-dp", "mlp-fsdp", "vit-fsdp", "blocks-fsdp", "mlp-tp", "bert-tp",
+              "mlp-pp", "mlp-pp_1f1b", "vit-pp_1f1b"],
 )  # fmt: skip
 def test_exact_random_mesh_trains_like_eager(check):
-    """dp (DDP, FSDP), tp and pp (GPipe, 1F1B) over 2 gloo ranks: losses, gradients, generator states."""
+    """dp (DDP, FSDP), tp and pp (GPipe, 1F1B) over 2 gloo ranks: losses, gradients, generator states
+    (BERT and ViT: AdamW, and the parameters after 3 steps)."""
     _assert_passed(2, check)
 
 
 @pytest.mark.parametrize(
-    "check", ["mlp-dp_tp", "gpt2-dp_tp", "mlp-fsdp_tp", "mlp-pp_dp", "mlp-pp_tp"],
+    "check", ["mlp-dp_tp", "gpt2-dp_tp", "vit-dp_tp", "mlp-fsdp_tp", "mlp-pp_dp", "mlp-pp_tp"],
 )  # fmt: skip
 def test_exact_random_mesh_combinations_train_like_eager(check):
     """dp x tp (DDP, FSDP), pp x dp and pp x tp over 4 gloo ranks: losses, gradients, generator states."""

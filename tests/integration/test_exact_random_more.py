@@ -1,6 +1,7 @@
-"""Channel and alpha dropouts, torch.normal(mean, std) and torch.multinomial draw the single-device
-values in every one-process layout (``exact_random=True``): over 3 SGD steps from the same seed the
-loss, the sampled classes, every gradient and ``torch.get_rng_state()`` after each step equal eager's,
+"""Channel and alpha dropouts, torch.normal (tensors; numbers and a size), torch.multinomial (with
+and without replacement) and torch.poisson (dp, tp; per device in a pipeline, named by explain) draw
+the single-device values in every one-process layout (``exact_random=True``): over 3 SGD steps from
+the same seed the loss, the sampled classes, every gradient and ``torch.get_rng_state()`` after each step equal eager's,
 on dp, tp, the pipeline (GPipe and 1F1B) and pp x tp; each op also on its own, split unevenly."""
 
 from __future__ import annotations
@@ -119,3 +120,118 @@ def test_exact_random_functional_spellings_match_eager(layout):
     grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {k: p.grad for k, p in pm.named_parameters()}
     for key, p in reference.named_parameters():
         torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key: f"grad {key}: {m}")
+
+
+class SamplingNet(nn.Module):
+    """``torch.poisson`` counts of activations (their number of draws depends on each rate) and
+    ``torch.multinomial`` with replacement, several samples per row."""
+
+    def __init__(self, poisson: bool = True):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 5)
+        self.poisson = poisson
+
+    def forward(self, x, labels):
+        h = torch.tanh(self.fc1(x))
+        rates = torch.exp(h.detach()) * 3
+        counts = torch.poisson(rates) if self.poisson else rates
+        logits = self.fc2(h + 0.01 * counts)
+        samples = torch.multinomial(F.softmax(logits.detach(), -1), 3, replacement=True)
+        return F.cross_entropy(logits, labels), samples, counts
+
+
+class NormalNoiseNet(nn.Module):
+    """``torch.normal(mean, std, size)`` with numbers, the size the batch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        h = torch.tanh(self.fc1(x)) + torch.normal(0.0, 0.1, (x.size(0), 8), dtype=x.dtype)
+        return F.cross_entropy(self.fc2(h), labels), h
+
+
+def _check_draws_like_eager(model, layout, steps=3):
+    torch.manual_seed(0)
+    model = model.double().train()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, labels = torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (6,), generator=g)
+    options = LAYOUTS[layout]
+    pm = dpcompile.transform(model, _devices(options), example_inputs=(x, labels), **options)
+    report = dpcompile.explain(pm, x, labels).random
+    assert report["per_device"] == [] and report["exact"], report
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    sharded = bool(getattr(pm, "param_shards", None))
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        loss, *values = pm(x, labels)
+        loss.backward()
+        state = torch.get_rng_state()
+        torch.manual_seed(100 + step)
+        want, *want_values = reference(x, labels)
+        want.backward()
+        assert torch.equal(state, torch.get_rng_state()), f"the generator after step {step} is not eager's"
+        for got, expected in zip(values, want_values):
+            torch.testing.assert_close(got, expected)  # samples and counts: exactly (integers, whole numbers)
+        torch.testing.assert_close(loss, want)
+        grads = full_gradients(pm) if sharded else {k: p.grad for k, p in pm.named_parameters()}
+        for key, p in reference.named_parameters():
+            torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key: f"grad {key}: {m}")
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_exact_poisson_and_multinomial_with_replacement_train_like_eager(layout):
+    """Multinomial samples with replacement are eager's, and so is the generator after each of 3 steps,
+    in every one-process layout; Poisson counts too on dp and tp (split by rows, by columns)."""
+    _check_draws_like_eager(SamplingNet(poisson=layout in ("dp", "tp")), layout)
+
+
+@pytest.mark.parametrize("layout", ["gpipe", "1f1b"])
+def test_poisson_in_a_pipeline_draws_per_device_and_explain_names_it(layout):
+    """A micro-batch's Poisson draws depend on its rates, unknown to the first micro-batch: the site
+    keeps per-device draws, and ``explain`` and ``pm.code`` say so."""
+    model = SamplingNet().double()
+    x, labels = torch.randn(6, 6, dtype=torch.float64), torch.randint(0, 5, (6,))
+    options = LAYOUTS[layout]
+    pm = dpcompile.transform(model, _devices(options), example_inputs=(x, labels), **options)
+    report = dpcompile.explain(pm, x, labels).random
+    assert report["per_device"] == ["poisson"] and report["exact"] == ["multinomial"], report
+    assert "random ops poisson draw per device" in pm.code
+
+
+@pytest.mark.parametrize("layout", ["dp", "tp", "gpipe"])
+def test_exact_normal_with_numbers_and_size_trains_like_eager(layout):
+    """``torch.normal(0.0, 0.1, (batch, 8))``: the noise and the generator are eager's. (1F1B refuses
+    this model with or without exact draws: a factory of the batch's size has no batch rule.)"""
+    _check_draws_like_eager(NormalNoiseNet(), layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(7, 300), (5,), (3, 4)])
+def test_exact_multinomial_with_replacement_is_the_cpu_kernel(shape, dtype):
+    """The runtime rule on its own, split in two by rows: each piece's samples are eager's slice and the
+    generator ends where eager's does (float32 sums row by row in float32, as the kernel)."""
+    from dpcompile.runtime import exact_multinomial, random_draws
+
+    probs = torch.rand(shape, generator=torch.Generator().manual_seed(3), dtype=dtype) ** 3
+    torch.manual_seed(9)
+    want = torch.multinomial(probs, 6, replacement=True)
+    state = torch.get_rng_state()
+    torch.manual_seed(9)
+    if len(shape) == 1:
+        got = exact_multinomial(random_draws(), "s", probs, 6, True)
+    else:
+        half = (shape[0] + 1) // 2  # uneven: 4 and 3 rows, 2 and 1
+        pieces = probs[:half], probs[half:]
+        draws = random_draws(pieces, 0)
+        got = torch.cat([exact_multinomial(draws, "s", p, 6, True, rows=(k, 0)) for k, p in enumerate(pieces)])
+    assert torch.equal(got, want) and torch.equal(state, torch.get_rng_state())
+

@@ -30,14 +30,16 @@ class Net(nn.Module):
 
 
 class SampleWithReplacementNet(nn.Module):
-    """``torch.multinomial`` with replacement draws per sample: no exact rule."""
+    """``torch.multinomial`` with replacement: a uniform per sample, exact; ``torch.poisson``: as many
+    draws as each rate needs, exact only where the first piece sees every piece's rates."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 5)
 
     def forward(self, x):
-        return torch.multinomial(torch.softmax(self.fc(x), -1).detach(), 3, replacement=True)
+        probs = torch.softmax(self.fc(x), -1).detach()
+        return torch.multinomial(probs, 3, replacement=True), torch.poisson(probs * 4)
 
 
 def _program(exact_random=True, **kw):
@@ -94,12 +96,16 @@ def test_exact_random_false_keeps_per_device_draws_and_says_so():
 
 
 def test_an_op_without_exact_rule_draws_per_device_and_is_named():
-    """multinomial with replacement has no exact rule: it stays a per-device call, named in explain and pm.code."""
+    """multinomial with replacement and poisson draw exactly on dp; in a pipeline poisson has no exact
+    rule (micro-batch 1's rates come after micro-batch 0's draw): a per-device call, named in explain and pm.code."""
     torch.manual_seed(0)
+    x = torch.randn(4, 8)
     pm = dpcompile.transform(SampleWithReplacementNet(), ["cpu"] * 2)
-    assert "torch.multinomial(" in pm.code and "exact_multinomial" not in pm.code
-    assert pm.code.startswith("# random ops multinomial draw per device")
-    assert dpcompile.explain(pm, torch.randn(4, 8)).random["per_device"] == ["multinomial"]
+    assert "exact_multinomial" in pm.code and "exact_poisson" in pm.code and "draw per device" not in pm.code, pm.code
+    pm = dpcompile.transform(SampleWithReplacementNet(), ["cpu"] * 2, mesh={"pp": 2}, micro_batches=2, example_inputs=(x,))
+    assert "torch.poisson(" in pm.code and "exact_poisson" not in pm.code
+    assert pm.code.startswith("# random ops poisson draw per device")
+    assert dpcompile.explain(pm, x).random["per_device"] == ["poisson"]
 
 
 def test_channel_dropout_draws_exactly_and_is_not_named():
@@ -233,3 +239,17 @@ def test_channel_dropout_program_exports_and_loads(tmp_path):
     got = loaded(x)
     torch.manual_seed(4)
     torch.testing.assert_close(got, model(x))
+
+
+def test_normal_of_a_size_over_ranks_stays_per_device_without_its_rows():
+    """Over a mesh a rank's ``torch.normal(0., 1., (x.size(0), 4))`` is sized by its local batch, eager's
+    by the global one: unstamped with rows it stays per device (named); in one process it is exact."""
+
+    class Noise(nn.Module):
+        def forward(self, x):
+            return x + torch.normal(0.0, 1.0, (x.size(0), 4))
+
+    gm = fx.symbolic_trace(Noise())
+    assert draw_random_whole(gm).info["exact"] == ["normal"]
+    gm = fx.symbolic_trace(Noise())
+    assert draw_random_whole(gm, rank_batch=("x", 0, 2)).info["per_device"] == ["normal"]

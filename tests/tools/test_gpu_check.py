@@ -32,5 +32,9 @@ def test_gpu_check_sections_run_on_virtual_cpu_devices(tmp_path):
     out = tmp_path / "smoke.json"
     assert _load().main(["--cpu-smoke", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["failed"] == [] and set(result["sections"]) == {"dp_training_step", "rnn", "tp_forward", "explain_fake_8gpu"}
+    sections = {"dp_training_step", "rnn", "tp_forward", "explain_fake_8gpu", "exact_random"}
+    assert result["failed"] == [] and set(result["sections"]) == sections
+    exact = result["sections"]["exact_random"]
+    assert set(exact["checks"]) == {"mlp_float32_dp", "gpt_sdpa_float32_tp", "gpt_sdpa_float32_gpipe"}, exact
+    assert all(exact[key]["generator_equal"] for key in exact["checks"])
     assert result["sections"]["rnn"]["default"]["chunk_warnings"] == 0

@@ -461,4 +461,7 @@ def _replicate_module(module: nn.Module, copies: dict[int, torch.Tensor], memo: 
     if isinstance(replica, nn.RNNBase):
         # not _init_flat_weights(): it ends in flatten_parameters(), a copy on CUDA
         replica._flat_weights = [replica._parameters.get(name) for name in replica._flat_weights_names]
+        # and the references RNN.forward compares them with: the original's would make every
+        # forward of the replica re-run _init_flat_weights(), a flatten (a copy) on CUDA
+        replica._flat_weight_refs = [None if w is None else weakref.ref(w) for w in replica._flat_weights]
     return replica

@@ -104,6 +104,18 @@ def test_weights_flattened_as_cudnn_lays_them_count_as_one_buffer():
     assert not runtime.weights_in_one_buffer(lstm)
 
 
+def test_a_replica_rnn_forward_does_not_flatten_again(monkeypatch):
+    """RNN.forward re-flattens (a copy of every weight on CUDA) when its weights are not the ones
+    it last flattened; a replica's must count as its own (seen on an H200: one copy per step)."""
+    lstm = nn.LSTM(3, 4, num_layers=2)
+    (root,) = runtime.replicate({"rnn": lstm}, ["cpu"], copy=True)
+    flattened = []
+    monkeypatch.setattr(nn.RNNBase, "flatten_parameters", lambda self: flattened.append(self))
+    x = torch.randn(5, 2, 3)
+    torch.testing.assert_close(root.rnn(x)[0], lstm(x)[0])
+    assert root.rnn not in flattened
+
+
 def test_replicate_copies_a_flat_source_span_exactly():
     """Weights that already share a storage are copied as one span with the same offsets."""
     buffer = torch.randn(20)

@@ -1,6 +1,7 @@
 """Spawned gloo process groups for the tests of programs over a mesh: start ``world`` processes
 running ``entry(rank, world, port, *args, results)``, collect one ``(rank, outcome)`` report per
-rank within a bounded time, and never leave a process behind."""
+rank within a bounded time, and never leave a process behind (but the fork server they start from,
+which ends with the test process)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: what the fork server imports once, so that each rank does not (``tests/gloo_rank_imports.py``)
+RANK_IMPORTS = "tests.gloo_rank_imports"
+
+
+def rank_context():
+    """The multiprocessing context the ranks start from: a fork server (a clean process, started
+    once per test process, that has imported torch, dpcompile and transformers) instead of a fresh
+    interpreter per rank; each rank is a fork of that server, as independent as a spawned one."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([RANK_IMPORTS])
+    return ctx
+
+
 def run_spawned(entry: Callable[..., None], world: int, *args: Any, timeout: float) -> dict[int, Any]:
     """Each rank's report (what ``entry`` put on its last argument, a queue); a rank that hung or
     crashed is missing from the result."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=entry, args=(r, world, port, *args, results), daemon=True) for r in range(world)]

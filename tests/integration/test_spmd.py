@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.mesh import local_batch
+from tests.gloo_groups import rank_context
 from tests.helpers import FakeMesh
 from tests.models import OptionalScale
 
@@ -137,7 +138,7 @@ def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -
 
 def run_group(scenario: str, world: int, timeout: float = GROUP_TIMEOUT_S) -> dict[int, dict[str, str | None]]:
     """Spawn ``world`` gloo processes running ``scenario``; each rank's ``{check: traceback or None}``."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # forks of a server that imported torch and dpcompile once
     results: mp.Queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, scenario, results), daemon=True) for r in range(world)]

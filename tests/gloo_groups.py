@@ -91,3 +91,22 @@ def run_checks(rank: int, world: int, port: int, checks: list[tuple[str, Callabl
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+
+
+def assert_group_passed(outcomes: dict[int, Any], world: int, *names: str, timeout: float | None = None) -> None:
+    """Every rank of ``world`` reported, its setup passed, and each named check ran and passed on
+    every rank; otherwise one failure listing each rank's traceback."""
+    missing = [r for r in range(world) if r not in outcomes]
+    within = f" within {timeout} s" if timeout is not None else ""
+    assert not missing, f"ranks {missing} of {world} reported nothing{within} (hang or crash)"
+    errors = []
+    for rank in range(world):
+        found = outcomes[rank]
+        if found.get("<setup>") is not None:
+            errors.append(f"rank {rank}, setup:\n{found['<setup>']}")
+        for name in names:
+            if name not in found:
+                errors.append(f"rank {rank}: {name} did not run")
+            elif found[name] is not None:
+                errors.append(f"rank {rank}, {name}:\n{found[name]}")
+    assert not errors, "\n".join(errors)

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from tests.gloo_groups import run_checks, run_spawned
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned; GPT-2 exported on each
 GROUP_TIMEOUT_S = 900.0  # spawning, importing transformers and the first gloo connections are slow on a loaded machine
@@ -246,11 +246,7 @@ def _outcomes(world: int) -> dict:
 
 
 def _assert_passed(world: int, check: str) -> None:
-    outcomes = _outcomes(world)
-    assert len(outcomes) == world, f"only ranks {sorted(outcomes)} of {world} reported"
-    for rank, outcome in sorted(outcomes.items()):
-        assert "<setup>" not in outcome, outcome["<setup>"]
-        assert outcome.get(check, "missing") is None, f"rank {rank}: {outcome.get(check, 'missing')}"
+    assert_group_passed(_outcomes(world), world, check, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.gloo_groups import run_checks, run_spawned
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all; GPT-2 exported on each
 GROUP_TIMEOUT_S = 240.0  # a loaded 2-core machine; unloaded a group takes well under a minute
@@ -331,17 +331,7 @@ def outcomes():
 def _check(outcomes: dict, scenario: str, name: str) -> None:
     if scenario not in outcomes:
         outcomes[scenario] = run_group(scenario)
-    found = outcomes[scenario]
-    world = SCENARIOS[scenario][0]
-    missing = [r for r in range(world) if r not in found]
-    assert not missing, f"ranks {missing} reported nothing within {GROUP_TIMEOUT_S} s (hang or crash)"
-    errors = [
-        f"rank {rank}, {check}:\n{found[rank][check]}"
-        for rank in range(world)
-        for check in ("<setup>", name)
-        if found[rank].get(check) is not None
-    ]
-    assert not errors, "\n".join(errors)
+    assert_group_passed(outcomes[scenario], SCENARIOS[scenario][0], name, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp2"][1]])

@@ -252,6 +252,7 @@ def _assert_passed(world: int, check: str) -> None:
 @pytest.mark.parametrize(
     "check", ["mlp-dp", "gpt2-dp", "mlp-fsdp", "blocks-fsdp", "mlp-tp", "mlp-pp", "mlp-pp_1f1b"],
 )  # fmt: skip
+@pytest.mark.xdist_group("exact_random_mesh_2")  # one spawned group, on one worker
 def test_exact_random_mesh_trains_like_eager(check):
     """dp (DDP, FSDP), tp and pp (GPipe, 1F1B) over 2 gloo ranks: losses, gradients, generator states."""
     _assert_passed(2, check)
@@ -260,6 +261,7 @@ def test_exact_random_mesh_trains_like_eager(check):
 @pytest.mark.parametrize(
     "check", ["mlp-dp_tp", "gpt2-dp_tp", "mlp-fsdp_tp", "mlp-pp_dp", "mlp-pp_tp"],
 )  # fmt: skip
+@pytest.mark.xdist_group("exact_random_mesh_4")  # one spawned group, on one worker
 def test_exact_random_mesh_combinations_train_like_eager(check):
     """dp x tp (DDP, FSDP), pp x dp and pp x tp over 4 gloo ranks: losses, gradients, generator states."""
     _assert_passed(4, check)

@@ -208,12 +208,14 @@ def four():
 
 
 @pytest.mark.parametrize("name", [name for name, _ in SCENARIOS["one_d"]])
+@pytest.mark.xdist_group("fsdp_2")  # one spawned group, on one worker
 def test_fsdp_2_processes(two, name):
     assert_group_passed(two, 2, name, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, _ in SCENARIOS["two_d"]])
+@pytest.mark.xdist_group("fsdp_4")  # one spawned group, on one worker
 def test_fsdp_4_processes(four, name):
     assert_group_passed(four, 4, name, timeout=GROUP_TIMEOUT_S)
 

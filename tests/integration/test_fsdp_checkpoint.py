@@ -227,6 +227,7 @@ def outcomes(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["save_and_load", "agreement"])
+@pytest.mark.xdist_group("fsdp_checkpoint_2")  # one spawned group, on one worker
 def test_fsdp_checkpoint_2_processes(outcomes, name):
     """FSDP checkpoints over 2 gloo ranks: see check_save_and_load and check_ranks_agree_on_failure."""
     assert_group_passed(outcomes, 2, name, timeout=GROUP_TIMEOUT_S)

@@ -335,6 +335,7 @@ def _check(outcomes: dict, scenario: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp2"][1]])
+@pytest.mark.xdist_group("pipeline_mesh_2")  # one spawned group, on one worker
 def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
     """A 2-process ("pp",) mesh: loss, outputs and each stage's gradients as eager (GPipe, 1F1B;
     a loss over labels, and one whose count only the last stage finds; uneven micro-batches;
@@ -343,6 +344,7 @@ def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp4"][1]])
+@pytest.mark.xdist_group("pipeline_mesh_4")  # one spawned group, on one worker
 def test_pipeline_mesh_four_processes_equal_eager(outcomes, name):
     """4 processes: a ("pp",) mesh of 4 stages, and a ("pp", "dp") mesh of 2 x 2, as eager."""
     _check(outcomes, "pp4", name)

@@ -242,6 +242,7 @@ def _check(outcomes: dict, scenario: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp_dp_fsdp"][1]])
+@pytest.mark.xdist_group("compose_4")  # one spawned group, on one worker
 def test_pipeline_mesh_fsdp_trains_like_eager(outcomes, name):
     """A ("pp", "dp") mesh of 2 x 2 with FSDP2 on each stage (and tied weights summed over the
     stages, FSDP or replicated): 3 AdamW steps as eager."""
@@ -249,6 +250,7 @@ def test_pipeline_mesh_fsdp_trains_like_eager(outcomes, name):
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp_dp_tp"][1]])
+@pytest.mark.xdist_group("compose_8")  # one spawned group, on one worker
 def test_pipeline_mesh_three_dimensions_trains_like_eager(outcomes, name):
     """A ("pp", "dp", "tp") mesh of 2 x 2 x 2, data parallel replicated or FSDP: 3 AdamW steps as eager."""
     _check(outcomes, "pp_dp_tp", name)

@@ -168,6 +168,7 @@ def outcomes():
 @pytest.mark.distributed
 @pytest.mark.slow  # 4 processes spawned
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
+@pytest.mark.xdist_group("pipeline_mesh_tp")  # one spawned group, on one worker
 def test_pipeline_over_pp_tp_mesh_equals_eager(outcomes, name):
     """A ("pp", "tp") mesh of 2 x 2: loss, outputs and every gradient (tp shards gathered) as eager."""
     assert_group_passed(outcomes, 4, name, timeout=GROUP_TIMEOUT_S)

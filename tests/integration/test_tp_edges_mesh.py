@@ -88,6 +88,7 @@ def outcomes():
 @pytest.mark.distributed
 @pytest.mark.slow  # one spawned group of 2 processes for all cases
 @pytest.mark.parametrize("case", [_case_id(*case) for case in CASES])
+@pytest.mark.xdist_group("tp_edges_mesh")  # one spawned group, on one worker
 def test_tp_edge_model_over_a_mesh_matches_eager(outcomes, case):
     """Over 2 gloo ranks: outputs, gradients, state_dict keys and values as eager (each case by its parameter)."""
     assert_group_passed(outcomes, WORLD, case, timeout=GROUP_TIMEOUT_S)

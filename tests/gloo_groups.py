@@ -1,6 +1,7 @@
 """Spawned gloo process groups for the tests of programs over a mesh: start ``world`` processes
 running ``entry(rank, world, port, *args, results)``, collect one ``(rank, outcome)`` report per
-rank within a bounded time, and never leave a process behind."""
+rank within a bounded time, and never leave a process behind (but the fork server they start from,
+which ends with the test process)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: what the fork server imports once, so that each rank does not (``tests/gloo_rank_imports.py``)
+RANK_IMPORTS = "tests.gloo_rank_imports"
+
+
+def rank_context():
+    """The multiprocessing context the ranks start from: a fork server (a clean process, started
+    once per test process, that has imported torch, dpcompile and transformers) instead of a fresh
+    interpreter per rank; each rank is a fork of that server, as independent as a spawned one."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([RANK_IMPORTS])
+    return ctx
+
+
 def run_spawned(entry: Callable[..., None], world: int, *args: Any, timeout: float) -> dict[int, Any]:
     """Each rank's report (what ``entry`` put on its last argument, a queue); a rank that hung or
     crashed is missing from the result."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=entry, args=(r, world, port, *args, results), daemon=True) for r in range(world)]
@@ -77,3 +91,22 @@ def run_checks(rank: int, world: int, port: int, checks: list[tuple[str, Callabl
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+
+
+def assert_group_passed(outcomes: dict[int, Any], world: int, *names: str, timeout: float | None = None) -> None:
+    """Every rank of ``world`` reported, its setup passed, and each named check ran and passed on
+    every rank; otherwise one failure listing each rank's traceback."""
+    missing = [r for r in range(world) if r not in outcomes]
+    within = f" within {timeout} s" if timeout is not None else ""
+    assert not missing, f"ranks {missing} of {world} reported nothing{within} (hang or crash)"
+    errors = []
+    for rank in range(world):
+        found = outcomes[rank]
+        if found.get("<setup>") is not None:
+            errors.append(f"rank {rank}, setup:\n{found['<setup>']}")
+        for name in names:
+            if name not in found:
+                errors.append(f"rank {rank}: {name} did not run")
+            elif found[name] is not None:
+                errors.append(f"rank {rank}, {name}:\n{found[name]}")
+    assert not errors, "\n".join(errors)

@@ -15,6 +15,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.gloo_groups import rank_context
+
 TIMEOUT_S = 90.0
 
 
@@ -88,7 +90,7 @@ def _entry(rank: int, world: int, port: int, folder: str, results: mp.Queue) -> 
 @pytest.mark.distributed
 def test_meta_model_over_a_mesh_loads_trains_and_saves_as_eager(tmp_path):
     """Data and tensor parallel over 2 gloo ranks from a meta model: load, 2 SGD steps equal eager, save gathers full tensors."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results: mp.Queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

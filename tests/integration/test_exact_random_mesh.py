@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from tests.gloo_groups import run_checks, run_spawned
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned; GPT-2 exported on each
 GROUP_TIMEOUT_S = 900.0  # spawning, importing transformers and the first gloo connections are slow on a loaded machine
@@ -294,17 +294,14 @@ def _outcomes(world: int) -> dict:
 
 
 def _assert_passed(world: int, check: str) -> None:
-    outcomes = _outcomes(world)
-    assert len(outcomes) == world, f"only ranks {sorted(outcomes)} of {world} reported"
-    for rank, outcome in sorted(outcomes.items()):
-        assert "<setup>" not in outcome, outcome["<setup>"]
-        assert outcome.get(check, "missing") is None, f"rank {rank}: {outcome.get(check, 'missing')}"
+    assert_group_passed(_outcomes(world), world, check, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.mark.parametrize(
     "check", ["mlp-dp", "gpt2-dp", "bert-dp", "mlp-fsdp", "vit-fsdp", "blocks-fsdp", "mlp-tp", "bert-tp",
               "mlp-pp", "mlp-pp_1f1b", "vit-pp_1f1b"],
 )  # fmt: skip
+@pytest.mark.xdist_group("exact_random_mesh_2")  # one spawned group, on one worker
 def test_exact_random_mesh_trains_like_eager(check):
     """dp (DDP, FSDP), tp and pp (GPipe, 1F1B) over 2 gloo ranks: losses, gradients, generator states
     (BERT and ViT: AdamW, and the parameters after 3 steps)."""
@@ -314,6 +311,7 @@ def test_exact_random_mesh_trains_like_eager(check):
 @pytest.mark.parametrize(
     "check", ["mlp-dp_tp", "gpt2-dp_tp", "vit-dp_tp", "mlp-fsdp_tp", "mlp-pp_dp", "mlp-pp_tp"],
 )  # fmt: skip
+@pytest.mark.xdist_group("exact_random_mesh_4")  # one spawned group, on one worker
 def test_exact_random_mesh_combinations_train_like_eager(check):
     """dp x tp (DDP, FSDP), pp x dp and pp x tp over 4 gloo ranks: losses, gradients, generator states."""
     _assert_passed(4, check)

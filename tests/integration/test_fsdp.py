@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.gloo_groups import run_spawned
+from tests.gloo_groups import assert_group_passed, run_spawned
 from tests.integration.test_spmd import Block
 
 GROUP_TIMEOUT_S = 300.0  # spawning, importing and the first gloo connections are slow on a loaded machine
@@ -207,24 +207,17 @@ def four():
     return _run("two_d", 4)
 
 
-def _check(outcomes: dict[int, dict[str, str | None]], world: int, name: str) -> None:
-    assert sorted(outcomes) == list(range(world)), f"ranks {sorted(set(range(world)) - set(outcomes))} reported nothing"
-    for rank in range(world):
-        assert "<setup>" not in outcomes[rank], outcomes[rank]["<setup>"]
-        assert outcomes[rank].get(name, "not run") is None, (
-            f"rank {rank}, {name}:\n{outcomes[rank].get(name, 'not run')}"
-        )
-
-
 @pytest.mark.parametrize("name", [name for name, _ in SCENARIOS["one_d"]])
+@pytest.mark.xdist_group("fsdp_2")  # one spawned group, on one worker
 def test_fsdp_2_processes(two, name):
-    _check(two, 2, name)
+    assert_group_passed(two, 2, name, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, _ in SCENARIOS["two_d"]])
+@pytest.mark.xdist_group("fsdp_4")  # one spawned group, on one worker
 def test_fsdp_4_processes(four, name):
-    _check(four, 4, name)
+    assert_group_passed(four, 4, name, timeout=GROUP_TIMEOUT_S)
 
 
 def test_fsdp_needs_a_mesh():

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.gloo_groups import run_checks, run_spawned
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all; GPT-2 exported on each
 GROUP_TIMEOUT_S = 240.0  # a loaded 2-core machine; unloaded a group takes well under a minute
@@ -331,20 +331,11 @@ def outcomes():
 def _check(outcomes: dict, scenario: str, name: str) -> None:
     if scenario not in outcomes:
         outcomes[scenario] = run_group(scenario)
-    found = outcomes[scenario]
-    world = SCENARIOS[scenario][0]
-    missing = [r for r in range(world) if r not in found]
-    assert not missing, f"ranks {missing} reported nothing within {GROUP_TIMEOUT_S} s (hang or crash)"
-    errors = [
-        f"rank {rank}, {check}:\n{found[rank][check]}"
-        for rank in range(world)
-        for check in ("<setup>", name)
-        if found[rank].get(check) is not None
-    ]
-    assert not errors, "\n".join(errors)
+    assert_group_passed(outcomes[scenario], SCENARIOS[scenario][0], name, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp2"][1]])
+@pytest.mark.xdist_group("pipeline_mesh_2")  # one spawned group, on one worker
 def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
     """A 2-process ("pp",) mesh: loss, outputs and each stage's gradients as eager (GPipe, 1F1B;
     a loss over labels, and one whose count only the last stage finds; uneven micro-batches;
@@ -353,6 +344,7 @@ def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp4"][1]])
+@pytest.mark.xdist_group("pipeline_mesh_4")  # one spawned group, on one worker
 def test_pipeline_mesh_four_processes_equal_eager(outcomes, name):
     """4 processes: a ("pp",) mesh of 4 stages, and a ("pp", "dp") mesh of 2 x 2, as eager."""
     _check(outcomes, "pp4", name)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.gloo_groups import run_checks, run_spawned
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 12 processes spawned in all
 GROUP_TIMEOUT_S = 480.0  # a loaded 2-core machine running 8 processes (each exports Llama)
@@ -238,20 +238,11 @@ def outcomes():
 def _check(outcomes: dict, scenario: str, name: str) -> None:
     if scenario not in outcomes:
         outcomes[scenario] = run_spawned(_entry, SCENARIOS[scenario][0], scenario, timeout=GROUP_TIMEOUT_S)
-    found = outcomes[scenario]
-    world = SCENARIOS[scenario][0]
-    missing = [r for r in range(world) if r not in found]
-    assert not missing, f"ranks {missing} reported nothing within {GROUP_TIMEOUT_S} s (hang or crash)"
-    errors = [
-        f"rank {rank}, {check}:\n{found[rank][check]}"
-        for rank in range(world)
-        for check in ("<setup>", name)
-        if found[rank].get(check) is not None
-    ]
-    assert not errors, "\n".join(errors)
+    assert_group_passed(outcomes[scenario], SCENARIOS[scenario][0], name, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp_dp_fsdp"][1]])
+@pytest.mark.xdist_group("compose_4")  # one spawned group, on one worker
 def test_pipeline_mesh_fsdp_trains_like_eager(outcomes, name):
     """A ("pp", "dp") mesh of 2 x 2 with FSDP2 on each stage (and tied weights summed over the
     stages, FSDP or replicated): 3 AdamW steps as eager."""
@@ -259,6 +250,7 @@ def test_pipeline_mesh_fsdp_trains_like_eager(outcomes, name):
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp_dp_tp"][1]])
+@pytest.mark.xdist_group("compose_8")  # one spawned group, on one worker
 def test_pipeline_mesh_three_dimensions_trains_like_eager(outcomes, name):
     """A ("pp", "dp", "tp") mesh of 2 x 2 x 2, data parallel replicated or FSDP: 3 AdamW steps as eager."""
     _check(outcomes, "pp_dp_tp", name)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.gloo_groups import run_checks, run_spawned
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 
 GROUP_TIMEOUT_S = 120.0
 MEGATRON = {"layers.0": "column", "layers.1": "row", "layers.2": "column", "layers.3": "row", "head": "column"}
@@ -168,17 +168,10 @@ def outcomes():
 @pytest.mark.distributed
 @pytest.mark.slow  # 4 processes spawned
 @pytest.mark.parametrize("name", [name for name, _ in CHECKS])
+@pytest.mark.xdist_group("pipeline_mesh_tp")  # one spawned group, on one worker
 def test_pipeline_over_pp_tp_mesh_equals_eager(outcomes, name):
     """A ("pp", "tp") mesh of 2 x 2: loss, outputs and every gradient (tp shards gathered) as eager."""
-    missing = [r for r in range(4) if r not in outcomes]
-    assert not missing, f"ranks {missing} reported nothing within {GROUP_TIMEOUT_S} s (hang or crash)"
-    errors = [
-        f"rank {rank}, {check}:\n{outcomes[rank][check]}"
-        for rank in range(4)
-        for check in ("<setup>", name)
-        if outcomes[rank].get(check) is not None
-    ]
-    assert not errors, "\n".join(errors)
+    assert_group_passed(outcomes, 4, name, timeout=GROUP_TIMEOUT_S)
 
 
 def test_pipeline_mesh_names_its_tensor_parallel_dimension():

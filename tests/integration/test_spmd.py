@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.mesh import local_batch
+from tests.gloo_groups import rank_context
 from tests.helpers import FakeMesh
 from tests.models import OptionalScale
 
@@ -137,7 +138,7 @@ def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -
 
 def run_group(scenario: str, world: int, timeout: float = GROUP_TIMEOUT_S) -> dict[int, dict[str, str | None]]:
     """Spawn ``world`` gloo processes running ``scenario``; each rank's ``{check: traceback or None}``."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # forks of a server that imported torch and dpcompile once
     results: mp.Queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, scenario, results), daemon=True) for r in range(world)]
@@ -871,6 +872,7 @@ def four():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("check", [name for name, _ in DP_CHECKS])
+@pytest.mark.xdist_group("spmd_2")  # one spawned group, on one worker
 def test_spmd_data_parallel_2(two, check):
     """Data parallel over a 2-process mesh (each check named by its parameter)."""
     _lookup(two, 2, check)
@@ -878,6 +880,7 @@ def test_spmd_data_parallel_2(two, check):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("check", [name for name, _ in TP_CHECKS])
+@pytest.mark.xdist_group("spmd_2")  # one spawned group, on one worker
 def test_spmd_tensor_parallel_2(two, check):
     """Tensor parallel over a 2-process mesh (each check named by its parameter)."""
     _lookup(two, 2, check)
@@ -885,12 +888,14 @@ def test_spmd_tensor_parallel_2(two, check):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("check", [name for name, _ in FOUR_CHECKS])
+@pytest.mark.xdist_group("spmd_4")  # one spawned group, on one worker
 def test_spmd_4_processes(four, check):
     """Data parallel over 4 processes, and the 2x2 ("dp", "tp") mesh."""
     _lookup(four, 4, check)
 
 
 @pytest.mark.distributed
+@pytest.mark.xdist_group("spmd_2")  # one spawned group, on one worker
 def test_spmd_rank_failure_fails_fast(two):
     """A rank that exits makes the others fail with a clear error within the timeout, not hang."""
     assert 0 in two, "rank 0 reported nothing: it hung or crashed"

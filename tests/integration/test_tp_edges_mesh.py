@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.gloo_groups import run_checks, run_spawned
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 from tests.integration.test_tp_edges import MODELS
 
 GROUP_TIMEOUT_S = 300.0  # spawning, importing and the first gloo connections are slow on a loaded machine
@@ -88,14 +88,7 @@ def outcomes():
 @pytest.mark.distributed
 @pytest.mark.slow  # one spawned group of 2 processes for all cases
 @pytest.mark.parametrize("case", [_case_id(*case) for case in CASES])
+@pytest.mark.xdist_group("tp_edges_mesh")  # one spawned group, on one worker
 def test_tp_edge_model_over_a_mesh_matches_eager(outcomes, case):
     """Over 2 gloo ranks: outputs, gradients, state_dict keys and values as eager (each case by its parameter)."""
-    missing = [r for r in range(WORLD) if r not in outcomes]
-    assert not missing, f"ranks {missing} reported nothing within {GROUP_TIMEOUT_S} s (hang or crash)"
-    errors = [
-        f"rank {rank}, {check}:\n{outcomes[rank][check]}"
-        for rank in range(WORLD)
-        for check in ("<setup>", case)
-        if outcomes[rank].get(check) is not None
-    ]
-    assert not errors, "\n".join(errors)
+    assert_group_passed(outcomes, WORLD, case, timeout=GROUP_TIMEOUT_S)

@@ -209,12 +209,12 @@ def spmd_outcomes() -> dict[int, dict[str, str | None]]:
     import queue
     import socket
 
-    import torch.multiprocessing as mp
+    from tests.gloo_groups import rank_context
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_spmd_rank, args=(r, 2, port, results), daemon=True) for r in range(2)]
     for p in procs:

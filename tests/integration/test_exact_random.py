@@ -3,7 +3,7 @@ default): an MLP with dropout (module, functional) and ``randn_like`` noise, GPT
 their default dropout and a ViT with attention dropout (transformers, tiny configs, the export
 frontend with ``labels=``). Over 3 SGD steps from the same seed each loss and gradient equals
 eager's and ``torch.get_rng_state()`` after each step equals eager's, on dp, tp, the pipeline
-(GPipe and 1F1B) and pp x tp. (float64 models: equal up to float64 rounding.)"""
+(GPipe and 1F1B), pp x tp and the dp compositions (dp x tp, pp x dp, pp x dp x tp). (float64 models: equal up to float64 rounding.)"""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ LAYOUTS = {
     "gpipe": {"mesh": {"pp": 2}, "micro_batches": 2},
     "1f1b": {"mesh": {"pp": 2}, "micro_batches": 2, "schedule": "1f1b"},
     "pp_tp": {"mesh": {"pp": 2, "tp": 2}, "micro_batches": 2},
+}
+COMPOSED = {  # data parallel over what the other dimensions build (dp copies on their own devices)
+    "dp_tp": {"mesh": {"dp": 2, "tp": 2}},
+    "pp_dp": {"mesh": {"pp": 2, "dp": 2}, "micro_batches": 2},
+    "pp_dp_tp": {"mesh": {"pp": 2, "dp": 2, "tp": 2}, "micro_batches": 2},
 }
 V = 64
 
@@ -146,18 +151,19 @@ def _check_training_matches_eager(name, layout):
             optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(COMPOSED))
 def test_exact_random_mlp_trains_like_eager(layout):
     """Dropout and randn_like in both stages: 3 steps' losses, gradients and generator states equal eager's."""
-    _check_training_matches_eager("mlp", LAYOUTS[layout])
+    _check_training_matches_eager("mlp", {**LAYOUTS, **COMPOSED}[layout])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, "pp_dp_tp"])
 @pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
 def test_exact_random_transformers_train_like_eager(name, layout):
-    """GPT-2 and BERT with their default dropout, ViT with attention dropout: as eager over 3 steps."""
-    _check_training_matches_eager(name, LAYOUTS[layout])
+    """GPT-2 and BERT with their default dropout, ViT with attention dropout: as eager over 3 steps
+    (pp x dp x tp: every dimension composed at once)."""
+    _check_training_matches_eager(name, {**LAYOUTS, **COMPOSED}[layout])
 
 
 @pytest.mark.parametrize("batch", [3, 5])

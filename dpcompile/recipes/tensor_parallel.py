@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 import passes
 from dpcompile.analysis.cost import plan_cost
 from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, linear_paths
-from dpcompile.capture import capture
+from dpcompile.capture import EXPORTED_FROM, capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace, is_fake
@@ -149,6 +149,8 @@ class TensorParallelRecipe(Recipe):
             none_args=none_args,
             flags=flags,
             shares_source=False,
+            # the model a torch.export capture came from: calls are checked against what export fixed
+            exported_from=model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,
         )
         pm.init_tensor_parallel(
             state_keys=state_keys,

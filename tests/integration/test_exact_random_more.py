@@ -43,6 +43,16 @@ class SpecialRandomNet(nn.Module):
         return F.cross_entropy(logits, labels), samples
 
 
+def _gradients_equal_then_step(pm, reference, sharded, optimizers):
+    """Every gradient of ``pm`` equals the eager reference's; then one step of each optimizer."""
+    grads = full_gradients(pm) if sharded else {k: p.grad for k, p in pm.named_parameters()}
+    for key, p in reference.named_parameters():
+        torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key: f"grad {key}: {m}")
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _inputs(rows: int = 6):
     g = torch.Generator().manual_seed(1)
     return torch.randn(rows, 3, 4, 4, generator=g, dtype=torch.float64), torch.randint(0, 5, (rows,), generator=g)
@@ -72,12 +82,7 @@ def test_exact_random_more_ops_train_like_eager(layout):
         assert torch.equal(state, torch.get_rng_state()), f"the generator after step {step} is not eager's"
         torch.testing.assert_close(loss, want)
         assert torch.equal(samples, want_samples), (samples, want_samples)
-        grads = full_gradients(pm) if sharded else {k: p.grad for k, p in pm.named_parameters()}
-        for key, p in reference.named_parameters():
-            torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key: f"grad {key}: {m}")
-        for optimizer in (opt, ref_opt):
-            optimizer.step()
-            optimizer.zero_grad()
+        _gradients_equal_then_step(pm, reference, sharded, (opt, ref_opt))
 
 
 class FunctionalSpellings(nn.Module):
@@ -179,12 +184,7 @@ def _check_draws_like_eager(model, layout, steps=3):
         for got, expected in zip(values, want_values):
             torch.testing.assert_close(got, expected)  # samples and counts: exactly (integers, whole numbers)
         torch.testing.assert_close(loss, want)
-        grads = full_gradients(pm) if sharded else {k: p.grad for k, p in pm.named_parameters()}
-        for key, p in reference.named_parameters():
-            torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key: f"grad {key}: {m}")
-        for optimizer in (opt, ref_opt):
-            optimizer.step()
-            optimizer.zero_grad()
+        _gradients_equal_then_step(pm, reference, sharded, (opt, ref_opt))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -14,7 +14,6 @@ from dpcompile.checkpoint.headers import CheckpointError, Entry, read_checkpoint
 from dpcompile.checkpoint.keys import Conversion, place_keys
 from dpcompile.checkpoint.progress import check_progress, progress_bar
 from dpcompile.checkpoint.slices import cut, read_entry, read_piece
-from dpcompile.checkpoint.stages import is_mesh_pipeline
 from dpcompile.checkpoint.targets import Target, targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import read_training
 from dpcompile.modules.base import ParallelModule
@@ -73,11 +72,6 @@ def load_checkpoint(
     if Path(path).is_dir() and (Path(path) / ".metadata").is_file() and not (Path(path) / "model.safetensors").exists():
         from dpcompile.checkpoint import dcp  # a torch.distributed.checkpoint folder
 
-        if is_mesh_pipeline(pm):
-            raise ValueError(
-                f"{path} is a torch.distributed.checkpoint: a pipeline over a mesh (each rank one stage) does not read "
-                "those yet; load it into another layout and save_checkpoint it as safetensors (the default)"
-            )
         if key_mapping is not None:
             raise ValueError(f"{path} is a torch.distributed.checkpoint: key_mapping= applies to safetensors checkpoints")
         return dcp.load_dcp(pm, Path(path), optimizer, lr_scheduler, strict)

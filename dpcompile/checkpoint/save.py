@@ -83,23 +83,19 @@ def save_checkpoint(
         raise ValueError(
             f"{path}: a training checkpoint (optimizer=, lr_scheduler=, extra=) is a folder; pass a folder path"
         )
-    if format == "dcp" and is_mesh_pipeline(pm):
-        raise ValueError(
-            "format='dcp' does not save a pipeline over a mesh yet (each rank one stage): save with "
-            "format='safetensors' (the default); any layout loads it"
-        )
     if format == "dcp":
         from dpcompile.checkpoint import dcp
 
         dcp.check_dcp_target(path)
-        dcp.save_dcp(pm, path, prepare_training(pm, optimizer, lr_scheduler, extra))
-        log.debug("saved %s as a torch.distributed.checkpoint", path)
-        return path
     training = prepare_training(pm, optimizer, lr_scheduler, extra)  # checked whole before a byte is written
     if is_mesh_pipeline(pm):  # each stage's optimizer holds its own parameters: every rank plans them all
         merge_stage_states(training.optimizer if training is not None else None)
         if training is not None and training.optimizer is not None:
             training.document["optimizer"] = encode(training.optimizer.meta)
+    if format == "dcp":  # each rank its own blocks (a pipeline's stage: its stage's), through torch's planner
+        dcp.save_dcp(pm, path, training)
+        log.debug("saved %s as a torch.distributed.checkpoint", path)
+        return path
     targets = targets_of(pm)
     ties = tie_groups(targets)
     keys = [k for k in targets if ties[k][0] == k]

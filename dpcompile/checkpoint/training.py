@@ -280,7 +280,8 @@ def _kind(obj: Any) -> str:
 
 def _rng_state(pm: Any) -> dict[str, Any]:
     """The CPU generator's state, and each CUDA device's where CUDA is in use; over a mesh every
-    rank's too (``ranks``), so that each rank of the same mesh size gets its own back."""
+    rank's too (``ranks``), so that each rank of the same mesh size gets its own back (another
+    number of ranks gets rank 0's)."""
     out: dict[str, Any] = {"cpu": _b64(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
@@ -290,7 +291,7 @@ def _rng_state(pm: Any) -> dict[str, Any]:
 
         ranks: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(ranks, dict(out), group=group)
-        out["ranks"] = ranks
+        out = {**ranks[0], "ranks": ranks}  # the same document on every rank (a DCP save writes any rank's)
     return out
 
 

@@ -16,6 +16,7 @@ its own."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -195,26 +196,23 @@ def _assert_written_by_stage(folder: Path, world: int, tied: bool) -> None:
     assert len(list(folder.glob("*.distcp"))) == world, folder
 
 
-class _reads_recorded:
+@contextlib.contextmanager
+def _reads_recorded():
     """The fqns of the tensors each load of a DCP folder reads on this rank (its read plan)."""
+    from dpcompile.checkpoint import dcp_planners
 
-    def __enter__(self) -> list[str]:
-        from dpcompile.checkpoint import dcp_planners
+    real, read = dcp_planners.PiecesLoadPlanner.create_local_plan, []
 
-        self.real, self.read = dcp_planners.PiecesLoadPlanner.create_local_plan, []
+    def recorded(planner):
+        plan = real(planner)
+        read.extend(item.dest_index.fqn for item in plan.items if item.type.name == "TENSOR")
+        return plan
 
-        def recorded(planner):
-            plan = self.real(planner)
-            self.read += [item.dest_index.fqn for item in plan.items if item.type.name == "TENSOR"]
-            return plan
-
-        dcp_planners.PiecesLoadPlanner.create_local_plan = recorded
-        return self.read
-
-    def __exit__(self, *exc) -> None:
-        from dpcompile.checkpoint import dcp_planners
-
-        dcp_planners.PiecesLoadPlanner.create_local_plan = self.real
+    dcp_planners.PiecesLoadPlanner.create_local_plan = recorded
+    try:
+        yield read
+    finally:
+        dcp_planners.PiecesLoadPlanner.create_local_plan = real
 
 
 @pytest.mark.slow  # three groups in turn (2, 4, then 2 ranks), 65 loads over the mesh: 1 to 1.5 minutes on 2 busy cores

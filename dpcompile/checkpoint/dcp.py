@@ -6,7 +6,8 @@ get_optimizer_state_dict(model, opt)})``: ``model.<key>`` (every key, tied ones 
 ``optimizer.param_groups.<g>.<hyper-parameter>`` and ``.params`` (the model keys), and
 ``dpcompile_training_state`` (the JSON of ``training_state.json``: the optimizer's kind, the
 scheduler, the RNG, ``extra``). Each process writes and reads only the blocks it holds
-(:mod:`dpcompile.checkpoint.dcp_planners`); a load reads a checkpoint of plain torch too (the
+(:mod:`dpcompile.checkpoint.dcp_planners`; a pipeline's stage over a mesh: its stage's, every key
+listed, :mod:`dpcompile.checkpoint.stages`); a load reads a checkpoint of plain torch too (the
 model's keys under ``model.`` or at the top, the optimizer's by model key), into any layout.
 """
 

@@ -105,7 +105,9 @@ class CallKey(NamedTuple):
     fewer); ``modes``: the training flag of each module forward enters, by path;
     ``none_args``/``flags``: optional arguments left None and flag values; ``guard``: the
     hooks, structure and attributes fingerprint (not portable across processes); ``batched``:
-    inputs replicated in the examples (a mask without a batch dim) that this call gives the batch.
+    inputs replicated in the examples (a mask without a batch dim) that this call gives the batch;
+    ``unbatched``: inputs split by default that this call gives without the batch dim (a 0-dim
+    temperature beside a batch), replicated.
     """
 
     devices: int
@@ -114,10 +116,11 @@ class CallKey(NamedTuple):
     flags: tuple[tuple[str, Any], ...] = ()
     guard: int | None = None
     batched: frozenset[str] = frozenset()
+    unbatched: frozenset[str] = frozenset()
 
     def portable(self) -> CallKey:
         """The key without object identities: what a pickled program can be looked up by."""
-        return CallKey(self.devices, Modes(self.modes), self.none_args, self.flags, None, self.batched)
+        return CallKey(self.devices, Modes(self.modes), self.none_args, self.flags, None, self.batched, self.unbatched)
 
     def traced(self) -> CallKey:
         """The key of the trace this call's program is lowered from (any device count, any inputs batched)."""
@@ -133,6 +136,8 @@ class CallKey(NamedTuple):
             parts.append(", ".join(f"{name}={value!r}" for name, value in self.flags))
         if self.batched:
             parts.append(f"{', '.join(sorted(self.batched))} with the batch")
+        if self.unbatched:
+            parts.append(f"{', '.join(sorted(self.unbatched))} without the batch")
         return "; ".join(parts)
 
 

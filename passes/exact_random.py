@@ -98,6 +98,7 @@ def draw_random_whole(
         draws.name = "random_draws"
     for site in exact:
         module = None
+        _size_sequence_pieces_by_the_call(site, graph)
         for node in site.nodes:
             with graph.inserting_before(node):
                 if site.kind in ("dropout_module", "special_dropout_module", "scope") and module is None:
@@ -156,6 +157,23 @@ def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.N
         return runtime.exact_fill_random, (*head, method, *args), {**kwargs, **where}
     name = LIKE_FUNCTIONS.get(node.target, "bernoulli")  # a bernoulli(x, p) function or method
     return runtime.exact_random_like, (*head, name, *args), {**kwargs, **where}
+
+
+def _size_sequence_pieces_by_the_call(site: RandomSite, graph: fx.Graph) -> None:
+    """Sequence-parallel pieces (``dpcompile_sequence``) split the call's own sequence length, which
+    may differ from the example's: their columns name the pieces' inputs instead of sizes, so the
+    runtime reads each piece's length at the call (``cols=(0, -2, (ln_dev0, ln_dev1))``)."""
+    cols = [n.meta.get(COLS) for n in site.nodes]
+    if not all(n.meta.get("dpcompile_sequence") and isinstance(c, tuple) and c[1] is not None for n, c in zip(site.nodes, cols)):
+        return
+    inputs = [next((a for a in n.all_input_nodes if a.meta.get("dpcompile_sequence")), None) for n in site.nodes]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[n] for n in site.nodes)
+    if any(a is None for a in inputs) or sorted(c[0] for c in cols) != list(range(len(cols))) or max(order[a] for a in inputs) > first:
+        return  # not every piece's input is there when the first piece draws: the example's sizes
+    by_index = tuple(a for _, a in sorted(zip((c[0] for c in cols), inputs)))
+    for node, (k, dim, _) in zip(site.nodes, cols):
+        node.meta[COLS] = (k, dim, by_index)
 
 
 def _piece_index(node: fx.Node) -> int:

@@ -153,7 +153,27 @@ class DpTracer(fx.Tracer):
             rebound = _restore_state(modules, before)
         write_back(graph, rebound, effects, root, self)
         _keep_no_grad_blocks(graph, grad_switches)
+        _read_opaque_attributes_by_name(graph, root)
         return graph
+
+
+def _read_opaque_attributes_by_name(graph: fx.Graph, root: Any) -> None:
+    """Read an object fx stowed on the root (``self._opaque_obj0``: a ``torch.Generator``) from
+    the module attribute that holds it, so the program shares it with the model by its name::
+
+        _opaque_obj0 = self._opaque_obj0  ->  sampler_g = self.sampler.g
+    """
+    if not isinstance(root, nn.Module):
+        return
+    owners = {id(v): f"{path}.{name}" if path else name
+              for path, m in root.named_modules() for name, v in vars(m).items() if not name.startswith("_")}
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target.startswith("_opaque_obj"):
+            owner = owners.get(id(getattr(root, node.target, None)))
+            if owner is not None:
+                delattr(root, node.target)
+                node.target = owner
+                node._rename(owner.replace(".", "_"))
 
 
 def _record_grad_mode(tracer: fx.Tracer) -> tuple[list[tuple[fx.Node | None, bool]], Any]:

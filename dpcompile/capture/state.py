@@ -40,7 +40,8 @@ _HOOK_DICTS = tuple(name for name, value in nn.Module().__dict__.items() if "hoo
 _GLOBAL_HOOK_DICTS = tuple(
     name for name in dir(nn_module) if name.startswith("_global_") and isinstance(getattr(nn_module, name), dict)
 )
-_FX_CONSTANTS = "_tensor_constant"  # torch.fx.Tracer.create_arg holds a tensor met while tracing on the root
+# torch.fx.Tracer.create_arg holds a constant met while tracing on the root (a tensor, a torch.Generator...)
+_FX_CONSTANTS = ("_tensor_constant", "_opaque_obj", "_torchbind_obj", "_tree_spec_constant")
 _PLAIN = (bool, int, float, str, type(None), enum.Enum, torch.dtype, torch.device)
 
 # the code of hooks a model's forward registered on itself while captured (their closures differ

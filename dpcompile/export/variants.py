@@ -177,7 +177,7 @@ def collect(pm: nn.Module) -> tuple[list[tuple[Any, fx.GraphModule | None]], lis
     main one), and the data-parallel traces they are lowered from (for fewer devices)."""
     cache = pm.program_cache
     if pm.__dict__.get("traced_model") is None:  # nothing to trace: what the module carries already
-        programs = [(key.portable(), program) for key, program in cache.items() if not key.batched]
+        programs = [(key.portable(), program) for key, program in cache.items() if not key.batched and not key.unbatched]
         programs.append((cache.main_key.portable(), None))
     else:
         programs = []

@@ -291,18 +291,32 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             return 1
         return min(batch, n)
 
-    def _key(self, n: int, none_args: frozenset[str], flags: tuple, batched: frozenset[str] = frozenset()) -> CallKey:
+    def _key(self, n: int, none_args: frozenset[str], flags: tuple, batched: frozenset[str] = frozenset(),
+             unbatched: frozenset[str] = frozenset()) -> CallKey:  # fmt: skip
         if self._shares_source:
             modes, fingerprint = self._guard.state()
-            return CallKey(n, modes, none_args, flags, fingerprint, batched)
-        return CallKey(n, self._guard.modes(), none_args, flags, None, batched)
+            return CallKey(n, modes, none_args, flags, fingerprint, batched, unbatched)
+        return CallKey(n, self._guard.modes(), none_args, flags, None, batched, unbatched)
+
+    def _unbatched_inputs(self, args: tuple, kwargs: dict) -> frozenset[str]:
+        """Split inputs this call gives without their batch dim (a 0-dim tensor) beside one that
+        has it: replicated for this call, as eager broadcasts them."""
+        split = self._split_inputs
+        if len(split) < 2:
+            return frozenset()
+        out = []
+        for position, name, dim in split:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() <= dim:
+                out.append(name)
+        return frozenset(out) if len(out) < len(split) else frozenset()
 
     def call_key(self, *args: Any, **kwargs: Any) -> CallKey:
         """What the program for this call is specialised on (see :class:`CallKey`)."""
         signature = self.call_signature
         nones, flags = signature.departures(args, kwargs) if signature.optional or signature.flags else (frozenset(), ())
         batched = signature.batched(args, kwargs, self.batch_size) if signature.replicated else frozenset()
-        return self._key(self._devices_for(args, kwargs), nones, flags, batched)
+        return self._key(self._devices_for(args, kwargs), nones, flags, batched, self._unbatched_inputs(args, kwargs))
 
     strategy = property(lambda self: next((s for s in ("data_parallel", "pipeline") if s in str(self.mode)), "tensor_parallel"))
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:

@@ -70,19 +70,28 @@ def call_with_hooks(model: nn.Module, run: Any, args: tuple, kwargs: dict) -> An
 def run_as_model(pm: Any, program: Any, args: tuple, kwargs: dict, call: Any) -> Any:
     """Run ``program`` as the model would run: the model's own forward hooks around it, which
     tracing forward never records (``call``: ``pm``'s own ``nn.Module.__call__``, which runs hooks
-    the user registered on ``pm``); then what forward writes to the model itself, which the graph
-    has no name for: the plain attributes it sets (``self.rescaled = True``) and the buffers it
-    rebinds (:mod:`dpcompile.runtime.side_effects`)."""
+    the user registered on ``pm``); then what forward writes to the model itself (see
+    :func:`run_writing_to_model`)."""
+
+    def run() -> Any:
+        if pm._shares_source and pm._guard.root_hooks():
+            return call_with_hooks(pm.traced_model, call if program is pm else program, args, kwargs)
+        if program is pm:
+            return call(*args, **kwargs) if has_hooks(pm) else pm.forward(*args, **kwargs)
+        return program(*args, **kwargs)
+
+    return run_writing_to_model(pm, program, run)
+
+
+def run_writing_to_model(pm: Any, program: Any, run: Any) -> Any:
+    """``run()`` (a call of ``program``, in whatever order its executor runs it), then what forward
+    writes to the model itself, which the graph has no name for: the plain attributes it sets
+    (``self.rescaled = True``) and the buffers it rebinds (:mod:`dpcompile.runtime.side_effects`)."""
     take_root_writes()  # none left from a call that failed
     writes = program.__dict__.get("_attributes_written")
     if writes is None:
         writes = program.__dict__["_attributes_written"] = attributes_written_by(program.graph)
-    if pm._shares_source and pm._guard.root_hooks():
-        output = call_with_hooks(pm.traced_model, call if program is pm else program, args, kwargs)
-    elif program is pm:
-        output = call(*args, **kwargs) if has_hooks(pm) else pm.forward(*args, **kwargs)
-    else:
-        output = program(*args, **kwargs)
+    output = run()
     rebound = take_root_writes()
     if writes or rebound:
         model = pm.traced_model if pm._shares_source and pm.traced_model is not None else pm

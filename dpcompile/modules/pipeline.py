@@ -18,7 +18,7 @@ from torch import nn
 
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.hooks import call_with_hooks
+from dpcompile.modules.hooks import call_with_hooks, run_writing_to_model
 from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
 from dpcompile.modules.mesh_stage import (
     backward_done,
@@ -104,8 +104,9 @@ class PipelineModule(ParallelModule):
                 steps[key] = self.recipe.one_f_one_b_step(self, key)
             step = steps[key]
             if self._shares_source and self._guard.root_hooks():  # the model's own forward hooks, as for GPipe
-                return call_with_hooks(self.traced_model, lambda *a, **k: step(a, k), args, kwargs)
-            return step(args, kwargs)
+                return run_writing_to_model(
+                    self, program, lambda: call_with_hooks(self.traced_model, lambda *a, **k: step(a, k), args, kwargs))
+            return run_writing_to_model(self, program, lambda: step(args, kwargs))
         return super().run_program(program, args, kwargs)
 
     @property

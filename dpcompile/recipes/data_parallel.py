@@ -127,13 +127,14 @@ class DataParallelRecipe(Recipe):
 
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         captured = departing_trace(self, pm, key)  # None: the main trace
-        if captured is None and key.devices == len(pm.devices) and not key.batched:
+        if captured is None and key.devices == len(pm.devices) and not key.batched and not key.unbatched:
             return None
         owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
         gm = graph_module(owner, copy_graph(graph), f"ParallelModule{key.devices}")
         # inputs the examples gave without a batch dim that this call gives it: split, not replicated
         batched = {name: dim for _, name, dim, _, _ in pm.call_signature.replicated if name in key.batched}
-        return self.lower(gm, pm.devices.prefix(key.devices), {**pm.input_dims, **batched})
+        unbatched = dict.fromkeys(key.unbatched)  # and inputs it gives without the batch dim: replicated
+        return self.lower(gm, pm.devices.prefix(key.devices), {**pm.input_dims, **batched, **unbatched})
 
     def retarget(self, pm: ParallelModule, devices: Devices, output_device: torch.device) -> ParallelModule:
         """``pm``'s program generated again for other ``devices`` (a loaded program moved to

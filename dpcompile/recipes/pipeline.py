@@ -128,12 +128,12 @@ class PipelineRecipe(Recipe):
 
     def build_program(self, pm: PipelineModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         captured = departing_trace(self, pm, key)  # None: the main trace
-        if captured is None and key.devices == pm.micro_batches:
+        if captured is None and key.devices == pm.micro_batches and not key.unbatched:
             return None
         owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
         gm = graph_module(owner, copy_graph(graph), f"Pipeline{key.devices}")
         plan = pm.stage_plan if captured is None else follow_plan(gm, pm.stage_plan)
-        return self.lower(gm, plan, key.devices, pm.input_dims)
+        return self.lower(gm, plan, key.devices, {**pm.input_dims, **dict.fromkeys(key.unbatched)})
 
     def one_f_one_b_step(self, pm: PipelineModule, key: CallKey) -> Any:
         """The 1F1B step a training call as ``key`` runs (``recipes/pipeline_1f1b.py``)."""

@@ -11,7 +11,8 @@ of it, so the values match and the generator ends where the single-device run le
 
 ``rows=(k, dim)``: the piece is the ``k``-th of the batch split, along ``dim``; ``cols=(k, dim,
 sizes)``: the ``k``-th tensor-parallel shard along ``dim`` (counted from the end) of pieces
-``sizes``; ``cols=(k, None, None)``: a replicated value, whole on each shard. The first piece to
+``sizes`` (or of the pieces' inputs' lengths: a sequence split, set by the call's own length);
+``cols=(k, None, None)``: a replicated value, whole on each shard. The first piece to
 reach a site draws for all: in a pipeline, micro-batch 0 (both schedules send it first).
 The whole tensor is drawn where the first piece lives; on virtual devices that is the one device.
 """
@@ -52,7 +53,8 @@ class RandomDraws:
             index[dim] = slice(per_row * sum(sizes[:k]), per_row * sum(sizes[: k + 1]))
             shape[dim] = per_row * sum(sizes)
         if cols is not None and cols[1] is not None:
-            k, dim, sizes = cols[0], len(shape) + cols[1], list(cols[2] or ())
+            k, dim = cols[0], len(shape) + cols[1]
+            sizes = [int(s.shape[dim]) if isinstance(s, torch.Tensor) else s for s in cols[2] or ()]
             if shape[dim] != sizes[k]:
                 raise ValueError(f"shard {k} holds {shape[dim]} along dim {dim}, the plan says {sizes[k]}")
             index[dim] = slice(sum(sizes[:k]), sum(sizes[: k + 1]))

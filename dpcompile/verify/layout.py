@@ -14,6 +14,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
 from dpcompile.fake import fake_devices as fake_devices_of
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module
@@ -91,6 +92,23 @@ def _copy_devices(program: fx.GraphModule, devices: Devices) -> list[list[torch.
     return [[torch.device(d) for d in copy] for copy in copies]
 
 
+def _check_pipeline_device_count(pm: Any, n: int) -> None:
+    """A pipeline's layout fixes its device count (a stage per device, times its shards and copies):
+    another count is a question verify cannot answer, so it says which count to ask for."""
+    layout = dict(getattr(pm, "layout", None) or {})
+    if not isinstance(pm.recipe, (PipelineRecipe, PipelineTensorParallelRecipe)) or not layout:
+        return
+    needed = 1
+    for size in layout.values():
+        needed *= size
+    if n != needed:
+        sizes = " x ".join(f"{name} {size}" for name, size in layout.items())
+        raise DpCompileError(
+            f"verify(fake_devices={n}): this program's layout ({sizes}) runs on {needed} devices, not {n}; pass "
+            f"fake_devices={needed}, or check another layout by transforming it first (e.g. mesh={{'pp': ..., 'dp': ...}})"
+        )
+
+
 def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[Any], *args: Any, **kwargs: Any) -> VerifyResult:
     """Build ``pm``'s program for fake CUDA devices and run it forward and backward on fake tensors.
 
@@ -106,6 +124,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     True
     """
     devices = fake_devices_of(fake_devices)
+    _check_pipeline_device_count(pm, len(devices))
     label = f"fake {len(devices)}-device layout"
     checked = {"fake devices": len(devices)}
     mode = FakeTensorMode(allow_non_fake_inputs=True)

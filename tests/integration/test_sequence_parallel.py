@@ -105,6 +105,27 @@ def test_sequence_parallel_another_length_at_call_time():
         torch.testing.assert_close(pm(_ids(seq, seed=seq)), model(_ids(seq, seed=seq)))
 
 
+def test_sequence_parallel_dropout_at_another_length_at_call_time():
+    """Training with dropout at lengths other than the example's 13: each shard takes its slice of the
+    single-device mask by the call's own split (it raised: the slices were the example's)."""
+    torch.manual_seed(0)
+    model = Stack().double().train()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, sequence_parallel=True, example_inputs=(_ids(13),))
+    for seq in (12, 5):
+        ids = _ids(seq, seed=seq)
+        torch.manual_seed(seq)
+        got = pm(ids)
+        state = torch.get_rng_state()
+        torch.manual_seed(seq)
+        want = eager(ids)
+        torch.testing.assert_close(got, want)
+        assert torch.equal(state, torch.get_rng_state())
+    got.sum().backward()
+    want.sum().backward()
+    _assert_grads_equal(pm, eager)
+
+
 def test_sequence_parallel_explain_shows_the_saving():
     """explain: the collectives, each device's activations with and without sequence parallel, and a
     memory estimate below tensor parallel's on the first device."""

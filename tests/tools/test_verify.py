@@ -365,3 +365,13 @@ def test_verify_fake_devices_checks_pipeline_layouts(kwargs, n):
     assert dpcompile.verify(pm, model, torch.randn(4, 8))
     result = dpcompile.verify(pm, model, torch.randn(4, 8), fake_devices=n)
     assert not result and "test_verify.py" in str(result), str(result)
+
+
+def test_verify_fake_devices_of_another_count_than_a_pipelines_says_which():
+    """A pipeline's layout fixes its device count: fake_devices of another count is refused with the
+    count to ask for (it was reported as a mismatch of the program, which nothing in it was)."""
+    model = _Layers()
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2)
+    with pytest.raises(dpcompile.DpCompileError, match=r"runs on 2 devices, not 4; pass fake_devices=2"):
+        dpcompile.verify(pm, model, torch.randn(4, 8), fake_devices=4)
+    assert dpcompile.verify(pm, model, torch.randn(4, 8), fake_devices=2)

@@ -9,7 +9,9 @@
   matmul whose output only feeds an add that nothing in the region reads (a block's last projection)
   keeps nothing: it is not run again either, since the recompute stops once backward has what it needs;
 - ``"every_second_matmul"``: torchtitan's selective rule: attention keeps its output, and of the
-  region's matmuls in graph order the first, third, fifth, ... do; the rest is recomputed.
+  region's matmuls in graph order the first, third, fifth, ... do; the rest is recomputed;
+- ``"auto:<budget>"``: of what ``"matmuls"`` keeps, the outputs that spare the most FLOPs within
+  ``budget`` (a fraction) of its values per row, attention first (``passes.checkpoint_budget``).
 
 The finder reads the program only; ``passes.checkpoint_activations`` writes the markers.
 """
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import SAVE_RULES
+from dpcompile.runtime import gather
 
 _aten = torch.ops.aten
 _MATMUL_FUNCTIONS = {
@@ -45,6 +48,7 @@ _PASS_THROUGH_FUNCTIONS = {
     torch.reshape, torch.transpose, torch.permute, _aten.add.Tensor, _aten.sub.Tensor, _aten.neg.default,
     _aten.view.default, _aten.reshape.default, _aten.t.default, _aten.transpose.int, _aten.permute.default,
     _aten._unsafe_view.default, _aten.clone.default, _aten.cat.default,
+    gather,  # the outputs onto output_device: concatenated (a copy), its backward splits the gradient
 }  # fmt: skip
 _PASS_THROUGH_METHODS = {"add", "sub", "view", "reshape", "transpose", "permute", "contiguous", "flatten",
                          "unsqueeze", "squeeze", "chunk", "split", "expand", "__getitem__"}  # fmt: skip
@@ -103,6 +107,10 @@ def kept_nodes(gm: fx.GraphModule, nodes: list[fx.Node], rule: str) -> list[fx.N
         matmuls = [n for n in nodes if is_matmul(gm, n)]
         kept = set(matmuls[::2]) | {n for n in nodes if is_attention(n)}
         return [n for n in nodes if n in kept]
+    if rule.startswith("auto:"):
+        from passes.checkpoint_budget import kept_under_budget  # it prices what this module finds
+
+        return kept_under_budget(gm, nodes, float(rule.removeprefix("auto:")))
     raise ValueError(f"unknown save rule {rule!r}: one of {SAVE_RULES}")
 
 

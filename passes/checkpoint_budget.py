@@ -24,6 +24,7 @@ After::
 
 from __future__ import annotations
 
+import operator
 import statistics
 from dataclasses import dataclass
 
@@ -32,7 +33,14 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
-from passes.checkpoint_saves import _passes_through, _read_in_backward, is_attention, is_matmul
+from passes.checkpoint_saves import (
+    is_attention,
+    is_matmul,
+    is_matmul_module,
+    kept_nodes,
+    passes_through,
+    read_in_backward,
+)
 
 _MAX_STATES = 200_000  # the knapsack's reachable widths; past this a greedy choice by FLOPs per value
 
@@ -58,12 +66,34 @@ def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
         return None
 
 
-def _width_of(gm: fx.GraphModule, node: fx.Node, seen: int = 0) -> int | None:
-    """Values per row of ``node``'s output, where a Linear or a view of one says."""
-    module = _module(gm, node)
+def _sizes(module: nn.Module | None) -> tuple[int, int] | None:
+    """``(inner, out)`` of a Linear or a transformers ``Conv1D``: per row, ``out`` values from ``inner``."""
     if isinstance(module, nn.Linear):
-        return module.out_features
-    if seen < 8 and _passes_through(node) and node.all_input_nodes:  # a view keeps the values per row
+        return module.in_features, module.out_features
+    if is_matmul_module(module) and type(module).__name__ == "Conv1D":
+        return int(module.weight.shape[0]), int(module.nf)
+    return None
+
+
+def _split_size(node: fx.Node) -> int | None:
+    """``getitem(split(x, n, dim=-1), i)`` (GPT-2's q, k, v out of one projection): ``n`` per row."""
+    split = node.args[0] if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else None
+    if split is None or "split" not in str(getattr(split.target, "__name__", split.target)):
+        return None
+    size = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size")
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    return size if isinstance(size, int) and isinstance(dim, int) and (dim == -1 or dim >= 2) else None
+
+
+def _width_of(gm: fx.GraphModule, node: fx.Node, seen: int = 0) -> int | None:
+    """Values per row of ``node``'s output, where a matmul module, a split of the last dimension,
+    or a view of one of those says."""
+    sizes = _sizes(_module(gm, node))
+    if sizes:
+        return sizes[1]
+    if (size := _split_size(node)) is not None:
+        return size
+    if seen < 8 and passes_through(node) and node.all_input_nodes:  # a view keeps the values per row
         return _width_of(gm, node.all_input_nodes[0], seen + 1)
     return None
 
@@ -93,7 +123,7 @@ def _priced_by_value(node: fx.Node) -> tuple[int, int] | None:
 def save_candidates(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[SaveCandidate]:
     """The region's matmul and attention nodes backward reads the output of, priced by their
     recorded tensors where every one has them, else per row by their modules."""
-    needed = _read_in_backward(nodes)
+    needed = read_in_backward(nodes)
     chosen = [n for n in nodes if n in needed and (is_attention(n) or is_matmul(gm, n))]
     priced = [_priced_by_value(n) for n in chosen]
     if chosen and all(priced):
@@ -107,11 +137,8 @@ def save_candidates(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[SaveCandid
             value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
             found.append((node, _width_of(gm, value) if isinstance(value, fx.Node) else None, None, True))
         elif is_matmul(gm, node):
-            module = _module(gm, node)
-            if isinstance(module, nn.Linear):
-                found.append((node, module.out_features, 2 * module.in_features * module.out_features, False))
-            else:
-                found.append((node, None, None, False))
+            sizes = _sizes(_module(gm, node))
+            found.append((node, sizes[1], 2 * sizes[0] * sizes[1], False) if sizes else (node, None, None, False))
     widths = [w for _, w, _, _ in found if w]
     flops = [f for _, _, f, _ in found if f]
     unit_width = statistics.median(widths) if widths else 1.0
@@ -167,4 +194,12 @@ def kept_under_budget(gm: fx.GraphModule, nodes: list[fx.Node], budget: float) -
     return [c.node for c in choose_saves(save_candidates(gm, nodes), budget)]
 
 
-__all__ = ["SaveCandidate", "choose_saves", "kept_under_budget", "save_candidates"]
+def kept_for_rule(gm: fx.GraphModule, nodes: list[fx.Node], rule: str) -> list[fx.Node]:
+    """The nodes of a region that keep their outputs under any save rule: ``"auto:<budget>"`` here,
+    the fixed rules in ``passes.checkpoint_saves``."""
+    if rule.startswith("auto:"):
+        return kept_under_budget(gm, nodes, float(rule.removeprefix("auto:")))
+    return kept_nodes(gm, nodes, rule)
+
+
+__all__ = ["SaveCandidate", "choose_saves", "kept_for_rule", "kept_under_budget", "save_candidates"]

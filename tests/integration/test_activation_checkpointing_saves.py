@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import dpcompile
-from passes.checkpoint_saves import kept_nodes
+from passes.checkpoint_budget import kept_for_rule
 
 
 class Attention(nn.Module):
@@ -60,7 +60,7 @@ def _example(dtype=torch.float64) -> tuple[nn.Module, torch.Tensor]:
 def _kept_names(rule: str) -> set[str]:
     gm = fx.symbolic_trace(Block())
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    return {n.name for n in kept_nodes(gm, nodes, rule)}
+    return {n.name for n in kept_for_rule(gm, nodes, rule)}
 
 
 def test_matmuls_keeps_the_matmuls_and_attention_backward_reads():

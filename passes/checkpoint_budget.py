@@ -47,14 +47,13 @@ _MAX_STATES = 200_000  # the knapsack's reachable widths; past this a greedy cho
 
 @dataclass(frozen=True)
 class SaveCandidate:
-    """A node whose output a region may keep: ``width`` values per row kept, ``flops`` per row
-    spared; ``attention`` ones are kept first; ``known``: both came from the module's sizes."""
+    """A node whose output a region may keep: ``width`` values kept, ``flops`` spared (per row, or
+    in all where the capture recorded its tensors); ``attention`` ones are kept first."""
 
     node: fx.Node
     width: float
     flops: float
     attention: bool
-    known: bool
 
 
 def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
@@ -127,7 +126,7 @@ def save_candidates(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[SaveCandid
     chosen = [n for n in nodes if n in needed and (is_attention(n) or is_matmul(gm, n))]
     priced = [_priced_by_value(n) for n in chosen]
     if chosen and all(priced):
-        return [SaveCandidate(n, float(w), float(f), is_attention(n), True)
+        return [SaveCandidate(n, float(w), float(f), is_attention(n))
                 for n, (w, f) in zip(chosen, priced, strict=True)]  # type: ignore[misc]  # fmt: skip
     found: list[tuple[fx.Node, int | None, int | None, bool]] = []
     for node in nodes:
@@ -143,8 +142,7 @@ def save_candidates(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[SaveCandid
     flops = [f for _, _, f, _ in found if f]
     unit_width = statistics.median(widths) if widths else 1.0
     unit_flops = statistics.median(flops) if flops else 1.0
-    return [SaveCandidate(node, width or unit_width, f or unit_flops, attention, bool(width and (f or attention)))
-            for node, width, f, attention in found]  # fmt: skip
+    return [SaveCandidate(node, width or unit_width, f or unit_flops, attention) for node, width, f, attention in found]
 
 
 def choose_saves(candidates: list[SaveCandidate], budget: float) -> list[SaveCandidate]:

@@ -116,4 +116,12 @@ def kept_nodes(gm: fx.GraphModule, nodes: list[fx.Node], rule: str) -> list[fx.N
     raise ValueError(f"unknown save rule {rule!r}: one of {SAVE_RULES}")
 
 
-__all__ = ["SAVE_RULES", "is_attention", "is_matmul", "is_matmul_module", "kept_nodes", "passes_through", "read_in_backward"]
+__all__ = [
+    "SAVE_RULES",
+    "is_attention",
+    "is_matmul",
+    "is_matmul_module",
+    "kept_nodes",
+    "passes_through",
+    "read_in_backward",
+]

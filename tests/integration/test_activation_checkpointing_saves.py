@@ -86,11 +86,27 @@ def test_auto_knapsack_prefers_flops_over_count():
 
     graph = fx.Graph()
     nodes = [graph.placeholder(f"n{i}") for i in range(3)]
-    wide, small, cheap = (SaveCandidate(nodes[0], 4, 40, False, True), SaveCandidate(nodes[1], 3, 24, False, True),
-                          SaveCandidate(nodes[2], 1, 1, False, True))  # fmt: skip
+    wide, small, cheap = (
+        SaveCandidate(nodes[0], 4, 40, False),
+        SaveCandidate(nodes[1], 3, 24, False),
+        SaveCandidate(nodes[2], 1, 1, False),
+    )
     # 4 of 8 units: the wide one (40 FLOPs), not the small and the cheap one (25) a greedy count would take
     assert choose_saves([small, cheap, wide], 0.5) == [wide]
     assert choose_saves([small, cheap, wide], 1.0) == [small, cheap, wide]
+
+
+def test_auto_prices_an_aten_graph_by_its_recorded_tensors():
+    # x @ w1 (8 values a row from 4) -> tanh -> @ w2 (32 from 8) -> tanh: no modules, only meta["val"];
+    # per value kept, the second spares twice the FLOPs of the first (inner 8 against 4)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x, w1, w2: torch.tanh(torch.tanh(x @ w1) @ w2))(torch.randn(5, 4), torch.randn(4, 8),
+                                                                         torch.randn(8, 32))  # fmt: skip
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    first, second = (n.name for n in nodes if n.target is torch.ops.aten.mm.default)
+    assert {n.name for n in kept_for_rule(gm, nodes, "auto:0.2")} == {first}  # 8 of 40 values: only the first fits
+    assert {n.name for n in kept_for_rule(gm, nodes, "auto:0.8")} == {second}  # 32: the one sparing more
 
 
 def test_every_second_matmul_is_torchtitans_rule():

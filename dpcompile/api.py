@@ -185,7 +185,7 @@ def transform(
     if sequence_parallel and "tp" in pm.strategies:
         pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:
-        kept = "" if recipe.checkpoint_save == "nothing" else f" (keeping {recipe.checkpoint_save.replace('_', ' ')})"
+        kept = "" if recipe.checkpoint_save == "nothing" else f" (keeping {_save_words(recipe.checkpoint_save)})"
         pm.strategies["activation_checkpointing"] = f"recompute in backward{kept}: {', '.join(recipe.checkpointed)}"
     return pm
 
@@ -193,6 +193,13 @@ def transform(
 #: keywords that name a layout: plan="auto" chooses them
 _LAYOUT_DEFAULTS = {"tensor_parallel": False, "pipeline": None, "mesh": None, "micro_batches": 1, "schedule": "gpipe",
                     "activation_checkpointing": False, "sequence_parallel": False}  # fmt: skip
+
+
+def _save_words(rule: str) -> str:
+    """``pm.strategies``' words for a save rule: ``"auto:0.5"`` reads ``"the matmuls ... budget 0.5"``."""
+    if rule.startswith("auto:"):
+        return f"the matmul and attention outputs sparing the most FLOPs within budget {rule.removeprefix('auto:')}"
+    return rule.replace("_", " ")
 
 
 def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]) -> ParallelModule:

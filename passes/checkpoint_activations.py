@@ -42,7 +42,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module, writes
 from dpcompile.infra import PassResult, module_path_of, stamp
 from dpcompile.runtime import checkpoint, keep_outputs, random_draws
-from passes.checkpoint_saves import kept_nodes
+from passes.checkpoint_budget import kept_for_rule
 
 PASS = "checkpoint_activations"
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -266,7 +266,7 @@ def _take_name(graph: fx.Graph, node: fx.Node, name: str) -> None:
 
 def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: str = "nothing") -> PassResult:
     """Rewrite each region of ``paths`` into ``dpcompile_runtime_checkpoint(self.<name>_region, ...)``;
-    the nodes ``save`` names (``passes.checkpoint_saves``) keep their outputs, between
+    the nodes ``save`` names (``passes.checkpoint_saves``, ``passes.checkpoint_budget``) keep their outputs, between
     ``dpcompile_runtime_keep_outputs(True)`` and ``(False)`` in the region's code.
 
     ``info["regions"]`` is ``{region name: module path}``; no paths: a no-op.
@@ -278,7 +278,7 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: st
     replaced: dict[fx.Node, fx.Node] = {}  # an earlier region's outputs, read by a later one
     for region in regions:
         region.inputs = [replaced.get(n, n) for n in region.inputs]
-        region.kept = kept_nodes(gm, region.nodes, save)
+        region.kept = kept_for_rule(gm, region.nodes, save)
         module, arguments = _region_module(region)
         attribute, k = f"{region.name}_region", 1
         while hasattr(gm, attribute):

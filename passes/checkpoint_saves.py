@@ -9,7 +9,10 @@
   matmul whose output only feeds an add that nothing in the region reads (a block's last projection)
   keeps nothing: it is not run again either, since the recompute stops once backward has what it needs;
 - ``"every_second_matmul"``: torchtitan's selective rule: attention keeps its output, and of the
-  region's matmuls in graph order the first, third, fifth, ... do; the rest is recomputed.
+  region's matmuls in graph order the first, third, fifth, ... do; the rest is recomputed;
+- ``"auto:<budget>"``: of what ``"matmuls"`` keeps, the outputs that spare the most FLOPs within
+  ``budget`` (a fraction) of its values per row, attention first: ``passes.checkpoint_budget``, whose
+  ``kept_for_rule`` takes every rule.
 
 The finder reads the program only; ``passes.checkpoint_activations`` writes the markers.
 """
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import SAVE_RULES
+from dpcompile.runtime import gather
 
 _aten = torch.ops.aten
 _MATMUL_FUNCTIONS = {
@@ -45,6 +49,7 @@ _PASS_THROUGH_FUNCTIONS = {
     torch.reshape, torch.transpose, torch.permute, _aten.add.Tensor, _aten.sub.Tensor, _aten.neg.default,
     _aten.view.default, _aten.reshape.default, _aten.t.default, _aten.transpose.int, _aten.permute.default,
     _aten._unsafe_view.default, _aten.clone.default, _aten.cat.default,
+    gather,  # the outputs onto output_device: concatenated (a copy), its backward splits the gradient
 }  # fmt: skip
 _PASS_THROUGH_METHODS = {"add", "sub", "view", "reshape", "transpose", "permute", "contiguous", "flatten",
                          "unsqueeze", "squeeze", "chunk", "split", "expand", "__getitem__"}  # fmt: skip
@@ -70,16 +75,21 @@ def is_matmul(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_method" and node.target in _MATMUL_METHODS:
         return True
     # a module call: call_module, or a replica's call_method of the module's path
-    return node.op in ("call_module", "call_method") and isinstance(_module_of(gm, node), _MATMUL_MODULES)
+    return node.op in ("call_module", "call_method") and is_matmul_module(_module_of(gm, node))
 
 
-def _passes_through(node: fx.Node) -> bool:
+def is_matmul_module(module: nn.Module | None) -> bool:
+    """Linear, Bilinear, Conv, or transformers' ``Conv1D`` (GPT-2's projections: ``x @ weight + bias``)."""
+    return isinstance(module, _MATMUL_MODULES) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def passes_through(node: fx.Node) -> bool:
     if node.op == "call_function":
         return node.target in _PASS_THROUGH_FUNCTIONS
     return node.op == "call_method" and node.target in _PASS_THROUGH_METHODS
 
 
-def _read_in_backward(nodes: list[fx.Node]) -> set[fx.Node]:
+def read_in_backward(nodes: list[fx.Node]) -> set[fx.Node]:
     """The nodes of a region whose value its backward needs: read by a node whose backward reads
     its inputs, or by a pass-through node whose own value is needed (values leaving the region are
     saved by their readers outside)."""
@@ -87,7 +97,7 @@ def _read_in_backward(nodes: list[fx.Node]) -> set[fx.Node]:
     needed: set[fx.Node] = set()
     for node in reversed(nodes):
         users = [u for u in node.users if u in inside]
-        if any(not _passes_through(u) or u in needed for u in users):
+        if any(not passes_through(u) or u in needed for u in users):
             needed.add(node)
     return needed
 
@@ -97,7 +107,7 @@ def kept_nodes(gm: fx.GraphModule, nodes: list[fx.Node], rule: str) -> list[fx.N
     if rule == "nothing":
         return []
     if rule == "matmuls":
-        needed = _read_in_backward(nodes)
+        needed = read_in_backward(nodes)
         return [n for n in nodes if (is_matmul(gm, n) or is_attention(n)) and n in needed]
     if rule == "every_second_matmul":
         matmuls = [n for n in nodes if is_matmul(gm, n)]
@@ -106,4 +116,12 @@ def kept_nodes(gm: fx.GraphModule, nodes: list[fx.Node], rule: str) -> list[fx.N
     raise ValueError(f"unknown save rule {rule!r}: one of {SAVE_RULES}")
 
 
-__all__ = ["SAVE_RULES", "is_attention", "is_matmul", "kept_nodes"]
+__all__ = [
+    "SAVE_RULES",
+    "is_attention",
+    "is_matmul",
+    "is_matmul_module",
+    "kept_nodes",
+    "passes_through",
+    "read_in_backward",
+]

@@ -17,8 +17,10 @@ from torch import nn
 from dpcompile.errors import DpCompileError
 
 #: what a recomputed region keeps for backward (``passes.checkpoint_saves``)
-SAVE_RULES = ("nothing", "matmuls", "every_second_matmul")
-_SPEC_KEYS = {"regions", "save"}
+SAVE_RULES = ("nothing", "matmuls", "every_second_matmul", "auto")
+_SPEC_KEYS = {"regions", "save", "budget"}
+#: ``"auto"`` without ``budget``: keep half of what ``"matmuls"`` keeps, chosen to recompute the fewest FLOPs
+DEFAULT_BUDGET = 0.5
 
 
 def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
@@ -29,13 +31,21 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
     if unknown or "regions" not in activation_checkpointing:
         raise ValueError(
             f"activation_checkpointing={activation_checkpointing!r}: a dict takes 'regions' (True or module paths) "
-            f"and 'save' (one of {list(SAVE_RULES)}), e.g. {{'regions': True, 'save': 'matmuls'}}"
+            f"and 'save' (one of {list(SAVE_RULES)}), e.g. {{'regions': True, 'save': 'matmuls'}} or "
+            "{'regions': True, 'save': 'auto', 'budget': 0.5}"
         )
     rule = activation_checkpointing.get("save", "nothing")
     if rule not in SAVE_RULES:
         raise ValueError(
             f"activation_checkpointing 'save': {rule!r} is not a rule; one of {list(SAVE_RULES)} ('matmuls': "
             "matmul and attention outputs kept, norms, activations and elementwise ops recomputed)"
+        )
+    if rule == "auto":
+        rule = f"auto:{_budget(activation_checkpointing.get('budget', DEFAULT_BUDGET))}"
+    elif "budget" in activation_checkpointing:
+        raise ValueError(
+            f"activation_checkpointing 'budget' goes with 'save': 'auto' (the rule that chooses what to keep "
+            f"within it), not with {rule!r}: give {{'save': 'auto', 'budget': ...}} or drop 'budget'"
         )
     regions = activation_checkpointing["regions"]
     if regions is False or regions is None or regions == "auto":
@@ -45,8 +55,18 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
     return regions, rule
 
 
+def _budget(budget: Any) -> float:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+        raise ValueError(
+            f"activation_checkpointing 'budget': {budget!r}; give a fraction from 0 (keep nothing, recompute the "
+            "whole region) to 1 (keep what 'matmuls' keeps) of the matmul and attention outputs backward reads"
+        )
+    return float(budget)
+
+
 def checkpoint_save_rule(activation_checkpointing: Any) -> str:
-    """What each recomputed region keeps: ``activation_checkpointing["save"]``, else ``"nothing"``."""
+    """What each recomputed region keeps: ``activation_checkpointing["save"]``, else ``"nothing"``;
+    ``"auto"`` is spelled with its budget, ``"auto:0.5"``."""
     return _regions_and_rule(activation_checkpointing)[1]
 
 
@@ -103,4 +123,4 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     return paths
 
 
-__all__ = ["SAVE_RULES", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]
+__all__ = ["DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]

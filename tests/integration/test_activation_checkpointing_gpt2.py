@@ -53,3 +53,29 @@ def test_activation_checkpointing_gpt2_equals_eager(gpt2, layout):
     got = full_gradients(pm) if layout.get("tensor_parallel") else {n: p.grad for n, p in model.named_parameters()}
     for name, q in reference.named_parameters():
         torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_auto_save_rule_gpt2_equals_eager(gpt2):
+    """``save="auto"`` on GPT-2's ``Conv1D`` projections, priced per row by their sizes: of c_attn (3d),
+    attention (d), c_proj (d) and c_fc (4d), half the width (4.5d) keeps attention, then c_attn (the
+    most FLOPs that fit); the loss and every gradient equal eager's."""
+    reference, model, exported, kwargs, expected = gpt2
+    model.zero_grad()
+    spec = {"regions": True, "save": "auto", "budget": 0.5}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(exported, ["cpu"] * 2, example_kwargs=kwargs, activation_checkpointing=spec)
+    assert "budget 0.5" in pm.strategies["activation_checkpointing"]
+    regions = [m for n, m in pm.named_children() if n.endswith("_region")]
+    assert len(regions) == 4  # 2 blocks x 2 devices
+    for region in regions:
+        lines = region.code.splitlines()
+        marked = [lines[i + 1] for i, line in enumerate(lines[:-1]) if "keep_outputs(True)" in line]
+        assert len(marked) == 2
+        assert ".attn.c_attn(" in marked[0] and "scaled_dot_product_attention" in marked[1]
+    out = pm(**kwargs)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    for name, q in reference.named_parameters():
+        got = dict(model.named_parameters())[name].grad
+        torch.testing.assert_close(got, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import dpcompile
-from passes.checkpoint_saves import kept_nodes
+from passes.checkpoint_budget import kept_for_rule
 
 
 class Attention(nn.Module):
@@ -60,7 +60,7 @@ def _example(dtype=torch.float64) -> tuple[nn.Module, torch.Tensor]:
 def _kept_names(rule: str) -> set[str]:
     gm = fx.symbolic_trace(Block())
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    return {n.name for n in kept_nodes(gm, nodes, rule)}
+    return {n.name for n in kept_for_rule(gm, nodes, rule)}
 
 
 def test_matmuls_keeps_the_matmuls_and_attention_backward_reads():
@@ -69,18 +69,59 @@ def test_matmuls_keeps_the_matmuls_and_attention_backward_reads():
     assert _kept_names("matmuls") == {"attn_q", "attn_k", "attn_v", "scaled_dot_product_attention", "attn_o", "fc1"}
 
 
+@pytest.mark.parametrize(
+    ("budget", "kept"),
+    [(0.0, set()),
+     (1 / 9, {"scaled_dot_product_attention"}),  # 1 of 9 widths: attention first
+     (7 / 9, {"attn_q", "attn_k", "scaled_dot_product_attention", "fc1"}),  # torchtitan's bytes, its FLOPs spared
+     (1.0, {"attn_q", "attn_k", "attn_v", "scaled_dot_product_attention", "attn_o", "fc1"})],
+)  # fmt: skip
+def test_auto_keeps_what_spares_the_most_flops_within_the_budget(budget, kept):
+    # candidates q, k, v, attention, o (width 16) and fc1 (64): 9 units of 16
+    assert _kept_names(f"auto:{budget}") == kept
+
+
+def test_auto_knapsack_prefers_flops_over_count():
+    from passes.checkpoint_budget import SaveCandidate, choose_saves
+
+    graph = fx.Graph()
+    nodes = [graph.placeholder(f"n{i}") for i in range(3)]
+    wide, small, cheap = (
+        SaveCandidate(nodes[0], 4, 40, False),
+        SaveCandidate(nodes[1], 3, 24, False),
+        SaveCandidate(nodes[2], 1, 1, False),
+    )
+    # 4 of 8 units: the wide one (40 FLOPs), not the small and the cheap one (25) a greedy count would take
+    assert choose_saves([small, cheap, wide], 0.5) == [wide]
+    assert choose_saves([small, cheap, wide], 1.0) == [small, cheap, wide]
+
+
+def test_auto_prices_an_aten_graph_by_its_recorded_tensors():
+    # x @ w1 (8 values a row from 4) -> tanh -> @ w2 (32 from 8) -> tanh: no modules, only meta["val"];
+    # per value kept, the second spares twice the FLOPs of the first (inner 8 against 4)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x, w1, w2: torch.tanh(torch.tanh(x @ w1) @ w2))(torch.randn(5, 4), torch.randn(4, 8),
+                                                                         torch.randn(8, 32))  # fmt: skip
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    first, second = (n.name for n in nodes if n.target is torch.ops.aten.mm.default)
+    assert {n.name for n in kept_for_rule(gm, nodes, "auto:0.2")} == {first}  # 8 of 40 values: only the first fits
+    assert {n.name for n in kept_for_rule(gm, nodes, "auto:0.8")} == {second}  # 32: the one sparing more
+
+
 def test_every_second_matmul_is_torchtitans_rule():
     assert _kept_names("every_second_matmul") == {"attn_q", "attn_v", "fc1", "scaled_dot_product_attention"}
     assert _kept_names("nothing") == set()
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-@pytest.mark.parametrize("rule", ["matmuls", "every_second_matmul"])
+@pytest.mark.parametrize("rule", ["matmuls", "every_second_matmul", "auto"])
 def test_gradients_equal_eager(rule, devices):
     model, x = _example()
     eager = copy.deepcopy(model)
     eager(x).sum().backward()
-    pm = dpcompile.transform(model, ["cpu"] * devices, activation_checkpointing={"regions": True, "save": rule})
+    spec = {"regions": True, "save": rule} | ({"budget": 0.4} if rule == "auto" else {})
+    pm = dpcompile.transform(model, ["cpu"] * devices, activation_checkpointing=spec)
     out = pm(x)
     out.sum().backward()
     torch.testing.assert_close(out, eager(x), rtol=0, atol=1e-12)
@@ -126,13 +167,18 @@ def test_kept_ops_are_not_recomputed_and_the_peak_is_between():
         rule: _step(dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing=spec), x)
         for rule, spec in [("none", False), ("nothing", True),
                            ("matmuls", {"regions": True, "save": "matmuls"}),
-                           ("every_second_matmul", {"regions": True, "save": "every_second_matmul"})]
+                           ("every_second_matmul", {"regions": True, "save": "every_second_matmul"}),
+                           ("auto", {"regions": True, "save": "auto", "budget": 7 / 9})]
     }  # fmt: skip
     flops = {rule: f for rule, (f, _) in figures.items()}
     peak = {rule: p for rule, (_, p) in figures.items()}
     assert flops["matmuls"] == flops["none"]  # every matmul kept: only free ops run again
     assert flops["none"] < flops["every_second_matmul"] < flops["nothing"]
     assert peak["nothing"] < peak["every_second_matmul"] < peak["matmuls"] < peak["none"]
+    # at torchtitan's bytes (7 of 9 widths kept) the knapsack spares as many FLOPs: every matmul costs as
+    # much per value kept (2 x its inner width, 16 here), so no other choice of the same bytes does better
+    assert flops["auto"] == flops["every_second_matmul"]
+    assert peak["auto"] == peak["every_second_matmul"]
 
 
 @pytest.mark.parametrize(
@@ -140,7 +186,9 @@ def test_kept_ops_are_not_recomputed_and_the_peak_is_between():
     [({"regions": True, "save": "everything"}, "is not a rule"),
      ({"save": "matmuls"}, "'regions'"),
      ({"regions": True, "keep": "matmuls"}, "'regions'"),
-     ({"regions": False, "save": "matmuls"}, "give True")],
+     ({"regions": False, "save": "matmuls"}, "give True"),
+     ({"regions": True, "save": "auto", "budget": 1.5}, "a fraction from 0"),
+     ({"regions": True, "save": "matmuls", "budget": 0.5}, "goes with 'save': 'auto'")],
 )  # fmt: skip
 def test_bad_spec_says_what_to_give_and_builds_nothing(spec, words):
     model, x = _example()

@@ -231,7 +231,8 @@ def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str
     size = (getattr(pm, "layout", None) or {}).get("cp", 1)
     if size < 2:
         return None
-    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is runtime.gather_sequence]
+    exchanges = (runtime.gather_sequence, runtime.attention_regathered)
+    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in exchanges]
     attention = sorted({str(n.meta.get("dpcompile_source", n.name)) for n in gathers})  # the user's attention calls
     return {
         "dimension": "cp", "size": size, "sequence_dim": getattr(pm.recipe, "batch_dim", 1),

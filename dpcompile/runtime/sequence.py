@@ -12,7 +12,8 @@ program still runs as it did); ``insert_scatter_gather`` lowers them to an excha
 ==========================  ===================================================================
 
 ``causal_attention`` is causal attention of a shard of queries against every key, at their
-positions in the whole sequence.
+positions in the whole sequence; ``attention_regathered`` is a device's attention that gathers the
+keys and values itself and gathers them again in backward, so only their shards are kept.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from dpcompile.runtime.comm import gather_tensors
 
@@ -68,4 +70,40 @@ def causal_attention(
     return out.narrow(-2, start, rows) if start else out
 
 
-__all__ = ["causal_attention", "gather_sequence", "sequence_split", "sequence_whole"]
+def attention_regathered(
+    query: torch.Tensor,
+    key_shards: Sequence[torch.Tensor],
+    value_shards: Sequence[torch.Tensor],
+    dim: int,
+    device: Any,
+    positions: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """One device's attention against every device's keys and values, all-gathered along ``dim``
+    (:func:`gather_sequence`) here, and again in backward: backward keeps the queries and the
+    shards, not the gathered keys and values, and runs the gather and the attention again (as
+    Megatron's and torchtitan's context parallel gather again). ``positions``: causal at these
+    query positions (:func:`causal_attention`), else ``scaled_dot_product_attention(**kwargs)``.
+
+    >>> q, k = torch.randn(1, 1, 4, 2, requires_grad=True), torch.randn(1, 1, 4, 2)
+    >>> out = attention_regathered(q[:, :, 2:], [k[:, :, :2], k[:, :, 2:]], [k[:, :, :2], k[:, :, 2:]], 2, "cpu",
+    ...                            torch.arange(2, 4))
+    >>> whole = F.scaled_dot_product_attention(q, k, k, is_causal=True)
+    >>> torch.allclose(out, whole[:, :, 2:], atol=1e-6)
+    True
+    """
+
+    def attend(query: torch.Tensor, key_shards: list[torch.Tensor], value_shards: list[torch.Tensor]) -> torch.Tensor:
+        key, value = gather_sequence(key_shards, dim, device), gather_sequence(value_shards, dim, device)
+        if positions is None:
+            return F.scaled_dot_product_attention(query, key, value, **kwargs)
+        return causal_attention(query, key, value, positions, **kwargs)
+
+    if not torch.is_grad_enabled():
+        return attend(query, list(key_shards), list(value_shards))
+    return torch.utils.checkpoint.checkpoint(
+        attend, query, list(key_shards), list(value_shards), use_reentrant=False, preserve_rng_state=True
+    )
+
+
+__all__ = ["attention_regathered", "causal_attention", "gather_sequence", "sequence_split", "sequence_whole"]

@@ -196,6 +196,11 @@ def test_context_parallel_explain_names_the_exchange_and_activations():
     assert any("ring" in other for other in cp["not_chosen"])
     assert set(cp["activation_bytes"]) == set(report.devices) and all(b > 0 for b in cp["activation_bytes"].values())
     assert "Context parallel: 'cp' of size 2 splits the sequence (dim 1); exchange: all-gather keys/values" in str(report)
+    exchanges = {c.name: c for c in report.collectives if c.kind == "all_gather"}
+    assert set(exchanges) == {"scaled_dot_product_attention_keys", "scaled_dot_product_attention_values"}
+    keys = exchanges["scaled_dot_product_attention_keys"]
+    assert keys.elements == 2 * 2 * 8 * 8  # (batch, heads, seq, head dim): the gathered keys, counted once
+    assert (keys.forward, keys.backward) == (128, 256)  # backward gathers again and reduce-scatters the gradients
 
 
 def test_context_parallel_cached_rotary_table_gives_each_device_its_rows():

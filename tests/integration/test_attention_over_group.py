@@ -1,4 +1,4 @@
-"""``runtime.attention_over_group`` over a 2-process gloo group: each rank's queries, keys and values
+"""``runtime.distributed.attention_over_group`` over a 2-process gloo group: each rank's queries, keys and values
 are its shard of the sequence (uneven: 4 and 3 of 7); its rows of the output and the gradients of its
 shards equal whole-sequence attention's (float64), causal and with a mask of its query rows."""
 
@@ -22,7 +22,7 @@ def check_attention(case: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from dpcompile.runtime.sequence_group import attention_over_group
+    from dpcompile.runtime.distributed import attention_over_group
 
     rank, causal = dist.get_rank(), case == "causal"
     g = torch.Generator().manual_seed(0)  # the same whole tensors on every rank

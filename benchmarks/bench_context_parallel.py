@@ -10,7 +10,8 @@ measured in the same run.
 - data parallel splits the batch, so a global batch smaller than the devices leaves some idle (a
   batch of 1 runs whole on one device); context parallel splits the sequence, whatever the batch.
   At a batch of at least the device count both hold the same number of tokens per device, and
-  context parallel adds the all-gathered keys and values: compare with ``--batch 4``.
+  context parallel adds each attention's gathered keys and values while it runs (forward, and
+  again in backward): compare with ``--batch 4``.
 """
 
 from __future__ import annotations

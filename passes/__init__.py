@@ -1,7 +1,7 @@
 """The graph passes of dpcompile and every pipeline that orders them, on one screen.
 
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
-                                         ├─► insert_sequence_exchange ─► insert_scatter_gather (context parallel)
+                                         ├─► insert_sequence_exchange ─► insert_scatter_gather ─► regather_keys_values (context parallel)
                                          ├─► shard_linear ─► [shard_sequence ─►] expand_shards (tensor, sequence parallel)
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
@@ -38,6 +38,7 @@ from passes.flatten_parameters import find_flatten_sites, hoist_flatten_paramete
 from passes.functionalize import find_mutations, functionalize_mutations
 from passes.name_dp_copies import find_piece_names, name_dp_copies
 from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
+from passes.regather_keys_values import find_regather_sites, regather_keys_values
 from passes.sequence_parallel import find_sequence_region, shard_sequence
 from passes.shard_linear import find_linear_sites, shard_linear
 from passes.split_stages import StagePlan, find_stage_boundaries, split_stages
@@ -74,7 +75,8 @@ def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
 
 
 def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
-    """Lower a tidied graph to explicit per-device data-parallel code."""
+    """Lower a tidied graph to explicit per-device data-parallel code (context parallel: attention
+    then gathers its keys and values again in backward, ``regather_keys_values``)."""
     return [
         functools.partial(
             insert_scatter_gather,
@@ -83,6 +85,7 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
             output_device=options.output_device,
             copy_replicas=options.copy_replicas,
         ),
+        *([regather_keys_values] if options.context_parallel else []),
         *exact_random_pipeline(options),
     ]
 
@@ -193,6 +196,8 @@ __all__ = [
     "find_mutations",
     "insert_scatter_gather",
     "insert_sequence_exchange",
+    "regather_keys_values",
+    "find_regather_sites",
     "find_sequence_attention",
     "lower_to_collectives",
     "find_collective_sites",

@@ -82,6 +82,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     collectives: list[CollectiveInfo] = []
     activation = dict.fromkeys(labels, 0)
     flops = dict.fromkeys(labels, 0)
+    regathered: set[tuple[str, ...]] = set()  # the shard lists of keys and values already counted
     for node in gm.graph.nodes:
         slot = slot_of(node)
         comm = node.meta.get("dpcompile_comm")
@@ -127,6 +128,8 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
             flops[device if device in flops else labels[0]] += info.flops
         if comm is not None:
             collectives.append(_collective(node, comm, recorder, n_active))
+        elif node.op == "call_function" and node.target is runtime.attention_regathered:
+            collectives.extend(_regathered(node, recorder, n_active, regathered))
 
     ddp = _ddp_collective(pm)
     if ddp is not None:
@@ -231,7 +234,8 @@ def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str
     size = (getattr(pm, "layout", None) or {}).get("cp", 1)
     if size < 2:
         return None
-    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is runtime.gather_sequence]
+    exchanges = (runtime.gather_sequence, runtime.attention_regathered)
+    gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in exchanges]
     attention = sorted({str(n.meta.get("dpcompile_source", n.name)) for n in gathers})  # the user's attention calls
     return {
         "dimension": "cp", "size": size, "sequence_dim": getattr(pm.recipe, "batch_dim", 1),
@@ -365,6 +369,27 @@ def _collective(node: fx.Node, comm: Any, recorder: Recorder | None, n: int) -> 
         backward=bwd,
         source=user_source(node),
     )
+
+
+def _regathered(node: fx.Node, recorder: Recorder | None, n: int, seen: set[tuple[str, ...]]) -> list[CollectiveInfo]:
+    """Context parallel's keys and values, all-gathered inside each device's attention call
+    (``regather_keys_values``): one all-gather each, forward, and in backward a second all-gather
+    and the gradients' reduce-scatter. A row per shard list, counted once over the devices."""
+    rows = []
+    for shards, kind in ((node.args[1], "keys"), (node.args[2], "values")):
+        names = tuple(str(s) for s in shards)
+        if names in seen:
+            continue
+        seen.add(names)
+        summaries = [recorder.summaries.get(name) if recorder else None for name in names]
+        size = sum(math.prod(s[0][0]) for s in summaries) if all(s and s[0] for s in summaries) else None
+        forward = ring_elements("all_gather", size, n) if size is not None else None
+        backward = 2 * forward if forward is not None else None  # all-gather and reduce-scatter alike
+        source = node.meta.get("dpcompile_source", node.name)
+        rows.append(CollectiveInfo(name=f"{source}_{kind}", kind="all_gather", backward_kind="all_gather, reduce_scatter",
+                                   io=False, elements=size, forward=forward, backward=backward,
+                                   source=user_source(node)))  # fmt: skip
+    return rows
 
 
 def _ddp_collective(pm: nn.Module) -> CollectiveInfo | None:

@@ -39,7 +39,13 @@ from dpcompile.runtime.recompute import checkpoint, keep_outputs
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
-from dpcompile.runtime.sequence import causal_attention, gather_sequence, sequence_split, sequence_whole
+from dpcompile.runtime.sequence import (
+    attention_regathered,
+    causal_attention,
+    gather_sequence,
+    sequence_split,
+    sequence_whole,
+)
 from dpcompile.runtime.side_effects import (
     apply_function,
     assign_buffer,
@@ -71,6 +77,7 @@ __all__ = [
     "ReplicaSet",
     "TAKE_FIRST",
     "apply_function",
+    "attention_regathered",
     "assign_buffer",
     "attributes_written",
     "batch_arange",

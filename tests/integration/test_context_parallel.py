@@ -121,7 +121,7 @@ def test_context_parallel_transformers_equal_eager(name, n):
     model = _transformers_model(name).double()
     eager = copy.deepcopy(model)
     pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=_inputs(name, 12), frontend="export")
-    assert "dpcompile_runtime_gather_sequence" in pm.code
+    assert "dpcompile_runtime_attention_regathered" in pm.code  # keys and values gathered, again in backward
     for seq in (12, 13):
         _assert_step_equals_eager(pm, model, eager, _inputs(name, seq, seed=seq))
 
@@ -134,8 +134,9 @@ def test_context_parallel_causal_attention_sees_earlier_shards():
     eager = copy.deepcopy(model)
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     pm = dpcompile.transform(model, ["cpu"] * 3, mesh={"cp": 3}, example_inputs=(x,))
-    assert pm.code.count("dpcompile_runtime_gather_sequence") == 2  # keys and values
-    assert "dpcompile_runtime_causal_attention" in pm.code
+    # each device gathers keys and values inside its causal attention call (again in backward)
+    assert pm.code.count("dpcompile_runtime_attention_regathered") == 3
+    assert "dpcompile_runtime_gather_sequence" not in pm.code
     assert "dpcompile_runtime_batch_arange" in pm.code  # each shard's own query positions
     got, want = pm(x), eager(x)
     torch.testing.assert_close(got, want)
@@ -155,7 +156,8 @@ def test_context_parallel_padding_mask_is_gathered_along_keys():
     keep = torch.ones(2, 7, dtype=torch.bool)
     keep[0, 1:3] = False  # padding on the first device's tokens, read by the second's queries
     pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x, keep))
-    assert pm.code.count("dpcompile_runtime_gather_sequence") == 3  # keys, values, the mask
+    assert pm.code.count("dpcompile_runtime_gather_sequence") == 1  # the mask; keys and values inside attention
+    assert pm.code.count("dpcompile_runtime_attention_regathered") == 2
     got, want = pm(x, keep), eager(x, keep)
     torch.testing.assert_close(got, want)
     got.square().sum().backward()
@@ -194,6 +196,11 @@ def test_context_parallel_explain_names_the_exchange_and_activations():
     assert any("ring" in other for other in cp["not_chosen"])
     assert set(cp["activation_bytes"]) == set(report.devices) and all(b > 0 for b in cp["activation_bytes"].values())
     assert "Context parallel: 'cp' of size 2 splits the sequence (dim 1); exchange: all-gather keys/values" in str(report)
+    exchanges = {c.name: c for c in report.collectives if c.kind == "all_gather"}
+    assert set(exchanges) == {"scaled_dot_product_attention_keys", "scaled_dot_product_attention_values"}
+    keys = exchanges["scaled_dot_product_attention_keys"]
+    assert keys.elements == 2 * 2 * 8 * 8  # (batch, heads, seq, head dim): the gathered keys, counted once
+    assert (keys.forward, keys.backward) == (128, 256)  # backward gathers again and reduce-scatters the gradients
 
 
 def test_context_parallel_cached_rotary_table_gives_each_device_its_rows():

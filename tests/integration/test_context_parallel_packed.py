@@ -45,7 +45,7 @@ def test_context_parallel_block_diagonal_mask_equals_eager():
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 2]])
     pm = dpcompile.transform(model, ["cpu"] * 3, mesh={"cp": 3}, example_inputs=(x, doc))
-    assert pm.code.count("dpcompile_runtime_gather_sequence") == 2  # keys and values
+    assert pm.code.count("dpcompile_runtime_attention_regathered") == 3  # keys and values gathered by each device
     got, want = pm(x, doc), eager(x, doc)
     torch.testing.assert_close(got, want)
     got.square().sum().backward()

@@ -25,7 +25,7 @@ from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, f
 from dpcompile.analysis.model_profile import profile_model
 from dpcompile.errors import DpCompileError
 
-__all__ = ["UNBUILT", "Candidate", "Planned", "enumerate_layouts", "plan_layouts"]
+__all__ = ["UNBUILT", "Candidate", "Planned", "enumerate_layouts", "plan_layouts", "plan_mesh_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
 UNBUILT = "predicted to fit, but could not be built: "
@@ -164,3 +164,20 @@ def plan_layouts(
                                       f"on {d} > {format_bytes(budgets[d])}")  # fmt: skip
         candidates.append(candidate)
     return Planned(candidates, calibration, dict(budgets))
+
+
+def plan_mesh_layouts(
+    model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
+    example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None,
+) -> Planned:  # fmt: skip
+    """The layouts built over a ``DeviceMesh`` of ``len(labels)`` processes (those of
+    :func:`enumerate_layouts`, without activation checkpointing, which a mesh does not build yet),
+    predicted and judged as :func:`plan_layouts` does them."""
+    profile_batch = None
+    for x in [*(example_inputs or ()), *(example_kwargs or {}).values()]:
+        if isinstance(x, torch.Tensor) and x.dim():
+            profile_batch = int(x.shape[0])
+            break
+    specs = enumerate_layouts(len(labels), batch=profile_batch, blocks=False)
+    return plan_layouts(model, labels, budgets, optimizer=optimizer, training=training, example_inputs=example_inputs,
+                        example_kwargs=example_kwargs, device=torch.device("cpu"), specs=specs)  # fmt: skip

@@ -33,6 +33,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.thirdparty import define_torchvision_ops  # noqa: E402
+
+define_torchvision_ops()  # transformers imports torchvision, which needs its ops defined
 warnings.simplefilter("ignore")
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_rank.json"
@@ -113,8 +116,9 @@ def _loss_of(out: Any) -> torch.Tensor | None:
 
 
 def _program(model: nn.Module, args: tuple, kwargs: dict, keywords: dict, world: int) -> tuple[Any, Any]:
-    import dpcompile
     from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
 
     role = "pp" if keywords.get("pipeline") else "tp" if keywords.get("tensor_parallel") else "dp"
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(role,))
@@ -260,6 +264,10 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return cov / var if var else None
 
 
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, default=2)
@@ -267,10 +275,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", default="")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--cached-calibration", action="store_true", help="plan with the cached calibration")
     ns = parser.parse_args()
     names = [n for n in MODELS if not ns.only or n in ns.only.split(",")]
     previous = json.loads(RESULTS.read_text()) if ns.only and RESULTS.exists() else {}
     rows_by_model: dict[str, Any] = dict(previous.get("models", {}))
+    if not ns.cached_calibration:  # measured now, the machine's load as it is for this run; planning reads it back
+        from dpcompile.analysis.calibration import calibrate_mesh
+
+        os.environ["DPCOMPILE_CALIBRATION"] = "fresh"
+        calibrate_mesh(ns.world)
+        del os.environ["DPCOMPILE_CALIBRATION"]
     calibration = None
     for name in names:
         fitting, calibration, planning_s = plan(name, ns.world)
@@ -286,7 +301,8 @@ def main() -> None:
         done = [r for r in rows if r["measured_s"] is not None]
         rho = spearman([r["predicted_s"] for r in done], [r["measured_s"] for r in done])
         rows_by_model[name] = {"rho": rho, "rows": rows, "planning_s": planning_s, "fatal": report.get("fatal"),
-                               "measure_wall_s": time.perf_counter() - t0}  # fmt: skip
+                               "measure_wall_s": time.perf_counter() - t0, "calibration": calibration.__dict__,
+                               "uptime_after": _uptime()}  # fmt: skip
         print(f"{name}: rho={rho} ({len(done)}/{len(rows)} measured, {time.perf_counter() - t0:.0f} s)", flush=True)
         for r in rows:
             measured = f"{r['measured_s'] * 1e3:8.2f}" if r["measured_s"] else "       -"
@@ -310,7 +326,7 @@ def main() -> None:
     RESULTS.write_text(json.dumps({
         "command": "PYTHONPATH=. nice -n 5 python benchmarks/bench_planner_rank.py " + " ".join(sys.argv[1:]),
         "world": ns.world, "repeats": ns.repeats, "steps": ns.steps, "cores": os.cpu_count(),
-        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+        "uptime": _uptime(),
         "calibration": None if calibration is None else calibration.__dict__,
         "summary": summary, "models": rows_by_model,
     }, indent=1, default=str))  # fmt: skip

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpcompile.analysis.calibration import Calibration, calibrate
+from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
 from dpcompile.analysis.layout_costs import LayoutSpec, predict
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import profile_model
@@ -139,12 +139,13 @@ def enumerate_layouts(n: int, *, batch: int | None, blocks: bool) -> list[Layout
 def plan_layouts(
     model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
     example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None, device: torch.device,
-    specs: Sequence[LayoutSpec] | None = None,
+    specs: Sequence[LayoutSpec] | None = None, calibration: Calibration | None = None,
 ) -> Planned:  # fmt: skip
     """Every layout of :func:`enumerate_layouts` (or ``specs``: the layout the user named, its
-    devices ``labels`` in canonical order pp, dp, tp) predicted and judged against ``budgets``."""
+    devices ``labels`` in canonical order pp, dp, tp) predicted and judged against ``budgets``, with
+    ``calibration``'s constants (default: ``device``'s)."""
     profile = profile_model(model, tuple(example_inputs or ()), example_kwargs, optimizer=optimizer, training=training)
-    calibration = calibrate(device)
+    calibration = calibration or calibrate(device)
     candidates = []
     if specs is None:
         specs = enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks))
@@ -170,9 +171,10 @@ def plan_mesh_layouts(
     model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
     example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None,
 ) -> Planned:  # fmt: skip
-    """The layouts built over a ``DeviceMesh`` of ``len(labels)`` processes (those of
-    :func:`enumerate_layouts`, without activation checkpointing, which a mesh does not build yet),
-    predicted and judged as :func:`plan_layouts` does them."""
+    """The layouts built over a ``DeviceMesh`` of ``len(labels)`` gloo processes on this machine (those
+    of :func:`enumerate_layouts`, without activation checkpointing, which a mesh does not build yet),
+    predicted with the mesh's calibration (:func:`~dpcompile.analysis.calibration.calibrate_mesh`)
+    and judged as :func:`plan_layouts` does them."""
     profile_batch = None
     for x in [*(example_inputs or ()), *(example_kwargs or {}).values()]:
         if isinstance(x, torch.Tensor) and x.dim():
@@ -180,4 +182,5 @@ def plan_mesh_layouts(
             break
     specs = enumerate_layouts(len(labels), batch=profile_batch, blocks=False)
     return plan_layouts(model, labels, budgets, optimizer=optimizer, training=training, example_inputs=example_inputs,
-                        example_kwargs=example_kwargs, device=torch.device("cpu"), specs=specs)  # fmt: skip
+                        example_kwargs=example_kwargs, device=torch.device("cpu"), specs=specs,
+                        calibration=calibrate_mesh(len(labels)))  # fmt: skip

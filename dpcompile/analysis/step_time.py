@@ -1,0 +1,115 @@
+"""A layout's predicted step time, from a :class:`~dpcompile.analysis.model_profile.ModelProfile`
+cut into pipeline stages and the calibrated constants (:mod:`dpcompile.analysis.calibration`).
+
+In one process (``calibration.ranks == 1``): the busiest device's FLOPs (3x forward for a training
+step, plus forward again for recomputed blocks; a pipeline's ``(M + S - 1) / M`` for its bubble) at
+the matmul FLOP/s, plus the bytes sent (data parallel: parameters replicated and gradients reduced;
+tensor parallel: an all-reduce of each row layer's output; a pipeline: each boundary's values) at the
+copy bytes/s, with no overlap.
+
+Over a mesh of gloo processes (``calibration.ranks > 1``), each rank's step is what it computes, what
+it dispatches and what it waits for, with no overlap:
+
+- compute: its FLOPs (its share of the batch, ``1/tp`` of each layer) at one rank's FLOP/s, times
+  ``ranks / cores`` where more ranks than cores share them (their compute then runs in turns);
+- dispatch: every forward op of its units once per micro-batch at ``op_seconds`` (its backward's
+  included): tensor parallelism does not divide it, micro-batches multiply it;
+- collectives, each a gloo latency plus its ring bytes at the all-reduce bytes/s: data parallel, one
+  all-reduce of the gradients (a call per 25 MiB bucket); tensor parallel, an all-reduce per pair of
+  sharded layers (two distinct inputs: q, k, v read one), micro-batch and direction (forward of the
+  row layer, backward of the column one); data or tensor parallel alone, one all-gather checking that
+  the ranks call alike; a pipeline stage, one transfer per boundary it
+  sits at, micro-batch and direction (its values forward, their gradients backward);
+- a pipeline runs ``M + S - 1`` slots of its slowest stage's per-micro-batch time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dpcompile.analysis.calibration import Calibration
+from dpcompile.analysis.model_profile import ModelProfile, Unit
+
+__all__ = ["step_seconds"]
+
+#: the bytes of one element the cost model moves (float32)
+ELEMENT_BYTES = 4
+#: DistributedDataParallel's gradient bucket
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def batch_fraction(batch: int | None, d: int) -> float:
+    """The share of the batch the busiest of ``d`` data-parallel devices runs."""
+    if d <= 1:
+        return 1.0
+    return -(-batch // d) / batch if batch else 1.0 / d
+
+
+def _work_flops(units: Sequence[Unit], training: bool, checkpointing: bool) -> float:
+    flops = sum(u.flops for u in units)
+    if not training:
+        return flops
+    return 3 * flops + (sum(u.flops for u in units if u.block) if checkpointing else 0)
+
+
+def _layer_outputs(units: Sequence[Unit]) -> int:
+    return sum(w.output_elements for u in units for w in u.shardable)
+
+
+def step_seconds(
+    profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], micro_batches: int,
+    checkpointing: bool, calibration: Calibration,
+) -> float:  # fmt: skip
+    """The predicted seconds of one step (see the module's docstring)."""
+    if calibration.ranks > 1:
+        return _mesh_seconds(profile, layout, stages, micro_batches, checkpointing, calibration)
+    d, t, s_count, m = layout.get("dp", 1), layout.get("tp", 1), len(stages), micro_batches
+    training = profile.training
+    busiest, sent = 0.0, 0.0
+    for s, units in enumerate(stages):
+        work = _work_flops(units, training, checkpointing)
+        busiest = max(busiest, work / t * batch_fraction(profile.batch, d))
+        if t > 1:
+            sent += 0.5 * _layer_outputs(units) * ELEMENT_BYTES * 2 * (t - 1) / t * (2 if training else 1)
+        if s > 0:
+            sent += units[0].input_bytes * (2 if training else 1)
+    if d > 1:
+        sent += (d - 1) / d * profile.total("param_bytes") * (3 if training else 1)  # replicate, all-reduce gradients
+    bubble = (m + s_count - 1) / m if s_count > 1 else 1.0
+    return busiest * bubble / calibration.flops_per_s + sent / calibration.copy_bytes_per_s
+
+
+def _mesh_seconds(
+    profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], m: int, checkpointing: bool,
+    c: Calibration,
+) -> float:  # fmt: skip
+    d, t, s_count = layout.get("dp", 1), layout.get("tp", 1), len(stages)
+    training = profile.training
+    turns = max(1.0, c.ranks / c.cores) if c.cores else 1.0
+    bandwidth = c.collective_bytes_per_s or c.copy_bytes_per_s
+    directions = 2 if training else 1
+
+    def collective(ring_bytes: float, calls: float) -> float:
+        return calls * c.collective_latency_s + ring_bytes / bandwidth
+
+    slot = 0.0  # the slowest stage's seconds per micro-batch
+    for s, units in enumerate(stages):
+        flops = _work_flops(units, training, checkpointing) / t * batch_fraction(profile.batch, d)
+        ops = sum(u.ops for u in units) * (1.5 if checkpointing and training else 1.0)
+        seconds = flops / m / c.flops_per_s * turns + ops * c.op_seconds
+        if t > 1:  # Megatron pairs: a column layer's input and the row layer after it, one all-reduce each way
+            pairs = sum(u.linear_inputs for u in units) / 2
+            ring = 0.5 * _layer_outputs(units) * ELEMENT_BYTES * 2 * (t - 1) / t * directions / m
+            seconds += collective(ring, pairs * directions)
+        if s_count > 1:  # per boundary it sits at: forward its values, backward their gradients
+            sides = [stages[k][0].input_bytes for k in (s, s + 1) if 0 < k < s_count]
+            moved = sum(sides) * batch_fraction(profile.batch, d) / m
+            seconds += collective(moved * directions, len(sides) * directions)
+        slot = max(slot, seconds)
+    total = slot * (m + s_count - 1)
+    if s_count == 1 and (d > 1 or t > 1):
+        total += c.collective_latency_s  # the check that every rank calls forward alike: one all-gather
+    if d > 1:
+        grads = max(sum(u.grad_bytes for u in units) for units in stages) / t
+        total += collective(2 * (d - 1) / d * grads, 1 + grads // DDP_BUCKET_BYTES)
+    return total

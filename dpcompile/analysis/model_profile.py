@@ -42,6 +42,7 @@ class Unit:
     input_bytes: int = 0
     flops: int = 0
     ops: int = 0  # aten ops its forward dispatches (what a step's fixed per-op cost multiplies)
+    op_bytes: int = 0  # bytes those ops write (what memory-bound ops take time over)
     linear_inputs: int = 0  # distinct inputs its shardable layers read (q, k, v: one)
     shardable: list[ShardableWeight] = field(default_factory=list)
 
@@ -166,7 +167,7 @@ def _profile(
     counted: set[Any] = set()
     identity = {id(t): name for name, t in [*named.items(), *model.named_parameters(), *model.named_buffers()]}
     counter = FlopCounterMode(display=False)
-    flops_at = {"start": 0, "ops": 0}
+    flops_at = {"start": 0, "ops": 0, "op_bytes": 0}
 
     def count_params(module: nn.Module, unit: str, recurse: bool) -> None:
         for p in module.parameters(recurse=recurse):
@@ -263,11 +264,13 @@ def _close(unit: Unit, counter: Any, flops_at: dict[str, int]) -> None:
     unit.flops += total - flops_at["start"]
     flops_at["start"] = total
     unit.ops += flops_at["ops"]
-    flops_at["ops"] = 0
+    unit.op_bytes += flops_at["op_bytes"]
+    flops_at["ops"] = flops_at["op_bytes"] = 0
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched into ``counts["ops"]``."""
+    """Counts the aten ops dispatched into ``counts["ops"]`` and the bytes of the tensors they return
+    into ``counts["op_bytes"]`` (a view returns none of its own)."""
 
     def __init__(self, counts: dict[str, int]) -> None:
         super().__init__()
@@ -275,7 +278,11 @@ class _OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         self.counts["ops"] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.counts["op_bytes"] += sum(t.numel() * t.element_size() for t in tree_leaves(out)
+                                           if isinstance(t, torch.Tensor))  # fmt: skip
+        return out
 
 
 def _returns_loss(out: Any) -> bool:

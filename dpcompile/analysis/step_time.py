@@ -10,8 +10,9 @@ copy bytes/s, with no overlap.
 Over a mesh of gloo processes (``calibration.ranks > 1``), each rank's step is what it computes, what
 it dispatches and what it waits for, with no overlap:
 
-- compute: its FLOPs (its share of the batch, ``1/tp`` of each layer) at one rank's FLOP/s, times
-  ``ranks / cores`` where more ranks than cores share them (their compute then runs in turns);
+- compute: its FLOPs (its share of the batch, ``1/tp`` of each layer) at one rank's FLOP/s and the
+  bytes its ops write (3x forward's for a training step) at the copy bytes/s, times ``ranks / cores``
+  where more ranks than cores share them (their compute then runs in turns);
 - dispatch: every forward op of its units once per micro-batch at ``op_seconds`` (its backward's
   included): tensor parallelism does not divide it, micro-batches multiply it;
 - collectives, each a gloo latency plus its ring bytes at the all-reduce bytes/s: data parallel, one
@@ -95,8 +96,10 @@ def _mesh_seconds(
     slot = 0.0  # the slowest stage's seconds per micro-batch
     for s, units in enumerate(stages):
         flops = _work_flops(units, training, checkpointing) / t * batch_fraction(profile.batch, d)
-        ops = sum(u.ops for u in units) * (1.5 if checkpointing and training else 1.0)
-        seconds = flops / m / c.flops_per_s * turns + ops * c.op_seconds
+        again = 1.5 if checkpointing and training else 1.0  # the blocks' forward once more
+        ops = sum(u.ops for u in units) * again
+        written = sum(u.op_bytes for u in units) * again * (3 if training else 1) / t * batch_fraction(profile.batch, d)
+        seconds = (flops / c.flops_per_s + written / c.copy_bytes_per_s) / m * turns + ops * c.op_seconds
         if t > 1:  # Megatron pairs: a column layer's input and the row layer after it, one all-reduce each way
             pairs = sum(u.linear_inputs for u in units) / 2
             ring = 0.5 * _layer_outputs(units) * ELEMENT_BYTES * 2 * (t - 1) / t * directions / m

@@ -22,7 +22,9 @@ def measured(monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "_matmul_flops_per_s", lambda device: 1e9)
     monkeypatch.setattr(calibration, "_copy_bytes_per_s", lambda device: 2e9)
     monkeypatch.setattr(calibration, "_rank_flops_per_s", lambda: 1e9)
+    monkeypatch.setattr(calibration, "_rank_copy_bytes_per_s", lambda: 2e9)
     monkeypatch.setattr(calibration, "_op_seconds", lambda: 1e-5)
+    monkeypatch.setattr(calibration, "_concurrency", lambda workers: 1.5)
     monkeypatch.setattr(calibration, "_gloo_all_reduce", lambda ranks: runs.append(ranks) or (1e-4, 5e8))
     monkeypatch.setattr(calibration, "available_cores", lambda: 2)
     monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
@@ -42,7 +44,7 @@ def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
 def test_mesh_calibration_is_measured_once_then_read_from_its_cache(measured, tmp_path):
     first = calibration.calibrate_mesh(2)
     expected = Calibration(1e9, 2e9, "cpu", "measured", ranks=2, cores=2, op_seconds=1e-5, collective_latency_s=1e-4,
-                           collective_bytes_per_s=5e8)  # fmt: skip
+                           collective_bytes_per_s=5e8, concurrency=1.5)  # fmt: skip
     assert first == expected and measured == [2]
     path = calibration.cache_path("gloo2")
     assert path.parent == tmp_path and json.loads(path.read_text())["version"] == calibration.CACHE_VERSION
@@ -99,6 +101,9 @@ def test_mesh_step_time_of_data_parallel():
     # half the batch's 3 x 2e9 FLOPs at 1e9 FLOP/s, 20 ops at 1 ms, one all-reduce of 512 gradient bytes, and
     # the all-gather checking that the ranks call alike
     assert step_seconds(p, {"dp": 2}, [p.units], 1, False, MESH) == pytest.approx(3.0 + 0.02 + 0.01 + 512 / 1e6 + 0.01)
+    for u in p.units:
+        u.op_bytes = 10**6  # memory-bound ops: half the batch's 3 x 2e6 bytes written at the copy's 1e9 bytes/s
+    assert step_seconds(p, {"dp": 2}, [p.units], 1, False, MESH) == pytest.approx(3.003 + 0.02 + 0.01 + 512 / 1e6 + 0.01)
 
 
 def test_mesh_step_time_of_tensor_parallel_and_oversubscription():
@@ -108,8 +113,10 @@ def test_mesh_step_time_of_tensor_parallel_and_oversubscription():
     # the all-gather checking the inputs
     expected = 3.0 + 0.02 + 2 * 0.01 + 8000 / 1e6 + 0.01
     assert step_seconds(p, {"tp": 2}, [p.units], 1, False, MESH) == pytest.approx(expected)
-    crowded = Calibration(**{**MESH.__dict__, "cores": 1})  # two ranks on one core: their compute takes turns
-    assert step_seconds(p, {"tp": 2}, [p.units], 1, False, crowded) == pytest.approx(expected + 3.0)
+    # the CPUs run one rank at a time (one core, or busy): both ranks' computing and dispatching in turns, then
+    # one rank's collectives and the check
+    crowded = Calibration(**{**MESH.__dict__, "concurrency": 1.0})
+    assert step_seconds(p, {"tp": 2}, [p.units], 1, False, crowded) == pytest.approx(2 * 3.02 + 0.028 + 0.01)
 
 
 def test_mesh_step_time_of_a_pipeline_counts_slots_and_per_micro_batch_dispatch():
@@ -119,3 +126,6 @@ def test_mesh_step_time_of_a_pipeline_counts_slots_and_per_micro_batch_dispatch(
     # (the second stage's input, 4000 bytes over 4 micro-batches); 4 + 2 - 1 slots of the slowest stage
     slot = 0.75 + 10 * 1e-3 + 2 * 1e-2 + 2 * 1000 / 1e6
     assert step_seconds(p, {"pp": 2}, stages, 4, False, MESH) == pytest.approx(5 * slot)
+    # one rank at a time: no bubble to hide in, both stages' 4 micro-batches of work in turns, one stage's transfers
+    crowded = Calibration(**{**MESH.__dict__, "concurrency": 1.0})
+    assert step_seconds(p, {"pp": 2}, stages, 4, False, crowded) == pytest.approx(2 * 4 * 0.76 + 4 * 0.022)

@@ -43,7 +43,9 @@ class Calibration:
     Over a mesh (``ranks`` > 1, :func:`calibrate_mesh`): ``flops_per_s`` is one rank's (one
     thread), ``op_seconds`` the dispatch each forward op of a training step costs (its backward's
     included), ``collective_latency_s`` and ``collective_bytes_per_s`` a gloo all-reduce's fixed
-    cost and the bytes each rank sends per second, ``cores`` the CPU cores the ranks share."""
+    cost and the bytes each rank sends per second, ``cores`` the CPU cores the ranks share and
+    ``concurrency`` how many ranks they run at once (measured: less than ``min(ranks, cores)`` where
+    other work holds the cores)."""
 
     flops_per_s: float
     copy_bytes_per_s: float
@@ -54,6 +56,7 @@ class Calibration:
     op_seconds: float = 0.0
     collective_latency_s: float = 0.0
     collective_bytes_per_s: float = 0.0
+    concurrency: float = 0.0  # how many of the ranks the CPUs run at once (0: as many as the cores allow)
 
 
 #: what ``DPCOMPILE_CALIBRATION=off`` uses: round figures of one CPU core (50 GFLOP/s, 5 GB/s)
@@ -64,7 +67,7 @@ def reference_mesh(ranks: int) -> Calibration:
     """What ``DPCOMPILE_CALIBRATION=off`` uses over a mesh of ``ranks`` processes: :data:`REFERENCE`
     with round gloo figures (20 us a forward op, 100 us and 1 GB/s an all-reduce), one core a rank."""
     return replace(REFERENCE, ranks=ranks, cores=ranks, op_seconds=2e-5, collective_latency_s=1e-4,
-                   collective_bytes_per_s=1e9)  # fmt: skip
+                   collective_bytes_per_s=1e9, concurrency=float(ranks))  # fmt: skip
 
 
 def cache_path(device_type: str) -> Path:
@@ -140,10 +143,10 @@ def calibrate_mesh(ranks: int) -> Calibration:
     found = _read_cache(path, cores=cores)
     if found is None:
         with _threads(1):  # a rank's compute: torchrun gives each process one thread
-            flops, ops = _rank_flops_per_s(), _op_seconds()
+            flops, ops, copy = _rank_flops_per_s(), _op_seconds(), _rank_copy_bytes_per_s()
+            at_once = _concurrency(min(ranks, cores))
         latency, bandwidth = _gloo_all_reduce(ranks)
-        found = Calibration(flops, _copy_bytes_per_s(torch.device("cpu")), "cpu", "measured", ranks, cores, ops,
-                            latency, bandwidth)  # fmt: skip
+        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once)
         _write_cache(path, found)
     return _agree(found, ranks) if grouped else found
 
@@ -156,7 +159,8 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-_NUMBERS = ("flops_per_s", "copy_bytes_per_s", "cores", "op_seconds", "collective_latency_s", "collective_bytes_per_s")
+_NUMBERS = ("flops_per_s", "copy_bytes_per_s", "cores", "op_seconds", "collective_latency_s", "collective_bytes_per_s",
+            "concurrency")  # fmt: skip
 
 
 def _agree(mine: Calibration | None, ranks: int) -> Calibration:
@@ -194,16 +198,18 @@ def _best_seconds(run, repeats: int = 5) -> float:  # noqa: ANN001 - a thunk
     return max(best, 1e-9)
 
 
-def _median_seconds(run, repeats: int = 7) -> float:  # noqa: ANN001 - a thunk
-    """The median of ``repeats`` runs: the machine as it is now, its load included (what a step
-    over a mesh of processes meets), where :func:`_best_seconds` is the machine at its best."""
+def _mean_seconds(run, window: float = 0.1) -> float:  # noqa: ANN001 - a thunk
+    """Seconds per run, over as many runs as fill ``window`` seconds: the machine as it is now, its
+    load included (a step over a mesh pays every wait for the CPU), where :func:`_best_seconds` is
+    the machine at its best."""
     run()  # warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    count, start = 0, time.perf_counter()
+    while True:
         run()
-        times.append(time.perf_counter() - start)
-    return max(sorted(times)[len(times) // 2], 1e-9)
+        count += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= window:
+            return max(elapsed / count, 1e-9)
 
 
 def _synchronize_all() -> None:
@@ -228,14 +234,41 @@ def _copy_bytes_per_s(device: torch.device) -> float:
 
 
 def _rank_flops_per_s(n: int = 256) -> float:
-    """One rank's float32 matmul FLOP/s (the median of a few ``n x n`` products, load included)."""
+    """One rank's float32 matmul FLOP/s (``n x n`` products, load included)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _median_seconds(lambda: a @ b)
+    return 2 * n**3 / _mean_seconds(lambda: a @ b)
+
+
+def _concurrency(workers: int, n: int = 256, window: float = 0.1) -> float:
+    """How many of ``workers`` threads computing at once the CPUs run side by side: their matmuls'
+    throughput over one thread's (between 1 and ``workers``; one thread each, load included)."""
+    if workers <= 1:
+        return 1.0
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    alone = _mean_seconds(lambda: a @ b, window)
+    done = [0] * workers
+    stop = time.perf_counter() + window
+
+    def work(rank: int) -> None:
+        while time.perf_counter() < stop:
+            a @ b  # noqa: B018 - the matmul is the work (it releases the GIL)
+            done[rank] += 1
+
+    start = time.perf_counter()
+    _on_threads(work, workers)
+    together = (time.perf_counter() - start) / max(sum(done), 1)
+    return min(max(alone / together, 1.0), float(workers))
+
+
+def _rank_copy_bytes_per_s() -> float:
+    """The bytes/s one rank's memory-bound op writes (a 4 MiB copy, load included)."""
+    x = torch.randn(2**20)
+    return x.numel() * x.element_size() / _mean_seconds(lambda: x.clone())
 
 
 def _op_seconds(ops: int = 64) -> float:
     """Seconds per forward op of a training step on tensors too small to compute anything: ``ops``
-    pointwise ops forward, then their backward (the median of a few steps, load included)."""
+    pointwise ops forward, then their backward (load included)."""
     x = torch.ones(4, 4, requires_grad=True)
 
     def step() -> None:
@@ -244,13 +277,13 @@ def _op_seconds(ops: int = 64) -> float:
             h = h * 1.5
         h.sum().backward()
 
-    return _median_seconds(step) / (ops + 1)
+    return _mean_seconds(step) / (ops + 1)
 
 
 def _gloo_all_reduce(ranks: int, large: int = 1 << 20) -> tuple[float, float]:
     """``(latency s, bytes/s each rank sends)`` of a gloo all-reduce among ``ranks`` groups on
-    threads of this process (a tiny tensor's median time; a 4 MiB tensor's ring bytes over its
-    median time less that)."""
+    threads of this process (a tiny tensor's mean time; a 4 MiB tensor's ring bytes over its mean
+    time less that)."""
     from torch.distributed import HashStore, ProcessGroupGloo
 
     store = HashStore()
@@ -263,16 +296,14 @@ def _gloo_all_reduce(ranks: int, large: int = 1 << 20) -> tuple[float, float]:
     def reduce(rank: int, numel: int, repeats: int) -> None:
         x = torch.ones(numel)
         groups[rank].allreduce([x]).wait()  # warm up
-        times = []
+        start = time.perf_counter()
         for _ in range(repeats):
-            start = time.perf_counter()
             groups[rank].allreduce([x]).wait()
-            times.append(time.perf_counter() - start)
-        seconds[(rank, numel)] = sorted(times)[len(times) // 2]  # the median: the load included, not its spikes
+        seconds[(rank, numel)] = (time.perf_counter() - start) / repeats  # the mean: every wait for the CPU counts
 
     _on_threads(join, ranks)
-    _on_threads(lambda r: reduce(r, 1, 50), ranks)
-    _on_threads(lambda r: reduce(r, large, 7), ranks)
+    _on_threads(lambda r: reduce(r, 1, 200), ranks)
+    _on_threads(lambda r: reduce(r, large, 10), ranks)
     latency = max(seconds[(r, 1)] for r in range(ranks))
     big = max(seconds[(r, large)] for r in range(ranks))
     sent = 2 * (ranks - 1) / ranks * large * 4

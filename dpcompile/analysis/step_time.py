@@ -11,8 +11,7 @@ Over a mesh of gloo processes (``calibration.ranks > 1``), each rank's step is w
 it dispatches and what it waits for, with no overlap:
 
 - compute: its FLOPs (its share of the batch, ``1/tp`` of each layer) at one rank's FLOP/s and the
-  bytes its ops write (3x forward's for a training step) at the copy bytes/s, times ``ranks / cores``
-  where more ranks than cores share them (their compute then runs in turns);
+  bytes its ops write (3x forward's for a training step) at the copy bytes/s;
 - dispatch: every forward op of its units once per micro-batch at ``op_seconds`` (its backward's
   included): tensor parallelism does not divide it, micro-batches multiply it;
 - collectives, each a gloo latency plus its ring bytes at the all-reduce bytes/s: data parallel, one
@@ -21,7 +20,10 @@ it dispatches and what it waits for, with no overlap:
   row layer, backward of the column one); data or tensor parallel alone, one all-gather checking that
   the ranks call alike; a pipeline stage, one transfer per boundary it
   sits at, micro-batch and direction (its values forward, their gradients backward);
-- a pipeline runs ``M + S - 1`` slots of its slowest stage's per-micro-batch time.
+- a pipeline runs ``M + S - 1`` slots of its slowest stage's per-micro-batch time;
+- but no faster than the CPUs run every rank's computing and dispatching: their sum over the ranks
+  the CPUs run at once (``calibration.concurrency``, measured: fewer than the ranks where the cores
+  are fewer or busy with other work), plus the collectives of one rank.
 """
 
 from __future__ import annotations
@@ -86,30 +88,33 @@ def _mesh_seconds(
 ) -> float:  # fmt: skip
     d, t, s_count = layout.get("dp", 1), layout.get("tp", 1), len(stages)
     training = profile.training
-    turns = max(1.0, c.ranks / c.cores) if c.cores else 1.0
     bandwidth = c.collective_bytes_per_s or c.copy_bytes_per_s
     directions = 2 if training else 1
+    at_once = c.concurrency or min(c.ranks, c.cores or c.ranks)  # ranks the CPUs run at the same time
 
     def collective(ring_bytes: float, calls: float) -> float:
         return calls * c.collective_latency_s + ring_bytes / bandwidth
 
-    slot = 0.0  # the slowest stage's seconds per micro-batch
+    busy, waits = [], []  # per stage and micro-batch: one rank's computing and dispatching, and its collectives
     for s, units in enumerate(stages):
-        flops = _work_flops(units, training, checkpointing) / t * batch_fraction(profile.batch, d)
+        share = batch_fraction(profile.batch, d) / t
         again = 1.5 if checkpointing and training else 1.0  # the blocks' forward once more
-        ops = sum(u.ops for u in units) * again
-        written = sum(u.op_bytes for u in units) * again * (3 if training else 1) / t * batch_fraction(profile.batch, d)
-        seconds = (flops / c.flops_per_s + written / c.copy_bytes_per_s) / m * turns + ops * c.op_seconds
+        written = sum(u.op_bytes for u in units) * again * (3 if training else 1) * share
+        compute = _work_flops(units, training, checkpointing) * share / c.flops_per_s + written / c.copy_bytes_per_s
+        busy.append(compute / m + sum(u.ops for u in units) * again * c.op_seconds)
+        wait = 0.0
         if t > 1:  # Megatron pairs: a column layer's input and the row layer after it, one all-reduce each way
             pairs = sum(u.linear_inputs for u in units) / 2
             ring = 0.5 * _layer_outputs(units) * ELEMENT_BYTES * 2 * (t - 1) / t * directions / m
-            seconds += collective(ring, pairs * directions)
+            wait += collective(ring, pairs * directions)
         if s_count > 1:  # per boundary it sits at: forward its values, backward their gradients
             sides = [stages[k][0].input_bytes for k in (s, s + 1) if 0 < k < s_count]
             moved = sum(sides) * batch_fraction(profile.batch, d) / m
-            seconds += collective(moved * directions, len(sides) * directions)
-        slot = max(slot, seconds)
-    total = slot * (m + s_count - 1)
+            wait += collective(moved * directions, len(sides) * directions)
+        waits.append(wait)
+    path = max(b + w for b, w in zip(busy, waits)) * (m + s_count - 1)  # the schedule's slots of the slowest stage
+    work = sum(busy) * m * d * t / at_once + max(waits) * m  # every rank's work, as many at once as the CPUs run
+    total = max(path, work)
     if s_count == 1 and (d > 1 or t > 1):
         total += c.collective_latency_s  # the check that every rank calls forward alike: one all-gather
     if d > 1:

@@ -10,9 +10,10 @@ repeats is kept (the machine is shared). Spearman's rank correlation of predicte
 per model and over all rows (each model's times divided by its median first, so the pooled rank
 compares layouts rather than models).
 
-    PYTHONPATH=. nice -n 5 python benchmarks/bench_planner_rank.py [--world 2] [--repeats 3] [--only gpt2]
+    PYTHONPATH=. nice -n 5 python benchmarks/bench_planner_rank.py [--world 2] [--repeats 8] [--steps 1] [--only gpt2]
+    PYTHONPATH=. python benchmarks/bench_planner_rank.py --decoder   # planning a 32-layer decoder, timed
 
-Writes ``benchmarks/results/planner_rank.json`` (``--only`` merges its models into it).
+Writes ``benchmarks/results/planner_rank.json`` (``--only`` and ``--decoder`` merge into it).
 """
 
 from __future__ import annotations
@@ -267,6 +268,32 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return cov / var if var else None
 
 
+def decoder_planning_seconds(layers: int = 32) -> dict[str, float]:
+    """Seconds planning a ``layers``-layer Llama decoder (tiny width) takes: over 8 devices in one
+    process (``plan_layouts``, as ``bench_planner.py`` times it) and over a mesh of 8 processes
+    (``plan_mesh_layouts``, its calibration cached beforehand)."""
+    import transformers as T
+
+    from dpcompile.analysis.calibration import calibrate_mesh
+    from dpcompile.planner import plan_layouts, plan_mesh_layouts
+
+    cfg = T.LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=128, use_cache=False, vocab_size=V, max_position_embeddings=64)  # fmt: skip
+    model, kwargs = T.LlamaForCausalLM(cfg), _tokens("lm", b=8, seq=32)
+    labels = [f"cpu#{i}" for i in range(8)]
+    budgets = dict.fromkeys(labels, 1 << 30)
+    calibrate_mesh(8)
+    out = {}
+    for name, plan in (("one_process", plan_layouts), ("mesh", plan_mesh_layouts)):
+        extra = {"device": torch.device("cpu")} if plan is plan_layouts else {}
+        start = time.perf_counter()
+        planned = plan(model, labels, budgets, optimizer="adamw", training=True, example_inputs=(),
+                       example_kwargs=kwargs, **extra)  # fmt: skip
+        out[name] = time.perf_counter() - start
+        print(f"planning a {layers}-layer decoder over 8 ({name}): {len(planned.candidates)} layouts in {out[name]:.2f} s")
+    return out
+
+
 def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -279,7 +306,13 @@ def main() -> None:
     parser.add_argument("--only", default="")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--cached-calibration", action="store_true", help="plan with the cached calibration")
+    parser.add_argument("--decoder", action="store_true", help="only time planning a 32-layer decoder (merged)")
     ns = parser.parse_args()
+    if ns.decoder:
+        data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        data["decoder32_planning_s"] = {**decoder_planning_seconds(), "uptime": _uptime()}
+        RESULTS.write_text(json.dumps(data, indent=1, default=str))
+        return
     names = [n for n in MODELS if not ns.only or n in ns.only.split(",")]
     previous = json.loads(RESULTS.read_text()) if ns.only and RESULTS.exists() else {}
     rows_by_model: dict[str, Any] = dict(previous.get("models", {}))
@@ -336,6 +369,7 @@ def main() -> None:
         "uptime": _uptime(),
         "calibration": None if calibration is None else calibration.__dict__,
         "summary": summary, "models": rows_by_model,
+        **({"decoder32_planning_s": previous["decoder32_planning_s"]} if "decoder32_planning_s" in previous else {}),
     }, indent=1, default=str))  # fmt: skip
 
 

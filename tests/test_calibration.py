@@ -129,3 +129,13 @@ def test_mesh_step_time_of_a_pipeline_counts_slots_and_per_micro_batch_dispatch(
     # one rank at a time: no bubble to hide in, both stages' 4 micro-batches of work in turns, one stage's transfers
     crowded = Calibration(**{**MESH.__dict__, "concurrency": 1.0})
     assert step_seconds(p, {"pp": 2}, stages, 4, False, crowded) == pytest.approx(2 * 4 * 0.76 + 4 * 0.022)
+
+
+def test_mesh_calibration_without_loopback_gloo_uses_round_collective_figures(measured, monkeypatch):
+    def no_gloo(ranks: int) -> tuple[float, float]:
+        raise RuntimeError("no device for gloo")
+
+    monkeypatch.setattr(calibration, "_gloo_all_reduce", no_gloo)
+    found = calibration.calibrate_mesh(2)
+    assert (found.collective_latency_s, found.collective_bytes_per_s) == (1e-4, 1e9)
+    assert (found.flops_per_s, found.op_seconds, found.concurrency) == (1e9, 1e-5, 1.5)  # the rest still measured

@@ -132,7 +132,7 @@ def calibrate(device: torch.device | str = "cpu") -> Calibration:
 def calibrate_mesh(ranks: int) -> Calibration:
     """The constants of a mesh of ``ranks`` gloo processes on this machine's CPUs: from the cache
     (where the cores are the same), else measured now and cached. In an initialized process group
-    the first rank's figures, broadcast to the others."""
+    the first rank's figures, broadcast to the others: every rank of the group calls it."""
     if _off():
         return reference_mesh(ranks)
     grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -145,7 +145,11 @@ def calibrate_mesh(ranks: int) -> Calibration:
         with _threads(1):  # a rank's compute: torchrun gives each process one thread
             flops, ops, copy = _rank_flops_per_s(), _op_seconds(), _rank_copy_bytes_per_s()
             at_once = _concurrency(min(ranks, cores))
-        latency, bandwidth = _gloo_all_reduce(ranks)
+        try:
+            latency, bandwidth = _gloo_all_reduce(ranks)
+        except RuntimeError as e:  # no loopback gloo here (a host name that does not resolve): round figures
+            log.warning("cannot time a gloo all-reduce (%s): the cost model uses %s", e, "100 us and 1 GB/s")
+            latency, bandwidth = reference_mesh(ranks).collective_latency_s, reference_mesh(ranks).collective_bytes_per_s
         found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once)
         _write_cache(path, found)
     return _agree(found, ranks) if grouped else found

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpcompile.analysis.calibration import Calibration, calibrate
+from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
 from dpcompile.analysis.layout_costs import LayoutSpec, predict
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import profile_model
 from dpcompile.errors import DpCompileError
 
-__all__ = ["UNBUILT", "Candidate", "Planned", "enumerate_layouts", "plan_layouts"]
+__all__ = ["UNBUILT", "Candidate", "Planned", "enumerate_layouts", "plan_layouts", "plan_mesh_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
 UNBUILT = "predicted to fit, but could not be built: "
@@ -139,12 +139,13 @@ def enumerate_layouts(n: int, *, batch: int | None, blocks: bool) -> list[Layout
 def plan_layouts(
     model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
     example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None, device: torch.device,
-    specs: Sequence[LayoutSpec] | None = None,
+    specs: Sequence[LayoutSpec] | None = None, calibration: Calibration | None = None,
 ) -> Planned:  # fmt: skip
     """Every layout of :func:`enumerate_layouts` (or ``specs``: the layout the user named, its
-    devices ``labels`` in canonical order pp, dp, tp) predicted and judged against ``budgets``."""
+    devices ``labels`` in canonical order pp, dp, tp) predicted and judged against ``budgets``, with
+    ``calibration``'s constants (default: ``device``'s)."""
     profile = profile_model(model, tuple(example_inputs or ()), example_kwargs, optimizer=optimizer, training=training)
-    calibration = calibrate(device)
+    calibration = calibration or calibrate(device)
     candidates = []
     if specs is None:
         specs = enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks))
@@ -164,3 +165,22 @@ def plan_layouts(
                                       f"on {d} > {format_bytes(budgets[d])}")  # fmt: skip
         candidates.append(candidate)
     return Planned(candidates, calibration, dict(budgets))
+
+
+def plan_mesh_layouts(
+    model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
+    example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None,
+) -> Planned:  # fmt: skip
+    """The layouts built over a ``DeviceMesh`` of ``len(labels)`` gloo processes on this machine (those
+    of :func:`enumerate_layouts`, without activation checkpointing, which a mesh does not build yet),
+    predicted with the mesh's calibration (:func:`~dpcompile.analysis.calibration.calibrate_mesh`)
+    and judged as :func:`plan_layouts` does them."""
+    profile_batch = None
+    for x in [*(example_inputs or ()), *(example_kwargs or {}).values()]:
+        if isinstance(x, torch.Tensor) and x.dim():
+            profile_batch = int(x.shape[0])
+            break
+    specs = enumerate_layouts(len(labels), batch=profile_batch, blocks=False)
+    return plan_layouts(model, labels, budgets, optimizer=optimizer, training=training, example_inputs=example_inputs,
+                        example_kwargs=example_kwargs, device=torch.device("cpu"), specs=specs,
+                        calibration=calibrate_mesh(len(labels)))  # fmt: skip

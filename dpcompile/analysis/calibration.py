@@ -1,6 +1,13 @@
 """The cost model's constants, measured on the machine at hand: FLOP/s of a matmul and bytes/s of a
 device-to-device copy, from a short run (well under a second), cached per device type and torch version.
 
+Over a mesh of ``n`` gloo processes (:func:`calibrate_mesh`) also: the FLOP/s of one rank's thread,
+the seconds of dispatch each forward op of a training step costs (its backward's included), the
+latency and bytes/s of a gloo all-reduce between ``n`` ranks (measured between ``n`` gloo groups
+on threads of this process: no process started), and the CPU cores the ranks share; cached per
+``n`` as well, measured again where the cores changed. Inside a process group the first rank's
+figures are broadcast, so that every rank plans alike.
+
 The cache is a JSON file in ``$DPCOMPILE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/dpcompile``, else
 ``~/.cache/dpcompile``). ``DPCOMPILE_CALIBRATION=off`` skips both the run and the cache and uses
 :data:`REFERENCE` (fixed figures, for tests that need the same numbers everywhere);
@@ -12,34 +19,59 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("dpcompile")
 
-__all__ = ["REFERENCE", "Calibration", "cache_path", "calibrate"]
+__all__ = ["REFERENCE", "Calibration", "cache_path", "calibrate", "calibrate_mesh", "reference_mesh"]
+
+#: the cache's format: a file of another version is measured again
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
 class Calibration:
     """``flops_per_s``: a float32 matmul's FLOP/s; ``copy_bytes_per_s``: a device-to-device copy's
-    bytes/s; ``source``: ``"measured"``, ``"cache"`` or ``"reference"`` (calibration off)."""
+    bytes/s; ``source``: ``"measured"``, ``"cache"`` or ``"reference"`` (calibration off).
+
+    Over a mesh (``ranks`` > 1, :func:`calibrate_mesh`): ``flops_per_s`` is one rank's (one
+    thread), ``op_seconds`` the dispatch each forward op of a training step costs (its backward's
+    included), ``collective_latency_s`` and ``collective_bytes_per_s`` a gloo all-reduce's fixed
+    cost and the bytes each rank sends per second, ``cores`` the CPU cores the ranks share and
+    ``concurrency`` how many ranks they run at once (measured: less than ``min(ranks, cores)`` where
+    other work holds the cores)."""
 
     flops_per_s: float
     copy_bytes_per_s: float
     device: str = "cpu"
     source: str = "measured"
+    ranks: int = 1
+    cores: int = 0
+    op_seconds: float = 0.0
+    collective_latency_s: float = 0.0
+    collective_bytes_per_s: float = 0.0
+    concurrency: float = 0.0  # how many of the ranks the CPUs run at once (0: as many as the cores allow)
 
 
 #: what ``DPCOMPILE_CALIBRATION=off`` uses: round figures of one CPU core (50 GFLOP/s, 5 GB/s)
 REFERENCE = Calibration(flops_per_s=5e10, copy_bytes_per_s=5e9, device="any", source="reference")
 
 
+def reference_mesh(ranks: int) -> Calibration:
+    """What ``DPCOMPILE_CALIBRATION=off`` uses over a mesh of ``ranks`` processes: :data:`REFERENCE`
+    with round gloo figures (20 us a forward op, 100 us and 1 GB/s an all-reduce), one core a rank."""
+    return replace(REFERENCE, ranks=ranks, cores=ranks, op_seconds=2e-5, collective_latency_s=1e-4,
+                   collective_bytes_per_s=1e9, concurrency=float(ranks))  # fmt: skip
+
+
 def cache_path(device_type: str) -> Path:
-    """Where the calibration of ``device_type`` is cached (see the module's docstring)."""
+    """Where the calibration of ``device_type`` (``"gloo2"``: a mesh of 2) is cached (see the module's docstring)."""
     root = os.environ.get("DPCOMPILE_CACHE_DIR")
     if not root:
         base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -47,28 +79,115 @@ def cache_path(device_type: str) -> Path:
     return Path(root) / f"calibration-{device_type}-torch{torch.__version__.split('+')[0]}.json"
 
 
-def calibrate(device: torch.device | str = "cpu") -> Calibration:
-    """The constants for ``device``'s type: from the cache, else measured now and cached."""
-    device = torch.device(device)
-    setting = os.environ.get("DPCOMPILE_CALIBRATION", "").lower()
-    if setting in ("off", "0", "false", "no"):
-        return REFERENCE
-    path = cache_path(device.type)
-    if setting != "fresh" and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            return Calibration(float(data["flops_per_s"]), float(data["copy_bytes_per_s"]), device.type, "cache")
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            log.debug("calibration cache %s unreadable (%s): measuring again", path, e)
-    measured = Calibration(_matmul_flops_per_s(device), _copy_bytes_per_s(device), device.type, "measured")
+def _setting() -> str:
+    return os.environ.get("DPCOMPILE_CALIBRATION", "").lower()
+
+
+def _off() -> bool:
+    return _setting() in ("off", "0", "false", "no")
+
+
+def _read_cache(path: Path, **expected: object) -> Calibration | None:
+    """The cached calibration at ``path``; None where there is none, it is unreadable, of another
+    format version, or was measured where ``expected`` (the cores) differs."""
+    if _setting() == "fresh" or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != CACHE_VERSION or any(data.get(k) != v for k, v in expected.items()):
+            log.debug("calibration cache %s is stale: measuring again", path)
+            return None
+        names = {f.name for f in fields(Calibration)} - {"source"}
+        return Calibration(**{k: data[k] for k in names}, source="cache")
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        log.debug("calibration cache %s unreadable (%s): measuring again", path, e)
+        return None
+
+
+def _write_cache(path: Path, measured: Calibration) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps({k: v for k, v in asdict(measured).items() if k != "source"}))
+        data = {k: v for k, v in asdict(measured).items() if k != "source"}
+        staging.write_text(json.dumps({**data, "version": CACHE_VERSION}))
         staging.replace(path)
     except OSError as e:  # a read-only home: the figures still hold for this process
         log.debug("cannot cache the calibration at %s: %s", path, e)
+
+
+def calibrate(device: torch.device | str = "cpu") -> Calibration:
+    """The constants for ``device``'s type: from the cache, else measured now and cached."""
+    device = torch.device(device)
+    if _off():
+        return REFERENCE
+    path = cache_path(device.type)
+    cached = _read_cache(path)
+    if cached is not None:
+        return cached
+    measured = Calibration(_matmul_flops_per_s(device), _copy_bytes_per_s(device), device.type, "measured")
+    _write_cache(path, measured)
     return measured
+
+
+def calibrate_mesh(ranks: int) -> Calibration:
+    """The constants of a mesh of ``ranks`` gloo processes on this machine's CPUs: from the cache
+    (where the cores are the same), else measured now and cached. In an initialized process group
+    the first rank's figures, broadcast to the others: every rank of the group calls it."""
+    if _off():
+        return reference_mesh(ranks)
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if grouped and torch.distributed.get_rank() != 0:
+        return _agree(None, ranks)
+    cores = available_cores()
+    path = cache_path(f"gloo{ranks}")
+    found = _read_cache(path, cores=cores)
+    if found is None:
+        with _threads(1):  # a rank's compute: torchrun gives each process one thread
+            flops, ops, copy = _rank_flops_per_s(), _op_seconds(), _rank_copy_bytes_per_s()
+            at_once = _concurrency(min(ranks, cores))
+        try:
+            latency, bandwidth = _gloo_all_reduce(ranks)
+        except RuntimeError as e:  # no loopback gloo here (a host name that does not resolve): round figures
+            log.warning("cannot time a gloo all-reduce (%s): the cost model uses %s", e, "100 us and 1 GB/s")
+            latency, bandwidth = reference_mesh(ranks).collective_latency_s, reference_mesh(ranks).collective_bytes_per_s
+        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once)
+        _write_cache(path, found)
+    return _agree(found, ranks) if grouped else found
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+_NUMBERS = ("flops_per_s", "copy_bytes_per_s", "cores", "op_seconds", "collective_latency_s", "collective_bytes_per_s",
+            "concurrency")  # fmt: skip
+
+
+def _agree(mine: Calibration | None, ranks: int) -> Calibration:
+    """Rank 0's ``mine``, on every rank of the default process group."""
+    values = torch.tensor([float(getattr(mine, k)) for k in _NUMBERS] if mine else [0.0] * len(_NUMBERS),
+                          dtype=torch.float64)  # fmt: skip
+    torch.distributed.broadcast(values, src=0)
+    if mine is not None:
+        return mine
+    got = dict(zip(_NUMBERS, values.tolist()))
+    got["cores"] = int(got["cores"])
+    return Calibration(device="cpu", source="rank 0", ranks=ranks, **got)
+
+
+class _threads:
+    def __init__(self, n: int) -> None:
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.before)
 
 
 def _best_seconds(run, repeats: int = 5) -> float:  # noqa: ANN001 - a thunk
@@ -81,6 +200,20 @@ def _best_seconds(run, repeats: int = 5) -> float:  # noqa: ANN001 - a thunk
         _synchronize_all()
         best = min(best, time.perf_counter() - start)
     return max(best, 1e-9)
+
+
+def _mean_seconds(run, window: float = 0.1) -> float:  # noqa: ANN001 - a thunk
+    """Seconds per run, over as many runs as fill ``window`` seconds: the machine as it is now, its
+    load included (a step over a mesh pays every wait for the CPU), where :func:`_best_seconds` is
+    the machine at its best."""
+    run()  # warm up
+    count, start = 0, time.perf_counter()
+    while True:
+        run()
+        count += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= window:
+            return max(elapsed / count, 1e-9)
 
 
 def _synchronize_all() -> None:
@@ -102,3 +235,88 @@ def _copy_bytes_per_s(device: torch.device) -> float:
         other = torch.device("cuda", ((device.index or 0) + 1) % torch.cuda.device_count())
     x = torch.randn(4 * 2**20 // 4, device=device)  # 4 MiB
     return x.numel() * x.element_size() / _best_seconds(lambda: x.to(other, copy=True))
+
+
+def _rank_flops_per_s(n: int = 256) -> float:
+    """One rank's float32 matmul FLOP/s (``n x n`` products, load included)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _mean_seconds(lambda: a @ b)
+
+
+def _concurrency(workers: int, n: int = 256, window: float = 0.1) -> float:
+    """How many of ``workers`` threads computing at once the CPUs run side by side: their matmuls'
+    throughput over one thread's (between 1 and ``workers``; one thread each, load included)."""
+    if workers <= 1:
+        return 1.0
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    alone = _mean_seconds(lambda: a @ b, window)
+    done = [0] * workers
+    stop = time.perf_counter() + window
+
+    def work(rank: int) -> None:
+        while time.perf_counter() < stop:
+            a @ b  # noqa: B018 - the matmul is the work (it releases the GIL)
+            done[rank] += 1
+
+    start = time.perf_counter()
+    _on_threads(work, workers)
+    together = (time.perf_counter() - start) / max(sum(done), 1)
+    return min(max(alone / together, 1.0), float(workers))
+
+
+def _rank_copy_bytes_per_s() -> float:
+    """The bytes/s one rank's memory-bound op writes (a 4 MiB copy, load included)."""
+    x = torch.randn(2**20)
+    return x.numel() * x.element_size() / _mean_seconds(lambda: x.clone())
+
+
+def _op_seconds(ops: int = 64) -> float:
+    """Seconds per forward op of a training step on tensors too small to compute anything: ``ops``
+    pointwise ops forward, then their backward (load included)."""
+    x = torch.ones(4, 4, requires_grad=True)
+
+    def step() -> None:
+        h = x
+        for _ in range(ops):
+            h = h * 1.5
+        h.sum().backward()
+
+    return _mean_seconds(step) / (ops + 1)
+
+
+def _gloo_all_reduce(ranks: int, large: int = 1 << 20) -> tuple[float, float]:
+    """``(latency s, bytes/s each rank sends)`` of a gloo all-reduce among ``ranks`` groups on
+    threads of this process (a tiny tensor's mean time; a 4 MiB tensor's ring bytes over its mean
+    time less that)."""
+    from torch.distributed import HashStore, ProcessGroupGloo
+
+    store = HashStore()
+    groups: list = [None] * ranks
+    seconds: dict[tuple[int, int], float] = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = ProcessGroupGloo(store, rank, ranks, timedelta(seconds=60))
+
+    def reduce(rank: int, numel: int, repeats: int) -> None:
+        x = torch.ones(numel)
+        groups[rank].allreduce([x]).wait()  # warm up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            groups[rank].allreduce([x]).wait()
+        seconds[(rank, numel)] = (time.perf_counter() - start) / repeats  # the mean: every wait for the CPU counts
+
+    _on_threads(join, ranks)
+    _on_threads(lambda r: reduce(r, 1, 200), ranks)
+    _on_threads(lambda r: reduce(r, large, 10), ranks)
+    latency = max(seconds[(r, 1)] for r in range(ranks))
+    big = max(seconds[(r, large)] for r in range(ranks))
+    sent = 2 * (ranks - 1) / ranks * large * 4
+    return latency, sent / max(big - latency, 1e-9)
+
+
+def _on_threads(run, ranks: int) -> None:  # noqa: ANN001 - run(rank)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -15,11 +15,8 @@ the step's seconds:
   parallelism counted whole (an upper bound, as ``explain`` counts it);
 - the peak is the largest of the moments of a backward sweep (:func:`_stage_memory`): activations
   are freed unit by unit as gradients appear, so it is less than the sum of the kinds;
-- step time: the busiest device's FLOPs (3x forward for a training step, plus forward again for
-  recomputed blocks; a pipeline's ``(M + S - 1) / M`` for its bubble) at the calibrated matmul
-  FLOP/s, plus the bytes sent (data parallel: parameters replicated and gradients reduced; tensor
-  parallel: an all-reduce of each row layer's output; a pipeline: each boundary's values) at the
-  calibrated copy bytes/s, with no overlap.
+- step time: :func:`dpcompile.analysis.step_time.step_seconds` (in one process, or over a mesh of
+  gloo processes where the calibration is a mesh's).
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ from dataclasses import dataclass
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.memory import KINDS
 from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
+from dpcompile.analysis.step_time import step_seconds
 
 __all__ = ["LayoutSpec", "Prediction", "cut_units", "predict"]
 
@@ -160,7 +158,6 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         return Prediction([], 0.0, "1F1B runs each micro-batch's backward from the model's own mean loss, and "
                                    "forward returns none")  # fmt: skip
     per_device: list[dict[str, int]] = []
-    busiest, sent = 0.0, 0.0
     for s, units in enumerate(stages):
         in_flight = (m if spec.schedule != "1f1b" else min(m, s_count - s)) if s_count > 1 else 1
         share = _batch_fraction(profile.batch, d) / m
@@ -168,18 +165,6 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
                               rest=share * (in_flight - 1), training=training, sweep=s_count == 1,
                               accumulates=m > 1 or d > 1)  # fmt: skip
         per_device += [dict(kinds) for _ in range(d * t)]
-        flops = sum(u.flops for u in units)
-        work = (3 * flops + (sum(u.flops for u in units if u.block) if spec.checkpointing else 0)) if training else flops
-        busiest = max(busiest, work / t * _batch_fraction(profile.batch, d))
-        if t > 1:
-            outputs = sum(w.output_elements for u in units for w in u.shardable)
-            sent += 0.5 * outputs * 4 * 2 * (t - 1) / t * (2 if training else 1)
-        if s > 0:
-            sent += units[0].input_bytes * (2 if training else 1)
-    if d > 1:
-        params = profile.total("param_bytes")
-        sent += (d - 1) / d * params * (3 if training else 1)  # replicate, and all-reduce the gradients
-    bubble = (m + s_count - 1) / m if s_count > 1 else 1.0
-    seconds = busiest * bubble / calibration.flops_per_s + sent / calibration.copy_bytes_per_s
+    seconds = step_seconds(profile, dict(spec.layout), stages, m, spec.checkpointing, calibration)
     assert all(set(k) == set(KINDS) for k in per_device)
     return Prediction(per_device, seconds)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dpcompile.analysis.checkpoint_regions import repeated_blocks
@@ -40,6 +41,9 @@ class Unit:
     saved_bytes: int = 0
     input_bytes: int = 0
     flops: int = 0
+    ops: int = 0  # aten ops its forward dispatches (what a step's fixed per-op cost multiplies)
+    op_bytes: int = 0  # bytes those ops write (what memory-bound ops take time over)
+    linear_inputs: int = 0  # distinct inputs its shardable layers read (q, k, v: one)
     shardable: list[ShardableWeight] = field(default_factory=list)
 
 
@@ -163,7 +167,7 @@ def _profile(
     counted: set[Any] = set()
     identity = {id(t): name for name, t in [*named.items(), *model.named_parameters(), *model.named_buffers()]}
     counter = FlopCounterMode(display=False)
-    flops_at = {"start": 0}
+    flops_at = {"start": 0, "ops": 0, "op_bytes": 0}
 
     def count_params(module: nn.Module, unit: str, recurse: bool) -> None:
         for p in module.parameters(recurse=recurse):
@@ -195,6 +199,8 @@ def _profile(
         if id(module) not in unit_names:
             count_params(module, state["current"], False)
 
+    inputs_seen: set[tuple[str, int]] = set()
+
     def linear_output(module: nn.Module, inputs: Any, output: Any) -> None:
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or id(weight) in shardable_seen:
@@ -205,6 +211,10 @@ def _profile(
         params = [p for p in (weight, getattr(module, "bias", None)) if isinstance(p, torch.Tensor)]
         size = sum(p.numel() * p.element_size() for p in params)
         out = sum(t.numel() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+        read = next((_key(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+        if read is None or (state["current"], read) not in inputs_seen:
+            inputs_seen.add((state["current"], read))
+            units[state["current"]].linear_inputs += 1
         units[state["current"]].shardable.append(ShardableWeight(
             rows=int(rows), cols=int(weight.numel() // rows), kind=kind, bytes=size,
             grad_bytes=size if training and weight.requires_grad else 0,
@@ -229,7 +239,7 @@ def _profile(
 
     grad = torch.enable_grad() if training else torch.no_grad()
     try:
-        with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpCounter(flops_at):
             out = functional_call(model, named, tuple(fake_args), fake_kwargs)
             _close(units[state["current"]], counter, flops_at)
     finally:
@@ -253,6 +263,26 @@ def _close(unit: Unit, counter: Any, flops_at: dict[str, int]) -> None:
     total = counter.get_total_flops()
     unit.flops += total - flops_at["start"]
     flops_at["start"] = total
+    unit.ops += flops_at["ops"]
+    unit.op_bytes += flops_at["op_bytes"]
+    flops_at["ops"] = flops_at["op_bytes"] = 0
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched into ``counts["ops"]`` and the bytes of the tensors they return
+    into ``counts["op_bytes"]`` (a view returns none of its own)."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.counts["ops"] += 1
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.counts["op_bytes"] += sum(t.numel() * t.element_size() for t in tree_leaves(out)
+                                           if isinstance(t, torch.Tensor))  # fmt: skip
+        return out
 
 
 def _returns_loss(out: Any) -> bool:

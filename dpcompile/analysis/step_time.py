@@ -1,0 +1,123 @@
+"""A layout's predicted step time, from a :class:`~dpcompile.analysis.model_profile.ModelProfile`
+cut into pipeline stages and the calibrated constants (:mod:`dpcompile.analysis.calibration`).
+
+In one process (``calibration.ranks == 1``): the busiest device's FLOPs (3x forward for a training
+step, plus forward again for recomputed blocks; a pipeline's ``(M + S - 1) / M`` for its bubble) at
+the matmul FLOP/s, plus the bytes sent (data parallel: parameters replicated and gradients reduced;
+tensor parallel: an all-reduce of each row layer's output; a pipeline: each boundary's values) at the
+copy bytes/s, with no overlap.
+
+Over a mesh of gloo processes (``calibration.ranks > 1``), each rank's step is what it computes, what
+it dispatches and what it waits for, with no overlap:
+
+- compute: its FLOPs (its share of the batch, ``1/tp`` of each layer) at one rank's FLOP/s and the
+  bytes its ops write (3x forward's for a training step) at the copy bytes/s;
+- dispatch: every forward op of its units once per micro-batch at ``op_seconds`` (its backward's
+  included): tensor parallelism does not divide it, micro-batches multiply it;
+- collectives, each a gloo latency plus its ring bytes at the all-reduce bytes/s: data parallel, one
+  all-reduce of the gradients (a call per 25 MiB bucket); tensor parallel, an all-reduce per pair of
+  sharded layers (two distinct inputs: q, k, v read one), micro-batch and direction (forward of the
+  row layer, backward of the column one); data or tensor parallel alone, one all-gather checking that
+  the ranks call alike; a pipeline stage, one transfer per boundary it
+  sits at, micro-batch and direction (its values forward, their gradients backward);
+- a pipeline runs ``M + S - 1`` slots of its slowest stage's per-micro-batch time;
+- but no faster than the CPUs run every rank's computing and dispatching: their sum over the ranks
+  the CPUs run at once (``calibration.concurrency``, measured: fewer than the ranks where the cores
+  are fewer or busy with other work), plus the collectives of one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dpcompile.analysis.calibration import Calibration
+from dpcompile.analysis.model_profile import ModelProfile, Unit
+
+__all__ = ["step_seconds"]
+
+#: the bytes of one element the cost model moves (float32)
+ELEMENT_BYTES = 4
+#: DistributedDataParallel's gradient bucket
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def batch_fraction(batch: int | None, d: int) -> float:
+    """The share of the batch the busiest of ``d`` data-parallel devices runs."""
+    if d <= 1:
+        return 1.0
+    return -(-batch // d) / batch if batch else 1.0 / d
+
+
+def _work_flops(units: Sequence[Unit], training: bool, checkpointing: bool) -> float:
+    flops = sum(u.flops for u in units)
+    if not training:
+        return flops
+    return 3 * flops + (sum(u.flops for u in units if u.block) if checkpointing else 0)
+
+
+def _layer_outputs(units: Sequence[Unit]) -> int:
+    return sum(w.output_elements for u in units for w in u.shardable)
+
+
+def step_seconds(
+    profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], micro_batches: int,
+    checkpointing: bool, calibration: Calibration,
+) -> float:  # fmt: skip
+    """The predicted seconds of one step (see the module's docstring)."""
+    if calibration.ranks > 1:
+        return _mesh_seconds(profile, layout, stages, micro_batches, checkpointing, calibration)
+    d, t, s_count, m = layout.get("dp", 1), layout.get("tp", 1), len(stages), micro_batches
+    training = profile.training
+    busiest, sent = 0.0, 0.0
+    for s, units in enumerate(stages):
+        work = _work_flops(units, training, checkpointing)
+        busiest = max(busiest, work / t * batch_fraction(profile.batch, d))
+        if t > 1:
+            sent += 0.5 * _layer_outputs(units) * ELEMENT_BYTES * 2 * (t - 1) / t * (2 if training else 1)
+        if s > 0:
+            sent += units[0].input_bytes * (2 if training else 1)
+    if d > 1:
+        sent += (d - 1) / d * profile.total("param_bytes") * (3 if training else 1)  # replicate, all-reduce gradients
+    bubble = (m + s_count - 1) / m if s_count > 1 else 1.0
+    return busiest * bubble / calibration.flops_per_s + sent / calibration.copy_bytes_per_s
+
+
+def _mesh_seconds(
+    profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], m: int, checkpointing: bool,
+    c: Calibration,
+) -> float:  # fmt: skip
+    d, t, s_count = layout.get("dp", 1), layout.get("tp", 1), len(stages)
+    training = profile.training
+    bandwidth = c.collective_bytes_per_s or c.copy_bytes_per_s
+    directions = 2 if training else 1
+    at_once = c.concurrency or min(c.ranks, c.cores or c.ranks)  # ranks the CPUs run at the same time
+
+    def collective(ring_bytes: float, calls: float) -> float:
+        return calls * c.collective_latency_s + ring_bytes / bandwidth
+
+    busy, waits = [], []  # per stage and micro-batch: one rank's computing and dispatching, and its collectives
+    for s, units in enumerate(stages):
+        share = batch_fraction(profile.batch, d) / t
+        again = 1.5 if checkpointing and training else 1.0  # the blocks' forward once more
+        written = sum(u.op_bytes for u in units) * again * (3 if training else 1) * share
+        compute = _work_flops(units, training, checkpointing) * share / c.flops_per_s + written / c.copy_bytes_per_s
+        busy.append(compute / m + sum(u.ops for u in units) * again * c.op_seconds)
+        wait = 0.0
+        if t > 1:  # Megatron pairs: a column layer's input and the row layer after it, one all-reduce each way
+            pairs = sum(u.linear_inputs for u in units) / 2
+            ring = 0.5 * _layer_outputs(units) * ELEMENT_BYTES * 2 * (t - 1) / t * directions / m
+            wait += collective(ring, pairs * directions)
+        if s_count > 1:  # per boundary it sits at: forward its values, backward their gradients
+            sides = [stages[k][0].input_bytes for k in (s, s + 1) if 0 < k < s_count]
+            moved = sum(sides) * batch_fraction(profile.batch, d) / m
+            wait += collective(moved * directions, len(sides) * directions)
+        waits.append(wait)
+    path = max(b + w for b, w in zip(busy, waits)) * (m + s_count - 1)  # the schedule's slots of the slowest stage
+    work = sum(busy) * m * d * t / at_once + max(waits) * m  # every rank's work, as many at once as the CPUs run
+    total = max(path, work)
+    if s_count == 1 and (d > 1 or t > 1):
+        total += c.collective_latency_s  # the check that every rank calls forward alike: one all-gather
+    if d > 1:
+        grads = max(sum(u.grad_bytes for u in units) for units in stages) / t
+        total += collective(2 * (d - 1) / d * grads, 1 + grads // DDP_BUCKET_BYTES)
+    return total

@@ -1,0 +1,141 @@
+"""The mesh calibration (``calibrate_mesh``): where it is cached, when the cache is reused and when it
+is measured again; and the mesh step-time model's arithmetic on a hand-made profile. Nothing here
+times anything: the measuring functions are replaced by fixed figures that count their calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dpcompile.analysis import calibration
+from dpcompile.analysis.calibration import Calibration, reference_mesh
+from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
+from dpcompile.analysis.step_time import step_seconds
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    """The measuring functions replaced by fixed figures; ``runs`` counts the gloo measurements."""
+    runs = []
+    monkeypatch.setattr(calibration, "_matmul_flops_per_s", lambda device: 1e9)
+    monkeypatch.setattr(calibration, "_copy_bytes_per_s", lambda device: 2e9)
+    monkeypatch.setattr(calibration, "_rank_flops_per_s", lambda: 1e9)
+    monkeypatch.setattr(calibration, "_rank_copy_bytes_per_s", lambda: 2e9)
+    monkeypatch.setattr(calibration, "_op_seconds", lambda: 1e-5)
+    monkeypatch.setattr(calibration, "_concurrency", lambda workers: 1.5)
+    monkeypatch.setattr(calibration, "_gloo_all_reduce", lambda ranks: runs.append(ranks) or (1e-4, 5e8))
+    monkeypatch.setattr(calibration, "available_cores", lambda: 2)
+    monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DPCOMPILE_CALIBRATION", raising=False)
+    return runs
+
+
+def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
+    version = torch.__version__.split("+")[0]
+    monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path / "a"))
+    assert calibration.cache_path("gloo4") == tmp_path / "a" / f"calibration-gloo4-torch{version}.json"
+    monkeypatch.delenv("DPCOMPILE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert calibration.cache_path("cpu") == tmp_path / "xdg" / "dpcompile" / f"calibration-cpu-torch{version}.json"
+
+
+def test_mesh_calibration_is_measured_once_then_read_from_its_cache(measured, tmp_path):
+    first = calibration.calibrate_mesh(2)
+    expected = Calibration(1e9, 2e9, "cpu", "measured", ranks=2, cores=2, op_seconds=1e-5, collective_latency_s=1e-4,
+                           collective_bytes_per_s=5e8, concurrency=1.5)  # fmt: skip
+    assert first == expected and measured == [2]
+    path = calibration.cache_path("gloo2")
+    assert path.parent == tmp_path and json.loads(path.read_text())["version"] == calibration.CACHE_VERSION
+    again = calibration.calibrate_mesh(2)
+    assert again.source == "cache" and again == Calibration(**{**expected.__dict__, "source": "cache"})
+    assert measured == [2]  # reused, not measured again
+    calibration.calibrate_mesh(4)  # another mesh size: its own file
+    assert measured == [2, 4] and calibration.cache_path("gloo4").is_file()
+
+
+def test_mesh_calibration_is_measured_again_where_the_cache_no_longer_holds(measured, monkeypatch):
+    calibration.calibrate_mesh(2)
+    path = calibration.cache_path("gloo2")
+    monkeypatch.setattr(calibration, "available_cores", lambda: 8)  # the ranks now share other cores
+    assert calibration.calibrate_mesh(2).cores == 8 and measured == [2, 2]
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "version": calibration.CACHE_VERSION - 1}))  # an older format
+    assert calibration.calibrate_mesh(2).source == "measured" and measured == [2, 2, 2]
+    path.write_text("{not json")
+    assert calibration.calibrate_mesh(2).source == "measured" and len(measured) == 4
+    assert calibration.calibrate_mesh(2).source == "cache" and len(measured) == 4
+    monkeypatch.setenv("DPCOMPILE_CALIBRATION", "fresh")
+    assert calibration.calibrate_mesh(2).source == "measured" and len(measured) == 5
+
+
+def test_mesh_calibration_off_uses_the_reference_and_touches_no_file(measured, monkeypatch, tmp_path):
+    monkeypatch.setenv("DPCOMPILE_CALIBRATION", "off")
+    assert calibration.calibrate_mesh(4) == reference_mesh(4) and measured == []
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_one_process_cache_of_the_older_format_is_measured_again(measured):
+    path = calibration.cache_path("cpu")
+    path.write_text(json.dumps({"flops_per_s": 5.0, "copy_bytes_per_s": 6.0, "device": "cpu"}))  # no version
+    assert calibration.calibrate("cpu").flops_per_s == 1e9
+
+
+# --------------------------------------------------------------------------- the mesh's step time
+def _profile() -> ModelProfile:
+    """Two blocks of 1e9 forward FLOPs and 10 ops each, one Linear each with 1000 output elements (a
+    Megatron pair between them: two inputs read)."""
+    weight = ShardableWeight(rows=8, cols=8, kind="linear", bytes=256, grad_bytes=256, optimizer_bytes=0,
+                             output_elements=1000)  # fmt: skip
+    units = [Unit(f"b{i}", block=True, param_bytes=256, grad_bytes=256, input_bytes=4000, flops=10**9, ops=10,
+                  linear_inputs=1, shardable=[weight]) for i in range(2)]  # fmt: skip
+    return ModelProfile(units, batch=8, training=True, optimizer="sgd")
+
+
+MESH = Calibration(1e9, 1e9, ranks=2, cores=2, op_seconds=1e-3, collective_latency_s=1e-2, collective_bytes_per_s=1e6)
+
+
+def test_mesh_step_time_of_data_parallel():
+    p = _profile()
+    # half the batch's 3 x 2e9 FLOPs at 1e9 FLOP/s, 20 ops at 1 ms, one all-reduce of 512 gradient bytes, and
+    # the all-gather checking that the ranks call alike
+    assert step_seconds(p, {"dp": 2}, [p.units], 1, False, MESH) == pytest.approx(3.0 + 0.02 + 0.01 + 512 / 1e6 + 0.01)
+    for u in p.units:
+        u.op_bytes = 10**6  # memory-bound ops: half the batch's 3 x 2e6 bytes written at the copy's 1e9 bytes/s
+    assert step_seconds(p, {"dp": 2}, [p.units], 1, False, MESH) == pytest.approx(3.003 + 0.02 + 0.01 + 512 / 1e6 + 0.01)
+
+
+def test_mesh_step_time_of_tensor_parallel_and_oversubscription():
+    p = _profile()
+    # each rank half the FLOPs, every op, an all-reduce per Megatron pair (1 pair, forward and backward: 2 calls)
+    # of half the outputs' bytes each way: 0.5 * 2000 elements * 4 bytes * 2 (n-1)/n * 2 directions = 8000 bytes;
+    # the all-gather checking the inputs
+    expected = 3.0 + 0.02 + 2 * 0.01 + 8000 / 1e6 + 0.01
+    assert step_seconds(p, {"tp": 2}, [p.units], 1, False, MESH) == pytest.approx(expected)
+    # the CPUs run one rank at a time (one core, or busy): both ranks' computing and dispatching in turns, then
+    # one rank's collectives and the check
+    crowded = Calibration(**{**MESH.__dict__, "concurrency": 1.0})
+    assert step_seconds(p, {"tp": 2}, [p.units], 1, False, crowded) == pytest.approx(2 * 3.02 + 0.028 + 0.01)
+
+
+def test_mesh_step_time_of_a_pipeline_counts_slots_and_per_micro_batch_dispatch():
+    p = _profile()
+    stages = [[p.units[0]], [p.units[1]]]
+    # a stage's micro-batch: 3e9 / 4 FLOPs, its 10 ops, one transfer each way at its one boundary of 1000 bytes
+    # (the second stage's input, 4000 bytes over 4 micro-batches); 4 + 2 - 1 slots of the slowest stage
+    slot = 0.75 + 10 * 1e-3 + 2 * 1e-2 + 2 * 1000 / 1e6
+    assert step_seconds(p, {"pp": 2}, stages, 4, False, MESH) == pytest.approx(5 * slot)
+    # one rank at a time: no bubble to hide in, both stages' 4 micro-batches of work in turns, one stage's transfers
+    crowded = Calibration(**{**MESH.__dict__, "concurrency": 1.0})
+    assert step_seconds(p, {"pp": 2}, stages, 4, False, crowded) == pytest.approx(2 * 4 * 0.76 + 4 * 0.022)
+
+
+def test_mesh_calibration_without_loopback_gloo_uses_round_collective_figures(measured, monkeypatch):
+    def no_gloo(ranks: int) -> tuple[float, float]:
+        raise RuntimeError("no device for gloo")
+
+    monkeypatch.setattr(calibration, "_gloo_all_reduce", no_gloo)
+    found = calibration.calibrate_mesh(2)
+    assert (found.collective_latency_s, found.collective_bytes_per_s) == (1e-4, 1e9)
+    assert (found.flops_per_s, found.op_seconds, found.concurrency) == (1e9, 1e-5, 1.5)  # the rest still measured

@@ -35,6 +35,7 @@ from torch.nn.utils import parametrize
 
 from dpcompile.errors import DpCompileError
 from dpcompile.modules.sharded_state import ShardedState
+from dpcompile.program_cache import ProgramCache
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
 
 
@@ -131,7 +132,21 @@ def shard_over_dp(pm: nn.Module) -> None:
     slot_of = {n: k for spec, ns in tp_shards.values() for k, n in enumerate(ns)}
     piece_slots = {piece: slot_of.get(n) for n, (_, pieces) in pieces_of.items() for piece in pieces}
     pm.shard_param_slots = {n: piece_slots.get(n, slot_of.get(n)) for n, _ in pm.named_parameters()}
-    pm._attach_cache(pm.traced_model, dict(pm._flags), pm.program_cache.main_key.none_args, pm._shares_source)
+    pm.__dict__["_tp_param_shards"] = dict(tp_shards)  # what a variant traced again must shard as
+    _key_again(pm)
+
+
+def _key_again(pm: Any) -> None:
+    """The guard and the main program's key read again: the pieces changed the modules it watches."""
+    main = pm.program_cache.main_key
+    pm._attach_cache(pm.traced_model, dict(pm._flags), main.none_args, pm._shares_source)
+    key = pm._key(main.devices, main.none_args, main.flags, main.batched)
+    object.__setattr__(pm, "program_cache", ProgramCache(key, pm._build_program))
+
+
+def tensor_parallel_shards(pm: Any) -> dict[str, tuple[ShardSpec, list[str]]]:
+    """``pm``'s tensor-parallel shards as its program reads them (before FSDP split them into pieces)."""
+    return pm.__dict__.get("_tp_param_shards", pm.param_shards)
 
 
 def combined(tp: tuple[ShardSpec, list[str]], pieces_of: Mapping[str, tuple[ShardSpec, list[str]]]) -> tuple[ShardSpec, list[str]]:
@@ -143,4 +158,4 @@ def combined(tp: tuple[ShardSpec, list[str]], pieces_of: Mapping[str, tuple[Shar
     return ShardSpec(spec.dim, sizes, spec.sections), [piece for name in names for piece in pieces_of[name][1]]
 
 
-__all__ = ["FsdpProgram", "GatherShards", "balanced", "copy_devices", "dp_spec", "shard_over_dp"]
+__all__ = ["FsdpProgram", "GatherShards", "balanced", "copy_devices", "dp_spec", "shard_over_dp", "tensor_parallel_shards"]

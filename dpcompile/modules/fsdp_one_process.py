@@ -129,9 +129,13 @@ def shard_over_dp(pm: nn.Module) -> None:
         pm.__class__ = type(f"Fsdp{type(pm).__name__}", (FsdpProgram, type(pm)), {})
     pm.state_keys = state_keys
     pm.param_shards = param_shards
-    slot_of = {n: k for spec, ns in tp_shards.values() for k, n in enumerate(ns)}
-    piece_slots = {piece: slot_of.get(n) for n, (_, pieces) in pieces_of.items() for piece in pieces}
-    pm.shard_param_slots = {n: piece_slots.get(n, slot_of.get(n)) for n, _ in pm.named_parameters()}
+    if isinstance(getattr(pm, "shard_param_slots", None), dict):  # each piece on its parameter's slot
+        slot_of = dict(pm.shard_param_slots)
+        piece_slots = {piece: slot_of.get(n) for n, (_, pieces) in pieces_of.items() for piece in pieces}
+        pm.shard_param_slots = {n: piece_slots.get(n, slot_of.get(n)) for n, _ in pm.named_parameters()}
+    pm.__dict__["fsdp_pieces"] = {
+        piece: (r, name) for name, (_, names) in pieces_of.items() for r, piece in enumerate(names)
+    }  # how explain counts what each copy holds (analysis.program_memory.held_parameter_bytes)
     pm.__dict__["_tp_param_shards"] = dict(tp_shards)  # what a variant traced again must shard as
     _key_again(pm)
 

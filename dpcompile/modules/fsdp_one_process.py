@@ -89,6 +89,19 @@ def copy_devices(pm: nn.Module) -> list[dict[str, str]]:
     return [dict(zip(dp_devices[0], copy)) for copy in dp_devices]
 
 
+def program_device(pm: Any, name: str, p: torch.Tensor) -> str:
+    """The device the program places parameter ``name`` on (``cpu:1`` where ``p.device`` says only
+    ``cpu``): its tensor-parallel slot, else its pipeline stage's first device, else the first device."""
+    slot = (getattr(pm, "shard_param_slots", None) or {}).get(name)
+    if slot is not None:
+        return str(pm.devices[slot])
+    groups = getattr(pm, "stage_groups", None)
+    for stage in getattr(pm, "stages", None) or ():
+        if any(name.startswith(f"{path}.") for path in stage.module_paths):
+            return groups[stage.index][0] if groups else stage.device
+    return str(pm.devices.primary) if p.device.type == pm.devices.primary.type else str(p.device)
+
+
 def shard_over_dp(pm: nn.Module) -> None:
     """Store every parameter of ``pm`` as one piece per dp copy (see the module docstring)."""
     copies = copy_devices(pm)
@@ -106,7 +119,7 @@ def shard_over_dp(pm: nn.Module) -> None:
         if p.dim() == 0:
             continue
         spec = dp_spec(p.shape, len(copies), outer_of.get(names[0]))
-        device = str(p.device)
+        device = program_device(pm, names[0], p)
         gather = GatherShards(spec, [copy.get(device, device) for copy in copies], device)
         shared = None
         for name in names:
@@ -162,4 +175,4 @@ def combined(tp: tuple[ShardSpec, list[str]], pieces_of: Mapping[str, tuple[Shar
     return ShardSpec(spec.dim, sizes, spec.sections), [piece for name in names for piece in pieces_of[name][1]]
 
 
-__all__ = ["FsdpProgram", "GatherShards", "balanced", "copy_devices", "dp_spec", "shard_over_dp", "tensor_parallel_shards"]
+__all__ = ["FsdpProgram", "GatherShards", "balanced", "copy_devices", "dp_spec", "program_device", "shard_over_dp", "tensor_parallel_shards"]

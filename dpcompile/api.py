@@ -79,9 +79,10 @@ def transform(
 
     ``copy_replicas=True`` gives virtual devices real replicas (as distinct GPUs get), so the
     multi-GPU code path runs and can be tested on one device. ``ddp_options`` (over a mesh)
-    are passed to ``DistributedDataParallel``; ``data_parallel="fsdp"`` (over a mesh) shards
+    are passed to ``DistributedDataParallel``; ``data_parallel="fsdp"`` shards
     parameters, gradients and optimizer state with FSDP2 instead (``mixed_precision=``: its
-    ``MixedPrecisionPolicy``), see ``docs/fsdp.md``. ``memory_per_device=`` (``"24GiB"``, bytes,
+    ``MixedPrecisionPolicy``), and over a device list in one process (one piece per dp copy),
+    see ``docs/fsdp.md``. ``memory_per_device=`` (``"24GiB"``, bytes,
     or ``{device: budget}``) with ``optimizer=`` and ``training=`` chooses the program that fits
     (``pm.strategy``), see ``docs/memory.md``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
     and ``example_kwargs=`` (HF models: ``input_ids=``, ``attention_mask=``, ``labels=``): see

@@ -57,11 +57,30 @@ class GatherShards(nn.Module):
 class FsdpProgram(ShardedState):
     """The state of a program sharded over ``dp`` in one process: the model's keys, whole tensors."""
 
+    @property
+    def code(self) -> str:
+        """The program as Python, headed by the gathers: which pieces make each parameter, where."""
+        return f"{gathers_note(self)}\n{super().code}"  # type: ignore[misc]
+
     def __reduce__(self) -> Any:
         raise DpCompileError(
             'a data_parallel="fsdp" program in one process is not pickled yet: save it with '
             "dpcompile.save_checkpoint(pm, path) and transform again, then load_checkpoint"
         )
+
+
+def gathers_note(pm: nn.Module) -> str:
+    """One comment line per gathered parameter::
+
+        # fc1.weight = gather(original0 on cpu:0, original1 on cpu:1, dim 0) on cpu:0
+    """
+    lines = ['# data_parallel="fsdp": each parameter is stored as pieces, gathered where the code reads it']
+    for path, module in pm.named_modules():
+        if isinstance(module, GatherShards):
+            owner, _, leaf = path.rpartition(".")[0].partition(".parametrizations.")
+            pieces = ", ".join(f"original{r} on {d}" for r, d in enumerate(module.piece_devices))
+            lines.append(f"# {owner}.{leaf} = gather({pieces}, dim {module.spec.dim}) on {module.device}")
+    return "\n".join(lines)
 
 
 def balanced(size: int, parts: int) -> tuple[int, ...]:
@@ -175,4 +194,4 @@ def combined(tp: tuple[ShardSpec, list[str]], pieces_of: Mapping[str, tuple[Shar
     return ShardSpec(spec.dim, sizes, spec.sections), [piece for name in names for piece in pieces_of[name][1]]
 
 
-__all__ = ["FsdpProgram", "GatherShards", "balanced", "copy_devices", "dp_spec", "program_device", "shard_over_dp", "tensor_parallel_shards"]
+__all__ = ["FsdpProgram", "GatherShards", "balanced", "copy_devices", "gathers_note", "dp_spec", "program_device", "shard_over_dp", "tensor_parallel_shards"]

@@ -88,7 +88,8 @@ def test_explain_counts_each_piece_on_its_copys_device():
 
 def test_distinct_devices_hold_piece_r_on_copy_r_and_train_like_eager():
     """dp x tp over cpu:0..3: copy 0 runs on cpu:0, cpu:1 and copy 1 on cpu:2, cpu:3, so the pieces
-    of the shard copy 0 holds on cpu:1 lie on cpu:1 and cpu:3, gathered to cpu:1; 2 AdamW steps equal eager's; verify on fake
+    of the shard copy 0 holds on cpu:1 lie on cpu:1 and cpu:3, gathered to cpu:1 (pm.code's head
+    says so; a row-parallel shard's pieces split its own dim, 1); 2 AdamW steps equal eager's; verify on fake
     CUDA devices passes; eval and a smaller batch (programs built again) give eager's outputs."""
     torch.manual_seed(0)
     model, reference = Stack(), Stack()
@@ -100,6 +101,8 @@ def test_distinct_devices_hold_piece_r_on_copy_r_and_train_like_eager():
     assert (first.piece_devices, first.device) == (("cpu:0", "cpu:2"), "cpu:0")
     second = gathers["layers.0.0.parametrizations.weight_shard1.0"]
     assert (second.piece_devices, second.device) == (("cpu:1", "cpu:3"), "cpu:1")
+    assert "# layers.0.0.weight_shard1 = gather(original0 on cpu:1, original1 on cpu:3, dim 0) on cpu:1\n" in pm.code
+    assert "# layers.0.2.weight_shard0 = gather(original0 on cpu:0, original1 on cpu:2, dim 1) on cpu:0\n" in pm.code
     opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
     for _ in range(2):

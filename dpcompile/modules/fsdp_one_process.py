@@ -185,8 +185,11 @@ def tensor_parallel_shards(pm: Any) -> dict[str, tuple[ShardSpec, list[str]]]:
     return pm.__dict__.get("_tp_param_shards", pm.param_shards)
 
 
-def combined(tp: tuple[ShardSpec, list[str]], pieces_of: Mapping[str, tuple[ShardSpec, list[str]]]) -> tuple[ShardSpec, list[str]]:
-    """A tensor-parallel key whose shards are each split over dp: one spec of ``T x D`` pieces."""
+def combined(
+    tp: tuple[ShardSpec, list[str]], pieces_of: Mapping[str, tuple[ShardSpec, list[str]]]
+) -> tuple[ShardSpec, list[str]]:
+    """A tensor-parallel key whose shards are each split over dp: one spec of ``T x D`` pieces,
+    shard-major (each piece still its part of every section of a fused qkv)."""
     spec, names = tp
     if not all(name in pieces_of for name in names):
         return tp
@@ -194,4 +197,7 @@ def combined(tp: tuple[ShardSpec, list[str]], pieces_of: Mapping[str, tuple[Shar
     return ShardSpec(spec.dim, sizes, spec.sections), [piece for name in names for piece in pieces_of[name][1]]
 
 
-__all__ = ["FsdpProgram", "GatherShards", "balanced", "copy_devices", "gathers_note", "dp_spec", "program_device", "shard_over_dp", "tensor_parallel_shards"]
+__all__ = [
+    "FsdpProgram", "GatherShards", "balanced", "combined", "copy_devices", "dp_spec", "gathers_note", "program_device",
+    "shard_over_dp", "tensor_parallel_shards",
+]  # fmt: skip

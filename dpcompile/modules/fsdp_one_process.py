@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dpcompile.errors import DpCompileError
 from dpcompile.modules.sharded_state import ShardedState
@@ -48,14 +49,47 @@ class GatherShards(nn.Module):
         self.spec, self.piece_devices, self.device = spec, tuple(piece_devices), device
 
     def forward(self, *pieces: torch.Tensor) -> torch.Tensor:
-        return unshard(pieces, self.spec, self.device)
+        whole = unshard(pieces, self.spec, self.device)
+        GATHERED[whole] = (self, pieces)  # backward gathers it again instead of keeping it (see regathered)
+        return whole
 
     def right_inverse(self, whole: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(shard_of(whole.detach(), self.spec, r).to(d).clone() for r, d in enumerate(self.piece_devices))
 
 
+#: each whole parameter a gather made and autograd may save: ``{tensor: (its gather, its pieces)}``
+GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _pack(t: torch.Tensor) -> Any:
+    """Autograd saves a gathered parameter (or a view of one, ``weight.t()``) as how to gather it."""
+    found = GATHERED.get(t if t._base is None else t._base)
+    if found is None:
+        return t
+    return (*found, t.size(), t.stride(), t.storage_offset())
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    if isinstance(saved, torch.Tensor):
+        return saved
+    gather, pieces, size, stride, offset = saved
+    with torch.no_grad():
+        whole = unshard([p.detach() for p in pieces], gather.spec, gather.device)
+    return whole.as_strided(size, stride, offset)
+
+
+def regathered() -> Any:
+    """Within a call: a whole parameter autograd saves for backward is freed after forward and
+    gathered again where backward needs it (ZeRO-3's second all-gather), not kept for the step."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
 class FsdpProgram(ShardedState):
     """The state of a program sharded over ``dp`` in one process: the model's keys, whole tensors."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with regathered():
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
     @property
     def code(self) -> str:
@@ -198,6 +232,6 @@ def combined(
 
 
 __all__ = [
-    "FsdpProgram", "GatherShards", "balanced", "combined", "copy_devices", "dp_spec", "gathers_note", "program_device",
-    "shard_over_dp", "tensor_parallel_shards",
+    "GATHERED", "FsdpProgram", "GatherShards", "balanced", "combined", "copy_devices", "dp_spec", "gathers_note", "program_device",
+    "regathered", "shard_over_dp", "tensor_parallel_shards",
 ]  # fmt: skip

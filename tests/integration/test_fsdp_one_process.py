@@ -7,6 +7,7 @@ dict, explain's bytes per device, the calls that need another program, and what 
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile import DpCompileError
-from dpcompile.modules.fsdp_one_process import GatherShards
+from dpcompile.modules.fsdp_one_process import GATHERED, GatherShards
 from tests.test_layouts import Stack
 
 
@@ -122,6 +123,27 @@ def test_distinct_devices_hold_piece_r_on_copy_r_and_train_like_eager():
     with torch.no_grad():
         for x in (torch.randn(8, 8), torch.randn(3, 8)):
             torch.testing.assert_close(pm(x), reference(x))
+
+
+@pytest.mark.parametrize(("layout", "n"), [({"dp": 2}, 2), ({"dp": 2, "tp": 2}, 4), ({"pp": 2, "dp": 2}, 4)])
+def test_no_whole_parameter_outlives_forward(layout, n):
+    """After forward, no parameter gathered for it is alive (autograd saved how to gather it, and
+    backward gathers it again); backward still gives eager's gradients (as the layout matrix checks)."""
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * n, mesh=layout, data_parallel="fsdp")
+    own = {id(m) for m in pm.modules()}
+    x = torch.randn(8, 8)
+    loss = pm(x)
+    gc.collect()
+    assert not [g for g, _ in list(GATHERED.values()) if id(g) in own]
+    loss.backward()
+    reference(x).backward()
+    grads = {name: p.grad for name, p in pm.named_parameters()}
+    for key, (spec, names) in pm.param_shards.items():
+        whole = torch.cat([grads[name] for name in names], spec.dim)
+        torch.testing.assert_close(whole, reference.get_parameter(key).grad, msg=key)
 
 
 def test_meta_model_is_filled_by_load_checkpoint(tmp_path):

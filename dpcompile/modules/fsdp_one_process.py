@@ -88,7 +88,8 @@ class FsdpProgram(ShardedState):
     """The state of a program sharded over ``dp`` in one process: the model's keys, whole tensors."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with regathered():
+        # one gather a parameter a call, however many copies and micro-batches read it
+        with regathered(), parametrize.cached():
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
     @property

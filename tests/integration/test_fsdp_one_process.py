@@ -176,3 +176,26 @@ def test_pickling_is_refused_with_the_way_out():
     pm = dpcompile.transform(Stack(), ["cpu"] * 2, data_parallel="fsdp")
     with pytest.raises(DpCompileError, match="save_checkpoint"):
         pickle.dumps(pm)
+
+
+@pytest.mark.parametrize(
+    ("options", "n"),
+    [({"copy_replicas": True}, 2), ({"activation_checkpointing": True}, 2),
+     ({"mesh": {"pp": 2, "dp": 2}, "activation_checkpointing": True}, 4)],
+    ids=["copy_replicas", "checkpointing", "pp_dp_checkpointing"],
+)  # fmt: skip
+def test_fsdp_with_real_replicas_or_recompute_gives_eagers_gradients(options, n):
+    """Real replicas on virtual devices (distinct GPUs' code path) and activation checkpointing
+    (backward recomputes, reading the parameters again): the loss and every gradient equal eager's."""
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * n, data_parallel="fsdp", **options)
+    x = torch.randn(8, 8)
+    loss, expected = pm(x), reference(x)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    grads = {name: p.grad for name, p in pm.named_parameters()}
+    for key, (spec, names) in pm.param_shards.items():
+        torch.testing.assert_close(torch.cat([grads[name] for name in names], spec.dim), reference.get_parameter(key).grad)

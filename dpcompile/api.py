@@ -27,6 +27,7 @@ from dpcompile.fake import has_meta_tensors
 from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.fsdp_one_process import shard_over_dp
 from dpcompile.modules.other_mode import OtherModePending
 from dpcompile.planner import UNBUILT, plan_layouts
 from dpcompile.planning import device_budgets, plan_for_memory
@@ -78,9 +79,10 @@ def transform(
 
     ``copy_replicas=True`` gives virtual devices real replicas (as distinct GPUs get), so the
     multi-GPU code path runs and can be tested on one device. ``ddp_options`` (over a mesh)
-    are passed to ``DistributedDataParallel``; ``data_parallel="fsdp"`` (over a mesh) shards
+    are passed to ``DistributedDataParallel``; ``data_parallel="fsdp"`` shards
     parameters, gradients and optimizer state with FSDP2 instead (``mixed_precision=``: its
-    ``MixedPrecisionPolicy``), see ``docs/fsdp.md``. ``memory_per_device=`` (``"24GiB"``, bytes,
+    ``MixedPrecisionPolicy``), and over a device list in one process (one piece per dp copy),
+    see ``docs/fsdp.md``. ``memory_per_device=`` (``"24GiB"``, bytes,
     or ``{device: budget}``) with ``optimizer=`` and ``training=`` chooses the program that fits
     (``pm.strategy``), see ``docs/memory.md``. ``frontend=`` ``"fx"`` | ``"export"`` | ``"auto"``
     and ``example_kwargs=`` (HF models: ``input_ids=``, ``attention_mask=``, ``labels=``): see
@@ -104,6 +106,10 @@ def transform(
         memory_per_device=memory_per_device,
     )  # fmt: skip
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
+    fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
+                                       tensor_parallel)  # fmt: skip
+    if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp
+        model = _private_copy(model)
     copies, per_copy, dp_devices, context_parallel = 1, None, None, False
     if target is not None:  # mesh= over a device list: the same builders, devices in their order, dp composed over them
         arguments = replicate_over_dp(target, micro_batches)
@@ -131,7 +137,8 @@ def transform(
     recipe_options = {
         "frontend": frontend, "batch_dim": batch_dim, "output_device": output_device, "leaf_modules": leaf_modules,
         "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
-        "micro_batches": micro_batches, "schedule": schedule, "data_parallel": data_parallel,
+        "micro_batches": micro_batches, "schedule": schedule,
+        "data_parallel": "ddp" if fsdp_copies is not None else data_parallel,
         "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
         "exact_random": exact_random is not False, "context_parallel": context_parallel,
         "dp_micro_batches": per_copy, "dp_devices": dp_devices, "sequence_parallel": bool(sequence_parallel),
@@ -177,6 +184,8 @@ def transform(
                 dynamic_dims=dynamic_dims,
                 lazy_other_mode=True,
             )
+    if fsdp_copies and fsdp_copies > 1:
+        shard_over_dp(pm)
     pm.memory_options = {"optimizer": optimizer, "training": training}
     pm.memory_plan = estimate
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
@@ -465,11 +474,43 @@ def _check_data_parallel(data_parallel: object, mixed_precision: object, over_me
         raise ValueError(f'data_parallel={data_parallel!r}: expected "ddp" (the default) or "fsdp"')
     if data_parallel == "fsdp" and not over_mesh:
         raise ValueError(
-            'data_parallel="fsdp" shards over the processes of a DeviceMesh: pass a mesh with a "dp" dimension, '
-            'e.g. init_device_mesh("cuda", (world_size,), mesh_dim_names=("dp",))'
+            'make_recipe builds data_parallel="fsdp" over a DeviceMesh only; over a device list, '
+            'dpcompile.transform(model, devices, data_parallel="fsdp") builds replication and shards it over dp'
         )
     if mixed_precision is not None and data_parallel != "fsdp":
         raise ValueError('mixed_precision= is FSDP2\'s MixedPrecisionPolicy: pass it with data_parallel="fsdp"')
+
+
+def _fsdp_in_one_process(devices: Any, target: Any, data_parallel: str, mixed_precision: Any,
+                         memory_per_device: Any, pipeline: Any, tensor_parallel: Any) -> int | None:  # fmt: skip
+    """The size of ``dp`` where ``data_parallel="fsdp"`` shards over a device list (None otherwise);
+    refuses, by name, what one-process FSDP does not take."""
+    if data_parallel != "fsdp" or is_device_mesh(devices):
+        return None
+    layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
+    if "dp" not in layout:
+        raise DpCompileError(
+            f'data_parallel="fsdp" shards parameters over the dp dimension, and the layout {layout} has none: add one '
+            "(mesh={'dp': 2, 'tp': 2}, or leave tensor_parallel= and pipeline= out for {'dp': n})"
+        )
+    if mixed_precision is not None:
+        raise DpCompileError(
+            "mixed_precision= is FSDP2's MixedPrecisionPolicy, over a DeviceMesh; in one process FSDP keeps the "
+            "parameters' dtype: leave mixed_precision= out, or convert the model first (model.to(torch.bfloat16))"
+        )
+    if memory_per_device is not None:
+        raise DpCompileError(
+            'memory_per_device= does not predict data_parallel="fsdp" in one process yet: leave it out, or plan '
+            "with replication (the default data_parallel=)"
+        )
+    return layout["dp"]
+
+
+def _private_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` for FSDP to shard (the user's model keeps its parameters whole)."""
+    import copy
+
+    return copy.deepcopy(model)
 
 
 def _check_batch_dim(batch_dim: object) -> int | None:

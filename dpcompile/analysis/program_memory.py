@@ -20,14 +20,31 @@ from dpcompile.analysis.memory import optimizer_bytes
 __all__ = ["held_parameter_bytes", "program_memory"]
 
 
-def held_parameter_bytes(pm: nn.Module, labels: Sequence[str], devices: Sequence[torch.device]) -> dict[str, int]:
+def fsdp_pieces(pm: nn.Module) -> dict[str, tuple[int, str]]:
+    """``{piece name: (dp copy, the program's parameter name)}`` of a program FSDP sharded in one
+    process (``dpcompile.modules.fsdp_one_process``); empty for any other."""
+    return dict(pm.__dict__.get("fsdp_pieces") or {})
+
+
+def held_parameter_bytes(
+    pm: nn.Module, labels: Sequence[str], devices: Sequence[torch.device], copy: int | None = None
+) -> dict[str, int]:
     """Parameter bytes each device of ``pm`` holds, keyed by ``labels`` (one per device).
 
     Data parallel: every replica holds a full copy. Tensor parallel: each shard's bytes on its
-    slot (``pm.shard_param_slots``), replicated parameters on every device.
+    slot (``pm.shard_param_slots``), replicated parameters on every device. FSDP in one process:
+    each piece on its copy's device (over dp alone); ``copy``: count copy ``copy``'s pieces only,
+    at copy 0's places (over dp copies of another program).
     """
     out = dict.fromkeys(labels, 0)
     named = list(pm.named_parameters())
+    pieces = fsdp_pieces(pm)
+    if pieces and getattr(pm, "mode", None) == "data_parallel":  # FSDP over dp alone: piece r on device r
+        for name, p in named:
+            out[labels[pieces.get(name, (0, name))[0]]] += p.numel() * p.element_size()
+        return out
+    if copy is not None:  # FSDP over dp copies: what copy `copy` holds, at copy 0's places
+        named = [(name, p) for name, p in named if pieces.get(name, (0, name))[0] == copy]
     if getattr(pm, "mode", None) == "data_parallel":
         total = sum(p.numel() * p.element_size() for _, p in named)
         return dict.fromkeys(labels, total)

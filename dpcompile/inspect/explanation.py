@@ -18,7 +18,7 @@ from torch import nn
 from dpcompile import runtime
 from dpcompile.analysis.cost import comm_elements, ring_elements
 from dpcompile.analysis.memory import activation_bytes
-from dpcompile.analysis.program_memory import held_parameter_bytes, program_memory
+from dpcompile.analysis.program_memory import fsdp_pieces, held_parameter_bytes, program_memory
 from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.analysis.split_fraction import split_fraction
 from dpcompile.capture import capture_fx
@@ -142,7 +142,10 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     pipeline = _pipeline_report(pm, gm, recorder, own_labels, batch)
     if pipeline is not None and not getattr(pm, "stage_groups", None):  # one device per stage
         params = {own_labels[st["stage"]]: st["param_bytes"] for st in pipeline["stages"]}
-    if copies is not None:  # each copy holds copy 0's parameters on its own devices
+    if copies is not None and fsdp_pieces(pm):  # FSDP: each copy holds its pieces at copy 0's places
+        held = _fsdp_copy_bytes(pm, copies, own_labels, pipeline)
+        params = {label: held[label] for label in labels}
+    elif copies is not None:  # each copy holds copy 0's parameters on its own devices
         held = {copy[k]: params.get(label, 0) for copy in copies for k, label in enumerate(own_labels)}
         params = {label: held[label] for label in labels}
     fraction, whole = (
@@ -419,6 +422,26 @@ def param_bytes(pm: nn.Module) -> dict[str, int]:
     slot (``pm.shard_param_slots``), replicated parameters on every device.
     """
     return held_parameter_bytes(pm, device_labels(pm), device_list(pm))
+
+
+def _fsdp_copy_bytes(
+    pm: nn.Module, copies: Sequence[Sequence[str]], own_labels: Sequence[str], pipeline: Mapping[str, Any] | None
+) -> dict[str, int]:
+    """FSDP over dp copies in one process: copy ``r`` holds piece ``r`` of each parameter where copy 0
+    holds it (a stage of one device: by the stage's module paths; else by tensor-parallel slot)."""
+    devices = device_list(pm)
+    if pipeline is None or getattr(pm, "stage_groups", None):
+        per_copy = [held_parameter_bytes(pm, own_labels, devices, copy=r) for r in range(len(copies))]
+        return {copy[k]: per_copy[r].get(label, 0) for r, copy in enumerate(copies) for k, label in enumerate(own_labels)}
+    stages = [(own_labels.index(st["device"]) if st["device"] in own_labels else st["stage"], st["module_paths"])
+              for st in pipeline["stages"]]  # fmt: skip
+    held = {label: 0 for copy in copies for label in copy}
+    pieces = fsdp_pieces(pm)
+    for name, p in pm.named_parameters():
+        r, program_name = pieces.get(name, (0, name))
+        k = next((k for k, paths in stages if any(program_name.startswith(f"{path}.") for path in paths)), 0)
+        held[copies[r][k]] += p.numel() * p.element_size()
+    return held
 
 
 def _imbalance(values: Mapping[str, float]) -> float:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -25,8 +23,8 @@ from dpcompile.analysis.cost import CommCost
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names, unalias
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.weights import state_dict_loaded
-from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
+from dpcompile.modules.sharded_state import ShardedState
+from dpcompile.runtime.tensor_parallel import ShardSpec
 
 _SOURCE_PARAMETERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter of a transformed model -> its model's name
 _hook_installed = False
@@ -115,7 +113,7 @@ def _refuse_untrained_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         raise DpCompileError(OPTIMIZER_TRAP.format(model=_SOURCE_PARAMETERS[watched[0]]))
 
 
-class TensorParallelModule(ParallelModule):
+class TensorParallelModule(ShardedState, ParallelModule):
     """A tensor-parallel program. Build it with ``dpcompile.transform(..., tensor_parallel=...)``.
 
     * ``pm.plan``: ``{module path: "column" | "row" | "replicate"}`` as applied;
@@ -174,77 +172,6 @@ class TensorParallelModule(ParallelModule):
             for k in range(n) if slot is None else (slot,):
                 out[k] += size
         return out
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """The original model's keys, each holding the full (gathered) tensor."""
-        if args:  # the positional form nn.Module still accepts
-            destination = args[0]
-        own = super().state_dict(keep_vars=keep_vars)
-        if destination is None:
-            destination = OrderedDict()
-        aliases = getattr(self, "state_aliases", {})
-        for key in self.state_keys:
-            source = key if key in self.param_shards or key in own else aliases.get(key, key)  # T5's `shared`, never called
-            if source in self.param_shards:
-                spec, names = self.param_shards[source]
-                value = unshard([own[name] for name in names], spec, self.devices.primary)
-                destination[prefix + key] = value if keep_vars else value.detach()
-            elif source in own:
-                destination[prefix + key] = own[source]
-        return destination
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load full tensors under the original keys, cutting the shards out of them."""
-        keys = set(self.state_keys)
-        missing = [k for k in self.state_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in keys]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
-                f"unexpected keys {unexpected}"
-            )
-        own = super().state_dict(keep_vars=True)
-        with torch.no_grad():
-            for key in self.state_keys:
-                if key not in state_dict:
-                    continue
-                value = state_dict[key]
-                if key in self.param_shards:
-                    spec, names = self.param_shards[key]
-                    expected = sum(spec.sizes)
-                    if value.dim() <= spec.dim or value.size(spec.dim) != expected:
-                        raise RuntimeError(
-                            f"size mismatch for {key}: got {tuple(value.shape)}, the sharded parameter has "
-                            f"{expected} along dim {spec.dim} (shards {list(spec.sizes)})"
-                        )
-                    for k, name in enumerate(names):
-                        own[name].copy_(shard_of(value, spec, k))
-                elif key in own:
-                    if own[key].shape != value.shape:
-                        raise RuntimeError(f"size mismatch for {key}: got {tuple(value.shape)}, expected {tuple(own[key].shape)}")
-                    own[key].copy_(value)
-        state_dict_loaded(self, missing)  # a program built on meta holds its weights now
-        return _IncompatibleKeys(missing, unexpected)
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
-                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:  # fmt: skip
-        """``parent.load_state_dict(...)`` of a module holding ``pm``: cut each full tensor under
-        its original key into the shard keys the submodules load, before they load."""
-        for key, (spec, names) in self.param_shards.items():
-            value = state_dict.get(prefix + key)
-            if not isinstance(value, torch.Tensor):
-                continue
-            del state_dict[prefix + key]
-            if value.dim() <= spec.dim or value.size(spec.dim) != sum(spec.sizes):
-                error_msgs.append(
-                    f"size mismatch for {prefix + key}: got {tuple(value.shape)}, the sharded parameter has "
-                    f"{sum(spec.sizes)} along dim {spec.dim} (shards {list(spec.sizes)})"
-                )
-                continue
-            for k, name in enumerate(names):
-                state_dict[prefix + name] = shard_of(value, spec, k)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     # ------------------------------------------------------------------ pickling
     def _extra_state_for_pickle(self) -> dict[str, Any]:

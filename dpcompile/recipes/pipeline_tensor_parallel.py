@@ -44,6 +44,7 @@ from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.carried import modes_applied
+from dpcompile.modules.fsdp_one_process import tensor_parallel_shards
 from dpcompile.modules.pipeline import Stage
 from dpcompile.modules.pipeline_1f1b import OneFOneBStep
 from dpcompile.modules.pipeline_tensor_parallel import PipelineTensorParallelModule
@@ -234,7 +235,7 @@ class PipelineTensorParallelRecipe(Recipe):
             )  # fmt: skip
             variant = dataclasses.replace(self, plan=dict(pm.plan), micro_batches=key.devices, check_available=False)
             built = variant.compile(source, example, none_args=key.none_args, flags=dict(key.flags))
-        if built.param_shards != pm.param_shards:
+        if built.param_shards != tensor_parallel_shards(pm):
             raise DpCompileError(
                 f"the call ({key.describe()}) takes another path through forward, whose layers shard "
                 "differently; transform the model for that call (example_inputs= of it)"

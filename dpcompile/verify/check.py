@@ -149,7 +149,7 @@ def _module_device(model: nn.Module) -> torch.device | None:
 
 def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor | None]:
     """Gradients of ``pm`` under the model's parameter names (full tensors, shards gathered)."""
-    if getattr(pm, "mode", None) == "data_parallel":
+    if getattr(pm, "mode", None) == "data_parallel" and not getattr(pm, "param_shards", None):  # FSDP: pieces
         own = dict(pm.named_parameters())
         return {n: (None if own.get(n) is None or own[n].grad is None else own[n].grad.detach().clone()) for n in names}
     # Tensor parallel: swap each shard's data for its gradient and let state_dict gather them.

@@ -220,11 +220,12 @@ def test_fsdp_4_processes(four, name):
     assert_group_passed(four, 4, name, timeout=GROUP_TIMEOUT_S)
 
 
-def test_fsdp_needs_a_mesh():
-    """Without a mesh there are no processes to shard over: a ValueError naming the way out."""
+def test_fsdp_needs_a_dp_dimension():
+    """Over a device list FSDP shards over dp in one process (test_fsdp_one_process.py); a layout
+    without dp has nothing to shard over: an error naming the way out. An unknown kind: a ValueError."""
     import dpcompile
 
-    with pytest.raises(ValueError, match="DeviceMesh"):
-        dpcompile.transform(Stack(), ["cpu", "cpu"], data_parallel="fsdp")
+    with pytest.raises(dpcompile.DpCompileError, match="has none: add one"):
+        dpcompile.transform(Stack(), ["cpu", "cpu"], tensor_parallel=True, data_parallel="fsdp")
     with pytest.raises(ValueError, match='"ddp"'):
         dpcompile.transform(Stack(), ["cpu", "cpu"], data_parallel="zero3")

@@ -1,7 +1,8 @@
 """Training checkpoints of FSDP programs over 2 gloo ranks: AdamW's state saved from FSDP (DTensor
 state, gathered one tensor at a time) loads into a fresh FSDP program (each rank its rows, as
 DTensors) and into tensor parallel in one process, bit-identical; the resumed FSDP run's next 2
-steps equal the uninterrupted run's; what one process saved loads into FSDP."""
+steps equal the uninterrupted run's; it loads into FSDP in one process (dp x tp) too; what one
+process saved (data parallel, and FSDP in one process) loads into FSDP."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 from tests.integration.test_fsdp_checkpoint import GROUP_TIMEOUT_S, Net
+from tests.integration.test_training_checkpoint import state_in_model_layout
 
 
 def _fsdp(model):
@@ -92,25 +94,42 @@ def check_fsdp_resume(folder: str) -> None:
         for p, k in zip(tp.parameters(), kept):
             p.copy_(k)
 
-    # what one process saved (rank 0, data parallel) into FSDP
-    one = Path(folder) / "one_process"
+
+    # and into FSDP in one process, over dp x tp on virtual devices (each rank on its own)
+    local = dpcompile.transform(Net(), ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, data_parallel="fsdp")
+    local_opt = torch.optim.AdamW(local.parameters(), lr=1.0)
+    dpcompile.load_checkpoint(local, path, optimizer=local_opt)
+    for name, want in saved.items():
+        for key, value in state_in_model_layout(local, local_opt, name).items():
+            assert torch.equal(value, want[key]), (name, key)
+
+    # what one process saved (rank 0: data parallel, then FSDP in one process) into FSDP
+    for one, sharded in ((Path(folder) / "one_process", False), (Path(folder) / "one_process_fsdp", True)):
+        _one_process_into_fsdp(folder, one, sharded, xs[0], rank)
+
+
+def _one_process_into_fsdp(folder, one, sharded, x, rank):
+    import torch.distributed as dist
+
+    import dpcompile
+
     if rank == 0:
         torch.manual_seed(0)
-        dp = dpcompile.transform(Net(), ["cpu", "cpu"])
+        dp = dpcompile.transform(Net(), ["cpu", "cpu"], data_parallel="fsdp" if sharded else "ddp")
         dp_opt = torch.optim.AdamW(dp.parameters(), lr=1e-2)
-        _step(dp, dp_opt, xs[0], 0, 1)
+        _step(dp, dp_opt, x, 0, 1)
         dpcompile.save_checkpoint(dp, one, optimizer=dp_opt)
-        torch.save({k: v.clone() for k, v in dp.state_dict().items()}, Path(folder) / "dp_params.pt")
-        torch.save(_state(dp, dp_opt, "exp_avg"), Path(folder) / "dp_exp_avg.pt")
+        torch.save({k: v.clone() for k, v in dp.state_dict().items()}, Path(folder) / f"{one.name}_params.pt")
+        torch.save(state_in_model_layout(dp, dp_opt, "exp_avg"), Path(folder) / f"{one.name}_exp_avg.pt")
     dist.barrier()
     target = _fsdp(Net())
     target_opt = torch.optim.AdamW(target.parameters(), lr=1.0)
     dpcompile.load_checkpoint(target, one, optimizer=target_opt)
-    want = torch.load(Path(folder) / "dp_exp_avg.pt")
+    want = torch.load(Path(folder) / f"{one.name}_exp_avg.pt")
     got = _state(target, target_opt, "exp_avg")
     for key in want:
         assert torch.equal(got[key], want[key]), key
-    params = torch.load(Path(folder) / "dp_params.pt")
+    params = torch.load(Path(folder) / f"{one.name}_params.pt")
     for key, value in target.state_dict().items():
         assert torch.equal(value, params[key]), key
 

@@ -1,0 +1,238 @@
+"""FSDP in one process: each parameter stored as ``D`` shards, one per ``dp`` copy, gathered where it is read.
+
+``transform(model, ["cpu"] * 2, data_parallel="fsdp")`` (and ``mesh={"dp": 2, "tp": 2}`` with it)
+builds the program as for replication, then :func:`shard_over_dp` stores each parameter (a whole
+one, or a tensor-parallel shard) as ``D`` pieces, piece ``r`` on copy ``r``'s device: ZeRO-3 on
+the dp devices. The pieces are the only stored copy; reading the parameter gathers them (``cat``
+of the pieces moved to the parameter's device), and autograd of that gather sums every copy's
+gradient into each piece (a reduce-scatter), so the optimizer steps on the pieces and its state
+is sharded too.
+
+Before (``mesh={"dp": 2}``)::
+
+    pm.named_parameters()   # fc1.weight (16, 8) on cpu
+
+After::
+
+    pm.named_parameters()   # fc1.parametrizations.weight.original0 (8, 8) on copy 0's device
+                            # fc1.parametrizations.weight.original1 (8, 8) on copy 1's device
+    pm.state_dict()         # {"fc1.weight": the whole (16, 8) tensor, ...}: the model's keys
+
+A whole parameter splits along dim 0; a tensor-parallel shard along its own split dim (by
+sections for a fused qkv), so each key is one :class:`ShardSpec` of ``T x D`` pieces and the
+checkpoint code reads and writes the pieces as it does tensor-parallel shards. Uneven sizes are
+balanced as ``tensor_split`` balances them (no padding). A 0-dim parameter stays whole on copy 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.utils.weak import WeakIdKeyDictionary
+
+from dpcompile.errors import DpCompileError
+from dpcompile.modules.sharded_state import ShardedState
+from dpcompile.program_cache import ProgramCache
+from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
+
+
+class GatherShards(nn.Module):
+    """``weight = cat(pieces moved to device)``: the whole parameter a call reads; its gradient
+    flows back into each piece."""
+
+    def __init__(self, spec: ShardSpec, piece_devices: Sequence[str], device: str):
+        super().__init__()
+        self.spec, self.piece_devices, self.device = spec, tuple(piece_devices), device
+
+    def forward(self, *pieces: torch.Tensor) -> torch.Tensor:
+        whole = unshard(pieces, self.spec, self.device)
+        GATHERED[whole] = (self, pieces)  # backward gathers it again instead of keeping it (see regathered)
+        return whole
+
+    def right_inverse(self, whole: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(shard_of(whole.detach(), self.spec, r).to(d).clone() for r, d in enumerate(self.piece_devices))
+
+
+#: each whole parameter a gather made and autograd may save: ``{tensor: (its gather, its pieces)}``
+GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _pack(t: torch.Tensor) -> Any:
+    """Autograd saves a gathered parameter (or a view of one, ``weight.t()``) as how to gather it."""
+    found = GATHERED.get(t if t._base is None else t._base)
+    if found is None:
+        return t
+    return (*found, t.size(), t.stride(), t.storage_offset())
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    if isinstance(saved, torch.Tensor):
+        return saved
+    gather, pieces, size, stride, offset = saved
+    with torch.no_grad():
+        whole = unshard([p.detach() for p in pieces], gather.spec, gather.device)
+    return whole.as_strided(size, stride, offset)
+
+
+def regathered() -> Any:
+    """Within a call: a whole parameter autograd saves for backward is freed after forward and
+    gathered again where backward needs it (ZeRO-3's second all-gather), not kept for the step."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
+class FsdpProgram(ShardedState):
+    """The state of a program sharded over ``dp`` in one process: the model's keys, whole tensors."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # one gather a parameter a call, however many copies and micro-batches read it
+        with regathered(), parametrize.cached():
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+    @property
+    def code(self) -> str:
+        """The program as Python, headed by the gathers: which pieces make each parameter, where."""
+        return f"{gathers_note(self)}\n{super().code}"  # type: ignore[misc]
+
+    def __reduce__(self) -> Any:
+        raise DpCompileError(
+            'a data_parallel="fsdp" program in one process is not pickled yet: save it with '
+            "dpcompile.save_checkpoint(pm, path) and transform again, then load_checkpoint"
+        )
+
+
+def gathers_note(pm: nn.Module) -> str:
+    """One comment line per gathered parameter::
+
+        # fc1.weight = gather(original0 on cpu:0, original1 on cpu:1, dim 0) on cpu:0
+    """
+    lines = ['# data_parallel="fsdp": each parameter is stored as pieces, gathered where the code reads it']
+    for path, module in pm.named_modules():
+        if isinstance(module, GatherShards):
+            owner, _, leaf = path.rpartition(".")[0].partition(".parametrizations.")
+            pieces = ", ".join(f"original{r} on {d}" for r, d in enumerate(module.piece_devices))
+            lines.append(f"# {owner}.{leaf} = gather({pieces}, dim {module.spec.dim}) on {module.device}")
+    return "\n".join(lines)
+
+
+def balanced(size: int, parts: int) -> tuple[int, ...]:
+    """``size`` in ``parts`` as ``tensor_split`` cuts it: the first ``size % parts`` one larger.
+
+    >>> balanced(10, 4)
+    (3, 3, 2, 2)
+    """
+    return tuple(size // parts + (1 if r < size % parts else 0) for r in range(parts))
+
+
+def dp_spec(shape: Sequence[int], copies: int, outer: ShardSpec | None) -> ShardSpec:
+    """How a parameter of ``shape`` (a tensor-parallel shard under ``outer``, or whole) splits
+    over ``copies``: along ``outer``'s dim and by its sections, else along dim 0."""
+    dim, sections = (outer.dim, outer.sections) if outer is not None else (0, 1)
+    return ShardSpec(dim, tuple(n * sections for n in balanced(shape[dim] // sections, copies)), sections)
+
+
+def copy_devices(pm: nn.Module) -> list[dict[str, str]]:
+    """For each dp copy ``r``: ``{device of copy 0: device of copy r}``."""
+    dp_devices = getattr(pm.recipe, "dp_devices", None)
+    if dp_devices is None:  # dp alone: each device is a copy, the program's parameters on the first
+        first = str(pm.devices.primary)
+        return [{first: str(d)} for d in pm.devices]
+    return [dict(zip(dp_devices[0], copy)) for copy in dp_devices]
+
+
+def program_device(pm: Any, name: str, p: torch.Tensor) -> str:
+    """The device the program places parameter ``name`` on (``cpu:1`` where ``p.device`` says only
+    ``cpu``): its tensor-parallel slot, else its pipeline stage's first device, else the first device."""
+    slot = (getattr(pm, "shard_param_slots", None) or {}).get(name)
+    if slot is not None:
+        return str(pm.devices[slot])
+    groups = getattr(pm, "stage_groups", None)
+    for stage in getattr(pm, "stages", None) or ():
+        if any(name.startswith(f"{path}.") for path in stage.module_paths):
+            return groups[stage.index][0] if groups else stage.device
+    return str(pm.devices.primary) if p.device.type == pm.devices.primary.type else str(p.device)
+
+
+def shard_over_dp(pm: nn.Module) -> None:
+    """Store every parameter of ``pm`` as one piece per dp copy (see the module docstring)."""
+    copies = copy_devices(pm)
+    tp_shards: Mapping[str, tuple[ShardSpec, list[str]]] = dict(getattr(pm, "param_shards", None) or {})
+    state_keys = list(pm.state_keys) if hasattr(pm, "state_keys") else list(pm.state_dict().keys())
+    outer_of = {name: spec for spec, names in tp_shards.values() for name in names}
+    by_tensor: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in pm.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    pieces_of: dict[str, tuple[ShardSpec, list[str]]] = {}
+    for key, names in by_tensor.items():
+        p = params[key]
+        if p.dim() == 0:
+            continue
+        spec = dp_spec(p.shape, len(copies), outer_of.get(names[0]))
+        device = program_device(pm, names[0], p)
+        gather = GatherShards(spec, [copy.get(device, device) for copy in copies], device)
+        shared = None
+        for name in names:
+            path, _, leaf = name.rpartition(".")
+            module = pm.get_submodule(path)
+            parametrize.register_parametrization(module, leaf, gather, unsafe=True)
+            if shared is None:
+                shared = module.parametrizations[leaf]
+            else:  # a tied parameter: every module reads the same pieces
+                module.parametrizations[leaf] = shared
+            prefix = f"{path}." if path else ""
+            pieces_of[name] = (spec, [f"{prefix}parametrizations.{leaf}.original{r}" for r in range(len(copies))])
+    param_shards: dict[str, tuple[ShardSpec, list[str]]] = {}
+    for key in state_keys:
+        if key in tp_shards:
+            param_shards[key] = combined(tp_shards[key], pieces_of)
+        elif key in pieces_of:
+            param_shards[key] = pieces_of[key]
+    if not isinstance(pm, FsdpProgram):
+        pm.__class__ = type(f"Fsdp{type(pm).__name__}", (FsdpProgram, type(pm)), {})
+    pm.state_keys = state_keys
+    pm.param_shards = param_shards
+    if isinstance(getattr(pm, "shard_param_slots", None), dict):  # each piece on its parameter's slot
+        slot_of = dict(pm.shard_param_slots)
+        piece_slots = {piece: slot_of.get(n) for n, (_, pieces) in pieces_of.items() for piece in pieces}
+        pm.shard_param_slots = {n: piece_slots.get(n, slot_of.get(n)) for n, _ in pm.named_parameters()}
+    pm.__dict__["fsdp_pieces"] = {
+        piece: (r, name) for name, (_, names) in pieces_of.items() for r, piece in enumerate(names)
+    }  # how explain counts what each copy holds (analysis.program_memory.held_parameter_bytes)
+    pm.__dict__["_tp_param_shards"] = dict(tp_shards)  # what a variant traced again must shard as
+    _key_again(pm)
+
+
+def _key_again(pm: Any) -> None:
+    """The guard and the main program's key read again: the pieces changed the modules it watches."""
+    main = pm.program_cache.main_key
+    pm._attach_cache(pm.traced_model, dict(pm._flags), main.none_args, pm._shares_source)
+    key = pm._key(main.devices, main.none_args, main.flags, main.batched)
+    object.__setattr__(pm, "program_cache", ProgramCache(key, pm._build_program))
+
+
+def tensor_parallel_shards(pm: Any) -> dict[str, tuple[ShardSpec, list[str]]]:
+    """``pm``'s tensor-parallel shards as its program reads them (before FSDP split them into pieces)."""
+    return pm.__dict__.get("_tp_param_shards", pm.param_shards)
+
+
+def combined(
+    tp: tuple[ShardSpec, list[str]], pieces_of: Mapping[str, tuple[ShardSpec, list[str]]]
+) -> tuple[ShardSpec, list[str]]:
+    """A tensor-parallel key whose shards are each split over dp: one spec of ``T x D`` pieces,
+    shard-major (each piece still its part of every section of a fused qkv)."""
+    spec, names = tp
+    if not all(name in pieces_of for name in names):
+        return tp
+    sizes = tuple(size for name in names for size in pieces_of[name][0].sizes)
+    return ShardSpec(spec.dim, sizes, spec.sections), [piece for name in names for piece in pieces_of[name][1]]
+
+
+__all__ = [
+    "GATHERED", "FsdpProgram", "GatherShards", "balanced", "combined", "copy_devices", "dp_spec", "gathers_note", "program_device",
+    "regathered", "shard_over_dp", "tensor_parallel_shards",
+]  # fmt: skip

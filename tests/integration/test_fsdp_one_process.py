@@ -1,0 +1,201 @@
+"""``data_parallel="fsdp"`` over a device list: each parameter stored as one piece per dp copy (the
+only stored copy, balanced as ``tensor_split`` cuts), gathered where it is read; the model's state
+dict, explain's bytes per device, the calls that need another program, and what is refused.
+(Training against eager in every layout: ``test_layout_matrix.py``; checkpoints:
+``test_training_checkpoint_fsdp_one_process.py``.)"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile import DpCompileError
+from dpcompile.modules.fsdp_one_process import GATHERED, GatherShards
+from tests.test_layouts import Stack
+
+
+class Uneven(nn.Module):
+    """Rows that 3 copies cannot split evenly (10 and 5), and a 0-dim parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 10), nn.Linear(10, 5)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) * self.scale
+
+
+def _pieces(pm):
+    return {name: tuple(p.shape) for name, p in pm.named_parameters()}
+
+
+def test_each_parameter_is_one_piece_per_copy_and_the_state_dict_is_the_models():
+    """3 copies: rows 10 -> 4, 3, 3 and 5 -> 2, 2, 1; the 0-dim scale stays whole; the state dict
+    has the model's keys and tensors; the model given keeps its own parameters whole."""
+    torch.manual_seed(0)
+    model = Uneven()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    pm = dpcompile.transform(model, ["cpu"] * 3, data_parallel="fsdp")
+    assert _pieces(pm) == {
+        **{f"fc1.parametrizations.weight.original{r}": (n, 4) for r, n in enumerate((4, 3, 3))},
+        **{f"fc1.parametrizations.bias.original{r}": (n,) for r, n in enumerate((4, 3, 3))},
+        **{f"fc2.parametrizations.weight.original{r}": (n, 10) for r, n in enumerate((2, 2, 1))},
+        **{f"fc2.parametrizations.bias.original{r}": (n,) for r, n in enumerate((2, 2, 1))},
+        "scale": (),
+    }
+    state = pm.state_dict()
+    assert list(state) == list(before)
+    for key, value in before.items():
+        assert torch.equal(state[key], value), key
+    assert list(model.parameters()) == params and type(model.fc1) is nn.Linear  # the model is not sharded
+    x = torch.randn(7, 4)
+    torch.testing.assert_close(pm(x), model(x))
+
+
+def test_load_state_dict_cuts_the_pieces_and_refuses_a_wrong_shape():
+    torch.manual_seed(0)
+    pm = dpcompile.transform(Uneven(), ["cpu"] * 3, data_parallel="fsdp")
+    other = Uneven()
+    pm.load_state_dict(other.state_dict())
+    assert torch.equal(pm.get_parameter("fc1.parametrizations.weight.original1"), other.fc1.weight[4:7])
+    for key, value in other.state_dict().items():
+        assert torch.equal(pm.state_dict()[key], value), key
+    wrong = {**other.state_dict(), "fc2.weight": torch.zeros(6, 10)}
+    with pytest.raises(RuntimeError, match="size mismatch for fc2.weight"):
+        pm.load_state_dict(wrong)
+
+
+def test_explain_counts_each_piece_on_its_copys_device():
+    """Parameter bytes per device are the replicated program's divided by dp, in every layout."""
+    torch.manual_seed(0)
+    model = Stack()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for layout, n in (({"dp": 2}, 2), ({"dp": 2, "tp": 2}, 4), ({"pp": 2, "dp": 2}, 4)):
+        replicated = dpcompile.transform(copy.deepcopy(model), ["cpu"] * n, mesh=layout)
+        sharded = dpcompile.transform(copy.deepcopy(model), ["cpu"] * n, mesh=layout, data_parallel="fsdp")
+        full = dpcompile.explain(replicated, torch.randn(8, 8)).param_bytes
+        held = dpcompile.explain(sharded, torch.randn(8, 8)).param_bytes
+        assert sum(held.values()) == total, (layout, held)
+        assert held == {label: size // 2 for label, size in full.items()}, (layout, held, full)
+
+
+def test_distinct_devices_hold_piece_r_on_copy_r_and_train_like_eager():
+    """dp x tp over cpu:0..3: copy 0 runs on cpu:0, cpu:1 and copy 1 on cpu:2, cpu:3, so the pieces
+    of the shard copy 0 holds on cpu:1 lie on cpu:1 and cpu:3, gathered to cpu:1 (pm.code's head
+    says so; a row-parallel shard's pieces split its own dim, 1); 2 AdamW steps equal eager's; verify on fake
+    CUDA devices passes; eval and a smaller batch (programs built again) give eager's outputs."""
+    torch.manual_seed(0)
+    model, reference = Stack(), Stack()
+    reference.load_state_dict(model.state_dict())
+    devices = [f"cpu:{k}" for k in range(4)]
+    pm = dpcompile.transform(model, devices, mesh={"dp": 2, "tp": 2}, data_parallel="fsdp")
+    gathers = {path: m for path, m in pm.named_modules() if isinstance(m, GatherShards)}
+    first = gathers["layers.0.0.parametrizations.weight_shard0.0"]
+    assert (first.piece_devices, first.device) == (("cpu:0", "cpu:2"), "cpu:0")
+    second = gathers["layers.0.0.parametrizations.weight_shard1.0"]
+    assert (second.piece_devices, second.device) == (("cpu:1", "cpu:3"), "cpu:1")
+    assert "# layers.0.0.weight_shard1 = gather(original0 on cpu:1, original1 on cpu:3, dim 0) on cpu:1\n" in pm.code
+    assert "# layers.0.2.weight_shard0 = gather(original0 on cpu:0, original1 on cpu:2, dim 1) on cpu:0\n" in pm.code
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for _ in range(2):
+        x = torch.randn(8, 8)
+        loss, expected = pm(x), reference(x)
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(pm.state_dict()[key], value, msg=key)
+    assert dpcompile.verify(pm, reference, torch.randn(8, 8), fake_devices=4)
+    pm.eval()
+    reference.eval()
+    with torch.no_grad():
+        for x in (torch.randn(8, 8), torch.randn(3, 8)):
+            torch.testing.assert_close(pm(x), reference(x))
+
+
+@pytest.mark.parametrize(("layout", "n"), [({"dp": 2}, 2), ({"dp": 2, "tp": 2}, 4), ({"pp": 2, "dp": 2}, 4)])
+def test_no_whole_parameter_outlives_forward(layout, n):
+    """After forward, no parameter gathered for it is alive (autograd saved how to gather it, and
+    backward gathers it again); backward still gives eager's gradients (as the layout matrix checks)."""
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * n, mesh=layout, data_parallel="fsdp")
+    own = {id(m) for m in pm.modules()}
+    x = torch.randn(8, 8)
+    loss = pm(x)
+    gc.collect()
+    assert not [g for g, _ in list(GATHERED.values()) if id(g) in own]
+    loss.backward()
+    reference(x).backward()
+    grads = {name: p.grad for name, p in pm.named_parameters()}
+    for key, (spec, names) in pm.param_shards.items():
+        whole = torch.cat([grads[name] for name in names], spec.dim)
+        torch.testing.assert_close(whole, reference.get_parameter(key).grad, msg=key)
+
+
+def test_meta_model_is_filled_by_load_checkpoint(tmp_path):
+    """A model built on meta, sharded over dp x tp, filled from a replicated program's checkpoint."""
+    torch.manual_seed(0)
+    reference = Stack()
+    dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(reference), ["cpu"] * 2), tmp_path / "ckpt")
+    with torch.device("meta"):
+        meta = Stack()
+    pm = dpcompile.transform(meta, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, data_parallel="fsdp")
+    assert pm.needs_weights
+    dpcompile.load_checkpoint(pm, tmp_path / "ckpt")
+    x = torch.randn(8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), reference(x))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"tensor_parallel": True}, r"layout \{'tp': 2\} has none"),
+     ({"mixed_precision": object()}, "mixed_precision= is FSDP2's"),
+     ({"memory_per_device": "1GiB"}, "memory_per_device= does not predict")],
+)  # fmt: skip
+def test_what_one_process_fsdp_refuses_is_named(options, message):
+    with pytest.raises(DpCompileError, match=message):
+        dpcompile.transform(Stack(), ["cpu"] * 2, data_parallel="fsdp", **options)
+
+
+def test_pickling_is_refused_with_the_way_out():
+    pm = dpcompile.transform(Stack(), ["cpu"] * 2, data_parallel="fsdp")
+    with pytest.raises(DpCompileError, match="save_checkpoint"):
+        pickle.dumps(pm)
+
+
+@pytest.mark.parametrize(
+    ("options", "n"),
+    [({"copy_replicas": True}, 2), ({"activation_checkpointing": True}, 2),
+     ({"mesh": {"pp": 2, "dp": 2}, "activation_checkpointing": True}, 4)],
+    ids=["copy_replicas", "checkpointing", "pp_dp_checkpointing"],
+)  # fmt: skip
+def test_fsdp_with_real_replicas_or_recompute_gives_eagers_gradients(options, n):
+    """Real replicas on virtual devices (distinct GPUs' code path) and activation checkpointing
+    (backward recomputes, reading the parameters again): the loss and every gradient equal eager's."""
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * n, data_parallel="fsdp", **options)
+    x = torch.randn(8, 8)
+    loss, expected = pm(x), reference(x)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    grads = {name: p.grad for name, p in pm.named_parameters()}
+    for key, (spec, names) in pm.param_shards.items():
+        torch.testing.assert_close(torch.cat([grads[name] for name in names], spec.dim), reference.get_parameter(key).grad)

@@ -1,0 +1,98 @@
+"""Training checkpoints of ``data_parallel="fsdp"`` in one process: the small LM of
+``test_training_checkpoint.py`` (fused qkv, a tied vocab-parallel LM head; float64) trained one
+AdamW step under FSDP over dp (3 copies: uneven pieces), dp x tp or pp x dp, saved, and loaded
+under a replicated, tensor-parallel or pipeline layout and another FSDP layout (and those
+saved into FSDP): parameters and AdamW state bit-identical to what was saved, the next 2 steps'
+losses and parameters equal the uninterrupted eager run."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import dpcompile
+from tests.integration.test_training_checkpoint import batches, eager_run, make_model, state_in_model_layout, train_step
+
+FSDP = {"fsdp3": {"dp": 3}, "fsdp2xtp2": {"dp": 2, "tp": 2}, "pp2xfsdp2": {"pp": 2, "dp": 2}}
+OTHERS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2xtp2": {"pp": 2, "tp": 2}}
+# each FSDP layout saved into a replicated, tensor-parallel or pipeline layout and into another FSDP
+# layout, and each of those saved into an FSDP layout (every pair passes: 25 pairs, ~55 s)
+PAIRS = [("fsdp3", "tp2"), ("fsdp3", "pp2xfsdp2"), ("fsdp2xtp2", "pp2xtp2"), ("fsdp2xtp2", "fsdp3"),
+         ("pp2xfsdp2", "dp2"), ("pp2xfsdp2", "fsdp2xtp2"), ("tp2", "fsdp3"), ("pp2xtp2", "pp2xfsdp2"),
+         ("dp2", "fsdp2xtp2")]  # fmt: skip
+
+_PROGRAMS: dict[str, object] = {}
+_SAVED: dict[str, dict] = {}
+
+
+def program(name: str):
+    """One program per layout for the module, set back to the model's initial weights, a fresh AdamW."""
+    if name not in _PROGRAMS:
+        layout = {**FSDP, **OTHERS}[name]
+        n = 1
+        for size in layout.values():
+            n *= size
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _PROGRAMS[name] = dpcompile.transform(
+                make_model(), ["cpu"] * n, mesh=layout, example_inputs=batches()[0],
+                data_parallel="fsdp" if name in FSDP else "ddp",
+            )  # fmt: skip
+    pm = _PROGRAMS[name]
+    pm.load_state_dict(make_model().state_dict())
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    return pm, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def saved(name: str, folder: Path) -> dict:
+    if name not in _SAVED:
+        pm, opt, sched = program(name)
+        train_step(pm, opt, sched, batches()[0])
+        dpcompile.save_checkpoint(pm, folder / name, optimizer=opt, lr_scheduler=sched)
+        _SAVED[name] = {
+            "path": folder / name,
+            "params": {k: v.clone() for k, v in pm.state_dict().items()},
+            **{s: state_in_model_layout(pm, opt, s) for s in ("exp_avg", "exp_avg_sq")},
+        }
+    return _SAVED[name]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp_one_process_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return eager_run()
+
+
+@pytest.mark.parametrize(("source", "dest"), PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
+def test_fsdp_checkpoint_resumes_under_another_layout(source, dest, folder, eager):
+    before = saved(source, folder)
+    pm = program(dest)[0]
+    opt = torch.optim.AdamW(pm.parameters(), lr=1.0, weight_decay=0.0)  # hyper-parameters come from the checkpoint
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    dpcompile.load_checkpoint(pm, before["path"], optimizer=opt, lr_scheduler=sched)
+    for key, value in pm.state_dict().items():
+        assert torch.equal(value, before["params"][key]), key
+    for name in ("exp_avg", "exp_avg_sq"):
+        for key, value in state_in_model_layout(pm, opt, name).items():
+            assert torch.equal(value, before[name][key]), (name, key)
+    losses, params = eager
+    resumed = [train_step(pm, opt, sched, b) for b in batches()[1:]]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-12, atol=0)
+    for key, value in pm.state_dict().items():
+        torch.testing.assert_close(value, params[key], rtol=1e-10, atol=1e-12, msg=key)
+
+
+def test_fsdp_optimizer_state_is_sharded_like_its_parameters(folder):
+    """AdamW's state of each piece has the piece's shape: the state is stored once, split over dp."""
+    pm, opt, sched = program("fsdp2xtp2")
+    train_step(pm, opt, sched, batches()[0])
+    for name, p in pm.named_parameters():
+        assert ".parametrizations." in name, name
+        assert opt.state[p]["exp_avg"].shape == p.shape, name

@@ -26,6 +26,7 @@ Rules are grouped by op family (the families of :mod:`dpcompile.analysis.ops`), 
 ``products``       ``dot``/``inner``/``outer``/``mv``, ``F.bilinear``, ``cross``, ``linalg.vecdot``
 ``reorder``        ``fliplr``, ``rot90``, ``tile``, ``movedim``, ``atleast_*d``, the ``*_copy`` views
 ``per_sample_ops`` antialiased upsampling, 3-D grid sampling, ``F.softmin``
+``random_sizes``   ``torch.normal(mean, std, size)`` with a size holding the batch size
 ``reasons``        why an op runs whole where a split of its rows exists (one table)
 =================  ==============================================================
 
@@ -57,6 +58,7 @@ from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
     per_sample_ops,
     pointwise,
     products,
+    random_sizes,
     reasons,
     reductions,
     reorder,

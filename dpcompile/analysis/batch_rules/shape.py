@@ -408,7 +408,7 @@ def _sizes(ctx: RuleContext) -> list:
     return sizes
 
 
-def _batch_entry(ctx: RuleContext, sizes: list) -> int | None:
+def batch_entry(ctx: RuleContext, sizes: list) -> int | None:
     """The one position of ``sizes`` that holds a batch size, or a multiple of it (others carry no
     batch), or None: ``zeros(b * k, d)`` makes ``k`` rows per sample, as the whole does."""
     at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) in (BatchSize(), BatchSize(rows=True))]
@@ -421,7 +421,7 @@ def expand_to_batch(ctx: RuleContext) -> Placement | None:
     chunk's batch size: the result is split there (a ViT's class token becomes per device).
     ``repeat`` tiles with the period of the tensor's size, which every chunk starts on."""
     sizes = _sizes(ctx)
-    at = _batch_entry(ctx, sizes)
+    at = batch_entry(ctx, sizes)
     if at is None:
         return None
     if target_name(ctx.node) in ("expand", "broadcast_to"):
@@ -556,7 +556,7 @@ def factory(ctx: RuleContext) -> Placement | None:
         return Split(ctx.p(sizes).shape_of_dim)
     if sizes is None:
         return None
-    at = _batch_entry(ctx, sizes)
+    at = batch_entry(ctx, sizes)
     if at is None and all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for s in sizes):
         return REPLICATED  # x.new_ones([]) / x.new_zeros(h, w) of a split x: no batch size among the sizes
     return Split(at) if at is not None else None
@@ -583,25 +583,3 @@ BATCH_RULES.register("diagonal", diagonal)
 BATCH_RULES.register_family(ops.FACTORIES, factory)
 BATCH_RULES.register("size", size)
 
-
-def normal(ctx: RuleContext) -> Placement | None:
-    """``torch.normal(0.0, 1.0, (b, h))``: numbers for mean and std and a size holding a batch
-    size draw each device's rows, as a factory makes them; tensor mean and std draw per element."""
-    bound = {**dict(zip(("mean", "std", "size"), ctx.node.args)), **ctx.node.kwargs}
-    if not all(isinstance(bound.get(n), (int, float)) for n in ("mean", "std")) or "size" not in bound:
-        return pointwise(ctx)
-    others = [v for k, v in bound.items() if k != "size"]
-    if any(isinstance(v, fx.Node) and not isinstance(ctx.p(v), Replicated) for v in others):
-        return None
-    size = bound["size"]
-    if isinstance(size, fx.Node) and isinstance(ctx.p(size), BatchSize) and ctx.p(size).shape_of_dim is not None:
-        return Split(ctx.p(size).shape_of_dim)  # torch.normal(0.0, 1.0, x.shape)
-    if not isinstance(size, (list, tuple)):
-        return None
-    at = _batch_entry(ctx, list(size))
-    if at is None and all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for s in size):
-        return REPLICATED
-    return Split(at) if at is not None else None
-
-
-BATCH_RULES.register(torch.normal, normal, replace=True)

@@ -18,6 +18,7 @@ decompositions (what ``torch.export`` gives), so the table's ATen rules are the 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import sys
 import time
@@ -166,15 +167,24 @@ def _graph_for(fn: Any, sample: Any) -> tuple[fx.GraphModule, list[Any], dict[st
     return fx.GraphModule(torch.nn.Module(), graph), inputs, dims
 
 
-def _aten_graph(fn: Any, sample: Any) -> tuple[fx.GraphModule, list[Any], dict[str, int | None]] | None:
+@functools.cache
+def _core_aten_table() -> dict[Any, Any]:
+    """The core decompositions as a plain dict, read once: ``core_aten_decompositions()`` is a lazy
+    table that make_fx copies, and each copy walks every CompositeImplicitAutograd op the dispatcher
+    has (about half of a capture's time)."""
     from torch._decomp import core_aten_decompositions
+
+    return dict(core_aten_decompositions())
+
+
+def _aten_graph(fn: Any, sample: Any) -> tuple[fx.GraphModule, list[Any], dict[str, int | None]] | None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     built = _graph_for(fn, sample)
     if built is None:
         return None
     gm, inputs, dims = built
-    traced = make_fx(gm, decomposition_table=core_aten_decompositions(), tracing_mode="symbolic")(*inputs)
+    traced = make_fx(gm, decomposition_table=_core_aten_table(), tracing_mode="symbolic")(*inputs)
     names = [n.target for n in traced.graph.nodes if n.op == "placeholder"]
     return traced, inputs, dict(zip(names, dims.values()))
 

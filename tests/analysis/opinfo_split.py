@@ -308,18 +308,28 @@ def opinfo_samples(max_per_op: int | None, ops: set[str] | None = None) -> Itera
         name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
         if ops is not None and name not in ops:
             continue
-        try:
-            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
-        except Exception:  # noqa: BLE001
-            continue
         taken = 0
-        for sample in samples:
+        for sample in _generated(op):
             if _batch_input(sample) is None:
                 continue
             yield name, op.op, sample
             taken += 1
             if max_per_op is not None and taken >= max_per_op:
                 break
+
+
+def _generated(op: Any) -> Iterator[Any]:
+    """``op``'s float32 CPU samples, generated as they are taken (each is drawn from its own seed,
+    so the first ones do not depend on how many follow; generating every sample of an op to take one
+    was most of a one-sample sweep's time); they end at the first that cannot be generated."""
+    try:
+        samples = iter(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+        while True:
+            yield next(samples)
+    except StopIteration:
+        return
+    except Exception:  # noqa: BLE001 - an op whose samples cannot be made is not swept
+        return
 
 
 def family_of(fn: Any) -> str:

@@ -18,6 +18,7 @@ decompositions (what ``torch.export`` gives), so the table's ATen rules are the 
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import json
 import sys
@@ -177,16 +178,25 @@ def _core_aten_table() -> dict[Any, Any]:
     return dict(core_aten_decompositions())
 
 
+# the last sample's capture: the sweep runs a sample on 2 then on 3 devices (see _aten_graph)
+_LAST_ATEN: list[tuple[Any, Any, fx.GraphModule, list[Any], dict[str, int | None]]] = []
+
+
 def _aten_graph(fn: Any, sample: Any) -> tuple[fx.GraphModule, list[Any], dict[str, int | None]] | None:
+    """The sample captured once (a symbolic make_fx), a copy of it per call: the passes rewrite the
+    graph they are given in place."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    built = _graph_for(fn, sample)
-    if built is None:
-        return None
-    gm, inputs, dims = built
-    traced = make_fx(gm, decomposition_table=_core_aten_table(), tracing_mode="symbolic")(*inputs)
-    names = [n.target for n in traced.graph.nodes if n.op == "placeholder"]
-    return traced, inputs, dict(zip(names, dims.values()))
+    if not (_LAST_ATEN and _LAST_ATEN[0][0] is fn and _LAST_ATEN[0][1] is sample):
+        built = _graph_for(fn, sample)
+        if built is None:
+            return None
+        gm, inputs, dims = built
+        traced = make_fx(gm, decomposition_table=_core_aten_table(), tracing_mode="symbolic")(*inputs)
+        names = [n.target for n in traced.graph.nodes if n.op == "placeholder"]
+        _LAST_ATEN[:] = [(fn, sample, traced, inputs, dict(zip(names, dims.values())))]
+    _, _, traced, inputs, dims = _LAST_ATEN[0]
+    return copy.deepcopy(traced), inputs, dict(dims)
 
 
 def _split_placements(placements: dict[str, Any], inputs: set[str]) -> bool:

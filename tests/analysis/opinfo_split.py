@@ -318,8 +318,15 @@ def opinfo_samples(max_per_op: int | None, ops: set[str] | None = None) -> Itera
         name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
         if ops is not None and name not in ops:
             continue
+        if max_per_op is None:  # every sample: an op any of whose samples cannot be made is not swept
+            try:
+                samples: Any = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+            except Exception:  # noqa: BLE001
+                continue
+        else:
+            samples = _generated(op)
         taken = 0
-        for sample in _generated(op):
+        for sample in samples:
             if _batch_input(sample) is None:
                 continue
             yield name, op.op, sample
@@ -338,7 +345,7 @@ def _generated(op: Any) -> Iterator[Any]:
             yield next(samples)
     except StopIteration:
         return
-    except Exception:  # noqa: BLE001 - an op whose samples cannot be made is not swept
+    except Exception:  # noqa: BLE001 - the samples end at the first that cannot be made
         return
 
 

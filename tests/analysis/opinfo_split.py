@@ -18,6 +18,8 @@ decompositions (what ``torch.export`` gives), so the table's ATen rules are the 
 from __future__ import annotations
 
 import collections
+import copy
+import functools
 import json
 import sys
 import time
@@ -166,17 +168,35 @@ def _graph_for(fn: Any, sample: Any) -> tuple[fx.GraphModule, list[Any], dict[st
     return fx.GraphModule(torch.nn.Module(), graph), inputs, dims
 
 
-def _aten_graph(fn: Any, sample: Any) -> tuple[fx.GraphModule, list[Any], dict[str, int | None]] | None:
+@functools.cache
+def _core_aten_table() -> dict[Any, Any]:
+    """The core decompositions as a plain dict, read once: ``core_aten_decompositions()`` is a lazy
+    table that make_fx copies, and each copy walks every CompositeImplicitAutograd op the dispatcher
+    has (about half of a capture's time)."""
     from torch._decomp import core_aten_decompositions
+
+    return dict(core_aten_decompositions())
+
+
+# the last sample's capture: the sweep runs a sample on 2 then on 3 devices (see _aten_graph)
+_LAST_ATEN: list[tuple[Any, Any, fx.GraphModule, list[Any], dict[str, int | None]]] = []
+
+
+def _aten_graph(fn: Any, sample: Any) -> tuple[fx.GraphModule, list[Any], dict[str, int | None]] | None:
+    """The sample captured once (a symbolic make_fx), a copy of it per call: the passes rewrite the
+    graph they are given in place."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    built = _graph_for(fn, sample)
-    if built is None:
-        return None
-    gm, inputs, dims = built
-    traced = make_fx(gm, decomposition_table=core_aten_decompositions(), tracing_mode="symbolic")(*inputs)
-    names = [n.target for n in traced.graph.nodes if n.op == "placeholder"]
-    return traced, inputs, dict(zip(names, dims.values()))
+    if not (_LAST_ATEN and _LAST_ATEN[0][0] is fn and _LAST_ATEN[0][1] is sample):
+        built = _graph_for(fn, sample)
+        if built is None:
+            return None
+        gm, inputs, dims = built
+        traced = make_fx(gm, decomposition_table=_core_aten_table(), tracing_mode="symbolic")(*inputs)
+        names = [n.target for n in traced.graph.nodes if n.op == "placeholder"]
+        _LAST_ATEN[:] = [(fn, sample, traced, inputs, dict(zip(names, dims.values())))]
+    _, _, traced, inputs, dims = _LAST_ATEN[0]
+    return copy.deepcopy(traced), inputs, dict(dims)
 
 
 def _split_placements(placements: dict[str, Any], inputs: set[str]) -> bool:
@@ -298,10 +318,13 @@ def opinfo_samples(max_per_op: int | None, ops: set[str] | None = None) -> Itera
         name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
         if ops is not None and name not in ops:
             continue
-        try:
-            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
-        except Exception:  # noqa: BLE001
-            continue
+        if max_per_op is None:  # every sample: an op any of whose samples cannot be made is not swept
+            try:
+                samples: Any = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+            except Exception:  # noqa: BLE001
+                continue
+        else:
+            samples = _generated(op)
         taken = 0
         for sample in samples:
             if _batch_input(sample) is None:
@@ -310,6 +333,20 @@ def opinfo_samples(max_per_op: int | None, ops: set[str] | None = None) -> Itera
             taken += 1
             if max_per_op is not None and taken >= max_per_op:
                 break
+
+
+def _generated(op: Any) -> Iterator[Any]:
+    """``op``'s float32 CPU samples, generated as they are taken (each is drawn from its own seed,
+    so the first ones do not depend on how many follow; generating every sample of an op to take one
+    was most of a one-sample sweep's time); they end at the first that cannot be generated."""
+    try:
+        samples = iter(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+        while True:
+            yield next(samples)
+    except StopIteration:
+        return
+    except Exception:  # noqa: BLE001 - the samples end at the first that cannot be made
+        return
 
 
 def family_of(fn: Any) -> str:

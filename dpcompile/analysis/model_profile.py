@@ -231,6 +231,8 @@ def _profile(
         key = _key(t)
         if key not in excluded and key not in saved:
             saved[key] = (state["current"], t.untyped_storage().nbytes(), inside_linear[0] > 0)
+        elif key in saved and inside_linear[0] and not saved[key][2]:  # saved again by a Linear (its input)
+            saved[key] = (*saved[key][:2], True)
         return t
 
     grad = torch.enable_grad() if training else torch.no_grad()

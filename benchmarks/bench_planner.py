@@ -256,10 +256,13 @@ def decoder_planning_seconds(layers: int = 32) -> float:
 
 
 def main() -> None:
+    global RESULTS
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--only", default="", help="comma-separated models: their rows replace theirs in planner.json")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON file written (and merged into)")
     options = parser.parse_args()
+    RESULTS = options.results
     names = [n for n in options.only.split(",") if n] or ORDER
     unknown = [n for n in names if n not in MODELS]
     if unknown:

@@ -39,6 +39,7 @@ class Unit:
     grad_bytes: int = 0
     optimizer_bytes: int = 0
     saved_bytes: int = 0
+    split_saved_bytes: int = 0  # of saved_bytes, what Linear / Conv1D / Embedding forwards save (their inputs)
     input_bytes: int = 0
     flops: int = 0
     ops: int = 0  # aten ops its forward dispatches (what a step's fixed per-op cost multiplies)
@@ -201,7 +202,11 @@ def _profile(
 
     inputs_seen: set[tuple[str, int]] = set()
 
+    def linear_enter(module: nn.Module, inputs: Any) -> None:
+        inside_linear[0] += 1
+
     def linear_output(module: nn.Module, inputs: Any, output: Any) -> None:
+        inside_linear[0] -= 1
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or id(weight) in shardable_seen:
             return
@@ -222,6 +227,7 @@ def _profile(
         ))  # fmt: skip
 
     shardable_seen: set[int] = set()
+    inside_linear = [0]  # Linear / Conv1D / Embedding forwards running
     handles = []
     for _, m, _ in units_of:
         handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
@@ -229,12 +235,14 @@ def _profile(
         if any(True for _ in m.parameters(recurse=False)):
             handles.append(m.register_forward_pre_hook(called))
         if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == "Conv1D":
-            handles.append(m.register_forward_hook(linear_output))
+            handles += [m.register_forward_pre_hook(linear_enter), m.register_forward_hook(linear_output)]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _key(t)
         if key not in excluded and key not in saved:
-            saved[key] = (state["current"], t.untyped_storage().nbytes())
+            saved[key] = (state["current"], t.untyped_storage().nbytes(), inside_linear[0] > 0)
+        elif key in saved and inside_linear[0] and not saved[key][2]:  # saved again by a Linear (its input)
+            saved[key] = (*saved[key][:2], True)
         return t
 
     grad = torch.enable_grad() if training else torch.no_grad()
@@ -246,8 +254,9 @@ def _profile(
         for h in handles:
             h.remove()
     count_params(model, "pre", True)  # never called: counted with the first unit
-    for unit, size in saved.values():
+    for unit, size, in_linear in saved.values():
         units[unit].saved_bytes += size
+        units[unit].split_saved_bytes += size if in_linear else 0
     ordered = list(dict.fromkeys(order)) + [n for n in units if n not in order]
     first = next((a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor) and a.dim()), None)
     return ModelProfile(

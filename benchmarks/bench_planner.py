@@ -37,6 +37,8 @@ from tests.thirdparty import define_torchvision_ops  # noqa: E402
 define_torchvision_ops()
 warnings.simplefilter("ignore")
 
+from common import ResidualStack  # noqa: E402
+
 import dpcompile  # noqa: E402
 from dpcompile.analysis.calibration import calibrate  # noqa: E402
 from dpcompile.analysis.memory import format_bytes  # noqa: E402
@@ -45,29 +47,6 @@ from dpcompile.planner import plan_layouts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner.json"
 V = 128
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 64) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self, layers: int = 8, d: int = 64) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, d)
-        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
-        self.head = nn.Linear(d, 8)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        return nn.functional.mse_loss(self.head(h), y)
 
 
 def _tokens(kind: str, b: int = 8, seq: int = 16) -> dict[str, torch.Tensor]:
@@ -144,7 +123,7 @@ def _vision(name: str) -> tuple[nn.Module, tuple, dict]:
 
 
 MODELS = {
-    "mlp_stack": lambda: (Stack(), (torch.randn(8, 32, 16), torch.randn(8, 32, 8)), {}),
+    "mlp_stack": lambda: (ResidualStack(), (torch.randn(8, 32, 16), torch.randn(8, 32, 8)), {}),
     **{n: (lambda n=n: _hf(n)) for n in ("gpt2", "bert", "roberta", "distilbert", "llama", "mistral", "qwen2", "opt", "vit_hf",
                                              "t5_encoder", "gpt_neox")},
     **{n: (lambda n=n: _vision(n)) for n in ("tv_resnet18", "tv_mobilenet_v3_small", "tv_vit", "tv_squeezenet1_0",

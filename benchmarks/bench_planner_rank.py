@@ -39,32 +39,11 @@ from tests.thirdparty import define_torchvision_ops  # noqa: E402
 define_torchvision_ops()  # transformers imports torchvision, which needs its ops defined
 warnings.simplefilter("ignore")
 
+from common import ResidualStack  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_rank.json"
 V = 128
 TOP = 8
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self, layers: int = 8, d: int = 256) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, d)
-        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
-        self.head = nn.Linear(d, 8)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        return nn.functional.mse_loss(self.head(h), y)
 
 
 def _tokens(kind: str, b: int = 8, seq: int = 64) -> dict[str, torch.Tensor]:
@@ -80,7 +59,7 @@ def build(name: str) -> tuple[nn.Module, tuple, dict]:
     torch.manual_seed(0)
     if name == "mlp_stack":
         g = torch.Generator().manual_seed(1)
-        return Stack(), (torch.randn(8, 64, 16, generator=g), torch.randn(8, 64, 8, generator=g)), {}
+        return ResidualStack(8, 256), (torch.randn(8, 64, 16, generator=g), torch.randn(8, 64, 8, generator=g)), {}
     import transformers as T
 
     T.logging.set_verbosity_error()

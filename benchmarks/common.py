@@ -64,3 +64,30 @@ class DeepMLP(nn.Module):
         for layer in self.layers:
             x = torch.relu(layer(x))
         return x
+
+
+class ResidualBlock(nn.Module):
+    """Pre-norm MLP block with a residual: ``x + down(relu(up(norm(x))))``."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class ResidualStack(nn.Module):
+    """``layers`` residual blocks between a 16-wide input and an 8-wide head, its MSE loss to ``y``."""
+
+    def __init__(self, layers: int = 8, d: int = 64) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.layers = nn.ModuleList(ResidualBlock(d) for _ in range(layers))
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return nn.functional.mse_loss(self.head(h), y)

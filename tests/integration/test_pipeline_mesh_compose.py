@@ -260,5 +260,6 @@ def test_pipeline_mesh_fsdp_trains_like_eager(outcomes, name):
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp_dp_tp"][1]])
 @pytest.mark.xdist_group("compose_8")  # one spawned group, on one worker
 def test_pipeline_mesh_three_dimensions_trains_like_eager(outcomes, name):
-    """A ("pp", "dp", "tp") mesh of 2 x 2 x 2, data parallel replicated or FSDP: 3 AdamW steps as eager."""
+    """A ("pp", "dp", "tp") mesh of 2 x 2 x 2, data parallel replicated or FSDP: 3 AdamW steps as eager
+    (``exact_random_*``: an MLP with dropout, 3 SGD steps, every rank's generator state as eager's)."""
     _check(outcomes, "pp_dp_tp", name)

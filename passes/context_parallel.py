@@ -28,7 +28,8 @@ After::
 Lowered over two devices, ``sdpa_keys = dpcompile_runtime_gather_sequence([k_dev0, k_dev1], 2, 'cpu')``
 and each device's query positions are its own (``dpcompile_runtime_batch_arange``). An
 attention that would still run whole (its queries could not be split: a table indexed by
-the sequence that no rule splits) is a ``DpCompileError`` naming the value and the op.
+the sequence that no rule splits) is a ``DpCompileError`` naming the value and the op; so is an
+attention with dropout (``dropout_p`` not zero: not built on sequence shards).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def insert_sequence_exchange(gm: fx.GraphModule, *, input_dims: Mapping[str, int
     name, an attention whose queries cannot be split."""
     sites = find_sequence_attention(gm)
     for site in sites:
+        if _drops_out(site.node):
+            raise DpCompileError(_dropout_message(site.node))
+    for site in sites:
         _rewrite(gm.graph, site)
     placements = propagate(gm, input_dims)
     for site in sites:
@@ -156,6 +160,23 @@ def _query_positions(graph: fx.Graph, query: fx.Node, site: AttentionSite, sourc
     positions.name = graph._graph_namespace.create_name(f"{source.name}_query_positions", None)
     positions.meta["tensor_meta"] = TensorMetadata(torch.Size((length,)), torch.int64, False, (1,), None, False, {})
     return positions
+
+
+def _drops_out(node: fx.Node) -> bool:
+    """A dropout probability that is known and not zero (the export frontend bakes training mode's)."""
+    p = sdpa_arguments(node).get("dropout_p")
+    return isinstance(p, (int, float)) and p != 0
+
+
+def _dropout_message(node: fx.Node) -> str:
+    p = sdpa_arguments(node)["dropout_p"]
+    return (
+        f"context parallel: attention '{node.name}' has dropout_p={p}, and attention dropout on sequence shards is "
+        "not built yet (each device would draw its query rows of the single-device mask). Set the model's "
+        "attention dropout to 0 (GPT-2's attn_pdrop, BERT's and ViT's attention_probs_dropout_prob; the other "
+        "dropouts stay exact under 'cp'), or leave 'cp' out of mesh= "
+        "(data, tensor and pipeline parallelism draw attention dropout exactly)"
+    )
 
 
 def _whole_attention_message(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> str:

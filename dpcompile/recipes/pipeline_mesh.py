@@ -136,7 +136,7 @@ class MeshPipelineRecipe(Recipe):
             count=found["count"],
             shared=shared,
             writes_once=writes_once.get(pp_rank),
-            random_plan=StageRandomPlan(random_plan, own_sites) if random_plan is not None else None,
+            random_plan=StageRandomPlan(random_plan, own_sites, device) if random_plan is not None else None,
         )
         if self.plan is not False:  # tensor parallel inside the stage, over the mesh's "tp" dimension
             examples = None if example_inputs is None else pm.example_stage_inputs(tuple(example_inputs))

@@ -2,8 +2,9 @@
 default): an MLP with dropout (module, functional) and ``randn_like`` noise, GPT-2 and BERT with
 their default dropout and a ViT with attention dropout (transformers, tiny configs, the export
 frontend with ``labels=``). Over 3 SGD steps from the same seed each loss and gradient equals
-eager's and ``torch.get_rng_state()`` after each step equals eager's, on dp, tp, the pipeline
-(GPipe and 1F1B), pp x tp and the dp compositions (dp x tp, pp x dp, pp x dp x tp). (float64 models: equal up to float64 rounding.)"""
+eager's and ``torch.get_rng_state()`` after each step equals eager's, on dp, tp (with and without
+``sequence_parallel=True``), the pipeline and its compositions (pp, pp x tp, pp x dp, pp x dp x tp), each
+under GPipe and 1F1B, and dp x tp. (float64 models: equal up to float64 rounding.)"""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ COMPOSED = {  # data parallel over what the other dimensions build (dp copies on
     "pp_dp": {"mesh": {"pp": 2, "dp": 2}, "micro_batches": 2},
     "pp_dp_tp": {"mesh": {"pp": 2, "dp": 2, "tp": 2}, "micro_batches": 2},
 }
+MORE = {  # the pipelines' compositions under 1F1B, and tp with the activations on sequence shards
+    "pp_tp_1f1b": {"mesh": {"pp": 2, "tp": 2}, "micro_batches": 2, "schedule": "1f1b"},
+    "pp_dp_1f1b": {"mesh": {"pp": 2, "dp": 2}, "micro_batches": 2, "schedule": "1f1b"},
+    "pp_dp_tp_1f1b": {"mesh": {"pp": 2, "dp": 2, "tp": 2}, "micro_batches": 2, "schedule": "1f1b"},
+    "tp_sp": {"mesh": {"tp": 2}, "sequence_parallel": True},
+}
+#: every layout built in one process but context parallel (its own tests below: a block with attention);
+#: FSDP is built over a DeviceMesh only (test_exact_random_mesh.py)
+ALL_LAYOUTS = {**LAYOUTS, **COMPOSED, **MORE}
 V = 64
 
 
@@ -66,13 +76,13 @@ def _tokens():
 
 def _gpt2():
     T = import_or_skip("transformers")
-    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, use_cache=False)
+    config = T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=V, n_positions=16, use_cache=False)
     return (lambda: T.GPT2LMHeadModel(config)), _tokens()
 
 
 def _bert():
     T = import_or_skip("transformers")
-    config = T.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+    config = T.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                           vocab_size=V, max_position_embeddings=16)  # fmt: skip
     kwargs = _tokens()
     kwargs["labels"] = kwargs["labels"][:, 0] % 2
@@ -81,7 +91,7 @@ def _bert():
 
 def _vit():
     T = import_or_skip("transformers")
-    config = T.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+    config = T.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
                          num_attention_heads=2, intermediate_size=32, num_labels=3, hidden_dropout_prob=0.1,
                          attention_probs_dropout_prob=0.1)  # fmt: skip
     g = torch.Generator().manual_seed(2)
@@ -151,19 +161,19 @@ def _check_training_matches_eager(name, layout):
             optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS) + list(COMPOSED))
+@pytest.mark.parametrize("layout", list(ALL_LAYOUTS))
 def test_exact_random_mlp_trains_like_eager(layout):
     """Dropout and randn_like in both stages: 3 steps' losses, gradients and generator states equal eager's."""
-    _check_training_matches_eager("mlp", {**LAYOUTS, **COMPOSED}[layout])
+    _check_training_matches_eager("mlp", ALL_LAYOUTS[layout])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [*LAYOUTS, "pp_dp_tp"])
+@pytest.mark.parametrize("layout", list(ALL_LAYOUTS))
 @pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
 def test_exact_random_transformers_train_like_eager(name, layout):
     """GPT-2 and BERT with their default dropout, ViT with attention dropout: as eager over 3 steps
-    (pp x dp x tp: every dimension composed at once)."""
-    _check_training_matches_eager(name, {**LAYOUTS, **COMPOSED}[layout])
+    on every one-process layout (pp x dp x tp: every dimension composed at once)."""
+    _check_training_matches_eager(name, ALL_LAYOUTS[layout])
 
 
 @pytest.mark.parametrize("batch", [3, 5])
@@ -272,3 +282,69 @@ def test_attention_dropout_of_an_unreproduced_kernel_warns_once():
         warnings.simplefilter("error")
         assert attention_noise("attn_half", "flash", torch.empty(2, 2, 4, 4), 0.1, fallback) is fallback
         assert attention_noise("attn_math", "math", torch.empty(2, 2, 4, 4), 0.1, fallback) is fallback
+
+
+
+class CausalDropoutBlock(nn.Module):
+    """Causal self-attention over ``(batch, seq, 16)`` with dropout on its input and output, and
+    attention dropout ``attn_p`` (SDPA's ``dropout_p`` in training)."""
+
+    def __init__(self, attn_p: float = 0.0):
+        super().__init__()
+        self.attn_p = attn_p
+        self.pos = nn.Embedding(16, 16)
+        self.drop_in = nn.Dropout(0.25)
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.drop_in(x + self.pos(torch.arange(s, device=x.device)))
+        q, k, v = self.qkv(h).view(b, s, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.attn_p if self.training else 0.0)
+        y = h + F.dropout(self.out(a.transpose(1, 2).reshape(b, s, d)), p=0.5, training=self.training)
+        return y.pow(2).mean()
+
+
+def _sequence(length: int = 7):
+    return torch.randn(2, length, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+def test_exact_random_context_parallel_trains_like_eager():
+    """Context parallel (the sequence split, 7 positions over 2 devices): dropout before and after
+    attention draws the single-device values, each device its positions: 3 steps' losses, gradients
+    and generator states equal eager's. (Attention dropout is refused: the next test.)"""
+    torch.manual_seed(0)
+    model = CausalDropoutBlock().double().train()
+    reference = copy.deepcopy(model)
+    x = _sequence()
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
+    assert "exact_dropout" in pm.code, pm.code
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        loss = pm(x)
+        loss.backward()
+        state = torch.get_rng_state()
+        torch.manual_seed(100 + step)
+        expected = reference(x)
+        expected.backward()
+        assert torch.equal(state, torch.get_rng_state()), f"the generator after step {step} is not eager's"
+        torch.testing.assert_close(loss, expected, msg=lambda m, step=step: f"loss of step {step}: {m}")
+        for key, p in reference.named_parameters():
+            got = pm.get_parameter(key)
+            torch.testing.assert_close(got.grad, p.grad, msg=lambda m, key=key, step=step: f"grad {key}, step {step}: {m}")
+            got.grad = p.grad = None
+
+
+def test_exact_random_context_parallel_refuses_attention_dropout_by_name():
+    """Attention dropout on sequence shards is not built: a DpCompileError naming the attention, its
+    dropout_p and the ways out; the model is left as it was."""
+    torch.manual_seed(0)
+    model = CausalDropoutBlock(attn_p=0.1).double().train()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(dpcompile.DpCompileError) as caught:
+        dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(_sequence(),))
+    message = str(caught.value)
+    assert "attention 'scaled_dot_product_attention' has dropout_p=0.1" in message, message
+    assert "attention dropout to 0" in message and "leave 'cp' out of mesh=" in message, message
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())

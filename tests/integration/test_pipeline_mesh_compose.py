@@ -3,7 +3,9 @@ stage, shard it over ``"tp"``, then data parallel over ``"dp"``): FSDP2 on each 
 ``("pp", "dp")`` mesh, and a ``("pp", "dp", "tp")`` mesh of 8 processes, replicated and FSDP.
 
 Models: an MLP stack (tied weights across the stages too) and, through the export frontend with
-``labels=``, GPT-2 (tied ``wte``/``lm_head``) on ``("pp", "dp")`` and Llama on ``("pp", "dp", "tp")``.
+``labels=``, GPT-2 (tied ``wte``/``lm_head``) on ``("pp", "dp")`` and Llama on ``("pp", "dp", "tp")``;
+on ``("pp", "dp", "tp")`` also an MLP with dropout and ``randn_like`` noise, whose 3 SGD steps' losses,
+gradients and generator states equal eager's (``test_exact_random_mesh.py``).
 Each scenario trains 3 AdamW steps on ``pm.parameters()`` beside eager on the whole batch (float64):
 every step's loss and every gradient (FSDP shards all-gathered, tensor-parallel shards gathered)
 equal eager's, and after the steps ``pm.state_dict()`` has the model's keys with eager's values.
@@ -20,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.integration.test_exact_random_mesh import check_pipeline_trains_like_eager
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 12 processes spawned in all
 GROUP_TIMEOUT_S = 480.0  # a loaded 2-core machine running 8 processes (each exports Llama)
@@ -219,6 +222,11 @@ SCENARIOS = {
          (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": True, "schedule": "gpipe", "micro": 4})),
         ("llama_fsdp", check_decoder_trains_like_eager,
          (((2, 2, 2), ("pp", "dp", "tp"), "fsdp", "llama"), {"plan": True})),
+        # dropout and randn_like draw eager's values (test_exact_random_mesh.py; exact_random=True)
+        ("exact_random_replicate_1f1b", check_pipeline_trains_like_eager,
+         (("mlp", {"pp": 2, "dp": 2, "tp": 2}, "1f1b", "ddp"), {})),
+        ("exact_random_fsdp_gpipe", check_pipeline_trains_like_eager,
+         (("mlp", {"pp": 2, "dp": 2, "tp": 2}, "gpipe", "fsdp"), {})),
     ]),
 }  # fmt: skip
 
@@ -252,5 +260,6 @@ def test_pipeline_mesh_fsdp_trains_like_eager(outcomes, name):
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp_dp_tp"][1]])
 @pytest.mark.xdist_group("compose_8")  # one spawned group, on one worker
 def test_pipeline_mesh_three_dimensions_trains_like_eager(outcomes, name):
-    """A ("pp", "dp", "tp") mesh of 2 x 2 x 2, data parallel replicated or FSDP: 3 AdamW steps as eager."""
+    """A ("pp", "dp", "tp") mesh of 2 x 2 x 2, data parallel replicated or FSDP: 3 AdamW steps as eager
+    (``exact_random_*``: an MLP with dropout, 3 SGD steps, every rank's generator state as eager's)."""
     _check(outcomes, "pp_dp_tp", name)

@@ -46,6 +46,14 @@ class ExportedModelCheck:
         self.tensors = self._one_tensor_per_module()
         self.kinds = self._kinds()
 
+    def read_again(self) -> None:
+        """Take the model as it is now for what the program baked in: a change dpcompile made itself
+        (FSDP in one process swaps the parameters it splits for their pieces)."""
+        self.token = self._token()
+        self.description = self.guard.description
+        self.tensors = self._one_tensor_per_module()
+        self.kinds = self._kinds()
+
     def _token(self) -> tuple:
         model = self.guard.model
         root_hooks = tuple(id(h) for name in _ROOT_HOOKS for h in getattr(model, name).values() if not installed_by_forward(h))

@@ -213,6 +213,8 @@ def _key_again(pm: Any) -> None:
     pm._attach_cache(pm.traced_model, dict(pm._flags), main.none_args, pm._shares_source)
     key = pm._key(main.devices, main.none_args, main.flags, main.batched)
     object.__setattr__(pm, "program_cache", ProgramCache(key, pm._build_program))
+    if (exported := pm.__dict__.get("_exported_check")) is not None:  # a program export captured: its check too
+        exported.read_again()
 
 
 def tensor_parallel_shards(pm: Any) -> dict[str, tuple[ShardSpec, list[str]]]:

@@ -39,9 +39,13 @@ MORE = {  # the pipelines' compositions under 1F1B, and tp with the activations 
     "pp_dp_tp_1f1b": {"mesh": {"pp": 2, "dp": 2, "tp": 2}, "micro_batches": 2, "schedule": "1f1b"},
     "tp_sp": {"mesh": {"tp": 2}, "sequence_parallel": True},
 }
-#: every layout built in one process but context parallel (its own tests below: a block with attention);
-#: FSDP is built over a DeviceMesh only (test_exact_random_mesh.py)
-ALL_LAYOUTS = {**LAYOUTS, **COMPOSED, **MORE}
+FSDP = {  # data parallel as FSDP in one process: one piece of each parameter per dp copy
+    "fsdp": {"mesh": {"dp": 2}, "data_parallel": "fsdp"},
+    "fsdp_tp": {"mesh": {"dp": 2, "tp": 2}, "data_parallel": "fsdp"},
+    "pp_fsdp": {"mesh": {"pp": 2, "dp": 2}, "micro_batches": 2, "data_parallel": "fsdp"},
+}
+#: every layout built in one process but context parallel (its own tests below: a block with attention)
+ALL_LAYOUTS = {**LAYOUTS, **COMPOSED, **MORE, **FSDP}
 V = 64
 
 

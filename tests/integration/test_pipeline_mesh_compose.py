@@ -4,8 +4,9 @@ stage, shard it over ``"tp"``, then data parallel over ``"dp"``): FSDP2 on each 
 
 Models: an MLP stack (tied weights across the stages too) and, through the export frontend with
 ``labels=``, GPT-2 (tied ``wte``/``lm_head``) on ``("pp", "dp")`` and Llama on ``("pp", "dp", "tp")``;
-on ``("pp", "dp", "tp")`` also an MLP with dropout and ``randn_like`` noise, whose 3 SGD steps' losses,
-gradients and generator states equal eager's (``test_exact_random_mesh.py``).
+on ``("pp", "dp", "tp")`` also an MLP with dropout and ``randn_like`` noise, GPT-2, BERT and ViT with
+their dropout, whose 3 steps' losses, gradients and generator states equal eager's
+(``test_exact_random_mesh.py``).
 Each scenario trains 3 AdamW steps on ``pm.parameters()`` beside eager on the whole batch (float64):
 every step's loss and every gradient (FSDP shards all-gathered, tensor-parallel shards gathered)
 equal eager's, and after the steps ``pm.state_dict()`` has the model's keys with eager's values.
@@ -227,6 +228,9 @@ SCENARIOS = {
          (("mlp", {"pp": 2, "dp": 2, "tp": 2}, "1f1b", "ddp"), {})),
         ("exact_random_fsdp_gpipe", check_pipeline_trains_like_eager,
          (("mlp", {"pp": 2, "dp": 2, "tp": 2}, "gpipe", "fsdp"), {})),
+        *((f"exact_random_{name}", check_pipeline_trains_like_eager,
+           ((name, {"pp": 2, "dp": 2, "tp": 2}, schedule, data_parallel), {}))
+          for name, schedule, data_parallel in (("gpt2", "gpipe", "ddp"), ("bert", "1f1b", "fsdp"), ("vit", "gpipe", "ddp"))),
     ]),
 }  # fmt: skip
 

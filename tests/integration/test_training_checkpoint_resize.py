@@ -8,7 +8,8 @@ parallel, FSDP x tensor and the pipelines ``("pp", "dp")`` with DDP and with FSD
 DCP), and load each 2-rank checkpoint into each of those (30 loads); 2 ranks load each 4-rank
 checkpoint into each 2-rank layout (32), and a few pipeline checkpoints into one process.
 Pipeline x tensor (``("pp", "tp")``, which refuses weights tied across stages) takes the same LM
-untied, with tensor parallel on 2 ranks as its partner both ways (and as DCP; 3 loads). Every
+untied, with data parallel, FSDP, tensor parallel and the pipeline on 2 ranks as its partners both
+ways (and as DCP; 12 loads). Every
 load: parameters and AdamW state bit-identical to what was saved, the next 2 steps' losses and
 parameters equal the uninterrupted eager run; every rank's RNG is the saving rank 0's. No save
 gathers a tensor; a pipeline's DCP files hold only their stage's blocks, and a stage reads only
@@ -44,6 +45,9 @@ LAYOUTS = {  # name: (mesh shape, dim names, transform keywords, tied LM)
     "tp2": ((2,), ("tp",), {"tensor_parallel": True}, True),
     "pp2": ((2,), ("pp",), PIPELINE, True),
     "tp2_untied": ((2,), ("tp",), {"tensor_parallel": True}, False),
+    "dp2_untied": ((2,), ("dp",), {}, False),
+    "fsdp2_untied": ((2,), ("dp",), {"data_parallel": "fsdp"}, False),
+    "pp2_untied": ((2,), ("pp",), PIPELINE, False),
     **{name: (*MESH_LAYOUTS[name], True) for name in ("dp4", "fsdp4", "tp4", "fsdp2xtp2", "pp2xdp2", "pp2xfsdp2")},
     "pp2xtp2_untied": ((2, 2), ("pp", "tp"), {**PIPELINE, "tensor_parallel": True}, False),
 }

@@ -9,7 +9,7 @@ DCP), and load each 2-rank checkpoint into each of those (30 loads); 2 ranks loa
 checkpoint into each 2-rank layout (32), and a few pipeline checkpoints into one process.
 Pipeline x tensor (``("pp", "tp")``, which refuses weights tied across stages) takes the same LM
 untied, with data parallel, FSDP, tensor parallel and the pipeline on 2 ranks as its partners both
-ways (and as DCP; 12 loads). Every
+ways (and as DCP), and FSDP x tensor on the same 4 ranks both ways (each rank's RNG its own there). Every
 load: parameters and AdamW state bit-identical to what was saved, the next 2 steps' losses and
 parameters equal the uninterrupted eager run; every rank's RNG is the saving rank 0's. No save
 gathers a tensor; a pipeline's DCP files hold only their stage's blocks, and a stage reads only
@@ -50,6 +50,7 @@ LAYOUTS = {  # name: (mesh shape, dim names, transform keywords, tied LM)
     "pp2_untied": ((2,), ("pp",), PIPELINE, False),
     **{name: (*MESH_LAYOUTS[name], True) for name in ("dp4", "fsdp4", "tp4", "fsdp2xtp2", "pp2xdp2", "pp2xfsdp2")},
     "pp2xtp2_untied": ((2, 2), ("pp", "tp"), {**PIPELINE, "tensor_parallel": True}, False),
+    "fsdp2xtp2_untied": (*MESH_LAYOUTS["fsdp2xtp2"], False),
 }
 AS_DCP = {"pp2", "pp2xdp2", "pp2xfsdp2", "pp2xtp2_untied"}  # saved as format="dcp" too (folder "<name>.dcp")
 ON = {world: [n for n, (shape, *_) in LAYOUTS.items() if torch.Size(shape).numel() == world] for world in (2, 4)}
@@ -107,6 +108,7 @@ def check_save_and_load(folder: str, world: int, save: bool, load_from: int | No
         saved[name] = _snapshot(pm, opt, sched)
         torch.manual_seed(1000 + dist.get_rank())  # each rank's generator its own: a load on another number of
         saved[name]["rng"] = _rank_0(torch.get_rng_state())  # ranks gets rank 0's
+        saved[name]["own_rng"] = torch.get_rng_state()  # on as many ranks, each rank its own
         kept = {(o, n): getattr(o, n) for o, n in gathers}
         _no_gathers(gathers)
         try:
@@ -127,22 +129,37 @@ def check_save_and_load(folder: str, world: int, save: bool, load_from: int | No
     want = torch.load(root / f"saved_by_{load_from}.pt", weights_only=False)
     for dest, (pm, mesh) in programs.items():
         tied = LAYOUTS[dest][3]
-        losses, final = eager[tied]
         for source in [s for s in _sources(load_from) if LAYOUTS[s.removesuffix(".dcp")][3] == tied]:
-            what = f"{source} ({load_from} ranks) -> {dest} ({world} ranks)"
-            opt, sched = _optimizer(pm, lr=1.0, weight_decay=0.0)  # hyper-parameters come from the checkpoint
-            with _reads_recorded() as read:
-                dpcompile.load_checkpoint(pm, root / source, optimizer=opt, lr_scheduler=sched)
-            if source.endswith(".dcp") and "pp" in mesh.mesh_dim_names:  # a stage reads its own blocks only
-                other = f"blocks.{1 - mesh.get_local_rank('pp')}."
-                assert read and not [fqn for fqn in read if other in fqn], (what, other, read)
-            assert pm.checkpoint_extra == {"from": source, "world": load_from}, what
-            assert torch.equal(torch.get_rng_state(), want[source]["rng"]), what
-            _assert_resumed(pm, opt, want[source], what)
-            resumed = [_mesh_step(pm, mesh, opt, sched, b) for b in xs[1:]]
-            torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-12, atol=0, msg=what)
-            for key, value in pm.state_dict().items():
-                torch.testing.assert_close(_full(value), final[key], rtol=1e-10, atol=1e-12, msg=f"{what}: {key}")
+            _load_and_resume(pm, mesh, root, source, load_from, want[source], eager[tied], f"{source} ({load_from} ranks) -> {dest} ({world} ranks)")
+    if save and world == 4:  # pipeline x tensor and FSDP x tensor (the untied LM) on the same 4 ranks, both ways
+        untied = [n for n in ON[4] if not LAYOUTS[n][3]]
+        for dest in untied:
+            pm, mesh = programs[dest]
+            for source in [s for s in _sources(4) if s.removesuffix(".dcp") in untied and s.removesuffix(".dcp") != dest]:
+                want_here = {**saved[source], "rng": saved[source]["own_rng"]}
+                _load_and_resume(pm, mesh, root, source, 4, want_here, eager[False], f"{source} -> {dest} (4 ranks)")
+
+
+def _load_and_resume(pm, mesh, root: Path, source: str, world: int, want: dict, eager_run, what: str) -> None:
+    """``source`` loaded into ``pm``: what was saved comes back bit for bit, and the next 2 steps equal
+    the uninterrupted eager run."""
+    import dpcompile
+    from tests.integration.test_training_checkpoint import batches
+
+    xs, (losses, final) = batches(), eager_run
+    opt, sched = _optimizer(pm, lr=1.0, weight_decay=0.0)  # hyper-parameters come from the checkpoint
+    with _reads_recorded() as read:
+        dpcompile.load_checkpoint(pm, root / source, optimizer=opt, lr_scheduler=sched)
+    if source.endswith(".dcp") and "pp" in mesh.mesh_dim_names:  # a stage reads its own blocks only
+        other = f"blocks.{1 - mesh.get_local_rank('pp')}."
+        assert read and not [fqn for fqn in read if other in fqn], (what, other, read)
+    assert pm.checkpoint_extra == {"from": source, "world": world}, what
+    assert torch.equal(torch.get_rng_state(), want["rng"]), what
+    _assert_resumed(pm, opt, want, what)
+    resumed = [_mesh_step(pm, mesh, opt, sched, b) for b in xs[1:]]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-12, atol=0, msg=what)
+    for key, value in pm.state_dict().items():
+        torch.testing.assert_close(_full(value), final[key], rtol=1e-10, atol=1e-12, msg=f"{what}: {key}")
 
 
 def check_one_process(folder: str) -> None:

@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 from torch.autograd import Function
 
 from dpcompile.errors import DpCompileError
-from dpcompile.runtime.sequence import causal_attention
 
 __all__ = [
     "CollectiveError",
@@ -52,7 +49,6 @@ __all__ = [
     "settle_deferred_check",
     "all_gather",
     "all_reduce",
-    "attention_over_group",
     "all_reduce_grad",
     "local_offset",
     "local_size",
@@ -331,60 +327,6 @@ def sum_across(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
     if not (x.requires_grad and torch.is_grad_enabled()):
         return _all_reduce_(x.clone(memory_format=torch.contiguous_format), _group(group))
     return _SumAcross.apply(x, _group(group))
-
-
-class _GatherOntoOwners(Function):
-    """All-gather along ``dim`` forward; backward sums every rank's gradient and keeps this rank's
-    slice (a reduce-scatter, written as an all-reduce: gloo has no reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
-        rank = dist.get_rank(group)
-        ctx.group, ctx.dim, ctx.start, ctx.length = group, dim, sum(sizes[:rank]), sizes[rank]
-        return _gather(x, group, dim, sizes)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        summed = _all_reduce_(grad.contiguous().clone(), ctx.group)
-        return summed.narrow(ctx.dim, ctx.start, ctx.length), None, None, None
-
-
-def attention_over_group(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    group: GroupLike,
-    dim: int,
-    sizes: Sequence[int],
-    positions: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """This rank's queries against every rank's keys and values, all-gathered along ``dim`` (shard
-    lengths ``sizes`` in rank order, uneven allowed) here and again in backward: backward keeps this
-    rank's queries, keys and values only; each key's and value's gradient is summed over the ranks
-    onto its owner. ``positions``: causal at these query positions in the whole sequence, else
-    ``scaled_dot_product_attention(**kwargs)`` (a mask: this rank's query rows).
-
-    Context parallel's attention for one rank of a ``cp`` group, as ``attention_regathered`` is
-    over virtual devices; not called by generated code yet (context parallelism over a
-    ``DeviceMesh`` is not lowered, ``docs/context_parallel.md``).
-
-    >>> out = attention_over_group(q_local, k_local, v_local, cp_group, 2, [4, 3], positions)  # doctest: +SKIP
-    """
-    g = _group(group)
-    dim = dim % key.dim()
-    shards = _sizes_or_even(key.size(dim), g, tuple(sizes))
-
-    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        keys = _GatherOntoOwners.apply(key, g, dim, shards)
-        values = _GatherOntoOwners.apply(value, g, dim, shards)
-        if positions is None:
-            return F.scaled_dot_product_attention(query, keys, values, **kwargs)
-        return causal_attention(query, keys, values, positions, **kwargs)
-
-    if not torch.is_grad_enabled():
-        return attend(query, key, value)
-    return torch.utils.checkpoint.checkpoint(attend, query, key, value, use_reentrant=False, preserve_rng_state=True)
 
 
 def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:

@@ -10,8 +10,8 @@ import torch.fx as fx
 from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
-from dpcompile.analysis.batch_rules.shape import batch_entry
-from dpcompile.analysis.placement import REPLICATED, BatchSize, Placement, Replicated, Split
+from dpcompile.analysis.batch_rules.shape import made_to_sizes
+from dpcompile.analysis.placement import BatchSize, Placement, Replicated, Split
 
 
 def normal(ctx: RuleContext) -> Placement | None:
@@ -28,10 +28,7 @@ def normal(ctx: RuleContext) -> Placement | None:
         return Split(ctx.p(size).shape_of_dim)  # torch.normal(0.0, 1.0, x.shape)
     if not isinstance(size, (list, tuple)):
         return None
-    at = batch_entry(ctx, list(size))
-    if at is None and all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for s in size):
-        return REPLICATED
-    return Split(at) if at is not None else None
+    return made_to_sizes(ctx, list(size))
 
 
 BATCH_RULES.register(torch.normal, normal, replace=True)

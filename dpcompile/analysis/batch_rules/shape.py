@@ -408,7 +408,7 @@ def _sizes(ctx: RuleContext) -> list:
     return sizes
 
 
-def batch_entry(ctx: RuleContext, sizes: list) -> int | None:
+def _batch_entry(ctx: RuleContext, sizes: list) -> int | None:
     """The one position of ``sizes`` that holds a batch size, or a multiple of it (others carry no
     batch), or None: ``zeros(b * k, d)`` makes ``k`` rows per sample, as the whole does."""
     at = [i for i, s in enumerate(sizes) if isinstance(s, fx.Node) and ctx.p(s) in (BatchSize(), BatchSize(rows=True))]
@@ -421,7 +421,7 @@ def expand_to_batch(ctx: RuleContext) -> Placement | None:
     chunk's batch size: the result is split there (a ViT's class token becomes per device).
     ``repeat`` tiles with the period of the tensor's size, which every chunk starts on."""
     sizes = _sizes(ctx)
-    at = batch_entry(ctx, sizes)
+    at = _batch_entry(ctx, sizes)
     if at is None:
         return None
     if target_name(ctx.node) in ("expand", "broadcast_to"):
@@ -556,9 +556,15 @@ def factory(ctx: RuleContext) -> Placement | None:
         return Split(ctx.p(sizes).shape_of_dim)
     if sizes is None:
         return None
-    at = batch_entry(ctx, sizes)
+    return made_to_sizes(ctx, sizes)
+
+
+def made_to_sizes(ctx: RuleContext, sizes: list) -> Placement | None:
+    """A tensor made to ``sizes``: split where one of them is the batch size, replicated where none
+    carries the batch (``x.new_ones([])`` / ``x.new_zeros(h, w)`` of a split ``x``)."""
+    at = _batch_entry(ctx, sizes)
     if at is None and all(not isinstance(s, fx.Node) or isinstance(ctx.p(s), Replicated) for s in sizes):
-        return REPLICATED  # x.new_ones([]) / x.new_zeros(h, w) of a split x: no batch size among the sizes
+        return REPLICATED
     return Split(at) if at is not None else None
 
 
@@ -582,4 +588,3 @@ BATCH_RULES.register(torch.diagonal, diagonal)
 BATCH_RULES.register("diagonal", diagonal)
 BATCH_RULES.register_family(ops.FACTORIES, factory)
 BATCH_RULES.register("size", size)
-

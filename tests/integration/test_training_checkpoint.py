@@ -23,6 +23,8 @@ import dpcompile
 from dpcompile import CheckpointError
 
 LAYOUTS = {"dp3": {"dp": 3}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "pp2xtp2": {"pp": 2, "tp": 2}}
+#: data_parallel="fsdp" in one process (test_training_checkpoint_fsdp_one_process.py): 3 copies (uneven pieces)
+FSDP_LAYOUTS = {"fsdp3": {"dp": 3}, "fsdp2xtp2": {"dp": 2, "tp": 2}, "pp2xfsdp2": {"pp": 2, "dp": 2}}
 V, D, HEADS = 32, 12, 3
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,14 +73,15 @@ def make_model():
     return TinyLM().double()
 
 
-def build(layout: dict[str, int]):
+def build(layout: dict[str, int], data_parallel: str = "ddp"):
     """``(program, AdamW, StepLR)`` of a fresh model under ``layout`` (virtual CPU devices)."""
     n = 1
     for size in layout.values():
         n *= size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = dpcompile.transform(make_model(), ["cpu"] * n, mesh=layout, example_inputs=batches()[0])
+        pm = dpcompile.transform(make_model(), ["cpu"] * n, mesh=layout, example_inputs=batches()[0],
+                                 data_parallel=data_parallel)  # fmt: skip
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
     return pm, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
@@ -124,7 +127,7 @@ def program(name: str):
     """One program per layout for the whole module (building is most of a test's time), set back to
     the model's initial weights, with a fresh AdamW and StepLR."""
     if name not in _PROGRAMS:
-        _PROGRAMS[name] = build(LAYOUTS[name])[0]
+        _PROGRAMS[name] = build({**LAYOUTS, **FSDP_LAYOUTS}[name], "fsdp" if name in FSDP_LAYOUTS else "ddp")[0]
     pm = _PROGRAMS[name]
     pm.load_state_dict(make_model().state_dict())
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)

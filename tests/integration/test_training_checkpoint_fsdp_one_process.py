@@ -7,67 +7,28 @@ losses and parameters equal the uninterrupted eager run."""
 
 from __future__ import annotations
 
-import warnings
-from pathlib import Path
-
 import pytest
 import torch
 
 import dpcompile
-from tests.integration.test_training_checkpoint import batches, eager_run, make_model, state_in_model_layout, train_step
+from tests.integration import test_training_checkpoint as base
+from tests.integration.test_training_checkpoint import (
+    FSDP_LAYOUTS,
+    LAYOUTS,
+    batches,
+    program,
+    saved,
+    state_in_model_layout,
+    train_step,
+)
 
-FSDP = {"fsdp3": {"dp": 3}, "fsdp2xtp2": {"dp": 2, "tp": 2}, "pp2xfsdp2": {"pp": 2, "dp": 2}}
-OTHERS = {"dp3": {"dp": 3}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "pp2xtp2": {"pp": 2, "tp": 2}}
-# the six layouts of issue 32 in one process are these four (their 12 pairs: test_training_checkpoint.py)
+folder, eager = base.folder, base.eager  # its module fixtures: the saved checkpoints and eager run, here too
+
+# the six layouts of issue 32 in one process are LAYOUTS' four (their 12 pairs: test_training_checkpoint.py)
 # and FSDP, FSDP x TP: every pair with an FSDP end (18), and pp x FSDP saved and loaded both ways
-SIX = ["fsdp3", "fsdp2xtp2", *OTHERS]
-PAIRS = [(a, b) for a in SIX for b in SIX if a != b and (a in FSDP or b in FSDP)]
+SIX = ["fsdp3", "fsdp2xtp2", *LAYOUTS]
+PAIRS = [(a, b) for a in SIX for b in SIX if a != b and (a in FSDP_LAYOUTS or b in FSDP_LAYOUTS)]
 PAIRS += [("pp2xfsdp2", "dp3"), ("pp2xfsdp2", "fsdp2xtp2"), ("pp2xtp2", "pp2xfsdp2"), ("fsdp3", "pp2xfsdp2")]
-
-_PROGRAMS: dict[str, object] = {}
-_SAVED: dict[str, dict] = {}
-
-
-def program(name: str):
-    """One program per layout for the module, set back to the model's initial weights, a fresh AdamW."""
-    if name not in _PROGRAMS:
-        layout = {**FSDP, **OTHERS}[name]
-        n = 1
-        for size in layout.values():
-            n *= size
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _PROGRAMS[name] = dpcompile.transform(
-                make_model(), ["cpu"] * n, mesh=layout, example_inputs=batches()[0],
-                data_parallel="fsdp" if name in FSDP else "ddp",
-            )  # fmt: skip
-    pm = _PROGRAMS[name]
-    pm.load_state_dict(make_model().state_dict())
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
-    return pm, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-
-def saved(name: str, folder: Path) -> dict:
-    if name not in _SAVED:
-        pm, opt, sched = program(name)
-        train_step(pm, opt, sched, batches()[0])
-        dpcompile.save_checkpoint(pm, folder / name, optimizer=opt, lr_scheduler=sched)
-        _SAVED[name] = {
-            "path": folder / name,
-            "params": {k: v.clone() for k, v in pm.state_dict().items()},
-            **{s: state_in_model_layout(pm, opt, s) for s in ("exp_avg", "exp_avg_sq")},
-        }
-    return _SAVED[name]
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tmp_path_factory.mktemp("fsdp_one_process_checkpoints")
-
-
-@pytest.fixture(scope="module")
-def eager():
-    return eager_run()
 
 
 @pytest.mark.parametrize(("source", "dest"), PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])

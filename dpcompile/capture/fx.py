@@ -163,17 +163,17 @@ def _read_opaque_attributes_by_name(graph: fx.Graph, root: Any) -> None:
 
         _opaque_obj0 = self._opaque_obj0  ->  sampler_g = self.sampler.g
     """
-    if not isinstance(root, nn.Module):
+    stowed = [n for n in graph.nodes if n.op == "get_attr" and n.target.startswith("_opaque_obj")]
+    if not stowed or not isinstance(root, nn.Module):
         return
     owners = {id(v): f"{path}.{name}" if path else name
               for path, m in root.named_modules() for name, v in vars(m).items() if not name.startswith("_")}
-    for node in graph.nodes:
-        if node.op == "get_attr" and node.target.startswith("_opaque_obj"):
-            owner = owners.get(id(getattr(root, node.target, None)))
-            if owner is not None:
-                delattr(root, node.target)
-                node.target = owner
-                node._rename(owner.replace(".", "_"))
+    for node in stowed:
+        owner = owners.get(id(getattr(root, node.target, None)))
+        if owner is not None:
+            delattr(root, node.target)
+            node.target = owner
+            node._rename(owner.replace(".", "_"))
 
 
 def _record_grad_mode(tracer: fx.Tracer) -> tuple[list[tuple[fx.Node | None, bool]], Any]:

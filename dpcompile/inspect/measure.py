@@ -3,7 +3,7 @@ beside ``explain``'s prediction.
 
 On virtual devices (``["cpu"] * n``, a repeated ``"cuda:0"``) one allocator serves every device, so
 each new storage is counted against the device of the node that made it: the program runs under an
-``fx.Interpreter`` that names the running node's device slot (``slot_of``), a ``TorchDispatchMode``
+``fx.Interpreter`` that names the running node's device (``label_slots``: its slot, and its dp copy's device), a ``TorchDispatchMode``
 sees every storage an op creates, and a finalizer takes it off when it is freed. In backward the
 slot is the one of the forward node whose autograd node is running. On distinct CUDA devices the
 allocator's own ``max_memory_allocated(d)`` is read instead.
@@ -35,7 +35,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.explanation import explain
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b
-from dpcompile.inspect.nodes import device_labels, device_list, slot_of
+from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
 from dpcompile.runtime import checkpoint
 
 
@@ -127,17 +127,18 @@ class _SlotInterpreter(fx.Interpreter):
     """Runs a program node by node, naming each node's device slot; regions recomputed in backward
     run through it too (forward and recompute alike)."""
 
-    def __init__(self, module: fx.GraphModule, ledger: _Ledger) -> None:
+    def __init__(self, module: fx.GraphModule, ledger: _Ledger, slot_index: Callable[[fx.Node], int]) -> None:
         super().__init__(module)
         self.ledger = ledger
+        self.slot_index = slot_index
 
     def run_node(self, n: fx.Node) -> Any:
-        slot = slot_of(n)  # a node of no one device (a scatter, a gather, a whole op) runs on the first
-        self.ledger.slot = slot if slot is not None and slot < len(self.ledger.live) else 0
+        self.ledger.slot = self.slot_index(n)  # a node of no one device (a scatter, a gather, a whole op): the first
         if n.op == "call_function" and n.target is checkpoint:
             region, *rest = self.map_nodes_to_values(n.args, n)
             ledger = self.ledger
-            out = checkpoint(lambda *a: _SlotInterpreter(region, ledger).run(*a), *rest, **n.kwargs)
+            slots = self.slot_index
+            out = checkpoint(lambda *a: _SlotInterpreter(region, ledger, slots).run(*a), *rest, **n.kwargs)
         else:
             out = super().run_node(n)
         for t in tree_leaves(out):
@@ -196,16 +197,19 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
     if not isinstance(pm, fx.GraphModule) or not hasattr(pm, "program_for_call"):
         raise DpCompileError(f"measure needs a dpcompile.ParallelModule, got {type(pm).__name__}")
     training = pm.training
-    labels = device_labels(pm)
+    labels, slot_index = label_slots(pm)
     estimate = explain(pm, *args, **kwargs).memory_estimate
     predicted = {d: sum(kinds.values()) for d, kinds in estimate.items()}
-    held = {d: estimate.get(d, {}).get("parameters", 0) for d in labels}
     devices = device_list(pm)
     distinct_cuda = all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices)
+    # dp copies on virtual devices share one set of parameters, so one set of gradients, made by
+    # whichever copy's backward runs first: they are counted as explain counts them, as parameters are
+    held_kinds = ("parameters", "gradients") if training and copy_labels(pm) and not distinct_cuda else ("parameters",)
+    held = {d: sum(estimate.get(d, {}).get(kind, 0) for kind in held_kinds) for d in labels}
     if distinct_cuda:
         allocated = _cuda_peaks(pm, args, kwargs, training, devices, labels)
     else:
-        allocated = _virtual_peaks(pm, args, kwargs, training, labels)
+        allocated = _virtual_peaks(pm, args, kwargs, training, labels, slot_index, "gradients" in held_kinds)
     with _state_kept(pm):
         _synchronize(devices)
         start = time.perf_counter()
@@ -222,16 +226,29 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
     )
 
 
-def _virtual_peaks(pm: Any, args: tuple, kwargs: dict, training: bool, labels: list[str]) -> dict[str, int]:
+def _virtual_peaks(
+    pm: Any,
+    args: tuple,
+    kwargs: dict,
+    training: bool,
+    labels: list[str],
+    slot_index: Callable[[fx.Node], int],
+    gradients_held: bool,
+) -> dict[str, int]:
+    """Each device's peak of the bytes the step allocates (``gradients_held``: the gradients exist
+    before the step, zeros accumulated into, so they are not among them)."""
     ledger = _Ledger(len(labels))
-    if runs_one_f_one_b(pm, training):
-        with _state_kept(pm), _Allocations(ledger):
-            one_f_one_b_peaks(pm, args, kwargs, ledger, _SLOT_KEY)
-        return dict(zip(labels, ledger.peak, strict=True))
-    program = pm.program_for_call(*args, **kwargs)
-    values = bind_inputs(program, args, kwargs)
-    with _state_kept(pm), _Allocations(ledger):
-        _step(lambda: _SlotInterpreter(program, ledger).run(*values), training)
+    with _state_kept(pm):
+        if gradients_held:
+            for p in pm.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+        with _Allocations(ledger):
+            if runs_one_f_one_b(pm, training):
+                one_f_one_b_peaks(pm, args, kwargs, ledger, _SLOT_KEY, slot_index)
+            else:
+                program = pm.program_for_call(*args, **kwargs)
+                values = bind_inputs(program, args, kwargs)
+                _step(lambda: _SlotInterpreter(program, ledger, slot_index).run(*values), training)
     return dict(zip(labels, ledger.peak, strict=True))
 
 

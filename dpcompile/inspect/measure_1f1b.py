@@ -8,12 +8,11 @@ for every other program, so each device's allocations are counted apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
-
-from dpcompile.inspect.nodes import slot_of
 
 __all__ = ["one_f_one_b_peaks", "runs_one_f_one_b"]
 
@@ -23,17 +22,17 @@ def runs_one_f_one_b(pm: Any, training: bool) -> bool:
     return pm.__dict__.get("schedule") == "1f1b" and training and hasattr(pm.recipe, "one_f_one_b_step")
 
 
-def one_f_one_b_peaks(pm: Any, args: tuple, kwargs: dict, ledger: Any, slot_key: str) -> None:
+def one_f_one_b_peaks(
+    pm: Any, args: tuple, kwargs: dict, ledger: Any, slot_key: str, slot_index: Callable[[Any], int]
+) -> None:
     """Run one 1F1B step of ``pm`` (a fresh one: the program's own cached step is left alone), each
     node's allocations counted on its slot of ``ledger``."""
     step = pm.recipe.one_f_one_b_step(pm, pm.call_key(*args, **kwargs))
     runner = step.runner
     plain = runner.run_node
-    devices = len(ledger.live)
 
     def run_node(n: Any) -> Any:
-        slot = slot_of(n)
-        ledger.slot = slot if slot is not None and slot < devices else 0
+        ledger.slot = slot_index(n)
         out = plain(n)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:

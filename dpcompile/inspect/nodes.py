@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,8 +11,9 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.devices import Devices
+from passes.name_dp_copies import COPY
 
-__all__ = ["copy_labels", "device_labels", "device_list", "slot_of", "target_name", "user_source"]
+__all__ = ["copy_labels", "device_labels", "device_list", "label_slots", "slot_of", "target_name", "user_source"]
 
 _SLOT = re.compile(r"_(?:dev|shard|rank)(\d+)$")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
@@ -66,6 +68,26 @@ def slot_of(node: fx.Node) -> int | None:
         return slot
     m = _SLOT.search(node.name)
     return int(m.group(1)) if m else None
+
+
+def label_slots(pm: nn.Module) -> tuple[list[str], Callable[[fx.Node], int]]:
+    """Every device label of ``pm`` and, for a node, the index of the label it runs on: its slot, and
+    where dp copies compose over a pipeline or tensor-parallel program, its copy's device of that
+    slot (``_dp1_dev0`` of ``{"dp": 2, "tp": 2}`` runs on ``cpu#2``). A node of no one device: 0."""
+    own = device_labels(pm)
+    found = copy_labels(pm)
+    labels = found[1] if found is not None else own
+    index = {label: i for i, label in enumerate(labels)}
+
+    def slot_index(node: fx.Node) -> int:
+        slot = slot_of(node)
+        if slot is None or slot >= len(own):
+            return 0
+        if found is None:
+            return slot
+        return index[found[0][node.meta.get(COPY) or 0][slot]]
+
+    return labels, slot_index
 
 
 def user_source(node: fx.Node) -> str | None:

@@ -165,7 +165,7 @@ NAMED_LAYOUTS = [
 @pytest.mark.parametrize(("n", "layout"), NAMED_LAYOUTS, ids=["pp", "pp_1f1b", "pp_dp", "dp_tp"])
 def test_memory_plan_of_a_named_layout_is_within_30_percent_of_measure(n, layout):
     """memory_per_device= with a pipeline or dp copies builds that layout and predicts every device's
-    bytes; on each device measure reports (a dp layout's: copy 0's) the prediction is within 30% of
+    bytes; on each device measure reports (every dp copy's devices) the prediction is within 30% of
     one measured training step."""
     torch.manual_seed(0)
     x, labels = torch.randn(32, 64), torch.randint(0, 10, (32,))

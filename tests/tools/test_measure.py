@@ -33,6 +33,22 @@ def test_measure_counts_devices_apart():
     assert m.step_allocated_peak["cpu#0"] == 2 * 32 * 4 and m.step_allocated_peak["cpu#1"] == 0
 
 
+def test_measure_counts_each_dp_copy_on_its_own_devices():
+    """Data parallel over tensor-parallel (or pipeline) copies on four virtual devices: copy 1's nodes
+    (``_dp1_dev0``) count on copy 1's devices, not on copy 0's. In eval mode each device holds its
+    2 rows' output of the layer it runs: fc1's column shard (2 x 16 x 4 bytes) twice (Linear, then
+    ReLU) with tensor parallel; its stage's outputs with the pipeline."""
+    x = torch.randn(4, 16)
+    pm = dpcompile.transform(_mlp().eval(), ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(x,))
+    m = dpcompile.measure(pm, x)
+    assert m.step_allocated_peak == dict.fromkeys(["cpu#0", "cpu#1", "cpu#2", "cpu#3"], 2 * 2 * 16 * 4)
+    assert set(m.peak_bytes) == set(m.predicted_peak_bytes)
+    pm = dpcompile.transform(_mlp().eval(), ["cpu"] * 4, mesh={"pp": 2, "dp": 2}, example_inputs=(x,))
+    peaks = dpcompile.measure(pm, x).step_allocated_peak  # canonical order: stage 0 of copies 0, 1; then stage 1
+    assert peaks["cpu#0"] == peaks["cpu#1"] == 2 * 32 * 4  # fc1's output of the copy's 2 rows
+    assert peaks["cpu#2"] == peaks["cpu#3"] == 2 * 32 * 4 + 2 * 4 * 4  # ReLU's output, then fc2's
+
+
 def test_measure_training_step_leaves_state_as_it_was():
     """A training step is measured (forward and backward), and gradients stay as they were."""
     model = _mlp()

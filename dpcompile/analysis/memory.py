@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dpcompile.errors import DpCompileError
+from dpcompile.runtime.recompute import kept_now
 
 __all__ = [
     "KINDS",
@@ -179,10 +180,22 @@ def activation_bytes(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str,
                     weakref.finalize(t, _release, live, size)
             return out
 
+    class Kept(TorchDispatchMode):
+        """What a selective checkpoint keeps for backward: its own store, not autograd's saved tensors."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if kept_now(func):
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        pack(t)
+            return out
+
     grad = torch.enable_grad() if training else torch.no_grad()
     with mode, grad, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if training:
-            functional_call(model, state, tuple(fake_args), fake_kwargs)
+            with Kept():
+                functional_call(model, state, tuple(fake_args), fake_kwargs)
         else:
             with Live():
                 functional_call(model, state, tuple(fake_args), fake_kwargs)

@@ -43,11 +43,15 @@ def keep_outputs(on: bool) -> None:
     _KEEPING[0] = on
 
 
-def _keep_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def kept_now(func: Any) -> bool:
+    """Inside a region run by ``checkpoint(..., saving=True)``: ``func``'s outputs are saved for
+    backward now, not recomputed (``explain`` counts them)."""
     # a view is free to recompute, and saving one would keep its base (a Linear's input) alive
-    if _KEEPING[0] and not any(r.alias_info is not None for r in func._schema.returns):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return _KEEPING[0] and not any(r.alias_info is not None for r in func._schema.returns)
+
+
+def _keep_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if kept_now(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _kept_ops_saved() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

@@ -152,13 +152,15 @@ def test_composes_with_pipeline_and_tensor_parallel(layout):
     assert any("dpcompile_runtime_keep_outputs(True)" in m.code for m in regions)
 
 
-def _step(pm, x) -> tuple[int, int]:
-    """FLOPs of one training step and the peak bytes dpcompile.measure reports."""
+def _step(pm, x) -> tuple[int, int, int]:
+    """FLOPs of one training step, the peak bytes dpcompile.measure reports, and the activation
+    bytes explain predicts."""
     with FlopCounterMode(display=False) as flops:
         pm(x).sum().backward()
     for p in pm.parameters():
         p.grad = None
-    return flops.get_total_flops(), max(dpcompile.measure(pm, x).peak_bytes.values())
+    m = dpcompile.measure(pm, x)
+    return flops.get_total_flops(), max(m.peak_bytes.values()), max(k["activations"] for k in m.memory_estimate.values())
 
 
 def test_kept_ops_are_not_recomputed_and_the_peak_is_between():
@@ -170,11 +172,14 @@ def test_kept_ops_are_not_recomputed_and_the_peak_is_between():
                            ("every_second_matmul", {"regions": True, "save": "every_second_matmul"}),
                            ("auto", {"regions": True, "save": "auto", "budget": 7 / 9})]
     }  # fmt: skip
-    flops = {rule: f for rule, (f, _) in figures.items()}
-    peak = {rule: p for rule, (_, p) in figures.items()}
+    flops = {rule: f for rule, (f, _, _) in figures.items()}
+    peak = {rule: p for rule, (_, p, _) in figures.items()}
+    predicted = {rule: a for rule, (_, _, a) in figures.items()}
     assert flops["matmuls"] == flops["none"]  # every matmul kept: only free ops run again
     assert flops["none"] < flops["every_second_matmul"] < flops["nothing"]
     assert peak["nothing"] < peak["every_second_matmul"] < peak["matmuls"] < peak["none"]
+    # explain counts what a save rule keeps (the checkpoint's own store, not autograd's saved tensors)
+    assert predicted["nothing"] < predicted["every_second_matmul"] < predicted["matmuls"] <= predicted["none"]
     # at torchtitan's bytes (7 of 9 widths kept) the knapsack spares as many FLOPs: every matmul costs as
     # much per value kept (2 x its inner width, 16 here), so no other choice of the same bytes does better
     assert flops["auto"] == flops["every_second_matmul"]

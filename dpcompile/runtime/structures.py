@@ -19,6 +19,11 @@ def is_namedtuple(value: object) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
 
 
+def is_structseq(value: object) -> bool:
+    """A ``torch.return_types`` value (``x.topk(k)``, ``x.max(dim)``): a tuple whose fields are named."""
+    return isinstance(value, tuple) and hasattr(type(value), "n_fields")
+
+
 def is_dataclass_instance(value: object) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
@@ -40,6 +45,8 @@ def rebuild(template: Any, new_children: list[Any]) -> Any:
     """A container like ``template`` holding ``new_children``."""
     if is_namedtuple(template):
         return type(template)(*new_children)
+    if is_structseq(template):
+        return type(template)(new_children)
     if isinstance(template, tuple):
         return tuple(new_children)
     if isinstance(template, list):

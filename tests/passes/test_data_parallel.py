@@ -126,6 +126,27 @@ def test_data_parallel_dataclass_output_matches_eager():
     assert type(out).__name__ == "Output" and out.logits.shape == (3, 2) and out.note == "ok"
 
 
+class NamedResults(nn.Module):
+    """``torch.return_types`` values (``topk``, ``sort``, ``max(dim)``) read by field name, and returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        picked = y.topk(3, dim=1).values + y.max(dim=1).values[:, None] + y.sort(1).values[:, :3]
+        return picked, y.min(dim=1)
+
+
+def test_data_parallel_named_results_of_torch_ops_keep_their_fields():
+    """A gathered ``topk``/``sort``/``max(dim)`` result is the ``torch.return_types`` value eager
+    returns (``.values``, ``.indices``), not a plain tuple."""
+    pm = check_against_eager(NamedResults, ["cpu"] * 2, torch.randn(6, 8))
+    _, smallest = pm(torch.randn(5, 8))
+    assert type(smallest) is torch.return_types.min and smallest.indices.shape == (5,)
+
+
 def test_data_parallel_small_batch_uses_fewer_devices():
     """A batch of 2 on 4 devices runs on 2, with the same values as eager."""
     model = MLP()

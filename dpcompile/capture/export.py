@@ -23,6 +23,7 @@ The rewrites live in :mod:`~dpcompile.capture.rewrite`, what the program calls a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import logging
@@ -454,6 +455,10 @@ def _build(graph: fx.Graph, spec: Any, leaves: Any) -> Any:
         return graph.call_function(kind, (), dict(zip(keys, children)))
     if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_fields"):
         return graph.call_function(kind, tuple(children))
+    if kind is collections.namedtuple:  # pytree's node for every namedtuple: the class is the context
+        return graph.call_function(spec.context, tuple(children))
+    if isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "n_fields"):  # torch.return_types
+        return graph.call_function(kind, (tuple(children),))
     if isinstance(kind, type) and issubclass(kind, dict):
         return graph.call_function(kind, (), dict(zip(spec.context, children)))
     raise TraceError(f"the export frontend cannot rebuild an output of type {kind.__name__}")

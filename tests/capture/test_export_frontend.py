@@ -1,5 +1,6 @@
 """The torch.export frontend on small models: the program it makes and how it runs."""
 
+import collections
 import copy
 
 import pytest
@@ -135,6 +136,35 @@ def test_export_frontend_data_parallel_kwargs_other_batch_sizes_and_mean_loss_ma
         want_loss.backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"{n}: {m}")
+
+
+Scores = collections.namedtuple("Scores", "logits total")
+
+
+class NamedOutputs(nn.Module):
+    """Returns a user namedtuple and a ``torch.return_types`` value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return Scores(y, y.sum()), y.min(dim=1)
+
+
+def test_export_frontend_rebuilds_namedtuple_and_torch_return_types_outputs():
+    """The program returns forward's own ``Scores`` and ``torch.return_types.min`` (they were
+    refused: "cannot rebuild an output of type namedtuple"), gathered equal to eager."""
+    model = NamedOutputs()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export")
+    (scores, smallest), (want, want_min) = pm(x), reference(x)
+    assert type(scores) is Scores and type(smallest) is torch.return_types.min
+    torch.testing.assert_close(scores.logits, want.logits)
+    torch.testing.assert_close(scores.total, want.total)
+    assert torch.equal(smallest.indices, want_min.indices)
 
 
 def test_export_frontend_checks_python_arguments_it_was_exported_for():

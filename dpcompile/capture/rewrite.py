@@ -39,6 +39,10 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             continue
+        if node.target is aten.copy_.default and _writes_itself(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            continue
         if node.target is aten.view.default:
             node.target = aten.reshape.default
         if node.target is aten.dropout.default:
@@ -191,6 +195,20 @@ def _raise_addmm_to_module(gm: fx.GraphModule, node: fx.Node, path: str, module:
     gm.graph.erase_node(out)
     gm.graph.erase_node(node)
     gm.graph.erase_node(flat)
+
+
+def _writes_itself(node: fx.Node) -> bool:
+    """``copy_(buf, v)`` where ``v`` is ``buf`` after in-place ops (``v = buf.add_(1)``): export's
+    write-back of a buffer forward already changed in place. It changes nothing but the version
+    autograd checks (``buf * v`` saved ``buf``), so backward would fail."""
+    target, value = node.args[0], node.args[1]
+    while isinstance(value, fx.Node) and value.op == "call_function" and value is not target:
+        schema = getattr(value.target, "_schema", None)
+        first = schema.arguments[0] if schema is not None and schema.arguments else None
+        if first is None or first.alias_info is None or not first.alias_info.is_write:
+            return False
+        value = value.args[0]
+    return value is target
 
 
 def _drop_counter_update(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:

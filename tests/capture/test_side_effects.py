@@ -263,6 +263,38 @@ def test_buffer_rebound_to_another_shape_is_written():
         dpcompile.transform(CacheOfAnotherShape(), ["cpu"] * 2, frontend="export", example_inputs=(x,))
 
 
+class CallCounter(nn.Module):
+    """A buffer counted up in place and then read by what is differentiated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * self.calls
+
+
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel": True}, {"pipeline": 2}])
+def test_buffer_counted_in_place_then_read_trains_under_the_export_frontend(layout):
+    """export writes ``calls`` back with ``copy_(calls, calls.add_(1))``; that copy onto itself only
+    bumped the version autograd checks, so backward failed ("modified by an inplace operation").
+    Two training calls: outputs, the counter and the gradients equal eager."""
+    model, eager = _pair(CallCounter)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,), **layout)
+    for _ in range(2):
+        got, want = pm(x), eager(x)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        want.sum().backward()
+        assert pm.state_dict()["calls"] == eager.calls  # tensor parallel keeps its own copy of the model
+    torch.testing.assert_close(pm.state_dict(), eager.state_dict())
+    if not layout:
+        torch.testing.assert_close(model.fc.weight.grad, eager.fc.weight.grad)
+
+
 def test_attribute_written_before_read_is_no_change():
     """An eager call after transform sets ``scale`` as forward does: the export program keeps
     serving (it refused every call with ModelChanged)."""

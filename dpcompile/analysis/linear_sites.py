@@ -82,6 +82,16 @@ def embedding_paths(root: nn.Module) -> list[str]:
     return [name for name, m in root.named_modules() if isinstance(m, (nn.Embedding, nn.MultiheadAttention))]
 
 
+def _hooks_of(module: nn.Module | None) -> str | None:
+    """What hooks ``module`` has (``"a forward hook"``), or None: a sharded call would not run them."""
+    if module is None:
+        return None
+    kinds = [kind for kind, hooks in (("a forward pre-hook", module._forward_pre_hooks), ("a forward hook", module._forward_hooks),
+                                      ("a backward hook", module._backward_hooks), ("a backward pre-hook", module._backward_pre_hooks))
+             if hooks]  # fmt: skip
+    return " and ".join(kinds) or None
+
+
 def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
     """The Linear layers called in ``gm``'s forward, by module path.
 
@@ -157,6 +167,11 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
     for path, site in sites.items():
         if calls[path] > 1:
             site.blocker = f"'{path}' is called {calls[path]} times in forward; a shared layer stays whole"
+        elif (hooked := _hooks_of(modules.get(path))) is not None:
+            site.blocker = (
+                f"'{path}' has {hooked}, which would see one shard's values instead of the layer's; it stays whole "
+                "(remove the hook, or hook a module around the layer)"
+            )
     _find_ties(gm, sites)
     return sites
 

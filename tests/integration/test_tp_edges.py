@@ -210,3 +210,27 @@ def test_bias_shared_by_layers_split_differently_keeps_them_whole():
         optimizer.step()
     torch.testing.assert_close(pm(x), eager(x), atol=1e-5, rtol=1e-5)
     _assert_state_equal(pm, eager)
+
+
+class Hooked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_layer_with_a_forward_hook_stays_whole_and_its_hook_sees_the_whole_output():
+    """A forward hook on a layer sees the layer's whole output, as in eager (a sharded layer ran no
+    hook: it was silently dropped); the layer stays whole, with the reason, and the rest is sharded."""
+    torch.manual_seed(0)
+    model, x = Hooked(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    seen, seen_eager = {}, {}
+    model.b.register_forward_hook(lambda m, i, out: seen.__setitem__("b", out))
+    eager.b.register_forward_hook(lambda m, i, out: seen_eager.__setitem__("b", out))
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,), frontend="fx")
+    assert pm.plan["b"] == "replicate" and "forward hook" in pm.plan_reasons["b"] and pm.plan["a"] != "replicate"
+    torch.testing.assert_close(pm(x), eager(x))
+    torch.testing.assert_close(seen["b"], seen_eager["b"])

@@ -398,7 +398,7 @@ def make_recipe(
         check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
         return SpmdRecipe(
             **common, mesh=devices, plan=plan, ddp_options=dict(ddp_options or {}), data_parallel=data_parallel,
-            mixed_precision=mixed_precision,
+            mixed_precision=mixed_precision, sequence_parallel=bool(sequence_parallel),
         )  # fmt: skip
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)

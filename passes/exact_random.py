@@ -171,6 +171,8 @@ def _size_sequence_pieces_by_the_call(site: RandomSite, graph: fx.Graph) -> None
     first = min(order[n] for n in site.nodes)
     if any(a is None for a in inputs) or sorted(c[0] for c in cols) != list(range(len(cols))) or max(order[a] for a in inputs) > first:
         return  # not every piece's input is there when the first piece draws: the example's sizes
+    if any(len(c[2] or ()) != len(cols) for c in cols):
+        return  # one rank's piece over a mesh: lower_to_collectives sizes it by the call's sequence length
     by_index = tuple(a for _, a in sorted(zip((c[0] for c in cols), inputs)))
     for node, (k, dim, _) in zip(site.nodes, cols):
         node.meta[COLS] = (k, dim, by_index)

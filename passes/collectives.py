@@ -287,8 +287,7 @@ class _Rewriter:
     def _summing_grads(self, node: fx.Node) -> fx.Node:
         """A module run on this rank's sequence slice (a norm) sees its tokens' part of its parameters'
         gradient: called with them through ``all_reduce_grad``, so each rank gets the whole sum."""
-        module = stamp(self.graph.get_attr(str(node.target)), PASS, node)
-        module.name = f"{node.name}_module"
+        module = stamp(self.graph.create_node("get_attr", str(node.target), name=f"{node.name}_module"), PASS, node)
         args = tuple(self.env[a] if isinstance(a, fx.Node) else a for a in node.args)
         kwargs = {k: self.env[v] if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
         call = self.graph.create_node("call_function", seq_rt.call_summing_grads, (module, self.groups["tp_group"], *args),

@@ -173,10 +173,10 @@ def test_sequence_parallel_refused_where_not_built(kwargs, match):
         dpcompile.transform(Stack(), ["cpu"] * 4, sequence_parallel=True, example_inputs=(_ids(8),), **kwargs)
 
 
-def _transformers_model(name: str) -> nn.Module:
+def _transformers_model(name: str, layers: int = 2) -> nn.Module:
     T = import_or_skip("transformers")
     if name == "gpt2":
-        config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.1,
+        config = T.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.1,
                               embd_pdrop=0.1, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
         return T.GPT2LMHeadModel(config)
     config = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

@@ -86,7 +86,8 @@ def _check_sequence_parallel(
         return
     if not sharded:
         raise ValueError("sequence_parallel=True shards the sequence over the 'tp' dimension: add tensor_parallel=")
-    others = sorted(k for k, v in (mesh or {}).items() if k != "tp" and v > 1) if isinstance(mesh, Mapping) else []
+    others = sorted(k for k, v in (mesh or {}).items() if k not in ("tp", "dp" * (not over_mesh)) and v > 1
+                    ) if isinstance(mesh, Mapping) else []  # fmt: skip
     if pipelined or others:
         where = f"with {', '.join(others) or 'pp'}" + (" over a DeviceMesh" if over_mesh else "")
         raise DpCompileError(

@@ -38,11 +38,11 @@ from torch.autograd import Function
 
 from dpcompile.runtime.distributed import (
     GroupLike,
-    _all_gather_,
-    _all_reduce_,
-    _group,
+    all_gather_into,
     all_reduce_grad,
+    all_reduce_inplace,
     collective_failure,
+    process_group,
     settle_deferred_check,
 )
 
@@ -78,7 +78,7 @@ def call_summing_grads(module: torch.nn.Module, group: GroupLike, *args: Any, **
 
 def sequence_sizes(length: int, group: GroupLike) -> list[int]:
     """Every rank's slice of a sequence of ``length`` (a random draw's pieces, ``exact_random``)."""
-    return balanced_sizes(int(length), dist.get_world_size(_group(group)))
+    return balanced_sizes(int(length), dist.get_world_size(process_group(group)))
 
 
 def _slice(x: torch.Tensor, dim: int, sizes: Sequence[int], rank: int) -> torch.Tensor:
@@ -90,7 +90,7 @@ def _gather(x: torch.Tensor, group: Any, dim: int, sizes: Sequence[int]) -> torc
     pad = [0, 0] * (x.dim() - 1 - dim) + [0, max(sizes) - x.size(dim)]
     padded = F.pad(x, pad).contiguous()
     parts = [torch.empty_like(padded) for _ in sizes]
-    _all_gather_(parts, padded, group)
+    all_gather_into(parts, padded, group)
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim)
 
 
@@ -99,7 +99,7 @@ def _reduce_scatter(x: torch.Tensor, group: Any, dim: int, by_all_reduce: bool) 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     sizes = balanced_sizes(x.size(dim), world)
     if by_all_reduce:
-        return _slice(_all_reduce_(x.clone(memory_format=torch.contiguous_format), group), dim, sizes, rank).clone()
+        return _slice(all_reduce_inplace(x.clone(memory_format=torch.contiguous_format), group), dim, sizes, rank).clone()
     settle_deferred_check()
     largest = max(sizes)  # reduce_scatter_tensor takes equal chunks: each slice padded to the largest
     chunks = [F.pad(_slice(x, dim, sizes, k), [0, 0] * (x.dim() - 1 - dim) + [0, largest - sizes[k]]) for k in range(world)]
@@ -184,13 +184,13 @@ class _LinearOfGathered(Function):
 def reduce_scatter(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
     """Sequence parallelism's *g* after a row layer: this rank's slice along ``dim`` of the sum of the
     ranks' partial results (``torch.distributed.reduce_scatter_tensor``). Backward: all-gather."""
-    return _ReduceScatter.apply(x, _group(group), dim % x.dim(), False)
+    return _ReduceScatter.apply(x, process_group(group), dim % x.dim(), False)
 
 
 def reduce_scatter_by_all_reduce(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
     """:func:`reduce_scatter` where the backend has none (gloo): an all-reduce of the whole partial
     result, of which this rank keeps its slice (twice the traffic of a reduce-scatter)."""
-    return _ReduceScatter.apply(x, _group(group), dim % x.dim(), True)
+    return _ReduceScatter.apply(x, process_group(group), dim % x.dim(), True)
 
 
 def all_gather_sequence(x: torch.Tensor, group: GroupLike, dim: int, length: int,
@@ -198,19 +198,19 @@ def all_gather_sequence(x: torch.Tensor, group: GroupLike, dim: int, length: int
     """Sequence parallelism's *f* before a column layer: the whole sequence (``length``) on every rank
     from the slices each holds. Backward: reduce-scatter of the gradient (``by_all_reduce``: as
     :func:`reduce_scatter_by_all_reduce`)."""
-    return _AllGatherSequence.apply(x, _group(group), dim % x.dim(), int(length), by_all_reduce)
+    return _AllGatherSequence.apply(x, process_group(group), dim % x.dim(), int(length), by_all_reduce)
 
 
 def gather_sequence(x: torch.Tensor, group: GroupLike, dim: int, length: int) -> torch.Tensor:
     """The whole sequence where a value leaves the region whole (an output, a shift of the labels);
     every rank then holds the same value, so backward keeps this rank's slice of the gradient."""
-    return _GatherSequence.apply(x, _group(group), dim % x.dim(), int(length))
+    return _GatherSequence.apply(x, process_group(group), dim % x.dim(), int(length))
 
 
 def sequence_slice(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
     """This rank's slice of a whole (replicated) value along the sequence ``dim``, by its own length;
     backward all-gathers the gradient."""
-    return _SequenceSlice.apply(x, _group(group), dim % x.dim())
+    return _SequenceSlice.apply(x, process_group(group), dim % x.dim())
 
 
 def linear_of_gathered(gathered: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -218,7 +218,7 @@ def linear_of_gathered(gathered: torch.Tensor, x: torch.Tensor, weight: torch.Te
     """A column layer on ``gathered`` (:func:`all_gather_sequence` of ``x``) that keeps ``x`` for backward,
     not ``gathered``, and all-gathers it again there (Megatron's sequence-parallel linear).
     ``transposed``: ``weight`` is ``(in, out)`` (transformers' Conv1D)."""
-    return _LinearOfGathered.apply(gathered, x, weight, bias, _group(group), dim % x.dim(), int(length), transposed)
+    return _LinearOfGathered.apply(gathered, x, weight, bias, process_group(group), dim % x.dim(), int(length), transposed)
 
 
 def whole_size(x: torch.Tensor, dim: int, length: int, index: int | None = None) -> Any:

@@ -71,7 +71,11 @@ After ``lower_to_collectives(gm, mesh=mesh, tp_dim="tp")``::
 
 ``gather_from_shards(x, dim, sizes)`` becomes ``all_gather(x, tp_group, dim=, sizes=)``,
 ``split_to_shards`` becomes ``local_slice`` and ``local_size(sizes)`` becomes
-``local_size(sizes, tp_group)``. A pass that finds nothing to lower returns
+``local_size(sizes, tp_group)``. ``shard_sequence``'s calls (sequence parallel) become
+:mod:`dpcompile.runtime.sequence_mesh`'s, sized by the call's own sequence length, read once where
+the first value enters the region (``sequence_length = fc2_partial.size(1)``); on gloo the
+reduce-scatter is ``reduce_scatter_by_all_reduce`` (gloo has none); a module run on the rank's
+slice (a norm) is called through ``call_summing_grads`` (its parameters' gradients summed over tp). A pass that finds nothing to lower returns
 ``modified=False``; lowered calls are not found again, so a second run changes nothing.
 """
 

@@ -1,5 +1,5 @@
 """Sequence parallelism on the tensor-parallel dimension (``sequence_parallel=True``) in one
-process: between the column/row pairs, norms, dropout and residual adds run on sequence shards;
+process (over a gloo mesh: ``test_sequence_parallel_mesh.py``), alone and with ``dp``: between the column/row pairs, norms, dropout and residual adds run on sequence shards;
 the row layer's all-reduce is a reduce-scatter and the next column layer's input an all-gather.
 Outputs and every gradient equal eager (float64), for sequence lengths that divide the devices
 and that do not; explain shows the activations each device holds with and without.
@@ -161,7 +161,7 @@ def test_sequence_parallel_without_a_sequence_changes_nothing():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"mesh": {"dp": 2, "tp": 2}, "pipeline": 1}, "sequence_parallel=True with pp is not built yet"),
+        ({"mesh": {"cp": 2, "tp": 2}}, "sequence_parallel=True with cp is not built yet"),
         ({"mesh": {"pp": 2, "tp": 2}}, "sequence_parallel=True with pp is not built yet"),
         ({"mesh": {"dp": 4}}, "add tensor_parallel="),
         ({"tensor_parallel": True, "memory_per_device": "1GiB"}, "does not plan sequence parallel"),

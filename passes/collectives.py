@@ -74,7 +74,7 @@ After ``lower_to_collectives(gm, mesh=mesh, tp_dim="tp")``::
 ``local_size(sizes, tp_group)``. ``shard_sequence``'s calls (sequence parallel) become
 :mod:`dpcompile.runtime.sequence_mesh`'s, sized by the call's own sequence length, read once where
 the first value enters the region (``sequence_length = fc2_partial.size(1)``); on gloo the
-reduce-scatter is ``reduce_scatter_by_all_reduce`` (gloo has none); a module run on the rank's
+reduce-scatter is ``reduce_scatter_by_all_reduce`` (faster there than gloo's own); a module run on the rank's
 slice (a norm) is called through ``call_summing_grads`` (its parameters' gradients summed over tp). A pass that finds nothing to lower returns
 ``modified=False``; lowered calls are not found again, so a second run changes nothing.
 """
@@ -399,7 +399,8 @@ class _Rewriter:
         return stamp_comm(stamp(call, PASS, node), kind, backward=backward)
 
     def reduce_scatter_by_all_reduce(self) -> bool:
-        """gloo has no reduce-scatter: an all-reduce of which each rank keeps its slice instead."""
+        """Anything but nccl: an all-reduce of which each rank keeps its slice, not the backend's own
+        reduce-scatter (gloo's measured slower, ``benchmarks/bench_sequence_parallel_mesh.py``)."""
         if self.by_all_reduce is None:
             try:
                 backend = dist.get_backend(self.gm.get_submodule("tp_group").group)

@@ -219,7 +219,7 @@ def sequence_parallel_report(pm: nn.Module, gm: fx.GraphModule, nodes: Sequence[
         "dimension": "tp", "sequence_dim": 1,
         "reduce_scatters": sorted({n.name for n in gm.graph.nodes if n.target in scatters}),
         "all_gathers": sorted({n.name for n in gm.graph.nodes if n.target in gathers}),
-        "reduce_scatter": "all_reduce_then_slice" if by_all_reduce else "reduce_scatter",  # gloo has none: the fallback
+        "reduce_scatter": "all_reduce_then_slice" if by_all_reduce else "reduce_scatter",  # gloo: the fallback
         "activation_bytes": dict(activation),
         "activation_bytes_without": _activation_without_sequence(gm, nodes, activation),
     }  # fmt: skip

@@ -12,8 +12,8 @@ function                            forward                       backward
 ==================================  ============================  ==============================
 ``reduce_scatter``                  sum, keep this rank's slice   all-gather of the gradient
 ``reduce_scatter_by_all_reduce``    the same, as an all-reduce    all-gather of the gradient
-                                    and this rank's slice (gloo
-                                    has no reduce-scatter)
+                                    and this rank's slice (the
+                                    gloo fallback, see below)
 ``all_gather_sequence``             all-gather (*f*)              reduce-scatter of the gradient
 ``gather_sequence``                 all-gather (an exit)          keep this rank's slice
 ``sequence_slice``                  keep this rank's slice        all-gather of the gradient
@@ -21,6 +21,11 @@ function                            forward                       backward
                                     all-gathered input, saving    (the whole input is not kept)
                                     only this rank's slice
 ==================================  ============================  ==============================
+
+On gloo the lowering picks ``reduce_scatter_by_all_reduce``: gloo's own reduce-scatter (torch 2.13
+has one) measured slower than an all-reduce and the rank's slice over 2 ranks of one machine
+(``benchmarks/bench_sequence_parallel_mesh.py``: the fallback 0.69x to 0.96x of its time); nccl runs
+``reduce_scatter``.
 
 >>> y = reduce_scatter_by_all_reduce(fc2_partial, tp_group, 1)            # doctest: +SKIP
 >>> x = all_gather_sequence(ln, tp_group, 1, sequence_length)             # doctest: +SKIP
@@ -58,6 +63,9 @@ __all__ = [
     "sequence_slice",
     "whole_size",
 ]
+
+
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # reduce_scatter_tensor: deprecated in 2.13
 
 
 def balanced_sizes(length: int, world: int) -> list[int]:
@@ -106,7 +114,7 @@ def _reduce_scatter(x: torch.Tensor, group: Any, dim: int, by_all_reduce: bool) 
     flat = torch.stack(chunks).reshape(-1)  # rank k's chunk k-th, as reduce_scatter_tensor takes them
     out = flat.new_empty(chunks[0].numel())
     try:
-        dist.reduce_scatter_tensor(out, flat, group=group)
+        REDUCE_SCATTER(out, flat, group=group)
     except (RuntimeError, dist.DistError) as e:
         raise collective_failure("reduce_scatter", group, e) from e
     return out.view(chunks[0].shape).narrow(dim, 0, sizes[rank])
@@ -188,8 +196,8 @@ def reduce_scatter(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
 
 
 def reduce_scatter_by_all_reduce(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
-    """:func:`reduce_scatter` where the backend has none (gloo): an all-reduce of the whole partial
-    result, of which this rank keeps its slice (twice the traffic of a reduce-scatter)."""
+    """:func:`reduce_scatter` as an all-reduce of the whole partial result, of which this rank keeps its
+    slice (twice a reduce-scatter's traffic): gloo's fallback, faster there than its own reduce-scatter."""
     return _ReduceScatter.apply(x, process_group(group), dim % x.dim(), True)
 
 

@@ -2,8 +2,9 @@
 mesh): the test file's ``Stack`` of blocks (training, dropout drawn exactly) and a 1-layer GPT-2
 with ``labels=``, float64, on a sequence of 13 (7 and 6 tokens per rank): loss, outputs, every
 gradient (this rank's shard) and the parameters after 2 AdamW steps equal eager; a call of another
-length runs equal eager; each rank's code shows the sequence collectives (gloo has no
-reduce-scatter: an all-reduce and the rank's slice, named so in the code)."""
+length runs equal eager; each rank's code shows the sequence collectives (on gloo the reduce-scatter
+is an all-reduce and the rank's slice, named so in the code; the backend's own reduce-scatter, nccl's
+path, is checked equal to it)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,31 @@ def check_gpt2() -> None:
         torch.testing.assert_close(got, want)
 
 
-CHECKS = {"stack": check_stack, "gpt2": check_gpt2}
+def check_reduce_scatters_agree() -> None:
+    """The backend's own reduce-scatter (nccl's path; gloo has one too) equals the gloo fallback, forward
+    and backward, on an uneven sequence (5 over 2 ranks), and the all-gather is its conjugate."""
+    import torch.distributed as dist
+
+    from dpcompile.runtime import sequence_mesh
+
+    x = torch.arange(2 * 5 * 3, dtype=torch.float64).view(2, 5, 3) * (dist.get_rank() + 1)
+    x.requires_grad_()
+    own, fallback = sequence_mesh.reduce_scatter(x, None, 1), sequence_mesh.reduce_scatter_by_all_reduce(x, None, 1)
+    whole = x.detach() * 3 / (dist.get_rank() + 1)  # the sum over the 2 ranks
+    torch.testing.assert_close(own, whole[:, :3] if dist.get_rank() == 0 else whole[:, 3:])
+    torch.testing.assert_close(own, fallback)
+    weights = torch.linspace(0.5, 1.5, own.numel(), dtype=torch.float64).view(own.shape)
+    grads = [torch.autograd.grad((y * weights).sum(), x)[0] for y in (own, fallback)]
+    torch.testing.assert_close(*grads)
+    for by_all_reduce in (False, True):
+        y = own.detach().requires_grad_()
+        gathered = sequence_mesh.all_gather_sequence(y, None, 1, 5, by_all_reduce=by_all_reduce)
+        torch.testing.assert_close(gathered, whole)
+        (grad,) = torch.autograd.grad((gathered * (dist.get_rank() + 1)).sum(), y)
+        torch.testing.assert_close(grad, torch.full_like(y, 3.0))  # the ranks' gradients summed, this slice
+
+
+CHECKS = {"stack": check_stack, "gpt2": check_gpt2, "reduce_scatters": check_reduce_scatters_agree}
 
 
 def _entry(rank: int, world: int, port: int, results: mp.Queue) -> None:

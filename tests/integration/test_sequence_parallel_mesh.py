@@ -122,6 +122,42 @@ def check_gpt2() -> None:
         torch.testing.assert_close(got, want)
 
 
+class ReadsShape(torch.nn.Module):
+    """A norm whose output's shape is read (``h.shape``, not gathered) and used whole after the pair."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.ln(x)
+        b, t, _ = h.shape
+        return (x + self.fc2(torch.relu(self.fc1(h)))).reshape(b * t, -1)
+
+
+def check_shape_read() -> None:
+    """``h.shape`` of a value on sequence slices is the whole value's, at the example's length (13) and
+    at another (12): outputs and gradients equal eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = ReadsShape().double()
+    eager = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    x = torch.randn(2, SEQ, 16, dtype=torch.float64)
+    pm = dpcompile.transform(model, mesh, tensor_parallel=True, sequence_parallel=True, example_inputs=(x,))
+    assert "dpcompile_runtime_sequence_mesh_whole_size(ln, 1, sequence_length, None)" in pm.code
+    for seq in (SEQ, 12):
+        x = torch.randn(2, seq, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(seq))
+        got, want = pm(x), eager(x)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        want.sum().backward()
+    _assert_grads_equal(pm, eager, mesh.get_local_rank("tp"))
+
+
 def check_reduce_scatters_agree() -> None:
     """The backend's own reduce-scatter (nccl's path; gloo has one too) equals the gloo fallback, forward
     and backward, on an uneven sequence (5 over 2 ranks), and the all-gather is its conjugate."""
@@ -146,7 +182,7 @@ def check_reduce_scatters_agree() -> None:
         torch.testing.assert_close(grad, torch.full_like(y, 3.0))  # the ranks' gradients summed, this slice
 
 
-CHECKS = {"stack": check_stack, "gpt2": check_gpt2, "reduce_scatters": check_reduce_scatters_agree}
+CHECKS = {"stack": check_stack, "gpt2": check_gpt2, "shape": check_shape_read, "reduce_scatters": check_reduce_scatters_agree}
 
 
 def _entry(rank: int, world: int, port: int, results: mp.Queue) -> None:
@@ -159,6 +195,7 @@ def outcomes():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # one spawned group of 2 processes for all cases
 @pytest.mark.parametrize("case", list(CHECKS))
 @pytest.mark.xdist_group("sequence_parallel_mesh")  # one spawned group, on one worker
 def test_sequence_parallel_over_a_mesh_equals_eager(outcomes, case):

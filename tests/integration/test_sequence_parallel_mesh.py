@@ -92,6 +92,10 @@ def check_stack() -> None:
         got = pm(_ids(seq, seed=seq))
         torch.manual_seed(seq)
         torch.testing.assert_close(got, eager(_ids(seq, seed=seq)))
+    pm.eval()  # another mode: this rank's program traced again, sequence parallel too
+    eager.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(_ids(SEQ, seed=9)), eager(_ids(SEQ, seed=9)))
 
 
 def check_gpt2() -> None:

@@ -79,7 +79,7 @@ def check_keywords_honoured(
 def _check_sequence_parallel(
     sequence_parallel: Any, sharded: bool, *, over_mesh: bool, pipelined: bool, mesh: Any, memory_per_device: Any
 ) -> None:  # fmt: skip
-    """``sequence_parallel=True`` is built on a ``tp`` dimension alone, in one process or over a DeviceMesh."""
+    """``sequence_parallel=True`` is built on ``tp`` (with ``dp`` in one process), and over a ``("tp",)`` DeviceMesh."""
     if sequence_parallel not in (False, True):
         raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
     if not sequence_parallel:
@@ -91,8 +91,9 @@ def _check_sequence_parallel(
     if pipelined or others:
         where = f"with {', '.join(others) or 'pp'}" + (" over a DeviceMesh" if over_mesh else "")
         raise DpCompileError(
-            f"sequence_parallel=True {where} is not built yet: it runs on a 'tp' dimension alone (tensor_parallel= "
-            "over a device list, mesh={'tp': N}, or a ('tp',) DeviceMesh); leave sequence_parallel= out for this layout"
+            f"sequence_parallel=True {where} is not built yet: it runs on 'tp', with 'dp' in one process "
+            "(tensor_parallel= over a device list, mesh={'tp': T} or {'dp': D, 'tp': T}, or a ('tp',) DeviceMesh); "
+            "leave sequence_parallel= out for this layout"
         )
     if memory_per_device is not None:
         raise DpCompileError(

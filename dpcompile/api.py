@@ -389,7 +389,8 @@ def make_recipe(
               "dp_devices": dp_devices}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
-        recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)
+        recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule,
+                                  sequence_parallel)  # fmt: skip
         if isinstance(recipe, MeshPipelineRecipe):  # data parallel over a mesh's "dp": replicated or FSDP
             check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan, data_parallel)
             recipe = dataclasses.replace(recipe, data_parallel=data_parallel, mixed_precision=mixed_precision)
@@ -398,7 +399,7 @@ def make_recipe(
         check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
         return SpmdRecipe(
             **common, mesh=devices, plan=plan, ddp_options=dict(ddp_options or {}), data_parallel=data_parallel,
-            mixed_precision=mixed_precision,
+            mixed_precision=mixed_precision, sequence_parallel=bool(sequence_parallel),
         )  # fmt: skip
     parsed = parse_devices(devices)
     out_device = parsed.primary if output_device is None else parse_device(output_device)
@@ -429,7 +430,7 @@ def _sequence_dim(batch_dim: object, memory_per_device: object) -> int:
 
 def _pipeline_recipe(
     common: dict[str, Any], devices: Any, plan: object, output_device: Any, batch_dim: object,
-    pipeline: object, micro_batches: object, schedule: object,
+    pipeline: object, micro_batches: object, schedule: object, sequence_parallel: bool = False,
 ) -> PipelineRecipe | PipelineTensorParallelRecipe | MeshPipelineRecipe:  # fmt: skip
     stages, micro, schedule_name = check_pipeline_arguments(pipeline, micro_batches, schedule)
     if is_device_mesh(devices):
@@ -442,7 +443,8 @@ def _pipeline_recipe(
     out_device = parsed.primary if output_device is None else parse_device(output_device)
     if plan is not False:  # each stage's layers sharded over its group of devices
         return pipeline_tensor_parallel_recipe(
-            common, parsed, out_device, plan, stages, micro, schedule_name, _check_batch_dim(batch_dim)
+            common, parsed, out_device, plan, stages, micro, schedule_name, _check_batch_dim(batch_dim),
+            bool(sequence_parallel),
         )
     return PipelineRecipe(
         **common, devices=parsed, output_device=out_device, stages=stages, micro_batches=micro,

@@ -68,6 +68,9 @@ def check_keywords_honoured(
              if size > 1}, over_mesh=True,
             layout=mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel),
         )  # fmt: skip
+    if over_mesh:  # the mesh's own dimensions, as mesh= names them in one process
+        mesh = mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
+        sharded = sharded or mesh.get("tp", 1) > 1
     _check_sequence_parallel(sequence_parallel, sharded, over_mesh=over_mesh, pipelined=pipelined, mesh=mesh,
                              memory_per_device=memory_per_device)  # fmt: skip
     _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
@@ -76,19 +79,21 @@ def check_keywords_honoured(
 def _check_sequence_parallel(
     sequence_parallel: Any, sharded: bool, *, over_mesh: bool, pipelined: bool, mesh: Any, memory_per_device: Any
 ) -> None:  # fmt: skip
-    """``sequence_parallel=True`` is built on a ``tp`` dimension alone, in one process."""
+    """``sequence_parallel=True`` is built on ``tp`` (with ``dp`` in one process), and over a ``("tp",)`` DeviceMesh."""
     if sequence_parallel not in (False, True):
         raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
     if not sequence_parallel:
         return
     if not sharded:
         raise ValueError("sequence_parallel=True shards the sequence over the 'tp' dimension: add tensor_parallel=")
-    others = sorted(k for k, v in (mesh or {}).items() if k != "tp" and v > 1) if isinstance(mesh, Mapping) else []
-    if over_mesh or pipelined or others:
-        where = "over a DeviceMesh" if over_mesh else f"with {', '.join(others) or 'pp'}"
+    others = sorted(k for k, v in (mesh or {}).items() if k not in ("tp", "dp" * (not over_mesh)) and v > 1
+                    ) if isinstance(mesh, Mapping) else []  # fmt: skip
+    if pipelined or others:
+        where = f"with {', '.join(others) or 'pp'}" + (" over a DeviceMesh" if over_mesh else "")
         raise DpCompileError(
-            f"sequence_parallel=True {where} is not built yet: it runs on a 'tp' dimension alone, in one process "
-            "(tensor_parallel= over a device list, or mesh={'tp': N}); leave sequence_parallel= out for this layout"
+            f"sequence_parallel=True {where} is not built yet: it runs on 'tp', with 'dp' in one process "
+            "(tensor_parallel= over a device list, mesh={'tp': T} or {'dp': D, 'tp': T}, or a ('tp',) DeviceMesh); "
+            "leave sequence_parallel= out for this layout"
         )
     if memory_per_device is not None:
         raise DpCompileError(

@@ -71,7 +71,11 @@ After ``lower_to_collectives(gm, mesh=mesh, tp_dim="tp")``::
 
 ``gather_from_shards(x, dim, sizes)`` becomes ``all_gather(x, tp_group, dim=, sizes=)``,
 ``split_to_shards`` becomes ``local_slice`` and ``local_size(sizes)`` becomes
-``local_size(sizes, tp_group)``. A pass that finds nothing to lower returns
+``local_size(sizes, tp_group)``. ``shard_sequence``'s calls (sequence parallel) become
+:mod:`dpcompile.runtime.sequence_mesh`'s, sized by the call's own sequence length, read once where
+the first value enters the region (``sequence_length = fc2_partial.size(1)``); on gloo the
+reduce-scatter is ``reduce_scatter_by_all_reduce`` (faster there than gloo's own); a module run on the rank's
+slice (a norm) is called through ``call_summing_grads`` (its parameters' gradients summed over tp). A pass that finds nothing to lower returns
 ``modified=False``; lowered calls are not found again, so a second run changes nothing.
 """
 
@@ -83,12 +87,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import distributed as dist_rt
+from dpcompile.runtime import sequence_mesh as seq_rt
 from dpcompile.runtime.distributed import MeshGroup
+from passes.sequence_parallel import SEQUENCE_MARK
 
 PASS = "lower_to_collectives"
 log = logging.getLogger("dpcompile")
@@ -119,6 +126,10 @@ LOWERING: dict[str, Lowering] = {
     "local_offset": Lowering(dist_rt.local_offset, "shape", None, ()),
 }
 """Keyed by the name of the function in ``dpcompile.runtime.collectives``."""
+
+SEQUENCE_COLLECTIVES = ("reduce_scatter_to_shards", "all_gather_to_shards", "linear_of_gathered", "whole_size")
+"""``shard_sequence``'s calls, lowered to :mod:`dpcompile.runtime.sequence_mesh` by the call's own sequence
+length (with the splits and gathers ``shard_sequence`` made, see :func:`_is_sequence_node`)."""
 
 
 @dataclass
@@ -158,7 +169,7 @@ def find_collective_sites(gm: fx.GraphModule, *, batch_norm: bool = True) -> Col
         if batch_norm and node.op == "call_module" and isinstance(modules.get(node.target), BATCH_NORMS):
             sites.batch_norms.append(node)
         elif _is_shard_collective(node):
-            if _collective_name(node) in LOWERING:
+            if _collective_name(node) in LOWERING or _collective_name(node) in SEQUENCE_COLLECTIVES:
                 sites.collectives.append(node)
             else:
                 sites.unknown.append(node)
@@ -222,7 +233,7 @@ def lower_to_collectives(
         names = sorted({_collective_name(n) for n in sites.unknown})
         raise NotImplementedError(
             f"lower_to_collectives has no torch.distributed lowering for {names}; "
-            f"known collectives: {sorted(LOWERING)} (add one to passes.collectives.LOWERING)"
+            f"known collectives: {sorted([*LOWERING, *SEQUENCE_COLLECTIVES])} (add one to passes.collectives.LOWERING)"
         )
     if sites.collectives and tp_dim is None:
         raise ValueError(
@@ -254,6 +265,9 @@ class _Rewriter:
         self.sizes: dict[str, int | None] = {}
         self.lowered_bn: list[str] = []
         self.lowered: list[str] = []
+        self.length: fx.Node | None = None  # the call's sequence length, where shard_sequence ran
+        self.by_all_reduce: bool | None = None
+        self.sizes_node: fx.Node | None = None  # every rank's slice of the call's sequence (random draws)
 
     def build(self) -> fx.Graph:
         for node in self.gm.graph.nodes:
@@ -263,9 +277,41 @@ class _Rewriter:
                 self.env[node] = self._batch_norm(node)
             elif node in self.collectives:
                 self.env[node] = self._collective(node)
+            elif self._module_on_slice(node):
+                self.env[node] = self._summing_grads(node)
             else:
                 self.env[node] = self.graph.node_copy(node, lambda n: self.env[n])
+                self._size_random_piece(self.env[node], node)
         return self.graph
+
+    def _module_on_slice(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and bool(node.meta.get(SEQUENCE_MARK)) and any(
+            p.requires_grad for p in self.gm.get_submodule(str(node.target)).parameters())  # fmt: skip
+
+    def _summing_grads(self, node: fx.Node) -> fx.Node:
+        """A module run on this rank's sequence slice (a norm) sees its tokens' part of its parameters'
+        gradient: called with them through ``all_reduce_grad``, so each rank gets the whole sum."""
+        module = stamp(self.graph.create_node("get_attr", str(node.target), name=f"{node.name}_module"), PASS, node)
+        args = tuple(self.env[a] if isinstance(a, fx.Node) else a for a in node.args)
+        kwargs = {k: self.env[v] if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
+        call = self.graph.create_node("call_function", seq_rt.call_summing_grads, (module, self.groups["tp_group"], *args),
+                                      kwargs, name=node.name)  # fmt: skip
+        call.meta.update(node.meta)
+        self.lowered.append(f"{node.target} -> call_summing_grads")
+        return stamp_comm(stamp(call, PASS, node), "identity", backward="all_reduce")
+
+    def _size_random_piece(self, new: fx.Node, node: fx.Node) -> None:
+        """A random draw on this rank's sequence slice (``exact_random``): its ``cols`` name the call's
+        slices (``sequence_sizes``), not the example's."""
+        cols = new.kwargs.get("cols")
+        if self.length is None or not node.meta.get(SEQUENCE_MARK) or not (isinstance(cols, tuple) and cols[1] is not None):
+            return
+        if self.sizes_node is None:
+            with self.graph.inserting_after(self.length):
+                self.sizes_node = self.graph.call_function(seq_rt.sequence_sizes, (self.length, self.groups["tp_group"]))
+            self.sizes_node.name = "sequence_sizes"
+            stamp(self.sizes_node, PASS, node)
+        new.kwargs = {**new.kwargs, "cols": (cols[0], cols[1], self.sizes_node)}
 
     def _add_groups(self) -> None:
         for name, dim in self.groups_needed:
@@ -292,6 +338,8 @@ class _Rewriter:
         return stamp_comm(stamp(call, PASS, node), "all_reduce", backward="all_reduce")
 
     def _collective(self, node: fx.Node) -> fx.Node:
+        if _is_sequence_node(node):
+            return self._sequence_collective(node)
         name = _collective_name(node)
         rule = LOWERING[name]
         group = self.groups["tp_group"]
@@ -308,3 +356,63 @@ class _Rewriter:
         self.lowered.append(f"{name} -> {rule.fn.__name__}")
         self._stamp_size(call, "tp_group")
         return stamp_comm(stamp(call, PASS, node), rule.kind, backward=rule.backward)
+
+    def _sequence_collective(self, node: fx.Node) -> fx.Node:
+        """``shard_sequence``'s calls, sized by the call's own sequence length: the first value that
+        enters the region (a row layer's partial sum, a sliced input) gives ``sequence_length``."""
+        name, args, group = _collective_name(node), node.args, self.groups["tp_group"]
+        if name in ("reduce_scatter_to_shards", "split_to_shards") and self.length is None:
+            self.length = self.graph.call_method("size", (self.env[args[0]], args[1]))
+            self.length.name = "sequence_length"
+            stamp(self.length, PASS, node)
+        if self.length is None:
+            raise NotImplementedError(f"{node.name}: a sequence-parallel gather before any value entered the region")
+        env = lambda a: self.env[a] if isinstance(a, fx.Node) else a  # noqa: E731
+        kind, backward = "all_gather", "reduce_scatter"
+        by_all_reduce = self.reduce_scatter_by_all_reduce()
+        if name == "reduce_scatter_to_shards":
+            fn = seq_rt.reduce_scatter_by_all_reduce if by_all_reduce else seq_rt.reduce_scatter
+            new_args, kwargs = (env(args[0]), group, args[1]), {}
+            kind, backward = ("all_reduce" if by_all_reduce else "reduce_scatter"), "all_gather"
+        elif name == "all_gather_to_shards":
+            fn, new_args = seq_rt.all_gather_sequence, (env(args[0]), group, args[1], self.length)
+            kwargs = {"by_all_reduce": True} if by_all_reduce else {}
+            backward = "all_reduce" if by_all_reduce else "reduce_scatter"
+        elif name == "gather_from_shards":
+            fn, new_args, kwargs, backward = seq_rt.gather_sequence, (env(args[0]), group, args[1], self.length), {}, None
+        elif name == "split_to_shards":
+            fn, new_args, kwargs, kind = seq_rt.sequence_slice, (env(args[0]), group, args[1]), {}, "split"
+            backward = "all_gather"
+        elif name == "linear_of_gathered":  # (gathered, x, weight, bias, dim, sizes, transposed)
+            gathered, x, weight, bias, dim, _, transposed = args
+            fn = seq_rt.linear_of_gathered
+            new_args, kwargs = (env(gathered), env(x), env(weight), env(bias), group, dim, self.length, transposed), {}
+            kind, backward = "identity", "all_gather"
+        else:  # whole_size: (x, dim, sizes, index), no communication
+            fn, new_args, kwargs = seq_rt.whole_size, (env(args[0]), args[1], self.length, args[3]), {}
+        call = self.graph.create_node("call_function", fn, new_args, kwargs, name=node.name)
+        call.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "dpcompile_source", "stack_trace")})
+        self.lowered.append(f"{name} -> {fn.__name__}")
+        if name == "whole_size":
+            return stamp(call, PASS, node)
+        self._stamp_size(call, "tp_group")
+        return stamp_comm(stamp(call, PASS, node), kind, backward=backward)
+
+    def reduce_scatter_by_all_reduce(self) -> bool:
+        """Anything but nccl: an all-reduce of which each rank keeps its slice, not the backend's own
+        reduce-scatter (gloo's measured slower, ``benchmarks/bench_sequence_parallel_mesh.py``)."""
+        if self.by_all_reduce is None:
+            try:
+                backend = dist.get_backend(self.gm.get_submodule("tp_group").group)
+            except (AttributeError, RuntimeError, ValueError):
+                backend = "gloo"
+            self.by_all_reduce = str(backend) != "nccl"
+        return self.by_all_reduce
+
+
+def _is_sequence_node(node: fx.Node) -> bool:
+    """A call ``shard_sequence`` made: its own collectives, and the sequence splits and gathers."""
+    name = _collective_name(node)
+    if name in SEQUENCE_COLLECTIVES:
+        return True
+    return name in ("split_to_shards", "gather_from_shards") and node.meta.get("dpcompile_pass") == "shard_sequence"

@@ -162,18 +162,26 @@ def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.N
 def _size_sequence_pieces_by_the_call(site: RandomSite, graph: fx.Graph) -> None:
     """Sequence-parallel pieces (``dpcompile_sequence``) split the call's own sequence length, which
     may differ from the example's: their columns name the pieces' inputs instead of sizes, so the
-    runtime reads each piece's length at the call (``cols=(0, -2, (ln_dev0, ln_dev1))``)."""
-    cols = [n.meta.get(COLS) for n in site.nodes]
-    if not all(n.meta.get("dpcompile_sequence") and isinstance(c, tuple) and c[1] is not None for n, c in zip(site.nodes, cols)):
+    runtime reads each piece's length at the call (``cols=(0, -2, (ln_dev0, ln_dev1))``); with data
+    parallelism, each copy's pieces (its ``rows``) name their own."""
+    if not all(n.meta.get("dpcompile_sequence") and isinstance(n.meta.get(COLS), tuple) and n.meta[COLS][1] is not None
+               for n in site.nodes):  # fmt: skip
         return
-    inputs = [next((a for a in n.all_input_nodes if a.meta.get("dpcompile_sequence")), None) for n in site.nodes]
+    copies: dict[Any, list[fx.Node]] = {}
+    for node in site.nodes:
+        copies.setdefault(node.meta.get(ROWS), []).append(node)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    first = min(order[n] for n in site.nodes)
-    if any(a is None for a in inputs) or sorted(c[0] for c in cols) != list(range(len(cols))) or max(order[a] for a in inputs) > first:
-        return  # not every piece's input is there when the first piece draws: the example's sizes
-    by_index = tuple(a for _, a in sorted(zip((c[0] for c in cols), inputs)))
-    for node, (k, dim, _) in zip(site.nodes, cols):
-        node.meta[COLS] = (k, dim, by_index)
+    for nodes in copies.values():
+        cols = [n.meta[COLS] for n in nodes]
+        inputs = [next((a for a in n.all_input_nodes if a.meta.get("dpcompile_sequence")), None) for n in nodes]
+        first = min(order[n] for n in nodes)
+        if any(a is None for a in inputs) or sorted(c[0] for c in cols) != list(range(len(cols))) or max(order[a] for a in inputs) > first:
+            continue  # not every piece's input is there when the first piece draws: the example's sizes
+        if any(len(c[2] or ()) != len(cols) for c in cols):
+            continue  # one rank's piece over a mesh: lower_to_collectives sizes it by the call's sequence length
+        by_index = tuple(a for _, a in sorted(zip((c[0] for c in cols), inputs)))
+        for node, (k, dim, _) in zip(nodes, cols):
+            node.meta[COLS] = (k, dim, by_index)
 
 
 def _piece_index(node: fx.Node) -> int:

@@ -29,6 +29,7 @@ from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.pipeline import PipelineModule
+from dpcompile.runtime import sequence_mesh
 from dpcompile.runtime import tensor_parallel as tp_runtime
 from passes.checkpoint_activations import with_regions_recomputed
 from passes.collectives import group_size
@@ -211,12 +212,14 @@ def sequence_parallel_report(pm: nn.Module, gm: fx.GraphModule, nodes: Sequence[
     with it and without it (the values on sequence shards held whole on the first device)."""
     if not any(n.meta.get(SEQUENCE_MARK) for n in gm.graph.nodes):
         return None
-    made = [n for n in gm.graph.nodes if n.meta.get("dpcompile_pass") == "shard_sequence" or n.target in (
-        tp_runtime.reduce_scatter_to_devices, tp_runtime.all_gather_to_devices)]  # fmt: skip
+    scatters = (tp_runtime.reduce_scatter_to_devices, sequence_mesh.reduce_scatter, sequence_mesh.reduce_scatter_by_all_reduce)
+    gathers = (tp_runtime.all_gather_to_devices, sequence_mesh.all_gather_sequence)
+    by_all_reduce = any(n.target is sequence_mesh.reduce_scatter_by_all_reduce for n in gm.graph.nodes)
     return {
         "dimension": "tp", "sequence_dim": 1,
-        "reduce_scatters": sorted({n.name for n in made if n.target is tp_runtime.reduce_scatter_to_devices}),
-        "all_gathers": sorted({n.name for n in made if n.target is tp_runtime.all_gather_to_devices}),
+        "reduce_scatters": sorted({n.name for n in gm.graph.nodes if n.target in scatters}),
+        "all_gathers": sorted({n.name for n in gm.graph.nodes if n.target in gathers}),
+        "reduce_scatter": "all_reduce_then_slice" if by_all_reduce else "reduce_scatter",  # gloo: the fallback
         "activation_bytes": dict(activation),
         "activation_bytes_without": _activation_without_sequence(gm, nodes, activation),
     }  # fmt: skip

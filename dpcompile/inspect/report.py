@@ -267,6 +267,9 @@ def _render(r: Report) -> str:
             for d, b in sp["activation_bytes"].items()
         )
         out.append(f"  activations per device (est.): {per_device}")
+        if sp.get("reduce_scatter") == "all_reduce_then_slice":
+            out.append("  reduce-scatter as an all-reduce and each rank's slice: the gloo fallback (gloo's own "
+                       "reduce-scatter measured slower; nccl runs a real one)")  # fmt: skip
     if r.mode == "data_parallel":
         fraction = "?" if r.split_flop_fraction is None else f"{100 * r.split_flop_fraction:.1f}%"
         out += ["", f"Split across devices: {fraction} of forward FLOPs"]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -88,6 +90,7 @@ class PipelineTensorParallelRecipe(Recipe):
     batch_dim: int | None = None
     plan: bool | Mapping[str, str] = True
     check_available: bool = True
+    sequence_parallel: bool = False  # each micro-batch's values between the pairs on sequence shards
 
     @property
     def stage_count(self) -> int:
@@ -140,7 +143,8 @@ class PipelineTensorParallelRecipe(Recipe):
         name_own_sources(gm)
         stage_devices = Devices(tuple(g.primary for g in groups))
         programs = detached(stage_programs(gm, plan, stage_devices.strings()))
-        lowered, expand_records = self.lower(gm, plan, self.micro_batches, input_dims)
+        shard_shapes = {n.name: {k: n.meta[k] for k in ("val", "tensor_meta") if k in n.meta} for n in gm.graph.nodes}
+        lowered, expand_records = self.lower(gm, plan, self.micro_batches, input_dims, shard_shapes)
         records += expand_records
         place_shards(lowered, groups)
         if placing := passes.place_copies_pipeline(self.dp_micro_batches, self.dp_devices):  # dp copies, each on its devices
@@ -189,7 +193,8 @@ class PipelineTensorParallelRecipe(Recipe):
         return pm
 
     def lower(
-        self, gm: fx.GraphModule, plan: StagePlan, micro_batches: int, input_dims: Mapping[str, int | None]
+        self, gm: fx.GraphModule, plan: StagePlan, micro_batches: int, input_dims: Mapping[str, int | None],
+        shapes: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> tuple[fx.GraphModule, list]:
         """One shard's program (``gm``, staged by ``plan``) lowered to micro-batches on the stages,
         then its shards expanded over each stage's devices (the parameters are cut here)."""
@@ -204,17 +209,35 @@ class PipelineTensorParallelRecipe(Recipe):
         )
         lowered, _ = run_passes(gm, pipeline, recompile=False)
         restore_shard_layouts(lowered, found, specs)
+        sequence_records = self.shard_sequence(lowered, shapes or {}) if self.sequence_parallel else []
         expand = passes.tensor_parallel_pipeline(
             passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary)
         )[-1]
         exact = passes.exact_random_pipeline(passes.PipelineOptions(devices=groups[0], exact_random=self.exact_random))
         expanded, records = run_passes(lowered, [expand, *exact], recompile=False)
+        records = sequence_records + records
         read_each_parameter_once(expanded)
         tidy_micro_batch_names(expanded)
         finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(self.dp_micro_batches)
         expanded, _ = run_passes(expanded, finishing, recompile=False)
         expanded.recompile()
         return expanded, records
+
+    def shard_sequence(self, gm: fx.GraphModule, shapes: Mapping[str, Mapping[str, Any]]) -> list:
+        """``shard_sequence`` on each micro-batch (a dp copy's part of the batch) of the lowered program:
+        its nodes read the whole batch's shape records (``shapes``) for the pass, which splits the
+        sequence (dim 1) and never the batch, and are left without them after."""
+        borrowed = [n for n in gm.graph.nodes
+                    if "val" not in n.meta and "tensor_meta" not in n.meta and n.op != "get_attr"]  # fmt: skip
+        for node in borrowed:  # fc2_all_reduce_mb1: fc2_all_reduce's record
+            node.meta.update(shapes.get(re.sub(r"_mb\d+$", "", node.name), {}))
+        gm, records = run_passes(gm, [functools.partial(passes.shard_sequence, devices=self.groups()[0])], recompile=False)
+        made = {id(n.meta["val"]) for n in borrowed if "val" in n.meta}
+        for node in gm.graph.nodes:
+            if node in borrowed or id(node.meta.get("val")) in made:
+                node.meta.pop("val", None)
+                node.meta.pop("tensor_meta", None)
+        return records
 
     def build_program(
         self, pm: PipelineTensorParallelModule, key: CallKey, args: tuple, kwargs: dict
@@ -312,13 +335,14 @@ def detached(programs: Sequence[fx.GraphModule]) -> list[fx.GraphModule]:
 def pipeline_tensor_parallel_recipe(
     common: Mapping[str, Any], devices: Devices, output_device: torch.device, plan: bool | Mapping[str, str],
     stages: int | tuple[str, ...], micro_batches: int, schedule: str, batch_dim: int | None,
+    sequence_parallel: bool = False,
 ) -> PipelineTensorParallelRecipe:  # fmt: skip
     """``transform``'s arguments for ``pipeline=`` with ``tensor_parallel=`` in one process, checked."""
     count = stages if isinstance(stages, int) else len(stages) + 1
     stage_groups(devices, count)  # the arithmetic, before anything is captured
     return PipelineTensorParallelRecipe(
         **common, devices=devices, output_device=output_device, stages=stages, micro_batches=micro_batches,
-        schedule=schedule, batch_dim=batch_dim, plan=plan,
+        schedule=schedule, batch_dim=batch_dim, plan=plan, sequence_parallel=sequence_parallel,
     )  # fmt: skip
 
 

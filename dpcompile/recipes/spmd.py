@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ class SpmdRecipe(Recipe):
     data_parallel: str = "ddp"
     mixed_precision: Any = field(default=None, compare=False)
     fsdp_blocks: tuple[type[nn.Module], ...] = ()  # the block classes FSDP wraps, called whole by the program
+    sequence_parallel: bool = False  # activations between the tp pairs on sequence shards (passes.shard_sequence)
 
     @property
     def mode(self) -> str:
@@ -168,6 +170,7 @@ class SpmdRecipe(Recipe):
             passes.frontend_pipeline(options)
             + passes.rank_rows_pipeline(options, dp_rank=dp_rank)
             + passes.spmd_tensor_parallel_pipeline(options)
+            + ([functools.partial(passes.shard_sequence, devices=devices)] if self.sequence_parallel else [])
             + passes.exact_random_rank_pipeline(options, tp_rank=self.mesh.get_local_rank(tp_dim), dp_size=dp_size)
             + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim, tp_dim=tp_dim)
         )
@@ -177,6 +180,11 @@ class SpmdRecipe(Recipe):
     ) -> SpmdModule:
         tp_size = mesh_size(self.mesh, tp_dim)
         tp_rank = self.mesh.get_local_rank(tp_dim)
+        if self.sequence_parallel and example_inputs is None:
+            raise DpCompileError(
+                "sequence_parallel=True finds the sequence dim from the example's shapes: pass example_inputs= "
+                "(or example_kwargs=)"
+            )
         pristine = fake_copy_to_trace(model, device)  # to trace again for calls that depart from this one
         watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: make it loud
         own = deepcopy_on_fake(model)  # pm owns its shards; the user's model is left unchanged

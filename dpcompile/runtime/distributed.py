@@ -48,11 +48,14 @@ __all__ = [
     "defer_to_next_collective",
     "settle_deferred_check",
     "all_gather",
+    "all_gather_into",
     "all_reduce",
+    "all_reduce_inplace",
     "all_reduce_grad",
     "local_offset",
     "local_size",
     "local_slice",
+    "process_group",
     "sum_across",
     "sync_batch_norm",
 ]
@@ -105,7 +108,8 @@ class MeshGroup(nn.Module):
 GroupLike = MeshGroup | dist.ProcessGroup | None
 
 
-def _group(group: GroupLike) -> dist.ProcessGroup | None:
+def process_group(group: GroupLike) -> dist.ProcessGroup | None:
+    """The process group a :class:`MeshGroup` names (a group or None as it is)."""
     return group.group if isinstance(group, MeshGroup) else group
 
 
@@ -143,7 +147,8 @@ def settle_deferred_check() -> None:
         check()
 
 
-def _all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_reduce_inplace(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``dist.all_reduce(t)`` (sum) after the deferred input check; a failure named by rank."""
     settle_deferred_check()
     try:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -152,7 +157,8 @@ def _all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     return t
 
 
-def _all_gather_(parts: list[torch.Tensor], t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def all_gather_into(parts: list[torch.Tensor], t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``dist.all_gather(parts, t)`` after the deferred input check; a failure named by rank."""
     settle_deferred_check()
     try:
         dist.all_gather(parts, t, group=group)
@@ -165,13 +171,13 @@ def _gather(x: torch.Tensor, group, dim: int, sizes: tuple[int, ...] | None) -> 
     local = x.contiguous()
     if sizes is None or len(set(sizes)) == 1:
         parts = [torch.empty_like(local) for _ in range(world)]
-        _all_gather_(parts, local, group)
+        all_gather_into(parts, local, group)
         return torch.cat(parts, dim)
     # uneven shards: pad to the largest, gather, trim
     pad = [0, 0] * (local.dim() - 1 - dim) + [0, max(sizes) - local.size(dim)]
     padded = F.pad(local, pad).contiguous()
     parts = [torch.empty_like(padded) for _ in range(world)]
-    _all_gather_(parts, padded, group)
+    all_gather_into(parts, padded, group)
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim)
 
 
@@ -187,7 +193,7 @@ def _sizes_or_even(length: int, group, sizes: tuple[int, ...] | None) -> tuple[i
 class _AllReduce(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group):
-        return _all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
+        return all_reduce_inplace(x.clone(memory_format=torch.contiguous_format), group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -202,18 +208,18 @@ class _AllReduceGrad(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+        return all_reduce_inplace(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _SumAcross(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group):
         ctx.group = group
-        return _all_reduce_(x.clone(memory_format=torch.contiguous_format), group)
+        return all_reduce_inplace(x.clone(memory_format=torch.contiguous_format), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+        return all_reduce_inplace(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _AllGather(Function):
@@ -254,8 +260,8 @@ def all_reduce(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
     >>> y = all_reduce(partial, tp_group)  # doctest: +SKIP
     """
     if not (x.requires_grad and torch.is_grad_enabled()):  # nothing to record: the collective alone
-        return _all_reduce_(x.clone(memory_format=torch.contiguous_format), _group(group))
-    return _AllReduce.apply(x, _group(group))
+        return all_reduce_inplace(x.clone(memory_format=torch.contiguous_format), process_group(group))
+    return _AllReduce.apply(x, process_group(group))
 
 
 def all_reduce_grad(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
@@ -268,7 +274,7 @@ def all_reduce_grad(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
     """
     if not (x.requires_grad and torch.is_grad_enabled()):  # no gradient will reach x: identity
         return x
-    return _AllReduceGrad.apply(x, _group(group))
+    return _AllReduceGrad.apply(x, process_group(group))
 
 
 def all_gather(
@@ -282,7 +288,7 @@ def all_gather(
 
     >>> full = all_gather(fc1, tp_group, dim=-1, sizes=[5, 5])  # doctest: +SKIP
     """
-    return _AllGather.apply(x, _group(group), dim, None if sizes is None else tuple(sizes))
+    return _AllGather.apply(x, process_group(group), dim, None if sizes is None else tuple(sizes))
 
 
 def local_slice(x: torch.Tensor, group: GroupLike, dim: int, sizes: Sequence[int]) -> torch.Tensor:
@@ -293,7 +299,7 @@ def local_slice(x: torch.Tensor, group: GroupLike, dim: int, sizes: Sequence[int
 
     >>> x_shard = local_slice(x, tp_group, -1, [512, 512])  # doctest: +SKIP
     """
-    g = _group(group)
+    g = process_group(group)
     return _LocalSlice.apply(x, g, dim, _sizes_or_even(0, g, tuple(sizes)))
 
 
@@ -302,7 +308,7 @@ def local_size(sizes: Sequence[int], group: GroupLike) -> int:
 
     >>> heads = local_size([2, 2], tp_group)  # doctest: +SKIP
     """
-    g = _group(group)
+    g = process_group(group)
     return int(_sizes_or_even(0, g, tuple(sizes))[dist.get_rank(g)])
 
 
@@ -312,7 +318,7 @@ def local_offset(sizes: Sequence[int], group: GroupLike) -> int:
 
     >>> first_row = local_offset([50, 50], tp_group)  # doctest: +SKIP
     """
-    g = _group(group)
+    g = process_group(group)
     return int(sum(_sizes_or_even(0, g, tuple(sizes))[: dist.get_rank(g)]))
 
 
@@ -325,8 +331,8 @@ def sum_across(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
     >>> total = sum_across(x.sum(0), dp_group)  # doctest: +SKIP
     """
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return _all_reduce_(x.clone(memory_format=torch.contiguous_format), _group(group))
-    return _SumAcross.apply(x, _group(group))
+        return all_reduce_inplace(x.clone(memory_format=torch.contiguous_format), process_group(group))
+    return _SumAcross.apply(x, process_group(group))
 
 
 def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:

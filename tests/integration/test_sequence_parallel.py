@@ -1,5 +1,5 @@
 """Sequence parallelism on the tensor-parallel dimension (``sequence_parallel=True``) in one
-process: between the column/row pairs, norms, dropout and residual adds run on sequence shards;
+process (over a gloo mesh: ``test_sequence_parallel_mesh.py``), alone and with ``dp``: between the column/row pairs, norms, dropout and residual adds run on sequence shards;
 the row layer's all-reduce is a reduce-scatter and the next column layer's input an all-gather.
 Outputs and every gradient equal eager (float64), for sequence lengths that divide the devices
 and that do not; explain shows the activations each device holds with and without.
@@ -161,7 +161,7 @@ def test_sequence_parallel_without_a_sequence_changes_nothing():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"mesh": {"dp": 2, "tp": 2}}, "sequence_parallel=True with dp is not built yet"),
+        ({"mesh": {"cp": 2, "tp": 2}}, "sequence_parallel=True with cp is not built yet"),
         ({"mesh": {"pp": 2, "tp": 2}}, "sequence_parallel=True with pp is not built yet"),
         ({"mesh": {"dp": 4}}, "add tensor_parallel="),
         ({"tensor_parallel": True, "memory_per_device": "1GiB"}, "does not plan sequence parallel"),
@@ -173,10 +173,47 @@ def test_sequence_parallel_refused_where_not_built(kwargs, match):
         dpcompile.transform(Stack(), ["cpu"] * 4, sequence_parallel=True, example_inputs=(_ids(8),), **kwargs)
 
 
-def _transformers_model(name: str) -> nn.Module:
+def test_sequence_parallel_with_data_parallel_equals_eager_in_training():
+    """mesh={"dp": 2, "tp": 2} on 4 devices, training with dropout and labels: each dp copy's part of the
+    batch on sequence shards between the pairs (13 tokens: 7, 6); the loss, outputs, every gradient and the
+    parameters after 2 AdamW steps equal eager's; a call of 12 tokens too."""
+    torch.manual_seed(0)
+    model = Stack().double().train()
+    eager = copy.deepcopy(model)
+    batch = lambda seq, seed: torch.cat([_ids(seq, seed), _ids(seq, seed + 100)])  # noqa: E731 - 4 rows, 2 per copy
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, sequence_parallel=True,
+                             example_inputs=(batch(13, 0),))  # fmt: skip
+    assert pm.code.count("reduce_scatter_to_devices(") == 10  # 5 per dp copy, as tp alone has
+    assert pm.code.count("all_gather_to_devices(") == 10 and "reduce_to_device(" not in pm.code
+    assert pm.strategies["tp"] == "tensor parallel with sequence parallel"
+    labels = batch(13, 7)
+    optimizers = torch.optim.AdamW(pm.parameters(), lr=0.01), torch.optim.AdamW(eager.parameters(), lr=0.01)
+    for step in range(2):
+        losses, outputs = [], []
+        for m in (pm, eager):
+            torch.manual_seed(step)
+            outputs.append(m(batch(13, step + 1)))
+            losses.append(nn.functional.cross_entropy(outputs[-1].flatten(0, 1), labels.flatten()))
+            losses[-1].backward()
+        torch.testing.assert_close(*outputs)
+        torch.testing.assert_close(*losses)
+        if step == 0:
+            _assert_grads_equal(pm, eager)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(pm.state_dict()[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    torch.manual_seed(3)
+    got = pm(batch(12, 3))
+    torch.manual_seed(3)
+    torch.testing.assert_close(got, eager(batch(12, 3)))
+
+
+def _transformers_model(name: str, layers: int = 2) -> nn.Module:
     T = import_or_skip("transformers")
     if name == "gpt2":
-        config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.1,
+        config = T.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.1,
                               embd_pdrop=0.1, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
         return T.GPT2LMHeadModel(config)
     config = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpcompile.devices import Devices, parse_devices
+from dpcompile.progress import step_bar
 from dpcompile.runtime.structures import is_fake
 
 __all__ = [
@@ -166,7 +167,10 @@ def materialize(
     wanted = None if names is None else set(names)
     memo = {} if memo is None else memo
     done: list[str] = []
-    for path, module in root.named_modules(remove_duplicate=False):
+    modules = list(root.named_modules(remove_duplicate=False))
+    bar = step_bar("Allocating weights", sum(len(m._parameters) + len(m._buffers) for _, m in modules))
+    for path, module in modules:
+        bar.update(len(module._parameters) + len(module._buffers))
         prefix = f"{path}." if path else ""
         for slots in (module._parameters, module._buffers):
             for name, t in list(slots.items()):

@@ -12,6 +12,7 @@ from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 
 from dpcompile.capture import capture_fx
+from dpcompile.progress import QUIET, step_bar
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,15 @@ def capture_with_flags(
 
 
 def move_to(model: nn.Module, device: torch.device) -> None:
-    """``model.to(device)`` in place, skipped when everything is there already."""
+    """``model.to(device)`` in place, skipped when everything is there already. Under a progress
+    bar (``transform(progress=)``) module by module, one step a tensor; else in one ``model.to``."""
     tensors = list(model.parameters()) + list(model.buffers())
-    if any(t.device != device for t in tensors):
+    if not any(t.device != device for t in tensors):
+        return
+    bar = step_bar("Placing weights", len(tensors))
+    if bar is QUIET:
         model.to(device)
+        return
+    for module in model.modules():  # what model.to does, a module at a time
+        module._apply(lambda t: t.to(device), recurse=False)
+        bar.update(len(module._parameters) + len(module._buffers))

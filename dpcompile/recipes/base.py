@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,9 +93,16 @@ def move_to(model: nn.Module, device: torch.device) -> None:
     if not any(t.device != device for t in tensors):
         return
     bar = step_bar("Placing weights", len(tensors))
-    if bar is QUIET:
+    modules = list(model.modules())
+    if bar is QUIET or not all(_moves_one_at_a_time(kind) for kind in {type(m) for m in modules}):
         model.to(device)
+        bar.update(len(tensors))
         return
-    for module in model.modules():  # what model.to does, a module at a time
+    for module in modules:  # what model.to does, a module at a time
         module._apply(lambda t: t.to(device), recurse=False)
         bar.update(len(module._parameters) + len(module._buffers))
+
+
+def _moves_one_at_a_time(kind: type[nn.Module]) -> bool:
+    """Whether ``kind._apply`` takes ``recurse=`` (torch's own do; an override of another library may not)."""
+    return "recurse" in inspect.signature(kind._apply).parameters

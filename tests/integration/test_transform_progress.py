@@ -102,3 +102,43 @@ def test_a_stage_resumed_after_another_goes_on_from_its_counts():
     lines = [line.split("\r")[-1] for line in stream.getvalue().strip("\n").split("\n")]
     assert [line.split("|")[0] for line in lines] == ["Running passes:  33%", "Placing weights: 100%", "Running passes: 100%"]
     assert [line.split("| ")[1].split(" ")[0] for line in lines] == ["1/3", "2/2", "3/3"]
+
+
+def _tied_lstm():
+    model = nn.Sequential(nn.Embedding(5, 4), nn.LSTM(4, 4), nn.BatchNorm1d(4))
+    model.tied = nn.Linear(4, 5, bias=False)
+    model.tied.weight = model[0].weight
+    return model
+
+
+def _sharing(model):
+    """Which named tensors are one tensor: ``{name: first name holding the same tensor}``."""
+    first = {}
+    named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    return {name: first.setdefault(id(t), name) for name, t in named}
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_weights_moved_under_a_bar_land_as_model_to_puts_them(progress):
+    """``move_to`` (data parallel's and SPMD's placement) moves a module at a time under a bar, one
+    step a tensor; quiet, in one ``model.to``. Either way the tensors land as ``model.to`` puts them
+    (which tensors are one, an LSTM's flat weights)."""
+    from dpcompile.progress import reporting_steps
+    from dpcompile.recipes.base import move_to
+
+    expected = _tied_lstm().to("meta")
+    model = _tied_lstm()
+    tensors = len(list(model.parameters())) + len(list(model.buffers()))
+    stream = io.StringIO()
+    old, sys.stderr = sys.stderr, stream
+    try:
+        with reporting_steps(progress):
+            move_to(model, torch.device("meta"))
+    finally:
+        sys.stderr = old
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert all(w.is_meta for w in model[1]._flat_weights)
+    assert _sharing(model) == _sharing(expected)
+    assert (_last_states(stream.getvalue()) if progress else stream.getvalue()) == (
+        {"Placing weights": (tensors, tensors)} if progress else ""
+    )

@@ -31,6 +31,7 @@ class PipelineTensorParallelModule(PipelineModule, TensorParallelModule):
     """
 
     own_attributes = PipelineModule.own_attributes | frozenset({"stage_groups"})
+    pickles_private_source = True  # a copy builds the program of a smaller batch (fewer micro-batches)
 
     def set_stage_groups(self, groups: Sequence[Devices]) -> None:
         """Record the devices of each stage, and the device slot (``s * T + k``) of every parameter:

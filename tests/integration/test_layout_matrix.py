@@ -213,7 +213,8 @@ PICKLED = {
 def test_layout_matrix_pipeline_pickles_with_its_outputs_and_gradients(options):
     """torch.save / torch.load of a one-process pipeline (tensor-parallel stages too): the copy is the
     same kind of program (stages, schedule, stage devices), its loss and every gradient equal the
-    original's, and after an SGD step on each their state dicts and the next losses are equal."""
+    original's, after an SGD step on each their state dicts and the next losses are equal, and so
+    are the losses of a program neither had built (eval, one sample)."""
     make, kwargs, model, initial, _ = _captured("mlp")
     model.load_state_dict(initial)
     layout = options["mesh"]
@@ -241,6 +242,8 @@ def test_layout_matrix_pipeline_pickles_with_its_outputs_and_gradients(options):
         torch.testing.assert_close(value, after[key], msg=lambda m, key=key: f"{key} after a step: {m}")
     with torch.no_grad():
         torch.testing.assert_close(_loss(loaded(**kwargs)), _loss(pm(**kwargs)))
+        one = {key: value[:1] for key, value in kwargs.items()}  # fewer samples than micro-batches, in eval:
+        torch.testing.assert_close(_loss(loaded.eval()(**one)), _loss(pm.eval()(**one)))  # a program built anew
 
 
 def test_layout_matrix_cells_that_do_not_pickle_name_the_nearest_that_does(tmp_path):

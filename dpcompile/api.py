@@ -42,6 +42,18 @@ from dpcompile.target import replicate_over_dp, resolve_target, strategies_of
 TensorParallel = bool | Mapping[str, str]
 
 
+def _reporting_progress(transform: Any) -> Any:
+    """``transform`` under its ``progress=`` bars (:func:`dpcompile.progress.reporting_steps`)."""
+
+    @functools.wraps(transform)
+    def reporting(model: nn.Module, devices: Any, *, progress: bool | None = None, **options: Any) -> ParallelModule:
+        with reporting_steps(progress):
+            return transform(model, devices, progress=progress, **options)
+
+    return reporting
+
+
+@_reporting_progress
 def transform(
     model: nn.Module,
     devices: Any,
@@ -98,110 +110,109 @@ def transform(
     ``progress=``: a bar per stage of the work (capture, passes, weights) on stderr, as
     ``save_checkpoint`` draws one: ``None`` where stderr is a terminal, ``True`` always, ``False`` never.
     """
-    with reporting_steps(progress):
-        if plan == "auto":
-            arguments = {k: v for k, v in locals().items() if k not in ("model", "devices", "plan")}
-            return _planned_transform(model, devices, arguments)
-        data_parallel = "ddp" if data_parallel == "replicate" else data_parallel
-        check_keywords_honoured(
-            devices, mesh=mesh, tensor_parallel=tensor_parallel, pipeline=pipeline, micro_batches=micro_batches,
-            schedule=schedule, data_parallel=data_parallel, ddp_options=ddp_options, copy_replicas=copy_replicas,
-            batch_dim=batch_dim, output_device=output_device, sequence_parallel=sequence_parallel,
-            activation_checkpointing=activation_checkpointing, exact_random=exact_random, plan=plan,
-            memory_per_device=memory_per_device,
-        )  # fmt: skip
-        target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
-        fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
-                                           tensor_parallel)  # fmt: skip
-        if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp
-            model = _private_copy(model)
-        copies, per_copy, dp_devices, context_parallel = 1, None, None, False
-        if target is not None:  # mesh= over a device list: the same builders, devices in their order, dp composed over them
-            arguments = replicate_over_dp(target, micro_batches)
-            devices, pipeline, tensor_parallel = arguments["devices"], arguments["pipeline"], arguments["tensor_parallel"]
-            copies, per_copy = arguments["dp_copies"], micro_batches if arguments["dp_copies"] > 1 else None
-            dp_devices = arguments["dp_devices"]
-            micro_batches = arguments["micro_batches"]
-            context_parallel = arguments["context_parallel"]
-            batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
-        estimate = None
-        if memory_per_device is not None and pipeline is not None and is_device_mesh(devices):
-            raise ValueError(
-                "memory_per_device= does not plan pipeline stages over a DeviceMesh yet: give pipeline= alone, or "
-                "plan the layout in one process (a device list with memory_per_device=)"
-            )
-        if memory_per_device is not None and (copies > 1 or pipeline is not None):  # a named layout: checked, not chosen
-            layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
-            all_devices = target.canonical_devices() if target is not None else parse_devices(devices)
-            spec = LayoutSpec(tuple((k, layout[k]) for k in ("pp", "dp", "tp") if layout.get(k, 1) > 1),
-                              schedule if pipeline is not None else None, per_copy or micro_batches,
-                              activation_checkpointing not in (False, None))  # fmt: skip
-            estimate = _check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
-                                          _example_tuple(example_inputs), example_kwargs)  # fmt: skip
-            memory_per_device = None  # the layout is the user's: nothing left to choose
-        recipe_options = {
-            "frontend": frontend, "batch_dim": batch_dim, "output_device": output_device, "leaf_modules": leaf_modules,
-            "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
-            "micro_batches": micro_batches, "schedule": schedule,
-            "data_parallel": "ddp" if fsdp_copies is not None else data_parallel,
-            "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
-            "exact_random": exact_random is not False, "context_parallel": context_parallel,
-            "dp_micro_batches": per_copy, "dp_devices": dp_devices, "sequence_parallel": bool(sequence_parallel),
-        }  # fmt: skip
-        example_tuple = _example_tuple(example_inputs)
-        if memory_per_device is not None:
-            if not isinstance(model, fx.GraphModule):
-                check_signature(model)
-            check_examples(model, example_tuple, example_kwargs)
-
-            def fake_program(devices_k: Any, plan: Any) -> ParallelModule:
-                """The tensor-parallel program transform would build over ``devices_k``, on fake tensors."""
-                fake_recipe = make_recipe(model, devices_k, tensor_parallel=plan, **recipe_options)
-                compile_one = functools.partial(
-                    _compile, fake_recipe, frontend=frontend, batch_dim=batch_dim, dynamic_dims=dynamic_dims
-                )
-                primary = fake_recipe.devices.primary  # type: ignore[attr-defined]
-                with _gc_paused():
-                    return compile_on_fake(model, primary, example_tuple, example_kwargs, compile_one, allocate=False)
-
-            tensor_parallel, estimate = plan_for_memory(
-                model, devices, memory_per_device, optimizer, training, example_tuple, example_kwargs, tensor_parallel,
-                fake_program,
-            )  # fmt: skip
-        recipe = make_recipe(model, devices, tensor_parallel=tensor_parallel, **recipe_options)
+    if plan == "auto":
+        arguments = {k: v for k, v in locals().items() if k not in ("model", "devices", "plan")}
+        return _planned_transform(model, devices, arguments)
+    data_parallel = "ddp" if data_parallel == "replicate" else data_parallel
+    check_keywords_honoured(
+        devices, mesh=mesh, tensor_parallel=tensor_parallel, pipeline=pipeline, micro_batches=micro_batches,
+        schedule=schedule, data_parallel=data_parallel, ddp_options=ddp_options, copy_replicas=copy_replicas,
+        batch_dim=batch_dim, output_device=output_device, sequence_parallel=sequence_parallel,
+        activation_checkpointing=activation_checkpointing, exact_random=exact_random, plan=plan,
+        memory_per_device=memory_per_device,
+    )  # fmt: skip
+    target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
+    fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
+                                       tensor_parallel)  # fmt: skip
+    if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp
+        model = _private_copy(model)
+    copies, per_copy, dp_devices, context_parallel = 1, None, None, False
+    if target is not None:  # mesh= over a device list: the same builders, devices in their order, dp composed over them
+        arguments = replicate_over_dp(target, micro_batches)
+        devices, pipeline, tensor_parallel = arguments["devices"], arguments["pipeline"], arguments["tensor_parallel"]
+        copies, per_copy = arguments["dp_copies"], micro_batches if arguments["dp_copies"] > 1 else None
+        dp_devices = arguments["dp_devices"]
+        micro_batches = arguments["micro_batches"]
+        context_parallel = arguments["context_parallel"]
+        batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
+    estimate = None
+    if memory_per_device is not None and pipeline is not None and is_device_mesh(devices):
+        raise ValueError(
+            "memory_per_device= does not plan pipeline stages over a DeviceMesh yet: give pipeline= alone, or "
+            "plan the layout in one process (a device list with memory_per_device=)"
+        )
+    if memory_per_device is not None and (copies > 1 or pipeline is not None):  # a named layout: checked, not chosen
+        layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
+        all_devices = target.canonical_devices() if target is not None else parse_devices(devices)
+        spec = LayoutSpec(tuple((k, layout[k]) for k in ("pp", "dp", "tp") if layout.get(k, 1) > 1),
+                          schedule if pipeline is not None else None, per_copy or micro_batches,
+                          activation_checkpointing not in (False, None))  # fmt: skip
+        estimate = _check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
+                                      _example_tuple(example_inputs), example_kwargs)  # fmt: skip
+        memory_per_device = None  # the layout is the user's: nothing left to choose
+    recipe_options = {
+        "frontend": frontend, "batch_dim": batch_dim, "output_device": output_device, "leaf_modules": leaf_modules,
+        "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
+        "micro_batches": micro_batches, "schedule": schedule,
+        "data_parallel": "ddp" if fsdp_copies is not None else data_parallel,
+        "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
+        "exact_random": exact_random is not False, "context_parallel": context_parallel,
+        "dp_micro_batches": per_copy, "dp_devices": dp_devices, "sequence_parallel": bool(sequence_parallel),
+    }  # fmt: skip
+    example_tuple = _example_tuple(example_inputs)
+    if memory_per_device is not None:
         if not isinstance(model, fx.GraphModule):
             check_signature(model)
         check_examples(model, example_tuple, example_kwargs)
-        with _gc_paused():
-            if has_meta_tensors(model):  # built on meta: capture and plan on fake tensors, allocate per device
-                compile_one = functools.partial(
-                    _compile, recipe, frontend=frontend, batch_dim=batch_dim, dynamic_dims=dynamic_dims
-                )
-                pm = compile_meta_model(recipe, model, example_tuple, example_kwargs, compile_one)
-            else:
-                pm = _compile(
-                    recipe,
-                    model,
-                    example_tuple,
-                    example_kwargs,
-                    frontend=frontend,
-                    batch_dim=batch_dim,
-                    dynamic_dims=dynamic_dims,
-                    lazy_other_mode=True,
-                )
-        if fsdp_copies and fsdp_copies > 1:
-            shard_over_dp(pm)
-        pm.memory_options = {"optimizer": optimizer, "training": training}
-        pm.memory_plan = estimate
-        layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
-        pm.layout = layout
-        pm.strategies = strategies_of(layout, data_parallel=data_parallel, schedule=schedule)
-        if sequence_parallel and "tp" in pm.strategies:
-            pm.strategies["tp"] += " with sequence parallel"
-        if recipe.checkpointed:
-            kept = "" if recipe.checkpoint_save == "nothing" else f" (keeping {_save_words(recipe.checkpoint_save)})"
-            pm.strategies["activation_checkpointing"] = f"recompute in backward{kept}: {', '.join(recipe.checkpointed)}"
-        return pm
+
+        def fake_program(devices_k: Any, plan: Any) -> ParallelModule:
+            """The tensor-parallel program transform would build over ``devices_k``, on fake tensors."""
+            fake_recipe = make_recipe(model, devices_k, tensor_parallel=plan, **recipe_options)
+            compile_one = functools.partial(
+                _compile, fake_recipe, frontend=frontend, batch_dim=batch_dim, dynamic_dims=dynamic_dims
+            )
+            primary = fake_recipe.devices.primary  # type: ignore[attr-defined]
+            with _gc_paused():
+                return compile_on_fake(model, primary, example_tuple, example_kwargs, compile_one, allocate=False)
+
+        tensor_parallel, estimate = plan_for_memory(
+            model, devices, memory_per_device, optimizer, training, example_tuple, example_kwargs, tensor_parallel,
+            fake_program,
+        )  # fmt: skip
+    recipe = make_recipe(model, devices, tensor_parallel=tensor_parallel, **recipe_options)
+    if not isinstance(model, fx.GraphModule):
+        check_signature(model)
+    check_examples(model, example_tuple, example_kwargs)
+    with _gc_paused():
+        if has_meta_tensors(model):  # built on meta: capture and plan on fake tensors, allocate per device
+            compile_one = functools.partial(
+                _compile, recipe, frontend=frontend, batch_dim=batch_dim, dynamic_dims=dynamic_dims
+            )
+            pm = compile_meta_model(recipe, model, example_tuple, example_kwargs, compile_one)
+        else:
+            pm = _compile(
+                recipe,
+                model,
+                example_tuple,
+                example_kwargs,
+                frontend=frontend,
+                batch_dim=batch_dim,
+                dynamic_dims=dynamic_dims,
+                lazy_other_mode=True,
+            )
+    if fsdp_copies and fsdp_copies > 1:
+        shard_over_dp(pm)
+    pm.memory_options = {"optimizer": optimizer, "training": training}
+    pm.memory_plan = estimate
+    layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
+    pm.layout = layout
+    pm.strategies = strategies_of(layout, data_parallel=data_parallel, schedule=schedule)
+    if sequence_parallel and "tp" in pm.strategies:
+        pm.strategies["tp"] += " with sequence parallel"
+    if recipe.checkpointed:
+        kept = "" if recipe.checkpoint_save == "nothing" else f" (keeping {_save_words(recipe.checkpoint_save)})"
+        pm.strategies["activation_checkpointing"] = f"recompute in backward{kept}: {', '.join(recipe.checkpointed)}"
+    return pm
 
 
 #: keywords that name a layout: plan="auto" chooses them

@@ -31,6 +31,7 @@ from dpcompile.modules.fsdp_one_process import shard_over_dp
 from dpcompile.modules.other_mode import OtherModePending
 from dpcompile.planner import UNBUILT, plan_layouts
 from dpcompile.planning import device_budgets, plan_for_memory
+from dpcompile.progress import reporting_steps
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model, compile_on_fake
 from dpcompile.recipes.pipeline import check_pipeline_arguments
@@ -41,6 +42,18 @@ from dpcompile.target import replicate_over_dp, resolve_target, strategies_of
 TensorParallel = bool | Mapping[str, str]
 
 
+def _reporting_progress(transform: Any) -> Any:
+    """``transform`` under its ``progress=`` bars (:func:`dpcompile.progress.reporting_steps`)."""
+
+    @functools.wraps(transform)
+    def reporting(model: nn.Module, devices: Any, *, progress: bool | None = None, **options: Any) -> ParallelModule:
+        with reporting_steps(progress):
+            return transform(model, devices, progress=progress, **options)
+
+    return reporting
+
+
+@_reporting_progress
 def transform(
     model: nn.Module,
     devices: Any,
@@ -68,6 +81,7 @@ def transform(
     activation_checkpointing: Any = False,
     exact_random: bool | None = None,
     plan: str | None = None,
+    progress: bool | None = None,
 ) -> ParallelModule:
     """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
 
@@ -93,6 +107,8 @@ def transform(
     ``micro_batches=``, ``schedule=``: pipeline parallelism, see ``docs/pipeline.md``.
     ``mesh={"pp": 2, "tp": 2}`` names the dimensions of a device list (``docs/layouts.md``);
     ``pm.layout`` and ``pm.strategies`` say what each dimension does.
+    ``progress=``: a bar per stage of the work (capture, passes, weights) on stderr, as
+    ``save_checkpoint`` draws one: ``None`` where stderr is a terminal, ``True`` always, ``False`` never.
     """
     if plan == "auto":
         arguments = {k: v for k, v in locals().items() if k not in ("model", "devices", "plan")}

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpcompile.devices import Devices, parse_devices
+from dpcompile.progress import step_bar
 from dpcompile.runtime.structures import is_fake
 
 __all__ = [
@@ -128,6 +129,23 @@ def fake_copy_to_trace(model: nn.Module, device: torch.device) -> nn.Module | No
         return None
 
 
+def meta_copy_to_pickle(model: nn.Module) -> nn.Module | None:
+    """A deep copy of a fake-tensor ``model`` (:func:`fake_copy_to_trace`'s) with each parameter and
+    buffer on meta, which pickle writes (a fake tensor holds its mode, which it cannot); ties kept.
+    None where the copy fails or still holds fake tensors (in plain attributes)."""
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    try:
+        copied = copy.deepcopy(model, memo)
+    except Exception as e:  # noqa: BLE001 - the pickle carries programs instead
+        log.debug("no meta copy of the model to pickle (%s)", e)
+        return None
+    held = [v for m in copied.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    return None if any(not t.is_meta for t in held if is_fake(t)) else copied
+
+
 # ------------------------------------------------------------------------ meta models
 def has_meta_tensors(model: nn.Module) -> bool:
     """Whether any parameter or buffer of ``model`` is on the ``meta`` device (built under
@@ -166,7 +184,10 @@ def materialize(
     wanted = None if names is None else set(names)
     memo = {} if memo is None else memo
     done: list[str] = []
-    for path, module in root.named_modules(remove_duplicate=False):
+    modules = list(root.named_modules(remove_duplicate=False))
+    bar = step_bar("Allocating weights", sum(len(m._parameters) + len(m._buffers) for _, m in modules))
+    for path, module in modules:
+        bar.update(len(module._parameters) + len(module._buffers))
         prefix = f"{path}." if path else ""
         for slots in (module._parameters, module._buffers):
             for name, t in list(slots.items()):

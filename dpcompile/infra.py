@@ -20,6 +20,7 @@ from typing import Any
 import torch.fx as fx
 
 from dpcompile.errors import DpCompileError, PassError
+from dpcompile.progress import step_bar
 
 log = logging.getLogger("dpcompile")
 
@@ -120,6 +121,7 @@ def run_passes(
     from the graph anyway). Returns the module and a record per pass."""
     records: list[PassRecord] = []
     level = _debug_level()
+    bar = step_bar("Running passes", len(passes))  # transform(progress=): one step a pass
     for p in passes:
         name = pass_name(p)
         start = time.perf_counter()
@@ -138,6 +140,7 @@ def run_passes(
         gm = result.graph_module
         seconds = time.perf_counter() - start
         records.append(PassRecord(name, seconds, result.modified, result.info))
+        bar.update()
         if level >= 1:
             log.info("pass %s: %.1f ms, modified=%s", name, seconds * 1e3, result.modified)
         if level >= 2:

@@ -51,6 +51,7 @@ from dpcompile.analysis.sharding import REPLICATED, Copied, Sharded
 from dpcompile.analysis.sharding_rules import flat_nodes
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, stamp, stamp_comm
+from dpcompile.progress import step_bar
 from dpcompile.runtime import collectives, to_device
 from dpcompile.runtime import tensor_parallel as tp_runtime
 from dpcompile.runtime.tensor_parallel import ShardSpec
@@ -123,7 +124,9 @@ def expand_shards(gm: fx.GraphModule, *, devices: Devices, output_device: torch.
 
 def _move_whole_state(gm: fx.GraphModule, device: torch.device, *, skip: set[str]) -> None:
     """Put every parameter and buffer not in ``skip`` on ``device`` (new tensors, not in place)."""
-    for path, module in gm.named_modules():
+    modules = list(gm.named_modules())
+    bar = step_bar("Placing weights", sum(len(m._parameters) + len(m._buffers) for _, m in modules))
+    for path, module in modules:
         prefix = f"{path}." if path else ""
         for name, p in list(module._parameters.items()):
             if p is not None and p.device != device and prefix + name not in skip:
@@ -132,6 +135,7 @@ def _move_whole_state(gm: fx.GraphModule, device: torch.device, *, skip: set[str
         for name, b in list(module._buffers.items()):
             if b is not None and b.device != device:
                 module._buffers[name] = b.to(device)
+        bar.update(len(module._parameters) + len(module._buffers))
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -152,7 +156,9 @@ def _materialize_shards(gm: fx.GraphModule, specs: Mapping[str, ShardSpec], devi
     for target, spec in specs.items():
         path, _, name = target.rpartition(".")
         by_module.setdefault(path, {})[name] = spec
+    bar = step_bar("Placing weights", len(specs))  # transform(progress=): one step a sharded parameter
     for path, module_specs in by_module.items():
+        bar.update(len(module_specs))
         linear = gm.get_submodule(path)
         if path == "":  # the root is the Linear: shard its own parameters
             for name, spec in module_specs.items():

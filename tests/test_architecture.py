@@ -6,7 +6,7 @@
     modules    modules                      } modules and passes never import each other
     passes     passes                       }
     core       analysis, capture, infra, fx_utils, fake, program_cache, target, keywords
-    bottom     runtime, devices, mesh, errors
+    bottom     runtime, devices, mesh, errors, progress
 
 Built from the source with ``ast`` (every import, at module level or inside a function) and
 checked with ``networkx``.
@@ -36,6 +36,7 @@ def layer_of(module: str) -> str:
     second = parts[1]
     return {
         "runtime": "bottom", "devices": "bottom", "mesh": "bottom", "errors": "bottom", "version": "bottom",
+        "progress": "bottom",
         "analysis": "core", "capture": "core", "infra": "core", "fx_utils": "core", "fake": "core",
         "program_cache": "core", "target": "core", "keywords": "core",
         "modules": "modules",

@@ -41,6 +41,7 @@ from dpcompile.capture.side_effects import check_export_effects, seeds_recorded
 from dpcompile.capture.state import SideEffects, python_state_kept
 from dpcompile.errors import ExampleError, TraceError
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
+from dpcompile.progress import step_bar
 from dpcompile.runtime.exported import expect_value
 
 log = logging.getLogger("dpcompile")
@@ -160,6 +161,7 @@ def capture_export(
             return export(model, (), dict(names), dynamic_shapes=spec, strict=False)
 
     effects, seeds = SideEffects(), []
+    bar = step_bar("Capturing the model", 1)  # transform(progress=): one step an export
     try:
         with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model) as effects, seeds_recorded() as seeds:
             warnings.simplefilter("ignore")
@@ -172,6 +174,7 @@ def capture_export(
             raise export_error(exc, model) from exc
         decided = True
     seconds = time.perf_counter() - start
+    bar.update()
     unlifted = ep.module()
     from dpcompile.program_cache import code_names  # it imports capture.state: not at import time
 

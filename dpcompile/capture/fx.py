@@ -30,6 +30,7 @@ from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write
 from dpcompile.capture.state import python_state_kept
 from dpcompile.errors import TraceError
 from dpcompile.fx_utils import graph_module
+from dpcompile.progress import step_bar
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
 from dpcompile.runtime import run_forward_hook as runtime_run_forward_hook
 from dpcompile.runtime import without_grad as runtime_without_grad
@@ -399,12 +400,14 @@ def capture(
     if tracer.is_leaf_module(model, "") and not _traces_cleanly(model):
         return _call_leaf_root(model)
     concrete = {**dict.fromkeys(none_args), **(flags or {})}
+    bar = step_bar("Capturing the model", 1)  # transform(progress=): one step a trace
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
         raise trace_error(exc, model).with_traceback(None) from exc
+    bar.update()
     for node in graph.nodes:
         # fx would emit `wrap("torch.nn.utils.rnn.pack_padded_sequence")` into generated code,
         # which breaks every later trace in the process (a dotted name is not a global)

@@ -12,12 +12,12 @@ import torch
 from dpcompile.checkpoint.buffers import compute_buffers
 from dpcompile.checkpoint.headers import CheckpointError, Entry, read_checkpoint
 from dpcompile.checkpoint.keys import Conversion, place_keys
-from dpcompile.checkpoint.progress import check_progress, progress_bar
 from dpcompile.checkpoint.slices import cut, read_entry, read_piece
 from dpcompile.checkpoint.targets import Target, targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import read_training
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
+from dpcompile.progress import check_progress, progress_bar
 
 log = logging.getLogger("dpcompile")
 

@@ -36,7 +36,6 @@ from dpcompile.checkpoint.files import (
     stale_weight_files,
     weights_index,
 )
-from dpcompile.checkpoint.progress import progress_bar
 from dpcompile.checkpoint.rank_writes import Block, Box, assign_writers, piece_blocks, target_blocks, write_blocks
 from dpcompile.checkpoint.training import (
     TrainingSave,
@@ -45,6 +44,7 @@ from dpcompile.checkpoint.training import (
     stage_documents,
     stale_training_files,
 )
+from dpcompile.progress import progress_bar
 
 Layout = dict[Path, list[Any]]  # {file: [(key, shape, dtype)]}
 

@@ -20,12 +20,12 @@ from dpcompile.checkpoint.files import (
     weights_index,
     write_safetensors,
 )
-from dpcompile.checkpoint.progress import check_progress, progress_bar
 from dpcompile.checkpoint.rank_save import save_by_ranks, switch_over
 from dpcompile.checkpoint.stages import is_mesh_pipeline, merge_stage_states
 from dpcompile.checkpoint.targets import targets_of, tie_groups
 from dpcompile.checkpoint.training import encode, prepare_training, save_stamp, take_part, write_training
 from dpcompile.modules.base import ParallelModule
+from dpcompile.progress import check_progress, progress_bar
 
 log = logging.getLogger("dpcompile")
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from dpcompile.capture import ROOT_LEAF
 from dpcompile.errors import DpCompileError
+from dpcompile.fake import fake_copy_to_trace, meta_copy_to_pickle
 from dpcompile.fx_utils import PicklableGraph, example_shapes, graph_module, propagate_example_shapes
 from dpcompile.modules.carried import CarriedPrograms
 from dpcompile.modules.other_mode import both_modes
@@ -129,9 +130,16 @@ class PicklesPrograms:
         """The model (to trace variants after loading) where pickle can import its classes."""
         source = self.__dict__.get("traced_model")
         classes = [type(source), *getattr(self.recipe, "leaf_modules", ())]
-        if source is None or not self._shares_source or any("<locals>" in c.__qualname__ or c.__module__ == "__main__" for c in classes):
+        if source is None or any("<locals>" in c.__qualname__ or c.__module__ == "__main__" for c in classes):
             return None
+        if not self._shares_source:  # a private fake copy (tensor parallel): carried on meta where the kind asks
+            model = meta_copy_to_pickle(source) if self.pickles_private_source else None
+            return None if model is None else {**self._source_state(), "model": model, "fake": True}
         return self._source_state()
+
+    #: a copy traces again from a meta copy of the private model (made fake where it is loaded)
+    #: instead of running only the programs it carries
+    pickles_private_source = False
 
     def _source_state(self) -> dict[str, Any]:
         main = self.program_cache.main_key
@@ -162,7 +170,9 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
     holder._buffers.update(state["buffers"])
     holder._non_persistent_buffers_set = set(state["non_persistent"])
     config = state["config"]
-    source = state.get("source") or {}
+    source = dict(state.get("source") or {})
+    if source.get("fake"):  # a private copy carried on meta: fake again, as transform made it
+        source["model"] = fake_copy_to_trace(source["model"], _first_device(config["devices"]))
     captured = None
     if state["captured_graph"] is not None:
         captured = graph_module(holder, state["captured_graph"], "Captured")

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.fx_utils import reserve_names
+from dpcompile.fx_utils import PicklableGraph, reserve_names
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.hooks import call_with_hooks, run_writing_to_model
 from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
@@ -56,6 +56,23 @@ class Stage:
     def code(self) -> str:
         """The stage's program as Python."""
         return self.program.code
+
+    def __reduce__(self) -> Any:
+        """Pickled with its program as a graph and the modules it holds: fx would pickle the code
+        and trace it again where loaded, which a tensor-parallel stage's runtime calls (that read
+        values) refuse."""
+        p = self.program
+        held = {"modules": dict(p._modules), "parameters": dict(p._parameters), "buffers": dict(p._buffers)}
+        fields = (self.index, self.device, self.module_paths, self.flops, self.param_bytes)
+        return (restore_stage, (fields, PicklableGraph(p.graph), held, type(p).__name__))
+
+
+def restore_stage(fields: tuple, graph: PicklableGraph, held: dict[str, dict], class_name: str) -> Stage:
+    """The counterpart of :meth:`Stage.__reduce__`."""
+    root = nn.Module()
+    for kind in ("modules", "parameters", "buffers"):
+        getattr(root, f"_{kind}").update(held[kind])
+    return Stage(*fields, fx.GraphModule(root, graph.graph(), class_name))
 
 
 class PipelineModule(ParallelModule):

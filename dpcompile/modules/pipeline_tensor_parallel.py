@@ -9,11 +9,11 @@ optimizer over them), ``pm.state_dict()`` has the model's keys with full tensors
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
 from dpcompile.devices import Devices
-from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import reserve_names
 from dpcompile.modules.pipeline import PipelineModule
 from dpcompile.modules.tensor_parallel import TensorParallelModule
@@ -31,6 +31,7 @@ class PipelineTensorParallelModule(PipelineModule, TensorParallelModule):
     """
 
     own_attributes = PipelineModule.own_attributes | frozenset({"stage_groups"})
+    pickles_private_source = True  # a copy builds the program of a smaller batch (fewer micro-batches)
 
     def set_stage_groups(self, groups: Sequence[Devices]) -> None:
         """Record the devices of each stage, and the device slot (``s * T + k``) of every parameter:
@@ -53,12 +54,17 @@ class PipelineTensorParallelModule(PipelineModule, TensorParallelModule):
         self.shard_param_slots = {name: slot_of.get(id(p), 0) for name, p in self.named_parameters()}
 
 
-    def __reduce__(self):
-        raise DpCompileError(
-            "a pipeline of tensor-parallel stages (pp x tp, and dp x tp or pp x dp x tp in one process) cannot be "
-            "pickled yet; the nearest that works: torch.save of a pp or pp x dp program, or of a tp program alone; "
-            "for this layout dpcompile.save_checkpoint(pm, path) and transform again where it is loaded"
-        )
+
+    # ------------------------------------------------------------------ pickling
+    def _extra_state_for_pickle(self) -> dict[str, Any]:
+        """The stages' device groups and each parameter's slot beside the pipeline and the shards."""
+        groups = {name: self.__dict__[name] for name in ("stage_groups", "shard_param_slots")}
+        return {**super()._extra_state_for_pickle(), "stage_groups": groups}
+
+    def _restore_extra_state(self, extra: dict[str, Any]) -> None:
+        super()._restore_extra_state({k: v for k, v in extra.items() if k != "stage_groups"})
+        for name, value in extra["stage_groups"].items():
+            object.__setattr__(self, name, value)
 
 
 reserve_names(PipelineTensorParallelModule.own_attributes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 
 from dpcompile.capture import capture_fx
+from dpcompile.progress import QUIET, step_bar
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,22 @@ def capture_with_flags(
 
 
 def move_to(model: nn.Module, device: torch.device) -> None:
-    """``model.to(device)`` in place, skipped when everything is there already."""
+    """``model.to(device)`` in place, skipped when everything is there already. Under a progress
+    bar (``transform(progress=)``) module by module, one step a tensor; else in one ``model.to``."""
     tensors = list(model.parameters()) + list(model.buffers())
-    if any(t.device != device for t in tensors):
+    if not any(t.device != device for t in tensors):
+        return
+    bar = step_bar("Placing weights", len(tensors))
+    modules = list(model.modules())
+    if bar is QUIET or not all(_moves_one_at_a_time(kind) for kind in {type(m) for m in modules}):
         model.to(device)
+        bar.update(len(tensors))
+        return
+    for module in modules:  # what model.to does, a module at a time
+        module._apply(lambda t: t.to(device), recurse=False)
+        bar.update(len(module._parameters) + len(module._buffers))
+
+
+def _moves_one_at_a_time(kind: type[nn.Module]) -> bool:
+    """Whether ``kind._apply`` takes ``recurse=`` (torch's own do; an override of another library may not)."""
+    return "recurse" in inspect.signature(kind._apply).parameters

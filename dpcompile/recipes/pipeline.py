@@ -34,6 +34,7 @@ from dpcompile.infra import run_passes
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.pipeline import PipelineModule, Stage
 from dpcompile.program_cache import CallKey
+from dpcompile.progress import step_bar
 from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace
 from dpcompile.recipes.pipeline_1f1b import one_f_one_b_step
 from passes.borrowed_modules import find_module_homes, node_tensors
@@ -159,8 +160,10 @@ def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = Fa
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 moves.append((module, name, tensor, s))
+    bar = step_bar("Placing weights", len(moves))  # transform(progress=): one step a tensor
     for module, name, tensor, s in moves:
         device = devices[s]
+        bar.update()
         if tensor.device == device:
             continue
         fake_mode = getattr(tensor, "fake_mode", None)

@@ -198,12 +198,23 @@ def _check_trains_like_eager(name, layout, **options):
     return pm
 
 
-@pytest.mark.parametrize("options", [{"mesh": {"pp": 2}, "micro_batches": 2},
-                                     {"mesh": {"pp": 2}, "micro_batches": 2, "schedule": "1f1b"},
-                                     {"mesh": {"pp": 2, "dp": 2}}], ids=["pp", "pp_1f1b", "pp_dp"])  # fmt: skip
+PICKLED = {
+    "pp": {"mesh": {"pp": 2}, "micro_batches": 2},
+    "pp_1f1b": {"mesh": {"pp": 2}, "micro_batches": 2, "schedule": "1f1b"},
+    "pp_dp": {"mesh": {"pp": 2, "dp": 2}},
+    "pp_tp": {"mesh": {"pp": 2, "tp": 2}, "micro_batches": 2},
+    "pp_tp_1f1b": {"mesh": {"pp": 2, "tp": 2}, "micro_batches": 2, "schedule": "1f1b"},
+    "dp_tp": {"mesh": {"dp": 2, "tp": 2}},
+    "pp_dp_tp": {"mesh": {"pp": 2, "dp": 2, "tp": 2}},
+}
+
+
+@pytest.mark.parametrize("options", list(PICKLED.values()), ids=list(PICKLED))
 def test_layout_matrix_pipeline_pickles_with_its_outputs_and_gradients(options):
-    """torch.save / torch.load of a one-process pipeline: the copy's loss and every gradient equal the
-    original's, and it is the same kind of program (stages, schedule)."""
+    """torch.save / torch.load of a one-process pipeline (tensor-parallel stages too): the copy is the
+    same kind of program (stages, schedule, stage devices), its loss and every gradient equal the
+    original's, after an SGD step on each their state dicts and the next losses are equal, and so
+    are the losses of a program neither had built (eval, one sample)."""
     make, kwargs, model, initial, _ = _captured("mlp")
     model.load_state_dict(initial)
     layout = options["mesh"]
@@ -212,23 +223,36 @@ def test_layout_matrix_pipeline_pickles_with_its_outputs_and_gradients(options):
     torch.save(pm, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    assert (type(loaded).__mro__[1:], len(loaded.stages), loaded.schedule) == (type(pm).__mro__[1:], 2, pm.schedule)
+    kind = (type(pm).__mro__[1:], len(pm.stages), pm.schedule, pm.__dict__.get("stage_groups"))
+    assert (type(loaded).__mro__[1:], len(loaded.stages), loaded.schedule, loaded.__dict__.get("stage_groups")) == kind
+    assert [s.code for s in loaded.stages] == [s.code for s in pm.stages]
     losses = []
     for program in (pm, loaded):
         losses.append(_loss(program(**kwargs)))
         losses[-1].backward()
     torch.testing.assert_close(losses[1].detach(), losses[0].detach())
     for (name, p), q in zip(pm.named_parameters(), loaded.parameters(), strict=True):
+        assert q.device == p.device, name
         torch.testing.assert_close(q.grad, p.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    for program in (pm, loaded):
+        torch.optim.SGD(program.parameters(), lr=0.1).step()
+    after = pm.state_dict()
+    assert list(loaded.state_dict()) == list(after)
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, after[key], msg=lambda m, key=key: f"{key} after a step: {m}")
+    with torch.no_grad():
+        torch.testing.assert_close(_loss(loaded(**kwargs)), _loss(pm(**kwargs)))
+        one = {key: value[:1] for key, value in kwargs.items()}  # fewer samples than micro-batches, in eval:
+        torch.testing.assert_close(_loss(loaded.eval()(**one)), _loss(pm.eval()(**one)))  # a program built anew
 
 
 def test_layout_matrix_cells_that_do_not_pickle_name_the_nearest_that_does(tmp_path):
-    """Tensor-parallel stages (pp x tp, dp x tp) refuse pickling, and every pipeline refuses export,
-    each naming what works (docs/layouts.md's table)."""
+    """FSDP in one process refuses pickling, and every pipeline refuses export, each naming what works
+    (docs/layouts.md's table)."""
     make, kwargs, model, initial, _ = _captured("mlp")
-    for layout in ({"pp": 2, "tp": 2}, {"dp": 2, "tp": 2}):
-        with pytest.raises(DpCompileError, match="torch.save of a pp or pp x dp program"):
-            pickle.dumps(_transform(copy.deepcopy(model), layout, kwargs))
+    fsdp = _transform(copy.deepcopy(model), {"dp": 2, "tp": 2}, kwargs, data_parallel="fsdp")
+    with pytest.raises(DpCompileError, match=r'data_parallel="fsdp" program in one process is not pickled yet'):
+        pickle.dumps(fsdp)
     with pytest.raises(DpCompileError, match=r"torch.save\(pm, f\) \(a one-process pp or pp x dp program"):
         dpcompile.export(_transform(copy.deepcopy(model), {"pp": 2}, kwargs), tmp_path / "pp")
 

@@ -385,6 +385,31 @@ def check_tp_mlp_training_matches_eager(rank: int, world: int) -> None:
     _assert_state_equal(model.state_dict(), before)  # the user's model is left unchanged
 
 
+def check_tp_progress_on_rank_0_only(rank: int, world: int) -> None:
+    """transform(progress=None) over a mesh with stderr a terminal: rank 0 draws the stage bars, the
+    others nothing; the program equals eager."""
+    import io
+    import sys
+
+    import dpcompile
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    torch.manual_seed(0)
+    model = MLP(8, 12)
+    old, sys.stderr = sys.stderr, Terminal()
+    try:
+        pm = dpcompile.transform(model, _tp_mesh(world), tensor_parallel={"fc1": "column", "fc2": "row"})
+        written = sys.stderr.getvalue()
+    finally:
+        sys.stderr = old
+    assert ("Running passes: 100%" in written) == (rank == 0), written
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(pm(x), model(x))
+
+
 def check_tp_uneven_gather(rank: int, world: int) -> None:
     """TP with uneven shards (7 features over 2) and an all_gather of a column output."""
     import dpcompile
@@ -755,6 +780,7 @@ TP_CHECKS = [
     ("tp_swin_window_attention", check_tp_swin_window_attention),
     ("tp_multihead_attention", check_tp_multihead_attention),
     ("tp_mlp_training_matches_eager", check_tp_mlp_training_matches_eager),
+    ("tp_progress_on_rank_0_only", check_tp_progress_on_rank_0_only),
     ("tp_uneven_gather", check_tp_uneven_gather),
     ("tp_block_attention", check_tp_block_attention),
     ("tp_state_dict_round_trip", check_tp_state_dict_round_trip),

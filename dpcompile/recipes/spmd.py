@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags, move_to
 from dpcompile.recipes.constants import RealConstants, deepcopy_on_fake
+from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.tensor_parallel import aliased_plan, share_tied_shard, tied_groups, unaliased_findings
 from dpcompile.runtime.distributed import collective_failure
 from dpcompile.runtime.tensor_parallel import shard_of
@@ -94,6 +96,8 @@ class SpmdRecipe(Recipe):
                 'data_parallel="fsdp" shards over the mesh\'s data-parallel dimension, and this mesh has none '
                 f"(dims {tuple(self.mesh.mesh_dim_names or ())}); pass a ('dp',) or ('dp', 'tp') mesh"
             )
+        if mode == "spmd_context_parallel":
+            return self._compile_context_parallel(model, device, example_inputs)
         if mode == "spmd_data_parallel":
             if self.data_parallel == "fsdp":  # the blocks stay calls: fully_shard hooks their forward
                 blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
@@ -156,6 +160,43 @@ class SpmdRecipe(Recipe):
         pm.attach_mesh(
             mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options, fsdp=self.fsdp_options()
         )
+        return pm
+
+    # ------------------------------------------------------------------ context parallel
+    def _compile_context_parallel(
+        self, model: nn.Module, device: torch.device, example_inputs: Sequence[Any] | None
+    ) -> SpmdModule:
+        """The program one process builds for ``mesh={"cp": N}`` over ``N`` virtual devices, cut to
+        this rank's part with its exchanges over the ``cp`` group (``passes.lower_sequence_to_rank``);
+        DDP over ``cp`` sums the ranks' parameter gradients (each holds its tokens' share)."""
+        if example_inputs is None:
+            raise DpCompileError(
+                "context parallel over a ('cp',) mesh finds the sequence and attention's shapes from examples: pass "
+                "example_inputs= or example_kwargs= (this rank's shard, e.g. input_ids=, labels=)"
+            )
+        if self.data_parallel == "fsdp":
+            raise DpCompileError(
+                'data_parallel="fsdp" with a (\'cp\',) mesh is not built yet: leave data_parallel= out (the '
+                "parameters are replicated over cp and their gradients summed)"
+            )
+        model.to(device)
+        gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
+        captured_code = gm.code
+        propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
+        input_dims = infer_input_dims(gm, batch_dim=1, example_inputs=example_inputs)
+        input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
+        world, rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
+        options = passes.PipelineOptions(devices=Devices((device,) * world), input_dims=dict(input_dims),
+                                         output_device=device, context_parallel=True)  # fmt: skip
+        lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=rank,
+                                  input_dims=dict(input_dims))  # fmt: skip
+        gm, records = run_passes(gm, passes.frontend_pipeline(options) + passes.data_parallel_pipeline(options) + [lower])
+        pm = SpmdModule(gm, gm.graph, recipe=self, devices=Devices((device,)), mode="spmd_context_parallel",
+                        output_device=device, records=records, class_name=type(model).__name__, share_all_of=model,
+                        source=None, flags=flags, none_args=nones)  # fmt: skip
+        pm.captured_code = captured_code
+        pm.input_dims = dict(input_dims)
+        pm.attach_mesh(mesh=self.mesh, dp_dim="cp", tp_dim=None, ddp_options=self.ddp_options, sum_gradients=True)
         return pm
 
     # ------------------------------------------------------------------ tensor parallel
@@ -228,6 +269,12 @@ class SpmdRecipe(Recipe):
         if source is None:
             raise pm.cannot_trace_again(key)
         flags = dict(key.flags) or None
+        if pm.mode == "spmd_context_parallel":
+            raise DpCompileError(
+                f"the call ({key.describe()}) departs from the one context parallel over a mesh was built for, which "
+                "is not traced again yet: call it as the examples were given (mode, arguments), or transform the "
+                "model for that call"
+            )
         if pm.mode == "spmd_data_parallel":
             with modes_applied(source, key.modes):
                 traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)

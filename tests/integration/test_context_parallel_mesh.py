@@ -1,0 +1,127 @@
+"""Context parallel over a ``("cp",)`` DeviceMesh of 2 gloo processes: each rank passes its shard of
+the sequence (``local_batch``: balanced ``tensor_split`` on dim 1) and gets its shard of the logits
+and the whole sequence's loss. Against eager on the whole sequence (float64, a 1-layer GPT-2 with
+``labels=``), at a length that divides and one that does not: the rank's logits, the loss, every
+parameter gradient (summed over cp) and two AdamW steps; a model cp cannot place is refused on every
+rank with the same ``DpCompileError``. One spawned group runs every check."""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+
+GROUP_TIMEOUT_S = 300.0  # spawning and the first gloo connections are slow on a loaded machine
+WORLD = 2
+V = 64
+
+
+def _gpt2():
+    import transformers as T
+
+    config = T.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return T.GPT2LMHeadModel(config).double()
+
+
+def _inputs(seq: int, seed: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(1, V, (2, seq), generator=g), "labels": torch.randint(0, V, (2, seq), generator=g)}
+
+
+def _cp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+
+
+def check_gpt2_equals_eager() -> None:
+    """Logits (this rank's shard), loss, gradients and 2 AdamW steps equal eager's, at 12 and 13 tokens."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    torch.manual_seed(0)
+    model = _gpt2()
+    eager = copy.deepcopy(model)
+    mesh = _cp_mesh()
+    rank = dist.get_rank()
+    pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(12, 0), mesh), frontend="export")
+    assert pm.mode == "spmd_context_parallel" and "attention_over_group" in pm.code, pm.code
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for seq in (12, 13):
+        whole = _inputs(seq, seq)
+        mine = torch.tensor_split(torch.arange(seq), WORLD)[rank]
+        got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+        torch.testing.assert_close(got.logits, want.logits[:, mine])
+        torch.testing.assert_close(got.loss, want.loss)
+        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+        (got.loss + (got.logits * weights[:, mine]).sum()).backward()
+        (want.loss + (want.logits * weights).sum()).backward()
+        grads = dict(eager.named_parameters())
+        for name, p in model.named_parameters():
+            assert p.grad is not None, f"no gradient reached {name}"
+            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name: f"seq {seq}, grad {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m, name=name: f"seq {seq}, after AdamW, {name}: {m}")
+
+
+def check_unplaceable_model_refused_alike() -> None:
+    """A rotary table read backwards (no rule splits it) is refused by name on every rank, the same error."""
+    import torch
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile import DpCompileError
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CachedRotaryTable
+
+    mesh = _cp_mesh()
+    x = torch.randn(2, 7, 16)
+    try:
+        dpcompile.transform(CachedRotaryTable(reverse=True), mesh, example_inputs=(local_batch(x, mesh),))
+    except DpCompileError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a table read backwards was placed over the cp mesh")
+    assert "cannot run on sequence shards" in message and "flip" in message, message
+    messages: list = [None] * WORLD
+    dist.all_gather_object(messages, message)
+    assert len(set(messages)) == 1, messages
+
+
+CHECKS = (("gpt2", check_gpt2_equals_eager), ("refused", check_unplaceable_model_refused_alike))
+
+
+def _entry(rank: int, world: int, port: int, results: mp.Queue) -> None:
+    from tests.thirdparty import define_torchvision_ops
+
+    define_torchvision_ops()
+    run_checks(rank, world, port, list(CHECKS), results)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    pytest.importorskip("transformers")
+    return run_spawned(_entry, WORLD, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # one spawned group of 2 processes for every check
+@pytest.mark.parametrize("check", [name for name, _ in CHECKS])
+@pytest.mark.xdist_group("context_parallel_mesh")  # one spawned group, on one worker
+def test_context_parallel_over_a_cp_mesh(outcomes, check):
+    """Each check passed on both ranks (see the module's docstring)."""
+    assert_group_passed(outcomes, WORLD, check, timeout=GROUP_TIMEOUT_S)

@@ -42,7 +42,9 @@ After (rank 1)::
     return lm_head_dev1                                # the rank's own shard of the output
 
 A cross-device step with no rank lowering (BatchNorm's statistics over the sequence, a packed
-sequence's longest length, a gather of a tuple) is a ``DpCompileError`` naming it.
+sequence's longest length, a gather of a tuple) is a ``DpCompileError`` naming it; so is a value
+every rank computes whole that reads a trainable parameter (a BatchNorm run on the gathered
+sequence): every rank would add its whole gradient, N times the single-device one once summed.
 """
 
 from __future__ import annotations
@@ -90,6 +92,39 @@ class RankSites:
     devices: dict[fx.Node, int] = field(default_factory=dict)
     counterparts: dict[tuple[str, int], fx.Node] = field(default_factory=dict)  # (base name, device) -> node
     refused: list[fx.Node] = field(default_factory=list)
+    whole_parameters: list[tuple[fx.Node, str]] = field(default_factory=list)  # (whole node, parameter read)
+
+
+#: cross-device steps: a walk back from a whole value stops there (past them, values are each rank's own)
+_CROSS = (runtime.gather, runtime.gather_sequence, runtime.scatter, runtime.attention_regathered,
+          runtime.mean_of_partials, runtime.reduce_add, runtime.to_device)  # fmt: skip
+
+
+def _parameters_read(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """The trainable parameters ``node`` reads itself (a module call, a parameter's ``get_attr``)."""
+    if node.op == "get_attr":
+        try:
+            value = gm.get_parameter(str(node.target))
+        except AttributeError:
+            return []
+        return [str(node.target)] if value.requires_grad else []
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return [f"{node.target}.{name}" for name, p in module.named_parameters() if p.requires_grad]
+    return []
+
+
+def _whole_parameters(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """Trainable parameters a value every rank computes whole reads, up to the cross-device steps."""
+    found, seen, stack = [], set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen or (current.op == "call_function" and current.target in _CROSS):
+            continue
+        seen.add(current)
+        found += _parameters_read(gm, current)
+        stack.extend(current.all_input_nodes)
+    return found
 
 
 def find_rank_sites(gm: fx.GraphModule) -> RankSites:
@@ -103,6 +138,8 @@ def find_rank_sites(gm: fx.GraphModule) -> RankSites:
             sites.refused.append(node)
         elif node.op == "call_function" and node.target is runtime.gather and not isinstance(node.args[1], int):
             sites.refused.append(node)
+        if "dpcompile_whole" in node.meta:
+            sites.whole_parameters += [(node, name) for name in _whole_parameters(gm, node)]
     return sites
 
 
@@ -117,6 +154,14 @@ def lower_sequence_to_rank(
         raise DpCompileError(
             f"context parallel over a DeviceMesh: '{node.name}' is {what}, which is built in one process only "
             "(mesh={'cp': N} over a device list); use that, or leave 'cp' out of the mesh"
+        )
+    if sites.whole_parameters:
+        node, name = sites.whole_parameters[0]
+        raise DpCompileError(
+            f"context parallel over a DeviceMesh: '{node.name}' runs on the whole gathered sequence on every rank and "
+            f"reads the parameter '{name}', whose gradient every rank would then add in full (not built over a mesh "
+            "yet: summed over cp it would count N times); it is built in one process only (mesh={'cp': N} over a "
+            "device list). Teach its op a sequence rule (dpcompile.register_batch_rule) or leave 'cp' out of the mesh"
         )
     if not isinstance(getattr(gm, "cp_group", None), MeshGroup):
         gm.add_submodule("cp_group", MeshGroup(mesh, cp_dim))

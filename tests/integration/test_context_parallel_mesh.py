@@ -3,12 +3,14 @@ the sequence (``local_batch``: balanced ``tensor_split`` on dim 1) and gets its 
 and the whole sequence's loss. Against eager on the whole sequence (float64, a 1-layer GPT-2 with
 ``labels=``), at a length that divides and one that does not: the rank's logits, the loss, every
 parameter gradient (summed over cp) and two AdamW steps; a model cp cannot place is refused on every
-rank with the same ``DpCompileError``. One spawned group runs every check."""
+rank with the same ``DpCompileError``. One spawned group of 2 runs those checks; one of 4 runs small
+attention blocks (causal, a padding mask) over uneven shards."""
 
 from __future__ import annotations
 
 import pytest
 import torch.multiprocessing as mp
+from torch import nn
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 
@@ -69,53 +71,113 @@ def check_gpt2_equals_eager() -> None:
         grads = dict(eager.named_parameters())
         for name, p in model.named_parameters():
             assert p.grad is not None, f"no gradient reached {name}"
-            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name: f"seq {seq}, grad {name}: {m}")
+            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name, seq=seq: f"seq {seq}, grad {name}: {m}")
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p, q, msg=lambda m, name=name: f"seq {seq}, after AdamW, {name}: {m}")
+            torch.testing.assert_close(p, q, msg=lambda m, name=name, seq=seq: f"seq {seq}, AdamW, {name}: {m}")
 
 
-def check_unplaceable_model_refused_alike() -> None:
-    """A rotary table read backwards (no rule splits it) is refused by name on every rank, the same error."""
-    import torch
+class SequenceBatchNorm(nn.Module):
+    """BatchNorm over the channels of ``(batch, seq, 16)``: its statistics need every rank's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2)
+
+
+def _refused_alike(model, x, *expected: str) -> None:
+    """Building ``model`` over the cp mesh raises a DpCompileError saying ``expected``, the same on every rank."""
     import torch.distributed as dist
 
     import dpcompile
     from dpcompile import DpCompileError
     from dpcompile.mesh import local_batch
-    from tests.integration.test_context_parallel import CachedRotaryTable
 
     mesh = _cp_mesh()
-    x = torch.randn(2, 7, 16)
     try:
-        dpcompile.transform(CachedRotaryTable(reverse=True), mesh, example_inputs=(local_batch(x, mesh),))
+        dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
     except DpCompileError as e:
         message = str(e)
     else:
-        raise AssertionError("a table read backwards was placed over the cp mesh")
-    assert "cannot run on sequence shards" in message and "flip" in message, message
-    messages: list = [None] * WORLD
+        raise AssertionError(f"{type(model).__name__} was built over the cp mesh")
+    assert all(words in message for words in expected), message
+    messages: list = [None] * dist.get_world_size()
     dist.all_gather_object(messages, message)
     assert len(set(messages)) == 1, messages
 
 
-CHECKS = (("gpt2", check_gpt2_equals_eager), ("refused", check_unplaceable_model_refused_alike))
+def check_unplaceable_models_refused_alike() -> None:
+    """A rotary table read backwards (no rule splits it) and a BatchNorm that runs on the gathered
+    sequence (its parameters' gradients would be added on every rank) are refused by name on every
+    rank, the same error."""
+    import torch
+
+    from tests.integration.test_context_parallel import CachedRotaryTable
+
+    x = torch.randn(2, 7, 16)
+    _refused_alike(CachedRotaryTable(reverse=True), x, "cannot run on sequence shards", "flip")
+    _refused_alike(SequenceBatchNorm(), x, "context parallel over a DeviceMesh", "'bn.weight'", "in one process only")
 
 
-def _entry(rank: int, world: int, port: int, results: mp.Queue) -> None:
+def check_small_attention_on_four_ranks() -> None:
+    """4 ranks, 7 tokens (shards 2, 2, 2, 1): causal attention at each rank's positions, and a padding
+    mask gathered along the keys (its gradient path summed onto owners); outputs and gradients equal eager."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention, PaddedSelfAttention
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    mine = torch.tensor_split(torch.arange(7), 4)[dist.get_rank()]
+    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[0, 1:3] = False  # padding on the first ranks' tokens, read by every rank's queries
+    for model, args in ((CausalSelfAttention(), (x,)), (PaddedSelfAttention(), (x, keep))):
+        model = model.double()
+        eager = copy.deepcopy(model)
+        pm = dpcompile.transform(model, mesh, example_inputs=local_batch(args, mesh))
+        got, want = pm(*local_batch(args, mesh)), eager(*args)
+        torch.testing.assert_close(got, want[:, mine])
+        weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+        (got * weights[:, mine]).sum().backward()
+        (want * weights).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            where = f"{type(model).__name__}.{name}"
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
+
+
+CHECKS = (("gpt2", check_gpt2_equals_eager), ("refused", check_unplaceable_models_refused_alike))
+CHECKS_4 = (("attention_4", check_small_attention_on_four_ranks),)
+
+
+def _entry(rank: int, world: int, port: int, checks: tuple, results: mp.Queue) -> None:
     from tests.thirdparty import define_torchvision_ops
 
     define_torchvision_ops()
-    run_checks(rank, world, port, list(CHECKS), results)
+    run_checks(rank, world, port, list(checks), results)
 
 
 @pytest.fixture(scope="module")
 def outcomes():
     pytest.importorskip("transformers")
-    return run_spawned(_entry, WORLD, timeout=GROUP_TIMEOUT_S)
+    return run_spawned(_entry, WORLD, CHECKS, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def outcomes_4():
+    return run_spawned(_entry, 4, CHECKS_4, timeout=GROUP_TIMEOUT_S)
 
 
 @pytest.mark.distributed
@@ -125,3 +187,11 @@ def outcomes():
 def test_context_parallel_over_a_cp_mesh(outcomes, check):
     """Each check passed on both ranks (see the module's docstring)."""
     assert_group_passed(outcomes, WORLD, check, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # one spawned group of 4 processes
+@pytest.mark.xdist_group("context_parallel_mesh")
+def test_context_parallel_over_four_cp_ranks(outcomes_4):
+    """Causal attention and a gathered padding mask over 4 ranks with uneven shards equal eager."""
+    assert_group_passed(outcomes_4, 4, "attention_4", timeout=GROUP_TIMEOUT_S)

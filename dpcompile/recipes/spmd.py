@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_map
 
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
+from dpcompile.analysis.random_ops import random_kind
 from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
@@ -182,6 +183,13 @@ class SpmdRecipe(Recipe):
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         captured_code = gm.code
+        drawn = [n for n in gm.graph.nodes if random_kind(gm, n) is not None]
+        if drawn and self.exact_random:
+            raise DpCompileError(
+                f"context parallel over a ('cp',) mesh: '{drawn[0].name}' draws random numbers, and drawing the "
+                "single-device values on sequence shards over a mesh is not built yet: pass exact_random=False "
+                "(each rank draws its own), set its probability to 0, or use mesh={'cp': N} over a device list"
+            )
         propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
         input_dims = infer_input_dims(gm, batch_dim=1, example_inputs=example_inputs)
         input_dims = without_sequence_replicated(gm, input_dims, example_inputs)

@@ -114,9 +114,9 @@ def _refused_alike(model, x, *expected: str) -> None:
 
 
 def check_unplaceable_models_refused_alike() -> None:
-    """A rotary table read backwards (no rule splits it) and a BatchNorm that runs on the gathered
-    sequence (its parameters' gradients would be added on every rank) are refused by name on every
-    rank, the same error."""
+    """A rotary table read backwards (no rule splits it), a BatchNorm that runs on the gathered
+    sequence (its parameters' gradients would be added on every rank) and a dropout under exact_random
+    (not built over a mesh) are refused by name on every rank, the same error."""
     import torch
 
     from tests.integration.test_context_parallel import CachedRotaryTable
@@ -124,6 +124,7 @@ def check_unplaceable_models_refused_alike() -> None:
     x = torch.randn(2, 7, 16)
     _refused_alike(CachedRotaryTable(reverse=True), x, "cannot run on sequence shards", "flip")
     _refused_alike(SequenceBatchNorm(), x, "context parallel over a DeviceMesh", "'bn.weight'", "in one process only")
+    _refused_alike(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)), x, "draws random numbers", "exact_random=False")
 
 
 def check_small_attention_on_four_ranks() -> None:

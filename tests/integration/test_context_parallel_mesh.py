@@ -57,6 +57,7 @@ def check_gpt2_equals_eager() -> None:
     rank = dist.get_rank()
     pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(12, 0), mesh), frontend="export")
     assert pm.mode == "spmd_context_parallel" and "attention_over_group" in pm.code, pm.code
+    assert pm.layout == {"cp": WORLD} and pm.strategies == {"cp": "context parallel (all-gather keys/values)"}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     for seq in (12, 13):

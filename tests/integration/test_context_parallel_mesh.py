@@ -93,6 +93,20 @@ class SequenceBatchNorm(nn.Module):
         return self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2)
 
 
+class MeanSquareLoss(nn.Module):
+    """A causal block that returns its output and a mean over every token (partial sums and counts per rank)."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.integration.test_context_parallel import CausalSelfAttention
+
+        self.block = CausalSelfAttention()
+
+    def forward(self, x):
+        out = self.block(x)
+        return out, out.square().mean()
+
+
 def _refused_alike(model, x, *expected: str) -> None:
     """Building ``model`` over the cp mesh raises a DpCompileError saying ``expected``, the same on every rank."""
     import torch.distributed as dist
@@ -129,8 +143,9 @@ def check_unplaceable_models_refused_alike() -> None:
 
 
 def check_small_attention_on_four_ranks() -> None:
-    """4 ranks, 7 tokens (shards 2, 2, 2, 1): causal attention at each rank's positions, and a padding
-    mask gathered along the keys (its gradient path summed onto owners); outputs and gradients equal eager."""
+    """4 ranks, 7 tokens (shards 2, 2, 2, 1): causal attention at each rank's positions, a padding mask
+    gathered along the keys (its gradient path summed onto owners), and a mean over every token (each
+    rank's partial sum and count all-reduced); outputs, the mean and gradients equal eager."""
     import copy
 
     import torch
@@ -146,15 +161,18 @@ def check_small_attention_on_four_ranks() -> None:
     x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     keep = torch.ones(2, 7, dtype=torch.bool)
     keep[0, 1:3] = False  # padding on the first ranks' tokens, read by every rank's queries
-    for model, args in ((CausalSelfAttention(), (x,)), (PaddedSelfAttention(), (x, keep))):
+    for model, args in ((CausalSelfAttention(), (x,)), (PaddedSelfAttention(), (x, keep)), (MeanSquareLoss(), (x,))):
         model = model.double()
         eager = copy.deepcopy(model)
         pm = dpcompile.transform(model, mesh, example_inputs=local_batch(args, mesh))
+        assert isinstance(model, MeanSquareLoss) == ("mean_over_group" in pm.code), pm.code
         got, want = pm(*local_batch(args, mesh)), eager(*args)
+        got, want, got_mean, want_mean = (got[0], want[0], got[1], want[1]) if isinstance(got, tuple) else (got, want, 0, 0)
         torch.testing.assert_close(got, want[:, mine])
+        torch.testing.assert_close(got_mean, want_mean)  # the same whole mean on every rank
         weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
-        (got * weights[:, mine]).sum().backward()
-        (want * weights).sum().backward()
+        (got_mean + (got * weights[:, mine]).sum()).backward()
+        (want_mean + (want * weights).sum()).backward()
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             where = f"{type(model).__name__}.{name}"
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")

@@ -14,6 +14,9 @@ same model and gets the program of its own rank:
   process feeds the same input and gets the full output.
 * **2-D mesh ("dp", "tp")**: tensor parallel within each ``tp`` group, data parallel (DDP
   over the ``dp`` groups) across them — the torchtitan layout.
+* **1-D mesh ("cp",)**: context parallel's one-process program over ``N`` virtual devices,
+  cut to this rank (``passes.lower_sequence_to_rank``): each rank feeds its part of the
+  sequence, attention all-gathers keys and values over ``cp``, DDP sums the gradients.
 
 >>> # torchrun --nproc-per-node 2 train.py                                # doctest: +SKIP
 >>> dist.init_process_group("gloo")                                       # doctest: +SKIP

@@ -142,6 +142,33 @@ def check_unplaceable_models_refused_alike() -> None:
     _refused_alike(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)), x, "draws random numbers", "exact_random=False")
 
 
+def check_unbalanced_shards_refused_alike() -> None:
+    """Shards of 5 and 2 tokens (not the 4 and 3 tensor_split makes of 7) are refused by every rank
+    at the program's head, the same DpCompileError, before anything is computed."""
+    import torch
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile import DpCompileError
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention
+
+    mesh = _cp_mesh()
+    x = torch.randn(2, 7, 16)
+    pm = dpcompile.transform(CausalSelfAttention(), mesh, example_inputs=(local_batch(x, mesh),))
+    mine = x[:, :5] if dist.get_rank() == 0 else x[:, 5:]
+    try:
+        pm(mine)
+    except DpCompileError as e:
+        message = str(e)
+    else:
+        raise AssertionError("unbalanced shards ran")
+    assert "have lengths [5, 2], but a sequence of 7 splits into [4, 3]" in message, message
+    messages: list = [None] * WORLD
+    dist.all_gather_object(messages, message)
+    assert len(set(messages)) == 1, messages
+
+
 def check_small_attention_on_four_ranks() -> None:
     """4 ranks, 7 tokens (shards 2, 2, 2, 1): causal attention at each rank's positions, a padding mask
     gathered along the keys (its gradient path summed onto owners), and a mean over every token (each
@@ -178,7 +205,11 @@ def check_small_attention_on_four_ranks() -> None:
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
 
 
-CHECKS = (("gpt2", check_gpt2_equals_eager), ("refused", check_unplaceable_models_refused_alike))
+CHECKS = (
+    ("gpt2", check_gpt2_equals_eager),
+    ("refused", check_unplaceable_models_refused_alike),
+    ("unbalanced", check_unbalanced_shards_refused_alike),
+)
 CHECKS_4 = (("attention_4", check_small_attention_on_four_ranks),)
 
 

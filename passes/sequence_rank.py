@@ -21,6 +21,8 @@ one process (device ``r`` of ``N``)                 rank ``r`` of the ``cp`` gro
 What every device computes alike (the whole values: a mask from gathered positions, the loss on
 the gathered logits) runs on every rank, the same values; backward through a gather keeps the
 rank's own slice, so the ranks' parameter gradients summed over ``cp`` are the single-device ones.
+DDP averages them: the returned values' gradients are scaled by ``N`` (the inputs' back by
+``1/N``, ``scale_gradient``), so the average is that sum, with gradients accumulated too.
 The program's head checks, with one all-gather of the first split input's length, that the ranks'
 shards are the balanced ``tensor_split`` parts one process makes.
 
@@ -62,6 +64,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import distributed as dist_rt
 from dpcompile.runtime.distributed import MeshGroup
+from passes.collectives import group_size
 
 PASS = "lower_sequence_to_rank"
 _PER_DEVICE = re.compile(r"^(.*)_dev(\d+)$")
@@ -165,10 +168,15 @@ def lower_sequence_to_rank(
         )
     if not isinstance(getattr(gm, "cp_group", None), MeshGroup):
         gm.add_submodule("cp_group", MeshGroup(mesh, cp_dim))
-    rewriter = _RankRewriter(gm, sites, rank, dict(input_dims))
+    rewriter = _RankRewriter(gm, sites, rank, dict(input_dims), group_size(mesh, cp_dim) or _world_of(sites))
     gm.graph = rewriter.build()
     gm.graph.eliminate_dead_code(is_impure_node=_keeps)
     return PassResult(gm, True, {"rank": rank, "collectives": rewriter.lowered})
+
+
+def _world_of(sites: RankSites) -> int:
+    """How many virtual devices the program runs on: one more than the highest device index."""
+    return max(sites.devices.values(), default=0) + 1
 
 
 def _only_returned(node: fx.Node) -> bool:
@@ -180,14 +188,19 @@ def _only_returned(node: fx.Node) -> bool:
     )
 
 
+def _is_output_structure(node: fx.Node) -> bool:
+    """An output structure built of returned values (transformers' ``CausalLMOutput(...)``)."""
+    return node.op == "call_function" and isinstance(node.target, type) and _only_returned(node)
+
+
 def _keeps(node: fx.Node) -> bool:
     """What dead-code elimination keeps: the head's check of the shards, and what fx keeps anyway."""
     return node.target is dist_rt.sequence_sizes or node.is_impure()
 
 
 class _RankRewriter:
-    def __init__(self, gm: fx.GraphModule, sites: RankSites, rank: int, input_dims: dict[str, int | None]):
-        self.gm, self.sites, self.rank, self.input_dims = gm, sites, rank, input_dims
+    def __init__(self, gm: fx.GraphModule, sites: RankSites, rank: int, input_dims: dict[str, int | None], world: int):
+        self.gm, self.sites, self.rank, self.input_dims, self.world = gm, sites, rank, input_dims, world
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.group: fx.Node | None = None
@@ -244,14 +257,35 @@ class _RankRewriter:
             if node.op == "placeholder":
                 self.env[node] = self.graph.node_copy(node)
             elif node.op == "output":
-                self.graph.output(self.mapped(node.args[0]), type_expr=node.type)
+                self.graph.output(self._returned(node.args[0]), type_expr=node.type)
+            elif _is_output_structure(node):
+                self.env[node] = self.graph.create_node(
+                    node.op, node.target, self._returned(node.args), self._returned(node.kwargs), name=node.name
+                )
             else:
                 self.env[node] = self._lower(node)
         return self.graph
 
+    def _returned(self, value: Any) -> Any:
+        """What the program returns, each value's gradient scaled by the group's size: DDP averages
+        the ranks' gradients, and each holds its share of the one single-device gradient, so the
+        average of ``N`` times each share is their sum (also when gradients accumulate)."""
+
+        def scaled(node: fx.Node) -> Any:
+            if _is_output_structure(node):
+                return self.env[node]
+            return self.call(dist_rt.scale_gradient, (self.value(node), float(self.world)), name=f"{node.name}_out",
+                             source=node)  # fmt: skip
+
+        return fx.node.map_arg(value, scaled)
+
     def _head(self) -> None:
-        """The group, and the check that the ranks' shards are the balanced parts of the sequence."""
+        """The group, the inputs' gradients scaled back (see :meth:`_returned`), and the check that
+        the ranks' shards are the balanced parts of the sequence."""
         self.group = stamp(self.graph.get_attr("cp_group"), PASS)
+        for node in [n for n in self.env if n.op == "placeholder"]:
+            self.env[node] = self.call(dist_rt.scale_gradient, (self.env[node], 1.0 / self.world),
+                                       name=f"{node.name}_in", source=node)  # fmt: skip
         split = [n for n in self.env if n.op == "placeholder" and self.input_dims.get(str(n.target)) is not None]
         if split:
             first = split[0]

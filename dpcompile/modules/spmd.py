@@ -57,7 +57,7 @@ class SpmdModule(ParallelModule):
     """One rank's program of an SPMD ``ParallelModule``. Build it with ``dpcompile.transform(model, mesh)``.
 
     ``pm.mode`` is ``"spmd_data_parallel"``, ``"spmd_tensor_parallel"``, ``"spmd_2d"`` or
-    ``"spmd_context_parallel"`` (DDP over ``"cp"``, the gradients summed);
+    ``"spmd_context_parallel"`` (DDP over ``"cp"``);
     ``pm.mesh`` the mesh; ``pm.ddp`` the ``DistributedDataParallel`` that runs it where there
     is a data-parallel dimension (None otherwise); with tensor parallelism ``pm.plan`` and
     ``pm.plan_reasons`` as in single-process mode, and ``pm.shards`` ``{state key: ShardSpec}``
@@ -87,12 +87,9 @@ class SpmdModule(ParallelModule):
         shards: Mapping[str, ShardSpec] | None = None,
         ddp_options: Mapping[str, Any] | None = None,
         fsdp: Mapping[str, Any] | None = None,
-        sum_gradients: bool = False,
     ) -> None:
         """Hold the mesh and this rank's shards; build DDP where there is a data-parallel dim,
-        or FSDP2 (``fsdp``: ``fully_shard``'s keyword arguments) where asked. ``sum_gradients``:
-        DDP sums the ranks' gradients instead of averaging them (context parallel: each rank holds
-        its tokens' share of one loss)."""
+        or FSDP2 (``fsdp``: ``fully_shard``'s keyword arguments) where asked."""
         self.__dict__["mesh"] = mesh
         self.dp_dim = dp_dim
         self.tp_dim = tp_dim
@@ -104,8 +101,6 @@ class SpmdModule(ParallelModule):
             self.__dict__["_fsdp"] = build_fsdp(self, mesh, dp_dim, fsdp)
         elif dp_dim is not None and not fake and any(p.requires_grad for p in self.parameters()):
             self.__dict__["_ddp"] = build_ddp(self, mesh, dp_dim, ddp_options or {})
-            if sum_gradients:
-                self.__dict__["_ddp"].register_comm_hook(mesh.get_group(dp_dim), sum_gradients_hook)
 
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel | None:
@@ -477,12 +472,6 @@ def build_ddp(
         if not is_communication_failure(e):
             raise
         raise collective_failure("DistributedDataParallel's broadcast of rank 0's parameters", group, e) from e
-
-
-def sum_gradients_hook(group: dist.ProcessGroup, bucket):  # noqa: ANN001, ANN201 - DDP reads the annotations
-    """DDP's communication hook that sums a bucket's gradients over ``group`` (its default averages)."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda done: done.value()[0])
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:

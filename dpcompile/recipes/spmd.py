@@ -16,7 +16,7 @@ same model and gets the program of its own rank:
   over the ``dp`` groups) across them — the torchtitan layout.
 * **1-D mesh ("cp",)**: context parallel's one-process program over ``N`` virtual devices,
   cut to this rank (``passes.lower_sequence_to_rank``): each rank feeds its part of the
-  sequence, attention all-gathers keys and values over ``cp``, DDP sums the gradients.
+  sequence, attention all-gathers keys and values over ``cp``, DDP gives the summed gradients.
 
 >>> # torchrun --nproc-per-node 2 train.py                                # doctest: +SKIP
 >>> dist.init_process_group("gloo")                                       # doctest: +SKIP
@@ -172,7 +172,8 @@ class SpmdRecipe(Recipe):
     ) -> SpmdModule:
         """The program one process builds for ``mesh={"cp": N}`` over ``N`` virtual devices, cut to
         this rank's part with its exchanges over the ``cp`` group (``passes.lower_sequence_to_rank``);
-        DDP over ``cp`` sums the ranks' parameter gradients (each holds its tokens' share)."""
+        DDP over ``cp`` averages the ranks' gradients, which the program scales so that the average is
+        the sum of their shares: the single-device gradient."""
         if example_inputs is None:
             raise DpCompileError(
                 "context parallel over a ('cp',) mesh finds the sequence and attention's shapes from examples: pass "
@@ -207,7 +208,7 @@ class SpmdRecipe(Recipe):
                         source=None, flags=flags, none_args=nones)  # fmt: skip
         pm.captured_code = captured_code
         pm.input_dims = dict(input_dims)
-        pm.attach_mesh(mesh=self.mesh, dp_dim="cp", tp_dim=None, ddp_options=self.ddp_options, sum_gradients=True)
+        pm.attach_mesh(mesh=self.mesh, dp_dim="cp", tp_dim=None, ddp_options=self.ddp_options)
         return pm
 
     # ------------------------------------------------------------------ tensor parallel

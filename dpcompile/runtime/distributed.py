@@ -57,6 +57,7 @@ __all__ = [
     "gather_over_group",
     "gather_onto_owners",
     "mean_over_group",
+    "scale_gradient",
     "sequence_sizes",
     "shard_of_whole",
     "local_offset",
@@ -389,6 +390,28 @@ def attention_over_group(
     if not torch.is_grad_enabled():
         return attend(query, key, value)
     return torch.utils.checkpoint.checkpoint(attend, query, key, value, use_reentrant=False, preserve_rng_state=True)
+
+
+class _ScaleGradient(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def scale_gradient(x: Any, factor: float) -> Any:
+    """``x`` itself; backward multiplies its gradient by ``factor``. Anything but a tensor that
+    needs a gradient passes through untouched.
+
+    >>> logits = scale_gradient(logits, 2.0)  # doctest: +SKIP
+    """
+    if not (isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()):
+        return x
+    return _ScaleGradient.apply(x, factor)
 
 
 def sequence_sizes(length: int, group: GroupLike, *, balanced: bool = False) -> list[int]:

@@ -41,7 +41,8 @@ def _cp_mesh():
 
 
 def check_gpt2_equals_eager() -> None:
-    """Logits (this rank's shard), loss, gradients and 2 AdamW steps equal eager's, at 12 and 13 tokens."""
+    """Logits (this rank's shard), loss, gradients (at 13 tokens accumulated over two calls) and 2 AdamW
+    steps equal eager's, at 12 and 13 tokens."""
     import copy
 
     import torch
@@ -60,15 +61,16 @@ def check_gpt2_equals_eager() -> None:
     assert pm.layout == {"cp": WORLD} and pm.strategies == {"cp": "context parallel (all-gather keys/values)"}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    for seq in (12, 13):
-        whole = _inputs(seq, seq)
+    for seq, accumulated in ((12, 1), (13, 2)):  # at 13: two calls' gradients accumulate before the step
         mine = torch.tensor_split(torch.arange(seq), WORLD)[rank]
-        got, want = pm(**local_batch(whole, mesh)), eager(**whole)
-        torch.testing.assert_close(got.logits, want.logits[:, mine])
-        torch.testing.assert_close(got.loss, want.loss)
-        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-        (got.loss + (got.logits * weights[:, mine]).sum()).backward()
-        (want.loss + (want.logits * weights).sum()).backward()
+        for call in range(accumulated):
+            whole = _inputs(seq, seq + call)
+            got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+            torch.testing.assert_close(got.logits, want.logits[:, mine])
+            torch.testing.assert_close(got.loss, want.loss)
+            weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+            (got.loss + (got.logits * weights[:, mine]).sum()).backward()
+            (want.loss + (want.logits * weights).sum()).backward()
         grads = dict(eager.named_parameters())
         for name, p in model.named_parameters():
             assert p.grad is not None, f"no gradient reached {name}"

@@ -34,7 +34,8 @@ def _one_process(model: torch.nn.Module, devices: int) -> fx.GraphModule:
 
 def test_rank_program_keeps_its_own_shard_and_exchanges_over_the_group():
     """Rank 1 of 3: no virtual-device exchange is left; its attention gathers over the group, its
-    positions are rank 1's, and it returns its own part of the output."""
+    positions are rank 1's, and it returns its own part of the output, its gradient scaled by 3 (the
+    input's by 1/3) so that DDP's average over the group is the sum of the ranks' shares."""
     gm = _one_process(CausalSelfAttention(), 3)
     assert len(_calls(gm, runtime.attention_regathered)) == 3
     assert set(find_rank_sites(gm).devices.values()) == {0, 1, 2}
@@ -47,7 +48,10 @@ def test_rank_program_keeps_its_own_shard_and_exchanges_over_the_group():
     checks = [n for n in _calls(gm, dist_rt.sequence_sizes) if n.kwargs.get("balanced")]
     assert len(checks) == 1  # the head's check of the shards
     (returned,) = gm.graph.output_node().args
-    assert returned.name.endswith("_dev1"), gm.code  # rank 1's own tokens, not a gather
+    assert returned.target is dist_rt.scale_gradient and returned.args[1] == 3.0, gm.code  # DDP averages: x3
+    assert returned.args[0].name.endswith("_dev1"), gm.code  # rank 1's own tokens, not a gather
+    (scaled_in,) = [n for n in _calls(gm, dist_rt.scale_gradient) if n.args[0].op == "placeholder"]
+    assert scaled_in.args[1] == 1 / 3
 
 
 def test_whole_value_reading_a_parameter_is_refused_by_name():

@@ -194,22 +194,26 @@ class SpmdRecipe(Recipe):
                 "single-device values on sequence shards over a mesh is not built yet: pass exact_random=False "
                 "(each rank draws its own), set its probability to 0, or use mesh={'cp': N} over a device list"
             )
-        propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
-        input_dims = infer_input_dims(gm, batch_dim=1, example_inputs=example_inputs)
-        input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
+        gm, records = self._lower_context_parallel(gm, device, example_inputs)
+        source = model if not isinstance(model, fx.GraphModule) else None  # fx: traced again for a departing call
+        pm = SpmdModule(gm, gm.graph, recipe=self, devices=Devices((device,)), mode="spmd_context_parallel",
+                        output_device=device, records=records, class_name=type(model).__name__, share_all_of=model,
+                        source=source, flags=flags, none_args=nones)  # fmt: skip
+        pm.captured_code = captured_code
+        pm.attach_mesh(mesh=self.mesh, dp_dim="cp", tp_dim=None, ddp_options=self.ddp_options)
+        return pm
+
+    def _lower_context_parallel(self, gm: fx.GraphModule, device: torch.device, examples: Sequence[Any]) -> tuple:
+        """``gm`` (captured) lowered to this cp rank's program, its shapes from ``examples`` (the rank's)."""
+        propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in examples], check=True)
+        input_dims = infer_input_dims(gm, batch_dim=1, example_inputs=examples)
+        input_dims = without_sequence_replicated(gm, input_dims, examples)
         world, rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
         options = passes.PipelineOptions(devices=Devices((device,) * world), input_dims=dict(input_dims),
                                          output_device=device, context_parallel=True)  # fmt: skip
         lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=rank,
                                   input_dims=dict(input_dims))  # fmt: skip
-        gm, records = run_passes(gm, passes.frontend_pipeline(options) + passes.data_parallel_pipeline(options) + [lower])
-        pm = SpmdModule(gm, gm.graph, recipe=self, devices=Devices((device,)), mode="spmd_context_parallel",
-                        output_device=device, records=records, class_name=type(model).__name__, share_all_of=model,
-                        source=None, flags=flags, none_args=nones)  # fmt: skip
-        pm.captured_code = captured_code
-        pm.input_dims = dict(input_dims)
-        pm.attach_mesh(mesh=self.mesh, dp_dim="cp", tp_dim=None, ddp_options=self.ddp_options)
-        return pm
+        return run_passes(gm, passes.frontend_pipeline(options) + passes.data_parallel_pipeline(options) + [lower])
 
     # ------------------------------------------------------------------ tensor parallel
     def _tensor_parallel_pipeline(self, devices: Devices, styles: Mapping[str, str], dp_dim: Any, tp_dim: Any,
@@ -281,12 +285,13 @@ class SpmdRecipe(Recipe):
         if source is None:
             raise pm.cannot_trace_again(key)
         flags = dict(key.flags) or None
-        if pm.mode == "spmd_context_parallel":
-            raise DpCompileError(
-                f"the call ({key.describe()}) departs from the one context parallel over a mesh was built for, which "
-                "is not traced again yet: call it as the examples were given (mode, arguments), or transform the "
-                "model for that call"
-            )
+        if pm.mode == "spmd_context_parallel":  # every rank departs alike: the same program, traced again
+            with modes_applied(source, key.modes):
+                traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)
+            if traced.code == pm.captured_code:
+                return None
+            lowered, _ = self._lower_context_parallel(traced, pm.devices.primary, list(bind_inputs(pm, args, kwargs)))
+            return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
         if pm.mode == "spmd_data_parallel":
             with modes_applied(source, key.modes):
                 traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)

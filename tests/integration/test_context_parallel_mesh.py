@@ -174,7 +174,8 @@ def check_unbalanced_shards_refused_alike() -> None:
 def check_small_attention_on_four_ranks() -> None:
     """4 ranks, 7 tokens (shards 2, 2, 2, 1): causal attention at each rank's positions, a padding mask
     gathered along the keys (its gradient path summed onto owners), and a mean over every token (each
-    rank's partial sum and count all-reduced); outputs, the mean and gradients equal eager."""
+    rank's partial sum and count all-reduced); outputs, the mean and gradients equal eager. Calls that
+    depart from the traced one (eval mode, an optional argument given) are traced again on every rank."""
     import copy
 
     import torch
@@ -184,6 +185,7 @@ def check_small_attention_on_four_ranks() -> None:
     import dpcompile
     from dpcompile.mesh import local_batch
     from tests.integration.test_context_parallel import CausalSelfAttention, PaddedSelfAttention
+    from tests.models import OptionalScale
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
     mine = torch.tensor_split(torch.arange(7), 4)[dist.get_rank()]
@@ -205,6 +207,17 @@ def check_small_attention_on_four_ranks() -> None:
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             where = f"{type(model).__name__}.{name}"
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
+    model = OptionalScale().double()  # forward branches on self.training and on an optional argument
+    eager = copy.deepcopy(model)
+    x = x[..., :8]
+    pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
+    pm.eval()
+    eager.eval()
+    torch.testing.assert_close(pm(local_batch(x, mesh)), eager(x)[:, mine])  # traced again, in eval mode
+    pm.train()
+    eager.train()
+    scale = torch.tensor(2.0, dtype=torch.float64)
+    torch.testing.assert_close(pm(local_batch(x, mesh), scale), eager(x, scale)[:, mine])  # and with scale=
 
 
 CHECKS = (

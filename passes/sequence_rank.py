@@ -41,7 +41,8 @@ After (rank 1)::
     size = k_dev1.size(2)
     sdpa_sizes = dpcompile_runtime_distributed_sequence_sizes(size, cp_group)
     sdpa_dev1 = dpcompile_runtime_distributed_attention_over_group(q_dev1, k_dev1, v_dev1, cp_group, 2, sdpa_sizes, None)
-    return lm_head_dev1                                # the rank's own shard of the output
+    lm_head_dev1_out = dpcompile_runtime_distributed_scale_gradient(lm_head_dev1, 2.0)
+    return lm_head_dev1_out                            # the rank's own shard of the output
 
 A cross-device step with no rank lowering (BatchNorm's statistics over the sequence, a packed
 sequence's longest length, a gather of a tuple) is a ``DpCompileError`` naming it; so is a value

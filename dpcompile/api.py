@@ -135,6 +135,8 @@ def transform(
         micro_batches = arguments["micro_batches"]
         context_parallel = arguments["context_parallel"]
         batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
+    elif is_device_mesh(devices) and tuple(devices.mesh_dim_names or ()) == ("cp",):
+        batch_dim = _sequence_dim(batch_dim, memory_per_device)  # the frontend keeps the sequence dynamic
     estimate = None
     if memory_per_device is not None and pipeline is not None and is_device_mesh(devices):
         raise ValueError(

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dpcompile.errors import DpCompileError
 from dpcompile.runtime.structures import map_structure
 
 try:
@@ -14,7 +15,7 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     DeviceMesh = None
 
-SPMD_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d")
+SPMD_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d", "spmd_context_parallel")
 
 
 def is_device_mesh(devices: object) -> bool:
@@ -30,6 +31,13 @@ def check_mesh(mesh: Any, tensor_parallel: object) -> tuple[str, str | int | Non
         )
     names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     wants_tp = tensor_parallel is not False and tensor_parallel is not None
+    if names == ("cp",):
+        if wants_tp:
+            raise DpCompileError(
+                "tensor_parallel= with a ('cp',) mesh is not built yet: context parallel over a mesh splits the "
+                "sequence alone; leave tensor_parallel= out, or use a ('tp',) mesh"
+            )
+        return "spmd_context_parallel", "cp", None
     if mesh.ndim == 1:
         dim: str | int = names[0] if names else 0
         if wants_tp:
@@ -75,12 +83,16 @@ def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:
 
     Balanced ``tensor_split`` parts over the mesh's ``"dp"`` dimension (a 1-D mesh not named
     ``"tp"`` is all data parallel); tensor-parallel ranks of one dp group get the same part,
-    and a ``("tp",)`` or ``("pp",)`` mesh gets the whole batch. Non-tensor leaves are passed through.
+    and a ``("tp",)`` or ``("pp",)`` mesh gets the whole batch. A ``("cp",)`` mesh splits the
+    sequence, dim 1 of batch-first inputs (a tensor without one, a classifier's labels, whole).
+    Non-tensor leaves are passed through.
 
     >>> x_local, y_local = local_batch((x, y), mesh)  # doctest: +SKIP
     """
     names = tuple(mesh.mesh_dim_names or ())
-    if "dp" in names:
+    if names == ("cp",):
+        parts, rank, dim = mesh.size(0), mesh.get_local_rank(0), 1
+    elif "dp" in names:
         parts, rank = mesh.size(names.index("dp")), mesh.get_local_rank("dp")
     elif mesh.ndim == 1 and names not in (("tp",), ("pp",)):
         parts, rank = mesh.size(0), mesh.get_local_rank(0)

@@ -32,7 +32,7 @@ CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 #: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1);
 #: in one process ``dp`` composes over any other program (:func:`replicate_over_dp`)
 BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}, {"cp"})
-BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"})
+BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"}, {"cp"})
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,7 @@ def mesh_layout(mesh: Any, *, pipeline: Any, tensor_parallel: Any) -> dict[str, 
     the keywords give it."""
     names = tuple(mesh.mesh_dim_names or ())
     shape = tuple(mesh.mesh.shape)
-    if mesh.ndim == 1 and (not names or pipeline is None):
+    if mesh.ndim == 1 and (not names or pipeline is None) and names != ("cp",):
         wants_tp = tensor_parallel is not None and tensor_parallel is not False
         role = "pp" if pipeline is not None else "tp" if wants_tp else "dp"
         return {role: shape[0]}
@@ -238,8 +238,8 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
     where = "over a DeviceMesh" if over_mesh else "in one process"
     if "cp" in active:
         nearest = (
-            "mesh={'cp': N} alone in one process (the sequence split, attention's keys and values all-gathered), "
-            "or leave 'cp' out: the sequence then stays whole on each device"
+            "'cp' alone (mesh={'cp': N} over a device list, or a ('cp',) DeviceMesh: the sequence split, attention's "
+            "keys and values all-gathered), or leave 'cp' out: the sequence then stays whole on each device"
         )
     else:
         nearest = (

@@ -4,6 +4,7 @@
                                          ├─► insert_sequence_exchange ─► insert_scatter_gather ─► regather_keys_values (context parallel)
                                          ├─► shard_linear ─► [shard_sequence ─►] expand_shards (tensor, sequence parallel)
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
+                                         ├─► (context parallel's passes, N virtual devices) ─► lower_sequence_to_rank ('cp' mesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
                                          └─► split_stages ─► insert_scatter_gather ─► cut_stage (pipeline, one "pp" rank)
     ... ─► draw_random_whole ─► checkpoint_activations ─► [name_dp_copies ─► place_dp_copies] (one process)
@@ -40,6 +41,7 @@ from passes.name_dp_copies import find_piece_names, name_dp_copies
 from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
 from passes.regather_keys_values import find_regather_sites, regather_keys_values
 from passes.sequence_parallel import find_sequence_region, shard_sequence
+from passes.sequence_rank import find_rank_sites, lower_sequence_to_rank
 from passes.shard_linear import find_linear_sites, shard_linear
 from passes.split_stages import StagePlan, find_stage_boundaries, split_stages
 from passes.stage_transfers import insert_stage_transfers
@@ -199,6 +201,8 @@ __all__ = [
     "regather_keys_values",
     "find_regather_sites",
     "find_sequence_attention",
+    "lower_sequence_to_rank",
+    "find_rank_sites",
     "lower_to_collectives",
     "find_collective_sites",
     "spmd_pipeline",

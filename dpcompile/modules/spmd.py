@@ -56,7 +56,8 @@ class _LocalProgram(nn.Module):
 class SpmdModule(ParallelModule):
     """One rank's program of an SPMD ``ParallelModule``. Build it with ``dpcompile.transform(model, mesh)``.
 
-    ``pm.mode`` is ``"spmd_data_parallel"``, ``"spmd_tensor_parallel"`` or ``"spmd_2d"``;
+    ``pm.mode`` is ``"spmd_data_parallel"``, ``"spmd_tensor_parallel"``, ``"spmd_2d"`` or
+    ``"spmd_context_parallel"`` (DDP over ``"cp"``);
     ``pm.mesh`` the mesh; ``pm.ddp`` the ``DistributedDataParallel`` that runs it where there
     is a data-parallel dimension (None otherwise); with tensor parallelism ``pm.plan`` and
     ``pm.plan_reasons`` as in single-process mode, and ``pm.shards`` ``{state key: ShardSpec}``

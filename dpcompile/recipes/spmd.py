@@ -14,6 +14,9 @@ same model and gets the program of its own rank:
   process feeds the same input and gets the full output.
 * **2-D mesh ("dp", "tp")**: tensor parallel within each ``tp`` group, data parallel (DDP
   over the ``dp`` groups) across them — the torchtitan layout.
+* **1-D mesh ("cp",)**: context parallel's one-process program over ``N`` virtual devices,
+  cut to this rank (``passes.lower_sequence_to_rank``): each rank feeds its part of the
+  sequence, attention all-gathers keys and values over ``cp``, DDP gives the summed gradients.
 
 >>> # torchrun --nproc-per-node 2 train.py                                # doctest: +SKIP
 >>> dist.init_process_group("gloo")                                       # doctest: +SKIP
@@ -45,6 +48,7 @@ from torch.utils._pytree import tree_map
 
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
+from dpcompile.analysis.random_ops import random_kind
 from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
@@ -60,6 +64,7 @@ from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags, move_to
 from dpcompile.recipes.constants import RealConstants, deepcopy_on_fake
+from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.tensor_parallel import aliased_plan, share_tied_shard, tied_groups, unaliased_findings
 from dpcompile.runtime.distributed import collective_failure
 from dpcompile.runtime.tensor_parallel import shard_of
@@ -96,6 +101,8 @@ class SpmdRecipe(Recipe):
                 'data_parallel="fsdp" shards over the mesh\'s data-parallel dimension, and this mesh has none '
                 f"(dims {tuple(self.mesh.mesh_dim_names or ())}); pass a ('dp',) or ('dp', 'tp') mesh"
             )
+        if mode == "spmd_context_parallel":
+            return self._compile_context_parallel(model, device, example_inputs)
         if mode == "spmd_data_parallel":
             if self.data_parallel == "fsdp":  # the blocks stay calls: fully_shard hooks their forward
                 blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
@@ -159,6 +166,55 @@ class SpmdRecipe(Recipe):
             mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options, fsdp=self.fsdp_options()
         )
         return pm
+
+    # ------------------------------------------------------------------ context parallel
+    def _compile_context_parallel(
+        self, model: nn.Module, device: torch.device, example_inputs: Sequence[Any] | None
+    ) -> SpmdModule:
+        """The program one process builds for ``mesh={"cp": N}`` over ``N`` virtual devices, cut to
+        this rank's part with its exchanges over the ``cp`` group (``passes.lower_sequence_to_rank``);
+        DDP over ``cp`` averages the ranks' gradients, which the program scales so that the average is
+        the sum of their shares: the single-device gradient."""
+        if example_inputs is None:
+            raise DpCompileError(
+                "context parallel over a ('cp',) mesh finds the sequence and attention's shapes from examples: pass "
+                "example_inputs= or example_kwargs= (this rank's shard, e.g. input_ids=, labels=)"
+            )
+        if self.data_parallel == "fsdp":
+            raise DpCompileError(
+                'data_parallel="fsdp" with a (\'cp\',) mesh is not built yet: leave data_parallel= out (the '
+                "parameters are replicated over cp and their gradients summed)"
+            )
+        model.to(device)
+        gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
+        captured_code = gm.code
+        drawn = [n for n in gm.graph.nodes if random_kind(gm, n) is not None]
+        if drawn and self.exact_random:
+            raise DpCompileError(
+                f"context parallel over a ('cp',) mesh: '{drawn[0].name}' draws random numbers, and drawing the "
+                "single-device values on sequence shards over a mesh is not built yet: pass exact_random=False "
+                "(each rank draws its own), set its probability to 0, or use mesh={'cp': N} over a device list"
+            )
+        gm, records = self._lower_context_parallel(gm, device, example_inputs)
+        source = model if not isinstance(model, fx.GraphModule) else None  # fx: traced again for a departing call
+        pm = SpmdModule(gm, gm.graph, recipe=self, devices=Devices((device,)), mode="spmd_context_parallel",
+                        output_device=device, records=records, class_name=type(model).__name__, share_all_of=model,
+                        source=source, flags=flags, none_args=nones)  # fmt: skip
+        pm.captured_code = captured_code
+        pm.attach_mesh(mesh=self.mesh, dp_dim="cp", tp_dim=None, ddp_options=self.ddp_options)
+        return pm
+
+    def _lower_context_parallel(self, gm: fx.GraphModule, device: torch.device, examples: Sequence[Any]) -> tuple:
+        """``gm`` (captured) lowered to this cp rank's program, its shapes from ``examples`` (the rank's)."""
+        propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in examples], check=True)
+        input_dims = infer_input_dims(gm, batch_dim=1, example_inputs=examples)
+        input_dims = without_sequence_replicated(gm, input_dims, examples)
+        world, rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
+        options = passes.PipelineOptions(devices=Devices((device,) * world), input_dims=dict(input_dims),
+                                         output_device=device, context_parallel=True)  # fmt: skip
+        lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=rank,
+                                  input_dims=dict(input_dims))  # fmt: skip
+        return run_passes(gm, passes.frontend_pipeline(options) + passes.data_parallel_pipeline(options) + [lower])
 
     # ------------------------------------------------------------------ tensor parallel
     def _tensor_parallel_pipeline(self, devices: Devices, styles: Mapping[str, str], dp_dim: Any, tp_dim: Any,
@@ -236,6 +292,13 @@ class SpmdRecipe(Recipe):
         if source is None:
             raise pm.cannot_trace_again(key)
         flags = dict(key.flags) or None
+        if pm.mode == "spmd_context_parallel":  # every rank departs alike: the same program, traced again
+            with modes_applied(source, key.modes):
+                traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)
+            if traced.code == pm.captured_code:
+                return None
+            lowered, _ = self._lower_context_parallel(traced, pm.devices.primary, list(bind_inputs(pm, args, kwargs)))
+            return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
         if pm.mode == "spmd_data_parallel":
             with modes_applied(source, key.modes):
                 traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)

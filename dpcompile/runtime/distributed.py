@@ -32,14 +32,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.autograd import Function
 
 from dpcompile.errors import DpCompileError
+from dpcompile.runtime.sequence import causal_attention
 
 __all__ = [
     "CollectiveError",
@@ -51,7 +54,14 @@ __all__ = [
     "all_gather_into",
     "all_reduce",
     "all_reduce_inplace",
+    "attention_over_group",
     "all_reduce_grad",
+    "gather_over_group",
+    "gather_onto_owners",
+    "mean_over_group",
+    "scale_gradient",
+    "sequence_sizes",
+    "shard_of_whole",
     "local_offset",
     "local_size",
     "local_slice",
@@ -333,6 +343,142 @@ def sum_across(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
     if not (x.requires_grad and torch.is_grad_enabled()):
         return all_reduce_inplace(x.clone(memory_format=torch.contiguous_format), process_group(group))
     return _SumAcross.apply(x, process_group(group))
+
+
+class _GatherOntoOwners(Function):
+    """All-gather along ``dim`` forward; backward sums every rank's gradient and keeps this rank's
+    slice (a reduce-scatter, written as an all-reduce: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
+        rank = dist.get_rank(group)
+        ctx.group, ctx.dim, ctx.start, ctx.length = group, dim, sum(sizes[:rank]), sizes[rank]
+        return _gather(x, group, dim, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        summed = all_reduce_inplace(grad.contiguous().clone(), ctx.group)
+        return summed.narrow(ctx.dim, ctx.start, ctx.length), None, None, None
+
+
+def attention_over_group(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: GroupLike,
+    dim: int,
+    sizes: Sequence[int],
+    positions: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """This rank's queries against every rank's keys and values, all-gathered along ``dim`` (shard
+    lengths ``sizes`` in rank order, uneven allowed) here and again in backward: backward keeps this
+    rank's queries, keys and values only; each key's and value's gradient is summed over the ranks
+    onto its owner. ``positions``: causal at these query positions in the whole sequence, else
+    ``scaled_dot_product_attention(**kwargs)`` (a mask: this rank's query rows).
+
+    Context parallel's attention for one rank of a ``cp`` group, as ``attention_regathered`` is
+    over virtual devices (``passes.lower_sequence_to_rank`` writes calls of it).
+
+    >>> out = attention_over_group(q_local, k_local, v_local, cp_group, 2, [4, 3], positions)  # doctest: +SKIP
+    """
+    g = process_group(group)
+    dim = dim % key.dim()
+    shards = _sizes_or_even(key.size(dim), g, tuple(sizes))
+
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        keys = _GatherOntoOwners.apply(key, g, dim, shards)
+        values = _GatherOntoOwners.apply(value, g, dim, shards)
+        if positions is None:
+            return F.scaled_dot_product_attention(query, keys, values, **kwargs)
+        return causal_attention(query, keys, values, positions, **kwargs)
+
+    if not torch.is_grad_enabled():
+        return attend(query, key, value)
+    return torch.utils.checkpoint.checkpoint(attend, query, key, value, use_reentrant=False, preserve_rng_state=True)
+
+
+class _ScaleGradient(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def scale_gradient(x: Any, factor: float) -> Any:
+    """``x`` itself; backward multiplies its gradient by ``factor``. Anything but a tensor that
+    needs a gradient passes through untouched.
+
+    >>> logits = scale_gradient(logits, 2.0)  # doctest: +SKIP
+    """
+    if not (isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()):
+        return x
+    return _ScaleGradient.apply(x, factor)
+
+
+def sequence_sizes(length: int, group: GroupLike, *, balanced: bool = False) -> list[int]:
+    """Every rank's ``length`` (its shard of a split dim), in rank order: one all-gather of an int.
+    ``balanced``: the lengths must be the balanced ``tensor_split`` parts one process splits a
+    sequence into (context parallel's inputs), else a ``DpCompileError`` on every rank.
+
+    >>> sequence_sizes(k.size(2), cp_group)  # doctest: +SKIP
+    [4, 3]
+    """
+    g = process_group(group)
+    mine = torch.tensor([int(length)], dtype=torch.int64)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(g))]
+    all_gather_into(parts, mine, g)
+    sizes = [int(p) for p in parts]
+    if not balanced:
+        return sizes
+    total, world = sum(sizes), len(sizes)
+    balanced = [total // world + (1 if r < total % world else 0) for r in range(world)]
+    if sizes != balanced:
+        raise DpCompileError(
+            f"context parallel over a mesh: the ranks' shards of the sequence have lengths {sizes}, but a sequence of "
+            f"{total} splits into {balanced} (balanced tensor_split, as in one process): give each rank its part with "
+            "dpcompile.mesh.local_batch(inputs, mesh)"
+        )
+    return sizes
+
+
+def gather_over_group(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (uneven shards: their lengths exchanged first),
+    for a value every rank then uses alike (backward keeps this rank's slice): ``gather`` of one
+    process's data-parallel code, over a process group.
+
+    >>> logits = gather_over_group(logits_local, cp_group, 1)  # doctest: +SKIP
+    """
+    dim = dim % x.dim()
+    return all_gather(x, group, dim, sequence_sizes(x.size(dim), group))
+
+
+def gather_onto_owners(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
+    """As :func:`gather_over_group`, for a value each rank uses differently (a mask gathered along
+    the keys): backward sums every rank's gradient onto the owner of each slice."""
+    dim = dim % x.dim()
+    return _GatherOntoOwners.apply(x, process_group(group), dim, tuple(sequence_sizes(x.size(dim), group)))
+
+
+def shard_of_whole(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
+    """This rank's balanced ``tensor_split`` part of a value every rank holds whole (a mask's query
+    rows); backward all-gathers the parts' gradients."""
+    g = process_group(group)
+    world, length = dist.get_world_size(g), x.size(dim)
+    sizes = [length // world + (1 if r < length % world else 0) for r in range(world)]
+    return local_slice(x, g, dim, sizes)
+
+
+def mean_over_group(partial_sum: torch.Tensor, count: Any, group: GroupLike) -> torch.Tensor:
+    """``sum / count`` over every rank's partial sum and count: the mean over the whole sequence,
+    exact for uneven shards, the same value on every rank (backward: each rank's own share)."""
+    counted = count if isinstance(count, torch.Tensor) else torch.tensor(count, device=partial_sum.device)
+    total = all_reduce(partial_sum, group)
+    return total / all_reduce(counted.to(total.dtype), group)
 
 
 def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:

@@ -1,0 +1,376 @@
+"""``lower_sequence_to_rank``: one ``cp`` rank's program, cut from context parallel's program over virtual devices.
+
+Context parallel over a ``DeviceMesh`` lowers the same marked program as in one process
+(``insert_sequence_exchange`` → ``insert_scatter_gather`` over ``N`` virtual devices →
+``regather_keys_values``), then keeps device ``r``'s nodes and every node all devices share, and
+turns each cross-device step into a collective over the mesh's ``cp`` group:
+
+=================================================  ==================================================
+one process (device ``r`` of ``N``)                 rank ``r`` of the ``cp`` group
+=================================================  ==================================================
+``scatter(input, devices, 1)[r]``                   the input itself (each rank passes its own shard)
+``scatter(whole, devices, dim)[r]``                 ``shard_of_whole(whole, cp_group, dim)``
+``to_device(input, device)`` (a split input whole)  ``gather_over_group(input, cp_group, dim)``
+``gather([x_0, ...], dim, device)``                 ``gather_over_group(x_r, cp_group, dim)``; an output: ``x_r``
+``gather_sequence([x_0, ...], dim, device)``        ``gather_onto_owners(x_r, cp_group, dim)``
+``attention_regathered(q, [k_0, ...], [v_0, ...])``  ``attention_over_group(q, k_r, v_r, cp_group, dim, sizes)``
+``batch_arange([s_0, ...], r)`` (and its kin)       ``batch_arange(sequence_sizes(s_r, cp_group), r)``
+``mean_of_partials`` / ``reduce_add``                ``mean_over_group`` / ``all_reduce``
+=================================================  ==================================================
+
+What every device computes alike (the whole values: a mask from gathered positions, the loss on
+the gathered logits) runs on every rank, the same values; backward through a gather keeps the
+rank's own slice, so the ranks' parameter gradients summed over ``cp`` are the single-device ones.
+DDP averages them: the returned values' gradients are scaled by ``N`` (the inputs' back by
+``1/N``, ``scale_gradient``), so the average is that sum, with gradients accumulated too.
+The program's head checks, with one all-gather of the first split input's length, that the ranks'
+shards are the balanced ``tensor_split`` parts one process makes.
+
+Before (device 1 of 2, excerpt)::
+
+    input_ids_scatter = dpcompile_runtime_scatter(input_ids, ['cpu', 'cpu'], 1)
+    input_ids_dev1 = input_ids_scatter[1]
+    arange_dev1 = dpcompile_runtime_batch_arange([sym_size_dev0, sym_size_dev1], 1, device=...)
+    sdpa_dev1 = dpcompile_runtime_attention_regathered(q_dev1, [k_dev0, k_dev1], [v_dev0, v_dev1], 2, 'cpu', None)
+    lm_head = dpcompile_runtime_gather([lm_head_dev0, lm_head_dev1], 1, 'cpu')
+
+After (rank 1)::
+
+    sequence_sizes = dpcompile_runtime_distributed_sequence_sizes(sym_size_dev1, cp_group)
+    arange_dev1 = dpcompile_runtime_batch_arange(sequence_sizes, 1, device=...)
+    size = k_dev1.size(2)
+    sdpa_sizes = dpcompile_runtime_distributed_sequence_sizes(size, cp_group)
+    sdpa_dev1 = dpcompile_runtime_distributed_attention_over_group(q_dev1, k_dev1, v_dev1, cp_group, 2, sdpa_sizes, None)
+    lm_head_dev1_out = dpcompile_runtime_distributed_scale_gradient(lm_head_dev1, 2.0)
+    return lm_head_dev1_out                            # the rank's own shard of the output
+
+A cross-device step with no rank lowering (BatchNorm's statistics over the sequence, a packed
+sequence's longest length, a gather of a tuple) is a ``DpCompileError`` naming it; so is a value
+every rank computes whole that reads a trainable parameter (a BatchNorm run on the gathered
+sequence): every rank would add its whole gradient, N times the single-device one once summed.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+from dpcompile import runtime
+from dpcompile.errors import DpCompileError
+from dpcompile.infra import PassResult, stamp, stamp_comm
+from dpcompile.runtime import distributed as dist_rt
+from dpcompile.runtime.distributed import MeshGroup
+from passes.collectives import group_size
+
+PASS = "lower_sequence_to_rank"
+_PER_DEVICE = re.compile(r"^(.*)_dev(\d+)$")
+_LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values")
+#: cross-device steps of the one-process program that have no lowering to one rank yet
+REFUSED = {
+    runtime.batch_norm: "BatchNorm's statistics over the sequence",
+    runtime.functional_batch_norm: "BatchNorm's statistics over the sequence",
+    runtime.max_length: "a packed sequence's longest length",
+    runtime.broadcast: "a broadcast between devices",
+}
+#: runtime calls whose argument ``sizes`` lists every device's length, and ``k`` names the device
+_SIZES_AT = {runtime.batch_arange: 0, runtime.rows_of_shard: 2, runtime.local_positions: 1}
+
+
+def device_of(node: fx.Node) -> int | None:
+    """The virtual device a node of the lowered program runs for (its ``_dev<k>`` name), or None."""
+    if node.meta.get("dpcompile_pass") not in _LOWERED_PASSES:
+        return None
+    match = _PER_DEVICE.match(node.name)
+    return int(match.group(2)) if match else None
+
+
+@dataclass
+class RankSites:
+    """What :func:`lower_sequence_to_rank` rewrites: every device's nodes, and what it refuses."""
+
+    devices: dict[fx.Node, int] = field(default_factory=dict)
+    counterparts: dict[tuple[str, int], fx.Node] = field(default_factory=dict)  # (base name, device) -> node
+    refused: list[fx.Node] = field(default_factory=list)
+    whole_parameters: list[tuple[fx.Node, str]] = field(default_factory=list)  # (whole node, parameter read)
+
+
+#: cross-device steps: a walk back from a whole value stops there (past them, values are each rank's own)
+_CROSS = (runtime.gather, runtime.gather_sequence, runtime.scatter, runtime.attention_regathered,
+          runtime.mean_of_partials, runtime.reduce_add, runtime.to_device)  # fmt: skip
+
+
+def _parameters_read(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """The trainable parameters ``node`` reads itself (a module call, a parameter's ``get_attr``)."""
+    if node.op == "get_attr":
+        try:
+            value = gm.get_parameter(str(node.target))
+        except AttributeError:
+            return []
+        return [str(node.target)] if value.requires_grad else []
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        return [f"{node.target}.{name}" for name, p in module.named_parameters() if p.requires_grad]
+    return []
+
+
+def _whole_parameters(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """Trainable parameters a value every rank computes whole reads, up to the cross-device steps."""
+    found, seen, stack = [], set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen or (current.op == "call_function" and current.target in _CROSS):
+            continue
+        seen.add(current)
+        found += _parameters_read(gm, current)
+        stack.extend(current.all_input_nodes)
+    return found
+
+
+def find_rank_sites(gm: fx.GraphModule) -> RankSites:
+    sites = RankSites()
+    for node in gm.graph.nodes:
+        k = device_of(node)
+        if k is not None:
+            sites.devices[node] = k
+            sites.counterparts[(_PER_DEVICE.match(node.name).group(1), k)] = node  # type: ignore[union-attr]
+        if node.op == "call_function" and node.target in REFUSED:
+            sites.refused.append(node)
+        elif node.op == "call_function" and node.target is runtime.gather and not isinstance(node.args[1], int):
+            sites.refused.append(node)
+        if "dpcompile_whole" in node.meta:
+            sites.whole_parameters += [(node, name) for name in _whole_parameters(gm, node)]
+    return sites
+
+
+def lower_sequence_to_rank(
+    gm: fx.GraphModule, *, mesh: Any, cp_dim: str, rank: int, input_dims: Mapping[str, int | None]
+) -> PassResult:
+    """Rank ``rank``'s program over the ``cp_dim`` group of ``mesh`` (see the module's docstring)."""
+    sites = find_rank_sites(gm)
+    if sites.refused:
+        node = sites.refused[0]
+        what = REFUSED.get(node.target, "a gather of several values at once")  # type: ignore[call-overload]
+        raise DpCompileError(
+            f"context parallel over a DeviceMesh: '{node.name}' is {what}, which is built in one process only "
+            "(mesh={'cp': N} over a device list); use that, or leave 'cp' out of the mesh"
+        )
+    if sites.whole_parameters:
+        node, name = sites.whole_parameters[0]
+        raise DpCompileError(
+            f"context parallel over a DeviceMesh: '{node.name}' runs on the whole gathered sequence on every rank and "
+            f"reads the parameter '{name}', whose gradient every rank would then add in full (not built over a mesh "
+            "yet: summed over cp it would count N times); it is built in one process only (mesh={'cp': N} over a "
+            "device list). Teach its op a sequence rule (dpcompile.register_batch_rule) or leave 'cp' out of the mesh"
+        )
+    if not isinstance(getattr(gm, "cp_group", None), MeshGroup):
+        gm.add_submodule("cp_group", MeshGroup(mesh, cp_dim))
+    rewriter = _RankRewriter(gm, sites, rank, dict(input_dims), group_size(mesh, cp_dim) or _world_of(sites))
+    gm.graph = rewriter.build()
+    gm.graph.eliminate_dead_code(is_impure_node=_keeps)
+    return PassResult(gm, True, {"rank": rank, "collectives": rewriter.lowered})
+
+
+def _world_of(sites: RankSites) -> int:
+    """How many virtual devices the program runs on: one more than the highest device index."""
+    return max(sites.devices.values(), default=0) + 1
+
+
+def _only_returned(node: fx.Node) -> bool:
+    """Whether ``node`` is only returned: read by the output, or by an output structure built of it
+    (transformers' ``CausalLMOutput(loss=..., logits=...)``) that is only returned."""
+    return bool(node.users) and all(
+        user.op == "output" or (user.op == "call_function" and isinstance(user.target, type) and _only_returned(user))
+        for user in node.users
+    )
+
+
+def _is_output_structure(node: fx.Node) -> bool:
+    """An output structure built of returned values (transformers' ``CausalLMOutput(...)``)."""
+    return node.op == "call_function" and isinstance(node.target, type) and _only_returned(node)
+
+
+def _keeps(node: fx.Node) -> bool:
+    """What dead-code elimination keeps: the head's check of the shards, and what fx keeps anyway."""
+    return node.target is dist_rt.sequence_sizes or node.is_impure()
+
+
+class _RankRewriter:
+    def __init__(self, gm: fx.GraphModule, sites: RankSites, rank: int, input_dims: dict[str, int | None], world: int):
+        self.gm, self.sites, self.rank, self.input_dims, self.world = gm, sites, rank, input_dims, world
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self.group: fx.Node | None = None
+        self.sizes: dict[tuple[fx.Node, ...], fx.Node] = {}
+        self.lowered: list[str] = []
+
+    # ------------------------------------------------------------------ helpers
+    def call(self, fn: Any, args: tuple, kwargs: dict | None = None, *, name: str, source: fx.Node) -> fx.Node:
+        new = self.graph.create_node("call_function", fn, args, dict(kwargs or {}), name=name)
+        for key in ("val", "tensor_meta", "stack_trace"):
+            if key in source.meta:
+                new.meta[key] = source.meta[key]
+        return stamp(new, PASS, source)
+
+    def value(self, node: fx.Node) -> Any:
+        """``node`` on this rank: its own value, or this rank's counterpart of another device's."""
+        if node in self.env:
+            return self.env[node]
+        k = self.sites.devices.get(node)
+        other = self._counterpart(node) if k is not None and k != self.rank else None
+        if other is None:
+            raise AssertionError(f"{node.name} is read before it is computed on rank {self.rank}")
+        return self.value(other)
+
+    def _counterpart(self, node: fx.Node) -> fx.Node | None:
+        base = _PER_DEVICE.match(node.name).group(1)  # type: ignore[union-attr]
+        other = self.sites.counterparts.get((base, self.rank))
+        if other is None or other.meta.get("dpcompile_source") != node.meta.get("dpcompile_source"):
+            return None
+        return other
+
+    def mapped(self, value: Any) -> Any:
+        return fx.node.map_arg(value, self.value)
+
+    def mine(self, values: list[Any]) -> Any:
+        return self.mapped(values[self.rank])
+
+    def sizes_of(self, lengths: list[fx.Node], source: fx.Node) -> fx.Node:
+        """Every rank's length, exchanged once per list of lengths."""
+        key = tuple(lengths)
+        if key not in self.sizes:
+            exchanged = self.call(dist_rt.sequence_sizes, (self.mine(lengths), self.group), name="sequence_sizes", source=source)
+            self.sizes[key] = stamp_comm(exchanged, "all_gather")
+        return self.sizes[key]
+
+    # ------------------------------------------------------------------ build
+    def build(self) -> fx.Graph:
+        for node in self.gm.graph.nodes:
+            k = self.sites.devices.get(node)
+            if k is not None and k != self.rank and self._counterpart(node) is not None:
+                continue  # another device's: this rank computes its own counterpart
+            if node.op != "placeholder" and self.group is None:
+                self._head()
+            if node.op == "placeholder":
+                self.env[node] = self.graph.node_copy(node)
+            elif node.op == "output":
+                self.graph.output(self._returned(node.args[0]), type_expr=node.type)
+            elif _is_output_structure(node):
+                self.env[node] = self.graph.create_node(
+                    node.op, node.target, self._returned(node.args), self._returned(node.kwargs), name=node.name
+                )
+            else:
+                self.env[node] = self._lower(node)
+        return self.graph
+
+    def _returned(self, value: Any) -> Any:
+        """What the program returns, each value's gradient scaled by the group's size: DDP averages
+        the ranks' gradients, and each holds its share of the one single-device gradient, so the
+        average of ``N`` times each share is their sum (also when gradients accumulate)."""
+
+        def scaled(node: fx.Node) -> Any:
+            if _is_output_structure(node):
+                return self.env[node]
+            return self.call(dist_rt.scale_gradient, (self.value(node), float(self.world)), name=f"{node.name}_out",
+                             source=node)  # fmt: skip
+
+        return fx.node.map_arg(value, scaled)
+
+    def _head(self) -> None:
+        """The group, the inputs' gradients scaled back (see :meth:`_returned`), and the check that
+        the ranks' shards are the balanced parts of the sequence."""
+        self.group = stamp(self.graph.get_attr("cp_group"), PASS)
+        for node in [n for n in self.env if n.op == "placeholder"]:
+            self.env[node] = self.call(dist_rt.scale_gradient, (self.env[node], 1.0 / self.world),
+                                       name=f"{node.name}_in", source=node)  # fmt: skip
+        split = [n for n in self.env if n.op == "placeholder" and self.input_dims.get(str(n.target)) is not None]
+        if split:
+            first = split[0]
+            length = self.graph.call_method("size", (self.env[first], self.input_dims[str(first.target)]))
+            check = self.graph.call_function(dist_rt.sequence_sizes, (length, self.group), {"balanced": True})
+            stamp_comm(stamp(check, PASS, first), "all_gather")
+
+    def _lower(self, node: fx.Node) -> Any:
+        target = node.target
+        if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node):
+            held = node.args[0]
+            if held.op == "call_function" and held.target in (runtime.replicate, runtime.scatter):
+                return self.env[held] if held.target is runtime.scatter else self._getitem(self.env[held], 0, node)
+        if node.op != "call_function":
+            return self.graph.node_copy(node, self.value)
+        if target is runtime.replicate:
+            roots, devices = node.args[0], node.args[1]
+            return self.call(runtime.replicate, (self.mapped(roots), [devices[self.rank]]), {"include_source": True},
+                             name=node.name, source=node)  # fmt: skip
+        if target is runtime.scatter:
+            return self._scatter(node)
+        if target is runtime.to_device:
+            return self._to_device(node)
+        if target is runtime.gather:
+            return self._gather(node)
+        if target is runtime.gather_sequence:
+            return self._collective(dist_rt.gather_onto_owners, (self.mine(node.args[0]), self.group, node.args[1]), node)
+        if target is runtime.attention_regathered:
+            return self._attention(node)
+        if target in _SIZES_AT:
+            at = _SIZES_AT[target]
+            args = list(self.mapped(node.args))
+            args[at] = self.sizes_of(list(node.args[at]), node)  # type: ignore[arg-type]
+            return self.call(target, tuple(args), self.mapped(node.kwargs), name=node.name, source=node)
+        if target is runtime.mean_of_partials:
+            sums, counts = node.args[0], node.args[1]
+            return self._collective(dist_rt.mean_over_group, (self.mine(sums), self.mine(counts), self.group), node)
+        if target is runtime.reduce_add:
+            return self._collective(dist_rt.all_reduce, (self.mine(node.args[0]), self.group), node)
+        return self.graph.node_copy(node, self.value)
+
+    def _getitem(self, held: fx.Node, index: int, node: fx.Node) -> fx.Node:
+        return self.call(operator.getitem, (held, index), name=node.name, source=node)
+
+    def _collective(self, fn: Any, args: tuple, node: fx.Node, kwargs: dict | None = None) -> fx.Node:
+        self.lowered.append(f"{getattr(node.target, '__name__', node.target)} -> {fn.__name__}")
+        new = self.call(fn, args, kwargs, name=node.name, source=node)
+        comm = node.meta.get("dpcompile_comm")
+        return stamp_comm(new, comm.kind if comm else "all_gather", backward=comm.backward if comm else None)
+
+    def _scatter(self, node: fx.Node) -> Any:
+        """An input: this rank's shard is what it was given; a whole value: this rank's part of it."""
+        source, dim = node.args[0], node.args[2]
+        if isinstance(source, fx.Node) and source.op == "placeholder":
+            return self.env[source]
+        return self._collective(dist_rt.shard_of_whole, (self.value(source), self.group, dim), node)
+
+    def _to_device(self, node: fx.Node) -> Any:
+        """A split input needed whole is gathered from every rank; anything else is here already."""
+        source = node.args[0]
+        dim = self.input_dims.get(str(source.target)) if isinstance(source, fx.Node) and source.op == "placeholder" else None
+        if dim is None or node in self.sites.devices:
+            return self.value(source)
+        return self._collective(dist_rt.gather_over_group, (self.value(source), self.group, dim), node)
+
+    def _gather(self, node: fx.Node) -> Any:
+        """An output: this rank's own shard (as data parallel over a mesh returns each rank's own);
+        a value every rank uses whole: all-gathered (backward keeps this rank's slice)."""
+        parts, dim = node.args[0], node.args[1]
+        comm = node.meta.get("dpcompile_comm")
+        if (comm is not None and comm.io) or _only_returned(node):
+            return self.mine(parts)
+        return self._collective(dist_rt.gather_over_group, (self.mine(parts), self.group, dim), node)
+
+    def _attention(self, node: fx.Node) -> fx.Node:
+        query, keys, values, dim, _device, positions = node.args
+        key = self.mine(keys)
+        length = self.graph.call_method("size", (key, dim))
+        sizes = self.call(dist_rt.sequence_sizes, (length, self.group), name=f"{node.name}_sizes", source=node)
+        stamp_comm(sizes, "all_gather")
+        args = (self.value(query), key, self.mine(values), self.group, dim, sizes, self.mapped(positions))
+        self.lowered.append(f"attention_regathered -> {dist_rt.attention_over_group.__name__}")
+        new = self.call(dist_rt.attention_over_group, args, self.mapped(node.kwargs), name=node.name, source=node)
+        return stamp_comm(new, "all_gather", backward="reduce_scatter")
+
+
+__all__ = ["REFUSED", "RankSites", "device_of", "find_rank_sites", "lower_sequence_to_rank"]

@@ -1,0 +1,263 @@
+"""Context parallel over a ``("cp",)`` DeviceMesh of 2 gloo processes: each rank passes its shard of
+the sequence (``local_batch``: balanced ``tensor_split`` on dim 1) and gets its shard of the logits
+and the whole sequence's loss. Against eager on the whole sequence (float64, a 1-layer GPT-2 with
+``labels=``), at a length that divides and one that does not: the rank's logits, the loss, every
+parameter gradient (summed over cp) and two AdamW steps; a model cp cannot place is refused on every
+rank with the same ``DpCompileError``. One spawned group of 2 runs those checks; one of 4 runs small
+attention blocks (causal, a padding mask) over uneven shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+from torch import nn
+
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+
+GROUP_TIMEOUT_S = 300.0  # spawning and the first gloo connections are slow on a loaded machine
+WORLD = 2
+V = 64
+
+
+def _gpt2():
+    import transformers as T
+
+    config = T.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return T.GPT2LMHeadModel(config).double()
+
+
+def _inputs(seq: int, seed: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(1, V, (2, seq), generator=g), "labels": torch.randint(0, V, (2, seq), generator=g)}
+
+
+def _cp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+
+
+def check_gpt2_equals_eager() -> None:
+    """Logits (this rank's shard), loss, gradients (at 13 tokens accumulated over two calls) and 2 AdamW
+    steps equal eager's, at 12 and 13 tokens."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    torch.manual_seed(0)
+    model = _gpt2()
+    eager = copy.deepcopy(model)
+    mesh = _cp_mesh()
+    rank = dist.get_rank()
+    pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(12, 0), mesh), frontend="export")
+    assert pm.mode == "spmd_context_parallel" and "attention_over_group" in pm.code, pm.code
+    assert pm.layout == {"cp": WORLD} and pm.strategies == {"cp": "context parallel (all-gather keys/values)"}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for seq, accumulated in ((12, 1), (13, 2)):  # at 13: two calls' gradients accumulate before the step
+        mine = torch.tensor_split(torch.arange(seq), WORLD)[rank]
+        for call in range(accumulated):
+            whole = _inputs(seq, seq + call)
+            got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+            torch.testing.assert_close(got.logits, want.logits[:, mine])
+            torch.testing.assert_close(got.loss, want.loss)
+            weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+            (got.loss + (got.logits * weights[:, mine]).sum()).backward()
+            (want.loss + (want.logits * weights).sum()).backward()
+        grads = dict(eager.named_parameters())
+        for name, p in model.named_parameters():
+            assert p.grad is not None, f"no gradient reached {name}"
+            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name, seq=seq: f"seq {seq}, grad {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m, name=name, seq=seq: f"seq {seq}, AdamW, {name}: {m}")
+
+
+class SequenceBatchNorm(nn.Module):
+    """BatchNorm over the channels of ``(batch, seq, 16)``: its statistics need every rank's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2)
+
+
+class MeanSquareLoss(nn.Module):
+    """A causal block that returns its output and a mean over every token (partial sums and counts per rank)."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.integration.test_context_parallel import CausalSelfAttention
+
+        self.block = CausalSelfAttention()
+
+    def forward(self, x):
+        out = self.block(x)
+        return out, out.square().mean()
+
+
+def _refused_alike(model, x, *expected: str) -> None:
+    """Building ``model`` over the cp mesh raises a DpCompileError saying ``expected``, the same on every rank."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile import DpCompileError
+    from dpcompile.mesh import local_batch
+
+    mesh = _cp_mesh()
+    try:
+        dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
+    except DpCompileError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{type(model).__name__} was built over the cp mesh")
+    assert all(words in message for words in expected), message
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    assert len(set(messages)) == 1, messages
+
+
+def check_unplaceable_models_refused_alike() -> None:
+    """A rotary table read backwards (no rule splits it), a BatchNorm that runs on the gathered
+    sequence (its parameters' gradients would be added on every rank) and a dropout under exact_random
+    (not built over a mesh) are refused by name on every rank, the same error."""
+    import torch
+
+    from tests.integration.test_context_parallel import CachedRotaryTable
+
+    x = torch.randn(2, 7, 16)
+    _refused_alike(CachedRotaryTable(reverse=True), x, "cannot run on sequence shards", "flip")
+    _refused_alike(SequenceBatchNorm(), x, "context parallel over a DeviceMesh", "'bn.weight'", "in one process only")
+    _refused_alike(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)), x, "draws random numbers", "exact_random=False")
+
+
+def check_unbalanced_shards_refused_alike() -> None:
+    """Shards of 5 and 2 tokens (not the 4 and 3 tensor_split makes of 7) are refused by every rank
+    at the program's head, the same DpCompileError, before anything is computed."""
+    import torch
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile import DpCompileError
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention
+
+    mesh = _cp_mesh()
+    x = torch.randn(2, 7, 16)
+    pm = dpcompile.transform(CausalSelfAttention(), mesh, example_inputs=(local_batch(x, mesh),))
+    mine = x[:, :5] if dist.get_rank() == 0 else x[:, 5:]
+    try:
+        pm(mine)
+    except DpCompileError as e:
+        message = str(e)
+    else:
+        raise AssertionError("unbalanced shards ran")
+    assert "have lengths [5, 2], but a sequence of 7 splits into [4, 3]" in message, message
+    messages: list = [None] * WORLD
+    dist.all_gather_object(messages, message)
+    assert len(set(messages)) == 1, messages
+
+
+def check_small_attention_on_four_ranks() -> None:
+    """4 ranks, 7 tokens (shards 2, 2, 2, 1): causal attention at each rank's positions, a padding mask
+    gathered along the keys (its gradient path summed onto owners), and a mean over every token (each
+    rank's partial sum and count all-reduced); outputs, the mean and gradients equal eager. Calls that
+    depart from the traced one (eval mode, an optional argument given) are traced again on every rank."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention, PaddedSelfAttention
+    from tests.models import OptionalScale
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    mine = torch.tensor_split(torch.arange(7), 4)[dist.get_rank()]
+    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[0, 1:3] = False  # padding on the first ranks' tokens, read by every rank's queries
+    for model, args in ((CausalSelfAttention(), (x,)), (PaddedSelfAttention(), (x, keep)), (MeanSquareLoss(), (x,))):
+        model = model.double()
+        eager = copy.deepcopy(model)
+        pm = dpcompile.transform(model, mesh, example_inputs=local_batch(args, mesh))
+        assert isinstance(model, MeanSquareLoss) == ("mean_over_group" in pm.code), pm.code
+        got, want = pm(*local_batch(args, mesh)), eager(*args)
+        got, want, got_mean, want_mean = (got[0], want[0], got[1], want[1]) if isinstance(got, tuple) else (got, want, 0, 0)
+        torch.testing.assert_close(got, want[:, mine])
+        torch.testing.assert_close(got_mean, want_mean)  # the same whole mean on every rank
+        weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+        (got_mean + (got * weights[:, mine]).sum()).backward()
+        (want_mean + (want * weights).sum()).backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            where = f"{type(model).__name__}.{name}"
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
+    model = OptionalScale().double()  # forward branches on self.training and on an optional argument
+    eager = copy.deepcopy(model)
+    x = x[..., :8]
+    pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
+    pm.eval()
+    eager.eval()
+    torch.testing.assert_close(pm(local_batch(x, mesh)), eager(x)[:, mine])  # traced again, in eval mode
+    pm.train()
+    eager.train()
+    scale = torch.tensor(2.0, dtype=torch.float64)
+    torch.testing.assert_close(pm(local_batch(x, mesh), scale), eager(x, scale)[:, mine])  # and with scale=
+
+
+CHECKS = (
+    ("gpt2", check_gpt2_equals_eager),
+    ("refused", check_unplaceable_models_refused_alike),
+    ("unbalanced", check_unbalanced_shards_refused_alike),
+)
+CHECKS_4 = (("attention_4", check_small_attention_on_four_ranks),)
+
+
+def _entry(rank: int, world: int, port: int, checks: tuple, results: mp.Queue) -> None:
+    from tests.thirdparty import define_torchvision_ops
+
+    define_torchvision_ops()
+    run_checks(rank, world, port, list(checks), results)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    pytest.importorskip("transformers")
+    return run_spawned(_entry, WORLD, CHECKS, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def outcomes_4():
+    return run_spawned(_entry, 4, CHECKS_4, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # one spawned group of 2 processes for every check
+@pytest.mark.parametrize("check", [name for name, _ in CHECKS])
+@pytest.mark.xdist_group("context_parallel_mesh")  # one spawned group, on one worker
+def test_context_parallel_over_a_cp_mesh(outcomes, check):
+    """Each check passed on both ranks (see the module's docstring)."""
+    assert_group_passed(outcomes, WORLD, check, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # one spawned group of 4 processes
+@pytest.mark.xdist_group("context_parallel_mesh")
+def test_context_parallel_over_four_cp_ranks(outcomes_4):
+    """Causal attention and a gathered padding mask over 4 ranks with uneven shards equal eager."""
+    assert_group_passed(outcomes_4, 4, "attention_4", timeout=GROUP_TIMEOUT_S)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dpcompile.checkpoint.dtensors import ranks_of
+from dpcompile.checkpoint.dtensors import check_peers, ranks_of
 from dpcompile.checkpoint.files import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -88,6 +88,7 @@ def save_checkpoint(
 
         dcp.check_dcp_target(path)
     training = prepare_training(pm, optimizer, lr_scheduler, extra)  # checked whole before a byte is written
+    check_peers(pm)  # over a mesh: a rank whose arguments failed above stops the others before any exchange
     if is_mesh_pipeline(pm):  # each stage's optimizer holds its own parameters: every rank plans them all
         merge_stage_states(training.optimizer if training is not None else None)
         if training is not None and training.optimizer is not None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dpcompile.checkpoint.dtensors import ranks_of
+from dpcompile.checkpoint.dtensors import check_peers, ranks_of
 from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, write_safetensors
 from dpcompile.checkpoint.headers import CheckpointError, read_checkpoint
 from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, saved_state
@@ -71,10 +71,12 @@ def prepare_training(pm: Any, optimizer: Any, lr_scheduler: Any, extra: Any) -> 
         "lr_scheduler": None if lr_scheduler is None else {
             "kind": _kind(lr_scheduler), "state": encode(lr_scheduler.state_dict()),
         },
-        "rng": _rng_state(pm),
+        "rng": None,
         "extra": extra,
     }  # fmt: skip
     _dumps(document, "the optimizer's or scheduler's state")
+    check_peers(pm)  # over a mesh: every rank checked its own arguments before the first exchange
+    document["rng"] = _rng_state(pm)
     return TrainingSave(saved, document)
 
 

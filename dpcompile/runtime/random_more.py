@@ -76,6 +76,16 @@ def exact_normal(draws: RandomDraws, site: str, mean: torch.Tensor, std: torch.T
     return _ZeroGradient.apply(value, mean, std)
 
 
+def exact_written_fill(draws: RandomDraws, site: str, base: torch.Tensor, method: str, *args: Any,
+                       rows: Rows = None, cols: Cols = None, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    """``written(base, [], method, *args)`` of a random fill (``y = h * 2; y.normal_()`` functionalized):
+    a new tensor, this piece's slice of the whole fill, its gradient to ``base`` zero as eager's."""
+    piece = draws.piece(site, base, rows, cols,
+                        lambda s: getattr(torch.empty(s, dtype=base.dtype, device=base.device), method)(*args, **kwargs))  # fmt: skip
+    piece = piece.contiguous()
+    return _ZeroGradient.apply(piece, base) if base.requires_grad else piece
+
+
 class _ZeroGradient(torch.autograd.Function):
     """``value``, whose gradient to its inputs is zero, as ``torch.normal``'s and ``torch.poisson``'s
     backward say."""
@@ -161,4 +171,4 @@ def exact_poisson(draws: RandomDraws, site: str, rates: torch.Tensor, *, pieces:
 
 
 __all__ = ["exact_multinomial", "exact_normal", "exact_normal_size", "exact_poisson", "exact_special_dropout",
-           "exact_special_dropout_module"]
+           "exact_special_dropout_module", "exact_written_fill"]

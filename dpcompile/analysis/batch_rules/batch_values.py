@@ -196,6 +196,9 @@ _ELEMENTWISE_WRITES = frozenset(
      "clamp_", "clamp_min_", "clamp_max_", "pow_", "neg_", "abs_", "exp_", "log_", "sqrt_", "rsqrt_", "relu_",
      "sigmoid_", "tanh_", "silu_", "gelu_", "hardtanh_", "leaky_relu_", "elu_", "hardswish_", "floor_", "round_"}
 )  # fmt: skip
+# random fills of a whole tensor (``y.normal_()``): a draw per element (exact_random draws each
+# device's slice of the whole fill); of a view they run whole
+_RANDOM_FILLS = frozenset({"normal_", "uniform_", "bernoulli_", "exponential_", "random_"})
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:
@@ -212,7 +215,7 @@ def written_rule(ctx: RuleContext) -> Placement | None:
     base, steps, op, *args = ctx.node.args
     p = ctx.p(base)
     name = op if isinstance(op, str) else getattr(getattr(op, "overloadpacket", None), "__name__", None)
-    if not isinstance(p, Split) or name not in _ELEMENTWISE_WRITES:
+    if not isinstance(p, Split) or name not in _ELEMENTWISE_WRITES and not (name in _RANDOM_FILLS and not steps):
         return None
     if name == "index_put_" and (
         any(_dtype(i) is not torch.bool for i in _nodes_in(args[0]))

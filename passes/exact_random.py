@@ -153,8 +153,8 @@ def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.N
     if site.kind == "bernoulli":
         return runtime.exact_bernoulli, (*head, args[0]), where
     if site.kind == "written_fill":
-        base, _steps, op, *rest = args
-        return runtime.exact_written_fill, (*head, base, FILL_ATEN.get(op, op), *rest), {**kwargs, **where}
+        base, steps, op, *rest = args
+        return runtime.exact_written_fill, (*head, base, steps, FILL_ATEN.get(op, op), *rest), {**kwargs, **where}
     if site.kind == "fill":
         method = FILL_ATEN.get(node.target, node.target)
         return runtime.exact_fill_random, (*head, method, *args), {**kwargs, **where}

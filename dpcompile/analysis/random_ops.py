@@ -67,7 +67,7 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
         if target in FILL_ATEN:
             return "fill"
         if target is runtime.written and written_fill_method(node) is not None:
-            return "other" if node.args[1] else "written_fill"  # a fill of a view: per device, named
+            return "written_fill"
         if target in SPECIAL_DROPOUT_FUNCTIONS:
             return "special_dropout"
         if target is torch.normal and _tensor_mean_and_std(node):

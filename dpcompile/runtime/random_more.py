@@ -21,6 +21,7 @@ element-wise arithmetic:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -76,14 +77,36 @@ def exact_normal(draws: RandomDraws, site: str, mean: torch.Tensor, std: torch.T
     return _ZeroGradient.apply(value, mean, std)
 
 
-def exact_written_fill(draws: RandomDraws, site: str, base: torch.Tensor, method: str, *args: Any,
-                       rows: Rows = None, cols: Cols = None, **kwargs: Any) -> torch.Tensor:  # fmt: skip
-    """``written(base, [], method, *args)`` of a random fill (``y = h * 2; y.normal_()`` functionalized):
-    a new tensor, this piece's slice of the whole fill, its gradient to ``base`` zero as eager's."""
-    piece = draws.piece(site, base, rows, cols,
-                        lambda s: getattr(torch.empty(s, dtype=base.dtype, device=base.device), method)(*args, **kwargs))  # fmt: skip
-    piece = piece.contiguous()
-    return _ZeroGradient.apply(piece, base) if base.requires_grad else piece
+def exact_written_fill(draws: RandomDraws, site: str, base: torch.Tensor, steps: Sequence[tuple[Any, tuple]],
+                       method: str, *args: Any, rows: Rows = None, cols: Cols = None, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    """``written(base, steps, method, *args)`` of a random fill (``y[:, :4].normal_()`` functionalized):
+    ``base`` with this piece's slice of the whole fill written into its view, the gradient through
+    the filled elements zero, as eager's. The whole is filled as eager fills it: the view of a
+    whole-shaped tensor (its strides decide the CPU kernel's order), so a batch dim the view keeps
+    at the tensor's index."""
+    out = base.clone()
+    view = _seen_through(out, steps)
+
+    def whole_fill(shape: tuple[int, ...]) -> torch.Tensor:
+        whole = list(base.shape)
+        for dim, size in enumerate(shape):
+            if size != view.shape[dim]:
+                whole[dim] = size  # the split dims: the view keeps them whole, at the tensor's index
+        filled = _seen_through(torch.empty(whole, dtype=base.dtype, device=base.device), steps)
+        return getattr(filled, method)(*args, **kwargs)
+
+    piece = draws.piece(site, view, rows, cols, whole_fill)
+    if not steps:
+        piece = piece.contiguous()
+        return _ZeroGradient.apply(piece, base) if base.requires_grad else piece
+    view.copy_(piece)  # under autograd: CopySlices, a zero gradient through what the fill wrote
+    return out
+
+
+def _seen_through(tensor: torch.Tensor, steps: Sequence[tuple[Any, tuple]]) -> torch.Tensor:
+    for step, step_args in steps:
+        tensor = getattr(tensor, step)(*step_args) if isinstance(step, str) else step(tensor, *step_args)
+    return tensor
 
 
 class _ZeroGradient(torch.autograd.Function):

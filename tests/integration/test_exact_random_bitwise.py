@@ -137,6 +137,47 @@ def test_random_sites_equal_eager_bit_for_bit(layout):
     assert_calls_equal_eager(lambda: pm(x), model, x)
 
 
+class FillsAView(nn.Module):
+    """``y[:, :3].normal_()`` on an activation, then dropout: the fill draws the view's values (its
+    strides decide the CPU kernel's order), the dropout after it the next ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.fc(x) * 2
+        y[:, :3].normal_()
+        return y, self.drop(self.fc(x))
+
+
+@pytest.mark.parametrize("layout", ["dp", "gpipe"])
+def test_a_fill_of_a_view_draws_eagers_values(layout):
+    """A fill of a view of an activation splits with the batch: each piece writes its slice of the
+    whole view's fill (in a pipeline, run on the gathered batch it drew after micro-batch 0 had drawn
+    the dropout, and both differed from eager's); the filled elements pass no gradient, as eager's."""
+    torch.manual_seed(0)
+    model = FillsAView()
+    x = integer_inputs(4)[:, 0, :4]
+    options = {"pipeline": 2, "micro_batches": 2} if layout == "gpipe" else {}
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(x,), **options)
+    assert "exact_written_fill" in pm.code, pm.code
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        got = pm(x)
+        state = torch.get_rng_state()
+        (got[0].sum() + got[1].sum()).backward()
+        torch.manual_seed(10 + step)
+        want = model(x)
+        (want[0].sum() + want[1].sum()).backward()
+        assert torch.equal(state, torch.get_rng_state()), f"the generator after call {step} is not eager's"
+        assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(got, want)), f"call {step}"
+        torch.testing.assert_close(pm.get_parameter("fc.weight").grad, model.fc.weight.grad)
+        pm.zero_grad()
+        model.zero_grad()
+
+
 # ---------------------------------------------------------------------- over a gloo mesh
 GROUP_TIMEOUT_S = 600.0
 

@@ -15,7 +15,9 @@ element-wise arithmetic:
   ``q``, then ``argmax``/``topk`` of ``probs / q`` per row (the Gumbel trick the CPU kernel uses);
   with replacement: a float64 uniform per sample and a binary search in the row's cumulative sum;
 - ``torch.normal(mean, std, size)`` with floats: a ``normal_(mean, std)`` fill of the whole shape;
-- ``torch.poisson(rates)``: sampled on the whole rates, joined from every device's piece.
+- ``torch.poisson(rates)``: sampled on the whole rates, joined from every device's piece;
+- a random fill of an activation or of a view of it (``y[:, :4].normal_()``, functionalized as
+  ``written``): the whole fill as eager fills it, this piece's slice written in.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ import dpcompile
 #: the model's outputs after the loss: the column layer's (of the first dropout's values), one per random site
 OUTPUTS = ("h", "dropout_module", "dropout", "native_dropout", "rand_like", "randn_like", "bernoulli", "bernoulli_p",
            "randint_like", "normal_", "uniform_", "attention")  # fmt: skip
-CUT = ["col"]  # the second stage starts at the column layer: every output is computed there
+CUT = ["col"]  # the second stage starts at the column layer: every output is computed there (over a
+# mesh an output of an earlier stage fails in cut_stage with a KeyError: docs/limitations.md)
 PLAN = {"col": "column", "row": "row", "q": "column", "k": "column", "v": "column", "o": "row"}
 
 
@@ -60,7 +61,8 @@ class RandomSites(nn.Module):
             (h * 2).normal_(),
             (h * 3).uniform_(-1.0, 1.0),
         ]
-        b = x.size(0)  # not x.shape[1]: see the report (1F1B and a later stage's read of a non-batch size)
+        b = x.size(0)  # not x.shape[1]: 1F1B fails (KeyError) where a later stage reads a non-batch size
+        # of a value from an earlier stage, a bug of its own (docs/limitations.md)
         q, k, v = (f(x).view(b, -1, 2, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
         attention = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25 if self.training else 0.0)
         total = sites[0]

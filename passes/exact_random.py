@@ -54,7 +54,7 @@ class RandomSite:
     """A random op of the lowered program: its ``kind``, and the per-device nodes that run it."""
 
     source: str  # the user's node (``dpcompile_source``): one whole draw per call
-    kind: str  # "dropout" | "dropout_module" | "native_dropout" | "attention" | "like" | "bernoulli" | "fill"
+    kind: str  # "dropout" | "dropout_module" | "native_dropout" | "attention" | "like" | "bernoulli" | "fill" | ...
     nodes: tuple[fx.Node, ...]
 
 
@@ -152,6 +152,9 @@ def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.N
         return runtime.exact_attention, (*head, *args), {**kwargs, **where}
     if site.kind == "bernoulli":
         return runtime.exact_bernoulli, (*head, args[0]), where
+    if site.kind == "written_fill":
+        base, steps, op, *rest = args
+        return runtime.exact_written_fill, (*head, base, steps, FILL_ATEN.get(op, op), *rest), {**kwargs, **where}
     if site.kind == "fill":
         method = FILL_ATEN.get(node.target, node.target)
         return runtime.exact_fill_random, (*head, method, *args), {**kwargs, **where}

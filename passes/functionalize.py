@@ -326,6 +326,7 @@ def _replace(graph: fx.Graph, m: Mutation) -> fx.Node:
             steps = [_step(view) for view in m.chain]
             value = graph.call_function(written, (m.base, steps, m.op, *m.rest), m.kwargs)
     stamp(value, PASS, m.node)
+    value.meta["dpcompile_source"] = value.name  # the written op's node is erased: the stage plan knows this one
     for key in ("val", "tensor_meta"):  # the written tensor keeps its shape and dtype
         if key in m.base.meta:
             value.meta[key] = m.base.meta[key]

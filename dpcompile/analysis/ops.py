@@ -367,6 +367,7 @@ __all__ = [
     "LOSS_FUNCTIONS",
     "LOSS_MODULES",
     "SHARD_UNARY",
+    "SHARD_RANDOM",
     "SHARD_BINARY",
     "SHARD_SOFTMAX",
     "SHARD_ATTENTION",
@@ -397,7 +398,13 @@ SHARD_CAST = OpFamily.of(
     },
     methods={"to", "detach", "float", "half", "bfloat16", "double", "contiguous", "clone"},
 )  # fmt: skip
-SHARD_TUPLE_DROPOUT = OpFamily.of("sharded dropout with its mask", functions={_aten.native_dropout.default})
+SHARD_TUPLE_DROPOUT = OpFamily.of("sharded dropout with its mask", functions={_aten.native_dropout.default,
+                                                                              torch.native_dropout})
+# draws of a tensor's shape (the values ignore the input's, or compare with it per element): each shard
+# its own columns, exact_random draws each shard's slice of the whole tensor
+SHARD_RANDOM = OpFamily.of(
+    "sharded random draws", functions={torch.rand_like, torch.randn_like, torch.randint_like, torch.bernoulli}
+)
 SHARD_TYPE_AS = OpFamily.of("sharded type_as", functions={_aten.type_as.default}, methods={"type_as"})
 SHARD_SLICE = OpFamily.of("sharded slice", functions={_aten.slice.Tensor})
 SHARD_CAT = OpFamily.of("sharded concatenate", functions={torch.cat, torch.concat, _aten.cat.default})

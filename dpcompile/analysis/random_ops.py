@@ -42,20 +42,20 @@ EXACT_RUNTIME = {runtime.exact_dropout, runtime.exact_dropout_module, runtime.ex
                  runtime.exact_random_like, runtime.exact_bernoulli, runtime.exact_fill_random,
                  runtime.exact_random_scope, runtime.exact_special_dropout, runtime.exact_special_dropout_module,
                  runtime.exact_normal, runtime.exact_multinomial, runtime.exact_normal_size,
-                 runtime.exact_poisson}  # fmt: skip
+                 runtime.exact_poisson, runtime.exact_written_fill}  # fmt: skip
 
 
 def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
     """The kind of random op ``node`` runs: ``"dropout"``, ``"dropout_module"``, ``"native_dropout"``,
     ``"attention"`` (with ``dropout_p``), ``"like"``, ``"bernoulli"``, ``"fill"``, ``"special_dropout"``
     (``_module``: channel and alpha dropouts), ``"normal"``, ``"normal_size"``, ``"multinomial"``,
-    ``"poisson"``, or ``"other"`` for one that cannot draw the single-device values; None for a node
+    ``"poisson"``, ``"written_fill"`` (a functionalized ``y.normal_()``), or ``"other"`` for one that cannot draw the single-device values; None for a node
     that draws nothing."""
     if node.op == "call_function":
         target = node.target
         if target in DROPOUT_FUNCTIONS:
             return None if _draws_nothing(node) else "dropout"
-        if target is aten.native_dropout.default:
+        if target in (aten.native_dropout.default, torch.native_dropout):
             return "native_dropout"
         if target in ATTENTION_FUNCTIONS or getattr(target, "__name__", "") == "scaled_dot_product_attention":
             p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
@@ -66,6 +66,8 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
             return "like" if len(node.args) > 1 or "p" in node.kwargs else "bernoulli"
         if target in FILL_ATEN:
             return "fill"
+        if target is runtime.written and written_fill_method(node) is not None:
+            return "written_fill"
         if target in SPECIAL_DROPOUT_FUNCTIONS:
             return "special_dropout"
         if target is torch.normal and _tensor_mean_and_std(node):
@@ -91,6 +93,14 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
         if node.target == "bernoulli":
             return "like" if len(node.args) > 1 or "p" in node.kwargs else "bernoulli"
     return None
+
+
+def written_fill_method(node: fx.Node) -> str | None:
+    """The random fill a ``written(base, steps, op, ...)`` node runs (``y.normal_()`` functionalized:
+    ``"normal_"``), or None."""
+    op = node.args[2] if len(node.args) > 2 else None
+    name = op if isinstance(op, str) else FILL_ATEN.get(op)
+    return name if name in FILL_METHODS else None
 
 
 def called_module_path(node: fx.Node) -> str | None:
@@ -183,4 +193,4 @@ def _is_replicas(value: Any) -> bool:
 
 
 __all__ = ["called_module", "called_module_path", "per_device_note", "random_draws_of", "random_kind",
-           "scoped_module_paths"]
+           "scoped_module_paths", "written_fill_method"]

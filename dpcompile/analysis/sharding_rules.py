@@ -23,9 +23,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from dpcompile import runtime
 from dpcompile.analysis import ops
 from dpcompile.analysis import sharding_rules_shape as shape_rules
 from dpcompile.analysis.placement import REPLICATED, Replicated
+from dpcompile.analysis.random_ops import written_fill_method
 from dpcompile.analysis.sharding_layout import (  # noqa: F401 - the layouts, re-exported for the analysis and passes
     COPIED,
     NOT_TENSOR,
@@ -61,6 +63,8 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
         return cross_entropy(ctx, node)
     if op == "call_function" and target is operator.getitem and ctx.is_tuple(node.args[0]):
         return ctx.layout(node.args[0]), []  # one part of a split / unbind: laid out as every part
+    if op == "call_function" and target is runtime.written and not node.args[1] and written_fill_method(node):
+        return unary(ctx, node)  # y.normal_() of a whole activation: a draw per element, as y is laid out
     if shape_rules.is_basic_getitem(node):
         return shape_rules.getitem(ctx, node)
     for family, rule in _RULES:
@@ -377,6 +381,7 @@ def _softmax_over_dim(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[f
 # each op family a sharded value passes through, and its rule (functions and methods)
 _RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layout, list[fx.Node]]]], ...] = (
     (ops.SHARD_UNARY, unary),
+    (ops.SHARD_RANDOM, unary),
     (ops.SHARD_BINARY, elementwise),
     (ops.SHARD_SOFTMAX, _softmax_over_dim),
     (ops.MATMUL, matmul),

@@ -32,6 +32,7 @@ from dpcompile.runtime.random_more import (
     exact_poisson,
     exact_special_dropout,
     exact_special_dropout_module,
+    exact_written_fill,
 )
 from dpcompile.runtime.random_plan import current_random_draws
 from dpcompile.runtime.random_scope import exact_random_scope
@@ -70,6 +71,7 @@ __all__ = [
     "exact_normal",
     "exact_normal_size",
     "exact_poisson",
+    "exact_written_fill",
     "exact_special_dropout",
     "exact_special_dropout_module",
     "random_draws_over_ranks",

@@ -15,12 +15,15 @@ element-wise arithmetic:
   ``q``, then ``argmax``/``topk`` of ``probs / q`` per row (the Gumbel trick the CPU kernel uses);
   with replacement: a float64 uniform per sample and a binary search in the row's cumulative sum;
 - ``torch.normal(mean, std, size)`` with floats: a ``normal_(mean, std)`` fill of the whole shape;
-- ``torch.poisson(rates)``: sampled on the whole rates, joined from every device's piece.
+- ``torch.poisson(rates)``: sampled on the whole rates, joined from every device's piece;
+- a random fill of an activation or of a view of it (``y[:, :4].normal_()``, functionalized as
+  ``written``): the whole fill as eager fills it, this piece's slice written in.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -74,6 +77,38 @@ def exact_normal(draws: RandomDraws, site: str, mean: torch.Tensor, std: torch.T
     with torch.no_grad():
         value = noise.clone().mul_(std).add_(mean)
     return _ZeroGradient.apply(value, mean, std)
+
+
+def exact_written_fill(draws: RandomDraws, site: str, base: torch.Tensor, steps: Sequence[tuple[Any, tuple]],
+                       method: str, *args: Any, rows: Rows = None, cols: Cols = None, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    """``written(base, steps, method, *args)`` of a random fill (``y[:, :4].normal_()`` functionalized):
+    ``base`` with this piece's slice of the whole fill written into its view, the gradient through
+    the filled elements zero, as eager's. The whole is filled as eager fills it: the view of a
+    whole-shaped tensor (its strides decide the CPU kernel's order), so a batch dim the view keeps
+    at the tensor's index."""
+    out = base.clone()
+    view = _seen_through(out, steps)
+
+    def whole_fill(shape: tuple[int, ...]) -> torch.Tensor:
+        whole = list(base.shape)
+        for dim, size in enumerate(shape):
+            if size != view.shape[dim]:
+                whole[dim] = size  # the split dims: the view keeps them whole, at the tensor's index
+        filled = _seen_through(torch.empty(whole, dtype=base.dtype, device=base.device), steps)
+        return getattr(filled, method)(*args, **kwargs)
+
+    piece = draws.piece(site, view, rows, cols, whole_fill)
+    if not steps:
+        piece = piece.contiguous()
+        return _ZeroGradient.apply(piece, base) if base.requires_grad else piece
+    view.copy_(piece)  # under autograd: CopySlices, a zero gradient through what the fill wrote
+    return out
+
+
+def _seen_through(tensor: torch.Tensor, steps: Sequence[tuple[Any, tuple]]) -> torch.Tensor:
+    for step, step_args in steps:
+        tensor = getattr(tensor, step)(*step_args) if isinstance(step, str) else step(tensor, *step_args)
+    return tensor
 
 
 class _ZeroGradient(torch.autograd.Function):
@@ -161,4 +196,4 @@ def exact_poisson(draws: RandomDraws, site: str, rates: torch.Tensor, *, pieces:
 
 
 __all__ = ["exact_multinomial", "exact_normal", "exact_normal_size", "exact_poisson", "exact_special_dropout",
-           "exact_special_dropout_module"]
+           "exact_special_dropout_module", "exact_written_fill"]

@@ -148,6 +148,23 @@ def test_verify_keeps_dropout_on_where_draws_are_exact(kw):
     assert any("stayed in training" in n for n in result.notes)
 
 
+def test_random_kind_names_native_dropout_and_functionalized_fills():
+    """``torch.native_dropout`` (the fx spelling) is dropout; ``y.normal_()`` and ``y[:, :2].uniform_()``,
+    functionalized into writes, are fills: each a site that draws the single-device values."""
+    from passes import functionalize_mutations
+
+    class Fills(nn.Module):
+        def forward(self, x):
+            y, z = x * 2, x * 3
+            y.normal_()
+            z[:, :2].uniform_()
+            return torch.native_dropout(x, 0.5, True)[0] + y + z
+
+    gm = functionalize_mutations(fx.symbolic_trace(Fills())).graph_module
+    kinds = sorted(k for k in (random_kind(gm, n) for n in gm.graph.nodes) if k)
+    assert kinds == ["native_dropout", "written_fill", "written_fill"], gm.code
+
+
 def test_verify_switches_dropout_off_where_draws_are_per_device():
     """exact_random=False: verify compares with dropout modules in eval, as before."""
     model, pm = _program(exact_random=False)

@@ -196,6 +196,9 @@ _ELEMENTWISE_WRITES = frozenset(
      "clamp_", "clamp_min_", "clamp_max_", "pow_", "neg_", "abs_", "exp_", "log_", "sqrt_", "rsqrt_", "relu_",
      "sigmoid_", "tanh_", "silu_", "gelu_", "hardtanh_", "leaky_relu_", "elu_", "hardswish_", "floor_", "round_"}
 )  # fmt: skip
+# random fills (``y.normal_()``, ``y[:, :4].uniform_()``): a draw per element (exact_random draws each
+# device's slice of the whole fill), where the view keeps the batch dim where its tensor has it
+_RANDOM_FILLS = frozenset({"normal_", "uniform_", "bernoulli_", "exponential_", "random_"})
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:
@@ -212,7 +215,7 @@ def written_rule(ctx: RuleContext) -> Placement | None:
     base, steps, op, *args = ctx.node.args
     p = ctx.p(base)
     name = op if isinstance(op, str) else getattr(getattr(op, "overloadpacket", None), "__name__", None)
-    if not isinstance(p, Split) or name not in _ELEMENTWISE_WRITES:
+    if not isinstance(p, Split) or name not in _ELEMENTWISE_WRITES | _RANDOM_FILLS:
         return None
     if name == "index_put_" and (
         any(_dtype(i) is not torch.bool for i in _nodes_in(args[0]))
@@ -221,8 +224,8 @@ def written_rule(ctx: RuleContext) -> Placement | None:
         return None  # integer indices would name rows another device holds; values are taken in order
     rank = _rank(base)
     view = _view_split(ctx, p, rank, steps)
-    if view is None:
-        return None
+    if view is None or name in _RANDOM_FILLS and view[0] != p.dim:
+        return None  # a random fill's draws are sliced on the batch dim of its tensor and of its view alike
     if op == "__setitem__" and isinstance(args[0], fx.Node):  # x[mask] = v: a mask of x's shape, v one value
         mask, value = args[0], args[1]
         q = ctx.p(mask)

@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.placement import REPLICATED, Partial, Placement, Replicated, Split, Tuple, Whole
+from dpcompile.runtime.batch_values import written
 
 
 @dataclass
@@ -126,6 +127,8 @@ def node_shape(node: fx.Node) -> tuple[int, ...] | None:
     tm = node.meta.get("tensor_meta")
     if tm is not None and hasattr(tm, "shape"):
         return tuple(tm.shape)
+    if node.op == "call_function" and node.target is written and isinstance(node.args[0], fx.Node):
+        return node_shape(node.args[0])  # a write keeps its tensor's shape (a pass may not have kept its val)
     if node.op == "get_attr" and node.graph.owning_module is not None:  # a parameter or buffer: read it
         value: Any = node.graph.owning_module
         for atom in str(node.target).split("."):

@@ -120,7 +120,7 @@ _add(
 _add("pointwise", pointwise.pointwise, " ".join(n for n in dir(aten) if n.startswith("special_")), same_name=False)
 _add("pointwise", pointwise.pointwise, "to", same_name=False)  # x.to(device) is not: its rule is to_method
 _add("pointwise", pointwise.type_as, "type_as")  # only y's type is read: x keeps its split whatever y's rank
-_add("pointwise", pointwise.pointwise, "rand_like randn_like dropout poisson")  # random: a draw per element, per device
+_add("pointwise", pointwise.pointwise, "rand_like randn_like randint_like bernoulli dropout poisson")  # random: a draw per element
 _add("pointwise", tuple_of(pointwise.pointwise, 2), "native_dropout")
 _add("along one dim", aten_rules.glu, "glu")
 _add("along the last two dims", aten_rules.last_two_dims, "tril triu")

@@ -323,12 +323,35 @@ def check_failed_save_changes_nothing(folder: str) -> None:
     _assert_resumed(fresh, fresh_opt, before, "after a failed save")
 
 
+def check_bad_arguments_on_one_rank_fail_every_rank(folder: str) -> None:
+    """Rank 2 passes an ``extra=`` that is not JSON-able: it raises its own ValueError and every
+    other rank a CheckpointError naming it, at once (they waited in the RNG state's exchange until
+    gloo's timeout); nothing is written."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from tests.integration.test_training_checkpoint import batches
+
+    rank = dist.get_rank()
+    path = Path(folder) / "bad_arguments"
+    pm, mesh = _mesh_program("dp2xtp2")
+    opt, sched = _optimizer(pm)
+    _mesh_step(pm, mesh, opt, sched, batches()[0])
+    extra = {"step": torch.tensor(1)} if rank == 2 else {"step": 1}
+    expected = "JSON" if rank == 2 else "failed on another rank.*rank 2: ValueError"
+    with pytest.raises(Exception, match=expected):
+        dpcompile.save_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched, extra=extra)
+    dist.barrier()
+    assert not path.exists() or not any(path.iterdir())
+
+
 @pytest.mark.slow  # 4 processes, 7 mesh programs each, 48 loads over the mesh: 2 to 3 minutes on 2 busy cores
 @pytest.mark.distributed
 def test_training_checkpoints_over_a_mesh_resume_under_any_layout(tmp_path):
     checks = [
         ("resume", functools.partial(check_mesh_resume, str(tmp_path))),
         ("failed_save", functools.partial(check_failed_save_changes_nothing, str(tmp_path))),
+        ("bad_arguments", functools.partial(check_bad_arguments_on_one_rank_fail_every_rank, str(tmp_path))),
         ("pipeline_tensor_parallel", functools.partial(check_pipeline_tensor_parallel, str(tmp_path))),
     ]
     outcomes = run_spawned(run_checks, 4, checks, timeout=2 * GROUP_TIMEOUT_S)

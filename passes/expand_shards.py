@@ -125,7 +125,7 @@ def _move_whole_state(gm: fx.GraphModule, device: torch.device, *, skip: set[str
     """Put every parameter and buffer not in ``skip`` on ``device`` (new tensors, not in place; one
     per tensor, so modules that share one, tied weights, still share it)."""
     moved: dict[int, torch.Tensor] = {}
-    for path, module in gm.named_modules(remove_duplicate=False):
+    for path, module in gm.named_modules():
         prefix = f"{path}." if path else ""
         for name, p in list(module._parameters.items()):
             if p is not None and p.device != device and prefix + name not in skip:

@@ -115,11 +115,11 @@ def tied_shards(
     names: dict[int, list[str]] = {}
     for name, p in stage.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    held: list[tuple[str, ShardSpec | None] | None] = []
+    held: list[tuple[str, ShardSpec | None] | None] = []  # per tied weight: (a path of it here, its spec)
     for p, _ in shared:
-        found = names.get(id(p))
-        held.append(None if not found else
-                    (found[0], next((sharded.shards[unalias(n)] for n in found if unalias(n) in sharded.shards), None)))  # fmt: skip
+        found = names.get(id(p), [])
+        spec = next((sharded.shards[unalias(n)] for n in found if unalias(n) in sharded.shards), None)
+        held.append((found[0], spec) if found else None)
     listed: list[Any] = [None] * mesh_size(mesh, "pp")
     dist.all_gather_object(listed, [None if h is None else h[1] for h in held], group=mesh.get_group("pp"))
     tp_rank = mesh.get_local_rank("tp")
@@ -129,7 +129,7 @@ def tied_shards(
         if len(set(specs.values())) > 1:
             readers = ", ".join(f"stage {s}: {'whole' if spec is None else spec}" for s, spec in specs.items())
             raise DpCompileError(
-                f"the weight tied across stages {stages} ('{mine[0] if mine else 'a tied parameter'}') is sharded "
+                f"the weight tied across stages {stages} ('{unalias(mine[0]) if mine else 'a tied parameter'}') is sharded "
                 f"over 'tp' unlike on each stage ({readers}); each stage's copy must hold the same rows to sum their "
                 "gradients. Plan its readers alike (an embedding's 'vocab' with its LM head's 'column', or "
                 "'replicate' for both), or untie them"

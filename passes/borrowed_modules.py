@@ -16,12 +16,14 @@ call: a differentiable broadcast, so autograd sums the replica's gradient into t
 
 :func:`find_module_homes` decides where each called module's tensors live (the first stage that
 reads them, in program order); ``place_stages`` moves them there and this pass rewrites the calls.
+:func:`send_borrowed_reads` does the same for a parameter read (``get_attr``) another device
+holds: a tensor-parallel shard of a weight tied across stages (``pipeline=`` with ``tensor_parallel=``).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -107,4 +109,31 @@ def replicate_borrowed_modules(gm: fx.GraphModule, *, devices: Sequence[object])
     return PassResult(gm, bool(borrowed), {"borrowed": [n.name for n in borrowed]})
 
 
-__all__ = ["find_module_homes", "node_tensors", "replicate_borrowed_modules"]
+def send_borrowed_reads(gm: fx.GraphModule, borrowed: Mapping[fx.Node, str]) -> PassResult:
+    """Each parameter read in ``borrowed`` (``{get_attr node: its readers' device}``: the tensor lives on
+    another device, where an earlier stage reads it) reaches its readers by ``runtime.send``, the
+    stages' differentiable copy, once per call; autograd sums the readers' gradients into the one
+    parameter, as for a borrowed module's replica::
+
+        # before (stage 1's shard 0 on cpu:2 reads the head's shard, tied to the embedding's on cpu:0)
+        head_mb0_dev0 = torch._C._nn.linear(add_3_copy_mb0_dev0, head_weight_shard0)
+        # after
+        head_weight_shard0_to_stage1 = dpcompile_runtime_send(head_weight_shard0, 'cpu:2')
+        head_mb0_dev0 = torch._C._nn.linear(add_3_copy_mb0_dev0, head_weight_shard0_to_stage1)
+    """
+    for node, device in borrowed.items():
+        users = list(node.users)
+        with gm.graph.inserting_after(node):
+            sent = gm.graph.call_function(runtime.send, (node, device))
+        sent._rename(f"{node.name}_to_stage{node.meta[STAGE]}")
+        stamp(sent, PASS, node)
+        stamp_comm(sent, "send", io=False, backward="send")
+        sent.meta.update({k: node.meta[k] for k in (STAGE, "dpcompile_slot") if k in node.meta})
+        for user in users:
+            user.replace_input_with(node, sent)
+    if borrowed:
+        gm.graph.lint()
+    return PassResult(gm, bool(borrowed), {"borrowed": [n.name for n in borrowed]})
+
+
+__all__ = ["find_module_homes", "node_tensors", "replicate_borrowed_modules", "send_borrowed_reads"]

@@ -123,18 +123,22 @@ def expand_shards(gm: fx.GraphModule, *, devices: Devices, output_device: torch.
 
 
 def _move_whole_state(gm: fx.GraphModule, device: torch.device, *, skip: set[str]) -> None:
-    """Put every parameter and buffer not in ``skip`` on ``device`` (new tensors, not in place)."""
+    """Put every parameter and buffer not in ``skip`` on ``device`` (new tensors, not in place; one
+    per tensor, so modules that share one, tied weights, still share it)."""
+    moved: dict[int, torch.Tensor] = {}
     modules = list(gm.named_modules())
     bar = step_bar("Placing weights", sum(len(m._parameters) + len(m._buffers) for _, m in modules))
     for path, module in modules:
         prefix = f"{path}." if path else ""
         for name, p in list(module._parameters.items()):
             if p is not None and p.device != device and prefix + name not in skip:
-                with torch.no_grad():
-                    module._parameters[name] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+                if id(p) not in moved:
+                    with torch.no_grad():
+                        moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+                module._parameters[name] = moved[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None and b.device != device:
-                module._buffers[name] = b.to(device)
+                module._buffers[name] = moved.setdefault(id(b), b.to(device))
         bar.update(len(module._parameters) + len(module._buffers))
 
 

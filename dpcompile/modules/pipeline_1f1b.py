@@ -195,6 +195,9 @@ class _StepState:
             env[n] = self.runner.run_node(n)
             if n in step.once:  # every unit and the tail read the one value
                 self.values[n] = env[n]
+            for u in n.users:  # x_mb0.shape, read in later stages and micro-batches: kept, not x_mb0
+                if u in step.shared and _reads_metadata(u):
+                    self.values[u] = self.runner.run_node(u)
         sent: dict[fx.Node, tuple] = {}
         for n in step.units.get(unit, ()):
             if n in step.once:

@@ -38,7 +38,7 @@ from dpcompile.modules.mesh_random import StageRandomPlan
 from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
 from dpcompile.modules.pipeline import MeshPipelineModule
 from dpcompile.recipes.base import Recipe, capture_with_flags
-from dpcompile.recipes.pipeline_mesh_tp import shard_stage
+from dpcompile.recipes.pipeline_mesh_tp import shard_stage, tied_shards
 from passes.cut_stage import cut_stage, find_row_meetings, find_shared_parameters
 from passes.stage_transfers import node_stages
 
@@ -103,13 +103,6 @@ class MeshPipelineRecipe(Recipe):
                 "micro_batches=1, or run the pipeline in one process (devices=[...]), where it is the batch's"
             )
         shared = [(gm.get_parameter(name), stages) for name, stages in find_shared_parameters(gm, plan)]
-        if shared and self.plan is not False:  # each stage shards a private copy: the tied copies would part
-            raise DpCompileError(
-                f"parameters {[name for name, _ in find_shared_parameters(gm, plan)]} are read by more than one "
-                "stage (tied weights), which a mesh with 'pp' and 'tp' does not support yet: untie them, name stage "
-                "boundaries (pipeline=[...]) that keep their readers in one stage, or use a ('pp',) or ('pp', 'dp') "
-                "mesh (replicated or FSDP: the tied copies' gradients are summed)"
-            )
         gm, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
         found = info_of(records, "cut_stage")
         own_sites = frozenset(site.source for site in passes.find_random_sites(gm))  # this stage's
@@ -143,6 +136,7 @@ class MeshPipelineRecipe(Recipe):
             sharded = shard_stage(program, model=model, mesh=self.mesh, plan=self.plan, example_inputs=examples,
                                   exact_random=self.exact_random)  # fmt: skip
             pm.attach_shards(sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
+            pm.shared = tied_shards(pm.shared, program, sharded, mesh=self.mesh)
             pm.tp_group = self.mesh.get_group("tp")
         pm.state_ties = state_ties(model)  # before FSDP: fully_shard swaps the model's tied tensors apart
         if self.data_parallel == "fsdp":  # FSDP over "dp" last, on the (sharded) stage

@@ -24,11 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 import passes
 from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device, mesh_size
@@ -95,4 +97,52 @@ def shard_stage(
     return ShardedStage(own, {unalias(t): spec for t, spec in specs.items()}, applied, why)
 
 
-__all__ = ["ShardedStage", "shard_stage"]
+def tied_shards(
+    shared: Sequence[tuple[torch.Tensor, tuple[int, ...]]],
+    stage: fx.GraphModule,
+    sharded: ShardedStage,
+    *,
+    mesh: Any,
+) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """``shared`` (a weight tied across stages: the model's parameter, the stages that read it) for
+    the stage's tensor-parallel program: this tp rank's copy of it (its shard, one parameter however
+    many modules of the stage read it); on a stage that does not read it, zeros shaped as the readers'
+    copies. Each reader's tp rank ``t`` then holds the same rows, so the copies' gradients are summed
+    over the pp group of ``t`` (``MeshPipelineModule._sum_shared_gradients``). Readers that shard it
+    unlike each other are refused, with the way out. Collective over ``"pp"``."""
+    import torch.distributed as dist
+
+    names: dict[int, list[str]] = {}
+    for name, p in stage.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    held: list[tuple[str, ShardSpec | None] | None] = []  # per tied weight: (a path of it here, its spec)
+    for p, _ in shared:
+        found = names.get(id(p), [])
+        spec = next((sharded.shards[unalias(n)] for n in found if unalias(n) in sharded.shards), None)
+        held.append((found[0], spec) if found else None)
+    listed: list[Any] = [None] * mesh_size(mesh, "pp")
+    dist.all_gather_object(listed, [None if h is None else h[1] for h in held], group=mesh.get_group("pp"))
+    tp_rank = mesh.get_local_rank("tp")
+    out = []
+    for i, ((p, stages), mine) in enumerate(zip(shared, held)):
+        specs = {s: listed[s][i] for s in stages}
+        if len(set(specs.values())) > 1:
+            readers = ", ".join(f"stage {s}: {'whole' if spec is None else spec}" for s, spec in specs.items())
+            raise DpCompileError(
+                f"the weight tied across stages {stages} ('{unalias(mine[0]) if mine else 'a tied parameter'}') is sharded "
+                f"over 'tp' unlike on each stage ({readers}); each stage's copy must hold the same rows to sum their "
+                "gradients. Plan its readers alike (an embedding's 'vocab' with its LM head's 'column', or "
+                "'replicate' for both), or untie them"
+            )
+        if mine is not None:
+            out.append((sharded.program.get_parameter(mine[0]), stages))
+            continue
+        spec = next(iter(specs.values()))
+        shape = list(p.shape)
+        if spec is not None:
+            shape[spec.dim] = spec.sizes[tp_rank]
+        out.append((torch.zeros(shape, dtype=p.dtype, device=local_device(mesh)), stages))
+    return out
+
+
+__all__ = ["ShardedStage", "shard_stage", "tied_shards"]

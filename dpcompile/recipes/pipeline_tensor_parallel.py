@@ -62,6 +62,7 @@ from dpcompile.recipes.tensor_parallel import (
     tied_state_keys,
     unaliased_findings,
 )
+from passes.borrowed_modules import replicate_borrowed_modules, send_borrowed_reads
 from passes.split_stages import STAGE, StagePlan, stage_programs
 from passes.stage_shards import (
     borrow_shapes,
@@ -294,11 +295,17 @@ def stage_groups(devices: Devices, stages: int) -> list[Devices]:
 
 def place_shards(gm: fx.GraphModule, groups: Sequence[Devices]) -> None:
     """Put stage ``s``'s shard ``k`` on ``groups[s][k]`` (:func:`~passes.stage_shards.place_shard_values`)
-    and its parameters there; the rest of stage ``s``'s state on ``groups[s][0]``, in place."""
+    and its parameters there; the rest of stage ``s``'s state on ``groups[s][0]``, in place (a whole
+    module tied across stages: :func:`~passes.borrowed_modules.replicate_borrowed_modules`). A shard
+    a later stage reads too (a weight tied across stages: the LM head's and the embedding's rows)
+    stays with the first stage that reads it; the later stage's shard ``k`` gets it sent to its own
+    device each call (:func:`~passes.borrowed_modules.send_borrowed_reads`), its gradient summed back."""
     reads = place_shard_values(gm, groups)
-    gm.recompile()
-    place_stages(gm, Devices(tuple(g.primary for g in groups)))
+    primaries = Devices(tuple(g.primary for g in groups))
+    place_stages(gm, primaries, borrow=True)
+    replicate_borrowed_modules(gm, devices=primaries)  # a whole (replicated) module tied across stages
     home: dict[int, int] = {}
+    borrowed: dict[fx.Node, str] = {}
     for node, (s, k) in reads.items():
         parent_path, _, name = str(node.target).rpartition(".")
         parent = gm.get_submodule(parent_path)
@@ -306,17 +313,17 @@ def place_shards(gm: fx.GraphModule, groups: Sequence[Devices]) -> None:
         device = groups[s][k]
         first = home.setdefault(id(param), s)
         if groups[first][k] != device:
-            raise DpCompileError(
-                f"the shard '{node.target}' is read in stage {first} ({groups[first][k]}) and stage {s} ({device}) "
-                "(tied weights); it cannot live on both. Name stage boundaries (pipeline=[...]) that keep both "
-                "readers in one stage, or plan that layer 'replicate'"
-            )
+            borrowed[node] = str(device)
+            continue
         if param.device != device:
-            if getattr(param, "fake_mode", None) is not None:  # a placement check on fake GPUs
-                with param.fake_mode:
-                    setattr(parent, name, nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad))
+            if getattr(param, "fake_mode", None) is not None:  # a placement check on fake GPUs: in place, as
+                with param.fake_mode:  # place_stages does, so a module tied to this one holds it too
+                    param.data = param.detach().to(device)
+                param.fake_device = torch.device(device)
             else:
                 param.data = param.data.to(device)
+    send_borrowed_reads(gm, borrowed)
+    gm.recompile()
 
 
 def detached(programs: Sequence[fx.GraphModule]) -> list[fx.GraphModule]:

@@ -1,8 +1,8 @@
 """Random ops draw the single-device values over a gloo ``DeviceMesh`` (``exact_random=True``, the
 default): every rank draws each site's whole tensor from its identically seeded generator and keeps
 its slice, with no collective. An MLP with dropout (module, functional) and ``randn_like`` noise,
-GPT-2 and BERT with their default dropout and a ViT with attention dropout (tiny, one layer, float64,
-exported once per rank), each on every layout built over a mesh: ``("dp",)`` (DDP, FSDP), ``("tp",)``,
+GPT-2 (its lm_head tied to wte, across the stages of a pipeline) and BERT with their default dropout
+and a ViT with attention dropout (tiny, one layer, float64, exported once per rank), each on every layout built over a mesh: ``("dp",)`` (DDP, FSDP), ``("tp",)``,
 ``("pp",)`` (GPipe, 1F1B) over 2 ranks; ``("dp", "tp")`` (DDP, FSDP), ``("pp", "dp")`` (replicas, FSDP;
 GPipe, 1F1B) and ``("pp", "tp")`` (GPipe, 1F1B) over 4; and a stack of FSDP-wrapped blocks with
 dropout inside. Over 3 steps from the same seed the loss (averaged over the dp ranks) and every
@@ -27,7 +27,7 @@ GROUP_TIMEOUT_S = 900.0  # spawning, importing transformers and the first gloo c
 V = 64
 
 
-def _mlp(rows: int, tied: bool = True):
+def _mlp(rows: int):
     from tests.integration.test_exact_random import DropoutMLP
 
     g = torch.Generator().manual_seed(1)
@@ -67,25 +67,24 @@ class DropoutStack(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h), labels)
 
 
-def _blocks(rows: int, tied: bool = True):
+def _blocks(rows: int):
     g = torch.Generator().manual_seed(1)
     kwargs = {"x": torch.randn(rows, 8, generator=g, dtype=torch.float64), "labels": torch.randint(0, 4, (rows,), generator=g)}
     return DropoutStack, kwargs
 
 
-def _gpt2(rows: int, tied: bool = True):
+def _gpt2(rows: int):
     from tests.thirdparty import import_or_skip
 
     T = import_or_skip("transformers")
 
-    config = T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=V, n_positions=16, use_cache=False,
-                          tie_word_embeddings=tied)  # a ("pp", "tp") mesh refuses tied weights across stages
+    config = T.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=V, n_positions=16, use_cache=False)
     g = torch.Generator().manual_seed(0)
     kwargs = {"input_ids": torch.randint(1, V, (rows, 8), generator=g), "labels": torch.randint(0, V, (rows, 8), generator=g)}
     return (lambda: T.GPT2LMHeadModel(config)), kwargs
 
 
-def _bert(rows: int, tied: bool = True):
+def _bert(rows: int):
     from tests.thirdparty import import_or_skip
 
     T = import_or_skip("transformers")
@@ -96,7 +95,7 @@ def _bert(rows: int, tied: bool = True):
     return (lambda: T.BertForSequenceClassification(config)), kwargs
 
 
-def _vit(rows: int, tied: bool = True):
+def _vit(rows: int):
     from tests.thirdparty import import_or_skip
 
     T = import_or_skip("transformers")
@@ -139,7 +138,7 @@ def _loss(out):
 _EXPORTED: dict[tuple, torch.nn.Module] = {}
 
 
-def _program(name: str, model: torch.nn.Module, local: dict, tied: bool = True) -> torch.nn.Module:
+def _program(name: str, model: torch.nn.Module, local: dict) -> torch.nn.Module:
     """``model`` as the program to transform: the MLPs as they are, the transformers exported once per
     rank and input shapes (the cells' time), a copy loaded with ``model``'s weights (FSDP shards the
     program it is given in place)."""
@@ -147,7 +146,7 @@ def _program(name: str, model: torch.nn.Module, local: dict, tied: bool = True) 
         return model
     from dpcompile.capture import capture_model
 
-    key = (name, tied, *((k, tuple(v.shape)) for k, v in local.items()))
+    key = (name, *((k, tuple(v.shape)) for k, v in local.items()))
     if key not in _EXPORTED:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -224,13 +223,13 @@ def check_pipeline_trains_like_eager(name: str, layout: dict[str, int], schedule
     dp = layout.get("dp", 1)
     dp_rank = mesh.get_local_rank("dp") if "dp" in layout else 0
     tp_rank = mesh.get_local_rank("tp") if "tp" in layout else 0
-    make, kwargs = MODELS[name](2 * dp, tied="tp" not in layout)
+    make, kwargs = MODELS[name](2 * dp)
     torch.manual_seed(0)
     model = make().double().train()
     reference = copy.deepcopy(model)
     per = 2  # micro-batches of one row: the shapes of the dp cells, so one export serves both
     local = {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in kwargs.items()}
-    program = _program(name, model, local, tied="tp" not in layout)
+    program = _program(name, model, local)
     options = {"tensor_parallel": True} if "tp" in layout else {}
     if data_parallel != "ddp":
         options["data_parallel"] = data_parallel

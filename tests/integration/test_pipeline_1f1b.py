@@ -180,6 +180,24 @@ def test_1f1b_gradients_accumulate_and_a_loss_from_activations_divides_after():
     torch.testing.assert_close(x_in.grad, x_ref.grad)
 
 
+def test_1f1b_a_shape_read_in_stage_0_serves_later_stages_and_micro_batches():
+    """The checkpoint tests' LM reads ``x.shape`` of micro-batch 0 in stage 0 and the blocks of stage 1
+    (and micro-batch 1) use it: the value is kept when micro-batch 0's forward runs (it was run again
+    where ``x_mb0`` is not held: a KeyError). Loss and every gradient equal eager's."""
+    from tests.integration.test_training_checkpoint import batches, make_model
+
+    reference = make_model()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b",
+                             example_inputs=batches()[0])  # fmt: skip
+    assert "getattr_1_mb0 = embed_mb0.shape" in pm.code
+    loss = pm(*batches()[0])
+    expected = reference(*batches()[0])
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    _grads_equal(model, reference)
+
+
 def test_1f1b_loss_backward_once_adds_nothing_else_refused_and_forward_only_without_grad():
     """The loss comes back with its backward done: one plain loss.backward() (the usual loop) leaves
     eager's gradients; a scaled loss or a second backward says why not; under no_grad and in eval

@@ -6,8 +6,10 @@ Each stage's program (``cut_stage``'s) is rewritten by the ``("tp",)`` mesh's lo
 (an explicit Megatron plan and the automatic one) and a tiny decoder (automatic plan: a
 vocab-parallel embedding, heads split by ``view``). The loss and the outputs equal eager's, and
 so does every gradient: a sharded parameter's once its tp shards are gathered, a replicated
-one's on every tp rank; after an SGD step on ``pm.parameters()`` a forward still equals eager's. All checks run in one spawned group (spawning is
-the slow part on two cores).
+one's on every tp rank; after an SGD step on ``pm.parameters()`` a forward still equals eager's. A
+weight tied across the stages (the checkpoint tests' LM: embedding and LM head) trains 3 AdamW steps
+as eager, its copies identical. All checks run in one spawned group (spawning is the slow part on
+two cores).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.multiprocessing as mp
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 
-GROUP_TIMEOUT_S = 120.0
+GROUP_TIMEOUT_S = 240.0  # 10 configurations built on a loaded 2-core machine
 MEGATRON = {"layers.0": "column", "layers.1": "row", "layers.2": "column", "layers.3": "row", "head": "column"}
 
 
@@ -144,6 +146,64 @@ def check_pipeline_tp(
     dist.barrier()
 
 
+def check_tied_pipeline_tp(schedule: str, micro: int) -> None:
+    """The checkpoint tests' LM (fused qkv, a vocab-parallel embedding in stage 0 tied to the LM head
+    in stage 1): each stage's tp rank t holds shard t of the tied weight, the same rows on both stages;
+    3 AdamW steps: each loss and every gradient (shards gathered) as eager, the two stages' copies
+    identical after every step, and state_dict the model's keys with eager's values."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from tests.integration.test_pipeline_mesh_compose import full_gradients
+    from tests.integration.test_training_checkpoint import batches, make_model
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    reference = make_model()
+    pm = dpcompile.transform(copy.deepcopy(reference), mesh, pipeline=2, micro_batches=micro, schedule=schedule,
+                             tensor_parallel=True, example_inputs=batches()[0])  # fmt: skip
+    ((tied, stages),) = pm.shared
+    assert stages == (0, 1) and {"embed.weight", "head.weight"} & set(pm.shards)
+    assert tied.shape == (16, 12) and any(tied is p for p in pm.parameters())
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    expected_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for step, batch in enumerate(batches()):
+        loss = pm(*batch)
+        expected = reference(*batch)
+        expected.backward()
+        if mesh.get_local_rank("pp") == 1:
+            torch.testing.assert_close(loss, expected.detach(), msg=lambda m, step=step: f"step {step} loss: {m}")
+        for name, grad in full_gradients(pm).items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")  # fmt: skip
+        opt.step()
+        expected_opt.step()
+        opt.zero_grad()
+        expected_opt.zero_grad()
+        copies = [torch.empty_like(tied) for _ in range(2)]
+        dist.all_gather(copies, tied.detach(), group=mesh.get_group("pp"))
+        assert torch.equal(copies[0], copies[1]), f"step {step}: the stages' copies of the tied shard parted"
+    state = pm.state_dict()
+    assert list(state) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    dist.barrier()
+
+
+def check_tied_sharded_unlike_is_refused() -> None:
+    """The embedding vocab-parallel in stage 0, its tied LM head whole in stage 1: refused on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.errors import DpCompileError
+    from tests.integration.test_training_checkpoint import batches, make_model
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    with pytest.raises(DpCompileError, match=r"is sharded over 'tp' unlike on each stage .*stage 1: whole.*Plan its "):
+        dpcompile.transform(make_model(), mesh, pipeline=2, tensor_parallel={"embed": "vocab"},
+                            example_inputs=batches()[0])  # fmt: skip
+
+
 BLOCK_LAYERS = tuple(f"blocks.{i}.{layer}" for i in range(2) for layer in ("q", "k", "v", "out", "up", "down"))
 CHECKS = [
     ("gpipe_m1", ("gpipe", 1, MEGATRON)),
@@ -156,8 +216,16 @@ CHECKS = [
 ]
 
 
+TIED_CHECKS = [
+    ("tied_gpipe_m2", functools.partial(check_tied_pipeline_tp, "gpipe", 2)),
+    ("tied_1f1b_m2", functools.partial(check_tied_pipeline_tp, "1f1b", 2)),
+    ("tied_sharded_unlike_refused", check_tied_sharded_unlike_is_refused),
+]
+
+
 def _entry(rank: int, world: int, port: int, results: mp.Queue) -> None:
-    run_checks(rank, world, port, [(name, functools.partial(check_pipeline_tp, *config)) for name, config in CHECKS], results)
+    checks = [(name, functools.partial(check_pipeline_tp, *config)) for name, config in CHECKS]
+    run_checks(rank, world, port, checks + TIED_CHECKS, results)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +239,17 @@ def outcomes():
 @pytest.mark.xdist_group("pipeline_mesh_tp")  # one spawned group, on one worker
 def test_pipeline_over_pp_tp_mesh_equals_eager(outcomes, name):
     """A ("pp", "tp") mesh of 2 x 2: loss, outputs and every gradient (tp shards gathered) as eager."""
+    assert_group_passed(outcomes, 4, name, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # the same spawned group
+@pytest.mark.parametrize("name", [name for name, _ in TIED_CHECKS])
+@pytest.mark.xdist_group("pipeline_mesh_tp")
+def test_weight_tied_across_pp_tp_stages_trains_as_eager(outcomes, name):
+    """The embedding tied to the LM head across stages of a ("pp", "tp") mesh: each stage keeps its copy
+    of shard t, their gradients summed over the pp group of tp rank t; 3 AdamW steps as eager. Readers
+    that shard it unlike each other are refused."""
     assert_group_passed(outcomes, 4, name, timeout=GROUP_TIMEOUT_S)
 
 

@@ -57,9 +57,10 @@ def test_pipeline_gpt2_with_labels_equals_eager(gpt2, stages, micro):
 
 
 def test_pipeline_tensor_parallel_gpt2_with_labels_equals_eager(gpt2):
-    """pipeline=2 with tensor_parallel= on 4 devices (2 stages x 2 shards), 1, 2 and 4 micro-batches:
-    logits, loss and every gradient as eager (vocab-parallel embedding and loss, the tied LM head
-    sharing its shards; the shards' gradients gathered)."""
+    """pipeline=2 with tensor_parallel= on 4 distinct devices (2 stages x 2 shards), 1, 2 and 4
+    micro-batches: logits, loss and every gradient as eager (vocab-parallel embedding and loss; the
+    tied LM head's shards are the embedding's, sent from stage 0's devices to stage 1's; the shards'
+    gradients gathered); then 2 more AdamW steps and the state dict equal eager's."""
     from tests.helpers import full_gradients
 
     reference, _, exported, kwargs = gpt2
@@ -67,10 +68,12 @@ def test_pipeline_tensor_parallel_gpt2_with_labels_equals_eager(gpt2):
     expected = reference(**kwargs)
     expected.loss.backward()
     plan = True  # the automatic plan once, then as the user's plan (planning is most of the compile time)
+    devices = [f"cpu:{i}" for i in range(4)]
     for micro in (1, 2, 4):
-        pm = dpcompile.transform(exported, ["cpu"] * 4, pipeline=2, tensor_parallel=plan, micro_batches=micro,
+        pm = dpcompile.transform(exported, devices, pipeline=2, tensor_parallel=plan, micro_batches=micro,
                                  example_kwargs=kwargs)  # fmt: skip
         assert pm.plan["transformer.h.1.attn.c_attn"] == "column" and pm.plan["lm_head"] == "column"
+        assert "dpcompile_runtime_send(lm_head_weight_shard1, 'cpu:3')" in pm.code
         out = pm(**kwargs)
         out.loss.backward()
         torch.testing.assert_close(out.logits, expected.logits)
@@ -79,3 +82,23 @@ def test_pipeline_tensor_parallel_gpt2_with_labels_equals_eager(gpt2):
         for name, q in reference.named_parameters():
             torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
         plan = dict(pm.plan)
+    eager = copy.deepcopy(reference)  # the module's reference stays as it is for the other tests
+    for p, q in zip(eager.parameters(), reference.parameters()):
+        p.grad = q.grad.clone()  # deepcopy leaves a Parameter's grad behind
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step in range(3):  # the gradients above are the first step's
+        if step:
+            loss, want = pm(**kwargs).loss, eager(**kwargs).loss
+            loss.backward()
+            want.backward()
+            torch.testing.assert_close(loss, want, msg=lambda m, step=step: f"step {step}: {m}")
+        opt.step()
+        eager_opt.step()
+        opt.zero_grad()
+        eager_opt.zero_grad()
+    state = pm.state_dict()
+    assert list(state) == list(eager.state_dict())
+    for key, value in eager.state_dict().items():  # the loss is float32 (transformers upcasts the logits)
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")  # fmt: skip

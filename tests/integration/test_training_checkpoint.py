@@ -74,13 +74,15 @@ def make_model():
 
 
 def build(layout: dict[str, int], data_parallel: str = "ddp"):
-    """``(program, AdamW, StepLR)`` of a fresh model under ``layout`` (virtual CPU devices)."""
+    """``(program, AdamW, StepLR)`` of a fresh model under ``layout`` (virtual CPU devices; distinct
+    ones, cpu:0.., for pipeline x tensor parallel, so the head tied across its stages is sent)."""
     n = 1
     for size in layout.values():
         n *= size
+    devices = [f"cpu:{i}" for i in range(n)] if layout.keys() == {"pp", "tp"} else ["cpu"] * n
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = dpcompile.transform(make_model(), ["cpu"] * n, mesh=layout, example_inputs=batches()[0],
+        pm = dpcompile.transform(make_model(), devices, mesh=layout, example_inputs=batches()[0],
                                  data_parallel=data_parallel)  # fmt: skip
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
     return pm, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

@@ -5,8 +5,8 @@ tensor, a 2-stage pipeline over ("pp", "dp") with DDP and with FSDP (each rank o
 head tied to the embedding across the stages), saved after one step and loaded under each of the
 others (DDP x TP is saved only) and under one-process layouts (and back): parameters and AdamW state
 bit-identical to what was saved, the next 2 steps equal the uninterrupted eager run. Pipeline x
-tensor over a mesh refuses weights tied across stages: the same LM untied is saved on ("pp", "tp")
-and loaded into its layout and into tensor parallel in one process.
+tensor on ("pp", "tp") (the head tied to the embedding across the stages: one key) is saved and
+loaded into its layout and into tensor parallel in one process.
 Every byte of the files is written once, by the rank the writers' plan names, nothing gathered; a
 save that fails on one rank leaves the previous checkpoint as it was, on every rank."""
 
@@ -225,41 +225,38 @@ def check_mesh_resume(folder: str) -> None:
                                    msg=f"{source} -> {one}")  # fmt: skip
 
 
-def _untied():
-    """The LM with its head untied from the embedding (a copy of its values): what a ("pp", "tp")
-    mesh takes, as it refuses weights tied across stages."""
-    from tests.integration.test_training_checkpoint import make_model
-
-    model = make_model()
-    model.head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
-    return model
-
-
 def check_pipeline_tensor_parallel(folder: str) -> None:
-    """Pipeline x tensor over a ("pp", "tp") mesh (each rank a tp shard of one stage), untied: saved
-    after one step, loaded back into a fresh program of its layout and into tensor parallel in one
-    process; bit-identical, and the next 2 steps equal the eager run's."""
+    """Pipeline x tensor over a ("pp", "tp") mesh (each rank a tp shard of one stage; the LM head tied
+    to the embedding across the stages, each stage's copy of it summed): saved after one step, the
+    tied weight under one key, loaded back into a fresh program of its layout and into tensor parallel
+    in one process; bit-identical, and the next 2 steps equal the eager run's."""
     import torch.distributed as dist
+    from safetensors import safe_open
     from torch.distributed.device_mesh import init_device_mesh
 
     import dpcompile
-    from tests.integration.test_training_checkpoint import batches, state_in_model_layout, train_step
+    from tests.integration.test_training_checkpoint import batches, make_model, state_in_model_layout, train_step
 
-    xs, path = batches(), Path(folder) / "pp2xtp2_untied"
-    eager = _untied()
+    xs, path = batches(), Path(folder) / "pp2xtp2"
+    eager = make_model()
     eager_opt, eager_sched = _optimizer(eager)
     losses = [train_step(eager, eager_opt, eager_sched, b) for b in xs]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
 
     def build():
-        pm = dpcompile.transform(_untied(), mesh, tensor_parallel=True, example_inputs=xs[0], **PIPELINE)
+        pm = dpcompile.transform(make_model(), mesh, tensor_parallel=True, example_inputs=xs[0], **PIPELINE)
         return pm, *_optimizer(pm)
 
     pm, opt, sched = build()
-    assert pm.shards, "nothing sharded over tp"
+    assert pm.shards and len(pm.shared) == 1, (pm.plan_reasons, pm.shared)
     _mesh_step(pm, mesh, opt, sched, xs[0])
     saved = _snapshot(pm, opt, sched)
     dpcompile.save_checkpoint(pm, path, optimizer=opt, lr_scheduler=sched, extra={"from": "pp2xtp2"})
+    keys = set()
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            keys |= set(f.keys())
+    assert "embed.weight" in keys and not [k for k in keys if k.startswith(("head.", "optimizer.state.head."))], keys
     fresh, _, _ = build()
     opt, sched = _optimizer(fresh, lr=1.0, weight_decay=0.0)
     dpcompile.load_checkpoint(fresh, path, optimizer=opt, lr_scheduler=sched)
@@ -269,7 +266,7 @@ def check_pipeline_tensor_parallel(folder: str) -> None:
     for key, value in fresh.state_dict().items():
         torch.testing.assert_close(value, eager.state_dict()[key], rtol=1e-10, atol=1e-12, msg=key)
     if dist.get_rank() == 0:  # into tensor parallel in one process
-        one = dpcompile.transform(_untied(), ["cpu"] * 2, mesh={"tp": 2}, example_inputs=xs[0])
+        one = dpcompile.transform(make_model(), ["cpu"] * 2, mesh={"tp": 2}, example_inputs=xs[0])
         one_opt, one_sched = _optimizer(one, lr=1.0, weight_decay=0.0)
         dpcompile.load_checkpoint(one, path, optimizer=one_opt, lr_scheduler=one_sched)
         for key, value in one.state_dict().items():

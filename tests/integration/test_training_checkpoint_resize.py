@@ -4,16 +4,15 @@ saved after one step by a group of 2 ranks and loaded by a group of 4, and the o
 
 Three groups run in turn, sharing a folder: 2 ranks save under data parallel, FSDP, tensor parallel
 and a 2-stage pipeline (``("pp",)``, also as ``format="dcp"``); 4 ranks save under DDP, FSDP, tensor
-parallel, FSDP x tensor and the pipelines ``("pp", "dp")`` with DDP and with FSDP (both also as
-DCP), and load each 2-rank checkpoint into each of those (30 loads); 2 ranks load each 4-rank
-checkpoint into each 2-rank layout (32), and a few pipeline checkpoints into one process.
-Pipeline x tensor (``("pp", "tp")``, which refuses weights tied across stages) takes the same LM
-untied, with data parallel, FSDP, tensor parallel and the pipeline on 2 ranks as its partners both
-ways (and as DCP), and FSDP x tensor on the same 4 ranks both ways (each rank's RNG its own there). Every
+parallel, FSDP x tensor, the pipelines ``("pp", "dp")`` with DDP and with FSDP and pipeline x tensor
+``("pp", "tp")`` (the head tied to the embedding across the stages; the three pipelines also as
+DCP), and load each 2-rank checkpoint into each of those (35 loads); pipeline x tensor and FSDP x
+tensor load each other on the same 4 ranks (each rank's RNG its own there); 2 ranks load each 4-rank
+checkpoint into each 2-rank layout (40), and a few pipeline checkpoints into one process. Every
 load: parameters and AdamW state bit-identical to what was saved, the next 2 steps' losses and
 parameters equal the uninterrupted eager run; every rank's RNG is the saving rank 0's. No save
-gathers a tensor; a pipeline's DCP files hold only their stage's blocks, and a stage reads only
-its own."""
+gathers a tensor; a pipeline's DCP files hold only their stage's blocks (the tied head's state under
+the embedding's key only), and a stage reads only its own."""
 
 from __future__ import annotations
 
@@ -36,23 +35,18 @@ from tests.integration.test_training_checkpoint_mesh import (
     _optimizer,
     _own_rows,
     _snapshot,
-    _untied,
 )
 
-LAYOUTS = {  # name: (mesh shape, dim names, transform keywords, tied LM)
-    "dp2": ((2,), ("dp",), {}, True),
-    "fsdp2": ((2,), ("dp",), {"data_parallel": "fsdp"}, True),
-    "tp2": ((2,), ("tp",), {"tensor_parallel": True}, True),
-    "pp2": ((2,), ("pp",), PIPELINE, True),
-    "tp2_untied": ((2,), ("tp",), {"tensor_parallel": True}, False),
-    "dp2_untied": ((2,), ("dp",), {}, False),
-    "fsdp2_untied": ((2,), ("dp",), {"data_parallel": "fsdp"}, False),
-    "pp2_untied": ((2,), ("pp",), PIPELINE, False),
-    **{name: (*MESH_LAYOUTS[name], True) for name in ("dp4", "fsdp4", "tp4", "fsdp2xtp2", "pp2xdp2", "pp2xfsdp2")},
-    "pp2xtp2_untied": ((2, 2), ("pp", "tp"), {**PIPELINE, "tensor_parallel": True}, False),
-    "fsdp2xtp2_untied": (*MESH_LAYOUTS["fsdp2xtp2"], False),
+LAYOUTS = {  # name: (mesh shape, dim names, transform keywords)
+    "dp2": ((2,), ("dp",), {}),
+    "fsdp2": ((2,), ("dp",), {"data_parallel": "fsdp"}),
+    "tp2": ((2,), ("tp",), {"tensor_parallel": True}),
+    "pp2": ((2,), ("pp",), PIPELINE),
+    **{name: MESH_LAYOUTS[name] for name in ("dp4", "fsdp4", "tp4", "fsdp2xtp2", "pp2xdp2", "pp2xfsdp2")},
+    "pp2xtp2": ((2, 2), ("pp", "tp"), {**PIPELINE, "tensor_parallel": True}),  # the head tied across the stages
 }
-AS_DCP = {"pp2", "pp2xdp2", "pp2xfsdp2", "pp2xtp2_untied"}  # saved as format="dcp" too (folder "<name>.dcp")
+AS_DCP = {"pp2", "pp2xdp2", "pp2xfsdp2", "pp2xtp2"}  # saved as format="dcp" too (folder "<name>.dcp")
+SAME_RANKS = ("pp2xtp2", "fsdp2xtp2")  # also load each other on the same 4 ranks (each rank's RNG its own)
 ON = {world: [n for n, (shape, *_) in LAYOUTS.items() if torch.Size(shape).numel() == world] for world in (2, 4)}
 
 
@@ -62,21 +56,10 @@ def _program(name: str):
     import dpcompile
     from tests.integration.test_training_checkpoint import batches, make_model
 
-    shape, names, keywords, tied = LAYOUTS[name]
+    shape, names, keywords = LAYOUTS[name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     example = {"example_inputs": _own_rows(batches()[0], mesh)} if "pipeline" in keywords else {}
-    return dpcompile.transform(make_model() if tied else _untied(), mesh, **keywords, **example), mesh
-
-
-def _eager(tied: bool):
-    """Losses of 3 AdamW steps of the eager LM (tied or not) and its parameters after them."""
-    from tests.integration.test_training_checkpoint import batches, eager_run, train_step
-
-    if tied:
-        return eager_run()
-    model = _untied()
-    opt, sched = _optimizer(model)
-    return [train_step(model, opt, sched, b) for b in batches()], model.state_dict()
+    return dpcompile.transform(make_model(), mesh, **keywords, **example), mesh
 
 
 def _sources(world: int) -> list[str]:
@@ -86,16 +69,16 @@ def _sources(world: int) -> list[str]:
 
 def check_save_and_load(folder: str, world: int, save: bool, load_from: int | None) -> None:
     """This group's layouts: each trained one step and saved (``save``), and each loading every
-    checkpoint of the group of ``load_from`` ranks of the same LM (tied or untied)."""
+    checkpoint of the group of ``load_from`` ranks."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     import dpcompile
     from dpcompile.checkpoint import dtensors
-    from tests.integration.test_training_checkpoint import batches
+    from tests.integration.test_training_checkpoint import batches, eager_run
 
     root, xs = Path(folder), batches()
-    eager = {tied: _eager(tied) for tied in (True, False)}
+    eager = eager_run()
     programs, saved = {}, {}
     gathers = [(dtensors, "_gather_tensor_parallel"), (DTensor, "full_tensor")]
     for name in ON[world]:
@@ -122,22 +105,20 @@ def check_save_and_load(folder: str, world: int, save: bool, load_from: int | No
     if save and dist.get_rank() == 0:
         torch.save(saved, root / f"saved_by_{world}.pt")
         for name in (n for n in ON[world] if n in AS_DCP):
-            _assert_written_by_stage(root / f"{name}.dcp", world, tied=LAYOUTS[name][3])
+            _assert_written_by_stage(root / f"{name}.dcp", world)
     dist.barrier()
     if load_from is None:
         return
     want = torch.load(root / f"saved_by_{load_from}.pt", weights_only=False)
     for dest, (pm, mesh) in programs.items():
-        tied = LAYOUTS[dest][3]
-        for source in [s for s in _sources(load_from) if LAYOUTS[s.removesuffix(".dcp")][3] == tied]:
-            _load_and_resume(pm, mesh, root, source, load_from, want[source], eager[tied], f"{source} ({load_from} ranks) -> {dest} ({world} ranks)")
-    if save and world == 4:  # pipeline x tensor and FSDP x tensor (the untied LM) on the same 4 ranks, both ways
-        untied = [n for n in ON[4] if not LAYOUTS[n][3]]
-        for dest in untied:
+        for source in _sources(load_from):
+            _load_and_resume(pm, mesh, root, source, load_from, want[source], eager, f"{source} ({load_from} ranks) -> {dest} ({world} ranks)")
+    if save and world == 4:  # pipeline x tensor and FSDP x tensor on the same 4 ranks, both ways
+        for dest in SAME_RANKS:
             pm, mesh = programs[dest]
-            for source in [s for s in _sources(4) if s.removesuffix(".dcp") in untied and s.removesuffix(".dcp") != dest]:
+            for source in [s for s in _sources(4) if s.removesuffix(".dcp") in SAME_RANKS and s.removesuffix(".dcp") != dest]:
                 want_here = {**saved[source], "rng": saved[source]["own_rng"]}
-                _load_and_resume(pm, mesh, root, source, 4, want_here, eager[False], f"{source} -> {dest} (4 ranks)")
+                _load_and_resume(pm, mesh, root, source, 4, want_here, eager, f"{source} -> {dest} (4 ranks)")
 
 
 def _load_and_resume(pm, mesh, root: Path, source: str, world: int, want: dict, eager_run, what: str) -> None:
@@ -199,7 +180,7 @@ def _rank_0(value):
     return shared[0]
 
 
-def _assert_written_by_stage(folder: Path, world: int, tied: bool) -> None:
+def _assert_written_by_stage(folder: Path, world: int) -> None:
     """In a pipeline's DCP folder each block's chunks are in the files of its stage's ranks (rank r
     writes ``__r_0.distcp``; the first half of the ranks is stage 0), a tied LM head's state is
     under the embedding's key only (one key), and every rank wrote a file."""
@@ -213,7 +194,7 @@ def _assert_written_by_stage(folder: Path, world: int, tied: bool) -> None:
         blocks = [fqn for fqn in files if f"blocks.{stage}." in fqn]
         assert blocks and all(files[fqn] == {stage} for fqn in blocks), (folder, stage, blocks)
     heads = [fqn for fqn in files if fqn.startswith("optimizer.state.head.")]
-    assert (not heads) if tied else heads, (folder, heads)
+    assert not heads, (folder, heads)
     assert len(list(folder.glob("*.distcp"))) == world, folder
 
 

@@ -61,9 +61,8 @@ class RandomSites(nn.Module):
             (h * 2).normal_(),
             (h * 3).uniform_(-1.0, 1.0),
         ]
-        b = x.size(0)  # not x.shape[1]: 1F1B fails (KeyError) where a later stage reads a non-batch size
-        # of a value from an earlier stage, a bug of its own (docs/limitations.md)
-        q, k, v = (f(x).view(b, -1, 2, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
+        b, s, _ = x.shape  # a later stage reads sizes of a value from an earlier stage
+        q, k, v = (f(x).view(b, s, 2, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
         attention = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25 if self.training else 0.0)
         total = sites[0]
         for site in sites[1:]:

@@ -119,6 +119,8 @@ def transform(
         micro_batches = arguments["micro_batches"]
         context_parallel = arguments["context_parallel"]
         batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
+        if context_parallel and copies > 1:  # the export keeps the batch dynamic too: the copies split it
+            dynamic_dims = _batch_also_dynamic(dynamic_dims)
     estimate = None
     if memory_per_device is not None and pipeline is not None and is_device_mesh(devices):
         raise ValueError(
@@ -425,6 +427,17 @@ def _sequence_dim(batch_dim: object, memory_per_device: object) -> int:
             "reports the activation memory per device), or memory_per_device= without a 'cp' dimension"
         )
     return 1
+
+
+def _batch_also_dynamic(dynamic_dims: Any) -> list[int]:
+    """``dynamic_dims=`` for dp copies of a context-parallel program: dim 0 (the batch the copies
+    split) as well as the sequence, for every tensor argument."""
+    if isinstance(dynamic_dims, Mapping):
+        raise DpCompileError(
+            f"dynamic_dims={dict(dynamic_dims)!r} with mesh={{'dp': D, 'cp': N}}: the batch and the sequence of every "
+            "input vary already; give dynamic_dims= as a list of dims for every tensor argument, or leave it out"
+        )
+    return sorted({0, *(dynamic_dims or ())})
 
 
 def _pipeline_recipe(

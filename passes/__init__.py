@@ -2,6 +2,7 @@
 
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
                                          ├─► insert_sequence_exchange ─► insert_scatter_gather ─► regather_keys_values (context parallel)
+                                         ├─► split_batch_into_copies ─► insert_sequence_exchange ─► ... (dp x cp, one process)
                                          ├─► shard_linear ─► [shard_sequence ─►] expand_shards (tensor, sequence parallel)
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
@@ -39,6 +40,7 @@ from passes.functionalize import find_mutations, functionalize_mutations
 from passes.name_dp_copies import find_piece_names, name_dp_copies
 from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
 from passes.regather_keys_values import find_regather_sites, regather_keys_values
+from passes.sequence_copies import split_batch_into_copies
 from passes.sequence_parallel import find_sequence_region, shard_sequence
 from passes.shard_linear import find_linear_sites, shard_linear
 from passes.split_stages import StagePlan, find_stage_boundaries, split_stages
@@ -87,6 +89,16 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
         ),
         *([regather_keys_values] if options.context_parallel else []),
         *exact_random_pipeline(options),
+    ]
+
+
+def sequence_copies_pipeline(options: PipelineOptions, *, copies: int, batch_dims: dict[str, int | None]) -> list[Pass]:
+    """``dp`` copies of a context-parallel program (``mesh={"dp": D, "cp": C}``): the batch split
+    into ``copies`` pieces (``split_batch_into_copies``), then each piece's attention marked
+    (``insert_sequence_exchange``), before :func:`data_parallel_pipeline` splits the sequence."""
+    return [
+        functools.partial(split_batch_into_copies, copies=copies, batch_dims=batch_dims, device=options.devices.primary),
+        functools.partial(insert_sequence_exchange, input_dims=options.input_dims),
     ]
 
 
@@ -205,6 +217,8 @@ __all__ = [
     "shard_linear",
     "find_linear_sites",
     "shard_sequence",
+    "sequence_copies_pipeline",
+    "split_batch_into_copies",
     "find_sequence_region",
     "decompose_attention",
     "draw_random_whole",

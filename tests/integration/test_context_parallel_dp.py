@@ -61,20 +61,28 @@ def test_dp_cp_transformers_train_like_eager(name):
         torch.testing.assert_close(p, q, msg=lambda m, path=path: f"{path} after two steps: {m}")
 
 
-def test_dp_cp_causal_block_equals_eager_with_a_batch_that_does_not_divide():
+@pytest.mark.parametrize("data_parallel", ["replicate", "fsdp"])
+def test_dp_cp_causal_block_trains_like_eager_with_a_batch_that_does_not_divide(data_parallel):
     """A causal attention block, batch 3 over 2 copies (rows 2 and 1), length 7 over 2 devices
-    (4 and 3): outputs and every gradient equal eager."""
+    (4 and 3), replicated or FSDP over dp: outputs of two AdamW steps, then the state, equal eager."""
     torch.manual_seed(0)
     model = CausalSelfAttention().double()
     eager = copy.deepcopy(model)
     x = torch.randn(3, 7, 16, dtype=torch.float64)
-    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "cp": 2}, example_inputs=(x,))
-    got, want = pm(x), eager(x)
-    torch.testing.assert_close(got, want)
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (path, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, path=path: f"grad {path}: {m}")
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "cp": 2}, example_inputs=(x,), data_parallel=data_parallel)
+    ours, theirs = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for _ in range(2):
+        got, want = pm(x), eager(x)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        ours.step()
+        theirs.step()
+        ours.zero_grad()
+        theirs.zero_grad()
+    state = pm.state_dict()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key} after two steps: {m}")
 
 
 def test_dp_cp_on_devices_of_their_own_is_refused_by_name():

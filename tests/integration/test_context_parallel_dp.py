@@ -83,6 +83,8 @@ def test_dp_cp_causal_block_trains_like_eager_with_a_batch_that_does_not_divide(
     state = pm.state_dict()
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key} after two steps: {m}")
+    placed = {n.name: n.device for n in dpcompile.explain(pm, x).nodes}
+    assert [placed[f"qkv_dp{r}_dev{k}"] for r in (0, 1) for k in (0, 1)] == ["cpu#0", "cpu#1", "cpu#2", "cpu#3"]
 
 
 def test_dp_cp_on_devices_of_their_own_is_refused_by_name():

@@ -392,6 +392,8 @@ def make_recipe(
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
         recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule)
+        if context_parallel and isinstance(recipe, PipelineTensorParallelRecipe):  # {"cp", "tp"}: pieces of the sequence
+            recipe = dataclasses.replace(recipe, context_parallel=True)
         if isinstance(recipe, MeshPipelineRecipe):  # data parallel over a mesh's "dp": replicated or FSDP
             check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan, data_parallel)
             recipe = dataclasses.replace(recipe, data_parallel=data_parallel, mixed_precision=mixed_precision)

@@ -32,7 +32,7 @@ CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 #: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1);
 #: in one process ``dp`` composes over any other program (:func:`replicate_over_dp`)
 BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}, {"cp"},
-                     {"dp", "cp"})
+                     {"dp", "cp"}, {"cp", "tp"})
 BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"})
 
 
@@ -115,6 +115,8 @@ def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
     (2, True, 4, 2, 4)
     """
     arguments = {**target.arguments(), "devices": target.canonical_devices(), "micro_batches": micro_batches}
+    if target.active == {"cp", "tp"}:
+        return shards_over_cp(target, arguments)
     if "dp" not in target.active or target.active == {"dp"}:
         return {**arguments, "dp_copies": 1, "dp_devices": None}
     copies = dp_copies(target)
@@ -126,6 +128,19 @@ def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
     pipeline = arguments["pipeline"] if arguments["pipeline"] is not None else 1
     return {**arguments, "devices": copies[0], "pipeline": pipeline, "micro_batches": micro_batches * len(copies),
             "dp_copies": len(copies), "dp_devices": dp_devices}  # fmt: skip
+
+
+def shards_over_cp(target: Target, arguments: dict[str, Any]) -> dict[str, Any]:
+    """``{"cp": C, "tp": T}``: the tensor-parallel program split into ``C`` pieces along the sequence,
+    as dp splits it into copies along the batch (a pipeline of one stage, ``C`` micro-batches on the
+    sequence dim, piece ``r`` on ``devices[r*T:(r+1)*T]``), attention's keys and values gathered
+    across the pieces, each tensor-parallel shard gathering its own heads."""
+    devices, shards = arguments["devices"], target.size("tp")
+    pieces = [Devices(tuple(devices[r * shards : (r + 1) * shards])) for r in range(target.size("cp"))]
+    dp_devices = tuple(tuple(piece.strings()) for piece in pieces)
+    check_copy_devices(dp_devices, layout=target.layout)
+    return {**arguments, "devices": pieces[0], "pipeline": 1, "micro_batches": len(pieces), "dp_copies": len(pieces),
+            "dp_devices": dp_devices}  # fmt: skip
 
 
 def check_copy_devices(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[str, int] | None = None) -> None:
@@ -255,9 +270,9 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
     where = "over a DeviceMesh" if over_mesh else "in one process"
     if "cp" in active:
         nearest = (
-            "mesh={'cp': N} or mesh={'dp': D, 'cp': N} in one process (the sequence split, attention's keys and "
-            "values all-gathered; dp copies of that program over virtual devices), or leave 'cp' out: the "
-            "sequence then stays whole on each device"
+            "mesh={'cp': N}, mesh={'dp': D, 'cp': N} or mesh={'cp': N, 'tp': T} in one process (the sequence split, "
+            "attention's keys and values all-gathered; dp copies of that program over virtual devices; its "
+            "layers sharded over tp), or leave 'cp' out: the sequence then stays whole on each device"
         )
     else:
         nearest = (
@@ -301,6 +316,7 @@ __all__ = [
     "check_built",
     "check_copy_devices",
     "check_virtual_copies",
+    "shards_over_cp",
     "dp_copies",
     "mesh_layout",
     "replicate_over_dp",

@@ -28,7 +28,7 @@ from dpcompile.infra import Pass
 from passes.borrowed_modules import find_module_homes, replicate_borrowed_modules
 from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
 from passes.collectives import find_collective_sites, lower_to_collectives
-from passes.context_parallel import find_sequence_attention, insert_sequence_exchange
+from passes.context_parallel import find_sequence_attention, insert_sequence_exchange, markers_take_shard_layouts
 from passes.cut_stage import cut_stage
 from passes.data_parallel import insert_scatter_gather
 from passes.decompose_attention import decompose_attention
@@ -100,6 +100,12 @@ def sequence_copies_pipeline(options: PipelineOptions, *, copies: int, batch_dim
         functools.partial(split_batch_into_copies, copies=copies, batch_dims=batch_dims, device=options.devices.primary),
         functools.partial(insert_sequence_exchange, input_dims=options.input_dims),
     ]
+
+
+def sequence_exchange_on_shards(input_dims: dict[str, int | None]) -> list[Pass]:
+    """``{"cp", "tp"}``: attention marked on ``shard_linear``'s one-shard program, each marker taking
+    its input's shard layout (``markers_take_shard_layouts``), so each shard gathers its own heads."""
+    return [functools.partial(insert_sequence_exchange, input_dims=dict(input_dims)), markers_take_shard_layouts]
 
 
 def spmd_tensor_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
@@ -174,14 +180,14 @@ def checkpoint_pipeline(paths: tuple[str, ...], save: str = "nothing") -> list[P
 
 
 def dp_copies_pipeline(
-    micro_batches_per_copy: int | None, copies: tuple[tuple[str, ...], ...] | None = None
+    micro_batches_per_copy: int | None, copies: tuple[tuple[str, ...], ...] | None = None, *, prefix: str = "dp"
 ) -> list[Pass]:
     """``name_dp_copies`` where a ``dp`` dimension made copies of the program, each of
     ``micro_batches_per_copy`` pieces, then :func:`place_copies_pipeline` (nothing without a
     ``dp`` dimension): last, after every rename."""
     if micro_batches_per_copy is None:
         return []
-    named: list[Pass] = [functools.partial(name_dp_copies, micro_batches=micro_batches_per_copy)]
+    named: list[Pass] = [functools.partial(name_dp_copies, micro_batches=micro_batches_per_copy, prefix=prefix)]
     return named + place_copies_pipeline(micro_batches_per_copy, copies)
 
 
@@ -218,6 +224,8 @@ __all__ = [
     "find_linear_sites",
     "shard_sequence",
     "sequence_copies_pipeline",
+    "sequence_exchange_on_shards",
+    "markers_take_shard_layouts",
     "split_batch_into_copies",
     "find_sequence_region",
     "decompose_attention",

@@ -93,14 +93,14 @@ def test_layout_mesh_arithmetic_is_checked_with_the_numbers(mesh, n, match):
         dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
 
 
-@pytest.mark.parametrize("mesh", [{"cp": 2, "tp": 2}, {"pp": 2, "cp": 2}])
+@pytest.mark.parametrize("mesh", [{"pp": 2, "cp": 2}, {"dp": 2, "cp": 2, "tp": 2}])
 def test_layout_not_built_names_the_nearest(mesh):
     """A layout not built in one process is a DpCompileError that names one that works (for cp:
     cp alone, or dp copies of it)."""
     n = 1
     for size in mesh.values():
         n *= size
-    with pytest.raises(DpCompileError, match=r"is not built in one process yet; use mesh=\{'cp': N\} or mesh=\{'dp': D, 'cp': N\}"):
+    with pytest.raises(DpCompileError, match=r"is not built in one process yet; use mesh=\{'cp': N\}, mesh=\{'dp': D, 'cp': N\} or mesh=\{'cp': N, 'tp': T\}"):
         dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
 
 
@@ -255,7 +255,7 @@ def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():
     check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("pp", "dp", "tp")), pipeline=2, tensor_parallel=True)
     check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("pp", "dp", "tp")), pipeline=2, data_parallel="fsdp")
     check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), pipeline=2, data_parallel="fsdp")
-    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use mesh=\{'cp': N\} or mesh=\{'dp': D, 'cp': N\} in one process"):
+    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use mesh=\{'cp': N\}, mesh=\{'dp': D, 'cp': N\} or mesh=\{'cp': N, 'tp': T\} in one process"):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "cp")), pipeline=2)
 
 

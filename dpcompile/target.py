@@ -139,6 +139,7 @@ def shards_over_cp(target: Target, arguments: dict[str, Any]) -> dict[str, Any]:
     pieces = [Devices(tuple(devices[r * shards : (r + 1) * shards])) for r in range(target.size("cp"))]
     dp_devices = tuple(tuple(piece.strings()) for piece in pieces)
     check_copy_devices(dp_devices, layout=target.layout)
+    check_virtual_copies(dp_devices, layout=target.layout)
     return {**arguments, "devices": pieces[0], "pipeline": 1, "micro_batches": len(pieces), "dp_copies": len(pieces),
             "dp_devices": dp_devices}  # fmt: skip
 
@@ -159,14 +160,15 @@ def check_copy_devices(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[s
 
 
 def check_virtual_copies(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[str, int]) -> None:
-    """dp copies of a context-parallel program run on the same devices as copy 0 (virtual devices,
-    ``["cpu"] * n`` or one GPU repeated): copies on devices of their own are not placed yet."""
+    """dp copies of a context-parallel program (or cp's pieces of a tensor-parallel one) run on the
+    same devices as copy 0 (virtual devices, ``["cpu"] * n`` or one GPU repeated): copies on devices
+    of their own are not placed yet."""
     for r, copy in enumerate(dp_devices[1:], start=1):
         if tuple(copy) != tuple(dp_devices[0]):
             raise DpCompileError(
-                f"mesh={dict(layout)}: dp copy 0 runs on {list(dp_devices[0])} and copy {r} on {list(copy)}; dp x cp in "
-                "one process runs every copy on the same devices for now (virtual devices: ['cpu'] * n, or one GPU "
-                "repeated): repeat copy 0's devices, or use mesh={'cp': N} alone on distinct devices"
+                f"mesh={dict(layout)}: copy 0 runs on {list(dp_devices[0])} and copy {r} on {list(copy)}; cp composed "
+                "with dp or tp in one process runs every copy on the same devices for now (virtual devices: ['cpu'] * n, "
+                "or one GPU repeated): repeat copy 0's devices, or use mesh={'cp': N} alone on distinct devices"
             )
 
 

@@ -87,12 +87,14 @@ def test_dp_cp_causal_block_trains_like_eager_with_a_batch_that_does_not_divide(
     assert [placed[f"qkv_dp{r}_dev{k}"] for r in (0, 1) for k in (0, 1)] == ["cpu#0", "cpu#1", "cpu#2", "cpu#3"]
 
 
-def test_dp_cp_on_devices_of_their_own_is_refused_by_name():
-    """dp copies of a context-parallel program run on copy 0's devices (virtual devices): copies on
-    devices of their own are refused before anything is built, naming the way out."""
+@pytest.mark.parametrize("mesh", [{"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}])
+def test_cp_composed_on_devices_of_their_own_is_refused_by_name(mesh):
+    """dp copies of a context-parallel program (and cp's pieces of a tensor-parallel one) run on copy
+    0's devices (virtual devices): copies on devices of their own are refused before anything is
+    built, naming the way out."""
     x = torch.randn(2, 6, 16)
     model = CausalSelfAttention()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(DpCompileError, match=r"same devices for now .* mesh=\{'cp': N\} alone"):
-        dpcompile.transform(model, ["cpu", "cpu", "meta", "meta"], mesh={"dp": 2, "cp": 2}, example_inputs=(x,))
+        dpcompile.transform(model, ["cpu", "cpu", "meta", "meta"], mesh=mesh, example_inputs=(x,))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

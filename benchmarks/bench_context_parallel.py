@@ -11,8 +11,7 @@ measured in the same run.
   batch of 1 runs whole on one device); context parallel splits the sequence, whatever the batch.
   At a batch of at least the device count both hold the same number of tokens per device, and
   context parallel adds each attention's gathered keys and values while it runs (forward, and
-  again in backward): compare with ``--batch 4``. From a batch of 2, ``{"dp": 2, "cp": 2}`` (dp copies
-  of the context-parallel program) is measured too.
+  again in backward): compare with ``--batch 4``.
 """
 
 from __future__ import annotations
@@ -79,10 +78,6 @@ def main() -> None:
            "cp_over_dp": cp / dp}  # fmt: skip
     print(f"4-layer decoder, batch {args.batch} x seq {args.seq} on 4 virtual devices: peak activation bytes per "
           f"device: data parallel {dp:,}, context parallel {cp:,}: {cp / dp:.2f}x")  # fmt: skip
-    if args.batch >= 2:
-        both = peak_activation_bytes({"dp": 2, "cp": 2}, x, model)
-        row.update(dp_cp_peak_bytes=both, dp_cp_over_dp=both / dp)
-        print(f"dp x cp (2 x 2): {both:,}: {both / dp:.2f}x data parallel, {both / cp:.2f}x context parallel")
     if args.json:
         (RESULTS / "context_parallel.json").write_text(json.dumps(row, indent=2) + "\n")
 

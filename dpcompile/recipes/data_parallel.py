@@ -73,6 +73,7 @@ class DataParallelRecipe(Recipe):
         if self.context_parallel:
             input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
         gm, records = run_passes(gm, passes.frontend_pipeline(self._frontend_options(input_dims)))
+        self._check_random_over_copies(gm)
         warn_if_mostly_whole(self._attention_marked(gm, input_dims), input_dims, example_inputs, len(self.devices))
         captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
         # forward is Python: traced again where a call takes another path (see build_program)
@@ -119,6 +120,15 @@ class DataParallelRecipe(Recipe):
         """dp copies of a context-parallel program mark attention after the batch's split (in :meth:`lower`)."""
         options = self._options(input_dims=input_dims)
         return dataclasses.replace(options, context_parallel=False) if self.sequence_copies > 1 else options
+
+    def _check_random_over_copies(self, gm: fx.GraphModule) -> None:
+        """dp copies of a context-parallel program do not draw the single-device random values yet."""
+        if self.sequence_copies > 1 and self.exact_random and (sites := passes.find_random_sites(gm)):
+            raise DpCompileError(
+                f"mesh={{'dp': {self.sequence_copies}, 'cp': {len(self.devices)}}} does not draw random ops' single-device "
+                f"values yet ('{sites[0].source}' draws): pass exact_random=False (each device draws its own values, "
+                "as plain data parallelism would), set the dropout to 0, or use mesh={'cp': N} alone"
+            )
 
     def _attention_marked(self, gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> fx.GraphModule:
         """``gm`` as the sequence split sees it: for dp copies, a copy with attention marked (``gm``

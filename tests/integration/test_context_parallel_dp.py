@@ -17,6 +17,13 @@ from dpcompile import DpCompileError
 from tests.integration.test_context_parallel import CausalSelfAttention, _inputs, _transformers_model
 
 
+class DroppedOut(CausalSelfAttention):
+    """The causal block with dropout on its output."""
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(super().forward(x), 0.5, self.training)
+
+
 def _batch_of_four(name: str, seq: int, seed: int) -> dict[str, torch.Tensor]:
     """Four rows, two per copy; copy 0's first row has labels ignored (-100), so the copies count
     different tokens and a mean of the copies' means would differ from eager's loss."""
@@ -98,3 +105,18 @@ def test_cp_composed_on_devices_of_their_own_is_refused_by_name(mesh):
     with pytest.raises(DpCompileError, match=r"same devices for now .* mesh=\{'cp': N\} alone"):
         dpcompile.transform(model, ["cpu", "cpu", "meta", "meta"], mesh=mesh, example_inputs=(x,))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_dp_cp_random_ops_are_refused_unless_exact_random_is_off():
+    """A dropout under dp x cp: the single-device draws are not built, so the default exact_random
+    refuses by name; exact_random=False builds (each device draws its own) and eval equals eager."""
+    torch.manual_seed(0)
+    model = DroppedOut().double()
+    x = torch.randn(4, 7, 16, dtype=torch.float64)
+    with pytest.raises(DpCompileError, match="does not draw random ops' single-device values yet.*exact_random=False"):
+        dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "cp": 2}, example_inputs=(x,))
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "cp": 2}, example_inputs=(x,), exact_random=False)
+    assert pm(x).shape == x.shape
+    pm.eval()
+    model.eval()
+    torch.testing.assert_close(pm(x), model(x))

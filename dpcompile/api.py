@@ -135,6 +135,8 @@ def transform(
         micro_batches = arguments["micro_batches"]
         context_parallel = arguments["context_parallel"]
         batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
+        if context_parallel and copies > 1:  # the export keeps the batch dynamic too: the copies split it
+            dynamic_dims = _batch_also_dynamic(dynamic_dims)
     elif is_device_mesh(devices) and tuple(devices.mesh_dim_names or ()) == ("cp",):
         batch_dim = _sequence_dim(batch_dim, memory_per_device)  # the frontend keeps the sequence dynamic
     estimate = None
@@ -409,6 +411,8 @@ def make_recipe(
     if pipeline is not None:
         recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule,
                                   sequence_parallel)  # fmt: skip
+        if context_parallel and isinstance(recipe, PipelineTensorParallelRecipe):  # {"cp", "tp"}: pieces of the sequence
+            recipe = dataclasses.replace(recipe, context_parallel=True)
         if isinstance(recipe, MeshPipelineRecipe):  # data parallel over a mesh's "dp": replicated or FSDP
             check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan, data_parallel)
             recipe = dataclasses.replace(recipe, data_parallel=data_parallel, mixed_precision=mixed_precision)
@@ -444,6 +448,17 @@ def _sequence_dim(batch_dim: object, memory_per_device: object) -> int:
             "reports the activation memory per device), or memory_per_device= without a 'cp' dimension"
         )
     return 1
+
+
+def _batch_also_dynamic(dynamic_dims: Any) -> list[int]:
+    """``dynamic_dims=`` for dp copies of a context-parallel program: dim 0 (the batch the copies
+    split) as well as the sequence, for every tensor argument."""
+    if isinstance(dynamic_dims, Mapping):
+        raise DpCompileError(
+            f"dynamic_dims={dict(dynamic_dims)!r} with mesh={{'dp': D, 'cp': N}}: the batch and the sequence of every "
+            "input vary already; give dynamic_dims= as a list of dims for every tensor argument, or leave it out"
+        )
+    return sorted({0, *(dynamic_dims or ())})
 
 
 def _pipeline_recipe(

@@ -31,7 +31,8 @@ CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 
 #: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1);
 #: in one process ``dp`` composes over any other program (:func:`replicate_over_dp`)
-BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}, {"cp"})
+BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}, {"cp"},
+                     {"dp", "cp"}, {"cp", "tp"})
 BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"}, {"cp"})
 
 
@@ -100,12 +101,13 @@ def dp_copies(target: Target) -> list[Devices]:
 
 def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
     """The builders' keywords for ``dp`` composed over the program the other dimensions build (the
-    pipeline, the tensor-parallel program, or both): ``D`` copies of it, the batch split into
+    pipeline, the tensor-parallel program, or both; or the context-parallel one): ``D`` copies of it, the batch split into
     ``D x micro_batches`` pieces by data parallelism's split (``insert_scatter_gather``: exact mean
     and sum losses, BatchNorm over the whole batch), piece ``j`` run by copy ``j // micro_batches``.
     A program without a pipeline is a pipeline of one stage. The program is built on copy 0's
     devices; ``dp_devices`` (each copy's devices, as strings) tells ``passes.place_dp_copies``
-    where copy ``r`` runs.
+    where copy ``r`` runs. The context-parallel program is no pipeline: its recipe splits the batch
+    into the copies itself (``passes.split_batch_into_copies``), then each copy's sequence.
 
     >>> t = resolve_target(["cpu"] * 8, {"pp": 2, "dp": 2, "tp": 2}, pipeline=None, tensor_parallel=False)
     >>> args = replicate_over_dp(t, micro_batches=2)
@@ -113,14 +115,33 @@ def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
     (2, True, 4, 2, 4)
     """
     arguments = {**target.arguments(), "devices": target.canonical_devices(), "micro_batches": micro_batches}
+    if target.active == {"cp", "tp"}:
+        return shards_over_cp(target, arguments)
     if "dp" not in target.active or target.active == {"dp"}:
         return {**arguments, "dp_copies": 1, "dp_devices": None}
     copies = dp_copies(target)
     dp_devices = tuple(tuple(copy.strings()) for copy in copies)
     check_copy_devices(dp_devices, layout=target.layout)
+    if "cp" in target.active:
+        check_virtual_copies(dp_devices, layout=target.layout)
+        return {**arguments, "devices": copies[0], "dp_copies": len(copies), "dp_devices": dp_devices}
     pipeline = arguments["pipeline"] if arguments["pipeline"] is not None else 1
     return {**arguments, "devices": copies[0], "pipeline": pipeline, "micro_batches": micro_batches * len(copies),
             "dp_copies": len(copies), "dp_devices": dp_devices}  # fmt: skip
+
+
+def shards_over_cp(target: Target, arguments: dict[str, Any]) -> dict[str, Any]:
+    """``{"cp": C, "tp": T}``: the tensor-parallel program split into ``C`` pieces along the sequence,
+    as dp splits it into copies along the batch (a pipeline of one stage, ``C`` micro-batches on the
+    sequence dim, piece ``r`` on ``devices[r*T:(r+1)*T]``), attention's keys and values gathered
+    across the pieces, each tensor-parallel shard gathering its own heads."""
+    devices, shards = arguments["devices"], target.size("tp")
+    pieces = [Devices(tuple(devices[r * shards : (r + 1) * shards])) for r in range(target.size("cp"))]
+    dp_devices = tuple(tuple(piece.strings()) for piece in pieces)
+    check_copy_devices(dp_devices, layout=target.layout)
+    check_virtual_copies(dp_devices, layout=target.layout)
+    return {**arguments, "devices": pieces[0], "pipeline": 1, "micro_batches": len(pieces), "dp_copies": len(pieces),
+            "dp_devices": dp_devices}  # fmt: skip
 
 
 def check_copy_devices(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[str, int] | None = None) -> None:
@@ -136,6 +157,19 @@ def check_copy_devices(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[s
                     "placed by device name: give every dp copy the same pattern of devices (e.g. ['cpu'] * n, or "
                     "distinct devices throughout)"
                 )
+
+
+def check_virtual_copies(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[str, int]) -> None:
+    """dp copies of a context-parallel program (or cp's pieces of a tensor-parallel one) run on the
+    same devices as copy 0 (virtual devices, ``["cpu"] * n`` or one GPU repeated): copies on devices
+    of their own are not placed yet."""
+    for r, copy in enumerate(dp_devices[1:], start=1):
+        if tuple(copy) != tuple(dp_devices[0]):
+            raise DpCompileError(
+                f"mesh={dict(layout)}: copy 0 runs on {list(dp_devices[0])} and copy {r} on {list(copy)}; cp composed "
+                "with dp or tp in one process runs every copy on the same devices for now (virtual devices: ['cpu'] * n, "
+                "or one GPU repeated): repeat copy 0's devices, or use mesh={'cp': N} alone on distinct devices"
+            )
 
 
 def _counting(sizes: Sequence[int]) -> list[tuple[int, ...]]:
@@ -238,8 +272,10 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
     where = "over a DeviceMesh" if over_mesh else "in one process"
     if "cp" in active:
         nearest = (
-            "'cp' alone (mesh={'cp': N} over a device list, or a ('cp',) DeviceMesh: the sequence split, attention's "
-            "keys and values all-gathered), or leave 'cp' out: the sequence then stays whole on each device"
+            "mesh={'cp': N}, mesh={'dp': D, 'cp': N} or mesh={'cp': N, 'tp': T} in one process (the sequence split, "
+            "attention's keys and values all-gathered; dp copies of that program over virtual devices; its "
+            "layers sharded over tp), a ('cp',) DeviceMesh, or leave 'cp' out: the sequence then stays whole on each "
+            "device"
         )
     else:
         nearest = (
@@ -282,6 +318,8 @@ __all__ = [
     "Target",
     "check_built",
     "check_copy_devices",
+    "check_virtual_copies",
+    "shards_over_cp",
     "dp_copies",
     "mesh_layout",
     "replicate_over_dp",

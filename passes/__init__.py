@@ -2,6 +2,7 @@
 
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
                                          ├─► insert_sequence_exchange ─► insert_scatter_gather ─► regather_keys_values (context parallel)
+                                         ├─► split_batch_into_copies ─► insert_sequence_exchange ─► ... (dp x cp, one process)
                                          ├─► shard_linear ─► [shard_sequence ─►] expand_shards (tensor, sequence parallel)
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► (context parallel's passes, N virtual devices) ─► lower_sequence_to_rank ('cp' mesh)
@@ -28,7 +29,7 @@ from dpcompile.infra import Pass
 from passes.borrowed_modules import find_module_homes, replicate_borrowed_modules
 from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
 from passes.collectives import find_collective_sites, lower_to_collectives
-from passes.context_parallel import find_sequence_attention, insert_sequence_exchange
+from passes.context_parallel import find_sequence_attention, insert_sequence_exchange, markers_take_shard_layouts
 from passes.cut_stage import cut_stage
 from passes.data_parallel import insert_scatter_gather
 from passes.decompose_attention import decompose_attention
@@ -40,6 +41,7 @@ from passes.functionalize import find_mutations, functionalize_mutations
 from passes.name_dp_copies import find_piece_names, name_dp_copies
 from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
 from passes.regather_keys_values import find_regather_sites, regather_keys_values
+from passes.sequence_copies import split_batch_into_copies
 from passes.sequence_parallel import find_sequence_region, shard_sequence
 from passes.sequence_rank import find_rank_sites, lower_sequence_to_rank
 from passes.shard_linear import find_linear_sites, shard_linear
@@ -90,6 +92,22 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
         *([regather_keys_values] if options.context_parallel else []),
         *exact_random_pipeline(options),
     ]
+
+
+def sequence_copies_pipeline(options: PipelineOptions, *, copies: int, batch_dims: dict[str, int | None]) -> list[Pass]:
+    """``dp`` copies of a context-parallel program (``mesh={"dp": D, "cp": C}``): the batch split
+    into ``copies`` pieces (``split_batch_into_copies``), then each piece's attention marked
+    (``insert_sequence_exchange``), before :func:`data_parallel_pipeline` splits the sequence."""
+    return [
+        functools.partial(split_batch_into_copies, copies=copies, batch_dims=batch_dims, device=options.devices.primary),
+        functools.partial(insert_sequence_exchange, input_dims=options.input_dims),
+    ]
+
+
+def sequence_exchange_on_shards(input_dims: dict[str, int | None]) -> list[Pass]:
+    """``{"cp", "tp"}``: attention marked on ``shard_linear``'s one-shard program, each marker taking
+    its input's shard layout (``markers_take_shard_layouts``), so each shard gathers its own heads."""
+    return [functools.partial(insert_sequence_exchange, input_dims=dict(input_dims)), markers_take_shard_layouts]
 
 
 def spmd_tensor_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
@@ -164,14 +182,14 @@ def checkpoint_pipeline(paths: tuple[str, ...], save: str = "nothing") -> list[P
 
 
 def dp_copies_pipeline(
-    micro_batches_per_copy: int | None, copies: tuple[tuple[str, ...], ...] | None = None
+    micro_batches_per_copy: int | None, copies: tuple[tuple[str, ...], ...] | None = None, *, prefix: str = "dp"
 ) -> list[Pass]:
     """``name_dp_copies`` where a ``dp`` dimension made copies of the program, each of
     ``micro_batches_per_copy`` pieces, then :func:`place_copies_pipeline` (nothing without a
     ``dp`` dimension): last, after every rename."""
     if micro_batches_per_copy is None:
         return []
-    named: list[Pass] = [functools.partial(name_dp_copies, micro_batches=micro_batches_per_copy)]
+    named: list[Pass] = [functools.partial(name_dp_copies, micro_batches=micro_batches_per_copy, prefix=prefix)]
     return named + place_copies_pipeline(micro_batches_per_copy, copies)
 
 
@@ -209,6 +227,10 @@ __all__ = [
     "shard_linear",
     "find_linear_sites",
     "shard_sequence",
+    "sequence_copies_pipeline",
+    "sequence_exchange_on_shards",
+    "markers_take_shard_layouts",
+    "split_batch_into_copies",
     "find_sequence_region",
     "decompose_attention",
     "draw_random_whole",

@@ -216,4 +216,23 @@ def _user_line(node: fx.Node) -> str:
     return f"{filename}:{line}: {code}"
 
 
-__all__ = ["EXCHANGE", "OTHER_EXCHANGES", "AttentionSite", "find_sequence_attention", "insert_sequence_exchange"]
+
+LAYOUT = "dpcompile_layout"  # node.meta: a value's layout over tensor-parallel shards (shard_linear)
+
+
+def markers_take_shard_layouts(gm: fx.GraphModule) -> PassResult:
+    """On ``shard_linear``'s one-shard program (``{"cp", "tp"}``), each marker and causal attention
+    ``insert_sequence_exchange`` made takes its first input's shard layout: keys sharded over heads
+    are gathered along the sequence shard by shard (``expand_shards`` then makes one gather per
+    shard, never shard 0's keys for every shard)."""
+    made = 0
+    for node in gm.graph.nodes:
+        is_marker = node.op == "call_function" and node.target in (runtime.sequence_whole, runtime.sequence_split, runtime.causal_attention)
+        source = node.args[0] if is_marker and node.args else None
+        if isinstance(source, fx.Node) and LAYOUT not in node.meta and LAYOUT in source.meta:
+            node.meta[LAYOUT] = source.meta[LAYOUT]
+            made += 1
+    return PassResult(gm, bool(made), {"layouts": made})
+
+__all__ = ["EXCHANGE", "OTHER_EXCHANGES", "AttentionSite", "find_sequence_attention", "insert_sequence_exchange",
+           "markers_take_shard_layouts"]

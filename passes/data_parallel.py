@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from dpcompile import runtime
 from dpcompile.analysis.batch_dims import propagate
-from dpcompile.analysis.batch_positions import batch_arange_size, index_positions, table_rows
+from dpcompile.analysis.batch_positions import batch_arange_size, index_positions, running_sum_dim, table_rows
 from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
 from dpcompile.analysis.batch_rules.shape import squeeze_keeps
 from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
@@ -356,6 +356,7 @@ class _Builder:
         rows = table_rows(node, self.placements) if split else None
         positions = index_positions(node, self.placements) if split and node.op == "call_function" else None
         keep = squeeze_keeps(node, self.placements) if split else None
+        running = running_sum_dim(node, self.placements) if split else None
         for k in range(self.n):
             # a value the same on every device is computed once per physical device; module
             # state is still read from each device's replica, as on distinct GPUs
@@ -387,6 +388,11 @@ class _Builder:
             if rows is not None:  # table[:size] of a split size: device k's own rows of the table
                 sizes = [self.on_device(rows[1], j) for j in range(self.n)]
                 values.append(self.call(runtime.rows_of_shard, (args[0], rows[0], sizes, k), name=name, source=node))
+                continue
+            if running is not None:  # cumsum along the split dim: the earlier devices' totals added
+                dtype = {"dtype": args[2] if len(args) > 2 else kwargs.get("dtype")} if len(args) > 2 or "dtype" in kwargs else {}
+                earlier = [self.on_device(node.args[0], j) for j in range(k)]
+                values.append(self.call(runtime.running_sum, (args[0], earlier, running), dtype, name=name, source=node))
                 continue
             if positions is not None:
                 args = self._rows_of_device(node, args, positions, k)

@@ -34,30 +34,31 @@ COPY = "dpcompile_dp_copy"  # node.meta: the dp copy a named node belongs to
 _PIECE = re.compile(r"_mb(\d+)(?=_|$)")
 
 
-def find_piece_names(gm: fx.GraphModule, *, micro_batches: int) -> dict[fx.Node, tuple[str, int]]:
-    """``{node: (new name, copy)}`` for every node named after a piece (``_mb<j>``) not named yet."""
+def find_piece_names(gm: fx.GraphModule, *, micro_batches: int, prefix: str = "dp") -> dict[fx.Node, tuple[str, int]]:
+    """``{node: (new name, copy)}`` for every node named after a piece (``_mb<j>``) not named yet
+    (``prefix="cp"``: the pieces are pieces of the sequence, ``{"cp", "tp"}``)."""
     found = {}
     for node in gm.graph.nodes:
         if COPY in node.meta or node.op == "placeholder" or not _PIECE.search(node.name):
             continue
         copy = int(_PIECE.search(node.name).group(1)) // micro_batches  # type: ignore[union-attr]
-        found[node] = (_PIECE.sub(lambda m: _piece_name(int(m.group(1)), micro_batches), node.name), copy)
+        found[node] = (_PIECE.sub(lambda m: _piece_name(int(m.group(1)), micro_batches, prefix), node.name), copy)
     return found
 
 
-def name_dp_copies(gm: fx.GraphModule, *, micro_batches: int) -> PassResult:
+def name_dp_copies(gm: fx.GraphModule, *, micro_batches: int, prefix: str = "dp") -> PassResult:
     """Rename ``_mb<j>`` to ``_dp<r>`` (one micro-batch per copy) or ``_dp<r>_mb<m>``, ``j = r*M + m``
     (``M = micro_batches``, each copy's)."""
-    found = find_piece_names(gm, micro_batches=micro_batches)
+    found = find_piece_names(gm, micro_batches=micro_batches, prefix=prefix)
     for node, (name, copy) in found.items():
         node._rename(name)
         node.meta[COPY] = copy
     return PassResult(gm, bool(found), {"renamed": len(found)})
 
 
-def _piece_name(piece: int, micro_batches: int) -> str:
+def _piece_name(piece: int, micro_batches: int, prefix: str) -> str:
     copy, micro = divmod(piece, micro_batches)
-    return f"_dp{copy}" if micro_batches == 1 else f"_dp{copy}_mb{micro}"
+    return f"_{prefix}{copy}" if micro_batches == 1 else f"_{prefix}{copy}_mb{micro}"
 
 
 __all__ = ["COPY", "find_piece_names", "name_dp_copies"]

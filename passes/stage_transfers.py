@@ -68,7 +68,7 @@ def insert_stage_transfers(
     """Place every node on its stage's device, send what crosses a boundary, order as GPipe."""
     if len(devices) != plan.stages:
         raise PassError(f"{plan.stages} stages need {plan.stages} devices, got {len(devices)}")
-    _run_on_own_modules(gm)
+    run_on_own_modules(gm)
     stage = node_stages(gm, plan)
     builder = _Builder(gm, stage, devices, micro_batches, str(output_device or devices.primary))
     replace_graph(gm, builder.build())
@@ -76,7 +76,7 @@ def insert_stage_transfers(
 
 
 # ------------------------------------------------------------------ no replicas
-def _run_on_own_modules(gm: fx.GraphModule) -> None:
+def run_on_own_modules(gm: fx.GraphModule) -> None:
     """Every micro-batch reads the model's own modules: ``replica_dev1.fc1(x)`` becomes
     ``self.fc1(x)`` (micro-batches share their stage's device, nothing is replicated)."""
     graph = gm.graph
@@ -291,4 +291,4 @@ def _on_device(value: Any, primary: str, device: str) -> Any:
     return value
 
 
-__all__ = ["insert_stage_transfers", "node_stages"]
+__all__ = ["insert_stage_transfers", "node_stages", "run_on_own_modules"]

@@ -93,13 +93,14 @@ def test_layout_mesh_arithmetic_is_checked_with_the_numbers(mesh, n, match):
         dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
 
 
-@pytest.mark.parametrize("mesh", [{"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}])
+@pytest.mark.parametrize("mesh", [{"pp": 2, "cp": 2}, {"dp": 2, "cp": 2, "tp": 2}])
 def test_layout_not_built_names_the_nearest(mesh):
-    """A layout not built in one process is a DpCompileError that names one that works."""
+    """A layout not built in one process is a DpCompileError that names one that works (for cp:
+    cp alone, or dp copies of it)."""
     n = 1
     for size in mesh.values():
         n *= size
-    with pytest.raises(DpCompileError, match="is not built in one process yet; use"):
+    with pytest.raises(DpCompileError, match=r"is not built in one process yet; use mesh=\{'cp': N\}, mesh=\{'dp': D, 'cp': N\} or mesh=\{'cp': N, 'tp': T\}"):
         dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
 
 
@@ -269,7 +270,7 @@ def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():
     check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), pipeline=2, data_parallel="fsdp")
     check_keywords_honoured(_unjoined_mesh((2,), ("cp",)))
     assert mesh_layout(_unjoined_mesh((2,), ("cp",)), pipeline=None, tensor_parallel=False) == {"cp": 2}
-    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use 'cp' alone"):
+    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use mesh=\{'cp': N\}, mesh=\{'dp': D, 'cp': N\} or mesh=\{'cp': N, 'tp': T\} in one process"):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "cp")), pipeline=2)
 
 

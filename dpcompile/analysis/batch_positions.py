@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.analysis.placement import BatchSize, Placement, Replicated
+from dpcompile.analysis.placement import BatchSize, Placement, Replicated, Split
 
 aten = torch.ops.aten
 INT64_MAX = 9223372036854775807
@@ -51,6 +51,30 @@ def batch_arange_size(node: fx.Node, placements: Mapping[fx.Node, Placement]) ->
         return None
     size = args[0]
     return size if placements.get(size) == BatchSize() else None
+
+
+def running_sum_dim(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> int | None:
+    """The split dim where ``node`` is a ``cumsum`` along it (each device then adds the earlier
+    devices' totals, ``runtime.running_sum``), else None."""
+    if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.target not in (torch.cumsum, aten.cumsum.default) and name != "cumsum":
+        return None
+    p, out = placements.get(node.args[0]), placements.get(node)
+    if type(p) is not Split or out != Split(p.dim):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    rank = _rank(node.args[0])
+    if isinstance(dim, int) and dim < 0 and rank is not None:
+        dim += rank
+    return p.dim if dim == p.dim else None
+
+
+def _rank(node: fx.Node) -> int | None:
+    value = node.meta.get("val", node.meta.get("tensor_meta"))
+    shape = getattr(value, "shape", None)
+    return len(shape) if shape is not None else None
 
 
 def table_rows(node: fx.Node, placements: Mapping[fx.Node, Placement]) -> tuple[int, fx.Node] | None:

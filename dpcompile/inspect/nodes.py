@@ -36,13 +36,15 @@ def device_labels(pm: nn.Module) -> list[str]:
 
 
 def copy_labels(pm: nn.Module) -> tuple[list[list[str]], list[str]] | None:
-    """Each dp copy's device labels, and every label in canonical order (pp, dp, tp: ``cpu#2`` is
-    stage 0 of copy 1 with ``{"pp": 2, "dp": 2}``), where ``dp`` composes over a pipeline or
-    tensor-parallel program (``recipe.dp_devices``); None for other programs."""
+    """Each dp copy's device labels, and every label in canonical order (pp, dp, cp, tp: ``cpu#2`` is
+    stage 0 of copy 1 with ``{"pp": 2, "dp": 2}``), where ``dp`` composes over a pipeline, a
+    tensor-parallel or a context-parallel program (``recipe.dp_devices``); None for other programs."""
     copies = getattr(getattr(pm, "recipe", None), "dp_devices", None)
     if not copies:
         return None
-    d, shards = len(copies), (getattr(pm, "layout", None) or {}).get("tp", 1)
+    layout = getattr(pm, "layout", None) or {}
+    inside_copy = layout.get("cp", 1) if layout.get("dp", 1) > 1 else 1  # {"cp", "tp"}: the copies are cp's pieces
+    d, shards = len(copies), layout.get("tp", 1) * inside_copy  # inside each copy, innermost
     stages = len(copies[0]) // shards
     place = {(r, s * shards + t): s * d * shards + r * shards + t for r in range(d) for s in range(stages) for t in range(shards)}
     canonical = [""] * len(place)

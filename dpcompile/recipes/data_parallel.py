@@ -72,8 +72,9 @@ class DataParallelRecipe(Recipe):
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         if self.context_parallel:
             input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
-        gm, records = run_passes(gm, passes.frontend_pipeline(self._options(input_dims=input_dims)))
-        warn_if_mostly_whole(gm, input_dims, example_inputs, len(self.devices))
+        gm, records = run_passes(gm, passes.frontend_pipeline(self._frontend_options(input_dims)))
+        self._check_random_over_copies(gm)
+        warn_if_mostly_whole(self._attention_marked(gm, input_dims), input_dims, example_inputs, len(self.devices))
         captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
         # forward is Python: traced again where a call takes another path (see build_program)
         retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
@@ -110,11 +111,46 @@ class DataParallelRecipe(Recipe):
             context_parallel=self.context_parallel,
         )
 
+    @property
+    def sequence_copies(self) -> int:
+        """The dp copies of a context-parallel program (``mesh={"dp": D, "cp": C}``); 1 without."""
+        return len(self.dp_devices) if self.context_parallel and self.dp_devices else 1
+
+    def _frontend_options(self, input_dims: Mapping[str, int | None] | None = None) -> passes.PipelineOptions:
+        """dp copies of a context-parallel program mark attention after the batch's split (in :meth:`lower`)."""
+        options = self._options(input_dims=input_dims)
+        return dataclasses.replace(options, context_parallel=False) if self.sequence_copies > 1 else options
+
+    def _check_random_over_copies(self, gm: fx.GraphModule) -> None:
+        """dp copies of a context-parallel program do not draw the single-device random values yet."""
+        if self.sequence_copies > 1 and self.exact_random and (sites := passes.find_random_sites(gm)):
+            raise DpCompileError(
+                f"mesh={{'dp': {self.sequence_copies}, 'cp': {len(self.devices)}}} does not draw random ops' single-device "
+                f"values yet ('{sites[0].source}' draws): pass exact_random=False (each device draws its own values, "
+                "as plain data parallelism would), set the dropout to 0, or use mesh={'cp': N} alone"
+            )
+
+    def _attention_marked(self, gm: fx.GraphModule, input_dims: Mapping[str, int | None]) -> fx.GraphModule:
+        """``gm`` as the sequence split sees it: for dp copies, a copy with attention marked (``gm``
+        itself is marked after the batch's split, in :meth:`lower`)."""
+        if self.sequence_copies == 1:
+            return gm
+        marked = graph_module(gm, copy_graph(gm.graph), "Marked")
+        return passes.insert_sequence_exchange(marked, input_dims=dict(input_dims)).graph_module
+
     def lower(
         self, gm: fx.GraphModule, devices: Devices, input_dims: Mapping[str, int | None], *, recompile: bool = True
     ) -> fx.GraphModule:
-        """A captured (and tidied) graph lowered to data-parallel code for ``devices``."""
-        lowering = passes.data_parallel_pipeline(self._options(devices, input_dims)) + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
+        """A captured (and tidied) graph lowered to data-parallel code for ``devices`` (dp copies of a
+        context-parallel program: the batch split into the copies first, each copy's sequence then
+        split over ``devices``, the copies named last)."""
+        options = self._options(devices, input_dims)
+        copies = self.sequence_copies
+        lowering = passes.data_parallel_pipeline(options) + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
+        if copies > 1:
+            batch_dims = infer_input_dims(gm, batch_dim=0)
+            lowering = passes.sequence_copies_pipeline(options, copies=copies, batch_dims=batch_dims) + lowering
+            lowering += passes.dp_copies_pipeline(1, self.dp_devices)
         lowered, _ = run_passes(gm, lowering, recompile=recompile)
         return lowered
 
@@ -122,7 +158,7 @@ class DataParallelRecipe(Recipe):
         """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied."""
         with modes_applied(model, key.modes):
             gm = capture(model, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
-        gm, _ = run_passes(gm, passes.frontend_pipeline(self._options()))
+        gm, _ = run_passes(gm, passes.frontend_pipeline(self._frontend_options()))
         return gm
 
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:

@@ -54,6 +54,7 @@ from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe
+from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.pipeline import place_stages
 from dpcompile.recipes.tensor_parallel import (
     aliased_plan,
@@ -92,6 +93,7 @@ class PipelineTensorParallelRecipe(Recipe):
     plan: bool | Mapping[str, str] = True
     check_available: bool = True
     sequence_parallel: bool = False  # each micro-batch's values between the pairs on sequence shards
+    context_parallel: bool = False  # {"cp", "tp"}: the micro-batches are pieces of the sequence (batch_dim 1)
 
     @property
     def stage_count(self) -> int:
@@ -124,6 +126,8 @@ class PipelineTensorParallelRecipe(Recipe):
             propagate_shapes(gm, list(example_inputs), check=True)
             weights = node_flops(gm, list(example_inputs))
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
+        if self.context_parallel:
+            input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
         styles, reasons = plan_for(gm, aliased_plan(self.plan), shards, model)
         options = passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary, plan=styles)
         gm, records = run_passes(gm, passes.frontend_pipeline(options))
@@ -138,6 +142,10 @@ class PipelineTensorParallelRecipe(Recipe):
         shapes = {n.name: {k: n.meta[k] for k in ("val", "tensor_meta") if k in n.meta} for n in gm.graph.nodes}
         gm, shard_records = run_passes(gm, passes.spmd_tensor_parallel_pipeline(options))
         records += shard_records
+        if self.context_parallel:  # attention marked on one shard's program: each shard gathers its own heads
+            borrow_shapes(gm, shapes)
+            gm, exchange_records = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
+            records += exchange_records
         shard_info = unaliased_findings(info_of(shard_records, "shard_linear"))
         plan = stages_of_shards(gm, stage_plan)
         borrow_shapes(gm, shapes)
@@ -219,7 +227,8 @@ class PipelineTensorParallelRecipe(Recipe):
         records = sequence_records + records
         read_each_parameter_once(expanded)
         tidy_micro_batch_names(expanded)
-        finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(self.dp_micro_batches)
+        finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(
+            self.dp_micro_batches, prefix="cp" if self.context_parallel else "dp")
         expanded, _ = run_passes(expanded, finishing, recompile=False)
         expanded.recompile()
         return expanded, records

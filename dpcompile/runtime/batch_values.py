@@ -2,7 +2,8 @@
 
 ``batch_arange`` is device ``k``'s slice of ``torch.arange(B)``: the positions, in the whole
 batch, of the rows device ``k`` holds (device 1 of a batch of 5 split 3/2 holds ``[3, 4]``).
-``rows_of_shard`` is device ``k``'s rows of a table sliced by a split size. ``local_positions`` turns such positions back into rows of the device's own chunk, for an
+``rows_of_shard`` is device ``k``'s rows of a table sliced by a split size. ``running_sum`` is
+device ``k``'s part of a ``cumsum`` along the split dim. ``local_positions`` turns such positions back into rows of the device's own chunk, for an
 index into it. ``squeeze_except`` is ``squeeze()`` on a chunk that may hold one sample.
 ``written`` is an in-place write made functional: the written copy of a tensor, so a program
 can say what a mutation produced instead of relying on aliasing; ``write_back`` puts such a
@@ -87,6 +88,20 @@ def written(
     for step, step_args in steps:
         view = _call(step, view, step_args)
     _call(op, view, args, kwargs)
+    return out
+
+
+def running_sum(own: torch.Tensor, earlier: Sequence[torch.Tensor], dim: int, **kwargs: Any) -> torch.Tensor:
+    """Device ``k``'s part of ``torch.cumsum(x, dim)`` where ``x`` is split along ``dim``: its own
+    chunk's running sum plus the totals of the chunks before it (``earlier``), exact for integers
+    (a padding mask's positions); for floats the same sums in another order.
+
+    >>> running_sum(torch.tensor([[1, 0, 1]]), [torch.tensor([[1, 1]])], 1)
+    tensor([[3, 3, 4]])
+    """
+    out = torch.cumsum(own, dim, **kwargs)
+    for chunk in earlier:
+        out = out + chunk.to(own.device).sum(dim, keepdim=True, dtype=out.dtype)
     return out
 
 

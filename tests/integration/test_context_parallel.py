@@ -67,6 +67,19 @@ class PaddedSelfAttention(CausalSelfAttention):
         return self.out(a.transpose(1, 2).reshape(b, s, d))
 
 
+class LeftPaddedPositions(CausalSelfAttention):
+    """Positions counted over the tokens a padding mask keeps (``cumsum`` along the sequence, as
+    RoBERTa numbers its positions), then bidirectional attention over the kept keys."""
+
+    def forward(self, x, keep):
+        b, s, d = x.shape
+        positions = torch.cumsum(keep.long(), 1) * keep
+        h = x + self.pos(positions)
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep.bool()[:, None, None, :])
+        return self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
 def _transformers_model(name: str) -> nn.Module:
     T = import_or_skip("transformers")
     if name == "gpt2":
@@ -158,6 +171,25 @@ def test_context_parallel_padding_mask_is_gathered_along_keys():
     pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x, keep))
     assert pm.code.count("dpcompile_runtime_gather_sequence") == 1  # the mask; keys and values inside attention
     assert pm.code.count("dpcompile_runtime_attention_regathered") == 2
+    got, want = pm(x, keep), eager(x, keep)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_context_parallel_positions_counted_over_the_mask_are_each_shards_running_sum():
+    """A cumsum of a padding mask along the sequence, split over 3 devices (shards of 3, 2, 2):
+    each device adds the earlier devices' totals to its own running sum; equal to eager."""
+    torch.manual_seed(0)
+    model = LeftPaddedPositions().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    keep = torch.ones(2, 7, dtype=torch.long)
+    keep[0, :4] = 0  # left padding across the first shard's border
+    pm = dpcompile.transform(model, ["cpu"] * 3, mesh={"cp": 3}, example_inputs=(x, keep))
+    assert pm.code.count("dpcompile_runtime_running_sum(") == 3
     got, want = pm(x, keep), eager(x, keep)
     torch.testing.assert_close(got, want)
     got.square().sum().backward()

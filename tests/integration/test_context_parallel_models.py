@@ -1,7 +1,8 @@
 """Context parallelism (``mesh={"cp": N}``) on more transformers models, tiny configs, no annotation:
 Mistral, Qwen2, Gemma, Phi (decoders with ``labels=``) and a T5 encoder (relative position bias, a
-padding mask) equal eager (float64); RoBERTa and a ViT are refused with a DpCompileError naming the
-value and the op that cannot be placed (docs/context_parallel.md has the table)."""
+padding mask) and RoBERTa (position ids from a cumulative sum of the padding along the sequence) equal
+eager (float64); a ViT is refused with a DpCompileError naming the value and the op that cannot be
+placed (docs/context_parallel.md has the table)."""
 
 from __future__ import annotations
 
@@ -48,24 +49,32 @@ def _inputs(name: str, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
     if name == "vit":
         return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g, dtype=torch.float64), "labels": torch.tensor([0, 2])}
     ids = torch.randint(2, V, (2, seq), generator=g)
-    if name in ("t5", "roberta"):
+    if name == "roberta":  # left padding (pad id 1) over the first shard's border: positions count non-pads
+        ids[0, :4] = 1
+        return {"input_ids": ids, "attention_mask": (ids != 1).long(), "labels": torch.tensor([0, 1])}
+    if name == "t5":
         mask = torch.ones(2, seq, dtype=torch.long)
         mask[0, seq - 3 :] = 0  # padding on the last device's tokens
-        return {"input_ids": ids, "attention_mask": mask, **({"labels": torch.tensor([0, 1])} if name == "roberta" else {})}
+        return {"input_ids": ids, "attention_mask": mask}
     return {"input_ids": ids, "labels": torch.randint(0, V, (2, seq), generator=g)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "n"), [("mistral", 2), ("qwen2", 4), ("gemma", 2), ("phi", 4), ("t5", 2)])
+@pytest.mark.parametrize(
+    ("name", "n"), [("mistral", 2), ("qwen2", 4), ("gemma", 2), ("phi", 4), ("t5", 2), ("roberta", 2), ("roberta", 4)]
+)
 def test_context_parallel_more_models_equal_eager(name, n):
     """Outputs, the loss and every gradient of one step equal eager's, on a length that does not
     divide the devices (13) and one that does (12). Gemma's norms compute in float32 (its own code):
-    its gradients to float32 rounding."""
+    its gradients to float32 rounding. RoBERTa's position ids, a cumsum of the padding along the
+    sequence, are each device's running sum plus the earlier devices' totals."""
     torch.manual_seed(0)
     model = _model(name).double()
     eager = copy.deepcopy(model)
     pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=_inputs(name, 12), frontend="export")
     assert pm.code.count("dpcompile_runtime_attention_regathered(") == n  # keys and values gathered by each device
+    if name == "roberta":
+        assert pm.code.count("dpcompile_runtime_running_sum(") == n
     grad_tolerance = {"atol": 1e-5, "rtol": 1e-5} if name == "gemma" else {}
     for seq in (13, 12):
         inputs = _inputs(name, seq, seed=seq)
@@ -90,11 +99,11 @@ def test_context_parallel_more_models_equal_eager(name, n):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "value", "op"),
-    [("roberta", "roberta_embeddings_cumsum", "cumsum"), ("vit", "vit_embeddings_patch_embeddings_projection", "Conv2d")],
+    [("vit", "vit_embeddings_patch_embeddings_projection", "Conv2d")],
 )
 def test_context_parallel_unplaced_value_is_named(name, value, op):
-    """RoBERTa's position ids (a cumulative sum of the padding mask) and a ViT's patch embedding (a
-    convolution over the image, whose dim 1 is channels) cannot be placed: refused by name."""
+    """A ViT's patch embedding (a convolution over the image, whose dim 1 is channels) cannot be
+    placed: refused by name."""
     model = _model(name).double()
     with pytest.raises(DpCompileError, match="cannot run on sequence shards") as raised:
         dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_kwargs=_inputs(name, 12), frontend="export")

@@ -47,6 +47,7 @@ from torch import nn
 from dpcompile.analysis.batch_rules import (  # noqa: F401 - they register
     attention,
     batch_values,
+    dp_copies,
     indexing,
     linalg,
     losses,

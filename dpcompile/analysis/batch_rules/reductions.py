@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -36,6 +37,26 @@ def softmax_like(ctx: RuleContext) -> Placement | None:
     if dim is None or dim == p.dim:
         return None
     return p
+
+
+def cumsum(ctx: RuleContext) -> Placement | None:
+    """``cumsum`` along another dim than the batch: as softmax. Along the split dim itself, of
+    integers (a padding mask's positions, RoBERTa's): split, each device's running sum plus the
+    totals of the devices before it, exact (``insert_scatter_gather`` emits ``runtime.running_sum``,
+    see :func:`~dpcompile.analysis.batch_positions.running_sum_dim`); of floats it runs whole, where
+    the sums keep eager's order."""
+    p = ctx.p(ctx.tensor_arg())
+    along_other = softmax_like(ctx)
+    if along_other is not None or type(p) is not Split or not _holds_integers(ctx.tensor_arg()):
+        return along_other
+    dim = normalize_dim(ctx.arg(1, "dim"), ctx.ndim(ctx.tensor_arg()), p.dim, ctx.min_ndim(ctx.tensor_arg()))
+    return Split(p.dim) if dim == p.dim else None
+
+
+def _holds_integers(value: Any) -> bool:
+    meta = value.meta.get("val", value.meta.get("tensor_meta")) if isinstance(value, fx.Node) else None
+    dtype = getattr(meta, "dtype", None)
+    return isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex
 
 
 def _reduction_dims(ctx: RuleContext) -> tuple[Any, bool]:
@@ -186,6 +207,8 @@ def loss(ctx: RuleContext) -> Placement | None:
 
 
 BATCH_RULES.register_family(ops.ALONG_DIM, softmax_like)
+for _target in (torch.cumsum, "cumsum"):
+    BATCH_RULES.register(_target, cumsum, replace=True)  # along the split dim too: a running sum over the devices
 for _target in ops.REDUCTIONS:
     _name = _target if isinstance(_target, str) else _target.__name__
     BATCH_RULES.register(_target, reduction(ops.PARTIAL_REDUCTIONS.get(_name)))

@@ -1,0 +1,65 @@
+"""Context parallelism with tensor parallelism in one process (``mesh={"cp": 2, "tp": 2}`` over four
+virtual devices): the sequence split over two pieces, each piece's layers sharded over its two
+devices, each shard gathering its own heads' keys and values along the sequence. Outputs, the loss
+and every gradient equal eager (float64), at a length that divides the pieces and one that does not.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dpcompile
+from tests.helpers import full_gradients
+from tests.integration.test_context_parallel import CausalSelfAttention, _inputs, _transformers_model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_cp_tp_transformers_equal_eager(name):
+    """GPT-2 and Llama with labels=: outputs, loss and every gradient at lengths 12 and 13. Llama's
+    lm_head is vocab-parallel and transformers computes the loss in float32 (``logits.float()``), so
+    its gradients are equal to float32 rounding, as under tensor parallelism alone."""
+    torch.manual_seed(0)
+    model = _transformers_model(name).double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"cp": 2, "tp": 2}, example_kwargs=_inputs(name, 12),
+                             frontend="export")  # fmt: skip
+    assert pm.layout == {"cp": 2, "tp": 2} and set(pm.strategies) == {"cp", "tp"}
+    # each tensor-parallel shard gathers its own heads' keys along the sequence, for each piece's queries
+    assert "_keys_dev1 = dpcompile_runtime_gather_sequence(" in pm.code and "_cp1_dev1 = " in pm.code
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if name == "llama" else {}
+    for seq in (12, 13):
+        inputs = _inputs(name, seq, seed=seq)
+        got, want = pm(**inputs), eager(**inputs)
+        torch.testing.assert_close(got.logits, want.logits)
+        torch.testing.assert_close(got.loss, want.loss)
+        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+        (got.loss + (got.logits * weights).sum()).backward()
+        (want.loss + (want.logits * weights).sum()).backward()
+        grads = full_gradients(pm)
+        for path, p in eager.named_parameters():
+            torch.testing.assert_close(grads[path], p.grad, **tolerance, msg=lambda m, path=path: f"grad {path}: {m}")
+        pm.zero_grad()
+        eager.zero_grad()
+
+
+def test_cp_tp_causal_block_equals_eager():
+    """A causal attention block, length 7 over 2 pieces (4 and 3), heads over 2 shards: outputs and
+    every gradient equal eager."""
+    torch.manual_seed(0)
+    model = CausalSelfAttention().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"cp": 2, "tp": 2}, example_inputs=(x,))
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    grads = full_gradients(pm)
+    for path, p in eager.named_parameters():
+        torch.testing.assert_close(grads[path], p.grad, msg=lambda m, path=path: f"grad {path}: {m}")
+    placed = {n.name: n.device for n in dpcompile.explain(pm, x).nodes}  # piece r on devices[r*2:(r+1)*2]
+    assert [placed[f"out_cp{r}_dev{k}"] for r in (0, 1) for k in (0, 1)] == ["cpu#0", "cpu#1", "cpu#2", "cpu#3"]

@@ -29,6 +29,7 @@ from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
 from dpcompile.modules.other_mode import OtherModePending
+from dpcompile.planned_mesh import planned_mesh_transform
 from dpcompile.planner import UNBUILT, plan_layouts
 from dpcompile.planning import device_budgets, plan_for_memory
 from dpcompile.progress import reporting_steps
@@ -238,11 +239,6 @@ def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]
         raise ValueError(f'plan="auto" chooses the layout itself: leave {", ".join(given)} out, or leave plan= out')
     if arguments["memory_per_device"] is None:
         raise ValueError('plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. "24GiB"')
-    if is_device_mesh(devices):
-        raise DpCompileError(
-            'plan="auto" plans over a list of devices (one process); over a DeviceMesh name the layout with '
-            "data_parallel= / tensor_parallel= / pipeline="
-        )
     example_tuple = _example_tuple(arguments["example_inputs"])
     if example_tuple is None and not arguments["example_kwargs"]:
         raise ValueError('plan="auto" predicts activations and step times from a fake run: give example_inputs= '
@@ -250,6 +246,8 @@ def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]
     if not isinstance(model, fx.GraphModule):
         check_signature(model)
     check_examples(model, example_tuple, arguments["example_kwargs"])
+    if is_device_mesh(devices):  # the layouts of the user's plain loop, over a mesh of the same ranks
+        return planned_mesh_transform(model, devices, arguments, example_tuple, build=transform)
     budgets = device_budgets(devices, arguments["memory_per_device"])
     parsed = parse_devices(devices)
     optimizer, training = arguments["optimizer"], arguments["training"]

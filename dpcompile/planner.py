@@ -170,17 +170,19 @@ def plan_layouts(
 def plan_mesh_layouts(
     model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
     example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None,
+    specs: Sequence[LayoutSpec] | None = None,
 ) -> Planned:  # fmt: skip
     """The layouts built over a ``DeviceMesh`` of ``len(labels)`` gloo processes on this machine (those
-    of :func:`enumerate_layouts`, without activation checkpointing, which a mesh does not build yet),
-    predicted with the mesh's calibration (:func:`~dpcompile.analysis.calibration.calibrate_mesh`)
-    and judged as :func:`plan_layouts` does them."""
-    profile_batch = None
-    for x in [*(example_inputs or ()), *(example_kwargs or {}).values()]:
-        if isinstance(x, torch.Tensor) and x.dim():
-            profile_batch = int(x.shape[0])
-            break
-    specs = enumerate_layouts(len(labels), batch=profile_batch, blocks=False)
+    of :func:`enumerate_layouts`, without activation checkpointing, which a mesh does not build yet;
+    or ``specs``), predicted with the mesh's calibration
+    (:func:`~dpcompile.analysis.calibration.calibrate_mesh`) and judged as :func:`plan_layouts` does them."""
+    if specs is None:
+        profile_batch = None
+        for x in [*(example_inputs or ()), *(example_kwargs or {}).values()]:
+            if isinstance(x, torch.Tensor) and x.dim():
+                profile_batch = int(x.shape[0])
+                break
+        specs = enumerate_layouts(len(labels), batch=profile_batch, blocks=False)
     return plan_layouts(model, labels, budgets, optimizer=optimizer, training=training, example_inputs=example_inputs,
                         example_kwargs=example_kwargs, device=torch.device("cpu"), specs=specs,
                         calibration=calibrate_mesh(len(labels)))  # fmt: skip

@@ -1,0 +1,113 @@
+"""``plan="auto"`` over a ``DeviceMesh``: the layouts whose training loop is the user's plain one,
+predicted with the mesh's calibration, the fastest that fits built over a mesh of the same ranks.
+
+    transform(model, init_device_mesh("cpu", (4,)), plan="auto", memory_per_device="8GiB", example_inputs=(x, y))
+    → candidates dp4, tp4, dp2xtp2 ranked (every rank alike), the first that fits built over
+      DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp")) if it is dp2xtp2
+
+Pipelines are not candidates: over a mesh their call runs backward itself (``docs/pipeline.md``), so
+the user's loop would differ. FSDP is not one either: the cost model does not predict it yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpcompile.analysis.layout_costs import LayoutSpec
+from dpcompile.analysis.memory import parse_budget
+from dpcompile.errors import DpCompileError
+from dpcompile.planner import UNBUILT, plan_mesh_layouts
+
+__all__ = ["mesh_candidates", "mesh_shape", "planned_mesh_transform"]
+
+
+def mesh_candidates(n: int) -> list[LayoutSpec]:
+    """The layouts of ``n`` ranks whose step is the plain ``loss.backward()`` loop: ``dp n``, ``tp n``
+    and ``dp a x tp n/a`` for every ``a`` strictly between 1 and ``n`` that divides it."""
+    specs = [LayoutSpec((("dp", n),))]
+    if n > 1:
+        specs.append(LayoutSpec((("tp", n),)))
+        specs += [LayoutSpec((("dp", a), ("tp", n // a))) for a in range(2, n) if n % a == 0]
+    return specs
+
+
+def mesh_shape(spec: LayoutSpec) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The shape and dimension names of the ``DeviceMesh`` that builds ``spec`` (outermost first)."""
+    return tuple(size for _, size in spec.layout), tuple(name for name, _ in spec.layout)
+
+
+def _keywords(spec: LayoutSpec) -> dict[str, Any]:
+    return {"tensor_parallel": True} if spec.size("tp") > 1 else {}
+
+
+def _gathered(value: Any) -> list[Any]:
+    """``value`` of every rank of the default group, in rank order (every rank calls it)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _check_mesh_for_planning(mesh: Any, arguments: Mapping[str, Any]) -> list[int]:
+    """The mesh's ranks in order; the planner's collectives run over the default group, so the mesh must hold it all."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError('plan="auto" over a DeviceMesh needs an initialised process group: call '
+                         "torch.distributed.init_process_group() (torchrun sets the environment) first")  # fmt: skip
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if sorted(ranks) != list(range(dist.get_world_size())):
+        raise DpCompileError(f'plan="auto" over a DeviceMesh plans over every rank of the process group: the mesh '
+                             f"holds ranks {ranks} of {dist.get_world_size()}; pass a mesh of all of them, or name "
+                             "the layout (data_parallel= / tensor_parallel=)")  # fmt: skip
+    if arguments["data_parallel"] not in ("ddp", "replicate"):
+        raise ValueError(f'plan="auto" over a DeviceMesh does not predict data_parallel={arguments["data_parallel"]!r} '
+                         "yet: leave it out (replicated data parallel is a candidate), or name the layout yourself")  # fmt: skip
+    if isinstance(arguments["memory_per_device"], Mapping):
+        raise ValueError('plan="auto" over a DeviceMesh takes one memory_per_device= for every rank, e.g. "24GiB"')
+    return ranks
+
+
+def planned_mesh_transform(
+    model: nn.Module, mesh: Any, arguments: dict[str, Any], example_tuple: tuple | None,
+    build: Callable[..., nn.Module],
+) -> Any:  # fmt: skip
+    """The fastest candidate of :func:`mesh_candidates` that fits, built with ``build`` (``transform``)
+    over a ``DeviceMesh`` of the mesh's ranks named as the candidate; every rank chooses the same one
+    (checked) or every rank raises the same ``DpCompileError``."""
+    ranks = _check_mesh_for_planning(mesh, arguments)
+    labels = [f"rank{r}" for r in ranks]
+    budgets = dict.fromkeys(labels, parse_budget(arguments["memory_per_device"]))
+    optimizer, training = arguments["optimizer"], arguments["training"]
+    planned = plan_mesh_layouts(model, labels, budgets, optimizer=optimizer, training=training,
+                                example_inputs=example_tuple, example_kwargs=arguments["example_kwargs"],
+                                specs=mesh_candidates(len(ranks)))  # fmt: skip
+    ranked = [c.spec.name for c in planned.fitting]
+    every = _gathered(ranked)
+    if any(order != every[0] for order in every):
+        firsts = ", ".join(f"rank {r}: {order[0] if order else 'none fits'}" for r, order in enumerate(every))
+        raise DpCompileError(f'plan="auto" over a DeviceMesh: the ranks ranked the layouts differently ({firsts}); '
+                             "give every rank the same model, examples, budget and optimizer, and the same "
+                             "calibration (DPCOMPILE_CALIBRATION: rank 0's is broadcast unless it is off)")  # fmt: skip
+    for candidate in planned.fitting:
+        shape, names = mesh_shape(candidate.spec)
+        # every rank reaches here with the same candidate: the sub-groups are created in the same order
+        chosen_mesh = type(mesh)(mesh.device_type, torch.tensor(ranks).reshape(shape), mesh_dim_names=names)
+        options = {**arguments, **_keywords(candidate.spec), "memory_per_device": None}
+        pm, error = None, None
+        try:
+            pm = build(model, chosen_mesh, **options)
+        except (DpCompileError, ValueError) as e:
+            error = str(e)
+        errors = [(r, e) for r, e in enumerate(_gathered(error)) if e is not None]
+        if errors:  # one rank's failure is every rank's: the next candidate, on all of them
+            candidate.rejected, candidate.fits = f"{UNBUILT}rank {errors[0][0]}: {errors[0][1]}", False
+            continue
+        planned.choose(candidate)
+        pm.memory_plan = planned.estimate(candidate, optimizer, training)
+        pm.candidates = planned.candidates
+        pm.calibration = planned.calibration
+        return pm
+    raise planned.no_fit_error(len(ranks))

@@ -1,0 +1,162 @@
+"""plan="auto" over a DeviceMesh of 2 gloo ranks: the planner's first fitting candidate is built
+over a mesh of its own dimension names, a training step on ``local_batch(batch, pm.mesh)`` equals
+eager's; a budget replication does not fit chooses tensor parallel; a budget nothing fits, or ranks
+that plan differently, raise the same error on every rank. Reference calibration (no timing)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.integration.test_planner import Stack
+
+GROUP_TIMEOUT_S = 300.0  # spawning, importing and the first gloo connections are slow on a loaded machine
+WORLD = 2
+LABELS = [f"rank{r}" for r in range(WORLD)]
+
+
+def _eager_and_batch():
+    torch.manual_seed(0)
+    eager = Stack(layers=2).double()
+    g = torch.Generator().manual_seed(1)
+    return eager, (torch.randn(8, 16, 16, generator=g, dtype=torch.float64),
+                   torch.randn(8, 16, 8, generator=g, dtype=torch.float64))  # fmt: skip
+
+
+def _planned(eager, batch):
+    from dpcompile.planned_mesh import mesh_candidates
+    from dpcompile.planner import plan_mesh_layouts
+
+    return plan_mesh_layouts(eager, LABELS, dict.fromkeys(LABELS, 1 << 40), optimizer="adamw", training=True,
+                             example_inputs=batch, example_kwargs=None, specs=mesh_candidates(WORLD))  # fmt: skip
+
+
+def _auto(model, budget, batch):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # unnamed: the planner names its own
+    return dpcompile.transform(model, mesh, plan="auto", memory_per_device=budget, example_inputs=batch,
+                               optimizer="adamw")  # fmt: skip
+
+
+def _step_equals_eager(pm, eager, batch) -> None:
+    """One step on this rank's ``local_batch``: the loss equals eager's on that part, every gradient
+    (after DDP's averaging, or this rank's shard) equals eager's on the whole batch."""
+    from dpcompile.mesh import local_batch
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    local = local_batch(batch, pm.mesh)
+    loss = pm(*local)
+    torch.testing.assert_close(loss, eager(*local))
+    loss.backward()
+    eager(*batch).backward()
+    mine = dict(pm.named_parameters())
+    tp_rank = pm.mesh.get_local_rank("tp") if "tp" in pm.mesh.mesh_dim_names else 0
+    for key, p in eager.named_parameters():
+        want = shard_of(p.grad, pm.shards[key], tp_rank) if key in pm.shards else p.grad
+        torch.testing.assert_close(mine[key].grad, want, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def check_loose_budget_builds_the_fastest() -> None:
+    import dpcompile
+
+    eager, batch = _eager_and_batch()
+    first = _planned(eager, batch).fitting[0]
+    pm = _auto(copy.deepcopy(eager), "1GiB", batch)
+    chosen = [c for c in pm.candidates if c.rejected is None]
+    assert [c.spec.name for c in chosen] == [first.spec.name] == ["dp2"], [c.row() for c in pm.candidates]
+    assert pm.layout == {"dp": 2} and pm.strategies == {"dp": "data parallel (replicate)"}
+    assert pm.mesh.mesh_dim_names == ("dp",) and pm.memory_plan.peak == first.peak
+    assert pm.calibration.source == "reference" and pm.calibration.ranks == WORLD
+    _step_equals_eager(pm, eager, batch)
+    table = dpcompile.explain(pm, *batch).candidates
+    assert [(row["layout"], row["rejected"] is None) for row in table] == [({"dp": 2}, True), ({"tp": 2}, False)]
+
+
+def check_budget_only_tensor_parallel_fits() -> None:
+    eager, batch = _eager_and_batch()
+    peak = {c.spec.name: c.peak for c in _planned(eager, batch).candidates}
+    assert peak["tp2"] < peak["dp2"], peak
+    pm = _auto(copy.deepcopy(eager), (peak["tp2"] + peak["dp2"]) // 2, batch)
+    assert pm.layout == {"tp": 2} and pm.mesh.mesh_dim_names == ("tp",)
+    dp2, tp2 = pm.candidates
+    assert dp2.rejected.startswith("does not fit: ") and tp2.rejected is None, [c.row() for c in pm.candidates]
+    _step_equals_eager(pm, eager, batch)
+
+
+def _same_error_on_every_rank(budget, batch) -> str:
+    import torch.distributed as dist
+
+    from dpcompile.errors import DpCompileError
+
+    eager, _ = _eager_and_batch()
+    model = copy.deepcopy(eager)
+    with pytest.raises(DpCompileError) as caught:
+        _auto(model, budget, batch)
+    messages = [None] * WORLD
+    dist.all_gather_object(messages, str(caught.value))
+    assert messages == [messages[0]] * WORLD, messages
+    for (key, p), q in zip(model.named_parameters(), eager.parameters()):  # nothing built or changed
+        assert p.grad is None and torch.equal(p, q), key
+    return messages[0]
+
+
+def check_budget_nothing_fits() -> None:
+    eager, batch = _eager_and_batch()
+    least = min(c.peak for c in _planned(eager, batch).candidates)
+    message = _same_error_on_every_rank(least // 2, batch)
+    assert message.startswith("no layout fits memory_per_device=") and "of the 2 considered" in message, message
+
+
+def check_ranks_that_plan_differently() -> None:
+    import torch.distributed as dist
+
+    eager, batch = _eager_and_batch()
+    peak = {c.spec.name: c.peak for c in _planned(eager, batch).candidates}
+    budget = "1GiB" if dist.get_rank() == 0 else (peak["tp2"] + peak["dp2"]) // 2  # rank 1: dp2 does not fit
+    message = _same_error_on_every_rank(budget, batch)
+    assert "ranked the layouts differently (rank 0: dp2, rank 1: tp2)" in message, message
+
+
+CHECKS = [
+    ("loose_budget_builds_the_fastest", check_loose_budget_builds_the_fastest),
+    ("budget_only_tensor_parallel_fits", check_budget_only_tensor_parallel_fits),
+    ("budget_nothing_fits", check_budget_nothing_fits),
+    ("ranks_that_plan_differently", check_ranks_that_plan_differently),
+]
+
+
+def _entry(rank: int, world: int, port: int, results: mp.Queue) -> None:
+    os.environ["DPCOMPILE_CALIBRATION"] = "off"  # the reference constants: every rank, every machine alike
+    run_checks(rank, world, port, list(CHECKS), results)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_spawned(_entry, WORLD, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", [name for name, _ in CHECKS])
+@pytest.mark.xdist_group("planner_mesh_2")  # one spawned group, on one worker
+def test_plan_auto_over_a_mesh(outcomes, check):
+    """plan="auto" over 2 gloo ranks (each check named by its parameter)."""
+    assert_group_passed(outcomes, WORLD, check, timeout=GROUP_TIMEOUT_S)
+
+
+def test_mesh_candidates_are_the_plain_loop_layouts():
+    """dp, tp and every dp x tp of the ranks; each built over a mesh of its own shape and names."""
+    from dpcompile.planned_mesh import mesh_candidates, mesh_shape
+
+    assert [s.name for s in mesh_candidates(4)] == ["dp4", "tp4", "dp2xtp2"]
+    assert [s.name for s in mesh_candidates(6)] == ["dp6", "tp6", "dp2xtp3", "dp3xtp2"]
+    assert [mesh_shape(s) for s in mesh_candidates(4)] == [((4,), ("dp",)), ((4,), ("tp",)), ((2, 2), ("dp", "tp"))]
+    assert [s.name for s in mesh_candidates(1)] == ["dp1"]

@@ -96,15 +96,22 @@ def planned_mesh_transform(
         # every rank reaches here with the same candidate: the sub-groups are created in the same order
         chosen_mesh = type(mesh)(mesh.device_type, torch.tensor(ranks).reshape(shape), mesh_dim_names=names)
         options = {**arguments, **_keywords(candidate.spec), "memory_per_device": None}
-        pm, error = None, None
+        pm, failure, unbuilt = None, None, True
         try:
             pm = build(model, chosen_mesh, **options)
-        except (DpCompileError, ValueError) as e:
-            error = str(e)
-        errors = [(r, e) for r, e in enumerate(_gathered(error)) if e is not None]
-        if errors:  # one rank's failure is every rank's: the next candidate, on all of them
-            candidate.rejected, candidate.fits = f"{UNBUILT}rank {errors[0][0]}: {errors[0][1]}", False
+        except Exception as e:  # noqa: BLE001 - told to every rank first, so that none waits on the others
+            failure, unbuilt = e, isinstance(e, (DpCompileError, ValueError))
+        told = _gathered(None if failure is None else (str(failure), unbuilt))
+        errors = [(r, t) for r, t in enumerate(told) if t is not None]
+        if errors and all(unbuilt for _, (_, unbuilt) in errors):  # every rank tries the next candidate
+            candidate.rejected, candidate.fits = f"{UNBUILT}rank {errors[0][0]}: {errors[0][1][0]}", False
             continue
+        if errors:  # a crash, not a refusal: its own rank raises it, every other rank says whose it was
+            if failure is not None and not unbuilt:
+                raise failure
+            rank, (message, _) = next((r, t) for r, t in errors if not t[1])
+            raise DpCompileError(f'plan="auto" over a DeviceMesh: rank {rank} failed building {candidate.spec.name}: '
+                                 f"{message}")  # fmt: skip
         planned.choose(candidate)
         pm.memory_plan = planned.estimate(candidate, optimizer, training)
         pm.candidates = planned.candidates

@@ -126,11 +126,86 @@ def check_ranks_that_plan_differently() -> None:
     assert "ranked the layouts differently (rank 0: dp2, rank 1: tp2)" in message, message
 
 
+def _plan_with(build):
+    """``planned_mesh_transform`` with a loose budget and ``build`` in place of ``transform``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dpcompile.planned_mesh import planned_mesh_transform
+
+    eager, batch = _eager_and_batch()
+    arguments = {"data_parallel": "ddp", "memory_per_device": "1GiB", "optimizer": "adamw", "training": True,
+                 "example_kwargs": None}  # fmt: skip
+    return planned_mesh_transform(eager, init_device_mesh("cpu", (dist.get_world_size(),)), arguments, batch,
+                                  build=build)  # fmt: skip
+
+
+def check_refused_on_one_rank_is_refused_on_all() -> None:
+    """A candidate one rank cannot build is skipped on every rank; the next is built on all."""
+    import types
+
+    import torch.distributed as dist
+
+    def build(model, mesh, **options):
+        if dist.get_rank() == 1 and mesh.mesh_dim_names == ("dp",):
+            raise ValueError("refused here")
+        return types.SimpleNamespace(mesh=mesh)
+
+    pm = _plan_with(build)
+    assert pm.mesh.mesh_dim_names == ("tp",)
+    dp2, tp2 = pm.candidates
+    assert dp2.rejected == "predicted to fit, but could not be built: rank 1: refused here" and not dp2.fits
+    assert tp2.rejected is None
+
+
+def check_a_crash_on_one_rank_is_told_to_all() -> None:
+    """A rank whose build crashes raises its error; the others name that rank, none waits."""
+    import types
+
+    import torch.distributed as dist
+
+    from dpcompile.errors import DpCompileError
+
+    def build(model, mesh, **options):
+        if dist.get_rank() == 1:
+            raise RuntimeError("crashed here")
+        return types.SimpleNamespace(mesh=mesh)
+
+    raised = (RuntimeError, "crashed here") if dist.get_rank() == 1 else (DpCompileError, "rank 1 failed building dp2")
+    with pytest.raises(raised[0], match=raised[1]):
+        _plan_with(build)
+
+
+def check_refusals() -> None:
+    """What plan="auto" over a mesh does not plan is refused before planning (no collective runs)."""
+    eager, batch = _eager_and_batch()
+    with pytest.raises(ValueError, match="does not predict data_parallel='fsdp'"):
+        _auto_with(eager, batch, data_parallel="fsdp")
+    with pytest.raises(ValueError, match="one memory_per_device= for every rank"):
+        _auto_with(eager, batch, memory_per_device={"cpu": "1GiB"})
+    with pytest.raises(ValueError, match="leave pipeline=2 out"):
+        _auto_with(eager, batch, pipeline=2)
+
+
+def _auto_with(model, batch, **options):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    options = {"memory_per_device": "1GiB", **options}
+    return dpcompile.transform(model, mesh, plan="auto", example_inputs=batch, **options)
+
+
 CHECKS = [
     ("loose_budget_builds_the_fastest", check_loose_budget_builds_the_fastest),
     ("budget_only_tensor_parallel_fits", check_budget_only_tensor_parallel_fits),
     ("budget_nothing_fits", check_budget_nothing_fits),
     ("ranks_that_plan_differently", check_ranks_that_plan_differently),
+    ("refused_on_one_rank_is_refused_on_all", check_refused_on_one_rank_is_refused_on_all),
+    ("a_crash_on_one_rank_is_told_to_all", check_a_crash_on_one_rank_is_told_to_all),
+    ("refusals", check_refusals),
 ]
 
 

@@ -103,7 +103,7 @@ def planned_mesh_transform(
             failure, unbuilt = e, isinstance(e, (DpCompileError, ValueError))
         told = _gathered(None if failure is None else (str(failure), unbuilt))
         errors = [(r, t) for r, t in enumerate(told) if t is not None]
-        if errors and all(unbuilt for _, (_, unbuilt) in errors):  # every rank tries the next candidate
+        if errors and all(refused for _, (_, refused) in errors):  # every rank tries the next candidate
             candidate.rejected, candidate.fits = f"{UNBUILT}rank {errors[0][0]}: {errors[0][1][0]}", False
             continue
         if errors:  # a crash, not a refusal: its own rank raises it, every other rank says whose it was

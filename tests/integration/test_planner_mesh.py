@@ -82,6 +82,8 @@ def check_loose_budget_builds_the_fastest() -> None:
 
 
 def check_budget_only_tensor_parallel_fits() -> None:
+    import dpcompile
+
     eager, batch = _eager_and_batch()
     peak = {c.spec.name: c.peak for c in _planned(eager, batch).candidates}
     assert peak["tp2"] < peak["dp2"], peak
@@ -90,6 +92,8 @@ def check_budget_only_tensor_parallel_fits() -> None:
     dp2, tp2 = pm.candidates
     assert dp2.rejected.startswith("does not fit: ") and tp2.rejected is None, [c.row() for c in pm.candidates]
     _step_equals_eager(pm, eager, batch)
+    table = dpcompile.explain(pm, *batch).candidates
+    assert [(row["layout"], row["rejected"] is None) for row in table] == [({"dp": 2}, False), ({"tp": 2}, True)]
 
 
 def _same_error_on_every_rank(budget, batch) -> str:
@@ -178,6 +182,11 @@ def check_a_crash_on_one_rank_is_told_to_all() -> None:
 
 def check_refusals() -> None:
     """What plan="auto" over a mesh does not plan is refused before planning (no collective runs)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import dpcompile
+    from dpcompile.errors import DpCompileError
+
     eager, batch = _eager_and_batch()
     with pytest.raises(ValueError, match="does not predict data_parallel='fsdp'"):
         _auto_with(eager, batch, data_parallel="fsdp")
@@ -185,6 +194,9 @@ def check_refusals() -> None:
         _auto_with(eager, batch, memory_per_device={"cpu": "1GiB"})
     with pytest.raises(ValueError, match="leave pipeline=2 out"):
         _auto_with(eager, batch, pipeline=2)
+    part = DeviceMesh("cpu", torch.tensor([0]), mesh_dim_names=("dp",))  # every rank creates it: a collective
+    with pytest.raises(DpCompileError, match=r"holds ranks \[0\] of 2; pass a mesh of all of them"):
+        dpcompile.transform(eager, part, plan="auto", memory_per_device="1GiB", example_inputs=batch)
 
 
 def _auto_with(model, batch, **options):

@@ -18,10 +18,9 @@ from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule
 from dpcompile.analysis.layout_costs import LayoutSpec
-from dpcompile.analysis.memory import format_budget_up
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
-from dpcompile.devices import Devices, parse_device, parse_devices
+from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import DpCompileError, ExampleError
 from dpcompile.fake import has_meta_tensors
 from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
@@ -29,9 +28,8 @@ from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
 from dpcompile.modules.other_mode import OtherModePending
-from dpcompile.planned_mesh import planned_mesh_transform
-from dpcompile.planner import UNBUILT, plan_layouts
-from dpcompile.planning import device_budgets, plan_for_memory
+from dpcompile.planned import check_layout_fits, planned_transform
+from dpcompile.planning import plan_for_memory
 from dpcompile.progress import reporting_steps
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
 from dpcompile.recipes.meta import compile_meta_model, compile_on_fake
@@ -113,7 +111,7 @@ def transform(
     """
     if plan == "auto":
         arguments = {k: v for k, v in locals().items() if k not in ("model", "devices", "plan")}
-        return _planned_transform(model, devices, arguments)
+        return planned_transform(model, devices, arguments, _example_tuple(arguments["example_inputs"]), build=transform)
     data_parallel = "ddp" if data_parallel == "replicate" else data_parallel
     check_keywords_honoured(
         devices, mesh=mesh, tensor_parallel=tensor_parallel, pipeline=pipeline, micro_batches=micro_batches,
@@ -152,7 +150,7 @@ def transform(
         spec = LayoutSpec(tuple((k, layout[k]) for k in ("pp", "dp", "tp") if layout.get(k, 1) > 1),
                           schedule if pipeline is not None else None, per_copy or micro_batches,
                           activation_checkpointing not in (False, None))  # fmt: skip
-        estimate = _check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
+        estimate = check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
                                       _example_tuple(example_inputs), example_kwargs)  # fmt: skip
         memory_per_device = None  # the layout is the user's: nothing left to choose
     recipe_options = {
@@ -220,84 +218,11 @@ def transform(
     return pm
 
 
-#: keywords that name a layout: plan="auto" chooses them
-_LAYOUT_DEFAULTS = {"tensor_parallel": False, "pipeline": None, "mesh": None, "micro_batches": 1, "schedule": "gpipe",
-                    "activation_checkpointing": False, "sequence_parallel": False}  # fmt: skip
-
-
 def _save_words(rule: str) -> str:
     """``pm.strategies``' words for a save rule: ``"auto:0.5"`` reads ``"the matmuls ... budget 0.5"``."""
     if rule.startswith("auto:"):
         return f"the matmul and attention outputs sparing the most FLOPs within budget {rule.removeprefix('auto:')}"
     return rule.replace("_", " ")
-
-
-def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]) -> ParallelModule:
-    """``plan="auto"``: every layout predicted (``dpcompile.planner``), the fastest that fits built."""
-    given = [f"{k}={arguments[k]!r}" for k, v in _LAYOUT_DEFAULTS.items() if arguments[k] != v and arguments[k] is not None]
-    if given:
-        raise ValueError(f'plan="auto" chooses the layout itself: leave {", ".join(given)} out, or leave plan= out')
-    if arguments["memory_per_device"] is None:
-        raise ValueError('plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. "24GiB"')
-    example_tuple = _example_tuple(arguments["example_inputs"])
-    if example_tuple is None and not arguments["example_kwargs"]:
-        raise ValueError('plan="auto" predicts activations and step times from a fake run: give example_inputs= '
-                         "(or example_kwargs=)")  # fmt: skip
-    if not isinstance(model, fx.GraphModule):
-        check_signature(model)
-    check_examples(model, example_tuple, arguments["example_kwargs"])
-    if is_device_mesh(devices):  # the layouts of the user's plain loop, over a mesh of the same ranks
-        return planned_mesh_transform(model, devices, arguments, example_tuple, build=transform)
-    budgets = device_budgets(devices, arguments["memory_per_device"])
-    parsed = parse_devices(devices)
-    optimizer, training = arguments["optimizer"], arguments["training"]
-    planned = plan_layouts(
-        model, parsed.labels(), budgets, optimizer=optimizer, training=training, example_inputs=example_tuple,
-        example_kwargs=arguments["example_kwargs"], device=parsed.primary,
-    )  # fmt: skip
-    for candidate in planned.fitting:
-        options = {**arguments, **candidate.keywords(), "memory_per_device": None}
-        try:
-            pm = transform(model, devices, **options)
-            if candidate.spec.schedule == "1f1b" and training:  # its step is planned at the first call: plan it now
-                examples = example_tuple or ()
-                pm.recipe.one_f_one_b_step(pm, pm.call_key(*examples, **(arguments["example_kwargs"] or {})))
-        except (DpCompileError, ValueError) as e:
-            candidate.rejected, candidate.fits = f"{UNBUILT}{e}", False
-            continue
-        planned.choose(candidate)
-        pm.memory_plan = planned.estimate(candidate, optimizer, training)
-        pm.candidates = planned.candidates
-        pm.calibration = planned.calibration
-        return pm
-    raise planned.no_fit_error(len(parsed.labels()))
-
-
-def _check_layout_fits(
-    model: nn.Module, devices: Devices, spec: LayoutSpec, memory_per_device: Any, optimizer: str | None,
-    training: bool, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None,
-) -> Any:  # fmt: skip
-    """The planner's prediction for the layout the user named (a pipeline, dp copies), per device;
-    a ``DpCompileError`` with the arithmetic where it does not fit the budget."""
-    if example_tuple is None and not example_kwargs:
-        raise ValueError(f"memory_per_device= with the layout {dict(spec.layout)} predicts each device's memory from "
-                         "a fake run: give example_inputs= (or example_kwargs=)")  # fmt: skip
-    if not isinstance(model, fx.GraphModule):
-        check_signature(model)
-    check_examples(model, example_tuple, example_kwargs)
-    budgets = device_budgets(devices, memory_per_device)
-    planned = plan_layouts(model, devices.labels(), budgets, optimizer=optimizer, training=training,
-                           example_inputs=example_tuple, example_kwargs=example_kwargs, device=devices.primary,
-                           specs=[spec])  # fmt: skip
-    (candidate,) = planned.candidates
-    if not candidate.fits:
-        least = format_budget_up(candidate.peak) if candidate.per_device else None
-        way_out = f"a budget of at least {least}, " if least else ""
-        raise DpCompileError(
-            f"memory_per_device=: the layout {spec.name} {candidate.rejected}; the way out: {way_out}more devices, "
-            "another layout (plan='auto' with memory_per_device= chooses one), a lighter optimizer or a smaller batch"
-        )
-    return planned.estimate(candidate, optimizer, training)
 
 
 def _compile(

@@ -1,7 +1,7 @@
 """The import layers of dpcompile: imports only point down, no cycles, no private names across files.
 
     tools      dpcompile (the package), cli, demo, export, verify, inspect, checkpoint
-    api        api, planned_mesh
+    api        api, planned, planned_mesh
     recipes    recipes, planning
     modules    modules                      } modules and passes never import each other
     passes     passes                       }
@@ -41,7 +41,7 @@ def layer_of(module: str) -> str:
         "program_cache": "core", "target": "core", "keywords": "core",
         "modules": "modules",
         "recipes": "recipes", "planning": "recipes", "planner": "recipes",
-        "api": "api", "planned_mesh": "api",
+        "api": "api", "planned": "api", "planned_mesh": "api",
         "cli": "tools", "demo": "tools", "checkpoint": "tools", "export": "tools", "verify": "tools", "inspect": "tools",
     }[second]  # fmt: skip
 

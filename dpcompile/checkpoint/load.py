@@ -42,8 +42,8 @@ def load_checkpoint(
     (legacy ``LayerNorm.gamma``/``beta``, ``attention.attention.query``, per-expert weights:
     the model's conversion mapping, and ``key_mapping={regex: replacement}`` as
     ``from_pretrained`` takes it); a tied key (an LM head tied to the embedding) may be left
-    out, as transformers leaves it out. A row, column or vocab shard is read as a slice
-    (``safe_open(...).get_slice``), never the full tensor.
+    out, as transformers leaves it out. A row, column or vocab shard reads only its bytes of the
+    file, straight into the shard (never the full tensor, the file never mapped).
 
     Before anything is read, the index json and every file's header are validated, and every
     key, shape and dtype (0-dim tensors, non-persistent buffers included) is checked against

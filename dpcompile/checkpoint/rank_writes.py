@@ -5,8 +5,8 @@
 * :func:`assign_writers`: from every rank's boxes (one exchange for the whole save), which rank
   writes which box: of the ranks holding the same box one writes it, by turns from key to key,
   once the distinct boxes are checked to tile each tensor exactly;
-* :func:`write_blocks`: a rank's boxes written in place (``os.pwrite`` of their runs) into a file
-  the leading rank created at its full size
+* :func:`write_blocks`: a rank's boxes written in place (``os.pwrite`` of their runs,
+  :mod:`~dpcompile.checkpoint.runs`) into a file the leading rank created at its full size
   (:func:`~dpcompile.checkpoint.files.allocate_safetensors`).
 """
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 STAGING_BYTES = 2 * 2**20  # the most bytes a save or a load copies at once (the block's own size where smaller)
-SMALL_RUN_BYTES = 4096  # shorter runs are read a block of whole rows at a time, not one read each
 
 
 def staging_budget(view: torch.Tensor) -> int:
@@ -77,16 +76,12 @@ class BoxRuns:
         return n
 
     @property
-    def full_row_bytes(self) -> int:
-        """Bytes of one row (dim 0) of the whole tensor."""
-        return self.strides[0] * self.item if self.shape else self.item
-
-    @property
     def run(self) -> int:
-        """Bytes of each run (where ``inner`` is 0: of each row of the box)."""
+        """Bytes of each run (where ``inner`` is 0: of each row of the box, a block of rows one run)."""
         if not self.shape:
             return self.item
-        return self.sizes[self.inner] * self.strides[self.inner] * self.item
+        inner = self.inner
+        return (self.sizes[inner] if inner else 1) * self.strides[inner] * self.item
 
     def runs(self, first: int, rows: int) -> list[tuple[int, int]]:
         """``[(byte offset in the tensor's data, bytes)]`` of the box's rows ``first:first + rows``,

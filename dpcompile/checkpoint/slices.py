@@ -16,7 +16,6 @@ import torch
 from dpcompile.checkpoint.headers import CheckpointError, Entry
 from dpcompile.checkpoint.rank_writes import Block, Box
 from dpcompile.checkpoint.runs import (
-    SMALL_RUN_BYTES,
     STAGING_BYTES,
     BoxRuns,
     host_bytes,
@@ -54,8 +53,7 @@ def read_blocks(entry: Entry, blocks: Sequence[Block]) -> None:
     never mapped: straight into the view where its memory is laid out as the file's bytes (a CPU
     shard of the file's dtype), else a few rows at a time through one staging buffer of at most
     :func:`~dpcompile.checkpoint.runs.staging_budget` bytes of the view (cast as ``copy_`` casts).
-    Runs shorter than ``SMALL_RUN_BYTES`` (a narrow column shard) are read as blocks of whole rows
-    and cut, not one read each."""
+    Only the bytes the blocks hold are read: one read per run (a row of a column shard)."""
     try:
         fd = os.open(entry.file, os.O_RDONLY)
         try:
@@ -78,19 +76,8 @@ def _read_block(fd: int, at: int, entry: Entry, block: Block) -> None:
         view, box = view.reshape(1), Box((0,), (1,))
     shape = tuple(entry.shape) or (1,)
     runs = BoxRuns(shape, box.starts, box.sizes, dtype.itemsize)
-    budget = staging_budget(view)
-    if runs.inner > 0 and runs.run < SMALL_RUN_BYTES and runs.full_row_bytes <= budget:
-        step = rows_at_once(runs.full_row_bytes, budget)  # whole rows of the tensor, cut to the box
-        staging = torch.empty((min(step, box.sizes[0]), *shape[1:]), dtype=dtype)
-        cut = (slice(None), *(slice(s, s + n) for s, n in zip(box.starts[1:], box.sizes[1:])))
-        for first in range(0, box.sizes[0], step):
-            rows = view.narrow(0, first, min(step, box.sizes[0] - first))
-            out = staging[: rows.shape[0]]
-            _pread(fd, out, at, [((box.starts[0] + first) * runs.full_row_bytes, out.numel() * runs.item)], entry)
-            rows.copy_(out[cut])
-        return
     direct = is_host_layout(view, dtype)
-    step = rows_at_once(runs.row_bytes, STAGING_BYTES if direct else budget)
+    step = rows_at_once(runs.row_bytes, STAGING_BYTES if direct else staging_budget(view))
     staging = None if direct else torch.empty((min(step, box.sizes[0]), *box.sizes[1:]), dtype=dtype)
     for first in range(0, box.sizes[0], step):
         rows = view.narrow(0, first, min(step, box.sizes[0] - first))

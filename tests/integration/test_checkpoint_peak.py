@@ -58,12 +58,13 @@ def test_blocks_are_written_and_read_through_one_bounded_buffer(shape, spec, row
         monkeypatch.setattr(runs, "STAGING_BYTES", bound)
         row = max(b.view[0].numel() * 8 if b.view.dim() else 8 for b in blocks)
         distinct = list({b.box: b for b in blocks}.values())
+        written: list[int] = []
         fd = os.open(file, os.O_WRONLY)
         try:
-            peak, _ = _allocated(lambda fd=fd, distinct=distinct: write_blocks(fd, at, shape, torch.float64, distinct))
+            peak, _ = _allocated(lambda fd=fd, d=distinct, w=written: w.append(write_blocks(fd, at, shape, torch.float64, d)))
         finally:
             os.close(fd)
-        assert peak <= min(largest, max(bound, row)), (bound, peak)
+        assert written == [whole.numel() * 8] and peak <= min(largest, max(bound, row)), (bound, written, peak)
         for dtype in (torch.float64, torch.float32):  # straight into the piece; staged and cast
             for rank in ranks:
                 views = [torch.empty_strided(b.view.shape, b.view.stride(), dtype=dtype).zero_() for b in rank]

@@ -171,7 +171,7 @@ def _write_block(fd: int, at: int, shape: tuple[int, ...], dtype: torch.dtype, b
 
 
 def _host(rows: torch.Tensor, staging: torch.Tensor | None):
-    """``rows``' bytes: their own memory, or copied into ``staging`` (reused from block to block)."""
+    """``rows``' bytes: their own memory, or copied into ``staging`` (reused from rows to rows of a block)."""
     if staging is None:
         return host_bytes(rows)
     out = staging[: rows.shape[0]]

@@ -5,9 +5,9 @@
 The small LM of ``tests/integration/test_training_checkpoint.py`` (fused qkv, tied embedding),
 wider, trained one AdamW step under tensor parallelism on 2 virtual devices and saved twice in
 the same run: weights only (the baseline) and with the optimizer and scheduler. Then loaded into
-other layouts. Reported per destination layout: the elements all of its devices read from the
-files, over the elements the files hold (1.0: each element read once, by the device that holds
-it; a load reading every tensor whole on each device would be the device count or more), and
+other layouts. Reported per destination layout: the bytes all of its devices read from the
+files, over the bytes of tensor data the files hold (1.0: each byte read once, by the device that
+holds it; a load reading every tensor whole on each device would be the device count or more), and
 the seconds of the training load over the weights-only load; for the save, the training save
 over the weights-only save (the optimizer's AdamW state is twice the weights' bytes).
 """
@@ -20,48 +20,25 @@ import tempfile
 import time
 from pathlib import Path
 
-import safetensors
 import torch
 from safetensors.torch import load_file
 
 import dpcompile
 import tests.integration.test_training_checkpoint as lm
+from dpcompile.checkpoint import slices
 
 DESTINATIONS = [{"pp": 2, "tp": 2}, {"tp": 3}, {"dp": 2}]
 
 
-class _CountedReads:
-    """``safetensors.safe_open`` that adds up the elements each slice read returns."""
+def _counted_reads(counts: list[int]):
+    """``pread_runs`` of the loads that adds up the bytes each read takes from the files."""
+    real = slices.pread_runs
 
-    def __init__(self, real, counts: list[int]):
-        self.real, self.counts = real, counts
+    def counted(fd, data, at, runs):
+        counts.append(sum(n for _, n in runs))
+        return real(fd, data, at, runs)
 
-    def __call__(self, *args, **kwargs):
-        counts, f = self.counts, self.real(*args, **kwargs)
-
-        class Opened:
-            def __enter__(self):
-                f.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return f.__exit__(*exc)
-
-            def metadata(self):
-                return f.metadata()
-
-            def get_slice(self, key):
-                part = f.get_slice(key)
-
-                class Slice:
-                    def __getitem__(self, index):
-                        t = part[index]
-                        counts.append(t.numel())
-                        return t
-
-                return Slice()
-
-        return Opened()
+    return counted
 
 
 def _timed(fn) -> float:
@@ -85,14 +62,14 @@ def main() -> None:
     weights, training = folder / "weights", folder / "training"
     save_weights = _timed(lambda: dpcompile.save_checkpoint(pm, weights))
     save_training = _timed(lambda: dpcompile.save_checkpoint(pm, training, optimizer=opt, lr_scheduler=sched))
-    held = sum(t.numel() for t in load_file(training / "model.safetensors").values())
-    held += sum(t.numel() for t in load_file(training / "optimizer.safetensors").values())
-    result = {"save_training_over_weights": save_training / save_weights, "elements_in_files": held, "loads": {}}
+    held = sum(t.numel() * t.element_size() for t in load_file(training / "model.safetensors").values())
+    held += sum(t.numel() * t.element_size() for t in load_file(training / "optimizer.safetensors").values())
+    result = {"save_training_over_weights": save_training / save_weights, "bytes_in_files": held, "loads": {}}
     for layout in DESTINATIONS:
         dest, dest_opt, dest_sched = lm.build(layout)
         counts: list[int] = []
-        real = safetensors.safe_open
-        safetensors.safe_open = _CountedReads(real, counts)
+        real = slices.pread_runs
+        slices.pread_runs = _counted_reads(counts)
         try:
             load_training = _timed(
                 lambda d=dest, o=dest_opt, s=dest_sched: dpcompile.load_checkpoint(
@@ -100,7 +77,7 @@ def main() -> None:
                 )
             )
         finally:
-            safetensors.safe_open = real
+            slices.pread_runs = real
         load_weights = _timed(lambda d=dest: dpcompile.load_checkpoint(d, weights))
         name = "x".join(f"{k}{v}" for k, v in layout.items())
         result["loads"][name] = {

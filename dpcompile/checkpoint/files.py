@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dpcompile.checkpoint.headers import DTYPE_OF, DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointError, read_checkpoint
+from dpcompile.checkpoint.runs import host_bytes, is_host_layout, rows_at_once, staging_budget
 
 
 def find_tensors(path: str | Path, *, allow_symlinks: bool = False) -> dict[str, Path]:
@@ -63,17 +64,33 @@ def write_safetensors(
                 raise CheckpointError(
                     f"'{key}': made {tuple(tensor.shape)} {tensor.dtype}, announced {tuple(shape)} {dtype}"
                 )
-            size = 0
-            for part in tensor.parts() if isinstance(tensor, Runs) else [tensor]:
-                data = part.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(data.numpy()))
-                size += data.numel()
+            size = sum(_write_part(f, part) for part in (tensor.parts() if isinstance(tensor, Runs) else [tensor]))
+            del tensor
             if size != _numel(shape) * torch.empty((), dtype=dtype).element_size():
                 raise CheckpointError(f"'{key}': {size} bytes made, {list(shape)} {dtype} announced")
             written += size
         f.flush()
         os.fsync(f.fileno())
     return written
+
+
+def _write_part(f, part: torch.Tensor) -> int:
+    """Write ``part``'s bytes: straight from its memory on the CPU (contiguous), else a few rows
+    at a time through a staging buffer of at most :func:`~dpcompile.checkpoint.runs.staging_budget`
+    bytes (a shard on an accelerator, a strided view). Returns the bytes written."""
+    part = part.detach()
+    if is_host_layout(part, part.dtype):
+        f.write(memoryview(host_bytes(part)))
+        return part.numel() * part.element_size()
+    if part.dim() == 0:
+        part = part.reshape(1)
+    step = rows_at_once(part[0].numel() * part.element_size() if part.numel() else 1, staging_budget(part))
+    staging = torch.empty((min(step, part.shape[0]), *part.shape[1:]), dtype=part.dtype)
+    for first in range(0, part.shape[0], step):
+        out = staging[: min(step, part.shape[0] - first)]
+        out.copy_(part[first : first + out.shape[0]])
+        f.write(memoryview(host_bytes(out)))
+    return part.numel() * part.element_size()
 
 
 def safetensors_header(

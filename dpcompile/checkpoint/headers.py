@@ -152,6 +152,16 @@ def read_index(index: Path) -> dict[str, str]:
 
 def read_header(file: Path) -> dict[str, Entry]:
     """``{key: Entry}`` from the header of the safetensors ``file``, checked against the format."""
+    return _read_header(file)[0]
+
+
+def read_metadata(file: Path) -> dict[str, str]:
+    """The ``__metadata__`` of the safetensors ``file``'s header (checked as :func:`read_header`
+    checks it), the file not mapped."""
+    return _read_header(file)[1]
+
+
+def _read_header(file: Path) -> tuple[dict[str, Entry], dict[str, str]]:
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -194,7 +204,7 @@ def read_header(file: Path) -> dict[str, Entry]:
             f"{file}: the header describes {at} bytes of tensor data, the file holds {data} (truncated or corrupt)",
             file=file,
         )
-    return entries
+    return entries, metadata
 
 
 def _entry(file: Path, key: str, info: Any) -> Entry:
@@ -317,5 +327,5 @@ def _nesting(text: str) -> int:
 
 __all__ = [
     "DTYPES", "DTYPE_OF", "INDEX_FILE", "MAX_NESTING", "SINGLE_FILE", "Checkpoint", "CheckpointError", "Entry",
-    "read_checkpoint", "read_header", "read_index",
+    "read_checkpoint", "read_header", "read_index", "read_metadata",
 ]  # fmt: skip

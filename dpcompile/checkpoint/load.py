@@ -12,7 +12,8 @@ import torch
 from dpcompile.checkpoint.buffers import compute_buffers
 from dpcompile.checkpoint.headers import CheckpointError, Entry, read_checkpoint
 from dpcompile.checkpoint.keys import Conversion, place_keys
-from dpcompile.checkpoint.slices import cut, read_entry, read_piece
+from dpcompile.checkpoint.rank_writes import blocks_of_piece, piece_blocks
+from dpcompile.checkpoint.slices import cut, read_blocks, read_entry, read_piece
 from dpcompile.checkpoint.targets import Target, targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import read_training
 from dpcompile.modules.base import ParallelModule
@@ -41,8 +42,8 @@ def load_checkpoint(
     (legacy ``LayerNorm.gamma``/``beta``, ``attention.attention.query``, per-expert weights:
     the model's conversion mapping, and ``key_mapping={regex: replacement}`` as
     ``from_pretrained`` takes it); a tied key (an LM head tied to the embedding) may be left
-    out, as transformers leaves it out. A row, column or vocab shard is read as a slice
-    (``safe_open(...).get_slice``), never the full tensor.
+    out, as transformers leaves it out. A row, column or vocab shard reads only its bytes of the
+    file, straight into the shard (never the full tensor, the file never mapped).
 
     Before anything is read, the index json and every file's header are validated, and every
     key, shape and dtype (0-dim tensors, non-persistent buffers included) is checked against
@@ -108,16 +109,16 @@ def load_checkpoint(
     _check_shapes(path, {k: (tuple(b.shape), b.dtype) for k, b in buffers.items()}, shapes)
     to_compute = [n for n in buffers if n not in placed]
     computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
-    # everything checked: from here on, write. The file is mapped again for each piece (its
-    # header parsed again: ~1 ms): the pages a read touches leave this process's resident memory
-    # when the mapping closes, so reading adds one piece to the program's memory, not one file
+    # everything checked: from here on, write. Each piece's boxes are read from the file straight
+    # into it (never mapped: the pages read stay the page cache's, not this process's), so reading
+    # adds at most one bounded staging buffer to the program's memory
     written: set[int] = set()
     conversions = {id(c): c for c, _ in converted.values()}.values()
     bar = progress_bar("Loading checkpoint", len(placement.direct) + len(conversions), progress)
     try:
         with torch.no_grad():
             for key, entry in placement.direct.items():
-                _write(key, targets.get(key), buffers.get(key), written, lambda index, e=entry: read_entry(e, index))
+                _fill(entry, targets.get(key), buffers.get(key), written)
                 bar.update()
             for conversion in conversions:
                 bar.update()
@@ -160,6 +161,19 @@ def _source_model(pm: ParallelModule) -> Any:
         if model is not None:
             return model
     return None
+
+
+def _fill(entry: Entry, target: Target | None, buffer: torch.Tensor | None, written: set[int]) -> None:
+    """Read into every piece of ``entry``'s key its boxes of the file (:func:`read_blocks`): no
+    copy of the piece beside it, at most one bounded staging buffer."""
+    if target is None:
+        if buffer is not None:
+            read_blocks(entry, piece_blocks(tuple(buffer.shape), None, 0, buffer))
+        return
+    for piece in target.pieces:
+        if id(piece.tensor) not in written:
+            read_blocks(entry, blocks_of_piece(target.shape, piece))
+            written.add(id(piece.tensor))
 
 
 def _write(key: str, target: Target | None, buffer: torch.Tensor | None, written: set[int], read: Any) -> None:

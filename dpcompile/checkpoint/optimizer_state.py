@@ -24,7 +24,7 @@ from dpcompile.checkpoint.dtensors import RowsOf, gather_like, is_dtensor
 from dpcompile.checkpoint.files import Runs
 from dpcompile.checkpoint.headers import Checkpoint, CheckpointError
 from dpcompile.checkpoint.rank_writes import Block, piece_blocks
-from dpcompile.checkpoint.slices import read_entry, read_piece
+from dpcompile.checkpoint.slices import read_blocks
 from dpcompile.checkpoint.stages import is_mesh_pipeline, stage_state
 from dpcompile.checkpoint.targets import Piece, Target, shard_runs, targets_of, tie_groups
 from dpcompile.fx_utils import unalias
@@ -216,7 +216,7 @@ def loaded_state(
     kinds = meta["state"]
     entries = source.entries if source is not None else files.entries if files is not None else {}
     like = source.like if source is not None else _read_like
-    whole = source.whole if source is not None else (lambda e: read_entry(e, None).clone())
+    whole = source.whole if source is not None else _read_whole
     state: dict[int, dict[str, Any]] = {}
     reads: list[tuple[int, str, Callable[[], torch.Tensor]]] = []
     for index, param in enumerate(params):
@@ -242,14 +242,19 @@ def loaded_state(
     return {"state": state, "param_groups": groups}
 
 
+def _read_whole(entry: Any) -> torch.Tensor:
+    value = torch.empty(tuple(entry.shape), dtype=entry.torch_dtype)
+    read_blocks(entry, piece_blocks(tuple(entry.shape), None, 0, value))
+    return value
+
+
 def _read_like(entry: Any, place: Place, param: Any) -> torch.Tensor:
     """This parameter's part of a state tensor laid out as the parameter, read as slices; over a
     mesh a DTensor parameter's is a DTensor of this rank's rows."""
-    value = read_piece(lambda i: read_entry(entry, i), place.target, place.piece)
-    if isinstance(place.piece.tensor, RowsOf):  # FSDP's rows of a tensor-parallel shard
-        rows = place.piece.tensor
-        value = value.narrow(rows.dim, rows.start, rows.size)
-    value = value.clone(memory_format=torch.contiguous_format)  # a slice read is a view of the file's mapping
+    piece = place.piece
+    local = piece.tensor.local if isinstance(piece.tensor, RowsOf) else piece.tensor  # FSDP's rows of a shard
+    value = torch.empty(tuple(local.shape), dtype=entry.torch_dtype)  # read into it: the state's own memory
+    read_blocks(entry, local_blocks(place.target, piece, value))
     if not is_dtensor(param):
         return value
     from torch.distributed.tensor import DTensor

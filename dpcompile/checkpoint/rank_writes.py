@@ -5,8 +5,8 @@
 * :func:`assign_writers`: from every rank's boxes (one exchange for the whole save), which rank
   writes which box: of the ranks holding the same box one writes it, by turns from key to key,
   once the distinct boxes are checked to tile each tensor exactly;
-* :func:`write_blocks`: a rank's boxes written in place (``os.pwrite`` of their runs) into a file
-  the leading rank created at its full size
+* :func:`write_blocks`: a rank's boxes written in place (``os.pwrite`` of their runs,
+  :mod:`~dpcompile.checkpoint.runs`) into a file the leading rank created at its full size
   (:func:`~dpcompile.checkpoint.files.allocate_safetensors`).
 """
 
@@ -20,9 +20,8 @@ import torch
 
 from dpcompile.checkpoint.dtensors import RowsOf, is_dtensor
 from dpcompile.checkpoint.files import CheckpointError
+from dpcompile.checkpoint.runs import BoxRuns, host_bytes, is_host_layout, pwrite_runs, rows_at_once, staging_budget
 from dpcompile.runtime.tensor_parallel import ShardSpec
-
-RUN_BYTES = 64 * 2**20  # a box is copied out of its shard this many bytes at a time
 
 
 @dataclass(frozen=True)
@@ -96,14 +95,15 @@ def target_blocks(target: Any) -> list[Block]:
     """The blocks of a checkpoint target (:class:`~dpcompile.checkpoint.targets.Target`) its pieces
     hold here: every shard in one process, this rank's piece over a mesh (a shard, FSDP's rows,
     or the whole tensor)."""
-    out = []
-    for piece in target.pieces:
-        if isinstance(piece.tensor, RowsOf):
-            rows = piece.tensor
-            out += piece_blocks(target.shape, piece.spec, piece.index, rows.local, (rows.dim, rows.start, rows.size))
-        else:
-            out += piece_blocks(target.shape, piece.spec, piece.index, piece.tensor)
-    return out
+    return [block for piece in target.pieces for block in blocks_of_piece(target.shape, piece)]
+
+
+def blocks_of_piece(shape: Sequence[int], piece: Any) -> list[Block]:
+    """The blocks of the whole tensor (``shape``) one piece (:class:`~dpcompile.checkpoint.targets.Piece`) holds."""
+    if isinstance(piece.tensor, RowsOf):
+        rows = piece.tensor
+        return piece_blocks(shape, piece.spec, piece.index, rows.local, (rows.dim, rows.start, rows.size))
+    return piece_blocks(shape, piece.spec, piece.index, piece.tensor)
 
 
 def assign_writers(
@@ -141,55 +141,42 @@ def _check_tiling(key: str, shape: Sequence[int], boxes: list[Box]) -> None:
 
 def write_blocks(fd: int, at: int, shape: Sequence[int], dtype: torch.dtype, blocks: Sequence[Block]) -> int:
     """Write each block's bytes where they lie in the whole tensor (row-major ``shape``, its data
-    at byte ``at`` of the file ``fd``); a box is copied out of its shard ``RUN_BYTES`` at a time.
-    Returns the bytes written."""
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
+    at byte ``at`` of the file ``fd``): straight from the block's memory where it is laid out as
+    the file (a CPU shard), else a few of its rows at a time through one staging buffer of at most
+    :func:`~dpcompile.checkpoint.runs.staging_budget` bytes. Returns the bytes written."""
     written = 0
     for block in blocks:
-        view, box = block.view, block.box
-        if view.dtype != dtype or tuple(view.shape) != box.sizes:
-            raise CheckpointError(f"a block {tuple(view.shape)} {view.dtype} does not fit {box} of {list(shape)} {dtype}")
-        item = view.element_size()
-        if not shape:
-            written += _pwrite(fd, _bytes(view).reshape(1, -1), [at])
-            continue
-        inner = len(shape) - 1  # the runs: dims after `inner` whole, so each run is contiguous in the file
-        while inner > 0 and box.sizes[inner] == shape[inner]:
-            inner -= 1
-        base = at + sum(s * st for s, st in zip(box.starts, strides)) * item
-        outer = torch.zeros((), dtype=torch.int64)
-        for d in range(1, inner):
-            outer = outer.unsqueeze(-1) + torch.arange(box.sizes[d]) * strides[d]
-        outer = outer.reshape(-1)  # offset of each run within one row of dim 0 (elements)
-        row_bytes = view[0].numel() * item if view.numel() else 0
-        chunk = max(1, RUN_BYTES // max(1, row_bytes))
-        for first in range(0, box.sizes[0], chunk):
-            rows = view.narrow(0, first, min(chunk, box.sizes[0] - first))
-            data = _bytes(rows)
-            if inner == 0:
-                written += _pwrite(fd, data.reshape(1, -1), [base + first * strides[0] * item])
-                continue
-            starts = (torch.arange(rows.shape[0]).unsqueeze(-1) * strides[0] + first * strides[0] + outer).reshape(-1)
-            written += _pwrite(fd, data.reshape(starts.numel(), -1), [base + int(s) * item for s in starts])
+        if block.view.dtype != dtype or tuple(block.view.shape) != block.box.sizes:
+            raise CheckpointError(
+                f"a block {tuple(block.view.shape)} {block.view.dtype} does not fit {block.box} of {list(shape)} {dtype}"
+            )
+        written += _write_block(fd, at, tuple(shape), dtype, block)  # its staging freed before the next block's
     return written
 
 
-def _bytes(t: torch.Tensor):
-    return t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+def _write_block(fd: int, at: int, shape: tuple[int, ...], dtype: torch.dtype, block: Block) -> int:
+    view, box = block.view, block.box
+    if not view.numel():
+        return 0
+    if not shape:
+        view, box, shape = view.reshape(1), Box((0,), (1,)), (1,)
+    runs = BoxRuns(shape, box.starts, box.sizes, dtype.itemsize)
+    step = rows_at_once(runs.row_bytes, staging_budget(view))
+    staging = None if is_host_layout(view, dtype) else torch.empty((min(step, box.sizes[0]), *box.sizes[1:]), dtype=dtype)
+    written = 0
+    for first in range(0, box.sizes[0], step):
+        rows = view.narrow(0, first, min(step, box.sizes[0] - first))
+        written += pwrite_runs(fd, _host(rows, staging), at, runs.runs(first, rows.shape[0]))
+    return written
 
 
-def _pwrite(fd: int, runs, offsets: Sequence[int]) -> int:
-    import os
-
-    n = 0
-    for run, offset in zip(runs, offsets):
-        view = memoryview(run)
-        while view.nbytes:
-            done = os.pwrite(fd, view, offset)
-            view, offset, n = view[done:], offset + done, n + done
-    return n
+def _host(rows: torch.Tensor, staging: torch.Tensor | None):
+    """``rows``' bytes: their own memory, or copied into ``staging`` (reused from rows to rows of a block)."""
+    if staging is None:
+        return host_bytes(rows)
+    out = staging[: rows.shape[0]]
+    out.copy_(rows)
+    return host_bytes(out)
 
 
-__all__ = ["Block", "Box", "assign_writers", "piece_blocks", "target_blocks", "write_blocks"]
+__all__ = ["Block", "Box", "assign_writers", "blocks_of_piece", "piece_blocks", "target_blocks", "write_blocks"]

@@ -1,15 +1,29 @@
-"""Reading parts of a checkpoint tensor: a slice of one entry (``safe_open(...).get_slice``, never
-the whole tensor), and the part a program's piece holds (a row, column, vocab or fused-qkv shard)."""
+"""Reading parts of a checkpoint tensor: the boxes a program's piece holds (a row, column, vocab or
+fused-qkv shard, FSDP's rows) read from the file into the piece (:func:`read_blocks`), and a slice
+of one entry as a new tensor (``safe_open(...).get_slice``, never the whole tensor) where a
+conversion needs the values."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+import struct
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from dpcompile.checkpoint.headers import CheckpointError, Entry
+from dpcompile.checkpoint.rank_writes import Block, Box
+from dpcompile.checkpoint.runs import (
+    STAGING_BYTES,
+    BoxRuns,
+    host_bytes,
+    is_host_layout,
+    pread_runs,
+    rows_at_once,
+    staging_budget,
+)
 from dpcompile.checkpoint.targets import Piece, Target
 
 
@@ -34,6 +48,51 @@ def read_entry(entry: Entry, index: tuple[slice, ...] | None) -> torch.Tensor:
         return f.get_slice(entry.key)[... if index is None else index]  # `...`: every rank, 0-dim too
 
 
+def read_blocks(entry: Entry, blocks: Sequence[Block]) -> None:
+    """Fill each block's view with its box of ``entry``'s tensor, read from the file (``preadv``),
+    never mapped: straight into the view where its memory is laid out as the file's bytes (a CPU
+    shard of the file's dtype), else a few rows at a time through one staging buffer of at most
+    :func:`~dpcompile.checkpoint.runs.staging_budget` bytes of the view (cast as ``copy_`` casts).
+    Only the bytes the blocks hold are read: one read per run (a row of a column shard)."""
+    try:
+        fd = os.open(entry.file, os.O_RDONLY)
+        try:
+            (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            at = 8 + length + entry.start
+            for block in blocks:
+                _read_block(fd, at, entry, block)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise CheckpointError(f"{entry.file}: '{entry.key}' cannot be read ({type(e).__name__}: {e})",
+                              file=entry.file, key=entry.key) from None  # fmt: skip
+
+
+def _read_block(fd: int, at: int, entry: Entry, block: Block) -> None:
+    view, box, dtype = block.view, block.box, entry.torch_dtype
+    if not view.numel():
+        return
+    if not box.sizes:
+        view, box = view.reshape(1), Box((0,), (1,))
+    shape = tuple(entry.shape) or (1,)
+    runs = BoxRuns(shape, box.starts, box.sizes, dtype.itemsize)
+    direct = is_host_layout(view, dtype)
+    step = rows_at_once(runs.row_bytes, STAGING_BYTES if direct else staging_budget(view))
+    staging = None if direct else torch.empty((min(step, box.sizes[0]), *box.sizes[1:]), dtype=dtype)
+    for first in range(0, box.sizes[0], step):
+        rows = view.narrow(0, first, min(step, box.sizes[0] - first))
+        out = rows if staging is None else staging[: rows.shape[0]]
+        _pread(fd, out, at, runs.runs(first, rows.shape[0]), entry)
+        if staging is not None:
+            rows.copy_(out)
+
+
+def _pread(fd: int, out: torch.Tensor, at: int, runs: list[tuple[int, int]], entry: Entry) -> None:
+    if not pread_runs(fd, host_bytes(out), at, runs):
+        raise CheckpointError(f"{entry.file} ends before the bytes of '{entry.key}' (it changed after its header "
+                              "was checked)", file=entry.file, key=entry.key)  # fmt: skip
+
+
 def cut(value: torch.Tensor, index: tuple[slice, ...] | None) -> torch.Tensor:
     return value if index is None else value[index]
 
@@ -56,4 +115,4 @@ def _index(dim: int, start: int, size: int) -> tuple[slice, ...]:
     return (*[slice(None)] * dim, slice(start, start + size))
 
 
-__all__ = ["cut", "read_entry", "read_piece"]
+__all__ = ["cut", "read_blocks", "read_entry", "read_piece"]

@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 from torch import nn
 
 from dpcompile.checkpoint.dtensors import localize
 from dpcompile.checkpoint.files import Runs
+from dpcompile.checkpoint.runs import rows_at_once, staging_budget
 from dpcompile.checkpoint.stages import is_mesh_pipeline, stage_targets
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
@@ -108,14 +110,14 @@ def targets_of(pm: ParallelModule) -> dict[str, Target]:
     return out
 
 
-RUN_BYTES = 64 * 2**20  # a split past dim 0: rows of the whole tensor are written this many bytes at a time
-
-
 def shard_runs(shards: list[torch.Tensor], spec: ShardSpec) -> Iterator[torch.Tensor]:
     """The bytes of the whole tensor in order, as runs of its ``shards`` (by sections for a fused
-    qkv): split on dim 0, each section of each shard in turn; split past dim 0, blocks of rows
-    (the dims before the split), each about ``RUN_BYTES``, cut from every shard and laid side by
-    side. Never the whole tensor at once."""
+    qkv), never the whole tensor at once. Split on dim 0: each section of each shard in turn, the
+    shards' own memory. Split past dim 0: blocks of rows (the dims before the split) cut from every
+    shard and laid side by side in one staging buffer, reused from block to block (each run is
+    valid until the next is asked for) and of at most
+    :func:`~dpcompile.checkpoint.runs.staging_budget` bytes of the largest shard; where one row of
+    the whole tensor is more than that, each shard's part of each row in turn."""
     outer = 1
     for size in shards[0].shape[: spec.dim]:
         outer *= size
@@ -126,9 +128,27 @@ def shard_runs(shards: list[torch.Tensor], spec: ShardSpec) -> Iterator[torch.Te
                 yield view[0, section]
         return
     row_bytes = sum(v[0].numel() for v in views) * views[0].element_size()
-    block = max(1, RUN_BYTES // max(1, row_bytes))
+    if row_bytes > max(staging_budget(v) for v in views):
+        for row in range(outer):
+            for section in range(spec.sections):
+                for view in views:
+                    yield view[row, section]
+        return
+    block = rows_at_once(row_bytes, max(staging_budget(v) for v in views))
+    widths = [v.shape[2] for v in views]
+    staging = torch.empty((min(block, outer), spec.sections, sum(widths)), dtype=views[0].dtype)
+    on_host = all(v.device.type == "cpu" and v.is_contiguous() for v in views)
     for start in range(0, outer, block):
-        yield torch.cat([v[start : start + block].to("cpu") for v in views], dim=2)
+        out = staging[: min(block, outer - start)]
+        if on_host:  # numpy's copy, one thread: torch's small parallel copies wait on a busy CPU
+            parts = [v[start : start + out.shape[0]].view(torch.uint8).numpy() for v in views]
+            numpy.concatenate(parts, axis=2, out=out.view(torch.uint8).numpy())
+        else:
+            column = 0
+            for view, width in zip(views, widths):
+                out[:, :, column : column + width].copy_(view[start : start + out.shape[0]])
+                column += width
+        yield out
 
 
 def tie_groups(targets: dict[str, Target]) -> dict[str, list[str]]:

@@ -23,7 +23,7 @@ import torch
 
 from dpcompile.checkpoint.dtensors import check_peers, ranks_of
 from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, write_safetensors
-from dpcompile.checkpoint.headers import CheckpointError, read_checkpoint
+from dpcompile.checkpoint.headers import CheckpointError, read_checkpoint, read_metadata
 from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, saved_state
 
 TRAINING_FILE = "training_state.json"
@@ -211,15 +211,9 @@ def training_from_document(
 
 def _same_save(document: dict[str, Any], file: Path, files: list[Path]) -> None:
     """Every file carries the token of the save ``training_state.json`` names, or the load is refused."""
-    from safetensors import safe_open
-
     token = document.get("save")
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as opened:
-                stamp = (opened.metadata() or {}).get(SAVE_KEY)
-        except Exception as e:  # noqa: BLE001 - safetensors' errors name no file
-            raise CheckpointError(f"{f} cannot be read ({type(e).__name__}: {e})", file=f) from None
+        stamp = read_metadata(f).get(SAVE_KEY)
         if stamp != token:
             raise CheckpointError(
                 f"{f.name} is not from the save {file.name} describes ({stamp} vs {token}): the folder mixes two saves "

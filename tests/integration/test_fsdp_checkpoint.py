@@ -39,52 +39,6 @@ class Net(nn.Module):
         return self.head(h)
 
 
-class _Counted:
-    """``safetensors.safe_open`` that records the elements each read returns (slices and whole tensors)."""
-
-    def __init__(self, real, counts: list[int]):
-        self.real, self.counts = real, counts
-
-    def __call__(self, *args, **kwargs):
-        return _File(self.real(*args, **kwargs), self.counts)
-
-
-class _File:
-    def __init__(self, f, counts):
-        self.f, self.counts = f, counts
-
-    def __enter__(self):
-        self.f.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.f.__exit__(*exc)
-
-    def get_slice(self, key):
-        return _Slice(self.f.get_slice(key), self.counts)
-
-    def get_tensor(self, key):
-        t = self.f.get_tensor(key)
-        self.counts.append(t.numel())
-        return t
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
-class _Slice:
-    def __init__(self, s, counts):
-        self.s, self.counts = s, counts
-
-    def __getitem__(self, index):
-        t = self.s[index]
-        self.counts.append(t.numel())
-        return t
-
-    def __getattr__(self, name):
-        return getattr(self.s, name)
-
-
 def _fsdp(model: nn.Module):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -106,10 +60,10 @@ def _same(pm, want_state, x, want_out) -> None:
 def check_save_and_load(folder: str) -> None:
     """Save from an FSDP program (several files), load into a fresh FSDP program (each rank
     reading only its rows), a meta-built one, and data parallel on virtual devices: equal."""
-    import safetensors
     import torch.distributed as dist
 
     import dpcompile
+    from dpcompile.checkpoint import slices
 
     rank, world = dist.get_rank(), dist.get_world_size()
     path = Path(folder) / "fsdp"
@@ -124,15 +78,15 @@ def check_save_and_load(folder: str) -> None:
     assert len(list(path.glob("model-*.safetensors"))) > 1
     torch.manual_seed(1)
     fresh = _fsdp(Net())
-    counts: list[int] = []
-    real = safetensors.safe_open
-    safetensors.safe_open = _Counted(real, counts)
+    counts: list[int] = []  # the bytes each read takes from the files
+    real = slices.pread_runs
+    slices.pread_runs = lambda fd, data, at, runs: counts.append(sum(n for _, n in runs)) or real(fd, data, at, runs)
     try:
         dpcompile.load_checkpoint(fresh, path)
     finally:
-        safetensors.safe_open = real
-    total = sum(v.numel() for v in want_state.values())
-    own = sum(-(-v.size(0) // world) * (v.numel() // v.size(0)) for v in want_state.values())
+        slices.pread_runs = real
+    total = sum(v.numel() * v.element_size() for v in want_state.values())
+    own = sum(-(-v.size(0) // world) * (v.numel() // v.size(0)) * v.element_size() for v in want_state.values())
     assert 0 < sum(counts) <= own < total, (sum(counts), own, total)  # this rank's rows only
     _same(fresh, want_state, x, want_out)
     with torch.device("meta"):

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from dpcompile.checkpoint import rank_writes
+from dpcompile.checkpoint import runs
 from dpcompile.checkpoint.files import CheckpointError
 from dpcompile.checkpoint.rank_writes import Box, assign_writers, piece_blocks, write_blocks
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of
@@ -49,8 +49,8 @@ def test_the_ranks_slices_written_in_place_are_the_whole_tensor(shape, spec, row
     ranks = _pieces(whole, spec, rows_dim, replicas)
     writers = assign_writers([{"t": [b.box for b in blocks]} for blocks in ranks], {"t": shape})
     assert sum(len(w.get("t", [])) for w in writers) == len({b.box for blocks in ranks for b in blocks})
-    for run_bytes in (rank_writes.RUN_BYTES, 8, 40):  # one copy per box, a row at a time, a few rows
-        monkeypatch.setattr(rank_writes, "RUN_BYTES", run_bytes)
+    for run_bytes in (runs.STAGING_BYTES, 8, 40):  # a box at a time, a row at a time, a few rows
+        monkeypatch.setattr(runs, "STAGING_BYTES", run_bytes)
         file = tmp_path / f"t{run_bytes}.bin"
         at = 24  # the tensor's data after some header bytes
         file.write_bytes(b"\xff" * (at + whole.numel() * 8))

@@ -424,17 +424,18 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
 def test_shard_runs_are_the_whole_tensors_bytes(shape, dim, sizes, sections, monkeypatch):
     """A sharded tensor is written as runs of its shards, never put together: the runs' bytes are
     the whole tensor's, in order (row, column and fused-qkv shards, uneven too; rows in blocks)."""
-    from dpcompile.checkpoint import targets
+    from dpcompile.checkpoint import runs, targets
     from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of
 
     whole = torch.randn(shape, dtype=torch.float64)
     spec = ShardSpec(dim, sizes, sections=sections)
     shards = [shard_of(whole, spec, k) for k in range(len(sizes))]
-    for run_bytes in (targets.RUN_BYTES, 1, 100):  # one block of rows, a row at a time, a few rows
-        monkeypatch.setattr(targets, "RUN_BYTES", run_bytes)
-        runs = list(targets.shard_runs(shards, spec))
-        assert all(r.numel() < whole.numel() for r in runs) or dim > 0 and run_bytes == targets.RUN_BYTES
-        assert torch.equal(torch.cat([r.reshape(-1) for r in runs]), whole.reshape(-1)), run_bytes
+    largest = max(s.numel() * s.element_size() for s in shards)
+    for run_bytes in (runs.STAGING_BYTES, 1, 100):  # the largest shard's bytes, a row at a time, a few rows
+        monkeypatch.setattr(runs, "STAGING_BYTES", run_bytes)
+        parts = [r.clone() for r in targets.shard_runs(shards, spec)]  # each valid until the next is made
+        assert all(r.numel() * r.element_size() <= largest for r in parts), run_bytes
+        assert torch.equal(torch.cat([r.reshape(-1) for r in parts]), whole.reshape(-1)), run_bytes
 
 
 def test_a_folder_mixing_two_saves_is_refused(tp_checkpoint, tmp_path):

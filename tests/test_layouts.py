@@ -238,15 +238,17 @@ def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, match):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), **kwargs)
 
 
-def test_layout_sequence_parallel_over_a_mesh_tp_alone():
-    """sequence_parallel=True over a ('tp',) DeviceMesh passes the keyword check (built:
-    tests/integration/test_sequence_parallel_mesh.py); with 'dp' or 'pp' dimensions it is refused by name."""
+def test_layout_sequence_parallel_over_a_mesh_tp_and_dp():
+    """sequence_parallel=True over a ('tp',) or ('dp', 'tp') DeviceMesh passes the keyword check (built:
+    tests/integration/test_sequence_parallel_mesh.py, test_spmd.py's 4 processes); with a 'pp' dimension
+    it is refused by name."""
     from dpcompile.keywords import check_keywords_honoured
 
     check_keywords_honoured(_unjoined_mesh((2,), ("tp",)), tensor_parallel=True, sequence_parallel=True)
-    for names, other in ((("dp", "tp"), "dp"), (("pp", "tp"), "pp")):
-        with pytest.raises(DpCompileError, match=f"sequence_parallel=True with {other} over a DeviceMesh is not built"):
-            check_keywords_honoured(_unjoined_mesh((2, 2), names), tensor_parallel=True, sequence_parallel=True)
+    check_keywords_honoured(_unjoined_mesh((2, 2), ("dp", "tp")), tensor_parallel=True, sequence_parallel=True)
+    for shape, names in (((2, 2), ("pp", "tp")), ((2, 2, 2), ("pp", "dp", "tp"))):
+        with pytest.raises(DpCompileError, match="sequence_parallel=True with pp over a DeviceMesh is not built"):
+            check_keywords_honoured(_unjoined_mesh(shape, names), tensor_parallel=True, sequence_parallel=True)
 
 
 @pytest.mark.parametrize("names", [("pp", "dp"), ("dp", "tp")])

@@ -275,12 +275,58 @@ def check_gpt2_over_dp_and_cp() -> None:
             torch.testing.assert_close(p, q, msg=lambda m, name=name, seq=seq: f"seq {seq}, AdamW, {name}: {m}")
 
 
+def check_blocks_over_dp_and_cp() -> None:
+    """A causal block over a ("dp", "cp") mesh of 2 x 2 ranks, 7 tokens (4 and 3 per cp rank): outputs
+    equal eager's rows and tokens, and a summed loss's gradients are eager's over the whole batch halved
+    (DDP averages over dp what each dp group sums over cp); a call in eval mode is traced again, and
+    uneven rows (3: 2 and 1) run the same program."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention
+    from tests.models import OptionalScale
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    x = torch.randn(4, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    mine = torch.tensor_split(torch.arange(7), 2)[mesh.get_local_rank("cp")]
+
+    def rows(n: int) -> torch.Tensor:
+        return torch.tensor_split(torch.arange(n), 2)[mesh.get_local_rank("dp")]
+
+    model = CausalSelfAttention().double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
+    got, want = pm(local_batch(x, mesh)), eager(x)
+    torch.testing.assert_close(got, want[rows(4)][:, mine])
+    weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+    (got * weights[rows(4)][:, mine]).sum().backward()
+    (want * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad / 2, msg=lambda m, name=name: f"grad {name}: {m}")
+    model = OptionalScale().double()
+    eager = copy.deepcopy(model)
+    x = x[..., :8]
+    pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
+    pm.eval()
+    eager.eval()
+    torch.testing.assert_close(pm(local_batch(x, mesh)), eager(x)[rows(4)][:, mine])  # traced again, in eval mode
+    torch.testing.assert_close(pm(local_batch(x[:3], mesh)), eager(x[:3])[rows(3)][:, mine])
+
+
 CHECKS = (
     ("gpt2", check_gpt2_equals_eager),
     ("refused", check_unplaceable_models_refused_alike),
     ("unbalanced", check_unbalanced_shards_refused_alike),
 )
-CHECKS_4 = (("attention_4", check_small_attention_on_four_ranks), ("gpt2_dp_cp", check_gpt2_over_dp_and_cp))
+CHECKS_4 = (
+    ("attention_4", check_small_attention_on_four_ranks),
+    ("blocks_dp_cp", check_blocks_over_dp_and_cp),
+    ("gpt2_dp_cp", check_gpt2_over_dp_and_cp),
+)
 
 
 def _entry(rank: int, world: int, port: int, checks: tuple, results: mp.Queue) -> None:
@@ -322,6 +368,8 @@ def test_context_parallel_over_four_cp_ranks(outcomes_4):
 @pytest.mark.slow  # the same spawned group of 4 processes
 @pytest.mark.xdist_group("context_parallel_mesh")
 def test_context_parallel_over_a_dp_cp_mesh(outcomes_4):
-    """GPT-2 over a 2 x 2 ("dp", "cp") mesh: logits, loss, gradients and 2 AdamW steps equal eager."""
+    """A causal block and GPT-2 over a 2 x 2 ("dp", "cp") mesh equal eager (outputs, loss, gradients, 2 AdamW
+    steps for GPT-2)."""
+    assert_group_passed(outcomes_4, 4, "blocks_dp_cp", timeout=GROUP_TIMEOUT_S)
     pytest.importorskip("transformers")
     assert_group_passed(outcomes_4, 4, "gpt2_dp_cp", timeout=GROUP_TIMEOUT_S)

@@ -79,21 +79,22 @@ def check_keywords_honoured(
 def _check_sequence_parallel(
     sequence_parallel: Any, sharded: bool, *, over_mesh: bool, pipelined: bool, mesh: Any, memory_per_device: Any
 ) -> None:  # fmt: skip
-    """``sequence_parallel=True`` is built on ``tp`` (with ``dp`` in one process), and over a ``("tp",)`` DeviceMesh."""
+    """``sequence_parallel=True`` is built on ``tp``, with or without ``dp``: in one process and over a
+    ``("tp",)`` or ``("dp", "tp")`` DeviceMesh."""
     if sequence_parallel not in (False, True):
         raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
     if not sequence_parallel:
         return
     if not sharded:
         raise ValueError("sequence_parallel=True shards the sequence over the 'tp' dimension: add tensor_parallel=")
-    others = sorted(k for k, v in (mesh or {}).items() if k not in ("tp", "dp" * (not over_mesh)) and v > 1
+    others = sorted(k for k, v in (mesh or {}).items() if k not in ("tp", "dp") and v > 1
                     ) if isinstance(mesh, Mapping) else []  # fmt: skip
     if pipelined or others:
         where = f"with {', '.join(others) or 'pp'}" + (" over a DeviceMesh" if over_mesh else "")
         raise DpCompileError(
-            f"sequence_parallel=True {where} is not built yet: it runs on 'tp', with 'dp' in one process "
-            "(tensor_parallel= over a device list, mesh={'tp': T} or {'dp': D, 'tp': T}, or a ('tp',) DeviceMesh); "
-            "leave sequence_parallel= out for this layout"
+            f"sequence_parallel=True {where} is not built yet: it runs on 'tp', with or without 'dp' "
+            "(tensor_parallel= over a device list, mesh={'tp': T} or {'dp': D, 'tp': T}, or a ('tp',) or "
+            "('dp', 'tp') DeviceMesh); leave sequence_parallel= out for this layout"
         )
     if memory_per_device is not None:
         raise DpCompileError(

@@ -31,13 +31,14 @@ def check_mesh(mesh: Any, tensor_parallel: object) -> tuple[str, str | int | Non
         )
     names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     wants_tp = tensor_parallel is not False and tensor_parallel is not None
-    if names == ("cp",):
+    if names in (("cp",), ("dp", "cp")):
         if wants_tp:
             raise DpCompileError(
-                "tensor_parallel= with a ('cp',) mesh is not built yet: context parallel over a mesh splits the "
-                "sequence alone; leave tensor_parallel= out, or use a ('tp',) mesh"
+                f"tensor_parallel= with a {names} mesh is not built yet: context parallel over a mesh splits the "
+                "sequence (and the batch over 'dp') alone; leave tensor_parallel= out, or use a ('tp',) or "
+                "('dp', 'tp') mesh"
             )
-        return "spmd_context_parallel", "cp", None
+        return "spmd_context_parallel", names[0], None
     if mesh.ndim == 1:
         dim: str | int = names[0] if names else 0
         if wants_tp:
@@ -84,12 +85,15 @@ def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:
     Balanced ``tensor_split`` parts over the mesh's ``"dp"`` dimension (a 1-D mesh not named
     ``"tp"`` is all data parallel); tensor-parallel ranks of one dp group get the same part,
     and a ``("tp",)`` or ``("pp",)`` mesh gets the whole batch. A ``("cp",)`` mesh splits the
-    sequence, dim 1 of batch-first inputs (a tensor without one, a classifier's labels, whole).
+    sequence, dim 1 of batch-first inputs (a tensor without one, a classifier's labels, whole); a
+    ``("dp", "cp")`` mesh splits the batch over ``dp``, then the sequence over ``cp``.
     Non-tensor leaves are passed through.
 
     >>> x_local, y_local = local_batch((x, y), mesh)  # doctest: +SKIP
     """
     names = tuple(mesh.mesh_dim_names or ())
+    if names == ("dp", "cp"):  # the dp rank's rows, then its cp rank's part of their sequence
+        return local_batch(local_batch(value, mesh["dp"], dim), mesh["cp"])
     if names == ("cp",):
         parts, rank, dim = mesh.size(0), mesh.get_local_rank(0), 1
     elif "dp" in names:

@@ -238,15 +238,17 @@ def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, match):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), **kwargs)
 
 
-def test_layout_sequence_parallel_over_a_mesh_tp_alone():
-    """sequence_parallel=True over a ('tp',) DeviceMesh passes the keyword check (built:
-    tests/integration/test_sequence_parallel_mesh.py); with 'dp' or 'pp' dimensions it is refused by name."""
+def test_layout_sequence_parallel_over_a_mesh_tp_and_dp():
+    """sequence_parallel=True over a ('tp',) or ('dp', 'tp') DeviceMesh passes the keyword check (built:
+    tests/integration/test_sequence_parallel_mesh.py, test_spmd.py's 4 processes); with a 'pp' dimension
+    it is refused by name."""
     from dpcompile.keywords import check_keywords_honoured
 
     check_keywords_honoured(_unjoined_mesh((2,), ("tp",)), tensor_parallel=True, sequence_parallel=True)
-    for names, other in ((("dp", "tp"), "dp"), (("pp", "tp"), "pp")):
-        with pytest.raises(DpCompileError, match=f"sequence_parallel=True with {other} over a DeviceMesh is not built"):
-            check_keywords_honoured(_unjoined_mesh((2, 2), names), tensor_parallel=True, sequence_parallel=True)
+    check_keywords_honoured(_unjoined_mesh((2, 2), ("dp", "tp")), tensor_parallel=True, sequence_parallel=True)
+    for shape, names in (((2, 2), ("pp", "tp")), ((2, 2, 2), ("pp", "dp", "tp"))):
+        with pytest.raises(DpCompileError, match="sequence_parallel=True with pp over a DeviceMesh is not built"):
+            check_keywords_honoured(_unjoined_mesh(shape, names), tensor_parallel=True, sequence_parallel=True)
 
 
 @pytest.mark.parametrize("names", [("pp", "dp"), ("dp", "tp")])
@@ -260,8 +262,8 @@ def test_layout_exact_random_true_over_a_mesh_is_honoured(names):
 
 def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():
     """A ('pp', 'dp', 'tp') DeviceMesh and FSDP with a pipeline pass the keyword checks (built:
-    tests/integration/test_pipeline_mesh_compose.py); a ('cp',) mesh passes too (built:
-    tests/integration/test_context_parallel_mesh.py), 'cp' beside another dimension is refused by name."""
+    tests/integration/test_pipeline_mesh_compose.py); a ('cp',) or ('dp', 'cp') mesh passes too (built:
+    tests/integration/test_context_parallel_mesh.py), 'cp' beside 'pp' or 'tp' is refused by name."""
     from dpcompile.keywords import check_keywords_honoured
     from dpcompile.target import mesh_layout
 
@@ -270,8 +272,11 @@ def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():
     check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), pipeline=2, data_parallel="fsdp")
     check_keywords_honoured(_unjoined_mesh((2,), ("cp",)))
     assert mesh_layout(_unjoined_mesh((2,), ("cp",)), pipeline=None, tensor_parallel=False) == {"cp": 2}
+    check_keywords_honoured(_unjoined_mesh((2, 2), ("dp", "cp")))
     with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use mesh=\{'cp': N\}, mesh=\{'dp': D, 'cp': N\} or mesh=\{'cp': N, 'tp': T\} in one process"):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "cp")), pipeline=2)
+    with pytest.raises(DpCompileError, match=r"a \('cp',\) or \('dp', 'cp'\) DeviceMesh"):
+        check_keywords_honoured(_unjoined_mesh((2, 2), ("cp", "tp")), tensor_parallel=True)
 
 
 def test_layout_survives_pickling():

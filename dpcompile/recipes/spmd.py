@@ -17,6 +17,8 @@ same model and gets the program of its own rank:
 * **1-D mesh ("cp",)**: context parallel's one-process program over ``N`` virtual devices,
   cut to this rank (``passes.lower_sequence_to_rank``): each rank feeds its part of the
   sequence, attention all-gathers keys and values over ``cp``, DDP gives the summed gradients.
+* **2-D mesh ("dp", "cp")**: that cp rank program on each dp rank's rows, DDP over every rank
+  (``dp`` x ``cp`` flattened): the cp sums averaged over ``dp``.
 
 >>> # torchrun --nproc-per-node 2 train.py                                # doctest: +SKIP
 >>> dist.init_process_group("gloo")                                       # doctest: +SKIP
@@ -175,15 +177,16 @@ class SpmdRecipe(Recipe):
         this rank's part with its exchanges over the ``cp`` group (``passes.lower_sequence_to_rank``);
         DDP over ``cp`` averages the ranks' gradients, which the program scales so that the average is
         the sum of their shares: the single-device gradient."""
+        where = f"a {tuple(self.mesh.mesh_dim_names)} mesh"
         if example_inputs is None:
             raise DpCompileError(
-                "context parallel over a ('cp',) mesh finds the sequence and attention's shapes from examples: pass "
+                f"context parallel over {where} finds the sequence and attention's shapes from examples: pass "
                 "example_inputs= or example_kwargs= (this rank's shard, e.g. input_ids=, labels=)"
             )
         if self.data_parallel == "fsdp":
             raise DpCompileError(
-                'data_parallel="fsdp" with a (\'cp\',) mesh is not built yet: leave data_parallel= out (the '
-                "parameters are replicated over cp and their gradients summed)"
+                f'data_parallel="fsdp" with {where} is not built yet: leave data_parallel= out (the '
+                "parameters are replicated, their gradients summed over cp and averaged over dp by DDP)"
             )
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
@@ -191,7 +194,7 @@ class SpmdRecipe(Recipe):
         drawn = [n for n in gm.graph.nodes if random_kind(gm, n) is not None]
         if drawn and self.exact_random:
             raise DpCompileError(
-                f"context parallel over a ('cp',) mesh: '{drawn[0].name}' draws random numbers, and drawing the "
+                f"context parallel over {where}: '{drawn[0].name}' draws random numbers, and drawing the "
                 "single-device values on sequence shards over a mesh is not built yet: pass exact_random=False "
                 "(each rank draws its own), set its probability to 0, or use mesh={'cp': N} over a device list"
             )
@@ -201,7 +204,8 @@ class SpmdRecipe(Recipe):
                         output_device=device, records=records, class_name=type(model).__name__, share_all_of=model,
                         source=source, flags=flags, none_args=nones)  # fmt: skip
         pm.captured_code = captured_code
-        pm.attach_mesh(mesh=self.mesh, dp_dim="cp", tp_dim=None, ddp_options=self.ddp_options)
+        ddp_mesh = self.mesh if self.mesh.ndim == 1 else self.mesh._flatten("dp_cp")  # one DDP over every rank
+        pm.attach_mesh(mesh=ddp_mesh, dp_dim=ddp_mesh.mesh_dim_names[0], tp_dim=None, ddp_options=self.ddp_options)
         return pm
 
     def _lower_context_parallel(self, gm: fx.GraphModule, device: torch.device, examples: Sequence[Any]) -> tuple:

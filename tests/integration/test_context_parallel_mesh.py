@@ -4,7 +4,7 @@ and the whole sequence's loss. Against eager on the whole sequence (float64, a 1
 ``labels=``), at a length that divides and one that does not: the rank's logits, the loss, every
 parameter gradient (summed over cp) and two AdamW steps; a model cp cannot place is refused on every
 rank with the same ``DpCompileError``. One spawned group of 2 runs those checks; one of 4 runs small
-attention blocks (causal, a padding mask) over uneven shards."""
+attention blocks (causal, a padding mask) over uneven shards, and GPT-2 over a ("dp", "cp") mesh."""
 
 from __future__ import annotations
 
@@ -220,12 +220,113 @@ def check_small_attention_on_four_ranks() -> None:
     torch.testing.assert_close(pm(local_batch(x, mesh), scale), eager(x, scale)[:, mine])  # and with scale=
 
 
+def check_gpt2_over_dp_and_cp() -> None:
+    """A ("dp", "cp") mesh of 2 x 2 ranks: each dp rank passes its 2 of the batch's 4 rows, each cp rank its
+    part of their sequence (``local_batch``), at 12 and 13 tokens (7 and 6 per cp rank). The rank's logits,
+    the loss (each dp rank's over every token of its rows, averaged over dp) and, after each of 2 AdamW
+    steps, every gradient and parameter equal eager's on the whole batch; tensor_parallel= and FSDP with
+    this mesh are refused by name."""
+    import copy
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile import DpCompileError
+    from dpcompile.mesh import local_batch
+
+    def inputs(seq: int, seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"input_ids": torch.randint(1, V, (4, seq), generator=g), "labels": torch.randint(0, V, (4, seq), generator=g)}
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    example = local_batch(inputs(12, 0), mesh)
+    assert example["input_ids"].shape == (2, 6)
+    for refused, match in (({"tensor_parallel": True}, r"tensor_parallel= with a \('dp', 'cp'\) mesh is not built"),
+                           ({"data_parallel": "fsdp"}, r"data_parallel=\"fsdp\" with a \('dp', 'cp'\) mesh is not built")):  # fmt: skip
+        with pytest.raises(DpCompileError, match=match):
+            dpcompile.transform(nn.Linear(16, 16), mesh, example_inputs=(torch.randn(1, 3, 16),), **refused)
+    torch.manual_seed(0)
+    model = _gpt2()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, mesh, example_kwargs=example, frontend="export")
+    assert pm.mode == "spmd_context_parallel" and pm.ddp is not None and "attention_over_group" in pm.code
+    assert pm.layout == {"dp": 2, "cp": 2} and pm.strategies["dp"] == "data parallel (replicate)", pm.strategies
+    rows = torch.tensor_split(torch.arange(4), 2)[mesh.get_local_rank("dp")]
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for seq in (12, 13):
+        whole = inputs(seq, seq)
+        mine = torch.tensor_split(torch.arange(seq), 2)[mesh.get_local_rank("cp")]
+        got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+        torch.testing.assert_close(got.logits, want.logits[rows][:, mine])
+        mean = got.loss.detach().clone()
+        dist.all_reduce(mean, group=mesh.get_group("dp"))
+        torch.testing.assert_close(mean / 2, want.loss)
+        got.loss.backward()
+        want.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name, seq=seq: f"seq {seq}, grad {name}: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m, name=name, seq=seq: f"seq {seq}, AdamW, {name}: {m}")
+
+
+def check_blocks_over_dp_and_cp() -> None:
+    """A causal block over a ("dp", "cp") mesh of 2 x 2 ranks, 7 tokens (4 and 3 per cp rank): outputs
+    equal eager's rows and tokens, and a summed loss's gradients are eager's over the whole batch halved
+    (DDP averages over dp what each dp group sums over cp); a call in eval mode is traced again, and
+    uneven rows (3: 2 and 1) run the same program."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention
+    from tests.models import OptionalScale
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    x = torch.randn(4, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    mine = torch.tensor_split(torch.arange(7), 2)[mesh.get_local_rank("cp")]
+
+    def rows(n: int) -> torch.Tensor:
+        return torch.tensor_split(torch.arange(n), 2)[mesh.get_local_rank("dp")]
+
+    model = CausalSelfAttention().double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
+    got, want = pm(local_batch(x, mesh)), eager(x)
+    torch.testing.assert_close(got, want[rows(4)][:, mine])
+    weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+    (got * weights[rows(4)][:, mine]).sum().backward()
+    (want * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad / 2, msg=lambda m, name=name: f"grad {name}: {m}")
+    model = OptionalScale().double()
+    eager = copy.deepcopy(model)
+    x = x[..., :8]
+    pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
+    pm.eval()
+    eager.eval()
+    torch.testing.assert_close(pm(local_batch(x, mesh)), eager(x)[rows(4)][:, mine])  # traced again, in eval mode
+    torch.testing.assert_close(pm(local_batch(x[:3], mesh)), eager(x[:3])[rows(3)][:, mine])
+
+
 CHECKS = (
     ("gpt2", check_gpt2_equals_eager),
     ("refused", check_unplaceable_models_refused_alike),
     ("unbalanced", check_unbalanced_shards_refused_alike),
 )
-CHECKS_4 = (("attention_4", check_small_attention_on_four_ranks),)
+CHECKS_4 = (
+    ("attention_4", check_small_attention_on_four_ranks),
+    ("blocks_dp_cp", check_blocks_over_dp_and_cp),
+    ("gpt2_dp_cp", check_gpt2_over_dp_and_cp),
+)
 
 
 def _entry(rank: int, world: int, port: int, checks: tuple, results: mp.Queue) -> None:
@@ -261,3 +362,14 @@ def test_context_parallel_over_a_cp_mesh(outcomes, check):
 def test_context_parallel_over_four_cp_ranks(outcomes_4):
     """Causal attention and a gathered padding mask over 4 ranks with uneven shards equal eager."""
     assert_group_passed(outcomes_4, 4, "attention_4", timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # the same spawned group of 4 processes
+@pytest.mark.xdist_group("context_parallel_mesh")
+def test_context_parallel_over_a_dp_cp_mesh(outcomes_4):
+    """A causal block and GPT-2 over a 2 x 2 ("dp", "cp") mesh equal eager (outputs, loss, gradients, 2 AdamW
+    steps for GPT-2)."""
+    assert_group_passed(outcomes_4, 4, "blocks_dp_cp", timeout=GROUP_TIMEOUT_S)
+    pytest.importorskip("transformers")
+    assert_group_passed(outcomes_4, 4, "gpt2_dp_cp", timeout=GROUP_TIMEOUT_S)

@@ -29,6 +29,7 @@ from tests.helpers import FakeMesh
 from tests.models import OptionalScale
 
 GROUP_TIMEOUT_S = 60.0  # a whole scenario (spawn + checks); a hang fails the test after this
+FOUR_TIMEOUT_S = 240.0  # the 4-process scenario builds GPT-2 with sequence parallel on a loaded machine
 
 
 # ---------------------------------------------------------------------------- models
@@ -814,9 +815,92 @@ def check_2d_training_matches_eager(rank: int, world: int) -> None:
     _assert_state_equal(pm.state_dict(), reference.state_dict())
 
 
+def _two_adamw_steps(pm, eager, mesh, loss_of, *, tolerance: dict) -> None:
+    """Two AdamW steps of ``pm`` on this dp rank's rows and of ``eager`` on the whole batch: outputs
+    (this rank's rows) and the loss (averaged over dp) at each step, the parameters after both."""
+    import torch.distributed as dist
+
+    opts = torch.optim.AdamW(pm.parameters(), lr=0.01), torch.optim.AdamW(eager.parameters(), lr=0.01)
+    for step in range(2):
+        torch.manual_seed(step)  # dropout draws the single-device values on every rank
+        got, got_loss = loss_of(pm, step, lambda t: local_batch(t, mesh))
+        torch.manual_seed(step)
+        want, want_loss = loss_of(eager, step, lambda t: t)
+        torch.testing.assert_close(got, local_batch(want, mesh), **(tolerance if step else {}))
+        mean = got_loss.detach().clone()
+        dist.all_reduce(mean, group=mesh.get_group("dp"))
+        torch.testing.assert_close(mean / mesh.size(0), want_loss.detach(), **tolerance)
+        got_loss.backward()
+        want_loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    got_state, want_state = pm.state_dict(), eager.state_dict()  # a collective: the tp shards gathered
+    for key, value in want_state.items():
+        torch.testing.assert_close(got_state[key], value, **tolerance, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def check_2d_sequence_parallel_stack(rank: int, world: int) -> None:
+    """sequence_parallel=True over a 2x2 ("dp", "tp") mesh: the sequence-parallel test file's Stack
+    (float64, dropout drawn exactly) on 13 tokens (7 and 6 per tp rank), cross-entropy against labels,
+    under DDP and under FSDP: outputs, the loss and the parameters after 2 AdamW steps equal eager's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from tests.integration.test_sequence_parallel import Stack, V, _ids
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    labels = _ids(13, seed=7) % V
+
+    def loss_of(m, step, local):
+        logits = m(local(_ids(13, seed=step + 1)))
+        return logits, F.cross_entropy(logits.flatten(0, 1), local(labels).flatten())
+
+    for data_parallel in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        model = Stack().double().train()
+        eager = copy.deepcopy(model)
+        pm = dpcompile.transform(model, mesh, tensor_parallel=True, sequence_parallel=True,
+                                 example_inputs=(local_batch(_ids(13), mesh),), data_parallel=data_parallel)  # fmt: skip
+        assert pm.mode == "spmd_2d" and (pm.ddp if data_parallel == "ddp" else pm.fsdp) is not None
+        assert pm.strategies["tp"] == "tensor parallel with sequence parallel", pm.strategies
+        assert pm.code.count("reduce_scatter_by_all_reduce(") == 5 and pm.code.count("all_gather_sequence(") == 5
+        _two_adamw_steps(pm, eager, mesh, loss_of=loss_of, tolerance={})
+
+
+def check_2d_sequence_parallel_gpt2(rank: int, world: int) -> None:
+    """A 1-layer GPT-2 with labels= (dropout drawn exactly), 4 rows of 13 tokens, sequence parallel over
+    a 2x2 ("dp", "tp") mesh: as check_2d_sequence_parallel_stack. transformers computes the loss in
+    float32, so each dp rank's mean rounds apart from the whole batch's, and AdamW carries that into
+    the parameters (2e-6 seen): the loss, the second step's logits and the parameters to 1e-5."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from tests.integration.test_sequence_parallel import V, _transformers_model
+
+    def inputs(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"input_ids": torch.randint(1, V, (4, 13), generator=g), "labels": torch.randint(0, V, (4, 13), generator=g)}
+
+    def loss_of(m, step, local):
+        out = m(**local(inputs(step + 1)))
+        return out.logits, out.loss
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = _transformers_model("gpt2", layers=1).double().train()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, mesh, tensor_parallel=True, sequence_parallel=True,
+                             example_kwargs=local_batch(inputs(0), mesh))  # fmt: skip
+    assert pm.code.count("reduce_scatter_by_all_reduce(") == 4 and pm.code.count("all_gather_sequence(") == 3
+    _two_adamw_steps(pm, eager, mesh, loss_of=loss_of, tolerance={"atol": 1e-5, "rtol": 1e-5})
+
+
 FOUR_CHECKS = [
     ("dp4_training_matches_eager", check_dp_training_matches_eager),
     ("2d_training_matches_eager", check_2d_training_matches_eager),
+    ("2d_sequence_parallel_stack", check_2d_sequence_parallel_stack),
+    ("2d_sequence_parallel_gpt2", check_2d_sequence_parallel_gpt2),
 ]
 
 
@@ -893,7 +977,7 @@ def two():
 
 @pytest.fixture(scope="module")
 def four():
-    return run_group("four", 4)
+    return run_group("four", 4, timeout=FOUR_TIMEOUT_S)
 
 
 @pytest.mark.distributed
@@ -916,7 +1000,9 @@ def test_spmd_tensor_parallel_2(two, check):
 @pytest.mark.parametrize("check", [name for name, _ in FOUR_CHECKS])
 @pytest.mark.xdist_group("spmd_4")  # one spawned group, on one worker
 def test_spmd_4_processes(four, check):
-    """Data parallel over 4 processes, and the 2x2 ("dp", "tp") mesh."""
+    """Data parallel over 4 processes, and the 2x2 ("dp", "tp") mesh (with sequence parallel too)."""
+    if check.endswith("gpt2"):
+        pytest.importorskip("transformers")
     _lookup(four, 4, check)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule
+from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule, parse_save_rule
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.memory import format_budget_up
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
@@ -225,10 +225,15 @@ _LAYOUT_DEFAULTS = {"tensor_parallel": False, "pipeline": None, "mesh": None, "m
 
 
 def _save_words(rule: str) -> str:
-    """``pm.strategies``' words for a save rule: ``"auto:0.5"`` reads ``"the matmuls ... budget 0.5"``."""
+    """``pm.strategies``' words for a save rule: ``"auto:0.5"`` reads ``"the matmuls ... budget 0.5"``;
+    ``"@device"`` and ``";tiles=4"`` (``parse_save_rule``) add their words."""
+    rule, over_device, tiles = parse_save_rule(rule)
     if rule.startswith("auto:"):
-        return f"the matmul and attention outputs sparing the most FLOPs within budget {rule.removeprefix('auto:')}"
-    return rule.replace("_", " ")
+        scope = " of each device's regions" if over_device else ""
+        words = f"the matmul and attention outputs sparing the most FLOPs within budget {rule.removeprefix('auto:')}{scope}"
+    else:
+        words = rule.replace("_", " ")
+    return words + (f"; per-token regions in {tiles} token tiles" if tiles > 1 else "")
 
 
 def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]) -> ParallelModule:

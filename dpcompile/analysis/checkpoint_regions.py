@@ -18,7 +18,9 @@ from dpcompile.errors import DpCompileError
 
 #: what a recomputed region keeps for backward (``passes.checkpoint_saves``)
 SAVE_RULES = ("nothing", "matmuls", "every_second_matmul", "auto")
-_SPEC_KEYS = {"regions", "save", "budget"}
+_SPEC_KEYS = {"regions", "save", "budget", "budget_over", "tiles"}
+#: ``"budget_over"``: one knapsack per region (the same fraction in each), or over all of a device's regions
+BUDGET_SCOPES = ("region", "device")
 #: ``"auto"`` without ``budget``: keep half of what ``"matmuls"`` keeps, chosen to recompute the fewest FLOPs
 DEFAULT_BUDGET = 0.5
 
@@ -47,12 +49,43 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
             f"activation_checkpointing 'budget' goes with 'save': 'auto' (the rule that chooses what to keep "
             f"within it), not with {rule!r}: give {{'save': 'auto', 'budget': ...}} or drop 'budget'"
         )
+    rule += _scope_and_tiles(activation_checkpointing, rule)
     regions = activation_checkpointing["regions"]
     if regions is False or regions is None or regions == "auto":
         raise ValueError(
             f"activation_checkpointing 'regions': {regions!r}; give True (every repeated block) or module paths"
         )
     return regions, rule
+
+
+def _scope_and_tiles(spec: dict[str, Any], rule: str) -> str:
+    """The rule's suffix for ``"budget_over"`` (``"@device"``) and ``"tiles"`` (``";tiles=4"``)."""
+    suffix = ""
+    scope = spec.get("budget_over", "region")
+    if scope not in BUDGET_SCOPES or (scope == "device" and not rule.startswith("auto:")):
+        raise ValueError(
+            f"activation_checkpointing 'budget_over': {scope!r}; give 'region' (each region keeps the same fraction) "
+            "or 'device' (one knapsack over a device's regions), with 'save': 'auto'"
+        )
+    if scope == "device":
+        suffix += "@device"
+    tiles = spec.get("tiles", 1)
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(
+            f"activation_checkpointing 'tiles': {tiles!r}; give a whole number of token slices (e.g. 4) that each "
+            "region acting on each token alone (an MLP) runs in, or leave it out"
+        )
+    if tiles > 1:
+        suffix += f";tiles={tiles}"
+    return suffix
+
+
+def parse_save_rule(rule: str) -> tuple[str, bool, int]:
+    """``checkpoint_save_rule``'s string split into the save rule, whether its budget spans a device's
+    regions, and the token tiles: ``"auto:0.8@device;tiles=4"`` -> ``("auto:0.8", True, 4)``."""
+    rule, _, tiles = rule.partition(";tiles=")
+    rule, _, scope = rule.partition("@")
+    return rule, scope == "device", int(tiles) if tiles else 1
 
 
 def _budget(budget: Any) -> float:
@@ -123,4 +156,4 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     return paths
 
 
-__all__ = ["DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]
+__all__ = ["BUDGET_SCOPES", "DEFAULT_BUDGET", "SAVE_RULES", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]

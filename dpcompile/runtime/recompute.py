@@ -11,6 +11,8 @@ import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from dpcompile.errors import DpCompileError
+
 _KEEPING = [False]  # between keep_outputs(True) and keep_outputs(False): the region's ops are saved, not recomputed
 
 
@@ -127,4 +129,32 @@ class _OutsideWrites(TorchDispatchMode):
             self.saved[id(tensor)] = (tensor, tensor.detach().clone())
 
 
-__all__ = ["checkpoint", "keep_outputs"]
+def _token_dim(x: torch.Tensor) -> int:
+    """The longest of the token dims (all but the last; ties: the later one, the sequence of ``(b, s, d)``)."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise DpCompileError(
+            f"activation_checkpointing 'tiles': a tiled region reads {type(x).__name__} "
+            f"{tuple(getattr(x, 'shape', ()))}, not a tensor of tokens x features; leave 'tiles' out for it"
+        )
+    return max(range(x.dim() - 1), key=lambda i: (x.shape[i], i))
+
+
+def token_tiles(x: torch.Tensor, tiles: int) -> tuple[torch.Tensor, ...]:
+    """``x`` cut into ``tiles`` slices along its longest token dim (views: no copy).
+
+    >>> [tuple(t.shape) for t in token_tiles(torch.ones(2, 8, 3), 4)]
+    [(2, 2, 3), (2, 2, 3), (2, 2, 3), (2, 2, 3)]
+    """
+    return x.tensor_split(tiles, dim=_token_dim(x))
+
+
+def join_tiles(parts: list[Any], like: torch.Tensor) -> Any:
+    """The outputs of a region run on ``token_tiles(like, k)``, concatenated back along that dim
+    (a region of several outputs: each output's tiles)."""
+    dim = _token_dim(like)
+    if isinstance(parts[0], (tuple, list)):
+        return tuple(torch.cat(list(column), dim=dim) for column in zip(*parts, strict=True))
+    return torch.cat(parts, dim=dim)
+
+
+__all__ = ["checkpoint", "join_tiles", "keep_outputs", "token_tiles"]

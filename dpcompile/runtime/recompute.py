@@ -129,32 +129,32 @@ class _OutsideWrites(TorchDispatchMode):
             self.saved[id(tensor)] = (tensor, tensor.detach().clone())
 
 
-def _token_dim(x: torch.Tensor) -> int:
-    """The longest of the token dims (all but the last; ties: the later one, the sequence of ``(b, s, d)``)."""
+def _tokens_of(x: Any) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise DpCompileError(
             f"activation_checkpointing 'tiles': a tiled region reads {type(x).__name__} "
             f"{tuple(getattr(x, 'shape', ()))}, not a tensor of tokens x features; leave 'tiles' out for it"
         )
-    return max(range(x.dim() - 1), key=lambda i: (x.shape[i], i))
+    return x.flatten(0, -2)
 
 
 def token_tiles(x: torch.Tensor, tiles: int) -> tuple[torch.Tensor, ...]:
-    """``x`` cut into ``tiles`` slices along its longest token dim (views: no copy).
+    """``x``'s tokens (every dim but the last, flattened: a view where ``x`` is contiguous) cut into
+    ``tiles`` slices of rows, each contiguous (a region may ``view`` them, as GPT-2's ``Conv1D`` does).
 
     >>> [tuple(t.shape) for t in token_tiles(torch.ones(2, 8, 3), 4)]
-    [(2, 2, 3), (2, 2, 3), (2, 2, 3), (2, 2, 3)]
+    [(4, 3), (4, 3), (4, 3), (4, 3)]
     """
-    return x.tensor_split(tiles, dim=_token_dim(x))
+    return _tokens_of(x).tensor_split(tiles)
 
 
 def join_tiles(parts: list[Any], like: torch.Tensor) -> Any:
-    """The outputs of a region run on ``token_tiles(like, k)``, concatenated back along that dim
-    (a region of several outputs: each output's tiles)."""
-    dim = _token_dim(like)
+    """The outputs of a region run on ``token_tiles(like, k)``, concatenated and given ``like``'s
+    token dims back (a region of several outputs: each output's tiles)."""
+    tokens = like.shape[:-1]
     if isinstance(parts[0], (tuple, list)):
-        return tuple(torch.cat(list(column), dim=dim) for column in zip(*parts, strict=True))
-    return torch.cat(parts, dim=dim)
+        return tuple(torch.cat(list(column)).unflatten(0, tokens) for column in zip(*parts, strict=True))
+    return torch.cat(parts).unflatten(0, tokens)
 
 
 __all__ = ["checkpoint", "join_tiles", "keep_outputs", "token_tiles"]

@@ -34,7 +34,8 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
         raise ValueError(
             f"activation_checkpointing={activation_checkpointing!r}: a dict takes 'regions' (True or module paths) "
             f"and 'save' (one of {list(SAVE_RULES)}), e.g. {{'regions': True, 'save': 'matmuls'}} or "
-            "{'regions': True, 'save': 'auto', 'budget': 0.5}"
+            "{'regions': True, 'save': 'auto', 'budget': 0.5}; also 'budget_over' ('region' or 'device') and 'tiles' "
+            "(token slices a per-token region runs in)"
         )
     rule = activation_checkpointing.get("save", "nothing")
     if rule not in SAVE_RULES:

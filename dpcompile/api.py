@@ -216,6 +216,11 @@ def transform(
     if recipe.checkpointed:
         kept = "" if recipe.checkpoint_save == "nothing" else f" (keeping {_save_words(recipe.checkpoint_save)})"
         pm.strategies["activation_checkpointing"] = f"recompute in backward{kept}: {', '.join(recipe.checkpointed)}"
+        whole = {n.removesuffix("_region"): m.untiled_reason for n, m in pm.named_children()
+                 if getattr(m, "untiled_reason", None)}  # fmt: skip
+        if whole:
+            reasons = "; ".join(f"{name}: {why}" for name, why in whole.items())
+            pm.strategies["activation_checkpointing"] += f" (run whole, not in tiles: {reasons})"
     return pm
 
 

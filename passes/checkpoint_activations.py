@@ -334,6 +334,8 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: st
         attribute, k = f"{region.name}_region", 1
         while hasattr(gm, attribute):
             attribute, k = f"{region.name}_{k}_region", k + 1
+        if tiles > 1:  # pm.strategies reads why a region runs whole
+            module.untiled_reason = untiled[region.name]
         gm.add_submodule(attribute, module)
         last = region.nodes[-1]
         with graph.inserting_after(last):

@@ -88,6 +88,8 @@ def test_mlp_in_token_tiles_equals_eager_and_shows_the_tiles(devices):
     spec = {"regions": ["layers.0", "layers.1.mlp"], "save": "matmuls", "tiles": 4}
     pm = dpcompile.transform(model, ["cpu"] * devices, activation_checkpointing=spec)
     assert "in 4 token tiles" in pm.strategies["activation_checkpointing"]
+    first = "layers_0_dev0" if devices == 1 else "layers_0"  # two copies of block 0 share a shape value: one region
+    assert f"(run whole, not in tiles: {first}: scaled_dot_product_attention" in pm.strategies["activation_checkpointing"]
     code = pm.code
     for d in range(devices):
         assert f"layers_1_mlp_dev{d}_tiles = dpcompile_runtime_token_tiles(layers_1_ln2_dev{d}, 4)" in code

@@ -16,7 +16,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule, parse_save_rule
+from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule, checkpoint_words
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.memory import format_budget_up
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
@@ -214,31 +214,13 @@ def transform(
     if sequence_parallel and "tp" in pm.strategies:
         pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:
-        kept = "" if recipe.checkpoint_save == "nothing" else f" (keeping {_save_words(recipe.checkpoint_save)})"
-        pm.strategies["activation_checkpointing"] = f"recompute in backward{kept}: {', '.join(recipe.checkpointed)}"
-        whole = {n.removesuffix("_region"): m.untiled_reason for n, m in pm.named_children()
-                 if getattr(m, "untiled_reason", None)}  # fmt: skip
-        if whole:
-            reasons = "; ".join(f"{name}: {why}" for name, why in whole.items())
-            pm.strategies["activation_checkpointing"] += f" (run whole, not in tiles: {reasons})"
+        pm.strategies["activation_checkpointing"] = checkpoint_words(recipe.checkpoint_save, recipe.checkpointed, pm)
     return pm
 
 
 #: keywords that name a layout: plan="auto" chooses them
 _LAYOUT_DEFAULTS = {"tensor_parallel": False, "pipeline": None, "mesh": None, "micro_batches": 1, "schedule": "gpipe",
                     "activation_checkpointing": False, "sequence_parallel": False}  # fmt: skip
-
-
-def _save_words(rule: str) -> str:
-    """``pm.strategies``' words for a save rule: ``"auto:0.5"`` reads ``"the matmuls ... budget 0.5"``;
-    ``"@device"`` and ``";tiles=4"`` (``parse_save_rule``) add their words."""
-    rule, over_device, tiles = parse_save_rule(rule)
-    if rule.startswith("auto:"):
-        scope = " of each device's regions" if over_device else ""
-        words = f"the matmul and attention outputs sparing the most FLOPs within budget {rule.removeprefix('auto:')}{scope}"
-    else:
-        words = rule.replace("_", " ")
-    return words + (f"; per-token regions in {tiles} token tiles" if tiles > 1 else "")
 
 
 def _planned_transform(model: nn.Module, devices: Any, arguments: dict[str, Any]) -> ParallelModule:

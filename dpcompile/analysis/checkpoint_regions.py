@@ -105,6 +105,30 @@ def checkpoint_save_rule(activation_checkpointing: Any) -> str:
 
 
 
+def _save_words(rule: str) -> str:
+    """Words for a save rule: ``"auto:0.5"`` reads ``"the matmuls ... budget 0.5"``; ``"@device"``
+    and ``";tiles=4"`` (``parse_save_rule``) add theirs."""
+    rule, over_device, tiles = parse_save_rule(rule)
+    if rule.startswith("auto:"):
+        scope = " of each device's regions" if over_device else ""
+        words = f"the matmul and attention outputs sparing the most FLOPs within budget {rule.removeprefix('auto:')}{scope}"
+    else:
+        words = rule.replace("_", " ")
+    return words + (f"; per-token regions in {tiles} token tiles" if tiles > 1 else "")
+
+
+def checkpoint_words(rule: str, paths: tuple[str, ...], program: nn.Module) -> str:
+    """``pm.strategies["activation_checkpointing"]``: what is recomputed, what it keeps, and which
+    regions ``tiles`` left whole and why (their region modules' ``untiled_reason``)."""
+    kept = "" if rule == "nothing" else f" (keeping {_save_words(rule)})"
+    words = f"recompute in backward{kept}: {', '.join(paths)}"
+    whole = {n.removesuffix("_region"): m.untiled_reason for n, m in program.named_children()
+             if getattr(m, "untiled_reason", None)}  # fmt: skip
+    if whole:
+        words += f" (run whole, not in tiles: {'; '.join(f'{name}: {why}' for name, why in whole.items())})"
+    return words
+
+
 def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
     """The items of the model's largest ``ModuleList`` / ``Sequential`` of blocks of one type
     (the most items; ties: the most parameters); empty where there is none."""
@@ -157,4 +181,4 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     return paths
 
 
-__all__ = ["BUDGET_SCOPES", "DEFAULT_BUDGET", "SAVE_RULES", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]
+__all__ = ["BUDGET_SCOPES", "DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_words", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]

@@ -85,6 +85,20 @@ def tiled_input(gm: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node])
     return [v for v in inputs if v.op != "get_attr" and not _receiver_only(gm, v, inside)]
 
 
+def _whole_tensor_operand(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """An elementwise op on an attribute of more than one dim (a table of positions) would pair a
+    slice of tokens with the whole table; a weight of ``F.linear`` or a bias vector is fine."""
+    operands = node.args[:1] if node.target in (F.linear, _aten.linear.default) else node.args
+    for arg in operands:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            value: object = gm
+            for part in str(arg.target).split("."):
+                value = getattr(value, part, None)
+            if not isinstance(value, torch.Tensor) or value.dim() > 1:
+                return f"{node.name} reads {arg.name}, not a vector over the features, with the tokens"
+    return None
+
+
 def why_not_per_token(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node]) -> str | None:
     """Why the region of ``nodes`` reading ``inputs`` cannot run in token tiles, or ``None`` where it
     reads one value of tokens and every node acts on each token alone (a matmul over the features,
@@ -106,6 +120,8 @@ def why_not_per_token(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.
                 return reason
             continue
         if node.op == "call_function" and node.target in _ELEMENTWISE_FUNCTIONS:
+            if (reason := _whole_tensor_operand(gm, node)) is not None:
+                return reason
             continue
         if node.op == "call_method" and node.target in _ELEMENTWISE_METHODS:
             continue

@@ -63,6 +63,17 @@ class Stack(nn.Module):
         return x
 
 
+class Positions(nn.Module):
+    """``x + pos``: a table of positions (2 dims) pairs each token with its row; a bias (1 dim) does not."""
+
+    def __init__(self, dims: int = 2):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(*([8] * (dims - 1)), 16))
+
+    def forward(self, x):
+        return x + self.pos
+
+
 def _example() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return Stack().double(), torch.randn(2, 8, 16, dtype=torch.float64)
@@ -155,6 +166,12 @@ def test_regions_that_mix_tokens_or_draw_randomly_stay_whole_with_the_reason():
     )
     residual = named["add"]  # x + attention's output: two values of tokens
     assert why_not_per_token(traced, [residual], list(residual.all_input_nodes)).startswith("it reads 2 values")
+    table = fx.symbolic_trace(Positions())
+    added = next(n for n in table.graph.nodes if n.op == "call_function")
+    assert why_not_per_token(table, [added], [added.args[0]]) == "add reads pos, not a vector over the features, with the tokens"
+    vector = fx.symbolic_trace(Positions(1))
+    bias = next(n for n in vector.graph.nodes if n.op == "call_function")
+    assert why_not_per_token(vector, [bias], [bias.args[0]]) is None
     view = named["view"]
     assert why_not_per_token(traced, [view], [view.args[0]]) == "view (view) is not known to act on each token alone"
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule
+from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule, checkpoint_words
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
@@ -215,16 +215,10 @@ def transform(
     if sequence_parallel and "tp" in pm.strategies:
         pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:
-        kept = "" if recipe.checkpoint_save == "nothing" else f" (keeping {_save_words(recipe.checkpoint_save)})"
-        pm.strategies["activation_checkpointing"] = f"recompute in backward{kept}: {', '.join(recipe.checkpointed)}"
+        pm.strategies["activation_checkpointing"] = checkpoint_words(recipe.checkpoint_save, recipe.checkpointed, pm)
     return pm
 
 
-def _save_words(rule: str) -> str:
-    """``pm.strategies``' words for a save rule: ``"auto:0.5"`` reads ``"the matmuls ... budget 0.5"``."""
-    if rule.startswith("auto:"):
-        return f"the matmul and attention outputs sparing the most FLOPs within budget {rule.removeprefix('auto:')}"
-    return rule.replace("_", " ")
 
 
 def _compile(

@@ -38,11 +38,13 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.checkpoint_regions import parse_save_rule
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module, writes
 from dpcompile.infra import PassResult, module_path_of, stamp
-from dpcompile.runtime import checkpoint, keep_outputs, random_draws
-from passes.checkpoint_budget import kept_for_rule
+from dpcompile.runtime import checkpoint, join_tiles, keep_outputs, random_draws, token_tiles
+from passes.checkpoint_budget import kept_for_rule, kept_over_regions
+from passes.checkpoint_tiles import tiled_input, why_not_per_token
 
 PASS = "checkpoint_activations"
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -264,25 +266,76 @@ def _take_name(graph: fx.Graph, node: fx.Node, name: str) -> None:
     node._rename(name)
 
 
+def _device_of(region: CheckpointRegion) -> tuple[object, object]:
+    """Where a region runs: its replica or micro-batch suffix and its pipeline stage."""
+    suffix = _PLACE_SUFFIX.search(region.name)
+    return (suffix.group(0) if suffix else None), region.nodes[-1].meta.get(_STAGE)
+
+
+def _kept_by_region(gm: fx.GraphModule, regions: list[CheckpointRegion], rule: str, over_device: bool) -> None:
+    """Set each region's ``kept``: per region, or (``over_device``, an ``"auto"`` rule) by one
+    knapsack over the regions of each device."""
+    if not (over_device and rule.startswith("auto:")):
+        for region in regions:
+            region.kept = kept_for_rule(gm, region.nodes, rule)
+        return
+    by_device: dict[tuple[object, object], list[CheckpointRegion]] = {}
+    for region in regions:
+        by_device.setdefault(_device_of(region), []).append(region)
+    budget = float(rule.removeprefix("auto:"))
+    for group in by_device.values():
+        for region, kept in zip(group, kept_over_regions(gm, [r.nodes for r in group], budget), strict=True):
+            region.kept = kept
+
+
+def _tiled_calls(gm: fx.GraphModule, region: CheckpointRegion, holder: fx.Node, values: list[fx.Node],
+                 tiles: int, saving: dict[str, bool], last: fx.Node) -> fx.Node:  # fmt: skip
+    """``token_tiles`` of each value the region reads, one checkpoint call per tile, and the
+    ``join_tiles`` of their outputs (returned); inserted after ``values[-1]``."""
+    graph = gm.graph
+    cursor = values[-1]
+    inputs = set(tiled_input(gm, region.inputs, region.nodes))
+
+    def add(target, args, kwargs=None, name=None):
+        nonlocal cursor
+        with graph.inserting_after(cursor):
+            cursor = _placed(stamp(graph.create_node("call_function", target, args, kwargs or {}, name=name), PASS, last), last)
+        return cursor
+
+    cut = {v: add(token_tiles, (v, tiles), name=f"{region.name}_tiles") for v in values if v in inputs}
+    parts = []
+    for i in range(tiles):
+        args = [add(operator.getitem, (cut[v], i), name=f"{region.name}_tile{i}_in") if v in cut else v for v in values]
+        parts.append(add(checkpoint, (holder, *args), saving, name=f"{region.name}_tile{i}"))
+    return add(join_tiles, (parts, next(iter(cut))), name=f"{region.name}_checkpoint")
+
+
 def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: str = "nothing") -> PassResult:
     """Rewrite each region of ``paths`` into ``dpcompile_runtime_checkpoint(self.<name>_region, ...)``;
     the nodes ``save`` names (``passes.checkpoint_saves``, ``passes.checkpoint_budget``) keep their outputs, between
-    ``dpcompile_runtime_keep_outputs(True)`` and ``(False)`` in the region's code.
+    ``dpcompile_runtime_keep_outputs(True)`` and ``(False)`` in the region's code. ``save`` may end in
+    ``@device`` (one knapsack over a device's regions) and ``;tiles=k``: a region acting on each token
+    alone runs as ``k`` checkpoint calls on token slices (``passes.checkpoint_tiles``).
 
-    ``info["regions"]`` is ``{region name: module path}``; no paths: a no-op.
+    ``info["regions"]`` is ``{region name: module path}``, ``info["tiled"]`` the regions run in tiles,
+    ``info["untiled"]`` ``{region name: why not}``; no paths: a no-op.
     """
     if not paths:
         return PassResult(gm, False, {"regions": {}})
+    rule, over_device, tiles = parse_save_rule(save)
     regions = find_checkpoint_regions(gm, paths)
+    _kept_by_region(gm, regions, rule, over_device)
+    untiled = {r.name: why_not_per_token(gm, r.nodes, r.inputs) for r in regions} if tiles > 1 else {}
     graph = gm.graph
     replaced: dict[fx.Node, fx.Node] = {}  # an earlier region's outputs, read by a later one
     for region in regions:
         region.inputs = [replaced.get(n, n) for n in region.inputs]
-        region.kept = kept_for_rule(gm, region.nodes, save)
         module, arguments = _region_module(region)
         attribute, k = f"{region.name}_region", 1
         while hasattr(gm, attribute):
             attribute, k = f"{region.name}_{k}_region", k + 1
+        if tiles > 1:  # pm.strategies reads why a region runs whole
+            module.untiled_reason = untiled[region.name]
         gm.add_submodule(attribute, module)
         last = region.nodes[-1]
         with graph.inserting_after(last):
@@ -297,10 +350,14 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: st
                 values.append(cursor)
             else:
                 values.append(argument)
-        with graph.inserting_after(cursor):
-            saving = {"saving": True} if region.kept else {}
-            call = graph.create_node("call_function", checkpoint, (holder, *values), saving, name=f"{region.name}_checkpoint")
-        _placed(stamp(call, PASS, last), last).meta["dpcompile_region"] = region.path
+        saving = {"saving": True} if region.kept else {}
+        if tiles > 1 and untiled[region.name] is None:
+            call = _tiled_calls(gm, region, holder, values, tiles, saving, last)
+        else:
+            with graph.inserting_after(cursor):
+                call = graph.create_node("call_function", checkpoint, (holder, *values), saving, name=f"{region.name}_checkpoint")
+            _placed(stamp(call, PASS, last), last)
+        call.meta["dpcompile_region"] = region.path
         results = [call]
         if len(region.outputs) > 1:
             results = []
@@ -323,7 +380,11 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: st
         if region.name not in live:
             _take_name(graph, call, region.name)
     _stable_topological_order(graph)
-    return PassResult(gm, bool(regions), {"regions": {r.name: r.path for r in regions}})
+    info = {"regions": {r.name: r.path for r in regions}}
+    if tiles > 1:
+        info |= {"tiled": [n for n, why in untiled.items() if why is None],
+                 "untiled": {n: why for n, why in untiled.items() if why is not None}}  # fmt: skip
+    return PassResult(gm, bool(regions), info)
 
 
 def with_regions_recomputed(gm: fx.GraphModule, paths: Sequence[str], save: str = "nothing") -> fx.GraphModule:

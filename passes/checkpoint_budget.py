@@ -192,6 +192,17 @@ def kept_under_budget(gm: fx.GraphModule, nodes: list[fx.Node], budget: float) -
     return [c.node for c in choose_saves(save_candidates(gm, nodes), budget)]
 
 
+def kept_over_regions(gm: fx.GraphModule, regions: list[list[fx.Node]], budget: float) -> list[list[fx.Node]]:
+    """The kept nodes of each region under one knapsack over all of them (a device's regions):
+    ``budget`` of their candidates' total width, attention first, then the matmuls sparing the most
+    FLOPs. Ties go to later regions: what an early region keeps is alive through every later
+    region's backward (where the peak is), what the last one keeps is freed first."""
+    found = [save_candidates(gm, nodes) for nodes in regions]
+    latest_first = [c for candidates in reversed(found) for c in candidates]
+    chosen = {c.node for c in choose_saves(latest_first, budget)}
+    return [[c.node for c in candidates if c.node in chosen] for candidates in found]
+
+
 def kept_for_rule(gm: fx.GraphModule, nodes: list[fx.Node], rule: str) -> list[fx.Node]:
     """The nodes of a region that keep their outputs under any save rule: ``"auto:<budget>"`` here,
     the fixed rules in ``passes.checkpoint_saves``."""
@@ -200,4 +211,4 @@ def kept_for_rule(gm: fx.GraphModule, nodes: list[fx.Node], rule: str) -> list[f
     return kept_nodes(gm, nodes, rule)
 
 
-__all__ = ["SaveCandidate", "choose_saves", "kept_for_rule", "kept_under_budget", "save_candidates"]
+__all__ = ["SaveCandidate", "choose_saves", "kept_for_rule", "kept_over_regions", "kept_under_budget", "save_candidates"]

@@ -18,7 +18,9 @@ from dpcompile.errors import DpCompileError
 
 #: what a recomputed region keeps for backward (``passes.checkpoint_saves``)
 SAVE_RULES = ("nothing", "matmuls", "every_second_matmul", "auto")
-_SPEC_KEYS = {"regions", "save", "budget"}
+_SPEC_KEYS = {"regions", "save", "budget", "budget_over", "tiles"}
+#: ``"budget_over"``: one knapsack per region (the same fraction in each), or over all of a device's regions
+BUDGET_SCOPES = ("region", "device")
 #: ``"auto"`` without ``budget``: keep half of what ``"matmuls"`` keeps, chosen to recompute the fewest FLOPs
 DEFAULT_BUDGET = 0.5
 
@@ -32,7 +34,8 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
         raise ValueError(
             f"activation_checkpointing={activation_checkpointing!r}: a dict takes 'regions' (True or module paths) "
             f"and 'save' (one of {list(SAVE_RULES)}), e.g. {{'regions': True, 'save': 'matmuls'}} or "
-            "{'regions': True, 'save': 'auto', 'budget': 0.5}"
+            "{'regions': True, 'save': 'auto', 'budget': 0.5}; also 'budget_over' ('region' or 'device') and 'tiles' "
+            "(token slices a per-token region runs in)"
         )
     rule = activation_checkpointing.get("save", "nothing")
     if rule not in SAVE_RULES:
@@ -47,12 +50,43 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
             f"activation_checkpointing 'budget' goes with 'save': 'auto' (the rule that chooses what to keep "
             f"within it), not with {rule!r}: give {{'save': 'auto', 'budget': ...}} or drop 'budget'"
         )
+    rule += _scope_and_tiles(activation_checkpointing, rule)
     regions = activation_checkpointing["regions"]
     if regions is False or regions is None or regions == "auto":
         raise ValueError(
             f"activation_checkpointing 'regions': {regions!r}; give True (every repeated block) or module paths"
         )
     return regions, rule
+
+
+def _scope_and_tiles(spec: dict[str, Any], rule: str) -> str:
+    """The rule's suffix for ``"budget_over"`` (``"@device"``) and ``"tiles"`` (``";tiles=4"``)."""
+    suffix = ""
+    scope = spec.get("budget_over", "region")
+    if scope not in BUDGET_SCOPES or (scope == "device" and not rule.startswith("auto:")):
+        raise ValueError(
+            f"activation_checkpointing 'budget_over': {scope!r}; give 'region' (each region keeps the same fraction) "
+            "or 'device' (one knapsack over a device's regions), with 'save': 'auto'"
+        )
+    if scope == "device":
+        suffix += "@device"
+    tiles = spec.get("tiles", 1)
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(
+            f"activation_checkpointing 'tiles': {tiles!r}; give a whole number of token slices (e.g. 4) that each "
+            "region acting on each token alone (an MLP) runs in, or leave it out"
+        )
+    if tiles > 1:
+        suffix += f";tiles={tiles}"
+    return suffix
+
+
+def parse_save_rule(rule: str) -> tuple[str, bool, int]:
+    """``checkpoint_save_rule``'s string split into the save rule, whether its budget spans a device's
+    regions, and the token tiles: ``"auto:0.8@device;tiles=4"`` -> ``("auto:0.8", True, 4)``."""
+    rule, _, tiles = rule.partition(";tiles=")
+    rule, _, scope = rule.partition("@")
+    return rule, scope == "device", int(tiles) if tiles else 1
 
 
 def _budget(budget: Any) -> float:
@@ -69,6 +103,30 @@ def checkpoint_save_rule(activation_checkpointing: Any) -> str:
     ``"auto"`` is spelled with its budget, ``"auto:0.5"``."""
     return _regions_and_rule(activation_checkpointing)[1]
 
+
+
+def _save_words(rule: str) -> str:
+    """Words for a save rule: ``"auto:0.5"`` reads ``"the matmuls ... budget 0.5"``; ``"@device"``
+    and ``";tiles=4"`` (``parse_save_rule``) add theirs."""
+    rule, over_device, tiles = parse_save_rule(rule)
+    if rule.startswith("auto:"):
+        scope = " of each device's regions" if over_device else ""
+        words = f"the matmul and attention outputs sparing the most FLOPs within budget {rule.removeprefix('auto:')}{scope}"
+    else:
+        words = rule.replace("_", " ")
+    return words + (f"; per-token regions in {tiles} token tiles" if tiles > 1 else "")
+
+
+def checkpoint_words(rule: str, paths: tuple[str, ...], program: nn.Module) -> str:
+    """``pm.strategies["activation_checkpointing"]``: what is recomputed, what it keeps, and which
+    regions ``tiles`` left whole and why (their region modules' ``untiled_reason``)."""
+    kept = "" if rule == "nothing" else f" (keeping {_save_words(rule)})"
+    words = f"recompute in backward{kept}: {', '.join(paths)}"
+    whole = {n.removesuffix("_region"): m.untiled_reason for n, m in program.named_children()
+             if getattr(m, "untiled_reason", None)}  # fmt: skip
+    if whole:
+        words += f" (run whole, not in tiles: {'; '.join(f'{name}: {why}' for name, why in whole.items())})"
+    return words
 
 
 def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
@@ -123,4 +181,4 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     return paths
 
 
-__all__ = ["DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]
+__all__ = ["BUDGET_SCOPES", "DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_words", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]

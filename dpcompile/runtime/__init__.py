@@ -37,7 +37,7 @@ from dpcompile.runtime.random_more import (
 )
 from dpcompile.runtime.random_plan import current_random_draws
 from dpcompile.runtime.random_scope import exact_random_scope
-from dpcompile.runtime.recompute import checkpoint, keep_outputs
+from dpcompile.runtime.recompute import checkpoint, join_tiles, keep_outputs, token_tiles
 from dpcompile.runtime.reduce import max_length, mean_of_partials, numel, numel_over, reduce_add, target_weight
 from dpcompile.runtime.replicate import ModuleView, ReplicaRoot, ReplicaSet, module_of, refresh_replicas, replicate
 from dpcompile.runtime.rnn import flatten_parameters, weights_in_one_buffer
@@ -94,6 +94,7 @@ __all__ = [
     "gather",
     "gather_sequence",
     "in_place_without_grad",
+    "join_tiles",
     "local_positions",
     "max_length",
     "mean_of_partials",
@@ -115,6 +116,7 @@ __all__ = [
     "squeeze_except",
     "target_weight",
     "to_device",
+    "token_tiles",
     "weights_in_one_buffer",
     "without_grad",
     "write_back",

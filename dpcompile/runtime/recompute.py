@@ -11,6 +11,8 @@ import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from dpcompile.errors import DpCompileError
+
 _KEEPING = [False]  # between keep_outputs(True) and keep_outputs(False): the region's ops are saved, not recomputed
 
 
@@ -127,4 +129,32 @@ class _OutsideWrites(TorchDispatchMode):
             self.saved[id(tensor)] = (tensor, tensor.detach().clone())
 
 
-__all__ = ["checkpoint", "keep_outputs"]
+def _tokens_of(x: Any) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise DpCompileError(
+            f"activation_checkpointing 'tiles': a tiled region reads {type(x).__name__} "
+            f"{tuple(getattr(x, 'shape', ()))}, not a tensor of tokens x features; leave 'tiles' out for it"
+        )
+    return x.flatten(0, -2)
+
+
+def token_tiles(x: torch.Tensor, tiles: int) -> tuple[torch.Tensor, ...]:
+    """``x``'s tokens (every dim but the last, flattened: a view where ``x`` is contiguous) cut into
+    ``tiles`` slices of rows, each contiguous (a region may ``view`` them, as GPT-2's ``Conv1D`` does).
+
+    >>> [tuple(t.shape) for t in token_tiles(torch.ones(2, 8, 3), 4)]
+    [(4, 3), (4, 3), (4, 3), (4, 3)]
+    """
+    return _tokens_of(x).tensor_split(tiles)
+
+
+def join_tiles(parts: list[Any], like: torch.Tensor) -> Any:
+    """The outputs of a region run on ``token_tiles(like, k)``, concatenated and given ``like``'s
+    token dims back (a region of several outputs: each output's tiles)."""
+    tokens = like.shape[:-1]
+    if isinstance(parts[0], (tuple, list)):
+        return tuple(torch.cat(list(column)).unflatten(0, tokens) for column in zip(*parts, strict=True))
+    return torch.cat(parts).unflatten(0, tokens)
+
+
+__all__ = ["checkpoint", "join_tiles", "keep_outputs", "token_tiles"]

@@ -79,3 +79,22 @@ def test_auto_save_rule_gpt2_equals_eager(gpt2):
     for name, q in reference.named_parameters():
         got = dict(model.named_parameters())[name].grad
         torch.testing.assert_close(got, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_mlp_token_tiles_gpt2_equals_eager(gpt2):
+    """Each block's MLP (``Conv1D`` -> GELU written out in aten ops -> ``Conv1D``) in 2 token tiles
+    keeping c_fc's output, on two devices; the loss and every gradient equal eager's."""
+    reference, model, exported, kwargs, expected = gpt2
+    model.zero_grad()
+    spec = {"regions": ["transformer.h.0.mlp", "transformer.h.1.mlp"], "save": "matmuls", "tiles": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(exported, ["cpu"] * 2, example_kwargs=kwargs, activation_checkpointing=spec)
+    assert pm.code.count("dpcompile_runtime_token_tiles(") == 4  # 2 blocks x 2 devices
+    assert "transformer_h_1_mlp_dev1_tile1 = dpcompile_runtime_checkpoint(transformer_h_1_mlp_dev1_region" in pm.code
+    out = pm(**kwargs)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    for name, q in reference.named_parameters():
+        got = dict(model.named_parameters())[name].grad
+        torch.testing.assert_close(got, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -219,8 +219,6 @@ def transform(
     return pm
 
 
-
-
 def _compile(
     recipe: Recipe, model: nn.Module, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, *,
     frontend: str, batch_dim: int | None, dynamic_dims: Any = None, lazy_other_mode: bool = False,

@@ -79,7 +79,27 @@ def _recomputable(node: fx.Node) -> bool:
             and node.meta.get("dpcompile_pass") != PASS)  # fmt: skip
 
 
-def _closed(members: set[fx.Node], order: dict[fx.Node, int], *, staged: bool = False) -> set[fx.Node]:
+def _stages(gm: fx.GraphModule) -> dict[fx.Node, object]:
+    """Each node's pipeline stage: its stamp, or (a node ``expand_shards`` wrote per shard, stamped
+    only later by ``place_shard_values``) the same rule as there: its first reader's, else its
+    inputs' last. Without it a block's shard nodes and its stamped nodes (the micro-batches' residual
+    adds) would make regions apart that read each other's outputs."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    stage = {n: n.meta[_STAGE] for n in nodes if _STAGE in n.meta}
+    if not stage:
+        return {}
+    for node in reversed(nodes):
+        if node not in stage and (readers := [stage[u] for u in node.users if u in stage]):
+            stage[node] = min(readers)
+    for node in nodes:
+        if node not in stage:
+            stage[node] = max((stage.get(a, 0) for a in node.all_input_nodes), default=0)
+    return stage
+
+
+def _closed(
+    members: set[fx.Node], order: dict[fx.Node, int], stage: dict[fx.Node, object], *, staged: bool = False
+) -> set[fx.Node]:
     """``members`` with every node on a path between two of them (a send, a collective)."""
     low, high = min(order[n] for n in members), max(order[n] for n in members)
     after: set[fx.Node] = set()
@@ -96,8 +116,8 @@ def _closed(members: set[fx.Node], order: dict[fx.Node, int], *, staged: bool = 
             if arg not in before and order[arg] >= low:
                 before.add(arg)
                 stack.append(arg)
-    stages = {n.meta.get(_STAGE) for n in members}
-    return members | {n for n in after & before if _recomputable(n) and (not staged or n.meta.get(_STAGE) in stages)}
+    stages = {stage.get(n) for n in members}
+    return members | {n for n in after & before if _recomputable(n) and (not staged or stage.get(n) in stages)}
 
 
 def _components(nodes: set[fx.Node]) -> list[set[fx.Node]]:
@@ -136,6 +156,7 @@ def find_checkpoint_regions(gm: fx.GraphModule, paths: Sequence[str]) -> list[Ch
     Raises ``DpCompileError`` for a path no node of the program ran in.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    stage = _stages(gm)
     outer = [p for p in dict.fromkeys(paths) if not any(p.startswith(q + ".") for q in paths if q != p)]
     regions: list[CheckpointRegion] = []
     taken: set[str] = set()  # names among regions; a region takes its nodes' names once they are gone
@@ -151,8 +172,9 @@ def find_checkpoint_regions(gm: fx.GraphModule, paths: Sequence[str]) -> list[Ch
             )
         by_stage: dict[object, set[fx.Node]] = {}  # a pipeline stage's part of a module runs on its device
         for node in members:
-            by_stage.setdefault(node.meta.get(_STAGE), set()).add(node)
-        parts = [p for group in by_stage.values() for p in _components(_closed(group, order, staged=len(by_stage) > 1))]
+            by_stage.setdefault(stage.get(node), set()).add(node)
+        staged = len(by_stage) > 1
+        parts = [p for group in by_stage.values() for p in _components(_closed(group, order, stage, staged=staged))]
         for part in sorted(parts, key=lambda p: min(order[n] for n in p)):
             nodes = sorted(part, key=order.__getitem__)
             inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in part))

@@ -84,6 +84,8 @@ def cut_stage(gm: fx.GraphModule, *, plan: StagePlan, stage: int) -> PassResult:
     nodes = list(gm.graph.nodes)
     output = nodes[-1]
     last = plan.stages - 1
+    for node in _assembling(output):  # a value an earlier stage returns passes through, as the labels do
+        stages[node] = last
 
     def where(node: fx.Node) -> int:
         return -1 if node.op == "placeholder" else stages[node]
@@ -95,6 +97,14 @@ def cut_stage(gm: fx.GraphModule, *, plan: StagePlan, stage: int) -> PassResult:
         return [n for n in nodes if n.op != "output" and where(n) <= b and any(s > b for s in readers(n))]
 
     means = [parts for parts in map(mean_parts, _output_leaves(output)) if parts is not None]
+    if len(means) > 1:  # on every rank, before any stage is built
+        second = next(n for n in _output_leaves(output) if mean_parts(n) is not None and mean_parts(n) != means[0])
+        raise DpCompileError(
+            f"over a mesh, a pipeline returns one mean loss (the one the schedule runs backward from); output "
+            f"'{second.name}' is a second mean. Add it into the loss inside forward, or return its per-sample values "
+            "(reduction='none', or a mean over dims after the batch's) and average them after, or run the pipeline "
+            "in one process (devices=[...])"
+        )
     has_loss = bool(means)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -180,6 +190,29 @@ def _output_leaves(output: fx.Node) -> list[fx.Node]:
             fx.node.map_aggregate((v.args, v.kwargs), visit)
         elif isinstance(v, fx.Node):
             found.append(v)
+
+    fx.node.map_aggregate(output.args[0], visit)
+    return found
+
+
+def _assembling(output: fx.Node) -> list[fx.Node]:
+    """The nodes that make the model's output from the stages' values (the one-device gathers, the
+    mean losses' sums and divisions, the output's classes): the last stage assembles the output, so
+    they are its, and a value made on an earlier stage (``return loss, hidden_of_stage0``) crosses
+    the later stages to it."""
+    found: list[fx.Node] = []
+
+    def visit(v: object) -> None:
+        if not isinstance(v, fx.Node) or v.op != "call_function":
+            return
+        if isinstance(v.target, type):
+            found.append(v)
+            fx.node.map_aggregate((v.args, v.kwargs), visit)
+        elif v.target is runtime.gather and isinstance(v.args[1], int):
+            found.append(v)
+        elif mean_parts(v) is not None:
+            found.append(v)
+            found.extend(a for a in v.args[:2] if isinstance(a, fx.Node) and a.target is runtime.reduce_add)
 
     fx.node.map_aggregate(output.args[0], visit)
     return found

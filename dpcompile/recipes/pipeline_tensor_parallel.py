@@ -40,9 +40,10 @@ from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.cost import plan_cost
 from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, linear_paths, resolve_plan
 from dpcompile.analysis.split_fraction import node_flops
+from dpcompile.capture import EXPORTED_FROM
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
-from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, fake_copy_to_trace
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.carried import modes_applied
@@ -175,7 +176,7 @@ class PipelineTensorParallelRecipe(Recipe):
             records=records,  # no captured program kept: it would hold the whole, unsharded layers
             class_name=type(model).__name__,
             share_all_of=lowered,
-            source=fake_copy_to_trace(model, groups[0].primary) if self.check_available else None,
+            source=source_to_compile_again(model, groups[0].primary) if self.check_available else None,
             flags=flags,
             none_args=none_args,
             shares_source=False,
@@ -288,6 +289,23 @@ class PipelineTensorParallelRecipe(Recipe):
         program = pm if program is None else program
         stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
         return OneFOneBStep(program, stage_of, self.stage_count, key.devices)
+
+
+def source_to_compile_again(model: nn.Module, device: torch.device) -> nn.Module | None:
+    """A fake-tensor copy of ``model`` that ``build_program`` compiles again for a call with fewer
+    micro-batches (a small batch) or in another mode. A program ``torch.export`` captured has no
+    forward to trace again, but is one: its fake copy (without the model it came from) compiles as
+    it did. None where there is no copy."""
+    if not (isinstance(model, fx.GraphModule) and EXPORTED_FROM in model.meta):
+        return fake_copy_to_trace(model, device)
+    meta = model.meta
+    model.meta = {k: v for k, v in meta.items() if k != EXPORTED_FROM}  # not a fake copy of the whole model too
+    try:
+        return fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), device)
+    except Exception:  # noqa: BLE001 - variants are a refinement; the main program stands
+        return None
+    finally:
+        model.meta = meta
 
 
 def stage_groups(devices: Devices, stages: int) -> list[Devices]:

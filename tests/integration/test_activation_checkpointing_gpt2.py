@@ -98,3 +98,25 @@ def test_mlp_token_tiles_gpt2_equals_eager(gpt2):
     for name, q in reference.named_parameters():
         got = dict(model.named_parameters())[name].grad
         torch.testing.assert_close(got, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_checkpointing_one_block_under_dp_tp_equals_eager(gpt2):
+    """``transformer.h.0`` recomputed under ``dp x tp`` (``cp x tp``: test_context_parallel_tp.py): one
+    region per copy, across its shards (the shards' nodes get their stage the way the stamped ones
+    have it, so a block's residual adds and its sharded layers are one region, not regions that read
+    each other's outputs)."""
+    reference, model, exported, kwargs, expected = gpt2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(exported, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_kwargs=kwargs,
+                                 activation_checkpointing=["transformer.h.0"])  # fmt: skip
+    regions = [m for n, m in pm.named_children() if n.endswith("_region")]
+    assert len(regions) == 2  # one per copy (its two micro-batches' shards)
+    for region in regions:
+        assert "weight_shard0" in region.code and "weight_shard1" in region.code
+    out = pm(**kwargs)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    got = full_gradients(pm)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

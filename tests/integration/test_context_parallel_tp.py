@@ -21,15 +21,21 @@ from tests.integration.test_context_parallel import CausalSelfAttention, _inputs
 def test_cp_tp_transformers_equal_eager(name):
     """GPT-2 and Llama with labels=: outputs, loss and every gradient at lengths 12 and 13. Llama's
     lm_head is vocab-parallel and transformers computes the loss in float32 (``logits.float()``), so
-    its gradients are equal to float32 rounding, as under tensor parallelism alone."""
+    its gradients are equal to float32 rounding, as under tensor parallelism alone. GPT-2 recomputes
+    its first block (``activation_checkpointing``): one region, across the pieces and their shards (the
+    pieces exchange keys and values inside the block)."""
     torch.manual_seed(0)
     model = _transformers_model(name).double()
     eager = copy.deepcopy(model)
+    checkpointed = ["transformer.h.0"] if name == "gpt2" else None
     pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"cp": 2, "tp": 2}, example_kwargs=_inputs(name, 12),
-                             frontend="export")  # fmt: skip
-    assert pm.layout == {"cp": 2, "tp": 2} and set(pm.strategies) == {"cp", "tp"}
+                             frontend="export", activation_checkpointing=checkpointed)  # fmt: skip
+    assert pm.layout == {"cp": 2, "tp": 2} and {"cp", "tp"} <= set(pm.strategies)
+    regions = [m for n, m in pm.named_children() if n.endswith("_region")]
+    assert len(regions) == (1 if checkpointed else 0)
     # each tensor-parallel shard gathers its own heads' keys along the sequence, for each piece's queries
-    assert "_keys_dev1 = dpcompile_runtime_gather_sequence(" in pm.code and "_cp1_dev1 = " in pm.code
+    code = pm.code + "".join(region.code for region in regions)
+    assert "_keys_dev1 = dpcompile_runtime_gather_sequence(" in code and "_cp1_dev1 = " in code
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if name == "llama" else {}
     for seq in (12, 13):
         inputs = _inputs(name, seq, seed=seq)

@@ -289,6 +289,56 @@ class Centered(torch.nn.Module):
         return logits, torch.nn.functional.cross_entropy(logits, labels)
 
 
+class EarlyOutput(torch.nn.Module):
+    """Returns, next to the loss, the first layer's activations (made on stage 0); with ``aux``, a
+    second mean too."""
+
+    def __init__(self, aux: bool = False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])
+        self.head, self.aux = torch.nn.Linear(8, 3), aux
+
+    def forward(self, x, labels):
+        early = h = torch.tanh(self.layers[0](x))
+        for layer in self.layers[1:]:
+            h = torch.tanh(layer(h))
+        loss = torch.nn.functional.cross_entropy(self.head(h), labels)
+        return (loss, early, early.square().mean()) if self.aux else (loss, early)
+
+
+def check_earlier_stage_output(rank: int, world: int) -> None:
+    """``return loss, early`` with ``early`` made on stage 0 (1F1B, 2 micro-batches, an uneven batch
+    of 7): it passes through to the last stage, which returns it as eager's; loss and each stage's
+    gradients as eager. A second mean returned is refused on every rank, naming it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    reference = EarlyOutput()
+    model = copy.deepcopy(reference)
+    x, labels = _inputs(7)
+    pm = dpcompile.transform(model, mesh, pipeline=world, micro_batches=2, schedule="1f1b")
+    out = pm(x, labels)
+    expected_loss, expected_early = reference(x, labels)
+    expected_loss.backward()
+    if rank == world - 1:
+        torch.testing.assert_close(out[0], expected_loss)
+        torch.testing.assert_close(out[1], expected_early.detach())
+    else:
+        assert out is None
+    _grads_equal_on_stage(model, reference, pm.module_paths)
+    try:
+        dpcompile.transform(EarlyOutput(aux=True), mesh, pipeline=world, micro_batches=2)
+    except dpcompile.DpCompileError as e:
+        assert "'mean' is a second mean" in str(e) and "into the loss" in str(e)
+    else:
+        raise AssertionError("a second mean output over a mesh was not refused")
+    dist.barrier()
+
+
 SCENARIOS = {
     "pp2": (2, [("gpipe_m1", check_pipeline, ((2,), ("pp",), "gpipe", 1)),
                 ("gpipe_m4", check_pipeline, ((2,), ("pp",), "gpipe", 4)),
@@ -300,7 +350,8 @@ SCENARIOS = {
                 ("uneven_square_mean", check_pipeline, ((2,), ("pp",), "square:1f1b", 4, 7)),
                 ("decoder", check_decoder, (((1, "gpipe"), (2, "1f1b"), (4, "1f1b")),)),
                 ("batchnorm", check_batchnorm, ((2, 4),)),
-                ("writes", check_writes, ())]),
+                ("writes", check_writes, ()),
+                ("earlier_stage_output", check_earlier_stage_output, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16)),
@@ -339,7 +390,8 @@ def _check(outcomes: dict, scenario: str, name: str) -> None:
 def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
     """A 2-process ("pp",) mesh: loss, outputs and each stage's gradients as eager (GPipe, 1F1B;
     a loss over labels, and one whose count only the last stage finds; uneven micro-batches;
-    GPT-2 through the export frontend; BatchNorm with one micro-batch, or in eval mode)."""
+    GPT-2 through the export frontend; BatchNorm with one micro-batch, or in eval mode; a value of
+    stage 0 returned through the last)."""
     _check(outcomes, "pp2", name)
 
 

@@ -102,3 +102,26 @@ def test_pipeline_tensor_parallel_gpt2_with_labels_equals_eager(gpt2):
     for key, value in eager.state_dict().items():  # the loss is float32 (transformers upcasts the logits)
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6,
                                    msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")  # fmt: skip
+
+
+def test_pipeline_tensor_parallel_exported_runs_a_batch_smaller_than_micro_batches(gpt2):
+    """An exported program under pipeline=2 x tensor_parallel (2 micro-batches) called with a batch of
+    one row: compiled again from a fake copy of the exported program (it has no forward to trace),
+    for one micro-batch; logits, loss and every gradient as eager's on that row."""
+    from tests.helpers import full_gradients
+
+    reference, _, exported, kwargs = gpt2
+    reference.zero_grad()
+    small = {k: v[1:2] for k, v in kwargs.items()}
+    pm = dpcompile.transform(exported, ["cpu"] * 4, pipeline=2, tensor_parallel=True, micro_batches=2,
+                             example_kwargs=kwargs)  # fmt: skip
+    out = pm(**small)
+    out.loss.backward()
+    expected = reference(**small)
+    expected.loss.backward()
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.loss, expected.loss)
+    got = full_gradients(pm)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    reference.zero_grad()

@@ -4,6 +4,7 @@ an output class rebuilt, an op that mixes rows refused with its name."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import NamedTuple
 
@@ -99,3 +100,50 @@ def test_an_output_computed_from_the_whole_batch_is_refused_by_name():
     gm, plan = _lowered(TiedLM(whole=True), ["head"])
     with pytest.raises(DpCompileError, match="mixes the rows of the batch"):
         run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=1)])
+
+
+class EarlyOutput(nn.Module):
+    """Returns, next to the loss, a value made on the first stage (and, with ``aux``, a second mean)."""
+
+    def __init__(self, aux: bool = False):
+        super().__init__()
+        self.embed, self.body, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+        self.aux = aux
+
+    def forward(self, ids, labels):
+        early = torch.tanh(self.embed(ids))
+        logits = self.head(torch.tanh(self.body(early)))
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return (loss, early, early.square().mean()) if self.aux else (loss, early)
+
+
+def test_a_value_of_an_earlier_stage_passes_through_the_later_ones():
+    """``return loss, early`` with ``early`` made on stage 0 of 3: stage 1 gets it and passes it on
+    (as the labels), the last stage returns it as a batch-split output."""
+    torch.manual_seed(0)
+    model = EarlyOutput()
+    gm, plan = _lowered(model, ["body", "head"])
+    ids, labels = torch.randint(0, 16, (3, 5)), torch.randint(0, 16, (3, 5))
+    early = torch.tanh(model.embed(ids))
+    body = model.body(early)
+    middle, records = run_passes(copy.deepcopy(gm), [functools.partial(cut_stage, plan=plan, stage=1)])
+    assert info_of(records, "cut_stage")["inputs"] == ["labels", "tanh_dev0"]
+    passed_labels, passed_early, tanh_1 = middle(labels, early)
+    assert passed_early is early and passed_labels is labels
+    last, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=2)])
+    found = info_of(records, "cut_stage")
+    assert found["inputs"] == ["labels", "tanh_dev0", "tanh_1_dev0"]
+    partial_sum, count, returned = last(labels, early, torch.tanh(body))
+    loss, got = found["outputs"].assemble([partial_sum / count, returned])
+    expected_loss, expected_early = model(ids, labels)
+    torch.testing.assert_close(loss, expected_loss.reshape(1))
+    torch.testing.assert_close(got, expected_early)
+
+
+def test_a_second_mean_output_is_refused_by_name_on_every_stage():
+    """The schedule runs backward from one mean loss, and the module adds up one sum and count:
+    a second mean is refused (on stage 0 too, so that every rank fails at once)."""
+    gm, plan = _lowered(EarlyOutput(aux=True), ["head"])
+    for stage in (0, 1):
+        with pytest.raises(DpCompileError, match="output 'mean' is a second mean. Add it into the loss"):
+            run_passes(copy.deepcopy(gm), [functools.partial(cut_stage, plan=plan, stage=stage)])

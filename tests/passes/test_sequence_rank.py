@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 import torch.fx as fx
 
 import dpcompile
-from dpcompile import DpCompileError, runtime
+from dpcompile import runtime
 from dpcompile.runtime import distributed as dist_rt
 from passes.sequence_rank import find_rank_sites, lower_sequence_to_rank
 from tests.helpers import FakeMesh
-from tests.integration.test_context_parallel import CausalSelfAttention
+from tests.integration.test_context_parallel import CausalSelfAttention, LeftPaddedPositions
 from tests.integration.test_context_parallel_mesh import SequenceBatchNorm
 
 
@@ -54,8 +53,28 @@ def test_rank_program_keeps_its_own_shard_and_exchanges_over_the_group():
     assert scaled_in.args[1] == 1 / 3
 
 
-def test_whole_value_reading_a_parameter_is_refused_by_name():
-    """A BatchNorm that runs on the gathered sequence reads parameters every rank would add a whole gradient to."""
+def test_module_on_the_whole_sequence_gets_its_parameters_gradients_scaled():
+    """A BatchNorm run on the gathered sequence: every rank runs it alike and gets its parameters'
+    whole gradient, so that call scales them by 1/N (DDP's average then keeps one whole gradient)."""
     gm = _one_process(SequenceBatchNorm(), 2)
-    with pytest.raises(DpCompileError, match="'bn' runs on the whole gathered sequence .* 'bn.weight'"):
-        lower_sequence_to_rank(gm, mesh=CpMesh(), cp_dim="cp", rank=0, input_dims={"x": 1})
+    lower_sequence_to_rank(gm, mesh=CpMesh(), cp_dim="cp", rank=0, input_dims={"x": 1})
+    (scaled,) = _calls(gm, dist_rt.scaling_parameter_gradients)
+    assert scaled.args[0].op == "get_attr" and scaled.args[0].target == "bn" and scaled.args[1] == 0.5, gm.code
+    assert not [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "bn"], gm.code
+
+
+def _positions_and_keep(devices: int) -> fx.GraphModule:
+    x, keep = torch.randn(2, 7, 16), torch.ones(2, 7, dtype=torch.bool)
+    model = LeftPaddedPositions()
+    return copy.deepcopy(dpcompile.transform(model, ["cpu"] * devices, mesh={"cp": devices}, example_inputs=(x, keep)))
+
+
+def test_running_sum_adds_the_earlier_ranks_totals_over_the_group():
+    """A cumsum of a padding mask along the sequence, each device's running sum plus the earlier
+    devices' totals in one process, is one all-gather of the ranks' totals on rank 2 of 3."""
+    gm = _positions_and_keep(3)
+    assert len(_calls(gm, runtime.running_sum)) == 3
+    lower_sequence_to_rank(gm, mesh=CpMesh(), cp_dim="cp", rank=2, input_dims={"x": 1, "keep": 1})
+    assert not _calls(gm, runtime.running_sum), gm.code
+    (summed,) = _calls(gm, dist_rt.running_sum_over_group)
+    assert summed.args[0].name.endswith("_dev2") and summed.args[2] == 1, gm.code

@@ -2,9 +2,12 @@
 the sequence (``local_batch``: balanced ``tensor_split`` on dim 1) and gets its shard of the logits
 and the whole sequence's loss. Against eager on the whole sequence (float64, a 1-layer GPT-2 with
 ``labels=``), at a length that divides and one that does not: the rank's logits, the loss, every
-parameter gradient (summed over cp) and two AdamW steps; a model cp cannot place is refused on every
-rank with the same ``DpCompileError``. One spawned group of 2 runs those checks; one of 4 runs small
-attention blocks (causal, a padding mask) over uneven shards."""
+parameter gradient (summed over cp) and two AdamW steps; the same (no optimizer step) for Llama
+(rotary, grouped-query heads), Mistral, Qwen2, Gemma, Phi, BERT (a padding mask, a pooled classifier),
+RoBERTa (left padding, positions from a running sum) and a T5 encoder, one check each; modules run
+alike on whole values (a BatchNorm on the gathered sequence); a model cp cannot place is refused on
+every rank with the same ``DpCompileError``. One spawned group of 2 runs those checks; one of 4 runs
+small attention blocks (causal, a padding mask) over uneven shards."""
 
 from __future__ import annotations
 

@@ -5,17 +5,19 @@ collectives themselves run in tests/integration/test_context_parallel_mesh.py.""
 from __future__ import annotations
 
 import copy
+import operator
 
+import pytest
 import torch
 import torch.fx as fx
 
 import dpcompile
-from dpcompile import runtime
+from dpcompile import DpCompileError, runtime
 from dpcompile.runtime import distributed as dist_rt
 from passes.sequence_rank import find_rank_sites, lower_sequence_to_rank
 from tests.helpers import FakeMesh
 from tests.integration.test_context_parallel import CausalSelfAttention, LeftPaddedPositions
-from tests.integration.test_context_parallel_mesh import SequenceBatchNorm
+from tests.integration.test_context_parallel_mesh import SequenceBatchNorm, SummaryBias
 
 
 class CpMesh(FakeMesh):
@@ -78,3 +80,17 @@ def test_running_sum_adds_the_earlier_ranks_totals_over_the_group():
     assert not _calls(gm, runtime.running_sum), gm.code
     (summed,) = _calls(gm, dist_rt.running_sum_over_group)
     assert summed.args[0].name.endswith("_dev2") and summed.args[2] == 1, gm.code
+
+
+def test_whole_value_a_device_reads_as_it_is_keeps_its_parameter_refused():
+    """A module run on a whole value that a device's own node then reads as it is (no scatter of its
+    rows): each rank's gradient of its parameters is that rank's part, not the whole one, so scaling
+    by 1/N would be wrong; refused by name."""
+    gm = _one_process(SummaryBias(), 2)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    with gm.graph.inserting_after(nodes["getitem"]):
+        read = gm.graph.call_function(operator.add, (nodes["lin_dev1"], nodes["getitem"]))
+    read.name = "biased_dev1"  # as insert_scatter_gather names device 1's nodes
+    read.meta["dpcompile_pass"] = "insert_scatter_gather"
+    with pytest.raises(DpCompileError, match="'summary' runs on the whole gathered sequence .* 'summary.weight', and a device's own"):
+        lower_sequence_to_rank(gm, mesh=CpMesh(), cp_dim="cp", rank=0, input_dims={"x": 1})

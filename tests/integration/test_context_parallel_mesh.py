@@ -239,8 +239,8 @@ def check_modules_on_whole_values_equal_eager() -> None:
 
 
 def check_unplaceable_models_refused_alike() -> None:
-    """A rotary table read backwards (no rule splits it) and a dropout under exact_random (not built
-    over a mesh) are refused by name on every rank, the same error."""
+    """A rotary table read backwards (no rule splits it), a dropout under exact_random (not built
+    over a mesh) and a ViT (its sequence made inside) are refused by name on every rank, the same error."""
     import torch
 
     from tests.integration.test_context_parallel import CachedRotaryTable
@@ -248,6 +248,29 @@ def check_unplaceable_models_refused_alike() -> None:
     x = torch.randn(2, 7, 16)
     _refused_alike(CachedRotaryTable(reverse=True), x, "cannot run on sequence shards", "flip")
     _refused_alike(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)), x, "draws random numbers", "exact_random=False")
+    _vit_refused_alike()
+
+
+def _vit_refused_alike() -> None:
+    """A ViT makes its sequence inside (its image is whole on every rank): split in one process only."""
+    import torch
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile import DpCompileError
+    from tests.integration.test_context_parallel_models import _vit
+
+    image = {"pixel_values": torch.randn(2, 3, 12, 12, dtype=torch.float64), "labels": torch.tensor([0, 2])}
+    try:
+        dpcompile.transform(_vit(12).double(), _cp_mesh(), example_kwargs=image, frontend="export")
+    except DpCompileError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a ViT was built over the cp mesh")
+    assert "no input has a sequence dim" in message and "in one process only" in message, message
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    assert len(set(messages)) == 1, messages
 
 
 def check_unbalanced_shards_refused_alike() -> None:

@@ -32,6 +32,7 @@ refused by name, as before).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -44,9 +45,11 @@ from dpcompile.infra import PassResult, stamp
 from passes.context_parallel import find_sequence_attention
 
 PASS = "split_sequence_made_inside"
-#: ops that keep each token's values apart along the walk back from the queries
+#: ops that keep each token's values apart along the walk back from the queries (q, k, v taken
+#: apart from one projection included); propagation then checks that each op really splits
 _PER_TOKEN_VIEWS = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten.transpose.int,
-                    torch.ops.aten.permute.default}  # fmt: skip
+                    torch.ops.aten.permute.default, torch.ops.aten.unbind.int, torch.ops.aten.split.Tensor,
+                    torch.ops.aten.chunk.default, torch.ops.aten.contiguous.default, operator.getitem}  # fmt: skip
 _VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
 
 

@@ -53,6 +53,9 @@ and a whole output is backwarded alike), so its parameters' gradients from that 
 
     classifier = dpcompile_runtime_distributed_scaling_parameter_gradients(self.classifier, 0.5, tanh)
 
+So is a value device 0 computes whole and then scatters (a ViT's embedding: patches, CLS token,
+position embeddings, before its sequence is split): every rank computes it, then takes its part.
+
 A cross-device step with no rank lowering (BatchNorm's statistics over the sequence, a packed
 sequence's longest length, a gather of a tuple) is a ``DpCompileError`` naming it; so is a
 parameter read on the whole sequence whose gradient would not be the same on every rank (a whole
@@ -123,24 +126,39 @@ def _parameters_read(gm: fx.GraphModule, node: fx.Node) -> list[str]:
         except AttributeError:
             return []
         return [str(node.target)] if value.requires_grad else []
-    if node.op == "call_module":
+    if node.op == "call_module" or _calls_a_replica(node):
         module = gm.get_submodule(str(node.target))
         return [f"{node.target}.{name}" for name, p in module.named_parameters() if p.requires_grad]
     return []
 
 
-def _whole_parameters(gm: fx.GraphModule, node: fx.Node) -> list[tuple[fx.Node, str]]:
-    """``(reader, parameter)`` for each trainable parameter a value every rank computes whole reads,
-    up to the cross-device steps."""
-    found, seen, stack = [], set(), [node]
+def _calls_a_replica(node: fx.Node) -> bool:
+    """``replica_dev0.path.to.module(x)``: a module of a device's replica called (the rank's is the model's)."""
+    held = node.args[0] if node.op == "call_method" and node.args else None
+    return (
+        isinstance(held, fx.Node)
+        and held.target is operator.getitem
+        and isinstance(held.args[0], fx.Node)
+        and held.args[0].target is runtime.replicate
+    )
+
+
+def _whole_region(node: fx.Node) -> set[fx.Node]:
+    """``node`` and what it is computed from, up to the cross-device steps."""
+    seen, stack = set(), [node]
     while stack:
         current = stack.pop()
         if current in seen or (current.op == "call_function" and current.target in _CROSS):
             continue
         seen.add(current)
-        found += [(current, name) for name in _parameters_read(gm, current)]
         stack.extend(current.all_input_nodes)
-    return found
+    return seen
+
+
+def _whole_parameters(gm: fx.GraphModule, node: fx.Node) -> list[tuple[fx.Node, str]]:
+    """``(reader, parameter)`` for each trainable parameter a value every rank computes whole reads,
+    up to the cross-device steps."""
+    return [(current, name) for current in _whole_region(node) for name in _parameters_read(gm, current)]
 
 
 def _carries_gradient(node: fx.Node) -> bool:
@@ -184,12 +202,21 @@ def find_rank_sites(gm: fx.GraphModule) -> RankSites:
             sites.refused.append(node)
         elif node.op == "call_function" and node.target is runtime.gather and not isinstance(node.args[1], int):
             sites.refused.append(node)
+    # a value device 0 computes whole and scatters (a ViT's embedding, before its sequence is split)
+    # runs on every rank alike, as a whole value does
+    alone: set[fx.Node] = set()
+    for node in gm.graph.nodes:
         if "dpcompile_whole" in node.meta:
             sites.whole_parameters += [(node, reader, name) for reader, name in _whole_parameters(gm, node)]
+        source = node.args[0] if node.op == "call_function" and node.target is runtime.scatter else None
+        if isinstance(source, fx.Node) and source in sites.devices:
+            alone |= _whole_region(source)
+            sites.whole_parameters += [(source, reader, name) for reader, name in _whole_parameters(gm, source)]
+    own = {n: k for n, k in sites.devices.items() if n not in alone}
     sites.scaled_readers = {
         reader
         for _, reader, _ in sites.whole_parameters
-        if reader.op in ("call_module", "get_attr") and _gradient_same_on_every_rank(reader, sites.devices)
+        if (reader.op in ("call_module", "get_attr") or _calls_a_replica(reader)) and _gradient_same_on_every_rank(reader, own)
     }
     return sites
 
@@ -391,7 +418,8 @@ class _RankRewriter:
             return self.call(dist_rt.scale_gradient, (self.graph.node_copy(node), factor), name=f"{node.name}_scaled",
                              source=node)  # fmt: skip
         module = stamp(self.graph.get_attr(str(node.target)), PASS, node)
-        return self.call(dist_rt.scaling_parameter_gradients, (module, factor, *self.mapped(node.args)),
+        args = node.args[1:] if node.op == "call_method" else node.args  # a replica's module: the model's own here
+        return self.call(dist_rt.scaling_parameter_gradients, (module, factor, *self.mapped(args)),
                          self.mapped(node.kwargs), name=node.name, source=node)  # fmt: skip
 
     def _getitem(self, held: fx.Node, index: int, node: fx.Node) -> fx.Node:

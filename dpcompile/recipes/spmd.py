@@ -209,12 +209,6 @@ class SpmdRecipe(Recipe):
         propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in examples], check=True)
         input_dims = infer_input_dims(gm, batch_dim=1, example_inputs=examples)
         input_dims = without_sequence_replicated(gm, input_dims, examples)
-        if not any(dim is not None for dim in input_dims.values()):
-            raise DpCompileError(
-                "context parallel over a ('cp',) mesh: no input has a sequence dim (each rank passes its part of dim 1); "
-                "a sequence made inside the model (a ViT's patches) is split in one process only: use mesh={'cp': N} "
-                "over a device list"
-            )
         world, rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
         options = passes.PipelineOptions(devices=Devices((device,) * world), input_dims=dict(input_dims),
                                          output_device=device, context_parallel=True)  # fmt: skip

@@ -4,7 +4,8 @@ and the whole sequence's loss. Against eager on the whole sequence (float64, a 1
 ``labels=``), at a length that divides and one that does not: the rank's logits, the loss, every
 parameter gradient (summed over cp) and two AdamW steps; the same (no optimizer step) for Llama
 (rotary, grouped-query heads), Mistral, Qwen2, Gemma, Phi, BERT (a padding mask, a pooled classifier),
-RoBERTa (left padding, positions from a running sum) and a T5 encoder, one check each; modules run
+RoBERTa (left padding, positions from a running sum), a T5 encoder and a ViT (the whole image on
+every rank: its sequence is made inside), one check each; modules run
 alike on whole values (a BatchNorm on the gathered sequence); a model cp cannot place is refused on
 every rank with the same ``DpCompileError``. One spawned group of 2 runs those checks; one of 4 runs
 small attention blocks (causal, a padding mask) over uneven shards."""
@@ -145,6 +146,37 @@ def check_model_equals_eager(name: str) -> None:
         eager.zero_grad()
 
 
+def check_vit_equals_eager() -> None:
+    """A ViT makes its sequence inside: every rank passes the whole image, its embedding (patches, CLS
+    token, position embeddings) runs alike on every rank, then each rank's tokens. Logits, loss and
+    every gradient equal eager's at 10 tokens (12x12 pixels: divides 2) and 17 (16x16: does not)."""
+    import copy
+
+    import torch
+
+    import dpcompile
+    from tests.integration.test_context_parallel_models import _vit
+
+    for image_size in (12, 16):
+        torch.manual_seed(0)
+        model = _vit(image_size).double()
+        eager = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(image_size)
+        inputs = {"pixel_values": torch.randn(2, 3, image_size, image_size, generator=g, dtype=torch.float64),
+                  "labels": torch.tensor([0, 2])}  # fmt: skip
+        pm = dpcompile.transform(model, _cp_mesh(), example_kwargs=inputs, frontend="export")
+        assert "shard_of_whole" in pm.code and "attention_over_group" in pm.code, pm.code
+        got, want = pm(**inputs), eager(**inputs)
+        torch.testing.assert_close(got.logits, want.logits)
+        torch.testing.assert_close(got.loss, want.loss)
+        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+        (got.loss + (got.logits * weights).sum()).backward()
+        (want.loss + (want.logits * weights).sum()).backward()
+        grads = dict(eager.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name, n=image_size: f"{n}px, {name}: {m}")
+
+
 MATRIX = ("llama", "mistral", "qwen2", "gemma", "phi", "bert", "roberta", "t5")
 
 
@@ -239,8 +271,8 @@ def check_modules_on_whole_values_equal_eager() -> None:
 
 
 def check_unplaceable_models_refused_alike() -> None:
-    """A rotary table read backwards (no rule splits it), a dropout under exact_random (not built
-    over a mesh) and a ViT (its sequence made inside) are refused by name on every rank, the same error."""
+    """A rotary table read backwards (no rule splits it) and a dropout under exact_random (not built
+    over a mesh) are refused by name on every rank, the same error."""
     import torch
 
     from tests.integration.test_context_parallel import CachedRotaryTable
@@ -248,29 +280,6 @@ def check_unplaceable_models_refused_alike() -> None:
     x = torch.randn(2, 7, 16)
     _refused_alike(CachedRotaryTable(reverse=True), x, "cannot run on sequence shards", "flip")
     _refused_alike(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)), x, "draws random numbers", "exact_random=False")
-    _vit_refused_alike()
-
-
-def _vit_refused_alike() -> None:
-    """A ViT makes its sequence inside (its image is whole on every rank): split in one process only."""
-    import torch
-    import torch.distributed as dist
-
-    import dpcompile
-    from dpcompile import DpCompileError
-    from tests.integration.test_context_parallel_models import _vit
-
-    image = {"pixel_values": torch.randn(2, 3, 12, 12, dtype=torch.float64), "labels": torch.tensor([0, 2])}
-    try:
-        dpcompile.transform(_vit(12).double(), _cp_mesh(), example_kwargs=image, frontend="export")
-    except DpCompileError as e:
-        message = str(e)
-    else:
-        raise AssertionError("a ViT was built over the cp mesh")
-    assert "no input has a sequence dim" in message and "in one process only" in message, message
-    messages: list = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, message)
-    assert len(set(messages)) == 1, messages
 
 
 def check_unbalanced_shards_refused_alike() -> None:
@@ -352,6 +361,7 @@ def check_small_attention_on_four_ranks() -> None:
 CHECKS = (
     ("gpt2", check_gpt2_equals_eager),
     *((name, functools.partial(check_model_equals_eager, name)) for name in MATRIX),
+    ("vit", check_vit_equals_eager),
     ("whole_modules", check_modules_on_whole_values_equal_eager),
     ("refused", check_unplaceable_models_refused_alike),
     ("unbalanced", check_unbalanced_shards_refused_alike),

@@ -44,6 +44,7 @@ from passes.regather_keys_values import find_regather_sites, regather_keys_value
 from passes.sequence_copies import split_batch_into_copies
 from passes.sequence_parallel import find_sequence_region, shard_sequence
 from passes.sequence_rank import find_rank_sites, lower_sequence_to_rank
+from passes.sequence_seed import split_sequence_made_inside
 from passes.shard_linear import find_linear_sites, shard_linear
 from passes.split_stages import StagePlan, find_stage_boundaries, split_stages
 from passes.stage_transfers import insert_stage_transfers
@@ -72,7 +73,12 @@ def exact_random_pipeline(options: PipelineOptions) -> list[Pass]:
 def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
     """Passes that tidy the captured graph, whatever the parallelism (context parallel: then
     ``insert_sequence_exchange`` marks what attention needs of the sequence)."""
-    exchange = [functools.partial(insert_sequence_exchange, input_dims=options.input_dims)] if options.context_parallel else []
+    exchange = (
+        [functools.partial(split_sequence_made_inside, input_dims=options.input_dims),
+         functools.partial(insert_sequence_exchange, input_dims=options.input_dims)]
+        if options.context_parallel
+        else []
+    )  # fmt: skip
     if options.write_back_inputs:
         return [hoist_flatten_parameters, functools.partial(functionalize_mutations, inputs=True), *exchange]
     return [hoist_flatten_parameters, functionalize_mutations, *exchange]
@@ -207,6 +213,7 @@ def default_pipeline(options: PipelineOptions) -> list[Pass]:
 
 __all__ = [
     "PipelineOptions",
+    "split_sequence_made_inside",
     "default_pipeline",
     "frontend_pipeline",
     "data_parallel_pipeline",

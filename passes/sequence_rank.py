@@ -16,6 +16,7 @@ one process (device ``r`` of ``N``)                 rank ``r`` of the ``cp`` gro
 ``attention_regathered(q, [k_0, ...], [v_0, ...])``  ``attention_over_group(q, k_r, v_r, cp_group, dim, sizes)``
 ``batch_arange([s_0, ...], r)`` (and its kin)       ``batch_arange(sequence_sizes(s_r, cp_group), r)``
 ``mean_of_partials`` / ``reduce_add``                ``mean_over_group`` / ``all_reduce``
+``running_sum(x_r, [x_0, ..., x_r-1], dim)``         ``running_sum_over_group(x_r, cp_group, dim)``
 =================================================  ==================================================
 
 What every device computes alike (the whole values: a mask from gathered positions, the loss on
@@ -44,10 +45,21 @@ After (rank 1)::
     lm_head_dev1_out = dpcompile_runtime_distributed_scale_gradient(lm_head_dev1, 2.0)
     return lm_head_dev1_out                            # the rank's own shard of the output
 
+A module every rank runs alike on the whole sequence (BERT's pooler on the gathered first token,
+T5's relative position bias) gets on every rank the whole gradient of its parameters (the ranks'
+gradients into a whole value are the same: backward through ``shard_of_whole`` all-gathers them,
+and a whole output is backwarded alike), so its parameters' gradients from that call are scaled by
+``1/N`` (``scaling_parameter_gradients``; a parameter read directly: ``scale_gradient``)::
+
+    classifier = dpcompile_runtime_distributed_scaling_parameter_gradients(self.classifier, 0.5, tanh)
+
+So is a value device 0 computes whole and then scatters (a ViT's embedding: patches, CLS token,
+position embeddings, before its sequence is split): every rank computes it, then takes its part.
+
 A cross-device step with no rank lowering (BatchNorm's statistics over the sequence, a packed
-sequence's longest length, a gather of a tuple) is a ``DpCompileError`` naming it; so is a value
-every rank computes whole that reads a trainable parameter (a BatchNorm run on the gathered
-sequence): every rank would add its whole gradient, N times the single-device one once summed.
+sequence's longest length, a gather of a tuple) is a ``DpCompileError`` naming it; so is a
+parameter read on the whole sequence whose gradient would not be the same on every rank (a whole
+value a device's own computation reads as it is: each rank's gradient is its tokens' part).
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from dpcompile import runtime
@@ -96,7 +109,8 @@ class RankSites:
     devices: dict[fx.Node, int] = field(default_factory=dict)
     counterparts: dict[tuple[str, int], fx.Node] = field(default_factory=dict)  # (base name, device) -> node
     refused: list[fx.Node] = field(default_factory=list)
-    whole_parameters: list[tuple[fx.Node, str]] = field(default_factory=list)  # (whole node, parameter read)
+    whole_parameters: list[tuple[fx.Node, fx.Node, str]] = field(default_factory=list)  # (whole node, reader, parameter)
+    scaled_readers: set[fx.Node] = field(default_factory=set)  # their parameters' gradients scaled by 1/N
 
 
 #: cross-device steps: a walk back from a whole value stops there (past them, values are each rank's own)
@@ -112,23 +126,69 @@ def _parameters_read(gm: fx.GraphModule, node: fx.Node) -> list[str]:
         except AttributeError:
             return []
         return [str(node.target)] if value.requires_grad else []
-    if node.op == "call_module":
+    if node.op == "call_module" or _calls_a_replica(node):
         module = gm.get_submodule(str(node.target))
         return [f"{node.target}.{name}" for name, p in module.named_parameters() if p.requires_grad]
     return []
 
 
-def _whole_parameters(gm: fx.GraphModule, node: fx.Node) -> list[str]:
-    """Trainable parameters a value every rank computes whole reads, up to the cross-device steps."""
-    found, seen, stack = [], set(), [node]
+def _calls_a_replica(node: fx.Node) -> bool:
+    """``replica_dev0.path.to.module(x)``: a module of a device's replica called (the rank's is the model's)."""
+    held = node.args[0] if node.op == "call_method" and node.args else None
+    return (
+        isinstance(held, fx.Node)
+        and held.target is operator.getitem
+        and isinstance(held.args[0], fx.Node)
+        and held.args[0].target is runtime.replicate
+    )
+
+
+def _whole_region(node: fx.Node) -> set[fx.Node]:
+    """``node`` and what it is computed from, up to the cross-device steps."""
+    seen, stack = set(), [node]
     while stack:
         current = stack.pop()
         if current in seen or (current.op == "call_function" and current.target in _CROSS):
             continue
         seen.add(current)
-        found += _parameters_read(gm, current)
         stack.extend(current.all_input_nodes)
-    return found
+    return seen
+
+
+def _whole_parameters(gm: fx.GraphModule, node: fx.Node) -> list[tuple[fx.Node, str]]:
+    """``(reader, parameter)`` for each trainable parameter a value every rank computes whole reads,
+    up to the cross-device steps."""
+    return [(current, name) for current in _whole_region(node) for name in _parameters_read(gm, current)]
+
+
+def _carries_gradient(node: fx.Node) -> bool:
+    """Whether ``node``'s value can carry a gradient (a floating tensor; unknown counts as yes)."""
+    val = node.meta.get("val")
+    if val is None:
+        return True
+    values = val if isinstance(val, (tuple, list)) else (val,)
+    return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in values)
+
+
+def _gradient_same_on_every_rank(reader: fx.Node, devices: Mapping[fx.Node, int]) -> bool:
+    """Whether the gradient reaching ``reader``'s output is the same whole one on every rank: every
+    use, through values every rank computes alike, ends in a scatter of its rows (backward all-gathers
+    the ranks' parts) or in the returned values (backwarded alike), never in a device's own node."""
+    seen, stack = set(), [reader]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            if user.op == "output" or _is_output_structure(user) or not _carries_gradient(user):
+                continue
+            if user.op == "call_function" and user.target is runtime.scatter:
+                continue
+            if user in devices or (user.op == "call_function" and user.target in _CROSS + (runtime.replicate,)):
+                return False
+            stack.append(user)
+    return True
 
 
 def find_rank_sites(gm: fx.GraphModule) -> RankSites:
@@ -142,8 +202,22 @@ def find_rank_sites(gm: fx.GraphModule) -> RankSites:
             sites.refused.append(node)
         elif node.op == "call_function" and node.target is runtime.gather and not isinstance(node.args[1], int):
             sites.refused.append(node)
+    # a value device 0 computes whole and scatters (a ViT's embedding, before its sequence is split)
+    # runs on every rank alike, as a whole value does
+    alone: set[fx.Node] = set()
+    for node in gm.graph.nodes:
         if "dpcompile_whole" in node.meta:
-            sites.whole_parameters += [(node, name) for name in _whole_parameters(gm, node)]
+            sites.whole_parameters += [(node, reader, name) for reader, name in _whole_parameters(gm, node)]
+        source = node.args[0] if node.op == "call_function" and node.target is runtime.scatter else None
+        if isinstance(source, fx.Node) and source in sites.devices:
+            alone |= _whole_region(source)
+            sites.whole_parameters += [(source, reader, name) for reader, name in _whole_parameters(gm, source)]
+    own = {n: k for n, k in sites.devices.items() if n not in alone}
+    sites.scaled_readers = {
+        reader
+        for _, reader, _ in sites.whole_parameters
+        if (reader.op in ("call_module", "get_attr") or _calls_a_replica(reader)) and _gradient_same_on_every_rank(reader, own)
+    }
     return sites
 
 
@@ -159,13 +233,15 @@ def lower_sequence_to_rank(
             f"context parallel over a DeviceMesh: '{node.name}' is {what}, which is built in one process only "
             "(mesh={'cp': N} over a device list); use that, or leave 'cp' out of the mesh"
         )
-    if sites.whole_parameters:
-        node, name = sites.whole_parameters[0]
+    unscaled = [(node, name) for node, reader, name in sites.whole_parameters if reader not in sites.scaled_readers]
+    if unscaled:
+        node, name = unscaled[0]
         raise DpCompileError(
             f"context parallel over a DeviceMesh: '{node.name}' runs on the whole gathered sequence on every rank and "
-            f"reads the parameter '{name}', whose gradient every rank would then add in full (not built over a mesh "
-            "yet: summed over cp it would count N times); it is built in one process only (mesh={'cp': N} over a "
-            "device list). Teach its op a sequence rule (dpcompile.register_batch_rule) or leave 'cp' out of the mesh"
+            f"reads the parameter '{name}', and a device's own computation reads that whole value as it is, so the "
+            "ranks' gradients of the parameter are neither the same whole one nor parts of it (not built over a mesh "
+            "yet); it is built in one process only (mesh={'cp': N} over a device list). Teach its op a sequence rule "
+            "(dpcompile.register_batch_rule) or leave 'cp' out of the mesh"
         )
     if not isinstance(getattr(gm, "cp_group", None), MeshGroup):
         gm.add_submodule("cp_group", MeshGroup(mesh, cp_dim))
@@ -300,6 +376,8 @@ class _RankRewriter:
             held = node.args[0]
             if held.op == "call_function" and held.target in (runtime.replicate, runtime.scatter):
                 return self.env[held] if held.target is runtime.scatter else self._getitem(self.env[held], 0, node)
+        if node in self.sites.scaled_readers:
+            return self._scaled_reader(node)
         if node.op != "call_function":
             return self.graph.node_copy(node, self.value)
         if target is runtime.replicate:
@@ -326,7 +404,23 @@ class _RankRewriter:
             return self._collective(dist_rt.mean_over_group, (self.mine(sums), self.mine(counts), self.group), node)
         if target is runtime.reduce_add:
             return self._collective(dist_rt.all_reduce, (self.mine(node.args[0]), self.group), node)
+        if target is runtime.running_sum:
+            own, _earlier, dim = node.args
+            return self._collective(dist_rt.running_sum_over_group, (self.value(own), self.group, dim), node,
+                                    self.mapped(node.kwargs))  # fmt: skip
         return self.graph.node_copy(node, self.value)
+
+    def _scaled_reader(self, node: fx.Node) -> fx.Node:
+        """A parameter read alike on every rank: its gradients from here scaled by ``1/N`` (each
+        rank gets the whole one, and DDP's average of ``N`` times a share is that share's sum)."""
+        factor = 1.0 / self.world
+        if node.op == "get_attr":
+            return self.call(dist_rt.scale_gradient, (self.graph.node_copy(node), factor), name=f"{node.name}_scaled",
+                             source=node)  # fmt: skip
+        module = stamp(self.graph.get_attr(str(node.target)), PASS, node)
+        args = node.args[1:] if node.op == "call_method" else node.args  # a replica's module: the model's own here
+        return self.call(dist_rt.scaling_parameter_gradients, (module, factor, *self.mapped(args)),
+                         self.mapped(node.kwargs), name=node.name, source=node)  # fmt: skip
 
     def _getitem(self, held: fx.Node, index: int, node: fx.Node) -> fx.Node:
         return self.call(operator.getitem, (held, index), name=node.name, source=node)

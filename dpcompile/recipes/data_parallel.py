@@ -197,14 +197,23 @@ def without_sequence_replicated(
     gm: fx.GraphModule, input_dims: Mapping[str, int | None], example_inputs: Sequence[Any] | None
 ) -> dict[str, int | None]:
     """Context parallel: an input whose example has no sequence dim (a classifier's ``labels`` of
-    shape ``(batch,)``) is the same on every device, not split."""
+    shape ``(batch,)``) or whose dim 1 is a convolution's channels (a ViT's image: its sequence is
+    made inside, ``passes.split_sequence_made_inside``) is the same on every device, not split."""
     out = dict(input_dims)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, example in zip(placeholders, example_inputs or ()):
         dim = out.get(node.target)
-        if dim is not None and isinstance(example, torch.Tensor) and example.dim() <= dim:
+        if dim is not None and isinstance(example, torch.Tensor) and (example.dim() <= dim or _convolved(gm, node)):
             out[node.target] = None
     return out
+
+
+def _convolved(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is read as a convolution module's input (its dim 1: channels)."""
+    return any(
+        user.op == "call_module" and user.args[:1] == (node,) and isinstance(gm.get_submodule(str(user.target)), nn.modules.conv._ConvNd)
+        for user in node.users
+    )
 
 
 def replicated_inputs(

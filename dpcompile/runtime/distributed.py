@@ -60,12 +60,14 @@ __all__ = [
     "gather_onto_owners",
     "mean_over_group",
     "scale_gradient",
+    "scaling_parameter_gradients",
     "sequence_sizes",
     "shard_of_whole",
     "local_offset",
     "local_size",
     "local_slice",
     "process_group",
+    "running_sum_over_group",
     "sum_across",
     "sync_batch_norm",
 ]
@@ -418,6 +420,33 @@ def scale_gradient(x: Any, factor: float) -> Any:
     if not (isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()):
         return x
     return _ScaleGradient.apply(x, factor)
+
+
+def running_sum_over_group(own: torch.Tensor, group: GroupLike, dim: int, **kwargs: Any) -> torch.Tensor:
+    """This rank's part of ``torch.cumsum(x, dim)`` where ``x`` is split along ``dim`` over ``group``
+    in rank order: its own running sum plus the totals of the ranks before it (one all-gather of the
+    totals). For integers (a padding mask's positions, exact); no gradient flows between ranks.
+
+    >>> running_sum_over_group(keep, cp_group, 1)  # rank 1 of [[1, 1]], [[1, 0, 1]]: [[3, 3, 4]]  # doctest: +SKIP
+    """
+    out = torch.cumsum(own, dim, **kwargs)
+    g = process_group(group)
+    total = own.sum(dim, keepdim=True, dtype=out.dtype).contiguous()
+    parts = [torch.empty_like(total) for _ in range(dist.get_world_size(g))]
+    all_gather_into(parts, total.detach(), g)
+    for part in parts[: dist.get_rank(g)]:
+        out = out + part
+    return out
+
+
+def scaling_parameter_gradients(module: nn.Module, factor: float, *args: Any, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)``, the gradients its parameters get from this call multiplied by
+    ``factor`` (its inputs' are not): a module every cp rank runs alike on the whole sequence.
+
+    >>> pooled = scaling_parameter_gradients(self.pooler.dense, 0.5, first_token)  # doctest: +SKIP
+    """
+    parameters = {name: scale_gradient(p, factor) for name, p in module.named_parameters()}
+    return torch.func.functional_call(module, parameters, args, kwargs)
 
 
 def sequence_sizes(length: int, group: GroupLike, *, balanced: bool = False) -> list[int]:

@@ -2,11 +2,17 @@
 the sequence (``local_batch``: balanced ``tensor_split`` on dim 1) and gets its shard of the logits
 and the whole sequence's loss. Against eager on the whole sequence (float64, a 1-layer GPT-2 with
 ``labels=``), at a length that divides and one that does not: the rank's logits, the loss, every
-parameter gradient (summed over cp) and two AdamW steps; a model cp cannot place is refused on every
-rank with the same ``DpCompileError``. One spawned group of 2 runs those checks; one of 4 runs small
-attention blocks (causal, a padding mask) over uneven shards, and GPT-2 over a ("dp", "cp") mesh."""
+parameter gradient (summed over cp) and two AdamW steps; the same (no optimizer step) for Llama
+(rotary, grouped-query heads), Mistral, Qwen2, Gemma, Phi, BERT (a padding mask, a pooled classifier),
+RoBERTa (left padding, positions from a running sum), a T5 encoder and a ViT (the whole image on
+every rank: its sequence is made inside), one check each; modules run
+alike on whole values (a BatchNorm on the gathered sequence); a model cp cannot place is refused on
+every rank with the same ``DpCompileError``. One spawned group of 2 runs those checks; one of 4 runs
+small attention blocks (causal, a padding mask) over uneven shards, and GPT-2 over a ("dp", "cp") mesh."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch.multiprocessing as mp
@@ -83,6 +89,97 @@ def check_gpt2_equals_eager() -> None:
             torch.testing.assert_close(p, q, msg=lambda m, name=name, seq=seq: f"seq {seq}, AdamW, {name}: {m}")
 
 
+def _matrix_model(name: str) -> nn.Module:
+    """The tiny configs the one-process tests build (1 layer, d=32), in float64."""
+    from tests.integration.test_context_parallel import _transformers_model
+    from tests.integration.test_context_parallel_models import _model
+
+    return (_transformers_model(name) if name in ("llama", "bert") else _model(name)).double()
+
+
+def _matrix_inputs(name: str, seq: int, seed: int) -> dict:
+    from tests.integration.test_context_parallel import _inputs as one_process_inputs
+    from tests.integration.test_context_parallel_models import _inputs as more_inputs
+
+    return one_process_inputs(name, seq, seed) if name in ("llama", "bert") else more_inputs(name, seq, seed)
+
+
+def check_model_equals_eager(name: str) -> None:
+    """``name``'s output (this rank's part of a per-token output, or the whole pooled one), loss and
+    every parameter gradient equal eager's, at 12 and 13 tokens."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    torch.manual_seed(0)
+    model = _matrix_model(name)
+    eager = copy.deepcopy(model)
+    mesh = _cp_mesh()
+    rank = dist.get_rank()
+    example = local_batch(_matrix_inputs(name, 12, 0), mesh)
+    pm = dpcompile.transform(model, mesh, example_kwargs=example, frontend="export")
+    assert "attention_over_group" in pm.code, pm.code
+    key = "last_hidden_state" if name == "t5" else "logits"
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if name == "gemma" else {}  # its norms compute in float32
+    for seq in (12, 13):
+        whole = _matrix_inputs(name, seq, seq)
+        got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+        out, expected = getattr(got, key), getattr(want, key)
+        per_token = expected.dim() == 3  # (batch, seq, ...): the rank's tokens; a classifier's logits are whole
+        mine = torch.tensor_split(torch.arange(seq), WORLD)[rank] if per_token else slice(None)
+        torch.testing.assert_close(out, expected[:, mine])
+        weights = torch.linspace(0.5, 1.5, expected.numel(), dtype=torch.float64).view(expected.shape)
+        loss, expected_loss = (got.loss, want.loss) if want.get("loss") is not None else (0.0, 0.0)
+        torch.testing.assert_close(loss, expected_loss)
+        (loss + (out * weights[:, mine]).sum()).backward()
+        (expected_loss + (expected * weights).sum()).backward()
+        grads = dict(eager.named_parameters())
+        for p_name, p in model.named_parameters():
+            assert p.grad is not None, f"{name}: no gradient reached {p_name}"
+            torch.testing.assert_close(p.grad, grads[p_name].grad, **tolerance,
+                                       msg=lambda m, p_name=p_name, seq=seq: f"{name}, seq {seq}, grad {p_name}: {m}")  # fmt: skip
+        model.zero_grad()
+        eager.zero_grad()
+
+
+def check_vit_equals_eager() -> None:
+    """A ViT makes its sequence inside: every rank passes the whole image, its embedding (patches, CLS
+    token, position embeddings) runs alike on every rank, then each rank's tokens. Logits, loss and
+    every gradient equal eager's at 10 tokens (12x12 pixels: divides 2) and 17 (16x16: does not)."""
+    import copy
+
+    import torch
+
+    import dpcompile
+    from tests.integration.test_context_parallel_models import _vit
+
+    for image_size in (12, 16):
+        torch.manual_seed(0)
+        model = _vit(image_size).double()
+        eager = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(image_size)
+        inputs = {"pixel_values": torch.randn(2, 3, image_size, image_size, generator=g, dtype=torch.float64),
+                  "labels": torch.tensor([0, 2])}  # fmt: skip
+        pm = dpcompile.transform(model, _cp_mesh(), example_kwargs=inputs, frontend="export")
+        assert "shard_of_whole" in pm.code and "attention_over_group" in pm.code, pm.code
+        got, want = pm(**inputs), eager(**inputs)
+        torch.testing.assert_close(got.logits, want.logits)
+        torch.testing.assert_close(got.loss, want.loss)
+        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+        (got.loss + (got.logits * weights).sum()).backward()
+        (want.loss + (want.logits * weights).sum()).backward()
+        grads = dict(eager.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name, n=image_size: f"{n}px, {name}: {m}")
+
+
+MATRIX = ("llama", "mistral", "qwen2", "gemma", "phi", "bert", "roberta", "t5")
+
+
 class SequenceBatchNorm(nn.Module):
     """BatchNorm over the channels of ``(batch, seq, 16)``: its statistics need every rank's tokens."""
 
@@ -130,17 +227,58 @@ def _refused_alike(model, x, *expected: str) -> None:
     assert len(set(messages)) == 1, messages
 
 
+class SummaryBias(nn.Module):
+    """Each token plus a linear map of the mean over every token: a module run on a whole value."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.summary = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + self.summary(h.mean(1))[:, None]
+
+
+def check_modules_on_whole_values_equal_eager() -> None:
+    """A BatchNorm run on the gathered sequence and a linear map of the mean over every token run
+    alike on every rank, on whole values: each rank returns the whole output, and backwarded alike,
+    every gradient (those modules' scaled by 1/N: each rank gets the whole one) and BatchNorm's
+    running statistics equal eager's, at 7 tokens."""
+    import copy
+
+    import torch
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    mesh = _cp_mesh()
+    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for model in (SequenceBatchNorm().double(), SummaryBias().double()):
+        eager = copy.deepcopy(model)
+        pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
+        assert "scaling_parameter_gradients" in pm.code, pm.code
+        got, want = pm(local_batch(x, mesh)), eager(x)
+        torch.testing.assert_close(got, want)  # whole on every rank
+        weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+        (got * weights).sum().backward()
+        (want * weights).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            where = f"{type(model).__name__}.{name}"
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
+        for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+            torch.testing.assert_close(b, c, msg=lambda m, name=name: f"buffer {name}: {m}")
+
+
 def check_unplaceable_models_refused_alike() -> None:
-    """A rotary table read backwards (no rule splits it), a BatchNorm that runs on the gathered
-    sequence (its parameters' gradients would be added on every rank) and a dropout under exact_random
-    (not built over a mesh) are refused by name on every rank, the same error."""
+    """A rotary table read backwards (no rule splits it) and a dropout under exact_random (not built
+    over a mesh) are refused by name on every rank, the same error."""
     import torch
 
     from tests.integration.test_context_parallel import CachedRotaryTable
 
     x = torch.randn(2, 7, 16)
     _refused_alike(CachedRotaryTable(reverse=True), x, "cannot run on sequence shards", "flip")
-    _refused_alike(SequenceBatchNorm(), x, "context parallel over a DeviceMesh", "'bn.weight'", "in one process only")
     _refused_alike(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)), x, "draws random numbers", "exact_random=False")
 
 
@@ -319,6 +457,9 @@ def check_blocks_over_dp_and_cp() -> None:
 
 CHECKS = (
     ("gpt2", check_gpt2_equals_eager),
+    *((name, functools.partial(check_model_equals_eager, name)) for name in MATRIX),
+    ("vit", check_vit_equals_eager),
+    ("whole_modules", check_modules_on_whole_values_equal_eager),
     ("refused", check_unplaceable_models_refused_alike),
     ("unbalanced", check_unbalanced_shards_refused_alike),
 )

@@ -5,6 +5,7 @@ collectives themselves run in tests/integration/test_context_parallel_mesh.py.""
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from dpcompile import DpCompileError, runtime
 from dpcompile.runtime import distributed as dist_rt
 from passes.sequence_rank import find_rank_sites, lower_sequence_to_rank
 from tests.helpers import FakeMesh
-from tests.integration.test_context_parallel import CausalSelfAttention
-from tests.integration.test_context_parallel_mesh import SequenceBatchNorm
+from tests.integration.test_context_parallel import CausalSelfAttention, LeftPaddedPositions
+from tests.integration.test_context_parallel_mesh import SequenceBatchNorm, SummaryBias
 
 
 class CpMesh(FakeMesh):
@@ -54,8 +55,43 @@ def test_rank_program_keeps_its_own_shard_and_exchanges_over_the_group():
     assert scaled_in.args[1] == 1 / 3
 
 
-def test_whole_value_reading_a_parameter_is_refused_by_name():
-    """A BatchNorm that runs on the gathered sequence reads parameters every rank would add a whole gradient to."""
+def test_module_on_the_whole_sequence_gets_its_parameters_gradients_scaled():
+    """A BatchNorm run on the gathered sequence: every rank runs it alike and gets its parameters'
+    whole gradient, so that call scales them by 1/N (DDP's average then keeps one whole gradient)."""
     gm = _one_process(SequenceBatchNorm(), 2)
-    with pytest.raises(DpCompileError, match="'bn' runs on the whole gathered sequence .* 'bn.weight'"):
+    lower_sequence_to_rank(gm, mesh=CpMesh(), cp_dim="cp", rank=0, input_dims={"x": 1})
+    (scaled,) = _calls(gm, dist_rt.scaling_parameter_gradients)
+    assert scaled.args[0].op == "get_attr" and scaled.args[0].target == "bn" and scaled.args[1] == 0.5, gm.code
+    assert not [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "bn"], gm.code
+
+
+def _positions_and_keep(devices: int) -> fx.GraphModule:
+    x, keep = torch.randn(2, 7, 16), torch.ones(2, 7, dtype=torch.bool)
+    model = LeftPaddedPositions()
+    return copy.deepcopy(dpcompile.transform(model, ["cpu"] * devices, mesh={"cp": devices}, example_inputs=(x, keep)))
+
+
+def test_running_sum_adds_the_earlier_ranks_totals_over_the_group():
+    """A cumsum of a padding mask along the sequence, each device's running sum plus the earlier
+    devices' totals in one process, is one all-gather of the ranks' totals on rank 2 of 3."""
+    gm = _positions_and_keep(3)
+    assert len(_calls(gm, runtime.running_sum)) == 3
+    lower_sequence_to_rank(gm, mesh=CpMesh(), cp_dim="cp", rank=2, input_dims={"x": 1, "keep": 1})
+    assert not _calls(gm, runtime.running_sum), gm.code
+    (summed,) = _calls(gm, dist_rt.running_sum_over_group)
+    assert summed.args[0].name.endswith("_dev2") and summed.args[2] == 1, gm.code
+
+
+@pytest.mark.filterwarnings("ignore:dpcompile. 12% of forward FLOPs")  # the summary runs whole: meant
+def test_whole_value_a_device_reads_as_it_is_keeps_its_parameter_refused():
+    """A module run on a whole value that a device's own node then reads as it is (no scatter of its
+    rows): each rank's gradient of its parameters is that rank's part, not the whole one, so scaling
+    by 1/N would be wrong; refused by name."""
+    gm = _one_process(SummaryBias(), 2)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    with gm.graph.inserting_after(nodes["getitem"]):
+        read = gm.graph.call_function(operator.add, (nodes["lin_dev1"], nodes["getitem"]))
+    read.name = "biased_dev1"  # as insert_scatter_gather names device 1's nodes
+    read.meta["dpcompile_pass"] = "insert_scatter_gather"
+    with pytest.raises(DpCompileError, match="'summary' runs on the whole gathered sequence .* 'summary.weight', and a device's own"):
         lower_sequence_to_rank(gm, mesh=CpMesh(), cp_dim="cp", rank=0, input_dims={"x": 1})

@@ -11,7 +11,9 @@
 
 Both sides run in the same processes, alternating in rounds (each round's time is the slower
 rank's); the ratio is the median over rounds of dpcompile / peer in that round, which resists
-the load drift of a shared machine. ``local_compute_floor`` is this rank's two matmuls on its
+the load drift of a shared machine. ``cpu_ratio`` is the same median of the processes' CPU time
+(the larger rank's, backend threads included): the work each side does, which a box loaded many
+times over its cores moves far less than the wall time. ``local_compute_floor`` is this rank's two matmuls on its
 shards with no communication: no implementation of the same plan beats it. Writes
 ``benchmarks/results/spmd.json``.
 
@@ -75,21 +77,25 @@ def _interleaved(sides: dict[str, Callable[[], None]], rounds: int, iters: int, 
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for name in order:
             barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 sides[name]()
+            cpu = time.process_time() - cpu
             samples[name].append(_max_across_ranks((time.perf_counter() - start) / iters))
+            samples.setdefault(f"{name}_cpu", []).append(_max_across_ranks(cpu / iters))
     return samples
 
 
 def _summary(samples: dict[str, list[float]], ours: str, peer: str) -> dict[str, float]:
     """Medians of both sides and the median of the per-round ratios ours / peer."""
     ratios = [a / b for a, b in zip(samples[ours], samples[peer])]
+    cpu = [a / b for a, b in zip(samples.get(f"{ours}_cpu", []), samples.get(f"{peer}_cpu", []))]
     return {
         f"{ours}_s": statistics.median(samples[ours]),
         f"{peer}_s": statistics.median(samples[peer]),
         "ratio": statistics.median(ratios),
         "ratio_quartiles": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3,
+        **({"cpu_ratio": statistics.median(cpu)} if cpu else {}),
     }
 
 
@@ -286,7 +292,8 @@ def _across_runs(runs: list[dict]) -> dict:
         entries = [(r["order"], r["report"][key]) for r in runs]
         summary: dict = {"what": entries[0][1].get("what"), "model": entries[0][1].get("model")}
         for field, pick in (("ratio", lambda e: e.get("ratio")), ("with_grad_ratio", lambda e: (e.get("with_grad") or {}).get("ratio")),
-                            ("training_step_ratio", lambda e: (e.get("training_step") or {}).get("ratio"))):
+                            ("training_step_ratio", lambda e: (e.get("training_step") or {}).get("ratio")),
+                            ("training_step_cpu_ratio", lambda e: (e.get("training_step") or {}).get("cpu_ratio"))):
             values = [(order, pick(e)) for order, e in entries if pick(e) is not None]
             if not values:
                 continue
@@ -334,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, r in report.items():
             print(f"run {k + 1}/{args.runs} ({args.order}) {key}: ratio {r.get('ratio', float('nan')):.3f}"
                   + (f", with grad {r['with_grad']['ratio']:.3f}" if "with_grad" in r else "")
-                  + (f", training step {r['training_step']['ratio']:.3f}" if "training_step" in r else ""), flush=True)
+                  + (f", training step {r['training_step']['ratio']:.3f}" if "training_step" in r else "")
+                  + (f" (CPU time {r['training_step']['cpu_ratio']:.3f})" if "training_step" in r else ""), flush=True)
     result = {
         "note": "floor_ratio = (this rank's matmuls alone, no communication) / parallelize_module: "
         "no implementation of the same plan can beat it",

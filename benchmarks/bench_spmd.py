@@ -7,7 +7,9 @@
   tensor_parallel=True)`` against ``torch.distributed.tensor.parallel.parallelize_module`` with
   ``ColwiseParallel`` / ``RowwiseParallel`` (target ≤ 1.0×: at least as fast; the matmuls set
   the time there), and the same at d=128 (h=512, batch 8), where DTensor's per-call dispatch
-  shows (target ≤ 0.8×).
+  shows (target ≤ 0.8×). A forward is timed to its finished output: ``parallelize_module``'s is an
+  ``AsyncCollectiveTensor`` whose all-reduce is still in flight when the call returns, so it is
+  waited for (a training step waits where ``sum()`` reads it).
 
 Both sides run in the same processes, alternating in rounds (each round's time is the slower
 rank's); the ratio is the median over rounds of dpcompile / peer in that round, which resists
@@ -150,6 +152,7 @@ def bench_dp(rank: int, args) -> dict:
 
 def bench_tp(rank: int, args, d: int | None = None, h: int | None = None, batch: int | None = None) -> dict:
     import torch.distributed as dist
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -182,7 +185,9 @@ def bench_tp(rank: int, args, d: int | None = None, h: int | None = None, batch:
     def forward(module, grad: bool = False):
         def run():
             with torch.set_grad_enabled(grad):
-                module(x)
+                out = module(x)
+            if isinstance(out, AsyncCollectiveTensor):  # parallelize_module's: its all-reduce still in flight
+                out.wait()
 
         return run
 
@@ -349,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/bench_spmd.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__,
         "backend": "gloo (CPU), 2 processes on one machine",
+        "peer_output_waited": True,  # the peer's forward timed to its finished output (its all-reduce waited for)
         "threads_per_process": args.threads,
         "rounds": args.rounds,
         "iters_per_round": args.iters,

@@ -192,6 +192,9 @@ def main() -> None:
             f"script on {_before_commit(before)} (" + (f"`{spmd_before['command']}`" if spmd_before else "not measured") + ").",
             "\"CPU time\" is the same median of the processes' CPU time (the larger rank's, gloo's threads",
             "included): the work each side does, which a box loaded many times over its cores moves far less.",
+            *(["The forwards of \"before\" timed `parallelize_module`'s call without waiting for its all-reduce (its",
+               "output is an `AsyncCollectiveTensor`, still in flight), which flattered it; the others wait for it."]
+              if spmd.get("peer_output_waited") and spmd_before and not spmd_before.get("peer_output_waited") else []),
             "",
             "| MLP | no_grad forward, before | no_grad forward | (peer built first / dpcompile first) | forward with grad | training step | training step, CPU time | target |",
             "|---|---|---|---|---|---|---|---|",

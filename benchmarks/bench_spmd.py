@@ -7,11 +7,15 @@
   tensor_parallel=True)`` against ``torch.distributed.tensor.parallel.parallelize_module`` with
   ``ColwiseParallel`` / ``RowwiseParallel`` (target ≤ 1.0×: at least as fast; the matmuls set
   the time there), and the same at d=128 (h=512, batch 8), where DTensor's per-call dispatch
-  shows (target ≤ 0.8×).
+  shows (target ≤ 0.8×). A forward is timed to its finished output: ``parallelize_module``'s is an
+  ``AsyncCollectiveTensor`` whose all-reduce is still in flight when the call returns, so it is
+  waited for (a training step waits where ``sum()`` reads it).
 
 Both sides run in the same processes, alternating in rounds (each round's time is the slower
 rank's); the ratio is the median over rounds of dpcompile / peer in that round, which resists
-the load drift of a shared machine. ``local_compute_floor`` is this rank's two matmuls on its
+the load drift of a shared machine. ``cpu_ratio`` is the same median of the processes' CPU time
+(the larger rank's, backend threads included): the work each side does, which a box loaded many
+times over its cores moves far less than the wall time. ``local_compute_floor`` is this rank's two matmuls on its
 shards with no communication: no implementation of the same plan beats it. Writes
 ``benchmarks/results/spmd.json``.
 
@@ -75,21 +79,25 @@ def _interleaved(sides: dict[str, Callable[[], None]], rounds: int, iters: int, 
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for name in order:
             barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 sides[name]()
+            cpu = time.process_time() - cpu
             samples[name].append(_max_across_ranks((time.perf_counter() - start) / iters))
+            samples.setdefault(f"{name}_cpu", []).append(_max_across_ranks(cpu / iters))
     return samples
 
 
 def _summary(samples: dict[str, list[float]], ours: str, peer: str) -> dict[str, float]:
     """Medians of both sides and the median of the per-round ratios ours / peer."""
     ratios = [a / b for a, b in zip(samples[ours], samples[peer])]
+    cpu = [a / b for a, b in zip(samples.get(f"{ours}_cpu", []), samples.get(f"{peer}_cpu", []))]
     return {
         f"{ours}_s": statistics.median(samples[ours]),
         f"{peer}_s": statistics.median(samples[peer]),
         "ratio": statistics.median(ratios),
         "ratio_quartiles": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3,
+        **({"cpu_ratio": statistics.median(cpu)} if cpu else {}),
     }
 
 
@@ -144,6 +152,7 @@ def bench_dp(rank: int, args) -> dict:
 
 def bench_tp(rank: int, args, d: int | None = None, h: int | None = None, batch: int | None = None) -> dict:
     import torch.distributed as dist
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -176,7 +185,9 @@ def bench_tp(rank: int, args, d: int | None = None, h: int | None = None, batch:
     def forward(module, grad: bool = False):
         def run():
             with torch.set_grad_enabled(grad):
-                module(x)
+                out = module(x)
+            if isinstance(out, AsyncCollectiveTensor):  # parallelize_module's: its all-reduce still in flight
+                out.wait()
 
         return run
 
@@ -286,7 +297,8 @@ def _across_runs(runs: list[dict]) -> dict:
         entries = [(r["order"], r["report"][key]) for r in runs]
         summary: dict = {"what": entries[0][1].get("what"), "model": entries[0][1].get("model")}
         for field, pick in (("ratio", lambda e: e.get("ratio")), ("with_grad_ratio", lambda e: (e.get("with_grad") or {}).get("ratio")),
-                            ("training_step_ratio", lambda e: (e.get("training_step") or {}).get("ratio"))):
+                            ("training_step_ratio", lambda e: (e.get("training_step") or {}).get("ratio")),
+                            ("training_step_cpu_ratio", lambda e: (e.get("training_step") or {}).get("cpu_ratio"))):
             values = [(order, pick(e)) for order, e in entries if pick(e) is not None]
             if not values:
                 continue
@@ -334,13 +346,15 @@ def main(argv: list[str] | None = None) -> int:
         for key, r in report.items():
             print(f"run {k + 1}/{args.runs} ({args.order}) {key}: ratio {r.get('ratio', float('nan')):.3f}"
                   + (f", with grad {r['with_grad']['ratio']:.3f}" if "with_grad" in r else "")
-                  + (f", training step {r['training_step']['ratio']:.3f}" if "training_step" in r else ""), flush=True)
+                  + (f", training step {r['training_step']['ratio']:.3f}" if "training_step" in r else "")
+                  + (f" (CPU time {r['training_step']['cpu_ratio']:.3f})" if "training_step" in r else ""), flush=True)
     result = {
         "note": "floor_ratio = (this rank's matmuls alone, no communication) / parallelize_module: "
         "no implementation of the same plan can beat it",
         "command": "python benchmarks/bench_spmd.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__,
         "backend": "gloo (CPU), 2 processes on one machine",
+        "peer_output_waited": True,  # the peer's forward timed to its finished output (its all-reduce waited for)
         "threads_per_process": args.threads,
         "rounds": args.rounds,
         "iters_per_round": args.iters,

@@ -190,16 +190,22 @@ def main() -> None:
             "built first; in each, the median over rounds of the paired per-round ratio (each round's time",
             "is the slower rank's). The table gives the median over launches; \"before\" is the same",
             f"script on {_before_commit(before)} (" + (f"`{spmd_before['command']}`" if spmd_before else "not measured") + ").",
+            "\"CPU time\" is the same median of the processes' CPU time (the larger rank's, gloo's threads",
+            "included): the work each side does, which a box loaded many times over its cores moves far less.",
+            *(["The forwards of \"before\" timed `parallelize_module`'s call without waiting for its all-reduce (its",
+               "output is an `AsyncCollectiveTensor`, still in flight), which flattered it; the others wait for it."]
+              if spmd.get("peer_output_waited") and spmd_before and not spmd_before.get("peer_output_waited") else []),
             "",
-            "| MLP | no_grad forward, before | no_grad forward | (peer built first / dpcompile first) | forward with grad | training step | target |",
-            "|---|---|---|---|---|---|---|",
+            "| MLP | no_grad forward, before | no_grad forward | (peer built first / dpcompile first) | forward with grad | training step | training step, CPU time | target |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for key, entry in spmd["across_runs"].items():
             old_entry = ((spmd_before or {}).get("across_runs") or {}).get(key) or {}
             out.append(
                 f"| {entry.get('model')} | {fmt(old_entry.get('median_ratio'), 3)} | {fmt(entry.get('median_ratio'), 3)} | "
                 f"{fmt(entry.get('median_ratio_peer_first'), 3)} / {fmt(entry.get('median_ratio_dpcompile_first'), 3)} | "
-                f"{fmt(entry.get('median_with_grad_ratio'), 3)} | {fmt(entry.get('median_training_step_ratio'), 3)} | {entry.get('target', '')} |"
+                f"{fmt(entry.get('median_with_grad_ratio'), 3)} | {fmt(entry.get('median_training_step_ratio'), 3)} | "
+                f"{fmt(entry.get('median_training_step_cpu_ratio'), 3)} | {entry.get('target', '')} |"
             )
         out.append("")
     out += before_after_section(after, before, spmd, spmd_before)

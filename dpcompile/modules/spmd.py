@@ -26,6 +26,7 @@ from dpcompile.analysis.random_ops import scoped_module_paths
 from dpcompile.fx_utils import placeholders, reserve_names, unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.spmd_exchange import FingerprintExchange
 from dpcompile.modules.weights import NEEDS_WEIGHTS, weights_not_loaded
 from dpcompile.runtime.distributed import (
     CollectiveError,
@@ -223,8 +224,10 @@ class SpmdModule(ParallelModule):
     ) -> Callable[[], list[Any] | None]:
         """Start :meth:`_exchange_if_different`'s all-gather; the function returned finishes it."""
         mine_value = _fingerprint(signature)
-        mine = torch.tensor([mine_value], dtype=torch.int64, device=_group_device(group.group))
-        gathered = [torch.empty_like(mine) for _ in range(group.size())]
+        exchanges = self.__dict__.setdefault("_exchanges", {})
+        exchange = exchanges.get(group.group)
+        if exchange is None:
+            exchange = exchanges[group.group] = FingerprintExchange(group.group)
         timeout = self.check_inputs_timeout
 
         def failed(e: BaseException) -> CollectiveError:
@@ -239,7 +242,7 @@ class SpmdModule(ParallelModule):
             return collective_failure("the check that every rank calls forward alike", group.group, e)
 
         try:
-            work = dist.all_gather(gathered, mine, group=group.group, async_op=True)
+            work = exchange.start(mine_value)
         except (RuntimeError, dist.DistError) as e:
             raise failed(e) from e
 
@@ -248,7 +251,7 @@ class SpmdModule(ParallelModule):
                 work.wait(timeout=timedelta(seconds=timeout))
             except (RuntimeError, dist.DistError) as e:
                 raise failed(e) from e
-            if all(int(t) == mine_value for t in gathered):
+            if all(value == mine_value for value in exchange.finish()):
                 return None
             signatures: list[Any] = [None] * group.size()
             dist.all_gather_object(signatures, signature, group=group.group)
@@ -409,13 +412,6 @@ def describe_disagreement(
                 "sampler seed, drop_last=True so no rank gets a short last batch)"
             )
     return "tensor parallel over a mesh needs the same inputs on every rank of a tp group, but they differ"
-
-
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _first_line(e: BaseException) -> str:

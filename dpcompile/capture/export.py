@@ -37,7 +37,7 @@ from torch import nn
 
 from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
-from dpcompile.capture.side_effects import check_export_effects, seeds_recorded
+from dpcompile.capture.side_effects import check_export_effects, hooks_that_return_nothing, seeds_recorded
 from dpcompile.capture.state import SideEffects, python_state_kept
 from dpcompile.errors import ExampleError, TraceError
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
@@ -163,7 +163,8 @@ def capture_export(
     effects, seeds = SideEffects(), []
     bar = step_bar("Capturing the model", 1)  # transform(progress=): one step an export
     try:
-        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model) as effects, seeds_recorded() as seeds:
+        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model) as effects, \
+                seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording:  # fmt: skip
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
@@ -175,6 +176,13 @@ def capture_export(
         decided = True
     seconds = time.perf_counter() - start
     bar.update()
+    if not decided and recording:
+        warnings.warn(
+            f"forward hooks of {', '.join(repr(p) for p in recording)} return nothing (they record or check): the "
+            "program captured with torch.export keeps their tensor ops, not what they do in Python, so it does not "
+            "call them; transform with frontend='fx', which calls them at each call",
+            stacklevel=3,
+        )
     unlifted = ep.module()
     from dpcompile.program_cache import code_names  # it imports capture.state: not at import time
 

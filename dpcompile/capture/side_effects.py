@@ -35,6 +35,36 @@ class SideEffectRefused(DpCompileError):
 
 
 @contextlib.contextmanager
+def hooks_that_return_nothing(model: nn.Module) -> Iterator[list[str]]:
+    """Within: every forward hook of a submodule of ``model`` noted (``"encoder.fc"``) when it returns
+    None. torch.export traces a hook's tensor ops into the program, not what it does in Python (a
+    feature dict it fills, a check it makes): such a hook is not called by the exported program."""
+    noted: list[str] = []
+    wrapped: list[tuple[dict, int, Callable]] = []
+
+    def noting(path: str, hook: Callable) -> Callable:
+        def call(*args: Any) -> Any:
+            result = hook(*args)
+            if result is None and path not in noted:
+                noted.append(path)
+            return result
+
+        return call
+
+    for path, module in model.named_modules():
+        if not path:
+            continue  # the model's own hooks run around the whole program (modules.hooks)
+        for hook_id, hook in list(module._forward_hooks.items()):
+            wrapped.append((module._forward_hooks, hook_id, hook))
+            module._forward_hooks[hook_id] = noting(path, hook)
+    try:
+        yield noted
+    finally:
+        for hooks, hook_id, hook in wrapped:
+            hooks[hook_id] = hook
+
+
+@contextlib.contextmanager
 def seeds_recorded() -> Iterator[list[str]]:
     """While export runs: each ``torch.manual_seed`` forward calls and each ``torch.autograd.Function``
     it applies (export traces through its forward and drops its backward), by where it is called."""

@@ -374,3 +374,27 @@ def test_program_without_watched_modes_is_not_described_as_mixed_mode():
     pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
     assert "mixed-mode" not in pm.program_cache.main_key.describe()
     torch.testing.assert_close(pm(x), model(x))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_export_frontend_warns_of_a_forward_hook_that_only_records():
+    """torch.export keeps a hook's tensor ops, not its Python effects: a hook filling a feature dict
+    is never called by the exported program, so transform says so, naming the module (it was silent:
+    the dict stayed empty). A hook that returns a new output is part of the program: no warning,
+    and its effect is eager's."""
+    model, x = TwoLayers(), torch.randn(4, 4)
+    features: dict[str, torch.Tensor] = {}
+    model.a.register_forward_hook(lambda m, i, out: features.__setitem__("a", out))
+    model.b.register_forward_hook(lambda m, i, out: out * 2)
+    with pytest.warns(UserWarning, match=r"forward hooks of 'a' return nothing .* frontend='fx'") as caught:
+        pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert not any("'b'" in str(w.message) for w in caught)
+    torch.testing.assert_close(pm(x), model(x))

@@ -38,6 +38,7 @@ from passes.checkpoint_saves import (
     is_matmul,
     is_matmul_module,
     kept_nodes,
+    module_called,
     passes_through,
     read_in_backward,
 )
@@ -54,15 +55,6 @@ class SaveCandidate:
     width: float
     flops: float
     attention: bool
-
-
-def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
-    if node.op not in ("call_module", "call_method") or not isinstance(node.target, str):
-        return None
-    try:
-        return gm.get_submodule(node.target)
-    except AttributeError:
-        return None
 
 
 def _sizes(module: nn.Module | None) -> tuple[int, int] | None:
@@ -87,7 +79,7 @@ def _split_size(node: fx.Node) -> int | None:
 def _width_of(gm: fx.GraphModule, node: fx.Node, seen: int = 0) -> int | None:
     """Values per row of ``node``'s output, where a matmul module, a split of the last dimension,
     or a view of one of those says."""
-    sizes = _sizes(_module(gm, node))
+    sizes = _sizes(module_called(gm, node))
     if sizes:
         return sizes[1]
     if (size := _split_size(node)) is not None:
@@ -136,7 +128,7 @@ def save_candidates(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[SaveCandid
             value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
             found.append((node, _width_of(gm, value) if isinstance(value, fx.Node) else None, None, True))
         elif is_matmul(gm, node):
-            sizes = _sizes(_module(gm, node))
+            sizes = _sizes(module_called(gm, node))
             found.append((node, sizes[1], 2 * sizes[0] * sizes[1], False) if sizes else (node, None, None, False))
     widths = [w for _, w, _, _ in found if w]
     flops = [f for _, _, f, _ in found if f]

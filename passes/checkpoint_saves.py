@@ -55,8 +55,9 @@ _PASS_THROUGH_METHODS = {"add", "sub", "view", "reshape", "transpose", "permute"
                          "unsqueeze", "squeeze", "chunk", "split", "expand", "__getitem__"}  # fmt: skip
 
 
-def _module_of(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
-    if not isinstance(node.target, str):
+def module_called(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+    """The module ``node`` calls: a ``call_module``, or a replica's ``call_method`` of the module's path."""
+    if node.op not in ("call_module", "call_method") or not isinstance(node.target, str):
         return None
     try:
         return gm.get_submodule(str(node.target))
@@ -75,7 +76,7 @@ def is_matmul(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_method" and node.target in _MATMUL_METHODS:
         return True
     # a module call: call_module, or a replica's call_method of the module's path
-    return node.op in ("call_module", "call_method") and is_matmul_module(_module_of(gm, node))
+    return node.op in ("call_module", "call_method") and is_matmul_module(module_called(gm, node))
 
 
 def is_matmul_module(module: nn.Module | None) -> bool:
@@ -122,6 +123,7 @@ __all__ = [
     "is_matmul",
     "is_matmul_module",
     "kept_nodes",
+    "module_called",
     "passes_through",
     "read_in_backward",
 ]

@@ -28,7 +28,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from passes.checkpoint_saves import is_attention, is_matmul_module
+from passes.checkpoint_saves import is_attention, is_matmul_module, module_called
 
 _aten = torch.ops.aten
 _ELEMENTWISE_FUNCTIONS = {
@@ -45,15 +45,6 @@ _ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "pow", "neg", "tanh", "sigmo
 _ROW_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.LeakyReLU, nn.Softplus,
                 nn.Identity)  # fmt: skip
 _RANDOM = (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
-    if node.op not in ("call_module", "call_method") or not isinstance(node.target, str):
-        return None
-    try:
-        return gm.get_submodule(node.target)
-    except AttributeError:
-        return None
 
 
 def _module_reason(module: nn.Module, node: fx.Node) -> str | None:
@@ -75,7 +66,7 @@ def _module_reason(module: nn.Module, node: fx.Node) -> str | None:
 def _receiver_only(gm: fx.GraphModule, value: fx.Node, nodes: set[fx.Node]) -> bool:
     """``value`` is only the module a region calls through (a data-parallel replica)."""
     users = [u for u in value.users if u in nodes]
-    return bool(users) and all(u.op == "call_method" and u.args[:1] == (value,) and _module(gm, u) for u in users)
+    return bool(users) and all(u.op == "call_method" and u.args[:1] == (value,) and module_called(gm, u) for u in users)
 
 
 def tiled_input(gm: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node]) -> list[fx.Node]:
@@ -114,7 +105,7 @@ def why_not_per_token(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.
         names = ", ".join(v.name for v in values) or "nothing"
         return f"it reads {len(values)} values from outside ({names}); tiles cut one value of tokens"
     for node in nodes:
-        module = _module(gm, node)
+        module = module_called(gm, node)
         if module is not None:
             if (reason := _module_reason(module, node)) is not None:
                 return reason

@@ -132,6 +132,33 @@ def full_gradients(pm: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def model_gradients(model: nn.Module) -> Callable[[], dict[str, torch.Tensor | None]]:
+    """``model``'s gradients by name, read when called (a program sharing the model's parameters)."""
+    return lambda: {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_lm_step_equals_eager(
+    pm: Callable[..., Any],
+    eager: nn.Module,
+    inputs: dict[str, Any],
+    gradients: Callable[[], dict[str, torch.Tensor | None]],
+    **tolerance: float,
+) -> None:
+    """One call of a model with ``labels=`` (float64): ``logits`` and ``loss`` equal eager's; then the
+    loss plus a weighted sum of the logits backpropagated through both, and every one of eager's
+    parameter gradients equals ``gradients()``'s under its name (``tolerance``: ``atol``, ``rtol``)."""
+    got, want = pm(**inputs), eager(**inputs)
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.loss, want.loss)
+    weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+    (got.loss + (got.logits * weights).sum()).backward()
+    (want.loss + (want.logits * weights).sum()).backward()
+    ours = gradients()
+    for name, p in eager.named_parameters():
+        assert ours.get(name) is not None, f"no gradient reached {name}"
+        torch.testing.assert_close(ours[name], p.grad, **tolerance, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
 def assert_runs_split_like_eager(cls: type[nn.Module], shape: tuple[int, ...], frontend: str) -> None:
     """``cls()`` on 3 devices (examples of 4 rows, called with 5: uneven chunks): forward and
     every gradient equal eager, nothing runs whole, every FLOP runs split."""

@@ -16,19 +16,7 @@ from torch import nn
 import dpcompile
 from passes import checkpoint_activations
 from passes.checkpoint_tiles import why_not_per_token
-
-
-class Attention(nn.Module):
-    def __init__(self, d: int = 16, heads: int = 2):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = (p(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, s, d))
+from tests.integration.test_activation_checkpointing_saves import Attention
 
 
 class MLP(nn.Module):

@@ -15,6 +15,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile import DpCompileError
+from tests.helpers import assert_lm_step_equals_eager, model_gradients
 from tests.thirdparty import import_or_skip
 
 V = 64  # vocabulary
@@ -111,16 +112,7 @@ def _inputs(name: str, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _assert_step_equals_eager(pm: nn.Module, model: nn.Module, eager: nn.Module, inputs: dict) -> None:
     """Outputs, loss and every parameter gradient of one step equal eager's."""
-    got, want = pm(**inputs), eager(**inputs)
-    torch.testing.assert_close(got.logits, want.logits)
-    torch.testing.assert_close(got.loss, want.loss)
-    weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-    (got.loss + (got.logits * weights).sum()).backward()
-    (want.loss + (want.logits * weights).sum()).backward()
-    grads = dict(eager.named_parameters())
-    for name, p in model.named_parameters():
-        assert p.grad is not None, f"no gradient reached {name}"
-        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_lm_step_equals_eager(pm, eager, inputs, model_gradients(model))
     model.zero_grad()
     eager.zero_grad()
 

@@ -14,6 +14,7 @@ import torch
 
 import dpcompile
 from dpcompile import DpCompileError
+from tests.helpers import assert_lm_step_equals_eager, model_gradients
 from tests.integration.test_context_parallel import CausalSelfAttention, _inputs, _transformers_model
 
 
@@ -49,17 +50,7 @@ def test_dp_cp_transformers_train_like_eager(name):
     assert "_dp1_dev1 = " in pm.code
     ours, theirs = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
     for seq in (12, 13):
-        inputs = _batch_of_four(name, seq, seed=seq)
-        got, want = pm(**inputs), eager(**inputs)
-        torch.testing.assert_close(got.logits, want.logits)
-        torch.testing.assert_close(got.loss, want.loss)
-        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-        (got.loss + (got.logits * weights).sum()).backward()
-        (want.loss + (want.logits * weights).sum()).backward()
-        grads = dict(eager.named_parameters())
-        for path, p in model.named_parameters():
-            assert p.grad is not None, f"no gradient reached {path}"
-            torch.testing.assert_close(p.grad, grads[path].grad, msg=lambda m, path=path: f"grad {path}: {m}")
+        assert_lm_step_equals_eager(pm, eager, _batch_of_four(name, seq, seed=seq), model_gradients(model))
         ours.step()
         theirs.step()
         ours.zero_grad()

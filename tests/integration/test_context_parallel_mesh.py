@@ -155,6 +155,7 @@ def check_vit_equals_eager() -> None:
     import torch
 
     import dpcompile
+    from tests.helpers import assert_lm_step_equals_eager, model_gradients
     from tests.integration.test_context_parallel_models import _vit
 
     for image_size in (12, 16):
@@ -166,15 +167,7 @@ def check_vit_equals_eager() -> None:
                   "labels": torch.tensor([0, 2])}  # fmt: skip
         pm = dpcompile.transform(model, _cp_mesh(), example_kwargs=inputs, frontend="export")
         assert "shard_of_whole" in pm.code and "attention_over_group" in pm.code, pm.code
-        got, want = pm(**inputs), eager(**inputs)
-        torch.testing.assert_close(got.logits, want.logits)
-        torch.testing.assert_close(got.loss, want.loss)
-        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-        (got.loss + (got.logits * weights).sum()).backward()
-        (want.loss + (want.logits * weights).sum()).backward()
-        grads = dict(eager.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name, n=image_size: f"{n}px, {name}: {m}")
+        assert_lm_step_equals_eager(pm, eager, inputs, model_gradients(model))
 
 
 MATRIX = ("llama", "mistral", "qwen2", "gemma", "phi", "bert", "roberta", "t5")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import dpcompile
+from tests.helpers import assert_lm_step_equals_eager, model_gradients
 from tests.thirdparty import import_or_skip
 
 V = 64  # vocabulary
@@ -114,13 +115,4 @@ def test_context_parallel_vit_splits_the_sequence_it_makes(image_size, n):
     pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=inputs, frontend="export")
     assert pm.code.count("dpcompile_runtime_attention_regathered(") == n
     assert "dpcompile_runtime_scatter(pixel_values" not in pm.code  # the image is whole on every device
-    got, want = pm(**inputs), eager(**inputs)
-    torch.testing.assert_close(got.logits, want.logits)
-    torch.testing.assert_close(got.loss, want.loss)
-    weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-    (got.loss + (got.logits * weights).sum()).backward()
-    (want.loss + (want.logits * weights).sum()).backward()
-    grads = dict(eager.named_parameters())
-    for p_name, p in model.named_parameters():
-        assert p.grad is not None, f"no gradient reached {p_name}"
-        torch.testing.assert_close(p.grad, grads[p_name].grad, msg=lambda m, p_name=p_name: f"grad {p_name}: {m}")
+    assert_lm_step_equals_eager(pm, eager, inputs, model_gradients(model))

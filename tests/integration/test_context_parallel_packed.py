@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcompile
+from tests.helpers import assert_lm_step_equals_eager, model_gradients
 from tests.thirdparty import import_or_skip
 
 V = 64  # vocabulary
@@ -76,15 +77,6 @@ def test_context_parallel_llama_restarting_position_ids_equal_eager():
     pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_kwargs=_packed_inputs(12, 5, 0),
                              frontend="export")  # fmt: skip
     for seq, first in ((12, 5), (13, 8)):
-        inputs = _packed_inputs(seq, first, seq)
-        got, want = pm(**inputs), eager(**inputs)
-        torch.testing.assert_close(got.logits, want.logits)
-        torch.testing.assert_close(got.loss, want.loss)
-        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-        (got.loss + (got.logits * weights).sum()).backward()
-        (want.loss + (want.logits * weights).sum()).backward()
-        grads = dict(eager.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name: f"grad {name}: {m}")
+        assert_lm_step_equals_eager(pm, eager, _packed_inputs(seq, first, seq), model_gradients(model))
         model.zero_grad()
         eager.zero_grad()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dpcompile
-from tests.helpers import full_gradients
+from tests.helpers import assert_lm_step_equals_eager, full_gradients
 from tests.integration.test_context_parallel import CausalSelfAttention, _inputs, _transformers_model
 
 
@@ -38,16 +38,7 @@ def test_cp_tp_transformers_equal_eager(name):
     assert "_keys_dev1 = dpcompile_runtime_gather_sequence(" in code and "_cp1_dev1 = " in code
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if name == "llama" else {}
     for seq in (12, 13):
-        inputs = _inputs(name, seq, seed=seq)
-        got, want = pm(**inputs), eager(**inputs)
-        torch.testing.assert_close(got.logits, want.logits)
-        torch.testing.assert_close(got.loss, want.loss)
-        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-        (got.loss + (got.logits * weights).sum()).backward()
-        (want.loss + (want.logits * weights).sum()).backward()
-        grads = full_gradients(pm)
-        for path, p in eager.named_parameters():
-            torch.testing.assert_close(grads[path], p.grad, **tolerance, msg=lambda m, path=path: f"grad {path}: {m}")
+        assert_lm_step_equals_eager(pm, eager, _inputs(name, seq, seed=seq), lambda: full_gradients(pm), **tolerance)
         pm.zero_grad()
         eager.zero_grad()
 

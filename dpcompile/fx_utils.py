@@ -423,14 +423,33 @@ def aliased_root(root: nn.Module) -> nn.Module:
     return _AliasedRoot(root)
 
 
-def graph_module(root: nn.Module, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
+class _RootWithConstants(nn.Module):
+    """``root`` seen by ``fx.GraphModule``'s copy of targets, with tensors it does not hold."""
+
+    def __init__(self, root: nn.Module, constants: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.__dict__["_root"], self.__dict__["_constants"] = root, dict(constants)
+        self.training = root.training
+
+    def __getattr__(self, name: str) -> Any:
+        constants = self.__dict__["_constants"]
+        return constants[name] if name in constants else getattr(self.__dict__["_root"], name)
+
+
+def graph_module(
+    root: nn.Module, graph: fx.Graph, class_name: str = "GraphModule", constants: Mapping[str, torch.Tensor] | None = None
+) -> fx.GraphModule:
     """``fx.GraphModule(root, graph, class_name)`` with reserved names aliased in ``graph``
     (in place), so a model's submodule named ``graph``, ``meta`` or ``devices`` is held and
     called as the model's, not confused with the module's own attribute.
 
     The module holds an aliased submodule under its alias (``gm.get_submodule("user:meta")``);
     ``ParallelModule`` holds it under the model's name and resolves the alias on access.
+    ``constants``: tensors the graph reads (``get_attr``) that ``root`` does not hold, such as the
+    tracer's ``_tensor_constant1`` of a program traced for another call.
     """
-    if not alias_targets(graph) or not isinstance(root, nn.Module):
-        return fx.GraphModule(root, graph, class_name)
-    return fx.GraphModule(aliased_root(root), graph, class_name)
+    if alias_targets(graph) and isinstance(root, nn.Module):
+        root = aliased_root(root)
+    if constants:
+        root = _RootWithConstants(root, constants)
+    return fx.GraphModule(root, graph, class_name)

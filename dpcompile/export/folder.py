@@ -125,12 +125,15 @@ def _constants(pm: nn.Module, programs: Sequence[tuple[fx.GraphModule, fx.Graph]
         for node in graph.nodes:
             if node.op != "get_attr":
                 continue
+            value = _attr(owner, node.target)
             try:
-                _attr(pm, node.target)
-                continue
+                # the model's state, or a constant made in forward that pm holds (a variant's trace may
+                # number its own constants anew: one of the same name and another value is its own)
+                held = _attr(pm, node.target)
+                if held is value or not node.target.startswith("_tensor_constant"):
+                    continue
             except AttributeError:
                 pass
-            value = _attr(owner, node.target)
             if not isinstance(value, torch.Tensor):
                 raise NotData(f"variant program {index} reads {node.target!r}, which is not in the module")
             if id(value) not in named:  # a program and its trace hold the same tensor: stored once

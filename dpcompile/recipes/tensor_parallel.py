@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import passes
@@ -194,7 +194,41 @@ class TensorParallelRecipe(Recipe):
                 f"the call ({key.describe()}) takes another path through forward, whose layers shard "
                 "differently; transform the model for that call (example_inputs= of it)"
             )
-        return None if built.code == pm.code else graph_module(pm, copy_graph(built.graph), "TensorParallelVariant")
+        if built.code == pm.code:
+            return None
+        constants = _constants_of_the_call(pm, built, traced)
+        return graph_module(pm, copy_graph(built.graph), "TensorParallelVariant", constants)
+
+
+def _constants_of_the_call(pm: nn.Module, built: fx.GraphModule, traced: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Tensors made in forward that the call's program reads: the call's trace numbers them anew
+    (a mask path's ``_tensor_constant0`` makes ``torch.tensor(3)`` ``_tensor_constant1``), so
+    each is the call's own value, never ``pm``'s of the same name. One made under the fake mode
+    takes its value from the plain trace."""
+    constants = {}
+    for node in built.graph.nodes:
+        if node.op != "get_attr" or not node.target.startswith("_tensor_constant"):
+            continue
+        value = _attribute(built, node.target)
+        if isinstance(value, FakeTensor):
+            plain = _attribute(traced, node.target)
+            value = plain.to(value.device) if isinstance(plain, torch.Tensor) and plain.shape == value.shape else None
+        if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+            raise DpCompileError(
+                f"the call's program reads {node.target!r}, a tensor made in forward whose value its trace does not "
+                "hold; transform the model for that call (example_inputs= of it)"
+            )
+        constants[node.target] = value.detach()
+    return constants
+
+
+def _attribute(module: nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
 
 
 def capture_owning_everything(

@@ -234,3 +234,33 @@ def test_layer_with_a_forward_hook_stays_whole_and_its_hook_sees_the_whole_outpu
     assert pm.plan["b"] == "replicate" and "forward hook" in pm.plan_reasons["b"] and pm.plan["a"] != "replicate"
     torch.testing.assert_close(pm(x), eager(x))
     torch.testing.assert_close(seen["b"], seen_eager["b"])
+
+
+class ConstantsOnAnOptionalPath(nn.Module):
+    """Tensors made in forward on the path an optional mask opens, before one made on every path."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x, mask=None):
+        h = self.fc2(torch.relu(self.fc1(x)))
+        if mask is not None:
+            h = h + torch.tensor(0.5) * mask + torch.tensor([1.0, 2.0, 3.0])
+        return h * torch.tensor(2.0)
+
+
+def test_a_call_whose_trace_numbers_tensor_constants_anew_reads_its_own_values():
+    """The call with a mask traces its own program, where the mask's constants come first: the
+    program reads its own ``_tensor_constant0``..2 (the mask path's 0.5 and table, then 2.0), not the
+    first program's ``_tensor_constant0`` (2.0) under the same name (it failed: no such attribute)."""
+    torch.manual_seed(0)
+    model = ConstantsOnAnOptionalPath()
+    x, mask = torch.randn(6, 8), torch.ones(6, 3)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+    torch.testing.assert_close(pm(x, mask), model(x, mask))
+    torch.testing.assert_close(pm(x), model(x))
+    pm(x, mask).sum().backward()
+    model(x, mask).sum().backward()
+    for name, grad in full_gradients(pm).items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, msg=name)

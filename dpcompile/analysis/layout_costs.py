@@ -150,7 +150,9 @@ def _stage_memory(
         moments.append((sum(grads), round((sum(kept) + recompute) * share) + held_rest))
     for k in range(len(units) if sweep else 0):
         own = saved[k] if training else kept[k]
-        moments.append((sum(grads[k:]), round((sum(kept[:k]) + own) * share) + held_rest))
+        # backward through unit k also holds the gradient of its output and makes the one of its input
+        flowing = 0 if follower or not training else units[k].input_bytes + (units[k + 1].input_bytes if k + 1 < len(units) else 0)
+        moments.append((sum(grads[k:]), round((sum(kept[:k]) + own + flowing) * share) + held_rest))
     gradients, activations = max(moments, key=sum)
     gradients += transient
     return {"parameters": params, "gradients": gradients, "optimizer": optimizer, "activations": activations}

@@ -83,7 +83,7 @@ def _unit_modules(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, nn
     """``(path, module, is a repeated block)`` of every unit (see the module's docstring)."""
     blocks = set(blocks)
     if not blocks:
-        return [(path, m, False) for path, m in model.named_children()]
+        return list(_children_through_sequences(model))
     above = {".".join(b.split(".")[:i]) for b in blocks for i in range(1, b.count(".") + 1)}
     out: list[tuple[str, nn.Module, bool]] = []
 
@@ -97,6 +97,18 @@ def _unit_modules(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, nn
 
     walk("", model)
     return out
+
+
+def _children_through_sequences(module: nn.Module, prefix: str = "") -> Any:
+    """``(path, module, False)`` of ``module``'s children, a ``Sequential`` among them replaced by its
+    own (recursively): a model without repeated blocks cut where a pipeline can cut it (SqueezeNet's
+    ``features.0`` ... ``features.12``, not ``features`` whole)."""
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, nn.Sequential) and len(child) > 0:
+            yield from _children_through_sequences(child, path)
+        else:
+            yield path, child, False
 
 
 #: identical repeated blocks beyond this many are not run: they repeat the last one run

@@ -201,3 +201,34 @@ def test_identical_blocks_are_profiled_once_with_the_same_figures(monkeypatch):
     assert figures[0] == figures[1] and [f[0] for f in figures[0] if f[1]] == [f"layers.{i}" for i in range(6)]
     assert len(model.layers) == 6
     assert sum(f[2] for f in figures[0]) == sum(p.numel() * 8 for p in model.parameters())
+
+
+class ConvNet(nn.Module):
+    """No repeated blocks: its layers sit in two Sequentials (as SqueezeNet's and VGG's do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(inplace=True), nn.Conv2d(8, 16, 3), nn.ReLU(inplace=True),
+                                      nn.MaxPool2d(2), nn.Conv2d(16, 32, 3), nn.ReLU(inplace=True), nn.Conv2d(32, 32, 3))  # fmt: skip
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 2 * 2, 10))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def test_a_model_without_repeated_blocks_is_cut_where_the_pipeline_cuts_it():
+    """The planner's units are the Sequentials' layers, not ``features`` whole: its two stages hold the
+    parameters the pipeline it then builds holds (it predicted ``features`` on one device, the
+    classifier on the other: SqueezeNet's second stage measured 6 MB where 74 KB were predicted)."""
+    from dpcompile.analysis.model_profile import profile_model
+
+    torch.manual_seed(0)
+    model, x = ConvNet(), torch.randn(4, 3, 16, 16)
+    units = [u.name for u in profile_model(model, (x,), None, optimizer="sgd", training=True).units]
+    assert units == ["pre", *(f"features.{i}" for i in range(8)), "classifier.0", "classifier.1"]
+    planned = plan_layouts(model, LABELS, dict.fromkeys(LABELS, 1 << 40), optimizer="sgd", training=True,
+                           example_inputs=(x,), example_kwargs=None, device=torch.device("cpu"))  # fmt: skip
+    predicted = next(c for c in planned.candidates if c.spec.name == "pp2 gpipe mb1").per_device
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, example_inputs=(x,))
+    built = dpcompile.explain(pm, x).memory_estimate
+    assert {d: kinds["parameters"] for d, kinds in predicted.items()} == {d: kinds["parameters"] for d, kinds in built.items()}

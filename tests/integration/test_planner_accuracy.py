@@ -45,15 +45,16 @@ def _predicted_and_measured(make, args, spec: LayoutSpec) -> tuple[dict[str, dic
 
 def test_tensor_parallel_runs_what_it_does_not_split_on_the_first_device_only():
     """The convolutions' gradients and activations are the first device's alone: the second holds
-    the replicated parameters (as ``explain`` counts them) and its half of the head's gradient.
-    (Small images: where activations outweigh parameters, the backward's gradients of activations,
-    not predicted, make the first device's peak larger; see docs/planner.md.)"""
+    the replicated parameters (as ``explain`` counts them) and its half of the head's gradient. The
+    first device's peak is during backward, before the first convolution's gradient is made, with
+    the gradients of the activations flowing through it (they were not predicted: 6% under)."""
     predicted, measured = _predicted_and_measured(ConvNet, (torch.randn(8, 3, 4, 4),), LayoutSpec((("tp", 2),)))
     head = (64 * 10 + 10) * 4
     params = sum(p.numel() * 4 for p in ConvNet().parameters())
     assert predicted["cpu#1"]["parameters"] == params - head // 2
     assert predicted["cpu#1"]["gradients"] == head // 2
-    assert predicted["cpu#0"]["gradients"] == params - head // 2
+    first_conv = (3 * 64 * 9 + 64) * 4
+    assert predicted["cpu#0"]["gradients"] == params - head // 2 - first_conv
     for d in LABELS:
         total = sum(predicted[d].values())
         assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])

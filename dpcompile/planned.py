@@ -76,7 +76,8 @@ def planned_transform(
         pm.candidates = planned.candidates
         pm.calibration = planned.calibration
         if auto_checkpointing:
-            pm.strategies["activation_checkpointing"] = _chosen_words(pm, candidate, budgets, len(planned.candidates))
+            pm.strategies["activation_checkpointing"] = _chosen_words(pm, candidate, budgets, len(planned.candidates),
+                                                                      "the fastest predicted")  # fmt: skip
         return pm
     raise planned.no_fit_error(len(parsed.labels()))
 
@@ -123,10 +124,11 @@ class CheckpointPlan:
         return _chosen_words(pm, self.chosen, self.planned.budgets, len(self.planned.candidates))
 
 
-def _chosen_words(pm: nn.Module, chosen: Candidate, budgets: Mapping[str, int], tried: int) -> str:
+def _chosen_words(pm: nn.Module, chosen: Candidate, budgets: Mapping[str, int], tried: int,
+                  which: str = "the least recomputed") -> str:  # fmt: skip
     what = pm.strategies.get("activation_checkpointing", "nothing recomputed")
     return (f"{what} (activation_checkpointing='auto': predicted peak {format_bytes(chosen.peak)} per device <= "
-            f"memory_per_device={format_bytes(min(budgets.values()))}, the least recomputed of {tried} predicted; "
+            f"memory_per_device={format_bytes(min(budgets.values()))}, {which} of {tried} predicted; "
             "explain(pm, x).candidates)")  # fmt: skip
 
 

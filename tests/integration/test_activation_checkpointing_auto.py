@@ -75,6 +75,11 @@ def test_auto_refuses_a_budget_nothing_fits(stack):
     assert int(1.2 * MiB) < least < int(1.4 * MiB)
     with pytest.raises(ValueError, match="memory_per_device"):
         dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing="auto", example_inputs=(x,))
+    with pytest.raises(DpCompileError, match="no layout fits") as e:  # plan="auto": every layout with each choice
+        dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, plan="auto", memory_per_device=int(0.5 * MiB),
+                            activation_checkpointing="auto", example_inputs=(x,))  # fmt: skip
+    considered = int(str(e.value).split("of the ")[1].split(" considered")[0])
+    assert considered > 18  # dp2, tp2, 7 pipeline schedules: 18 with and without checkpointing; more choices here
 
 
 def test_byte_budget_keeps_the_outputs_sparing_the_most_flops(stack):

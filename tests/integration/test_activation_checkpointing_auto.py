@@ -95,6 +95,14 @@ def test_byte_budget_keeps_the_outputs_sparing_the_most_flops(stack):
     assert {n for n in kept if not n.startswith(("getattr", "getitem"))} >= {"layers_2_attn_q_dev0",
             "scaled_dot_product_attention_2_dev0", "layers_2_mlp_fc1_dev0"}  # fmt: skip
     assert not any(n in kept for n in ("layers_2_attn_k_dev0", "layers_2_attn_v_dev0", "layers_2_attn_o_dev0"))
+    over_device = {**spec, "budget_over": "device"}  # 6 d-wide values over the 4 blocks: 4 attention, 2 matmuls
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing=over_device, example_inputs=(x,))
+    kept = [line.split(" = ")[0].strip() for i in range(4)
+            for part in getattr(pm, f"layers_{i}_dev0_region").code.split("keep_outputs(True)")[1:]
+            for line in part.split("keep_outputs(False)")[0].splitlines()
+            if " = " in line and "keep_outputs" not in line]  # fmt: skip
+    assert sum("scaled_dot_product_attention" in n for n in kept) == 4 and len(kept) == 6
+    assert all(n.startswith("layers_3_") for n in kept if "attention" not in n)  # ties: the latest block
     with pytest.raises(ValueError, match="budget_bytes"):
         dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing=spec)
     with pytest.raises(ValueError, match="'budget_bytes'"):

@@ -109,6 +109,7 @@ def test_byte_budget_keeps_the_outputs_sparing_the_most_flops(stack):
         dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing={**spec, "budget_bytes": "lots"})
 
 
+@pytest.mark.slow  # a torch.export of GPT-2 per budget
 def test_auto_on_gpt2_through_the_export_frontend():
     """transformers GPT-2 (2 layers, d=16, 8 x 16 tokens, float64, export frontend, one device): 2 MiB
     recomputes nothing, 1 MiB every block keeping some of its Conv1D and attention outputs; both equal

@@ -62,7 +62,7 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         peak_device = max(self.per_device, key=lambda d: sum(self.per_device[d].values()), default=None)
         return {
-            "layout": self.layout, "schedule": self.spec.schedule,
+            "name": self.spec.name, "layout": self.layout, "schedule": self.spec.schedule,
             "micro_batches": self.spec.micro_batches if self.spec.size("pp") > 1 else None,
             "checkpointing": self.spec.checkpoint_keyword(), "predicted_peak_bytes": self.peak,
             "predicted_peak_by_kind": dict(self.per_device[peak_device]) if peak_device else {},

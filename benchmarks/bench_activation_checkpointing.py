@@ -2,7 +2,10 @@
 the pass's region choices and save rules against torchtitan's selective rule (recompute every second
 matmul of each block), all as ratios against the run without checkpointing, measured in the same run.
 
-    PYTHONPATH=. python benchmarks/bench_activation_checkpointing.py [--json]
+    PYTHONPATH=. python benchmarks/bench_activation_checkpointing.py [--json] [--auto]
+
+``--auto``: only ``activation_checkpointing="auto"`` at three budgets (predicted against measured peak,
+recomputed FLOPs against recomputing every block; ``results/activation_checkpointing_auto.json``).
 
 - peak: the peak bytes allocated during one training step (forward + backward), each new storage
   counted until it is freed (a TorchDispatchMode, as ``dpcompile.measure`` counts virtual devices);
@@ -241,15 +244,52 @@ def step_figures(module: nn.Module, x: torch.Tensor) -> dict[str, float]:
     return {"peak_bytes": peak.peak, "flops": flops.get_total_flops()}
 
 
+def auto_section(model: nn.Module, x: torch.Tensor, write: bool) -> None:
+    """``activation_checkpointing="auto"`` with ``memory_per_device=`` at a loose, a medium and a tight
+    budget (fractions of the peak without checkpointing, predicted): the planner's predicted peak of its
+    choice against the measured one (``dpcompile.measure``), and the recomputed FLOPs (the step's
+    minus the step's without checkpointing) against recomputing every block (``True``)."""
+    import os
+
+    os.environ.setdefault("DPCOMPILE_CALIBRATION", "off")
+    base = step_figures(dpcompile.transform(copy.deepcopy(model), ["cpu"]), x)
+    every = step_figures(dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing=True), x)
+    probe = dpcompile.transform(copy.deepcopy(model), ["cpu"], memory_per_device="1TiB",
+                                activation_checkpointing="auto", example_inputs=(x,))  # fmt: skip
+    nothing = probe.candidates[0].peak
+    rows = {}
+    print(f"{'budget':>12s} {'chosen':40s} {'predicted':>11s} {'measured':>11s} {'meas/pred':>9s} "
+          f"{'recomputed/every block':>23s}")  # fmt: skip
+    for fraction in (0.9, 0.6, 0.45):
+        budget = int(nothing * fraction)
+        pm = dpcompile.transform(copy.deepcopy(model), ["cpu"], memory_per_device=budget,
+                                 activation_checkpointing="auto", example_inputs=(x,))  # fmt: skip
+        chosen = next(c for c in pm.candidates if c.rejected is None)
+        measured = max(dpcompile.measure(pm, x).peak_bytes.values())
+        figures = step_figures(pm, x)
+        recomputed = (figures["flops"] - base["flops"]) / (every["flops"] - base["flops"])
+        rows[f"{fraction:.2f}"] = {"budget": budget, "chosen": chosen.spec.name, "predicted_peak": chosen.peak,
+                                   "measured_peak": measured, "measured_over_predicted": measured / chosen.peak,
+                                   "recomputed_vs_every_block": recomputed, "tried": len(pm.candidates)}  # fmt: skip
+        print(f"{budget:>12,d} {chosen.spec.name:40s} {chosen.peak:>11,d} {measured:>11,d} "
+              f"{measured / chosen.peak:>9.3f} {recomputed:>23.3f}")  # fmt: skip
+    if write:
+        (RESULTS / "activation_checkpointing_auto.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true", help="write benchmarks/results/activation_checkpointing.json")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--auto", action="store_true", help='only activation_checkpointing="auto" at three budgets')
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Stack()
     x = torch.randn(args.batch, args.seq, 64)
+    if args.auto:
+        auto_section(model, x, args.json)
+        return
     every = [f"layers.{i}" for i in range(12)]
 
     def kept(regions, save, budget=None):

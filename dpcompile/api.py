@@ -28,7 +28,7 @@ from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
 from dpcompile.modules.other_mode import OtherModePending
-from dpcompile.planned import check_layout_fits, planned_transform
+from dpcompile.planned import check_layout_fits, plan_checkpointing, planned_transform, size_byte_budget
 from dpcompile.planning import plan_for_memory
 from dpcompile.progress import reporting_steps
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
@@ -146,15 +146,23 @@ def transform(
             "memory_per_device= does not plan pipeline stages over a DeviceMesh yet: give pipeline= alone, or "
             "plan the layout in one process (a device list with memory_per_device=)"
         )
-    if memory_per_device is not None and (copies > 1 or pipeline is not None):  # a named layout: checked, not chosen
-        layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
+    layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
+    checkpoint_plan = None
+    if memory_per_device is not None and (copies > 1 or pipeline is not None or activation_checkpointing == "auto"):
         all_devices = target.canonical_devices() if target is not None else parse_devices(devices)
         spec = LayoutSpec(tuple((k, layout[k]) for k in ("pp", "dp", "tp") if layout.get(k, 1) > 1),
                           schedule if pipeline is not None else None, per_copy or micro_batches,
-                          activation_checkpointing not in (False, None))  # fmt: skip
-        estimate = check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
-                                      _example_tuple(example_inputs), example_kwargs)  # fmt: skip
+                          activation_checkpointing not in (False, None, "auto"))  # fmt: skip
+        if activation_checkpointing == "auto":  # the layout as named; what to recompute chosen to fit
+            checkpoint_plan = plan_checkpointing(model, all_devices, spec, memory_per_device, optimizer, training,
+                                                 _example_tuple(example_inputs), example_kwargs)  # fmt: skip
+            activation_checkpointing, estimate = checkpoint_plan.keyword, checkpoint_plan.estimate
+        else:  # a named layout: checked, not chosen
+            estimate = check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
+                                          _example_tuple(example_inputs), example_kwargs)  # fmt: skip
         memory_per_device = None  # the layout is the user's: nothing left to choose
+    activation_checkpointing = size_byte_budget(model, activation_checkpointing, layout, per_copy or micro_batches,
+                                                _example_tuple(example_inputs), example_kwargs, training)  # fmt: skip
     recipe_options = {
         "frontend": frontend, "batch_dim": batch_dim, "output_device": output_device, "leaf_modules": leaf_modules,
         "copy_replicas": copy_replicas, "ddp_options": ddp_options, "pipeline": pipeline,
@@ -216,6 +224,9 @@ def transform(
         pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:
         pm.strategies["activation_checkpointing"] = checkpoint_words(recipe.checkpoint_save, recipe.checkpointed, pm)
+    if checkpoint_plan is not None:
+        pm.candidates, pm.calibration = checkpoint_plan.planned.candidates, checkpoint_plan.planned.calibration
+        pm.strategies["activation_checkpointing"] = checkpoint_plan.words(pm)
     return pm
 
 

@@ -8,23 +8,26 @@ into a built program (``transform`` hands itself in as ``build``: this module si
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.layout_costs import LayoutSpec
-from dpcompile.analysis.memory import format_budget_up
+from dpcompile.analysis.layout_costs import LayoutSpec, batch_share
+from dpcompile.analysis.memory import format_budget_up, format_bytes
+from dpcompile.analysis.model_profile import profile_model
 from dpcompile.capture import check_examples, check_signature
 from dpcompile.devices import Devices, parse_devices
 from dpcompile.errors import DpCompileError
 from dpcompile.mesh import is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.planned_mesh import planned_mesh_transform
-from dpcompile.planner import UNBUILT, plan_layouts
+from dpcompile.planner import UNBUILT, Candidate, Planned, plan_layouts
 from dpcompile.planning import device_budgets
 
-__all__ = ["LAYOUT_DEFAULTS", "check_layout_fits", "planned_transform"]
+__all__ = ["LAYOUT_DEFAULTS", "CheckpointPlan", "check_layout_fits", "plan_checkpointing", "planned_transform",
+           "size_byte_budget"]
 
 #: keywords that name a layout: plan="auto" chooses them
 LAYOUT_DEFAULTS = {"tensor_parallel": False, "pipeline": None, "mesh": None, "micro_batches": 1, "schedule": "gpipe",
@@ -36,7 +39,9 @@ def planned_transform(
 ) -> ParallelModule:
     """``plan="auto"``: every layout predicted (``dpcompile.planner``), the fastest that fits built
     (by ``build``, ``transform`` itself, with the candidate's keywords)."""
-    given = [f"{k}={arguments[k]!r}" for k, v in LAYOUT_DEFAULTS.items() if arguments[k] != v and arguments[k] is not None]
+    auto_checkpointing = arguments["activation_checkpointing"] == "auto"
+    given = [f"{k}={arguments[k]!r}" for k, v in LAYOUT_DEFAULTS.items()
+             if arguments[k] != v and arguments[k] is not None and not (k == "activation_checkpointing" and auto_checkpointing)]  # fmt: skip
     if given:
         raise ValueError(f'plan="auto" chooses the layout itself: leave {", ".join(given)} out, or leave plan= out')
     if arguments["memory_per_device"] is None:
@@ -54,7 +59,7 @@ def planned_transform(
     optimizer, training = arguments["optimizer"], arguments["training"]
     planned = plan_layouts(
         model, parsed.labels(), budgets, optimizer=optimizer, training=training, example_inputs=example_tuple,
-        example_kwargs=arguments["example_kwargs"], device=parsed.primary,
+        example_kwargs=arguments["example_kwargs"], device=parsed.primary, auto_checkpointing=auto_checkpointing,
     )  # fmt: skip
     for candidate in planned.fitting:
         options = {**arguments, **candidate.keywords(), "memory_per_device": None}
@@ -70,6 +75,9 @@ def planned_transform(
         pm.memory_plan = planned.estimate(candidate, optimizer, training)
         pm.candidates = planned.candidates
         pm.calibration = planned.calibration
+        if auto_checkpointing:
+            pm.strategies["activation_checkpointing"] = _chosen_words(pm, candidate, budgets, len(planned.candidates),
+                                                                      "the fastest predicted")  # fmt: skip
         return pm
     raise planned.no_fit_error(len(parsed.labels()))
 
@@ -99,3 +107,85 @@ def check_layout_fits(
             "another layout (plan='auto' with memory_per_device= chooses one), a lighter optimizer or a smaller batch"
         )
     return planned.estimate(candidate, optimizer, training)
+
+
+@dataclass
+class CheckpointPlan:
+    """``activation_checkpointing="auto"`` decided for a named layout: the keyword to build with,
+    the chosen candidate's prediction, and every candidate tried (``explain(pm, x).candidates``)."""
+
+    keyword: Any
+    estimate: Any
+    planned: Planned
+    chosen: Candidate
+
+    def words(self, pm: nn.Module) -> str:
+        """``pm.strategies["activation_checkpointing"]``: what was chosen and why."""
+        return _chosen_words(pm, self.chosen, self.planned.budgets, len(self.planned.candidates))
+
+
+def _chosen_words(pm: nn.Module, chosen: Candidate, budgets: Mapping[str, int], tried: int,
+                  which: str = "the least recomputed") -> str:  # fmt: skip
+    what = pm.strategies.get("activation_checkpointing", "nothing recomputed")
+    return (f"{what} (activation_checkpointing='auto': predicted peak {format_bytes(chosen.peak)} per device <= "
+            f"memory_per_device={format_bytes(min(budgets.values()))}, {which} of {tried} predicted; "
+            "explain(pm, x).candidates)")  # fmt: skip
+
+
+def plan_checkpointing(
+    model: nn.Module, devices: Devices, spec: LayoutSpec, memory_per_device: Any, optimizer: str | None,
+    training: bool, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None,
+) -> CheckpointPlan:  # fmt: skip
+    """``activation_checkpointing="auto"`` on the layout ``spec``: the first of
+    :func:`~dpcompile.planner.checkpoint_ladder` (nothing; every block keeping at most decreasing
+    byte budgets; every block keeping nothing) whose predicted peak fits every device's budget; a
+    ``DpCompileError`` naming the smallest predicted peak and what to change where none does."""
+    if example_tuple is None and not example_kwargs:
+        raise ValueError('activation_checkpointing="auto" predicts each choice\'s peak from a fake run: give '
+                         "example_inputs= (or example_kwargs=)")  # fmt: skip
+    if not isinstance(model, fx.GraphModule):
+        check_signature(model)
+    check_examples(model, example_tuple, example_kwargs)
+    budgets = device_budgets(devices, memory_per_device)
+    planned = plan_layouts(model, devices.labels(), budgets, optimizer=optimizer, training=training,
+                           example_inputs=example_tuple, example_kwargs=example_kwargs, device=devices.primary,
+                           specs=[spec], auto_checkpointing=True)  # fmt: skip
+    chosen = next((c for c in planned.candidates if c.fits), None)
+    if chosen is None:
+        predicted = [c for c in planned.candidates if c.per_device]
+        least = min(reversed(predicted), key=lambda c: c.peak, default=None)  # ties: the one keeping the least
+        if least is None:
+            raise DpCompileError(f"activation_checkpointing='auto': the layout {spec.name} cannot be built: "
+                                 + "; ".join(str(c.rejected) for c in planned.candidates))  # fmt: skip
+        device = max(least.per_device, key=lambda d: sum(least.per_device[d].values()))
+        terms = " + ".join(f"{format_bytes(v)} {k}" for k, v in least.per_device[device].items())
+        raise DpCompileError(
+            f"activation_checkpointing='auto': no choice of what to recompute fits memory_per_device="
+            f"{format_bytes(min(budgets.values()))} on {spec.name.split(' ')[0]}: of the {len(planned.candidates)} "
+            f"predicted, the smallest peak is {format_bytes(least.peak)} per device ({least.spec.name}: {terms} on "
+            f"{device}). The way out: a budget of at least {format_budget_up(least.peak)} ({least.peak} bytes), more "
+            "devices, plan='auto' (pipeline stages), a lighter optimizer or a smaller batch"
+        )
+    planned.choose(chosen, f"fits, but recomputes more than {chosen.spec.name}")
+    return CheckpointPlan(chosen.spec.checkpoint_keyword(), planned.estimate(chosen, optimizer, training), planned,
+                          chosen)  # fmt: skip
+
+
+def size_byte_budget(
+    model: nn.Module, activation_checkpointing: Any, layout: Mapping[str, int], micro_batches: int,
+    example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, training: bool,
+) -> Any:  # fmt: skip
+    """``{"save": "auto", "budget_bytes": n}`` with ``"row_bytes"``, the bytes of one value per row
+    (token) of a repeated block on the busiest device, from a fake run of the examples (``ValueError``
+    without them); any other ``activation_checkpointing=`` as given."""
+    spec = activation_checkpointing
+    if not isinstance(spec, Mapping) or "budget_bytes" not in spec or spec.get("row_bytes") is not None:
+        return spec
+    if example_tuple is None and not example_kwargs:
+        raise ValueError("activation_checkpointing 'budget_bytes' counts the bytes of a region's outputs, which "
+                         "the examples size: give example_inputs= (or example_kwargs=), or 'row_bytes' (the bytes "
+                         "one value per token takes on a device)")  # fmt: skip
+    profile = profile_model(model, example_tuple or (), example_kwargs, optimizer=None, training=training)
+    row = max((u.row_bytes for u in profile.blocks or profile.units), default=0)
+    share = batch_share(profile.batch, layout.get("dp", 1)) / micro_batches
+    return {**spec, "row_bytes": row * share or 1}

@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
-from dpcompile.analysis.layout_costs import LayoutSpec, predict
+from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels, predict
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
-from dpcompile.analysis.model_profile import profile_model
+from dpcompile.analysis.model_profile import ModelProfile, profile_model
 from dpcompile.errors import DpCompileError
 
-__all__ = ["UNBUILT", "Candidate", "Planned", "enumerate_layouts", "plan_layouts", "plan_mesh_layouts"]
+__all__ = ["UNBUILT", "Candidate", "Planned", "checkpoint_ladder", "enumerate_layouts", "plan_layouts", "plan_mesh_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
 UNBUILT = "predicted to fit, but could not be built: "
@@ -52,7 +52,7 @@ class Candidate:
     def keywords(self) -> dict[str, Any]:
         """The ``transform`` keywords that build this layout in one process."""
         spec = self.spec
-        out: dict[str, Any] = {"activation_checkpointing": spec.checkpointing}
+        out: dict[str, Any] = {"activation_checkpointing": spec.checkpoint_keyword()}
         if spec.size("tp") > 1:
             out["tensor_parallel"] = True
         if spec.size("pp") > 1:
@@ -62,9 +62,9 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         peak_device = max(self.per_device, key=lambda d: sum(self.per_device[d].values()), default=None)
         return {
-            "layout": self.layout, "schedule": self.spec.schedule,
+            "name": self.spec.name, "layout": self.layout, "schedule": self.spec.schedule,
             "micro_batches": self.spec.micro_batches if self.spec.size("pp") > 1 else None,
-            "checkpointing": self.spec.checkpointing, "predicted_peak_bytes": self.peak,
+            "checkpointing": self.spec.checkpoint_keyword(), "predicted_peak_bytes": self.peak,
             "predicted_peak_by_kind": dict(self.per_device[peak_device]) if peak_device else {},
             "predicted_step_time": self.step_time, "fits": self.fits, "rejected": self.rejected,
         }  # fmt: skip
@@ -87,12 +87,12 @@ class Planned:
     def fitting(self) -> list[Candidate]:
         return sorted((c for c in self.candidates if c.fits), key=lambda c: (c.step_time, c.peak))
 
-    def choose(self, chosen: Candidate) -> None:
-        """Mark ``chosen``; every other fitting candidate is rejected as slower (or unbuilt)."""
+    def choose(self, chosen: Candidate, why: str | None = None) -> None:
+        """Mark ``chosen``; every other fitting candidate is rejected as slower (or unbuilt), or ``why``."""
         chosen.rejected = None
         for c in self.candidates:
             if c is not chosen and c.fits and c.rejected is None:
-                c.rejected = f"fits, but predicted slower than {chosen.spec.name} ({chosen.step_time * 1e3:.3f} ms)"
+                c.rejected = why or f"fits, but predicted slower than {chosen.spec.name} ({chosen.step_time * 1e3:.3f} ms)"
 
     def estimate(self, chosen: Candidate, optimizer: str | None, training: bool) -> MemoryEstimate:
         what = "planner: saved for backward per device (fake run)" if training else "planner: fake run"
@@ -136,19 +136,51 @@ def enumerate_layouts(n: int, *, batch: int | None, blocks: bool) -> list[Layout
     return out
 
 
+def checkpoint_ladder(profile: ModelProfile, spec: LayoutSpec) -> list[LayoutSpec]:
+    """``activation_checkpointing="auto"``'s choices for ``spec``'s layout, least recomputed first:
+    nothing; every repeated block keeping (the ``"auto"`` save rule) at most each byte budget at which
+    it keeps something else, from the most kept down; every block keeping nothing."""
+    plain = LayoutSpec(spec.layout, spec.schedule, spec.micro_batches, False)
+    if not profile.blocks or not profile.training:
+        return [plain]
+    share = batch_share(profile.batch, spec.size("dp")) / spec.micro_batches
+    row = next((u.row_bytes for u in profile.blocks if u.row_bytes), 0) * share
+    saving = [LayoutSpec(spec.layout, spec.schedule, spec.micro_batches, True, level, row)
+              for level in kept_levels(profile.units, share)] if row else []  # fmt: skip
+    return [plain, *saving, LayoutSpec(spec.layout, spec.schedule, spec.micro_batches, True)]
+
+
+#: a block's activation gradients alive in its backward, in units of its input: what the sweep leaves
+#: out (measured 3.3-4 on a pre-norm transformer block); counted where activation_checkpointing="auto" chooses
+GRADIENT_TRANSIENT = 4
+
+
+def _add_gradient_transient(candidate: Candidate, profile: ModelProfile) -> None:
+    """``GRADIENT_TRANSIENT`` block inputs (the device's share) more activations on every device."""
+    spec = candidate.spec
+    share = batch_share(profile.batch, spec.size("dp")) / spec.micro_batches
+    extra = round(GRADIENT_TRANSIENT * max((u.input_bytes for u in profile.blocks), default=0) * share)
+    for kinds in candidate.per_device.values():
+        kinds["activations"] += extra
+
+
 def plan_layouts(
     model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
     example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None, device: torch.device,
     specs: Sequence[LayoutSpec] | None = None, calibration: Calibration | None = None,
+    auto_checkpointing: bool = False,
 ) -> Planned:  # fmt: skip
     """Every layout of :func:`enumerate_layouts` (or ``specs``: the layout the user named, its
     devices ``labels`` in canonical order pp, dp, tp) predicted and judged against ``budgets``, with
-    ``calibration``'s constants (default: ``device``'s)."""
+    ``calibration``'s constants (default: ``device``'s); ``auto_checkpointing``: each layout with
+    every choice of :func:`checkpoint_ladder` instead of with and without checkpointing."""
     profile = profile_model(model, tuple(example_inputs or ()), example_kwargs, optimizer=optimizer, training=training)
     calibration = calibration or calibrate(device)
     candidates = []
     if specs is None:
         specs = enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks))
+    if auto_checkpointing:
+        specs = [s for spec in specs if not spec.checkpointing for s in checkpoint_ladder(profile, spec)]
     for spec in specs:
         prediction = predict(profile, spec, calibration)
         candidate = Candidate(spec)
@@ -156,6 +188,8 @@ def plan_layouts(
             candidate.rejected = f"cannot be built: {prediction.unbuildable}"
         else:
             candidate.per_device = dict(zip(labels, prediction.per_device, strict=True))
+            if auto_checkpointing and training:
+                _add_gradient_transient(candidate, profile)
             candidate.step_time = prediction.step_time
             over = [d for d, kinds in candidate.per_device.items() if sum(kinds.values()) > budgets[d]]
             candidate.fits = not over

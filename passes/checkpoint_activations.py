@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.analysis.checkpoint_regions import parse_save_rule
+from dpcompile.analysis.checkpoint_regions import byte_budget, parse_save_rule
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module, writes
 from dpcompile.infra import PassResult, module_path_of, stamp
 from dpcompile.runtime import checkpoint, join_tiles, keep_outputs, random_draws, token_tiles
-from passes.checkpoint_budget import kept_for_rule, kept_over_regions
+from passes.checkpoint_budget import kept_for_rule, kept_over_regions, kept_within_bytes
 from passes.checkpoint_tiles import tiled_input, why_not_per_token
 
 PASS = "checkpoint_activations"
@@ -304,9 +304,11 @@ def _kept_by_region(gm: fx.GraphModule, regions: list[CheckpointRegion], rule: s
     by_device: dict[tuple[object, object], list[CheckpointRegion]] = {}
     for region in regions:
         by_device.setdefault(_device_of(region), []).append(region)
-    budget = float(rule.removeprefix("auto:"))
     for group in by_device.values():
-        for region, kept in zip(group, kept_over_regions(gm, [r.nodes for r in group], budget), strict=True):
+        nodes = [r.nodes for r in group]
+        chosen = (kept_within_bytes(gm, nodes, rule) if byte_budget(rule)
+                  else kept_over_regions(gm, nodes, float(rule.removeprefix("auto:"))))  # fmt: skip
+        for region, kept in zip(group, chosen, strict=True):
             region.kept = kept
 
 

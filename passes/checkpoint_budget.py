@@ -25,14 +25,17 @@ After::
 from __future__ import annotations
 
 import operator
+import re
 import statistics
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
+from dpcompile.analysis.checkpoint_regions import byte_budget
+from dpcompile.analysis.save_choice import SaveCandidate, choose_saves, choose_within
+from dpcompile.errors import DpCompileError
 from passes.checkpoint_saves import (
     is_attention,
     is_matmul,
@@ -42,19 +45,6 @@ from passes.checkpoint_saves import (
     passes_through,
     read_in_backward,
 )
-
-_MAX_STATES = 200_000  # the knapsack's reachable widths; past this a greedy choice by FLOPs per value
-
-
-@dataclass(frozen=True)
-class SaveCandidate:
-    """A node whose output a region may keep: ``width`` values kept, ``flops`` spared (per row, or
-    in all where the capture recorded its tensors); ``attention`` ones are kept first."""
-
-    node: fx.Node
-    width: float
-    flops: float
-    attention: bool
 
 
 def _sizes(module: nn.Module | None) -> tuple[int, int] | None:
@@ -111,13 +101,13 @@ def _priced_by_value(node: fx.Node) -> tuple[int, int] | None:
     return out.numel(), int(formula(*args, out_val=node.meta["val"], **kwargs))
 
 
-def save_candidates(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[SaveCandidate]:
+def save_candidates(gm: fx.GraphModule, nodes: list[fx.Node], per_row: bool = False) -> list[SaveCandidate]:
     """The region's matmul and attention nodes backward reads the output of, priced by their
-    recorded tensors where every one has them, else per row by their modules."""
+    recorded tensors where every one has them (unless ``per_row``), else per row by their modules."""
     needed = read_in_backward(nodes)
     chosen = [n for n in nodes if n in needed and (is_attention(n) or is_matmul(gm, n))]
-    priced = [_priced_by_value(n) for n in chosen]
-    if chosen and all(priced):
+    priced = [] if per_row else [_priced_by_value(n) for n in chosen]
+    if chosen and priced and all(priced):
         return [SaveCandidate(n, float(w), float(f), is_attention(n))
                 for n, (w, f) in zip(chosen, priced, strict=True)]  # type: ignore[misc]  # fmt: skip
     found: list[tuple[fx.Node, int | None, int | None, bool]] = []
@@ -137,48 +127,6 @@ def save_candidates(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[SaveCandid
     return [SaveCandidate(node, width or unit_width, f or unit_flops, attention) for node, width, f, attention in found]
 
 
-def choose_saves(candidates: list[SaveCandidate], budget: float) -> list[SaveCandidate]:
-    """The candidates to keep: attention first, then the matmuls sparing the most FLOPs, within
-    ``budget`` (a fraction, 0 to 1) of the width of all candidates; ties keep fewer values, then
-    earlier nodes. In graph order."""
-    capacity = budget * sum(c.width for c in candidates) + 1e-9
-    kept: list[SaveCandidate] = []
-    for c in candidates:
-        if c.attention and c.width <= capacity:
-            kept.append(c)
-            capacity -= c.width
-    rest = [c for c in candidates if not c.attention]
-    best = _knapsack(rest, capacity)
-    kept += [rest[i] for i in best]
-    order = {c.node: i for i, c in enumerate(candidates)}
-    return sorted(kept, key=lambda c: order[c.node])
-
-
-def _knapsack(items: list[SaveCandidate], capacity: float) -> tuple[int, ...]:
-    """Indices of ``items`` of the most FLOPs with widths summing to at most ``capacity`` (exact)."""
-    states: dict[float, tuple[float, tuple[int, ...]]] = {0.0: (0.0, ())}  # width used -> (flops, chosen)
-    for i, item in enumerate(items):
-        for used, (flops, chosen) in list(states.items()):
-            total = used + item.width
-            if total > capacity:
-                continue
-            candidate = (flops + item.flops, (*chosen, i))
-            if total not in states or candidate[0] > states[total][0]:
-                states[total] = candidate
-        if len(states) > _MAX_STATES:
-            return _greedy(items, capacity)
-    return max(states.items(), key=lambda s: (s[1][0], -s[0], [-i for i in s[1][1]]))[1][1]
-
-
-def _greedy(items: list[SaveCandidate], capacity: float) -> tuple[int, ...]:
-    chosen: list[int] = []
-    for i in sorted(range(len(items)), key=lambda i: -items[i].flops / items[i].width):
-        if items[i].width <= capacity:
-            chosen.append(i)
-            capacity -= items[i].width
-    return tuple(sorted(chosen))
-
-
 def kept_under_budget(gm: fx.GraphModule, nodes: list[fx.Node], budget: float) -> list[fx.Node]:
     """The nodes of a region that keep their outputs under the ``"auto"`` rule at ``budget``."""
     return [c.node for c in choose_saves(save_candidates(gm, nodes), budget)]
@@ -195,12 +143,45 @@ def kept_over_regions(gm: fx.GraphModule, regions: list[list[fx.Node]], budget: 
     return [[c.node for c in candidates if c.node in chosen] for candidates in found]
 
 
+_PLACE = re.compile(r"_(dev\d+|mb\d+)$")
+
+
+def _capacity(rule: str) -> float:
+    """A byte budget's values per row: ``"auto:bytes=4096/row=128"`` keeps up to 32 values a row."""
+    size, row = byte_budget(rule)  # type: ignore[misc]
+    if row is None:
+        raise DpCompileError(
+            "activation_checkpointing 'budget_bytes' needs the bytes one value per row (a token) takes on a device: "
+            "give transform example_inputs= (it sizes them from a fake run), or 'row_bytes' in the dict"
+        )
+    return size / row
+
+
+def kept_within_bytes(gm: fx.GraphModule, regions: list[list[fx.Node]], rule: str) -> list[list[fx.Node]]:
+    """The kept nodes of each region under a byte budget (``"auto:bytes=n/row=r"``): the candidates
+    of each device (node name suffix ``_dev1``, ``_mb0``: a region may span the replicas of data
+    parallelism) chosen within ``n`` bytes, priced per row; ``regions`` share one budget per device
+    (``"budget_over": "device"``) or are each given one."""
+    capacity = _capacity(rule)
+    found = [save_candidates(gm, nodes, per_row=True) for nodes in regions]
+    by_place: dict[str | None, list[SaveCandidate]] = {}
+    for candidates in reversed(found):  # ties go to later regions (see kept_over_regions)
+        for c in candidates:
+            match = _PLACE.search(c.node.name)  # type: ignore[attr-defined]
+            by_place.setdefault(match.group(0) if match else None, []).append(c)
+    chosen = {c.node for group in by_place.values() for c in choose_within(group, capacity)}
+    return [[c.node for c in candidates if c.node in chosen] for candidates in found]
+
+
 def kept_for_rule(gm: fx.GraphModule, nodes: list[fx.Node], rule: str) -> list[fx.Node]:
-    """The nodes of a region that keep their outputs under any save rule: ``"auto:<budget>"`` here,
-    the fixed rules in ``passes.checkpoint_saves``."""
+    """The nodes of a region that keep their outputs under any save rule: ``"auto:<budget>"`` and
+    ``"auto:bytes=..."`` here, the fixed rules in ``passes.checkpoint_saves``."""
+    if byte_budget(rule):
+        return kept_within_bytes(gm, [nodes], rule)[0]
     if rule.startswith("auto:"):
         return kept_under_budget(gm, nodes, float(rule.removeprefix("auto:")))
     return kept_nodes(gm, nodes, rule)
 
 
-__all__ = ["SaveCandidate", "choose_saves", "kept_for_rule", "kept_over_regions", "kept_under_budget", "save_candidates"]
+__all__ = ["SaveCandidate", "choose_saves", "kept_for_rule", "kept_over_regions", "kept_under_budget", "kept_within_bytes",
+           "save_candidates"]

@@ -18,7 +18,7 @@ from dpcompile.errors import DpCompileError
 
 #: what a recomputed region keeps for backward (``passes.checkpoint_saves``)
 SAVE_RULES = ("nothing", "matmuls", "every_second_matmul", "auto")
-_SPEC_KEYS = {"regions", "save", "budget", "budget_over", "tiles"}
+_SPEC_KEYS = {"regions", "save", "budget", "budget_bytes", "row_bytes", "budget_over", "tiles"}
 #: ``"budget_over"``: one knapsack per region (the same fraction in each), or over all of a device's regions
 BUDGET_SCOPES = ("region", "device")
 #: ``"auto"`` without ``budget``: keep half of what ``"matmuls"`` keeps, chosen to recompute the fewest FLOPs
@@ -43,9 +43,11 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
             f"activation_checkpointing 'save': {rule!r} is not a rule; one of {list(SAVE_RULES)} ('matmuls': "
             "matmul and attention outputs kept, norms, activations and elementwise ops recomputed)"
         )
-    if rule == "auto":
+    if rule == "auto" and "budget_bytes" in activation_checkpointing:
+        rule = _byte_rule(activation_checkpointing)
+    elif rule == "auto":
         rule = f"auto:{_budget(activation_checkpointing.get('budget', DEFAULT_BUDGET))}"
-    elif "budget" in activation_checkpointing:
+    elif "budget" in activation_checkpointing or "budget_bytes" in activation_checkpointing:
         raise ValueError(
             f"activation_checkpointing 'budget' goes with 'save': 'auto' (the rule that chooses what to keep "
             f"within it), not with {rule!r}: give {{'save': 'auto', 'budget': ...}} or drop 'budget'"
@@ -89,6 +91,43 @@ def parse_save_rule(rule: str) -> tuple[str, bool, int]:
     return rule, scope == "device", int(tiles) if tiles else 1
 
 
+def parse_bytes(size: Any, what: str) -> int:
+    """``40960``, ``"40KiB"``, ``"1.5 MB"``: bytes, 0 allowed (``ValueError`` saying what to give)."""
+    from dpcompile.analysis.memory import parse_budget
+
+    if isinstance(size, int) and not isinstance(size, bool) and size == 0:
+        return 0
+    try:
+        return parse_budget(size)
+    except ValueError:
+        raise ValueError(f"activation_checkpointing {what!r}: {size!r}; give bytes (an int, 0 or more) or a size "
+                         "such as '40MiB'") from None  # fmt: skip
+
+
+def _byte_rule(spec: dict[str, Any]) -> str:
+    """``{"save": "auto", "budget_bytes": n}`` as ``"auto:bytes=n"``, with ``/row=r`` where the bytes
+    of one value per row (a token) on a device are known (``"row_bytes"``, which ``transform`` sets
+    from ``example_inputs=``)."""
+    if "budget" in spec:
+        raise ValueError("activation_checkpointing: give 'budget' (a fraction) or 'budget_bytes' (bytes), not both")
+    rule = f"auto:bytes={parse_bytes(spec['budget_bytes'], 'budget_bytes')}"
+    if spec.get("row_bytes") is not None:
+        row = spec["row_bytes"]
+        if isinstance(row, bool) or not isinstance(row, (int, float)) or row <= 0:
+            raise ValueError(f"activation_checkpointing 'row_bytes': {row!r}; give the bytes one value per row "
+                             "(token) takes on a device, or leave it out and give example_inputs=")  # fmt: skip
+        rule += f"/row={row}"
+    return rule
+
+
+def byte_budget(rule: str) -> tuple[int, float | None] | None:
+    """``"auto:bytes=4096/row=128"`` -> ``(4096, 128.0)``; None for a rule without a byte budget."""
+    if not rule.startswith("auto:bytes="):
+        return None
+    size, _, row = rule.removeprefix("auto:bytes=").partition("/row=")
+    return int(size), float(row) if row else None
+
+
 def _budget(budget: Any) -> float:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
         raise ValueError(
@@ -110,8 +149,12 @@ def _save_words(rule: str) -> str:
     and ``";tiles=4"`` (``parse_save_rule``) add theirs."""
     rule, over_device, tiles = parse_save_rule(rule)
     if rule.startswith("auto:"):
+        from dpcompile.analysis.memory import format_bytes
+
         scope = " of each device's regions" if over_device else ""
-        words = f"the matmul and attention outputs sparing the most FLOPs within budget {rule.removeprefix('auto:')}{scope}"
+        sized = byte_budget(rule)
+        budget = f"{format_bytes(sized[0])} per region and device" if sized else f"budget {rule.removeprefix('auto:')}"
+        words = f"the matmul and attention outputs sparing the most FLOPs within {budget}{scope}"
     else:
         words = rule.replace("_", " ")
     return words + (f"; per-token regions in {tiles} token tiles" if tiles > 1 else "")
@@ -181,4 +224,4 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     return paths
 
 
-__all__ = ["BUDGET_SCOPES", "DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_words", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]
+__all__ = ["BUDGET_SCOPES", "byte_budget", "parse_bytes", "DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_words", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]

@@ -22,15 +22,18 @@ the step's seconds:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dpcompile.analysis.calibration import Calibration
-from dpcompile.analysis.memory import KINDS
+from dpcompile.analysis.memory import KINDS, format_bytes
 from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
+from dpcompile.analysis.save_choice import kept_width
 from dpcompile.analysis.step_time import step_seconds
 
-__all__ = ["LayoutSpec", "Prediction", "cut_units", "predict"]
+__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "predict"]
 
 
 @dataclass(frozen=True)
@@ -39,15 +42,24 @@ class LayoutSpec:
     schedule: str | None = None  # a pipeline's: "gpipe" | "1f1b"
     micro_batches: int = 1
     checkpointing: bool = False
+    save_bytes: int | None = None  # checkpointed blocks keep (the "auto" rule) at most this per block and device
+    row_bytes: float | None = None  # the bytes of one value per row (token) of a block on a device
 
     def size(self, dim: str) -> int:
         return dict(self.layout).get(dim, 1)
 
     @property
     def name(self) -> str:
-        dims = "x".join(f"{k}{v}" for k, v in self.layout)
+        dims = "x".join(f"{k}{v}" for k, v in self.layout) or "1 device"
         pipe = f" {self.schedule} mb{self.micro_batches}" if self.size("pp") > 1 else ""
-        return f"{dims}{pipe}{' +ckpt' if self.checkpointing else ''}"
+        keep = f" keep<={format_bytes(self.save_bytes)}" if self.checkpointing and self.save_bytes is not None else ""
+        return f"{dims}{pipe}{' +ckpt' if self.checkpointing else ''}{keep}"
+
+    def checkpoint_keyword(self) -> Any:
+        """``activation_checkpointing=`` for this spec: False, True, or the blocks keeping ``save_bytes``."""
+        if not self.checkpointing or self.save_bytes is None:
+            return self.checkpointing
+        return {"regions": True, "save": "auto", "budget_bytes": self.save_bytes, "row_bytes": self.row_bytes}
 
 
 @dataclass(frozen=True)
@@ -123,7 +135,7 @@ def _saved(u: Unit, t: int, follower: bool) -> int:
 
 def _stage_memory(
     units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool,
-    accumulates: bool, follower: bool = False,
+    accumulates: bool, follower: bool = False, kept_saves: Sequence[int] = (),
 ) -> dict[str, int]:  # fmt: skip
     """Bytes by kind at the predicted peak of a stage's device (see :func:`predict`).
 
@@ -136,11 +148,14 @@ def _stage_memory(
     over: measured) every activation and every gradient at once. Where gradients ``accumulate`` (a
     second micro-batch, the replicas of data parallelism), a unit's new gradient is made before it is
     added to the one held: one unit's gradient more. ``follower``: a tensor-parallel device other
-    than the first (:func:`_unit_state`, :func:`_saved`); a checkpointed block's input is kept on the first."""
+    than the first (:func:`_unit_state`, :func:`_saved`); a checkpointed block's input is kept on the first,
+    with ``kept_saves[i]``, what the ``"auto"`` save rule keeps of unit ``i`` (the whole batch's bytes)."""
     state = [_unit_state(u, t, follower) for u in units]
     params, optimizer = sum(x[0] for x in state), sum(x[2] for x in state)
     saved = [_saved(u, t, follower) for u in units]
-    kept = [(0 if follower else u.input_bytes) if checkpointing and u.block else saved[i] for i, u in enumerate(units)]
+    extra = list(kept_saves) or [0] * len(units)
+    kept = [(0 if follower else u.input_bytes + extra[i]) if checkpointing and u.block else saved[i]
+            for i, u in enumerate(units)]  # fmt: skip
     held_rest = round(sum(kept) * rest)
     grads = [x[1] for x in state]
     transient = max(grads, default=0) if accumulates and training else 0
@@ -158,11 +173,48 @@ def _stage_memory(
     return {"parameters": params, "gradients": gradients, "optimizer": optimizer, "activations": activations}
 
 
-def _batch_fraction(batch: int | None, d: int) -> float:
+def batch_share(batch: int | None, d: int) -> float:
     """The share of the batch the busiest of ``d`` data-parallel devices runs."""
     if d <= 1:
         return 1.0
     return -(-batch // d) / batch if batch else 1.0 / d
+
+
+def _kept_saves(units: Sequence[Unit], spec: LayoutSpec, share: float) -> tuple[list[int], float]:
+    """What each unit keeps under ``spec.save_bytes`` (its bytes over the whole batch: the
+    ``"auto"`` knapsack of ``passes.checkpoint_budget`` on the unit's options, the capacity a device's
+    share of the rows), and the fraction of the blocks' forward FLOPs recomputed (1: all)."""
+    if not spec.checkpointing:
+        return [0] * len(units), 0.0
+    if spec.save_bytes is None:
+        return [0] * len(units), 1.0
+    kept, spared = [], 0.0
+    for u in units:
+        if not (u.block and u.row_bytes and u.save_options):
+            kept.append(0)
+            continue
+        width, flops = kept_width(u.save_options, spec.save_bytes / (u.row_bytes * share))
+        kept.append(round(width * u.row_bytes))
+        spared += flops * u.rows
+    blocks = sum(u.flops for u in units if u.block) or 1
+    return kept, max(0.0, 1.0 - spared / blocks)
+
+
+def kept_levels(units: Sequence[Unit], share: float) -> list[int]:
+    """The byte budgets per block and device at which the ``"auto"`` rule keeps something else, from
+    the most kept down (each the bytes a block's choice then holds): the choices between keeping
+    every option and keeping nothing."""
+    levels: set[int] = set()
+    for u in units:
+        if not (u.block and u.row_bytes and u.save_options):
+            continue
+        sums = {0.0}
+        for option in u.save_options:
+            sums |= {w + option.width for w in sums}
+        for w in sums:
+            width, _ = kept_width(u.save_options, w)
+            levels.add(math.ceil(width * u.row_bytes * share))
+    return sorted(levels - {0}, reverse=True)
 
 
 def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -> Prediction:
@@ -182,13 +234,17 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         return Prediction([], 0.0, "1F1B runs each micro-batch's backward from the model's own mean loss, and "
                                    "forward returns none")  # fmt: skip
     per_device: list[dict[str, int]] = []
+    share = batch_share(profile.batch, d) / m
+    kept_saves, recomputed = _kept_saves(profile.units, spec, share)
+    at = 0
     for s, units in enumerate(stages):
         in_flight = (m if spec.schedule != "1f1b" else min(m, s_count - s)) if s_count > 1 else 1
-        share = _batch_fraction(profile.batch, d) / m
         kinds = [_stage_memory(units, t, checkpointing=spec.checkpointing and training, share=share,
                                rest=share * (in_flight - 1), training=training, sweep=s_count == 1,
-                               accumulates=m > 1 or d > 1, follower=rank > 0) for rank in range(min(t, 2))]  # fmt: skip
+                               accumulates=m > 1 or d > 1, follower=rank > 0,
+                               kept_saves=kept_saves[at:at + len(units)]) for rank in range(min(t, 2))]  # fmt: skip
+        at += len(units)
         per_device += [dict(kinds[min(r % t, 1)]) for r in range(d * t)]  # tp innermost: rank r is tp rank r % t
-    seconds = step_seconds(profile, dict(spec.layout), stages, m, spec.checkpointing, calibration)
+    seconds = step_seconds(profile, dict(spec.layout), stages, m, recomputed, calibration)
     assert all(set(k) == set(KINDS) for k in per_device)
     return Prediction(per_device, seconds)

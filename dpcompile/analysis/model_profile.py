@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from dpcompile.analysis.checkpoint_regions import repeated_blocks
 from dpcompile.analysis.memory import faker, optimizer_bytes
+from dpcompile.analysis.save_choice import SaveCandidate
 
 __all__ = ["ModelProfile", "ShardableWeight", "Unit", "profile_model"]
 
@@ -46,6 +48,10 @@ class Unit:
     op_bytes: int = 0  # bytes those ops write (what memory-bound ops take time over)
     linear_inputs: int = 0  # distinct inputs its shardable layers read (q, k, v: one)
     shardable: list[ShardableWeight] = field(default_factory=list)
+    # what the "auto" save rule may keep in it (a block), per row as the pass prices them
+    save_options: list[SaveCandidate] = field(default_factory=list)
+    rows: int = 0  # rows (tokens) of its first Linear's output over the whole batch
+    row_bytes: int = 0  # bytes of one value per row over the whole batch
 
 
 @dataclass(frozen=True)
@@ -228,6 +234,7 @@ def _profile(
         params = [p for p in (weight, getattr(module, "bias", None)) if isinstance(p, torch.Tensor)]
         size = sum(p.numel() * p.element_size() for p in params)
         out = sum(t.numel() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+        _record_save_option(units[state["current"]], module, weight, rows, output, save_keys)
         read = next((_key(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
         if read is None or (state["current"], read) not in inputs_seen:
             inputs_seen.add((state["current"], read))
@@ -239,6 +246,12 @@ def _profile(
         ))  # fmt: skip
 
     shardable_seen: set[int] = set()
+    save_keys: dict[int, torch.Tensor] = {}  # id(save option) -> its output, held: no other storage takes its key
+
+    def attention(value: torch.Tensor) -> None:
+        unit = units[state["current"]]
+        width = value.shape[1] * value.shape[-1] if value.dim() == 4 else value.shape[-1]  # heads x head width
+        unit.save_options.append(SaveCandidate(f"attention{len(unit.save_options)}", float(width), 0.0, True))
     inside_linear = [0]  # Linear / Conv1D / Embedding forwards running
     handles = []
     for _, m, _ in units_of:
@@ -259,7 +272,7 @@ def _profile(
 
     grad = torch.enable_grad() if training else torch.no_grad()
     try:
-        with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpCounter(flops_at):
+        with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpCounter(flops_at, attention):
             out = functional_call(model, named, tuple(fake_args), fake_kwargs)
             _close(units[state["current"]], counter, flops_at)
     finally:
@@ -269,6 +282,8 @@ def _profile(
     for unit, size, in_linear in saved.values():
         units[unit].saved_bytes += size
         units[unit].split_saved_bytes += size if in_linear else 0
+    for unit in units.values():
+        _settle_save_options(unit, save_keys, saved)
     ordered = list(dict.fromkeys(order)) + [n for n in units if n not in order]
     first = next((a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor) and a.dim()), None)
     return ModelProfile(
@@ -289,16 +304,48 @@ def _close(unit: Unit, counter: Any, flops_at: dict[str, int]) -> None:
     flops_at["ops"] = flops_at["op_bytes"] = 0
 
 
+def _record_save_option(unit: Unit, module: nn.Module, weight: torch.Tensor, rows: int, output: Any,
+                        keys: dict[int, torch.Tensor]) -> None:  # fmt: skip
+    """A Linear / Conv1D output in a block: what the ``"auto"`` rule may keep (``out`` values per row,
+    ``2 * in * out`` FLOPs per row spared), as ``passes.checkpoint_budget`` prices it."""
+    out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+    if not unit.block or isinstance(module, nn.Embedding) or out is None or not rows:
+        return
+    inner = weight.numel() // rows
+    option = SaveCandidate(f"{type(module).__name__}{len(unit.save_options)}", float(rows), 2.0 * inner * rows, False)
+    keys[id(option)] = out
+    unit.save_options.append(option)
+    if not unit.rows:
+        unit.rows = out.numel() // rows
+        unit.row_bytes = unit.rows * out.element_size()
+
+
+def _settle_save_options(unit: Unit, keys: dict[int, torch.Tensor], saved: Mapping[int, Any]) -> None:
+    """The block's last matmul is no option where backward does not read its output (a projection
+    into the residual stream: the pass leaves it out); attention counts the region's median FLOPs."""
+    matmuls = [o for o in unit.save_options if not o.attention]
+    if matmuls and _key(keys[id(matmuls[-1])]) not in saved:
+        unit.save_options.remove(matmuls[-1])
+        matmuls.pop()
+    median = statistics.median([o.flops for o in matmuls]) if matmuls else 1.0
+    unit.save_options = [dataclasses.replace(o, flops=median) if o.attention else o for o in unit.save_options]
+
+
 class _OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched into ``counts["ops"]`` and the bytes of the tensors they return
-    into ``counts["op_bytes"]`` (a view returns none of its own)."""
+    into ``counts["op_bytes"]`` (a view returns none of its own); calls ``attention(value)`` at each
+    scaled-dot-product attention forward."""
 
-    def __init__(self, counts: dict[str, int]) -> None:
+    def __init__(self, counts: dict[str, int], attention: Any = None) -> None:
         super().__init__()
         self.counts = counts
+        self.attention = attention
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         self.counts["ops"] += 1
+        name = func.__name__
+        if self.attention is not None and "scaled_dot_product" in name and "backward" not in name and len(args) > 2:
+            self.attention(args[2])
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
             self.counts["op_bytes"] += sum(t.numel() * t.element_size() for t in tree_leaves(out)

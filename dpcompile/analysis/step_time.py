@@ -48,11 +48,12 @@ def batch_fraction(batch: int | None, d: int) -> float:
     return -(-batch // d) / batch if batch else 1.0 / d
 
 
-def _work_flops(units: Sequence[Unit], training: bool, checkpointing: bool) -> float:
+def _work_flops(units: Sequence[Unit], training: bool, checkpointing: float) -> float:
+    """A step's FLOPs; ``checkpointing``: the fraction of the blocks' forward run again (True: all)."""
     flops = sum(u.flops for u in units)
     if not training:
         return flops
-    return 3 * flops + (sum(u.flops for u in units if u.block) if checkpointing else 0)
+    return 3 * flops + sum(u.flops for u in units if u.block) * float(checkpointing)
 
 
 def _layer_outputs(units: Sequence[Unit]) -> int:
@@ -61,9 +62,10 @@ def _layer_outputs(units: Sequence[Unit]) -> int:
 
 def step_seconds(
     profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], micro_batches: int,
-    checkpointing: bool, calibration: Calibration,
+    checkpointing: float, calibration: Calibration,
 ) -> float:  # fmt: skip
-    """The predicted seconds of one step (see the module's docstring)."""
+    """The predicted seconds of one step (see the module's docstring); ``checkpointing``: the fraction
+    of the blocks' forward FLOPs recomputed."""
     if calibration.ranks > 1:
         return _mesh_seconds(profile, layout, stages, micro_batches, checkpointing, calibration)
     d, t, s_count, m = layout.get("dp", 1), layout.get("tp", 1), len(stages), micro_batches

@@ -155,7 +155,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], widths: Sequen
 def _candidate_row(c: Mapping[str, Any]) -> list[str]:
     dims = "x".join(f"{k}{v}" for k, v in c["layout"].items())
     pipe = f" {c['schedule']} mb{c['micro_batches']}" if c.get("schedule") else ""
-    name = f"{dims}{pipe}{' +ckpt' if c['checkpointing'] else ''}"
+    name = c.get("name") or f"{dims}{pipe}{' +ckpt' if c['checkpointing'] else ''}"
     peak = _human_bytes(c["predicted_peak_bytes"]) if c["predicted_peak_bytes"] else "-"
     step = f"{c['predicted_step_time'] * 1e3:.3f} ms" if c["predicted_peak_bytes"] else "-"
     return [name, peak, step, "chosen" if c["rejected"] is None else c["rejected"]]
@@ -300,9 +300,10 @@ def _render(r: Report) -> str:
         ]
         out += _table(["device", *kinds, "total"], rows, [12, 12, 12, 12, 12, 12])
     if r.candidates:
-        out += ["", "Layouts considered (plan=\"auto\": the fastest predicted that fits)"]
+        out += ["", "Layouts considered (plan=\"auto\": the fastest predicted that fits; activation_checkpointing="
+                "\"auto\" alone: the least recomputed)"]
         out += _table(["layout", "peak/device", "step", "why not"], [_candidate_row(c) for c in r.candidates],
-                      [28, 12, 12, 70])  # fmt: skip
+                      [40, 12, 12, 70])  # fmt: skip
     if r.plan:
         out += ["", "Tensor-parallel plan"]
         rows = []

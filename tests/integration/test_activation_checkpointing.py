@@ -210,9 +210,9 @@ def test_activation_checkpointing_explain_shows_regions_and_fewer_activations(la
         assert 0 < kinds["activations"] <= plain.memory_estimate[device]["activations"] / 4
 
 
-def test_activation_checkpointing_auto_is_refused_with_the_way_out():
-    """"auto" is not built yet: refused, naming True and the paths."""
-    with pytest.raises(DpCompileError, match="pass True"):
+def test_activation_checkpointing_auto_without_examples_is_refused_with_the_way_out():
+    """"auto" predicts each choice's peak from a fake run: without examples, a ValueError saying to give them."""
+    with pytest.raises(ValueError, match="give example_inputs="):
         dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing="auto", memory_per_device="1GiB")
 
 

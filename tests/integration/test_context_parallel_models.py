@@ -19,11 +19,12 @@ from tests.thirdparty import import_or_skip
 V = 64  # vocabulary
 
 
-def _model(name: str) -> nn.Module:
+def _model(name: str, **decoder_config: object) -> nn.Module:
+    """``name``'s tiny config (1 layer, hidden 32); ``decoder_config`` overrides a decoder's."""
     T = import_or_skip("transformers")
     ids = {"vocab_size": V, "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
     decoder = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
-               "max_position_embeddings": 32, **ids}  # fmt: skip
+               "max_position_embeddings": 32, **ids, **decoder_config}  # fmt: skip
     if name == "mistral":
         return T.MistralForCausalLM(T.MistralConfig(num_key_value_heads=2, **decoder))
     if name == "qwen2":
@@ -91,6 +92,36 @@ def test_context_parallel_more_models_equal_eager(name):
             assert pm.code.count("dpcompile_runtime_running_sum(") == n
         for seq in lengths:
             _assert_step_equals_eager(name, pm, model, eager, _inputs(name, seq, seed=seq))
+
+
+@pytest.mark.slow
+def test_context_parallel_decoder_padding_and_sliding_window_equal_eager():
+    """A decoder with a padding mask (left padding, 3 tokens of the first row) and a sliding window of
+    3 tokens (it crosses the shards' borders), built once, on 2 and 4 virtual devices: the causal
+    mask is an explicit one, split by query rows; logits, loss and every gradient equal eager's."""
+
+    def inputs(seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+        kwargs = _inputs("mistral", seq, seed)
+        kwargs["attention_mask"] = torch.ones(2, seq, dtype=torch.long)
+        kwargs["attention_mask"][0, :3] = 0
+        return kwargs
+
+    torch.manual_seed(0)
+    built = _model("mistral", sliding_window=3).double()
+    unwindowed = copy.deepcopy(built)
+    unwindowed.config.sliding_window = None
+    probe = inputs(13, seed=13)
+    unpadded = {k: v for k, v in probe.items() if k != "attention_mask"}
+    # both change eager's logits: equal to eager means both were applied
+    assert not torch.allclose(built(**probe).logits, unwindowed(**probe).logits)
+    assert not torch.allclose(built(**probe).logits, built(**unpadded).logits)
+    for n, lengths, pm, model, eager in context_parallel_copies(built, inputs):
+        assert pm.code.count("dpcompile_runtime_attention_regathered(") == n
+        assert pm.code.count("attn_mask = ") == n  # each device's attention reads its query rows of the mask
+        for seq in lengths:
+            assert_lm_step_equals_eager(pm, eager, inputs(seq, seed=seq), model_gradients(model))
+            model.zero_grad()
+            eager.zero_grad()
 
 
 def _vit(image_size: int) -> nn.Module:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -157,6 +157,25 @@ def assert_lm_step_equals_eager(
     for name, p in eager.named_parameters():
         assert ours.get(name) is not None, f"no gradient reached {name}"
         torch.testing.assert_close(ours[name], p.grad, **tolerance, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+# the virtual device counts the context-parallel model tests run on, each with its lengths: one that
+# divides it and one that does not (on 4: 7 tokens, shards of 2, 2, 2 and a short last one of 1)
+CONTEXT_PARALLEL_LENGTHS = {2: (12, 13), 4: (8, 7)}
+
+
+def context_parallel_copies(
+    built: nn.Module, inputs: Callable[[int], dict[str, Any]]
+) -> Iterator[tuple[int, tuple[int, ...], Any, nn.Module, nn.Module]]:
+    """For each count of :data:`CONTEXT_PARALLEL_LENGTHS`: ``(n, lengths, pm, model, eager)``, where
+    ``model`` and ``eager`` are fresh copies of ``built`` (built once) and ``pm`` is ``model``
+    transformed with ``mesh={"cp": n}`` by the export frontend, examples ``inputs(lengths[0])``."""
+    for n, lengths in CONTEXT_PARALLEL_LENGTHS.items():
+        model, eager = copy.deepcopy(built), copy.deepcopy(built)
+        pm = dpcompile.transform(
+            model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=inputs(lengths[0]), frontend="export"
+        )
+        yield n, lengths, pm, model, eager
 
 
 def assert_runs_split_like_eager(cls: type[nn.Module], shape: tuple[int, ...], frontend: str) -> None:

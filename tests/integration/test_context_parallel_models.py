@@ -1,7 +1,7 @@
 """Context parallelism (``mesh={"cp": N}``) on more transformers models, tiny configs, no annotation:
 Mistral, Qwen2, Gemma, Phi (decoders with ``labels=``) and a T5 encoder (relative position bias, a
 padding mask) and RoBERTa (position ids from a cumulative sum of the padding along the sequence) equal
-eager (float64); so does a ViT, whose sequence is made inside the model (docs/context_parallel.md has
+eager (float64) on 2 and 4 virtual devices; so does a ViT, whose sequence is made inside the model (docs/context_parallel.md has
 the table)."""
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ import torch
 from torch import nn
 
 import dpcompile
-from tests.helpers import assert_lm_step_equals_eager, model_gradients
+from tests.helpers import assert_lm_step_equals_eager, context_parallel_copies, model_gradients
 from tests.thirdparty import import_or_skip
 
 V = 64  # vocabulary
 
 
-def _model(name: str) -> nn.Module:
+def _model(name: str, **decoder_config: object) -> nn.Module:
+    """``name``'s tiny config (1 layer, hidden 32); ``decoder_config`` overrides a decoder's."""
     T = import_or_skip("transformers")
     ids = {"vocab_size": V, "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
     decoder = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
-               "max_position_embeddings": 32, **ids}  # fmt: skip
+               "max_position_embeddings": 32, **ids, **decoder_config}  # fmt: skip
     if name == "mistral":
         return T.MistralForCausalLM(T.MistralConfig(num_key_value_heads=2, **decoder))
     if name == "qwen2":
@@ -55,41 +56,72 @@ def _inputs(name: str, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": torch.randint(0, V, (2, seq), generator=g)}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("name", "n"), [("mistral", 2), ("qwen2", 4), ("gemma", 2), ("phi", 4), ("t5", 2), ("roberta", 2), ("roberta", 4)]
-)
-def test_context_parallel_more_models_equal_eager(name, n):
-    """Outputs, the loss and every gradient of one step equal eager's, on a length that does not
-    divide the devices (13) and one that does (12). Gemma's norms compute in float32 (its own code):
-    its gradients to float32 rounding. RoBERTa's position ids, a cumsum of the padding along the
-    sequence, are each device's running sum plus the earlier devices' totals."""
-    torch.manual_seed(0)
-    model = _model(name).double()
-    eager = copy.deepcopy(model)
-    pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=_inputs(name, 12), frontend="export")
-    assert pm.code.count("dpcompile_runtime_attention_regathered(") == n  # keys and values gathered by each device
-    if name == "roberta":
-        assert pm.code.count("dpcompile_runtime_running_sum(") == n
-    grad_tolerance = {"atol": 1e-5, "rtol": 1e-5} if name == "gemma" else {}
-    for seq in (13, 12):
-        inputs = _inputs(name, seq, seed=seq)
-        got, want = pm(**inputs), eager(**inputs)
-        key = "last_hidden_state" if name == "t5" else "logits"
-        out, expected = getattr(got, key), getattr(want, key)
+def _assert_step_equals_eager(name: str, pm: nn.Module, model: nn.Module, eager: nn.Module, inputs: dict) -> None:
+    """Outputs, the loss (a T5 encoder has none: its hidden states' weighted sum is backpropagated)
+    and every parameter gradient of one step equal eager's. Gemma's norms compute in float32 (its
+    own code): its gradients to float32 rounding."""
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if name == "gemma" else {}
+    if name != "t5":
+        assert_lm_step_equals_eager(pm, eager, inputs, model_gradients(model), **tolerance)
+    else:
+        out, expected = pm(**inputs).last_hidden_state, eager(**inputs).last_hidden_state
         torch.testing.assert_close(out, expected)
         weights = torch.linspace(0.5, 1.5, expected.numel(), dtype=torch.float64).view(expected.shape)
-        loss, expected_loss = (got.loss, want.loss) if name != "t5" else (0.0, 0.0)
-        if name != "t5":
-            torch.testing.assert_close(loss, expected_loss)
-        (loss + (out * weights).sum()).backward()
-        (expected_loss + (expected * weights).sum()).backward()
-        grads = dict(eager.named_parameters())
-        for p_name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, grads[p_name].grad, **grad_tolerance,
-                                       msg=lambda m, p_name=p_name: f"grad {p_name}: {m}")  # fmt: skip
-        model.zero_grad()
-        eager.zero_grad()
+        (out * weights).sum().backward()
+        (expected * weights).sum().backward()
+        ours = dict(model.named_parameters())
+        for p_name, p in eager.named_parameters():
+            assert ours[p_name].grad is not None, f"no gradient reached {p_name}"
+            torch.testing.assert_close(ours[p_name].grad, p.grad, msg=lambda m, p_name=p_name: f"grad {p_name}: {m}")
+    model.zero_grad()
+    eager.zero_grad()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma", "phi", "t5", "roberta"])
+def test_context_parallel_more_models_equal_eager(name):
+    """Built once, on 2 and 4 virtual devices: outputs, the loss and every gradient of one step equal
+    eager's, on a length that divides the devices and one that does not (on 4: 7 tokens, the last
+    shard short). RoBERTa's position ids, a cumsum of the padding along the sequence, are each
+    device's running sum plus the earlier devices' totals."""
+    torch.manual_seed(0)
+    built = _model(name).double()
+    for n, lengths, pm, model, eager in context_parallel_copies(built, lambda seq: _inputs(name, seq)):
+        assert pm.code.count("dpcompile_runtime_attention_regathered(") == n  # keys and values gathered by each device
+        if name == "roberta":
+            assert pm.code.count("dpcompile_runtime_running_sum(") == n
+        for seq in lengths:
+            _assert_step_equals_eager(name, pm, model, eager, _inputs(name, seq, seed=seq))
+
+
+@pytest.mark.slow
+def test_context_parallel_decoder_padding_and_sliding_window_equal_eager():
+    """A decoder with a padding mask (left padding, 3 tokens of the first row) and a sliding window of
+    3 tokens (it crosses the shards' borders), built once, on 2 and 4 virtual devices: the causal
+    mask is an explicit one, split by query rows; logits, loss and every gradient equal eager's."""
+
+    def inputs(seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
+        kwargs = _inputs("mistral", seq, seed)
+        kwargs["attention_mask"] = torch.ones(2, seq, dtype=torch.long)
+        kwargs["attention_mask"][0, :3] = 0
+        return kwargs
+
+    torch.manual_seed(0)
+    built = _model("mistral", sliding_window=3).double()
+    unwindowed = copy.deepcopy(built)
+    unwindowed.config.sliding_window = None
+    probe = inputs(13, seed=13)
+    unpadded = {k: v for k, v in probe.items() if k != "attention_mask"}
+    # both change eager's logits: equal to eager means both were applied
+    assert not torch.allclose(built(**probe).logits, unwindowed(**probe).logits)
+    assert not torch.allclose(built(**probe).logits, built(**unpadded).logits)
+    for n, lengths, pm, model, eager in context_parallel_copies(built, inputs):
+        assert pm.code.count("dpcompile_runtime_attention_regathered(") == n
+        assert pm.code.count("attn_mask = ") == n  # each device's attention reads its query rows of the mask
+        for seq in lengths:
+            assert_lm_step_equals_eager(pm, eager, inputs(seq, seed=seq), model_gradients(model))
+            model.zero_grad()
+            eager.zero_grad()
 
 
 def _vit(image_size: int) -> nn.Module:

@@ -176,7 +176,7 @@ def _size_sequence_pieces_by_the_call(site: RandomSite, graph: fx.Graph) -> None
     order = {n: i for i, n in enumerate(graph.nodes)}
     for nodes in copies.values():
         cols = [n.meta[COLS] for n in nodes]
-        inputs = [next((a for a in n.all_input_nodes if a.meta.get("dpcompile_sequence")), None) for n in nodes]
+        inputs = [next((a for a in n.all_input_nodes if _on_sequence_shards(a)), None) for n in nodes]
         first = min(order[n] for n in nodes)
         if any(a is None for a in inputs) or sorted(c[0] for c in cols) != list(range(len(cols))) or max(order[a] for a in inputs) > first:
             continue  # not every piece's input is there when the first piece draws: the example's sizes
@@ -185,6 +185,11 @@ def _size_sequence_pieces_by_the_call(site: RandomSite, graph: fx.Graph) -> None
         by_index = tuple(a for _, a in sorted(zip((c[0] for c in cols), inputs)))
         for node, (k, dim, _) in zip(nodes, cols):
             node.meta[COLS] = (k, dim, by_index)
+
+
+def _on_sequence_shards(node: fx.Node) -> bool:
+    """A value of the sequence region, or a piece of a reduce-scatter or split into it."""
+    return bool(node.meta.get("dpcompile_sequence") or node.meta.get("dpcompile_sequence_piece"))
 
 
 def _piece_index(node: fx.Node) -> int:

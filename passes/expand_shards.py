@@ -219,7 +219,11 @@ class _Expander:
         return fx.node.map_arg(value, pick)
 
     def split(self, new: fx.Node, source: fx.Node) -> list[fx.Node]:
-        return [self.make("call_function", operator.getitem, (new, k), name=f"{source.name}_dev{k}", source=source) for k in range(self.n)]
+        pieces = [self.make("call_function", operator.getitem, (new, k), name=f"{source.name}_dev{k}", source=source) for k in range(self.n)]
+        if source.meta.get("dpcompile_sequence") or source.meta.get("dpcompile_sequence_split"):
+            for piece in pieces:  # a reduce-scatter's or a split's: sized by the call (not counted by explain)
+                piece.meta["dpcompile_sequence_piece"] = True
+        return pieces
 
     def build(self) -> fx.Graph:
         for node in self.gm_nodes():

@@ -198,10 +198,13 @@ def shard_sequence(gm: fx.GraphModule, *, devices: Devices) -> PassResult:
     """Run the activations between tensor-parallel pairs on sequence shards (see the module).
 
     ``info``: ``length`` and ``sizes`` of the sequence split, ``region`` (the nodes on shards),
-    ``reduce_scatters`` (the row layers' all-reduces made reduce-scatters), ``all_gathers``."""
+    ``reduce_scatters`` (the row layers' all-reduces made reduce-scatters), ``all_gathers``, and
+    ``all_reduces`` (those left all-reduces, and why: :func:`kept_all_reduces`), ``reduce_scattered``
+    (the module paths of the reduce-scatters)."""
     region = find_sequence_region(gm, n=len(devices)) if len(devices) > 1 else None
+    all_reduced = kept_all_reduces(gm, region) if len(devices) > 1 else {}
     if region is None:
-        return PassResult(gm, False, {"region": [], "reduce_scatters": [], "all_gathers": []})
+        return PassResult(gm, False, {"region": [], "reduce_scatters": [], "all_gathers": [], "all_reduces": all_reduced})
     rewriter = _Rewriter(gm, region)
     rewriter.rewrite()
     info = {
@@ -210,8 +213,33 @@ def shard_sequence(gm: fx.GraphModule, *, devices: Devices) -> PassResult:
         "region": [nd.name for nd in region.nodes],
         "reduce_scatters": [nd.name for nd in rewriter.reduce_scatters],
         "all_gathers": [nd.name for nd in rewriter.all_gathers],
+        "all_reduces": all_reduced,
+        "reduce_scattered": [nd.meta.get("dpcompile_module") or nd.name for nd in rewriter.reduce_scatters],
     }
     return PassResult(gm, True, info)
+
+
+def kept_all_reduces(gm: fx.GraphModule, region: SequenceRegion | None) -> dict[str, str]:
+    """``{module path (or node name): why}`` for each all-reduce the region leaves as it is: there
+    the program is tensor parallel alone (a classifier on the CLS token: its output has no sequence)."""
+    seeds = [nd for nd in gm.graph.nodes if nd.op == "call_function" and nd.target is collectives.reduce_from_shards]
+    lengths = sorted({_seq_length(s) for s in seeds} - {None})
+    kept: dict[str, str] = {}
+    for node in seeds:
+        if region is not None and node in region.seeds:
+            continue
+        length = _seq_length(node)
+        if length is None:
+            shape = node_shape(node)
+            why = f"its output {tuple(shape) if shape is not None else ''} has no sequence dim (dim 1 of (batch, seq, ...))"
+        elif region is None and len(lengths) > 1:
+            why = f"the row layers' outputs differ on dim 1 ({', '.join(map(str, lengths))}): no one sequence to split"
+        elif region is not None and length != region.length:
+            why = f"its output's dim 1 ({length}) is not the sequence ({region.length})"
+        else:
+            why = "no op after it runs on each token alone before the values are needed whole"
+        kept[node.meta.get("dpcompile_module") or node.name] = why
+    return kept
 
 
 def _column_call(node: fx.Node, gathered: fx.Node) -> bool:
@@ -345,4 +373,5 @@ class _Rewriter:
         return self.gathers[node]
 
 
-__all__ = ["PASS", "SEQUENCE_MARK", "SequenceRegion", "balanced_sizes", "find_sequence_region", "shard_sequence"]
+__all__ = ["PASS", "SEQUENCE_MARK", "SequenceRegion", "balanced_sizes", "find_sequence_region", "kept_all_reduces",
+           "shard_sequence"]

@@ -132,6 +132,13 @@ class TensorParallelRecipe(Recipe):
         for p, style in applied.items():
             if style == "replicate" and reasons.get(p, "replicate: left whole") == "replicate: left whole":
                 reasons[p] = "replicate: " + whole.get(p, "left whole")
+        sequence_info = info_of(records, "shard_sequence")
+        for p in sequence_info.get("reduce_scattered", ()):
+            if unalias(p) in reasons:
+                reasons[unalias(p)] += "; sequence parallel: reduce-scattered on the sequence instead"
+        for p, why in sequence_info.get("all_reduces", {}).items():
+            if unalias(p) in reasons:  # a row layer the sequence region stops before: tensor parallel alone there
+                reasons[unalias(p)] += f"; not on sequence shards: {why}"
         cost = plan_cost(shard_info["comms"], len(self.devices))
         fake_source = fake_copy_to_trace(model, self.devices.primary) if self.check_available else None  # not for a fake layout check
         pm = TensorParallelModule(

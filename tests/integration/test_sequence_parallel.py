@@ -105,11 +105,23 @@ def test_sequence_parallel_another_length_at_call_time():
         torch.testing.assert_close(pm(_ids(seq, seed=seq)), model(_ids(seq, seed=seq)))
 
 
+class EmbeddingDropoutStack(Stack):
+    """Dropout straight on the (vocab-parallel) embedding's reduce-scatter, as Phi and T5 have it."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, ids):
+        return self.head(self.ln(self.blocks(self.drop(self.emb(ids)))))
+
+
 def test_sequence_parallel_dropout_at_another_length_at_call_time():
     """Training with dropout at lengths other than the example's 13: each shard takes its slice of the
-    single-device mask by the call's own split (it raised: the slices were the example's)."""
+    single-device mask by the call's own split (it raised: the slices were the example's; a dropout
+    straight on a reduce-scatter's pieces still did)."""
     torch.manual_seed(0)
-    model = Stack().double().train()
+    model = EmbeddingDropoutStack().double().train()
     eager = copy.deepcopy(model)
     pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, sequence_parallel=True, example_inputs=(_ids(13),))
     for seq in (12, 5):
@@ -156,6 +168,32 @@ def test_sequence_parallel_without_a_sequence_changes_nothing():
     tp = dpcompile.transform(mlp, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
     assert pm.code == tp.code
     torch.testing.assert_close(pm(x), mlp(x))
+
+
+class FirstTokenClassifier(nn.Module):
+    """A block on sequence shards, then a column/row pair on the first token (BERT's pooler, a ViT's
+    classifier): that row layer's output has no sequence."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb, self.block = nn.Embedding(V, d), Block(d)
+        self.dense, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, 3)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.dense(self.block(self.emb(ids))[:, 0])))
+
+
+def test_sequence_parallel_stops_before_a_layer_with_no_sequence_and_says_why():
+    """The pair on the first token stays tensor parallel alone (its all-reduce kept), the rest on
+    sequence shards; plan_reasons says which row layers reduce-scatter and why 'out' does not."""
+    model = FirstTokenClassifier().eval()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, sequence_parallel=True, example_inputs=(_ids(13),))
+    assert pm.plan["out"] == "row"
+    assert pm.code.count("reduce_scatter_to_devices(") == 3 and pm.code.count("reduce_to_device(") == 1
+    assert "not on sequence shards: its output (2, 3) has no sequence dim" in pm.plan_reasons["out"]
+    for path in ("emb", "block.fc2", "block.fc4"):
+        assert pm.plan_reasons[path].endswith("sequence parallel: reduce-scattered on the sequence instead")
+    torch.testing.assert_close(pm(_ids(12, seed=3)), model(_ids(12, seed=3)))
 
 
 @pytest.mark.parametrize(

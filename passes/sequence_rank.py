@@ -16,6 +16,7 @@ one process (device ``r`` of ``N``)                 rank ``r`` of the ``cp`` gro
 ``attention_regathered(q, [k_0, ...], [v_0, ...])``  ``attention_over_group(q, k_r, v_r, cp_group, dim, sizes)``
 ``batch_arange([s_0, ...], r)`` (and its kin)       ``batch_arange(sequence_sizes(s_r, cp_group), r)``
 ``mean_of_partials`` / ``reduce_add``                ``mean_over_group`` / ``all_reduce``
+``mean_of_partials`` to a scalar, ``("dp", "cp")``   ``mean_over_batch`` over every ``dp x cp`` rank
 ``running_sum(x_r, [x_0, ..., x_r-1], dim)``         ``running_sum_over_group(x_r, cp_group, dim)``
 =================================================  ==================================================
 
@@ -24,6 +25,9 @@ the gathered logits) runs on every rank, the same values; backward through a gat
 rank's own slice, so the ranks' parameter gradients summed over ``cp`` are the single-device ones.
 DDP averages them: the returned values' gradients are scaled by ``N`` (the inputs' back by
 ``1/N``, ``scale_gradient``), so the average is that sum, with gradients accumulated too.
+Over a ``("dp", "cp")`` mesh (``batch_mesh``: its flattened ``dp_cp`` mesh) a mean over every token
+(a scalar: the loss) is reduced over all the ranks (``runtime.context_parallel_mesh.mean_over_batch``),
+the whole batch's sum over its count, its gradient scaled by the dp size (DDP averages over dp too).
 The program's head checks, with one all-gather of the first split input's length, that the ranks'
 shards are the balanced ``tensor_split`` parts one process makes.
 
@@ -77,6 +81,8 @@ from dpcompile import runtime
 from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import distributed as dist_rt
+from dpcompile.runtime import exported
+from dpcompile.runtime.context_parallel_mesh import mean_over_batch
 from dpcompile.runtime.distributed import MeshGroup
 from passes.collectives import group_size
 
@@ -90,6 +96,7 @@ REFUSED = {
     runtime.max_length: "a packed sequence's longest length",
     runtime.broadcast: "a broadcast between devices",
 }
+_LOSS_COUNTS = (exported.cross_entropy_count, exported.element_count)
 #: runtime calls whose argument ``sizes`` lists every device's length, and ``k`` names the device
 _SIZES_AT = {runtime.batch_arange: 0, runtime.rows_of_shard: 2, runtime.local_positions: 1}
 
@@ -222,9 +229,12 @@ def find_rank_sites(gm: fx.GraphModule) -> RankSites:
 
 
 def lower_sequence_to_rank(
-    gm: fx.GraphModule, *, mesh: Any, cp_dim: str, rank: int, input_dims: Mapping[str, int | None]
-) -> PassResult:
-    """Rank ``rank``'s program over the ``cp_dim`` group of ``mesh`` (see the module's docstring)."""
+    gm: fx.GraphModule, *, mesh: Any, cp_dim: str, rank: int, input_dims: Mapping[str, int | None],
+    batch_mesh: Any = None, dp_dim: str | None = None,
+) -> PassResult:  # fmt: skip
+    """Rank ``rank``'s program over the ``cp_dim`` group of ``mesh`` (see the module's docstring);
+    over a ``(dp_dim, cp_dim)`` mesh, ``batch_mesh`` is it flattened: a mean over every token is
+    reduced over all its ranks."""
     sites = find_rank_sites(gm)
     if sites.refused:
         node = sites.refused[0]
@@ -245,7 +255,14 @@ def lower_sequence_to_rank(
         )
     if not isinstance(getattr(gm, "cp_group", None), MeshGroup):
         gm.add_submodule("cp_group", MeshGroup(mesh, cp_dim))
-    rewriter = _RankRewriter(gm, sites, rank, dict(input_dims), group_size(mesh, cp_dim) or _world_of(sites))
+    world = group_size(mesh, cp_dim) or _world_of(sites)
+    replicas = None
+    if batch_mesh is not None and dp_dim is not None:
+        replicas = batch_mesh.size() // world
+        for name, group in (("dp_group", MeshGroup(mesh, dp_dim)), ("dp_cp_group", MeshGroup(batch_mesh, batch_mesh.mesh_dim_names[0]))):
+            if not isinstance(getattr(gm, name, None), MeshGroup):
+                gm.add_submodule(name, group)
+    rewriter = _RankRewriter(gm, sites, rank, dict(input_dims), world, replicas)
     gm.graph = rewriter.build()
     gm.graph.eliminate_dead_code(is_impure_node=_keeps)
     return PassResult(gm, True, {"rank": rank, "collectives": rewriter.lowered})
@@ -270,14 +287,34 @@ def _is_output_structure(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, type) and _only_returned(node)
 
 
+def _is_scalar(node: fx.Node) -> bool:
+    """Whether a ``mean_of_partials`` is a mean over every element (a 0-dim value, or counts of
+    every element: ``numel``, a loss's ``target_weight``), not over some dims (``numel_over``)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.dim() == 0
+    counts = node.args[1]
+    first = counts[0] if isinstance(counts, (list, tuple)) and counts else None
+    return isinstance(first, fx.Node) and first.target in (runtime.numel, runtime.target_weight)
+
+
+def _is_mean_loss(node: fx.Node) -> bool:
+    """``loss_sum / count``: a loss with ``reduction="mean"`` as the export frontend writes it
+    (``capture.rewrite``), its count ``cross_entropy_count`` (tokens not ignored) or ``element_count``."""
+    count = node.args[1] if node.op == "call_function" and node.target is operator.truediv else None
+    return isinstance(count, fx.Node) and count.op == "call_function" and count.target in _LOSS_COUNTS
+
+
 def _keeps(node: fx.Node) -> bool:
     """What dead-code elimination keeps: the head's check of the shards, and what fx keeps anyway."""
     return node.target is dist_rt.sequence_sizes or node.is_impure()
 
 
 class _RankRewriter:
-    def __init__(self, gm: fx.GraphModule, sites: RankSites, rank: int, input_dims: dict[str, int | None], world: int):
+    def __init__(self, gm: fx.GraphModule, sites: RankSites, rank: int, input_dims: dict[str, int | None], world: int,
+                 replicas: int | None = None):  # fmt: skip
         self.gm, self.sites, self.rank, self.input_dims, self.world = gm, sites, rank, input_dims, world
+        self.replicas = replicas  # the dp size over a ("dp", "cp") mesh, else None
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.group: fx.Node | None = None
@@ -401,7 +438,15 @@ class _RankRewriter:
             return self.call(target, tuple(args), self.mapped(node.kwargs), name=node.name, source=node)
         if target is runtime.mean_of_partials:
             sums, counts = node.args[0], node.args[1]
+            if self.replicas is not None and _is_scalar(node):  # over every token: every dp x cp rank's
+                group = stamp(self.graph.get_attr("dp_cp_group"), PASS, node)
+                args = (self.mine(sums), self.mine(counts), group, self.replicas)
+                return self._collective(mean_over_batch, args, node)
             return self._collective(dist_rt.mean_over_group, (self.mine(sums), self.mine(counts), self.group), node)
+        if self.replicas is not None and node not in self.sites.devices and _is_mean_loss(node):
+            group = stamp(self.graph.get_attr("dp_group"), PASS, node)  # whole over cp: the same on its ranks
+            args = (self.value(node.args[0]), self.value(node.args[1]), group, self.replicas)
+            return self._collective(mean_over_batch, args, node)
         if target is runtime.reduce_add:
             return self._collective(dist_rt.all_reduce, (self.mine(node.args[0]), self.group), node)
         if target is runtime.running_sum:

@@ -18,7 +18,8 @@ same model and gets the program of its own rank:
   cut to this rank (``passes.lower_sequence_to_rank``): each rank feeds its part of the
   sequence, attention all-gathers keys and values over ``cp``, DDP gives the summed gradients.
 * **2-D mesh ("dp", "cp")**: that cp rank program on each dp rank's rows, DDP over every rank
-  (``dp`` x ``cp`` flattened): the cp sums averaged over ``dp``.
+  (``dp`` x ``cp`` flattened): the cp sums averaged over ``dp``; a mean over every token (the loss)
+  is the whole batch's, its sum and count reduced over every rank.
 
 >>> # torchrun --nproc-per-node 2 train.py                                # doctest: +SKIP
 >>> dist.init_process_group("gloo")                                       # doctest: +SKIP
@@ -204,7 +205,7 @@ class SpmdRecipe(Recipe):
                         output_device=device, records=records, class_name=type(model).__name__, share_all_of=model,
                         source=source, flags=flags, none_args=nones)  # fmt: skip
         pm.captured_code = captured_code
-        ddp_mesh = self.mesh if self.mesh.ndim == 1 else self.mesh._flatten("dp_cp")  # one DDP over every rank
+        ddp_mesh = self._batch_mesh() or self.mesh  # one DDP over every rank
         pm.attach_mesh(mesh=ddp_mesh, dp_dim=ddp_mesh.mesh_dim_names[0], tp_dim=None, ddp_options=self.ddp_options)
         return pm
 
@@ -217,8 +218,13 @@ class SpmdRecipe(Recipe):
         options = passes.PipelineOptions(devices=Devices((device,) * world), input_dims=dict(input_dims),
                                          output_device=device, context_parallel=True)  # fmt: skip
         lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=rank,
-                                  input_dims=dict(input_dims))  # fmt: skip
+                                  input_dims=dict(input_dims), batch_mesh=self._batch_mesh(),
+                                  dp_dim="dp" if self.mesh.ndim == 2 else None)  # fmt: skip
         return run_passes(gm, passes.frontend_pipeline(options) + passes.data_parallel_pipeline(options) + [lower])
+
+    def _batch_mesh(self) -> Any:
+        """A ``("dp", "cp")`` mesh flattened to one ``dp_cp`` dimension (every rank), else None."""
+        return self.mesh._flatten("dp_cp") if self.mesh.ndim == 2 else None
 
     # ------------------------------------------------------------------ tensor parallel
     def _tensor_parallel_pipeline(self, devices: Devices, styles: Mapping[str, str], dp_dim: Any, tp_dim: Any,

@@ -1,0 +1,135 @@
+"""Context parallel over a ``("dp", "cp")`` DeviceMesh of 2 x 2 gloo processes, composed with data
+parallelism: a 1-layer GPT-2 (float64, ``labels=``) whose labels are ``-100`` (ignored) unevenly over
+the dp ranks' rows and the cp ranks' tokens, so each dp group's mean counts different tokens. Against
+eager on the whole batch: the loss on every rank is the whole batch's mean (its sum and count reduced
+over every dp x cp rank) and every gradient is eager's, under DDP; and under FSDP2
+(``data_parallel="fsdp"``, ``fully_shard`` over the flattened dp x cp ranks), two AdamW steps give
+eager's parameters. One spawned group of 4 runs every check."""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+
+GROUP_TIMEOUT_S = 300.0  # spawning and the first gloo connections are slow on a loaded machine
+WORLD = 4
+V = 64
+
+
+def _gpt2():
+    import transformers as T
+
+    config = T.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return T.GPT2LMHeadModel(config).double()
+
+
+def _inputs(rows: int, seq: int, seed: int) -> dict:
+    """Tokens and labels, ``-100`` on most of the first row's labels and a few of the last row's: dp rank
+    0 (the first rows) counts far fewer tokens than dp rank 1, and its cp ranks unequal numbers too."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (rows, seq), generator=g)
+    labels[0, 1 : seq - 2] = -100
+    labels[-1, -3:] = -100
+    return {"input_ids": torch.randint(1, V, (rows, seq), generator=g), "labels": labels}
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+
+
+def check_loss_exact_over_dp_and_cp() -> None:
+    """DDP: at 13 tokens (7 and 6 per cp rank), 4 rows (2 per dp rank) then 3 (2 and 1), the loss on
+    every rank is eager's whole-batch loss, and the loss's and the rank's logits' gradients (the
+    logits' averaged over dp, as DDP does) equal eager's."""
+    import copy
+
+    import torch
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = _gpt2()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(4, 13, 0), mesh), frontend="export")
+    assert "mean_over_batch" in pm.code, pm.code
+    mine = torch.tensor_split(torch.arange(13), 2)[mesh.get_local_rank("cp")]
+    for rows in (4, 3):
+        whole = _inputs(rows, 13, rows)
+        ours = torch.tensor_split(torch.arange(rows), 2)[mesh.get_local_rank("dp")]
+        got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+        torch.testing.assert_close(got.loss, want.loss)  # the whole batch's, on every rank
+        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+        (got.loss + (got.logits * weights[ours][:, mine]).sum()).backward()
+        (want.loss + (want.logits * weights).sum() / 2).backward()  # DDP: each dp rank's logits' term averaged
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert p.grad is not None, f"no gradient reached {name}"
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name, rows=rows: f"{rows} rows, grad {name}: {m}")
+        model.zero_grad()
+        eager.zero_grad()
+
+
+def check_mean_of_split_values_exact() -> None:
+    """A causal block's mean square over every element, computed on each rank's tokens (partial sums
+    and counts), over 3 rows (2 and 1 per dp rank) and 7 tokens: the mean on every rank is eager's
+    and its gradients are eager's, where an average of the dp groups' means is not."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention
+
+    class MeanSquare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = CausalSelfAttention()
+
+        def forward(self, x):
+            return self.block(x).square().mean()
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = MeanSquare().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(3, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),))
+    assert "mean_over_batch" in pm.code, pm.code
+    got, want = pm(local_batch(x, mesh)), eager(x)
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+CHECKS = (("loss_exact", check_loss_exact_over_dp_and_cp), ("mean_exact", check_mean_of_split_values_exact))
+
+
+def _entry(rank: int, world: int, port: int, checks: tuple, results: mp.Queue) -> None:
+    run_checks(rank, world, port, list(checks), results)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    pytest.importorskip("transformers")
+    return run_spawned(_entry, WORLD, CHECKS, timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # one spawned group of 4 processes for every check
+@pytest.mark.parametrize("check", [name for name, _ in CHECKS])
+@pytest.mark.xdist_group("context_parallel_mesh_dp")  # one spawned group, on one worker
+def test_context_parallel_over_dp_and_cp(outcomes, check):
+    """Each check passed on every rank (see the module's docstring)."""
+    assert_group_passed(outcomes, WORLD, check, timeout=GROUP_TIMEOUT_S)

@@ -274,8 +274,8 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
         nearest = (
             "mesh={'cp': N}, mesh={'dp': D, 'cp': N} or mesh={'cp': N, 'tp': T} in one process (the sequence split, "
             "attention's keys and values all-gathered; dp copies of that program over virtual devices; its "
-            "layers sharded over tp), a ('cp',) or ('dp', 'cp') DeviceMesh, or leave 'cp' out: the sequence then stays whole on each "
-            "device"
+            "layers sharded over tp), a ('cp',) or ('dp', 'cp') DeviceMesh (parameters replicated, or data_parallel='fsdp': "
+            "sharded over every rank), or leave 'cp' out: the sequence then stays whole on each device"
         )
     else:
         nearest = (

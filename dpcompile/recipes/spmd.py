@@ -177,17 +177,14 @@ class SpmdRecipe(Recipe):
         """The program one process builds for ``mesh={"cp": N}`` over ``N`` virtual devices, cut to
         this rank's part with its exchanges over the ``cp`` group (``passes.lower_sequence_to_rank``);
         DDP over ``cp`` averages the ranks' gradients, which the program scales so that the average is
-        the sum of their shares: the single-device gradient."""
+        the sum of their shares: the single-device gradient. ``data_parallel="fsdp"``: FSDP2 instead,
+        ``fully_shard`` over every rank (``dp x cp`` flattened, as torchtitan's ``dp_shard_cp``): its
+        reduce-scatter averages as DDP does."""
         where = f"a {tuple(self.mesh.mesh_dim_names)} mesh"
         if example_inputs is None:
             raise DpCompileError(
                 f"context parallel over {where} finds the sequence and attention's shapes from examples: pass "
                 "example_inputs= or example_kwargs= (this rank's shard, e.g. input_ids=, labels=)"
-            )
-        if self.data_parallel == "fsdp":
-            raise DpCompileError(
-                f'data_parallel="fsdp" with {where} is not built yet: leave data_parallel= out (the '
-                "parameters are replicated, their gradients summed over cp and averaged over dp by DDP)"
             )
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
@@ -205,8 +202,9 @@ class SpmdRecipe(Recipe):
                         output_device=device, records=records, class_name=type(model).__name__, share_all_of=model,
                         source=source, flags=flags, none_args=nones)  # fmt: skip
         pm.captured_code = captured_code
-        ddp_mesh = self._batch_mesh() or self.mesh  # one DDP over every rank
-        pm.attach_mesh(mesh=ddp_mesh, dp_dim=ddp_mesh.mesh_dim_names[0], tp_dim=None, ddp_options=self.ddp_options)
+        ddp_mesh = self._batch_mesh() or self.mesh  # one DDP (or FSDP) over every rank
+        pm.attach_mesh(mesh=ddp_mesh, dp_dim=ddp_mesh.mesh_dim_names[0], tp_dim=None, ddp_options=self.ddp_options,
+                       fsdp=self.fsdp_options())  # fmt: skip
         return pm
 
     def _lower_context_parallel(self, gm: fx.GraphModule, device: torch.device, examples: Sequence[Any]) -> tuple:

@@ -113,7 +113,82 @@ def check_mean_of_split_values_exact() -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
-CHECKS = (("loss_exact", check_loss_exact_over_dp_and_cp), ("mean_exact", check_mean_of_split_values_exact))
+def check_fsdp_over_dp_and_cp() -> None:
+    """``data_parallel="fsdp"``: each rank holds its quarter of the parameters (FSDP2 over the flattened
+    dp x cp ranks); two AdamW steps on batches whose ignored labels differ per dp rank, at 13 and 12
+    tokens: the loss on every rank and every gradient (all-gathered) equal eager's on the whole batch,
+    then every parameter (``pm.state_dict()``, full tensors) does."""
+    import copy
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = _gpt2()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(4, 13, 0), mesh), frontend="export",
+                             data_parallel="fsdp")  # fmt: skip
+    assert pm.fsdp is not None and pm.ddp is None
+    wte = dict(pm.named_parameters())["transformer.wte.weight"]
+    assert isinstance(wte, DTensor) and wte.to_local().shape == (V // 4, 32), wte.to_local().shape
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step, seq in enumerate((13, 12)):
+        whole = _inputs(4, seq, 10 + step)
+        got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+        torch.testing.assert_close(got.loss, want.loss)
+        got.loss.backward()
+        want.loss.backward()
+        ours = dict(pm.named_parameters())
+        for name, q in eager.named_parameters():
+            grad = ours[name].grad
+            torch.testing.assert_close(grad.full_tensor() if isinstance(grad, DTensor) else grad, q.grad,
+                                       msg=lambda m, name=name, seq=seq: f"seq {seq}, grad {name}: {m}")  # fmt: skip
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        state, want_state = pm.state_dict(), eager.state_dict()
+        for name, value in want_state.items():
+            torch.testing.assert_close(state[name], value, msg=lambda m, name=name, seq=seq: f"seq {seq}, AdamW, {name}: {m}")
+
+
+def check_fsdp_over_cp() -> None:
+    """``data_parallel="fsdp"`` over a ``("cp",)`` mesh of 4: FSDP2 over the cp ranks; a causal block at
+    7 tokens (2, 2, 2, 1): each rank's output and every gradient (summed over cp) equal eager's."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    model = CausalSelfAttention().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),), data_parallel="fsdp")
+    assert pm.fsdp is not None and isinstance(dict(pm.named_parameters())["qkv.weight"], DTensor)
+    mine = torch.tensor_split(torch.arange(7), 4)[dist.get_rank()]
+    got, want = pm(local_batch(x, mesh)), eager(x)
+    torch.testing.assert_close(got, want[:, mine])
+    weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+    (got * weights[:, mine]).sum().backward()
+    (want * weights).sum().backward()
+    ours = dict(pm.named_parameters())
+    for name, q in eager.named_parameters():
+        torch.testing.assert_close(ours[name].grad.full_tensor(), q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+CHECKS = (("loss_exact", check_loss_exact_over_dp_and_cp), ("mean_exact", check_mean_of_split_values_exact),
+          ("fsdp", check_fsdp_over_dp_and_cp), ("fsdp_cp", check_fsdp_over_cp))
 
 
 def _entry(rank: int, world: int, port: int, checks: tuple, results: mp.Queue) -> None:

@@ -87,7 +87,7 @@ from dpcompile.runtime.distributed import MeshGroup
 from passes.collectives import group_size
 
 PASS = "lower_sequence_to_rank"
-_PER_DEVICE = re.compile(r"^(.*)_dev(\d+)$")
+_PER_DEVICE = re.compile(r"^(.*)_dev(\d+)(?:_\d+)?$")  # fx's suffix where two nodes asked for one name
 _LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values")
 #: cross-device steps of the one-process program that have no lowering to one rank yet
 REFUSED = {
@@ -114,7 +114,7 @@ class RankSites:
     """What :func:`lower_sequence_to_rank` rewrites: every device's nodes, and what it refuses."""
 
     devices: dict[fx.Node, int] = field(default_factory=dict)
-    counterparts: dict[tuple[str, int], fx.Node] = field(default_factory=dict)  # (base name, device) -> node
+    counterparts: dict[tuple[str, int, Any], fx.Node] = field(default_factory=dict)  # (base name, device, op) -> node
     refused: list[fx.Node] = field(default_factory=list)
     whole_parameters: list[tuple[fx.Node, fx.Node, str]] = field(default_factory=list)  # (whole node, reader, parameter)
     scaled_readers: set[fx.Node] = field(default_factory=set)  # their parameters' gradients scaled by 1/N
@@ -198,13 +198,19 @@ def _gradient_same_on_every_rank(reader: fx.Node, devices: Mapping[fx.Node, int]
     return True
 
 
+def _op_of(node: fx.Node) -> tuple[str, Any]:
+    """What a node runs: two devices' nodes of one name and source are counterparts only if alike (a
+    replica's module read, ``qkv_dev1``, is not the linear ``qkv_dev0`` that device 0 runs on the model's)."""
+    return node.op, node.target if isinstance(node.target, str) or node.op != "call_function" else id(node.target)
+
+
 def find_rank_sites(gm: fx.GraphModule) -> RankSites:
     sites = RankSites()
     for node in gm.graph.nodes:
         k = device_of(node)
         if k is not None:
             sites.devices[node] = k
-            sites.counterparts[(_PER_DEVICE.match(node.name).group(1), k)] = node  # type: ignore[union-attr]
+            sites.counterparts.setdefault((_PER_DEVICE.match(node.name).group(1), k, _op_of(node)), node)  # type: ignore[union-attr]
         if node.op == "call_function" and node.target in REFUSED:
             sites.refused.append(node)
         elif node.op == "call_function" and node.target is runtime.gather and not isinstance(node.args[1], int):
@@ -341,7 +347,7 @@ class _RankRewriter:
 
     def _counterpart(self, node: fx.Node) -> fx.Node | None:
         base = _PER_DEVICE.match(node.name).group(1)  # type: ignore[union-attr]
-        other = self.sites.counterparts.get((base, self.rank))
+        other = self.sites.counterparts.get((base, self.rank, _op_of(node)))
         if other is None or other.meta.get("dpcompile_source") != node.meta.get("dpcompile_source"):
             return None
         return other

@@ -20,6 +20,8 @@ same model and gets the program of its own rank:
 * **2-D mesh ("dp", "cp")**: that cp rank program on each dp rank's rows, DDP over every rank
   (``dp`` x ``cp`` flattened): the cp sums averaged over ``dp``; a mean over every token (the loss)
   is the whole batch's, its sum and count reduced over every rank.
+* **2-D mesh ("cp", "tp")**: the tensor-parallel rank program on this cp rank's part of the sequence,
+  attention's keys and values all-gathered over ``cp``, DDP over ``cp`` on each tp rank's shards.
 
 >>> # torchrun --nproc-per-node 2 train.py                                # doctest: +SKIP
 >>> dist.init_process_group("gloo")                                       # doctest: +SKIP
@@ -71,6 +73,7 @@ from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.tensor_parallel import aliased_plan, share_tied_shard, tied_groups, unaliased_findings
 from dpcompile.runtime.distributed import collective_failure
 from dpcompile.runtime.tensor_parallel import shard_of
+from passes.stage_shards import borrow_shapes
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ class SpmdRecipe(Recipe):
             )
         if mode == "spmd_context_parallel":
             return self._compile_context_parallel(model, device, example_inputs)
+        if mode == "spmd_context_tensor_parallel":
+            self._check_context_tensor_parallel(example_inputs)
         if mode == "spmd_data_parallel":
             if self.data_parallel == "fsdp":  # the blocks stay calls: fully_shard hooks their forward
                 blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
@@ -265,7 +270,10 @@ class SpmdRecipe(Recipe):
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
         styles, reasons = plan_for(gm, aliased_plan(self.plan), tp_size, model)
         devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
-        gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim, gm, example_inputs))
+        if mode == "spmd_context_tensor_parallel":
+            gm, records = self._lower_context_tensor_parallel(gm, devices, styles, device, example_inputs)
+        else:
+            gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim, gm, example_inputs))
         info = unaliased_findings(info_of(records, "shard_linear"))
         specs = dict(info.get("param_shards", {}))
         keep_own_shards(gm, own, specs, tp_rank)
@@ -294,12 +302,65 @@ class SpmdRecipe(Recipe):
         )
         return pm
 
+    # ------------------------------------------------------------------ context x tensor parallel
+    def _check_context_tensor_parallel(self, example_inputs: Sequence[Any] | None) -> None:
+        """What a ``("cp", "tp")`` mesh does not build yet, refused before anything is captured."""
+        where = "a ('cp', 'tp') mesh"
+        if example_inputs is None:
+            raise DpCompileError(
+                f"context parallel over {where} finds the sequence and attention's shapes from examples: pass "
+                "example_inputs= or example_kwargs= (this cp rank's part, dpcompile.mesh.local_batch)"
+            )
+        refused = {'data_parallel="fsdp"': self.data_parallel == "fsdp", "sequence_parallel=True": self.sequence_parallel}
+        for what in [name for name, given in refused.items() if given]:
+            raise DpCompileError(
+                f"{what} with {where} is not built yet: leave it out (the layers' shards replicated over cp, their "
+                "gradients summed over cp by DDP)"
+            )
+
+    def _lower_context_tensor_parallel(self, gm: fx.GraphModule, devices: Devices, styles: Mapping[str, str],
+                                       device: torch.device, examples: Sequence[Any]) -> tuple:  # fmt: skip
+        """``("cp", "tp")``: ``shard_linear``'s one-shard program, attention marked on it (each shard gathers
+        its own heads' keys and values), split along the sequence over ``cp`` virtual devices and cut to this
+        cp rank (``passes.lower_sequence_to_rank``), then its shard collectives lowered over ``tp``."""
+        drawn = [n for n in gm.graph.nodes if random_kind(gm, n) is not None]
+        if drawn and self.exact_random:
+            raise DpCompileError(
+                f"context parallel over a ('cp', 'tp') mesh: '{drawn[0].name}' draws random numbers, and drawing the "
+                "single-device values on sequence shards over a mesh is not built yet: pass exact_random=False (each "
+                "rank draws its own) or set its probability to 0"
+            )
+        input_dims = infer_input_dims(gm, batch_dim=1, example_inputs=examples)
+        input_dims = dict(without_sequence_replicated(gm, input_dims, examples))
+        options = passes.PipelineOptions(devices=devices, input_dims=input_dims, plan=dict(styles))
+        gm, records = run_passes(gm, passes.frontend_pipeline(options))
+        shapes = {n.name: {k: n.meta[k] for k in ("val", "tensor_meta") if k in n.meta} for n in gm.graph.nodes}
+        gm, sharded = run_passes(gm, passes.spmd_tensor_parallel_pipeline(options))
+        borrow_shapes(gm, shapes)  # the shard program's nodes keep the captured shapes attention is marked by
+        gm, marked = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
+        cp_world, cp_rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
+        cp_options = passes.PipelineOptions(devices=Devices((device,) * cp_world), input_dims=input_dims,
+                                            output_device=device, context_parallel=True)  # fmt: skip
+        lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=cp_rank,
+                                  input_dims=input_dims)  # fmt: skip
+        tp_rank = self.mesh.get_local_rank("tp")
+        gm, lowered = run_passes(gm, passes.data_parallel_pipeline(cp_options) + [lower]
+                                 + passes.exact_random_rank_pipeline(options, tp_rank=tp_rank, dp_size=None)
+                                 + passes.spmd_pipeline(options, mesh=self.mesh, tp_dim="tp"))  # fmt: skip
+        return gm, records + sharded + marked + lowered
+
     # ------------------------------------------------------------------ variants
     def build_program(self, pm: SpmdModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         source = pm.traced_model
         if source is None:
             raise pm.cannot_trace_again(key)
         flags = dict(key.flags) or None
+        if pm.mode == "spmd_context_tensor_parallel":
+            raise DpCompileError(
+                f"the call ({key.describe()}) takes another path through forward than the one traced, and tracing "
+                "again over a ('cp', 'tp') mesh is not built yet: transform the model for that call (its mode, its "
+                "arguments given or left None)"
+            )
         if pm.mode == "spmd_context_parallel":  # every rank departs alike: the same program, traced again
             with modes_applied(source, key.modes):
                 traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)

@@ -4,7 +4,8 @@ the dp ranks' rows and the cp ranks' tokens, so each dp group's mean counts diff
 eager on the whole batch: the loss on every rank is the whole batch's mean (its sum and count reduced
 over every dp x cp rank) and every gradient is eager's, under DDP; and under FSDP2
 (``data_parallel="fsdp"``, ``fully_shard`` over the flattened dp x cp ranks), two AdamW steps give
-eager's parameters. One spawned group of 4 runs every check."""
+eager's parameters. A ("cp", "tp") mesh of 2 x 2 (the tensor-parallel program on each cp rank's tokens):
+a causal block and GPT-2 equal eager. One spawned group of 4 runs every check."""
 
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def check_fsdp_over_dp_and_cp() -> None:
     eager = copy.deepcopy(model)
     pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(4, 13, 0), mesh), frontend="export",
                              data_parallel="fsdp")  # fmt: skip
-    assert pm.fsdp is not None and pm.ddp is None
+    assert pm.fsdp is not None and pm.ddp is None and pm.strategies["dp"] == "data parallel (fsdp)", pm.strategies
     wte = dict(pm.named_parameters())["transformer.wte.weight"]
     assert isinstance(wte, DTensor) and wte.to_local().shape == (V // 4, 32), wte.to_local().shape
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
@@ -187,8 +188,93 @@ def check_fsdp_over_cp() -> None:
         torch.testing.assert_close(ours[name].grad.full_tensor(), q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
+def _assert_shard_grads_equal(pm, eager, what: str) -> None:
+    """Every parameter's gradient on this rank equals eager's, cut to this tp rank's shard where it is one."""
+    import torch
+
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    tp_rank = pm.mesh.get_local_rank("tp")
+    ours = dict(pm.named_parameters())
+    for name, q in eager.named_parameters():
+        assert ours[name].grad is not None, f"{what}: no gradient reached {name}"
+        want = shard_of(q.grad, pm.shards[name], tp_rank) if name in pm.shards else q.grad
+        torch.testing.assert_close(ours[name].grad, want, msg=lambda m, name=name: f"{what}, grad {name}: {m}")
+
+
+def check_block_over_cp_and_tp() -> None:
+    """A ("cp", "tp") mesh of 2 x 2: a causal block's layers sharded over tp, each cp rank passing its part
+    of 7 tokens (4 and 3); its output and every gradient (this rank's shard, summed over cp by DDP) equal
+    eager's."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    torch.manual_seed(0)
+    model = CausalSelfAttention().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),), tensor_parallel=True)
+    assert pm.mode == "spmd_context_tensor_parallel" and pm.ddp is not None and pm.shards, pm.mode
+    assert "attention_over_group" in pm.code and "tp_group" in pm.code, pm.code
+    mine = torch.tensor_split(torch.arange(7), 2)[mesh.get_local_rank("cp")]
+    got, want = pm(local_batch(x, mesh)), eager(x)
+    torch.testing.assert_close(got, want[:, mine])
+    weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+    (got * weights[:, mine]).sum().backward()
+    (want * weights).sum().backward()
+    _assert_shard_grads_equal(pm, eager, "block")
+
+
+def check_gpt2_over_cp_and_tp() -> None:
+    """GPT-2 with ``labels=`` over a ("cp", "tp") mesh of 2 x 2, at 13 tokens (7 and 6 per cp rank) then 12:
+    this cp rank's logits, the loss (the whole sequence's, on every rank) and every gradient (this rank's
+    shard) equal eager's; then two SGD steps' parameters (``pm.state_dict()``, whole tensors) do. (Not AdamW:
+    GPT-2 computes its loss in float32, and Adam's first steps turn a gradient near 0 rounded otherwise, by
+    the split sums, into a visibly different update.)"""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    torch.manual_seed(0)
+    model = _gpt2()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(2, 13, 0), mesh), frontend="export",
+                             tensor_parallel=True)  # fmt: skip
+    assert pm.mode == "spmd_context_tensor_parallel" and "attention_over_group" in pm.code, pm.code
+    assert "transformer.h.0.attn.c_attn.weight" in pm.shards and "transformer.h.0.mlp.c_fc.weight" in pm.shards
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    for step, seq in enumerate((13, 12)):
+        whole = _inputs(2, seq, 20 + step)
+        mine = torch.tensor_split(torch.arange(seq), 2)[mesh.get_local_rank("cp")]
+        got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+        torch.testing.assert_close(got.logits, want.logits[:, mine])
+        torch.testing.assert_close(got.loss, want.loss)
+        got.loss.backward()
+        want.loss.backward()
+        _assert_shard_grads_equal(pm, eager, f"GPT-2, {seq} tokens")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        state = pm.state_dict()
+        for name, value in eager.state_dict().items():
+            torch.testing.assert_close(state[name], value, msg=lambda m, name=name, seq=seq: f"seq {seq}, AdamW, {name}: {m}")
+
+
 CHECKS = (("loss_exact", check_loss_exact_over_dp_and_cp), ("mean_exact", check_mean_of_split_values_exact),
-          ("fsdp", check_fsdp_over_dp_and_cp), ("fsdp_cp", check_fsdp_over_cp))
+          ("fsdp", check_fsdp_over_dp_and_cp), ("fsdp_cp", check_fsdp_over_cp),
+          ("cp_tp_block", check_block_over_cp_and_tp), ("cp_tp_gpt2", check_gpt2_over_cp_and_tp))
 
 
 def _entry(rank: int, world: int, port: int, checks: tuple, results: mp.Queue) -> None:

@@ -311,11 +311,10 @@ class SpmdRecipe(Recipe):
                 f"context parallel over {where} finds the sequence and attention's shapes from examples: pass "
                 "example_inputs= or example_kwargs= (this cp rank's part, dpcompile.mesh.local_batch)"
             )
-        refused = {'data_parallel="fsdp"': self.data_parallel == "fsdp", "sequence_parallel=True": self.sequence_parallel}
-        for what in [name for name, given in refused.items() if given]:
+        if self.data_parallel == "fsdp":  # sequence_parallel=True is refused by the keyword checks
             raise DpCompileError(
-                f"{what} with {where} is not built yet: leave it out (the layers' shards replicated over cp, their "
-                "gradients summed over cp by DDP)"
+                f'data_parallel="fsdp" with {where} is not built yet: leave it out (the layers\' shards replicated '
+                "over cp, their gradients summed over cp by DDP)"
             )
 
     def _lower_context_tensor_parallel(self, gm: fx.GraphModule, devices: Devices, styles: Mapping[str, str],

@@ -46,27 +46,36 @@ def _mesh():
 
 
 def check_loss_exact_over_dp_and_cp() -> None:
-    """DDP: at 13 tokens (7 and 6 per cp rank), 4 rows (2 per dp rank) then 3 (2 and 1), the loss on
-    every rank is eager's whole-batch loss, and the loss's and the rank's logits' gradients (the
-    logits' averaged over dp, as DDP does) equal eager's."""
+    """DDP: 4 rows (2 per dp rank) at 12 tokens (6 per cp rank), then 3 rows (2 and 1) at 13 tokens (7
+    and 6): this rank's logits, the loss on every rank (eager's whole-batch loss), the gradients of the
+    loss plus the rank's weighted logits (the logits' term averaged over dp, as DDP does) and, after each
+    of 2 AdamW steps, every parameter equal eager's; tensor_parallel= with this mesh is refused by name."""
     import copy
 
+    import pytest
     import torch
+    from torch import nn
 
     import dpcompile
+    from dpcompile import DpCompileError
     from dpcompile.mesh import local_batch
 
     mesh = _mesh()
+    with pytest.raises(DpCompileError, match=r"tensor_parallel= with a \('dp', 'cp'\) mesh is not built"):
+        dpcompile.transform(nn.Linear(16, 16), mesh, example_inputs=(torch.randn(1, 3, 16),), tensor_parallel=True)
     torch.manual_seed(0)
     model = _gpt2()
     eager = copy.deepcopy(model)
     pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(4, 13, 0), mesh), frontend="export")
-    assert "mean_over_batch" in pm.code, pm.code
-    mine = torch.tensor_split(torch.arange(13), 2)[mesh.get_local_rank("cp")]
-    for rows in (4, 3):
-        whole = _inputs(rows, 13, rows)
+    assert pm.mode == "spmd_context_parallel" and pm.ddp is not None and "mean_over_batch" in pm.code, pm.code
+    assert pm.layout == {"dp": 2, "cp": 2} and pm.strategies["dp"] == "data parallel (replicate)", pm.strategies
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for rows, seq in ((4, 12), (3, 13)):
+        whole = _inputs(rows, seq, rows)
         ours = torch.tensor_split(torch.arange(rows), 2)[mesh.get_local_rank("dp")]
+        mine = torch.tensor_split(torch.arange(seq), 2)[mesh.get_local_rank("cp")]
         got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+        torch.testing.assert_close(got.logits, want.logits[ours][:, mine])
         torch.testing.assert_close(got.loss, want.loss)  # the whole batch's, on every rank
         weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
         (got.loss + (got.logits * weights[ours][:, mine]).sum()).backward()
@@ -74,8 +83,11 @@ def check_loss_exact_over_dp_and_cp() -> None:
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             assert p.grad is not None, f"no gradient reached {name}"
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name, rows=rows: f"{rows} rows, grad {name}: {m}")
-        model.zero_grad()
-        eager.zero_grad()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, msg=lambda m, name=name, rows=rows: f"{rows} rows, AdamW, {name}: {m}")
 
 
 def check_mean_of_split_values_exact() -> None:
@@ -272,9 +284,38 @@ def check_gpt2_over_cp_and_tp() -> None:
             torch.testing.assert_close(state[name], value, msg=lambda m, name=name, seq=seq: f"seq {seq}, AdamW, {name}: {m}")
 
 
+def check_cp_tp_refusals() -> None:
+    """Over a ("cp", "tp") mesh: FSDP, sequence_parallel=True, a dropout under exact_random=True and a call
+    that departs from the traced one (eval mode) are refused by name; tensor_parallel= left out too."""
+    import pytest
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile import DpCompileError
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_context_parallel import CausalSelfAttention
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    x = local_batch(torch.randn(2, 7, 16), mesh)
+    for kwargs, match in (({}, r"a \('cp', 'tp'\) mesh needs tensor_parallel=True"),
+                          ({"data_parallel": "fsdp"}, r'data_parallel="fsdp" with a \(\'cp\', \'tp\'\) mesh is not built'),
+                          ({"sequence_parallel": True}, r"sequence_parallel=True with cp over a DeviceMesh is not built")):  # fmt: skip
+        with pytest.raises(DpCompileError, match=match):
+            dpcompile.transform(CausalSelfAttention(), mesh, example_inputs=(x,), tensor_parallel=bool(kwargs), **kwargs)
+    with pytest.raises(DpCompileError, match="draws random numbers"):
+        dropout = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1))
+        dpcompile.transform(dropout, mesh, example_inputs=(x,), tensor_parallel=True)
+    pm = dpcompile.transform(CausalSelfAttention(), mesh, example_inputs=(x,), tensor_parallel=True)
+    pm.eval()
+    with pytest.raises(DpCompileError, match=r"tracing again over a \('cp', 'tp'\) mesh is not built"):
+        pm(x)
+
+
 CHECKS = (("loss_exact", check_loss_exact_over_dp_and_cp), ("mean_exact", check_mean_of_split_values_exact),
           ("fsdp", check_fsdp_over_dp_and_cp), ("fsdp_cp", check_fsdp_over_cp),
-          ("cp_tp_block", check_block_over_cp_and_tp), ("cp_tp_gpt2", check_gpt2_over_cp_and_tp))
+          ("cp_tp_block", check_block_over_cp_and_tp), ("cp_tp_gpt2", check_gpt2_over_cp_and_tp),
+          ("cp_tp_refused", check_cp_tp_refusals))
 
 
 def _entry(rank: int, world: int, port: int, checks: tuple, results: mp.Queue) -> None:

@@ -136,7 +136,7 @@ def transform(
         batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
         if context_parallel and copies > 1:  # the export keeps the batch dynamic too: the copies split it
             dynamic_dims = _batch_also_dynamic(dynamic_dims)
-    elif is_device_mesh(devices) and tuple(devices.mesh_dim_names or ()) in (("cp",), ("dp", "cp")):
+    elif is_device_mesh(devices) and tuple(devices.mesh_dim_names or ()) in (("cp",), ("dp", "cp"), ("cp", "tp")):
         batch_dim = _sequence_dim(batch_dim, memory_per_device)  # the frontend keeps the sequence dynamic
         if devices.ndim == 2:  # and the batch: dp ranks may hold different numbers of rows
             dynamic_dims = _batch_also_dynamic(dynamic_dims)

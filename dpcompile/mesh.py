@@ -15,7 +15,8 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     DeviceMesh = None
 
-SPMD_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d", "spmd_context_parallel")
+SPMD_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d", "spmd_context_parallel",
+              "spmd_context_tensor_parallel")  # fmt: skip
 
 
 def is_device_mesh(devices: object) -> bool:
@@ -35,10 +36,17 @@ def check_mesh(mesh: Any, tensor_parallel: object) -> tuple[str, str | int | Non
         if wants_tp:
             raise DpCompileError(
                 f"tensor_parallel= with a {names} mesh is not built yet: context parallel over a mesh splits the "
-                "sequence (and the batch over 'dp') alone; leave tensor_parallel= out, or use a ('tp',) or "
-                "('dp', 'tp') mesh"
+                "sequence (and the batch over 'dp') alone; leave tensor_parallel= out, or use a ('cp', 'tp'), ('tp',) "
+                "or ('dp', 'tp') mesh"
             )
         return "spmd_context_parallel", names[0], None
+    if names == ("cp", "tp"):  # the tensor-parallel program on this rank's part of the sequence
+        if not wants_tp:
+            raise DpCompileError(
+                "a ('cp', 'tp') mesh needs tensor_parallel=True or a plan (its 'tp' dim shards the layers); for "
+                "context parallel alone pass a ('cp',) mesh"
+            )
+        return "spmd_context_tensor_parallel", "cp", "tp"
     if mesh.ndim == 1:
         dim: str | int = names[0] if names else 0
         if wants_tp:
@@ -86,12 +94,15 @@ def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:
     ``"tp"`` is all data parallel); tensor-parallel ranks of one dp group get the same part,
     and a ``("tp",)`` or ``("pp",)`` mesh gets the whole batch. A ``("cp",)`` mesh splits the
     sequence, dim 1 of batch-first inputs (a tensor without one, a classifier's labels, whole); a
-    ``("dp", "cp")`` mesh splits the batch over ``dp``, then the sequence over ``cp``.
+    ``("dp", "cp")`` mesh splits the batch over ``dp``, then the sequence over ``cp``; a ``("cp", "tp")``
+    mesh the sequence over ``cp`` (tp ranks of one cp rank get the same part).
     Non-tensor leaves are passed through.
 
     >>> x_local, y_local = local_batch((x, y), mesh)  # doctest: +SKIP
     """
     names = tuple(mesh.mesh_dim_names or ())
+    if names == ("cp", "tp"):  # the cp rank's part of the sequence, the same on its tp ranks
+        return local_batch(value, mesh["cp"])
     if names == ("dp", "cp"):  # the dp rank's rows, then its cp rank's part of their sequence
         return local_batch(local_batch(value, mesh["dp"], dim), mesh["cp"])
     if names == ("cp",):

@@ -33,7 +33,8 @@ CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 #: in one process ``dp`` composes over any other program (:func:`replicate_over_dp`)
 BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}, {"cp"},
                      {"dp", "cp"}, {"cp", "tp"})
-BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"}, {"cp"}, {"dp", "cp"})
+BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"}, {"cp"}, {"dp", "cp"},
+                   {"cp", "tp"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -274,8 +275,9 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
         nearest = (
             "mesh={'cp': N}, mesh={'dp': D, 'cp': N} or mesh={'cp': N, 'tp': T} in one process (the sequence split, "
             "attention's keys and values all-gathered; dp copies of that program over virtual devices; its "
-            "layers sharded over tp), a ('cp',) or ('dp', 'cp') DeviceMesh, or leave 'cp' out: the sequence then stays whole on each "
-            "device"
+            "layers sharded over tp), a ('cp',) or ('dp', 'cp') DeviceMesh (parameters replicated, or data_parallel='fsdp': "
+            "sharded over every rank), a ('cp', 'tp') DeviceMesh with tensor_parallel=, or leave 'cp' out: the sequence "
+            "then stays whole on each device"
         )
     else:
         nearest = (

@@ -16,6 +16,7 @@ one process (device ``r`` of ``N``)                 rank ``r`` of the ``cp`` gro
 ``attention_regathered(q, [k_0, ...], [v_0, ...])``  ``attention_over_group(q, k_r, v_r, cp_group, dim, sizes)``
 ``batch_arange([s_0, ...], r)`` (and its kin)       ``batch_arange(sequence_sizes(s_r, cp_group), r)``
 ``mean_of_partials`` / ``reduce_add``                ``mean_over_group`` / ``all_reduce``
+``mean_of_partials`` to a scalar, ``("dp", "cp")``   ``mean_over_batch`` over every ``dp x cp`` rank
 ``running_sum(x_r, [x_0, ..., x_r-1], dim)``         ``running_sum_over_group(x_r, cp_group, dim)``
 =================================================  ==================================================
 
@@ -24,6 +25,9 @@ the gathered logits) runs on every rank, the same values; backward through a gat
 rank's own slice, so the ranks' parameter gradients summed over ``cp`` are the single-device ones.
 DDP averages them: the returned values' gradients are scaled by ``N`` (the inputs' back by
 ``1/N``, ``scale_gradient``), so the average is that sum, with gradients accumulated too.
+Over a ``("dp", "cp")`` mesh (``batch_mesh``: its flattened ``dp_cp`` mesh) a mean over every token
+(a scalar: the loss) is reduced over all the ranks (``runtime.context_parallel_mesh.mean_over_batch``),
+the whole batch's sum over its count, its gradient scaled by the dp size (DDP averages over dp too).
 The program's head checks, with one all-gather of the first split input's length, that the ranks'
 shards are the balanced ``tensor_split`` parts one process makes.
 
@@ -77,11 +81,13 @@ from dpcompile import runtime
 from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import distributed as dist_rt
+from dpcompile.runtime import exported
+from dpcompile.runtime.context_parallel_mesh import mean_over_batch
 from dpcompile.runtime.distributed import MeshGroup
 from passes.collectives import group_size
 
 PASS = "lower_sequence_to_rank"
-_PER_DEVICE = re.compile(r"^(.*)_dev(\d+)$")
+_PER_DEVICE = re.compile(r"^(.*)_dev(\d+)(?:_\d+)?$")  # fx's suffix where two nodes asked for one name
 _LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values")
 #: cross-device steps of the one-process program that have no lowering to one rank yet
 REFUSED = {
@@ -90,6 +96,7 @@ REFUSED = {
     runtime.max_length: "a packed sequence's longest length",
     runtime.broadcast: "a broadcast between devices",
 }
+_LOSS_COUNTS = (exported.cross_entropy_count, exported.element_count)
 #: runtime calls whose argument ``sizes`` lists every device's length, and ``k`` names the device
 _SIZES_AT = {runtime.batch_arange: 0, runtime.rows_of_shard: 2, runtime.local_positions: 1}
 
@@ -107,7 +114,7 @@ class RankSites:
     """What :func:`lower_sequence_to_rank` rewrites: every device's nodes, and what it refuses."""
 
     devices: dict[fx.Node, int] = field(default_factory=dict)
-    counterparts: dict[tuple[str, int], fx.Node] = field(default_factory=dict)  # (base name, device) -> node
+    counterparts: dict[tuple[str, int, Any], fx.Node] = field(default_factory=dict)  # (base name, device, op) -> node
     refused: list[fx.Node] = field(default_factory=list)
     whole_parameters: list[tuple[fx.Node, fx.Node, str]] = field(default_factory=list)  # (whole node, reader, parameter)
     scaled_readers: set[fx.Node] = field(default_factory=set)  # their parameters' gradients scaled by 1/N
@@ -191,13 +198,19 @@ def _gradient_same_on_every_rank(reader: fx.Node, devices: Mapping[fx.Node, int]
     return True
 
 
+def _op_of(node: fx.Node) -> tuple[str, Any]:
+    """What a node runs: two devices' nodes of one name and source are counterparts only if alike (a
+    replica's module read, ``qkv_dev1``, is not the linear ``qkv_dev0`` that device 0 runs on the model's)."""
+    return node.op, node.target if isinstance(node.target, str) or node.op != "call_function" else id(node.target)
+
+
 def find_rank_sites(gm: fx.GraphModule) -> RankSites:
     sites = RankSites()
     for node in gm.graph.nodes:
         k = device_of(node)
         if k is not None:
             sites.devices[node] = k
-            sites.counterparts[(_PER_DEVICE.match(node.name).group(1), k)] = node  # type: ignore[union-attr]
+            sites.counterparts.setdefault((_PER_DEVICE.match(node.name).group(1), k, _op_of(node)), node)  # type: ignore[union-attr]
         if node.op == "call_function" and node.target in REFUSED:
             sites.refused.append(node)
         elif node.op == "call_function" and node.target is runtime.gather and not isinstance(node.args[1], int):
@@ -222,9 +235,12 @@ def find_rank_sites(gm: fx.GraphModule) -> RankSites:
 
 
 def lower_sequence_to_rank(
-    gm: fx.GraphModule, *, mesh: Any, cp_dim: str, rank: int, input_dims: Mapping[str, int | None]
-) -> PassResult:
-    """Rank ``rank``'s program over the ``cp_dim`` group of ``mesh`` (see the module's docstring)."""
+    gm: fx.GraphModule, *, mesh: Any, cp_dim: str, rank: int, input_dims: Mapping[str, int | None],
+    batch_mesh: Any = None, dp_dim: str | None = None,
+) -> PassResult:  # fmt: skip
+    """Rank ``rank``'s program over the ``cp_dim`` group of ``mesh`` (see the module's docstring);
+    over a ``(dp_dim, cp_dim)`` mesh, ``batch_mesh`` is it flattened: a mean over every token is
+    reduced over all its ranks."""
     sites = find_rank_sites(gm)
     if sites.refused:
         node = sites.refused[0]
@@ -245,7 +261,14 @@ def lower_sequence_to_rank(
         )
     if not isinstance(getattr(gm, "cp_group", None), MeshGroup):
         gm.add_submodule("cp_group", MeshGroup(mesh, cp_dim))
-    rewriter = _RankRewriter(gm, sites, rank, dict(input_dims), group_size(mesh, cp_dim) or _world_of(sites))
+    world = group_size(mesh, cp_dim) or _world_of(sites)
+    replicas = None
+    if batch_mesh is not None and dp_dim is not None:
+        replicas = batch_mesh.size() // world
+        for name, group in (("dp_group", MeshGroup(mesh, dp_dim)), ("dp_cp_group", MeshGroup(batch_mesh, batch_mesh.mesh_dim_names[0]))):
+            if not isinstance(getattr(gm, name, None), MeshGroup):
+                gm.add_submodule(name, group)
+    rewriter = _RankRewriter(gm, sites, rank, dict(input_dims), world, replicas)
     gm.graph = rewriter.build()
     gm.graph.eliminate_dead_code(is_impure_node=_keeps)
     return PassResult(gm, True, {"rank": rank, "collectives": rewriter.lowered})
@@ -270,14 +293,34 @@ def _is_output_structure(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, type) and _only_returned(node)
 
 
+def _is_scalar(node: fx.Node) -> bool:
+    """Whether a ``mean_of_partials`` is a mean over every element (a 0-dim value, or counts of
+    every element: ``numel``, a loss's ``target_weight``), not over some dims (``numel_over``)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.dim() == 0
+    counts = node.args[1]
+    first = counts[0] if isinstance(counts, (list, tuple)) and counts else None
+    return isinstance(first, fx.Node) and first.target in (runtime.numel, runtime.target_weight)
+
+
+def _is_mean_loss(node: fx.Node) -> bool:
+    """``loss_sum / count``: a loss with ``reduction="mean"`` as the export frontend writes it
+    (``capture.rewrite``), its count ``cross_entropy_count`` (tokens not ignored) or ``element_count``."""
+    count = node.args[1] if node.op == "call_function" and node.target is operator.truediv else None
+    return isinstance(count, fx.Node) and count.op == "call_function" and count.target in _LOSS_COUNTS
+
+
 def _keeps(node: fx.Node) -> bool:
     """What dead-code elimination keeps: the head's check of the shards, and what fx keeps anyway."""
     return node.target is dist_rt.sequence_sizes or node.is_impure()
 
 
 class _RankRewriter:
-    def __init__(self, gm: fx.GraphModule, sites: RankSites, rank: int, input_dims: dict[str, int | None], world: int):
+    def __init__(self, gm: fx.GraphModule, sites: RankSites, rank: int, input_dims: dict[str, int | None], world: int,
+                 replicas: int | None = None):  # fmt: skip
         self.gm, self.sites, self.rank, self.input_dims, self.world = gm, sites, rank, input_dims, world
+        self.replicas = replicas  # the dp size over a ("dp", "cp") mesh, else None
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.group: fx.Node | None = None
@@ -304,7 +347,7 @@ class _RankRewriter:
 
     def _counterpart(self, node: fx.Node) -> fx.Node | None:
         base = _PER_DEVICE.match(node.name).group(1)  # type: ignore[union-attr]
-        other = self.sites.counterparts.get((base, self.rank))
+        other = self.sites.counterparts.get((base, self.rank, _op_of(node)))
         if other is None or other.meta.get("dpcompile_source") != node.meta.get("dpcompile_source"):
             return None
         return other
@@ -401,7 +444,15 @@ class _RankRewriter:
             return self.call(target, tuple(args), self.mapped(node.kwargs), name=node.name, source=node)
         if target is runtime.mean_of_partials:
             sums, counts = node.args[0], node.args[1]
+            if self.replicas is not None and _is_scalar(node):  # over every token: every dp x cp rank's
+                group = stamp(self.graph.get_attr("dp_cp_group"), PASS, node)
+                args = (self.mine(sums), self.mine(counts), group, self.replicas)
+                return self._collective(mean_over_batch, args, node)
             return self._collective(dist_rt.mean_over_group, (self.mine(sums), self.mine(counts), self.group), node)
+        if self.replicas is not None and node not in self.sites.devices and _is_mean_loss(node):
+            group = stamp(self.graph.get_attr("dp_group"), PASS, node)  # whole over cp: the same on its ranks
+            args = (self.value(node.args[0]), self.value(node.args[1]), group, self.replicas)
+            return self._collective(mean_over_batch, args, node)
         if target is runtime.reduce_add:
             return self._collective(dist_rt.all_reduce, (self.mine(node.args[0]), self.group), node)
         if target is runtime.running_sum:

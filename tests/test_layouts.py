@@ -263,7 +263,8 @@ def test_layout_exact_random_true_over_a_mesh_is_honoured(names):
 def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():
     """A ('pp', 'dp', 'tp') DeviceMesh and FSDP with a pipeline pass the keyword checks (built:
     tests/integration/test_pipeline_mesh_compose.py); a ('cp',) or ('dp', 'cp') mesh passes too (built:
-    tests/integration/test_context_parallel_mesh.py), 'cp' beside 'pp' or 'tp' is refused by name."""
+    tests/integration/test_context_parallel_mesh.py), and a ('cp', 'tp') one (test_context_parallel_mesh_dp.py);
+    'cp' beside 'pp', or with 'dp' and 'tp', is refused by name."""
     from dpcompile.keywords import check_keywords_honoured
     from dpcompile.target import mesh_layout
 
@@ -275,8 +276,9 @@ def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():
     check_keywords_honoured(_unjoined_mesh((2, 2), ("dp", "cp")))
     with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use mesh=\{'cp': N\}, mesh=\{'dp': D, 'cp': N\} or mesh=\{'cp': N, 'tp': T\} in one process"):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "cp")), pipeline=2)
-    with pytest.raises(DpCompileError, match=r"a \('cp',\) or \('dp', 'cp'\) DeviceMesh"):
-        check_keywords_honoured(_unjoined_mesh((2, 2), ("cp", "tp")), tensor_parallel=True)
+    with pytest.raises(DpCompileError, match=r"a \('cp',\) or \('dp', 'cp'\) DeviceMesh .*, a \('cp', 'tp'\) DeviceMesh"):
+        check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("dp", "cp", "tp")), tensor_parallel=True)
+    check_keywords_honoured(_unjoined_mesh((2, 2), ("cp", "tp")), tensor_parallel=True)
 
 
 def test_layout_survives_pickling():

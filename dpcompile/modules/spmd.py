@@ -58,7 +58,8 @@ class SpmdModule(ParallelModule):
     """One rank's program of an SPMD ``ParallelModule``. Build it with ``dpcompile.transform(model, mesh)``.
 
     ``pm.mode`` is ``"spmd_data_parallel"``, ``"spmd_tensor_parallel"``, ``"spmd_2d"`` or
-    ``"spmd_context_parallel"`` (DDP over ``"cp"``, or over ``"dp_cp"``, the flattened ``("dp", "cp")`` mesh);
+    ``"spmd_context_parallel"`` (DDP over ``"cp"``, or over ``"dp_cp"``, the flattened ``("dp", "cp")`` mesh)
+    or ``"spmd_context_tensor_parallel"`` (a ``("cp", "tp")`` mesh, DDP over ``"cp"``);
     ``pm.mesh`` the mesh; ``pm.ddp`` the ``DistributedDataParallel`` that runs it where there
     is a data-parallel dimension (None otherwise); with tensor parallelism ``pm.plan`` and
     ``pm.plan_reasons`` as in single-process mode, and ``pm.shards`` ``{state key: ShardSpec}``

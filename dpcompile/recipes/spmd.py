@@ -18,7 +18,10 @@ same model and gets the program of its own rank:
   cut to this rank (``passes.lower_sequence_to_rank``): each rank feeds its part of the
   sequence, attention all-gathers keys and values over ``cp``, DDP gives the summed gradients.
 * **2-D mesh ("dp", "cp")**: that cp rank program on each dp rank's rows, DDP over every rank
-  (``dp`` x ``cp`` flattened): the cp sums averaged over ``dp``.
+  (``dp`` x ``cp`` flattened): the cp sums averaged over ``dp``; a mean over every token (the loss)
+  is the whole batch's, its sum and count reduced over every rank.
+* **2-D mesh ("cp", "tp")**: the tensor-parallel rank program on this cp rank's part of the sequence,
+  attention's keys and values all-gathered over ``cp``, DDP over ``cp`` on each tp rank's shards.
 
 >>> # torchrun --nproc-per-node 2 train.py                                # doctest: +SKIP
 >>> dist.init_process_group("gloo")                                       # doctest: +SKIP
@@ -70,6 +73,7 @@ from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.tensor_parallel import aliased_plan, share_tied_shard, tied_groups, unaliased_findings
 from dpcompile.runtime.distributed import collective_failure
 from dpcompile.runtime.tensor_parallel import shard_of
+from passes.stage_shards import borrow_shapes
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,8 @@ class SpmdRecipe(Recipe):
             )
         if mode == "spmd_context_parallel":
             return self._compile_context_parallel(model, device, example_inputs)
+        if mode == "spmd_context_tensor_parallel":
+            self._check_context_tensor_parallel(example_inputs)
         if mode == "spmd_data_parallel":
             if self.data_parallel == "fsdp":  # the blocks stay calls: fully_shard hooks their forward
                 blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
@@ -176,17 +182,14 @@ class SpmdRecipe(Recipe):
         """The program one process builds for ``mesh={"cp": N}`` over ``N`` virtual devices, cut to
         this rank's part with its exchanges over the ``cp`` group (``passes.lower_sequence_to_rank``);
         DDP over ``cp`` averages the ranks' gradients, which the program scales so that the average is
-        the sum of their shares: the single-device gradient."""
+        the sum of their shares: the single-device gradient. ``data_parallel="fsdp"``: FSDP2 instead,
+        ``fully_shard`` over every rank (``dp x cp`` flattened, as torchtitan's ``dp_shard_cp``): its
+        reduce-scatter averages as DDP does."""
         where = f"a {tuple(self.mesh.mesh_dim_names)} mesh"
         if example_inputs is None:
             raise DpCompileError(
                 f"context parallel over {where} finds the sequence and attention's shapes from examples: pass "
                 "example_inputs= or example_kwargs= (this rank's shard, e.g. input_ids=, labels=)"
-            )
-        if self.data_parallel == "fsdp":
-            raise DpCompileError(
-                f'data_parallel="fsdp" with {where} is not built yet: leave data_parallel= out (the '
-                "parameters are replicated, their gradients summed over cp and averaged over dp by DDP)"
             )
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
@@ -204,8 +207,9 @@ class SpmdRecipe(Recipe):
                         output_device=device, records=records, class_name=type(model).__name__, share_all_of=model,
                         source=source, flags=flags, none_args=nones)  # fmt: skip
         pm.captured_code = captured_code
-        ddp_mesh = self.mesh if self.mesh.ndim == 1 else self.mesh._flatten("dp_cp")  # one DDP over every rank
-        pm.attach_mesh(mesh=ddp_mesh, dp_dim=ddp_mesh.mesh_dim_names[0], tp_dim=None, ddp_options=self.ddp_options)
+        ddp_mesh = self._batch_mesh() or self.mesh  # one DDP (or FSDP) over every rank
+        pm.attach_mesh(mesh=ddp_mesh, dp_dim=ddp_mesh.mesh_dim_names[0], tp_dim=None, ddp_options=self.ddp_options,
+                       fsdp=self.fsdp_options())  # fmt: skip
         return pm
 
     def _lower_context_parallel(self, gm: fx.GraphModule, device: torch.device, examples: Sequence[Any]) -> tuple:
@@ -217,8 +221,13 @@ class SpmdRecipe(Recipe):
         options = passes.PipelineOptions(devices=Devices((device,) * world), input_dims=dict(input_dims),
                                          output_device=device, context_parallel=True)  # fmt: skip
         lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=rank,
-                                  input_dims=dict(input_dims))  # fmt: skip
+                                  input_dims=dict(input_dims), batch_mesh=self._batch_mesh(),
+                                  dp_dim="dp" if self.mesh.ndim == 2 else None)  # fmt: skip
         return run_passes(gm, passes.frontend_pipeline(options) + passes.data_parallel_pipeline(options) + [lower])
+
+    def _batch_mesh(self) -> Any:
+        """A ``("dp", "cp")`` mesh flattened to one ``dp_cp`` dimension (every rank), else None."""
+        return self.mesh._flatten("dp_cp") if self.mesh.ndim == 2 else None
 
     # ------------------------------------------------------------------ tensor parallel
     def _tensor_parallel_pipeline(self, devices: Devices, styles: Mapping[str, str], dp_dim: Any, tp_dim: Any,
@@ -261,7 +270,10 @@ class SpmdRecipe(Recipe):
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
         styles, reasons = plan_for(gm, aliased_plan(self.plan), tp_size, model)
         devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
-        gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim, gm, example_inputs))
+        if mode == "spmd_context_tensor_parallel":
+            gm, records = self._lower_context_tensor_parallel(gm, devices, styles, device, example_inputs)
+        else:
+            gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim, gm, example_inputs))
         info = unaliased_findings(info_of(records, "shard_linear"))
         specs = dict(info.get("param_shards", {}))
         keep_own_shards(gm, own, specs, tp_rank)
@@ -290,12 +302,64 @@ class SpmdRecipe(Recipe):
         )
         return pm
 
+    # ------------------------------------------------------------------ context x tensor parallel
+    def _check_context_tensor_parallel(self, example_inputs: Sequence[Any] | None) -> None:
+        """What a ``("cp", "tp")`` mesh does not build yet, refused before anything is captured."""
+        where = "a ('cp', 'tp') mesh"
+        if example_inputs is None:
+            raise DpCompileError(
+                f"context parallel over {where} finds the sequence and attention's shapes from examples: pass "
+                "example_inputs= or example_kwargs= (this cp rank's part, dpcompile.mesh.local_batch)"
+            )
+        if self.data_parallel == "fsdp":  # sequence_parallel=True is refused by the keyword checks
+            raise DpCompileError(
+                f'data_parallel="fsdp" with {where} is not built yet: leave it out (the layers\' shards replicated '
+                "over cp, their gradients summed over cp by DDP)"
+            )
+
+    def _lower_context_tensor_parallel(self, gm: fx.GraphModule, devices: Devices, styles: Mapping[str, str],
+                                       device: torch.device, examples: Sequence[Any]) -> tuple:  # fmt: skip
+        """``("cp", "tp")``: ``shard_linear``'s one-shard program, attention marked on it (each shard gathers
+        its own heads' keys and values), split along the sequence over ``cp`` virtual devices and cut to this
+        cp rank (``passes.lower_sequence_to_rank``), then its shard collectives lowered over ``tp``."""
+        drawn = [n for n in gm.graph.nodes if random_kind(gm, n) is not None]
+        if drawn and self.exact_random:
+            raise DpCompileError(
+                f"context parallel over a ('cp', 'tp') mesh: '{drawn[0].name}' draws random numbers, and drawing the "
+                "single-device values on sequence shards over a mesh is not built yet: pass exact_random=False (each "
+                "rank draws its own) or set its probability to 0"
+            )
+        input_dims = infer_input_dims(gm, batch_dim=1, example_inputs=examples)
+        input_dims = dict(without_sequence_replicated(gm, input_dims, examples))
+        options = passes.PipelineOptions(devices=devices, input_dims=input_dims, plan=dict(styles))
+        gm, records = run_passes(gm, passes.frontend_pipeline(options))
+        shapes = {n.name: {k: n.meta[k] for k in ("val", "tensor_meta") if k in n.meta} for n in gm.graph.nodes}
+        gm, sharded = run_passes(gm, passes.spmd_tensor_parallel_pipeline(options))
+        borrow_shapes(gm, shapes)  # the shard program's nodes keep the captured shapes attention is marked by
+        gm, marked = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
+        cp_world, cp_rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
+        cp_options = passes.PipelineOptions(devices=Devices((device,) * cp_world), input_dims=input_dims,
+                                            output_device=device, context_parallel=True)  # fmt: skip
+        lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=cp_rank,
+                                  input_dims=input_dims)  # fmt: skip
+        tp_rank = self.mesh.get_local_rank("tp")
+        gm, lowered = run_passes(gm, passes.data_parallel_pipeline(cp_options) + [lower]
+                                 + passes.exact_random_rank_pipeline(options, tp_rank=tp_rank, dp_size=None)
+                                 + passes.spmd_pipeline(options, mesh=self.mesh, tp_dim="tp"))  # fmt: skip
+        return gm, records + sharded + marked + lowered
+
     # ------------------------------------------------------------------ variants
     def build_program(self, pm: SpmdModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         source = pm.traced_model
         if source is None:
             raise pm.cannot_trace_again(key)
         flags = dict(key.flags) or None
+        if pm.mode == "spmd_context_tensor_parallel":
+            raise DpCompileError(
+                f"the call ({key.describe()}) takes another path through forward than the one traced, and tracing "
+                "again over a ('cp', 'tp') mesh is not built yet: transform the model for that call (its mode, its "
+                "arguments given or left None)"
+            )
         if pm.mode == "spmd_context_parallel":  # every rank departs alike: the same program, traced again
             with modes_applied(source, key.modes):
                 traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)

@@ -95,3 +95,59 @@ def test_whole_value_a_device_reads_as_it_is_keeps_its_parameter_refused():
     read.meta["dpcompile_pass"] = "insert_scatter_gather"
     with pytest.raises(DpCompileError, match="'summary' runs on the whole gathered sequence .* 'summary.weight', and a device's own"):
         lower_sequence_to_rank(gm, mesh=CpMesh(), cp_dim="cp", rank=0, input_dims={"x": 1})
+
+
+class DpCpMesh(FakeMesh):
+    ndim = 2
+    mesh_dim_names = ("dp", "cp")
+
+    def size(self, dim: int | None = None) -> int:
+        return 4 if dim is None else 2
+
+
+class FlatMesh(FakeMesh):
+    mesh_dim_names = ("dp_cp",)
+
+    def size(self, dim: int | None = None) -> int:
+        return 4
+
+
+class MeanSquare(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = CausalSelfAttention()
+
+    def forward(self, x):
+        return self.block(x).square().mean()
+
+
+def test_mean_over_every_token_is_reduced_over_every_dp_and_cp_rank():
+    """Over a ("dp", "cp") mesh (its flattened mesh given), a mean over every element becomes
+    ``mean_over_batch`` over the dp x cp group, its gradient scaled by the dp size; over ("cp",) alone
+    it stays ``mean_over_group`` over cp."""
+    from dpcompile.runtime.context_parallel_mesh import mean_over_batch
+
+    gm = _one_process(MeanSquare(), 2)
+    cp_only = copy.deepcopy(gm)
+    lower_sequence_to_rank(gm, mesh=DpCpMesh(), cp_dim="cp", rank=1, input_dims={"x": 1}, batch_mesh=FlatMesh(),
+                           dp_dim="dp")  # fmt: skip
+    (mean,) = _calls(gm, mean_over_batch)
+    assert mean.args[2].target == "dp_cp_group" and mean.args[3] == 2, gm.code
+    assert not _calls(gm, dist_rt.mean_over_group), gm.code
+    lower_sequence_to_rank(cp_only, mesh=CpMesh(), cp_dim="cp", rank=1, input_dims={"x": 1})
+    assert len(_calls(cp_only, dist_rt.mean_over_group)) == 1 and not _calls(cp_only, mean_over_batch)
+
+
+def test_device_of_reads_the_suffix_fx_adds_to_a_repeated_name():
+    """Two nodes that asked for one name (a replica's module read ``qkv_dev1`` and device 1's linear) are
+    both device 1's, and pair with device 0's nodes only where they run the same op."""
+    from passes.sequence_rank import _op_of, device_of
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    read = graph.call_function(getattr, (x, "qkv"), name="qkv_dev1")
+    linear = graph.call_function(torch.nn.functional.linear, (x, x), name="qkv_dev1")
+    for node in (read, linear):
+        node.meta["dpcompile_pass"] = "insert_scatter_gather"
+    assert linear.name == "qkv_dev1_1" and device_of(read) == device_of(linear) == 1
+    assert _op_of(read) != _op_of(linear)

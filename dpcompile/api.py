@@ -21,7 +21,7 @@ from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
 from dpcompile.devices import parse_device, parse_devices
-from dpcompile.errors import DpCompileError, ExampleError
+from dpcompile.errors import DpCompileError, ExampleError, TraceError
 from dpcompile.fake import has_meta_tensors
 from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh
@@ -291,14 +291,13 @@ def apply_frontend(
     if info.frontend == "fx" and (flags_served or not info.flags or frontend == "fx"):
         return model, info.example_inputs, batch_dim
     if info.frontend == "fx":  # fx needs flags fixed, which only data parallel re-checks per call
-        gm, info = capture_model(
-            model,
-            frontend="export",
-            example_inputs=example_inputs,
-            example_kwargs=example_kwargs,
-            batch_dim=batch_dim,
-            dynamic_dims=dynamic_dims,
-        )
+        try:
+            gm, info = capture_model(
+                model, frontend="export", example_inputs=example_inputs, example_kwargs=example_kwargs,
+                batch_dim=batch_dim, dynamic_dims=dynamic_dims,
+            )  # fmt: skip
+        except TraceError:  # a dict or list argument export refuses: fx's program, as frontend="fx" gives
+            return model, positional_examples(model, example_inputs, example_kwargs), batch_dim
     return gm, info.example_inputs, batch_dim if batch_dim is not None or not info.batch_dim else info.batch_dim
 
 

@@ -131,3 +131,31 @@ def test_fx_follows_wrapped_to_the_real_signature():
     model = WrappedForward()
     assert flag_arguments(model, example_kwargs={"causal": True}) == {"causal": True}
     assert optional_arguments(model) == frozenset({"mask"})
+
+
+class DictInputWithAFlag(nn.Module):
+    """A dict of tensors (torch.export refuses it) and a flag forward branches on."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, batch, relu=True):
+        h = self.up(batch["x"] + 2 * batch["y"][0])
+        return self.down(h.relu() if relu else h)
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel": True}, {"mesh": {"dp": 2, "tp": 2}}])
+def test_a_flag_and_a_dict_input_under_tensor_parallel_take_fx_where_export_refuses_the_dict(layout):
+    """Under ``frontend="auto"`` a flag sends tensor parallelism to torch.export, which refused the dict
+    argument (TraceError, though fx had traced it): fx's program, as ``frontend="fx"`` builds, with
+    the flag's other value served per call."""
+    torch.manual_seed(0)
+    model = DictInputWithAFlag()
+
+    def batch(n):
+        return {"x": torch.randn(n, 8), "y": [torch.randn(n, 8)]}
+
+    pm = dpcompile.transform(model, ["cpu"] * 4, example_inputs=(batch(6),), **layout)
+    for relu, inputs in ((True, batch(5)), (False, batch(3))):
+        torch.testing.assert_close(pm(inputs, relu=relu), model(inputs, relu=relu))

@@ -7,8 +7,10 @@ the module tree, the weights by the model's keys), plus ``config.pipeline``::
     micro_batches, schedule ("gpipe" | "1f1b")
     stage_plan    {stages, stage_of {node: stage}, starts, weights, param_bytes, module_paths,
                    measure, sent}: what the captured program's nodes run on (1F1B lowers it again)
-    stages        [{index, device, module_paths, flops, param_bytes, graph}]: each stage's program
-                   for one micro-batch (``pm.stages[i].code``), shown in module.py as ``stage<i>``
+    stages        [{index, device, module_paths, flops, param_bytes, graph, meta}]: each stage's
+                   program for one micro-batch (``pm.stages[i].code``), shown in module.py as
+                   ``stage<i>``; ``meta`` (tensor-parallel stages): the unsharded weights it reads,
+                   {path: {shape, dtype, parameter, requires_grad}}, rebuilt on the meta device
     node_stages   {method: {node: stage}}: the stage of each node of each lowered program (what a
                    1F1B step of tensor-parallel stages groups into units; ``explain``'s stages)
     stage_groups  tensor-parallel stages: each stage's devices; null otherwise
@@ -21,6 +23,7 @@ from the captured program and the stage plan, as ``transform`` does.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +38,7 @@ __all__ = ["PIPELINE_KINDS", "checked_section", "describe_pipeline", "pipeline_e
 PIPELINE_KINDS = ("pipeline", "pipeline_tensor_parallel")
 _SECTION = {"micro_batches", "schedule", "stage_plan", "stages", "node_stages", "stage_groups", "shard_slots"}
 _PLAN = {"stages", "stage_of", "starts", "weights", "param_bytes", "module_paths", "measure", "sent"}
-_STAGE_FIELDS = {"index", "device", "module_paths", "flops", "param_bytes", "graph"}
+_STAGE_FIELDS = {"index", "device", "module_paths", "flops", "param_bytes", "graph", "meta"}
 
 
 def stage_label(index: int) -> str:
@@ -73,6 +76,7 @@ def describe_pipeline(pm: nn.Module, programs: Sequence[tuple[str, fx.Graph]]) -
                 "flops": int(s.flops),
                 "param_bytes": int(s.param_bytes),
                 "graph": encode_graph(s.program.graph),
+                "meta": _meta_tensors(s.program) if groups is not None else None,
             }
             for s in pm.stages
         ],
@@ -82,6 +86,20 @@ def describe_pipeline(pm: nn.Module, programs: Sequence[tuple[str, fx.Graph]]) -
         "stage_groups": None if groups is None else [[str(d) for d in g] for g in groups],
         "shard_slots": None if slots is None else {str(k): int(v) for k, v in slots.items()},
     }
+
+
+def _meta_tensors(program: fx.GraphModule) -> dict[str, dict[str, Any]]:
+    """The tensors a tensor-parallel stage's program reads (meta tensors, unsharded: for reading)."""
+    from dpcompile.export.common import dtype_name
+
+    out = {}
+    for node in program.graph.nodes:
+        if node.op == "get_attr":
+            t = program.get_parameter(node.target) if "." in node.target or node.target in program._parameters else None
+            t = t if t is not None else program.get_buffer(node.target)
+            out[str(node.target)] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                                     "parameter": isinstance(t, nn.Parameter), "requires_grad": bool(t.requires_grad)}  # fmt: skip
+    return out
 
 
 # -------------------------------------------------------------------------------- load
@@ -121,7 +139,42 @@ def stage_graphs(section: dict[str, Any], tree: Any) -> list[tuple[str, fx.Graph
     """Each stage's program decoded (every target checked), by its method in module.py."""
     from dpcompile.export.serialize import decode_graph
 
-    return [(stage_label(i), decode_graph(s["graph"], tree)) for i, s in enumerate(section.get("stages", ()))]
+    out = []
+    for i, stage in enumerate(section.get("stages", ())):
+        index = tree
+        if stage["meta"] is not None:  # a tensor-parallel stage reads the unsharded weights, on meta
+            if not isinstance(stage["meta"], dict):
+                raise ExportError(f"{PROGRAM_FILE}: stage {i}'s meta tensors")
+            index = copy.copy(tree)
+            index.tensors = set(tree.tensors) | {str(p) for p in stage["meta"]}
+        out.append((stage_label(i), decode_graph(stage["graph"], index)))
+    return out
+
+
+def _stage_root(stage: dict[str, Any], holder: nn.Module, graph: fx.Graph) -> dict[str, Any]:
+    """What a stage's program reads: the loaded modules it calls, and (tensor-parallel stages)
+    its unsharded weights as meta tensors of the recorded shapes."""
+    import torch
+
+    meta = stage["meta"] or {}
+    root: dict[str, Any] = {}
+    for node in graph.nodes:
+        target = str(node.target)
+        if node.op == "call_module" or (node.op == "get_attr" and target not in meta):
+            root[target] = holder.get_submodule(target) if node.op == "call_module" else _attr(holder, target)
+        elif node.op == "get_attr":
+            info = meta[target]
+            t = torch.empty(tuple(int(d) for d in info["shape"]), dtype=getattr(torch, str(info["dtype"])), device="meta")
+            if not isinstance(t.dtype, torch.dtype):
+                raise TypeError(info["dtype"])
+            root[target] = nn.Parameter(t, requires_grad=bool(info["requires_grad"])) if info["parameter"] else t
+    return root
+
+
+def _attr(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
 
 
 def stamp_stages(section: dict[str, Any], programs: Sequence[tuple[str, fx.Graph | None]]) -> None:
@@ -165,7 +218,7 @@ def pipeline_extra(
                 tuple(str(p) for p in s["module_paths"]),
                 int(s["flops"]),
                 int(s["param_bytes"]),
-                fx.GraphModule(holder, graph, f"Stage{s['index']}"),
+                fx.GraphModule(_stage_root(s, holder, graph), graph, f"Stage{s['index']}"),
             )
             for s, (_, graph) in zip(section["stages"], stages, strict=True)
         ]

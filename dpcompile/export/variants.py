@@ -172,6 +172,8 @@ def _keys(pm: nn.Module) -> list[Any]:
             key = CallKey(main.devices, modes, nones, flags, main.guard)
             if key not in keys:
                 keys.append(key)
+    if pm.mode == "pipeline_tensor_parallel":  # a batch below micro_batches: its shards cannot be lowered again
+        keys += [key._replace(devices=m) for key in list(keys) for m in range(1, min(main.devices, MAX_PATTERNS + 1))]
     return keys
 
 

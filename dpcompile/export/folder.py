@@ -167,6 +167,13 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     if not isinstance(pm, ParallelModule):
         raise ValueError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
     pm = both_modes(pm)  # a program exported in one mode captures the other now: the folder serves both
+    from dpcompile.modules.fsdp_one_process import FsdpProgram
+
+    if isinstance(pm, FsdpProgram):  # its parameters are pieces gathered by parametrizations: not data yet
+        raise ExportError(
+            'a data_parallel="fsdp" program in one process is not exported yet: save it with '
+            "dpcompile.save_checkpoint(pm, path) and transform again where it is loaded, then load_checkpoint"
+        )
     if pm.mode not in KINDS:
         raise ExportError(
             f"export writes one-process programs (data, tensor or pipeline parallel); a {pm.mode} program (over a "
@@ -426,7 +433,8 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
     checked; a failure raises :class:`ExportError`. No pickle is read and no code from the
     folder runs, unless ``trust_code=True`` for a folder that needs it (a program holding
     Python classes fx kept as leaves). A data-parallel program is regenerated for any
-    device list; a tensor-parallel one needs as many devices as it was exported for.
+    device list; a tensor-parallel one needs as many devices as it was exported for, and a
+    pipeline (``config.pipeline``: :mod:`dpcompile.export.pipeline`) the very devices.
 
     ``expected_hash``: the sha256 of ``manifest.json`` (:func:`manifest_hash` where it was
     exported) from a channel you trust; the manifest lists every file's sha256, so a folder
@@ -453,8 +461,9 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
         )
     target = _target_devices(recorded, devices)
     if program["kind"] != "data_parallel" and len(target) != len(recorded):
+        what = "devices" if program["kind"] in PIPELINE_KINDS else "shards"
         raise ExportError(
-            f"this {program['kind']} export has {len(recorded)} shards ({recorded}); load it onto {len(recorded)} "
+            f"this {program['kind']} export has {len(recorded)} {what} ({recorded}); load it onto {len(recorded)} "
             f"devices, not {len(target)}"
         )
     weights = read_weights(folder, program)

@@ -164,9 +164,10 @@ def _stage_root(stage: dict[str, Any], holder: nn.Module, graph: fx.Graph) -> di
             root[target] = holder.get_submodule(target) if node.op == "call_module" else _attr(holder, target)
         elif node.op == "get_attr":
             info = meta[target]
-            t = torch.empty(tuple(int(d) for d in info["shape"]), dtype=getattr(torch, str(info["dtype"])), device="meta")
-            if not isinstance(t.dtype, torch.dtype):
-                raise TypeError(info["dtype"])
+            dtype = getattr(torch, str(info["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ExportError(f"{PROGRAM_FILE}: stage meta tensor {target!r:.60} of dtype {info['dtype']!r:.20}")
+            t = torch.empty(tuple(int(d) for d in info["shape"]), dtype=dtype, device="meta")
             root[target] = nn.Parameter(t, requires_grad=bool(info["requires_grad"])) if info["parameter"] else t
     return root
 

@@ -95,8 +95,7 @@ def _meta_tensors(program: fx.GraphModule) -> dict[str, dict[str, Any]]:
     out = {}
     for node in program.graph.nodes:
         if node.op == "get_attr":
-            t = program.get_parameter(node.target) if "." in node.target or node.target in program._parameters else None
-            t = t if t is not None else program.get_buffer(node.target)
+            t = _attr(program, str(node.target))
             out[str(node.target)] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
                                      "parameter": isinstance(t, nn.Parameter), "requires_grad": bool(t.requires_grad)}  # fmt: skip
     return out

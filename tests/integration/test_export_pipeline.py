@@ -9,6 +9,7 @@ weight, a ``module.py`` that is not the program, a stage program off the vocabul
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 import warnings
@@ -131,8 +132,15 @@ def _stage_node(program, stage, op):
     return next(n for n in program["config"]["pipeline"]["stages"][stage]["graph"]["nodes"] if n["op"] == op)
 
 
-def test_pipeline_folder_loads_and_a_changed_program_json_is_refused(folder):
-    assert isinstance(dpcompile.load(folder), dpcompile.ParallelModule)
+def test_pipeline_folder_loads_pickles_and_a_changed_program_json_is_refused(folder):
+    loaded = dpcompile.load(folder).eval()
+    buffer = io.BytesIO()
+    torch.save(loaded, buffer)  # a loaded pipeline pickles with its stages and programs
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False).eval()
+    assert [s.code for s in again.stages] == [s.code for s in loaded.stages] and again.schedule == "1f1b"
+    with torch.no_grad():
+        torch.testing.assert_close(again(**_inputs()), loaded(**_inputs()), rtol=0, atol=0)
     with open(folder / "program.json", "ab") as f:
         f.write(b" ")
     with pytest.raises(ExportError, match="checksum"):

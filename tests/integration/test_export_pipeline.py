@@ -70,8 +70,46 @@ def _kind(pm):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_exported_pipeline_loads_with_equal_outputs_gradients_and_steps(name, tmp_path):
-    pm = _transform(name)
-    folder = dpcompile.export(pm, tmp_path / name)
+    _check_round_trip(_transform(name), tmp_path / name, _inputs())
+
+
+class TiedLM(nn.Module):
+    """An embedding and a head sharing one weight: stage 0 and the last stage read it."""
+
+    def __init__(self, vocab: int = 16, width: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.mid = nn.Linear(width, width)
+        self.mid2 = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids, labels):
+        h = torch.relu(self.mid2(torch.relu(self.mid(self.emb(ids)))))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("name", ["pp", "pp_tp_1f1b"])
+def test_exported_pipeline_with_a_weight_tied_across_stages(name, tmp_path):
+    """The tied weight is stored once (shards once) and read by both stages after load."""
+    import safetensors.torch
+
+    layout, options = LAYOUTS[name]
+    g = torch.Generator().manual_seed(2)
+    kwargs = {"ids": torch.randint(0, 16, (4, 3), generator=g), "labels": torch.randint(0, 16, (4, 3), generator=g)}
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(TiedLM().double(), ["cpu"] * (2 * layout.get("tp", 1)), mesh=layout,
+                                 example_kwargs=kwargs, **options)  # fmt: skip
+    assert "emb" in pm.stages[0].module_paths and "head" in pm.stages[-1].module_paths
+    folder = _check_round_trip(pm, tmp_path / name, kwargs)
+    stored = safetensors.torch.load_file(folder / "weights.safetensors")
+    assert not any(key.startswith("head.") for key in stored) and any(key.startswith("emb.weight") for key in stored)
+
+
+def _check_round_trip(pm, path, kwargs):
+    folder = dpcompile.export(pm, path)
     loaded = dpcompile.load(folder)
     assert _kind(loaded) == _kind(pm)
     assert [(s.device, s.module_paths, s.code) for s in loaded.stages] == [(s.device, s.module_paths, s.code) for s in pm.stages]
@@ -79,15 +117,14 @@ def test_exported_pipeline_loads_with_equal_outputs_gradients_and_steps(name, tm
     assert [n.meta.get(stage) for n in loaded.graph.nodes] == [n.meta.get(stage) for n in pm.graph.nodes]
     text = (folder / "module.py").read_text()
     assert all(f"def stage{s.index}(self" in text for s in pm.stages)  # every stage's program is shown
-    kwargs = _inputs()
     losses = []
     for program in (pm, loaded):
         losses.append(program(**kwargs))
         losses[-1].backward()
     torch.testing.assert_close(losses[1].detach(), losses[0].detach(), rtol=0, atol=0)
-    grads = dict(loaded.named_parameters())
-    assert sorted(grads) == sorted(n for n, _ in pm.named_parameters())
-    for key, p in pm.named_parameters():
+    grads = dict(loaded.named_parameters(remove_duplicate=False))
+    assert sorted(grads) == sorted(n for n, _ in pm.named_parameters(remove_duplicate=False))
+    for key, p in pm.named_parameters(remove_duplicate=False):
         torch.testing.assert_close(grads[key].grad, p.grad, rtol=0, atol=0, msg=lambda m, key=key: f"gradient of {key}: {m}")
     for program in (pm, loaded):
         torch.optim.AdamW(program.parameters(), lr=0.1).step()
@@ -99,6 +136,7 @@ def test_exported_pipeline_loads_with_equal_outputs_gradients_and_steps(name, tm
         torch.testing.assert_close(loaded(**kwargs), pm(**kwargs), rtol=0, atol=0)
         one = {key: value[:1] for key, value in kwargs.items()}  # fewer samples than micro-batches, in eval
         torch.testing.assert_close(loaded.eval()(**one), pm.eval()(**one), rtol=0, atol=0)
+    return folder
 
 
 # ----------------------------------------------------------------------- the folder's checks

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.export.common import ExportError
+from dpcompile.export.pipeline import steppable
 from dpcompile.export.serialize import NotData, decode_value, encode_value
 
 log = logging.getLogger("dpcompile")
@@ -191,6 +192,9 @@ def collect(pm: nn.Module) -> tuple[list[tuple[Any, fx.GraphModule | None]], lis
                 program = None if key == cache.main_key else pm.recipe.build_program(pm, key, (), {})
             except Exception as e:  # noqa: BLE001 - a call the loaded program then refuses
                 log.info("export: no program for %s (%s)", key.describe(), e)
+                continue
+            if pm.mode == "pipeline_tensor_parallel" and not steppable(pm, key, program):
+                log.info("export: no 1F1B program for %s (built without the call's inputs)", key.describe())
                 continue
             programs.append((key.portable(), program))
     traces = [(key.portable(), gm) for key, gm in cache.traces.items() if isinstance(gm, fx.GraphModule) or gm is None]

@@ -107,6 +107,8 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
             "the folder was edited: re-export"
         )
     main_key = decode_key(data["main_key"])
+    if section and section["micro_batches"] != main_key.devices:  # a pipeline keys its calls by micro-batches
+        raise ExportError(f"{folder / PROGRAM_FILE}: micro_batches {section['micro_batches']} is not the main program's")
     signature = decode_signature(data["signature"])
     captured = decode_graph(data["captured"], paths) if data["captured"] is not None else None
     variants = [(decode_key(e["key"]), None if e["graph"] is None else decode_graph(e["graph"], paths)) for e in data["variants"]]

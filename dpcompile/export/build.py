@@ -10,7 +10,15 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, device_strings
-from dpcompile.export.pipeline import PIPELINE_KINDS, checked_section, pipeline_extra, stage_graphs, stamp_stages
+from dpcompile.export.pipeline import (
+    PIPELINE_KINDS,
+    attach_steps,
+    checked_section,
+    pipeline_extra,
+    stage_graphs,
+    stamp_stages,
+    step_graphs,
+)
 from dpcompile.export.source import program_source
 from dpcompile.fx_utils import copy_graph, propagate_example_shapes
 
@@ -99,7 +107,8 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     section = checked_section(config.get("pipeline"), kind)
     readable = readable_programs(data, paths)
     stages = stage_graphs(section, paths)
-    readable += stages
+    steps = step_graphs(section, paths)
+    readable += stages + [(label, graph) for _, label, graph in steps]
     source = program_source(readable, class_name=program["class_name"], mode=kind, devices=recorded)
     if source.encode() != (folder / MODULE_FILE).read_bytes():
         raise ExportError(
@@ -190,6 +199,8 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     pm.call_signature = signature  # where calls depart (none where the module never traced again)
     if kind in ("tensor_parallel", "pipeline_tensor_parallel"):
         _check_shards(pm)
+    if steps:
+        attach_steps(pm, section, steps)
     return pm
 
 

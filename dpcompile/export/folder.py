@@ -39,7 +39,7 @@ from dpcompile.export.integrity import (
     read_weights,
     sha256_of,
 )
-from dpcompile.export.pipeline import PIPELINE_KINDS, describe_pipeline, stage_graphs
+from dpcompile.export.pipeline import PIPELINE_KINDS, describe_pipeline, stage_graphs, step_graphs
 from dpcompile.export.source import call_label, class_name_of, generated_source, program_source
 from dpcompile.fx_utils import unalias
 from dpcompile.version import __version__
@@ -317,7 +317,9 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         from dpcompile.export.kinds import TreeIndex
 
         index = TreeIndex(tree)
-        readable = readable_programs(data, index) + stage_graphs(config.get("pipeline") or {}, index)
+        section = config.get("pipeline") or {}
+        steps = [(label, graph) for _, label, graph in step_graphs(section, index)]
+        readable = readable_programs(data, index) + stage_graphs(section, index) + steps
         files: dict[str, bytes] = {}
     else:
         readable = [("forward", pm.graph)]

@@ -11,8 +11,13 @@ the module tree, the weights by the model's keys), plus ``config.pipeline``::
                    program for one micro-batch (``pm.stages[i].code``), shown in module.py as
                    ``stage<i>``; ``meta`` (tensor-parallel stages): the unsharded weights it reads,
                    {path: {shape, dtype, parameter, requires_grad}}, rebuilt on the meta device
+    steps         [{key, graph}]: ``"1f1b"`` without tensor-parallel stages, the training step's
+                   program for each micro-batch count (``one_f_one_b_<m>`` in module.py), as
+                   ``transform`` lowered it (a loaded module holds no model classes to lower again:
+                   GPT-2's ``Conv1D`` is rebuilt as another class); tensor-parallel stages step
+                   their carried programs
     node_stages   {method: {node: stage}}: the stage of each node of each lowered program (what a
-                   1F1B step of tensor-parallel stages groups into units; ``explain``'s stages)
+                   1F1B step groups into units; ``explain``'s stages)
     stage_groups  tensor-parallel stages: each stage's devices; null otherwise
     shard_slots   tensor-parallel stages: each parameter's device slot; null otherwise
 
@@ -24,6 +29,7 @@ from the captured program and the stage plan, as ``transform`` does.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,10 +39,12 @@ from torch import nn
 from dpcompile.export.common import PROGRAM_FILE, ExportError
 from passes.split_stages import STAGE as _STAGE
 
-__all__ = ["PIPELINE_KINDS", "checked_section", "describe_pipeline", "steppable", "pipeline_extra", "stage_graphs", "stage_label", "stamp_stages"]
+__all__ = ["PIPELINE_KINDS", "attach_steps", "checked_section", "describe_pipeline", "step_graphs", "steppable", "pipeline_extra", "stage_graphs", "stage_label", "stamp_stages"]
+
+log = logging.getLogger("dpcompile")
 
 PIPELINE_KINDS = ("pipeline", "pipeline_tensor_parallel")
-_SECTION = {"micro_batches", "schedule", "stage_plan", "stages", "node_stages", "stage_groups", "shard_slots"}
+_SECTION = {"micro_batches", "schedule", "stage_plan", "stages", "steps", "node_stages", "stage_groups", "shard_slots"}
 _PLAN = {"stages", "stage_of", "starts", "weights", "param_bytes", "module_paths", "measure", "sent"}
 _STAGE_FIELDS = {"index", "device", "module_paths", "flops", "param_bytes", "graph", "meta"}
 
@@ -51,8 +59,11 @@ def describe_pipeline(pm: nn.Module, programs: Sequence[tuple[str, fx.Graph]]) -
     """``config.pipeline`` of ``pm``; ``programs``: the lowered programs by their method name in
     module.py (``forward``, ``forward_eval``, ...), whose nodes' stages are recorded."""
     from dpcompile.export.serialize import encode_graph
+    from dpcompile.export.variants import encode_key
 
     plan = pm.stage_plan
+    steps = one_f_one_b_programs(pm)
+    programs = [*programs, *((_step_label(key), gm.graph) for key, gm in steps)]
     groups = pm.__dict__.get("stage_groups")
     slots = pm.__dict__.get("shard_param_slots") if groups is not None else None
     return {
@@ -80,12 +91,39 @@ def describe_pipeline(pm: nn.Module, programs: Sequence[tuple[str, fx.Graph]]) -
             }
             for s in pm.stages
         ],
+        "steps": [{"key": encode_key(key), "graph": encode_graph(gm.graph)} for key, gm in steps],
         "node_stages": {
             label: {n.name: int(n.meta[_STAGE]) for n in graph.nodes if _STAGE in n.meta} for label, graph in programs
         },
         "stage_groups": None if groups is None else [[str(d) for d in g] for g in groups],
         "shard_slots": None if slots is None else {str(k): int(v) for k, v in slots.items()},
     }
+
+
+def _step_label(key: Any) -> str:
+    from dpcompile.export.source import STEP
+
+    return f"{STEP}{key.devices}"
+
+
+def one_f_one_b_programs(pm: nn.Module) -> list[tuple[Any, fx.GraphModule]]:
+    """The 1F1B training step's program for each micro-batch count (1 .. ``micro_batches``, at
+    most 8), lowered as a call would (``pm.recipe.one_f_one_b_step``); none for GPipe or for
+    tensor-parallel stages (their step runs the program carried for the call)."""
+    from dpcompile.program_cache import CallKey
+
+    if pm.__dict__.get("schedule") != "1f1b" or pm.mode != "pipeline":
+        return []
+    main = pm.program_cache.main_key.portable()
+    modes = tuple((path, True) for path, _ in main.modes)
+    out = []
+    for m in range(1, min(pm.micro_batches, 8) + 1):
+        key = CallKey(m, type(main.modes)(modes), main.none_args, main.flags)
+        try:
+            out.append((key, pm.recipe.one_f_one_b_step(pm, key).program))
+        except Exception as e:  # noqa: BLE001 - the loaded module then refuses that call as the original does
+            log.info("export: no 1F1B step for %s (%s)", key.describe(), e)
+    return out
 
 
 def _meta_tensors(program: fx.GraphModule) -> dict[str, dict[str, Any]]:
@@ -167,6 +205,33 @@ def stage_graphs(section: dict[str, Any], tree: Any) -> list[tuple[str, fx.Graph
             index.tensors = set(tree.tensors) | {str(p) for p in stage["meta"]}
         out.append((stage_label(i), decode_graph(stage["graph"], index)))
     return out
+
+
+def step_graphs(section: dict[str, Any], tree: Any) -> list[tuple[Any, str, fx.Graph]]:
+    """Each carried 1F1B step's ``(call key, method in module.py, program)``, decoded (checked)."""
+    from dpcompile.export.serialize import decode_graph
+    from dpcompile.export.variants import decode_key
+
+    steps = section.get("steps", [])
+    if not isinstance(steps, list) or not all(isinstance(e, dict) and set(e) == {"key", "graph"} for e in steps):
+        raise ExportError(f"{PROGRAM_FILE}: 1F1B steps it cannot read")
+    out = [(decode_key(e["key"]), e["graph"]) for e in steps]
+    labels = [_step_label(key) for key, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ExportError(f"{PROGRAM_FILE}: two 1F1B steps for one micro-batch count")
+    return [(key, label, decode_graph(graph, tree)) for (key, graph), label in zip(out, labels)]
+
+
+def attach_steps(pm: nn.Module, section: dict[str, Any], steps: Sequence[tuple[Any, str, fx.Graph]]) -> None:
+    """The carried 1F1B steps, ready for the calls they serve (what ``run_program`` would build)."""
+    from dpcompile.modules.pipeline_1f1b import OneFOneBStep
+
+    stamp_stages(section, [(label, graph) for _, label, graph in steps])
+    built = pm.__dict__.setdefault("one_f_one_b_steps", {})
+    for key, _, graph in steps:
+        program = fx.GraphModule(pm, graph, f"OneFOneB{key.devices}")
+        stage_of = {n: n.meta[_STAGE] for n in program.graph.nodes if _STAGE in n.meta}
+        built[key] = OneFOneBStep(program, stage_of, len(pm.stages), key.devices)
 
 
 def _stage_root(stage: dict[str, Any], holder: nn.Module, graph: fx.Graph) -> dict[str, Any]:

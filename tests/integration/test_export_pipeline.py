@@ -119,6 +119,10 @@ def _check_round_trip(pm, path, kwargs):
     assert [n.meta.get(stage) for n in loaded.graph.nodes] == [n.meta.get(stage) for n in pm.graph.nodes]
     text = (folder / "module.py").read_text()
     assert all(f"def stage{s.index}(self" in text for s in pm.stages)  # every stage's program is shown
+    if pm.mode == "pipeline" and pm.schedule == "1f1b":  # the 1F1B steps as transform lowers them: shown, carried
+        counts = range(1, pm.micro_batches + 1)
+        assert sorted(k.devices for k in loaded.__dict__["one_f_one_b_steps"]) == list(counts)
+        assert all(f"def one_f_one_b_{m}(self" in text for m in counts)
     losses = []
     for program in (pm, loaded):
         losses.append(program(**kwargs))
@@ -210,10 +214,15 @@ def test_pipeline_folder_with_a_missing_weight_is_refused(folder):
         dpcompile.load(folder)
 
 
-def test_pipeline_stage_edited_in_program_json_alone_is_refused(folder):
-    """A stage program edited in program.json (rehashed), not in module.py: the two differ."""
+@pytest.mark.parametrize("part", ["stages", "steps"])
+def test_pipeline_program_edited_in_program_json_alone_is_refused(folder, part):
+    """A stage's program or a 1F1B step edited in program.json (rehashed), not in module.py: the two differ."""
 
-    _edit_program(folder, lambda program: _stage_node(program, 1, "call_function").update(target="torch.neg"))
+    def edit(program):
+        graph = program["config"]["pipeline"][part][-1]["graph"]
+        next(n for n in graph["nodes"] if n["op"] == "call_function").update(target="torch.neg")
+
+    _edit_program(folder, edit)
     with pytest.raises(ExportError, match="module.py is not the program"):
         dpcompile.load(folder)
 

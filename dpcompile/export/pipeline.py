@@ -39,7 +39,7 @@ from torch import nn
 from dpcompile.export.common import PROGRAM_FILE, ExportError
 from passes.split_stages import STAGE as _STAGE
 
-__all__ = ["PIPELINE_KINDS", "attach_steps", "checked_section", "describe_pipeline", "step_graphs", "steppable", "pipeline_extra", "stage_graphs", "stage_label", "stamp_stages"]
+__all__ = ["PIPELINE_KINDS", "attach_steps", "checked_section", "describe_pipeline", "step_graphs", "pipeline_extra", "stage_graphs", "stage_label", "stamp_stages"]
 
 log = logging.getLogger("dpcompile")
 
@@ -137,25 +137,6 @@ def _meta_tensors(program: fx.GraphModule) -> dict[str, dict[str, Any]]:
             out[str(node.target)] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
                                      "parameter": isinstance(t, nn.Parameter), "requires_grad": bool(t.requires_grad)}  # fmt: skip
     return out
-
-
-def steppable(pm: nn.Module, key: Any, program: fx.GraphModule | None) -> bool:
-    """Whether a ``"1f1b"`` training call as ``key`` can run ``program`` as 1F1B units. Export
-    builds a tensor-parallel pipeline's programs for fewer micro-batches without the call's inputs
-    (it has none), and such a program may gather the micro-batches before the loss: 1F1B cannot
-    step it, so it is not carried and the loaded module refuses that call, naming what it was
-    traced for. GPipe and eval calls run it as it is."""
-    from dpcompile.errors import DpCompileError
-    from dpcompile.modules.pipeline_1f1b import OneFOneBStep
-
-    if program is None or pm.__dict__.get("schedule") != "1f1b" or not dict(key.modes).get("", True):
-        return True
-    stage_of = {n: n.meta[_STAGE] for n in program.graph.nodes if _STAGE in n.meta}
-    try:
-        OneFOneBStep(program, stage_of, len(pm.stages), key.devices)
-    except DpCompileError:
-        return False
-    return True
 
 
 # -------------------------------------------------------------------------------- load

@@ -22,7 +22,6 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.export.common import ExportError
-from dpcompile.export.pipeline import steppable
 from dpcompile.export.serialize import NotData, decode_value, encode_value
 
 log = logging.getLogger("dpcompile")
@@ -176,6 +175,26 @@ def _keys(pm: nn.Module) -> list[Any]:
     if pm.mode == "pipeline_tensor_parallel":  # a batch below micro_batches: its shards cannot be lowered again
         keys += [key._replace(devices=m) for key in list(keys) for m in range(1, min(main.devices, MAX_PATTERNS + 1))]
     return keys
+
+
+def steppable(pm: nn.Module, key: Any, program: fx.GraphModule | None) -> bool:
+    """Whether a ``"1f1b"`` training call as ``key`` can run ``program`` as 1F1B units. Export
+    builds a tensor-parallel pipeline's programs for fewer micro-batches without the call's inputs
+    (it has none), and such a program may gather the micro-batches before the loss: 1F1B cannot
+    step it, so it is not carried and the loaded module refuses that call, naming what it was
+    traced for. GPipe and eval calls run it as it is."""
+    from dpcompile.errors import DpCompileError
+    from dpcompile.modules.pipeline_1f1b import OneFOneBStep
+    from passes.split_stages import STAGE
+
+    if program is None or pm.__dict__.get("schedule") != "1f1b" or not dict(key.modes).get("", True):
+        return True
+    stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
+    try:
+        OneFOneBStep(program, stage_of, len(pm.stages), key.devices)
+    except DpCompileError:
+        return False
+    return True
 
 
 def collect(pm: nn.Module) -> tuple[list[tuple[Any, fx.GraphModule | None]], list[tuple[Any, fx.GraphModule | None]]]:

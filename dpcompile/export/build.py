@@ -10,6 +10,15 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, device_strings
+from dpcompile.export.pipeline import (
+    PIPELINE_KINDS,
+    attach_steps,
+    checked_section,
+    pipeline_extra,
+    stage_graphs,
+    stamp_stages,
+    step_graphs,
+)
 from dpcompile.export.source import program_source
 from dpcompile.fx_utils import copy_graph, propagate_example_shapes
 
@@ -20,9 +29,13 @@ _STYLES = ("column", "row", "replicate", "vocab")  # tensor-parallel styles a pl
 
 def expected_class(kind: str) -> type:
     from dpcompile.modules.base import ParallelModule
+    from dpcompile.modules.pipeline import PipelineModule
+    from dpcompile.modules.pipeline_tensor_parallel import PipelineTensorParallelModule
     from dpcompile.modules.tensor_parallel import TensorParallelModule
 
-    return TensorParallelModule if kind == "tensor_parallel" else ParallelModule
+    classes = {"tensor_parallel": TensorParallelModule, "pipeline": PipelineModule,
+               "pipeline_tensor_parallel": PipelineTensorParallelModule}  # fmt: skip
+    return classes.get(kind, ParallelModule)
 
 
 def place(weights: dict[str, torch.Tensor], info: dict[str, dict[str, Any]], target: Any) -> dict[str, torch.Tensor]:
@@ -91,7 +104,11 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     if not isinstance(trees, list):
         raise ExportError(f"{folder / PROGRAM_FILE}: no module tree")
     paths = TreeIndex(trees)
+    section = checked_section(config.get("pipeline"), kind)
     readable = readable_programs(data, paths)
+    stages = stage_graphs(section, paths)
+    steps = step_graphs(section, paths)
+    readable += stages + [(label, graph) for _, label, graph in steps]
     source = program_source(readable, class_name=program["class_name"], mode=kind, devices=recorded)
     if source.encode() != (folder / MODULE_FILE).read_bytes():
         raise ExportError(
@@ -99,6 +116,8 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
             "the folder was edited: re-export"
         )
     main_key = decode_key(data["main_key"])
+    if section and section["micro_batches"] != main_key.devices:  # a pipeline keys its calls by micro-batches
+        raise ExportError(f"{folder / PROGRAM_FILE}: micro_batches {section['micro_batches']} is not the main program's")
     signature = decode_signature(data["signature"])
     captured = decode_graph(data["captured"], paths) if data["captured"] is not None else None
     variants = [(decode_key(e["key"]), None if e["graph"] is None else decode_graph(e["graph"], paths)) for e in data["variants"]]
@@ -135,6 +154,17 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
             for k, _ in variants
             if CallKey(0, k.modes, k.none_args, k.flags) in lowered or CallKey(0, k.modes, k.none_args, k.flags) in dict(traces)
         ]  # a key whose trace is the main one runs the main program (None)
+    elif kind in PIPELINE_KINDS:
+        if moved:
+            raise ExportError(
+                f"a {kind} export loads on the devices it was exported for ({recorded}), not {device_strings(target)}: "
+                "its stages and copies are placed on those; transform the model again for other devices"
+            )
+        labels = ["forward", *(e["label"] for e in data["variants"])]
+        stamp_stages(section, list(zip(labels, [graph, *(g for _, g in variants)])))
+        extra = pipeline_extra(section, holder, stages, target)
+        if kind == "pipeline_tensor_parallel":
+            extra |= _tp_extra(config["tensor_parallel"])
     elif kind == "tensor_parallel":
         mapping = device_mapping(recorded, target) if moved else {}
         for g in [graph] + [g for _, g in variants if g is not None]:
@@ -167,8 +197,10 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     }
     pm = restore_parallel_module(expected_class(kind), state)
     pm.call_signature = signature  # where calls depart (none where the module never traced again)
-    if kind == "tensor_parallel":
+    if kind in ("tensor_parallel", "pipeline_tensor_parallel"):
         _check_shards(pm)
+    if steps:
+        attach_steps(pm, section, steps)
     return pm
 
 

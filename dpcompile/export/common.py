@@ -16,7 +16,7 @@ PROGRAM_FILE = "program.json"
 WEIGHTS_FILE = "weights.safetensors"
 PICKLE_FILE = "program.pkl"
 MANIFEST_FILE = "manifest.json"
-KINDS = ("data_parallel", "tensor_parallel")
+KINDS = ("data_parallel", "tensor_parallel", "pipeline", "pipeline_tensor_parallel")
 SUMMARY_FIELDS = ("kind", "class_name", "devices", "dpcompile_version", "torch_version", "trust_code")
 
 

@@ -39,6 +39,7 @@ from dpcompile.export.integrity import (
     read_weights,
     sha256_of,
 )
+from dpcompile.export.pipeline import PIPELINE_KINDS, describe_pipeline, stage_graphs, step_graphs
 from dpcompile.export.source import call_label, class_name_of, generated_source, program_source
 from dpcompile.fx_utils import unalias
 from dpcompile.version import __version__
@@ -169,16 +170,17 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     if not isinstance(pm, ParallelModule):
         raise ValueError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
     pm = both_modes(pm)  # a program exported in one mode captures the other now: the folder serves both
-    if pm.mode in ("pipeline", "pipeline_tensor_parallel"):
+    from dpcompile.modules.fsdp_one_process import FsdpProgram
+
+    if isinstance(pm, FsdpProgram):  # its parameters are pieces gathered by parametrizations: not data yet
         raise ExportError(
-            "export writes data-parallel and tensor-parallel programs, not a pipeline's yet; the nearest that "
-            "works: torch.save(pm, f) (a one-process pp or pp x dp program pickles whole), or "
-            "dpcompile.save_checkpoint(pm, path) and transform again where it is loaded"
+            'a data_parallel="fsdp" program in one process is not exported yet: save it with '
+            "dpcompile.save_checkpoint(pm, path) and transform again where it is loaded, then load_checkpoint"
         )
     if pm.mode not in KINDS:
         raise ExportError(
-            f"export writes data-parallel and tensor-parallel programs; a {pm.mode} program (over a mesh) "
-            "is rebuilt by running transform in each process: save its weights with pm.state_dict()"
+            f"export writes one-process programs (data, tensor or pipeline parallel); a {pm.mode} program (over a "
+            "mesh) is rebuilt by running transform in each process: save its weights with pm.state_dict()"
         )
     if pm.model_changed_since_transform():
         raise ExportError(
@@ -199,9 +201,9 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     return folder
 
 
-def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[int, str], dict[str, torch.Tensor], dict[str, str]]:
-    """The program as data: ``(data section, module tree, tensor keys, tensors, names)``;
-    raises ``NotData`` where part of it is Python code."""
+def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[int, str], dict[str, torch.Tensor], dict[str, str], list]:
+    """The program as data: ``(data section, module tree, tensor keys, tensors, names, lowered
+    programs by method name)``; raises ``NotData`` where part of it is Python code."""
     from dpcompile.export.serialize import NotData, encode_graph, encode_tree, encode_value
     from dpcompile.export.variants import collect, encode_key, encode_recipe
     from dpcompile.fx_utils import copy_graph, example_shapes
@@ -218,7 +220,8 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
     traces = [(key, None if gm is None else (gm, copy_graph(gm.graph))) for key, gm in traces]
     owned = [pair for _, pair in programs + traces if pair is not None]
     constants = _constants(pm, owned)
-    used = _used_paths(pm, [pm.graph, *([captured] if captured is not None else []), *(g for _, g in owned)])
+    stages = [s.program.graph for s in pm.__dict__.get("stages", ())]  # a pipeline's, shown in module.py
+    used = _used_paths(pm, [pm.graph, *([captured] if captured is not None else []), *(g for _, g in owned), *stages])
     keys, tensors, names = _tensor_keys(pm, constants)
     root = pm.__dict__.get("root")
     outside = {"root": root} if isinstance(root, nn.Module) and "root" not in pm._modules else {}
@@ -243,7 +246,8 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
             for key, pair in traces
         ],
     }
-    return data, tree, keys, tensors, names
+    lowered = [("forward", pm.graph), *((labels[key], pair[1]) for key, pair in programs if pair is not None)]
+    return data, tree, keys, tensors, names, lowered
 
 
 def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
@@ -256,8 +260,13 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
     class_name = class_name_of(pm)
     pickled_reason = None
     try:
-        data, tree, keys, tensors, names = _as_data(pm)
+        data, tree, keys, tensors, names, lowered = _as_data(pm)
     except NotData as e:
+        if pm.mode in PIPELINE_KINDS:
+            raise ExportError(
+                f"a pipeline whose program is not plain data ({e}) is not exported yet; the nearest that works: "
+                "torch.save(pm, f), or register the class (from dpcompile.export import register_module_class)"
+            ) from None
         pickled_reason = str(e)
         log.warning("export: %s; writing program.pkl, which dpcompile.load reads only with trust_code=True", e)
         keys, tensors, names = _tensor_keys(pm)
@@ -269,6 +278,8 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         "plan": dict(pm.plan),
         "tensor_parallel": None,
     }
+    if pm.mode in PIPELINE_KINDS:
+        config["pipeline"] = describe_pipeline(pm, lowered)
     if isinstance(pm, TensorParallelModule):
         cost = getattr(pm, "comm_cost", None)
         config["tensor_parallel"] = {
@@ -308,7 +319,10 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         # module.py is made from what load will read, so load can regenerate it exactly
         from dpcompile.export.kinds import TreeIndex
 
-        readable = readable_programs(data, TreeIndex(tree))
+        index = TreeIndex(tree)
+        section = config.get("pipeline") or {}
+        steps = [(label, graph) for _, label, graph in step_graphs(section, index)]
+        readable = readable_programs(data, index) + stage_graphs(section, index) + steps
         files: dict[str, bytes] = {}
     else:
         readable = [("forward", pm.graph)]
@@ -424,7 +438,8 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
     checked; a failure raises :class:`ExportError`. No pickle is read and no code from the
     folder runs, unless ``trust_code=True`` for a folder that needs it (a program holding
     Python classes fx kept as leaves). A data-parallel program is regenerated for any
-    device list; a tensor-parallel one needs as many devices as it was exported for.
+    device list; a tensor-parallel one needs as many devices as it was exported for, and a
+    pipeline (``config.pipeline``: :mod:`dpcompile.export.pipeline`) the very devices.
 
     ``expected_hash``: the sha256 of ``manifest.json`` (:func:`manifest_hash` where it was
     exported) from a channel you trust; the manifest lists every file's sha256, so a folder
@@ -451,8 +466,9 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
         )
     target = _target_devices(recorded, devices)
     if program["kind"] != "data_parallel" and len(target) != len(recorded):
-        raise ValueError(
-            f"this {program['kind']} export has {len(recorded)} shards ({recorded}); load it onto {len(recorded)} "
+        what = "devices" if program["kind"] in PIPELINE_KINDS else "shards"
+        raise ExportError(
+            f"this {program['kind']} export has {len(recorded)} {what} ({recorded}); load it onto {len(recorded)} "
             f"devices, not {len(target)}"
         )
     weights = read_weights(folder, program)
@@ -476,7 +492,7 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
                 f"{folder / PROGRAM_FILE} cannot be rebuilt as a program ({type(e).__name__}: {e!s:.200}); re-export"
             ) from e
     expected = expected_class(program["kind"])
-    kinds = [c for c in (expected_class("tensor_parallel"),) if c is not expected]
+    kinds = [c for c in map(expected_class, KINDS) if not issubclass(expected, c)]  # no other kind's class
     if not isinstance(pm, expected) or any(isinstance(pm, c) for c in kinds) or pm.mode != program["kind"]:
         raise ExportError(f"{folder} did not rebuild as a {expected.__name__}")
     return pm

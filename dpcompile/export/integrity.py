@@ -134,7 +134,10 @@ def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     if program["format_version"] != FORMAT_VERSION or program["kind"] not in KINDS:
         raise ExportError(f"{folder / PROGRAM_FILE}: version {program['format_version']!r}, kind {program['kind']!r:.40}")
     config = program["config"]
-    if not isinstance(config, dict) or set(config) != {"devices", "output_device", "input_dims", "plan", "tensor_parallel"}:
+    fields = {"devices", "output_device", "input_dims", "plan", "tensor_parallel"}
+    if program["kind"].startswith("pipeline"):  # config.pipeline: the stages (export/pipeline.py)
+        fields.add("pipeline")
+    if not isinstance(config, dict) or set(config) != fields:
         raise ExportError(f"{folder / PROGRAM_FILE}: a config it cannot read")
     devices = config["devices"]
     if not isinstance(devices, list) or not devices or not all(isinstance(d, str) for d in devices):

@@ -15,6 +15,7 @@ __all__ = ["call_label", "generated_source", "program_source"]
 
 CAPTURED = "captured"  # the method of module.py showing a data-parallel program before lowering
 TRACED = "traced_"  # methods showing each variant before lowering
+STEP = "one_f_one_b_"  # methods showing a pipeline's 1F1B training step, by micro-batch count
 
 
 def call_label(prefix: str, key: Any) -> str:
@@ -38,6 +39,16 @@ def _comment(label: str) -> str | None:
         return (
             f"# the program for calls {what} before lowering: a batch smaller than the device count\n"
             "# (fewer devices) or load(path, devices=<others>) lowers it, as transform does"
+        )
+    if re.fullmatch(r"stage\d+", label):
+        return (
+            f"# pipeline stage {label.removeprefix('stage')}'s program for one micro-batch (pm.stages[i].code):\n"
+            "# shown, never run (forward runs every stage, in GPipe's order)"
+        )
+    if label.startswith(STEP):
+        return (
+            f"# the 1F1B training step over {label.removeprefix(STEP)} micro-batches: run as units of one stage\n"
+            "# and micro-batch (forward, then backward each), interleaved as 1F1B orders them"
         )
     return f"# the program for calls {label.removeprefix('forward_').replace('_', ' ')}"
 

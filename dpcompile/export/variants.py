@@ -77,9 +77,12 @@ def decode_signature(data: Any) -> Any:
 # ------------------------------------------------------------------------------ recipes
 def _recipe_classes() -> dict[str, type]:
     from dpcompile.recipes.data_parallel import DataParallelRecipe
+    from dpcompile.recipes.pipeline import PipelineRecipe
+    from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
     from dpcompile.recipes.tensor_parallel import TensorParallelRecipe
 
-    return {"data_parallel": DataParallelRecipe, "tensor_parallel": TensorParallelRecipe}
+    return {"data_parallel": DataParallelRecipe, "tensor_parallel": TensorParallelRecipe,
+            "pipeline": PipelineRecipe, "pipeline_tensor_parallel": PipelineTensorParallelRecipe}  # fmt: skip
 
 
 def encode_recipe(recipe: Any) -> dict[str, Any]:
@@ -169,7 +172,29 @@ def _keys(pm: nn.Module) -> list[Any]:
             key = CallKey(main.devices, modes, nones, flags, main.guard)
             if key not in keys:
                 keys.append(key)
+    if pm.mode == "pipeline_tensor_parallel":  # a batch below micro_batches: its shards cannot be lowered again
+        keys += [key._replace(devices=m) for key in list(keys) for m in range(1, min(main.devices, MAX_PATTERNS + 1))]
     return keys
+
+
+def steppable(pm: nn.Module, key: Any, program: fx.GraphModule | None) -> bool:
+    """Whether a ``"1f1b"`` training call as ``key`` can run ``program`` as 1F1B units. Export
+    builds a tensor-parallel pipeline's programs for fewer micro-batches without the call's inputs
+    (it has none), and such a program may gather the micro-batches before the loss: 1F1B cannot
+    step it, so it is not carried and the loaded module refuses that call, naming what it was
+    traced for. GPipe and eval calls run it as it is."""
+    from dpcompile.errors import DpCompileError
+    from dpcompile.modules.pipeline_1f1b import OneFOneBStep
+    from passes.split_stages import STAGE
+
+    if program is None or pm.__dict__.get("schedule") != "1f1b" or not dict(key.modes).get("", True):
+        return True
+    stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
+    try:
+        OneFOneBStep(program, stage_of, len(pm.stages), key.devices)
+    except DpCompileError:
+        return False
+    return True
 
 
 def collect(pm: nn.Module) -> tuple[list[tuple[Any, fx.GraphModule | None]], list[tuple[Any, fx.GraphModule | None]]]:
@@ -186,6 +211,9 @@ def collect(pm: nn.Module) -> tuple[list[tuple[Any, fx.GraphModule | None]], lis
                 program = None if key == cache.main_key else pm.recipe.build_program(pm, key, (), {})
             except Exception as e:  # noqa: BLE001 - a call the loaded program then refuses
                 log.info("export: no program for %s (%s)", key.describe(), e)
+                continue
+            if pm.mode == "pipeline_tensor_parallel" and not steppable(pm, key, program):
+                log.info("export: no 1F1B program for %s (built without the call's inputs)", key.describe())
                 continue
             programs.append((key.portable(), program))
     traces = [(key.portable(), gm) for key, gm in cache.traces.items() if isinstance(gm, fx.GraphModule) or gm is None]

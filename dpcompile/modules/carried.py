@@ -44,6 +44,7 @@ class CarriedPrograms:
         if portable in self.programs:
             graph = self.programs[portable]
             return None if graph is None else graph_module(self.pm, copy_graph(graph), type(self.pm).__name__)
-        if (key.devices < len(self.pm.devices) or key.batched or key.unbatched) and self.pm.captured is not None:  # lowered again
+        fewer = key.devices < max(len(self.pm.devices), self.pm.__dict__.get("micro_batches", 0))  # devices or micro-batches
+        if (fewer or key.batched or key.unbatched) and self.pm.captured is not None:  # lowered again
             return self.pm.recipe.build_program(self.pm, key, args, kwargs)
         raise self.pm.cannot_trace_again(key)

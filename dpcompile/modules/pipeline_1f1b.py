@@ -38,10 +38,13 @@ from dpcompile import runtime
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import ancestors
 from dpcompile.modules.mesh_stage import backward_done, no_gradient_path, writes
+from dpcompile.runtime import exported
 
 Unit = tuple[int, int]  # (stage, micro-batch)
 _COMBINERS = (runtime.gather, runtime.mean_of_partials, runtime.reduce_add)
-_TAIL_OPS = (*_COMBINERS, runtime.send, operator.getitem, operator.truediv, torch.div, torch.ops.aten.div.Tensor)
+# an output class the model builds (a type), or its record in a loaded program (exported.model_output)
+_TAIL_OPS = (*_COMBINERS, runtime.send, operator.getitem, operator.truediv, torch.div, torch.ops.aten.div.Tensor,
+             exported.model_output)  # fmt: skip
 
 
 def one_f_one_b_order(stages: int, micro_batches: int) -> list[tuple[str, int, int]]:

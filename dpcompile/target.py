@@ -32,7 +32,7 @@ CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 #: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1);
 #: in one process ``dp`` composes over any other program (:func:`replicate_over_dp`)
 BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}, {"cp"},
-                     {"dp", "cp"}, {"cp", "tp"})
+                     {"dp", "cp"}, {"cp", "tp"}, {"dp", "cp", "tp"})
 BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"}, {"cp"}, {"dp", "cp"})
 
 
@@ -115,7 +115,7 @@ def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
     (2, True, 4, 2, 4)
     """
     arguments = {**target.arguments(), "devices": target.canonical_devices(), "micro_batches": micro_batches}
-    if target.active == {"cp", "tp"}:
+    if {"cp", "tp"} <= target.active and "pp" not in target.active:
         return shards_over_cp(target, arguments)
     if "dp" not in target.active or target.active == {"dp"}:
         return {**arguments, "dp_copies": 1, "dp_devices": None}
@@ -134,13 +134,16 @@ def shards_over_cp(target: Target, arguments: dict[str, Any]) -> dict[str, Any]:
     """``{"cp": C, "tp": T}``: the tensor-parallel program split into ``C`` pieces along the sequence,
     as dp splits it into copies along the batch (a pipeline of one stage, ``C`` micro-batches on the
     sequence dim, piece ``r`` on ``devices[r*T:(r+1)*T]``), attention's keys and values gathered
-    across the pieces, each tensor-parallel shard gathering its own heads."""
+    across the pieces, each tensor-parallel shard gathering its own heads. With ``{"dp": D}`` beside
+    them, ``D`` copies of that program (the batch split first, ``passes.split_batch_into_copies``):
+    ``dp_devices`` lists every copy's pieces, copy ``d``'s piece ``c`` at ``d*C + c``."""
     devices, shards = arguments["devices"], target.size("tp")
-    pieces = [Devices(tuple(devices[r * shards : (r + 1) * shards])) for r in range(target.size("cp"))]
+    count = target.size("dp") * target.size("cp")  # with dp: copy d's piece c is piece d*C + c
+    pieces = [Devices(tuple(devices[r * shards : (r + 1) * shards])) for r in range(count)]
     dp_devices = tuple(tuple(piece.strings()) for piece in pieces)
     check_copy_devices(dp_devices, layout=target.layout)
     check_virtual_copies(dp_devices, layout=target.layout)
-    return {**arguments, "devices": pieces[0], "pipeline": 1, "micro_batches": len(pieces), "dp_copies": len(pieces),
+    return {**arguments, "devices": pieces[0], "pipeline": 1, "micro_batches": target.size("cp"), "dp_copies": len(pieces),
             "dp_devices": dp_devices}  # fmt: skip
 
 
@@ -272,10 +275,10 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
     where = "over a DeviceMesh" if over_mesh else "in one process"
     if "cp" in active:
         nearest = (
-            "mesh={'cp': N}, mesh={'dp': D, 'cp': N} or mesh={'cp': N, 'tp': T} in one process (the sequence split, "
-            "attention's keys and values all-gathered; dp copies of that program over virtual devices; its "
-            "layers sharded over tp), a ('cp',) or ('dp', 'cp') DeviceMesh, or leave 'cp' out: the sequence then stays whole on each "
-            "device"
+            "mesh={'cp': N}, mesh={'dp': D, 'cp': N}, mesh={'cp': N, 'tp': T} or mesh={'dp': D, 'cp': N, 'tp': T} in one "
+            "process (the sequence split, attention's keys and values all-gathered; its layers sharded over tp; dp "
+            "copies of that program over virtual devices), a ('cp',) or ('dp', 'cp') DeviceMesh, or leave 'cp' out: the "
+            "sequence then stays whole on each device"
         )
     else:
         nearest = (

@@ -56,9 +56,25 @@ def name_dp_copies(gm: fx.GraphModule, *, micro_batches: int, prefix: str = "dp"
     return PassResult(gm, bool(found), {"renamed": len(found)})
 
 
+def number_copies_of_pieces(gm: fx.GraphModule, *, pieces: int) -> PassResult:
+    """dp copies of cp's pieces (``{"dp", "cp", "tp"}``: ``split_batch_into_copies`` named copy ``d``
+    ``_dp<d>``, this pass then piece ``c`` of the sequence ``_cp<c>``): ``x_dp1_cp0`` is the
+    program's copy ``d * pieces + c`` (``recipe.dp_devices`` lists every copy's pieces)."""
+    numbered = 0
+    for node in gm.graph.nodes:
+        found = _COPY_OF_PIECE.search(node.name)
+        if found and isinstance(node.meta.get(COPY), int):
+            node.meta[COPY] = int(found.group(1)) * pieces + node.meta[COPY]
+            numbered += 1
+    return PassResult(gm, bool(numbered), {"numbered": numbered})
+
+
+_COPY_OF_PIECE = re.compile(r"_dp(\d+)(?=_|$)")
+
+
 def _piece_name(piece: int, micro_batches: int, prefix: str) -> str:
     copy, micro = divmod(piece, micro_batches)
     return f"_{prefix}{copy}" if micro_batches == 1 else f"_{prefix}{copy}_mb{micro}"
 
 
-__all__ = ["COPY", "find_piece_names", "name_dp_copies"]
+__all__ = ["COPY", "find_piece_names", "name_dp_copies", "number_copies_of_pieces"]

@@ -97,6 +97,12 @@ class PipelineTensorParallelRecipe(Recipe):
     context_parallel: bool = False  # {"cp", "tp"}: the micro-batches are pieces of the sequence (batch_dim 1)
 
     @property
+    def sequence_copies(self) -> int:
+        """The dp copies of a cp x tp program (``{"dp": D, "cp": C, "tp": T}``: ``dp_devices`` lists
+        every copy's ``C`` pieces, ``micro_batches`` is ``C``); 1 without."""
+        return len(self.dp_devices) // self.micro_batches if self.context_parallel and self.dp_devices else 1
+
+    @property
     def stage_count(self) -> int:
         return self.stages if isinstance(self.stages, int) else len(self.stages) + 1
 
@@ -145,6 +151,8 @@ class PipelineTensorParallelRecipe(Recipe):
         records += shard_records
         if self.context_parallel:  # attention marked on one shard's program: each shard gathers its own heads
             borrow_shapes(gm, shapes)
+            if self.sequence_copies > 1:  # {"dp", "cp", "tp"}: the batch split into the copies first
+                passes.split_one_shard_batch(gm, copies=self.sequence_copies, device=groups[0].primary, shapes=shapes)
             gm, exchange_records = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
             records += exchange_records
         shard_info = unaliased_findings(info_of(shard_records, "shard_linear"))
@@ -230,6 +238,8 @@ class PipelineTensorParallelRecipe(Recipe):
         tidy_micro_batch_names(expanded)
         finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(
             self.dp_micro_batches, prefix="cp" if self.context_parallel else "dp")
+        if self.sequence_copies > 1:  # x_dp1_cp0: copy 1's piece 0
+            finishing.append(functools.partial(passes.number_copies_of_pieces, pieces=self.micro_batches))
         expanded, _ = run_passes(expanded, finishing, recompile=False)
         expanded.recompile()
         return expanded, records

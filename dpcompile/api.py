@@ -328,7 +328,7 @@ def make_recipe(
     if pipeline is not None:
         recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule,
                                   sequence_parallel)  # fmt: skip
-        if context_parallel and isinstance(recipe, PipelineTensorParallelRecipe):  # {"cp", "tp"}: pieces of the sequence
+        if context_parallel and isinstance(recipe, (PipelineRecipe, PipelineTensorParallelRecipe)):  # pieces of the sequence
             recipe = dataclasses.replace(recipe, context_parallel=True)
         if isinstance(recipe, MeshPipelineRecipe):  # data parallel over a mesh's "dp": replicated or FSDP
             check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan, data_parallel)

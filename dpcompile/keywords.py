@@ -36,6 +36,12 @@ def check_keywords_honoured(
         )
     if not pipelined and schedule != "gpipe":
         raise ValueError(f"schedule={schedule!r} orders a pipeline's micro-batches: add pipeline=N, or leave it out")
+    if pipelined and schedule != "gpipe" and isinstance(mesh, Mapping) and mesh.get("cp", 1) > 1:
+        raise DpCompileError(
+            f"schedule={schedule!r} with 'pp' and 'cp' is not built yet: the pieces of the sequence are the "
+            "pipeline's micro-batches, and each stage's attention reads every piece's keys and values, so no piece "
+            "runs its backward before the others' forward; leave schedule= out (GPipe)"
+        )
     if ddp_options and not over_mesh:
         raise ValueError(
             "ddp_options= configures DistributedDataParallel over a DeviceMesh; over a device list data "

@@ -56,7 +56,7 @@ from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe
 from dpcompile.recipes.data_parallel import without_sequence_replicated
-from dpcompile.recipes.pipeline import place_stages
+from dpcompile.recipes.pipeline import check_sequence_pipeline, place_stages
 from dpcompile.recipes.tensor_parallel import (
     aliased_plan,
     capture_owning_everything,
@@ -118,6 +118,8 @@ class PipelineTensorParallelRecipe(Recipe):
         none_args: frozenset[str] = frozenset(),
         flags: Mapping[str, Any] | None = None,
     ) -> PipelineTensorParallelModule:
+        if self.context_parallel:
+            check_sequence_pipeline(example_inputs)
         groups = self.groups()
         shards = len(groups[0])
         state_keys, state_aliases = list(model.state_dict().keys()), tied_state_keys(model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -29,16 +30,18 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.dim, self.heads = dim, heads
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.fc, self.out = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
 
     def forward(self, h):
-        b, s, d = h.shape
-        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(self.ln1(h)).split(d, 2))
+        b, s, _ = h.shape
+        q, k, v = self.qkv(self.ln1(h)).split(self.dim, 2)  # a constant: the plan sees the sections
+        heads = (b, s, self.heads, self.dim // self.heads)
+        q, k, v = q.view(heads).transpose(1, 2), k.view(heads).transpose(1, 2), v.view(heads).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        h = h + self.proj(a.transpose(1, 2).reshape(b, s, self.dim))
         return h + self.out(F.gelu(self.fc(self.ln2(h))))
 
 
@@ -80,7 +83,7 @@ def assert_trains_like_eager(pm: nn.Module, eager: nn.Module, rows: int) -> None
         weights = torch.linspace(0.5, 1.5, logits.numel(), dtype=torch.float64).view(logits.shape)
         (loss + (logits * weights).sum()).backward()
         (want_loss + (want_logits * weights).sum()).backward()
-        grads = full_gradients(pm)
+        grads = full_gradients(pm) if hasattr(pm, "param_shards") else {n: p.grad for n, p in pm.named_parameters()}
         for path, p in eager.named_parameters():
             assert grads.get(path) is not None, f"no gradient reached {path}"
             torch.testing.assert_close(grads[path], p.grad, msg=lambda m, path=path, seq=seq: f"grad {path} at {seq}: {m}")
@@ -117,3 +120,40 @@ def test_dp_cp_tp_trains_like_eager(data_parallel):
     placed = {n.name: n.device for n in dpcompile.explain(pm, *lm_batch(3, 7, seed=0)).nodes}
     pieces = [f"blocks_0_qkv_dp{d}_cp{c}_dev{k}" for d in (0, 1) for c in (0, 1) for k in (0, 1)]
     assert [placed[name] for name in pieces] == [f"cpu#{i}" for i in range(8)]
+
+
+@pytest.mark.parametrize("mesh", [{"pp": 2, "cp": 2}, {"pp": 2, "cp": 2, "tp": 2}])
+def test_pp_cp_trains_like_eager(mesh):
+    """Two stages (GPipe), each a context-parallel program over its own 2 devices: the pieces of the
+    sequence are the pipeline's micro-batches, and each stage's attention gathers the keys and values
+    of its own pieces only; with tp, each piece's layers sharded over 2 devices of its stage."""
+    pm, eager = build(2, mesh, rows=2)
+    gathered = [names.split(", ") for names in re.findall(r"dpcompile_runtime_gather_sequence\(\[([^\]]*)\]", pm.code)]
+    assert len(gathered) == 2 * 2 * mesh.get("tp", 1)  # keys and values of each block, per shard
+    for names in gathered:  # one stage's block, its 2 pieces
+        assert len(names) == 2 and len({name.split("_")[1] for name in names}) == 1, names
+    assert_trains_like_eager(pm, eager, rows=2)
+    placed = {n.name: n.device for n in dpcompile.explain(pm, *lm_batch(2, 7, seed=0)).nodes}
+    shards = [f"_dev{k}" for k in range(mesh.get("tp", 1))] if "tp" in mesh else [""]
+    pieces = [f"blocks_{s}_qkv_cp{c}{k}" for s in (0, 1) for c in (0, 1) for k in shards]
+    assert [placed[name] for name in pieces] == [f"cpu#{i}" for i in range(len(pieces))]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "options", "match"),
+    [
+        ({"pp": 2, "cp": 2}, {"schedule": "1f1b"}, r"schedule='1f1b' with 'pp' and 'cp' is not built yet.*leave schedule= out"),
+        ({"pp": 2, "cp": 2, "tp": 2}, {"schedule": "1f1b"}, r"schedule='1f1b' with 'pp' and 'cp'"),
+        ({"pp": 2, "cp": 2}, {"micro_batches": 2}, r"micro_batches=2: a pipeline with 'cp' .* leave micro_batches= out"),
+    ],
+)
+def test_pp_cp_refuses_what_is_not_built_by_name(mesh, options, match):
+    """1F1B (a piece's backward would run before the other pieces' forward its attention reads) and
+    micro-batches of the batch beside the sequence's pieces: refused before anything is built."""
+    torch.manual_seed(0)
+    model = TinyLM(2).double()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(dpcompile.DpCompileError, match=match):
+        dpcompile.transform(model, ["cpu"] * math.prod(mesh.values()), mesh=mesh, example_inputs=lm_batch(2, 7, 0),
+                            **options)  # fmt: skip
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

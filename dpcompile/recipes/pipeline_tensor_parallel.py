@@ -260,6 +260,9 @@ class PipelineTensorParallelRecipe(Recipe):
             if node in borrowed or id(node.meta.get("val")) in made:
                 node.meta.pop("val", None)
                 node.meta.pop("tensor_meta", None)
+            stages = [a.meta[STAGE] for a in node.all_input_nodes if STAGE in a.meta]
+            if STAGE not in node.meta and stages and node.op != "output":  # a node the pass made: its inputs' stage
+                node.meta[STAGE] = max(stages)
         return records
 
     def build_program(

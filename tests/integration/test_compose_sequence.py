@@ -107,12 +107,14 @@ def build(layers: int, mesh: dict[str, int], rows: int = 3, **options) -> tuple[
     return pm, eager
 
 
-@pytest.mark.parametrize("data_parallel", ["replicate", "fsdp"])
-def test_dp_cp_tp_trains_like_eager(data_parallel):
+@pytest.mark.parametrize(("data_parallel", "sequence_parallel"), [("replicate", False), ("fsdp", True)])
+def test_dp_cp_tp_trains_like_eager(data_parallel, sequence_parallel):
     """dp copies of the cp x tp program: a batch of 3 over 2 copies (rows 2 and 1), each copy's
     sequence over 2 pieces, each piece's layers over 2 shards (each shard gathering its own heads'
-    keys and values across the pieces of its copy)."""
-    pm, eager = build(1, {"dp": 2, "cp": 2, "tp": 2}, data_parallel=data_parallel)
+    keys and values across the pieces of its copy); FSDP with each piece's values between the
+    pairs on sequence shards too."""
+    pm, eager = build(1, {"dp": 2, "cp": 2, "tp": 2}, data_parallel=data_parallel, sequence_parallel=sequence_parallel)
+    assert ("tensor_parallel_split_sequence_to_devices(" in pm.code) == sequence_parallel
     assert "_keys_dev1 = dpcompile_runtime_gather_sequence(" in pm.code and "qkv_dp1_cp1_dev1 = " in pm.code
     if data_parallel == "fsdp":  # each tensor-parallel shard in one piece per (dp, cp) piece
         assert {len(names) for _, names in pm.param_shards.values()} == {4, 8}
@@ -157,3 +159,16 @@ def test_pp_cp_refuses_what_is_not_built_by_name(mesh, options, match):
         dpcompile.transform(model, ["cpu"] * math.prod(mesh.values()), mesh=mesh, example_inputs=lm_batch(2, 7, 0),
                             **options)  # fmt: skip
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("mesh", [{"pp": 2, "tp": 2}, {"cp": 2, "tp": 2}])
+def test_sequence_parallel_on_pipeline_stages_and_sequence_pieces_trains_like_eager(mesh):
+    """sequence_parallel=True on each pipeline stage's tensor-parallel program (GPipe), and on each
+    piece of the sequence of cp x tp: the values between the pairs split again over the shards."""
+    pm, eager = build(2, mesh, rows=2, sequence_parallel=True)
+    assert pm.strategies["tp"] == "tensor parallel with sequence parallel"
+    assert "tensor_parallel_split_sequence_to_devices(" in pm.code
+    assert_trains_like_eager(pm, eager, rows=2)
+    placed = {n.name: n.device for n in dpcompile.explain(pm, *lm_batch(2, 7, seed=0)).nodes}
+    outer = [f"blocks_{s}_qkv" for s in (0, 1)] if "pp" in mesh else [f"blocks_1_qkv_cp{c}" for c in (0, 1)]
+    assert [placed[f"{name}_dev{k}"] for name in outer for k in (0, 1)] == ["cpu#0", "cpu#1", "cpu#2", "cpu#3"]

@@ -39,7 +39,7 @@ from passes.exact_random_mesh import rank_batch_input, stamp_rank_cols, stamp_ra
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.functionalize import find_mutations, functionalize_mutations
-from passes.name_dp_copies import find_piece_names, name_dp_copies, number_copies_of_pieces
+from passes.name_dp_copies import find_copies_of_pieces, find_piece_names, name_dp_copies, number_copies_of_pieces
 from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
 from passes.regather_keys_values import find_regather_sites, regather_keys_values
 from passes.sequence_copies import split_batch_into_copies, split_one_shard_batch
@@ -267,6 +267,7 @@ __all__ = [
     "find_module_homes",
     "name_dp_copies",
     "number_copies_of_pieces",
+    "find_copies_of_pieces",
     "copy_device_maps",
     "find_copy_nodes",
     "place_dp_copies",

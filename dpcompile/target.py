@@ -185,14 +185,14 @@ def check_copy_devices(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[s
 
 
 def check_virtual_copies(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[str, int]) -> None:
-    """dp copies of a context-parallel program (or cp's pieces of a tensor-parallel one) run on the
-    same devices as copy 0 (virtual devices, ``["cpu"] * n`` or one GPU repeated): copies on devices
+    """dp copies of a context-parallel program (or cp's pieces of a tensor-parallel program or of a
+    pipeline) run on the same devices as copy 0 (virtual devices, ``["cpu"] * n`` or one GPU repeated): copies on devices
     of their own are not placed yet."""
     for r, copy in enumerate(dp_devices[1:], start=1):
         if tuple(copy) != tuple(dp_devices[0]):
             raise DpCompileError(
                 f"mesh={dict(layout)}: copy 0 runs on {list(dp_devices[0])} and copy {r} on {list(copy)}; cp composed "
-                "with dp or tp in one process runs every copy on the same devices for now (virtual devices: ['cpu'] * n, "
+                "with dp, tp or pp in one process runs every copy on the same devices for now (virtual devices: ['cpu'] * n, "
                 "or one GPU repeated): repeat copy 0's devices, or use mesh={'cp': N} alone on distinct devices"
             )
 

@@ -147,17 +147,19 @@ def test_pp_cp_trains_like_eager(mesh):
         ({"pp": 2, "cp": 2}, {"schedule": "1f1b"}, r"schedule='1f1b' with 'pp' and 'cp' is not built yet.*leave schedule= out"),
         ({"pp": 2, "cp": 2, "tp": 2}, {"schedule": "1f1b"}, r"schedule='1f1b' with 'pp' and 'cp'"),
         ({"pp": 2, "cp": 2}, {"micro_batches": 2}, r"micro_batches=2: a pipeline with 'cp' .* leave micro_batches= out"),
+        ({"pp": 2, "cp": 2}, {"devices": ["cpu", "meta", "cpu", "meta"]}, r"copy 1 on \['meta', 'meta'\].*same devices"),
     ],
 )
 def test_pp_cp_refuses_what_is_not_built_by_name(mesh, options, match):
-    """1F1B (a piece's backward would run before the other pieces' forward its attention reads) and
-    micro-batches of the batch beside the sequence's pieces: refused before anything is built."""
+    """1F1B (a piece's backward would run before the other pieces' forward its attention reads),
+    micro-batches of the batch beside the sequence's pieces, and pieces of the sequence on devices of
+    their own (not placed yet): refused before anything is built."""
     torch.manual_seed(0)
     model = TinyLM(2).double()
     before = copy.deepcopy(model.state_dict())
+    devices = options.pop("devices", ["cpu"] * math.prod(mesh.values()))
     with pytest.raises(dpcompile.DpCompileError, match=match):
-        dpcompile.transform(model, ["cpu"] * math.prod(mesh.values()), mesh=mesh, example_inputs=lm_batch(2, 7, 0),
-                            **options)  # fmt: skip
+        dpcompile.transform(model, devices, mesh=mesh, example_inputs=lm_batch(2, 7, 0), **options)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

@@ -147,7 +147,7 @@ def shards_over_cp(target: Target, arguments: dict[str, Any]) -> dict[str, Any]:
     check_copy_devices(dp_devices, layout=target.layout)
     check_virtual_copies(dp_devices, layout=target.layout)
     return {**arguments, "devices": pieces[0], "pipeline": 1, "micro_batches": target.size("cp"), "dp_copies": len(pieces),
-            "dp_devices": dp_devices}  # fmt: skip
+            "dp_devices": dp_devices, "sequence_copies": target.size("dp")}  # fmt: skip
 
 
 def stages_over_cp(target: Target, arguments: dict[str, Any], micro_batches: int) -> dict[str, Any]:

@@ -95,12 +95,7 @@ class PipelineTensorParallelRecipe(Recipe):
     check_available: bool = True
     sequence_parallel: bool = False  # each micro-batch's values between the pairs on sequence shards
     context_parallel: bool = False  # {"cp", "tp"}: the micro-batches are pieces of the sequence (batch_dim 1)
-
-    @property
-    def sequence_copies(self) -> int:
-        """The dp copies of a cp x tp program (``{"dp": D, "cp": C, "tp": T}``: ``dp_devices`` lists
-        every copy's ``C`` pieces, ``micro_batches`` is ``C``); 1 without."""
-        return len(self.dp_devices) // self.micro_batches if self.context_parallel and self.dp_devices else 1
+    sequence_copies: int = 1  # {"dp", "cp", "tp"}: dp copies of the cp x tp program (dp_devices: every copy's pieces)
 
     @property
     def stage_count(self) -> int:
@@ -241,7 +236,8 @@ class PipelineTensorParallelRecipe(Recipe):
         finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(
             self.dp_micro_batches, prefix="cp" if self.context_parallel else "dp")
         if self.sequence_copies > 1:  # x_dp1_cp0: copy 1's piece 0
-            finishing.append(functools.partial(passes.number_copies_of_pieces, pieces=self.micro_batches))
+            pieces = len(self.dp_devices or ()) // self.sequence_copies  # cp's, whatever a short call splits into
+            finishing.append(functools.partial(passes.number_copies_of_pieces, pieces=pieces))
         expanded, _ = run_passes(expanded, finishing, recompile=False)
         expanded.recompile()
         return expanded, records

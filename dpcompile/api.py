@@ -125,7 +125,7 @@ def transform(
                                        tensor_parallel)  # fmt: skip
     if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp
         model = _private_copy(model)
-    copies, per_copy, dp_devices, context_parallel = 1, None, None, False
+    copies, per_copy, dp_devices, context_parallel, sequence_copies = 1, None, None, False, 1
     if target is not None:  # mesh= over a device list: the same builders, devices in their order, dp composed over them
         arguments = replicate_over_dp(target, micro_batches)
         devices, pipeline, tensor_parallel = arguments["devices"], arguments["pipeline"], arguments["tensor_parallel"]
@@ -133,6 +133,7 @@ def transform(
         dp_devices = arguments["dp_devices"]
         micro_batches = arguments["micro_batches"]
         context_parallel = arguments["context_parallel"]
+        sequence_copies = arguments.get("sequence_copies", 1)
         batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
         if context_parallel and copies > 1:  # the export keeps the batch dynamic too: the copies split it
             dynamic_dims = _batch_also_dynamic(dynamic_dims)
@@ -171,6 +172,7 @@ def transform(
         "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
         "exact_random": exact_random is not False, "context_parallel": context_parallel,
         "dp_micro_batches": per_copy, "dp_devices": dp_devices, "sequence_parallel": bool(sequence_parallel),
+        "sequence_copies": sequence_copies,
     }  # fmt: skip
     example_tuple = _example_tuple(example_inputs)
     if memory_per_device is not None:
@@ -323,6 +325,7 @@ def make_recipe(
     dp_micro_batches: int | None = None,
     dp_devices: tuple[tuple[str, ...], ...] | None = None,
     sequence_parallel: bool = False,
+    sequence_copies: int = 1,
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
@@ -338,8 +341,10 @@ def make_recipe(
     if pipeline is not None:
         recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule,
                                   sequence_parallel)  # fmt: skip
-        if context_parallel and isinstance(recipe, PipelineTensorParallelRecipe):  # {"cp", "tp"}: pieces of the sequence
+        if context_parallel and isinstance(recipe, (PipelineRecipe, PipelineTensorParallelRecipe)):  # pieces of the sequence
             recipe = dataclasses.replace(recipe, context_parallel=True)
+        if sequence_copies > 1:  # {"dp", "cp", "tp"}: dp copies of the cp x tp program
+            recipe = dataclasses.replace(recipe, sequence_copies=sequence_copies)
         if isinstance(recipe, MeshPipelineRecipe):  # data parallel over a mesh's "dp": replicated or FSDP
             check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan, data_parallel)
             recipe = dataclasses.replace(recipe, data_parallel=data_parallel, mixed_precision=mixed_precision)

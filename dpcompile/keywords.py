@@ -36,6 +36,12 @@ def check_keywords_honoured(
         )
     if not pipelined and schedule != "gpipe":
         raise ValueError(f"schedule={schedule!r} orders a pipeline's micro-batches: add pipeline=N, or leave it out")
+    if pipelined and schedule != "gpipe" and isinstance(mesh, Mapping) and mesh.get("cp", 1) > 1:
+        raise DpCompileError(
+            f"schedule={schedule!r} with 'pp' and 'cp' is not built yet: the pieces of the sequence are the "
+            "pipeline's micro-batches, and each stage's attention reads every piece's keys and values, so no piece "
+            "runs its backward before the others' forward; leave schedule= out (GPipe)"
+        )
     if ddp_options and not over_mesh:
         raise ValueError(
             "ddp_options= configures DistributedDataParallel over a DeviceMesh; over a device list data "
@@ -72,15 +78,16 @@ def check_keywords_honoured(
         mesh = mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
         sharded = sharded or mesh.get("tp", 1) > 1
     _check_sequence_parallel(sequence_parallel, sharded, over_mesh=over_mesh, pipelined=pipelined, mesh=mesh,
-                             memory_per_device=memory_per_device)  # fmt: skip
+                             memory_per_device=memory_per_device, schedule=schedule)  # fmt: skip
     _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
 
 
 def _check_sequence_parallel(
-    sequence_parallel: Any, sharded: bool, *, over_mesh: bool, pipelined: bool, mesh: Any, memory_per_device: Any
+    sequence_parallel: Any, sharded: bool, *, over_mesh: bool, pipelined: bool, mesh: Any, memory_per_device: Any,
+    schedule: str = "gpipe",
 ) -> None:  # fmt: skip
-    """``sequence_parallel=True`` is built on ``tp``, with or without ``dp``: in one process and over a
-    ``("tp",)`` or ``("dp", "tp")`` DeviceMesh."""
+    """``sequence_parallel=True`` is built on ``tp``: in one process beside every other dimension
+    (GPipe where there is a pipeline), over a ``("tp",)`` or ``("dp", "tp")`` DeviceMesh."""
     if sequence_parallel not in (False, True):
         raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
     if not sequence_parallel:
@@ -89,12 +96,17 @@ def _check_sequence_parallel(
         raise ValueError("sequence_parallel=True shards the sequence over the 'tp' dimension: add tensor_parallel=")
     others = sorted(k for k, v in (mesh or {}).items() if k not in ("tp", "dp") and v > 1
                     ) if isinstance(mesh, Mapping) else []  # fmt: skip
-    if pipelined or others:
-        where = f"with {', '.join(others) or 'pp'}" + (" over a DeviceMesh" if over_mesh else "")
+    if over_mesh and (pipelined or others):
+        where = f"with {', '.join(others) or 'pp'} over a DeviceMesh"
         raise DpCompileError(
-            f"sequence_parallel=True {where} is not built yet: it runs on 'tp', with or without 'dp' "
-            "(tensor_parallel= over a device list, mesh={'tp': T} or {'dp': D, 'tp': T}, or a ('tp',) or "
-            "('dp', 'tp') DeviceMesh); leave sequence_parallel= out for this layout"
+            f"sequence_parallel=True {where} is not built yet: over a DeviceMesh it runs on 'tp', with or without "
+            "'dp' (a ('tp',) or ('dp', 'tp') DeviceMesh; in one process, a device list, it composes with 'pp' and "
+            "'cp' too); leave sequence_parallel= out for this layout"
+        )
+    if pipelined and schedule != "gpipe":
+        raise DpCompileError(
+            f"sequence_parallel=True with schedule={schedule!r} is not built yet (its micro-batches' sequence "
+            "shards are not kept apart for 1F1B's order): leave schedule= out (GPipe), or sequence_parallel= out"
         )
     if memory_per_device is not None:
         raise DpCompileError(

@@ -32,7 +32,7 @@ CANONICAL_ORDER = ("pp", "dp", "cp", "tp")
 #: layouts that are built, in one process and over a DeviceMesh (the sets of dims larger than 1);
 #: in one process ``dp`` composes over any other program (:func:`replicate_over_dp`)
 BUILT_ONE_PROCESS = ({"dp"}, {"tp"}, {"pp"}, {"pp", "tp"}, {"dp", "tp"}, {"pp", "dp"}, {"pp", "dp", "tp"}, {"cp"},
-                     {"dp", "cp"}, {"cp", "tp"})
+                     {"dp", "cp"}, {"cp", "tp"}, {"dp", "cp", "tp"}, {"pp", "cp"}, {"pp", "cp", "tp"})
 BUILT_OVER_MESH = ({"dp"}, {"tp"}, {"dp", "tp"}, {"pp"}, {"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"}, {"cp"}, {"dp", "cp"},
                    {"cp", "tp"})  # fmt: skip
 
@@ -88,13 +88,14 @@ class Target:
         return {"pipeline": pipeline, "tensor_parallel": plan, "context_parallel": "cp" in self.active}
 
 
-def dp_copies(target: Target) -> list[Devices]:
+def dp_copies(target: Target, dimension: str = "dp") -> list[Devices]:
     """The devices of each ``dp`` index, in canonical order: copy ``r`` of the program the other
-    dimensions build runs on ``dp_copies(target)[r]`` (one copy, all devices, without ``dp``)."""
+    dimensions build runs on ``dp_copies(target)[r]`` (one copy, all devices, without ``dp``);
+    ``dimension="cp"``: the devices of each ``cp`` index (a pipeline's pieces of the sequence)."""
     devices = target.canonical_devices()
     order = [name for name in CANONICAL_ORDER if name in target.layout]
-    copies = target.size("dp")
-    inner = math.prod(target.size(name) for name in order[order.index("dp") + 1 :]) if "dp" in order else 1
+    copies = target.size(dimension)
+    inner = math.prod(target.size(name) for name in order[order.index(dimension) + 1 :]) if dimension in order else 1
     return [
         Devices(tuple(d for i, d in enumerate(devices) if (i // inner) % copies == r)) for r in range(copies)
     ]
@@ -116,7 +117,9 @@ def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
     (2, True, 4, 2, 4)
     """
     arguments = {**target.arguments(), "devices": target.canonical_devices(), "micro_batches": micro_batches}
-    if target.active == {"cp", "tp"}:
+    if "cp" in target.active and "pp" in target.active:
+        return stages_over_cp(target, arguments, micro_batches)
+    if {"cp", "tp"} <= target.active:
         return shards_over_cp(target, arguments)
     if "dp" not in target.active or target.active == {"dp"}:
         return {**arguments, "dp_copies": 1, "dp_devices": None}
@@ -135,13 +138,35 @@ def shards_over_cp(target: Target, arguments: dict[str, Any]) -> dict[str, Any]:
     """``{"cp": C, "tp": T}``: the tensor-parallel program split into ``C`` pieces along the sequence,
     as dp splits it into copies along the batch (a pipeline of one stage, ``C`` micro-batches on the
     sequence dim, piece ``r`` on ``devices[r*T:(r+1)*T]``), attention's keys and values gathered
-    across the pieces, each tensor-parallel shard gathering its own heads."""
+    across the pieces, each tensor-parallel shard gathering its own heads. With ``{"dp": D}`` beside
+    them, ``D`` copies of that program (the batch split first, ``passes.split_batch_into_copies``):
+    ``dp_devices`` lists every copy's pieces, copy ``d``'s piece ``c`` at ``d*C + c``."""
     devices, shards = arguments["devices"], target.size("tp")
-    pieces = [Devices(tuple(devices[r * shards : (r + 1) * shards])) for r in range(target.size("cp"))]
+    count = target.size("dp") * target.size("cp")  # with dp: copy d's piece c is piece d*C + c
+    pieces = [Devices(tuple(devices[r * shards : (r + 1) * shards])) for r in range(count)]
     dp_devices = tuple(tuple(piece.strings()) for piece in pieces)
     check_copy_devices(dp_devices, layout=target.layout)
     check_virtual_copies(dp_devices, layout=target.layout)
-    return {**arguments, "devices": pieces[0], "pipeline": 1, "micro_batches": len(pieces), "dp_copies": len(pieces),
+    return {**arguments, "devices": pieces[0], "pipeline": 1, "micro_batches": target.size("cp"), "dp_copies": len(pieces),
+            "dp_devices": dp_devices, "sequence_copies": target.size("dp")}  # fmt: skip
+
+
+def stages_over_cp(target: Target, arguments: dict[str, Any], micro_batches: int) -> dict[str, Any]:
+    """``{"pp": S, "cp": C}`` (and ``"tp"``): the pipeline split into ``C`` pieces along the sequence,
+    its micro-batches (a pipeline of ``S`` stages, piece ``c`` on the devices of ``cp`` index ``c``:
+    stage ``s``'s piece ``c`` on its own device, ``devices[s*C + c]`` without tp), each stage's
+    attention gathering keys and values across that stage's pieces."""
+    if micro_batches != 1:
+        raise DpCompileError(
+            f"mesh={target.layout} with micro_batches={micro_batches}: a pipeline with 'cp' runs the pieces of the "
+            "sequence as its micro-batches (each stage's attention gathers every piece's keys and values), and "
+            "micro-batches of the batch beside them are not built yet: leave micro_batches= out"
+        )
+    pieces = dp_copies(target, "cp")
+    dp_devices = tuple(tuple(piece.strings()) for piece in pieces)
+    check_copy_devices(dp_devices, layout=target.layout)
+    check_virtual_copies(dp_devices, layout=target.layout)
+    return {**arguments, "devices": pieces[0], "micro_batches": len(pieces), "dp_copies": len(pieces),
             "dp_devices": dp_devices}  # fmt: skip
 
 
@@ -161,14 +186,14 @@ def check_copy_devices(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[s
 
 
 def check_virtual_copies(dp_devices: Sequence[Sequence[str]], *, layout: Mapping[str, int]) -> None:
-    """dp copies of a context-parallel program (or cp's pieces of a tensor-parallel one) run on the
-    same devices as copy 0 (virtual devices, ``["cpu"] * n`` or one GPU repeated): copies on devices
+    """dp copies of a context-parallel program (or cp's pieces of a tensor-parallel program or of a
+    pipeline) run on the same devices as copy 0 (virtual devices, ``["cpu"] * n`` or one GPU repeated): copies on devices
     of their own are not placed yet."""
     for r, copy in enumerate(dp_devices[1:], start=1):
         if tuple(copy) != tuple(dp_devices[0]):
             raise DpCompileError(
                 f"mesh={dict(layout)}: copy 0 runs on {list(dp_devices[0])} and copy {r} on {list(copy)}; cp composed "
-                "with dp or tp in one process runs every copy on the same devices for now (virtual devices: ['cpu'] * n, "
+                "with dp, tp or pp in one process runs every copy on the same devices for now (virtual devices: ['cpu'] * n, "
                 "or one GPU repeated): repeat copy 0's devices, or use mesh={'cp': N} alone on distinct devices"
             )
 
@@ -273,11 +298,11 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
     where = "over a DeviceMesh" if over_mesh else "in one process"
     if "cp" in active:
         nearest = (
-            "mesh={'cp': N}, mesh={'dp': D, 'cp': N} or mesh={'cp': N, 'tp': T} in one process (the sequence split, "
-            "attention's keys and values all-gathered; dp copies of that program over virtual devices; its "
-            "layers sharded over tp), a ('cp',) or ('dp', 'cp') DeviceMesh (parameters replicated, or data_parallel='fsdp': "
-            "sharded over every rank), a ('cp', 'tp') DeviceMesh with tensor_parallel=, or leave 'cp' out: the sequence "
-            "then stays whole on each device"
+            "mesh={'cp': N} in one process, with 'dp' or 'tp' or both beside it ({'dp': D, 'cp': N, 'tp': T}), or "
+            "with 'pp' ({'pp': S, 'cp': N} or {'pp': S, 'cp': N, 'tp': T}: each stage's pieces of the sequence on its "
+            "own devices; no 'dp' beside 'pp' and 'cp' yet), a ('cp',) or ('dp', 'cp') DeviceMesh (parameters "
+            "replicated, or data_parallel='fsdp': sharded over every rank), a ('cp', 'tp') DeviceMesh with "
+            "tensor_parallel=, or leave 'cp' out: the sequence then stays whole on each device"
         )
     else:
         nearest = (
@@ -322,6 +347,7 @@ __all__ = [
     "check_copy_devices",
     "check_virtual_copies",
     "shards_over_cp",
+    "stages_over_cp",
     "dp_copies",
     "mesh_layout",
     "replicate_over_dp",

@@ -4,6 +4,7 @@
                                          ├─► insert_sequence_exchange ─► insert_scatter_gather ─► regather_keys_values (context parallel)
                                          ├─► split_batch_into_copies ─► insert_sequence_exchange ─► ... (dp x cp, one process)
                                          ├─► shard_linear ─► [shard_sequence ─►] expand_shards (tensor, sequence parallel)
+                                         ├─► shard_linear ─► [split_one_shard_batch ─►] insert_sequence_exchange ─► (pipeline) ─► expand_shards ([dp x] cp x tp)
                                          ├─► [shard_linear ─►] lower_to_collectives (SPMD over a DeviceMesh)
                                          ├─► (context parallel's passes, N virtual devices) ─► lower_sequence_to_rank ('cp' mesh)
                                          ├─► split_stages ─► [insert_scatter_gather] ─► insert_stage_transfers (pipeline)
@@ -38,10 +39,10 @@ from passes.exact_random_mesh import rank_batch_input, stamp_rank_cols, stamp_ra
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
 from passes.functionalize import find_mutations, functionalize_mutations
-from passes.name_dp_copies import find_piece_names, name_dp_copies
+from passes.name_dp_copies import find_copies_of_pieces, find_piece_names, name_dp_copies, number_copies_of_pieces
 from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
 from passes.regather_keys_values import find_regather_sites, regather_keys_values
-from passes.sequence_copies import split_batch_into_copies
+from passes.sequence_copies import split_batch_into_copies, split_one_shard_batch
 from passes.sequence_parallel import find_sequence_region, shard_sequence
 from passes.sequence_rank import find_rank_sites, lower_sequence_to_rank
 from passes.sequence_seed import split_sequence_made_inside
@@ -238,6 +239,7 @@ __all__ = [
     "sequence_exchange_on_shards",
     "markers_take_shard_layouts",
     "split_batch_into_copies",
+    "split_one_shard_batch",
     "find_sequence_region",
     "decompose_attention",
     "draw_random_whole",
@@ -264,6 +266,8 @@ __all__ = [
     "find_piece_names",
     "find_module_homes",
     "name_dp_copies",
+    "number_copies_of_pieces",
+    "find_copies_of_pieces",
     "copy_device_maps",
     "find_copy_nodes",
     "place_dp_copies",

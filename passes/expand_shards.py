@@ -55,6 +55,7 @@ from dpcompile.progress import step_bar
 from dpcompile.runtime import collectives, to_device
 from dpcompile.runtime import tensor_parallel as tp_runtime
 from dpcompile.runtime.tensor_parallel import ShardSpec
+from passes.split_stages import STAGE
 
 PASS = "expand_shards"
 
@@ -192,6 +193,8 @@ class _Expander:
     def make(self, op: str, target: Any, args: tuple = (), kwargs: dict | None = None, *, name: str, source: fx.Node) -> fx.Node:
         new = self.graph.create_node(op, target, args, kwargs or {}, name=name)
         stamp(new, PASS, source)
+        if STAGE in source.meta:  # a pipeline stage's node: its shards run in that stage (sequence parallel's too)
+            new.meta[STAGE] = source.meta[STAGE]
         return new
 
     def comm(self, new: fx.Node, source: fx.Node) -> fx.Node:

@@ -56,9 +56,34 @@ def name_dp_copies(gm: fx.GraphModule, *, micro_batches: int, prefix: str = "dp"
     return PassResult(gm, bool(found), {"renamed": len(found)})
 
 
+def find_copies_of_pieces(gm: fx.GraphModule, *, pieces: int) -> dict[fx.Node, int]:
+    """``{node: copy}`` for every node :func:`name_dp_copies` numbered as piece ``c`` of the sequence
+    whose name says dp copy ``d`` (``x_dp1_cp0``): the program's copy ``d * pieces + c``."""
+    found = {}
+    for node in gm.graph.nodes:
+        copy_of = _COPY_OF_PIECE.search(node.name)
+        if copy_of and isinstance(node.meta.get(COPY), int):
+            found[node] = int(copy_of.group(1)) * pieces + node.meta[COPY]
+    return found
+
+
+def number_copies_of_pieces(gm: fx.GraphModule, *, pieces: int) -> PassResult:
+    """dp copies of cp's pieces (``{"dp", "cp", "tp"}``: ``split_batch_into_copies`` named copy ``d``
+    ``_dp<d>``, :func:`name_dp_copies` then piece ``c`` of the sequence ``_cp<c>``, copy ``c``):
+    ``x_dp1_cp0`` becomes copy ``1 * pieces + 0`` (``recipe.dp_devices`` lists every copy's pieces;
+    ``explain`` places each node by it). Names do not change."""
+    found = find_copies_of_pieces(gm, pieces=pieces)
+    for node, copy in found.items():
+        node.meta[COPY] = copy
+    return PassResult(gm, bool(found), {"numbered": len(found)})
+
+
+_COPY_OF_PIECE = re.compile(r"_dp(\d+)(?=_|$)")
+
+
 def _piece_name(piece: int, micro_batches: int, prefix: str) -> str:
     copy, micro = divmod(piece, micro_batches)
     return f"_{prefix}{copy}" if micro_batches == 1 else f"_{prefix}{copy}_mb{micro}"
 
 
-__all__ = ["COPY", "find_piece_names", "name_dp_copies"]
+__all__ = ["COPY", "find_copies_of_pieces", "find_piece_names", "name_dp_copies", "number_copies_of_pieces"]

@@ -208,7 +208,10 @@ def read_each_parameter_once(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
-_TO_GROUP = (runtime.tensor_parallel.copy_to_devices, runtime.tensor_parallel.split_to_devices)
+_TO_GROUP = (runtime.tensor_parallel.copy_to_devices, runtime.tensor_parallel.split_to_devices,
+             # sequence parallel's slices, gathers and reduce-scatters: one value per device of the stage
+             runtime.tensor_parallel.split_sequence_to_devices, runtime.tensor_parallel.all_gather_to_devices,
+             runtime.tensor_parallel.reduce_scatter_to_devices)
 _TO_ONE = (runtime.tensor_parallel.reduce_to_device, runtime.tensor_parallel.gather_to_device)
 
 

@@ -93,14 +93,14 @@ def test_layout_mesh_arithmetic_is_checked_with_the_numbers(mesh, n, match):
         dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
 
 
-@pytest.mark.parametrize("mesh", [{"pp": 2, "cp": 2}, {"dp": 2, "cp": 2, "tp": 2}])
+@pytest.mark.parametrize("mesh", [{"pp": 2, "dp": 2, "cp": 2}, {"dp": 2, "pp": 2, "cp": 2, "tp": 2}])
 def test_layout_not_built_names_the_nearest(mesh):
     """A layout not built in one process is a DpCompileError that names one that works (for cp:
-    cp alone, or dp copies of it)."""
+    cp alone, with dp or tp or both beside it, or with pp)."""
     n = 1
     for size in mesh.values():
         n *= size
-    with pytest.raises(DpCompileError, match=r"is not built in one process yet; use mesh=\{'cp': N\}, mesh=\{'dp': D, 'cp': N\} or mesh=\{'cp': N, 'tp': T\}"):
+    with pytest.raises(DpCompileError, match=r"is not built in one process yet; use mesh=\{'cp': N\} in one process, .*\{'dp': D, 'cp': N, 'tp': T\}\), or with 'pp' \(\{'pp': S, 'cp': N\} or \{'pp': S, 'cp': N, 'tp': T\}"):
         dpcompile.transform(Stack(), ["cpu"] * n, mesh=mesh)
 
 
@@ -182,7 +182,8 @@ def test_layout_mesh_disagreeing_keywords_are_refused():
         ({"schedule": "1f1b"}, "orders a pipeline"),
         ({"ddp_options": {"bucket_cap_mb": 1}}, "over a DeviceMesh"),
         ({"copy_replicas": True, "tensor_parallel": True}, "copy_replicas=True"),
-        ({"sequence_parallel": True, "tensor_parallel": True, "pipeline": 2}, "sequence_parallel=True with pp is not built"),
+        ({"sequence_parallel": True, "tensor_parallel": True, "pipeline": 2, "schedule": "1f1b"},
+         "sequence_parallel=True with schedule='1f1b' is not built"),
         ({"sequence_parallel": True, "tensor_parallel": True}, "pass example_inputs="),
         ({"activation_checkpointing": "every"}, "activation_checkpointing="),
         ({"activation_checkpointing": "auto"}, "memory_per_device="),
@@ -274,7 +275,7 @@ def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():
     check_keywords_honoured(_unjoined_mesh((2,), ("cp",)))
     assert mesh_layout(_unjoined_mesh((2,), ("cp",)), pipeline=None, tensor_parallel=False) == {"cp": 2}
     check_keywords_honoured(_unjoined_mesh((2, 2), ("dp", "cp")))
-    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use mesh=\{'cp': N\}, mesh=\{'dp': D, 'cp': N\} or mesh=\{'cp': N, 'tp': T\} in one process"):
+    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use mesh=\{'cp': N\} in one process, with 'dp' or 'tp' or both beside it"):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "cp")), pipeline=2)
     with pytest.raises(DpCompileError, match=r"a \('cp',\) or \('dp', 'cp'\) DeviceMesh .*, a \('cp', 'tp'\) DeviceMesh"):
         check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("dp", "cp", "tp")), tensor_parallel=True)

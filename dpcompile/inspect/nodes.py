@@ -43,7 +43,8 @@ def copy_labels(pm: nn.Module) -> tuple[list[list[str]], list[str]] | None:
     if not copies:
         return None
     layout = getattr(pm, "layout", None) or {}
-    inside_copy = layout.get("cp", 1) if layout.get("dp", 1) > 1 else 1  # {"cp", "tp"}: the copies are cp's pieces
+    # {"dp", "cp"}: each copy spans cp; {"cp", "tp"} (and dp over it): the copies are cp's pieces
+    inside_copy = layout.get("cp", 1) if layout.get("dp", 1) > 1 and layout.get("tp", 1) == 1 else 1
     d, shards = len(copies), layout.get("tp", 1) * inside_copy  # inside each copy, innermost
     stages = len(copies[0]) // shards
     place = {(r, s * shards + t): s * d * shards + r * shards + t for r in range(d) for s in range(stages) for t in range(shards)}

@@ -36,6 +36,7 @@ from dpcompile.modules.pipeline import PipelineModule, Stage
 from dpcompile.program_cache import CallKey
 from dpcompile.progress import step_bar
 from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace
+from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.pipeline_1f1b import one_f_one_b_step
 from passes.borrowed_modules import find_module_homes, node_tensors
 from passes.split_stages import STAGE, StagePlan, follow_plan, stage_programs
@@ -54,15 +55,20 @@ class PipelineRecipe(Recipe):
     micro_batches: int = 1
     schedule: str = "gpipe"
     batch_dim: int | None = None
+    context_parallel: bool = False  # {"pp", "cp"}: the micro-batches are pieces of the sequence (batch_dim 1)
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> PipelineModule:
+        if self.context_parallel:
+            check_sequence_pipeline(example_inputs)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         weights = None
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs), check=True)
             weights = node_flops(gm, list(example_inputs))
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
-        gm, records = run_passes(gm, passes.frontend_pipeline(self._options()))
+        if self.context_parallel:  # attention marked before the stages are cut: each stage gathers its pieces' keys
+            input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
+        gm, records = run_passes(gm, passes.frontend_pipeline(self._options(input_dims if self.context_parallel else None)))
         plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights)
         if plan.stages != len(self.devices):
             raise ValueError(
@@ -101,7 +107,7 @@ class PipelineRecipe(Recipe):
     def _options(self, input_dims: Mapping[str, int | None] | None = None) -> passes.PipelineOptions:
         return passes.PipelineOptions(
             devices=self.devices, input_dims=dict(input_dims or {}), output_device=self.output_device,
-            exact_random=self.exact_random,
+            exact_random=self.exact_random, context_parallel=self.context_parallel and input_dims is not None,
         )
 
     def lower(
@@ -115,7 +121,8 @@ class PipelineRecipe(Recipe):
     ) -> fx.GraphModule:
         """A captured (and tidied) graph lowered to the pipeline program for ``micro_batches``."""
         pipeline = passes.pipeline_parallel_pipeline(self._options(input_dims), plan=plan, micro_batches=micro_batches)
-        finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(self.dp_micro_batches, self.dp_devices)
+        finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(
+            self.dp_micro_batches, self.dp_devices, prefix="cp" if self.context_parallel else "dp")
         borrowing = [functools.partial(passes.replicate_borrowed_modules, devices=self.devices)]
         lowered, _ = run_passes(gm, pipeline + borrowing + finishing, recompile=recompile)
         return lowered
@@ -124,7 +131,7 @@ class PipelineRecipe(Recipe):
         """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied."""
         with modes_applied(model, key.modes):
             gm = capture(model, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
-        gm, _ = run_passes(gm, passes.frontend_pipeline(self._options()))
+        gm, _ = run_passes(gm, passes.frontend_pipeline(self._options({} if self.context_parallel else None)))
         return gm
 
     def build_program(self, pm: PipelineModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
@@ -182,6 +189,16 @@ def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = Fa
             tensor.data = tensor.data.to(device)  # the same Parameter: optimizers built on it still hold it
         elif module is not None:
             module._buffers[name] = tensor.to(device)
+
+
+def check_sequence_pipeline(example_inputs: Sequence[Any] | None) -> None:
+    """A pipeline with ``cp`` (its micro-batches pieces of the sequence) finds them from examples
+    (``schedule=`` is checked with the keywords: GPipe only, ``dpcompile.keywords``)."""
+    if example_inputs is None:
+        raise DpCompileError(
+            "context parallel (a 'cp' dimension in mesh=) finds the sequence and attention's shapes from examples: "
+            "pass example_inputs= or example_kwargs= (e.g. input_ids=, labels=)"
+        )
 
 
 def _spelled(stages: int | tuple[str, ...]) -> str:

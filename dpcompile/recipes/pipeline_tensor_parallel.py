@@ -56,7 +56,7 @@ from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe
 from dpcompile.recipes.data_parallel import without_sequence_replicated
-from dpcompile.recipes.pipeline import place_stages
+from dpcompile.recipes.pipeline import check_sequence_pipeline, place_stages
 from dpcompile.recipes.tensor_parallel import (
     aliased_plan,
     capture_owning_everything,
@@ -95,6 +95,7 @@ class PipelineTensorParallelRecipe(Recipe):
     check_available: bool = True
     sequence_parallel: bool = False  # each micro-batch's values between the pairs on sequence shards
     context_parallel: bool = False  # {"cp", "tp"}: the micro-batches are pieces of the sequence (batch_dim 1)
+    sequence_copies: int = 1  # {"dp", "cp", "tp"}: dp copies of the cp x tp program (dp_devices: every copy's pieces)
 
     @property
     def stage_count(self) -> int:
@@ -112,6 +113,8 @@ class PipelineTensorParallelRecipe(Recipe):
         none_args: frozenset[str] = frozenset(),
         flags: Mapping[str, Any] | None = None,
     ) -> PipelineTensorParallelModule:
+        if self.context_parallel:
+            check_sequence_pipeline(example_inputs)
         groups = self.groups()
         shards = len(groups[0])
         state_keys, state_aliases = list(model.state_dict().keys()), tied_state_keys(model)
@@ -145,6 +148,8 @@ class PipelineTensorParallelRecipe(Recipe):
         records += shard_records
         if self.context_parallel:  # attention marked on one shard's program: each shard gathers its own heads
             borrow_shapes(gm, shapes)
+            if self.sequence_copies > 1:  # {"dp", "cp", "tp"}: the batch split into the copies first
+                passes.split_one_shard_batch(gm, copies=self.sequence_copies, device=groups[0].primary, shapes=shapes)
             gm, exchange_records = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
             records += exchange_records
         shard_info = unaliased_findings(info_of(shard_records, "shard_linear"))
@@ -230,6 +235,9 @@ class PipelineTensorParallelRecipe(Recipe):
         tidy_micro_batch_names(expanded)
         finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(
             self.dp_micro_batches, prefix="cp" if self.context_parallel else "dp")
+        if self.sequence_copies > 1:  # x_dp1_cp0: copy 1's piece 0
+            pieces = len(self.dp_devices or ()) // self.sequence_copies  # cp's, whatever a short call splits into
+            finishing.append(functools.partial(passes.number_copies_of_pieces, pieces=pieces))
         expanded, _ = run_passes(expanded, finishing, recompile=False)
         expanded.recompile()
         return expanded, records
@@ -248,6 +256,9 @@ class PipelineTensorParallelRecipe(Recipe):
             if node in borrowed or id(node.meta.get("val")) in made:
                 node.meta.pop("val", None)
                 node.meta.pop("tensor_meta", None)
+            stages = [a.meta[STAGE] for a in node.all_input_nodes if STAGE in a.meta]
+            if STAGE not in node.meta and stages and node.op != "output":  # a node the pass made: its inputs' stage
+                node.meta[STAGE] = max(stages)
         return records
 
     def build_program(

@@ -199,8 +199,7 @@ def test_sequence_parallel_stops_before_a_layer_with_no_sequence_and_says_why():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"mesh": {"cp": 2, "tp": 2}}, "sequence_parallel=True with cp is not built yet"),
-        ({"mesh": {"pp": 2, "tp": 2}}, "sequence_parallel=True with pp is not built yet"),
+        ({"mesh": {"pp": 2, "tp": 2}, "schedule": "1f1b"}, "sequence_parallel=True with schedule='1f1b' is not built"),
         ({"mesh": {"dp": 4}}, "add tensor_parallel="),
         ({"tensor_parallel": True, "memory_per_device": "1GiB"}, "does not plan sequence parallel"),
     ],

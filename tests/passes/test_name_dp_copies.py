@@ -6,7 +6,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from passes import find_piece_names, name_dp_copies
+from passes import find_piece_names, name_dp_copies, number_copies_of_pieces
+from passes.name_dp_copies import COPY
 
 
 def _pieces(n: int) -> fx.GraphModule:
@@ -56,3 +57,20 @@ def test_name_dp_copies_twice_changes_nothing_more():
     plain = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))
     assert not name_dp_copies(plain, micro_batches=1).modified
     assert [n.name for n in plain.graph.nodes if n.op == "placeholder"] == ["input_1"]
+
+
+def test_number_copies_of_pieces_counts_dp_copies_of_the_sequence_pieces():
+    """{"dp": 2, "cp": 2, "tp": ...}: ``x_dp<d>_mb<c>`` named ``x_dp<d>_cp<c>`` (copy c), then numbered
+    copy ``d * 2 + c``; a node of no dp copy keeps its piece's number."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    names = ["x_dp0_mb0", "x_dp0_mb1", "x_dp1_mb0", "x_dp1_mb1", "pos_mb1"]
+    for name in names:
+        graph.call_function(torch.relu, (x,))._rename(name)
+    graph.output(x)
+    gm = fx.GraphModule(nn.Module(), graph)
+    name_dp_copies(gm, micro_batches=1, prefix="cp")
+    result = number_copies_of_pieces(gm, pieces=2)
+    copies = {n.name: n.meta[COPY] for n in gm.graph.nodes if COPY in n.meta}
+    assert copies == {"x_dp0_cp0": 0, "x_dp0_cp1": 1, "x_dp1_cp0": 2, "x_dp1_cp1": 3, "pos_cp1": 1}
+    assert result.modified and result.info["numbered"] == 4

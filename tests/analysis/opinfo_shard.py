@@ -127,24 +127,30 @@ def spellings(op: Any) -> list[tuple[str, Any, Any]]:
 def _graph(
     kind: str, target: Any, sample: Any, reorder: Any = None
 ) -> tuple[fx.GraphModule, list[torch.Tensor]] | None:
-    """``target(input, *args, **kwargs)`` with every tensor a placeholder (``x`` first)."""
-    leaves, spec = tree_flatten((sample.args, sample.kwargs))
+    """``target(input, *args, **kwargs)`` with every tensor a placeholder, ``x`` the first (of a
+    list input too: ``cat``'s tensors)."""
+    leaves, spec = tree_flatten((sample.input, sample.args, sample.kwargs))
     if any(not isinstance(leaf, _PRINTABLE) for leaf in leaves):
         return None
     graph = fx.Graph()
-    inputs = [sample.input]
+    inputs: list[torch.Tensor] = []
     nodes: list[Any] = []
-    head = graph.placeholder("x")
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            nodes.append(graph.placeholder(f"t{i}"))
+            nodes.append(graph.placeholder("x" if not inputs else f"t{i}"))
             inputs.append(leaf)
         else:
             nodes.append(leaf)
-    args, kwargs = tree_unflatten(nodes, spec)
+    head, args, kwargs = tree_unflatten(nodes, spec)
     call_args = reorder(head, tuple(args)) if reorder else (head, *args)
     graph.output(graph.create_node(kind, target, call_args, kwargs))
     return fx.GraphModule(torch.nn.Module(), graph), inputs
+
+
+def first_tensor(sample: Any) -> torch.Tensor | None:
+    """The sample's first tensor (the input, or the first of a list input) where it is float, not a scalar."""
+    x = next((t for t in tree_flatten(sample.input)[0] if isinstance(t, torch.Tensor)), None)
+    return x if x is not None and x.is_floating_point() and x.dim() >= 1 else None
 
 
 def uneven(extent: int, n: int) -> tuple[int, ...]:
@@ -265,8 +271,8 @@ def _check_join(outs: list[Any], expected: Any, layout: Any, is_tuple: bool) -> 
 def run_sample(kind: str, target: Any, sample: Any, reorder: Any = None) -> Iterator[tuple[str, str]]:
     """``(label, outcome)`` for each sharded dim x shards x variant of one sample; a mismatch raises
     ``AssertionError`` naming the run (label ``dim=-1 n=2 co``)."""
-    x = sample.input
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+    x = first_tensor(sample)
+    if x is None:
         yield "", "skip: no float input"
         return
     try:
@@ -277,6 +283,9 @@ def run_sample(kind: str, target: Any, sample: Any, reorder: Any = None) -> Iter
                 yield "", "skip: an argument generated code cannot spell"
                 return
             gm, inputs = built
+            if inputs[0] is not x:
+                yield "", "skip: no float input"
+                return
             _Recorder(gm).run(*inputs)
             first = next(n for n in gm.graph.nodes if n.op not in ("placeholder", "output")).meta["val"]
             torch.manual_seed(0)
@@ -330,11 +339,7 @@ def sweep(max_per_op: int | None, ops: set[str] | None = None) -> Tally:
         for sample in _generated(op):
             if max_per_op is not None and taken >= max_per_op:
                 break
-            if (
-                not isinstance(sample.input, torch.Tensor)
-                or not sample.input.is_floating_point()
-                or sample.input.dim() < 1
-            ):
+            if first_tensor(sample) is None:
                 continue
             taken += 1
             for kind, target, reorder in forms:

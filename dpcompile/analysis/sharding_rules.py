@@ -28,6 +28,7 @@ from dpcompile.analysis import ops
 from dpcompile.analysis import sharding_rules_shape as shape_rules
 from dpcompile.analysis.placement import REPLICATED, Replicated
 from dpcompile.analysis.random_ops import written_fill_method
+from dpcompile.analysis.sharding_batch import from_batch_rule
 from dpcompile.analysis.sharding_layout import (  # noqa: F401 - the layouts, re-exported for the analysis and passes
     COPIED,
     NOT_TENSOR,
@@ -58,7 +59,7 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
             return unary(ctx, node)
         if ops.SHARD_SOFTMAX.matches(node, modules):
             return softmax(ctx, node, module.dim)
-        raise NeedsWhole(f"no sharding rule for {type(module).__name__}")
+        return from_batch_rule(ctx, node, modules)  # a module no sharding rule names (a LayerNorm): its batch rule
     if op == "call_function" and target is F.cross_entropy:
         return cross_entropy(ctx, node)
     if op == "call_function" and target is operator.getitem and ctx.is_tuple(node.args[0]):
@@ -79,7 +80,7 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
         return size(ctx, node)
     if op == "call_method" and target == "dim":
         return NOT_TENSOR, []
-    raise NeedsWhole("needs the whole tensor")
+    return from_batch_rule(ctx, node, modules)  # an op no sharding rule names: its batch rule, on the sharded dim
 
 
 def unary(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
@@ -412,6 +413,7 @@ _RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layou
     (ops.SHARD_REPEAT_INTERLEAVE, shape_rules.repeat_interleave),
 )
 SHARD_TRANSPARENT = tuple(family for family, _ in _RULES)
+RULES = _RULES  # each op family and its rule, as docs/sharding_rules_coverage.md lists them
 
 
 def is_shard_transparent(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:

@@ -38,12 +38,13 @@ from dpcompile.analysis import sharding_rules
 from dpcompile.analysis.placement import Replicated
 from dpcompile.analysis.sharding import _Analyzer
 from dpcompile.analysis.sharding_layout import Copied, NeedsWhole, NotTensor, Sharded
-from dpcompile.analysis.sharding_rules import apply_rule
+from dpcompile.analysis.sharding_rules import apply_rule, is_shard_transparent
 from dpcompile.runtime import tensor_parallel as tp_runtime
 from tests.analysis.opinfo_split import _PRINTABLE, SKIP_OPS, _generated, _Recorder, selected_ops
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "opinfo_shard.json"
 DIMS = (-1, -2, -3)
+BY_BATCH_RULE = "sharded (batch rule)"  # an op no sharding rule names, sharded by its batch rule
 SHARDS = (2, 3)
 
 
@@ -55,13 +56,15 @@ class Tally:
     whole: int = 0
     skipped: collections.Counter = field(default_factory=collections.Counter)
     failed: list[str] = field(default_factory=list)
-    by_op: dict[str, dict[str, Any]] = field(default_factory=dict)  # {op: {"sharded": n, "whole": {reason: n}}}
+    # {op: {"sharded": n, "by_batch_rule": n of them, "whole": {reason: n}}}
+    by_op: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def count(self, op: str, outcome: str) -> None:
-        entry = self.by_op.setdefault(op, {"sharded": 0, "whole": {}})
-        if outcome == "sharded":
+        entry = self.by_op.setdefault(op, {"sharded": 0, "by_batch_rule": 0, "whole": {}})
+        if outcome.startswith("sharded"):
             self.sharded += 1
             entry["sharded"] += 1
+            entry["by_batch_rule"] += outcome == BY_BATCH_RULE
         elif outcome.startswith("whole: "):
             self.whole += 1
             reason = outcome.removeprefix("whole: ")
@@ -100,7 +103,7 @@ _LAMBDAS: dict[str, tuple[Any, Any]] = {
 
 def _known(kind: str, target: Any) -> bool:
     """Whether a sharding rule's op family names ``target`` (so a second spelling is worth a run)."""
-    families = [family for family, _ in sharding_rules._RULES]
+    families = [family for family, _ in sharding_rules.RULES]
     if kind == "call_method":
         return any(target in family.methods for family in families)
     return target is F.cross_entropy or any(target in family.functions for family in families)
@@ -168,7 +171,8 @@ def _pieces(t: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> list[torch.Ten
 
 # ---------------------------------------------------------------------- one run
 def run_sharded(gm: fx.GraphModule, inputs: list[torch.Tensor], dim: int, n: int, *, co: bool) -> str:
-    """``"sharded"`` where the shards, joined, equal the op; ``"whole: reason"``; raises on a mismatch.
+    """``"sharded"`` where the shards, joined, equal the op (:data:`BY_BATCH_RULE` where its batch
+    rule said so); ``"whole: reason"``; raises on a mismatch.
 
     ``x`` is sharded along ``dim`` (from the end) in :func:`uneven` pieces; with ``co`` every other
     tensor of ``x``'s rank and extent on ``dim`` is sharded alike, the rest are replicated."""
@@ -218,7 +222,7 @@ def run_sharded(gm: fx.GraphModule, inputs: list[torch.Tensor], dim: int, n: int
         torch.testing.assert_close(got, expected, equal_nan=True, atol=1e-5, rtol=1e-5)
         return "sharded"
     _check_join(outs, expected, layout, node in analysis.tuples)
-    return "sharded"
+    return "sharded" if is_shard_transparent(node, ctx.modules) or node.target is F.cross_entropy else BY_BATCH_RULE
 
 
 def _rewrite_shape(args: tuple, position: int, size: int) -> tuple:

@@ -90,3 +90,13 @@ def test_a_cast_to_a_device_needs_the_whole_tensor():
 def test_uneven_pieces():
     assert uneven(7, 2) == (4, 3) and uneven(6, 2) == (4, 2) and uneven(6, 3) == (3, 2, 1) and uneven(2, 2) == (1, 1)
     assert sum(uneven(25, 3)) == 25
+
+
+def test_the_coverage_page_is_current():
+    """docs/sharding_rules_coverage.md is what the rules and the sweep's figures write (regenerate it
+    with the command it names)."""
+    from dpcompile.analysis import sharding_coverage
+
+    assert sharding_coverage.PAGE.read_text() == sharding_coverage.render(), (
+        "run python -m dpcompile.analysis.sharding_coverage"
+    )

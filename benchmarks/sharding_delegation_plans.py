@@ -1,0 +1,88 @@
+"""Do the tensor-parallel plans change when ops no sharding rule names ask their batch rule?
+
+    PYTHONPATH=. python -m benchmarks.sharding_delegation_plans
+
+For the models of the tensor-parallel tests (tiny GPT-2, Llama, BERT from transformers; the
+suite's MLP, attention, norm-after-column, TinyGPT2 and fused-chunk attention), builds the automatic
+plan on 2 and 3 virtual devices twice: with ``sharding_batch.from_batch_rule`` (as shipped) and
+with it switched off (the sharding rules alone, as before). Prints, per model, whether the plan,
+its reasons and the program's collectives (all-gathers, all-reduces, copies, splits) are the same,
+and the differences where not.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import warnings
+
+import torch
+
+import dpcompile
+import dpcompile.analysis.sharding_rules as sharding_rules
+from dpcompile.analysis.sharding_layout import NeedsWhole
+
+# the tensor-parallel runtime's calls in the program: gathers, all-reduces, copies (f), splits
+RUNTIME_CALL = re.compile(r"dpcompile_runtime_tensor_parallel_(\w+)\(")
+
+
+def _models() -> dict[str, tuple[torch.nn.Module, dict]]:
+    from tests import models, thirdparty_tp
+
+    out: dict[str, tuple[torch.nn.Module, dict]] = {
+        "MLP": (models.MLP(), {"example_inputs": (torch.randn(4, 8),)}),
+        "Attention": (models.Attention(), {"example_inputs": (torch.randn(2, 5, 16),)}),
+        "NormAfterColumn": (models.NormAfterColumn(), {"example_inputs": (torch.randn(4, 8),)}),
+        "TinyGPT2": (thirdparty_tp.TinyGPT2(), {"example_inputs": (torch.randint(0, 128, (2, 8)),)}),
+        "FusedChunkAttention": (thirdparty_tp.FusedChunkAttention(), {"example_inputs": (torch.randn(2, 5, 12),)}),
+    }
+    try:
+        from tests.integration.test_tp_hf_megatron import _inputs, _model
+
+        for name in ("gpt2", "llama", "bert"):
+            out[f"hf-{name}"] = (_model(name).eval(), {"example_kwargs": _inputs(name)})
+    except Exception as e:  # noqa: BLE001 - transformers missing: the suite's models only
+        print("transformers models skipped:", type(e).__name__, e)
+    return out
+
+
+def _plan(model: torch.nn.Module, n: int, kwargs: dict) -> tuple:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(model, ["cpu"] * n, tensor_parallel=True, **kwargs)
+    counts = collections.Counter(RUNTIME_CALL.findall(pm.code))
+    return dict(pm.plan), dict(pm.plan_reasons), dict(sorted(counts.items()))
+
+
+def main() -> int:
+    real = sharding_rules.from_batch_rule
+
+    def switched_off(*args):
+        raise NeedsWhole("needs the whole tensor")
+
+    changed = 0
+    for name, (model, kwargs) in _models().items():
+        for n in (2, 3):
+            try:
+                with_delegation = _plan(model, n, kwargs)
+                sharding_rules.from_batch_rule = switched_off
+                without = _plan(model, n, kwargs)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:22s} n={n}: could not build ({type(e).__name__}: {e})")
+                continue
+            finally:
+                sharding_rules.from_batch_rule = real
+            same = with_delegation == without
+            changed += not same
+            print(f"{name:22s} n={n}: {'same plan, reasons and collectives' if same else 'CHANGED'} "
+                  f"(collectives {with_delegation[2]})")  # fmt: skip
+            if not same:
+                for label, a, b in zip(("plan", "reasons", "collectives"), with_delegation, without):
+                    if a != b:
+                        print(f"    {label}: with delegation {a}\n    {' ' * len(label)}  without     {b}")
+    print(f"{changed} model x devices changed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,6 +25,8 @@ FAMILIES = {
     "transpose", "permute", "split", "cat", "unsqueeze", "expand", "__getitem__", "float", "nn.functional.cross_entropy",
 }  # fmt: skip
 FIRST_SAMPLE_WHOLE = {"nn.functional.scaled_dot_product_attention", "bmm", "softmax", "__getitem__"}
+# ops no sharding rule names: their batch rules shard them (sharding_batch), proved the same way
+BY_BATCH_RULE = {"log", "cumsum", "stack", "nn.functional.layer_norm", "amax"}
 
 
 def test_opinfo_samples_sharded_by_their_rules_equal_the_whole_op():
@@ -35,6 +37,18 @@ def test_opinfo_samples_sharded_by_their_rules_equal_the_whole_op():
     # reason); those whose first sample only reduces or slices the sharded dim are shown below
     assert sharded >= FAMILIES - FIRST_SAMPLE_WHOLE, FAMILIES - sharded
     assert tally.whole > 0 and tally.sharded >= 40, tally.line()
+
+
+def test_ops_without_a_sharding_rule_are_sharded_by_their_batch_rule_and_equal_the_whole_op():
+    tally = sweep(1, ops=BY_BATCH_RULE)
+    assert tally.failed == [], "\n".join(tally.failed)
+    by_batch_rule = {op for op, entry in tally.by_op.items() if entry["by_batch_rule"]}
+    assert by_batch_rule == {"log", "cumsum", "stack"}, tally.by_op
+    # their first samples normalise / reduce over the sharded dim: whole, in the batch rule's words
+    assert set(tally.by_op["nn.functional.layer_norm"]["whole"]) == {
+        "its batch rule (layer_norm) does not split it along the sharded dim"
+    }
+    assert all("reduction_along_other_dims" in why for why in tally.by_op["amax"]["whole"])
 
 
 def test_attention_and_bmm_shard_along_the_heads_of_q_k_v():

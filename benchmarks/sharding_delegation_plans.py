@@ -1,6 +1,6 @@
 """Do the tensor-parallel plans change when ops no sharding rule names ask their batch rule?
 
-    PYTHONPATH=. python -m benchmarks.sharding_delegation_plans
+    PYTHONPATH=. python -m benchmarks.sharding_delegation_plans [MODEL ...]   # every model, or those named
 
 For the models of the tensor-parallel tests (tiny GPT-2, Llama, BERT from transformers; the
 suite's MLP, attention, norm-after-column, TinyGPT2 and fused-chunk attention), builds the automatic
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import re
+import sys
 import warnings
 
 import torch
@@ -28,6 +29,7 @@ RUNTIME_CALL = re.compile(r"dpcompile_runtime_tensor_parallel_(\w+)\(")
 
 def _models() -> dict[str, tuple[torch.nn.Module, dict]]:
     from tests import models, thirdparty_tp
+    from tests.integration.test_context_parallel import CausalSelfAttention
 
     out: dict[str, tuple[torch.nn.Module, dict]] = {
         "MLP": (models.MLP(), {"example_inputs": (torch.randn(4, 8),)}),
@@ -35,6 +37,8 @@ def _models() -> dict[str, tuple[torch.nn.Module, dict]]:
         "NormAfterColumn": (models.NormAfterColumn(), {"example_inputs": (torch.randn(4, 8),)}),
         "TinyGPT2": (thirdparty_tp.TinyGPT2(), {"example_inputs": (torch.randint(0, 128, (2, 8)),)}),
         "FusedChunkAttention": (thirdparty_tp.FusedChunkAttention(), {"example_inputs": (torch.randn(2, 5, 12),)}),
+        # q, k, v unpacked from a permuted fused qkv (``q, k, v = qkv.view(..).permute(2, 0, 3, 1, 4)``)
+        "CausalSelfAttention": (CausalSelfAttention(), {"example_inputs": (torch.randn(2, 7, 16),)}),
     }
     try:
         from tests.integration.test_tp_hf_megatron import _inputs, _model
@@ -54,7 +58,7 @@ def _plan(model: torch.nn.Module, n: int, kwargs: dict) -> tuple:
     return dict(pm.plan), dict(pm.plan_reasons), dict(sorted(counts.items()))
 
 
-def main() -> int:
+def main(names: list[str]) -> int:
     real = sharding_rules.from_batch_rule
 
     def switched_off(*args):
@@ -62,6 +66,8 @@ def main() -> int:
 
     changed = 0
     for name, (model, kwargs) in _models().items():
+        if names and name not in names:
+            continue
         for n in (2, 3):
             try:
                 with_delegation = _plan(model, n, kwargs)
@@ -85,4 +91,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

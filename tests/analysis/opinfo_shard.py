@@ -13,7 +13,8 @@ loss), and the shards, joined by the result's layout, must equal the op run whol
 Each sample runs twice where it has other tensors of the first one's extent on the sharded dim:
 with them replicated, and sharded alike (``co``). ``--write`` (or ``--all``) writes the tally to
 ``benchmarks/results/opinfo_shard.json`` (read by ``docs/sharding_rules_coverage.md``'s generator).
-Exits 1 where a sharded run differed from the op (a rule bug).
+Exits 1 where a sharded run differed from the op (a rule bug). ``--sharding-rules-only`` leaves out the
+batch rules (``sharding_batch``), as before they were asked: the sharding rules' own tally.
 """
 
 from __future__ import annotations
@@ -357,10 +358,16 @@ def sweep(max_per_op: int | None, ops: set[str] | None = None) -> Tally:
     return tally
 
 
+def _whole(*args: Any) -> Any:
+    raise NeedsWhole("needs the whole tensor")
+
+
 def main(argv: list[str]) -> Tally:
     start = time.time()
     limit = None if "--all" in argv else next((int(a.split("=")[1]) for a in argv if a.startswith("--max=")), 2)
     selected = selected_ops(argv)
+    if "--sharding-rules-only" in argv:  # as before sharding_batch: ops no sharding rule names stay whole
+        sharding_rules.from_batch_rule = _whole
     t = sweep(limit, selected)
     print(t.line())
     for op, e in sorted(t.by_op.items()):
@@ -371,7 +378,7 @@ def main(argv: list[str]) -> Tally:
         print(f"  {count:5d} {reason}")
     for failure in t.failed:
         print("  FAILED", failure)
-    if ("--all" in argv or "--write" in argv) and selected is None:
+    if ("--all" in argv or "--write" in argv) and selected is None and "--sharding-rules-only" not in argv:
         figures = {"command": "PYTHONPATH=. python -m tests.analysis.opinfo_shard " + " ".join(argv),
                    "torch": torch.__version__, "samples_per_op": limit or "all",
                    "seconds": round(time.time() - start), **t.as_json()}  # fmt: skip

@@ -4,8 +4,8 @@
 
 For the models of the tensor-parallel tests (tiny GPT-2, Llama, BERT from transformers; the
 suite's MLP, attention, norm-after-column, TinyGPT2 and fused-chunk attention), builds the automatic
-plan on 2 and 3 virtual devices twice: with ``sharding_batch.from_batch_rule`` (as shipped) and
-with it switched off (the sharding rules alone, as before). Prints, per model, whether the plan,
+plan on 2 and 3 virtual devices twice: as shipped (the sharding rules alone) and with
+``sharding_batch.from_batch_rule`` asked where no sharding rule names the op. Prints, per model, whether the plan,
 its reasons and the program's collectives (all-gathers, all-reduces, copies, splits) are the same,
 and the differences where not.
 """
@@ -20,7 +20,8 @@ import warnings
 import torch
 
 import dpcompile
-import dpcompile.analysis.sharding_rules as sharding_rules
+from dpcompile.analysis import sharding
+from dpcompile.analysis.sharding_batch import from_batch_rule
 from dpcompile.analysis.sharding_layout import NeedsWhole
 
 # the tensor-parallel runtime's calls in the program: gathers, all-reduces, copies (f), splits
@@ -30,6 +31,7 @@ RUNTIME_CALL = re.compile(r"dpcompile_runtime_tensor_parallel_(\w+)\(")
 def _models() -> dict[str, tuple[torch.nn.Module, dict]]:
     from tests import models, thirdparty_tp
     from tests.integration.test_context_parallel import CausalSelfAttention
+    from tests.integration.test_training_checkpoint import batches, make_model
 
     out: dict[str, tuple[torch.nn.Module, dict]] = {
         "MLP": (models.MLP(), {"example_inputs": (torch.randn(4, 8),)}),
@@ -39,6 +41,8 @@ def _models() -> dict[str, tuple[torch.nn.Module, dict]]:
         "FusedChunkAttention": (thirdparty_tp.FusedChunkAttention(), {"example_inputs": (torch.randn(2, 5, 12),)}),
         # q, k, v unpacked from a permuted fused qkv (``q, k, v = qkv.view(..).permute(2, 0, 3, 1, 4)``)
         "CausalSelfAttention": (CausalSelfAttention(), {"example_inputs": (torch.randn(2, 7, 16),)}),
+        # cross_entropy(head(x).flatten(0, 1), labels.flatten()) after a tied, vocab-parallel head
+        "TinyLM": (make_model(), {"example_inputs": batches()[0]}),
     }
     try:
         from tests.integration.test_tp_hf_megatron import _inputs, _model
@@ -59,10 +63,15 @@ def _plan(model: torch.nn.Module, n: int, kwargs: dict) -> tuple:
 
 
 def main(names: list[str]) -> int:
-    real = sharding_rules.from_batch_rule
+    shipped = sharding.apply_rule
 
-    def switched_off(*args):
-        raise NeedsWhole("needs the whole tensor")
+    def with_batch_rules(ctx, node, modules):  # what sharding_batch would add, asked where no sharding rule is
+        try:
+            return shipped(ctx, node, modules)
+        except NeedsWhole as whole:
+            if whole.reason != "needs the whole tensor" and not whole.reason.startswith("no sharding rule"):
+                raise
+        return from_batch_rule(ctx, node, modules)
 
     changed = 0
     for name, (model, kwargs) in _models().items():
@@ -70,14 +79,14 @@ def main(names: list[str]) -> int:
             continue
         for n in (2, 3):
             try:
-                with_delegation = _plan(model, n, kwargs)
-                sharding_rules.from_batch_rule = switched_off
                 without = _plan(model, n, kwargs)
+                sharding.apply_rule = with_batch_rules
+                with_delegation = _plan(model, n, kwargs)
             except Exception as e:  # noqa: BLE001
                 print(f"{name:22s} n={n}: could not build ({type(e).__name__}: {e})")
                 continue
             finally:
-                sharding_rules.from_batch_rule = real
+                sharding.apply_rule = shipped
             same = with_delegation == without
             changed += not same
             print(f"{name:22s} n={n}: {'same plan, reasons and collectives' if same else 'CHANGED'} "

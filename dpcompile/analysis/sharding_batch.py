@@ -1,4 +1,4 @@
-"""One rule table on each dim: an op no sharding rule names asks its batch rule.
+"""One rule table on each dim: an op no sharding rule names, asked of its batch rule.
 
 A batch rule (:mod:`dpcompile.analysis.batch_rules`) answers "the input split on dim b: where is
 the result split?", and a sharded value is a split too, along a feature dim instead of the batch.
@@ -11,7 +11,11 @@ anything else (a partial sum, a whole op, a size read) needs the whole tensor::
 
 Random draws stay whole here (each shard would draw its own numbers; the sharding rules carry
 the draws ``exact_random`` can slice), as do writes and fused-projection (sectioned) values.
-``tests/analysis/opinfo_shard.py`` proves the delegated ops against OpInfo samples.
+``tests/analysis/opinfo_shard.py --with-batch-rules`` proves the delegated ops against OpInfo samples.
+
+Not yet asked by ``apply_rule``: switched on, it changed two automatic plans of the suite, and one
+(``cross_entropy(head(x).flatten(0, 1), ..)`` kept vocab-parallel through the ``flatten``) is then
+refused by the 1F1B pipeline schedule, which needs every micro-batch's loss on its own.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from dpcompile.analysis import ops
 from dpcompile.analysis import sharding_rules_shape as shape_rules
 from dpcompile.analysis.placement import REPLICATED, Replicated
 from dpcompile.analysis.random_ops import written_fill_method
-from dpcompile.analysis.sharding_batch import from_batch_rule
 from dpcompile.analysis.sharding_layout import (  # noqa: F401 - the layouts, re-exported for the analysis and passes
     COPIED,
     NOT_TENSOR,
@@ -59,7 +58,7 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
             return unary(ctx, node)
         if ops.SHARD_SOFTMAX.matches(node, modules):
             return softmax(ctx, node, module.dim)
-        return from_batch_rule(ctx, node, modules)  # a module no sharding rule names (a LayerNorm): its batch rule
+        raise NeedsWhole(f"no sharding rule for {type(module).__name__}")
     if op == "call_function" and target is F.cross_entropy:
         return cross_entropy(ctx, node)
     if op == "call_function" and target is operator.getitem and ctx.is_tuple(node.args[0]):
@@ -80,7 +79,7 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
         return size(ctx, node)
     if op == "call_method" and target == "dim":
         return NOT_TENSOR, []
-    return from_batch_rule(ctx, node, modules)  # an op no sharding rule names: its batch rule, on the sharded dim
+    raise NeedsWhole("needs the whole tensor")
 
 
 def unary(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:

@@ -132,8 +132,7 @@ def test_analyze_sharding_lays_out_every_value():
 
 
 def test_sharding_rule_says_why_an_op_needs_the_whole_tensor():
-    """A sum over the sharded dim: its batch rule (asked for ops the sharding rules do not name) gives a
-    partial sum per shard, which tensor parallelism does not carry: NeedsWhole with the reason."""
+    """A sum over the sharded dim has no sharding rule: apply_rule raises NeedsWhole with the reason."""
 
     class SumAfterColumn(nn.Module):
         def __init__(self):
@@ -155,7 +154,7 @@ def test_sharding_rule_says_why_an_op_needs_the_whole_tensor():
         def rewrite_view(self, node, position, sizes):  # pragma: no cover - views only
             raise AssertionError
 
-    with pytest.raises(NeedsWhole, match=r"reduces over the sharded dim \(a partial sum per shard\)"):
+    with pytest.raises(NeedsWhole, match="needs the whole tensor"):
         apply_rule(Layouts(), node, dict(gm.named_modules()))
 
 

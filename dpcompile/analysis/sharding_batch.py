@@ -13,9 +13,10 @@ Random draws stay whole here (each shard would draw its own numbers; the shardin
 the draws ``exact_random`` can slice), as do writes and fused-projection (sectioned) values.
 ``tests/analysis/opinfo_shard.py --with-batch-rules`` proves the delegated ops against OpInfo samples.
 
-Not yet asked by ``apply_rule``: switched on, it changed two automatic plans of the suite, and one
-(``cross_entropy(head(x).flatten(0, 1), ..)`` kept vocab-parallel through the ``flatten``) is then
-refused by the 1F1B pipeline schedule, which needs every micro-batch's loss on its own.
+Not yet asked by ``apply_rule``: switched on, it changed the programs of two models of the suite
+(``benchmarks/sharding_delegation_plans.py``), and one of them (``cross_entropy(head(x).flatten(0, 1),
+..)`` kept vocab-parallel through the ``flatten``) is then refused by the 1F1B pipeline schedule,
+which needs every micro-batch's loss on its own.
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ def from_batch_rule(
     if rule is None:
         raise NeedsWhole("needs the whole tensor")
     placements, ref = _as_splits(ctx, node)
+    _refuse_spanning_operands(ctx, node, ref)
     try:
         out = rule(RuleContext(node, placements, module))
     except Exception as e:  # noqa: BLE001 - a rule that cannot read this call: the op runs whole, as before
@@ -98,6 +99,18 @@ def from_batch_rule(
     ]
     origins = frozenset().union(*(la.origins for a in operands if isinstance(la := ctx.layout(a), Sharded)))
     return dataclasses.replace(layout, origins=origins), copies
+
+
+def _refuse_spanning_operands(ctx: LayoutContext, node: fx.Node, ref: Sharded) -> None:
+    """A batch rule takes a replicated operand for one without the batch dim (a parameter); along a
+    feature dim it may well span the sharded extent (``prelu``'s weight, ``diff``'s ``prepend``),
+    which each shard would read whole: refused, as the every-sample sweep found."""
+    extent = sum(ref.sizes)
+    for a in flat_nodes((node.args, node.kwargs)):
+        value = node_val(a)
+        if not isinstance(ctx.layout(a), Sharded) and isinstance(value, torch.Tensor) and value.numel() > 1:
+            if extent in tuple(value.shape):
+                raise NeedsWhole("a replicated operand has a dim of the sharded extent")
 
 
 def _as_splits(ctx: LayoutContext, node: fx.Node) -> tuple[dict[fx.Node, Placement], Sharded]:

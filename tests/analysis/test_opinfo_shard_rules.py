@@ -45,9 +45,11 @@ def test_ops_without_a_sharding_rule_are_sharded_by_their_batch_rule_and_equal_t
     assert tally.failed == [], "\n".join(tally.failed)
     by_batch_rule = {op for op, entry in tally.by_op.items() if entry["by_batch_rule"]}
     assert by_batch_rule == {"log", "cumsum", "stack"}, tally.by_op
-    # their first samples normalise / reduce over the sharded dim: whole, in the batch rule's words
+    # their first samples normalise / reduce over the sharded dim: whole, in the batch rule's words (or,
+    # before it is asked, because layer_norm's replicated weight spans the sharded dim)
     assert set(tally.by_op["nn.functional.layer_norm"]["whole"]) == {
-        "its batch rule (layer_norm) does not split it along the sharded dim"
+        "its batch rule (layer_norm) does not split it along the sharded dim",
+        "a replicated operand has a dim of the sharded extent",
     }
     assert all("reduction_along_other_dims" in why for why in tally.by_op["amax"]["whole"])
 
@@ -115,3 +117,12 @@ def test_the_coverage_page_is_current():
     assert sharding_coverage.PAGE.read_text() == sharding_coverage.render(), (
         "run python -m dpcompile.analysis.sharding_coverage"
     )
+
+
+def test_a_replicated_operand_spanning_the_sharded_dim_keeps_the_batch_rule_from_sharding():
+    """prelu's weight spans the channels: sharded on them, each shard would read it whole (the
+    every-sample sweep failed on prelu, and on diff's prepend, before sharding_batch refused them)."""
+    tally = sweep(None, ops={"nn.functional.prelu"}, batch_rules=True)
+    assert tally.failed == [], "\n".join(tally.failed)
+    assert "a replicated operand has a dim of the sharded extent" in tally.by_op["nn.functional.prelu"]["whole"]
+    assert tally.by_op["nn.functional.prelu"]["by_batch_rule"] > 0  # where the weight is one number

@@ -177,7 +177,7 @@ def _batch_rules_section() -> list[str]:
         "",
         "## One table: the batch rules on the sharded dim (proved, not yet on)",
         "",
-        f"`{data['command']}` ({data.get('note', '')}): {data['runs']} runs, {data['sharded']} sharded and "
+        f"`{data['command']}` ({data['samples_per_op']} samples per op, {data['seconds']} s): {data['runs']} runs, {data['sharded']} sharded and "
         f"equal to the op, {data['whole']} whole, {len(data['failed'])} failed. The {len(by_op)} ops the "
         "batch rules shard where no sharding rule does (runs sharded by the batch rule):",
         "",

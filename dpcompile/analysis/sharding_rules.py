@@ -412,6 +412,7 @@ _RULES: tuple[tuple[ops.OpFamily, Callable[[LayoutContext, fx.Node], tuple[Layou
     (ops.SHARD_REPEAT_INTERLEAVE, shape_rules.repeat_interleave),
 )
 SHARD_TRANSPARENT = tuple(family for family, _ in _RULES)
+RULES = _RULES  # each op family and its rule, as docs/sharding_rules_coverage.md lists them
 
 
 def is_shard_transparent(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:

@@ -2,7 +2,13 @@
 (``tests.gloo_groups.rank_context``): torch's distributed, pipelining, FSDP and export modules,
 dpcompile, and the transformers models the mesh tests build. Importing them in each rank cost
 about 8-30 s of CPU per process; forked from a server that holds them, a rank starts in a
-fraction of a second. Nothing here runs a tensor op or starts a thread pool."""
+fraction of a second.
+
+It also exports, once, the transformers programs that the ranks of several groups would each
+export again (``export_for_ranks`` of ``test_exact_random_mesh.py`` and
+``test_pipeline_mesh_compose.py``: about 2 s of CPU a model a rank, on 2 + 4 + 4 + 8 ranks), on one
+thread and with the generator's state put back, so that no thread pool is started and a rank
+starts from the generator state it had without them."""
 
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
@@ -24,3 +30,23 @@ try:  # optional: the tests that need transformers skip without it
     import transformers.models.llama.modeling_llama  # noqa: F401
 except Exception:  # noqa: BLE001 - a rank that needs it imports it itself and reports the error
     pass
+else:
+
+    def _export_for_ranks() -> None:
+        import warnings
+
+        from tests.integration import test_exact_random_mesh, test_pipeline_mesh_compose
+
+        threads = torch.get_num_threads()
+        try:
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.set_num_threads(1)
+                test_exact_random_mesh.export_for_ranks()
+                test_pipeline_mesh_compose.export_for_ranks()
+        except Exception:  # noqa: BLE001 - a rank then exports what is missing itself
+            pass
+        finally:
+            torch.set_num_threads(threads)
+
+    _export_for_ranks()

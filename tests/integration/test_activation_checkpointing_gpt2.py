@@ -38,6 +38,7 @@ def gpt2():
 
 
 @pytest.mark.parametrize("layout", [{}, {"tensor_parallel": True}, {"pipeline": 2}])
+@pytest.mark.xdist_group("activation_checkpointing_gpt2")  # its tests share the module's GPT-2 export: one worker builds it
 def test_activation_checkpointing_gpt2_equals_eager(gpt2, layout):
     """Every block recomputed: loss and every gradient as eager's, the blocks' checkpoint calls in the code."""
     reference, model, exported, kwargs, expected = gpt2
@@ -55,6 +56,7 @@ def test_activation_checkpointing_gpt2_equals_eager(gpt2, layout):
         torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
+@pytest.mark.xdist_group("activation_checkpointing_gpt2")
 def test_auto_save_rule_gpt2_equals_eager(gpt2):
     """``save="auto"`` on GPT-2's ``Conv1D`` projections, priced per row by their sizes: of c_attn (3d),
     attention (d), c_proj (d) and c_fc (4d), half the width (4.5d) keeps attention, then c_attn (the
@@ -81,6 +83,7 @@ def test_auto_save_rule_gpt2_equals_eager(gpt2):
         torch.testing.assert_close(got, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
+@pytest.mark.xdist_group("activation_checkpointing_gpt2")
 def test_mlp_token_tiles_gpt2_equals_eager(gpt2):
     """Each block's MLP (``Conv1D`` -> GELU written out in aten ops -> ``Conv1D``) in 2 token tiles
     keeping c_fc's output, on two devices; the loss and every gradient equal eager's."""
@@ -100,6 +103,7 @@ def test_mlp_token_tiles_gpt2_equals_eager(gpt2):
         torch.testing.assert_close(got, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
+@pytest.mark.xdist_group("activation_checkpointing_gpt2")
 def test_checkpointing_one_block_under_dp_tp_equals_eager(gpt2):
     """``transformer.h.0`` recomputed under ``dp x tp`` (``cp x tp``: test_context_parallel_tp.py): one
     region per copy, across its shards (the shards' nodes get their stage the way the stamped ones

@@ -156,6 +156,17 @@ def _program(name: str, model: torch.nn.Module, local: dict) -> torch.nn.Module:
     return program
 
 
+def export_for_ranks() -> None:
+    """Fill ``_EXPORTED`` with what every cell exports (each transformers model at 2 rows a rank, the
+    local batch of every layout here and in ``test_pipeline_mesh_compose.py``). The fork server the
+    ranks start from calls it (``tests/gloo_rank_imports.py``), so that the ranks of every group
+    copy the programs instead of each exporting them again; the models are built as the cells build
+    them (their weights do not matter: ``_program`` loads the cell's)."""
+    for name in ("gpt2", "bert", "vit"):
+        make, kwargs = MODELS[name](2)
+        _program(name, make().double().train(), kwargs)
+
+
 def check_trains_like_eager(name: str, layout: dict[str, int], data_parallel: str = "ddp") -> None:
     """3 steps over the mesh against eager on the global batch: loss, gradients, generator state."""
     import torch.distributed as dist

@@ -304,6 +304,7 @@ def gpt2():
 
 @pytest.mark.slow  # one torch.export of GPT-2: ~10 s
 @pytest.mark.parametrize("stages,micro", [(2, 2), (4, 4)])
+@pytest.mark.xdist_group("pipeline_1f1b_gpt2")  # its tests share the module's GPT-2 export: one worker builds it
 def test_1f1b_gpt2_with_labels_equals_eager(gpt2, stages, micro):
     """GPT-2 (export frontend) with labels=: the loss over the non-ignored tokens of the whole
     batch, the logits and every gradient as eager's (a batch of 5: 3 + 2, or 2 + 1 + 1 + 1)."""

@@ -158,6 +158,35 @@ def _transformers_decoder(kind: str):
     return model.double(), kwargs
 
 
+_EXPORTED_DECODERS: dict[str, torch.nn.Module] = {}
+
+
+def _decoder_program(kind: str, model: torch.nn.Module, kwargs: dict) -> torch.nn.Module:
+    """``model`` captured with the export frontend on ``kwargs``: captured once per process (in the
+    fork server the ranks start from: ``export_for_ranks``), each call a copy loaded with ``model``'s
+    weights (FSDP shards the program it is given in place)."""
+    import warnings
+
+    from dpcompile.capture import capture_model
+
+    if kind not in _EXPORTED_DECODERS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _EXPORTED_DECODERS[kind] = capture_model(copy.deepcopy(model), frontend="export", example_kwargs=kwargs)[0]
+    program = copy.deepcopy(_EXPORTED_DECODERS[kind])
+    program.load_state_dict(model.state_dict())
+    return program
+
+
+def export_for_ranks() -> None:
+    """Capture GPT-2 and Llama as the checks do, in the fork server the ranks start from
+    (``tests/gloo_rank_imports.py``), so that 4 and 8 ranks copy the programs instead of each
+    exporting them again."""
+    for kind in ("gpt2", "llama"):
+        model, kwargs = _transformers_decoder(kind)
+        _decoder_program(kind, model, kwargs)
+
+
 def check_decoder_trains_like_eager(shape, names, data_parallel, kind, *, plan=False):
     """GPT-2 or Llama through the export frontend with labels=: 3 AdamW steps as eager (loss,
     gradients, then state_dict; GPT-2's tied weight's gradient summed over the two stages that read
@@ -169,15 +198,13 @@ def check_decoder_trains_like_eager(shape, names, data_parallel, kind, *, plan=F
     from torch.distributed.device_mesh import init_device_mesh
 
     import dpcompile
-    from dpcompile.capture import capture_model
     from dpcompile.mesh import local_batch
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     reference, kwargs = _transformers_decoder(kind)
-    model = copy.deepcopy(reference)
+    exported = _decoder_program(kind, reference, kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exported, _ = capture_model(model, frontend="export", example_kwargs=kwargs)
         pm = dpcompile.transform(exported, mesh, pipeline=mesh.size(0), micro_batches=2, schedule="1f1b",
                                  tensor_parallel=plan, data_parallel=data_parallel, example_kwargs=kwargs)  # fmt: skip
     if plan:

@@ -39,6 +39,7 @@ def gpt2():
 
 
 @pytest.mark.parametrize("stages,micro", [(2, 1), (2, 2), (4, 4)])
+@pytest.mark.xdist_group("pipeline_transformers_gpt2")  # its tests share the module's GPT-2 export: one worker builds it
 def test_pipeline_gpt2_with_labels_equals_eager(gpt2, stages, micro):
     """GPT-2 with labels= (export frontend): logits, loss and every gradient as eager."""
     reference, model, exported, kwargs = gpt2
@@ -56,6 +57,7 @@ def test_pipeline_gpt2_with_labels_equals_eager(gpt2, stages, micro):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
+@pytest.mark.xdist_group("pipeline_transformers_gpt2")
 def test_pipeline_tensor_parallel_gpt2_with_labels_equals_eager(gpt2):
     """pipeline=2 with tensor_parallel= on 4 distinct devices (2 stages x 2 shards), 1, 2 and 4
     micro-batches: logits, loss and every gradient as eager (vocab-parallel embedding and loss; the
@@ -104,6 +106,7 @@ def test_pipeline_tensor_parallel_gpt2_with_labels_equals_eager(gpt2):
                                    msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")  # fmt: skip
 
 
+@pytest.mark.xdist_group("pipeline_transformers_gpt2")
 def test_pipeline_tensor_parallel_exported_runs_a_batch_smaller_than_micro_batches(gpt2):
     """An exported program under pipeline=2 x tensor_parallel (2 micro-batches) called with a batch of
     one row: compiled again from a fake copy of the exported program (it has no forward to trace),

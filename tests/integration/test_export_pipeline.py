@@ -21,20 +21,7 @@ from torch import nn
 import dpcompile
 from dpcompile.errors import DpCompileError
 from dpcompile.export import ExportError
-
-
-class MLPStack(nn.Module):
-    def __init__(self, width: int = 8, depth: int = 2):
-        super().__init__()
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(depth)
-        )
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x, labels):
-        for layer in self.layers:
-            x = x + layer(x)
-        return nn.functional.cross_entropy(self.head(x), labels)
+from tests.integration.test_layout_matrix import MLPStack
 
 
 def _inputs():
@@ -56,7 +43,7 @@ LAYOUTS = {
 def _transform(name):
     layout, options = LAYOUTS[name]
     torch.manual_seed(0)
-    model = MLPStack().double()
+    model = MLPStack(depth=2).double()
     count = 1
     for size in layout.values():
         count *= size
@@ -263,7 +250,7 @@ def test_one_process_fsdp_export_is_refused_naming_what_works(tmp_path):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = dpcompile.transform(MLPStack().double(), ["cpu"] * 4, mesh=layout, example_kwargs=_inputs(), data_parallel="fsdp")
+        pm = dpcompile.transform(MLPStack(depth=2).double(), ["cpu"] * 4, mesh=layout, example_kwargs=_inputs(), data_parallel="fsdp")
     with pytest.raises(ExportError, match=r'data_parallel="fsdp" program in one process is not exported yet.*save_checkpoint'):
         dpcompile.export(pm, tmp_path / "fsdp")
     assert not (tmp_path / "fsdp").exists()  # a failure changes nothing

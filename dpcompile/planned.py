@@ -155,8 +155,9 @@ def plan_checkpointing(
         predicted = [c for c in planned.candidates if c.per_device]
         least = min(reversed(predicted), key=lambda c: c.peak, default=None)  # ties: the one keeping the least
         if least is None:
+            reasons = dict.fromkeys(str(c.rejected).removeprefix("cannot be built: ") for c in planned.candidates)
             raise DpCompileError(f"activation_checkpointing='auto': the layout {spec.name} cannot be built: "
-                                 + "; ".join(str(c.rejected) for c in planned.candidates))  # fmt: skip
+                                 + "; ".join(reasons))  # every choice fails alike: each reason once
         device = max(least.per_device, key=lambda d: sum(least.per_device[d].values()))
         terms = " + ".join(f"{format_bytes(v)} {k}" for k, v in least.per_device[device].items())
         raise DpCompileError(

@@ -14,6 +14,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.checkpoint_regions import check_spec
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share
 from dpcompile.analysis.memory import format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import profile_model
@@ -182,6 +183,7 @@ def size_byte_budget(
     spec = activation_checkpointing
     if not isinstance(spec, Mapping) or "budget_bytes" not in spec or spec.get("row_bytes") is not None:
         return spec
+    check_spec(dict(spec))
     if example_tuple is None and not example_kwargs:
         raise ValueError("activation_checkpointing 'budget_bytes' counts the bytes of a region's outputs, which "
                          "the examples size: give example_inputs= (or example_kwargs=), or 'row_bytes' (the bytes "

@@ -51,3 +51,15 @@ def test_regions_of_a_top_level_sequential_build_and_equal_eager():
     mlp(x).pow(2).sum().backward()
     for (name, p), q in zip(model.named_parameters(), mlp.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_a_malformed_byte_budget_dict_is_refused_as_given(stack):
+    """A byte-budget dict without ``regions`` (or with ``budget`` beside it) is refused before the
+    examples size it: the message shows the dict as given, not with a ``row_bytes`` the user never
+    wrote."""
+    model, x = stack
+    for spec, words in (({"save": "auto", "budget_bytes": "64KiB"}, "a dict takes 'regions'"),
+                        ({"regions": True, "save": "auto", "budget_bytes": "64KiB", "budget": 0.5}, "not both")):  # fmt: skip
+        with pytest.raises(ValueError, match=words) as e:
+            dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing=spec, example_inputs=(x,))
+        assert "row_bytes" not in str(e.value), str(e.value)

@@ -63,3 +63,14 @@ def test_a_malformed_byte_budget_dict_is_refused_as_given(stack):
         with pytest.raises(ValueError, match=words) as e:
             dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing=spec, example_inputs=(x,))
         assert "row_bytes" not in str(e.value), str(e.value)
+
+
+def test_auto_on_a_model_without_repeated_blocks_says_to_name_the_modules():
+    """An MLP ``Sequential`` of mixed layers has no repeated blocks: ``"auto"`` can only recompute
+    nothing, and a budget that does not fit says so and how to name the modules."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(DpCompileError, match=r"of the 1 predicted.*no repeated blocks.*'regions': \['encoder'\]"):
+        dpcompile.transform(copy.deepcopy(mlp), ["cpu"], memory_per_device=1024, activation_checkpointing="auto",
+                            example_inputs=(x,))  # fmt: skip

@@ -166,11 +166,20 @@ def plan_checkpointing(
             f"{format_bytes(min(budgets.values()))} on {spec.name.split(' ')[0]}: of the {len(planned.candidates)} "
             f"predicted, the smallest peak is {format_bytes(least.peak)} per device ({least.spec.name}: {terms} on "
             f"{device}). The way out: a budget of at least {format_budget_up(least.peak)} ({least.peak} bytes), more "
-            "devices, plan='auto' (pipeline stages), a lighter optimizer or a smaller batch"
+            "devices, plan='auto' (pipeline stages), a lighter optimizer or a smaller batch" + _no_blocks(planned, training)
         )
     planned.choose(chosen, f"fits, but recomputes more than {chosen.spec.name}")
     return CheckpointPlan(chosen.spec.checkpoint_keyword(), planned.estimate(chosen, optimizer, training), planned,
                           chosen)  # fmt: skip
+
+
+def _no_blocks(planned: Planned, training: bool) -> str:
+    """Why only recomputing nothing was predicted, where the model has no repeated blocks."""
+    if not training or any(c.spec.checkpointing for c in planned.candidates):
+        return ""
+    return ("; the model has no repeated blocks (a ModuleList or Sequential of one block type) for 'auto' to "
+            "recompute: name the modules, e.g. activation_checkpointing={'regions': ['encoder'], 'save': 'auto', "
+            "'budget_bytes': '40MiB'}")  # fmt: skip
 
 
 def size_byte_budget(

@@ -74,3 +74,32 @@ def test_auto_on_a_model_without_repeated_blocks_says_to_name_the_modules():
     with pytest.raises(DpCompileError, match=r"of the 1 predicted.*no repeated blocks.*'regions': \['encoder'\]"):
         dpcompile.transform(copy.deepcopy(mlp), ["cpu"], memory_per_device=1024, activation_checkpointing="auto",
                             example_inputs=(x,))  # fmt: skip
+
+
+def _kept(region) -> list[str]:
+    return [line.split(" = ")[0].strip() for part in region.code.split("keep_outputs(True)")[1:]
+            for line in part.split("keep_outputs(False)")[0].splitlines() if " = " in line and "keep_outputs" not in line]  # fmt: skip
+
+
+def test_byte_budget_under_tensor_parallelism_prices_the_shards(stack):
+    """Tensor parallelism runs its matmuls as ``linear(x, weight_shard)``: priced by the shard's width
+    (before, each counted one value a row, so a 2 KiB budget kept all 14 outputs of a block). d=16
+    over 2 x 8 tokens, float64: a row costs 128 bytes, so 2 KiB holds 16 values a row on each device:
+    that device's attention (8, its value shard) and one 8-wide q/k/v shard. Output and gradients equal eager's."""
+    from tests.helpers import full_gradients
+
+    model, x = stack
+    spec = {"regions": True, "save": "auto", "budget_bytes": "2KiB"}
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, tensor_parallel=True, activation_checkpointing=spec,
+                             example_inputs=(x,))  # fmt: skip
+    kept = _kept(pm.layers_0_region)
+    assert len(kept) == 4 and sum("scaled_dot_product_attention" in n for n in kept) == 2, kept
+    assert all("attention" in n or "_attn_q_" in n or "_attn_k_" in n or "_attn_v_" in n for n in kept), kept
+    eager = copy.deepcopy(model)
+    out = pm(x)
+    torch.testing.assert_close(out, eager(x))
+    out.sum().backward()
+    eager(x).sum().backward()
+    grads = full_gradients(pm)
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"grad {name}: {m}")

@@ -14,6 +14,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.checkpoint_regions import check_spec
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share
 from dpcompile.analysis.memory import format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import profile_model
@@ -155,8 +156,9 @@ def plan_checkpointing(
         predicted = [c for c in planned.candidates if c.per_device]
         least = min(reversed(predicted), key=lambda c: c.peak, default=None)  # ties: the one keeping the least
         if least is None:
+            reasons = dict.fromkeys(str(c.rejected).removeprefix("cannot be built: ") for c in planned.candidates)
             raise DpCompileError(f"activation_checkpointing='auto': the layout {spec.name} cannot be built: "
-                                 + "; ".join(str(c.rejected) for c in planned.candidates))  # fmt: skip
+                                 + "; ".join(reasons))  # every choice fails alike: each reason once
         device = max(least.per_device, key=lambda d: sum(least.per_device[d].values()))
         terms = " + ".join(f"{format_bytes(v)} {k}" for k, v in least.per_device[device].items())
         raise DpCompileError(
@@ -164,11 +166,20 @@ def plan_checkpointing(
             f"{format_bytes(min(budgets.values()))} on {spec.name.split(' ')[0]}: of the {len(planned.candidates)} "
             f"predicted, the smallest peak is {format_bytes(least.peak)} per device ({least.spec.name}: {terms} on "
             f"{device}). The way out: a budget of at least {format_budget_up(least.peak)} ({least.peak} bytes), more "
-            "devices, plan='auto' (pipeline stages), a lighter optimizer or a smaller batch"
+            "devices, plan='auto' (pipeline stages), a lighter optimizer or a smaller batch" + _no_blocks(planned, training)
         )
     planned.choose(chosen, f"fits, but recomputes more than {chosen.spec.name}")
     return CheckpointPlan(chosen.spec.checkpoint_keyword(), planned.estimate(chosen, optimizer, training), planned,
                           chosen)  # fmt: skip
+
+
+def _no_blocks(planned: Planned, training: bool) -> str:
+    """Why only recomputing nothing was predicted, where the model has no repeated blocks."""
+    if not training or any(c.spec.checkpointing for c in planned.candidates):
+        return ""
+    return ("; the model has no repeated blocks (a ModuleList or Sequential of one block type) for 'auto' to "
+            "recompute: name the modules, e.g. activation_checkpointing={'regions': ['encoder'], 'save': 'auto', "
+            "'budget_bytes': '40MiB'}")  # fmt: skip
 
 
 def size_byte_budget(
@@ -181,6 +192,7 @@ def size_byte_budget(
     spec = activation_checkpointing
     if not isinstance(spec, Mapping) or "budget_bytes" not in spec or spec.get("row_bytes") is not None:
         return spec
+    check_spec(dict(spec))
     if example_tuple is None and not example_kwargs:
         raise ValueError("activation_checkpointing 'budget_bytes' counts the bytes of a region's outputs, which "
                          "the examples size: give example_inputs= (or example_kwargs=), or 'row_bytes' (the bytes "

@@ -140,9 +140,16 @@ def _components(nodes: set[fx.Node]) -> list[set[fx.Node]]:
     return list(parts.values())
 
 
+def _identifier(path: str) -> str:
+    """A module path as a Python name: ``layers.0`` -> ``layers_0``; a top-level ``Sequential``'s
+    ``0`` -> ``module_0`` (generated code cannot name a variable ``0_module``)."""
+    name = path.replace(".", "_")
+    return f"module_{name}" if name[:1].isdigit() else name
+
+
 def _region_name(path: str, nodes: list[fx.Node], taken: set[str]) -> str:
     suffixes = {m.group(0) for n in nodes if (m := _PLACE_SUFFIX.search(n.name))}
-    base = path.replace(".", "_") + (suffixes.pop() if len(suffixes) == 1 else "")
+    base = _identifier(path) + (suffixes.pop() if len(suffixes) == 1 else "")
     name, k = base, 1
     while name in taken:
         name, k = f"{base}_{k}", k + 1
@@ -247,7 +254,7 @@ def _copy_into(graph: fx.Graph, node: fx.Node, region: CheckpointRegion, env: di
     else:
         owner, method = _owner_and_method(str(node.target), region.path, _STAGE in node.meta)
         if owner not in owners:
-            owners[owner] = graph.placeholder(owner.replace(".", "_") + "_module")
+            owners[owner] = graph.placeholder(_identifier(owner) + "_module")
             arguments.append(owner)
         args = tuple(fx.map_arg(node.args, env.__getitem__))
         kwargs = fx.map_arg(node.kwargs, env.__getitem__)
@@ -369,7 +376,7 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: st
         for argument in arguments:
             if isinstance(argument, str):
                 with graph.inserting_after(cursor):
-                    name = argument.replace(".", "_") + "_module"
+                    name = _identifier(argument) + "_module"
                     cursor = _placed(stamp(graph.create_node("get_attr", argument, name=name), PASS, last), last)
                 values.append(cursor)
             else:

@@ -56,6 +56,25 @@ def _sizes(module: nn.Module | None) -> tuple[int, int] | None:
     return None
 
 
+def _weight_sizes(gm: fx.GraphModule, node: fx.Node) -> tuple[int, int] | None:
+    """``(inner, out)`` of a functional ``linear(x, w)`` on a weight the program holds (a tensor-parallel
+    shard, ``get_attr``): per row, ``w.shape[0]`` values from ``w.shape[1]``."""
+    if node.op != "call_function" or node.target not in (torch._C._nn.linear, nn.functional.linear):
+        return None
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    if not isinstance(weight, fx.Node) or weight.op != "get_attr":
+        return None
+    try:
+        value = gm.get_parameter(str(weight.target))
+    except AttributeError:
+        return None
+    return (int(value.shape[1]), int(value.shape[0])) if value.dim() == 2 else None
+
+
+def _matmul_sizes(gm: fx.GraphModule, node: fx.Node) -> tuple[int, int] | None:
+    return _sizes(module_called(gm, node)) or _weight_sizes(gm, node)
+
+
 def _split_size(node: fx.Node) -> int | None:
     """``getitem(split(x, n, dim=-1), i)`` (GPT-2's q, k, v out of one projection): ``n`` per row."""
     split = node.args[0] if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else None
@@ -69,7 +88,7 @@ def _split_size(node: fx.Node) -> int | None:
 def _width_of(gm: fx.GraphModule, node: fx.Node, seen: int = 0) -> int | None:
     """Values per row of ``node``'s output, where a matmul module, a split of the last dimension,
     or a view of one of those says."""
-    sizes = _sizes(module_called(gm, node))
+    sizes = _matmul_sizes(gm, node)
     if sizes:
         return sizes[1]
     if (size := _split_size(node)) is not None:
@@ -118,7 +137,7 @@ def save_candidates(gm: fx.GraphModule, nodes: list[fx.Node], per_row: bool = Fa
             value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value")
             found.append((node, _width_of(gm, value) if isinstance(value, fx.Node) else None, None, True))
         elif is_matmul(gm, node):
-            sizes = _sizes(module_called(gm, node))
+            sizes = _matmul_sizes(gm, node)
             found.append((node, sizes[1], 2 * sizes[0] * sizes[1], False) if sizes else (node, None, None, False))
     widths = [w for _, w, _, _ in found if w]
     flops = [f for _, _, f, _ in found if f]

@@ -61,6 +61,12 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
     return regions, rule
 
 
+def check_spec(activation_checkpointing: Any) -> None:
+    """The ``ValueError`` a malformed ``activation_checkpointing=`` dict gets, raised before anything
+    is sized from the examples (so the message shows the dict as the user gave it)."""
+    _regions_and_rule(activation_checkpointing)
+
+
 def _scope_and_tiles(spec: dict[str, Any], rule: str) -> str:
     """The rule's suffix for ``"budget_over"`` (``"@device"``) and ``"tiles"`` (``";tiles=4"``)."""
     suffix = ""
@@ -224,4 +230,4 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     return paths
 
 
-__all__ = ["BUDGET_SCOPES", "byte_budget", "parse_bytes", "DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_words", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]
+__all__ = ["BUDGET_SCOPES", "byte_budget", "check_spec", "parse_bytes", "DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_words", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]

@@ -1,15 +1,21 @@
 """Edge cases of exporting and loading one-process pipelines, found by probing as a user would:
 a loaded module exported again keeps every program it carries (eval mode, optional arguments
-left None), so the module loaded from the second folder runs the calls the first one ran."""
+left None), so the module loaded from the second folder runs the calls the first one ran; and a
+pipeline's description in program.json (stage plan, stages' devices and sizes) edited is refused."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
 import dpcompile
+from dpcompile.export import ExportError
 
 
 class MaskedStack(nn.Module):
@@ -51,3 +57,48 @@ def test_a_loaded_pipeline_exported_again_keeps_its_eval_and_optional_argument_p
     with torch.no_grad():
         for call in (kwargs, no_mask):  # eval mode: before the fix the second load carried no such program
             torch.testing.assert_close(again.eval()(**call), pm.eval()(**call), rtol=0, atol=0)
+
+
+def _rehash(folder) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = (folder / name).read_bytes()
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+EDITS = {  # a field of config.pipeline, edited (and rehashed): each once loaded as it was
+    "plan weights": (("stage_plan", "weights"), "x"),
+    "plan starts": (("stage_plan", "starts"), []),
+    "plan module paths": (("stage_plan", "module_paths"), [[0, 1], [1, 0]]),
+    "stage device": (("stages", 0, "device"), "x"),
+    "stage flops": (("stages", 1, "flops"), -1),
+    "stage module paths": (("stages", 0, "module_paths"), "layers.0"),
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs = {k: v for k, v in _inputs().items() if k != "mask"}
+        pm = dpcompile.transform(MaskedStack().double(), ["cpu"] * 2, pipeline=2, micro_batches=2, example_kwargs=kwargs)
+    return dpcompile.export(pm, tmp_path_factory.mktemp("edges") / "pp")
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_pipeline_description_edited_in_program_json_is_refused(pipeline_folder, tmp_path, edit):
+    """The stage plan and the stages' descriptions, not only their programs, are checked: a loaded
+    module never reports stages on devices or with sizes the export did not record."""
+    folder = shutil.copytree(pipeline_folder, tmp_path / "pp")
+    path, value = EDITS[edit]
+    program = json.loads((folder / "program.json").read_text())
+    field = program["config"]["pipeline"]
+    for step in path[:-1]:
+        field = field[step]
+    field[path[-1]] = value
+    (folder / "program.json").write_text(json.dumps(program))
+    _rehash(folder)
+    with pytest.raises(ExportError, match="stage plan whose|stage 0 is described|stage 1 is described|not on the program's devices"):
+        dpcompile.load(folder)

@@ -155,8 +155,10 @@ def checked_section(section: Any, kind: str) -> dict[str, Any]:
         raise ExportError(f"{PROGRAM_FILE}: a stage plan it cannot read")
     if not isinstance(stages, list) or len(stages) != plan["stages"]:
         raise ExportError(f"{PROGRAM_FILE}: {plan['stages']} stages planned, {len(stages) if isinstance(stages, list) else stages!r:.20} described")
+    if not _plan_fields_fit(plan):
+        raise ExportError(f"{PROGRAM_FILE}: a stage plan whose starts, weights, sizes or module paths do not fit its {plan['stages']} stages")
     for i, stage in enumerate(stages):
-        if not isinstance(stage, dict) or set(stage) != _STAGE_FIELDS or stage["index"] != i:
+        if not isinstance(stage, dict) or set(stage) != _STAGE_FIELDS or stage["index"] != i or not _stage_fields_fit(stage):
             raise ExportError(f"{PROGRAM_FILE}: stage {i} is described as {stage!r:.80}")
     stage_of = plan["stage_of"]
     if not isinstance(stage_of, dict) or not all(type(v) is int and 0 <= v < plan["stages"] for v in stage_of.values()):
@@ -170,6 +172,30 @@ def checked_section(section: Any, kind: str) -> dict[str, Any]:
     if (groups is None) is not (kind == "pipeline") or (slots is None) is not (kind == "pipeline"):
         raise ExportError(f"{PROGRAM_FILE}: a {kind} program's stage groups and shard slots")
     return section
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) is str for v in value)
+
+
+def _counts(value: Any, length: int) -> bool:
+    return isinstance(value, list) and len(value) == length and all(type(v) is int and v >= 0 for v in value)
+
+
+def _plan_fields_fit(plan: dict[str, Any]) -> bool:
+    """The stage plan's fields as ``describe_pipeline`` writes them: one entry per stage."""
+    stages = plan["stages"]
+    return (
+        _strings(plan["starts"]) and len(plan["starts"]) == stages
+        and _counts(plan["weights"], stages) and _counts(plan["param_bytes"], stages)
+        and isinstance(plan["module_paths"], list) and len(plan["module_paths"]) == stages
+        and all(_strings(paths) for paths in plan["module_paths"])
+        and type(plan["measure"]) is str and isinstance(plan["sent"], list) and all(_strings(v) for v in plan["sent"])
+    )  # fmt: skip
+
+
+def _stage_fields_fit(stage: dict[str, Any]) -> bool:
+    return type(stage["device"]) is str and _strings(stage["module_paths"]) and _counts([stage["flops"], stage["param_bytes"]], 2)
 
 
 def stage_graphs(section: dict[str, Any], tree: Any) -> list[tuple[str, fx.Graph]]:
@@ -265,6 +291,10 @@ def pipeline_extra(
     from passes.split_stages import StagePlan
 
     plan = section["stage_plan"]
+    placed = {str(d) for d in target}  # a tensor-parallel stage's device names its group: "cpu,cpu"
+    placed |= {",".join(map(str, g)) for g in section["stage_groups"] or () if isinstance(g, list)}
+    if any(s["device"] not in placed for s in section["stages"]):
+        raise ExportError(f"{PROGRAM_FILE}: stages on {[s['device'] for s in section['stages']]!r:.80}, not on the program's devices")
     try:
         stage_plan = StagePlan(
             stages=plan["stages"],

@@ -202,8 +202,10 @@ def collect(pm: nn.Module) -> tuple[list[tuple[Any, fx.GraphModule | None]], lis
     main one), and the data-parallel traces they are lowered from (for fewer devices)."""
     cache = pm.program_cache
     if pm.__dict__.get("traced_model") is None:  # nothing to trace: what the module carries already
-        programs = [(key.portable(), program) for key, program in cache.items() if not key.batched and not key.unbatched]
-        programs.append((cache.main_key.portable(), None))
+        carried = getattr(cache.build, "programs", {})  # a loaded or unpickled module's own variants
+        programs = [(cache.main_key.portable(), None)]
+        programs += [(key, None if graph is None else cache.build(key, (), {})) for key, graph in carried.items()]
+        programs += [(key.portable(), program) for key, program in cache.items() if not key.batched and not key.unbatched]
     else:
         programs = []
         for key in _keys(pm):

@@ -1,0 +1,104 @@
+"""Edge cases of exporting and loading one-process pipelines, found by probing as a user would:
+a loaded module exported again keeps every program it carries (eval mode, optional arguments
+left None), so the module loaded from the second folder runs the calls the first one ran; and a
+pipeline's description in program.json (stage plan, stages' devices and sizes) edited is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.export import ExportError
+
+
+class MaskedStack(nn.Module):
+    """Two stages' worth of layers and an optional keyword-only mask: three call variants."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x, labels, *, mask=None):
+        h = torch.relu(self.layers[0](x))
+        if mask is not None:
+            h = h * mask
+        h = self.norm(torch.relu(self.layers[1](h)))
+        return nn.functional.cross_entropy(self.head(h), labels)
+
+
+def _inputs(n: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(n, 8, generator=g, dtype=torch.float64), "labels": torch.randint(0, 4, (n,), generator=g),
+            "mask": torch.rand(n, 8, generator=g, dtype=torch.float64)}  # fmt: skip
+
+
+def test_a_loaded_pipeline_exported_again_keeps_its_eval_and_optional_argument_programs(tmp_path):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(MaskedStack().double(), ["cpu"] * 2, pipeline=2, micro_batches=2, example_kwargs=_inputs())
+    loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "first"))
+    again = dpcompile.load(dpcompile.export(loaded, tmp_path / "second"))
+    kwargs = _inputs()
+    no_mask = {k: v for k, v in kwargs.items() if k != "mask"}
+    for call in (kwargs, no_mask):  # training: the main program and the one without the mask
+        torch.testing.assert_close(again(**call), pm(**call), rtol=0, atol=0)
+    for key, value in pm.state_dict().items():  # BatchNorm's running statistics moved alike
+        torch.testing.assert_close(again.state_dict()[key], value, rtol=0, atol=0)
+    with torch.no_grad():
+        for call in (kwargs, no_mask):  # eval mode: before the fix the second load carried no such program
+            torch.testing.assert_close(again.eval()(**call), pm.eval()(**call), rtol=0, atol=0)
+
+
+def _rehash(folder) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = (folder / name).read_bytes()
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+EDITS = {  # a field of config.pipeline, edited (and rehashed): each once loaded as it was
+    "plan weights": (("stage_plan", "weights"), "x"),
+    "plan starts": (("stage_plan", "starts"), []),
+    "plan module paths": (("stage_plan", "module_paths"), [[0, 1], [1, 0]]),
+    "stage device": (("stages", 0, "device"), "x"),
+    "stage flops": (("stages", 1, "flops"), -1),
+    "stage module paths": (("stages", 0, "module_paths"), "layers.0"),
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs = {k: v for k, v in _inputs().items() if k != "mask"}
+        pm = dpcompile.transform(MaskedStack().double(), ["cpu"] * 2, pipeline=2, micro_batches=2, example_kwargs=kwargs)
+    return dpcompile.export(pm, tmp_path_factory.mktemp("edges") / "pp")
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_pipeline_description_edited_in_program_json_is_refused(pipeline_folder, tmp_path, edit):
+    """The stage plan and the stages' descriptions, not only their programs, are checked: a loaded
+    module never reports stages on devices or with sizes the export did not record."""
+    folder = shutil.copytree(pipeline_folder, tmp_path / "pp")
+    path, value = EDITS[edit]
+    program = json.loads((folder / "program.json").read_text())
+    field = program["config"]["pipeline"]
+    for step in path[:-1]:
+        field = field[step]
+    field[path[-1]] = value
+    (folder / "program.json").write_text(json.dumps(program))
+    _rehash(folder)
+    with pytest.raises(ExportError, match="stage plan whose|stage 0 is described|stage 1 is described|not on the program's devices"):
+        dpcompile.load(folder)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dpcompile
 from tests.helpers import full_gradients
 from tests.integration.test_compose_sequence import build, lm_batch
 
@@ -34,3 +35,22 @@ def test_first_call_of_one_row_and_one_token_runs_like_eager(mesh):
     eager.eval()
     with torch.no_grad():
         torch.testing.assert_close(pm(ids, labels)[0], eager(ids, labels)[0])
+
+
+def test_exported_and_loaded_layout_keeps_the_fused_qkv_sections(tmp_path):
+    """``dpcompile.export`` then ``dpcompile.load`` of cp x tp: the loaded module's shards of the fused
+    qkv are each a slice of q, of k and of v (Megatron's layout), which its ``param_shards`` must say
+    (``sections=3``; the export dropped it, so ``state_dict()``, a checkpoint and the gathered gradients
+    of the loaded module put q, k and v together wrongly while its calls stayed right)."""
+    pm, eager = build(1, {"cp": 2, "tp": 2}, rows=2)
+    loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "exported"))
+    assert loaded.param_shards["blocks.0.qkv.weight"][0].sections == 3
+    state, want = loaded.state_dict(), eager.state_dict()
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    ids, labels = lm_batch(2, 7, seed=5)
+    loaded(ids, labels)[1].backward()
+    eager(ids, labels)[1].backward()
+    grads = full_gradients(loaded)
+    for path, p in eager.named_parameters():
+        torch.testing.assert_close(grads[path], p.grad, msg=lambda m, path=path: f"grad {path}: {m}")

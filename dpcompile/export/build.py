@@ -216,7 +216,9 @@ def _tp_extra(tp: Any) -> dict[str, Any]:
 
     try:
         shards = {
-            str(k): (ShardSpec(int(v["dim"]), tuple(int(s) for s in v["sizes"])), [str(n) for n in v["names"]])
+            # a fused qkv's sections (q, k, v), without which its shards read as one block: 1 in older exports
+            str(k): (ShardSpec(int(v["dim"]), tuple(int(s) for s in v["sizes"]), int(v.get("sections", 1))),
+                     [str(n) for n in v["names"]])
             for k, v in tp["param_shards"].items()
         }
         cost = None if tp["comm_cost"] is None else CommCost(float(tp["comm_cost"][0]), float(tp["comm_cost"][1]))

@@ -284,7 +284,8 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         cost = getattr(pm, "comm_cost", None)
         config["tensor_parallel"] = {
             "state_keys": list(pm.state_keys),
-            "param_shards": {k: {"dim": s.dim, "sizes": list(s.sizes), "names": list(n)} for k, (s, n) in pm.param_shards.items()},
+            "param_shards": {k: {"dim": s.dim, "sizes": list(s.sizes), "sections": s.sections, "names": list(n)}
+                             for k, (s, n) in pm.param_shards.items()},
             "plan_reasons": dict(pm.plan_reasons),
             "comm_cost": None if cost is None else [float(cost.forward), float(cost.backward)],
             "captured_code": str(getattr(pm, "captured_code", "")),

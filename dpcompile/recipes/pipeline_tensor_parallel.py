@@ -150,8 +150,9 @@ class PipelineTensorParallelRecipe(Recipe):
             borrow_shapes(gm, shapes)
             if self.sequence_copies > 1:  # {"dp", "cp", "tp"}: the batch split into the copies first
                 passes.split_one_shard_batch(gm, copies=self.sequence_copies, device=groups[0].primary, shapes=shapes)
-            gm, exchange_records = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
-            records += exchange_records
+            if self.micro_batches > 1:  # one piece (a call shorter than cp) reads its own keys: nothing to gather
+                gm, exchange_records = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
+                records += exchange_records
         shard_info = unaliased_findings(info_of(shard_records, "shard_linear"))
         plan = stages_of_shards(gm, stage_plan)
         borrow_shapes(gm, shapes)

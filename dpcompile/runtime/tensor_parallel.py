@@ -385,4 +385,9 @@ __all__ = [
     "shard_of",
     "split_to_devices",
     "unshard",
+    "split_sequence_to_devices",
+    "reduce_scatter_to_devices",
+    "all_gather_to_devices",
+    "linear_of_gathered",
+    "whole_size",
 ]

@@ -109,6 +109,19 @@ def _check_pipeline_device_count(pm: Any, n: int) -> None:
         )
 
 
+def _check_not_sequence_layout(pm: Any, n: int) -> None:
+    """A layout with 'cp' is not rebuilt for fake devices yet (its pieces of the sequence fail to build
+    there, which read as a mismatch of ``pm``): refused, naming what checks it instead."""
+    layout = dict(getattr(pm, "layout", None) or {})
+    if "cp" in layout:
+        sizes = " x ".join(f"{name} {size}" for name, size in layout.items())
+        raise DpCompileError(
+            f"verify(fake_devices={n}): a layout with 'cp' ({sizes}) is not built for fake devices yet; "
+            "verify(pm, model, ...) without fake_devices= compares every output and gradient, and "
+            "dpcompile.explain(pm, ...) shows the device of each piece of the sequence"
+        )
+
+
 def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[Any], *args: Any, **kwargs: Any) -> VerifyResult:
     """Build ``pm``'s program for fake CUDA devices and run it forward and backward on fake tensors.
 
@@ -124,6 +137,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     True
     """
     devices = fake_devices_of(fake_devices)
+    _check_not_sequence_layout(pm, len(devices))
     _check_pipeline_device_count(pm, len(devices))
     label = f"fake {len(devices)}-device layout"
     checked = {"fake devices": len(devices)}

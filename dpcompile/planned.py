@@ -83,22 +83,34 @@ def planned_transform(
     raise planned.no_fit_error(len(parsed.labels()))
 
 
+def _plan_named_layout(
+    model: nn.Module, devices: Devices, spec: LayoutSpec, memory_per_device: Any, optimizer: str | None,
+    training: bool, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, *, needs_examples: str,
+    auto_checkpointing: bool = False,
+) -> Planned:  # fmt: skip
+    """The planner's candidates for the one layout ``spec`` (with each choice of what to recompute
+    where ``auto_checkpointing``), after checking the examples its fake run needs."""
+    if example_tuple is None and not example_kwargs:
+        raise ValueError(f"{needs_examples} from a fake run: give example_inputs= (or example_kwargs=)")
+    if not isinstance(model, fx.GraphModule):
+        check_signature(model)
+    check_examples(model, example_tuple, example_kwargs)
+    budgets = device_budgets(devices, memory_per_device)
+    return plan_layouts(model, devices.labels(), budgets, optimizer=optimizer, training=training,
+                        example_inputs=example_tuple, example_kwargs=example_kwargs, device=devices.primary,
+                        specs=[spec], auto_checkpointing=auto_checkpointing)  # fmt: skip
+
+
 def check_layout_fits(
     model: nn.Module, devices: Devices, spec: LayoutSpec, memory_per_device: Any, optimizer: str | None,
     training: bool, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None,
 ) -> Any:  # fmt: skip
     """The planner's prediction for the layout the user named (a pipeline, dp copies), per device;
     a ``DpCompileError`` with the arithmetic where it does not fit the budget."""
-    if example_tuple is None and not example_kwargs:
-        raise ValueError(f"memory_per_device= with the layout {dict(spec.layout)} predicts each device's memory from "
-                         "a fake run: give example_inputs= (or example_kwargs=)")  # fmt: skip
-    if not isinstance(model, fx.GraphModule):
-        check_signature(model)
-    check_examples(model, example_tuple, example_kwargs)
-    budgets = device_budgets(devices, memory_per_device)
-    planned = plan_layouts(model, devices.labels(), budgets, optimizer=optimizer, training=training,
-                           example_inputs=example_tuple, example_kwargs=example_kwargs, device=devices.primary,
-                           specs=[spec])  # fmt: skip
+    planned = _plan_named_layout(
+        model, devices, spec, memory_per_device, optimizer, training, example_tuple, example_kwargs,
+        needs_examples=f"memory_per_device= with the layout {dict(spec.layout)} predicts each device's memory",
+    )  # fmt: skip
     (candidate,) = planned.candidates
     if not candidate.fits:
         least = format_budget_up(candidate.peak) if candidate.per_device else None
@@ -141,16 +153,10 @@ def plan_checkpointing(
     :func:`~dpcompile.planner.checkpoint_ladder` (nothing; every block keeping at most decreasing
     byte budgets; every block keeping nothing) whose predicted peak fits every device's budget; a
     ``DpCompileError`` naming the smallest predicted peak and what to change where none does."""
-    if example_tuple is None and not example_kwargs:
-        raise ValueError('activation_checkpointing="auto" predicts each choice\'s peak from a fake run: give '
-                         "example_inputs= (or example_kwargs=)")  # fmt: skip
-    if not isinstance(model, fx.GraphModule):
-        check_signature(model)
-    check_examples(model, example_tuple, example_kwargs)
-    budgets = device_budgets(devices, memory_per_device)
-    planned = plan_layouts(model, devices.labels(), budgets, optimizer=optimizer, training=training,
-                           example_inputs=example_tuple, example_kwargs=example_kwargs, device=devices.primary,
-                           specs=[spec], auto_checkpointing=True)  # fmt: skip
+    planned = _plan_named_layout(
+        model, devices, spec, memory_per_device, optimizer, training, example_tuple, example_kwargs,
+        needs_examples='activation_checkpointing="auto" predicts each choice\'s peak', auto_checkpointing=True,
+    )  # fmt: skip
     chosen = next((c for c in planned.candidates if c.fits), None)
     if chosen is None:
         predicted = [c for c in planned.candidates if c.per_device]
@@ -163,7 +169,7 @@ def plan_checkpointing(
         terms = " + ".join(f"{format_bytes(v)} {k}" for k, v in least.per_device[device].items())
         raise DpCompileError(
             f"activation_checkpointing='auto': no choice of what to recompute fits memory_per_device="
-            f"{format_bytes(min(budgets.values()))} on {spec.name.split(' ')[0]}: of the {len(planned.candidates)} "
+            f"{format_bytes(min(planned.budgets.values()))} on {spec.name.split(' ')[0]}: of the {len(planned.candidates)} "
             f"predicted, the smallest peak is {format_bytes(least.peak)} per device ({least.spec.name}: {terms} on "
             f"{device}). The way out: a budget of at least {format_budget_up(least.peak)} ({least.peak} bytes), more "
             "devices, plan='auto' (pipeline stages), a lighter optimizer or a smaller batch" + _no_blocks(planned, training)

@@ -52,9 +52,33 @@ class LoadsWeights:
     does: its non-persistent buffers are computed and ``pm.needs_weights`` turns False."""
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        refuse_before_copying(self, state_dict, strict)  # type: ignore[arg-type]
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
         state_dict_loaded(self, result.missing_keys)  # type: ignore[arg-type]
         return result
+
+
+def refuse_before_copying(pm: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+    """The errors ``nn.Module.load_state_dict`` raises (missing or unexpected keys where ``strict``, a
+    tensor of another shape), raised before anything is copied: torch copies every key that fits
+    first, so a failed load would leave the program half loaded."""
+    own = pm.state_dict(keep_vars=True)
+    problems = []
+    if strict:
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if missing:
+            problems.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+        if unexpected:
+            problems.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    for key, value in state_dict.items():
+        mine = own.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor) and value.shape != mine.shape:
+            problems.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                            f"checkpoint, the shape in current model is {tuple(mine.shape)}.")  # fmt: skip
+    if problems:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(pm).__name__} (nothing was loaded):\n\t"
+                           + "\n\t".join(problems))  # fmt: skip
 
 
 #: ``compute(source model, buffer names) -> {name: value}``, set by ``dpcompile.checkpoint``

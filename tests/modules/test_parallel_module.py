@@ -65,6 +65,32 @@ def test_parallel_module_load_state_dict_updates_model():
     torch.testing.assert_close(model.used.weight, other.used.weight)
 
 
+@pytest.mark.parametrize("layout", [{}, {"pipeline": 2}, {"mesh": {"pp": 2, "dp": 2}}])
+@pytest.mark.parametrize("damage", ["missing", "unexpected", "shape"])
+def test_a_load_state_dict_that_fails_changes_nothing(layout, damage):
+    """A missing or unexpected key (strict) or a tensor of another shape raises torch's RuntimeError
+    before anything is copied: torch's own load copied every key that fit first (data parallel and
+    the pipelines left the program half loaded; tensor parallel and FSDP already checked first)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    pm = dpcompile.transform(model, ["cpu"] * (4 if "mesh" in layout else 2), example_inputs=(torch.randn(4, 4),),
+                             **layout)  # fmt: skip
+    before = {k: v.clone() for k, v in pm.state_dict().items()}
+    state = {k: torch.zeros_like(v) for k, v in before.items()}
+    if damage == "missing":
+        del state["2.bias"]
+    elif damage == "unexpected":
+        state["3.weight"] = torch.zeros(1)
+    else:
+        state["2.bias"] = torch.zeros(5)
+    with pytest.raises(RuntimeError, match="nothing was loaded"):
+        pm.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in pm.state_dict().items())
+    if damage != "shape":
+        pm.load_state_dict(state, strict=False)  # what fits is loaded, as torch does
+        assert torch.equal(pm.state_dict()["0.weight"], torch.zeros(8, 4))
+
+
 def test_parallel_module_optimizer_over_model_parameters_trains_pm():
     """An optimizer built on model.parameters() changes what pm computes."""
     model = MLP()

@@ -189,6 +189,7 @@ class _Expander:
         self.whole: dict[fx.Node, Any] = {}
         self.per_device: dict[fx.Node, list[fx.Node]] = {}
         self.local_sizes: dict[fx.Node, list[int]] = {}
+        self.module_reads: dict[fx.Node, fx.Node] = {}
 
     def make(self, op: str, target: Any, args: tuple = (), kwargs: dict | None = None, *, name: str, source: fx.Node) -> fx.Node:
         new = self.graph.create_node(op, target, args, kwargs or {}, name=name)
@@ -227,6 +228,19 @@ class _Expander:
             for piece in pieces:  # a reduce-scatter's or a split's: sized by the call (not counted by explain)
                 piece.meta["dpcompile_sequence_piece"] = True
         return pieces
+
+    def per_device_call(self, node: fx.Node, k: int) -> fx.Node:
+        """Device ``k``'s call of ``node``. A module with state called on device ``k``'s values (a norm
+        on its sequence slice) whose state lives on another device reads copies of it on device ``k``
+        (``call_module_on_device``; its gradients summed back), as a replicated weight's ``copy_to_devices``."""
+        args, kwargs, name = self.on_device(node.args, k), self.on_device(node.kwargs, k), f"{node.name}_dev{k}"
+        device = str(self.devices[k])
+        if node.op != "call_module" or device == self.primary or not _has_state(self.gm.get_submodule(str(node.target))):
+            return self.make(node.op, node.target, args, kwargs, name=name, source=node)
+        if node not in self.module_reads:
+            self.module_reads[node] = self.make("get_attr", node.target, name=f"{node.name}_module", source=node)
+        return self.make("call_function", tp_runtime.call_module_on_device, (self.module_reads[node], device, *args), kwargs,
+                         name=name, source=node)  # fmt: skip
 
     def build(self) -> fx.Graph:
         for node in self.gm_nodes():
@@ -288,10 +302,7 @@ class _Expander:
                 new = self.make("call_function", tp_runtime.gather_to_device, (list(self.per_device[x]), dim, self.primary), name=node.name, source=node)
                 self.whole[node] = self.comm(new, node)
             elif isinstance(layout, (Sharded, Copied)):
-                self.per_device[node] = [
-                    _stamp_cols(self.make(node.op, target, self.on_device(node.args, k), self.on_device(node.kwargs, k), name=f"{node.name}_dev{k}", source=node), node, layout, k)
-                    for k in range(self.n)
-                ]
+                self.per_device[node] = [_stamp_cols(self.per_device_call(node, k), node, layout, k) for k in range(self.n)]
             elif any(a in self.per_device for a in flat_nodes((node.args, node.kwargs))):
                 self.whole[node] = self.make(node.op, target, self.on_device(node.args, 0), self.on_device(node.kwargs, 0), name=node.name, source=node)
             else:
@@ -305,6 +316,10 @@ class _Expander:
 
     def gm_nodes(self) -> Iterable[fx.Node]:
         return list(self.gm.graph.nodes)
+
+
+def _has_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
 def _stamp_cols(new: fx.Node, source: fx.Node, layout: Any, k: int) -> fx.Node:

@@ -251,6 +251,8 @@ def place_shard_values(gm: fx.GraphModule, groups: Sequence[Devices]) -> dict[fx
             args[-1] = group
         elif node.target in _TO_ONE:
             args[-1] = group[0]
+        elif node.target is runtime.tensor_parallel.call_module_on_device:  # a norm on shard k's sequence slice
+            args[1] = group[k or 0]
         elif node.target is runtime.send:
             source = node.args[0]
             if node in staged and isinstance(source, fx.Node):

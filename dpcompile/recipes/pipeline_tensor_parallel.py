@@ -258,8 +258,9 @@ class PipelineTensorParallelRecipe(Recipe):
                 node.meta.pop("val", None)
                 node.meta.pop("tensor_meta", None)
             stages = [a.meta[STAGE] for a in node.all_input_nodes if STAGE in a.meta]
-            if STAGE not in node.meta and stages and node.op != "output":  # a node the pass made: its inputs' stage
-                node.meta[STAGE] = max(stages)
+            made_here = node.op != "output" and node.meta.get("dpcompile_pass") != "insert_stage_transfers"
+            if STAGE not in node.meta and stages and made_here:  # a node the pass made: its inputs' stage (the
+                node.meta[STAGE] = max(stages)  # output's send has none: it goes to the output device)
         return records
 
     def build_program(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,6 +96,14 @@ def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def copy_to_devices(x: torch.Tensor, devices: Sequence[DeviceLike]) -> tuple[torch.Tensor, ...]:
     """*f*: ``x`` on every device. Backward sums the copies' gradients (the all-reduce)."""
     return tuple(_move(x, torch.device(d)) for d in devices)
+
+
+def call_module_on_device(module: torch.nn.Module, device: DeviceLike, *args: Any, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` reading its parameters and buffers on ``device`` (a norm called on
+    device ``k``'s sequence slice): copies there, whose gradients autograd sums into the one parameter."""
+    device = torch.device(device)
+    state = {name: _move(t, device) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+    return torch.func.functional_call(module, state, args, kwargs)
 
 
 def reduce_to_device(partials: Sequence[torch.Tensor], device: DeviceLike) -> torch.Tensor:
@@ -380,6 +389,7 @@ __all__ = [
     "linear_in_out",
     "regroup_sections",
     "copy_to_devices",
+    "call_module_on_device",
     "gather_to_device",
     "reduce_to_device",
     "shard_of",

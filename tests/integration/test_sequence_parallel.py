@@ -97,6 +97,20 @@ def test_sequence_parallel_code_reduce_scatters_and_all_gathers():
     assert pm.strategies == {"tp": "tensor parallel with sequence parallel"}
 
 
+@pytest.mark.parametrize(("kwargs", "n"), [({"tensor_parallel": True}, 2), ({"mesh": {"pp": 2, "tp": 2}}, 4),
+                                           ({"mesh": {"dp": 2, "tp": 2}}, 4)])  # fmt: skip
+def test_sequence_parallel_norms_read_their_parameters_on_each_device(kwargs, n):
+    """On distinct devices (fake CUDA) each shard's norm reads copies of the norm's parameters on its own
+    device (``call_module_on_device``), and the program is well placed; on virtual devices it calls the
+    module itself, as before."""
+    model = Stack().double().train()
+    ids = torch.cat([_ids(8), _ids(8, seed=2)])  # 4 rows: 2 per dp copy
+    pm = dpcompile.transform(model, ["cpu"] * n, sequence_parallel=True, example_inputs=(ids,), **kwargs)
+    assert "call_module_on_device" not in pm.code
+    result = dpcompile.verify(pm, model, ids, fake_devices=n)
+    assert result, str(result)
+
+
 def test_sequence_parallel_another_length_at_call_time():
     """A program built on a sequence of 13 runs a call of 12 (shards of 6, 6) equal to eager."""
     model = Stack().eval()

@@ -54,3 +54,32 @@ def test_vocab_parallel_cross_entropy_parts_equal_cross_entropy():
     lse = torch.cat([shard_logsumexp(a), shard_logsumexp(b)], -1)
     picked = shard_target_logit(a, target, 0) + shard_target_logit(b, target, 5)
     torch.testing.assert_close(cross_entropy_from_parts(lse, picked, target), torch.nn.functional.cross_entropy(logits, target))
+
+
+def test_call_module_on_device_sums_its_copies_gradients_into_the_parameter(monkeypatch):
+    """A norm called on two halves of the sequence, the second through ``call_module_on_device``
+    reading real copies of its parameters (a distinct device's; here a differentiable clone): the
+    output and the parameters' gradients equal the norm called on the whole."""
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(8).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    copied: list[torch.Tensor] = []
+
+    def move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        copied.append(t)
+        return t.clone()
+
+    monkeypatch.setattr(tp_runtime, "_move", move)
+    got = torch.cat([norm(x[:, :3]), tp_runtime.call_module_on_device(norm, "cpu", x[:, 3:])], 1)
+    assert {id(t) for t in copied} == {id(norm.weight), id(norm.bias)}
+    got.square().sum().backward()
+    got_grads = [p.grad.clone() for p in (norm.weight, norm.bias)]
+    norm.zero_grad()
+    want = norm(x)
+    want.square().sum().backward()
+    torch.testing.assert_close(got, want)
+    for got_grad, p in zip(got_grads, (norm.weight, norm.bias)):
+        torch.testing.assert_close(got_grad, p.grad)

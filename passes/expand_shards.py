@@ -235,7 +235,7 @@ class _Expander:
         (``call_module_on_device``; its gradients summed back), as a replicated weight's ``copy_to_devices``."""
         args, kwargs, name = self.on_device(node.args, k), self.on_device(node.kwargs, k), f"{node.name}_dev{k}"
         device = str(self.devices[k])
-        if node.op != "call_module" or device == self.primary or not _has_state(self.gm.get_submodule(str(node.target))):
+        if node.op != "call_module" or device == self.primary or not _parameters_only(self.gm.get_submodule(str(node.target))):
             return self.make(node.op, node.target, args, kwargs, name=name, source=node)
         if node not in self.module_reads:
             self.module_reads[node] = self.make("get_attr", node.target, name=f"{node.name}_module", source=node)
@@ -318,8 +318,10 @@ class _Expander:
         return list(self.gm.graph.nodes)
 
 
-def _has_state(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+def _parameters_only(module: nn.Module) -> bool:
+    """Parameters only: a module with buffers (running statistics written in forward) is called as it
+    is, its buffers' updates would land in a copy."""
+    return any(True for _ in module.parameters()) and not any(True for _ in module.buffers())
 
 
 def _stamp_cols(new: fx.Node, source: fx.Node, layout: Any, k: int) -> fx.Node:

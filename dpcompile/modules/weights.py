@@ -61,8 +61,12 @@ class LoadsWeights:
 def refuse_before_copying(pm: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
     """The errors ``nn.Module.load_state_dict`` raises (missing or unexpected keys where ``strict``, a
     tensor of another shape), raised before anything is copied: torch copies every key that fits
-    first, so a failed load would leave the program half loaded."""
-    own = pm.state_dict(keep_vars=True)
+    first, so a failed load would leave the program half loaded. Skipped where a module has a
+    load_state_dict pre-hook (it may rename the keys)."""
+    source = getattr(pm, "traced_model", None) if getattr(pm, "_shares_source", False) else None  # its hooks run too
+    if any(m._load_state_dict_pre_hooks for m in [*pm.modules(), *([source] if isinstance(source, nn.Module) else [])]):
+        return  # a hook may rename or drop keys before torch reads them: its own checks stand
+    own = nn.Module.state_dict(pm, keep_vars=True)  # what torch's load copies into (over a mesh: this rank's shards)
     problems = []
     if strict:
         missing = [k for k in own if k not in state_dict]

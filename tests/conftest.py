@@ -22,3 +22,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one rank in this process, destroyed afterwards (a check it deferred
+    settled first)."""
+    import torch.distributed as dist
+
+    from dpcompile.runtime import distributed
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        distributed.settle_deferred_check()
+        dist.destroy_process_group()

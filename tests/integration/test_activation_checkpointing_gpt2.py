@@ -75,12 +75,7 @@ def test_auto_save_rule_gpt2_equals_eager(gpt2):
         marked = [lines[i + 1] for i, line in enumerate(lines[:-1]) if "keep_outputs(True)" in line]
         assert len(marked) == 2
         assert ".attn.c_attn(" in marked[0] and "scaled_dot_product_attention" in marked[1]
-    out = pm(**kwargs)
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, expected.loss)
-    for name, q in reference.named_parameters():
-        got = dict(model.named_parameters())[name].grad
-        torch.testing.assert_close(got, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    _assert_loss_and_gradients_equal_eager(pm, kwargs, expected, model, reference)
 
 
 @pytest.mark.xdist_group("activation_checkpointing_gpt2")
@@ -95,12 +90,7 @@ def test_mlp_token_tiles_gpt2_equals_eager(gpt2):
         pm = dpcompile.transform(exported, ["cpu"] * 2, example_kwargs=kwargs, activation_checkpointing=spec)
     assert pm.code.count("dpcompile_runtime_token_tiles(") == 4  # 2 blocks x 2 devices
     assert "transformer_h_1_mlp_dev1_tile1 = dpcompile_runtime_checkpoint(transformer_h_1_mlp_dev1_region" in pm.code
-    out = pm(**kwargs)
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, expected.loss)
-    for name, q in reference.named_parameters():
-        got = dict(model.named_parameters())[name].grad
-        torch.testing.assert_close(got, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    _assert_loss_and_gradients_equal_eager(pm, kwargs, expected, model, reference)
 
 
 @pytest.mark.xdist_group("activation_checkpointing_gpt2")
@@ -124,3 +114,13 @@ def test_checkpointing_one_block_under_dp_tp_equals_eager(gpt2):
     got = full_gradients(pm)
     for name, q in reference.named_parameters():
         torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def _assert_loss_and_gradients_equal_eager(pm, kwargs, expected, model, reference) -> None:
+    """One step of ``pm``: its loss equals eager's and every gradient of ``model`` equals ``reference``'s."""
+    out = pm(**kwargs)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    for name, q in reference.named_parameters():
+        got = dict(model.named_parameters())[name].grad
+        torch.testing.assert_close(got, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

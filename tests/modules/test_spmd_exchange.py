@@ -2,22 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-import torch.distributed as dist
-
 from dpcompile.modules.spmd_exchange import FingerprintExchange
-
-
-@pytest.fixture
-def world_of_one():
-    """A gloo process group of one rank in this process, destroyed afterwards."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_each_exchange_reads_its_own_value_with_the_buffers_reused(world_of_one):

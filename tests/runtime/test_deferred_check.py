@@ -5,22 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dpcompile.runtime import distributed
-
-
-@pytest.fixture
-def world_of_one():
-    """A gloo process group of one rank in this process, destroyed afterwards."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        distributed.settle_deferred_check()
-        dist.destroy_process_group()
 
 
 def test_deferred_check_runs_once_when_settled():

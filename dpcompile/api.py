@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule, checkpoint_words
+from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, ContextParallelOptions, parse_context_parallel
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
@@ -81,6 +82,7 @@ def transform(
     exact_random: bool | None = None,
     plan: str | None = None,
     progress: bool | None = None,
+    context_parallel: Mapping[str, Any] | None = None,
 ) -> ParallelModule:
     """Turn a single-device ``model`` into a multi-device :class:`ParallelModule`.
 
@@ -106,6 +108,8 @@ def transform(
     ``micro_batches=``, ``schedule=``: pipeline parallelism, see ``docs/pipeline.md``.
     ``mesh={"pp": 2, "tp": 2}`` names the dimensions of a device list (``docs/layouts.md``);
     ``pm.layout`` and ``pm.strategies`` say what each dimension does.
+    ``context_parallel={"exchange": ..., "load_balance": ...}``: how a ``cp`` dimension exchanges keys
+    and values (``docs/context_parallel.md``).
     ``progress=``: a bar per stage of the work (capture, passes, weights) on stderr, as
     ``save_checkpoint`` draws one: ``None`` where stderr is a terminal, ``True`` always, ``False`` never.
     """
@@ -118,24 +122,25 @@ def transform(
         schedule=schedule, data_parallel=data_parallel, ddp_options=ddp_options, copy_replicas=copy_replicas,
         batch_dim=batch_dim, output_device=output_device, sequence_parallel=sequence_parallel,
         activation_checkpointing=activation_checkpointing, exact_random=exact_random, plan=plan,
-        memory_per_device=memory_per_device,
+        memory_per_device=memory_per_device, context_parallel=context_parallel,
     )  # fmt: skip
+    context_options = parse_context_parallel(context_parallel)
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
                                        tensor_parallel)  # fmt: skip
     if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp
         model = _private_copy(model)
-    copies, per_copy, dp_devices, context_parallel, sequence_copies = 1, None, None, False, 1
+    copies, per_copy, dp_devices, sequence_split, sequence_copies = 1, None, None, False, 1
     if target is not None:  # mesh= over a device list: the same builders, devices in their order, dp composed over them
         arguments = replicate_over_dp(target, micro_batches)
         devices, pipeline, tensor_parallel = arguments["devices"], arguments["pipeline"], arguments["tensor_parallel"]
         copies, per_copy = arguments["dp_copies"], micro_batches if arguments["dp_copies"] > 1 else None
         dp_devices = arguments["dp_devices"]
         micro_batches = arguments["micro_batches"]
-        context_parallel = arguments["context_parallel"]
+        sequence_split = arguments["context_parallel"]
         sequence_copies = arguments.get("sequence_copies", 1)
-        batch_dim = _sequence_dim(batch_dim, memory_per_device) if context_parallel else batch_dim
-        if context_parallel and copies > 1:  # the export keeps the batch dynamic too: the copies split it
+        batch_dim = _sequence_dim(batch_dim, memory_per_device) if sequence_split else batch_dim
+        if sequence_split and copies > 1:  # the export keeps the batch dynamic too: the copies split it
             dynamic_dims = _batch_also_dynamic(dynamic_dims)
     elif is_device_mesh(devices) and tuple(devices.mesh_dim_names or ()) in (("cp",), ("dp", "cp"), ("cp", "tp")):
         batch_dim = _sequence_dim(batch_dim, memory_per_device)  # the frontend keeps the sequence dynamic
@@ -170,7 +175,8 @@ def transform(
         "micro_batches": micro_batches, "schedule": schedule,
         "data_parallel": "ddp" if fsdp_copies is not None else data_parallel,
         "mixed_precision": mixed_precision, "activation_checkpointing": activation_checkpointing,
-        "exact_random": exact_random is not False, "context_parallel": context_parallel,
+        "exact_random": exact_random is not False, "context_parallel": sequence_split,
+        "context_options": context_options,
         "dp_micro_batches": per_copy, "dp_devices": dp_devices, "sequence_parallel": bool(sequence_parallel),
         "sequence_copies": sequence_copies,
     }  # fmt: skip
@@ -322,6 +328,7 @@ def make_recipe(
     activation_checkpointing: Any = False,
     exact_random: bool = True,
     context_parallel: bool = False,
+    context_options: ContextParallelOptions = DEFAULT_OPTIONS,
     dp_micro_batches: int | None = None,
     dp_devices: tuple[tuple[str, ...], ...] | None = None,
     sequence_parallel: bool = False,
@@ -336,7 +343,8 @@ def make_recipe(
     common = {"leaf_modules": leaves, "frontend": frontend, "exact_random": bool(exact_random),
               "checkpointed": checkpoint_paths(model, activation_checkpointing),
               "checkpoint_save": checkpoint_save_rule(activation_checkpointing), "dp_micro_batches": dp_micro_batches,
-              "dp_devices": dp_devices}  # fmt: skip
+              "dp_devices": dp_devices, "context_exchange": context_options.exchange,
+              "context_load_balance": context_options.load_balance}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
         recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule,

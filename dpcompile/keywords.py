@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dpcompile.analysis.context_exchange import parse_context_parallel
 from dpcompile.devices import parse_devices
 from dpcompile.errors import DpCompileError
 from dpcompile.mesh import is_device_mesh
@@ -22,6 +23,7 @@ def check_keywords_honoured(
     micro_batches: int = 1, schedule: str = "gpipe", data_parallel: str = "ddp", ddp_options: Any = None,
     copy_replicas: bool = False, batch_dim: Any = None, output_device: Any = None, sequence_parallel: Any = False,
     activation_checkpointing: Any = False, exact_random: Any = None, plan: Any = None, memory_per_device: Any = None,
+    context_parallel: Any = None,
 ) -> None:  # fmt: skip
     """Refuse every keyword the layout would not read (a keyword at its default is never refused)."""
     over_mesh = is_device_mesh(devices)
@@ -80,6 +82,20 @@ def check_keywords_honoured(
     _check_sequence_parallel(sequence_parallel, sharded, over_mesh=over_mesh, pipelined=pipelined, mesh=mesh,
                              memory_per_device=memory_per_device, schedule=schedule)  # fmt: skip
     _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
+    _check_context_parallel(context_parallel, mesh)
+
+
+def _check_context_parallel(context_parallel: Any, mesh: Any) -> None:
+    """``context_parallel=`` says how a ``cp`` dimension exchanges keys and values: checked, and refused
+    where there is no ``cp`` dimension to read it."""
+    if context_parallel is None:
+        return
+    parse_context_parallel(context_parallel)
+    if not (isinstance(mesh, Mapping) and mesh.get("cp", 1) > 1):
+        raise ValueError(
+            f"context_parallel={context_parallel!r} says how a 'cp' dimension exchanges keys and values, and there "
+            "is none: add 'cp' to mesh= (mesh={'cp': N}, or a DeviceMesh dimension named 'cp'), or leave it out"
+        )
 
 
 def _check_sequence_parallel(

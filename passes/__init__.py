@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, ContextParallelOptions
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
 from passes.borrowed_modules import find_module_homes, replicate_borrowed_modules
@@ -63,6 +64,7 @@ class PipelineOptions:
     write_back_inputs: bool = False  # data parallel: writes into inputs made functional, copied back at the end
     exact_random: bool = False  # random ops draw the single-device values (draw_random_whole, last)
     context_parallel: bool = False  # the split dim is the sequence: attention's exchanges made explicit first
+    context_options: ContextParallelOptions = DEFAULT_OPTIONS  # context_parallel=: the exchange asked for
     sequence_parallel: bool = False  # tensor parallel: activations between the pairs on sequence shards
 
 

@@ -12,6 +12,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 
+from dpcompile.analysis.context_exchange import ContextParallelOptions
 from dpcompile.capture import capture_fx
 from dpcompile.progress import QUIET, step_bar
 
@@ -35,6 +36,13 @@ class Recipe:
     exact_random: bool = True  # random ops draw the single-device values (passes.draw_random_whole)
     dp_micro_batches: int | None = None  # each dp copy's micro-batches, where dp composes over a pipeline (target.replicate_over_dp)
     dp_devices: tuple[tuple[str, ...], ...] | None = None  # each dp copy's devices (passes.place_dp_copies)
+    context_exchange: str = "auto"  # context_parallel={"exchange": ...}: how a cp dim exchanges keys and values
+    context_load_balance: bool | str = "auto"  # context_parallel={"load_balance": ...}
+
+    @property
+    def context_options(self) -> ContextParallelOptions:
+        """``context_parallel=`` as the passes read it (kept as plain fields: a recipe exports as data)."""
+        return ContextParallelOptions(self.context_exchange, self.context_load_balance)
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> nn.Module:
         """``model`` compiled into this recipe's kind of ``ParallelModule``."""

@@ -109,6 +109,7 @@ class DataParallelRecipe(Recipe):
             write_back_inputs=True,
             exact_random=self.exact_random,
             context_parallel=self.context_parallel,
+            context_options=self.context_options,
         )
 
     @property

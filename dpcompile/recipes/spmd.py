@@ -219,7 +219,8 @@ class SpmdRecipe(Recipe):
         input_dims = without_sequence_replicated(gm, input_dims, examples)
         world, rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
         options = passes.PipelineOptions(devices=Devices((device,) * world), input_dims=dict(input_dims),
-                                         output_device=device, context_parallel=True)  # fmt: skip
+                                         output_device=device, context_parallel=True,
+                                         context_options=self.context_options)  # fmt: skip
         lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=rank,
                                   input_dims=dict(input_dims), batch_mesh=self._batch_mesh(),
                                   dp_dim="dp" if self.mesh.ndim == 2 else None)  # fmt: skip
@@ -339,7 +340,8 @@ class SpmdRecipe(Recipe):
         gm, marked = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
         cp_world, cp_rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
         cp_options = passes.PipelineOptions(devices=Devices((device,) * cp_world), input_dims=input_dims,
-                                            output_device=device, context_parallel=True)  # fmt: skip
+                                            output_device=device, context_parallel=True,
+                                            context_options=self.context_options)  # fmt: skip
         lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=cp_rank,
                                   input_dims=input_dims)  # fmt: skip
         tp_rank = self.mesh.get_local_rank("tp")

@@ -62,7 +62,9 @@ class TreeIndex:
             self.classes[path] = entry.get("class", "plain")
             for table in ("parameters", "buffers"):
                 names = entry.get(table)
-                if isinstance(names, dict):
+                if isinstance(names, list):  # [[name, tensor key], ...]; a dict in older folders
+                    names = [pair[0] for pair in names if isinstance(pair, list) and pair]
+                if isinstance(names, (dict, list)):
                     self.tensors.update(f"{path}.{n}" if path else str(n) for n in names)
 
     def is_module(self, path: str) -> bool:

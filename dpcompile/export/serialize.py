@@ -322,12 +322,15 @@ def encode_tree(
                 except NotData as e:
                     raise NotData(f"attribute '{key}' of module '{path}' ({entry['class']}): {e}") from None
             entry["attrs"] = attrs
-        entry["parameters"] = {k: None if v is None else tensor_keys[id(v)] for k, v in module._parameters.items()}
-        entry["buffers"] = {k: None if v is None else tensor_keys[id(v)] for k, v in module._buffers.items()}
+        buffers = dict(module._buffers)
         entry["non_persistent"] = sorted(module._non_persistent_buffers_set)
         if module is pm and not is_outside and constants:  # a variant program's own tensors
-            entry["buffers"].update({k: tensor_keys[id(v)] for k, v in constants.items()})
+            buffers.update(constants)
             entry["non_persistent"] = sorted({*entry["non_persistent"], *constants})
+        # [name, tensor key] pairs, not a dict: program.json sorts a dict's keys, and the order of
+        # named_parameters() is what an optimizer's state saved by position lines up with
+        entry["parameters"] = [[k, None if v is None else tensor_keys[id(v)]] for k, v in module._parameters.items()]
+        entry["buffers"] = [[k, None if v is None else tensor_keys[id(v)]] for k, v in buffers.items()]
         entry["children"] = list(module._modules)
         entries.append(entry)
         for name, child in module._modules.items():
@@ -339,6 +342,21 @@ def encode_tree(
     for path, module in outside.items():
         walk(module, path, True, is_outside=True)
     return entries
+
+
+def _named_tensor_keys(table: Any, where: str) -> list[tuple[Any, Any]]:
+    """A module entry's ``parameters`` / ``buffers``: ``[[name, tensor key], ...]`` in the module's
+    order (a dict, from folders exported before the order was kept, in its sorted order)."""
+    from dpcompile.export.common import ExportError
+
+    if isinstance(table, dict):
+        return list(table.items())
+    if not isinstance(table, list) or not all(isinstance(pair, list) and len(pair) == 2 for pair in table):
+        raise ExportError(where)
+    names = [pair[0] for pair in table]
+    if len(set(map(str, names))) != len(names):
+        raise ExportError(f"{where}: a name listed twice")
+    return [tuple(pair) for pair in table]
 
 
 def decode_tree(
@@ -393,10 +411,7 @@ def decode_tree(
                 after.append((module, post))
         module.training = bool(entry.get("training", True))
         for field, store in (("parameters", module._parameters), ("buffers", module._buffers)):
-            table = entry[field]
-            if not isinstance(table, dict):
-                raise ExportError(f"program.json: module {path!r} {field}")
-            for key, tensor_key in table.items():
+            for key, tensor_key in _named_tensor_keys(entry[field], f"program.json: module {path!r} {field}"):
                 if not isinstance(key, str) or not key.isidentifier():
                     raise ExportError(f"program.json: module {path!r} {field[:-1]} {key!r:.40}")
                 if tensor_key is None:

@@ -41,6 +41,7 @@ from dpcompile.analysis.cost import plan_cost
 from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, linear_paths, resolve_plan
 from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.capture import EXPORTED_FROM
+from dpcompile.capture.inputs import check_inputs
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, fake_copy_to_trace
@@ -196,6 +197,8 @@ class PipelineTensorParallelRecipe(Recipe):
             state_aliases=state_aliases,
         )
         pm.set_stage_groups(groups)
+        if isinstance(model, fx.GraphModule) and (exported := model.meta.get(EXPORTED_FROM)) is not None:
+            pm.__dict__["exported_inputs"] = (exported.inputs, type(exported.model).__name__)  # build_program checks
         held = pm.param_bytes_per_slot()
         stages = [
             Stage(s, ",".join(groups[s].strings()), stage_plan.module_paths[s], stage_plan.weights[s],
@@ -272,6 +275,8 @@ class PipelineTensorParallelRecipe(Recipe):
         source = pm.traced_model
         if source is None:
             raise pm.cannot_trace_again(key)
+        if (exported := pm.__dict__.get("exported_inputs")) is not None:  # export fixed these shapes: say which
+            check_inputs(exported[0], args, kwargs, exported[1])
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         values = bind_inputs(pm, args, kwargs) if args or kwargs else None
         with modes_applied(source, key.modes), mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():

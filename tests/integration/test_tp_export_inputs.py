@@ -23,12 +23,12 @@ def llama():
     return T.LlamaForCausalLM(config).eval()
 
 
-def _tp(model, **kwargs):
+def _tp(model, devices=2, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         example = {"input_ids": torch.randint(0, 64, (2, 13))}
-        return dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_kwargs=example,
-                                   frontend="export", **kwargs)  # fmt: skip
+        kwargs = kwargs if "mesh" in kwargs else {"tensor_parallel": True, **kwargs}
+        return dpcompile.transform(model, ["cpu"] * devices, example_kwargs=example, frontend="export", **kwargs)
 
 
 def test_a_length_export_fixed_is_refused_with_the_way_out(llama):
@@ -44,3 +44,12 @@ def test_a_length_left_dynamic_runs_at_any_length(llama):
     for length in (13, 12, 9):
         ids = torch.randint(0, 64, (2, length))
         torch.testing.assert_close(pm(input_ids=ids).logits, llama(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}])  # pp x tp: the same recipe and check
+def test_a_length_export_fixed_is_refused_with_the_way_out_under_dp_or_pp_with_tp(llama, mesh):
+    """These lower a call of another shape again (``build_program``), whose shape propagation blamed
+    ``example_inputs=``; the call is checked against what export fixed first."""
+    pm = _tp(llama, devices=4, mesh=mesh)
+    with pytest.raises(InputMismatch, match=r"dynamic_dims=\{'input_ids': \[1\]\}"):
+        pm(input_ids=torch.randint(0, 64, (2, 12)))

@@ -127,3 +127,21 @@ def test_tensor_parallel_with_every_style_exports_and_loads(tmp_path):
 def _save(path: Path, value) -> Path:
     torch.save(value, path)
     return path
+
+
+def test_a_loaded_module_keeps_the_order_of_its_parameters_and_buffers(tmp_path):
+    """``named_parameters()`` comes back in the model's order (``weight`` before ``bias``, not
+    sorted), so an optimizer's state saved by position lines up after load."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    opt = torch.optim.Adam(pm.parameters(), lr=0.1)
+    pm(torch.randn(6, 4)).sum().backward()
+    opt.step()
+    loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "out"))
+    assert [n for n, _ in loaded.named_parameters()] == [n for n, _ in pm.named_parameters()]
+    assert [n for n, _ in loaded.named_buffers()] == [n for n, _ in pm.named_buffers()]
+    again = torch.optim.Adam(loaded.parameters(), lr=0.1)
+    again.load_state_dict(opt.state_dict())
+    for (_, p), (_, q) in zip(pm.named_parameters(), loaded.named_parameters(), strict=True):
+        torch.testing.assert_close(again.state[q]["exp_avg"], opt.state[p]["exp_avg"])

@@ -206,8 +206,9 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
         return ()
     if activation_checkpointing == "auto":
         raise DpCompileError(
-            'activation_checkpointing="auto" (the planner choosing what to recompute under memory_per_device=) is '
-            "not built yet: pass True (every repeated block) or the module paths to recompute"
+            'activation_checkpointing="auto" chooses what to recompute so that the program fits memory_per_device=, '
+            "and there is no budget: pass memory_per_device= too, or True (every repeated block), or the module "
+            "paths to recompute"
         )
     if activation_checkpointing is True:
         blocks = repeated_blocks(model)
@@ -215,7 +216,7 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
             raise DpCompileError(
                 "activation_checkpointing=True recomputes the items of the model's repeated blocks (a ModuleList or "
                 f"Sequential of one block type), and {type(model).__name__} has none: name the modules to recompute, "
-                "e.g. activation_checkpointing=['encoder', 'decoder']"
+                f"e.g. activation_checkpointing={[name for name, _ in model.named_children()][:2] or ['encoder']!r}"
             )
         return blocks
     known = {path for path, _ in model.named_modules() if path}

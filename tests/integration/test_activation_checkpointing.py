@@ -191,8 +191,8 @@ def test_activation_checkpointing_unknown_path_names_the_nearest():
 
 
 def test_activation_checkpointing_true_without_blocks_is_refused():
-    """True on a model with no repeated blocks says to name the modules."""
-    with pytest.raises(DpCompileError, match="name the modules"):
+    """True on a model with no repeated blocks says to name the modules, with the model's own names."""
+    with pytest.raises(DpCompileError, match=r"name the modules to recompute, e\.g\. activation_checkpointing=\['0', '1'\]"):
         dpcompile.transform(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), ["cpu"] * 2, activation_checkpointing=True)
 
 

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
-from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels, predict
+from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import ModelProfile, profile_model
+from dpcompile.analysis.sequence_costs import predict_layout, splits_sequence
 from dpcompile.errors import DpCompileError
 
 __all__ = ["UNBUILT", "Candidate", "Planned", "checkpoint_ladder", "enumerate_layouts", "plan_layouts", "plan_mesh_layouts"]
@@ -53,8 +54,12 @@ class Candidate:
         """The ``transform`` keywords that build this layout in one process."""
         spec = self.spec
         out: dict[str, Any] = {"activation_checkpointing": spec.checkpoint_keyword()}
+        if spec.size("cp") > 1:  # the context-parallel program, with dp copies where dp > 1
+            return {**out, "mesh": dict(spec.layout)}
         if spec.size("tp") > 1:
             out["tensor_parallel"] = True
+        if spec.sequence_parallel:
+            out["sequence_parallel"] = True
         if spec.size("pp") > 1:
             out.update(pipeline=spec.size("pp"), micro_batches=spec.micro_batches, schedule=spec.schedule)
         return out
@@ -117,9 +122,11 @@ class Planned:
         )
 
 
-def enumerate_layouts(n: int, *, batch: int | None, blocks: bool) -> list[LayoutSpec]:
+def enumerate_layouts(n: int, *, batch: int | None, blocks: bool, sequence: bool = False) -> list[LayoutSpec]:
     """The layouts built in one process over ``n`` devices, fewest bytes moved first; each with
-    activation checkpointing too where the model has repeated blocks."""
+    activation checkpointing too where the model has repeated blocks; where it has a ``sequence``
+    (attention found), then context parallel (``cp``, ``dp x cp``) and tensor parallel with
+    sequence parallel, without checkpointing."""
     shapes: list[tuple[tuple[tuple[str, int], ...], str | None, int]] = [((("dp", n),), None, 1)]
     if n > 1:
         shapes.append(((("tp", n),), None, 1))
@@ -133,6 +140,10 @@ def enumerate_layouts(n: int, *, batch: int | None, blocks: bool) -> list[Layout
     for layout, schedule, m in shapes:
         for checkpointing in (False, True) if blocks else (False,):
             out.append(LayoutSpec(layout, schedule, m, checkpointing))
+    if sequence and n > 1:
+        out += [LayoutSpec((("dp", n // c), ("cp", c)) if c < n else (("cp", n),))
+                for c in range(n, 1, -1) if n % c == 0]  # fmt: skip
+        out.append(LayoutSpec((("tp", n),), sequence_parallel=True))
     return out
 
 
@@ -179,11 +190,13 @@ def plan_layouts(
     calibration = calibration or calibrate(device)
     candidates = []
     if specs is None:
-        specs = enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks))
+        specs = enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks),
+                                  sequence=profile.sequence is not None and calibration.ranks == 1)  # fmt: skip
     if auto_checkpointing:
-        specs = [s for spec in specs if not spec.checkpointing for s in checkpoint_ladder(profile, spec)]
+        specs = [s for spec in specs if not spec.checkpointing
+                 for s in ([spec] if splits_sequence(spec) else checkpoint_ladder(profile, spec))]  # fmt: skip
     for spec in specs:
-        prediction = predict(profile, spec, calibration)
+        prediction = predict_layout(profile, spec, calibration)
         candidate = Candidate(spec)
         if prediction.unbuildable:
             candidate.rejected = f"cannot be built: {prediction.unbuildable}"

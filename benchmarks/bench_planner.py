@@ -122,8 +122,17 @@ def _vision(name: str) -> tuple[nn.Module, tuple, dict]:
     return getattr(tvm, name[3:])(weights=None, num_classes=10), (x,), {}
 
 
+def _long_sequence_decoder() -> tuple[nn.Module, tuple, dict]:
+    """Batch 1, 512 tokens: a causal decoder of Megatron's blocks, where context parallel and tensor
+    parallel with sequence parallel are candidates (not in ``ORDER``: ``--only decoder_long``)."""
+    from bench_sequence_parallel import Decoder
+
+    return Decoder(d=64, heads=4, layers=4), (torch.randn(1, 512, 64),), {}
+
+
 MODELS = {
     "mlp_stack": lambda: (ResidualStack(), (torch.randn(8, 32, 16), torch.randn(8, 32, 8)), {}),
+    "decoder_long": _long_sequence_decoder,
     **{n: (lambda n=n: _hf(n)) for n in ("gpt2", "bert", "roberta", "distilbert", "llama", "mistral", "qwen2", "opt", "vit_hf",
                                              "t5_encoder", "gpt_neox")},
     **{n: (lambda n=n: _vision(n)) for n in ("tv_resnet18", "tv_mobilenet_v3_small", "tv_vit", "tv_squeezenet1_0",

@@ -18,6 +18,7 @@ from dpcompile.analysis.checkpoint_regions import check_spec
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share
 from dpcompile.analysis.memory import format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import profile_model
+from dpcompile.analysis.sequence_costs import NOT_PREDICTED
 from dpcompile.capture import check_examples, check_signature
 from dpcompile.devices import Devices, parse_devices
 from dpcompile.errors import DpCompileError
@@ -112,6 +113,9 @@ def check_layout_fits(
         needs_examples=f"memory_per_device= with the layout {dict(spec.layout)} predicts each device's memory",
     )  # fmt: skip
     (candidate,) = planned.candidates
+    if NOT_PREDICTED in (candidate.rejected or ""):
+        raise DpCompileError(f"memory_per_device=: {candidate.rejected.removeprefix('cannot be built: ')}; leave "
+                             "memory_per_device= out for this layout (explain(pm, ...) reports each device's memory)")
     if not candidate.fits:
         least = format_budget_up(candidate.peak) if candidate.per_device else None
         way_out = f"a budget of at least {least}, " if least else ""

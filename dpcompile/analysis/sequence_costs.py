@@ -37,7 +37,10 @@ from dpcompile.analysis.layout_costs import LayoutSpec, Prediction, batch_share,
 from dpcompile.analysis.model_profile import ModelProfile, Unit
 from dpcompile.analysis.step_time import ELEMENT_BYTES
 
-__all__ = ["predict_layout", "splits_sequence"]
+__all__ = ["NOT_PREDICTED", "predict_layout", "splits_sequence"]
+
+#: the start of the reason a layout that is built, but that this planner does not predict, is left out
+NOT_PREDICTED = "the planner does not predict"
 
 
 def splits_sequence(spec: LayoutSpec) -> bool:
@@ -62,9 +65,9 @@ def _not_predicted(profile: ModelProfile, spec: LayoutSpec) -> str | None:
     if profile.sequence is None and spec.size("cp") > 1:
         return "no scaled_dot_product_attention found in the examples' forward: no sequence to split"
     if spec.size("cp") > 1 and not dims <= {"dp", "cp"} or spec.sequence_parallel and not dims <= {"tp"}:
-        return f"the planner does not predict {spec.name} yet (it predicts cp, dp x cp, and tp with sequence parallel)"
+        return f"{NOT_PREDICTED} {spec.name} yet (it predicts cp, dp x cp, and tp with sequence parallel)"
     if spec.checkpointing or spec.micro_batches > 1:
-        return f"the planner does not predict {spec.name} with checkpointing or micro-batches yet"
+        return f"{NOT_PREDICTED} {spec.name} with checkpointing or micro-batches yet"
     parts = spec.size("cp") * spec.size("tp")
     if profile.sequence is not None and profile.sequence < parts:
         return f"a sequence of {profile.sequence} tokens cannot be split {parts} ways"

@@ -145,3 +145,11 @@ def test_a_context_parallel_layout_that_cannot_be_built_is_passed_over():
     assert rows["cp2"].rejected.startswith("predicted to fit, but could not be built: context parallel: attention")
     (chosen,) = [c for c in pm.candidates if c.rejected is None]
     assert pm.layout == chosen.layout != {"cp": 2} and chosen.peak <= budget
+
+
+def test_a_sequence_layout_the_planner_does_not_predict_is_refused_beside_a_budget():
+    """cp x tp is built, but not predicted: memory_per_device= beside it is refused by name, not guessed."""
+    x = torch.randn(1, 16, 32)
+    with pytest.raises(dpcompile.DpCompileError, match=r"does not predict cp2xtp2 yet.*leave memory_per_device= out"):
+        dpcompile.transform(_decoder(), ["cpu"] * 4, mesh={"cp": 2, "tp": 2}, example_inputs=(x,),
+                            memory_per_device="1GiB")  # fmt: skip

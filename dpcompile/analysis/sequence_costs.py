@@ -13,7 +13,8 @@ copy's rows):
   shards' keys and values gathered (``(C-1)/C`` of the layer's, of its dp copy's rows: the last
   device's under a causal mask; measured +3% on it, 4 devices, 64 tokens). The replicas' gradients
   summed on the first device are not counted (measured 34% over the prediction there on 4 devices
-  with real replicas, within it on 2);
+  with real replicas, within it on 2); ``dp`` copies (built on virtual devices only) share one set of
+  gradients, held through the step, besides those each device makes in backward before adding them;
 - step time: ``f`` of the FLOPs outside attention, and of attention the last device's causal share
   (its queries against every earlier shard and its own half: ``(C - 1/2) / C**2``; ``1/C`` without
   ``is_causal``), 3x for a training step; sent: each attention's keys and values all-gathered in
@@ -94,6 +95,8 @@ def _context_parallel(profile: ModelProfile, spec: LayoutSpec, calibration: Cali
         acts = round((sum(x.saved_bytes for x in units[:k]) + u.saved_bytes + flowing) * share) + gathered
         moments.append((sum(grads[k:]), acts))
     gradients, activations = max(moments, key=sum)
+    if d > 1 and training:  # the dp copies (virtual devices only) share one set of gradients, held through the step
+        gradients += sum(grads)
     kinds = {"parameters": profile.total("param_bytes"), "gradients": gradients,
              "optimizer": profile.total("optimizer_bytes"), "activations": activations}  # fmt: skip
     return Prediction([dict(kinds) for _ in range(d * c)], _context_parallel_seconds(profile, d, c, calibration))

@@ -71,14 +71,17 @@ def _within(predicted: dict[str, dict[str, int]], measured: dict[str, int], devi
         assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
 
 
-def test_context_parallel_prediction_against_measure():
-    """cp over 2 devices, 64 tokens, real replicas (as distinct devices hold them): every device within
-    10%. (On 4 devices the first also sums the replicas' gradients, which is not predicted: measured 34%
+@pytest.mark.parametrize(("mesh", "batch"), [({"cp": 2}, 1), ({"dp": 2, "cp": 2}, 2)], ids=["cp2", "dp2xcp2"])
+def test_context_parallel_prediction_against_measure(mesh, batch):
+    """64 tokens, every device within 10%: cp over 2 devices with real replicas (as distinct devices hold
+    them), and 2 dp copies of it (built on virtual devices only: the copies share one set of gradients).
+    (cp on 4 devices: the first also sums the replicas' gradients, which is not predicted: measured 34%
     over there, the others 2-6%.)"""
-    x = torch.randn(1, 64, 32)
-    labels = ["cpu#0", "cpu#1"]
-    (candidate,) = _predicted(_decoder(), x, labels, LayoutSpec((("cp", 2),))).candidates
-    pm = dpcompile.transform(_decoder(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), copy_replicas=True)
+    x = torch.randn(batch, 64, 32)
+    n = 4 if "dp" in mesh else 2
+    labels = [f"cpu#{i}" for i in range(n)]
+    (candidate,) = _predicted(_decoder(), x, labels, LayoutSpec(tuple(mesh.items()))).candidates
+    pm = dpcompile.transform(_decoder(), ["cpu"] * n, mesh=mesh, example_inputs=(x,), copy_replicas="dp" not in mesh)
     _within(candidate.per_device, dpcompile.measure(pm, x).peak_bytes, labels)
 
 

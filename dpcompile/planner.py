@@ -2,10 +2,11 @@
 
 :func:`enumerate_layouts` lists the layouts built in one process for ``n`` devices (data parallel,
 tensor parallel, a pipeline with GPipe or 1F1B and 1, 2, 4 or 8 micro-batches, pipeline stages of
-tensor-parallel shards), each with and without activation checkpointing of the repeated blocks.
+tensor-parallel shards), each with and without activation checkpointing of the repeated blocks, and
+where the model has attention context parallel and tensor parallel with sequence parallel.
 :func:`plan_layouts` predicts each one's peak bytes per device by kind and its step time from one
-fake run of the model (:mod:`dpcompile.analysis.layout_costs`, constants from
-:mod:`dpcompile.analysis.calibration`) and ranks them: the fitting ones fastest first, each of the
+fake run of the model (:mod:`dpcompile.analysis.layout_costs`, :mod:`dpcompile.analysis.sequence_costs`,
+constants from :mod:`dpcompile.analysis.calibration`) and ranks them: the fitting ones fastest first, each of the
 others with the reason it was rejected. ``transform`` builds the first that builds
 (see ``docs/planner.md``).
 """
@@ -69,7 +70,8 @@ class Candidate:
         return {
             "name": self.spec.name, "layout": self.layout, "schedule": self.spec.schedule,
             "micro_batches": self.spec.micro_batches if self.spec.size("pp") > 1 else None,
-            "checkpointing": self.spec.checkpoint_keyword(), "predicted_peak_bytes": self.peak,
+            "checkpointing": self.spec.checkpoint_keyword(), "sequence_parallel": self.spec.sequence_parallel,
+            "predicted_peak_bytes": self.peak,
             "predicted_peak_by_kind": dict(self.per_device[peak_device]) if peak_device else {},
             "predicted_step_time": self.step_time, "fits": self.fits, "rejected": self.rejected,
         }  # fmt: skip

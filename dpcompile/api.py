@@ -148,7 +148,7 @@ def transform(
             "plan the layout in one process (a device list with memory_per_device=)"
         )
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
-    checkpoint_plan = None
+    checkpoint_plan = layout_plan = None
     named = copies > 1 or pipeline is not None or context_parallel or (sequence_parallel and not is_device_mesh(devices))
     if memory_per_device is not None and (named or activation_checkpointing == "auto"):
         all_devices = target.canonical_devices() if target is not None else parse_devices(devices)
@@ -161,8 +161,8 @@ def transform(
                                                  _example_tuple(example_inputs), example_kwargs)  # fmt: skip
             activation_checkpointing, estimate = checkpoint_plan.keyword, checkpoint_plan.estimate
         else:  # a named layout: checked, not chosen
-            estimate = check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
-                                          _example_tuple(example_inputs), example_kwargs)  # fmt: skip
+            estimate, layout_plan = check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
+                                                      _example_tuple(example_inputs), example_kwargs)  # fmt: skip
         memory_per_device = None  # the layout is the user's: nothing left to choose
     activation_checkpointing = size_byte_budget(model, activation_checkpointing, layout, per_copy or micro_batches,
                                                 _example_tuple(example_inputs), example_kwargs, training)  # fmt: skip
@@ -228,6 +228,8 @@ def transform(
         pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:
         pm.strategies["activation_checkpointing"] = checkpoint_words(recipe.checkpoint_save, recipe.checkpointed, pm)
+    if layout_plan is not None:  # the named layout's prediction: explain(pm, ...).candidates
+        pm.candidates, pm.calibration = layout_plan.candidates, layout_plan.calibration
     if checkpoint_plan is not None:
         pm.candidates, pm.calibration = checkpoint_plan.planned.candidates, checkpoint_plan.planned.calibration
         pm.strategies["activation_checkpointing"] = checkpoint_plan.words(pm)

@@ -260,6 +260,8 @@ def test_context_parallel_refuses_what_it_would_ignore():
     pm = dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,),
                              memory_per_device=least)  # fmt: skip
     assert pm.layout == {"cp": 2} and 0 < pm.memory_plan.peak <= parse_budget(least)
+    (row,) = dpcompile.explain(pm, x).candidates  # the named layout's prediction
+    assert (row["name"], row["rejected"], row["predicted_peak_bytes"]) == ("cp2", None, pm.memory_plan.peak)
 
 
 def test_context_parallel_needs_examples():

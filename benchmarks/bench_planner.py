@@ -122,8 +122,31 @@ def _vision(name: str) -> tuple[nn.Module, tuple, dict]:
     return getattr(tvm, name[3:])(weights=None, num_classes=10), (x,), {}
 
 
+def _long_sequence_decoder() -> tuple[nn.Module, tuple, dict]:
+    """Batch 1, 512 tokens: a causal decoder of Megatron's blocks, where context parallel and tensor
+    parallel with sequence parallel are candidates (not in ``ORDER``: ``--only decoder_long``)."""
+    from bench_sequence_parallel import Decoder
+
+    return Decoder(d=64, heads=4, layers=4), (torch.randn(1, 512, 64),), {}
+
+
+def _long_sequence_llama() -> tuple[nn.Module, tuple, dict]:
+    """transformers' Llama (2 layers, width 32) with ``labels=``, batch 1, 384 tokens, no padding mask
+    (not in ``ORDER``: ``--only llama_long``)."""
+    import transformers as T
+
+    T.logging.set_verbosity_error()
+    cfg = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=64, use_cache=False, vocab_size=V, max_position_embeddings=512)  # fmt: skip
+    kwargs = _tokens("lm", b=1, seq=384)
+    del kwargs["attention_mask"]
+    return T.LlamaForCausalLM(cfg), (), kwargs
+
+
 MODELS = {
     "mlp_stack": lambda: (ResidualStack(), (torch.randn(8, 32, 16), torch.randn(8, 32, 8)), {}),
+    "decoder_long": _long_sequence_decoder,
+    "llama_long": _long_sequence_llama,
     **{n: (lambda n=n: _hf(n)) for n in ("gpt2", "bert", "roberta", "distilbert", "llama", "mistral", "qwen2", "opt", "vit_hf",
                                              "t5_encoder", "gpt_neox")},
     **{n: (lambda n=n: _vision(n)) for n in ("tv_resnet18", "tv_mobilenet_v3_small", "tv_vit", "tv_squeezenet1_0",

@@ -139,11 +139,11 @@ def transform(
         micro_batches = arguments["micro_batches"]
         sequence_split = arguments["context_parallel"]
         sequence_copies = arguments.get("sequence_copies", 1)
-        batch_dim = _sequence_dim(batch_dim, memory_per_device) if sequence_split else batch_dim
+        batch_dim = _sequence_dim(batch_dim) if sequence_split else batch_dim
         if sequence_split and copies > 1:  # the export keeps the batch dynamic too: the copies split it
             dynamic_dims = _batch_also_dynamic(dynamic_dims)
     elif is_device_mesh(devices) and tuple(devices.mesh_dim_names or ()) in (("cp",), ("dp", "cp"), ("cp", "tp")):
-        batch_dim = _sequence_dim(batch_dim, memory_per_device)  # the frontend keeps the sequence dynamic
+        batch_dim = _sequence_dim(batch_dim)  # the frontend keeps the sequence dynamic
         if devices.ndim == 2:  # and the batch: dp ranks may hold different numbers of rows
             dynamic_dims = _batch_also_dynamic(dynamic_dims)
     estimate = None
@@ -153,19 +153,21 @@ def transform(
             "plan the layout in one process (a device list with memory_per_device=)"
         )
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
-    checkpoint_plan = None
-    if memory_per_device is not None and (copies > 1 or pipeline is not None or activation_checkpointing == "auto"):
+    checkpoint_plan = layout_plan = None
+    named = copies > 1 or pipeline is not None or sequence_split or (sequence_parallel and not is_device_mesh(devices))
+    if memory_per_device is not None and (named or activation_checkpointing == "auto"):
         all_devices = target.canonical_devices() if target is not None else parse_devices(devices)
-        spec = LayoutSpec(tuple((k, layout[k]) for k in ("pp", "dp", "tp") if layout.get(k, 1) > 1),
+        spec = LayoutSpec(tuple((k, layout[k]) for k in ("pp", "dp", "cp", "tp") if layout.get(k, 1) > 1),
                           schedule if pipeline is not None else None, per_copy or micro_batches,
-                          activation_checkpointing not in (False, None, "auto"))  # fmt: skip
+                          activation_checkpointing not in (False, None, "auto"),
+                          sequence_parallel=bool(sequence_parallel))  # fmt: skip
         if activation_checkpointing == "auto":  # the layout as named; what to recompute chosen to fit
             checkpoint_plan = plan_checkpointing(model, all_devices, spec, memory_per_device, optimizer, training,
                                                  _example_tuple(example_inputs), example_kwargs)  # fmt: skip
             activation_checkpointing, estimate = checkpoint_plan.keyword, checkpoint_plan.estimate
         else:  # a named layout: checked, not chosen
-            estimate = check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
-                                          _example_tuple(example_inputs), example_kwargs)  # fmt: skip
+            estimate, layout_plan = check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
+                                                      _example_tuple(example_inputs), example_kwargs)  # fmt: skip
         memory_per_device = None  # the layout is the user's: nothing left to choose
     activation_checkpointing = size_byte_budget(model, activation_checkpointing, layout, per_copy or micro_batches,
                                                 _example_tuple(example_inputs), example_kwargs, training)  # fmt: skip
@@ -232,6 +234,8 @@ def transform(
         pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:
         pm.strategies["activation_checkpointing"] = checkpoint_words(recipe.checkpoint_save, recipe.checkpointed, pm)
+    if layout_plan is not None:  # the named layout's prediction: explain(pm, ...).candidates
+        pm.candidates, pm.calibration = layout_plan.candidates, layout_plan.calibration
     if checkpoint_plan is not None:
         pm.candidates, pm.calibration = checkpoint_plan.planned.candidates, checkpoint_plan.planned.calibration
         pm.strategies["activation_checkpointing"] = checkpoint_plan.words(pm)
@@ -375,17 +379,12 @@ def make_recipe(
     )  # fmt: skip
 
 
-def _sequence_dim(batch_dim: object, memory_per_device: object) -> int:
+def _sequence_dim(batch_dim: object) -> int:
     """The dim context parallelism splits: the sequence of batch-first inputs, ``(batch, seq, ...)``."""
     if batch_dim is not None:
         raise ValueError(
             f"batch_dim={batch_dim!r} with mesh={{'cp': N}}: context parallel splits dim 1, the sequence of "
             "batch-first inputs (batch, seq, ...); leave batch_dim= out"
-        )
-    if memory_per_device is not None:
-        raise DpCompileError(
-            "memory_per_device= does not plan context parallel yet: give mesh={'cp': N} alone (explain(pm, ...) "
-            "reports the activation memory per device), or memory_per_device= without a 'cp' dimension"
         )
     return 1
 

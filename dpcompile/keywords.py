@@ -80,7 +80,7 @@ def check_keywords_honoured(
         mesh = mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
         sharded = sharded or mesh.get("tp", 1) > 1
     _check_sequence_parallel(sequence_parallel, sharded, over_mesh=over_mesh, pipelined=pipelined, mesh=mesh,
-                             memory_per_device=memory_per_device, schedule=schedule)  # fmt: skip
+                             schedule=schedule)  # fmt: skip
     _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
     _check_context_parallel(context_parallel, mesh)
 
@@ -99,8 +99,7 @@ def _check_context_parallel(context_parallel: Any, mesh: Any) -> None:
 
 
 def _check_sequence_parallel(
-    sequence_parallel: Any, sharded: bool, *, over_mesh: bool, pipelined: bool, mesh: Any, memory_per_device: Any,
-    schedule: str = "gpipe",
+    sequence_parallel: Any, sharded: bool, *, over_mesh: bool, pipelined: bool, mesh: Any, schedule: str = "gpipe",
 ) -> None:  # fmt: skip
     """``sequence_parallel=True`` is built on ``tp``: in one process beside every other dimension
     (GPipe where there is a pipeline), over a ``("tp",)`` or ``("dp", "tp")`` DeviceMesh."""
@@ -123,11 +122,6 @@ def _check_sequence_parallel(
         raise DpCompileError(
             f"sequence_parallel=True with schedule={schedule!r} is not built yet (its micro-batches' sequence "
             "shards are not kept apart for 1F1B's order): leave schedule= out (GPipe), or sequence_parallel= out"
-        )
-    if memory_per_device is not None:
-        raise DpCompileError(
-            "memory_per_device= does not plan sequence parallel yet: give tensor_parallel= with sequence_parallel=True "
-            "alone (explain(pm, ...) reports each device's memory), or leave sequence_parallel= out"
         )
 
 

@@ -18,6 +18,7 @@ from dpcompile.analysis.checkpoint_regions import check_spec
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share
 from dpcompile.analysis.memory import format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import profile_model
+from dpcompile.analysis.sequence_costs import NOT_PREDICTED
 from dpcompile.capture import check_examples, check_signature
 from dpcompile.devices import Devices, parse_devices
 from dpcompile.errors import DpCompileError
@@ -104,14 +105,18 @@ def _plan_named_layout(
 def check_layout_fits(
     model: nn.Module, devices: Devices, spec: LayoutSpec, memory_per_device: Any, optimizer: str | None,
     training: bool, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None,
-) -> Any:  # fmt: skip
-    """The planner's prediction for the layout the user named (a pipeline, dp copies), per device;
-    a ``DpCompileError`` with the arithmetic where it does not fit the budget."""
+) -> tuple[Any, Planned]:  # fmt: skip
+    """The planner's prediction for the layout the user named (a pipeline, dp copies, context or
+    sequence parallel), per device, and its one candidate; a ``DpCompileError`` with the arithmetic
+    where it does not fit the budget."""
     planned = _plan_named_layout(
         model, devices, spec, memory_per_device, optimizer, training, example_tuple, example_kwargs,
         needs_examples=f"memory_per_device= with the layout {dict(spec.layout)} predicts each device's memory",
     )  # fmt: skip
     (candidate,) = planned.candidates
+    if NOT_PREDICTED in (candidate.rejected or ""):
+        raise DpCompileError(f"memory_per_device=: {candidate.rejected.removeprefix('cannot be built: ')}; leave "
+                             "memory_per_device= out for this layout (explain(pm, ...) reports each device's memory)")
     if not candidate.fits:
         least = format_budget_up(candidate.peak) if candidate.per_device else None
         way_out = f"a budget of at least {least}, " if least else ""
@@ -119,7 +124,7 @@ def check_layout_fits(
             f"memory_per_device=: the layout {spec.name} {candidate.rejected}; the way out: {way_out}more devices, "
             "another layout (plan='auto' with memory_per_device= chooses one), a lighter optimizer or a smaller batch"
         )
-    return planned.estimate(candidate, optimizer, training)
+    return planned.estimate(candidate, optimizer, training), planned
 
 
 @dataclass

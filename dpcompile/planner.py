@@ -2,10 +2,11 @@
 
 :func:`enumerate_layouts` lists the layouts built in one process for ``n`` devices (data parallel,
 tensor parallel, a pipeline with GPipe or 1F1B and 1, 2, 4 or 8 micro-batches, pipeline stages of
-tensor-parallel shards), each with and without activation checkpointing of the repeated blocks.
+tensor-parallel shards), each with and without activation checkpointing of the repeated blocks, and
+where the model has attention context parallel and tensor parallel with sequence parallel.
 :func:`plan_layouts` predicts each one's peak bytes per device by kind and its step time from one
-fake run of the model (:mod:`dpcompile.analysis.layout_costs`, constants from
-:mod:`dpcompile.analysis.calibration`) and ranks them: the fitting ones fastest first, each of the
+fake run of the model (:mod:`dpcompile.analysis.layout_costs`, :mod:`dpcompile.analysis.sequence_costs`,
+constants from :mod:`dpcompile.analysis.calibration`) and ranks them: the fitting ones fastest first, each of the
 others with the reason it was rejected. ``transform`` builds the first that builds
 (see ``docs/planner.md``).
 """
@@ -20,9 +21,10 @@ import torch
 from torch import nn
 
 from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
-from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels, predict
+from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import ModelProfile, profile_model
+from dpcompile.analysis.sequence_costs import predict_layout, splits_sequence
 from dpcompile.errors import DpCompileError
 
 __all__ = ["UNBUILT", "Candidate", "Planned", "checkpoint_ladder", "enumerate_layouts", "plan_layouts", "plan_mesh_layouts"]
@@ -53,8 +55,12 @@ class Candidate:
         """The ``transform`` keywords that build this layout in one process."""
         spec = self.spec
         out: dict[str, Any] = {"activation_checkpointing": spec.checkpoint_keyword()}
+        if spec.size("cp") > 1:  # the context-parallel program, with dp copies where dp > 1
+            return {**out, "mesh": dict(spec.layout)}
         if spec.size("tp") > 1:
             out["tensor_parallel"] = True
+        if spec.sequence_parallel:
+            out["sequence_parallel"] = True
         if spec.size("pp") > 1:
             out.update(pipeline=spec.size("pp"), micro_batches=spec.micro_batches, schedule=spec.schedule)
         return out
@@ -64,7 +70,8 @@ class Candidate:
         return {
             "name": self.spec.name, "layout": self.layout, "schedule": self.spec.schedule,
             "micro_batches": self.spec.micro_batches if self.spec.size("pp") > 1 else None,
-            "checkpointing": self.spec.checkpoint_keyword(), "predicted_peak_bytes": self.peak,
+            "checkpointing": self.spec.checkpoint_keyword(), "sequence_parallel": self.spec.sequence_parallel,
+            "predicted_peak_bytes": self.peak,
             "predicted_peak_by_kind": dict(self.per_device[peak_device]) if peak_device else {},
             "predicted_step_time": self.step_time, "fits": self.fits, "rejected": self.rejected,
         }  # fmt: skip
@@ -117,9 +124,11 @@ class Planned:
         )
 
 
-def enumerate_layouts(n: int, *, batch: int | None, blocks: bool) -> list[LayoutSpec]:
+def enumerate_layouts(n: int, *, batch: int | None, blocks: bool, sequence: bool = False) -> list[LayoutSpec]:
     """The layouts built in one process over ``n`` devices, fewest bytes moved first; each with
-    activation checkpointing too where the model has repeated blocks."""
+    activation checkpointing too where the model has repeated blocks; where it has a ``sequence``
+    (attention found), then context parallel (``cp``, ``dp x cp``) and tensor parallel with
+    sequence parallel, without checkpointing."""
     shapes: list[tuple[tuple[tuple[str, int], ...], str | None, int]] = [((("dp", n),), None, 1)]
     if n > 1:
         shapes.append(((("tp", n),), None, 1))
@@ -133,6 +142,10 @@ def enumerate_layouts(n: int, *, batch: int | None, blocks: bool) -> list[Layout
     for layout, schedule, m in shapes:
         for checkpointing in (False, True) if blocks else (False,):
             out.append(LayoutSpec(layout, schedule, m, checkpointing))
+    if sequence and n > 1:
+        out += [LayoutSpec((("dp", n // c), ("cp", c)) if c < n else (("cp", n),))
+                for c in range(n, 1, -1) if n % c == 0]  # fmt: skip
+        out.append(LayoutSpec((("tp", n),), sequence_parallel=True))
     return out
 
 
@@ -179,11 +192,13 @@ def plan_layouts(
     calibration = calibration or calibrate(device)
     candidates = []
     if specs is None:
-        specs = enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks))
+        specs = enumerate_layouts(len(labels), batch=profile.batch, blocks=bool(profile.blocks),
+                                  sequence=profile.sequence is not None and calibration.ranks == 1)  # fmt: skip
     if auto_checkpointing:
-        specs = [s for spec in specs if not spec.checkpointing for s in checkpoint_ladder(profile, spec)]
+        specs = [s for spec in specs if not spec.checkpointing
+                 for s in ([spec] if splits_sequence(spec) else checkpoint_ladder(profile, spec))]  # fmt: skip
     for spec in specs:
-        prediction = predict(profile, spec, calibration)
+        prediction = predict_layout(profile, spec, calibration)
         candidate = Candidate(spec)
         if prediction.unbuildable:
             candidate.rejected = f"cannot be built: {prediction.unbuildable}"

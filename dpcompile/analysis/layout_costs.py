@@ -44,6 +44,7 @@ class LayoutSpec:
     checkpointing: bool = False
     save_bytes: int | None = None  # checkpointed blocks keep (the "auto" rule) at most this per block and device
     row_bytes: float | None = None  # the bytes of one value per row (token) of a block on a device
+    sequence_parallel: bool = False  # tp's values between the pairs on sequence shards
 
     def size(self, dim: str) -> int:
         return dict(self.layout).get(dim, 1)
@@ -53,7 +54,8 @@ class LayoutSpec:
         dims = "x".join(f"{k}{v}" for k, v in self.layout) or "1 device"
         pipe = f" {self.schedule} mb{self.micro_batches}" if self.size("pp") > 1 else ""
         keep = f" keep<={format_bytes(self.save_bytes)}" if self.checkpointing and self.save_bytes is not None else ""
-        return f"{dims}{pipe}{' +ckpt' if self.checkpointing else ''}{keep}"
+        sp = "+sp" if self.sequence_parallel else ""
+        return f"{dims}{sp}{pipe}{' +ckpt' if self.checkpointing else ''}{keep}"
 
     def checkpoint_keyword(self) -> Any:
         """``activation_checkpointing=`` for this spec: False, True, or the blocks keeping ``save_bytes``."""

@@ -52,6 +52,11 @@ class Unit:
     save_options: list[SaveCandidate] = field(default_factory=list)
     rows: int = 0  # rows (tokens) of its first Linear's output over the whole batch
     row_bytes: int = 0  # bytes of one value per row over the whole batch
+    # its scaled-dot-product attentions: their keys' and values' bytes (what context parallelism
+    # gathers), their forward FLOPs, and whether every one is causal
+    attention_kv_bytes: int = 0
+    attention_flops: float = 0.0
+    attention_causal: bool = True
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class ModelProfile:
     training: bool
     optimizer: str | None
     returns_loss: bool = False  # forward returns a scalar (its own loss): what a 1F1B schedule needs
+    sequence: int | None = None  # the queries' length of the first attention (None: no attention found)
 
     @property
     def blocks(self) -> list[Unit]:
@@ -248,10 +254,14 @@ def _profile(
     shardable_seen: set[int] = set()
     save_keys: dict[int, torch.Tensor] = {}  # id(save option) -> its output, held: no other storage takes its key
 
-    def attention(value: torch.Tensor) -> None:
+    def attention(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        query, value = args[0], args[2]
         unit = units[state["current"]]
+        _record_attention(unit, op, args, kwargs)
+        sequence[0] = sequence[0] or int(query.shape[-2])
         width = value.shape[1] * value.shape[-1] if value.dim() == 4 else value.shape[-1]  # heads x head width
         unit.save_options.append(SaveCandidate(f"attention{len(unit.save_options)}", float(width), 0.0, True))
+    sequence: list[int | None] = [None]
     inside_linear = [0]  # Linear / Conv1D / Embedding forwards running
     handles = []
     for _, m, _ in units_of:
@@ -292,6 +302,7 @@ def _profile(
         training=training,
         optimizer=optimizer,
         returns_loss=_returns_loss(out),
+        sequence=sequence[0],
     )
 
 
@@ -345,12 +356,30 @@ class _OpCounter(TorchDispatchMode):
         self.counts["ops"] += 1
         name = func.__name__
         if self.attention is not None and "scaled_dot_product" in name and "backward" not in name and len(args) > 2:
-            self.attention(args[2])
+            self.attention(name.split(".")[0], args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
             self.counts["op_bytes"] += sum(t.numel() * t.element_size() for t in tree_leaves(out)
                                            if isinstance(t, torch.Tensor))  # fmt: skip
         return out
+
+
+#: where each scaled-dot-product attention op takes ``is_causal`` (its position in the op's arguments)
+_CAUSAL_AT = {"_scaled_dot_product_flash_attention_for_cpu": 4, "_scaled_dot_product_flash_attention": 4,
+              "_scaled_dot_product_efficient_attention": 6, "_scaled_dot_product_cudnn_attention": 6,
+              "_scaled_dot_product_attention_math": 5, "scaled_dot_product_attention": 5}  # fmt: skip
+
+
+def _record_attention(unit: Unit, op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """One attention call ``op(*args, **kwargs)`` of ``unit``: its keys' and values' bytes, its FLOPs
+    (two matmuls of the queries by the keys' length), and whether it is causal (``is_causal``)."""
+    query, key, value = args[:3]
+    unit.attention_kv_bytes += sum(t.numel() * t.element_size() for t in (key, value))
+    rows = query.numel() // query.shape[-1]  # batch x heads x queries
+    unit.attention_flops += 4.0 * rows * key.shape[-2] * query.shape[-1]
+    at = _CAUSAL_AT.get(op)
+    causal = kwargs.get("is_causal", args[at] if at is not None and len(args) > at else False)
+    unit.attention_causal = unit.attention_causal and causal is True
 
 
 def _returns_loss(out: Any) -> bool:

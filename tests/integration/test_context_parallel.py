@@ -15,6 +15,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile import DpCompileError
+from dpcompile.analysis.memory import parse_budget
 from tests.helpers import assert_lm_step_equals_eager, context_parallel_copies, model_gradients
 from tests.thirdparty import import_or_skip
 
@@ -247,13 +248,20 @@ def test_context_parallel_unsplit_rotary_table_is_refused_by_name():
 
 
 def test_context_parallel_refuses_what_it_would_ignore():
-    """batch_dim= (the sequence is dim 1) and memory_per_device= (not planned) are refused by name."""
+    """batch_dim= (the sequence is dim 1) is refused by name; memory_per_device= is checked against the
+    planner's prediction of cp2 (a budget below it refused with that peak, one at it builds)."""
     x = torch.randn(2, 6, 16)
     with pytest.raises(ValueError, match="context parallel splits dim 1"):
         dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), batch_dim=0)
-    with pytest.raises(DpCompileError, match="does not plan context parallel yet"):
+    with pytest.raises(DpCompileError, match=r"the layout cp2 does not fit: .* predicted on cpu#0") as caught:
         dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,),
-                            memory_per_device="1GiB")  # fmt: skip
+                            memory_per_device=1)  # fmt: skip
+    least = str(caught.value).split("a budget of at least ")[1].split(",")[0]  # e.g. "13.95 KiB": fits passed back
+    pm = dpcompile.transform(CausalSelfAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,),
+                             memory_per_device=least)  # fmt: skip
+    assert pm.layout == {"cp": 2} and 0 < pm.memory_plan.peak <= parse_budget(least)
+    (row,) = dpcompile.explain(pm, x).candidates  # the named layout's prediction
+    assert (row["name"], row["rejected"], row["predicted_peak_bytes"]) == ("cp2", None, pm.memory_plan.peak)
 
 
 def test_context_parallel_needs_examples():

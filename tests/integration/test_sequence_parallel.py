@@ -215,11 +215,12 @@ def test_sequence_parallel_stops_before_a_layer_with_no_sequence_and_says_why():
     [
         ({"mesh": {"pp": 2, "tp": 2}, "schedule": "1f1b"}, "sequence_parallel=True with schedule='1f1b' is not built"),
         ({"mesh": {"dp": 4}}, "add tensor_parallel="),
-        ({"tensor_parallel": True, "memory_per_device": "1GiB"}, "does not plan sequence parallel"),
+        ({"tensor_parallel": True, "memory_per_device": 1}, "memory_per_device=: the layout tp4[+]sp does not fit"),
     ],
 )
 def test_sequence_parallel_refused_where_not_built(kwargs, match):
-    """Layouts sequence parallel does not run in are refused by name, before anything is built."""
+    """Layouts sequence parallel does not run in are refused by name, before anything is built; a budget
+    below the planner's prediction for tp with sequence parallel too."""
     with pytest.raises((ValueError, DpCompileError), match=match):
         dpcompile.transform(Stack(), ["cpu"] * 4, sequence_parallel=True, example_inputs=(_ids(8),), **kwargs)
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dpcompile.errors import DpCompileError
 from dpcompile.runtime.distributed import GroupLike, process_group
 from dpcompile.runtime.sequence_ring import (
     block_attention,
@@ -69,7 +70,8 @@ class _RingOverGroup(torch.autograd.Function):
                 plan: Any) -> torch.Tensor:  # fmt: skip
         group, sizes, scale, start = plan
         if mask is not None and mask.requires_grad:
-            raise RuntimeError("ring attention over a group: a mask that needs a gradient is the all-gather's to serve")
+            raise DpCompileError("ring attention over a group: a mask that needs a gradient (a learned bias) is the "
+                                 "all-gather's to serve: use context_parallel={'exchange': 'all-gather'}")  # fmt: skip
         ring = _Ring(query, key, value, sizes, start, group)
         held = _packed(key, value)
         out = lse = None

@@ -43,6 +43,7 @@ def _assert_block_equals_eager(model, args, n, **tolerance):
     (want * weights).sum().backward()
     for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, **tolerance, msg=lambda m, name=name: f"grad {name}: {m}")
+    return pm
 
 
 @pytest.mark.parametrize("n, seq", [(2, 8), (4, 7)])
@@ -53,9 +54,14 @@ def test_ring_causal_block_equals_eager(n, seq):
     _assert_block_equals_eager(CausalSelfAttention().double(), (x,), n)
 
 
-def test_ring_causal_block_float32_equals_eager_to_rounding():
+def test_ring_causal_block_float32_equals_eager_to_rounding(tmp_path):
+    """float32 to rounding; the program round-trips through torch.save."""
     torch.manual_seed(0)
-    _assert_block_equals_eager(CausalSelfAttention(), (torch.randn(2, 7, 16),), 2, atol=1e-5, rtol=1e-4)
+    model, x = CausalSelfAttention(), torch.randn(2, 7, 16)
+    expected = model(x).detach()
+    pm = _assert_block_equals_eager(model, (x,), 2, atol=1e-5, rtol=1e-4)
+    torch.save(pm, tmp_path / "pm.pt")
+    torch.testing.assert_close(torch.load(tmp_path / "pm.pt", weights_only=False)(x), expected, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("n", [2, 4])

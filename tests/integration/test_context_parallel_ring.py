@@ -108,6 +108,39 @@ def test_ring_transformers_equal_eager(name):
             eager.zero_grad()
 
 
+@pytest.mark.parametrize("causal, mask", [(True, None), (False, "keys"), (False, "rows")])
+def test_ring_runtime_equals_sdpa_with_grouped_query_heads(causal, mask):
+    """The runtime alone, every device's call: 4 query heads over 2 key/value heads (``enable_gqa``),
+    uneven shards (2, 2, 2, 1), causal or a mask of one row or of every query row; outputs and the
+    gradients of queries, keys and values equal ``scaled_dot_product_attention`` on the whole (float64)."""
+    from dpcompile.runtime.sequence_ring import ring_attention
+
+    g = torch.Generator().manual_seed(0)
+    lengths, (b, s, d) = [2, 2, 2, 1], (2, 7, 8)
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64, generator=g, requires_grad=True) for h in (4, 2, 2))
+    attn_mask = None
+    if mask == "keys":
+        attn_mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
+        attn_mask[0, ..., 1:3] = False
+    elif mask == "rows":
+        attn_mask = torch.rand(b, 1, s, s, generator=g) > 0.3
+        attn_mask[..., 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=True)
+    starts = [sum(lengths[:r]) for r in range(len(lengths))]
+    keys, values = list(k.split(lengths, 2)), list(v.split(lengths, 2))
+    got = torch.cat([
+        ring_attention(q[:, :, a : a + n], keys, values, 2, "cpu", r, torch.arange(a, a + n) if causal else None,
+                       enable_gqa=True, **({} if attn_mask is None else {"attn_mask": attn_mask if mask == "keys" else
+                                                                         attn_mask[:, :, a : a + n]}))
+        for r, (a, n) in enumerate(zip(starts, lengths))
+    ], 2)  # fmt: skip
+    torch.testing.assert_close(got, want)
+    weights = torch.randn(want.shape, dtype=torch.float64, generator=g)
+    expected = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for name, ours, theirs in zip("qkv", torch.autograd.grad((got * weights).sum(), (q, k, v)), expected):
+        torch.testing.assert_close(ours, theirs, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
 def test_auto_keeps_the_all_gather_and_explain_shows_every_exchange():
     """``"auto"`` on the causal block: the all-gather (fewer bytes, fewer messages); explain's table
     gives each exchange's bytes, messages, transient and time, and why the others lost."""

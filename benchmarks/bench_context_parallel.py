@@ -2,7 +2,7 @@
 4-layer causal decoder at a long sequence on 4 virtual devices, at the same global batch, as a ratio
 measured in the same run.
 
-    PYTHONPATH=. python benchmarks/bench_context_parallel.py [--seq 4096] [--batch 1] [--json]
+    PYTHONPATH=. python benchmarks/bench_context_parallel.py [--seq 4096] [--batch 1] [--exchange ring] [--json]
 
 - peak: ``dpcompile.measure``'s ``step_allocated_peak`` (the bytes a step allocates on each virtual
   device, each storage counted against the device of the node that made it, until freed), the
@@ -12,6 +12,8 @@ measured in the same run.
   At a batch of at least the device count both hold the same number of tokens per device, and
   context parallel adds each attention's gathered keys and values while it runs (forward, and
   again in backward): compare with ``--batch 4``.
+- ``--exchange ring``: context parallel's keys and values on the ring (``context_parallel=``) too, its
+  peak against the all-gather's in the same run (the gathered keys and values are never built).
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ class Decoder(nn.Module):
         return x.square().mean()
 
 
-def peak_activation_bytes(mesh: dict[str, int], x: torch.Tensor, model: nn.Module) -> int:
-    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 4, mesh=mesh, example_inputs=(x,))
+def peak_activation_bytes(mesh: dict[str, int], x: torch.Tensor, model: nn.Module, **options) -> int:
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 4, mesh=mesh, example_inputs=(x,), **options)
     return max(dpcompile.measure(pm, x).step_allocated_peak.values())
 
 
@@ -67,6 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--exchange", choices=["all-gather", "ring"], default="all-gather",
+                        help="ring: measure context parallel on the ring too, against the all-gather")
     parser.add_argument("--json", action="store_true", help="write benchmarks/results/context_parallel.json")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -78,6 +82,11 @@ def main() -> None:
            "cp_over_dp": cp / dp}  # fmt: skip
     print(f"4-layer decoder, batch {args.batch} x seq {args.seq} on 4 virtual devices: peak activation bytes per "
           f"device: data parallel {dp:,}, context parallel {cp:,}: {cp / dp:.2f}x")  # fmt: skip
+    if args.exchange == "ring":
+        ring = peak_activation_bytes({"cp": 4}, x, model, context_parallel={"exchange": "ring"})
+        print(f"  context parallel on the ring: {ring:,} B per device, {ring / cp:.2f}x the all-gather's, "
+              f"{ring / dp:.2f}x data parallel's")  # fmt: skip
+        row.update(ring_peak_bytes=ring, ring_over_all_gather=ring / cp)
     if args.json:
         (RESULTS / "context_parallel.json").write_text(json.dumps(row, indent=2) + "\n")
 

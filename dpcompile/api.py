@@ -17,7 +17,13 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule, checkpoint_words
-from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, ContextParallelOptions, parse_context_parallel
+from dpcompile.analysis.context_exchange import (
+    DEFAULT_OPTIONS,
+    ContextParallelOptions,
+    check_exchange_composes,
+    exchange_strategy,
+    parse_context_parallel,
+)
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
@@ -126,6 +132,8 @@ def transform(
     )  # fmt: skip
     context_options = parse_context_parallel(context_parallel)
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
+    check_exchange_composes(context_options, target.layout if target is not None else
+                            tuple(devices.mesh_dim_names or ()) if is_device_mesh(devices) else ())
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
                                        tensor_parallel)  # fmt: skip
     if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp
@@ -230,6 +238,9 @@ def transform(
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
     pm.layout = layout
     pm.strategies = strategies_of(layout, data_parallel=data_parallel, schedule=schedule)
+    chosen = exchange_strategy(pm.graph.nodes) if "cp" in pm.strategies and hasattr(pm, "graph") else None
+    if chosen:  # each attention call's exchange (context_parallel=)
+        pm.strategies["cp"] = chosen
     if sequence_parallel and "tp" in pm.strategies:
         pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:

@@ -1,7 +1,7 @@
 """The graph passes of dpcompile and every pipeline that orders them, on one screen.
 
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
-                                         ├─► insert_sequence_exchange ─► insert_scatter_gather ─► regather_keys_values (context parallel)
+                                         ├─► insert_sequence_exchange ─► choose_context_exchanges ─► insert_scatter_gather ─► regather_keys_values ─► ring_exchange (context parallel)
                                          ├─► split_batch_into_copies ─► insert_sequence_exchange ─► ... (dp x cp, one process)
                                          ├─► shard_linear ─► [shard_sequence ─►] expand_shards (tensor, sequence parallel)
                                          ├─► shard_linear ─► [split_one_shard_batch ─►] insert_sequence_exchange ─► (pipeline) ─► expand_shards ([dp x] cp x tp)
@@ -43,6 +43,7 @@ from passes.functionalize import find_mutations, functionalize_mutations
 from passes.name_dp_copies import find_copies_of_pieces, find_piece_names, name_dp_copies, number_copies_of_pieces
 from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
 from passes.regather_keys_values import find_regather_sites, regather_keys_values
+from passes.ring_exchange import choose_context_exchanges, find_exchange_sites, find_ring_sites, ring_exchange
 from passes.sequence_copies import split_batch_into_copies, split_one_shard_batch
 from passes.sequence_parallel import find_sequence_region, shard_sequence
 from passes.sequence_rank import find_rank_sites, lower_sequence_to_rank
@@ -89,8 +90,11 @@ def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
 
 def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
     """Lower a tidied graph to explicit per-device data-parallel code (context parallel: attention
-    then gathers its keys and values again in backward, ``regather_keys_values``)."""
+    then gathers its keys and values again in backward, ``regather_keys_values``, or runs on the
+    ring where ``choose_context_exchanges`` chose it, ``ring_exchange``)."""
+    choose = functools.partial(choose_context_exchanges, options=options.context_options, world=len(options.devices))
     return [
+        *([choose] if options.context_parallel else []),
         functools.partial(
             insert_scatter_gather,
             devices=options.devices,
@@ -98,7 +102,7 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
             output_device=options.output_device,
             copy_replicas=options.copy_replicas,
         ),
-        *([regather_keys_values] if options.context_parallel else []),
+        *([regather_keys_values, ring_exchange] if options.context_parallel else []),
         *exact_random_pipeline(options),
     ]
 
@@ -228,6 +232,10 @@ __all__ = [
     "insert_sequence_exchange",
     "regather_keys_values",
     "find_regather_sites",
+    "choose_context_exchanges",
+    "find_exchange_sites",
+    "ring_exchange",
+    "find_ring_sites",
     "find_sequence_attention",
     "lower_sequence_to_rank",
     "find_rank_sites",

@@ -14,6 +14,7 @@ one process (device ``r`` of ``N``)                 rank ``r`` of the ``cp`` gro
 ``gather([x_0, ...], dim, device)``                 ``gather_over_group(x_r, cp_group, dim)``; an output: ``x_r``
 ``gather_sequence([x_0, ...], dim, device)``        ``gather_onto_owners(x_r, cp_group, dim)``
 ``attention_regathered(q, [k_0, ...], [v_0, ...])``  ``attention_over_group(q, k_r, v_r, cp_group, dim, sizes)``
+``ring_attention(q, [k_0, ...], [v_0, ...], ...)``    ``ring_attention_over_group(q, k_r, v_r, cp_group, dim, sizes)``
 ``batch_arange([s_0, ...], r)`` (and its kin)       ``batch_arange(sequence_sizes(s_r, cp_group), r)``
 ``mean_of_partials`` / ``reduce_add``                ``mean_over_group`` / ``all_reduce``
 ``mean_of_partials`` to a scalar, ``("dp", "cp")``   ``mean_over_batch`` over every ``dp x cp`` rank
@@ -78,17 +79,19 @@ import torch
 import torch.fx as fx
 
 from dpcompile import runtime
+from dpcompile.analysis.context_exchange import CHOICE_META
 from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import distributed as dist_rt
 from dpcompile.runtime import exported
 from dpcompile.runtime.context_parallel_mesh import mean_over_batch
 from dpcompile.runtime.distributed import MeshGroup
+from dpcompile.runtime.sequence_ring_group import ring_attention_over_group
 from passes.collectives import group_size
 
 PASS = "lower_sequence_to_rank"
 _PER_DEVICE = re.compile(r"^(.*)_dev(\d+)(?:_\d+)?$")  # fx's suffix where two nodes asked for one name
-_LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values")
+_LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values", "ring_exchange")
 #: cross-device steps of the one-process program that have no lowering to one rank yet
 REFUSED = {
     runtime.batch_norm: "BatchNorm's statistics over the sequence",
@@ -122,7 +125,7 @@ class RankSites:
 
 #: cross-device steps: a walk back from a whole value stops there (past them, values are each rank's own)
 _CROSS = (runtime.gather, runtime.gather_sequence, runtime.scatter, runtime.attention_regathered,
-          runtime.mean_of_partials, runtime.reduce_add, runtime.to_device)  # fmt: skip
+          runtime.ring_attention, runtime.mean_of_partials, runtime.reduce_add, runtime.to_device)  # fmt: skip
 
 
 def _parameters_read(gm: fx.GraphModule, node: fx.Node) -> list[str]:
@@ -437,6 +440,8 @@ class _RankRewriter:
             return self._collective(dist_rt.gather_onto_owners, (self.mine(node.args[0]), self.group, node.args[1]), node)
         if target is runtime.attention_regathered:
             return self._attention(node)
+        if target is runtime.ring_attention:
+            return self._ring(node)
         if target in _SIZES_AT:
             at = _SIZES_AT[target]
             args = list(self.mapped(node.args))
@@ -515,7 +520,27 @@ class _RankRewriter:
         args = (self.value(query), key, self.mine(values), self.group, dim, sizes, self.mapped(positions))
         self.lowered.append(f"attention_regathered -> {dist_rt.attention_over_group.__name__}")
         new = self.call(dist_rt.attention_over_group, args, self.mapped(node.kwargs), name=node.name, source=node)
+        _carry_choice(node, new)
         return stamp_comm(new, "all_gather", backward="reduce_scatter")
+
+    def _ring(self, node: fx.Node) -> fx.Node:
+        """A ring call: this rank's key and value blocks go round the ``cp`` group (``sequence_ring_group``)."""
+        query, keys, values, dim, _device, _own, positions = node.args
+        key = self.mine(keys)
+        length = self.graph.call_method("size", (key, dim))
+        sizes = self.call(dist_rt.sequence_sizes, (length, self.group), name=f"{node.name}_sizes", source=node)
+        stamp_comm(sizes, "all_gather")
+        args = (self.value(query), key, self.mine(values), self.group, dim, sizes, self.mapped(positions))
+        self.lowered.append(f"ring_attention -> {ring_attention_over_group.__name__}")
+        new = self.call(ring_attention_over_group, args, self.mapped(node.kwargs), name=node.name, source=node)
+        _carry_choice(node, new)
+        return stamp_comm(new, "send", backward="send")
+
+
+def _carry_choice(node: fx.Node, new: fx.Node) -> None:
+    """The attention call's exchange choice, for ``explain`` and ``pm.strategies`` (``passes/ring_exchange.py``)."""
+    if CHOICE_META in node.meta:
+        new.meta[CHOICE_META] = node.meta[CHOICE_META]
 
 
 __all__ = ["REFUSED", "RankSites", "device_of", "find_rank_sites", "lower_sequence_to_rank"]

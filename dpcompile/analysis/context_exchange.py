@@ -17,7 +17,8 @@ else is refused by name, never ignored.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from dpcompile.errors import DpCompileError
 
 EXCHANGES = ("all-gather", "ring", "all-to-all")
 #: the exchanges the lowering builds today (a name here and not in EXCHANGES is a bug)
-BUILT_EXCHANGES: tuple[str, ...] = ("all-gather",)
+BUILT_EXCHANGES: tuple[str, ...] = ("all-gather", "ring")
 LOAD_BALANCE_BUILT = False
 #: what ``pm.strategies`` and ``explain`` call each exchange
 EXCHANGE_NAMES = {
@@ -84,16 +85,178 @@ def parse_context_parallel(value: Any) -> ContextParallelOptions:
 
 __all__ = [
     "BUILT_EXCHANGES", "DEFAULT_OPTIONS", "EXCHANGES", "EXCHANGE_NAMES", "LOAD_BALANCE_BUILT",
-    "ContextParallelOptions", "chosen_exchange", "parse_context_parallel",
+    "AttentionShape", "ContextParallelOptions", "ExchangeChoice", "ExchangeCost", "choose_exchange",
+    "CHOICE_META", "check_exchange_composes", "chosen_exchange", "exchange_costs", "exchange_strategy",
+    "parse_context_parallel",
 ]  # fmt: skip
 
 
-def chosen_exchange(options: ContextParallelOptions, *, heads: int | None = None, world: int | None = None) -> str:
+def chosen_exchange(options: ContextParallelOptions, *, heads: int | None = None, world: int | None = None,
+                    shape: AttentionShape | None = None, **choice: Any) -> str:  # fmt: skip
     """The exchange one attention call runs: the one asked for, or under ``"auto"`` the cost
-    model's choice among :data:`BUILT_EXCHANGES` (today the all-gather; each lowering of another
-    exchange rewrites the calls this names for it).
+    model's choice among :data:`BUILT_EXCHANGES` for the call's ``shape`` over ``world`` devices
+    (:func:`choose_exchange`, which ``choice`` is passed to); without a shape, the all-gather.
 
     >>> chosen_exchange(DEFAULT_OPTIONS)
     'all-gather'
     """
-    return options.exchange if options.exchange != "auto" else "all-gather"
+    if shape is None or world is None:
+        return options.exchange if options.exchange != "auto" else "all-gather"
+    return choose_exchange(options, shape, world, **choice).exchange
+
+
+# ------------------------------------------------------------------ the cost model
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention call over the whole sequence: what the cost model reads."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq: int
+    head_dim: int
+    value_dim: int
+    itemsize: int
+
+    @property
+    def kv_bytes(self) -> int:
+        """The whole sequence's keys and values."""
+        return self.batch * self.kv_heads * self.seq * (self.head_dim + self.value_dim) * self.itemsize
+
+    @property
+    def qo_bytes(self) -> int:
+        """The whole sequence's queries and output."""
+        return self.batch * self.heads * self.seq * (self.head_dim + self.value_dim) * self.itemsize
+
+
+@dataclass(frozen=True)
+class ExchangeCost:
+    """One exchange of one attention call, per device, forward and backward: the bytes it sends,
+    its messages (collectives or point-to-point steps), the bytes it holds at once beyond its own
+    shards in forward (backward holds as much again in gradients) and the time the calibration
+    gives them (``messages x latency + bytes / bandwidth``, nothing overlapped)."""
+
+    exchange: str
+    bytes_moved: int
+    messages: int
+    transient_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ExchangeChoice:
+    """The exchange chosen for one attention call, every exchange's cost, and why each other lost."""
+
+    exchange: str
+    costs: dict[str, ExchangeCost]
+    why_not: dict[str, str]
+
+
+def exchange_costs(shape: AttentionShape, world: int, calibration: Any = None) -> dict[str, ExchangeCost]:
+    """Each exchange's :class:`ExchangeCost` for ``shape`` over ``world`` devices (``calibration``:
+    a :class:`dpcompile.analysis.calibration.Calibration`; None: the reference gloo figures).
+
+    - all-gather: ``(N-1)/N`` of the keys and values, gathered in forward, again in backward, and
+      their gradients reduce-scattered (3 collectives); it holds every shard of the keys and values.
+    - ring: the same bytes in ``N-1`` point-to-point steps of one block forward; backward sends each
+      block with its gradients ``N-1`` times and the gradients once more to their owner (``2N-1``
+      messages); it holds two blocks (the one it attends, the one arriving).
+    - all-to-all: ``(N-1)/N**2`` of the queries, keys, values and output, each way, forward and
+      backward (8 collectives); it holds the whole sequence of ``H/N`` heads.
+    """
+    from dpcompile.analysis.calibration import reference_mesh
+
+    c = calibration if calibration is not None else reference_mesh(world)
+    latency = c.collective_latency_s
+    bandwidth = c.collective_bytes_per_s or c.copy_bytes_per_s
+    n, kv = world, shape.kv_bytes
+    found = {
+        "all-gather": (3 * (n - 1) * kv // n, 3, kv),
+        "ring": ((n - 1) * kv // n + ((n - 1) * 2 * kv + kv) // n, 2 * n - 1, 2 * kv // n),
+        "all-to-all": (2 * (n - 1) * (kv + shape.qo_bytes) // (n * n), 8, (kv + shape.qo_bytes) // n),
+    }
+    if n < 2:
+        found = {name: (0, 0, 0) for name in found}
+    return {
+        name: ExchangeCost(name, moved, messages, transient, messages * latency + moved / bandwidth)
+        for name, (moved, messages, transient) in found.items()
+    }
+
+
+def choose_exchange(options: ContextParallelOptions, shape: AttentionShape, world: int, *, calibration: Any = None,
+                    memory_bytes: int | None = None, cannot: Mapping[str, str] | None = None) -> ExchangeChoice:  # fmt: skip
+    """The exchange for one attention call: the one asked for; under ``"auto"`` the fastest built
+    exchange that can serve the call (``cannot``: exchange -> why not) and whose transient fits
+    ``memory_bytes`` (None: no limit), the all-gather first where times tie; where none fits, the
+    one with the smallest transient. The all-gather serves every call.
+
+    >>> s = AttentionShape(batch=1, heads=4, kv_heads=4, seq=4096, head_dim=16, value_dim=16, itemsize=4)
+    >>> choose_exchange(DEFAULT_OPTIONS, s, 4).exchange
+    'all-gather'
+    >>> choose_exchange(DEFAULT_OPTIONS, s, 4, memory_bytes=1 << 20).why_not["all-gather"]
+    'its transient 2,097,152 B is over the 1,048,576 B left for it'
+    """
+    costs = exchange_costs(shape, world, calibration)
+    refused = dict(cannot or {})
+    if shape.heads % world or shape.kv_heads % world:
+        refused.setdefault("all-to-all", f"the heads ({shape.heads}, key/value heads {shape.kv_heads}) do not divide "
+                                         f"by {world} devices")  # fmt: skip
+    if options.exchange != "auto":
+        return ExchangeChoice(options.exchange, costs, {e: "not asked for" for e in EXCHANGES if e != options.exchange})
+    why_not: dict[str, str] = {}
+    fits = []
+    for name in EXCHANGES:  # the all-gather first: it wins a tie
+        if name not in BUILT_EXCHANGES:
+            why_not[name] = "not built yet"
+        elif name in refused:
+            why_not[name] = f"cannot serve this call: {refused[name]}"
+        elif memory_bytes is not None and costs[name].transient_bytes > memory_bytes:
+            why_not[name] = f"its transient {costs[name].transient_bytes:,} B is over the {memory_bytes:,} B left for it"
+        else:
+            fits.append(name)
+    if not fits:  # nothing fits: the smallest transient the call can run
+        servable = [e for e in EXCHANGES if e in BUILT_EXCHANGES and e not in refused] or ["all-gather"]
+        best = min(servable, key=lambda e: costs[e].transient_bytes)
+        why_not.pop(best, None)
+        return ExchangeChoice(best, costs, why_not)
+    best = min(fits, key=lambda e: costs[e].seconds)
+    for name in fits:
+        if name != best:
+            why_not[name] = f"slower: {costs[name].seconds * 1e3:.3g} ms against {costs[best].seconds * 1e3:.3g} ms"
+    return ExchangeChoice(best, costs, why_not)
+
+
+#: ``node.meta`` key where each lowered attention call carries its :class:`ExchangeChoice`
+CHOICE_META = "dpcompile_exchange"
+#: mesh dimensions beside ``cp`` whose lowering runs only the all-gather today
+_ALL_GATHER_ONLY = ("tp", "pp")
+
+
+def check_exchange_composes(options: ContextParallelOptions, dims: Collection[str]) -> None:
+    """Refuse, by name, an exchange asked for with mesh dimensions whose lowering does not build it
+    (beside ``tp`` or ``pp`` the keys and values are all-gathered)."""
+    others = [d for d in _ALL_GATHER_ONLY if d in dims]
+    if options.exchange not in ("auto", "all-gather") and "cp" in dims and others:
+        raise DpCompileError(
+            f"context_parallel={{'exchange': {options.exchange!r}}} with {others[0]!r} in the mesh is not built yet: "
+            "beside 'tp' or 'pp' the keys and values are all-gathered; leave 'exchange' out or ask for 'all-gather'"
+        )
+
+
+def exchange_strategy(nodes: Any) -> str | None:
+    """``pm.strategies["cp"]`` from the choices the attention calls among ``nodes`` carry (None where
+    none carries one): the exchange, or each exchange with its share of the calls."""
+    by_call = {}
+    for node in nodes:
+        choice = node.meta.get(CHOICE_META)
+        if choice is not None:
+            by_call[str(node.meta.get("dpcompile_source", node.name))] = choice.exchange
+    if not by_call:
+        return None
+    counts = Counter(by_call.values())
+    if len(counts) == 1:
+        return f"context parallel ({EXCHANGE_NAMES[next(iter(counts))]})"
+    shares = ", ".join(f"{EXCHANGE_NAMES[e]} at {n} of {len(by_call)} attention calls" for e, n in sorted(counts.items()))
+    return f"context parallel ({shares})"

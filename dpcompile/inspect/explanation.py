@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile import runtime
+from dpcompile.analysis.context_exchange import BUILT_EXCHANGES, CHOICE_META, EXCHANGE_NAMES, EXCHANGES
 from dpcompile.analysis.cost import comm_elements, ring_elements
 from dpcompile.analysis.memory import activation_bytes
 from dpcompile.analysis.program_memory import fsdp_pieces, held_parameter_bytes, program_memory
@@ -129,7 +130,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
             flops[device if device in flops else labels[0]] += info.flops
         if comm is not None:
             collectives.append(_collective(node, comm, recorder, n_active))
-        elif node.op == "call_function" and node.target is runtime.attention_regathered:
+        elif node.op == "call_function" and node.target in (runtime.attention_regathered, runtime.ring_attention):
             collectives.extend(_regathered(node, recorder, n_active, regathered))
 
     ddp = _ddp_collective(pm)
@@ -240,14 +241,34 @@ def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str
     size = (getattr(pm, "layout", None) or {}).get("cp", 1)
     if size < 2:
         return None
-    exchanges = (runtime.gather_sequence, runtime.attention_regathered)
+    exchanges = (runtime.gather_sequence, runtime.attention_regathered, runtime.ring_attention)
     gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in exchanges]
     attention = sorted({str(n.meta.get("dpcompile_source", n.name)) for n in gathers})  # the user's attention calls
+    calls = exchange_calls(gm)
+    chosen = [e for e in EXCHANGES if any(c["exchange"] == e for c in calls)]
     return {
         "dimension": "cp", "size": size, "sequence_dim": getattr(pm.recipe, "batch_dim", 1),
-        "exchange": EXCHANGE, "not_chosen": list(OTHER_EXCHANGES), "attention": attention,
-        "activation_bytes": dict(activation),
+        "exchange": " + ".join(EXCHANGE_NAMES[e] for e in chosen) if chosen else EXCHANGE,
+        "not_chosen": [f"{EXCHANGE_NAMES[e]}{'' if e in BUILT_EXCHANGES else ' (not built)'}" for e in EXCHANGES
+                       if e not in chosen] if chosen else list(OTHER_EXCHANGES),
+        "attention": attention, "calls": calls, "activation_bytes": dict(activation),
     }  # fmt: skip
+
+
+def exchange_calls(gm: fx.GraphModule) -> list[dict[str, Any]]:
+    """Each attention call's exchange choice (``passes/ring_exchange.py``): the exchange, every
+    exchange's predicted bytes, messages, transient and time, and why each other lost."""
+    calls: dict[str, Any] = {}
+    for node in gm.graph.nodes:
+        choice = node.meta.get(CHOICE_META)
+        if choice is not None:
+            calls.setdefault(str(node.meta.get("dpcompile_source", node.name)), choice)
+    return [
+        {"attention": name, "exchange": c.exchange, "why_not": dict(c.why_not),
+         "costs": {e: {"bytes_moved": k.bytes_moved, "messages": k.messages, "transient_bytes": k.transient_bytes,
+                       "seconds": k.seconds} for e, k in c.costs.items()}}
+        for name, c in calls.items()
+    ]  # fmt: skip
 
 
 def _pipeline_report(
@@ -382,6 +403,7 @@ def _regathered(node: fx.Node, recorder: Recorder | None, n: int, seen: set[tupl
     (``regather_keys_values``): one all-gather each, forward, and in backward a second all-gather
     and the gradients' reduce-scatter. A row per shard list, counted once over the devices."""
     rows = []
+    ring = node.target is runtime.ring_attention  # blocks sent on round the ring; backward with their gradients
     for shards, kind in ((node.args[1], "keys"), (node.args[2], "values")):
         names = tuple(str(s) for s in shards)
         if names in seen:
@@ -391,7 +413,13 @@ def _regathered(node: fx.Node, recorder: Recorder | None, n: int, seen: set[tupl
         size = sum(math.prod(s[0][0]) for s in summaries) if all(s and s[0] for s in summaries) else None
         forward = ring_elements("all_gather", size, n) if size is not None else None
         backward = 2 * forward if forward is not None else None  # all-gather and reduce-scatter alike
+        if ring and size is not None:  # N-1 steps of a block and its gradient, then the gradient to its owner
+            backward = size * (2 * (n - 1) + 1) / n
         source = node.meta.get("dpcompile_source", node.name)
+        if ring:
+            rows.append(CollectiveInfo(name=f"{source}_{kind}", kind="ring", backward_kind="ring, send", io=False,
+                                       elements=size, forward=forward, backward=backward, source=user_source(node)))
+            continue
         rows.append(CollectiveInfo(name=f"{source}_{kind}", kind="all_gather", backward_kind="all_gather, reduce_scatter",
                                    io=False, elements=size, forward=forward, backward=backward,
                                    source=user_source(node)))  # fmt: skip

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpcompile.analysis.context_exchange import EXCHANGE_NAMES
+
 __all__ = ["WIDTH", "CollectiveInfo", "NodeInfo", "Report"]
 
 WIDTH = 120  # str(report) is at most this many columns
@@ -91,7 +93,9 @@ class Report:
     # [sites each device draws itself], "note": what the per-device draws mean, or None}
     random: dict[str, Any] = field(default_factory=dict)
     # context parallel: {"dimension": "cp", "size", "sequence_dim", "exchange", "not_chosen": [...],
-    # "attention": [attention calls], "activation_bytes": {device: bytes}} (docs/context_parallel.md)
+    # "attention": [attention calls], "calls": [{"attention", "exchange", "costs": {exchange: {"bytes_moved",
+    # "messages", "transient_bytes", "seconds"}}, "why_not": {exchange: why}}] (each call's exchange choice),
+    # "activation_bytes": {device: bytes}} (docs/context_parallel.md)
     context_parallel: dict[str, Any] | None = None
     # sequence parallel on "tp": {"dimension", "sequence_dim", "reduce_scatters", "all_gathers",
     # "activation_bytes", "activation_bytes_without": {device: bytes}} (docs/tensor_parallel.md)
@@ -256,6 +260,12 @@ def _render(r: Report) -> str:
         out += ["", f"Context parallel: '{cp['dimension']}' of size {cp['size']} splits the sequence (dim "
                     f"{cp['sequence_dim']}); exchange: {cp['exchange']} at {len(cp['attention'])} attention call(s)"]  # fmt: skip
         out.append(f"  not chosen: {', '.join(cp['not_chosen'])}")
+        for call in cp.get("calls", []):
+            out.append(f"  {call['attention']}: {EXCHANGE_NAMES[call['exchange']]}")
+            for name, cost in call["costs"].items():
+                why = call["why_not"].get(name, "chosen" if name == call["exchange"] else "")
+                out.append(f"    {EXCHANGE_NAMES[name]}: {cost['bytes_moved']:,} B moved in {cost['messages']} messages, "
+                           f"{cost['transient_bytes']:,} B transient, {cost['seconds'] * 1e3:.3g} ms: {why}")  # fmt: skip
         per_device = ", ".join(f"{d} {_human_bytes(b)}" for d, b in cp["activation_bytes"].items())
         out.append(f"  activations per device (est.): {per_device}")
     if r.sequence_parallel:

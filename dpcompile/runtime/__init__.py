@@ -48,6 +48,7 @@ from dpcompile.runtime.sequence import (
     sequence_split,
     sequence_whole,
 )
+from dpcompile.runtime.sequence_ring import ring_attention
 from dpcompile.runtime.side_effects import (
     apply_function,
     assign_buffer,
@@ -105,6 +106,7 @@ __all__ = [
     "reduce_add",
     "refresh_replicas",
     "replicate",
+    "ring_attention",
     "rows_of_shard",
     "running_sum",
     "run_forward_hook",

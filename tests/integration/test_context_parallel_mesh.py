@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.integration.test_context_parallel_ring import MESH_CHECKS as RING_CHECKS
 
 GROUP_TIMEOUT_S = 300.0  # spawning and the first gloo connections are slow on a loaded machine
 WORLD = 2
@@ -401,6 +402,7 @@ CHECKS = (
     ("whole_modules", check_modules_on_whole_values_equal_eager),
     ("refused", check_unplaceable_models_refused_alike),
     ("unbalanced", check_unbalanced_shards_refused_alike),
+    *RING_CHECKS,  # the ring exchange (test_context_parallel_ring.py), in this same group
 )
 CHECKS_4 = (
     ("attention_4", check_small_attention_on_four_ranks),

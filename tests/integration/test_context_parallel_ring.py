@@ -93,11 +93,13 @@ def test_ring_under_dp_copies_equals_eager():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_ring_transformers_equal_eager(name):
-    """GPT-2 (labels) and Llama (rotary, grouped-query heads), built once, on 2 and 4 virtual devices at
-    a length that divides them and one that does not: logits, loss and every gradient equal eager."""
+    """GPT-2 (labels) on 2 virtual devices and Llama (rotary, grouped-query heads) on 4 (the suite's
+    time: the causal block covers both counts), at a length that divides them and one that does not:
+    logits, loss and every gradient equal eager."""
     torch.manual_seed(0)
     built = _transformers_model(name).double()
-    for n, lengths in CONTEXT_PARALLEL_LENGTHS.items():
+    n = 2 if name == "gpt2" else 4
+    for n, lengths in [(n, CONTEXT_PARALLEL_LENGTHS[n])]:
         model, eager = copy.deepcopy(built), copy.deepcopy(built)
         pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=_inputs(name, lengths[0]),
                                  frontend="export", context_parallel=RING)  # fmt: skip
@@ -214,7 +216,7 @@ def check_ring_gpt2_over_mesh() -> None:
                              context_parallel=RING)  # fmt: skip
     assert "ring_attention_over_group(" in pm.code and "distributed_attention_over_group(" not in pm.code, pm.code
     assert pm.strategies == {"cp": "context parallel (ring exchange of keys/values)"}
-    for seq in (12, 13):
+    for seq in (13,):  # a length that does not divide: the blocks check covers the even one
         mine = torch.tensor_split(torch.arange(seq), 2)[dist.get_rank()]
         whole = _inputs("gpt2", seq, seed=seq)
         got, want = pm(**local_batch(whole, mesh)), eager(**whole)

@@ -28,6 +28,7 @@ import torch
 from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, ContextParallelOptions
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
+from passes.all_to_all_exchange import all_to_all_exchange, find_all_to_all_sites, record_attention_shapes
 from passes.borrowed_modules import find_module_homes, replicate_borrowed_modules
 from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
 from passes.collectives import find_collective_sites, lower_to_collectives
@@ -91,6 +92,7 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
     """Lower a tidied graph to explicit per-device data-parallel code (context parallel: attention
     then gathers its keys and values again in backward, ``regather_keys_values``)."""
     return [
+        *([record_attention_shapes] if options.context_parallel else []),
         functools.partial(
             insert_scatter_gather,
             devices=options.devices,
@@ -99,6 +101,7 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
             copy_replicas=options.copy_replicas,
         ),
         *([regather_keys_values] if options.context_parallel else []),
+        *([functools.partial(all_to_all_exchange, options=options.context_options)] if options.context_parallel else []),
         *exact_random_pipeline(options),
     ]
 
@@ -228,6 +231,9 @@ __all__ = [
     "insert_sequence_exchange",
     "regather_keys_values",
     "find_regather_sites",
+    "all_to_all_exchange",
+    "find_all_to_all_sites",
+    "record_attention_shapes",
     "find_sequence_attention",
     "lower_sequence_to_rank",
     "find_rank_sites",

@@ -88,7 +88,7 @@ from passes.collectives import group_size
 
 PASS = "lower_sequence_to_rank"
 _PER_DEVICE = re.compile(r"^(.*)_dev(\d+)(?:_\d+)?$")  # fx's suffix where two nodes asked for one name
-_LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values")
+_LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values", "all_to_all_exchange")
 #: cross-device steps of the one-process program that have no lowering to one rank yet
 REFUSED = {
     runtime.batch_norm: "BatchNorm's statistics over the sequence",

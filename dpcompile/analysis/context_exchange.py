@@ -25,7 +25,7 @@ from dpcompile.errors import DpCompileError
 
 EXCHANGES = ("all-gather", "ring", "all-to-all")
 #: the exchanges the lowering builds today (a name here and not in EXCHANGES is a bug)
-BUILT_EXCHANGES: tuple[str, ...] = ("all-gather",)
+BUILT_EXCHANGES: tuple[str, ...] = ("all-gather", "all-to-all")
 LOAD_BALANCE_BUILT = False
 #: what ``pm.strategies`` and ``explain`` call each exchange
 EXCHANGE_NAMES = {

@@ -38,6 +38,7 @@ from dpcompile.recipes.pipeline import check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
 from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe, pipeline_tensor_parallel_recipe
 from dpcompile.target import replicate_over_dp, resolve_target, strategies_of
+from passes.all_to_all_exchange import strategy_words
 
 TensorParallel = bool | Mapping[str, str]
 
@@ -228,6 +229,8 @@ def transform(
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
     pm.layout = layout
     pm.strategies = strategies_of(layout, data_parallel=data_parallel, schedule=schedule)
+    if "cp" in pm.strategies and isinstance(getattr(pm, "graph", None), fx.Graph):
+        pm.strategies["cp"] = strategy_words(pm.graph) or pm.strategies["cp"]  # the all-to-all, where it runs
     if sequence_parallel and "tp" in pm.strategies:
         pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:

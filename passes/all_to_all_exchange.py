@@ -70,6 +70,7 @@ class AllToAllSite:
     dim: int
     heads: int | None
     reason: str | None
+    mask_rows_dim: int | None = None  # the mask's query-rows dim (its length less 2), where it has one
 
     @property
     def name(self) -> str:
@@ -121,7 +122,9 @@ def find_all_to_all_sites(gm: fx.GraphModule) -> list[AllToAllSite]:
         source = str(first.meta.get("dpcompile_source", first.name))
         query, key, mask, dropout = gm.meta.get(SHAPES, {}).get(source, (None, None, None, None))
         reason = all_to_all_applies(query, key, world, mask=mask, dim=dim, dropout=dropout)
-        sites.append(AllToAllSite(ordered, dim, query[1] if query and len(query) == 4 else None, reason))  # type: ignore[arg-type]
+        heads = query[1] if query is not None and len(query) == 4 else None
+        rows = len(mask) - 2 if mask is not None and len(mask) >= 2 else None
+        sites.append(AllToAllSite(ordered, dim, heads, reason, rows))
     return sites
 
 
@@ -176,7 +179,8 @@ def _rewrite(graph: fx.Graph, site: AllToAllSite) -> list[Any]:
         for r, call in enumerate(calls):
             device = call.args[4]
 
-            def exchange(shards: list[Any], what: str, r: int = r, device: Any = device, call: fx.Node = call) -> fx.Node:
+            def exchange(shards: list[Any], what: str, r: int = r, device: Any = device, call: fx.Node = call,
+                         dim: int = dim) -> fx.Node:  # fmt: skip
                 new = graph.call_function(runtime.heads_of_sequence, (shards, r, dim, lengths, device))
                 return _made(new, f"{base}_{what}_heads_dev{r}", call)
 
@@ -205,24 +209,22 @@ def _mask_heads(graph: fx.Graph, site: AllToAllSite, r: int, exchange: Any) -> f
     if all(m is masks[0] for m in masks):
         whole = masks[0]
     else:
-        whole = _scattered_from(masks)
+        whole = _scattered_from(masks, site.mask_rows_dim)
         if whole is None:
-            return exchange(masks, "mask")
+            return exchange(masks, "mask", dim=site.mask_rows_dim)
     share = graph.call_function(runtime.heads_share, (whole, r, len(masks)))
     return _made(share, f"{site.name}_mask_heads_dev{r}", call)
 
 
-def _scattered_from(masks: list[Any]) -> fx.Node | None:
+def _scattered_from(masks: list[Any], rows_dim: int | None) -> fx.Node | None:
     """The whole mask where ``masks`` are ``scatter(whole, devices, rows)[r]`` in device order."""
     held = [m.args[0] if isinstance(m, fx.Node) and m.target is operator.getitem else None for m in masks]
     scatter = held[0]
     if not (isinstance(scatter, fx.Node) and scatter.target is runtime.scatter and all(h is scatter for h in held)):
         return None
-    whole, dim = scatter.args[0], scatter.args[2]
-    shape = node_shape(whole) if isinstance(whole, fx.Node) else None
-    if shape is None or dim % len(shape) != len(shape) - 2 or [m.args[1] for m in masks] != list(range(len(masks))):
+    if scatter.args[2] != rows_dim or [m.args[1] for m in masks] != list(range(len(masks))):
         return None
-    return whole
+    return scatter.args[0]
 
 
 def _made(node: fx.Node, name: str, source: fx.Node) -> fx.Node:
@@ -251,16 +253,29 @@ def _in_order(graph: fx.Graph) -> bool:
     return True
 
 
-def exchanges_of(gm: fx.GraphModule) -> dict[str, Any]:
-    """What ``explain`` says of a context-parallel program's exchanges: the ones it runs and, per
-    attention left to the all-gather, why the all-to-all does not serve it."""
-    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+def exchanges_of(graph: fx.Graph) -> dict[str, list[str]]:
+    """What ``explain`` and ``pm.strategies`` say of a context-parallel program's exchanges: the ones
+    it runs (``chosen``) and, where the all-to-all does not run everywhere, why (``not_chosen``: per
+    attention left to the all-gather, the reason it does not apply, else that it was not asked for)."""
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    ran = {n.target for n in calls}
     chosen = [EXCHANGE_NAMES[e] for e, t in (("all-gather", runtime.attention_regathered),
-                                             ("all-to-all", runtime.sequence_of_heads)) if t in targets]  # fmt: skip
-    refused = {str(n.meta.get("dpcompile_source", n.name)): n.meta[NOT_APPLIED] for n in gm.graph.nodes
-               if NOT_APPLIED in n.meta}  # fmt: skip
-    return {"chosen": chosen, "all_to_all_not_applied": refused}
+                                             ("all-to-all", runtime.sequence_of_heads)) if t in ran]  # fmt: skip
+    name = EXCHANGE_NAMES["all-to-all"]
+    not_applied = {str(n.meta.get("dpcompile_source", n.name)): n.meta[NOT_APPLIED] for n in calls if NOT_APPLIED in n.meta}
+    not_chosen = [f"{name}: not at '{site}', because {reason}" for site, reason in sorted(not_applied.items())]
+    left = {str(n.meta.get("dpcompile_source", n.name)) for n in calls if n.target is runtime.attention_regathered}
+    if left - set(not_applied):
+        not_chosen.append(f"{name} (not chosen: context_parallel={{'exchange': 'all-to-all'}} asks for it)")
+    return {"chosen": chosen, "not_chosen": not_chosen}
+
+
+def strategy_words(graph: fx.Graph) -> str | None:
+    """``pm.strategies["cp"]`` where the all-to-all runs (``context parallel (head-to-sequence
+    all-to-all)``), else None (the all-gather's words stand)."""
+    chosen = exchanges_of(graph)["chosen"]
+    return f"context parallel ({', '.join(chosen)})" if EXCHANGE_NAMES["all-to-all"] in chosen else None
 
 
 __all__ = ["EXCHANGED", "NOT_APPLIED", "SHAPES", "AllToAllSite", "all_to_all_exchange", "exchanges_of",
-           "find_all_to_all_sites", "record_attention_shapes"]  # fmt: skip
+           "find_all_to_all_sites", "record_attention_shapes", "strategy_words"]  # fmt: skip

@@ -84,6 +84,7 @@ from dpcompile.runtime import distributed as dist_rt
 from dpcompile.runtime import exported
 from dpcompile.runtime.context_parallel_mesh import mean_over_batch
 from dpcompile.runtime.distributed import MeshGroup
+from dpcompile.runtime.sequence_all_to_all import heads_over_group, sequence_over_group
 from passes.collectives import group_size
 
 PASS = "lower_sequence_to_rank"
@@ -122,7 +123,8 @@ class RankSites:
 
 #: cross-device steps: a walk back from a whole value stops there (past them, values are each rank's own)
 _CROSS = (runtime.gather, runtime.gather_sequence, runtime.scatter, runtime.attention_regathered,
-          runtime.mean_of_partials, runtime.reduce_add, runtime.to_device)  # fmt: skip
+          runtime.mean_of_partials, runtime.reduce_add, runtime.to_device, runtime.heads_of_sequence,
+          runtime.sequence_of_heads)  # fmt: skip
 
 
 def _parameters_read(gm: fx.GraphModule, node: fx.Node) -> list[str]:
@@ -437,6 +439,11 @@ class _RankRewriter:
             return self._collective(dist_rt.gather_onto_owners, (self.mine(node.args[0]), self.group, node.args[1]), node)
         if target is runtime.attention_regathered:
             return self._attention(node)
+        if target in (runtime.heads_of_sequence, runtime.sequence_of_heads):  # the all-to-all: one over the group
+            fn = heads_over_group if target is runtime.heads_of_sequence else sequence_over_group
+            shards, _index, dim, lengths, _device = node.args
+            args = (self.mine(shards), self.group, dim, self.sizes_of(list(lengths), node))
+            return stamp_comm(self._collective(fn, args, node), "all_to_all", backward="all_to_all")
         if target in _SIZES_AT:
             at = _SIZES_AT[target]
             args = list(self.mapped(node.args))

@@ -31,6 +31,7 @@ from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.pipeline import PipelineModule
 from dpcompile.runtime import sequence_mesh
 from dpcompile.runtime import tensor_parallel as tp_runtime
+from passes.all_to_all_exchange import exchanges_of
 from passes.checkpoint_activations import with_regions_recomputed
 from passes.collectives import group_size
 from passes.context_parallel import EXCHANGE, OTHER_EXCHANGES
@@ -240,12 +241,14 @@ def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str
     size = (getattr(pm, "layout", None) or {}).get("cp", 1)
     if size < 2:
         return None
-    exchanges = (runtime.gather_sequence, runtime.attention_regathered)
+    exchanges = (runtime.gather_sequence, runtime.attention_regathered, runtime.sequence_of_heads)
     gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in exchanges]
     attention = sorted({str(n.meta.get("dpcompile_source", n.name)) for n in gathers})  # the user's attention calls
+    ran = exchanges_of(gm.graph)  # the all-to-all where it runs, and why not where it does not
     return {
         "dimension": "cp", "size": size, "sequence_dim": getattr(pm.recipe, "batch_dim", 1),
-        "exchange": EXCHANGE, "not_chosen": list(OTHER_EXCHANGES), "attention": attention,
+        "exchange": ", ".join(ran["chosen"]) or EXCHANGE, "attention": attention,
+        "not_chosen": [o for o in OTHER_EXCHANGES if "all-to-all" not in o] + ran["not_chosen"],
         "activation_bytes": dict(activation),
     }  # fmt: skip
 

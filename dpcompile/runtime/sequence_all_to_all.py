@@ -23,6 +23,7 @@ other. Every head exchange keeps nothing for backward but the sizes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,19 +83,23 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, split_dim: int
                 cat_dim: int, cat_sizes: Sequence[int]) -> torch.Tensor:  # fmt: skip
     """``x`` split along ``split_dim`` into ``split_sizes``, piece ``j`` sent to rank ``j``; the
     pieces received (``split_sizes[rank]`` along ``split_dim``, ``cat_sizes[j]`` along ``cat_dim``
-    from rank ``j``) concatenated along ``cat_dim``. A boolean tensor travels as bytes."""
+    from rank ``j``) concatenated along ``cat_dim``. gloo's list ``all_to_all`` wants pieces of one
+    shape, and uneven shards are not: one ``all_to_all_single`` of the pieces flattened, with their
+    sizes. A boolean tensor travels as bytes."""
     boolean = x.dtype == torch.bool
     if boolean:
         x = x.to(torch.uint8)
     rank = dist.get_rank(group)
-    send = [p.contiguous() for p in x.split(list(split_sizes), split_dim)]
-    received = []
+    send = [p.reshape(-1) for p in x.split(list(split_sizes), split_dim)]
+    shapes = []
     for size in cat_sizes:
         shape = list(x.shape)
         shape[split_dim], shape[cat_dim] = split_sizes[rank], size
-        received.append(x.new_empty(shape))
-    dist.all_to_all(received, send, group=group)
-    out = torch.cat(received, cat_dim)
+        shapes.append(shape)
+    counts = [math.prod(shape) for shape in shapes]
+    received = x.new_empty(sum(counts))
+    dist.all_to_all_single(received, torch.cat(send), counts, [p.numel() for p in send], group=group)
+    out = torch.cat([piece.view(shape) for piece, shape in zip(received.split(counts), shapes)], cat_dim)
     return out.bool() if boolean else out
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule, checkpoint_words
 from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, ContextParallelOptions, parse_context_parallel
+from dpcompile.analysis.heads_exchange import refuse_all_to_all_beside
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
@@ -126,6 +127,7 @@ def transform(
         memory_per_device=memory_per_device, context_parallel=context_parallel,
     )  # fmt: skip
     context_options = parse_context_parallel(context_parallel)
+    refuse_all_to_all_beside(context_options.exchange, mesh, devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
                                        tensor_parallel)  # fmt: skip

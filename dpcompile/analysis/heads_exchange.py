@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dpcompile.errors import DpCompileError
+
 Shape = Sequence[int]
 
 
@@ -44,4 +46,24 @@ def all_to_all_applies(query: Shape | None, key: Shape | None, world: int, *, ma
     return None
 
 
-__all__ = ["all_to_all_applies"]
+def refuse_all_to_all_beside(exchange: str, *layouts: object, pipeline: object = None, tensor_parallel: object = None) -> None:
+    """A ``DpCompileError`` where the all-to-all is asked for by name beside a dimension whose
+    lowering does not build it yet (``tp``, ``pp``: there attention keeps the all-gather), before
+    anything is built; nothing otherwise. ``layouts``: ``mesh=`` (a dict) and the devices (a
+    ``DeviceMesh``'s dimension names count), ``pipeline=`` and ``tensor_parallel=`` as given."""
+    if exchange != "all-to-all":
+        return
+    dims = {"pp"} if pipeline else set()
+    dims |= {"tp"} if tensor_parallel else set()
+    for layout in layouts:
+        dims |= set(layout) if isinstance(layout, dict) else set(getattr(layout, "mesh_dim_names", None) or ())
+    others = sorted({"tp", "pp"} & dims)
+    if others:
+        raise DpCompileError(
+            f"context_parallel={{'exchange': 'all-to-all'}} is built with 'cp' alone or beside 'dp', not beside "
+            f"{' and '.join(map(repr, others))} yet (there attention runs the all-gather): pass "
+            "{'exchange': 'all-gather'} or leave 'exchange' out"
+        )
+
+
+__all__ = ["all_to_all_applies", "refuse_all_to_all_beside"]

@@ -45,15 +45,16 @@ class GroupedQueryAttention(nn.Module):
         return self.out(a.transpose(1, 2).reshape(b, s, h * d))
 
 
-def _assert_equals_eager(model: nn.Module, args: tuple, n: int, exchange: dict | None = ALL_TO_ALL) -> str:
-    """``model`` over ``n`` virtual devices: output and every gradient of a weighted sum equal eager's
-    (float64); returns the program's code."""
-    model = model.double()
+def _assert_equals_eager(model: nn.Module, args: tuple, n: int, exchange: dict | None = ALL_TO_ALL,
+                         mesh: dict | None = None) -> str:  # fmt: skip
+    """``model`` over ``n`` virtual devices (``mesh``, else ``{"cp": n}``): output and every gradient
+    of a weighted sum equal eager's (float64; float32 inputs: to float32 rounding); returns the code."""
+    model = model.to(args[0].dtype)
     eager = copy.deepcopy(model)
-    pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_inputs=args, context_parallel=exchange)
+    pm = dpcompile.transform(model, ["cpu"] * n, mesh=mesh or {"cp": n}, example_inputs=args, context_parallel=exchange)
     got, want = pm(*args), eager(*args)
     torch.testing.assert_close(got, want)
-    weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+    weights = torch.linspace(0.5, 1.5, want.numel(), dtype=want.dtype).view(want.shape)
     (got * weights).sum().backward()
     (want * weights).sum().backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
@@ -86,6 +87,23 @@ def test_causal_block_by_all_to_all_equals_eager(n, seq):
     assert code.count("dpcompile_runtime_heads_of_sequence(") == 3 * n  # queries, keys, values
     assert "attention_regathered" not in code and "gather_sequence" not in code
     assert code.count("is_causal = True") == n
+
+
+def test_float32_dp_copies_and_refusals_beside_tp_or_pp():
+    """float32 to rounding on 2 devices; dp copies ({"dp": 2, "cp": 2}: each copy's sequence by the
+    all-to-all) equal eager in float64; beside 'tp' or 'pp' (not built) refused by name before anything
+    is built."""
+    torch.manual_seed(0)
+    code = _assert_equals_eager(CausalSelfAttention(), (torch.randn(2, 7, 16),), 2)
+    assert code.count("sequence_of_heads(") == 2
+    code = _assert_equals_eager(CausalSelfAttention(), (torch.randn(3, 7, 16, dtype=torch.float64),), 4,
+                                mesh={"dp": 2, "cp": 2})  # fmt: skip
+    assert code.count("sequence_of_heads(") == 4 and "attention_regathered" not in code
+    x = torch.randn(2, 7, 16)
+    for mesh, extra in (({"cp": 2, "tp": 2}, {"tensor_parallel": True}), ({"pp": 2, "cp": 2}, {"pipeline": 2})):
+        with pytest.raises(DpCompileError, match=r"all-to-all'} is built with 'cp' alone or beside 'dp', not beside"):
+            dpcompile.transform(nn.Sequential(CausalSelfAttention(), CausalSelfAttention()), ["cpu"] * 4, mesh=mesh,
+                                example_inputs=(x,), context_parallel=ALL_TO_ALL, **extra)  # fmt: skip
 
 
 def test_padding_mask_block_by_all_to_all_equals_eager():

@@ -2,7 +2,7 @@
 4-layer causal decoder at a long sequence on 4 virtual devices, at the same global batch, as a ratio
 measured in the same run.
 
-    PYTHONPATH=. python benchmarks/bench_context_parallel.py [--seq 4096] [--batch 1] [--json]
+    PYTHONPATH=. python benchmarks/bench_context_parallel.py [--seq 4096] [--batch 1] [--json] [--exchange all-to-all]
 
 - peak: ``dpcompile.measure``'s ``step_allocated_peak`` (the bytes a step allocates on each virtual
   device, each storage counted against the device of the node that made it, until freed), the
@@ -12,6 +12,8 @@ measured in the same run.
   At a batch of at least the device count both hold the same number of tokens per device, and
   context parallel adds each attention's gathered keys and values while it runs (forward, and
   again in backward): compare with ``--batch 4``.
+- ``--exchange all-to-all``: context parallel by the head-to-sequence all-to-all too (each device the
+  whole sequence for its heads), its peak against the all-gather's in the same run.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ class Decoder(nn.Module):
         return x.square().mean()
 
 
-def peak_activation_bytes(mesh: dict[str, int], x: torch.Tensor, model: nn.Module) -> int:
-    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 4, mesh=mesh, example_inputs=(x,))
+def peak_activation_bytes(mesh: dict[str, int], x: torch.Tensor, model: nn.Module, exchange: str | None = None) -> int:
+    options = {"exchange": exchange} if exchange else None
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 4, mesh=mesh, example_inputs=(x,), context_parallel=options)
     return max(dpcompile.measure(pm, x).step_allocated_peak.values())
 
 
@@ -68,6 +71,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="write benchmarks/results/context_parallel.json")
+    parser.add_argument("--exchange", choices=["all-to-all"], help="also context parallel by this exchange")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Decoder()
@@ -78,8 +82,14 @@ def main() -> None:
            "cp_over_dp": cp / dp}  # fmt: skip
     print(f"4-layer decoder, batch {args.batch} x seq {args.seq} on 4 virtual devices: peak activation bytes per "
           f"device: data parallel {dp:,}, context parallel {cp:,}: {cp / dp:.2f}x")  # fmt: skip
+    if args.exchange:
+        other = peak_activation_bytes({"cp": 4}, x, model, args.exchange)
+        row.update({f"cp_{args.exchange}_peak_bytes": other, f"{args.exchange}_over_all_gather": other / cp})
+        print(f"context parallel by the {args.exchange}: {other:,}: {other / cp:.2f}x the all-gather's, "
+              f"{other / dp:.2f}x data parallel's")  # fmt: skip
     if args.json:
-        (RESULTS / "context_parallel.json").write_text(json.dumps(row, indent=2) + "\n")
+        name = "context_parallel.json" if not args.exchange else f"context_parallel_{args.exchange}.json"
+        (RESULTS / name).write_text(json.dumps(row, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -122,6 +122,8 @@ def find_all_to_all_sites(gm: fx.GraphModule) -> list[AllToAllSite]:
         source = str(first.meta.get("dpcompile_source", first.name))
         query, key, mask, dropout = gm.meta.get(SHAPES, {}).get(source, (None, None, None, None))
         reason = all_to_all_applies(query, key, world, mask=mask, dim=dim, dropout=dropout)
+        if reason is None and mask is None and _mask(first) is not None:
+            reason = "its mask's shape is not known"
         heads = query[1] if query is not None and len(query) == 4 else None
         rows = len(mask) - 2 if mask is not None and len(mask) >= 2 else None
         sites.append(AllToAllSite(ordered, dim, heads, reason, rows))
@@ -159,8 +161,8 @@ def _refusal(site: AllToAllSite, world: int) -> str:
     return (
         f"context_parallel={{'exchange': 'all-to-all'}}: attention '{site.name}' cannot run as the head-to-sequence "
         f"all-to-all over {world} devices because {site.reason}. Use an exchange that serves every attention "
-        f"({' or '.join(others) or 'none built'}), leave 'exchange' out ('auto': the all-to-all where it applies), "
-        "or change 'cp' so that the heads divide by it"
+        f"({' or '.join(others) or 'none built'}) or leave 'exchange' out ('auto': the all-to-all where it applies)"
+        + (", or a 'cp' size that divides the heads" if "divide" in str(site.reason) else "")
     )
 
 

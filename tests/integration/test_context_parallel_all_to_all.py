@@ -45,6 +45,23 @@ class GroupedQueryAttention(nn.Module):
         return self.out(a.transpose(1, 2).reshape(b, s, h * d))
 
 
+class PerHeadBias(CausalSelfAttention):
+    """Bidirectional attention with a float mask of one bias per head, ``(heads, seq, seq)``, made from
+    positions and a learned slope per head (ALiBi's form): each device reads its heads' rows."""
+
+    def __init__(self):
+        super().__init__(dim=16, heads=4)
+        self.slopes = nn.Parameter(torch.linspace(0.1, 0.8, 4))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(s, device=x.device)
+        bias = -(positions[:, None] - positions[None, :]).abs().to(x.dtype) * self.slopes[:, None, None]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
 def _assert_equals_eager(model: nn.Module, args: tuple, n: int, exchange: dict | None = ALL_TO_ALL,
                          mesh: dict | None = None) -> str:  # fmt: skip
     """``model`` over ``n`` virtual devices (``mesh``, else ``{"cp": n}``): output and every gradient
@@ -114,6 +131,20 @@ def test_padding_mask_block_by_all_to_all_equals_eager():
     keep[0, 1:3] = False
     code = _assert_equals_eager(PaddedSelfAttention(), (torch.randn(2, 7, 16, dtype=torch.float64), keep), 2)
     assert code.count("dpcompile_runtime_heads_share(") == 2 and "attention_regathered" not in code
+
+
+def test_a_mask_per_head_gives_each_device_its_heads_and_saves(tmp_path):
+    """A float mask of one bias per head (its slopes learned): each device reads its heads of the whole
+    mask, output and every gradient (the slopes' too) equal eager; the program round-trips torch.save."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    code = _assert_equals_eager(PerHeadBias(), (x,), 2)
+    assert code.count("dpcompile_runtime_heads_share(") == 2
+    model = PerHeadBias().double()
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,),
+                             context_parallel=ALL_TO_ALL)  # fmt: skip
+    torch.save(pm, tmp_path / "pm.pt")
+    torch.testing.assert_close(torch.load(tmp_path / "pm.pt", weights_only=False)(x), model(x))
 
 
 def test_grouped_query_heads_divide_or_are_refused_by_name():

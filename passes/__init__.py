@@ -1,7 +1,7 @@
 """The graph passes of dpcompile and every pipeline that orders them, on one screen.
 
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
-                                         ├─► insert_sequence_exchange ─► insert_scatter_gather ─► regather_keys_values (context parallel)
+                                         ├─► insert_sequence_exchange ─► insert_scatter_gather ─► regather_keys_values ─► all_to_all_exchange (context parallel)
                                          ├─► split_batch_into_copies ─► insert_sequence_exchange ─► ... (dp x cp, one process)
                                          ├─► shard_linear ─► [shard_sequence ─►] expand_shards (tensor, sequence parallel)
                                          ├─► shard_linear ─► [split_one_shard_batch ─►] insert_sequence_exchange ─► (pipeline) ─► expand_shards ([dp x] cp x tp)

@@ -135,7 +135,8 @@ def test_padding_mask_block_by_all_to_all_equals_eager():
 
 def test_a_mask_per_head_gives_each_device_its_heads_and_saves(tmp_path):
     """A float mask of one bias per head (its slopes learned): each device reads its heads of the whole
-    mask, output and every gradient (the slopes' too) equal eager; the program round-trips torch.save."""
+    mask, output and every gradient (the slopes' too) equal eager; the program round-trips torch.save,
+    and explain names the all-to-all as the exchange."""
     torch.manual_seed(0)
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     code = _assert_equals_eager(PerHeadBias(), (x,), 2)
@@ -145,6 +146,9 @@ def test_a_mask_per_head_gives_each_device_its_heads_and_saves(tmp_path):
                              context_parallel=ALL_TO_ALL)  # fmt: skip
     torch.save(pm, tmp_path / "pm.pt")
     torch.testing.assert_close(torch.load(tmp_path / "pm.pt", weights_only=False)(x), model(x))
+    cp = dpcompile.explain(pm, x).context_parallel
+    assert (cp["exchange"], cp["attention"]) == ("head-to-sequence all-to-all", ["scaled_dot_product_attention"])
+    assert not any("all-to-all" in other for other in cp["not_chosen"])
 
 
 def test_grouped_query_heads_divide_or_are_refused_by_name():

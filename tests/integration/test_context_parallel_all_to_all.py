@@ -62,6 +62,18 @@ class PerHeadBias(CausalSelfAttention):
         return self.out(a.transpose(1, 2).reshape(b, s, d))
 
 
+class RowBias(CausalSelfAttention):
+    """A float mask of each token's own bias, ``(b, 1, seq, 1)``: split with the tokens (its keys
+    broadcast), so no whole mask exists to narrow; it reads a parameter (a gradient through the mask)."""
+
+    def forward(self, x, keep):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        bias = self.qkv.weight[0, 0] * keep.to(x.dtype)[:, None, :, None]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
 def _assert_equals_eager(model: nn.Module, args: tuple, n: int, exchange: dict | None = ALL_TO_ALL,
                          mesh: dict | None = None) -> str:  # fmt: skip
     """``model`` over ``n`` virtual devices (``mesh``, else ``{"cp": n}``): output and every gradient
@@ -149,6 +161,16 @@ def test_a_mask_per_head_gives_each_device_its_heads_and_saves(tmp_path):
     cp = dpcompile.explain(pm, x).context_parallel
     assert (cp["exchange"], cp["attention"]) == ("head-to-sequence all-to-all", ["scaled_dot_product_attention"])
     assert not any("all-to-all" in other for other in cp["not_chosen"])
+
+
+def test_a_mask_split_with_the_tokens_is_exchanged_like_the_queries():
+    """A mask whose rows each device computes from its own tokens is exchanged as the queries are
+    (each device all of its rows), output and every gradient equal eager, on 2 devices at 7 tokens."""
+    torch.manual_seed(0)
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[0, 1:3] = False
+    code = _assert_equals_eager(RowBias(), (torch.randn(2, 7, 16, dtype=torch.float64), keep), 2)
+    assert "mask_heads_dev1 = dpcompile_runtime_heads_of_sequence(" in code
 
 
 def test_grouped_query_heads_divide_or_are_refused_by_name():

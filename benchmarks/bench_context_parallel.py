@@ -2,7 +2,7 @@
 4-layer causal decoder at a long sequence on 4 virtual devices, at the same global batch, as a ratio
 measured in the same run.
 
-    PYTHONPATH=. python benchmarks/bench_context_parallel.py [--seq 4096] [--batch 1] [--exchange ring] [--json]
+    PYTHONPATH=. python benchmarks/bench_context_parallel.py [--seq 4096] [--batch 1] [--exchange ring|all-to-all] [--json]
 
 - peak: ``dpcompile.measure``'s ``step_allocated_peak`` (the bytes a step allocates on each virtual
   device, each storage counted against the device of the node that made it, until freed), the
@@ -12,8 +12,8 @@ measured in the same run.
   At a batch of at least the device count both hold the same number of tokens per device, and
   context parallel adds each attention's gathered keys and values while it runs (forward, and
   again in backward): compare with ``--batch 4``.
-- ``--exchange ring``: context parallel's keys and values on the ring (``context_parallel=``) too, its
-  peak against the all-gather's in the same run (the gathered keys and values are never built).
+- ``--exchange ring`` / ``--exchange all-to-all``: context parallel by that exchange too
+  (``context_parallel=``), its peak against the all-gather's in the same run.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--exchange", choices=["all-gather", "ring"], default="all-gather",
                         help="ring: measure context parallel on the ring too, against the all-gather")
     parser.add_argument("--json", action="store_true", help="write benchmarks/results/context_parallel.json")
+    parser.add_argument("--exchange", choices=["all-to-all"], help="also context parallel by this exchange")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Decoder()
@@ -88,7 +89,8 @@ def main() -> None:
               f"{ring / dp:.2f}x data parallel's")  # fmt: skip
         row.update(ring_peak_bytes=ring, ring_over_all_gather=ring / cp)
     if args.json:
-        (RESULTS / "context_parallel.json").write_text(json.dumps(row, indent=2) + "\n")
+        name = "context_parallel.json" if not args.exchange else f"context_parallel_{args.exchange}.json"
+        (RESULTS / name).write_text(json.dumps(row, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The graph passes of dpcompile and every pipeline that orders them, on one screen.
 
     capture ─► hoist_flatten_parameters ─┬─► insert_scatter_gather                (data parallel)
-                                         ├─► insert_sequence_exchange ─► choose_context_exchanges ─► insert_scatter_gather ─► regather_keys_values ─► ring_exchange (context parallel)
+                                         ├─► insert_sequence_exchange ─► choose_context_exchanges ─► insert_scatter_gather ─► regather_keys_values ─► ring_exchange ─► all_to_all_exchange (context parallel)
                                          ├─► split_batch_into_copies ─► insert_sequence_exchange ─► ... (dp x cp, one process)
                                          ├─► shard_linear ─► [shard_sequence ─►] expand_shards (tensor, sequence parallel)
                                          ├─► shard_linear ─► [split_one_shard_batch ─►] insert_sequence_exchange ─► (pipeline) ─► expand_shards ([dp x] cp x tp)
@@ -28,6 +28,7 @@ import torch
 from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, ContextParallelOptions
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
+from passes.all_to_all_exchange import all_to_all_exchange, find_all_to_all_sites, record_attention_shapes
 from passes.borrowed_modules import find_module_homes, replicate_borrowed_modules
 from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
 from passes.collectives import find_collective_sites, lower_to_collectives
@@ -94,7 +95,7 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
     ring where ``choose_context_exchanges`` chose it, ``ring_exchange``)."""
     choose = functools.partial(choose_context_exchanges, options=options.context_options, world=len(options.devices))
     return [
-        *([choose] if options.context_parallel else []),
+        *([record_attention_shapes, choose] if options.context_parallel else []),
         functools.partial(
             insert_scatter_gather,
             devices=options.devices,
@@ -103,6 +104,7 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
             copy_replicas=options.copy_replicas,
         ),
         *([regather_keys_values, ring_exchange] if options.context_parallel else []),
+        *([functools.partial(all_to_all_exchange, options=options.context_options)] if options.context_parallel else []),
         *exact_random_pipeline(options),
     ]
 
@@ -236,6 +238,9 @@ __all__ = [
     "find_exchange_sites",
     "ring_exchange",
     "find_ring_sites",
+    "all_to_all_exchange",
+    "find_all_to_all_sites",
+    "record_attention_shapes",
     "find_sequence_attention",
     "lower_sequence_to_rank",
     "find_rank_sites",

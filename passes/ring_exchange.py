@@ -1,7 +1,8 @@
 """Context parallel's exchange per attention call: chosen on the marked program, the ring's lowered.
 
 Two passes. ``choose_context_exchanges`` runs on the program ``insert_sequence_exchange`` marked
-(before ``insert_scatter_gather``, where every attention call still has its shapes): for each call
+(before ``insert_scatter_gather``, where every attention call still has its shapes; after
+``record_attention_shapes``, whose shapes say where the all-to-all applies): for each call
 it asks the cost model (:func:`dpcompile.analysis.context_exchange.choose_exchange`) which exchange
 runs it and records the :class:`ExchangeChoice` on the module (``gm.meta``), by the call's name.
 What the ring cannot serve (dropout, a mask that needs a gradient, a dtype but float32/float64,
@@ -35,21 +36,24 @@ from dpcompile.analysis.batch_rules.attention import sdpa_arguments
 from dpcompile.analysis.batch_rules.context import node_shape
 from dpcompile.analysis.context_exchange import (
     CHOICE_META,
+    CHOICES_META,
     AttentionShape,
     ContextParallelOptions,
     ExchangeChoice,
     choose_exchange,
 )
+from dpcompile.analysis.heads_exchange import all_to_all_applies
 from dpcompile.analysis.sequence_exchange import is_sequence_marker
 from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, stamp
 from dpcompile.runtime.sequence_ring import RING_KWARGS
+from passes.all_to_all_exchange import SHAPES
 from passes.context_parallel import SDPA_TARGETS
 
 CHOOSE = "choose_context_exchanges"
 PASS = "ring_exchange"
 #: ``gm.meta`` key: {attention call's name: ExchangeChoice}; ``node.meta`` key: the call's choice
-CHOICES = "dpcompile_exchanges"
+CHOICES = CHOICES_META
 CHOICE = CHOICE_META
 _DEVICE = re.compile(r"_dev(\d+)(?:_\d+)?$")
 
@@ -145,8 +149,15 @@ def choose_context_exchanges(gm: fx.GraphModule, *, options: ContextParallelOpti
     """Each marked attention call's exchange, recorded in ``gm.meta`` (see the module's docstring)."""
     sites = find_exchange_sites(gm)
     choices: dict[str, ExchangeChoice] = {}
+    shapes = gm.meta.get(SHAPES, {})  # record_attention_shapes: what the all-to-all reads
     for site in sites:
         cannot = {"ring": site.ring_cannot} if site.ring_cannot else {}
+        if (found := shapes.get(call_name(site.node))) is not None:
+            query, key, mask, dropout = found
+            bound = _arguments(site.node)
+            dim = bound["key"].args[1] % len(key) if bound is not None and key is not None else 2
+            if (reason := all_to_all_applies(query, key, world, mask=mask, dim=dim, dropout=dropout)) is not None:
+                cannot["all-to-all"] = reason
         if options.exchange == "ring" and site.ring_cannot:
             raise DpCompileError(
                 f"context_parallel={{'exchange': 'ring'}}: the attention call '{call_name(site.node)}' cannot run on the "

@@ -86,12 +86,13 @@ from dpcompile.runtime import distributed as dist_rt
 from dpcompile.runtime import exported
 from dpcompile.runtime.context_parallel_mesh import mean_over_batch
 from dpcompile.runtime.distributed import MeshGroup
+from dpcompile.runtime.sequence_all_to_all import heads_over_group, sequence_over_group
 from dpcompile.runtime.sequence_ring_group import ring_attention_over_group
 from passes.collectives import group_size
 
 PASS = "lower_sequence_to_rank"
 _PER_DEVICE = re.compile(r"^(.*)_dev(\d+)(?:_\d+)?$")  # fx's suffix where two nodes asked for one name
-_LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values", "ring_exchange")
+_LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values", "ring_exchange", "all_to_all_exchange")
 #: cross-device steps of the one-process program that have no lowering to one rank yet
 REFUSED = {
     runtime.batch_norm: "BatchNorm's statistics over the sequence",
@@ -125,7 +126,8 @@ class RankSites:
 
 #: cross-device steps: a walk back from a whole value stops there (past them, values are each rank's own)
 _CROSS = (runtime.gather, runtime.gather_sequence, runtime.scatter, runtime.attention_regathered,
-          runtime.ring_attention, runtime.mean_of_partials, runtime.reduce_add, runtime.to_device)  # fmt: skip
+          runtime.ring_attention, runtime.mean_of_partials, runtime.reduce_add, runtime.to_device,
+          runtime.heads_of_sequence, runtime.sequence_of_heads)  # fmt: skip
 
 
 def _parameters_read(gm: fx.GraphModule, node: fx.Node) -> list[str]:
@@ -442,6 +444,11 @@ class _RankRewriter:
             return self._attention(node)
         if target is runtime.ring_attention:
             return self._ring(node)
+        if target in (runtime.heads_of_sequence, runtime.sequence_of_heads):  # the all-to-all: one over the group
+            fn = heads_over_group if target is runtime.heads_of_sequence else sequence_over_group
+            shards, _index, dim, lengths, _device = node.args
+            args = (self.mine(shards), self.group, dim, self.sizes_of(list(lengths), node))
+            return stamp_comm(self._collective(fn, args, node), "all_to_all", backward="all_to_all")
         if target in _SIZES_AT:
             at = _SIZES_AT[target]
             args = list(self.mapped(node.args))

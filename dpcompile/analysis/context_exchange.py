@@ -26,7 +26,7 @@ from dpcompile.errors import DpCompileError
 
 EXCHANGES = ("all-gather", "ring", "all-to-all")
 #: the exchanges the lowering builds today (a name here and not in EXCHANGES is a bug)
-BUILT_EXCHANGES: tuple[str, ...] = ("all-gather", "ring")
+BUILT_EXCHANGES: tuple[str, ...] = ("all-gather", "ring", "all-to-all")
 LOAD_BALANCE_BUILT = False
 #: what ``pm.strategies`` and ``explain`` call each exchange
 EXCHANGE_NAMES = {
@@ -86,7 +86,7 @@ def parse_context_parallel(value: Any) -> ContextParallelOptions:
 __all__ = [
     "BUILT_EXCHANGES", "DEFAULT_OPTIONS", "EXCHANGES", "EXCHANGE_NAMES", "LOAD_BALANCE_BUILT",
     "AttentionShape", "ContextParallelOptions", "ExchangeChoice", "ExchangeCost", "choose_exchange",
-    "CHOICE_META", "check_exchange_composes", "chosen_exchange", "exchange_costs", "exchange_strategy",
+    "CHOICE_META", "CHOICES_META", "check_exchange_composes", "chosen_exchange", "exchange_costs", "exchange_strategy",
     "parse_context_parallel",
 ]  # fmt: skip
 
@@ -192,11 +192,11 @@ def choose_exchange(options: ContextParallelOptions, shape: AttentionShape, worl
     ``memory_bytes`` (None: no limit), the all-gather first where times tie; where none fits, the
     one with the smallest transient. The all-gather serves every call.
 
-    >>> s = AttentionShape(batch=1, heads=4, kv_heads=4, seq=4096, head_dim=16, value_dim=16, itemsize=4)
+    >>> s = AttentionShape(batch=1, heads=4, kv_heads=2, seq=4096, head_dim=16, value_dim=16, itemsize=4)
     >>> choose_exchange(DEFAULT_OPTIONS, s, 4).exchange
     'all-gather'
-    >>> choose_exchange(DEFAULT_OPTIONS, s, 4, memory_bytes=1 << 20).why_not["all-gather"]
-    'its transient 2,097,152 B is over the 1,048,576 B left for it'
+    >>> choose_exchange(DEFAULT_OPTIONS, s, 4, memory_bytes=1 << 19).why_not["all-gather"]
+    'its transient 1,048,576 B is over the 524,288 B left for it'
     """
     costs = exchange_costs(shape, world, calibration)
     refused = dict(cannot or {})
@@ -230,6 +230,8 @@ def choose_exchange(options: ContextParallelOptions, shape: AttentionShape, worl
 
 #: ``node.meta`` key where each lowered attention call carries its :class:`ExchangeChoice`
 CHOICE_META = "dpcompile_exchange"
+#: ``gm.meta`` key where the program keeps every attention call's :class:`ExchangeChoice`, by the call's name
+CHOICES_META = "dpcompile_exchanges"
 #: mesh dimensions beside ``cp`` whose lowering runs only the all-gather today
 _ALL_GATHER_ONLY = ("tp", "pp")
 

@@ -72,6 +72,7 @@ RING_FACTOR = {
     "gather": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
     "reduce": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,  # each device keeps its own 1/n and sends the rest
     "send": lambda n: 1.0,  # a pipeline stage sends the whole value to the next stage's device
     "identity": lambda n: 0.0,
     "split": lambda n: 0.0,

@@ -241,7 +241,8 @@ def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str
     size = (getattr(pm, "layout", None) or {}).get("cp", 1)
     if size < 2:
         return None
-    exchanges = (runtime.gather_sequence, runtime.attention_regathered, runtime.ring_attention)
+    exchanges = (runtime.gather_sequence, runtime.attention_regathered, runtime.ring_attention,
+                 runtime.sequence_of_heads)
     gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in exchanges]
     attention = sorted({str(n.meta.get("dpcompile_source", n.name)) for n in gathers})  # the user's attention calls
     calls = exchange_calls(gm)

@@ -48,6 +48,7 @@ from dpcompile.runtime.sequence import (
     sequence_split,
     sequence_whole,
 )
+from dpcompile.runtime.sequence_all_to_all import heads_of_sequence, heads_share, sequence_of_heads
 from dpcompile.runtime.sequence_ring import ring_attention
 from dpcompile.runtime.side_effects import (
     apply_function,
@@ -94,6 +95,9 @@ __all__ = [
     "keep_outputs",
     "gather",
     "gather_sequence",
+    "heads_of_sequence",
+    "heads_share",
+    "sequence_of_heads",
     "in_place_without_grad",
     "join_tiles",
     "local_positions",

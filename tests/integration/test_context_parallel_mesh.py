@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.integration.test_context_parallel_all_to_all import check_all_to_all_over_a_cp_mesh
 from tests.integration.test_context_parallel_ring import MESH_CHECKS as RING_CHECKS
 
 GROUP_TIMEOUT_S = 300.0  # spawning and the first gloo connections are slow on a loaded machine
@@ -397,6 +398,7 @@ def check_blocks_over_dp_and_cp() -> None:
 
 CHECKS = (
     ("gpt2", check_gpt2_equals_eager),
+    ("all_to_all", check_all_to_all_over_a_cp_mesh),  # test_context_parallel_all_to_all.py
     *((name, functools.partial(check_model_equals_eager, name)) for name in MATRIX),
     ("vit", check_vit_equals_eager),
     ("whole_modules", check_modules_on_whole_values_equal_eager),

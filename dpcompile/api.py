@@ -17,7 +17,12 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule, checkpoint_words
-from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, ContextParallelOptions, parse_context_parallel
+from dpcompile.analysis.context_exchange import (
+    DEFAULT_OPTIONS,
+    ContextParallelOptions,
+    check_load_balance_layout,
+    parse_context_parallel,
+)
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
@@ -126,6 +131,8 @@ def transform(
     )  # fmt: skip
     context_options = parse_context_parallel(context_parallel)
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
+    check_load_balance_layout(context_options, tuple(d for d, n in target.layout.items() if n > 1) if target else
+                              tuple(getattr(devices, "mesh_dim_names", None) or ()) if is_device_mesh(devices) else ())
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
                                        tensor_parallel)  # fmt: skip
     if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp

@@ -26,7 +26,7 @@ from dpcompile.errors import DpCompileError
 EXCHANGES = ("all-gather", "ring", "all-to-all")
 #: the exchanges the lowering builds today (a name here and not in EXCHANGES is a bug)
 BUILT_EXCHANGES: tuple[str, ...] = ("all-gather",)
-LOAD_BALANCE_BUILT = False
+LOAD_BALANCE_BUILT = True
 #: what ``pm.strategies`` and ``explain`` call each exchange
 EXCHANGE_NAMES = {
     "all-gather": "all-gather keys/values",
@@ -84,8 +84,25 @@ def parse_context_parallel(value: Any) -> ContextParallelOptions:
 
 __all__ = [
     "BUILT_EXCHANGES", "DEFAULT_OPTIONS", "EXCHANGES", "EXCHANGE_NAMES", "LOAD_BALANCE_BUILT",
-    "ContextParallelOptions", "chosen_exchange", "parse_context_parallel",
+    "ContextParallelOptions", "check_load_balance_layout", "chosen_exchange", "parse_context_parallel",
 ]  # fmt: skip
+
+
+def check_load_balance_layout(options: ContextParallelOptions, dims: tuple[str, ...]) -> None:
+    """``load_balance=True`` is built where context parallel regathers keys and values: ``cp`` alone or
+    with ``dp`` (in one process or over a mesh); beside ``tp`` or ``pp`` it is refused by name.
+
+    >>> check_load_balance_layout(ContextParallelOptions(load_balance=True), ("cp", "tp"))
+    Traceback (most recent call last):
+    ...
+    dpcompile.errors.DpCompileError: context_parallel={'load_balance': True} is built for 'cp' alone or with 'dp', not beside 'tp' yet: pass load_balance='auto' or False
+    """
+    other = [d for d in dims if d not in ("dp", "cp")]
+    if options.load_balance is True and other:
+        raise DpCompileError(
+            f"context_parallel={{'load_balance': True}} is built for 'cp' alone or with 'dp', not beside "
+            f"{', '.join(map(repr, other))} yet: pass load_balance='auto' or False"
+        )
 
 
 def chosen_exchange(options: ContextParallelOptions, *, heads: int | None = None, world: int | None = None) -> str:

@@ -48,6 +48,7 @@ from dpcompile.runtime.sequence import (
     sequence_split,
     sequence_whole,
 )
+from dpcompile.runtime.sequence_balance import balanced_attention, balanced_rows_back
 from dpcompile.runtime.side_effects import (
     apply_function,
     assign_buffer,
@@ -81,6 +82,8 @@ __all__ = [
     "TAKE_FIRST",
     "apply_function",
     "attention_regathered",
+    "balanced_attention",
+    "balanced_rows_back",
     "assign_buffer",
     "attributes_written",
     "batch_arange",

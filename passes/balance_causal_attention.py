@@ -20,8 +20,10 @@ After::
     sdpa_dev0 = dpcompile_runtime_balanced_rows_back([sdpa_balanced_dev0, sdpa_balanced_dev1], 2, 0)
     sdpa_dev1 = dpcompile_runtime_balanced_rows_back([sdpa_balanced_dev0, sdpa_balanced_dev1], 2, 1)
 
-An attention that is not causal (a mask, or none: every query sees every key already), or that was
-not regathered (dropout), is left as it is, its reason in ``node.meta["dpcompile_balance"]`` for
+An attention with a mask split by query rows (transformers' causal mask) moves its mask rows with the
+queries (``masks=``); a chunk whose rows let a query see a later key attends every key (exact, not
+balanced: checked at run time). An attention that is not causal (no mask, or one mask row for every
+query: every query sees every key already), or that was not regathered (dropout), is left as it is, its reason in ``node.meta["dpcompile_balance"]`` for
 ``explain``; where balancing was asked for by name (``required``) it is a ``DpCompileError``.
 """
 
@@ -61,11 +63,21 @@ def _device(node: fx.Node) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _mask_rows(node: fx.Node) -> fx.Node | None:
+    """The device's own rows of an attention mask (split with the queries, ``mask_rows``), else None."""
+    mask = node.kwargs.get("attn_mask")
+    return mask if isinstance(mask, fx.Node) and _device(mask) == _device(node) else None
+
+
 def _skip_reason(node: fx.Node) -> str | None:
-    """Why an attention call of the lowered program cannot be balanced; None where it can."""
+    """Why an attention call of the lowered program cannot be balanced; None where it can: causal
+    (``is_causal``) or a mask split by query rows (transformers' causal mask; checked per chunk at run
+    time, a chunk whose rows see a later key attending every key)."""
     if node.target is runtime.attention_regathered:
-        if node.args[5] is None:
-            return "it is not causal (a mask, or none): every device's queries already see every key"
+        if node.args[5] is None and "attn_mask" not in node.kwargs:
+            return "it is not causal (no mask): every device's queries already see every key"
+        if node.args[5] is None and _mask_rows(node) is None:
+            return "it is not causal (one mask row for every query): every device's queries see every kept key"
         if _device(node) is None:
             return "its device is not named in the program"
         return None
@@ -132,7 +144,9 @@ def _rewrite(gm: fx.GraphModule, site: BalanceSite, min_length: int) -> None:
     first = calls[0]
     queries = [c.args[0] for c in calls]
     keys, values, dim = list(first.args[1]), list(first.args[2]), first.args[3]
-    options = dict(first.kwargs)
+    options = {k: v for k, v in first.kwargs.items() if k != "attn_mask"}
+    if "attn_mask" in first.kwargs:
+        options["masks"] = [c.kwargs["attn_mask"] for c in calls]
     shortest = {"min_length": min_length} if min_length else {}
     base = _DEVICE.sub("", first.name)
     balanced = []

@@ -521,13 +521,15 @@ class _RankRewriter:
         length = self.graph.call_method("size", (key, dim))
         sizes = self.call(dist_rt.sequence_sizes, (length, self.group), name=f"{node.name}_sizes", source=node)
         stamp_comm(sizes, "all_gather")
-        fn = balanced or dist_rt.attention_over_group
+        fn, kwargs = balanced or dist_rt.attention_over_group, dict(node.kwargs)
         if balanced:
             args = (self.mine(query), key, self.mine(values), self.group, dim, sizes)
+            if "masks" in kwargs:  # this rank's mask rows
+                kwargs["mask"] = kwargs.pop("masks")[self.rank]
         else:
             args = (self.value(query), key, self.mine(values), self.group, dim, sizes, self.mapped(node.args[5]))
         self.lowered.append(f"{node.target.__name__} -> {fn.__name__}")  # type: ignore[union-attr]
-        new = self.call(fn, args, self.mapped(node.kwargs), name=node.name, source=node)
+        new = self.call(fn, args, self.mapped(kwargs), name=node.name, source=node)
         return stamp_comm(new, "all_gather", backward="reduce_scatter")
 
 

@@ -33,6 +33,8 @@ def attention_balance(gm: fx.GraphModule, load_balance: Any, size: int, labels: 
     skipped = [n.meta[SKIPPED] for n in gm.graph.nodes if SKIPPED in n.meta]
     if balanced:
         why = "zig-zag chunks: each device computes query chunks r and 2N-1-r of 2N"
+        if any(n.target is runtime.balanced_attention and "masks" in n.kwargs for n in gm.graph.nodes):
+            why += "; the mask's rows move with the queries, keys cut at a chunk's end where the mask is causal"
         if balanced[0].kwargs.get("min_length"):
             why += f" (sequences of {balanced[0].kwargs['min_length']} tokens or more)"
     elif load_balance is False:

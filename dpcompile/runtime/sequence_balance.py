@@ -136,12 +136,26 @@ def _fast_kernel(query: torch.Tensor, key: torch.Tensor, options: dict[str, Any]
             and key.dtype == query.dtype and key.shape[:-2] == query.shape[:-2])  # fmt: skip
 
 
+def _sees_a_later_key(mask: torch.Tensor, end: int) -> bool:
+    """Whether a mask's rows let a query see a key at ``end`` or later (bool: True there; float: not -inf)."""
+    if mask.shape[-1] <= end:
+        return False
+    tail = mask[..., end:]
+    return bool(tail.any()) if mask.dtype == torch.bool else bool((tail != float("-inf")).any())
+
+
 def _chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, end: int,
-                     options: dict[str, Any]) -> torch.Tensor:  # fmt: skip
-    """Causal attention of the queries at positions ``[start, end)`` against keys ``[0, end)`` (dim -2)."""
+                     options: dict[str, Any], mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Causal attention of the queries at positions ``[start, end)`` against keys ``[0, end)`` (dim -2).
+    With ``mask`` (its rows for these queries, every key): the keys up to ``end`` where the mask hides
+    every later one (a causal mask, padded or not), else every key (exact either way)."""
     rows = end - start
     if rows == 0:
         return query.new_zeros(*query.shape[:-1], value.shape[-1])
+    if mask is not None:
+        seen = key.shape[-2] if _sees_a_later_key(mask, end) else end
+        return F.scaled_dot_product_attention(query, key.narrow(-2, 0, seen), value.narrow(-2, 0, seen),
+                                              attn_mask=mask.narrow(-1, 0, seen), **options)  # fmt: skip
     if _fast_kernel(query, key, options):
         keys = [key.narrow(-2, 0, start), key.narrow(-2, start, rows)] if start else [key.narrow(-2, 0, rows)]
         values = [value.narrow(-2, 0, start), value.narrow(-2, start, rows)] if start else [value.narrow(-2, 0, rows)]
@@ -152,13 +166,15 @@ def _chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def zigzag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: int, world: int, rank: int,
-                     options: dict[str, Any], balanced: bool = True) -> torch.Tensor:  # fmt: skip
-    """Device ``rank``'s two chunks' causal attention: ``query`` holds their rows (dim -2) in
-    position order, ``key`` and ``value`` the whole sequence."""
+                     options: dict[str, Any], balanced: bool = True,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Device ``rank``'s two chunks' causal attention: ``query`` (and ``mask``) hold their rows (dim
+    -2) in position order, ``key`` and ``value`` the whole sequence."""
     outs, offset = [], 0
     for start, end in zigzag_chunks(length, world, rank, balanced):
         part = query.narrow(-2, offset, end - start)
-        outs.append(_chunk_attention(part, key, value, start, end, options))
+        rows = mask.narrow(-2, offset, end - start) if mask is not None else None
+        outs.append(_chunk_attention(part, key, value, start, end, options, rows))
         offset += end - start
     return torch.cat(outs, -2)
 
@@ -175,12 +191,15 @@ def balanced_attention(
     dim: int,
     rank: int,
     min_length: int = 0,
+    masks: Sequence[torch.Tensor] | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Device ``rank``'s zig-zag chunks of causal self-attention: their query rows taken from the
     devices that hold them, every device's keys and values gathered, on ``query_shards[rank]``'s
     device. Returns the two chunks' output rows in position order (:func:`balanced_rows_back`
     hands them back). A sequence shorter than ``min_length``: the device's own rows, unbalanced.
+    ``masks``: every device's rows of an attention mask (transformers' causal mask), moved with the
+    queries; a chunk whose mask rows show a later key attends every key (exact, not balanced).
 
     >>> q = torch.randn(1, 1, 8, 4)
     >>> whole = F.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -200,11 +219,16 @@ def balanced_attention(
         )
     device, balanced = query.device, length >= min_length
     pieces = [p for p in zigzag_pieces(sizes, balanced) if p.dest == rank]
-    mine = torch.cat([query_shards[p.owner].narrow(-2, p.source_start, p.length).to(device) for p in pieces]
-                     or [query.narrow(-2, 0, 0)], -2)  # fmt: skip
     key = torch.cat([k.to(device) for k in key_shards], -2)
     value = torch.cat([v.to(device) for v in value_shards], -2)
-    return zigzag_attention(mine, key, value, length, world, rank, _attention_options(kwargs), balanced)
+    mine, mask = _rows_of(query_shards, pieces, device), _rows_of(masks, pieces, device) if masks else None
+    return zigzag_attention(mine, key, value, length, world, rank, _attention_options(kwargs), balanced, mask)
+
+
+def _rows_of(shards: Sequence[torch.Tensor], pieces: Sequence[Piece], device: Any) -> torch.Tensor:
+    """The ``pieces``' rows (dim -2) of every device's shard, in order, on ``device``."""
+    parts = [shards[p.owner].narrow(-2, p.source_start, p.length).to(device) for p in pieces]
+    return torch.cat(parts or [shards[0].narrow(-2, 0, 0).to(device)], -2)
 
 
 def balanced_rows_back(outputs: Sequence[torch.Tensor], dim: int, rank: int, min_length: int = 0) -> torch.Tensor:
@@ -271,13 +295,15 @@ def balanced_attention_over_group(
     dim: int,
     sizes: Sequence[int],
     min_length: int = 0,
+    mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """This rank's rows of causal self-attention over a ``cp`` group, its work balanced: the query
     rows of its two zig-zag chunks received from their owners (one all-to-all), attended against the
     whole keys and values (all-gathered, their gradients summed onto the owners), and the output rows
     sent back to their owners (the reverse all-to-all). ``sizes``: every rank's length, rank order; a
-    sequence shorter than ``min_length`` is not balanced (no all-to-all: the rank's own rows).
+    sequence shorter than ``min_length`` is not balanced (no all-to-all: the rank's own rows). ``mask``:
+    this rank's rows of an attention mask, moved with the query rows (as :func:`balanced_attention`).
 
     >>> out = balanced_attention_over_group(q_local, k_local, v_local, cp_group, 2, [4, 3])  # doctest: +SKIP
     """
@@ -289,14 +315,17 @@ def balanced_attention_over_group(
     keys, values = _GatherRows.apply(key, g, tuple(sizes)), _GatherRows.apply(value, g, tuple(sizes))
     options, length = _attention_options(kwargs), sum(sizes)
     if length < min_length:
-        return zigzag_attention(query, keys, values, length, world, rank, options, balanced=False)
+        return zigzag_attention(query, keys, values, length, world, rank, options, balanced=False, mask=mask)
     pieces = zigzag_pieces(sizes)
     out_of = sorted((p for p in pieces if p.owner == rank), key=lambda p: p.dest)  # send order: by destination
     send = [sum(p.length for p in out_of if p.dest == j) for j in range(world)]
     recv = [sum(p.length for p in pieces if p.dest == rank and p.owner == i) for i in range(world)]
-    rows = torch.cat([query.narrow(-2, p.source_start, p.length) for p in out_of] or [query.narrow(-2, 0, 0)], -2)
-    mine = _AllToAllRows.apply(rows, g, send, recv)
-    out = zigzag_attention(mine, keys, values, length, world, rank, options)
+    mine = _AllToAllRows.apply(_rows_of([query] * world, out_of, query.device), g, send, recv)
+    if mask is not None:
+        rows = _rows_of([mask] * world, out_of, mask.device)
+        rows = rows.to(torch.uint8) if mask.dtype == torch.bool else rows  # gloo moves bytes, not bools
+        mask = _AllToAllRows.apply(rows, g, send, recv).to(mask.dtype)
+    out = zigzag_attention(mine, keys, values, length, world, rank, options, mask=mask)
     back = _AllToAllRows.apply(out, g, recv, send)  # in send order; this rank's rows put back in position order
     offsets = [sum(p.length for p in out_of[:i]) for i in range(len(out_of))]
     order = sorted(range(len(out_of)), key=lambda i: out_of[i].source_start)

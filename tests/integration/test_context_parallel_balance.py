@@ -1,0 +1,191 @@
+"""Causal load balancing of context parallel's attention (``context_parallel={"load_balance": True}``):
+inside each causal attention call device ``r`` computes the query chunks ``r`` and ``2N - 1 - r`` of
+``2N`` (zig-zag), everything else stays on its own tokens. Outputs, loss and every gradient equal
+eager (float64; float32 to rounding) for a causal block, GPT-2 and Llama on 2 and 4 virtual devices,
+at lengths that divide and that do not; the work per device is counted; a non-causal attention asked
+to balance is refused by name. Over a ``("cp",)`` gloo mesh: the checks at the end, run by the shared
+spawned groups of ``test_context_parallel_mesh.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dpcompile
+from dpcompile import DpCompileError
+from dpcompile.runtime.sequence_balance import balanced_sizes, causal_rows_keys, zigzag_chunks, zigzag_pieces
+from tests.helpers import assert_lm_step_equals_eager, model_gradients
+from tests.integration.test_context_parallel import CausalSelfAttention, PaddedSelfAttention, _inputs
+from tests.integration.test_context_parallel import _transformers_model as transformers_model
+
+BALANCED = {"load_balance": True}
+
+
+def test_zigzag_layout_moves_every_row_once_and_evens_out_causal_work():
+    """Every device's rows go to exactly one place and back, each device's chunks are ``r`` and
+    ``2N-1-r``; the causal work (query rows x keys) per device: max/min 6.99 contiguous, 1.0 zig-zag
+    at 4096 tokens on 4 devices; uneven lengths stay within a chunk's rows."""
+    for sizes in ([4, 4], [7, 6], [2, 2, 2, 1], [1, 1, 1, 0], [5, 5, 5]):
+        length, world = sum(sizes), len(sizes)
+        pieces = zigzag_pieces(sizes)
+        for owner, size in enumerate(sizes):
+            rows = sorted(i for p in pieces if p.owner == owner for i in range(p.source_start, p.source_start + p.length))
+            assert rows == list(range(size))
+        for dest in range(world):
+            chunks = zigzag_chunks(length, world, dest)
+            want = [i for start, end in chunks for i in range(start, end)]
+            got = sorted((sum(sizes[: p.owner]) + p.source_start + k, p.dest_start + k)
+                         for p in pieces if p.dest == dest for k in range(p.length))  # fmt: skip
+            assert [g for g, _ in got] == want and [d for _, d in got] == list(range(len(want)))
+    contiguous, balanced = causal_rows_keys(4096, 4, False), causal_rows_keys(4096, 4, True)
+    assert sum(contiguous) == sum(balanced) == 4096 * 4097 // 2
+    assert max(contiguous) / min(contiguous) == pytest.approx(3670528 / 524800) and len(set(balanced)) == 1
+    assert balanced_sizes(13, 4) == [4, 3, 3, 3]
+    assert causal_rows_keys(13, 2, True) == [10 + 36, 18 + 27]  # chunks of 4, 3, 3, 3: rows 0-3 with 10-12, 4-6 with 7-9
+
+
+@pytest.mark.parametrize("n, lengths", [(2, (12, 13)), (4, (8, 7))])
+def test_balanced_causal_block_equals_eager(n, lengths):
+    """A causal block's outputs and gradients equal eager's (float64), each device's attention the
+    zig-zag call (its rows taken back after), at a length that divides 2N and one that does not; in
+    float32 to rounding."""
+    for seq in lengths:
+        torch.manual_seed(seq)
+        model = CausalSelfAttention().double()
+        eager = copy.deepcopy(model)
+        x = torch.randn(2, seq, 16, dtype=torch.float64)
+        pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_inputs=(x,), context_parallel=BALANCED)
+        assert pm.code.count("dpcompile_runtime_balanced_attention(") == n
+        assert pm.code.count("dpcompile_runtime_balanced_rows_back(") == n
+        assert "attention_regathered" not in pm.code
+        got, want = pm(x), eager(x)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    model = CausalSelfAttention()
+    x = torch.randn(2, lengths[1], 16)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * n, mesh={"cp": n}, example_inputs=(x,),
+                             context_parallel=BALANCED)  # fmt: skip
+    torch.testing.assert_close(pm(x), model(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_balanced_transformers_equal_eager(name):
+    """GPT-2 (labels) and Llama (rotary, grouped-query heads), export frontend, built once, balanced
+    on 2 devices (12 and 13 tokens) and 4 (8 and 7): logits, loss and every gradient equal eager."""
+    torch.manual_seed(0)
+    built = transformers_model(name).double()
+    for n, lengths in ((2, (12, 13)), (4, (8, 7))):
+        model, eager = copy.deepcopy(built), copy.deepcopy(built)
+        pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=_inputs(name, lengths[0]),
+                                 frontend="export", context_parallel=BALANCED)  # fmt: skip
+        assert pm.code.count("dpcompile_runtime_balanced_attention(") == n
+        for seq in lengths:
+            assert_lm_step_equals_eager(pm, eager, _inputs(name, seq, seed=seq), model_gradients(model))
+            model.zero_grad()
+            eager.zero_grad()
+
+
+def test_balancing_a_non_causal_attention_is_refused_by_name():
+    """A padding mask (every query sees every kept key: nothing to balance) with load_balance=True is a
+    DpCompileError naming the attention and the reason; the model is untouched. Beside 'tp' too."""
+    model = PaddedSelfAttention()
+    before = copy.deepcopy(model.state_dict())
+    x, keep = torch.randn(2, 7, 16), torch.ones(2, 7, dtype=torch.bool)
+    with pytest.raises(DpCompileError, match=r"attention 'scaled_dot_product_attention' .*cannot be balanced: it "
+                                             r"is not causal"):  # fmt: skip
+        dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x, keep), context_parallel=BALANCED)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(DpCompileError, match="not beside 'tp' yet"):
+        dpcompile.transform(CausalSelfAttention(), ["cpu"] * 4, mesh={"cp": 2, "tp": 2}, example_inputs=(x,),
+                            context_parallel=BALANCED)  # fmt: skip
+
+
+def test_explain_says_whether_balancing_is_on_and_each_devices_share():
+    """explain's cp section: on (every device a quarter of the causal work) or off with the reason
+    ('auto' in one process leaves the program as it was: the last device's share the largest)."""
+    x = torch.randn(2, 16, 16)
+    on = dpcompile.transform(CausalSelfAttention(), ["cpu"] * 4, mesh={"cp": 4}, example_inputs=(x,),
+                             context_parallel=BALANCED)  # fmt: skip
+    report = dpcompile.explain(on, x)
+    balance = report.context_parallel["load_balance"]
+    assert balance["on"] and list(balance["shares"].values()) == [0.25] * 4
+    assert "causal load balancing: on (zig-zag chunks" in str(report)
+    off = dpcompile.transform(CausalSelfAttention(), ["cpu"] * 4, mesh={"cp": 4}, example_inputs=(x,))
+    assert "balanced_attention" not in off.code
+    balance = dpcompile.explain(off, x).context_parallel["load_balance"]
+    shares = [round(s * 136) for s in balance["shares"].values()]  # 16 tokens: 136 (row, key) pairs
+    assert not balance["on"] and "over a DeviceMesh only" in balance["why"] and shares == [10, 26, 42, 58]
+
+
+# ---------------------------------------------------------------- over a ("cp",) gloo mesh
+# run by test_context_parallel_mesh.py's shared spawned groups (CHECKS, CHECKS_4)
+
+
+def check_balanced_models_over_a_cp_mesh() -> None:
+    """2 ranks, load_balance=True: GPT-2 and Llama with labels at 12 and 13 tokens, each rank's logits,
+    the loss and every parameter gradient equal eager's; the rank program exchanges query and output
+    rows by all-to-all."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    for name in ("gpt2", "llama"):
+        torch.manual_seed(0)
+        model = transformers_model(name).double()
+        eager = copy.deepcopy(model)
+        pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(name, 12), mesh), frontend="export",
+                                 context_parallel=BALANCED)  # fmt: skip
+        assert "balanced_attention_over_group" in pm.code, pm.code
+        for seq in (12, 13):
+            mine = torch.tensor_split(torch.arange(seq), 2)[dist.get_rank()]
+            whole = _inputs(name, seq, seed=seq)
+            got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+            torch.testing.assert_close(got.logits, want.logits[:, mine])
+            torch.testing.assert_close(got.loss, want.loss)
+            weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+            (got.loss + (got.logits * weights[:, mine]).sum()).backward()
+            (want.loss + (want.logits * weights).sum()).backward()
+            for (p_name, p), q in zip(model.named_parameters(), eager.parameters()):
+                # DDP averages the ranks' gradients; the program scales them so the average is the sum
+                where = f"{name} {p_name}"
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
+            model.zero_grad()
+            eager.zero_grad()
+
+
+def check_balanced_block_on_four_ranks() -> None:
+    """4 ranks, load_balance=True: a causal block at 8 tokens (chunks of 1) and 7 (shards 2, 2, 2, 1;
+    an empty chunk): each rank's outputs and every gradient equal eager's."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    for seq in (8, 7):
+        torch.manual_seed(seq)
+        model = CausalSelfAttention().double()
+        eager = copy.deepcopy(model)
+        x = torch.randn(2, seq, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(seq))
+        pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),), context_parallel=BALANCED)
+        mine = torch.tensor_split(torch.arange(seq), 4)[dist.get_rank()]
+        got, want = pm(local_batch(x, mesh)), eager(x)
+        torch.testing.assert_close(got, want[:, mine])
+        weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+        (got * weights[:, mine]).sum().backward()
+        (want * weights).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")

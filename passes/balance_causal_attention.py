@@ -22,7 +22,7 @@ After::
 
 An attention with a mask split by query rows (transformers' causal mask) moves its mask rows with the
 queries (``masks=``); a chunk whose rows let a query see a later key attends every key (exact, not
-balanced: checked at run time). An attention that is not causal (no mask, or one mask row for every
+balanced: checked at run time; under ``required``, a ``DpCompileError`` naming it). An attention that is not causal (no mask, or one mask row for every
 query: every query sees every key already), or that was not regathered (dropout), is left as it is, its reason in ``node.meta["dpcompile_balance"]`` for
 ``explain``; where balancing was asked for by name (``required``) it is a ``DpCompileError``.
 """
@@ -133,12 +133,12 @@ def balance_causal_attention(gm: fx.GraphModule, *, required: bool = False, min_
     for node, reason in found.skipped:
         node.meta[SKIPPED] = reason
     for site in found.sites:
-        _rewrite(gm, site, min_length)
+        _rewrite(gm, site, min_length, required)
     return PassResult(gm, bool(found.sites), {"balanced": [s.calls[0].meta.get("dpcompile_source", s.calls[0].name)
                                                            for s in found.sites]})  # fmt: skip
 
 
-def _rewrite(gm: fx.GraphModule, site: BalanceSite, min_length: int) -> None:
+def _rewrite(gm: fx.GraphModule, site: BalanceSite, min_length: int, required: bool) -> None:
     """The balanced calls before the first device's attention; each device's call becomes its rows back."""
     calls = site.calls
     first = calls[0]
@@ -147,6 +147,8 @@ def _rewrite(gm: fx.GraphModule, site: BalanceSite, min_length: int) -> None:
     options = {k: v for k, v in first.kwargs.items() if k != "attn_mask"}
     if "attn_mask" in first.kwargs:
         options["masks"] = [c.kwargs["attn_mask"] for c in calls]
+        if required:  # a mask may not be causal (BERT's): load_balance=True refuses it by name when it runs
+            options["must_balance"] = str(first.meta.get("dpcompile_source", first.name))
     shortest = {"min_length": min_length} if min_length else {}
     base = _DEVICE.sub("", first.name)
     balanced = []

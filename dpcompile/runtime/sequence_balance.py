@@ -144,6 +144,13 @@ def _sees_a_later_key(mask: torch.Tensor, end: int) -> bool:
     return bool(tail.any()) if mask.dtype == torch.bool else bool((tail != float("-inf")).any())
 
 
+def _not_causal(name: str) -> DpCompileError:
+    return DpCompileError(
+        f"context_parallel={{'load_balance': True}}: attention '{name}' is not causal: its mask lets a query see a "
+        "later key, so there is no work to balance; pass load_balance='auto' (leaves such calls unbalanced) or False"
+    )
+
+
 def _chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, end: int,
                      options: dict[str, Any], mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Causal attention of the queries at positions ``[start, end)`` against keys ``[0, end)`` (dim -2).
@@ -166,14 +173,17 @@ def _chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def zigzag_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: int, world: int, rank: int,
-                     options: dict[str, Any], balanced: bool = True,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                     options: dict[str, Any], balanced: bool = True, mask: torch.Tensor | None = None,
+                     must_balance: str | None = None) -> torch.Tensor:  # fmt: skip
     """Device ``rank``'s two chunks' causal attention: ``query`` (and ``mask``) hold their rows (dim
-    -2) in position order, ``key`` and ``value`` the whole sequence."""
+    -2) in position order, ``key`` and ``value`` the whole sequence. ``must_balance``: the attention's
+    name, a ``DpCompileError`` where the mask lets a chunk's query see a key past the chunk."""
     outs, offset = [], 0
     for start, end in zigzag_chunks(length, world, rank, balanced):
         part = query.narrow(-2, offset, end - start)
         rows = mask.narrow(-2, offset, end - start) if mask is not None else None
+        if must_balance and rows is not None and end > start and _sees_a_later_key(rows, end):
+            raise _not_causal(must_balance)
         outs.append(_chunk_attention(part, key, value, start, end, options, rows))
         offset += end - start
     return torch.cat(outs, -2)
@@ -192,6 +202,7 @@ def balanced_attention(
     rank: int,
     min_length: int = 0,
     masks: Sequence[torch.Tensor] | None = None,
+    must_balance: str | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Device ``rank``'s zig-zag chunks of causal self-attention: their query rows taken from the
@@ -199,7 +210,8 @@ def balanced_attention(
     device. Returns the two chunks' output rows in position order (:func:`balanced_rows_back`
     hands them back). A sequence shorter than ``min_length``: the device's own rows, unbalanced.
     ``masks``: every device's rows of an attention mask (transformers' causal mask), moved with the
-    queries; a chunk whose mask rows show a later key attends every key (exact, not balanced).
+    queries; a chunk whose mask rows show a later key attends every key (exact, not balanced), or,
+    ``must_balance`` (``load_balance=True``: the attention's name), is a ``DpCompileError``.
 
     >>> q = torch.randn(1, 1, 8, 4)
     >>> whole = F.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -222,7 +234,8 @@ def balanced_attention(
     key = torch.cat([k.to(device) for k in key_shards], -2)
     value = torch.cat([v.to(device) for v in value_shards], -2)
     mine, mask = _rows_of(query_shards, pieces, device), _rows_of(masks, pieces, device) if masks else None
-    return zigzag_attention(mine, key, value, length, world, rank, _attention_options(kwargs), balanced, mask)
+    return zigzag_attention(mine, key, value, length, world, rank, _attention_options(kwargs), balanced, mask,
+                            must_balance)  # fmt: skip
 
 
 def _rows_of(shards: Sequence[torch.Tensor], pieces: Sequence[Piece], device: Any) -> torch.Tensor:
@@ -296,6 +309,7 @@ def balanced_attention_over_group(
     sizes: Sequence[int],
     min_length: int = 0,
     mask: torch.Tensor | None = None,
+    must_balance: str | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """This rank's rows of causal self-attention over a ``cp`` group, its work balanced: the query
@@ -303,7 +317,9 @@ def balanced_attention_over_group(
     whole keys and values (all-gathered, their gradients summed onto the owners), and the output rows
     sent back to their owners (the reverse all-to-all). ``sizes``: every rank's length, rank order; a
     sequence shorter than ``min_length`` is not balanced (no all-to-all: the rank's own rows). ``mask``:
-    this rank's rows of an attention mask, moved with the query rows (as :func:`balanced_attention`).
+    this rank's rows of an attention mask, moved with the query rows (as :func:`balanced_attention`);
+    ``must_balance``: a mask that lets a query see a later key is a ``DpCompileError`` on every rank
+    (each rank checks its own rows, one all-reduce of the answer).
 
     >>> out = balanced_attention_over_group(q_local, k_local, v_local, cp_group, 2, [4, 3])  # doctest: +SKIP
     """
@@ -314,6 +330,14 @@ def balanced_attention_over_group(
     rank, world, sizes = dist.get_rank(g), dist.get_world_size(g), [int(s) for s in sizes]
     keys, values = _GatherRows.apply(key, g, tuple(sizes)), _GatherRows.apply(value, g, tuple(sizes))
     options, length = _attention_options(kwargs), sum(sizes)
+    if must_balance and mask is not None:
+        start = sum(sizes[:rank])
+        later = torch.ones(mask.shape[-2], mask.shape[-1], dtype=torch.bool, device=mask.device).triu(start + 1)
+        seen = (mask & later) if mask.dtype == torch.bool else (mask != float("-inf")) & later
+        flag = torch.tensor([float(bool(seen.any()))])
+        dist.all_reduce(flag, group=g)
+        if flag.item():
+            raise _not_causal(must_balance)
     if length < min_length:
         return zigzag_attention(query, keys, values, length, world, rank, options, balanced=False, mask=mask)
     pieces = zigzag_pieces(sizes)

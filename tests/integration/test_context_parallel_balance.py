@@ -13,10 +13,18 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dpcompile
 from dpcompile import DpCompileError
-from dpcompile.runtime.sequence_balance import balanced_sizes, causal_rows_keys, zigzag_chunks, zigzag_pieces
+from dpcompile.runtime.sequence_balance import (
+    balanced_attention,
+    balanced_rows_back,
+    balanced_sizes,
+    causal_rows_keys,
+    zigzag_chunks,
+    zigzag_pieces,
+)
 from tests.helpers import assert_lm_step_equals_eager, model_gradients
 from tests.integration.test_context_parallel import CausalSelfAttention, PaddedSelfAttention, _inputs
 from tests.integration.test_context_parallel import _transformers_model as transformers_model
@@ -107,6 +115,50 @@ def test_balancing_a_non_causal_attention_is_refused_by_name():
                             context_parallel=BALANCED)  # fmt: skip
 
 
+class BandedAttention(CausalSelfAttention):
+    """Attention with a mask of queries by keys that lets a query see 2 later keys (not causal), built
+    from positions as transformers builds its masks (whole, then split by query rows)."""
+
+    def forward(self, x):
+        b, s, d = x.shape
+        i = torch.arange(s, device=x.device)
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=(i[:, None] - i[None, :]).abs() <= 2)
+        return self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
+def test_balancing_a_mask_that_is_not_causal_is_refused_by_name_when_it_runs():
+    """A mask split by query rows may be causal (transformers' decoders) or not (a band, BERT's
+    padding): load_balance=True checks it at each call and refuses the one that is not, by name."""
+    x = torch.randn(2, 8, 16)
+    pm = dpcompile.transform(BandedAttention(), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,),
+                             context_parallel=BALANCED)  # fmt: skip
+    with pytest.raises(DpCompileError, match="attention 'scaled_dot_product_attention' is not causal: its mask lets"):
+        pm(x)
+
+
+def test_masked_zigzag_attention_is_exact_whether_or_not_the_mask_is_causal():
+    """The runtime under 'auto': a causal mask with padding cuts each chunk's keys at its end, a
+    bidirectional padding mask makes each chunk attend every key; both equal whole attention and its
+    gradients (float64), 13 tokens on 2 devices and 7 on 4."""
+    torch.manual_seed(0)
+    for length, world in ((13, 2), (7, 4)):
+        q = torch.randn(2, 2, length, 4, dtype=torch.float64, requires_grad=True)
+        keep = torch.ones(2, 1, 1, length, dtype=torch.bool)
+        keep[0, ..., :2] = False  # left padding
+        eye = torch.eye(length, dtype=torch.bool)
+        for mask in ((torch.ones(length, length, dtype=torch.bool).tril() & keep) | eye, keep | eye):
+            mask = mask.expand(2, 1, length, length)
+            whole = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            qs, ms = q.split(balanced_sizes(length, world), 2), mask.split(balanced_sizes(length, world), 2)
+            outs = [balanced_attention(qs, qs, qs, 2, r, masks=ms) for r in range(world)]
+            got = torch.cat([balanced_rows_back(outs, 2, r) for r in range(world)], 2)
+            torch.testing.assert_close(got, whole)
+            weights = torch.randn_like(whole)
+            want_grad = torch.autograd.grad((whole * weights).sum(), q)[0]
+            torch.testing.assert_close(torch.autograd.grad((got * weights).sum(), q)[0], want_grad)
+
+
 def test_explain_says_whether_balancing_is_on_and_each_devices_share():
     """explain's cp section: on (every device a quarter of the causal work) or off with the reason
     ('auto' in one process leaves the program as it was: the last device's share the largest)."""
@@ -131,7 +183,7 @@ def test_explain_says_whether_balancing_is_on_and_each_devices_share():
 def check_balanced_models_over_a_cp_mesh() -> None:
     """2 ranks, load_balance=True: GPT-2 and Llama with labels at 12 and 13 tokens, each rank's logits,
     the loss and every parameter gradient equal eager's; the rank program exchanges query and output
-    rows by all-to-all."""
+    rows by all-to-all. BERT's mask (not causal) is refused by name on both ranks when it runs."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -162,6 +214,15 @@ def check_balanced_models_over_a_cp_mesh() -> None:
                 torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
             model.zero_grad()
             eager.zero_grad()
+    bert = transformers_model("bert").double()  # its padding mask is split by query rows too, and not causal
+    pm = dpcompile.transform(bert, mesh, example_kwargs=local_batch(_inputs("bert", 12), mesh), frontend="export",
+                             context_parallel=BALANCED)  # fmt: skip
+    try:
+        pm(**local_batch(_inputs("bert", 12), mesh))
+    except DpCompileError as error:  # on every rank alike (one all-reduce of each rank's check)
+        assert "attention 'bert_encoder_layer_0_attention_self_scaled_dot_product_attention' is not causal" in str(error)
+    else:
+        raise AssertionError("a mask that is not causal ran under load_balance=True")
 
 
 def check_balanced_block_on_four_ranks() -> None:

@@ -83,13 +83,14 @@ def test_balanced_causal_block_equals_eager(n, lengths):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_balanced_transformers_equal_eager(name):
-    """GPT-2 (labels) and Llama (rotary, grouped-query heads), export frontend, built once, balanced
-    on 2 devices (12 and 13 tokens) and 4 (8 and 7): logits, loss and every gradient equal eager."""
+@pytest.mark.parametrize("name, layouts", [("gpt2", ((2, (12, 13)), (4, (8, 7)))), ("llama", ((4, (8, 7)),))])
+def test_balanced_transformers_equal_eager(name, layouts):
+    """GPT-2 (labels; its causal mask moves with the query rows), export frontend, built once, balanced
+    on 2 devices (12 and 13 tokens) and 4 (8 and 7), and Llama (rotary, grouped-query heads) on 4 (Llama
+    on 2: same program, left out for time): logits, loss and every gradient equal eager."""
     torch.manual_seed(0)
     built = transformers_model(name).double()
-    for n, lengths in ((2, (12, 13)), (4, (8, 7))):
+    for n, lengths in layouts:
         model, eager = copy.deepcopy(built), copy.deepcopy(built)
         pm = dpcompile.transform(model, ["cpu"] * n, mesh={"cp": n}, example_kwargs=_inputs(name, lengths[0]),
                                  frontend="export", context_parallel=BALANCED)  # fmt: skip
@@ -181,9 +182,10 @@ def test_explain_says_whether_balancing_is_on_and_each_devices_share():
 
 
 def check_balanced_models_over_a_cp_mesh() -> None:
-    """2 ranks, load_balance=True: GPT-2 and Llama with labels at 12 and 13 tokens, each rank's logits,
-    the loss and every parameter gradient equal eager's; the rank program exchanges query and output
-    rows by all-to-all. BERT's mask (not causal) is refused by name on both ranks when it runs."""
+    """2 ranks, load_balance=True: GPT-2 with labels at 12 and 13 tokens (its causal mask's rows move
+    with the query rows), each rank's logits, the loss and every parameter gradient equal eager's; the
+    rank program exchanges query and output rows by all-to-all. A mask that is not causal (a band) is
+    refused by name on both ranks when it runs."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -192,7 +194,7 @@ def check_balanced_models_over_a_cp_mesh() -> None:
     from dpcompile.mesh import local_batch
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    for name in ("gpt2", "llama"):
+    for name in ("gpt2",):  # Llama: checked in one process (the rank lowering is the same), left out for time
         torch.manual_seed(0)
         model = transformers_model(name).double()
         eager = copy.deepcopy(model)
@@ -214,13 +216,12 @@ def check_balanced_models_over_a_cp_mesh() -> None:
                 torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
             model.zero_grad()
             eager.zero_grad()
-    bert = transformers_model("bert").double()  # its padding mask is split by query rows too, and not causal
-    pm = dpcompile.transform(bert, mesh, example_kwargs=local_batch(_inputs("bert", 12), mesh), frontend="export",
-                             context_parallel=BALANCED)  # fmt: skip
-    try:
-        pm(**local_batch(_inputs("bert", 12), mesh))
+    x = torch.randn(2, 8, 16)
+    pm = dpcompile.transform(BandedAttention(), mesh, example_inputs=(local_batch(x, mesh),), context_parallel=BALANCED)
+    try:  # each rank finds later keys in its own rows of the band
+        pm(local_batch(x, mesh))
     except DpCompileError as error:  # on every rank alike (one all-reduce of each rank's check)
-        assert "attention 'bert_encoder_layer_0_attention_self_scaled_dot_product_attention' is not causal" in str(error)
+        assert "attention 'scaled_dot_product_attention' is not causal" in str(error)
     else:
         raise AssertionError("a mask that is not causal ran under load_balance=True")
 

@@ -75,6 +75,15 @@ def timed_calls(seq: int, repeats: int) -> dict:
 
 
 def _rank(rank: int, port: int, seq: int, repeats: int, results) -> None:
+    try:
+        _timed_steps(rank, port, seq, repeats, results)
+    except Exception:  # noqa: BLE001 - the parent waits for a report: send the failure instead
+        import traceback
+
+        results.put({"error": f"rank {rank}: {traceback.format_exc()}"})
+
+
+def _timed_steps(rank: int, port: int, seq: int, repeats: int, results) -> None:
     import copy
     import os
     from datetime import timedelta
@@ -123,7 +132,11 @@ def timed_mesh(seq: int, repeats: int) -> dict:
         p.start()
     times = results.get(timeout=1800)
     for p in procs:
-        p.join()
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    if "error" in times:
+        raise RuntimeError(times["error"])
     before, after = statistics.median(times[False]), statistics.median(times[True])
     return {"step_seconds_before": times[False], "step_seconds_after": times[True], "median_before": before,
             "median_after": after, "after_over_before": after / before}  # fmt: skip

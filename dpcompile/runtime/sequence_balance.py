@@ -316,20 +316,18 @@ def balanced_attention_over_group(
     rows of its two zig-zag chunks received from their owners (one all-to-all), attended against the
     whole keys and values (all-gathered, their gradients summed onto the owners), and the output rows
     sent back to their owners (the reverse all-to-all). ``sizes``: every rank's length, rank order; a
-    sequence shorter than ``min_length`` is not balanced (no all-to-all: the rank's own rows). ``mask``:
+    sequence shorter than ``min_length`` runs the unbalanced call, as it was (``attention_over_group``). ``mask``:
     this rank's rows of an attention mask, moved with the query rows (as :func:`balanced_attention`);
     ``must_balance``: a mask that lets a query see a later key is a ``DpCompileError`` on every rank
     (each rank checks its own rows, one all-reduce of the answer).
 
     >>> out = balanced_attention_over_group(q_local, k_local, v_local, cp_group, 2, [4, 3])  # doctest: +SKIP
     """
-    from dpcompile.runtime.distributed import process_group
+    from dpcompile.runtime.distributed import attention_over_group, process_group
 
     g = process_group(group)
     _check_sequence_dim(query, dim)
     rank, world, sizes = dist.get_rank(g), dist.get_world_size(g), [int(s) for s in sizes]
-    keys, values = _GatherRows.apply(key, g, tuple(sizes)), _GatherRows.apply(value, g, tuple(sizes))
-    options, length = _attention_options(kwargs), sum(sizes)
     if must_balance and mask is not None:
         start = sum(sizes[:rank])
         later = torch.ones(mask.shape[-2], mask.shape[-1], dtype=torch.bool, device=mask.device).triu(start + 1)
@@ -338,8 +336,15 @@ def balanced_attention_over_group(
         dist.all_reduce(flag, group=g)
         if flag.item():
             raise _not_causal(must_balance)
-    if length < min_length:
-        return zigzag_attention(query, keys, values, length, world, rank, options, balanced=False, mask=mask)
+    if sum(sizes) < min_length:  # the unbalanced call, as it was
+        start = sum(sizes[:rank])
+        if mask is None:
+            positions = torch.arange(start, start + sizes[rank], device=query.device)
+        else:
+            positions, kwargs = None, {**kwargs, "attn_mask": mask}
+        return attention_over_group(query, key, value, g, dim, sizes, positions, **kwargs)
+    keys, values = _GatherRows.apply(key, g, tuple(sizes)), _GatherRows.apply(value, g, tuple(sizes))
+    options, length = _attention_options(kwargs), sum(sizes)
     pieces = zigzag_pieces(sizes)
     out_of = sorted((p for p in pieces if p.owner == rank), key=lambda p: p.dest)  # send order: by destination
     send = [sum(p.length for p in out_of if p.dest == j) for j in range(world)]

@@ -82,6 +82,21 @@ def test_balanced_causal_block_equals_eager(n, lengths):
     torch.testing.assert_close(pm(x), model(x))
 
 
+def test_a_balanced_program_saves_and_exports(tmp_path):
+    """A balanced program round-trips through torch.save and dpcompile.export / load (its runtime calls
+    are dpcompile.runtime's)."""
+    model = CausalSelfAttention()
+    x = torch.randn(2, 7, 16)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,),
+                             context_parallel=BALANCED)  # fmt: skip
+    torch.save(pm, tmp_path / "pm.pt")
+    torch.testing.assert_close(torch.load(tmp_path / "pm.pt", weights_only=False)(x), model(x))
+    dpcompile.export(pm, tmp_path / "exported")
+    loaded = dpcompile.load(tmp_path / "exported")
+    assert "dpcompile_runtime_balanced_attention(" in loaded.code
+    torch.testing.assert_close(loaded(x), model(x))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layouts", [("gpt2", ((2, (12, 13)), (4, (8, 7)))), ("llama", ((4, (8, 7)),))])
 def test_balanced_transformers_equal_eager(name, layouts):

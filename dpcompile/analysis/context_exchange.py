@@ -10,8 +10,10 @@
 ==================  ========================================================================
 
 ``load_balance``: ``"auto"`` (the default), ``True`` or ``False``: under causal attention a late
-shard's queries see more keys than an early one's; balanced, each device's attention does an
-equal share. What is built is in :data:`BUILT_EXCHANGES` / :data:`LOAD_BALANCE_BUILT`; anything
+shard's queries see more keys than an early one's; balanced (zig-zag chunks inside each attention
+call, ``passes.balance_causal_attention``), each device's attention does an equal share. ``"auto"``
+balances over a DeviceMesh the causal calls of sequences of ``AUTO_MIN_LENGTH`` tokens or more, and
+nothing on the virtual devices of one process (they run one after another). What is built is in :data:`BUILT_EXCHANGES` / :data:`LOAD_BALANCE_BUILT`; anything
 else is refused by name, never ignored.
 """
 

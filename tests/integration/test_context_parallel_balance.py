@@ -131,6 +131,14 @@ def test_balancing_a_non_causal_attention_is_refused_by_name():
                             context_parallel=BALANCED)  # fmt: skip
 
 
+class LongCausalBlock(CausalSelfAttention):
+    """The causal block with positions up to 1024 (long enough for "auto" to balance over a mesh)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Embedding(1024, 16)
+
+
 class BandedAttention(CausalSelfAttention):
     """Attention with a mask of queries by keys that lets a query see 2 later keys (not causal), built
     from positions as transformers builds its masks (whole, then split by query rows)."""
@@ -243,7 +251,8 @@ def check_balanced_models_over_a_cp_mesh() -> None:
 
 def check_balanced_block_on_four_ranks() -> None:
     """4 ranks, load_balance=True: a causal block at 8 tokens (chunks of 1) and 7 (shards 2, 2, 2, 1;
-    an empty chunk): each rank's outputs and every gradient equal eager's."""
+    an empty chunk), and "auto" (the default) at 1024 tokens (balanced from AUTO_MIN_LENGTH): each
+    rank's outputs and every gradient equal eager's."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -252,12 +261,14 @@ def check_balanced_block_on_four_ranks() -> None:
     from dpcompile.mesh import local_batch
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
-    for seq in (8, 7):
+    for seq, balance in ((8, True), (7, True), (1024, "auto")):
         torch.manual_seed(seq)
-        model = CausalSelfAttention().double()
+        model = LongCausalBlock().double()
         eager = copy.deepcopy(model)
         x = torch.randn(2, seq, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(seq))
-        pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),), context_parallel=BALANCED)
+        pm = dpcompile.transform(model, mesh, example_inputs=(local_batch(x, mesh),),
+                                 context_parallel={"load_balance": balance})  # fmt: skip
+        assert ("min_length = 1024" in pm.code) == (balance == "auto"), pm.code
         mine = torch.tensor_split(torch.arange(seq), 4)[dist.get_rank()]
         got, want = pm(local_batch(x, mesh)), eager(x)
         torch.testing.assert_close(got, want[:, mine])

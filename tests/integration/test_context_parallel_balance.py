@@ -164,7 +164,7 @@ def test_balancing_a_mask_that_is_not_causal_is_refused_by_name_when_it_runs():
 def test_masked_zigzag_attention_is_exact_whether_or_not_the_mask_is_causal():
     """The runtime under 'auto': a causal mask with padding cuts each chunk's keys at its end, a
     bidirectional padding mask makes each chunk attend every key; both equal whole attention and its
-    gradients (float64), 13 tokens on 2 devices and 7 on 4."""
+    gradients (float64), 13 tokens on 2 devices and 7 on 4; under ``min_length`` each device its own rows."""
     torch.manual_seed(0)
     for length, world in ((13, 2), (7, 4)):
         q = torch.randn(2, 2, length, 4, dtype=torch.float64, requires_grad=True)
@@ -178,6 +178,10 @@ def test_masked_zigzag_attention_is_exact_whether_or_not_the_mask_is_causal():
             outs = [balanced_attention(qs, qs, qs, 2, r, masks=ms) for r in range(world)]
             got = torch.cat([balanced_rows_back(outs, 2, r) for r in range(world)], 2)
             torch.testing.assert_close(got, whole)
+            short = [balanced_attention(qs, qs, qs, 2, r, masks=ms, min_length=length + 1) for r in range(world)]
+            assert [o.shape[2] for o in short] == balanced_sizes(length, world)  # under min_length: own rows
+            torch.testing.assert_close(torch.cat([balanced_rows_back(short, 2, r, min_length=length + 1)
+                                                  for r in range(world)], 2), whole)  # fmt: skip
             weights = torch.randn_like(whole)
             want_grad = torch.autograd.grad((whole * weights).sum(), q)[0]
             torch.testing.assert_close(torch.autograd.grad((got * weights).sum(), q)[0], want_grad)

@@ -21,6 +21,7 @@ from dpcompile.analysis.context_exchange import (
     DEFAULT_OPTIONS,
     ContextParallelOptions,
     check_exchange_composes,
+    check_load_balance_layout,
     exchange_strategy,
     parse_context_parallel,
 )
@@ -134,6 +135,8 @@ def transform(
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
     check_exchange_composes(context_options, target.layout if target is not None else
                             tuple(devices.mesh_dim_names or ()) if is_device_mesh(devices) else ())
+    check_load_balance_layout(context_options, tuple(d for d, n in target.layout.items() if n > 1) if target else
+                              tuple(getattr(devices, "mesh_dim_names", None) or ()) if is_device_mesh(devices) else ())
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
                                        tensor_parallel)  # fmt: skip
     if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp

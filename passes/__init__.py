@@ -28,7 +28,9 @@ import torch
 from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, ContextParallelOptions
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
+from dpcompile.runtime.sequence_balance import AUTO_MIN_LENGTH
 from passes.all_to_all_exchange import all_to_all_exchange, find_all_to_all_sites, record_attention_shapes
+from passes.balance_causal_attention import balance_causal_attention, find_balance_sites
 from passes.borrowed_modules import find_module_homes, replicate_borrowed_modules
 from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
 from passes.collectives import find_collective_sites, lower_to_collectives
@@ -67,6 +69,7 @@ class PipelineOptions:
     exact_random: bool = False  # random ops draw the single-device values (draw_random_whole, last)
     context_parallel: bool = False  # the split dim is the sequence: attention's exchanges made explicit first
     context_options: ContextParallelOptions = DEFAULT_OPTIONS  # context_parallel=: the exchange asked for
+    context_ranks: bool = False  # context parallel over a DeviceMesh: the devices are ranks, running at once
     sequence_parallel: bool = False  # tensor parallel: activations between the pairs on sequence shards
 
 
@@ -105,8 +108,20 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
         ),
         *([regather_keys_values, ring_exchange] if options.context_parallel else []),
         *([functools.partial(all_to_all_exchange, options=options.context_options)] if options.context_parallel else []),
+        *balance_pipeline(options),
         *exact_random_pipeline(options),
     ]
+
+
+def balance_pipeline(options: PipelineOptions) -> list[Pass]:
+    """``balance_causal_attention`` where ``load_balance=True`` (every attention must be causal), or
+    ``"auto"`` over a DeviceMesh (``options.context_ranks``: the ranks run at once, so the last one's
+    extra work is everyone's wait; on virtual devices of one process they run in turn: off)."""
+    balance = options.context_options.load_balance
+    if not options.context_parallel or balance is False or (balance == "auto" and not options.context_ranks):
+        return []
+    shortest = 0 if balance is True else AUTO_MIN_LENGTH
+    return [functools.partial(balance_causal_attention, required=balance is True, min_length=shortest)]
 
 
 def sequence_copies_pipeline(options: PipelineOptions, *, copies: int, batch_dims: dict[str, int | None]) -> list[Pass]:
@@ -233,6 +248,9 @@ __all__ = [
     "insert_scatter_gather",
     "insert_sequence_exchange",
     "regather_keys_values",
+    "balance_causal_attention",
+    "balance_pipeline",
+    "find_balance_sites",
     "find_regather_sites",
     "choose_context_exchanges",
     "find_exchange_sites",

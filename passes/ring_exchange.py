@@ -151,7 +151,9 @@ def choose_context_exchanges(gm: fx.GraphModule, *, options: ContextParallelOpti
     choices: dict[str, ExchangeChoice] = {}
     shapes = gm.meta.get(SHAPES, {})  # record_attention_shapes: what the all-to-all reads
     for site in sites:
-        cannot = {"ring": site.ring_cannot} if site.ring_cannot else {}
+        ring_cannot = site.ring_cannot or ("load_balance=True: the ring's blocks are not balanced yet"
+                                           if options.load_balance is True else None)  # fmt: skip
+        cannot = {"ring": ring_cannot} if ring_cannot else {}
         if (found := shapes.get(call_name(site.node))) is not None:
             query, key, mask, dropout = found
             bound = _arguments(site.node)

@@ -15,6 +15,7 @@ one process (device ``r`` of ``N``)                 rank ``r`` of the ``cp`` gro
 ``gather_sequence([x_0, ...], dim, device)``        ``gather_onto_owners(x_r, cp_group, dim)``
 ``attention_regathered(q, [k_0, ...], [v_0, ...])``  ``attention_over_group(q, k_r, v_r, cp_group, dim, sizes)``
 ``ring_attention(q, [k_0, ...], [v_0, ...], ...)``    ``ring_attention_over_group(q, k_r, v_r, cp_group, dim, sizes)``
+``balanced_attention([q_0, ...], ...)``, rows back   ``balanced_attention_over_group(q_r, k_r, v_r, ...)``
 ``batch_arange([s_0, ...], r)`` (and its kin)       ``batch_arange(sequence_sizes(s_r, cp_group), r)``
 ``mean_of_partials`` / ``reduce_add``                ``mean_over_group`` / ``all_reduce``
 ``mean_of_partials`` to a scalar, ``("dp", "cp")``   ``mean_over_batch`` over every ``dp x cp`` rank
@@ -87,12 +88,14 @@ from dpcompile.runtime import exported
 from dpcompile.runtime.context_parallel_mesh import mean_over_batch
 from dpcompile.runtime.distributed import MeshGroup
 from dpcompile.runtime.sequence_all_to_all import heads_over_group, sequence_over_group
+from dpcompile.runtime.sequence_balance import balanced_attention_over_group
 from dpcompile.runtime.sequence_ring_group import ring_attention_over_group
 from passes.collectives import group_size
 
 PASS = "lower_sequence_to_rank"
 _PER_DEVICE = re.compile(r"^(.*)_dev(\d+)(?:_\d+)?$")  # fx's suffix where two nodes asked for one name
-_LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values", "ring_exchange", "all_to_all_exchange")
+_LOWERED_PASSES = ("insert_scatter_gather", "regather_keys_values", "ring_exchange", "all_to_all_exchange",
+                   "balance_causal_attention")
 #: cross-device steps of the one-process program that have no lowering to one rank yet
 REFUSED = {
     runtime.batch_norm: "BatchNorm's statistics over the sequence",
@@ -127,7 +130,8 @@ class RankSites:
 #: cross-device steps: a walk back from a whole value stops there (past them, values are each rank's own)
 _CROSS = (runtime.gather, runtime.gather_sequence, runtime.scatter, runtime.attention_regathered,
           runtime.ring_attention, runtime.mean_of_partials, runtime.reduce_add, runtime.to_device,
-          runtime.heads_of_sequence, runtime.sequence_of_heads)  # fmt: skip
+          runtime.heads_of_sequence, runtime.sequence_of_heads, runtime.balanced_attention,
+          runtime.balanced_rows_back)  # fmt: skip
 
 
 def _parameters_read(gm: fx.GraphModule, node: fx.Node) -> list[str]:
@@ -449,6 +453,10 @@ class _RankRewriter:
             shards, _index, dim, lengths, _device = node.args
             args = (self.mine(shards), self.group, dim, self.sizes_of(list(lengths), node))
             return stamp_comm(self._collective(fn, args, node), "all_to_all", backward="all_to_all")
+        if target is runtime.balanced_attention:
+            return self._attention(node, balanced_attention_over_group)
+        if target is runtime.balanced_rows_back:  # the rank's balanced call returned its own rows already
+            return self.mine(node.args[0])
         if target in _SIZES_AT:
             at = _SIZES_AT[target]
             args = list(self.mapped(node.args))
@@ -518,15 +526,23 @@ class _RankRewriter:
             return self.mine(parts)
         return self._collective(dist_rt.gather_over_group, (self.mine(parts), self.group, dim), node)
 
-    def _attention(self, node: fx.Node) -> fx.Node:
-        query, keys, values, dim, _device, positions = node.args
+    def _attention(self, node: fx.Node, balanced: Any = None) -> fx.Node:
+        """``attention_regathered`` (or, ``balanced``, ``balanced_attention``: the query rows of the
+        rank's zig-zag chunks exchanged by all-to-all) over the group."""
+        query, keys, values, dim = node.args[:4]
         key = self.mine(keys)
         length = self.graph.call_method("size", (key, dim))
         sizes = self.call(dist_rt.sequence_sizes, (length, self.group), name=f"{node.name}_sizes", source=node)
         stamp_comm(sizes, "all_gather")
-        args = (self.value(query), key, self.mine(values), self.group, dim, sizes, self.mapped(positions))
-        self.lowered.append(f"attention_regathered -> {dist_rt.attention_over_group.__name__}")
-        new = self.call(dist_rt.attention_over_group, args, self.mapped(node.kwargs), name=node.name, source=node)
+        fn, kwargs = balanced or dist_rt.attention_over_group, dict(node.kwargs)
+        if balanced:
+            args = (self.mine(query), key, self.mine(values), self.group, dim, sizes)
+            if "masks" in kwargs:  # this rank's mask rows
+                kwargs["mask"] = kwargs.pop("masks")[self.rank]
+        else:
+            args = (self.value(query), key, self.mine(values), self.group, dim, sizes, self.mapped(node.args[5]))
+        self.lowered.append(f"{node.target.__name__} -> {fn.__name__}")  # type: ignore[union-attr]
+        new = self.call(fn, args, self.mapped(kwargs), name=node.name, source=node)
         _carry_choice(node, new)
         return stamp_comm(new, "all_gather", backward="reduce_scatter")
 

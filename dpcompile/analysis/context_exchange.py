@@ -10,8 +10,10 @@
 ==================  ========================================================================
 
 ``load_balance``: ``"auto"`` (the default), ``True`` or ``False``: under causal attention a late
-shard's queries see more keys than an early one's; balanced, each device's attention does an
-equal share. What is built is in :data:`BUILT_EXCHANGES` / :data:`LOAD_BALANCE_BUILT`; anything
+shard's queries see more keys than an early one's; balanced (zig-zag chunks inside each attention
+call, ``passes.balance_causal_attention``), each device's attention does an equal share. ``"auto"``
+balances over a DeviceMesh the causal calls of sequences of ``AUTO_MIN_LENGTH`` tokens or more, and
+nothing on the virtual devices of one process (they run one after another). What is built is in :data:`BUILT_EXCHANGES` / :data:`LOAD_BALANCE_BUILT`; anything
 else is refused by name, never ignored.
 """
 
@@ -27,7 +29,7 @@ from dpcompile.errors import DpCompileError
 EXCHANGES = ("all-gather", "ring", "all-to-all")
 #: the exchanges the lowering builds today (a name here and not in EXCHANGES is a bug)
 BUILT_EXCHANGES: tuple[str, ...] = ("all-gather", "ring", "all-to-all")
-LOAD_BALANCE_BUILT = False
+LOAD_BALANCE_BUILT = True
 #: what ``pm.strategies`` and ``explain`` call each exchange
 EXCHANGE_NAMES = {
     "all-gather": "all-gather keys/values",
@@ -80,6 +82,13 @@ def parse_context_parallel(value: Any) -> ContextParallelOptions:
         raise DpCompileError(
             "context_parallel={'load_balance': True} is not built yet: leave it out ('auto') or pass False"
         )
+    if balance is True and exchange in ("ring", "all-to-all"):
+        why = ("the ring's blocks are not balanced yet" if exchange == "ring" else
+               "the all-to-all is balanced as it is: each device attends the whole sequence for its share of the heads")
+        raise DpCompileError(
+            f"context_parallel={{'exchange': {exchange!r}, 'load_balance': True}}: load balancing moves the all-gather's "
+            f"causal query rows, and {why}; leave 'load_balance' out, or ask for 'all-gather'"
+        )
     return ContextParallelOptions(exchange, balance)
 
 
@@ -87,8 +96,25 @@ __all__ = [
     "BUILT_EXCHANGES", "DEFAULT_OPTIONS", "EXCHANGES", "EXCHANGE_NAMES", "LOAD_BALANCE_BUILT",
     "AttentionShape", "ContextParallelOptions", "ExchangeChoice", "ExchangeCost", "choose_exchange",
     "CHOICE_META", "CHOICES_META", "check_exchange_composes", "chosen_exchange", "exchange_costs", "exchange_strategy",
-    "parse_context_parallel",
+    "parse_context_parallel", "check_load_balance_layout",
 ]  # fmt: skip
+
+
+def check_load_balance_layout(options: ContextParallelOptions, dims: tuple[str, ...]) -> None:
+    """``load_balance=True`` is built where context parallel regathers keys and values: ``cp`` alone or
+    with ``dp`` (in one process or over a mesh); beside ``tp`` or ``pp`` it is refused by name.
+
+    >>> check_load_balance_layout(ContextParallelOptions(load_balance=True), ("cp", "tp"))
+    Traceback (most recent call last):
+    ...
+    dpcompile.errors.DpCompileError: context_parallel={'load_balance': True} is built for 'cp' alone or with 'dp', not beside 'tp' yet: pass load_balance='auto' or False
+    """
+    other = [d for d in dims if d not in ("dp", "cp")]
+    if options.load_balance is True and other:
+        raise DpCompileError(
+            f"context_parallel={{'load_balance': True}} is built for 'cp' alone or with 'dp', not beside "
+            f"{', '.join(map(repr, other))} yet: pass load_balance='auto' or False"
+        )
 
 
 def chosen_exchange(options: ContextParallelOptions, *, heads: int | None = None, world: int | None = None,

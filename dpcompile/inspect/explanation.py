@@ -25,6 +25,7 @@ from dpcompile.analysis.split_fraction import split_fraction
 from dpcompile.capture import capture_fx
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
+from dpcompile.inspect.attention_balance import attention_balance
 from dpcompile.inspect.nodes import copy_labels, device_labels, device_list, slot_of, target_name, user_source
 from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
@@ -130,7 +131,8 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
             flops[device if device in flops else labels[0]] += info.flops
         if comm is not None:
             collectives.append(_collective(node, comm, recorder, n_active))
-        elif node.op == "call_function" and node.target in (runtime.attention_regathered, runtime.ring_attention):
+        elif node.op == "call_function" and node.target in (runtime.attention_regathered, runtime.ring_attention,
+                                                              runtime.balanced_attention):
             collectives.extend(_regathered(node, recorder, n_active, regathered))
 
     ddp = _ddp_collective(pm)
@@ -183,7 +185,7 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
             n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
         },
         random={**random_draws_of(gm), "note": per_device_note(gm)},
-        context_parallel=_context_parallel(pm, gm, activation),
+        context_parallel=_context_parallel(pm, gm, activation, recorder),
         sequence_parallel=sequence_parallel_report(pm, gm, nodes, activation),
         layout={
             name: f"{size}: {(getattr(pm, 'strategies', None) or {}).get(name, name)}"
@@ -236,13 +238,15 @@ def sequence_shares(gm: fx.GraphModule, nodes: Sequence[NodeInfo], activation: M
     return {d: b / first for d, b in activation.items()}
 
 
-def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str, int]) -> dict[str, Any] | None:
-    """What the ``cp`` dimension does: the sequence split, the exchange chosen and the others."""
+def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str, int],
+                      recorder: Recorder | None = None) -> dict[str, Any] | None:  # fmt: skip
+    """What the ``cp`` dimension does: the sequence split, the exchange chosen and the others, and
+    causal load balancing (on or off, each device's attention share)."""
     size = (getattr(pm, "layout", None) or {}).get("cp", 1)
     if size < 2:
         return None
     exchanges = (runtime.gather_sequence, runtime.attention_regathered, runtime.ring_attention,
-                 runtime.sequence_of_heads)
+                 runtime.sequence_of_heads, runtime.balanced_attention)
     gathers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in exchanges]
     attention = sorted({str(n.meta.get("dpcompile_source", n.name)) for n in gathers})  # the user's attention calls
     calls = exchange_calls(gm)
@@ -253,6 +257,8 @@ def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str
         "not_chosen": [f"{EXCHANGE_NAMES[e]}{'' if e in BUILT_EXCHANGES else ' (not built)'}" for e in EXCHANGES
                        if e not in chosen] if chosen else list(OTHER_EXCHANGES),
         "attention": attention, "calls": calls, "activation_bytes": dict(activation),
+        "load_balance": attention_balance(gm, getattr(pm.recipe, "context_load_balance", "auto"), size,
+                                          list(activation), recorder.summaries if recorder else None),
     }  # fmt: skip
 
 

@@ -95,7 +95,8 @@ class Report:
     # context parallel: {"dimension": "cp", "size", "sequence_dim", "exchange", "not_chosen": [...],
     # "attention": [attention calls], "calls": [{"attention", "exchange", "costs": {exchange: {"bytes_moved",
     # "messages", "transient_bytes", "seconds"}}, "why_not": {exchange: why}}] (each call's exchange choice),
-    # "activation_bytes": {device: bytes}} (docs/context_parallel.md)
+    # "activation_bytes": {device: bytes},
+    # "load_balance": {"on", "why", "shares": {device: attention work fraction}}} (docs/context_parallel.md)
     context_parallel: dict[str, Any] | None = None
     # sequence parallel on "tp": {"dimension", "sequence_dim", "reduce_scatters", "all_gathers",
     # "activation_bytes", "activation_bytes_without": {device: bytes}} (docs/tensor_parallel.md)
@@ -268,6 +269,11 @@ def _render(r: Report) -> str:
                            f"{cost['transient_bytes']:,} B transient, {cost['seconds'] * 1e3:.3g} ms: {why}")  # fmt: skip
         per_device = ", ".join(f"{d} {_human_bytes(b)}" for d, b in cp["activation_bytes"].items())
         out.append(f"  activations per device (est.): {per_device}")
+        balance = cp.get("load_balance")
+        if balance:
+            shares = ", ".join(f"{d} {share:.0%}" for d, share in (balance["shares"] or {}).items())
+            out.append(f"  causal load balancing: {'on' if balance['on'] else 'off'} ({balance['why']})"
+                       + (f"; attention work per device: {shares}" if shares else ""))  # fmt: skip
     if r.sequence_parallel:
         sp = r.sequence_parallel
         out += ["", f"Sequence parallel on '{sp['dimension']}': the sequence (dim {sp['sequence_dim']}) split between the "

@@ -220,7 +220,7 @@ class SpmdRecipe(Recipe):
         world, rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
         options = passes.PipelineOptions(devices=Devices((device,) * world), input_dims=dict(input_dims),
                                          output_device=device, context_parallel=True,
-                                         context_options=self.context_options)  # fmt: skip
+                                         context_options=self.context_options, context_ranks=True)  # fmt: skip
         lower = functools.partial(passes.lower_sequence_to_rank, mesh=self.mesh, cp_dim="cp", rank=rank,
                                   input_dims=dict(input_dims), batch_mesh=self._batch_mesh(),
                                   dp_dim="dp" if self.mesh.ndim == 2 else None)  # fmt: skip

@@ -49,6 +49,7 @@ from dpcompile.runtime.sequence import (
     sequence_whole,
 )
 from dpcompile.runtime.sequence_all_to_all import heads_of_sequence, heads_share, sequence_of_heads
+from dpcompile.runtime.sequence_balance import balanced_attention, balanced_rows_back
 from dpcompile.runtime.sequence_ring import ring_attention
 from dpcompile.runtime.side_effects import (
     apply_function,
@@ -83,6 +84,8 @@ __all__ = [
     "TAKE_FIRST",
     "apply_function",
     "attention_regathered",
+    "balanced_attention",
+    "balanced_rows_back",
     "assign_buffer",
     "attributes_written",
     "batch_arange",

@@ -177,4 +177,14 @@ class _CausalOverShards(torch.autograd.Function):
         return (dq, None, None, *earlier_k, dk, *earlier_v, dv)
 
 
-__all__ = ["attention_regathered", "causal_attention", "gather_sequence", "sequence_split", "sequence_whole"]
+def causal_over_shards(query: torch.Tensor, scale: float | None, keys: Sequence[torch.Tensor],
+                       values: Sequence[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """Causal attention of the queries at the last key shard's positions against ``keys`` and
+    ``values`` (shards in order, the last the queries' own): :class:`_CausalOverShards`, CPU only."""
+    return _CausalOverShards.apply(query, scale, len(keys), *keys, *values)
+
+
+__all__ = [
+    "attention_regathered", "causal_attention", "causal_over_shards", "gather_sequence", "sequence_split",
+    "sequence_whole",
+]  # fmt: skip

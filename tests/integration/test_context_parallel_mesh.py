@@ -21,6 +21,10 @@ from torch import nn
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 from tests.integration.test_context_parallel_all_to_all import check_all_to_all_over_a_cp_mesh
+from tests.integration.test_context_parallel_balance import (
+    check_balanced_block_on_four_ranks,
+    check_balanced_models_over_a_cp_mesh,
+)
 from tests.integration.test_context_parallel_ring import MESH_CHECKS as RING_CHECKS
 
 GROUP_TIMEOUT_S = 300.0  # spawning and the first gloo connections are slow on a loaded machine
@@ -405,10 +409,12 @@ CHECKS = (
     ("refused", check_unplaceable_models_refused_alike),
     ("unbalanced", check_unbalanced_shards_refused_alike),
     *RING_CHECKS,  # the ring exchange (test_context_parallel_ring.py), in this same group
+    ("load_balance", check_balanced_models_over_a_cp_mesh),
 )
 CHECKS_4 = (
     ("attention_4", check_small_attention_on_four_ranks),
     ("blocks_dp_cp", check_blocks_over_dp_and_cp),
+    ("load_balance_4", check_balanced_block_on_four_ranks),
 )  # GPT-2 over ("dp", "cp"): test_context_parallel_mesh_dp.py
 
 
@@ -453,3 +459,11 @@ def test_context_parallel_over_four_cp_ranks(outcomes_4):
 def test_context_parallel_over_a_dp_cp_mesh(outcomes_4):
     """A causal block over a 2 x 2 ("dp", "cp") mesh equals eager (outputs, gradients, eval mode, uneven rows)."""
     assert_group_passed(outcomes_4, 4, "blocks_dp_cp", timeout=GROUP_TIMEOUT_S)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # the same spawned group of 4 processes
+@pytest.mark.xdist_group("context_parallel_mesh")
+def test_load_balanced_attention_over_four_cp_ranks(outcomes_4):
+    """load_balance=True over 4 ranks (all-to-all of query and output rows) equals eager (test_context_parallel_balance.py)."""
+    assert_group_passed(outcomes_4, 4, "load_balance_4", timeout=GROUP_TIMEOUT_S)

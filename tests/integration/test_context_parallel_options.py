@@ -57,3 +57,11 @@ def test_the_all_gather_asked_for_by_name_equals_eager():
     pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,),
                              context_parallel={"exchange": "all-gather", "load_balance": False})  # fmt: skip
     torch.testing.assert_close(pm(x), model(x))
+
+
+@pytest.mark.parametrize("exchange", ["ring", "all-to-all"])
+def test_load_balancing_with_an_exchange_it_does_not_balance_is_refused_by_name(exchange):
+    """Load balancing moves the all-gather's causal query rows: with the ring (not balanced) or the
+    all-to-all (balanced as it is) asked for by name, the pair is refused, saying why."""
+    with pytest.raises(DpCompileError, match=rf"'exchange': '{exchange}', 'load_balance': True}}: load balancing moves"):
+        parse_context_parallel({"exchange": exchange, "load_balance": True})

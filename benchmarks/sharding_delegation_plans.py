@@ -1,13 +1,15 @@
-"""Do the tensor-parallel plans change when ops no sharding rule names ask their batch rule?
+"""How do the tensor-parallel plans change because ops no sharding rule names ask their batch rule?
 
     PYTHONPATH=. python -m benchmarks.sharding_delegation_plans [MODEL ...]   # every model, or those named
 
 For the models of the tensor-parallel tests (tiny GPT-2, Llama, BERT from transformers; the
-suite's MLP, attention, norm-after-column, TinyGPT2 and fused-chunk attention), builds the automatic
-plan on 2 and 3 virtual devices twice: as shipped (the sharding rules alone) and with
-``sharding_batch.from_batch_rule`` asked where no sharding rule names the op. Prints, per model, whether the plan,
-its reasons and the program's collectives (all-gathers, all-reduces, copies, splits) are the same,
-and the differences where not.
+suite's MLP, attention, norm-after-column, TinyGPT2, fused-chunk attention, causal attention and
+the tied LM), builds the automatic plan on 2 and 3 virtual devices twice: as shipped (``apply_rule``
+asks ``sharding_batch.from_batch_rule`` where no sharding rule names the op, and the planner's
+``is_shard_transparent`` asks the same table) and with the sharding rules alone (both answers
+switched off). Prints, per model, whether the plan, its reasons and the program's collectives
+(all-gathers, all-reduces, copies, splits) are the same, and the differences where not, with the
+elements the collectives move per call (``dpcompile.explain``: forward, backward).
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ import warnings
 import torch
 
 import dpcompile
-from dpcompile.analysis import sharding
-from dpcompile.analysis.sharding_batch import from_batch_rule
+from dpcompile.analysis import sharding_rules
 from dpcompile.analysis.sharding_layout import NeedsWhole
 
 # the tensor-parallel runtime's calls in the program: gathers, all-reduces, copies (f), splits
@@ -58,20 +59,19 @@ def _plan(model: torch.nn.Module, n: int, kwargs: dict) -> tuple:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = dpcompile.transform(model, ["cpu"] * n, tensor_parallel=True, **kwargs)
+        report = dpcompile.explain(pm, *kwargs.get("example_inputs", ()), **kwargs.get("example_kwargs", {}))
     counts = collections.Counter(RUNTIME_CALL.findall(pm.code))
-    return dict(pm.plan), dict(pm.plan_reasons), dict(sorted(counts.items()))
+    moved = (round(report.comm_elements_forward), round(report.comm_elements_backward))
+    return dict(pm.plan), dict(pm.plan_reasons), dict(sorted(counts.items())), moved
 
 
 def main(names: list[str]) -> int:
-    shipped = sharding.apply_rule
+    delegated, transparent = sharding_rules.from_batch_rule, sharding_rules.keeps_last_dim_sharded
 
-    def with_batch_rules(ctx, node, modules):  # what sharding_batch would add, asked where no sharding rule is
-        try:
-            return shipped(ctx, node, modules)
-        except NeedsWhole as whole:
-            if whole.reason != "needs the whole tensor" and not whole.reason.startswith("no sharding rule"):
-                raise
-        return from_batch_rule(ctx, node, modules)
+    def rules_alone(ctx, node, modules):  # the answer before the delegation: gathered first
+        if node.op == "call_module":
+            raise NeedsWhole(f"no sharding rule for {type(modules.get(node.target)).__name__}")
+        raise NeedsWhole("needs the whole tensor")
 
     changed = 0
     for name, (model, kwargs) in _models().items():
@@ -79,20 +79,21 @@ def main(names: list[str]) -> int:
             continue
         for n in (2, 3):
             try:
-                without = _plan(model, n, kwargs)
-                sharding.apply_rule = with_batch_rules
                 with_delegation = _plan(model, n, kwargs)
+                sharding_rules.from_batch_rule = rules_alone
+                sharding_rules.keeps_last_dim_sharded = lambda node, modules: False
+                without = _plan(model, n, kwargs)
             except Exception as e:  # noqa: BLE001
                 print(f"{name:22s} n={n}: could not build ({type(e).__name__}: {e})")
                 continue
             finally:
-                sharding.apply_rule = shipped
+                sharding_rules.from_batch_rule, sharding_rules.keeps_last_dim_sharded = delegated, transparent
             same = with_delegation == without
             changed += not same
             print(f"{name:22s} n={n}: {'same plan, reasons and collectives' if same else 'CHANGED'} "
-                  f"(collectives {with_delegation[2]})")  # fmt: skip
+                  f"(collectives {with_delegation[2]}; elements moved forward, backward {with_delegation[3]})")  # fmt: skip
             if not same:
-                for label, a, b in zip(("plan", "reasons", "collectives"), with_delegation, without):
+                for label, a, b in zip(("plan", "reasons", "collectives", "moved"), with_delegation, without):
                     if a != b:
                         print(f"    {label}: with delegation {a}\n    {' ' * len(label)}  without     {b}")
     print(f"{changed} model x devices changed")

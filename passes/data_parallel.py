@@ -68,6 +68,7 @@ from dpcompile.analysis.placement import (
 from dpcompile.analysis.sequence_exchange import is_sequence_marker
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, replace_graph, stamp, stamp_comm
+from dpcompile.runtime import tensor_parallel as tp_runtime
 from passes.data_parallel_nodes import (
     gather_dims,
     has_side_effect,
@@ -476,6 +477,8 @@ class _Builder:
         return self.call(runtime.numel_over, (x, dim), name=f"{node.name}_count_dev{k}", source=node)
 
     def _loss_partial(self, node: fx.Node, args: tuple, kwargs: dict, k: int) -> tuple[fx.Node, fx.Node]:
+        if node.op == "call_function" and node.target is tp_runtime.cross_entropy_from_parts:
+            return self._vocab_loss_partial(node, args, kwargs, k)
         if node.op == "call_module":
             module = self.modules[node.target]
             fn = LOSS_MODULES[type(module)]
@@ -505,6 +508,15 @@ class _Builder:
             )
         else:
             count = self.call(runtime.numel, (inputs[0],), name=f"{node.name}_count_dev{k}", source=node)
+        return total, count
+
+    def _vocab_loss_partial(self, node: fx.Node, args: tuple, kwargs: dict, k: int) -> tuple[fx.Node, fx.Node]:
+        """A vocab-parallel mean cross-entropy: this device's sum over its rows, and its count of valid targets."""
+        a = bind_loss(tp_runtime.cross_entropy_from_parts, args, kwargs).arguments  # type: ignore[union-attr]
+        parts, ignore_index = (a["lse_parts"], a["target_logit"], a["target"]), a["ignore_index"]
+        total = self.call(tp_runtime.cross_entropy_from_parts, parts, {"reduction": "sum", "ignore_index": ignore_index},
+                          name=f"{node.name}_sum_dev{k}", source=node)  # fmt: skip
+        count = self.call(runtime.target_weight, (a["target"], None, ignore_index), name=f"{node.name}_count_dev{k}", source=node)
         return total, count
 
     def _module_tensor_on_device(self, node: fx.Node, attr: str, k: int) -> fx.Node:

@@ -11,12 +11,12 @@ anything else (a partial sum, a whole op, a size read) needs the whole tensor::
 
 Random draws stay whole here (each shard would draw its own numbers; the sharding rules carry
 the draws ``exact_random`` can slice), as do writes and fused-projection (sectioned) values.
-``tests/analysis/opinfo_shard.py --with-batch-rules`` proves the delegated ops against OpInfo samples.
-
-Not yet asked by ``apply_rule``: switched on, it changed the programs of two models of the suite
-(``benchmarks/sharding_delegation_plans.py``), and one of them (``cross_entropy(head(x).flatten(0, 1),
-..)`` kept vocab-parallel through the ``flatten``) is then refused by the 1F1B pipeline schedule,
-which needs every micro-batch's loss on its own.
+``apply_rule`` asks :func:`from_batch_rule` for every op no sharding rule names, and the planner's
+``is_shard_transparent`` asks :func:`keeps_last_dim_sharded`; ``tests/analysis/opinfo_shard.py``
+proves the delegated ops against OpInfo samples, and ``benchmarks/sharding_delegation_plans.py``
+shows the plans that changed (a tied LM's ``cross_entropy(head(x).flatten(0, 1), ..)`` stays
+vocab-parallel through the ``flatten``: under a pipeline each micro-batch's sum and count, as the
+batch rule of ``cross_entropy_from_parts`` says, so 1F1B runs it).
 """
 
 from __future__ import annotations
@@ -101,6 +101,32 @@ def from_batch_rule(
     return dataclasses.replace(layout, origins=origins), copies
 
 
+def keeps_last_dim_sharded(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether ``node``'s batch rule carries its first tensor input, sharded on the last dim (a column
+    layer's output), to a sharded result: the planner's "transparent" op (``torch.log`` between two layers)."""
+    x = next((a for a in node.all_input_nodes if isinstance(node_val(a), torch.Tensor) and node_val(a).dim() > 0), None)
+    if x is None:
+        return False
+    try:
+        from_batch_rule(_LastDimSharded(x), node, modules)
+    except NeedsWhole:
+        return False
+    return True
+
+
+class _LastDimSharded:
+    """``x`` sharded on its last dim (in one piece: the extent is what the rules check), all else replicated."""
+
+    def __init__(self, x: fx.Node):
+        self.x, self.sharded = x, Sharded(-1, (node_val(x).shape[-1],))  # type: ignore[union-attr]
+
+    def layout(self, node: object) -> Layout:
+        return self.sharded if node is self.x else REPLICATED
+
+    def mark_tuple(self, node: fx.Node) -> None:
+        pass
+
+
 def _refuse_spanning_operands(ctx: LayoutContext, node: fx.Node, ref: Sharded) -> None:
     """A batch rule takes a replicated operand for one without the batch dim (a parameter); along a
     feature dim it may well span the sharded extent (``prelu``'s weight, ``diff``'s ``prepend``),
@@ -161,4 +187,4 @@ def _as_layout_of(value: object, out: Placement | None, ref: Sharded, rule: str)
     raise NeedsWhole(f"its batch rule ({rule}) does not split it along the sharded dim")
 
 
-__all__ = ["from_batch_rule"]
+__all__ = ["from_batch_rule", "keeps_last_dim_sharded"]

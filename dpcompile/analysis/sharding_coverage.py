@@ -20,7 +20,6 @@ from dpcompile.analysis import sharding_rules
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "sharding_rules_coverage.md"
 RESULTS = ROOT / "benchmarks" / "results" / "opinfo_shard.json"
-RESULTS_WITH_BATCH_RULES = RESULTS.with_name("opinfo_shard_batch.json")
 
 # what apply_rule decides before it looks at the op families: (what, rule, when it shards)
 DISPATCHED_FIRST = (
@@ -89,15 +88,16 @@ def render() -> str:
         "counted from the end, in given sizes), replicated, copied (a replicated value passed through *f*)",
         "or a Python value. A per-op rule (`dpcompile/analysis/sharding_rules.py`,",
         "`sharding_rules_shape.py`) maps an op's input layouts to its result's, or raises `NeedsWhole`: the",
-        "sharded inputs are then all-gathered and the op runs whole. An op no sharding rule names needs",
-        "the whole tensor. Its **batch rule** (the table of [batch_rules_coverage.md](batch_rules_coverage.md)),",
-        "asked with the sharded dim as the split dim (`dpcompile/analysis/sharding_batch.py`: a `Split(d)`",
-        "answer is `Sharded(d - ndim)`; a partial sum, a whole op, a size read, a random draw or a split the",
-        "data-parallel pass makes exact per device needs the whole tensor), is proved below but not yet asked",
-        "by the analysis: switched on, it changed the programs of two models of the suite",
-        "(`benchmarks/sharding_delegation_plans.py`): the causal attention block's `out` became a row layer",
-        "(no all-gather), and the tied LM's loss became vocab-parallel through `logits.flatten(0, 1)`, which",
-        "the 1F1B pipeline schedule refuses (the loss couples the micro-batches).",
+        "sharded inputs are then all-gathered and the op runs whole. An op no sharding rule names asks",
+        "its **batch rule** (one rule table: [batch_rules_coverage.md](batch_rules_coverage.md)), with the",
+        "sharded dim as the split dim (`dpcompile/analysis/sharding_batch.py`: a `Split(d)` answer is",
+        "`Sharded(d - ndim)`; a partial sum, a whole op, a size read, a random draw or a split the",
+        "data-parallel pass makes exact per device needs the whole tensor), and the planner's",
+        "`is_shard_transparent` asks it too. Against the sharding rules alone this changed the programs of",
+        "two models of the suite (`benchmarks/sharding_delegation_plans.py`), both for fewer elements moved:",
+        "the causal attention block's `out` became a row layer (no all-gather), and the tied LM's loss became",
+        "vocab-parallel through `logits.flatten(0, 1)` (under a pipeline a mean of each micro-batch's sum, so",
+        "1F1B runs it).",
         "",
         "## The rules",
         "",
@@ -108,7 +108,7 @@ def render() -> str:
     for family, rule in sharding_rules.RULES:
         name = rule.__name__.lstrip("_")
         lines.append(f"| {family.name}: {_members(family)} | `{name}` | {_WHEN.get(name, '—')} |")
-    lines.append("| any other op | — | never: gathered first (its batch rule: see the last section) |")
+    lines.append("| any other op | its batch rule | it keeps the sharded dim split (see the last section) |")
     lines += _proof_section()
     lines += _batch_rules_section()
     return "\n".join(lines) + "\n"
@@ -160,7 +160,8 @@ def _proof_section() -> list[str]:
         "",
         f"### {len(rest)} ops no rule shards",
         "",
-        "No sharding rule names them: " + ", ".join(f"`{op}`" for op in rest) + ".",
+        "No sharding rule names them, and no batch rule answers for them (or they are batch norms, whose",
+        "split is the data-parallel pass' own): " + ", ".join(f"`{op}`" for op in rest) + ".",
     ]
     if data["failed"]:
         lines += ["", "### Failures", "", *[f"- {f}" for f in data["failed"]]]
@@ -168,18 +169,17 @@ def _proof_section() -> list[str]:
 
 
 def _batch_rules_section() -> list[str]:
-    """What the batch rules would shard (``--with-batch-rules``), from ``opinfo_shard_batch.json``."""
-    data = json.loads(RESULTS_WITH_BATCH_RULES.read_text()) if RESULTS_WITH_BATCH_RULES.exists() else {}
-    if not data:
+    """The ops only their batch rule shards, from the same figures (runs labelled ``by_batch_rule``)."""
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    by_op = {op: e for op, e in data.get("by_op", {}).items() if e.get("by_batch_rule")}
+    if not by_op:
         return []
-    by_op = {op: e for op, e in data["by_op"].items() if e.get("by_batch_rule")}
     return [
         "",
-        "## One table: the batch rules on the sharded dim (proved, not yet on)",
+        "## One table: the batch rules on the sharded dim",
         "",
-        f"`{data['command']}` ({data['samples_per_op']} samples per op, {data['seconds']} s): {data['runs']} runs, {data['sharded']} sharded and "
-        f"equal to the op, {data['whole']} whole, {len(data['failed'])} failed. The {len(by_op)} ops the "
-        "batch rules shard where no sharding rule does (runs sharded by the batch rule):",
+        f"Of the runs above, those of the {len(by_op)} ops no sharding rule names, sharded by their batch rule",
+        f"and equal to the op ({sum(e['by_batch_rule'] for e in by_op.values())} runs; runs per op):",
         "",
         ", ".join(f"`{op}` ({e['by_batch_rule']})" for op, e in by_op.items()) + ".",
     ]

@@ -6,8 +6,12 @@ shard's program is :class:`Sharded` (split along a dim, counted from the end), r
 :class:`Copied` (a replicated value passed through *f* into a sharded region) or
 :class:`NotTensor` (a Python value, the same everywhere). A rule returns the layout of the
 result and the replicated tensor arguments that need *f*, or raises :class:`NeedsWhole`: the
-op then runs on gathered, whole inputs. :mod:`dpcompile.analysis.sharding` walks a graph with
-these rules.
+op then runs on gathered, whole inputs. An op no rule here names is answered by its batch rule
+(:mod:`dpcompile.analysis.sharding_batch`: one rule table, the sharded dim as the split dim)::
+
+    torch.cos(column_out)   -> no sharding rule; the pointwise batch rule: Sharded(-1), no gather
+
+:mod:`dpcompile.analysis.sharding` walks a graph with these rules.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dpcompile.analysis import ops
 from dpcompile.analysis import sharding_rules_shape as shape_rules
 from dpcompile.analysis.placement import REPLICATED, Replicated
 from dpcompile.analysis.random_ops import written_fill_method
+from dpcompile.analysis.sharding_batch import from_batch_rule, keeps_last_dim_sharded
 from dpcompile.analysis.sharding_layout import (  # noqa: F401 - the layouts, re-exported for the analysis and passes
     COPIED,
     NOT_TENSOR,
@@ -50,7 +55,8 @@ from dpcompile.analysis.sharding_layout import (  # noqa: F401 - the layouts, re
 
 # ---------------------------------------------------------------------- rules
 def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Module]) -> tuple[Layout, list[fx.Node]]:
-    """The layout of ``node``'s result and the replicated tensor args that need *f*; or raise :class:`NeedsWhole`."""
+    """The layout of ``node``'s result and the replicated tensor args that need *f*; or raise :class:`NeedsWhole`.
+    An op no sharding rule names asks its batch rule (:func:`~dpcompile.analysis.sharding_batch.from_batch_rule`)."""
     op, target = node.op, node.target
     if op == "call_module":
         module = modules.get(target)
@@ -58,7 +64,7 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
             return unary(ctx, node)
         if ops.SHARD_SOFTMAX.matches(node, modules):
             return softmax(ctx, node, module.dim)
-        raise NeedsWhole(f"no sharding rule for {type(module).__name__}")
+        return from_batch_rule(ctx, node, modules)  # no sharding rule names it: its batch rule, if any
     if op == "call_function" and target is F.cross_entropy:
         return cross_entropy(ctx, node)
     if op == "call_function" and target is operator.getitem and ctx.is_tuple(node.args[0]):
@@ -79,7 +85,7 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
         return size(ctx, node)
     if op == "call_method" and target == "dim":
         return NOT_TENSOR, []
-    raise NeedsWhole("needs the whole tensor")
+    return from_batch_rule(ctx, node, modules)  # no sharding rule names it: its batch rule, if any
 
 
 def unary(ctx: LayoutContext, node: fx.Node) -> tuple[Layout, list[fx.Node]]:
@@ -417,7 +423,13 @@ RULES = _RULES  # each op family and its rule, as docs/sharding_rules_coverage.m
 
 def is_shard_transparent(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
     """True for ops a sharded value can pass through (given matching shapes): element-wise,
-    softmax, matmul over batch dims, attention, views, transposes."""
+    softmax, matmul over batch dims, attention, views, transposes; and an op no sharding rule
+    names whose batch rule keeps a last-dim shard sharded (``torch.log``, ``x.flatten(0, 1)``)."""
+    return names_a_sharding_rule(node, modules) or keeps_last_dim_sharded(node, modules)
+
+
+def names_a_sharding_rule(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether a sharding rule of this module (not the batch-rule table) names ``node``'s op."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         if ops.SHARD_SPLIT.matches(node.args[0], modules) or ops.SHARD_ATEN_SPLIT.matches(node.args[0]):
             return True  # a part of q, k, v

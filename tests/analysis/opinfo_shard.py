@@ -13,9 +13,9 @@ loss), and the shards, joined by the result's layout, must equal the op run whol
 Each sample runs twice where it has other tensors of the first one's extent on the sharded dim:
 with them replicated, and sharded alike (``co``). ``--write`` (or ``--all``) writes the tally to
 ``benchmarks/results/opinfo_shard.json`` (read by ``docs/sharding_rules_coverage.md``'s generator).
-Exits 1 where a sharded run differed from the op (a rule bug). ``--with-batch-rules`` also asks
-``sharding_batch.from_batch_rule`` where the sharding rules say "needs the whole tensor" (the one-table
-delegation, not yet on in the analysis): its figures go to ``opinfo_shard_batch.json``.
+Exits 1 where a sharded run differed from the op (a rule bug). An op no sharding rule names is
+answered by its batch rule (``apply_rule`` asks ``sharding_batch.from_batch_rule``): such runs count
+as :data:`BY_BATCH_RULE`.
 """
 
 from __future__ import annotations
@@ -39,14 +39,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dpcompile.analysis import sharding_rules
 from dpcompile.analysis.placement import Replicated
 from dpcompile.analysis.sharding import _Analyzer
-from dpcompile.analysis.sharding_batch import from_batch_rule
 from dpcompile.analysis.sharding_layout import Copied, NeedsWhole, NotTensor, Sharded
-from dpcompile.analysis.sharding_rules import apply_rule, is_shard_transparent
+from dpcompile.analysis.sharding_rules import apply_rule, names_a_sharding_rule
 from dpcompile.runtime import tensor_parallel as tp_runtime
 from tests.analysis.opinfo_split import _PRINTABLE, SKIP_OPS, _generated, _Recorder, selected_ops
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "opinfo_shard.json"
-RESULTS_WITH_BATCH_RULES = RESULTS.with_name("opinfo_shard_batch.json")
 DIMS = (-1, -2, -3)
 BY_BATCH_RULE = "sharded (batch rule)"  # an op no sharding rule names, sharded by its batch rule
 SHARDS = (2, 3)
@@ -174,9 +172,7 @@ def _pieces(t: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> list[torch.Ten
 
 
 # ---------------------------------------------------------------------- one run
-def run_sharded(
-    gm: fx.GraphModule, inputs: list[torch.Tensor], dim: int, n: int, *, co: bool, batch_rules: bool = False
-) -> str:
+def run_sharded(gm: fx.GraphModule, inputs: list[torch.Tensor], dim: int, n: int, *, co: bool) -> str:
     """``"sharded"`` where the shards, joined, equal the op (:data:`BY_BATCH_RULE` where its batch
     rule said so); ``"whole: reason"``; raises on a mismatch.
 
@@ -195,7 +191,7 @@ def run_sharded(
     for p in placeholders:
         ctx.result.layouts[p] = Sharded(dim, sizes) if p in sharded else ctx._plain_layout(p)
     try:
-        layout, _copies = _ask(ctx, node, batch_rules)
+        layout, _copies = apply_rule(ctx, node, ctx.modules)
     except NeedsWhole as whole:
         return f"whole: {whole.reason}"
     analysis = ctx.result
@@ -228,7 +224,7 @@ def run_sharded(
         torch.testing.assert_close(got, expected, equal_nan=True, atol=1e-5, rtol=1e-5)
         return "sharded"
     _check_join(outs, expected, layout, node in analysis.tuples)
-    return "sharded" if is_shard_transparent(node, ctx.modules) or node.target is F.cross_entropy else BY_BATCH_RULE
+    return "sharded" if names_a_sharding_rule(node, ctx.modules) or node.target is F.cross_entropy else BY_BATCH_RULE
 
 
 def _rewrite_shape(args: tuple, position: int, size: int) -> tuple:
@@ -278,21 +274,7 @@ def _check_join(outs: list[Any], expected: Any, layout: Any, is_tuple: bool) -> 
 
 
 # ---------------------------------------------------------------------- the sweep
-def _ask(ctx: Any, node: fx.Node, batch_rules: bool) -> Any:
-    """The sharding rules' answer; with ``batch_rules``, the op's batch rule where they know no rule for it."""
-    try:
-        return apply_rule(ctx, node, ctx.modules)
-    except NeedsWhole as whole:
-        if not batch_rules or not (
-            whole.reason == "needs the whole tensor" or whole.reason.startswith("no sharding rule")
-        ):
-            raise
-    return from_batch_rule(ctx, node, ctx.modules)
-
-
-def run_sample(
-    kind: str, target: Any, sample: Any, reorder: Any = None, batch_rules: bool = False
-) -> Iterator[tuple[str, str]]:
+def run_sample(kind: str, target: Any, sample: Any, reorder: Any = None) -> Iterator[tuple[str, str]]:
     """``(label, outcome)`` for each sharded dim x shards x variant of one sample; a mismatch raises
     ``AssertionError`` naming the run (label ``dim=-1 n=2 co``)."""
     x = first_tensor(sample)
@@ -335,7 +317,7 @@ def run_sample(
             for co in (False, True) if others else (False,):
                 label = f"dim={dim} n={n}{' co' if co else ''}"
                 try:
-                    yield label, run_sharded(gm, inputs, dim, n, co=co, batch_rules=batch_rules)
+                    yield label, run_sharded(gm, inputs, dim, n, co=co)
                 except Exception as e:  # noqa: BLE001 - a rule that crashes or is wrong: a bug, by its run
                     raise AssertionError(
                         f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -352,7 +334,7 @@ def opinfo_ops(ops: set[str] | None) -> Iterator[tuple[str, Any]]:
         yield name, op
 
 
-def sweep(max_per_op: int | None, ops: set[str] | None = None, *, batch_rules: bool = False) -> Tally:
+def sweep(max_per_op: int | None, ops: set[str] | None = None) -> Tally:
     tally = Tally()
     for name, op in opinfo_ops(ops):
         forms = spellings(op)
@@ -370,7 +352,7 @@ def sweep(max_per_op: int | None, ops: set[str] | None = None, *, batch_rules: b
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        for _, outcome in run_sample(kind, target, sample, reorder, batch_rules):
+                        for _, outcome in run_sample(kind, target, sample, reorder):
                             tally.count(name, outcome)
                 except AssertionError as e:
                     tally.failed.append(f"{name} ({kind}) {e}")
@@ -381,8 +363,7 @@ def main(argv: list[str]) -> Tally:
     start = time.time()
     limit = None if "--all" in argv else next((int(a.split("=")[1]) for a in argv if a.startswith("--max=")), 2)
     selected = selected_ops(argv)
-    with_batch_rules = "--with-batch-rules" in argv
-    t = sweep(limit, selected, batch_rules=with_batch_rules)
+    t = sweep(limit, selected)
     print(t.line())
     for op, e in sorted(t.by_op.items()):
         if e["sharded"] or e["whole"]:
@@ -396,7 +377,7 @@ def main(argv: list[str]) -> Tally:
         figures = {"command": "PYTHONPATH=. python -m tests.analysis.opinfo_shard " + " ".join(argv),
                    "torch": torch.__version__, "samples_per_op": limit or "all",
                    "seconds": round(time.time() - start), **t.as_json()}  # fmt: skip
-        (RESULTS_WITH_BATCH_RULES if with_batch_rules else RESULTS).write_text(json.dumps(figures, indent=2) + "\n")
+        RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
     return t
 
 

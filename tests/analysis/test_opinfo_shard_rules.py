@@ -25,8 +25,7 @@ FAMILIES = {
     "transpose", "permute", "split", "cat", "unsqueeze", "expand", "__getitem__", "float", "nn.functional.cross_entropy",
 }  # fmt: skip
 FIRST_SAMPLE_WHOLE = {"nn.functional.scaled_dot_product_attention", "bmm", "softmax", "__getitem__"}
-# ops no sharding rule names: their batch rules shard them (sharding_batch, asked by the harness with
-# batch_rules=True; the analysis does not ask them yet), proved the same way
+# ops no sharding rule names: their batch rules shard them (sharding_batch, asked by apply_rule), proved the same way
 BY_BATCH_RULE = {"log", "cumsum", "stack", "nn.functional.layer_norm", "amax"}
 
 
@@ -41,7 +40,7 @@ def test_opinfo_samples_sharded_by_their_rules_equal_the_whole_op():
 
 
 def test_ops_without_a_sharding_rule_are_sharded_by_their_batch_rule_and_equal_the_whole_op():
-    tally = sweep(1, ops=BY_BATCH_RULE, batch_rules=True)
+    tally = sweep(1, ops=BY_BATCH_RULE)
     assert tally.failed == [], "\n".join(tally.failed)
     by_batch_rule = {op for op, entry in tally.by_op.items() if entry["by_batch_rule"]}
     assert by_batch_rule == {"log", "cumsum", "stack"}, tally.by_op
@@ -122,7 +121,7 @@ def test_the_coverage_page_is_current():
 def test_a_replicated_operand_spanning_the_sharded_dim_keeps_the_batch_rule_from_sharding():
     """prelu's weight spans the channels: sharded on them, each shard would read it whole (the
     every-sample sweep failed on prelu, and on diff's prepend, before sharding_batch refused them)."""
-    tally = sweep(None, ops={"nn.functional.prelu"}, batch_rules=True)
+    tally = sweep(None, ops={"nn.functional.prelu"})
     assert tally.failed == [], "\n".join(tally.failed)
     assert "a replicated operand has a dim of the sharded extent" in tally.by_op["nn.functional.prelu"]["whole"]
     assert tally.by_op["nn.functional.prelu"]["by_batch_rule"] > 0  # where the weight is one number

@@ -132,7 +132,8 @@ def test_analyze_sharding_lays_out_every_value():
 
 
 def test_sharding_rule_says_why_an_op_needs_the_whole_tensor():
-    """A sum over the sharded dim has no sharding rule: apply_rule raises NeedsWhole with the reason."""
+    """A sum over the sharded dim has no sharding rule, and its batch rule makes a partial sum per
+    shard: apply_rule raises NeedsWhole with that reason."""
 
     class SumAfterColumn(nn.Module):
         def __init__(self):
@@ -154,7 +155,7 @@ def test_sharding_rule_says_why_an_op_needs_the_whole_tensor():
         def rewrite_view(self, node, position, sizes):  # pragma: no cover - views only
             raise AssertionError
 
-    with pytest.raises(NeedsWhole, match="needs the whole tensor"):
+    with pytest.raises(NeedsWhole, match=r"reduces over the sharded dim \(a partial sum per shard\)"):
         apply_rule(Layouts(), node, dict(gm.named_modules()))
 
 

@@ -1,6 +1,6 @@
 """An op no sharding rule names, asked of its batch rule with the sharded dim as the split dim
-(dpcompile/analysis/sharding_batch.py): one rule table, asked on each dim. Not yet on in the
-analysis (apply_rule): proved by tests/analysis/opinfo_shard.py --with-batch-rules."""
+(dpcompile/analysis/sharding_batch.py): one rule table, asked on each dim, by the analysis itself
+(apply_rule); proved op by op by tests/analysis/opinfo_shard.py."""
 
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ from dpcompile.analysis.sharding_rules import apply_rule
 
 def test_ops_without_a_sharding_rule_are_sharded_by_their_batch_rule():
     """``sin`` and a ``cumsum`` along another dim: their batch rules keep the shards (sin's pieces of 3
-    and 1 columns, the same sizes out); the analysis itself does not ask them yet (it gathers)."""
+    and 1 columns, the same sizes out), and the analysis' apply_rule answers so too."""
     for fn, args in ((torch.sin, ()), (torch.cumsum, (1,))):
         gm, node = _one_op(fn, torch.rand(2, 5, 4), *args)
         assert from_batch_rule(_Layouts(-1), node, {}) == (Sharded(-1, (3, 1)), [])
-        with pytest.raises(NeedsWhole, match="needs the whole tensor"):
-            apply_rule(_Layouts(-1), node, {})
+        assert apply_rule(_Layouts(-1), node, {}) == (Sharded(-1, (3, 1)), [])
 
 
 def _one_op(fn, x: torch.Tensor, *args) -> tuple[fx.GraphModule, fx.Node]:

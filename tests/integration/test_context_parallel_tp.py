@@ -58,5 +58,7 @@ def test_cp_tp_causal_block_equals_eager():
     grads = full_gradients(pm)
     for path, p in eager.named_parameters():
         torch.testing.assert_close(grads[path], p.grad, msg=lambda m, path=path: f"grad {path}: {m}")
+    assert pm.plan == {"qkv": "column", "out": "row", "pos": "vocab"}  # Megatron's pair across the heads
     placed = {n.name: n.device for n in dpcompile.explain(pm, x).nodes}  # piece r on devices[r*2:(r+1)*2]
-    assert [placed[f"out_cp{r}_dev{k}"] for r in (0, 1) for k in (0, 1)] == ["cpu#0", "cpu#1", "cpu#2", "cpu#3"]
+    partials = [placed[f"out_partial_cp{r}_dev{k}"] for r in (0, 1) for k in (0, 1)]
+    assert partials == ["cpu#0", "cpu#1", "cpu#2", "cpu#3"]

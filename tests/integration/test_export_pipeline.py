@@ -92,12 +92,16 @@ def test_exported_pipeline_with_a_weight_tied_across_stages(name, tmp_path):
         pm = dpcompile.transform(TiedLM().double(), ["cpu"] * (2 * layout.get("tp", 1)), mesh=layout,
                                  example_kwargs=kwargs, **options)  # fmt: skip
     assert "emb" in pm.stages[0].module_paths and "head" in pm.stages[-1].module_paths
-    folder, _ = _check_round_trip(pm, tmp_path / name, kwargs)
+    # pm builds the one-sample program from the call's inputs, keeping the loss vocab-parallel through the
+    # flatten (its batch rule reads the rank); export builds it without inputs, so the loaded one gathers
+    # the logits first: the same loss, gradients equal to rounding
+    exact = name != "pp_tp_1f1b"
+    folder, _ = _check_round_trip(pm, tmp_path / name, kwargs, one_sample_exact=exact)
     stored = safetensors.torch.load_file(folder / "weights.safetensors")
     assert not any(key.startswith("head.") for key in stored) and any(key.startswith("emb.weight") for key in stored)
 
 
-def _check_round_trip(pm, path, kwargs):
+def _check_round_trip(pm, path, kwargs, one_sample_exact=True):
     folder = dpcompile.export(pm, path)
     loaded = dpcompile.load(folder)
     assert _kind(loaded) == _kind(pm)
@@ -136,8 +140,9 @@ def _check_round_trip(pm, path, kwargs):
         refused = True  # and 1F1B cannot step: not carried, the call is refused naming what was traced
         assert pm.mode == "pipeline_tensor_parallel" and pm.schedule == "1f1b" and "traced for training mode" in str(e)
     if not refused:
+        tolerance = {"rtol": 0, "atol": 0} if one_sample_exact else {}
         for key, p in pm.named_parameters(remove_duplicate=False):
-            torch.testing.assert_close(grads[key].grad, p.grad, rtol=0, atol=0, msg=lambda m, key=key: f"{key}, one sample: {m}")
+            torch.testing.assert_close(grads[key].grad, p.grad, **tolerance, msg=lambda m, key=key: f"{key}, one sample: {m}")
     with torch.no_grad():
         torch.testing.assert_close(loaded(**kwargs), pm(**kwargs), rtol=0, atol=0)
         torch.testing.assert_close(loaded.eval()(**one), pm.eval()(**one), rtol=0, atol=0)

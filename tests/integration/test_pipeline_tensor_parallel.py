@@ -73,6 +73,45 @@ def test_pipeline_tensor_parallel_mlp_equals_eager(micro):
         assert "layers_2_mb1_dev1 = torch._C._nn.linear(tanh_1_copy_mb1_dev1" in pm.code
 
 
+class TiedLM(nn.Module):
+    """An embedding, an MLP, an LM head tied to the embedding (vocab-parallel) and a cross-entropy of
+    the flattened logits: ``flatten(0, 1)`` has only a batch rule, which keeps the logits vocab-sharded."""
+
+    def __init__(self, vocab: int = 16, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        x = x + self.fc2(torch.tanh(self.fc1(x)))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_pipeline_tensor_parallel_1f1b_vocab_parallel_loss_of_a_tied_lm_equals_eager():
+    """The loss stays vocab-parallel through the flatten (no logits gathered) and is a mean of each
+    micro-batch's sum over its valid labels, so 1F1B backwards each micro-batch on its own: the loss
+    and every gradient (the tied weight's too) as eager, with ignored labels."""
+    torch.manual_seed(0)
+    reference = TiedLM().double()
+    g = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(0, 16, (5, 3), generator=g), torch.randint(0, 16, (5, 3), generator=g)
+    labels[0, :2] = labels[3, 1] = -100
+    pm = dpcompile.transform(copy.deepcopy(reference), ["cpu"] * 4, pipeline=2, tensor_parallel=True,
+                             micro_batches=2, schedule="1f1b", example_inputs=(ids, labels))  # fmt: skip
+    assert pm.plan["head"] == "column" and pm.plan["embed"] == "vocab"
+    assert "cross_entropy_sum_mb1 = dpcompile_runtime_tensor_parallel_cross_entropy_from_parts(" in pm.code
+    assert "cross_entropy = dpcompile_runtime_mean_of_partials(" in pm.code
+    assert pm.code.count("gather_to_device(") == 2  # each micro-batch's logsumexp (rows x shards), no logits
+    loss = pm(ids, labels)
+    expected = reference(ids, labels)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    _assert_gradients_equal(pm, reference)
+
+
 class BNStack(nn.Module):
     """A column -> row pair, BatchNorm, another pair; a sum loss."""
 

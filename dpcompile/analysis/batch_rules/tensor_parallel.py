@@ -5,14 +5,20 @@ pipeline stage that is tensor parallel runs them per micro-batch
 (``transform(..., pipeline=2, tensor_parallel=True)``, :mod:`dpcompile.recipes.pipeline_tensor_parallel`).
 
 ``gather_from_shards(x, dim, sizes)`` and ``split_to_shards`` are per sample where ``dim`` is not the
-batch dim; a vocab-parallel ``cross_entropy_from_parts`` with ``reduction="sum"`` (the export
-frontend's mean is ``sum / count``) is a partial sum per micro-batch, so each micro-batch reaches
-its loss on its own (1F1B); a mean runs once, on the gathered batch (its count is the valid rows).
+batch dim; a vocab-parallel ``cross_entropy_from_parts`` with ``reduction="sum"`` is a partial sum
+per micro-batch and with ``"mean"`` a partial mean (each micro-batch's sum and count of valid rows,
+as ``F.cross_entropy``'s), so each micro-batch reaches its loss on its own (1F1B)::
+
+    before: loss = cross_entropy_from_parts(lse_all, target_logit, labels)          # on the gathered batch
+    after:  loss_sum_mb0 = cross_entropy_from_parts(lse_all_mb0, .., reduction="sum")
+            loss_count_mb0 = target_weight(labels_mb0, None, -100)
+            loss = mean_of_partials([loss_sum_mb0, ..], [loss_count_mb0, ..])
 """
 
 from __future__ import annotations
 
 from dpcompile.analysis.batch_rules.context import RuleContext
+from dpcompile.analysis.batch_rules.over_dims import split_on
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.third_party import per_sample
 from dpcompile.analysis.placement import Partial, Placement, Split, Whole
@@ -41,14 +47,15 @@ def last_dim(ctx: RuleContext) -> Placement | None:
 
 
 def cross_entropy_from_parts(ctx: RuleContext) -> Placement | None:
-    """Per row with ``reduction="none"``; a sum over rows split on dim 0 is a partial sum; a mean
-    (its count is the rows whose target is not ignored) needs them all: whole."""
+    """Per row with ``reduction="none"``; over rows split on dim 0 (the parts and the target alike) a
+    sum is a partial sum and a mean a partial mean (the data-parallel pass counts the valid rows)."""
     reduction = ctx.arg(3, "reduction", "mean")
     p = per_sample(ctx)
     if reduction == "none" or p is None:
         return p
-    if reduction == "sum" and isinstance(p, Split) and p.dim == 0:
-        return Partial("sum")
+    rows_split = isinstance(p, Split) and p.dim == 0 and all(split_on(ctx.p(n), 0) for n in ctx.node.all_input_nodes)
+    if rows_split and reduction in ("sum", "mean"):
+        return Partial("sum" if reduction == "sum" else "loss_mean")
     return Whole(reason=f"vocab-parallel cross_entropy(reduction={reduction!r}) reduces over the batch")
 
 

@@ -133,8 +133,11 @@ def transform(
     )  # fmt: skip
     context_options = parse_context_parallel(context_parallel)
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
-    check_exchange_composes(context_options, target.layout if target is not None else
-                            tuple(devices.mesh_dim_names or ()) if is_device_mesh(devices) else ())
+    dims = tuple(d for d, n in target.layout.items() if n > 1) if target is not None else (
+        tuple(devices.mesh_dim_names or ()) if is_device_mesh(devices) else ())
+    check_exchange_composes(context_options, dims)
+    if context_options.exchange == "auto" and {"tp", "pp"} & set(dims):  # only the all-gather is lowered there
+        context_options = dataclasses.replace(context_options, exchange="all-gather")
     check_load_balance_layout(context_options, tuple(d for d, n in target.layout.items() if n > 1) if target else
                               tuple(getattr(devices, "mesh_dim_names", None) or ()) if is_device_mesh(devices) else ())
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,

@@ -25,7 +25,7 @@ from dpcompile.checkpoint import dcp_planners
 from dpcompile.checkpoint.buffers import compute_buffers
 from dpcompile.checkpoint.dtensors import check_peers, is_dtensor, ranks_of
 from dpcompile.checkpoint.files import StagedFiles
-from dpcompile.checkpoint.headers import DTYPES, CheckpointError, Entry
+from dpcompile.checkpoint.headers import DTYPES, CheckpointError, Entry, parse_json
 from dpcompile.checkpoint.optimizer_state import LIKE_PARAM, STATE_PREFIX, WHOLE, Place, local_blocks
 from dpcompile.checkpoint.rank_writes import Block, piece_blocks, target_blocks
 from dpcompile.checkpoint.targets import targets_of, tie_groups, unset_buffers
@@ -208,9 +208,17 @@ def _training(pm: Any, path: Path, stored: Any, optimizer: Any, lr_scheduler: An
     values = _read_values(path, small)
     file = path / METADATA
     source = _Source(path, stored, requests)
-    document = json.loads(values[TRAINING_KEY]) if TRAINING_KEY in values else _plain_document(stored, values, {k: t.shape for k, t in targets_of(pm).items()})
+    document = _document(file, values[TRAINING_KEY]) if TRAINING_KEY in values else _plain_document(stored, values, {k: t.shape for k, t in targets_of(pm).items()})
     return training_from_document(pm, document, file, optimizer, lr_scheduler,
                                   lambda meta: _loaded(pm, optimizer, meta, strict, source))  # fmt: skip
+
+
+def _document(file: Path, text: Any) -> dict[str, Any]:
+    """The training state's JSON a DCP save stored beside the tensors, checked as ``training_state.json`` is."""
+    document = parse_json(text, file, f"its '{TRAINING_KEY}' item") if isinstance(text, str) else None
+    if not isinstance(document, dict):
+        raise CheckpointError(f"{file}: its '{TRAINING_KEY}' item is not the JSON object of a training state", file=file)
+    return document
 
 
 def _loaded(pm: Any, optimizer: Any, meta: dict[str, Any], strict: bool, source: Any) -> dict[str, Any]:

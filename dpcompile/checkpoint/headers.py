@@ -135,7 +135,7 @@ def read_index(index: Path) -> dict[str, str]:
         text = index.read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{index} cannot be read as UTF-8 text: {e}", file=index) from None
-    data = _parse_json(text, index, "the index json")
+    data = parse_json(text, index, "the index json")
     if not isinstance(data, dict):
         raise CheckpointError(f"{index} holds a JSON {type(data).__name__}, not an object with a 'weight_map'", file=index)
     weight_map = data.get("weight_map")
@@ -183,7 +183,7 @@ def _read_header(file: Path) -> tuple[dict[str, Entry], dict[str, str]]:
         raise CheckpointError(f"{file}: the safetensors header is not UTF-8 text (corrupt)", file=file) from None
     if not text.startswith("{"):
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object (corrupt)", file=file)
-    header = _parse_json(text, file, "the safetensors header")
+    header = parse_json(text, file, "the safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object (corrupt)", file=file)
     metadata = header.pop("__metadata__", {})
@@ -297,7 +297,7 @@ def _regular_file(file: Path, folder: Path, allow_symlinks: bool, blame: Path) -
         raise CheckpointError(f"{file} is not a regular file", file=file)
 
 
-def _parse_json(text: str, file: Path, what: str) -> Any:
+def parse_json(text: str, file: Path, what: str) -> Any:
     depth = _nesting(text)
     if depth > MAX_NESTING:
         raise CheckpointError(f"{file}: {what} nests {depth} levels deep (at most {MAX_NESTING})", file=file)
@@ -327,5 +327,5 @@ def _nesting(text: str) -> int:
 
 __all__ = [
     "DTYPES", "DTYPE_OF", "INDEX_FILE", "MAX_NESTING", "SINGLE_FILE", "Checkpoint", "CheckpointError", "Entry",
-    "read_checkpoint", "read_header", "read_index", "read_metadata",
+    "parse_json", "read_checkpoint", "read_header", "read_index", "read_metadata",
 ]  # fmt: skip

@@ -119,6 +119,11 @@ def read_checkpoint(path: str | Path, *, allow_symlinks: bool = False, stem: str
         _regular_file(single, path, allow_symlinks, single)
         return Checkpoint(path, read_header(single))
     found = sorted(p.name for p in path.glob("*.safetensors"))
+    if not found and any(path.glob("*.distcp")):
+        raise CheckpointError(
+            f"{path} holds torch.distributed.checkpoint data files (*.distcp) but no regular file .metadata: "
+            "the save did not finish, or .metadata was removed; load another checkpoint", file=path,
+        )  # fmt: skip
     raise CheckpointError(
         f"{path} holds neither {single_name} nor {index_name}"
         + (f" (it has {', '.join(found[:4])}: write the index json that maps keys to them)" if found else ""),

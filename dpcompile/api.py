@@ -118,7 +118,7 @@ def transform(
         schedule=schedule, data_parallel=data_parallel, ddp_options=ddp_options, copy_replicas=copy_replicas,
         batch_dim=batch_dim, output_device=output_device, sequence_parallel=sequence_parallel,
         activation_checkpointing=activation_checkpointing, exact_random=exact_random, plan=plan,
-        memory_per_device=memory_per_device,
+        memory_per_device=memory_per_device, optimizer=optimizer, training=training,
     )  # fmt: skip
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,

@@ -53,9 +53,24 @@ class TrainingLoad:
     extra: Any
 
 
+def check_training_objects(optimizer: Any, lr_scheduler: Any) -> None:
+    """``optimizer=`` a ``torch.optim.Optimizer`` and ``lr_scheduler=`` an object with ``state_dict``
+    and ``load_state_dict`` (or None): else ``ValueError`` naming the keyword, before anything is
+    read or written."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer={optimizer!r}: expected the torch.optim.Optimizer built on the program's parameters (or None)"
+        )
+    if lr_scheduler is not None and not all(
+        callable(getattr(lr_scheduler, name, None)) for name in ("state_dict", "load_state_dict")
+    ):
+        raise ValueError(f"lr_scheduler={lr_scheduler!r}: expected an LR scheduler (with state_dict and load_state_dict)")
+
+
 def prepare_training(pm: Any, optimizer: Any, lr_scheduler: Any, extra: Any) -> TrainingSave | None:
     """The training state of a save, checked whole (JSON-able, every parameter placed); None
     where none of ``optimizer``, ``lr_scheduler``, ``extra`` is given."""
+    check_training_objects(optimizer, lr_scheduler)
     if optimizer is None and lr_scheduler is None and extra is None:
         return None
     if extra is not None:
@@ -379,7 +394,7 @@ def _numel(shape: Any) -> int:
 
 
 __all__ = [
-    "OPTIMIZER_FILE", "OPTIMIZER_INDEX", "TRAINING_FILE", "TrainingLoad", "TrainingSave", "decode", "encode",
+    "OPTIMIZER_FILE", "OPTIMIZER_INDEX", "TRAINING_FILE", "TrainingLoad", "TrainingSave", "check_training_objects", "decode", "encode",
     "optimizer_files", "prepare_training", "read_training", "training_from_document", "save_stamp", "stage_documents", "stale_training_files",
     "take_part", "write_training",
 ]  # fmt: skip

@@ -286,6 +286,23 @@ def test_deeply_nested_program_is_refused_naming_the_file(linear_folder):
         dpcompile.load(folder)
 
 
+def test_a_manifest_or_program_past_its_size_bound_is_refused_before_it_is_read(linear_folder, monkeypatch):
+    """manifest.json made huge (sparse: 8 GiB read whole raised MemoryError) and a manifest listing a
+    program.json past the bound: an ExportError naming the file, nothing read."""
+    from dpcompile.export import integrity
+
+    folder = linear_folder
+    program_size = (folder / "program.json").stat().st_size
+    monkeypatch.setattr(integrity, "MAX_PROGRAM_BYTES", program_size - 1)
+    with pytest.raises(ExportError, match=rf"manifest.json lists a program.json of more than {program_size - 1} bytes"):
+        dpcompile.load(folder)
+    os.truncate(folder / "manifest.json", 8 << 30)
+    with pytest.raises(ExportError, match=r"manifest.json is 8589934592 bytes, more than the 1048576"):
+        dpcompile.load(folder)
+    with pytest.raises(ValueError, match="path=5: expected a str or os.PathLike"):
+        dpcompile.load(5)
+
+
 def test_nesting_is_counted_outside_strings(tmp_path):
     assert nesting(b'{"a": ["[[[[", {"b": "\\"[{"}]}') == 3
     assert nesting(b'"[[[') == 0 and nesting(b"7") == 0

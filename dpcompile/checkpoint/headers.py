@@ -321,13 +321,20 @@ def parse_json(text: str, file: Path, what: str) -> Any:
         raise CheckpointError(f"{file}: {what} is not valid JSON ({e})", file=file) from None
 
 
+# a string: possessive, and an unclosed one (a lone backslash last too) ends the text, so that every
+# match attempt that starts succeeds and the scan is linear
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]")
+
+
 def _nesting(text: str) -> int:
-    """How deep ``[``/``{`` nest in the JSON ``text`` (brackets inside strings not counted)."""
-    depth = deepest = 0
-    for bracket in re.findall(r"[\[\]{}]", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)):
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
+    """How deep ``[``/``{`` nest in the JSON ``text`` (brackets inside strings not counted), in time
+    linear in the text (a string pattern that backtracks took minutes on 400 KB of ``"\\``)."""
+    import numpy as np
+
+    brackets = np.frombuffer(_NOT_BRACKET.sub("", _STRING.sub("", text)).encode(), dtype=np.uint8)
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max()) if steps.size else 0
 
 
 __all__ = [

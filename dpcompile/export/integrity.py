@@ -37,7 +37,8 @@ MAX_NESTING = 200
 # nodes stays far below) may be: read whole and parsed, a larger file is refused before it is read
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_PROGRAM_BYTES = 256 << 20
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\Z)', re.DOTALL)  # linear: an unclosed string ends the text
+# linear: every attempt that starts succeeds, an unclosed string (a lone backslash last too) ending the text
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]")
 
 

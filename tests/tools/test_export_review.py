@@ -303,6 +303,26 @@ def test_a_manifest_or_program_past_its_size_bound_is_refused_before_it_is_read(
         dpcompile.load(5)
 
 
+UNCLOSED = {  # JSON whose strings never close, a lone backslash last
+    "quote_backslash_pairs": lambda n: b"{" + b'"\\' * n,
+    "escaped_quotes": lambda n: b'{"x": "' + b'y\\"' * n + b"\\",
+}
+
+
+@pytest.mark.parametrize("make", UNCLOSED.values(), ids=UNCLOSED)
+def test_nesting_of_unclosed_escapes_is_one_pass(make, linear_folder):
+    """Every quote of a text whose strings never close starts a match of the string pattern (one that
+    backtracked was retried from each quote: quadratic, an hour on a 1 MiB manifest); such a manifest
+    is refused naming it."""
+    from dpcompile.export import integrity
+
+    small = make(500)
+    assert all(integrity._STRING.match(small, i) for i, c in enumerate(small) if c == ord('"'))
+    (linear_folder / "manifest.json").write_bytes(make(20000))
+    with pytest.raises(ExportError, match="manifest.json cannot be read as JSON"):
+        dpcompile.load(linear_folder)
+
+
 def test_nesting_is_counted_outside_strings(tmp_path):
     assert nesting(b'{"a": ["[[[[", {"b": "\\"[{"}]}') == 3
     assert nesting(b'"[[[') == 0 and nesting(b"7") == 0

@@ -129,7 +129,7 @@ def transform(
         schedule=schedule, data_parallel=data_parallel, ddp_options=ddp_options, copy_replicas=copy_replicas,
         batch_dim=batch_dim, output_device=output_device, sequence_parallel=sequence_parallel,
         activation_checkpointing=activation_checkpointing, exact_random=exact_random, plan=plan,
-        memory_per_device=memory_per_device, context_parallel=context_parallel,
+        memory_per_device=memory_per_device, optimizer=optimizer, training=training, context_parallel=context_parallel,
     )  # fmt: skip
     context_options = parse_context_parallel(context_parallel)
     target = resolve_target(devices, mesh, pipeline=pipeline, tensor_parallel=tensor_parallel)
@@ -138,8 +138,7 @@ def transform(
     check_exchange_composes(context_options, dims)
     if context_options.exchange == "auto" and {"tp", "pp"} & set(dims):  # only the all-gather is lowered there
         context_options = dataclasses.replace(context_options, exchange="all-gather")
-    check_load_balance_layout(context_options, tuple(d for d, n in target.layout.items() if n > 1) if target else
-                              tuple(getattr(devices, "mesh_dim_names", None) or ()) if is_device_mesh(devices) else ())
+    check_load_balance_layout(context_options, dims)
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
                                        tensor_parallel)  # fmt: skip
     if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp

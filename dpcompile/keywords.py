@@ -23,9 +23,11 @@ def check_keywords_honoured(
     micro_batches: int = 1, schedule: str = "gpipe", data_parallel: str = "ddp", ddp_options: Any = None,
     copy_replicas: bool = False, batch_dim: Any = None, output_device: Any = None, sequence_parallel: Any = False,
     activation_checkpointing: Any = False, exact_random: Any = None, plan: Any = None, memory_per_device: Any = None,
-    context_parallel: Any = None,
+    optimizer: Any = None, training: Any = True, context_parallel: Any = None,
 ) -> None:  # fmt: skip
-    """Refuse every keyword the layout would not read (a keyword at its default is never refused)."""
+    """Refuse every keyword the layout would not read (a keyword at its default is never refused), and
+    values of the wrong kind before any of them is used."""
+    _check_kinds(pipeline=pipeline, copy_replicas=copy_replicas, optimizer=optimizer, training=training)
     over_mesh = is_device_mesh(devices)
     pipelined = pipeline is not None or (isinstance(mesh, Mapping) and mesh.get("pp", 1) > 1)
     sharded = (tensor_parallel is not None and tensor_parallel is not False) or (
@@ -96,6 +98,23 @@ def _check_context_parallel(context_parallel: Any, mesh: Any) -> None:
             f"context_parallel={context_parallel!r} says how a 'cp' dimension exchanges keys and values, and there "
             "is none: add 'cp' to mesh= (mesh={'cp': N}, or a DeviceMesh dimension named 'cp'), or leave it out"
         )
+
+
+def _check_kinds(*, pipeline: Any, copy_replicas: Any, optimizer: Any, training: Any) -> None:
+    """Keywords whose value is of a kind no layout reads (a string where a number of stages is due, a
+    truthy string for a flag) are refused by name instead of being read as something else."""
+    stages = isinstance(pipeline, int) and not isinstance(pipeline, bool)
+    paths = isinstance(pipeline, (list, tuple)) and all(isinstance(p, str) for p in pipeline)
+    if pipeline is not None and not (stages or paths):
+        raise ValueError(
+            f"pipeline={pipeline!r}: expected a number of stages, or a list of module paths where stages start "
+            '(pipeline=["layers.4"] for one cut)'
+        )
+    for name, value in (("copy_replicas", copy_replicas), ("training", training)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: expected True or False")
+    if optimizer not in (None, "sgd", "sgd_momentum", "adam", "adamw"):
+        raise ValueError(f"optimizer={optimizer!r}: expected None, 'sgd', 'sgd_momentum', 'adam' or 'adamw'")
 
 
 def _check_sequence_parallel(

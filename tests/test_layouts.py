@@ -189,6 +189,15 @@ def test_layout_mesh_disagreeing_keywords_are_refused():
         ({"activation_checkpointing": "auto"}, "memory_per_device="),
         ({"plan": "auto"}, "memory_per_device="),
         ({"exact_random": "yes"}, "exact_random="),
+        ({"pipeline": "layers.1"}, r"pipeline='layers.1': expected a number of stages, or a list of module paths"),
+        ({"copy_replicas": "yes"}, "copy_replicas='yes': expected True or False"),
+        ({"training": "no"}, "training='no': expected True or False"),
+        ({"optimizer": "adam9"}, "optimizer='adam9'"),
+        ({"dynamic_dims": "1"}, r"dynamic_dims='1': expected \{argument name"),
+        ({"dynamic_dims": [-1]}, "non-negative dims"),
+        ({"dynamic_dims": [1.0]}, "non-negative dims"),
+        ({"dynamic_dims": [True]}, "non-negative dims"),
+        ({"dynamic_dims": [5], "example_inputs": (torch.randn(2, 8),)}, r"names dim\(s\) \[5\], which no tensor argument"),
     ],
 )
 def test_layout_keyword_never_silently_ignored(kwargs, match):

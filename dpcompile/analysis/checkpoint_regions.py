@@ -48,15 +48,18 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
     elif rule == "auto":
         rule = f"auto:{_budget(activation_checkpointing.get('budget', DEFAULT_BUDGET))}"
     elif "budget" in activation_checkpointing or "budget_bytes" in activation_checkpointing:
+        key = "budget" if "budget" in activation_checkpointing else "budget_bytes"
         raise ValueError(
-            f"activation_checkpointing 'budget' goes with 'save': 'auto' (the rule that chooses what to keep "
-            f"within it), not with {rule!r}: give {{'save': 'auto', 'budget': ...}} or drop 'budget'"
+            f"activation_checkpointing {key!r} goes with 'save': 'auto' (the rule that chooses what to keep "
+            f"within it), not with {rule!r}: give {{'save': 'auto', {key!r}: ...}} or drop {key!r}"
         )
     rule += _scope_and_tiles(activation_checkpointing, rule)
     regions = activation_checkpointing["regions"]
-    if regions is False or regions is None or regions == "auto":
+    if regions is False or regions is None or regions == "auto" or isinstance(regions, str):
+        hint = f" (a list: ['{regions}'])" if isinstance(regions, str) and regions != "auto" else ""
         raise ValueError(
-            f"activation_checkpointing 'regions': {regions!r}; give True (every repeated block) or module paths"
+            f"activation_checkpointing 'regions': {regions!r}; give True (every repeated block) or a list of module "
+            f"paths{hint}"
         )
     return regions, rule
 

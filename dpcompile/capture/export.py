@@ -100,8 +100,27 @@ def varying_dims(dynamic_dims: Any, name: str) -> tuple[int, ...]:
 
 def check_dynamic_dims(model: nn.Module, dynamic_dims: Any, example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None) -> None:
     """``ValueError`` where ``dynamic_dims={argument: dims}`` names an argument the examples do not
-    give, or a dim that argument's example does not have (``[1]`` for every tensor applies where it can)."""
-    if not isinstance(dynamic_dims, Mapping) or (example_inputs is None and not example_kwargs):
+    give, or a dim that argument's example does not have (``[1]`` for every tensor applies where it
+    can, and must apply somewhere); dims that are not non-negative ints are refused even without examples."""
+    if not isinstance(dynamic_dims, Mapping):
+        if isinstance(dynamic_dims, (str, bytes)) or not isinstance(dynamic_dims, (int, Sequence)):
+            raise ValueError(
+                f"dynamic_dims={dynamic_dims!r}: expected {{argument name: [dims]}} or [dims] for every tensor argument"
+            )
+        dims = varying_dims(dynamic_dims, "")
+        if example_inputs is None and not example_kwargs:
+            return
+        names = _bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
+        ranks = [v.dim() for v in names.values() if isinstance(v, torch.Tensor)]
+        if unplaced := [d for d in dims if not any(d < r for r in ranks)]:
+            raise ValueError(
+                f"dynamic_dims={dynamic_dims!r} names dim(s) {unplaced}, which no tensor argument of the examples has "
+                f"(their dims: {ranks}); name dims below {max(ranks, default=0)}"
+            )
+        return
+    if example_inputs is None and not example_kwargs:
+        for name in dynamic_dims:
+            varying_dims(dynamic_dims, name)
         return
     names = _bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     if unknown := set(dynamic_dims) - set(names):

@@ -20,19 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dpcompile.checkpoint import dcp_planners
 from dpcompile.checkpoint.buffers import compute_buffers
+from dpcompile.checkpoint.dcp_reader import METADATA, CheckedReader, read_dcp_metadata
 from dpcompile.checkpoint.dtensors import check_peers, is_dtensor, ranks_of
 from dpcompile.checkpoint.files import StagedFiles
-from dpcompile.checkpoint.headers import DTYPES, CheckpointError, Entry
+from dpcompile.checkpoint.headers import DTYPES, CheckpointError, Entry, parse_json
 from dpcompile.checkpoint.optimizer_state import LIKE_PARAM, STATE_PREFIX, WHOLE, Place, local_blocks
 from dpcompile.checkpoint.rank_writes import Block, piece_blocks, target_blocks
 from dpcompile.checkpoint.targets import targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import TrainingLoad, TrainingSave, encode, training_from_document
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
 
-METADATA = ".metadata"
 TRAINING_KEY = "dpcompile_training_state"
 GROUPS = "optimizer.param_groups."
 
@@ -126,7 +127,9 @@ def load_dcp(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: boo
     import torch.distributed.checkpoint as dcp
 
     try:
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        stored = read_dcp_metadata(path).state_dict_metadata  # unpickled from DCP's own classes only, checked
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - torch's own errors name no file
         raise CheckpointError(f"{path} cannot be read as a torch.distributed.checkpoint ({type(e).__name__}: {e})",
                               file=path) from None  # fmt: skip
@@ -164,11 +167,11 @@ def load_dcp(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: boo
     computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
     training = _training(pm, path, stored, optimizer, lr_scheduler, strict, requests)
     try:  # everything checked: from here on, write
-        dcp.load(requests, storage_reader=dcp.FileSystemReader(str(path)), planner=dcp_planners.PiecesLoadPlanner(), no_dist=True)
+        dcp.load(requests, storage_reader=CheckedReader(path), planner=dcp_planners.PiecesLoadPlanner(), no_dist=True)
         with torch.no_grad():
             for name, value in computed.items():
                 buffers[name].copy_(value)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         pm.__dict__[NEEDS_WEIGHTS] = True  # partly written: the program must not run on it
         raise CheckpointError(
             f"reading {path} failed after its metadata was checked ({type(e).__name__}: {e}); the program is partly "
@@ -208,9 +211,17 @@ def _training(pm: Any, path: Path, stored: Any, optimizer: Any, lr_scheduler: An
     values = _read_values(path, small)
     file = path / METADATA
     source = _Source(path, stored, requests)
-    document = json.loads(values[TRAINING_KEY]) if TRAINING_KEY in values else _plain_document(stored, values, {k: t.shape for k, t in targets_of(pm).items()})
+    document = _document(file, values[TRAINING_KEY]) if TRAINING_KEY in values else _plain_document(stored, values, {k: t.shape for k, t in targets_of(pm).items()})
     return training_from_document(pm, document, file, optimizer, lr_scheduler,
                                   lambda meta: _loaded(pm, optimizer, meta, strict, source))  # fmt: skip
+
+
+def _document(file: Path, text: Any) -> dict[str, Any]:
+    """The training state's JSON a DCP save stored beside the tensors, checked as ``training_state.json`` is."""
+    document = parse_json(text, file, f"its '{TRAINING_KEY}' item") if isinstance(text, str) else None
+    if not isinstance(document, dict):
+        raise CheckpointError(f"{file}: its '{TRAINING_KEY}' item is not the JSON object of a training state", file=file)
+    return document
 
 
 def _loaded(pm: Any, optimizer: Any, meta: dict[str, Any], strict: bool, source: Any) -> dict[str, Any]:
@@ -291,7 +302,11 @@ def _read_values(path: Path, fqns: list[str]) -> dict[str, Any]:
     if not fqns:
         return {}
     planner = dcp_planners.PiecesLoadPlanner()
-    dcp.load(dict.fromkeys(fqns), storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
+    try:
+        dcp.load(dict.fromkeys(fqns), storage_reader=CheckedReader(path), planner=planner, no_dist=True)
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        raise CheckpointError(f"{path}: its training state cannot be read ({type(e).__name__}: {e}); nothing was loaded",
+                              file=path) from None  # fmt: skip
     return planner.values
 
 

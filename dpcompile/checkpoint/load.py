@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from dpcompile.checkpoint.keys import Conversion, place_keys
 from dpcompile.checkpoint.rank_writes import blocks_of_piece, piece_blocks
 from dpcompile.checkpoint.slices import cut, read_blocks, read_entry, read_piece
 from dpcompile.checkpoint.targets import Target, targets_of, tie_groups, unset_buffers
-from dpcompile.checkpoint.training import read_training
+from dpcompile.checkpoint.training import check_training_objects, read_training
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
 from dpcompile.progress import check_progress, progress_bar
@@ -70,6 +72,8 @@ def load_checkpoint(
     >>> dpcompile.load_checkpoint(pm, "ckpt/")                             # doctest: +SKIP
     """
     check_progress(progress)  # a bad progress= is refused before anything is read
+    _check_arguments(path, strict, key_mapping)
+    check_training_objects(optimizer, lr_scheduler)
     if Path(path).is_dir() and (Path(path) / ".metadata").is_file() and not (Path(path) / "model.safetensors").exists():
         from dpcompile.checkpoint import dcp  # a torch.distributed.checkpoint folder
 
@@ -98,6 +102,11 @@ def load_checkpoint(
             del converted[key]
     placed = {*placement.direct, *converted}
     missing = [k for k in targets if not any(t in placed for t in ties[k])]
+    if not placed and targets:  # strict=False too: a load that fills nothing is a mistake, not a no-op
+        raise CheckpointError(
+            _key_report(path, missing, sorted(set(unexpected)), len(targets), placement.renamed, source, none=True),
+            file=path, key=(missing or unexpected or [None])[0],
+        )  # fmt: skip
     if strict and (missing or unexpected):
         raise CheckpointError(
             _key_report(path, missing, sorted(set(unexpected)), len(targets), placement.renamed, source),
@@ -220,8 +229,10 @@ def _check_shapes(path: Any, model: Mapping[str, tuple[tuple[int, ...], torch.dt
 
 
 def _key_report(
-    path: Any, missing: list[str], unexpected: list[str], total: int, renamed: Mapping[str, str], model: Any
+    path: Any, missing: list[str], unexpected: list[str], total: int, renamed: Mapping[str, str], model: Any,
+    none: bool = False,
 ) -> str:
+    """What the keys of the checkpoint and the model disagree on; ``none``: no key of the checkpoint is the model's."""
     parts = []
     if missing:
         parts.append(f"{len(missing)} of the model's {total} keys are missing: {_listed(missing)}")
@@ -230,10 +241,49 @@ def _key_report(
     how = "the model's own state_dict keys"
     if renamed or unexpected:
         how += f", or names transformers' from_pretrained maps to them (for {type(model).__name__}; key_mapping= adds more)"
+    prefix = _wrapper_prefix(missing, unexpected)
+    hint = (
+        f". Its keys carry the prefix '{prefix}' (a wrapper's: DistributedDataParallel's 'module.', torch.compile's "
+        f"'_orig_mod.'): pass key_mapping={{r'^{re.escape(prefix)}': ''}} to strip it"
+        if prefix else ""
+    )
+    if none:
+        return f"no key of the checkpoint {path} is a key of the model (nothing was loaded): {'; '.join(parts)}{hint}. Keys are {how}"
     return (
-        f"the checkpoint {path} does not match the model (nothing was loaded): {'; '.join(parts)}. Keys are "
+        f"the checkpoint {path} does not match the model (nothing was loaded): {'; '.join(parts)}{hint}. Keys are "
         f"{how}; pass strict=False to load the keys both have"
     )
+
+
+def _wrapper_prefix(missing: list[str], unexpected: list[str]) -> str | None:
+    """The prefix (``module.``, ``_orig_mod.``, ...) that the checkpoint's unexpected keys add to the
+    model's missing ones, where it is the same for all of them that end in a missing key."""
+    missing_keys = set(missing)
+    prefixes = set()
+    for key in unexpected:
+        at = next((i for i, c in enumerate(key) if c == "." and key[i + 1 :] in missing_keys), None)  # longest suffix
+        if at is not None:
+            prefixes.add(key[: at + 1])
+        if len(prefixes) > 1:
+            return None
+    return prefixes.pop() if prefixes else None
+
+
+def _check_arguments(path: Any, strict: Any, key_mapping: Any) -> None:
+    """``ValueError`` naming the keyword for a ``path``, ``strict`` or ``key_mapping`` of the wrong kind."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r}: expected a str or os.PathLike (a .safetensors file or a checkpoint folder)")
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict={strict!r}: expected True or False")
+    if key_mapping is None:
+        return
+    if not isinstance(key_mapping, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in key_mapping.items()):
+        raise ValueError(f"key_mapping={key_mapping!r}: expected {{regex: replacement}}, both strings, as from_pretrained takes it")
+    for pattern in key_mapping:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"key_mapping= pattern {pattern!r} is not a regular expression ({e})") from None
 
 
 def _listed(keys: list[str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,14 @@ from dpcompile.checkpoint.files import (
 from dpcompile.checkpoint.rank_save import save_by_ranks, switch_over
 from dpcompile.checkpoint.stages import is_mesh_pipeline, merge_stage_states
 from dpcompile.checkpoint.targets import targets_of, tie_groups
-from dpcompile.checkpoint.training import encode, prepare_training, save_stamp, take_part, write_training
+from dpcompile.checkpoint.training import (
+    check_training_objects,
+    encode,
+    prepare_training,
+    save_stamp,
+    take_part,
+    write_training,
+)
 from dpcompile.modules.base import ParallelModule
 from dpcompile.progress import check_progress, progress_bar
 
@@ -78,7 +86,11 @@ def save_checkpoint(
         raise CheckpointError(
             "this program has no weights yet (built on meta): dpcompile.load_checkpoint(pm, path) first"
         )
+    check_training_objects(optimizer, lr_scheduler)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r}: expected a str or os.PathLike (a .safetensors file or a folder)")
     path = Path(path)
+    _check_destination(path)
     if path.suffix == ".safetensors" and not (optimizer is None and lr_scheduler is None and extra is None):
         raise ValueError(
             f"{path}: a training checkpoint (optimizer=, lr_scheduler=, extra=) is a folder; pass a folder path"
@@ -156,6 +168,22 @@ def save_checkpoint(
         switch_over(staged, path, set(files), written)
     log.debug("saved %d tensors in %d file(s) under %s", len(keys), len(files), path)
     return path
+
+
+def _check_destination(path: Path) -> None:
+    """``ValueError`` where the save cannot land at ``path``: a ``.safetensors`` path that is a folder,
+    a folder path that is a file, or a file on the way; nothing written yet."""
+    if path.suffix == ".safetensors" and path.is_dir():
+        raise ValueError(f"{path} is a folder: a path ending in .safetensors is written as one file; pass another path")
+    if path.suffix != ".safetensors" and path.exists() and not path.is_dir():
+        raise ValueError(
+            f"{path} is a file: a checkpoint folder goes there; pass a folder path, or a path ending in .safetensors"
+        )
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{parent} is a file, so {path} cannot be created under it")
+            break
 
 
 def _counted(make: Any, bar: Any) -> Any:

@@ -23,7 +23,7 @@ import torch
 
 from dpcompile.checkpoint.dtensors import check_peers, ranks_of
 from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, write_safetensors
-from dpcompile.checkpoint.headers import CheckpointError, read_checkpoint, read_metadata
+from dpcompile.checkpoint.headers import MAX_JSON_BYTES, CheckpointError, parse_json, read_checkpoint, read_metadata
 from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, saved_state
 
 TRAINING_FILE = "training_state.json"
@@ -53,9 +53,24 @@ class TrainingLoad:
     extra: Any
 
 
+def check_training_objects(optimizer: Any, lr_scheduler: Any) -> None:
+    """``optimizer=`` a ``torch.optim.Optimizer`` and ``lr_scheduler=`` an object with ``state_dict``
+    and ``load_state_dict`` (or None): else ``ValueError`` naming the keyword, before anything is
+    read or written."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer={optimizer!r}: expected the torch.optim.Optimizer built on the program's parameters (or None)"
+        )
+    if lr_scheduler is not None and not all(
+        callable(getattr(lr_scheduler, name, None)) for name in ("state_dict", "load_state_dict")
+    ):
+        raise ValueError(f"lr_scheduler={lr_scheduler!r}: expected an LR scheduler (with state_dict and load_state_dict)")
+
+
 def prepare_training(pm: Any, optimizer: Any, lr_scheduler: Any, extra: Any) -> TrainingSave | None:
     """The training state of a save, checked whole (JSON-able, every parameter placed); None
     where none of ``optimizer``, ``lr_scheduler``, ``extra`` is given."""
+    check_training_objects(optimizer, lr_scheduler)
     if optimizer is None and lr_scheduler is None and extra is None:
         return None
     if extra is not None:
@@ -144,6 +159,8 @@ def read_training(
     """Everything a load sets besides the weights, checked and read (each piece's slices only);
     nothing is set yet. Raises :class:`CheckpointError` naming what disagrees."""
     file = path / TRAINING_FILE
+    if path.is_dir() and (file.is_symlink() or (file.exists() and not file.is_file())):
+        raise CheckpointError(f"{file} is not a regular file", file=file)
     if not path.is_dir() or not file.is_file():
         if optimizer is None and lr_scheduler is None:
             return TrainingLoad(None, None, lambda: None, None)
@@ -151,10 +168,7 @@ def read_training(
             f"{path} holds no {TRAINING_FILE}: it was saved without optimizer=/lr_scheduler=; load it without them",
             file=path,
         )
-    try:
-        document = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file} cannot be read as JSON ({e})", file=file) from None
+    document = read_document(file)
     if not isinstance(document, dict) or document.get("format") != FORMAT or document.get("version") != VERSION:
         raise CheckpointError(f"{file} is not a dpcompile training state of version {VERSION}", file=file)
     if optimizer is not None or lr_scheduler is not None:
@@ -166,6 +180,19 @@ def read_training(
         return loaded_state(pm, optimizer, meta, files, strict)
 
     return training_from_document(pm, document, file, optimizer, lr_scheduler, state_of)
+
+
+def read_document(file: Path) -> Any:
+    """The JSON of ``training_state.json``, read as the index json is: bounded size and nesting,
+    UTF-8, no key twice; else :class:`CheckpointError` naming ``file``."""
+    try:
+        size = file.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{file} is {size} bytes, more than a training state can be ({MAX_JSON_BYTES})", file=file)
+        text = file.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} cannot be read as UTF-8 JSON text ({e})", file=file) from None
+    return parse_json(text, file, "the training state")
 
 
 def training_from_document(
@@ -199,13 +226,20 @@ def training_from_document(
         saved = document.get("lr_scheduler")
         if saved is None:
             raise CheckpointError(f"{path} was saved without lr_scheduler=: there is no scheduler state", file=file)
+        if not isinstance(saved, dict) or not isinstance(saved.get("kind"), str) or not isinstance(saved.get("state"), dict):
+            raise CheckpointError(f"{file}: its lr_scheduler entry is not {{'kind': str, 'state': {{...}}}}", file=file)
         if saved["kind"] != _kind(lr_scheduler):
             raise CheckpointError(
                 f"{file} holds a {saved['kind']}'s state, the scheduler is a {_kind(lr_scheduler)}", file=file
             )
-        state = decode(saved["state"])
+        try:
+            state = decode(saved["state"])
+        except (KeyError, TypeError, AttributeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"{file}: its lr_scheduler state is malformed ({type(e).__name__}: {e})", file=file
+            ) from None
         load_scheduler = lambda: lr_scheduler.load_state_dict(state)  # noqa: E731
-    rng = _own_rng(pm, document.get("rng") or {})
+    rng = _checked_rng(file, _own_rng(pm, document.get("rng") or {}))  # set last: checked now, so that it cannot fail then
     return TrainingLoad(load_optimizer, load_scheduler, lambda: _set_rng(rng), document.get("extra"))
 
 
@@ -291,10 +325,10 @@ def _rng_state(pm: Any) -> dict[str, Any]:
     return out
 
 
-def _own_rng(pm: Any, rng: dict[str, Any]) -> dict[str, Any]:
+def _own_rng(pm: Any, rng: Any) -> Any:
     """This rank's RNG states where the save had as many ranks; else the saving rank 0's."""
     over, group = ranks_of(pm)
-    ranks = rng.get("ranks")
+    ranks = rng.get("ranks") if isinstance(rng, dict) else None
     if over and isinstance(ranks, list):
         import torch.distributed as dist
 
@@ -303,13 +337,41 @@ def _own_rng(pm: Any, rng: dict[str, Any]) -> dict[str, Any]:
     return rng
 
 
-def _set_rng(rng: dict[str, Any]) -> None:
+def _checked_rng(file: Path, rng: Any) -> dict[str, Any]:
+    """``{"cpu": state, "cuda": [states]}`` decoded from the document's ``rng`` entry, each state of
+    the size torch sets; else :class:`CheckpointError` naming ``file``."""
+
+    def state(text: Any, size: int | None, what: str) -> torch.Tensor:
+        try:
+            value = _unb64(text) if isinstance(text, str) else None
+        except ValueError:
+            value = None
+        if value is None or (size is not None and value.numel() != size):
+            raise CheckpointError(
+                f"{file}: its rng entry's {what} state is not the base64 of {size or 'a'} byte(s) torch saved "
+                "(edited or corrupt); remove the 'rng' entry to load without restoring the random state",
+                file=file,
+            )
+        return value
+
+    if not isinstance(rng, dict) or not isinstance(rng.get("cuda", []), list):
+        raise CheckpointError(f"{file}: its rng entry is not {{'cpu': str, 'cuda': [str]}} (edited or corrupt)", file=file)
+    out: dict[str, Any] = {}
     if "cpu" in rng:
-        torch.set_rng_state(_unb64(rng["cpu"]))
+        out["cpu"] = state(rng["cpu"], torch.get_rng_state().numel(), "cpu")
     if rng.get("cuda") and torch.cuda.is_available():
-        states = [_unb64(s) for s in rng["cuda"]][: torch.cuda.device_count()]
-        for device, state in enumerate(states):
-            torch.cuda.set_rng_state(state, device)
+        count = torch.cuda.device_count()
+        size = torch.cuda.get_rng_state(0).numel() if count else None
+        out["cuda"] = [state(s, size, f"cuda:{k}") for k, s in enumerate(rng["cuda"][:count])]
+    return out
+
+
+def _set_rng(rng: dict[str, Any]) -> None:
+    """Set the states :func:`_checked_rng` decoded."""
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    for device, state in enumerate(rng.get("cuda", [])):
+        torch.cuda.set_rng_state(state, device)
 
 
 def _b64(state: torch.Tensor) -> str:
@@ -332,7 +394,7 @@ def _numel(shape: Any) -> int:
 
 
 __all__ = [
-    "OPTIMIZER_FILE", "OPTIMIZER_INDEX", "TRAINING_FILE", "TrainingLoad", "TrainingSave", "decode", "encode",
+    "OPTIMIZER_FILE", "OPTIMIZER_INDEX", "TRAINING_FILE", "TrainingLoad", "TrainingSave", "check_training_objects", "decode", "encode",
     "optimizer_files", "prepare_training", "read_training", "training_from_document", "save_stamp", "stage_documents", "stale_training_files",
     "take_part", "write_training",
 ]  # fmt: skip

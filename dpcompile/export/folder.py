@@ -450,6 +450,8 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
     >>> import dpcompile
     >>> pm = dpcompile.load("exported", devices=["cpu"] * 4)  # doctest: +SKIP
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r}: expected a str or os.PathLike, the folder that dpcompile.export wrote")
     folder = Path(path)
     if expected_hash is not None:
         check_manifest_hash(folder, expected_hash)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,17 @@ from dpcompile.export.common import (
     dtype_name,
 )
 
-__all__ = ["MAX_NESTING", "check_manifest_hash", "manifest_hash", "read_json", "read_manifest"]
+__all__ = ["MAX_MANIFEST_BYTES", "MAX_NESTING", "MAX_PROGRAM_BYTES", "check_manifest_hash", "manifest_hash", "read_json", "read_manifest"]
 
 # how deep a manifest or program may nest lists and objects: real programs stay far below
 # (a node's arguments: tuples of tuples); Python's parser would raise RecursionError near 1000
 MAX_NESTING = 200
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\Z)', re.DOTALL)  # linear: an unclosed string ends the text
+# how big manifest.json (it lists four files) and program.json (a graph of tens of thousands of
+# nodes stays far below) may be: read whole and parsed, a larger file is refused before it is read
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_PROGRAM_BYTES = 256 << 20
+# linear: every attempt that starts succeeds, an unclosed string (a lone backslash last too) ending the text
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]")
 
 
@@ -57,10 +63,17 @@ def nesting(text: bytes) -> int:
     return int(np.cumsum(steps).max()) if steps.size else 0
 
 
-def read_json(path: Path, limit: int = MAX_NESTING) -> Any:
+def read_json(path: Path, limit: int = MAX_NESTING, *, max_bytes: int = MAX_PROGRAM_BYTES) -> Any:
     """The JSON value of the file ``path``, refused with an :class:`ExportError` naming the file
-    where it cannot be read or nests deeper than ``limit`` (checked before parsing)."""
+    where it cannot be read, holds more than ``max_bytes`` or nests deeper than ``limit`` (checked
+    before parsing)."""
     try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ExportError(
+                f"{path} is {size} bytes, more than the {max_bytes} an export ever writes there; it was not written "
+                "by dpcompile.export: re-export the module"
+            )
         text = path.read_bytes()
     except OSError as e:
         raise ExportError(f"{path} cannot be read ({e}); re-export the module") from None
@@ -79,13 +92,15 @@ def read_json(path: Path, limit: int = MAX_NESTING) -> Any:
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The checked manifest of an export folder: every field known and valid, every file in
     the folder listed and every listed file present with its size and sha256."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r}: expected a str or os.PathLike, the folder that dpcompile.export wrote")
     folder = Path(path)
     if not folder.is_dir():
         raise ExportError(f"{folder} is not a folder; pass the folder that dpcompile.export wrote")
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file() or manifest_path.is_symlink():
         raise ExportError(f"{folder} has no {MANIFEST_FILE}; it is not a dpcompile export (or it is incomplete)")
-    manifest = read_json(manifest_path)
+    manifest = read_json(manifest_path, max_bytes=MAX_MANIFEST_BYTES)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise ExportError(f"{manifest_path} is not a dpcompile export manifest (format {found!r})")
@@ -106,6 +121,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         for v in files.values()
     ):
         raise ExportError(f"{manifest_path} has no valid 'files' table; re-export the module")
+    if files.get(PROGRAM_FILE, {}).get("size", 0) > MAX_PROGRAM_BYTES:
+        raise ExportError(f"{manifest_path} lists a {PROGRAM_FILE} of more than {MAX_PROGRAM_BYTES} bytes; re-export the module")
     required = {MODULE_FILE, PROGRAM_FILE, WEIGHTS_FILE} | ({PICKLE_FILE} if summary.get("trust_code") is True else set())
     listed = set(files)
     present = {p.name for p in folder.iterdir()} - {MANIFEST_FILE}
@@ -126,7 +143,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    program = read_json(folder / PROGRAM_FILE)
+    program = read_json(folder / PROGRAM_FILE, max_bytes=MAX_PROGRAM_BYTES)
     keys = {"format", "format_version", "kind", "class_name", "dpcompile_version", "torch_version", "trust_code",
             "pickled_because", "config", "training", "tensors", "modules", "data"}  # fmt: skip
     if not isinstance(program, dict) or set(program) != keys or program["format"] != PROGRAM_FORMAT:

@@ -45,35 +45,48 @@ class ShardedState:
         return destination
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        """Load full tensors under the original keys, cutting the shards out of them."""
+        """Load full tensors under the original keys, cutting the shards out of them. Every key is
+        checked (a tensor, each piece of the shape it replaces) before the first is copied: a
+        refused load changes nothing."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict).__name__}.")
         keys = set(self.state_keys)
         missing = [k for k in self.state_keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in keys]
         if strict and (missing or unexpected):
             raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing}, "
-                f"unexpected keys {unexpected}"
+                f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded): missing keys "
+                f"{missing}, unexpected keys {unexpected}"
             )
         own = super().state_dict(keep_vars=True)
+        copies = []  # (destination, value), all checked first
+        for key in self.state_keys:
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                raise RuntimeError(f"{key} is a {type(value).__name__}, not a tensor (nothing was loaded)")
+            if key in self.param_shards:
+                spec, names = self.param_shards[key]
+                expected = sum(spec.sizes)
+                fits = value.dim() > spec.dim and value.size(spec.dim) == expected
+                pieces = [shard_of(value, spec, k) for k in range(len(names))] if fits else []
+                if not fits or any(piece.shape != own[name].shape for piece, name in zip(pieces, names)):
+                    raise RuntimeError(
+                        f"size mismatch for {key}: got {tuple(value.shape)}, the sharded parameter has "
+                        f"{expected} along dim {spec.dim} (shards {list(spec.sizes)}) (nothing was loaded)"
+                    )
+                copies += [(own[name], piece) for name, piece in zip(names, pieces)]
+            elif key in own:
+                if own[key].shape != value.shape:
+                    raise RuntimeError(
+                        f"size mismatch for {key}: got {tuple(value.shape)}, expected {tuple(own[key].shape)} "
+                        "(nothing was loaded)"
+                    )
+                copies.append((own[key], value))
         with torch.no_grad():
-            for key in self.state_keys:
-                if key not in state_dict:
-                    continue
-                value = state_dict[key]
-                if key in self.param_shards:
-                    spec, names = self.param_shards[key]
-                    expected = sum(spec.sizes)
-                    if value.dim() <= spec.dim or value.size(spec.dim) != expected:
-                        raise RuntimeError(
-                            f"size mismatch for {key}: got {tuple(value.shape)}, the sharded parameter has "
-                            f"{expected} along dim {spec.dim} (shards {list(spec.sizes)})"
-                        )
-                    for k, name in enumerate(names):
-                        own[name].copy_(shard_of(value, spec, k))
-                elif key in own:
-                    if own[key].shape != value.shape:
-                        raise RuntimeError(f"size mismatch for {key}: got {tuple(value.shape)}, expected {tuple(own[key].shape)}")
-                    own[key].copy_(value)
+            for destination, value in copies:
+                destination.copy_(value)
         state_dict_loaded(self, missing)  # a program built on meta holds its weights now
         return _IncompatibleKeys(missing, unexpected)
 

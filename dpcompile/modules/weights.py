@@ -66,6 +66,8 @@ def refuse_before_copying(pm: nn.Module, state_dict: Mapping[str, Any], strict: 
     source = getattr(pm, "traced_model", None) if getattr(pm, "_shares_source", False) else None  # its hooks run too
     if any(m._load_state_dict_pre_hooks for m in [*pm.modules(), *([source] if isinstance(source, nn.Module) else [])]):
         return  # a hook may rename or drop keys before torch reads them: its own checks stand
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
     own = nn.Module.state_dict(pm, keep_vars=True)  # what torch's load copies into (over a mesh: this rank's shards)
     problems = []
     if strict:
@@ -77,7 +79,10 @@ def refuse_before_copying(pm: nn.Module, state_dict: Mapping[str, Any], strict: 
             problems.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
     for key, value in state_dict.items():
         mine = own.get(key)
-        if isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor) and value.shape != mine.shape:
+        if isinstance(mine, torch.Tensor) and not isinstance(value, torch.Tensor):
+            problems.append(f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like object '
+                            f"from checkpoint but received {type(value)}")  # fmt: skip
+        elif isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor) and value.shape != mine.shape:
             problems.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
                             f"checkpoint, the shape in current model is {tuple(mine.shape)}.")  # fmt: skip
     if problems:

@@ -193,7 +193,9 @@ def test_kept_ops_are_not_recomputed_and_the_peak_is_between():
      ({"regions": True, "keep": "matmuls"}, "'regions'"),
      ({"regions": False, "save": "matmuls"}, "give True"),
      ({"regions": True, "save": "auto", "budget": 1.5}, "a fraction from 0"),
-     ({"regions": True, "save": "matmuls", "budget": 0.5}, "goes with 'save': 'auto'")],
+     ({"regions": True, "save": "matmuls", "budget": 0.5}, "goes with 'save': 'auto'"),
+     ({"regions": True, "save": "matmuls", "budget_bytes": "1MiB"}, "'budget_bytes' goes with 'save': 'auto'"),
+     ({"regions": "layers.0", "save": "matmuls"}, r"a list of module paths \(a list: \['layers.0'\]\)")],
 )  # fmt: skip
 def test_bad_spec_says_what_to_give_and_builds_nothing(spec, words):
     model, x = _example()

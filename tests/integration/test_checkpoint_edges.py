@@ -140,6 +140,30 @@ def test_a_broken_file_is_a_checkpoint_error_naming_file_and_key(fault, tmp_path
     _unchanged(pm, before)
 
 
+UNCLOSED = {  # JSON whose strings never close, a lone backslash last
+    "quote_backslash_pairs": lambda n: "{" + '"\\' * n,
+    "escaped_quotes": lambda n: '{"x": "' + 'y\\"' * n + "\\",
+    "backslash_run": lambda n: '{"a": "' + "\\" * (2 * n + 1),
+}
+
+
+@pytest.mark.parametrize("make", UNCLOSED.values(), ids=UNCLOSED)
+def test_a_header_of_unclosed_escapes_is_refused_in_one_pass(make, tmp_path):
+    """The nesting bound scans strings with a pattern whose every attempt succeeds: a 40 KB header of
+    escapes is refused at once (a backtracking pattern retried from each quote: ~20 s here, 30 minutes
+    at 400 KB), and every quote of such a text starts a match."""
+    from dpcompile.checkpoint import headers
+
+    small = make(500)
+    assert all(headers._STRING.match(small, i) for i, c in enumerate(small) if c == '"')
+    text = make(20000)
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(text)) + text.encode())
+    with pytest.raises(CheckpointError, match="not valid JSON") as error:
+        dpcompile.load_checkpoint(_meta_program(), file)
+    assert error.value.file == file
+
+
 def _sharded(tmp_path) -> None:
     real = dpcompile.transform(_trained(), ["cpu"] * 2)
     dpcompile.save_checkpoint(real, tmp_path, max_shard_size=200)

@@ -65,12 +65,13 @@ def test_parallel_module_load_state_dict_updates_model():
     torch.testing.assert_close(model.used.weight, other.used.weight)
 
 
-@pytest.mark.parametrize("layout", [{}, {"pipeline": 2}, {"mesh": {"pp": 2, "dp": 2}}])
-@pytest.mark.parametrize("damage", ["missing", "unexpected", "shape"])
+@pytest.mark.parametrize("layout", [{}, {"pipeline": 2}, {"mesh": {"pp": 2, "dp": 2}}, {"tensor_parallel": True}])
+@pytest.mark.parametrize("damage", ["missing", "unexpected", "shape", "not_a_tensor"])
 def test_a_load_state_dict_that_fails_changes_nothing(layout, damage):
-    """A missing or unexpected key (strict) or a tensor of another shape raises torch's RuntimeError
-    before anything is copied: torch's own load copied every key that fit first (data parallel and
-    the pipelines left the program half loaded; tensor parallel and FSDP already checked first)."""
+    """A missing or unexpected key (strict), a tensor of another shape or a value that is no tensor
+    raises torch's RuntimeError before anything is copied: torch's own load copied every key that fit
+    first (data parallel and the pipelines left the program half loaded; tensor parallel checked each
+    key just before copying it, so a bad last key left the first ones written)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     pm = dpcompile.transform(model, ["cpu"] * (4 if "mesh" in layout else 2), example_inputs=(torch.randn(4, 4),),
@@ -81,12 +82,14 @@ def test_a_load_state_dict_that_fails_changes_nothing(layout, damage):
         del state["2.bias"]
     elif damage == "unexpected":
         state["3.weight"] = torch.zeros(1)
-    else:
+    elif damage == "shape":
         state["2.bias"] = torch.zeros(5)
+    else:
+        state["2.bias"] = [0.0] * 4
     with pytest.raises(RuntimeError, match="nothing was loaded"):
         pm.load_state_dict(state)
     assert all(torch.equal(v, before[k]) for k, v in pm.state_dict().items())
-    if damage != "shape":
+    if damage in ("missing", "unexpected"):
         pm.load_state_dict(state, strict=False)  # what fits is loaded, as torch does
         assert torch.equal(pm.state_dict()["0.weight"], torch.zeros(8, 4))
 

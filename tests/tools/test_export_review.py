@@ -286,6 +286,43 @@ def test_deeply_nested_program_is_refused_naming_the_file(linear_folder):
         dpcompile.load(folder)
 
 
+def test_a_manifest_or_program_past_its_size_bound_is_refused_before_it_is_read(linear_folder, monkeypatch):
+    """manifest.json made huge (sparse: 8 GiB read whole raised MemoryError) and a manifest listing a
+    program.json past the bound: an ExportError naming the file, nothing read."""
+    from dpcompile.export import integrity
+
+    folder = linear_folder
+    program_size = (folder / "program.json").stat().st_size
+    monkeypatch.setattr(integrity, "MAX_PROGRAM_BYTES", program_size - 1)
+    with pytest.raises(ExportError, match=rf"manifest.json lists a program.json of more than {program_size - 1} bytes"):
+        dpcompile.load(folder)
+    os.truncate(folder / "manifest.json", 8 << 30)
+    with pytest.raises(ExportError, match=r"manifest.json is 8589934592 bytes, more than the 1048576"):
+        dpcompile.load(folder)
+    with pytest.raises(ValueError, match="path=5: expected a str or os.PathLike"):
+        dpcompile.load(5)
+
+
+UNCLOSED = {  # JSON whose strings never close, a lone backslash last
+    "quote_backslash_pairs": lambda n: b"{" + b'"\\' * n,
+    "escaped_quotes": lambda n: b'{"x": "' + b'y\\"' * n + b"\\",
+}
+
+
+@pytest.mark.parametrize("make", UNCLOSED.values(), ids=UNCLOSED)
+def test_nesting_of_unclosed_escapes_is_one_pass(make, linear_folder):
+    """Every quote of a text whose strings never close starts a match of the string pattern (one that
+    backtracked was retried from each quote: quadratic, an hour on a 1 MiB manifest); such a manifest
+    is refused naming it."""
+    from dpcompile.export import integrity
+
+    small = make(500)
+    assert all(integrity._STRING.match(small, i) for i, c in enumerate(small) if c == ord('"'))
+    (linear_folder / "manifest.json").write_bytes(make(20000))
+    with pytest.raises(ExportError, match="manifest.json cannot be read as JSON"):
+        dpcompile.load(linear_folder)
+
+
 def test_nesting_is_counted_outside_strings(tmp_path):
     assert nesting(b'{"a": ["[[[[", {"b": "\\"[{"}]}') == 3
     assert nesting(b'"[[[') == 0 and nesting(b"7") == 0

@@ -1,0 +1,91 @@
+"""``load_checkpoint`` / ``save_checkpoint`` given arguments of the wrong kind, a checkpoint whose keys
+carry a wrapper's prefix, or a destination that cannot hold a checkpoint: a ``ValueError`` naming
+the keyword (or a ``CheckpointError`` naming the prefix and the ``key_mapping=`` that strips it),
+raised before anything is read or written; the program and the files on disk as they were.
+Before, ``strict="no"``, ``key_mapping=["a"]`` and a prefixed checkpoint under ``strict=False``
+loaded nothing silently, and a save onto a file raised ``FileExistsError`` from pathlib (a save
+into a folder named ``x.safetensors`` left its staging file behind)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import dpcompile
+from dpcompile import CheckpointError
+
+
+def _program():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    return dpcompile.transform(model, ["cpu"] * 2, example_inputs=(torch.randn(4, 6),))
+
+
+def _state(pm):
+    return {k: v.clone() for k, v in pm.state_dict().items()}
+
+
+def _same(pm, before):
+    return all(torch.equal(v, before[k]) for k, v in pm.state_dict().items())
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod."])
+def test_a_wrappers_prefix_is_named_with_the_key_mapping_that_strips_it(prefix, tmp_path):
+    pm = _program()
+    saved = {k: torch.randn_like(v.float()).to(v.dtype) for k, v in pm.state_dict().items()}
+    save_file({prefix + k: v for k, v in saved.items()}, tmp_path / "model.safetensors")
+    before = _state(pm)
+    escaped = prefix.replace(".", r"\.")
+    for strict in (True, False):  # strict=False too: a load that would fill nothing is refused
+        with pytest.raises(CheckpointError, match=re.escape(f"prefix '{prefix}'") + ".*" + re.escape(f"key_mapping={{r'^{escaped}': ''}}")):
+            dpcompile.load_checkpoint(pm, tmp_path, strict=strict)
+        assert _same(pm, before)
+    dpcompile.load_checkpoint(pm, tmp_path, key_mapping={"^" + escaped: ""})
+    assert all(torch.equal(v, saved[k]) for k, v in pm.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"path": 5}, "path=5"),
+        ({"strict": "no"}, "strict='no'"),
+        ({"key_mapping": ["a"]}, r"key_mapping=\['a'\]"),
+        ({"key_mapping": {"(": ""}}, "pattern '\\(' is not a regular expression"),
+        ({"optimizer": "adamw"}, "optimizer='adamw'"),
+        ({"lr_scheduler": object()}, "lr_scheduler=<object"),
+    ],
+)
+def test_load_arguments_of_the_wrong_kind_are_named(kwargs, match, tmp_path):
+    pm = _program()
+    dpcompile.save_checkpoint(pm, tmp_path)
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.add_(1.0)
+    before = _state(pm)
+    with pytest.raises(ValueError, match=match):
+        dpcompile.load_checkpoint(pm, **{"path": tmp_path, **kwargs})
+    assert _same(pm, before)
+
+
+@pytest.mark.parametrize("where", ["a_file", "under_a_file", "safetensors_folder", "optimizer_a_string"])
+def test_a_save_that_cannot_land_writes_nothing(where, tmp_path):
+    pm = _program()
+    previous = tmp_path / "ckpt"
+    dpcompile.save_checkpoint(pm, previous)
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "folder.safetensors").mkdir()
+    path, kwargs, match = {
+        "a_file": (tmp_path / "a_file", {}, "is a file: a checkpoint folder goes there"),
+        "under_a_file": (tmp_path / "a_file" / "ckpt", {}, "is a file, so .* cannot be created"),
+        "safetensors_folder": (tmp_path / "folder.safetensors", {}, "is a folder: a path ending in .safetensors"),
+        "optimizer_a_string": (previous, {"optimizer": "adamw"}, "optimizer='adamw'"),
+    }[where]
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=match):
+        dpcompile.save_checkpoint(pm, path, **kwargs)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files  # nothing staged, nothing changed
+    dpcompile.load_checkpoint(pm, previous)

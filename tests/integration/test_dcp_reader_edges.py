@@ -1,0 +1,117 @@
+"""``load_checkpoint`` of a ``format="dcp"`` folder that was tampered with: ``.metadata`` is
+unpickled from DCP's own classes only (a crafted pickle runs nothing) and checked before the load
+plans a read (data files inside the folder, byte ranges inside them, chunks covering each tensor),
+so each fault is a ``CheckpointError`` naming ``.metadata`` or the data file, and the program and
+the optimizer are as they were. Before, the pickle ran, ``../`` read outside the folder, and a
+missing or short data file raised torch's ``CheckpointException`` (a ``BaseException``) midway."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+import dpcompile
+from dpcompile import CheckpointError
+
+
+def _program():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(torch.randn(4, 6),))
+    return pm, torch.optim.AdamW(pm.parameters(), lr=1e-2)
+
+
+def _step(pm, opt):
+    pm(torch.randn(4, 6)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dcp") / "ckpt"
+    pm, opt = _program()
+    _step(pm, opt)
+    dpcompile.save_checkpoint(pm, folder, optimizer=opt, format="dcp")
+    return folder
+
+
+class _Runs:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))  # would create the marker file
+
+
+def _metadata_edit(change):
+    def edit(folder):
+        metadata = pickle.loads((folder / ".metadata").read_bytes())
+        change(metadata, folder)
+        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+    return edit
+
+
+def _outside(metadata, folder):
+    (folder.parent / "elsewhere.distcp").write_bytes((folder / "__0_0.distcp").read_bytes())
+    metadata.storage_data = {
+        k: _StorageInfo("../elsewhere.distcp", v.offset, v.length, v.transform_descriptors)
+        for k, v in metadata.storage_data.items()
+    }
+
+
+def _partial_chunk(metadata, folder):
+    metadata.state_dict_metadata["model.2.weight"].chunks[0].sizes = torch.Size([1, 8])
+
+
+FAULTS = {
+    "pickle_that_runs_code": (lambda f: (f / ".metadata").write_bytes(pickle.dumps(_Runs(f.parent / "RAN"))), ".metadata", "names io.open"),
+    "metadata_a_list": (lambda f: (f / ".metadata").write_bytes(pickle.dumps([1])), ".metadata", "not a checkpoint's Metadata"),
+    "data_file_missing": (lambda f: (f / "__0_0.distcp").unlink(), "__0_0.distcp", "not in"),
+    "data_file_short": (lambda f: os.truncate(f / "__0_0.distcp", 100), "__0_0.distcp", "truncated"),
+    "data_outside_the_folder": (_metadata_edit(_outside), ".metadata", "plain file names"),
+    "chunks_not_covering": (_metadata_edit(_partial_chunk), ".metadata", "chunks of 8 elements"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_tampered_dcp_folder_is_refused_before_anything_is_read(fault, saved, tmp_path):
+    pm, opt = _program()
+    _step(pm, opt)
+    _step(pm, opt)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    edit, named, match = FAULTS[fault]
+    edit(folder)
+    weights, state = copy.deepcopy(pm.state_dict()), copy.deepcopy(opt.state_dict())
+    for optimizer in (None, opt):
+        with pytest.raises(CheckpointError, match=match) as error:
+            dpcompile.load_checkpoint(pm, folder, optimizer=optimizer)
+        assert named in str(error.value) and error.value.file.name == named
+    assert not (tmp_path / "RAN").exists()
+    assert not pm.needs_weights
+    assert all(torch.equal(v, weights[k]) for k, v in pm.state_dict().items())
+    assert str(opt.state_dict()) == str(state)
+
+
+def test_corrupt_data_bytes_are_a_checkpoint_error_and_the_program_waits_for_a_load(saved, tmp_path):
+    """Bytes garbled inside a data file of the right size are found only when read: a ``CheckpointError``
+    (not torch's ``CheckpointException``), and the partly written program refuses to run."""
+    pm, _ = _program()
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    data = folder / "__0_0.distcp"
+    data.write_bytes(bytes(len(data.read_bytes())))
+    with pytest.raises(CheckpointError, match="failed after its metadata was checked"):
+        dpcompile.load_checkpoint(pm, folder)
+    assert pm.needs_weights
+    dpcompile.load_checkpoint(pm, saved)
+    assert not pm.needs_weights

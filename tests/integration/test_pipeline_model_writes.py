@@ -45,10 +45,10 @@ def test_pipeline_training_calls_write_to_the_model_as_eager(schedule):
 class ReadsItsEma(nn.Module):
     """An EMA of the batch's mean, read after the write: every sample sees the whole batch's update."""
 
-    def __init__(self):
+    def __init__(self, width=4):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 3)
-        self.register_buffer("avg", torch.zeros(4))
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, 3)
+        self.register_buffer("avg", torch.zeros(width))
 
     def forward(self, x, y):
         h = self.fc1(x)
@@ -73,3 +73,14 @@ def test_a_read_of_state_written_from_the_whole_batch_waits_for_the_write():
     one_f_one_b = dpcompile.transform(copy.deepcopy(eager), ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b")
     with pytest.raises(dpcompile.DpCompileError, match="writes the model's state in place from the whole batch"):
         one_f_one_b(x, y)
+
+
+def test_dp_copies_read_state_written_from_the_whole_batch_after_the_write():
+    """``mesh={"dp": 2, "tp": 2}`` in one process orders its dp copies as micro-batches are: copy 0
+    read ``self.avg`` before the write of the whole batch's mean."""
+    model = ReadsItsEma(width=16)
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 16), torch.randint(0, 3, (6,))
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(x, y))
+    torch.testing.assert_close(pm(x, y), eager(x, y))
+    torch.testing.assert_close(pm.state_dict()["avg"], eager.avg)

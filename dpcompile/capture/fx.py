@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
+from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
@@ -42,6 +43,15 @@ class WritableProxy(fx.Proxy):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
+def writes_parametrization_state(module: nn.Module) -> bool:
+    """Whether ``module`` has a parametrization holding buffers, which computing the weight may
+    update (``spectral_norm``'s power iteration in training mode). Called as a leaf, such a module
+    would compute its weight once per replica or micro-batch, updating them that many times."""
+    if not parametrize.is_parametrized(module):
+        return False
+    return any(True for plist in module.parametrizations.values() for _ in plist.buffers())
 
 
 class DpTracer(fx.Tracer):
@@ -121,6 +131,8 @@ class DpTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, nn.RNNBase) or (self.leaf_module_types and isinstance(m, self.leaf_module_types)):
             return True
+        if writes_parametrization_state(m):
+            return False  # entered: its weight is one ``parametrizations.weight()`` call, run once per call as in eager
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root, concrete_args=None):

@@ -166,6 +166,22 @@ def check_unchanged_since_transform(guard: Any, hooks: tuple, attributes: tuple)
         )
 
 
+def _written_buffer(node: Any, model: nn.Module) -> bool:
+    """Whether an ``in_place_without_grad`` node writes into a buffer of ``model`` (through a chain
+    of such writes: ``self.avg.mul_(0.9).add_(m)``), not a parameter or a value."""
+    from dpcompile.runtime.side_effects import in_place_without_grad
+
+    while getattr(node, "op", None) == "call_function" and node.target is in_place_without_grad:
+        node = node.args[0]
+    if getattr(node, "op", None) != "get_attr":
+        return False
+    owner, _, name = str(node.target).rpartition(".")
+    try:
+        return name in model.get_submodule(owner)._buffers
+    except AttributeError:
+        return False
+
+
 def refuse_writes_of_a_private_copy(graph: Any, model: nn.Module) -> None:
     """A tensor-parallel program traced a private copy of the model and owns sharded parameters:
     what forward writes to the model (a flag, an in-place update inside ``no_grad``) would land on
@@ -176,6 +192,8 @@ def refuse_writes_of_a_private_copy(graph: Any, model: nn.Module) -> None:
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in (attributes_written, in_place_without_grad):
             continue
+        if node.target is in_place_without_grad and _written_buffer(node, model):
+            continue  # an EMA buffer updated under no_grad: the program's own buffer, written as outside no_grad
         if node.target is attributes_written:
             what = ", ".join(f"{p}.{n}".lstrip(".") for p, values in node.args[0].items() for n in values)
             what = f"sets {what}"

@@ -49,7 +49,7 @@ from dpcompile.modules.hooks import (
 )
 from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
-from dpcompile.modules.pickling import PicklesPrograms
+from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_parametrized
 from dpcompile.modules.weights import NEEDS_WEIGHTS, LoadsWeights, needs_weights, weights_not_loaded
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
@@ -439,6 +439,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
 
     # ------------------------------------------------------------------ pickling
     def __reduce__(self):
+        refuse_pickling_parametrized(self)
         return both_modes(self)._reduce(carry_programs=True)
 
     def model_changed_since_transform(self) -> bool:

@@ -61,3 +61,14 @@ def test_parametrized_layer_trains_as_eager(norm, layout):
     assert list(state) == list(eager_state)
     for key, value in eager_state.items():
         torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_pickling_a_parametrized_program_is_refused_by_name_and_deepcopy_works(tmp_path):
+    """torch does not pickle parametrized modules: ``torch.save(pm)`` said so with a bare
+    RuntimeError from inside torch; it is a DpCompileError naming the modules and the way out."""
+    model = Normed(parametrizations.weight_norm)
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))
+    with pytest.raises(dpcompile.DpCompileError, match=r"parametrized modules \(fc1.*save_checkpoint"):
+        torch.save(pm, tmp_path / "pm.pt")
+    torch.testing.assert_close(copy.deepcopy(pm)(x), pm(x))

@@ -204,11 +204,13 @@ class _Builder:
             s = self.stage.get(node, 0)
             if node.op == "output":
                 priority[node] = (1 << 30, 0, index[node])
+            elif node.op == "placeholder":  # first, in order: forward's signature (a flag read by none too)
+                priority[node] = (-1, 0, index[node])
             elif m is not None:
                 priority[node] = (s + m, s, index[node])
             elif node.users:  # just in time for its first reader
                 first = min(priority[u] for u in node.users)
-                priority[node] = (first[0], first[1], index[node]) if node.op != "placeholder" else (-1, 0, index[node])
+                priority[node] = (first[0], first[1], index[node])
             else:
                 priority[node] = (s + self.micro_batches - 1, s, index[node])
         after = state_access_order(nodes)

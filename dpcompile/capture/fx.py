@@ -153,10 +153,15 @@ class DpTracer(fx.Tracer):
             setattr(torch, name, _sizes_as_tuple(factory))
         modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
+        # inside ``parametrize.cached()`` (a data_parallel="fsdp" program's call, which traces another
+        # mode) a parametrized weight read while tracing would be cached as a proxy for the run after
+        parametrize_cache = parametrize._cache_enabled
+        parametrize._cache_enabled = 0
         try:
             with torch.enable_grad(), python_state_kept(root) as effects:  # switches relative to a call with gradients
                 graph = super().trace(root, concrete_args)
         finally:
+            parametrize._cache_enabled = parametrize_cache
             nn.RNNBase.flatten_parameters = original
             unpatch_calls()
             unpatch_checkpoint()

@@ -40,6 +40,7 @@ from dpcompile.fx_utils import (
 )
 from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
+    adopt_root_hooks,
     backward_hooks_error,
     check_unchanged_since_transform,
     load_pre_hooks,
@@ -142,6 +143,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         self._shares_source = shares_source and source is not None
         if source is not None and not self._shares_source:
             refuse_writes_of_a_private_copy(self.graph, source)
+            adopt_root_hooks(self, source)
         self._flags = flags  # flag arguments the main program was traced for, and their values
         self.call_signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
         is_leaf = DpTracer(getattr(self.recipe, "leaf_modules", ())).is_leaf_module

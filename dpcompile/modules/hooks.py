@@ -182,6 +182,23 @@ def _written_buffer(node: Any, model: nn.Module) -> bool:
         return False
 
 
+def adopt_root_hooks(pm: nn.Module, model: nn.Module) -> None:
+    """A program that traced a private copy of the model (tensor parallel) takes the model's own
+    forward hooks and pre-hooks, which tracing forward never records, so that its call runs them
+    around the program as the model's call runs them around forward (they receive ``pm``); a
+    backward hook on the model itself is refused by name."""
+    if model._backward_hooks or model._backward_pre_hooks:
+        raise DpCompileError(
+            f"{type(model).__name__} has a backward hook on itself, which a tensor-parallel program (its own sharded "
+            "parameters) does not run; register it on the program after transform (pm.register_full_backward_hook)"
+        )
+    pm._forward_pre_hooks.update(model._forward_pre_hooks)
+    pm._forward_pre_hooks_with_kwargs.update(model._forward_pre_hooks_with_kwargs)
+    pm._forward_hooks.update(model._forward_hooks)
+    pm._forward_hooks_with_kwargs.update(model._forward_hooks_with_kwargs)
+    pm._forward_hooks_always_called.update(model._forward_hooks_always_called)
+
+
 def refuse_writes_of_a_private_copy(graph: Any, model: nn.Module) -> None:
     """A tensor-parallel program traced a private copy of the model and owns sharded parameters:
     what forward writes to the model (a flag, an in-place update inside ``no_grad``) would land on

@@ -72,3 +72,13 @@ def test_pickling_a_parametrized_program_is_refused_by_name_and_deepcopy_works(t
     with pytest.raises(dpcompile.DpCompileError, match=r"parametrized modules \(fc1.*save_checkpoint"):
         torch.save(pm, tmp_path / "pm.pt")
     torch.testing.assert_close(copy.deepcopy(pm)(x), pm(x))
+
+
+@pytest.mark.parametrize("norm", [parametrizations.spectral_norm, parametrizations.weight_norm], ids=["spectral", "weight"])
+def test_tensor_parallel_plan_says_a_parametrized_layer_stays_whole_and_why(norm):
+    """A plan naming it (or the automatic one) keeps it whole, saying it is a parametrization
+    (it said "not called in forward")."""
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(Normed(norm), ["cpu"] * 2, tensor_parallel={"fc1": "column", "fc2": "row"}, example_inputs=(x,))
+    assert pm.plan["fc1"] == "replicate"
+    assert "parametrization" in pm.plan_reasons["fc1"]

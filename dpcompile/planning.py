@@ -23,7 +23,6 @@ from typing import Any
 
 import torch.fx as fx
 from torch import nn
-from torch.nn.utils import parametrize
 
 from dpcompile.analysis.cost import plan_cost
 from dpcompile.analysis.graph_view import find_linear_chains, linear_groups
@@ -60,10 +59,11 @@ NOT_CALLED = "'{path}' is not called in forward (or only inside a leaf module); 
 def why_whole(gm: fx.GraphModule, path: str) -> str:
     """Why the layer at ``path`` was not sharded although forward may use it, in words a user can act on."""
     modules = dict(gm.named_modules())
-    if parametrize.is_parametrized(modules.get(path, gm), "weight"):
+    module = modules.get(path, gm)
+    if isinstance(module, nn.Linear) and module._parameters.get("weight") is None:
         return (
-            f"the weight of '{path}' is computed by a parametrization (weight_norm, spectral_norm) at each call, not a "
-            "parameter to shard; it stays whole"
+            f"the weight of '{path}' is computed at each call (a parametrization or hook: weight_norm, spectral_norm), "
+            "not a parameter to shard; it stays whole"
         )
     prefix = f"{path}." if path else ""
     for node in gm.graph.nodes:

@@ -16,7 +16,6 @@ from typing import Any
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
 from dpcompile.analysis.sharding_rules import (
     node_arg,
@@ -118,8 +117,8 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
         prefix = f"{path}." if path else ""
         in_proj = isinstance(modules.get(path), nn.MultiheadAttention)
         weight_name, bias_name = ("in_proj_weight", "in_proj_bias") if in_proj else ("weight", "bias")
-        if parametrize.is_parametrized(modules.get(path, gm), weight_name):
-            continue  # weight_norm: its weight is computed per call, not a parameter to shard; it stays whole
+        if modules.get(path, gm)._parameters.get(weight_name) is None:
+            continue  # weight_norm, spectral_norm: its weight is computed per call, not a parameter to shard
         out_features, in_features = gm.get_parameter(f"{prefix}{weight_name}").shape
         transposed = node.op == "call_module" and is_transposed_linear(modules[path])
         if transposed:

@@ -25,11 +25,12 @@ from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
 from dpcompile.capture.state import python_state_kept
-from dpcompile.errors import TraceError
+from dpcompile.errors import DpCompileError, TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.progress import step_bar
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
@@ -52,6 +53,20 @@ def writes_parametrization_state(module: nn.Module) -> bool:
     if not parametrize.is_parametrized(module):
         return False
     return any(True for plist in module.parametrizations.values() for _ in plist.buffers())
+
+
+def refuse_spectral_norm_hooks(root: nn.Module) -> None:
+    """``torch.nn.utils.spectral_norm`` (the hook, not the parametrization): in training its forward
+    pre-hook updates ``weight_u`` at each call of the module, which a program calls once per replica
+    or micro-batch; refused by name, with the parametrization that runs once."""
+    for path, module in root.named_modules():
+        if module.training and any(isinstance(h, SpectralNorm) for h in module._forward_pre_hooks.values()):
+            raise DpCompileError(
+                f"'{path}' ({type(module).__name__}) uses torch.nn.utils.spectral_norm, whose forward pre-hook updates its "
+                "power iteration's vectors at every call of the module, so a program that calls it once per replica or "
+                "micro-batch would update them that many times. Use torch.nn.utils.parametrizations.spectral_norm (the same "
+                "normalisation, computed once per call; its state_dict keys differ), or transform the model in eval mode"
+            )
 
 
 class DpTracer(fx.Tracer):
@@ -136,6 +151,8 @@ class DpTracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root, concrete_args=None):
+        if isinstance(root, nn.Module):
+            refuse_spectral_norm_hooks(root)
         tracer = self
 
         def recorded_flatten_parameters(rnn: nn.RNNBase) -> None:

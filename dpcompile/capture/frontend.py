@@ -10,8 +10,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture.fx import bind_examples, capture_fx, forward_parameters, refuse_spectral_norm_hooks
+from dpcompile.capture.fx import bind_examples, capture_fx, forward_parameters
 from dpcompile.capture.inputs import ExportedFrom, called_modules, input_specs
+from dpcompile.capture.norms import refuse_spectral_norm_hooks
 from dpcompile.errors import TraceError
 
 log = logging.getLogger("dpcompile")

@@ -23,14 +23,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
-from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
-from torch.nn.utils.spectral_norm import SpectralNorm
 
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
+from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
 from dpcompile.capture.state import python_state_kept
-from dpcompile.errors import DpCompileError, TraceError
+from dpcompile.errors import TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.progress import step_bar
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
@@ -44,29 +43,6 @@ class WritableProxy(fx.Proxy):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
-
-
-def writes_parametrization_state(module: nn.Module) -> bool:
-    """Whether ``module`` has a parametrization holding buffers, which computing the weight may
-    update (``spectral_norm``'s power iteration in training mode). Called as a leaf, such a module
-    would compute its weight once per replica or micro-batch, updating them that many times."""
-    if not parametrize.is_parametrized(module):
-        return False
-    return any(True for plist in module.parametrizations.values() for _ in plist.buffers())
-
-
-def refuse_spectral_norm_hooks(root: nn.Module) -> None:
-    """``torch.nn.utils.spectral_norm`` (the hook, not the parametrization): in training its forward
-    pre-hook updates ``weight_u`` at each call of the module, which a program calls once per replica
-    or micro-batch; refused by name, with the parametrization that runs once."""
-    for path, module in root.named_modules():
-        if module.training and any(isinstance(h, SpectralNorm) for h in module._forward_pre_hooks.values()):
-            raise DpCompileError(
-                f"'{path}' ({type(module).__name__}) uses torch.nn.utils.spectral_norm, whose forward pre-hook updates its "
-                "power iteration's vectors at every call of the module, so a program that calls it once per replica or "
-                "micro-batch would update them that many times. Use torch.nn.utils.parametrizations.spectral_norm (the same "
-                "normalisation, computed once per call; its state_dict keys differ), or transform the model in eval mode"
-            )
 
 
 class DpTracer(fx.Tracer):
@@ -170,15 +146,10 @@ class DpTracer(fx.Tracer):
             setattr(torch, name, _sizes_as_tuple(factory))
         modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
-        # inside ``parametrize.cached()`` (a data_parallel="fsdp" program's call, which traces another
-        # mode) a parametrized weight read while tracing would be cached as a proxy for the run after
-        parametrize_cache = parametrize._cache_enabled
-        parametrize._cache_enabled = 0
-        try:
-            with torch.enable_grad(), python_state_kept(root) as effects:  # switches relative to a call with gradients
+        try:  # switches relative to a call with gradients; no parametrization caches a proxy
+            with torch.enable_grad(), python_state_kept(root) as effects, parametrize_cache_off():
                 graph = super().trace(root, concrete_args)
         finally:
-            parametrize._cache_enabled = parametrize_cache
             nn.RNNBase.flatten_parameters = original
             unpatch_calls()
             unpatch_checkpoint()

@@ -28,6 +28,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dpcompile.errors import ExampleError
+from dpcompile.runtime.side_effects import in_place_without_grad
 
 log = logging.getLogger("dpcompile")
 
@@ -298,6 +299,44 @@ def writes(n: fx.Node) -> bool:
         return target._schema.is_mutable
     name = getattr(target, "__name__", "")
     return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+
+
+def state_access_order(nodes: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
+    """For each node that reads or writes the model's state around an in-place write into it, the
+    accesses it must follow, as in ``nodes``' order: data edges alone would let micro-batch 0 read
+    ``self.avg`` before the write the whole batch's mean makes (``avg.mul_(0.9).add_(mean)``, then
+    ``h - self.avg``), or a write run before an earlier read."""
+    root: dict[fx.Node, str] = {}  # a get_attr, or a write into one, -> the attribute it is
+    for node in nodes:
+        if node.op == "get_attr":
+            root[node] = str(node.target)
+        elif _writes_into_first(node) and isinstance(node.args[0], fx.Node) and node.args[0] in root:
+            root[node] = root[node.args[0]]
+    accesses: dict[str, list[fx.Node]] = {}
+    written: set[str] = set()
+    for node in nodes:
+        touched = {root[a] for a in node.all_input_nodes if a in root}
+        if node in root and node.op != "get_attr":
+            written.add(root[node])
+        for target in touched:
+            accesses.setdefault(target, []).append(node)
+    after: dict[fx.Node, set[fx.Node]] = {}
+    for target in written:
+        last_write, since = None, []  # since the last write: reads a next write must follow
+        for node in accesses[target]:
+            if root.get(node) == target and node.op != "get_attr":
+                after.setdefault(node, set()).update(since)
+                last_write, since = node, []
+            else:
+                since.append(node)
+                if last_write is not None:
+                    after.setdefault(node, set()).add(last_write)
+    return after
+
+
+def _writes_into_first(node: fx.Node) -> bool:
+    """``buf.mul_(0.9)``, ``torch.add_(buf, x)``, or one replayed under ``torch.no_grad()``."""
+    return bool(node.args) and (writes(node) or node.target is in_place_without_grad)
 
 
 def is_example_misfit(error: BaseException) -> bool:

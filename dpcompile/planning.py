@@ -59,6 +59,12 @@ NOT_CALLED = "'{path}' is not called in forward (or only inside a leaf module); 
 def why_whole(gm: fx.GraphModule, path: str) -> str:
     """Why the layer at ``path`` was not sharded although forward may use it, in words a user can act on."""
     modules = dict(gm.named_modules())
+    module = modules.get(path, gm)
+    if isinstance(module, nn.Linear) and module._parameters.get("weight") is None:
+        return (
+            f"the weight of '{path}' is computed at each call (a parametrization or hook: weight_norm, spectral_norm), "
+            "not a parameter to shard; it stays whole"
+        )
     prefix = f"{path}." if path else ""
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not str(node.target).startswith(prefix) or "." in str(node.target)[len(prefix):]:
@@ -94,7 +100,7 @@ def resolve_explicit_plan(gm: fx.GraphModule, plan: Mapping[str, str], model: nn
         if path in sites or style == "replicate":
             styles[path] = style
         else:
-            reasons[path] = "replicate: " + NOT_CALLED.format(path=path)
+            reasons[path] = "replicate: " + why_whole(gm, path)
     return styles, reasons
 
 

@@ -50,6 +50,7 @@ import torch.fx as fx
 from dpcompile import runtime
 from dpcompile.devices import Devices
 from dpcompile.errors import PassError
+from dpcompile.fx_utils import state_access_order
 from dpcompile.infra import PassResult, replace_graph, stamp, stamp_comm
 from passes.split_stages import STAGE, StagePlan
 
@@ -203,21 +204,28 @@ class _Builder:
             s = self.stage.get(node, 0)
             if node.op == "output":
                 priority[node] = (1 << 30, 0, index[node])
+            elif node.op == "placeholder":  # first, in order: forward's signature (a flag read by none too)
+                priority[node] = (-1, 0, index[node])
             elif m is not None:
                 priority[node] = (s + m, s, index[node])
             elif node.users:  # just in time for its first reader
                 first = min(priority[u] for u in node.users)
-                priority[node] = (first[0], first[1], index[node]) if node.op != "placeholder" else (-1, 0, index[node])
+                priority[node] = (first[0], first[1], index[node])
             else:
                 priority[node] = (s + self.micro_batches - 1, s, index[node])
-        waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+        after = state_access_order(nodes)
+        waiting = {n: len(set(n.all_input_nodes)) + len(after.get(n, ())) for n in nodes}
+        followers: dict[fx.Node, list[fx.Node]] = {}
+        for node, earlier in after.items():
+            for e in earlier:
+                followers.setdefault(e, []).append(node)
         ready = [(priority[n], n.name, n) for n in nodes if waiting[n] == 0]
         heapq.heapify(ready)
         order = []
         while ready:
             _, _, node = heapq.heappop(ready)
             order.append(node)
-            for user in node.users:
+            for user in [*node.users, *followers.get(node, ())]:
                 waiting[user] -= 1
                 if waiting[user] == 0:
                     heapq.heappush(ready, (priority[user], user.name, user))

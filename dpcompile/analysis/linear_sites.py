@@ -117,6 +117,8 @@ def find_linear_sites(gm: fx.GraphModule) -> dict[str, LinearSite]:
         prefix = f"{path}." if path else ""
         in_proj = isinstance(modules.get(path), nn.MultiheadAttention)
         weight_name, bias_name = ("in_proj_weight", "in_proj_bias") if in_proj else ("weight", "bias")
+        if modules.get(path, gm)._parameters.get(weight_name) is None:
+            continue  # weight_norm, spectral_norm: its weight is computed per call, not a parameter to shard
         out_features, in_features = gm.get_parameter(f"{prefix}{weight_name}").shape
         transposed = node.op == "call_module" and is_transposed_linear(modules[path])
         if transposed:

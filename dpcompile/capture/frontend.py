@@ -12,6 +12,7 @@ from torch import nn
 
 from dpcompile.capture.fx import bind_examples, capture_fx, forward_parameters
 from dpcompile.capture.inputs import ExportedFrom, called_modules, input_specs
+from dpcompile.capture.norms import refuse_spectral_norm_hooks
 from dpcompile.errors import TraceError
 
 log = logging.getLogger("dpcompile")
@@ -98,6 +99,8 @@ def capture_model(
 
         check_dynamic_dims(model, dynamic_dims, example_inputs, example_kwargs)
     fx_error: TraceError | None = None
+    if isinstance(model, nn.Module) and not isinstance(model, fx.GraphModule):
+        refuse_spectral_norm_hooks(model)  # either frontend would run its hook once per replica
     if frontend in ("fx", "auto") or isinstance(model, fx.GraphModule):
         try:
             gm, flags = capture_fx(

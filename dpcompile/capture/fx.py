@@ -27,6 +27,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
+from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
 from dpcompile.capture.state import python_state_kept
 from dpcompile.errors import TraceError
 from dpcompile.fx_utils import graph_module
@@ -121,9 +122,13 @@ class DpTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, nn.RNNBase) or (self.leaf_module_types and isinstance(m, self.leaf_module_types)):
             return True
+        if writes_parametrization_state(m):
+            return False  # entered: its weight is one ``parametrizations.weight()`` call, run once per call as in eager
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root, concrete_args=None):
+        if isinstance(root, nn.Module):
+            refuse_spectral_norm_hooks(root)
         tracer = self
 
         def recorded_flatten_parameters(rnn: nn.RNNBase) -> None:
@@ -141,8 +146,8 @@ class DpTracer(fx.Tracer):
             setattr(torch, name, _sizes_as_tuple(factory))
         modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
-        try:
-            with torch.enable_grad(), python_state_kept(root) as effects:  # switches relative to a call with gradients
+        try:  # switches relative to a call with gradients; no parametrization caches a proxy
+            with torch.enable_grad(), python_state_kept(root) as effects, parametrize_cache_off():
                 graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original

@@ -33,6 +33,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -134,6 +135,8 @@ def _meta_tensors(program: fx.GraphModule) -> dict[str, dict[str, Any]]:
     for node in program.graph.nodes:
         if node.op == "get_attr":
             t = _attr(program, str(node.target))
+            if not isinstance(t, torch.Tensor):  # a module the program reads (an RNN to flatten_parameters)
+                continue
             out[str(node.target)] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
                                      "parameter": isinstance(t, nn.Parameter), "requires_grad": bool(t.requires_grad)}  # fmt: skip
     return out

@@ -40,6 +40,7 @@ from dpcompile.fx_utils import (
 )
 from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
+    adopt_root_hooks,
     backward_hooks_error,
     check_unchanged_since_transform,
     load_pre_hooks,
@@ -49,7 +50,7 @@ from dpcompile.modules.hooks import (
 )
 from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
-from dpcompile.modules.pickling import PicklesPrograms
+from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_parametrized
 from dpcompile.modules.weights import NEEDS_WEIGHTS, LoadsWeights, needs_weights, weights_not_loaded
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
@@ -142,6 +143,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         self._shares_source = shares_source and source is not None
         if source is not None and not self._shares_source:
             refuse_writes_of_a_private_copy(self.graph, source)
+            adopt_root_hooks(self, source)
         self._flags = flags  # flag arguments the main program was traced for, and their values
         self.call_signature = CallSignature.of(self.graph, tuple(flags)) if source is not None else CallSignature()
         is_leaf = DpTracer(getattr(self.recipe, "leaf_modules", ())).is_leaf_module
@@ -439,6 +441,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
 
     # ------------------------------------------------------------------ pickling
     def __reduce__(self):
+        refuse_pickling_parametrized(self)
         return both_modes(self)._reduce(carry_programs=True)
 
     def model_changed_since_transform(self) -> bool:

@@ -156,6 +156,17 @@ def program_device(pm: Any, name: str, p: torch.Tensor) -> str:
     return str(pm.devices.primary) if p.device.type == pm.devices.primary.type else str(p.device)
 
 
+def own_parametrized_class(module: nn.Module) -> None:
+    """Give a module the user parametrized (``weight_norm``) a class of its own before a gather is
+    registered on it: its class is shared with the model's module it was copied from (deepcopy
+    keeps it), and registering adds a property to the class, which the model's module would then
+    read without the parametrization behind it (``KeyError: 'bias'`` in the user's own model)."""
+    if parametrize.is_parametrized(module):
+        cls = type(module)
+        namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        module.__class__ = type(cls.__name__, cls.__bases__, namespace)
+
+
 def shard_over_dp(pm: nn.Module) -> None:
     """Store every parameter of ``pm`` as one piece per dp copy (see the module docstring)."""
     copies = copy_devices(pm)
@@ -179,6 +190,7 @@ def shard_over_dp(pm: nn.Module) -> None:
         for name in names:
             path, _, leaf = name.rpartition(".")
             module = pm.get_submodule(path)
+            own_parametrized_class(module)
             parametrize.register_parametrization(module, leaf, gather, unsafe=True)
             if shared is None:
                 shared = module.parametrizations[leaf]

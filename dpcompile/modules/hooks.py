@@ -166,6 +166,39 @@ def check_unchanged_since_transform(guard: Any, hooks: tuple, attributes: tuple)
         )
 
 
+def _written_buffer(node: Any, model: nn.Module) -> bool:
+    """Whether an ``in_place_without_grad`` node writes into a buffer of ``model`` (through a chain
+    of such writes: ``self.avg.mul_(0.9).add_(m)``), not a parameter or a value."""
+    from dpcompile.runtime.side_effects import in_place_without_grad
+
+    while getattr(node, "op", None) == "call_function" and node.target is in_place_without_grad:
+        node = node.args[0]
+    if getattr(node, "op", None) != "get_attr":
+        return False
+    owner, _, name = str(node.target).rpartition(".")
+    try:
+        return name in model.get_submodule(owner)._buffers
+    except AttributeError:
+        return False
+
+
+def adopt_root_hooks(pm: nn.Module, model: nn.Module) -> None:
+    """A program that traced a private copy of the model (tensor parallel) takes the model's own
+    forward hooks and pre-hooks, which tracing forward never records, so that its call runs them
+    around the program as the model's call runs them around forward (they receive ``pm``); a
+    backward hook on the model itself is refused by name."""
+    if model._backward_hooks or model._backward_pre_hooks:
+        raise DpCompileError(
+            f"{type(model).__name__} has a backward hook on itself, which a tensor-parallel program (its own sharded "
+            "parameters) does not run; register it on the program after transform (pm.register_full_backward_hook)"
+        )
+    pm._forward_pre_hooks.update(model._forward_pre_hooks)
+    pm._forward_pre_hooks_with_kwargs.update(model._forward_pre_hooks_with_kwargs)
+    pm._forward_hooks.update(model._forward_hooks)
+    pm._forward_hooks_with_kwargs.update(model._forward_hooks_with_kwargs)
+    pm._forward_hooks_always_called.update(model._forward_hooks_always_called)
+
+
 def refuse_writes_of_a_private_copy(graph: Any, model: nn.Module) -> None:
     """A tensor-parallel program traced a private copy of the model and owns sharded parameters:
     what forward writes to the model (a flag, an in-place update inside ``no_grad``) would land on
@@ -176,6 +209,8 @@ def refuse_writes_of_a_private_copy(graph: Any, model: nn.Module) -> None:
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in (attributes_written, in_place_without_grad):
             continue
+        if node.target is in_place_without_grad and _written_buffer(node, model):
+            continue  # an EMA buffer updated under no_grad: the program's own buffer, written as outside no_grad
         if node.target is attributes_written:
             what = ", ".join(f"{p}.{n}".lstrip(".") for p, values in node.args[0].items() for n in values)
             what = f"sets {what}"

@@ -153,6 +153,20 @@ class PicklesPrograms:
         """The counterpart of :meth:`_extra_state_for_pickle`."""
 
 
+def refuse_pickling_parametrized(pm: nn.Module) -> None:
+    """``torch.save(pm)`` of a model with ``torch.nn.utils.parametrizations`` (``weight_norm``):
+    torch refuses to pickle such modules (the model too), so say so by name, with the way out."""
+    from torch.nn.utils import parametrize
+
+    found = [path or "the model" for path, m in pm.named_modules() if parametrize.is_parametrized(m)]
+    if found:
+        raise DpCompileError(
+            f"the program holds parametrized modules ({', '.join(found[:4])}: weight_norm, spectral_norm, ...), which "
+            "torch does not pickle, the model itself neither; save the weights with dpcompile.save_checkpoint(pm, path) "
+            "(or pm.state_dict()) and transform the model again where they are loaded, then load_checkpoint"
+        )
+
+
 def _importable_class(pm: Any) -> type:
     """The class of ``pm`` that pickle can import (GraphModule adds a throwaway subclass)."""
     return next(c for c in type(pm).__mro__ if "<locals>" not in c.__qualname__)

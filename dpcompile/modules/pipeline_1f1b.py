@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import ancestors
+from dpcompile.fx_utils import ancestors, state_access_order
 from dpcompile.modules.mesh_stage import backward_done, no_gradient_path, writes
 from dpcompile.runtime import exported
 
@@ -131,6 +131,10 @@ class OneFOneBStep:
                 self.once.add(n)
             else:
                 self.shared.add(n)
+        for n, earlier in state_access_order(nodes).items():  # reads the state a write of the whole batch made
+            met = next((e for e in earlier if e in tail), None)
+            if met is not None and n not in tail:
+                raise _coupled_error(met, micro_batches)
         returned = ancestors(self.output)
         for n in self.tail:  # what reaches no output (an EMA of the loss) runs once, at the end, detached
             tail_op = n.op == "call_function" and (n.target in _TAIL_OPS or isinstance(n.target, type))
@@ -393,6 +397,14 @@ def _coupled_error(node: fx.Node, micro_batches: int) -> DpCompileError:
             "micro_batches=1, or put the model in eval mode (pm.eval()) for 1f1b"
         )
     target = getattr(node.target, "__name__", node.target)
+    if writes(node) or node.target is runtime.in_place_without_grad:
+        where = (node.meta.get("stack_trace") or "").strip().split("\n")[0]
+        return DpCompileError(
+            f"{waits}: forward writes the model's state in place from the whole batch ({node.name}{f', {where}' if where else ''}: "
+            "an EMA of an activation's mean) and later code reads it, so no micro-batch can go on before every "
+            "micro-batch's forward. Use schedule='gpipe' (the same values and gradients), micro_batches=1, or read the "
+            "state before the write"
+        )
     return DpCompileError(
         f"{waits} ({node.op} {target}: an op without a batch rule runs on the gathered batch, or an output that is "
         "neither split along the batch nor a mean loss). Use schedule='gpipe', or micro_batches=1"

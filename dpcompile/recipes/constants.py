@@ -68,7 +68,8 @@ def deepcopy_on_fake(model: T) -> T:
             for module in model.modules():
                 for value in list(vars(module).values()) + list(module._buffers.values()):
                     if isinstance(value, torch.Tensor) and not is_fake(value) and not value.is_meta:
-                        memo[id(value)] = copy.deepcopy(value)
+                        # a weight torch.nn.utils.weight_norm's hook computed (not a leaf): the copy's hook computes its own
+                        memo[id(value)] = copy.deepcopy(value) if value.grad_fn is None else value.detach().clone()
     copied = copy.deepcopy(model, memo)
     if isinstance(model, fx.GraphModule):  # its deepcopy rebuilds the root and forgets which buffers do not persist
         copied._non_persistent_buffers_set = set(model._non_persistent_buffers_set)

@@ -398,3 +398,34 @@ def test_export_frontend_warns_of_a_forward_hook_that_only_records():
         pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
     assert not any("'b'" in str(w.message) for w in caught)
     torch.testing.assert_close(pm(x), model(x))
+
+
+class EmaUnderNoGrad(nn.Module):
+    """An EMA buffer updated inside ``torch.no_grad()``, read after the update."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            with torch.no_grad():
+                self.avg.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return h - self.avg
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel": True}, {"mesh": {"dp": 2, "tp": 2}}], ids=["tp", "dp_tp"])
+def test_buffer_updated_under_no_grad_is_written_by_a_tensor_parallel_program(layout):
+    """The buffer is the program's own (as the same write outside no_grad is): it was refused as if
+    it were a parameter, which tensor parallelism shards."""
+    model, eager = _pair(EmaUnderNoGrad)
+    x = torch.randn(6, 8)
+    pm = dpcompile.transform(model, ["cpu"] * (4 if "mesh" in layout else 2), example_inputs=(x,), **layout)
+    for step in range(2):
+        torch.testing.assert_close(pm(x + step), eager(x + step))
+    torch.testing.assert_close(pm.state_dict()["avg"], eager.avg)
+    pm.eval(), eager.eval()
+    torch.testing.assert_close(pm(x), eager(x))
+    torch.testing.assert_close(pm.state_dict()["avg"], eager.avg)

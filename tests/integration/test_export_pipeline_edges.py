@@ -102,3 +102,25 @@ def test_a_pipeline_description_edited_in_program_json_is_refused(pipeline_folde
     _rehash(folder)
     with pytest.raises(ExportError, match="stage plan whose|stage 0 is described|stage 1 is described|not on the program's devices"):
         dpcompile.load(folder)
+
+
+class Recurrent(nn.Module):
+    """A sequence-first LSTM (the program reads the module itself, for flatten_parameters) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+def test_dp_tp_copies_of_an_rnn_export_and_load(tmp_path):
+    """A tensor-parallel stage's tensors are described by get_attr; the RNN module read for its
+    flatten_parameters was taken for a tensor (AttributeError: 'LSTM' object has no attribute 'shape')."""
+    x = torch.randn(3, 4, 4)
+    pm = dpcompile.transform(Recurrent(), ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(x,))
+    dpcompile.export(pm, tmp_path / "rnn")
+    loaded = dpcompile.load(tmp_path / "rnn")
+    torch.testing.assert_close(loaded(x), pm(x))

@@ -199,3 +199,28 @@ def test_fsdp_with_real_replicas_or_recompute_gives_eagers_gradients(options, n)
     grads = {name: p.grad for name, p in pm.named_parameters()}
     for key, (spec, names) in pm.param_shards.items():
         torch.testing.assert_close(torch.cat([grads[name] for name in names], spec.dim), reference.get_parameter(key).grad)
+
+
+class ReadsItsWeight(nn.Module):
+    """forward reads a parameter itself (``self.fc.weight.sum()``) besides calling its module."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x), self.fc.weight.sum()
+
+
+def test_a_mode_traced_inside_a_call_runs_on_tensors_not_on_cached_proxies():
+    """The first eval call traces the eval program inside the program's ``parametrize.cached()``: the
+    weight read while tracing was cached as a proxy, and the run after returned fx proxies."""
+    model = ReadsItsWeight()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp", example_inputs=(x,))
+    pm.eval(), eager.eval()
+    with torch.no_grad():
+        got, want = pm(x), eager(x)
+    assert all(type(t) is torch.Tensor for t in got)
+    torch.testing.assert_close(got, want)

@@ -207,3 +207,29 @@ def test_1f1b_refuses_a_backward_through_returned_outputs_and_gpipe_makes_it_exa
     (expected + 0.1 * expected_logits.square().mean()).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class FlagBeforeOptional(nn.Module):
+    """A Python flag the program is specialised on (no node reads it), then an optional tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, double: bool = False, extra=None):
+        h = self.fc2(torch.relu(self.fc1(x)))
+        if double:
+            h = h * 2
+        return h if extra is None else h + extra
+
+
+def test_pipeline_keeps_forward_signature_order_for_a_flag_no_node_reads():
+    """GPipe's order put a placeholder without readers (the flag) after the others: the program's
+    signature became ``forward(self, x, extra=None, double=False)``, so ``pm(x, True)`` bound True to
+    ``extra`` and ran the program for ``double=False``: silently not doubled."""
+    model = FlagBeforeOptional()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, example_inputs=(x, True))
+    for flag in (True, False, True):
+        torch.testing.assert_close(pm(x, flag), eager(x, flag))

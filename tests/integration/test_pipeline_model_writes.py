@@ -40,3 +40,47 @@ def test_pipeline_training_calls_write_to_the_model_as_eager(schedule):
     assert pm.state_dict()["count"].item() == eager.count.item() == 2
     torch.testing.assert_close(pm.state_dict()["last"], eager.last)
     assert model.calls == eager.calls == 2 and model.fc2.seen is True
+
+
+class ReadsItsEma(nn.Module):
+    """An EMA of the batch's mean, read after the write: every sample sees the whole batch's update."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, 3)
+        self.register_buffer("avg", torch.zeros(width))
+
+    def forward(self, x, y):
+        h = self.fc1(x)
+        self.avg.mul_(0.9).add_(h.detach().mean(0) * 0.1)
+        return F.cross_entropy(self.fc2(h - self.avg), y)
+
+
+def test_a_read_of_state_written_from_the_whole_batch_waits_for_the_write():
+    """GPipe ran micro-batch 0's ``h - self.avg`` before the write of the whole batch's mean (no data
+    edge orders them): a silently different loss. 1F1B cannot wait, so it refuses by name."""
+    model = ReadsItsEma()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    for _ in range(2):
+        got, want = pm(x, y), eager(x, y)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+    torch.testing.assert_close(model.avg, eager.avg)
+    torch.testing.assert_close(model.fc1.weight.grad, eager.fc1.weight.grad)
+    one_f_one_b = dpcompile.transform(copy.deepcopy(eager), ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b")
+    with pytest.raises(dpcompile.DpCompileError, match="writes the model's state in place from the whole batch"):
+        one_f_one_b(x, y)
+
+
+def test_dp_copies_read_state_written_from_the_whole_batch_after_the_write():
+    """``mesh={"dp": 2, "tp": 2}`` in one process orders its dp copies as micro-batches are: copy 0
+    read ``self.avg`` before the write of the whole batch's mean."""
+    model = ReadsItsEma(width=16)
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 16), torch.randint(0, 3, (6,))
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(x, y))
+    torch.testing.assert_close(pm(x, y), eager(x, y))
+    torch.testing.assert_close(pm.state_dict()["avg"], eager.avg)

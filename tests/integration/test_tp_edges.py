@@ -264,3 +264,44 @@ def test_a_call_whose_trace_numbers_tensor_constants_anew_reads_its_own_values()
     model(x, mask).sum().backward()
     for name, grad in full_gradients(pm).items():
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, msg=name)
+
+
+def _shift_in(module, args):
+    return (args[0] + 0.25,)
+
+
+def _scale_out(module, args, output):
+    return output * 1.5
+
+
+class RootHooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_forward_pre_hook(_shift_in)
+        self.register_forward_hook(_scale_out)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel": True}, {"mesh": {"dp": 2, "tp": 2}}], ids=["tp", "dp_tp"])
+def test_the_models_own_forward_hooks_run_around_a_tensor_parallel_program(layout):
+    """Hooks on the model itself are not traced (tracing calls forward): a tensor-parallel program,
+    which traced a private copy, silently skipped them; it now runs them as the model's call does."""
+    model = RootHooked()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * (4 if "mesh" in layout else 2), example_inputs=(x,), **layout)
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    grads = full_gradients(pm)
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
+    pm.eval(), eager.eval()
+    torch.testing.assert_close(pm(x), eager(x))
+    model.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(dpcompile.DpCompileError, match="backward hook on itself"):
+        dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))

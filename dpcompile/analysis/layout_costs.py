@@ -148,8 +148,9 @@ def _stage_memory(
     units ``k`` and after are held at once; after the sweep, every gradient. Without ``sweep`` (a
     pipeline stage, whose program keeps each micro-batch's saved tensors until its backward is
     over: measured) every activation and every gradient at once. Where gradients ``accumulate`` (a
-    second micro-batch, the replicas of data parallelism), a unit's new gradient is made before it is
-    added to the one held: one unit's gradient more. ``follower``: a tensor-parallel device other
+    second micro-batch, the replicas of data parallelism), a module's new gradient is made before it
+    is added to the one held: the largest module's gradient more (its parameters' own, a Linear's
+    weight and bias; measured: one at a time, not a whole block's). ``follower``: a tensor-parallel device other
     than the first (:func:`_unit_state`, :func:`_saved`); a checkpointed block's input is kept on the first,
     with ``kept_saves[i]``, what the ``"auto"`` save rule keeps of unit ``i`` (the whole batch's bytes)."""
     state = [_unit_state(u, t, follower) for u in units]
@@ -160,7 +161,8 @@ def _stage_memory(
             for i, u in enumerate(units)]  # fmt: skip
     held_rest = round(sum(kept) * rest)
     grads = [x[1] for x in state]
-    transient = max(grads, default=0) if accumulates and training else 0
+    # autograd adds each new gradient into the one held as soon as one module's backward makes it
+    transient = max(map(min, zip(grads, (u.module_grad_bytes for u in units))), default=0) if accumulates and training else 0
     moments = [(sum(grads), 0)]  # after backward (and at the optimizer step): every gradient, no activation
     if not sweep:
         recompute = max((saved[i] - kept[i] for i in range(len(units))), default=0)

@@ -39,6 +39,7 @@ class Unit:
     block: bool = False  # one of the repeated blocks: activation checkpointing recomputes it
     param_bytes: int = 0
     grad_bytes: int = 0
+    module_grad_bytes: int = 0  # the largest gradient one of its modules' backward makes (its own parameters')
     optimizer_bytes: int = 0
     saved_bytes: int = 0
     split_saved_bytes: int = 0  # of saved_bytes, what Linear / Conv1D / Embedding forwards save (their inputs)
@@ -289,6 +290,8 @@ def _profile(
         for h in handles:
             h.remove()
     count_params(model, "pre", True)  # never called: counted with the first unit
+    for path, module, _ in units_of if training else ():
+        units[path].module_grad_bytes = max(_own_grad_bytes(m) for m in module.modules())
     for unit, size, in_linear in saved.values():
         units[unit].saved_bytes += size
         units[unit].split_saved_bytes += size if in_linear else 0
@@ -304,6 +307,10 @@ def _profile(
         returns_loss=_returns_loss(out),
         sequence=sequence[0],
     )
+
+
+def _own_grad_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if p.requires_grad)
 
 
 def _close(unit: Unit, counter: Any, flops_at: dict[str, int]) -> None:

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.explanation import explain
-from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b
+from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
 from dpcompile.runtime import checkpoint
 
@@ -141,9 +141,7 @@ class _SlotInterpreter(fx.Interpreter):
             out = checkpoint(lambda *a: _SlotInterpreter(region, ledger, slots).run(*a), *rest, **n.kwargs)
         else:
             out = super().run_node(n)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.grad_fn.metadata.setdefault(_SLOT_KEY, self.ledger.slot)  # no reference kept: saved tensors free
+        stamp_slot(out, _SLOT_KEY, self.ledger.slot)
         return out
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:

@@ -14,7 +14,22 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["one_f_one_b_peaks", "runs_one_f_one_b"]
+__all__ = ["one_f_one_b_peaks", "runs_one_f_one_b", "stamp_slot"]
+
+
+def stamp_slot(out: Any, slot_key: str, slot: int) -> None:
+    """Name ``slot`` on every autograd node the running node made: those its outputs reach before
+    the nodes an earlier node stamped (a parameter's ``AccumulateGrad``: the slot of its first user).
+    Not only the outputs' own: a Linear's ``AddmmBackward0`` sits under its ``ViewBackward0``, and
+    the gradients it makes in backward are this slot's (searched for from it, the nearest stamp was
+    the previous stage's, on the other side of the boundary)."""
+    todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if slot_key in node.metadata:
+            continue
+        node.metadata[slot_key] = slot  # no reference kept: saved tensors free
+        todo += [f for f, _ in getattr(node, "next_functions", ()) if f is not None]
 
 
 def runs_one_f_one_b(pm: Any, training: bool) -> bool:
@@ -34,9 +49,7 @@ def one_f_one_b_peaks(
     def run_node(n: Any) -> Any:
         ledger.slot = slot_index(n)
         out = plain(n)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.grad_fn.metadata.setdefault(slot_key, ledger.slot)
+        stamp_slot(out, slot_key, ledger.slot)
         return out
 
     runner.run_node = run_node

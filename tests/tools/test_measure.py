@@ -79,3 +79,20 @@ def test_measure_activation_checkpointing_lowers_the_peak():
     for device in ("cpu#0", "cpu#1"):
         assert checkpointed.peak_bytes[device] < 0.75 * plain.peak_bytes[device]
         assert checkpointed.predicted_peak_bytes[device] < plain.predicted_peak_bytes[device]
+
+
+def test_measure_counts_a_stage_gradients_on_its_own_device():
+    """The gradients of stage 1's first Linear (a 3-D input: its ``AddmmBackward0`` sits under a
+    view, next to the boundary with stage 0) are made on stage 1's device: stage 0's peak does not
+    grow with stage 1's width (it did: they were counted on the device of the nearest stamped node,
+    stage 0's, across the boundary)."""
+    x = torch.randn(8, 4, 16)
+    peaks = []
+    for width in (8, 256):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, width), nn.ReLU(), nn.Linear(width, 4))
+        pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=["2"], micro_batches=2, example_inputs=(x,))
+        peaks.append(dpcompile.measure(pm, x).step_allocated_peak)
+    assert peaks[0]["cpu#0"] == peaks[1]["cpu#0"]
+    stage1_weights = (32 * 256 + 256 * 4) * 4
+    assert peaks[1]["cpu#1"] >= stage1_weights + peaks[0]["cpu#1"]

@@ -192,3 +192,27 @@ def assert_runs_split_like_eager(cls: type[nn.Module], shape: tuple[int, ...], f
     report = dpcompile.explain(pm, x)
     assert report.whole == []
     assert report.split_flop_fraction == 1.0
+
+
+def assert_cp_rank_lm_step_equals_eager(pm: nn.Module, model: nn.Module, eager: nn.Module, whole: dict[str, Any],
+                                        mesh: Any) -> None:  # fmt: skip
+    """One call of a ``("cp",)`` rank program on this rank's tokens of ``whole`` against ``eager`` on
+    all of them: the rank's logits, the loss, and every gradient of the loss plus a weighted sum of
+    the logits (the program scales them so DDP's average is the sum); gradients zeroed after."""
+    import torch.distributed as dist
+
+    from dpcompile.mesh import local_batch
+
+    seq = whole["input_ids"].shape[1]
+    mine = torch.tensor_split(torch.arange(seq), dist.get_world_size())[dist.get_rank()]
+    got, want = pm(**local_batch(whole, mesh)), eager(**whole)
+    torch.testing.assert_close(got.logits, want.logits[:, mine])
+    torch.testing.assert_close(got.loss, want.loss)
+    weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
+    (got.loss + (got.logits * weights[:, mine]).sum()).backward()
+    (want.loss + (want.logits * weights).sum()).backward()
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name: f"seq {seq}, grad {name}: {m}")
+    model.zero_grad()
+    eager.zero_grad()

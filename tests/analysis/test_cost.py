@@ -47,8 +47,8 @@ def test_ring_elements_are_zero_for_moves_that_move_nothing():
 
 def test_ring_elements_reject_an_unknown_kind():
     """An unknown collective is a ValueError listing the known ones."""
-    with pytest.raises(ValueError, match="unknown collective 'all_to_all'"):
-        ring_elements("all_to_all", 10, 2)
+    with pytest.raises(ValueError, match="unknown collective 'all_to_some'"):
+        ring_elements("all_to_some", 10, 2)
 
 
 def test_linear_cost_gives_the_classic_row_figure():

@@ -20,7 +20,7 @@ import dpcompile
 from dpcompile import DpCompileError
 from dpcompile.analysis.heads_exchange import all_to_all_applies
 from dpcompile.runtime import heads_of_sequence, sequence_of_heads
-from tests.helpers import assert_lm_step_equals_eager, model_gradients
+from tests.helpers import assert_cp_rank_lm_step_equals_eager, assert_lm_step_equals_eager, model_gradients
 from tests.integration.test_context_parallel import CausalSelfAttention, PaddedSelfAttention, _transformers_model
 from tests.integration.test_context_parallel import _inputs as lm_inputs
 
@@ -267,20 +267,7 @@ def check_all_to_all_over_a_cp_mesh() -> None:
     pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(12, 0), mesh), frontend="export",
                              context_parallel=ALL_TO_ALL)  # fmt: skip
     assert "sequence_over_group" in pm.code, pm.code
-    for seq in (12,):  # the blocks check the uneven shards (4 and 3)
-        mine = torch.tensor_split(torch.arange(seq), 2)[rank]
-        whole = _inputs(seq, seq)
-        got, want = pm(**local_batch(whole, mesh)), eager(**whole)
-        torch.testing.assert_close(got.logits, want.logits[:, mine])
-        torch.testing.assert_close(got.loss, want.loss)
-        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-        (got.loss + (got.logits * weights[:, mine]).sum()).backward()
-        (want.loss + (want.logits * weights).sum()).backward()
-        grads = dict(eager.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name, seq=seq: f"seq {seq}, {name}: {m}")
-        model.zero_grad()
-        eager.zero_grad()
+    assert_cp_rank_lm_step_equals_eager(pm, model, eager, _inputs(12, 12), mesh)  # the blocks: uneven shards
 
 
 def test_auto_takes_the_all_to_all_where_the_cost_model_finds_it_fastest():

@@ -25,7 +25,7 @@ from dpcompile.runtime.sequence_balance import (
     zigzag_chunks,
     zigzag_pieces,
 )
-from tests.helpers import assert_lm_step_equals_eager, model_gradients
+from tests.helpers import assert_cp_rank_lm_step_equals_eager, assert_lm_step_equals_eager, model_gradients
 from tests.integration.test_context_parallel import CausalSelfAttention, PaddedSelfAttention, _inputs
 from tests.integration.test_context_parallel import _transformers_model as transformers_model
 
@@ -214,7 +214,6 @@ def check_balanced_models_over_a_cp_mesh() -> None:
     rank program exchanges query and output rows by all-to-all. A mask that is not causal (a band) is
     refused by name on both ranks when it runs."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import dpcompile
@@ -229,20 +228,7 @@ def check_balanced_models_over_a_cp_mesh() -> None:
                                  context_parallel=BALANCED)  # fmt: skip
         assert "balanced_attention_over_group" in pm.code, pm.code
         for seq in (12, 13):
-            mine = torch.tensor_split(torch.arange(seq), 2)[dist.get_rank()]
-            whole = _inputs(name, seq, seed=seq)
-            got, want = pm(**local_batch(whole, mesh)), eager(**whole)
-            torch.testing.assert_close(got.logits, want.logits[:, mine])
-            torch.testing.assert_close(got.loss, want.loss)
-            weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-            (got.loss + (got.logits * weights[:, mine]).sum()).backward()
-            (want.loss + (want.logits * weights).sum()).backward()
-            for (p_name, p), q in zip(model.named_parameters(), eager.parameters()):
-                # DDP averages the ranks' gradients; the program scales them so the average is the sum
-                where = f"{name} {p_name}"
-                torch.testing.assert_close(p.grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
-            model.zero_grad()
-            eager.zero_grad()
+            assert_cp_rank_lm_step_equals_eager(pm, model, eager, _inputs(name, seq, seed=seq), mesh)
     x = torch.randn(2, 8, 16)
     pm = dpcompile.transform(BandedAttention(), mesh, example_inputs=(local_batch(x, mesh),), context_parallel=BALANCED)
     try:  # each rank finds later keys in its own rows of the band

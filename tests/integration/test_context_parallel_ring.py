@@ -19,7 +19,12 @@ import torch
 import dpcompile
 from dpcompile import DpCompileError
 from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, AttentionShape, choose_exchange, exchange_costs
-from tests.helpers import CONTEXT_PARALLEL_LENGTHS, assert_lm_step_equals_eager, model_gradients
+from tests.helpers import (
+    CONTEXT_PARALLEL_LENGTHS,
+    assert_cp_rank_lm_step_equals_eager,
+    assert_lm_step_equals_eager,
+    model_gradients,
+)
 from tests.integration.test_context_parallel import (
     CausalSelfAttention,
     PaddedSelfAttention,
@@ -204,7 +209,6 @@ def test_what_the_ring_cannot_serve_falls_back_or_is_refused_by_name():
 def check_ring_gpt2_over_mesh() -> None:
     """GPT-2 with ``labels=`` over 2 ranks on the ring: the rank's logits, the loss and every gradient
     equal eager's at 12 and 13 tokens."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from dpcompile.mesh import local_batch
@@ -217,20 +221,8 @@ def check_ring_gpt2_over_mesh() -> None:
                              context_parallel=RING)  # fmt: skip
     assert "ring_attention_over_group(" in pm.code and "distributed_attention_over_group(" not in pm.code, pm.code
     assert pm.strategies == {"cp": "context parallel (ring exchange of keys/values)"}
-    for seq in (13,):  # a length that does not divide: the blocks check covers the even one
-        mine = torch.tensor_split(torch.arange(seq), 2)[dist.get_rank()]
-        whole = _inputs("gpt2", seq, seed=seq)
-        got, want = pm(**local_batch(whole, mesh)), eager(**whole)
-        torch.testing.assert_close(got.logits, want.logits[:, mine])
-        torch.testing.assert_close(got.loss, want.loss)
-        weights = torch.linspace(0.5, 1.5, want.logits.numel(), dtype=torch.float64).view(want.logits.shape)
-        (got.loss + (got.logits * weights[:, mine]).sum()).backward()
-        (want.loss + (want.logits * weights).sum()).backward()
-        grads = dict(eager.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name, seq=seq: f"seq {seq}, {name}: {m}")
-        model.zero_grad()
-        eager.zero_grad()
+    # a length that does not divide: the blocks check covers the even one
+    assert_cp_rank_lm_step_equals_eager(pm, model, eager, _inputs("gpt2", 13, seed=13), mesh)
 
 
 def check_ring_blocks_over_mesh() -> None:

@@ -197,6 +197,32 @@ def test_what_the_ring_cannot_serve_falls_back_or_is_refused_by_name():
         dpcompile.transform(model, ["cpu"] * 4, mesh={"cp": 2, "tp": 2}, example_inputs=(x,), context_parallel=RING)
 
 
+def test_a_learned_mask_on_the_ring_is_refused_when_built_and_auto_falls_back():
+    """A mask made from a parameter (a learned slope per head; T5's relative position bias) needs a
+    gradient the ring does not give: ``"ring"`` by name is refused when the program is built, naming
+    the call, in both frontends (shape propagation's values do not say the mask needs a gradient: it
+    was a bare runtime error at the first call); ``"auto"`` runs the all-gather, equal to eager."""
+    from tests.integration.test_context_parallel_all_to_all import PerHeadBias
+
+    torch.manual_seed(0)
+    model = PerHeadBias().double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    for frontend in ("fx", "export"):
+        with pytest.raises(DpCompileError, match=r"attention call 'scaled_dot_product_attention' cannot run on the ring: "
+                                                 r"its mask needs a gradient"):  # fmt: skip
+            dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), frontend=frontend,
+                                context_parallel=RING)  # fmt: skip
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), frontend="export")
+    (call,) = dpcompile.explain(pm, x).context_parallel["calls"]
+    assert call["exchange"] == "all-gather" and "its mask needs a gradient" in call["why_not"]["ring"]
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(model.slopes.grad, eager.slopes.grad)
+
+
 # ------------------------------------------------------------------ over a ("cp",) gloo mesh of 2 ranks
 # (run in the shared spawned group of test_context_parallel_mesh.py: MESH_CHECKS)
 

@@ -125,8 +125,9 @@ def _ring_cannot(bound: dict[str, Any], q_shape: tuple[int, ...], k_dim: int) ->
 
 
 def _reads_trained_tensor(node: fx.Node) -> bool:
-    """Whether ``node`` is computed from a tensor attribute that requires grad (a parameter: a
-    learned bias, T5's relative position bias). Shape propagation's fake values do not say so."""
+    """Whether ``node`` is computed from a parameter that requires grad (read as an attribute: a
+    learned slope; or by a module kept whole: T5's relative position bias embedding). Shape
+    propagation's fake values do not say so."""
     owner = node.graph.owning_module
     seen: set[fx.Node] = set()
     stack = [node]
@@ -141,6 +142,13 @@ def _reads_trained_tensor(node: fx.Node) -> bool:
             except AttributeError:
                 value = None
             if isinstance(value, torch.Tensor) and value.requires_grad:
+                return True
+        if n.op == "call_module" and owner is not None:  # a module kept whole (T5's bias embedding)
+            try:
+                module = owner.get_submodule(str(n.target))
+            except AttributeError:
+                module = None
+            if module is not None and any(p.requires_grad for p in module.parameters()):
                 return True
         stack.extend(n.all_input_nodes)
     return False

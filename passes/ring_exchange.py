@@ -119,9 +119,39 @@ def _ring_cannot(bound: dict[str, Any], q_shape: tuple[int, ...], k_dim: int) ->
     if device not in (None, "cpu"):
         return f"device type {device!r}: the ring is checked on CPU only"
     mask = _unmarked(bound.get("attn_mask"))
-    if isinstance(mask, fx.Node) and _tensor_meta(mask)[1]:
+    if isinstance(mask, fx.Node) and (_tensor_meta(mask)[1] or _reads_trained_tensor(mask)):
         return "its mask needs a gradient (a learned bias)"
     return None
+
+
+def _reads_trained_tensor(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from a parameter that requires grad (read as an attribute: a
+    learned slope; or by a module kept whole: T5's relative position bias embedding). Shape
+    propagation's fake values do not say so."""
+    owner = node.graph.owning_module
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" and owner is not None:
+            try:
+                value = owner.get_parameter(str(n.target))
+            except AttributeError:
+                value = None
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                return True
+        if n.op == "call_module" and owner is not None:  # a module kept whole (T5's bias embedding)
+            try:
+                module = owner.get_submodule(str(n.target))
+            except AttributeError:
+                module = None
+            if module is not None and any(p.requires_grad for p in module.parameters()):
+                return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def find_exchange_sites(gm: fx.GraphModule) -> list[ExchangeSite]:
@@ -160,6 +190,10 @@ def choose_context_exchanges(gm: fx.GraphModule, *, options: ContextParallelOpti
             dim = bound["key"].args[1] % len(key) if bound is not None and key is not None else 2
             if (reason := all_to_all_applies(query, key, world, mask=mask, dim=dim, dropout=dropout)) is not None:
                 cannot["all-to-all"] = reason
+        if options.load_balance is True:  # balancing rewrites the all-gather's calls; the all-to-all's are not
+            cannot.setdefault("all-to-all", "load_balance=True balances the all-gather's causal query rows (the "
+                                            "all-to-all is balanced as it is: leave 'load_balance' out to let 'auto' "
+                                            "take it)")  # fmt: skip
         if options.exchange == "ring" and site.ring_cannot:
             raise DpCompileError(
                 f"context_parallel={{'exchange': 'ring'}}: the attention call '{call_name(site.node)}' cannot run on the "

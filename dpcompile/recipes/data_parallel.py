@@ -171,7 +171,17 @@ class DataParallelRecipe(Recipe):
         # inputs the examples gave without a batch dim that this call gives it: split, not replicated
         batched = {name: dim for _, name, dim, _, _ in pm.call_signature.replicated if name in key.batched}
         unbatched = dict.fromkeys(key.unbatched)  # and inputs it gives without the batch dim: replicated
-        return self.lower(gm, pm.devices.prefix(key.devices), {**pm.input_dims, **batched, **unbatched})
+        recipe = self._for_fewer_devices() if key.devices < len(pm.devices) else self
+        return recipe.lower(gm, pm.devices.prefix(key.devices), {**pm.input_dims, **batched, **unbatched})
+
+    def _for_fewer_devices(self) -> DataParallelRecipe:
+        """The recipe of a call on fewer devices than the program's (a sequence shorter than the ``cp``
+        devices): the all-to-all asked for by name there runs where the heads divide the devices the
+        call runs on, else the all-gather (``"auto"``'s choice, in ``explain``), instead of refusing a
+        call the program's own device count serves."""
+        if not self.context_parallel or self.context_exchange != "all-to-all":
+            return self
+        return dataclasses.replace(self, context_exchange="auto")
 
     def retarget(self, pm: ParallelModule, devices: Devices, output_device: torch.device) -> ParallelModule:
         """``pm``'s program generated again for other ``devices`` (a loaded program moved to

@@ -75,12 +75,14 @@ class RowBias(CausalSelfAttention):
 
 
 def _assert_equals_eager(model: nn.Module, args: tuple, n: int, exchange: dict | None = ALL_TO_ALL,
-                         mesh: dict | None = None) -> str:  # fmt: skip
-    """``model`` over ``n`` virtual devices (``mesh``, else ``{"cp": n}``): output and every gradient
-    of a weighted sum equal eager's (float64; float32 inputs: to float32 rounding); returns the code."""
+                         mesh: dict | None = None, examples: tuple | None = None) -> str:  # fmt: skip
+    """``model`` over ``n`` virtual devices (``mesh``, else ``{"cp": n}``; built for ``examples``, else
+    ``args``): output and every gradient of a weighted sum equal eager's (float64; float32 inputs: to
+    float32 rounding); returns the code."""
     model = model.to(args[0].dtype)
     eager = copy.deepcopy(model)
-    pm = dpcompile.transform(model, ["cpu"] * n, mesh=mesh or {"cp": n}, example_inputs=args, context_parallel=exchange)
+    pm = dpcompile.transform(model, ["cpu"] * n, mesh=mesh or {"cp": n}, example_inputs=examples or args,
+                             context_parallel=exchange)  # fmt: skip
     got, want = pm(*args), eager(*args)
     torch.testing.assert_close(got, want)
     weights = torch.linspace(0.5, 1.5, want.numel(), dtype=want.dtype).view(want.shape)
@@ -284,3 +286,19 @@ def test_auto_takes_the_all_to_all_where_the_cost_model_finds_it_fastest():
     (call,) = dpcompile.explain(pm, x).context_parallel["calls"]
     assert call["exchange"] == "all-to-all"
     assert call["why_not"]["all-gather"].startswith("slower: ") and call["why_not"]["ring"].startswith("slower: ")
+
+
+def test_a_sequence_shorter_than_the_devices_runs_where_the_heads_do_not_divide_its_devices():
+    """Built by name for 4 devices (4 heads), called with 3 tokens: the call runs on 3 devices, where
+    4 heads do not divide, so that call's program takes the all-gather (it was refused, naming a 'cp'
+    size the user never gave), equal to eager, explain saying why; 8 tokens run the all-to-all again."""
+    torch.manual_seed(0)
+    model = GroupedQueryAttention(heads=4, kv_heads=4).double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    _assert_equals_eager(model, (torch.randn(2, 3, 16, dtype=torch.float64),), 4, examples=(x,))
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 4, mesh={"cp": 4}, example_inputs=(x,),
+                             context_parallel=ALL_TO_ALL)  # fmt: skip
+    (call,) = dpcompile.explain(pm, x[:, :3]).context_parallel["calls"]
+    assert call["exchange"] == "all-gather" and "4 query heads do not divide over 3 devices" in call["why_not"]["all-to-all"]
+    torch.testing.assert_close(pm(x), model(x))
+    assert pm.code.count("sequence_of_heads(") == 4

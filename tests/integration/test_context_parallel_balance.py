@@ -267,3 +267,27 @@ def check_balanced_block_on_four_ranks() -> None:
         (want * weights).sum().backward()
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_load_balance_true_keeps_auto_off_the_all_to_all():
+    """At 128 tokens of 2 heads of 256 ``"auto"`` takes the all-to-all; with ``load_balance=True`` it
+    balances the all-gather instead (the all-to-all's calls are not the all-gather's causal query rows
+    to balance: it was refused as 'not causal'), equal to eager, explain saying why."""
+    from tests.integration.test_context_parallel_all_to_all import GroupedQueryAttention
+
+    torch.manual_seed(0)
+    model = GroupedQueryAttention(heads=2, kv_heads=2, head_dim=256).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(1, 128, 16, dtype=torch.float64)
+    auto = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,))
+    assert auto.strategies["cp"] == "context parallel (head-to-sequence all-to-all)"
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), context_parallel=BALANCED)
+    assert pm.code.count("dpcompile_runtime_balanced_attention(") == 2 and "sequence_of_heads" not in pm.code
+    (call,) = dpcompile.explain(pm, x).context_parallel["calls"]
+    assert call["exchange"] == "all-gather" and "load_balance=True" in call["why_not"]["all-to-all"]
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")

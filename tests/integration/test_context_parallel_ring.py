@@ -15,6 +15,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import dpcompile
 from dpcompile import DpCompileError
@@ -200,6 +202,51 @@ def test_what_the_ring_cannot_serve_falls_back_or_is_refused_by_name():
         dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), context_parallel=RING)
     with pytest.raises(DpCompileError, match="with 'tp' in the mesh is not built yet"):
         dpcompile.transform(model, ["cpu"] * 4, mesh={"cp": 2, "tp": 2}, example_inputs=(x,), context_parallel=RING)
+
+
+class EmbeddedBias(CausalSelfAttention):
+    """Bidirectional attention with a float mask of one bias per head looked up by relative position
+    in an embedding (T5's relative position bias): export keeps the embedding a module call."""
+
+    def __init__(self):
+        super().__init__(dim=16, heads=4)
+        self.bias = nn.Embedding(32, 4)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(s, device=x.device)
+        bias = self.bias(positions[None, :] - positions[:, None] + 16).permute(2, 0, 1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("learned", ["slope", "embedding"])
+def test_a_learned_mask_on_the_ring_is_refused_when_built_and_auto_falls_back(learned):
+    """A mask made from a parameter (a learned slope per head read as an attribute; T5's relative
+    position bias, an embedding export keeps a module call) needs a gradient the ring does not give:
+    ``"ring"`` by name is refused when the program is built, naming the call (shape propagation's
+    values do not say the mask needs a gradient: it was a bare runtime error at the first call);
+    ``"auto"`` runs the all-gather, explain saying why, equal to eager."""
+    from tests.integration.test_context_parallel_all_to_all import PerHeadBias
+
+    torch.manual_seed(0)
+    model = (PerHeadBias() if learned == "slope" else EmbeddedBias()).double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    with pytest.raises(DpCompileError, match=r"attention call 'scaled_dot_product_attention' cannot run on the ring: "
+                                             r"its mask needs a gradient"):  # fmt: skip
+        dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), frontend="export",
+                            context_parallel=RING)  # fmt: skip
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), frontend="export")
+    (call,) = dpcompile.explain(pm, x).context_parallel["calls"]
+    assert call["exchange"] == "all-gather" and "its mask needs a gradient" in call["why_not"]["ring"]
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
 # ------------------------------------------------------------------ over a ("cp",) gloo mesh of 2 ranks

@@ -8,6 +8,7 @@ A rule that cannot carry a sharded value raises :class:`NeedsWhole`.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -114,6 +115,22 @@ def flat_nodes(value: Any) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.node.map_arg(value, lambda n: out.append(n) or n)
     return out
+
+
+def is_part_read(node: fx.Node, parts: fx.Node) -> bool:
+    """Whether ``node`` reads one tensor of the tuple ``parts``: ``parts[i]`` or a named field (``.values``)."""
+    if node.op != "call_function" or len(node.args) != 2 or node.args[0] is not parts:
+        return False
+    key_ok = (node.target is operator.getitem and isinstance(node.args[1], int)) or (
+        node.target is getattr and isinstance(node.args[1], str))
+    return key_ok and isinstance(node_val(node), torch.Tensor)
+
+
+def refuse_tuple_read_whole(node: fx.Node) -> None:
+    """A sharded tuple is only ever read a part at a time: a use of the whole tuple (``torch.cat(x.chunk(..))``,
+    the model's output) would get the per-shard tuples, which no collective joins, so the op runs whole."""
+    if not all(is_part_read(user, node) for user in node.users):
+        raise NeedsWhole("its tuple of results is used whole (not a part at a time)")
 
 
 class LayoutContext(Protocol):

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dpcompile.analysis.placement import Replicated
 
@@ -71,7 +72,7 @@ def tensor_shape(node: Any) -> tuple[int, ...] | None:
     if isinstance(v, torch.Tensor):
         try:
             return tuple(int(s) for s in v.shape)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, GuardOnDataDependentSymNode):  # a size nonzero() / masked_select() counts
             return None
     return None
 
@@ -83,9 +84,9 @@ def may_need_grad(node: fx.Node) -> bool:
 
 
 def tensor_ndim(node: Any) -> int | None:
-    """``node``'s rank, or ``None`` when unknown."""
-    s = tensor_shape(node)
-    return None if s is None else len(s)
+    """``node``'s rank (known where its sizes are not: ``x.nonzero()``), or ``None`` when unknown."""
+    v = node_val(node)
+    return v.dim() if isinstance(v, torch.Tensor) else None
 
 
 def from_end(dim: int, ndim: int | None) -> int:

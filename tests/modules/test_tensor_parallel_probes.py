@@ -57,3 +57,14 @@ def test_a_tuple_of_sharded_results_is_read_a_part_at_a_time_or_gathered_first(n
     AttributeError on ``.device``), whether read by field name or passed whole to ``torch.cat``."""
     pm = _equal_to_eager(op, n)
     assert pm.code.count("gather_to_device") == gathers, name
+
+
+def test_a_data_dependent_size_between_the_pair_is_planned_and_equals_eager():
+    """``nonzero()`` / ``masked_select()`` of the hidden activations: sizes only a run knows (unbacked
+    symbols). Before: the planner read them as ints, GuardOnDataDependentSymNode out of transform."""
+    torch.manual_seed(0)
+    model = Between(lambda h: h + h.nonzero().shape[0] + h.masked_select(h > 0).sum()).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+    assert pm.plan == PLAN
+    torch.testing.assert_close(pm(x), model(x))

@@ -43,6 +43,7 @@ from dpcompile.analysis.linear_sites import (  # noqa: F401 - what the planner a
     window_attention_args,
 )
 from dpcompile.analysis.placement import REPLICATED, Replicated
+from dpcompile.analysis.sharding_layout import refuse_tuple_read_whole
 from dpcompile.analysis.sharding_rules import (
     COPIED,
     NOT_TENSOR,
@@ -125,6 +126,7 @@ class _Analyzer:
         self.result.view_rewrites[node] = (position, sizes)
 
     def mark_tuple(self, node: fx.Node) -> None:
+        refuse_tuple_read_whole(node)
         self.result.tuples.add(node)
 
     def is_tuple(self, node: Any) -> bool:

@@ -55,6 +55,7 @@ from dpcompile.analysis.sharding_layout import (
     Sharded,
     flat_nodes,
     node_val,
+    refuse_tuple_read_whole,
     tensor_ndim,
 )
 
@@ -124,7 +125,7 @@ class _LastDimSharded:
         return self.sharded if node is self.x else REPLICATED
 
     def mark_tuple(self, node: fx.Node) -> None:
-        pass
+        refuse_tuple_read_whole(node)
 
 
 def _refuse_spanning_operands(ctx: LayoutContext, node: fx.Node, ref: Sharded) -> None:

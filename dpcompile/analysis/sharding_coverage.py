@@ -27,7 +27,7 @@ DISPATCHED_FIRST = (
     ("`nn.Softmax`", "`softmax`", "over another dim than the sharded one"),
     ("`F.cross_entropy`", "`cross_entropy`",
      "logits `(N, classes)` sharded on the classes, an integer target: the vocab-parallel loss, replicated"),
-    ("`parts[i]` of a split / unbind", "—", "laid out as every part"),
+    ("`parts[i]`, `sort(..).values` of a split / unbind / tuple result", "—", "laid out as every part (a tuple used whole, `torch.cat(x.chunk(..))`: its op runs whole)"),
     ("`y.normal_()` (a written random fill)", "`unary`", "a draw per element, as `y` is laid out"),
     ("`x[..., :n]` (slices, ints, `None`, `...`)", "`getitem`", "the sharded dim taken whole"),
     ("`x.dtype`, `x.ndim`, `x.dim()`", "—", "a Python value"),

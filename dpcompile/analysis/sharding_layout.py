@@ -8,11 +8,13 @@ A rule that cannot carry a sharded value raises :class:`NeedsWhole`.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dpcompile.analysis.placement import Replicated
 
@@ -70,7 +72,7 @@ def tensor_shape(node: Any) -> tuple[int, ...] | None:
     if isinstance(v, torch.Tensor):
         try:
             return tuple(int(s) for s in v.shape)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, GuardOnDataDependentSymNode):  # a size nonzero() / masked_select() counts
             return None
     return None
 
@@ -82,9 +84,9 @@ def may_need_grad(node: fx.Node) -> bool:
 
 
 def tensor_ndim(node: Any) -> int | None:
-    """``node``'s rank, or ``None`` when unknown."""
-    s = tensor_shape(node)
-    return None if s is None else len(s)
+    """``node``'s rank (known where its sizes are not: ``x.nonzero()``), or ``None`` when unknown."""
+    v = node_val(node)
+    return v.dim() if isinstance(v, torch.Tensor) else None
 
 
 def from_end(dim: int, ndim: int | None) -> int:
@@ -114,6 +116,22 @@ def flat_nodes(value: Any) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.node.map_arg(value, lambda n: out.append(n) or n)
     return out
+
+
+def is_part_read(node: fx.Node, parts: fx.Node) -> bool:
+    """Whether ``node`` reads one tensor of the tuple ``parts``: ``parts[i]`` or a named field (``.values``)."""
+    if node.op != "call_function" or len(node.args) != 2 or node.args[0] is not parts:
+        return False
+    key_ok = (node.target is operator.getitem and isinstance(node.args[1], int)) or (
+        node.target is getattr and isinstance(node.args[1], str))
+    return key_ok and isinstance(node_val(node), torch.Tensor)
+
+
+def refuse_tuple_read_whole(node: fx.Node) -> None:
+    """A sharded tuple is only ever read a part at a time: a use of the whole tuple (``torch.cat(x.chunk(..))``,
+    the model's output) would get the per-shard tuples, which no collective joins, so the op runs whole."""
+    if not all(is_part_read(user, node) for user in node.users):
+        raise NeedsWhole("its tuple of results is used whole (not a part at a time)")
 
 
 class LayoutContext(Protocol):

@@ -67,8 +67,8 @@ def apply_rule(ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Modul
         return from_batch_rule(ctx, node, modules)  # no sharding rule names it: its batch rule, if any
     if op == "call_function" and target is F.cross_entropy:
         return cross_entropy(ctx, node)
-    if op == "call_function" and target is operator.getitem and ctx.is_tuple(node.args[0]):
-        return ctx.layout(node.args[0]), []  # one part of a split / unbind: laid out as every part
+    if op == "call_function" and target in (operator.getitem, getattr) and ctx.is_tuple(node.args[0]):
+        return ctx.layout(node.args[0]), []  # one part of a split / unbind (sort(..).values): laid out as every part
     if op == "call_function" and target is runtime.written and not node.args[1] and written_fill_method(node):
         return unary(ctx, node)  # y.normal_() of a whole activation: a draw per element, as y is laid out
     if shape_rules.is_basic_getitem(node):

@@ -62,6 +62,8 @@ from dpcompile.recipes.tensor_parallel import (
     aliased_plan,
     capture_owning_everything,
     describe_choices,
+    share_tied_shards,
+    tied_groups,
     tied_state_keys,
     unaliased_findings,
 )
@@ -166,6 +168,8 @@ class PipelineTensorParallelRecipe(Recipe):
         place_shards(lowered, groups)
         if placing := passes.place_copies_pipeline(self.dp_micro_batches, self.dp_devices):  # dp copies, each on its devices
             lowered, _ = run_passes(lowered, placing)
+        # a tied name forward never reads (BERT's cls.predictions.bias, its decoder's bias sharded): the shards
+        param_shards = share_tied_shards(lowered, tied_groups(model), info_of(expand_records, "expand_shards")["param_shards"])
         applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
         applied.update(shard_info["plan"])
         described = describe_choices(applied, shard_info)
@@ -190,7 +194,7 @@ class PipelineTensorParallelRecipe(Recipe):
         )
         pm.init_tensor_parallel(
             state_keys=state_keys,
-            param_shards=info_of(expand_records, "expand_shards")["param_shards"],
+            param_shards=param_shards,
             plan_reasons=reasons,
             comm_cost=plan_cost(shard_info["comms"], shards),
             captured_code=captured_code,

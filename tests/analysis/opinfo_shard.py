@@ -152,6 +152,21 @@ def _graph(
     return fx.GraphModule(torch.nn.Module(), graph), inputs
 
 
+def _read_by_parts(gm: fx.GraphModule) -> None:
+    """A tuple result read a part at a time, as models read one (``q, k, v = qkv.split(..)``): the
+    rules shard a tuple only so, its shards' tuples joined by no collective."""
+    node = next(n for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
+    values, output = node.meta["val"], next(iter(node.users))
+    if not isinstance(values, (list, tuple)) or output.op != "output":
+        return
+    with gm.graph.inserting_before(output):
+        parts = [gm.graph.call_function(operator.getitem, (node, i)) for i in range(len(values))]
+    for part, value in zip(parts, values):
+        part.meta["val"] = value
+    output.args = (tuple(parts),)
+    gm.recompile()
+
+
 def first_tensor(sample: Any) -> torch.Tensor | None:
     """The sample's first tensor (the input, or the first of a list input) where it is float, not a scalar."""
     x = next((t for t in tree_flatten(sample.input)[0] if isinstance(t, torch.Tensor)), None)
@@ -307,6 +322,7 @@ def run_sample(kind: str, target: Any, sample: Any, reorder: Any = None) -> Iter
     except AssertionError:  # dropout_p > 0: each shard draws its own, not the whole's (exact_random's job)
         yield "", "skip: a random draw (another seed, another value)"
         return
+    _read_by_parts(gm)
     for dim in DIMS:
         if x.dim() < -dim:
             continue

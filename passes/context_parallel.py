@@ -56,7 +56,8 @@ PASS = "insert_sequence_exchange"
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 #: what ``explain`` and ``pm.strategies`` call the exchange chosen, and the ones not chosen (yet)
 EXCHANGE = "all-gather keys/values"
-OTHER_EXCHANGES = ("ring exchange of keys/values (not built)", "head-to-sequence all-to-all (not built)")
+OTHER_EXCHANGES = ("ring exchange of keys/values (built with cp alone or beside dp; beside tp or pp the all-gather runs)",
+                   "head-to-sequence all-to-all (built with cp alone or beside dp; beside tp or pp the all-gather runs)")
 
 
 @dataclass(frozen=True)

@@ -227,7 +227,7 @@ class _Builder:
             return self._placeholder_on_device(node, k)
         if node in self.per_device and not isinstance(placement, Partial):
             return self.per_device[node][k]
-        if isinstance(placement, Whole) and placement.batch:
+        if isinstance(placement, Whole) and placement.batch and self.n > 1:  # on one device the whole is its part
             raise AssertionError(f"{node.name} is whole along the batch and cannot feed device {k}")
         key = (node, k)
         if key not in self.moved:

@@ -122,7 +122,8 @@ def _assert_step_equals_eager(pm: nn.Module, model: nn.Module, eager: nn.Module,
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_context_parallel_transformers_equal_eager(name):
     """GPT-2 (labels), Llama (rotary, grouped-query heads) and BERT (a padding mask), built once, on
-    2 and 4 virtual devices: a sequence that divides them and one that does not, equal to eager."""
+    2 and 4 virtual devices: a sequence that divides them and one that does not, equal to eager; the
+    decoders called with one token too (a program on one device)."""
     torch.manual_seed(0)
     built = _transformers_model(name).double()
     for n, lengths, pm, model, eager in context_parallel_copies(built, lambda seq: _inputs(name, seq)):
@@ -130,6 +131,10 @@ def test_context_parallel_transformers_equal_eager(name):
         assert pm.code.count("dpcompile_runtime_attention_regathered(") == n
         for seq in lengths:
             _assert_step_equals_eager(pm, model, eager, _inputs(name, seq, seed=seq))
+        if name != "bert":  # a call of one token: its program runs on one device
+            got, want = pm(**_inputs(name, 1, seed=1)), eager(**_inputs(name, 1, seed=1))
+            torch.testing.assert_close(got.logits, want.logits)
+            torch.testing.assert_close(got.loss, want.loss, equal_nan=True)  # no next token to predict: nan, as eager's
 
 
 def test_context_parallel_causal_attention_sees_earlier_shards():

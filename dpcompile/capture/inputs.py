@@ -90,7 +90,11 @@ def check_inputs(specs: Sequence[InputSpec], args: tuple, kwargs: Mapping[str, A
         elif spec.name in kwargs:
             value = kwargs[spec.name]
         else:
-            continue  # left to its default: the program's own
+            raise InputMismatch(
+                f"argument '{spec.name}' is missing, but {model_name} was captured by torch.export with a tensor of "
+                f"shape {spec.describe()} there, and export fixes which arguments are tensors; pass '{spec.name}', or "
+                f"call dpcompile.transform with examples that leave it out (and keep this program for calls that pass it)"
+            )
         if not isinstance(value, torch.Tensor):
             raise InputMismatch(
                 f"argument '{spec.name}' is {_short(value)}, but the program was captured by torch.export with a "

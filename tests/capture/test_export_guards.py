@@ -125,6 +125,8 @@ def test_export_guard_other_sequence_length_is_refused_naming_the_shapes():
             pm(input_ids=_ids(4, seq), attention_mask=torch.ones(4, seq))
     with pytest.raises(dpcompile.DpCompileError, match="'attention_mask' is None.*tensor of shape"):
         pm(input_ids=_ids(4, 8), attention_mask=None)
+    with pytest.raises(dpcompile.DpCompileError, match="'attention_mask' is missing.*tensor of shape"):
+        pm(input_ids=_ids(4, 8))  # left to forward's default: the program has no path without it
     with pytest.raises(dpcompile.DpCompileError, match="'attention_mask' is torch.float64.*captured by torch.export for torch.float32"):
         pm(input_ids=_ids(4, 8), attention_mask=torch.ones(4, 8, dtype=torch.float64))
     ids = _ids(4, 8)

@@ -21,7 +21,6 @@ from dpcompile.analysis.context_exchange import (
     DEFAULT_OPTIONS,
     ContextParallelOptions,
     check_exchange_composes,
-    check_load_balance_layout,
     exchange_strategy,
     parse_context_parallel,
 )
@@ -138,7 +137,6 @@ def transform(
     check_exchange_composes(context_options, dims)
     if context_options.exchange == "auto" and {"tp", "pp"} & set(dims):  # only the all-gather is lowered there
         context_options = dataclasses.replace(context_options, exchange="all-gather")
-    check_load_balance_layout(context_options, dims)
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
                                        tensor_parallel)  # fmt: skip
     if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp

@@ -29,10 +29,11 @@ from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, ContextParallel
 from dpcompile.devices import Devices
 from dpcompile.infra import Pass
 from dpcompile.runtime.sequence_balance import AUTO_MIN_LENGTH
-from passes.all_to_all_exchange import all_to_all_exchange, find_all_to_all_sites, record_attention_shapes
+from passes.all_to_all_exchange import all_to_all_exchange, find_all_to_all_sites
 from passes.balance_causal_attention import balance_causal_attention, find_balance_sites
 from passes.borrowed_modules import find_module_homes, replicate_borrowed_modules
 from passes.checkpoint_activations import CheckpointRegion, checkpoint_activations, find_checkpoint_regions
+from passes.choose_exchange import choose_context_exchanges, find_exchange_sites
 from passes.collectives import find_collective_sites, lower_to_collectives
 from passes.context_parallel import find_sequence_attention, insert_sequence_exchange, markers_take_shard_layouts
 from passes.cut_stage import cut_stage
@@ -46,7 +47,7 @@ from passes.functionalize import find_mutations, functionalize_mutations
 from passes.name_dp_copies import find_copies_of_pieces, find_piece_names, name_dp_copies, number_copies_of_pieces
 from passes.place_dp_copies import copy_device_maps, find_copy_nodes, place_dp_copies
 from passes.regather_keys_values import find_regather_sites, regather_keys_values
-from passes.ring_exchange import choose_context_exchanges, find_exchange_sites, find_ring_sites, ring_exchange
+from passes.ring_exchange import find_ring_sites, ring_exchange
 from passes.sequence_copies import split_batch_into_copies, split_one_shard_batch
 from passes.sequence_parallel import find_sequence_region, shard_sequence
 from passes.sequence_rank import find_rank_sites, lower_sequence_to_rank
@@ -93,21 +94,26 @@ def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
 
 
 def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
-    """Lower a tidied graph to explicit per-device data-parallel code (context parallel: attention
-    then gathers its keys and values again in backward, ``regather_keys_values``, or runs on the
-    ring where ``choose_context_exchanges`` chose it, ``ring_exchange``)."""
-    choose = functools.partial(choose_context_exchanges, options=options.context_options, world=len(options.devices))
+    """Lower a tidied graph to explicit per-device data-parallel code (context parallel: each
+    attention call's exchange chosen first, ``choose_context_exchanges``; after the lowering it
+    gathers its keys and values again in backward, ``regather_keys_values``, or runs on the ring or
+    the all-to-all where chosen, and causal calls are balanced where asked, ``balance_pipeline``)."""
+    lower = functools.partial(
+        insert_scatter_gather,
+        devices=options.devices,
+        input_dims=options.input_dims,
+        output_device=options.output_device,
+        copy_replicas=options.copy_replicas,
+    )
+    if not options.context_parallel:
+        return [lower, *exact_random_pipeline(options)]
+    cp = options.context_options
     return [
-        *([record_attention_shapes, choose] if options.context_parallel else []),
-        functools.partial(
-            insert_scatter_gather,
-            devices=options.devices,
-            input_dims=options.input_dims,
-            output_device=options.output_device,
-            copy_replicas=options.copy_replicas,
-        ),
-        *([regather_keys_values, ring_exchange] if options.context_parallel else []),
-        *([functools.partial(all_to_all_exchange, options=options.context_options)] if options.context_parallel else []),
+        functools.partial(choose_context_exchanges, options=cp, world=len(options.devices)),
+        lower,
+        regather_keys_values,
+        ring_exchange,
+        functools.partial(all_to_all_exchange, options=cp),
         *balance_pipeline(options),
         *exact_random_pipeline(options),
     ]
@@ -118,7 +124,7 @@ def balance_pipeline(options: PipelineOptions) -> list[Pass]:
     ``"auto"`` over a DeviceMesh (``options.context_ranks``: the ranks run at once, so the last one's
     extra work is everyone's wait; on virtual devices of one process they run in turn: off)."""
     balance = options.context_options.load_balance
-    if not options.context_parallel or balance is False or (balance == "auto" and not options.context_ranks):
+    if balance is False or (balance == "auto" and not options.context_ranks):
         return []
     shortest = 0 if balance is True else AUTO_MIN_LENGTH
     return [functools.partial(balance_causal_attention, required=balance is True, min_length=shortest)]
@@ -258,7 +264,6 @@ __all__ = [
     "find_ring_sites",
     "all_to_all_exchange",
     "find_all_to_all_sites",
-    "record_attention_shapes",
     "find_sequence_attention",
     "lower_sequence_to_rank",
     "find_rank_sites",

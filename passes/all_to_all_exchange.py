@@ -1,6 +1,6 @@
 """``all_to_all_exchange``: context parallel's attention by the head-to-sequence all-to-all (DeepSpeed Ulysses).
 
-Where ``context_parallel={"exchange": ...}`` chooses it (``chosen_exchange``), each attention call's
+Where ``choose_context_exchanges`` chose it (``context_parallel={"exchange": ...}``), each attention call's
 devices (the ``attention_regathered`` calls ``regather_keys_values`` made, one per device) are
 rewritten: the queries, keys and values are exchanged so that device ``r`` holds the whole
 sequence for its share of the heads, it runs the ordinary attention (``is_causal=True`` as it is;
@@ -28,7 +28,7 @@ A mask split by query rows from a whole one (``scatter(mask)[r]``) is read whole
 the all-to-all does not apply (``all_to_all_applies``: heads that do not divide, a mask of other
 heads), asked for by name is a ``DpCompileError`` naming the attention and why; under ``"auto"`` the
 call keeps the all-gather, the reason in its exchange choice (``explain``), which
-``choose_context_exchanges`` (``passes/ring_exchange.py``) made from the cost model.
+``choose_context_exchanges`` (``passes/choose_exchange.py``) made from the cost model.
 """
 
 from __future__ import annotations
@@ -43,23 +43,20 @@ import torch.nn.functional as F
 from torch.fx.passes.tools_common import legalize_graph
 
 from dpcompile import runtime
-from dpcompile.analysis.batch_rules.attention import sdpa_arguments
-from dpcompile.analysis.batch_rules.context import node_shape
 from dpcompile.analysis.context_exchange import (
-    BUILT_EXCHANGES,
     CHOICE_META,
     CHOICES_META,
+    EXCHANGES,
     ContextParallelOptions,
     chosen_exchange,
 )
 from dpcompile.analysis.heads_exchange import all_to_all_applies
 from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, stamp
-from passes.context_parallel import SDPA_TARGETS
+from passes.choose_exchange import SHAPES
 from passes.sequence_rank import device_of
 
 PASS = "all_to_all_exchange"
-SHAPES = "dpcompile_attention_shapes"  # gm.meta: {attention: (query, key, mask, dropout_p)}, before lowering
 EXCHANGED = (runtime.heads_of_sequence, runtime.sequence_of_heads)
 
 
@@ -70,34 +67,12 @@ class AllToAllSite:
 
     attentions: tuple[fx.Node, ...]
     dim: int
-    heads: int | None
     reason: str | None
     mask_rows_dim: int | None = None  # the mask's query-rows dim (its length less 2), where it has one
 
     @property
     def name(self) -> str:
         return str(self.attentions[0].meta.get("dpcompile_source", self.attentions[0].name))
-
-
-def record_attention_shapes(gm: fx.GraphModule) -> PassResult:
-    """Before lowering (which keeps no shapes on each device's nodes): each marked attention call's
-    query, key and mask shapes and dropout, in ``gm.meta[SHAPES]`` under its name, for
-    :func:`all_to_all_exchange` to decide by. Changes no node."""
-    shapes = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is runtime.causal_attention:
-            query, key, mask, dropout = node.args[0], node.args[1], None, node.kwargs.get("dropout_p")
-        elif node.target in SDPA_TARGETS:
-            bound = sdpa_arguments(node)
-            query, key, mask, dropout = bound["query"], bound["key"], bound.get("attn_mask"), bound.get("dropout_p")
-        else:
-            continue
-        mask_shape = node_shape(mask) if isinstance(mask, fx.Node) else None
-        shapes[str(node.meta.get("dpcompile_source", node.name))] = (node_shape(query), node_shape(key), mask_shape, dropout)
-    gm.meta[SHAPES] = shapes
-    return PassResult(gm, False, {"attention": sorted(shapes)})
 
 
 def _mask(node: fx.Node) -> Any:
@@ -118,7 +93,7 @@ def find_all_to_all_sites(gm: fx.GraphModule) -> list[AllToAllSite]:
         ordered = tuple(by_device.get(k) for k in range(world))
         if None in ordered or len(by_device) != world:
             calls = tuple(by_device.values())
-            sites.append(AllToAllSite(calls, dim, None, "its devices' calls are not one per shard of the sequence"))
+            sites.append(AllToAllSite(calls, dim, "its devices' calls are not one per shard of the sequence"))
             continue
         first = ordered[0]
         source = str(first.meta.get("dpcompile_source", first.name))
@@ -126,9 +101,8 @@ def find_all_to_all_sites(gm: fx.GraphModule) -> list[AllToAllSite]:
         reason = all_to_all_applies(query, key, world, mask=mask, dim=dim, dropout=dropout)
         if reason is None and mask is None and _mask(first) is not None:
             reason = "its mask's shape is not known"
-        heads = query[1] if query is not None and len(query) == 4 else None
         rows = len(mask) - 2 if mask is not None and len(mask) >= 2 else None
-        sites.append(AllToAllSite(ordered, dim, heads, reason, rows))
+        sites.append(AllToAllSite(ordered, dim, reason, rows))
     return sites
 
 
@@ -141,9 +115,8 @@ def all_to_all_exchange(gm: fx.GraphModule, *, options: ContextParallelOptions) 
         if site.reason is not None and options.exchange == "all-to-all":
             raise DpCompileError(_refusal(site, len(site.attentions)))
     for site in sites:
-        world = len(site.attentions)
         choice = gm.meta.get(CHOICES_META, {}).get(site.name)  # choose_context_exchanges' cost model
-        wanted = choice.exchange if choice is not None else chosen_exchange(options, heads=site.heads, world=world)
+        wanted = choice.exchange if choice is not None else chosen_exchange(options)
         if site.reason is not None or wanted != "all-to-all":
             if choice is not None and wanted == "all-to-all":  # the lowering found what the shapes did not say
                 kept_choice = dataclasses.replace(choice, exchange="all-gather", why_not={
@@ -164,7 +137,7 @@ def all_to_all_exchange(gm: fx.GraphModule, *, options: ContextParallelOptions) 
 
 
 def _refusal(site: AllToAllSite, world: int) -> str:
-    others = [f"'{e}'" for e in BUILT_EXCHANGES if e != "all-to-all"]
+    others = [f"'{e}'" for e in EXCHANGES if e != "all-to-all"]
     return (
         f"context_parallel={{'exchange': 'all-to-all'}}: attention '{site.name}' cannot run as the head-to-sequence "
         f"all-to-all over {world} devices because {site.reason}. Use an exchange that serves every attention "
@@ -262,5 +235,4 @@ def _in_order(graph: fx.Graph) -> bool:
     return True
 
 
-__all__ = ["EXCHANGED", "SHAPES", "AllToAllSite", "all_to_all_exchange", "find_all_to_all_sites",
-           "record_attention_shapes"]  # fmt: skip
+__all__ = ["EXCHANGED", "AllToAllSite", "all_to_all_exchange", "find_all_to_all_sites"]

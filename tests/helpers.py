@@ -216,3 +216,14 @@ def assert_cp_rank_lm_step_equals_eager(pm: nn.Module, model: nn.Module, eager: 
         torch.testing.assert_close(p.grad, grads[name].grad, msg=lambda m, name=name: f"seq {seq}, grad {name}: {m}")
     model.zero_grad()
     eager.zero_grad()
+
+
+def assert_square_sum_step_equals_eager(model: nn.Module, eager: nn.Module, got: torch.Tensor,
+                                        want: torch.Tensor) -> None:  # fmt: skip
+    """``got`` equals ``want``; after backward of each one's ``square().sum()``, every parameter
+    gradient of ``model`` equals ``eager``'s (in parameter order)."""
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")

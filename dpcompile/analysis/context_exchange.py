@@ -13,8 +13,8 @@
 shard's queries see more keys than an early one's; balanced (zig-zag chunks inside each attention
 call, ``passes.balance_causal_attention``), each device's attention does an equal share. ``"auto"``
 balances over a DeviceMesh the causal calls of sequences of ``AUTO_MIN_LENGTH`` tokens or more, and
-nothing on the virtual devices of one process (they run one after another). What is built is in :data:`BUILT_EXCHANGES` / :data:`LOAD_BALANCE_BUILT`; anything
-else is refused by name, never ignored.
+nothing on the virtual devices of one process (they run one after another). A value or a pair of
+options that is not built is refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -26,10 +26,7 @@ from typing import Any
 
 from dpcompile.errors import DpCompileError
 
-EXCHANGES = ("all-gather", "ring", "all-to-all")
-#: the exchanges the lowering builds today (a name here and not in EXCHANGES is a bug)
-BUILT_EXCHANGES: tuple[str, ...] = ("all-gather", "ring", "all-to-all")
-LOAD_BALANCE_BUILT = True
+EXCHANGES = ("all-gather", "ring", "all-to-all")  # in this order the cost model breaks ties
 #: what ``pm.strategies`` and ``explain`` call each exchange
 EXCHANGE_NAMES = {
     "all-gather": "all-gather keys/values",
@@ -70,18 +67,9 @@ def parse_context_parallel(value: Any) -> ContextParallelOptions:
         raise ValueError(
             f"context_parallel={{'exchange': {exchange!r}}}: expected 'auto' or one of {', '.join(map(repr, EXCHANGES))}"
         )
-    if exchange != "auto" and exchange not in BUILT_EXCHANGES:
-        raise DpCompileError(
-            f"context_parallel={{'exchange': {exchange!r}}} is not built yet: the built exchanges are "
-            f"{', '.join(map(repr, BUILT_EXCHANGES))}; leave 'exchange' out ('auto') or name a built one"
-        )
     balance = value.get("load_balance", "auto")
     if balance not in ("auto", True, False):
         raise ValueError(f"context_parallel={{'load_balance': {balance!r}}}: expected 'auto', True or False")
-    if balance is True and not LOAD_BALANCE_BUILT:
-        raise DpCompileError(
-            "context_parallel={'load_balance': True} is not built yet: leave it out ('auto') or pass False"
-        )
     if balance is True and exchange in ("ring", "all-to-all"):
         why = ("the ring's blocks are not balanced yet" if exchange == "ring" else
                "the all-to-all is balanced as it is: each device attends the whole sequence for its share of the heads")
@@ -92,43 +80,14 @@ def parse_context_parallel(value: Any) -> ContextParallelOptions:
     return ContextParallelOptions(exchange, balance)
 
 
-__all__ = [
-    "BUILT_EXCHANGES", "DEFAULT_OPTIONS", "EXCHANGES", "EXCHANGE_NAMES", "LOAD_BALANCE_BUILT",
-    "AttentionShape", "ContextParallelOptions", "ExchangeChoice", "ExchangeCost", "choose_exchange",
-    "CHOICE_META", "CHOICES_META", "check_exchange_composes", "chosen_exchange", "exchange_costs", "exchange_strategy",
-    "parse_context_parallel", "check_load_balance_layout",
-]  # fmt: skip
-
-
-def check_load_balance_layout(options: ContextParallelOptions, dims: tuple[str, ...]) -> None:
-    """``load_balance=True`` is built where context parallel regathers keys and values: ``cp`` alone or
-    with ``dp`` (in one process or over a mesh); beside ``tp`` or ``pp`` it is refused by name.
-
-    >>> check_load_balance_layout(ContextParallelOptions(load_balance=True), ("cp", "tp"))
-    Traceback (most recent call last):
-    ...
-    dpcompile.errors.DpCompileError: context_parallel={'load_balance': True} is built for 'cp' alone or with 'dp', not beside 'tp' yet: pass load_balance='auto' or False
-    """
-    other = [d for d in dims if d not in ("dp", "cp")]
-    if options.load_balance is True and other:
-        raise DpCompileError(
-            f"context_parallel={{'load_balance': True}} is built for 'cp' alone or with 'dp', not beside "
-            f"{', '.join(map(repr, other))} yet: pass load_balance='auto' or False"
-        )
-
-
-def chosen_exchange(options: ContextParallelOptions, *, heads: int | None = None, world: int | None = None,
-                    shape: AttentionShape | None = None, **choice: Any) -> str:  # fmt: skip
-    """The exchange one attention call runs: the one asked for, or under ``"auto"`` the cost
-    model's choice among :data:`BUILT_EXCHANGES` for the call's ``shape`` over ``world`` devices
-    (:func:`choose_exchange`, which ``choice`` is passed to); without a shape, the all-gather.
+def chosen_exchange(options: ContextParallelOptions) -> str:
+    """The exchange an attention call the cost model did not see runs (no shapes): the one asked
+    for, or under ``"auto"`` the all-gather, which serves every call.
 
     >>> chosen_exchange(DEFAULT_OPTIONS)
     'all-gather'
     """
-    if shape is None or world is None:
-        return options.exchange if options.exchange != "auto" else "all-gather"
-    return choose_exchange(options, shape, world, **choice).exchange
+    return options.exchange if options.exchange != "auto" else "all-gather"
 
 
 # ------------------------------------------------------------------ the cost model
@@ -213,7 +172,7 @@ def exchange_costs(shape: AttentionShape, world: int, calibration: Any = None) -
 
 def choose_exchange(options: ContextParallelOptions, shape: AttentionShape, world: int, *, calibration: Any = None,
                     memory_bytes: int | None = None, cannot: Mapping[str, str] | None = None) -> ExchangeChoice:  # fmt: skip
-    """The exchange for one attention call: the one asked for; under ``"auto"`` the fastest built
+    """The exchange for one attention call: the one asked for; under ``"auto"`` the fastest
     exchange that can serve the call (``cannot``: exchange -> why not) and whose transient fits
     ``memory_bytes`` (None: no limit), the all-gather first where times tie; where none fits, the
     one with the smallest transient. The all-gather serves every call.
@@ -234,16 +193,14 @@ def choose_exchange(options: ContextParallelOptions, shape: AttentionShape, worl
     why_not: dict[str, str] = {}
     fits = []
     for name in EXCHANGES:  # the all-gather first: it wins a tie
-        if name not in BUILT_EXCHANGES:
-            why_not[name] = "not built yet"
-        elif name in refused:
+        if name in refused:
             why_not[name] = f"cannot serve this call: {refused[name]}"
         elif memory_bytes is not None and costs[name].transient_bytes > memory_bytes:
             why_not[name] = f"its transient {costs[name].transient_bytes:,} B is over the {memory_bytes:,} B left for it"
         else:
             fits.append(name)
     if not fits:  # nothing fits: the smallest transient the call can run
-        servable = [e for e in EXCHANGES if e in BUILT_EXCHANGES and e not in refused] or ["all-gather"]
+        servable = [e for e in EXCHANGES if e not in refused] or ["all-gather"]
         best = min(servable, key=lambda e: costs[e].transient_bytes)
         why_not.pop(best, None)
         return ExchangeChoice(best, costs, why_not)
@@ -263,13 +220,25 @@ _ALL_GATHER_ONLY = ("tp", "pp")
 
 
 def check_exchange_composes(options: ContextParallelOptions, dims: Collection[str]) -> None:
-    """Refuse, by name, an exchange asked for with mesh dimensions whose lowering does not build it
-    (beside ``tp`` or ``pp`` the keys and values are all-gathered)."""
+    """Refuse, by name, an exchange or load balancing asked for with mesh dimensions whose lowering
+    does not build them (beside ``tp`` or ``pp`` the keys and values are all-gathered, unbalanced).
+
+    >>> check_exchange_composes(ContextParallelOptions(load_balance=True), ("cp", "tp"))
+    Traceback (most recent call last):
+    ...
+    dpcompile.errors.DpCompileError: context_parallel={'load_balance': True} is built for 'cp' alone or with 'dp', not beside 'tp' yet: pass load_balance='auto' or False
+    """
     others = [d for d in _ALL_GATHER_ONLY if d in dims]
     if options.exchange not in ("auto", "all-gather") and "cp" in dims and others:
         raise DpCompileError(
             f"context_parallel={{'exchange': {options.exchange!r}}} with {others[0]!r} in the mesh is not built yet: "
             "beside 'tp' or 'pp' the keys and values are all-gathered; leave 'exchange' out or ask for 'all-gather'"
+        )
+    beside = [d for d in dims if d not in ("dp", "cp")]
+    if options.load_balance is True and beside:
+        raise DpCompileError(
+            f"context_parallel={{'load_balance': True}} is built for 'cp' alone or with 'dp', not beside "
+            f"{', '.join(map(repr, beside))} yet: pass load_balance='auto' or False"
         )
 
 
@@ -288,3 +257,10 @@ def exchange_strategy(nodes: Any) -> str | None:
         return f"context parallel ({EXCHANGE_NAMES[next(iter(counts))]})"
     shares = ", ".join(f"{EXCHANGE_NAMES[e]} at {n} of {len(by_call)} attention calls" for e, n in sorted(counts.items()))
     return f"context parallel ({shares})"
+
+
+__all__ = [
+    "CHOICE_META", "CHOICES_META", "DEFAULT_OPTIONS", "EXCHANGES", "EXCHANGE_NAMES", "AttentionShape",
+    "ContextParallelOptions", "ExchangeChoice", "ExchangeCost", "check_exchange_composes", "choose_exchange",
+    "chosen_exchange", "exchange_costs", "exchange_strategy", "parse_context_parallel",
+]  # fmt: skip

@@ -3,7 +3,7 @@
 The all-to-all hands each of ``N`` devices the whole sequence for ``H/N`` of the heads, so the heads
 (and the key/value heads under grouped-query attention) must divide by ``N``, and a mask must be
 shared by every head or have one row per head. :func:`all_to_all_applies` says why not, or None;
-the lowering (``passes/all_to_all_exchange.py``) and the cost model (``chosen_exchange``) read it.
+the lowering (``passes/all_to_all_exchange.py``) and the cost model (``passes/choose_exchange.py``) read it.
 """
 
 from __future__ import annotations

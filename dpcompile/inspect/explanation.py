@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile import runtime
-from dpcompile.analysis.context_exchange import BUILT_EXCHANGES, CHOICE_META, EXCHANGE_NAMES, EXCHANGES
+from dpcompile.analysis.context_exchange import CHOICE_META, EXCHANGE_NAMES, EXCHANGES
 from dpcompile.analysis.cost import comm_elements, ring_elements
 from dpcompile.analysis.memory import activation_bytes
 from dpcompile.analysis.program_memory import fsdp_pieces, held_parameter_bytes, program_memory
@@ -254,8 +254,7 @@ def _context_parallel(pm: nn.Module, gm: fx.GraphModule, activation: Mapping[str
     return {
         "dimension": "cp", "size": size, "sequence_dim": getattr(pm.recipe, "batch_dim", 1),
         "exchange": " + ".join(EXCHANGE_NAMES[e] for e in chosen) if chosen else EXCHANGE,
-        "not_chosen": [f"{EXCHANGE_NAMES[e]}{'' if e in BUILT_EXCHANGES else ' (not built)'}" for e in EXCHANGES
-                       if e not in chosen] if chosen else list(OTHER_EXCHANGES),
+        "not_chosen": [EXCHANGE_NAMES[e] for e in EXCHANGES if e not in chosen] if chosen else list(OTHER_EXCHANGES),
         "attention": attention, "calls": calls, "activation_bytes": dict(activation),
         "load_balance": attention_balance(gm, getattr(pm.recipe, "context_load_balance", "auto"), size,
                                           list(activation), recorder.summaries if recorder else None),

@@ -486,11 +486,13 @@ def gather_over_group(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tens
     return all_gather(x, group, dim, sequence_sizes(x.size(dim), group))
 
 
-def gather_onto_owners(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
+def gather_onto_owners(x: torch.Tensor, group: GroupLike, dim: int, sizes: Sequence[int] | None = None) -> torch.Tensor:
     """As :func:`gather_over_group`, for a value each rank uses differently (a mask gathered along
-    the keys): backward sums every rank's gradient onto the owner of each slice."""
+    the keys): backward sums every rank's gradient onto the owner of each slice. ``sizes``: every
+    rank's length along ``dim`` where the caller knows them (else one all-gather of the lengths)."""
     dim = dim % x.dim()
-    return _GatherOntoOwners.apply(x, process_group(group), dim, tuple(sequence_sizes(x.size(dim), group)))
+    sizes = tuple(sequence_sizes(x.size(dim), group)) if sizes is None else tuple(int(s) for s in sizes)
+    return _GatherOntoOwners.apply(x, process_group(group), dim, sizes)
 
 
 def shard_of_whole(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from dpcompile.runtime.comm import gather_tensors
+from dpcompile.runtime.sequence_ring import block_attention, block_attention_backward, merge_blocks
 
 
 def sequence_whole(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -136,7 +137,8 @@ class _CausalOverShards(torch.autograd.Function):
     """Causal attention of one shard's queries against the key and value shards up to its own (the
     last ``n`` given), in two blocks of CPU flash attention: the earlier shards' keys, gathered,
     unmasked (every query follows them), and its own, causal; merged by their log-sum-exps ``l1``,
-    ``l2``: ``out = o1 exp(l1 - l) + o2 exp(l2 - l)``, ``l = logaddexp(l1, l2)``.
+    ``l2``: ``out = o1 exp(l1 - l) + o2 exp(l2 - l)``, ``l = logaddexp(l1, l2)`` (the ring's blocks:
+    :mod:`dpcompile.runtime.sequence_ring`, with the earlier shards as one block).
 
     Backward keeps the queries, the shards (held anyway), ``out`` and ``l``, gathers the earlier
     keys and values again and runs each block's backward kernel on the merged ``out`` and ``l``
@@ -147,13 +149,11 @@ class _CausalOverShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, scale: float | None, n: int, *shards: torch.Tensor) -> torch.Tensor:
         keys, values = shards[:n], shards[n:]
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out, lse = flash(query, keys[-1], values[-1], 0.0, True, scale=scale)
+        out, lse = block_attention(query, keys[-1], values[-1], scale, None, "diagonal", 0, 0)
         if n > 1:
-            o1, l1 = flash(query, torch.cat(keys[:-1], -2), torch.cat(values[:-1], -2), 0.0, False, scale=scale)
-            merged = torch.logaddexp(l1, lse)
-            out = o1 * (l1 - merged).exp().unsqueeze(-1) + out * (lse - merged).exp().unsqueeze(-1)
-            lse = merged
+            earlier = block_attention(query, torch.cat(keys[:-1], -2), torch.cat(values[:-1], -2), scale, None, "full",
+                                      None, 0)  # fmt: skip
+            out, lse = merge_blocks(out, lse, *earlier)
         ctx.save_for_backward(query, out, lse, *shards)
         ctx.scale, ctx.n = scale, n
         return out
@@ -164,14 +164,13 @@ class _CausalOverShards(torch.autograd.Function):
         query, out, lse, *shards = ctx.saved_tensors
         n, scale, grad = ctx.n, ctx.scale, grad.contiguous()
         keys, values = shards[:n], shards[n:]
-        kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        dq, dk, dv = kernel(grad, query, keys[-1], values[-1], out, lse, 0.0, True, scale=scale)
+        dq, dk, dv = block_attention_backward(grad, query, keys[-1], values[-1], out, lse, scale, None, "diagonal", 0, 0)
         earlier_k: tuple[torch.Tensor, ...] = ()
         earlier_v: tuple[torch.Tensor, ...] = ()
         if n > 1:
             sizes = [k.shape[-2] for k in keys[:-1]]
-            dq1, dk1, dv1 = kernel(grad, query, torch.cat(keys[:-1], -2), torch.cat(values[:-1], -2), out, lse, 0.0,
-                                   False, scale=scale)  # fmt: skip
+            dq1, dk1, dv1 = block_attention_backward(grad, query, torch.cat(keys[:-1], -2), torch.cat(values[:-1], -2),
+                                                     out, lse, scale, None, "full", None, 0)  # fmt: skip
             dq = dq + dq1
             earlier_k, earlier_v = dk1.split(sizes, -2), dv1.split(sizes, -2)
         return (dq, None, None, *earlier_k, dk, *earlier_v, dv)

@@ -79,7 +79,7 @@ def sequence_of_heads(outputs: Sequence[torch.Tensor], index: int, dim: int, siz
 # ---------------------------------------------------------------------------------- over a group
 
 
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, split_dim: int, split_sizes: Sequence[int],
+def exchange_pieces(x: torch.Tensor, group: dist.ProcessGroup | None, split_dim: int, split_sizes: Sequence[int],
                 cat_dim: int, cat_sizes: Sequence[int]) -> torch.Tensor:  # fmt: skip
     """``x`` split along ``split_dim`` into ``split_sizes``, piece ``j`` sent to rank ``j``; the
     pieces received (``split_sizes[rank]`` along ``split_dim``, ``cat_sizes[j]`` along ``cat_dim``
@@ -108,7 +108,7 @@ class _HeadsOverGroup(Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
         world, heads = len(sizes), x.shape[dim - 1]
         ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
-        return _all_to_all(x, group, dim - 1, [heads // world] * world, dim, sizes)
+        return exchange_pieces(x, group, dim - 1, [heads // world] * world, dim, sizes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -120,7 +120,7 @@ class _SequenceOverGroup(Function):
     def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
         world, heads = len(sizes), x.shape[dim - 1]
         ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
-        return _all_to_all(x, group, dim, sizes, dim - 1, [heads] * world)
+        return exchange_pieces(x, group, dim, sizes, dim - 1, [heads] * world)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -150,5 +150,5 @@ def sequence_over_group(x: torch.Tensor, group: GroupLike, dim: int, sizes: Sequ
     return _SequenceOverGroup.apply(x, process_group(group), dim, tuple(int(s) for s in sizes))
 
 
-__all__ = ["HEADS_DIM", "heads_of_sequence", "heads_over_group", "heads_share", "sequence_of_heads",
+__all__ = ["HEADS_DIM", "exchange_pieces", "heads_of_sequence", "heads_over_group", "heads_share", "sequence_of_heads",
            "sequence_over_group"]  # fmt: skip

@@ -35,15 +35,8 @@ from torch.autograd import Function
 
 from dpcompile.errors import DpCompileError
 from dpcompile.runtime.sequence import causal_over_shards
-
-
-def balanced_sizes(length: int, parts: int) -> list[int]:
-    """``tensor_split``'s sizes of ``length`` into ``parts``: the first ``length % parts`` one longer.
-
-    >>> balanced_sizes(13, 4)
-    [4, 3, 3, 3]
-    """
-    return [length // parts + (1 if i < length % parts else 0) for i in range(parts)]
+from dpcompile.runtime.sequence_all_to_all import exchange_pieces
+from dpcompile.runtime.sequence_mesh import balanced_sizes
 
 
 def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -258,46 +251,17 @@ def balanced_rows_back(outputs: Sequence[torch.Tensor], dim: int, rank: int, min
 
 
 class _AllToAllRows(Function):
-    """``dist.all_to_all_single`` along dim -2: ``send[j]`` rows to rank ``j``, ``recv[i]`` rows from
-    rank ``i``; backward is the reverse exchange of the gradient."""
+    """Rows along dim -2 exchanged (:func:`~dpcompile.runtime.sequence_all_to_all.exchange_pieces`):
+    ``send[j]`` rows to rank ``j``, ``recv[i]`` rows from rank ``i``; backward is the reverse exchange."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, send: list[int], recv: list[int]) -> torch.Tensor:
         ctx.group, ctx.send, ctx.recv = group, send, recv
-        return _all_to_all_rows(x, group, send, recv)
+        return exchange_pieces(x, group, -2, send, -2, recv)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _all_to_all_rows(grad, ctx.group, ctx.recv, ctx.send), None, None, None
-
-
-def _all_to_all_rows(x: torch.Tensor, group: Any, send: list[int], recv: list[int]) -> torch.Tensor:
-    rows = x.movedim(-2, 0).contiguous()
-    out = rows.new_empty(sum(recv), *rows.shape[1:])
-    dist.all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out.movedim(0, -2)
-
-
-class _GatherRows(Function):
-    """All-gather along dim -2 of every rank's rows (lengths ``sizes``, uneven allowed: padded to the
-    longest, as gloo's all-gather needs); backward sums every rank's gradient and keeps this rank's rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, sizes: tuple[int, ...]) -> torch.Tensor:
-        rank = dist.get_rank(group)
-        ctx.group, ctx.start, ctx.length = group, sum(sizes[:rank]), sizes[rank]
-        longest = max(sizes)
-        rows = x.movedim(-2, 0)
-        padded = torch.cat([rows, rows.new_zeros(longest - rows.shape[0], *rows.shape[1:])]).contiguous()
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded, group=group)
-        return torch.cat([p[:n] for p, n in zip(parts, sizes)]).movedim(0, -2)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        summed = grad.contiguous().clone()
-        dist.all_reduce(summed, group=ctx.group)
-        return summed.narrow(-2, ctx.start, ctx.length), None, None
+        return exchange_pieces(grad, ctx.group, -2, ctx.recv, -2, ctx.send), None, None, None
 
 
 def balanced_attention_over_group(
@@ -323,7 +287,7 @@ def balanced_attention_over_group(
 
     >>> out = balanced_attention_over_group(q_local, k_local, v_local, cp_group, 2, [4, 3])  # doctest: +SKIP
     """
-    from dpcompile.runtime.distributed import attention_over_group, process_group
+    from dpcompile.runtime.distributed import attention_over_group, gather_onto_owners, process_group
 
     g = process_group(group)
     _check_sequence_dim(query, dim)
@@ -343,7 +307,7 @@ def balanced_attention_over_group(
         else:
             positions, kwargs = None, {**kwargs, "attn_mask": mask}
         return attention_over_group(query, key, value, g, dim, sizes, positions, **kwargs)
-    keys, values = _GatherRows.apply(key, g, tuple(sizes)), _GatherRows.apply(value, g, tuple(sizes))
+    keys, values = gather_onto_owners(key, g, -2, sizes), gather_onto_owners(value, g, -2, sizes)
     options, length = _attention_options(kwargs), sum(sizes)
     pieces = zigzag_pieces(sizes)
     out_of = sorted((p for p in pieces if p.owner == rank), key=lambda p: p.dest)  # send order: by destination
@@ -352,8 +316,7 @@ def balanced_attention_over_group(
     mine = _AllToAllRows.apply(_rows_of([query] * world, out_of, query.device), g, send, recv)
     if mask is not None:
         rows = _rows_of([mask] * world, out_of, mask.device)
-        rows = rows.to(torch.uint8) if mask.dtype == torch.bool else rows  # gloo moves bytes, not bools
-        mask = _AllToAllRows.apply(rows, g, send, recv).to(mask.dtype)
+        mask = _AllToAllRows.apply(rows, g, send, recv)
     out = zigzag_attention(mine, keys, values, length, world, rank, options, mask=mask)
     back = _AllToAllRows.apply(out, g, recv, send)  # in send order; this rank's rows put back in position order
     offsets = [sum(p.length for p in out_of[:i]) for i in range(len(out_of))]

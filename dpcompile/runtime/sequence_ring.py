@@ -89,10 +89,11 @@ def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (scores - lse.masked_fill(lse.isneginf(), 0).unsqueeze(-1)).exp()
 
 
-def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
                     mask: torch.Tensor | None, kind: str, query_start: int | None,
                     key_start: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One block's ``(output, log-sum-exp)``: the CPU flash kernel where it applies, else the math."""
+    """One block's ``(output, log-sum-exp)``: the CPU flash kernel where it applies, else the math
+    (``scale`` None: the kernel's default, where the flash kernel runs)."""
     key, value = _heads_of(query, key), _heads_of(query, value)
     if _uses_flash(query, mask, kind):
         out, lse = _FLASH(query, key, value, 0.0, kind == "diagonal", scale=scale)
@@ -103,7 +104,7 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def block_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                             out: torch.Tensor, lse: torch.Tensor, scale: float | None, mask: torch.Tensor | None,
                              kind: str, query_start: int | None,
                              key_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """One block's ``(dq, dk, dv)`` from the merged ``out`` and ``lse``: its share of the softmax."""

@@ -16,7 +16,12 @@ from torch import nn
 import dpcompile
 from dpcompile import DpCompileError
 from dpcompile.analysis.memory import parse_budget
-from tests.helpers import assert_lm_step_equals_eager, context_parallel_copies, model_gradients
+from tests.helpers import (
+    assert_lm_step_equals_eager,
+    assert_square_sum_step_equals_eager,
+    context_parallel_copies,
+    model_gradients,
+)
 from tests.thirdparty import import_or_skip
 
 V = 64  # vocabulary
@@ -82,6 +87,31 @@ class LeftPaddedPositions(CausalSelfAttention):
         return self.out(a.transpose(1, 2).reshape(b, s, d))
 
 
+def assert_blocks_over_cp_mesh_equal_eager(mesh, context_parallel: dict, in_code: str, not_in_code: str = "") -> None:
+    """Run on each rank of a ``("cp",)`` gloo mesh of 2: a causal block and a padding-mask block at 7
+    tokens (4 and 3) with ``context_parallel=``: this rank's output and every gradient equal eager,
+    each program's code holding ``in_code`` (and not ``not_in_code``)."""
+    import torch.distributed as dist
+
+    from dpcompile.mesh import local_batch
+
+    mine = torch.tensor_split(torch.arange(7), 2)[dist.get_rank()]
+    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[0, 1:3] = False
+    for model, args in ((CausalSelfAttention().double(), (x,)), (PaddedSelfAttention().double(), (x, keep))):
+        eager = copy.deepcopy(model)
+        pm = dpcompile.transform(model, mesh, example_inputs=local_batch(args, mesh), context_parallel=context_parallel)
+        assert in_code in pm.code and not (not_in_code and not_in_code in pm.code), pm.code
+        got, want = pm(*local_batch(args, mesh)), eager(*args)
+        torch.testing.assert_close(got, want[:, mine])
+        weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
+        (got * weights[:, mine]).sum().backward()
+        (want * weights).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name, model=model: f"{type(model).__name__}.{name}: {m}")
+
+
 def _transformers_model(name: str) -> nn.Module:
     T = import_or_skip("transformers")
     if name == "gpt2":
@@ -111,7 +141,7 @@ def _inputs(name: str, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return kwargs
 
 
-def _assert_step_equals_eager(pm: nn.Module, model: nn.Module, eager: nn.Module, inputs: dict) -> None:
+def assert_step_equals_eager(pm: nn.Module, model: nn.Module, eager: nn.Module, inputs: dict) -> None:
     """Outputs, loss and every parameter gradient of one step equal eager's."""
     assert_lm_step_equals_eager(pm, eager, inputs, model_gradients(model))
     model.zero_grad()
@@ -130,7 +160,7 @@ def test_context_parallel_transformers_equal_eager(name):
         # keys and values gathered by each device, again in backward
         assert pm.code.count("dpcompile_runtime_attention_regathered(") == n
         for seq in lengths:
-            _assert_step_equals_eager(pm, model, eager, _inputs(name, seq, seed=seq))
+            assert_step_equals_eager(pm, model, eager, _inputs(name, seq, seed=seq))
         if name != "bert":  # a call of one token: its program runs on one device
             got, want = pm(**_inputs(name, 1, seed=1)), eager(**_inputs(name, 1, seed=1))
             torch.testing.assert_close(got.logits, want.logits)
@@ -150,11 +180,7 @@ def test_context_parallel_causal_attention_sees_earlier_shards():
     assert "dpcompile_runtime_gather_sequence" not in pm.code
     assert "dpcompile_runtime_batch_arange" in pm.code  # each shard's own query positions
     got, want = pm(x), eager(x)
-    torch.testing.assert_close(got, want)
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_square_sum_step_equals_eager(model, eager, got, want)
 
 
 def test_context_parallel_padding_mask_is_gathered_along_keys():
@@ -170,11 +196,7 @@ def test_context_parallel_padding_mask_is_gathered_along_keys():
     assert pm.code.count("dpcompile_runtime_gather_sequence") == 1  # the mask; keys and values inside attention
     assert pm.code.count("dpcompile_runtime_attention_regathered") == 2
     got, want = pm(x, keep), eager(x, keep)
-    torch.testing.assert_close(got, want)
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_square_sum_step_equals_eager(model, eager, got, want)
 
 
 def test_context_parallel_positions_counted_over_the_mask_are_each_shards_running_sum():
@@ -189,11 +211,7 @@ def test_context_parallel_positions_counted_over_the_mask_are_each_shards_runnin
     pm = dpcompile.transform(model, ["cpu"] * 3, mesh={"cp": 3}, example_inputs=(x, keep))
     assert pm.code.count("dpcompile_runtime_running_sum(") == 3
     got, want = pm(x, keep), eager(x, keep)
-    torch.testing.assert_close(got, want)
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_square_sum_step_equals_eager(model, eager, got, want)
 
 
 def test_context_parallel_program_saves_and_exports(tmp_path):

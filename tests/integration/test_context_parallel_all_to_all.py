@@ -20,8 +20,14 @@ import dpcompile
 from dpcompile import DpCompileError
 from dpcompile.analysis.heads_exchange import all_to_all_applies
 from dpcompile.runtime import heads_of_sequence, sequence_of_heads
-from tests.helpers import assert_cp_rank_lm_step_equals_eager, assert_lm_step_equals_eager, model_gradients
-from tests.integration.test_context_parallel import CausalSelfAttention, PaddedSelfAttention, _transformers_model
+from tests.helpers import assert_cp_rank_lm_step_equals_eager
+from tests.integration.test_context_parallel import (
+    CausalSelfAttention,
+    PaddedSelfAttention,
+    _transformers_model,
+    assert_blocks_over_cp_mesh_equal_eager,
+    assert_step_equals_eager,
+)
 from tests.integration.test_context_parallel import _inputs as lm_inputs
 
 ALL_TO_ALL = {"exchange": "all-to-all"}
@@ -229,9 +235,7 @@ def test_transformers_by_all_to_all_equal_eager(name, n, gqa, monkeypatch):
     assert ("enable_gqa = True" in pm.code) == gqa
     assert pm.strategies["cp"] == "context parallel (head-to-sequence all-to-all)"
     for seq in lengths:
-        assert_lm_step_equals_eager(pm, eager, lm_inputs(name, seq, seed=seq), model_gradients(model))
-        model.zero_grad()
-        eager.zero_grad()
+        assert_step_equals_eager(pm, model, eager, lm_inputs(name, seq, seed=seq))
 
 
 # ------------------------------------------------------------------ over a ("cp",) gloo mesh of 2 ranks
@@ -241,28 +245,11 @@ def check_all_to_all_over_a_cp_mesh() -> None:
     """Run by test_context_parallel_mesh.py's spawned group of 2: a causal block and a padded block at
     7 tokens (4 and 3), and a 1-layer GPT-2 with labels= at 12 tokens, by the all-to-all
     (dist.all_to_all over gloo, uneven shards): this rank's output, the loss and every gradient."""
-    import torch.distributed as dist
-
     from dpcompile.mesh import local_batch
     from tests.integration.test_context_parallel_mesh import _cp_mesh, _gpt2, _inputs
 
     mesh = _cp_mesh()
-    rank = dist.get_rank()
-    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    keep = torch.ones(2, 7, dtype=torch.bool)
-    keep[0, 1:3] = False
-    mine = torch.tensor_split(torch.arange(7), 2)[rank]
-    for model, args in ((CausalSelfAttention().double(), (x,)), (PaddedSelfAttention().double(), (x, keep))):
-        eager = copy.deepcopy(model)
-        pm = dpcompile.transform(model, mesh, example_inputs=local_batch(args, mesh), context_parallel=ALL_TO_ALL)
-        assert "heads_over_group" in pm.code and "attention_over_group" not in pm.code, pm.code
-        got, want = pm(*local_batch(args, mesh)), eager(*args)
-        torch.testing.assert_close(got, want[:, mine])
-        weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
-        (got * weights[:, mine]).sum().backward()
-        (want * weights).sum().backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name, model=model: f"{type(model).__name__}.{name}: {m}")
+    assert_blocks_over_cp_mesh_equal_eager(mesh, ALL_TO_ALL, "heads_over_group", not_in_code="attention_over_group")
     torch.manual_seed(0)
     model = _gpt2()
     eager = copy.deepcopy(model)

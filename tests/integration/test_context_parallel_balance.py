@@ -25,8 +25,13 @@ from dpcompile.runtime.sequence_balance import (
     zigzag_chunks,
     zigzag_pieces,
 )
-from tests.helpers import assert_cp_rank_lm_step_equals_eager, assert_lm_step_equals_eager, model_gradients
-from tests.integration.test_context_parallel import CausalSelfAttention, PaddedSelfAttention, _inputs
+from tests.helpers import assert_cp_rank_lm_step_equals_eager, assert_square_sum_step_equals_eager
+from tests.integration.test_context_parallel import (
+    CausalSelfAttention,
+    PaddedSelfAttention,
+    _inputs,
+    assert_step_equals_eager,
+)
 from tests.integration.test_context_parallel import _transformers_model as transformers_model
 
 BALANCED = {"load_balance": True}
@@ -70,11 +75,7 @@ def test_balanced_causal_block_equals_eager(n, lengths):
         assert pm.code.count("dpcompile_runtime_balanced_rows_back(") == n
         assert "attention_regathered" not in pm.code
         got, want = pm(x), eager(x)
-        torch.testing.assert_close(got, want)
-        got.square().sum().backward()
-        want.square().sum().backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+        assert_square_sum_step_equals_eager(model, eager, got, want)
     model = CausalSelfAttention()
     x = torch.randn(2, lengths[1], 16)
     pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * n, mesh={"cp": n}, example_inputs=(x,),
@@ -111,9 +112,7 @@ def test_balanced_transformers_equal_eager(name, layouts):
                                  frontend="export", context_parallel=BALANCED)  # fmt: skip
         assert pm.code.count("dpcompile_runtime_balanced_attention(") == n
         for seq in lengths:
-            assert_lm_step_equals_eager(pm, eager, _inputs(name, seq, seed=seq), model_gradients(model))
-            model.zero_grad()
-            eager.zero_grad()
+            assert_step_equals_eager(pm, model, eager, _inputs(name, seq, seed=seq))
 
 
 def test_balancing_a_non_causal_attention_is_refused_by_name():
@@ -286,8 +285,4 @@ def test_load_balance_true_keeps_auto_off_the_all_to_all():
     (call,) = dpcompile.explain(pm, x).context_parallel["calls"]
     assert call["exchange"] == "all-gather" and "load_balance=True" in call["why_not"]["all-to-all"]
     got, want = pm(x), eager(x)
-    torch.testing.assert_close(got, want)
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_square_sum_step_equals_eager(model, eager, got, want)

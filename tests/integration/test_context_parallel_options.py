@@ -1,7 +1,7 @@
 """``context_parallel=``: how a ``cp`` dimension exchanges keys and values, checked once.
 
-A bad value, an exchange not built, and the keyword without a ``cp`` dimension are refused by
-name (no keyword silently ignored); an exchange asked for by name builds the program ``"auto"``
+A bad value, a pair of options that does not compose, and the keyword without a ``cp`` dimension
+are refused by name (no keyword silently ignored); an exchange asked for by name builds the program ``"auto"``
 builds where it is the one chosen, equal to eager.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 import dpcompile
 from dpcompile import DpCompileError
-from dpcompile.analysis.context_exchange import BUILT_EXCHANGES, EXCHANGES, chosen_exchange, parse_context_parallel
+from dpcompile.analysis.context_exchange import EXCHANGES, chosen_exchange, parse_context_parallel
 from tests.integration.test_context_parallel import CausalSelfAttention
 
 
@@ -32,14 +32,10 @@ def test_a_bad_value_is_refused_by_name(value, error, words):
         parse_context_parallel(value)
 
 
-def test_an_exchange_not_built_is_refused_by_name_and_a_built_one_is_taken():
+def test_an_exchange_asked_for_by_name_is_taken():
     for exchange in EXCHANGES:
-        if exchange in BUILT_EXCHANGES:
-            assert chosen_exchange(parse_context_parallel({"exchange": exchange})) == exchange
-        else:
-            with pytest.raises(DpCompileError, match="not built yet"):
-                parse_context_parallel({"exchange": exchange})
-    assert chosen_exchange(parse_context_parallel(None)) in BUILT_EXCHANGES
+        assert chosen_exchange(parse_context_parallel({"exchange": exchange})) == exchange
+    assert chosen_exchange(parse_context_parallel(None)) in EXCHANGES
 
 
 def test_the_keyword_without_a_cp_dimension_is_refused():

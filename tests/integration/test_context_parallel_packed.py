@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcompile
-from tests.helpers import assert_lm_step_equals_eager, model_gradients
+from tests.helpers import assert_lm_step_equals_eager, assert_square_sum_step_equals_eager, model_gradients
 from tests.thirdparty import import_or_skip
 
 V = 64  # vocabulary
@@ -48,11 +48,7 @@ def test_context_parallel_block_diagonal_mask_equals_eager():
     pm = dpcompile.transform(model, ["cpu"] * 3, mesh={"cp": 3}, example_inputs=(x, doc))
     assert pm.code.count("dpcompile_runtime_attention_regathered") == 3  # keys and values gathered by each device
     got, want = pm(x, doc), eager(x, doc)
-    torch.testing.assert_close(got, want)
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_square_sum_step_equals_eager(model, eager, got, want)
 
 
 def _packed_inputs(seq: int, first: int, seed: int) -> dict[str, torch.Tensor]:

@@ -24,14 +24,15 @@ from dpcompile.analysis.context_exchange import DEFAULT_OPTIONS, AttentionShape,
 from tests.helpers import (
     CONTEXT_PARALLEL_LENGTHS,
     assert_cp_rank_lm_step_equals_eager,
-    assert_lm_step_equals_eager,
-    model_gradients,
+    assert_square_sum_step_equals_eager,
 )
 from tests.integration.test_context_parallel import (
     CausalSelfAttention,
     PaddedSelfAttention,
     _inputs,
     _transformers_model,
+    assert_blocks_over_cp_mesh_equal_eager,
+    assert_step_equals_eager,
 )
 
 RING = {"exchange": "ring"}
@@ -90,11 +91,7 @@ def test_ring_under_dp_copies_equals_eager():
     pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "cp": 2}, example_inputs=(x,), context_parallel=RING)
     assert pm.code.count("dpcompile_runtime_ring_attention(") == 4
     got, want = pm(x), eager(x)
-    torch.testing.assert_close(got, want)
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_square_sum_step_equals_eager(model, eager, got, want)
 
 
 @pytest.mark.slow
@@ -112,9 +109,7 @@ def test_ring_transformers_equal_eager(name):
                                  frontend="export", context_parallel=RING)  # fmt: skip
         assert pm.code.count("dpcompile_runtime_ring_attention(") == n
         for seq in lengths:
-            assert_lm_step_equals_eager(pm, eager, _inputs(name, seq, seed=seq), model_gradients(model))
-            model.zero_grad()
-            eager.zero_grad()
+            assert_step_equals_eager(pm, model, eager, _inputs(name, seq, seed=seq))
 
 
 @pytest.mark.parametrize("causal, mask", [(True, None), (False, "keys"), (False, "rows")])
@@ -242,11 +237,7 @@ def test_a_learned_mask_on_the_ring_is_refused_when_built_and_auto_falls_back(le
     (call,) = dpcompile.explain(pm, x).context_parallel["calls"]
     assert call["exchange"] == "all-gather" and "its mask needs a gradient" in call["why_not"]["ring"]
     got, want = pm(x), eager(x)
-    torch.testing.assert_close(got, want)
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    assert_square_sum_step_equals_eager(model, eager, got, want)
 
 
 # ------------------------------------------------------------------ over a ("cp",) gloo mesh of 2 ranks
@@ -274,27 +265,10 @@ def check_ring_gpt2_over_mesh() -> None:
 
 def check_ring_blocks_over_mesh() -> None:
     """A causal block and a padding-mask block over 2 ranks at 7 tokens (4 and 3) on the ring."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dpcompile.mesh import local_batch
-
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    mine = torch.tensor_split(torch.arange(7), 2)[dist.get_rank()]
-    x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    keep = torch.ones(2, 7, dtype=torch.bool)
-    keep[0, 1:3] = False
-    for model, args in ((CausalSelfAttention().double(), (x,)), (PaddedSelfAttention().double(), (x, keep))):
-        eager = copy.deepcopy(model)
-        pm = dpcompile.transform(model, mesh, example_inputs=local_batch(args, mesh), context_parallel=RING)
-        assert "ring_attention_over_group" in pm.code, pm.code
-        got, want = pm(*local_batch(args, mesh)), eager(*args)
-        torch.testing.assert_close(got, want[:, mine])
-        weights = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).view(want.shape)
-        (got * weights[:, mine]).sum().backward()
-        (want * weights).sum().backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name, model=model: f"{type(model).__name__}.{name}: {m}")
+    assert_blocks_over_cp_mesh_equal_eager(mesh, RING, "ring_attention_over_group")
 
 
 MESH_CHECKS = (("ring_gpt2", check_ring_gpt2_over_mesh), ("ring_blocks", check_ring_blocks_over_mesh))

@@ -19,6 +19,9 @@ import dpcompile
 
 
 class Normed(nn.Module):
+    """``fc1`` normed by ``norm``: a parametrization, or the older hook-based ``torch.nn.utils.weight_norm``
+    / ``spectral_norm``."""
+
     def __init__(self, norm):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 3)
@@ -84,26 +87,14 @@ def test_tensor_parallel_plan_says_a_parametrized_layer_stays_whole_and_why(norm
     assert "parametrization" in pm.plan_reasons["fc1"]
 
 
-class HookNormed(nn.Module):
-    """The older hook-based ``torch.nn.utils.weight_norm`` / ``spectral_norm``."""
-
-    def __init__(self, norm):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 3)
-        norm(self.fc1)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
 def test_hook_based_spectral_norm_in_training_is_refused_by_name():
     """Its pre-hook's power iteration ran once per replica (a silently different weight): refused,
     naming the parametrization that works; in eval mode (no iteration) it runs as eager."""
-    model = HookNormed(nn.utils.spectral_norm)
+    model = Normed(nn.utils.spectral_norm)
     x = torch.randn(4, 8)
     with pytest.raises(dpcompile.DpCompileError, match="'fc1' .*torch.nn.utils.parametrizations.spectral_norm"):
         dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))
-    eager = HookNormed(nn.utils.spectral_norm).eval()
+    eager = Normed(nn.utils.spectral_norm).eval()
     eager.load_state_dict(model.state_dict())
     pm = dpcompile.transform(model.eval(), ["cpu"] * 2, example_inputs=(x,))
     torch.testing.assert_close(pm(x), eager(x))
@@ -113,8 +104,8 @@ def test_hook_based_weight_norm_runs_tensor_parallel():
     """The weight its hook computed (not a leaf) broke the private copy tensor parallelism makes
     (RuntimeError: only graph leaves support deepcopy); the layer stays whole, saying why."""
     torch.manual_seed(0)
-    model = HookNormed(nn.utils.weight_norm)
-    eager = HookNormed(nn.utils.weight_norm)
+    model = Normed(nn.utils.weight_norm)
+    eager = Normed(nn.utils.weight_norm)
     eager.load_state_dict(model.state_dict())
     x = torch.randn(4, 8)
     pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))

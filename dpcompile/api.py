@@ -241,7 +241,7 @@ def transform(
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
     pm.layout = layout
     pm.strategies = strategies_of(layout, data_parallel=data_parallel, schedule=schedule)
-    chosen = exchange_strategy(pm.graph.nodes) if "cp" in pm.strategies and hasattr(pm, "graph") else None
+    chosen = exchange_strategy(pm.graph.nodes) if "cp" in pm.strategies else None
     if chosen:  # each attention call's exchange (context_parallel=)
         pm.strategies["cp"] = chosen
     if sequence_parallel and "tp" in pm.strategies:

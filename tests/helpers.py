@@ -227,3 +227,36 @@ def assert_square_sum_step_equals_eager(model: nn.Module, eager: nn.Module, got:
     want.square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def assert_stage_is_a_parallel_module(pm: nn.Module) -> None:
+    """A pipeline's stage over a mesh is a ``dpcompile.ParallelModule`` (a ``torch.fx.GraphModule``) whose
+    graph and code are this rank's stage program, the one its schedule runs: it names the modules this stage holds."""
+    assert isinstance(pm, dpcompile.ParallelModule) and isinstance(pm, fx.GraphModule), type(pm).__mro__
+    code = pm.code
+    assert isinstance(code, str) and code.strip().startswith("def forward(self"), code
+    names = {path.replace(".", "_") for path in pm.module_paths}
+    assert all(name in code for name in names), (sorted(names), code)
+    assert [n.name for n in pm.graph.nodes] == [n.name for n in pm.program.graph.nodes], code
+
+
+def assert_whole_state_loads(pm: nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    """``pm.load_state_dict`` of whole tensors in the model's keys (each rank keeps its pieces) gives
+    them back from ``pm.state_dict()`` (a collective); a load missing a key is refused and changes nothing."""
+    shifted = {key: value + 1 if value.is_floating_point() else value for key, value in expected.items()}
+    first = next(iter(shifted))
+    try:
+        pm.load_state_dict({k: v for k, v in shifted.items() if k != first})
+    except RuntimeError as e:
+        assert f"missing keys ['{first}']" in str(e) and "nothing was loaded" in str(e), e
+    else:
+        raise AssertionError("a load missing a key was not refused")
+    unchanged = pm.state_dict()
+    for key, value in expected.items():
+        torch.testing.assert_close(unchanged[key], value, msg=lambda m, key=key: f"{key} after a refused load: {m}")
+    pm.load_state_dict(shifted)
+    loaded = pm.state_dict()
+    assert list(loaded) == list(shifted)
+    for key, value in shifted.items():
+        torch.testing.assert_close(loaded[key], value, msg=lambda m, key=key: f"{key} loaded: {m}")
+    pm.load_state_dict(expected)

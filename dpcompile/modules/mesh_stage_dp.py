@@ -108,6 +108,61 @@ def full_state_dict(pm: Any) -> dict[str, torch.Tensor]:
     return {key: out[source] for key, source in found.items() if source is not None}
 
 
+def load_whole_state(pm: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:
+    """Whole tensors under the model's keys loaded into this rank's stage: each key the stage holds
+    cut to this tp rank's shard (``pm.shards``), and for FSDP's DTensors to this dp rank's rows; the
+    other stages' keys are theirs. Not a collective. Every key is checked before the first copy: a
+    refused load changes nothing."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    from dpcompile.fx_utils import unalias
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict).__name__}.")
+    missing = [k for k in pm.state_ties if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in pm.state_ties]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(pm).__name__} (nothing was loaded): missing keys {missing}, "
+            f"unexpected keys {unexpected}"
+        )
+    own = {unalias(k): v for k, v in pm.program.state_dict(keep_vars=True).items()}
+    tp_rank = dist.get_rank(pm.tp_group) if pm.tp_group is not None else 0
+    copies = []  # (destination, value), all checked first
+    for key, names in pm.state_ties.items():
+        held = next((n for n in names if n in own), None)
+        if held is None or key not in state_dict:
+            continue  # another stage's
+        value, spec, destination = state_dict[key], pm.shards.get(held), own[held]
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError(f"{key} is a {type(value).__name__}, not a tensor (nothing was loaded)")
+        if spec is not None:
+            if value.dim() <= spec.dim or value.size(spec.dim) != sum(spec.sizes):
+                raise RuntimeError(
+                    f"size mismatch for {key}: got {tuple(value.shape)}, the sharded parameter has {sum(spec.sizes)} "
+                    f"along dim {spec.dim} (shards {list(spec.sizes)}) (nothing was loaded)"
+                )
+            value = shard_of(value, spec, tp_rank)
+        if isinstance(destination, DTensor):  # FSDP's rows of this dp rank
+            mesh = destination.device_mesh
+            chunks = torch.chunk(value, mesh.size()) if value.dim() else (value,)
+            rank = mesh.get_local_rank()
+            value = chunks[rank] if rank < len(chunks) else value[:0]
+        if value.shape != local(destination).shape:
+            raise RuntimeError(
+                f"size mismatch for {key}: got {tuple(state_dict[key].shape)}, this stage's piece is "
+                f"{tuple(local(destination).shape)} of {tuple(destination.shape)} (nothing was loaded)"
+            )
+        copies.append((local(destination), value))
+    with torch.no_grad():
+        for destination, value in copies:
+            destination.copy_(value)
+    return _IncompatibleKeys(missing, unexpected)
+
+
 def whole_tensor(value: torch.Tensor, spec: Any, tp_group: Any) -> torch.Tensor:
     """``value`` whole: all-gathered over ``"dp"`` where it is an FSDP shard (a DTensor), then over
     ``tp_group`` where ``spec`` says it is a tensor-parallel shard (a collective over both)."""
@@ -131,6 +186,7 @@ def whole_tensor(value: torch.Tensor, spec: Any, tp_group: Any) -> torch.Tensor:
 
 __all__ = [
     "full_state_dict",
+    "load_whole_state",
     "local",
     "local_rows_shape",
     "shard_stage_over_dp",

@@ -16,7 +16,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.fx_utils import PicklableGraph, reserve_names
+from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import PicklableGraph, copy_graph, reserve_names
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.hooks import call_with_hooks, run_writing_to_model
 from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
@@ -31,6 +33,7 @@ from dpcompile.modules.mesh_stage import (
 )
 from dpcompile.modules.mesh_stage_dp import (
     full_state_dict,
+    load_whole_state,
     local,
     local_rows_shape,
     shard_stage_over_dp,
@@ -146,19 +149,23 @@ class PipelineModule(ParallelModule):
 reserve_names(PipelineModule.own_attributes)
 
 
-class MeshPipelineModule(nn.Module):
+class MeshPipelineModule(ParallelModule):
     """This rank's pipeline stage under ``torch.distributed.pipelining`` (``PipelineStage`` with
     ``ScheduleGPipe`` or ``Schedule1F1B``), over the ``"pp"`` dimension of a mesh (and ``"dp"``).
 
-    In training mode with gradients enabled a call runs the schedule's ``step``: forward *and*
+    A :class:`~dpcompile.modules.base.ParallelModule` whose graph and code are this rank's stage
+    program (``pm.program``; ``pm.code``), holding its modules, parameters and buffers (the model's
+    own, or this tp rank's shards). In training mode with gradients enabled a call runs the
+    schedule's ``step``: forward *and*
     backward of the model's own mean loss, as the pipelining schedules do; gradients land on this
     stage's parameters (the model's own), and equal the single-device gradients of the whole
     batch (over every ``dp`` rank). Under ``torch.no_grad()`` or in eval mode it runs forward only.
     The last stage returns the model's output (the loss is the whole batch's mean, detached);
-    other stages return None. ``pm.code`` is this rank's program. On a ``("pp", "tp")`` mesh the
+    other stages return None. On a ``("pp", "tp")`` mesh the
     program holds this tp rank's shards of the stage (``pm.shards``, ``pm.plan``; see
     :meth:`attach_shards`); with ``data_parallel="fsdp"`` FSDP2 wraps the stage over ``"dp"``
-    (``pm.fsdp``, :meth:`shard_over_dp`). ``pm.state_dict()`` is the model's, whole (a collective).
+    (``pm.fsdp``, :meth:`shard_over_dp`). ``pm.state_dict()`` is the model's, whole (a collective);
+    ``pm.load_state_dict()`` takes it back (each rank keeps its pieces).
 
     Each stage's input and output shapes are worked out on fake tensors from the whole program
     (``whole``) for each micro-batch shape, and handed to ``PipelineStage`` (its static mode), so
@@ -167,28 +174,31 @@ class MeshPipelineModule(nn.Module):
     schedule step each (:mod:`dpcompile.modules.mesh_stage`).
     """
 
-    def __init__(self, program: fx.GraphModule, *, whole: fx.GraphModule, stage_index: int, num_stages: int,
-                 device: Any, pp_group: Any, dp_group: Any, micro_batches: int, schedule: str, outputs: Any,
-                 live_in: list[str], module_paths: tuple[str, ...], last_rank: int,
+    def __init__(self, program: fx.GraphModule, *, recipe: Any, mesh: Any, whole: fx.GraphModule, stage_index: int,
+                 num_stages: int, device: Any, pp_group: Any, dp_group: Any, micro_batches: int, schedule: str,
+                 outputs: Any, live_in: list[str], module_paths: tuple[str, ...], last_rank: int,
                  has_loss: bool, count: str | None = None, shared: list | None = None,
                  writes_once: fx.GraphModule | None = None, random_plan: StageRandomPlan | None = None):  # fmt: skip
-        super().__init__()
-        self.program = program
-        object.__setattr__(self, "whole", whole)  # the single-device program: shapes, every stage's modes
+        fx.GraphModule.__init__(self, nn.Module(), fx.Graph(), "MeshPipelineModule")
+        self.hold_program(program)
+        self.recipe, self.mesh, self.mode, self.records, self.captured = recipe, mesh, "spmd_pipeline", [], None
+        self.devices = Devices((device,))
+        self.output_device, self.input_dims = self.devices.primary, {}
+        self.whole = whole  # the single-device program: shapes, every stage's modes
         self.stage_index, self.num_stages, self.micro_batches = stage_index, num_stages, micro_batches
         self.schedule_name, self.outputs = schedule, outputs
         self.live_in, self.device = live_in, torch.device(device)
         self.module_paths, self.pp_group, self.dp_group, self.last_rank = module_paths, pp_group, dp_group, last_rank
         self.has_loss = has_loss
         self.shared = list(shared or [])  # (parameter, stages reading it): tied weights, summed over those stages
-        object.__setattr__(self, "writes_once", writes_once)  # this stage's writes no input reads: once a call
+        self.writes_once = writes_once  # this stage's writes no input reads: once a call
         self._schedules: dict[Any, Any] = {}
         self._wirings: dict[Any, Any] = {}
         self._loss_scale = 1.0
-        object.__setattr__(self, "_count_program", count_program(whole, count) if has_loss else None)
-        object.__setattr__(self, "_may_use_batch_statistics", bool(batch_statistics_sites(whole, training=True)))
-        object.__setattr__(self, "shape_program", program)
-        object.__setattr__(self, "random_plan", random_plan)  # every stage's random sites, drawn in order a call
+        self._count_program = count_program(whole, count) if has_loss else None
+        self._may_use_batch_statistics = bool(batch_statistics_sites(whole, training=True))
+        self.shape_program = program
+        self.random_plan = random_plan  # every stage's random sites, drawn in order a call
         self.shards: dict[str, Any] = {}
         self.plan: dict[str, str] = {}
         self.plan_reasons: dict[str, str] = {}
@@ -196,11 +206,24 @@ class MeshPipelineModule(nn.Module):
         self.fsdp: nn.Module | None = None  # the FSDP2 root PipelineStage runs (data_parallel="fsdp")
         self.state_ties: dict[str, tuple[str, ...]] = {}  # the model's state_dict keys, each with its tied names
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Every attribute is the module's own (in its ``__dict__``): the stage's modules and tensors
+        are the program's, held in the program's own stores."""
+        object.__setattr__(self, name, value)
+
+    def hold_program(self, program: fx.GraphModule) -> None:
+        """``program`` (this rank's stage) as ``pm``'s graph and code; its submodules, parameters and
+        buffers are ``pm``'s (the program's own stores, so FSDP's sharding of them shows in both)."""
+        self.program = program
+        for store in ("_modules", "_parameters", "_buffers"):
+            object.__setattr__(self, store, program.__dict__[store])
+        self.graph = copy_graph(program.graph)
+
     def shard_over_dp(self, dp_mesh: Any, options: dict[str, Any]) -> None:
         """FSDP2 over ``dp_mesh`` on this stage's program (after its tensor-parallel sharding, as
         torchtitan orders them): see :mod:`dpcompile.modules.mesh_stage_dp`. Collective over ``dp``."""
         owners = {id(p): (m, n) for m in self.program.modules() for n, p in m._parameters.items() if p is not None}
-        object.__setattr__(self, "fsdp", shard_stage_over_dp(self.program, dp_mesh, options))
+        self.fsdp = shard_stage_over_dp(self.program, dp_mesh, options)
         dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
         shared = []
         for p, stages in self.shared:  # tied weights: this stage's FSDP shard, or zeros shaped as the peers' shards
@@ -217,8 +240,8 @@ class MeshPipelineModule(nn.Module):
         """Tensor parallel inside the stage (a ``("pp", "tp")`` mesh): ``program`` replaces the stage's,
         holding this tp rank's ``shards`` (``{param: ShardSpec}``, the model's names) under ``plan``. The
         unsharded program stays for shapes (it takes and returns the same values; it runs on fake tensors)."""
-        object.__setattr__(self, "shape_program", self.program)
-        self.program = program
+        self.shape_program = self.program
+        self.hold_program(program)
         self.shards, self.plan, self.plan_reasons = dict(shards), dict(plan), dict(reasons)
 
     def example_stage_inputs(self, inputs: tuple) -> tuple:
@@ -298,24 +321,42 @@ class MeshPipelineModule(nn.Module):
 
         return tuple(empty(v) for v in ins), tuple(empty(v) for v in outs)
 
-    @property
-    def code(self) -> str:
-        return self.program.code
-
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The model's keys with whole tensors, put together from every stage: a collective, call
         it on every rank (:func:`~dpcompile.modules.mesh_stage_dp.full_state_dict`)."""
         return full_state_dict(self)
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """The model's keys with whole tensors (``pm.state_dict()``, ``model.state_dict()``): this rank
+        keeps its stage's pieces (:func:`~dpcompile.modules.mesh_stage_dp.load_whole_state`)."""
+        return load_whole_state(self, state_dict, strict)
+
     def train(self, mode: bool = True) -> MeshPipelineModule:
         """The mode of every stage's modules, so that each rank sees where BatchNorm trains."""
         super().train(mode)
+        self.program.train(mode)
         self.whole.train(mode)
         if self.random_plan is not None:
             self.random_plan.train(mode)
         return self
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
+        """This rank's stage reads what the stage before sends, not the model's inputs: no program
+        answers a call's inputs alone (``explain(pm)`` without inputs reads this stage)."""
+        raise DpCompileError(
+            "a pipeline over a DeviceMesh runs one stage per rank, fed by the stage before: explain(pm) and "
+            "measure read this rank's stage without inputs (explain(pm)); to see a call's shapes, communication "
+            "and memory, explain the same pipeline in one process: dpcompile.transform(model, ['cpu'] * N, "
+            "pipeline=N, ...)"
+        )
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a pipeline over a DeviceMesh holds process groups and cannot be pickled; save pm.state_dict() "
+            "(full tensors, the original keys) and rebuild with dpcompile.transform(model, mesh, pipeline=...)"
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch.distributed as dist
 
         inputs = self._shape_inputs(args, kwargs)

@@ -113,6 +113,8 @@ class MeshPipelineRecipe(Recipe):
         last_rank = dist.get_global_rank(pp_group, pp_size - 1)
         pm = MeshPipelineModule(
             program,
+            recipe=self,
+            mesh=self.mesh,
             stage_index=pp_rank,
             num_stages=pp_size,
             device=device,

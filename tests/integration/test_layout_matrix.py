@@ -276,3 +276,18 @@ def test_layout_matrix_meta_model_loads_checkpoint(name, layout, tmp_path):
     pm.eval()
     with torch.no_grad():
         torch.testing.assert_close(_loss(pm(**kwargs)), _loss(reference(**kwargs)), **TOLERANCE.get(name, {}))
+
+
+def test_layout_matrix_every_layout_is_a_parallel_module():
+    """Every layout built in one process (and FSDP, and 1F1B) is a dpcompile.ParallelModule, a
+    torch.fx.GraphModule, whose code calls the model's layers and head (over a mesh:
+    tests/helpers.py's assert_stage_is_a_parallel_module, in the gloo groups of test_pipeline_mesh*.py)."""
+    _, kwargs, model, initial, _ = _captured("mlp")
+    model.load_state_dict(initial)
+    cells = [(layout, {}) for layout in LAYOUTS + COMPOSED]
+    cells += [({"pp": 2, "dp": 2}, {"data_parallel": "fsdp"}), ({"pp": 2, "tp": 2}, {"schedule": "1f1b", "micro_batches": 2})]
+    for layout, options in cells:
+        pm = _transform(model, layout, kwargs, **options)
+        assert isinstance(pm, dpcompile.ParallelModule) and isinstance(pm, torch.fx.GraphModule), (layout, type(pm))
+        code = pm.code
+        assert isinstance(code, str) and "head" in code and "layers_3" in code, (layout, code)

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.helpers import assert_stage_is_a_parallel_module, assert_whole_state_loads
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all; GPT-2 exported on each
 GROUP_TIMEOUT_S = 240.0  # a loaded 2-core machine; unloaded a group takes well under a minute
@@ -86,6 +87,8 @@ def check_pipeline(
     else:
         assert out is None
     _grads_equal_on_stage(model, reference, pm.module_paths)
+    assert_stage_is_a_parallel_module(pm)
+    assert_whole_state_loads(pm, reference.state_dict())
     dist.barrier()
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.helpers import assert_stage_is_a_parallel_module, assert_whole_state_loads
 from tests.integration.test_exact_random_mesh import check_pipeline_trains_like_eager
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 12 processes spawned in all
@@ -130,6 +131,8 @@ def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2,
     assert list(state) == list(reference.state_dict()), (list(state), list(reference.state_dict()))
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    assert_stage_is_a_parallel_module(pm)
+    assert_whole_state_loads(pm, reference.state_dict())
     dist.barrier()
 
 

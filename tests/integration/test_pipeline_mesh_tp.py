@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.helpers import assert_stage_is_a_parallel_module
 
 GROUP_TIMEOUT_S = 240.0  # 10 configurations built on a loaded 2-core machine
 MEGATRON = {"layers.0": "column", "layers.1": "row", "layers.2": "column", "layers.3": "row", "head": "column"}
@@ -121,6 +122,7 @@ def check_pipeline_tp(
     else:
         assert out is None
     assert pm.shards, f"nothing sharded in stage {mesh.get_local_rank('pp')}: {pm.plan_reasons}"
+    assert_stage_is_a_parallel_module(pm)
     assert "all_reduce(" in pm.code and "tp_group" in pm.code, pm.code
     mine = [path for path in sharded if any(path == m or path.startswith(m + ".") for m in pm.module_paths)]
     assert mine or not sharded, (sharded, pm.module_paths)

@@ -233,6 +233,7 @@ def assert_stage_is_a_parallel_module(pm: nn.Module) -> None:
     """A pipeline's stage over a mesh is a ``dpcompile.ParallelModule`` (a ``torch.fx.GraphModule``) whose
     graph and code are this rank's stage program, the one its schedule runs: it names the modules this stage holds."""
     assert isinstance(pm, dpcompile.ParallelModule) and isinstance(pm, fx.GraphModule), type(pm).__mro__
+    assert pm.executor == "pipelining"
     code = pm.code
     assert isinstance(code, str) and code.strip().startswith("def forward(self"), code
     names = {path.replace(".", "_") for path in pm.module_paths}

@@ -49,7 +49,7 @@ def ranks_of(pm: Any) -> tuple[bool, Any]:
     import torch.distributed as dist
 
     mesh = getattr(pm, "mesh", None)
-    if dist.is_available() and dist.is_initialized() and hasattr(pm, "pp_group"):
+    if dist.is_available() and dist.is_initialized() and getattr(pm, "executor", None) == "pipelining":
         return True, None  # a pipeline's stage over a mesh: every rank holds part of the model
     if not (dist.is_available() and dist.is_initialized() and is_device_mesh(mesh)):
         return False, None

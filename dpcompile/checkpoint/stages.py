@@ -1,4 +1,4 @@
-"""Checkpoints of pipeline programs over a mesh (``MeshPipelineModule``: each rank one stage).
+"""Checkpoints of pipeline programs over a mesh (``pm.executor == "pipelining"``: each rank one stage).
 
 A rank holds only its stage's tensors (its tensor-parallel shards on a ``("pp", "tp")`` mesh,
 FSDP's rows with ``data_parallel="fsdp"``), so each rank's targets list *every* key of the
@@ -24,9 +24,7 @@ from dpcompile.fx_utils import unalias
 
 def is_mesh_pipeline(pm: Any) -> bool:
     """Whether ``pm`` is one rank's stage of a pipeline over a mesh."""
-    from dpcompile.modules.pipeline import MeshPipelineModule
-
-    return isinstance(pm, MeshPipelineModule)
+    return getattr(pm, "executor", None) == "pipelining"
 
 
 def stage_state(pm: Any) -> dict[str, torch.Tensor]:

@@ -55,10 +55,8 @@ def _tensor_keys(pm: nn.Module, constants: Mapping[str, torch.Tensor] = {}) -> t
     """Every parameter and buffer once: ``id -> file key``, ``file key -> tensor``, and
     ``name in pm -> file key``. Data parallel: the module path (the state_dict key).
     Tensor parallel: shard k of ``fc1.weight`` is ``fc1.weight.shard<k>``."""
-    from dpcompile.modules.tensor_parallel import TensorParallelModule
-
     rename: dict[str, str] = {}
-    if isinstance(pm, TensorParallelModule):
+    if pm.__dict__.get("param_shards") is not None:  # parameters stored as shards
         for key, (_, names) in pm.param_shards.items():
             rename.update({name: f"{key}.shard{k}" for k, name in enumerate(names)})
     keys: dict[int, str] = {}
@@ -254,7 +252,6 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
     """``(program.json's content, files to write beside it, tensors by file key)``."""
     from dpcompile.export.build import readable_programs
     from dpcompile.export.serialize import NotData
-    from dpcompile.modules.tensor_parallel import TensorParallelModule
 
     strings = device_strings(pm.devices)
     class_name = class_name_of(pm)
@@ -280,7 +277,7 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
     }
     if pm.mode in PIPELINE_KINDS:
         config["pipeline"] = describe_pipeline(pm, lowered)
-    if isinstance(pm, TensorParallelModule):
+    if pm.__dict__.get("param_shards") is not None:
         cost = getattr(pm, "comm_cost", None)
         config["tensor_parallel"] = {
             "state_keys": list(pm.state_keys),

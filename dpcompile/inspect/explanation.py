@@ -30,7 +30,6 @@ from dpcompile.inspect.nodes import copy_labels, device_labels, device_list, slo
 from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.pipeline import PipelineModule
 from dpcompile.runtime import sequence_mesh
 from dpcompile.runtime import tensor_parallel as tp_runtime
 from passes.checkpoint_activations import with_regions_recomputed
@@ -284,7 +283,7 @@ def _pipeline_report(
     bytes and the elements each sends on, per stage; their imbalance (max/mean FLOPs) and the
     bubble ``(S-1)/(M+S-1)`` of this call's micro-batches (GPipe's and 1F1B's: 1F1B holds fewer
     micro-batches, it does not wait less)."""
-    if not isinstance(pm, PipelineModule):  # pm.stages of other programs may be the model's own submodule
+    if getattr(pm, "executor", None) not in ("gpipe", "1f1b"):  # pm.stages of other programs may be the model's own submodule
         return None
     stages = pm.stages
     n = len(stages)

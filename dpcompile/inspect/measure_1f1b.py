@@ -34,7 +34,7 @@ def stamp_slot(out: Any, slot_key: str, slot: int) -> None:
 
 def runs_one_f_one_b(pm: Any, training: bool) -> bool:
     """A training call of ``pm`` runs the 1F1B step."""
-    return pm.__dict__.get("schedule") == "1f1b" and training and hasattr(pm.recipe, "one_f_one_b_step")
+    return getattr(pm, "executor", None) == "1f1b" and training and hasattr(pm.recipe, "one_f_one_b_step")
 
 
 def one_f_one_b_peaks(

@@ -320,6 +320,9 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         batched = signature.batched(args, kwargs, self.batch_size) if signature.replicated else frozenset()
         return self._key(self._devices_for(args, kwargs), nones, flags, batched, self._unbatched_inputs(args, kwargs))
 
+    #: what runs a call: ``"plain"`` (the program), ``"gpipe"`` / ``"1f1b"`` (a one-process pipeline's
+    #: schedule over ``pm.stages``), ``"pipelining"`` (``torch.distributed.pipelining``: this rank's stage)
+    executor = "plain"
     strategy = property(lambda self: next((s for s in ("data_parallel", "pipeline") if s in str(self.mode)), "tensor_parallel"))
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
         """The program a call with these arguments runs: ``self`` or one traced for the call.

@@ -115,7 +115,7 @@ class PipelineModule(ParallelModule):
     def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
         """A training call of a ``"1f1b"`` pipeline runs the 1F1B step (forward and backward, see
         ``modules/pipeline_1f1b.py``); every other call runs the program (GPipe's order)."""
-        if self.__dict__.get("schedule") == "1f1b" and self.training and torch.is_grad_enabled():
+        if self.executor == "1f1b" and self.training and torch.is_grad_enabled():
             key = self.call_key(*args, **kwargs)
             steps = self.__dict__.setdefault("one_f_one_b_steps", {})
             if key not in steps:
@@ -128,6 +128,8 @@ class PipelineModule(ParallelModule):
                     self, program, lambda: call_with_hooks(self.traced_model, lambda *a, **k: step(a, k), args, kwargs))
             return run_writing_to_model(self, program, lambda: step(args, kwargs))
         return super().run_program(program, args, kwargs)
+
+    executor = property(lambda self: self.__dict__.get("schedule", "gpipe"), doc="``\"gpipe\"`` or ``\"1f1b\"``")
 
     @property
     def bubble_fraction(self) -> float:
@@ -173,6 +175,8 @@ class MeshPipelineModule(ParallelModule):
     that does not divide into ``micro_batches`` runs as two runs of equal micro-batches, one
     schedule step each (:mod:`dpcompile.modules.mesh_stage`).
     """
+
+    executor = "pipelining"
 
     def __init__(self, program: fx.GraphModule, *, recipe: Any, mesh: Any, whole: fx.GraphModule, stage_index: int,
                  num_stages: int, device: Any, pp_group: Any, dp_group: Any, micro_batches: int, schedule: str,

@@ -280,7 +280,8 @@ def test_layout_matrix_meta_model_loads_checkpoint(name, layout, tmp_path):
 
 def test_layout_matrix_every_layout_is_a_parallel_module():
     """Every layout built in one process (and FSDP, and 1F1B) is a dpcompile.ParallelModule, a
-    torch.fx.GraphModule, whose code calls the model's layers and head (over a mesh:
+    torch.fx.GraphModule, whose code calls the model's layers and head, and which says what runs a call
+    (``pm.executor``: the program, or a pipeline's schedule). Over a mesh:
     tests/helpers.py's assert_stage_is_a_parallel_module, in the gloo groups of test_pipeline_mesh*.py)."""
     _, kwargs, model, initial, _ = _captured("mlp")
     model.load_state_dict(initial)
@@ -291,3 +292,6 @@ def test_layout_matrix_every_layout_is_a_parallel_module():
         assert isinstance(pm, dpcompile.ParallelModule) and isinstance(pm, torch.fx.GraphModule), (layout, type(pm))
         code = pm.code
         assert isinstance(code, str) and "head" in code and "layers_3" in code, (layout, code)
+        # dp composed over tp runs dp copies of a one-stage pipeline (target.replicate_over_dp): its schedule too
+        scheduled = "pp" in layout or len(layout) > 1
+        assert pm.executor == (options.get("schedule", "gpipe") if scheduled else "plain"), (layout, options)

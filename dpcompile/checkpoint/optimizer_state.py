@@ -28,7 +28,6 @@ from dpcompile.checkpoint.slices import read_blocks
 from dpcompile.checkpoint.stages import is_mesh_pipeline, stage_state
 from dpcompile.checkpoint.targets import Piece, Target, shard_runs, targets_of, tie_groups
 from dpcompile.fx_utils import unalias
-from dpcompile.modules.base import ParallelModule
 
 STATE_PREFIX = "optimizer.state."
 LIKE_PARAM = "param"  # a state tensor laid out as its parameter (exp_avg, momentum_buffer): sliced as it is
@@ -71,7 +70,7 @@ def param_places(pm: Any, optimizer: torch.optim.Optimizer) -> dict[int, Place]:
             continue  # a tied key (an LM head tied to the embedding): its tensors are the first key's
         for piece in target.pieces:
             by_tensor.setdefault(id(piece.tensor), Place(key, target, piece))
-    own = stage_state(pm) if is_mesh_pipeline(pm) else ParallelModule.state_dict(pm, keep_vars=True)
+    own = stage_state(pm) if is_mesh_pipeline(pm) else pm.stored_state_dict(keep_vars=True)
     for name, tensor in own.items():
         key = unalias(name)  # over a mesh FSDP's pieces are the DTensors' local parts: the DTensor is the parameter
         key = ties[key][0] if key in ties else key  # a pipeline stage's tied name: the first key's

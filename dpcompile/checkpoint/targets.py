@@ -81,7 +81,7 @@ def targets_of(pm: ParallelModule) -> dict[str, Target]:
     param_shards = getattr(pm, "param_shards", None)
     mesh_shards = getattr(pm, "shards", None)
     if isinstance(param_shards, dict) and hasattr(pm, "state_keys"):
-        own = {unalias(k): v for k, v in ParallelModule.state_dict(pm, keep_vars=True).items()}
+        own = {unalias(k): v for k, v in pm.stored_state_dict(keep_vars=True).items()}
         aliases = getattr(pm, "state_aliases", {})
         out = {}
         for key in pm.state_keys:
@@ -95,7 +95,7 @@ def targets_of(pm: ParallelModule) -> dict[str, Target]:
             elif source in own:
                 out[key] = Target(key, tuple(own[source].shape), own[source].dtype, [Piece(own[source])])
         return out
-    own = {unalias(k): v for k, v in ParallelModule.state_dict(pm, keep_vars=True).items()}
+    own = {unalias(k): v for k, v in pm.stored_state_dict(keep_vars=True).items()}
     out = {key: Target(key, tuple(t.shape), t.dtype, [Piece(t)]) for key, t in own.items()}
     if isinstance(mesh_shards, dict) and mesh_shards:
         rank = MeshGroup(pm.mesh, pm.tp_dim).rank()

@@ -1,6 +1,6 @@
 """A one-process pipeline as data: the stages, the schedule, the stage plan, each node's stage.
 
-A pipeline program (``PipelineModule``, and ``PipelineTensorParallelModule``: pp x tp, dp x tp)
+A pipeline program (``PipelineModule``, its stages sharded too: pp x tp, dp x tp)
 is written as a data-parallel one is (the main program, its variants, the captured program,
 the module tree, the weights by the model's keys), plus ``config.pipeline``::
 

@@ -51,6 +51,7 @@ from dpcompile.modules.hooks import (
 from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
 from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_parametrized
+from dpcompile.modules.sharded_state import cut_pieces, load_pieces, warn_if_gradients_not_cleared, whole_state_dict
 from dpcompile.modules.weights import NEEDS_WEIGHTS, LoadsWeights, needs_weights, weights_not_loaded
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
@@ -383,6 +384,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.__dict__.get(NEEDS_WEIGHTS):
             raise weights_not_loaded(self)
+        if "_stepped_gradient" in self.__dict__ and torch.is_grad_enabled():  # not an evaluation under no_grad
+            warn_if_gradients_not_cleared(self)
         compiled = self.__dict__.get("_compiled_call_impl")  # set by pm.compile()
         if torch.compiler.is_compiling():
             return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)
@@ -405,7 +408,16 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         return run_as_model(self, program, args, kwargs, super().__call__)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """The model's keys and tensors, with the model's own ``state_dict`` hooks run as it runs them."""
+        """The model's keys and tensors, with the model's own ``state_dict`` hooks run as it runs them;
+        where parameters are stored as pieces (``pm.param_shards``), each key's whole tensor."""
+        if "param_shards" in self.__dict__:
+            own = self.stored_state_dict(keep_vars=keep_vars)
+            return whole_state_dict(self, own, args[0] if args else destination, prefix, keep_vars)
+        return self.stored_state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def stored_state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The state as the module stores it: the model's keys, but pieces under their own names where
+        parameters are stored as pieces (``fc1.weight_shard1``); over a mesh this rank's (checkpoints read it)."""
         model = self.__dict__.get("traced_model")
         save = super().state_dict
         if not getattr(self, "_shares_source", False) or not (model._state_dict_pre_hooks or model._state_dict_hooks):
@@ -414,7 +426,14 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             model, lambda: save(*args, destination=destination, prefix=prefix, keep_vars=keep_vars), prefix, keep_vars
         )
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if "param_shards" in self.__dict__:  # whole tensors, cut into the pieces
+            return load_pieces(self, self.stored_state_dict(keep_vars=True), state_dict, strict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *rest: Any) -> None:
+        if "param_shards" in self.__dict__:
+            cut_pieces(self, state_dict, prefix, rest[-1])  # rest[-1]: error_msgs
         if getattr(self, "_shares_source", False):
             load_pre_hooks(self.traced_model, state_dict, prefix, *rest)  # the model's own, not pm's
         super()._load_from_state_dict(state_dict, prefix, *rest)

@@ -35,7 +35,6 @@ from torch.nn.utils import parametrize
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dpcompile.errors import DpCompileError
-from dpcompile.modules.sharded_state import ShardedState
 from dpcompile.program_cache import ProgramCache
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
 
@@ -84,8 +83,9 @@ def regathered() -> Any:
     return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
-class FsdpProgram(ShardedState):
-    """The state of a program sharded over ``dp`` in one process: the model's keys, whole tensors."""
+class FsdpProgram:
+    """A program sharded over ``dp`` in one process (its state: ``pm.param_shards``, the model's keys
+    whole, as :mod:`dpcompile.modules.sharded_state` gives them): one gather a parameter a call."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # one gather a parameter a call, however many copies and micro-batches read it

@@ -23,6 +23,7 @@ from dpcompile.fake import fake_copy_to_trace, meta_copy_to_pickle
 from dpcompile.fx_utils import PicklableGraph, example_shapes, graph_module, propagate_example_shapes
 from dpcompile.modules.carried import CarriedPrograms
 from dpcompile.modules.other_mode import both_modes
+from dpcompile.modules.sharded_state import PICKLED, hold_shards
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes
 
 log = logging.getLogger("dpcompile")
@@ -146,11 +147,14 @@ class PicklesPrograms:
         return {"model": self.traced_model, "flags": self._flags, "none_args": main.none_args}
 
     def _extra_state_for_pickle(self) -> dict[str, Any]:
-        """What a subclass (tensor parallel) needs, beyond modules and graph, to rebuild itself."""
-        return {}
+        """What a program needs, beyond modules and graph, to rebuild itself: its sharded state
+        (:mod:`dpcompile.modules.sharded_state`) where it stores parameters as pieces."""
+        return {name: self.__dict__[name] for name in PICKLED} if "param_shards" in self.__dict__ else {}
 
     def _restore_extra_state(self, extra: dict[str, Any]) -> None:
         """The counterpart of :meth:`_extra_state_for_pickle`."""
+        if "param_shards" in extra:
+            hold_shards(self, **{name: extra[name] for name in PICKLED})
 
 
 def refuse_pickling_parametrized(pm: nn.Module) -> None:

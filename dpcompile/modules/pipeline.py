@@ -9,6 +9,7 @@ modules it holds and its program for one micro-batch (``pm.stages[i].code``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,11 +87,19 @@ class PipelineModule(ParallelModule):
     >>> pm = dpcompile.transform(model, ["cpu", "cpu"], pipeline=2, micro_batches=2)
     >>> [s.module_paths for s in pm.stages]
     [('0', '1'), ('2', '3')]
+
+    With ``tensor_parallel=`` stage ``i`` runs on ``pm.stage_groups[i]`` (``devices[i*T:(i+1)*T]``), its
+    layers sharded over them as ``pm.plan`` says; the program owns its shards (its sharded state:
+    :mod:`dpcompile.modules.sharded_state`), so ``pm.parameters()`` are the shards and the replicated
+    rest (build the optimizer over them), and ``pm.state_dict()`` has the model's keys, whole.
     """
 
     own_attributes = ParallelModule.own_attributes | frozenset(
-        {"stages", "micro_batches", "schedule", "stage_plan", "one_f_one_b_steps"}
+        {"stages", "micro_batches", "schedule", "stage_plan", "one_f_one_b_steps", "stage_groups"}
     )
+    #: a tensor-parallel pipeline's copy builds the program of a smaller batch (fewer micro-batches)
+    #: from a meta copy of its private model
+    pickles_private_source = property(lambda self: "param_shards" in self.__dict__)
 
     def set_pipeline(self, *, stages: list[Stage], micro_batches: int, schedule: str, stage_plan: Any) -> None:
         """Record the stages and key the program cache by micro-batches (a batch of ``b`` below
@@ -101,6 +110,22 @@ class PipelineModule(ParallelModule):
         object.__setattr__(self, "stage_plan", stage_plan)
         main = self.program_cache.main_key
         self.program_cache.reset(main._replace(devices=micro_batches), self._build_program)
+
+    def set_stage_groups(self, groups: Sequence[Devices]) -> None:
+        """Record the devices of each stage, and the device slot (``s * T + k``) of every parameter:
+        stage ``s``'s shard ``k``, or its replicated rest on ``k == 0`` (``explain``'s bytes per device)."""
+        object.__setattr__(self, "stage_groups", [tuple(g.strings()) for g in groups])
+        slot_of: dict[int, int] = {}
+        for node in self.graph.nodes:
+            slot = node.meta.get("dpcompile_slot")
+            if slot is None or node.op not in ("get_attr", "call_module"):
+                continue
+            parent, _, name = str(node.target).rpartition(".")
+            target = str(node.target)
+            value = self.get_submodule(target) if node.op == "call_module" else getattr(self.get_submodule(parent), name)
+            for t in value.parameters() if isinstance(value, nn.Module) else [value]:
+                slot_of.setdefault(id(t), slot)
+        self.shard_param_slots = {name: slot_of.get(id(p), 0) for name, p in self.named_parameters()}
 
     def _devices_for(self, args: tuple, kwargs: dict) -> int:
         """How many micro-batches a call runs: ``micro_batches``, or the batch size if smaller."""
@@ -139,13 +164,19 @@ class PipelineModule(ParallelModule):
 
     # ------------------------------------------------------------------ pickling
     def _extra_state_for_pickle(self) -> dict[str, Any]:
-        """The stages, micro-batches, schedule and plan (names only) beside what the module kind keeps."""
-        pipeline = {name: self.__dict__[name] for name in ("stages", "micro_batches", "schedule", "stage_plan")}
-        return {**super()._extra_state_for_pickle(), "pipeline": pipeline}
+        """The stages, micro-batches, schedule and plan (names only), and a tensor-parallel pipeline's
+        stage groups and parameter slots, beside the sharded state."""
+        extra = {**super()._extra_state_for_pickle(), "pipeline": {
+            name: self.__dict__[name] for name in ("stages", "micro_batches", "schedule", "stage_plan")}}
+        if "stage_groups" in self.__dict__:
+            extra["stage_groups"] = {name: self.__dict__[name] for name in ("stage_groups", "shard_param_slots")}
+        return extra
 
     def _restore_extra_state(self, extra: dict[str, Any]) -> None:
-        super()._restore_extra_state({k: v for k, v in extra.items() if k != "pipeline"})
+        super()._restore_extra_state(extra)
         self.set_pipeline(**extra["pipeline"])
+        for name, value in extra.get("stage_groups", {}).items():
+            object.__setattr__(self, name, value)
 
 
 reserve_names(PipelineModule.own_attributes)

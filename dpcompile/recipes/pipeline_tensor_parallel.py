@@ -49,9 +49,9 @@ from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.fsdp_one_process import tensor_parallel_shards
-from dpcompile.modules.pipeline import Stage
+from dpcompile.modules.pipeline import PipelineModule, Stage
 from dpcompile.modules.pipeline_1f1b import OneFOneBStep
-from dpcompile.modules.pipeline_tensor_parallel import PipelineTensorParallelModule
+from dpcompile.modules.sharded_state import hold_shards, param_bytes_per_slot
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
@@ -115,7 +115,7 @@ class PipelineTensorParallelRecipe(Recipe):
         *,
         none_args: frozenset[str] = frozenset(),
         flags: Mapping[str, Any] | None = None,
-    ) -> PipelineTensorParallelModule:
+    ) -> PipelineModule:
         if self.context_parallel:
             check_sequence_pipeline(example_inputs)
         groups = self.groups()
@@ -175,7 +175,7 @@ class PipelineTensorParallelRecipe(Recipe):
         described = describe_choices(applied, shard_info)
         reasons = {unalias(p): why for p, why in reasons.items()}
         reasons = {p: reasons.get(p, described.get(p, "")) for p in {**described, **reasons}}
-        pm = PipelineTensorParallelModule(
+        pm = PipelineModule(
             lowered,
             lowered.graph,
             recipe=self,
@@ -192,7 +192,8 @@ class PipelineTensorParallelRecipe(Recipe):
             none_args=none_args,
             shares_source=False,
         )
-        pm.init_tensor_parallel(
+        hold_shards(
+            pm,
             state_keys=state_keys,
             param_shards=param_shards,
             plan_reasons=reasons,
@@ -203,7 +204,7 @@ class PipelineTensorParallelRecipe(Recipe):
         pm.set_stage_groups(groups)
         if isinstance(model, fx.GraphModule) and (exported := model.meta.get(EXPORTED_FROM)) is not None:
             pm.__dict__["exported_inputs"] = (exported.inputs, type(exported.model).__name__)  # build_program checks
-        held = pm.param_bytes_per_slot()
+        held = param_bytes_per_slot(pm)
         stages = [
             Stage(s, ",".join(groups[s].strings()), stage_plan.module_paths[s], stage_plan.weights[s],
                   sum(held[s * shards + k] for k in range(shards)), programs[s])
@@ -271,7 +272,7 @@ class PipelineTensorParallelRecipe(Recipe):
         return records
 
     def build_program(
-        self, pm: PipelineTensorParallelModule, key: CallKey, args: tuple, kwargs: dict
+        self, pm: PipelineModule, key: CallKey, args: tuple, kwargs: dict
     ) -> fx.GraphModule | None:
         """The program for fewer micro-batches (a small batch), another mode or other arguments left
         None: the recipe compiled again on the fake copy of the model with ``pm``'s plan, its code
@@ -303,7 +304,7 @@ class PipelineTensorParallelRecipe(Recipe):
         )
 
 
-    def one_f_one_b_step(self, pm: PipelineTensorParallelModule, key: CallKey) -> OneFOneBStep:
+    def one_f_one_b_step(self, pm: PipelineModule, key: CallKey) -> OneFOneBStep:
         """The 1F1B step of a training call as ``key``: the program the call runs (lowered with its
         micro-batches split even where there is one, see :meth:`lower`), run as units of one stage
         and micro-batch, each unit's shards and their collectives together."""

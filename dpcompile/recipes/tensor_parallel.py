@@ -44,6 +44,7 @@ from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import adopt_state, alias_of, bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.carried import modes_applied
+from dpcompile.modules.sharded_state import hold_shards
 from dpcompile.modules.tensor_parallel import TensorParallelModule, watch_source_parameters
 from dpcompile.planning import plan_for, why_whole
 from dpcompile.program_cache import CallKey
@@ -159,7 +160,8 @@ class TensorParallelRecipe(Recipe):
             # the model a torch.export capture came from: calls are checked against what export fixed
             exported_from=model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,
         )
-        pm.init_tensor_parallel(
+        hold_shards(
+            pm,
             state_keys=state_keys,
             param_shards=expand_info["param_shards"],
             plan_reasons=reasons,

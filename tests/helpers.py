@@ -231,7 +231,8 @@ def assert_square_sum_step_equals_eager(model: nn.Module, eager: nn.Module, got:
 
 def assert_stage_is_a_parallel_module(pm: nn.Module) -> None:
     """A pipeline's stage over a mesh is a ``dpcompile.ParallelModule`` (a ``torch.fx.GraphModule``) whose
-    graph and code are this rank's stage program, the one its schedule runs: it names the modules this stage holds."""
+    graph and code are this rank's stage program, the one its schedule runs: it names the modules this stage holds;
+    ``eval()``/``train()`` reach that program's modules and the whole program's."""
     assert isinstance(pm, dpcompile.ParallelModule) and isinstance(pm, fx.GraphModule), type(pm).__mro__
     assert pm.executor == "pipelining"
     code = pm.code
@@ -239,6 +240,8 @@ def assert_stage_is_a_parallel_module(pm: nn.Module) -> None:
     names = {path.replace(".", "_") for path in pm.module_paths}
     assert all(name in code for name in names), (sorted(names), code)
     assert [n.name for n in pm.graph.nodes] == [n.name for n in pm.program.graph.nodes], code
+    assert pm.eval() is pm and not any(m.training for m in (pm, pm.program, *pm.program.modules(), pm.whole))
+    assert pm.train() is pm and all(m.training for m in (pm, pm.program, *pm.program.modules(), pm.whole))
 
 
 def assert_whole_state_loads(pm: nn.Module, expected: dict[str, torch.Tensor]) -> None:

@@ -5,13 +5,14 @@ Each rank (one thread, as torchrun gives it) times, interleaved over ``--rounds`
 ``--steps`` steps each (the median round kept):
 
 - ``dpcompile``: ``transform(ResidualStack(2, 8), mesh, pipeline=2, micro_batches=M, schedule=...)``
-  training steps on a batch of 8 x 4 tokens (GPipe: M = 1, 2, 4, 8; 1F1B: M = 2, 4, 8);
+  training steps on a batch of 8 x 4 tokens (GPipe: M = 1, 2, 4, 8; 1F1B: M = 2, 4, 8), and data
+  parallel (``dp2``); ``--model mlp``: ``bench_planner_rank.py``'s MLP (8 blocks of 256, 8 x 64 tokens);
 - ``torch``: ``torch.distributed.pipelining`` alone, an ``nn.Linear(16, 16)`` per stage, GPipe, the
   same M: what the schedule itself costs per micro-batch;
 - ``message``: a blocking send/recv ping-pong of one float between the two processes (half a round
   trip: one message's latency, the wake-up of the process waiting for it included); ``p2p_batch``:
   the same through ``dist.batch_isend_irecv``, as the schedules send;
-- ``stage_call``: one rank's stage program (dpcompile's, for one micro-batch of 1 x 4 tokens) called
+- ``stage_call``: one rank's stage program (dpcompile's, for one micro-batch of 1 row: M = 8) called
   forward and its autograd backward, alone (no schedule, no message);
 - the calibration's figures, measured in the same rank: ``op_seconds`` and a gloo all-reduce's
   latency between two threads (``calibration._gloo_all_reduce``), and a thread-to-thread
@@ -20,9 +21,10 @@ Each rank (one thread, as torchrun gives it) times, interleaved over ``--rounds`
 Per schedule the least-squares slope of step time over M is the cost of one more micro-batch; it is
 reported in ms and as multiples of the message latency and of ``op_seconds``.
 
-    PYTHONPATH=. nice -n 5 python benchmarks/bench_pipeline_overhead.py [--rounds 8] [--steps 10]
+    PYTHONPATH=. nice -n 5 python benchmarks/bench_pipeline_overhead.py [--rounds 8] [--steps 10] [--model mlp]
 
-Writes ``benchmarks/results/pipeline_overhead.json`` (with ``uptime``: the load).
+Adds a run to ``benchmarks/results/pipeline_overhead.json`` (with ``uptime``: the load; every run is
+kept, since one run under load says little).
 """
 
 from __future__ import annotations
@@ -49,9 +51,35 @@ GPIPE_M = (1, 2, 4, 8)
 ONE_F_ONE_B_M = (2, 4, 8)
 
 
+#: ``--model``: (layers, width, tokens) of the ResidualStack timed (``mlp``: bench_planner_rank.py's MLP)
+MODELS = {"tiny": (2, 8, 4), "mlp": (8, 256, 64)}
+MODEL = os.environ.get("PIPELINE_OVERHEAD_MODEL", "tiny")  # the ranks read it: set by main before they start
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return torch.randn(8, 4, 16, generator=g), torch.randn(8, 4, 8, generator=g)
+    tokens = MODELS[MODEL][2]
+    return torch.randn(8, tokens, 16, generator=g), torch.randn(8, tokens, 8, generator=g)
+
+
+def _dp_step(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    x, y = _batch()
+    pm = dpcompile.transform(ResidualStack(*MODELS[MODEL][:2]), mesh, example_inputs=(x, y))
+    mine = local_batch((x, y), mesh)
+
+    def step() -> None:
+        pm(*mine).backward()
+        for p in pm.parameters():
+            p.grad = None
+
+    return step
 
 
 def _dpcompile_step(world: int, m: int, schedule: str) -> Any:
@@ -62,7 +90,7 @@ def _dpcompile_step(world: int, m: int, schedule: str) -> Any:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     x, y = _batch()
-    pm = dpcompile.transform(ResidualStack(2, 8), mesh, pipeline=world, micro_batches=m, schedule=schedule,
+    pm = dpcompile.transform(ResidualStack(*MODELS[MODEL][:2]), mesh, pipeline=world, micro_batches=m, schedule=schedule,
                              example_inputs=(x, y))  # fmt: skip
 
     def step() -> None:
@@ -172,6 +200,7 @@ def rank_main(rank: int, world: int, port: int, rounds: int, steps: int, results
             pm_one = pm_one or pm
         for m in ONE_F_ONE_B_M:
             cases[f"dpcompile 1f1b M={m}"] = (_dpcompile_step(world, m, "1f1b")[0], 1)
+        cases["dpcompile dp2"] = (_dp_step(world), 1)
         for m in GPIPE_M:
             cases[f"torch gpipe M={m}"] = (_torch_step(rank, world, m), 1)
         alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
@@ -249,7 +278,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     ns = parser.parse_args()
+    os.environ["PIPELINE_OVERHEAD_MODEL"] = ns.model  # the spawned ranks read it at import
     world = 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -287,7 +318,7 @@ def main() -> None:
     cal = {k: [f[k] for f in figures] for k in figures[0]}
     op_s = statistics.median(reports[0]["op_seconds"])  # rank 0's, between its rounds
     message = medians["message"]
-    out: dict[str, Any] = {"uptime_before": before, "uptime_after": _uptime(), "rounds": ns.rounds, "steps": ns.steps,
+    out: dict[str, Any] = {"model": ns.model, "uptime_before": before, "uptime_after": _uptime(), "rounds": ns.rounds, "steps": ns.steps,
                            "median_s": medians, "stage_call_s": stage_calls, "linear_call_s": linear_calls,
                            "calibration_before_after": cal, "slopes": {}}  # fmt: skip
     for label, prefix, ms in (("dpcompile gpipe", "dpcompile gpipe", GPIPE_M),
@@ -319,7 +350,8 @@ def main() -> None:
           f"{path * 1e3:.3f} ms = {path / message:.2f} messages; per transfer, over the calibration's message: "
           f"{path / 2 / calibrated:.2f}")  # fmt: skip
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1, default=str))
+    runs = json.loads(RESULTS.read_text()).get("runs", []) if RESULTS.exists() else []
+    RESULTS.write_text(json.dumps({"runs": [*runs, out]}, indent=1, default=str))  # every run kept: they are noisy
 
 
 if __name__ == "__main__":

@@ -44,14 +44,16 @@ ELEMENT_BYTES = 4
 #: DistributedDataParallel's gradient bucket
 DDP_BUCKET_BYTES = 25 * 2**20
 #: what one action of a pipeline's schedule costs beyond its stage's ops (a forward or a backward of
-#: one micro-batch: the schedule's bookkeeping, the autograd call, the loss), in forward ops' dispatch
-#: (``op_seconds``): torch's GPipe of one nn.Linear stage per rank, less the Linear's own call, per
-#: action, over ``op_seconds`` measured between the same rounds (benchmarks/bench_pipeline_overhead.py)
-SCHEDULE_ACTION_OPS = 10
-#: the share of a pipeline transfer's message latency that lies on the step's path (the receiver is
-#: often still busy when it arrives): torch's GPipe over 2 stages less over 1, per micro-batch, is
-#: 0.7-1.0 ping-pong latencies for its 2 transfers (benchmarks/bench_pipeline_overhead.py)
-MESSAGES_ON_PATH = 0.5
+#: one micro-batch: the schedule's bookkeeping, the autograd call, the loss), in the calibration's
+#: ``op_seconds``: torch's GPipe over one-stage pipelines of an nn.Linear, its slope per micro-batch
+#: less the Linear's own call, over 2 actions, is 1-10 ``op_seconds`` as calibrated before or after
+#: the run, median 6.9 of 10 such figures (5 runs at load averages 5-14; bench_pipeline_overhead.py)
+SCHEDULE_ACTION_OPS = 7
+#: the share of the calibration's message latency (``message_s``: a ping-pong between threads, which
+#: also pays the GIL's hand-over) a pipeline transfer puts on the step's path (the receiver is often
+#: still busy when it arrives): torch's GPipe over 2 stages less over 1, per micro-batch and transfer,
+#: is 0.09-0.36 of its mean before and after, median 0.15, over the same 5 runs
+MESSAGES_ON_PATH = 0.15
 
 
 def schedule_seconds(c: Calibration, training: bool) -> float:

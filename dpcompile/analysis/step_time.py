@@ -47,12 +47,13 @@ DDP_BUCKET_BYTES = 25 * 2**20
 #: one micro-batch: the schedule's bookkeeping, the autograd call, the loss), in the calibration's
 #: ``op_seconds``: torch's GPipe over one-stage pipelines of an nn.Linear, its slope per micro-batch
 #: less the Linear's own call, over 2 actions, is 1-10 ``op_seconds`` as calibrated before or after
-#: the run, median 6.9 of 10 such figures (5 runs at load averages 5-14; bench_pipeline_overhead.py)
-SCHEDULE_ACTION_OPS = 7
+#: the run, median 8.5 of 10 such figures (the 5 runs at load averages 6-14 in
+#: benchmarks/results/pipeline_overhead.json, bench_pipeline_overhead.py)
+SCHEDULE_ACTION_OPS = 8
 #: the share of the calibration's message latency (``message_s``: a ping-pong between threads, which
 #: also pays the GIL's hand-over) a pipeline transfer puts on the step's path (the receiver is often
 #: still busy when it arrives): torch's GPipe over 2 stages less over 1, per micro-batch and transfer,
-#: is 0.09-0.36 of its mean before and after, median 0.15, over the same 5 runs
+#: is 0.09-0.24 of its mean before and after, median 0.15, over the same 5 runs
 MESSAGES_ON_PATH = 0.15
 
 

@@ -22,6 +22,7 @@ Per schedule the least-squares slope of step time over M is the cost of one more
 reported in ms and as multiples of the message latency and of ``op_seconds``.
 
     PYTHONPATH=. nice -n 5 python benchmarks/bench_pipeline_overhead.py [--rounds 8] [--steps 10] [--model mlp]
+    PYTHONPATH=. python benchmarks/bench_pipeline_overhead.py --predict   # the model's slopes for the stored runs
 
 Adds a run to ``benchmarks/results/pipeline_overhead.json`` (with ``uptime``: the load; every run is
 kept, since one run under load says little).
@@ -265,6 +266,48 @@ def _calibration_figures(world: int) -> dict[str, float]:
         torch.set_num_threads(before)
 
 
+def predicted_slopes(run: dict[str, Any]) -> dict[str, float]:
+    """The cost model's seconds per micro-batch of the run's GPipe (least squares over M), with the
+    run's calibration figures (their mean before and after; reference FLOP/s and bytes/s: its stages
+    compute almost nothing), with its pipeline terms ("now") and without them ("before")."""
+    import tempfile
+
+    from dpcompile.analysis import calibration, step_time
+    from dpcompile.planner import plan_mesh_layouts
+
+    cal = {k: statistics.mean(v) for k, v in run["calibration_before_after"].items()}
+    figures = calibration.Calibration(5e10, 5e9, "cpu", "run", 2, calibration.available_cores(), cal["op_seconds"],
+                                      cal["all_reduce_latency_s"], 1e9, 2.0, cal["thread_message_s"])  # fmt: skip
+    layers, width, tokens = MODELS[run.get("model", "tiny")]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, tokens, 16, generator=g), torch.randn(8, tokens, 8, generator=g)
+    labels = ["rank0", "rank1"]
+    now = (step_time.SCHEDULE_ACTION_OPS, step_time.MESSAGES_ON_PATH, step_time.message_seconds)
+    before = (0, 1.0, lambda c: c.collective_latency_s)
+    out = {}
+    saved = os.environ.get("DPCOMPILE_CACHE_DIR"), os.environ.pop("DPCOMPILE_CALIBRATION", None)
+    with tempfile.TemporaryDirectory() as d:
+        os.environ["DPCOMPILE_CACHE_DIR"] = d
+        calibration._write_cache(calibration.cache_path("gloo2"), figures)
+        try:
+            for label, terms in (("before", before), ("now", now)):
+                step_time.SCHEDULE_ACTION_OPS, step_time.MESSAGES_ON_PATH, step_time.message_seconds = terms
+                planned = plan_mesh_layouts(ResidualStack(layers, width), labels, dict.fromkeys(labels, 1 << 40),
+                                            optimizer="sgd", training=True, example_inputs=(x, y),
+                                            example_kwargs=None)  # fmt: skip
+                times = {c.spec.micro_batches: c.step_time for c in planned.candidates
+                         if c.spec.size("pp") > 1 and c.spec.schedule == "gpipe" and not c.spec.checkpointing}  # fmt: skip
+                out[label] = slope([(m, times[m]) for m in GPIPE_M])
+        finally:
+            step_time.SCHEDULE_ACTION_OPS, step_time.MESSAGES_ON_PATH, step_time.message_seconds = now
+            for key, value in zip(("DPCOMPILE_CACHE_DIR", "DPCOMPILE_CALIBRATION"), saved):
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return out
+
+
 def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -279,7 +322,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--predict", action="store_true", help="only the model's slopes for the stored runs")
     ns = parser.parse_args()
+    if ns.predict:
+        for run in json.loads(RESULTS.read_text())["runs"]:
+            if run.get("model", "tiny") != "tiny":  # its compute counts, and the run recorded no FLOP/s
+                continue
+            measured = slope([(m, run["median_s"][f"dpcompile gpipe M={m}"]) for m in GPIPE_M])
+            got = predicted_slopes(run)
+            print(f"{run.get('model', 'tiny'):5s} load {run['uptime_before'].split('average:')[-1].strip():18s} GPipe "
+                  f"per micro-batch: measured {measured * 1e3:.2f} ms, predicted {got['now'] * 1e3:.2f} ms "
+                  f"(without the pipeline terms {got['before'] * 1e3:.2f} ms)")  # fmt: skip
+        return
     os.environ["PIPELINE_OVERHEAD_MODEL"] = ns.model  # the spawned ranks read it at import
     world = 2
     with socket.socket() as s:

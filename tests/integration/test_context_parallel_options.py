@@ -90,5 +90,6 @@ def test_auto_reads_the_cached_calibration_and_the_room_memory_per_device_leaves
     assert pm.strategies["cp"] == "context parallel (all-gather keys/values)"
     (call,) = dpcompile.explain(pm, x).context_parallel["calls"]
     left = call["costs"]["all-gather"]["transient_bytes"] + beyond - 1
-    assert call["why_not"]["all-to-all"] == f"its transient {call['costs']['all-to-all']['transient_bytes']:,} B is over the {left:,} B left for it"
+    held = call["costs"]["all-to-all"]["transient_bytes"]
+    assert call["why_not"]["all-to-all"] == f"its transient {held:,} B is over the {left:,} B left for it"
     torch.testing.assert_close(pm(x), model(x))

@@ -152,5 +152,7 @@ def test_cached_mesh_reads_the_cache_and_never_measures(measured, monkeypatch):
     calibration.calibrate_mesh(2)
     assert calibration.cached_mesh(2).source == "cache" and calibration.cached_mesh(2).message_s == 2e-4
     assert calibration.cached_mesh(4) == reference_mesh(4) and measured == [2]  # no cache of 4 ranks
+    monkeypatch.setenv("DPCOMPILE_CALIBRATION", "fresh")  # the cache as it is: measuring is calibrate_mesh's
+    assert calibration.cached_mesh(2).source == "cache" and measured == [2]
     monkeypatch.setenv("DPCOMPILE_CALIBRATION", "off")
     assert calibration.cached_mesh(2) == reference_mesh(2) and measured == [2]

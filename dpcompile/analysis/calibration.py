@@ -91,10 +91,11 @@ def _off() -> bool:
     return _setting() in ("off", "0", "false", "no")
 
 
-def _read_cache(path: Path, **expected: object) -> Calibration | None:
+def _read_cache(path: Path, *, fresh_too: bool = False, **expected: object) -> Calibration | None:
     """The cached calibration at ``path``; None where there is none, it is unreadable, of another
-    format version, or was measured where ``expected`` (the cores) differs."""
-    if _setting() == "fresh" or not path.is_file():
+    format version, was measured where ``expected`` (the cores) differs, or ``DPCOMPILE_CALIBRATION``
+    is ``fresh`` (unless ``fresh_too``: a reader that measures nothing)."""
+    if (_setting() == "fresh" and not fresh_too) or not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
@@ -163,15 +164,16 @@ def calibrate_mesh(ranks: int) -> Calibration:
 
 def cached_mesh(ranks: int, *, agree: bool = False) -> Calibration:
     """The constants of a mesh of ``ranks`` gloo processes without measuring anything: the cache
-    :func:`calibrate_mesh` wrote where it holds (the same cores), else :func:`reference_mesh` (so too
-    with ``DPCOMPILE_CALIBRATION=off``, or ``fresh``: nothing is measured here). ``agree`` in an
-    initialized process group: the first rank's, broadcast (every rank of the group calls it)."""
+    :func:`calibrate_mesh` wrote where it holds (the same cores; ``DPCOMPILE_CALIBRATION=fresh`` too:
+    nothing is measured here), else :func:`reference_mesh` (so too with ``DPCOMPILE_CALIBRATION=off``).
+    ``agree`` in an initialized process group: the first rank's, broadcast (every rank of the group
+    calls it)."""
     if _off():
         return reference_mesh(ranks)
     grouped = agree and torch.distributed.is_available() and torch.distributed.is_initialized()
     if grouped and torch.distributed.get_rank() != 0:
         return _agree(None, ranks)
-    found = _read_cache(cache_path(f"gloo{ranks}"), cores=available_cores()) or reference_mesh(ranks)
+    found = _read_cache(cache_path(f"gloo{ranks}"), fresh_too=True, cores=available_cores()) or reference_mesh(ranks)
     return _agree(found, ranks) if grouped else found
 
 

@@ -65,6 +65,8 @@ def planned_transform(
     )  # fmt: skip
     for candidate in planned.fitting:
         options = {**arguments, **candidate.keywords(), "memory_per_device": None}
+        if candidate.spec.size("cp") > 1:  # checked again as a named layout: its exchanges get the budget's room
+            options["memory_per_device"] = arguments["memory_per_device"]
         try:
             pm = build(model, devices, **options)
             if candidate.spec.schedule == "1f1b" and training:  # its step is planned at the first call: plan it now

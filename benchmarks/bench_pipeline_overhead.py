@@ -8,18 +8,23 @@ Each rank (one thread, as torchrun gives it) times, interleaved over ``--rounds`
   training steps on a batch of 8 x 4 tokens (GPipe: M = 1, 2, 4, 8; 1F1B: M = 2, 4, 8), and data
   parallel (``dp2``); ``--model mlp``: ``bench_planner_rank.py``'s MLP (8 blocks of 256, 8 x 64 tokens);
 - ``torch``: ``torch.distributed.pipelining`` alone, an ``nn.Linear(16, 16)`` per stage, GPipe, the
-  same M: what the schedule itself costs per micro-batch;
+  same M: what the schedule itself costs per micro-batch; ``torch alone``: the same over a pipeline
+  of one stage on each rank's own group (no message): the schedule's actions alone;
 - ``message``: a blocking send/recv ping-pong of one float between the two processes (half a round
   trip: one message's latency, the wake-up of the process waiting for it included); ``p2p_batch``:
   the same through ``dist.batch_isend_irecv``, as the schedules send;
 - ``stage_call``: one rank's stage program (dpcompile's, for one micro-batch of 1 row: M = 8) called
-  forward and its autograd backward, alone (no schedule, no message);
-- the calibration's figures, measured in the same rank: ``op_seconds`` and a gloo all-reduce's
-  latency between two threads (``calibration._gloo_all_reduce``), and a thread-to-thread
-  send/recv ping-pong (``calibration._gloo_message``, where it exists).
+  forward and its autograd backward, alone (no schedule, no message); ``linear_call``: the torch
+  stages' Linear so; ``op_seconds`` between the rounds;
+- and in the main process, before and after the ranks run (one thread, as ``calibrate_mesh``
+  measures them): the calibration's ``op_seconds``, a gloo all-reduce's latency and a message's
+  (``_gloo_message_seconds``: a ping-pong) between gloo groups on threads.
 
-Per schedule the least-squares slope of step time over M is the cost of one more micro-batch; it is
-reported in ms and as multiples of the message latency and of ``op_seconds``.
+Per schedule the least-squares slope of step time over M is the cost of one more micro-batch, in ms
+and as multiples of the message latency and of ``op_seconds``; a schedule action is ``torch alone``'s
+slope less the Linear's call, over 2 (what ``step_time.SCHEDULE_ACTION_OPS`` counts in the
+calibration's ``op_seconds``), the transfers' waits ``torch`` less ``torch alone`` (per transfer, over
+the calibration's message latency: ``step_time.MESSAGES_ON_PATH``).
 
     PYTHONPATH=. nice -n 5 python benchmarks/bench_pipeline_overhead.py [--rounds 8] [--steps 10] [--model mlp]
     PYTHONPATH=. python benchmarks/bench_pipeline_overhead.py --predict   # the model's slopes for the stored runs

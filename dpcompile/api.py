@@ -35,7 +35,7 @@ from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
 from dpcompile.modules.other_mode import OtherModePending
-from dpcompile.planned import check_layout_fits, plan_checkpointing, planned_transform, size_byte_budget
+from dpcompile.planned import check_layout_fits, headroom, plan_checkpointing, planned_transform, size_byte_budget
 from dpcompile.planning import plan_for_memory
 from dpcompile.progress import reporting_steps
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
@@ -179,6 +179,8 @@ def transform(
         else:  # a named layout: checked, not chosen
             estimate, layout_plan = check_layout_fits(model, all_devices, spec, memory_per_device, optimizer, training,
                                                       _example_tuple(example_inputs), example_kwargs)  # fmt: skip
+            if sequence_split:  # what the budget leaves each device beyond the prediction: the exchange's room
+                context_options = dataclasses.replace(context_options, memory_headroom=headroom(layout_plan))
         memory_per_device = None  # the layout is the user's: nothing left to choose
     activation_checkpointing = size_byte_budget(model, activation_checkpointing, layout, per_copy or micro_batches,
                                                 _example_tuple(example_inputs), example_kwargs, training)  # fmt: skip
@@ -362,7 +364,8 @@ def make_recipe(
               "checkpointed": checkpoint_paths(model, activation_checkpointing),
               "checkpoint_save": checkpoint_save_rule(activation_checkpointing), "dp_micro_batches": dp_micro_batches,
               "dp_devices": dp_devices, "context_exchange": context_options.exchange,
-              "context_load_balance": context_options.load_balance}  # fmt: skip
+              "context_load_balance": context_options.load_balance,
+              "context_memory_headroom": context_options.memory_headroom}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
         recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule,

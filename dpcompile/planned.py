@@ -28,8 +28,8 @@ from dpcompile.planned_mesh import planned_mesh_transform
 from dpcompile.planner import UNBUILT, Candidate, Planned, plan_layouts
 from dpcompile.planning import device_budgets
 
-__all__ = ["LAYOUT_DEFAULTS", "CheckpointPlan", "check_layout_fits", "plan_checkpointing", "planned_transform",
-           "size_byte_budget"]
+__all__ = ["LAYOUT_DEFAULTS", "CheckpointPlan", "check_layout_fits", "headroom", "plan_checkpointing",
+           "planned_transform", "size_byte_budget"]
 
 #: keywords that name a layout: plan="auto" chooses them
 LAYOUT_DEFAULTS = {"tensor_parallel": False, "pipeline": None, "mesh": None, "micro_batches": 1, "schedule": "gpipe",
@@ -65,6 +65,8 @@ def planned_transform(
     )  # fmt: skip
     for candidate in planned.fitting:
         options = {**arguments, **candidate.keywords(), "memory_per_device": None}
+        if candidate.spec.size("cp") > 1:  # checked again as a named layout: its exchanges get the budget's room
+            options["memory_per_device"] = arguments["memory_per_device"]
         try:
             pm = build(model, devices, **options)
             if candidate.spec.schedule == "1f1b" and training:  # its step is planned at the first call: plan it now
@@ -125,6 +127,13 @@ def check_layout_fits(
             "another layout (plan='auto' with memory_per_device= chooses one), a lighter optimizer or a smaller batch"
         )
     return planned.estimate(candidate, optimizer, training), planned
+
+
+def headroom(planned: Planned) -> int:
+    """The bytes the tightest device of ``planned``'s one candidate has left under its budget beyond
+    the prediction (0 where it is over)."""
+    (candidate,) = planned.candidates
+    return max(0, min(planned.budgets[d] - sum(kinds.values()) for d, kinds in candidate.per_device.items()))
 
 
 @dataclass

@@ -109,7 +109,8 @@ def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:
         return [lower, *exact_random_pipeline(options)]
     cp = options.context_options
     return [
-        functools.partial(choose_context_exchanges, options=cp, world=len(options.devices)),
+        functools.partial(choose_context_exchanges, options=cp, world=len(options.devices),
+                          ranks=options.context_ranks),
         lower,
         regather_keys_values,
         ring_exchange,

@@ -4,7 +4,11 @@ It runs on the program ``insert_sequence_exchange`` marked, before ``insert_scat
 every attention call still has its shapes: for each call it asks the cost model
 (:func:`dpcompile.analysis.context_exchange.choose_exchange`) which exchange runs it, and records
 the :class:`ExchangeChoice` on the module (``gm.meta[CHOICES]``) by the call's name, with the
-shapes the all-to-all's lowering reads (``gm.meta[SHAPES]``). The lowerings of the ring
+shapes the all-to-all's lowering reads (``gm.meta[SHAPES]``). The costs use the machine's cached
+mesh calibration where one exists (``calibrate_mesh`` of ``world`` ranks; nothing is measured here),
+else the reference gloo figures; under ``memory_per_device=`` an exchange fits where its transient is
+no more than the all-gather's (which the planner's prediction holds) plus the headroom the budget
+leaves (``options.memory_headroom``). The lowerings of the ring
 (``passes/ring_exchange.py``) and of the all-to-all (``passes/all_to_all_exchange.py``) rewrite the
 calls chosen for them; the rest keep the all-gather. What an exchange cannot serve (the ring:
 dropout, a mask that needs a gradient, a dtype but float32/float64, another device type, keys whose
@@ -24,12 +28,14 @@ import torch.fx as fx
 from dpcompile import runtime
 from dpcompile.analysis.batch_rules.attention import sdpa_arguments
 from dpcompile.analysis.batch_rules.context import node_shape
+from dpcompile.analysis.calibration import cached_mesh
 from dpcompile.analysis.context_exchange import (
     CHOICES_META,
     AttentionShape,
     ContextParallelOptions,
     ExchangeChoice,
     choose_exchange,
+    exchange_costs,
 )
 from dpcompile.analysis.heads_exchange import all_to_all_applies
 from dpcompile.analysis.sequence_exchange import is_sequence_marker
@@ -167,11 +173,23 @@ def find_exchange_sites(gm: fx.GraphModule) -> list[ExchangeSite]:
     return sites
 
 
+def _room(options: ContextParallelOptions, shape: AttentionShape, world: int, calibration: Any) -> int | None:
+    """The bytes an exchange's transient may take: the all-gather's, which the prediction under
+    ``memory_per_device=`` holds, plus the headroom the budget leaves (None: no budget)."""
+    if options.memory_headroom is None:
+        return None
+    return exchange_costs(shape, world, calibration)["all-gather"].transient_bytes + options.memory_headroom
+
+
 def choose_context_exchanges(gm: fx.GraphModule, *, options: ContextParallelOptions, world: int,
-                             calibration: Any = None) -> PassResult:  # fmt: skip
+                             calibration: Any = None, ranks: bool = False) -> PassResult:  # fmt: skip
     """Each marked attention call's exchange, and what the all-to-all reads of it, recorded in
-    ``gm.meta`` (see the module's docstring)."""
+    ``gm.meta`` (see the module's docstring; ``calibration``: None, the cached mesh calibration;
+    ``ranks``: the devices are ranks of a process group, which take the first rank's, so that
+    every rank chooses alike: a collective)."""
     sites = find_exchange_sites(gm)
+    if calibration is None and (sites or ranks):  # every rank joins the broadcast, with sites or not
+        calibration = cached_mesh(world, agree=ranks)
     choices: dict[str, ExchangeChoice] = {}
     for site in sites:
         ring_cannot = site.ring_cannot or ("load_balance=True: the ring's blocks are not balanced yet"
@@ -191,6 +209,7 @@ def choose_context_exchanges(gm: fx.GraphModule, *, options: ContextParallelOpti
                 "ask for 'all-gather'"
             )
         choices[call_name(site.node)] = choose_exchange(options, site.shape, world, calibration=calibration,
+                                                        memory_bytes=_room(options, site.shape, world, calibration),
                                                         cannot=cannot)  # fmt: skip
     gm.meta[CHOICES] = {**gm.meta.get(CHOICES, {}), **choices}
     gm.meta[SHAPES] = {**gm.meta.get(SHAPES, {}), **{call_name(site.node): site.shapes for site in sites}}

@@ -3,8 +3,9 @@ device-to-device copy, from a short run (well under a second), cached per device
 
 Over a mesh of ``n`` gloo processes (:func:`calibrate_mesh`) also: the FLOP/s of one rank's thread,
 the seconds of dispatch each forward op of a training step costs (its backward's included), the
-latency and bytes/s of a gloo all-reduce between ``n`` ranks (measured between ``n`` gloo groups
-on threads of this process: no process started), and the CPU cores the ranks share; cached per
+latency and bytes/s of a gloo all-reduce between ``n`` ranks and a point-to-point message's latency
+(measured between gloo groups on threads of this process: no process started), and the CPU cores
+the ranks share; cached per
 ``n`` as well, measured again where the cores changed. Inside a process group the first rank's
 figures are broadcast, so that every rank plans alike.
 
@@ -29,10 +30,10 @@ import torch
 
 log = logging.getLogger("dpcompile")
 
-__all__ = ["REFERENCE", "Calibration", "cache_path", "calibrate", "calibrate_mesh", "reference_mesh"]
+__all__ = ["REFERENCE", "Calibration", "cache_path", "cached_mesh", "calibrate", "calibrate_mesh", "reference_mesh"]
 
 #: the cache's format: a file of another version is measured again
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Calibration:
     Over a mesh (``ranks`` > 1, :func:`calibrate_mesh`): ``flops_per_s`` is one rank's (one
     thread), ``op_seconds`` the dispatch each forward op of a training step costs (its backward's
     included), ``collective_latency_s`` and ``collective_bytes_per_s`` a gloo all-reduce's fixed
-    cost and the bytes each rank sends per second, ``cores`` the CPU cores the ranks share and
+    cost and the bytes each rank sends per second, ``message_s`` a point-to-point message's latency
+    (a send the receiver waits for: a pipeline's transfers), ``cores`` the CPU cores the ranks share and
     ``concurrency`` how many ranks they run at once (measured: less than ``min(ranks, cores)`` where
     other work holds the cores)."""
 
@@ -57,6 +59,7 @@ class Calibration:
     collective_latency_s: float = 0.0
     collective_bytes_per_s: float = 0.0
     concurrency: float = 0.0  # how many of the ranks the CPUs run at once (0: as many as the cores allow)
+    message_s: float = 0.0  # a point-to-point message's latency (0: the all-reduce's, collective_latency_s)
 
 
 #: what ``DPCOMPILE_CALIBRATION=off`` uses: round figures of one CPU core (50 GFLOP/s, 5 GB/s)
@@ -65,9 +68,10 @@ REFERENCE = Calibration(flops_per_s=5e10, copy_bytes_per_s=5e9, device="any", so
 
 def reference_mesh(ranks: int) -> Calibration:
     """What ``DPCOMPILE_CALIBRATION=off`` uses over a mesh of ``ranks`` processes: :data:`REFERENCE`
-    with round gloo figures (20 us a forward op, 100 us and 1 GB/s an all-reduce), one core a rank."""
+    with round gloo figures (20 us a forward op, 100 us and 1 GB/s an all-reduce, 100 us a message),
+    one core a rank."""
     return replace(REFERENCE, ranks=ranks, cores=ranks, op_seconds=2e-5, collective_latency_s=1e-4,
-                   collective_bytes_per_s=1e9, concurrency=float(ranks))  # fmt: skip
+                   collective_bytes_per_s=1e9, concurrency=float(ranks), message_s=1e-4)  # fmt: skip
 
 
 def cache_path(device_type: str) -> Path:
@@ -87,10 +91,11 @@ def _off() -> bool:
     return _setting() in ("off", "0", "false", "no")
 
 
-def _read_cache(path: Path, **expected: object) -> Calibration | None:
+def _read_cache(path: Path, *, fresh_too: bool = False, **expected: object) -> Calibration | None:
     """The cached calibration at ``path``; None where there is none, it is unreadable, of another
-    format version, or was measured where ``expected`` (the cores) differs."""
-    if _setting() == "fresh" or not path.is_file():
+    format version, was measured where ``expected`` (the cores) differs, or ``DPCOMPILE_CALIBRATION``
+    is ``fresh`` (unless ``fresh_too``: a reader that measures nothing)."""
+    if (_setting() == "fresh" and not fresh_too) or not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
@@ -147,11 +152,28 @@ def calibrate_mesh(ranks: int) -> Calibration:
             at_once = _concurrency(min(ranks, cores))
         try:
             latency, bandwidth = _gloo_all_reduce(ranks)
+            message = _gloo_message_seconds(ranks)
         except RuntimeError as e:  # no loopback gloo here (a host name that does not resolve): round figures
-            log.warning("cannot time a gloo all-reduce (%s): the cost model uses %s", e, "100 us and 1 GB/s")
-            latency, bandwidth = reference_mesh(ranks).collective_latency_s, reference_mesh(ranks).collective_bytes_per_s
-        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once)
+            log.warning("cannot time gloo (%s): the cost model uses %s", e, "100 us and 1 GB/s")
+            ref = reference_mesh(ranks)
+            latency, bandwidth, message = ref.collective_latency_s, ref.collective_bytes_per_s, ref.message_s
+        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once, message)
         _write_cache(path, found)
+    return _agree(found, ranks) if grouped else found
+
+
+def cached_mesh(ranks: int, *, agree: bool = False) -> Calibration:
+    """The constants of a mesh of ``ranks`` gloo processes without measuring anything: the cache
+    :func:`calibrate_mesh` wrote where it holds (the same cores; ``DPCOMPILE_CALIBRATION=fresh`` too:
+    nothing is measured here), else :func:`reference_mesh` (so too with ``DPCOMPILE_CALIBRATION=off``).
+    ``agree`` in an initialized process group: the first rank's, broadcast (every rank of the group
+    calls it)."""
+    if _off():
+        return reference_mesh(ranks)
+    grouped = agree and torch.distributed.is_available() and torch.distributed.is_initialized()
+    if grouped and torch.distributed.get_rank() != 0:
+        return _agree(None, ranks)
+    found = _read_cache(cache_path(f"gloo{ranks}"), fresh_too=True, cores=available_cores()) or reference_mesh(ranks)
     return _agree(found, ranks) if grouped else found
 
 
@@ -164,7 +186,7 @@ def available_cores() -> int:
 
 
 _NUMBERS = ("flops_per_s", "copy_bytes_per_s", "cores", "op_seconds", "collective_latency_s", "collective_bytes_per_s",
-            "concurrency")  # fmt: skip
+            "concurrency", "message_s")  # fmt: skip
 
 
 def _agree(mine: Calibration | None, ranks: int) -> Calibration:
@@ -312,6 +334,46 @@ def _gloo_all_reduce(ranks: int, large: int = 1 << 20) -> tuple[float, float]:
     big = max(seconds[(r, large)] for r in range(ranks))
     sent = 2 * (ranks - 1) / ranks * large * 4
     return latency, sent / max(big - latency, 1e-9)
+
+
+def _gloo_message_seconds(ranks: int = 2, window: float = 0.1) -> float:
+    """Seconds of one point-to-point message of one float between two gloo groups on threads of this
+    process, each waiting for the other's (half a ping-pong's round trip, its mean: every wake-up of
+    the waiting side counts, as a pipeline's sends and receives pay it)."""
+    from torch.distributed import HashStore, ProcessGroupGloo
+
+    if ranks < 2:
+        return 0.0
+    store = HashStore()
+    groups: list = [None, None]
+    seconds = [0.0, 0.0]
+
+    def join(rank: int) -> None:
+        groups[rank] = ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+
+    def ping_pong(rank: int) -> None:
+        t, peer, group = torch.zeros(1), 1 - rank, groups[rank]
+
+        def round_trip() -> None:
+            for sender in (0, 1):
+                (group.send if rank == sender else group.recv)([t], peer, 0).wait()
+
+        for _ in range(3):  # warm up
+            round_trip()
+        count, start = 0, time.perf_counter()
+        while count < 2000:
+            round_trip()
+            count += 1
+            if count % 16 == 0:  # both sides stop after the same count: the peer decides with rank 0
+                done = torch.tensor([float(time.perf_counter() - start >= window)])
+                (group.send if rank == 0 else group.recv)([done], peer, 1).wait()
+                if done.item():
+                    break
+        seconds[rank] = (time.perf_counter() - start) / (2 * count)
+
+    _on_threads(join, 2)
+    _on_threads(ping_pong, 2)
+    return max(max(seconds), 1e-9)
 
 
 def _on_threads(run, ranks: int) -> None:  # noqa: ANN001 - run(rank)

@@ -37,10 +37,13 @@ EXCHANGE_NAMES = {
 
 @dataclass(frozen=True)
 class ContextParallelOptions:
-    """``context_parallel=`` checked: the exchange asked for (``"auto"``: chosen) and load balancing."""
+    """``context_parallel=`` checked: the exchange asked for (``"auto"``: chosen) and load balancing;
+    ``memory_headroom``: the bytes each device has left under ``memory_per_device=`` beyond the
+    planner's prediction, which holds the all-gather's keys and values (None: no budget given)."""
 
     exchange: str = "auto"
     load_balance: bool | str = "auto"
+    memory_headroom: int | None = None
 
 
 DEFAULT_OPTIONS = ContextParallelOptions()
@@ -50,7 +53,7 @@ def parse_context_parallel(value: Any) -> ContextParallelOptions:
     """``context_parallel=`` (None, or a dict with ``"exchange"`` and/or ``"load_balance"``) checked.
 
     >>> parse_context_parallel({"exchange": "all-gather"})
-    ContextParallelOptions(exchange='all-gather', load_balance='auto')
+    ContextParallelOptions(exchange='all-gather', load_balance='auto', memory_headroom=None)
     """
     if value is None:
         return DEFAULT_OPTIONS
@@ -141,7 +144,8 @@ class ExchangeChoice:
 
 def exchange_costs(shape: AttentionShape, world: int, calibration: Any = None) -> dict[str, ExchangeCost]:
     """Each exchange's :class:`ExchangeCost` for ``shape`` over ``world`` devices (``calibration``:
-    a :class:`dpcompile.analysis.calibration.Calibration`; None: the reference gloo figures).
+    a :class:`dpcompile.analysis.calibration.Calibration`; None: the reference gloo figures;
+    ``choose_context_exchanges`` passes the machine's cached mesh calibration).
 
     - all-gather: ``(N-1)/N`` of the keys and values, gathered in forward, again in backward, and
       their gradients reduce-scattered (3 collectives); it holds every shard of the keys and values.

@@ -19,7 +19,11 @@ it dispatches and what it waits for, with no overlap:
   sharded layers (two distinct inputs: q, k, v read one), micro-batch and direction (forward of the
   row layer, backward of the column one); data or tensor parallel alone, one all-gather checking that
   the ranks call alike; a pipeline stage, one transfer per boundary it
-  sits at, micro-batch and direction (its values forward, their gradients backward);
+  sits at, micro-batch and direction (its values forward, their gradients backward): its bytes,
+  and :data:`MESSAGES_ON_PATH` of a point-to-point message's latency (``message_s``);
+- a pipeline stage's schedule (``torch.distributed.pipelining``), per micro-batch, one action
+  forward and one backward (:data:`SCHEDULE_ACTION_OPS` forward ops' dispatch each): its
+  bookkeeping, the autograd call and the loss, beyond the stage's own ops;
 - a pipeline runs ``M + S - 1`` slots of its slowest stage's per-micro-batch time;
 - but no faster than the CPUs run every rank's computing and dispatching: their sum over the ranks
   the CPUs run at once (``calibration.concurrency``, measured: fewer than the ranks where the cores
@@ -33,12 +37,34 @@ from collections.abc import Sequence
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, Unit
 
-__all__ = ["step_seconds"]
+__all__ = ["MESSAGES_ON_PATH", "SCHEDULE_ACTION_OPS", "message_seconds", "schedule_seconds", "step_seconds"]
 
 #: the bytes of one element the cost model moves (float32)
 ELEMENT_BYTES = 4
 #: DistributedDataParallel's gradient bucket
 DDP_BUCKET_BYTES = 25 * 2**20
+#: what one action of a pipeline's schedule costs beyond its stage's ops (a forward or a backward of
+#: one micro-batch: the schedule's bookkeeping, the autograd call, the loss), in the calibration's
+#: ``op_seconds``: torch's GPipe over one-stage pipelines of an nn.Linear, its slope per micro-batch
+#: less the Linear's own call, over 2 actions, is 1-10 ``op_seconds`` as calibrated before or after
+#: the run, median 8.5 of 10 such figures (the 5 runs at load averages 6-14 in
+#: benchmarks/results/pipeline_overhead.json, bench_pipeline_overhead.py)
+SCHEDULE_ACTION_OPS = 8
+#: the share of the calibration's message latency (``message_s``: a ping-pong between threads, which
+#: also pays the GIL's hand-over) a pipeline transfer puts on the step's path (the receiver is often
+#: still busy when it arrives): torch's GPipe over 2 stages less over 1, per micro-batch and transfer,
+#: is 0.09-0.24 of its mean before and after, median 0.15, over the same 5 runs
+MESSAGES_ON_PATH = 0.15
+
+
+def schedule_seconds(c: Calibration, training: bool) -> float:
+    """A pipeline stage's schedule work per micro-batch: an action forward (and one backward)."""
+    return (2 if training else 1) * SCHEDULE_ACTION_OPS * c.op_seconds
+
+
+def message_seconds(c: Calibration) -> float:
+    """A point-to-point message's latency (an older calibration without one: the all-reduce's)."""
+    return c.message_s or c.collective_latency_s
 
 
 def batch_fraction(batch: int | None, d: int) -> float:
@@ -97,13 +123,17 @@ def _mesh_seconds(
     def collective(ring_bytes: float, calls: float) -> float:
         return calls * c.collective_latency_s + ring_bytes / bandwidth
 
+    def messages(sent_bytes: float, count: float) -> float:
+        return count * message_seconds(c) + sent_bytes / bandwidth
+
     busy, waits = [], []  # per stage and micro-batch: one rank's computing and dispatching, and its collectives
     for s, units in enumerate(stages):
         share = batch_fraction(profile.batch, d) / t
         again = 1.5 if checkpointing and training else 1.0  # the blocks' forward once more
         written = sum(u.op_bytes for u in units) * again * (3 if training else 1) * share
         compute = _work_flops(units, training, checkpointing) * share / c.flops_per_s + written / c.copy_bytes_per_s
-        busy.append(compute / m + sum(u.ops for u in units) * again * c.op_seconds)
+        dispatch = sum(u.ops for u in units) * again * c.op_seconds
+        busy.append(compute / m + dispatch + (schedule_seconds(c, training) if s_count > 1 else 0.0))
         wait = 0.0
         if t > 1:  # Megatron pairs: a column layer's input and the row layer after it, one all-reduce each way
             pairs = sum(u.linear_inputs for u in units) / 2
@@ -112,7 +142,7 @@ def _mesh_seconds(
         if s_count > 1:  # per boundary it sits at: forward its values, backward their gradients
             sides = [stages[k][0].input_bytes for k in (s, s + 1) if 0 < k < s_count]
             moved = sum(sides) * batch_fraction(profile.batch, d) / m
-            wait += collective(moved * directions, len(sides) * directions)
+            wait += messages(moved * directions, len(sides) * directions * MESSAGES_ON_PATH)
         waits.append(wait)
     path = max(b + w for b, w in zip(busy, waits)) * (m + s_count - 1)  # the schedule's slots of the slowest stage
     work = sum(busy) * m * d * t / at_once + max(waits) * m  # every rank's work, as many at once as the CPUs run

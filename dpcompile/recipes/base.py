@@ -38,11 +38,12 @@ class Recipe:
     dp_devices: tuple[tuple[str, ...], ...] | None = None  # each dp copy's devices (passes.place_dp_copies)
     context_exchange: str = "auto"  # context_parallel={"exchange": ...}: how a cp dim exchanges keys and values
     context_load_balance: bool | str = "auto"  # context_parallel={"load_balance": ...}
+    context_memory_headroom: int | None = None  # memory_per_device= less the prediction: the exchange's room
 
     @property
     def context_options(self) -> ContextParallelOptions:
         """``context_parallel=`` as the passes read it (kept as plain fields: a recipe exports as data)."""
-        return ContextParallelOptions(self.context_exchange, self.context_load_balance)
+        return ContextParallelOptions(self.context_exchange, self.context_load_balance, self.context_memory_headroom)
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> nn.Module:
         """``model`` compiled into this recipe's kind of ``ParallelModule``."""

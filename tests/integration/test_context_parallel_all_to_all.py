@@ -259,10 +259,12 @@ def check_all_to_all_over_a_cp_mesh() -> None:
     assert_cp_rank_lm_step_equals_eager(pm, model, eager, _inputs(12, 12), mesh)  # the blocks: uneven shards
 
 
-def test_auto_takes_the_all_to_all_where_the_cost_model_finds_it_fastest():
+def test_auto_takes_the_all_to_all_where_the_cost_model_finds_it_fastest(monkeypatch):
     """At 2,048 tokens of 2 heads of 32 the all-to-all moves fewer bytes than the all-gather (its queries, keys, values
     and output, ``(N-1)/N**2`` each way, against the keys and values' ``(N-1)/N`` three times), and the
-    bytes outweigh its extra messages: ``"auto"`` lowers it, equal to eager; explain says why the others lost."""
+    bytes outweigh its extra messages (the reference gloo figures, not this machine's cached ones): ``"auto"``
+    lowers it, equal to eager; explain says why the others lost."""
+    monkeypatch.setenv("DPCOMPILE_CALIBRATION", "off")
     torch.manual_seed(0)
     x = torch.randn(1, 2048, 16, dtype=torch.float64)
     model = GroupedQueryAttention(heads=2, kv_heads=2, head_dim=32)

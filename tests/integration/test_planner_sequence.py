@@ -120,6 +120,7 @@ def test_plan_auto_chooses_context_parallel_for_a_long_sequence():
     pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), memory_per_device=budget, optimizer="sgd",
                              plan="auto")  # fmt: skip
     assert pm.layout == {"cp": 2} and pm.memory_plan.peak == budget
+    assert pm.recipe.context_memory_headroom == 0  # the budget's room beyond the prediction, for the exchange
     rows = {c["name"]: c for c in dpcompile.explain(pm, x).candidates}
     assert rows["cp2"]["rejected"] is None and rows["tp2"]["rejected"].startswith("does not fit")
     assert rows["tp2+sp"]["rejected"].startswith("fits, but predicted slower than cp2")

@@ -1,0 +1,101 @@
+"""The step times a run of ``bench_planner_rank.py`` measured, predicted again by the current cost model
+and by the model without its pipeline terms (``step_time.SCHEDULE_ACTION_OPS`` 0, each transfer a
+whole all-reduce latency: the model before them), with the run's own calibration: Spearman's rank
+correlation of each against the same measurements (no step is run again, so the two compare on one
+set of noise).
+
+    PYTHONPATH=. python benchmarks/repredict_planner_rank.py [benchmarks/results/planner_rank.json] [--only mlp_stack]
+
+A calibration cached without ``message_s`` (an older run) is read with the all-reduce's latency in its place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_planner_rank import RESULTS, plan, spearman  # noqa: E402
+
+
+@contextlib.contextmanager
+def _calibration_of(run: dict[str, Any]) -> Any:
+    """``calibrate_mesh`` reads the run's calibration (a cache of it, in a directory of its own)."""
+    from dpcompile.analysis import calibration
+
+    figures = {k: v for k, v in run["calibration"].items() if k != "source"}
+    with tempfile.TemporaryDirectory() as d:
+        before = os.environ.get("DPCOMPILE_CACHE_DIR")
+        os.environ["DPCOMPILE_CACHE_DIR"] = d
+        found = calibration.Calibration(**figures)
+        calibration._write_cache(calibration.cache_path(f"gloo{found.ranks}"), found)
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["DPCOMPILE_CACHE_DIR"]
+            else:
+                os.environ["DPCOMPILE_CACHE_DIR"] = before
+
+
+@contextlib.contextmanager
+def _without_pipeline_terms() -> Any:
+    from dpcompile.analysis import step_time
+
+    saved = (step_time.SCHEDULE_ACTION_OPS, step_time.MESSAGES_ON_PATH, step_time.message_seconds)
+    step_time.SCHEDULE_ACTION_OPS, step_time.MESSAGES_ON_PATH = 0, 1.0
+    step_time.message_seconds = lambda c: c.collective_latency_s
+    try:
+        yield
+    finally:
+        step_time.SCHEDULE_ACTION_OPS, step_time.MESSAGES_ON_PATH, step_time.message_seconds = saved
+
+
+def predicted(name: str, world: int) -> dict[str, float]:
+    fitting, _, _ = plan(name, world)
+    return {c.spec.name: c.step_time for c in fitting}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results", nargs="?", default=str(RESULTS))
+    parser.add_argument("--only", default="")
+    ns = parser.parse_args()
+    data = json.loads(Path(ns.results).read_text())
+    pooled: dict[str, tuple[list[float], list[float]]] = {"before": ([], []), "now": ([], [])}
+    for name, run in data["models"].items():
+        if ns.only and name not in ns.only.split(","):
+            continue
+        rows = [r for r in run["rows"] if r["measured_s"] is not None]
+        with _calibration_of(run):
+            now = predicted(name, data["world"])
+            with _without_pipeline_terms():
+                before = predicted(name, data["world"])
+        line = [f"{name} (load: {run.get('uptime_after', '?').split('load average:')[-1].strip()})"]
+        for label, table in (("before", before), ("now", now)):
+            done = [r for r in rows if r["layout"] in table]
+            xs, ys = [table[r["layout"]] for r in done], [r["measured_s"] for r in done]
+            rho = spearman(xs, ys)
+            line.append(f"{label} rho={rho:.2f}" if rho is not None else f"{label} rho=-")
+            if len(done) > 1:
+                px, py = statistics.median(xs), statistics.median(ys)
+                pooled[label][0].extend(x / px for x in xs)
+                pooled[label][1].extend(y / py for y in ys)
+        print("  ".join(line))
+        for r in rows:
+            print(f"    {r['layout']:16s} measured {r['measured_s'] * 1e3:8.1f} ms  predicted before "
+                  f"{before.get(r['layout'], float('nan')) * 1e3:8.1f}  now {now.get(r['layout'], float('nan')) * 1e3:8.1f}")  # fmt: skip
+    for label, (xs, ys) in pooled.items():
+        rho = spearman(xs, ys)
+        print(f"pooled {label}: {rho:.2f}" if rho is not None else f"pooled {label}: -")
+
+
+if __name__ == "__main__":
+    main()

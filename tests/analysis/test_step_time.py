@@ -1,0 +1,67 @@
+"""The mesh step-time model's pipeline terms (``dpcompile.analysis.step_time``): the schedule's work
+per action and the point-to-point message latency of each transfer, each varied alone on a
+hand-made profile with round constants (exact expectations; nothing is timed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpcompile.analysis.calibration import Calibration
+from dpcompile.analysis.model_profile import ModelProfile, Unit
+from dpcompile.analysis.step_time import MESSAGES_ON_PATH, SCHEDULE_ACTION_OPS, step_seconds
+
+
+def _profile(training: bool = True) -> ModelProfile:
+    """Two blocks of 1e6 forward FLOPs and 10 ops each; the second's input is 8000 bytes."""
+    units = [Unit(f"b{i}", block=True, param_bytes=256, grad_bytes=256, input_bytes=8000, flops=10**6, ops=10)
+             for i in range(2)]  # fmt: skip
+    return ModelProfile(units, batch=8, training=training, optimizer="sgd")
+
+
+#: 1 GFLOP/s, 1 ms an op, 10 ms an all-reduce's latency, 1 MB/s, 2 ranks on 2 cores run at once
+MESH = Calibration(1e9, 1e9, ranks=2, cores=2, op_seconds=1e-3, collective_latency_s=1e-2, collective_bytes_per_s=1e6,
+                   concurrency=2.0)  # fmt: skip
+
+
+def _pipeline(p: ModelProfile, m: int, c: Calibration) -> float:
+    return step_seconds(p, {"pp": 2}, [[p.units[0]], [p.units[1]]], m, False, c)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_a_pipeline_slot_holds_the_schedule_actions_and_half_of_each_message(m):
+    """Per micro-batch a stage computes 3e6 / M FLOPs, dispatches its 10 ops and its schedule's 2 actions
+    (forward, backward) of SCHEDULE_ACTION_OPS ops each, and waits for its boundary's 2 transfers (8000 bytes
+    over M micro-batches each) with MESSAGES_ON_PATH of a message's latency each: 20 ms given, not the
+    all-reduce's 10 ms; M + 1 such slots."""
+    with_message = Calibration(**{**MESH.__dict__, "message_s": 2e-2})
+    busy = 3e6 / m / 1e9 + 10 * 1e-3 + 2 * SCHEDULE_ACTION_OPS * 1e-3
+    wait = 2 * MESSAGES_ON_PATH * 2e-2 + 2 * 8000 / m / 1e6
+    assert _pipeline(_profile(), m, with_message) == pytest.approx((m + 1) * (busy + wait))
+    # without a message latency (a calibration of the older format): the all-reduce's
+    wait_older = 2 * MESSAGES_ON_PATH * 1e-2 + 2 * 8000 / m / 1e6
+    assert _pipeline(_profile(), m, MESH) == pytest.approx((m + 1) * (busy + wait_older))
+
+
+def test_forward_only_counts_one_action_and_one_transfer_a_micro_batch():
+    """Without training: 1e6 / 4 FLOPs, 10 ops, one action, the forward transfer only."""
+    busy = 1e6 / 4 / 1e9 + 10 * 1e-3 + SCHEDULE_ACTION_OPS * 1e-3
+    wait = MESSAGES_ON_PATH * 1e-2 + 8000 / 4 / 1e6
+    assert _pipeline(_profile(training=False), 4, MESH) == pytest.approx(5 * (busy + wait))
+
+
+def test_the_pipeline_terms_leave_data_and_tensor_parallel_alone():
+    """No stage boundary, no schedule: a message latency and the action count change nothing there."""
+    p = _profile()
+    other = Calibration(**{**MESH.__dict__, "message_s": 5.0})
+    for layout in ({"dp": 2}, {"tp": 2}):
+        assert step_seconds(p, layout, [p.units], 1, False, other) == step_seconds(p, layout, [p.units], 1, False, MESH)
+
+
+def test_each_added_micro_batch_costs_a_slot_of_fixed_work():
+    """Compute divides over the micro-batches; the fixed work of a slot (ops, actions, latencies) does not:
+    from M to M + 1 the step grows by that fixed work, less the bubble's shrinking compute."""
+    c = Calibration(**{**MESH.__dict__, "message_s": 2e-2})
+    fixed = 10 * 1e-3 + 2 * SCHEDULE_ACTION_OPS * 1e-3 + 2 * MESSAGES_ON_PATH * 2e-2
+    per_m = {m: _pipeline(_profile(), m, c) for m in (4, 8)}
+    # (M + 1) * (3e-3 / M + 16e-3 / M + fixed): the compute and the bytes shrink per slot, the fixed work does not
+    assert per_m[8] - per_m[4] == pytest.approx(4 * fixed + (9 / 8 - 5 / 4) * (3e-3 + 16e-3))

@@ -203,6 +203,8 @@ class PipelineTensorParallelRecipe(Recipe):
         pm.set_stage_groups(groups)
         if isinstance(model, fx.GraphModule) and (exported := model.meta.get(EXPORTED_FROM)) is not None:
             pm.__dict__["exported_inputs"] = (exported.inputs, type(exported.model).__name__)  # build_program checks
+        if example_inputs is not None and self.check_available:  # shapes for the programs export builds ahead
+            pm.__dict__[EXAMPLE_SHAPES] = [_on_meta(v) for v in example_inputs]
         held = pm.param_bytes_per_slot()
         stages = [
             Stage(s, ",".join(groups[s].strings()), stage_plan.module_paths[s], stage_plan.weights[s],
@@ -282,7 +284,7 @@ class PipelineTensorParallelRecipe(Recipe):
         if (exported := pm.__dict__.get("exported_inputs")) is not None:  # export fixed these shapes: say which
             check_inputs(exported[0], args, kwargs, exported[1])
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = bind_inputs(pm, args, kwargs) if args or kwargs else None
+        values = bind_inputs(pm, args, kwargs) if args or kwargs else _example_shapes(pm, key)
         with modes_applied(source, key.modes), mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             example = None if values is None else tree_map(
@@ -401,6 +403,25 @@ def pipeline_tensor_parallel_recipe(
         schedule=schedule, batch_dim=batch_dim, plan=plan, sequence_parallel=sequence_parallel,
     )  # fmt: skip
 
+
+
+#: ``pm.__dict__`` key: the examples transform was given, as meta tensors (shapes and dtypes only)
+EXAMPLE_SHAPES = "example_shapes"
+
+
+def _on_meta(value: Any) -> Any:
+    return tree_map(lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, value)
+
+
+def _example_shapes(pm: PipelineTensorParallelModule, key: CallKey) -> list[Any] | None:
+    """The examples' shapes for a program built without a call's inputs (export builds every mode's
+    ahead): the plan transform applied shards attention by heads only where shapes show them, so a
+    build without shapes would shard otherwise and be refused. Arguments the key leaves None, None."""
+    examples = pm.__dict__.get(EXAMPLE_SHAPES)
+    if examples is None:
+        return None
+    names = [str(n.target).lstrip("*") for n in pm.graph.nodes if n.op == "placeholder"]
+    return [None if name in key.none_args else value for name, value in zip(names, examples)]
 
 __all__ = [
     "PipelineTensorParallelRecipe",

@@ -43,7 +43,7 @@ from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.capture import EXPORTED_FROM
 from dpcompile.capture.inputs import check_inputs
 from dpcompile.devices import Devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, fake_copy_to_trace
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
@@ -141,7 +141,7 @@ class PipelineTensorParallelRecipe(Recipe):
         inside = inside_sharded_regions(gm, resolve_plan(gm, plan=styles, n=shards).analysis.layouts)
         stage_plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights, no_cut_before=inside)
         if stage_plan.stages * shards != len(self.devices):
-            raise ValueError(
+            raise ArgumentError(
                 f"pipeline={self.stages!r} makes {stage_plan.stages} stages of {shards} tensor-parallel shards "
                 f"({stage_plan.stages} x {shards} = {stage_plan.stages * shards}), but {len(self.devices)} devices "
                 "were given"
@@ -335,7 +335,7 @@ def source_to_compile_again(model: nn.Module, device: torch.device) -> nn.Module
 def stage_groups(devices: Devices, stages: int) -> list[Devices]:
     """``devices`` cut into ``stages`` groups of ``len(devices) // stages``, in order."""
     if stages < 1 or len(devices) % stages:
-        raise ValueError(
+        raise ArgumentError(
             f"pipeline= with tensor_parallel= runs each of the {stages} stages on an equal group of devices, but "
             f"{len(devices)} devices do not divide into {stages} groups ({len(devices)} % {stages} = "
             f"{len(devices) % stages if stages else len(devices)}); pass stages x shards devices"

@@ -235,7 +235,7 @@ def transform(
                 frontend=frontend,
                 batch_dim=batch_dim,
                 dynamic_dims=dynamic_dims,
-                lazy_other_mode=True,
+                lazy_other_mode=not fsdp_copies,  # FSDP's pieces are made once, on the program of both modes
             )
     if fsdp_copies and fsdp_copies > 1:
         shard_over_dp(pm)

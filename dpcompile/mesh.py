@@ -100,6 +100,11 @@ def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:
 
     >>> x_local, y_local = local_batch((x, y), mesh)  # doctest: +SKIP
     """
+    if not is_device_mesh(mesh):
+        raise ArgumentError(
+            f"local_batch(value, mesh): mesh must be a torch.distributed DeviceMesh (the one transform was given), "
+            f"got {type(mesh).__name__}"
+        )
     names = tuple(mesh.mesh_dim_names or ())
     if names == ("cp", "tp"):  # the cp rank's part of the sequence, the same on its tp ranks
         return local_batch(value, mesh["cp"])

@@ -226,3 +226,26 @@ def test_a_bad_argument_is_a_dpcompile_error_naming_it_and_changes_nothing(case)
     assert isinstance(error.value, dpcompile.DpCompileError) and isinstance(error.value, ValueError)
     assert named in str(error.value)
     assert model.training and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+BAD_CALLS = {  # the public function called with a model where pm is due, or a value of the wrong kind
+    "save_checkpoint": lambda tmp: dpcompile.save_checkpoint(MLP(), tmp / "ckpt"),  # was a TypeError from super()
+    "load_checkpoint": lambda tmp: dpcompile.load_checkpoint(MLP(), tmp / "ckpt"),
+    "export": lambda tmp: dpcompile.export(MLP(), tmp / "folder"),
+    "draw": lambda tmp: dpcompile.draw(MLP(), tmp / "graph.svg"),  # was an AttributeError
+    "verify": lambda tmp: dpcompile.verify(torch.randn(2), MLP(), torch.randn(2, 8)),
+    "local_batch": lambda tmp: dpcompile.local_batch(torch.randn(4, 2), ["cpu", "cpu"]),  # was an AttributeError
+    "register_batch_rule target": lambda tmp: dpcompile.register_batch_rule(3, "elementwise"),
+    "register_batch_rule rule": lambda tmp: dpcompile.register_batch_rule(torch.sin, "sideways"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_the_other_public_functions_refuse_bad_arguments_by_name(case, tmp_path):
+    """save_checkpoint, load_checkpoint, export, draw, verify, local_batch and register_batch_rule given
+    a model where pm is due (or a value of the wrong kind) raise ArgumentError, a DpCompileError that
+    is a ValueError and a TypeError too, naming the function's argument; nothing is written."""
+    with pytest.raises(dpcompile.ArgumentError) as error:
+        BAD_CALLS[case](tmp_path)
+    assert isinstance(error.value, (ValueError, TypeError)) and str(error.value)
+    assert not list(tmp_path.iterdir())

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note, random_draws_of
+from dpcompile.errors import ArgumentError
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
 from dpcompile.verify.result import (
@@ -305,7 +306,7 @@ def _check_modules(pm: object, model: object) -> None:
     """``verify(pm, model, *inputs)``: both modules first, then the inputs."""
     for name, value in (("pm", pm), ("model", model)):
         if not isinstance(value, nn.Module):
-            raise TypeError(
+            raise ArgumentError(
                 f"verify(pm, model, *inputs): {name} must be a module, got {type(value).__name__}; pass the "
                 "ParallelModule and the model first, then the inputs forward takes"
             )

@@ -281,7 +281,7 @@ class PipelineTensorParallelRecipe(Recipe):
         source = pm.traced_model
         if source is None:
             raise pm.cannot_trace_again(key)
-        if (exported := pm.__dict__.get("exported_inputs")) is not None:  # export fixed these shapes: say which
+        if (exported := pm.__dict__.get("exported_inputs")) is not None and (args or kwargs):  # export fixed these
             check_inputs(exported[0], args, kwargs, exported[1])
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         values = bind_inputs(pm, args, kwargs) if args or kwargs else _example_shapes(pm, key)

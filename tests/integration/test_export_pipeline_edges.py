@@ -152,3 +152,18 @@ def test_dp_tp_copies_given_examples_export_their_eval_program(tmp_path):
     loaded = dpcompile.load(tmp_path / "heads").eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model.eval()(x))
+
+
+def test_dp_tp_copies_of_a_program_torch_export_captured_export_their_eval_program(tmp_path):
+    """A model fx cannot trace (a shape branch: captured with torch.export): export built the eval
+    program with no call's inputs, which the check of the exported inputs refused ('input_ids' is
+    missing), so the loaded module refused pm.eval() calls."""
+    from tests.capture.test_export_frontend import Block
+
+    x = torch.randn(4, 8)
+    model = Block()
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(x,))
+    dpcompile.export(pm, tmp_path / "exported")
+    loaded = dpcompile.load(tmp_path / "exported").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model.eval()(x))

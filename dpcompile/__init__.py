@@ -8,7 +8,7 @@
 from dpcompile.analysis.batch_rules.user import register_batch_rule
 from dpcompile.api import transform
 from dpcompile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from dpcompile.errors import DpCompileError, TraceError
+from dpcompile.errors import ArgumentError, DpCompileError, TraceError
 from dpcompile.export import export, load
 from dpcompile.inspect import Measurement, Report, diff, draw, explain, measure
 from dpcompile.mesh import local_batch
@@ -18,6 +18,7 @@ from dpcompile.verify import VerifyResult, verify
 from dpcompile.version import __version__
 
 __all__ = [
+    "ArgumentError",
     "CheckpointError",
     "CollectiveError",
     "DpCompileError",

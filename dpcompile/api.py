@@ -13,8 +13,10 @@ import gc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from dpcompile.analysis.checkpoint_regions import checkpoint_paths, checkpoint_save_rule, checkpoint_words
 from dpcompile.analysis.context_exchange import (
@@ -28,7 +30,7 @@ from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
 from dpcompile.devices import parse_device, parse_devices
-from dpcompile.errors import DpCompileError, ExampleError, TraceError
+from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, TraceError
 from dpcompile.fake import has_meta_tensors
 from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh
@@ -159,7 +161,7 @@ def transform(
             dynamic_dims = _batch_also_dynamic(dynamic_dims)
     estimate = None
     if memory_per_device is not None and pipeline is not None and is_device_mesh(devices):
-        raise ValueError(
+        raise ArgumentError(
             "memory_per_device= does not plan pipeline stages over a DeviceMesh yet: give pipeline= alone, or "
             "plan the layout in one process (a device list with memory_per_device=)"
         )
@@ -219,6 +221,7 @@ def transform(
     if not isinstance(model, fx.GraphModule):
         check_signature(model)
     check_examples(model, example_tuple, example_kwargs)
+    _check_batch_dim_of_examples(batch_dim, example_tuple, example_kwargs)
     with _gc_paused():
         if has_meta_tensors(model):  # built on meta: capture and plan on fake tensors, allocate per device
             compile_one = functools.partial(
@@ -234,7 +237,7 @@ def transform(
                 frontend=frontend,
                 batch_dim=batch_dim,
                 dynamic_dims=dynamic_dims,
-                lazy_other_mode=True,
+                lazy_other_mode=not fsdp_copies,  # FSDP's pieces are made once, on the program of both modes
             )
     if fsdp_copies and fsdp_copies > 1:
         shard_over_dp(pm)
@@ -356,7 +359,7 @@ def make_recipe(
 ) -> Recipe:
     """The arguments of :func:`transform`, validated once, as a typed, picklable recipe."""
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
+        raise ArgumentError(f"model must be a torch.nn.Module or a torch.fx.GraphModule, got {type(model).__name__}")
     leaves = _check_leaf_modules(leaf_modules)
     check_frontend(frontend)
     plan = _check_plan_argument(tensor_parallel)
@@ -385,7 +388,7 @@ def make_recipe(
             mixed_precision=mixed_precision, sequence_parallel=bool(sequence_parallel),
         )  # fmt: skip
     parsed = parse_devices(devices)
-    out_device = parsed.primary if output_device is None else parse_device(output_device)
+    out_device = _output_device(parsed, output_device)
     if plan is not False:
         return TensorParallelRecipe(
             **common, devices=parsed, output_device=out_device, plan=plan, sequence_parallel=sequence_parallel
@@ -399,7 +402,7 @@ def make_recipe(
 def _sequence_dim(batch_dim: object) -> int:
     """The dim context parallelism splits: the sequence of batch-first inputs, ``(batch, seq, ...)``."""
     if batch_dim is not None:
-        raise ValueError(
+        raise ArgumentError(
             f"batch_dim={batch_dim!r} with mesh={{'cp': N}}: context parallel splits dim 1, the sequence of "
             "batch-first inputs (batch, seq, ...); leave batch_dim= out"
         )
@@ -429,7 +432,7 @@ def _pipeline_recipe(
             batch_dim=_check_batch_dim(batch_dim), plan=plan,
         )  # fmt: skip
     parsed = parse_devices(devices)
-    out_device = parsed.primary if output_device is None else parse_device(output_device)
+    out_device = _output_device(parsed, output_device)
     if plan is not False:  # each stage's layers sharded over its group of devices
         return pipeline_tensor_parallel_recipe(
             common, parsed, out_device, plan, stages, micro, schedule_name, _check_batch_dim(batch_dim),
@@ -450,26 +453,26 @@ def _check_plan_argument(tensor_parallel: object) -> bool | dict[str, str]:
     if isinstance(tensor_parallel, Mapping):
         for path in tensor_parallel:
             if not isinstance(path, str):
-                raise ValueError(
+                raise ArgumentError(
                     f"tensor_parallel= plan key {path!r} is a {type(path).__name__}; keys are module paths as "
                     "model.named_modules() spells them, e.g. {'fc1': 'column', 'layers.0.fc2': 'row'}"
                 )
         return dict(tensor_parallel)  # paths and styles are checked against the model (planning)
-    raise ValueError(
+    raise ArgumentError(
         f"tensor_parallel={tensor_parallel!r}: expected False, True (automatic plan) or a dict {{path: style}}"
     )
 
 
 def _check_data_parallel(data_parallel: object, mixed_precision: object, over_mesh: bool) -> None:
     if data_parallel not in ("ddp", "fsdp"):
-        raise ValueError(f'data_parallel={data_parallel!r}: expected "ddp" (the default) or "fsdp"')
+        raise ArgumentError(f'data_parallel={data_parallel!r}: expected "ddp" (the default) or "fsdp"')
     if data_parallel == "fsdp" and not over_mesh:
-        raise ValueError(
+        raise ArgumentError(
             'make_recipe builds data_parallel="fsdp" over a DeviceMesh only; over a device list, '
             'dpcompile.transform(model, devices, data_parallel="fsdp") builds replication and shards it over dp'
         )
     if mixed_precision is not None and data_parallel != "fsdp":
-        raise ValueError('mixed_precision= is FSDP2\'s MixedPrecisionPolicy: pass it with data_parallel="fsdp"')
+        raise ArgumentError('mixed_precision= is FSDP2\'s MixedPrecisionPolicy: pass it with data_parallel="fsdp"')
 
 
 def _fsdp_in_one_process(devices: Any, target: Any, data_parallel: str, mixed_precision: Any,
@@ -504,12 +507,35 @@ def _private_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
+def _output_device(parsed: Any, output_device: Any) -> Any:
+    """``output_device=`` parsed (None: the first device), its errors naming the keyword."""
+    if output_device is None:
+        return parsed.primary
+    try:
+        return parse_device(output_device)
+    except ArgumentError as e:
+        raise ArgumentError(f"output_device={output_device!r}: {e}") from None
+
+
 def _check_batch_dim(batch_dim: object) -> int | None:
     if batch_dim is None:
         return None
     if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
-        raise ValueError(f"batch_dim={batch_dim!r} must be None (inferred) or a non-negative int")
+        raise ArgumentError(f"batch_dim={batch_dim!r} must be None (inferred) or a non-negative int")
     return batch_dim
+
+
+def _check_batch_dim_of_examples(batch_dim: Any, example_tuple: tuple | None, example_kwargs: Any) -> None:
+    """A ``batch_dim=`` that no example tensor has: nothing could be split (refused now, not at the call)."""
+    if batch_dim is None or (example_tuple is None and not example_kwargs):
+        return
+    ranks = [t.dim() for t in tree_leaves([example_tuple, dict(example_kwargs or {})]) if isinstance(t, torch.Tensor)]
+    ranks = [r for r in ranks if r > 0]
+    if ranks and max(ranks) <= batch_dim:
+        raise ArgumentError(
+            f"batch_dim={batch_dim}, but no example tensor has dim {batch_dim} (the examples have at most {max(ranks)} "
+            f"dims): pass a batch_dim below {max(ranks)}, or leave it out (inferred)"
+        )
 
 
 def _check_leaf_modules(leaf_modules: Iterable[type[nn.Module]] | type[nn.Module]) -> tuple[type[nn.Module], ...]:
@@ -518,10 +544,10 @@ def _check_leaf_modules(leaf_modules: Iterable[type[nn.Module]] | type[nn.Module
     try:
         leaves = tuple(leaf_modules)
     except TypeError:
-        raise ValueError(f"leaf_modules= must be a list of nn.Module subclasses, got {leaf_modules!r}") from None
+        raise ArgumentError(f"leaf_modules= must be a list of nn.Module subclasses, got {leaf_modules!r}") from None
     for leaf in leaves:
         if not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
-            raise ValueError(f"leaf_modules must hold nn.Module subclasses, got {leaf!r}")
+            raise ArgumentError(f"leaf_modules must hold nn.Module subclasses, got {leaf!r}")
     return leaves
 
 

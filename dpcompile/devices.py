@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dpcompile.errors import ArgumentError
+
 ACCEPTED = (
     "a list of device specs such as ['cuda:0', 'cuda:1'], [0, 1], "
     "[torch.device('cuda', 0), ...] or ['cpu', 'cpu'] (repeated entries are virtual devices), "
@@ -60,18 +62,18 @@ def _parse_one(spec: object) -> torch.device:
     if isinstance(spec, torch.device):
         device = spec
     elif isinstance(spec, bool):
-        raise ValueError(f"device spec {spec!r} is a bool; expected {ACCEPTED}")
+        raise ArgumentError(f"device spec {spec!r} is a bool; expected {ACCEPTED}")
     elif isinstance(spec, int):
         if spec < 0:
-            raise ValueError(f"device index {spec} is negative; expected {ACCEPTED}")
+            raise ArgumentError(f"device index {spec} is negative; expected {ACCEPTED}")
         device = torch.device("cuda", spec)
     elif isinstance(spec, str):
         try:
             device = torch.device(spec)
         except RuntimeError as e:
-            raise ValueError(f"cannot parse device spec {spec!r} ({e}); expected {ACCEPTED}") from None
+            raise ArgumentError(f"cannot parse device spec {spec!r} ({e}); expected {ACCEPTED}") from None
     else:
-        raise ValueError(f"cannot parse device spec {spec!r} of type {type(spec).__name__}; expected {ACCEPTED}")
+        raise ArgumentError(f"cannot parse device spec {spec!r} of type {type(spec).__name__}; expected {ACCEPTED}")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     return device
@@ -82,7 +84,7 @@ def _check_available(device: torch.device) -> None:
         count = torch.cuda.device_count()
         if device.index >= count:
             usable = f"use indices 0..{count - 1}, or" if count else "use"
-            raise ValueError(
+            raise ArgumentError(
                 f"device {device} is beyond the {count} CUDA device(s) visible here "
                 f"(torch.cuda.device_count() == {count}); {usable} "
                 "repeated 'cpu' entries for virtual devices"
@@ -98,21 +100,21 @@ def parse_devices(spec: object, *, check_available: bool = True) -> Devices:
     if isinstance(spec, Devices):
         return spec
     if isinstance(spec, bool):
-        raise ValueError(f"devices={spec!r} is a bool; expected {ACCEPTED}")
+        raise ArgumentError(f"devices={spec!r} is a bool; expected {ACCEPTED}")
     if isinstance(spec, int):
         if spec <= 0:
-            raise ValueError(f"devices={spec} must be a positive number of devices; expected {ACCEPTED}")
+            raise ArgumentError(f"devices={spec} must be a positive number of devices; expected {ACCEPTED}")
         if torch.cuda.is_available():
             return parse_devices(list(range(spec)), check_available=check_available)
         return Devices(tuple(torch.device("cpu") for _ in range(spec)))
     if isinstance(spec, (str, torch.device)):
         device = _parse_one(spec)  # an unparsable spec says so first
-        raise ValueError(f"devices={spec!r} is a single device; pass a list such as [{str(device)!r}]")
+        raise ArgumentError(f"devices={spec!r} is a single device; pass a list such as [{str(device)!r}]")
     if not isinstance(spec, Iterable):
-        raise ValueError(f"devices={spec!r} of type {type(spec).__name__}; expected {ACCEPTED}")
+        raise ArgumentError(f"devices={spec!r} of type {type(spec).__name__}; expected {ACCEPTED}")
     parsed = tuple(_parse_one(s) for s in spec)
     if not parsed:
-        raise ValueError(f"devices is empty; expected {ACCEPTED}")
+        raise ArgumentError(f"devices is empty; expected {ACCEPTED}")
     if check_available:
         for d in parsed:
             _check_available(d)

@@ -20,6 +20,14 @@ class PassError(DpCompileError):
     """A graph pass failed; the message says which pass and what ran before it."""
 
 
+class ArgumentError(DpCompileError, ValueError, TypeError):
+    """A bad argument of ``transform`` (or of another public function): a value of the wrong kind, an
+    unknown name, a device list or layout that does not add up, or a keyword the layout would not
+    read. The message names the argument and what to pass; nothing has been changed. A
+    ``DpCompileError``, and a ``ValueError`` (as the API has always raised for bad arguments) and a
+    ``TypeError`` (as Python says of a value of the wrong type) alike, as :class:`ExampleError`."""
+
+
 class ExampleError(DpCompileError, ValueError, TypeError):
     """``example_inputs=`` / ``example_kwargs=`` that ``forward`` cannot take: a wrong count, a
     keyword it does not have, a value of the wrong type, dtype or shape. Raised by ``transform``

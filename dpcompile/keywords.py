@@ -3,7 +3,7 @@ it is given with, or refused here, by name, with the way out.
 
 >>> check_keywords_honoured(["cpu"] * 2, micro_batches=4)  # doctest: +IGNORE_EXCEPTION_DETAIL
 Traceback (most recent call last):
-ValueError: micro_batches=4 feeds a pipeline ...
+dpcompile.errors.ArgumentError: micro_batches=4 feeds a pipeline ...
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from dpcompile.analysis.context_exchange import parse_context_parallel
 from dpcompile.devices import parse_devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.mesh import is_device_mesh
 from dpcompile.target import check_built, mesh_layout, sugar_layout
 
@@ -34,12 +34,12 @@ def check_keywords_honoured(
         isinstance(mesh, Mapping) and mesh.get("tp", 1) > 1
     )
     if not pipelined and micro_batches != 1:
-        raise ValueError(
+        raise ArgumentError(
             f"micro_batches={micro_batches!r} feeds a pipeline, and there is none: add pipeline=N (or a 'pp' "
             "dimension to mesh=), or leave micro_batches= out"
         )
     if not pipelined and schedule != "gpipe":
-        raise ValueError(f"schedule={schedule!r} orders a pipeline's micro-batches: add pipeline=N, or leave it out")
+        raise ArgumentError(f"schedule={schedule!r} orders a pipeline's micro-batches: add pipeline=N, or leave it out")
     if pipelined and schedule != "gpipe" and isinstance(mesh, Mapping) and mesh.get("cp", 1) > 1:
         raise DpCompileError(
             f"schedule={schedule!r} with 'pp' and 'cp' is not built yet: the pieces of the sequence are the "
@@ -47,17 +47,17 @@ def check_keywords_honoured(
             "runs its backward before the others' forward; leave schedule= out (GPipe)"
         )
     if ddp_options and not over_mesh:
-        raise ValueError(
+        raise ArgumentError(
             "ddp_options= configures DistributedDataParallel over a DeviceMesh; over a device list data "
             "parallelism is one process's program (see docs/data_parallel.md): leave ddp_options= out"
         )
     if copy_replicas and (over_mesh or pipelined or sharded):
-        raise ValueError(
+        raise ArgumentError(
             "copy_replicas=True gives virtual devices real replicas under data parallelism in one process; "
             "with a pipeline, tensor parallelism or a DeviceMesh each device already holds its own modules"
         )
     if over_mesh and output_device is not None:
-        raise ValueError(
+        raise ArgumentError(
             "output_device= names where a one-process program gathers its outputs; over a DeviceMesh every rank "
             "returns its outputs on its own device: leave output_device= out"
         )
@@ -94,7 +94,7 @@ def _check_context_parallel(context_parallel: Any, mesh: Any) -> None:
         return
     parse_context_parallel(context_parallel)
     if not (isinstance(mesh, Mapping) and mesh.get("cp", 1) > 1):
-        raise ValueError(
+        raise ArgumentError(
             f"context_parallel={context_parallel!r} says how a 'cp' dimension exchanges keys and values, and there "
             "is none: add 'cp' to mesh= (mesh={'cp': N}, or a DeviceMesh dimension named 'cp'), or leave it out"
         )
@@ -105,16 +105,18 @@ def _check_kinds(*, pipeline: Any, copy_replicas: Any, optimizer: Any, training:
     truthy string for a flag) are refused by name instead of being read as something else."""
     stages = isinstance(pipeline, int) and not isinstance(pipeline, bool)
     paths = isinstance(pipeline, (list, tuple)) and all(isinstance(p, str) for p in pipeline)
+    if stages and pipeline < 1:
+        raise ArgumentError(f"pipeline={pipeline}: the number of stages must be at least 1 (one stage per device)")
     if pipeline is not None and not (stages or paths):
-        raise ValueError(
+        raise ArgumentError(
             f"pipeline={pipeline!r}: expected a number of stages, or a list of module paths where stages start "
             '(pipeline=["layers.4"] for one cut)'
         )
     for name, value in (("copy_replicas", copy_replicas), ("training", training)):
         if not isinstance(value, bool):
-            raise ValueError(f"{name}={value!r}: expected True or False")
+            raise ArgumentError(f"{name}={value!r}: expected True or False")
     if optimizer not in (None, "sgd", "sgd_momentum", "adam", "adamw"):
-        raise ValueError(f"optimizer={optimizer!r}: expected None, 'sgd', 'sgd_momentum', 'adam' or 'adamw'")
+        raise ArgumentError(f"optimizer={optimizer!r}: expected None, 'sgd', 'sgd_momentum', 'adam' or 'adamw'")
 
 
 def _check_sequence_parallel(
@@ -123,11 +125,11 @@ def _check_sequence_parallel(
     """``sequence_parallel=True`` is built on ``tp``: in one process beside every other dimension
     (GPipe where there is a pipeline), over a ``("tp",)`` or ``("dp", "tp")`` DeviceMesh."""
     if sequence_parallel not in (False, True):
-        raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
+        raise ArgumentError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
     if not sequence_parallel:
         return
     if not sharded:
-        raise ValueError("sequence_parallel=True shards the sequence over the 'tp' dimension: add tensor_parallel=")
+        raise ArgumentError("sequence_parallel=True shards the sequence over the 'tp' dimension: add tensor_parallel=")
     others = sorted(k for k, v in (mesh or {}).items() if k not in ("tp", "dp") and v > 1
                     ) if isinstance(mesh, Mapping) else []  # fmt: skip
     if over_mesh and (pipelined or others):
@@ -150,12 +152,12 @@ def _check_new_strategies(
 ) -> None:  # fmt: skip
     _check_activation_checkpointing(activation_checkpointing, memory_per_device)
     if exact_random not in (None, False, True):
-        raise ValueError(f"exact_random={exact_random!r}: expected True or False")
+        raise ArgumentError(f"exact_random={exact_random!r}: expected True or False")
     if plan is not None:
         if plan != "auto":
-            raise ValueError(f'plan={plan!r}: expected None or "auto"')
+            raise ArgumentError(f'plan={plan!r}: expected None or "auto"')
         if memory_per_device is None:
-            raise ValueError(
+            raise ArgumentError(
                 'plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. '
                 'memory_per_device="24GiB"'
             )
@@ -168,13 +170,13 @@ def _check_activation_checkpointing(value: Any, memory_per_device: Any) -> None:
         return
     if value == "auto":
         if memory_per_device is None:
-            raise ValueError(
+            raise ArgumentError(
                 'activation_checkpointing="auto" recomputes what does not fit memory_per_device=: give a budget, '
                 'e.g. memory_per_device="24GiB", or name the modules (True: every repeated block)'
             )
         return
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
-        raise ValueError(
+        raise ArgumentError(
             f"activation_checkpointing={value!r}: expected False, True (every repeated block), a list of module "
             'paths (["layers.0", "layers.1"]) or "auto"'
         )

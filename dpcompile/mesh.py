@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.runtime.structures import map_structure
 
 try:
@@ -26,7 +26,7 @@ def is_device_mesh(devices: object) -> bool:
 def check_mesh(mesh: Any, tensor_parallel: object) -> tuple[str, str | int | None, str | int | None]:
     """``(mode, dp_dim, tp_dim)`` for ``mesh`` and the ``tensor_parallel`` option."""
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
+        raise ArgumentError(
             "a DeviceMesh needs an initialised process group: call torch.distributed.init_process_group() "
             "(torchrun sets the environment) before transform(model, mesh)"
         )
@@ -54,17 +54,17 @@ def check_mesh(mesh: Any, tensor_parallel: object) -> tuple[str, str | int | Non
         return "spmd_data_parallel", dim, None
     if mesh.ndim == 2:
         if names != ("dp", "tp"):
-            raise ValueError(
+            raise ArgumentError(
                 f"a 2-D DeviceMesh must name its dimensions ('dp', 'tp'), got {names}; build it with "
                 "init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp'))"
             )
         if not wants_tp:
-            raise ValueError(
+            raise ArgumentError(
                 "a 2-D ('dp', 'tp') mesh needs tensor_parallel=True or a plan; for data parallel alone "
                 "pass a 1-D mesh, e.g. init_device_mesh(device_type, (world_size,), mesh_dim_names=('dp',))"
             )
         return "spmd_2d", "dp", "tp"
-    raise ValueError(f"DeviceMesh of {mesh.ndim} dimensions is not supported; pass a 1-D mesh or a 2-D ('dp', 'tp') mesh")
+    raise ArgumentError(f"DeviceMesh of {mesh.ndim} dimensions is not supported; pass a 1-D mesh or a 2-D ('dp', 'tp') mesh")
 
 
 def mesh_size(mesh: Any, dim: str | int) -> int:
@@ -100,6 +100,11 @@ def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:
 
     >>> x_local, y_local = local_batch((x, y), mesh)  # doctest: +SKIP
     """
+    if not is_device_mesh(mesh):
+        raise ArgumentError(
+            f"local_batch(value, mesh): mesh must be a torch.distributed DeviceMesh (the one transform was given), "
+            f"got {type(mesh).__name__}"
+        )
     names = tuple(mesh.mesh_dim_names or ())
     if names == ("cp", "tp"):  # the cp rank's part of the sequence, the same on its tp ranks
         return local_batch(value, mesh["cp"])

@@ -21,7 +21,7 @@ from dpcompile.analysis.model_profile import profile_model
 from dpcompile.analysis.sequence_costs import NOT_PREDICTED
 from dpcompile.capture import check_examples, check_signature
 from dpcompile.devices import Devices, parse_devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.mesh import is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.planned_mesh import planned_mesh_transform
@@ -45,11 +45,11 @@ def planned_transform(
     given = [f"{k}={arguments[k]!r}" for k, v in LAYOUT_DEFAULTS.items()
              if arguments[k] != v and arguments[k] is not None and not (k == "activation_checkpointing" and auto_checkpointing)]  # fmt: skip
     if given:
-        raise ValueError(f'plan="auto" chooses the layout itself: leave {", ".join(given)} out, or leave plan= out')
+        raise ArgumentError(f'plan="auto" chooses the layout itself: leave {", ".join(given)} out, or leave plan= out')
     if arguments["memory_per_device"] is None:
-        raise ValueError('plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. "24GiB"')
+        raise ArgumentError('plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. "24GiB"')
     if example_tuple is None and not arguments["example_kwargs"]:
-        raise ValueError('plan="auto" predicts activations and step times from a fake run: give example_inputs= '
+        raise ArgumentError('plan="auto" predicts activations and step times from a fake run: give example_inputs= '
                          "(or example_kwargs=)")  # fmt: skip
     if not isinstance(model, fx.GraphModule):
         check_signature(model)
@@ -94,7 +94,7 @@ def _plan_named_layout(
     """The planner's candidates for the one layout ``spec`` (with each choice of what to recompute
     where ``auto_checkpointing``), after checking the examples its fake run needs."""
     if example_tuple is None and not example_kwargs:
-        raise ValueError(f"{needs_examples} from a fake run: give example_inputs= (or example_kwargs=)")
+        raise ArgumentError(f"{needs_examples} from a fake run: give example_inputs= (or example_kwargs=)")
     if not isinstance(model, fx.GraphModule):
         check_signature(model)
     check_examples(model, example_tuple, example_kwargs)
@@ -214,7 +214,7 @@ def size_byte_budget(
         return spec
     check_spec(dict(spec))
     if example_tuple is None and not example_kwargs:
-        raise ValueError("activation_checkpointing 'budget_bytes' counts the bytes of a region's outputs, which "
+        raise ArgumentError("activation_checkpointing 'budget_bytes' counts the bytes of a region's outputs, which "
                          "the examples size: give example_inputs= (or example_kwargs=), or 'row_bytes' (the bytes "
                          "one value per token takes on a device)")  # fmt: skip
     profile = profile_model(model, example_tuple or (), example_kwargs, optimizer=None, training=training)

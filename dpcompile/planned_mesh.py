@@ -20,7 +20,7 @@ from torch import nn
 
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.memory import parse_budget
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.planner import UNBUILT, plan_mesh_layouts
 
 __all__ = ["mesh_candidates", "mesh_shape", "planned_mesh_transform"]
@@ -55,7 +55,7 @@ def _gathered(value: Any) -> list[Any]:
 def _check_mesh_for_planning(mesh: Any, arguments: Mapping[str, Any]) -> list[int]:
     """The mesh's ranks in order; the planner's collectives run over the default group, so the mesh must hold it all."""
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError('plan="auto" over a DeviceMesh needs an initialised process group: call '
+        raise ArgumentError('plan="auto" over a DeviceMesh needs an initialised process group: call '
                          "torch.distributed.init_process_group() (torchrun sets the environment) first")  # fmt: skip
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     if sorted(ranks) != list(range(dist.get_world_size())):
@@ -63,10 +63,10 @@ def _check_mesh_for_planning(mesh: Any, arguments: Mapping[str, Any]) -> list[in
                              f"holds ranks {ranks} of {dist.get_world_size()}; pass a mesh of all of them, or name "
                              "the layout (data_parallel= / tensor_parallel=)")  # fmt: skip
     if arguments["data_parallel"] not in ("ddp", "replicate"):
-        raise ValueError(f'plan="auto" over a DeviceMesh does not predict data_parallel={arguments["data_parallel"]!r} '
+        raise ArgumentError(f'plan="auto" over a DeviceMesh does not predict data_parallel={arguments["data_parallel"]!r} '
                          "yet: leave it out (replicated data parallel is a candidate), or name the layout yourself")  # fmt: skip
     if isinstance(arguments["memory_per_device"], Mapping):
-        raise ValueError('plan="auto" over a DeviceMesh takes one memory_per_device= for every rank, e.g. "24GiB"')
+        raise ArgumentError('plan="auto" over a DeviceMesh takes one memory_per_device= for every rank, e.g. "24GiB"')
     return ranks
 
 

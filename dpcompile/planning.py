@@ -46,7 +46,7 @@ from dpcompile.analysis.sharding import (
     resolve_plan,
 )
 from dpcompile.devices import parse_device, parse_devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.mesh import is_device_mesh
 
 log = logging.getLogger("dpcompile")
@@ -109,7 +109,7 @@ def plan_for(gm: fx.GraphModule, plan: object, n: int, model: nn.Module) -> tupl
     if isinstance(plan, Mapping):
         return resolve_explicit_plan(gm, plan, model)
     if plan is not True:
-        raise ValueError(f"tensor_parallel={plan!r}: expected False, True (automatic plan) or a dict {{path: style}}")
+        raise ArgumentError(f"tensor_parallel={plan!r}: expected False, True (automatic plan) or a dict {{path: style}}")
     return choose_plan(gm, n)
 
 
@@ -363,7 +363,7 @@ def device_budgets(devices: Any, budget: Any) -> dict[str, int]:
     given = {str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
     missing = sorted({str(d) for d in parsed.devices} - set(given))
     if missing:
-        raise ValueError(f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all")
+        raise ArgumentError(f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all")
     return {label: given[str(d)] for label, d in zip(labels, parsed.devices)}
 
 
@@ -378,7 +378,7 @@ def plan_for_memory(
     ``build(devices, plan)`` builds the tensor-parallel program transform would build over those
     devices, on fake tensors: its estimate is that program's own (what ``explain`` reports)."""
     if is_device_mesh(devices):
-        raise ValueError(
+        raise ArgumentError(
             "memory_per_device= plans over a list of devices; over a DeviceMesh choose data_parallel= / tensor_parallel="
         )
     parsed = parse_devices(devices)

@@ -318,6 +318,10 @@ class ModelGuard:
         self.description = self._compute_fingerprint()
         self._fingerprint = self._tokens.setdefault(self.description, len(self._tokens))
 
+    def read_afresh(self) -> None:
+        """Describe the model as it is now, whatever the watched dicts' versions say."""
+        self._refresh()
+
     def watched_modules(self) -> list[tuple[str, nn.Module]]:
         """The modules entered, then their leaf children, by path."""
         self._current()

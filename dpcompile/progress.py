@@ -23,6 +23,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from dpcompile.errors import ArgumentError
+
 WIDTH = 30  # characters of the bar itself
 REDRAW_S = 0.1
 
@@ -147,7 +149,7 @@ def step_bar(what: str, steps: int) -> StageSteps | QuietProgress:
 def check_progress(progress: Any) -> None:
     """Refuse a ``progress=`` that is not True, False or None."""
     if not (progress is None or isinstance(progress, bool)):
-        raise ValueError(f"progress={progress!r}: expected True, False or None (a bar where stderr is a terminal)")
+        raise ArgumentError(f"progress={progress!r}: expected True, False or None (a bar where stderr is a terminal)")
 
 
 def progress_bar(what: str, total: int, progress: bool | None) -> Progress:

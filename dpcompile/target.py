@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpcompile.devices import Devices, parse_devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.mesh import is_device_mesh
 
 #: the dimensions a layout may name, and the strategy each turns on
@@ -215,24 +215,24 @@ def resolve_target(
     if mesh is None:
         return None
     if is_device_mesh(devices):
-        raise ValueError(
+        raise ArgumentError(
             "mesh= names the dimensions of a device list; a DeviceMesh names its own (mesh_dim_names=('pp', 'dp', "
             "'tp')): pass one or the other"
         )
     if not isinstance(mesh, Mapping) or not mesh:
-        raise ValueError(f"mesh= takes a dict of dimension sizes, outermost first, e.g. {{'dp': 2, 'tp': 2}}; got {mesh!r}")
+        raise ArgumentError(f"mesh= takes a dict of dimension sizes, outermost first, e.g. {{'dp': 2, 'tp': 2}}; got {mesh!r}")
     dims = []
     for name, size in mesh.items():
         if name not in DIMENSIONS:
-            raise ValueError(f"mesh= dimension {name!r} is not one of {list(DIMENSIONS)} ({_spelled_dimensions()})")
+            raise ArgumentError(f"mesh= dimension {name!r} is not one of {list(DIMENSIONS)} ({_spelled_dimensions()})")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"mesh= dimension {name!r} has size {size!r}; sizes are positive ints")
+            raise ArgumentError(f"mesh= dimension {name!r} has size {size!r}; sizes are positive ints")
         dims.append((name, size))
     parsed = parse_devices(devices)
     product = math.prod(size for _, size in dims)
     if product != len(parsed):
         arithmetic = " x ".join(f"{name}({size})" for name, size in dims)
-        raise ValueError(
+        raise ArgumentError(
             f"mesh={dict(mesh)} lays out {arithmetic} = {product} devices, but {len(parsed)} were given; "
             f"pass {product} devices or sizes whose product is {len(parsed)}"
         )
@@ -250,7 +250,7 @@ def _stage_paths(pipeline: Any, layout: dict[str, int]) -> tuple[str, ...] | Non
     if isinstance(pipeline, int) and not isinstance(pipeline, bool) and pipeline == stages:
         return None
     count = len(pipeline) + 1 if isinstance(pipeline, (list, tuple)) else pipeline
-    raise ValueError(
+    raise ArgumentError(
         f"pipeline={pipeline!r} makes {count} stages but mesh= has 'pp': {stages}; leave pipeline= out (the mesh "
         "says how many stages) or give it the module paths of the pp-1 cuts"
     )
@@ -259,7 +259,7 @@ def _stage_paths(pipeline: Any, layout: dict[str, int]) -> tuple[str, ...] | Non
 def _plan(tensor_parallel: Any, layout: dict[str, int]) -> bool | dict[str, str]:
     wants = tensor_parallel is not None and tensor_parallel is not False
     if wants and layout.get("tp", 1) == 1:
-        raise ValueError(
+        raise ArgumentError(
             f"tensor_parallel= shards layers over the mesh's 'tp' dimension, and mesh={layout} has none (or size 1); "
             "add one, e.g. mesh={'tp': 2}"
         )

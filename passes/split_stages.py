@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.infra import PassResult
 
 PASS = "split_stages"
@@ -125,7 +125,7 @@ def find_stage_boundaries(
     body = _body(gm)
     if isinstance(stages, int):
         if stages < 1:
-            raise ValueError(f"pipeline={stages}: the number of stages must be at least 1")
+            raise ArgumentError(f"pipeline={stages}: the number of stages must be at least 1")
         if stages > len(body):
             raise DpCompileError(
                 f"pipeline={stages}: the graph has {len(body)} ops, too few to cut into {stages} stages"
@@ -176,20 +176,20 @@ def _starts_module(body: Sequence[fx.Node], i: int) -> bool:
 
 def _named_cuts(body: list[fx.Node], paths: list[str]) -> list[int]:
     if not paths:
-        raise ValueError("pipeline=[]: name at least one module path where a stage starts, or pass pipeline=N")
+        raise ArgumentError("pipeline=[]: name at least one module path where a stage starts, or pass pipeline=N")
     cuts: list[int] = []
     for path in paths:
         if not isinstance(path, str):
-            raise ValueError(f"pipeline= module paths are strings as model.named_modules() spells them, got {path!r}")
+            raise ArgumentError(f"pipeline= module paths are strings as model.named_modules() spells them, got {path!r}")
         first = next((i for i, n in enumerate(body) if _in_module(module_path_of(n), path)), None)
         if first is None:
             known = sorted({p.rsplit(".", 1)[0] for n in body if (p := module_path_of(n))})[:12]
-            raise ValueError(
+            raise ArgumentError(
                 f"pipeline=: no op of the captured graph runs in module '{path}'; a stage starts before a module "
                 f"forward calls, e.g. one of {known}"
             )
         if first == 0 or (cuts and first <= cuts[-1]):
-            raise ValueError(
+            raise ArgumentError(
                 f"pipeline={paths}: module '{path}' (op {first} of {len(body)}) does not start a new, non-empty stage; "
                 "name module paths in the order forward calls them, after the first op"
             )

@@ -185,3 +185,67 @@ def test_transform_checks_leaf_modules_and_plan_keys():
         dpcompile.transform(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), ["cpu"] * 2, tensor_parallel={0: "column"})
     with pytest.raises(ValueError, match=r"leaf_modules= must be a list of nn.Module subclasses"):
         dpcompile.transform(model, ["cpu"] * 2, leaf_modules=3)
+
+
+BAD_ARGUMENTS = {  # keyword -> (transform's keywords, what the message names)
+    "devices": ({"devices": []}, "devices"),
+    "device spec": ({"devices": ["nope"]}, "device spec"),
+    "tensor_parallel": ({"tensor_parallel": "yes"}, "tensor_parallel="),
+    "plan style": ({"tensor_parallel": {"fc1": "diagonal"}}, "tensor_parallel plan"),
+    "frontend": ({"frontend": "jit"}, "frontend="),
+    "batch_dim": ({"batch_dim": -1}, "batch_dim="),
+    "batch_dim of the examples": ({"batch_dim": 2, "example_inputs": (torch.randn(4, 8),)}, "batch_dim=2"),
+    "output_device": ({"output_device": "nope"}, "output_device="),
+    "leaf_modules": ({"leaf_modules": [int]}, "leaf_modules"),
+    "pipeline": ({"pipeline": 0}, "pipeline=0"),
+    "micro_batches": ({"micro_batches": 2}, "micro_batches="),
+    "schedule": ({"pipeline": 2, "schedule": "zigzag"}, "schedule="),
+    "data_parallel": ({"data_parallel": "zero"}, "data_parallel="),
+    "memory_per_device": ({"memory_per_device": "lots"}, "memory_per_device="),
+    "mesh": ({"mesh": {"xx": 2}}, "mesh="),
+    "sequence_parallel": ({"sequence_parallel": "yes"}, "sequence_parallel="),
+    "activation_checkpointing regions": ({"activation_checkpointing": {"regions": 5}}, "activation_checkpointing="),
+    "plan": ({"plan": "best"}, "plan="),
+    "progress": ({"progress": "yes"}, "progress="),
+    "context_parallel": ({"context_parallel": 5}, "context_parallel="),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_a_bad_argument_is_a_dpcompile_error_naming_it_and_changes_nothing(case):
+    """Every bad argument is a DpCompileError (ArgumentError, still a ValueError as API.md says) whose
+    message names it (was a bare ValueError, or a TypeError from deep inside for some), and the model
+    is left as it was."""
+    options, named = BAD_ARGUMENTS[case]
+    options = dict(options)
+    devices = options.pop("devices", ["cpu"] * 2)
+    model = MLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(dpcompile.ArgumentError) as error:
+        dpcompile.transform(model, devices, **options)
+    assert isinstance(error.value, dpcompile.DpCompileError) and isinstance(error.value, ValueError)
+    assert named in str(error.value)
+    assert model.training and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+BAD_CALLS = {  # the public function called with a model where pm is due, or a value of the wrong kind
+    "save_checkpoint": lambda tmp: dpcompile.save_checkpoint(MLP(), tmp / "ckpt"),  # was a TypeError from super()
+    "load_checkpoint": lambda tmp: dpcompile.load_checkpoint(MLP(), tmp / "ckpt"),
+    "export": lambda tmp: dpcompile.export(MLP(), tmp / "folder"),
+    "draw": lambda tmp: dpcompile.draw(MLP(), tmp / "graph.svg"),  # was an AttributeError
+    "verify": lambda tmp: dpcompile.verify(torch.randn(2), MLP(), torch.randn(2, 8)),
+    "local_batch": lambda tmp: dpcompile.local_batch(torch.randn(4, 2), ["cpu", "cpu"]),  # was an AttributeError
+    "register_batch_rule target": lambda tmp: dpcompile.register_batch_rule(3, "elementwise"),
+    "register_batch_rule rule": lambda tmp: dpcompile.register_batch_rule(torch.sin, "sideways"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_the_other_public_functions_refuse_bad_arguments_by_name(case, tmp_path):
+    """save_checkpoint, load_checkpoint, export, draw, verify, local_batch and register_batch_rule given
+    a model where pm is due (or a value of the wrong kind) raise ArgumentError, a DpCompileError that
+    is a ValueError and a TypeError too, naming the function's argument; nothing is written."""
+    with pytest.raises(dpcompile.ArgumentError) as error:
+        BAD_CALLS[case](tmp_path)
+    assert isinstance(error.value, (ValueError, TypeError)) and str(error.value)
+    assert not list(tmp_path.iterdir())

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 
 #: what a recomputed region keeps for backward (``passes.checkpoint_saves``)
 SAVE_RULES = ("nothing", "matmuls", "every_second_matmul", "auto")
@@ -31,7 +31,7 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
         return activation_checkpointing, "nothing"
     unknown = set(activation_checkpointing) - _SPEC_KEYS
     if unknown or "regions" not in activation_checkpointing:
-        raise ValueError(
+        raise ArgumentError(
             f"activation_checkpointing={activation_checkpointing!r}: a dict takes 'regions' (True or module paths) "
             f"and 'save' (one of {list(SAVE_RULES)}), e.g. {{'regions': True, 'save': 'matmuls'}} or "
             "{'regions': True, 'save': 'auto', 'budget': 0.5}; also 'budget_over' ('region' or 'device') and 'tiles' "
@@ -39,7 +39,7 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
         )
     rule = activation_checkpointing.get("save", "nothing")
     if rule not in SAVE_RULES:
-        raise ValueError(
+        raise ArgumentError(
             f"activation_checkpointing 'save': {rule!r} is not a rule; one of {list(SAVE_RULES)} ('matmuls': "
             "matmul and attention outputs kept, norms, activations and elementwise ops recomputed)"
         )
@@ -49,7 +49,7 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
         rule = f"auto:{_budget(activation_checkpointing.get('budget', DEFAULT_BUDGET))}"
     elif "budget" in activation_checkpointing or "budget_bytes" in activation_checkpointing:
         key = "budget" if "budget" in activation_checkpointing else "budget_bytes"
-        raise ValueError(
+        raise ArgumentError(
             f"activation_checkpointing {key!r} goes with 'save': 'auto' (the rule that chooses what to keep "
             f"within it), not with {rule!r}: give {{'save': 'auto', {key!r}: ...}} or drop {key!r}"
         )
@@ -57,7 +57,7 @@ def _regions_and_rule(activation_checkpointing: Any) -> tuple[Any, str]:
     regions = activation_checkpointing["regions"]
     if regions is False or regions is None or regions == "auto" or isinstance(regions, str):
         hint = f" (a list: ['{regions}'])" if isinstance(regions, str) and regions != "auto" else ""
-        raise ValueError(
+        raise ArgumentError(
             f"activation_checkpointing 'regions': {regions!r}; give True (every repeated block) or a list of module "
             f"paths{hint}"
         )
@@ -75,7 +75,7 @@ def _scope_and_tiles(spec: dict[str, Any], rule: str) -> str:
     suffix = ""
     scope = spec.get("budget_over", "region")
     if scope not in BUDGET_SCOPES or (scope == "device" and not rule.startswith("auto:")):
-        raise ValueError(
+        raise ArgumentError(
             f"activation_checkpointing 'budget_over': {scope!r}; give 'region' (each region keeps the same fraction) "
             "or 'device' (one knapsack over a device's regions), with 'save': 'auto'"
         )
@@ -83,7 +83,7 @@ def _scope_and_tiles(spec: dict[str, Any], rule: str) -> str:
         suffix += "@device"
     tiles = spec.get("tiles", 1)
     if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-        raise ValueError(
+        raise ArgumentError(
             f"activation_checkpointing 'tiles': {tiles!r}; give a whole number of token slices (e.g. 4) that each "
             "region acting on each token alone (an MLP) runs in, or leave it out"
         )
@@ -109,7 +109,7 @@ def parse_bytes(size: Any, what: str) -> int:
     try:
         return parse_budget(size)
     except ValueError:
-        raise ValueError(f"activation_checkpointing {what!r}: {size!r}; give bytes (an int, 0 or more) or a size "
+        raise ArgumentError(f"activation_checkpointing {what!r}: {size!r}; give bytes (an int, 0 or more) or a size "
                          "such as '40MiB'") from None  # fmt: skip
 
 
@@ -118,12 +118,12 @@ def _byte_rule(spec: dict[str, Any]) -> str:
     of one value per row (a token) on a device are known (``"row_bytes"``, which ``transform`` sets
     from ``example_inputs=``)."""
     if "budget" in spec:
-        raise ValueError("activation_checkpointing: give 'budget' (a fraction) or 'budget_bytes' (bytes), not both")
+        raise ArgumentError("activation_checkpointing: give 'budget' (a fraction) or 'budget_bytes' (bytes), not both")
     rule = f"auto:bytes={parse_bytes(spec['budget_bytes'], 'budget_bytes')}"
     if spec.get("row_bytes") is not None:
         row = spec["row_bytes"]
         if isinstance(row, bool) or not isinstance(row, (int, float)) or row <= 0:
-            raise ValueError(f"activation_checkpointing 'row_bytes': {row!r}; give the bytes one value per row "
+            raise ArgumentError(f"activation_checkpointing 'row_bytes': {row!r}; give the bytes one value per row "
                              "(token) takes on a device, or leave it out and give example_inputs=")  # fmt: skip
         rule += f"/row={row}"
     return rule
@@ -139,7 +139,7 @@ def byte_budget(rule: str) -> tuple[int, float | None] | None:
 
 def _budget(budget: Any) -> float:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
-        raise ValueError(
+        raise ArgumentError(
             f"activation_checkpointing 'budget': {budget!r}; give a fraction from 0 (keep nothing, recompute the "
             "whole region) to 1 (keep what 'matmuls' keeps) of the matmul and attention outputs backward reads"
         )
@@ -201,7 +201,7 @@ def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
 def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[str, ...]:
     """The module paths to recompute in backward for ``activation_checkpointing=`` (False: none).
 
-    An unknown path is a ``ValueError`` naming the nearest ones; ``True`` on a model without
+    An unknown path is an ``ArgumentError`` (a ``ValueError``) naming the nearest ones; ``True`` on a model without
     repeated blocks is a ``DpCompileError`` saying to name the modules.
     """
     activation_checkpointing, _ = _regions_and_rule(activation_checkpointing)
@@ -222,12 +222,19 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
                 f"e.g. activation_checkpointing={[name for name, _ in model.named_children()][:2] or ['encoder']!r}"
             )
         return blocks
+    if isinstance(activation_checkpointing, str) or not isinstance(activation_checkpointing, (list, tuple)) or not all(
+        isinstance(p, str) for p in activation_checkpointing
+    ):
+        raise ArgumentError(
+            f"activation_checkpointing= regions {activation_checkpointing!r}: expected True (every repeated block) or "
+            'a list of module paths (["layers.0", "layers.1"])'
+        )
     known = {path for path, _ in model.named_modules() if path}
     paths = tuple(dict.fromkeys(activation_checkpointing))
     for path in paths:
         if path not in known:
             near = difflib.get_close_matches(str(path), sorted(known), n=3) or sorted(known)[:3]
-            raise ValueError(
+            raise ArgumentError(
                 f"activation_checkpointing names {path!r}, which is not a module of {type(model).__name__}; nearest: "
                 f"{near} (paths as model.named_modules() spells them)"
             )

@@ -24,7 +24,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 
 EXCHANGES = ("all-gather", "ring", "all-to-all")  # in this order the cost model breaks ties
 #: what ``pm.strategies`` and ``explain`` call each exchange
@@ -58,21 +58,21 @@ def parse_context_parallel(value: Any) -> ContextParallelOptions:
     if value is None:
         return DEFAULT_OPTIONS
     if not isinstance(value, Mapping):
-        raise ValueError(
+        raise ArgumentError(
             f"context_parallel={value!r}: expected a dict such as {{'exchange': 'auto', 'load_balance': 'auto'}} "
             "(mesh={'cp': N} turns context parallelism on; this keyword only says how)"
         )
     unknown = sorted(set(value) - {"exchange", "load_balance"})
     if unknown:
-        raise ValueError(f"context_parallel= has no option {unknown[0]!r}: the options are 'exchange' and 'load_balance'")
+        raise ArgumentError(f"context_parallel= has no option {unknown[0]!r}: the options are 'exchange' and 'load_balance'")
     exchange = value.get("exchange", "auto")
     if exchange not in ("auto", *EXCHANGES):
-        raise ValueError(
+        raise ArgumentError(
             f"context_parallel={{'exchange': {exchange!r}}}: expected 'auto' or one of {', '.join(map(repr, EXCHANGES))}"
         )
     balance = value.get("load_balance", "auto")
     if balance not in ("auto", True, False):
-        raise ValueError(f"context_parallel={{'load_balance': {balance!r}}}: expected 'auto', True or False")
+        raise ArgumentError(f"context_parallel={{'load_balance': {balance!r}}}: expected 'auto', True or False")
     if balance is True and exchange in ("ring", "all-to-all"):
         why = ("the ring's blocks are not balanced yet" if exchange == "ring" else
                "the all-to-all is balanced as it is: each device attends the whole sequence for its share of the heads")

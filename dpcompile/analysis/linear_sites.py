@@ -20,6 +20,7 @@ from torch import nn
 from dpcompile.analysis.sharding_rules import (
     node_arg,
 )
+from dpcompile.errors import ArgumentError
 from dpcompile.runtime.comm import split_sizes
 
 STYLES = ("column", "row", "replicate")
@@ -280,7 +281,7 @@ def aligned_split(total: int, n: int, granularity: int = 1) -> tuple[int, ...]:
 
 
 def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Iterable[str] = ()) -> None:
-    """Raise ``ValueError`` for a plan naming a missing module, a non-Linear or an unknown style."""
+    """Raise ``ArgumentError`` (a ``ValueError``) for a plan naming a missing module, a non-Linear or an unknown style."""
     modules = dict(root.named_modules())
     windows = [p for p, site in extra_linears.items() if site.kind == "window_attention"] if isinstance(extra_linears, Mapping) else []
     valid = linear_paths(root) + windows + [p for p in extra_linears if p not in modules or p == ""]
@@ -288,26 +289,26 @@ def check_plan(root: nn.Module, plan: Mapping[str, str], *, extra_linears: Itera
     for path, style in plan.items():
         if path in modules and isinstance(modules[path], nn.MultiheadAttention):
             if style not in ("column", "replicate"):
-                raise ValueError(f"the nn.MultiheadAttention {path!r} is split by heads ('column') or kept whole ('replicate'), not {style!r}")
+                raise ArgumentError(f"tensor_parallel plan: the nn.MultiheadAttention {path!r} is split by heads ('column') or kept whole ('replicate'), not {style!r}")
             continue
         if path in modules and isinstance(modules[path], nn.Embedding):
             if style not in EMBEDDING_STYLES:
-                raise ValueError(f"unknown style {style!r} for the nn.Embedding {path!r}; valid: {', '.join(map(repr, EMBEDDING_STYLES))}")
+                raise ArgumentError(f"tensor_parallel plan: unknown style {style!r} for the nn.Embedding {path!r}; valid: {', '.join(map(repr, EMBEDDING_STYLES))}")
             continue
         if path in valid:
             pass
         elif path not in modules:
-            raise ValueError(
+            raise ArgumentError(
                 f"tensor_parallel plan names {path!r}, which is not a module of {type(root).__name__}; "
                 f"its nn.Linear layers are: {shown}"
             )
         elif not isinstance(modules[path], linear_like_types()):
-            raise ValueError(
+            raise ArgumentError(
                 f"tensor_parallel plan names {path!r}, a {type(modules[path]).__name__}, not an nn.Linear; "
                 f"its nn.Linear layers are: {shown}"
             )
         if style not in STYLES:
-            raise ValueError(f"unknown split style {style!r} for {path!r}; valid styles: {', '.join(map(repr, STYLES))}")
+            raise ArgumentError(f"tensor_parallel plan: unknown split style {style!r} for {path!r}; valid styles: {', '.join(map(repr, STYLES))}")
 
 
 def check_divisible(site: LinearSite, style: str, n: int) -> str | None:

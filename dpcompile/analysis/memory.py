@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.runtime.recompute import kept_now
 
 __all__ = [
@@ -81,14 +81,14 @@ class MemoryEstimate:
 def parse_budget(budget: Any) -> int:
     """``"24GiB"``, ``"1.5 GB"``, ``"512MiB"`` or an int of bytes, as bytes."""
     if isinstance(budget, bool):
-        raise ValueError(f"memory_per_device={budget!r}: expected bytes (an int) or a size such as '24GiB'")
+        raise ArgumentError(f"memory_per_device={budget!r}: expected bytes (an int) or a size such as '24GiB'")
     if isinstance(budget, int):
         if budget <= 0:
-            raise ValueError(f"memory_per_device={budget}: a budget must be positive")
+            raise ArgumentError(f"memory_per_device={budget}: a budget must be positive")
         return budget
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(budget).lower())
     if not isinstance(budget, str) or match is None:
-        raise ValueError(f"memory_per_device={budget!r}: expected bytes (an int) or a size such as '24GiB', '512MB'")
+        raise ArgumentError(f"memory_per_device={budget!r}: expected bytes (an int) or a size such as '24GiB', '512MB'")
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
@@ -114,7 +114,7 @@ def format_budget_up(n: int) -> str:
 def optimizer_bytes(params: Iterable[torch.Tensor], optimizer: str | None) -> int:
     """Bytes of the state ``optimizer`` keeps for ``params`` (those that require grad)."""
     if optimizer not in _OPTIMIZER_BUFFERS:
-        raise ValueError(f"optimizer={optimizer!r}: expected None, 'sgd', 'sgd_momentum', 'adam' or 'adamw'")
+        raise ArgumentError(f"optimizer={optimizer!r}: expected None, 'sgd', 'sgd_momentum', 'adam' or 'adamw'")
     buffers = _OPTIMIZER_BUFFERS[optimizer]
     total = 0
     for p in params:

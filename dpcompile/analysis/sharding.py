@@ -59,6 +59,7 @@ from dpcompile.analysis.sharding_rules import (
     may_need_grad,
     node_val,
 )
+from dpcompile.errors import ArgumentError
 
 
 # ---------------------------------------------------------------------- analysis
@@ -355,7 +356,7 @@ def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict:
             else site.blocker or check_divisible(site, style, n)
         )  # fmt: skip
         if why is not None and site is not None and site.blocker is None and strict:
-            raise ValueError(why)
+            raise ArgumentError(why)
         if why is not None:
             styles[path], reasons[path] = "replicate", why
     granularity: dict[str, int] = {}

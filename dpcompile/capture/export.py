@@ -39,7 +39,7 @@ from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
 from dpcompile.capture.side_effects import check_export_effects, hooks_that_return_nothing, seeds_recorded
 from dpcompile.capture.state import SideEffects, python_state_kept
-from dpcompile.errors import ExampleError, TraceError
+from dpcompile.errors import ArgumentError, ExampleError, TraceError
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
 from dpcompile.progress import step_bar
 from dpcompile.runtime.exported import expect_value
@@ -94,7 +94,7 @@ def varying_dims(dynamic_dims: Any, name: str) -> tuple[int, ...]:
         dims = dynamic_dims
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-        raise ValueError(f"dynamic_dims= takes non-negative dims (ints), got {dynamic_dims!r}")
+        raise ArgumentError(f"dynamic_dims= takes non-negative dims (ints), got {dynamic_dims!r}")
     return dims
 
 
@@ -104,7 +104,7 @@ def check_dynamic_dims(model: nn.Module, dynamic_dims: Any, example_inputs: Sequ
     can, and must apply somewhere); dims that are not non-negative ints are refused even without examples."""
     if not isinstance(dynamic_dims, Mapping):
         if isinstance(dynamic_dims, (str, bytes)) or not isinstance(dynamic_dims, (int, Sequence)):
-            raise ValueError(
+            raise ArgumentError(
                 f"dynamic_dims={dynamic_dims!r}: expected {{argument name: [dims]}} or [dims] for every tensor argument"
             )
         dims = varying_dims(dynamic_dims, "")
@@ -113,7 +113,7 @@ def check_dynamic_dims(model: nn.Module, dynamic_dims: Any, example_inputs: Sequ
         names = _bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
         ranks = [v.dim() for v in names.values() if isinstance(v, torch.Tensor)]
         if unplaced := [d for d in dims if not any(d < r for r in ranks)]:
-            raise ValueError(
+            raise ArgumentError(
                 f"dynamic_dims={dynamic_dims!r} names dim(s) {unplaced}, which no tensor argument of the examples has "
                 f"(their dims: {ranks}); name dims below {max(ranks, default=0)}"
             )
@@ -124,14 +124,14 @@ def check_dynamic_dims(model: nn.Module, dynamic_dims: Any, example_inputs: Sequ
         return
     names = _bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     if unknown := set(dynamic_dims) - set(names):
-        raise ValueError(f"dynamic_dims= names {sorted(unknown)}, which the examples do not give (they give {list(names)})")
+        raise ArgumentError(f"dynamic_dims= names {sorted(unknown)}, which the examples do not give (they give {list(names)})")
     for name in dynamic_dims:
         value = names[name]
         rank = value.dim() if isinstance(value, torch.Tensor) else None
         for dim in varying_dims(dynamic_dims, name):
             if rank is None or dim >= rank:
                 has = f"{rank} dims (shape {tuple(value.shape)})" if rank is not None else f"no dims (a {type(value).__name__})"
-                raise ValueError(
+                raise ArgumentError(
                     f"dynamic_dims= names dim {dim} of '{name}', but the example of '{name}' has {has}: name a "
                     f"dim below {rank or 0}, or drop '{name}' from dynamic_dims="
                 )
@@ -170,7 +170,7 @@ def capture_export(
             )
     dim = _batch_dim_of(model) if batch_dim is None else batch_dim
     if isinstance(dynamic_dims, Mapping) and (unknown := set(dynamic_dims) - set(names)):
-        raise ValueError(f"dynamic_dims= names {sorted(unknown)}, which the examples do not give (they give {list(names)})")
+        raise ArgumentError(f"dynamic_dims= names {sorted(unknown)}, which the examples do not give (they give {list(names)})")
     spec = {name: _dynamic_spec(value, dim, varying_dims(dynamic_dims, name)) for name, value in names.items()}
     start = time.perf_counter()
     decided = False

@@ -13,7 +13,7 @@ from torch import nn
 from dpcompile.capture.fx import bind_examples, capture_fx, forward_parameters
 from dpcompile.capture.inputs import ExportedFrom, called_modules, input_specs
 from dpcompile.capture.norms import refuse_spectral_norm_hooks
-from dpcompile.errors import TraceError
+from dpcompile.errors import ArgumentError, TraceError
 
 log = logging.getLogger("dpcompile")
 
@@ -44,7 +44,7 @@ class CaptureInfo:
 
 def check_frontend(frontend: object) -> str:
     if frontend not in FRONTENDS:
-        raise ValueError(f"frontend={frontend!r}: expected one of {', '.join(map(repr, FRONTENDS))}")
+        raise ArgumentError(f"frontend={frontend!r}: expected one of {', '.join(map(repr, FRONTENDS))}")
     return str(frontend)
 
 
@@ -65,7 +65,7 @@ def positional_examples(
         elif param.default is not param.empty:
             out.append(param.default)
         else:
-            raise ValueError(f"example_kwargs= gives no value for '{param.name}', which has no default")
+            raise ArgumentError(f"example_kwargs= gives no value for '{param.name}', which has no default")
     return tuple(out)
 
 

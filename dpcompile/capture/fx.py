@@ -29,7 +29,7 @@ from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
 from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
 from dpcompile.capture.state import python_state_kept
-from dpcompile.errors import TraceError
+from dpcompile.errors import ArgumentError, TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.progress import step_bar
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
@@ -399,7 +399,7 @@ def capture(
     leaf_modules = tuple(leaf_modules)
     for leaf in leaf_modules:
         if not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
-            raise ValueError(f"leaf_modules must hold nn.Module subclasses, got {leaf!r}")
+            raise ArgumentError(f"leaf_modules must hold nn.Module subclasses, got {leaf!r}")
     tracer = DpTracer(leaf_modules)
     tracer.varargs_count = model.__dict__.get(VARARGS_COUNT)
     if tracer.is_leaf_module(model, "") and not _traces_cleanly(model):

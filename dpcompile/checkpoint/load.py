@@ -16,7 +16,7 @@ from dpcompile.checkpoint.headers import CheckpointError, Entry, read_checkpoint
 from dpcompile.checkpoint.keys import Conversion, place_keys
 from dpcompile.checkpoint.rank_writes import blocks_of_piece, piece_blocks
 from dpcompile.checkpoint.slices import cut, read_blocks, read_entry, read_piece
-from dpcompile.checkpoint.targets import Target, targets_of, tie_groups, unset_buffers
+from dpcompile.checkpoint.targets import Target, check_program, targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import check_training_objects, read_training
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
@@ -72,6 +72,7 @@ def load_checkpoint(
     >>> dpcompile.load_checkpoint(pm, "ckpt/")                             # doctest: +SKIP
     """
     check_progress(progress)  # a bad progress= is refused before anything is read
+    check_program(pm, "load_checkpoint")
     _check_arguments(path, strict, key_mapping)
     check_training_objects(optimizer, lr_scheduler)
     if Path(path).is_dir() and (Path(path) / ".metadata").is_file() and not (Path(path) / "model.safetensors").exists():

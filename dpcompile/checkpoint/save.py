@@ -23,7 +23,7 @@ from dpcompile.checkpoint.files import (
 )
 from dpcompile.checkpoint.rank_save import save_by_ranks, switch_over
 from dpcompile.checkpoint.stages import is_mesh_pipeline, merge_stage_states
-from dpcompile.checkpoint.targets import targets_of, tie_groups
+from dpcompile.checkpoint.targets import check_program, targets_of, tie_groups
 from dpcompile.checkpoint.training import (
     check_training_objects,
     encode,
@@ -80,6 +80,7 @@ def save_checkpoint(
     PosixPath('ckpt')
     """
     check_progress(progress)  # a bad progress= is refused before anything is written
+    check_program(pm, "save_checkpoint")
     if format not in ("safetensors", "dcp"):
         raise ValueError(f"format={format!r}: expected format='safetensors' or format='dcp' (torch.distributed.checkpoint)")
     if getattr(pm, "needs_weights", False):

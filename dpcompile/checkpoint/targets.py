@@ -19,6 +19,7 @@ from dpcompile.checkpoint.dtensors import localize
 from dpcompile.checkpoint.files import Runs
 from dpcompile.checkpoint.runs import rows_at_once, staging_budget
 from dpcompile.checkpoint.stages import is_mesh_pipeline, stage_targets
+from dpcompile.errors import ArgumentError
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.distributed import MeshGroup
@@ -174,4 +175,13 @@ def _full_shape(shard: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
     return tuple(shape)
 
 
-__all__ = ["Piece", "Target", "shard_runs", "targets_of", "tie_groups", "unset_buffers"]
+def check_program(pm: object, what: str) -> None:
+    """``pm`` is what ``transform`` returned (a model itself is refused by name, not deep inside)."""
+    if not (isinstance(pm, ParallelModule) or is_mesh_pipeline(pm)):
+        raise ArgumentError(
+            f"{what}(pm, path) needs the module dpcompile.transform returned, got {type(pm).__name__}: pass pm "
+            "(its state_dict keys are the model's)"
+        )
+
+
+__all__ = ["Piece", "Target", "check_program", "shard_runs", "targets_of", "tie_groups", "unset_buffers"]

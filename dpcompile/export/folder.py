@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.errors import ArgumentError
 from dpcompile.export.build import build, expected_class, place
 from dpcompile.export.common import (
     FORMAT,
@@ -166,7 +167,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     from dpcompile.modules.other_mode import both_modes
 
     if not isinstance(pm, ParallelModule):
-        raise ValueError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
+        raise ArgumentError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
     pm = both_modes(pm)  # a program exported in one mode captures the other now: the folder serves both
     from dpcompile.modules.fsdp_one_process import FsdpProgram
 

@@ -8,6 +8,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.capture import capture
+from dpcompile.errors import ArgumentError, TraceError
 
 __all__ = ["diff"]
 
@@ -21,13 +22,18 @@ def diff(model: nn.Module | None, pm: fx.GraphModule) -> str:
     >>> [line for line in dpcompile.diff(model, pm).splitlines() if "scatter(" in line][0][:40]
     '+    input_1_scatter = dpcompile_runtime'
     """
+    kept = _captured_code(pm)
     if model is None:
-        captured = getattr(pm, "captured", None)
-        if captured is None:
-            raise ValueError("diff(None, pm) needs a pm that kept its captured graph; pass the model")
-        before = captured.code
+        if kept is None:
+            raise ArgumentError("diff(None, pm) needs a pm that kept its captured graph; pass the model")
+        before = kept
     else:
-        before = capture(model).code
+        try:
+            before = capture(model).code
+        except TraceError:  # fx cannot trace it (transform captured it with torch.export): the program pm was built from
+            if kept is None:
+                raise
+            before = kept
     after = pm.code
     lines = difflib.unified_diff(
         before.strip("\n").splitlines(),
@@ -37,3 +43,13 @@ def diff(model: nn.Module | None, pm: fx.GraphModule) -> str:
         lineterm="",
     )
     return "\n".join(lines) + "\n"
+
+
+def _captured_code(pm: fx.GraphModule) -> str | None:
+    """The code of the program ``pm`` was lowered from, where ``pm`` kept it (a tensor-parallel
+    program keeps only its code)."""
+    captured = getattr(pm, "captured", None)
+    if isinstance(captured, fx.GraphModule):
+        return captured.code
+    code = getattr(pm, "captured_code", None)
+    return code if isinstance(code, str) else None

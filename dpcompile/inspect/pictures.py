@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.inspect.nodes import device_labels, slot_of, target_name
 
 __all__ = ["draw", "to_dot"]
@@ -84,6 +84,8 @@ def draw(pm: fx.GraphModule, path: str | Path) -> Path:
     >>> dpcompile.draw(pm, "/tmp/graph.svg")  # doctest: +SKIP
     PosixPath('/tmp/graph.svg')
     """
+    if not isinstance(pm, fx.GraphModule):
+        raise ArgumentError(f"draw needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     source = to_dot(pm)

@@ -25,7 +25,7 @@ from torch import nn
 from dpcompile.analysis.random_ops import per_device_note
 from dpcompile.capture import ROOT_LEAF, DpTracer
 from dpcompile.devices import Devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import (
     ALIAS_PREFIX,
     RESERVED_NAMES,
@@ -240,7 +240,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             for path, tensor in tensor_leaves(value):
                 if tensor.dim() <= dim:
                     if forced is not None and tensor.dim() > 0:
-                        raise ValueError(
+                        raise ArgumentError(
                             f"batch_dim={forced}, but argument '{name}{path}' has {tensor.dim()} dims "
                             f"(shape {tuple(tensor.shape)}); pass a batch_dim below {tensor.dim()}, or None to infer it"
                         )
@@ -250,14 +250,14 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
                 if seen is None:
                     seen = (where, size)
                 elif size != seen[1]:
-                    raise ValueError(
+                    raise ArgumentError(
                         f"argument '{where}' has batch size {size} on dim {dim}, but '{seen[0]}' has "
                         f"{seen[1]}; every split input must carry the same batch. If '{name}' has no batch "
                         f"(it broadcasts), pass example_inputs= that give '{name}' an example value, so that it "
                         "is replicated, not split; or batch_dim= to choose another dim"
                     )
         if seen is not None and seen[1] == 0:
-            raise ValueError(f"argument '{seen[0]}' has an empty batch (size 0); there is nothing to split")
+            raise ArgumentError(f"argument '{seen[0]}' has an empty batch (size 0); there is nothing to split")
         return None if seen is None else seen[1]
 
     def _is_unbatched(self, args: tuple, kwargs: dict) -> bool:

@@ -48,7 +48,9 @@ class ExportedModelCheck:
 
     def read_again(self) -> None:
         """Take the model as it is now for what the program baked in: a change dpcompile made itself
-        (FSDP in one process swaps the parameters it splits for their pieces)."""
+        (FSDP in one process swaps the parameters it splits for their pieces). Read afresh: such a change
+        swaps module classes (a parametrized Linear), which no watched dict's version shows."""
+        self.guard.read_afresh()
         self.token = self._token()
         self.description = self.guard.description
         self.tensors = self._one_tensor_per_module()

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.random_ops import scoped_module_paths
+from dpcompile.errors import ArgumentError
 from dpcompile.fx_utils import placeholders, reserve_names, unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
@@ -314,9 +315,10 @@ class SpmdModule(ParallelModule):
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """Load full tensors under the original keys; sharded ones are sliced to this rank's shard."""
+        """Load full tensors under the original keys; sharded ones are sliced to this rank's shard
+        (and, under FSDP, cut into its DTensor shards over ``dp``)."""
         if not self.shards:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+            return super().load_state_dict(self._onto_fsdp_shards(state_dict), strict=strict, assign=assign)
         rank = self._tp_group().rank()
         local = dict(state_dict)
         for key, spec in self.shards.items():
@@ -330,7 +332,28 @@ class SpmdModule(ParallelModule):
                     "(pm.state_dict() or model.state_dict())"
                 )
             local[key] = shard_of(full, spec, rank).clone()
-        return super().load_state_dict(local, strict=strict, assign=assign)
+        return super().load_state_dict(self._onto_fsdp_shards(local), strict=strict, assign=assign)
+
+    def _onto_fsdp_shards(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Whole tensors (``pm.state_dict()``'s) as the DTensors FSDP holds: each rank keeps its rows."""
+        if self.__dict__.get("_fsdp") is None:
+            return state_dict
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        held = nn.Module.state_dict(self, keep_vars=True)
+        local = dict(state_dict)
+        for key, value in local.items():
+            own = held.get(key)
+            if not isinstance(own, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                continue
+            if tuple(value.shape) != tuple(own.shape):
+                raise ArgumentError(
+                    f"'{key}' has shape {tuple(value.shape)}, but the model's is {tuple(own.shape)}; load a state_dict "
+                    "of the same model (pm.state_dict() or model.state_dict())"
+                )
+            with torch.no_grad():
+                local[key] = distribute_tensor(value.detach().to(own.device, own.dtype), own.device_mesh, own.placements)
+        return local
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:  # fmt: skip

@@ -28,7 +28,7 @@ from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture
 from dpcompile.devices import Devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import run_passes
 from dpcompile.modules.carried import modes_applied
@@ -71,7 +71,7 @@ class PipelineRecipe(Recipe):
         gm, records = run_passes(gm, passes.frontend_pipeline(self._options(input_dims if self.context_parallel else None)))
         plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights)
         if plan.stages != len(self.devices):
-            raise ValueError(
+            raise ArgumentError(
                 f"pipeline={_spelled(self.stages)} makes {plan.stages} stages, but {len(self.devices)} devices were "
                 f"given; a pipeline runs one stage per device: pass {plan.stages} devices"
             )
@@ -211,14 +211,14 @@ def check_pipeline_arguments(
 ) -> tuple[int | tuple[str, ...], int, str]:
     """``pipeline=`` (an int, or a list of module paths), ``micro_batches=`` and ``schedule=``, checked."""
     if isinstance(pipeline, bool) or not isinstance(pipeline, (int, list, tuple)):
-        raise ValueError(
+        raise ArgumentError(
             f"pipeline={pipeline!r}: expected a number of stages, or a list of module paths where stages start"
         )
     stages = pipeline if isinstance(pipeline, int) else tuple(pipeline)
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches!r} must be a positive int")
+        raise ArgumentError(f"micro_batches={micro_batches!r} must be a positive int")
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: expected one of {list(SCHEDULES)}")
+        raise ArgumentError(f"schedule={schedule!r}: expected one of {list(SCHEDULES)}")
     return stages, micro_batches, str(schedule)
 
 

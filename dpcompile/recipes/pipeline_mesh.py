@@ -30,7 +30,7 @@ from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.linear_sites import linear_like_leaves
 from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.devices import Devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import ancestors, copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
@@ -78,7 +78,7 @@ class MeshPipelineRecipe(Recipe):
         gm, _ = run_passes(gm, passes.frontend_pipeline(options))
         plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights)
         if plan.stages != pp_size:
-            raise ValueError(
+            raise ArgumentError(
                 f"pipeline={self.stages!r} makes {plan.stages} stages, but the mesh's 'pp' dimension has {pp_size} "
                 f"ranks; a pipeline runs one stage per pp rank"
             )
@@ -226,7 +226,7 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_paral
     """A mesh for ``pipeline=``: a ``"pp"`` dimension, and ``"dp"``, ``"tp"`` or both beside it
     (``"tp"`` with ``tensor_parallel=``, and only with it; ``data_parallel="fsdp"`` with ``"dp"``)."""
     if "pp" not in names:
-        raise ValueError(
+        raise ArgumentError(
             f"pipeline= over a DeviceMesh needs a dimension named 'pp', got mesh_dim_names={names}; e.g. "
             "init_device_mesh('cuda', (pp, dp), mesh_dim_names=('pp', 'dp'))"
         )
@@ -237,18 +237,18 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_paral
             f"{sorted(others)}, which is not built yet: use a ('pp', 'dp', 'tp') mesh or a part of it"
         )
     if data_parallel == "fsdp" and "dp" not in names:
-        raise ValueError(
+        raise ArgumentError(
             f"data_parallel=\"fsdp\" shards each stage over the mesh's 'dp' dimension, and mesh_dim_names={names} "
             "has none; build a ('pp', 'dp') or ('pp', 'dp', 'tp') mesh, or leave data_parallel= out"
         )
     tensor_parallel = plan is not False and plan is not None
     if "tp" in names and not tensor_parallel:
-        raise ValueError(
+        raise ArgumentError(
             "a ('pp', 'tp') mesh shards each stage's layers over 'tp': pass tensor_parallel=True (the automatic "
             "plan) or a {path: style} plan, or use a ('pp',) / ('pp', 'dp') mesh"
         )
     if tensor_parallel and "tp" not in names:
-        raise ValueError(
+        raise ArgumentError(
             f"tensor_parallel= with pipeline= shards each stage over the mesh's 'tp' dimension, and mesh_dim_names="
             f"{names} has none; build a ('pp', 'tp') mesh, e.g. init_device_mesh('cuda', (pp, tp), "
             "mesh_dim_names=('pp', 'tp'))"

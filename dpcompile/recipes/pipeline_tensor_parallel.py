@@ -43,7 +43,7 @@ from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.capture import EXPORTED_FROM
 from dpcompile.capture.inputs import check_inputs
 from dpcompile.devices import Devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, fake_copy_to_trace
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
@@ -141,7 +141,7 @@ class PipelineTensorParallelRecipe(Recipe):
         inside = inside_sharded_regions(gm, resolve_plan(gm, plan=styles, n=shards).analysis.layouts)
         stage_plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights, no_cut_before=inside)
         if stage_plan.stages * shards != len(self.devices):
-            raise ValueError(
+            raise ArgumentError(
                 f"pipeline={self.stages!r} makes {stage_plan.stages} stages of {shards} tensor-parallel shards "
                 f"({stage_plan.stages} x {shards} = {stage_plan.stages * shards}), but {len(self.devices)} devices "
                 "were given"
@@ -204,6 +204,8 @@ class PipelineTensorParallelRecipe(Recipe):
         pm.set_stage_groups(groups)
         if isinstance(model, fx.GraphModule) and (exported := model.meta.get(EXPORTED_FROM)) is not None:
             pm.__dict__["exported_inputs"] = (exported.inputs, type(exported.model).__name__)  # build_program checks
+        if example_inputs is not None and self.check_available:  # shapes for the programs export builds ahead
+            pm.__dict__[EXAMPLE_SHAPES] = [_on_meta(v) for v in example_inputs]
         held = param_bytes_per_slot(pm)
         stages = [
             Stage(s, ",".join(groups[s].strings()), stage_plan.module_paths[s], stage_plan.weights[s],
@@ -280,10 +282,10 @@ class PipelineTensorParallelRecipe(Recipe):
         source = pm.traced_model
         if source is None:
             raise pm.cannot_trace_again(key)
-        if (exported := pm.__dict__.get("exported_inputs")) is not None:  # export fixed these shapes: say which
+        if (exported := pm.__dict__.get("exported_inputs")) is not None and (args or kwargs):  # export fixed these
             check_inputs(exported[0], args, kwargs, exported[1])
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = bind_inputs(pm, args, kwargs) if args or kwargs else None
+        values = bind_inputs(pm, args, kwargs) if args or kwargs else _example_shapes(pm, key)
         with modes_applied(source, key.modes), mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             example = None if values is None else tree_map(
@@ -334,7 +336,7 @@ def source_to_compile_again(model: nn.Module, device: torch.device) -> nn.Module
 def stage_groups(devices: Devices, stages: int) -> list[Devices]:
     """``devices`` cut into ``stages`` groups of ``len(devices) // stages``, in order."""
     if stages < 1 or len(devices) % stages:
-        raise ValueError(
+        raise ArgumentError(
             f"pipeline= with tensor_parallel= runs each of the {stages} stages on an equal group of devices, but "
             f"{len(devices)} devices do not divide into {stages} groups ({len(devices)} % {stages} = "
             f"{len(devices) % stages if stages else len(devices)}); pass stages x shards devices"
@@ -402,6 +404,25 @@ def pipeline_tensor_parallel_recipe(
         schedule=schedule, batch_dim=batch_dim, plan=plan, sequence_parallel=sequence_parallel,
     )  # fmt: skip
 
+
+
+#: ``pm.__dict__`` key: the examples transform was given, as meta tensors (shapes and dtypes only)
+EXAMPLE_SHAPES = "example_shapes"
+
+
+def _on_meta(value: Any) -> Any:
+    return tree_map(lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, value)
+
+
+def _example_shapes(pm: PipelineTensorParallelModule, key: CallKey) -> list[Any] | None:
+    """The examples' shapes for a program built without a call's inputs (export builds every mode's
+    ahead): the plan transform applied shards attention by heads only where shapes show them, so a
+    build without shapes would shard otherwise and be refused. Arguments the key leaves None, None."""
+    examples = pm.__dict__.get(EXAMPLE_SHAPES)
+    if examples is None:
+        return None
+    names = [str(n.target).lstrip("*") for n in pm.graph.nodes if n.op == "placeholder"]
+    return [None if name in key.none_args else value for name, value in zip(names, examples)]
 
 __all__ = [
     "PipelineTensorParallelRecipe",

@@ -57,7 +57,7 @@ from dpcompile.analysis.random_ops import random_kind
 from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import fake_copy, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
@@ -103,7 +103,7 @@ class SpmdRecipe(Recipe):
         mode, dp_dim, tp_dim = check_mesh(self.mesh, self.plan)
         device = local_device(self.mesh)
         if self.data_parallel == "fsdp" and dp_dim is None:
-            raise ValueError(
+            raise ArgumentError(
                 'data_parallel="fsdp" shards over the mesh\'s data-parallel dimension, and this mesh has none '
                 f"(dims {tuple(self.mesh.mesh_dim_names or ())}); pass a ('dp',) or ('dp', 'tp') mesh"
             )

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note, random_draws_of
+from dpcompile.errors import ArgumentError
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
 from dpcompile.verify.result import (
@@ -111,8 +112,13 @@ def _leaf_inputs(
     return copied, [(f"input[{i}]", t) for i, t in enumerate(leaves)]
 
 
-def _loss(output: Any, weights: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """A fixed random projection of every differentiable output (the weights are made once)."""
+def _loss(
+    output: Any, weights: dict[str, torch.Tensor | None] | None, loss_only: bool = False
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor | None]]:
+    """A fixed random projection of every differentiable output (the weights are made once). With
+    ``loss_only`` (a program that runs its loss's backward inside the call): the 0-dim outputs, each
+    with weight 1, as a training loop's ``loss.backward()``; the other outputs are compared, not
+    differentiated."""
     weights = {} if weights is None else weights
     total = None
     generator = torch.Generator().manual_seed(1234)
@@ -120,7 +126,12 @@ def _loss(output: Any, weights: dict[str, torch.Tensor] | None) -> tuple[torch.T
         if not (t.requires_grad and (t.is_floating_point() or t.is_complex())):
             continue
         if path not in weights:
-            weights[path] = torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype)
+            if loss_only:
+                weights[path] = torch.ones((), dtype=t.dtype) if t.dim() == 0 else None
+            else:
+                weights[path] = torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype)
+        if weights[path] is None:
+            continue
         term = (t * weights[path].to(t.device)).sum().real.to(torch.float64)
         term = term.to("cpu")
         total = term if total is None else total + term
@@ -128,15 +139,21 @@ def _loss(output: Any, weights: dict[str, torch.Tensor] | None) -> tuple[torch.T
 
 
 def _run(module: nn.Module, args: tuple, kwargs: dict, device: torch.device | None, seed: int,
-         weights: dict[str, torch.Tensor] | None,
-         grad_inputs: bool = True) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]:
+         weights: dict[str, torch.Tensor | None] | None, grad_inputs: bool = True,
+         loss_only: bool = False) -> tuple[Any, list[tuple[str, torch.Tensor]], dict[str, torch.Tensor | None]]:
     torch.manual_seed(seed)
     (call_args, call_kwargs), inputs = _leaf_inputs((list(args), dict(kwargs)), device, grad_inputs)
     output = module(*call_args, **call_kwargs)
-    loss, weights = _loss(output, weights)
+    loss, weights = _loss(output, weights, loss_only)
     if loss is not None:
         loss.backward()
     return output, inputs, weights
+
+
+def _runs_backward_in_call(pm: nn.Module) -> bool:
+    """A training call of ``pm`` runs its loss's backward itself (a 1F1B pipeline): only a plain
+    ``loss.backward()`` may follow, so verify differentiates the loss alone, with weight 1."""
+    return pm.training and pm.__dict__.get("schedule") == "1f1b"
 
 
 def _module_device(model: nn.Module) -> torch.device | None:
@@ -198,9 +215,14 @@ def verify(
         model_buffers = [(b, b.detach().clone()) for b in _unique(b for m in (model, pm) for b in m.buffers())]
         for p in _unique(p for m in (model, pm) for p in m.parameters()):
             p.grad = None
-        grad_inputs = True
+        loss_only = _runs_backward_in_call(pm)
+        grad_inputs = not loss_only  # 1F1B divides gradients after its step: it takes inputs that need none
+        if loss_only:
+            notes.append("the program runs its loss's backward inside the call (1F1B): the gradients compared are "
+                         "the 0-dim outputs' (the loss's, weight 1) and the parameters'; the other outputs' values")
         try:
-            expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None)
+            expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None,
+                                                      loss_only=loss_only)  # fmt: skip
         except RuntimeError as e:
             if not _sets_requires_grad_of_input(e):
                 raise
@@ -209,7 +231,8 @@ def verify(
                 p.grad = None
             grad_inputs = False
             notes.append(f"the inputs do not require grad and their gradients are not compared: {_INPUT_FLAG_NOTE}")
-            expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None, False)
+            expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None, False,
+                                                      loss_only)  # fmt: skip
         param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         own = dict(model.named_parameters())
         expected_grads = {n: None if own[n].grad is None else own[n].grad.detach().clone() for n in param_names}
@@ -219,7 +242,7 @@ def verify(
             p.grad = None
         _restore(model_buffers)
 
-        actual, actual_inputs, _ = _run(pm, args, kwargs, None, seed, weights, grad_inputs)
+        actual, actual_inputs, _ = _run(pm, args, kwargs, None, seed, weights, grad_inputs, loss_only)
         actual_grads = _pm_gradients(pm, param_names)
         pm_state = pm.state_dict()
         # copies: in data parallel pm's buffers are the model's, restored below for the float64 run
@@ -283,7 +306,7 @@ def _check_modules(pm: object, model: object) -> None:
     """``verify(pm, model, *inputs)``: both modules first, then the inputs."""
     for name, value in (("pm", pm), ("model", model)):
         if not isinstance(value, nn.Module):
-            raise TypeError(
+            raise ArgumentError(
                 f"verify(pm, model, *inputs): {name} must be a module, got {type(value).__name__}; pass the "
                 "ParallelModule and the model first, then the inputs forward takes"
             )

@@ -124,3 +124,46 @@ def test_dp_tp_copies_of_an_rnn_export_and_load(tmp_path):
     dpcompile.export(pm, tmp_path / "rnn")
     loaded = dpcompile.load(tmp_path / "rnn")
     torch.testing.assert_close(loaded(x), pm(x))
+
+
+class HeadsAttention(nn.Module):
+    """Attention viewed by heads (sharded by heads only where shapes show them)."""
+
+    def __init__(self, width: int = 8, heads: int = 2):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+        self.heads = heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (f(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        return self.o(a).sum()
+
+
+def test_dp_tp_copies_given_examples_export_their_eval_program(tmp_path):
+    """transform given example_inputs shards attention by heads (shapes show them); export built the
+    eval program without shapes, which shards otherwise, so it was left out and the loaded module
+    refused pm.eval() calls ("not available to trace again")."""
+    x = torch.randn(2, 4, 8)
+    model = HeadsAttention()
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(x,))
+    dpcompile.export(pm, tmp_path / "heads")
+    loaded = dpcompile.load(tmp_path / "heads").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model.eval()(x))
+
+
+def test_dp_tp_copies_of_a_program_torch_export_captured_export_their_eval_program(tmp_path):
+    """A model fx cannot trace (a shape branch: captured with torch.export): export built the eval
+    program with no call's inputs, which the check of the exported inputs refused ('input_ids' is
+    missing), so the loaded module refused pm.eval() calls."""
+    from tests.capture.test_export_frontend import Block
+
+    x = torch.randn(4, 8)
+    model = Block()
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(x,))
+    dpcompile.export(pm, tmp_path / "exported")
+    loaded = dpcompile.load(tmp_path / "exported").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model.eval()(x))

@@ -160,11 +160,33 @@ def check_fsdp_2d(rank: int, world: int) -> None:
     _train_and_compare(pm, reference, world, mesh.get_local_rank("dp"), 2)
 
 
+def check_fsdp_load_state_dict(rank: int, world: int) -> None:
+    """pm.load_state_dict takes the whole tensors pm.state_dict() gives (the model's keys) and cuts each
+    rank's rows of FSDP's DTensors (it raised from copying a tensor into a DTensor); a wrong shape is
+    refused by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    pm = dpcompile.transform(Stack(layers=1), init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), data_parallel="fsdp")
+    other = Stack(layers=1)
+    pm.load_state_dict(other.state_dict())
+    for key, value in pm.state_dict().items():
+        torch.testing.assert_close(value, other.state_dict()[key], rtol=0, atol=0)
+    x = _batches(world, 1)[0][:2]
+    torch.testing.assert_close(pm(x), other(x))
+    wrong = {**other.state_dict(), "inp.weight": torch.zeros(3, 3)}
+    with pytest.raises(dpcompile.DpCompileError, match="inp.weight"):
+        pm.load_state_dict(wrong)
+
+
 SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
     "one_d": [
         ("check_fsdp_1d", check_fsdp_1d),
         ("check_fsdp_grads_exact", check_fsdp_grads_exact),
         ("check_fsdp_mixed_precision", check_fsdp_mixed_precision),
+        ("check_fsdp_load_state_dict", check_fsdp_load_state_dict),
     ],
     "two_d": [("check_fsdp_1d", check_fsdp_1d), ("check_fsdp_2d", check_fsdp_2d)],
 }

@@ -224,3 +224,32 @@ def test_a_mode_traced_inside_a_call_runs_on_tensors_not_on_cached_proxies():
         got, want = pm(x), eager(x)
     assert all(type(t) is torch.Tensor for t in got)
     torch.testing.assert_close(got, want)
+
+
+class ModeBranch(nn.Module):
+    """Forward reads the mode (export bakes it in: one program per mode, merged), and the class names
+    ``_parameters`` (so the guard of the exported program watches that attribute of its leaves; the
+    head's holds a None bias once sharding moved its weight into a parametrization, as GPT-2's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        h = nn.functional.dropout(self.fc(x), 0.0, self.training)
+        return self.head(h).sum()
+
+    def own_tensors(self):
+        return len(self.head._parameters)
+
+
+def test_an_exported_program_runs_in_the_other_mode():
+    """Sharding swaps each Linear for a parametrized class, which the exported program's guard did
+    not read again (ModelChanged at pm.eval()), and the other mode, captured at its first call from
+    the sharded copy, ran the training path ('exported in training mode'): both modes are captured
+    before sharding, and the guard reads the model afresh."""
+    model, x = ModeBranch(), torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp", frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    with torch.no_grad():
+        torch.testing.assert_close(pm.eval()(x), model.eval()(x))

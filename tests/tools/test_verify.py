@@ -375,3 +375,19 @@ def test_verify_fake_devices_of_another_count_than_a_pipelines_says_which():
     with pytest.raises(dpcompile.DpCompileError, match=r"runs on 2 devices, not 4; pass fake_devices=2"):
         dpcompile.verify(pm, model, torch.randn(4, 8), fake_devices=4)
     assert dpcompile.verify(pm, model, torch.randn(4, 8), fake_devices=2)
+
+
+def test_verify_a_1f1b_pipeline_that_runs_its_loss_backward_in_the_call():
+    """A 1F1B pipeline runs its loss's backward inside a training call (only a plain loss.backward()
+    may follow): verify compares the loss's gradients (weight 1) instead of raising, and still
+    reports a wrong parameter."""
+    model = _Layers()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b")
+    x = torch.randn(4, 8)
+    result = dpcompile.verify(pm, eager, x)
+    assert result and result.checked["parameter gradients"] == 8, str(result)
+    with torch.no_grad():
+        model.layers[0].weight[0, 0] += 1.0
+    result = dpcompile.verify(pm, eager, x)
+    assert not result and "layers.0.weight" in str(result), str(result)

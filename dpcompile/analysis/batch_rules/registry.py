@@ -23,6 +23,7 @@ from torch import nn
 
 from dpcompile.analysis.batch_rules.context import Rule
 from dpcompile.analysis.ops import OpFamily
+from dpcompile.errors import ArgumentError
 
 
 @dataclass
@@ -55,7 +56,7 @@ class BatchRuleRegistry:
         elif callable(target) or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             table, entry = self.functions, rule
         else:
-            raise TypeError(f"cannot register a batch rule for {target!r}: not a function, method name or module type")
+            raise ArgumentError(f"cannot register a batch rule for {target!r}: not a function, method name or module type")
         if target in table and not replace:
             raise ValueError(f"{target!r} already has a batch rule; pass replace=True to override it")
         table[target] = entry

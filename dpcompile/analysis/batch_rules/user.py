@@ -16,6 +16,7 @@ from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.third_party import per_sample
 from dpcompile.analysis.placement import Placement, Replicated, Split, Tuple, Whole
+from dpcompile.errors import ArgumentError
 
 UserRule = Callable[[list[int | None]], Any]
 
@@ -44,7 +45,7 @@ def register_batch_rule(target: Any, rule: str | UserRule, *, replace: bool = Fa
     elif callable(rule):
         compiled = _from_callable(rule)
     else:
-        raise ValueError(f"rule={rule!r}: expected 'elementwise', 'whole' or a callable rule(in_dims) -> out_dims")
+        raise ArgumentError(f"rule={rule!r}: expected 'elementwise', 'whole' or a callable rule(in_dims) -> out_dims")
     BATCH_RULES.register(target, compiled, replace=replace)
 
 

@@ -231,7 +231,10 @@ def loaded_state(
             file_key = f"{STATE_PREFIX}{place.key}.{name}"
             entry = entries.get(file_key)
             if entry is None:
-                raise CheckpointError(f"the checkpoint lacks '{file_key}'", file=where, key=file_key)
+                raise CheckpointError(
+                    f"the checkpoint {where} lacks '{file_key}', which its training state lists (corrupt or edited: save "
+                    "again, or load without optimizer=)", file=where, key=file_key,
+                )  # fmt: skip
             _check_entry(entry, kind, place, file_key)
             if kind == LIKE_PARAM:
                 reads.append((index, name, lambda e=entry, p=place, q=param: like(e, p, q)))

@@ -213,7 +213,7 @@ def loaded_state(
                 + ("" if extra else " (or pass strict=False to load the state of the parameters this one holds)"),
                 file=where, key=(extra or lacking)[0],
             )  # fmt: skip
-        _check_hyper(saved["hyper"], group, g, where)
+        _check_hyper(saved["hyper"], group, optimizer.defaults, g, where)
         groups.append({**saved["hyper"], "params": group["params"]})
     kinds = meta["state"]
     entries = source.entries if source is not None else files.entries if files is not None else {}
@@ -302,17 +302,17 @@ def _check_entry(entry: Any, kind: str, place: Place, file_key: str) -> None:
         )  # fmt: skip
 
 
-def _check_hyper(hyper: Any, group: dict[str, Any], g: int, where: Any) -> None:
+def _check_hyper(hyper: Any, group: dict[str, Any], needed: Any, g: int, where: Any) -> None:
     """The saved hyper-parameters of param group ``g`` can stand for the optimizer's own (``group``):
     no key it lacks, each value of the kind it holds (a finite number for ``lr``, a bool for
-    ``maximize``); a flag may be missing (the optimizer's ``__setstate__`` fills it), a number not;
-    a key it lacks only as a plain scalar (a scheduler adds ``initial_lr``)."""
+    ``maximize``); of the optimizer's ``needed`` defaults a flag may be missing (its ``__setstate__``
+    fills it), a number not; a key it lacks only as a plain scalar (a scheduler adds ``initial_lr``)."""
     mine = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     if not isinstance(hyper, dict):
         raise CheckpointError(f"the checkpoint {where}: param group {g}'s hyper-parameters are not an object", file=where)
     unknown = sorted(str(k) for k in hyper if k not in mine and not _scalar(hyper[k]))  # a scheduler's initial_lr is one
     wrong = sorted(k for k in mine if k in hyper and not same_kind(hyper[k], mine[k]))
-    missing = sorted(k for k in mine if k not in hyper and not (mine[k] is None or isinstance(mine[k], bool)))
+    missing = sorted(k for k in needed if k not in hyper and not (mine.get(k) is None or isinstance(mine.get(k), bool)))
     if unknown or wrong or missing:
         shown = {k: str(hyper[k])[:40] for k in wrong[:5]}
         raise CheckpointError(

@@ -362,6 +362,20 @@ def test_an_edited_training_state_is_refused_before_anything_is_set(edit, tp_che
     assert str(sched.state_dict()) == schedule and not hasattr(sched, "optimizer_x")
 
 
+def test_an_optimizer_with_a_scheduler_loads_a_state_saved_without_one(tmp_path):
+    """The scheduler added ``initial_lr`` to the loading optimizer's groups, the saved groups lack it:
+    the hyper-parameter check lets that key be, as ``optimizer.load_state_dict`` does."""
+    pm, _, _ = program("tp2")
+    plain = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)  # no scheduler: no initial_lr
+    pm(*batches()[0]).backward()
+    plain.step()
+    dpcompile.save_checkpoint(pm, tmp_path, optimizer=plain)
+    saved = _snapshot(pm, plain)
+    pm, opt, sched = program("tp2")
+    dpcompile.load_checkpoint(pm, tmp_path, optimizer=opt)
+    _assert_unchanged(pm, opt, saved)
+
+
 def test_a_shape_that_differs_is_named(tp_checkpoint, tmp_path):
     """A state tensor whose shape is not its parameter's: the key, both shapes; nothing loaded."""
     pm, opt, sched = _trained_pp()

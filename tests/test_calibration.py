@@ -83,6 +83,25 @@ def test_a_one_process_cache_of_the_older_format_is_measured_again(measured):
     assert calibration.calibrate("cpu").flops_per_s == 1e9
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["[]", "null", "[" * 100_000, '{"version": 2, "flops_per_s": NaN}', " " * (1 << 20)]
+    + [json.dumps({**dict(version=2, flops_per_s=5.0, copy_bytes_per_s=6.0, device="cpu", ranks=1, cores=0,
+                          op_seconds=0, collective_latency_s=0, collective_bytes_per_s=0, concurrency=0), **edit})
+       for edit in ({"flops_per_s": "fast"}, {"flops_per_s": 0}, {"copy_bytes_per_s": -1.0}, {"ranks": 0},
+                    {"op_seconds": 1e400}, {"device": 3})],
+    ids=["list", "null", "deep", "nan", "large", "str", "zero", "negative", "no-ranks", "inf", "device"],
+)  # fmt: skip
+def test_an_edited_or_foreign_cache_file_is_measured_again_never_planned_with(measured, text):
+    """Not an object, nested past the parser, too large, a figure of the wrong type or range (NaN,
+    0 FLOP/s, inf): measured again (was an AttributeError, a RecursionError, or planning with it)."""
+    path = calibration.cache_path("cpu")
+    path.write_text(text)
+    found = calibration.calibrate("cpu")
+    assert found.source == "measured" and (found.flops_per_s, found.copy_bytes_per_s) == (1e9, 2e9)
+    assert calibration.calibrate("cpu").source == "cache"  # and the good figures replaced it
+
+
 # --------------------------------------------------------------------------- the mesh's step time
 def _profile() -> ModelProfile:
     """Two blocks of 1e9 forward FLOPs and 10 ops each, one Linear each with 1000 output elements (a

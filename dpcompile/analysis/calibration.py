@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -91,22 +92,52 @@ def _off() -> bool:
     return _setting() in ("off", "0", "false", "no")
 
 
+#: a cache file is a dozen numbers; a larger one is not ours and is measured again, never read
+CACHE_MAX_BYTES = 64 * 1024
+
+
 def _read_cache(path: Path, *, fresh_too: bool = False, **expected: object) -> Calibration | None:
-    """The cached calibration at ``path``; None where there is none, it is unreadable, of another
-    format version, was measured where ``expected`` (the cores) differs, or ``DPCOMPILE_CALIBRATION``
-    is ``fresh`` (unless ``fresh_too``: a reader that measures nothing)."""
+    """The cached calibration at ``path``; None where there is none, it is unreadable (not a JSON
+    object of the figures, a figure that is not a finite number of its range, larger than
+    :data:`CACHE_MAX_BYTES`), of another format version, was measured where ``expected`` (the
+    cores) differs, or ``DPCOMPILE_CALIBRATION`` is ``fresh`` (unless ``fresh_too``: a reader that
+    measures nothing)."""
     if (_setting() == "fresh" and not fresh_too) or not path.is_file():
         return None
     try:
+        if path.stat().st_size > CACHE_MAX_BYTES:
+            raise ValueError(f"larger than {CACHE_MAX_BYTES} bytes")
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
         if data.get("version") != CACHE_VERSION or any(data.get(k) != v for k, v in expected.items()):
             log.debug("calibration cache %s is stale: measuring again", path)
             return None
         names = {f.name for f in fields(Calibration)} - {"source"}
-        return Calibration(**{k: data[k] for k in names}, source="cache")
-    except (ValueError, KeyError, TypeError, OSError) as e:
+        found = Calibration(**{k: data[k] for k in names}, source="cache")
+        _check_figures(found)
+        return found
+    except (ValueError, KeyError, TypeError, OSError, RecursionError) as e:
         log.debug("calibration cache %s unreadable (%s): measuring again", path, e)
         return None
+
+
+def _check_figures(found: Calibration) -> None:
+    """Raises ValueError unless every figure is of its type and range: rates positive, times and
+    counts non-negative, all finite (an edited cache would otherwise plan with NaN or divide by 0)."""
+
+    def number(x: object) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not (number(found.flops_per_s) and found.flops_per_s > 0 and number(found.copy_bytes_per_s) and found.copy_bytes_per_s > 0):
+        raise ValueError(f"rates {found.flops_per_s!r} FLOP/s, {found.copy_bytes_per_s!r} B/s: expected positive numbers")
+    rest = (found.op_seconds, found.collective_latency_s, found.collective_bytes_per_s, found.concurrency, found.message_s)
+    if not all(number(x) and x >= 0 for x in rest):
+        raise ValueError(f"figures {rest!r}: expected non-negative numbers")
+    if not isinstance(found.device, str) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= low for n, low in ((found.ranks, 1), (found.cores, 0))
+    ):  # fmt: skip
+        raise ValueError(f"device {found.device!r}, ranks {found.ranks!r}, cores {found.cores!r}")
 
 
 def _write_cache(path: Path, measured: Calibration) -> None:

@@ -86,9 +86,15 @@ def save_dcp(pm: Any, path: Path, training: TrainingSave | None) -> None:
 def _switch_folder(staging: Path, path: Path, token: str) -> None:
     """``staging`` becomes ``path``; a previous checkpoint there is moved aside first and removed after."""
     old = path.parent / f".{path.name}.{token}.old"
-    if path.exists():
+    moved = path.exists()
+    if moved:
         os.replace(path, old)
-    os.replace(staging, path)
+    try:
+        os.replace(staging, path)
+    except BaseException:
+        if moved:  # the previous checkpoint back in place, never left aside
+            os.replace(old, path)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

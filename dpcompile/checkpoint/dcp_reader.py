@@ -13,11 +13,16 @@ load plans a read:
   file, and its byte range lies inside that file;
 * every chunk and byte item has its storage entry.
 
-Any fault is a :class:`~dpcompile.checkpoint.headers.CheckpointError` naming ``.metadata``.
+``.metadata`` itself is at most :data:`METADATA_MAX_BYTES` (1 GiB: about six million chunks; checked
+before it is read) and no value of its pickle may expand past a bound proportional to its size
+(:func:`~dpcompile.checkpoint.pickle_bounds.check_expansion`: a few kilobytes sharing one tuple
+forty levels deep would hang the unpickler hashing it). Any fault is a
+:class:`~dpcompile.checkpoint.headers.CheckpointError` naming ``.metadata``.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import stat
@@ -30,8 +35,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from dpcompile.checkpoint.headers import CheckpointError
+from dpcompile.checkpoint.pickle_bounds import brief, check_expansion, expansion_limit
 
 METADATA = ".metadata"
+#: the largest ``.metadata`` read (about 160 bytes a chunk: six million chunks); raise it for a larger checkpoint
+METADATA_MAX_BYTES = 1 << 30
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -58,15 +66,23 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(folder: Path) -> dcp_metadata.Metadata:
     """The checked ``Metadata`` of the DCP checkpoint in ``folder`` (see the module's docstring)."""
     file = folder / METADATA
-    _plain_file(file, file)
+    if _plain_file(file, file) > METADATA_MAX_BYTES:
+        raise CheckpointError(
+            f"{file} is larger than {METADATA_MAX_BYTES} bytes, more than a checkpoint's metadata holds; if it is one, "
+            "raise dpcompile.checkpoint.dcp_reader.METADATA_MAX_BYTES", file=file,
+        )  # fmt: skip
     try:
         with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            raw = f.read(METADATA_MAX_BYTES + 1)
+        if len(raw) > METADATA_MAX_BYTES:
+            raise ValueError(f"it grew past {METADATA_MAX_BYTES} bytes while read")
+        check_expansion(raw, expansion_limit(len(raw)))
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt pickle fails in many ways; each is named
         raise CheckpointError(
-            f"{file} cannot be read as a torch.distributed.checkpoint's metadata ({type(e).__name__}: {e})", file=file
+            f"{file} cannot be read as a torch.distributed.checkpoint's metadata ({type(e).__name__}: {brief(str(e))})", file=file
         ) from None
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not a checkpoint's Metadata", file=file)
@@ -97,7 +113,7 @@ def _check_items(file: Path, metadata: Any) -> None:
     storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
     for fqn, md in items.items():
         def bad(what: str, fqn: Any = fqn) -> CheckpointError:
-            return CheckpointError(f"{file}: the item {fqn!r} {what} (corrupt or edited)", file=file, key=str(fqn))
+            return CheckpointError(f"{file}: the item {brief(fqn)} {what} (corrupt or edited)", file=file, key=brief(fqn))
 
         if not isinstance(fqn, str):
             raise bad("is not named by a string")
@@ -108,7 +124,7 @@ def _check_items(file: Path, metadata: Any) -> None:
         if not isinstance(md, dcp_metadata.TensorStorageMetadata):
             raise bad(f"is described by a {type(md).__name__}")
         if not _sizes(md.size) or not isinstance(getattr(md.properties, "dtype", None), torch.dtype):
-            raise bad(f"has size {md.size!r} and properties {md.properties!r}: expected non-negative ints and a dtype")
+            raise bad(f"has size {brief(md.size)} and properties {brief(md.properties)}: expected non-negative ints and a dtype")
         if not isinstance(md.chunks, list):
             raise bad("has no list of chunks")
         covered = sum(_numel(getattr(c, "sizes", ())) for c in md.chunks if _sizes(getattr(c, "sizes", None)))
@@ -121,7 +137,7 @@ def _check_items(file: Path, metadata: Any) -> None:
                 or len(chunk.offsets) != len(md.size) or len(chunk.sizes) != len(md.size)
                 or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, md.size))
             ):  # fmt: skip
-                raise bad(f"has a chunk {chunk!r} that is not inside its size {list(md.size)}")
+                raise bad(f"has a chunk {brief(chunk)} that is not inside its size {list(md.size)}")
             if dcp_metadata.MetadataIndex(fqn, chunk.offsets) not in storage:
                 raise bad(f"has no storage entry for its chunk at {list(chunk.offsets)}")
 
@@ -133,11 +149,11 @@ def _check_storage(file: Path, folder: Path, metadata: Any) -> None:
     sizes: dict[str, int] = {}
     for index, info in storage.items():
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
-            raise CheckpointError(f"{file}: the storage of {index!r} is described by {info!r}", file=file)
+            raise CheckpointError(f"{file}: the storage of {brief(index)} is described by {brief(info)}", file=file)
         name = info.relative_path
         if name in ("", ".", "..", METADATA) or "/" in name or "\\" in name:
             raise CheckpointError(
-                f"{file} stores {getattr(index, 'fqn', index)!r} in {name!r}: a checkpoint's data files are plain "
+                f"{file} stores {brief(getattr(index, 'fqn', index))} in {brief(name)}: a checkpoint's data files are plain "
                 "file names in its folder", file=file,
             )  # fmt: skip
         if name not in sizes:
@@ -145,13 +161,15 @@ def _check_storage(file: Path, folder: Path, metadata: Any) -> None:
         offset, length = info.offset, info.length
         if not _natural(offset) or not _natural(length) or offset + length > sizes[name]:
             raise CheckpointError(
-                f"{file} stores {getattr(index, 'fqn', index)!r} at bytes [{offset!r}, +{length!r}) of {name}, which "
+                f"{file} stores {brief(getattr(index, 'fqn', index))} at bytes [{brief(offset)}, +{brief(length)}) of {name}, which "
                 f"holds {sizes[name]} (truncated or corrupt)", file=folder / name,
             )  # fmt: skip
         if info.transform_descriptors is not None and not (
             isinstance(info.transform_descriptors, (list, tuple)) and all(isinstance(t, str) for t in info.transform_descriptors)
         ):
-            raise CheckpointError(f"{file}: the storage of {index!r} has transforms {info.transform_descriptors!r}", file=file)
+            raise CheckpointError(
+                f"{file}: the storage of {brief(index)} has transforms {brief(info.transform_descriptors)}", file=file
+            )
 
 
 def _plain_file(file: Path, blame: Path) -> int:
@@ -182,4 +200,4 @@ def _natural(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-__all__ = ["METADATA", "CheckedReader", "read_dcp_metadata"]
+__all__ = ["METADATA", "METADATA_MAX_BYTES", "CheckedReader", "read_dcp_metadata"]

@@ -157,12 +157,47 @@ class StagedFiles:
             os.fsync(f.fileno())
 
     def commit(self) -> None:
-        """Rename every file into place (``os.replace``: a link at a final name is replaced, not followed)."""
-        for temp, final in self.pending:
-            os.replace(temp, final)
+        """Rename every file into place (``os.replace``: a link at a final name is replaced, not
+        followed). A rename that fails puts back the files renamed before it: each previous file is
+        kept as a hard link (``.<name>.prev.<token>.tmp``) until every rename is done, so the final
+        names are all new or all as they were (never a mix of two saves that loads), and the staged
+        files are removed. Where the
+        filesystem has no hard links, the renames go on without that net."""
+        renamed: list[tuple[Path | None, bool, Path]] = []  # (the previous file kept, one was there, final)
+        try:
+            for temp, final in self.pending:
+                existed = os.path.lexists(final)
+                renamed.append((self._keep(final) if existed else None, existed, final))
+                os.replace(temp, final)
+        except BaseException:
+            for kept, existed, final in reversed(renamed[:-1]):
+                if kept is not None:
+                    os.replace(kept, final)
+                elif not existed:
+                    final.unlink(missing_ok=True)
+            self._drop(renamed[-1:])
+            self.discard()
+            raise
+        self._drop(renamed)
         for folder in {final.parent for _, final in self.pending}:
             _fsync_dir(folder)
         self.pending = []
+
+    def _keep(self, final: Path) -> Path | None:
+        """A hard link to the file (or link) at ``final``, to put it back; None where none can be made."""
+        kept = final.parent / f".{final.name}.prev.{self.token}.tmp"
+        try:
+            kept.unlink(missing_ok=True)
+            os.link(final, kept, follow_symlinks=False)
+        except OSError:
+            return None
+        return kept
+
+    @staticmethod
+    def _drop(renamed: list[tuple[Path | None, bool, Path]]) -> None:
+        for kept, _, _ in renamed:
+            if kept is not None:
+                kept.unlink(missing_ok=True)
 
     def discard(self) -> None:
         for temp, _ in self.pending:

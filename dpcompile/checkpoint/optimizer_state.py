@@ -14,6 +14,7 @@ state tensor whole, so that what one layout saved loads into any other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,7 +186,7 @@ def loaded_state(
     where = source.path if source is not None else files.path if files is not None else None
     if meta.get("kind") is not None and meta.get("kind") != optimizer_kind(optimizer):
         raise CheckpointError(
-            f"the checkpoint holds the state of a {meta.get('kind')}, the optimizer is a {optimizer_kind(optimizer)}",
+            f"the checkpoint {where} holds the state of a {str(meta.get('kind'))[:80]}, the optimizer is a {optimizer_kind(optimizer)}",
             file=where,
         )
     places = param_places(pm, optimizer)
@@ -195,7 +196,7 @@ def loaded_state(
     saved_groups = meta["groups"]
     if len(saved_groups) != len(current["param_groups"]):
         raise CheckpointError(
-            f"the checkpoint's optimizer has {len(saved_groups)} param group(s), this one {len(current['param_groups'])}",
+            f"the checkpoint {where} has {len(saved_groups)} optimizer param group(s), this optimizer {len(current['param_groups'])}",
             file=where,
         )
     groups = []
@@ -206,17 +207,19 @@ def loaded_state(
             lacking = [k for k in lacking if held.get(k)]
         if extra or (lacking and strict):
             raise CheckpointError(
-                f"param group {g} of the optimizer differs from the checkpoint's: here but not saved {extra[:5]}, "
+                f"param group {g} of the optimizer differs from the checkpoint {where}'s: here but not saved {extra[:5]}, "
                 f"saved but not here {lacking[:5]}: build the param groups as the saving run did"
                 + ("" if extra else " (or pass strict=False to load the state of the parameters this one holds)"),
                 file=where, key=(extra or lacking)[0],
             )  # fmt: skip
+        _check_hyper(saved["hyper"], group, optimizer.defaults, g, where)
         groups.append({**saved["hyper"], "params": group["params"]})
     kinds = meta["state"]
     entries = source.entries if source is not None else files.entries if files is not None else {}
     like = source.like if source is not None else _read_like
     whole = source.whole if source is not None else _read_whole
     state: dict[int, dict[str, Any]] = {}
+    listed: set[str] = set()
     reads: list[tuple[int, str, Callable[[], torch.Tensor]]] = []
     for index, param in enumerate(params):
         place = places[id(param)]
@@ -228,14 +231,29 @@ def loaded_state(
                 state[index][name] = kind["value"]
                 continue
             file_key = f"{STATE_PREFIX}{place.key}.{name}"
+            listed.add(file_key)
             entry = entries.get(file_key)
             if entry is None:
-                raise CheckpointError(f"the checkpoint lacks '{file_key}'", file=where, key=file_key)
+                raise CheckpointError(
+                    f"the checkpoint {where} lacks '{file_key}', which its training state lists (corrupt or edited: save "
+                    "again, or load without optimizer=)", file=where, key=file_key,
+                )  # fmt: skip
             _check_entry(entry, kind, place, file_key)
             if kind == LIKE_PARAM:
                 reads.append((index, name, lambda e=entry, p=place, q=param: like(e, p, q)))
             else:
                 reads.append((index, name, lambda e=entry: whole(e)))
+    mine = {place.key for place in places.values()}
+    unlisted = [
+        k for k in entries
+        if k.startswith(STATE_PREFIX) and k not in listed and k[len(STATE_PREFIX) :].rsplit(".", 1)[0] in mine
+    ]  # fmt: skip
+    if unlisted:
+        raise CheckpointError(
+            f"the checkpoint {where} holds optimizer state its training state does not list ({unlisted[:5]}): corrupt or "
+            "edited (the optimizer would resume without it); save again, or load without optimizer=",
+            file=where, key=unlisted[0],
+        )  # fmt: skip
     for index, name, read in reads:  # everything checked: read each piece's slices
         state[index][name] = read()
     return {"state": state, "param_groups": groups}
@@ -277,7 +295,53 @@ def _check_entry(entry: Any, kind: str, place: Place, file_key: str) -> None:
                 file=entry.file, key=file_key,
             )  # fmt: skip
     elif kind != WHOLE:
-        raise CheckpointError(f"'{file_key}': unknown kind of state {kind!r}", file=entry.file, key=file_key)
+        raise CheckpointError(
+            f"'{file_key}' in {entry.file}: unknown kind of state {str(kind)[:80]!r} (corrupt or edited: save again)",
+            file=entry.file, key=file_key,
+        )  # fmt: skip
+
+
+def _check_hyper(hyper: Any, group: dict[str, Any], needed: Any, g: int, where: Any) -> None:
+    """The saved hyper-parameters of param group ``g`` can stand for the optimizer's own (``group``):
+    no key it lacks, each value of the kind it holds (a finite number for ``lr``, a bool for
+    ``maximize``); of the optimizer's ``needed`` defaults a flag may be missing (its ``__setstate__``
+    fills it), a number not; a key it lacks only as a plain scalar (a scheduler adds ``initial_lr``)."""
+    mine = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    if not isinstance(hyper, dict):
+        raise CheckpointError(f"the checkpoint {where}: param group {g}'s hyper-parameters are not an object", file=where)
+    unknown = sorted(str(k) for k in hyper if k not in mine and not _scalar(hyper[k]))  # a scheduler's initial_lr is one
+    wrong = sorted(k for k in mine if k in hyper and not same_kind(hyper[k], mine[k]))
+    missing = sorted(k for k in needed if k not in hyper and not (mine.get(k) is None or isinstance(mine.get(k), bool)))
+    if unknown or wrong or missing:
+        shown = {k: str(hyper[k])[:40] for k in wrong[:5]}
+        raise CheckpointError(
+            f"the checkpoint {where}: param group {g}'s hyper-parameters do not fit this optimizer: unknown {unknown[:5]}, "
+            f"of another kind {shown}, missing {missing[:5]}; corrupt or edited (or another optimizer): save again, or "
+            "load without optimizer=", file=where,
+        )  # fmt: skip
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, str)) or same_kind(value, 0.0)
+
+
+def same_kind(saved: Any, current: Any, *, none_holds: tuple[type, ...] = (bool,)) -> bool:
+    """``saved`` (read from a file) can stand where an optimizer or scheduler holds ``current``: a
+    finite number for a number (not a bool), a bool or None for a bool, a sequence of the same
+    length, None or one of ``none_holds`` where it holds None, the same type otherwise."""
+    if current is None:  # an optimizer's unset flag (foreach, fused): None or a bool
+        return saved is None or isinstance(saved, none_holds)
+    if isinstance(current, bool):  # a flag: some are None-or-bool (foreach, fused)
+        return saved is None or isinstance(saved, bool)
+    if isinstance(saved, bool):
+        return False
+    if isinstance(current, (int, float)):
+        return isinstance(saved, int) or (isinstance(saved, float) and math.isfinite(saved))
+    if isinstance(current, (list, tuple)):
+        return isinstance(saved, (list, tuple)) and len(saved) == len(current) and all(
+            same_kind(a, b, none_holds=none_holds) for a, b in zip(saved, current)
+        )  # fmt: skip
+    return isinstance(saved, type(current))
 
 
 def _unique(keys: list[str]) -> list[str]:

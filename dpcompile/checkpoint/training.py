@@ -24,7 +24,7 @@ import torch
 from dpcompile.checkpoint.dtensors import check_peers, ranks_of
 from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, write_safetensors
 from dpcompile.checkpoint.headers import MAX_JSON_BYTES, CheckpointError, parse_json, read_checkpoint, read_metadata
-from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, saved_state
+from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, same_kind, saved_state
 
 TRAINING_FILE = "training_state.json"
 OPTIMIZER_STEM = "optimizer"
@@ -220,6 +220,7 @@ def training_from_document(
             raise CheckpointError(
                 f"{file}: its optimizer entry is malformed ({type(e).__name__}: {e})", file=file
             ) from None
+        _try_optimizer_state(optimizer, sd, file)
         load_optimizer = lambda: optimizer.load_state_dict(sd)  # noqa: E731
     load_scheduler = None
     if lr_scheduler is not None:
@@ -238,9 +239,52 @@ def training_from_document(
             raise CheckpointError(
                 f"{file}: its lr_scheduler state is malformed ({type(e).__name__}: {e})", file=file
             ) from None
+        _try_scheduler_state(lr_scheduler, state, file)
         load_scheduler = lambda: lr_scheduler.load_state_dict(state)  # noqa: E731
     rng = _checked_rng(file, _own_rng(pm, document.get("rng") or {}))  # set last: checked now, so that it cannot fail then
     return TrainingLoad(load_optimizer, load_scheduler, lambda: _set_rng(rng), document.get("extra"))
+
+
+def _try_optimizer_state(optimizer: Any, sd: dict[str, Any], file: Path) -> None:
+    """Load ``sd`` into ``optimizer`` and put its own state back: a state the optimizer refuses (an
+    entry lacking ``step``, ...) raises here, before the weights are written, never halfway through
+    the load. The state's tensors are the ones read (``load_state_dict`` copies none of its dtype and
+    device), so the trial costs no memory."""
+    kept = {name: optimizer.__dict__[name] for name in ("state", "param_groups")}
+    try:
+        optimizer.load_state_dict(sd)
+    except Exception as e:  # noqa: BLE001 - torch's optimizers fail on a bad state in many ways
+        raise CheckpointError(
+            f"{file}: the optimizer refuses the state it describes ({type(e).__name__}: {str(e)[:160]}); the checkpoint "
+            "is corrupt or edited: save again, or load without optimizer=", file=file,
+        ) from None  # fmt: skip
+    finally:
+        optimizer.__dict__.update(kept)
+
+
+def _try_scheduler_state(lr_scheduler: Any, state: Any, file: Path) -> None:
+    """Refuse a scheduler state with a key the scheduler's own ``state_dict`` lacks (``load_state_dict``
+    sets each as an attribute: ``optimizer`` would replace its optimizer), a value of another kind
+    than the scheduler's (``last_epoch`` a string), or one its ``load_state_dict`` refuses; nothing set."""
+    current = lr_scheduler.state_dict()
+    unknown = sorted(str(k) for k in state if k not in current)
+    wrong = sorted(str(k) for k in state if k in current and not same_kind(state[k], current[k], none_holds=(bool, int, float, str)))
+    if unknown or wrong:
+        raise CheckpointError(
+            f"{file}: its lr_scheduler state has keys this {_kind(lr_scheduler)} does not hold {unknown[:5]} or values of "
+            f"another kind {wrong[:5]}; the checkpoint is corrupt or edited (or from another scheduler): save again, or "
+            "load without lr_scheduler=", file=file,
+        )  # fmt: skip
+    kept = dict(lr_scheduler.__dict__)
+    try:
+        lr_scheduler.load_state_dict(state)
+    except Exception as e:  # noqa: BLE001 - a scheduler's own check
+        raise CheckpointError(
+            f"{file}: the lr_scheduler refuses its state ({type(e).__name__}: {str(e)[:160]})", file=file
+        ) from None
+    finally:
+        lr_scheduler.__dict__.clear()
+        lr_scheduler.__dict__.update(kept)
 
 
 def _same_save(document: dict[str, Any], file: Path, files: list[Path]) -> None:

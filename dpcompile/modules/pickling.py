@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -176,6 +178,28 @@ def _importable_class(pm: Any) -> type:
     return next(c for c in type(pm).__mro__ if "<locals>" not in c.__qualname__)
 
 
+def refuses_corrupt_state(restore: Callable[..., Any]) -> Callable[..., Any]:
+    """``restore`` (what ``torch.load`` calls with a pickled program's state) raising, for a state
+    that is not what a save writes (a corrupt file, another dpcompile version), a ``DpCompileError``
+    that says so, never a ``KeyError`` from inside a graph."""
+
+    @functools.wraps(restore)
+    def guarded(*args: Any) -> Any:
+        try:
+            return restore(*args)
+        except DpCompileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise DpCompileError(
+                f"the pickled program cannot be restored ({type(e).__name__}: {str(e)[:200]}): the file is corrupt, or "
+                "was saved by another dpcompile version; save it again with torch.save(pm, f) where it works, or ship "
+                "its weights with dpcompile.save_checkpoint and transform the model where you load them"
+            ) from e
+
+    return guarded
+
+
+@refuses_corrupt_state
 def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
     """The program ``state`` describes, as class ``cls`` (unpickling; ``dpcompile.load`` restores a
     program read as data the same way)."""
@@ -233,7 +257,7 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
     return pm
 
 
-__all__ = ["DESCRIBED", "PicklesPrograms", "restore_parallel_module"]
+__all__ = ["DESCRIBED", "PicklesPrograms", "refuses_corrupt_state", "restore_parallel_module"]
 
 
 def _with_graphs(state: dict[str, Any]) -> dict[str, Any]:

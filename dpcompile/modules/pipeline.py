@@ -40,6 +40,7 @@ from dpcompile.modules.mesh_stage_dp import (
     shard_stage_over_dp,
     whole_parameters_on_fake,
 )
+from dpcompile.modules.pickling import refuses_corrupt_state
 from dpcompile.runtime.random_plan import drawing
 
 
@@ -71,6 +72,7 @@ class Stage:
         return (restore_stage, (fields, PicklableGraph(p.graph), held, type(p).__name__))
 
 
+@refuses_corrupt_state
 def restore_stage(fields: tuple, graph: PicklableGraph, held: dict[str, dict], class_name: str) -> Stage:
     """The counterpart of :meth:`Stage.__reduce__`."""
     root = nn.Module()

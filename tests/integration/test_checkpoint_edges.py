@@ -275,6 +275,34 @@ def test_a_failed_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeyp
     torch.testing.assert_close(pm(x), old(x))
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
+def test_a_save_whose_switch_fails_midway_leaves_the_previous_checkpoint(fmt, tmp_path, monkeypatch):
+    """The second rename into place fails (an I/O error): the files renamed before it are put back,
+    the staged ones removed, so the folder is byte for byte the previous save and loads as it (was: a
+    mix of the two saves' shards that loaded; a DCP checkpoint left aside under ``.<name>.<token>.old``)."""
+    old = _trained()
+    folder = tmp_path / "ckpt"
+    dpcompile.save_checkpoint(dpcompile.transform(old, ["cpu"] * 2), folder, max_shard_size=200, format=fmt)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    real_replace, calls = os.replace, []
+
+    def failing(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        dpcompile.save_checkpoint(dpcompile.transform(Scaled(), ["cpu"] * 2), folder, max_shard_size=200, format=fmt)
+    monkeypatch.undo()
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    pm = _meta_program()
+    dpcompile.load_checkpoint(pm, folder)
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(pm(x), old(x))
+
+
 def test_a_save_replaces_links_and_stale_files_instead_of_following_them(tmp_path):
     """A link at a final name is replaced, its target untouched; a one-file save over a sharded one drops the old index."""
     folder = tmp_path / "ckpt"

@@ -68,6 +68,14 @@ def _outside(metadata, folder):
     }
 
 
+def _shared(depth):
+    """A list holding the same list twice, ``depth`` levels deep: 2**depth elements, pickled in a few bytes a level."""
+    value = [0]
+    for _ in range(depth):
+        value = [value, value]
+    return value
+
+
 def _partial_chunk(metadata, folder):
     metadata.state_dict_metadata["model.2.weight"].chunks[0].sizes = torch.Size([1, 8])
 
@@ -79,6 +87,11 @@ FAULTS = {
     "data_file_short": (lambda f: os.truncate(f / "__0_0.distcp", 100), "__0_0.distcp", "truncated"),
     "data_outside_the_folder": (_metadata_edit(_outside), ".metadata", "plain file names"),
     "chunks_not_covering": (_metadata_edit(_partial_chunk), ".metadata", "chunks of 8 elements"),
+    # a size sharing one list 22 levels deep (2**22 elements; 40 levels hung the load printing or hashing it)
+    "a_shared_structure": (_metadata_edit(lambda m, f: setattr(m.state_dict_metadata["model.2.weight"], "size", _shared(22))),
+                           ".metadata", "expands to more than"),
+    "bytes_past_the_end": (lambda f: (f / ".metadata").write_bytes(b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little")), ".metadata",
+                           "cannot be read"),
 }  # fmt: skip
 
 
@@ -100,6 +113,18 @@ def test_a_tampered_dcp_folder_is_refused_before_anything_is_read(fault, saved, 
     assert not pm.needs_weights
     assert all(torch.equal(v, weights[k]) for k, v in pm.state_dict().items())
     assert str(opt.state_dict()) == str(state)
+
+
+def test_metadata_larger_than_the_bound_is_refused_before_it_is_read(saved, tmp_path, monkeypatch):
+    from dpcompile.checkpoint import dcp_reader
+
+    pm, _ = _program()
+    weights = copy.deepcopy(pm.state_dict())
+    monkeypatch.setattr(dcp_reader, "METADATA_MAX_BYTES", (saved / ".metadata").stat().st_size - 1)
+    with pytest.raises(CheckpointError, match="larger than .*METADATA_MAX_BYTES") as error:
+        dpcompile.load_checkpoint(pm, saved)
+    assert error.value.file.name == ".metadata"
+    assert all(torch.equal(v, weights[k]) for k, v in pm.state_dict().items()) and not pm.needs_weights
 
 
 def test_corrupt_data_bytes_are_a_checkpoint_error_and_the_program_waits_for_a_load(saved, tmp_path):

@@ -297,7 +297,7 @@ def test_refused_loads_name_the_fault_and_change_nothing(tp_checkpoint, tmp_path
     def drop(tensors):
         del tensors["optimizer.state.blocks.0.fc.weight.exp_avg"]
 
-    with pytest.raises(CheckpointError, match=r"lacks 'optimizer.state.blocks.0.fc.weight.exp_avg'"):
+    with pytest.raises(CheckpointError, match=r"checkpoint \S*lacking\S* lacks 'optimizer.state.blocks.0.fc.weight.exp_avg'"):
         dpcompile.load_checkpoint(
             pm, _edited(tp_checkpoint, tmp_path / "lacking", drop), optimizer=opt, lr_scheduler=sched
         )
@@ -312,6 +312,68 @@ def test_refused_loads_name_the_fault_and_change_nothing(tp_checkpoint, tmp_path
 
     dpcompile.load_checkpoint(pm, tp_checkpoint, optimizer=part, strict=False)  # the state of what it holds
     assert len(part.state) == len(rest) and all(float(s["step"]) == 1.0 for s in part.state.values())
+
+
+def _drop_a_state_kind(doc):  # a state entry listed no more (its tensor still in optimizer.safetensors)
+    del doc["optimizer"]["state"]["blocks.0.fc.weight"]["step"]
+
+
+def _hyper(name, value):
+    def edit(doc):
+        doc["optimizer"]["groups"][0]["hyper"][name] = value
+
+    return edit
+
+
+def _scheduler(name, value):
+    def edit(doc):
+        doc["lr_scheduler"]["state"][name] = value
+
+    return edit
+
+
+TRAINING_STATE_EDITS = {
+    "state_kind_dropped": (_drop_a_state_kind, "does not list"),  # was a KeyError after the optimizer was set
+    "lr_nan": (_hyper("lr", float("nan")), "of another kind .*'lr'"),  # loaded: the next step made NaN weights
+    "maximize_a_string": (_hyper("maximize", "x"), "of another kind .*'maximize'"),
+    "betas_one_number": (_hyper("betas", [0.9]), "of another kind .*'betas'"),
+    "hyper_unknown_not_a_scalar": (_hyper("momentum_x", {"a": 1}), r"unknown \['momentum_x'\]"),
+    "scheduler_key_unknown": (_scheduler("optimizer", 1), r"does not hold \['optimizer'\]"),  # replaced its optimizer
+    "scheduler_value_a_string": (_scheduler("last_epoch", "x"), r"another kind \['last_epoch'\]"),
+}
+
+
+@pytest.mark.parametrize("edit", TRAINING_STATE_EDITS)
+def test_an_edited_training_state_is_refused_before_anything_is_set(edit, tp_checkpoint, tmp_path):
+    """training_state.json edited so that the optimizer or scheduler would take a state that breaks it
+    (or silently another one): a CheckpointError naming the checkpoint, the program, optimizer and
+    scheduler as they were (the weights too: they are written after every check)."""
+    change, match = TRAINING_STATE_EDITS[edit]
+    pm, opt, sched = _trained_pp()
+    snapshot, schedule = _snapshot(pm, opt), str(sched.state_dict())
+    folder = _edited(tp_checkpoint, tmp_path / "edited", lambda tensors: None)
+    document = json.loads((folder / "training_state.json").read_text())
+    change(document)
+    (folder / "training_state.json").write_text(json.dumps(document))
+    with pytest.raises(CheckpointError, match=match) as error:
+        dpcompile.load_checkpoint(pm, folder, optimizer=opt, lr_scheduler=sched)
+    assert str(folder) in str(error.value)
+    _assert_unchanged(pm, opt, snapshot)
+    assert str(sched.state_dict()) == schedule and not hasattr(sched, "optimizer_x")
+
+
+def test_an_optimizer_with_a_scheduler_loads_a_state_saved_without_one(tmp_path):
+    """The scheduler added ``initial_lr`` to the loading optimizer's groups, the saved groups lack it:
+    the hyper-parameter check lets that key be, as ``optimizer.load_state_dict`` does."""
+    pm, _, _ = program("tp2")
+    plain = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)  # no scheduler: no initial_lr
+    pm(*batches()[0]).backward()
+    plain.step()
+    dpcompile.save_checkpoint(pm, tmp_path, optimizer=plain)
+    saved = _snapshot(pm, plain)
+    pm, opt, sched = program("tp2")
+    dpcompile.load_checkpoint(pm, tmp_path, optimizer=opt)
+    _assert_unchanged(pm, opt, saved)
 
 
 def test_a_shape_that_differs_is_named(tp_checkpoint, tmp_path):

@@ -92,3 +92,33 @@ def test_torch_save_of_an_export_frontend_program():
         for (name, p), q in zip(restored.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
         restored.zero_grad(), eager.zero_grad()
+
+
+class _Corrupted:
+    """Pickles as ``pm`` does, with ``edit`` applied to its state: what a damaged file unpickles to."""
+
+    def __init__(self, pm, edit):
+        self.restore, (self.cls, self.state) = pm.__reduce__()
+        edit(self.state)
+
+    def __reduce__(self):
+        return self.restore, (self.cls, self.state)
+
+
+def _drop_a_node(state):  # a node an argument names is gone: a KeyError rebuilding the graph
+    del state["graph"].nodes[1]
+
+
+def _config_missing(state):
+    del state["config"]["mode"]
+
+
+@pytest.mark.parametrize("edit", [_drop_a_node, _config_missing], ids=["node_missing", "config_field_missing"])
+def test_a_corrupt_pickled_program_is_a_dpcompile_error_naming_the_way_out(edit):
+    """Was a bare KeyError from inside the graph rebuild or the restore."""
+    pm = dpcompile.transform(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), ["cpu"] * 2)
+    buffer = io.BytesIO()
+    torch.save(_Corrupted(pm, edit), buffer)
+    buffer.seek(0)
+    with pytest.raises(dpcompile.DpCompileError, match="cannot be restored .*corrupt.*save_checkpoint"):
+        torch.load(buffer, weights_only=False)

@@ -414,7 +414,7 @@ def _on_meta(value: Any) -> Any:
     return tree_map(lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, value)
 
 
-def _example_shapes(pm: PipelineTensorParallelModule, key: CallKey) -> list[Any] | None:
+def _example_shapes(pm: PipelineModule, key: CallKey) -> list[Any] | None:
     """The examples' shapes for a program built without a call's inputs (export builds every mode's
     ahead): the plan transform applied shards attention by heads only where shapes show them, so a
     build without shapes would shard otherwise and be refused. Arguments the key leaves None, None."""

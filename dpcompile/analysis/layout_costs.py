@@ -12,8 +12,8 @@ the step's seconds:
 - activations: what autograd saves for backward; data parallel: the device's share of the batch; a
   pipeline stage: its units' share, all micro-batches under GPipe, ``min(M, S - s)`` of ``M`` under
   1F1B; checkpointed blocks keep their inputs, plus one block recomputed at a time; under tensor
-  parallelism counted whole on the first device (it runs the ops the plan does not split) and, on
-  another, its share of the inputs the split layers save, with its shards' gradients;
+  parallelism, what a block's column / row pairs make between the two layers is each device's
+  share, the rest whole on the first device (it runs the ops the plan does not split);
 - the peak is the largest of the moments of a backward sweep (:func:`_stage_memory`): activations
   are freed unit by unit as gradients appear, so it is less than the sum of the kinds;
 - step time: :func:`dpcompile.analysis.step_time.step_seconds` (in one process, or over a mesh of
@@ -125,14 +125,15 @@ def _unit_state(u: Unit, t: int, follower: bool = False) -> tuple[int, int, int]
 
 
 def _saved(u: Unit, t: int, follower: bool) -> int:
-    """The bytes of ``u``'s saved activations on one of ``t`` tensor-parallel devices: on the first,
-    all of them (it runs every op the plan does not split; its share of the split ones counted whole
-    too: measured 6-34% over, 14% under with checkpointing); on another, its share of what the split
-    layers save (their inputs)."""
+    """The bytes of ``u``'s saved activations on one of ``t`` tensor-parallel devices: what its blocks'
+    column / row pairs make between the two layers is sharded, each device saving its share (the
+    first the larger); the rest runs whole on the first device, once (measured: counting every
+    saved byte whole on the first device put it 23-56% over, and a follower's share of the split
+    layers' inputs 20-37% under)."""
     if t <= 1:
         return u.saved_bytes
-    split = u.split_saved_bytes if any(_splits(w, t) for w in u.shardable) else 0
-    return split // t if follower else u.saved_bytes
+    sharded = u.sharded_saved_bytes if any(_splits(w, t) for w in u.shardable) else 0
+    return sharded // t if follower else u.saved_bytes - sharded + -(-sharded // t)
 
 
 def _stage_memory(

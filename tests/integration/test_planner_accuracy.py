@@ -150,3 +150,9 @@ def test_tensor_parallel_shards_what_a_column_row_pair_makes():
     first device put it 51% over."""
     _assert_tensor_parallel_encoder_within_ten_percent(checkpointing=False)
 
+
+def test_a_recomputed_tensor_parallel_block_is_measured_on_each_of_its_devices():
+    """A checkpointed block runs again in backward inside the autograd node that asked for its
+    values; ``measure`` counted the whole recompute on that node's device (the second here: the
+    first device's prediction was 52% over what was measured there), not each op on its own."""
+    _assert_tensor_parallel_encoder_within_ten_percent(checkpointing=True)

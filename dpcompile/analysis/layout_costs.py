@@ -146,9 +146,10 @@ def _stage_memory(
     device's share of the batch); ``rest``: the fraction held besides, for the other micro-batches
     still in flight. The sweep runs backward unit by unit: at unit ``k``, the activations of units
     before it, unit ``k``'s own (all of them again where it is recomputed) and the gradients of
-    units ``k`` and after are held at once; after the sweep, every gradient. Without ``sweep`` (a
-    pipeline stage, whose program keeps each micro-batch's saved tensors until its backward is
-    over: measured) every activation and every gradient at once. Where gradients ``accumulate`` (a
+    units ``k`` and after are held at once; after the sweep, every gradient. A stage of one
+    micro-batch sweeps too (measured: a convolution stack's stages 30% under without). Without
+    ``sweep`` (a stage of several micro-batches, whose program keeps each micro-batch's saved
+    tensors until its backward is over: measured) every activation and every gradient at once. Where gradients ``accumulate`` (a
     second micro-batch, the replicas of data parallelism), a module's new gradient is made before it
     is added to the one held: the largest module's gradient more (its parameters' own, a Linear's
     weight and bias; measured: one at a time, not a whole block's). ``follower``: a tensor-parallel device other
@@ -245,7 +246,7 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
     for s, units in enumerate(stages):
         in_flight = (m if spec.schedule != "1f1b" else min(m, s_count - s)) if s_count > 1 else 1
         kinds = [_stage_memory(units, t, checkpointing=spec.checkpointing and training, share=share,
-                               rest=share * (in_flight - 1), training=training, sweep=s_count == 1,
+                               rest=share * (in_flight - 1), training=training, sweep=s_count == 1 or m == 1,
                                accumulates=m > 1 or d > 1, follower=rank > 0,
                                kept_saves=kept_saves[at:at + len(units)]) for rank in range(min(t, 2))]  # fmt: skip
         at += len(units)

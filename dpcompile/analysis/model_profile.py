@@ -42,7 +42,9 @@ class Unit:
     module_grad_bytes: int = 0  # the largest gradient one of its modules' backward makes (its own parameters')
     optimizer_bytes: int = 0
     saved_bytes: int = 0
-    split_saved_bytes: int = 0  # of saved_bytes, what Linear / Conv1D / Embedding forwards save (their inputs)
+    # of saved_bytes, those made between a Linear's output and the Linear that reads it back in a block
+    # (tensor parallelism's column / row pair: each device makes and saves its shard of them)
+    sharded_saved_bytes: int = 0
     input_bytes: int = 0
     flops: int = 0
     ops: int = 0  # aten ops its forward dispatches (what a step's fixed per-op cost multiplies)
@@ -213,6 +215,7 @@ def _profile(
         _close(units[state["current"]], counter, flops_at)
         state["current"] = name
         order.append(name)
+        between.clear()  # a pair ends with its block
         units[name].input_bytes = sum(
             t.untyped_storage().nbytes() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()
         )
@@ -222,8 +225,8 @@ def _profile(
         _close(units[state["current"]], counter, flops_at)  # what runs up to the next unit counts here too
 
     def called(module: nn.Module, inputs: Any) -> None:
-        if id(module) not in unit_names:
-            count_params(module, state["current"], False)
+        if id(module) not in unit_names:  # an nn.MultiheadAttention reads its out_proj's weight without calling it
+            count_params(module, state["current"], isinstance(module, nn.MultiheadAttention))
 
     inputs_seen: set[tuple[str, int]] = set()
 
@@ -243,6 +246,10 @@ def _profile(
         out = sum(t.numel() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
         _record_save_option(units[state["current"]], module, weight, rows, output, save_keys)
         read = next((_key(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+        if units[state["current"]].block and kind == "linear" and not any(
+            _key(t) in between for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)
+        ):  # a column layer: what its output makes is sharded up to the row layer that reads it
+            mark_between(output)
         if read is None or (state["current"], read) not in inputs_seen:
             inputs_seen.add((state["current"], read))
             units[state["current"]].linear_inputs += 1
@@ -253,6 +260,42 @@ def _profile(
         ))  # fmt: skip
 
     shardable_seen: set[int] = set()
+    between: dict[int, torch.Tensor] = {}  # storage -> a tensor of it made inside a block's column / row pair
+
+    def mark_between(out: Any) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _key(t) not in attention_columns:
+                between[_key(t)] = t  # held: no later storage takes its key
+
+    def made(inputs: Any, out: Any) -> None:
+        """An op outside Linear forwards reading a value of the pair makes one too; in a block, one
+        reading an nn.MultiheadAttention's input projection starts a pair, its output projection ends it."""
+        if inside_linear[0]:
+            return
+        read = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        if any(_key(t) in attention_rows for t in read):  # the weight or a view of it (its transpose)
+            return
+        starts = units[state["current"]].block and any(_key(t) in attention_columns for t in read)
+        if starts or (between and any(_key(t) in between for t in read)):
+            mark_between(out)
+
+    def attention_module(module: nn.Module, inputs: Any, output: Any) -> None:
+        """An nn.MultiheadAttention's projections, which tensor parallelism splits by heads (it calls no
+        Linear forward: ``F.multi_head_attention_forward`` reads the weights)."""
+        tokens = next((t.numel() // t.shape[-1] for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), 0)
+        unit = units[state["current"]]
+        unit.linear_inputs += 1
+        for weight, bias in ((module.in_proj_weight, module.in_proj_bias), (module.out_proj.weight, module.out_proj.bias)):
+            if not isinstance(weight, torch.Tensor):  # separate q, k, v weights: not split
+                return
+            params = [p for p in (weight, bias) if isinstance(p, torch.Tensor)]
+            size = sum(p.numel() * p.element_size() for p in params)
+            unit.shardable.append(ShardableWeight(
+                rows=int(weight.shape[0]), cols=int(weight.shape[1]), kind="linear", bytes=size,
+                grad_bytes=size if training and weight.requires_grad else 0,
+                optimizer_bytes=optimizer_bytes(params, optimizer) if training else 0,
+                output_elements=int(tokens * weight.shape[0]),
+            ))  # fmt: skip
     save_keys: dict[int, torch.Tensor] = {}  # id(save option) -> its output, held: no other storage takes its key
 
     def attention(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -267,7 +310,13 @@ def _profile(
     handles = []
     for _, m, _ in units_of:
         handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
-    for m in model.modules():
+    attention_columns: set[int] = set()  # the storages of nn.MultiheadAttention weights (fake)
+    attention_rows: set[int] = set()
+    for path, m in model.named_modules():
+        if isinstance(m, nn.MultiheadAttention) and isinstance(m.in_proj_weight, torch.Tensor):
+            attention_columns.add(_key(named[f"{path}.in_proj_weight" if path else "in_proj_weight"]))
+            attention_rows.add(_key(named[f"{path}.out_proj.weight" if path else "out_proj.weight"]))
+            handles.append(m.register_forward_hook(attention_module))
         if any(True for _ in m.parameters(recurse=False)):
             handles.append(m.register_forward_pre_hook(called))
         if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == "Conv1D":
@@ -276,14 +325,12 @@ def _profile(
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _key(t)
         if key not in excluded and key not in saved:
-            saved[key] = (state["current"], t.untyped_storage().nbytes(), inside_linear[0] > 0)
-        elif key in saved and inside_linear[0] and not saved[key][2]:  # saved again by a Linear (its input)
-            saved[key] = (*saved[key][:2], True)
+            saved[key] = (state["current"], t.untyped_storage().nbytes(), key in between)
         return t
 
     grad = torch.enable_grad() if training else torch.no_grad()
     try:
-        with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpCounter(flops_at, attention):
+        with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpCounter(flops_at, attention, made):
             out = functional_call(model, named, tuple(fake_args), fake_kwargs)
             _close(units[state["current"]], counter, flops_at)
     finally:
@@ -292,9 +339,9 @@ def _profile(
     count_params(model, "pre", True)  # never called: counted with the first unit
     for path, module, _ in units_of if training else ():
         units[path].module_grad_bytes = max(_own_grad_bytes(m) for m in module.modules())
-    for unit, size, in_linear in saved.values():
+    for unit, size, sharded in saved.values():
         units[unit].saved_bytes += size
-        units[unit].split_saved_bytes += size if in_linear else 0
+        units[unit].sharded_saved_bytes += size if sharded else 0
     for unit in units.values():
         _settle_save_options(unit, save_keys, saved)
     ordered = list(dict.fromkeys(order)) + [n for n in units if n not in order]
@@ -352,12 +399,13 @@ def _settle_save_options(unit: Unit, keys: dict[int, torch.Tensor], saved: Mappi
 class _OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched into ``counts["ops"]`` and the bytes of the tensors they return
     into ``counts["op_bytes"]`` (a view returns none of its own); calls ``attention(value)`` at each
-    scaled-dot-product attention forward."""
+    scaled-dot-product attention forward and ``made(inputs, outputs)`` after every op."""
 
-    def __init__(self, counts: dict[str, int], attention: Any = None) -> None:
+    def __init__(self, counts: dict[str, int], attention: Any = None, made: Any = None) -> None:
         super().__init__()
         self.counts = counts
         self.attention = attention
+        self.made = made
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         self.counts["ops"] += 1
@@ -365,6 +413,8 @@ class _OpCounter(TorchDispatchMode):
         if self.attention is not None and "scaled_dot_product" in name and "backward" not in name and len(args) > 2:
             self.attention(name.split(".")[0], args, kwargs or {})
         out = func(*args, **(kwargs or {}))
+        if self.made is not None:
+            self.made((args, kwargs), out)
         if not func.is_view:
             self.counts["op_bytes"] += sum(t.numel() * t.element_size() for t in tree_leaves(out)
                                            if isinstance(t, torch.Tensor))  # fmt: skip

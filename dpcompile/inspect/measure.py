@@ -76,6 +76,7 @@ class _Ledger:
         self.peak = [0] * n
         self.slot = 0  # the device slot of the node now running
         self.seen: set[int] = set()
+        self.recomputing = 0  # a checkpointed region running again in backward: its nodes name their slots
 
     def add(self, key: int, slot: int, size: int) -> None:
         self.seen.add(key)
@@ -88,7 +89,7 @@ class _Ledger:
 
     def current_slot(self) -> int:
         node = torch._C._current_autograd_node()
-        if node is None:
+        if node is None or self.recomputing:
             return self.slot
         todo, seen = [node], set()
         while todo:  # the nearest autograd node a forward node made (a gradient's own device)
@@ -138,7 +139,19 @@ class _SlotInterpreter(fx.Interpreter):
             region, *rest = self.map_nodes_to_values(n.args, n)
             ledger = self.ledger
             slots = self.slot_index
-            out = checkpoint(lambda *a: _SlotInterpreter(region, ledger, slots).run(*a), *rest, **n.kwargs)
+
+            def run_region(*values: Any) -> Any:
+                # again in backward (inside the autograd node that unpacked a saved value): each node's
+                # allocations are its own slot's, not that autograd node's (a tensor-parallel block's
+                # recompute was counted whole on the device of the op whose backward asked for it)
+                again = torch._C._current_autograd_node() is not None
+                ledger.recomputing += again
+                try:
+                    return _SlotInterpreter(region, ledger, slots).run(*values)
+                finally:
+                    ledger.recomputing -= again
+
+            out = checkpoint(run_region, *rest, **n.kwargs)
         else:
             out = super().run_node(n)
         stamp_slot(out, _SLOT_KEY, self.ledger.slot)

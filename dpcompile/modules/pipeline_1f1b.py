@@ -158,6 +158,7 @@ class OneFOneBStep:
         # counts that follow from the inputs alone (non-ignored labels) are known before any backward
         self.counts_known = not any(c in stateful for c in self.counts if isinstance(c, fx.Node))
         self.readers = {n: {self.unit_of[u] if u in self.unit_of else None for u in n.users} for n in self.unit_of}
+        self.dead_after = {unit: _dead_after(unit_nodes) for unit, unit_nodes in self.units.items()}
         self.runner = _Runner(program)
 
     # ------------------------------------------------------------------ the step
@@ -194,28 +195,33 @@ class _StepState:
         self.kept: dict[fx.Node, Any] = {}  # detached values the tail reads
 
     def forward(self, unit: Unit) -> None:
+        """Run ``unit``'s nodes; each value goes at its last read in the unit (as ``fx.Interpreter``
+        drops it), unless a later unit, the tail or the loss reads it: a micro-batch in flight holds
+        what autograd saved, not every value its forward made (measured: 1.5x on Llama's stage)."""
         step = self.step
         env = _UnitEnv(self, unit)
         self.runner.env = env
         self.leaves[unit] = []
-        for n in step.units.get(unit, ()):
-            env[n] = self.runner.run_node(n)
+        sent: dict[fx.Node, tuple] = {}
+        nodes = step.units.get(unit, ())
+        for n, done in zip(nodes, step.dead_after.get(unit, ()), strict=True):
+            env[n] = value = self.runner.run_node(n)
             if n in step.once:  # every unit and the tail read the one value
-                self.values[n] = env[n]
+                self.values[n] = value
+            else:
+                readers = step.readers[n]
+                if any(r is not None and r != unit for r in readers):
+                    sent[n] = tree_flatten(value)
+                if None in readers or n in step.counts:
+                    self.kept[n] = _detached(value)
+                if n in step.sums:
+                    self.losses[unit] = value
             for u in n.users:  # x_mb0.shape, read in later stages and micro-batches: kept, not x_mb0
                 if u in step.shared and _reads_metadata(u):
                     self.values[u] = self.runner.run_node(u)
-        sent: dict[fx.Node, tuple] = {}
-        for n in step.units.get(unit, ()):
-            if n in step.once:
-                continue
-            readers, value = step.readers[n], env[n]
-            if any(r is not None and r != unit for r in readers):
-                sent[n] = tree_flatten(value)
-            if None in readers or n in step.counts:
-                self.kept[n] = _detached(value)
-            if n in step.sums:
-                self.losses[unit] = value
+            for dead in done:
+                env.pop(dead, None)
+            del value
         self.sent[unit] = sent
         self.runner.env = self.values  # the unit's other values go: autograd holds what its backward needs
 
@@ -325,6 +331,21 @@ class _TailEnv(dict):
                 self[node] = value = state.runner.run_node(node)
             return value
         raise KeyError(node.name)
+
+
+def _dead_after(nodes: list[fx.Node]) -> list[tuple[fx.Node, ...]]:
+    """Per node of a unit (in order), the unit's nodes nothing later in the unit reads once it has run
+    (their last reader, or themselves where no node of the unit reads them)."""
+    position = {n: i for i, n in enumerate(nodes)}
+    last = {n: i for i, n in enumerate(nodes)}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            if a in position:
+                last[a] = max(last[a], i)
+    dead: list[list[fx.Node]] = [[] for _ in nodes]
+    for n, i in last.items():
+        dead[i].append(n)
+    return [tuple(d) for d in dead]
 
 
 def _micro_batches_read(nodes: list[fx.Node], stateful: set[fx.Node]) -> dict[fx.Node, frozenset[int]]:

@@ -212,11 +212,14 @@ def _writes_itself(node: fx.Node) -> bool:
 
 
 def _drop_counter_update(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
-    """The batch norm module counts its batches itself: drop export's ``num_batches_tracked += 1``."""
+    """The batch norm module counts its batches itself: drop export's ``num_batches_tracked += 1``.
+    With ``momentum=None`` the factor export computed from the count (``1 / count.item()``) is read
+    only by the op the module call replaces: it reads the count, and dies with that op."""
     if module.num_batches_tracked is None:
         return
     for other in list(gm.graph.nodes):
         if other.op == "call_function" and other.target is aten.add_.Tensor and _is(gm, other.args[0], module.num_batches_tracked):
+            other.replace_all_uses_with(other.args[0])
             gm.graph.erase_node(other)
 
 

@@ -196,6 +196,19 @@ def test_export_frontend_batch_norm_and_dropout_follow_the_mode():
     torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
 
 
+def test_export_frontend_batch_norm_with_a_cumulative_average_counts_once():
+    """``momentum=None``: export computes the factor from the count it bumps (``1 / count.item()``);
+    the restored module call counts and averages itself, as eager does, over several steps."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None), nn.Linear(4, 2)).double()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(6, 4, dtype=torch.float64),))
+    for _ in range(3):
+        x = torch.randn(6, 4, dtype=torch.float64)
+        torch.testing.assert_close(pm(x), reference(x))
+    torch.testing.assert_close(pm.state_dict(), reference.state_dict())
+    assert int(model[1].num_batches_tracked) == 3
+
+
 def test_export_frontend_tensor_parallel_shards_restored_linears():
     """Tensor parallel finds the Linear layers through the restored module calls and matches eager."""
     model = Encoder()

@@ -184,6 +184,22 @@ def test_activation_checkpointing_any_submodule_granularity():
     assert pm.strategies["activation_checkpointing"] == "recompute in backward: layers.0.fc2"
 
 
+def test_activation_checkpointing_a_module_called_twice_beside_the_modules_between_equals_eager():
+    """``shared`` called before and after ``a`` and ``b``, all three named: a region per call of each
+    (was a PassError: the two calls' region took in ``a`` and ``b``); gradients as eager's."""
+    from tests.passes.test_checkpoint_activations import Twice
+
+    reference = Twice().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=["shared", "a", "b"])
+    assert pm.code.count("dpcompile_runtime_checkpoint(shared_dev") == 4
+    x = torch.randn(6, 4, dtype=torch.float64)
+    pm(x).backward()
+    reference(x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
 def test_activation_checkpointing_unknown_path_names_the_nearest():
     """A path that is not a module is refused, naming the nearest ones, before anything is built."""
     with pytest.raises(ValueError, match=r"'layers\.9', which is not a module of Stack; nearest: \['layers\.3'"):

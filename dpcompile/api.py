@@ -34,7 +34,7 @@ from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
-from dpcompile.modules.other_mode import OtherModePending
+from dpcompile.modules.other_mode import OtherModePending, both_modes
 from dpcompile.planned import check_layout_fits, plan_checkpointing, planned_transform, size_byte_budget
 from dpcompile.planning import plan_for_memory
 from dpcompile.progress import reporting_steps
@@ -235,6 +235,9 @@ def transform(
                 lazy_other_mode=True,
             )
     if fsdp_copies and fsdp_copies > 1:
+        # the other mode's export runs now, while the model's parameters are whole (it would find them
+        # sharded, and its program would read them unsharded)
+        pm = both_modes(pm)
         shard_over_dp(pm)
     pm.memory_options = {"optimizer": optimizer, "training": training}
     pm.memory_plan = estimate

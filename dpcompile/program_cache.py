@@ -334,7 +334,7 @@ class ModelGuard:
         out = []
         written = not_a_change(module)  # forward writes them before they matter
         for name, value in module.__dict__.items():
-            if written and name in written:
+            if (written and name in written) or name in _MODULE_STATE:
                 continue
             if name in names and not (type(value) is dict and not value):  # an empty dict: a cache (timm's attention biases)
                 description = frozen(value)
@@ -435,6 +435,11 @@ def describe_changes(before: tuple, now: tuple) -> list[str]:
             full = f"{p}.{n}" if p else n
             changes.setdefault(full, f"attribute {full!r} (forward reads it) changed")
     return list(changes.values())
+
+
+#: nn.Module's own dicts: watched as the parameters, buffers and submodules they hold, not as attributes
+#: (FSDP's parametrization moves a weight out of ``_parameters``; code that reads the dict is no reader)
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules"})
 
 
 class ProgramCache:

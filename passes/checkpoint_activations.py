@@ -120,6 +120,47 @@ def _closed(
     return members | {n for n in after & before if _recomputable(n) and (not staged or stage.get(n) in stages)}
 
 
+def _calls(
+    members: set[fx.Node], path: str, order: dict[fx.Node, int], stage: dict[fx.Node, object], staged: bool
+) -> list[set[fx.Node]]:
+    """``members`` cut where another module's code runs between them (a module called twice,
+    ``shared(b(a(shared(x))))``): each call is a region, as eager checkpoints each call, and no
+    region takes in another module's nodes (which may be a region of their own)."""
+    closed = _closed(members, order, stage, staged=staged)
+    foreign = sorted(order[n] for n in closed - members if module_path_of(n) is not None and not _in_path(n, path))
+    if not foreign:
+        return [members]
+    calls: list[set[fx.Node]] = [set()]
+    at = 0
+    for node in sorted(members, key=order.__getitem__):
+        if at < len(foreign) and foreign[at] < order[node]:
+            while at < len(foreign) and foreign[at] < order[node]:
+                at += 1
+            calls.append(set())
+        calls[-1].add(node)
+    return [c for c in calls if c]
+
+
+_ROWS = "dpcompile_rows"  # passes.data_parallel: the replica or micro-batch whose rows a value holds
+
+
+def _without_shared_values(nodes: set[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
+    """``nodes`` less the values every replica or micro-batch shares, made from values outside them
+    (Llama's ``cos.unsqueeze(1)`` of the rotary positions inside each layer): computed once before
+    the regions and read by each, they no longer join the micro-batches into one region (which 1F1B
+    refuses, and which recomputes every micro-batch at once)."""
+    if not any(_ROWS in n.meta for n in nodes):
+        return nodes
+    shared: set[fx.Node] = set()
+    for node in sorted(nodes, key=order.__getitem__):
+        pure = node.op in ("call_function", "call_method") and not node.is_impure() and not writes(node)
+        drawn = any(w in getattr(node.target, "__name__", str(node.target)) for w in ("rand", "dropout", "bernoulli"))
+        if (_ROWS not in node.meta and pure and not drawn
+                and all(a not in nodes or a in shared for a in node.all_input_nodes)):  # fmt: skip
+            shared.add(node)
+    return nodes - shared
+
+
 def _components(nodes: set[fx.Node]) -> list[set[fx.Node]]:
     """The parts of ``nodes`` that share no value (replicas, micro-batches)."""
     parent = {n: n for n in nodes}
@@ -181,7 +222,8 @@ def find_checkpoint_regions(gm: fx.GraphModule, paths: Sequence[str]) -> list[Ch
         for node in members:
             by_stage.setdefault(stage.get(node), set()).add(node)
         staged = len(by_stage) > 1
-        parts = [p for group in by_stage.values() for p in _components(_closed(group, order, stage, staged=staged))]
+        parts = [p for group in by_stage.values() for call in _calls(group, path, order, stage, staged)
+                 for p in _components(_without_shared_values(_closed(call, order, stage, staged=staged), order))]  # fmt: skip
         for part in sorted(parts, key=lambda p: min(order[n] for n in p)):
             nodes = sorted(part, key=order.__getitem__)
             inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in part))

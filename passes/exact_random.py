@@ -133,6 +133,8 @@ def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.N
     if site.kind == "special_dropout":
         variant = SPECIAL_DROPOUT_FUNCTIONS[node.target]
         return runtime.exact_special_dropout, (*head, variant, *args), {**kwargs, **where}
+    if site.kind == "stochastic_depth":
+        return runtime.exact_stochastic_depth, (*head, *args), {**kwargs, **where}
     if site.kind == "normal":
         return runtime.exact_normal, (*head, *args), {**kwargs, **where}
     if site.kind == "multinomial":

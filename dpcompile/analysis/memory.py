@@ -213,6 +213,11 @@ def faker(mode: Any, target: torch.device | None) -> Any:
         if v.is_meta and target is not None:
             with mode:
                 return mode.from_tensor(v).to(target)
+        if v.numel() == 1 and not v.is_meta and not v.requires_grad:
+            # a one-value buffer forward reads as a number (BatchNorm's momentum=None factor is
+            # 1 / num_batches_tracked): a fake holding a copy of its value, so .item() works and
+            # the fake run's writes (the count's += 1) stay off the model
+            return mode.fake_tensor_converter.from_real_tensor(mode, v.detach().clone(), make_constant=True)
         return mode.from_tensor(v)
 
     return fake

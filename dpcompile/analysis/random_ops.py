@@ -36,11 +36,13 @@ SPECIAL_DROPOUT_FUNCTIONS = {F.dropout1d: "dropout1d", F.dropout2d: "dropout2d",
                              F.alpha_dropout: "alpha", F.feature_alpha_dropout: "feature_alpha"}  # fmt: skip
 SPECIAL_DROPOUT_MODULES = {nn.Dropout1d: "dropout1d", nn.Dropout2d: "dropout2d", nn.Dropout3d: "dropout3d",
                            nn.AlphaDropout: "alpha", nn.FeatureAlphaDropout: "feature_alpha"}  # fmt: skip
+STOCHASTIC_DEPTH = "torchvision.ops.stochastic_depth.stochastic_depth"  # a call fx keeps (ConvNeXt, EfficientNet)
 # random ops with no exact rule when called otherwise (a generator, ``out=``): per device, named by explain
 OTHER_RANDOM = {torch.multinomial, torch.normal, torch.poisson}
 EXACT_RUNTIME = {runtime.exact_dropout, runtime.exact_dropout_module, runtime.exact_native_dropout, runtime.exact_attention,
                  runtime.exact_random_like, runtime.exact_bernoulli, runtime.exact_fill_random,
                  runtime.exact_random_scope, runtime.exact_special_dropout, runtime.exact_special_dropout_module,
+                 runtime.exact_stochastic_depth,
                  runtime.exact_normal, runtime.exact_multinomial, runtime.exact_normal_size,
                  runtime.exact_poisson, runtime.exact_written_fill}  # fmt: skip
 
@@ -78,6 +80,8 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
             return "multinomial"
         if target is torch.poisson and _no_generator(node, ("input",)):
             return "poisson"
+        if f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}" == STOCHASTIC_DEPTH:
+            return "stochastic_depth"
         return "other" if target in OTHER_RANDOM else None
     if node.op in ("call_module", "call_method"):
         module = called_module(gm, node)

@@ -51,6 +51,8 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
             _raise_to_module(gm, node, owner_path, owner)
         elif owner is not None and node.target is aten.addmm.default and _is_plain_leaf(owner):
             _raise_addmm_to_module(gm, node, owner_path, owner)
+        elif owner is not None and node.target is aten.matmul.default and _is_transposed_linear(gm, owner, owner_path):
+            _raise_matmul_to_module(gm, node, owner_path, owner)
         if node.graph is graph and node.op == "call_function" and node.target in _LOSSES:
             _loss_as_sum_over_count(graph, node)
     _devices_from_inputs(graph)
@@ -197,6 +199,40 @@ def _raise_addmm_to_module(gm: fx.GraphModule, node: fx.Node, path: str, module:
     gm.graph.erase_node(flat)
 
 
+_TRANSPOSED_LINEAR_OPS = (aten.numpy_T.default, aten.t.default, aten.matmul.default, aten.add.Tensor)
+
+
+def _is_transposed_linear(gm: fx.GraphModule, module: nn.Module, path: str) -> bool:
+    """An ``nn.Linear`` subclass whose own forward is ``x @ self.weight.T`` (``+ self.bias``), Falcon's
+    ``FalconLinear``: no submodules, no hooks, and every op its forward ran is one of those."""
+    if not isinstance(module, nn.Linear) or module._modules or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    ran = [n for n in gm.graph.nodes if n.op == "call_function" and _owner_path(n) == path]
+    return all(n.target in _TRANSPOSED_LINEAR_OPS for n in ran)
+
+
+def _raise_matmul_to_module(gm: fx.GraphModule, node: fx.Node, path: str, module: nn.Linear) -> None:
+    """``matmul(x, numpy_T(weight))`` (``+ bias``) of a linear-like module, as one call of it: tensor
+    parallelism shards it like an ``nn.Linear``, which it computes."""
+    x, transposed = node.args[0], node.args[1]
+    if node.kwargs or not isinstance(transposed, fx.Node) or transposed.target not in (aten.numpy_T.default, aten.t.default):
+        return
+    if not _is(gm, transposed.args[0], module.weight) or module.weight.dim() != 2 or len(transposed.users) != 1:
+        return
+    last = node
+    if module.bias is not None:
+        add = next(iter(node.users)) if len(node.users) == 1 else None
+        if add is None or add.target is not aten.add.Tensor or add.args[0] is not node or not _is(gm, add.args[1], module.bias):
+            return
+        last = add
+    with gm.graph.inserting_before(last):
+        call = gm.graph.call_module(path, (x,))
+    call.meta.update(last.meta)
+    last.replace_all_uses_with(call)
+    for done in dict.fromkeys([last, node, transposed]):
+        gm.graph.erase_node(done)
+
+
 def _writes_itself(node: fx.Node) -> bool:
     """``copy_(buf, v)`` where ``v`` is ``buf`` after in-place ops (``v = buf.add_(1)``): export's
     write-back of a buffer forward already changed in place. It changes nothing but the version
@@ -212,11 +248,14 @@ def _writes_itself(node: fx.Node) -> bool:
 
 
 def _drop_counter_update(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
-    """The batch norm module counts its batches itself: drop export's ``num_batches_tracked += 1``."""
+    """The batch norm module counts its batches itself: drop export's ``num_batches_tracked += 1``.
+    With ``momentum=None`` the factor export computed from the count (``1 / count.item()``) is read
+    only by the op the module call replaces: it reads the count, and dies with that op."""
     if module.num_batches_tracked is None:
         return
     for other in list(gm.graph.nodes):
         if other.op == "call_function" and other.target is aten.add_.Tensor and _is(gm, other.args[0], module.num_batches_tracked):
+            other.replace_all_uses_with(other.args[0])
             gm.graph.erase_node(other)
 
 

@@ -33,6 +33,7 @@ from dpcompile.runtime.random_more import (
     exact_poisson,
     exact_special_dropout,
     exact_special_dropout_module,
+    exact_stochastic_depth,
     exact_written_fill,
 )
 from dpcompile.runtime.random_plan import current_random_draws
@@ -77,6 +78,7 @@ __all__ = [
     "exact_poisson",
     "exact_written_fill",
     "exact_special_dropout",
+    "exact_stochastic_depth",
     "exact_special_dropout_module",
     "random_draws_over_ranks",
     "ReplicaRoot",

@@ -121,8 +121,10 @@ def _update_running_stats(bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tenso
     else:
         factor = bn.momentum
     unbiased = var * (count / (count - 1))
-    bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.device), alpha=factor)
-    bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.device), alpha=factor)
+    # through .data, as ATen's kernel writes them: the version counter stays, so a checkpointed region
+    # given the statistics as an input (timm's BatchNormAct2d calls F.batch_norm) still unpacks them
+    bn.running_mean.data.mul_(1 - factor).add_(mean.to(bn.running_mean.device), alpha=factor)
+    bn.running_var.data.mul_(1 - factor).add_(unbiased.to(bn.running_var.device), alpha=factor)
 
 
 def functional_batch_norm(

@@ -35,6 +35,22 @@ FEATURE = {"dropout1d", "dropout2d", "dropout3d", "feature_alpha"}
 ALPHA = {"alpha", "feature_alpha"}
 
 
+def exact_stochastic_depth(draws: RandomDraws, site: str, x: torch.Tensor, p: float, mode: str, training: bool = True,
+                           *, rows: Rows = None, cols: Cols = None) -> torch.Tensor:  # fmt: skip
+    """``torchvision.ops.stochastic_depth(x, p, mode, training)`` with this piece's rows of the
+    single-device noise: ``bernoulli_(1 - p)`` of shape ``[N, 1, ...]`` (``"row"``) or ``[1, ...]``
+    (``"batch"``), divided by ``1 - p``, as torchvision draws it; a shard's columns broadcast it."""
+    if p < 0.0 or p > 1.0 or mode not in ("batch", "row"):
+        raise ValueError(f"stochastic_depth: p must be in [0, 1] and mode 'batch' or 'row', got p={p}, mode={mode!r}")
+    if not training or p == 0.0:
+        return x
+    survival = 1.0 - p
+    like = x[(slice(None) if mode == "row" else slice(0, 1),) + (slice(0, 1),) * (x.dim() - 1)]
+    noise = draws.piece(site, like, rows if mode == "row" else None, None,
+                        lambda shape: torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(survival))  # fmt: skip
+    return x * (noise.div(survival) if survival > 0.0 else noise)
+
+
 def exact_special_dropout(draws: RandomDraws, site: str, variant: str, x: torch.Tensor, p: float = 0.5,
                           training: bool = True, inplace: bool = False, *, rows: Rows = None,
                           cols: Cols = None) -> torch.Tensor:  # fmt: skip
@@ -195,5 +211,5 @@ def exact_poisson(draws: RandomDraws, site: str, rates: torch.Tensor, *, pieces:
     return _ZeroGradient.apply(value, rates) if rates.requires_grad else value
 
 
-__all__ = ["exact_multinomial", "exact_normal", "exact_normal_size", "exact_poisson", "exact_special_dropout",
+__all__ = ["exact_multinomial", "exact_stochastic_depth", "exact_normal", "exact_normal_size", "exact_poisson", "exact_special_dropout",
            "exact_special_dropout_module", "exact_written_fill"]

@@ -97,3 +97,17 @@ def test_no_program_fits_names_the_device_count():
                             optimizer="adamw")  # fmt: skip
     assert "parameters +" in str(caught.value) and "= " in str(caught.value)
     assert parse_budget("24GiB") == 24 * 2**30 and parse_budget("1.5 GB") == 1_500_000_000
+
+
+@pytest.mark.parametrize("options", [{}, {"plan": "auto"}], ids=["named", "planned"])
+def test_a_model_reading_a_counter_as_a_number_is_planned_and_left_unchanged(options):
+    """BatchNorm with ``momentum=None`` reads ``1 / num_batches_tracked`` as a number: the fake run
+    reads a copy of the count (was a DataDependentOutputException), and the model's count and
+    statistics stay as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pm = dpcompile.transform(model, ["cpu"] * 2, memory_per_device="1GiB", example_inputs=(torch.randn(6, 8),), **options)
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    pm(torch.randn(6, 8))
+    assert int(pm.state_dict()["1.num_batches_tracked"]) == 1  # counted once, by the program

@@ -13,6 +13,7 @@ from dpcompile.analysis.batch_dims import infer_input_dims, propagate
 from dpcompile.analysis.placement import Split, Whole
 from dpcompile.capture import capture_model
 from dpcompile.fx_utils import propagate_shapes
+from dpcompile.runtime.tensor_parallel import unshard
 
 
 class Block(nn.Module):
@@ -196,6 +197,19 @@ def test_export_frontend_batch_norm_and_dropout_follow_the_mode():
     torch.testing.assert_close(pm(x), reference(x), atol=1e-5, rtol=1e-5)
 
 
+def test_export_frontend_batch_norm_with_a_cumulative_average_counts_once():
+    """``momentum=None``: export computes the factor from the count it bumps (``1 / count.item()``);
+    the restored module call counts and averages itself, as eager does, over several steps."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None), nn.Linear(4, 2)).double()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(6, 4, dtype=torch.float64),))
+    for _ in range(3):
+        x = torch.randn(6, 4, dtype=torch.float64)
+        torch.testing.assert_close(pm(x), reference(x))
+    torch.testing.assert_close(pm.state_dict(), reference.state_dict())
+    assert int(model[1].num_batches_tracked) == 3
+
+
 def test_export_frontend_tensor_parallel_shards_restored_linears():
     """Tensor parallel finds the Linear layers through the restored module calls and matches eager."""
     model = Encoder()
@@ -206,6 +220,47 @@ def test_export_frontend_tensor_parallel_shards_restored_linears():
     want_loss, want_logits = model(x, labels)
     torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+
+
+class TransposedLinear(nn.Linear):
+    """Falcon's ``FalconLinear``: ``x @ self.weight.T`` (+ bias), which export records as matmul."""
+
+    def forward(self, x):
+        out = x @ self.weight.T
+        return out if self.bias is None else out + self.bias
+
+
+class ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return (x @ self.weight.T) * 2.0  # more than a Linear: stays ops
+
+
+class TransposedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = TransposedLinear(8, 16, bias=False), TransposedLinear(16, 8)
+        self.other = ScaledLinear(8, 8)
+
+    def forward(self, x):
+        return self.other(self.down(torch.relu(self.up(x))))
+
+
+def test_export_frontend_tensor_parallel_shards_a_linear_written_as_a_transposed_matmul():
+    """A Linear subclass computing ``x @ W.T (+ b)`` is called as the module, so it is sharded (Falcon's
+    layers were all 'replicate'); one that computes more stays as its ops."""
+    model = TransposedMLP().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, frontend="export", example_inputs=(x,))
+    assert pm.plan == {"up": "column", "down": "row", "other": "replicate"}
+    torch.testing.assert_close(pm(x), reference(x))
+    pm(x).sum().backward()
+    reference(x).sum().backward()
+    grads = {key: unshard([pm.get_parameter(n).grad for n in names], spec, "cpu")
+             for key, (spec, names) in pm.param_shards.items()}  # fmt: skip
+    for name, p in reference.named_parameters():
+        got = grads[name] if name in grads else pm.get_parameter(name).grad
+        torch.testing.assert_close(got, p.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
 def test_export_frontend_program_survives_dpcompile_export_and_load(tmp_path):

@@ -184,6 +184,59 @@ def test_activation_checkpointing_any_submodule_granularity():
     assert pm.strategies["activation_checkpointing"] == "recompute in backward: layers.0.fc2"
 
 
+def test_activation_checkpointing_a_module_called_twice_beside_the_modules_between_equals_eager():
+    """``shared`` called before and after ``a`` and ``b``, all three named: a region per call of each
+    (was a PassError: the two calls' region took in ``a`` and ``b``); gradients as eager's."""
+    from tests.passes.test_checkpoint_activations import Twice
+
+    reference = Twice().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=["shared", "a", "b"])
+    assert pm.code.count("dpcompile_runtime_checkpoint(shared_dev") == 4
+    x = torch.randn(6, 4, dtype=torch.float64)
+    pm(x).backward()
+    reference(x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class ScaledBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, scale):
+        return x + torch.tanh(self.fc(x)) * scale.unsqueeze(0)  # Llama's cos.unsqueeze(1): no batch
+
+
+class SharedScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(ScaledBlock() for _ in range(2))
+        self.register_buffer("base", torch.randn(8))
+
+    def forward(self, x):
+        scale = self.base * 2
+        for layer in self.layers:
+            x = layer(x, scale)
+        return x.pow(2).mean()
+
+
+def test_activation_checkpointing_a_block_reading_a_value_every_micro_batch_shares_runs_1f1b():
+    """A block that reshapes a value no micro-batch owns (rotary positions) is a region per micro-batch,
+    the shared value made once before them (one region took every micro-batch: 1F1B refused it)."""
+    torch.manual_seed(0)
+    reference = SharedScale().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b", activation_checkpointing=True)
+    assert "layers_0_mb1 = dpcompile_runtime_checkpoint(layers_0_mb1_region" in pm.code
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.testing.assert_close(pm(x), reference(x))
+    reference(x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
 def test_activation_checkpointing_unknown_path_names_the_nearest():
     """A path that is not a module is refused, naming the nearest ones, before anything is built."""
     with pytest.raises(ValueError, match=r"'layers\.9', which is not a module of Stack; nearest: \['layers\.3'"):

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import dpcompile
@@ -33,6 +34,20 @@ class Counting(Block):
         h = self.bn(self.fc(x))
         self.seen.add_(h.detach().abs().sum(0))  # an in-place running total
         return x + torch.relu(h)
+
+
+class FunctionalNorm(nn.BatchNorm1d):
+    """timm's ``BatchNormAct2d``: its own counter, then ``F.batch_norm`` given the statistics."""
+
+    def forward(self, x):
+        self.num_batches_tracked.add_(1)
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.1, self.eps)
+
+
+class FunctionalBlock(Block):
+    def __init__(self):
+        super().__init__()
+        self.bn = FunctionalNorm(8)
 
 
 class Stack(nn.Module):
@@ -70,6 +85,21 @@ def test_checkpointed_blocks_write_the_models_state_as_eager_does(layout):
         torch.testing.assert_close(pm.state_dict(), eager.state_dict())
         for (name, p), q in zip(pm.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_a_checkpointed_pipeline_given_the_statistics_by_value_updates_them_once():
+    # a region reading the running statistics as inputs (as timm's BatchNormAct2d passes them) saves
+    # them for its recompute: their update must not look like a write into a saved tensor
+    torch.manual_seed(0)
+    model = Stack(FunctionalBlock).double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, activation_checkpointing=True)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pm(x).backward()
+    eager(x).backward()
+    torch.testing.assert_close(pm.state_dict(), eager.state_dict())
+    for (name, p), q in zip(pm.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_a_region_writing_into_a_tensor_it_reads_is_refused_by_name():

@@ -235,3 +235,44 @@ def test_exact_multinomial_with_replacement_is_the_cpu_kernel(shape, dtype):
         got = torch.cat([exact_multinomial(draws, "s", p, 6, True, rows=(k, 0)) for k, p in enumerate(pieces)])
     assert torch.equal(got, want) and torch.equal(state, torch.get_rng_state())
 
+
+
+class DepthDropped(nn.Module):
+    """torchvision's stochastic depth (ConvNeXt's, EfficientNet's) on residual blocks, per row and per batch."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.thirdparty import import_torchvision
+
+        ops = import_torchvision().ops
+        self.fcs = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.drops = nn.ModuleList([ops.StochasticDepth(0.5, "row"), ops.StochasticDepth(0.5, "row"), ops.StochasticDepth(0.5, "batch")])
+
+    def forward(self, x):
+        for fc, drop in zip(self.fcs, self.drops):
+            x = x + drop(torch.tanh(fc(x)))
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("layout", [{"pipeline": 2, "micro_batches": 3}, {"mesh": {"pp": 2, "dp": 2}, "micro_batches": 2}],
+                         ids=["gpipe", "pp_dp"])  # fmt: skip
+def test_stochastic_depth_in_a_pipeline_drops_what_eager_drops(layout):
+    """Each row's keep-or-drop is the single-device draw (a pipeline drew per micro-batch, in its own
+    order: other rows dropped, silently), and so is every gradient."""
+    torch.manual_seed(0)
+    reference = DepthDropped().double()
+    model = copy.deepcopy(reference)
+    devices = ["cpu"] * (4 if "mesh" in layout else 2)
+    pm = dpcompile.transform(model, devices, **layout)
+    assert "exact_stochastic_depth" in pm.code
+    x = torch.randn(7, 8, dtype=torch.float64)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        loss = pm(x)
+        torch.manual_seed(seed)
+        expected = reference(x)
+        torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -253,3 +253,40 @@ def test_an_exported_program_runs_in_the_other_mode():
     torch.testing.assert_close(pm(x), model(x))
     with torch.no_grad():
         torch.testing.assert_close(pm.eval()(x), model.eval()(x))
+
+
+class ScaledInTraining(nn.Module):
+    """Reads its mode (export captures the other mode at its first call in it) and, as transformers'
+    code does, its own ``_parameters`` dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8, bias=False), nn.Linear(8, 2, bias=False)
+
+    def forward(self, x):
+        scale = 2.0 if self.training else 1.0
+        if "extra" in self._parameters:
+            scale = scale + 1.0
+        return self.head(self.fc(x) * scale)
+
+
+def test_an_exported_program_switches_modes_on_its_pieces():
+    """pm.eval() / pm.train() on a program torch.export captured: the other mode is captured before the
+    parameters become pieces (was 'exported in training mode ... transform again'), and splitting them is
+    no change of the model (was ModelChanged: 'fc._parameters' changed)."""
+    torch.manual_seed(0)
+    model = ScaledInTraining().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,), data_parallel="fsdp")
+    for mode in ("train", "eval", "train"):
+        getattr(pm, mode)()
+        getattr(reference, mode)()
+        torch.testing.assert_close(pm(x), reference(x), msg=lambda m, mode=mode: f"{mode}: {m}")
+    pm(x).sum().backward()
+    reference(x).sum().backward()
+    torch.testing.assert_close(pm.state_dict(), reference.state_dict())
+    grads = {key: dpcompile.runtime.tensor_parallel.unshard([pm.get_parameter(n).grad for n in names], spec, "cpu")
+             for key, (spec, names) in pm.param_shards.items()}  # fmt: skip
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -84,3 +84,23 @@ def test_checkpoint_activations_twice_changes_nothing_more():
     again = checkpoint_activations(gm, paths=["layers.0"])
     assert first.modified and not again.modified and gm.code == code
     assert not checkpoint_activations(gm, paths=[]).modified
+
+
+class Twice(nn.Module):
+    """``shared`` called before and after ``a`` and ``b``."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.shared(self.b(torch.relu(self.a(self.shared(x))))).sum()
+
+
+def test_find_checkpoint_regions_a_module_called_twice_is_a_region_per_call():
+    """Each call of a module used twice is its own region (as eager checkpoints each call); none takes
+    in the modules called between them, which are regions of their own (they overlapped: a KeyError)."""
+    gm = fx.symbolic_trace(Twice())
+    regions = find_checkpoint_regions(gm, ["shared", "a", "b"])
+    assert [[n.name for n in r.nodes] for r in regions] == [["shared"], ["shared_1"], ["a"], ["b"]]
+    assert [r.name for r in regions] == ["shared", "shared_1", "a", "b"]

@@ -385,6 +385,35 @@ class MeshPipelineModule(ParallelModule):
             "pipeline=N, ...)"
         )
 
+    def batch_size(self, args: tuple, kwargs: dict) -> int | None:
+        """This rank's batch of a call: dim 0 of its first batched input (what the schedule splits)."""
+        inputs = self._shape_inputs(args, kwargs)
+        return next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+
+    def call_key(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: no program is chosen per call here (see the error)."""
+        raise DpCompileError(
+            "a pipeline over a DeviceMesh keeps no programs by call key: each rank runs one stage program "
+            "(pm.code), under a schedule built for each micro-batch shape at its first call. Read pm.stage_index, "
+            "pm.micro_batches, pm.schedule_name and pm.batch_size(args, kwargs) for what a call runs"
+        )
+
+    def model_changed_since_transform(self) -> bool:
+        """Refused: the stage is never traced again, so a change to the model is not watched (see the error)."""
+        raise DpCompileError(
+            "a pipeline over a DeviceMesh does not watch the model after transform: its stage programs are cut "
+            "once and never traced again, so a hook or submodule added to the model later is not followed. "
+            "Call dpcompile.transform(model, mesh, pipeline=...) again on every rank after changing the model"
+        )
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: torch.distributed.pipelining runs the stage (see the error)."""
+        raise DpCompileError(
+            "pm.compile() of a pipeline over a DeviceMesh is not built: torch.distributed.pipelining's schedule "
+            "calls the stage program itself. Run it uncompiled, or compile the same pipeline in one process "
+            "(dpcompile.transform(model, ['cpu'] * N, pipeline=N, ...))"
+        )
+
     def __reduce__(self) -> Any:
         raise TypeError(
             "a pipeline over a DeviceMesh holds process groups and cannot be pickled; save pm.state_dict() "

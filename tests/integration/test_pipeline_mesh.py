@@ -342,6 +342,65 @@ def check_earlier_stage_output(rank: int, world: int) -> None:
     dist.barrier()
 
 
+def check_inspection(rank: int, world: int) -> None:
+    """verify over a ("pp",) mesh: OK as eager (each rank its stage's gradients, the last the outputs),
+    the same verdict on every rank; a weight corrupted on one rank's eager model: the same mismatches
+    on every rank; one rank's inputs failing its eager run, or differing from another rank's: the same
+    DpCompileError on every rank, before the schedule (never a hang). explain/measure with inputs are
+    refused alike with the way out; call_key and model_changed_since_transform name what to use."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    model = _stack()
+    x, labels = _inputs(8)
+    pm = dpcompile.transform(model, mesh, pipeline=world, micro_batches=2, schedule="1f1b")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def every_rank(value) -> list:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    result = dpcompile.verify(pm, model, x, labels)
+    assert result.ok and result.checked["parameter gradients"] == 10 and result.checked["outputs"] == 2, result
+    assert all(p.grad is None for p in model.parameters())  # verify leaves no trace
+    with torch.no_grad():
+        model.layers[0].weight.add_(rank)  # stage 0's weight, corrupted on the other rank's eager model
+    corrupted = dpcompile.verify(pm, model, x, labels)
+    with torch.no_grad():
+        model.layers[0].weight.sub_(rank)
+    assert not corrupted.ok and any(m.kind == "gradient" for m in corrupted.mismatches), corrupted
+    assert len(set(every_rank(str(corrupted)))) == 1
+    refusals = []
+    for inputs in ((x[:, :5] if rank else x, labels), (x + rank, labels)):
+        try:
+            dpcompile.verify(pm, model, *inputs)
+        except dpcompile.DpCompileError as e:
+            refusals.append(str(e))
+        else:
+            raise AssertionError(f"verify with rank 1's inputs {inputs[0].shape} was not refused")
+    assert "rank 1: RuntimeError" in refusals[0] and "fails on every rank" in refusals[0], refusals
+    assert "same inputs on every rank" in refusals[1], refusals
+    for name, attempt in (("explain", lambda: dpcompile.explain(pm, x, labels)),
+                          ("measure", lambda: dpcompile.measure(pm, x, labels)),
+                          ("call_key", lambda: pm.call_key(x, labels)),
+                          ("changed", pm.model_changed_since_transform)):  # fmt: skip
+        try:
+            attempt()
+        except dpcompile.DpCompileError as e:
+            refusals.append(str(e))
+            assert "in one process" in str(e) or "pm.code" in str(e) or "transform(" in str(e), (name, e)
+        else:
+            raise AssertionError(f"{name} over a mesh pipeline was not refused")
+    assert pm.batch_size((x, labels), {}) == 8
+    assert all(seen == refusals for seen in every_rank(refusals))
+    torch.testing.assert_close(dict(model.state_dict()), before)
+    assert dpcompile.verify(pm, model, x, labels).ok  # the refusals left nothing behind
+
+
 SCENARIOS = {
     "pp2": (2, [("gpipe_m1", check_pipeline, ((2,), ("pp",), "gpipe", 1)),
                 ("gpipe_m4", check_pipeline, ((2,), ("pp",), "gpipe", 4)),
@@ -354,7 +413,8 @@ SCENARIOS = {
                 ("decoder", check_decoder, (((1, "gpipe"), (2, "1f1b"), (4, "1f1b")),)),
                 ("batchnorm", check_batchnorm, ((2, 4),)),
                 ("writes", check_writes, ()),
-                ("earlier_stage_output", check_earlier_stage_output, ())]),
+                ("earlier_stage_output", check_earlier_stage_output, ()),
+                ("inspection", check_inspection, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16)),

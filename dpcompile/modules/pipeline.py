@@ -24,6 +24,7 @@ from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.hooks import call_with_hooks, run_writing_to_model
 from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
 from dpcompile.modules.mesh_stage import (
+    MESH_PIPELINE_INSPECTION,
     backward_done,
     batch_norm_refusal,
     batch_statistics_sites,
@@ -378,12 +379,7 @@ class MeshPipelineModule(ParallelModule):
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
         """This rank's stage reads what the stage before sends, not the model's inputs: no program
         answers a call's inputs alone (``explain(pm)`` without inputs reads this stage)."""
-        raise DpCompileError(
-            "a pipeline over a DeviceMesh runs one stage per rank, fed by the stage before: explain(pm) and "
-            "measure read this rank's stage without inputs (explain(pm)); to see a call's shapes, communication "
-            "and memory, explain the same pipeline in one process: dpcompile.transform(model, ['cpu'] * N, "
-            "pipeline=N, ...)"
-        )
+        raise DpCompileError(MESH_PIPELINE_INSPECTION)
 
     def batch_size(self, args: tuple, kwargs: dict) -> int | None:
         """This rank's batch of a call: dim 0 of its first batched input (what the schedule splits)."""

@@ -346,8 +346,8 @@ def check_inspection(rank: int, world: int) -> None:
     """verify over a ("pp",) mesh: OK as eager (each rank its stage's gradients, the last the outputs),
     the same verdict on every rank; a weight corrupted on one rank's eager model: the same mismatches
     on every rank; one rank's inputs failing its eager run, or differing from another rank's: the same
-    DpCompileError on every rank, before the schedule (never a hang). explain/measure with inputs are
-    refused alike with the way out; call_key and model_changed_since_transform name what to use."""
+    DpCompileError on every rank, before the schedule (never a hang). explain with inputs and measure
+    are refused alike with the way out; call_key and model_changed_since_transform name what to use."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -386,6 +386,7 @@ def check_inspection(rank: int, world: int) -> None:
     assert "same inputs on every rank" in refusals[1], refusals
     for name, attempt in (("explain", lambda: dpcompile.explain(pm, x, labels)),
                           ("measure", lambda: dpcompile.measure(pm, x, labels)),
+                          ("measure without inputs", lambda: dpcompile.measure(pm)),
                           ("call_key", lambda: pm.call_key(x, labels)),
                           ("changed", pm.model_changed_since_transform)):  # fmt: skip
         try:

@@ -89,6 +89,13 @@ def check_pipeline(
     _grads_equal_on_stage(model, reference, pm.module_paths)
     assert_stage_is_a_parallel_module(pm)
     assert_whole_state_loads(pm, reference.state_dict())
+    if names != ("pp",):  # refused alike on every rank, before any run
+        try:
+            dpcompile.verify(pm, model, x, labels)
+        except dpcompile.DpCompileError as e:
+            assert "('pp',) mesh" in str(e) and "in one process" in str(e), e
+        else:
+            raise AssertionError(f"verify over a {names} mesh pipeline was not refused")
     dist.barrier()
 
 
@@ -194,6 +201,8 @@ def check_batchnorm(rank: int, world: int, eval_micro: tuple[int, ...]) -> None:
     for name, b in model.named_buffers():
         if name.rpartition(".")[0] in pm.module_paths:
             torch.testing.assert_close(b, reference.get_buffer(name), msg=lambda m, name=name: f"{name}: {m}")
+    result = dpcompile.verify(pm, model, x, labels)  # running statistics: each rank its stage's
+    assert result.ok and result.checked["buffers"] == 6 and result.checked["parameter gradients"] == 10, result
     model.eval()
     reference.eval()
     expected_logits, expected_loss = reference(x, labels)

@@ -155,6 +155,8 @@ def check_decoder(rank: int, world: int, configs: tuple) -> None:
         tied = {"transformer.wte", "lm_head"}  # one Parameter: named wte.weight, read by both ends
         paths = set(pm.module_paths) | (tied if tied & set(pm.module_paths) else set())
         _grads_equal_on_stage(model, reference, paths)
+    result = dpcompile.verify(pm, model, **kwargs)  # keyword inputs, a ModelOutput, the tied weight on two stages
+    assert result.ok and result.checked["outputs"] == 2, result
     dist.barrier()
 
 
@@ -464,7 +466,7 @@ def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
     """A 2-process ("pp",) mesh: loss, outputs and each stage's gradients as eager (GPipe, 1F1B;
     a loss over labels, and one whose count only the last stage finds; uneven micro-batches;
     GPT-2 through the export frontend; BatchNorm with one micro-batch, or in eval mode; a value of
-    stage 0 returned through the last)."""
+    stage 0 returned through the last); verify, explain and measure give every rank the same answer."""
     _check(outcomes, "pp2", name)
 
 

@@ -36,6 +36,7 @@ from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.explanation import explain
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
+from dpcompile.modules.mesh_stage import MESH_PIPELINE_INSPECTION
 from dpcompile.runtime import checkpoint
 
 
@@ -207,6 +208,8 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
     buffers and the RNG state are left as they were."""
     if not isinstance(pm, fx.GraphModule) or not hasattr(pm, "program_for_call"):
         raise DpCompileError(f"measure needs a dpcompile.ParallelModule, got {type(pm).__name__}")
+    if getattr(pm, "executor", None) == "pipelining":  # a rank's stage waits on the others: refused before any run
+        raise DpCompileError(MESH_PIPELINE_INSPECTION)
     training = pm.training
     labels, slot_index = label_slots(pm)
     estimate = explain(pm, *args, **kwargs).memory_estimate

@@ -191,7 +191,15 @@ def backward_done(loss: torch.Tensor) -> torch.Tensor:
         return _BackwardDone.apply(loss.detach().requires_grad_(loss.is_floating_point()), [])
 
 
+#: explain with inputs and measure of a pipeline over a mesh: the same refusal on every rank, before any collective
+MESH_PIPELINE_INSPECTION = (
+    "a pipeline over a DeviceMesh runs one stage per rank, fed by the stage before: explain(pm) without inputs "
+    "reads this rank's stage program; to see a call's shapes, communication, memory and bubble, explain or "
+    "measure the same pipeline in one process: dpcompile.transform(model, ['cpu'] * N, pipeline=N, ...)"
+)
+
 __all__ = [
+    "MESH_PIPELINE_INSPECTION",
     "TensorsOnWire",
     "backward_done",
     "batch_norm_refusal",

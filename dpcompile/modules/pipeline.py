@@ -24,6 +24,7 @@ from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.hooks import call_with_hooks, run_writing_to_model
 from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
 from dpcompile.modules.mesh_stage import (
+    MESH_PIPELINE_INSPECTION,
     backward_done,
     batch_norm_refusal,
     batch_statistics_sites,
@@ -380,11 +381,35 @@ class MeshPipelineModule(ParallelModule):
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
         """This rank's stage reads what the stage before sends, not the model's inputs: no program
         answers a call's inputs alone (``explain(pm)`` without inputs reads this stage)."""
+        raise DpCompileError(MESH_PIPELINE_INSPECTION)
+
+    def batch_size(self, args: tuple, kwargs: dict) -> int | None:
+        """This rank's batch of a call: dim 0 of its first batched input (what the schedule splits)."""
+        inputs = self._shape_inputs(args, kwargs)
+        return next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+
+    def call_key(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: no program is chosen per call here (see the error)."""
         raise DpCompileError(
-            "a pipeline over a DeviceMesh runs one stage per rank, fed by the stage before: explain(pm) and "
-            "measure read this rank's stage without inputs (explain(pm)); to see a call's shapes, communication "
-            "and memory, explain the same pipeline in one process: dpcompile.transform(model, ['cpu'] * N, "
-            "pipeline=N, ...)"
+            "a pipeline over a DeviceMesh keeps no programs by call key: each rank runs one stage program "
+            "(pm.code), under a schedule built for each micro-batch shape at its first call. Read pm.stage_index, "
+            "pm.micro_batches, pm.schedule_name and pm.batch_size(args, kwargs) for what a call runs"
+        )
+
+    def model_changed_since_transform(self) -> bool:
+        """Refused: the stage is never traced again, so a change to the model is not watched (see the error)."""
+        raise DpCompileError(
+            "a pipeline over a DeviceMesh does not watch the model after transform: its stage programs are cut "
+            "once and never traced again, so a hook or submodule added to the model later is not followed. "
+            "Call dpcompile.transform(model, mesh, pipeline=...) again on every rank after changing the model"
+        )
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: torch.distributed.pipelining runs the stage (see the error)."""
+        raise DpCompileError(
+            "pm.compile() of a pipeline over a DeviceMesh is not built: torch.distributed.pipelining's schedule "
+            "calls the stage program itself. Run it uncompiled, or compile the same pipeline in one process "
+            "(dpcompile.transform(model, ['cpu'] * N, pipeline=N, ...))"
         )
 
     def __reduce__(self) -> Any:

@@ -17,6 +17,16 @@ from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.errors import ArgumentError
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
+from dpcompile.verify.mesh_pipeline import (
+    agree_before_schedule,
+    agree_on_verdict,
+    compare_held,
+    input_fingerprint,
+    is_mesh_pipeline,
+    loss_of,
+    refuse_unsupported,
+    run_stage,
+)
 from dpcompile.verify.result import (
     Mismatch,
     VerifyResult,
@@ -208,6 +218,8 @@ def verify(
     verify: OK (1 outputs, 2 parameter gradients, 1 input gradients match)
     """
     _check_modules(pm, model)
+    if is_mesh_pipeline(pm):
+        return _verify_mesh_pipeline(pm, model, args, kwargs, fake_devices, rtol, atol)
     mismatches: list[Mismatch] = []
     checked = {"outputs": 0, "parameter gradients": 0, "input gradients": 0, "buffers": 0}
     seed = 0
@@ -288,6 +300,49 @@ def verify(
         result_notes += layout.notes
         checked.update({k: v for k, v in layout.checked.items() if v})
     return VerifyResult(ok=not mismatches, mismatches=mismatches, checked=checked, notes=result_notes, rounding=rounding)
+
+
+def _verify_mesh_pipeline(pm: Any, model: nn.Module, args: tuple, kwargs: dict, fake_devices: Any,
+                          rtol: float | None, atol: float | None) -> VerifyResult:  # fmt: skip
+    """A pipeline over a DeviceMesh: each rank compares what it holds, every rank returns the same
+    verdict, and a failure before the schedule raises on every rank (:mod:`dpcompile.verify.mesh_pipeline`)."""
+    refuse_unsupported(pm, fake_devices)
+    train = pm.training and torch.is_grad_enabled() and pm.has_loss  # what a call of pm runs: the schedule's step
+    with _no_side_effects(pm.whole, pm, model) as notes:
+        buffers = [(b, b.detach().clone()) for b in _unique(b for m in (model, pm, pm.whole) for b in m.buffers())]
+        params = _unique(p for m in (model, pm) for p in m.parameters())
+        for p in params:
+            p.grad = None
+        error, fingerprint, expected, expected_grads, expected_buffers = None, [], None, None, {}
+        try:  # nothing here is collective: a failure is told to the other ranks before the schedule
+            fingerprint = input_fingerprint(args, kwargs)
+            (call_args, call_kwargs), _ = _leaf_inputs((list(args), dict(kwargs)), None, grad=False)
+            torch.manual_seed(0)
+            expected = model(*call_args, **call_kwargs)
+            if train:
+                loss_of(expected).backward()
+                expected_grads = {n: None if p.grad is None else p.grad.detach().clone()
+                                  for n, p in model.named_parameters()}  # fmt: skip
+            expected_buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        except Exception as e:  # noqa: BLE001 - every rank raises it, after the exchange
+            error = e
+        agree_before_schedule(pm, error, fingerprint)
+        for p in params:
+            p.grad = None
+        _restore(buffers)
+        (call_args, call_kwargs), _ = _leaf_inputs((list(args), dict(kwargs)), None, grad=False)
+        torch.manual_seed(0)
+        actual = run_stage(pm, tuple(call_args), call_kwargs)
+        error, mismatches, checked = None, [], {}
+        try:
+            mismatches, checked = compare_held(pm, model, expected, actual, expected_grads, expected_buffers, rtol, atol)
+        except Exception as e:  # noqa: BLE001 - every rank raises it, after the exchange
+            error = e
+        notes.append(
+            "over a mesh each rank compared what it holds: the last stage the outputs, each stage the gradients "
+            "of its own parameters and its buffers (input gradients are not compared); no float64 reference"
+        )
+        return agree_on_verdict(pm, error, mismatches, checked, list(notes))
 
 
 _INPUT_FLAG_NOTE = (

@@ -89,6 +89,13 @@ def check_pipeline(
     _grads_equal_on_stage(model, reference, pm.module_paths)
     assert_stage_is_a_parallel_module(pm)
     assert_whole_state_loads(pm, reference.state_dict())
+    if names != ("pp",):  # refused alike on every rank, before any run
+        try:
+            dpcompile.verify(pm, model, x, labels)
+        except dpcompile.DpCompileError as e:
+            assert "('pp',) mesh" in str(e) and "in one process" in str(e), e
+        else:
+            raise AssertionError(f"verify over a {names} mesh pipeline was not refused")
     dist.barrier()
 
 
@@ -148,6 +155,8 @@ def check_decoder(rank: int, world: int, configs: tuple) -> None:
         tied = {"transformer.wte", "lm_head"}  # one Parameter: named wte.weight, read by both ends
         paths = set(pm.module_paths) | (tied if tied & set(pm.module_paths) else set())
         _grads_equal_on_stage(model, reference, paths)
+    result = dpcompile.verify(pm, model, **kwargs)  # keyword inputs, a ModelOutput, the tied weight on two stages
+    assert result.ok and result.checked["outputs"] == 2, result
     dist.barrier()
 
 
@@ -194,6 +203,8 @@ def check_batchnorm(rank: int, world: int, eval_micro: tuple[int, ...]) -> None:
     for name, b in model.named_buffers():
         if name.rpartition(".")[0] in pm.module_paths:
             torch.testing.assert_close(b, reference.get_buffer(name), msg=lambda m, name=name: f"{name}: {m}")
+    result = dpcompile.verify(pm, model, x, labels)  # running statistics: each rank its stage's
+    assert result.ok and result.checked["buffers"] == 6 and result.checked["parameter gradients"] == 10, result
     model.eval()
     reference.eval()
     expected_logits, expected_loss = reference(x, labels)
@@ -342,6 +353,66 @@ def check_earlier_stage_output(rank: int, world: int) -> None:
     dist.barrier()
 
 
+def check_inspection(rank: int, world: int) -> None:
+    """verify over a ("pp",) mesh: OK as eager (each rank its stage's gradients, the last the outputs),
+    the same verdict on every rank; a weight corrupted on one rank's eager model: the same mismatches
+    on every rank; one rank's inputs failing its eager run, or differing from another rank's: the same
+    DpCompileError on every rank, before the schedule (never a hang). explain with inputs and measure
+    are refused alike with the way out; call_key and model_changed_since_transform name what to use."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    model = _stack()
+    x, labels = _inputs(8)
+    pm = dpcompile.transform(model, mesh, pipeline=world, micro_batches=2, schedule="1f1b")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def every_rank(value) -> list:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    result = dpcompile.verify(pm, model, x, labels)
+    assert result.ok and result.checked["parameter gradients"] == 10 and result.checked["outputs"] == 2, result
+    assert all(p.grad is None for p in model.parameters())  # verify leaves no trace
+    with torch.no_grad():
+        model.layers[0].weight.add_(rank)  # stage 0's weight, corrupted on the other rank's eager model
+    corrupted = dpcompile.verify(pm, model, x, labels)
+    with torch.no_grad():
+        model.layers[0].weight.sub_(rank)
+    assert not corrupted.ok and any(m.kind == "gradient" for m in corrupted.mismatches), corrupted
+    assert len(set(every_rank(str(corrupted)))) == 1
+    refusals = []
+    for inputs in ((x[:, :5] if rank else x, labels), (x + rank, labels)):
+        try:
+            dpcompile.verify(pm, model, *inputs)
+        except dpcompile.DpCompileError as e:
+            refusals.append(str(e))
+        else:
+            raise AssertionError(f"verify with rank 1's inputs {inputs[0].shape} was not refused")
+    assert "rank 1: RuntimeError" in refusals[0] and "fails on every rank" in refusals[0], refusals
+    assert "same inputs on every rank" in refusals[1], refusals
+    for name, attempt in (("explain", lambda: dpcompile.explain(pm, x, labels)),
+                          ("measure", lambda: dpcompile.measure(pm, x, labels)),
+                          ("measure without inputs", lambda: dpcompile.measure(pm)),
+                          ("call_key", lambda: pm.call_key(x, labels)),
+                          ("changed", pm.model_changed_since_transform)):  # fmt: skip
+        try:
+            attempt()
+        except dpcompile.DpCompileError as e:
+            refusals.append(str(e))
+            assert "in one process" in str(e) or "pm.code" in str(e) or "transform(" in str(e), (name, e)
+        else:
+            raise AssertionError(f"{name} over a mesh pipeline was not refused")
+    assert pm.batch_size((x, labels), {}) == 8
+    assert all(seen == refusals for seen in every_rank(refusals))
+    torch.testing.assert_close(dict(model.state_dict()), before)
+    assert dpcompile.verify(pm, model, x, labels).ok  # the refusals left nothing behind
+
+
 SCENARIOS = {
     "pp2": (2, [("gpipe_m1", check_pipeline, ((2,), ("pp",), "gpipe", 1)),
                 ("gpipe_m4", check_pipeline, ((2,), ("pp",), "gpipe", 4)),
@@ -354,7 +425,8 @@ SCENARIOS = {
                 ("decoder", check_decoder, (((1, "gpipe"), (2, "1f1b"), (4, "1f1b")),)),
                 ("batchnorm", check_batchnorm, ((2, 4),)),
                 ("writes", check_writes, ()),
-                ("earlier_stage_output", check_earlier_stage_output, ())]),
+                ("earlier_stage_output", check_earlier_stage_output, ()),
+                ("inspection", check_inspection, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16)),
@@ -394,7 +466,7 @@ def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
     """A 2-process ("pp",) mesh: loss, outputs and each stage's gradients as eager (GPipe, 1F1B;
     a loss over labels, and one whose count only the last stage finds; uneven micro-batches;
     GPT-2 through the export frontend; BatchNorm with one micro-batch, or in eval mode; a value of
-    stage 0 returned through the last)."""
+    stage 0 returned through the last); verify, explain and measure give every rank the same answer."""
     _check(outcomes, "pp2", name)
 
 

@@ -294,6 +294,11 @@ class ModelGuard:
                 if child is not None and (type(child) in _CONTAINERS or not self.is_leaf(child, child_path)):
                     stack.append((child_path, child))
 
+    def refresh(self) -> None:
+        """Read the model again now, whatever the versions of the dicts watched say: a change they
+        do not see (a leaf child's parameter swapped for parametrization pieces by FSDP)."""
+        self._refresh()
+
     def _refresh(self) -> None:
         self.entered = list(self._entered())
         entered_ids = {id(m) for _, m in self.entered}

@@ -48,7 +48,10 @@ class ExportedModelCheck:
 
     def read_again(self) -> None:
         """Take the model as it is now for what the program baked in: a change dpcompile made itself
-        (FSDP in one process swaps the parameters it splits for their pieces)."""
+        (FSDP in one process swaps the parameters it splits for their pieces, in leaf modules whose
+        parameter dicts the guard's versions do not watch: read afresh, or the next refresh that
+        something else triggers (explain's fake run) tells the difference as a change)."""
+        self.guard.refresh()
         self.token = self._token()
         self.description = self.guard.description
         self.tensors = self._one_tensor_per_module()

@@ -144,3 +144,26 @@ def test_explain_of_an_exported_fsdp_program_leaves_it_callable():
     pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp", frontend="export", example_inputs=(ids, ids))
     dpcompile.explain(pm, ids, ids)
     torch.testing.assert_close(pm(ids, ids), expected)
+
+
+class BlockTwice(TiedLM):
+    """The first block also reached as ``again``, and called a second time under that name."""
+
+    def __init__(self):
+        super().__init__()
+        self.again = self.blocks[0]
+
+    def forward(self, ids, labels):
+        logits = self.head(self.norm(torch.tanh(self.again(self.blocks(self.embed(ids))))))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_planner_fake_runs_leave_the_model_as_it_was():
+    """memory_per_device= runs the model on fake tensors to count its activations: the user's model,
+    a block of it under two names, keeps its own tensors (it was left with fake ones)."""
+    torch.manual_seed(0)
+    model, ids = BlockTwice(), torch.randint(0, 16, (4, 5))
+    expected, before = model(ids, ids), state_of(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids, ids), memory_per_device="1GiB", optimizer="adamw")
+    assert_same_state(before, state_of(model))
+    torch.testing.assert_close(pm(ids, ids), expected)

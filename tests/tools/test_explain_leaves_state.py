@@ -167,3 +167,13 @@ def test_planner_fake_runs_leave_the_model_as_it_was():
     pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids, ids), memory_per_device="1GiB", optimizer="adamw")
     assert_same_state(before, state_of(model))
     torch.testing.assert_close(pm(ids, ids), expected)
+
+
+def test_verify_on_fake_devices_leaves_program_and_model_as_they_were():
+    pm, model, inputs = _transformed("fsdp")
+    torch.manual_seed(0)
+    reference = TiedLM()  # the weights _transformed's model started from
+    before = state_of(pm, model)
+    result = dpcompile.verify(pm, reference, *inputs, fake_devices=2)
+    assert result, str(result)
+    assert_same_state(before, state_of(pm, model))

@@ -51,6 +51,9 @@ def tensors_kept(*roots: nn.Module) -> Iterator[None]:
 
 def functional_call(module: nn.Module, state: Mapping[str, Any], args: Any = (), kwargs: Any = None) -> Any:
     """``torch.func.functional_call(module, state, args, kwargs)`` that leaves ``module`` as it was,
-    also where a submodule is reached under two names."""
+    also where a submodule is reached under two names. A module without children (a norm called
+    at every step) is called directly: it has one name, so nothing to keep."""
+    if not module._modules:
+        return torch.func.functional_call(module, state, args, kwargs)
     with tensors_kept(module):
         return torch.func.functional_call(module, state, args, kwargs)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.runtime.kept import functional_call
 from dpcompile.runtime.recompute import kept_now
 
 __all__ = [
@@ -135,7 +136,6 @@ def activation_bytes(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str,
     """
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
     from torch.utils._python_dispatch import TorchDispatchMode
 
     tensors = [t for t in [*model.parameters(), *model.buffers(), *args, *(kwargs or {}).values()] if isinstance(t, torch.Tensor)]

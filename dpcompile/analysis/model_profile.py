@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from dpcompile.analysis.checkpoint_regions import repeated_blocks
 from dpcompile.analysis.memory import faker, optimizer_bytes
 from dpcompile.analysis.save_choice import SaveCandidate
+from dpcompile.runtime.kept import functional_call
 
 __all__ = ["ModelProfile", "ShardableWeight", "Unit", "profile_model"]
 
@@ -173,7 +174,6 @@ def _profile(
 ) -> ModelProfile:  # fmt: skip
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
     kwargs = dict(kwargs or {})

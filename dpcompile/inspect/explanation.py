@@ -32,6 +32,7 @@ from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime import sequence_mesh
 from dpcompile.runtime import tensor_parallel as tp_runtime
+from dpcompile.runtime.kept import tensors_kept
 from passes.checkpoint_activations import with_regions_recomputed
 from passes.collectives import group_size
 from passes.context_parallel import EXCHANGE, OTHER_EXCHANGES
@@ -39,7 +40,7 @@ from passes.name_dp_copies import COPY
 from passes.sequence_parallel import SEQUENCE_MARK
 from passes.split_stages import STAGE
 
-__all__ = ["ALL_DEVICES", "explain", "param_bytes"]
+__all__ = ["ALL_DEVICES", "explain", "inspected_modules", "param_bytes"]
 
 ALL_DEVICES = "*"  # the device of a collective, which spans the devices
 
@@ -63,7 +64,21 @@ def explain(pm: nn.Module, *args: Any, **kwargs: Any) -> Report:
     >>> r = dpcompile.explain(pm, torch.randn(16, 8))
     >>> r.io_elements_forward  # the input scattered, the output gathered, each (N-1)/N*S
     96.0
+
+    ``pm`` and the model it holds are left as they were, also where explain raises: every
+    parameter and buffer slot holds the same object, every parameter the same grad.
     """
+    with tensors_kept(*inspected_modules(pm)):
+        return _explain(pm, args, kwargs)
+
+
+def inspected_modules(pm: nn.Module) -> list[nn.Module]:
+    """``pm`` and the models it keeps beside its own modules (the captured graph, the traced model)."""
+    held = (getattr(pm, "captured", None), getattr(pm, "traced_model", None))
+    return [pm, *(m for m in held if isinstance(m, nn.Module))]
+
+
+def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Report:
     labels = own_labels = device_labels(pm)
     copies = None
     if (found := copy_labels(pm)) is not None:  # dp copies of a pipeline or tensor-parallel program

@@ -33,11 +33,12 @@ from torch.utils._pytree import tree_leaves
 
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
-from dpcompile.inspect.explanation import explain
+from dpcompile.inspect.explanation import explain, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
 from dpcompile.modules.mesh_stage import MESH_PIPELINE_INSPECTION
 from dpcompile.runtime import checkpoint
+from dpcompile.runtime.kept import tensors_kept
 
 
 @dataclass
@@ -205,11 +206,16 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
     """One step of ``pm`` on ``args``/``kwargs``: the measured peak bytes per device, the step time,
     and ``explain``'s prediction beside them. In training mode the step is forward and backward of
     the model's loss (``out.loss``) or of the sum of its outputs; in eval mode, forward. Gradients,
-    buffers and the RNG state are left as they were."""
+    buffers, the RNG state and every parameter and buffer slot are left as they were."""
     if not isinstance(pm, fx.GraphModule) or not hasattr(pm, "program_for_call"):
         raise DpCompileError(f"measure needs a dpcompile.ParallelModule, got {type(pm).__name__}")
     if getattr(pm, "executor", None) == "pipelining":  # a rank's stage waits on the others: refused before any run
         raise DpCompileError(MESH_PIPELINE_INSPECTION)
+    with tensors_kept(*inspected_modules(pm)):
+        return _measure(pm, args, kwargs)
+
+
+def _measure(pm: Any, args: tuple, kwargs: dict) -> Measurement:
     training = pm.training
     labels, slot_index = label_slots(pm)
     estimate = explain(pm, *args, **kwargs).memory_estimate

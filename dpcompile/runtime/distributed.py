@@ -42,6 +42,7 @@ from torch import nn
 from torch.autograd import Function
 
 from dpcompile.errors import DpCompileError
+from dpcompile.runtime import kept
 from dpcompile.runtime.sequence import causal_attention
 
 __all__ = [
@@ -446,7 +447,7 @@ def scaling_parameter_gradients(module: nn.Module, factor: float, *args: Any, **
     >>> pooled = scaling_parameter_gradients(self.pooler.dense, 0.5, first_token)  # doctest: +SKIP
     """
     parameters = {name: scale_gradient(p, factor) for name, p in module.named_parameters()}
-    return torch.func.functional_call(module, parameters, args, kwargs)
+    return kept.functional_call(module, parameters, args, kwargs)
 
 
 def sequence_sizes(length: int, group: GroupLike, *, balanced: bool = False) -> list[int]:

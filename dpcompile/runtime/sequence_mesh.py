@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from dpcompile.runtime import kept
 from dpcompile.runtime.distributed import (
     GroupLike,
     all_gather_into,
@@ -81,7 +82,7 @@ def call_summing_grads(module: torch.nn.Module, group: GroupLike, *args: Any, **
     """``module(*args, **kwargs)`` on this rank's sequence slice, its parameters read through
     ``all_reduce_grad``: each rank's gradient is the sum over the ranks' slices (a norm's weight)."""
     params = {name: all_reduce_grad(p, group) for name, p in module.named_parameters() if p.requires_grad}
-    return torch.func.functional_call(module, params, args, kwargs)
+    return kept.functional_call(module, params, args, kwargs)
 
 
 def sequence_sizes(length: int, group: GroupLike) -> list[int]:

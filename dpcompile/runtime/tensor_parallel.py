@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from dpcompile.runtime import kept
+
 DeviceLike = torch.device | str
 
 
@@ -103,7 +105,7 @@ def call_module_on_device(module: torch.nn.Module, device: DeviceLike, *args: An
     device ``k``'s sequence slice): copies there, whose gradients autograd sums into the one parameter."""
     device = torch.device(device)
     state = {name: _move(t, device) for name, t in [*module.named_parameters(), *module.named_buffers()]}
-    return torch.func.functional_call(module, state, args, kwargs)
+    return kept.functional_call(module, state, args, kwargs)
 
 
 def reduce_to_device(partials: Sequence[torch.Tensor], device: DeviceLike) -> torch.Tensor:

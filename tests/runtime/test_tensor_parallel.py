@@ -83,3 +83,23 @@ def test_call_module_on_device_sums_its_copies_gradients_into_the_parameter(monk
     torch.testing.assert_close(got, want)
     for got_grad, p in zip(got_grads, (norm.weight, norm.bias)):
         torch.testing.assert_close(got_grad, p.grad)
+
+
+def test_call_module_on_device_leaves_a_module_with_a_child_reached_twice_as_it_was():
+    """A leaf module whose Linear is reached under two names: the copies on ``device`` (meta here)
+    were left as its parameters by torch.func.functional_call."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = self.a
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    module = Twice()
+    weight, bias = module.a.weight, module.a.bias
+    out = tp_runtime.call_module_on_device(module, "meta", torch.ones(2, 4, device="meta"))
+    assert out.is_meta and out.shape == (2, 4)
+    assert module.a._parameters["weight"] is weight and module.a._parameters["bias"] is bias

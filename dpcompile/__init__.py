@@ -7,12 +7,15 @@
 
 from dpcompile.analysis.batch_rules.user import register_batch_rule
 from dpcompile.api import transform
+from dpcompile.capture.inputs import InputMismatch
 from dpcompile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from dpcompile.errors import ArgumentError, DpCompileError, TraceError
+from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, PassError, TraceError
 from dpcompile.export import export, load
+from dpcompile.export.common import ExportError
 from dpcompile.inspect import Measurement, Report, diff, draw, explain, measure
 from dpcompile.mesh import local_batch
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.exported_check import ModelChanged
 from dpcompile.runtime.distributed import CollectiveError
 from dpcompile.verify import VerifyResult, verify
 from dpcompile.version import __version__
@@ -22,8 +25,13 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "DpCompileError",
+    "ExampleError",
+    "ExportError",
+    "InputMismatch",
     "Measurement",
+    "ModelChanged",
     "ParallelModule",
+    "PassError",
     "Report",
     "TraceError",
     "VerifyResult",

@@ -249,3 +249,18 @@ def test_the_other_public_functions_refuse_bad_arguments_by_name(case, tmp_path)
         BAD_CALLS[case](tmp_path)
     assert isinstance(error.value, (ValueError, TypeError)) and str(error.value)
     assert not list(tmp_path.iterdir())
+
+
+def test_every_error_kind_the_docs_name_is_a_dpcompile_error_of_the_package():
+    """docs/limitations.md ("Errors") names the kinds a caller may catch as ``dpcompile.<name>``."""
+    import re
+    from pathlib import Path
+
+    errors = Path(__file__).parent.parent / "docs" / "limitations.md"
+    section = errors.read_text().split("## Errors", 1)[1]
+    names = set(re.findall(r"`([A-Z][A-Za-z]+Error|InputMismatch|ModelChanged)`", section)) - {"ValueError", "TypeError"}
+    assert {"ArgumentError", "ExampleError", "TraceError", "InputMismatch", "CheckpointError"} <= names
+    for name in sorted(names):
+        kind = getattr(dpcompile, name)
+        assert issubclass(kind, dpcompile.DpCompileError) and name in dpcompile.__all__, name
+    assert issubclass(dpcompile.ArgumentError, ValueError) and issubclass(dpcompile.ArgumentError, TypeError)

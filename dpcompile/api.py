@@ -125,6 +125,7 @@ def transform(
         arguments = {k: v for k, v in locals().items() if k not in ("model", "devices", "plan")}
         return planned_transform(model, devices, arguments, _example_tuple(arguments["example_inputs"]), build=transform)
     data_parallel = "ddp" if data_parallel == "replicate" else data_parallel
+    schedule = schedule.lower() if isinstance(schedule, str) else schedule  # "1F1B", as torch spells its class
     check_keywords_honoured(
         devices, mesh=mesh, tensor_parallel=tensor_parallel, pipeline=pipeline, micro_batches=micro_batches,
         schedule=schedule, data_parallel=data_parallel, ddp_options=ddp_options, copy_replicas=copy_replicas,

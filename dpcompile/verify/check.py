@@ -15,7 +15,7 @@ from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.modules.spmd import full_tensor
+from dpcompile.modules.spmd import SpmdModule
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
 from dpcompile.verify.mesh_pipeline import (
@@ -177,10 +177,10 @@ def _module_device(model: nn.Module) -> torch.device | None:
 
 def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor | None]:
     """Gradients of ``pm`` under the model's parameter names (full tensors, shards gathered)."""
-    if getattr(pm, "fsdp", None) is not None:  # FSDP over a mesh: DTensor gradients, gathered over dp
+    if isinstance(pm, SpmdModule) and pm.fsdp is not None:  # FSDP over a mesh: DTensor gradients, gathered over dp (and tp)
         own = dict(pm.named_parameters())
-        return {n: (None if own.get(n) is None or own[n].grad is None else full_tensor(own[n].grad).detach().clone())
-                for n in names}  # fmt: skip
+        grads = pm.whole_tensors({n: own[n].grad for n in names if own.get(n) is not None and own[n].grad is not None})
+        return {n: grads[n].detach().clone() if n in grads else None for n in names}
     if getattr(pm, "mode", None) == "data_parallel" and not getattr(pm, "param_shards", None):  # FSDP: pieces
         own = dict(pm.named_parameters())
         return {n: (None if own.get(n) is None or own[n].grad is None else own[n].grad.detach().clone()) for n in names}
@@ -203,7 +203,7 @@ def _agree_on_inputs_over_dp(pm: nn.Module, args: tuple, kwargs: dict) -> str | 
     same inputs, so every dp rank must pass the same ones (then dp's mean of the gradients is the
     eager model's). One exchange over dp; inputs that differ raise the same error on every rank.
     The note for the result, or None where ``pm`` has no dp over a mesh."""
-    if is_mesh_pipeline(pm) or (getattr(pm, "fsdp", None) is None and getattr(pm, "ddp", None) is None):
+    if not isinstance(pm, SpmdModule) or (pm.fsdp is None and pm.ddp is None):
         return None
     import torch.distributed as dist
 
@@ -220,7 +220,7 @@ def _agree_on_inputs_over_dp(pm: nn.Module, args: tuple, kwargs: dict) -> str | 
             "with the same inputs on every rank, not each rank's part of the batch"
         )
     return (f"data parallelism over a mesh of {len(ranks)} dp ranks: every rank ran the same inputs; the gradients "
-            "compared are dp's mean" + (" (FSDP's shards gathered)" if getattr(pm, "fsdp", None) is not None else ""))
+            "compared are dp's mean" + (" (FSDP's shards gathered)" if pm.fsdp is not None else ""))
 
 
 # ----------------------------------------------------------------------------------- verify

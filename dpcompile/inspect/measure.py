@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from dpcompile.errors import DpCompileError
@@ -37,6 +37,7 @@ from dpcompile.inspect.explanation import explain, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
 from dpcompile.modules.mesh_stage import MESH_PIPELINE_INSPECTION
+from dpcompile.modules.spmd import SpmdModule
 from dpcompile.runtime import checkpoint
 from dpcompile.runtime.kept import tensors_kept
 
@@ -116,7 +117,8 @@ class _Allocations(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+            # a DTensor's local tensor is counted where the op on it runs
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and not is_traceable_wrapper_subclass(t):
                 storage = t.untyped_storage()
                 key = storage._cdata  # a view or an in-place result shares its input's storage: not new
                 if key not in self.ledger.seen and key not in inputs and storage.nbytes():
@@ -265,11 +267,20 @@ def _virtual_peaks(
         with _Allocations(ledger):
             if runs_one_f_one_b(pm, training):
                 one_f_one_b_peaks(pm, args, kwargs, ledger, _SLOT_KEY, slot_index)
+            elif _sharded_by_fsdp_hooks(pm, labels):
+                _step(lambda: pm(*args, **kwargs), training)
             else:
                 program = pm.program_for_call(*args, **kwargs)
                 values = bind_inputs(program, args, kwargs)
                 _step(lambda: _SlotInterpreter(program, ledger, slot_index).run(*values), training)
     return dict(zip(labels, ledger.peak, strict=True))
+
+
+def _sharded_by_fsdp_hooks(pm: Any, labels: list[str]) -> bool:
+    """FSDP over a DeviceMesh: ``fully_shard``'s hooks gather the root's shards around ``pm``'s own
+    call (a program run node by node would meet them as DTensors), so the step runs through ``pm``;
+    this rank is one device, one slot."""
+    return isinstance(pm, SpmdModule) and pm.fsdp is not None and len(labels) == 1
 
 
 def _cuda_peaks(

@@ -301,18 +301,24 @@ class SpmdModule(ParallelModule):
         if args:
             raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
         sd = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return self.whole_tensors(sd, prefix)
+
+    def whole_tensors(self, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        """``tensors`` (this rank's, under the model's keys: its state, or its parameters' gradients)
+        made whole in place: FSDP's DTensor shards all-gathered over dp, then the tp shards. A
+        collective: call it on every rank of the mesh."""
         if self.__dict__.get("_fsdp") is not None:  # FSDP's DTensor shards over dp, all-gathered
-            sd.update((key, full_tensor(value)) for key, value in sd.items())
+            tensors.update((key, full_tensor(value)) for key, value in tensors.items())
         if not self.shards:
-            return sd
+            return tensors
         group = self._tp_group().group
         for key, spec in self.shards.items():
             full_key = prefix + key
-            if full_key in sd:
+            if full_key in tensors:
                 with torch.no_grad():
-                    gathered = all_gather(sd[full_key].detach(), group, dim=spec.dim, sizes=list(spec.sizes))
-                    sd[full_key] = regroup_sections(gathered, spec)  # a fused qkv: q, k, v blocks back in order
-        return sd
+                    gathered = all_gather(tensors[full_key].detach(), group, dim=spec.dim, sizes=list(spec.sizes))
+                    tensors[full_key] = regroup_sections(gathered, spec)  # a fused qkv: q, k, v blocks back in order
+        return tensors
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """Load full tensors under the original keys; sharded ones are sliced to this rank's shard

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note, random_draws_of
-from dpcompile.errors import ArgumentError
+from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.modules.spmd import SpmdModule
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
 from dpcompile.verify.mesh_pipeline import (
@@ -176,6 +177,10 @@ def _module_device(model: nn.Module) -> torch.device | None:
 
 def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor | None]:
     """Gradients of ``pm`` under the model's parameter names (full tensors, shards gathered)."""
+    if isinstance(pm, SpmdModule) and pm.fsdp is not None:  # FSDP over a mesh: DTensor gradients, gathered over dp (and tp)
+        own = dict(pm.named_parameters())
+        grads = pm.whole_tensors({n: own[n].grad for n in names if own.get(n) is not None and own[n].grad is not None})
+        return {n: grads[n].detach().clone() if n in grads else None for n in names}
     if getattr(pm, "mode", None) == "data_parallel" and not getattr(pm, "param_shards", None):  # FSDP: pieces
         own = dict(pm.named_parameters())
         return {n: (None if own.get(n) is None or own[n].grad is None else own[n].grad.detach().clone()) for n in names}
@@ -191,6 +196,31 @@ def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor
             for p, data in swapped:
                 p.data = data
     return {n: (gathered[n].detach().clone() if n in gathered else None) for n in names}
+
+
+def _agree_on_inputs_over_dp(pm: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """DDP or FSDP over a DeviceMesh: verify compares each rank's call with the eager model on the
+    same inputs, so every dp rank must pass the same ones (then dp's mean of the gradients is the
+    eager model's). One exchange over dp; inputs that differ raise the same error on every rank.
+    The note for the result, or None where ``pm`` has no dp over a mesh."""
+    if not isinstance(pm, SpmdModule) or (pm.fsdp is None and pm.ddp is None):
+        return None
+    import torch.distributed as dist
+
+    group = pm.mesh.get_group(pm.dp_dim)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, input_fingerprint(args, kwargs), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    differ = [str(r) for r, seen in zip(ranks, everyone) if seen != everyone[0]]
+    if differ:
+        raise DpCompileError(
+            f"verify of data parallelism over a mesh compares each rank's call with the eager model on the same "
+            f"inputs (dp's mean of the gradients is then the eager model's), but global rank(s) {', '.join(differ)} "
+            f"passed other inputs than rank {ranks[0]} (shapes, dtypes or values). Call verify(pm, model, *inputs) "
+            "with the same inputs on every rank, not each rank's part of the batch"
+        )
+    return (f"data parallelism over a mesh of {len(ranks)} dp ranks: every rank ran the same inputs; the gradients "
+            "compared are dp's mean" + (" (FSDP's shards gathered)" if pm.fsdp is not None else ""))
 
 
 # ----------------------------------------------------------------------------------- verify
@@ -220,10 +250,13 @@ def verify(
     _check_modules(pm, model)
     if is_mesh_pipeline(pm):
         return _verify_mesh_pipeline(pm, model, args, kwargs, fake_devices, rtol, atol)
+    over_dp = _agree_on_inputs_over_dp(pm, args, kwargs)
     mismatches: list[Mismatch] = []
     checked = {"outputs": 0, "parameter gradients": 0, "input gradients": 0, "buffers": 0}
     seed = 0
     with _no_side_effects(model, pm) as notes:
+        if over_dp:
+            notes.append(over_dp)
         model_buffers = [(b, b.detach().clone()) for b in _unique(b for m in (model, pm) for b in m.buffers())]
         for p in _unique(p for m in (model, pm) for p in m.parameters()):
             p.grad = None

@@ -181,12 +181,49 @@ def check_fsdp_load_state_dict(rank: int, world: int) -> None:
         pm.load_state_dict(wrong)
 
 
+def check_fsdp_measure_and_verify(rank: int, world: int) -> None:
+    """measure runs the step through pm (fully_shard's hooks gather the root's shards: run node by node
+    it met them as DTensors) and leaves no gradient behind; verify gathers FSDP's gradients and is OK
+    with the same inputs on every rank, reports a corrupted shard on every rank, and refuses each
+    rank's own part of the batch by name on every rank; on a ("dp", "tp") mesh it gathers the tp shards too."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = Stack(layers=1)
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), data_parallel="fsdp")
+    x = _batches(world, 1)[0][:4]
+    measured = dpcompile.measure(pm, x)
+    assert measured.training and list(measured.peak_bytes) == ["cpu"] and measured.step_allocated_peak["cpu"] > 0
+    assert all(p.grad is None for p in pm.parameters())
+    result = dpcompile.verify(pm, reference, x)
+    assert result and result.checked["parameter gradients"] == len(list(reference.parameters())), str(result)
+    with pytest.raises(dpcompile.DpCompileError, match="same inputs on every rank"):
+        dpcompile.verify(pm, reference, x[rank * 2 : rank * 2 + 2])
+    if rank == 0:  # rank 0's shard of the head: every rank all-gathers it
+        with torch.no_grad():
+            pm.get_parameter("head.weight").to_local()[0, 0] += 1.0
+    result = dpcompile.verify(pm, reference, x)
+    assert not result and any(m.kind == "output" for m in result.mismatches), str(result)
+    # a ("dp", "tp") mesh of (1, 2): the gradients gathered over dp, then their tp shards
+    torch.manual_seed(0)
+    model = Stack(layers=1)
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    pm = dpcompile.transform(model, mesh, data_parallel="fsdp", tensor_parallel=True)
+    result = dpcompile.verify(pm, reference, x)
+    assert result and result.checked["parameter gradients"] == len(list(reference.parameters())), str(result)
+
+
 SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
     "one_d": [
         ("check_fsdp_1d", check_fsdp_1d),
         ("check_fsdp_grads_exact", check_fsdp_grads_exact),
         ("check_fsdp_mixed_precision", check_fsdp_mixed_precision),
         ("check_fsdp_load_state_dict", check_fsdp_load_state_dict),
+        ("check_fsdp_measure_and_verify", check_fsdp_measure_and_verify),
     ],
     "two_d": [("check_fsdp_1d", check_fsdp_1d), ("check_fsdp_2d", check_fsdp_2d)],
 }

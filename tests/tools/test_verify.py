@@ -391,3 +391,34 @@ def test_verify_a_1f1b_pipeline_that_runs_its_loss_backward_in_the_call():
         model.layers[0].weight[0, 0] += 1.0
     result = dpcompile.verify(pm, eager, x)
     assert not result and "layers.0.weight" in str(result), str(result)
+
+
+class _LossAndLogits(nn.Module):
+    """A language-model head in miniature: returns ``{"loss", "logits"}`` as a ModelOutput does."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 5))
+
+    def forward(self, x, labels):
+        logits = self.layers(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_verify_a_1f1b_pipeline_returning_a_loss_and_logits():
+    """The logits of a 1F1B training call carry no gradient path (the step ran the loss's backward):
+    verify compares the loss, the parameters' gradients and the logits' values, and reports a
+    wrong parameter."""
+    torch.manual_seed(0)
+    model = _LossAndLogits()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b")
+    x, labels = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    result = dpcompile.verify(pm, eager, x, labels=labels)
+    assert result and result.checked["outputs"] == 2 and result.checked["parameter gradients"] == 4, str(result)
+    with torch.no_grad():
+        model.layers[2].bias[0] += 1.0  # changes the logits and the loss, not the other layer's gradient alone
+    result = dpcompile.verify(pm, eager, x, labels=labels)
+    assert not result, str(result)
+    wrong = {(m.kind, m.name) for m in result.mismatches}
+    assert {("output", "output['loss']"), ("output", "output['logits']"), ("gradient", "layers.0.weight")} <= wrong

@@ -8,6 +8,7 @@ and the recompute really happens: fewer bytes saved for backward, each region's 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -233,6 +234,47 @@ def test_activation_checkpointing_a_block_reading_a_value_every_micro_batch_shar
     x = torch.randn(4, 8, dtype=torch.float64)
     torch.testing.assert_close(pm(x), reference(x))
     reference(x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class CheckedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch._assert(x.dim() == 2, "expected (batch, features)")  # torchvision ViT's EncoderBlock check
+        return x + torch.tanh(self.fc(x))
+
+
+class CheckedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(CheckedBlock() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_activation_checkpointing_a_block_whose_output_is_gathered_for_a_check_is_a_region_per_micro_batch():
+    """The next block's ``x.dim()`` reads the micro-batches' outputs gathered (made under the block's
+    path): the gather is left after the regions, each micro-batch its own region (one region took
+    both micro-batches of layers.0, recomputing both at once); loss and gradients equal eager's."""
+    torch.manual_seed(0)
+    reference = CheckedStack().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, activation_checkpointing=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    loss = pm(x)
+    regions = set(re.findall(r"= dpcompile_runtime_checkpoint\((\w+)_region", pm.code))
+    assert regions == {f"layers_{i}_mb{m}" for i in range(2) for m in range(2)}
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 

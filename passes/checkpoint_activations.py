@@ -144,16 +144,25 @@ def _calls(
 _ROWS = "dpcompile_rows"  # passes.data_parallel: the replica or micro-batch whose rows a value holds
 
 
+def _stateless(node: fx.Node) -> bool:
+    """A ``call_module`` of a torch.nn module that neither keeps buffers nor draws (T5's
+    ``relative_attention_bias`` Embedding of the bucketed positions): a function of its input."""
+    module = node.graph.owning_module.get_submodule(str(node.target))
+    return (type(module).__module__.startswith("torch.nn.") and not any(True for _ in module.buffers())
+            and not isinstance(module, (nn.modules.dropout._DropoutNd, nn.RReLU)))  # fmt: skip
+
+
 def _without_shared_values(nodes: set[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
     """``nodes`` less the values every replica or micro-batch shares, made from values outside them
-    (Llama's ``cos.unsqueeze(1)`` of the rotary positions inside each layer): computed once before
-    the regions and read by each, they no longer join the micro-batches into one region (which 1F1B
-    refuses, and which recomputes every micro-batch at once)."""
+    (Llama's ``cos.unsqueeze(1)`` of the rotary positions inside each layer, T5's position bias):
+    computed once before the regions and read by each, they no longer join the micro-batches into
+    one region (which 1F1B refuses, and which recomputes every micro-batch at once)."""
     if not any(_ROWS in n.meta for n in nodes):
         return nodes
     shared: set[fx.Node] = set()
     for node in sorted(nodes, key=order.__getitem__):
-        pure = node.op in ("call_function", "call_method") and not node.is_impure() and not writes(node)
+        pure = (node.op in ("call_function", "call_method") and not node.is_impure() and not writes(node)
+                or node.op == "call_module" and _stateless(node))  # fmt: skip
         drawn = any(w in getattr(node.target, "__name__", str(node.target)) for w in ("rand", "dropout", "bernoulli"))
         if (_ROWS not in node.meta and pure and not drawn
                 and all(a not in nodes or a in shared for a in node.all_input_nodes)):  # fmt: skip

@@ -17,6 +17,7 @@ from torch import nn
 import dpcompile
 from dpcompile.errors import DpCompileError
 from tests.helpers import full_gradients
+from tests.thirdparty import models
 
 
 class Counted(nn.Module):
@@ -275,6 +276,24 @@ def test_activation_checkpointing_a_block_whose_output_is_gathered_for_a_check_i
     expected = reference(x)
     expected.backward()
     torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_activation_checkpointing_torchvision_vit_under_gpipe_is_a_region_per_block_and_micro_batch():
+    """torchvision's ViT checks each EncoderBlock's ``input.dim()``, which reads the previous block's
+    micro-batches gathered: each block is still a region per micro-batch; output and gradients equal eager's."""
+    reference, (x,) = models()["tv_vit"]()
+    reference, x = reference.double(), x.double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, activation_checkpointing=True)
+    out = pm(x)
+    regions = set(re.findall(r"= dpcompile_runtime_checkpoint\((\w+)_region", pm.code))
+    assert regions == {f"encoder_layers_encoder_layer_{i}_mb{m}" for i in range(2) for m in range(2)}
+    out.pow(2).mean().backward()
+    expected = reference(x)
+    expected.pow(2).mean().backward()
+    torch.testing.assert_close(out, expected)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 

@@ -147,7 +147,10 @@ _ROWS = "dpcompile_rows"  # passes.data_parallel: the replica or micro-batch who
 def _stateless(node: fx.Node) -> bool:
     """A ``call_module`` of a torch.nn module that neither keeps buffers nor draws (T5's
     ``relative_attention_bias`` Embedding of the bucketed positions): a function of its input."""
-    module = node.graph.owning_module.get_submodule(str(node.target))
+    try:
+        module = node.graph.owning_module.get_submodule(str(node.target))
+    except AttributeError:  # no owner or no such module: not known to be a function
+        return False
     return (type(module).__module__.startswith("torch.nn.") and not any(True for _ in module.buffers())
             and not isinstance(module, (nn.modules.dropout._DropoutNd, nn.RReLU)))  # fmt: skip
 

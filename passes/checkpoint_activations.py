@@ -42,7 +42,7 @@ from dpcompile.analysis.checkpoint_regions import byte_budget, parse_save_rule
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module, writes
 from dpcompile.infra import PassResult, module_path_of, stamp
-from dpcompile.runtime import checkpoint, join_tiles, keep_outputs, random_draws, token_tiles
+from dpcompile.runtime import checkpoint, join_tiles, keep_outputs, random_draws, send, token_tiles
 from passes.checkpoint_budget import kept_for_rule, kept_over_regions, kept_within_bytes
 from passes.checkpoint_tiles import tiled_input, why_not_per_token
 
@@ -144,21 +144,57 @@ def _calls(
 _ROWS = "dpcompile_rows"  # passes.data_parallel: the replica or micro-batch whose rows a value holds
 
 
+def _stateless(node: fx.Node) -> bool:
+    """A ``call_module`` of a torch.nn module that neither keeps buffers nor draws (T5's
+    ``relative_attention_bias`` Embedding of the bucketed positions): a function of its input."""
+    try:
+        module = node.graph.owning_module.get_submodule(str(node.target))
+    except AttributeError:  # no owner or no such module: not known to be a function
+        return False
+    return (type(module).__module__.startswith("torch.nn.") and not any(True for _ in module.buffers())
+            and not isinstance(module, (nn.modules.dropout._DropoutNd, nn.RReLU)))  # fmt: skip
+
+
 def _without_shared_values(nodes: set[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
     """``nodes`` less the values every replica or micro-batch shares, made from values outside them
-    (Llama's ``cos.unsqueeze(1)`` of the rotary positions inside each layer): computed once before
-    the regions and read by each, they no longer join the micro-batches into one region (which 1F1B
-    refuses, and which recomputes every micro-batch at once)."""
+    (Llama's ``cos.unsqueeze(1)`` of the rotary positions inside each layer, T5's position bias):
+    computed once before the regions and read by each, they no longer join the micro-batches into
+    one region (which 1F1B refuses, and which recomputes every micro-batch at once)."""
     if not any(_ROWS in n.meta for n in nodes):
         return nodes
     shared: set[fx.Node] = set()
     for node in sorted(nodes, key=order.__getitem__):
-        pure = node.op in ("call_function", "call_method") and not node.is_impure() and not writes(node)
+        pure = (node.op in ("call_function", "call_method") and not node.is_impure() and not writes(node)
+                or node.op == "call_module" and _stateless(node))  # fmt: skip
         drawn = any(w in getattr(node.target, "__name__", str(node.target)) for w in ("rand", "dropout", "bernoulli"))
         if (_ROWS not in node.meta and pure and not drawn
                 and all(a not in nodes or a in shared for a in node.all_input_nodes)):  # fmt: skip
             shared.add(node)
     return nodes - shared
+
+
+def _without_joins(nodes: set[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
+    """``nodes`` less a join of the micro-batches or replicas (the ``gather`` of a block's outputs
+    that the next block's ``input.dim()`` check reads, torchvision's ViT) and what only reads it,
+    where nothing else of ``nodes`` reads them: left after the regions, they read each one's output
+    and no longer join every micro-batch into one region."""
+    joined: set[fx.Node] = set()
+    for node in sorted(nodes, key=order.__getitem__):
+        if _ROWS in node.meta or writes(node):
+            continue
+        rows = {a.meta[_ROWS] for a in node.all_input_nodes if a in nodes and _ROWS in a.meta}
+        if len(rows) > 1 or any(a in joined for a in node.all_input_nodes):
+            joined.add(node)
+    after: set[fx.Node] = set()
+    for node in sorted(joined, key=order.__getitem__, reverse=True):
+        if all(u not in nodes or u in after for u in node.users):
+            after.add(node)
+    return nodes - after
+
+
+def _per_micro_batch(nodes: set[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
+    """``nodes`` less what no micro-batch or replica owns, which would join their parts."""
+    return _without_joins(_without_shared_values(nodes, order), order)
 
 
 def _components(nodes: set[fx.Node]) -> list[set[fx.Node]]:
@@ -223,12 +259,12 @@ def find_checkpoint_regions(gm: fx.GraphModule, paths: Sequence[str]) -> list[Ch
             by_stage.setdefault(stage.get(node), set()).add(node)
         staged = len(by_stage) > 1
         parts = [p for group in by_stage.values() for call in _calls(group, path, order, stage, staged)
-                 for p in _components(_without_shared_values(_closed(call, order, stage, staged=staged), order))]  # fmt: skip
+                 for p in _components(_per_micro_batch(_closed(call, order, stage, staged=staged), order))]  # fmt: skip
         for part in sorted(parts, key=lambda p: min(order[n] for n in p)):
             nodes = sorted(part, key=order.__getitem__)
             inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in part))
             outputs = [n for n in nodes if any(u not in part for u in n.users)]
-            if outputs:
+            if outputs and not all(n.target is send for n in nodes):  # a stage's send alone keeps nothing
                 _refuse_writes_into_inputs(path, nodes, part)
                 regions.append(CheckpointRegion(path, _region_name(path, nodes, taken), nodes, inputs, outputs))
     return regions

@@ -8,6 +8,7 @@ and the recompute really happens: fewer bytes saved for backward, each region's 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 import dpcompile
 from dpcompile.errors import DpCompileError
 from tests.helpers import full_gradients
+from tests.thirdparty import models
 
 
 class Counted(nn.Module):
@@ -233,6 +235,105 @@ def test_activation_checkpointing_a_block_reading_a_value_every_micro_batch_shar
     x = torch.randn(4, 8, dtype=torch.float64)
     torch.testing.assert_close(pm(x), reference(x))
     reference(x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class CheckedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch._assert(x.dim() == 2, "expected (batch, features)")  # torchvision ViT's EncoderBlock check
+        return x + torch.tanh(self.fc(x))
+
+
+class CheckedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(CheckedBlock() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_activation_checkpointing_a_block_whose_output_is_gathered_for_a_check_is_a_region_per_micro_batch():
+    """The next block's ``x.dim()`` reads the micro-batches' outputs gathered (made under the block's
+    path): the gather is left after the regions, each micro-batch its own region (one region took
+    both micro-batches of layers.0, recomputing both at once); loss and gradients equal eager's."""
+    torch.manual_seed(0)
+    reference = CheckedStack().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, activation_checkpointing=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    loss = pm(x)
+    regions = set(re.findall(r"= dpcompile_runtime_checkpoint\((\w+)_region", pm.code))
+    assert regions == {f"layers_{i}_mb{m}" for i in range(2) for m in range(2)}
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_activation_checkpointing_torchvision_vit_under_gpipe_is_a_region_per_block_and_micro_batch():
+    """torchvision's ViT checks each EncoderBlock's ``input.dim()``, which reads the previous block's
+    micro-batches gathered: each block is still a region per micro-batch; output and gradients equal eager's."""
+    reference, (x,) = models()["tv_vit"]()
+    reference, x = reference.double(), x.double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, activation_checkpointing=True)
+    out = pm(x)
+    regions = set(re.findall(r"= dpcompile_runtime_checkpoint\((\w+)_region", pm.code))
+    assert regions == {f"encoder_layers_encoder_layer_{i}_mb{m}" for i in range(2) for m in range(2)}
+    out.pow(2).mean().backward()
+    expected = reference(x)
+    expected.pow(2).mean().backward()
+    torch.testing.assert_close(out, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class PositionBiasBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.position_bias = nn.Linear(8, 8), nn.Embedding(4, 8)
+
+    def forward(self, x):
+        bias = self.position_bias(torch.arange(4)).sum(0)  # T5's relative_attention_bias: an Embedding, no batch
+        return x + torch.tanh(self.fc(x)) * bias
+
+
+class PositionBiasStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(PositionBiasBlock() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_activation_checkpointing_a_block_embedding_positions_no_micro_batch_owns_runs_1f1b():
+    """An Embedding of positions inside a block (T5's position bias) is made once before the
+    regions, each micro-batch its own region (one region took both: 1F1B refused it at layers_0);
+    loss and gradients, the Embedding's included, equal eager's."""
+    torch.manual_seed(0)
+    reference = PositionBiasStack().double()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b", activation_checkpointing=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    loss = pm(x)  # a training call runs forward and backward
+    regions = set(re.findall(r"= dpcompile_runtime_checkpoint\((\w+)_region", pm.code))
+    assert regions == {f"layers_{i}_mb{m}" for i in range(2) for m in range(2)}
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -50,7 +49,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import ResidualStack  # noqa: E402
+from common import ResidualStack, uptime  # noqa: E402
 
 RESULTS = Path(os.environ.get("PIPELINE_OVERHEAD_RESULTS", Path(__file__).resolve().parent / "results" / "pipeline_overhead.json"))
 GPIPE_M = (1, 2, 4, 8)
@@ -313,10 +312,6 @@ def predicted_slopes(run: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def main() -> None:
     import queue
     import socket
@@ -344,7 +339,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    before = _uptime()
+    before = uptime()
     figures = [_calibration_figures(world)]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -377,7 +372,7 @@ def main() -> None:
     cal = {k: [f[k] for f in figures] for k in figures[0]}
     op_s = statistics.median(reports[0]["op_seconds"])  # rank 0's, between its rounds
     message = medians["message"]
-    out: dict[str, Any] = {"model": ns.model, "uptime_before": before, "uptime_after": _uptime(), "rounds": ns.rounds, "steps": ns.steps,
+    out: dict[str, Any] = {"model": ns.model, "uptime_before": before, "uptime_after": uptime(), "rounds": ns.rounds, "steps": ns.steps,
                            "median_s": medians, "stage_call_s": stage_calls, "linear_call_s": linear_calls,
                            "calibration_before_after": cal, "slopes": {}}  # fmt: skip
     for label, prefix, ms in (("dpcompile gpipe", "dpcompile gpipe", GPIPE_M),

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -39,7 +38,7 @@ from tests.thirdparty import define_torchvision_ops  # noqa: E402
 define_torchvision_ops()  # transformers imports torchvision, which needs its ops defined
 warnings.simplefilter("ignore")
 
-from common import ResidualStack  # noqa: E402
+from common import ResidualStack, uptime  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_rank.json"
 V = 128
@@ -273,10 +272,6 @@ def decoder_planning_seconds(layers: int = 32) -> dict[str, float]:
     return out
 
 
-def _uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, default=2)
@@ -289,7 +284,7 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.decoder:
         data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        data["decoder32_planning_s"] = {**decoder_planning_seconds(), "uptime": _uptime()}
+        data["decoder32_planning_s"] = {**decoder_planning_seconds(), "uptime": uptime()}
         RESULTS.write_text(json.dumps(data, indent=1, default=str))
         return
     names = [n for n in MODELS if not ns.only or n in ns.only.split(",")]
@@ -319,7 +314,7 @@ def main() -> None:
         rho_min = spearman([r["predicted_s"] for r in done], [r["measured_min_s"] for r in done])
         rows_by_model[name] = {"rho": rho, "rho_of_min": rho_min, "rows": rows, "planning_s": planning_s, "fatal": report.get("fatal"),
                                "measure_wall_s": time.perf_counter() - t0, "calibration": calibration.__dict__,
-                               "uptime_after": _uptime()}  # fmt: skip
+                               "uptime_after": uptime()}  # fmt: skip
         print(f"{name}: rho={rho} (of the fastest repeats: {rho_min}; {len(done)}/{len(rows)} measured, "
               f"{time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
         for r in rows:
@@ -345,7 +340,7 @@ def main() -> None:
     RESULTS.write_text(json.dumps({
         "command": "PYTHONPATH=. nice -n 5 python benchmarks/bench_planner_rank.py " + " ".join(sys.argv[1:]),
         "world": ns.world, "repeats": ns.repeats, "steps": ns.steps, "cores": os.cpu_count(),
-        "uptime": _uptime(),
+        "uptime": uptime(),
         "calibration": None if calibration is None else calibration.__dict__,
         "summary": summary, "models": rows_by_model,
         **({"decoder32_planning_s": previous["decoder32_planning_s"]} if "decoder32_planning_s" in previous else {}),

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,11 @@ import torch
 from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def uptime() -> str:
+    """The machine's ``uptime`` line (its load averages), kept beside a run's figures."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def median_seconds(fn: Callable[[], Any], *, repeat: int = 7, warmup: int = 2) -> float:

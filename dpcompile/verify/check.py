@@ -25,6 +25,7 @@ from dpcompile.verify.mesh_pipeline import (
     input_fingerprint,
     is_mesh_pipeline,
     loss_of,
+    ranks_with_other_inputs,
     refuse_unsupported,
     run_stage,
 )
@@ -211,7 +212,7 @@ def _agree_on_inputs_over_dp(pm: nn.Module, args: tuple, kwargs: dict) -> str | 
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, input_fingerprint(args, kwargs), group=group)
     ranks = dist.get_process_group_ranks(group)
-    differ = [str(r) for r, seen in zip(ranks, everyone) if seen != everyone[0]]
+    differ = ranks_with_other_inputs(ranks, everyone)
     if differ:
         raise DpCompileError(
             f"verify of data parallelism over a mesh compares each rank's call with the eager model on the same "

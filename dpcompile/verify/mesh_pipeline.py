@@ -55,6 +55,11 @@ def input_fingerprint(args: tuple, kwargs: dict) -> list[tuple[str, str]]:
     return out
 
 
+def ranks_with_other_inputs(ranks: list[int], fingerprints: list[Any]) -> list[str]:
+    """The global ranks (as text) whose :func:`input_fingerprint` differs from the first rank's."""
+    return [str(r) for r, seen in zip(ranks, fingerprints) if seen != fingerprints[0]]
+
+
 def agree_before_schedule(pm: Any, error: BaseException | None, fingerprint: list) -> None:
     """One exchange over the pp group: where a rank failed or its inputs differ from rank 0's, raise
     the same :class:`DpCompileError` on every rank (chained from this rank's own error)."""
@@ -70,7 +75,7 @@ def agree_before_schedule(pm: Any, error: BaseException | None, fingerprint: lis
             f"verify of a pipeline over a mesh failed before the pipeline ran, so it fails on every rank "
             f"({'; '.join(failed)})"
         ) from error
-    differ = [str(r) for r, (_, seen) in zip(ranks, everyone) if seen != everyone[0][1]]
+    differ = ranks_with_other_inputs(ranks, [seen for _, seen in everyone])
     if differ:
         raise DpCompileError(
             f"verify of a pipeline over a mesh needs the same inputs on every rank (each compares the pipeline "

@@ -264,3 +264,33 @@ def assert_whole_state_loads(pm: nn.Module, expected: dict[str, torch.Tensor]) -
     for key, value in shifted.items():
         torch.testing.assert_close(loaded[key], value, msg=lambda m, key=key: f"{key} loaded: {m}")
     pm.load_state_dict(expected)
+
+
+def assert_mesh_pipeline_verifies(pm: nn.Module, model: nn.Module, *args: Any, **kwargs: Any) -> dpcompile.VerifyResult:
+    """verify of a pipeline over a mesh, the same inputs (the whole batch) on every rank: OK, the same
+    text on every rank; then a weight of another stage corrupted in this rank's copy of the model
+    (eager's alone: pm holds its stage's): a gradient mismatch, the same text on every rank."""
+    import torch.distributed as dist
+
+    def same_on_every_rank(text: str) -> None:
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, text)
+        assert len(set(seen)) == 1, seen
+
+    result = dpcompile.verify(pm, model, *args, **kwargs)
+    assert result.ok and result.checked["parameter gradients"] > 0 and result.checked["outputs"], result
+    same_on_every_rank(str(result))
+    mine = tuple(pm.module_paths)
+    name, p = next((n, p) for n, p in model.named_parameters()
+                   if not any(n == m or n.startswith(m + ".") for m in mine))  # fmt: skip
+    saved = p.detach().clone()
+    with torch.no_grad():
+        p.add_(0.5)
+    try:
+        corrupted = dpcompile.verify(pm, model, *args, **kwargs)
+    finally:
+        with torch.no_grad():
+            p.copy_(saved)
+    assert not corrupted.ok and any(m.kind == "gradient" for m in corrupted.mismatches), (name, str(corrupted))
+    same_on_every_rank(str(corrupted))
+    return result

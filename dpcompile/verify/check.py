@@ -28,6 +28,8 @@ from dpcompile.verify.mesh_pipeline import (
     ranks_with_other_inputs,
     refuse_unsupported,
     run_stage,
+    whole_gradients,
+    whole_parameters,
 )
 from dpcompile.verify.result import (
     Mismatch,
@@ -338,8 +340,9 @@ def verify(
 
 def _verify_mesh_pipeline(pm: Any, model: nn.Module, args: tuple, kwargs: dict, fake_devices: Any,
                           rtol: float | None, atol: float | None) -> VerifyResult:  # fmt: skip
-    """A pipeline over a DeviceMesh: each rank compares what it holds, every rank returns the same
-    verdict, and a failure before the schedule raises on every rank (:mod:`dpcompile.verify.mesh_pipeline`)."""
+    """A pipeline over a DeviceMesh (any of its ``("pp", "dp", "tp")`` layouts): each rank compares what
+    it holds, every rank returns the same verdict, and a failure raises on every rank
+    (:mod:`dpcompile.verify.mesh_pipeline`)."""
     refuse_unsupported(pm, fake_devices)
     train = pm.training and torch.is_grad_enabled() and pm.has_loss  # what a call of pm runs: the schedule's step
     with _no_side_effects(pm.whole, pm, model) as notes:
@@ -348,18 +351,19 @@ def _verify_mesh_pipeline(pm: Any, model: nn.Module, args: tuple, kwargs: dict, 
         for p in params:
             p.grad = None
         error, fingerprint, expected, expected_grads, expected_buffers = None, [], None, None, {}
-        try:  # nothing here is collective: a failure is told to the other ranks before the schedule
-            fingerprint = input_fingerprint(args, kwargs)
-            (call_args, call_kwargs), _ = _leaf_inputs((list(args), dict(kwargs)), None, grad=False)
-            torch.manual_seed(0)
-            expected = model(*call_args, **call_kwargs)
-            if train:
-                loss_of(expected).backward()
-                expected_grads = {n: None if p.grad is None else p.grad.detach().clone()
-                                  for n, p in model.named_parameters()}  # fmt: skip
-            expected_buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        except Exception as e:  # noqa: BLE001 - every rank raises it, after the exchange
-            error = e
+        with whole_parameters(model):  # FSDP's shards of this stage, gathered over dp for eager
+            try:  # nothing here is collective: a failure is told to the other ranks before the schedule
+                fingerprint = input_fingerprint(args, kwargs)
+                (call_args, call_kwargs), _ = _leaf_inputs((list(args), dict(kwargs)), None, grad=False)
+                torch.manual_seed(0)
+                expected = model(*call_args, **call_kwargs)
+                if train:
+                    loss_of(expected).backward()
+                    expected_grads = {n: None if p.grad is None else p.grad.detach().clone()
+                                      for n, p in model.named_parameters(remove_duplicate=False)}  # fmt: skip
+                expected_buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+            except Exception as e:  # noqa: BLE001 - every rank raises it, after the exchange
+                error = e
         agree_before_schedule(pm, error, fingerprint)
         for p in params:
             p.grad = None
@@ -367,14 +371,18 @@ def _verify_mesh_pipeline(pm: Any, model: nn.Module, args: tuple, kwargs: dict, 
         (call_args, call_kwargs), _ = _leaf_inputs((list(args), dict(kwargs)), None, grad=False)
         torch.manual_seed(0)
         actual = run_stage(pm, tuple(call_args), call_kwargs)
+        actual_grads = whole_gradients(pm, model) if train else {}
         error, mismatches, checked = None, [], {}
         try:
-            mismatches, checked = compare_held(pm, model, expected, actual, expected_grads, expected_buffers, rtol, atol)
+            mismatches, checked = compare_held(pm, model, expected, actual, expected_grads, actual_grads,
+                                               expected_buffers, rtol, atol)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - every rank raises it, after the exchange
             error = e
         notes.append(
-            "over a mesh each rank compared what it holds: the last stage the outputs, each stage the gradients "
-            "of its own parameters and its buffers (input gradients are not compared); no float64 reference"
+            "over a mesh each rank compared what it holds, on its dp share of the batch: the last stage the "
+            "outputs (the loss: the whole batch's mean), each stage the gradients of its own parameters (after dp's "
+            "averaging; tp and FSDP shards gathered whole) and its buffers (input gradients are not compared); "
+            "no float64 reference"
         )
         return agree_on_verdict(pm, error, mismatches, checked, list(notes))
 

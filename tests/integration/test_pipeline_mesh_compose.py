@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
-from tests.helpers import assert_stage_is_a_parallel_module, assert_whole_state_loads
+from tests.helpers import assert_mesh_pipeline_verifies, assert_stage_is_a_parallel_module, assert_whole_state_loads
 from tests.integration.test_exact_random_mesh import check_pipeline_trains_like_eager
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 12 processes spawned in all
@@ -89,8 +89,10 @@ def _model_and_inputs(kind: str):
     return (TiedStack() if kind == "tied" else MLPStack()).double(), _inputs()
 
 
-def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2, schedule="1f1b", kind="mlp"):
-    """3 AdamW steps: each loss and every gradient as eager's; then state_dict equals the model's."""
+def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2, schedule="1f1b", kind="mlp",
+                            verify=False):
+    """3 AdamW steps: each loss and every gradient as eager's; then state_dict equals the model's. With
+    ``verify``: first verify on the whole batch, OK, and a mismatch where eager's weights are corrupted."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -107,6 +109,8 @@ def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2,
         assert pm.shards, f"nothing sharded over tp: {pm.plan_reasons}"
     if data_parallel == "fsdp":
         assert pm.fsdp is not None and all(type(p).__name__ == "DTensor" for p in pm.parameters())
+    if verify:
+        assert_mesh_pipeline_verifies(pm, model, x, labels)
     opt = torch.optim.AdamW(pm.parameters(), lr=0.05)
     expected_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
     last = mesh.get_local_rank("pp") == mesh.size(0) - 1
@@ -245,7 +249,7 @@ def check_decoder_trains_like_eager(shape, names, data_parallel, kind, *, plan=F
 TIED_PLAN = {"emb": "vocab", "head": "column", **{f"layers.{i}.{j}": s for i in range(4) for j, s in ((0, "column"), (2, "row"))}}
 SCENARIOS = {
     "pp_dp_fsdp": (4, [
-        ("fsdp_1f1b", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {})),
+        ("fsdp_1f1b", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"verify": True})),
         ("fsdp_gpipe_m1", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"micro": 1, "schedule": "gpipe"})),
         ("fsdp_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"kind": "tied"})),
         ("replicate_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "ddp"), {"kind": "tied"})),
@@ -254,7 +258,7 @@ SCENARIOS = {
     "pp_dp_tp": (8, [
         ("replicate_1f1b", check_trains_like_eager, (((2, 2, 2), ("pp", "dp", "tp"), "ddp"), {"plan": True})),
         ("fsdp_gpipe", check_trains_like_eager,
-         (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": True, "schedule": "gpipe", "micro": 4})),
+         (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": True, "schedule": "gpipe", "micro": 4, "verify": True})),
         ("fsdp_tied", check_trains_like_eager, (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": TIED_PLAN, "kind": "tied"})),
         ("llama_fsdp", check_decoder_trains_like_eager,
          (((2, 2, 2), ("pp", "dp", "tp"), "fsdp", "llama"), {"plan": True})),

@@ -22,6 +22,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import PicklableGraph, copy_graph, reserve_names
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.hooks import call_with_hooks, run_writing_to_model
+from dpcompile.modules.mesh_failure import all_fail_together
 from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
 from dpcompile.modules.mesh_stage import (
     MESH_PIPELINE_INSPECTION,
@@ -419,8 +420,6 @@ class MeshPipelineModule(ParallelModule):
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import torch.distributed as dist
-
         inputs = self._shape_inputs(args, kwargs)
         batch = next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
         runs = micro_batch_runs(batch, self.micro_batches) if batch else [(self.micro_batches, 0)]
@@ -428,6 +427,13 @@ class MeshPipelineModule(ParallelModule):
             sites = batch_statistics_sites(self.whole)  # the whole program's: every rank decides alike
             if sites:
                 raise batch_norm_refusal(sites, self.micro_batches)
+        with all_fail_together(self):  # a rank that raises inside the step: every rank raises at once
+            return self._step(inputs, batch, runs)
+
+    def _step(self, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]) -> Any:
+        """The call's communicating part: the loss's count, the schedule's runs, the dp and pp reductions."""
+        import torch.distributed as dist
+
         first, last = self.stage_index == 0, self.stage_index == self.num_stages - 1
         if self.writes_once is not None:  # a step counter, an EMA of a parameter: once per call, as eager
             self.writes_once()

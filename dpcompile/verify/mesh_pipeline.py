@@ -10,7 +10,8 @@ whole) and its buffers. The ranks exchange their findings over every dimension o
 return the same :class:`VerifyResult`. A rank that fails before the schedule (the eager run, inputs
 that differ from another rank's) says so in an exchange before the schedule's first send, so every
 rank raises the same :class:`DpCompileError` instead of one waiting in a collective the other never
-joins.
+joins; a rank that fails inside the schedule makes every rank raise at once
+(:mod:`dpcompile.modules.mesh_failure`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 from torch import nn
 
 from dpcompile.errors import DpCompileError
-from dpcompile.modules.spmd import is_communication_failure
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.result import Mismatch, VerifyResult, compare_structures, compare_tensors, first_line
 
@@ -34,7 +34,12 @@ def is_mesh_pipeline(pm: nn.Module) -> bool:
 
 
 def refuse_unsupported(pm: Any, fake_devices: Any) -> None:
-    """What every rank refuses alike (the arguments), before any run."""
+    """What every rank refuses alike (the arguments, a pipeline whose step failed), before any run."""
+    if "step_failure" in pm.__dict__:
+        raise DpCompileError(
+            f"verify: {pm.step_failure}; the mesh's process groups were shut down then, so that no rank waited. "
+            "Build the mesh and the pipeline again (dpcompile.transform(model, mesh, pipeline=...))"
+        )
     if fake_devices is not None:
         raise DpCompileError(
             "verify(..., fake_devices=) builds the program for fake devices in one process; a pipeline over a "
@@ -198,23 +203,12 @@ def compare_held(
 
 
 def run_stage(pm: Any, args: tuple, kwargs: dict) -> Any:
-    """This rank's part of the schedule on its dp share of the batch; a rank whose peer failed
-    inside it hears of it as a :class:`DpCompileError` naming where to look."""
-    import torch.distributed as dist
-
+    """This rank's part of the schedule on its dp share of the batch (a rank that raises inside it
+    makes every rank raise the same error at once: :mod:`dpcompile.modules.mesh_failure`)."""
     from dpcompile.mesh import local_batch
 
     args, kwargs = local_batch((tuple(args), dict(kwargs)), pm.mesh)
-    try:
-        return pm(*args, **kwargs)
-    except (RuntimeError, dist.DistError) as e:
-        if isinstance(e, DpCompileError) or not is_communication_failure(e):
-            raise
-        raise DpCompileError(
-            f"verify of a pipeline over a mesh: the schedule's communication failed on global rank "
-            f"{dist.get_rank()}: another rank most likely raised inside its stage first (see its log). "
-            f"({first_line(e)})"
-        ) from e
+    return pm(*args, **kwargs)
 
 
 def agree_on_verdict(pm: Any, error: BaseException | None, mismatches: list[Mismatch],

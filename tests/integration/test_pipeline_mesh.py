@@ -409,6 +409,50 @@ def check_inspection(rank: int, world: int) -> None:
     assert dpcompile.verify(pm, model, x, labels).ok  # the refusals left nothing behind
 
 
+def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...]) -> None:
+    """One rank raises inside the step (a label out of range in its dp share: the loss on the last
+    stage raises): every rank raises the same DpCompileError naming that rank, within seconds, not the
+    group's 30 s timeout (its groups were shut down); later calls and verify refuse, naming it. On
+    groups of its own (new_group), so the spawned group's world stays usable."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    if len(shape) == 1:  # a 1-D mesh over the world would be the world's own group
+        mesh = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu", mesh_dim_names=names)
+    else:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = _stack()
+    x, labels = _inputs(16)
+    labels[-1] = 99  # the last row: the last dp rank's share, the last stage's loss
+    pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=2, schedule="1f1b")
+    failing = world - 1
+    start = time.monotonic()
+    try:
+        pm(*local_batch((x, labels), mesh))
+    except dpcompile.CollectiveError as e:  # a DpCompileError
+        message, took = str(e), time.monotonic() - start
+    else:
+        raise AssertionError("a step in which a rank raised returned")
+    assert f"failed on global rank {failing} (IndexError" in message and "out of bounds" in message, message
+    assert took < 15.0, f"rank {rank} waited {took:.1f} s: for the group's timeout, not the failing rank"
+    seen: list = [None] * world
+    dist.all_gather_object(seen, message)
+    assert len(set(seen)) == 1, seen
+    for again in (lambda: pm(*local_batch((x, labels), mesh)), lambda: dpcompile.verify(pm, model, x, labels)):
+        try:
+            again()
+        except dpcompile.DpCompileError as e:
+            assert f"global rank {failing}" in str(e) and "again" in str(e), e
+        else:
+            raise AssertionError("a pipeline whose step failed ran again")
+    dist.barrier()
+
+
 SCENARIOS = {
     "pp2": (2, [("gpipe_m1", check_pipeline, ((2,), ("pp",), "gpipe", 1)),
                 ("gpipe_m4", check_pipeline, ((2,), ("pp",), "gpipe", 4)),
@@ -422,7 +466,8 @@ SCENARIOS = {
                 ("batchnorm", check_batchnorm, ((2, 4),)),
                 ("writes", check_writes, ()),
                 ("earlier_stage_output", check_earlier_stage_output, ()),
-                ("inspection", check_inspection, ())]),
+                ("inspection", check_inspection, ()),
+                ("rank_raising_in_step", check_rank_raising_in_step, ((2,), ("pp",)))]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16, True)),
@@ -432,7 +477,8 @@ SCENARIOS = {
                 ("uneven_1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4, 9)),
                 ("uneven_pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "gpipe", 2, 15)),
                 ("decoder", check_decoder, (((2, "gpipe"), (4, "1f1b")),)),
-                ("batchnorm", check_batchnorm, ((4,),))]),
+                ("batchnorm", check_batchnorm, ((4,),)),
+                ("pp_dp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp")))]),
 }  # fmt: skip
 
 

@@ -468,7 +468,7 @@ class MeshPipelineModule(ParallelModule):
         if last and self.has_loss:
             pair = next(leaf for leaf in self.outputs.leaves if leaf[0] == "mean")
             totals = torch.stack([merged[pair[1]].detach().double().sum(), merged[pair[2]].detach().double().sum()])
-        if last and self.has_loss and self.dp_group is not None and (known or not train):
+        if last and self.has_loss and self.dp_group is not None:  # the whole global batch's sum and count
             dist.all_reduce(totals, group=self.dp_group)  # the dp group of a last stage holds last stages only
         if train and not known:  # every stage divides by the count the last stage found
             dist.broadcast(totals, src=self.last_rank, group=self.pp_group)

@@ -476,6 +476,8 @@ SCENARIOS = {
                 ("uneven_1f1b_m2", check_pipeline, ((4,), ("pp",), "1f1b", 2, 7)),
                 ("uneven_1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4, 9)),
                 ("uneven_pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "gpipe", 2, 15)),
+                # the count only the last stage finds: summed over dp too (each dp rank's was its own)
+                ("pp_dp_square_mean", check_pipeline, ((2, 2), ("pp", "dp"), "square:1f1b", 2, 8)),
                 ("decoder", check_decoder, (((2, "gpipe"), (4, "1f1b")),)),
                 ("batchnorm", check_batchnorm, ((4,),)),
                 ("pp_dp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp")))]),

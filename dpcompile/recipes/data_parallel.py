@@ -16,7 +16,7 @@ import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -57,6 +57,10 @@ class DataParallelRecipe(Recipe):
     batch_dim: int | None = None
     copy_replicas: bool = False
     context_parallel: bool = False  # batch_dim is the sequence dim; attention all-gathers keys/values
+
+    serves_flags: ClassVar[bool] = True
+    lowers_capture: ClassVar[bool] = True
+    replicates_model: ClassVar[bool] = True
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         if self.context_parallel and example_inputs is None:

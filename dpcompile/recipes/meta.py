@@ -35,13 +35,7 @@ from torch.utils._pytree import tree_map
 
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, has_meta_tensors, materialize
 from dpcompile.fx_utils import unalias
-from dpcompile.mesh import local_device
 from dpcompile.modules.weights import await_weights
-from dpcompile.recipes.data_parallel import DataParallelRecipe
-from dpcompile.recipes.pipeline import PipelineRecipe
-from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
-from dpcompile.recipes.spmd import SpmdRecipe
-from dpcompile.recipes.tensor_parallel import TensorParallelRecipe
 
 
 def meta_buffers(model: nn.Module) -> list[str]:
@@ -136,33 +130,21 @@ def compile_meta_model(
     compile_one: Callable[[nn.Module, Sequence[Any] | None, Mapping[str, Any] | None], nn.Module],
 ) -> nn.Module:
     """``compile_one(model, examples, kwargs)`` (transform's frontend and compile) for a model
-    on meta: tensor parallel on a fake copy (:func:`compile_on_fake`), data parallel on the
-    model given memory on its device (:func:`materialize_replica`)."""
-    if isinstance(recipe, (TensorParallelRecipe, PipelineTensorParallelRecipe)):  # the program owns its shards
-        allocate = recipe.check_available  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
-        return compile_on_fake(
-            model, recipe.devices.primary, example_inputs, example_kwargs, compile_one, allocate=allocate
-        )
-    if isinstance(recipe, PipelineRecipe):  # each stage's modules placed on its device (fake), then allocated there
-        return compile_on_fake(model, recipe.devices.primary, example_inputs, example_kwargs, compile_one)
-    if isinstance(recipe, DataParallelRecipe):
-        device = recipe.devices.primary
-    elif isinstance(recipe, SpmdRecipe) and recipe.plan is False:
-        device = local_device(recipe.mesh)
-    else:  # tensor parallel over a mesh: this rank's shards
-        pm = compile_on_fake(model, local_device(recipe.mesh), example_inputs, example_kwargs, compile_one)
-        if pm.dp_dim is not None:  # 2-D: DDP over the dp groups, now that the shards have memory
-            pm.attach_mesh(
-                mesh=recipe.mesh,
-                dp_dim=pm.dp_dim,
-                tp_dim=pm.tp_dim,
-                shards=pm.shards,
-                ddp_options=recipe.ddp_options,
-                fsdp=recipe.fsdp_options(),
-            )
-        return pm
-    unset = materialize_replica(model, device)
-    return mark_replica_awaiting(compile_one(model, example_inputs, example_kwargs), model, unset)
+    on meta: a program that owns its tensors (tensor parallel, a pipeline) on a fake copy
+    (:func:`compile_on_fake`), data parallel on the model given memory on its device
+    (:func:`materialize_replica`)."""
+    device = recipe.home_device
+    if recipe.replicates_model:
+        unset = materialize_replica(model, device)
+        return mark_replica_awaiting(compile_one(model, example_inputs, example_kwargs), model, unset)
+    allocate = getattr(recipe, "check_available", True)  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
+    pm = compile_on_fake(model, device, example_inputs, example_kwargs, compile_one, allocate=allocate)
+    if getattr(recipe, "mesh", None) is not None and pm.dp_dim is not None:  # 2-D: DDP over dp, the shards allocated
+        pm.attach_mesh(
+            mesh=recipe.mesh, dp_dim=pm.dp_dim, tp_dim=pm.tp_dim, shards=pm.shards, ddp_options=recipe.ddp_options,
+            fsdp=recipe.fsdp_options(),
+        )  # fmt: skip
+    return pm
 
 
 __all__ = [

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -56,6 +56,11 @@ class PipelineRecipe(Recipe):
     schedule: str = "gpipe"
     batch_dim: int | None = None
     context_parallel: bool = False  # {"pp", "cp"}: the micro-batches are pieces of the sequence (batch_dim 1)
+
+    serves_flags: ClassVar[bool] = True
+
+    def fake_layout_fields(self, pm: PipelineModule) -> dict[str, Any]:
+        return {}
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> PipelineModule:
         if self.context_parallel:

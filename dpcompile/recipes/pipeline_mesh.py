@@ -236,11 +236,6 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_paral
             f"pipeline= over a mesh composes with 'dp' and 'tp' dimensions; mesh_dim_names={names} names "
             f"{sorted(others)}, which is not built yet: use a ('pp', 'dp', 'tp') mesh or a part of it"
         )
-    if data_parallel == "fsdp" and "dp" not in names:
-        raise ArgumentError(
-            f"data_parallel=\"fsdp\" shards each stage over the mesh's 'dp' dimension, and mesh_dim_names={names} "
-            "has none; build a ('pp', 'dp') or ('pp', 'dp', 'tp') mesh, or leave data_parallel= out"
-        )
     tensor_parallel = plan is not False and plan is not None
     if "tp" in names and not tensor_parallel:
         raise ArgumentError(
@@ -252,6 +247,11 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_paral
             f"tensor_parallel= with pipeline= shards each stage over the mesh's 'tp' dimension, and mesh_dim_names="
             f"{names} has none; build a ('pp', 'tp') mesh, e.g. init_device_mesh('cuda', (pp, tp), "
             "mesh_dim_names=('pp', 'tp'))"
+        )
+    if data_parallel == "fsdp" and "dp" not in names:
+        raise ArgumentError(
+            f"data_parallel=\"fsdp\" shards each stage over the mesh's 'dp' dimension, and mesh_dim_names={names} "
+            "has none; build a ('pp', 'dp') or ('pp', 'dp', 'tp') mesh, or leave data_parallel= out"
         )
 
 

@@ -273,6 +273,9 @@ class PipelineTensorParallelRecipe(Recipe):
                 node.meta[STAGE] = max(stages)  # output's send has none: it goes to the output device)
         return records
 
+    def fake_layout_fields(self, pm: PipelineModule) -> dict[str, Any]:
+        return {"plan": dict(pm.plan) or True}
+
     def build_program(
         self, pm: PipelineModule, key: CallKey, args: tuple, kwargs: dict
     ) -> fx.GraphModule | None:
@@ -393,17 +396,16 @@ def detached(programs: Sequence[fx.GraphModule]) -> list[fx.GraphModule]:
 
 def pipeline_tensor_parallel_recipe(
     common: Mapping[str, Any], devices: Devices, output_device: torch.device, plan: bool | Mapping[str, str],
-    stages: int | tuple[str, ...], micro_batches: int, schedule: str, batch_dim: int | None,
-    sequence_parallel: bool = False,
+    batch_dim: int | None, **options: Any,
 ) -> PipelineTensorParallelRecipe:  # fmt: skip
-    """``transform``'s arguments for ``pipeline=`` with ``tensor_parallel=`` in one process, checked."""
+    """``transform``'s arguments for ``pipeline=`` with ``tensor_parallel=`` in one process, checked
+    (``common``: the fields of every recipe and the pipeline's ``stages``, ``micro_batches`` and ``schedule``)."""
+    stages = common["stages"]
     count = stages if isinstance(stages, int) else len(stages) + 1
     stage_groups(devices, count)  # the arithmetic, before anything is captured
     return PipelineTensorParallelRecipe(
-        **common, devices=devices, output_device=output_device, stages=stages, micro_batches=micro_batches,
-        schedule=schedule, batch_dim=batch_dim, plan=plan, sequence_parallel=sequence_parallel,
-    )  # fmt: skip
-
+        **common, devices=devices, output_device=output_device, batch_dim=batch_dim, plan=plan, **options
+    )
 
 
 #: ``pm.__dict__`` key: the examples transform was given, as meta tensors (shapes and dtypes only)

@@ -97,6 +97,10 @@ class SpmdRecipe(Recipe):
     def mode(self) -> str:
         return check_mesh(self.mesh, self.plan)[0]
 
+    @property
+    def replicates_model(self) -> bool:  # data parallel over the mesh
+        return self.plan is False
+
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> SpmdModule:
         """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
         the first rank's parameters and buffers)."""

@@ -175,6 +175,9 @@ class TensorParallelRecipe(Recipe):
         log.debug("tensor-parallel plan %s: %s per device", applied, cost)
         return pm
 
+    def fake_layout_fields(self, pm: TensorParallelModule) -> dict[str, Any]:
+        return {"plan": dict(pm.plan) or True, "check_available": False}
+
     def build_program(self, pm: TensorParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program for a call in another mode or with other arguments left None, built on
         the fake copy with ``pm``'s plan and run on its shards; None where it is the same."""

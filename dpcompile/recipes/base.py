@@ -13,7 +13,7 @@ from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 
 from dpcompile.analysis.context_exchange import ContextParallelOptions
-from dpcompile.capture import capture_fx
+from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture_fx
 from dpcompile.mesh import local_device
 from dpcompile.progress import QUIET, step_bar
 
@@ -117,6 +117,18 @@ def capture_with_flags(
         if node.target is _assert_is_none and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
     )
     return gm, flags, nones
+
+
+def sharing_model(model: nn.Module, gm: fx.GraphModule, flags: dict[str, Any], nones: frozenset[str]) -> dict[str, Any]:
+    """The ``ParallelModule`` keywords of a program ``gm`` (captured from ``model``) that computes on
+    ``model``'s own tensors: traced again where a call departs (unless ``model`` is a GraphModule
+    or is called whole), checked against what torch.export fixed where it came from there."""
+    retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
+    return {
+        "class_name": type(model).__name__, "share_all_of": model, "source": model if retraceable else None,
+        "flags": flags, "none_args": nones,
+        "exported_from": model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,
+    }  # fmt: skip
 
 
 def move_to(model: nn.Module, device: torch.device) -> None:

@@ -5,7 +5,7 @@ shapes and no data. ``transform`` compiles it as it compiles any model, and at t
 device allocates, uninitialised, only what it holds:
 
 * data parallel (one process or over a mesh): the model's own tensors are given memory on
-  the primary (or this rank's) device, in place (:func:`materialize_replica`) — that is the
+  the primary (or this rank's) device, in place (:func:`compile_meta_model`) — that is the
   replica; the program shares it, as data parallelism always does;
 * tensor parallel (one process, or this rank's program over a mesh): the whole transform runs
   on a fake copy of the model with fake examples (:func:`compile_on_fake`); the program it gives
@@ -47,17 +47,6 @@ def meta_buffers(model: nn.Module) -> list[str]:
             if b is not None and b.is_meta and name in module._non_persistent_buffers_set:
                 out.append(f"{path}.{name}" if path else name)
     return out
-
-
-def materialize_replica(model: nn.Module, device: torch.device) -> list[str] | None:
-    """Data parallel: give ``model``'s meta tensors uninitialised memory on ``device``, in place
-    (the same tensor objects, so ties hold); returns the non-persistent buffers left to
-    compute (:func:`meta_buffers`), or None where nothing was on meta."""
-    if not has_meta_tensors(model):
-        return None
-    unset = meta_buffers(model)
-    materialize(model, device)
-    return unset
 
 
 def compile_on_fake(
@@ -115,13 +104,6 @@ def write_known_values(pm: nn.Module, known: Mapping[str, torch.Tensor]) -> None
             target.copy_(value)
 
 
-def mark_replica_awaiting(pm: nn.Module, model: nn.Module, unset: list[str] | None) -> nn.Module:
-    """The data-parallel program of a meta ``model`` waits for its weights; others are left as they are."""
-    if unset is not None:
-        await_weights(pm, model, unset)
-    return pm
-
-
 def compile_meta_model(
     recipe: Any,
     model: nn.Module,
@@ -131,12 +113,18 @@ def compile_meta_model(
 ) -> nn.Module:
     """``compile_one(model, examples, kwargs)`` (transform's frontend and compile) for a model
     on meta: a program that owns its tensors (tensor parallel, a pipeline) on a fake copy
-    (:func:`compile_on_fake`), data parallel on the model given memory on its device
-    (:func:`materialize_replica`)."""
+    (:func:`compile_on_fake`); data parallel on the model's own tensors given uninitialised memory
+    on its device, in place (the same tensor objects, so ties hold), the program then waiting for
+    its weights."""
     device = recipe.home_device
     if recipe.replicates_model:
-        unset = materialize_replica(model, device)
-        return mark_replica_awaiting(compile_one(model, example_inputs, example_kwargs), model, unset)
+        unset = meta_buffers(model) if has_meta_tensors(model) else None
+        if unset is not None:
+            materialize(model, device)
+        pm = compile_one(model, example_inputs, example_kwargs)
+        if unset is not None:
+            await_weights(pm, model, unset)
+        return pm
     allocate = getattr(recipe, "check_available", True)  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
     pm = compile_on_fake(model, device, example_inputs, example_kwargs, compile_one, allocate=allocate)
     if getattr(recipe, "mesh", None) is not None and pm.dp_dim is not None:  # 2-D: DDP over dp, the shards allocated
@@ -150,8 +138,6 @@ def compile_meta_model(
 __all__ = [
     "compile_meta_model",
     "compile_on_fake",
-    "mark_replica_awaiting",
-    "materialize_replica",
     "meta_buffers",
     "on_fake",
 ]

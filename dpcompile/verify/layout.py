@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -92,9 +93,7 @@ def _check_pipeline_device_count(pm: Any, n: int) -> None:
     layout = dict(getattr(pm, "layout", None) or {})
     if pm.executor not in SCHEDULES or not layout:  # a pipeline in one process
         return
-    needed = 1
-    for size in layout.values():
-        needed *= size
+    needed = math.prod(layout.values())
     if n != needed:
         sizes = " x ".join(f"{name} {size}" for name, size in layout.items())
         raise DpCompileError(

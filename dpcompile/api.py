@@ -44,7 +44,7 @@ from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRe
 from dpcompile.recipes.meta import compile_meta_model, compile_on_fake
 from dpcompile.recipes.pipeline import check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
-from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe, pipeline_tensor_parallel_recipe
+from dpcompile.recipes.pipeline_tensor_parallel import pipeline_tensor_parallel_recipe
 from dpcompile.target import replicate_over_dp, resolve_target, strategies_of
 
 TensorParallel = bool | Mapping[str, str]
@@ -268,14 +268,14 @@ def _compile(
 ) -> ParallelModule:  # fmt: skip
     """``lazy_other_mode``: a data-parallel program exported in one mode captures the other at its
     first call in it (:mod:`dpcompile.modules.other_mode`)."""
-    lazy_other_mode = lazy_other_mode and type(recipe) is DataParallelRecipe
+    lazy_other_mode = lazy_other_mode and recipe.lowers_capture
     captured, examples, frontend_batch_dim = apply_frontend(
         model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
-        flags_served=isinstance(recipe, (DataParallelRecipe, PipelineRecipe)), dynamic_dims=dynamic_dims,
+        flags_served=recipe.serves_flags, dynamic_dims=dynamic_dims,
         lazy_other_mode=lazy_other_mode,
     )  # fmt: skip
     lowering = recipe
-    if isinstance(recipe, (DataParallelRecipe, PipelineRecipe)) and frontend_batch_dim != recipe.batch_dim:
+    if recipe.serves_flags and frontend_batch_dim != recipe.batch_dim:  # type: ignore[attr-defined]
         lowering = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
     pm = lowering.compile(captured, examples)
     if isinstance(captured, fx.GraphModule) and captured.meta.get(OTHER_MODE_PENDING):
@@ -372,16 +372,25 @@ def make_recipe(
               "context_memory_headroom": context_options.memory_headroom}  # fmt: skip
     _check_data_parallel(data_parallel, mixed_precision, is_device_mesh(devices))
     if pipeline is not None:
-        recipe = _pipeline_recipe(common, devices, plan, output_device, batch_dim, pipeline, micro_batches, schedule,
-                                  sequence_parallel)  # fmt: skip
-        if context_parallel and isinstance(recipe, (PipelineRecipe, PipelineTensorParallelRecipe)):  # pieces of the sequence
-            recipe = dataclasses.replace(recipe, context_parallel=True)
-        if sequence_copies > 1:  # {"dp", "cp", "tp"}: dp copies of the cp x tp program
-            recipe = dataclasses.replace(recipe, sequence_copies=sequence_copies)
-        if isinstance(recipe, MeshPipelineRecipe):  # data parallel over a mesh's "dp": replicated or FSDP
-            check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan, data_parallel)
-            recipe = dataclasses.replace(recipe, data_parallel=data_parallel, mixed_precision=mixed_precision)
-        return recipe
+        stages, micro, schedule_name = check_pipeline_arguments(pipeline, micro_batches, schedule)
+        common.update(stages=stages, micro_batches=micro, schedule=schedule_name)
+        if is_device_mesh(devices):  # data parallel over a mesh's "dp": replicated or FSDP
+            check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan, data_parallel)  # fails here, not mid-compile
+            return MeshPipelineRecipe(
+                **common, mesh=devices, batch_dim=_check_batch_dim(batch_dim), plan=plan, data_parallel=data_parallel,
+                mixed_precision=mixed_precision,
+            )  # fmt: skip
+        parsed = parse_devices(devices)
+        out_device = _output_device(parsed, output_device)
+        if plan is not False:  # each stage's layers sharded over its group of devices
+            return pipeline_tensor_parallel_recipe(
+                common, parsed, out_device, plan, _check_batch_dim(batch_dim), sequence_parallel=bool(sequence_parallel),
+                context_parallel=bool(context_parallel), sequence_copies=sequence_copies,
+            )  # fmt: skip
+        return PipelineRecipe(
+            **common, devices=parsed, output_device=out_device, batch_dim=_check_batch_dim(batch_dim),
+            context_parallel=bool(context_parallel),
+        )  # fmt: skip
     if is_device_mesh(devices):
         check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
         return SpmdRecipe(
@@ -419,30 +428,6 @@ def _batch_also_dynamic(dynamic_dims: Any) -> list[int]:
             "input vary already; give dynamic_dims= as a list of dims for every tensor argument, or leave it out"
         )
     return sorted({0, *(dynamic_dims or ())})
-
-
-def _pipeline_recipe(
-    common: dict[str, Any], devices: Any, plan: object, output_device: Any, batch_dim: object,
-    pipeline: object, micro_batches: object, schedule: object, sequence_parallel: bool = False,
-) -> PipelineRecipe | PipelineTensorParallelRecipe | MeshPipelineRecipe:  # fmt: skip
-    stages, micro, schedule_name = check_pipeline_arguments(pipeline, micro_batches, schedule)
-    if is_device_mesh(devices):
-        check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan)  # fails here, not mid-compile
-        return MeshPipelineRecipe(
-            **common, mesh=devices, stages=stages, micro_batches=micro, schedule=schedule_name,
-            batch_dim=_check_batch_dim(batch_dim), plan=plan,
-        )  # fmt: skip
-    parsed = parse_devices(devices)
-    out_device = _output_device(parsed, output_device)
-    if plan is not False:  # each stage's layers sharded over its group of devices
-        return pipeline_tensor_parallel_recipe(
-            common, parsed, out_device, plan, stages, micro, schedule_name, _check_batch_dim(batch_dim),
-            bool(sequence_parallel),
-        )
-    return PipelineRecipe(
-        **common, devices=parsed, output_device=out_device, stages=stages, micro_batches=micro,
-        schedule=schedule_name, batch_dim=_check_batch_dim(batch_dim),
-    )  # fmt: skip
 
 
 def _check_plan_argument(tensor_parallel: object) -> bool | dict[str, str]:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dpcompile.errors import first_line
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 
@@ -67,7 +69,7 @@ def load_factory(spec: str) -> tuple[Any, tuple | None]:
         try:
             spec_obj.loader.exec_module(module)
         except Exception as e:
-            raise CliError(f"importing {file_text} failed: {type(e).__name__}: {_line(e)}") from e
+            raise CliError(f"importing {file_text} failed: {type(e).__name__}: {first_line(e)}") from e
     finally:
         if folder in sys.path:
             sys.path.remove(folder)
@@ -78,7 +80,7 @@ def load_factory(spec: str) -> tuple[Any, tuple | None]:
     try:
         made = factory()
     except Exception as e:
-        raise CliError(f"{factory_name}() failed: {type(e).__name__}: {_line(e)}") from e
+        raise CliError(f"{factory_name}() failed: {type(e).__name__}: {first_line(e)}") from e
     example: tuple | None = None
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         made, example = made
@@ -92,18 +94,13 @@ def load_factory(spec: str) -> tuple[Any, tuple | None]:
     return made, example
 
 
-def _line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _transform(model: Any, devices: Any, tensor_parallel: bool, example: tuple | None) -> Any:
     import dpcompile
 
     try:
         return dpcompile.transform(model, devices, tensor_parallel=tensor_parallel, example_inputs=example)
     except ImportError as e:
-        raise CliError(f"--tensor-parallel is not available in this installation ({_line(e)})") from e
+        raise CliError(f"--tensor-parallel is not available in this installation ({first_line(e)})") from e
 
 
 # ----------------------------------------------------------------------------- commands
@@ -221,9 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dpcompile.errors import DpCompileError
 
         if isinstance(e, (CliError, DpCompileError, ValueError)):
-            message = _line(e)
+            message = first_line(e)
         else:
-            message = f"{type(e).__name__}: {_line(e)} (run with --debug for the traceback)"
+            message = f"{type(e).__name__}: {first_line(e)} (run with --debug for the traceback)"
         sys.stderr.write(f"dpcompile: error: {message}\n")
         return EXIT_ERROR
 

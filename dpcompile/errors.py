@@ -33,3 +33,9 @@ class ExampleError(DpCompileError, ValueError, TypeError):
     keyword it does not have, a value of the wrong type, dtype or shape. Raised by ``transform``
     before anything is traced; a ``ValueError`` (a bad argument) and a ``TypeError`` (as Python
     says of a call that does not fit the signature) alike."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type where it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

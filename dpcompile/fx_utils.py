@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTenso
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from dpcompile.errors import ExampleError
+from dpcompile.errors import ExampleError, first_line
 from dpcompile.runtime.side_effects import in_place_without_grad
 
 log = logging.getLogger("dpcompile")
@@ -152,7 +152,7 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], *, check
     except Exception as e:  # noqa: BLE001 - shapes are a refinement, not a requirement
         for node in gm.graph.nodes:
             node.meta.pop("val", None)
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        message = first_line(e)
         if check and is_example_misfit(e):
             node = prop.current
             where = node.meta.get("stack_trace", "").strip().splitlines()[0].strip() if node is not None else ""

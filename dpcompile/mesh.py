@@ -15,9 +15,6 @@ try:
 except ImportError:  # pragma: no cover - torch built without distributed
     DeviceMesh = None
 
-SPMD_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d", "spmd_context_parallel",
-              "spmd_context_tensor_parallel")  # fmt: skip
-
 
 def is_device_mesh(devices: object) -> bool:
     return DeviceMesh is not None and isinstance(devices, DeviceMesh)

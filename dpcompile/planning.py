@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -167,9 +168,7 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
             styles[by_name[b]] = "row"
     for group in linear_groups(gm, nodes, transparent):
         paths = [by_name[name] for name in group]
-        combos = 1
-        for p in paths:
-            combos *= len(options[p])
+        combos = math.prod(len(options[p]) for p in paths)
         if combos <= exhaustive_limit:
             best = None
             for choice in itertools.product(*(options[p] for p in paths)):

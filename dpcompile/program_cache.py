@@ -387,10 +387,6 @@ class ModelGuard:
         self._current()
         return self._modes
 
-    def entered_modes(self) -> tuple[tuple[str, bool], ...]:
-        """The modes read afresh from the modules last entered (no version checks)."""
-        return tuple([(path, m.training) for path, m in self.entered])
-
     def state(self) -> tuple[Modes, int]:
         """``(modes(), fingerprint())`` in one check of the watched dicts."""
         self._current()

@@ -57,7 +57,6 @@ from passes.choose_exchange import SHAPES
 from passes.sequence_rank import device_of
 
 PASS = "all_to_all_exchange"
-EXCHANGED = (runtime.heads_of_sequence, runtime.sequence_of_heads)
 
 
 @dataclass(frozen=True)
@@ -235,4 +234,4 @@ def _in_order(graph: fx.Graph) -> bool:
     return True
 
 
-__all__ = ["EXCHANGED", "AllToAllSite", "all_to_all_exchange", "find_all_to_all_sites"]
+__all__ = ["AllToAllSite", "all_to_all_exchange", "find_all_to_all_sites"]

@@ -141,14 +141,6 @@ class CollectiveSites:
     unknown: list[fx.Node] = field(default_factory=list)
 
 
-def _collectives_module() -> Any | None:
-    try:
-        from dpcompile.runtime import collectives
-    except ImportError:
-        return None
-    return collectives
-
-
 def _is_shard_collective(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False

@@ -112,7 +112,7 @@ def expand_shards(gm: fx.GraphModule, *, devices: Devices, output_device: torch.
     ``info["param_shards"]`` maps each original parameter name to ``(spec, shard names)``.
     """
     specs = {n.target: n.meta["dpcompile_shard"] for n in gm.graph.nodes if n.op == "get_attr" and "dpcompile_shard" in n.meta}
-    if not specs and not any(_is_collective(n) for n in gm.graph.nodes):
+    if not specs and not any(is_shard_collective(n) for n in gm.graph.nodes):
         return PassResult(gm, False, {"param_shards": {}})
     primary = devices.primary
     _move_whole_state(gm, primary, skip=set(specs))
@@ -143,7 +143,8 @@ def _move_whole_state(gm: fx.GraphModule, device: torch.device, *, skip: set[str
         bar.update(len(module._parameters) + len(module._buffers))
 
 
-def _is_collective(node: fx.Node) -> bool:
+def is_shard_collective(node: fx.Node) -> bool:
+    """A call of ``shard_linear``'s one-shard collectives, or of the sizes and offsets they read."""
     return node.op == "call_function" and (
         node.target in collectives.COLLECTIVES or node.target in (collectives.local_size, collectives.local_offset, collectives.whole_size)
     )
@@ -337,4 +338,4 @@ def _stamp_cols(new: fx.Node, source: fx.Node, layout: Any, k: int) -> fx.Node:
     return new
 
 
-__all__ = ["PASS", "LinearShards", "expand_shards"]
+__all__ = ["PASS", "LinearShards", "expand_shards", "is_shard_collective"]

@@ -55,6 +55,7 @@ from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, stamp, stamp_comm
 from dpcompile.runtime import collectives
 from dpcompile.runtime import tensor_parallel as tp_runtime
+from passes.expand_shards import is_shard_collective
 
 PASS = "shard_sequence"
 SEQ = 1  # batch-first values: (batch, seq, ...)
@@ -87,11 +88,6 @@ def _seq_length(node: fx.Node) -> int | None:
 
 def _whole(node: fx.Node) -> bool:
     return node.meta.get("dpcompile_layout", WHOLE) == WHOLE
-
-
-def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and (node.target in collectives.COLLECTIVES or node.target in (
-        collectives.local_size, collectives.local_offset, collectives.whole_size))  # fmt: skip
 
 
 def _sequence_dims(node: fx.Node, out_ndim: int, length: int) -> list[int]:
@@ -127,7 +123,7 @@ def _constants(node: fx.Node) -> list[Any]:
 def _runs_on_shards(node: fx.Node, inputs: dict[fx.Node, Placement], modules: dict[str, Any], length: int) -> bool:
     """True when ``node`` run on each shard's tokens gives that shard's tokens of its output: its
     batch rule splits it on the sequence as its inputs are, and it names no sequence size."""
-    if node.op not in ("call_function", "call_method", "call_module") or _is_collective(node) or not _whole(node):
+    if node.op not in ("call_function", "call_method", "call_module") or is_shard_collective(node) or not _whole(node):
         return False
     if _seq_length(node) != length or length in _constants(node) or node.target is operator.getitem:
         return False

@@ -18,7 +18,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from dpcompile.errors import ExampleError, TraceError
+from dpcompile.errors import ExampleError, TraceError, first_line
 
 # a trailing separator, so that torch's directory does not swallow ``torchvision/``
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -74,7 +74,7 @@ def user_frame(tb: TracebackType | None) -> tuple[traceback.FrameSummary, Traceb
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, ShapeBranch):
         return exc.kind
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc)
     if "symbolically traced variables cannot be used as inputs to control flow" in text:
         return "branches on a tensor value (control flow that depends on data)"
     if "iterate" in text and "Proxy" in text:

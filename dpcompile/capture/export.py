@@ -39,7 +39,7 @@ from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
 from dpcompile.capture.side_effects import check_export_effects, hooks_that_return_nothing, seeds_recorded
 from dpcompile.capture.state import SideEffects, python_state_kept
-from dpcompile.errors import ArgumentError, ExampleError, TraceError
+from dpcompile.errors import ArgumentError, ExampleError, TraceError, first_line
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
 from dpcompile.progress import step_bar
 from dpcompile.runtime.exported import expect_value
@@ -294,8 +294,7 @@ def misfit_error(exc: BaseException, model: nn.Module) -> ExampleError:
     """The error for examples an op of ``model`` refuses while export runs it, naming the user's line."""
     from dpcompile.capture.errors import user_frame
 
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else type(exc).__name__
+    first = first_line(exc)
     found = user_frame(exc.__traceback__)
     where = f" at {found[0].filename.rsplit('/', 1)[-1]}:{found[0].lineno} in {found[0].name}" if found is not None else ""
     return ExampleError(
@@ -308,8 +307,7 @@ def export_error(exc: BaseException, model: nn.Module) -> TraceError:
     """A :class:`TraceError` for a failed export, naming the user's line where export says it."""
     from dpcompile.capture.errors import leaf_to_suggest, user_frame
 
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else type(exc).__name__
+    first = first_line(exc)
     found = user_frame(exc.__traceback__)
     where = ""
     if found is not None:

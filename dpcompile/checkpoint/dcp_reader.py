@@ -23,6 +23,7 @@ forty levels deep would hang the unpickler hashing it). Any fault is a
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import stat
@@ -127,9 +128,9 @@ def _check_items(file: Path, metadata: Any) -> None:
             raise bad(f"has size {brief(md.size)} and properties {brief(md.properties)}: expected non-negative ints and a dtype")
         if not isinstance(md.chunks, list):
             raise bad("has no list of chunks")
-        covered = sum(_numel(getattr(c, "sizes", ())) for c in md.chunks if _sizes(getattr(c, "sizes", None)))
-        if covered != _numel(md.size):
-            raise bad(f"has chunks of {covered} elements in all, its size {list(md.size)} has {_numel(md.size)}")
+        covered = sum(math.prod(getattr(c, "sizes", ())) for c in md.chunks if _sizes(getattr(c, "sizes", None)))
+        if covered != math.prod(md.size):
+            raise bad(f"has chunks of {covered} elements in all, its size {list(md.size)} has {math.prod(md.size)}")
         for chunk in md.chunks:
             if (
                 not isinstance(chunk, dcp_metadata.ChunkStorageMetadata)
@@ -187,13 +188,6 @@ def _plain_file(file: Path, blame: Path) -> int:
 
 def _sizes(values: Any) -> bool:
     return isinstance(values, (torch.Size, tuple, list)) and all(_natural(v) for v in values)
-
-
-def _numel(sizes: Any) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def _natural(x: Any) -> bool:

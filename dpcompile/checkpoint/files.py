@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -66,7 +67,7 @@ def write_safetensors(
                 )
             size = sum(_write_part(f, part) for part in (tensor.parts() if isinstance(tensor, Runs) else [tensor]))
             del tensor
-            if size != _numel(shape) * torch.empty((), dtype=dtype).element_size():
+            if size != tensor_bytes(shape, dtype):
                 raise CheckpointError(f"'{key}': {size} bytes made, {list(shape)} {dtype} announced")
             written += size
         f.flush()
@@ -105,7 +106,7 @@ def safetensors_header(
     for key, shape, dtype in entries:
         if dtype not in DTYPES:
             raise CheckpointError(f"'{key}' is {dtype}, which safetensors cannot hold")
-        size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        size = tensor_bytes(shape, dtype)
         header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offsets[key] = offset
         offset += size
@@ -119,7 +120,7 @@ def allocate_safetensors(
     """Create the safetensors file ``path`` at its full size: the header written, the data left
     for the ranks to fill in place (:func:`~dpcompile.checkpoint.rank_writes.write_blocks`)."""
     text, offsets = safetensors_header(entries, metadata)
-    data = sum(_numel(s) * torch.empty((), dtype=d).element_size() for _, s, d in entries)
+    data = sum(tensor_bytes(s, d) for _, s, d in entries)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     with os.fdopen(os.open(path, flags, 0o644), "wb") as f:
         f.write(struct.pack("<Q", len(text)))
@@ -316,14 +317,12 @@ def parse_size(size: int | str) -> int:
     return int(number * powers[unit])
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """The bytes of a tensor of ``shape`` and ``dtype``, as safetensors stores it."""
+    return math.prod(int(s) for s in shape) * torch.empty((), dtype=dtype).element_size()
 
 
 __all__ = [
     "DTYPES", "DTYPE_OF", "INDEX_FILE", "SINGLE_FILE", "CheckpointError", "Runs", "StagedFiles", "allocate_safetensors",
-    "find_tensors", "parse_size", "plan_files", "safetensors_header", "shard_file_name", "stale_weight_files", "write_safetensors", "weights_index",
+    "find_tensors", "parse_size", "plan_files", "safetensors_header", "shard_file_name", "stale_weight_files", "tensor_bytes", "write_safetensors", "weights_index",
 ]  # fmt: skip

@@ -22,6 +22,7 @@ After it, safetensors reads only what was checked.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -225,9 +226,7 @@ def _entry(file: Path, key: str, info: Any) -> Entry:
         raise bad(f"has shape {shape!r}: expected a list of non-negative ints ([] for a 0-dim tensor)")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(o) for o in offsets):
         raise bad(f"has data_offsets {offsets!r}: expected [begin, end], non-negative ints")
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     if offsets[1] - offsets[0] != numel * ITEM_SIZE[dtype]:
         raise bad(
             f"is {dtype} {shape} ({numel * ITEM_SIZE[dtype]} bytes), but its data_offsets {offsets} hold "

@@ -34,6 +34,7 @@ from dpcompile.checkpoint.files import (
     remove_orphaned_staging,
     safetensors_header,
     stale_weight_files,
+    tensor_bytes,
     weights_index,
 )
 from dpcompile.checkpoint.rank_writes import Block, Box, assign_writers, piece_blocks, target_blocks, write_blocks
@@ -97,7 +98,7 @@ def save_by_ranks(
             for file, entries in layout.items():
                 allocate_safetensors(temps[file], entries, stamp)
             if len(weights) > 1:
-                total = sum(_nbytes(s, d) for file in weights for _, s, d in layout[file])
+                total = sum(tensor_bytes(s, d) for file in weights for _, s, d in layout[file])
                 staged.write_text(path / INDEX_FILE, weights_index(weights, total))
             if training is not None:
                 written = set(optimizer) | stage_documents(staged, folder, training, optimizer)
@@ -170,15 +171,6 @@ def _write_own(
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _nbytes(shape: Any, dtype: Any) -> int:
-    import torch
-
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 __all__ = ["save_by_ranks", "switch_over"]

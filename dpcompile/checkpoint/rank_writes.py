@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +33,7 @@ class Box:
     sizes: tuple[int, ...]
 
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
     def overlaps(self, other: Box) -> bool:
         return all(a < c + m and c < a + n for a, n, c, m in zip(self.starts, self.sizes, other.starts, other.sizes))
@@ -126,9 +124,7 @@ def assign_writers(
 
 
 def _check_tiling(key: str, shape: Sequence[int], boxes: list[Box]) -> None:
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     overlap = next(((a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if a.overlaps(b)), None)
     covered = sum(b.numel() for b in boxes)
     if overlap is not None or covered != numel:

@@ -11,6 +11,7 @@ to the program's memory, whatever the tensor.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,10 +71,7 @@ class BoxRuns:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row (dim 0) of the box."""
-        n = self.item
-        for s in self.sizes[1:]:
-            n *= s
-        return n
+        return self.item * math.prod(self.sizes[1:])
 
     @property
     def run(self) -> int:

@@ -7,8 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dpcompile.checkpoint.dtensors import check_peers, ranks_of
 from dpcompile.checkpoint.files import (
     INDEX_FILE,
@@ -18,6 +16,7 @@ from dpcompile.checkpoint.files import (
     parse_size,
     plan_files,
     shard_file_name,
+    tensor_bytes,
     weights_index,
     write_safetensors,
 )
@@ -113,7 +112,7 @@ def save_checkpoint(
     targets = targets_of(pm)
     ties = tie_groups(targets)
     keys = [k for k in targets if ties[k][0] == k]
-    sizes = [(k, _bytes(targets[k])) for k in keys]
+    sizes = [(k, tensor_bytes(targets[k].shape, targets[k].dtype)) for k in keys]
     if path.suffix == ".safetensors":
         files = {path: keys}
     else:
@@ -193,13 +192,6 @@ def _counted(make: Any, bar: Any) -> Any:
         return make()
 
     return counted
-
-
-def _bytes(target) -> int:
-    n = torch.empty((), dtype=target.dtype).element_size()
-    for s in target.shape:
-        n *= s
-    return n
 
 
 def _is_writer(pm: ParallelModule) -> bool:

@@ -8,6 +8,7 @@ tensor; saving puts the pieces back together, one key at a time.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -119,9 +120,7 @@ def shard_runs(shards: list[torch.Tensor], spec: ShardSpec) -> Iterator[torch.Te
     valid until the next is asked for) and of at most
     :func:`~dpcompile.checkpoint.runs.staging_budget` bytes of the largest shard; where one row of
     the whole tensor is more than that, each shard's part of each row in turn."""
-    outer = 1
-    for size in shards[0].shape[: spec.dim]:
-        outer *= size
+    outer = math.prod(shards[0].shape[: spec.dim])
     views = [s.detach().reshape(outer, spec.sections, -1) for s in shards]
     if outer == 1:
         for section in range(spec.sections):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dpcompile.checkpoint.dtensors import check_peers, ranks_of
-from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, write_safetensors
+from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, tensor_bytes, write_safetensors
 from dpcompile.checkpoint.headers import MAX_JSON_BYTES, CheckpointError, parse_json, read_checkpoint, read_metadata
 from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, same_kind, saved_state
 
@@ -110,7 +110,7 @@ def optimizer_files(save: TrainingSave, folder: Path, max_shard_size: int | str)
     if save.optimizer is None:
         return {}
     tensors = save.optimizer.tensors
-    sizes = [(k, _bytes(shape, dtype)) for k, (shape, dtype, _) in tensors.items()]
+    sizes = [(k, tensor_bytes(shape, dtype)) for k, (shape, dtype, _) in tensors.items()]
     groups = plan_files(sizes, parse_size(max_shard_size))
     n = len(groups)
     names = [OPTIMIZER_FILE] if n == 1 else [f"{OPTIMIZER_STEM}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
@@ -123,7 +123,7 @@ def stage_documents(staged: StagedFiles, folder: Path, save: TrainingSave, files
     written: set[Path] = set()
     if len(files) > 1:
         index = {
-            "metadata": {"total_size": sum(_bytes(shape, dtype) for entries in files.values() for _, shape, dtype in entries)},
+            "metadata": {"total_size": sum(tensor_bytes(shape, dtype) for entries in files.values() for _, shape, dtype in entries)},
             "weight_map": {k: file.name for file, entries in files.items() for k, _, _ in entries},
         }
         staged.write_text(folder / OPTIMIZER_INDEX, json.dumps(index, indent=2))
@@ -424,17 +424,6 @@ def _b64(state: torch.Tensor) -> str:
 
 def _unb64(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def _bytes(shape: Any, dtype: torch.dtype) -> int:
-    return _numel(shape) * torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 __all__ = [

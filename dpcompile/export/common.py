@@ -30,3 +30,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def device_strings(devices: Any) -> list[str]:
     return devices.strings() if hasattr(devices, "strings") else [str(d) for d in devices]
+
+
+def runs_stages(pm: Any) -> bool:
+    """A pipeline in one process: GPipe or 1F1B over ``pm.stages`` (``pm.executor``)."""
+    return getattr(pm, "executor", None) in ("gpipe", "1f1b")
+
+
+def shards_stages(pm: Any) -> bool:
+    """A pipeline in one process whose stages are sharded: it holds the sharded state (``pm.param_shards``)."""
+    return runs_stages(pm) and pm.__dict__.get("param_shards") is not None

@@ -31,6 +31,7 @@ from dpcompile.export.common import (
     ExportError,
     device_strings,
     dtype_name,
+    runs_stages,
 )
 from dpcompile.export.integrity import (
     canonical_json,
@@ -260,7 +261,7 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
     try:
         data, tree, keys, tensors, names, lowered = _as_data(pm)
     except NotData as e:
-        if pm.mode in PIPELINE_KINDS:
+        if runs_stages(pm):
             raise ExportError(
                 f"a pipeline whose program is not plain data ({e}) is not exported yet; the nearest that works: "
                 "torch.save(pm, f), or register the class (from dpcompile.export import register_module_class)"
@@ -276,7 +277,7 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         "plan": dict(pm.plan),
         "tensor_parallel": None,
     }
-    if pm.mode in PIPELINE_KINDS:
+    if runs_stages(pm):
         config["pipeline"] = describe_pipeline(pm, lowered)
     if pm.__dict__.get("param_shards") is not None:
         cost = getattr(pm, "comm_cost", None)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.export.common import ExportError
+from dpcompile.export.common import ExportError, shards_stages
 from dpcompile.export.serialize import NotData, decode_value, encode_value
 
 log = logging.getLogger("dpcompile")
@@ -172,7 +172,7 @@ def _keys(pm: nn.Module) -> list[Any]:
             key = CallKey(main.devices, modes, nones, flags, main.guard)
             if key not in keys:
                 keys.append(key)
-    if pm.mode == "pipeline_tensor_parallel":  # a batch below micro_batches: its shards cannot be lowered again
+    if shards_stages(pm):  # a batch below micro_batches: its shards cannot be lowered again
         keys += [key._replace(devices=m) for key in list(keys) for m in range(1, min(main.devices, MAX_PATTERNS + 1))]
     return keys
 
@@ -214,7 +214,7 @@ def collect(pm: nn.Module) -> tuple[list[tuple[Any, fx.GraphModule | None]], lis
             except Exception as e:  # noqa: BLE001 - a call the loaded program then refuses
                 log.info("export: no program for %s (%s)", key.describe(), e)
                 continue
-            if pm.mode == "pipeline_tensor_parallel" and not steppable(pm, key, program):
+            if shards_stages(pm) and not steppable(pm, key, program):
                 log.info("export: no 1F1B program for %s (built without the call's inputs)", key.describe())
                 continue
             programs.append((key.portable(), program))

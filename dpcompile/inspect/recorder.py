@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from dpcompile.analysis.cost import comm_sizes
+from dpcompile.errors import first_line
 from dpcompile.runtime.structures import is_fake, tensor_leaves
 
 __all__ = ["Recorder", "propagate"]
@@ -72,11 +73,6 @@ def _restore_buffers(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 buffer.copy_(value)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def propagate(gm: fx.GraphModule, inputs: list[Any]) -> tuple[Recorder | None, str]:
     """Record ``gm`` run on ``inputs``: ``(recorder, "fake")``, ``(recorder, "real")`` where fake
     tensors fail, ``(None, "none")`` where both fail. Buffers (BatchNorm statistics) are left as
@@ -94,7 +90,7 @@ def propagate(gm: fx.GraphModule, inputs: list[Any]) -> tuple[Recorder | None, s
             return recorder, "fake"
         except Exception as e:  # noqa: BLE001 - fall back to real (no-grad) propagation
             log.info(
-                "explain: fake-tensor propagation failed (%s: %s); running for real", type(e).__name__, _first_line(e)
+                "explain: fake-tensor propagation failed (%s: %s); running for real", type(e).__name__, first_line(e)
             )
         _restore_buffers(saved)
         try:
@@ -104,7 +100,7 @@ def propagate(gm: fx.GraphModule, inputs: list[Any]) -> tuple[Recorder | None, s
             return recorder, "real"
         except Exception as e:  # noqa: BLE001 - explain what can be explained without shapes
             log.warning(
-                "explain: shape propagation failed (%s: %s); reporting without shapes", type(e).__name__, _first_line(e)
+                "explain: shape propagation failed (%s: %s); reporting without shapes", type(e).__name__, first_line(e)
             )
             return None, "none"
     finally:

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.random_ops import scoped_module_paths
-from dpcompile.errors import ArgumentError
+from dpcompile.errors import ArgumentError, first_line
 from dpcompile.fx_utils import placeholders, reserve_names, unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.base import ParallelModule
@@ -145,7 +145,7 @@ class SpmdModule(ParallelModule):
             raise CollectiveError(
                 f"DistributedDataParallel's communication failed on global rank {dist.get_rank()}: another "
                 "rank most likely raised, exited or timed out first — see its log for the first error. Pass "
-                f"timeout= to torch.distributed.init_process_group to fail sooner. ({_first_line(e)})"
+                f"timeout= to torch.distributed.init_process_group to fail sooner. ({first_line(e)})"
             ) from e
 
     def _call_with_deferred_check(self, args: tuple, kwargs: dict) -> Any:
@@ -239,7 +239,7 @@ class SpmdModule(ParallelModule):
                     "group to call forward: every rank must call pm(...) each step. Set "
                     "pm.check_inputs_timeout (seconds; default DPCOMPILE_SPMD_TIMEOUT or 300) to wait longer or "
                     "fail sooner, and pass timeout= to torch.distributed.init_process_group to bound the other "
-                    f"collectives. ({_first_line(e)})"
+                    f"collectives. ({first_line(e)})"
                 )
             return collective_failure("the check that every rank calls forward alike", group.group, e)
 
@@ -442,11 +442,6 @@ def describe_disagreement(
                 "sampler seed, drop_last=True so no rank gets a short last batch)"
             )
     return "tensor parallel over a mesh needs the same inputs on every rank of a tp group, but they differ"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def is_communication_failure(e: BaseException) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -13,7 +13,8 @@ from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 
 from dpcompile.analysis.context_exchange import ContextParallelOptions
-from dpcompile.capture import capture_fx
+from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture_fx
+from dpcompile.mesh import local_device
 from dpcompile.progress import QUIET, step_bar
 
 
@@ -40,10 +41,28 @@ class Recipe:
     context_load_balance: bool | str = "auto"  # context_parallel={"load_balance": ...}
     context_memory_headroom: int | None = None  # memory_per_device= less the prediction: the exchange's room
 
+    #: what the recipe says of itself, so that no caller asks its class:
+    #: ``serves_flags``: its program keeps fx's capture with Python flags as traced (checked per call,
+    #: traced again for others) and takes the batch dim the frontend finds (data parallel, a pipeline)
+    serves_flags: ClassVar[bool] = False
+    #: ``lowers_capture``: its program is ``pm.captured`` lowered for the devices (data parallel): rebuilt
+    #: for others from it, a batch below their count split over as many of them; exported in one mode,
+    #: the other mode captured at its first call (:mod:`dpcompile.modules.other_mode`)
+    lowers_capture: ClassVar[bool] = False
+    #: ``replicates_model``: its program computes on the model's own tensors (data parallel): a model
+    #: on meta is given memory in place, where other programs own their tensors (shards, placed stages)
+    replicates_model: ClassVar[bool] = False
+
     @property
     def context_options(self) -> ContextParallelOptions:
         """``context_parallel=`` as the passes read it (kept as plain fields: a recipe exports as data)."""
         return ContextParallelOptions(self.context_exchange, self.context_load_balance, self.context_memory_headroom)
+
+    @property
+    def home_device(self) -> torch.device:
+        """The device the program is built on: the first of ``devices``; over a mesh, this rank's."""
+        mesh = getattr(self, "mesh", None)
+        return local_device(mesh) if mesh is not None else self.devices.primary  # type: ignore[attr-defined]
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> nn.Module:
         """``model`` compiled into this recipe's kind of ``ParallelModule``."""
@@ -53,6 +72,11 @@ class Recipe:
         """The program of ``pm`` for a call with ``key`` (a :class:`~dpcompile.program_cache.CallKey`);
         None where ``pm``'s main program serves it."""
         raise NotImplementedError
+
+    def fake_layout_fields(self, pm: Any) -> dict[str, Any] | None:
+        """The fields, beside ``devices``, with which :meth:`compile` builds ``pm``'s program again for
+        other devices (``verify.check_layout``'s fake CUDA ones); None where it is not built so."""
+        return None
 
 
 def departing_trace(recipe: Any, pm: Any, key: Any) -> fx.GraphModule | None:
@@ -93,6 +117,18 @@ def capture_with_flags(
         if node.target is _assert_is_none and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
     )
     return gm, flags, nones
+
+
+def sharing_model(model: nn.Module, gm: fx.GraphModule, flags: dict[str, Any], nones: frozenset[str]) -> dict[str, Any]:
+    """The ``ParallelModule`` keywords of a program ``gm`` (captured from ``model``) that computes on
+    ``model``'s own tensors: traced again where a call departs (unless ``model`` is a GraphModule
+    or is called whole), checked against what torch.export fixed where it came from there."""
+    retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
+    return {
+        "class_name": type(model).__name__, "share_all_of": model, "source": model if retraceable else None,
+        "flags": flags, "none_args": nones,
+        "exported_from": model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,
+    }  # fmt: skip
 
 
 def move_to(model: nn.Module, device: torch.device) -> None:

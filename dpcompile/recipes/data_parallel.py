@@ -16,7 +16,7 @@ import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -32,7 +32,7 @@ from dpcompile.analysis.split_fraction import (
     split_fraction,
     whole_ops,
 )
-from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture
+from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
@@ -40,7 +40,7 @@ from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
 from dpcompile.program_cache import CallKey
-from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, move_to
+from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, move_to, sharing_model
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,10 @@ class DataParallelRecipe(Recipe):
     batch_dim: int | None = None
     copy_replicas: bool = False
     context_parallel: bool = False  # batch_dim is the sequence dim; attention all-gathers keys/values
+
+    serves_flags: ClassVar[bool] = True
+    lowers_capture: ClassVar[bool] = True
+    replicates_model: ClassVar[bool] = True
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         if self.context_parallel and example_inputs is None:
@@ -76,26 +80,12 @@ class DataParallelRecipe(Recipe):
         self._check_random_over_copies(gm)
         warn_if_mostly_whole(self._attention_marked(gm, input_dims), input_dims, example_inputs, len(self.devices))
         captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
-        # forward is Python: traced again where a call takes another path (see build_program)
-        retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
         lowered = self.lower(gm, self.devices, input_dims, recompile=False)  # the module compiles the code
         pm = ParallelModule(
-            lowered,
-            lowered.graph,
-            recipe=self,
-            devices=self.devices,
-            mode="data_parallel",
-            input_dims=input_dims,
-            output_device=self.output_device,
-            captured=captured,
-            records=records,
-            class_name=type(model).__name__,
-            share_all_of=model,
-            source=model if retraceable else None,
-            flags=flags,
-            none_args=nones,
-            exported_from=model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,
-        )
+            lowered, lowered.graph, recipe=self, devices=self.devices, mode="data_parallel", input_dims=input_dims,
+            output_device=self.output_device, captured=captured, records=records,
+            **sharing_model(model, gm, flags, nones),  # forward is Python: traced again where a call departs
+        )  # fmt: skip
         replicated = replicated_inputs(gm, input_dims, example_inputs, self.batch_dim)
         pm.call_signature = dataclasses.replace(pm.call_signature, replicated=replicated)
         return pm

@@ -5,7 +5,7 @@ shapes and no data. ``transform`` compiles it as it compiles any model, and at t
 device allocates, uninitialised, only what it holds:
 
 * data parallel (one process or over a mesh): the model's own tensors are given memory on
-  the primary (or this rank's) device, in place (:func:`materialize_replica`) — that is the
+  the primary (or this rank's) device, in place (:func:`compile_meta_model`) — that is the
   replica; the program shares it, as data parallelism always does;
 * tensor parallel (one process, or this rank's program over a mesh): the whole transform runs
   on a fake copy of the model with fake examples (:func:`compile_on_fake`); the program it gives
@@ -35,13 +35,7 @@ from torch.utils._pytree import tree_map
 
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, has_meta_tensors, materialize
 from dpcompile.fx_utils import unalias
-from dpcompile.mesh import local_device
 from dpcompile.modules.weights import await_weights
-from dpcompile.recipes.data_parallel import DataParallelRecipe
-from dpcompile.recipes.pipeline import PipelineRecipe
-from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
-from dpcompile.recipes.spmd import SpmdRecipe
-from dpcompile.recipes.tensor_parallel import TensorParallelRecipe
 
 
 def meta_buffers(model: nn.Module) -> list[str]:
@@ -53,17 +47,6 @@ def meta_buffers(model: nn.Module) -> list[str]:
             if b is not None and b.is_meta and name in module._non_persistent_buffers_set:
                 out.append(f"{path}.{name}" if path else name)
     return out
-
-
-def materialize_replica(model: nn.Module, device: torch.device) -> list[str] | None:
-    """Data parallel: give ``model``'s meta tensors uninitialised memory on ``device``, in place
-    (the same tensor objects, so ties hold); returns the non-persistent buffers left to
-    compute (:func:`meta_buffers`), or None where nothing was on meta."""
-    if not has_meta_tensors(model):
-        return None
-    unset = meta_buffers(model)
-    materialize(model, device)
-    return unset
 
 
 def compile_on_fake(
@@ -121,13 +104,6 @@ def write_known_values(pm: nn.Module, known: Mapping[str, torch.Tensor]) -> None
             target.copy_(value)
 
 
-def mark_replica_awaiting(pm: nn.Module, model: nn.Module, unset: list[str] | None) -> nn.Module:
-    """The data-parallel program of a meta ``model`` waits for its weights; others are left as they are."""
-    if unset is not None:
-        await_weights(pm, model, unset)
-    return pm
-
-
 def compile_meta_model(
     recipe: Any,
     model: nn.Module,
@@ -136,40 +112,32 @@ def compile_meta_model(
     compile_one: Callable[[nn.Module, Sequence[Any] | None, Mapping[str, Any] | None], nn.Module],
 ) -> nn.Module:
     """``compile_one(model, examples, kwargs)`` (transform's frontend and compile) for a model
-    on meta: tensor parallel on a fake copy (:func:`compile_on_fake`), data parallel on the
-    model given memory on its device (:func:`materialize_replica`)."""
-    if isinstance(recipe, (TensorParallelRecipe, PipelineTensorParallelRecipe)):  # the program owns its shards
-        allocate = recipe.check_available  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
-        return compile_on_fake(
-            model, recipe.devices.primary, example_inputs, example_kwargs, compile_one, allocate=allocate
-        )
-    if isinstance(recipe, PipelineRecipe):  # each stage's modules placed on its device (fake), then allocated there
-        return compile_on_fake(model, recipe.devices.primary, example_inputs, example_kwargs, compile_one)
-    if isinstance(recipe, DataParallelRecipe):
-        device = recipe.devices.primary
-    elif isinstance(recipe, SpmdRecipe) and recipe.plan is False:
-        device = local_device(recipe.mesh)
-    else:  # tensor parallel over a mesh: this rank's shards
-        pm = compile_on_fake(model, local_device(recipe.mesh), example_inputs, example_kwargs, compile_one)
-        if pm.dp_dim is not None:  # 2-D: DDP over the dp groups, now that the shards have memory
-            pm.attach_mesh(
-                mesh=recipe.mesh,
-                dp_dim=pm.dp_dim,
-                tp_dim=pm.tp_dim,
-                shards=pm.shards,
-                ddp_options=recipe.ddp_options,
-                fsdp=recipe.fsdp_options(),
-            )
+    on meta: a program that owns its tensors (tensor parallel, a pipeline) on a fake copy
+    (:func:`compile_on_fake`); data parallel on the model's own tensors given uninitialised memory
+    on its device, in place (the same tensor objects, so ties hold), the program then waiting for
+    its weights."""
+    device = recipe.home_device
+    if recipe.replicates_model:
+        unset = meta_buffers(model) if has_meta_tensors(model) else None
+        if unset is not None:
+            materialize(model, device)
+        pm = compile_one(model, example_inputs, example_kwargs)
+        if unset is not None:
+            await_weights(pm, model, unset)
         return pm
-    unset = materialize_replica(model, device)
-    return mark_replica_awaiting(compile_one(model, example_inputs, example_kwargs), model, unset)
+    allocate = getattr(recipe, "check_available", True)  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
+    pm = compile_on_fake(model, device, example_inputs, example_kwargs, compile_one, allocate=allocate)
+    if getattr(recipe, "mesh", None) is not None and pm.dp_dim is not None:  # 2-D: DDP over dp, the shards allocated
+        pm.attach_mesh(
+            mesh=recipe.mesh, dp_dim=pm.dp_dim, tp_dim=pm.tp_dim, shards=pm.shards, ddp_options=recipe.ddp_options,
+            fsdp=recipe.fsdp_options(),
+        )  # fmt: skip
+    return pm
 
 
 __all__ = [
     "compile_meta_model",
     "compile_on_fake",
-    "mark_replica_awaiting",
-    "materialize_replica",
     "meta_buffers",
     "on_fake",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -26,7 +26,7 @@ from torch import nn
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.split_fraction import node_flops
-from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture
+from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
@@ -35,7 +35,7 @@ from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.pipeline import PipelineModule, Stage
 from dpcompile.program_cache import CallKey
 from dpcompile.progress import step_bar
-from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace
+from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, sharing_model
 from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.pipeline_1f1b import one_f_one_b_step
 from passes.borrowed_modules import find_module_homes, node_tensors
@@ -57,14 +57,16 @@ class PipelineRecipe(Recipe):
     batch_dim: int | None = None
     context_parallel: bool = False  # {"pp", "cp"}: the micro-batches are pieces of the sequence (batch_dim 1)
 
+    serves_flags: ClassVar[bool] = True
+
+    def fake_layout_fields(self, pm: PipelineModule) -> dict[str, Any]:
+        return {}
+
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> PipelineModule:
         if self.context_parallel:
             check_sequence_pipeline(example_inputs)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
-        weights = None
-        if example_inputs is not None:
-            propagate_shapes(gm, list(example_inputs), check=True)
-            weights = node_flops(gm, list(example_inputs))
+        weights = stage_weights(gm, example_inputs)
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         if self.context_parallel:  # attention marked before the stages are cut: each stage gathers its pieces' keys
             input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
@@ -79,24 +81,11 @@ class PipelineRecipe(Recipe):
         programs = stage_programs(gm, plan, self.devices.strings())
         lowered = self.lower(gm, plan, self.micro_batches, input_dims, recompile=False)
         place_stages(lowered, self.devices, borrow=True)
-        retraceable = not isinstance(model, fx.GraphModule) and getattr(gm, ROOT_LEAF, None) is not model
         pm = PipelineModule(
-            lowered,
-            lowered.graph,
-            recipe=self,
-            devices=self.devices,
-            mode="pipeline",
-            input_dims=input_dims,
-            output_device=self.output_device,
-            captured=captured,
-            records=records,
-            class_name=type(model).__name__,
-            share_all_of=model,
-            source=model if retraceable else None,
-            flags=flags,
-            none_args=nones,
-            exported_from=model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,
-        )
+            lowered, lowered.graph, recipe=self, devices=self.devices, mode="pipeline", input_dims=input_dims,
+            output_device=self.output_device, captured=captured, records=records,
+            **sharing_model(model, gm, flags, nones),
+        )  # fmt: skip
         stages = [
             Stage(s, str(self.devices[s]), plan.module_paths[s], plan.weights[s], plan.param_bytes[s], programs[s])
             for s in range(plan.stages)
@@ -190,6 +179,15 @@ def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = Fa
             tensor.data = tensor.data.to(device)  # the same Parameter: optimizers built on it still hold it
         elif module is not None:
             module._buffers[name] = tensor.to(device)
+
+
+def stage_weights(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[str, int] | None:
+    """The examples' shapes propagated through ``gm`` and each node's FLOPs, which weigh where the
+    stages are cut; None without examples."""
+    if example_inputs is None:
+        return None
+    propagate_shapes(gm, list(example_inputs), check=True)
+    return node_flops(gm, list(example_inputs))
 
 
 def check_sequence_pipeline(example_inputs: Sequence[Any] | None) -> None:

@@ -28,17 +28,18 @@ from torch import nn
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.linear_sites import linear_like_leaves
-from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.fx_utils import ancestors, copy_graph, graph_module, propagate_shapes
+from dpcompile.fx_utils import ancestors, copy_graph, graph_module
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
 from dpcompile.modules.mesh_random import StageRandomPlan
 from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
 from dpcompile.modules.pipeline import MeshPipelineModule
 from dpcompile.recipes.base import Recipe, capture_with_flags
+from dpcompile.recipes.pipeline import stage_weights
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage, tied_shards
+from dpcompile.recipes.tensor_parallel import tied_groups
 from passes.cut_stage import cut_stage, find_row_meetings, find_shared_parameters
 from passes.stage_transfers import node_stages
 
@@ -69,10 +70,7 @@ class MeshPipelineRecipe(Recipe):
         device = local_device(self.mesh)
         leaves = self.leaf_modules + (linear_like_leaves() if self.plan is not False else ())
         gm, _, _ = capture_with_flags(model, leaves, example_inputs, optional_as_none=False)
-        weights = None
-        if example_inputs is not None:
-            propagate_shapes(gm, list(example_inputs), check=True)
-            weights = node_flops(gm, list(example_inputs))
+        weights = stage_weights(gm, example_inputs)
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         options = passes.PipelineOptions(devices=Devices((device,)), input_dims=dict(input_dims), output_device=device)
         gm, _ = run_passes(gm, passes.frontend_pipeline(options))
@@ -215,11 +213,8 @@ def hoist_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> dict[int,
 
 def state_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every key of ``model.state_dict()`` with the keys of the same tensor (tied weights), its own first."""
-    state = model.state_dict(keep_vars=True)
-    names: dict[int, list[str]] = {}
-    for key, value in state.items():
-        names.setdefault(id(value), []).append(key)
-    return {key: (key, *(n for n in names[id(value)] if n != key)) for key, value in state.items()}
+    tied = {key: group for group in tied_groups(model) for key in group}
+    return {key: (key, *(n for n in tied.get(key, ()) if n != key)) for key in model.state_dict(keep_vars=True)}
 
 
 def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_parallel: str = "ddp") -> None:
@@ -236,11 +231,6 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_paral
             f"pipeline= over a mesh composes with 'dp' and 'tp' dimensions; mesh_dim_names={names} names "
             f"{sorted(others)}, which is not built yet: use a ('pp', 'dp', 'tp') mesh or a part of it"
         )
-    if data_parallel == "fsdp" and "dp" not in names:
-        raise ArgumentError(
-            f"data_parallel=\"fsdp\" shards each stage over the mesh's 'dp' dimension, and mesh_dim_names={names} "
-            "has none; build a ('pp', 'dp') or ('pp', 'dp', 'tp') mesh, or leave data_parallel= out"
-        )
     tensor_parallel = plan is not False and plan is not None
     if "tp" in names and not tensor_parallel:
         raise ArgumentError(
@@ -252,6 +242,11 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_paral
             f"tensor_parallel= with pipeline= shards each stage over the mesh's 'tp' dimension, and mesh_dim_names="
             f"{names} has none; build a ('pp', 'tp') mesh, e.g. init_device_mesh('cuda', (pp, tp), "
             "mesh_dim_names=('pp', 'tp'))"
+        )
+    if data_parallel == "fsdp" and "dp" not in names:
+        raise ArgumentError(
+            f"data_parallel=\"fsdp\" shards each stage over the mesh's 'dp' dimension, and mesh_dim_names={names} "
+            "has none; build a ('pp', 'dp') or ('pp', 'dp', 'tp') mesh, or leave data_parallel= out"
         )
 
 

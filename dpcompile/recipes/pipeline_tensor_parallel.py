@@ -39,13 +39,12 @@ import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.cost import plan_cost
 from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, linear_paths, resolve_plan
-from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.capture import EXPORTED_FROM
 from dpcompile.capture.inputs import check_inputs
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, fake_copy_to_trace
-from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
+from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.fsdp_one_process import tensor_parallel_shards
@@ -57,7 +56,7 @@ from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe
 from dpcompile.recipes.data_parallel import without_sequence_replicated
-from dpcompile.recipes.pipeline import check_sequence_pipeline, place_stages
+from dpcompile.recipes.pipeline import check_sequence_pipeline, place_stages, stage_weights
 from dpcompile.recipes.tensor_parallel import (
     aliased_plan,
     capture_owning_everything,
@@ -128,10 +127,7 @@ class PipelineTensorParallelRecipe(Recipe):
         if passes.decompose_attention(gm).modified:
             gm.recompile()
         captured_code = gm.code
-        weights = None
-        if example_inputs is not None:
-            propagate_shapes(gm, list(example_inputs), check=True)
-            weights = node_flops(gm, list(example_inputs))
+        weights = stage_weights(gm, example_inputs)
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         if self.context_parallel:
             input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
@@ -273,6 +269,9 @@ class PipelineTensorParallelRecipe(Recipe):
                 node.meta[STAGE] = max(stages)  # output's send has none: it goes to the output device)
         return records
 
+    def fake_layout_fields(self, pm: PipelineModule) -> dict[str, Any]:
+        return {"plan": dict(pm.plan) or True}
+
     def build_program(
         self, pm: PipelineModule, key: CallKey, args: tuple, kwargs: dict
     ) -> fx.GraphModule | None:
@@ -393,17 +392,16 @@ def detached(programs: Sequence[fx.GraphModule]) -> list[fx.GraphModule]:
 
 def pipeline_tensor_parallel_recipe(
     common: Mapping[str, Any], devices: Devices, output_device: torch.device, plan: bool | Mapping[str, str],
-    stages: int | tuple[str, ...], micro_batches: int, schedule: str, batch_dim: int | None,
-    sequence_parallel: bool = False,
+    batch_dim: int | None, **options: Any,
 ) -> PipelineTensorParallelRecipe:  # fmt: skip
-    """``transform``'s arguments for ``pipeline=`` with ``tensor_parallel=`` in one process, checked."""
+    """``transform``'s arguments for ``pipeline=`` with ``tensor_parallel=`` in one process, checked
+    (``common``: the fields of every recipe and the pipeline's ``stages``, ``micro_batches`` and ``schedule``)."""
+    stages = common["stages"]
     count = stages if isinstance(stages, int) else len(stages) + 1
     stage_groups(devices, count)  # the arithmetic, before anything is captured
     return PipelineTensorParallelRecipe(
-        **common, devices=devices, output_device=output_device, stages=stages, micro_batches=micro_batches,
-        schedule=schedule, batch_dim=batch_dim, plan=plan, sequence_parallel=sequence_parallel,
-    )  # fmt: skip
-
+        **common, devices=devices, output_device=output_device, batch_dim=batch_dim, plan=plan, **options
+    )
 
 
 #: ``pm.__dict__`` key: the examples transform was given, as meta tensors (shapes and dtypes only)

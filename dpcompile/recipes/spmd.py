@@ -97,6 +97,10 @@ class SpmdRecipe(Recipe):
     def mode(self) -> str:
         return check_mesh(self.mesh, self.plan)[0]
 
+    @property
+    def replicates_model(self) -> bool:  # data parallel over the mesh
+        return self.plan is False
+
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> SpmdModule:
         """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
         the first rank's parameters and buffers)."""
@@ -148,6 +152,28 @@ class SpmdRecipe(Recipe):
             + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim)
         )
 
+    def _module_sharing(
+        self, model: nn.Module, gm: fx.GraphModule, device: torch.device, mode: str, records: list,
+        flags: dict[str, Any], nones: frozenset[str], captured_code: str,
+    ) -> SpmdModule:  # fmt: skip
+        """This rank's program ``gm`` over ``model``'s own tensors (data and context parallel), which
+        fx traces again for a departing call (a GraphModule is not traced again)."""
+        pm = SpmdModule(gm, gm.graph, recipe=self, devices=Devices((device,)), mode=mode, output_device=device,
+                        records=records, class_name=type(model).__name__, share_all_of=model,
+                        source=model if not isinstance(model, fx.GraphModule) else None, flags=flags, none_args=nones)  # fmt: skip
+        pm.captured_code = captured_code
+        return pm
+
+    def _check_no_exact_random(self, gm: fx.GraphModule, where: str, or_else: str) -> None:
+        """Context parallel over a mesh: a random op's single-device values are not drawn on sequence shards yet."""
+        drawn = [n for n in gm.graph.nodes if random_kind(gm, n) is not None]
+        if drawn and self.exact_random:
+            raise DpCompileError(
+                f"context parallel over {where}: '{drawn[0].name}' draws random numbers, and drawing the single-device "
+                f"values on sequence shards over a mesh is not built yet: pass exact_random=False (each rank draws its "
+                f"own){or_else}"
+            )
+
     def _compile_data_parallel(
         self, model: nn.Module, dp_dim: str | int | None, device: torch.device, example_inputs: Sequence[Any] | None
     ) -> SpmdModule:
@@ -155,21 +181,7 @@ class SpmdRecipe(Recipe):
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         captured_code = gm.code
         gm, records = run_passes(gm, self._data_parallel_pipeline(device, dp_dim, gm, example_inputs))
-        pm = SpmdModule(
-            gm,
-            gm.graph,
-            recipe=self,
-            devices=Devices((device,)),
-            mode="spmd_data_parallel",
-            output_device=device,
-            records=records,
-            class_name=type(model).__name__,
-            share_all_of=model,
-            source=model if not isinstance(model, fx.GraphModule) else None,
-            flags=flags,
-            none_args=nones,
-        )
-        pm.captured_code = captured_code
+        pm = self._module_sharing(model, gm, device, "spmd_data_parallel", records, flags, nones, captured_code)
         pm.attach_mesh(
             mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options, fsdp=self.fsdp_options()
         )
@@ -194,19 +206,9 @@ class SpmdRecipe(Recipe):
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         captured_code = gm.code
-        drawn = [n for n in gm.graph.nodes if random_kind(gm, n) is not None]
-        if drawn and self.exact_random:
-            raise DpCompileError(
-                f"context parallel over {where}: '{drawn[0].name}' draws random numbers, and drawing the "
-                "single-device values on sequence shards over a mesh is not built yet: pass exact_random=False "
-                "(each rank draws its own), set its probability to 0, or use mesh={'cp': N} over a device list"
-            )
+        self._check_no_exact_random(gm, where, ", set its probability to 0, or use mesh={'cp': N} over a device list")
         gm, records = self._lower_context_parallel(gm, device, example_inputs)
-        source = model if not isinstance(model, fx.GraphModule) else None  # fx: traced again for a departing call
-        pm = SpmdModule(gm, gm.graph, recipe=self, devices=Devices((device,)), mode="spmd_context_parallel",
-                        output_device=device, records=records, class_name=type(model).__name__, share_all_of=model,
-                        source=source, flags=flags, none_args=nones)  # fmt: skip
-        pm.captured_code = captured_code
+        pm = self._module_sharing(model, gm, device, "spmd_context_parallel", records, flags, nones, captured_code)
         ddp_mesh = self._batch_mesh() or self.mesh  # one DDP (or FSDP) over every rank
         pm.attach_mesh(mesh=ddp_mesh, dp_dim=ddp_mesh.mesh_dim_names[0], tp_dim=None, ddp_options=self.ddp_options,
                        fsdp=self.fsdp_options())  # fmt: skip
@@ -323,13 +325,7 @@ class SpmdRecipe(Recipe):
         """``("cp", "tp")``: ``shard_linear``'s one-shard program, attention marked on it (each shard gathers
         its own heads' keys and values), split along the sequence over ``cp`` virtual devices and cut to this
         cp rank (``passes.lower_sequence_to_rank``), then its shard collectives lowered over ``tp``."""
-        drawn = [n for n in gm.graph.nodes if random_kind(gm, n) is not None]
-        if drawn and self.exact_random:
-            raise DpCompileError(
-                f"context parallel over a ('cp', 'tp') mesh: '{drawn[0].name}' draws random numbers, and drawing the "
-                "single-device values on sequence shards over a mesh is not built yet: pass exact_random=False (each "
-                "rank draws its own) or set its probability to 0"
-            )
+        self._check_no_exact_random(gm, "a ('cp', 'tp') mesh", " or set its probability to 0")
         input_dims = infer_input_dims(gm, batch_dim=1, example_inputs=examples)
         input_dims = dict(without_sequence_replicated(gm, input_dims, examples))
         options = passes.PipelineOptions(devices=devices, input_dims=input_dims, plan=dict(styles))

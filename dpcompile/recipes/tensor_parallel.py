@@ -175,6 +175,9 @@ class TensorParallelRecipe(Recipe):
         log.debug("tensor-parallel plan %s: %s per device", applied, cost)
         return pm
 
+    def fake_layout_fields(self, pm: TensorParallelModule) -> dict[str, Any]:
+        return {"plan": dict(pm.plan) or True, "check_available": False}
+
     def build_program(self, pm: TensorParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program for a call in another mode or with other arguments left None, built on
         the fake copy with ``pm``'s plan and run on its shards; None where it is the same."""
@@ -265,25 +268,18 @@ def capture_owning_everything(
     return gm, dict(flags or {}), frozenset(none_args)
 
 
-def tied_state_keys(model: nn.Module) -> dict[str, str]:
-    """``{key: another key of the same tensor}`` for every tied state key (the program may lack
-    the module of one of them: T5's ``shared`` is never called)."""
-    first: dict[int, str] = {}
-    tied: dict[str, str] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        other = first.setdefault(id(value), key)
-        if other != key:
-            tied[key] = other
-            tied.setdefault(other, key)
-    return tied
-
-
 def tied_groups(model: nn.Module) -> list[list[str]]:
-    """The model's state keys that name one tensor, in groups of two or more."""
+    """The model's state keys that name one tensor, in groups of two or more (each in state order)."""
     by_tensor: dict[int, list[str]] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         by_tensor.setdefault(id(value), []).append(key)
     return [keys for keys in by_tensor.values() if len(keys) > 1]
+
+
+def tied_state_keys(model: nn.Module) -> dict[str, str]:
+    """``{key: another key of the same tensor}`` for every tied state key (the program may lack
+    the module of one of them: T5's ``shared`` is never called)."""
+    return {key: group[1] if key == group[0] else group[0] for group in tied_groups(model) for key in group}
 
 
 def share_tied_shards(

@@ -41,7 +41,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.autograd import Function
 
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import DpCompileError, first_line
 from dpcompile.runtime import kept
 from dpcompile.runtime.sequence import causal_attention
 
@@ -131,7 +131,7 @@ def collective_failure(what: str, group: dist.ProcessGroup | None, error: BaseEx
         where = f"rank {dist.get_rank(group)} of {dist.get_world_size(group)}"
     except Exception:  # noqa: BLE001 - the group itself may be gone
         where = "this rank"
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = first_line(error)
     return CollectiveError(
         f"{what} failed on {where} (global rank {dist.get_rank() if dist.is_initialized() else '?'}): "
         f"another rank most likely raised, exited or timed out first — see its log for the first "

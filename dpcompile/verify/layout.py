@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,8 +20,7 @@ from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
 from dpcompile.fake import fake_devices as fake_devices_of
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module
 from dpcompile.inspect import Recorder, slot_of, user_source
-from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, TensorParallelRecipe
-from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
+from dpcompile.recipes.pipeline import SCHEDULES
 from dpcompile.runtime.structures import tensor_leaves
 from dpcompile.target import dp_copies, resolve_target
 from dpcompile.verify.result import Mismatch, VerifyResult, first_line
@@ -31,17 +31,12 @@ from passes.name_dp_copies import COPY
 def _build_fake_program(pm: Any, fake_model: nn.Module, devices: Devices, example: tuple | None) -> fx.GraphModule:
     """``pm``'s program rebuilt for ``devices`` (fake CUDA devices) on a fake copy of the model."""
     recipe = pm.recipe
-    if isinstance(recipe, DataParallelRecipe) and pm.captured is not None:
+    if recipe.lowers_capture and pm.captured is not None:
         gm = graph_module(fake_model, copy_graph(pm.captured.graph), "FakeLayout")
         return dataclasses.replace(recipe, devices=devices, output_device=devices.primary).lower(gm, devices, pm.input_dims)
-    if isinstance(recipe, TensorParallelRecipe):
-        fake_recipe = dataclasses.replace(
-            recipe, devices=devices, output_device=devices.primary, plan=dict(pm.plan) or True, check_available=False
-        )
-        return fake_recipe.compile(fake_model, example)
-    if isinstance(recipe, (PipelineRecipe, PipelineTensorParallelRecipe)):
-        fields = {"plan": dict(pm.plan) or True} if isinstance(recipe, PipelineTensorParallelRecipe) else {}
-        if recipe.dp_devices is not None:  # dp copies: copy 0 builds the program, each copy on its devices
+    fields = recipe.fake_layout_fields(pm)
+    if fields is not None:
+        if recipe.dp_devices is not None:  # dp copies (over a pipeline): copy 0 builds the program, each copy on its devices
             copies = dp_copies(resolve_target(devices, pm.layout, pipeline=None, tensor_parallel=False))
             fields["dp_devices"] = tuple(tuple(copy.strings()) for copy in copies)
             devices = copies[0]
@@ -67,7 +62,7 @@ def _captured_like_pm(
     frontend = recipe.frontend if recipe.frontend != "fx" else "auto"
     captured, examples, _ = apply_frontend(
         fake_model, frontend, tuple(fake(x) for x in args), {k: fake(v) for k, v in kwargs.items()},
-        recipe.leaf_modules, None, flags_served=isinstance(recipe, PipelineRecipe),
+        recipe.leaf_modules, None, flags_served=recipe.serves_flags,
     )  # fmt: skip
     return captured, examples
 
@@ -96,11 +91,9 @@ def _check_pipeline_device_count(pm: Any, n: int) -> None:
     """A pipeline's layout fixes its device count (a stage per device, times its shards and copies):
     another count is a question verify cannot answer, so it says which count to ask for."""
     layout = dict(getattr(pm, "layout", None) or {})
-    if not isinstance(pm.recipe, (PipelineRecipe, PipelineTensorParallelRecipe)) or not layout:
+    if pm.executor not in SCHEDULES or not layout:  # a pipeline in one process
         return
-    needed = 1
-    for size in layout.values():
-        needed *= size
+    needed = math.prod(layout.values())
     if n != needed:
         sizes = " x ".join(f"{name} {size}" for name, size in layout.items())
         raise DpCompileError(
@@ -155,9 +148,9 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
             example = None if kwargs else tuple(
                 mode.from_tensor(x.detach()).to(devices.primary) if isinstance(x, torch.Tensor) else x for x in args
             )
-            if batch is not None and batch < len(devices) and isinstance(pm.recipe, DataParallelRecipe):
+            if batch is not None and batch < len(devices) and pm.recipe.lowers_capture:
                 devices = devices.prefix(batch)
-            if kwargs and not isinstance(pm.recipe, DataParallelRecipe):  # keyword inputs: export captured it
+            if kwargs and not pm.recipe.lowers_capture:  # keyword inputs: export captured it
                 fake_model, example = _captured_like_pm(pm, fake_model, mode, devices.primary, args, kwargs)
             program = _build_fake_program(pm, fake_model, devices, example)
     except ImportError:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dpcompile.errors import first_line
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 
 log = logging.getLogger("dpcompile")
@@ -187,7 +188,3 @@ def _non_tensor_leaves(value: Any) -> list[Any]:
     return found
 
 
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (its type where it has none)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

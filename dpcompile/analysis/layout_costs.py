@@ -138,7 +138,7 @@ def _saved(u: Unit, t: int, follower: bool) -> int:
 
 def _stage_memory(
     units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool,
-    accumulates: bool, follower: bool = False, kept_saves: Sequence[int] = (),
+    accumulates: bool, follower: bool = False, kept_saves: Sequence[int] = (), buffered: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """Bytes by kind at the predicted peak of a stage's device (see :func:`predict`).
 
@@ -152,7 +152,12 @@ def _stage_memory(
     tensors until its backward is over: measured) every activation and every gradient at once. Where gradients ``accumulate`` (a
     second micro-batch, the replicas of data parallelism), a module's new gradient is made before it
     is added to the one held: the largest module's gradient more (its parameters' own, a Linear's
-    weight and bias; measured: one at a time, not a whole block's). ``follower``: a tensor-parallel device other
+    weight and bias; measured: one at a time, not a whole block's). ``buffered``: the micro-batches' gradients
+    meet in one backward (GPipe), where autograd sums a parameter's gradients before it makes ``.grad``:
+    the first sum of a Linear weight's gradients (each the transpose of a matmul, a view, which autograd
+    does not sum into in place) makes a third tensor, the largest Linear's gradient more (measured: a
+    GPipe stage of checkpointed blocks 6-8% under without; a convolution's gradients are summed in
+    place). ``follower``: a tensor-parallel device other
     than the first (:func:`_unit_state`, :func:`_saved`); a checkpointed block's input is kept on the first,
     with ``kept_saves[i]``, what the ``"auto"`` save rule keeps of unit ``i`` (the whole batch's bytes)."""
     state = [_unit_state(u, t, follower) for u in units]
@@ -165,6 +170,9 @@ def _stage_memory(
     grads = [x[1] for x in state]
     # autograd adds each new gradient into the one held as soon as one module's backward makes it
     transient = max(map(min, zip(grads, (u.module_grad_bytes for u in units))), default=0) if accumulates and training else 0
+    if buffered and training:  # the first sum of a Linear weight's two gradients (views) makes a third tensor
+        transient += max((w.grad_bytes // t if _splits(w, t) else w.grad_bytes
+                          for u in units for w in u.shardable if w.kind == "linear"), default=0)  # fmt: skip
     moments = [(sum(grads), 0)]  # after backward (and at the optimizer step): every gradient, no activation
     if not sweep:
         recompute = max((saved[i] - kept[i] for i in range(len(units))), default=0)
@@ -247,8 +255,8 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         in_flight = (m if spec.schedule != "1f1b" else min(m, s_count - s)) if s_count > 1 else 1
         kinds = [_stage_memory(units, t, checkpointing=spec.checkpointing and training, share=share,
                                rest=share * (in_flight - 1), training=training, sweep=s_count == 1 or m == 1,
-                               accumulates=m > 1 or d > 1, follower=rank > 0,
-                               kept_saves=kept_saves[at:at + len(units)]) for rank in range(min(t, 2))]  # fmt: skip
+                               accumulates=m > 1 or d > 1, follower=rank > 0, kept_saves=kept_saves[at:at + len(units)],
+                               buffered=training and m > 1 and spec.schedule != "1f1b") for rank in range(min(t, 2))]  # fmt: skip
         at += len(units)
         per_device += [dict(kinds[min(r % t, 1)]) for r in range(d * t)]  # tp innermost: rank r is tp rank r % t
     seconds = step_seconds(profile, dict(spec.layout), stages, m, recomputed, calibration)

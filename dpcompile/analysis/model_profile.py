@@ -61,6 +61,9 @@ class Unit:
     attention_kv_bytes: int = 0
     attention_flops: float = 0.0
     attention_causal: bool = True
+    # its first attention's heads and their total width (tensor parallelism splits its projections by heads)
+    attention_heads: int = 0
+    attention_width: int = 0
 
 
 @dataclass(frozen=True)
@@ -439,6 +442,8 @@ def _record_attention(unit: Unit, op: str, args: Sequence[Any], kwargs: Mapping[
     at = _CAUSAL_AT.get(op)
     causal = kwargs.get("is_causal", args[at] if at is not None and len(args) > at else False)
     unit.attention_causal = unit.attention_causal and causal is True
+    if query.dim() == 4 and not unit.attention_heads:  # (batch, heads, queries, head width)
+        unit.attention_heads, unit.attention_width = int(query.shape[1]), int(query.shape[1] * query.shape[-1])
 
 
 def _returns_loss(out: Any) -> bool:

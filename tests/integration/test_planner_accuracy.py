@@ -212,3 +212,22 @@ def test_a_one_f_one_b_last_stage_holds_the_logits_it_returns_once_gathered():
     for d in LABELS:
         total = sum(predicted[d].values())
         assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
+
+
+def test_tensor_parallel_splits_attention_by_whole_heads():
+    """3 heads over 2 devices: the first holds 2 heads' projections, the second 1 (not halves, which
+    put the second device 15% over what it measured)."""
+    spec = LayoutSpec((("tp", 2),), checkpointing=True)
+    make = lambda: TinyEncoder(d=48, heads=3)  # noqa: E731
+    x = (torch.randn(4, 16, 48),)
+    planned = plan_layouts(make(), LABELS, dict.fromkeys(LABELS, 1 << 40), optimizer="sgd", training=True,
+                           example_inputs=x, example_kwargs=None, device=torch.device("cpu"), specs=[spec])  # fmt: skip
+    predicted = planned.candidates[0].per_device
+    torch.manual_seed(0)
+    pm = dpcompile.transform(make(), ["cpu"] * 2, example_inputs=x, optimizer="sgd", **Candidate(spec).keywords())
+    measured = dpcompile.measure(pm, *x)
+    for d in LABELS:
+        held = measured.memory_estimate[d]["parameters"]  # explain's count of what the device holds
+        assert abs(predicted[d]["parameters"] - held) <= 0.01 * held, (d, predicted[d]["parameters"], held)
+        total = sum(predicted[d].values())
+        assert abs(total - measured.peak_bytes[d]) <= 0.10 * measured.peak_bytes[d], (d, total, measured.peak_bytes[d])

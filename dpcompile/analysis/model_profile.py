@@ -61,6 +61,9 @@ class Unit:
     attention_kv_bytes: int = 0
     attention_flops: float = 0.0
     attention_causal: bool = True
+    # its first attention's heads and their total width (tensor parallelism splits its projections by heads)
+    attention_heads: int = 0
+    attention_width: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class ModelProfile:
     training: bool
     optimizer: str | None
     returns_loss: bool = False  # forward returns a scalar (its own loss): what a 1F1B schedule needs
+    output_bytes: int = 0  # the floating tensors forward returns beside a scalar loss (a causal LM's logits)
     sequence: int | None = None  # the queries' length of the first attention (None: no attention found)
 
     @property
@@ -352,6 +356,7 @@ def _profile(
         training=training,
         optimizer=optimizer,
         returns_loss=_returns_loss(out),
+        output_bytes=_output_bytes(out),
         sequence=sequence[0],
     )
 
@@ -437,12 +442,22 @@ def _record_attention(unit: Unit, op: str, args: Sequence[Any], kwargs: Mapping[
     at = _CAUSAL_AT.get(op)
     causal = kwargs.get("is_causal", args[at] if at is not None and len(args) > at else False)
     unit.attention_causal = unit.attention_causal and causal is True
+    if query.dim() == 4 and not unit.attention_heads:  # (batch, heads, queries, head width)
+        unit.attention_heads, unit.attention_width = int(query.shape[1]), int(query.shape[1] * query.shape[-1])
 
 
 def _returns_loss(out: Any) -> bool:
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
     leaves = [loss] if isinstance(loss, torch.Tensor) else tree_leaves(out)
     return any(isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() for t in leaves)
+
+
+def _output_bytes(out: Any) -> int:
+    """The bytes of the floating tensors of ``out`` that are not scalars (a loss)."""
+    leaves = tree_leaves(list(out.values()) if isinstance(out, Mapping) else out)
+    storages = {_key(t): t.untyped_storage().nbytes() for t in leaves
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_floating_point()}  # fmt: skip
+    return sum(storages.values())
 
 
 def _key(t: torch.Tensor) -> int:

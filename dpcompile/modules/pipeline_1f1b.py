@@ -159,6 +159,7 @@ class OneFOneBStep:
         self.counts_known = not any(c in stateful for c in self.counts if isinstance(c, fx.Node))
         self.readers = {n: {self.unit_of[u] if u in self.unit_of else None for u in n.users} for n in self.unit_of}
         self.dead_after = {unit: _dead_after(unit_nodes) for unit, unit_nodes in self.units.items()}
+        self.tail_dead_after = _tail_dead_after(self.tail, self.output)
         self.runner = _Runner(program)
 
     # ------------------------------------------------------------------ the step
@@ -248,12 +249,18 @@ class _StepState:
         env = _TailEnv(self)
         self.runner.env = env
         guarded = {self.step.loss}  # the loss, and the loss sent to the output device (not the last stage's)
-        for n in self.step.tail:  # only the loss is attached to a graph (the guard below): the rest is detached
+        # only the loss is attached to a graph (the guard below): the rest is detached; what no later
+        # tail node nor the output reads goes (each micro-batch's logits once gathered: measured, the last
+        # stage held them beside the gathered logits and the outputs' copies, 3x the logits at the end)
+        for i, n in enumerate(self.step.tail):
             with torch.no_grad():
                 env[n] = self.runner.run_node(n)
             if n is self.step.loss or (n.target is runtime.send and n.args[0] in guarded):
                 env[n] = backward_done(env[n])
                 guarded.add(n)
+            for dead in self.step.tail_dead_after[i]:
+                env.pop(dead, None)
+                self.kept.pop(dead, None)
 
         def returned(n: fx.Node) -> Any:  # the loss is guarded above; inputs returned as they are keep their graph
             if n in guarded or n.op == "placeholder" or not torch.is_grad_enabled():
@@ -345,6 +352,20 @@ def _dead_after(nodes: list[fx.Node]) -> list[tuple[fx.Node, ...]]:
     dead: list[list[fx.Node]] = [[] for _ in nodes]
     for n, i in last.items():
         dead[i].append(n)
+    return [tuple(d) for d in dead]
+
+
+def _tail_dead_after(tail: list[fx.Node], output: fx.Node) -> list[tuple[fx.Node, ...]]:
+    """Per tail node (in order), the values it reads that no later tail node and not the output read."""
+    last: dict[fx.Node, int] = {}
+    for i, n in enumerate(tail):
+        for a in n.all_input_nodes:
+            last[a] = i
+    returned = set(output.all_input_nodes)
+    dead: list[list[fx.Node]] = [[] for _ in tail]
+    for a, i in last.items():
+        if a not in returned:
+            dead[i].append(a)
     return [tuple(d) for d in dead]
 
 

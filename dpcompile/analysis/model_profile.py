@@ -51,6 +51,8 @@ class Unit:
     ops: int = 0  # aten ops its forward dispatches (what a step's fixed per-op cost multiplies)
     # its own module's forward dispatched an op (the captured graph has a node of it: a stage can start there)
     calls_ops: bool = True
+    # a BatchNorm of it normalises by the batch's statistics: a pipeline's micro-batches meet there
+    batch_norm: bool = False
     op_bytes: int = 0  # bytes those ops write (what memory-bound ops take time over)
     linear_inputs: int = 0  # distinct inputs its shardable layers read (q, k, v: one)
     shardable: list[ShardableWeight] = field(default_factory=list)
@@ -342,6 +344,7 @@ def _profile(
     count_params(model, "pre", True)  # never called: counted with the first unit
     for path, module, _ in units_of if training else ():
         units[path].module_grad_bytes = max(_own_grad_bytes(m) for m in module.modules())
+        units[path].batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
     for unit, size, sharded in saved.values():
         units[unit].saved_bytes += size
         units[unit].sharded_saved_bytes += size if sharded else 0

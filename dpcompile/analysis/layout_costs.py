@@ -80,10 +80,11 @@ class Prediction:
 def cut_units(units: Sequence[Unit], stages: int) -> list[list[Unit]] | None:
     """``units`` cut into ``stages`` contiguous runs minimising the largest run's FLOPs (parameter
     bytes break ties), each after the first starting at a unit whose module runs ops of its own (the
-    pipeline pass is told to cut there: :func:`stage_starts`); None where no such cut exists.
+    graph has a node of it to cut before); None where no such cut exists.
 
     The one cut of a pipeline: the planner predicts these stages and builds them (``pipeline=`` the
-    module paths of :func:`stage_starts`), so what it predicts is what the pass cuts."""
+    module paths of :func:`stage_starts`), so what it predicts is what the pass cuts (a pipeline of
+    tensor-parallel shards excepted: its pass keeps a column and its row layer in one stage)."""
     n = len(units)
     if n < stages:
         return None

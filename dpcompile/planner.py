@@ -42,6 +42,7 @@ class Candidate:
     step_time: float = 0.0
     rejected: str | None = None  # None: the one chosen
     fits: bool = False
+    stage_starts: tuple[str, ...] = ()  # a pipeline's: the module paths where its predicted stages 1.. start
 
     @property
     def peak(self) -> int:
@@ -61,8 +62,9 @@ class Candidate:
             out["tensor_parallel"] = True
         if spec.sequence_parallel:
             out["sequence_parallel"] = True
-        if spec.size("pp") > 1:
-            out.update(pipeline=spec.size("pp"), micro_batches=spec.micro_batches, schedule=spec.schedule)
+        if spec.size("pp") > 1:  # the stages cut where the prediction cuts them
+            pipeline = list(self.stage_starts) or spec.size("pp")
+            out.update(pipeline=pipeline, micro_batches=spec.micro_batches, schedule=spec.schedule)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,6 +209,7 @@ def plan_layouts(
             if auto_checkpointing and training:
                 _add_gradient_transient(candidate, profile)
             candidate.step_time = prediction.step_time
+            candidate.stage_starts = prediction.stage_starts
             over = [d for d, kinds in candidate.per_device.items() if sum(kinds.values()) > budgets[d]]
             candidate.fits = not over
             if over:

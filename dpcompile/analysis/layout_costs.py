@@ -7,7 +7,8 @@ repeated blocks are recomputed in backward. :func:`predict` gives, per device, t
 the step's seconds:
 
 - parameters, gradients, optimizer state: the units each device holds (a pipeline's stages are the
-  units cut into contiguous runs of near-equal FLOPs), Linear / Embedding weights split ``tp`` ways
+  units cut into contiguous runs of near-equal FLOPs, :func:`cut_units`, where the planner's build
+  then cuts too), Linear / Embedding weights split ``tp`` ways
   where their sizes divide;
 - activations: what autograd saves for backward; data parallel: the device's share of the batch; a
   pipeline stage: its units' share, all micro-batches under GPipe, ``min(M, S - s)`` of ``M`` under
@@ -33,7 +34,7 @@ from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
 from dpcompile.analysis.save_choice import kept_width
 from dpcompile.analysis.step_time import step_seconds
 
-__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "predict"]
+__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "predict", "stage_starts"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Prediction:
     per_device: list[dict[str, int]]  # one per device, in the layout's device order
     step_time: float
     unbuildable: str | None = None  # why this layout cannot be built for this model
+    stage_starts: tuple[str, ...] = ()  # a pipeline's (not of tp shards): where stages 1.. start, as predicted
 
     @property
     def peak(self) -> int:
@@ -77,7 +79,12 @@ class Prediction:
 
 def cut_units(units: Sequence[Unit], stages: int) -> list[list[Unit]] | None:
     """``units`` cut into ``stages`` contiguous runs minimising the largest run's FLOPs (parameter
-    bytes break ties); None where there are fewer units than stages."""
+    bytes break ties), each after the first starting at a unit whose module runs ops of its own (the
+    graph has a node of it to cut before); None where no such cut exists.
+
+    The one cut of a pipeline: the planner predicts these stages and builds them (``pipeline=`` the
+    module paths of :func:`stage_starts`), so what it predicts is what the pass cuts (a pipeline of
+    tensor-parallel shards excepted: its pass keeps a column and its row layer in one stage)."""
     n = len(units)
     if n < stages:
         return None
@@ -92,14 +99,24 @@ def cut_units(units: Sequence[Unit], stages: int) -> list[list[Unit]] | None:
     for s in range(1, stages + 1):
         for j in range(s, n + 1):
             for i in range(s - 1, j):
+                if s > 1 and not units[i].calls_ops:
+                    continue
                 value = max(best[s - 1][i], prefix[j] - prefix[i])
                 if value < best[s][j]:
                     best[s][j], cut[s][j] = value, i
+    if best[stages][n] == inf:
+        return None
     bounds, j = [], n
     for s in range(stages, 0, -1):
         bounds.append((cut[s][j], j))
         j = cut[s][j]
     return [list(units[a:b]) for a, b in reversed(bounds)]
+
+
+def stage_starts(stages: Sequence[Sequence[Unit]]) -> tuple[str, ...]:
+    """The module paths where stages 1.. of :func:`cut_units` start: ``transform(pipeline=...)``'s
+    keyword that builds that cut."""
+    return tuple(stage[0].name for stage in stages[1:])
 
 
 def _splits(w: ShardableWeight, t: int) -> bool:
@@ -274,8 +291,12 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
     for s, units in enumerate(stages):
         in_flight = (m if spec.schedule != "1f1b" else min(m, s_count - s)) if s_count > 1 else 1
         last_1f1b = training and spec.schedule == "1f1b" and s == s_count - 1  # its tail keeps the outputs
-        kinds = [_stage_memory(units, t, checkpointing=spec.checkpointing and training, share=share,
-                               rest=share * (in_flight - 1), training=training, sweep=s_count == 1 or m == 1,
+        # GPipe's micro-batches meet at each BatchNorm (the whole batch's statistics): their backwards go
+        # in step, as one sweep of the whole batch (measured: else a stage of them 10-15% under)
+        lockstep = spec.schedule != "1f1b" and m > 1 and any(u.batch_norm for u in units)
+        sweeping, held = (share * m, 1) if lockstep else (share, in_flight)
+        kinds = [_stage_memory(units, t, checkpointing=spec.checkpointing and training, share=sweeping,
+                               rest=sweeping * (held - 1), training=training, sweep=s_count == 1 or m == 1 or lockstep,
                                accumulates=m > 1 or d > 1, follower=rank > 0, kept_saves=kept_saves[at:at + len(units)],
                                buffered=training and m > 1 and spec.schedule != "1f1b",
                                outputs=profile.output_bytes if last_1f1b and rank == 0 else 0)
@@ -284,4 +305,6 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         per_device += [dict(kinds[min(r % t, 1)]) for r in range(d * t)]  # tp innermost: rank r is tp rank r % t
     seconds = step_seconds(profile, dict(spec.layout), stages, m, recomputed, calibration)
     assert all(set(k) == set(KINDS) for k in per_device)
-    return Prediction(per_device, seconds)
+    # a pipeline of tensor-parallel shards is cut by its own rule (not between a column and a row layer)
+    starts = stage_starts(stages) if s_count > 1 and t == 1 else ()
+    return Prediction(per_device, seconds, stage_starts=starts)

@@ -49,6 +49,10 @@ class Unit:
     input_bytes: int = 0
     flops: int = 0
     ops: int = 0  # aten ops its forward dispatches (what a step's fixed per-op cost multiplies)
+    # its own module's forward dispatched an op (the captured graph has a node of it: a stage can start there)
+    calls_ops: bool = True
+    # a BatchNorm of it normalises by the batch's statistics: a pipeline's micro-batches meet there
+    batch_norm: bool = False
     op_bytes: int = 0  # bytes those ops write (what memory-bound ops take time over)
     linear_inputs: int = 0  # distinct inputs its shardable layers read (q, k, v: one)
     shardable: list[ShardableWeight] = field(default_factory=list)
@@ -183,7 +187,7 @@ def _profile(
     kwargs = dict(kwargs or {})
     units_of = _unit_modules(model, blocks)
     unit_names = {id(m): path for path, m, _ in units_of}
-    units = {"pre": Unit("pre")} | {path: Unit(path, block=block) for path, _, block in units_of}
+    units = {"pre": Unit("pre")} | {path: Unit(path, block=block, calls_ops=False) for path, _, block in units_of}
     order: list[str] = ["pre"]
     state = {"current": "pre"}
     tensors = [t for t in [*model.parameters(), *model.buffers(), *args, *kwargs.values()] if isinstance(t, torch.Tensor)]
@@ -226,6 +230,7 @@ def _profile(
         count_params(module, name, True)
 
     def leave(module: nn.Module, inputs: Any, output: Any) -> None:
+        units[state["current"]].calls_ops |= flops_at["ops"] > 0
         _close(units[state["current"]], counter, flops_at)  # what runs up to the next unit counts here too
 
     def called(module: nn.Module, inputs: Any) -> None:
@@ -343,6 +348,7 @@ def _profile(
     count_params(model, "pre", True)  # never called: counted with the first unit
     for path, module, _ in units_of if training else ():
         units[path].module_grad_bytes = max(_own_grad_bytes(m) for m in module.modules())
+        units[path].batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
     for unit, size, sharded in saved.values():
         units[unit].saved_bytes += size
         units[unit].sharded_saved_bytes += size if sharded else 0

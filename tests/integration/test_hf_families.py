@@ -1,0 +1,73 @@
+"""transformers families beyond the ones the other model tests hold (ALBERT, BART, Whisper, Phi,
+Gemma 2, CLIP, ...), tiny configs with random weights, float64: what once failed on them.
+
+- ``activation_checkpointing=True`` on a model whose blocks are one-item lists: ALBERT's one layer
+  group run by every layer, a one-layer encoder-decoder's ``layers.0`` on each side.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.analysis.checkpoint_regions import checkpoint_paths
+from tests.thirdparty import import_or_skip
+
+V = 32
+
+
+class SharedBlockStack(nn.Module):
+    """ALBERT's shape: a one-item ``ModuleList`` whose block every layer runs."""
+
+    def __init__(self, d: int = 8, layers: int = 3):
+        super().__init__()
+        self.groups = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh())])
+        self.layers = layers
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):
+        for _ in range(self.layers):
+            x = self.groups[0](x)
+        return self.head(x).pow(2).mean()
+
+
+def _assert_step_equals_eager(pm, model, eager, *args, **kwargs):
+    got, want = pm(*args, **kwargs), eager(*args, **kwargs)
+    got, want = (got, want) if isinstance(got, torch.Tensor) else (got.loss, want.loss)
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_checkpointing_true_recomputes_a_lone_block_every_layer_runs():
+    """True on blocks in a one-item list recomputes that item at each of its runs (it was refused)."""
+    torch.manual_seed(0)
+    model = SharedBlockStack().double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=True)
+    assert pm.strategies["activation_checkpointing"] == "recompute in backward: groups.0"
+    assert "dpcompile_runtime_checkpoint(groups_0" in pm.code
+    _assert_step_equals_eager(pm, model, eager, torch.randn(6, 8, dtype=torch.float64))
+
+
+def test_checkpointing_true_picks_albert_and_one_layer_bart_blocks():
+    """The blocks True recomputes on ALBERT (its one layer group, not the one-item list inside it) and
+    on a one-layer BART (each side's layer); a whole ALBERT step recomputing it equals eager's
+    (float64, 2 virtual devices) in the probes, a capture too slow for the suite."""
+    T = import_or_skip("transformers")
+    albert = T.AlbertModel(T.AlbertConfig(vocab_size=V, embedding_size=8, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16))  # fmt: skip
+    assert checkpoint_paths(albert, True) == ("encoder.albert_layer_groups.0",)
+    bart = T.BartModel(T.BartConfig(vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                    decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                    max_position_embeddings=16))  # fmt: skip
+    assert checkpoint_paths(bart, True) == ("encoder.layers.0", "decoder.layers.0")
+    two_layers = T.BartModel(T.BartConfig(vocab_size=V, d_model=16, encoder_layers=2, decoder_layers=1,
+                                          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                          decoder_ffn_dim=32, max_position_embeddings=16))  # fmt: skip
+    assert checkpoint_paths(two_layers, True) == ("encoder.layers.0", "encoder.layers.1")  # the largest list, as before

@@ -3,6 +3,7 @@ Gemma 2, CLIP, ...), tiny configs with random weights, float64: what once failed
 
 - ``activation_checkpointing=True`` on a model whose blocks are one-item lists: ALBERT's one layer
   group run by every layer, a one-layer encoder-decoder's ``layers.0`` on each side.
+- tensor parallelism through DeBERTa-v2's loss, whose rows are gathered by a ``nonzero`` index.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile.analysis.checkpoint_regions import checkpoint_paths
+from tests.helpers import full_gradients
 from tests.thirdparty import import_or_skip
 
 V = 32
@@ -71,3 +73,37 @@ def test_checkpointing_true_picks_albert_and_one_layer_bart_blocks():
                                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
                                           decoder_ffn_dim=32, max_position_embeddings=16))  # fmt: skip
     assert checkpoint_paths(two_layers, True) == ("encoder.layers.0", "encoder.layers.1")  # the largest list, as before
+
+
+class LabelledRowsLoss(nn.Module):
+    """DeBERTa-v2's classification loss: the logits of the rows whose label is not negative,
+    ``gather``ed by an index ``nonzero`` counts (a size known only at run time)."""
+
+    def __init__(self, d: int = 8, labels: int = 4):
+        super().__init__()
+        self.body, self.head = nn.Linear(d, d), nn.Linear(d, labels)
+
+    def forward(self, x, labels):
+        logits = self.head(torch.tanh(self.body(x)))
+        index = (labels >= 0).nonzero()
+        labelled = torch.gather(logits, 0, index.expand(index.size(0), logits.size(1)))
+        return nn.functional.cross_entropy(labelled, torch.gather(labels, 0, index.view(-1)))
+
+
+def test_tensor_parallel_gathers_rows_by_a_nonzero_count_as_eager():
+    """A column-sharded head's logits gathered by a ``nonzero`` index (DeBERTa-v2's loss): the sharding
+    analysis no longer asks the run-time count whether it equals the shard extent (a guard error);
+    the loss and every gradient equal eager's."""
+    torch.manual_seed(0)
+    model = LabelledRowsLoss().double()
+    eager = copy.deepcopy(model)
+    x, labels = torch.randn(6, 8, dtype=torch.float64), torch.tensor([0, -1, 3, 2, -1, 1])
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel={"body": "column", "head": "column"},
+                             example_inputs=(x, labels), frontend="export")  # fmt: skip
+    got, want = pm(x, labels), eager(x, labels)
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    grads = full_gradients(pm)
+    for name, q in eager.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

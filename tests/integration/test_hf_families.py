@@ -4,12 +4,14 @@ Gemma 2, CLIP, ...), tiny configs with random weights, float64: what once failed
 - ``activation_checkpointing=True`` on a model whose blocks are one-item lists: ALBERT's one layer
   group run by every layer, a one-layer encoder-decoder's ``layers.0`` on each side.
 - tensor parallelism through DeBERTa-v2's loss, whose rows are gathered by a ``nonzero`` index.
+- a pipeline's exact dropout where a stage runs Phi's two ``resid_dropout`` calls out of order.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -107,3 +109,32 @@ def test_tensor_parallel_gathers_rows_by_a_nonzero_count_as_eager():
     grads = full_gradients(pm)
     for name, q in eager.named_parameters():
         torch.testing.assert_close(grads[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class TwoDropoutsOneWhole(nn.Module):
+    """Phi's parallel block, reduced: one ``nn.Dropout`` called on two branches, the first of which
+    reads a value of the whole batch (Phi's attention reads its mask, made on the gathered batch)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.attn, self.mlp, self.drop, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Dropout(0.5), nn.Linear(d, 2)
+
+    def forward(self, x):
+        attended = self.drop(self.attn(x - x.mean(0)))
+        return self.head(torch.tanh(attended + self.drop(self.mlp(x)))).pow(2).mean()
+
+
+@pytest.mark.parametrize("layout", [{"pipeline": ["head"]}, {"mesh": {"pp": 2, "dp": 2}, "pipeline": ["head"]}])
+def test_pipeline_draws_dropout_sites_in_the_models_order(layout):
+    """A GPipe stage runs micro-batch 0's second dropout before its first (the first waits for the
+    whole batch): each site still draws its whole mask in the model's order, so the loss and every
+    gradient equal eager's from the same seed (micro-batch 0's order drew the masks swapped)."""
+    torch.manual_seed(0)
+    model = TwoDropoutsOneWhole().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * (4 if "mesh" in layout else 2), micro_batches=2, **layout)
+    torch.manual_seed(5)
+    got = pm(x)
+    torch.manual_seed(5)
+    _assert_step_equals_eager(lambda *a: got, model, eager, x)

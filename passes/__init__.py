@@ -39,7 +39,7 @@ from passes.context_parallel import find_sequence_attention, insert_sequence_exc
 from passes.cut_stage import cut_stage
 from passes.data_parallel import insert_scatter_gather
 from passes.decompose_attention import decompose_attention
-from passes.exact_random import draw_random_whole, find_random_sites
+from passes.exact_random import draw_random_whole, find_random_sites, number_random_sites
 from passes.exact_random_mesh import rank_batch_input, stamp_rank_cols, stamp_rank_rows
 from passes.expand_shards import expand_shards
 from passes.flatten_parameters import find_flatten_sites, hoist_flatten_parameters
@@ -180,7 +180,8 @@ def pipeline_parallel_pipeline(
     split as data parallelism splits a batch (over ``micro_batches`` virtual devices), then each
     stage placed on its device with explicit sends, in GPipe order. ``split_always``: split even one
     micro-batch (1F1B backwards each micro-batch's loss *sum*, which the split writes)."""
-    out: list[Pass] = [functools.partial(split_stages, plan=plan)]
+    numbered: list[Pass] = [number_random_sites] if options.exact_random else []
+    out: list[Pass] = [*numbered, functools.partial(split_stages, plan=plan)]
     if micro_batches > 1 or split_always:
         micro = Devices((options.devices.primary,) * micro_batches)
         out.append(functools.partial(insert_scatter_gather, devices=micro, input_dims=options.input_dims,
@@ -282,6 +283,7 @@ __all__ = [
     "find_sequence_region",
     "decompose_attention",
     "draw_random_whole",
+    "number_random_sites",
     "exact_random_pipeline",
     "exact_random_rank_pipeline",
     "rank_rows_pipeline",

@@ -47,6 +47,7 @@ from dpcompile.infra import PassResult, stamp
 PASS = "draw_random_whole"
 ROWS = "dpcompile_rows"
 COLS = "dpcompile_cols"
+ORDER = "dpcompile_random_order"  # gm.meta: each random op's place in the captured program (number_random_sites)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,38 @@ def find_random_sites(gm: fx.GraphModule, scopes: tuple[str, ...] = ()) -> list[
     return [RandomSite(source, kind, tuple(nodes)) for source, (kind, nodes) in sites.items()]
 
 
+def number_random_sites(gm: fx.GraphModule) -> PassResult:
+    """Record each random op of the captured program by its place in program order
+    (``gm.meta[ORDER]``: ``{source: place}``, the source its lowered pieces carry), so that
+    ``draw_random_whole`` draws the sites in the user's order even where the lowered program runs a
+    later site's piece first (a GPipe stage's first micro-batch running Phi's MLP dropout before
+    its attention dropout)."""
+    sources = [n.meta.get("dpcompile_source", n.name) for n in gm.graph.nodes if random_kind(gm, n) is not None]
+    gm.meta[ORDER] = {source: place for place, source in enumerate(dict.fromkeys(sources))}
+    return PassResult(gm, False, {"numbered": len(gm.meta[ORDER])})
+
+
+def _draw_in_program_order(graph: fx.Graph, sites: list[RandomSite], order: dict[str, int]) -> list[RandomSite]:
+    """``sites`` in the captured program's order, each site's pieces moved after the previous site's
+    first piece where a lowering ran them earlier (a piece whose users come before stays: the order it
+    had). Where the sites are not numbered (``number_random_sites`` did not run), as they are."""
+    if not sites or any(s.source not in order for s in sites):
+        return sites
+    ordered = sorted(sites, key=lambda s: order[s.source])
+    previous: fx.Node | None = None
+    for site in ordered:
+        if previous is not None:
+            place = {n: i for i, n in enumerate(graph.nodes)}
+            anchor = previous
+            for node in sorted(site.nodes, key=place.__getitem__):
+                if place[node] < place[previous] and all(place[u] > place[previous] for u in node.users):
+                    anchor.append(node)
+                    anchor = node
+        place = {n: i for i, n in enumerate(graph.nodes)}
+        previous = min(site.nodes, key=place.__getitem__)
+    return ordered
+
+
 def draw_random_whole(
     gm: fx.GraphModule, *, rank_batch: tuple[str, int, int] | None = None, planned: bool = False,
     scopes: tuple[str, ...] = (),
@@ -86,7 +119,7 @@ def draw_random_whole(
     over_ranks = rank_batch is not None or planned
     sites = [_poisson_joinable(_sized_over_ranks(s, over_ranks), gm.graph, over_ranks=over_ranks)
              for s in find_random_sites(gm, scopes)]  # fmt: skip
-    exact = [s for s in sites if s.kind != "other"]
+    exact = _draw_in_program_order(gm.graph, [s for s in sites if s.kind != "other"], gm.meta.get(ORDER, {}))
     info: dict[str, Any] = {"exact": [s.source for s in exact], "per_device": [s.source for s in sites if s.kind == "other"]}
     if not exact:
         return PassResult(gm, False, info)

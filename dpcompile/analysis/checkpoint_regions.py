@@ -198,11 +198,30 @@ def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
     return tuple(best[3]) if best else ()
 
 
+def lone_blocks(model: nn.Module) -> tuple[str, ...]:
+    """The item of every one-item ``ModuleList`` / ``Sequential`` whose item is a block (it holds
+    parameters and submodules), outermost only: a one-layer BART's ``model.encoder.layers.0`` and
+    ``model.decoder.layers.0``, or ALBERT's one layer group that every layer runs
+    (``albert.encoder.albert_layer_groups.0``, its inner one-item list left out as part of it)."""
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) != 1:
+            continue
+        name, block = next(iter(module.named_children()))
+        item = f"{path}.{name}" if path else name
+        inside = any(item.startswith(f"{outer}.") for outer in found)
+        if not inside and any(True for _ in block.children()) and any(True for _ in block.parameters()):
+            found.append(item)
+    return tuple(found)
+
+
 def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[str, ...]:
     """The module paths to recompute in backward for ``activation_checkpointing=`` (False: none).
 
     An unknown path is an ``ArgumentError`` (a ``ValueError``) naming the nearest ones; ``True`` on a model without
-    repeated blocks is a ``DpCompileError`` saying to name the modules.
+    repeated blocks is a ``DpCompileError`` saying to name the modules. Where the blocks are lists
+    of one item (a one-layer encoder-decoder, ALBERT's shared layer run by every layer), ``True``
+    recomputes those items (:func:`lone_blocks`).
     """
     activation_checkpointing, _ = _regions_and_rule(activation_checkpointing)
     if activation_checkpointing is None or activation_checkpointing is False:
@@ -214,7 +233,7 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
             "paths to recompute"
         )
     if activation_checkpointing is True:
-        blocks = repeated_blocks(model)
+        blocks = repeated_blocks(model) or lone_blocks(model)
         if not blocks:
             raise DpCompileError(
                 "activation_checkpointing=True recomputes the items of the model's repeated blocks (a ModuleList or "
@@ -241,4 +260,4 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
     return paths
 
 
-__all__ = ["BUDGET_SCOPES", "byte_budget", "check_spec", "parse_bytes", "DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_words", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "repeated_blocks"]
+__all__ = ["BUDGET_SCOPES", "byte_budget", "check_spec", "parse_bytes", "DEFAULT_BUDGET", "SAVE_RULES", "checkpoint_words", "parse_save_rule", "checkpoint_paths", "checkpoint_save_rule", "lone_blocks", "repeated_blocks"]

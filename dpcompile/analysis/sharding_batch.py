@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from dpcompile import runtime
 from dpcompile.analysis.batch_positions import index_positions, running_sum_dim, table_rows
@@ -131,12 +132,13 @@ class _LastDimSharded:
 def _refuse_spanning_operands(ctx: LayoutContext, node: fx.Node, ref: Sharded) -> None:
     """A batch rule takes a replicated operand for one without the batch dim (a parameter); along a
     feature dim it may well span the sharded extent (``prelu``'s weight, ``diff``'s ``prepend``),
-    which each shard would read whole: refused, as the every-sample sweep found."""
+    which each shard would read whole: refused, as the every-sample sweep found. A size known only
+    at run time (the count of a ``nonzero``, as DeBERTa-v2's) may be the extent: refused too."""
     extent = sum(ref.sizes)
     for a in flat_nodes((node.args, node.kwargs)):
         value = node_val(a)
-        if not isinstance(ctx.layout(a), Sharded) and isinstance(value, torch.Tensor) and value.numel() > 1:
-            if extent in tuple(value.shape):
+        if not isinstance(ctx.layout(a), Sharded) and isinstance(value, torch.Tensor) and guard_or_true(value.numel() > 1):
+            if any(guard_or_true(d == extent) for d in value.shape):
                 raise NeedsWhole("a replicated operand has a dim of the sharded extent")
 
 

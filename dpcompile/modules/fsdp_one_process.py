@@ -196,6 +196,8 @@ def shard_over_dp(pm: nn.Module) -> None:
                 shared = module.parametrizations[leaf]
             else:  # a tied parameter: every module reads the same pieces
                 module.parametrizations[leaf] = shared
+            if not path:
+                _read_pieces_in_traced_root(pm, leaf, gather, shared)
             prefix = f"{path}." if path else ""
             pieces_of[name] = (spec, [f"{prefix}parametrizations.{leaf}.original{r}" for r in range(len(copies))])
     param_shards: dict[str, tuple[ShardSpec, list[str]]] = {}
@@ -217,6 +219,17 @@ def shard_over_dp(pm: nn.Module) -> None:
     }  # how explain counts what each copy holds (analysis.program_memory.held_parameter_bytes)
     pm.__dict__["_tp_param_shards"] = dict(tp_shards)  # what a variant traced again must shard as
     _key_again(pm)
+
+
+def _read_pieces_in_traced_root(pm: Any, leaf: str, gather: GatherShards, pieces: nn.Module) -> None:
+    """A parameter of the model's root (ViT's ``pos_embed``): the private copy of the root that a
+    program for another call is traced from (``pm.traced_model``, the other mode) reads the same
+    pieces, not the whole parameter it held before the pieces were made (stale after a step)."""
+    traced = pm.__dict__.get("traced_model")
+    if isinstance(traced, nn.Module) and traced is not pm and leaf in traced._parameters:
+        own_parametrized_class(traced)
+        parametrize.register_parametrization(traced, leaf, gather, unsafe=True)
+        traced.parametrizations[leaf] = pieces
 
 
 def _key_again(pm: Any) -> None:

@@ -290,3 +290,34 @@ def test_an_exported_program_switches_modes_on_its_pieces():
              for key, (spec, names) in pm.param_shards.items()}  # fmt: skip
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class RootParameterAndModeBranch(nn.Module):
+    """A parameter of the root itself (ViT's ``pos_embed``) and a forward that reads the mode, so
+    the other mode is a program traced again from the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.pos = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = self.fc(x + self.pos)
+        return self.head(h * 2 if self.training else h)
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"pp": 2, "dp": 2}])
+def test_the_other_mode_reads_a_root_parameters_pieces_after_a_step(mesh):
+    """The eval program, traced from the root's private copy, read the root parameter's whole
+    tensor from before the pieces were made: after an optimizer step, eval outputs were stale."""
+    torch.manual_seed(0)
+    model = RootParameterAndModeBranch().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2 * len(mesh), mesh=mesh, data_parallel="fsdp", example_inputs=(x,))
+    for module in (pm, reference):
+        module(x).sum().backward()
+        torch.optim.SGD(module.parameters(), lr=0.5).step()
+    pm.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), reference(x))

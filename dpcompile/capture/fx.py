@@ -11,6 +11,7 @@ The :class:`DpTracer` differs from ``torch.fx.Tracer`` in three ways:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -78,6 +79,12 @@ class DpTracer(fx.Tracer):
         if kind is not None:
             raise ShapeBranch(kind)
         return super().to_bool(obj)
+
+    def create_arg(self, a: Any) -> Any:
+        """An ``OrderedDict`` (torchvision's segmentation outputs) stays one: fx would write a dict literal."""
+        if type(a) is collections.OrderedDict:
+            return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
+        return super().create_arg(a)
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         """``forward(self, *inputs)`` traced as the examples call it: one placeholder per value

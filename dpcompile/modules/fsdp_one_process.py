@@ -149,8 +149,9 @@ def program_device(pm: Any, name: str, p: torch.Tensor) -> str:
     slot = (getattr(pm, "shard_param_slots", None) or {}).get(name)
     if slot is not None:
         return str(pm.devices[slot])
-    groups = getattr(pm, "stage_groups", None)
-    for stage in getattr(pm, "stages", None) or ():
+    # the program's own attributes, not a submodule the model names ``stages`` (timm's MetaFormer)
+    groups = pm.__dict__.get("stage_groups")
+    for stage in pm.__dict__.get("stages") or ():
         if any(name.startswith(f"{path}.") for path in stage.module_paths):
             return groups[stage.index][0] if groups else stage.device
     return str(pm.devices.primary) if p.device.type == pm.devices.primary.type else str(p.device)

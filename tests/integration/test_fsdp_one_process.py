@@ -321,3 +321,27 @@ def test_the_other_mode_reads_a_root_parameters_pieces_after_a_step(mesh):
     pm.eval(), reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(pm(x), reference(x))
+
+
+class HasStages(nn.Module):
+    """A submodule named ``stages`` (timm's MetaFormer, PoolFormer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.stages(x))
+
+
+def test_a_submodule_named_stages_is_not_taken_for_pipeline_stages():
+    """Placing the pieces read ``pm.stages`` and got the model's Sequential: AttributeError
+    ('Sequential' object has no attribute 'module_paths')."""
+    torch.manual_seed(0)
+    model = HasStages()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), reference(x))
+    torch.testing.assert_close(pm.state_dict(), reference.state_dict())

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
+from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
@@ -131,6 +132,9 @@ class DpTracer(fx.Tracer):
             return True
         if writes_parametrization_state(m):
             return False  # entered: its weight is one ``parametrizations.weight()`` call, run once per call as in eager
+        if parametrize.is_parametrized(m):  # as its own class is (a ``Parametrized*`` class lives in torch.nn)
+            original = type(m).__bases__[0]
+            return original.__module__.startswith(("torch.nn", "torch.ao.nn")) and not isinstance(m, nn.Sequential)
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root, concrete_args=None):

@@ -345,3 +345,33 @@ def test_a_submodule_named_stages_is_not_taken_for_pipeline_stages():
     pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp", example_inputs=(x,))
     torch.testing.assert_close(pm(x), reference(x))
     torch.testing.assert_close(pm.state_dict(), reference.state_dict())
+
+
+class BatchNormAct(nn.BatchNorm1d):
+    """timm's ``BatchNormAct2d``: a BatchNorm subclass of another module whose forward adds an activation."""
+
+    def forward(self, x):
+        h = nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training)
+        return torch.relu(h) * 3
+
+
+class NormActNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(8, 8), BatchNormAct(8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.norm(self.fc(x)))
+
+
+def test_the_other_mode_traces_a_parametrized_module_as_its_own_class():
+    """The eval program, traced after the pieces made each module a ``Parametrized*`` class of
+    torch.nn, took ``BatchNormAct`` for a plain BatchNorm leaf and dropped its activation."""
+    torch.manual_seed(0)
+    model = NormActNet()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp", example_inputs=(x,))
+    pm.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), reference(x))

@@ -219,8 +219,9 @@ def _components(nodes: set[fx.Node]) -> list[set[fx.Node]]:
 
 def _identifier(path: str) -> str:
     """A module path as a Python name: ``layers.0`` -> ``layers_0``; a top-level ``Sequential``'s
-    ``0`` -> ``module_0`` (generated code cannot name a variable ``0_module``)."""
-    name = path.replace(".", "_")
+    ``0`` -> ``module_0`` (generated code cannot name a variable ``0_module``); any other character a
+    name cannot hold (torchvision RegNet's ``block1-0``) -> ``_``."""
+    name = re.sub(r"\W", "_", path)
     return f"module_{name}" if name[:1].isdigit() else name
 
 

@@ -257,8 +257,8 @@ class _Builder:
         """``value`` where stage ``s`` reads it: sent there when it lives elsewhere."""
         new = self.env[value]
         if value.op == "placeholder":
-            if _is_runtime_call(consumer) and consumer.target in (runtime.scatter, runtime.to_device):
-                return new  # these move the user's input themselves
+            if _is_runtime_call(consumer) and consumer.target in (runtime.scatter, runtime.to_device, runtime.write_back):
+                return new  # these move the user's input themselves, or write into it
             return self._send(value, new, self.devices[s], f"{new.name}_to_stage{s}", s)
         if self.stage[value] == s:
             return new

@@ -98,9 +98,11 @@ def node_flops(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[str, int] | No
 
 
 @contextlib.contextmanager
-def _buffers_kept(module: Any) -> Iterator[None]:
-    """Run the block, then put ``module``'s real buffers (BatchNorm running statistics) back as they were."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers() if type(b) is torch.Tensor] if isinstance(module, nn.Module) else []
+def _buffers_kept(*values: Any) -> Iterator[None]:
+    """Run the block, then put the real buffers (BatchNorm running statistics) of every module in
+    ``values`` (a module called, or passed to a function: ``checkpoint(self.block, x)``) back as they were."""
+    modules = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, nn.Module)]
+    buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers() if type(b) is torch.Tensor]
     try:
         yield
     finally:
@@ -182,7 +184,7 @@ def node_flops_from_shapes(gm: fx.GraphModule) -> dict[str, int] | None:
         else:
             fn = target
         try:
-            with _buffers_kept(fn), fake[0].fake_mode, FlopCounterMode(display=False) as counter:
+            with _buffers_kept(fn, args, kwargs), fake[0].fake_mode, FlopCounterMode(display=False) as counter:
                 fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a figure, not a requirement
             log.debug("cannot count FLOPs of %s from its shapes: %s", node.name, e)

@@ -11,11 +11,11 @@ The :class:`DpTracer` differs from ``torch.fx.Tracer`` in three ways:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
 import operator
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -23,9 +23,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
+from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
+from dpcompile.capture.fx_checkpoint import record_checkpoints
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
 from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
 from dpcompile.capture.state import python_state_kept
@@ -79,6 +81,12 @@ class DpTracer(fx.Tracer):
             raise ShapeBranch(kind)
         return super().to_bool(obj)
 
+    def create_arg(self, a: Any) -> Any:
+        """An ``OrderedDict`` (torchvision's segmentation outputs) stays one: fx would write a dict literal."""
+        if type(a) is collections.OrderedDict:
+            return self.create_node("call_function", collections.OrderedDict, (super().create_arg(dict(a)),), {})
+        return super().create_arg(a)
+
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         """``forward(self, *inputs)`` traced as the examples call it: one placeholder per value
         (``inputs_0``, ``inputs_1``), each split like any argument, and ``inputs`` a tuple
@@ -124,6 +132,9 @@ class DpTracer(fx.Tracer):
             return True
         if writes_parametrization_state(m):
             return False  # entered: its weight is one ``parametrizations.weight()`` call, run once per call as in eager
+        if parametrize.is_parametrized(m):  # as its own class is (a ``Parametrized*`` class lives in torch.nn)
+            original = type(m).__bases__[0]
+            return original.__module__.startswith(("torch.nn", "torch.ao.nn")) and not isinstance(m, nn.Sequential)
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root, concrete_args=None):
@@ -139,7 +150,7 @@ class DpTracer(fx.Tracer):
         original = nn.RNNBase.flatten_parameters
         nn.RNNBase.flatten_parameters = recorded_flatten_parameters
         unpatch_calls = record_calls(tracer)
-        unpatch_checkpoint = _record_checkpoints(tracer, root)
+        unpatch_checkpoint = record_checkpoints(tracer, root)
         grad_switches, unpatch_grad_mode = _record_grad_mode(tracer)
         factories = {name: getattr(torch, name) for name in _SIZE_FACTORIES}
         for name, factory in factories.items():
@@ -249,48 +260,6 @@ def _keep_no_grad_blocks(graph: fx.Graph, switches: list[tuple[fx.Node | None, b
         detached.meta["stack_trace"] = node.meta.get("stack_trace", "")
         for user in outside:
             user.replace_input_with(node, detached)
-
-
-def _record_checkpoints(tracer: fx.Tracer, root: Any):
-    """Keep activation checkpointing: ``checkpoint(self.block, x, ...)`` inside forward becomes a
-    ``torch.utils.checkpoint.checkpoint`` node calling the submodule (run per device by data
-    parallelism) instead of being traced through and lost. Other callables are traced through,
-    as before. Returns the function that undoes the patch."""
-    import torch.utils.checkpoint as checkpointing
-
-    original = checkpointing.checkpoint
-
-    def recorded_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
-        module = function if isinstance(function, nn.Module) else None
-        if module is None and getattr(function, "__name__", None) == "forward" and isinstance(getattr(function, "__self__", None), nn.Module):
-            module = function.__self__
-        if module is None or not any(isinstance(a, fx.Proxy) for a in args):
-            return original(function, *args, **kwargs)
-        try:
-            path = tracer.path_of_module(module)
-        except NameError:  # not a submodule of the traced model
-            return original(function, *args, **kwargs)
-        ref = tracer.create_proxy("get_attr", path, (), {})
-        return tracer.create_proxy("call_function", original, (ref, *args), kwargs)
-
-    patched: list[tuple[dict, str]] = []
-    namespaces = [checkpointing.__dict__]
-    if isinstance(root, nn.Module):
-        for _, m in root.named_modules():
-            namespace = getattr(sys.modules.get(type(m).__module__), "__dict__", None)
-            if namespace is not None and namespace not in namespaces:
-                namespaces.append(namespace)
-    for namespace in namespaces:
-        for name, value in list(namespace.items()):
-            if value is original:
-                namespace[name] = recorded_checkpoint
-                patched.append((namespace, name))
-
-    def undo() -> None:
-        for namespace, name in patched:
-            namespace[name] = original
-
-    return undo
 
 
 _SHAPE_METHODS = ("size", "dim", "numel", "nelement")

@@ -21,6 +21,7 @@ dpcompile.export.allowlist.NotAllowed: 'torch.load' is not an op a loaded progra
 
 from __future__ import annotations
 
+import collections
 import functools
 import sys
 import types
@@ -61,7 +62,7 @@ STAND_INS: Mapping[str, type[nn.Module]] = types.MappingProxyType(
 )
 
 _registered: dict[str, type[nn.Module]] = {}
-_outputs: dict[str, type] = {}
+_outputs: dict[str, type] = {"collections.OrderedDict": collections.OrderedDict}  # torchvision's segmentation outputs
 
 
 def register_module_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -204,5 +205,6 @@ def output_fields() -> frozenset[str]:
 
     fields: set[str] = set()
     for cls in _outputs.values():
-        fields.update(getattr(cls, "_fields", ()) or (f.name for f in dataclasses.fields(cls)))
+        if dataclasses.is_dataclass(cls) or hasattr(cls, "_fields"):
+            fields.update(getattr(cls, "_fields", ()) or (f.name for f in dataclasses.fields(cls)))
     return frozenset(fields)

@@ -149,8 +149,9 @@ def program_device(pm: Any, name: str, p: torch.Tensor) -> str:
     slot = (getattr(pm, "shard_param_slots", None) or {}).get(name)
     if slot is not None:
         return str(pm.devices[slot])
-    groups = getattr(pm, "stage_groups", None)
-    for stage in getattr(pm, "stages", None) or ():
+    # the program's own attributes, not a submodule the model names ``stages`` (timm's MetaFormer)
+    groups = pm.__dict__.get("stage_groups")
+    for stage in pm.__dict__.get("stages") or ():
         if any(name.startswith(f"{path}.") for path in stage.module_paths):
             return groups[stage.index][0] if groups else stage.device
     return str(pm.devices.primary) if p.device.type == pm.devices.primary.type else str(p.device)
@@ -196,6 +197,8 @@ def shard_over_dp(pm: nn.Module) -> None:
                 shared = module.parametrizations[leaf]
             else:  # a tied parameter: every module reads the same pieces
                 module.parametrizations[leaf] = shared
+            if not path:
+                _read_pieces_in_traced_root(pm, leaf, gather, shared)
             prefix = f"{path}." if path else ""
             pieces_of[name] = (spec, [f"{prefix}parametrizations.{leaf}.original{r}" for r in range(len(copies))])
     param_shards: dict[str, tuple[ShardSpec, list[str]]] = {}
@@ -217,6 +220,17 @@ def shard_over_dp(pm: nn.Module) -> None:
     }  # how explain counts what each copy holds (analysis.program_memory.held_parameter_bytes)
     pm.__dict__["_tp_param_shards"] = dict(tp_shards)  # what a variant traced again must shard as
     _key_again(pm)
+
+
+def _read_pieces_in_traced_root(pm: Any, leaf: str, gather: GatherShards, pieces: nn.Module) -> None:
+    """A parameter of the model's root (ViT's ``pos_embed``): the private copy of the root that a
+    program for another call is traced from (``pm.traced_model``, the other mode) reads the same
+    pieces, not the whole parameter it held before the pieces were made (stale after a step)."""
+    traced = pm.__dict__.get("traced_model")
+    if isinstance(traced, nn.Module) and traced is not pm and leaf in traced._parameters:
+        own_parametrized_class(traced)
+        parametrize.register_parametrization(traced, leaf, gather, unsafe=True)
+        traced.parametrizations[leaf] = pieces
 
 
 def _key_again(pm: Any) -> None:

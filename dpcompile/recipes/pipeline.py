@@ -97,7 +97,7 @@ class PipelineRecipe(Recipe):
         return passes.PipelineOptions(
             devices=self.devices, input_dims=dict(input_dims or {}), output_device=self.output_device,
             exact_random=self.exact_random, context_parallel=self.context_parallel and input_dims is not None,
-            context_options=self.context_options,
+            context_options=self.context_options, write_back_inputs=True,
         )
 
     def lower(

@@ -56,3 +56,26 @@ def test_flops_from_shapes_equal_a_fake_run_export_capture():
     pm = dpcompile.transform(Attention(), ["cpu", "cpu"], frontend="export", example_inputs=(x,))
     from_shapes, from_run = _both(pm.captured, [x])
     assert from_shapes == from_run and sum(from_shapes.values()) > 0
+
+
+class _Checkpointed(nn.Module):
+    """``torch.utils.checkpoint.checkpoint(self.block, x)`` in forward: a call of a function that
+    takes the BatchNorm block as an argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return self.fc(h.mean((2, 3)))
+
+
+def test_transform_leaves_the_state_of_a_module_passed_to_a_function_untouched():
+    """Counting the checkpoint node's FLOPs ran the block on fake tensors, and BatchNorm's
+    ``num_batches_tracked += 1`` landed on the real buffer: one count ahead of eager from transform on."""
+    model = _Checkpointed().train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    dpcompile.transform(model, ["cpu", "cpu"], example_inputs=(torch.randn(2, 3, 6, 6),))
+    torch.testing.assert_close(model.state_dict(), state, rtol=0, atol=0)

@@ -396,3 +396,33 @@ def test_activation_checkpointing_one_f_one_b_recomputes_and_equals_eager():
     torch.testing.assert_close(loss, expected)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class DashedBlocks(nn.Module):
+    """Blocks named as torchvision's RegNet names them (``block1-0``): not Python identifiers."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential()
+        for i in range(2):
+            self.blocks.add_module(f"block1-{i}", nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_activation_checkpointing_in_a_pipeline_names_a_block_that_is_no_identifier():
+    """A region's argument was named after the module path: ``def forward(self, blocks_block1-0_module)``
+    was a SyntaxError (a PassError out of transform)."""
+    torch.manual_seed(0)
+    model = DashedBlocks()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, activation_checkpointing=True, example_inputs=(x,))
+    out, expected = pm(x), eager(x)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -3,6 +3,8 @@ not have is a clear error."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,6 +79,35 @@ def test_activation_checkpointing_kept_per_device():
     expected = Checkpointed()
     expected.load_state_dict(model.state_dict())
     ref = expected(x)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class CheckpointsAClosure(Checkpointed):
+    """torchvision's DenseNet with ``memory_efficient=True``: ``checkpoint`` of a local function."""
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+
+        def closure(t):
+            return self.block(t) * 2
+
+        return self.head(cp.checkpoint(closure, x, use_reentrant=False))
+
+
+def test_checkpoint_of_a_function_that_is_not_a_submodule_is_traced_through_with_a_warning():
+    """The program cannot call a closure: its body runs inline (no recompute, as the warning says),
+    and outputs and gradients equal eager's."""
+    model = CheckpointsAClosure()
+    expected = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"checkpoint\(.*closure.*not a submodule"):
+        pm = dpcompile.transform(model, ["cpu"] * 2)
+    assert "torch.utils.checkpoint" not in pm.code
+    x = torch.randn(6, 4)
+    out, ref = pm(x), expected(x)
     torch.testing.assert_close(out, ref)
     out.sum().backward()
     ref.sum().backward()

@@ -290,3 +290,88 @@ def test_an_exported_program_switches_modes_on_its_pieces():
              for key, (spec, names) in pm.param_shards.items()}  # fmt: skip
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class RootParameterAndModeBranch(nn.Module):
+    """A parameter of the root itself (ViT's ``pos_embed``) and a forward that reads the mode, so
+    the other mode is a program traced again from the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.pos = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = self.fc(x + self.pos)
+        return self.head(h * 2 if self.training else h)
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"pp": 2, "dp": 2}])
+def test_the_other_mode_reads_a_root_parameters_pieces_after_a_step(mesh):
+    """The eval program, traced from the root's private copy, read the root parameter's whole
+    tensor from before the pieces were made: after an optimizer step, eval outputs were stale."""
+    torch.manual_seed(0)
+    model = RootParameterAndModeBranch().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2 * len(mesh), mesh=mesh, data_parallel="fsdp", example_inputs=(x,))
+    for module in (pm, reference):
+        module(x).sum().backward()
+        torch.optim.SGD(module.parameters(), lr=0.5).step()
+    pm.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), reference(x))
+
+
+class HasStages(nn.Module):
+    """A submodule named ``stages`` (timm's MetaFormer, PoolFormer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.stages(x))
+
+
+def test_a_submodule_named_stages_is_not_taken_for_pipeline_stages():
+    """Placing the pieces read ``pm.stages`` and got the model's Sequential: AttributeError
+    ('Sequential' object has no attribute 'module_paths')."""
+    torch.manual_seed(0)
+    model = HasStages()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), reference(x))
+    torch.testing.assert_close(pm.state_dict(), reference.state_dict())
+
+
+class BatchNormAct(nn.BatchNorm1d):
+    """timm's ``BatchNormAct2d``: a BatchNorm subclass of another module whose forward adds an activation."""
+
+    def forward(self, x):
+        h = nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training)
+        return torch.relu(h) * 3
+
+
+class NormActNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(8, 8), BatchNormAct(8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.norm(self.fc(x)))
+
+
+def test_the_other_mode_traces_a_parametrized_module_as_its_own_class():
+    """The eval program, traced after the pieces made each module a ``Parametrized*`` class of
+    torch.nn, took ``BatchNormAct`` for a plain BatchNorm leaf and dropped its activation."""
+    torch.manual_seed(0)
+    model = NormActNet()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp", example_inputs=(x,))
+    pm.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), reference(x))

@@ -3,6 +3,7 @@ seq-first RNNs, PackedSequence, inputs without a batch, and ops that cannot be s
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -318,3 +319,30 @@ def test_transformer_layers_and_attention_run_per_device():
     pm = check_against_eager(EncoderAndAttention, ["cpu"] * 2, torch.randn(5, 6, 8), pad, atol=1e-4)
     (gather,) = [n for n in pm.graph.nodes if n.target is runtime.gather]  # the returned (out, weights)
     assert gather.args[1] == (0, 0)
+
+
+class SegmentationLike(nn.Module):
+    """torchvision's FCN / DeepLab: an ``OrderedDict`` of outputs ("out", "aux")."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        result = collections.OrderedDict()
+        result["out"] = self.head(torch.relu(self.body(x)))
+        result["aux"] = self.body(x)
+        return result
+
+
+@pytest.mark.parametrize("layout", [{}, {"pipeline": 2}], ids=["dp", "pp"])
+def test_an_ordered_dict_output_stays_one_through_export(layout, tmp_path):
+    """fx wrote the returned OrderedDict as a dict literal: the program returned a plain dict."""
+    model, x = SegmentationLike(), torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), **layout)
+    dpcompile.export(pm, tmp_path / "e")
+    expected = model(x)
+    for program in (pm, dpcompile.load(tmp_path / "e")):
+        got = program(x)
+        assert type(got) is collections.OrderedDict and list(got) == ["out", "aux"]
+        torch.testing.assert_close(dict(got), dict(expected))

@@ -128,3 +128,32 @@ def test_write_that_would_land_on_a_gathered_copy_is_refused_by_name():
     pm = dpcompile.transform(model, ["cpu"])
     x = torch.randn(B, 8)
     torch.testing.assert_close(pm(x), model(x))
+
+
+class WritesInputTwoLayers(WritesInput):
+    def __init__(self, form: str):
+        super().__init__(form)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(torch.tanh(super().forward(x)))
+
+
+@pytest.mark.parametrize(
+    ("form", "layout"), [("mul_", {"pipeline": 2}), ("setitem", {"mesh": {"pp": 2, "dp": 2}})], ids=["pp", "pp_dp"]
+)
+def test_input_written_in_place_in_a_pipeline_is_written_back(form, layout):
+    """Each micro-batch wrote into its slice of the input in place, a view sharing the input's version
+    counter: the next one's write invalidated what the first had saved for backward (a RuntimeError
+    in backward). Made functional and written back as data parallelism does."""
+    torch.manual_seed(0)
+    model = WritesInputTwoLayers(form)
+    eager = copy.deepcopy(model)
+    x = torch.randn(B, 8)
+    devices = ["cpu"] * (4 if "mesh" in layout else 2)
+    pm = dpcompile.transform(model, devices, example_inputs=(x.clone(),), micro_batches=2, **layout)
+    x_pm, x_eager = x.clone(), x.clone()
+    out, expected = pm(x_pm), eager(x_eager)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x_pm, x_eager)
+    assert_weighted_gradients_equal(model, eager, out, expected)

@@ -179,9 +179,10 @@ def pipeline_parallel_pipeline(
     """Lower a tidied graph to one program over the stages' devices: stages stamped, micro-batches
     split as data parallelism splits a batch (over ``micro_batches`` virtual devices), then each
     stage placed on its device with explicit sends, in GPipe order. ``split_always``: split even one
-    micro-batch (1F1B backwards each micro-batch's loss *sum*, which the split writes)."""
-    numbered: list[Pass] = [number_random_sites] if options.exact_random else []
-    out: list[Pass] = [*numbered, functools.partial(split_stages, plan=plan)]
+    micro-batch (1F1B backwards each micro-batch's loss *sum*, which the split writes). The random
+    sites are numbered first, whether or not this pipeline draws them (a pipeline of tensor-parallel
+    stages, dp x tp's copies, draws after ``expand_shards``)."""
+    out: list[Pass] = [number_random_sites, functools.partial(split_stages, plan=plan)]
     if micro_batches > 1 or split_always:
         micro = Devices((options.devices.primary,) * micro_batches)
         out.append(functools.partial(insert_scatter_gather, devices=micro, input_dims=options.input_dims,

@@ -32,6 +32,7 @@ def one_f_one_b_step(recipe: Any, pm: Any, key: CallKey) -> OneFOneBStep:
     plan = pm.stage_plan if captured is None else follow_plan(gm, pm.stage_plan)
     primary = recipe.devices.primary
     lowering = [
+        passes.number_random_sites,
         functools.partial(passes.split_stages, plan=plan),
         functools.partial(passes.insert_scatter_gather, devices=Devices((primary,) * key.devices),
                           input_dims=pm.input_dims, output_device=primary),

@@ -124,17 +124,39 @@ class TwoDropoutsOneWhole(nn.Module):
         return self.head(torch.tanh(attended + self.drop(self.mlp(x)))).pow(2).mean()
 
 
-@pytest.mark.parametrize("layout", [{"pipeline": ["head"]}, {"mesh": {"pp": 2, "dp": 2}, "pipeline": ["head"]}])
-def test_pipeline_draws_dropout_sites_in_the_models_order(layout):
-    """A GPipe stage runs micro-batch 0's second dropout before its first (the first waits for the
-    whole batch): each site still draws its whole mask in the model's order, so the loss and every
-    gradient equal eager's from the same seed (micro-batch 0's order drew the masks swapped)."""
+class TwoDropoutsOneByPosition(TwoDropoutsOneWhole):
+    """The same, the first branch reading each row's place in the batch (``arange`` of the batch size,
+    as Phi's causal mask is indexed): micro-batch 0's piece waits for every micro-batch's size."""
+
+    def forward(self, x):
+        rows = torch.arange(x.size(0), dtype=x.dtype).view(-1, 1).expand(x.size(0), x.size(1))
+        attended = self.drop(self.attn(x) + rows)
+        return self.head(torch.tanh(attended + self.drop(self.mlp(x)))).pow(2).mean()
+
+
+@pytest.mark.parametrize(("model_type", "devices", "layout"), [
+    (TwoDropoutsOneWhole, 2, {"pipeline": ["head"], "micro_batches": 2}),
+    (TwoDropoutsOneWhole, 4, {"mesh": {"pp": 2, "dp": 2}, "pipeline": ["head"], "micro_batches": 2}),
+    (TwoDropoutsOneByPosition, 2, {"pipeline": ["head"], "micro_batches": 2, "schedule": "1F1B"}),
+    (TwoDropoutsOneWhole, 4, {"mesh": {"dp": 2, "tp": 2}}),
+])  # fmt: skip
+def test_pipeline_draws_dropout_sites_in_the_models_order(model_type, devices, layout):
+    """A stage runs micro-batch 0's second dropout before its first (the first waits for the whole
+    batch, or every micro-batch's size); dp x tp's copies run the same lowering: each site still
+    draws its whole mask in the model's order, so the loss and every gradient equal eager's from the
+    same seed (micro-batch 0's order drew the masks swapped)."""
     torch.manual_seed(0)
-    model = TwoDropoutsOneWhole().double()
+    model = model_type().double()
     eager = copy.deepcopy(model)
     x = torch.randn(4, 8, dtype=torch.float64)
-    pm = dpcompile.transform(model, ["cpu"] * (4 if "mesh" in layout else 2), micro_batches=2, **layout)
+    pm = dpcompile.transform(model, ["cpu"] * devices, **layout)
     torch.manual_seed(5)
     got = pm(x)
     torch.manual_seed(5)
-    _assert_step_equals_eager(lambda *a: got, model, eager, x)
+    want = eager(x)
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {n: p.grad for n, p in model.named_parameters()}
+    for name, q in eager.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

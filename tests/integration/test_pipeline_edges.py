@@ -11,7 +11,7 @@
 - A model built on ``meta`` with ``pipeline=`` over a device list: it waits for its weights
   (``pm.needs_weights``), loads a checkpoint the real model wrote, then runs as eager; captured
   with torch.export, a non-persistent buffer the load computes (rotary ``inv_freq``) and a tied
-  head too (no ``ModelChanged`` at the first call).
+  head too (no ``ModelChanged`` at the first call); a buffer no config rebuilds is refused, named.
 """
 
 from __future__ import annotations
@@ -202,6 +202,24 @@ def test_pipeline_meta_model_exported_computes_buffers_and_keeps_ties(tmp_path, 
     assert dict(reference.named_parameters()).keys() <= grads.keys()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_pipeline_meta_model_refuses_a_buffer_it_cannot_compute_and_keeps_waiting(tmp_path):
+    """A non-persistent buffer whose module no config rebuilds (Gemma2's embed_scale): the load
+    raises a DpCompileError naming the buffer and the ways out; the program still waits."""
+    reference = TiedRotaryLM().double()
+    path = os.fspath(tmp_path / "model.safetensors")
+    dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(reference), ["cpu"]), path)
+    with torch.device("meta"):
+        model = TiedRotaryLM().double()
+    del model.config  # nothing to build Rotary(config) from
+    ids = torch.randint(0, 11, (4, 3))
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, example_inputs=(ids, ids), frontend="export")
+    with pytest.raises(
+        dpcompile.DpCompileError, match=r"'rotary.inv_freq' \(Rotary\).*include_buffers=False.*persistent=True"
+    ):
+        dpcompile.load_checkpoint(pm, path)
+    assert pm.needs_weights
 
 
 class Counted(nn.Module):

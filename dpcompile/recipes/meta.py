@@ -80,8 +80,21 @@ def compile_on_fake(
         return pm
     materialize(pm)
     write_known_values(pm, known)
+    read_exported_checks_again(pm)
     await_weights(pm, model, unset)
     return pm
+
+
+def read_exported_checks_again(pm: nn.Module) -> None:
+    """The guard of each program ``torch.export`` captured in ``pm`` takes the model as it is now.
+
+    A pipeline's stages hold modules of the fake copy the guard watches (a rotary embedding with
+    its ``inv_freq``, a tied embedding): :func:`~dpcompile.fake.materialize` just put real tensors
+    in their slots, a change dpcompile made itself, not one to refuse as ``ModelChanged``."""
+    for module in pm.modules():
+        exported = module.__dict__.get("_exported_check")
+        if exported is not None:
+            exported.read_again()
 
 
 @contextlib.contextmanager
@@ -140,4 +153,5 @@ __all__ = [
     "compile_on_fake",
     "meta_buffers",
     "on_fake",
+    "read_exported_checks_again",
 ]

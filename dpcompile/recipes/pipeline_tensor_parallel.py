@@ -20,6 +20,7 @@ a cut between a column layer and the row layer it feeds is refused, with the way
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.utils._pytree import tree_map
 
 import passes
@@ -55,6 +56,7 @@ from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe
+from dpcompile.recipes.constants import RealConstants, deepcopy_on_fake
 from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.pipeline import check_sequence_pipeline, place_stages, stage_weights
 from dpcompile.recipes.tensor_parallel import (
@@ -120,10 +122,12 @@ class PipelineTensorParallelRecipe(Recipe):
         groups = self.groups()
         shards = len(groups[0])
         state_keys, state_aliases = list(model.state_dict().keys()), tied_state_keys(model)
-        owned = copy.deepcopy(model)  # the user's model is never touched: pm owns its shards
-        gm, flags, none_args = capture_owning_everything(
-            owned, self.leaf_modules + linear_like_leaves(), example_inputs, none_args, flags
-        )
+        owned = deepcopy_on_fake(model)  # the user's model is never touched; an exported one may hold real constants
+        on_fake = any(is_fake(t) for t in (*owned.parameters(), *owned.buffers()))  # a meta model's fake copy
+        with RealConstants() if on_fake else contextlib.nullcontext():  # `torch.tensor([...])` in forward: a real constant
+            gm, flags, none_args = capture_owning_everything(
+                owned, self.leaf_modules + linear_like_leaves(), example_inputs, none_args, flags
+            )
         if passes.decompose_attention(gm).modified:
             gm.recompile()
         captured_code = gm.code

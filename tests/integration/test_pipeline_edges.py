@@ -9,7 +9,9 @@
 - A backward 1F1B cannot make exact (a loss combined from the returned logits, whose gradient
   would be dropped) raises, naming the ways out (which work); a plain ``loss.backward()`` still works.
 - A model built on ``meta`` with ``pipeline=`` over a device list: it waits for its weights
-  (``pm.needs_weights``), loads a checkpoint the real model wrote, then runs as eager.
+  (``pm.needs_weights``), loads a checkpoint the real model wrote, then runs as eager; captured
+  with torch.export, a non-persistent buffer the load computes (rotary ``inv_freq``) and a tied
+  head too (no ``ModelChanged`` at the first call); a buffer no config rebuilds is refused, named.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcompile
+from tests.helpers import full_gradients
 from tests.integration.test_pipeline import Stack, _stack_inputs
 
 
@@ -128,6 +131,95 @@ def test_pipeline_meta_model_loads_a_checkpoint_and_runs_as_eager(tmp_path, sche
     loss.backward()
     for (name, p), q in zip(pm.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class RotaryConfig:
+    width, vocab = 8, 11
+
+
+ROTARY_CONFIG = RotaryConfig()
+
+
+class Rotary(nn.Module):
+    """A rotary embedding's shape: ``inv_freq`` computed in ``__init__`` from the config,
+    ``persistent=False`` (no checkpoint holds it: loading builds ``Rotary(config)`` to get it)."""
+
+    def __init__(self, config):
+        super().__init__()
+        steps = torch.arange(config.width, dtype=torch.float64) / config.width
+        self.register_buffer("inv_freq", 1.0 / 10000**steps, persistent=False)
+
+    def forward(self, h):
+        return torch.cos(self.inv_freq * h.shape[1])
+
+
+class TiedRotaryLM(nn.Module):
+    """An embedding tied to the head, a rotary submodule, two blocks; a constant from Python data
+    (torch.export lifts it into the program: a real tensor beside the fake ones of a meta model)."""
+
+    def __init__(self, config=ROTARY_CONFIG):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab, config.width)
+        self.rotary = Rotary(config)
+        self.blocks = nn.ModuleList(nn.Linear(config.width, config.width) for _ in range(2))
+        self.head = nn.Linear(config.width, config.vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        cos = self.rotary(h)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h)) * cos
+        logits = self.head(h) * torch.tensor(0.5, dtype=h.dtype)
+        return logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("layout", [{"schedule": "gpipe"}, {"schedule": "1f1b"}, {"mesh": {"pp": 2, "tp": 2}}], ids=str)
+def test_pipeline_meta_model_exported_computes_buffers_and_keeps_ties(tmp_path, layout):
+    """A meta model captured with torch.export, under pipeline=2 (and pp x tp, which copies the
+    fake model with its real lifted constant): load_checkpoint computes the rotary inv_freq and
+    fills the tied head; the first call runs (the stages hold the guarded model's modules, given
+    memory by dpcompile itself: not a ModelChanged) with eager's loss and gradients."""
+    torch.manual_seed(0)
+    reference = TiedRotaryLM().double()
+    ids, labels = torch.randint(0, 11, (4, 3)), torch.randint(0, 11, (4, 3))
+    path = os.fspath(tmp_path / "model.safetensors")
+    dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(reference), ["cpu"]), path)
+    with torch.device("meta"):
+        model = TiedRotaryLM().double()
+    options = layout if "mesh" in layout else {"pipeline": 2, **layout}
+    pm = dpcompile.transform(model, ["cpu"] * (4 if "mesh" in layout else 2), micro_batches=2,
+                             example_inputs=(ids, labels), frontend="export", **options)  # fmt: skip
+    dpcompile.load_checkpoint(pm, path)
+    logits, loss = pm(ids, labels)
+    expected_logits, expected = reference(ids, labels)
+    torch.testing.assert_close(logits, expected_logits.detach())
+    torch.testing.assert_close(loss, expected.detach())
+    expected.backward()
+    loss.backward()
+    grads = full_gradients(pm) if "mesh" in layout else {name: p.grad for name, p in pm.named_parameters()}
+    assert dict(reference.named_parameters()).keys() <= grads.keys()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_pipeline_meta_model_refuses_a_buffer_it_cannot_compute_and_keeps_waiting(tmp_path):
+    """A non-persistent buffer whose module no config rebuilds (Gemma2's embed_scale): the load
+    raises a DpCompileError naming the buffer and the ways out; the program still waits."""
+    reference = TiedRotaryLM().double()
+    path = os.fspath(tmp_path / "model.safetensors")
+    dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(reference), ["cpu"]), path)
+    with torch.device("meta"):
+        model = TiedRotaryLM().double()
+    del model.config  # nothing to build Rotary(config) from
+    ids = torch.randint(0, 11, (4, 3))
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, example_inputs=(ids, ids), frontend="export")
+    with pytest.raises(
+        dpcompile.DpCompileError, match=r"'rotary.inv_freq' \(Rotary\).*include_buffers=False.*persistent=True"
+    ):
+        dpcompile.load_checkpoint(pm, path)
+    assert pm.needs_weights
 
 
 class Counted(nn.Module):

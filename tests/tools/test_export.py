@@ -886,3 +886,25 @@ def test_export_writes_ops_held_as_values_by_name_and_loads_them_as_data(tmp_pat
     steps = [n.args[1] for n in loaded.graph.nodes if n.target is dpcompile.runtime.written]
     assert steps and steps[0][0][0] is torch.ops.aten.slice.Tensor
     torch.testing.assert_close(loaded(ids), model(ids))
+
+
+class TransposedWeight(nn.Module):
+    """``x @ w.T``: the export frontend calls ``aten.numpy_T.default`` for ``.T``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.w = nn.Linear(8, 8), nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return self.fc(x) @ self.w.T
+
+
+def test_export_of_a_transpose_attribute_under_the_export_frontend_is_data(tmp_path):
+    """``aten.numpy_T`` (``.T``) is on the vocabulary: written as data, loaded, equal to the model."""
+    torch.manual_seed(0)
+    model, x = TransposedWeight(), torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu", "cpu"], frontend="export", example_inputs=(x,))
+    assert any(n.target is torch.ops.aten.numpy_T.default for n in pm.graph.nodes)
+    folder = dpcompile.export(pm, tmp_path / "out")
+    assert not (folder / "program.pkl").exists()
+    torch.testing.assert_close(dpcompile.load(folder)(x), model(x))

@@ -8,6 +8,10 @@ a model without repeated blocks is cut at its top-level children. Per unit: the 
 parameters (a tensor counted in the first unit that calls its module), of what autograd saves for
 backward in it, of its input (what a checkpointed block keeps) and its forward FLOPs. Ops that run
 between two units count with the one before (``"pre"``: before the first).
+
+An op whose output size depends on the data (``nonzero``, ``masked_select``: DeBERTa-v2's loss)
+returns its upper bound, every element of its input; any other op the fake run cannot run
+(``.item()``, an op without a fake kernel) fails it with a :class:`ProfileError` that names the op.
 """
 
 from __future__ import annotations
@@ -21,15 +25,21 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dpcompile.analysis.checkpoint_regions import repeated_blocks
 from dpcompile.analysis.memory import faker, optimizer_bytes
 from dpcompile.analysis.save_choice import SaveCandidate
+from dpcompile.errors import DpCompileError, first_line
 from dpcompile.runtime.kept import functional_call
 
-__all__ = ["ModelProfile", "ShardableWeight", "Unit", "profile_model"]
+__all__ = ["ModelProfile", "ProfileError", "ShardableWeight", "Unit", "profile_model"]
+
+
+class ProfileError(DpCompileError):
+    """The planner's fake run of the model failed; the message names the op and the way out."""
 
 
 @dataclass
@@ -169,6 +179,16 @@ def profile_model(
             profile.units[at:at] = copies
             return profile
     return _profile(model, blocks, args, kwargs, optimizer=optimizer, training=training)
+
+
+def _failed(model: nn.Module, op: Any, error: Exception) -> ProfileError:
+    where = f" at {op}" if op is not None else ""
+    return ProfileError(
+        f"the planner sizes {type(model).__name__} from one run on fake tensors (shapes, no data), which failed"
+        f"{where}: {type(error).__name__}: {first_line(error)[:300].rstrip('.')}. Name the layout yourself instead of "
+        'plan="auto": leave plan= out (data parallel), or pass tensor_parallel=, pipeline= or mesh=; a '
+        "data-dependent count read back (.item()) or an op without a fake kernel cannot be sized without data"
+    )
 
 
 def _identical(blocks: Any) -> bool:
@@ -338,10 +358,15 @@ def _profile(
         return t
 
     grad = torch.enable_grad() if training else torch.no_grad()
+    ops = _OpCounter(flops_at, attention, made)
     try:
-        with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _OpCounter(flops_at, attention, made):
+        with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ops:
             out = functional_call(model, named, tuple(fake_args), fake_kwargs)
             _close(units[state["current"]], counter, flops_at)
+    except DpCompileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the model's own code on fake tensors
+        raise _failed(model, ops.failed[-1] if ops.failed else None, e) from e
     finally:
         for h in handles:
             h.remove()
@@ -417,19 +442,51 @@ class _OpCounter(TorchDispatchMode):
         self.counts = counts
         self.attention = attention
         self.made = made
+        self.failed: list[Any] = []  # the ops that raised, last the latest
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         self.counts["ops"] += 1
         name = func.__name__
         if self.attention is not None and "scaled_dot_product" in name and "backward" not in name and len(args) > 2:
             self.attention(name.split(".")[0], args, kwargs or {})
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except DynamicOutputShapeException:
+            out = _upper_bound(func, args)
+            if out is None:
+                self.failed.append(func)
+                raise
+        except Exception:
+            out = _grouped_mm_in_bfloat16(func, args, kwargs or {})
+            if out is None:
+                self.failed.append(func)
+                raise
         if self.made is not None:
             self.made((args, kwargs), out)
         if not func.is_view:
             self.counts["op_bytes"] += sum(t.numel() * t.element_size() for t in tree_leaves(out)
                                            if isinstance(t, torch.Tensor))  # fmt: skip
         return out
+
+
+def _upper_bound(func: Any, args: Sequence[Any]) -> torch.Tensor | None:
+    """A data-dependent op's output at its largest: ``nonzero`` of every element, ``masked_select``
+    keeping all (what the memory it may take is sized by); None for any other op."""
+    aten = torch.ops.aten
+    if func is aten.nonzero.default:
+        return args[0].new_empty((args[0].numel(), args[0].dim()), dtype=torch.long)
+    if func is aten.masked_select.default:
+        return args[0].new_empty((torch.broadcast_shapes(args[0].shape, args[1].shape).numel(),))
+    return None
+
+
+def _grouped_mm_in_bfloat16(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """``_grouped_mm`` of float32 matrices (Mixtral's, Qwen2-MoE's experts), which CPU runs but whose fake
+    kernel takes bfloat16 only: its output's shape from bfloat16 copies, in the inputs' dtype."""
+    if func is not torch.ops.aten._grouped_mm.default or args[0].dtype == torch.bfloat16:
+        return None
+    wide = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    return func(*wide, **kwargs).to(args[0].dtype)
 
 
 #: where each scaled-dot-product attention op takes ``is_causal`` (its position in the op's arguments)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dpcompile.analysis import ops
 from dpcompile.analysis.cost import CommEstimate
@@ -155,7 +156,7 @@ class _Analyzer:
     # -- sizes for the cost model: exact from shapes, else features per token
     def numel(self, node: fx.Node) -> int:
         v = node_val(node)
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor) and not free_unbacked_symbols(v.numel()):
             return int(v.numel())
         if node in self._estimates:
             return self._estimates[node]

@@ -28,6 +28,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from dpcompile.errors import DpCompileError
@@ -41,10 +42,12 @@ __all__ = [
     "STAND_INS",
     "class_name",
     "module_classes",
+    "op_name",
     "qualified_name",
     "register_module_class",
     "register_output_type",
     "resolve_class",
+    "resolve_op",
     "resolve_target",
     "safe_attribute",
     "stand_in_name",
@@ -178,6 +181,30 @@ def resolve_target(qualname: Any) -> Callable[..., Any]:
             "operator, math, dpcompile.runtime; and registered output types)"
         )
     return obj
+
+
+def op_name(op: Any) -> str:
+    """An ATen op's qualified name as ``program.json`` holds an op passed as a value: ``"aten::slice.Tensor"``."""
+    return f"{op._schema.name}.{op._overloadname}"
+
+
+def resolve_op(name: Any) -> Callable[..., Any]:
+    """The ATen op named ``"aten::<op>.<overload>"``: the vocabulary's ``torch.ops.aten.<op>.<overload>``,
+    nothing else (no attribute is followed, so an edited name reaches no other object).
+
+    >>> import torch
+    >>> resolve_op("aten::slice.Tensor") is torch.ops.aten.slice.Tensor
+    True
+    """
+    namespace, _, rest = name.partition("::") if isinstance(name, str) else ("", "", "")
+    op, _, overload = rest.partition(".")
+    found = vocabulary().get(f"torch.ops.aten.{op}.{overload}") if namespace == "aten" and op and overload else None
+    if not isinstance(found, torch._ops.OpOverload):
+        raise NotAllowed(
+            f"the op {name!r:.100} is no ATen op of the vocabulary (a value a program may hold is "
+            "'aten::<op>.<overload>' naming one of dpcompile.export.vocabulary's torch.ops.aten entries)"
+        )
+    return found
 
 
 @functools.cache

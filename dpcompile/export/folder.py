@@ -98,8 +98,12 @@ def _slots(pm: nn.Module, tensors: Mapping[str, torch.Tensor], names: Mapping[st
 
 def _used_paths(pm: nn.Module, graphs: Sequence[fx.Graph]) -> set[str]:
     """Module paths whose class matters: what the program calls (directly, on a replica, or
-    hands to anything but ``replicate``)."""
+    hands to anything but ``replicate``; reading its ``training`` flag needs no class)."""
     from dpcompile.runtime import replicate
+
+    def needs_class(user: fx.Node) -> bool:
+        reads_flag = user.target is getattr and user.args[1:] == ("training",)
+        return user.target is not replicate and not reads_flag
 
     modules = dict(pm.named_modules(remove_duplicate=False))
     used: set[str] = set()
@@ -109,7 +113,7 @@ def _used_paths(pm: nn.Module, graphs: Sequence[fx.Graph]) -> set[str]:
             if node.op == "call_module" or (node.op == "call_method" and target in modules and target):
                 used.add(target)
             elif node.op == "get_attr" and target in modules:
-                if any(u.target is not replicate for u in node.users):
+                if any(needs_class(u) for u in node.users):
                     used.add(target)
     return used
 

@@ -17,6 +17,10 @@ attribute are checked against the kind of the value they name it on:
   ``batch_norm``, ``expect_mode``, ...), as their first argument; a replica to none; never to
   torch or Python functions; and no program returns one. ``builtins`` take no keywords
   (``max(xs, key=f)`` calls ``f``).
+* an op passed as a value (``{"op": "aten::slice.Tensor"}``, resolved in the vocabulary) goes only
+  to ``written``, which applies it: its view steps ``[(op, args), ...]`` and its write op are
+  vocabulary ATen ops or Tensor methods by name (``"copy_"``, ``"__setitem__"``); no other
+  function is handed an op.
 
 >>> tree = TreeIndex([{"path": "", "class": None, "parameters": {}, "buffers": {}, "children": ["fc"]},
 ...                   {"path": "fc", "class": "torch.nn.modules.linear.Linear", "parameters": {"weight": "fc.weight"},
@@ -33,11 +37,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from dpcompile.export.allowlist import allowed_method, output_fields
 from dpcompile.export.common import ExportError
-from dpcompile.export.vocabulary import GETATTR_NAMES
+from dpcompile.export.vocabulary import GETATTR_NAMES, TENSOR_METHODS
 from dpcompile.fx_utils import unalias
 
 __all__ = ["Kind", "TreeIndex", "check_graph"]
@@ -98,6 +103,23 @@ _TAKE_A_MODULE = frozenset(
 )
 
 
+# the runtime functions handed an op to apply: ``written(base, [(op, args), ...], op, *args)``
+_APPLY_AN_OP = frozenset({"written"})
+# the Tensor methods ``written`` applies by name beyond TENSOR_METHODS: indexing a view, writing into it
+_INDEXING = frozenset({"__getitem__", "__setitem__"})
+
+
+def _ops_in(value: Any) -> list[Any]:
+    """The op objects (not nodes, not strings) among ``value``'s nested tuples, lists and dicts."""
+    if isinstance(value, torch._ops.OpOverload):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [op for v in value for op in _ops_in(v)]
+    if isinstance(value, dict):
+        return [op for v in value.values() for op in _ops_in(v)]
+    return []
+
+
 def _fields(node: fx.Node) -> tuple[str, ...]:
     """The fields of the output record ``node`` makes (``model_output(name, fields, ...)``), if it makes one."""
     made = node.op == "call_function" and getattr(node.target, "__name__", "") == "model_output"
@@ -136,7 +158,26 @@ class _Checker:
             return VALUE
         if node.op == "call_method":
             return self.method(node)
+        self.ops_only_where_applied(node)
         return self.function(node)
+
+    def ops_only_where_applied(self, node: fx.Node) -> None:
+        """An op among the arguments only of ``written``, in its places; a method named there a Tensor method."""
+        applies = getattr(node.target, "__name__", "") in _APPLY_AN_OP and (
+            getattr(node.target, "__module__", "") or ""
+        ).startswith(_RUNTIME)
+        if not applies:
+            if _ops_in((node.args, node.kwargs)):
+                raise self.refuse(node, f"hands an op to {node.target!r:.60}, which does not apply one")
+            return
+        steps = node.args[1] if len(node.args) > 2 else None
+        if not isinstance(steps, (list, tuple)) or not all(isinstance(s, tuple) and len(s) == 2 for s in steps):
+            raise self.refuse(node, "calls written without a list of (op, arguments) steps")
+        for op in [*(s[0] for s in steps), node.args[2]]:
+            if not (isinstance(op, torch._ops.OpOverload) or isinstance(op, str) and op in TENSOR_METHODS | _INDEXING):
+                raise self.refuse(node, f"has written apply {op!r:.60}, which is neither an ATen op nor a Tensor method")
+        if _ops_in((node.args[0], [s[1] for s in steps], node.args[3:], node.kwargs)):
+            raise self.refuse(node, "hands written an op outside its steps and write op")
 
     def attribute(self, node: fx.Node, path: str) -> Kind:
         if self.tree.is_module(path):

@@ -9,6 +9,9 @@ Values in node arguments and module attributes are JSON with tags for what JSON 
     {"dtype": "float32"}, {"device": "cuda:0"}, {"memory_format": "..."}, {"layout": "strided"}
     {"size": [...]}               a torch.Size
     {"fn": "torch.nn.functional.relu"}   an allowlisted function
+    {"op": "aten::slice.Tensor"}  an ATen op of the vocabulary handed to a runtime function that
+                                  applies one (``written``'s view steps; :mod:`~dpcompile.export.kinds`
+                                  says where a graph may hold one)
     {"tensor": "fc.weight"}       a tensor of weights.safetensors (module attributes only)
     {"const": "TAKE_FIRST"}       dpcompile.runtime.TAKE_FIRST
 
@@ -34,8 +37,10 @@ from dpcompile.export.allowlist import (
     NotAllowed,
     allowed_method,
     class_name,
+    op_name,
     qualified_name,
     resolve_class,
+    resolve_op,
     resolve_target,
     safe_attribute,
     stand_in_name,
@@ -101,6 +106,11 @@ def encode_value(value: Any, tensors: Mapping[int, str] | None = None, functions
         if tensors is not None and id(value) in tensors:
             return {"tensor": tensors[id(value)]}
         raise NotData(f"a tensor constant of shape {tuple(value.shape)} outside the module's state")
+    if isinstance(value, torch._ops.OpOverload):
+        name = qualified_name(value)
+        if name is not None and name.startswith("torch.ops.aten."):
+            return {"op": op_name(value)}
+        raise NotData(f"the op {value!r:.60}, which is no ATen op of the vocabulary")
     if callable(value) and functions:
         name = qualified_name(value)
         if name is not None:
@@ -152,6 +162,8 @@ def decode_value(
             return torch.device(body)
         if tag == "fn" and functions:
             return resolve_target(body)
+        if tag == "op":
+            return resolve_op(body)
         if tag == "const" and body == "TAKE_FIRST":
             return TAKE_FIRST
         if tag == "tensor" and tensors is not None:

@@ -74,7 +74,8 @@ _OPERATOR_OPS = frozenset(
     {"__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "__iand__", "__ior__", "__ixor__",
      "__ilshift__", "__irshift__"}
 )  # fmt: skip
-# what the torch.export frontend emits that is not core and no torch.X / Tensor.X function
+# what the torch.export frontend emits that is not core and no torch.X / Tensor.X function (the views
+# ``x.T``, ``x.mT``, ``x.H``, ``x.mH`` are ``aten.numpy_T`` and kin: attributes, not methods)
 _FRONTEND_OPS = frozenset(
     {"_assert_tensor_metadata", "_assert_scalar", "_assert_async", "_functional_assert_async",
      "_functional_assert_scalar", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
@@ -82,7 +83,7 @@ _FRONTEND_OPS = frozenset(
      "native_layer_norm", "native_dropout", "_native_batch_norm_legit_no_training",
      "_native_batch_norm_legit_functional", "_unsafe_index", "_safe_softmax", "scaled_dot_product_attention",
      "linear", "cross_entropy_loss", "nll_loss_nd", "pad", "_scaled_dot_product_flash_attention_for_cpu",
-     "_scaled_dot_product_efficient_attention"}
+     "_scaled_dot_product_efficient_attention", "numpy_T", "matrix_H", "mT", "mH"}
 )  # fmt: skip
 _OPERATORS = frozenset(
     {"getitem", "setitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "neg", "pos",

@@ -235,3 +235,60 @@ def test_a_model_without_repeated_blocks_is_cut_where_the_pipeline_cuts_it():
     pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, example_inputs=(x,))
     built = dpcompile.explain(pm, x).memory_estimate
     assert {d: kinds["parameters"] for d, kinds in predicted.items()} == {d: kinds["parameters"] for d, kinds in built.items()}
+
+
+class LabelledRows(nn.Module):
+    """DeBERTa-v2's loss, reduced: the rows whose label is not negative, picked by a ``nonzero`` index
+    (a count the fake run cannot know)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(d, d), nn.Linear(d, 4)
+
+    def forward(self, x, labels):
+        index = (labels >= 0).nonzero().view(-1)
+        return self.head(torch.tanh(self.body(x))[index]).pow(2).mean()
+
+
+class CountedRows(LabelledRows):
+    """The count read back as a Python int (``.item()``): no fake run can size what follows."""
+
+    def forward(self, x, labels):
+        return self.head(torch.tanh(self.body(x))[: int((labels >= 0).sum().item())]).pow(2).mean()
+
+
+def test_plan_auto_sizes_a_data_dependent_op_by_its_upper_bound_and_equals_eager():
+    """The fake run gives ``nonzero`` its largest output (every element) instead of failing: the layout
+    planned and built computes what the model does."""
+    torch.manual_seed(0)
+    model, x, labels = LabelledRows(), torch.randn(6, 8), torch.tensor([0, -1, 3, 2, -1, 1])
+    pm = dpcompile.transform(model, ["cpu"] * 2, plan="auto", memory_per_device="1GiB", example_inputs=(x, labels))
+    torch.testing.assert_close(pm(x, labels), model(x, labels))
+
+
+def test_plan_auto_names_the_op_its_fake_run_cannot_run_and_the_way_out():
+    """``.item()`` on a fake tensor: a DpCompileError naming the op and a hand-named layout, not the bare exception."""
+    x, labels = torch.randn(6, 8), torch.tensor([0, -1, 3, 2, -1, 1])
+    with pytest.raises(DpCompileError, match=r"(?s)failed at aten\._local_scalar_dense.*Name the layout yourself"):
+        dpcompile.transform(CountedRows(), ["cpu"] * 2, plan="auto", memory_per_device="1GiB", example_inputs=(x, labels))
+
+
+class Experts(nn.Module):
+    """Mixtral's experts, reduced: float32 rows through ``_grouped_mm``, which CPU runs and whose fake
+    kernel takes bfloat16 only."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, d, d))
+        self.register_buffer("offs", torch.tensor([3, 6], dtype=torch.int32))
+
+    def forward(self, x):
+        return torch._grouped_mm(x, self.w, offs=self.offs)
+
+
+def test_profile_sizes_a_float32_grouped_mm_in_its_own_dtype():
+    """The fake run sizes the float32 ``_grouped_mm`` from bfloat16 copies: one op, its float32 output's bytes."""
+    from dpcompile.analysis.model_profile import profile_model
+
+    profile = profile_model(Experts(), (torch.randn(6, 8),), None, optimizer=None, training=False)
+    assert [(u.ops, u.op_bytes) for u in profile.units] == [(1, 6 * 8 * 4)] and profile.output_bytes == 6 * 8 * 4

@@ -854,3 +854,57 @@ def test_tampered_kind_cannot_turn_data_parallel_into_tensor_parallel(exported):
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(dpcompile.DpCompileError):
         dpcompile.load(folder)
+
+
+class ShiftRight(nn.Module):
+    """BART's ``shift_tokens_right``: writes into slices of a tensor forward makes. Under the export
+    frontend the program calls ``written(base, [(aten.slice.Tensor, args), ...], aten.copy_.default, value)``:
+    it holds ATen ops as values."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.fc = nn.Embedding(10, 8), nn.Linear(8, 8)
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 1
+        return self.fc(self.embed(shifted))
+
+
+def test_export_writes_ops_held_as_values_by_name_and_loads_them_as_data(tmp_path):
+    """The ops a program hands ``written`` are written as ``{"op": "aten::slice.Tensor"}`` (no pickle)
+    and resolved on load in the vocabulary; the loaded module computes what the model does."""
+    torch.manual_seed(0)
+    model, ids = ShiftRight(), torch.randint(0, 10, (4, 5))
+    pm = dpcompile.transform(model, ["cpu", "cpu"], frontend="export", example_inputs=(ids,))
+    folder = dpcompile.export(pm, tmp_path / "out")
+    assert not (folder / "program.pkl").exists()
+    text = json.dumps(json.loads((folder / "program.json").read_text()))
+    assert '{"op": "aten::slice.Tensor"}' in text and '{"op": "aten::copy_.default"}' in text
+    loaded = dpcompile.load(folder)
+    steps = [n.args[1] for n in loaded.graph.nodes if n.target is dpcompile.runtime.written]
+    assert steps and steps[0][0][0] is torch.ops.aten.slice.Tensor
+    torch.testing.assert_close(loaded(ids), model(ids))
+
+
+class TransposedWeight(nn.Module):
+    """``x @ w.T``: the export frontend calls ``aten.numpy_T.default`` for ``.T``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.w = nn.Linear(8, 8), nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return self.fc(x) @ self.w.T
+
+
+def test_export_of_a_transpose_attribute_under_the_export_frontend_is_data(tmp_path):
+    """``aten.numpy_T`` (``.T``) is on the vocabulary: written as data, loaded, equal to the model."""
+    torch.manual_seed(0)
+    model, x = TransposedWeight(), torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu", "cpu"], frontend="export", example_inputs=(x,))
+    assert any(n.target is torch.ops.aten.numpy_T.default for n in pm.graph.nodes)
+    folder = dpcompile.export(pm, tmp_path / "out")
+    assert not (folder / "program.pkl").exists()
+    torch.testing.assert_close(dpcompile.load(folder)(x), model(x))

@@ -157,6 +157,47 @@ def test_attack_module_handed_to_a_torch_function_is_refused(folder):
     _refused(out, marker, "indexes a replica")
 
 
+def _written(x, view_op, write_op="fill_"):
+    """``written(x, [(view_op, (0, 0, 1))], write_op, 7.0)``: ``x`` with its first row filled."""
+    steps = [{"tuple": [view_op, {"tuple": [0, 0, 1]}]}]
+    return call("w", "call_function", "dpcompile.runtime.written", {"node": x}, steps, write_op, 7.0)
+
+
+@pytest.mark.parametrize("op", [{"op": "aten::from_file.default"}, {"op": "aten::save.default"}, {"op": "os::system.x"},
+                                {"op": "aten::__class__.__init__"}, {"op": "torch.ops.aten.slice.Tensor"}])  # fmt: skip
+def test_attack_op_value_named_off_the_vocabulary_is_refused(folder, op):
+    """An op held as a value ({"op": "aten::slice.Tensor"}, handed to written) resolves only to an ATen op
+    of the vocabulary: an edited name reaching a file op, another namespace or an attribute is refused;
+    the same node naming aten::slice.Tensor loads and runs."""
+    out, marker, program = folder
+    x = _tensor(program)
+    insert_before_output(program, _written(x, {"op": "aten::slice.Tensor"}))
+    write_program(out, program)
+    loaded = dpcompile.load(out)
+    torch.testing.assert_close(loaded(torch.ones(4, 4))[1], torch.tensor([[7.0] * 4, [1.0] * 4]))  # device 0's chunk
+    program = json.loads((out / "program.json").read_text())
+    nodes = program["data"]["graph"]["nodes"]
+    nodes[-2]["args"]["tuple"][1][0]["tuple"][0] = op
+    write_program(out, program)
+    _refused(out, marker, "is no ATen op of the vocabulary")
+
+
+def test_attack_op_or_method_written_applies_outside_its_places_is_refused(folder):
+    """written applies Tensor methods by name and vocabulary ops, nothing else (x.numpy().tofile(path) is
+    two steps it would apply); an op handed to any other function is refused."""
+    out, marker, program = folder
+    x = _tensor(program)
+    insert_before_output(program, _written(x, "numpy", "tofile"))
+    program["data"]["graph"]["nodes"][-2]["args"]["tuple"][3] = str(marker)
+    write_program(out, program)
+    _refused(out, marker, "has written apply 'numpy'")
+    program = json.loads((out / "program.json").read_text())
+    nodes = program["data"]["graph"]["nodes"]
+    nodes[-2].update(target="torch.relu", args={"tuple": [{"node": x}, {"op": "aten::relu.default"}]})
+    write_program(out, program)
+    _refused(out, marker, "hands an op to")
+
+
 @pytest.mark.parametrize("cls", ["transformers.pytorch_utils.Conv1D", "subprocess.Popen", "torch.nn.modules.module.Module",
                                  "builtins.object", "dpcompile.runtime.replicate.ReplicaRoot"])  # fmt: skip
 def test_attack_module_class_off_the_fixed_set_is_refused(folder, cls):

@@ -98,7 +98,7 @@ def _slots(pm: nn.Module, tensors: Mapping[str, torch.Tensor], names: Mapping[st
 
 def _used_paths(pm: nn.Module, graphs: Sequence[fx.Graph]) -> set[str]:
     """Module paths whose class matters: what the program calls (directly, on a replica, or
-    hands to anything but ``replicate``)."""
+    hands to anything but ``replicate`` and ``getattr(module, "training")``: every module keeps its mode)."""
     from dpcompile.runtime import replicate
 
     modules = dict(pm.named_modules(remove_duplicate=False))
@@ -109,9 +109,13 @@ def _used_paths(pm: nn.Module, graphs: Sequence[fx.Graph]) -> set[str]:
             if node.op == "call_module" or (node.op == "call_method" and target in modules and target):
                 used.add(target)
             elif node.op == "get_attr" and target in modules:
-                if any(u.target is not replicate for u in node.users):
+                if any(u.target is not replicate and not _reads_mode(u) for u in node.users):
                     used.add(target)
     return used
+
+
+def _reads_mode(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is getattr and tuple(node.args[1:]) == ("training",)
 
 
 def _constants(pm: nn.Module, programs: Sequence[tuple[fx.GraphModule, fx.Graph]]) -> dict[str, torch.Tensor]:

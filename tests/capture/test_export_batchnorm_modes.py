@@ -137,7 +137,10 @@ def test_batchnorm_subclass_with_cumulative_average_is_refused():
         torch.testing.assert_close(value, before[name], msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:dpcompile.*run whole")  # it runs whole where it updates its statistics
 def test_instance_norm_with_running_stats_uses_them_in_eval():
+    """Its running statistics are updated once from the whole batch in training (not once per
+    device's chunk), and read in eval."""
     torch.manual_seed(0)
     model, x = InstanceNet(), torch.randn(4, 3, 5)
     with torch.no_grad():
@@ -145,6 +148,11 @@ def test_instance_norm_with_running_stats_uses_them_in_eval():
         model.norm.running_var.uniform_(0.5, 2.0)
     reference = copy.deepcopy(model)
     pm = _transform(model, x, frontend="export")
+    pm.eval(), reference.eval()
+    torch.testing.assert_close(pm(x), reference(x))
+    pm.train(), reference.train()
+    torch.testing.assert_close(pm(x), reference(x))
+    _assert_state_equal(pm, reference)
     pm.eval(), reference.eval()
     torch.testing.assert_close(pm(x), reference(x))
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcompile.analysis.sharding import linear_like_leaves
+from dpcompile.errors import TraceError
 from dpcompile.runtime.exported import cross_entropy_count, element_count, expect_mode, mode_value
 
 log = logging.getLogger("dpcompile")
@@ -53,6 +54,8 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
             _raise_addmm_to_module(gm, node, owner_path, owner)
         elif owner is not None and node.target is aten.matmul.default and _is_transposed_linear(gm, owner, owner_path):
             _raise_matmul_to_module(gm, node, owner_path, owner)
+        if node.target is aten.batch_norm.default and not node._erased and isinstance(owner, nn.modules.batchnorm._BatchNorm):
+            _batch_norm_in_module_mode(gm, node, owner_path, owner)
         if node.graph is graph and node.op == "call_function" and node.target in _LOSSES:
             _loss_as_sum_over_count(graph, node)
     _devices_from_inputs(graph)
@@ -259,6 +262,46 @@ def _drop_counter_update(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -
             gm.graph.erase_node(other)
 
 
+def _batch_norm_in_module_mode(gm: fx.GraphModule, node: fx.Node, path: str, module: nn.Module) -> None:
+    """A batch norm op left in the graph (its module's forward is a subclass's: ``relu(super().forward(x))``)
+    reads its module's mode at run time, as the module's own forward does; export baked in the mode
+    it ran in, and the eval program would normalise with batch statistics::
+
+        add_(norm.num_batches_tracked, 1); batch_norm(x, w, b, norm.running_mean, norm.running_var, True, ...)
+        → t = getattr(norm, "training"); add_(norm.num_batches_tracked, t); batch_norm(x, w, b, ..., t, ...)
+
+    (the count is added where export ran in eval mode). Only where the op reads the module's own
+    running statistics (without them it normalises with batch statistics in either mode).
+    ``momentum=None`` is refused: export fixed the factor of its cumulative average (``1 / count``)."""
+    args = list(node.args)
+    if len(args) < 6 or module.running_mean is None or not _is(gm, args[3], module.running_mean) or not _is(gm, args[4], module.running_var):
+        return
+    if module.momentum is None:
+        raise TraceError(
+            f"'{path}' ({type(module).__name__}) is a batch norm with momentum=None (a cumulative average) and a "
+            "forward of its own: the program captured with torch.export would fix the average's factor (1 / count) "
+            f"at its value at capture; give it a float momentum (e.g. {type(module).__name__}(..., momentum=0.1)), "
+            "or keep torch's forward and apply the rest around the module"
+        )
+    counter = module.num_batches_tracked
+    counters = [
+        n for n in gm.graph.nodes
+        if counter is not None and n.op == "call_function" and n.target is aten.add_.Tensor and _is(gm, n.args[0], counter)
+        and n.args[1] == 1
+    ]  # fmt: skip
+    first = next(n for n in gm.graph.nodes if n is node or n in counters)
+    with gm.graph.inserting_before(first):
+        training = gm.graph.call_function(getattr, (gm.graph.get_attr(path), "training"))
+        if counter is not None and not counters:  # exported in eval mode: training counts batches too
+            counters.append(gm.graph.call_function(aten.add_.Tensor, (gm.graph.get_attr(f"{path}.num_batches_tracked"), 1)))
+            counters[0].meta.update(node.meta)
+    training.meta.update(stack_trace=node.meta.get("stack_trace"), dpcompile_name=f"{path}_training")
+    args[5] = training
+    node.args = tuple(args)
+    for add in counters:  # eager counts batches in training only
+        add.args = (add.args[0], training, *add.args[2:])
+
+
 def _rewrite_dropout(gm: fx.GraphModule, node: fx.Node, path: str | None, owner: nn.Module | None) -> None:
     """``aten.dropout(x, p, train)`` with the mode read at run time: an ``nn.Dropout`` module is
     called; functional dropout reads its module's ``training``; ``p=0`` is dropped."""
@@ -412,6 +455,8 @@ def bakes_mode(node: fx.Node) -> bool:
     if node.target is aten.scaled_dot_product_attention.default:
         p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
         return p != 0
+    if node.target in (aten.batch_norm.default, aten.instance_norm.default):  # running statistics or the batch's
+        return len(node.args) > 5 and node.args[3] is not None and isinstance(node.args[5], bool)
     return False
 
 

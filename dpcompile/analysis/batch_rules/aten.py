@@ -57,6 +57,16 @@ def batch_norm(ctx: RuleContext) -> Placement | None:
     return Tuple((p, REPLICATED, REPLICATED))  # the saved statistics of training: empty here
 
 
+def instance_norm(ctx: RuleContext) -> Placement | None:
+    """Per sample, unless it updates running statistics (given, and ``use_input_stats`` not False:
+    training, or a mode read at run time): those average over the whole batch, updated once, so it
+    runs whole (as the module's rule has it)."""
+    bound = _bound(ctx)
+    if bound.get("running_mean") is not None and bound.get("use_input_stats", True) is not False:
+        return None
+    return per_sample_dim0(ctx)
+
+
 def _bound(ctx: RuleContext) -> dict[str, Any]:
     """The arguments of an ATen call by their schema names."""
     names = [a.name for a in ctx.node.target._schema.arguments]

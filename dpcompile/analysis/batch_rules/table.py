@@ -239,7 +239,7 @@ _whole("bags are ranges of the whole batch's indices (offsets)", "embedding_bag"
 _add("norm over the last dims", tuple_of(modules.layer_norm, 3), "native_layer_norm")
 _add("norm over the last dims", modules.layer_norm, "layer_norm rms_norm")
 _add("per sample (batch on dim 0)", modules.group_norm, "native_group_norm group_norm")
-_add("per sample (batch on dim 0)", modules.per_sample_dim0, "instance_norm", same_name=False)
+_add("per sample, whole where it updates running statistics", aten_rules.instance_norm, "instance_norm", same_name=False)
 _add(
     "batch norm (whole in training)",
     aten_rules.batch_norm,

@@ -30,6 +30,7 @@ from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.linear_sites import linear_like_leaves
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.fake import is_fake
 from dpcompile.fx_utils import ancestors, copy_graph, graph_module
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
@@ -107,7 +108,8 @@ class MeshPipelineRecipe(Recipe):
         if self.exact_random and self.plan is False:  # with "tp", shard_stage rewrites the sharded program
             gm, _ = run_passes(gm, [functools.partial(passes.draw_random_whole, planned=True)])
         program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
-        program.to(device)
+        if not any(is_fake(t) for t in (*program.parameters(), *program.buffers())):
+            program.to(device)  # a meta model's fake stage already claims it: compile_on_fake allocates it
         last_rank = dist.get_global_rank(pp_group, pp_size - 1)
         pm = MeshPipelineModule(
             program,

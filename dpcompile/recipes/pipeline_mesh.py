@@ -64,6 +64,12 @@ class MeshPipelineRecipe(Recipe):
 
         names = tuple(self.mesh.mesh_dim_names or ())
         check_pipeline_mesh(names, self.plan, self.data_parallel)
+        if self.data_parallel == "fsdp" and any(is_fake(t) for t in (*model.parameters(), *model.buffers())):
+            raise DpCompileError(
+                "a model built on meta with data_parallel=\"fsdp\" over a mesh pipeline is not built yet (FSDP would "
+                "shard the stage's fake tensors, which load_checkpoint cannot fill): build the model on CPU, or leave "
+                "data_parallel= out (each dp rank then allocates its stage, and load_checkpoint fills it)"
+            )
         pp_size = self.mesh.size(names.index("pp"))
         pp_rank = self.mesh.get_local_rank("pp")
         pp_group = self.mesh.get_group("pp")

@@ -466,6 +466,7 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
 
     import dpcompile
     from dpcompile.fake import is_placeholder
+    from dpcompile.mesh import local_batch
     from tests.integration.test_pipeline_edges import TiedRotaryLM
     from tests.integration.test_pipeline_mesh_compose import full_gradients
 
@@ -488,7 +489,7 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
             assert pm.needs_weights and held and not any(is_placeholder(t) for t in held), frontend
             dpcompile.load_checkpoint(pm, path)
             assert not pm.needs_weights
-            out = pm(ids, labels)
+            out = pm(*local_batch((ids, labels), mesh))  # ("pp", "dp"): each dp rank its share
             if mesh.get_local_rank("pp") == 1:
                 torch.testing.assert_close(out[1], expected.detach())
             else:
@@ -498,6 +499,28 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
             for name, grad in grads.items():  # the tied weight's copy on each stage: the sum of both stages'
                 torch.testing.assert_close(grad, reference.get_parameter(name).grad,
                                            msg=lambda m, name=name, frontend=frontend: f"{frontend} {name}: {m}")  # fmt: skip
+    dist.barrier()
+
+
+def check_meta_model_fsdp_refused(rank: int, world: int) -> None:
+    """A meta model with data_parallel="fsdp" over a ("pp", "dp") mesh: refused on every rank alike,
+    before any collective, naming the ways out."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from tests.integration.test_pipeline_edges import TiedRotaryLM
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    with torch.device("meta"):
+        model = TiedRotaryLM().double()
+    ids = torch.randint(0, 11, (4, 3))
+    try:
+        dpcompile.transform(model, mesh, pipeline=2, data_parallel="fsdp", example_inputs=(ids, ids))
+    except dpcompile.DpCompileError as e:
+        assert "built on meta" in str(e) and "build the model on CPU" in str(e) and "data_parallel= out" in str(e), e
+    else:
+        raise AssertionError("a meta model under FSDP over a mesh pipeline was not refused")
     dist.barrier()
 
 
@@ -532,7 +555,9 @@ SCENARIOS = {
                 ("decoder", check_decoder, (((2, "gpipe"), (4, "1f1b")),)),
                 ("batchnorm", check_batchnorm, ((4,),)),
                 ("pp_dp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp"))),
-                ("meta_model_pp_tp", check_meta_model, ((2, 2), ("pp", "tp"), ("export",), TIED_ROTARY_PLAN))]),
+                ("meta_model_pp_tp", check_meta_model, ((2, 2), ("pp", "tp"), ("export",), TIED_ROTARY_PLAN)),
+                ("meta_model_pp_dp", check_meta_model, ((2, 2), ("pp", "dp"), ("fx",))),
+                ("meta_model_fsdp_refused", check_meta_model_fsdp_refused, ())]),
 }  # fmt: skip
 
 
@@ -562,12 +587,14 @@ def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
     """A 2-process ("pp",) mesh: loss, outputs and each stage's gradients as eager (GPipe, 1F1B;
     a loss over labels, and one whose count only the last stage finds; uneven micro-batches;
     GPT-2 through the export frontend; BatchNorm with one micro-batch, or in eval mode; a value of
-    stage 0 returned through the last); verify, explain and measure give every rank the same answer."""
+    stage 0 returned through the last; a model built on meta, loaded); verify, explain and measure give
+    every rank the same answer."""
     _check(outcomes, "pp2", name)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp4"][1]])
 @pytest.mark.xdist_group("pipeline_mesh_4")  # one spawned group, on one worker
 def test_pipeline_mesh_four_processes_equal_eager(outcomes, name):
-    """4 processes: a ("pp",) mesh of 4 stages, and a ("pp", "dp") mesh of 2 x 2, as eager."""
+    """4 processes: a ("pp",) mesh of 4 stages, and a ("pp", "dp") mesh of 2 x 2, as eager; a model
+    built on meta over ("pp", "tp") and ("pp", "dp"), its FSDP refused."""
     _check(outcomes, "pp4", name)

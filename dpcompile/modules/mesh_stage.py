@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import writes
+from dpcompile.runtime.structures import is_fake
 
 
 def micro_batch_runs(batch: int, micro_batches: int) -> list[tuple[int, int]]:
@@ -198,12 +199,21 @@ MESH_PIPELINE_INSPECTION = (
     "measure the same pipeline in one process: dpcompile.transform(model, ['cpu'] * N, pipeline=N, ...)"
 )
 
+def materialized_copy(p: torch.Tensor, memo: dict[int, torch.Tensor], device: Any) -> torch.Tensor:
+    """A stage's copy of a tied weight once a meta model's fake stage has memory (``memo``: ``{id(fake):
+    real}``): the stage's real tensor, or real zeros where the stage does not read it (its gradient's share)."""
+    if id(p) in memo:
+        return memo[id(p)]
+    return torch.zeros(p.shape, dtype=p.dtype, device=device) if is_fake(p) else p
+
+
 __all__ = [
     "MESH_PIPELINE_INSPECTION",
     "TensorsOnWire",
     "backward_done",
     "batch_norm_refusal",
     "batch_statistics_sites",
+    "materialized_copy",
     "micro_batch_runs",
     "no_gradient_path",
     "on_wire",

@@ -29,6 +29,7 @@ from dpcompile.modules.mesh_stage import (
     backward_done,
     batch_norm_refusal,
     batch_statistics_sites,
+    materialized_copy,
     micro_batch_runs,
     no_gradient_path,
     on_wire,
@@ -273,6 +274,10 @@ class MeshPipelineModule(ParallelModule):
                 rows = local_rows_shape(p.shape, dp_size, dp_rank)
                 shared.append((torch.empty(rows, dtype=p.dtype, device=self.device), stages))
         self.shared = shared
+
+    def follow_materialized(self, memo: dict[int, torch.Tensor]) -> None:
+        """A meta model's fake stage was given memory (``memo``): the tied weights' copies follow it."""
+        self.shared = [(materialized_copy(p, memo, self.device), stages) for p, stages in self.shared]
 
     def attach_shards(self, program: fx.GraphModule, *, shards: dict[str, Any], plan: dict[str, str],
                       reasons: dict[str, str]) -> None:  # fmt: skip

@@ -78,7 +78,10 @@ def compile_on_fake(
         pm = build(fake, args, kwargs or None)
     if not allocate:
         return pm
-    materialize(pm)
+    memo: dict[int, torch.Tensor] = {}  # {id(fake): its real tensor}
+    materialize(pm, memo=memo)
+    if hasattr(type(pm), "follow_materialized"):  # a mesh pipeline's stage: its tied weights' copies
+        pm.follow_materialized(memo)
     write_known_values(pm, known)
     read_exported_checks_again(pm)
     await_weights(pm, model, unset)
@@ -140,7 +143,7 @@ def compile_meta_model(
         return pm
     allocate = getattr(recipe, "check_available", True)  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
     pm = compile_on_fake(model, device, example_inputs, example_kwargs, compile_one, allocate=allocate)
-    if getattr(recipe, "mesh", None) is not None and pm.dp_dim is not None:  # 2-D: DDP over dp, the shards allocated
+    if getattr(recipe, "mesh", None) is not None and getattr(pm, "dp_dim", None) is not None:  # 2-D: DDP over dp
         pm.attach_mesh(
             mesh=recipe.mesh, dp_dim=pm.dp_dim, tp_dim=pm.tp_dim, shards=pm.shards, ddp_options=recipe.ddp_options,
             fsdp=recipe.fsdp_options(),

@@ -30,6 +30,7 @@ from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.linear_sites import linear_like_leaves
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.fake import is_fake
 from dpcompile.fx_utils import ancestors, copy_graph, graph_module
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
@@ -63,6 +64,12 @@ class MeshPipelineRecipe(Recipe):
 
         names = tuple(self.mesh.mesh_dim_names or ())
         check_pipeline_mesh(names, self.plan, self.data_parallel)
+        if self.data_parallel == "fsdp" and any(is_fake(t) for t in (*model.parameters(), *model.buffers())):
+            raise DpCompileError(
+                "a model built on meta with data_parallel=\"fsdp\" over a mesh pipeline is not built yet (FSDP would "
+                "shard the stage's fake tensors, which load_checkpoint cannot fill): build the model on CPU, or leave "
+                "data_parallel= out (each dp rank then allocates its stage, and load_checkpoint fills it)"
+            )
         pp_size = self.mesh.size(names.index("pp"))
         pp_rank = self.mesh.get_local_rank("pp")
         pp_group = self.mesh.get_group("pp")
@@ -107,7 +114,8 @@ class MeshPipelineRecipe(Recipe):
         if self.exact_random and self.plan is False:  # with "tp", shard_stage rewrites the sharded program
             gm, _ = run_passes(gm, [functools.partial(passes.draw_random_whole, planned=True)])
         program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
-        program.to(device)
+        if not any(is_fake(t) for t in (*program.parameters(), *program.buffers())):
+            program.to(device)  # a meta model's fake stage already claims it: compile_on_fake allocates it
         last_rank = dist.get_global_rank(pp_group, pp_size - 1)
         pm = MeshPipelineModule(
             program,

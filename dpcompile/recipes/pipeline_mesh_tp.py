@@ -18,7 +18,6 @@ every stage).
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import passes
 from dpcompile.devices import Devices
@@ -35,6 +35,7 @@ from dpcompile.fx_utils import propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device, mesh_size
 from dpcompile.planning import plan_for
+from dpcompile.recipes.constants import deepcopy_on_fake
 from dpcompile.recipes.spmd import broadcast_state, keep_own_shards
 from dpcompile.recipes.tensor_parallel import aliased_plan, unaliased_findings
 from dpcompile.runtime.tensor_parallel import ShardSpec
@@ -71,7 +72,7 @@ def shard_stage(
     parameters, broadcast first, as a ``("tp",)`` mesh does).
     """
     tp_size, tp_rank = mesh_size(mesh, "tp"), mesh.get_local_rank("tp")
-    own = copy.deepcopy(stage)  # the stage's modules only; the user's model keeps its full parameters
+    own = deepcopy_on_fake(stage)  # the stage's modules only; the user's model keeps its full parameters
     broadcast_state(own, mesh.get_group("tp"))
     if passes.decompose_attention(own).modified:  # nn.MultiheadAttention written out, so heads can be sharded
         own.recompile()
@@ -121,7 +122,8 @@ def tied_shards(
         spec = next((sharded.shards[unalias(n)] for n in found if unalias(n) in sharded.shards), None)
         held.append((found[0], spec) if found else None)
     listed: list[Any] = [None] * mesh_size(mesh, "pp")
-    dist.all_gather_object(listed, [None if h is None else h[1] for h in held], group=mesh.get_group("pp"))
+    with unset_fake_temporarily():  # a meta model compiles under a fake mode: the objects are sent for real
+        dist.all_gather_object(listed, [None if h is None else h[1] for h in held], group=mesh.get_group("pp"))
     tp_rank = mesh.get_local_rank("tp")
     out = []
     for i, ((p, stages), mine) in enumerate(zip(shared, held)):

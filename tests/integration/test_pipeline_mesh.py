@@ -453,6 +453,79 @@ def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], na
     dist.barrier()
 
 
+def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], frontends: tuple[str, ...],
+                     plan: dict | None = None) -> None:  # fmt: skip
+    """A model built on meta (an embedding tied to the head across the stages, a rotary buffer no
+    checkpoint holds): each rank gives memory to its stage only (its tp shards with ``plan``), waits
+    for its weights, and after load_checkpoint runs a step with eager's loss and gradients."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.fake import is_placeholder
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_pipeline_edges import TiedRotaryLM
+    from tests.integration.test_pipeline_mesh_compose import full_gradients
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    reference = TiedRotaryLM().double()
+    ids, labels = torch.randint(0, 11, (4, 3)), torch.randint(0, 11, (4, 3))
+    _, expected = reference(ids, labels)
+    expected.backward()
+    options = {"tensor_parallel": plan} if plan else {}
+    with tempfile.TemporaryDirectory() as folder:  # each rank its own copy of the checkpoint
+        path = os.path.join(folder, "model.safetensors")
+        dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(reference), ["cpu"]), path)
+        for frontend in frontends:
+            with torch.device("meta"):
+                model = TiedRotaryLM().double()
+            pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=2, example_inputs=(ids, labels),
+                                     frontend=frontend, **options)  # fmt: skip
+            held = [*pm.program.parameters(), *pm.program.buffers()]
+            assert pm.needs_weights and held and not any(is_placeholder(t) for t in held), frontend
+            dpcompile.load_checkpoint(pm, path)
+            assert not pm.needs_weights
+            out = pm(*local_batch((ids, labels), mesh))  # ("pp", "dp"): each dp rank its share
+            if mesh.get_local_rank("pp") == 1:
+                torch.testing.assert_close(out[1], expected.detach())
+            else:
+                assert out is None
+            grads = full_gradients(pm)
+            assert grads and ("embed.weight" in grads or "head.weight" in grads), sorted(grads)
+            for name, grad in grads.items():  # the tied weight's copy on each stage: the sum of both stages'
+                torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                           msg=lambda m, name=name, frontend=frontend: f"{frontend} {name}: {m}")  # fmt: skip
+    dist.barrier()
+
+
+def check_meta_model_fsdp_refused(rank: int, world: int) -> None:
+    """A meta model with data_parallel="fsdp" over a ("pp", "dp") mesh: refused on every rank alike,
+    before any collective, naming the ways out."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from tests.integration.test_pipeline_edges import TiedRotaryLM
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    with torch.device("meta"):
+        model = TiedRotaryLM().double()
+    ids = torch.randint(0, 11, (4, 3))
+    try:
+        dpcompile.transform(model, mesh, pipeline=2, data_parallel="fsdp", example_inputs=(ids, ids))
+    except dpcompile.DpCompileError as e:
+        assert "built on meta" in str(e) and "build the model on CPU" in str(e) and "data_parallel= out" in str(e), e
+    else:
+        raise AssertionError("a meta model under FSDP over a mesh pipeline was not refused")
+    dist.barrier()
+
+
+# the automatic plan shards the tied head by rows and the embedding by vocab: refused, so both by vocab
+TIED_ROTARY_PLAN = {"embed": "vocab", "head": "column", "blocks.0": "column", "blocks.1": "row"}
 SCENARIOS = {
     "pp2": (2, [("gpipe_m1", check_pipeline, ((2,), ("pp",), "gpipe", 1)),
                 ("gpipe_m4", check_pipeline, ((2,), ("pp",), "gpipe", 4)),
@@ -467,7 +540,8 @@ SCENARIOS = {
                 ("writes", check_writes, ()),
                 ("earlier_stage_output", check_earlier_stage_output, ()),
                 ("inspection", check_inspection, ()),
-                ("rank_raising_in_step", check_rank_raising_in_step, ((2,), ("pp",)))]),
+                ("rank_raising_in_step", check_rank_raising_in_step, ((2,), ("pp",))),
+                ("meta_model", check_meta_model, ((2,), ("pp",), ("fx", "export")))]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16, True)),
@@ -480,7 +554,10 @@ SCENARIOS = {
                 ("pp_dp_square_mean", check_pipeline, ((2, 2), ("pp", "dp"), "square:1f1b", 2, 8)),
                 ("decoder", check_decoder, (((2, "gpipe"), (4, "1f1b")),)),
                 ("batchnorm", check_batchnorm, ((4,),)),
-                ("pp_dp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp")))]),
+                ("pp_dp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp"))),
+                ("meta_model_pp_tp", check_meta_model, ((2, 2), ("pp", "tp"), ("export",), TIED_ROTARY_PLAN)),
+                ("meta_model_pp_dp", check_meta_model, ((2, 2), ("pp", "dp"), ("fx",))),
+                ("meta_model_fsdp_refused", check_meta_model_fsdp_refused, ())]),
 }  # fmt: skip
 
 
@@ -510,12 +587,14 @@ def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
     """A 2-process ("pp",) mesh: loss, outputs and each stage's gradients as eager (GPipe, 1F1B;
     a loss over labels, and one whose count only the last stage finds; uneven micro-batches;
     GPT-2 through the export frontend; BatchNorm with one micro-batch, or in eval mode; a value of
-    stage 0 returned through the last); verify, explain and measure give every rank the same answer."""
+    stage 0 returned through the last; a model built on meta, loaded); verify, explain and measure give
+    every rank the same answer."""
     _check(outcomes, "pp2", name)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in SCENARIOS["pp4"][1]])
 @pytest.mark.xdist_group("pipeline_mesh_4")  # one spawned group, on one worker
 def test_pipeline_mesh_four_processes_equal_eager(outcomes, name):
-    """4 processes: a ("pp",) mesh of 4 stages, and a ("pp", "dp") mesh of 2 x 2, as eager."""
+    """4 processes: a ("pp",) mesh of 4 stages, and a ("pp", "dp") mesh of 2 x 2, as eager; a model
+    built on meta over ("pp", "tp") and ("pp", "dp"), its FSDP refused."""
     _check(outcomes, "pp4", name)

@@ -34,9 +34,9 @@ from dpcompile.fake import is_fake
 from dpcompile.fx_utils import ancestors, copy_graph, graph_module
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import local_device
+from dpcompile.modules.mesh_pipeline import MeshPipelineModule
 from dpcompile.modules.mesh_random import StageRandomPlan
 from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
-from dpcompile.modules.pipeline import MeshPipelineModule
 from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.pipeline import stage_weights
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage, tied_shards

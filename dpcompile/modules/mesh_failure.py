@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import DpCompileError, first_line
 from dpcompile.runtime.distributed import CollectiveError
 
 #: a tag no send uses: the receive posted to shut a gloo group down never completes
@@ -90,12 +90,6 @@ def _fail_everywhere(pm: Any, error: Exception) -> str:
                 f"failed ({first_line(error)}), and no rank reported an error (a process most likely crashed)"
             )
     return found or own
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message (its type where it has none)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def shut_down(pm: Any) -> None:

@@ -55,9 +55,9 @@ def local_rows_shape(shape: torch.Size, parts: int, index: int) -> torch.Size:
 
 
 @contextlib.contextmanager
-def whole_parameters_on_fake(modules: list[nn.Module], device: torch.device) -> Iterator[None]:
-    """Inside a ``FakeTensorMode``: every FSDP-sharded parameter of ``modules`` seen as an empty
-    (fake) tensor of its whole shape, so the stage's shapes can be worked out without a gather."""
+def sharded_parameters_swapped(modules: list[nn.Module], whole: Any) -> Iterator[None]:
+    """Every FSDP-sharded parameter (a DTensor) of ``modules`` replaced by ``whole(p)``, a plain
+    tensor of its whole shape, for the block; the shards are put back afterwards."""
     from torch.distributed.tensor import DTensor
 
     swapped = []
@@ -66,14 +66,18 @@ def whole_parameters_on_fake(modules: list[nn.Module], device: torch.device) -> 
             for name, p in list(sub._parameters.items()):
                 if isinstance(p, DTensor):
                     swapped.append((sub, name, p))
-                    sub._parameters[name] = nn.Parameter(
-                        torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
-                    )
+                    sub._parameters[name] = nn.Parameter(whole(p), requires_grad=p.requires_grad)
     try:
         yield
     finally:
         for sub, name, p in swapped:
             sub._parameters[name] = p
+
+
+def whole_parameters_on_fake(modules: list[nn.Module], device: torch.device) -> contextlib.AbstractContextManager:
+    """Inside a ``FakeTensorMode``: every FSDP-sharded parameter of ``modules`` seen as an empty
+    (fake) tensor of its whole shape, so the stage's shapes can be worked out without a gather."""
+    return sharded_parameters_swapped(modules, lambda p: torch.empty(p.shape, dtype=p.dtype, device=device))
 
 
 def full_state_dict(pm: Any) -> dict[str, torch.Tensor]:

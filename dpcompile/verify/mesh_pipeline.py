@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -111,24 +110,13 @@ def loss_of(output: Any) -> torch.Tensor:
     return scalars[0]
 
 
-@contextlib.contextmanager
-def whole_parameters(model: nn.Module) -> Iterator[None]:
+def whole_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
     """Every FSDP-sharded parameter of ``model`` (a DTensor: this stage's, with ``data_parallel="fsdp"``)
     seen whole, as a plain parameter, for the eager run (a collective over dp: every rank of the
     stage gathers the same ones, in the same order); the shards are put back afterwards."""
-    from torch.distributed.tensor import DTensor
+    from dpcompile.modules.mesh_stage_dp import sharded_parameters_swapped
 
-    swapped = []
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if isinstance(p, DTensor):
-                swapped.append((module, name, p))
-                module._parameters[name] = nn.Parameter(p.full_tensor().detach().clone(), p.requires_grad)
-    try:
-        yield
-    finally:
-        for module, name, p in swapped:
-            module._parameters[name] = p
+    return sharded_parameters_swapped([model], lambda p: p.full_tensor().detach().clone())
 
 
 def model_names(model: nn.Module, kind: str) -> dict[int, list[str]]:

@@ -38,6 +38,7 @@ from dpcompile.fx_utils import (
     reserve_names,
     unalias,
 )
+from dpcompile.modules.executors import PLAIN
 from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
     adopt_root_hooks,
@@ -45,14 +46,13 @@ from dpcompile.modules.hooks import (
     check_unchanged_since_transform,
     load_pre_hooks,
     refuse_writes_of_a_private_copy,
-    run_as_model,
     state_dict_with_hooks,
 )
 from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
 from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_parametrized
-from dpcompile.modules.sharded_state import cut_pieces, load_pieces, warn_if_gradients_not_cleared, whole_state_dict
-from dpcompile.modules.weights import NEEDS_WEIGHTS, LoadsWeights, needs_weights, weights_not_loaded
+from dpcompile.modules.sharded_state import cut_pieces, load_pieces, whole_state_dict
+from dpcompile.modules.weights import LoadsWeights, needs_weights
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
 
@@ -84,7 +84,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         "traced_model", "program_cache", "captured_code", "plan_reasons", "param_shards",
         "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
         "_guard", "_hooks_traced", "_exported_check", "_other_mode", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
-        "state_aliases", "layout", "strategies",
+        "state_aliases", "layout", "strategies", "_executor",
     })  # fmt: skip
     needs_weights = property(needs_weights, doc="True for a program built on meta until dpcompile.load_checkpoint fills it")
 
@@ -274,25 +274,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         return False
 
     def _devices_for(self, args: tuple, kwargs: dict) -> int:
-        """How many devices a call runs on: fewer than all for a batch smaller than the count."""
-        n = len(self.devices)
-        split = self._split_inputs
-        if not split:
-            return n
-        below = getattr(self, "_unbatched_below", None)
-        if len(split) == 1 and not kwargs:  # the common call: one batched tensor, read cheaply
-            position, name, dim = split[0]
-            value = args[position] if position < len(args) else None
-            if type(value) is torch.Tensor and (rank := value.dim()) > dim and (not below or rank >= below.get(name, 0)):
-                size = value.shape[dim]
-                if size > 0:
-                    return min(n, size)
-        batch = self.batch_size(args, kwargs)
-        if batch is None or self._is_unbatched(args, kwargs):
-            # no input carries a batch (0-d tensors), or one sample without a batch dim (nn.Linear
-            # on a 1-D input): nothing to split, and replicas would each give the whole output
-            return 1
-        return min(batch, n)
+        """How many devices (a pipeline: micro-batches) a call runs on: its executor counts them."""
+        return self._executor.devices_for(self, args, kwargs)
 
     def _key(self, n: int, none_args: frozenset[str], flags: tuple, batched: frozenset[str] = frozenset(),
              unbatched: frozenset[str] = frozenset()) -> CallKey:  # fmt: skip
@@ -321,9 +304,11 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         batched = signature.batched(args, kwargs, self.batch_size) if signature.replicated else frozenset()
         return self._key(self._devices_for(args, kwargs), nones, flags, batched, self._unbatched_inputs(args, kwargs))
 
-    #: what runs a call: ``"plain"`` (the program), ``"gpipe"`` / ``"1f1b"`` (a one-process pipeline's
-    #: schedule over ``pm.stages``), ``"pipelining"`` (``torch.distributed.pipelining``: this rank's stage)
-    executor = "plain"
+    #: what runs a call (:mod:`dpcompile.modules.executors`): the program, or a pipeline's schedule
+    _executor = PLAIN
+    #: its name: ``"plain"`` (the program), ``"gpipe"`` / ``"1f1b"`` (a one-process pipeline's schedule
+    #: over ``pm.stages``), ``"pipelining"`` (``torch.distributed.pipelining``: this rank's stage)
+    executor = property(lambda self: self._executor.name)
     strategy = property(lambda self: next((s for s in ("data_parallel", "pipeline") if s in str(self.mode)), "tensor_parallel"))
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
         """The program a call with these arguments runs: ``self`` or one traced for the call.
@@ -358,7 +343,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             adopt_state(self, self.traced_model, follow_removals=True)  # the model's submodules changed
             self._adopted = key.guard
         program = cache.program(key, args, kwargs) or self
-        if type(self)._devices_for is ParallelModule._devices_for:  # a pipeline counts micro-batches its own way
+        if self._executor.keeps_last_call:  # not a pipeline, which counts micro-batches its own way
             cache.last = LastCall.of(self, key, program, args, kwargs)
         if program is not self:
             program.training = self.training  # its submodules are ours: their own modes stand
@@ -382,15 +367,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         return code
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.__dict__.get(NEEDS_WEIGHTS):
-            raise weights_not_loaded(self)
-        if "_stepped_gradient" in self.__dict__ and torch.is_grad_enabled():  # not an evaluation under no_grad
-            warn_if_gradients_not_cleared(self)
-        compiled = self.__dict__.get("_compiled_call_impl")  # set by pm.compile()
-        if torch.compiler.is_compiling():
-            return self.run_program(self.program_for_call(*args, **kwargs), args, kwargs)
-        program = self._find_program(args, kwargs)  # program_for_call, inlined
-        return self.run_program(program, args, kwargs) if compiled is None else compiled(program, *args, **kwargs)
+        return self._executor(self, *args, **kwargs)
 
     def _run_compiled(self, program: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """What pm.compile() compiles: ``program`` is an argument, so its guards follow the lookup's answer."""
@@ -404,8 +381,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         self._compiled_call_impl = torch.compile(self._run_compiled, *args, **kwargs)
 
     def run_program(self, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
-        """Run ``program`` (from :meth:`program_for_call`) as the model would run (see :func:`run_as_model`)."""
-        return run_as_model(self, program, args, kwargs, super().__call__)
+        """Run ``program`` (from :meth:`program_for_call`) as its executor runs it."""
+        return self._executor.run_program(self, program, args, kwargs)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The model's keys and tensors, with the model's own ``state_dict`` hooks run as it runs them;

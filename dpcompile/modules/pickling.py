@@ -24,6 +24,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fake import fake_copy_to_trace, meta_copy_to_pickle
 from dpcompile.fx_utils import PicklableGraph, example_shapes, graph_module, propagate_example_shapes
 from dpcompile.modules.carried import CarriedPrograms
+from dpcompile.modules.executors import restore_executor
 from dpcompile.modules.other_mode import both_modes
 from dpcompile.modules.sharded_state import PICKLED, hold_shards
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes
@@ -136,13 +137,9 @@ class PicklesPrograms:
         if source is None or any("<locals>" in c.__qualname__ or c.__module__ == "__main__" for c in classes):
             return None
         if not self._shares_source:  # a private fake copy (tensor parallel): carried on meta where the kind asks
-            model = meta_copy_to_pickle(source) if self.pickles_private_source else None
+            model = meta_copy_to_pickle(source) if self._executor.pickles_private_source(self) else None
             return None if model is None else {**self._source_state(), "model": model, "fake": True}
         return self._source_state()
-
-    #: a copy traces again from a meta copy of the private model (made fake where it is loaded)
-    #: instead of running only the programs it carries
-    pickles_private_source = False
 
     def _source_state(self) -> dict[str, Any]:
         main = self.program_cache.main_key
@@ -150,13 +147,16 @@ class PicklesPrograms:
 
     def _extra_state_for_pickle(self) -> dict[str, Any]:
         """What a program needs, beyond modules and graph, to rebuild itself: its sharded state
-        (:mod:`dpcompile.modules.sharded_state`) where it stores parameters as pieces."""
-        return {name: self.__dict__[name] for name in PICKLED} if "param_shards" in self.__dict__ else {}
+        (:mod:`dpcompile.modules.sharded_state`) where it stores parameters as pieces, and what its
+        executor holds (a pipeline's stages)."""
+        sharded = {name: self.__dict__[name] for name in PICKLED} if "param_shards" in self.__dict__ else {}
+        return {**sharded, **self._executor.pickled_state(self)}
 
     def _restore_extra_state(self, extra: dict[str, Any]) -> None:
         """The counterpart of :meth:`_extra_state_for_pickle`."""
         if "param_shards" in extra:
             hold_shards(self, **{name: extra[name] for name in PICKLED})
+        restore_executor(self, extra)
 
 
 def refuse_pickling_parametrized(pm: nn.Module) -> None:

@@ -30,10 +30,8 @@ _STYLES = ("column", "row", "replicate", "vocab")  # tensor-parallel styles a pl
 def expected_class(kind: str) -> type:
     from dpcompile.modules.base import ParallelModule
     from dpcompile.modules.pipeline import PipelineModule
-    from dpcompile.modules.tensor_parallel import TensorParallelModule
 
-    classes = {"tensor_parallel": TensorParallelModule, "pipeline": PipelineModule,
-               "pipeline_tensor_parallel": PipelineModule}  # fmt: skip
+    classes = {"pipeline": PipelineModule, "pipeline_tensor_parallel": PipelineModule}
     return classes.get(kind, ParallelModule)
 
 

@@ -1,12 +1,11 @@
-"""The executable programs ``transform`` returns: one base, one kind per parallelism.
-
-* :class:`~dpcompile.modules.base.ParallelModule` (data parallel, and the base of all);
-* :class:`~dpcompile.modules.tensor_parallel.TensorParallelModule`;
-* :class:`~dpcompile.modules.spmd.SpmdModule` (one rank's program over a DeviceMesh).
+"""The executable programs ``transform`` returns: one module kind, :class:`~dpcompile.modules.base.ParallelModule`,
+holding its program(s), an executor (:mod:`~dpcompile.modules.executors`) and, where parameters are
+stored as pieces, the sharded state (:mod:`~dpcompile.modules.sharded_state`); over a DeviceMesh
+:class:`~dpcompile.modules.spmd.SpmdModule` (one rank's program) and
+:class:`~dpcompile.modules.mesh_pipeline.MeshPipelineModule` (one rank's pipeline stage).
 """
 
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.spmd import SpmdModule
-from dpcompile.modules.tensor_parallel import TensorParallelModule
 
-__all__ = ["ParallelModule", "SpmdModule", "TensorParallelModule"]
+__all__ = ["ParallelModule", "SpmdModule"]

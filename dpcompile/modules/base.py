@@ -51,7 +51,7 @@ from dpcompile.modules.hooks import (
 from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
 from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_parametrized
-from dpcompile.modules.sharded_state import cut_pieces, load_pieces, whole_state_dict
+from dpcompile.modules.sharded_state import cut_pieces, load_pieces, param_bytes_per_slot, whole_state_dict
 from dpcompile.modules.weights import LoadsWeights, needs_weights
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
 from dpcompile.runtime.structures import tensor_leaves
@@ -70,7 +70,12 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     * ``pm.recipe``: how it was compiled (a picklable :class:`~dpcompile.recipes.base.Recipe`);
     * ``pm.devices``, ``pm.mode``, ``pm.input_dims``, ``pm.output_device``, ``pm.plan``;
     * ``pm.captured``: the traced program before lowering (data parallel), or None;
-    * ``pm.records``: the passes that ran, with their timing and findings.
+    * ``pm.records``: the passes that ran, with their timing and findings;
+    * where parameters are stored as pieces (tensor parallel, FSDP in one process, sharded pipeline
+      stages; :mod:`~dpcompile.modules.sharded_state`): ``pm.param_shards``
+      (``{"fc1.weight": (ShardSpec(0, (5, 5)), ["fc1.weight_shard0", ...])}``), ``pm.shard_param_slots``
+      (``{parameter name: shard slot k, or None where replicated}``), ``pm.plan_reasons``, ``pm.comm_cost``;
+      ``pm.parameters()`` are the pieces, ``state_dict()`` has the model's keys, whole.
 
     The model's names never collide with these: a submodule, parameter or buffer named
     ``devices``, ``mode``, ``graph`` or ``meta`` is held under its own name (``state_dict``
@@ -449,6 +454,9 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         if (exported := self.__dict__.get("_exported_check")) is not None and exported.changed():
             return True
         return self._shares_source and self._guard.fingerprint() != self.program_cache.main_key.guard
+
+    #: bytes of parameters each shard slot holds: its shards plus the replicated rest (a sharded state's)
+    param_bytes_per_slot = param_bytes_per_slot
 
     #: ``ParallelModule.__init__`` itself, whatever a subclass's own takes (unpickling calls it)
     _init_parallel_module = __init__

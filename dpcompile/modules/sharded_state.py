@@ -187,7 +187,7 @@ def warn_if_gradients_not_cleared(pm: nn.Module) -> None:
     p, grad = stepped
     if p.grad is grad and bool(grad.detach().ne(0).any()):
         pm.__dict__["_warned_gradients"] = True
-        warnings.warn(GRADIENTS_NOT_CLEARED, stacklevel=3)
+        warnings.warn(GRADIENTS_NOT_CLEARED, stacklevel=4)  # the caller of pm(...): pm.__call__, then its executor
 
 
 __all__ = [

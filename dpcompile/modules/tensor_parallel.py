@@ -1,10 +1,11 @@
-"""``TensorParallelModule``: a program whose parameters are shards, with the model's state dict.
+"""The trap of a tensor-parallel program: an optimizer over the model's own parameters, which the
+program does not train (it owns its shards: its sharded state, :mod:`dpcompile.modules.sharded_state`).
 
-Built by :class:`~dpcompile.recipes.tensor_parallel.TensorParallelRecipe`. It owns its shards
-(``fc1.weight_shard1`` on ``devices[1]``); ``state_dict()`` has the original model's keys with
-full tensors and ``load_state_dict`` re-shards. Calls that depart from the first one (the
-other mode, an optional argument left None) run programs from the recipe, as every
-``ParallelModule`` does.
+A tensor-parallel program is a :class:`~dpcompile.modules.base.ParallelModule` built by
+:class:`~dpcompile.recipes.tensor_parallel.TensorParallelRecipe`: ``pm.parameters()`` are its shards
+(``fc1.weight_shard1`` on ``devices[1]``) and the replicated rest, ``pm.param_shards`` says which key
+each makes, ``state_dict()`` has the original model's keys with full tensors and ``load_state_dict``
+re-shards.
 """
 
 from __future__ import annotations
@@ -17,10 +18,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import reserve_names
-from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.sharded_state import param_bytes_per_slot
-from dpcompile.runtime.tensor_parallel import ShardSpec
 
 _SOURCE_PARAMETERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter of a transformed model -> its model's name
 _hook_installed = False
@@ -64,27 +61,4 @@ def _refuse_untrained_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         raise DpCompileError(OPTIMIZER_TRAP.format(model=_SOURCE_PARAMETERS[watched[0]]))
 
 
-class TensorParallelModule(ParallelModule):
-    """A tensor-parallel program. Build it with ``dpcompile.transform(..., tensor_parallel=...)``.
-
-    * ``pm.plan``: ``{module path: "column" | "row" | "replicate"}`` as applied;
-      ``pm.plan_reasons``: ``{module path: why}``.
-    * ``pm.parameters()``: the shards (``fc1.weight_shard1`` on ``devices[1]``) and the
-      replicated rest (on ``devices[0]``).
-    * ``pm.param_shards``: ``{"fc1.weight": (ShardSpec(0, (5, 5)), ["fc1.weight_shard0", ...])}``.
-    * ``pm.shard_param_slots``: ``{parameter name in pm: shard slot k, or None}``; None means
-      replicated, i.e. held by every shard in SPMD form (here, once on ``devices[0]``). It is
-      how ``explain`` attributes bytes to virtual devices that are all ``'cpu'``.
-    * ``pm.comm_cost``: the plan's :class:`~dpcompile.analysis.cost.CommCost` per device.
-    * ``state_dict()`` has the original model's keys with full tensors; ``load_state_dict``
-      re-shards.
-    """
-
-    plan_reasons: dict[str, str]
-    param_shards: dict[str, tuple[ShardSpec, list[str]]]
-    shard_param_slots: dict[str, int | None]
-    #: bytes of parameters each shard slot holds: its shards plus the replicated rest
-    param_bytes_per_slot = param_bytes_per_slot
-
-
-reserve_names(dir(TensorParallelModule))
+__all__ = ["OPTIMIZER_TRAP", "watch_source_parameters"]

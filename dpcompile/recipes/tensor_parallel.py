@@ -4,7 +4,7 @@
     gm = capture(owned)                                 # owning all its state
     styles, reasons = plan_for(gm, plan, n, model)      # automatic, or the user's plan checked
     gm = frontend_pipeline + tensor_parallel_pipeline   # shard_linear, then expand_shards
-    TensorParallelModule(gm, ...)                       # owns the shards
+    ParallelModule(gm, ...) + hold_shards(pm, ...)      # owns the shards
 
 >>> import torch, dpcompile
 >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
@@ -43,9 +43,10 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import adopt_state, alias_of, bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
+from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.sharded_state import hold_shards
-from dpcompile.modules.tensor_parallel import TensorParallelModule, watch_source_parameters
+from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for, why_whole
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import Recipe, capture_with_flags
@@ -73,7 +74,7 @@ class TensorParallelRecipe(Recipe):
         *,
         none_args: frozenset[str] = frozenset(),
         flags: Mapping[str, Any] | None = None,
-    ) -> TensorParallelModule:
+    ) -> ParallelModule:
         """``none_args``/``flags``: trace those arguments as None / as these values (a program for
         a call that departs from the first one); by default flags forward branches on are traced
         as the example's (else their default) values."""
@@ -142,7 +143,7 @@ class TensorParallelRecipe(Recipe):
                 reasons[unalias(p)] += f"; not on sequence shards: {why}"
         cost = plan_cost(shard_info["comms"], len(self.devices))
         fake_source = fake_copy_to_trace(model, self.devices.primary) if self.check_available else None  # not for a fake layout check
-        pm = TensorParallelModule(
+        pm = ParallelModule(
             gm,
             gm.graph,
             recipe=self,
@@ -175,10 +176,10 @@ class TensorParallelRecipe(Recipe):
         log.debug("tensor-parallel plan %s: %s per device", applied, cost)
         return pm
 
-    def fake_layout_fields(self, pm: TensorParallelModule) -> dict[str, Any]:
+    def fake_layout_fields(self, pm: ParallelModule) -> dict[str, Any]:
         return {"plan": dict(pm.plan) or True, "check_available": False}
 
-    def build_program(self, pm: TensorParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+    def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program for a call in another mode or with other arguments left None, built on
         the fake copy with ``pm``'s plan and run on its shards; None where it is the same."""
         source = pm.traced_model

@@ -1,4 +1,4 @@
-"""Tests of ``transform(..., tensor_parallel=...)`` and the ``TensorParallelModule`` it returns."""
+"""Tests of ``transform(..., tensor_parallel=...)`` and the ``ParallelModule`` it returns, holding its shards."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dpcompile
-from dpcompile.modules.tensor_parallel import TensorParallelModule
+from dpcompile.modules.base import ParallelModule
 from dpcompile.runtime.tensor_parallel import unshard
 from tests.models import MLP, OptionalScale
 
@@ -47,7 +47,7 @@ class Block(nn.Module):
 BLOCK_PLAN = {"q": "column", "k": "column", "v": "column", "out": "row", "fc1": "column", "fc2": "row"}
 
 
-def full_grads(pm: TensorParallelModule) -> dict[str, torch.Tensor]:
+def full_grads(pm: ParallelModule) -> dict[str, torch.Tensor]:
     """The gradients of pm's parameters under the original names, shards put back together."""
     own = dict(pm.named_parameters())
     grads = {}
@@ -59,7 +59,7 @@ def full_grads(pm: TensorParallelModule) -> dict[str, torch.Tensor]:
     return grads
 
 
-def check_matches_eager(model: nn.Module, pm: TensorParallelModule, x: torch.Tensor) -> None:
+def check_matches_eager(model: nn.Module, pm: ParallelModule, x: torch.Tensor) -> None:
     """Forward output, input gradient and every parameter gradient equal the eager model's."""
     xe, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref, out = model(xe), pm(xp)
@@ -266,7 +266,8 @@ def test_torch_save_round_trips_a_tensor_parallel_module():
     torch.save(pm, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    assert isinstance(loaded, TensorParallelModule)
+    assert isinstance(loaded, ParallelModule) and loaded.mode == "tensor_parallel" and loaded.executor == "plain"
+    assert loaded.param_shards == pm.param_shards and loaded.state_keys == pm.state_keys
     assert loaded.plan == pm.plan and loaded.plan_reasons == pm.plan_reasons
     assert loaded.shard_param_slots == pm.shard_param_slots
     torch.testing.assert_close(loaded(x), model(x))

@@ -24,7 +24,6 @@ from torch import nn
 import dpcompile
 from dpcompile.export import ExportError, register_module_class, register_output_type
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.tensor_parallel import TensorParallelModule
 
 REPO = Path(dpcompile.__file__).resolve().parents[1]
 
@@ -110,7 +109,7 @@ def _trained_dp(devices=("cpu", "cpu")) -> tuple[Model, dpcompile.ParallelModule
     return model, pm
 
 
-def _tp() -> tuple[nn.Module, TensorParallelModule, torch.Tensor]:
+def _tp() -> tuple[nn.Module, ParallelModule, torch.Tensor]:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.LayerNorm(8))
     x = torch.randn(5, 16)
     return model, dpcompile.transform(model, ["cpu", "cpu"], tensor_parallel=True, example_inputs=(x,)), x
@@ -137,7 +136,7 @@ _RUN = textwrap.dedent(
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if data["keys"] is not None:
         assert sorted(pm.state_dict()) == data["keys"], sorted(pm.state_dict())
-    print("OK", type(pm).__mro__[1].__name__, len(pm.devices))
+    print("OK", type(pm).__mro__[1].__name__, len(pm.devices), pm.mode, sorted(getattr(pm, "param_shards", {})))
     """
 )
 
@@ -162,7 +161,7 @@ def test_export_data_parallel_loads_in_a_fresh_process(tmp_path):
     x = torch.randn(7, 8)
     out = _load_in_fresh_process(folder, tmp_path, [("eval", (x,), {}, pm(x)), ("eval", (x[:1],), {}, pm(x[:1]))],
                                  model.state_dict().keys())  # fmt: skip
-    assert out.startswith("OK ParallelModule 2")
+    assert out.startswith("OK ParallelModule 2 data_parallel []")
 
 
 def test_export_tensor_parallel_loads_in_a_fresh_process(tmp_path):
@@ -170,7 +169,7 @@ def test_export_tensor_parallel_loads_in_a_fresh_process(tmp_path):
     model, pm, x = _tp()
     folder = dpcompile.export(pm, tmp_path / "out")
     out = _load_in_fresh_process(folder, tmp_path, [("train", (x,), {}, pm(x))], model.state_dict().keys())
-    assert out.startswith("OK TensorParallelModule 2")
+    assert out.startswith(f"OK ParallelModule 2 tensor_parallel {sorted(pm.param_shards)}")
 
 
 def test_export_rnn_program_loads_in_a_fresh_process(tmp_path):
@@ -404,13 +403,14 @@ def test_export_module_py_imports_with_string_annotations(tmp_path):
 
 
 def test_load_returns_only_the_recorded_kind(tmp_path):
-    """A DP folder loads as a (non tensor-parallel) ParallelModule, a TP folder as a TensorParallelModule."""
+    """A DP folder loads as a ParallelModule without a sharded state, a TP folder as one holding its shards."""
     _, dp = _trained_dp()
     _, tp, _ = _tp()
     loaded_dp = dpcompile.load(dpcompile.export(dp, tmp_path / "dp"))
     loaded_tp = dpcompile.load(dpcompile.export(tp, tmp_path / "tp"))
-    assert isinstance(loaded_dp, ParallelModule) and not isinstance(loaded_dp, TensorParallelModule)
-    assert isinstance(loaded_tp, TensorParallelModule) and loaded_tp.mode == "tensor_parallel"
+    assert isinstance(loaded_dp, ParallelModule) and loaded_dp.mode == "data_parallel" and "param_shards" not in loaded_dp.__dict__
+    assert isinstance(loaded_tp, ParallelModule) and loaded_tp.mode == "tensor_parallel"
+    assert loaded_tp.param_shards == tp.param_shards and loaded_tp.executor == loaded_dp.executor == "plain"
 
 
 def test_load_regenerates_a_data_parallel_program_for_other_devices(tmp_path):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import dpcompile
-from dpcompile.modules.tensor_parallel import TensorParallelModule
+from dpcompile.modules.base import ParallelModule
 from tests.thirdparty import import_or_skip
 
 REPO = Path(dpcompile.__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_tensor_parallel_with_every_style_exports_and_loads(tmp_path):
     folder = dpcompile.export(pm, tmp_path / "out")
     assert not (folder / "program.pkl").exists()
     loaded = dpcompile.load(folder)
-    assert isinstance(loaded, TensorParallelModule) and loaded.plan == plan
+    assert isinstance(loaded, ParallelModule) and loaded.plan == plan and loaded.param_shards == pm.param_shards
     torch.testing.assert_close(loaded(ids), model(ids))
     assert loaded.emb.weight_shard0 is loaded.head.weight_shard0  # the tie survives
     assert sorted(loaded.state_dict()) == sorted(model.state_dict())

@@ -22,17 +22,24 @@ from dpcompile.export.pipeline import (
 from dpcompile.export.source import program_source
 from dpcompile.fx_utils import copy_graph, propagate_example_shapes
 
-__all__ = ["build", "place", "readable_programs"]
+__all__ = ["SHARDED_KINDS", "build", "is_recorded_kind", "place", "readable_programs"]
 
 _STYLES = ("column", "row", "replicate", "vocab")  # tensor-parallel styles a plan records
 
 
-def expected_class(kind: str) -> type:
-    from dpcompile.modules.base import ParallelModule
-    from dpcompile.modules.pipeline import PipelineModule
+#: the kinds whose program stores parameters as pieces (its sharded state, ``pm.param_shards``)
+SHARDED_KINDS = ("tensor_parallel", "pipeline_tensor_parallel")
 
-    classes = {"pipeline": PipelineModule, "pipeline_tensor_parallel": PipelineModule}
-    return classes.get(kind, ParallelModule)
+
+def is_recorded_kind(pm: Any, kind: str) -> bool:
+    """Whether ``pm`` is a program of ``kind``: a ``ParallelModule`` of that mode, run by a pipeline's
+    schedule exactly where the kind is a pipeline, holding a sharded state exactly where the kind shards."""
+    from dpcompile.modules.base import ParallelModule
+
+    if not isinstance(pm, ParallelModule) or pm.mode != kind:
+        return False
+    scheduled = pm.executor in ("gpipe", "1f1b")
+    return scheduled == (kind in PIPELINE_KINDS) and ("param_shards" in pm.__dict__) == (kind in SHARDED_KINDS)
 
 
 def place(weights: dict[str, torch.Tensor], info: dict[str, dict[str, Any]], target: Any) -> dict[str, torch.Tensor]:
@@ -92,6 +99,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     from dpcompile.export.kinds import TreeIndex
     from dpcompile.export.serialize import decode_graph, decode_tree
     from dpcompile.export.variants import decode_key, decode_recipe, decode_signature
+    from dpcompile.modules.base import ParallelModule
     from dpcompile.modules.pickling import restore_parallel_module
     from dpcompile.program_cache import CallKey
 
@@ -192,7 +200,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
         "extra": extra,
         "source": None,
     }
-    pm = restore_parallel_module(expected_class(kind), state)
+    pm = restore_parallel_module(ParallelModule, state)
     pm.call_signature = signature  # where calls depart (none where the module never traced again)
     if kind in ("tensor_parallel", "pipeline_tensor_parallel"):
         _check_shards(pm)

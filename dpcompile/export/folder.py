@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.errors import ArgumentError
-from dpcompile.export.build import build, expected_class, place
+from dpcompile.export.build import build, is_recorded_kind, place
 from dpcompile.export.common import (
     FORMAT,
     FORMAT_VERSION,
@@ -497,10 +497,8 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
             raise ExportError(
                 f"{folder / PROGRAM_FILE} cannot be rebuilt as a program ({type(e).__name__}: {e!s:.200}); re-export"
             ) from e
-    expected = expected_class(program["kind"])
-    kinds = [c for c in map(expected_class, KINDS) if not issubclass(expected, c)]  # no other kind's class
-    if not isinstance(pm, expected) or any(isinstance(pm, c) for c in kinds) or pm.mode != program["kind"]:
-        raise ExportError(f"{folder} did not rebuild as a {expected.__name__}")
+    if not is_recorded_kind(pm, program["kind"]):
+        raise ExportError(f"{folder} did not rebuild as a {program['kind']} program")
     return pm
 
 

@@ -1,6 +1,6 @@
 """A one-process pipeline as data: the stages, the schedule, the stage plan, each node's stage.
 
-A pipeline program (``PipelineModule``, its stages sharded too: pp x tp, dp x tp)
+A pipeline program (a ``ParallelModule`` run by a pipeline's executor, its stages sharded too: pp x tp, dp x tp)
 is written as a data-parallel one is (the main program, its variants, the captured program,
 the module tree, the weights by the model's keys), plus ``config.pipeline``::
 
@@ -288,7 +288,7 @@ def stamp_stages(section: dict[str, Any], programs: Sequence[tuple[str, fx.Graph
 def pipeline_extra(
     section: dict[str, Any], holder: nn.Module, stages: Sequence[tuple[str, fx.Graph]], target: Any
 ) -> dict[str, Any]:
-    """What ``PipelineModule._restore_extra_state`` reads: the stages (their programs over the
+    """What ``modules/executors.py: restore_executor`` reads: the stages (their programs over the
     loaded modules), micro-batches, schedule and plan (and tensor-parallel stages' groups)."""
     from dpcompile.modules.pipeline import Stage
     from passes.split_stages import StagePlan

@@ -38,7 +38,7 @@ from dpcompile.fx_utils import (
     reserve_names,
     unalias,
 )
-from dpcompile.modules.executors import PLAIN
+from dpcompile.modules.executors import PLAIN, bubble_fraction
 from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
     adopt_root_hooks,
@@ -71,6 +71,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     * ``pm.devices``, ``pm.mode``, ``pm.input_dims``, ``pm.output_device``, ``pm.plan``;
     * ``pm.captured``: the traced program before lowering (data parallel), or None;
     * ``pm.records``: the passes that ran, with their timing and findings;
+    * ``pm.executor``: what runs a call (:mod:`~dpcompile.modules.executors`): ``"plain"``, or a pipeline's
+      schedule (``"gpipe"``, ``"1f1b"``) over ``pm.stages`` (``pm.micro_batches``, ``pm.bubble_fraction``);
     * where parameters are stored as pieces (tensor parallel, FSDP in one process, sharded pipeline
       stages; :mod:`~dpcompile.modules.sharded_state`): ``pm.param_shards``
       (``{"fc1.weight": (ShardSpec(0, (5, 5)), ["fc1.weight_shard0", ...])}``), ``pm.shard_param_slots``
@@ -90,6 +92,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
         "_guard", "_hooks_traced", "_exported_check", "_other_mode", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
         "state_aliases", "layout", "strategies", "_executor",
+        "stages", "micro_batches", "schedule", "stage_plan", "one_f_one_b_steps", "stage_groups",
     })  # fmt: skip
     needs_weights = property(needs_weights, doc="True for a program built on meta until dpcompile.load_checkpoint fills it")
 
@@ -314,6 +317,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     #: its name: ``"plain"`` (the program), ``"gpipe"`` / ``"1f1b"`` (a one-process pipeline's schedule
     #: over ``pm.stages``), ``"pipelining"`` (``torch.distributed.pipelining``: this rank's stage)
     executor = property(lambda self: self._executor.name)
+    #: a pipeline's bubble ``(S-1)/(M+S-1)``, GPipe's and 1F1B's: the share of a step each device waits
+    bubble_fraction = property(bubble_fraction)
     strategy = property(lambda self: next((s for s in ("data_parallel", "pipeline") if s in str(self.mode)), "tensor_parallel"))
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
         """The program a call with these arguments runs: ``self`` or one traced for the call.

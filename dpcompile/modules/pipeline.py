@@ -1,24 +1,30 @@
-"""``PipelineModule``: a model split by depth into stages, one per device, fed micro-batches.
+"""The stages of a pipeline in one process: a model split by depth, one stage per device, fed micro-batches.
 
-It is a :class:`~dpcompile.modules.base.ParallelModule` sharing the model's own modules and
-parameters (each stage's modules live on its device), so an optimizer over
-``model.parameters()`` trains it. ``pm.stages`` lists the stages: each one's device, the
-modules it holds and its program for one micro-batch (``pm.stages[i].code``).
+A pipeline is a :class:`~dpcompile.modules.base.ParallelModule` run by a
+:class:`~dpcompile.modules.executors.PipelineExecutor` (``pm.executor``: ``"gpipe"`` or ``"1f1b"``,
+held by :func:`~dpcompile.modules.executors.hold_pipeline`), sharing the model's own modules and
+parameters (each stage's modules live on its device), so an optimizer over ``model.parameters()``
+trains it; with ``tensor_parallel=`` it owns its shards (its sharded state). ``pm.stages`` lists the
+:class:`Stage` s: each one's device, the modules it holds and its program for one micro-batch
+(``pm.stages[i].code``); ``pm.micro_batches``, ``pm.schedule``, ``pm.stage_plan``, ``pm.bubble_fraction``;
+``pm.stage_groups`` each stage's devices where stages are sharded.
+
+>>> import torch, dpcompile
+>>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+>>> pm = dpcompile.transform(model, ["cpu", "cpu"], pipeline=2, micro_batches=2)
+>>> [s.module_paths for s in pm.stages]
+[('0', '1'), ('2', '3')]
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.devices import Devices
-from dpcompile.fx_utils import PicklableGraph, reserve_names
-from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.executors import bubble_fraction, hold_pipeline, hold_stage_groups
+from dpcompile.fx_utils import PicklableGraph
 from dpcompile.modules.pickling import refuses_corrupt_state
 
 
@@ -59,34 +65,4 @@ def restore_stage(fields: tuple, graph: PicklableGraph, held: dict[str, dict], c
     return Stage(*fields, fx.GraphModule(root, graph.graph(), class_name))
 
 
-class PipelineModule(ParallelModule):
-    """A pipeline over ``pm.devices`` (one stage each) with ``pm.micro_batches`` micro-batches.
-
-    >>> import torch, dpcompile
-    >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
-    >>> pm = dpcompile.transform(model, ["cpu", "cpu"], pipeline=2, micro_batches=2)
-    >>> [s.module_paths for s in pm.stages]
-    [('0', '1'), ('2', '3')]
-
-    With ``tensor_parallel=`` stage ``i`` runs on ``pm.stage_groups[i]`` (``devices[i*T:(i+1)*T]``), its
-    layers sharded over them as ``pm.plan`` says; the program owns its shards (its sharded state:
-    :mod:`dpcompile.modules.sharded_state`), so ``pm.parameters()`` are the shards and the replicated
-    rest (build the optimizer over them), and ``pm.state_dict()`` has the model's keys, whole.
-    """
-
-    own_attributes = ParallelModule.own_attributes | frozenset(
-        {"stages", "micro_batches", "schedule", "stage_plan", "one_f_one_b_steps", "stage_groups"}
-    )
-
-    def set_pipeline(self, *, stages: list[Stage], micro_batches: int, schedule: str, stage_plan: Any) -> None:
-        """Record the stages and hold the pipeline's executor (:func:`hold_pipeline`)."""
-        hold_pipeline(self, stages=stages, micro_batches=micro_batches, schedule=schedule, stage_plan=stage_plan)
-
-    def set_stage_groups(self, groups: Sequence[Devices]) -> None:
-        """Record the devices of each stage and the device slot of every parameter (:func:`hold_stage_groups`)."""
-        hold_stage_groups(self, groups)
-
-    bubble_fraction = property(bubble_fraction, doc="The bubble ``(S-1)/(M+S-1)`` of GPipe and of 1F1B")
-
-
-reserve_names(PipelineModule.own_attributes)
+__all__ = ["Stage", "restore_stage"]

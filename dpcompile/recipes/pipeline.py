@@ -1,4 +1,4 @@
-"""Pipeline parallelism in one process: capture → stages → micro-batches → PipelineModule.
+"""Pipeline parallelism in one process: capture → stages → micro-batches → a ParallelModule run by a PipelineExecutor.
 
     gm, flags, nones = capture_with_flags(model, ...)       # the model as a graph
     input_dims = infer_input_dims(gm, ...)                  # how a batch splits into micro-batches
@@ -31,8 +31,10 @@ from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import run_passes
+from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
-from dpcompile.modules.pipeline import PipelineModule, Stage
+from dpcompile.modules.executors import hold_pipeline
+from dpcompile.modules.pipeline import Stage
 from dpcompile.program_cache import CallKey
 from dpcompile.progress import step_bar
 from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, sharing_model
@@ -59,10 +61,10 @@ class PipelineRecipe(Recipe):
 
     serves_flags: ClassVar[bool] = True
 
-    def fake_layout_fields(self, pm: PipelineModule) -> dict[str, Any]:
+    def fake_layout_fields(self, pm: ParallelModule) -> dict[str, Any]:
         return {}
 
-    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> PipelineModule:
+    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         if self.context_parallel:
             check_sequence_pipeline(example_inputs)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
@@ -81,7 +83,7 @@ class PipelineRecipe(Recipe):
         programs = stage_programs(gm, plan, self.devices.strings())
         lowered = self.lower(gm, plan, self.micro_batches, input_dims, recompile=False)
         place_stages(lowered, self.devices, borrow=True)
-        pm = PipelineModule(
+        pm = ParallelModule(
             lowered, lowered.graph, recipe=self, devices=self.devices, mode="pipeline", input_dims=input_dims,
             output_device=self.output_device, captured=captured, records=records,
             **sharing_model(model, gm, flags, nones),
@@ -90,7 +92,7 @@ class PipelineRecipe(Recipe):
             Stage(s, str(self.devices[s]), plan.module_paths[s], plan.weights[s], plan.param_bytes[s], programs[s])
             for s in range(plan.stages)
         ]
-        pm.set_pipeline(stages=stages, micro_batches=self.micro_batches, schedule=self.schedule, stage_plan=plan)
+        hold_pipeline(pm, stages=stages, micro_batches=self.micro_batches, schedule=self.schedule, stage_plan=plan)
         return pm
 
     def _options(self, input_dims: Mapping[str, int | None] | None = None) -> passes.PipelineOptions:
@@ -124,7 +126,7 @@ class PipelineRecipe(Recipe):
         gm, _ = run_passes(gm, passes.frontend_pipeline(self._options({} if self.context_parallel else None)))
         return gm
 
-    def build_program(self, pm: PipelineModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+    def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         captured = departing_trace(self, pm, key)  # None: the main trace
         if captured is None and key.devices == pm.micro_batches and not key.unbatched:
             return None
@@ -133,7 +135,7 @@ class PipelineRecipe(Recipe):
         plan = pm.stage_plan if captured is None else follow_plan(gm, pm.stage_plan)
         return self.lower(gm, plan, key.devices, {**pm.input_dims, **dict.fromkeys(key.unbatched)})
 
-    def one_f_one_b_step(self, pm: PipelineModule, key: CallKey) -> Any:
+    def one_f_one_b_step(self, pm: ParallelModule, key: CallKey) -> Any:
         """The 1F1B step a training call as ``key`` runs (``recipes/pipeline_1f1b.py``)."""
         return one_f_one_b_step(self, pm, key)
 

@@ -47,9 +47,11 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, fake_copy_to_trace
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, unalias
 from dpcompile.infra import info_of, run_passes
+from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
+from dpcompile.modules.executors import hold_pipeline, hold_stage_groups
 from dpcompile.modules.fsdp_one_process import tensor_parallel_shards
-from dpcompile.modules.pipeline import PipelineModule, Stage
+from dpcompile.modules.pipeline import Stage
 from dpcompile.modules.pipeline_1f1b import OneFOneBStep
 from dpcompile.modules.sharded_state import hold_shards, param_bytes_per_slot
 from dpcompile.modules.tensor_parallel import watch_source_parameters
@@ -116,7 +118,7 @@ class PipelineTensorParallelRecipe(Recipe):
         *,
         none_args: frozenset[str] = frozenset(),
         flags: Mapping[str, Any] | None = None,
-    ) -> PipelineModule:
+    ) -> ParallelModule:
         if self.context_parallel:
             check_sequence_pipeline(example_inputs)
         groups = self.groups()
@@ -175,7 +177,7 @@ class PipelineTensorParallelRecipe(Recipe):
         described = describe_choices(applied, shard_info)
         reasons = {unalias(p): why for p, why in reasons.items()}
         reasons = {p: reasons.get(p, described.get(p, "")) for p in {**described, **reasons}}
-        pm = PipelineModule(
+        pm = ParallelModule(
             lowered,
             lowered.graph,
             recipe=self,
@@ -201,7 +203,7 @@ class PipelineTensorParallelRecipe(Recipe):
             captured_code=captured_code,
             state_aliases=state_aliases,
         )
-        pm.set_stage_groups(groups)
+        hold_stage_groups(pm, groups)
         if isinstance(model, fx.GraphModule) and (exported := model.meta.get(EXPORTED_FROM)) is not None:
             pm.__dict__["exported_inputs"] = (exported.inputs, type(exported.model).__name__)  # build_program checks
         if example_inputs is not None and self.check_available:  # shapes for the programs export builds ahead
@@ -212,7 +214,7 @@ class PipelineTensorParallelRecipe(Recipe):
                   sum(held[s * shards + k] for k in range(shards)), programs[s])
             for s in range(stage_plan.stages)
         ]  # fmt: skip
-        pm.set_pipeline(stages=stages, micro_batches=self.micro_batches, schedule=self.schedule, stage_plan=plan)
+        hold_pipeline(pm, stages=stages, micro_batches=self.micro_batches, schedule=self.schedule, stage_plan=plan)
         pm.train(model.training)
         if self.check_available:
             watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: loud
@@ -273,11 +275,11 @@ class PipelineTensorParallelRecipe(Recipe):
                 node.meta[STAGE] = max(stages)  # output's send has none: it goes to the output device)
         return records
 
-    def fake_layout_fields(self, pm: PipelineModule) -> dict[str, Any]:
+    def fake_layout_fields(self, pm: ParallelModule) -> dict[str, Any]:
         return {"plan": dict(pm.plan) or True}
 
     def build_program(
-        self, pm: PipelineModule, key: CallKey, args: tuple, kwargs: dict
+        self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict
     ) -> fx.GraphModule | None:
         """The program for fewer micro-batches (a small batch), another mode or other arguments left
         None: the recipe compiled again on the fake copy of the model with ``pm``'s plan, its code
@@ -309,7 +311,7 @@ class PipelineTensorParallelRecipe(Recipe):
         )
 
 
-    def one_f_one_b_step(self, pm: PipelineModule, key: CallKey) -> OneFOneBStep:
+    def one_f_one_b_step(self, pm: ParallelModule, key: CallKey) -> OneFOneBStep:
         """The 1F1B step of a training call as ``key``: the program the call runs (lowered with its
         micro-batches split even where there is one, see :meth:`lower`), run as units of one stage
         and micro-batch, each unit's shards and their collectives together."""
@@ -416,7 +418,7 @@ def _on_meta(value: Any) -> Any:
     return tree_map(lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, value)
 
 
-def _example_shapes(pm: PipelineModule, key: CallKey) -> list[Any] | None:
+def _example_shapes(pm: ParallelModule, key: CallKey) -> list[Any] | None:
     """The examples' shapes for a program built without a call's inputs (export builds every mode's
     ahead): the plan transform applied shards attention by heads only where shapes show them, so a
     build without shapes would shard otherwise and be refused. Arguments the key leaves None, None."""

@@ -37,7 +37,6 @@ from dpcompile.inspect.explanation import explain, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
 from dpcompile.modules.mesh_stage import MESH_PIPELINE_INSPECTION
-from dpcompile.modules.spmd import SpmdModule
 from dpcompile.runtime import checkpoint
 from dpcompile.runtime.kept import tensors_kept
 
@@ -280,7 +279,7 @@ def _sharded_by_fsdp_hooks(pm: Any, labels: list[str]) -> bool:
     """FSDP over a DeviceMesh: ``fully_shard``'s hooks gather the root's shards around ``pm``'s own
     call (a program run node by node would meet them as DTensors), so the step runs through ``pm``;
     this rank is one device, one slot."""
-    return isinstance(pm, SpmdModule) and pm.fsdp is not None and len(labels) == 1
+    return getattr(pm, "executor", None) == "plain" and getattr(pm, "fsdp", None) is not None and len(labels) == 1
 
 
 def _cuda_peaks(

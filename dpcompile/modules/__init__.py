@@ -1,11 +1,10 @@
 """The executable programs ``transform`` returns: one module kind, :class:`~dpcompile.modules.base.ParallelModule`,
-holding its program(s), an executor (:mod:`~dpcompile.modules.executors`) and, where parameters are
-stored as pieces, the sharded state (:mod:`~dpcompile.modules.sharded_state`); over a DeviceMesh
-:class:`~dpcompile.modules.spmd.SpmdModule` (one rank's program) and
-:class:`~dpcompile.modules.mesh_pipeline.MeshPipelineModule` (one rank's pipeline stage).
+holding its program(s), an executor (:mod:`~dpcompile.modules.executors`; over a mesh
+:class:`~dpcompile.modules.spmd.SpmdExecutor`) and, where parameters are stored as pieces, the sharded
+state (:mod:`~dpcompile.modules.sharded_state`); a mesh's pipeline stage is still a class of its own,
+:class:`~dpcompile.modules.mesh_pipeline.MeshPipelineModule`.
 """
 
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.spmd import SpmdModule
 
-__all__ = ["ParallelModule", "SpmdModule"]
+__all__ = ["ParallelModule"]

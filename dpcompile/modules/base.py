@@ -15,7 +15,9 @@ question for tools (explain, verify, draw, export).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from typing import Any
 
 import torch
@@ -396,11 +398,20 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The model's keys and tensors, with the model's own ``state_dict`` hooks run as it runs them;
-        where parameters are stored as pieces (``pm.param_shards``), each key's whole tensor."""
+        where parameters are stored as pieces (``pm.param_shards``), each key's whole tensor; over a
+        mesh, shards all-gathered (a collective: call it on every rank; keyword arguments only)."""
         if "param_shards" in self.__dict__:
             own = self.stored_state_dict(keep_vars=keep_vars)
-            return whole_state_dict(self, own, args[0] if args else destination, prefix, keep_vars)
-        return self.stored_state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+            state = whole_state_dict(self, own, args[0] if args else destination, prefix, keep_vars)
+        else:
+            state = self.stored_state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return self._executor.whole_state(self, state, prefix, args)
+
+    def whole_tensors(self, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        """``tensors`` (this process's, under the model's keys: its state, or its parameters' gradients)
+        made whole in place: over a mesh FSDP's DTensor shards all-gathered over dp, then the tp shards
+        (a collective: call it on every rank)."""
+        return self._executor.whole_tensors(self, tensors, prefix)
 
     def stored_state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The state as the module stores it: the model's keys, but pieces under their own names where
@@ -414,11 +425,15 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         )
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Whole tensors under the model's keys; each piece cut from them where parameters are stored as
+        pieces (over a mesh this rank's shard, and FSDP's rows)."""
+        state_dict = self._executor.local_state(self, state_dict)
         if "param_shards" in self.__dict__:  # whole tensors, cut into the pieces
             return load_pieces(self, self.stored_state_dict(keep_vars=True), state_dict, strict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *rest: Any) -> None:
+        self._executor.cut_on_load(self, state_dict, prefix)
         if "param_shards" in self.__dict__:
             cut_pieces(self, state_dict, prefix, rest[-1])  # rest[-1]: error_msgs
         if getattr(self, "_shares_source", False):
@@ -446,10 +461,30 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             source.training = mode  # the model's own flag (its submodules are ours)
         if isinstance(self.__dict__.get(ROOT_LEAF), nn.Module):
             self.__dict__[ROOT_LEAF].train(mode)
+        self._executor.train(self, mode)
         return self
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Skip the gradient all-reduce of the backward passes inside (gradient accumulation over a
+        mesh, as ``DistributedDataParallel.no_sync``; FSDP2's reduce-scatter too): the first backward
+        after the block reduces the accumulated gradients. A no-op without a data-parallel dimension
+        over a mesh (in one process nothing reduces across processes)."""
+        return self._executor.no_sync(self)
+
+    ddp = property(lambda self: self.__dict__.get("_ddp"), doc="The ``DistributedDataParallel`` that runs the program over a mesh's dp dimension (else None)")
+    fsdp = property(lambda self: self.__dict__.get("_fsdp"), doc="The ``fully_shard`` root that runs the program over a mesh with ``data_parallel=\"fsdp\"`` (else None)")
+    fsdp_blocks = property(lambda self: list(self.__dict__.get("_fsdp_blocks", ())), doc="The module paths FSDP2 wraps with ``fully_shard`` of their own")
+    #: over a mesh every call first checks (one all-gather of an 8-byte fingerprint) that every rank of the tp
+    #: group feeds inputs of the same shapes, or, data parallel, that every rank of the dp group calls with the
+    #: same arguments, dtypes and ranks; False skips the check
+    check_inputs: bool = True
+    #: seconds that check waits for the other ranks of the group to call forward: a rank that never calls
+    #: fails the others this soon, not after the process group's 30 minutes
+    check_inputs_timeout: float = float(os.environ.get("DPCOMPILE_SPMD_TIMEOUT", "300"))
 
     # ------------------------------------------------------------------ pickling
     def __reduce__(self):
+        self._executor.check_picklable(self)
         refuse_pickling_parametrized(self)
         return both_modes(self)._reduce(carry_programs=True)
 

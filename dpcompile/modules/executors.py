@@ -16,7 +16,8 @@ unpickling through :func:`restore_executor`)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +73,33 @@ class PlainExecutor:
             # on a 1-D input): nothing to split, and replicas would each give the whole output
             return 1
         return min(batch, n)
+
+    def train(self, pm: Any, mode: bool) -> None:
+        """What ``pm.train(mode)`` switches beside the modules (a wrapper's flag over a mesh)."""
+
+    def no_sync(self, pm: Any) -> contextlib.AbstractContextManager:
+        """``pm.no_sync()``: nothing reduces gradients across processes here, so nothing to skip."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ state
+    def whole_state(self, pm: Any, tensors: dict[str, Any], prefix: str, positional: tuple) -> dict[str, Any]:
+        """``pm.state_dict()``'s tensors (``positional``: its positional arguments) made whole."""
+        return tensors
+
+    def whole_tensors(self, pm: Any, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        """This process's tensors under the model's keys (its state, or its parameters' gradients), whole."""
+        return tensors
+
+    def local_state(self, pm: Any, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Whole tensors under the model's keys as this process holds them (before ``load_state_dict``)."""
+        return state_dict
+
+    def cut_on_load(self, pm: Any, state_dict: Any, prefix: str) -> None:
+        """A parent's ``load_state_dict`` of ``pm``: whole tensors cut as this process holds them, in place."""
+
+    # ------------------------------------------------------------------ pickling
+    def check_picklable(self, pm: Any) -> None:
+        """Raise where a program run this way cannot be pickled."""
 
     def pickled_state(self, pm: Any) -> dict[str, Any]:
         """What a pickled copy carries to hold this executor again (:func:`restore_executor`)."""

@@ -67,6 +67,7 @@ class MeshPipelineModule(ParallelModule):
     """
 
     executor = "pipelining"
+    fsdp = None  # its own: the FSDP2 root of the stage (not ParallelModule's property over a mesh's program)
 
     def __init__(self, program: fx.GraphModule, *, recipe: Any, mesh: Any, whole: fx.GraphModule, stage_index: int,
                  num_stages: int, device: Any, pp_group: Any, dp_group: Any, micro_batches: int, schedule: str,

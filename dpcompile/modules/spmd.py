@@ -1,9 +1,10 @@
-"""``SpmdModule``: one rank's program of an SPMD ``ParallelModule`` (``transform(model, mesh)``).
+"""One rank's program over a DeviceMesh (``transform(model, mesh)``): a ``ParallelModule`` holding
+an :class:`SpmdExecutor` and the mesh (:func:`hold_mesh`).
 
 Built by :class:`~dpcompile.recipes.spmd.SpmdRecipe`. Where the mesh has a data-parallel
 dimension the program runs under ``DistributedDataParallel`` (``pm.ddp``), which averages
-gradients across processes; with tensor parallelism ``state_dict()`` all-gathers full
-tensors under the original keys (a collective: call it on every rank) and
+gradients across processes, or FSDP2 (``pm.fsdp``); with tensor parallelism ``state_dict()``
+all-gathers full tensors under the original keys (a collective: call it on every rank) and
 ``load_state_dict()`` keeps this rank's shard.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -24,9 +24,9 @@ from torch import nn
 
 from dpcompile.analysis.random_ops import scoped_module_paths
 from dpcompile.errors import ArgumentError, first_line
-from dpcompile.fx_utils import placeholders, reserve_names, unalias
+from dpcompile.fx_utils import placeholders, unalias
 from dpcompile.mesh import local_device
-from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.executors import PlainExecutor
 from dpcompile.modules.spmd_exchange import FingerprintExchange
 from dpcompile.modules.weights import NEEDS_WEIGHTS, weights_not_loaded
 from dpcompile.runtime.distributed import (
@@ -46,7 +46,7 @@ log = logging.getLogger("dpcompile")
 class _LocalProgram(nn.Module):
     """What DDP wraps: runs the program of ``pm`` a call takes (not ``pm.__call__``, which is DDP's)."""
 
-    def __init__(self, program: SpmdModule):
+    def __init__(self, program: Any):
         super().__init__()
         self.program = program
 
@@ -55,86 +55,65 @@ class _LocalProgram(nn.Module):
         return pm.run_program(pm.program_for_call(*args, **kwargs), args, kwargs)
 
 
-class SpmdModule(ParallelModule):
-    """One rank's program of an SPMD ``ParallelModule``. Build it with ``dpcompile.transform(model, mesh)``.
+def hold_mesh(
+    pm: Any,
+    *,
+    mesh: Any,
+    dp_dim: str | int | None,
+    tp_dim: str | int | None,
+    shards: Mapping[str, ShardSpec] | None = None,
+    ddp_options: Mapping[str, Any] | None = None,
+    fsdp: Mapping[str, Any] | None = None,
+) -> None:
+    """Make ``pm`` one rank's program over ``mesh``: hold the mesh and this rank's shards (``pm.shards``
+    ``{state key: ShardSpec}``) and an :class:`SpmdExecutor`; build DDP where there is a data-parallel
+    dim (``pm.ddp``), or FSDP2 (``fsdp``: ``fully_shard``'s keyword arguments; ``pm.fsdp``) where asked.
 
     ``pm.mode`` is ``"spmd_data_parallel"``, ``"spmd_tensor_parallel"``, ``"spmd_2d"`` or
     ``"spmd_context_parallel"`` (DDP over ``"cp"``, or over ``"dp_cp"``, the flattened ``("dp", "cp")`` mesh)
-    or ``"spmd_context_tensor_parallel"`` (a ``("cp", "tp")`` mesh, DDP over ``"cp"``);
-    ``pm.mesh`` the mesh; ``pm.ddp`` the ``DistributedDataParallel`` that runs it where there
-    is a data-parallel dimension (None otherwise); with tensor parallelism ``pm.plan`` and
-    ``pm.plan_reasons`` as in single-process mode, and ``pm.shards`` ``{state key: ShardSpec}``
-    for the parameters this rank holds a shard of.
+    or ``"spmd_context_tensor_parallel"`` (a ``("cp", "tp")`` mesh, DDP over ``"cp"``).
 
     >>> pm = dpcompile.transform(model, mesh)   # doctest: +SKIP
     >>> with pm.no_sync():                      # accumulate without all-reducing  # doctest: +SKIP
     ...     pm(x).sum().backward()
     """
+    pm.__dict__["mesh"] = mesh
+    pm.dp_dim = dp_dim
+    pm.tp_dim = tp_dim
+    pm.shards = dict(shards or {})
+    pm.__dict__["_executor"] = SPMD
+    pm.__dict__["_ddp"] = None
+    fake = any(is_fake(p) for p in pm.parameters())  # a meta model's: DDP/FSDP are built once they have memory
+    pm.__dict__["_fsdp"] = None
+    if dp_dim is not None and not fake and fsdp is not None:
+        pm.__dict__["_fsdp"] = build_fsdp(pm, mesh, dp_dim, fsdp)
+    elif dp_dim is not None and not fake and any(p.requires_grad for p in pm.parameters()):
+        pm.__dict__["_ddp"] = build_ddp(pm, mesh, dp_dim, ddp_options or {})
 
-    mesh: Any
-    shards: dict[str, ShardSpec]
-    #: every call first checks (one all-gather of an 8-byte fingerprint) that every rank of the tp
-    #: group feeds inputs of the same shapes, or, data parallel, that every rank of the dp group
-    #: calls with the same arguments, dtypes and ranks; False skips the check
-    check_inputs: bool = True
-    #: seconds that check waits for the other ranks of the group to call forward: a rank
-    #: that never calls fails the others this soon, not after the process group's 30 minutes
-    check_inputs_timeout: float = float(os.environ.get("DPCOMPILE_SPMD_TIMEOUT", "300"))
 
-    def attach_mesh(
-        self,
-        *,
-        mesh: Any,
-        dp_dim: str | int | None,
-        tp_dim: str | int | None,
-        shards: Mapping[str, ShardSpec] | None = None,
-        ddp_options: Mapping[str, Any] | None = None,
-        fsdp: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Hold the mesh and this rank's shards; build DDP where there is a data-parallel dim,
-        or FSDP2 (``fsdp``: ``fully_shard``'s keyword arguments) where asked."""
-        self.__dict__["mesh"] = mesh
-        self.dp_dim = dp_dim
-        self.tp_dim = tp_dim
-        self.shards = dict(shards or {})
-        self.__dict__["_ddp"] = None
-        fake = any(is_fake(p) for p in self.parameters())  # a meta model's: DDP/FSDP are built once they have memory
-        self.__dict__["_fsdp"] = None
-        if dp_dim is not None and not fake and fsdp is not None:
-            self.__dict__["_fsdp"] = build_fsdp(self, mesh, dp_dim, fsdp)
-        elif dp_dim is not None and not fake and any(p.requires_grad for p in self.parameters()):
-            self.__dict__["_ddp"] = build_ddp(self, mesh, dp_dim, ddp_options or {})
+class SpmdExecutor(PlainExecutor):
+    """One rank's program over a DeviceMesh (``transform(model, mesh)``), run under
+    ``DistributedDataParallel`` (``pm.ddp``) or FSDP2 (``pm.fsdp``) where the mesh has a data-parallel
+    dimension; every call first checks that the ranks of a group call alike (``pm.check_inputs``).
+    With tensor parallelism ``state_dict()`` all-gathers full tensors under the original keys (a
+    collective: call it on every rank) and ``load_state_dict()`` keeps this rank's shard."""
 
-    @property
-    def ddp(self) -> nn.parallel.DistributedDataParallel | None:
-        return self.__dict__.get("_ddp")
-
-    @property
-    def fsdp(self) -> nn.Module | None:
-        """The ``fully_shard`` root that runs the program with ``data_parallel="fsdp"`` (else None)."""
-        return self.__dict__.get("_fsdp")
-
-    @property
-    def fsdp_blocks(self) -> list[str]:
-        """The module paths wrapped with ``fully_shard`` of their own (the repeated blocks)."""
-        return list(self.__dict__.get("_fsdp_blocks", ()))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.__dict__.get(NEEDS_WEIGHTS):  # before DDP, which calls the program directly
-            raise weights_not_loaded(self)
-        ddp = self.__dict__.get("_ddp") or self.__dict__.get("_fsdp")
-        if self.check_inputs:
-            if self.__dict__.get("tp_dim") is not None:
+    def __call__(self, pm: Any, *args: Any, **kwargs: Any) -> Any:
+        if pm.__dict__.get(NEEDS_WEIGHTS):  # before DDP, which calls the program directly
+            raise weights_not_loaded(pm)
+        ddp = pm.__dict__.get("_ddp") or pm.__dict__.get("_fsdp")
+        if pm.check_inputs:
+            if pm.__dict__.get("tp_dim") is not None:
                 # tensor parallel alone: the check's all-gather runs while the program computes up to its
                 # first collective, which waits for it (so mismatched shapes never reach a collective)
-                deferred = ddp is None and self.__dict__.get("_compiled_call_impl") is None
-                self.check_inputs_agree(args, kwargs, defer=deferred)
+                deferred = ddp is None and pm.__dict__.get("_compiled_call_impl") is None
+                check_inputs_agree(pm, args, kwargs, defer=deferred)
                 if deferred:
-                    return self._call_with_deferred_check(args, kwargs)
+                    return self._call_with_deferred_check(pm, args, kwargs)
             elif ddp is not None:
-                self.check_calls_agree(args, kwargs)
+                check_calls_agree(pm, args, kwargs)
         if ddp is None:
-            return super().__call__(*args, **kwargs)
+            return super().__call__(pm, *args, **kwargs)
         try:
             return ddp(*args, **kwargs)
         except CollectiveError:
@@ -148,12 +127,12 @@ class SpmdModule(ParallelModule):
                 f"timeout= to torch.distributed.init_process_group to fail sooner. ({first_line(e)})"
             ) from e
 
-    def _call_with_deferred_check(self, args: tuple, kwargs: dict) -> Any:
+    def _call_with_deferred_check(self, pm: Any, args: tuple, kwargs: dict) -> Any:
         """Run the program; the input check deferred to its first collective is settled by the end,
         and where the program failed first (one rank's shapes broke its local work), the check's
         ``ValueError`` is what every rank raises."""
         try:
-            out = super().__call__(*args, **kwargs)
+            out = super().__call__(pm, *args, **kwargs)
         except BaseException as failure:
             try:
                 settle_deferred_check()
@@ -163,112 +142,9 @@ class SpmdModule(ParallelModule):
         settle_deferred_check()
         return out
 
-    def check_inputs_agree(self, args: tuple, kwargs: dict, *, defer: bool = False) -> None:
-        """Raise ``ValueError`` on every rank of the tp group where ranks feed inputs of different
-        shapes (or leave different arguments None): tensor parallelism needs the same input on
-        every rank, and mismatched collectives would abort inside the backend instead.
-
-        One all-gather of an 8-byte fingerprint of the call's shapes; the shapes themselves are
-        exchanged only where fingerprints differ, to name the input and the sizes. A rank that
-        does not call forward within :attr:`check_inputs_timeout` seconds fails the others.
-        ``defer``: start the all-gather now and finish the check before this thread's next
-        collective of :mod:`dpcompile.runtime.distributed` (or at ``settle_deferred_check()``).
-        """
-        group = self._tp_group()
-        finish = self._start_exchange(group, self._input_signature(args, kwargs), "tensor-parallel")
-
-        def settle() -> None:
-            signatures = finish()
-            if signatures is not None:
-                ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
-                raise ValueError(describe_disagreement(signatures, ranks))
-
-        if defer:
-            defer_to_next_collective(settle)
-        else:
-            settle()
-
-    def check_calls_agree(self, args: tuple, kwargs: dict) -> None:
-        """Data parallel over a mesh: raise ``ValueError`` on every rank of the dp group where
-        ranks call with different arguments (one passes ``mask=``, another leaves it None), dtypes
-        or ranks of tensors; batch sizes may differ. They would run different programs, whose
-        collectives (DDP's, sync BatchNorm's) never match: a hang until the process group's
-        timeout, or a crash on one rank only. A rank that does not call forward within
-        :attr:`check_inputs_timeout` seconds fails the others."""
-        group = MeshGroup(self.mesh, self.dp_dim)
-        signature = input_signature(self, args, kwargs, batch_free=True)
-        signatures = self._exchange_if_different(group, signature, "data-parallel")
-        if signatures is not None:
-            ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
-            raise ValueError(describe_disagreement(signatures, ranks, data_parallel=True))
-
-    def _input_signature(self, args: tuple, kwargs: dict) -> list[tuple[str, str]]:
-        """:func:`input_signature` of a call, kept by shapes and dtypes where every argument is a tensor."""
-        if kwargs or not all(type(a) is torch.Tensor for a in args):
-            return input_signature(self, args, kwargs)
-        key = tuple((a.shape, a.dtype) for a in args)
-        kept = self.__dict__.setdefault("_input_signatures", {})
-        signature = kept.get(key)
-        if signature is None:
-            if len(kept) >= 16:  # a few shapes in turn (the last batch of an epoch), never an unbounded pile
-                kept.clear()
-            signature = kept[key] = input_signature(self, args, kwargs)
-        return signature
-
-    def _exchange_if_different(self, group: MeshGroup, signature: list[tuple[str, str]], kind: str) -> list[Any] | None:
-        """Every rank's signature where they differ (None where all agree): one all-gather of an
-        8-byte fingerprint, bounded by :attr:`check_inputs_timeout`; the signatures themselves only
-        where fingerprints differ."""
-        return self._start_exchange(group, signature, kind)()
-
-    def _start_exchange(
-        self, group: MeshGroup, signature: list[tuple[str, str]], kind: str
-    ) -> Callable[[], list[Any] | None]:
-        """Start :meth:`_exchange_if_different`'s all-gather; the function returned finishes it."""
-        mine_value = _fingerprint(signature)
-        exchanges = self.__dict__.setdefault("_exchanges", {})
-        exchange = exchanges.get(group.group)
-        if exchange is None:
-            exchange = exchanges[group.group] = FingerprintExchange(group.group)
-        timeout = self.check_inputs_timeout
-
-        def failed(e: BaseException) -> CollectiveError:
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                return CollectiveError(
-                    f"global rank {dist.get_rank()} waited {timeout:g}s for the other ranks of its {kind} "
-                    "group to call forward: every rank must call pm(...) each step. Set "
-                    "pm.check_inputs_timeout (seconds; default DPCOMPILE_SPMD_TIMEOUT or 300) to wait longer or "
-                    "fail sooner, and pass timeout= to torch.distributed.init_process_group to bound the other "
-                    f"collectives. ({first_line(e)})"
-                )
-            return collective_failure("the check that every rank calls forward alike", group.group, e)
-
-        try:
-            work = exchange.start(mine_value)
-        except (RuntimeError, dist.DistError) as e:
-            raise failed(e) from e
-
-        def finish() -> list[Any] | None:
-            try:
-                work.wait(timeout=timedelta(seconds=timeout))
-            except (RuntimeError, dist.DistError) as e:
-                raise failed(e) from e
-            if all(value == mine_value for value in exchange.finish()):
-                return None
-            signatures: list[Any] = [None] * group.size()
-            dist.all_gather_object(signatures, signature, group=group.group)
-            return signatures
-
-        return finish
-
     @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip the gradient all-reduce of the backward passes inside (gradient accumulation).
-
-        As ``DistributedDataParallel.no_sync``: the first backward after the block all-reduces
-        the accumulated gradients. A no-op without a data-parallel dimension.
-        """
-        ddp, fsdp = self.__dict__.get("_ddp"), self.__dict__.get("_fsdp")
+    def no_sync(self, pm: Any) -> Iterator[None]:
+        ddp, fsdp = pm.__dict__.get("_ddp"), pm.__dict__.get("_fsdp")
         if fsdp is not None:
             fsdp.set_requires_gradient_sync(False)
             try:
@@ -282,37 +158,26 @@ class SpmdModule(ParallelModule):
         with ddp.no_sync():
             yield
 
-    def train(self, mode: bool = True) -> SpmdModule:
-        super().train(mode)
-        ddp = self.__dict__.get("_ddp")
+    def train(self, pm: Any, mode: bool) -> None:
+        ddp = pm.__dict__.get("_ddp")
         if ddp is not None:  # not through ddp.train(): it would come back here
             ddp.training = mode
             ddp.module.training = mode
-        return self
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(
-        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
-    ) -> dict[str, Any]:
-        """The original model's keys with full tensors; sharded ones are all-gathered.
-
-        With tensor parallelism this is a collective: call it on every rank of the mesh.
-        """
-        if args:
+    def whole_state(self, pm: Any, tensors: dict[str, Any], prefix: str, positional: tuple) -> dict[str, Any]:
+        """The original model's keys with full tensors; sharded ones are all-gathered (a collective)."""
+        if positional:
             raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
-        sd = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        return self.whole_tensors(sd, prefix)
+        return self.whole_tensors(pm, tensors, prefix)
 
-    def whole_tensors(self, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        """``tensors`` (this rank's, under the model's keys: its state, or its parameters' gradients)
-        made whole in place: FSDP's DTensor shards all-gathered over dp, then the tp shards. A
-        collective: call it on every rank of the mesh."""
-        if self.__dict__.get("_fsdp") is not None:  # FSDP's DTensor shards over dp, all-gathered
+    def whole_tensors(self, pm: Any, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        if pm.__dict__.get("_fsdp") is not None:  # FSDP's DTensor shards over dp, all-gathered
             tensors.update((key, full_tensor(value)) for key, value in tensors.items())
-        if not self.shards:
+        if not pm.shards:
             return tensors
-        group = self._tp_group().group
-        for key, spec in self.shards.items():
+        group = tp_group_of(pm).group
+        for key, spec in pm.shards.items():
             full_key = prefix + key
             if full_key in tensors:
                 with torch.no_grad():
@@ -320,14 +185,14 @@ class SpmdModule(ParallelModule):
                     tensors[full_key] = regroup_sections(gathered, spec)  # a fused qkv: q, k, v blocks back in order
         return tensors
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """Load full tensors under the original keys; sharded ones are sliced to this rank's shard
-        (and, under FSDP, cut into its DTensor shards over ``dp``)."""
-        if not self.shards:
-            return super().load_state_dict(self._onto_fsdp_shards(state_dict), strict=strict, assign=assign)
-        rank = self._tp_group().rank()
+    def local_state(self, pm: Any, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Full tensors under the original keys: sharded ones sliced to this rank's shard (and, under
+        FSDP, cut into its DTensor shards over ``dp``)."""
+        if not pm.shards:
+            return _onto_fsdp_shards(pm, state_dict)
+        rank = tp_group_of(pm).rank()
         local = dict(state_dict)
-        for key, spec in self.shards.items():
+        for key, spec in pm.shards.items():
             if key not in local:
                 continue
             full = local[key]
@@ -338,54 +203,153 @@ class SpmdModule(ParallelModule):
                     "(pm.state_dict() or model.state_dict())"
                 )
             local[key] = shard_of(full, spec, rank).clone()
-        return super().load_state_dict(self._onto_fsdp_shards(local), strict=strict, assign=assign)
+        return _onto_fsdp_shards(pm, local)
 
-    def _onto_fsdp_shards(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Whole tensors (``pm.state_dict()``'s) as the DTensors FSDP holds: each rank keeps its rows."""
-        if self.__dict__.get("_fsdp") is None:
-            return state_dict
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        held = nn.Module.state_dict(self, keep_vars=True)
-        local = dict(state_dict)
-        for key, value in local.items():
-            own = held.get(key)
-            if not isinstance(own, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-                continue
-            if tuple(value.shape) != tuple(own.shape):
-                raise ArgumentError(
-                    f"'{key}' has shape {tuple(value.shape)}, but the model's is {tuple(own.shape)}; load a state_dict "
-                    "of the same model (pm.state_dict() or model.state_dict())"
-                )
-            with torch.no_grad():
-                local[key] = distribute_tensor(value.detach().to(own.device, own.dtype), own.device_mesh, own.placements)
-        return local
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
-                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:  # fmt: skip
+    def cut_on_load(self, pm: Any, state_dict: Any, prefix: str) -> None:
         """``parent.load_state_dict(...)`` of a module holding ``pm``: full tensors under the
         sharded keys are cut to this rank's shard before the submodules load them."""
-        if self.shards:
-            rank = self._tp_group().rank()
-            for key, spec in self.shards.items():
+        if pm.shards:
+            rank = tp_group_of(pm).rank()
+            for key, spec in pm.shards.items():
                 full = state_dict.get(prefix + key)
                 if isinstance(full, torch.Tensor) and full.dim() > spec.dim and full.size(spec.dim) == sum(spec.sizes):
                     state_dict[prefix + key] = shard_of(full, spec, rank)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
 
-    def _tp_group(self) -> MeshGroup:
-        group = getattr(self, "tp_group", None)
-        if isinstance(group, MeshGroup):
-            return group
-        return MeshGroup(self.mesh, self.tp_dim)
-
-    def __reduce__(self):
+    def check_picklable(self, pm: Any) -> None:
         raise TypeError(
             "an SPMD ParallelModule holds process groups and cannot be pickled; save pm.state_dict() "
             "(full tensors, the original keys) and rebuild with dpcompile.transform(model, mesh)"
         )
+
+
+#: the executor of one rank's program over a mesh
+SPMD = SpmdExecutor()
+
+
+def _onto_fsdp_shards(pm: Any, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Whole tensors (``pm.state_dict()``'s) as the DTensors FSDP holds: each rank keeps its rows."""
+    if pm.__dict__.get("_fsdp") is None:
+        return state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    held = nn.Module.state_dict(pm, keep_vars=True)
+    local = dict(state_dict)
+    for key, value in local.items():
+        own = held.get(key)
+        if not isinstance(own, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        if tuple(value.shape) != tuple(own.shape):
+            raise ArgumentError(
+                f"'{key}' has shape {tuple(value.shape)}, but the model's is {tuple(own.shape)}; load a state_dict "
+                "of the same model (pm.state_dict() or model.state_dict())"
+            )
+        with torch.no_grad():
+            local[key] = distribute_tensor(value.detach().to(own.device, own.dtype), own.device_mesh, own.placements)
+    return local
+
+
+def tp_group_of(pm: Any) -> MeshGroup:
+    """The tp group of one rank's program over a mesh."""
+    group = getattr(pm, "tp_group", None)
+    if isinstance(group, MeshGroup):
+        return group
+    return MeshGroup(pm.mesh, pm.tp_dim)
+
+
+def check_inputs_agree(pm: Any, args: tuple, kwargs: dict, *, defer: bool = False) -> None:
+    """Raise ``ValueError`` on every rank of the tp group where ranks feed inputs of different
+    shapes (or leave different arguments None): tensor parallelism needs the same input on
+    every rank, and mismatched collectives would abort inside the backend instead.
+
+    One all-gather of an 8-byte fingerprint of the call's shapes; the shapes themselves are
+    exchanged only where fingerprints differ, to name the input and the sizes. A rank that
+    does not call forward within ``pm.check_inputs_timeout`` seconds fails the others.
+    ``defer``: start the all-gather now and finish the check before this thread's next
+    collective of :mod:`dpcompile.runtime.distributed` (or at ``settle_deferred_check()``).
+    """
+    group = tp_group_of(pm)
+    finish = _start_exchange(pm, group, _input_signature(pm, args, kwargs), "tensor-parallel")
+
+    def settle() -> None:
+        signatures = finish()
+        if signatures is not None:
+            ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
+            raise ValueError(describe_disagreement(signatures, ranks))
+
+    if defer:
+        defer_to_next_collective(settle)
+    else:
+        settle()
+
+
+def check_calls_agree(pm: Any, args: tuple, kwargs: dict) -> None:
+    """Data parallel over a mesh: raise ``ValueError`` on every rank of the dp group where
+    ranks call with different arguments (one passes ``mask=``, another leaves it None), dtypes
+    or ranks of tensors; batch sizes may differ. They would run different programs, whose
+    collectives (DDP's, sync BatchNorm's) never match: a hang until the process group's
+    timeout, or a crash on one rank only. A rank that does not call forward within
+    ``pm.check_inputs_timeout`` seconds fails the others."""
+    group = MeshGroup(pm.mesh, pm.dp_dim)
+    signature = input_signature(pm, args, kwargs, batch_free=True)
+    signatures = _start_exchange(pm, group, signature, "data-parallel")()
+    if signatures is not None:
+        ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
+        raise ValueError(describe_disagreement(signatures, ranks, data_parallel=True))
+
+
+def _input_signature(pm: Any, args: tuple, kwargs: dict) -> list[tuple[str, str]]:
+    """:func:`input_signature` of a call, kept by shapes and dtypes where every argument is a tensor."""
+    if kwargs or not all(type(a) is torch.Tensor for a in args):
+        return input_signature(pm, args, kwargs)
+    key = tuple((a.shape, a.dtype) for a in args)
+    kept = pm.__dict__.setdefault("_input_signatures", {})
+    signature = kept.get(key)
+    if signature is None:
+        if len(kept) >= 16:  # a few shapes in turn (the last batch of an epoch), never an unbounded pile
+            kept.clear()
+        signature = kept[key] = input_signature(pm, args, kwargs)
+    return signature
+
+
+def _start_exchange(pm: Any, group: MeshGroup, signature: list[tuple[str, str]], kind: str) -> Callable[[], list[Any] | None]:
+    """Start the exchange of every rank's signature: one all-gather of an 8-byte fingerprint, bounded
+    by ``pm.check_inputs_timeout``; the function returned finishes it, giving every rank's signature
+    where they differ (the signatures themselves only then), None where all agree."""
+    mine_value = _fingerprint(signature)
+    exchanges = pm.__dict__.setdefault("_exchanges", {})
+    exchange = exchanges.get(group.group)
+    if exchange is None:
+        exchange = exchanges[group.group] = FingerprintExchange(group.group)
+    timeout = pm.check_inputs_timeout
+
+    def failed(e: BaseException) -> CollectiveError:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            return CollectiveError(
+                f"global rank {dist.get_rank()} waited {timeout:g}s for the other ranks of its {kind} "
+                "group to call forward: every rank must call pm(...) each step. Set "
+                "pm.check_inputs_timeout (seconds; default DPCOMPILE_SPMD_TIMEOUT or 300) to wait longer or "
+                "fail sooner, and pass timeout= to torch.distributed.init_process_group to bound the other "
+                f"collectives. ({first_line(e)})"
+            )
+        return collective_failure("the check that every rank calls forward alike", group.group, e)
+
+    try:
+        work = exchange.start(mine_value)
+    except (RuntimeError, dist.DistError) as e:
+        raise failed(e) from e
+
+    def finish() -> list[Any] | None:
+        try:
+            work.wait(timeout=timedelta(seconds=timeout))
+        except (RuntimeError, dist.DistError) as e:
+            raise failed(e) from e
+        if all(value == mine_value for value in exchange.finish()):
+            return None
+        signatures: list[Any] = [None] * group.size()
+        dist.all_gather_object(signatures, signature, group=group.group)
+        return signatures
+
+    return finish
 
 
 def _fingerprint(signature: list[tuple[str, str]], _kept: dict[str, int] = {}) -> int:  # noqa: B006 - a memo
@@ -400,7 +364,7 @@ def _fingerprint(signature: list[tuple[str, str]], _kept: dict[str, int] = {}) -
 
 
 def input_signature(
-    pm: ParallelModule, args: tuple, kwargs: dict, *, batch_free: bool = False
+    pm: Any, args: tuple, kwargs: dict, *, batch_free: bool = False
 ) -> list[tuple[str, str]]:
     """Per input (by the name forward gives it): its tensors' shapes and dtypes (``batch_free``:
     their number of dims, not the sizes), or the value of a plain Python argument (None, a
@@ -472,7 +436,7 @@ def unused_parameters(gm: fx.GraphModule) -> list[str]:
 
 
 def build_ddp(
-    pm: SpmdModule, mesh: Any, dp_dim: str | int, options: Mapping[str, Any]
+    pm: Any, mesh: Any, dp_dim: str | int, options: Mapping[str, Any]
 ) -> nn.parallel.DistributedDataParallel:
     group = mesh.get_group(dp_dim)
     device = local_device(mesh)
@@ -513,7 +477,7 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     return found
 
 
-def build_fsdp(pm: SpmdModule, mesh: Any, dp_dim: str | int, options: Mapping[str, Any]) -> nn.Module:
+def build_fsdp(pm: Any, mesh: Any, dp_dim: str | int, options: Mapping[str, Any]) -> nn.Module:
     """FSDP2 over the ``dp_dim`` of ``mesh``, as torchtitan applies it: ``fully_shard`` on each
     repeated block the program calls as a module, then on a root that runs the program (which
     holds the rest: embeddings, final norm, head). ``options`` go to every ``fully_shard``
@@ -544,5 +508,8 @@ def full_tensor(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-reserve_names(dir(SpmdModule))
-reserve_names(["check_inputs", "check_inputs_timeout"])
+__all__ = [
+    "SPMD", "SpmdExecutor", "build_ddp", "build_fsdp", "check_calls_agree", "check_inputs_agree", "describe_disagreement",
+    "full_tensor", "hold_mesh", "input_signature", "is_communication_failure", "repeated_blocks", "tp_group_of",
+    "unused_parameters",
+]

@@ -1,4 +1,4 @@
-"""The per-call exchange of an input fingerprint that ``SpmdModule``'s input check runs.
+"""The per-call exchange of an input fingerprint that the input check of a program over a mesh runs (``modules/spmd.py``).
 
 Every call of an SPMD program all-gathers an 8-byte fingerprint of its inputs over a group, so its
 cost is per call: :class:`FingerprintExchange` keeps the buffers between calls and posts the

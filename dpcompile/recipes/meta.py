@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map
 
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, has_meta_tensors, materialize
 from dpcompile.fx_utils import unalias
+from dpcompile.modules.spmd import hold_mesh
 from dpcompile.modules.weights import await_weights
 
 
@@ -144,7 +145,8 @@ def compile_meta_model(
     allocate = getattr(recipe, "check_available", True)  # False: fake devices (cuda:0..7 on a CPU), a layout to inspect
     pm = compile_on_fake(model, device, example_inputs, example_kwargs, compile_one, allocate=allocate)
     if getattr(recipe, "mesh", None) is not None and getattr(pm, "dp_dim", None) is not None:  # 2-D: DDP over dp
-        pm.attach_mesh(
+        hold_mesh(
+            pm,
             mesh=recipe.mesh, dp_dim=pm.dp_dim, tp_dim=pm.tp_dim, shards=pm.shards, ddp_options=recipe.ddp_options,
             fsdp=recipe.fsdp_options(),
         )  # fmt: skip

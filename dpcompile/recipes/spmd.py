@@ -62,8 +62,9 @@ from dpcompile.fake import fake_copy, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_mesh, local_device, mesh_size
+from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
-from dpcompile.modules.spmd import SpmdModule, repeated_blocks
+from dpcompile.modules.spmd import hold_mesh, repeated_blocks
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
@@ -101,7 +102,7 @@ class SpmdRecipe(Recipe):
     def replicates_model(self) -> bool:  # data parallel over the mesh
         return self.plan is False
 
-    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> SpmdModule:
+    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
         the first rank's parameters and buffers)."""
         mode, dp_dim, tp_dim = check_mesh(self.mesh, self.plan)
@@ -155,10 +156,10 @@ class SpmdRecipe(Recipe):
     def _module_sharing(
         self, model: nn.Module, gm: fx.GraphModule, device: torch.device, mode: str, records: list,
         flags: dict[str, Any], nones: frozenset[str], captured_code: str,
-    ) -> SpmdModule:  # fmt: skip
+    ) -> ParallelModule:  # fmt: skip
         """This rank's program ``gm`` over ``model``'s own tensors (data and context parallel), which
         fx traces again for a departing call (a GraphModule is not traced again)."""
-        pm = SpmdModule(gm, gm.graph, recipe=self, devices=Devices((device,)), mode=mode, output_device=device,
+        pm = ParallelModule(gm, gm.graph, recipe=self, devices=Devices((device,)), mode=mode, output_device=device,
                         records=records, class_name=type(model).__name__, share_all_of=model,
                         source=model if not isinstance(model, fx.GraphModule) else None, flags=flags, none_args=nones)  # fmt: skip
         pm.captured_code = captured_code
@@ -176,21 +177,19 @@ class SpmdRecipe(Recipe):
 
     def _compile_data_parallel(
         self, model: nn.Module, dp_dim: str | int | None, device: torch.device, example_inputs: Sequence[Any] | None
-    ) -> SpmdModule:
+    ) -> ParallelModule:
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         captured_code = gm.code
         gm, records = run_passes(gm, self._data_parallel_pipeline(device, dp_dim, gm, example_inputs))
         pm = self._module_sharing(model, gm, device, "spmd_data_parallel", records, flags, nones, captured_code)
-        pm.attach_mesh(
-            mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options, fsdp=self.fsdp_options()
-        )
+        hold_mesh(pm, mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options, fsdp=self.fsdp_options())
         return pm
 
     # ------------------------------------------------------------------ context parallel
     def _compile_context_parallel(
         self, model: nn.Module, device: torch.device, example_inputs: Sequence[Any] | None
-    ) -> SpmdModule:
+    ) -> ParallelModule:
         """The program one process builds for ``mesh={"cp": N}`` over ``N`` virtual devices, cut to
         this rank's part with its exchanges over the ``cp`` group (``passes.lower_sequence_to_rank``);
         DDP over ``cp`` averages the ranks' gradients, which the program scales so that the average is
@@ -210,7 +209,7 @@ class SpmdRecipe(Recipe):
         gm, records = self._lower_context_parallel(gm, device, example_inputs)
         pm = self._module_sharing(model, gm, device, "spmd_context_parallel", records, flags, nones, captured_code)
         ddp_mesh = self._batch_mesh() or self.mesh  # one DDP (or FSDP) over every rank
-        pm.attach_mesh(mesh=ddp_mesh, dp_dim=ddp_mesh.mesh_dim_names[0], tp_dim=None, ddp_options=self.ddp_options,
+        hold_mesh(pm, mesh=ddp_mesh, dp_dim=ddp_mesh.mesh_dim_names[0], tp_dim=None, ddp_options=self.ddp_options,
                        fsdp=self.fsdp_options())  # fmt: skip
         return pm
 
@@ -249,7 +248,7 @@ class SpmdRecipe(Recipe):
 
     def _compile_tensor_parallel(
         self, model: nn.Module, mode: str, dp_dim: Any, tp_dim: Any, device: torch.device, example_inputs: Sequence[Any] | None
-    ) -> SpmdModule:
+    ) -> ParallelModule:
         tp_size = mesh_size(self.mesh, tp_dim)
         tp_rank = self.mesh.get_local_rank(tp_dim)
         if self.sequence_parallel and example_inputs is None:
@@ -282,7 +281,7 @@ class SpmdRecipe(Recipe):
         keep_own_shards(gm, own, specs, tp_rank)
         specs = {unalias(target): spec for target, spec in specs.items()}  # under the model's names
         specs = share_tied_shard(own, gm, tied_groups(model), specs)  # an unused layer's tied bias: the same shard
-        pm = SpmdModule(
+        pm = ParallelModule(
             gm,
             gm.graph,
             recipe=self,
@@ -300,7 +299,8 @@ class SpmdRecipe(Recipe):
         )
         pm.captured_code = captured_code
         pm.plan_reasons = {**{unalias(p): why for p, why in reasons.items()}, **{p: f"replicate: {why}" for p, why in info.get("reasons", {}).items()}}
-        pm.attach_mesh(
+        hold_mesh(
+            pm,
             mesh=self.mesh, dp_dim=dp_dim, tp_dim=tp_dim, shards=specs, ddp_options=self.ddp_options, fsdp=self.fsdp_options()
         )
         return pm
@@ -347,7 +347,7 @@ class SpmdRecipe(Recipe):
         return gm, records + sharded + marked + lowered
 
     # ------------------------------------------------------------------ variants
-    def build_program(self, pm: SpmdModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+    def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         source = pm.traced_model
         if source is None:
             raise pm.cannot_trace_again(key)

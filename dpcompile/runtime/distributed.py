@@ -139,7 +139,7 @@ def collective_failure(what: str, group: dist.ProcessGroup | None, error: BaseEx
     )
 
 
-# a check this thread's next collective runs first (SpmdModule's input check, overlapped with the
+# a check this thread's next collective runs first (the input check over a mesh, overlapped with the
 # program's local work up to its first collective)
 _deferred = threading.local()
 

@@ -15,7 +15,6 @@ from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.modules.spmd import SpmdModule
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
 from dpcompile.verify.mesh_pipeline import (
@@ -180,7 +179,7 @@ def _module_device(model: nn.Module) -> torch.device | None:
 
 def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor | None]:
     """Gradients of ``pm`` under the model's parameter names (full tensors, shards gathered)."""
-    if isinstance(pm, SpmdModule) and pm.fsdp is not None:  # FSDP over a mesh: DTensor gradients, gathered over dp (and tp)
+    if getattr(pm, "executor", None) == "plain" and getattr(pm, "fsdp", None) is not None:  # FSDP over a mesh: DTensor gradients, gathered over dp (and tp)
         own = dict(pm.named_parameters())
         grads = pm.whole_tensors({n: own[n].grad for n in names if own.get(n) is not None and own[n].grad is not None})
         return {n: grads[n].detach().clone() if n in grads else None for n in names}
@@ -206,7 +205,7 @@ def _agree_on_inputs_over_dp(pm: nn.Module, args: tuple, kwargs: dict) -> str | 
     same inputs, so every dp rank must pass the same ones (then dp's mean of the gradients is the
     eager model's). One exchange over dp; inputs that differ raise the same error on every rank.
     The note for the result, or None where ``pm`` has no dp over a mesh."""
-    if not isinstance(pm, SpmdModule) or (pm.fsdp is None and pm.ddp is None):
+    if getattr(pm, "executor", None) != "plain" or (getattr(pm, "fsdp", None) is None and getattr(pm, "ddp", None) is None):
         return None
     import torch.distributed as dist
 

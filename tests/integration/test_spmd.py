@@ -234,6 +234,7 @@ def check_dp_state_dict_and_code(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = BNNet()
     pm = dpcompile.transform(model, _dp_mesh(world))
+    assert type(pm).__mro__[1] is dpcompile.ParallelModule and pm.executor == "plain"  # one module kind, over a mesh too
     assert list(pm.state_dict().keys()) == list(model.state_dict().keys())
     assert "sync_batch_norm" in pm.code and "dp_group" in pm.code, pm.code
     assert pm.ddp is not None

@@ -24,6 +24,30 @@ class WithUnused(nn.Module):
         return self.used(x) * self.scale + self.bias
 
 
+@pytest.mark.parametrize(
+    ("options", "executor"),
+    [({}, "plain"), ({"tensor_parallel": True}, "plain"), ({"pipeline": 2, "micro_batches": 2}, "gpipe"),
+     ({"pipeline": 2, "micro_batches": 2, "schedule": "1f1b"}, "1f1b")],
+)  # fmt: skip
+def test_every_layout_in_one_process_is_one_module_kind(options, executor):
+    """Data parallel, tensor parallel, GPipe and 1F1B give a ParallelModule itself (fx's class for its code
+    derives from it, from no subclass of a kind), run by the executor its name says, and so does a
+    torch.save / torch.load copy, with the eager model's outputs (under no_grad: 1F1B runs forward only)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    pm = dpcompile.transform(model, ["cpu"] * 2, **options)
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(4, 8)
+    for program in (pm, loaded):
+        assert type(program).__mro__[1] is dpcompile.ParallelModule and program.executor == executor
+        with torch.no_grad():
+            torch.testing.assert_close(program(x), model(x))
+    assert ("param_shards" in loaded.__dict__) == ("tensor_parallel" in options)
+
+
 def test_parallel_module_shares_the_models_parameters():
     """pm.parameters() are the model's own tensors, moved to devices[0]."""
     model = WithUnused()

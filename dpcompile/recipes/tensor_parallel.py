@@ -143,6 +143,7 @@ class TensorParallelRecipe(Recipe):
                 reasons[unalias(p)] += f"; not on sequence shards: {why}"
         cost = plan_cost(shard_info["comms"], len(self.devices))
         fake_source = fake_copy_to_trace(model, self.devices.primary) if self.check_available else None  # not for a fake layout check
+        gm.train(model.training)  # the modules the passes made too, before the main program is keyed by their modes
         pm = ParallelModule(
             gm,
             gm.graph,

@@ -274,6 +274,21 @@ def test_torch_save_round_trips_a_tensor_parallel_module():
     assert list(loaded.state_dict()) == list(model.state_dict())
 
 
+def test_a_model_in_eval_mode_is_keyed_in_eval_and_its_torch_save_copy_runs():
+    """transform of a model in eval mode keys its main program for eval (not mixed: the modules the
+    passes make start in training mode), so a torch.save copy, which carries the main program's
+    modes and their flip, runs the eval call it was made for."""
+    model = MLP(8, 16).eval()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel={"fc1": "column", "fc2": "row"})
+    assert all(not training for _, training in pm.program_cache.main_key.modes)
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(loaded(x), model(x))
+
+
 # ---------------------------------------------------------------------- memory and training
 def test_parameters_are_the_shards_with_slots_recorded():
     """pm.parameters() are the shards plus the replicated rest; shard_param_slots says whose each is."""

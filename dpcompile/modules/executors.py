@@ -4,10 +4,11 @@ holds (``pm.executor`` is its name), not a subclass of its own.
 * :data:`PLAIN` (``"plain"``): the program, run as the model's forward (its hooks, its writes);
 * :class:`PipelineExecutor` (``"gpipe"`` / ``"1f1b"``): a pipeline in one process over
   ``pm.stages``; GPipe's order is the program's, and a training call of ``"1f1b"`` runs the
-  1F1B step (``modules/pipeline_1f1b.py``); a call counts micro-batches, not devices.
+  1F1B step (``modules/pipeline_1f1b.py``); a call counts micro-batches, not devices;
+* ``SpmdExecutor`` (``"plain"``, :mod:`dpcompile.modules.spmd`): one rank's program over a mesh.
 
-Only the code that builds or loads a program picks one (``recipes/``, ``export/build.py``, and
-unpickling through :func:`restore_executor`)::
+Only the code that builds or loads a program picks one (``recipes/``, ``recipes/meta.py``,
+``export/build.py``, and unpickling through :func:`restore_executor`)::
 
     pm = ParallelModule(lowered, ...)         # PLAIN
     hold_pipeline(pm, stages=..., micro_batches=4, schedule="1f1b", stage_plan=plan)

@@ -7,7 +7,12 @@ gradients accumulated in ``.grad`` as a pipeline's stage does), timed in the thr
 the median kept. Per extra micro-batch: ``(t8 - t1) / 7``; the width-64 stage's (the same ops, almost
 no weights) is its dispatch; what the wider stages cost beyond it, over their extra weight bytes at
 the rate of a 4 MiB clone (as ``calibrate_mesh`` measures the copy bytes/s, here in CPU seconds), is
-the passes over the weights each micro-batch makes.
+the passes over the weights each micro-batch makes (``step_time.PARAM_PASSES``).
+
+The same stage of width 256 at M = 4 and 8 in GPipe's order (every forward, then every backward)
+against 1F1B's (each forward followed by its backward: one micro-batch held): the difference, over
+(M - 1) / M of the bytes the stage's ops write in a training step (3x forward's, from
+``profile_model``) at the clone's rate, is ``step_time.GPIPE_WRITTEN_PASSES``.
 
     PYTHONPATH=. nice -n -19 python benchmarks/bench_microbatch_weights.py [--rounds 30] [--runs 3]
 
@@ -31,11 +36,54 @@ WIDTHS = (64, 128, 192, 256, 320)
 ROWS = 512
 
 
-def _stage_step(stage: torch.nn.Module, x: torch.Tensor, micro_batches: int) -> None:
-    for part in x.chunk(micro_batches):
-        stage(part).sum().backward()
+def _stage_step(stage: torch.nn.Module, x: torch.Tensor, micro_batches: int, gpipe: bool = False) -> None:
+    if gpipe:
+        outs = [stage(part).sum() for part in x.chunk(micro_batches)]
+        for out in outs:
+            out.backward()
+    else:
+        for part in x.chunk(micro_batches):
+            stage(part).sum().backward()
     for p in stage.parameters():
         p.grad = None
+
+
+def _written_bytes(stage: torch.nn.Module, x: torch.Tensor) -> int:
+    """The bytes a training step's ops write, as the cost model counts them (3x forward's)."""
+    from dpcompile.analysis.model_profile import profile_model
+
+    class Summed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stage = stage
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.stage(x).sum()
+
+    profile = profile_model(Summed(), (x,), None, optimizer=None, training=True)
+    return 3 * sum(u.op_bytes for u in profile.units)
+
+
+def gpipe_order(rounds: int, copy_bytes_per_s: float, d: int = 256) -> list[dict]:
+    torch.manual_seed(0)
+    stage, x = torch.nn.Sequential(*[ResidualBlock(d) for _ in range(4)]), torch.randn(ROWS, d)
+    cases = [(m, g) for m in (4, 8) for g in (False, True)]
+    seconds: dict[tuple[int, bool], list[float]] = {c: [] for c in cases}
+    for m, g in cases:
+        _stage_step(stage, x, m, g)
+    for _ in range(rounds):
+        for m, g in cases:
+            seconds[(m, g)] += _cpu_seconds(lambda m=m, g=g: _stage_step(stage, x, m, g), 1)
+    written = _written_bytes(stage, x)
+    rows = []
+    for m in (4, 8):
+        extra = statistics.median(seconds[(m, True)]) - statistics.median(seconds[(m, False)])
+        passes = extra * copy_bytes_per_s / (written * (m - 1) / m)
+        rows.append({"width": d, "micro_batches": m, "written_bytes": written, "gpipe_minus_1f1b_s": extra,
+                     "passes": passes})  # fmt: skip
+        print(f"  d={d} M={m}: GPipe's order {extra * 1e3:+.2f} ms over 1F1B's = {passes:.2f} passes over "
+              f"(M - 1) / M of {written / 2**20:.0f} MiB written", flush=True)  # fmt: skip
+    return rows
 
 
 def _cpu_seconds(run, repeats: int) -> list[float]:  # noqa: ANN001 - a thunk
@@ -72,7 +120,8 @@ def one_run(rounds: int) -> dict:
         print(f"  d={d:4d} weights {weights[d] / 2**20:5.2f} MiB  M=1 {rows[-1]['step_1_s'] * 1e3:6.2f} ms  "
               f"M=8 {rows[-1]['step_8_s'] * 1e3:6.2f} ms  per extra micro-batch {per_extra[d] * 1e3:5.2f} ms"
               + (f"  passes {passes:.2f}" if passes is not None else "  (dispatch)"), flush=True)  # fmt: skip
-    return {"copy_bytes_per_s": copy_bytes_per_s, "rows": rows, "uptime": uptime()}
+    return {"copy_bytes_per_s": copy_bytes_per_s, "rows": rows, "gpipe_order": gpipe_order(rounds, copy_bytes_per_s),
+            "uptime": uptime()}  # fmt: skip
 
 
 def main() -> None:

@@ -27,6 +27,10 @@ it dispatches and what it waits for, with no overlap:
 - its weights, per micro-batch (training): :data:`PARAM_PASSES` of its gradients' bytes at the copy
   bytes/s (forward and backward read the weights again, backward writes their gradient and adds it
   to ``.grad``): what each micro-batch more costs beyond its ops;
+- GPipe's order (``schedule`` not ``"1f1b"``, or fewer micro-batches than stages): each micro-batch's
+  backward comes after every forward, its values no longer in the core's cache: the bytes its stage's
+  ops write again (:data:`GPIPE_WRITTEN_PASSES`) for the share of micro-batches it holds beyond
+  1F1B's ``S - s``;
 - a pipeline runs ``M + S - 1`` slots (:func:`slot_seconds`); in each, the stages holding a
   micro-batch work side by side, and the CPUs run ``calibration.concurrency`` ranks at once
   (measured: fewer than the ranks where the cores are fewer or busy with other work): a slot takes
@@ -42,7 +46,7 @@ from collections.abc import Sequence
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, Unit
 
-__all__ = ["MESSAGES_ON_PATH", "PARAM_PASSES", "SCHEDULE_ACTION_OPS", "message_seconds", "schedule_seconds",
+__all__ = ["GPIPE_WRITTEN_PASSES", "MESSAGES_ON_PATH", "PARAM_PASSES", "SCHEDULE_ACTION_OPS", "message_seconds", "schedule_seconds",
            "slot_seconds", "step_seconds"]  # fmt: skip
 
 #: the bytes of one element the cost model moves (float32)
@@ -65,9 +69,14 @@ MESSAGES_ON_PATH = 0.15
 #: calibration's copy bytes/s (forward and backward read the weights, backward writes their gradient and adds it to
 #: ``.grad``): one eager stage of 4 blocks of 256 (8 MiB of weights), one thread, its CPU seconds per micro-batch more
 #: (8 against 1) less those of a stage of 4 blocks of 64 (its dispatch), over the extra bytes at a clone's rate, is
-#: 1.7-2.4 passes, median 2.0 (3 runs at load averages 15-22; 2.7-3.2 at 12.5 MiB, 0.7-1.9 at 4.5 MiB, lost in
-#: the noise at 2 MiB: the weights that stay in the core's cache cost less; benchmarks/bench_microbatch_weights.py)
-PARAM_PASSES = 2.0
+#: 1.1-2.4 passes, median 1.7 (6 runs at load averages 15-22; 1.7-3.2 at 12.5 MiB, 0.6-1.9 at 4.5 MiB, lost in the
+#: noise at 2 MiB: weights that stay in the core's cache cost less; benchmarks/bench_microbatch_weights.py)
+PARAM_PASSES = 1.7
+#: what GPipe's order costs a stage beyond 1F1B's, in passes over the bytes its ops write (a training step's) for the
+#: share of its micro-batches it holds beyond 1F1B's: the same eager stage, its CPU seconds with every forward before
+#: the backwards against each forward followed by its backward (M = 4 and 8; 1F1B holding one micro-batch), over
+#: (M - 1) / M of those bytes at a clone's rate, is 0.9-1.5 passes, median 1.0 (3 runs, the same file)
+GPIPE_WRITTEN_PASSES = 1.0
 
 
 def schedule_seconds(c: Calibration, training: bool) -> float:
@@ -101,12 +110,12 @@ def _layer_outputs(units: Sequence[Unit]) -> int:
 
 def step_seconds(
     profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], micro_batches: int,
-    checkpointing: float, calibration: Calibration,
+    checkpointing: float, calibration: Calibration, schedule: str | None = None,
 ) -> float:  # fmt: skip
     """The predicted seconds of one step (see the module's docstring); ``checkpointing``: the fraction
-    of the blocks' forward FLOPs recomputed."""
+    of the blocks' forward FLOPs recomputed; ``schedule``: a pipeline's (``"gpipe"``, ``"1f1b"``)."""
     if calibration.ranks > 1:
-        return _mesh_seconds(profile, layout, stages, micro_batches, checkpointing, calibration)
+        return _mesh_seconds(profile, layout, stages, micro_batches, checkpointing, calibration, schedule)
     d, t, s_count, m = layout.get("dp", 1), layout.get("tp", 1), len(stages), micro_batches
     training = profile.training
     busiest, sent = 0.0, 0.0
@@ -141,9 +150,11 @@ def slot_seconds(busy: Sequence[float], waits: Sequence[float], m: int, replicas
 
 def _mesh_seconds(
     profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], m: int, checkpointing: bool,
-    c: Calibration,
+    c: Calibration, schedule: str | None,
 ) -> float:  # fmt: skip
     d, t, s_count = layout.get("dp", 1), layout.get("tp", 1), len(stages)
+    # every forward before the backwards: GPipe, or 1F1B with fewer micro-batches than stages (torch's needs M >= S)
+    gpipe_order = profile.training and s_count > 1 and m > 1 and (schedule != "1f1b" or m < s_count)
     training = profile.training
     bandwidth = c.collective_bytes_per_s or c.copy_bytes_per_s
     directions = 2 if training else 1
@@ -163,6 +174,8 @@ def _mesh_seconds(
         compute = _work_flops(units, training, checkpointing) * share / c.flops_per_s + written / c.copy_bytes_per_s
         dispatch = sum(u.ops for u in units) * again * c.op_seconds
         weights = PARAM_PASSES * sum(u.grad_bytes for u in units) / t / c.copy_bytes_per_s if training else 0.0
+        if gpipe_order:  # the micro-batches held beyond 1F1B's S - s: their backward's values out of the cache
+            compute += GPIPE_WRITTEN_PASSES * written / c.copy_bytes_per_s * (m - min(m, s_count - s)) / m
         busy.append(compute / m + dispatch + weights + (schedule_seconds(c, training) if s_count > 1 else 0.0))
         wait = 0.0
         if t > 1:  # Megatron pairs: a column layer's input and the row layer after it, one all-reduce each way

@@ -1,6 +1,6 @@
 """The mesh step-time model's pipeline terms (``dpcompile.analysis.step_time``): the schedule's work
 per action, the point-to-point message latency of each transfer, the weights' passes per
-micro-batch and the slots' sharing of the CPUs, each varied alone on a hand-made profile with round
+micro-batch, GPipe's order against 1F1B's and the slots' sharing of the CPUs, each varied alone on a hand-made profile with round
 constants (exact expectations; nothing is timed)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, Unit
 from dpcompile.analysis.step_time import (
+    GPIPE_WRITTEN_PASSES,
     MESSAGES_ON_PATH,
     PARAM_PASSES,
     SCHEDULE_ACTION_OPS,
@@ -117,3 +118,23 @@ def test_a_pipeline_step_is_its_slots_with_the_cpus_shared():
     busy = 3e6 / 4 / 1e9 + 10 * 1e-3 + WEIGHTS + 2 * SCHEDULE_ACTION_OPS * 1e-3
     wait = 2 * MESSAGES_ON_PATH * 2e-2 + 2 * 8000 / 4 / 1e6
     assert _pipeline(_profile(), 4, shared) == pytest.approx(2 * (busy + wait) + 3 * (busy * 2 / 1.5 + wait))
+
+
+def test_gpipe_order_writes_the_micro_batches_held_beyond_1f1b_again():
+    """Each stage's ops write 3 x 1e6 bytes a training step (3 ms at 1e9 bytes/s, 0.75 ms a micro-batch of 4). In
+    GPipe's order a stage holds all 4 micro-batches, 1F1B's stage s holds S - s: stage 0 half of them beyond, stage 1
+    three quarters, each once more at GPIPE_WRITTEN_PASSES: the first slot (stage 0 alone) 0.5 x 0.75 ms more, the 4
+    others (stage 1 the slower) 0.75 x 0.75 ms. 1F1B with fewer micro-batches than stages runs GPipe's order."""
+    p = _profile()
+    for u in p.units:
+        u.op_bytes = 10**6
+
+    def step(schedule, m=4):
+        return step_seconds(p, {"pp": 2}, [[p.units[0]], [p.units[1]]], m, False, MESH, schedule)
+
+    assert step("gpipe") - step("1f1b") == pytest.approx(GPIPE_WRITTEN_PASSES * (0.5 + 4 * 0.75) * 0.75e-3)
+    assert step(None) == step("gpipe")  # GPipe unless named 1F1B
+    assert step("1f1b", m=1) == step("gpipe", m=1)  # one micro-batch: the same order
+    # without training nothing is held for a backward
+    p.training = False
+    assert step("gpipe") == step("1f1b")

@@ -338,7 +338,7 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "command": "PYTHONPATH=. nice -n 5 python benchmarks/bench_planner_rank.py " + " ".join(sys.argv[1:]),
+        "command": f"PYTHONPATH=. nice -n {os.nice(0)} python benchmarks/bench_planner_rank.py " + " ".join(sys.argv[1:]),
         "world": ns.world, "repeats": ns.repeats, "steps": ns.steps, "cores": os.cpu_count(),
         "uptime": uptime(),
         "calibration": None if calibration is None else calibration.__dict__,

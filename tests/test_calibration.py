@@ -12,7 +12,7 @@ import torch
 from dpcompile.analysis import calibration
 from dpcompile.analysis.calibration import Calibration, reference_mesh
 from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
-from dpcompile.analysis.step_time import MESSAGES_ON_PATH, SCHEDULE_ACTION_OPS, step_seconds
+from dpcompile.analysis.step_time import MESSAGES_ON_PATH, PARAM_PASSES, SCHEDULE_ACTION_OPS, step_seconds
 
 
 @pytest.fixture
@@ -118,25 +118,27 @@ MESH = Calibration(1e9, 1e9, ranks=2, cores=2, op_seconds=1e-3, collective_laten
 
 def test_mesh_step_time_of_data_parallel():
     p = _profile()
-    # half the batch's 3 x 2e9 FLOPs at 1e9 FLOP/s, 20 ops at 1 ms, one all-reduce of 512 gradient bytes, and
-    # the all-gather checking that the ranks call alike
-    assert step_seconds(p, {"dp": 2}, [p.units], 1, False, MESH) == pytest.approx(3.0 + 0.02 + 0.01 + 512 / 1e6 + 0.01)
+    # half the batch's 3 x 2e9 FLOPs at 1e9 FLOP/s, 20 ops at 1 ms, PARAM_PASSES over the 512 gradient bytes at the
+    # copy's 1e9 bytes/s, one all-reduce of them, and the all-gather checking that the ranks call alike
+    weights = PARAM_PASSES * 512 / 1e9
+    assert step_seconds(p, {"dp": 2}, [p.units], 1, False, MESH) == pytest.approx(3.0 + 0.02 + weights + 0.01 + 512 / 1e6 + 0.01)
     for u in p.units:
         u.op_bytes = 10**6  # memory-bound ops: half the batch's 3 x 2e6 bytes written at the copy's 1e9 bytes/s
-    assert step_seconds(p, {"dp": 2}, [p.units], 1, False, MESH) == pytest.approx(3.003 + 0.02 + 0.01 + 512 / 1e6 + 0.01)
+    assert step_seconds(p, {"dp": 2}, [p.units], 1, False, MESH) == pytest.approx(3.003 + 0.02 + weights + 0.01 + 512 / 1e6 + 0.01)
 
 
 def test_mesh_step_time_of_tensor_parallel_and_oversubscription():
     p = _profile()
     # each rank half the FLOPs, every op, an all-reduce per Megatron pair (1 pair, forward and backward: 2 calls)
     # of half the outputs' bytes each way: 0.5 * 2000 elements * 4 bytes * 2 (n-1)/n * 2 directions = 8000 bytes;
-    # the all-gather checking the inputs
-    expected = 3.0 + 0.02 + 2 * 0.01 + 8000 / 1e6 + 0.01
+    # the all-gather checking the inputs; PARAM_PASSES over its half of the gradients
+    weights = PARAM_PASSES * 256 / 1e9
+    expected = 3.0 + 0.02 + weights + 2 * 0.01 + 8000 / 1e6 + 0.01
     assert step_seconds(p, {"tp": 2}, [p.units], 1, False, MESH) == pytest.approx(expected)
     # the CPUs run one rank at a time (one core, or busy): both ranks' computing and dispatching in turns, then
     # one rank's collectives and the check
     crowded = Calibration(**{**MESH.__dict__, "concurrency": 1.0})
-    assert step_seconds(p, {"tp": 2}, [p.units], 1, False, crowded) == pytest.approx(2 * 3.02 + 0.028 + 0.01)
+    assert step_seconds(p, {"tp": 2}, [p.units], 1, False, crowded) == pytest.approx(2 * (3.02 + weights) + 0.028 + 0.01)
 
 
 def test_mesh_step_time_of_a_pipeline_counts_slots_and_per_micro_batch_dispatch():
@@ -146,12 +148,13 @@ def test_mesh_step_time_of_a_pipeline_counts_slots_and_per_micro_batch_dispatch(
     # transfer each way at its one boundary of 1000 bytes (the second stage's input, 4000 bytes over 4 micro-batches),
     # half of each message's latency on the path (MESH has no message latency: the all-reduce's, 1e-2); 4 + 2 - 1
     # slots of the slowest stage (tests/analysis/test_step_time.py varies each term)
-    busy = 0.75 + 10 * 1e-3 + 2 * SCHEDULE_ACTION_OPS * 1e-3
+    busy = 0.75 + 10 * 1e-3 + PARAM_PASSES * 256 / 1e9 + 2 * SCHEDULE_ACTION_OPS * 1e-3
     wait = 2 * MESSAGES_ON_PATH * 1e-2 + 2 * 1000 / 1e6
     assert step_seconds(p, {"pp": 2}, stages, 4, False, MESH) == pytest.approx(5 * (busy + wait))
-    # one rank at a time: no bubble to hide in, both stages' 4 micro-batches of work in turns, one stage's transfers
+    # one rank at a time: the fill and drain slots one stage alone, the 3 between both stages' work in turns; each
+    # slot its transfers
     crowded = Calibration(**{**MESH.__dict__, "concurrency": 1.0})
-    assert step_seconds(p, {"pp": 2}, stages, 4, False, crowded) == pytest.approx(2 * 4 * busy + 4 * wait)
+    assert step_seconds(p, {"pp": 2}, stages, 4, False, crowded) == pytest.approx(2 * busy + 3 * 2 * busy + 5 * wait)
 
 
 def test_mesh_calibration_without_loopback_gloo_uses_round_collective_figures(measured, monkeypatch):

@@ -303,7 +303,7 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
                  for rank in range(min(t, 2))]  # fmt: skip
         at += len(units)
         per_device += [dict(kinds[min(r % t, 1)]) for r in range(d * t)]  # tp innermost: rank r is tp rank r % t
-    seconds = step_seconds(profile, dict(spec.layout), stages, m, recomputed, calibration)
+    seconds = step_seconds(profile, dict(spec.layout), stages, m, recomputed, calibration, spec.schedule)
     assert all(set(k) == set(KINDS) for k in per_device)
     # a pipeline of tensor-parallel shards is cut by its own rule (not between a column and a row layer)
     starts = stage_starts(stages) if s_count > 1 and t == 1 else ()

@@ -24,10 +24,19 @@ it dispatches and what it waits for, with no overlap:
 - a pipeline stage's schedule (``torch.distributed.pipelining``), per micro-batch, one action
   forward and one backward (:data:`SCHEDULE_ACTION_OPS` forward ops' dispatch each): its
   bookkeeping, the autograd call and the loss, beyond the stage's own ops;
-- a pipeline runs ``M + S - 1`` slots of its slowest stage's per-micro-batch time;
-- but no faster than the CPUs run every rank's computing and dispatching: their sum over the ranks
-  the CPUs run at once (``calibration.concurrency``, measured: fewer than the ranks where the cores
-  are fewer or busy with other work), plus the collectives of one rank.
+- its weights, per micro-batch (training): :data:`PARAM_PASSES` of its gradients' bytes at the copy
+  bytes/s (forward and backward read the weights again, backward writes their gradient and adds it
+  to ``.grad``): what each micro-batch more costs beyond its ops;
+- GPipe's order (``schedule`` not ``"1f1b"``, or fewer micro-batches than stages): each micro-batch's
+  backward comes after every forward, its values no longer in the core's cache: the bytes its stage's
+  ops write again (:data:`GPIPE_WRITTEN_PASSES`) for the share of micro-batches it holds beyond
+  1F1B's ``S - s``;
+- a pipeline runs ``M + S - 1`` slots (:func:`slot_seconds`); in each, the stages holding a
+  micro-batch work side by side, and the CPUs run ``calibration.concurrency`` ranks at once
+  (measured: fewer than the ranks where the cores are fewer or busy with other work): a slot takes
+  its slowest stage's computing and dispatching, slowed by its busy ranks over that, plus its waits.
+  The fill and drain slots run one stage alone at full speed, the steady ones all of them sharing
+  the CPUs; data or tensor parallelism alone is one slot of every rank at once.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from collections.abc import Sequence
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, Unit
 
-__all__ = ["MESSAGES_ON_PATH", "SCHEDULE_ACTION_OPS", "message_seconds", "schedule_seconds", "step_seconds"]
+__all__ = ["GPIPE_WRITTEN_PASSES", "MESSAGES_ON_PATH", "PARAM_PASSES", "SCHEDULE_ACTION_OPS", "message_seconds", "schedule_seconds",
+           "slot_seconds", "step_seconds"]  # fmt: skip
 
 #: the bytes of one element the cost model moves (float32)
 ELEMENT_BYTES = 4
@@ -55,6 +65,18 @@ SCHEDULE_ACTION_OPS = 8
 #: still busy when it arrives): torch's GPipe over 2 stages less over 1, per micro-batch and transfer,
 #: is 0.09-0.24 of its mean before and after, median 0.15, over the same 5 runs
 MESSAGES_ON_PATH = 0.15
+#: what a micro-batch of a training step costs in its stage's weights, in passes over its gradients' bytes at the
+#: calibration's copy bytes/s (forward and backward read the weights, backward writes their gradient and adds it to
+#: ``.grad``): one eager stage of 4 blocks of 256 (8 MiB of weights), one thread, its CPU seconds per micro-batch more
+#: (8 against 1) less those of a stage of 4 blocks of 64 (its dispatch), over the extra bytes at a clone's rate, is
+#: 1.1-2.4 passes, median 1.7 (6 runs at load averages 15-22; 1.7-3.2 at 12.5 MiB, 0.6-1.9 at 4.5 MiB, lost in the
+#: noise at 2 MiB: weights that stay in the core's cache cost less; benchmarks/bench_microbatch_weights.py)
+PARAM_PASSES = 1.7
+#: what GPipe's order costs a stage beyond 1F1B's, in passes over the bytes its ops write (a training step's) for the
+#: share of its micro-batches it holds beyond 1F1B's: the same eager stage, its CPU seconds with every forward before
+#: the backwards against each forward followed by its backward (M = 4 and 8; 1F1B holding one micro-batch), over
+#: (M - 1) / M of those bytes at a clone's rate, is 0.9-1.5 passes, median 1.0 (3 runs, the same file)
+GPIPE_WRITTEN_PASSES = 1.0
 
 
 def schedule_seconds(c: Calibration, training: bool) -> float:
@@ -88,12 +110,12 @@ def _layer_outputs(units: Sequence[Unit]) -> int:
 
 def step_seconds(
     profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], micro_batches: int,
-    checkpointing: float, calibration: Calibration,
+    checkpointing: float, calibration: Calibration, schedule: str | None = None,
 ) -> float:  # fmt: skip
     """The predicted seconds of one step (see the module's docstring); ``checkpointing``: the fraction
-    of the blocks' forward FLOPs recomputed."""
+    of the blocks' forward FLOPs recomputed; ``schedule``: a pipeline's (``"gpipe"``, ``"1f1b"``)."""
     if calibration.ranks > 1:
-        return _mesh_seconds(profile, layout, stages, micro_batches, checkpointing, calibration)
+        return _mesh_seconds(profile, layout, stages, micro_batches, checkpointing, calibration, schedule)
     d, t, s_count, m = layout.get("dp", 1), layout.get("tp", 1), len(stages), micro_batches
     training = profile.training
     busiest, sent = 0.0, 0.0
@@ -110,11 +132,29 @@ def step_seconds(
     return busiest * bubble / calibration.flops_per_s + sent / calibration.copy_bytes_per_s
 
 
+def slot_seconds(busy: Sequence[float], waits: Sequence[float], m: int, replicas: int, at_once: float) -> float:
+    """The seconds of ``m + S - 1`` slots of a schedule of ``S`` stages (``busy[s]``, ``waits[s]``: one
+    micro-batch's computing and dispatching, and waiting, on a rank of stage ``s``; ``replicas``:
+    the ranks of each stage): in slot ``k`` stages ``k - M + 1 .. k`` hold a micro-batch, their ranks
+    share CPUs that run ``at_once`` ranks at full speed, and the slot lasts as long as its slowest.
+
+    Two stages, M = 4, one rank each, at_once 1.5: the first and last slots one stage alone
+    (``busy + wait``), the 3 between both (``busy * 2 / 1.5 + wait``)."""
+    total = 0.0
+    for k in range(m + len(busy) - 1):
+        working = range(max(0, k - m + 1), min(k, len(busy) - 1) + 1)
+        slower = max(1.0, len(working) * replicas / at_once)
+        total += max(busy[s] * slower + waits[s] for s in working)
+    return total
+
+
 def _mesh_seconds(
     profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], m: int, checkpointing: bool,
-    c: Calibration,
+    c: Calibration, schedule: str | None,
 ) -> float:  # fmt: skip
     d, t, s_count = layout.get("dp", 1), layout.get("tp", 1), len(stages)
+    # every forward before the backwards: GPipe, or 1F1B with fewer micro-batches than stages (torch's needs M >= S)
+    gpipe_order = profile.training and s_count > 1 and m > 1 and (schedule != "1f1b" or m < s_count)
     training = profile.training
     bandwidth = c.collective_bytes_per_s or c.copy_bytes_per_s
     directions = 2 if training else 1
@@ -133,7 +173,10 @@ def _mesh_seconds(
         written = sum(u.op_bytes for u in units) * again * (3 if training else 1) * share
         compute = _work_flops(units, training, checkpointing) * share / c.flops_per_s + written / c.copy_bytes_per_s
         dispatch = sum(u.ops for u in units) * again * c.op_seconds
-        busy.append(compute / m + dispatch + (schedule_seconds(c, training) if s_count > 1 else 0.0))
+        weights = PARAM_PASSES * sum(u.grad_bytes for u in units) / t / c.copy_bytes_per_s if training else 0.0
+        if gpipe_order:  # the micro-batches held beyond 1F1B's S - s: their backward's values out of the cache
+            compute += GPIPE_WRITTEN_PASSES * written / c.copy_bytes_per_s * (m - min(m, s_count - s)) / m
+        busy.append(compute / m + dispatch + weights + (schedule_seconds(c, training) if s_count > 1 else 0.0))
         wait = 0.0
         if t > 1:  # Megatron pairs: a column layer's input and the row layer after it, one all-reduce each way
             pairs = sum(u.linear_inputs for u in units) / 2
@@ -144,9 +187,7 @@ def _mesh_seconds(
             moved = sum(sides) * batch_fraction(profile.batch, d) / m
             wait += messages(moved * directions, len(sides) * directions * MESSAGES_ON_PATH)
         waits.append(wait)
-    path = max(b + w for b, w in zip(busy, waits)) * (m + s_count - 1)  # the schedule's slots of the slowest stage
-    work = sum(busy) * m * d * t / at_once + max(waits) * m  # every rank's work, as many at once as the CPUs run
-    total = max(path, work)
+    total = slot_seconds(busy, waits, m, d * t, at_once)
     if s_count == 1 and (d > 1 or t > 1):
         total += c.collective_latency_s  # the check that every rank calls forward alike: one all-gather
     if d > 1:

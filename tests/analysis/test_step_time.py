@@ -1,6 +1,7 @@
 """The mesh step-time model's pipeline terms (``dpcompile.analysis.step_time``): the schedule's work
-per action and the point-to-point message latency of each transfer, each varied alone on a
-hand-made profile with round constants (exact expectations; nothing is timed)."""
+per action, the point-to-point message latency of each transfer, the weights' passes per
+micro-batch, GPipe's order against 1F1B's and the slots' sharing of the CPUs, each varied alone on a hand-made profile with round
+constants (exact expectations; nothing is timed)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, Unit
-from dpcompile.analysis.step_time import MESSAGES_ON_PATH, SCHEDULE_ACTION_OPS, step_seconds
+from dpcompile.analysis.step_time import (
+    GPIPE_WRITTEN_PASSES,
+    MESSAGES_ON_PATH,
+    PARAM_PASSES,
+    SCHEDULE_ACTION_OPS,
+    slot_seconds,
+    step_seconds,
+)
 
 
 def _profile(training: bool = True) -> ModelProfile:
@@ -21,6 +29,8 @@ def _profile(training: bool = True) -> ModelProfile:
 #: 1 GFLOP/s, 1 ms an op, 10 ms an all-reduce's latency, 1 MB/s, 2 ranks on 2 cores run at once
 MESH = Calibration(1e9, 1e9, ranks=2, cores=2, op_seconds=1e-3, collective_latency_s=1e-2, collective_bytes_per_s=1e6,
                    concurrency=2.0)  # fmt: skip
+#: a stage's weights per micro-batch of a training step: PARAM_PASSES over its unit's 256 gradient bytes at 1e9 bytes/s
+WEIGHTS = PARAM_PASSES * 256 / 1e9
 
 
 def _pipeline(p: ModelProfile, m: int, c: Calibration) -> float:
@@ -34,7 +44,7 @@ def test_a_pipeline_slot_holds_the_schedule_actions_and_half_of_each_message(m):
     over M micro-batches each) with MESSAGES_ON_PATH of a message's latency each: 20 ms given, not the
     all-reduce's 10 ms; M + 1 such slots."""
     with_message = Calibration(**{**MESH.__dict__, "message_s": 2e-2})
-    busy = 3e6 / m / 1e9 + 10 * 1e-3 + 2 * SCHEDULE_ACTION_OPS * 1e-3
+    busy = 3e6 / m / 1e9 + 10 * 1e-3 + WEIGHTS + 2 * SCHEDULE_ACTION_OPS * 1e-3
     wait = 2 * MESSAGES_ON_PATH * 2e-2 + 2 * 8000 / m / 1e6
     assert _pipeline(_profile(), m, with_message) == pytest.approx((m + 1) * (busy + wait))
     # without a message latency (a calibration of the older format): the all-reduce's
@@ -43,7 +53,8 @@ def test_a_pipeline_slot_holds_the_schedule_actions_and_half_of_each_message(m):
 
 
 def test_forward_only_counts_one_action_and_one_transfer_a_micro_batch():
-    """Without training: 1e6 / 4 FLOPs, 10 ops, one action, the forward transfer only."""
+    """Without training: 1e6 / 4 FLOPs, 10 ops, one action, the forward transfer only (no gradient: no pass
+    over the weights counted)."""
     busy = 1e6 / 4 / 1e9 + 10 * 1e-3 + SCHEDULE_ACTION_OPS * 1e-3
     wait = MESSAGES_ON_PATH * 1e-2 + 8000 / 4 / 1e6
     assert _pipeline(_profile(training=False), 4, MESH) == pytest.approx(5 * (busy + wait))
@@ -61,7 +72,69 @@ def test_each_added_micro_batch_costs_a_slot_of_fixed_work():
     """Compute divides over the micro-batches; the fixed work of a slot (ops, actions, latencies) does not:
     from M to M + 1 the step grows by that fixed work, less the bubble's shrinking compute."""
     c = Calibration(**{**MESH.__dict__, "message_s": 2e-2})
-    fixed = 10 * 1e-3 + 2 * SCHEDULE_ACTION_OPS * 1e-3 + 2 * MESSAGES_ON_PATH * 2e-2
+    fixed = 10 * 1e-3 + WEIGHTS + 2 * SCHEDULE_ACTION_OPS * 1e-3 + 2 * MESSAGES_ON_PATH * 2e-2
     per_m = {m: _pipeline(_profile(), m, c) for m in (4, 8)}
     # (M + 1) * (3e-3 / M + 16e-3 / M + fixed): the compute and the bytes shrink per slot, the fixed work does not
     assert per_m[8] - per_m[4] == pytest.approx(4 * fixed + (9 / 8 - 5 / 4) * (3e-3 + 16e-3))
+
+
+def test_each_micro_batch_passes_over_its_stages_weights():
+    """A stage's gradients' bytes, PARAM_PASSES times per micro-batch at the copy bytes/s: 1 MB of gradients at
+    1e9 bytes/s is PARAM_PASSES ms more in each of the M + 1 slots; data parallel passes once over the whole model's."""
+    p = _profile()
+    before = {m: _pipeline(p, m, MESH) for m in (1, 4)}
+    for u in p.units:
+        u.grad_bytes += 10**6
+    for m in (1, 4):
+        assert _pipeline(p, m, MESH) - before[m] == pytest.approx((m + 1) * PARAM_PASSES * 1e-3)
+    one_pass = PARAM_PASSES * 2 * (256 + 10**6) / 1e9
+    dp = step_seconds(p, {"dp": 2}, [p.units], 1, False, MESH)
+    # half the batch's 3e6 FLOPs, 20 ops, the weights; the all-reduce of the gradients (latency, ring bytes); the check
+    grads = 2 * (256 + 10**6)
+    assert dp == pytest.approx(3e-3 + 20e-3 + one_pass + 1e-2 + grads / 1e6 + 1e-2)
+
+
+def test_fill_and_drain_slots_run_alone_and_the_steady_ones_share_the_cpus():
+    """Two stages, 4 micro-batches, CPUs running 1.5 ranks at once: the first slot stage 0 alone, the last
+    stage 1 alone (full speed), the 3 between both at 2 / 1.5 of their time; each slot its slowest stage."""
+    busy, waits = [3.0, 2.0], [0.5, 0.25]
+    expected = (3.0 + 0.5) + 3 * (3.0 * 2 / 1.5 + 0.5) + (2.0 + 0.25)
+    assert slot_seconds(busy, waits, 4, 1, 1.5) == pytest.approx(expected)
+    # each stage on 2 ranks (data parallel within it): 2 ranks alone, 4 together
+    assert slot_seconds(busy, waits, 4, 2, 1.5) == pytest.approx(
+        (3.0 * 2 / 1.5 + 0.5) + 3 * (3.0 * 4 / 1.5 + 0.5) + (2.0 * 2 / 1.5 + 0.25))
+    # CPUs for every rank: no slot slowed; 4 slots holding stage 0 (the slowest), the last stage 1 alone
+    assert slot_seconds(busy, waits, 4, 1, 2.0) == pytest.approx(4 * 3.5 + 2.25)
+    # one micro-batch: the stages one after the other, each alone
+    assert slot_seconds(busy, waits, 1, 1, 1.5) == pytest.approx(3.5 + 2.25)
+    # no pipeline: one slot of every rank at once
+    assert slot_seconds([3.0], [0.5], 1, 2, 1.5) == pytest.approx(3.0 * 2 / 1.5 + 0.5)
+
+
+def test_a_pipeline_step_is_its_slots_with_the_cpus_shared():
+    """The mesh step of a 2-stage pipeline with CPUs running 1.5 ranks at once: the fill and drain slots at full
+    speed, the steady ones slowed by 2 / 1.5 (not the larger of the schedule's path and all the work over 1.5)."""
+    shared = Calibration(**{**MESH.__dict__, "concurrency": 1.5, "message_s": 2e-2})
+    busy = 3e6 / 4 / 1e9 + 10 * 1e-3 + WEIGHTS + 2 * SCHEDULE_ACTION_OPS * 1e-3
+    wait = 2 * MESSAGES_ON_PATH * 2e-2 + 2 * 8000 / 4 / 1e6
+    assert _pipeline(_profile(), 4, shared) == pytest.approx(2 * (busy + wait) + 3 * (busy * 2 / 1.5 + wait))
+
+
+def test_gpipe_order_writes_the_micro_batches_held_beyond_1f1b_again():
+    """Each stage's ops write 3 x 1e6 bytes a training step (3 ms at 1e9 bytes/s, 0.75 ms a micro-batch of 4). In
+    GPipe's order a stage holds all 4 micro-batches, 1F1B's stage s holds S - s: stage 0 half of them beyond, stage 1
+    three quarters, each once more at GPIPE_WRITTEN_PASSES: the first slot (stage 0 alone) 0.5 x 0.75 ms more, the 4
+    others (stage 1 the slower) 0.75 x 0.75 ms. 1F1B with fewer micro-batches than stages runs GPipe's order."""
+    p = _profile()
+    for u in p.units:
+        u.op_bytes = 10**6
+
+    def step(schedule, m=4):
+        return step_seconds(p, {"pp": 2}, [[p.units[0]], [p.units[1]]], m, False, MESH, schedule)
+
+    assert step("gpipe") - step("1f1b") == pytest.approx(GPIPE_WRITTEN_PASSES * (0.5 + 4 * 0.75) * 0.75e-3)
+    assert step(None) == step("gpipe")  # GPipe unless named 1F1B
+    assert step("1f1b", m=1) == step("gpipe", m=1)  # one micro-batch: the same order
+    # without training nothing is held for a backward
+    p.training = False
+    assert step("gpipe") == step("1f1b")

@@ -131,6 +131,46 @@ def test_non_persistent_buffer_without_a_config_is_named(tmp_path):
     assert pm.needs_weights
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Gemma 2's scaled embedding: a non-persistent buffer its constructor takes as a number, no config."""
+
+    def __init__(self, vocab: int, dim: int, scale: float):
+        super().__init__(vocab, dim)
+        self.register_buffer("scale", torch.tensor(scale), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
+class ScaledEmbeddingLM(nn.Module):
+    """The model a config builds, the embedding's scale computed from it (``dim ** 0.5``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed = ScaledEmbedding(config.vocab, config.dim, config.dim**0.5)
+        self.head = nn.Linear(config.dim, config.vocab)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_non_persistent_buffer_is_computed_by_the_module_above_that_a_config_builds(tmp_path):
+    """A meta buffer whose module takes no config (Gemma 2's ``embed_scale``, once refused) is the
+    one a fresh build of the model from its config computes: loaded, the program equals eager."""
+    import types
+
+    config = types.SimpleNamespace(vocab=11, dim=9)
+    torch.manual_seed(0)
+    eager = ScaledEmbeddingLM(config)
+    _save(eager, tmp_path / "model.safetensors")
+    pm = dpcompile.transform(_on_meta(lambda: ScaledEmbeddingLM(config)), ["cpu"] * 2)
+    dpcompile.load_checkpoint(pm, tmp_path)
+    assert pm.get_submodule("embed").scale.item() == 3.0
+    ids = torch.randint(0, 11, (3, 4))
+    torch.testing.assert_close(pm(ids), eager(ids))
+
+
 def _save_sharded(model: nn.Module, folder, files: int = 3) -> None:
     """The model's weights in transformers' sharded layout: ``model-0000k-of-0000n`` files and the index json."""
     from safetensors.torch import save_file

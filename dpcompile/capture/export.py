@@ -309,16 +309,19 @@ def export_error(exc: BaseException, model: nn.Module) -> TraceError:
 
     first = first_line(exc)
     found = user_frame(exc.__traceback__)
-    where = ""
+    where = line = ""
     if found is not None:
         frame, _ = found
         import linecache
 
-        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {linecache.getline(frame.filename, frame.lineno).strip()!r}: "
+        line = linecache.getline(frame.filename, frame.lineno).strip()
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {line!r}: "
     data_dependent = _is_data_dependent(exc)
     leaf = leaf_to_suggest(exc.__traceback__, model)
     if data_dependent:
         hint = "forward branches on tensor values (data-dependent control flow), which torch.export does not capture"
+        if "labels" in line:  # transformers' loss checks (wav2vec2's CTC): the rest of forward captures
+            hint += "; the branch is in the loss of `labels=`: leave labels out of the examples and calls, and compute the loss from the program's outputs"
         if leaf is not None:
             hint += f"; with the fx frontend, mark the module as a leaf (frontend='fx', leaf_modules=[{leaf.__name__}])"
     else:

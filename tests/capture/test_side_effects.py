@@ -358,6 +358,23 @@ def test_autograd_function_is_refused_by_the_export_frontend():
         dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
 
 
+class ReversibleBranching(Reversible):
+    """Reformer's shape: the Function, and a branch on a shape fx cannot trace."""
+
+    def forward(self, x):
+        if x.size(1) != 4:
+            raise ValueError("4 features")
+        return super().forward(x)
+
+
+def test_autograd_function_refusal_says_why_fx_did_not_take_the_model_either():
+    """Under frontend="auto" the export refusal's way out (the fx frontend) had failed first: the
+    refusal says why (the line fx stopped at, and its own ways out) instead of sending the user there."""
+    model, _ = _pair(ReversibleBranching)
+    with pytest.raises(dpcompile.DpCompileError, match=r"(?s)autograd.Function _Reversible.*fx frontend failed first.*x.size\(1\) != 4"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(torch.randn(4, 4),))
+
+
 def test_program_without_watched_modes_is_not_described_as_mixed_mode():
     """An export program of a model in eval with ``**kwargs`` watches no module's mode: its key
     says so ("any mode"), not "mixed-mode" (which it is not)."""

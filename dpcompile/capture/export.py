@@ -237,6 +237,15 @@ def _bind_names(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     given.update(kwargs)
     var_keyword = next((p.name for p in forward_parameters(model) if p.kind is p.VAR_KEYWORD), None)
     collected = [k for k in kwargs if k not in {p.name for p in params}]
+    python_values = [k for k in collected if not isinstance(kwargs[k], torch.Tensor)]
+    if var_keyword is not None and python_values:  # transformers 5's return_dict=, output_hidden_states=
+        raise TraceError(
+            f"the export frontend cannot pass {python_values} through {type(model).__name__}.forward's "
+            f"**{var_keyword} (torch.export refuses dynamic shapes for a **{var_keyword} dict): leave "
+            f"{'it' if len(python_values) == 1 else 'them'} out of example_kwargs= and the calls, or set "
+            f"{'it' if len(python_values) == 1 else 'them'} on the model before transform where forward reads a default "
+            f"there (transformers: model.config.{python_values[0]} = {kwargs[python_values[0]]!r})"
+        )
     if var_keyword is not None and collected:
         raise TraceError(
             f"the export frontend cannot pass {collected} through {type(model).__name__}.forward's **{var_keyword} "
@@ -253,6 +262,12 @@ def _without_cache(model: nn.Module, names: dict[str, Any]) -> frozenset[str]:
     not say (the program then has no ``use_cache`` argument)."""
     config = getattr(model, "config", None)
     params = {p.name for p in forward_parameters(model)}
+    if "use_cache" in params and names.get("use_cache") is True:
+        raise TraceError(
+            f"use_cache=True makes {type(model).__name__}.forward return a key/value cache (a transformers Cache, "
+            "not tensors), which a parallel program does not return: leave use_cache out of the examples (the "
+            "program is exported with use_cache=False) or pass use_cache=False"
+        )
     if "use_cache" in params and "use_cache" not in names and getattr(config, "use_cache", False):
         names["use_cache"] = False
         ordered = [p.name for p in forward_parameters(model) if p.name in names]

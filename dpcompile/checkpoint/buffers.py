@@ -65,11 +65,13 @@ def rebuilt_buffer(
     source: nn.Module, path: str, attr: str, fresh: dict[str, nn.Module | None], expected: torch.Tensor | None
 ) -> torch.Tensor | None:
     """Buffer ``attr`` of the module at ``path`` as a fresh build computes it: of that module built
-    from a config, else of the nearest module above it that a config builds (Gemma 2's
-    ``Gemma2TextScaledWordEmbedding(vocab, dim, pad, embed_scale)`` takes no config, but the
-    ``Gemma2Model(config)`` holding it computes its ``embed_scale``); None where none does."""
+    from a config, else of the outermost module above it that a config builds (Gemma 2's
+    ``Gemma2TextScaledWordEmbedding(vocab, dim, pad, embed_scale)`` takes no config, but the model
+    holding it computes its ``embed_scale``); None where none does. Outermost first: a module in
+    between may build from the config alone with a default that its parent passes otherwise
+    (GPT-Neo's ``GPTNeoAttention(config, layer_id=0)`` is a global layer, the model's layer 1 local)."""
     parts = path.split(".") if path else []
-    for depth in range(len(parts), -1, -1):
+    for depth in [len(parts), *range(len(parts))]:
         above = ".".join(parts[:depth])
         if above not in fresh:
             fresh[above] = rebuilt(source.get_submodule(above), configs_above(source, above))
@@ -88,7 +90,7 @@ def configs_above(root: nn.Module, path: str) -> list[object]:
     (transformers' ``BertEmbeddings`` keeps none; the ``BertModel`` holding it does)."""
     parts = path.split(".") if path else []
     configs: list[object] = []
-    for depth in range(len(parts), -1, -1):
+    for depth in [len(parts), *range(len(parts))]:
         config = getattr(root.get_submodule(".".join(parts[:depth])), "config", None)
         if config is not None and all(config is not c for c in configs):
             configs.append(config)

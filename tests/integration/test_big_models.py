@@ -142,22 +142,50 @@ class ScaledEmbedding(nn.Embedding):
         return super().forward(ids) * self.scale
 
 
+class Window(nn.Module):
+    """GPT-Neo's attention mask: causal, or local (a band) on odd layers; no config."""
+
+    def __init__(self, size: int, local: bool):
+        super().__init__()
+        mask = torch.ones(size, size).tril()
+        self.register_buffer("mask", mask - mask.tril(-2) if local else mask, persistent=False)
+
+    def forward(self, h):
+        return h @ self.mask
+
+
+class Layer(nn.Module):
+    """Built from the config alone it is layer 0 (GPT-Neo's ``GPTNeoAttention(config, layer_id=0)``)."""
+
+    def __init__(self, config, index: int = 0):
+        super().__init__()
+        self.fc, self.window = nn.Linear(config.dim, config.dim), Window(config.dim, local=index % 2 == 1)
+
+    def forward(self, h):
+        return self.window(torch.tanh(self.fc(h)))
+
+
 class ScaledEmbeddingLM(nn.Module):
-    """The model a config builds, the embedding's scale computed from it (``dim ** 0.5``)."""
+    """The model a config builds, which computes the embedding's scale (``dim ** 0.5``) and each layer's window."""
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         self.embed = ScaledEmbedding(config.vocab, config.dim, config.dim**0.5)
+        self.layers = nn.ModuleList([Layer(config, i) for i in range(2)])
         self.head = nn.Linear(config.dim, config.vocab)
 
     def forward(self, ids):
-        return self.head(self.embed(ids))
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
 
 
-def test_non_persistent_buffer_is_computed_by_the_module_above_that_a_config_builds(tmp_path):
-    """A meta buffer whose module takes no config (Gemma 2's ``embed_scale``, once refused) is the
-    one a fresh build of the model from its config computes: loaded, the program equals eager."""
+def test_non_persistent_buffers_are_computed_by_the_model_that_a_config_builds(tmp_path):
+    """Meta buffers whose modules take no config (Gemma 2's ``embed_scale``, GPT-Neo's local mask) are
+    those a fresh build of the whole model from its config computes, not of a layer built from the
+    config alone (layer 0's mask on layer 1): loaded, every buffer and the output equal eager's."""
     import types
 
     config = types.SimpleNamespace(vocab=11, dim=9)
@@ -166,7 +194,8 @@ def test_non_persistent_buffer_is_computed_by_the_module_above_that_a_config_bui
     _save(eager, tmp_path / "model.safetensors")
     pm = dpcompile.transform(_on_meta(lambda: ScaledEmbeddingLM(config)), ["cpu"] * 2)
     dpcompile.load_checkpoint(pm, tmp_path)
-    assert pm.get_submodule("embed").scale.item() == 3.0
+    for name, buffer in eager.named_buffers():
+        torch.testing.assert_close(pm.get_buffer(name), buffer, msg=name)
     ids = torch.randint(0, 11, (3, 4))
     torch.testing.assert_close(pm(ids), eager(ids))
 

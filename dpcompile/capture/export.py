@@ -37,7 +37,12 @@ from torch import nn
 
 from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
-from dpcompile.capture.side_effects import check_export_effects, hooks_that_return_nothing, seeds_recorded
+from dpcompile.capture.side_effects import (
+    SideEffectRefused,
+    check_export_effects,
+    hooks_that_return_nothing,
+    seeds_recorded,
+)
 from dpcompile.capture.state import SideEffects, python_state_kept
 from dpcompile.errors import ArgumentError, ExampleError, TraceError, first_line
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
@@ -530,9 +535,11 @@ def _export_in_other_mode(
         model.train(not model.training)
         decided = False
         try:
-            with warnings.catch_warnings(), python_state_kept(model):
+            with warnings.catch_warnings(), python_state_kept(model), seeds_recorded() as effects:
                 warnings.simplefilter("ignore")
                 other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
+            if effects:  # a seed, a numpy draw, a Function this mode's program would not replay
+                raise SideEffectRefused(f"forward in the other mode {effects[0]}")
         except Exception as exc:  # noqa: BLE001 - a branch on data may be decided on the examples, as in the first mode
             ep = _export_deciding_on_examples(model, names, spec) if _is_data_dependent(exc) else None
             if ep is None:

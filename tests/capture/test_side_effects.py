@@ -446,3 +446,37 @@ def test_buffer_updated_under_no_grad_is_written_by_a_tensor_parallel_program(la
     pm.eval(), eager.eval()
     torch.testing.assert_close(pm(x), eager(x))
     torch.testing.assert_close(pm.state_dict()["avg"], eager.avg)
+
+
+class NumpyMask(nn.Module):
+    """wav2vec2's SpecAugment: in training, a mask drawn from numpy's global generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            import numpy as np
+
+            h = h * torch.from_numpy(np.random.rand(x.size(1)) > 0.5).to(h.dtype)
+        return h
+
+
+def test_numpy_draw_is_refused_not_kept_as_a_constant():
+    """Export ran numpy once and kept its draw as a constant (every call the same mask, wav2vec2's
+    logits off by 0.5 from eager's): refused in training, naming the draw; in eval the other mode
+    refuses at its first call instead of reusing the draw; numpy's state is left as found."""
+    import numpy as np
+
+    state = np.random.get_state()[1].copy()
+    with pytest.raises(dpcompile.DpCompileError, match=r"draws numpy.random.rand.*mask_time_prob"):
+        dpcompile.transform(NumpyMask(), ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
+    assert (np.random.get_state()[1] == state).all()
+    model, x = NumpyMask().eval(), torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    pm.train()
+    with pytest.raises(dpcompile.DpCompileError, match="eval mode"):
+        pm(x)

@@ -306,8 +306,33 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     if not all(reads_only_data_sizes(d) for d in decisions):
         log.debug("a data-dependent branch also reads an input size (%s): not kept", decisions)
         return None
+    if (line := _branch_on_a_random_draw(ep.graph)) is not None:
+        raise TraceError(
+            f"{type(model).__name__}.forward branches on a random draw ({line}): torch.export captures the branch the "
+            "example drew, and each call draws anew; turn the draw off (transformers' LayerDrop: config.layerdrop = 0), "
+            "or transform the model in eval mode"
+        )
     log.info("%s: %d data-dependent branch(es) taken as the example takes them, checked at every call", type(model).__name__, len(decisions))
     return ep
+
+
+def _branch_on_a_random_draw(graph: fx.Graph) -> str | None:
+    """The source line of a Python value read from a random draw (``torch.rand([]) < p`` in an
+    ``if``: wav2vec2's LayerDrop), where the exported program decided a branch on it; else None."""
+    scalar_reads = (aten.item.default, aten._local_scalar_dense.default)
+    for read in (n for n in graph.nodes if n.op == "call_function" and n.target in scalar_reads):
+        seen, stack = set(), [read]
+        while stack:
+            node = stack.pop()
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+                trace = (read.meta.get("stack_trace") or "").strip().splitlines()
+                return " ".join(line.strip() for line in trace[-2:]) or str(read)
+            for arg in node.all_input_nodes:
+                if arg not in seen:
+                    seen.add(arg)
+                    stack.append(arg)
+    return None
 
 
 def misfit_error(exc: BaseException, model: nn.Module) -> ExampleError:

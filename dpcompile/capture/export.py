@@ -37,7 +37,12 @@ from torch import nn
 
 from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
-from dpcompile.capture.side_effects import check_export_effects, hooks_that_return_nothing, seeds_recorded
+from dpcompile.capture.side_effects import (
+    SideEffectRefused,
+    check_export_effects,
+    hooks_that_return_nothing,
+    seeds_recorded,
+)
 from dpcompile.capture.state import SideEffects, python_state_kept
 from dpcompile.errors import ArgumentError, ExampleError, TraceError, first_line
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
@@ -237,6 +242,15 @@ def _bind_names(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     given.update(kwargs)
     var_keyword = next((p.name for p in forward_parameters(model) if p.kind is p.VAR_KEYWORD), None)
     collected = [k for k in kwargs if k not in {p.name for p in params}]
+    python_values = [k for k in collected if not isinstance(kwargs[k], torch.Tensor)]
+    if var_keyword is not None and python_values:  # transformers 5's return_dict=, output_hidden_states=
+        raise TraceError(
+            f"the export frontend cannot pass {python_values} through {type(model).__name__}.forward's "
+            f"**{var_keyword} (torch.export refuses dynamic shapes for a **{var_keyword} dict): leave "
+            f"{'it' if len(python_values) == 1 else 'them'} out of example_kwargs= and the calls, or set "
+            f"{'it' if len(python_values) == 1 else 'them'} on the model before transform where forward reads a default "
+            f"there (transformers: model.config.{python_values[0]} = {kwargs[python_values[0]]!r})"
+        )
     if var_keyword is not None and collected:
         raise TraceError(
             f"the export frontend cannot pass {collected} through {type(model).__name__}.forward's **{var_keyword} "
@@ -253,6 +267,12 @@ def _without_cache(model: nn.Module, names: dict[str, Any]) -> frozenset[str]:
     not say (the program then has no ``use_cache`` argument)."""
     config = getattr(model, "config", None)
     params = {p.name for p in forward_parameters(model)}
+    if "use_cache" in params and names.get("use_cache") is True:
+        raise TraceError(
+            f"use_cache=True makes {type(model).__name__}.forward return a key/value cache (a transformers Cache, "
+            "not tensors), which a parallel program does not return: leave use_cache out of the examples (the "
+            "program is exported with use_cache=False) or pass use_cache=False"
+        )
     if "use_cache" in params and "use_cache" not in names and getattr(config, "use_cache", False):
         names["use_cache"] = False
         ordered = [p.name for p in forward_parameters(model) if p.name in names]
@@ -286,8 +306,33 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     if not all(reads_only_data_sizes(d) for d in decisions):
         log.debug("a data-dependent branch also reads an input size (%s): not kept", decisions)
         return None
+    if (line := _branch_on_a_random_draw(ep.graph)) is not None:
+        raise TraceError(
+            f"{type(model).__name__}.forward branches on a random draw ({line}): torch.export captures the branch the "
+            "example drew, and each call draws anew; turn the draw off (transformers' LayerDrop: config.layerdrop = 0), "
+            "or transform the model in eval mode"
+        )
     log.info("%s: %d data-dependent branch(es) taken as the example takes them, checked at every call", type(model).__name__, len(decisions))
     return ep
+
+
+def _branch_on_a_random_draw(graph: fx.Graph) -> str | None:
+    """The source line of a Python value read from a random draw (``torch.rand([]) < p`` in an
+    ``if``: wav2vec2's LayerDrop), where the exported program decided a branch on it; else None."""
+    scalar_reads = (aten.item.default, aten._local_scalar_dense.default)
+    for read in (n for n in graph.nodes if n.op == "call_function" and n.target in scalar_reads):
+        seen, stack = set(), [read]
+        while stack:
+            node = stack.pop()
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+                trace = (read.meta.get("stack_trace") or "").strip().splitlines()
+                return " ".join(line.strip() for line in trace[-2:]) or str(read)
+            for arg in node.all_input_nodes:
+                if arg not in seen:
+                    seen.add(arg)
+                    stack.append(arg)
+    return None
 
 
 def misfit_error(exc: BaseException, model: nn.Module) -> ExampleError:
@@ -309,16 +354,19 @@ def export_error(exc: BaseException, model: nn.Module) -> TraceError:
 
     first = first_line(exc)
     found = user_frame(exc.__traceback__)
-    where = ""
+    where = line = ""
     if found is not None:
         frame, _ = found
         import linecache
 
-        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {linecache.getline(frame.filename, frame.lineno).strip()!r}: "
+        line = linecache.getline(frame.filename, frame.lineno).strip()
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {line!r}: "
     data_dependent = _is_data_dependent(exc)
     leaf = leaf_to_suggest(exc.__traceback__, model)
     if data_dependent:
         hint = "forward branches on tensor values (data-dependent control flow), which torch.export does not capture"
+        if "labels" in line:  # transformers' loss checks (wav2vec2's CTC): the rest of forward captures
+            hint += "; the branch is in the loss of `labels=`: leave labels out of the examples and calls, and compute the loss from the program's outputs"
         if leaf is not None:
             hint += f"; with the fx frontend, mark the module as a leaf (frontend='fx', leaf_modules=[{leaf.__name__}])"
     else:
@@ -512,9 +560,11 @@ def _export_in_other_mode(
         model.train(not model.training)
         decided = False
         try:
-            with warnings.catch_warnings(), python_state_kept(model):
+            with warnings.catch_warnings(), python_state_kept(model), seeds_recorded() as effects:
                 warnings.simplefilter("ignore")
                 other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
+            if effects:  # a seed, a numpy draw, a Function this mode's program would not replay
+                raise SideEffectRefused(f"forward in the other mode {effects[0]}")
         except Exception as exc:  # noqa: BLE001 - a branch on data may be decided on the examples, as in the first mode
             ep = _export_deciding_on_examples(model, names, spec) if _is_data_dependent(exc) else None
             if ep is None:

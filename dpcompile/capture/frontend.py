@@ -13,6 +13,7 @@ from torch import nn
 from dpcompile.capture.fx import bind_examples, capture_fx, forward_parameters
 from dpcompile.capture.inputs import ExportedFrom, called_modules, input_specs
 from dpcompile.capture.norms import refuse_spectral_norm_hooks
+from dpcompile.capture.side_effects import SideEffectRefused
 from dpcompile.errors import ArgumentError, TraceError
 
 log = logging.getLogger("dpcompile")
@@ -119,6 +120,11 @@ def capture_model(
             model, example_inputs, example_kwargs, batch_dim=batch_dim, dynamic_dims=dynamic_dims,
             lazy_other_mode=lazy_other_mode,
         )  # fmt: skip
+    except SideEffectRefused as error:
+        if fx_error is None:
+            raise
+        # its way out is the fx frontend: say why fx did not take the model either
+        raise SideEffectRefused(f"{error}\n(the fx frontend failed first: {fx_error})") from None
     except TraceError as error:
         route = working_part(model, leaf_modules)
         message = str(error)

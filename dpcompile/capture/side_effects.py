@@ -87,11 +87,45 @@ def seeds_recorded() -> Iterator[list[str]]:
     torch.autograd.Function.apply = classmethod(recorded_apply)
     rng = torch.random.get_rng_state()
     try:
-        yield calls
+        with numpy_draws_recorded(calls):
+            yield calls
     finally:
         torch.manual_seed = original
         torch.autograd.Function.apply = apply
         torch.random.set_rng_state(rng)  # the seed forward set is no effect of transform
+
+
+@contextlib.contextmanager
+def numpy_draws_recorded(calls: list[str]) -> Iterator[None]:
+    """While export runs: each draw from numpy's global generator (``np.random.rand``, ``choice``:
+    wav2vec2's SpecAugment mask), which export runs once and keeps as a constant; numpy's state
+    is left as found."""
+    try:
+        import numpy.random as npr
+    except ImportError:  # no numpy: nothing draws from it
+        yield
+        return
+    drawing = {
+        name: fn for name in dir(npr) if not name.startswith("_") and name not in ("seed", "get_state", "set_state")
+        and getattr(fn := getattr(npr, name), "__self__", None) is npr.mtrand._rand
+    }  # fmt: skip
+
+    def recorder(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            calls.append(f"draws numpy.random.{name}(...)" + _where())
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    state = npr.get_state()
+    for name, fn in drawing.items():
+        setattr(npr, name, recorder(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in drawing.items():
+            setattr(npr, name, fn)
+        npr.set_state(state)
 
 
 _GRAD_MODE = ("no_grad", "enable_grad", "set_grad_enabled", "inference_mode", "detach")
@@ -122,6 +156,13 @@ def check_export_effects(
     """Refuse what the exported program would not replay; mark attribute writes that are no change."""
     name = type(model).__name__
     for call in seeds:
+        if call.startswith("draws numpy.random"):
+            raise SideEffectRefused(
+                f"{name}.forward {call}: torch.export runs numpy once, at capture, and keeps what it drew as a constant, "
+                "so every call would reuse that draw instead of drawing anew; turn the draw off (wav2vec2, HuBERT: "
+                "config.mask_time_prob = config.mask_feature_prob = 0, their SpecAugment mask), transform in eval mode, "
+                f"or {_WAY_OUT}"
+            )
         if "manual_seed" in call:
             raise SideEffectRefused(
                 f"{name}.forward {call}: the program exported with torch.export keeps the draws but not the "

@@ -4,9 +4,10 @@ A model built on ``meta`` has its rotary ``inv_freq`` or BERT's ``position_ids``
 and no checkpoint holds them (``persistent=False``). They are what the owning module's
 constructor computes, so :func:`compute_buffers` builds a fresh instance of that module from
 its ``config`` or its parents' (transformers' modules: ``LlamaRotaryEmbedding(config)``) with its
-parameters on ``meta`` — only its buffers get memory, on the CPU — and takes them. Where a
-module cannot be rebuilt that way, :class:`BuffersNotComputedError` names the buffers and the
-ways out.
+parameters on ``meta`` — only its buffers get memory, on the CPU — and takes them; where the
+module takes no config (Gemma 2's scaled embedding), the nearest module above it that a config
+builds. Where none can be rebuilt that way, :class:`BuffersNotComputedError` names the buffers
+and the ways out.
 """
 
 from __future__ import annotations
@@ -41,11 +42,9 @@ def compute_buffers(source: nn.Module, names: Sequence[str]) -> dict[str, torch.
     for name in names:
         path, _, attr = name.rpartition(".")
         owner = source.get_submodule(path)
-        if path not in fresh:
-            fresh[path] = rebuilt(owner, configs_above(source, path))
-        value = None if fresh[path] is None else fresh[path]._buffers.get(attr)
         expected = owner._buffers.get(attr)
-        if value is None or value.is_meta or (expected is not None and value.shape != expected.shape):
+        value = rebuilt_buffer(source, path, attr, fresh, expected)
+        if value is None:
             failed.append(f"'{name}' ({type(owner).__name__})")
         else:
             out[name] = value if expected is None else value.to(expected.dtype)
@@ -62,12 +61,36 @@ def compute_buffers(source: nn.Module, names: Sequence[str]) -> dict[str, torch.
 BUFFER_COMPUTERS.append(compute_buffers)  # pm.load_state_dict(full) computes them as load_checkpoint does
 
 
+def rebuilt_buffer(
+    source: nn.Module, path: str, attr: str, fresh: dict[str, nn.Module | None], expected: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Buffer ``attr`` of the module at ``path`` as a fresh build computes it: of that module built
+    from a config, else of the outermost module above it that a config builds (Gemma 2's
+    ``Gemma2TextScaledWordEmbedding(vocab, dim, pad, embed_scale)`` takes no config, but the model
+    holding it computes its ``embed_scale``); None where none does. Outermost first: a module in
+    between may build from the config alone with a default that its parent passes otherwise
+    (GPT-Neo's ``GPTNeoAttention(config, layer_id=0)`` is a global layer, the model's layer 1 local)."""
+    parts = path.split(".") if path else []
+    for depth in [len(parts), *range(len(parts))]:
+        above = ".".join(parts[:depth])
+        if above not in fresh:
+            fresh[above] = rebuilt(source.get_submodule(above), configs_above(source, above))
+        try:
+            module = None if fresh[above] is None else fresh[above].get_submodule(".".join(parts[depth:]))
+        except AttributeError:  # built from the config without that submodule
+            continue
+        value = None if module is None else module._buffers.get(attr)
+        if value is not None and not value.is_meta and (expected is None or value.shape == expected.shape):
+            return value
+    return None
+
+
 def configs_above(root: nn.Module, path: str) -> list[object]:
     """The ``config`` of the module at ``path`` and of each module above it, nearest first
     (transformers' ``BertEmbeddings`` keeps none; the ``BertModel`` holding it does)."""
     parts = path.split(".") if path else []
     configs: list[object] = []
-    for depth in range(len(parts), -1, -1):
+    for depth in [len(parts), *range(len(parts))]:
         config = getattr(root.get_submodule(".".join(parts[:depth])), "config", None)
         if config is not None and all(config is not c for c in configs):
             configs.append(config)
@@ -104,4 +127,4 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-__all__ = ["BuffersNotComputedError", "compute_buffers", "parameters_on_meta", "rebuilt"]
+__all__ = ["BuffersNotComputedError", "compute_buffers", "parameters_on_meta", "rebuilt", "rebuilt_buffer"]

@@ -92,7 +92,8 @@ def test_call_taking_the_other_branch_stops_instead_of_computing_the_wrong_one()
 
 
 def test_branch_that_also_reads_the_batch_size_is_refused_with_the_line():
-    with pytest.raises(TraceError, match=r"label_index.size\(0\) == labels.size\(0\).*data-dependent"):
+    """The line is named, and, a branch on ``labels`` (wav2vec2's CTC loss too), the way out: the loss outside."""
+    with pytest.raises(TraceError, match=r"label_index.size\(0\) == labels.size\(0\).*data-dependent.*leave labels out"):
         dpcompile.transform(ComparesToBatch(), ["cpu"] * 2, example_inputs=(torch.randn(4, 6), torch.tensor([0, 1, 2, 1])),
                             frontend="export")  # fmt: skip
 
@@ -106,3 +107,32 @@ def test_shapes_propagate_through_nonzero_as_a_symbol():
     assert propagate_shapes(gm, [torch.randn(4, 3)])
     shapes = {n.name: n.meta["val"].shape for n in gm.graph.nodes if n.op == "call_method" or n.op == "call_function"}
     assert shapes["gt"] == (4, 3) and str(shapes["nonzero"][0]).startswith("u") and shapes["nonzero"][1] == 2
+
+
+class LayerDrop(nn.Module):
+    """transformers' LayerDrop (wav2vec2, HuBERT): in training each layer is skipped on a random draw."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            if not (self.training and torch.rand([]) < 0.5):
+                x = layer(x)
+        return x
+
+
+def test_branch_on_a_random_draw_is_refused_not_decided_on_the_example():
+    """A branch on ``torch.rand([])`` was taken as the example drew it and checked for one layer
+    only: a call skipping the other layer silently ran it (wav2vec2's logits off by 5e-3). Refused,
+    naming the line; in eval the program runs, and a training call refuses."""
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match=r"branches on a random draw.*torch.rand.*layerdrop = 0"):
+        dpcompile.transform(LayerDrop(), ["cpu"] * 2, example_inputs=(torch.randn(4, 6),), frontend="export")
+    model, x = LayerDrop().eval(), torch.randn(4, 6)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export")
+    torch.testing.assert_close(pm(x), model(x))
+    pm.train()
+    with pytest.raises(dpcompile.DpCompileError, match="eval mode"):
+        pm(x)

@@ -382,3 +382,25 @@ def test_export_frontend_checks_the_mode_where_forward_branches_on_it():
     pm.train()
     with pytest.raises(dpcompile.DpCompileError, match="exported in eval mode"):
         pm(x)
+
+
+class KeywordFlags(nn.Module):
+    """transformers 5's forward: ``use_cache`` named, ``return_dict=`` and the other flags through ``**kwargs``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, use_cache=None, **kwargs):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    ({"use_cache": True}, r"use_cache=True makes KeywordFlags.forward return a key/value cache.*pass use_cache=False"),
+    ({"return_dict": False}, r"\['return_dict'\] through KeywordFlags.forward's \*\*kwargs.*leave it out.*model.config.return_dict = False"),
+])  # fmt: skip
+def test_flags_export_cannot_take_are_refused_with_the_way_out(flags, match):
+    """A Python flag through ``**kwargs`` (once told to "name it in forward", inside transformers) and
+    ``use_cache=True`` (once torch's "DynamicCache ... not a known type") say what to do instead."""
+    with pytest.raises(dpcompile.TraceError, match=match):
+        dpcompile.transform(KeywordFlags(), ["cpu"] * 2, example_kwargs={"x": torch.randn(4, 4), **flags}, frontend="export")

@@ -358,6 +358,23 @@ def test_autograd_function_is_refused_by_the_export_frontend():
         dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
 
 
+class ReversibleBranching(Reversible):
+    """Reformer's shape: the Function, and a branch on a shape fx cannot trace."""
+
+    def forward(self, x):
+        if x.size(1) != 4:
+            raise ValueError("4 features")
+        return super().forward(x)
+
+
+def test_autograd_function_refusal_says_why_fx_did_not_take_the_model_either():
+    """Under frontend="auto" the export refusal's way out (the fx frontend) had failed first: the
+    refusal says why (the line fx stopped at, and its own ways out) instead of sending the user there."""
+    model, _ = _pair(ReversibleBranching)
+    with pytest.raises(dpcompile.DpCompileError, match=r"(?s)autograd.Function _Reversible.*fx frontend failed first.*x.size\(1\) != 4"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(torch.randn(4, 4),))
+
+
 def test_program_without_watched_modes_is_not_described_as_mixed_mode():
     """An export program of a model in eval with ``**kwargs`` watches no module's mode: its key
     says so ("any mode"), not "mixed-mode" (which it is not)."""
@@ -429,3 +446,37 @@ def test_buffer_updated_under_no_grad_is_written_by_a_tensor_parallel_program(la
     pm.eval(), eager.eval()
     torch.testing.assert_close(pm(x), eager(x))
     torch.testing.assert_close(pm.state_dict()["avg"], eager.avg)
+
+
+class NumpyMask(nn.Module):
+    """wav2vec2's SpecAugment: in training, a mask drawn from numpy's global generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            import numpy as np
+
+            h = h * torch.from_numpy(np.random.rand(x.size(1)) > 0.5).to(h.dtype)
+        return h
+
+
+def test_numpy_draw_is_refused_not_kept_as_a_constant():
+    """Export ran numpy once and kept its draw as a constant (every call the same mask, wav2vec2's
+    logits off by 0.5 from eager's): refused in training, naming the draw; in eval the other mode
+    refuses at its first call instead of reusing the draw; numpy's state is left as found."""
+    import numpy as np
+
+    state = np.random.get_state()[1].copy()
+    with pytest.raises(dpcompile.DpCompileError, match=r"draws numpy.random.rand.*mask_time_prob"):
+        dpcompile.transform(NumpyMask(), ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
+    assert (np.random.get_state()[1] == state).all()
+    model, x = NumpyMask().eval(), torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    pm.train()
+    with pytest.raises(dpcompile.DpCompileError, match="eval mode"):
+        pm(x)

@@ -131,6 +131,75 @@ def test_non_persistent_buffer_without_a_config_is_named(tmp_path):
     assert pm.needs_weights
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Gemma 2's scaled embedding: a non-persistent buffer its constructor takes as a number, no config."""
+
+    def __init__(self, vocab: int, dim: int, scale: float):
+        super().__init__(vocab, dim)
+        self.register_buffer("scale", torch.tensor(scale), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
+class Window(nn.Module):
+    """GPT-Neo's attention mask: causal, or local (a band) on odd layers; no config."""
+
+    def __init__(self, size: int, local: bool):
+        super().__init__()
+        mask = torch.ones(size, size).tril()
+        self.register_buffer("mask", mask - mask.tril(-2) if local else mask, persistent=False)
+
+    def forward(self, h):
+        return h @ self.mask
+
+
+class Layer(nn.Module):
+    """Built from the config alone it is layer 0 (GPT-Neo's ``GPTNeoAttention(config, layer_id=0)``)."""
+
+    def __init__(self, config, index: int = 0):
+        super().__init__()
+        self.fc, self.window = nn.Linear(config.dim, config.dim), Window(config.dim, local=index % 2 == 1)
+
+    def forward(self, h):
+        return self.window(torch.tanh(self.fc(h)))
+
+
+class ScaledEmbeddingLM(nn.Module):
+    """The model a config builds, which computes the embedding's scale (``dim ** 0.5``) and each layer's window."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed = ScaledEmbedding(config.vocab, config.dim, config.dim**0.5)
+        self.layers = nn.ModuleList([Layer(config, i) for i in range(2)])
+        self.head = nn.Linear(config.dim, config.vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_non_persistent_buffers_are_computed_by_the_model_that_a_config_builds(tmp_path):
+    """Meta buffers whose modules take no config (Gemma 2's ``embed_scale``, GPT-Neo's local mask) are
+    those a fresh build of the whole model from its config computes, not of a layer built from the
+    config alone (layer 0's mask on layer 1): loaded, every buffer and the output equal eager's."""
+    import types
+
+    config = types.SimpleNamespace(vocab=11, dim=9)
+    torch.manual_seed(0)
+    eager = ScaledEmbeddingLM(config)
+    _save(eager, tmp_path / "model.safetensors")
+    pm = dpcompile.transform(_on_meta(lambda: ScaledEmbeddingLM(config)), ["cpu"] * 2)
+    dpcompile.load_checkpoint(pm, tmp_path)
+    for name, buffer in eager.named_buffers():
+        torch.testing.assert_close(pm.get_buffer(name), buffer, msg=name)
+    ids = torch.randint(0, 11, (3, 4))
+    torch.testing.assert_close(pm(ids), eager(ids))
+
+
 def _save_sharded(model: nn.Module, folder, files: int = 3) -> None:
     """The model's weights in transformers' sharded layout: ``model-0000k-of-0000n`` files and the index json."""
     from safetensors.torch import save_file

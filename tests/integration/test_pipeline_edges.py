@@ -205,7 +205,7 @@ def test_pipeline_meta_model_exported_computes_buffers_and_keeps_ties(tmp_path, 
 
 
 def test_pipeline_meta_model_refuses_a_buffer_it_cannot_compute_and_keeps_waiting(tmp_path):
-    """A non-persistent buffer whose module no config rebuilds (Gemma2's embed_scale): the load
+    """A non-persistent buffer that no config rebuilds (nor a module above it): the load
     raises a DpCompileError naming the buffer and the ways out; the program still waits."""
     reference = TiedRotaryLM().double()
     path = os.fspath(tmp_path / "model.safetensors")

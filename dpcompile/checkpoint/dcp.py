@@ -172,12 +172,15 @@ def load_dcp(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: boo
     to_compute = [n for n in buffers if prefix + n not in stored]
     computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
     training = _training(pm, path, stored, optimizer, lr_scheduler, strict, requests)
-    try:  # everything checked: from here on, write
-        dcp.load(requests, storage_reader=CheckedReader(path), planner=dcp_planners.PiecesLoadPlanner(), no_dist=True)
+    reader = CheckedReader(path)
+    try:  # everything checked: from here on, write (each item read is checked whole first)
+        dcp.load(requests, storage_reader=reader, planner=dcp_planners.PiecesLoadPlanner(), no_dist=True)
         with torch.no_grad():
             for name, value in computed.items():
                 buffers[name].copy_(value)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        if reader.refused is not None:  # refused before the first write: nothing changed
+            raise reader.refused from None
         pm.__dict__[NEEDS_WEIGHTS] = True  # partly written: the program must not run on it
         raise CheckpointError(
             f"reading {path} failed after its metadata was checked ({type(e).__name__}: {e}); the program is partly "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -117,6 +118,7 @@ def load_checkpoint(
     shapes.update((k, (tuple(t.shape), t.dtype, c.sources[0][1])) for k, (c, t) in converted.items())
     _check_shapes(path, {k: (tuple(t.shape), t.dtype) for k, t in targets.items()}, shapes)
     _check_shapes(path, {k: (tuple(b.shape), b.dtype) for k, b in buffers.items()}, shapes)
+    _check_bools(placement.direct.values())
     to_compute = [n for n in buffers if n not in placed]
     computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
     # everything checked: from here on, write. Each piece's boxes are read from the file straight
@@ -227,6 +229,22 @@ def _check_shapes(path: Any, model: Mapping[str, tuple[tuple[int, ...], torch.dt
             f"{'; '.join(w for w, _ in wrong[:8])}" + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else ""),
             file=wrong[0][1].file, key=wrong[0][1].key,
         )  # fmt: skip
+
+
+def _check_bools(entries: Any) -> None:
+    """Every byte of a BOOL tensor is 0 or 1, read before anything is written: torch takes any other byte
+    for a bool no op agrees on (a 2 prints True, yet ``.all()`` is False and ``~`` leaves it True)."""
+    for entry in entries:
+        if entry.torch_dtype != torch.bool or not math.prod(entry.shape):
+            continue
+        value = torch.empty(tuple(entry.shape), dtype=torch.bool)
+        read_blocks(entry, piece_blocks(tuple(entry.shape), None, 0, value))
+        bad = int((value.view(torch.uint8) > 1).sum())
+        if bad:
+            raise CheckpointError(
+                f"{entry.file}: '{entry.key}' is BOOL but {bad} of its bytes are neither 0 nor 1 (corrupt or edited; "
+                "nothing was loaded)", file=entry.file, key=entry.key,
+            )  # fmt: skip
 
 
 def _key_report(

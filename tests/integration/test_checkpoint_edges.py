@@ -140,6 +140,43 @@ def test_a_broken_file_is_a_checkpoint_error_naming_file_and_key(fault, tmp_path
     _unchanged(pm, before)
 
 
+class Masked(nn.Module):
+    """A bool buffer (a mask) beside a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+
+    def forward(self, x):
+        return self.fc(x) * self.mask
+
+
+def test_a_bool_tensor_whose_bytes_are_not_0_or_1_is_refused_before_any_write(tmp_path):
+    """A byte 2 in a BOOL tensor loaded as a bool torch disagrees on (it prints True, yet ``.all()`` is False):
+    now a CheckpointError naming file and key, the program unchanged; the same file with 0/1 bytes loads."""
+    torch.manual_seed(0)
+    pm = dpcompile.transform(Masked(), ["cpu"] * 2, example_inputs=(torch.randn(2, 4),))
+    dpcompile.save_checkpoint(pm, tmp_path)
+    file = tmp_path / "model.safetensors"
+    header, data = _header(file)
+    begin = header["mask"]["data_offsets"][0]
+    with torch.no_grad():
+        pm.fc.weight.add_(1.0)  # differs from the file: a write would show
+        pm.get_buffer("mask").fill_(True)
+    x = torch.randn(3, 4)
+    before, out = _snapshot(pm), pm(x)
+    _write_header(file, header, data[:begin] + b"\x02" + data[begin + 1 :])
+    with pytest.raises(CheckpointError, match="'mask' is BOOL but 1 of its bytes are neither 0 nor 1") as error:
+        dpcompile.load_checkpoint(pm, tmp_path)
+    assert error.value.file == file and error.value.key == "mask"
+    _unchanged(pm, before)
+    assert torch.equal(pm(x), out)
+    _write_header(file, header, data[:begin] + b"\x01" + data[begin + 1 :])
+    dpcompile.load_checkpoint(pm, tmp_path)
+    assert pm.get_buffer("mask").view(torch.uint8).tolist() == [1, 0, 1, 1]
+
+
 UNCLOSED = {  # JSON whose strings never close, a lone backslash last
     "quote_backslash_pairs": lambda n: "{" + '"\\' * n,
     "escaped_quotes": lambda n: '{"x": "' + 'y\\"' * n + "\\",

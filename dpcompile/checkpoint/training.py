@@ -242,7 +242,10 @@ def training_from_document(
         _try_scheduler_state(lr_scheduler, state, file)
         load_scheduler = lambda: lr_scheduler.load_state_dict(state)  # noqa: E731
     rng = _checked_rng(file, _own_rng(pm, document.get("rng") or {}))  # set last: checked now, so that it cannot fail then
-    return TrainingLoad(load_optimizer, load_scheduler, lambda: _set_rng(rng), document.get("extra"))
+    extra = document.get("extra")
+    if extra is not None and not isinstance(extra, dict):  # a save writes a dict (extra= is checked so)
+        raise CheckpointError(f"{file}: its extra entry is a {type(extra).__name__}, not the dict a save writes", file=file)
+    return TrainingLoad(load_optimizer, load_scheduler, lambda: _set_rng(rng), extra)
 
 
 def _try_optimizer_state(optimizer: Any, sd: dict[str, Any], file: Path) -> None:

@@ -61,7 +61,7 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import fake_copy, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
-from dpcompile.mesh import check_mesh, local_device, mesh_size
+from dpcompile.mesh import check_fsdp_parameters, check_mesh, local_device, mesh_size
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.spmd import SpmdModule, repeated_blocks
 from dpcompile.modules.tensor_parallel import watch_source_parameters
@@ -111,6 +111,8 @@ class SpmdRecipe(Recipe):
                 'data_parallel="fsdp" shards over the mesh\'s data-parallel dimension, and this mesh has none '
                 f"(dims {tuple(self.mesh.mesh_dim_names or ())}); pass a ('dp',) or ('dp', 'tp') mesh"
             )
+        if self.data_parallel == "fsdp":
+            check_fsdp_parameters(model)
         if mode == "spmd_context_parallel":
             return self._compile_context_parallel(model, device, example_inputs)
         if mode == "spmd_context_tensor_parallel":

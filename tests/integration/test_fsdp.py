@@ -217,6 +217,33 @@ def check_fsdp_measure_and_verify(rank: int, world: int) -> None:
     assert result and result.checked["parameter gradients"] == len(list(reference.parameters())), str(result)
 
 
+class Tempered(Stack):
+    """A Stack with a 0-dim temperature parameter, which FSDP2's fully_shard cannot shard."""
+
+    def __init__(self):
+        super().__init__(layers=2)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return super().forward(x) / self.temperature
+
+
+def check_fsdp_refuses_a_0_dim_parameter_before_sharding(rank: int, world: int) -> None:
+    """A 0-dim parameter under FSDP over a mesh is refused up front, the model untouched: before, fully_shard
+    sharded the blocks, then raised its own ValueError at the root, leaving the model's blocks as DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = Tempered()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(dpcompile.ArgumentError, match=r"cannot shard 0-dim parameters .* \['temperature'\]"):
+        dpcompile.transform(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), data_parallel="fsdp")
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
     "one_d": [
         ("check_fsdp_1d", check_fsdp_1d),
@@ -224,6 +251,7 @@ SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
         ("check_fsdp_mixed_precision", check_fsdp_mixed_precision),
         ("check_fsdp_load_state_dict", check_fsdp_load_state_dict),
         ("check_fsdp_measure_and_verify", check_fsdp_measure_and_verify),
+        ("check_fsdp_refuses_a_0_dim_parameter_before_sharding", check_fsdp_refuses_a_0_dim_parameter_before_sharding),
     ],
     "two_d": [("check_fsdp_1d", check_fsdp_1d), ("check_fsdp_2d", check_fsdp_2d)],
 }

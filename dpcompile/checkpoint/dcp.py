@@ -32,6 +32,7 @@ from dpcompile.checkpoint.optimizer_state import LIKE_PARAM, STATE_PREFIX, WHOLE
 from dpcompile.checkpoint.rank_writes import Block, piece_blocks, target_blocks
 from dpcompile.checkpoint.targets import targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import TrainingLoad, TrainingSave, encode, training_from_document
+from dpcompile.errors import ArgumentError
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
 
 TRAINING_KEY = "dpcompile_training_state"
@@ -46,9 +47,9 @@ def is_dcp(path: Path) -> bool:
 def check_dcp_target(path: Path) -> None:
     """Refuse, before anything is written, a ``path`` a DCP save would replace but that is not one."""
     if path.suffix == ".safetensors":
-        raise ValueError(f"{path}: format='dcp' writes a folder; pass a folder path")
+        raise ArgumentError(f"{path}: format='dcp' writes a folder; pass a folder path")
     if path.exists() and not is_dcp(path) and (not path.is_dir() or any(path.iterdir())):
-        raise ValueError(
+        raise ArgumentError(
             f"{path} exists and is not a torch.distributed.checkpoint folder: format='dcp' replaces the whole folder, "
             "so pass a new folder (or one a format='dcp' save wrote)"
         )

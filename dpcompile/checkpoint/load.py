@@ -19,6 +19,7 @@ from dpcompile.checkpoint.rank_writes import blocks_of_piece, piece_blocks
 from dpcompile.checkpoint.slices import cut, read_blocks, read_entry, read_piece
 from dpcompile.checkpoint.targets import Target, check_program, targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import check_training_objects, read_training
+from dpcompile.errors import ArgumentError
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
 from dpcompile.progress import check_progress, progress_bar
@@ -80,7 +81,7 @@ def load_checkpoint(
         from dpcompile.checkpoint import dcp  # a torch.distributed.checkpoint folder
 
         if key_mapping is not None:
-            raise ValueError(f"{path} is a torch.distributed.checkpoint: key_mapping= applies to safetensors checkpoints")
+            raise ArgumentError(f"{path} is a torch.distributed.checkpoint: key_mapping= applies to safetensors checkpoints")
         return dcp.load_dcp(pm, Path(path), optimizer, lr_scheduler, strict)
     checkpoint = read_checkpoint(path, allow_symlinks=allow_symlinks)
     training = read_training(pm, Path(path), optimizer, lr_scheduler, strict, checkpoint.files())  # checked and read; nothing set yet
@@ -291,18 +292,18 @@ def _wrapper_prefix(missing: list[str], unexpected: list[str]) -> str | None:
 def _check_arguments(path: Any, strict: Any, key_mapping: Any) -> None:
     """``ValueError`` naming the keyword for a ``path``, ``strict`` or ``key_mapping`` of the wrong kind."""
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path={path!r}: expected a str or os.PathLike (a .safetensors file or a checkpoint folder)")
+        raise ArgumentError(f"path={path!r}: expected a str or os.PathLike (a .safetensors file or a checkpoint folder)")
     if not isinstance(strict, bool):
-        raise ValueError(f"strict={strict!r}: expected True or False")
+        raise ArgumentError(f"strict={strict!r}: expected True or False")
     if key_mapping is None:
         return
     if not isinstance(key_mapping, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in key_mapping.items()):
-        raise ValueError(f"key_mapping={key_mapping!r}: expected {{regex: replacement}}, both strings, as from_pretrained takes it")
+        raise ArgumentError(f"key_mapping={key_mapping!r}: expected {{regex: replacement}}, both strings, as from_pretrained takes it")
     for pattern in key_mapping:
         try:
             re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"key_mapping= pattern {pattern!r} is not a regular expression ({e})") from None
+            raise ArgumentError(f"key_mapping= pattern {pattern!r} is not a regular expression ({e})") from None
 
 
 def _listed(keys: list[str]) -> str:

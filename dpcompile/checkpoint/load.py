@@ -119,7 +119,7 @@ def load_checkpoint(
     shapes.update((k, (tuple(t.shape), t.dtype, c.sources[0][1])) for k, (c, t) in converted.items())
     _check_shapes(path, {k: (tuple(t.shape), t.dtype) for k, t in targets.items()}, shapes)
     _check_shapes(path, {k: (tuple(b.shape), b.dtype) for k, b in buffers.items()}, shapes)
-    _check_bools(placement.direct.values())
+    _check_values(placement.direct, {k: t.dtype for k, t in targets.items()} | {k: b.dtype for k, b in buffers.items()})
     to_compute = [n for n in buffers if n not in placed]
     computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
     # everything checked: from here on, write. Each piece's boxes are read from the file straight
@@ -232,20 +232,45 @@ def _check_shapes(path: Any, model: Mapping[str, tuple[tuple[int, ...], torch.dt
         )  # fmt: skip
 
 
-def _check_bools(entries: Any) -> None:
-    """Every byte of a BOOL tensor is 0 or 1, read before anything is written: torch takes any other byte
-    for a bool no op agrees on (a 2 prints True, yet ``.all()`` is False and ``~`` leaves it True)."""
-    for entry in entries:
-        if entry.torch_dtype != torch.bool or not math.prod(entry.shape):
+def _check_values(entries: Mapping[str, Entry], dtypes: Mapping[str, torch.dtype]) -> None:
+    """Read before anything is written, where the model's dtype cannot hold every value of the file's:
+    a BOOL tensor's bytes must each be 0 or 1 (torch takes a 2 for a bool no op agrees on: it prints
+    True, yet ``.all()`` is False), and an integer tensor's values must fit the model's integer dtype
+    (``copy_`` wraps them: 300 into an int8 buffer became 44)."""
+    for key, entry in entries.items():
+        dtype, want = entry.torch_dtype, dtypes.get(key)
+        if not math.prod(entry.shape) or want is None:
             continue
-        value = torch.empty(tuple(entry.shape), dtype=torch.bool)
-        read_blocks(entry, piece_blocks(tuple(entry.shape), None, 0, value))
-        bad = int((value.view(torch.uint8) > 1).sum())
+        if dtype == torch.bool:
+            value = _read(entry)
+            bad = int((value.view(torch.uint8) > 1).sum())
+            what = f"is BOOL but {bad} of its bytes are neither 0 nor 1"
+        elif _wraps(dtype, want):
+            value = _read(entry).to(torch.int64)  # compared in int64 (a uint64 past its range turns negative: refused too)
+            info = torch.iinfo(want)
+            bad = int(((value < info.min) | (value > info.max)).sum())
+            what = f"is {dtype} with {bad} value(s) outside the model's {want} [{info.min}, {info.max}]"
+        else:
+            continue
         if bad:
             raise CheckpointError(
-                f"{entry.file}: '{entry.key}' is BOOL but {bad} of its bytes are neither 0 nor 1 (corrupt or edited; "
-                "nothing was loaded)", file=entry.file, key=entry.key,
+                f"{entry.file}: '{entry.key}' {what} (corrupt, edited, or another model's; nothing was loaded)",
+                file=entry.file, key=entry.key,
             )  # fmt: skip
+
+
+def _wraps(saved: torch.dtype, model: torch.dtype) -> bool:
+    """Whether copying integers of ``saved`` into ``model`` can wrap some of them."""
+    if saved.is_floating_point or model.is_floating_point or torch.bool in (saved, model) or saved == model:
+        return False
+    a, b = torch.iinfo(saved), torch.iinfo(model)
+    return a.min < b.min or a.max > b.max
+
+
+def _read(entry: Entry) -> torch.Tensor:
+    value = torch.empty(tuple(entry.shape), dtype=entry.torch_dtype)
+    read_blocks(entry, piece_blocks(tuple(entry.shape), None, 0, value))
+    return value
 
 
 def _key_report(

@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 import dpcompile
@@ -175,6 +176,35 @@ def test_a_bool_tensor_whose_bytes_are_not_0_or_1_is_refused_before_any_write(tm
     _write_header(file, header, data[:begin] + b"\x01" + data[begin + 1 :])
     dpcompile.load_checkpoint(pm, tmp_path)
     assert pm.get_buffer("mask").view(torch.uint8).tolist() == [1, 0, 1, 1]
+
+
+class Indexed(nn.Module):
+    """An int8 buffer beside a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.tensor([1, -2, 3], dtype=torch.int8))
+
+    def forward(self, x):
+        return self.fc(x) + self.offset.sum()
+
+
+def test_integers_the_models_dtype_cannot_hold_are_refused_before_any_write(tmp_path):
+    """An int64 checkpoint tensor into an int8 buffer: values in int8's range load (cast), one outside it is a
+    CheckpointError naming file and key, the program unchanged. Before, 300 was wrapped to 44 silently."""
+    pm = dpcompile.transform(Indexed(), ["cpu"] * 2, example_inputs=(torch.randn(2, 4),))
+    state = {k: v.detach().clone() for k, v in pm.state_dict().items()}
+    file = tmp_path / "model.safetensors"
+    save_file({**state, "offset": torch.tensor([100, -128, 7])}, file)
+    dpcompile.load_checkpoint(pm, file)
+    assert pm.get_buffer("offset").tolist() == [100, -128, 7]
+    before = _snapshot(pm)
+    save_file({**state, "offset": torch.tensor([300, 0, 0])}, file)
+    with pytest.raises(CheckpointError, match=r"'offset' is torch.int64 with 1 value\(s\) outside the model's torch.int8") as error:
+        dpcompile.load_checkpoint(pm, file)
+    assert error.value.file == file and error.value.key == "offset"
+    _unchanged(pm, before)
 
 
 UNCLOSED = {  # JSON whose strings never close, a lone backslash last

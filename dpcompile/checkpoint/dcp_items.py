@@ -8,7 +8,8 @@ plan names first, as the load will:
 
 * its zip records against their CRC-32 (records ``torch.save`` wrote without one, CRC 0, are not
   checked), in bounded chunks;
-* ``torch.load(weights_only=True)`` of it: a tensor, into which the request's box fits;
+* ``torch.load(weights_only=True)`` of it: a tensor, into which the request's box fits, whose values
+  the destination's dtype holds (a bool's bytes 0 or 1, integers in its range);
 
 so that a fault raises :class:`~dpcompile.checkpoint.headers.CheckpointError` naming the data file and
 the item before anything is written. It costs one more read of the bytes the load reads; memory is one
@@ -30,13 +31,15 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from dpcompile.checkpoint.headers import CheckpointError
 from dpcompile.checkpoint.pickle_bounds import brief
+from dpcompile.checkpoint.slices import unfit_values
 
 _CHUNK = 1 << 20
 
 
-def check_items(folder: Path, reader: Any, items: Any) -> None:
+def check_items(folder: Path, reader: Any, items: Any, planner: Any) -> None:
     """Read and check every tensor item of ``items`` (``ReadItem``\\ s of a load plan) through
-    ``reader`` (a ``FileSystemReader`` whose ``storage_data`` is set); raises naming the first fault."""
+    ``reader`` (a ``FileSystemReader`` whose ``storage_data`` is set), against the tensor ``planner``
+    resolves each into; raises naming the first fault."""
     done: set[Any] = set()
     for item in items:
         if item.type == LoadItemType.BYTE_IO or item.storage_index in done:
@@ -48,12 +51,13 @@ def check_items(folder: Path, reader: Any, items: Any) -> None:
         file = folder / info.relative_path
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
-            _check_item(file, item, _Window(fd, info.offset, info.length), _Window(fd, info.offset, info.length))
+            want = planner.resolve_tensor(item).dtype
+            _check_item(file, item, _Window(fd, info.offset, info.length), _Window(fd, info.offset, info.length), want)
         finally:
             os.close(fd)
 
 
-def _check_item(file: Path, item: Any, records: Any, whole: Any) -> None:
+def _check_item(file: Path, item: Any, records: Any, whole: Any, want: torch.dtype) -> None:
     name = brief(getattr(item.storage_index, "fqn", item.storage_index))
 
     def bad(what: str) -> CheckpointError:
@@ -83,6 +87,9 @@ def _check_item(file: Path, item: Any, records: Any, whole: Any) -> None:
     ):  # fmt: skip
         what = f"a {type(tensor).__name__}" if not isinstance(tensor, torch.Tensor) else f"a tensor of shape {list(tensor.shape)}"
         raise bad(f"holds {what}, not one holding the box at {offsets} of {lengths}")
+    unfit = unfit_values(tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))], want)
+    if unfit is not None:
+        raise bad(unfit)
 
 
 class _Window(io.RawIOBase):

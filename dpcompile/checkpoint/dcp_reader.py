@@ -114,7 +114,7 @@ class CheckedReader(FileSystemReader):
         from dpcompile.checkpoint.dcp_items import check_items
 
         try:
-            check_items(self.folder, self, plan.items)  # every item whole before the first is written
+            check_items(self.folder, self, plan.items, planner)  # every item whole before the first is written
         except CheckpointError as e:
             self.refused = e  # torch wraps what read_data raises: the caller raises this one
             raise

@@ -16,7 +16,7 @@ from dpcompile.checkpoint.buffers import compute_buffers
 from dpcompile.checkpoint.headers import CheckpointError, Entry, read_checkpoint
 from dpcompile.checkpoint.keys import Conversion, place_keys
 from dpcompile.checkpoint.rank_writes import blocks_of_piece, piece_blocks
-from dpcompile.checkpoint.slices import cut, read_blocks, read_entry, read_piece
+from dpcompile.checkpoint.slices import cut, read_blocks, read_entry, read_piece, unfit_values, wraps
 from dpcompile.checkpoint.targets import Target, check_program, targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import check_training_objects, read_training
 from dpcompile.errors import ArgumentError
@@ -233,44 +233,20 @@ def _check_shapes(path: Any, model: Mapping[str, tuple[tuple[int, ...], torch.dt
 
 
 def _check_values(entries: Mapping[str, Entry], dtypes: Mapping[str, torch.dtype]) -> None:
-    """Read before anything is written, where the model's dtype cannot hold every value of the file's:
-    a BOOL tensor's bytes must each be 0 or 1 (torch takes a 2 for a bool no op agrees on: it prints
-    True, yet ``.all()`` is False), and an integer tensor's values must fit the model's integer dtype
-    (``copy_`` wraps them: 300 into an int8 buffer became 44)."""
+    """Read before anything is written where the model's dtype might not hold every value of the file's
+    (:func:`~dpcompile.checkpoint.slices.unfit_values`: a BOOL's bytes, integers past the model's range)."""
     for key, entry in entries.items():
-        dtype, want = entry.torch_dtype, dtypes.get(key)
-        if not math.prod(entry.shape) or want is None:
+        want = dtypes.get(key)
+        if want is None or not math.prod(entry.shape) or not (entry.torch_dtype == torch.bool or wraps(entry.torch_dtype, want)):
             continue
-        if dtype == torch.bool:
-            value = _read(entry)
-            bad = int((value.view(torch.uint8) > 1).sum())
-            what = f"is BOOL but {bad} of its bytes are neither 0 nor 1"
-        elif _wraps(dtype, want):
-            value = _read(entry).to(torch.int64)  # compared in int64 (a uint64 past its range turns negative: refused too)
-            info = torch.iinfo(want)
-            bad = int(((value < info.min) | (value > info.max)).sum())
-            what = f"is {dtype} with {bad} value(s) outside the model's {want} [{info.min}, {info.max}]"
-        else:
-            continue
-        if bad:
+        value = torch.empty(tuple(entry.shape), dtype=entry.torch_dtype)
+        read_blocks(entry, piece_blocks(tuple(entry.shape), None, 0, value))
+        what = unfit_values(value, want)
+        if what is not None:
             raise CheckpointError(
                 f"{entry.file}: '{entry.key}' {what} (corrupt, edited, or another model's; nothing was loaded)",
                 file=entry.file, key=entry.key,
             )  # fmt: skip
-
-
-def _wraps(saved: torch.dtype, model: torch.dtype) -> bool:
-    """Whether copying integers of ``saved`` into ``model`` can wrap some of them."""
-    if saved.is_floating_point or model.is_floating_point or torch.bool in (saved, model) or saved == model:
-        return False
-    a, b = torch.iinfo(saved), torch.iinfo(model)
-    return a.min < b.min or a.max > b.max
-
-
-def _read(entry: Entry) -> torch.Tensor:
-    value = torch.empty(tuple(entry.shape), dtype=entry.torch_dtype)
-    read_blocks(entry, piece_blocks(tuple(entry.shape), None, 0, value))
-    return value
 
 
 def _key_report(

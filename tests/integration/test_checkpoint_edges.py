@@ -192,7 +192,8 @@ class Indexed(nn.Module):
 
 def test_integers_the_models_dtype_cannot_hold_are_refused_before_any_write(tmp_path):
     """An int64 checkpoint tensor into an int8 buffer: values in int8's range load (cast), one outside it is a
-    CheckpointError naming file and key, the program unchanged. Before, 300 was wrapped to 44 silently."""
+    CheckpointError naming file and key, the program unchanged, from safetensors and from DCP. Before, 300 was
+    wrapped to 44 silently."""
     pm = dpcompile.transform(Indexed(), ["cpu"] * 2, example_inputs=(torch.randn(2, 4),))
     state = {k: v.detach().clone() for k, v in pm.state_dict().items()}
     file = tmp_path / "model.safetensors"
@@ -204,6 +205,15 @@ def test_integers_the_models_dtype_cannot_hold_are_refused_before_any_write(tmp_
     with pytest.raises(CheckpointError, match=r"'offset' is torch.int64 with 1 value\(s\) outside the model's torch.int8") as error:
         dpcompile.load_checkpoint(pm, file)
     assert error.value.file == file and error.value.key == "offset"
+    _unchanged(pm, before)
+    import torch.distributed.checkpoint as dcp  # the same tensor in a torch.distributed.checkpoint folder
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": {**state, "offset": torch.tensor([300, 0, 0])}}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+        with pytest.raises(CheckpointError, match=r"'model.offset' is torch.int64 with 1 value\(s\) outside") as error:
+            dpcompile.load_checkpoint(pm, tmp_path / "dcp")
+    assert error.value.file.name == "__0_0.distcp"
     _unchanged(pm, before)
 
 

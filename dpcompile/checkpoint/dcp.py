@@ -281,7 +281,7 @@ class _Source:
 
     def like(self, entry: Entry, place: Place, param: Any) -> torch.Tensor:
         local = param.to_local() if is_dtensor(param) else param
-        dest = torch.empty_like(local.detach())
+        dest = torch.empty_like(local.detach(), dtype=entry.torch_dtype)  # the state's dtype: a 0-dim parameter's step is float32
         self._add(entry, local_blocks(place.target, place.piece, dest))
         if not is_dtensor(param):
             return dest

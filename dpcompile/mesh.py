@@ -64,6 +64,19 @@ def check_mesh(mesh: Any, tensor_parallel: object) -> tuple[str, str | int | Non
     raise ArgumentError(f"DeviceMesh of {mesh.ndim} dimensions is not supported; pass a 1-D mesh or a 2-D ('dp', 'tp') mesh")
 
 
+def check_fsdp_parameters(model: Any) -> None:
+    """Refuse, before anything is sharded, a model with a 0-dim parameter under ``data_parallel="fsdp"``
+    over a mesh: FSDP2's ``fully_shard`` refuses it only after sharding the blocks it met first (the
+    user's model left holding DTensors)."""
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise ArgumentError(
+            f'data_parallel="fsdp" over a mesh cannot shard 0-dim parameters (FSDP2\'s fully_shard refuses them), and '
+            f"the model has {scalars[:5]}: make each a 1-element tensor (nn.Parameter(torch.tensor([value]))), or "
+            "leave data_parallel= out (DDP replicates them); nothing was changed"
+        )
+
+
 def mesh_size(mesh: Any, dim: str | int) -> int:
     """How many processes ``mesh`` has along ``dim`` (a name or an index)."""
     return mesh.size(mesh.mesh_dim_names.index(dim)) if isinstance(dim, str) else mesh.size(dim)

@@ -32,6 +32,7 @@ from dpcompile.checkpoint.optimizer_state import LIKE_PARAM, STATE_PREFIX, WHOLE
 from dpcompile.checkpoint.rank_writes import Block, piece_blocks, target_blocks
 from dpcompile.checkpoint.targets import targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import TrainingLoad, TrainingSave, encode, training_from_document
+from dpcompile.errors import ArgumentError
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
 
 TRAINING_KEY = "dpcompile_training_state"
@@ -46,9 +47,9 @@ def is_dcp(path: Path) -> bool:
 def check_dcp_target(path: Path) -> None:
     """Refuse, before anything is written, a ``path`` a DCP save would replace but that is not one."""
     if path.suffix == ".safetensors":
-        raise ValueError(f"{path}: format='dcp' writes a folder; pass a folder path")
+        raise ArgumentError(f"{path}: format='dcp' writes a folder; pass a folder path")
     if path.exists() and not is_dcp(path) and (not path.is_dir() or any(path.iterdir())):
-        raise ValueError(
+        raise ArgumentError(
             f"{path} exists and is not a torch.distributed.checkpoint folder: format='dcp' replaces the whole folder, "
             "so pass a new folder (or one a format='dcp' save wrote)"
         )
@@ -172,12 +173,15 @@ def load_dcp(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: boo
     to_compute = [n for n in buffers if prefix + n not in stored]
     computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
     training = _training(pm, path, stored, optimizer, lr_scheduler, strict, requests)
-    try:  # everything checked: from here on, write
-        dcp.load(requests, storage_reader=CheckedReader(path), planner=dcp_planners.PiecesLoadPlanner(), no_dist=True)
+    reader = CheckedReader(path)
+    try:  # everything checked: from here on, write (each item read is checked whole first)
+        dcp.load(requests, storage_reader=reader, planner=dcp_planners.PiecesLoadPlanner(), no_dist=True)
         with torch.no_grad():
             for name, value in computed.items():
                 buffers[name].copy_(value)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        if reader.refused is not None:  # refused before the first write: nothing changed
+            raise reader.refused from None
         pm.__dict__[NEEDS_WEIGHTS] = True  # partly written: the program must not run on it
         raise CheckpointError(
             f"reading {path} failed after its metadata was checked ({type(e).__name__}: {e}); the program is partly "
@@ -277,7 +281,7 @@ class _Source:
 
     def like(self, entry: Entry, place: Place, param: Any) -> torch.Tensor:
         local = param.to_local() if is_dtensor(param) else param
-        dest = torch.empty_like(local.detach())
+        dest = torch.empty_like(local.detach(), dtype=entry.torch_dtype)  # the state's dtype: a 0-dim parameter's step is float32
         self._add(entry, local_blocks(place.target, place.piece, dest))
         if not is_dtensor(param):
             return dest

@@ -13,6 +13,9 @@ load plans a read:
   file, and its byte range lies inside that file;
 * every chunk and byte item has its storage entry.
 
+Before the load writes anything, every tensor item it will read is read and checked whole (its
+records' CRC-32, ``torch.load`` of it: :mod:`dpcompile.checkpoint.dcp_items`).
+
 ``.metadata`` itself is at most :data:`METADATA_MAX_BYTES` (1 GiB: about six million chunks; checked
 before it is read) and no value of its pickle may expand past a bound proportional to its size
 (:func:`~dpcompile.checkpoint.pickle_bounds.check_expansion`: a few kilobytes sharing one tuple
@@ -100,11 +103,22 @@ class CheckedReader(FileSystemReader):
     def __init__(self, folder: Path):
         super().__init__(str(folder))
         self.folder = Path(folder)
+        self.refused: CheckpointError | None = None  # an item refused before anything was written
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         metadata = read_dcp_metadata(self.folder)
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        from dpcompile.checkpoint.dcp_items import check_items
+
+        try:
+            check_items(self.folder, self, plan.items, planner)  # every item whole before the first is written
+        except CheckpointError as e:
+            self.refused = e  # torch wraps what read_data raises: the caller raises this one
+            raise
+        return super().read_data(plan, planner)
 
 
 def _check_items(file: Path, metadata: Any) -> None:

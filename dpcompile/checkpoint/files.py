@@ -22,6 +22,7 @@ import torch
 
 from dpcompile.checkpoint.headers import DTYPE_OF, DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointError, read_checkpoint
 from dpcompile.checkpoint.runs import host_bytes, is_host_layout, rows_at_once, staging_budget
+from dpcompile.errors import ArgumentError
 
 
 def find_tensors(path: str | Path, *, allow_symlinks: bool = False) -> dict[str, Path]:
@@ -297,11 +298,11 @@ def parse_size(size: int | str) -> int:
     """Bytes of ``"5GB"``, ``"500MiB"``, ``"10KB"`` or an int (transformers' spelling: GB = 10**9)."""
     if isinstance(size, int) and not isinstance(size, bool):
         if size <= 0:
-            raise ValueError(f"max_shard_size={size} must be positive")
+            raise ArgumentError(f"max_shard_size={size} must be positive")
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
     if match is None:
-        raise ValueError(f"max_shard_size={size!r}: expected bytes (an int) or a size such as '5GB' or '500MiB'")
+        raise ArgumentError(f"max_shard_size={size!r}: expected bytes (an int) or a size such as '5GB' or '500MiB'")
     number, unit = float(match.group(1)), match.group(2)
     powers = {
         "B": 1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -15,9 +16,10 @@ from dpcompile.checkpoint.buffers import compute_buffers
 from dpcompile.checkpoint.headers import CheckpointError, Entry, read_checkpoint
 from dpcompile.checkpoint.keys import Conversion, place_keys
 from dpcompile.checkpoint.rank_writes import blocks_of_piece, piece_blocks
-from dpcompile.checkpoint.slices import cut, read_blocks, read_entry, read_piece
+from dpcompile.checkpoint.slices import cut, read_blocks, read_entry, read_piece, unfit_values, wraps
 from dpcompile.checkpoint.targets import Target, check_program, targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import check_training_objects, read_training
+from dpcompile.errors import ArgumentError
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
 from dpcompile.progress import check_progress, progress_bar
@@ -79,7 +81,7 @@ def load_checkpoint(
         from dpcompile.checkpoint import dcp  # a torch.distributed.checkpoint folder
 
         if key_mapping is not None:
-            raise ValueError(f"{path} is a torch.distributed.checkpoint: key_mapping= applies to safetensors checkpoints")
+            raise ArgumentError(f"{path} is a torch.distributed.checkpoint: key_mapping= applies to safetensors checkpoints")
         return dcp.load_dcp(pm, Path(path), optimizer, lr_scheduler, strict)
     checkpoint = read_checkpoint(path, allow_symlinks=allow_symlinks)
     training = read_training(pm, Path(path), optimizer, lr_scheduler, strict, checkpoint.files())  # checked and read; nothing set yet
@@ -117,6 +119,7 @@ def load_checkpoint(
     shapes.update((k, (tuple(t.shape), t.dtype, c.sources[0][1])) for k, (c, t) in converted.items())
     _check_shapes(path, {k: (tuple(t.shape), t.dtype) for k, t in targets.items()}, shapes)
     _check_shapes(path, {k: (tuple(b.shape), b.dtype) for k, b in buffers.items()}, shapes)
+    _check_values(placement.direct, {k: t.dtype for k, t in targets.items()} | {k: b.dtype for k, b in buffers.items()})
     to_compute = [n for n in buffers if n not in placed]
     computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
     # everything checked: from here on, write. Each piece's boxes are read from the file straight
@@ -229,6 +232,23 @@ def _check_shapes(path: Any, model: Mapping[str, tuple[tuple[int, ...], torch.dt
         )  # fmt: skip
 
 
+def _check_values(entries: Mapping[str, Entry], dtypes: Mapping[str, torch.dtype]) -> None:
+    """Read before anything is written where the model's dtype might not hold every value of the file's
+    (:func:`~dpcompile.checkpoint.slices.unfit_values`: a BOOL's bytes, integers past the model's range)."""
+    for key, entry in entries.items():
+        want = dtypes.get(key)
+        if want is None or not math.prod(entry.shape) or not (entry.torch_dtype == torch.bool or wraps(entry.torch_dtype, want)):
+            continue
+        value = torch.empty(tuple(entry.shape), dtype=entry.torch_dtype)
+        read_blocks(entry, piece_blocks(tuple(entry.shape), None, 0, value))
+        what = unfit_values(value, want)
+        if what is not None:
+            raise CheckpointError(
+                f"{entry.file}: '{entry.key}' {what} (corrupt, edited, or another model's; nothing was loaded)",
+                file=entry.file, key=entry.key,
+            )  # fmt: skip
+
+
 def _key_report(
     path: Any, missing: list[str], unexpected: list[str], total: int, renamed: Mapping[str, str], model: Any,
     none: bool = False,
@@ -273,18 +293,18 @@ def _wrapper_prefix(missing: list[str], unexpected: list[str]) -> str | None:
 def _check_arguments(path: Any, strict: Any, key_mapping: Any) -> None:
     """``ValueError`` naming the keyword for a ``path``, ``strict`` or ``key_mapping`` of the wrong kind."""
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path={path!r}: expected a str or os.PathLike (a .safetensors file or a checkpoint folder)")
+        raise ArgumentError(f"path={path!r}: expected a str or os.PathLike (a .safetensors file or a checkpoint folder)")
     if not isinstance(strict, bool):
-        raise ValueError(f"strict={strict!r}: expected True or False")
+        raise ArgumentError(f"strict={strict!r}: expected True or False")
     if key_mapping is None:
         return
     if not isinstance(key_mapping, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in key_mapping.items()):
-        raise ValueError(f"key_mapping={key_mapping!r}: expected {{regex: replacement}}, both strings, as from_pretrained takes it")
+        raise ArgumentError(f"key_mapping={key_mapping!r}: expected {{regex: replacement}}, both strings, as from_pretrained takes it")
     for pattern in key_mapping:
         try:
             re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"key_mapping= pattern {pattern!r} is not a regular expression ({e})") from None
+            raise ArgumentError(f"key_mapping= pattern {pattern!r} is not a regular expression ({e})") from None
 
 
 def _listed(keys: list[str]) -> str:

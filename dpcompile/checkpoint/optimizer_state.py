@@ -14,6 +14,7 @@ state tensor whole, so that what one layout saved loads into any other.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -213,6 +214,7 @@ def loaded_state(
                 file=where, key=(extra or lacking)[0],
             )  # fmt: skip
         _check_hyper(saved["hyper"], group, optimizer.defaults, g, where)
+        _check_constructor(optimizer, saved["hyper"], group, g, where)
         groups.append({**saved["hyper"], "params": group["params"]})
     kinds = meta["state"]
     entries = source.entries if source is not None else files.entries if files is not None else {}
@@ -321,6 +323,30 @@ def _check_hyper(hyper: Any, group: dict[str, Any], needed: Any, g: int, where: 
         )  # fmt: skip
 
 
+def _check_constructor(optimizer: Any, hyper: dict[str, Any], group: dict[str, Any], g: int, where: Any) -> None:
+    """The optimizer's own constructor accepts the saved hyper-parameters of group ``g`` where it accepts
+    the group's own (``load_state_dict`` checks none: an ``eps`` of -1 or ``betas`` of (1.5, 0.999) would
+    resume training on them); tried on a one-element parameter, the constructor's ``ValueError`` named."""
+
+    def refusal(values: dict[str, Any]) -> str | None:
+        try:
+            params = inspect.signature(type(optimizer).__init__).parameters
+            kwargs = {k: v for k, v in values.items() if k in params and k != "params"}
+            type(optimizer)([torch.zeros(1, requires_grad=True)], **kwargs)
+        except ValueError as e:
+            return str(e)[:160]
+        except Exception:  # noqa: BLE001 - a constructor that cannot be tried this way: not checked
+            return None
+        return None
+
+    saved = refusal(hyper)
+    if saved is not None and refusal({k: v for k, v in group.items() if k not in ("params", "param_names")}) is None:
+        raise CheckpointError(
+            f"the checkpoint {where}: param group {g}'s hyper-parameters are refused by {type(optimizer).__name__} "
+            f"itself ({saved}); corrupt or edited: save again, or load without optimizer=", file=where,
+        )  # fmt: skip
+
+
 def _scalar(value: Any) -> bool:
     return value is None or isinstance(value, (bool, str)) or same_kind(value, 0.0)
 
@@ -335,8 +361,8 @@ def same_kind(saved: Any, current: Any, *, none_holds: tuple[type, ...] = (bool,
         return saved is None or isinstance(saved, bool)
     if isinstance(saved, bool):
         return False
-    if isinstance(current, (int, float)):
-        return isinstance(saved, int) or (isinstance(saved, float) and math.isfinite(saved))
+    if isinstance(current, (int, float)):  # an int too large for a float (10**400 in JSON) is no number here
+        return (isinstance(saved, int) and abs(saved) < 2**63) or (isinstance(saved, float) and math.isfinite(saved))
     if isinstance(current, (list, tuple)):
         return isinstance(saved, (list, tuple)) and len(saved) == len(current) and all(
             same_kind(a, b, none_holds=none_holds) for a, b in zip(saved, current)

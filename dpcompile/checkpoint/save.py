@@ -31,6 +31,7 @@ from dpcompile.checkpoint.training import (
     take_part,
     write_training,
 )
+from dpcompile.errors import ArgumentError
 from dpcompile.modules.base import ParallelModule
 from dpcompile.progress import check_progress, progress_bar
 
@@ -81,18 +82,18 @@ def save_checkpoint(
     check_progress(progress)  # a bad progress= is refused before anything is written
     check_program(pm, "save_checkpoint")
     if format not in ("safetensors", "dcp"):
-        raise ValueError(f"format={format!r}: expected format='safetensors' or format='dcp' (torch.distributed.checkpoint)")
+        raise ArgumentError(f"format={format!r}: expected format='safetensors' or format='dcp' (torch.distributed.checkpoint)")
     if getattr(pm, "needs_weights", False):
         raise CheckpointError(
             "this program has no weights yet (built on meta): dpcompile.load_checkpoint(pm, path) first"
         )
     check_training_objects(optimizer, lr_scheduler)
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path={path!r}: expected a str or os.PathLike (a .safetensors file or a folder)")
+        raise ArgumentError(f"path={path!r}: expected a str or os.PathLike (a .safetensors file or a folder)")
     path = Path(path)
     _check_destination(path)
     if path.suffix == ".safetensors" and not (optimizer is None and lr_scheduler is None and extra is None):
-        raise ValueError(
+        raise ArgumentError(
             f"{path}: a training checkpoint (optimizer=, lr_scheduler=, extra=) is a folder; pass a folder path"
         )
     if format == "dcp":
@@ -174,15 +175,15 @@ def _check_destination(path: Path) -> None:
     """``ValueError`` where the save cannot land at ``path``: a ``.safetensors`` path that is a folder,
     a folder path that is a file, or a file on the way; nothing written yet."""
     if path.suffix == ".safetensors" and path.is_dir():
-        raise ValueError(f"{path} is a folder: a path ending in .safetensors is written as one file; pass another path")
+        raise ArgumentError(f"{path} is a folder: a path ending in .safetensors is written as one file; pass another path")
     if path.suffix != ".safetensors" and path.exists() and not path.is_dir():
-        raise ValueError(
+        raise ArgumentError(
             f"{path} is a file: a checkpoint folder goes there; pass a folder path, or a path ending in .safetensors"
         )
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise ValueError(f"{parent} is a file, so {path} cannot be created under it")
+                raise ArgumentError(f"{parent} is a file, so {path} cannot be created under it")
             break
 
 

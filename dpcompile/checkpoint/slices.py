@@ -93,6 +93,31 @@ def _pread(fd: int, out: torch.Tensor, at: int, runs: list[tuple[int, int]], ent
                               "was checked)", file=entry.file, key=entry.key)  # fmt: skip
 
 
+def unfit_values(value: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """What of ``value`` (read from a checkpoint) ``dtype`` would not hold as it is, or None: a bool's
+    byte other than 0 or 1 (torch takes a 2 for a bool no op agrees on: it prints True, yet ``.all()``
+    is False), or an integer outside ``dtype``'s range (``copy_`` wraps it: 300 into int8 is 44)."""
+    if value.dtype == torch.bool:
+        bad = int((value.view(torch.uint8) > 1).sum())
+        return f"is BOOL but {bad} of its bytes are neither 0 nor 1" if bad else None
+    if not wraps(value.dtype, dtype):
+        return None
+    info = torch.iinfo(dtype)
+    wide = value.to(torch.int64)  # a uint64 past int64's range turns negative: outside too
+    bad = int(((wide < info.min) | (wide > info.max)).sum())
+    return f"is {value.dtype} with {bad} value(s) outside the model's {dtype} [{info.min}, {info.max}]" if bad else None
+
+
+def wraps(saved: torch.dtype, model: torch.dtype) -> bool:
+    """Whether copying integers of ``saved`` into ``model`` can wrap some of them."""
+    if saved.is_floating_point or model.is_floating_point or torch.bool in (saved, model) or saved == model:
+        return False
+    if saved.is_complex or model.is_complex:
+        return False
+    a, b = torch.iinfo(saved), torch.iinfo(model)
+    return a.min < b.min or a.max > b.max
+
+
 def cut(value: torch.Tensor, index: tuple[slice, ...] | None) -> torch.Tensor:
     return value if index is None else value[index]
 
@@ -115,4 +140,4 @@ def _index(dim: int, start: int, size: int) -> tuple[slice, ...]:
     return (*[slice(None)] * dim, slice(start, start + size))
 
 
-__all__ = ["cut", "read_blocks", "read_entry", "read_piece"]
+__all__ = ["cut", "read_blocks", "read_entry", "read_piece", "unfit_values", "wraps"]

@@ -25,6 +25,7 @@ from dpcompile.checkpoint.dtensors import check_peers, ranks_of
 from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, tensor_bytes, write_safetensors
 from dpcompile.checkpoint.headers import MAX_JSON_BYTES, CheckpointError, parse_json, read_checkpoint, read_metadata
 from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, same_kind, saved_state
+from dpcompile.errors import ArgumentError
 
 TRAINING_FILE = "training_state.json"
 OPTIMIZER_STEM = "optimizer"
@@ -58,13 +59,13 @@ def check_training_objects(optimizer: Any, lr_scheduler: Any) -> None:
     and ``load_state_dict`` (or None): else ``ValueError`` naming the keyword, before anything is
     read or written."""
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(
+        raise ArgumentError(
             f"optimizer={optimizer!r}: expected the torch.optim.Optimizer built on the program's parameters (or None)"
         )
     if lr_scheduler is not None and not all(
         callable(getattr(lr_scheduler, name, None)) for name in ("state_dict", "load_state_dict")
     ):
-        raise ValueError(f"lr_scheduler={lr_scheduler!r}: expected an LR scheduler (with state_dict and load_state_dict)")
+        raise ArgumentError(f"lr_scheduler={lr_scheduler!r}: expected an LR scheduler (with state_dict and load_state_dict)")
 
 
 def prepare_training(pm: Any, optimizer: Any, lr_scheduler: Any, extra: Any) -> TrainingSave | None:
@@ -75,7 +76,7 @@ def prepare_training(pm: Any, optimizer: Any, lr_scheduler: Any, extra: Any) -> 
         return None
     if extra is not None:
         if not isinstance(extra, dict):
-            raise ValueError(f"extra= must be a dict (JSON-able), not {type(extra).__name__}")
+            raise ArgumentError(f"extra= must be a dict (JSON-able), not {type(extra).__name__}")
         _dumps(extra, "extra=")
     saved = saved_state(pm, optimizer) if optimizer is not None else None
     document = {
@@ -242,7 +243,10 @@ def training_from_document(
         _try_scheduler_state(lr_scheduler, state, file)
         load_scheduler = lambda: lr_scheduler.load_state_dict(state)  # noqa: E731
     rng = _checked_rng(file, _own_rng(pm, document.get("rng") or {}))  # set last: checked now, so that it cannot fail then
-    return TrainingLoad(load_optimizer, load_scheduler, lambda: _set_rng(rng), document.get("extra"))
+    extra = document.get("extra")
+    if extra is not None and not isinstance(extra, dict):  # a save writes a dict (extra= is checked so)
+        raise CheckpointError(f"{file}: its extra entry is a {type(extra).__name__}, not the dict a save writes", file=file)
+    return TrainingLoad(load_optimizer, load_scheduler, lambda: _set_rng(rng), extra)
 
 
 def _try_optimizer_state(optimizer: Any, sd: dict[str, Any], file: Path) -> None:
@@ -333,7 +337,7 @@ def _dumps(value: Any, what: str) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} must be JSON-able for a checkpoint ({e}); nothing was written") from None
+        raise ArgumentError(f"{what} must be JSON-able for a checkpoint ({e}); nothing was written") from None
 
 
 def _layout(pm: Any) -> dict[str, Any]:

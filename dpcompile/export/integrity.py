@@ -99,6 +99,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise ExportError(f"{folder} is not a folder; pass the folder that dpcompile.export wrote")
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file() or manifest_path.is_symlink():
+        _not_a_plain_file(manifest_path)
         raise ExportError(f"{folder} has no {MANIFEST_FILE}; it is not a dpcompile export (or it is incomplete)")
     manifest = read_json(manifest_path, max_bytes=MAX_MANIFEST_BYTES)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -136,10 +137,19 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     for name in sorted(listed):
         file = folder / name
         if not file.is_file() or file.is_symlink():
+            _not_a_plain_file(file)
             raise ExportError(f"{folder} is missing {name}; the export is incomplete, re-export the module")
         if file.stat().st_size != files[name]["size"] or sha256_of(file) != files[name]["sha256"]:
             raise ExportError(f"{file} does not match the size and checksum in {MANIFEST_FILE}; it was changed or truncated")
     return manifest
+
+
+def _not_a_plain_file(file: Path) -> None:
+    """Raise naming what ``file`` is where it is there but not a regular file (a link, a folder)."""
+    if file.is_symlink():
+        raise ExportError(f"{file} is a symbolic link: refused, as it may lead outside the export; copy the file in or re-export")
+    if file.exists():
+        raise ExportError(f"{file} is not a regular file; re-export the module")
 
 
 def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -211,6 +221,8 @@ def read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tenso
             )
         if want["requires_grad"] and not want["parameter"]:
             raise ExportError(f"{PROGRAM_FILE}: buffer {key!r} cannot require grad")
+        if t.dtype == torch.bool and bool((t.view(torch.uint8) > 1).any()):  # torch's ops disagree on such a bool
+            raise ExportError(f"{WEIGHTS_FILE}: bool tensor {key!r} holds bytes other than 0 and 1; the folder was edited: re-export")
     return weights
 
 

@@ -33,7 +33,7 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import is_fake
 from dpcompile.fx_utils import ancestors, copy_graph, graph_module
 from dpcompile.infra import info_of, run_passes
-from dpcompile.mesh import local_device
+from dpcompile.mesh import check_fsdp_parameters, local_device
 from dpcompile.modules.mesh_pipeline import MeshPipelineModule
 from dpcompile.modules.mesh_random import StageRandomPlan
 from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
@@ -64,6 +64,8 @@ class MeshPipelineRecipe(Recipe):
 
         names = tuple(self.mesh.mesh_dim_names or ())
         check_pipeline_mesh(names, self.plan, self.data_parallel)
+        if self.data_parallel == "fsdp":
+            check_fsdp_parameters(model)
         if self.data_parallel == "fsdp" and any(is_fake(t) for t in (*model.parameters(), *model.buffers())):
             raise DpCompileError(
                 "a model built on meta with data_parallel=\"fsdp\" over a mesh pipeline is not built yet (FSDP would "

@@ -61,7 +61,7 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import fake_copy, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
-from dpcompile.mesh import check_mesh, local_device, mesh_size
+from dpcompile.mesh import check_fsdp_parameters, check_mesh, local_device, mesh_size
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.spmd import hold_mesh, repeated_blocks
@@ -112,6 +112,8 @@ class SpmdRecipe(Recipe):
                 'data_parallel="fsdp" shards over the mesh\'s data-parallel dimension, and this mesh has none '
                 f"(dims {tuple(self.mesh.mesh_dim_names or ())}); pass a ('dp',) or ('dp', 'tp') mesh"
             )
+        if self.data_parallel == "fsdp":
+            check_fsdp_parameters(model)
         if mode == "spmd_context_parallel":
             return self._compile_context_parallel(model, device, example_inputs)
         if mode == "spmd_context_tensor_parallel":
@@ -119,6 +121,9 @@ class SpmdRecipe(Recipe):
         if mode == "spmd_data_parallel":
             if self.data_parallel == "fsdp":  # the blocks stay calls: fully_shard hooks their forward
                 blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
+                # but a block holding a BatchNorm is traced into, so that its statistics are synchronised
+                # over dp (sync_batch_norm); its parameters are sharded with the root's
+                blocks = tuple(c for c in blocks if not _holds_batch_norm(model, c))
                 recipe = dataclasses.replace(self, leaf_modules=self.leaf_modules + blocks, fsdp_blocks=blocks)
                 return recipe._compile_data_parallel(model, dp_dim, device, example_inputs)
             return self._compile_data_parallel(model, dp_dim, device, example_inputs)
@@ -405,6 +410,18 @@ class SpmdRecipe(Recipe):
 
 
 @torch.no_grad()
+
+def _holds_batch_norm(model: nn.Module, block_class: type[nn.Module]) -> bool:
+    """Whether a repeated block of ``block_class`` in ``model`` holds a BatchNorm: called whole under FSDP, it
+    would normalise with this rank's batch alone (the lowering that synchronises it never sees inside)."""
+    from passes.collectives import BATCH_NORMS
+
+    return any(
+        isinstance(m, BATCH_NORMS) for p in repeated_blocks(model) if type(model.get_submodule(p)) is block_class
+        for m in model.get_submodule(p).modules()
+    )  # fmt: skip
+
+
 def broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
     """Give every rank of ``group`` the parameters and buffers of the group's first rank.
 

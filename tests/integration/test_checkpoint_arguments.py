@@ -1,6 +1,6 @@
 """``load_checkpoint`` / ``save_checkpoint`` given arguments of the wrong kind, a checkpoint whose keys
 carry a wrapper's prefix, or a destination that cannot hold a checkpoint: a ``ValueError`` naming
-the keyword (or a ``CheckpointError`` naming the prefix and the ``key_mapping=`` that strips it),
+the keyword (``dpcompile.ArgumentError``: a ``DpCompileError`` too) (or a ``CheckpointError`` naming the prefix and the ``key_mapping=`` that strips it),
 raised before anything is read or written; the program and the files on disk as they were.
 Before, ``strict="no"``, ``key_mapping=["a"]`` and a prefixed checkpoint under ``strict=False``
 loaded nothing silently, and a save onto a file raised ``FileExistsError`` from pathlib (a save
@@ -66,7 +66,7 @@ def test_load_arguments_of_the_wrong_kind_are_named(kwargs, match, tmp_path):
         for p in pm.parameters():
             p.add_(1.0)
     before = _state(pm)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(dpcompile.ArgumentError, match=match):  # a DpCompileError and a ValueError (it was a plain one)
         dpcompile.load_checkpoint(pm, **{"path": tmp_path, **kwargs})
     assert _same(pm, before)
 
@@ -85,7 +85,7 @@ def test_a_save_that_cannot_land_writes_nothing(where, tmp_path):
         "optimizer_a_string": (previous, {"optimizer": "adamw"}, "optimizer='adamw'"),
     }[where]
     files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(dpcompile.ArgumentError, match=match):  # a DpCompileError and a ValueError (it was a plain one)
         dpcompile.save_checkpoint(pm, path, **kwargs)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files  # nothing staged, nothing changed
     dpcompile.load_checkpoint(pm, previous)

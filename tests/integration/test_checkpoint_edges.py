@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 import dpcompile
@@ -137,6 +138,82 @@ def test_a_broken_file_is_a_checkpoint_error_naming_file_and_key(fault, tmp_path
     assert error.value.file is not None and error.value.file.name in str(error.value)
     if fault in ("wrong_dtype", "wrong_shape", "unknown_dtype", "overlap"):
         assert error.value.key is not None and error.value.key in str(error.value)
+    _unchanged(pm, before)
+
+
+class Masked(nn.Module):
+    """A bool buffer (a mask) beside a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+
+    def forward(self, x):
+        return self.fc(x) * self.mask
+
+
+def test_a_bool_tensor_whose_bytes_are_not_0_or_1_is_refused_before_any_write(tmp_path):
+    """A byte 2 in a BOOL tensor loaded as a bool torch disagrees on (it prints True, yet ``.all()`` is False):
+    now a CheckpointError naming file and key, the program unchanged; the same file with 0/1 bytes loads."""
+    torch.manual_seed(0)
+    pm = dpcompile.transform(Masked(), ["cpu"] * 2, example_inputs=(torch.randn(2, 4),))
+    dpcompile.save_checkpoint(pm, tmp_path)
+    file = tmp_path / "model.safetensors"
+    header, data = _header(file)
+    begin = header["mask"]["data_offsets"][0]
+    with torch.no_grad():
+        pm.fc.weight.add_(1.0)  # differs from the file: a write would show
+        pm.get_buffer("mask").fill_(True)
+    x = torch.randn(3, 4)
+    before, out = _snapshot(pm), pm(x)
+    _write_header(file, header, data[:begin] + b"\x02" + data[begin + 1 :])
+    with pytest.raises(CheckpointError, match="'mask' is BOOL but 1 of its bytes are neither 0 nor 1") as error:
+        dpcompile.load_checkpoint(pm, tmp_path)
+    assert error.value.file == file and error.value.key == "mask"
+    _unchanged(pm, before)
+    assert torch.equal(pm(x), out)
+    _write_header(file, header, data[:begin] + b"\x01" + data[begin + 1 :])
+    dpcompile.load_checkpoint(pm, tmp_path)
+    assert pm.get_buffer("mask").view(torch.uint8).tolist() == [1, 0, 1, 1]
+
+
+class Indexed(nn.Module):
+    """An int8 buffer beside a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.tensor([1, -2, 3], dtype=torch.int8))
+
+    def forward(self, x):
+        return self.fc(x) + self.offset.sum()
+
+
+def test_integers_the_models_dtype_cannot_hold_are_refused_before_any_write(tmp_path):
+    """An int64 checkpoint tensor into an int8 buffer: values in int8's range load (cast), one outside it is a
+    CheckpointError naming file and key, the program unchanged, from safetensors and from DCP. Before, 300 was
+    wrapped to 44 silently."""
+    pm = dpcompile.transform(Indexed(), ["cpu"] * 2, example_inputs=(torch.randn(2, 4),))
+    state = {k: v.detach().clone() for k, v in pm.state_dict().items()}
+    file = tmp_path / "model.safetensors"
+    save_file({**state, "offset": torch.tensor([100, -128, 7])}, file)
+    dpcompile.load_checkpoint(pm, file)
+    assert pm.get_buffer("offset").tolist() == [100, -128, 7]
+    before = _snapshot(pm)
+    save_file({**state, "offset": torch.tensor([300, 0, 0])}, file)
+    with pytest.raises(CheckpointError, match=r"'offset' is torch.int64 with 1 value\(s\) outside the model's torch.int8") as error:
+        dpcompile.load_checkpoint(pm, file)
+    assert error.value.file == file and error.value.key == "offset"
+    _unchanged(pm, before)
+    import torch.distributed.checkpoint as dcp  # the same tensor in a torch.distributed.checkpoint folder
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": {**state, "offset": torch.tensor([300, 0, 0])}}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+        with pytest.raises(CheckpointError, match=r"'model.offset' is torch.int64 with 1 value\(s\) outside") as error:
+            dpcompile.load_checkpoint(pm, tmp_path / "dcp")
+    assert error.value.file.name == "__0_0.distcp"
     _unchanged(pm, before)
 
 

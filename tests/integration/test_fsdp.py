@@ -217,6 +217,72 @@ def check_fsdp_measure_and_verify(rank: int, world: int) -> None:
     assert result and result.checked["parameter gradients"] == len(list(reference.parameters())), str(result)
 
 
+class Tempered(Stack):
+    """A Stack with a 0-dim temperature parameter, which FSDP2's fully_shard cannot shard."""
+
+    def __init__(self):
+        super().__init__(layers=2)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return super().forward(x) / self.temperature
+
+
+def check_fsdp_refuses_a_0_dim_parameter_before_sharding(rank: int, world: int) -> None:
+    """A 0-dim parameter under FSDP over a mesh is refused up front, the model untouched: before, fully_shard
+    sharded the blocks, then raised its own ValueError at the root, leaving the model's blocks as DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = Tempered()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(dpcompile.ArgumentError, match=r"cannot shard 0-dim parameters .* \['temperature'\]"):
+        dpcompile.transform(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), data_parallel="fsdp")
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class NormedBlock(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.fc(x).transpose(1, 2)).transpose(1, 2))
+
+
+class NormedStack(Stack):
+    """Repeated blocks holding a BatchNorm."""
+
+    def __init__(self):
+        super().__init__(layers=1)
+        self.layers = nn.ModuleList(NormedBlock() for _ in range(2))
+
+
+def check_fsdp_batch_norm_in_a_block_sees_the_whole_batch(rank: int, world: int) -> None:
+    """A BatchNorm inside a repeated block under FSDP normalises with the whole, cross-rank batch, as eager:
+    the block is traced into (its BatchNorm synchronised over dp), not wrapped as a call of its own. Before,
+    the block ran whole per rank and its BatchNorm used this rank's rows only: another loss, other statistics."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = NormedStack()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), data_parallel="fsdp")
+    assert pm.fsdp_blocks == [], pm.fsdp_blocks
+    x = _batches(world, 1)[0]
+    per = x.size(0) // world
+    torch.testing.assert_close(pm(x[rank * per : (rank + 1) * per]), reference(x)[rank * per : (rank + 1) * per])
+    state = pm.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, k=key: f"{k}: {m}")
+
+
 SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
     "one_d": [
         ("check_fsdp_1d", check_fsdp_1d),
@@ -224,6 +290,8 @@ SCENARIOS: dict[str, list[tuple[str, Callable[[int, int], None]]]] = {
         ("check_fsdp_mixed_precision", check_fsdp_mixed_precision),
         ("check_fsdp_load_state_dict", check_fsdp_load_state_dict),
         ("check_fsdp_measure_and_verify", check_fsdp_measure_and_verify),
+        ("check_fsdp_refuses_a_0_dim_parameter_before_sharding", check_fsdp_refuses_a_0_dim_parameter_before_sharding),
+        ("check_fsdp_batch_norm_in_a_block_sees_the_whole_batch", check_fsdp_batch_norm_in_a_block_sees_the_whole_batch),
     ],
     "two_d": [("check_fsdp_1d", check_fsdp_1d), ("check_fsdp_2d", check_fsdp_2d)],
 }

@@ -340,6 +340,14 @@ TRAINING_STATE_EDITS = {
     "hyper_unknown_not_a_scalar": (_hyper("momentum_x", {"a": 1}), r"unknown \['momentum_x'\]"),
     "scheduler_key_unknown": (_scheduler("optimizer", 1), r"does not hold \['optimizer'\]"),  # replaced its optimizer
     "scheduler_value_a_string": (_scheduler("last_epoch", "x"), r"another kind \['last_epoch'\]"),
+    # these loaded: AdamW's constructor refuses them, load_state_dict does not (the next step used them)
+    "eps_negative": (_hyper("eps", -1.0), "refused by AdamW itself .Invalid epsilon value: -1.0"),
+    "betas_out_of_range": (_hyper("betas", [1.5, 0.999]), "refused by AdamW itself .Invalid beta parameter at index 0"),
+    "lr_negative": (_hyper("lr", -0.01), "refused by AdamW itself .Invalid learning rate"),
+    # an int JSON holds that no float can (the first step raised OverflowError)
+    "lr_too_large_for_a_float": (_hyper("lr", 10**400), "of another kind .*'lr'"),
+    "scheduler_value_too_large": (_scheduler("last_epoch", 10**400), r"another kind \['last_epoch'\]"),
+    "extra_not_a_dict": (lambda doc: doc.__setitem__("extra", [1]), "its extra entry is a list"),  # was pm.checkpoint_extra
 }
 
 

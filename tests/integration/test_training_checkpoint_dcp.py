@@ -170,3 +170,36 @@ def test_what_a_dcp_save_or_load_refuses(tmp_path):
     for key, value in pm.state_dict().items():
         assert torch.equal(value, before[key]), key
     dpcompile.load_checkpoint(pm, tmp_path / "lacking", strict=False)  # the keys both have
+
+
+class _Tempered(torch.nn.Module):
+    """A linear and a 0-dim temperature (its AdamW step state has its shape, not its dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.fc(x).double() / self.temperature
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
+def test_optimizer_state_comes_back_in_its_own_dtype(fmt, tmp_path):
+    """Every AdamW state tensor loads with the dtype and value it was saved with. Before, through DCP, the
+    float32 ``step`` of a 0-dim float64 parameter (laid out as the parameter: the same shape) came back float64."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(_Tempered(), ["cpu"] * 2, example_inputs=(x,))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm(x).square().mean().backward()
+    opt.step()
+    dpcompile.save_checkpoint(pm, tmp_path / "ckpt", optimizer=opt, format=fmt)
+    other = dpcompile.transform(_Tempered(), ["cpu"] * 2, example_inputs=(x,))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    dpcompile.load_checkpoint(other, tmp_path / "ckpt", optimizer=other_opt)
+    saved, loaded = dict(pm.named_parameters()), dict(other.named_parameters())
+    for name, p in saved.items():
+        for key, value in opt.state[p].items():
+            got = other_opt.state[loaded[name]][key]
+            assert got.dtype == value.dtype and torch.equal(got, value), (name, key, got, value)

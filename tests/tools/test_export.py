@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import pickle
+import struct
 import subprocess
 import sys
 import textwrap
@@ -507,6 +508,50 @@ def test_load_refuses_a_malformed_manifest_with_a_dpcompile_error(tmp_path):
         (folder / "manifest.json").write_text(json.dumps(manifest))
         with pytest.raises(dpcompile.DpCompileError, match="manifest|re-export|disagree"):
             dpcompile.load(folder)
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+
+    def forward(self, x):
+        return self.fc(x) * self.mask
+
+
+def test_a_file_of_the_export_that_is_a_link_or_a_folder_is_named_as_such(tmp_path):
+    """Each file of an export replaced by a link out of the folder, or by a folder: refused naming the file and
+    what it is (it said "is missing module.py" of a module.py that was a link)."""
+    folder = dpcompile.export(dpcompile.transform(_Masked(), ["cpu"] * 2), tmp_path / "out")
+    for name in ["manifest.json", "module.py", "program.json", "weights.safetensors"]:
+        kept = (folder / name).read_bytes()
+        (tmp_path / name).write_bytes(kept)
+        (folder / name).unlink()
+        (folder / name).symlink_to(tmp_path / name)
+        with pytest.raises(ExportError, match=f"{name} is a symbolic link: refused"):
+            dpcompile.load(folder)
+        (folder / name).unlink()
+        (folder / name).mkdir()
+        with pytest.raises(ExportError, match=f"{name} is not a regular file"):
+            dpcompile.load(folder)
+        (folder / name).rmdir()
+        (folder / name).write_bytes(kept)
+
+
+def test_a_bool_weight_whose_bytes_are_not_0_or_1_is_refused(tmp_path):
+    """weights.safetensors edited (the manifest rehashed) so that a bool holds a byte 2, which torch's ops
+    disagree on (it prints True, yet ``.all()`` is False): refused; before, it loaded."""
+    from tests.tools.export_attacks import rehash
+
+    folder = dpcompile.export(dpcompile.transform(_Masked(), ["cpu"] * 2), tmp_path / "out")
+    raw = bytearray((folder / "weights.safetensors").read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    raw[8 + n + json.loads(raw[8 : 8 + n])["mask"]["data_offsets"][0] + 1] = 2  # the False
+    (folder / "weights.safetensors").write_bytes(bytes(raw))
+    rehash(folder)
+    with pytest.raises(ExportError, match="bool tensor 'mask' holds bytes other than 0 and 1"):
+        dpcompile.load(folder)
 
 
 def test_export_refuses_a_program_over_a_mesh(tmp_path):

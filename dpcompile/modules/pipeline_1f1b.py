@@ -249,6 +249,7 @@ class _StepState:
         env = _TailEnv(self)
         self.runner.env = env
         guarded = {self.step.loss}  # the loss, and the loss sent to the output device (not the last stage's)
+        holding = set()  # what holds the loss itself (a ModelOutput built around it): a send of it guards the copy
         # only the loss is attached to a graph (the guard below): the rest is detached; what no later
         # tail node nor the output reads goes (each micro-batch's logits once gathered: measured, the last
         # stage held them beside the gathered logits and the outputs' copies, 3x the logits at the end)
@@ -258,6 +259,10 @@ class _StepState:
             if n is self.step.loss or (n.target is runtime.send and n.args[0] in guarded):
                 env[n] = backward_done(env[n])
                 guarded.add(n)
+            elif n.target is runtime.send and n.args[0] in holding:
+                env[n] = _loss_copies_guarded(env[n.args[0]], env[n])
+            elif any(a in guarded or a in holding for a in n.all_input_nodes):
+                holding.add(n)
             for dead in self.step.tail_dead_after[i]:
                 env.pop(dead, None)
                 self.kept.pop(dead, None)
@@ -268,6 +273,15 @@ class _StepState:
             return no_gradient_path(env[n], n.meta.get("dpcompile_name", n.name))
 
         return fx.node.map_arg(self.step.output.args[0], returned)
+
+
+def _loss_copies_guarded(sent: Any, arrived: Any) -> Any:
+    """``arrived`` (``sent`` copied to the output device under ``no_grad``) with the copy of each
+    tensor that is the guarded loss guarded again: its one plain ``backward()`` adds nothing."""
+    flat, spec = tree_flatten(arrived)
+    flat = [backward_done(t) if isinstance(s, torch.Tensor) and s.requires_grad else t
+            for s, t in zip(tree_flatten(sent)[0], flat)]  # fmt: skip
+    return tree_unflatten(flat, spec)
 
 
 class _Runner:

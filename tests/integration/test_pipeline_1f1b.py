@@ -319,3 +319,23 @@ def test_1f1b_gpt2_with_labels_equals_eager(gpt2, stages, micro):
     torch.testing.assert_close(out.loss.detach(), expected.loss.detach())
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+@pytest.mark.slow  # shares the module's GPT-2 export
+@pytest.mark.xdist_group("pipeline_1f1b_gpt2")
+def test_1f1b_gpt2_output_sent_off_the_last_stage_backwards_its_loss_once(gpt2):
+    """On distinct device names the ModelOutput holding the loss is built on the last stage (cpu:1)
+    and sent to the output device (cpu:0): out.loss.backward(), the usual loop, adds nothing to eager's
+    gradients (it raised, naming the output); a backward from the logits still says why not."""
+    reference, model, exported, kwargs, expected = gpt2
+    model.zero_grad()
+    pm = dpcompile.transform(exported, ["cpu:0", "cpu:1"], pipeline=2, micro_batches=2, schedule="1f1b",
+                             example_kwargs=kwargs)  # fmt: skip
+    out = pm(**kwargs)
+    assert "CausalLMOutputWithCrossAttentions, 'cpu:0')" in pm.code  # the output leaves the last stage
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), expected.loss.detach())
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    with pytest.raises(DpCompileError, match="a backward reached the output"):
+        out.logits.sum().backward()

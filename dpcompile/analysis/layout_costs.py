@@ -245,9 +245,12 @@ def _stage_memory(
         # backward through unit k also holds the gradient of its output and makes the one of its input
         flowing = 0 if follower or not training else units[k].input_bytes + (units[k + 1].input_bytes if k + 1 < len(units) else 0)
         swept = round((sum(kept[:k]) + own + flowing) * share)
-        moments.append((sum(grads[k:]) + making[k], swept + held_rest + outputs))
-        if one_after_another and rest > 0:  # the next micro-batch's sweep: every gradient, one micro-batch fewer held
+        if one_after_another and rest > 0:  # the first micro-batch's gradients are new: nothing to add them to
+            moments.append((sum(grads[k:]), swept + held_rest + outputs))
+            # the next micro-batch's sweep: every gradient, one micro-batch fewer held
             moments.append((sum(grads) + making[k], swept + round(sum(kept) * max(0.0, rest - share)) + outputs))
+        else:
+            moments.append((sum(grads[k:]) + making[k], swept + held_rest + outputs))
     # after backward (and at the optimizer step): every gradient, no activation but the outputs, gathered
     # and their copies without a gradient path
     moments.append((sum(grads), 2 * outputs))

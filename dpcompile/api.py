@@ -37,7 +37,14 @@ from dpcompile.mesh import check_mesh, is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
 from dpcompile.modules.other_mode import OtherModePending
-from dpcompile.planned import check_layout_fits, headroom, plan_checkpointing, planned_transform, size_byte_budget
+from dpcompile.planned import (
+    check_layout_fits,
+    headroom,
+    plan_checkpointing,
+    planned_transform,
+    predicted_cut,
+    size_byte_budget,
+)
 from dpcompile.planning import plan_for_memory
 from dpcompile.progress import reporting_steps
 from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRecipe, TensorParallelRecipe
@@ -184,6 +191,7 @@ def transform(
                                                       _example_tuple(example_inputs), example_kwargs)  # fmt: skip
             if sequence_split:  # what the budget leaves each device beyond the prediction: the exchange's room
                 context_options = dataclasses.replace(context_options, memory_headroom=headroom(layout_plan))
+        pipeline = predicted_cut(pipeline, checkpoint_plan.chosen if checkpoint_plan else layout_plan.candidates[0])
         memory_per_device = None  # the layout is the user's: nothing left to choose
     activation_checkpointing = size_byte_budget(model, activation_checkpointing, layout, per_copy or micro_batches,
                                                 _example_tuple(example_inputs), example_kwargs, training)  # fmt: skip

@@ -29,7 +29,7 @@ from dpcompile.planner import UNBUILT, Candidate, Planned, plan_layouts
 from dpcompile.planning import device_budgets
 
 __all__ = ["LAYOUT_DEFAULTS", "CheckpointPlan", "check_layout_fits", "headroom", "plan_checkpointing",
-           "planned_transform", "size_byte_budget"]
+           "planned_transform", "predicted_cut", "size_byte_budget"]
 
 #: keywords that name a layout: plan="auto" chooses them
 LAYOUT_DEFAULTS = {"tensor_parallel": False, "pipeline": None, "mesh": None, "micro_batches": 1, "schedule": "gpipe",
@@ -127,6 +127,16 @@ def check_layout_fits(
             "another layout (plan='auto' with memory_per_device= chooses one), a lighter optimizer or a smaller batch"
         )
     return planned.estimate(candidate, optimizer, training), planned
+
+
+def predicted_cut(pipeline: Any, candidate: Candidate) -> Any:
+    """``pipeline=N`` the user named with ``memory_per_device=``, as the module paths where ``candidate``'s
+    prediction starts stages 1.. (``plan="auto"`` builds its choice so): the pass then cuts where the
+    budget was checked, not by its own count of FLOPs; any other ``pipeline=`` as given."""
+    starts = list(candidate.stage_starts)
+    if type(pipeline) is int and starts and len(starts) == pipeline - 1:
+        return starts
+    return pipeline
 
 
 def headroom(planned: Planned) -> int:

@@ -34,7 +34,7 @@ from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
 from dpcompile.analysis.save_choice import kept_width
 from dpcompile.analysis.step_time import step_seconds
 
-__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "predict", "stage_starts"]
+__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "names_cut", "predict", "stage_starts"]
 
 
 @dataclass(frozen=True)
@@ -70,24 +70,30 @@ class Prediction:
     per_device: list[dict[str, int]]  # one per device, in the layout's device order
     step_time: float
     unbuildable: str | None = None  # why this layout cannot be built for this model
-    stage_starts: tuple[str, ...] = ()  # a pipeline's (not of tp shards): where stages 1.. start, as predicted
+    stage_starts: tuple[str, ...] = ()  # a pipeline's: where stages 1.. start, as predicted (see names_cut)
 
     @property
     def peak(self) -> int:
         return max((sum(k.values()) for k in self.per_device), default=0)
 
 
-def cut_units(units: Sequence[Unit], stages: int) -> list[list[Unit]] | None:
+def cut_units(units: Sequence[Unit], stages: int, *, tensor_parallel: bool = False) -> list[list[Unit]] | None:
     """``units`` cut into ``stages`` contiguous runs minimising the largest run's FLOPs (parameter
     bytes break ties), each after the first starting at a unit whose module runs ops of its own (the
-    graph has a node of it to cut before); None where no such cut exists.
+    graph has a node of it to cut before); None where no such cut exists. Stages of
+    ``tensor_parallel`` shards exchange whole values: where the model has repeated blocks, each starts
+    at a block or right after one (inside a block a column layer's shards may go to its row layer).
 
     The one cut of a pipeline: the planner predicts these stages and builds them (``pipeline=`` the
-    module paths of :func:`stage_starts`), so what it predicts is what the pass cuts (a pipeline of
-    tensor-parallel shards excepted: its pass keeps a column and its row layer in one stage)."""
+    module paths of :func:`stage_starts`, for plan="auto" and for a pipeline the user names with
+    ``memory_per_device=``), so what it predicts is what the pass cuts (a pipeline of tensor-parallel
+    shards of a model without repeated blocks excepted: its pass keeps a column and its row layer in
+    one stage, :func:`names_cut`)."""
     n = len(units)
     if n < stages:
         return None
+    beside_block = [u.block or (i > 0 and units[i - 1].block) for i, u in enumerate(units)]
+    whole_only = tensor_parallel and any(beside_block)
     weight = [u.flops + 1e-9 * u.param_bytes for u in units]
     prefix = [0.0]
     for w in weight:
@@ -99,7 +105,7 @@ def cut_units(units: Sequence[Unit], stages: int) -> list[list[Unit]] | None:
     for s in range(1, stages + 1):
         for j in range(s, n + 1):
             for i in range(s - 1, j):
-                if s > 1 and not units[i].calls_ops:
+                if s > 1 and (not units[i].calls_ops or (whole_only and not beside_block[i])):
                     continue
                 value = max(best[s - 1][i], prefix[j] - prefix[i])
                 if value < best[s][j]:
@@ -111,6 +117,13 @@ def cut_units(units: Sequence[Unit], stages: int) -> list[list[Unit]] | None:
         bounds.append((cut[s][j], j))
         j = cut[s][j]
     return [list(units[a:b]) for a, b in reversed(bounds)]
+
+
+def names_cut(units: Sequence[Unit], tensor_parallel: bool) -> bool:
+    """Whether a pipeline's build is given :func:`cut_units`' cut (``pipeline=`` its module paths): every
+    pipeline but one of tensor-parallel shards of a model without repeated blocks (its pass cuts where no
+    column layer's shards cross)."""
+    return not tensor_parallel or any(u.block for u in units)
 
 
 def stage_starts(stages: Sequence[Sequence[Unit]]) -> tuple[str, ...]:
@@ -168,10 +181,18 @@ def _saved(u: Unit, t: int, follower: bool) -> int:
     return sharded // t if follower else u.saved_bytes - sharded + -(-sharded // t)
 
 
+def _summed_out_of_place(u: Unit, t: int) -> int:
+    """The bytes of the third tensor one out-of-place sum of two gradients makes in ``u``'s backward (see
+    ``buffered`` in :func:`_stage_memory`): its largest module's gradient; over ``t`` tensor-parallel
+    devices, its largest Linear's shard where it has a Linear."""
+    linear = [w.grad_bytes // t if _splits(w, t) else w.grad_bytes for w in u.shardable if w.kind == "linear"]
+    return max(linear) if linear and t > 1 else u.module_grad_bytes
+
+
 def _stage_memory(
     units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool,
     accumulates: bool, follower: bool = False, kept_saves: Sequence[int] = (), buffered: bool = False,
-    outputs: int = 0,
+    outputs: int = 0, one_after_another: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """Bytes by kind at the predicted peak of a stage's device (see :func:`predict`).
 
@@ -182,15 +203,23 @@ def _stage_memory(
     units ``k`` and after are held at once; after the sweep, every gradient. A stage of one
     micro-batch sweeps too (measured: a convolution stack's stages 30% under without). Without
     ``sweep`` (a stage of several micro-batches, whose program keeps each micro-batch's saved
-    tensors until its backward is over: measured) every activation and every gradient at once. Where gradients ``accumulate`` (a
+    tensors until its backward is over: measured) every activation and every gradient at once.
+    ``one_after_another``: GPipe's one backward over every micro-batch of a stage without BatchNorm runs
+    them one after another, the last forward's first (autograd runs the newest nodes first): a sweep of
+    one micro-batch's units, the others' activations held, then, every gradient made, the next one's
+    sweep with the rest still held (measured: Mixer's stages 7-10% over counting every activation and
+    gradient at once; the first micro-batch's activations are freed before the second sweep's peak).
+    Where gradients ``accumulate`` (a
     second micro-batch, the replicas of data parallelism), a module's new gradient is made before it
     is added to the one held: the largest module's gradient more (its parameters' own, a Linear's
     weight and bias; measured: one at a time, not a whole block's). ``buffered``: the micro-batches' gradients
     meet in one backward (GPipe), where autograd sums a parameter's gradients before it makes ``.grad``:
-    the first sum of a Linear weight's gradients (each the transpose of a matmul, a view, which autograd
-    does not sum into in place) makes a third tensor, the largest Linear's gradient more (measured: a
-    GPipe stage of checkpointed blocks 6-8% under without; a convolution's gradients are summed in
-    place). ``outputs``: what a 1F1B step's last stage keeps of what forward returns for the caller
+    a sum out of place makes a third tensor, the largest module's gradient more. A Linear weight's first
+    sum always is (its gradients are transposes of a matmul, views; measured: a GPipe stage of
+    checkpointed blocks 6-8% under without); any other's is under a ``TorchDispatchMode``, which turns
+    autograd's in-place sums off: ``measure`` on virtual devices counts allocations in one (measured:
+    ConvNeXt's second stage 5% under counting its 1x1 convolutions' sums in place). Where the sums of
+    other modules are made in place (distinct CUDA devices), an upper bound by one such gradient. ``outputs``: what a 1F1B step's last stage keeps of what forward returns for the caller
     (a causal LM's logits, every micro-batch's: measured, OPT's last stage 8% under without), gathered
     at the end and copied without a gradient path (twice, at the end). ``follower``: a tensor-parallel device other
     than the first (:func:`_unit_state`, :func:`_saved`); a checkpointed block's input is kept on the first,
@@ -203,23 +232,28 @@ def _stage_memory(
             for i, u in enumerate(units)]  # fmt: skip
     held_rest = round(sum(kept) * rest)
     grads = [x[1] for x in state]
-    # autograd adds each new gradient into the one held as soon as one module's backward makes it
-    transient = max(map(min, zip(grads, (u.module_grad_bytes for u in units))), default=0) if accumulates and training else 0
-    if buffered and training:  # the first sum of a Linear weight's two gradients (views) makes a third tensor
-        transient += max((w.grad_bytes // t if _splits(w, t) else w.grad_bytes
-                          for u in units for w in u.shardable if w.kind == "linear"), default=0)  # fmt: skip
-    moments = []  # during backward (a gradient being made: the transient below)
+    # as unit k's backward runs: autograd adds each new gradient into the one held as soon as one module's
+    # backward makes it; a sum of two of a parameter's gradients out of place makes a third tensor
+    making = [(min(g, u.module_grad_bytes) if accumulates and training else 0)
+              + (_summed_out_of_place(u, t) if buffered and training else 0) for g, u in zip(grads, units)]  # fmt: skip
+    moments = []  # during backward
     if not sweep:
         recompute = max((saved[i] - kept[i] for i in range(len(units))), default=0)
-        moments.append((sum(grads), round((sum(kept) + recompute) * share) + held_rest + outputs))
+        moments.append((sum(grads) + max(making, default=0), round((sum(kept) + recompute) * share) + held_rest + outputs))
     for k in range(len(units) if sweep else 0):
         own = saved[k] if training else kept[k]
         # backward through unit k also holds the gradient of its output and makes the one of its input
         flowing = 0 if follower or not training else units[k].input_bytes + (units[k + 1].input_bytes if k + 1 < len(units) else 0)
-        moments.append((sum(grads[k:]), round((sum(kept[:k]) + own + flowing) * share) + held_rest + outputs))
+        swept = round((sum(kept[:k]) + own + flowing) * share)
+        if one_after_another and rest > 0:  # the first micro-batch's gradients are new: nothing to add them to
+            moments.append((sum(grads[k:]), swept + held_rest + outputs))
+            # the next micro-batch's sweep: every gradient, one micro-batch fewer held
+            moments.append((sum(grads) + making[k], swept + round(sum(kept) * max(0.0, rest - share)) + outputs))
+        else:
+            moments.append((sum(grads[k:]) + making[k], swept + held_rest + outputs))
     # after backward (and at the optimizer step): every gradient, no activation but the outputs, gathered
     # and their copies without a gradient path
-    moments = [(g + transient, a) for g, a in moments] + [(sum(grads), 2 * outputs)]
+    moments.append((sum(grads), 2 * outputs))
     gradients, activations = max(moments, key=sum)
     return {"parameters": params, "gradients": gradients, "optimizer": optimizer, "activations": activations}
 
@@ -272,7 +306,7 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
     """Bytes per device by kind and the step's seconds for ``spec`` (see the module's docstring)."""
     d, t, s_count = spec.size("dp"), spec.size("tp"), spec.size("pp")
     m = spec.micro_batches
-    stages = cut_units(profile.units, s_count) if s_count > 1 else [profile.units]
+    stages = cut_units(profile.units, s_count, tensor_parallel=t > 1) if s_count > 1 else [profile.units]
     if stages is None:
         return Prediction([], 0.0, f"{len(profile.units)} pieces (repeated blocks and what surrounds them) "
                                    f"cannot be cut into {s_count} stages")  # fmt: skip
@@ -295,8 +329,10 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         # in step, as one sweep of the whole batch (measured: else a stage of them 10-15% under)
         lockstep = spec.schedule != "1f1b" and m > 1 and any(u.batch_norm for u in units)
         sweeping, held = (share * m, 1) if lockstep else (share, in_flight)
+        gpipe = spec.schedule != "1f1b" and m > 1 and s_count > 1
         kinds = [_stage_memory(units, t, checkpointing=spec.checkpointing and training, share=sweeping,
-                               rest=sweeping * (held - 1), training=training, sweep=s_count == 1 or m == 1 or lockstep,
+                               rest=sweeping * (held - 1), training=training, sweep=s_count == 1 or m == 1 or lockstep or gpipe,
+                               one_after_another=gpipe and not lockstep,
                                accumulates=m > 1 or d > 1, follower=rank > 0, kept_saves=kept_saves[at:at + len(units)],
                                buffered=training and m > 1 and spec.schedule != "1f1b",
                                outputs=profile.output_bytes if last_1f1b and rank == 0 else 0)
@@ -305,6 +341,5 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         per_device += [dict(kinds[min(r % t, 1)]) for r in range(d * t)]  # tp innermost: rank r is tp rank r % t
     seconds = step_seconds(profile, dict(spec.layout), stages, m, recomputed, calibration, spec.schedule)
     assert all(set(k) == set(KINDS) for k in per_device)
-    # a pipeline of tensor-parallel shards is cut by its own rule (not between a column and a row layer)
-    starts = stage_starts(stages) if s_count > 1 and t == 1 else ()
+    starts = stage_starts(stages) if s_count > 1 and names_cut(profile.units, t > 1) else ()
     return Prediction(per_device, seconds, stage_starts=starts)

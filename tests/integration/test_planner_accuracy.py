@@ -300,3 +300,92 @@ def test_gpipe_micro_batches_meeting_at_batch_norm_sweep_backward_together():
     for d in LABELS:
         total = sum(predicted[d].values())
         assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
+
+
+def wide_convs(c: int = 32) -> nn.Sequential:
+    """1x1 convolutions, wide, on one pixel: a stage's peak is its gradients, as ConvNeXt's last stage's."""
+    return nn.Sequential(nn.Conv2d(3, c, 1), nn.GELU(), nn.Conv2d(c, 4 * c, 1), nn.GELU(), nn.Conv2d(4 * c, c, 1), nn.GELU(),
+                         nn.Conv2d(c, 4 * c, 1), nn.GELU(), nn.Conv2d(4 * c, c, 1), nn.Flatten(), nn.Linear(c, 10))  # fmt: skip
+
+
+def test_a_gpipe_stage_sums_a_convolutions_gradients_out_of_place_under_measure():
+    """``measure`` counts allocations under a ``TorchDispatchMode``, where autograd sums every
+    parameter's gradients out of place (in place it sums a convolution's): as a unit's backward runs,
+    its largest gradient, the new one and their sum are held at once. Predicted with a convolution's
+    sums in place, both stages were 11-13% under (ConvNeXt-atto's second stage 5%, over its budget)."""
+    predicted, measured = _predicted_and_measured(wide_convs, (torch.randn(4, 3, 1, 1),), LayoutSpec((("pp", 2),), "gpipe", 2))
+    for d in LABELS:
+        total = sum(predicted[d].values())
+        assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
+
+
+class MixerBlock(nn.Module):
+    """An MLP across the tokens, then one across the channels (timm's MLP-Mixer block)."""
+
+    def __init__(self, tokens: int, d: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mix_tokens = nn.Sequential(nn.Linear(tokens, d // 2), nn.GELU(), nn.Linear(d // 2, tokens))
+        self.mix_channels = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix_tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.mix_channels(self.norm2(x))
+
+
+class Mixer(nn.Module):
+    """8x8 patches of a 32x32 image (16 tokens), two Mixer blocks and a classifier."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, d, 8, stride=8)
+        self.blocks = nn.Sequential(MixerBlock(16, d), MixerBlock(16, d))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.stem(x).flatten(2).transpose(1, 2))).mean(1))
+
+
+def test_gpipe_runs_one_micro_batchs_backward_after_another():
+    """GPipe's one backward over every micro-batch of a stage runs them one after another, the last
+    forward's first: one micro-batch's activations are freed before the next one's gradients are added
+    to those held. Predicted as every activation and every gradient at once, both stages were 12-16%
+    over (timm's Mixer in the benchmark 7-10%)."""
+    predicted, measured = _predicted_and_measured(Mixer, (torch.randn(8, 3, 32, 32),), LayoutSpec((("pp", 2),), "gpipe", 2))
+    for d in LABELS:
+        total = sum(predicted[d].values())
+        assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
+
+
+def test_a_named_pipeline_with_a_budget_is_built_where_its_prediction_cuts_it():
+    """``pipeline=2`` with ``memory_per_device=``: the budget is checked on the prediction's cut, and
+    the pass now cuts there too (it cut by its own count of FLOPs, inside the third stage, whose first
+    convolution the prediction gave to the first stage)."""
+    x = torch.randn(8, 3, 8, 8)
+    pm = dpcompile.transform(conv_stages(), ["cpu"] * 2, pipeline=2, memory_per_device="1GiB", example_inputs=(x,),
+                             optimizer="sgd")  # fmt: skip
+    (candidate,) = pm.candidates
+    first = {n.name: n for n in pm.captured.graph.nodes}[pm.stage_plan.starts[1]]
+    assert candidate.stage_starts == (module_path_of(first),) == ("2.convs.1",)
+
+
+class ThreeBlocks(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(EncoderBlock(d, 2) for _ in range(3)))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x).mean(1))
+
+
+def test_a_pipeline_of_tensor_parallel_shards_is_cut_at_the_predicted_block():
+    """Stages of tensor-parallel shards start at a block (between blocks every value is whole): the
+    prediction cuts three blocks and a head before the third block, and the pass cuts there (it cut by
+    FLOPs inside the second block, after its attention, and the prediction named no cut)."""
+    pm = dpcompile.transform(ThreeBlocks(), ["cpu"] * 4, pipeline=2, tensor_parallel=True, memory_per_device="1GiB",
+                             example_inputs=(torch.randn(4, 8, 32),), optimizer="sgd")  # fmt: skip
+    (candidate,) = pm.candidates
+    assert candidate.stage_starts == ("blocks.2",)
+    first, second = (stage.module_paths for stage in pm.stages)
+    assert second[0].startswith("blocks.2.") and not any(p.startswith("blocks.2") for p in first)

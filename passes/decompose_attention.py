@@ -28,10 +28,12 @@ After (``batch_first=True``, 4 heads of 16)::
         attn_q = attn_q_part.view(attn_batch, attn_seq, 4, 16).transpose(1, 2)
         ...
         attn_sdpa = torch._C._nn.scaled_dot_product_attention(attn_q, attn_k, attn_v, dropout_p = 0.0)
-        attn_merged = attn_sdpa.transpose(1, 2).reshape(attn_batch, attn_seq, 64)
+        attn_sdpa_t = attn_sdpa.permute(2, 0, 1, 3)
+        attn_merged = attn_sdpa_t.reshape(attn_seq, attn_batch, 64)      # (T, B, E), as the module merges
         attn_out_proj_weight = self.attn.out_proj.weight
         attn_out_proj_bias = self.attn.out_proj.bias
-        attn = torch._C._nn.linear(attn_merged, attn_out_proj_weight, attn_out_proj_bias)
+        attn_out_t = torch._C._nn.linear(attn_merged, attn_out_proj_weight, attn_out_proj_bias)
+        attn = attn_out_t.transpose(0, 1)                                  # eager's (B, T, E) layout
         return attn
 
 Only plain self-attention is rewritten (the same tensor as query, key and value, no masks,
@@ -131,15 +133,16 @@ def _write_out(graph: fx.Graph, node: fx.Node, mha: nn.MultiheadAttention) -> fx
             parts.append(make("call_method", "permute", (view, 1, 2, 0, 3), suffix=part))
     dropout = mha.dropout if mha.training else 0.0
     y = make("call_function", F.scaled_dot_product_attention, tuple(parts), {"dropout_p": dropout}, suffix="sdpa")
-    if mha.batch_first:
-        t = make("call_method", "transpose", (y, 1, 2), suffix="sdpa_t")
-        merged = make("call_method", "reshape", (t, batch, seq, embed), suffix="merged")
-    else:
-        t = make("call_method", "permute", (y, 2, 0, 1, 3), suffix="sdpa_t")
-        merged = make("call_method", "reshape", (t, seq, batch, embed), suffix="merged")
+    # merged (T, B, E) as the module merges it, so a batch_first output is (B, T, E) in (T, B, E)'s
+    # memory order as eager's is (a dropout on it draws its mask in that order)
+    t = make("call_method", "permute", (y, 2, 0, 1, 3), suffix="sdpa_t")
+    merged = make("call_method", "reshape", (t, seq, batch, embed), suffix="merged")
     ow = make("get_attr", f"{path}.out_proj.weight", (), suffix="out_proj_weight")
     ob = make("get_attr", f"{path}.out_proj.bias", (), suffix="out_proj_bias") if mha.out_proj.bias is not None else None
-    return make("call_function", F.linear, (merged, ow, ob), suffix="out")
+    if not mha.batch_first:
+        return make("call_function", F.linear, (merged, ow, ob), suffix="out")
+    out = make("call_function", F.linear, (merged, ow, ob), suffix="out_t")
+    return make("call_method", "transpose", (out, 0, 1), suffix="out")
 
 
 __all__ = ["PASS", "decompose_attention", "why_not_decomposable"]

@@ -88,9 +88,10 @@ def frontend_pipeline(options: PipelineOptions) -> list[Pass]:
         if options.context_parallel
         else []
     )  # fmt: skip
+    attention = functools.partial(decompose_attention, dropping_only=True)  # its dropout a site drawn exactly
     if options.write_back_inputs:
-        return [hoist_flatten_parameters, functools.partial(functionalize_mutations, inputs=True), *exchange]
-    return [hoist_flatten_parameters, functionalize_mutations, *exchange]
+        return [hoist_flatten_parameters, functools.partial(functionalize_mutations, inputs=True), attention, *exchange]
+    return [hoist_flatten_parameters, functionalize_mutations, attention, *exchange]
 
 
 def data_parallel_pipeline(options: PipelineOptions) -> list[Pass]:

@@ -28,10 +28,12 @@ After (``batch_first=True``, 4 heads of 16)::
         attn_q = attn_q_part.view(attn_batch, attn_seq, 4, 16).transpose(1, 2)
         ...
         attn_sdpa = torch._C._nn.scaled_dot_product_attention(attn_q, attn_k, attn_v, dropout_p = 0.0)
-        attn_merged = attn_sdpa.transpose(1, 2).reshape(attn_batch, attn_seq, 64)
+        attn_sdpa_t = attn_sdpa.permute(2, 0, 1, 3)
+        attn_merged = attn_sdpa_t.reshape(attn_seq, attn_batch, 64)    # (T, B, E), as the module merges
         attn_out_proj_weight = self.attn.out_proj.weight
         attn_out_proj_bias = self.attn.out_proj.bias
-        attn = torch._C._nn.linear(attn_merged, attn_out_proj_weight, attn_out_proj_bias)
+        attn_out_t = torch._C._nn.linear(attn_merged, attn_out_proj_weight, attn_out_proj_bias)
+        attn = attn_out_t.transpose(0, 1)                                # (B, T, E) laid out as eager's
         return attn
 
 Only plain self-attention is rewritten (the same tensor as query, key and value, no masks,
@@ -47,6 +49,7 @@ from typing import Any
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from dpcompile.infra import PassResult, stamp
 
@@ -74,9 +77,13 @@ def why_not_decomposable(node: fx.Node, mha: nn.MultiheadAttention) -> str | Non
     return None
 
 
-def decompose_attention(gm: fx.GraphModule) -> PassResult:
+def decompose_attention(gm: fx.GraphModule, *, dropping_only: bool = False) -> PassResult:
     """Write each plain self-attention call of an ``nn.MultiheadAttention`` out as functional parts.
 
+    ``dropping_only``: only the calls whose attention dropout draws (``dropout > 0`` in training),
+    so that its ``scaled_dot_product_attention`` is a random site every layout draws exactly: the
+    module's own call draws inside, where a micro-batch or a checkpointed region cannot draw its
+    slice of the single-device mask in the single-device order.
     ``info["decomposed"]`` lists the module paths rewritten, ``info["kept"]`` maps the others
     to the reason they stay one call.
     """
@@ -87,12 +94,16 @@ def decompose_attention(gm: fx.GraphModule) -> PassResult:
         if node.op != "call_module" or not isinstance(modules.get(node.target), nn.MultiheadAttention):
             continue
         mha = modules[node.target]
+        if dropping_only and not (mha.dropout and mha.training):
+            continue
         why = why_not_decomposable(node, mha)
         if why is not None:
             kept[node.target] = why
             continue
+        written: list[fx.Node] = []
         with gm.graph.inserting_before(node):
-            out = _write_out(gm.graph, node, mha)
+            out = _write_out(gm.graph, node, mha, written)
+        _record_fake_values(gm, node, written)
         for user in list(node.users):
             if user.args[1] == 0:
                 user.replace_all_uses_with(out)
@@ -102,7 +113,31 @@ def decompose_attention(gm: fx.GraphModule) -> PassResult:
     return PassResult(gm, bool(decomposed), {"decomposed": decomposed, "kept": kept})
 
 
-def _write_out(graph: fx.Graph, node: fx.Node, mha: nn.MultiheadAttention) -> fx.Node:
+def _record_fake_values(gm: fx.GraphModule, node: fx.Node, written: list[fx.Node]) -> None:
+    """Where shapes were propagated (the call's input has a fake value), the written-out nodes get
+    theirs too: the batch rules read them (a call written out after ``propagate_shapes``)."""
+    x = node.args[0] if node.args else node.kwargs.get("query")
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, FakeTensor):
+        return
+    mode = val.fake_mode
+    try:
+        with mode:
+            for n in written:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+                if n.op == "get_attr":
+                    value = gm.get_parameter(str(n.target))
+                    n.meta["val"] = value if isinstance(value, FakeTensor) else mode.from_tensor(value)
+                elif n.op == "call_method":
+                    n.meta["val"] = getattr(args[0], str(n.target))(*args[1:], **kwargs)
+                else:
+                    n.meta["val"] = n.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - shapes are a refinement: without them the batch rules are cautious
+        for n in written:
+            n.meta.pop("val", None)
+
+
+def _write_out(graph: fx.Graph, node: fx.Node, mha: nn.MultiheadAttention, written: list[fx.Node]) -> fx.Node:
     path, name = node.target, node.name
     heads, embed = mha.num_heads, mha.embed_dim
     head_dim = embed // heads
@@ -110,6 +145,7 @@ def _write_out(graph: fx.Graph, node: fx.Node, mha: nn.MultiheadAttention) -> fx
 
     def make(op: str, target: Any, args: tuple, kwargs: dict | None = None, suffix: str = "") -> fx.Node:
         new = graph.create_node(op, target, args, kwargs or {}, name=f"{name}_{suffix}" if suffix else name)
+        written.append(new)
         return stamp(new, PASS, node)
 
     shape = make("call_function", getattr, (x, "shape"), suffix="shape")
@@ -131,15 +167,16 @@ def _write_out(graph: fx.Graph, node: fx.Node, mha: nn.MultiheadAttention) -> fx
             parts.append(make("call_method", "permute", (view, 1, 2, 0, 3), suffix=part))
     dropout = mha.dropout if mha.training else 0.0
     y = make("call_function", F.scaled_dot_product_attention, tuple(parts), {"dropout_p": dropout}, suffix="sdpa")
-    if mha.batch_first:
-        t = make("call_method", "transpose", (y, 1, 2), suffix="sdpa_t")
-        merged = make("call_method", "reshape", (t, batch, seq, embed), suffix="merged")
-    else:
-        t = make("call_method", "permute", (y, 2, 0, 1, 3), suffix="sdpa_t")
-        merged = make("call_method", "reshape", (t, seq, batch, embed), suffix="merged")
+    # merged (T, B, E) as the module merges it: a batch_first output is (B, T, E) laid out as
+    # (T, B, E), as eager's is, and a dropout on it draws its mask in that memory order (ViT's)
+    t = make("call_method", "permute", (y, 2, 0, 1, 3), suffix="sdpa_t")
+    merged = make("call_method", "reshape", (t, seq, batch, embed), suffix="merged")
     ow = make("get_attr", f"{path}.out_proj.weight", (), suffix="out_proj_weight")
     ob = make("get_attr", f"{path}.out_proj.bias", (), suffix="out_proj_bias") if mha.out_proj.bias is not None else None
-    return make("call_function", F.linear, (merged, ow, ob), suffix="out")
+    if not mha.batch_first:
+        return make("call_function", F.linear, (merged, ow, ob), suffix="out")
+    out = make("call_function", F.linear, (merged, ow, ob), suffix="out_t")
+    return make("call_method", "transpose", (out, 0, 1), suffix="out")
 
 
 __all__ = ["PASS", "decompose_attention", "why_not_decomposable"]

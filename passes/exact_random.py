@@ -31,6 +31,7 @@ from typing import Any
 
 import torch.fx as fx
 import torch.nn.functional as F
+from torch import nn
 
 from dpcompile import runtime
 from dpcompile.analysis.random_ops import (
@@ -42,6 +43,7 @@ from dpcompile.analysis.random_ops import (
     called_module_path,
     random_kind,
 )
+from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, stamp
 
 PASS = "draw_random_whole"
@@ -116,6 +118,7 @@ def draw_random_whole(
     ``planned``: ``gm`` is a pipeline stage over a mesh, run once per micro-batch; it draws through
     the record its module opens for the call (``current_random_draws()``, every stage's sites in order).
     ``scopes``: paths of modules called whole (FSDP blocks), whose random ops draw through the record too."""
+    _refuse_attention_drawing_inside_pieces(gm)
     over_ranks = rank_batch is not None or planned
     sites = [_poisson_joinable(_sized_over_ranks(s, over_ranks), gm.graph, over_ranks=over_ranks)
              for s in find_random_sites(gm, scopes)]  # fmt: skip
@@ -145,6 +148,21 @@ def draw_random_whole(
             graph.erase_node(node)
             new.name = name
     return PassResult(gm, True, info)
+
+
+def _refuse_attention_drawing_inside_pieces(gm: fx.GraphModule) -> None:
+    """An ``nn.MultiheadAttention`` whose dropout draws inside its call (``decompose_attention`` could
+    not write it out) run per micro-batch draws each piece's mask from the generator in turn: not the
+    single-device values, and nothing would say so."""
+    for node in gm.graph.nodes:
+        mha = called_module(gm, node) if node.op == "call_module" and ROWS in node.meta else None
+        if isinstance(mha, nn.MultiheadAttention) and mha.dropout and mha.training:
+            raise DpCompileError(
+                f"'{node.target}' (nn.MultiheadAttention, dropout={mha.dropout}) draws its attention dropout inside "
+                "its call, so pieces of the batch run apart cannot draw the single-device mask (only plain "
+                "self-attention is written out so they can). Pass exact_random=False (each piece draws its own), "
+                "set its dropout to 0, or use data parallelism without a pipeline"
+            )
 
 
 def _exact_call(gm: fx.GraphModule, site: RandomSite, node: fx.Node, draws: fx.Node,

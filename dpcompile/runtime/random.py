@@ -96,7 +96,26 @@ def random_draws_over_ranks(local: torch.Tensor | None, dim: int, ranks: int) ->
 
 
 def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tuple[int, ...]], torch.Tensor]:
-    return lambda shape: torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+    """An empty whole tensor laid out as ``like`` is, as ``empty_like`` lays out eager's noise: a
+    random fill runs in memory order, so a transposed input (``nn.MultiheadAttention``'s
+    ``batch_first`` output, a permuted or channels-last activation) draws its values in another order."""
+    order = _dim_order(like)
+
+    def empty(shape: tuple[int, ...]) -> torch.Tensor:
+        if order is None:
+            return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+        laid_out = torch.empty([shape[d] for d in order], dtype=dtype or like.dtype, device=like.device)
+        return laid_out.permute([order.index(d) for d in range(len(shape))])
+
+    return empty
+
+
+def _dim_order(like: torch.Tensor) -> list[int] | None:
+    """``like``'s dims outermost first in memory (None: contiguous). Where a size-1 dim (a piece of
+    one row) ties on stride with another dim, it is the inner one, as ``permute`` leaves it."""
+    strides, sizes = like.stride(), like.shape
+    order = sorted(range(like.dim()), key=lambda d: (-strides[d], sizes[d] == 1, d))
+    return None if order == list(range(like.dim())) else order
 
 
 def _dropout_noise(like: torch.Tensor, p: float) -> Callable[[tuple[int, ...]], torch.Tensor]:

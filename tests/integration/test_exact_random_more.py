@@ -276,3 +276,66 @@ def test_stochastic_depth_in_a_pipeline_drops_what_eager_drops(layout):
     expected.backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class TransposedDropoutNet(nn.Module):
+    """Dropout on values laid out in another memory order than their shape's: ``batch_first``
+    attention's output ((T, B, E) memory, as torchvision's ViT drops it), a permuted conv activation
+    and a channels-last one. Eager's mask is drawn in that memory order. The attention drops too,
+    inside the module's call (written out, so micro-batches and recompute draw its slices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 1)
+        self.attn = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.conv(x)
+        tokens = h.permute(0, 2, 3, 1).flatten(1, 2)  # (B, 16, 8): a copy, contiguous
+        a = self.drop(self.attn(tokens, tokens, tokens, need_weights=False)[0])
+        return a.sum(1) + self.drop(h.permute(0, 2, 3, 1)).sum((1, 2)) + self.drop(h.contiguous(memory_format=torch.channels_last)).sum((2, 3))
+
+
+ONE_ROW_PIECES = {"dp3": {"mesh": {"dp": 3}}, "recompute": {"mesh": {"dp": 2}, "activation_checkpointing": ["attn"]}}
+
+
+@pytest.mark.parametrize("layout, rows", [("dp", 4), ("dp3", 3), ("tp", 4), ("gpipe", 4), ("recompute", 4)])
+def test_exact_dropout_draws_in_the_memory_order_of_its_input(layout, rows):
+    """The output and every gradient equal eager's, one-row pieces (3 rows on 3 devices) too."""
+    torch.manual_seed(0)
+    model = TransposedDropoutNet().double().train()
+    reference = copy.deepcopy(model)
+    x = _inputs(rows)[0]
+    options = ONE_ROW_PIECES.get(layout) or LAYOUTS[layout]
+    pm = dpcompile.transform(model, _devices(options), example_inputs=(x,), **options)
+    torch.manual_seed(5)
+    out = pm(x)
+    torch.manual_seed(5)
+    want = reference(x)
+    torch.testing.assert_close(out, want)
+    out.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {k: p.grad for k, p in pm.named_parameters()}
+    for key, p in reference.named_parameters():
+        torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key: f"grad {key}: {m}")
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
+
+    def forward(self, x, mask):
+        return self.attn(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+
+
+def test_attention_dropping_inside_its_call_is_refused_in_a_pipeline():
+    """An nn.MultiheadAttention that cannot be written out (a mask) draws inside its call: micro-batches
+    would draw other values than eager, so the pipeline is refused by name; exact_random=False builds."""
+    x, mask = torch.randn(4, 5, 8), torch.zeros(4, 5, dtype=torch.bool)
+    with pytest.raises(dpcompile.DpCompileError, match=r"'attn' \(nn.MultiheadAttention, dropout=0.3\).*exact_random=False"):
+        dpcompile.transform(MaskedAttention(), ["cpu"] * 2, pipeline=2, micro_batches=2, example_inputs=(x, mask))
+    pm = dpcompile.transform(MaskedAttention(), ["cpu"] * 2, pipeline=2, micro_batches=2, example_inputs=(x, mask),
+                             exact_random=False)  # fmt: skip
+    assert pm(x, mask).shape == (4, 5, 8)

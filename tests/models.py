@@ -229,3 +229,15 @@ class CellLoop(nn.Module):
         for t in range(3):
             h = self.cell(x[:, t], h)
         return self.fc(h)
+
+
+class Masked(nn.Module):
+    """A bool buffer (a mask) beside a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+
+    def forward(self, x):
+        return self.fc(x) * self.mask

@@ -21,6 +21,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile import CheckpointError
+from tests.models import Masked
 
 
 class Scaled(nn.Module):
@@ -139,18 +140,6 @@ def test_a_broken_file_is_a_checkpoint_error_naming_file_and_key(fault, tmp_path
     if fault in ("wrong_dtype", "wrong_shape", "unknown_dtype", "overlap"):
         assert error.value.key is not None and error.value.key in str(error.value)
     _unchanged(pm, before)
-
-
-class Masked(nn.Module):
-    """A bool buffer (a mask) beside a linear."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.register_buffer("mask", torch.tensor([True, False, True, True]))
-
-    def forward(self, x):
-        return self.fc(x) * self.mask
 
 
 def test_a_bool_tensor_whose_bytes_are_not_0_or_1_is_refused_before_any_write(tmp_path):

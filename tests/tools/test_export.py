@@ -25,6 +25,7 @@ from torch import nn
 import dpcompile
 from dpcompile.export import ExportError, register_module_class, register_output_type
 from dpcompile.modules.base import ParallelModule
+from tests.models import Masked
 
 REPO = Path(dpcompile.__file__).resolve().parents[1]
 
@@ -510,20 +511,10 @@ def test_load_refuses_a_malformed_manifest_with_a_dpcompile_error(tmp_path):
             dpcompile.load(folder)
 
 
-class _Masked(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.register_buffer("mask", torch.tensor([True, False, True, True]))
-
-    def forward(self, x):
-        return self.fc(x) * self.mask
-
-
 def test_a_file_of_the_export_that_is_a_link_or_a_folder_is_named_as_such(tmp_path):
     """Each file of an export replaced by a link out of the folder, or by a folder: refused naming the file and
     what it is (it said "is missing module.py" of a module.py that was a link)."""
-    folder = dpcompile.export(dpcompile.transform(_Masked(), ["cpu"] * 2), tmp_path / "out")
+    folder = dpcompile.export(dpcompile.transform(Masked(), ["cpu"] * 2), tmp_path / "out")
     for name in ["manifest.json", "module.py", "program.json", "weights.safetensors"]:
         kept = (folder / name).read_bytes()
         (tmp_path / name).write_bytes(kept)
@@ -544,7 +535,7 @@ def test_a_bool_weight_whose_bytes_are_not_0_or_1_is_refused(tmp_path):
     disagree on (it prints True, yet ``.all()`` is False): refused; before, it loaded."""
     from tests.tools.export_attacks import rehash
 
-    folder = dpcompile.export(dpcompile.transform(_Masked(), ["cpu"] * 2), tmp_path / "out")
+    folder = dpcompile.export(dpcompile.transform(Masked(), ["cpu"] * 2), tmp_path / "out")
     raw = bytearray((folder / "weights.safetensors").read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
     raw[8 + n + json.loads(raw[8 : 8 + n])["mask"]["data_offsets"][0] + 1] = 2  # the False

@@ -274,7 +274,12 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     (a decision that reads an input size) or export still fails."""
     from torch.export import export
 
-    from dpcompile.capture.decided import decided_on_examples, reads_only_data_sizes
+    from dpcompile.capture.decided import (
+        check_decided_on_examples,
+        decided_on_examples,
+        name_branches,
+        reads_only_data_sizes,
+    )
 
     try:
         with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model), decided_on_examples() as decisions:
@@ -286,6 +291,8 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     if not all(reads_only_data_sizes(d) for d in decisions):
         log.debug("a data-dependent branch also reads an input size (%s): not kept", decisions)
         return None
+    name_branches(ep.graph_module, decisions, type(model).__name__)
+    check_decided_on_examples(ep, names, type(model).__name__)
     log.info("%s: %d data-dependent branch(es) taken as the example takes them, checked at every call", type(model).__name__, len(decisions))
     return ep
 

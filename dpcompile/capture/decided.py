@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import re
+import traceback
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 from unittest import mock
 
@@ -29,18 +32,31 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_symbols, free_unbacked_symbols
 
 _PREFIX = "propagate_real_tensors"
+_READS_DATA = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+
+
+class Decisions(list):
+    """The decided expressions, and ``lines``: for each data-dependent symbol (``u0``), the
+    user's line of forward that decided on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: dict[str, str] = {}
 
 
 @contextlib.contextmanager
-def decided_on_examples() -> Iterator[list[Any]]:
+def decided_on_examples() -> Iterator[Decisions]:
     """While export runs in it: each data-dependent branch is decided by the example's values;
     yields the list the decided expressions are appended to."""
-    decisions: list[Any] = []
+    decisions = Decisions()
     defer = ShapeEnv.guard_or_defer_runtime_assert
 
     def record(self: ShapeEnv, orig_expr: Any, msg: str, *args: Any, **kwargs: Any) -> Any:
         if isinstance(msg, str) and msg.startswith(_PREFIX):
             decisions.append(orig_expr)
+            line = _user_line()
+            for symbol in free_unbacked_symbols(orig_expr):
+                decisions.lines.setdefault(str(symbol), line)
         return defer(self, orig_expr, msg, *args, **kwargs)
 
     shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
@@ -56,29 +72,123 @@ def decided_on_examples() -> Iterator[list[Any]]:
         shapes_log.setLevel(level)
 
 
+def _user_line() -> str:
+    """``'model.py:12 in forward: 'if x.sum() > 0:''``: the innermost frame under torch.export's
+    call that is not torch's or dpcompile's (forward's own code), else ''."""
+    stack = traceback.extract_stack()
+    entered = next((i for i, f in enumerate(stack) if "/torch/export/" in f.filename), len(stack))
+    for frame in reversed(stack[entered:]):
+        if any(part in frame.filename for part in ("/torch/", "/dpcompile/", "/contextlib.py", "<string>")):
+            continue
+        return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()!r}"
+    return ""
+
+
+def name_branches(gm: fx.GraphModule, decisions: Decisions, model_name: str) -> None:
+    """Each kept check's message names the line of forward that decided it (export's checks
+    carry torch's own stack); a decision export kept no check of (seen for ``if x.max().item() > 1.0``
+    decided false) is refused: the program would take that branch for every call."""
+    from dpcompile.errors import TraceError
+
+    checked: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten._assert_scalar.default and len(node.args) > 1 and isinstance(node.args[1], str):
+            symbols = re.findall(r"\b(?:u|zuf)\d+\b", node.args[1])
+            checked.update(symbols)
+            line = next((decisions.lines[s] for s in symbols if decisions.lines.get(s)), "")
+            if line:
+                node.args = (node.args[0], f"{node.args[1]} [{line}]")
+    unchecked = [s for s in decisions.lines if s not in checked]
+    if unchecked:
+        raise TraceError(
+            f"torch.export could not capture {model_name}: forward branches on a value read from data at "
+            f"{decisions.lines[unchecked[0]]}, and torch.export kept no check of the branch the example takes, so a "
+            "call taking the other branch would compute the wrong one; make the branch traceable (torch.where), or "
+            "transform with frontend='fx' marking the module as a leaf"
+        )
+
+
 def reads_only_data_sizes(expr: Any) -> bool:
     """Whether a decided expression reads data-dependent sizes only (no input size)."""
     return free_unbacked_symbols(expr) == free_symbols(expr)
 
 
 def is_data_check(node: fx.Node) -> bool:
-    """An ``_assert_scalar`` whose condition reads data-dependent sizes only: true of the whole
-    batch's values, which the program computes whole (``nonzero`` has no batch rule)."""
+    """An ``_assert_scalar`` whose condition reads data-dependent sizes only (``0 < u0``, nonzero's
+    count), or one of a branch of forward's own line on a value read out of a tensor
+    (:func:`name_branches`) and no input size: true of the whole batch's values, which the program
+    computes whole. The latter is read from the graph, not the condition's value: where the
+    assertion itself decides it (``Eq(u2, 1)``), export simplifies that value to ``True``."""
     if node.op != "call_function" or node.target is not torch.ops.aten._assert_scalar.default or not node.args:
         return False
     condition = node.args[0]
-    val = condition.meta.get("val") if isinstance(condition, fx.Node) else None
-    if not isinstance(val, torch.SymBool):
+    if not isinstance(condition, fx.Node):
         return False
-    return bool(free_unbacked_symbols(val)) and reads_only_data_sizes(val)
+    val = condition.meta.get("val")
+    if isinstance(val, torch.SymBool) and free_unbacked_symbols(val) and reads_only_data_sizes(val):
+        return True
+    if not (len(node.args) > 1 and isinstance(node.args[1], str) and _NAMED.search(node.args[1])):
+        return False
+    reads_data, seen, todo = False, set(), [condition]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if n.target in _READS_DATA or (isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat)) and free_unbacked_symbols(val)):
+            reads_data = True
+        if isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat)) and not reads_only_data_sizes(val):
+            return False
+        if isinstance(val, torch.Tensor):
+            continue  # the tensor an item or a size is read from: its own sizes are not what is decided
+        todo.extend(n.all_input_nodes)
+    return reads_data
+
+
+_NAMED = re.compile(r" \[(.*)\]$")
+_EXPRESSION = re.compile(r"Runtime assertion failed for expression (.*) on node")
 
 
 def data_check_message(node: fx.Node) -> str:
-    """What a kept check says when a call takes the branch the example did not."""
-    condition = node.args[0]
-    expression = condition.meta["val"].node.expr if isinstance(condition, fx.Node) else condition
+    """What a kept check says when a call takes the branch the example did not: the expression
+    export decided on the example and the line of forward that branches on it."""
+    condition, message = node.args[0], node.args[1] if len(node.args) > 1 else ""
+    found = _EXPRESSION.search(message) if isinstance(message, str) else None
+    if found is not None:
+        expression = found.group(1)
+    else:
+        expression = condition.meta["val"].node.expr if isinstance(condition, fx.Node) else condition
+    line = _NAMED.search(message) if isinstance(message, str) else None
+    where = f" (forward's {line.group(1)})" if line else ""
     return (
-        f"this call takes a branch of forward that the program does not have: the program was captured with "
-        f"{expression} true, as the example made it (forward branches on a data-dependent size, e.g. the count of "
-        "nonzero's rows, and torch.export captures one branch); transform with an example that takes this branch"
+        f"this call takes a branch of forward that the program does not have{where}: the program was captured with "
+        f"{expression} true, as the example made it (forward branches on a value read from data, e.g. "
+        "'if x.sum() > 0:' or the count of nonzero's rows, and torch.export captures one branch); transform with "
+        "an example that takes this branch"
     )
+
+
+def check_decided_on_examples(ep: Any, names: Mapping[str, Any], model_name: str) -> None:
+    """Run the program export decided on the examples: where one of its checks fails on the
+    examples themselves, torch's real-value propagation decided a branch otherwise than the
+    example takes it (seen for a branch on a value computed from ``nn.Linear``'s output), and the
+    program would compute another branch than eager: refuse, naming the branch."""
+    from dpcompile.errors import TraceError
+
+    module = ep.module()
+    state = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.func.functional_call(module, state, (), dict(names))
+    except RuntimeError as exc:
+        if "Runtime assertion failed" not in str(exc):
+            raise
+        line = re.search(r"\[(.*)\]$", str(exc).splitlines()[0])
+        where = f" at {line.group(1)}" if line else ""
+        raise TraceError(
+            f"torch.export could not capture {model_name}: forward branches on a value read from data{where}, and "
+            "torch.export's propagation of the example's values decided that branch otherwise than the example takes "
+            "it; make the branch traceable (torch.where), or transform with frontend='fx' marking the module as a leaf"
+        ) from None

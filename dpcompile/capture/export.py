@@ -294,7 +294,12 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     (a decision that reads an input size) or export still fails."""
     from torch.export import export
 
-    from dpcompile.capture.decided import decided_on_examples, reads_only_data_sizes
+    from dpcompile.capture.decided import (
+        check_decided_on_examples,
+        decided_on_examples,
+        name_branches,
+        reads_only_data_sizes,
+    )
 
     try:
         with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model), decided_on_examples() as decisions:
@@ -312,6 +317,8 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
             "example drew, and each call draws anew; turn the draw off (transformers' LayerDrop: config.layerdrop = 0), "
             "or transform the model in eval mode"
         )
+    name_branches(ep.graph_module, decisions, type(model).__name__)
+    check_decided_on_examples(ep, names, type(model).__name__)
     log.info("%s: %d data-dependent branch(es) taken as the example takes them, checked at every call", type(model).__name__, len(decisions))
     return ep
 

@@ -2,6 +2,7 @@
 the export frontend takes the branch the example takes and checks it at every call."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -136,3 +137,102 @@ def test_branch_on_a_random_draw_is_refused_not_decided_on_the_example():
     pm.train()
     with pytest.raises(dpcompile.DpCompileError, match="eval mode"):
         pm(x)
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, gate):
+        if gate.sum() > 0:
+            return self.lin(x)
+        return self.lin(x) * 2 - 1
+
+
+class FourBranches(nn.Module):
+    """Branches on values read from data in two layers and in forward: each is decided on the
+    example, and each must stay checked (export simplifies a check it decides to ``True``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = Gated(), Gated(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.b(self.a(x, x), x[:, 0])
+        if (x[:, 1] > 0).any():
+            h = h + 1
+        if x.max().item() > 1.0:
+            h = h * 3
+        return self.c(h)
+
+
+def _branch_example():
+    x = torch.full((4, 8), 0.1)
+    x[:, 0], x[3, 7] = 0.2, 2.0
+    return x
+
+
+def _other_sides():
+    """Inputs that take the other side of one branch each, and of all four."""
+    sides = {name: _branch_example() for name in ("a", "b", "any", "max", "all")}
+    sides["a"][:, 2:] = -1
+    sides["b"][:, 0] = -0.2
+    sides["any"][:, 1] = -0.1
+    sides["max"][3, 7] = 0.5
+    sides["all"][:, 2:], sides["all"][:, 0], sides["all"][:, 1], sides["all"][3, 7] = -1, -0.2, -0.1, 0.5
+    return sides
+
+
+# the line each side stops at, and the decision's symbol (layer a's and b's share a line)
+_STOPS = {"a": ("if gate.sum() > 0:", "u0"), "b": ("if gate.sum() > 0:", "u1"), "any": ("if (x[:, 1] > 0).any():", "u2"),
+          "max": ("if x.max().item() > 1.0:", "zuf0"), "all": ("if gate.sum() > 0:", "u0")}  # fmt: skip
+
+
+@pytest.mark.parametrize("options", [{}, {"tensor_parallel": True}, {"pipeline": 2}], ids=["dp", "tp", "pp"])
+def test_every_branch_on_data_stays_checked(options):
+    torch.manual_seed(0)
+    model = FourBranches()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(_branch_example(),), frontend="export", **options)
+    same_sides = _branch_example() * 1.5
+    torch.testing.assert_close(pm(same_sides), eager(same_sides))
+    for side, x in _other_sides().items():
+        line, symbol = _STOPS[side]
+        with pytest.raises(RuntimeError, match=rf"program does not have \(forward's .*{re.escape(line)}.*captured with .*\b{symbol}\b"):
+            pm(x)
+
+
+class MaxBelow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.max().item() > 1.0:
+            return self.lin(x) * 3
+        return self.lin(x)
+
+
+def test_branch_export_keeps_no_check_of_is_refused_with_the_line():
+    """``x.max().item() > 1.0`` decided false: torch.export records no runtime check of it."""
+    with pytest.raises(TraceError, match=r"x.max\(\).item\(\) > 1.0.*kept no check"):
+        dpcompile.transform(MaxBelow(), ["cpu"] * 2, example_inputs=(torch.full((4, 8), 0.1),), frontend="export")
+
+
+def test_program_failing_its_own_example_is_refused_naming_the_branch():
+    """torch's real-value propagation decided some branches on ``nn.Linear``'s output otherwise
+    than eager (torch 2.13, not every run: ``if (lin(x) * 2 - 1).neg().sum() > 0``); the frontend
+    runs the decided program on the examples and refuses it where one of its checks fails. Here
+    the program decided on one example is checked on one taking the other branch."""
+    from torch.export import export
+
+    from dpcompile.capture.decided import check_decided_on_examples, decided_on_examples, name_branches
+
+    model = MaxBelow()
+    with decided_on_examples() as decisions:
+        ep = export(model, (), {"x": torch.full((4, 8), 2.0)}, strict=False)
+    name_branches(ep.graph_module, decisions, "MaxBelow")
+    check_decided_on_examples(ep, {"x": torch.full((4, 8), 3.0)}, "MaxBelow")  # the same branch: passes
+    with pytest.raises(TraceError, match=r"x.max\(\).item\(\) > 1.0.*decided that branch otherwise than the example"):
+        check_decided_on_examples(ep, {"x": torch.full((4, 8), 0.5)}, "MaxBelow")

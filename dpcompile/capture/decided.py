@@ -31,6 +31,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_symbols, free_unbacked_symbols
 
+from dpcompile.capture.inputs import InputMismatch
+
 _PREFIX = "propagate_real_tensors"
 _READS_DATA = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
 
@@ -148,6 +150,20 @@ def is_data_check(node: fx.Node) -> bool:
 
 _NAMED = re.compile(r" \[(.*)\]$")
 _EXPRESSION = re.compile(r"Runtime assertion failed for expression (.*) on node")
+#: how a kept check's message starts (:func:`data_check_message`): the call refuses with it
+BRANCH_NOT_CAPTURED = "this call takes a branch of forward that the program does not have"
+
+
+class BranchNotCaptured(InputMismatch, RuntimeError):
+    """A call took a branch on data that the program, captured with one branch, does not have (a
+    ``RuntimeError`` too: torch's check raises one, which code may already catch)."""
+
+
+def branch_not_captured(exc: RuntimeError) -> BranchNotCaptured | None:
+    """``exc`` from a kept check of a captured branch, as the :class:`BranchNotCaptured` it means; else None."""
+    text = str(exc)
+    at = text.find(BRANCH_NOT_CAPTURED)
+    return None if at < 0 or isinstance(exc, InputMismatch) else BranchNotCaptured(text[at:])
 
 
 def data_check_message(node: fx.Node) -> str:
@@ -162,7 +178,7 @@ def data_check_message(node: fx.Node) -> str:
     line = _NAMED.search(message) if isinstance(message, str) else None
     where = f" (forward's {line.group(1)})" if line else ""
     return (
-        f"this call takes a branch of forward that the program does not have{where}: the program was captured with "
+        f"{BRANCH_NOT_CAPTURED}{where}: the program was captured with "
         f"{expression} true, as the example made it (forward branches on a value read from data, e.g. "
         "'if x.sum() > 0:' or the count of nonzero's rows, and torch.export captures one branch); transform with "
         "an example that takes this branch"

@@ -26,6 +26,7 @@ from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note
 from dpcompile.capture import ROOT_LEAF, DpTracer
+from dpcompile.capture.decided import branch_not_captured
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import (
@@ -379,7 +380,13 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         return code
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._executor(self, *args, **kwargs)
+        try:
+            return self._executor(self, *args, **kwargs)
+        except RuntimeError as exc:  # a kept check of a branch on data: torch raises it, a DpCompileError names it
+            refused = branch_not_captured(exc)
+            if refused is None:
+                raise
+            raise refused from exc
 
     def _run_compiled(self, program: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """What pm.compile() compiles: ``program`` is an argument, so its guards follow the lookup's answer."""

@@ -68,12 +68,7 @@ class PlainExecutor:
                 size = value.shape[dim]
                 if size > 0:
                     return min(n, size)
-        batch = pm.batch_size(args, kwargs)
-        if batch is None or pm._is_unbatched(args, kwargs):
-            # no input carries a batch (0-d tensors), or one sample without a batch dim (nn.Linear
-            # on a 1-D input): nothing to split, and replicas would each give the whole output
-            return 1
-        return min(batch, n)
+        return split_count(pm, args, kwargs, n)
 
     def train(self, pm: Any, mode: bool) -> None:
         """What ``pm.train(mode)`` switches beside the modules (a wrapper's flag over a mesh)."""
@@ -112,6 +107,16 @@ class PlainExecutor:
         return False
 
 
+def split_count(pm: Any, args: tuple, kwargs: dict, n: int) -> int:
+    """A call's batch split ``n`` ways at most: one piece where no input carries a batch (0-d
+    tensors) or one sample comes without a batch dim (nn.Linear on a 1-D input), since each piece
+    would give the whole output."""
+    batch = pm.batch_size(args, kwargs)
+    if batch is None or pm._is_unbatched(args, kwargs):
+        return 1
+    return min(batch, n)
+
+
 #: the executor of every program until a builder picks another
 PLAIN = PlainExecutor()
 
@@ -145,10 +150,7 @@ class PipelineExecutor(PlainExecutor):
         n = pm.__dict__.get("micro_batches", 1)
         if not pm._split_inputs or n == 1:
             return n
-        batch = pm.batch_size(args, kwargs)
-        if batch is None or pm._is_unbatched(args, kwargs):
-            return 1
-        return min(batch, n)
+        return split_count(pm, args, kwargs, n)
 
     def pickled_state(self, pm: Any) -> dict[str, Any]:
         """The stages, micro-batches, schedule and plan (names only), and a tensor-parallel pipeline's

@@ -1,7 +1,9 @@
-"""The step times a run of ``bench_planner_rank.py`` measured, predicted again by the current cost model
-and by the model without its pipeline terms (``step_time.SCHEDULE_ACTION_OPS`` 0, each transfer a
-whole all-reduce latency: the model before them), with the run's own calibration: Spearman's rank
-correlation of each against the same measurements (no step is run again, so the two compare on one
+"""The step times a run of ``bench_planner_rank.py`` measured, predicted again by the current cost model,
+by the model without its pipeline terms (``step_time.SCHEDULE_ACTION_OPS`` 0, each transfer a
+whole all-reduce latency: the model before them) and by the model without the latency of a collective
+reached after computing (``synced_collective_s`` 0: each data- or tensor-parallel collective at the
+back-to-back latency, the model before it), with the run's own calibration: Spearman's rank
+correlation of each against the same measurements (no step is run again, so they compare on one
 set of noise).
 
     PYTHONPATH=. python benchmarks/repredict_planner_rank.py [benchmarks/results/planner_rank.json] [--only mlp_stack]
@@ -26,11 +28,12 @@ from bench_planner_rank import RESULTS, plan, spearman  # noqa: E402
 
 
 @contextlib.contextmanager
-def _calibration_of(run: dict[str, Any]) -> Any:
-    """``calibrate_mesh`` reads the run's calibration (a cache of it, in a directory of its own)."""
+def _calibration_of(run: dict[str, Any], **changed: float) -> Any:
+    """``calibrate_mesh`` reads the run's calibration (a cache of it, in a directory of its own), with
+    ``changed`` figures."""
     from dpcompile.analysis import calibration
 
-    figures = {k: v for k, v in run["calibration"].items() if k != "source"}
+    figures = {k: v for k, v in run["calibration"].items() if k != "source"} | changed
     with tempfile.TemporaryDirectory() as d:
         before = os.environ.get("DPCOMPILE_CACHE_DIR")
         os.environ["DPCOMPILE_CACHE_DIR"] = d
@@ -69,7 +72,7 @@ def main() -> None:
     parser.add_argument("--only", default="")
     ns = parser.parse_args()
     data = json.loads(Path(ns.results).read_text())
-    pooled: dict[str, tuple[list[float], list[float]]] = {"before": ([], []), "now": ([], [])}
+    pooled: dict[str, tuple[list[float], list[float]]] = {"before": ([], []), "unsynced": ([], []), "now": ([], [])}
     for name, run in data["models"].items():
         if ns.only and name not in ns.only.split(","):
             continue
@@ -78,8 +81,10 @@ def main() -> None:
             now = predicted(name, data["world"])
             with _without_pipeline_terms():
                 before = predicted(name, data["world"])
+        with _calibration_of(run, synced_collective_s=0.0):
+            unsynced = predicted(name, data["world"])
         line = [f"{name} (load: {run.get('uptime_after', '?').split('load average:')[-1].strip()})"]
-        for label, table in (("before", before), ("now", now)):
+        for label, table in (("before", before), ("unsynced", unsynced), ("now", now)):
             done = [r for r in rows if r["layout"] in table]
             xs, ys = [table[r["layout"]] for r in done], [r["measured_s"] for r in done]
             rho = spearman(xs, ys)
@@ -91,7 +96,8 @@ def main() -> None:
         print("  ".join(line))
         for r in rows:
             print(f"    {r['layout']:16s} measured {r['measured_s'] * 1e3:8.1f} ms  predicted before "
-                  f"{before.get(r['layout'], float('nan')) * 1e3:8.1f}  now {now.get(r['layout'], float('nan')) * 1e3:8.1f}")  # fmt: skip
+                  f"{before.get(r['layout'], float('nan')) * 1e3:8.1f}  unsynced {unsynced.get(r['layout'], float('nan')) * 1e3:8.1f}"
+                  f"  now {now.get(r['layout'], float('nan')) * 1e3:8.1f}")  # fmt: skip
     for label, (xs, ys) in pooled.items():
         rho = spearman(xs, ys)
         print(f"pooled {label}: {rho:.2f}" if rho is not None else f"pooled {label}: -")

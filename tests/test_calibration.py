@@ -27,6 +27,7 @@ def measured(monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "_concurrency", lambda workers: 1.5)
     monkeypatch.setattr(calibration, "_gloo_all_reduce", lambda ranks: runs.append(ranks) or (1e-4, 5e8))
     monkeypatch.setattr(calibration, "_gloo_message_seconds", lambda ranks: 2e-4)
+    monkeypatch.setattr(calibration, "_gloo_synced_seconds", lambda ranks: 3e-3)
     monkeypatch.setattr(calibration, "available_cores", lambda: 2)
     monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DPCOMPILE_CALIBRATION", raising=False)
@@ -45,7 +46,7 @@ def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
 def test_mesh_calibration_is_measured_once_then_read_from_its_cache(measured, tmp_path):
     first = calibration.calibrate_mesh(2)
     expected = Calibration(1e9, 2e9, "cpu", "measured", ranks=2, cores=2, op_seconds=1e-5, collective_latency_s=1e-4,
-                           collective_bytes_per_s=5e8, concurrency=1.5, message_s=2e-4)  # fmt: skip
+                           collective_bytes_per_s=5e8, concurrency=1.5, message_s=2e-4, synced_collective_s=3e-3)  # fmt: skip
     assert first == expected and measured == [2]
     path = calibration.cache_path("gloo2")
     assert path.parent == tmp_path and json.loads(path.read_text())["version"] == calibration.CACHE_VERSION
@@ -163,7 +164,8 @@ def test_mesh_calibration_without_loopback_gloo_uses_round_collective_figures(me
 
     monkeypatch.setattr(calibration, "_gloo_all_reduce", no_gloo)
     found = calibration.calibrate_mesh(2)
-    assert (found.collective_latency_s, found.collective_bytes_per_s, found.message_s) == (1e-4, 1e9, 1e-4)
+    assert (found.collective_latency_s, found.collective_bytes_per_s, found.message_s, found.synced_collective_s) == (
+        1e-4, 1e9, 1e-4, 1e-4)  # fmt: skip
     assert (found.flops_per_s, found.op_seconds, found.concurrency) == (1e9, 1e-5, 1.5)  # the rest still measured
 
 
@@ -178,3 +180,10 @@ def test_cached_mesh_reads_the_cache_and_never_measures(measured, monkeypatch):
     assert calibration.cached_mesh(2).source == "cache" and measured == [2]
     monkeypatch.setenv("DPCOMPILE_CALIBRATION", "off")
     assert calibration.cached_mesh(2) == reference_mesh(2) and measured == [2]
+
+
+def test_the_latency_after_computing_is_measured_on_gloo_threads():
+    """Measured for real (2 gloo groups on threads, 3 calls after a few matmuls each): a positive, finite
+    number of seconds that counts each call, so at least the back-to-back floor of a microsecond."""
+    seconds = calibration._gloo_synced_seconds(2, work_s=1e-4, calls=3)
+    assert 1e-6 <= seconds < 60

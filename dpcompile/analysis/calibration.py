@@ -3,9 +3,9 @@ device-to-device copy, from a short run (well under a second), cached per device
 
 Over a mesh of ``n`` gloo processes (:func:`calibrate_mesh`) also: the FLOP/s of one rank's thread,
 the seconds of dispatch each forward op of a training step costs (its backward's included), the
-latency and bytes/s of a gloo all-reduce between ``n`` ranks and a point-to-point message's latency
-(measured between gloo groups on threads of this process: no process started), and the CPU cores
-the ranks share; cached per
+latency and bytes/s of a gloo all-reduce between ``n`` ranks, the seconds of one the ranks reach after
+computing, and a point-to-point message's latency (measured between gloo groups on threads of this
+process: no process started), and the CPU cores the ranks share; cached per
 ``n`` as well, measured again where the cores changed. Inside a process group the first rank's
 figures are broadcast, so that every rank plans alike.
 
@@ -34,7 +34,7 @@ log = logging.getLogger("dpcompile")
 __all__ = ["REFERENCE", "Calibration", "cache_path", "cached_mesh", "calibrate", "calibrate_mesh", "reference_mesh"]
 
 #: the cache's format: a file of another version is measured again
-CACHE_VERSION = 4  # 4: the concurrency measured as the median of rounds (a cache of 3 holds the older figure)
+CACHE_VERSION = 5  # 5: synced_collective_s (4: the concurrency measured as the median of rounds)
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,11 @@ class Calibration:
     thread), ``op_seconds`` the dispatch each forward op of a training step costs (its backward's
     included), ``collective_latency_s`` and ``collective_bytes_per_s`` a gloo all-reduce's fixed
     cost and the bytes each rank sends per second, ``message_s`` a point-to-point message's latency
-    (a send the receiver waits for: a pipeline's transfers), ``cores`` the CPU cores the ranks share and
+    (a send the receiver waits for: a pipeline's transfers), ``cores`` the CPU cores the ranks share,
     ``concurrency`` how many ranks they run at once (measured: less than ``min(ranks, cores)`` where
-    other work holds the cores)."""
+    other work holds the cores) and ``synced_collective_s`` the seconds a rank spends in an all-reduce
+    its ranks reach after computing (a tensor-parallel step's: its peers' threads woken, the peer still
+    computing waited for; far more than the back-to-back ``collective_latency_s`` on a busy machine)."""
 
     flops_per_s: float
     copy_bytes_per_s: float
@@ -61,6 +63,7 @@ class Calibration:
     collective_bytes_per_s: float = 0.0
     concurrency: float = 0.0  # how many of the ranks the CPUs run at once (0: as many as the cores allow)
     message_s: float = 0.0  # a point-to-point message's latency (0: the all-reduce's, collective_latency_s)
+    synced_collective_s: float = 0.0  # an all-reduce after computing (0: the back-to-back collective_latency_s)
 
 
 #: what ``DPCOMPILE_CALIBRATION=off`` uses: round figures of one CPU core (50 GFLOP/s, 5 GB/s)
@@ -69,10 +72,11 @@ REFERENCE = Calibration(flops_per_s=5e10, copy_bytes_per_s=5e9, device="any", so
 
 def reference_mesh(ranks: int) -> Calibration:
     """What ``DPCOMPILE_CALIBRATION=off`` uses over a mesh of ``ranks`` processes: :data:`REFERENCE`
-    with round gloo figures (20 us a forward op, 100 us and 1 GB/s an all-reduce, 100 us a message),
-    one core a rank."""
+    with round gloo figures (20 us a forward op, 100 us and 1 GB/s an all-reduce, after computing too,
+    100 us a message), one core a rank."""
     return replace(REFERENCE, ranks=ranks, cores=ranks, op_seconds=2e-5, collective_latency_s=1e-4,
-                   collective_bytes_per_s=1e9, concurrency=float(ranks), message_s=1e-4)  # fmt: skip
+                   collective_bytes_per_s=1e9, concurrency=float(ranks), message_s=1e-4,
+                   synced_collective_s=1e-4)  # fmt: skip
 
 
 def cache_path(device_type: str) -> Path:
@@ -131,7 +135,8 @@ def _check_figures(found: Calibration) -> None:
 
     if not (number(found.flops_per_s) and found.flops_per_s > 0 and number(found.copy_bytes_per_s) and found.copy_bytes_per_s > 0):
         raise ValueError(f"rates {found.flops_per_s!r} FLOP/s, {found.copy_bytes_per_s!r} B/s: expected positive numbers")
-    rest = (found.op_seconds, found.collective_latency_s, found.collective_bytes_per_s, found.concurrency, found.message_s)
+    rest = (found.op_seconds, found.collective_latency_s, found.collective_bytes_per_s, found.concurrency, found.message_s,
+            found.synced_collective_s)  # fmt: skip
     if not all(number(x) and x >= 0 for x in rest):
         raise ValueError(f"figures {rest!r}: expected non-negative numbers")
     if not isinstance(found.device, str) or not all(
@@ -184,11 +189,15 @@ def calibrate_mesh(ranks: int) -> Calibration:
         try:
             latency, bandwidth = _gloo_all_reduce(ranks)
             message = _gloo_message_seconds(ranks)
+            with _threads(1):
+                synced = _gloo_synced_seconds(ranks)
         except RuntimeError as e:  # no loopback gloo here (a host name that does not resolve): round figures
             log.warning("cannot time gloo (%s): the cost model uses %s", e, "100 us and 1 GB/s")
             ref = reference_mesh(ranks)
             latency, bandwidth, message = ref.collective_latency_s, ref.collective_bytes_per_s, ref.message_s
-        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once, message)
+            synced = ref.synced_collective_s
+        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once, message,
+                            synced)  # fmt: skip
         _write_cache(path, found)
     return _agree(found, ranks) if grouped else found
 
@@ -217,7 +226,7 @@ def available_cores() -> int:
 
 
 _NUMBERS = ("flops_per_s", "copy_bytes_per_s", "cores", "op_seconds", "collective_latency_s", "collective_bytes_per_s",
-            "concurrency", "message_s")  # fmt: skip
+            "concurrency", "message_s", "synced_collective_s")  # fmt: skip
 
 
 def _agree(mine: Calibration | None, ranks: int) -> Calibration:
@@ -383,6 +392,41 @@ def _gloo_all_reduce(ranks: int, large: int = 1 << 20) -> tuple[float, float]:
     big = max(seconds[(r, large)] for r in range(ranks))
     sent = 2 * (ranks - 1) / ranks * large * 4
     return latency, sent / max(big - latency, 1e-9)
+
+
+def _gloo_synced_seconds(ranks: int, work_s: float = 1e-3, calls: int = 24) -> float:
+    """Seconds a rank spends in each gloo all-reduce (of a few floats) that ends ``work_s`` of computing,
+    as a tensor-parallel step's do: ``ranks`` gloo groups on threads of this process, each computing
+    (matmuls, the GIL released) then reducing, ``calls`` times; the mean over the calls and ranks.
+
+    Back to back (:func:`_gloo_all_reduce`) a call finds its peers' threads awake; after computing, each
+    call waits for the peers' gloo threads to be woken and scheduled, and for the peer still computing
+    (the ranks' computing drifts apart where the CPUs are shared): measured over 2 processes under load,
+    2-5 ms a call where back to back takes 0.1-0.4 ms (``benchmarks/probe_tp_waits.py``)."""
+    from torch.distributed import HashStore, ProcessGroupGloo
+
+    store = HashStore()
+    groups: list = [None] * ranks
+    waited = [0.0] * ranks
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    products = max(1, round(work_s / _best_seconds(lambda: a @ b)))
+
+    def join(rank: int) -> None:
+        groups[rank] = ProcessGroupGloo(store, rank, ranks, timedelta(seconds=60))
+
+    def steps(rank: int) -> None:
+        x = torch.ones(16)
+        groups[rank].allreduce([x]).wait()  # warm up
+        for _ in range(calls):
+            for _ in range(products):
+                a @ b  # noqa: B018 - the computing between the calls
+            start = time.perf_counter()
+            groups[rank].allreduce([x]).wait()
+            waited[rank] += time.perf_counter() - start
+
+    _on_threads(join, ranks)
+    _on_threads(steps, ranks)
+    return max(sum(waited) / (ranks * calls), 1e-9)
 
 
 def _gloo_message_seconds(ranks: int = 2, window: float = 0.1) -> float:

@@ -18,7 +18,9 @@ it dispatches and what it waits for, with no overlap:
   all-reduce of the gradients (a call per 25 MiB bucket); tensor parallel, an all-reduce per pair of
   sharded layers (two distinct inputs: q, k, v read one), micro-batch and direction (forward of the
   row layer, backward of the column one); data or tensor parallel alone, one all-gather checking that
-  the ranks call alike; a pipeline stage, one transfer per boundary it
+  the ranks call alike. Each comes after the ranks' computing, so its latency is the calibration's
+  ``synced_collective_s`` (:func:`collective_seconds`): the peers' gloo threads woken and the peer
+  still computing waited for, 10-40x the back-to-back latency on a busy machine; a pipeline stage, one transfer per boundary it
   sits at, micro-batch and direction (its values forward, their gradients backward): its bytes,
   and :data:`MESSAGES_ON_PATH` of a point-to-point message's latency (``message_s``);
 - a pipeline stage's schedule (``torch.distributed.pipelining``), per micro-batch, one action
@@ -46,8 +48,8 @@ from collections.abc import Sequence
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, Unit
 
-__all__ = ["GPIPE_WRITTEN_PASSES", "MESSAGES_ON_PATH", "PARAM_PASSES", "SCHEDULE_ACTION_OPS", "message_seconds", "schedule_seconds",
-           "slot_seconds", "step_seconds"]  # fmt: skip
+__all__ = ["GPIPE_WRITTEN_PASSES", "MESSAGES_ON_PATH", "PARAM_PASSES", "SCHEDULE_ACTION_OPS", "collective_seconds",
+           "message_seconds", "schedule_seconds", "slot_seconds", "step_seconds"]  # fmt: skip
 
 #: the bytes of one element the cost model moves (float32)
 ELEMENT_BYTES = 4
@@ -87,6 +89,12 @@ def schedule_seconds(c: Calibration, training: bool) -> float:
 def message_seconds(c: Calibration) -> float:
     """A point-to-point message's latency (an older calibration without one: the all-reduce's)."""
     return c.message_s or c.collective_latency_s
+
+
+def collective_seconds(c: Calibration) -> float:
+    """A data- or tensor-parallel collective's latency: one the ranks reach after computing (an older
+    calibration without it: the back-to-back all-reduce's)."""
+    return c.synced_collective_s or c.collective_latency_s
 
 
 def batch_fraction(batch: int | None, d: int) -> float:
@@ -161,7 +169,7 @@ def _mesh_seconds(
     at_once = c.concurrency or min(c.ranks, c.cores or c.ranks)  # ranks the CPUs run at the same time
 
     def collective(ring_bytes: float, calls: float) -> float:
-        return calls * c.collective_latency_s + ring_bytes / bandwidth
+        return calls * collective_seconds(c) + ring_bytes / bandwidth
 
     def messages(sent_bytes: float, count: float) -> float:
         return count * message_seconds(c) + sent_bytes / bandwidth
@@ -189,7 +197,7 @@ def _mesh_seconds(
         waits.append(wait)
     total = slot_seconds(busy, waits, m, d * t, at_once)
     if s_count == 1 and (d > 1 or t > 1):
-        total += c.collective_latency_s  # the check that every rank calls forward alike: one all-gather
+        total += collective_seconds(c)  # the check that every rank calls forward alike: one all-gather
     if d > 1:
         grads = max(sum(u.grad_bytes for u in units) for units in stages) / t
         total += collective(2 * (d - 1) / d * grads, 1 + grads // DDP_BUCKET_BYTES)

@@ -1,6 +1,7 @@
 """The mesh step-time model's pipeline terms (``dpcompile.analysis.step_time``): the schedule's work
 per action, the point-to-point message latency of each transfer, the weights' passes per
-micro-batch, GPipe's order against 1F1B's and the slots' sharing of the CPUs, each varied alone on a hand-made profile with round
+micro-batch, GPipe's order against 1F1B's and the slots' sharing of the CPUs; and the latency of a
+data- or tensor-parallel collective reached after computing; each varied alone on a hand-made profile with round
 constants (exact expectations; nothing is timed)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dpcompile.analysis.calibration import Calibration
-from dpcompile.analysis.model_profile import ModelProfile, Unit
+from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
 from dpcompile.analysis.step_time import (
     GPIPE_WRITTEN_PASSES,
     MESSAGES_ON_PATH,
@@ -138,3 +139,25 @@ def test_gpipe_order_writes_the_micro_batches_held_beyond_1f1b_again():
     # without training nothing is held for a backward
     p.training = False
     assert step("gpipe") == step("1f1b")
+
+
+def test_data_and_tensor_parallel_collectives_cost_the_latency_after_computing():
+    """Each data- or tensor-parallel collective comes after the ranks' computing: it costs the calibration's
+    ``synced_collective_s`` (50 ms here), not the back-to-back 10 ms. Tensor parallel: the Megatron pair of the two
+    blocks' Linears, forward and backward (2 calls) and the check that the ranks call alike (1); data parallel: the
+    gradients' all-reduce (1) and the check (1); a pipeline's transfers keep the message latency."""
+    weight = ShardableWeight(rows=8, cols=8, kind="linear", bytes=256, grad_bytes=256, optimizer_bytes=0,
+                             output_elements=1000)  # fmt: skip
+    units = [Unit(f"b{i}", block=True, param_bytes=256, grad_bytes=256, input_bytes=8000, flops=10**6, ops=10,
+                  linear_inputs=1, shardable=[weight]) for i in range(2)]  # fmt: skip
+    p = ModelProfile(units, batch=8, training=True, optimizer="sgd")
+    synced = Calibration(**{**MESH.__dict__, "synced_collective_s": 5e-2})
+    # half of 3 x 2e6 FLOPs, 20 ops, PARAM_PASSES over half the 512 gradient bytes; an all-reduce each way of half
+    # the 2000 output elements' 4 bytes, ring factor 2 (n-1)/n = 1: 8000 bytes at 1e6 bytes/s
+    tp_work = 3e-3 + 20e-3 + PARAM_PASSES * 256 / 1e9 + 8000 / 1e6
+    assert step_seconds(p, {"tp": 2}, [p.units], 1, False, synced) == pytest.approx(tp_work + 3 * 5e-2)
+    assert step_seconds(p, {"tp": 2}, [p.units], 1, False, MESH) == pytest.approx(tp_work + 3 * 1e-2)  # older: 0
+    # half the batch: 3e-3 s, 20 ops, PARAM_PASSES over the 512 gradient bytes; their all-reduce's ring bytes
+    dp_work = 3e-3 + 20e-3 + PARAM_PASSES * 512 / 1e9 + 512 / 1e6
+    assert step_seconds(p, {"dp": 2}, [p.units], 1, False, synced) == pytest.approx(dp_work + 2 * 5e-2)
+    assert _pipeline(p, 4, synced) == _pipeline(p, 4, MESH)

@@ -9,6 +9,10 @@ and, in the same run, gloo's all-reduce latency alone at the sizes the step uses
     PYTHONPATH=. nice -n -19 python benchmarks/probe_tp_waits.py [--only bert,gpt2] [--steps 6]
 
 Prints a summary per model; writes ``benchmarks/results/tp_waits.json``.
+
+``--concurrency 6``: instead, 6 times in a row, the calibration's concurrency measured on threads of
+this process (the older ``_thread_concurrency``) and on processes (``_concurrency``), beside what 2
+spawned processes' matmuls (one thread each, as the ranks) run over one's: how far each reads from it.
 """
 
 from __future__ import annotations
@@ -182,11 +186,62 @@ def summarize(name: str, reports: dict[int, dict]) -> dict[str, Any]:
     return out
 
 
+def _matmuls(commands: Any, counts: Any) -> None:
+    """A worker of :func:`concurrency`: per command (seconds) the 384 x 384 matmuls it ran in them."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    a @ b
+    counts.put(0)
+    while (seconds := commands.get()) is not None:
+        done, stop = 0, time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            a @ b  # noqa: B018
+            done += 1
+        counts.put(done)
+
+
+def concurrency(times: int, seconds: float = 0.3) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    from dpcompile.analysis import calibration
+
+    ctx = mp.get_context("spawn")
+    commands, counts = [ctx.Queue() for _ in range(2)], [ctx.Queue() for _ in range(2)]
+    procs = [ctx.Process(target=_matmuls, args=(c, n), daemon=True) for c, n in zip(commands, counts)]
+    for p in procs:
+        p.start()
+    for n in counts:
+        n.get()
+    out: dict[str, list] = {"threads": [], "processes": [], "spawned_matmuls": [], "load": []}
+    for _ in range(times):
+        out["threads"].append(calibration._thread_concurrency(2))
+        out["processes"].append(calibration._concurrency(2))
+        commands[0].put(seconds)
+        alone = counts[0].get()
+        for c in commands:
+            c.put(seconds)
+        out["spawned_matmuls"].append(sum(n.get() for n in counts) / alone)
+        out["load"].append(Path("/proc/loadavg").read_text().split()[0])
+    for c in commands:
+        c.put(None)
+    for p in procs:
+        p.join()
+    for k, v in out.items():
+        print(f"{k:16s}", " ".join(f"{x:.2f}" if isinstance(x, float) else x for x in v))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="bert,gpt2")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=0)
     ns = parser.parse_args()
+    if ns.concurrency:
+        out = {"command": f"PYTHONPATH=. nice -n {os.nice(0)} python benchmarks/probe_tp_waits.py {' '.join(sys.argv[1:])}",
+               "uptime_before": uptime(), **concurrency(ns.concurrency), "uptime_after": uptime()}  # fmt: skip
+        RESULTS.with_name("concurrency_probe.json").write_text(json.dumps(out, indent=1))
+        return
     data: dict[str, Any] = {"command": f"PYTHONPATH=. nice -n {os.nice(0)} python benchmarks/probe_tp_waits.py {' '.join(sys.argv[1:])}",
                             "uptime_before": uptime(), "models": {}}  # fmt: skip
     for name in ns.only.split(","):

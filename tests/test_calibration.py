@@ -187,3 +187,17 @@ def test_the_latency_after_computing_is_measured_on_gloo_threads():
     number of seconds that counts each call, so at least the back-to-back floor of a microsecond."""
     seconds = calibration._gloo_synced_seconds(2, work_s=1e-4, calls=3)
     assert 1e-6 <= seconds < 60
+
+
+def test_the_concurrency_is_measured_on_processes_else_on_threads(monkeypatch):
+    """Two busy-loop processes against one, for real (2 rounds of 5 ms): a figure between 1 and the 2 workers;
+    where no process can be started, the threads' figure instead."""
+    assert 1.0 <= calibration._concurrency(2, window=0.02, rounds=2) <= 2.0
+    assert calibration._concurrency(1) == 1.0
+
+    def no_process(*args, **kwargs):
+        raise OSError("no fork here")
+
+    monkeypatch.setattr(calibration.subprocess, "Popen", no_process)
+    monkeypatch.setattr(calibration, "_thread_concurrency", lambda workers: 1.25)
+    assert calibration._concurrency(2) == 1.25

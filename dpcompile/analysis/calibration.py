@@ -21,6 +21,8 @@ import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -305,7 +307,67 @@ def _rank_flops_per_s(n: int = 256) -> float:
     return 2 * n**3 / _mean_seconds(lambda: a @ b)
 
 
-def _concurrency(workers: int, n: int = 384, window: float = 0.1, rounds: int = 4) -> float:
+#: a worker process of :func:`_concurrency`: per line read (seconds), how many chunks of a busy loop it ran in them
+_BUSY_LOOP = """import sys, time
+for line in sys.stdin:
+    stop, count = time.perf_counter() + float(line), 0
+    while time.perf_counter() < stop:
+        for _ in range(200):
+            pass
+        count += 1
+    print(count, flush=True)
+"""
+
+
+def _concurrency(workers: int, window: float = 0.3, rounds: int = 6) -> float:
+    """How many of ``workers`` processes computing at once the CPUs run side by side: their busy
+    loops' throughput over one process's (between 1 and ``workers``; load included), the median over
+    ``rounds`` of one process alone then all of them, each a ``window / (2 rounds)``: a burst of other
+    work during one of them moves one ratio, not the figure.
+
+    Processes, as the ranks are (plain Python, no torch: each starts in tens of milliseconds): threads
+    of this process read 1.0-2.0 at random under load, where 2 processes' matmuls then ran 1.8x one
+    process's (load average 18, 2 cores; ``benchmarks/probe_tp_waits.py --concurrency``). Where no
+    process can be started, :func:`_thread_concurrency`."""
+    if workers <= 1:
+        return 1.0
+    span = window / (2 * rounds)
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True) for _ in range(workers)]  # fmt: skip
+    except OSError as e:
+        log.debug("cannot start a process to measure the concurrency (%s): threads instead", e)
+        return _thread_concurrency(workers)
+    try:
+
+        def burst(k: int) -> int:
+            for p in procs[:k]:
+                p.stdin.write(f"{span}\n")
+                p.stdin.flush()
+            return sum(int(p.stdout.readline()) for p in procs[:k])
+
+        burst(workers)  # warm up
+        ratios = []
+        for _ in range(rounds):
+            alone = burst(1)
+            ratios.append(burst(workers) / max(alone, 1))
+    except (OSError, ValueError) as e:  # a worker died (a count not read)
+        log.debug("a process measuring the concurrency failed (%s): threads instead", e)
+        return _thread_concurrency(workers)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return _median_in(ratios, workers)
+
+
+def _median_in(ratios: list[float], workers: int) -> float:
+    ratios = sorted(ratios)
+    median = (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2
+    return min(max(median, 1.0), float(workers))
+
+
+def _thread_concurrency(workers: int, n: int = 384, window: float = 0.1, rounds: int = 4) -> float:
     """How many of ``workers`` threads computing at once the CPUs run side by side: their matmuls'
     throughput over one thread's (between 1 and ``workers``; one thread each, load included), the
     median over ``rounds`` of one thread alone then all of them, each a ``window / (2 rounds)``: a
@@ -339,9 +401,7 @@ def _concurrency(workers: int, n: int = 384, window: float = 0.1, rounds: int = 
     for _ in range(rounds):
         alone = count_for(1)
         ratios.append(count_for(workers) / alone)
-    ratios.sort()
-    median = (ratios[(rounds - 1) // 2] + ratios[rounds // 2]) / 2
-    return min(max(median, 1.0), float(workers))
+    return _median_in(ratios, workers)
 
 
 def _rank_copy_bytes_per_s() -> float:

@@ -78,6 +78,26 @@ def _gloo_latency(sizes: list[int], repeats: int = 50) -> dict[int, float]:
     return out
 
 
+def _synced_in_ranks(work_s: float = 1e-3, calls: int = 24) -> float:
+    """The calibration's ``_gloo_synced_seconds`` pattern run by the rank processes themselves: the mean
+    seconds a rank spends in an all-reduce of 16 floats after ``work_s`` of matmuls."""
+    import torch.distributed as dist
+
+    from dpcompile.analysis.calibration import _best_seconds
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    products = max(1, round(work_s / _best_seconds(lambda: a @ b)))
+    x, waited = torch.ones(16), 0.0
+    dist.barrier()
+    for _ in range(calls):
+        for _ in range(products):
+            a @ b  # noqa: B018
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        waited += time.perf_counter() - start
+    return waited / calls
+
+
 def rank_main(rank: int, world: int, port: int, name: str, layouts: dict[str, dict], steps: int, results: Any) -> None:
     from datetime import timedelta
 
@@ -121,6 +141,7 @@ def rank_main(rank: int, world: int, port: int, name: str, layouts: dict[str, di
                                         "calls": recorder.calls})  # fmt: skip
         report["steps"] = steps_of
         report["gloo_after"] = _gloo_latency(latency_sizes)
+        report["synced_in_ranks"] = _synced_in_ranks()
     except Exception:  # noqa: BLE001
         report["fatal"] = traceback.format_exc()[-3000:]
     results.put((rank, report))
@@ -261,10 +282,12 @@ def main() -> None:
         summary = summarize(name, reports)
         summary["predicted_ms"] = predicted
         summary["synced_ms"] = [synced_before * 1e3, synced_after * 1e3]
+        summary["synced_in_ranks_ms"] = (reports[0]["synced_in_ranks"] + reports[1]["synced_in_ranks"]) / 2 * 1e3
         data["models"][name] = summary
         print(f"{name}  gloo all-reduce ms (floats: before / after) "
               + "  ".join(f"{k}: {summary['gloo_before_ms'][k]:.3f}/{summary['gloo_after_ms'][k]:.3f}" for k in summary["gloo_before_ms"])
-              + f"  synced (threads, before/after) {synced_before * 1e3:.3f}/{synced_after * 1e3:.3f} ms")
+              + f"  synced (threads, before/after) {synced_before * 1e3:.3f}/{synced_after * 1e3:.3f} ms,"
+              f" in the rank processes {summary['synced_in_ranks_ms']:.3f} ms")
         for label in layouts:
             m = summary[label]["median"]
             print(f"  {label}: predicted {predicted[label]:.1f} ms; median wall {m['wall_ms']:.1f}, thread cpu {m['thread_cpu_ms']:.1f}, "

@@ -145,7 +145,8 @@ def test_data_and_tensor_parallel_collectives_cost_the_latency_after_computing()
     """Each data- or tensor-parallel collective comes after the ranks' computing: it costs the calibration's
     ``synced_collective_s`` (50 ms here), not the back-to-back 10 ms. Tensor parallel: the Megatron pair of the two
     blocks' Linears, forward and backward (2 calls) and the check that the ranks call alike (1); data parallel: the
-    gradients' all-reduce (1) and the check (1); a pipeline's transfers keep the message latency."""
+    gradients' all-reduce (1) and the check (1); a pipeline's transfers, MESSAGES_ON_PATH of it each (not of the
+    ping-pong's message_s)."""
     weight = ShardableWeight(rows=8, cols=8, kind="linear", bytes=256, grad_bytes=256, optimizer_bytes=0,
                              output_elements=1000)  # fmt: skip
     units = [Unit(f"b{i}", block=True, param_bytes=256, grad_bytes=256, input_bytes=8000, flops=10**6, ops=10,
@@ -160,4 +161,7 @@ def test_data_and_tensor_parallel_collectives_cost_the_latency_after_computing()
     # half the batch: 3e-3 s, 20 ops, PARAM_PASSES over the 512 gradient bytes; their all-reduce's ring bytes
     dp_work = 3e-3 + 20e-3 + PARAM_PASSES * 512 / 1e9 + 512 / 1e6
     assert step_seconds(p, {"dp": 2}, [p.units], 1, False, synced) == pytest.approx(dp_work + 2 * 5e-2)
-    assert _pipeline(p, 4, synced) == _pipeline(p, 4, MESH)
+    # 2 stages, 4 micro-batches: 5 slots, each with its stage's 2 transfers (forward, backward)
+    with_message = Calibration(**{**MESH.__dict__, "message_s": 2e-2})
+    both = Calibration(**{**synced.__dict__, "message_s": 2e-2})
+    assert _pipeline(p, 4, both) - _pipeline(p, 4, with_message) == pytest.approx(5 * 2 * MESSAGES_ON_PATH * (5e-2 - 2e-2))

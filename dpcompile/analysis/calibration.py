@@ -36,7 +36,7 @@ log = logging.getLogger("dpcompile")
 __all__ = ["REFERENCE", "Calibration", "cache_path", "cached_mesh", "calibrate", "calibrate_mesh", "reference_mesh"]
 
 #: the cache's format: a file of another version is measured again
-CACHE_VERSION = 5  # 5: synced_collective_s (4: the concurrency measured as the median of rounds)
+CACHE_VERSION = 5  # 5: synced_collective_s, the concurrency on processes (4: the concurrency as the median of rounds)
 
 
 @dataclass(frozen=True)

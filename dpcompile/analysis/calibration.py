@@ -461,8 +461,9 @@ def _gloo_synced_seconds(ranks: int, work_s: float = 1e-3, calls: int = 24) -> f
 
     Back to back (:func:`_gloo_all_reduce`) a call finds its peers' threads awake; after computing, each
     call waits for the peers' gloo threads to be woken and scheduled, and for the peer still computing
-    (the ranks' computing drifts apart where the CPUs are shared): measured over 2 processes under load,
-    2-5 ms a call where back to back takes 0.1-0.4 ms (``benchmarks/probe_tp_waits.py``)."""
+    (the ranks' computing drifts apart where the CPUs are shared): in tensor-parallel steps over 2
+    processes, 2.4 ms a call at load average 2 and 5-9 ms at 8-16, where back to back one takes
+    0.1-0.4 ms (``benchmarks/probe_tp_waits.py``)."""
     from torch.distributed import HashStore, ProcessGroupGloo
 
     store = HashStore()

@@ -36,13 +36,13 @@ from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.executors import hold_pipeline
 from dpcompile.modules.pipeline import Stage
+from dpcompile.modules.pipeline_1f1b import OneFOneBStep
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes import pipeline_tensor_parallel as sharded
 from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, sharing_model
 from dpcompile.recipes.data_parallel import without_sequence_replicated
-from dpcompile.recipes.pipeline_1f1b import one_f_one_b_step
 from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights
-from passes.split_stages import StagePlan, follow_plan, stage_programs
+from passes.split_stages import STAGE, StagePlan, follow_plan, stage_programs
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -127,9 +127,13 @@ class PipelineRecipe(Recipe):
         input_dims: Mapping[str, int | None],
         *,
         recompile: bool = True,
+        split_always: bool = False,
     ) -> fx.GraphModule:
-        """A captured (and tidied) graph lowered to the pipeline program for ``micro_batches``."""
-        pipeline = passes.pipeline_parallel_pipeline(self._options(input_dims), plan=plan, micro_batches=micro_batches)
+        """A captured (and tidied) graph lowered to the pipeline program for ``micro_batches``
+        (``split_always``: split even one, for 1F1B, :meth:`one_f_one_b_step`)."""
+        pipeline = passes.pipeline_parallel_pipeline(
+            self._options(input_dims), plan=plan, micro_batches=micro_batches, split_always=split_always
+        )
         finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(
             self.dp_micro_batches, self.dp_devices, prefix="cp" if self.context_parallel else "dp")
         borrowing = [functools.partial(passes.replicate_borrowed_modules, devices=self.devices)]
@@ -149,16 +153,27 @@ class PipelineRecipe(Recipe):
         captured = departing_trace(self, pm, key)  # None: the main trace
         if captured is None and key.devices == pm.micro_batches and not key.unbatched:
             return None
-        owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
-        gm = graph_module(owner, copy_graph(graph), f"Pipeline{key.devices}")
-        plan = pm.stage_plan if captured is None else follow_plan(gm, pm.stage_plan)
+        gm, plan = _graph_to_lower(pm, captured, f"Pipeline{key.devices}")
         return self.lower(gm, plan, key.devices, {**pm.input_dims, **dict.fromkeys(key.unbatched)})
 
-    def one_f_one_b_step(self, pm: ParallelModule, key: CallKey) -> Any:
-        """The 1F1B step a training call as ``key`` runs (``recipes/pipeline_1f1b.py``)."""
+    def one_f_one_b_step(self, pm: ParallelModule, key: CallKey) -> OneFOneBStep:
+        """The 1F1B step a training call as ``key`` (micro-batches, modes, None arguments, flags)
+        runs: its program, lowered with the micro-batches split even where there is one (so a mean
+        loss is always a partial sum and a count per micro-batch: the step back-propagates each sum
+        over the whole batch's count), run as units of one stage and micro-batch."""
         if self.plan is not False:
             return sharded.sharded_one_f_one_b_step(self, pm, key)
-        return one_f_one_b_step(self, pm, key)
+        gm, plan = _graph_to_lower(pm, departing_trace(self, pm, key), f"OneFOneB{key.devices}")
+        program = self.lower(gm, plan, key.devices, pm.input_dims, split_always=True)
+        stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
+        return OneFOneBStep(program, stage_of, plan.stages, key.devices)
+
+
+def _graph_to_lower(pm: ParallelModule, captured: fx.GraphModule | None, name: str) -> tuple[fx.GraphModule, StagePlan]:
+    """A copy of the graph a call lowers (``pm``'s main trace where ``captured`` is None) and its stage plan."""
+    owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
+    gm = graph_module(owner, copy_graph(graph), name)
+    return gm, pm.stage_plan if captured is None else follow_plan(gm, pm.stage_plan)
 
 
 def _spelled(stages: int | tuple[str, ...]) -> str:

@@ -25,7 +25,6 @@ stage's devices, so the one shard's program is written before the cut.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -37,13 +36,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.cost import plan_cost
-from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, linear_paths, resolve_plan
+from dpcompile.analysis.sharding import embedding_paths, linear_paths, resolve_plan
 from dpcompile.capture import EXPORTED_FROM
 from dpcompile.capture.inputs import check_inputs
 from dpcompile.devices import Devices
@@ -61,12 +60,11 @@ from dpcompile.modules.sharded_state import hold_shards, param_bytes_per_slot
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
-from dpcompile.recipes.constants import RealConstants, deepcopy_on_fake
 from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights
 from dpcompile.recipes.tensor_parallel import (
     aliased_plan,
-    capture_owning_everything,
+    capture_to_shard,
     describe_choices,
     share_tied_shards,
     tied_groups,
@@ -103,14 +101,7 @@ def compile_sharded_stages(
     groups = stage_groups(recipe.devices, recipe.stage_count)
     shards = len(groups[0])
     state_keys, state_aliases = list(model.state_dict().keys()), tied_state_keys(model)
-    owned = deepcopy_on_fake(model)  # the user's model is never touched; an exported one may hold real constants
-    on_fake = any(is_fake(t) for t in (*owned.parameters(), *owned.buffers()))  # a meta model's fake copy
-    with RealConstants() if on_fake else contextlib.nullcontext():  # `torch.tensor([...])` in forward: a real constant
-        gm, flags, none_args = capture_owning_everything(
-            owned, recipe.leaf_modules + linear_like_leaves(), example_inputs, none_args, flags
-        )
-    if passes.decompose_attention(gm).modified:
-        gm.recompile()
+    gm, flags, none_args, _ = capture_to_shard(model, recipe.leaf_modules, example_inputs, none_args, flags)
     captured_code = gm.code
     weights = stage_weights(gm, example_inputs)
     input_dims = infer_input_dims(gm, batch_dim=recipe.batch_dim, example_inputs=example_inputs)
@@ -218,9 +209,7 @@ def lower_sharded(
     lowered, _ = run_passes(gm, pipeline, recompile=False)
     restore_shard_layouts(lowered, found, specs)
     sequence_records = shard_sequence(lowered, shapes or {}, groups[0]) if recipe.sequence_parallel else []
-    expand = passes.tensor_parallel_pipeline(
-        passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary)
-    )[-1]
+    expand = functools.partial(passes.expand_shards, devices=groups[0], output_device=groups[0].primary)
     exact = passes.exact_random_pipeline(passes.PipelineOptions(devices=groups[0], exact_random=recipe.exact_random))
     expanded, records = run_passes(lowered, [expand, *exact], recompile=False)
     records = sequence_records + records

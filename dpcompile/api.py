@@ -390,14 +390,15 @@ def make_recipe(
             )  # fmt: skip
         parsed = parse_devices(devices)
         out_device = _output_device(parsed, output_device)
-        sharding: dict[str, Any] = {}
-        if plan is not False:  # each stage's layers sharded over its group of devices
-            stage_groups(parsed, stages if isinstance(stages, int) else len(stages) + 1)  # checked before capture
-            sharding = {"plan": plan, "sequence_parallel": bool(sequence_parallel), "sequence_copies": sequence_copies}
-        return PipelineRecipe(
+        sharding = {} if plan is False else {  # each stage's layers sharded over its group of devices
+            "plan": plan, "sequence_parallel": bool(sequence_parallel), "sequence_copies": sequence_copies}
+        recipe = PipelineRecipe(
             **common, devices=parsed, output_device=out_device, batch_dim=_check_batch_dim(batch_dim),
             context_parallel=bool(context_parallel), **sharding,
         )  # fmt: skip
+        if plan is not False:
+            stage_groups(parsed, recipe.stage_count)  # the arithmetic, before anything is captured
+        return recipe
     if is_device_mesh(devices):
         check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
         return SpmdRecipe(

@@ -51,7 +51,7 @@ from dpcompile.recipes import DataParallelRecipe, PipelineRecipe, Recipe, SpmdRe
 from dpcompile.recipes.meta import compile_meta_model, compile_on_fake
 from dpcompile.recipes.pipeline import check_pipeline_arguments
 from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe, check_pipeline_mesh
-from dpcompile.recipes.pipeline_tensor_parallel import pipeline_tensor_parallel_recipe
+from dpcompile.recipes.pipeline_tensor_parallel import stage_groups
 from dpcompile.target import replicate_over_dp, resolve_target, strategies_of
 
 TensorParallel = bool | Mapping[str, str]
@@ -390,15 +390,15 @@ def make_recipe(
             )  # fmt: skip
         parsed = parse_devices(devices)
         out_device = _output_device(parsed, output_device)
-        if plan is not False:  # each stage's layers sharded over its group of devices
-            return pipeline_tensor_parallel_recipe(
-                common, parsed, out_device, plan, _check_batch_dim(batch_dim), sequence_parallel=bool(sequence_parallel),
-                context_parallel=bool(context_parallel), sequence_copies=sequence_copies,
-            )  # fmt: skip
-        return PipelineRecipe(
+        sharding = {} if plan is False else {  # each stage's layers sharded over its group of devices
+            "plan": plan, "sequence_parallel": bool(sequence_parallel), "sequence_copies": sequence_copies}
+        recipe = PipelineRecipe(
             **common, devices=parsed, output_device=out_device, batch_dim=_check_batch_dim(batch_dim),
-            context_parallel=bool(context_parallel),
+            context_parallel=bool(context_parallel), **sharding,
         )  # fmt: skip
+        if plan is not False:
+            stage_groups(parsed, recipe.stage_count)  # the arithmetic, before anything is captured
+        return recipe
     if is_device_mesh(devices):
         check_mesh(devices, plan)  # a mesh that cannot serve the plan fails here, not mid-compile
         return SpmdRecipe(

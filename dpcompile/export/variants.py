@@ -78,11 +78,10 @@ def decode_signature(data: Any) -> Any:
 def _recipe_classes() -> dict[str, type]:
     from dpcompile.recipes.data_parallel import DataParallelRecipe
     from dpcompile.recipes.pipeline import PipelineRecipe
-    from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
     from dpcompile.recipes.tensor_parallel import TensorParallelRecipe
 
     return {"data_parallel": DataParallelRecipe, "tensor_parallel": TensorParallelRecipe,
-            "pipeline": PipelineRecipe, "pipeline_tensor_parallel": PipelineTensorParallelRecipe}  # fmt: skip
+            "pipeline": PipelineRecipe, "pipeline_tensor_parallel": PipelineRecipe}  # fmt: skip
 
 
 def encode_recipe(recipe: Any) -> dict[str, Any]:

@@ -9,7 +9,9 @@
 
 The module shares the model's parameters. Micro-batches are data parallelism's per-device
 values on one device per stage, so a mean loss, BatchNorm statistics and every gradient are the
-single-device ones (see ``passes/stage_transfers.py``).
+single-device ones (see ``passes/stage_transfers.py``). With ``plan`` (``tensor_parallel=``) each
+stage's layers are sharded over its group of devices: the tensor-parallel step of
+``recipes/pipeline_tensor_parallel.py`` (shard, then cut) builds that program instead.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -25,22 +27,21 @@ from torch import nn
 
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
-from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
-from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
+from dpcompile.errors import ArgumentError
+from dpcompile.fx_utils import copy_graph, graph_module
 from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.executors import hold_pipeline
 from dpcompile.modules.pipeline import Stage
+from dpcompile.modules.pipeline_1f1b import OneFOneBStep
 from dpcompile.program_cache import CallKey
-from dpcompile.progress import step_bar
+from dpcompile.recipes import pipeline_tensor_parallel as sharded
 from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, sharing_model
 from dpcompile.recipes.data_parallel import without_sequence_replicated
-from dpcompile.recipes.pipeline_1f1b import one_f_one_b_step
-from passes.borrowed_modules import find_module_homes, node_tensors
+from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights
 from passes.split_stages import STAGE, StagePlan, follow_plan, stage_programs
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -49,7 +50,11 @@ SCHEDULES = ("gpipe", "1f1b")
 @dataclass(frozen=True)
 class PipelineRecipe(Recipe):
     """``stages`` (a count, or the module paths where stages 1.. start) over ``devices`` (one
-    stage each), ``micro_batches`` per call, ``schedule`` (``"gpipe"`` or ``"1f1b"``)."""
+    stage each), ``micro_batches`` per call, ``schedule`` (``"gpipe"`` or ``"1f1b"``).
+
+    ``plan`` (``tensor_parallel=``: True or ``{path: style}``; False: none) shards each stage's
+    layers over a group of ``len(devices) // stages`` devices (stage ``i`` on
+    ``devices[i*T:(i+1)*T]``); ``check_available=False``: fake devices (placement checks)."""
 
     devices: Devices = Devices((torch.device("cpu"),))
     output_device: torch.device = torch.device("cpu")
@@ -58,13 +63,25 @@ class PipelineRecipe(Recipe):
     schedule: str = "gpipe"
     batch_dim: int | None = None
     context_parallel: bool = False  # {"pp", "cp"}: the micro-batches are pieces of the sequence (batch_dim 1)
+    plan: bool | Mapping[str, str] = False  # tensor parallel inside each stage
+    check_available: bool = True
+    sequence_parallel: bool = False  # with plan: each micro-batch's values between the pairs on sequence shards
+    sequence_copies: int = 1  # {"dp", "cp", "tp"}: dp copies of the cp x tp program (dp_devices: every copy's pieces)
 
-    serves_flags: ClassVar[bool] = True
+    @property
+    def serves_flags(self) -> bool:  # type: ignore[override]
+        return self.plan is False  # sharded stages are traced with their flags fixed, as tensor parallel
+
+    @property
+    def stage_count(self) -> int:
+        return self.stages if isinstance(self.stages, int) else len(self.stages) + 1
 
     def fake_layout_fields(self, pm: ParallelModule) -> dict[str, Any]:
-        return {}
+        return {} if self.plan is False else {"plan": dict(pm.plan) or True}
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
+        if self.plan is not False:
+            return sharded.compile_sharded_stages(self, model, example_inputs)
         if self.context_parallel:
             check_sequence_pipeline(example_inputs)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
@@ -110,9 +127,13 @@ class PipelineRecipe(Recipe):
         input_dims: Mapping[str, int | None],
         *,
         recompile: bool = True,
+        split_always: bool = False,
     ) -> fx.GraphModule:
-        """A captured (and tidied) graph lowered to the pipeline program for ``micro_batches``."""
-        pipeline = passes.pipeline_parallel_pipeline(self._options(input_dims), plan=plan, micro_batches=micro_batches)
+        """A captured (and tidied) graph lowered to the pipeline program for ``micro_batches``
+        (``split_always``: split even one, for 1F1B, :meth:`one_f_one_b_step`)."""
+        pipeline = passes.pipeline_parallel_pipeline(
+            self._options(input_dims), plan=plan, micro_batches=micro_batches, split_always=split_always
+        )
         finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(
             self.dp_micro_batches, self.dp_devices, prefix="cp" if self.context_parallel else "dp")
         borrowing = [functools.partial(passes.replicate_borrowed_modules, devices=self.devices)]
@@ -127,79 +148,32 @@ class PipelineRecipe(Recipe):
         return gm
 
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        if self.plan is not False:
+            return sharded.build_sharded_program(self, pm, key, args, kwargs)
         captured = departing_trace(self, pm, key)  # None: the main trace
         if captured is None and key.devices == pm.micro_batches and not key.unbatched:
             return None
-        owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
-        gm = graph_module(owner, copy_graph(graph), f"Pipeline{key.devices}")
-        plan = pm.stage_plan if captured is None else follow_plan(gm, pm.stage_plan)
+        gm, plan = _graph_to_lower(pm, captured, f"Pipeline{key.devices}")
         return self.lower(gm, plan, key.devices, {**pm.input_dims, **dict.fromkeys(key.unbatched)})
 
-    def one_f_one_b_step(self, pm: ParallelModule, key: CallKey) -> Any:
-        """The 1F1B step a training call as ``key`` runs (``recipes/pipeline_1f1b.py``)."""
-        return one_f_one_b_step(self, pm, key)
+    def one_f_one_b_step(self, pm: ParallelModule, key: CallKey) -> OneFOneBStep:
+        """The 1F1B step a training call as ``key`` (micro-batches, modes, None arguments, flags)
+        runs: its program, lowered with the micro-batches split even where there is one (so a mean
+        loss is always a partial sum and a count per micro-batch: the step back-propagates each sum
+        over the whole batch's count), run as units of one stage and micro-batch."""
+        if self.plan is not False:
+            return sharded.sharded_one_f_one_b_step(self, pm, key)
+        gm, plan = _graph_to_lower(pm, departing_trace(self, pm, key), f"OneFOneB{key.devices}")
+        program = self.lower(gm, plan, key.devices, pm.input_dims, split_always=True)
+        stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
+        return OneFOneBStep(program, stage_of, plan.stages, key.devices)
 
 
-def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = False) -> None:
-    """Move each stage's modules, parameters and buffers to its device, in place (as the PyTorch
-    model-parallel tutorial does: ``self.seq1.to("cuda:0")``). A module whose tensors an earlier
-    stage on another device holds (tied weights) stays there: with ``borrow`` the later stage calls
-    a replica of it (``passes/borrowed_modules.py``), without it the call is refused, with the way out."""
-    homes = find_module_homes(program, devices)
-    moves: list[tuple[nn.Module | None, str, torch.Tensor, int]] = []
-    seen: set[int] = set()
-    for node, s in homes.items():
-        if not borrow and node.op == "call_module" and s != node.meta[STAGE]:
-            raise DpCompileError(
-                f"'{node.target}' (stage {node.meta[STAGE]}, {devices[node.meta[STAGE]]}) holds a tensor stage {s} "
-                f"({devices[s]}) holds too (tied weights, or a module called in two stages); it cannot live on both "
-                "devices. Name stage boundaries (pipeline=[...module paths...]) that keep both in one stage"
-            )
-        for module, name, tensor in node_tensors(program, node):
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                moves.append((module, name, tensor, s))
-    bar = step_bar("Placing weights", len(moves))  # transform(progress=): one step a tensor
-    for module, name, tensor, s in moves:
-        device = devices[s]
-        bar.update()
-        if tensor.device == device:
-            continue
-        fake_mode = getattr(tensor, "fake_mode", None)
-        if fake_mode is not None and isinstance(tensor, nn.Parameter):  # a placement check on fake GPUs
-            with fake_mode:  # in place, as below: every module tree holding the Parameter (an exported
-                tensor.data = tensor.detach().to(device)  # program's and the model's) sees the move
-            tensor.fake_device = torch.device(device)  # a FakeTensor keeps its device beside its data
-        elif fake_mode is not None and module is not None:
-            with fake_mode:
-                store = module._parameters if name in module._parameters else module._buffers
-                moved = tensor.detach().to(device)
-                store[name] = (
-                    nn.Parameter(moved, requires_grad=tensor.requires_grad) if store is module._parameters else moved
-                )
-        elif isinstance(tensor, nn.Parameter):
-            tensor.data = tensor.data.to(device)  # the same Parameter: optimizers built on it still hold it
-        elif module is not None:
-            module._buffers[name] = tensor.to(device)
-
-
-def stage_weights(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[str, int] | None:
-    """The examples' shapes propagated through ``gm`` and each node's FLOPs, which weigh where the
-    stages are cut; None without examples."""
-    if example_inputs is None:
-        return None
-    propagate_shapes(gm, list(example_inputs), check=True)
-    return node_flops(gm, list(example_inputs))
-
-
-def check_sequence_pipeline(example_inputs: Sequence[Any] | None) -> None:
-    """A pipeline with ``cp`` (its micro-batches pieces of the sequence) finds them from examples
-    (``schedule=`` is checked with the keywords: GPipe only, ``dpcompile.keywords``)."""
-    if example_inputs is None:
-        raise DpCompileError(
-            "context parallel (a 'cp' dimension in mesh=) finds the sequence and attention's shapes from examples: "
-            "pass example_inputs= or example_kwargs= (e.g. input_ids=, labels=)"
-        )
+def _graph_to_lower(pm: ParallelModule, captured: fx.GraphModule | None, name: str) -> tuple[fx.GraphModule, StagePlan]:
+    """A copy of the graph a call lowers (``pm``'s main trace where ``captured`` is None) and its stage plan."""
+    owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)
+    gm = graph_module(owner, copy_graph(graph), name)
+    return gm, pm.stage_plan if captured is None else follow_plan(gm, pm.stage_plan)
 
 
 def _spelled(stages: int | tuple[str, ...]) -> str:

@@ -1,4 +1,4 @@
-"""Pipeline stages whose layers are tensor parallel, in one process:
+"""The tensor-parallel step of a one-process pipeline (``PipelineRecipe`` with ``plan``):
 ``transform(model, devices, pipeline=S, tensor_parallel=True | {path: style}, micro_batches=M)``.
 
 ``len(devices) == S * T``: stage ``i`` runs on ``devices[i*T:(i+1)*T]``, its linear layers sharded
@@ -16,30 +16,33 @@ Micro-batches are split before the shards are expanded, so each micro-batch's co
 runs on its stage's devices, and a mean loss, BatchNorm and every gradient keep the
 single-device values. Values that cross a stage boundary are whole (replicated or gathered):
 a cut between a column layer and the row layer it feeds is refused, with the way out.
+
+The order is the other way round from a mesh's (``recipes/pipeline_mesh_tp.py``: cut, then shard
+each stage's program): here the stages and micro-batches are nodes of one program, and
+``expand_shards`` must run after ``insert_scatter_gather`` so each micro-batch's pair stays on its
+stage's devices, so the one shard's program is written before the cut.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
 import re
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.cost import plan_cost
-from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, linear_paths, resolve_plan
+from dpcompile.analysis.sharding import embedding_paths, linear_paths, resolve_plan
 from dpcompile.capture import EXPORTED_FROM
 from dpcompile.capture.inputs import check_inputs
 from dpcompile.devices import Devices
@@ -57,13 +60,11 @@ from dpcompile.modules.sharded_state import hold_shards, param_bytes_per_slot
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
-from dpcompile.recipes.base import Recipe
-from dpcompile.recipes.constants import RealConstants, deepcopy_on_fake
 from dpcompile.recipes.data_parallel import without_sequence_replicated
-from dpcompile.recipes.pipeline import check_sequence_pipeline, place_stages, stage_weights
+from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights
 from dpcompile.recipes.tensor_parallel import (
     aliased_plan,
-    capture_owning_everything,
+    capture_to_shard,
     describe_choices,
     share_tied_shards,
     tied_groups,
@@ -85,240 +86,207 @@ from passes.stage_shards import (
 )
 
 
-@dataclass(frozen=True)
-class PipelineTensorParallelRecipe(Recipe):
-    """``stages`` (a count, or the module paths where stages 1.. start) over ``devices`` in groups of
-    ``len(devices) // stages`` (one group per stage, its layers sharded over the group by ``plan``),
-    ``micro_batches`` per call. ``check_available=False``: fake devices (placement checks)."""
-
-    devices: Devices = Devices((torch.device("cpu"),))
-    output_device: torch.device = torch.device("cpu")
-    stages: int | tuple[str, ...] = 1
-    micro_batches: int = 1
-    schedule: str = "gpipe"
-    batch_dim: int | None = None
-    plan: bool | Mapping[str, str] = True
-    check_available: bool = True
-    sequence_parallel: bool = False  # each micro-batch's values between the pairs on sequence shards
-    context_parallel: bool = False  # {"cp", "tp"}: the micro-batches are pieces of the sequence (batch_dim 1)
-    sequence_copies: int = 1  # {"dp", "cp", "tp"}: dp copies of the cp x tp program (dp_devices: every copy's pieces)
-
-    @property
-    def stage_count(self) -> int:
-        return self.stages if isinstance(self.stages, int) else len(self.stages) + 1
-
-    def groups(self) -> list[Devices]:
-        """The devices of each stage: ``devices[i*T:(i+1)*T]``."""
-        return stage_groups(self.devices, self.stage_count)
-
-    def compile(
-        self,
-        model: nn.Module,
-        example_inputs: Sequence[Any] | None,
-        *,
-        none_args: frozenset[str] = frozenset(),
-        flags: Mapping[str, Any] | None = None,
-    ) -> ParallelModule:
-        if self.context_parallel:
-            check_sequence_pipeline(example_inputs)
-        groups = self.groups()
-        shards = len(groups[0])
-        state_keys, state_aliases = list(model.state_dict().keys()), tied_state_keys(model)
-        owned = deepcopy_on_fake(model)  # the user's model is never touched; an exported one may hold real constants
-        on_fake = any(is_fake(t) for t in (*owned.parameters(), *owned.buffers()))  # a meta model's fake copy
-        with RealConstants() if on_fake else contextlib.nullcontext():  # `torch.tensor([...])` in forward: a real constant
-            gm, flags, none_args = capture_owning_everything(
-                owned, self.leaf_modules + linear_like_leaves(), example_inputs, none_args, flags
-            )
-        if passes.decompose_attention(gm).modified:
-            gm.recompile()
-        captured_code = gm.code
-        weights = stage_weights(gm, example_inputs)
-        input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
-        if self.context_parallel:
-            input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
-        styles, reasons = plan_for(gm, aliased_plan(self.plan), shards, model)
-        options = passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary, plan=styles)
-        gm, records = run_passes(gm, passes.frontend_pipeline(options))
-        inside = inside_sharded_regions(gm, resolve_plan(gm, plan=styles, n=shards).analysis.layouts)
-        stage_plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights, no_cut_before=inside)
-        if stage_plan.stages * shards != len(self.devices):
-            raise ArgumentError(
-                f"pipeline={self.stages!r} makes {stage_plan.stages} stages of {shards} tensor-parallel shards "
-                f"({stage_plan.stages} x {shards} = {stage_plan.stages * shards}), but {len(self.devices)} devices "
-                "were given"
-            )
-        shapes = {n.name: {k: n.meta[k] for k in ("val", "tensor_meta") if k in n.meta} for n in gm.graph.nodes}
-        gm, shard_records = run_passes(gm, passes.spmd_tensor_parallel_pipeline(options))
-        records += shard_records
-        if self.context_parallel:  # attention marked on one shard's program: each shard gathers its own heads
-            borrow_shapes(gm, shapes)
-            if self.sequence_copies > 1:  # {"dp", "cp", "tp"}: the batch split into the copies first
-                passes.split_one_shard_batch(gm, copies=self.sequence_copies, device=groups[0].primary, shapes=shapes)
-            if self.micro_batches > 1:  # one piece (a call shorter than cp) reads its own keys: nothing to gather
-                gm, exchange_records = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
-                records += exchange_records
-        shard_info = unaliased_findings(info_of(shard_records, "shard_linear"))
-        plan = stages_of_shards(gm, stage_plan)
+def compile_sharded_stages(
+    recipe: Any,
+    model: nn.Module,
+    example_inputs: Sequence[Any] | None,
+    *,
+    none_args: frozenset[str] = frozenset(),
+    flags: Mapping[str, Any] | None = None,
+) -> ParallelModule:
+    """``PipelineRecipe.compile`` with a ``plan``; ``none_args``/``flags``: a program for a call
+    that departs from the first one (:func:`build_sharded_program`)."""
+    if recipe.context_parallel:
+        check_sequence_pipeline(example_inputs)
+    groups = stage_groups(recipe.devices, recipe.stage_count)
+    shards = len(groups[0])
+    state_keys, state_aliases = list(model.state_dict().keys()), tied_state_keys(model)
+    gm, flags, none_args, _ = capture_to_shard(model, recipe.leaf_modules, example_inputs, none_args, flags)
+    captured_code = gm.code
+    weights = stage_weights(gm, example_inputs)
+    input_dims = infer_input_dims(gm, batch_dim=recipe.batch_dim, example_inputs=example_inputs)
+    if recipe.context_parallel:
+        input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
+    styles, reasons = plan_for(gm, aliased_plan(recipe.plan), shards, model)
+    options = passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary, plan=styles)
+    gm, records = run_passes(gm, passes.frontend_pipeline(options))
+    inside = inside_sharded_regions(gm, resolve_plan(gm, plan=styles, n=shards).analysis.layouts)
+    stage_plan = passes.find_stage_boundaries(gm, stages=recipe.stages, weights=weights, no_cut_before=inside)
+    if stage_plan.stages * shards != len(recipe.devices):
+        raise ArgumentError(
+            f"pipeline={recipe.stages!r} makes {stage_plan.stages} stages of {shards} tensor-parallel shards "
+            f"({stage_plan.stages} x {shards} = {stage_plan.stages * shards}), but {len(recipe.devices)} devices "
+            "were given"
+        )
+    shapes = {n.name: {k: n.meta[k] for k in ("val", "tensor_meta") if k in n.meta} for n in gm.graph.nodes}
+    gm, shard_records = run_passes(gm, passes.spmd_tensor_parallel_pipeline(options))
+    records += shard_records
+    if recipe.context_parallel:  # attention marked on one shard's program: each shard gathers its own heads
         borrow_shapes(gm, shapes)
-        name_own_sources(gm)
-        stage_devices = Devices(tuple(g.primary for g in groups))
-        programs = detached(stage_programs(gm, plan, stage_devices.strings()))
-        shard_shapes = {n.name: {k: n.meta[k] for k in ("val", "tensor_meta") if k in n.meta} for n in gm.graph.nodes}
-        lowered, expand_records = self.lower(gm, plan, self.micro_batches, input_dims, shard_shapes)
-        records += expand_records
-        place_shards(lowered, groups)
-        if placing := passes.place_copies_pipeline(self.dp_micro_batches, self.dp_devices):  # dp copies, each on its devices
-            lowered, _ = run_passes(lowered, placing)
-        # a tied name forward never reads (BERT's cls.predictions.bias, its decoder's bias sharded): the shards
-        param_shards = share_tied_shards(lowered, tied_groups(model), info_of(expand_records, "expand_shards")["param_shards"])
-        applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
-        applied.update(shard_info["plan"])
-        described = describe_choices(applied, shard_info)
-        reasons = {unalias(p): why for p, why in reasons.items()}
-        reasons = {p: reasons.get(p, described.get(p, "")) for p in {**described, **reasons}}
-        pm = ParallelModule(
-            lowered,
-            lowered.graph,
-            recipe=self,
-            devices=self.devices,
-            mode="pipeline_tensor_parallel",
-            input_dims=input_dims,
-            output_device=self.output_device,
-            plan=applied,
-            records=records,  # no captured program kept: it would hold the whole, unsharded layers
-            class_name=type(model).__name__,
-            share_all_of=lowered,
-            source=source_to_compile_again(model, groups[0].primary) if self.check_available else None,
-            flags=flags,
-            none_args=none_args,
-            shares_source=False,
+        if recipe.sequence_copies > 1:  # {"dp", "cp", "tp"}: the batch split into the copies first
+            passes.split_one_shard_batch(gm, copies=recipe.sequence_copies, device=groups[0].primary, shapes=shapes)
+        if recipe.micro_batches > 1:  # one piece (a call shorter than cp) reads its own keys: nothing to gather
+            gm, exchange_records = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
+            records += exchange_records
+    shard_info = unaliased_findings(info_of(shard_records, "shard_linear"))
+    plan = stages_of_shards(gm, stage_plan)
+    borrow_shapes(gm, shapes)
+    name_own_sources(gm)
+    stage_devices = Devices(tuple(g.primary for g in groups))
+    programs = detached(stage_programs(gm, plan, stage_devices.strings()))
+    shard_shapes = {n.name: {k: n.meta[k] for k in ("val", "tensor_meta") if k in n.meta} for n in gm.graph.nodes}
+    lowered, expand_records = lower_sharded(recipe, gm, plan, recipe.micro_batches, input_dims, shard_shapes)
+    records += expand_records
+    place_shards(lowered, groups)
+    if placing := passes.place_copies_pipeline(recipe.dp_micro_batches, recipe.dp_devices):  # dp copies, each on its devices
+        lowered, _ = run_passes(lowered, placing)
+    # a tied name forward never reads (BERT's cls.predictions.bias, its decoder's bias sharded): the shards
+    param_shards = share_tied_shards(lowered, tied_groups(model), info_of(expand_records, "expand_shards")["param_shards"])
+    applied = {path: "replicate" for path in [*linear_paths(model), *embedding_paths(model)]}
+    applied.update(shard_info["plan"])
+    described = describe_choices(applied, shard_info)
+    reasons = {unalias(p): why for p, why in reasons.items()}
+    reasons = {p: reasons.get(p, described.get(p, "")) for p in {**described, **reasons}}
+    pm = ParallelModule(
+        lowered,
+        lowered.graph,
+        recipe=recipe,
+        devices=recipe.devices,
+        mode="pipeline_tensor_parallel",
+        input_dims=input_dims,
+        output_device=recipe.output_device,
+        plan=applied,
+        records=records,  # no captured program kept: it would hold the whole, unsharded layers
+        class_name=type(model).__name__,
+        share_all_of=lowered,
+        source=source_to_compile_again(model, groups[0].primary) if recipe.check_available else None,
+        flags=flags,
+        none_args=none_args,
+        shares_source=False,
+    )
+    hold_shards(
+        pm,
+        state_keys=state_keys,
+        param_shards=param_shards,
+        plan_reasons=reasons,
+        comm_cost=plan_cost(shard_info["comms"], shards),
+        captured_code=captured_code,
+        state_aliases=state_aliases,
+    )
+    hold_stage_groups(pm, groups)
+    if isinstance(model, fx.GraphModule) and (exported := model.meta.get(EXPORTED_FROM)) is not None:
+        pm.__dict__["exported_inputs"] = (exported.inputs, type(exported.model).__name__)  # build_program checks
+    if example_inputs is not None and recipe.check_available:  # shapes for the programs export builds ahead
+        pm.__dict__[EXAMPLE_SHAPES] = [_on_meta(v) for v in example_inputs]
+    held = param_bytes_per_slot(pm)
+    stages = [
+        Stage(s, ",".join(groups[s].strings()), stage_plan.module_paths[s], stage_plan.weights[s],
+              sum(held[s * shards + k] for k in range(shards)), programs[s])
+        for s in range(stage_plan.stages)
+    ]  # fmt: skip
+    hold_pipeline(pm, stages=stages, micro_batches=recipe.micro_batches, schedule=recipe.schedule, stage_plan=plan)
+    pm.train(model.training)
+    if recipe.check_available:
+        watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: loud
+    return pm
+
+
+def lower_sharded(
+    recipe: Any, gm: fx.GraphModule, plan: StagePlan, micro_batches: int, input_dims: Mapping[str, int | None],
+    shapes: Mapping[str, Mapping[str, Any]] | None = None,
+) -> tuple[fx.GraphModule, list]:
+    """One shard's program (``gm``, staged by ``plan``) lowered to micro-batches on the stages,
+    then its shards expanded over each stage's devices (the parameters are cut here)."""
+    groups = stage_groups(recipe.devices, recipe.stage_count)
+    found, specs = shard_findings(gm)
+    stage_devices = Devices(tuple(g.primary for g in groups))
+    options = passes.PipelineOptions(
+        devices=stage_devices, input_dims=dict(input_dims), output_device=recipe.output_device
+    )
+    pipeline = passes.pipeline_parallel_pipeline(
+        options, plan=plan, micro_batches=micro_batches, split_always=recipe.schedule == "1f1b"
+    )
+    lowered, _ = run_passes(gm, pipeline, recompile=False)
+    restore_shard_layouts(lowered, found, specs)
+    sequence_records = shard_sequence(lowered, shapes or {}, groups[0]) if recipe.sequence_parallel else []
+    expand = functools.partial(passes.expand_shards, devices=groups[0], output_device=groups[0].primary)
+    exact = passes.exact_random_pipeline(passes.PipelineOptions(devices=groups[0], exact_random=recipe.exact_random))
+    expanded, records = run_passes(lowered, [expand, *exact], recompile=False)
+    records = sequence_records + records
+    read_each_parameter_once(expanded)
+    tidy_micro_batch_names(expanded)
+    finishing = passes.checkpoint_pipeline(recipe.checkpointed, recipe.checkpoint_save) + passes.dp_copies_pipeline(
+        recipe.dp_micro_batches, prefix="cp" if recipe.context_parallel else "dp")
+    if recipe.sequence_copies > 1:  # x_dp1_cp0: copy 1's piece 0
+        pieces = len(recipe.dp_devices or ()) // recipe.sequence_copies  # cp's, whatever a short call splits into
+        finishing.append(functools.partial(passes.number_copies_of_pieces, pieces=pieces))
+    expanded, _ = run_passes(expanded, finishing, recompile=False)
+    expanded.recompile()
+    return expanded, records
+
+
+def shard_sequence(gm: fx.GraphModule, shapes: Mapping[str, Mapping[str, Any]], devices: Devices) -> list:
+    """``shard_sequence`` over a stage's ``devices`` on each micro-batch (a dp copy's part of the
+    batch) of the lowered program: its nodes read the whole batch's shape records (``shapes``) for the pass, which splits the
+    sequence (dim 1) and never the batch, and are left without them after."""
+    borrowed = [n for n in gm.graph.nodes
+                if "val" not in n.meta and "tensor_meta" not in n.meta and n.op != "get_attr"]  # fmt: skip
+    for node in borrowed:  # fc2_all_reduce_mb1: fc2_all_reduce's record
+        node.meta.update(shapes.get(re.sub(r"_mb\d+$", "", node.name), {}))
+    gm, records = run_passes(gm, [functools.partial(passes.shard_sequence, devices=devices)], recompile=False)
+    made = {id(n.meta["val"]) for n in borrowed if "val" in n.meta}
+    for node in gm.graph.nodes:
+        if node in borrowed or id(node.meta.get("val")) in made:
+            node.meta.pop("val", None)
+            node.meta.pop("tensor_meta", None)
+        stages = [a.meta[STAGE] for a in node.all_input_nodes if STAGE in a.meta]
+        made_here = node.op != "output" and node.meta.get("dpcompile_pass") != "insert_stage_transfers"
+        if STAGE not in node.meta and stages and made_here:  # a node the pass made: its inputs' stage (the
+            node.meta[STAGE] = max(stages)  # output's send has none: it goes to the output device)
+    return records
+
+
+def build_sharded_program(
+    recipe: Any, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict
+) -> fx.GraphModule | None:
+    """``PipelineRecipe.build_program`` with a ``plan``: the program for fewer micro-batches (a
+    small batch), another mode or other arguments left None: compiled again on the fake copy of
+    the model with ``pm``'s plan, its code run on ``pm``'s shards."""
+    source = pm.traced_model
+    if source is None:
+        raise pm.cannot_trace_again(key)
+    if (exported := pm.__dict__.get("exported_inputs")) is not None and (args or kwargs):  # export fixed these
+        check_inputs(exported[0], args, kwargs, exported[1])
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    values = bind_inputs(pm, args, kwargs) if args or kwargs else _example_shapes(pm, key)
+    with modes_applied(source, key.modes), mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        example = None if values is None else tree_map(
+            lambda v: mode.from_tensor(v.detach()).to(recipe.devices.primary) if isinstance(v, torch.Tensor) else v,
+            values,
+        )  # fmt: skip
+        variant = dataclasses.replace(recipe, plan=dict(pm.plan), micro_batches=key.devices, check_available=False)
+        built = compile_sharded_stages(variant, source, example, none_args=key.none_args, flags=dict(key.flags))
+    if built.param_shards != tensor_parallel_shards(pm):
+        raise DpCompileError(
+            f"the call ({key.describe()}) takes another path through forward, whose layers shard "
+            "differently; transform the model for that call (example_inputs= of it)"
         )
-        hold_shards(
-            pm,
-            state_keys=state_keys,
-            param_shards=param_shards,
-            plan_reasons=reasons,
-            comm_cost=plan_cost(shard_info["comms"], shards),
-            captured_code=captured_code,
-            state_aliases=state_aliases,
-        )
-        hold_stage_groups(pm, groups)
-        if isinstance(model, fx.GraphModule) and (exported := model.meta.get(EXPORTED_FROM)) is not None:
-            pm.__dict__["exported_inputs"] = (exported.inputs, type(exported.model).__name__)  # build_program checks
-        if example_inputs is not None and self.check_available:  # shapes for the programs export builds ahead
-            pm.__dict__[EXAMPLE_SHAPES] = [_on_meta(v) for v in example_inputs]
-        held = param_bytes_per_slot(pm)
-        stages = [
-            Stage(s, ",".join(groups[s].strings()), stage_plan.module_paths[s], stage_plan.weights[s],
-                  sum(held[s * shards + k] for k in range(shards)), programs[s])
-            for s in range(stage_plan.stages)
-        ]  # fmt: skip
-        hold_pipeline(pm, stages=stages, micro_batches=self.micro_batches, schedule=self.schedule, stage_plan=plan)
-        pm.train(model.training)
-        if self.check_available:
-            watch_source_parameters(model)  # an optimizer over model.parameters() would train nothing: loud
-        return pm
-
-    def lower(
-        self, gm: fx.GraphModule, plan: StagePlan, micro_batches: int, input_dims: Mapping[str, int | None],
-        shapes: Mapping[str, Mapping[str, Any]] | None = None,
-    ) -> tuple[fx.GraphModule, list]:
-        """One shard's program (``gm``, staged by ``plan``) lowered to micro-batches on the stages,
-        then its shards expanded over each stage's devices (the parameters are cut here)."""
-        groups = self.groups()
-        found, specs = shard_findings(gm)
-        stage_devices = Devices(tuple(g.primary for g in groups))
-        options = passes.PipelineOptions(
-            devices=stage_devices, input_dims=dict(input_dims), output_device=self.output_device
-        )
-        pipeline = passes.pipeline_parallel_pipeline(
-            options, plan=plan, micro_batches=micro_batches, split_always=self.schedule == "1f1b"
-        )
-        lowered, _ = run_passes(gm, pipeline, recompile=False)
-        restore_shard_layouts(lowered, found, specs)
-        sequence_records = self.shard_sequence(lowered, shapes or {}) if self.sequence_parallel else []
-        expand = passes.tensor_parallel_pipeline(
-            passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary)
-        )[-1]
-        exact = passes.exact_random_pipeline(passes.PipelineOptions(devices=groups[0], exact_random=self.exact_random))
-        expanded, records = run_passes(lowered, [expand, *exact], recompile=False)
-        records = sequence_records + records
-        read_each_parameter_once(expanded)
-        tidy_micro_batch_names(expanded)
-        finishing = passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save) + passes.dp_copies_pipeline(
-            self.dp_micro_batches, prefix="cp" if self.context_parallel else "dp")
-        if self.sequence_copies > 1:  # x_dp1_cp0: copy 1's piece 0
-            pieces = len(self.dp_devices or ()) // self.sequence_copies  # cp's, whatever a short call splits into
-            finishing.append(functools.partial(passes.number_copies_of_pieces, pieces=pieces))
-        expanded, _ = run_passes(expanded, finishing, recompile=False)
-        expanded.recompile()
-        return expanded, records
-
-    def shard_sequence(self, gm: fx.GraphModule, shapes: Mapping[str, Mapping[str, Any]]) -> list:
-        """``shard_sequence`` on each micro-batch (a dp copy's part of the batch) of the lowered program:
-        its nodes read the whole batch's shape records (``shapes``) for the pass, which splits the
-        sequence (dim 1) and never the batch, and are left without them after."""
-        borrowed = [n for n in gm.graph.nodes
-                    if "val" not in n.meta and "tensor_meta" not in n.meta and n.op != "get_attr"]  # fmt: skip
-        for node in borrowed:  # fc2_all_reduce_mb1: fc2_all_reduce's record
-            node.meta.update(shapes.get(re.sub(r"_mb\d+$", "", node.name), {}))
-        gm, records = run_passes(gm, [functools.partial(passes.shard_sequence, devices=self.groups()[0])], recompile=False)
-        made = {id(n.meta["val"]) for n in borrowed if "val" in n.meta}
-        for node in gm.graph.nodes:
-            if node in borrowed or id(node.meta.get("val")) in made:
-                node.meta.pop("val", None)
-                node.meta.pop("tensor_meta", None)
-            stages = [a.meta[STAGE] for a in node.all_input_nodes if STAGE in a.meta]
-            made_here = node.op != "output" and node.meta.get("dpcompile_pass") != "insert_stage_transfers"
-            if STAGE not in node.meta and stages and made_here:  # a node the pass made: its inputs' stage (the
-                node.meta[STAGE] = max(stages)  # output's send has none: it goes to the output device)
-        return records
-
-    def fake_layout_fields(self, pm: ParallelModule) -> dict[str, Any]:
-        return {"plan": dict(pm.plan) or True}
-
-    def build_program(
-        self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict
-    ) -> fx.GraphModule | None:
-        """The program for fewer micro-batches (a small batch), another mode or other arguments left
-        None: the recipe compiled again on the fake copy of the model with ``pm``'s plan, its code
-        run on ``pm``'s shards."""
-        source = pm.traced_model
-        if source is None:
-            raise pm.cannot_trace_again(key)
-        if (exported := pm.__dict__.get("exported_inputs")) is not None and (args or kwargs):  # export fixed these
-            check_inputs(exported[0], args, kwargs, exported[1])
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = bind_inputs(pm, args, kwargs) if args or kwargs else _example_shapes(pm, key)
-        with modes_applied(source, key.modes), mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            example = None if values is None else tree_map(
-                lambda v: mode.from_tensor(v.detach()).to(self.devices.primary) if isinstance(v, torch.Tensor) else v,
-                values,
-            )  # fmt: skip
-            variant = dataclasses.replace(self, plan=dict(pm.plan), micro_batches=key.devices, check_available=False)
-            built = variant.compile(source, example, none_args=key.none_args, flags=dict(key.flags))
-        if built.param_shards != tensor_parallel_shards(pm):
-            raise DpCompileError(
-                f"the call ({key.describe()}) takes another path through forward, whose layers shard "
-                "differently; transform the model for that call (example_inputs= of it)"
-            )
-        return (
-            None
-            if built.code == pm.code
-            else graph_module(pm, copy_graph(built.graph), "PipelineTensorParallelVariant")
-        )
+    return (
+        None
+        if built.code == pm.code
+        else graph_module(pm, copy_graph(built.graph), "PipelineTensorParallelVariant")
+    )
 
 
-    def one_f_one_b_step(self, pm: ParallelModule, key: CallKey) -> OneFOneBStep:
-        """The 1F1B step of a training call as ``key``: the program the call runs (lowered with its
-        micro-batches split even where there is one, see :meth:`lower`), run as units of one stage
-        and micro-batch, each unit's shards and their collectives together."""
-        program = pm.program_cache.program(key, (), {})
-        program = pm if program is None else program
-        stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
-        return OneFOneBStep(program, stage_of, self.stage_count, key.devices)
+def sharded_one_f_one_b_step(recipe: Any, pm: ParallelModule, key: CallKey) -> OneFOneBStep:
+    """``PipelineRecipe.one_f_one_b_step`` with a ``plan``: the program a training call as ``key``
+    runs (lowered with its micro-batches split even where there is one, see :func:`lower_sharded`),
+    run as units of one stage and micro-batch, each unit's shards and their collectives together."""
+    program = pm.program_cache.program(key, (), {})
+    program = pm if program is None else program
+    stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
+    return OneFOneBStep(program, stage_of, recipe.stage_count, key.devices)
 
 
 def source_to_compile_again(model: nn.Module, device: torch.device) -> nn.Module | None:
@@ -396,20 +364,6 @@ def detached(programs: Sequence[fx.GraphModule]) -> list[fx.GraphModule]:
     return out
 
 
-def pipeline_tensor_parallel_recipe(
-    common: Mapping[str, Any], devices: Devices, output_device: torch.device, plan: bool | Mapping[str, str],
-    batch_dim: int | None, **options: Any,
-) -> PipelineTensorParallelRecipe:  # fmt: skip
-    """``transform``'s arguments for ``pipeline=`` with ``tensor_parallel=`` in one process, checked
-    (``common``: the fields of every recipe and the pipeline's ``stages``, ``micro_batches`` and ``schedule``)."""
-    stages = common["stages"]
-    count = stages if isinstance(stages, int) else len(stages) + 1
-    stage_groups(devices, count)  # the arithmetic, before anything is captured
-    return PipelineTensorParallelRecipe(
-        **common, devices=devices, output_device=output_device, batch_dim=batch_dim, plan=plan, **options
-    )
-
-
 #: ``pm.__dict__`` key: the examples transform was given, as meta tensors (shapes and dtypes only)
 EXAMPLE_SHAPES = "example_shapes"
 
@@ -429,8 +383,9 @@ def _example_shapes(pm: ParallelModule, key: CallKey) -> list[Any] | None:
     return [None if name in key.none_args else value for name, value in zip(names, examples)]
 
 __all__ = [
-    "PipelineTensorParallelRecipe",
-    "pipeline_tensor_parallel_recipe",
+    "build_sharded_program",
+    "compile_sharded_stages",
     "place_shards",
+    "sharded_one_f_one_b_step",
     "stage_groups",
 ]

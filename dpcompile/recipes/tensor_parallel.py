@@ -81,21 +81,14 @@ class TensorParallelRecipe(Recipe):
         state_keys = list(model.state_dict().keys())
         state_aliases = tied_state_keys(model)
         ties = tied_groups(model)
-        owned = deepcopy_on_fake(model)  # the user's model is never touched (an exported one may hold real constants)
-        leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, sharded as Linears
-        on_fake = any(is_fake(t) for t in (*owned.parameters(), *owned.buffers()))  # a meta model's fake copy
-        with RealConstants() if on_fake else contextlib.nullcontext():  # `torch.tensor([...])` in forward: a real constant
-            gm, flags, none_args = capture_owning_everything(owned, leaves, example_inputs, none_args, flags)
-        attention = passes.decompose_attention(gm)  # nn.MultiheadAttention written out, so heads can be sharded
-        if attention.modified:
-            gm.recompile()
+        gm, flags, none_args, kept_whole = capture_to_shard(model, self.leaf_modules, example_inputs, none_args, flags)
         captured_code = gm.code  # after decompose_attention: its dropout_p follows the mode
         if example_inputs is not None:
             propagate_shapes(gm, list(example_inputs), check=True)
         styles, reasons = plan_for(gm, aliased_plan(self.plan), len(self.devices), model)
         reasons = {unalias(p): why for p, why in reasons.items()}
         whole = {p: why_whole(gm, p) for p in [*linear_paths(model), *embedding_paths(model)]}  # before the rewrite
-        reasons.update({p: f"kept whole: {why}" for p, why in attention.info["kept"].items()})
+        reasons.update({p: f"kept whole: {why}" for p, why in kept_whole.items()})
         if self.sequence_parallel and example_inputs is None:
             raise DpCompileError(
                 "sequence_parallel=True finds the sequence dim from the example's shapes: pass example_inputs= "
@@ -243,6 +236,29 @@ def _attribute(module: nn.Module, target: str) -> Any:
         if value is None:
             return None
     return value
+
+
+def capture_to_shard(
+    model: nn.Module,
+    leaf_modules: tuple[type[nn.Module], ...],
+    example_inputs: Sequence[Any] | None,
+    none_args: frozenset[str],
+    flags: Mapping[str, Any] | None,
+) -> tuple[fx.GraphModule, dict[str, Any], frozenset[str], dict[str, str]]:
+    """A copy of ``model`` (the user's is never touched; an exported one may hold real constants)
+    captured owning all its state (:func:`capture_owning_everything`), Conv1D-like layers kept as
+    calls (sharded as Linears), ``nn.MultiheadAttention`` written out so heads can be sharded.
+    Returns the graph, its flags, the arguments traced as None and ``{attention path: why kept whole}``."""
+    owned = deepcopy_on_fake(model)
+    on_fake = any(is_fake(t) for t in (*owned.parameters(), *owned.buffers()))  # a meta model's fake copy
+    with RealConstants() if on_fake else contextlib.nullcontext():  # `torch.tensor([...])` in forward: a real constant
+        gm, flags, none_args = capture_owning_everything(
+            owned, leaf_modules + linear_like_leaves(), example_inputs, none_args, flags
+        )
+    attention = passes.decompose_attention(gm)
+    if attention.modified:
+        gm.recompile()
+    return gm, flags, none_args, attention.info["kept"]
 
 
 def capture_owning_everything(

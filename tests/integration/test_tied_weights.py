@@ -184,7 +184,7 @@ def test_tied_linear_across_pipeline_tensor_parallel_stages_is_replicated():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dpcompile.devices import parse_devices
-    from dpcompile.recipes.pipeline_tensor_parallel import PipelineTensorParallelRecipe
+    from dpcompile.recipes import PipelineRecipe
     from tests.integration.test_pipeline_tensor_parallel import _inputs
 
     reference = _tied_stack()
@@ -199,8 +199,8 @@ def test_tied_linear_across_pipeline_tensor_parallel_stages_is_replicated():
     with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
         devices = parse_devices([f"cuda:{i}" for i in range(4)], check_available=False)
-        recipe = PipelineTensorParallelRecipe(devices=devices, output_device=devices.primary, stages=2,
-                                              micro_batches=2, check_available=False)  # fmt: skip
+        recipe = PipelineRecipe(devices=devices, output_device=devices.primary, stages=2, micro_batches=2,
+                                plan=True, check_available=False)  # fmt: skip
         fake = recipe.compile(stack, None)
         with torch.no_grad():
             logits, _ = fake(torch.randn(7, 8, device="cuda:0"), torch.randint(0, 3, (7,), device="cuda:0"))

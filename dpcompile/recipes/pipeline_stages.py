@@ -1,0 +1,85 @@
+"""What every one-process pipeline does with its stages, sharded or not: weigh them (FLOPs, where
+the cut goes), place them (each stage's tensors on its device, in place), and check that a
+sequence pipeline (``cp`` over ``pp``) has the examples it finds the sequence from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.analysis.split_fraction import node_flops
+from dpcompile.devices import Devices
+from dpcompile.errors import DpCompileError
+from dpcompile.fx_utils import propagate_shapes
+from dpcompile.progress import step_bar
+from passes.borrowed_modules import find_module_homes, node_tensors
+from passes.split_stages import STAGE
+
+
+def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = False) -> None:
+    """Move each stage's modules, parameters and buffers to its device, in place (as the PyTorch
+    model-parallel tutorial does: ``self.seq1.to("cuda:0")``). A module whose tensors an earlier
+    stage on another device holds (tied weights) stays there: with ``borrow`` the later stage calls
+    a replica of it (``passes/borrowed_modules.py``), without it the call is refused, with the way out."""
+    homes = find_module_homes(program, devices)
+    moves: list[tuple[nn.Module | None, str, torch.Tensor, int]] = []
+    seen: set[int] = set()
+    for node, s in homes.items():
+        if not borrow and node.op == "call_module" and s != node.meta[STAGE]:
+            raise DpCompileError(
+                f"'{node.target}' (stage {node.meta[STAGE]}, {devices[node.meta[STAGE]]}) holds a tensor stage {s} "
+                f"({devices[s]}) holds too (tied weights, or a module called in two stages); it cannot live on both "
+                "devices. Name stage boundaries (pipeline=[...module paths...]) that keep both in one stage"
+            )
+        for module, name, tensor in node_tensors(program, node):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                moves.append((module, name, tensor, s))
+    bar = step_bar("Placing weights", len(moves))  # transform(progress=): one step a tensor
+    for module, name, tensor, s in moves:
+        device = devices[s]
+        bar.update()
+        if tensor.device == device:
+            continue
+        fake_mode = getattr(tensor, "fake_mode", None)
+        if fake_mode is not None and isinstance(tensor, nn.Parameter):  # a placement check on fake GPUs
+            with fake_mode:  # in place, as below: every module tree holding the Parameter (an exported
+                tensor.data = tensor.detach().to(device)  # program's and the model's) sees the move
+            tensor.fake_device = torch.device(device)  # a FakeTensor keeps its device beside its data
+        elif fake_mode is not None and module is not None:
+            with fake_mode:
+                store = module._parameters if name in module._parameters else module._buffers
+                moved = tensor.detach().to(device)
+                store[name] = (
+                    nn.Parameter(moved, requires_grad=tensor.requires_grad) if store is module._parameters else moved
+                )
+        elif isinstance(tensor, nn.Parameter):
+            tensor.data = tensor.data.to(device)  # the same Parameter: optimizers built on it still hold it
+        elif module is not None:
+            module._buffers[name] = tensor.to(device)
+
+
+def stage_weights(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[str, int] | None:
+    """The examples' shapes propagated through ``gm`` and each node's FLOPs, which weigh where the
+    stages are cut; None without examples."""
+    if example_inputs is None:
+        return None
+    propagate_shapes(gm, list(example_inputs), check=True)
+    return node_flops(gm, list(example_inputs))
+
+
+def check_sequence_pipeline(example_inputs: Sequence[Any] | None) -> None:
+    """A pipeline with ``cp`` (its micro-batches pieces of the sequence) finds them from examples
+    (``schedule=`` is checked with the keywords: GPipe only, ``dpcompile.keywords``)."""
+    if example_inputs is None:
+        raise DpCompileError(
+            "context parallel (a 'cp' dimension in mesh=) finds the sequence and attention's shapes from examples: "
+            "pass example_inputs= or example_kwargs= (e.g. input_ids=, labels=)"
+        )
+
+
+__all__ = ["check_sequence_pipeline", "place_stages", "stage_weights"]

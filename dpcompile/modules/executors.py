@@ -113,6 +113,10 @@ class PlainExecutor:
     def train(self, pm: Any, mode: bool) -> None:
         """What ``pm.train(mode)`` switches beside the modules (a wrapper's flag over a mesh)."""
 
+    def materialized(self, pm: Any, memo: dict[int, torch.Tensor]) -> None:
+        """A program built on meta was given memory (``memo``: ``{id(fake): real}``): what the executor
+        holds beside the program's own tensors follows."""
+
     def no_sync(self, pm: Any) -> contextlib.AbstractContextManager:
         """``pm.no_sync()``: nothing reduces gradients across processes here, so nothing to skip."""
         return contextlib.nullcontext()

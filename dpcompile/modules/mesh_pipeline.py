@@ -213,6 +213,11 @@ class MeshPipelineExecutor(PlainExecutor):
 MESH_PIPELINE = MeshPipelineExecutor()
 
 
+def is_mesh_pipeline(pm: Any) -> bool:
+    """Whether ``pm`` is one rank's stage of a pipeline over a mesh (what tools ask, not its class)."""
+    return getattr(pm, "executor", None) == MESH_PIPELINE.name
+
+
 def _first_micro_batch(inputs: tuple, count: int) -> tuple:
     return tuple(torch.tensor_split(t, count)[0] if isinstance(t, torch.Tensor) and t.dim() else t for t in inputs)
 
@@ -458,5 +463,6 @@ def _positional(names: list[str], args: tuple, kwargs: dict) -> tuple:
 
 __all__ = [
     "MESH_PIPELINE", "MeshPipelineExecutor", "attach_shards", "count_program", "example_stage_inputs", "hold_program",
+    "is_mesh_pipeline",
     "mesh_pipeline_module", "shard_over_dp",
 ]

@@ -169,7 +169,9 @@ def _message_step(rank: int, batched: bool, count: int = 20) -> Any:
 
 def _stage_call(pm: Any) -> Any:
     """The rank's stage program on one micro-batch of 1 row, forward then backward, alone."""
-    ins = pm.example_stage_inputs(_batch())
+    from dpcompile.modules.mesh_pipeline import example_stage_inputs
+
+    ins = example_stage_inputs(pm, _batch())
     ins = tuple(torch.randn(1, *t.shape[1:]).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
                 and t.is_floating_point() else t for t in ins)  # fmt: skip
 

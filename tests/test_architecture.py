@@ -15,6 +15,7 @@ checked with ``networkx``.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -116,6 +117,18 @@ def test_architecture_no_private_name_crosses_a_file():
     """``from dpcompile.x import _helper`` in another file: make the helper public or keep it home."""
     _, private = import_graph()
     assert not private, "\n".join(f"{a} imports {name} from {b}" for a, b, name in private)
+
+
+def test_architecture_one_module_kind():
+    """No class of ours subclasses ``ParallelModule``: what runs a program is the executor it holds
+    (``modules/executors.py``), not a class of its own (a mesh pipeline's stage was the last one)."""
+    subclasses = [
+        f"{name}.{found.group(1)}"
+        for name, path in _package_modules().items()
+        for found in re.finditer(r"^\s*class (\w+)\(([^)]*)\)", path.read_text(), re.M)
+        if re.search(r"\bParallelModule\b", found.group(2))
+    ]
+    assert not subclasses, f"subclasses of ParallelModule: {subclasses}; give the program an executor instead"
 
 
 @pytest.mark.parametrize("module", sorted(_package_modules()))

@@ -27,9 +27,10 @@ from dpcompile.checkpoint.files import Runs
 from dpcompile.checkpoint.headers import Checkpoint, CheckpointError
 from dpcompile.checkpoint.rank_writes import Block, piece_blocks
 from dpcompile.checkpoint.slices import read_blocks
-from dpcompile.checkpoint.stages import is_mesh_pipeline, stage_state
+from dpcompile.checkpoint.stages import stage_state
 from dpcompile.checkpoint.targets import Piece, Target, shard_runs, targets_of, tie_groups
 from dpcompile.fx_utils import unalias
+from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
 
 STATE_PREFIX = "optimizer.state."
 LIKE_PARAM = "param"  # a state tensor laid out as its parameter (exp_avg, momentum_buffer): sliced as it is

@@ -21,7 +21,7 @@ from dpcompile.checkpoint.files import (
     write_safetensors,
 )
 from dpcompile.checkpoint.rank_save import save_by_ranks, switch_over
-from dpcompile.checkpoint.stages import is_mesh_pipeline, merge_stage_states
+from dpcompile.checkpoint.stages import merge_stage_states
 from dpcompile.checkpoint.targets import check_program, targets_of, tie_groups
 from dpcompile.checkpoint.training import (
     check_training_objects,
@@ -33,6 +33,7 @@ from dpcompile.checkpoint.training import (
 )
 from dpcompile.errors import ArgumentError
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
 from dpcompile.progress import check_progress, progress_bar
 
 log = logging.getLogger("dpcompile")

@@ -22,11 +22,6 @@ from dpcompile.checkpoint.files import CheckpointError
 from dpcompile.fx_utils import unalias
 
 
-def is_mesh_pipeline(pm: Any) -> bool:
-    """Whether ``pm`` is one rank's stage of a pipeline over a mesh."""
-    return getattr(pm, "executor", None) == "pipelining"
-
-
 def stage_state(pm: Any) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` of this rank's stage program (its own names, aliases undone)."""
     return {unalias(k): v for k, v in pm.program.state_dict(keep_vars=True).items()}
@@ -104,4 +99,4 @@ def _held_elsewhere(key: str) -> Any:
     return refuse
 
 
-__all__ = ["is_mesh_pipeline", "merge_stage_states", "stage_state", "stage_targets"]
+__all__ = ["merge_stage_states", "stage_state", "stage_targets"]

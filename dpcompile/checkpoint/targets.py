@@ -19,10 +19,11 @@ from torch import nn
 from dpcompile.checkpoint.dtensors import localize
 from dpcompile.checkpoint.files import Runs
 from dpcompile.checkpoint.runs import rows_at_once, staging_budget
-from dpcompile.checkpoint.stages import is_mesh_pipeline, stage_targets
+from dpcompile.checkpoint.stages import stage_targets
 from dpcompile.errors import ArgumentError
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
 from dpcompile.runtime.distributed import MeshGroup
 from dpcompile.runtime.tensor_parallel import ShardSpec, unshard
 
@@ -176,7 +177,7 @@ def _full_shape(shard: torch.Tensor, spec: ShardSpec) -> tuple[int, ...]:
 
 def check_program(pm: object, what: str) -> None:
     """``pm`` is what ``transform`` returned (a model itself is refused by name, not deep inside)."""
-    if not (isinstance(pm, ParallelModule) or is_mesh_pipeline(pm)):
+    if not isinstance(pm, ParallelModule):
         raise ArgumentError(
             f"{what}(pm, path) needs the module dpcompile.transform returned, got {type(pm).__name__}: pass pm "
             "(its state_dict keys are the model's)"

@@ -36,6 +36,7 @@ from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.explanation import explain, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
+from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
 from dpcompile.modules.mesh_stage import MESH_PIPELINE_INSPECTION
 from dpcompile.runtime import checkpoint
 from dpcompile.runtime.kept import tensors_kept
@@ -210,7 +211,7 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
     buffers, the RNG state and every parameter and buffer slot are left as they were."""
     if not isinstance(pm, fx.GraphModule) or not hasattr(pm, "program_for_call"):
         raise DpCompileError(f"measure needs a dpcompile.ParallelModule, got {type(pm).__name__}")
-    if getattr(pm, "executor", None) == "pipelining":  # a rank's stage waits on the others: refused before any run
+    if is_mesh_pipeline(pm):  # a rank's stage waits on the others: refused before any run
         raise DpCompileError(MESH_PIPELINE_INSPECTION)
     with tensors_kept(*inspected_modules(pm)):
         return _measure(pm, args, kwargs)

@@ -28,7 +28,7 @@ from dpcompile.analysis.random_ops import per_device_note
 from dpcompile.capture import ROOT_LEAF, DpTracer
 from dpcompile.capture.decided import branch_not_captured
 from dpcompile.devices import Devices
-from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import (
     ALIAS_PREFIX,
     RESERVED_NAMES,
@@ -54,10 +54,9 @@ from dpcompile.modules.hooks import (
 from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
 from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_parametrized
-from dpcompile.modules.sharded_state import cut_pieces, load_pieces, param_bytes_per_slot, whole_state_dict
+from dpcompile.modules.sharded_state import cut_pieces, param_bytes_per_slot
 from dpcompile.modules.weights import LoadsWeights, needs_weights
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
-from dpcompile.runtime.structures import tensor_leaves
 
 log = logging.getLogger("dpcompile")
 
@@ -238,38 +237,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         return out
 
     def batch_size(self, args: tuple, kwargs: dict) -> int | None:
-        """The batch size of a call, checking that every split argument agrees."""
-        seen: tuple[str, int] | None = None
-        forced = getattr(self.recipe, "batch_dim", None)
-        for position, name, dim in self._split_inputs:
-            if position < len(args):
-                value = args[position]
-            elif name in kwargs:
-                value = kwargs[name]
-            else:
-                continue
-            for path, tensor in tensor_leaves(value):
-                if tensor.dim() <= dim:
-                    if forced is not None and tensor.dim() > 0:
-                        raise ArgumentError(
-                            f"batch_dim={forced}, but argument '{name}{path}' has {tensor.dim()} dims "
-                            f"(shape {tuple(tensor.shape)}); pass a batch_dim below {tensor.dim()}, or None to infer it"
-                        )
-                    continue
-                size = tensor.size(dim)
-                where = f"{name}{path}"
-                if seen is None:
-                    seen = (where, size)
-                elif size != seen[1]:
-                    raise ArgumentError(
-                        f"argument '{where}' has batch size {size} on dim {dim}, but '{seen[0]}' has "
-                        f"{seen[1]}; every split input must carry the same batch. If '{name}' has no batch "
-                        f"(it broadcasts), pass example_inputs= that give '{name}' an example value, so that it "
-                        "is replicated, not split; or batch_dim= to choose another dim"
-                    )
-        if seen is not None and seen[1] == 0:
-            raise ArgumentError(f"argument '{seen[0]}' has an empty batch (size 0); there is nothing to split")
-        return None if seen is None else seen[1]
+        """The batch size of a call, checking that every split argument agrees (its executor reads it)."""
+        return self._executor.batch_size(self, args, kwargs)
 
     def _is_unbatched(self, args: tuple, kwargs: dict) -> bool:
         """Whether an input has fewer dims than the batch rules assumed of it (the batch analysis
@@ -310,6 +279,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
 
     def call_key(self, *args: Any, **kwargs: Any) -> CallKey:
         """What the program for this call is specialised on (see :class:`CallKey`)."""
+        self._executor.check_supported(self, "call_key")
         signature = self.call_signature
         nones, flags = signature.departures(args, kwargs) if signature.optional or signature.flags else (frozenset(), ())
         batched = signature.batched(args, kwargs, self.batch_size) if signature.replicated else frozenset()
@@ -329,6 +299,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         >>> pm.eval()                                  # doctest: +SKIP
         >>> print(pm.program_for_call(x).code)         # the eval-mode program  # doctest: +SKIP
         """
+        self._executor.check_supported(self, "program_for_call")
         if not torch.compiler.is_compiling():
             return self._find_program(args, kwargs)
         # torch.compile(pm): the lookup runs eagerly at each call (a graph break), and the code after
@@ -394,6 +365,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """``torch.compile`` pm's calls in place (``pm.compile(); pm(x)``); inductor options default to COMPILE_OPTIONS."""
+        self._executor.check_supported(self, "compile")
         if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
             cpu = all(getattr(d, "type", None) == "cpu" for d in self.devices)
             kwargs["options"] = {**COMPILE_OPTIONS, **(CPU_COMPILE_OPTIONS if cpu else {}), **(kwargs.get("options") or {})}
@@ -407,12 +379,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         """The model's keys and tensors, with the model's own ``state_dict`` hooks run as it runs them;
         where parameters are stored as pieces (``pm.param_shards``), each key's whole tensor; over a
         mesh, shards all-gathered (a collective: call it on every rank; keyword arguments only)."""
-        if "param_shards" in self.__dict__:
-            own = self.stored_state_dict(keep_vars=keep_vars)
-            state = whole_state_dict(self, own, args[0] if args else destination, prefix, keep_vars)
-        else:
-            state = self.stored_state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        return self._executor.whole_state(self, state, prefix, args)
+        return self._executor.state_dict(self, args, destination, prefix, keep_vars)
 
     def whole_tensors(self, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         """``tensors`` (this process's, under the model's keys: its state, or its parameters' gradients)
@@ -434,10 +401,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Whole tensors under the model's keys; each piece cut from them where parameters are stored as
         pieces (over a mesh this rank's shard, and FSDP's rows)."""
-        state_dict = self._executor.local_state(self, state_dict)
-        if "param_shards" in self.__dict__:  # whole tensors, cut into the pieces
-            return load_pieces(self, self.stored_state_dict(keep_vars=True), state_dict, strict)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        return self._executor.load_state_dict(self, state_dict, strict, assign)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *rest: Any) -> None:
         self._executor.cut_on_load(self, state_dict, prefix)
@@ -498,6 +462,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     def model_changed_since_transform(self) -> bool:
         """Whether the model's hooks, submodules, parameters or attributes forward reads (or, for an
         exported program, dtypes) departed from those the main program (``pm.graph``) was traced with."""
+        self._executor.check_supported(self, "watch")
         if (exported := self.__dict__.get("_exported_check")) is not None and exported.changed():
             return True
         return self._shares_source and self._guard.fingerprint() != self.program_cache.main_key.guard

@@ -26,9 +26,11 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.devices import Devices
+from dpcompile.errors import ArgumentError
 from dpcompile.modules.hooks import call_with_hooks, run_as_model, run_writing_to_model
-from dpcompile.modules.sharded_state import warn_if_gradients_not_cleared
-from dpcompile.modules.weights import NEEDS_WEIGHTS, weights_not_loaded
+from dpcompile.modules.sharded_state import load_pieces, warn_if_gradients_not_cleared, whole_state_dict
+from dpcompile.modules.weights import NEEDS_WEIGHTS, LoadsWeights, weights_not_loaded
+from dpcompile.runtime.structures import tensor_leaves
 
 
 class PlainExecutor:
@@ -70,14 +72,73 @@ class PlainExecutor:
                     return min(n, size)
         return split_count(pm, args, kwargs, n)
 
+    def batch_size(self, pm: Any, args: tuple, kwargs: dict) -> int | None:
+        """The batch size of a call, checking that every split argument agrees."""
+        seen: tuple[str, int] | None = None
+        forced = getattr(pm.recipe, "batch_dim", None)
+        for position, name, dim in pm._split_inputs:
+            if position < len(args):
+                value = args[position]
+            elif name in kwargs:
+                value = kwargs[name]
+            else:
+                continue
+            for path, tensor in tensor_leaves(value):
+                if tensor.dim() <= dim:
+                    if forced is not None and tensor.dim() > 0:
+                        raise ArgumentError(
+                            f"batch_dim={forced}, but argument '{name}{path}' has {tensor.dim()} dims "
+                            f"(shape {tuple(tensor.shape)}); pass a batch_dim below {tensor.dim()}, or None to infer it"
+                        )
+                    continue
+                size = tensor.size(dim)
+                where = f"{name}{path}"
+                if seen is None:
+                    seen = (where, size)
+                elif size != seen[1]:
+                    raise ArgumentError(
+                        f"argument '{where}' has batch size {size} on dim {dim}, but '{seen[0]}' has "
+                        f"{seen[1]}; every split input must carry the same batch. If '{name}' has no batch "
+                        f"(it broadcasts), pass example_inputs= that give '{name}' an example value, so that it "
+                        "is replicated, not split; or batch_dim= to choose another dim"
+                    )
+        if seen is not None and seen[1] == 0:
+            raise ArgumentError(f"argument '{seen[0]}' has an empty batch (size 0); there is nothing to split")
+        return None if seen is None else seen[1]
+
+    def check_supported(self, pm: Any, operation: str) -> None:
+        """Raise where a program run this way cannot serve ``operation`` of ``pm`` (``"call_key"``,
+        ``"program_for_call"``, ``"compile"``, ``"watch"``: ``model_changed_since_transform``)."""
+
     def train(self, pm: Any, mode: bool) -> None:
         """What ``pm.train(mode)`` switches beside the modules (a wrapper's flag over a mesh)."""
+
+    def materialized(self, pm: Any, memo: dict[int, torch.Tensor]) -> None:
+        """A program built on meta was given memory (``memo``: ``{id(fake): real}``): what the executor
+        holds beside the program's own tensors follows."""
 
     def no_sync(self, pm: Any) -> contextlib.AbstractContextManager:
         """``pm.no_sync()``: nothing reduces gradients across processes here, so nothing to skip."""
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state
+    def state_dict(self, pm: Any, positional: tuple, destination: Any, prefix: str, keep_vars: bool) -> Any:
+        """``pm.state_dict()``: the model's keys, whole tensors (``positional``: its positional arguments)."""
+        if "param_shards" in pm.__dict__:
+            own = pm.stored_state_dict(keep_vars=keep_vars)
+            state = whole_state_dict(pm, own, positional[0] if positional else destination, prefix, keep_vars)
+        else:
+            state = pm.stored_state_dict(*positional, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return self.whole_state(pm, state, prefix, positional)
+
+    def load_state_dict(self, pm: Any, state_dict: Any, strict: bool, assign: bool) -> Any:
+        """``pm.load_state_dict()``: whole tensors under the model's keys; each piece cut from them where
+        parameters are stored as pieces (over a mesh this rank's shard, and FSDP's rows)."""
+        state_dict = self.local_state(pm, state_dict)
+        if "param_shards" in pm.__dict__:  # whole tensors, cut into the pieces
+            return load_pieces(pm, pm.stored_state_dict(keep_vars=True), state_dict, strict)
+        return LoadsWeights.load_state_dict(pm, state_dict, strict=strict, assign=assign)
+
     def whole_state(self, pm: Any, tensors: dict[str, Any], prefix: str, positional: tuple) -> dict[str, Any]:
         """``pm.state_dict()``'s tensors (``positional``: its positional arguments) made whole."""
         return tensors

@@ -43,7 +43,7 @@ _handled: dict[str, int] = {}  # failures handled per mesh (its ranks): the same
 
 @contextlib.contextmanager
 def all_fail_together(pm: Any) -> Iterator[None]:
-    """Around the communicating part of a call of ``pm`` (a ``MeshPipelineModule``): an exception on
+    """Around the communicating part of a call of ``pm`` (a pipeline stage over a mesh): an exception on
     any rank becomes the same :class:`CollectiveError` on every rank of the mesh, at once."""
     if "step_failure" in pm.__dict__:
         raise DpCompileError(

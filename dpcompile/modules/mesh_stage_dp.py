@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.modules.mesh_stage import TensorsOnWire
+from dpcompile.modules.spmd import full_tensor, gathered_whole
 
 
 def shard_stage_over_dp(program: fx.GraphModule, dp_mesh: Any, options: Mapping[str, Any]) -> TensorsOnWire:
@@ -170,22 +171,8 @@ def load_whole_state(pm: Any, state_dict: Mapping[str, Any], strict: bool) -> An
 def whole_tensor(value: torch.Tensor, spec: Any, tp_group: Any) -> torch.Tensor:
     """``value`` whole: all-gathered over ``"dp"`` where it is an FSDP shard (a DTensor), then over
     ``tp_group`` where ``spec`` says it is a tensor-parallel shard (a collective over both)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from dpcompile.runtime.tensor_parallel import unshard
-
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    if spec is None:
-        return value
-    shape = list(value.shape)
-    shape[spec.dim] = max(spec.sizes)  # gloo gathers equal shapes: pad uneven shards, then trim
-    padded = value.new_zeros(shape)
-    padded.narrow(spec.dim, 0, value.size(spec.dim)).copy_(value)
-    gathered = [torch.empty_like(padded) for _ in spec.sizes]
-    dist.all_gather(gathered, padded, group=tp_group)
-    return unshard([g.narrow(spec.dim, 0, size) for g, size in zip(gathered, spec.sizes)], spec, value.device)
+    value = full_tensor(value)
+    return value if spec is None else gathered_whole(value, spec, tp_group)
 
 
 __all__ = [

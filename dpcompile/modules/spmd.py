@@ -180,9 +180,7 @@ class SpmdExecutor(PlainExecutor):
         for key, spec in pm.shards.items():
             full_key = prefix + key
             if full_key in tensors:
-                with torch.no_grad():
-                    gathered = all_gather(tensors[full_key].detach(), group, dim=spec.dim, sizes=list(spec.sizes))
-                    tensors[full_key] = regroup_sections(gathered, spec)  # a fused qkv: q, k, v blocks back in order
+                tensors[full_key] = gathered_whole(tensors[full_key], spec, group)
         return tensors
 
     def local_state(self, pm: Any, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -224,6 +222,13 @@ class SpmdExecutor(PlainExecutor):
 
 #: the executor of one rank's program over a mesh
 SPMD = SpmdExecutor()
+
+
+def gathered_whole(shard: torch.Tensor, spec: ShardSpec, group: Any) -> torch.Tensor:
+    """A tensor-parallel shard made whole: all-gathered over ``group`` (uneven shards padded, then
+    trimmed) and, for a fused qkv, its q, k, v blocks put back in order. A collective."""
+    with torch.no_grad():
+        return regroup_sections(all_gather(shard.detach(), group, dim=spec.dim, sizes=list(spec.sizes)), spec)
 
 
 def _onto_fsdp_shards(pm: Any, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -510,6 +515,6 @@ def full_tensor(value: Any) -> Any:
 
 __all__ = [
     "SPMD", "SpmdExecutor", "build_ddp", "build_fsdp", "check_calls_agree", "check_inputs_agree", "describe_disagreement",
-    "full_tensor", "hold_mesh", "input_signature", "is_communication_failure", "repeated_blocks", "tp_group_of",
+    "full_tensor", "gathered_whole", "hold_mesh", "input_signature", "is_communication_failure", "repeated_blocks", "tp_group_of",
     "unused_parameters",
 ]

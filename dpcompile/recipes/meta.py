@@ -81,8 +81,7 @@ def compile_on_fake(
         return pm
     memo: dict[int, torch.Tensor] = {}  # {id(fake): its real tensor}
     materialize(pm, memo=memo)
-    if hasattr(type(pm), "follow_materialized"):  # a mesh pipeline's stage: its tied weights' copies
-        pm.follow_materialized(memo)
+    pm._executor.materialized(pm, memo)  # what it holds beside the program (a mesh stage's tied weights' copies)
     write_known_values(pm, known)
     read_exported_checks_again(pm)
     await_weights(pm, model, unset)

@@ -34,7 +34,8 @@ from dpcompile.fake import is_fake
 from dpcompile.fx_utils import ancestors, copy_graph, graph_module
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_fsdp_parameters, local_device
-from dpcompile.modules.mesh_pipeline import MeshPipelineModule
+from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.mesh_pipeline import attach_shards, example_stage_inputs, mesh_pipeline_module, shard_over_dp
 from dpcompile.modules.mesh_random import StageRandomPlan
 from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
 from dpcompile.recipes.base import Recipe, capture_with_flags
@@ -59,7 +60,7 @@ class MeshPipelineRecipe(Recipe):
     data_parallel: str = "ddp"
     mixed_precision: Any = field(default=None, compare=False)
 
-    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> MeshPipelineModule:
+    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         import torch.distributed as dist
 
         names = tuple(self.mesh.mesh_dim_names or ())
@@ -119,7 +120,7 @@ class MeshPipelineRecipe(Recipe):
         if not any(is_fake(t) for t in (*program.parameters(), *program.buffers())):
             program.to(device)  # a meta model's fake stage already claims it: compile_on_fake allocates it
         last_rank = dist.get_global_rank(pp_group, pp_size - 1)
-        pm = MeshPipelineModule(
+        pm = mesh_pipeline_module(
             program,
             recipe=self,
             mesh=self.mesh,
@@ -142,16 +143,16 @@ class MeshPipelineRecipe(Recipe):
             random_plan=StageRandomPlan(random_plan, own_sites, device) if random_plan is not None else None,
         )
         if self.plan is not False:  # tensor parallel inside the stage, over the mesh's "tp" dimension
-            examples = None if example_inputs is None else pm.example_stage_inputs(tuple(example_inputs))
+            examples = None if example_inputs is None else example_stage_inputs(pm, tuple(example_inputs))
             sharded = shard_stage(program, model=model, mesh=self.mesh, plan=self.plan, example_inputs=examples,
                                   exact_random=self.exact_random)  # fmt: skip
-            pm.attach_shards(sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
+            attach_shards(pm, sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
             pm.shared = tied_shards(pm.shared, program, sharded, mesh=self.mesh)
             pm.tp_group = self.mesh.get_group("tp")
         pm.state_ties = state_ties(model)  # before FSDP: fully_shard swaps the model's tied tensors apart
         if self.data_parallel == "fsdp":  # FSDP over "dp" last, on the (sharded) stage
             options = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
-            pm.shard_over_dp(self.mesh["dp"], options)
+            shard_over_dp(pm, self.mesh["dp"], options)
         return pm
 
     def _random_plan(self, gm: fx.GraphModule) -> fx.GraphModule | None:

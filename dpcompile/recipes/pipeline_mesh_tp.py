@@ -109,7 +109,7 @@ def tied_shards(
     the stage's tensor-parallel program: this tp rank's copy of it (its shard, one parameter however
     many modules of the stage read it); on a stage that does not read it, zeros shaped as the readers'
     copies. Each reader's tp rank ``t`` then holds the same rows, so the copies' gradients are summed
-    over the pp group of ``t`` (``MeshPipelineModule._sum_shared_gradients``). Readers that shard it
+    over the pp group of ``t`` (``modules/mesh_pipeline.py``). Readers that shard it
     unlike each other are refused, with the way out. Collective over ``"pp"``."""
     import torch.distributed as dist
 

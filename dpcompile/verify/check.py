@@ -15,6 +15,7 @@ from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
 from dpcompile.verify.mesh_pipeline import (
@@ -22,7 +23,6 @@ from dpcompile.verify.mesh_pipeline import (
     agree_on_verdict,
     compare_held,
     input_fingerprint,
-    is_mesh_pipeline,
     loss_of,
     ranks_with_other_inputs,
     refuse_unsupported,

@@ -28,10 +28,6 @@ from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.result import Mismatch, VerifyResult, compare_structures, compare_tensors, first_line
 
 
-def is_mesh_pipeline(pm: nn.Module) -> bool:
-    return getattr(pm, "executor", None) == "pipelining"
-
-
 def refuse_unsupported(pm: Any, fake_devices: Any) -> None:
     """What every rank refuses alike (the arguments, a pipeline whose step failed), before any run."""
     if "step_failure" in pm.__dict__:

@@ -270,8 +270,10 @@ def restore_executor(pm: Any, extra: dict[str, Any]) -> None:
 
 
 def bubble_fraction(pm: Any) -> float:
-    """The bubble ``(S-1)/(M+S-1)`` of GPipe and of 1F1B: the share of a step each device waits."""
-    s, m = len(pm.stages), pm.micro_batches
+    """The bubble ``(S-1)/(M+S-1)`` of GPipe and of 1F1B: the share of a step each device waits (a
+    mesh's stage holds only its own stage, and knows their count)."""
+    s = pm.__dict__.get("num_stages") or len(pm.stages)
+    m = pm.micro_batches
     return (s - 1) / (m + s - 1)
 
 

@@ -143,6 +143,7 @@ def check_decoder(rank: int, world: int, configs: tuple) -> None:
         pm = dpcompile.transform(exported, mesh, pipeline=world, micro_batches=micro, schedule=schedule,
                                  example_kwargs=kwargs)  # fmt: skip
         out = pm(**kwargs)
+        assert pm.bubble_fraction == (world - 1) / (micro + world - 1)  # a stage knows the stage count
         if rank == world - 1:
             torch.testing.assert_close(out.loss, expected.loss)
             torch.testing.assert_close(out.logits, expected.logits)

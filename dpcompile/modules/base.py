@@ -41,6 +41,7 @@ from dpcompile.fx_utils import (
     reserve_names,
     unalias,
 )
+from dpcompile.modules.call_errors import call_failed
 from dpcompile.modules.executors import PLAIN, bubble_fraction
 from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
@@ -382,8 +383,13 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self._executor(self, *args, **kwargs)
-        except RuntimeError as exc:  # a kept check of a branch on data: torch raises it, a DpCompileError names it
-            refused = branch_not_captured(exc)
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            # a kept check of a branch on data: torch raises it, a DpCompileError names it
+            refused = branch_not_captured(exc) if isinstance(exc, RuntimeError) else None
+            if refused is None:  # torch's error from deep inside: a DpCompileError of its kind, naming the call
+                refused = call_failed(self.graph, exc, args, kwargs)
+                if refused is not None:  # its traceback still ends at the generated line that raised
+                    raise refused.with_traceback(exc.__traceback__) from exc
             if refused is None:
                 raise
             raise refused from exc

@@ -86,6 +86,8 @@ def call_failed(graph: fx.Graph, exc: BaseException, args: tuple, kwargs: dict) 
         )
     if isinstance(exc, InputMismatch) or type(exc).__module__.startswith("dpcompile"):
         return None
+    if isinstance(exc, getattr(torch.distributed, "DistError", ())):  # a collective's failure, not the call's
+        return None
     kind = next((failed for raised, failed in KINDS if isinstance(exc, raised)), None)
     if kind is None:
         return None

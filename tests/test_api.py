@@ -211,6 +211,11 @@ BAD_ARGUMENTS = {  # keyword -> (transform's keywords, what the message names)
     "exact_random an int": ({"exact_random": 1}, "exact_random="),  # was read as True
     "sequence_parallel an int": ({"sequence_parallel": 1, "tensor_parallel": True}, "sequence_parallel="),
     "dynamic_dims naming no argument": ({"dynamic_dims": {"nope": [1]}}, "dynamic_dims="),  # was accepted
+    # a tensor-parallel program transformed again: was accepted, with a state_dict of two biases
+    "model a ParallelModule": ({"model": lambda: dpcompile.transform(MLP(), ["cpu"] * 2, tensor_parallel=True)},
+                               "already a dpcompile.ParallelModule"),
+    # was a TraceError suggesting example_inputs=, which fails too
+    "model a torch.compile wrapper": ({"model": lambda: torch.compile(MLP(), backend="eager")}, "torch.compile wrapper"),
 }
 
 
@@ -222,7 +227,7 @@ def test_a_bad_argument_is_a_dpcompile_error_naming_it_and_changes_nothing(case)
     options, named = BAD_ARGUMENTS[case]
     options = dict(options)
     devices = options.pop("devices", ["cpu"] * 2)
-    model = MLP()
+    model = options.pop("model", MLP)()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(dpcompile.ArgumentError) as error:
         dpcompile.transform(model, devices, **options)
@@ -246,6 +251,8 @@ BAD_CALLS = {  # the public function called with a model where pm is due, or a v
     "verify pm first": lambda tmp: dpcompile.verify(MLP(), dpcompile.transform(MLP(), ["cpu"] * 2), torch.randn(4, 8)),
     "verify inputs the model refuses": lambda tmp: dpcompile.verify(  # was torch's RuntimeError from the eager run
         dpcompile.transform(MLP(), ["cpu"] * 2), MLP(), torch.randn(4, 9)),
+    "verify fake_devices": lambda tmp: dpcompile.verify(  # said "devices is empty", not naming fake_devices=
+        dpcompile.transform(MLP(), ["cpu"] * 2), MLP(), torch.randn(4, 8), fake_devices=0),
 }
 
 

@@ -9,7 +9,7 @@ from dpcompile.analysis.batch_rules.user import register_batch_rule
 from dpcompile.api import transform
 from dpcompile.capture.inputs import InputMismatch
 from dpcompile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, PassError, TraceError
+from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, PassError, StateDictError, TraceError
 from dpcompile.export import export, load
 from dpcompile.export.common import ExportError
 from dpcompile.inspect import Measurement, Report, diff, draw, explain, measure
@@ -33,6 +33,7 @@ __all__ = [
     "ParallelModule",
     "PassError",
     "Report",
+    "StateDictError",
     "TraceError",
     "VerifyResult",
     "diff",

@@ -62,10 +62,25 @@ def _reporting_progress(transform: Any) -> Any:
 
     @functools.wraps(transform)
     def reporting(model: nn.Module, devices: Any, *, progress: bool | None = None, **options: Any) -> ParallelModule:
+        _check_not_wrapped(model)
         with reporting_steps(progress):
             return transform(model, devices, progress=progress, **options)
 
     return reporting
+
+
+def _check_not_wrapped(model: Any) -> None:
+    """A program transform made, or a ``torch.compile`` wrapper, is refused naming the model to pass instead."""
+    if isinstance(model, ParallelModule):
+        raise ArgumentError(
+            f"model is already a dpcompile.ParallelModule (a {model.mode} program); transform the original model "
+            "instead (transform it again for another layout)"
+        )
+    if isinstance(model, nn.Module) and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        raise ArgumentError(
+            "model is a torch.compile wrapper (OptimizedModule); transform the model itself "
+            "(dpcompile.transform(model._orig_mod, ...)) and compile the program with pm.compile()"
+        )
 
 
 @_reporting_progress

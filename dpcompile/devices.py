@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +80,21 @@ def _parse_one(spec: object) -> torch.device:
 
 
 def _check_available(device: torch.device) -> None:
+    if device.type == "meta":
+        raise ArgumentError(
+            f"device {device} holds shapes, not data: the program would run on nothing (and data parallelism "
+            "would move the model's weights there); build the model on meta if you like, and pass the devices it "
+            "runs on, such as ['cpu', 'cpu'] (virtual devices) or ['cuda:0', 'cuda:1']"
+        )
+    if device.type not in ("cpu", "cuda"):
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError):
+            raise ArgumentError(
+                f"device {device} cannot be used here (torch cannot allocate a tensor on it on this machine); pass "
+                "devices this machine has, such as "
+                "['cpu', 'cpu'] (virtual devices)"
+            ) from None
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if device.index >= count:
@@ -110,6 +125,11 @@ def parse_devices(spec: object, *, check_available: bool = True) -> Devices:
     if isinstance(spec, (str, torch.device)):
         device = _parse_one(spec)  # an unparsable spec says so first
         raise ArgumentError(f"devices={spec!r} is a single device; pass a list such as [{str(device)!r}]")
+    if isinstance(spec, Mapping):
+        raise ArgumentError(
+            f"devices={spec!r} is a mapping; pass a list of devices, and name its dimensions with mesh= "
+            "(transform(model, ['cpu'] * 4, mesh={'dp': 2, 'tp': 2}))"
+        )
     if not isinstance(spec, Iterable):
         raise ArgumentError(f"devices={spec!r} of type {type(spec).__name__}; expected {ACCEPTED}")
     parsed = tuple(_parse_one(s) for s in spec)

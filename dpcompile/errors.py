@@ -35,6 +35,11 @@ class ExampleError(DpCompileError, ValueError, TypeError):
     says of a call that does not fit the signature) alike."""
 
 
+class StateDictError(DpCompileError, RuntimeError):
+    """``pm.load_state_dict(sd)`` refused ``sd`` (a missing or unexpected key, a shape that does not fit, a
+    value that is not a tensor); nothing was loaded. A ``RuntimeError`` too, as torch's own refusal is."""
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type where it has none)."""
     text = str(e).strip()

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpcompile.devices import Devices, parse_devices
+from dpcompile.errors import ArgumentError
 from dpcompile.progress import step_bar
 from dpcompile.runtime.structures import is_fake
 
@@ -90,8 +91,13 @@ _fake_tensor.init_gpu_context = _gpu_context_of_real_devices_only
 def fake_devices(spec: int | Sequence[Any]) -> Devices:
     """``n`` (``cuda:0..n-1``) or a device list, parsed without checking the devices exist."""
     if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            raise ArgumentError(f"fake_devices={spec}: expected a positive number of fake GPUs (cuda:0..n-1), or a device list")
         spec = [f"cuda:{k}" for k in range(spec)]
-    return parse_devices(spec, check_available=False)
+    try:
+        return parse_devices(spec, check_available=False)
+    except ArgumentError as e:
+        raise ArgumentError(f"fake_devices={spec!r}: {e}") from None
 
 
 def fake_copy(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:

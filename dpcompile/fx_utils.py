@@ -155,7 +155,8 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], *, check
         message = first_line(e)
         if check and is_example_misfit(e):
             node = prop.current
-            where = node.meta.get("stack_trace", "").strip().splitlines()[0].strip() if node is not None else ""
+            lines = node.meta.get("stack_trace", "").strip().splitlines() if node is not None else []
+            where = lines[0].strip() if lines else ""  # a node traced from no user line (a Sequential's) has none
             raise ExampleError(
                 f"example_inputs= do not fit the model: {_op_name(gm, node)} refuses them "
                 f"({message}){' at ' + where if where else ''}; pass examples shaped as forward expects them, "

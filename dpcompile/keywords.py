@@ -124,7 +124,7 @@ def _check_sequence_parallel(
 ) -> None:  # fmt: skip
     """``sequence_parallel=True`` is built on ``tp``: in one process beside every other dimension
     (GPipe where there is a pipeline), over a ``("tp",)`` or ``("dp", "tp")`` DeviceMesh."""
-    if sequence_parallel not in (False, True):
+    if not isinstance(sequence_parallel, bool):
         raise ArgumentError(f"sequence_parallel={sequence_parallel!r}: expected True or False")
     if not sequence_parallel:
         return
@@ -151,7 +151,7 @@ def _check_new_strategies(
     sharded: bool,
 ) -> None:  # fmt: skip
     _check_activation_checkpointing(activation_checkpointing, memory_per_device)
-    if exact_random not in (None, False, True):
+    if exact_random is not None and not isinstance(exact_random, bool):
         raise ArgumentError(f"exact_random={exact_random!r}: expected True or False")
     if plan is not None:
         if plan != "auto":

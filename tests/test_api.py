@@ -208,6 +208,14 @@ BAD_ARGUMENTS = {  # keyword -> (transform's keywords, what the message names)
     "plan": ({"plan": "best"}, "plan="),
     "progress": ({"progress": "yes"}, "progress="),
     "context_parallel": ({"context_parallel": 5}, "context_parallel="),
+    "exact_random an int": ({"exact_random": 1}, "exact_random="),  # was read as True
+    "sequence_parallel an int": ({"sequence_parallel": 1, "tensor_parallel": True}, "sequence_parallel="),
+    "dynamic_dims naming no argument": ({"dynamic_dims": {"nope": [1]}}, "dynamic_dims="),  # was accepted
+    # a tensor-parallel program transformed again: was accepted, with a state_dict of two biases
+    "model a ParallelModule": ({"model": lambda: dpcompile.transform(MLP(), ["cpu"] * 2, tensor_parallel=True)},
+                               "already a dpcompile.ParallelModule"),
+    # was a TraceError suggesting example_inputs=, which fails too
+    "model a torch.compile wrapper": ({"model": lambda: torch.compile(MLP(), backend="eager")}, "torch.compile wrapper"),
 }
 
 
@@ -219,7 +227,7 @@ def test_a_bad_argument_is_a_dpcompile_error_naming_it_and_changes_nothing(case)
     options, named = BAD_ARGUMENTS[case]
     options = dict(options)
     devices = options.pop("devices", ["cpu"] * 2)
-    model = MLP()
+    model = options.pop("model", MLP)()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(dpcompile.ArgumentError) as error:
         dpcompile.transform(model, devices, **options)
@@ -237,6 +245,14 @@ BAD_CALLS = {  # the public function called with a model where pm is due, or a v
     "local_batch": lambda tmp: dpcompile.local_batch(torch.randn(4, 2), ["cpu", "cpu"]),  # was an AttributeError
     "register_batch_rule target": lambda tmp: dpcompile.register_batch_rule(3, "elementwise"),
     "register_batch_rule rule": lambda tmp: dpcompile.register_batch_rule(torch.sin, "sideways"),
+    "export path": lambda tmp: dpcompile.export(dpcompile.transform(MLP(), ["cpu"] * 2), None),  # was pathlib's TypeError
+    "draw path": lambda tmp: dpcompile.draw(dpcompile.transform(MLP(), ["cpu"] * 2), None),  # was pathlib's TypeError
+    "load path": lambda tmp: dpcompile.load(None),  # was a bare ValueError
+    "verify pm first": lambda tmp: dpcompile.verify(MLP(), dpcompile.transform(MLP(), ["cpu"] * 2), torch.randn(4, 8)),
+    "verify inputs the model refuses": lambda tmp: dpcompile.verify(  # was torch's RuntimeError from the eager run
+        dpcompile.transform(MLP(), ["cpu"] * 2), MLP(), torch.randn(4, 9)),
+    "verify fake_devices": lambda tmp: dpcompile.verify(  # said "devices is empty", not naming fake_devices=
+        dpcompile.transform(MLP(), ["cpu"] * 2), MLP(), torch.randn(4, 8), fake_devices=0),
 }
 
 
@@ -264,3 +280,71 @@ def test_every_error_kind_the_docs_name_is_a_dpcompile_error_of_the_package():
         kind = getattr(dpcompile, name)
         assert issubclass(kind, dpcompile.DpCompileError) and name in dpcompile.__all__, name
     assert issubclass(dpcompile.ArgumentError, ValueError) and issubclass(dpcompile.ArgumentError, TypeError)
+
+
+CALL_LAYOUTS = {
+    "dp": (2, {}),
+    "tp": (2, {"tensor_parallel": True}),
+    "pp": (2, {"pipeline": 2, "micro_batches": 2}),
+    "dp_x_tp": (4, {"mesh": {"dp": 2, "tp": 2}}),
+}
+
+
+@pytest.mark.parametrize("layout", list(CALL_LAYOUTS))
+def test_a_call_the_model_refuses_is_an_input_mismatch_of_the_kind_eager_raises_and_changes_nothing(layout):
+    """A None, a list, a wrong dtype or width, a missing or extra argument: torch's error from deep
+    inside the program (for a tensor-parallel program an AttributeError from the input's copy) is raised
+    as dpcompile.InputMismatch, still of the kind eager raises for the same call, naming the call's
+    arguments; the program and the model's state are unchanged."""
+    n, options = CALL_LAYOUTS[layout]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * n, **options)
+    expected, state = pm(x).detach(), {k: v.clone() for k, v in pm.state_dict().items()}
+    for bad in [(None,), ([x],), (x.double(),), (torch.randn(4, 9),), (), (x, x)]:
+        with pytest.raises(Exception) as eager:
+            model(*bad)
+        with pytest.raises(dpcompile.InputMismatch, match="The call gave") as error:
+            pm(*bad)
+        assert isinstance(error.value, type(eager.value)), (bad, error.value)
+    torch.testing.assert_close(pm(x), expected, rtol=0, atol=0)
+    assert all(torch.equal(v, state[k]) for k, v in pm.state_dict().items())
+
+
+def test_load_refuses_an_expected_hash_that_is_no_sha256_by_name(tmp_path):
+    """load(path, expected_hash="abc") is an ArgumentError (was a bare ValueError) naming expected_hash."""
+    dpcompile.export(dpcompile.transform(MLP(), ["cpu"] * 2), tmp_path / "folder")
+    with pytest.raises(dpcompile.ArgumentError, match="expected_hash must be a sha256"):
+        dpcompile.load(tmp_path / "folder", expected_hash="abc")
+
+
+def test_measure_refuses_inputs_the_program_cannot_take_as_an_input_mismatch_and_changes_nothing():
+    """measure(pm, x) with a wrong width or a None: InputMismatch of torch's kind (was a bare RuntimeError /
+    TypeError from fx's interpreter), gradients and state as they were."""
+    pm = dpcompile.transform(MLP(), ["cpu"] * 2)
+    state = {k: v.clone() for k, v in pm.state_dict().items()}
+    with pytest.raises(dpcompile.InputMismatch, match="The call gave x: float32 tensor of shape \\(4, 9\\)") as error:
+        dpcompile.measure(pm, torch.randn(4, 9))
+    assert isinstance(error.value, RuntimeError)
+    with pytest.raises(dpcompile.InputMismatch) as error:
+        dpcompile.measure(pm, None)
+    assert isinstance(error.value, TypeError)
+    assert all(p.grad is None for p in pm.parameters())
+    assert all(torch.equal(v, state[k]) for k, v in pm.state_dict().items())
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["data_parallel", "tensor_parallel"])
+def test_load_state_dict_refusals_are_dpcompile_errors_and_load_nothing(tensor_parallel):
+    """pm.load_state_dict of another model's dict, of a wrong shape, or of None: StateDictError (a
+    RuntimeError too, as torch's) or ArgumentError (a TypeError too), and nothing is loaded."""
+    model = MLP()
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel)
+    state = {k: v.clone() for k, v in pm.state_dict().items()}
+    wrong_shape = {**state, "fc1.weight": torch.randn(3, 3)}
+    for bad, kind in [(MLP(d_in=4).state_dict(), RuntimeError), (wrong_shape, RuntimeError), (None, TypeError)]:
+        with pytest.raises(dpcompile.DpCompileError) as error:
+            pm.load_state_dict(bad)
+        assert isinstance(error.value, kind), error.value
+        assert "nothing was loaded" in str(error.value) or "load_state_dict expected a dict" in str(error.value)
+    assert all(torch.equal(v, state[k]) for k, v in pm.state_dict().items())

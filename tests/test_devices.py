@@ -73,3 +73,26 @@ def test_parse_devices_cuda_without_gpus_names_no_index_range():
     with pytest.raises(ValueError, match="repeated 'cpu' entries") as info:
         parse_devices(["cuda:0"])
     assert "0..-1" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "devices, options, words",
+    [
+        (["meta", "meta"], {}, "holds shapes, not data"),  # was accepted, and moved the model's weights to meta
+        (["cpu", "cpu"], {"output_device": "meta"}, "holds shapes, not data"),
+        ({"cpu": 2}, {}, "is a mapping"),  # was read as its keys: one device
+        (["mps", "mps"], {}, "cannot be used here"),  # was a RuntimeError from model.to
+    ],
+    ids=["meta", "output_device_meta", "mapping", "unavailable_type"],
+)
+def test_transform_refuses_devices_that_cannot_hold_the_program_and_leaves_the_model(devices, options, words):
+    """A device list that names no real device is an ArgumentError before the model is touched."""
+    if devices == ["mps", "mps"] and torch.backends.mps.is_available():
+        pytest.skip("this machine has mps")
+    import dpcompile
+
+    model = torch.nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(dpcompile.ArgumentError, match=words):
+        dpcompile.transform(model, devices, **options)
+    assert all(v.device.type == "cpu" and torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -40,6 +40,21 @@ def test_layout_of_the_older_keywords():
     assert pm.layout == {"tp": 2} and pm.strategies == {"tp": "tensor parallel"}
 
 
+@pytest.mark.parametrize(
+    "mesh, strategy",
+    [({"dp": 2}, "data_parallel"), ({"tp": 2}, "tensor_parallel"), ({"dp": 2, "tp": 2}, "tensor_parallel"),
+     ({"pp": 2, "dp": 2}, "pipeline"), ({"pp": 1, "dp": 2}, "data_parallel")],
+)
+def test_layout_strategy_is_one_of_the_three_api_names_by_what_the_layout_does(mesh, strategy):
+    """pm.strategy is "data_parallel", "tensor_parallel" or "pipeline" (API.md): dp x tp shards layers,
+    so "tensor_parallel" (it said "pipeline", the one stage it is built as, with no pp in the layout)."""
+    n = 1
+    for size in mesh.values():
+        n *= size
+    pm = dpcompile.transform(Stack(depth=2), ["cpu"] * n, mesh=mesh)
+    assert pm.strategy == strategy
+
+
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"pp": 2, "tp": 2}, {"tp": 2, "pp": 2}])
 def test_layout_mesh_trains_like_eager(mesh):
     """Every layout built in one process, named by mesh=: loss and gradients equal eager."""

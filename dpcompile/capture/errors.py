@@ -9,6 +9,7 @@ which captures shape and dtype branches that ``torch.fx`` cannot.
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import sys
@@ -18,7 +19,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from dpcompile.errors import ExampleError, TraceError, first_line
+from dpcompile.errors import ArgumentError, ExampleError, TraceError, first_line
 
 # a trailing separator, so that torch's directory does not swallow ``torchvision/``
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -217,3 +218,18 @@ def check_examples(model: nn.Module, example_inputs: tuple | None, example_kwarg
             f"{given} do not fit {type(model).__name__}.forward{signature}: {e}; give one example per argument "
             "forward takes, positional ones in example_inputs=(...) and keyword ones in example_kwargs={...}"
         ) from None
+
+
+def check_forward_names(model: nn.Module, dynamic_dims: dict) -> None:
+    """Without examples, ``dynamic_dims=`` names are checked against forward's own arguments."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward Python cannot describe: nothing to check against
+        return
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters.values()):
+        return
+    if unknown := sorted(set(dynamic_dims) - set(parameters)):
+        raise ArgumentError(
+            f"dynamic_dims= names {unknown}, which {type(model).__name__}.forward does not take (it takes "
+            f"{list(parameters)}); name its arguments"
+        )

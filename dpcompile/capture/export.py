@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.capture.errors import check_forward_names
 from dpcompile.capture.fx import forward_parameters
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
 from dpcompile.capture.side_effects import (
@@ -126,6 +127,7 @@ def check_dynamic_dims(model: nn.Module, dynamic_dims: Any, example_inputs: Sequ
     if example_inputs is None and not example_kwargs:
         for name in dynamic_dims:
             varying_dims(dynamic_dims, name)
+        check_forward_names(model, dynamic_dims)
         return
     names = _bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
     if unknown := set(dynamic_dims) - set(names):

@@ -173,6 +173,8 @@ def export(pm: nn.Module, path: str | Path) -> Path:
 
     if not isinstance(pm, ParallelModule):
         raise ArgumentError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentError(f"path={path!r}: expected a str or os.PathLike, the folder to write the export into")
     pm = both_modes(pm)  # a program exported in one mode captures the other now: the folder serves both
     from dpcompile.modules.fsdp_one_process import FsdpProgram
 
@@ -454,7 +456,7 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
     >>> pm = dpcompile.load("exported", devices=["cpu"] * 4)  # doctest: +SKIP
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path={path!r}: expected a str or os.PathLike, the folder that dpcompile.export wrote")
+        raise ArgumentError(f"path={path!r}: expected a str or os.PathLike, the folder that dpcompile.export wrote")
     folder = Path(path)
     if expected_hash is not None:
         check_manifest_hash(folder, expected_hash)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dpcompile.errors import ArgumentError
 from dpcompile.export.common import (
     FORMAT,
     FORMAT_VERSION,
@@ -242,7 +243,9 @@ def manifest_hash(path: str | Path) -> str:
 def check_manifest_hash(folder: Path, expected: str) -> None:
     """Refuse ``folder`` unless its manifest's sha256 is ``expected`` (the trusted hash)."""
     if not isinstance(expected, str) or len(expected) != 64 or any(c not in "0123456789abcdefABCDEF" for c in expected):
-        raise ValueError(f"expected_hash must be a sha256 in hex (64 characters), got {expected!r:.80}")
+        raise ArgumentError(
+            f"expected_hash must be a sha256 in hex (64 characters, as the export's manifest_hash), got {expected!r:.80}"
+        )
     actual = manifest_hash(folder)
     if actual != expected.lower():
         raise ExportError(

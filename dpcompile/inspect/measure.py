@@ -36,6 +36,7 @@ from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.explanation import explain, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
+from dpcompile.modules.call_errors import call_failed
 from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
 from dpcompile.modules.mesh_stage import MESH_PIPELINE_INSPECTION
 from dpcompile.runtime import checkpoint
@@ -214,7 +215,13 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
     if is_mesh_pipeline(pm):  # a rank's stage waits on the others: refused before any run
         raise DpCompileError(MESH_PIPELINE_INSPECTION)
     with tensors_kept(*inspected_modules(pm)):
-        return _measure(pm, args, kwargs)
+        try:
+            return _measure(pm, args, kwargs)
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:  # inputs the program cannot take: named
+            refused = call_failed(pm.graph, e, args, kwargs)
+            if refused is None:
+                raise
+            raise refused.with_traceback(e.__traceback__) from e
 
 
 def _measure(pm: Any, args: tuple, kwargs: dict) -> Measurement:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -86,6 +87,8 @@ def draw(pm: fx.GraphModule, path: str | Path) -> Path:
     """
     if not isinstance(pm, fx.GraphModule):
         raise ArgumentError(f"draw needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentError(f"path={path!r}: expected a str or os.PathLike (a .svg, .png or .dot file)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     source = to_dot(pm)

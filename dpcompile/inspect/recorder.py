@@ -13,6 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dpcompile.analysis.cost import comm_sizes
 from dpcompile.errors import first_line
+from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
+from dpcompile.modules.call_errors import call_failed
 from dpcompile.runtime.structures import is_fake, tensor_leaves
 
 __all__ = ["Recorder", "propagate"]
@@ -84,7 +86,7 @@ def propagate(gm: fx.GraphModule, inputs: list[Any]) -> tuple[Recorder | None, s
 
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
-            with mode, FlopCounterMode(display=False) as counter:
+            with quiet_fake_tensor_log(), mode, FlopCounterMode(display=False) as counter:
                 recorder = Recorder(gm, counter)
                 recorder.run(*fake_inputs)
             return recorder, "fake"
@@ -99,6 +101,9 @@ def propagate(gm: fx.GraphModule, inputs: list[Any]) -> tuple[Recorder | None, s
                 recorder.run(*inputs)
             return recorder, "real"
         except Exception as e:  # noqa: BLE001 - explain what can be explained without shapes
+            refused = call_failed(gm.graph, e, tuple(inputs), {}) if inputs and is_example_misfit(e) else None
+            if refused is not None:  # inputs the program cannot take (a width, a dtype, a None): said, not shapeless
+                raise refused from e
             log.warning(
                 "explain: shape propagation failed (%s: %s); reporting without shapes", type(e).__name__, first_line(e)
             )

@@ -41,6 +41,7 @@ from dpcompile.fx_utils import (
     reserve_names,
     unalias,
 )
+from dpcompile.modules.call_errors import call_failed
 from dpcompile.modules.executors import PLAIN, bubble_fraction
 from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
@@ -292,7 +293,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     executor = property(lambda self: self._executor.name)
     #: a pipeline's bubble ``(S-1)/(M+S-1)``, GPipe's and 1F1B's: the share of a step each device waits
     bubble_fraction = property(bubble_fraction)
-    strategy = property(lambda self: next((s for s in ("data_parallel", "pipeline") if s in str(self.mode)), "tensor_parallel"))
+    strategy = property(lambda self: _strategy(self))
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
         """The program a call with these arguments runs: ``self`` or one traced for the call.
 
@@ -353,8 +354,13 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self._executor(self, *args, **kwargs)
-        except RuntimeError as exc:  # a kept check of a branch on data: torch raises it, a DpCompileError names it
-            refused = branch_not_captured(exc)
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            # a kept check of a branch on data: torch raises it, a DpCompileError names it
+            refused = branch_not_captured(exc) if isinstance(exc, RuntimeError) else None
+            if refused is None:  # torch's error from deep inside: a DpCompileError of its kind, naming the call
+                refused = call_failed(self.graph, exc, args, kwargs)
+                if refused is not None:  # its traceback still ends at the generated line that raised
+                    raise refused.with_traceback(exc.__traceback__) from exc
             if refused is None:
                 raise
             raise refused from exc
@@ -482,3 +488,16 @@ CPU_COMPILE_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
 
 reserve_names(dir(ParallelModule))
 reserve_names(ParallelModule.own_attributes)
+
+
+def _strategy(pm: ParallelModule) -> str:
+    """``pm.strategy``: ``"pipeline"`` where the layout has stages, else ``"tensor_parallel"`` where it
+    shards layers (``dp x tp`` too, built as one stage), else what the program's kind says."""
+    layout = getattr(pm, "layout", None) or {}
+    if layout.get("pp", 1) > 1:
+        return "pipeline"
+    if layout.get("tp", 1) > 1:
+        return "tensor_parallel"
+    if layout and "pipeline" in str(pm.mode) and set(k for k, v in layout.items() if v > 1) <= {"dp"}:
+        return "data_parallel"
+    return next((s for s in ("data_parallel", "pipeline") if s in str(pm.mode)), "tensor_parallel")

@@ -25,6 +25,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dpcompile.errors import ArgumentError, StateDictError
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.weights import state_dict_loaded
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
@@ -86,12 +87,12 @@ def load_pieces(pm: nn.Module, own: Mapping[str, Any], state_dict: Mapping[str, 
     cutting the shards out of them. Every key is checked (a tensor, each piece of the shape it
     replaces) before the first is copied: a refused load changes nothing."""
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict).__name__}.")
+        raise ArgumentError(f"load_state_dict expected a dict-like state_dict (the model's keys), got {type(state_dict).__name__}")
     keys = set(pm.state_keys)
     missing = [k for k in pm.state_keys if k not in state_dict]
     unexpected = [k for k in state_dict if k not in keys]
     if strict and (missing or unexpected):
-        raise RuntimeError(
+        raise StateDictError(
             f"Error(s) in loading state_dict for {type(pm).__name__} (nothing was loaded): missing keys "
             f"{missing}, unexpected keys {unexpected}"
         )
@@ -101,21 +102,21 @@ def load_pieces(pm: nn.Module, own: Mapping[str, Any], state_dict: Mapping[str, 
             continue
         value = state_dict[key]
         if not isinstance(value, torch.Tensor):
-            raise RuntimeError(f"{key} is a {type(value).__name__}, not a tensor (nothing was loaded)")
+            raise StateDictError(f"{key} is a {type(value).__name__}, not a tensor (nothing was loaded)")
         if key in pm.param_shards:
             spec, names = pm.param_shards[key]
             expected = sum(spec.sizes)
             fits = value.dim() > spec.dim and value.size(spec.dim) == expected
             pieces = [shard_of(value, spec, k) for k in range(len(names))] if fits else []
             if not fits or any(piece.shape != own[name].shape for piece, name in zip(pieces, names)):
-                raise RuntimeError(
+                raise StateDictError(
                     f"size mismatch for {key}: got {tuple(value.shape)}, the sharded parameter has "
                     f"{expected} along dim {spec.dim} (shards {list(spec.sizes)}) (nothing was loaded)"
                 )
             copies += [(own[name], piece) for name, piece in zip(names, pieces)]
         elif key in own:
             if own[key].shape != value.shape:
-                raise RuntimeError(
+                raise StateDictError(
                     f"size mismatch for {key}: got {tuple(value.shape)}, expected {tuple(own[key].shape)} "
                     "(nothing was loaded)"
                 )

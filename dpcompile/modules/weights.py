@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError, StateDictError
 
 NEEDS_WEIGHTS = "_needs_weights"
 WEIGHTS_SOURCE = "_weights_source"
@@ -67,7 +67,7 @@ def refuse_before_copying(pm: nn.Module, state_dict: Mapping[str, Any], strict: 
     if any(m._load_state_dict_pre_hooks for m in [*pm.modules(), *([source] if isinstance(source, nn.Module) else [])]):
         return  # a hook may rename or drop keys before torch reads them: its own checks stand
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+        raise ArgumentError(f"load_state_dict expected a dict-like state_dict (the model's keys), got {type(state_dict).__name__}")
     own = nn.Module.state_dict(pm, keep_vars=True)  # what torch's load copies into (over a mesh: this rank's shards)
     problems = []
     if strict:
@@ -86,7 +86,7 @@ def refuse_before_copying(pm: nn.Module, state_dict: Mapping[str, Any], strict: 
             problems.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
                             f"checkpoint, the shape in current model is {tuple(mine.shape)}.")  # fmt: skip
     if problems:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(pm).__name__} (nothing was loaded):\n\t"
+        raise StateDictError(f"Error(s) in loading state_dict for {type(pm).__name__} (nothing was loaded):\n\t"
                            + "\n\t".join(problems))  # fmt: skip
 
 

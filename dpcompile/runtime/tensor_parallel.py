@@ -92,6 +92,8 @@ def regroup_sections(gathered: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 
 
 def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):  # a None or a list where forward wants a tensor: its op says so, as eager's
+        return t
     return t if t.device == device else t.to(device, non_blocking=True)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
@@ -270,9 +271,14 @@ def verify(
         try:
             expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None,
                                                       loss_only=loss_only)  # fmt: skip
-        except RuntimeError as e:
-            if not _sets_requires_grad_of_input(e):
-                raise
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            if not (isinstance(e, RuntimeError) and _sets_requires_grad_of_input(e)):
+                if isinstance(e, DpCompileError):
+                    raise
+                raise ArgumentError(
+                    f"verify(pm, model, *inputs): the model itself refuses these inputs ({type(e).__name__}: "
+                    f"{first_line(e)}); pass the inputs its forward takes"
+                ) from e
             _restore(model_buffers)  # the forward that failed may have begun a step
             for p in _unique(p for m in (model, pm) for p in m.parameters()):
                 p.grad = None
@@ -401,6 +407,11 @@ def _sets_requires_grad_of_input(error: RuntimeError) -> bool:
 def _check_modules(pm: object, model: object) -> None:
     """``verify(pm, model, *inputs)``: both modules first, then the inputs."""
     for name, value in (("pm", pm), ("model", model)):
+        if name == "pm" and isinstance(model, ParallelModule) and not isinstance(value, ParallelModule):
+            raise ArgumentError(
+                f"verify(pm, model, *inputs): the ParallelModule came second, after a {type(value).__name__}; pass "
+                "the ParallelModule transform returned first, then the model, then the inputs forward takes"
+            )
         if not isinstance(value, nn.Module):
             raise ArgumentError(
                 f"verify(pm, model, *inputs): {name} must be a module, got {type(value).__name__}; pass the "

@@ -312,6 +312,20 @@ def test_a_call_the_model_refuses_is_an_input_mismatch_of_the_kind_eager_raises_
     assert all(torch.equal(v, state[k]) for k, v in pm.state_dict().items())
 
 
+def test_a_device_out_of_memory_inside_a_call_stays_torchs_error():
+    """Running out of device memory is not the arguments' fault: pm(...) leaves torch's OutOfMemoryError as it is
+    instead of an InputMismatch telling the user to change the arguments."""
+
+    class OutOfMemory(nn.Module):
+        def forward(self, x):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    pm = dpcompile.transform(nn.Sequential(nn.Linear(8, 8), OutOfMemory()), ["cpu"] * 2, leaf_modules=[OutOfMemory])
+    with pytest.raises(torch.OutOfMemoryError) as error:
+        pm(torch.randn(4, 8))
+    assert not isinstance(error.value, dpcompile.InputMismatch)
+
+
 def test_load_refuses_an_expected_hash_that_is_no_sha256_by_name(tmp_path):
     """load(path, expected_hash="abc") is an ArgumentError (was a bare ValueError) naming expected_hash."""
     dpcompile.export(dpcompile.transform(MLP(), ["cpu"] * 2), tmp_path / "folder")

@@ -88,6 +88,8 @@ def call_failed(graph: fx.Graph, exc: BaseException, args: tuple, kwargs: dict) 
         return None
     if isinstance(exc, getattr(torch.distributed, "DistError", ())):  # a collective's failure, not the call's
         return None
+    if isinstance(exc, torch.OutOfMemoryError):  # the device's, not the arguments': torch's own error says so
+        return None
     kind = next((failed for raised, failed in KINDS if isinstance(exc, raised)), None)
     if kind is None:
         return None

@@ -132,6 +132,9 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     if composed_sequence_layout(pm) is not None:  # cp with dp, tp or pp: each copy on copy 0's devices, as built
         devices, sequence_fields, note = sequence_build_fields(pm, devices)
         sequence_notes.append(note)
+        pieces = pm._devices_for(tuple(args), dict(kwargs))
+        if not pm.recipe.lowers_capture and pieces < pm.recipe.micro_batches:  # a sequence shorter than the pieces:
+            sequence_fields["micro_batches"] = pieces  # the program pm builds for the call, with fewer
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     batch = pm.batch_size(tuple(args), dict(kwargs))
     # Autograd on fake CUDA tensors aborts the process on a torch built without CUDA, so the
@@ -198,8 +201,8 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
         if p.grad is not None and p.grad.device != p.device:
             mismatches.append(Mismatch("layout", name, f"gradient on {p.grad.device}, parameter on {p.device}"))
     checked["placed nodes"] = sum(1 for node in program.graph.nodes if slot_of(node) is not None)
-    if len(copies) > 1:  # dp composed over the program: each copy checked on its own devices
-        checked["dp copies"] = len(copies)
+    if len(copies) > 1:  # dp (or cp's pieces) composed over the program: each copy checked on its own devices
+        checked["copies (dp, cp)" if sequence_fields else "dp copies"] = len(copies)
     notes = sequence_notes + ([] if backward else [
         f"{label}: forward checked; backward needs the devices (autograd cannot run on fake CUDA here)"])
     return VerifyResult(not mismatches, mismatches, checked, notes)

@@ -51,6 +51,15 @@ def test_a_cp_layout_passes_the_fake_cuda_placement_check(mesh, options):
     assert len(shared) == (len(mesh) > 1)
 
 
+def test_a_sequence_shorter_than_the_pieces_is_checked_as_pm_runs_it():
+    """One row of one token on cp x tp: pm runs it as one piece (a program built again for the call),
+    and the fake check builds that program too (it was refused as 'cannot run on sequence shards')."""
+    pm, eager = build(1, {"cp": 2, "tp": 2}, rows=2)
+    result = check_layout(pm, eager, 4, *lm_batch(1, 1, 1))
+    assert result, str(result)
+    assert result.checked["copies (dp, cp)"] == 2
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "{'dp': 2, 'cp': 2} on distinct cp devices: split_batch_into_copies scatters each piece of the sequence's "
     "rows onto devices[0] (scatter(ids_dev1, ['cuda:0', 'cuda:0'])), so replica_dev1.tok reads ids on cuda:0"))

@@ -62,7 +62,8 @@ def test_a_sequence_shorter_than_the_pieces_is_checked_as_pm_runs_it():
 
 @pytest.mark.xfail(strict=True, reason=(
     "{'dp': 2, 'cp': 2} on distinct cp devices: split_batch_into_copies scatters each piece of the sequence's "
-    "rows onto devices[0] (scatter(ids_dev1, ['cuda:0', 'cuda:0'])), so replica_dev1.tok reads ids on cuda:0"))
+    "rows onto devices[0] (scatter(ids_dev1, ['cuda:0', 'cuda:0'])), so replica_dev1.tok reads ids on cuda:0; "
+    "fixing that device alone leaves the sequence gathered whole after the embeddings on distinct devices"))
 def test_dp_copies_of_the_cp_program_pass_the_fake_cuda_placement_check():
     pm, eager = build(1, {"dp": 2, "cp": 2}, rows=2)
     result = check_layout(pm, eager, 4, *lm_batch(2, 7, 0))

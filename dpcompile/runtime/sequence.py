@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import FakeTensor
 
 from dpcompile.runtime.comm import gather_tensors
 from dpcompile.runtime.sequence_ring import block_attention, block_attention_backward, merge_blocks
@@ -63,12 +64,20 @@ def causal_attention(
     True
     """
     rows = query.shape[-2]
-    start = int(positions[0]) if rows else 0
+    start = _first_position(positions, key.shape[-2], rows) if rows else 0
     key, value = key.narrow(-2, 0, start + rows), value.narrow(-2, 0, start + rows)
     if start:
         query = torch.cat([query.new_zeros(*query.shape[:-2], start, query.shape[-1]), query], dim=-2)
     out = F.scaled_dot_product_attention(query, key, value, is_causal=True, **kwargs)
     return out.narrow(-2, start, rows) if start else out
+
+
+def _first_position(positions: torch.Tensor, key_rows: int, rows: int) -> int:
+    """The position of the first query. A fake tensor (``verify(fake_devices=)``) has no values: its
+    queries are taken as the keys' last rows, which keeps the output's shape and every device."""
+    if isinstance(positions, FakeTensor):
+        return key_rows - rows
+    return int(positions[0])
 
 
 def attention_regathered(

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from dpcompile.errors import DpCompileError
 
@@ -178,9 +179,12 @@ def ring_attention(query: torch.Tensor, key_shards: Sequence[torch.Tensor], valu
     if dim % query.dim() != query.dim() - 2:
         raise DpCompileError(f"ring attention runs along the keys' dim -2, not {dim}: use the all-gather exchange")
     scale, mask = ring_options(query, kwargs)
-    start = int(positions[0]) if positions is not None and query.shape[-2] else None
-    if positions is not None and start is None:
-        start = 0
+    if isinstance(positions, FakeTensor):  # no values (verify(fake_devices=)): the queries at their own shard's keys
+        start = sum(int(k.shape[-2]) for k in key_shards[:own])
+    else:
+        start = int(positions[0]) if positions is not None and query.shape[-2] else None
+        if positions is not None and start is None:
+            start = 0
     plan = (scale, start, own, [int(k.shape[-2]) for k in key_shards])
     return _RingOverShards.apply(query, plan, mask, *key_shards, *value_shards)
 

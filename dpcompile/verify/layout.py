@@ -24,19 +24,26 @@ from dpcompile.recipes.pipeline import SCHEDULES
 from dpcompile.runtime.structures import tensor_leaves
 from dpcompile.target import dp_copies, resolve_target
 from dpcompile.verify.result import Mismatch, VerifyResult, first_line
+from dpcompile.verify.sequence_layout import composed_sequence_layout, sequence_build_fields
 from passes.name_dp_copies import COPY
 
 
 # ------------------------------------------------------------------------ fake multi-GPU
-def _build_fake_program(pm: Any, fake_model: nn.Module, devices: Devices, example: tuple | None) -> fx.GraphModule:
-    """``pm``'s program rebuilt for ``devices`` (fake CUDA devices) on a fake copy of the model."""
+def _build_fake_program(
+    pm: Any, fake_model: nn.Module, devices: Devices, example: tuple | None, sequence_fields: dict[str, Any]
+) -> fx.GraphModule:
+    """``pm``'s program rebuilt for ``devices`` (fake CUDA devices; copy 0's, with ``sequence_fields``,
+    the ``dp_devices`` of cp composed in one process) on a fake copy of the model."""
     recipe = pm.recipe
     if recipe.lowers_capture and pm.captured is not None:
         gm = graph_module(fake_model, copy_graph(pm.captured.graph), "FakeLayout")
-        return dataclasses.replace(recipe, devices=devices, output_device=devices.primary).lower(gm, devices, pm.input_dims)
+        lowering = dataclasses.replace(recipe, devices=devices, output_device=devices.primary, **sequence_fields)
+        return lowering.lower(gm, devices, pm.input_dims)
     fields = recipe.fake_layout_fields(pm)
     if fields is not None:
-        if recipe.dp_devices is not None:  # dp copies (over a pipeline): copy 0 builds the program, each copy on its devices
+        if sequence_fields:
+            fields.update(sequence_fields)
+        elif recipe.dp_devices is not None:  # dp copies (over a pipeline): copy 0 builds the program, each copy on its devices
             copies = dp_copies(resolve_target(devices, pm.layout, pipeline=None, tensor_parallel=False))
             fields["dp_devices"] = tuple(tuple(copy.strings()) for copy in copies)
             devices = copies[0]
@@ -102,19 +109,6 @@ def _check_pipeline_device_count(pm: Any, n: int) -> None:
         )
 
 
-def _check_not_sequence_layout(pm: Any, n: int) -> None:
-    """A layout with 'cp' is not rebuilt for fake devices yet (its pieces of the sequence fail to build
-    there, which read as a mismatch of ``pm``): refused, naming what checks it instead."""
-    layout = dict(getattr(pm, "layout", None) or {})
-    if "cp" in layout:
-        sizes = " x ".join(f"{name} {size}" for name, size in layout.items())
-        raise DpCompileError(
-            f"verify(fake_devices={n}): a layout with 'cp' ({sizes}) is not built for fake devices yet; "
-            "verify(pm, model, ...) without fake_devices= compares every output and gradient, and "
-            "dpcompile.explain(pm, ...) shows the device of each piece of the sequence"
-        )
-
-
 def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[Any], *args: Any, **kwargs: Any) -> VerifyResult:
     """Build ``pm``'s program for fake CUDA devices and run it forward and backward on fake tensors.
 
@@ -130,10 +124,17 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     True
     """
     devices = fake_devices_of(fake_devices)
-    _check_not_sequence_layout(pm, len(devices))
     _check_pipeline_device_count(pm, len(devices))
     label = f"fake {len(devices)}-device layout"
     checked = {"fake devices": len(devices)}
+    sequence_fields: dict[str, Any] = {}
+    sequence_notes: list[str] = []
+    if composed_sequence_layout(pm) is not None:  # cp with dp, tp or pp: each copy on copy 0's devices, as built
+        devices, sequence_fields, note = sequence_build_fields(pm, devices)
+        sequence_notes.append(note)
+        pieces = pm._devices_for(tuple(args), dict(kwargs))
+        if not pm.recipe.lowers_capture and pieces < pm.recipe.micro_batches:  # a sequence shorter than the pieces:
+            sequence_fields["micro_batches"] = pieces  # the program pm builds for the call, with fewer
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     batch = pm.batch_size(tuple(args), dict(kwargs))
     # Autograd on fake CUDA tensors aborts the process on a torch built without CUDA, so the
@@ -152,7 +153,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
                 devices = devices.prefix(batch)
             if kwargs and not pm.recipe.lowers_capture:  # keyword inputs: export captured it
                 fake_model, example = _captured_like_pm(pm, fake_model, mode, devices.primary, args, kwargs)
-            program = _build_fake_program(pm, fake_model, devices, example)
+            program = _build_fake_program(pm, fake_model, devices, example, sequence_fields)
     except ImportError:
         raise
     except Exception as e:  # noqa: BLE001 - report, do not crash
@@ -200,7 +201,8 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
         if p.grad is not None and p.grad.device != p.device:
             mismatches.append(Mismatch("layout", name, f"gradient on {p.grad.device}, parameter on {p.device}"))
     checked["placed nodes"] = sum(1 for node in program.graph.nodes if slot_of(node) is not None)
-    if len(copies) > 1:  # dp composed over the program: each copy checked on its own devices
-        checked["dp copies"] = len(copies)
-    notes = [] if backward else [f"{label}: forward checked; backward needs the devices (autograd cannot run on fake CUDA here)"]
+    if len(copies) > 1:  # dp (or cp's pieces) composed over the program: each copy checked on its own devices
+        checked["copies (dp, cp)" if sequence_fields else "dp copies"] = len(copies)
+    notes = sequence_notes + ([] if backward else [
+        f"{label}: forward checked; backward needs the devices (autograd cannot run on fake CUDA here)"])
     return VerifyResult(not mismatches, mismatches, checked, notes)

@@ -128,6 +128,7 @@ def replicate_over_dp(target: Target, micro_batches: int) -> dict[str, Any]:
     check_copy_devices(dp_devices, layout=target.layout)
     if "cp" in target.active:
         check_virtual_copies(dp_devices, layout=target.layout)
+        check_virtual_pieces(dp_devices[0], layout=target.layout)
         return {**arguments, "devices": copies[0], "dp_copies": len(copies), "dp_devices": dp_devices}
     pipeline = arguments["pipeline"] if arguments["pipeline"] is not None else 1
     return {**arguments, "devices": copies[0], "pipeline": pipeline, "micro_batches": micro_batches * len(copies),
@@ -196,6 +197,18 @@ def check_virtual_copies(dp_devices: Sequence[Sequence[str]], *, layout: Mapping
                 "with dp, tp or pp in one process runs every copy on the same devices for now (virtual devices: ['cpu'] * n, "
                 "or one GPU repeated): repeat copy 0's devices, or use mesh={'cp': N} alone on distinct devices"
             )
+
+
+def check_virtual_pieces(pieces: Sequence[str], *, layout: Mapping[str, int]) -> None:
+    """dp copies of a context-parallel program keep every piece of the sequence on one device: the split
+    into copies scatters each copy's rows onto its first device (pieces on devices of their own are not
+    placed yet)."""
+    if len(set(pieces)) > 1:
+        raise DpCompileError(
+            f"mesh={dict(layout)}: copy 0's pieces of the sequence run on {list(pieces)}; dp copies of a cp program "
+            "are built on virtual devices only for now (['cpu'] * n, or one GPU repeated): repeat one device, or use "
+            "mesh={'cp': N} alone on distinct devices"
+        )
 
 
 def _counting(sizes: Sequence[int]) -> list[tuple[int, ...]]:
@@ -346,6 +359,7 @@ __all__ = [
     "check_built",
     "check_copy_devices",
     "check_virtual_copies",
+    "check_virtual_pieces",
     "shards_over_cp",
     "stages_over_cp",
     "dp_copies",

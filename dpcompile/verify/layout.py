@@ -185,7 +185,8 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     copies = _copy_devices(program, devices)
     for node in program.graph.nodes:
         slot = slot_of(node)
-        own = copies[node.meta.get(COPY) or 0]
+        copy = node.meta.get(COPY) or 0
+        own = copies[copy] if copy < len(copies) else copies[0]  # copies on repeated devices: copy 0's, nothing moved
         if slot is None or slot >= len(own):
             continue
         seen = recorder.devices.get(node.name, [])

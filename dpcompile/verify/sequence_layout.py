@@ -1,8 +1,8 @@
 """The fake devices a layout with ``cp`` composed in one process is rebuilt on (``verify(fake_devices=)``).
 
 In one process, cp composed with dp, tp or pp runs every copy on copy 0's devices (``dpcompile.target.
-check_virtual_copies``): the dims that copy the program (dp, and cp beside tp or pp) repeat devices,
-the others (cp alone with dp, tp, pp) take devices of their own. So the check places the program as
+check_virtual_copies``, ``check_virtual_pieces``): the dims that copy the program (dp and cp) repeat
+devices, the others (tp, pp) take devices of their own; ``{"dp": D, "cp": C}`` runs on one device. So the check places the program as
 it runs on GPUs: ``{"cp": 2, "tp": 2}`` over fake ``cuda:0..3`` is built on
 ``["cuda:0", "cuda:1", "cuda:0", "cuda:1"]`` (each piece of the sequence on the tp pair), and
 ``{"pp": 2, "cp": 2}`` on ``["cuda:0", "cuda:0", "cuda:1", "cuda:1"]`` (each stage on its own device).
@@ -28,8 +28,8 @@ def composed_sequence_layout(pm: Any) -> dict[str, int] | None:
 
 
 def copying_dims(layout: Mapping[str, int]) -> set[str]:
-    """The dims whose copies share copy 0's devices: dp, and cp beside tp or pp."""
-    return {"dp", "cp"} if {"tp", "pp"} & set(layout) else {"dp"}
+    """The dims whose copies share copy 0's devices (of those in ``layout``): dp and cp."""
+    return {"dp", "cp"} & set(layout)
 
 
 def repeated_devices(layout: Mapping[str, int], devices: Devices) -> list[str]:

@@ -151,7 +151,7 @@ def test_pp_cp_trains_like_eager(mesh):
         ({"pp": 2, "cp": 2}, {"schedule": "1f1b"}, r"schedule='1f1b' with 'pp' and 'cp' is not built yet.*leave schedule= out"),
         ({"pp": 2, "cp": 2, "tp": 2}, {"schedule": "1f1b"}, r"schedule='1f1b' with 'pp' and 'cp'"),
         ({"pp": 2, "cp": 2}, {"micro_batches": 2}, r"micro_batches=2: a pipeline with 'cp' .* leave micro_batches= out"),
-        ({"pp": 2, "cp": 2}, {"devices": ["cpu", "meta", "cpu", "meta"]}, r"copy 1 on \['meta', 'meta'\].*same devices"),
+        ({"pp": 2, "cp": 2}, {"devices": ["cpu", "cpu:1", "cpu", "cpu:1"]}, r"copy 1 on \['cpu:1', 'cpu:1'\].*same devices"),
     ],
 )
 def test_pp_cp_refuses_what_is_not_built_by_name(mesh, options, match):

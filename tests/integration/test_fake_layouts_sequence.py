@@ -60,14 +60,16 @@ def test_a_sequence_shorter_than_the_pieces_is_checked_as_pm_runs_it():
     assert result.checked["copies (dp, cp)"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "{'dp': 2, 'cp': 2} on distinct cp devices: split_batch_into_copies scatters each piece of the sequence's "
-    "rows onto devices[0] (scatter(ids_dev1, ['cuda:0', 'cuda:0'])), so replica_dev1.tok reads ids on cuda:0; "
-    "fixing that device alone leaves the sequence gathered whole after the embeddings on distinct devices"))
-def test_dp_copies_of_the_cp_program_pass_the_fake_cuda_placement_check():
+def test_dp_copies_of_the_cp_program_run_on_one_device_and_are_checked_there():
+    """{"dp": 2, "cp": 2} keeps every piece of the sequence on one device (the split into copies scatters a
+    copy's rows onto its first device): transform refuses the pieces on distinct devices by name, and the
+    fake check places all four on cuda:0, as transform can build it."""
+    with pytest.raises(dpcompile.DpCompileError, match="pieces of the sequence run on"):
+        dpcompile.transform(TinyLM().double(), ["cpu:0", "cpu:1"] * 2, mesh={"dp": 2, "cp": 2})
     pm, eager = build(1, {"dp": 2, "cp": 2}, rows=2)
     result = check_layout(pm, eager, 4, *lm_batch(2, 7, 0))
     assert result, str(result)
+    assert any(note.endswith("checked on cuda:0") for note in result.notes), result.notes
 
 
 @pytest.mark.parametrize("mesh", [{"cp": 2}, {"pp": 2, "cp": 2}])
@@ -98,4 +100,4 @@ def test_copies_share_the_devices_of_copy_0_as_built_in_one_process():
     devices = fake_devices(4)
     assert repeated_devices({"cp": 2, "tp": 2}, devices) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert repeated_devices({"pp": 2, "cp": 2}, devices) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
-    assert repeated_devices({"dp": 2, "cp": 2}, devices) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert repeated_devices({"dp": 2, "cp": 2}, devices) == ["cuda:0"] * 4

@@ -14,6 +14,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 
 from dpcompile.analysis.context_exchange import ContextParallelOptions
 from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture_fx
+from dpcompile.fx_utils import bind_inputs, propagate_shapes
 from dpcompile.mesh import local_device
 from dpcompile.progress import QUIET, step_bar
 
@@ -79,9 +80,11 @@ class Recipe:
         return None
 
 
-def departing_trace(recipe: Any, pm: Any, key: Any) -> fx.GraphModule | None:
+def departing_trace(recipe: Any, pm: Any, key: Any, args: tuple = (), kwargs: dict | None = None) -> fx.GraphModule | None:
     """The captured graph a call as ``key`` lowers: None for ``pm``'s main trace, else the model
-    traced again for ``key``'s modes, None arguments and flags (``recipe.trace``), once per such
+    traced again for ``key``'s modes, None arguments and flags (``recipe.trace``, tidied with ``pm``'s
+    input dims and, for context parallel, the call's shapes, so attention is marked as in the main
+    trace), once per such
     key (kept in ``pm.program_cache.traces``; None there too where it came out the same)."""
     trace_key = key.traced()
     if trace_key == pm.program_cache.main_key.traced():
@@ -90,9 +93,18 @@ def departing_trace(recipe: Any, pm: Any, key: Any) -> fx.GraphModule | None:
     if trace_key not in traces:
         if pm.traced_model is None:
             raise pm.cannot_trace_again(key)
-        traced = recipe.trace(pm.traced_model, key)
+        traced = recipe.trace(pm.traced_model, key, dict(getattr(pm, "input_dims", None) or {}), (args, kwargs or {}))
         traces[trace_key] = None if traced.code == pm.captured.code else traced
     return traces[trace_key]
+
+
+def shapes_of_the_call(gm: fx.GraphModule, call: tuple[tuple, dict], device: torch.device) -> None:
+    """Each node's shape from the call's arguments (fake copies on ``device``), as the main trace had
+    them from the examples; nothing where the call gave no arguments."""
+    args, kwargs = call
+    if args or kwargs:
+        values = bind_inputs(gm, args, kwargs)
+        propagate_shapes(gm, [v.to(device) if isinstance(v, torch.Tensor) else v for v in values])
 
 
 def capture_with_flags(

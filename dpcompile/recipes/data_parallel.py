@@ -40,7 +40,14 @@ from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
 from dpcompile.program_cache import CallKey
-from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, move_to, sharing_model
+from dpcompile.recipes.base import (
+    Recipe,
+    capture_with_flags,
+    departing_trace,
+    move_to,
+    shapes_of_the_call,
+    sharing_model,
+)
 
 
 @dataclass(frozen=True)
@@ -145,15 +152,17 @@ class DataParallelRecipe(Recipe):
         lowered, _ = run_passes(gm, lowering, recompile=recompile)
         return lowered
 
-    def trace(self, model: nn.Module, key: CallKey) -> fx.GraphModule:
-        """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied."""
+    def trace(self, model: nn.Module, key: CallKey, input_dims: Mapping[str, int | None], call: tuple[tuple, dict]) -> fx.GraphModule:
+        """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied as the main trace was."""
         with modes_applied(model, key.modes):
             gm = capture(model, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
-        gm, _ = run_passes(gm, passes.frontend_pipeline(self._frontend_options()))
+        if self.context_parallel:  # attention's shapes mark what it needs of the sequence
+            shapes_of_the_call(gm, call, self.devices.primary)
+        gm, _ = run_passes(gm, passes.frontend_pipeline(self._frontend_options(input_dims)))
         return gm
 
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
-        captured = departing_trace(self, pm, key)  # None: the main trace
+        captured = departing_trace(self, pm, key, args, kwargs)  # None: the main trace
         if captured is None and key.devices == len(pm.devices) and not key.batched and not key.unbatched:
             return None
         owner, graph = (pm, pm.captured.graph) if captured is None else (captured, captured.graph)

@@ -39,7 +39,7 @@ from dpcompile.modules.pipeline import Stage
 from dpcompile.modules.pipeline_1f1b import OneFOneBStep
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes import pipeline_tensor_parallel as sharded
-from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, sharing_model
+from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, shapes_of_the_call, sharing_model
 from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights
 from passes.split_stages import STAGE, StagePlan, follow_plan, stage_programs
@@ -140,17 +140,19 @@ class PipelineRecipe(Recipe):
         lowered, _ = run_passes(gm, pipeline + borrowing + finishing, recompile=recompile)
         return lowered
 
-    def trace(self, model: nn.Module, key: CallKey) -> fx.GraphModule:
-        """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied."""
+    def trace(self, model: nn.Module, key: CallKey, input_dims: Mapping[str, int | None], call: tuple[tuple, dict]) -> fx.GraphModule:
+        """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied as the main trace was."""
         with modes_applied(model, key.modes):
             gm = capture(model, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
-        gm, _ = run_passes(gm, passes.frontend_pipeline(self._options({} if self.context_parallel else None)))
+        if self.context_parallel:  # attention's shapes mark what it needs of the sequence
+            shapes_of_the_call(gm, call, self.devices.primary)
+        gm, _ = run_passes(gm, passes.frontend_pipeline(self._options(input_dims if self.context_parallel else None)))
         return gm
 
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         if self.plan is not False:
             return sharded.build_sharded_program(self, pm, key, args, kwargs)
-        captured = departing_trace(self, pm, key)  # None: the main trace
+        captured = departing_trace(self, pm, key, args, kwargs)  # None: the main trace
         if captured is None and key.devices == pm.micro_batches and not key.unbatched:
             return None
         gm, plan = _graph_to_lower(pm, captured, f"Pipeline{key.devices}")

@@ -287,3 +287,18 @@ def test_load_balance_true_keeps_auto_off_the_all_to_all(monkeypatch):
     assert call["exchange"] == "all-gather" and "load_balance=True" in call["why_not"]["all-to-all"]
     got, want = pm(x), eager(x)
     assert_square_sum_step_equals_eager(model, eager, got, want)
+
+
+@pytest.mark.parametrize("options, call", [(BALANCED, "balanced_attention("), ({}, "attention_regathered(")])
+def test_the_other_modes_program_splits_the_sequence_as_the_first_did(options, call):
+    """pm.eval() after a training transform traces the model again: that trace is tidied with the
+    sequence dims and the call's shapes, so attention is split as in training (it ran whole on one
+    device before, and load_balance=True refused the eval call)."""
+    torch.manual_seed(0)
+    model = CausalSelfAttention().double()
+    eager = copy.deepcopy(model).eval()
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"cp": 2}, example_inputs=(x,), context_parallel=options)
+    pm.eval()
+    torch.testing.assert_close(pm(x), eager(x))
+    assert pm.program_for_call(x).code.count(f"dpcompile_runtime_{call}") == 2

@@ -94,7 +94,7 @@ def test_cp_composed_on_devices_of_their_own_is_refused_by_name(mesh):
     model = CausalSelfAttention()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(DpCompileError, match=r"same devices for now .* mesh=\{'cp': N\} alone"):
-        dpcompile.transform(model, ["cpu", "cpu", "meta", "meta"], mesh=mesh, example_inputs=(x,))
+        dpcompile.transform(model, ["cpu", "cpu", "cpu:1", "cpu:1"], mesh=mesh, example_inputs=(x,))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

@@ -247,7 +247,7 @@ def test_pipeline_loads_only_on_its_devices(folder):
     with pytest.raises(ExportError, match="has 2 devices"):
         dpcompile.load(folder, devices=["cpu"] * 3)
     with pytest.raises(ExportError, match="loads on the devices it was exported for"):
-        dpcompile.load(folder, devices=["meta", "meta"])
+        dpcompile.load(folder, devices=["cpu:0", "cpu:1"])
 
 
 def test_one_process_fsdp_export_is_refused_naming_what_works(tmp_path):

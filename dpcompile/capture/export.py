@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.capture.fx import forward_parameters
+from dpcompile.capture.inputs import is_dynamic
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
 from dpcompile.capture.side_effects import (
     SideEffectRefused,
@@ -420,7 +421,7 @@ def _program(
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
             dim = batch_dim if value.dim() > batch_dim else 0
-            dynamic = dynamic or isinstance(val.shape[dim], torch.SymInt)
+            dynamic = dynamic or is_dynamic(val.shape[dim])
     for node, (name, value) in zip(placeholders, names.items()):
         if name not in injected and not isinstance(value, torch.Tensor) and _is_python_value(value):
             check = graph.call_function(expect_value, (remap[node], value, name))

@@ -404,3 +404,27 @@ def test_flags_export_cannot_take_are_refused_with_the_way_out(flags, match):
     ``use_cache=True`` (once torch's "DynamicCache ... not a known type") say what to do instead."""
     with pytest.raises(dpcompile.TraceError, match=match):
         dpcompile.transform(KeywordFlags(), ["cpu"] * 2, example_kwargs={"x": torch.randn(4, 4), **flags}, frontend="export")
+
+
+class InPlaceUnsqueezedMask(nn.Module):
+    """BigBird's block-sparse mask: ``einsum(...)`` then ``unsqueeze_(1)``, an in-place view."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x, mask):
+        band = torch.einsum("blq,blk->blqk", mask[:, 1:3], mask[:, :2])
+        band.unsqueeze_(1)
+        return self.fc(x).view(x.shape[0], 4, 2, 3, 3) + (1.0 - band) * -100.0
+
+
+def test_export_in_place_view_of_a_per_sample_value_splits_on_the_batch():
+    """An uneven batch of 5 on 3 devices: the in-place ``unsqueeze_`` keeps the batch at dim 0 (it was gathered
+    along dim 1 and failed inside the program)."""
+    torch.manual_seed(0)
+    model = InPlaceUnsqueezedMask()
+    x, mask = torch.randn(5, 12, 6), torch.ones(5, 4, 3)
+    mask[1, 2:] = 0
+    pm = dpcompile.transform(model, ["cpu"] * 3, frontend="export", example_inputs=(x, mask))
+    torch.testing.assert_close(pm(x, mask), model(x, mask))

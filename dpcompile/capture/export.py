@@ -217,7 +217,7 @@ def capture_export(
         gm.meta[OTHER_MODE_PENDING] = True
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected)
-        if other is not None and not merge_modes(gm, other, model):
+        if other is gm or (other is not None and not merge_modes(gm, other, model)):  # gm: the other mode failed
             add_mode_check(gm, model)
     gm.recompile()
     if not dynamic:

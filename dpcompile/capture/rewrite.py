@@ -452,14 +452,17 @@ _MODE_AWARE = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDro
 
 
 def forward_reads_training(cls: type) -> bool:
-    """Whether ``cls.forward``'s source mentions ``training`` (modules the program calls as
-    modules read their mode themselves)."""
+    """Whether ``cls.forward``'s source, or another method of ``cls`` forward may call (BigBird's
+    ``_bigbird_block_rand_mask``: ``if not self.training``), mentions ``training`` (modules the program
+    calls as modules read their mode themselves)."""
     if cls not in _READS_TRAINING:
         if issubclass(cls, _MODE_AWARE) and cls.forward in {c.forward for c in _MODE_AWARE}:
             _READS_TRAINING[cls] = False
         else:
             try:
-                _READS_TRAINING[cls] = "training" in inspect.getsource(inspect.unwrap(cls.forward))
+                methods = [inspect.unwrap(getattr(f, "__func__", f)) for n, f in vars(cls).items() if n != "forward"]
+                methods = [inspect.unwrap(cls.forward)] + [f for f in methods if inspect.isfunction(f)]
+                _READS_TRAINING[cls] = any("training" in inspect.getsource(f) for f in methods)
             except (OSError, TypeError):
                 _READS_TRAINING[cls] = True
     return _READS_TRAINING[cls]

@@ -428,3 +428,27 @@ def test_export_in_place_view_of_a_per_sample_value_splits_on_the_batch():
     mask[1, 2:] = 0
     pm = dpcompile.transform(model, ["cpu"] * 3, frontend="export", example_inputs=(x, mask))
     torch.testing.assert_close(pm(x, mask), model(x, mask))
+
+
+class ModeInAHelper(nn.Module):
+    """Reads ``self.training`` in a method forward calls, not in forward (BigBird's random blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def _scale(self):
+        return 2.0 if self.training else 1.0
+
+    def forward(self, x):
+        return self.fc(x) * self._scale()
+
+
+def test_export_mode_read_in_a_helper_method_serves_the_other_mode():
+    """Transformed in eval, called in train: eager's train value (the eval program ran before)."""
+    torch.manual_seed(0)
+    model, x = ModeInAHelper().eval(), torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    model.train()
+    torch.testing.assert_close(pm(x), model(x))

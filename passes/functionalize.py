@@ -209,11 +209,16 @@ def _write_of(node: fx.Node) -> tuple[Any, Any, tuple, dict] | None:
     return None
 
 
+# no out-of-place op computes these writes' result: ``x.bernoulli_(p)`` draws in ``x``'s memory order,
+# ``x.bernoulli(p)`` in its index order (a transposed ``x`` gets other values)
+_NO_TWIN = frozenset({"copy", "fill", "zero", "bernoulli"})
+
+
 def _out_of_place_twin(node: fx.Node) -> tuple[Any, str] | None:
     """The op computing an in-place op's result out of place: ``("silu", "call_method")``."""
     if node.op == "call_method":
         name = str(node.target)[:-1]
-        return (name, "call_method") if name not in ("copy", "fill", "zero") and hasattr(torch.Tensor, name) else None
+        return (name, "call_method") if name not in _NO_TWIN and hasattr(torch.Tensor, name) else None
     if node.op == "call_function" and node.target in _INPLACE_FUNCTIONS:
         return node.target, "call_function"
     if isinstance(node.target, torch._ops.OpOverload):

@@ -121,12 +121,16 @@ class FakeMesh:
     device_type = "cpu"
 
 
-def full_gradients(pm: nn.Module) -> dict[str, torch.Tensor]:
-    """The gradient of every parameter under the model's name: shards gathered, the rest as they are."""
-    out = {
-        key: unshard([pm.get_parameter(n).grad for n in names], spec, "cpu")
-        for key, (spec, names) in pm.param_shards.items()
-    }
+def full_gradients(pm: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The gradient of every parameter under the model's name: shards gathered, the rest as they are;
+    None for a sharded parameter no shard of which got a gradient (frozen, or detached), as eager's."""
+    out: dict[str, torch.Tensor | None] = {}
+    for key, (spec, names) in pm.param_shards.items():
+        shards = [pm.get_parameter(n) for n in names]
+        if all(s.grad is None for s in shards):
+            out[key] = None
+            continue
+        out[key] = unshard([torch.zeros_like(s) if s.grad is None else s.grad for s in shards], spec, "cpu")
     sharded = {n for _, names in pm.param_shards.values() for n in names}
     out.update({name: p.grad for name, p in pm.named_parameters() if name not in sharded})
     return out

@@ -37,6 +37,7 @@ from torch import nn
 
 from dpcompile.capture.errors import check_forward_names
 from dpcompile.capture.fx import forward_parameters
+from dpcompile.capture.inputs import is_dynamic
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
 from dpcompile.capture.side_effects import (
     SideEffectRefused,
@@ -218,7 +219,7 @@ def capture_export(
         gm.meta[OTHER_MODE_PENDING] = True
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected)
-        if other is not None and not merge_modes(gm, other, model):
+        if other is gm or (other is not None and not merge_modes(gm, other, model)):  # gm: the other mode failed
             add_mode_check(gm, model)
     gm.recompile()
     if not dynamic:
@@ -422,7 +423,7 @@ def _program(
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
             dim = batch_dim if value.dim() > batch_dim else 0
-            dynamic = dynamic or isinstance(val.shape[dim], torch.SymInt)
+            dynamic = dynamic or is_dynamic(val.shape[dim])
     for node, (name, value) in zip(placeholders, names.items()):
         if name not in injected and not isinstance(value, torch.Tensor) and _is_python_value(value):
             check = graph.call_function(expect_value, (remap[node], value, name))

@@ -10,6 +10,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.capture.dynamic_sizes import refuse_fixed_dynamic_dims, refuse_unserved_sizes
 from dpcompile.capture.fx import bind_examples, capture_fx, forward_parameters
 from dpcompile.capture.inputs import ExportedFrom, called_modules, input_specs
 from dpcompile.capture.norms import refuse_spectral_norm_hooks
@@ -133,6 +134,8 @@ def capture_model(
         if route:
             message += f"\n{route}"
         raise TraceError(message) from None
+    refuse_fixed_dynamic_dims(exported.gm, dynamic_dims, type(model).__name__)
+    refuse_unserved_sizes(exported.gm, exported.example_inputs, dynamic_dims, type(model).__name__)
     info = CaptureInfo(
         "export",
         exported.example_inputs,

@@ -59,11 +59,19 @@ def input_specs(gm: fx.GraphModule) -> tuple[InputSpec, ...]:
             continue
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            shape = tuple(None if isinstance(d, torch.SymInt) else int(d) for d in val.shape)
+            shape = tuple(None if is_dynamic(d) else int(d) for d in val.shape)
             out.append(InputSpec(str(node.target), shape, val.dtype))
         else:
             out.append(InputSpec(str(node.target)))
     return tuple(out)
+
+
+def is_dynamic(size: Any) -> bool:
+    """A dim export left dynamic: a SymInt that is still a symbol (export's ``Dim.AUTO`` replaces a
+    symbol the model's code fixed by its example value, and the placeholder keeps that SymInt)."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    return isinstance(size, torch.SymInt) and not is_concrete_int(size)
 
 
 def called_modules(gm: fx.GraphModule) -> frozenset[str]:

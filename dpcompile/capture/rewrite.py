@@ -24,6 +24,22 @@ aten = torch.ops.aten
 
 
 
+# in-place view ops (BigBird's mask ``einsum(...).unsqueeze_(1)``) change their input's shape, which
+# the batch analysis follows by value, not by node: their out-of-place twins, where nothing reads the input after
+_INPLACE_VIEWS = {
+    aten.unsqueeze_.default: aten.unsqueeze.default, aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.default: aten.squeeze.default, aten.transpose_.default: aten.transpose.int, aten.t_.default: aten.t.default,
+}  # fmt: skip
+
+
+def _last_read_of_its_input(node: fx.Node) -> bool:
+    base = node.args[0]
+    if not isinstance(base, fx.Node) or base.op == "placeholder":
+        return False
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return all(order[user] <= order[node] for user in base.users)
+
+
 def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
     """Module calls back where an op is exactly a module's forward; mode-aware dropout; mean
     losses as sum / count; readable names."""
@@ -46,6 +62,8 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
             continue
         if node.target is aten.view.default:
             node.target = aten.reshape.default
+        if node.target in _INPLACE_VIEWS and _last_read_of_its_input(node):
+            node.target = _INPLACE_VIEWS[node.target]  # nothing reads the input after: the view, out of place
         if node.target is aten.dropout.default:
             _rewrite_dropout(gm, node, owner_path, owner)
         elif owner is not None and _is_plain(owner):
@@ -434,14 +452,17 @@ _MODE_AWARE = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDro
 
 
 def forward_reads_training(cls: type) -> bool:
-    """Whether ``cls.forward``'s source mentions ``training`` (modules the program calls as
-    modules read their mode themselves)."""
+    """Whether ``cls.forward``'s source, or another method of ``cls`` forward may call (BigBird's
+    ``_bigbird_block_rand_mask``: ``if not self.training``), mentions ``training`` (modules the program
+    calls as modules read their mode themselves)."""
     if cls not in _READS_TRAINING:
         if issubclass(cls, _MODE_AWARE) and cls.forward in {c.forward for c in _MODE_AWARE}:
             _READS_TRAINING[cls] = False
         else:
             try:
-                _READS_TRAINING[cls] = "training" in inspect.getsource(inspect.unwrap(cls.forward))
+                methods = [inspect.unwrap(getattr(f, "__func__", f)) for n, f in vars(cls).items() if n != "forward"]
+                methods = [inspect.unwrap(cls.forward)] + [f for f in methods if inspect.isfunction(f)]
+                _READS_TRAINING[cls] = any("training" in inspect.getsource(f) for f in methods)
             except (OSError, TypeError):
                 _READS_TRAINING[cls] = True
     return _READS_TRAINING[cls]

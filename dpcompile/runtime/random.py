@@ -95,7 +95,7 @@ def random_draws_over_ranks(local: torch.Tensor | None, dim: int, ranks: int) ->
     return RandomDraws([int(local.shape[dim])] * ranks)
 
 
-def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tuple[int, ...]], torch.Tensor]:
+def empty_laid_out(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tuple[int, ...]], torch.Tensor]:
     """An empty whole tensor laid out as ``like`` is, as ``empty_like`` lays out eager's noise: a
     random fill runs in memory order, so a transposed input (``nn.MultiheadAttention``'s
     ``batch_first`` output, a permuted or channels-last activation) draws its values in another order."""
@@ -124,7 +124,7 @@ def _dropout_noise(like: torch.Tensor, p: float) -> Callable[[tuple[int, ...]], 
     fill and multiply); elsewhere dropout of ones (on CUDA the fused kernel's mask and stream)."""
     if like.device.type == "cpu":
         keep = 1.0 - p
-        return lambda shape: _empty(like)(shape).bernoulli_(keep).div_(keep)
+        return lambda shape: empty_laid_out(like)(shape).bernoulli_(keep).div_(keep)
     return dropout_of_ones(like, p)
 
 
@@ -150,7 +150,7 @@ def exact_native_dropout(draws: RandomDraws, site: str, x: torch.Tensor, p: floa
     if not train or x.numel() == 0:
         return torch.ops.aten.native_dropout.default(x, p, train)
     keep = 1.0 - p
-    mask = draws.piece(site, x, rows, cols, lambda shape: _empty(x)(shape).bernoulli_(keep))
+    mask = draws.piece(site, x, rows, cols, lambda shape: empty_laid_out(x)(shape).bernoulli_(keep))
     return x.mul(mask).mul_(0.0 if keep == 0 else 1.0 / keep), mask.bool()
 
 
@@ -165,7 +165,7 @@ def exact_random_like(draws: RandomDraws, site: str, name: str, x: torch.Tensor,
     """``torch.<name>(x, *args, **kwargs)`` for a draw whose values ignore ``x``'s (``rand_like``,
     ``randn_like``, ``randint_like``, ``bernoulli(x, p)``): on the whole shape, this piece's slice."""
     fn = LIKE_FUNCTIONS[name]
-    return draws.piece(site, x, rows, cols, lambda shape: fn(_empty(x)(shape), *args, **kwargs)).contiguous()
+    return draws.piece(site, x, rows, cols, lambda shape: fn(empty_laid_out(x)(shape), *args, **kwargs)).contiguous()
 
 
 def exact_bernoulli(draws: RandomDraws, site: str, probs: torch.Tensor, *, rows: Rows = None,
@@ -178,7 +178,7 @@ def exact_bernoulli(draws: RandomDraws, site: str, probs: torch.Tensor, *, rows:
 def exact_fill_random(draws: RandomDraws, site: str, method: str, x: torch.Tensor, *args: Any,
                       rows: Rows = None, cols: Cols = None, **kwargs: Any) -> torch.Tensor:  # fmt: skip
     """``x.normal_(...)``, ``x.uniform_(...)``, ``x.bernoulli_(p)``: the whole tensor filled, this piece copied in."""
-    piece = draws.piece(site, x, rows, cols, lambda shape: getattr(_empty(x)(shape), method)(*args, **kwargs))
+    piece = draws.piece(site, x, rows, cols, lambda shape: getattr(empty_laid_out(x)(shape), method)(*args, **kwargs))
     with torch.no_grad():
         return x.copy_(piece)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dpcompile.runtime.random import Cols, RandomDraws, Rows
+from dpcompile.runtime.random import Cols, RandomDraws, Rows, empty_laid_out
 
 _ALPHA = 1.7580993408473766  # at::alpha_dropout's alpha (SELU's scale * alpha)
 FEATURE = {"dropout1d", "dropout2d", "dropout3d", "feature_alpha"}
@@ -110,7 +110,7 @@ def exact_written_fill(draws: RandomDraws, site: str, base: torch.Tensor, steps:
         for dim, size in enumerate(shape):
             if size != view.shape[dim]:
                 whole[dim] = size  # the split dims: the view keeps them whole, at the tensor's index
-        filled = _seen_through(torch.empty(whole, dtype=base.dtype, device=base.device), steps)
+        filled = _seen_through(empty_laid_out(base)(tuple(whole)), steps)  # laid out as base: a fill runs in memory order
         return getattr(filled, method)(*args, **kwargs)
 
     piece = draws.piece(site, view, rows, cols, whole_fill)

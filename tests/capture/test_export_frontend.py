@@ -404,3 +404,51 @@ def test_flags_export_cannot_take_are_refused_with_the_way_out(flags, match):
     ``use_cache=True`` (once torch's "DynamicCache ... not a known type") say what to do instead."""
     with pytest.raises(dpcompile.TraceError, match=match):
         dpcompile.transform(KeywordFlags(), ["cpu"] * 2, example_kwargs={"x": torch.randn(4, 4), **flags}, frontend="export")
+
+
+class InPlaceUnsqueezedMask(nn.Module):
+    """BigBird's block-sparse mask: ``einsum(...)`` then ``unsqueeze_(1)``, an in-place view."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x, mask):
+        band = torch.einsum("blq,blk->blqk", mask[:, 1:3], mask[:, :2])
+        band.unsqueeze_(1)
+        return self.fc(x).view(x.shape[0], 4, 2, 3, 3) + (1.0 - band) * -100.0
+
+
+def test_export_in_place_view_of_a_per_sample_value_splits_on_the_batch():
+    """An uneven batch of 5 on 3 devices: the in-place ``unsqueeze_`` keeps the batch at dim 0 (it was gathered
+    along dim 1 and failed inside the program)."""
+    torch.manual_seed(0)
+    model = InPlaceUnsqueezedMask()
+    x, mask = torch.randn(5, 12, 6), torch.ones(5, 4, 3)
+    mask[1, 2:] = 0
+    pm = dpcompile.transform(model, ["cpu"] * 3, frontend="export", example_inputs=(x, mask))
+    torch.testing.assert_close(pm(x, mask), model(x, mask))
+
+
+class ModeInAHelper(nn.Module):
+    """Reads ``self.training`` in a method forward calls, not in forward (BigBird's random blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def _scale(self):
+        return 2.0 if self.training else 1.0
+
+    def forward(self, x):
+        return self.fc(x) * self._scale()
+
+
+def test_export_mode_read_in_a_helper_method_serves_the_other_mode():
+    """Transformed in eval, called in train: eager's train value (the eval program ran before)."""
+    torch.manual_seed(0)
+    model, x = ModeInAHelper().eval(), torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    model.train()
+    torch.testing.assert_close(pm(x), model(x))

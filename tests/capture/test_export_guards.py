@@ -146,6 +146,35 @@ def test_export_guard_dynamic_dims_serves_every_sequence_length():
         torch.testing.assert_close(out, model(ids, mask))
 
 
+class PositionList(nn.Module):
+    """Funnel's pattern: the length becomes a Python list, so export fixes the dim to the example's."""
+
+    def forward(self, x):
+        return x + torch.tensor(list(range(x.shape[1])), dtype=x.dtype)[:, None]
+
+
+class Blocks(nn.Module):
+    """LongT5's pattern: padding only where the length is not a multiple of the block, then blocks."""
+
+    def forward(self, x):
+        if x.shape[1] % 3:
+            x = nn.functional.pad(x, (0, 0, 0, 3 - x.shape[1] % 3))
+        return x.reshape(x.shape[0], x.shape[1] // 3, 3 * x.shape[2]).sum(-1)
+
+
+@pytest.mark.parametrize(
+    ("model", "line"), [(PositionList(), r"test_export_guards.py:\d+ in forward"), (Blocks(), r"test_export_guards.py:\d+: 'return x.reshape")]
+)
+def test_export_guard_dynamic_dims_the_model_fixes_is_refused_at_transform_naming_dim_and_line(model, line):
+    """dynamic_dims=[1] on code that fixes the length (a list of it, or a branch on it) is refused at transform,
+    naming the dim and the line, instead of a bare RuntimeError inside the program at the next length."""
+    with pytest.raises(dpcompile.TraceError, match=rf"dim 1 of 'x' varies.*{line}.*Leave dim 1 out of dynamic_dims="):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(2, 6, 4),), dynamic_dims=[1])
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(2, 6, 4),))
+    with pytest.raises(dpcompile.InputMismatch, match=r"shape \(2, 7, 4\).*\(\*, 6, 4\)"):
+        pm(torch.randn(2, 7, 4))
+
+
 def test_export_guard_example_batch_of_one_then_four_is_refused():
     """An example batch of 1 fixes the batch dim: a call with 4 is named, with the way out."""
     torch.manual_seed(0)

@@ -270,3 +270,29 @@ def test_normal_of_a_size_over_ranks_stays_per_device_without_its_rows():
     assert draw_random_whole(gm).info["exact"] == ["normal"]
     gm = fx.symbolic_trace(Noise())
     assert draw_random_whole(gm, rank_batch=("x", 0, 2)).info["per_device"] == ["normal"]
+
+
+class LaidOutDraws(nn.Module):
+    """Random ops on a transposed and on a channels-last activation: an in-place fill draws in its
+    tensor's memory order, ``torch.bernoulli(probs)`` in index order (eager's CPU kernels)."""
+
+    def forward(self, x, img):
+        outs = []
+        for p in (x.transpose(1, 2), img):  # probabilities: the inputs, so that no op but the draws rounds
+            outs += [torch.bernoulli(p), p.clone().bernoulli_(0.4), p.clone().normal_(), F.dropout(p, 0.5), torch.rand_like(p)]
+        return tuple(outs)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_random_ops_on_transposed_and_channels_last_inputs_draw_eagers_values(frontend):
+    """Data parallel on 2 devices draws, bit for bit, what eager draws from the same seed for every random op
+    on a non-contiguous input (``x.clone().bernoulli_(p)`` and ``normal_`` drew in index order before)."""
+    model = LaidOutDraws()
+    x, img = torch.rand(5, 7, 4), torch.rand(5, 3, 4, 4).to(memory_format=torch.channels_last)
+    examples = {"example_inputs": (x, img)} if frontend == "export" else {}
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, **examples)
+    torch.manual_seed(3)
+    expected, after = model(x, img), torch.get_rng_state()
+    torch.manual_seed(3)
+    got = pm(x, img)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(torch.get_rng_state(), after)

@@ -80,7 +80,7 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
             return "multinomial"
         if target is torch.poisson and _no_generator(node, ("input",)):
             return "poisson"
-        if f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}" == STOCHASTIC_DEPTH:
+        if target is runtime.stochastic_depth or f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}" == STOCHASTIC_DEPTH:
             return "stochastic_depth"
         return "other" if target in OTHER_RANDOM else None
     if node.op in ("call_module", "call_method"):

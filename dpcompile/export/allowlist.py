@@ -223,7 +223,13 @@ def qualified_name(target: Any) -> str | None:
     if bounded is not None:
         return bounded
     name = _names_by_identity().get(id(target))
-    return name if name is not None and vocabulary()[name] is target else None
+    if name is None:
+        return _STAND_INS.get(f"{getattr(target, '__module__', None)}.{getattr(target, '__qualname__', None)}")
+    return name if vocabulary()[name] is target else None
+
+
+# third-party functions fx keeps as calls, written as dpcompile's copies of them (the same ops and draws)
+_STAND_INS = {"torchvision.ops.stochastic_depth.stochastic_depth": "dpcompile.runtime.stochastic_depth"}
 
 
 def output_fields() -> frozenset[str]:

@@ -35,6 +35,7 @@ from dpcompile.runtime.random_more import (
     exact_special_dropout_module,
     exact_stochastic_depth,
     exact_written_fill,
+    stochastic_depth,
 )
 from dpcompile.runtime.random_plan import current_random_draws
 from dpcompile.runtime.random_scope import exact_random_scope
@@ -79,6 +80,7 @@ __all__ = [
     "exact_written_fill",
     "exact_special_dropout",
     "exact_stochastic_depth",
+    "stochastic_depth",
     "exact_special_dropout_module",
     "random_draws_over_ranks",
     "ReplicaRoot",

@@ -35,6 +35,23 @@ FEATURE = {"dropout1d", "dropout2d", "dropout3d", "feature_alpha"}
 ALPHA = {"alpha", "feature_alpha"}
 
 
+def stochastic_depth(input: torch.Tensor, p: float, mode: str, training: bool = True) -> torch.Tensor:
+    """``torchvision.ops.stochastic_depth``, step for step (the same draws): what an exported
+    program calls in its place, so that loading it needs neither torchvision nor a pickle."""
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"drop probability has to be between 0 and 1, but got {p}")
+    if mode not in ("batch", "row"):
+        raise ValueError(f"mode has to be either 'batch' or 'row', but got {mode}")
+    if not training or p == 0.0:
+        return input
+    survival = 1.0 - p
+    size = [input.shape[0]] + [1] * (input.ndim - 1) if mode == "row" else [1] * input.ndim
+    noise = torch.empty(size, dtype=input.dtype, device=input.device).bernoulli_(survival)
+    if survival > 0.0:
+        noise.div_(survival)
+    return input * noise
+
+
 def exact_stochastic_depth(draws: RandomDraws, site: str, x: torch.Tensor, p: float, mode: str, training: bool = True,
                            *, rows: Rows = None, cols: Cols = None) -> torch.Tensor:  # fmt: skip
     """``torchvision.ops.stochastic_depth(x, p, mode, training)`` with this piece's rows of the
@@ -211,5 +228,5 @@ def exact_poisson(draws: RandomDraws, site: str, rates: torch.Tensor, *, pieces:
     return _ZeroGradient.apply(value, rates) if rates.requires_grad else value
 
 
-__all__ = ["exact_multinomial", "exact_stochastic_depth", "exact_normal", "exact_normal_size", "exact_poisson", "exact_special_dropout",
+__all__ = ["exact_multinomial", "exact_stochastic_depth", "stochastic_depth", "exact_normal", "exact_normal_size", "exact_poisson", "exact_special_dropout",
            "exact_special_dropout_module", "exact_written_fill"]

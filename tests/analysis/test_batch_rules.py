@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dpcompile
 from dpcompile.analysis.batch_dims import propagate
 from dpcompile.analysis.batch_rules import BATCH_RULES, BatchRuleRegistry, RuleContext, rule_for
 from dpcompile.analysis.batch_rules.modules import per_sample_dim0
@@ -117,6 +119,50 @@ def test_shape_size_of_the_batch_dim_is_a_batch_size():
     """x.size(0) is the chunk's batch size; x.size(1) is the same on every device."""
     got = placements(lambda m, x: (x.size(0), x.size(1)), X)
     assert got["size"] == BatchSize() and got["size_1"] == REPLICATED
+
+
+def _drop_path(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's ``drop_path``: one keep-or-drop draw per sample, its mask shape joined with ``+``."""
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    return x * x.new_empty(shape).bernoulli_(0.5).div_(0.5)
+
+
+@pytest.mark.parametrize(
+    "fn, want",
+    [
+        (lambda m, x: (x.shape[0],) + (1,) * (x.ndim - 1), BatchSize(shape_of_dim=0)),
+        (lambda m, x: (2,) + x.shape, BatchSize(shape_of_dim=1)),
+        (lambda m, x: x.shape[:1] + (1,) * (x.ndim - 1), BatchSize(shape_of_dim=0)),
+        (lambda m, x: (x.shape[0],) + x.shape, None),
+        (lambda m, x: x.new_zeros((x.shape[0],) + (1,) * (x.ndim - 1)), Split(0)),
+    ],
+    ids=["literal_left", "literal_right", "shape_left", "two_batch_sizes", "new_zeros_of_joined"],
+)  # fmt: skip
+def test_shapes_joined_with_plus_keep_the_batch_size_where_it_sits(fn, want):
+    """``(x.shape[0],) + (1,) * (x.ndim - 1)`` (timm's drop_path mask) holds the batch size at 0; a
+    shape holding it twice is no batch shape (runs whole)."""
+    got = result(fn, X)
+    assert got == want if want is not None else not isinstance(got, (BatchSize, Split))
+
+
+def test_timm_drop_path_runs_split_with_the_single_device_draws():
+    """A drop-path block on 3 devices, odd batch: nothing runs whole, and outputs and gradients are
+    the single-device values drawn from the same seed."""
+    torch.manual_seed(0)
+    model = Fn(lambda m, x: m.out(x + _drop_path(m, m.fc(x))), fc=nn.Linear(6, 6), out=nn.Linear(6, 2))
+    reference, x = copy.deepcopy(model), torch.randn(5, 3, 6)
+    pm = dpcompile.transform(model, ["cpu"] * 3, example_inputs=(x,))
+    assert dpcompile.explain(pm, x).whole == []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        got = pm(x)
+        torch.manual_seed(seed)
+        want = reference(x)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda msg, n=name: f"grad {n}: {msg}")
 
 
 # ---------------------------------------------------------------------- indexing

@@ -145,3 +145,33 @@ def test_a_loaded_module_keeps_the_order_of_its_parameters_and_buffers(tmp_path)
     again.load_state_dict(opt.state_dict())
     for (_, p), (_, q) in zip(pm.named_parameters(), loaded.named_parameters(), strict=True):
         torch.testing.assert_close(again.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+def test_torchvision_stochastic_depth_exports_as_data_and_draws_as_torchvision(tmp_path):
+    """torchvision's stochastic_depth (a call fx keeps: ConvNeXt, EfficientNet) is written as
+    dpcompile.runtime.stochastic_depth: no pickle, and the loaded program, on the exported devices
+    and on three, gives eager's values in both modes (training: the same draws from the same seed)."""
+    ops = import_or_skip("torchvision.ops")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.depth, self.out = nn.Linear(6, 6), ops.StochasticDepth(0.5, "row"), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.out(x + self.depth(self.fc(x)))
+
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(5, 6)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(x,))
+    folder = dpcompile.export(pm, tmp_path / "sd")
+    assert not (Path(folder) / "program.pkl").exists()
+    for devices in (["cpu"] * 2, ["cpu"] * 3):
+        loaded = dpcompile.load(folder, devices=devices)
+        for mode in ("train", "eval", "train"):
+            getattr(loaded, mode)()
+            getattr(model, mode)()
+            torch.manual_seed(7)
+            got = loaded(x)
+            torch.manual_seed(7)
+            torch.testing.assert_close(got, model(x), msg=lambda m, d=devices, o=mode: f"{len(d)} devices, {o}: {m}")

@@ -13,7 +13,7 @@ from dpcompile.analysis import ops
 from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim, target_name, whole_ratio
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
-from dpcompile.analysis.batch_rules.sizes import batch_multiple
+from dpcompile.analysis.batch_rules.sizes import batch_multiple, joined_shape
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
@@ -447,15 +447,10 @@ def repeat(ctx: RuleContext) -> Placement | None:
 
 
 def shape_concat(ctx: RuleContext) -> Placement | None:
-    """``x.size()[:-1] + (n,)``: a shape holding the batch size, extended by constant sizes,
-    keeps the batch size where it was (element-wise ``+`` otherwise)."""
-    left, right = (list(ctx.node.args) + [None, None])[:2]
-    pl = ctx.p(left) if isinstance(left, fx.Node) else None
-    if isinstance(pl, BatchSize) and pl.shape_of_dim is not None:
-        if isinstance(right, (tuple, list)) and all(not isinstance(v, fx.Node) or isinstance(ctx.p(v), Replicated) for v in right):
-            return BatchSize(shape_of_dim=pl.shape_of_dim)
-        return None
-    return pointwise(ctx)
+    """Shapes joined with ``+`` keep the batch size where it sits (:func:`joined_shape`: ``x.size()[:-1]
+    + (n,)``, timm's ``(x.shape[0],) + (1,) * (x.ndim - 1)``); element-wise ``+`` otherwise."""
+    found = joined_shape(ctx)
+    return found if found is not None else pointwise(ctx)
 
 
 def expand(ctx: RuleContext) -> Placement | None:

@@ -138,6 +138,47 @@ def size_arithmetic(fallback: Rule) -> Rule:
     return rule
 
 
+def joined_shape(ctx: RuleContext) -> Placement | None:
+    """``a + b`` of two shapes where exactly one entry is the chunk's batch size (read from the split
+    dim) and no other carries the batch: the joined shape holds it at its place. Each side is a
+    literal tuple (``(x.shape[0],)``, whose entries are nodes or numbers), a shape read from a split
+    tensor (``x.size()[:-1]``), or a replicated tuple (``(1,) * (x.ndim - 1)``, the rest of timm's
+    ``drop_path`` mask shape); a batch size on the right needs the left's length. None otherwise.
+    """
+    left, right = (list(ctx.node.args) + [None, None])[:2]
+    parts = [_shape_part(ctx, left), _shape_part(ctx, right)]
+    if any(part is None for part in parts) or not any(isinstance(v, (tuple, list)) or _is_batch_shape(ctx, v) for v in (left, right)):
+        return None
+    (left_len, left_at), (_, right_at) = parts
+    if (left_at is None) == (right_at is None):
+        return None  # no batch entry (element-wise +, or constants), or two
+    if left_at is not None:
+        return BatchSize(shape_of_dim=left_at)
+    return BatchSize(shape_of_dim=left_len + right_at) if left_len is not None else None
+
+
+def _is_batch_shape(ctx: RuleContext, value: Any) -> bool:
+    return isinstance(value, fx.Node) and isinstance(ctx.p(value), BatchSize) and ctx.p(value).shape_of_dim is not None
+
+
+def _shape_part(ctx: RuleContext, value: Any) -> tuple[int | None, int | None] | None:
+    """``(length or None, position of the batch size or None)`` of one side of ``+``, or None where it
+    is not a shape that carries the batch at most once as a plain size."""
+    if isinstance(value, (tuple, list)):
+        at = [i for i, v in enumerate(value) if isinstance(v, fx.Node) and ctx.p(v) == BatchSize()]
+        others = [v for i, v in enumerate(value) if i not in at]
+        if len(at) > 1 or any(isinstance(v, fx.Node) and not isinstance(ctx.p(v), Replicated) for v in others):
+            return None
+        return len(value), (at[0] if at else None)
+    if not isinstance(value, fx.Node):
+        return None
+    val = value.meta.get("val")
+    length = len(val) if isinstance(val, (tuple, list, torch.Size)) else None
+    if _is_batch_shape(ctx, value):
+        return length, ctx.p(value).shape_of_dim
+    return (length, None) if isinstance(ctx.p(value), Replicated) else None
+
+
 def register() -> None:
     """Wrap the rules of ``*``, ``//``, ``/``, ``+`` and ``-`` (after every family registered them)."""
     for op in _ARITHMETIC:

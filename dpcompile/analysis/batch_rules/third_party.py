@@ -13,6 +13,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import Placement, Replicated, Split, Whole
+from dpcompile.runtime.random_more import stochastic_depth as runtime_stochastic_depth
 
 
 def per_sample(ctx: RuleContext) -> Placement | None:
@@ -60,6 +61,7 @@ def drop_block(ctx: RuleContext) -> Placement | None:
 
 
 BATCH_RULES.register_by_name("torchvision.ops.stochastic_depth.stochastic_depth", stochastic_depth)
+BATCH_RULES.register(runtime_stochastic_depth, stochastic_depth)  # its stand-in in an exported program
 BATCH_RULES.register_by_name("torchvision.ops.drop_block.drop_block2d", drop_block)
 BATCH_RULES.register_by_name("torchvision.ops.drop_block.drop_block3d", drop_block)
 # Swin: attention within windows of one sample (its shift mask is built from the sample's shape)

@@ -28,7 +28,8 @@ from dpcompile.analysis.context_exchange import (
 )
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
-from dpcompile.capture.export import OTHER_MODE_PENDING, check_dynamic_dims
+from dpcompile.capture.export import OTHER_MODE_PENDING
+from dpcompile.capture.export_inputs import check_dynamic_dims
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, TraceError
 from dpcompile.fake import has_meta_tensors

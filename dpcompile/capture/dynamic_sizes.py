@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.capture.export import varying_dims
+from dpcompile.capture.export_inputs import varying_dims
 from dpcompile.capture.inputs import is_dynamic
 from dpcompile.errors import TraceError
 

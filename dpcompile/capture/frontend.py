@@ -97,7 +97,7 @@ def capture_model(
     frontend = check_frontend(frontend)
     has_examples = example_inputs is not None or bool(example_kwargs)
     if dynamic_dims is not None and not isinstance(model, fx.GraphModule):
-        from dpcompile.capture.export import check_dynamic_dims
+        from dpcompile.capture.export_inputs import check_dynamic_dims
 
         check_dynamic_dims(model, dynamic_dims, example_inputs, example_kwargs)
     fx_error: TraceError | None = None

@@ -308,11 +308,11 @@ def wide_convs(c: int = 32) -> nn.Sequential:
                          nn.Conv2d(c, 4 * c, 1), nn.GELU(), nn.Conv2d(4 * c, c, 1), nn.Flatten(), nn.Linear(c, 10))  # fmt: skip
 
 
-def test_a_gpipe_stage_sums_a_convolutions_gradients_out_of_place_under_measure():
-    """``measure`` counts allocations under a ``TorchDispatchMode``, where autograd sums every
-    parameter's gradients out of place (in place it sums a convolution's): as a unit's backward runs,
-    its largest gradient, the new one and their sum are held at once. Predicted with a convolution's
-    sums in place, both stages were 11-13% under (ConvNeXt-atto's second stage 5%, over its budget)."""
+def test_a_gpipe_stage_sums_a_convolutions_gradients_in_place():
+    """GPipe's micro-batches' gradients of a convolution meet in one backward, where autograd sums them in
+    place (a Linear weight's first sum is out of place: its gradients are views); ``measure`` counts the
+    step with its mode off while autograd sums, as a device runs it. Predicted with a third tensor of the
+    largest convolution's gradient (as measure's mode once made it), both stages were 18-19% over."""
     predicted, measured = _predicted_and_measured(wide_convs, (torch.randn(4, 3, 1, 1),), LayoutSpec((("pp", 2),), "gpipe", 2))
     for d in LABELS:
         total = sum(predicted[d].values())

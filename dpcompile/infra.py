@@ -20,6 +20,7 @@ from typing import Any
 import torch.fx as fx
 
 from dpcompile.errors import DpCompileError, PassError
+from dpcompile.fx_utils import unalias
 from dpcompile.progress import step_bar
 
 log = logging.getLogger("dpcompile")
@@ -88,11 +89,14 @@ def stamp(node: fx.Node, pass_name: str, source: fx.Node | None = None) -> fx.No
 
 def module_path_of(node: fx.Node) -> str | None:
     """The path of the innermost module whose forward made ``node`` (``"layers.0.mlp"``), or None
-    at the top level; lowered nodes carry their user node's as ``meta["dpcompile_module"]``."""
+    at the top level; lowered nodes carry their user node's as ``meta["dpcompile_module"]``. The model's
+    own name: a ``call_module`` of ``user:stages.0`` (timm's ConvNeXt, its ``stages`` aliased) is in
+    ``stages.0`` (as its ``nn_module_stack`` says: a checkpointed block was cut into regions around
+    its convolutions, each module call seen as another module's)."""
     if "dpcompile_module" in node.meta:
         return node.meta["dpcompile_module"]
     if node.op == "call_module":
-        return str(node.target)
+        return unalias(str(node.target))
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None

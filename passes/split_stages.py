@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.fx_utils import unalias
 from dpcompile.infra import PassResult
 
 PASS = "split_stages"
@@ -71,10 +72,10 @@ class StagePlan:
 
 def module_path_of(node: fx.Node) -> str | None:
     """The module a node belongs to: the one it calls, else the innermost one its code ran in."""
-    if node.op == "call_module":
-        return str(node.target)
+    if node.op == "call_module":  # the model's own name (a reserved first name is aliased: user:stages.0)
+        return unalias(str(node.target))
     if node.op == "get_attr":
-        return str(node.target).rpartition(".")[0]
+        return unalias(str(node.target)).rpartition(".")[0]
     stack = node.meta.get("nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]

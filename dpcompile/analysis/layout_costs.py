@@ -183,10 +183,11 @@ def _saved(u: Unit, t: int, follower: bool) -> int:
 
 def _summed_out_of_place(u: Unit, t: int) -> int:
     """The bytes of the third tensor one out-of-place sum of two gradients makes in ``u``'s backward (see
-    ``buffered`` in :func:`_stage_memory`): its largest module's gradient; over ``t`` tensor-parallel
-    devices, its largest Linear's shard where it has a Linear."""
+    ``buffered`` in :func:`_stage_memory`): its largest Linear's gradient (its shard over ``t``
+    tensor-parallel devices); 0 without a Linear (a convolution's, an embedding's, a norm's gradients are
+    summed in place)."""
     linear = [w.grad_bytes // t if _splits(w, t) else w.grad_bytes for w in u.shardable if w.kind == "linear"]
-    return max(linear) if linear and t > 1 else u.module_grad_bytes
+    return max(linear, default=0)
 
 
 def _stage_memory(
@@ -214,12 +215,10 @@ def _stage_memory(
     is added to the one held: the largest module's gradient more (its parameters' own, a Linear's
     weight and bias; measured: one at a time, not a whole block's). ``buffered``: the micro-batches' gradients
     meet in one backward (GPipe), where autograd sums a parameter's gradients before it makes ``.grad``:
-    a sum out of place makes a third tensor, the largest module's gradient more. A Linear weight's first
-    sum always is (its gradients are transposes of a matmul, views; measured: a GPipe stage of
-    checkpointed blocks 6-8% under without); any other's is under a ``TorchDispatchMode``, which turns
-    autograd's in-place sums off: ``measure`` on virtual devices counts allocations in one (measured:
-    ConvNeXt's second stage 5% under counting its 1x1 convolutions' sums in place). Where the sums of
-    other modules are made in place (distinct CUDA devices), an upper bound by one such gradient. ``outputs``: what a 1F1B step's last stage keeps of what forward returns for the caller
+    a Linear weight's first sum is out of place (its gradients are transposes of a matmul, views), a third
+    tensor, the largest Linear's gradient more (measured: a GPipe stage of checkpointed blocks 6-8% under
+    without); a convolution's, an embedding's or a norm's are summed in place (``measure`` counts them as a
+    device does: its counting mode is off while autograd sums, ``dpcompile.inspect.measure_ledger``). ``outputs``: what a 1F1B step's last stage keeps of what forward returns for the caller
     (a causal LM's logits, every micro-batch's: measured, OPT's last stage 8% under without), gathered
     at the end and copied without a gradient path (twice, at the end). ``follower``: a tensor-parallel device other
     than the first (:func:`_unit_state`, :func:`_saved`); a checkpointed block's input is kept on the first,

@@ -5,7 +5,9 @@ On virtual devices (``["cpu"] * n``, a repeated ``"cuda:0"``) one allocator serv
 each new storage is counted against the device of the node that made it: the program runs under an
 ``fx.Interpreter`` that names the running node's device (``label_slots``: its slot, and its dp copy's device), a ``TorchDispatchMode``
 sees every storage an op creates, and a finalizer takes it off when it is freed. In backward the
-slot is the one of the forward node whose autograd node is running. On distinct CUDA devices the
+slot is the one of the forward node whose autograd node is running, and the mode is on only while an
+autograd node runs, so autograd sums gradients in place where a device does
+(``dpcompile.inspect.measure_ledger``). On distinct CUDA devices the
 allocator's own ``max_memory_allocated(d)`` is read instead.
 
 >>> import torch, dpcompile
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.explanation import explain, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
+from dpcompile.inspect.measure_ledger import SLOT_KEY, BackwardWindows, Ledger, address
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
 from dpcompile.modules.call_errors import call_failed
 from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
@@ -69,63 +71,21 @@ class Measurement:
         return "\n".join([f"dpcompile measure: one {kind}, {self.step_time * 1e3:.2f} ms", *rows])
 
 
-_SLOT_KEY = "dpcompile_slot"  # on an autograd node's metadata: the slot of the forward node that made it
-
-
-class _Ledger:
-    """Live and peak bytes per device slot."""
-
-    def __init__(self, n: int) -> None:
-        self.live = [0] * n
-        self.peak = [0] * n
-        self.slot = 0  # the device slot of the node now running
-        self.seen: set[int] = set()
-        self.recomputing = 0  # a checkpointed region running again in backward: its nodes name their slots
-
-    def add(self, key: int, slot: int, size: int) -> None:
-        self.seen.add(key)
-        self.live[slot] += size
-        self.peak[slot] = max(self.peak[slot], self.live[slot])
-
-    def release(self, key: int, slot: int, size: int) -> None:
-        self.seen.discard(key)
-        self.live[slot] -= size
-
-    def current_slot(self) -> int:
-        node = torch._C._current_autograd_node()
-        if node is None or self.recomputing:
-            return self.slot
-        todo, seen = [node], set()
-        while todo:  # the nearest autograd node a forward node made (a gradient's own device)
-            n = todo.pop(0)
-            if _SLOT_KEY in n.metadata:
-                return n.metadata[_SLOT_KEY]
-            seen.add(n)
-            todo += [f for f, _ in getattr(n, "next_functions", ()) if f is not None and f not in seen][:4]
-            if len(seen) > 64:
-                break
-        return 0
-
-
 class _Allocations(TorchDispatchMode):
     """Counts every new storage an op returns against the running node's device slot."""
 
-    def __init__(self, ledger: _Ledger) -> None:
+    def __init__(self, ledger: Ledger) -> None:
         super().__init__()
         self.ledger = ledger
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {address(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            # a DTensor's local tensor is counted where the op on it runs
+            # a DTensor's local tensor is counted where the op on it runs; a view or an in-place result
+            # shares its input's storage: not new
             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and not is_traceable_wrapper_subclass(t):
-                storage = t.untyped_storage()
-                key = storage._cdata  # a view or an in-place result shares its input's storage: not new
-                if key not in self.ledger.seen and key not in inputs and storage.nbytes():
-                    slot = self.ledger.current_slot()
-                    self.ledger.add(key, slot, storage.nbytes())
-                    weakref.finalize(storage, self.ledger.release, key, slot, storage.nbytes())
+                self.ledger.count(t, inputs)
         return out
 
 
@@ -133,7 +93,7 @@ class _SlotInterpreter(fx.Interpreter):
     """Runs a program node by node, naming each node's device slot; regions recomputed in backward
     run through it too (forward and recompute alike)."""
 
-    def __init__(self, module: fx.GraphModule, ledger: _Ledger, slot_index: Callable[[fx.Node], int]) -> None:
+    def __init__(self, module: fx.GraphModule, ledger: Ledger, slot_index: Callable[[fx.Node], int]) -> None:
         super().__init__(module)
         self.ledger = ledger
         self.slot_index = slot_index
@@ -159,7 +119,7 @@ class _SlotInterpreter(fx.Interpreter):
             out = checkpoint(run_region, *rest, **n.kwargs)
         else:
             out = super().run_node(n)
-        stamp_slot(out, _SLOT_KEY, self.ledger.slot)
+        stamp_slot(out, SLOT_KEY, self.ledger.slot)
         return out
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -197,12 +157,12 @@ def _state_kept(pm: nn.Module) -> Any:
         torch.set_rng_state(rng)
 
 
-def _step(run: Callable[[], Any], training: bool) -> None:
+def _step(run: Callable[[], Any], training: bool, backward: Callable[[torch.Tensor], None] | None = None) -> None:
     with torch.enable_grad() if training else torch.no_grad():
         out = run()
         loss = _loss_of(out) if training else None
         if loss is not None:
-            loss.backward()
+            (backward or torch.autograd.backward)(loss)
 
 
 def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
@@ -266,20 +226,25 @@ def _virtual_peaks(
 ) -> dict[str, int]:
     """Each device's peak of the bytes the step allocates (``gradients_held``: the gradients exist
     before the step, zeros accumulated into, so they are not among them)."""
-    ledger = _Ledger(len(labels))
+    ledger = Ledger(len(labels))
+    mode = _Allocations(ledger)
+    windows = BackwardWindows(mode, ledger)  # autograd's sums as on a real device: no mode while it makes them
     with _state_kept(pm):
         if gradients_held:
             for p in pm.parameters():
                 p.grad = torch.zeros_like(p) if p.requires_grad else None
-        with _Allocations(ledger):
-            if runs_one_f_one_b(pm, training):
-                one_f_one_b_peaks(pm, args, kwargs, ledger, _SLOT_KEY, slot_index)
-            elif _sharded_by_fsdp_hooks(pm, labels):
-                _step(lambda: pm(*args, **kwargs), training)
-            else:
-                program = pm.program_for_call(*args, **kwargs)
-                values = bind_inputs(program, args, kwargs)
-                _step(lambda: _SlotInterpreter(program, ledger, slot_index).run(*values), training)
+        try:
+            with mode:
+                if runs_one_f_one_b(pm, training):
+                    one_f_one_b_peaks(pm, args, kwargs, ledger, SLOT_KEY, slot_index, windows.backward)
+                elif _sharded_by_fsdp_hooks(pm, labels):
+                    _step(lambda: pm(*args, **kwargs), training, windows.backward)
+                else:
+                    program = pm.program_for_call(*args, **kwargs)
+                    values = bind_inputs(program, args, kwargs)
+                    _step(lambda: _SlotInterpreter(program, ledger, slot_index).run(*values), training, windows.backward)
+        finally:
+            windows.remove_hooks()
     return dict(zip(labels, ledger.peak, strict=True))
 
 

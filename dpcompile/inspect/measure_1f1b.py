@@ -38,11 +38,14 @@ def runs_one_f_one_b(pm: Any, training: bool) -> bool:
 
 
 def one_f_one_b_peaks(
-    pm: Any, args: tuple, kwargs: dict, ledger: Any, slot_key: str, slot_index: Callable[[Any], int]
+    pm: Any, args: tuple, kwargs: dict, ledger: Any, slot_key: str, slot_index: Callable[[Any], int],
+    backward: Callable[..., None],
 ) -> None:
     """Run one 1F1B step of ``pm`` (a fresh one: the program's own cached step is left alone), each
-    node's allocations counted on its slot of ``ledger``."""
+    node's allocations counted on its slot of ``ledger``, each micro-batch's backward run by ``backward``
+    (``torch.autograd.backward``'s arguments)."""
     step = pm.recipe.one_f_one_b_step(pm, pm.call_key(*args, **kwargs))
+    step.run_backward = backward
     runner = step.runner
     plain = runner.run_node
 

@@ -308,11 +308,11 @@ def wide_convs(c: int = 32) -> nn.Sequential:
                          nn.Conv2d(c, 4 * c, 1), nn.GELU(), nn.Conv2d(4 * c, c, 1), nn.Flatten(), nn.Linear(c, 10))  # fmt: skip
 
 
-def test_a_gpipe_stage_sums_a_convolutions_gradients_out_of_place_under_measure():
-    """``measure`` counts allocations under a ``TorchDispatchMode``, where autograd sums every
-    parameter's gradients out of place (in place it sums a convolution's): as a unit's backward runs,
-    its largest gradient, the new one and their sum are held at once. Predicted with a convolution's
-    sums in place, both stages were 11-13% under (ConvNeXt-atto's second stage 5%, over its budget)."""
+def test_a_gpipe_stage_sums_a_convolutions_gradients_in_place():
+    """GPipe's micro-batches' gradients of a convolution meet in one backward, where autograd sums them in
+    place (a Linear weight's first sum is out of place: its gradients are views); ``measure`` counts the
+    step with its mode off while autograd sums, as a device runs it. Predicted with a third tensor of the
+    largest convolution's gradient (as measure's mode once made it), both stages were 18-19% over."""
     predicted, measured = _predicted_and_measured(wide_convs, (torch.randn(4, 3, 1, 1),), LayoutSpec((("pp", 2),), "gpipe", 2))
     for d in LABELS:
         total = sum(predicted[d].values())
@@ -389,3 +389,52 @@ def test_a_pipeline_of_tensor_parallel_shards_is_cut_at_the_predicted_block():
     assert candidate.stage_starts == ("blocks.2",)
     first, second = (stage.module_paths for stage in pm.stages)
     assert second[0].startswith("blocks.2.") and not any(p.startswith("blocks.2") for p in first)
+
+
+class ConvNextBlock(nn.Module):
+    """A depthwise convolution, a LayerNorm, a 1x1 convolution MLP and a layer scale (timm's ConvNeXt
+    block with ``conv_mlp``)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv_dw = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.norm = nn.GroupNorm(1, c)
+        self.fc1, self.fc2 = nn.Conv2d(c, 4 * c, 1), nn.Conv2d(4 * c, c, 1)
+        self.gamma = nn.Parameter(torch.full((c, 1, 1), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.fc2(F.gelu(self.fc1(self.norm(self.conv_dw(x)))))
+
+
+class Staged(nn.Module):
+    """Blocks under ``stages``, a name ``fx.GraphModule`` has (the program calls them ``user:stages.0``...)."""
+
+    def __init__(self, c: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 2, stride=2)
+        self.stages = nn.Sequential(*(ConvNextBlock(c) for _ in range(2)))
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+def test_a_checkpointed_block_under_an_aliased_name_is_recomputed_whole():
+    """A block whose module path starts with a name the program aliases (timm's ConvNeXt: ``stages``) is
+    one region, its convolutions in it: read as other modules' calls (``user:stages.0.fc1``), they cut it
+    into four regions, their inputs and outputs kept for backward (here each device 4% over its
+    prediction; ConvNeXt-atto's second stage under ``pp2 gpipe mb2 +ckpt`` 1.6%, over its budget)."""
+    x = torch.randn(8, 3, 2, 2)  # one pixel after the stem: the gradients dominate, as in ConvNeXt's last stages
+    spec = LayoutSpec((("pp", 2),), "gpipe", 2, checkpointing=True)
+    candidate, pm = _planned_and_built(Staged, (x,), spec)
+    regions = [n for n in pm.program_for_call(x).graph.nodes if n.op == "call_function" and "checkpoint" in str(n.target)]
+    assert len(regions) == 2 * 2  # a region per block and micro-batch
+    torch.manual_seed(0)
+    eager, mine = x.clone().requires_grad_(), x.clone().requires_grad_()
+    Staged()(eager).sum().backward()
+    pm(mine).sum().backward()  # the blocks recomputed in backward, convolutions and all
+    torch.testing.assert_close(mine.grad, eager.grad)
+    measured = dpcompile.measure(pm, x).peak_bytes
+    for d in LABELS:
+        total = sum(candidate.per_device[d].values())
+        assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])

@@ -96,3 +96,36 @@ def test_measure_counts_a_stage_gradients_on_its_own_device():
     assert peaks[0]["cpu#0"] == peaks[1]["cpu#0"]
     stage1_weights = (32 * 256 + 256 * 4) * 4
     assert peaks[1]["cpu#1"] >= stage1_weights + peaks[0]["cpu#1"]
+
+
+class _ConvTwice(nn.Module):
+    """One 1x1 convolution read twice: autograd sums its weight's two gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.relu(self.conv(x)))
+
+
+def _weight_sums(run, shape: list[int]) -> dict[str, int]:
+    """How many times ``run`` adds two tensors of ``shape`` in place (``aten::add_``) and out of place."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        run()
+    names = [e.name for e in prof.events() if e.name in ("aten::add", "aten::add_") and e.input_shapes[:2] == [shape] * 2]
+    return {name: names.count(name) for name in ("aten::add", "aten::add_")}
+
+
+def test_measure_lets_autograd_sum_gradients_in_place():
+    """Any ``TorchDispatchMode`` on the stack turns autograd's in-place sums of gradients off; measure's
+    counting mode is off while autograd sums, so the step it counts sums a convolution's two weight
+    gradients in place, as a step without measure does (with the mode on throughout: out of place, one
+    gradient more). measure runs the step twice: counted, then timed."""
+    pm = dpcompile.transform(_ConvTwice(), ["cpu"], example_inputs=(torch.randn(4, 8, 2, 2),))
+    x = torch.randn(4, 8, 2, 2)
+    plain = _weight_sums(lambda: pm(x).sum().backward(), [8, 8, 1, 1])
+    pm.zero_grad(set_to_none=True)
+    measured = _weight_sums(lambda: dpcompile.measure(pm, x), [8, 8, 1, 1])
+    assert plain == {"aten::add": 0, "aten::add_": 1}
+    assert measured == {"aten::add": 0, "aten::add_": 2}

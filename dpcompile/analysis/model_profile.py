@@ -104,6 +104,9 @@ class ModelProfile:
     returns_loss: bool = False  # forward returns a scalar (its own loss): what a 1F1B schedule needs
     output_bytes: int = 0  # the floating tensors forward returns beside a scalar loss (a causal LM's logits)
     sequence: int | None = None  # the queries' length of the first attention (None: no attention found)
+    # dim 1 of each block's row layer output, as tensor parallelism's program holds it (what sequence
+    # parallelism reads as the sequence: an nn.MultiheadAttention's output projection's is its batch)
+    row_lengths: tuple[int, ...] = ()
 
     @property
     def blocks(self) -> list[Unit]:
@@ -275,10 +278,11 @@ def _profile(
         out = sum(t.numel() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
         _record_save_option(units[state["current"]], module, weight, rows, output, save_keys)
         read = next((_key(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
-        if units[state["current"]].block and kind == "linear" and not any(
-            _key(t) in between for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)
-        ):  # a column layer: what its output makes is sharded up to the row layer that reads it
-            mark_between(output)
+        if units[state["current"]].block and kind == "linear":
+            if not any(_key(t) in between for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)):
+                mark_between(output)  # a column layer: what its output makes is sharded up to the row layer
+            elif isinstance(output, torch.Tensor) and output.dim() >= 3:
+                row_lengths.append(int(output.shape[1]))
         if read is None or (state["current"], read) not in inputs_seen:
             inputs_seen.add((state["current"], read))
             units[state["current"]].linear_inputs += 1
@@ -313,6 +317,9 @@ def _profile(
         Linear forward: ``F.multi_head_attention_forward`` reads the weights)."""
         tokens = next((t.numel() // t.shape[-1] for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), 0)
         unit = units[state["current"]]
+        query = next((t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+        if unit.block and query is not None and query.dim() == 3:  # decompose_attention's output projection: (T, B, E)
+            row_lengths.append(int(query.shape[0 if module.batch_first else 1]))
         unit.linear_inputs += 1
         for weight, bias in ((module.in_proj_weight, module.in_proj_bias), (module.out_proj.weight, module.out_proj.bias)):
             if not isinstance(weight, torch.Tensor):  # separate q, k, v weights: not split
@@ -335,6 +342,7 @@ def _profile(
         width = value.shape[1] * value.shape[-1] if value.dim() == 4 else value.shape[-1]  # heads x head width
         unit.save_options.append(SaveCandidate(f"attention{len(unit.save_options)}", float(width), 0.0, True))
     sequence: list[int | None] = [None]
+    row_lengths: list[int] = []
     inside_linear = [0]  # Linear / Conv1D / Embedding forwards running
     handles = []
     for _, m, _ in units_of:
@@ -389,6 +397,7 @@ def _profile(
         returns_loss=_returns_loss(out),
         output_bytes=_output_bytes(out),
         sequence=sequence[0],
+        row_lengths=tuple(row_lengths),
     )
 
 

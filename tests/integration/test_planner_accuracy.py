@@ -199,6 +199,18 @@ def test_tensor_parallel_shards_what_a_column_row_pair_makes():
     _assert_tensor_parallel_encoder_within_ten_percent(checkpointing=False)
 
 
+def test_sequence_parallel_where_the_row_layers_disagree_on_the_sequence_is_tensor_parallel_alone():
+    """An nn.MultiheadAttention's output projection runs on ``(seq, batch, ...)`` (dim 1: the batch)
+    and the MLP's row layer on ``(batch, seq, ...)``: ``shard_sequence`` finds no one sequence, so the
+    program is tensor parallel's (torchvision's ViT). Predicting every activation on sequence shards
+    put the first device 18% under and the second 12% over."""
+    spec = LayoutSpec((("tp", 2),), sequence_parallel=True)
+    predicted, measured = _predicted_and_measured(TinyEncoder, (torch.randn(4, 16, 32),), spec)
+    for d in LABELS:
+        total = sum(predicted[d].values())
+        assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
+
+
 def test_a_recomputed_tensor_parallel_block_is_measured_on_each_of_its_devices():
     """A checkpointed block runs again in backward inside the autograd node that asked for its
     values; ``measure`` counted the whole recompute on that node's device (the second here: the

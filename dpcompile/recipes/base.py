@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -12,10 +12,13 @@ import torch.fx as fx
 from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 
+import passes
 from dpcompile.analysis.context_exchange import ContextParallelOptions
-from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture_fx
+from dpcompile.capture import EXPORTED_FROM, ROOT_LEAF, capture, capture_fx
 from dpcompile.fx_utils import bind_inputs, propagate_shapes
+from dpcompile.infra import run_passes
 from dpcompile.mesh import local_device
+from dpcompile.modules.carried import modes_applied
 from dpcompile.progress import QUIET, step_bar
 
 
@@ -74,6 +77,11 @@ class Recipe:
         None where ``pm``'s main program serves it."""
         raise NotImplementedError
 
+    def frontend_options(self, input_dims: Mapping[str, int | None]) -> Any:
+        """The options the captured graph is tidied with (``passes.frontend_pipeline``), the main trace's
+        and a trace made again for another call's alike."""
+        raise NotImplementedError
+
     def fake_layout_fields(self, pm: Any) -> dict[str, Any] | None:
         """The fields, beside ``devices``, with which :meth:`compile` builds ``pm``'s program again for
         other devices (``verify.check_layout``'s fake CUDA ones); None where it is not built so."""
@@ -82,9 +90,7 @@ class Recipe:
 
 def departing_trace(recipe: Any, pm: Any, key: Any, args: tuple = (), kwargs: dict | None = None) -> fx.GraphModule | None:
     """The captured graph a call as ``key`` lowers: None for ``pm``'s main trace, else the model
-    traced again for ``key``'s modes, None arguments and flags (``recipe.trace``, tidied with ``pm``'s
-    input dims and, for context parallel, the call's shapes, so attention is marked as in the main
-    trace), once per such
+    traced again for ``key``'s modes, None arguments and flags (:func:`trace_again`), once per such
     key (kept in ``pm.program_cache.traces``; None there too where it came out the same)."""
     trace_key = key.traced()
     if trace_key == pm.program_cache.main_key.traced():
@@ -93,9 +99,21 @@ def departing_trace(recipe: Any, pm: Any, key: Any, args: tuple = (), kwargs: di
     if trace_key not in traces:
         if pm.traced_model is None:
             raise pm.cannot_trace_again(key)
-        traced = recipe.trace(pm.traced_model, key, dict(getattr(pm, "input_dims", None) or {}), (args, kwargs or {}))
+        traced = trace_again(recipe, pm.traced_model, key, dict(getattr(pm, "input_dims", None) or {}), (args, kwargs or {}))
         traces[trace_key] = None if traced.code == pm.captured.code else traced
     return traces[trace_key]
+
+
+def trace_again(recipe: Any, model: nn.Module, key: Any, input_dims: Mapping[str, int | None], call: tuple[tuple, dict]) -> fx.GraphModule:
+    """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied as the main trace
+    was (``recipe.frontend_options``, with ``pm``'s input dims and, for context parallel, the call's
+    shapes, so attention is marked as in the main trace)."""
+    with modes_applied(model, key.modes):
+        gm = capture(model, leaf_modules=recipe.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
+    if recipe.context_parallel:  # attention's shapes mark what it needs of the sequence
+        shapes_of_the_call(gm, call, recipe.devices.primary)
+    gm, _ = run_passes(gm, passes.frontend_pipeline(recipe.frontend_options(input_dims)))
+    return gm
 
 
 def shapes_of_the_call(gm: fx.GraphModule, call: tuple[tuple, dict], device: torch.device) -> None:

@@ -32,20 +32,17 @@ from dpcompile.analysis.split_fraction import (
     split_fraction,
     whole_ops,
 )
-from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.carried import modes_applied
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import (
     Recipe,
     capture_with_flags,
     departing_trace,
     move_to,
-    shapes_of_the_call,
     sharing_model,
 )
 
@@ -83,7 +80,7 @@ class DataParallelRecipe(Recipe):
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         if self.context_parallel:
             input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
-        gm, records = run_passes(gm, passes.frontend_pipeline(self._frontend_options(input_dims)))
+        gm, records = run_passes(gm, passes.frontend_pipeline(self.frontend_options(input_dims)))
         self._check_random_over_copies(gm)
         warn_if_mostly_whole(self._attention_marked(gm, input_dims), input_dims, example_inputs, len(self.devices))
         captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
@@ -114,7 +111,7 @@ class DataParallelRecipe(Recipe):
         """The dp copies of a context-parallel program (``mesh={"dp": D, "cp": C}``); 1 without."""
         return len(self.dp_devices) if self.context_parallel and self.dp_devices else 1
 
-    def _frontend_options(self, input_dims: Mapping[str, int | None] | None = None) -> passes.PipelineOptions:
+    def frontend_options(self, input_dims: Mapping[str, int | None] | None = None) -> passes.PipelineOptions:
         """dp copies of a context-parallel program mark attention after the batch's split (in :meth:`lower`)."""
         options = self._options(input_dims=input_dims)
         return dataclasses.replace(options, context_parallel=False) if self.sequence_copies > 1 else options
@@ -151,15 +148,6 @@ class DataParallelRecipe(Recipe):
             lowering += passes.dp_copies_pipeline(1, self.dp_devices)
         lowered, _ = run_passes(gm, lowering, recompile=recompile)
         return lowered
-
-    def trace(self, model: nn.Module, key: CallKey, input_dims: Mapping[str, int | None], call: tuple[tuple, dict]) -> fx.GraphModule:
-        """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied as the main trace was."""
-        with modes_applied(model, key.modes):
-            gm = capture(model, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
-        if self.context_parallel:  # attention's shapes mark what it needs of the sequence
-            shapes_of_the_call(gm, call, self.devices.primary)
-        gm, _ = run_passes(gm, passes.frontend_pipeline(self._frontend_options(input_dims)))
-        return gm
 
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         captured = departing_trace(self, pm, key, args, kwargs)  # None: the main trace

@@ -27,19 +27,17 @@ from torch import nn
 
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
-from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError
 from dpcompile.fx_utils import copy_graph, graph_module
 from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.executors import hold_pipeline
 from dpcompile.modules.pipeline import Stage
 from dpcompile.modules.pipeline_1f1b import OneFOneBStep
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes import pipeline_tensor_parallel as sharded
-from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, shapes_of_the_call, sharing_model
+from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, sharing_model
 from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights
 from passes.split_stages import STAGE, StagePlan, follow_plan, stage_programs
@@ -89,7 +87,7 @@ class PipelineRecipe(Recipe):
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         if self.context_parallel:  # attention marked before the stages are cut: each stage gathers its pieces' keys
             input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
-        gm, records = run_passes(gm, passes.frontend_pipeline(self._options(input_dims if self.context_parallel else None)))
+        gm, records = run_passes(gm, passes.frontend_pipeline(self.frontend_options(input_dims)))
         plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights)
         if plan.stages != len(self.devices):
             raise ArgumentError(
@@ -140,14 +138,9 @@ class PipelineRecipe(Recipe):
         lowered, _ = run_passes(gm, pipeline + borrowing + finishing, recompile=recompile)
         return lowered
 
-    def trace(self, model: nn.Module, key: CallKey, input_dims: Mapping[str, int | None], call: tuple[tuple, dict]) -> fx.GraphModule:
-        """``model`` traced again as ``key`` says (modes, None arguments, flags), tidied as the main trace was."""
-        with modes_applied(model, key.modes):
-            gm = capture(model, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=dict(key.flags) or None)
-        if self.context_parallel:  # attention's shapes mark what it needs of the sequence
-            shapes_of_the_call(gm, call, self.devices.primary)
-        gm, _ = run_passes(gm, passes.frontend_pipeline(self._options(input_dims if self.context_parallel else None)))
-        return gm
+    def frontend_options(self, input_dims: Mapping[str, int | None] | None) -> passes.PipelineOptions:
+        """Attention marked before the stages are cut (context parallel): each stage gathers its pieces' keys."""
+        return self._options(input_dims if self.context_parallel else None)
 
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         if self.plan is not False:

@@ -192,7 +192,13 @@ def test_the_latency_after_computing_is_measured_on_gloo_threads():
 def test_the_concurrency_is_measured_on_processes_else_on_threads(monkeypatch):
     """Two busy-loop processes against one, for real (2 rounds of 5 ms): a figure between 1 and the 2 workers;
     where no process can be started, the threads' figure instead."""
-    assert 1.0 <= calibration._concurrency(2, window=0.02, rounds=2) <= 2.0
+
+    def no_threads(workers):
+        raise AssertionError("processes could be started: the threads' figure is not asked for")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(calibration, "_thread_concurrency", no_threads)
+        assert 1.0 <= calibration._concurrency(2, window=0.02, rounds=2) <= 2.0
     assert calibration._concurrency(1) == 1.0
 
     def no_process(*args, **kwargs):

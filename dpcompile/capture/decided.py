@@ -29,6 +29,7 @@ from unittest import mock
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_symbols, free_unbacked_symbols
 
 from dpcompile.capture.inputs import InputMismatch
@@ -193,7 +194,9 @@ def check_decided_on_examples(ep: Any, names: Mapping[str, Any], model_name: str
     from dpcompile.errors import TraceError
 
     module = ep.module()
-    state = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
+    # buffers copied (a batch norm's running statistics are written); parameters are only read under no_grad
+    state = {k: v.detach() if isinstance(v, nn.Parameter) else v.detach().clone()
+             for k, v in module.state_dict(keep_vars=True).items()}  # fmt: skip
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, device_strings
+from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, device_strings, runs_stages
 from dpcompile.export.pipeline import (
     PIPELINE_KINDS,
     attach_steps,
@@ -38,8 +38,7 @@ def is_recorded_kind(pm: Any, kind: str) -> bool:
 
     if not isinstance(pm, ParallelModule) or pm.mode != kind:
         return False
-    scheduled = pm.executor in ("gpipe", "1f1b")
-    return scheduled == (kind in PIPELINE_KINDS) and ("param_shards" in pm.__dict__) == (kind in SHARDED_KINDS)
+    return runs_stages(pm) == (kind in PIPELINE_KINDS) and ("param_shards" in pm.__dict__) == (kind in SHARDED_KINDS)
 
 
 def place(weights: dict[str, torch.Tensor], info: dict[str, dict[str, Any]], target: Any) -> dict[str, torch.Tensor]:
@@ -202,7 +201,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     }
     pm = restore_parallel_module(ParallelModule, state)
     pm.call_signature = signature  # where calls depart (none where the module never traced again)
-    if kind in ("tensor_parallel", "pipeline_tensor_parallel"):
+    if kind in SHARDED_KINDS:
         _check_shards(pm)
     if steps:
         attach_steps(pm, section, steps)

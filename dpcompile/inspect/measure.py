@@ -38,7 +38,7 @@ from dpcompile.inspect.explanation import explain, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.measure_ledger import SLOT_KEY, BackwardWindows, Ledger, address
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
-from dpcompile.modules.call_errors import call_failed
+from dpcompile.modules.call_errors import refused_call
 from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
 from dpcompile.modules.mesh_stage import MESH_PIPELINE_INSPECTION
 from dpcompile.runtime import checkpoint
@@ -178,7 +178,7 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
         try:
             return _measure(pm, args, kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError) as e:  # inputs the program cannot take: named
-            refused = call_failed(pm.graph, e, args, kwargs)
+            refused = refused_call(pm.graph, e, args, kwargs)
             if refused is None:
                 raise
             raise refused.with_traceback(e.__traceback__) from e

@@ -26,7 +26,6 @@ from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note
 from dpcompile.capture import ROOT_LEAF, DpTracer
-from dpcompile.capture.decided import branch_not_captured
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import (
@@ -41,7 +40,7 @@ from dpcompile.fx_utils import (
     reserve_names,
     unalias,
 )
-from dpcompile.modules.call_errors import call_failed
+from dpcompile.modules.call_errors import refused_call
 from dpcompile.modules.executors import PLAIN, bubble_fraction
 from dpcompile.modules.exported_check import ExportedModelCheck
 from dpcompile.modules.hooks import (
@@ -355,15 +354,11 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         try:
             return self._executor(self, *args, **kwargs)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-            # a kept check of a branch on data: torch raises it, a DpCompileError names it
-            refused = branch_not_captured(exc) if isinstance(exc, RuntimeError) else None
-            if refused is None:  # torch's error from deep inside: a DpCompileError of its kind, naming the call
-                refused = call_failed(self.graph, exc, args, kwargs)
-                if refused is not None:  # its traceback still ends at the generated line that raised
-                    raise refused.with_traceback(exc.__traceback__) from exc
+            # torch's error from deep inside (or a kept branch check): a DpCompileError naming the call
+            refused = refused_call(self.graph, exc, args, kwargs)
             if refused is None:
                 raise
-            raise refused from exc
+            raise refused.with_traceback(exc.__traceback__) from exc  # still ending at the generated line that raised
 
     def _run_compiled(self, program: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """What pm.compile() compiles: ``program`` is an argument, so its guards follow the lookup's answer."""

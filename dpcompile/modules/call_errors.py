@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcompile.capture.decided import branch_not_captured
 from dpcompile.capture.inputs import InputMismatch
 from dpcompile.errors import ExampleError
 
@@ -101,6 +102,15 @@ def call_failed(graph: fx.Graph, exc: BaseException, args: tuple, kwargs: dict) 
     )
 
 
+def refused_call(graph: fx.Graph, exc: BaseException, args: tuple, kwargs: dict) -> InputMismatch | None:
+    """What a call that raised ``exc`` inside the program is refused as: a kept check of a branch on
+    data that failed (``BranchNotCaptured``, naming the line), else :func:`call_failed`'s error; None
+    where ``exc`` stays as it is."""
+    if isinstance(exc, RuntimeError) and (branch := branch_not_captured(exc)) is not None:
+        return branch
+    return call_failed(graph, exc, args, kwargs)
+
+
 __all__ = [
     "CallFailed",
     "ExampleCallFailed",
@@ -111,4 +121,5 @@ __all__ = [
     "ValueCallFailed",
     "call_failed",
     "describe_call",
+    "refused_call",
 ]

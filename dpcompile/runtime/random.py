@@ -104,8 +104,7 @@ def empty_laid_out(like: torch.Tensor, dtype: torch.dtype | None = None) -> Call
     def empty(shape: tuple[int, ...]) -> torch.Tensor:
         if order is None:
             return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
-        laid_out = torch.empty([shape[d] for d in order], dtype=dtype or like.dtype, device=like.device)
-        return laid_out.permute([order.index(d) for d in range(len(shape))])
+        return torch.empty_permuted(shape, order, dtype=dtype or like.dtype, device=like.device)
 
     return empty
 

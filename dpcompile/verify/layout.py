@@ -129,8 +129,8 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     checked = {"fake devices": len(devices)}
     sequence_fields: dict[str, Any] = {}
     sequence_notes: list[str] = []
-    if composed_sequence_layout(pm) is not None:  # cp with dp, tp or pp: each copy on copy 0's devices, as built
-        devices, sequence_fields, note = sequence_build_fields(pm, devices)
+    if (layout := composed_sequence_layout(pm)) is not None:  # cp with dp, tp or pp: each copy on copy 0's devices, as built
+        devices, sequence_fields, note = sequence_build_fields(layout, devices)
         sequence_notes.append(note)
         pieces = pm._devices_for(tuple(args), dict(kwargs))
         if not pm.recipe.lowers_capture and pieces < pm.recipe.micro_batches:  # a sequence shorter than the pieces:

@@ -52,11 +52,9 @@ def repeated_devices(layout: Mapping[str, int], devices: Devices) -> list[str]:
     return placed
 
 
-def sequence_build_fields(pm: Any, devices: Devices) -> tuple[Devices, dict[str, Any], str]:
-    """Copy 0's devices, the recipe's ``dp_devices`` and a note, for rebuilding ``pm`` (a layout of
-    :func:`composed_sequence_layout`) on fake ``devices`` as the builder lays it out."""
-    layout = composed_sequence_layout(pm)
-    assert layout is not None
+def sequence_build_fields(layout: Mapping[str, int], devices: Devices) -> tuple[Devices, dict[str, Any], str]:
+    """Copy 0's devices, the recipe's ``dp_devices`` and a note, for rebuilding a program of ``layout``
+    (:func:`composed_sequence_layout`'s) on fake ``devices`` as the builder lays it out."""
     needed = math.prod(layout.values())
     if len(devices) != needed:
         sizes = " x ".join(f"{name} {size}" for name, size in layout.items())
@@ -68,7 +66,7 @@ def sequence_build_fields(pm: Any, devices: Devices) -> tuple[Devices, dict[str,
     target = resolve_target(fake_devices(placed), layout, pipeline=None, tensor_parallel=False)
     assert target is not None
     arguments = replicate_over_dp(target, micro_batches=1)
-    copying = " and ".join(f"'{name}'" for name in sorted(copying_dims(layout)) if name in layout)
+    copying = " and ".join(f"'{name}'" for name in sorted(copying_dims(layout)))
     note = (f"fake layout with 'cp': in one process each {copying} copy runs on copy 0's devices, so its {needed} "
             f"places were checked on {', '.join(dict.fromkeys(placed))}")
     return arguments["devices"], {"dp_devices": arguments["dp_devices"]}, note

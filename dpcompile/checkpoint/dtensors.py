@@ -26,7 +26,7 @@ import torch
 
 from dpcompile.checkpoint.files import CheckpointError
 from dpcompile.mesh import is_device_mesh
-from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
+from dpcompile.modules.executors import executor_of
 from dpcompile.runtime.distributed import MeshGroup, all_gather
 from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections
 
@@ -50,7 +50,7 @@ def ranks_of(pm: Any) -> tuple[bool, Any]:
     import torch.distributed as dist
 
     mesh = getattr(pm, "mesh", None)
-    if dist.is_available() and dist.is_initialized() and is_mesh_pipeline(pm):
+    if dist.is_available() and dist.is_initialized() and executor_of(pm).runs_one_stage_per_rank:
         return True, None  # a pipeline's stage over a mesh: every rank holds part of the model
     if not (dist.is_available() and dist.is_initialized() and is_device_mesh(mesh)):
         return False, None

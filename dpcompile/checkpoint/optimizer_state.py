@@ -30,7 +30,7 @@ from dpcompile.checkpoint.slices import read_blocks
 from dpcompile.checkpoint.stages import stage_state
 from dpcompile.checkpoint.targets import Piece, Target, shard_runs, targets_of, tie_groups
 from dpcompile.fx_utils import unalias
-from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
+from dpcompile.modules.executors import executor_of
 
 STATE_PREFIX = "optimizer.state."
 LIKE_PARAM = "param"  # a state tensor laid out as its parameter (exp_avg, momentum_buffer): sliced as it is
@@ -73,7 +73,7 @@ def param_places(pm: Any, optimizer: torch.optim.Optimizer) -> dict[int, Place]:
             continue  # a tied key (an LM head tied to the embedding): its tensors are the first key's
         for piece in target.pieces:
             by_tensor.setdefault(id(piece.tensor), Place(key, target, piece))
-    own = stage_state(pm) if is_mesh_pipeline(pm) else pm.stored_state_dict(keep_vars=True)
+    own = stage_state(pm) if executor_of(pm).runs_one_stage_per_rank else pm.stored_state_dict(keep_vars=True)
     for name, tensor in own.items():
         key = unalias(name)  # over a mesh FSDP's pieces are the DTensors' local parts: the DTensor is the parameter
         key = ties[key][0] if key in ties else key  # a pipeline stage's tied name: the first key's
@@ -205,7 +205,7 @@ def loaded_state(
     for g, (saved, group) in enumerate(zip(saved_groups, current["param_groups"])):
         keys = _unique([places[id(params[i])].key for i in group["params"]])
         extra, lacking = sorted(set(keys) - set(saved["params"])), sorted(set(saved["params"]) - set(keys))
-        if is_mesh_pipeline(pm):  # a stage's optimizer holds its own parameters: the others' are not lacking
+        if executor_of(pm).runs_one_stage_per_rank:  # a stage's optimizer holds its own parameters: the others' are not lacking
             lacking = [k for k in lacking if held.get(k)]
         if extra or (lacking and strict):
             raise CheckpointError(

@@ -33,7 +33,7 @@ from dpcompile.checkpoint.training import (
 )
 from dpcompile.errors import ArgumentError
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
+from dpcompile.modules.executors import executor_of
 from dpcompile.progress import check_progress, progress_bar
 
 log = logging.getLogger("dpcompile")
@@ -103,7 +103,7 @@ def save_checkpoint(
         dcp.check_dcp_target(path)
     training = prepare_training(pm, optimizer, lr_scheduler, extra)  # checked whole before a byte is written
     check_peers(pm)  # over a mesh: a rank whose arguments failed above stops the others before any exchange
-    if is_mesh_pipeline(pm):  # each stage's optimizer holds its own parameters: every rank plans them all
+    if executor_of(pm).runs_one_stage_per_rank:  # each stage's optimizer holds its own parameters: every rank plans them all
         merge_stage_states(training.optimizer if training is not None else None)
         if training is not None and training.optimizer is not None:
             training.document["optimizer"] = encode(training.optimizer.meta)

@@ -23,7 +23,7 @@ from dpcompile.checkpoint.stages import stage_targets
 from dpcompile.errors import ArgumentError
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
+from dpcompile.modules.executors import executor_of
 from dpcompile.runtime.distributed import MeshGroup
 from dpcompile.runtime.tensor_parallel import ShardSpec, unshard
 
@@ -77,7 +77,7 @@ class Target:
 
 def targets_of(pm: ParallelModule) -> dict[str, Target]:
     """``{state key: Target}`` for the model's persistent state, in the model's key order."""
-    if is_mesh_pipeline(pm):  # this rank's stage: every key listed, pieces where this rank holds it
+    if executor_of(pm).runs_one_stage_per_rank:  # this rank's stage: every key listed, pieces where this rank holds it
         out = stage_targets(pm, Target, Piece)
         localize(pm, out)
         return out

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from dpcompile.errors import DpCompileError
+from dpcompile.modules.executors import executor_of
 
 FORMAT = "dpcompile-export"
 FORMAT_VERSION = 2
@@ -33,8 +34,8 @@ def device_strings(devices: Any) -> list[str]:
 
 
 def runs_stages(pm: Any) -> bool:
-    """A pipeline in one process: GPipe or 1F1B over ``pm.stages`` (``pm.executor``)."""
-    return getattr(pm, "executor", None) in ("gpipe", "1f1b")
+    """A pipeline in one process: GPipe or 1F1B over ``pm.stages`` (its executor says)."""
+    return executor_of(pm).runs_stages_in_one_process
 
 
 def shards_stages(pm: Any) -> bool:

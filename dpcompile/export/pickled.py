@@ -145,7 +145,7 @@ def restore(path: Path, tensors: dict[str, torch.Tensor], program: dict[str, Any
         return pm
     out = str(pm.output_device)
     output_device = target[recorded.index(out)] if out in recorded and recorded.index(out) < len(target) else target.primary
-    if getattr(pm.recipe, "lowers_capture", False) and pm.captured is not None:  # data parallel: lowered again
+    if pm.recipe.lowers_capture and pm.captured is not None:  # data parallel: lowered again
         return pm.recipe.retarget(pm, target, output_device)
     map_devices(pm.graph, device_mapping(recorded, target))
     pm.recompile()

@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.export.common import PROGRAM_FILE, ExportError, shards_stages
+from dpcompile.modules.executors import executor_of
 from passes.split_stages import STAGE as _STAGE
 
 __all__ = ["PIPELINE_KINDS", "attach_steps", "checked_section", "describe_pipeline", "step_graphs", "pipeline_extra", "stage_graphs", "stage_label", "stamp_stages"]
@@ -113,7 +114,7 @@ def one_f_one_b_programs(pm: nn.Module) -> list[tuple[Any, fx.GraphModule]]:
     tensor-parallel stages (their step runs the program carried for the call)."""
     from dpcompile.program_cache import CallKey
 
-    if pm.executor != "1f1b" or shards_stages(pm):
+    if not executor_of(pm).steps_one_f_one_b or shards_stages(pm):
         return []
     main = pm.program_cache.main_key.portable()
     modes = tuple((path, True) for path, _ in main.modes)

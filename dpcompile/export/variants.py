@@ -23,6 +23,7 @@ from torch import nn
 
 from dpcompile.export.common import ExportError, shards_stages
 from dpcompile.export.serialize import NotData, decode_value, encode_value
+from dpcompile.modules.executors import executor_of
 
 log = logging.getLogger("dpcompile")
 
@@ -186,7 +187,7 @@ def steppable(pm: nn.Module, key: Any, program: fx.GraphModule | None) -> bool:
     from dpcompile.modules.pipeline_1f1b import OneFOneBStep
     from passes.split_stages import STAGE
 
-    if program is None or pm.__dict__.get("schedule") != "1f1b" or not dict(key.modes).get("", True):
+    if program is None or not executor_of(pm).steps_one_f_one_b or not dict(key.modes).get("", True):
         return True
     stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
     try:

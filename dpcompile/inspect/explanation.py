@@ -30,6 +30,7 @@ from dpcompile.inspect.nodes import copy_labels, device_labels, device_list, slo
 from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.executors import executor_of
 from dpcompile.runtime import sequence_mesh
 from dpcompile.runtime import tensor_parallel as tp_runtime
 from dpcompile.runtime.kept import tensors_kept
@@ -298,7 +299,7 @@ def _pipeline_report(
     bytes and the elements each sends on, per stage; their imbalance (max/mean FLOPs) and the
     bubble ``(S-1)/(M+S-1)`` of this call's micro-batches (GPipe's and 1F1B's: 1F1B holds fewer
     micro-batches, it does not wait less)."""
-    if getattr(pm, "executor", None) not in ("gpipe", "1f1b"):  # pm.stages of other programs may be the model's own submodule
+    if not executor_of(pm).runs_stages_in_one_process:  # pm.stages of other programs may be the model's own submodule
         return None
     stages = pm.stages
     n = len(stages)

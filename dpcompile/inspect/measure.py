@@ -39,7 +39,7 @@ from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, 
 from dpcompile.inspect.measure_ledger import SLOT_KEY, BackwardWindows, Ledger, address
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
 from dpcompile.modules.call_errors import refused_call
-from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
+from dpcompile.modules.executors import executor_of
 from dpcompile.modules.mesh_stage import MESH_PIPELINE_INSPECTION
 from dpcompile.runtime import checkpoint
 from dpcompile.runtime.kept import tensors_kept
@@ -172,7 +172,7 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
     buffers, the RNG state and every parameter and buffer slot are left as they were."""
     if not isinstance(pm, fx.GraphModule) or not hasattr(pm, "program_for_call"):
         raise DpCompileError(f"measure needs a dpcompile.ParallelModule, got {type(pm).__name__}")
-    if is_mesh_pipeline(pm):  # a rank's stage waits on the others: refused before any run
+    if executor_of(pm).runs_one_stage_per_rank:  # a rank's stage waits on the others: refused before any run
         raise DpCompileError(MESH_PIPELINE_INSPECTION)
     with tensors_kept(*inspected_modules(pm)):
         try:
@@ -252,7 +252,7 @@ def _sharded_by_fsdp_hooks(pm: Any, labels: list[str]) -> bool:
     """FSDP over a DeviceMesh: ``fully_shard``'s hooks gather the root's shards around ``pm``'s own
     call (a program run node by node would meet them as DTensors), so the step runs through ``pm``;
     this rank is one device, one slot."""
-    return getattr(pm, "executor", None) == "plain" and getattr(pm, "fsdp", None) is not None and len(labels) == 1
+    return executor_of(pm).call_runs_under_fsdp(pm) and len(labels) == 1
 
 
 def _cuda_peaks(

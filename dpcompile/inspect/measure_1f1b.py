@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from dpcompile.modules.executors import executor_of
+
 __all__ = ["one_f_one_b_peaks", "runs_one_f_one_b", "stamp_slot"]
 
 
@@ -34,7 +36,7 @@ def stamp_slot(out: Any, slot_key: str, slot: int) -> None:
 
 def runs_one_f_one_b(pm: Any, training: bool) -> bool:
     """A training call of ``pm`` runs the 1F1B step."""
-    return getattr(pm, "executor", None) == "1f1b" and training and hasattr(pm.recipe, "one_f_one_b_step")
+    return training and executor_of(pm).steps_one_f_one_b
 
 
 def one_f_one_b_peaks(

@@ -40,6 +40,25 @@ class PlainExecutor:
     #: a call like the last one reuses its program without building the key (``modules/last_call.py``)
     keeps_last_call = True
 
+    # What tools ask of a program (explain, measure, verify, export, checkpoints), answered here so
+    # that no tool dispatches on an executor's name and a new executor answers for itself:
+    #: ``pm.stages`` are a pipeline's stages, run in this process (GPipe's order or 1F1B's)
+    runs_stages_in_one_process = False
+    #: a training call (gradients enabled) runs the 1F1B step the recipe builds, its loss's backward inside
+    steps_one_f_one_b = False
+    #: this process runs one stage of a pipeline over a mesh; the other ranks run the others
+    runs_one_stage_per_rank = False
+
+    def call_runs_under_dp(self, pm: Any) -> bool:
+        """Whether DDP or FSDP2 runs a call over a mesh's dp dimension, averaging gradients over its ranks."""
+        return False
+
+    def call_runs_under_fsdp(self, pm: Any) -> bool:
+        """Whether FSDP2's root (``pm.fsdp``) runs a call: its hooks gather the parameters' dp shards
+        around it (run node by node, the program would meet DTensors) and leave DTensor gradients
+        (:meth:`whole_tensors` gathers them)."""
+        return False
+
     def __call__(self, pm: Any, *args: Any, **kwargs: Any) -> Any:
         if pm.__dict__.get(NEEDS_WEIGHTS):
             raise weights_not_loaded(pm)
@@ -187,12 +206,14 @@ class PipelineExecutor(PlainExecutor):
     runs the 1F1B step the recipe builds, forward and backward; every other call the program)."""
 
     keeps_last_call = False  # a call's key counts micro-batches
+    runs_stages_in_one_process = True
 
     def __init__(self, schedule: str):
         self.name = schedule
+        self.steps_one_f_one_b = schedule == "1f1b"
 
     def run_program(self, pm: Any, program: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
-        if self.name == "1f1b" and pm.training and torch.is_grad_enabled():
+        if self.steps_one_f_one_b and pm.training and torch.is_grad_enabled():
             key = pm.call_key(*args, **kwargs)
             steps = pm.__dict__.setdefault("one_f_one_b_steps", {})
             if key not in steps:
@@ -261,6 +282,13 @@ def hold_stage_groups(pm: Any, groups: Sequence[Devices]) -> None:
     pm.shard_param_slots = {name: slot_of.get(id(p), 0) for name, p in pm.named_parameters()}
 
 
+def executor_of(module: Any) -> PlainExecutor:
+    """What runs a call of ``module``, to ask it what tools need to know: a ``ParallelModule``'s
+    executor, else :data:`PLAIN` (a tool handed a plain ``nn.Module``)."""
+    executor = getattr(module, "_executor", None)
+    return executor if isinstance(executor, PlainExecutor) else PLAIN
+
+
 def restore_executor(pm: Any, extra: dict[str, Any]) -> None:
     """The executor a pickled or exported copy's state (``extra``, :meth:`PlainExecutor.pickled_state`'s) asks for."""
     if "pipeline" in extra:
@@ -278,6 +306,6 @@ def bubble_fraction(pm: Any) -> float:
 
 
 __all__ = [
-    "PIPELINE_FIELDS", "PLAIN", "PipelineExecutor", "PlainExecutor", "bubble_fraction", "hold_pipeline",
+    "PIPELINE_FIELDS", "PLAIN", "PipelineExecutor", "PlainExecutor", "bubble_fraction", "executor_of", "hold_pipeline",
     "hold_stage_groups", "restore_executor",
 ]

@@ -158,6 +158,7 @@ class MeshPipelineExecutor(PlainExecutor):
 
     name = "pipelining"
     keeps_last_call = False
+    runs_one_stage_per_rank = True
 
     def __call__(self, pm: Any, *args: Any, **kwargs: Any) -> Any:
         inputs = _shape_inputs(pm, args, kwargs)
@@ -211,11 +212,6 @@ class MeshPipelineExecutor(PlainExecutor):
 
 #: the executor of this rank's stage of a pipeline over a mesh
 MESH_PIPELINE = MeshPipelineExecutor()
-
-
-def is_mesh_pipeline(pm: Any) -> bool:
-    """Whether ``pm`` is one rank's stage of a pipeline over a mesh (what tools ask, not its class)."""
-    return getattr(pm, "executor", None) == MESH_PIPELINE.name
 
 
 def _first_micro_batch(inputs: tuple, count: int) -> tuple:
@@ -463,6 +459,5 @@ def _positional(names: list[str], args: tuple, kwargs: dict) -> tuple:
 
 __all__ = [
     "MESH_PIPELINE", "MeshPipelineExecutor", "attach_shards", "count_program", "example_stage_inputs", "hold_program",
-    "is_mesh_pipeline",
     "mesh_pipeline_module", "shard_over_dp",
 ]

@@ -91,6 +91,11 @@ def hold_mesh(
         pm.__dict__["_ddp"] = build_ddp(pm, mesh, dp_dim, ddp_options or {})
 
 
+def _dp_wrapper(pm: Any) -> nn.Module | None:
+    """The DDP or FSDP2 root that runs a call over the mesh's dp dimension (None without one)."""
+    return pm.__dict__.get("_ddp") or pm.__dict__.get("_fsdp")
+
+
 class SpmdExecutor(PlainExecutor):
     """One rank's program over a DeviceMesh (``transform(model, mesh)``), run under
     ``DistributedDataParallel`` (``pm.ddp``) or FSDP2 (``pm.fsdp``) where the mesh has a data-parallel
@@ -101,7 +106,7 @@ class SpmdExecutor(PlainExecutor):
     def __call__(self, pm: Any, *args: Any, **kwargs: Any) -> Any:
         if pm.__dict__.get(NEEDS_WEIGHTS):  # before DDP, which calls the program directly
             raise weights_not_loaded(pm)
-        ddp = pm.__dict__.get("_ddp") or pm.__dict__.get("_fsdp")
+        ddp = _dp_wrapper(pm)
         if pm.check_inputs:
             if pm.__dict__.get("tp_dim") is not None:
                 # tensor parallel alone: the check's all-gather runs while the program computes up to its
@@ -141,6 +146,12 @@ class SpmdExecutor(PlainExecutor):
             raise
         settle_deferred_check()
         return out
+
+    def call_runs_under_dp(self, pm: Any) -> bool:
+        return _dp_wrapper(pm) is not None
+
+    def call_runs_under_fsdp(self, pm: Any) -> bool:
+        return pm.__dict__.get("_fsdp") is not None
 
     @contextlib.contextmanager
     def no_sync(self, pm: Any) -> Iterator[None]:

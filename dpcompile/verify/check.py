@@ -16,7 +16,7 @@ from torch import nn
 from dpcompile.analysis.random_ops import per_device_note, random_draws_of
 from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.mesh_pipeline import is_mesh_pipeline
+from dpcompile.modules.executors import executor_of
 from dpcompile.runtime.structures import map_structure, tensor_leaves
 from dpcompile.verify.layout import check_layout
 from dpcompile.verify.mesh_pipeline import (
@@ -167,7 +167,7 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, device: torch.device | No
 def _runs_backward_in_call(pm: nn.Module) -> bool:
     """A training call of ``pm`` runs its loss's backward itself (a 1F1B pipeline): only a plain
     ``loss.backward()`` may follow, so verify differentiates the loss alone, with weight 1."""
-    return pm.training and pm.__dict__.get("schedule") == "1f1b"
+    return pm.training and executor_of(pm).steps_one_f_one_b
 
 
 def _module_device(model: nn.Module) -> torch.device | None:
@@ -180,7 +180,7 @@ def _module_device(model: nn.Module) -> torch.device | None:
 
 def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor | None]:
     """Gradients of ``pm`` under the model's parameter names (full tensors, shards gathered)."""
-    if getattr(pm, "executor", None) == "plain" and getattr(pm, "fsdp", None) is not None:  # FSDP over a mesh: DTensor gradients, gathered over dp (and tp)
+    if executor_of(pm).call_runs_under_fsdp(pm):  # FSDP over a mesh: DTensor gradients, gathered over dp (and tp)
         own = dict(pm.named_parameters())
         grads = pm.whole_tensors({n: own[n].grad for n in names if own.get(n) is not None and own[n].grad is not None})
         return {n: grads[n].detach().clone() if n in grads else None for n in names}
@@ -206,7 +206,7 @@ def _agree_on_inputs_over_dp(pm: nn.Module, args: tuple, kwargs: dict) -> str | 
     same inputs, so every dp rank must pass the same ones (then dp's mean of the gradients is the
     eager model's). One exchange over dp; inputs that differ raise the same error on every rank.
     The note for the result, or None where ``pm`` has no dp over a mesh."""
-    if getattr(pm, "executor", None) != "plain" or (getattr(pm, "fsdp", None) is None and getattr(pm, "ddp", None) is None):
+    if not executor_of(pm).call_runs_under_dp(pm):
         return None
     import torch.distributed as dist
 
@@ -251,7 +251,7 @@ def verify(
     verify: OK (1 outputs, 2 parameter gradients, 1 input gradients match)
     """
     _check_modules(pm, model)
-    if is_mesh_pipeline(pm):
+    if executor_of(pm).runs_one_stage_per_rank:
         return _verify_mesh_pipeline(pm, model, args, kwargs, fake_devices, rtol, atol)
     over_dp = _agree_on_inputs_over_dp(pm, args, kwargs)
     mismatches: list[Mismatch] = []

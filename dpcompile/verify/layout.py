@@ -20,7 +20,7 @@ from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
 from dpcompile.fake import fake_devices as fake_devices_of
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module
 from dpcompile.inspect import Recorder, slot_of, user_source
-from dpcompile.recipes.pipeline import SCHEDULES
+from dpcompile.modules.executors import executor_of
 from dpcompile.runtime.structures import tensor_leaves
 from dpcompile.target import dp_copies, resolve_target
 from dpcompile.verify.result import Mismatch, VerifyResult, first_line
@@ -98,7 +98,7 @@ def _check_pipeline_device_count(pm: Any, n: int) -> None:
     """A pipeline's layout fixes its device count (a stage per device, times its shards and copies):
     another count is a question verify cannot answer, so it says which count to ask for."""
     layout = dict(getattr(pm, "layout", None) or {})
-    if pm.executor not in SCHEDULES or not layout:  # a pipeline in one process
+    if not executor_of(pm).runs_stages_in_one_process or not layout:
         return
     needed = math.prod(layout.values())
     if n != needed:

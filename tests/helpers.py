@@ -13,6 +13,7 @@ from torch import nn
 import dpcompile
 from dpcompile.capture import capture
 from dpcompile.fx_utils import propagate_shapes
+from dpcompile.modules.executors import executor_of
 from dpcompile.runtime.structures import tensor_leaves
 from dpcompile.runtime.tensor_parallel import unshard
 
@@ -238,7 +239,7 @@ def assert_stage_is_a_parallel_module(pm: nn.Module) -> None:
     graph and code are this rank's stage program, the one its schedule runs: it names the modules this stage holds;
     ``eval()``/``train()`` reach that program's modules and the whole program's."""
     assert isinstance(pm, dpcompile.ParallelModule) and isinstance(pm, fx.GraphModule), type(pm).__mro__
-    assert pm.executor == "pipelining"
+    assert pm.executor == "pipelining" and executor_of(pm).runs_one_stage_per_rank
     code = pm.code
     assert isinstance(code, str) and code.strip().startswith("def forward(self"), code
     names = {path.replace(".", "_") for path in pm.module_paths}

@@ -189,12 +189,15 @@ def check_fsdp_measure_and_verify(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import dpcompile
+    from dpcompile.modules.executors import executor_of
 
     torch.manual_seed(0)
     model = Stack(layers=1)
     reference = copy.deepcopy(model)
     pm = dpcompile.transform(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), data_parallel="fsdp")
     x = _batches(world, 1)[0][:4]
+    asked = executor_of(pm)  # what measure and verify ask instead of the executor's name
+    assert asked.call_runs_under_fsdp(pm) and asked.call_runs_under_dp(pm) and not asked.runs_one_stage_per_rank
     measured = dpcompile.measure(pm, x)
     assert measured.training and list(measured.peak_bytes) == ["cpu"] and measured.step_allocated_peak["cpu"] > 0
     assert all(p.grad is None for p in pm.parameters())

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import dpcompile
+from dpcompile.modules.executors import PLAIN, executor_of
 from tests.models import CNN, MLP
 
 
@@ -46,6 +47,11 @@ def test_every_layout_in_one_process_is_one_module_kind(options, executor):
         with torch.no_grad():
             torch.testing.assert_close(program(x), model(x))
     assert ("param_shards" in loaded.__dict__) == ("tensor_parallel" in options)
+    for program in (pm, loaded):  # what tools ask the executor instead of its name
+        asked = executor_of(program)
+        assert (asked.runs_stages_in_one_process, asked.steps_one_f_one_b) == (executor != "plain", executor == "1f1b")
+        assert not (asked.runs_one_stage_per_rank or asked.call_runs_under_dp(program) or asked.call_runs_under_fsdp(program))
+    assert executor_of(model) is PLAIN  # a plain module: answered as the program itself would run
 
 
 def test_parallel_module_shares_the_models_parameters():

@@ -61,6 +61,8 @@ def placeholders(graph: fx.Graph) -> list[fx.Node]:
 
 #: set on a submodule a pass adds to the program (it holds no state of the model's): kept by adopt_state
 PROGRAM_OWNED = "dpcompile_program_owned"
+#: node.meta key: the pipeline stage a node runs in (``passes/split_stages.py`` stamps it; a 1F1B step groups by it)
+STAGE = "dpcompile_stage"
 
 
 def adopt_state(holder: nn.Module, model: nn.Module, *, aliased: bool = False, follow_removals: bool = False) -> None:

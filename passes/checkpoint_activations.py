@@ -40,7 +40,7 @@ from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import byte_budget, parse_save_rule
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import PROGRAM_OWNED, copy_graph, graph_module, writes
+from dpcompile.fx_utils import PROGRAM_OWNED, STAGE, copy_graph, graph_module, writes
 from dpcompile.infra import PassResult, module_path_of, stamp
 from dpcompile.runtime import checkpoint, join_tiles, keep_outputs, random_draws, send, token_tiles
 from passes.checkpoint_budget import kept_for_rule, kept_over_regions, kept_within_bytes
@@ -48,8 +48,7 @@ from passes.checkpoint_tiles import tiled_input, why_not_per_token
 
 PASS = "checkpoint_activations"
 _COMPUTE = ("call_function", "call_method", "call_module")
-_STAGE = "dpcompile_stage"  # passes.split_stages.STAGE
-_PLACEMENT = ("dpcompile_stage", "dpcompile_slot")  # where a pipeline runs a node: its new nodes run there too
+_PLACEMENT = (STAGE, "dpcompile_slot")  # where a pipeline runs a node: its new nodes run there too
 _PLACE_SUFFIX = re.compile(r"_(dev\d+|mb\d+)$")
 
 
@@ -85,7 +84,7 @@ def _stages(gm: fx.GraphModule) -> dict[fx.Node, object]:
     inputs' last. Without it a block's shard nodes and its stamped nodes (the micro-batches' residual
     adds) would make regions apart that read each other's outputs."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    stage = {n: n.meta[_STAGE] for n in nodes if _STAGE in n.meta}
+    stage = {n: n.meta[STAGE] for n in nodes if STAGE in n.meta}
     if not stage:
         return {}
     for node in reversed(nodes):
@@ -331,7 +330,7 @@ def _copy_into(graph: fx.Graph, node: fx.Node, region: CheckpointRegion, env: di
     if node.op != "call_module":
         env[node] = graph.node_copy(node, env.__getitem__)
     else:
-        owner, method = _owner_and_method(str(node.target), region.path, _STAGE in node.meta)
+        owner, method = _owner_and_method(str(node.target), region.path, STAGE in node.meta)
         if owner not in owners:
             owners[owner] = graph.placeholder(_identifier(owner) + "_module")
             arguments.append(owner)
@@ -377,7 +376,7 @@ def _take_name(graph: fx.Graph, node: fx.Node, name: str) -> None:
 def _device_of(region: CheckpointRegion) -> tuple[object, object]:
     """Where a region runs: its replica or micro-batch suffix and its pipeline stage."""
     suffix = _PLACE_SUFFIX.search(region.name)
-    return (suffix.group(0) if suffix else None), region.nodes[-1].meta.get(_STAGE)
+    return (suffix.group(0) if suffix else None), region.nodes[-1].meta.get(STAGE)
 
 
 def _kept_by_region(gm: fx.GraphModule, regions: list[CheckpointRegion], rule: str, over_device: bool) -> None:

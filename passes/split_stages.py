@@ -34,11 +34,10 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.fx_utils import unalias
+from dpcompile.fx_utils import STAGE, unalias
 from dpcompile.infra import PassResult
 
 PASS = "split_stages"
-STAGE = "dpcompile_stage"  # node.meta key: the stage a node runs in
 BALANCE_TOLERANCE = 0.05  # a cut within 5% of a stage's share of the weight may move to send fewer values
 
 

@@ -241,8 +241,7 @@ def attach_steps(pm: nn.Module, section: dict[str, Any], steps: Sequence[tuple[A
     built = pm.__dict__.setdefault("one_f_one_b_steps", {})
     for key, _, graph in steps:
         program = fx.GraphModule(pm, graph, f"OneFOneB{key.devices}")
-        stage_of = {n: n.meta[_STAGE] for n in program.graph.nodes if _STAGE in n.meta}
-        built[key] = OneFOneBStep(program, stage_of, len(pm.stages), key.devices)
+        built[key] = OneFOneBStep(program, len(pm.stages), key.devices)
 
 
 def _stage_root(stage: dict[str, Any], holder: nn.Module, graph: fx.Graph) -> dict[str, Any]:

@@ -185,13 +185,11 @@ def steppable(pm: nn.Module, key: Any, program: fx.GraphModule | None) -> bool:
     traced for. GPipe and eval calls run it as it is."""
     from dpcompile.errors import DpCompileError
     from dpcompile.modules.pipeline_1f1b import OneFOneBStep
-    from passes.split_stages import STAGE
 
     if program is None or not executor_of(pm).steps_one_f_one_b or not dict(key.modes).get("", True):
         return True
-    stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
     try:
-        OneFOneBStep(program, stage_of, len(pm.stages), key.devices)
+        OneFOneBStep(program, len(pm.stages), key.devices)
     except DpCompileError:
         return False
     return True

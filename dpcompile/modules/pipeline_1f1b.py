@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import ancestors, state_access_order
+from dpcompile.fx_utils import STAGE, ancestors, state_access_order
 from dpcompile.modules.mesh_stage import backward_done, no_gradient_path, writes
 from dpcompile.runtime import exported
 
@@ -91,13 +91,15 @@ class OneFOneBStep:
     """A lowered pipeline program run as 1F1B units (see the module docstring).
 
     ``program``: the pipeline program (``insert_scatter_gather`` over the micro-batches, then
-    ``insert_stage_transfers``); ``stage_of``: each node's stage (sends to the output have none).
+    ``insert_stage_transfers``), each node stamped with its stage (``node.meta[STAGE]``; sends to
+    the output have none).
     Refuses, with the reason, a program whose micro-batches meet before the loss (BatchNorm in
     training, an op run on the gathered batch) or that returns no mean loss."""
 
-    def __init__(self, program: fx.GraphModule, stage_of: Mapping[fx.Node, int], stages: int, micro_batches: int):
+    def __init__(self, program: fx.GraphModule, stages: int, micro_batches: int):
         self.program, self.stages, self.micro_batches = program, stages, micro_batches
         nodes = [n for n in program.graph.nodes if n.op != "output"]
+        stage_of = {n: n.meta[STAGE] for n in nodes if STAGE in n.meta}
         self.output = next(n for n in reversed(program.graph.nodes) if n.op == "output")
         stateful: set[fx.Node] = set()  # reads a module or a parameter: not a function of the inputs alone
         tail: set[fx.Node] = set()  # combines the micro-batches into the outputs: runs once, at the end

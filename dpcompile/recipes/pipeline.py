@@ -40,7 +40,7 @@ from dpcompile.recipes import pipeline_tensor_parallel as sharded
 from dpcompile.recipes.base import Recipe, capture_with_flags, departing_trace, sharing_model
 from dpcompile.recipes.data_parallel import without_sequence_replicated
 from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights
-from passes.split_stages import STAGE, StagePlan, follow_plan, stage_programs
+from passes.split_stages import StagePlan, follow_plan, stage_programs
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -160,8 +160,7 @@ class PipelineRecipe(Recipe):
             return sharded.sharded_one_f_one_b_step(self, pm, key)
         gm, plan = _graph_to_lower(pm, departing_trace(self, pm, key), f"OneFOneB{key.devices}")
         program = self.lower(gm, plan, key.devices, pm.input_dims, split_always=True)
-        stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
-        return OneFOneBStep(program, stage_of, plan.stages, key.devices)
+        return OneFOneBStep(program, plan.stages, key.devices)
 
 
 def _graph_to_lower(pm: ParallelModule, captured: fx.GraphModule | None, name: str) -> tuple[fx.GraphModule, StagePlan]:

@@ -285,8 +285,7 @@ def sharded_one_f_one_b_step(recipe: Any, pm: ParallelModule, key: CallKey) -> O
     run as units of one stage and micro-batch, each unit's shards and their collectives together."""
     program = pm.program_cache.program(key, (), {})
     program = pm if program is None else program
-    stage_of = {n: n.meta[STAGE] for n in program.graph.nodes if STAGE in n.meta}
-    return OneFOneBStep(program, stage_of, recipe.stage_count, key.devices)
+    return OneFOneBStep(program, recipe.stage_count, key.devices)
 
 
 def source_to_compile_again(model: nn.Module, device: torch.device) -> nn.Module | None:

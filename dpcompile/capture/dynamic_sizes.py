@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import varying_dims
 from dpcompile.capture.inputs import is_dynamic
 from dpcompile.errors import TraceError
@@ -125,9 +126,8 @@ def refuse_unserved_sizes(gm: fx.GraphModule, examples: Sequence[Any], dynamic_d
         return
     name, dim, size = named
     node = failed.get("node")
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines() if node is not None else []
-    where = trace[-2].strip().split('"') if len(trace) >= 2 else []
-    line = f" ({where[1].rsplit('/', 1)[-1]}{where[2].split(',')[1].replace(' line ', ':')}: {trace[-1].strip()!r})" if len(where) >= 3 else ""
+    where = user_source(node) if node is not None else None
+    line = f" ({where})" if where else ""
     raise TraceError(
         f"dynamic_dims= says dim {dim} of '{name}' varies, but the program captured from {model_name} fails at "
         f"size {size + 1} (the example's {size} + 1){line}: torch.export kept the example's side of a branch on that size. "

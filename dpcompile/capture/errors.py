@@ -12,11 +12,13 @@ from __future__ import annotations
 import inspect
 import linecache
 import os
+import re
 import sys
 import traceback
 from types import TracebackType
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from dpcompile.errors import ArgumentError, ExampleError, TraceError, first_line
@@ -24,6 +26,9 @@ from dpcompile.errors import ArgumentError, ExampleError, TraceError, first_line
 # a trailing separator, so that torch's directory does not swallow ``torchvision/``
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PASSES_DIR = os.path.join(os.path.dirname(_PACKAGE_DIR.rstrip(os.sep)), "passes") + os.sep
+#: one frame of a formatted stack (fx's and export's ``stack_trace``, :func:`user_source_line`)
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
 
 EXPORT_WAY_OUT = "pass example_inputs= (the export frontend, frontend='export' or 'auto') to capture it with torch.export"
 
@@ -37,10 +42,25 @@ class ShapeBranch(Exception):
 
 
 def _is_library_file(filename: str) -> bool:
-    """Torch's and dpcompile's own files, and generated code: never the user's line."""
+    """Torch's and dpcompile's own files (its passes too), and generated code: never the user's line."""
     if filename.startswith(_PACKAGE_DIR) and filename.endswith(os.sep + "demo.py"):
         return False  # the built-in demo model is user code
-    return filename.startswith(_TORCH_DIR) or filename.startswith(_PACKAGE_DIR) or filename.startswith("<")
+    return filename.startswith((_TORCH_DIR, _PACKAGE_DIR, _PASSES_DIR, "<"))
+
+
+def trace_source(trace: str | None) -> str | None:
+    """``"model.py:42 in forward: h = self.fc1(x)"``: the user's innermost frame in a formatted stack
+    (a node's ``stack_trace``, :func:`user_source_line`); None where every frame is torch's or ours."""
+    for m in reversed(list(_FRAME.finditer(trace or ""))):
+        filename = m.group("file")
+        if not _is_library_file(filename):
+            return f"{filename.rsplit('/', 1)[-1]}:{m.group('line')} in {m.group('func')}: {m.group('code').strip()}"
+    return None
+
+
+def user_source(node: fx.Node) -> str | None:
+    """``"model.py:42 in forward: h = self.fc1(x)"``: the user's frame in the node's ``stack_trace``."""
+    return trace_source(node.meta.get("stack_trace"))
 
 
 def user_source_line() -> str | None:
@@ -164,8 +184,6 @@ def _spellable(value: object) -> bool:
     literal, a dtype, an enum), not ``cfg = cfg`` or ``act = <function relu at 0x...>``."""
     if isinstance(value, _PLAIN_DEFAULTS):
         return True
-    import torch.fx as fx
-
     graph = fx.Graph()
     graph.output(graph.placeholder("a", default_value=value))
     try:

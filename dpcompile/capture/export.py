@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
 from dpcompile.capture.inputs import is_dynamic
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
@@ -203,8 +204,7 @@ def _branch_on_a_random_draw(graph: fx.Graph) -> str | None:
             node = stack.pop()
             target = node.target
             if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
-                trace = (read.meta.get("stack_trace") or "").strip().splitlines()
-                return " ".join(line.strip() for line in trace[-2:]) or str(read)
+                return user_source(read) or str(read)
             for arg in node.all_input_nodes:
                 if arg not in seen:
                     seen.add(arg)

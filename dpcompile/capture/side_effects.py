@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture.errors import user_source_line
+from dpcompile.capture.errors import trace_source, user_source_line
 from dpcompile.capture.state import SideEffects, mark_not_a_change, python_state_kept
 from dpcompile.errors import DpCompileError
 
@@ -144,8 +144,8 @@ def _sets_grad_mode(cls: type) -> bool:
 
 
 def _where() -> str:
-    where = (user_source_line() or "").strip().splitlines()
-    return f" ({where[0].strip()})" if where else ""
+    where = trace_source(user_source_line())
+    return f" ({where})" if where else ""
 
 
 def check_export_effects(

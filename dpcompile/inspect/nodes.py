@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.capture.errors import user_source
 from dpcompile.devices import Devices
 from passes.name_dp_copies import COPY
 
 __all__ = ["copy_labels", "device_labels", "device_list", "label_slots", "slot_of", "target_name", "user_source"]
 
 _SLOT = re.compile(r"_(?:dev|shard|rank)(\d+)$")
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
-_TORCH_DIR = str(Path(torch.__file__).parent)
-_PACKAGE_DIR = Path(__file__).parent.parent  # dpcompile/
-_OWN_DIRS = (str(_PACKAGE_DIR) + "/", str(_PACKAGE_DIR.parent / "passes") + "/")
 
 
 def device_labels(pm: nn.Module) -> list[str]:
@@ -91,21 +87,6 @@ def label_slots(pm: nn.Module) -> tuple[list[str], Callable[[fx.Node], int]]:
         return index[found[0][node.meta.get(COPY) or 0][slot]]
 
     return labels, slot_index
-
-
-def user_source(node: fx.Node) -> str | None:
-    """``"model.py:42 in forward: h = self.fc1(x)"``: the user's frame in ``stack_trace``."""
-    trace = node.meta.get("stack_trace")
-    if not trace:
-        return None
-    for m in reversed(list(_FRAME.finditer(trace))):
-        filename = m.group("file")
-        own = filename.startswith(_OWN_DIRS) and not filename.endswith("demo.py")
-        if own or filename.startswith(_TORCH_DIR + "/") or filename.startswith("<"):
-            continue
-        short = filename.rsplit("/", 1)[-1]
-        return f"{short}:{m.group('line')} in {m.group('func')}: {m.group('code').strip()}"
-    return None
 
 
 def target_name(node: fx.Node) -> str:

@@ -163,7 +163,7 @@ class Blocks(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("model", "line"), [(PositionList(), r"test_export_guards.py:\d+ in forward"), (Blocks(), r"test_export_guards.py:\d+: 'return x.reshape")]
+    ("model", "line"), [(PositionList(), r"test_export_guards.py:\d+ in forward"), (Blocks(), r"test_export_guards.py:\d+ in forward: return x.reshape")]
 )
 def test_export_guard_dynamic_dims_the_model_fixes_is_refused_at_transform_naming_dim_and_line(model, line):
     """dynamic_dims=[1] on code that fixes the length (a list of it, or a branch on it) is refused at transform,

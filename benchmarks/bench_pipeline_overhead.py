@@ -18,7 +18,7 @@ Each rank (one thread, as torchrun gives it) times, interleaved over ``--rounds`
   stages' Linear so; ``op_seconds`` between the rounds;
 - and in the main process, before and after the ranks run (one thread, as ``calibrate_mesh``
   measures them): the calibration's ``op_seconds``, a gloo all-reduce's latency and a message's
-  (``_gloo_message_seconds``: a ping-pong) between gloo groups on threads.
+  (:func:`_gloo_message_seconds`, here: a ping-pong, which the calibration measured then) between gloo groups on threads.
 
 Per schedule the least-squares slope of step time over M is the cost of one more micro-batch, in ms
 and as multiples of the message latency and of ``op_seconds``; a schedule action is ``torch alone``'s
@@ -256,6 +256,50 @@ def slope(points: list[tuple[int, float]]) -> float:
     return sum((m - mx) * (s - my) for m, s in points) / sum((m - mx) ** 2 for m, _ in points)
 
 
+def _gloo_message_seconds(ranks: int = 2, window: float = 0.1) -> float:
+    """Seconds of one point-to-point message of one float between two gloo groups on threads of this
+    process, each waiting for the other's (half a ping-pong's round trip, its mean: every wake-up of
+    the waiting side counts, as a pipeline's sends and receives pay it)."""
+    from datetime import timedelta
+
+    from torch.distributed import HashStore, ProcessGroupGloo
+
+    from dpcompile.analysis.calibration import _on_threads
+
+    if ranks < 2:
+        return 0.0
+    store = HashStore()
+    groups: list = [None, None]
+    seconds = [0.0, 0.0]
+
+    def join(rank: int) -> None:
+        groups[rank] = ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+
+    def ping_pong(rank: int) -> None:
+        t, peer, group = torch.zeros(1), 1 - rank, groups[rank]
+
+        def round_trip() -> None:
+            for sender in (0, 1):
+                (group.send if rank == sender else group.recv)([t], peer, 0).wait()
+
+        for _ in range(3):  # warm up
+            round_trip()
+        count, start = 0, time.perf_counter()
+        while count < 2000:
+            round_trip()
+            count += 1
+            if count % 16 == 0:  # both sides stop after the same count: the peer decides with rank 0
+                done = torch.tensor([float(time.perf_counter() - start >= window)])
+                (group.send if rank == 0 else group.recv)([done], peer, 1).wait()
+                if done.item():
+                    break
+        seconds[rank] = (time.perf_counter() - start) / (2 * count)
+
+    _on_threads(join, 2)
+    _on_threads(ping_pong, 2)
+    return max(max(seconds), 1e-9)
+
+
 def _calibration_figures(world: int) -> dict[str, float]:
     """The calibration's own figures, measured here (one thread, as ``calibrate_mesh`` measures them)."""
     from dpcompile.analysis import calibration
@@ -264,9 +308,7 @@ def _calibration_figures(world: int) -> dict[str, float]:
     torch.set_num_threads(1)
     try:
         out = {"op_seconds": calibration._op_seconds(), "all_reduce_latency_s": calibration._gloo_all_reduce(world)[0]}
-        message = getattr(calibration, "_gloo_message_seconds", None)
-        if message is not None:
-            out["thread_message_s"] = message(world)
+        out["thread_message_s"] = _gloo_message_seconds(world)
         return out
     finally:
         torch.set_num_threads(before)
@@ -283,7 +325,8 @@ def predicted_slopes(run: dict[str, Any]) -> dict[str, float]:
 
     cal = {k: statistics.mean(v) for k, v in run["calibration_before_after"].items()}
     figures = calibration.Calibration(5e10, 5e9, "cpu", "run", 2, calibration.available_cores(), cal["op_seconds"],
-                                      cal["all_reduce_latency_s"], 1e9, 2.0, cal["thread_message_s"])  # fmt: skip
+                                      cal["all_reduce_latency_s"], 1e9, 2.0,
+                                      synced_collective_s=cal["thread_message_s"])  # a transfer's latency  # fmt: skip
     layers, width, tokens = MODELS[run.get("model", "tiny")]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, tokens, 16, generator=g), torch.randn(8, tokens, 8, generator=g)

@@ -26,7 +26,6 @@ def measured(monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "_op_seconds", lambda: 1e-5)
     monkeypatch.setattr(calibration, "_concurrency", lambda workers: 1.5)
     monkeypatch.setattr(calibration, "_gloo_all_reduce", lambda ranks: runs.append(ranks) or (1e-4, 5e8))
-    monkeypatch.setattr(calibration, "_gloo_message_seconds", lambda ranks: 2e-4)
     monkeypatch.setattr(calibration, "_gloo_synced_seconds", lambda ranks: 3e-3)
     monkeypatch.setattr(calibration, "available_cores", lambda: 2)
     monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
@@ -46,7 +45,7 @@ def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
 def test_mesh_calibration_is_measured_once_then_read_from_its_cache(measured, tmp_path):
     first = calibration.calibrate_mesh(2)
     expected = Calibration(1e9, 2e9, "cpu", "measured", ranks=2, cores=2, op_seconds=1e-5, collective_latency_s=1e-4,
-                           collective_bytes_per_s=5e8, concurrency=1.5, message_s=2e-4, synced_collective_s=3e-3)  # fmt: skip
+                           collective_bytes_per_s=5e8, concurrency=1.5, synced_collective_s=3e-3)  # fmt: skip
     assert first == expected and measured == [2]
     path = calibration.cache_path("gloo2")
     assert path.parent == tmp_path and json.loads(path.read_text())["version"] == calibration.CACHE_VERSION
@@ -147,7 +146,7 @@ def test_mesh_step_time_of_a_pipeline_counts_slots_and_per_micro_batch_dispatch(
     stages = [[p.units[0]], [p.units[1]]]
     # a stage's micro-batch: 3e9 / 4 FLOPs, its 10 ops and its schedule's 2 actions (SCHEDULE_ACTION_OPS each), one
     # transfer each way at its one boundary of 1000 bytes (the second stage's input, 4000 bytes over 4 micro-batches),
-    # half of each message's latency on the path (MESH has no message latency: the all-reduce's, 1e-2); 4 + 2 - 1
+    # MESSAGES_ON_PATH of each transfer's latency on the path (MESH has none after computing: the all-reduce's, 1e-2); 4 + 2 - 1
     # slots of the slowest stage (tests/analysis/test_step_time.py varies each term)
     busy = 0.75 + 10 * 1e-3 + PARAM_PASSES * 256 / 1e9 + 2 * SCHEDULE_ACTION_OPS * 1e-3
     wait = 2 * MESSAGES_ON_PATH * 1e-2 + 2 * 1000 / 1e6
@@ -164,8 +163,7 @@ def test_mesh_calibration_without_loopback_gloo_uses_round_collective_figures(me
 
     monkeypatch.setattr(calibration, "_gloo_all_reduce", no_gloo)
     found = calibration.calibrate_mesh(2)
-    assert (found.collective_latency_s, found.collective_bytes_per_s, found.message_s, found.synced_collective_s) == (
-        1e-4, 1e9, 1e-4, 1e-4)  # fmt: skip
+    assert (found.collective_latency_s, found.collective_bytes_per_s, found.synced_collective_s) == (1e-4, 1e9, 1e-4)
     assert (found.flops_per_s, found.op_seconds, found.concurrency) == (1e9, 1e-5, 1.5)  # the rest still measured
 
 
@@ -174,7 +172,7 @@ def test_cached_mesh_reads_the_cache_and_never_measures(measured, monkeypatch):
     ``calibrate_mesh`` has cached some, then those; with calibration off, the reference; nothing measured."""
     assert calibration.cached_mesh(2) == reference_mesh(2) and measured == []
     calibration.calibrate_mesh(2)
-    assert calibration.cached_mesh(2).source == "cache" and calibration.cached_mesh(2).message_s == 2e-4
+    assert calibration.cached_mesh(2).source == "cache" and calibration.cached_mesh(2).synced_collective_s == 3e-3
     assert calibration.cached_mesh(4) == reference_mesh(4) and measured == [2]  # no cache of 4 ranks
     monkeypatch.setenv("DPCOMPILE_CALIBRATION", "fresh")  # the cache as it is: measuring is calibrate_mesh's
     assert calibration.cached_mesh(2).source == "cache" and measured == [2]

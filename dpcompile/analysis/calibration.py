@@ -3,8 +3,8 @@ device-to-device copy, from a short run (well under a second), cached per device
 
 Over a mesh of ``n`` gloo processes (:func:`calibrate_mesh`) also: the FLOP/s of one rank's thread,
 the seconds of dispatch each forward op of a training step costs (its backward's included), the
-latency and bytes/s of a gloo all-reduce between ``n`` ranks, the seconds of one the ranks reach after
-computing, and a point-to-point message's latency (measured between gloo groups on threads of this
+latency and bytes/s of a gloo all-reduce between ``n`` ranks and the seconds of one the ranks reach after
+computing (a pipeline's transfers cost that latency too; measured between gloo groups on threads of this
 process: no process started), and the CPU cores the ranks share; cached per
 ``n`` as well, measured again where the cores changed. Inside a process group the first rank's
 figures are broadcast, so that every rank plans alike.
@@ -36,7 +36,7 @@ log = logging.getLogger("dpcompile")
 __all__ = ["REFERENCE", "Calibration", "cache_path", "cached_mesh", "calibrate", "calibrate_mesh", "reference_mesh"]
 
 #: the cache's format: a file of another version is measured again
-CACHE_VERSION = 5  # 5: synced_collective_s, the concurrency on processes (4: the concurrency as the median of rounds)
+CACHE_VERSION = 6  # 6: no message_s (5: synced_collective_s, the concurrency on processes)
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,12 @@ class Calibration:
     Over a mesh (``ranks`` > 1, :func:`calibrate_mesh`): ``flops_per_s`` is one rank's (one
     thread), ``op_seconds`` the dispatch each forward op of a training step costs (its backward's
     included), ``collective_latency_s`` and ``collective_bytes_per_s`` a gloo all-reduce's fixed
-    cost and the bytes each rank sends per second, ``message_s`` a point-to-point message's latency
-    (a send the receiver waits for: a pipeline's transfers), ``cores`` the CPU cores the ranks share,
+    cost and the bytes each rank sends per second, ``cores`` the CPU cores the ranks share,
     ``concurrency`` how many ranks they run at once (measured: less than ``min(ranks, cores)`` where
     other work holds the cores) and ``synced_collective_s`` the seconds a rank spends in an all-reduce
     its ranks reach after computing (a tensor-parallel step's: its peers' threads woken, the peer still
-    computing waited for; far more than the back-to-back ``collective_latency_s`` on a busy machine)."""
+    computing waited for; far more than the back-to-back ``collective_latency_s`` on a busy machine; a
+    pipeline's transfers pay it too)."""
 
     flops_per_s: float
     copy_bytes_per_s: float
@@ -64,7 +64,6 @@ class Calibration:
     collective_latency_s: float = 0.0
     collective_bytes_per_s: float = 0.0
     concurrency: float = 0.0  # how many of the ranks the CPUs run at once (0: as many as the cores allow)
-    message_s: float = 0.0  # a point-to-point message's latency (0: the all-reduce's, collective_latency_s)
     synced_collective_s: float = 0.0  # an all-reduce after computing (0: the back-to-back collective_latency_s)
 
 
@@ -74,11 +73,10 @@ REFERENCE = Calibration(flops_per_s=5e10, copy_bytes_per_s=5e9, device="any", so
 
 def reference_mesh(ranks: int) -> Calibration:
     """What ``DPCOMPILE_CALIBRATION=off`` uses over a mesh of ``ranks`` processes: :data:`REFERENCE`
-    with round gloo figures (20 us a forward op, 100 us and 1 GB/s an all-reduce, after computing too,
-    100 us a message), one core a rank."""
+    with round gloo figures (20 us a forward op, 100 us and 1 GB/s an all-reduce, after computing too),
+    one core a rank."""
     return replace(REFERENCE, ranks=ranks, cores=ranks, op_seconds=2e-5, collective_latency_s=1e-4,
-                   collective_bytes_per_s=1e9, concurrency=float(ranks), message_s=1e-4,
-                   synced_collective_s=1e-4)  # fmt: skip
+                   collective_bytes_per_s=1e9, concurrency=float(ranks), synced_collective_s=1e-4)  # fmt: skip
 
 
 def cache_path(device_type: str) -> Path:
@@ -137,7 +135,7 @@ def _check_figures(found: Calibration) -> None:
 
     if not (number(found.flops_per_s) and found.flops_per_s > 0 and number(found.copy_bytes_per_s) and found.copy_bytes_per_s > 0):
         raise ValueError(f"rates {found.flops_per_s!r} FLOP/s, {found.copy_bytes_per_s!r} B/s: expected positive numbers")
-    rest = (found.op_seconds, found.collective_latency_s, found.collective_bytes_per_s, found.concurrency, found.message_s,
+    rest = (found.op_seconds, found.collective_latency_s, found.collective_bytes_per_s, found.concurrency,
             found.synced_collective_s)  # fmt: skip
     if not all(number(x) and x >= 0 for x in rest):
         raise ValueError(f"figures {rest!r}: expected non-negative numbers")
@@ -190,16 +188,13 @@ def calibrate_mesh(ranks: int) -> Calibration:
             at_once = _concurrency(min(ranks, cores))
         try:
             latency, bandwidth = _gloo_all_reduce(ranks)
-            message = _gloo_message_seconds(ranks)
             with _threads(1):
                 synced = _gloo_synced_seconds(ranks)
         except RuntimeError as e:  # no loopback gloo here (a host name that does not resolve): round figures
             log.warning("cannot time gloo (%s): the cost model uses %s", e, "100 us and 1 GB/s")
             ref = reference_mesh(ranks)
-            latency, bandwidth, message = ref.collective_latency_s, ref.collective_bytes_per_s, ref.message_s
-            synced = ref.synced_collective_s
-        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once, message,
-                            synced)  # fmt: skip
+            latency, bandwidth, synced = ref.collective_latency_s, ref.collective_bytes_per_s, ref.synced_collective_s
+        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once, synced)
         _write_cache(path, found)
     return _agree(found, ranks) if grouped else found
 
@@ -228,7 +223,7 @@ def available_cores() -> int:
 
 
 _NUMBERS = ("flops_per_s", "copy_bytes_per_s", "cores", "op_seconds", "collective_latency_s", "collective_bytes_per_s",
-            "concurrency", "message_s", "synced_collective_s")  # fmt: skip
+            "concurrency", "synced_collective_s")  # fmt: skip
 
 
 def _agree(mine: Calibration | None, ranks: int) -> Calibration:
@@ -488,46 +483,6 @@ def _gloo_synced_seconds(ranks: int, work_s: float = 1e-3, calls: int = 24) -> f
     _on_threads(join, ranks)
     _on_threads(steps, ranks)
     return max(sum(waited) / (ranks * calls), 1e-9)
-
-
-def _gloo_message_seconds(ranks: int = 2, window: float = 0.1) -> float:
-    """Seconds of one point-to-point message of one float between two gloo groups on threads of this
-    process, each waiting for the other's (half a ping-pong's round trip, its mean: every wake-up of
-    the waiting side counts, as a pipeline's sends and receives pay it)."""
-    from torch.distributed import HashStore, ProcessGroupGloo
-
-    if ranks < 2:
-        return 0.0
-    store = HashStore()
-    groups: list = [None, None]
-    seconds = [0.0, 0.0]
-
-    def join(rank: int) -> None:
-        groups[rank] = ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
-
-    def ping_pong(rank: int) -> None:
-        t, peer, group = torch.zeros(1), 1 - rank, groups[rank]
-
-        def round_trip() -> None:
-            for sender in (0, 1):
-                (group.send if rank == sender else group.recv)([t], peer, 0).wait()
-
-        for _ in range(3):  # warm up
-            round_trip()
-        count, start = 0, time.perf_counter()
-        while count < 2000:
-            round_trip()
-            count += 1
-            if count % 16 == 0:  # both sides stop after the same count: the peer decides with rank 0
-                done = torch.tensor([float(time.perf_counter() - start >= window)])
-                (group.send if rank == 0 else group.recv)([done], peer, 1).wait()
-                if done.item():
-                    break
-        seconds[rank] = (time.perf_counter() - start) / (2 * count)
-
-    _on_threads(join, 2)
-    _on_threads(ping_pong, 2)
-    return max(max(seconds), 1e-9)
 
 
 def _on_threads(run, ranks: int) -> None:  # noqa: ANN001 - run(rank)

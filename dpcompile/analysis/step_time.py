@@ -64,8 +64,8 @@ DDP_BUCKET_BYTES = 25 * 2**20
 #: the run, median 8.5 of 10 such figures (the 5 runs at load averages 6-14 in
 #: benchmarks/results/pipeline_overhead.json, bench_pipeline_overhead.py)
 SCHEDULE_ACTION_OPS = 8
-#: the share of the calibration's message latency (``message_s``: a ping-pong between threads, which
-#: also pays the GIL's hand-over) a pipeline transfer puts on the step's path (the receiver is often
+#: the share of a transfer's latency (:func:`message_seconds`; fitted when it was a ping-pong's between threads,
+#: which also pays the GIL's hand-over: benchmarks/bench_pipeline_overhead.py) a pipeline transfer puts on the step's path (the receiver is often
 #: still busy when it arrives): torch's GPipe over 2 stages less over 1, per micro-batch and transfer,
 #: is 0.09-0.24 of its mean before and after, median 0.15, over the same 5 runs
 MESSAGES_ON_PATH = 0.15
@@ -90,10 +90,10 @@ def schedule_seconds(c: Calibration, training: bool) -> float:
 
 def message_seconds(c: Calibration) -> float:
     """A pipeline transfer's latency: like a collective, one the receiver reaches after computing
-    (``synced_collective_s``); an older calibration without it: the ping-pong's (back to back), else the
-    all-reduce's. The ping-pong keeps both sides' threads awake: it read 0.015 ms and 2.6 ms in two
-    calibrations at load averages 10 and 16, where the pipelines' steps were alike."""
-    return c.synced_collective_s or c.message_s or c.collective_latency_s
+    (:func:`collective_seconds`). A ping-pong's (back to back, as calibrations measured it before) keeps
+    both sides' threads awake: it read 0.015 ms and 2.6 ms in two calibrations at load averages 10 and
+    16, where the pipelines' steps were alike."""
+    return collective_seconds(c)
 
 
 def collective_seconds(c: Calibration) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from dpcompile.analysis import step_time
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
 from dpcompile.analysis.step_time import (
@@ -43,12 +44,12 @@ def test_a_pipeline_slot_holds_the_schedule_actions_and_half_of_each_message(m):
     """Per micro-batch a stage computes 3e6 / M FLOPs, dispatches its 10 ops and its schedule's 2 actions
     (forward, backward) of SCHEDULE_ACTION_OPS ops each, and waits for its boundary's 2 transfers (8000 bytes
     over M micro-batches each) with MESSAGES_ON_PATH of a message's latency each: 20 ms given, not the
-    all-reduce's 10 ms; M + 1 such slots."""
-    with_message = Calibration(**{**MESH.__dict__, "message_s": 2e-2})
+    all-reduce's back-to-back 10 ms; M + 1 such slots."""
+    with_message = Calibration(**{**MESH.__dict__, "synced_collective_s": 2e-2})
     busy = 3e6 / m / 1e9 + 10 * 1e-3 + WEIGHTS + 2 * SCHEDULE_ACTION_OPS * 1e-3
     wait = 2 * MESSAGES_ON_PATH * 2e-2 + 2 * 8000 / m / 1e6
     assert _pipeline(_profile(), m, with_message) == pytest.approx((m + 1) * (busy + wait))
-    # without a message latency (a calibration of the older format): the all-reduce's
+    # without a latency after computing (a calibration of an older format): the back-to-back all-reduce's
     wait_older = 2 * MESSAGES_ON_PATH * 1e-2 + 2 * 8000 / m / 1e6
     assert _pipeline(_profile(), m, MESH) == pytest.approx((m + 1) * (busy + wait_older))
 
@@ -61,18 +62,22 @@ def test_forward_only_counts_one_action_and_one_transfer_a_micro_batch():
     assert _pipeline(_profile(training=False), 4, MESH) == pytest.approx(5 * (busy + wait))
 
 
-def test_the_pipeline_terms_leave_data_and_tensor_parallel_alone():
-    """No stage boundary, no schedule: a message latency and the action count change nothing there."""
+def test_the_pipeline_terms_leave_data_and_tensor_parallel_alone(monkeypatch):
+    """No stage boundary, no schedule: the transfers' share of a latency and the action count change nothing there
+    (and do change a pipeline's step)."""
     p = _profile()
-    other = Calibration(**{**MESH.__dict__, "message_s": 5.0})
-    for layout in ({"dp": 2}, {"tp": 2}):
-        assert step_seconds(p, layout, [p.units], 1, False, other) == step_seconds(p, layout, [p.units], 1, False, MESH)
+    layouts = [({"dp": 2}, [p.units]), ({"tp": 2}, [p.units]), ({"pp": 2}, [[p.units[0]], [p.units[1]]])]
+    before = [step_seconds(p, layout, stages, 1, False, MESH) for layout, stages in layouts]
+    monkeypatch.setattr(step_time, "MESSAGES_ON_PATH", 5.0)
+    monkeypatch.setattr(step_time, "SCHEDULE_ACTION_OPS", 100)
+    after = [step_seconds(p, layout, stages, 1, False, MESH) for layout, stages in layouts]
+    assert after[:2] == before[:2] and after[2] > before[2]
 
 
 def test_each_added_micro_batch_costs_a_slot_of_fixed_work():
     """Compute divides over the micro-batches; the fixed work of a slot (ops, actions, latencies) does not:
     from M to M + 1 the step grows by that fixed work, less the bubble's shrinking compute."""
-    c = Calibration(**{**MESH.__dict__, "message_s": 2e-2})
+    c = Calibration(**{**MESH.__dict__, "synced_collective_s": 2e-2})
     fixed = 10 * 1e-3 + WEIGHTS + 2 * SCHEDULE_ACTION_OPS * 1e-3 + 2 * MESSAGES_ON_PATH * 2e-2
     per_m = {m: _pipeline(_profile(), m, c) for m in (4, 8)}
     # (M + 1) * (3e-3 / M + 16e-3 / M + fixed): the compute and the bytes shrink per slot, the fixed work does not
@@ -115,7 +120,7 @@ def test_fill_and_drain_slots_run_alone_and_the_steady_ones_share_the_cpus():
 def test_a_pipeline_step_is_its_slots_with_the_cpus_shared():
     """The mesh step of a 2-stage pipeline with CPUs running 1.5 ranks at once: the fill and drain slots at full
     speed, the steady ones slowed by 2 / 1.5 (not the larger of the schedule's path and all the work over 1.5)."""
-    shared = Calibration(**{**MESH.__dict__, "concurrency": 1.5, "message_s": 2e-2})
+    shared = Calibration(**{**MESH.__dict__, "concurrency": 1.5, "synced_collective_s": 2e-2})
     busy = 3e6 / 4 / 1e9 + 10 * 1e-3 + WEIGHTS + 2 * SCHEDULE_ACTION_OPS * 1e-3
     wait = 2 * MESSAGES_ON_PATH * 2e-2 + 2 * 8000 / 4 / 1e6
     assert _pipeline(_profile(), 4, shared) == pytest.approx(2 * (busy + wait) + 3 * (busy * 2 / 1.5 + wait))
@@ -145,8 +150,7 @@ def test_data_and_tensor_parallel_collectives_cost_the_latency_after_computing()
     """Each data- or tensor-parallel collective comes after the ranks' computing: it costs the calibration's
     ``synced_collective_s`` (50 ms here), not the back-to-back 10 ms. Tensor parallel: the Megatron pair of the two
     blocks' Linears, forward and backward (2 calls) and the check that the ranks call alike (1); data parallel: the
-    gradients' all-reduce (1) and the check (1); a pipeline's transfers, MESSAGES_ON_PATH of it each (not of the
-    ping-pong's message_s)."""
+    gradients' all-reduce (1) and the check (1); a pipeline's transfers, MESSAGES_ON_PATH of it each."""
     weight = ShardableWeight(rows=8, cols=8, kind="linear", bytes=256, grad_bytes=256, optimizer_bytes=0,
                              output_elements=1000)  # fmt: skip
     units = [Unit(f"b{i}", block=True, param_bytes=256, grad_bytes=256, input_bytes=8000, flops=10**6, ops=10,
@@ -162,6 +166,4 @@ def test_data_and_tensor_parallel_collectives_cost_the_latency_after_computing()
     dp_work = 3e-3 + 20e-3 + PARAM_PASSES * 512 / 1e9 + 512 / 1e6
     assert step_seconds(p, {"dp": 2}, [p.units], 1, False, synced) == pytest.approx(dp_work + 2 * 5e-2)
     # 2 stages, 4 micro-batches: 5 slots, each with its stage's 2 transfers (forward, backward)
-    with_message = Calibration(**{**MESH.__dict__, "message_s": 2e-2})
-    both = Calibration(**{**synced.__dict__, "message_s": 2e-2})
-    assert _pipeline(p, 4, both) - _pipeline(p, 4, with_message) == pytest.approx(5 * 2 * MESSAGES_ON_PATH * (5e-2 - 2e-2))
+    assert _pipeline(p, 4, synced) - _pipeline(p, 4, MESH) == pytest.approx(5 * 2 * MESSAGES_ON_PATH * (5e-2 - 1e-2))

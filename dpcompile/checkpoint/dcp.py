@@ -33,7 +33,7 @@ from dpcompile.checkpoint.rank_writes import Block, piece_blocks, target_blocks
 from dpcompile.checkpoint.targets import targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import TrainingLoad, TrainingSave, encode, training_from_document
 from dpcompile.errors import ArgumentError
-from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
+from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE
 
 TRAINING_KEY = "dpcompile_training_state"
 GROUPS = "optimizer.param_groups."
@@ -187,13 +187,7 @@ def load_dcp(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: boo
             f"reading {path} failed after its metadata was checked ({type(e).__name__}: {e}); the program is partly "
             "written and waits for a load again", file=path,
         ) from e  # fmt: skip
-    weights_loaded(pm)
-    for action in (training.optimizer, training.lr_scheduler, training.rng):
-        if action is not None:
-            action()
-    if training.extra is not None:
-        pm.__dict__["checkpoint_extra"] = training.extra
-    return pm
+    return training.finish(pm)
 
 
 def _other(fqn: str) -> bool:

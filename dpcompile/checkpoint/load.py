@@ -21,7 +21,7 @@ from dpcompile.checkpoint.targets import Target, check_program, targets_of, tie_
 from dpcompile.checkpoint.training import check_training_objects, read_training
 from dpcompile.errors import ArgumentError
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, weights_loaded
+from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE
 from dpcompile.progress import check_progress, progress_bar
 
 log = logging.getLogger("dpcompile")
@@ -157,14 +157,8 @@ def load_checkpoint(
         log.warning(
             "load_checkpoint(strict=False): %d key(s) not in %s keep their values: %s", len(missing), path, missing[:8]
         )
-    weights_loaded(pm)  # strict=False: what the checkpoint lacks is the caller's to fill
-    for action in (training.optimizer, training.lr_scheduler, training.rng):
-        if action is not None:
-            action()
-    if training.extra is not None:
-        pm.__dict__["checkpoint_extra"] = training.extra
     log.debug("loaded %d tensors from %s", len(written), path)
-    return pm
+    return training.finish(pm)  # strict=False: what the checkpoint lacks is the caller's to fill
 
 
 def _source_model(pm: ParallelModule) -> Any:

@@ -26,6 +26,7 @@ from dpcompile.checkpoint.files import StagedFiles, parse_size, plan_files, tens
 from dpcompile.checkpoint.headers import MAX_JSON_BYTES, CheckpointError, parse_json, read_checkpoint, read_metadata
 from dpcompile.checkpoint.optimizer_state import SavedState, loaded_state, same_kind, saved_state
 from dpcompile.errors import ArgumentError
+from dpcompile.modules.weights import weights_loaded
 
 TRAINING_FILE = "training_state.json"
 OPTIMIZER_STEM = "optimizer"
@@ -52,6 +53,17 @@ class TrainingLoad:
     lr_scheduler: Callable[[], None] | None
     rng: Callable[[], None]
     extra: Any
+
+    def finish(self, pm: Any) -> Any:
+        """The weights are in: ``pm`` runs again; then the optimizer, the LR scheduler and the RNG are
+        set and ``extra`` kept (``pm.checkpoint_extra``). Returns ``pm``."""
+        weights_loaded(pm)
+        for action in (self.optimizer, self.lr_scheduler, self.rng):
+            if action is not None:
+                action()
+        if self.extra is not None:
+            pm.__dict__["checkpoint_extra"] = self.extra
+        return pm
 
 
 def check_training_objects(optimizer: Any, lr_scheduler: Any) -> None:

@@ -209,7 +209,8 @@ def transform(
                 context_options = dataclasses.replace(context_options, memory_headroom=headroom(layout_plan))
         pipeline = predicted_cut(pipeline, checkpoint_plan.chosen if checkpoint_plan else layout_plan.candidates[0])
         memory_per_device = None  # the layout is the user's: nothing left to choose
-    activation_checkpointing = size_byte_budget(model, activation_checkpointing, layout, per_copy or micro_batches,
+    sized = {k: n for k, n in layout.items() if k != "dp"} if is_device_mesh(devices) else layout  # a rank's examples
+    activation_checkpointing = size_byte_budget(model, activation_checkpointing, sized, per_copy or micro_batches,
                                                 _example_tuple(example_inputs), example_kwargs, training)  # fmt: skip
     recipe_options = {
         "frontend": frontend, "batch_dim": batch_dim, "output_device": output_device, "leaf_modules": leaf_modules,

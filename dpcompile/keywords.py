@@ -68,10 +68,7 @@ def check_keywords_honoured(
             'ddp_options= out (the default data_parallel=), or pass data_parallel="fsdp" (FSDP2 on each stage)'
         )
     if over_mesh and activation_checkpointing not in (None, False):
-        raise DpCompileError(
-            f"activation_checkpointing={activation_checkpointing!r} over a DeviceMesh is not built yet (it is in one "
-            "process, on a device list); wrap the blocks with torch.utils.checkpoint.checkpoint in the model itself"
-        )
+        _check_mesh_checkpointing(activation_checkpointing, tuple(devices.mesh_dim_names or ()))
     if over_mesh:
         check_built(
             {name for name, size in mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel).items()
@@ -85,6 +82,23 @@ def check_keywords_honoured(
                              schedule=schedule)  # fmt: skip
     _check_new_strategies(sequence_parallel, activation_checkpointing, exact_random, plan, memory_per_device, sharded)
     _check_context_parallel(context_parallel, mesh)
+
+
+def _check_mesh_checkpointing(activation_checkpointing: Any, dims: tuple[str, ...]) -> None:
+    """Over a DeviceMesh each rank's program is checkpointed as one process's is, on the layouts built
+    there but context parallel; ``"auto"`` is chosen by ``plan="auto"`` only."""
+    if "cp" in dims:
+        raise DpCompileError(
+            f"activation_checkpointing= over a DeviceMesh with a 'cp' dimension (mesh_dim_names={dims}) is not built "
+            "yet: a recomputed attention would all-gather its keys and values over 'cp' again in backward; leave it "
+            "out, or use mesh={'cp': N} over a device list (one process), where it is built"
+        )
+    if activation_checkpointing == "auto":
+        raise DpCompileError(
+            'activation_checkpointing="auto" over a DeviceMesh is chosen with the layout: pass plan="auto" with '
+            "memory_per_device= (it weighs each layout with and without recomputing the blocks), or name what to "
+            "recompute (True: every repeated block; a list of module paths; a dict with 'save' and 'budget_bytes')"
+        )
 
 
 def _check_context_parallel(context_parallel: Any, mesh: Any) -> None:

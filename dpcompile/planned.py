@@ -25,7 +25,7 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.mesh import is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.planned_mesh import planned_mesh_transform
-from dpcompile.planner import UNBUILT, Candidate, Planned, plan_layouts
+from dpcompile.planner import UNBUILT, Candidate, Planned, chosen_words, plan_layouts
 from dpcompile.planning import device_budgets
 
 __all__ = ["LAYOUT_DEFAULTS", "CheckpointPlan", "check_layout_fits", "headroom", "plan_checkpointing",
@@ -80,7 +80,7 @@ def planned_transform(
         pm.candidates = planned.candidates
         pm.calibration = planned.calibration
         if auto_checkpointing:
-            pm.strategies["activation_checkpointing"] = _chosen_words(pm, candidate, budgets, len(planned.candidates),
+            pm.strategies["activation_checkpointing"] = chosen_words(pm, candidate, budgets, len(planned.candidates),
                                                                       "the fastest predicted")  # fmt: skip
         return pm
     raise planned.no_fit_error(len(parsed.labels()))
@@ -158,15 +158,7 @@ class CheckpointPlan:
 
     def words(self, pm: nn.Module) -> str:
         """``pm.strategies["activation_checkpointing"]``: what was chosen and why."""
-        return _chosen_words(pm, self.chosen, self.planned.budgets, len(self.planned.candidates))
-
-
-def _chosen_words(pm: nn.Module, chosen: Candidate, budgets: Mapping[str, int], tried: int,
-                  which: str = "the least recomputed") -> str:  # fmt: skip
-    what = pm.strategies.get("activation_checkpointing", "nothing recomputed")
-    return (f"{what} (activation_checkpointing='auto': predicted peak {format_bytes(chosen.peak)} per device <= "
-            f"memory_per_device={format_bytes(min(budgets.values()))}, {which} of {tried} predicted; "
-            "explain(pm, x).candidates)")  # fmt: skip
+        return chosen_words(pm, self.chosen, self.planned.budgets, len(self.planned.candidates))
 
 
 def plan_checkpointing(

@@ -5,8 +5,11 @@ predicted with the mesh's calibration, the fastest that fits built over a mesh o
     → candidates dp4, tp4, dp2xtp2 ranked (every rank alike), the first that fits built over
       DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp")) if it is dp2xtp2
 
-Pipelines are not candidates: over a mesh their call runs backward itself (``docs/pipeline.md``), so
-the user's loop would differ. FSDP is not one either: the cost model does not predict it yet.
+Each layout is also a candidate with every repeated block recomputed (``activation_checkpointing=True``),
+or, with ``activation_checkpointing="auto"``, with every choice of the one-process ladder
+(``planner.checkpoint_ladder``), as in one process. Pipelines are not candidates: over a mesh their call
+runs backward itself (``docs/pipeline.md``), so the user's loop would differ. FSDP is not one either: the
+cost model does not predict it yet.
 """
 
 from __future__ import annotations
@@ -21,19 +24,20 @@ from torch import nn
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.memory import parse_budget
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.planner import UNBUILT, plan_mesh_layouts
+from dpcompile.planner import UNBUILT, chosen_words, has_blocks, plan_mesh_layouts
 
 __all__ = ["mesh_candidates", "mesh_shape", "planned_mesh_transform"]
 
 
-def mesh_candidates(n: int) -> list[LayoutSpec]:
+def mesh_candidates(n: int, *, checkpointing: bool = False) -> list[LayoutSpec]:
     """The layouts of ``n`` ranks whose step is the plain ``loss.backward()`` loop: ``dp n``, ``tp n``
-    and ``dp a x tp n/a`` for every ``a`` strictly between 1 and ``n`` that divides it."""
-    specs = [LayoutSpec((("dp", n),))]
+    and ``dp a x tp n/a`` for every ``a`` strictly between 1 and ``n`` that divides it; ``checkpointing``:
+    each also with every repeated block recomputed (``activation_checkpointing=True``), as in one process."""
+    layouts = [(("dp", n),)]
     if n > 1:
-        specs.append(LayoutSpec((("tp", n),)))
-        specs += [LayoutSpec((("dp", a), ("tp", n // a))) for a in range(2, n) if n % a == 0]
-    return specs
+        layouts.append((("tp", n),))
+        layouts += [(("dp", a), ("tp", n // a)) for a in range(2, n) if n % a == 0]
+    return [LayoutSpec(layout, None, 1, ckpt) for layout in layouts for ckpt in ((False, True) if checkpointing else (False,))]
 
 
 def mesh_shape(spec: LayoutSpec) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -42,7 +46,8 @@ def mesh_shape(spec: LayoutSpec) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 
 def _keywords(spec: LayoutSpec) -> dict[str, Any]:
-    return {"tensor_parallel": True} if spec.size("tp") > 1 else {}
+    out: dict[str, Any] = {"activation_checkpointing": spec.checkpoint_keyword()}
+    return {**out, "tensor_parallel": True} if spec.size("tp") > 1 else out
 
 
 def _gathered(value: Any) -> list[Any]:
@@ -81,9 +86,11 @@ def planned_mesh_transform(
     labels = [f"rank{r}" for r in ranks]
     budgets = dict.fromkeys(labels, parse_budget(arguments["memory_per_device"]))
     optimizer, training = arguments["optimizer"], arguments["training"]
+    auto = arguments.get("activation_checkpointing") == "auto"  # each layout with every choice of what to keep
+    specs = mesh_candidates(len(ranks), checkpointing=not auto and training and has_blocks(model))
     planned = plan_mesh_layouts(model, labels, budgets, optimizer=optimizer, training=training,
                                 example_inputs=example_tuple, example_kwargs=arguments["example_kwargs"],
-                                specs=mesh_candidates(len(ranks)))  # fmt: skip
+                                specs=specs, auto_checkpointing=auto)  # fmt: skip
     ranked = [c.spec.name for c in planned.fitting]
     every = _gathered(ranked)
     if any(order != every[0] for order in every):
@@ -116,5 +123,8 @@ def planned_mesh_transform(
         pm.memory_plan = planned.estimate(candidate, optimizer, training)
         pm.candidates = planned.candidates
         pm.calibration = planned.calibration
+        if auto:
+            pm.strategies["activation_checkpointing"] = chosen_words(pm, candidate, budgets, len(planned.candidates),
+                                                                     "the fastest predicted")  # fmt: skip
         return pm
     raise planned.no_fit_error(len(ranks))

@@ -21,13 +21,15 @@ import torch
 from torch import nn
 
 from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
+from dpcompile.analysis.checkpoint_regions import lone_blocks, repeated_blocks
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import ModelProfile, profile_model
 from dpcompile.analysis.sequence_costs import predict_layout, splits_sequence
 from dpcompile.errors import DpCompileError
 
-__all__ = ["UNBUILT", "Candidate", "Planned", "checkpoint_ladder", "enumerate_layouts", "plan_layouts", "plan_mesh_layouts"]
+__all__ = ["UNBUILT", "Candidate", "Planned", "checkpoint_ladder", "chosen_words", "enumerate_layouts", "has_blocks", "plan_layouts",
+           "plan_mesh_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
 UNBUILT = "predicted to fit, but could not be built: "
@@ -223,19 +225,35 @@ def plan_layouts(
 def plan_mesh_layouts(
     model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
     example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None,
-    specs: Sequence[LayoutSpec] | None = None,
+    specs: Sequence[LayoutSpec] | None = None, auto_checkpointing: bool = False,
 ) -> Planned:  # fmt: skip
     """The layouts built over a ``DeviceMesh`` of ``len(labels)`` gloo processes on this machine (those
-    of :func:`enumerate_layouts`, without activation checkpointing, which a mesh does not build yet;
-    or ``specs``), predicted with the mesh's calibration
-    (:func:`~dpcompile.analysis.calibration.calibrate_mesh`) and judged as :func:`plan_layouts` does them."""
+    of :func:`enumerate_layouts`, each with and without activation checkpointing where the model has
+    repeated blocks; or ``specs``), predicted with the mesh's calibration
+    (:func:`~dpcompile.analysis.calibration.calibrate_mesh`) and judged as :func:`plan_layouts` does them
+    (``auto_checkpointing``: each layout with every choice of :func:`checkpoint_ladder`)."""
     if specs is None:
         profile_batch = None
         for x in [*(example_inputs or ()), *(example_kwargs or {}).values()]:
             if isinstance(x, torch.Tensor) and x.dim():
                 profile_batch = int(x.shape[0])
                 break
-        specs = enumerate_layouts(len(labels), batch=profile_batch, blocks=False)
+        specs = enumerate_layouts(len(labels), batch=profile_batch, blocks=has_blocks(model))
     return plan_layouts(model, labels, budgets, optimizer=optimizer, training=training, example_inputs=example_inputs,
                         example_kwargs=example_kwargs, device=torch.device("cpu"), specs=specs,
-                        calibration=calibrate_mesh(len(labels)))  # fmt: skip
+                        calibration=calibrate_mesh(len(labels)), auto_checkpointing=auto_checkpointing)  # fmt: skip
+
+
+def chosen_words(pm: nn.Module, chosen: Candidate, budgets: Mapping[str, int], tried: int,
+                 which: str = "the least recomputed") -> str:  # fmt: skip
+    """``pm.strategies["activation_checkpointing"]`` where ``activation_checkpointing="auto"`` chose: what
+    is recomputed, and why (the prediction against the budget)."""
+    what = pm.strategies.get("activation_checkpointing", "nothing recomputed")
+    return (f"{what} (activation_checkpointing='auto': predicted peak {format_bytes(chosen.peak)} per device <= "
+            f"memory_per_device={format_bytes(min(budgets.values()))}, {which} of {tried} predicted; "
+            "explain(pm, x).candidates)")  # fmt: skip
+
+
+def has_blocks(model: nn.Module) -> bool:
+    """Whether ``activation_checkpointing=True`` finds blocks to recompute in ``model`` (repeated, or lone)."""
+    return bool(repeated_blocks(model) or lone_blocks(model))

@@ -42,7 +42,16 @@ from dpcompile.analysis.checkpoint_regions import byte_budget, parse_save_rule
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import PROGRAM_OWNED, STAGE, copy_graph, graph_module, writes
 from dpcompile.infra import PassResult, module_path_of, stamp
-from dpcompile.runtime import checkpoint, join_tiles, keep_outputs, random_draws, send, token_tiles
+from dpcompile.runtime import (
+    checkpoint,
+    current_random_draws,
+    join_tiles,
+    keep_outputs,
+    random_draws,
+    random_draws_over_ranks,
+    send,
+    token_tiles,
+)
 from passes.checkpoint_budget import kept_for_rule, kept_over_regions, kept_within_bytes
 from passes.checkpoint_tiles import tiled_input, why_not_per_token
 
@@ -50,6 +59,7 @@ PASS = "checkpoint_activations"
 _COMPUTE = ("call_function", "call_method", "call_module")
 _PLACEMENT = (STAGE, "dpcompile_slot")  # where a pipeline runs a node: its new nodes run there too
 _PLACE_SUFFIX = re.compile(r"_(dev\d+|mb\d+)$")
+_DRAW_RECORDS = (random_draws, random_draws_over_ranks, current_random_draws)  # a call's record of draws
 
 
 @dataclass
@@ -72,9 +82,9 @@ def _in_path(node: fx.Node, path: str) -> bool:
 
 
 def _recomputable(node: fx.Node) -> bool:
-    # random_draws: one call's record of whole draws, shared by every replica and micro-batch (a region
-    # reads it; recomputing reads the same draws, and the parts stay apart)
-    return (node.op in _COMPUTE and node.target not in (checkpoint, random_draws)
+    # random_draws (and a rank's or a stage's record of them): one call's record of whole draws, shared by
+    # every replica and micro-batch (a region reads it; recomputing reads the same draws, and the parts stay apart)
+    return (node.op in _COMPUTE and node.target not in (checkpoint, *_DRAW_RECORDS)
             and node.meta.get("dpcompile_pass") != PASS)  # fmt: skip
 
 
@@ -232,6 +242,12 @@ def _region_name(path: str, nodes: list[fx.Node], taken: set[str]) -> str:
         name, k = f"{base}_{k}", k + 1
     taken.add(name)
     return name
+
+
+def paths_run_in(gm: fx.GraphModule, paths: Sequence[str]) -> tuple[str, ...]:
+    """Those of ``paths`` some operation of ``gm`` runs in (a pipeline stage's, over a mesh, of the
+    model's), in their order."""
+    return tuple(p for p in paths if any(_recomputable(n) and _in_path(n, p) for n in gm.graph.nodes))
 
 
 def find_checkpoint_regions(gm: fx.GraphModule, paths: Sequence[str]) -> list[CheckpointRegion]:
@@ -482,11 +498,10 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: st
         names = [out.name for out in region.outputs]
         for node in reversed(region.nodes):
             graph.erase_node(node)
-        live = {n.name for n in graph.nodes}
         if len(results) > 1:  # the values keep their names: the code after the region reads as before
             for result, name in zip(results, names, strict=True):
                 _take_name(graph, result, name)
-        if region.name not in live:
+        if region.name not in {n.name for n in graph.nodes}:  # one of the values may hold it now
             _take_name(graph, call, region.name)
     _stable_topological_order(graph)
     info = {"regions": {r.name: r.path for r in regions}}
@@ -505,4 +520,4 @@ def with_regions_recomputed(gm: fx.GraphModule, paths: Sequence[str], save: str 
     return copy
 
 
-__all__ = ["CheckpointRegion", "checkpoint_activations", "find_checkpoint_regions", "with_regions_recomputed"]
+__all__ = ["CheckpointRegion", "checkpoint_activations", "find_checkpoint_regions", "paths_run_in", "with_regions_recomputed"]

@@ -42,6 +42,7 @@ from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.pipeline import stage_weights
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage, tied_shards
 from dpcompile.recipes.tensor_parallel import tied_groups
+from passes.checkpoint_activations import paths_run_in
 from passes.cut_stage import cut_stage, find_row_meetings, find_shared_parameters
 from passes.stage_transfers import node_stages
 
@@ -111,11 +112,15 @@ class MeshPipelineRecipe(Recipe):
                 "micro_batches=1, or run the pipeline in one process (devices=[...]), where it is the batch's"
             )
         shared = [(gm.get_parameter(name), stages) for name, stages in find_shared_parameters(gm, plan)]
+        check_checkpointed_run(whole, self.checkpointed)
         gm, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
+        checkpointing = passes.checkpoint_pipeline(paths_run_in(gm, self.checkpointed), self.checkpoint_save)
         found = info_of(records, "cut_stage")
         own_sites = frozenset(site.source for site in passes.find_random_sites(gm))  # this stage's
         if self.exact_random and self.plan is False:  # with "tp", shard_stage rewrites the sharded program
             gm, _ = run_passes(gm, [functools.partial(passes.draw_random_whole, planned=True)])
+        if self.plan is False:  # last, as in one process; with "tp" on the sharded program, after shard_stage
+            gm, _ = run_passes(gm, checkpointing)
         program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
         if not any(is_fake(t) for t in (*program.parameters(), *program.buffers())):
             program.to(device)  # a meta model's fake stage already claims it: compile_on_fake allocates it
@@ -145,7 +150,8 @@ class MeshPipelineRecipe(Recipe):
         if self.plan is not False:  # tensor parallel inside the stage, over the mesh's "tp" dimension
             examples = None if example_inputs is None else example_stage_inputs(pm, tuple(example_inputs))
             sharded = shard_stage(program, model=model, mesh=self.mesh, plan=self.plan, example_inputs=examples,
-                                  exact_random=self.exact_random)  # fmt: skip
+                                  exact_random=self.exact_random,
+                                  finishing=checkpointing)  # fmt: skip
             attach_shards(pm, sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
             pm.shared = tied_shards(pm.shared, program, sharded, mesh=self.mesh)
             pm.tp_group = self.mesh.get_group("tp")
@@ -166,6 +172,17 @@ class MeshPipelineRecipe(Recipe):
 
     def build_program(self, pm: Any, key: Any, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         return None
+
+
+def check_checkpointed_run(whole: fx.GraphModule, paths: Sequence[str]) -> None:
+    """The ``DpCompileError`` of a path of ``activation_checkpointing=`` that no stage runs (each stage
+    checkpoints the paths it runs, so a path missing from one stage is no error)."""
+    missing = [p for p in paths if p not in paths_run_in(whole, [p])]
+    if missing:
+        raise DpCompileError(
+            f"activation_checkpointing names {missing[0]!r}, but no operation of the program runs in it (a module "
+            "forward does not call); leave it out of the list"
+        )
 
 
 def hoist_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> dict[int, fx.GraphModule]:
@@ -261,4 +278,4 @@ def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_paral
         )
 
 
-__all__ = ["MeshPipelineRecipe", "check_pipeline_mesh", "hoist_writes", "state_ties"]
+__all__ = ["MeshPipelineRecipe", "check_checkpointed_run", "check_pipeline_mesh", "hoist_writes", "state_ties"]

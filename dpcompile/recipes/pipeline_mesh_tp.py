@@ -61,12 +61,14 @@ def shard_stage(
     plan: bool | Mapping[str, str],
     example_inputs: Sequence[Any] | None = None,
     exact_random: bool = False,
+    finishing: Sequence[Any] = (),
 ) -> ShardedStage:
     """``stage`` (a ``cut_stage`` program sharing ``model``'s modules) sharded over ``mesh``'s
     ``"tp"`` dimension by ``plan`` (True: the automatic plan; a ``{path: style}`` dict may name
     layers of every stage, each stage applies its own). ``stage`` and ``model`` are left unchanged.
     ``example_inputs``: the stage's inputs for one micro-batch, so views of sharded heads can be
-    proven to split (without them such layers stay whole, as on a ``("tp",)`` mesh).
+    proven to split (without them such layers stay whole, as on a ``("tp",)`` mesh). ``finishing``: passes
+    run last on the sharded program (``passes.checkpoint_pipeline``: the stage's regions recomputed).
 
     Collective: every rank of the stage's tp group must call it (the shards are cut from tp rank 0's
     parameters, broadcast first, as a ``("tp",)`` mesh does).
@@ -84,7 +86,7 @@ def shard_stage(
     if exact_random:  # each random site draws through the call's plan, keeping this rank's columns
         lowering[1:1] = [functools.partial(passes.stamp_rank_cols, tp_rank=tp_rank),
                          functools.partial(passes.draw_random_whole, planned=True)]  # fmt: skip
-    own, records = run_passes(own, lowering)
+    own, records = run_passes(own, lowering + list(finishing))
     info = unaliased_findings(info_of(records, "shard_linear"))
     specs = dict(info.get("param_shards", {}))
     keep_own_shards(own, own, specs, tp_rank)

@@ -156,6 +156,7 @@ class SpmdRecipe(Recipe):
             + passes.rank_rows_pipeline(options, dp_rank=dp_rank, scopes=scopes)
             + passes.exact_random_rank_pipeline(options, tp_rank=None, dp_size=dp_size, scopes=scopes)
             + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim)
+            + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
         )
 
     def _module_sharing(
@@ -186,6 +187,9 @@ class SpmdRecipe(Recipe):
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         captured_code = gm.code
+        if example_inputs is not None:  # shapes let the batch rules follow the rows through attention's matmuls,
+            # so each random site draws this rank's rows of the global batch (stamp_rank_rows)
+            propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs])
         gm, records = run_passes(gm, self._data_parallel_pipeline(device, dp_dim, gm, example_inputs))
         pm = self._module_sharing(model, gm, device, "spmd_data_parallel", records, flags, nones, captured_code)
         hold_mesh(pm, mesh=self.mesh, dp_dim=dp_dim, tp_dim=None, ddp_options=self.ddp_options, fsdp=self.fsdp_options())
@@ -249,6 +253,7 @@ class SpmdRecipe(Recipe):
             + ([functools.partial(passes.shard_sequence, devices=devices)] if self.sequence_parallel else [])
             + passes.exact_random_rank_pipeline(options, tp_rank=self.mesh.get_local_rank(tp_dim), dp_size=dp_size)
             + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim, tp_dim=tp_dim)
+            + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
         )
 
     def _compile_tensor_parallel(

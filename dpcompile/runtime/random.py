@@ -19,8 +19,9 @@ The whole tensor is drawn where the first piece lives; on virtual devices that i
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +67,16 @@ class RandomDraws:
     def rows_of(self, site: str, rows: tuple[int, int]) -> tuple[int, int]:
         """``(piece, dim)``: which piece of the batch split a site's value is, along which dim."""
         return rows
+
+    def replay_state(self) -> Any:
+        """What :meth:`replaying` needs to run a region's sites again as they first ran (a recompute in
+        backward, ``runtime.checkpoint``): nothing here, where a site's piece depends on its call alone."""
+        return None
+
+    @contextlib.contextmanager
+    def replaying(self, state: Any) -> Iterator[None]:
+        """Within the block the sites give the pieces they gave after :meth:`replay_state` returned ``state``."""
+        yield
 
     def whole(self, site: str, shape: tuple[int, ...], draw: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
         """The whole tensor of ``site``: drawn by the first piece to reach it."""

@@ -80,6 +80,19 @@ class PlannedDraws(RandomDraws):
         self.reached[site] = count + 1
         return self.first_piece + count, rows[1]
 
+    def replay_state(self) -> dict[str, int]:
+        return dict(self.reached)
+
+    @contextlib.contextmanager
+    def replaying(self, state: dict[str, int]) -> Iterator[None]:
+        """A recomputed region's sites count from where its first run counted (the same micro-batch's
+        rows), and the count of the call goes on afterwards as it was."""
+        now, self.reached = self.reached, dict(state)
+        try:
+            yield
+        finally:
+            self.reached = now
+
     def whole(self, site: str, shape: tuple[int, ...], draw: Draw) -> torch.Tensor:
         if site not in self.drawn:
             self._draw_through(site)

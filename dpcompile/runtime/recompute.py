@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dpcompile.errors import DpCompileError
+from dpcompile.runtime.random import RandomDraws
 
 _KEEPING = [False]  # between keep_outputs(True) and keep_outputs(False): the region's ops are saved, not recomputed
 
@@ -34,9 +35,31 @@ def checkpoint(region: Callable[..., Any], *args: Any, saving: bool = False) -> 
     if not torch.is_grad_enabled():
         return region(*args)
     return torch.utils.checkpoint.checkpoint(
-        region, *args, use_reentrant=False, preserve_rng_state=True,
+        _replaying_draws(region, args), *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=_kept_ops_saved if saving else _recompute_writes_nothing,
     )
+
+
+def _replaying_draws(region: Callable[..., Any], args: tuple) -> Callable[..., Any]:
+    """``region``, whose recompute reads the call's random draws (an argument, ``RandomDraws``) as its
+    first run did: a pipeline stage's record counts the times a site is reached to know the
+    micro-batch (``PlannedDraws``), which a recompute must not count again."""
+    records = [a for a in args if isinstance(a, RandomDraws)]
+    if not records:
+        return region
+    first = [r.replay_state() for r in records]
+    ran = [False]
+
+    def run(*inputs: Any) -> Any:
+        if not ran[0]:
+            ran[0] = True
+            return region(*inputs)
+        with contextlib.ExitStack() as stack:
+            for record, state in zip(records, first, strict=True):
+                stack.enter_context(record.replaying(state))
+            return region(*inputs)
+
+    return run
 
 
 def keep_outputs(on: bool) -> None:

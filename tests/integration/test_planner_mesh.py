@@ -77,8 +77,9 @@ def check_loose_budget_builds_the_fastest() -> None:
     assert pm.mesh.mesh_dim_names == ("dp",) and pm.memory_plan.peak == first.peak
     assert pm.calibration.source == "reference" and pm.calibration.ranks == WORLD
     _step_equals_eager(pm, eager, batch)
-    table = dpcompile.explain(pm, *batch).candidates
-    assert [(row["layout"], row["rejected"] is None) for row in table] == [({"dp": 2}, True), ({"tp": 2}, False)]
+    table = dpcompile.explain(pm, *batch).candidates  # each layout also with every block recomputed
+    assert [(row["layout"], row["checkpointing"], row["rejected"] is None) for row in table] == [
+        ({"dp": 2}, False, True), ({"dp": 2}, True, False), ({"tp": 2}, False, False), ({"tp": 2}, True, False)]
 
 
 def check_budget_only_tensor_parallel_fits() -> None:
@@ -89,11 +90,14 @@ def check_budget_only_tensor_parallel_fits() -> None:
     assert peak["tp2"] < peak["dp2"], peak
     pm = _auto(copy.deepcopy(eager), (peak["tp2"] + peak["dp2"]) // 2, batch)
     assert pm.layout == {"tp": 2} and pm.mesh.mesh_dim_names == ("tp",)
-    dp2, tp2 = pm.candidates
-    assert dp2.rejected.startswith("does not fit: ") and tp2.rejected is None, [c.row() for c in pm.candidates]
+    dp2, dp2_ckpt, tp2, tp2_ckpt = pm.candidates  # dp2 recomputing every block does not fit either
+    assert [c.spec.name for c in pm.candidates] == ["dp2", "dp2 +ckpt", "tp2", "tp2 +ckpt"]
+    assert dp2.rejected.startswith("does not fit: ") and dp2_ckpt.rejected.startswith("does not fit: ")
+    assert tp2.rejected is None and tp2_ckpt.fits, [c.row() for c in pm.candidates]
     _step_equals_eager(pm, eager, batch)
     table = dpcompile.explain(pm, *batch).candidates
-    assert [(row["layout"], row["rejected"] is None) for row in table] == [({"dp": 2}, False), ({"tp": 2}, True)]
+    assert [(row["layout"], row["rejected"] is None) for row in table] == [
+        ({"dp": 2}, False), ({"dp": 2}, False), ({"tp": 2}, True), ({"tp": 2}, False)]
 
 
 def _same_error_on_every_rank(budget, batch) -> str:
@@ -117,7 +121,7 @@ def check_budget_nothing_fits() -> None:
     eager, batch = _eager_and_batch()
     least = min(c.peak for c in _planned(eager, batch).candidates)
     message = _same_error_on_every_rank(least // 2, batch)
-    assert message.startswith("no layout fits memory_per_device=") and "of the 2 considered" in message, message
+    assert message.startswith("no layout fits memory_per_device=") and "of the 4 considered" in message, message
 
 
 def check_ranks_that_plan_differently() -> None:
@@ -157,7 +161,7 @@ def check_refused_on_one_rank_is_refused_on_all() -> None:
 
     pm = _plan_with(build)
     assert pm.mesh.mesh_dim_names == ("tp",)
-    dp2, tp2 = pm.candidates
+    dp2, _, tp2, _ = pm.candidates  # each also with every block recomputed
     assert dp2.rejected == "predicted to fit, but could not be built: rank 1: refused here" and not dp2.fits
     assert tp2.rejected is None
 

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -240,7 +241,7 @@ def transform(
 
         tensor_parallel, estimate = plan_for_memory(
             model, devices, memory_per_device, optimizer, training, example_tuple, example_kwargs, tensor_parallel,
-            fake_program,
+            fake_program, leaf_modules=tuple(leaf_modules or ()),
         )  # fmt: skip
     recipe = make_recipe(model, devices, tensor_parallel=tensor_parallel, **recipe_options)
     if not isinstance(model, fx.GraphModule):
@@ -267,6 +268,7 @@ def transform(
     if fsdp_copies and fsdp_copies > 1:
         shard_over_dp(pm)
     pm.memory_options = {"optimizer": optimizer, "training": training}
+    pm.__dict__["profiled_model"] = weakref.ref(model)  # what explain's memory_estimate profiles (not pickled)
     pm.memory_plan = estimate
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
     pm.layout = layout

@@ -7,6 +7,7 @@ and per collective the elements each device sends (the one rule of
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -195,7 +196,8 @@ def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
         split_flop_fraction=fraction,
         whole=whole,
         pipeline=pipeline,
-        memory_estimate=memory_estimate(pm, params, args, kwargs, sequence_shares(gm, nodes, activation), labels),
+        memory_estimate=functools.partial(_estimate_kept, pm, params, args, kwargs,
+                                          sequence_shares(gm, nodes, activation), labels),  # fmt: skip
         checkpoint_regions={
             n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
         },
@@ -349,6 +351,13 @@ def _stage_label(pm: nn.Module, s: int, labels: list[str]) -> str:
         return labels[s]
     t = len(groups[0])
     return ",".join(labels[s * t : (s + 1) * t])
+
+
+def _estimate_kept(pm: nn.Module, *rest: Any) -> dict[str, dict[str, int]]:
+    """:func:`memory_estimate`, made when the report's ``memory_estimate`` is first read (a fake run of
+    the model, which most reports are not asked for), leaving ``pm`` and its model as they were."""
+    with tensors_kept(*inspected_modules(pm)):
+        return memory_estimate(pm, *rest)
 
 
 def memory_estimate(

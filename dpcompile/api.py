@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -268,7 +267,8 @@ def transform(
     if fsdp_copies and fsdp_copies > 1:
         shard_over_dp(pm)
     pm.memory_options = {"optimizer": optimizer, "training": training}
-    pm.__dict__["profiled_model"] = weakref.ref(model)  # what explain's memory_estimate profiles (not pickled)
+    # what explain's memory_estimate profiles (not pickled; held: a weak reference died with the caller's model)
+    pm.__dict__["profiled_model"] = model
     pm.memory_plan = estimate
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
     pm.layout = layout

@@ -31,10 +31,9 @@ ORDER = ("pp", "dp", "cp", "tp")  # the planner's order of a layout's dimensions
 
 def profiled_model(pm: nn.Module) -> nn.Module | None:
     """The model ``transform`` was given (what the planner profiled; a frontend's graph is not cut into
-    the same units), while it lives; None for a graph given to transform."""
-    ref = pm.__dict__.get("profiled_model")
-    model = ref() if ref is not None else None
-    return None if model is None or isinstance(model, fx.GraphModule) else model
+    the same units); None for a graph given to transform, or a program unpickled."""
+    model = pm.__dict__.get("profiled_model")
+    return model if isinstance(model, nn.Module) and not isinstance(model, fx.GraphModule) else None
 
 
 def why_not_predicted(pm: nn.Module) -> str | None:

@@ -241,7 +241,7 @@ def transform(
 
         tensor_parallel, estimate = plan_for_memory(
             model, devices, memory_per_device, optimizer, training, example_tuple, example_kwargs, tensor_parallel,
-            fake_program,
+            fake_program, leaf_modules=tuple(leaf_modules or ()),
         )  # fmt: skip
     recipe = make_recipe(model, devices, tensor_parallel=tensor_parallel, **recipe_options)
     if not isinstance(model, fx.GraphModule):
@@ -268,6 +268,8 @@ def transform(
     if fsdp_copies and fsdp_copies > 1:
         shard_over_dp(pm)
     pm.memory_options = {"optimizer": optimizer, "training": training}
+    # what explain's memory_estimate profiles (not pickled; held: a weak reference died with the caller's model)
+    pm.__dict__["profiled_model"] = model
     pm.memory_plan = estimate
     layout = target.layout if target is not None else layout_of_keywords(devices, pipeline, tensor_parallel)
     pm.layout = layout

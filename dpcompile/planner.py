@@ -25,7 +25,7 @@ from dpcompile.analysis.checkpoint_regions import lone_blocks, repeated_blocks
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import ModelProfile, profile_model
-from dpcompile.analysis.sequence_costs import predict_layout, splits_sequence
+from dpcompile.analysis.sequence_costs import no_one_sequence, predict_layout, splits_sequence
 from dpcompile.errors import DpCompileError
 
 __all__ = ["UNBUILT", "Candidate", "Planned", "checkpoint_ladder", "chosen_words", "enumerate_layouts", "has_blocks", "plan_layouts",
@@ -204,7 +204,10 @@ def plan_layouts(
     for spec in specs:
         prediction = predict_layout(profile, spec, calibration)
         candidate = Candidate(spec)
-        if prediction.unbuildable:
+        plain = LayoutSpec(spec.layout)
+        if spec.sequence_parallel and no_one_sequence(profile) and plain in specs:  # the same program twice
+            candidate.rejected = f"builds {plain.name}: no one sequence (the blocks' row layers disagree on dim 1)"
+        elif prediction.unbuildable:
             candidate.rejected = f"cannot be built: {prediction.unbuildable}"
         else:
             candidate.per_device = dict(zip(labels, prediction.per_device, strict=True))

@@ -25,8 +25,10 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.calibration import REFERENCE
 from dpcompile.analysis.cost import plan_cost
 from dpcompile.analysis.graph_view import find_linear_chains, linear_groups
+from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.memory import (
     KINDS,
     MemoryEstimate,
@@ -38,7 +40,9 @@ from dpcompile.analysis.memory import (
     parameter_kinds,
     parse_budget,
 )
+from dpcompile.analysis.model_profile import profile_model
 from dpcompile.analysis.program_memory import held_parameter_bytes, program_memory
+from dpcompile.analysis.sequence_costs import predict_layout
 from dpcompile.analysis.sharding import (
     check_divisible,
     check_plan,
@@ -210,6 +214,34 @@ def _descend(gm: fx.GraphModule, styles: dict[str, str], paths: list[str], optio
 # ----------------------------------------------------------------------------- memory-aware plans
 #: builds the tensor-parallel program over ``k`` devices on fake tensors (no memory), or None where it cannot
 FakeProgram = Callable[[int], "nn.Module | None"]
+#: the planner's estimate of ``"data_parallel"`` or ``"tensor_parallel"`` over these device labels (None: no prediction)
+Predicted = Callable[[str, list[str]], "MemoryEstimate | None"]
+
+
+def planner_estimates(
+    model: nn.Module, example_inputs: tuple | None, example_kwargs: Mapping[str, Any] | None, *,
+    optimizer: str | None, training: bool, tensor_parallel: object, leaf_modules: tuple = (),
+) -> Predicted | None:  # fmt: skip
+    """The planner's prediction (``docs/planner.md``, what ``explain`` reports for the program built)
+    of data parallel and of the automatic tensor-parallel plan over any devices, from one fake run of
+    the examples; None where it predicts neither as built (no examples, ``leaf_modules=``, an explicit
+    plan, a fake run it cannot make): then each candidate is the program count."""
+    if (example_inputs is None and not example_kwargs) or leaf_modules or isinstance(tensor_parallel, Mapping):
+        return None
+    try:
+        profile = profile_model(model, example_inputs or (), example_kwargs, optimizer=optimizer, training=training)
+    except Exception:  # noqa: BLE001 - the program count then
+        return None
+    what = "planner: saved for backward per device (fake run)" if training else "planner: fake run"
+
+    def predicted(strategy: str, labels: list[str]) -> MemoryEstimate | None:
+        dim = "dp" if strategy == "data_parallel" else "tp"
+        prediction = predict_layout(profile, LayoutSpec(((dim, len(labels)),)), REFERENCE)
+        if prediction.unbuildable or len(prediction.per_device) != len(labels):
+            return None
+        return MemoryEstimate(dict(zip(labels, prediction.per_device)), optimizer, training, what)
+
+    return predicted
 
 
 def data_parallel_estimate(
@@ -249,21 +281,24 @@ def memory_candidates(
     tensor_parallel: object = False,
     fake_program: FakeProgram,
     budgets: Mapping[str, int] | None = None,
+    predicted: Predicted | None = None,
 ) -> dict[str, MemoryEstimate | None]:
     """Per-device estimates of the programs ``transform`` can choose for ``labels``, in the order
     that moves the fewest bytes: data parallel (a full replica each, the batch split) unless a
     tensor-parallel plan was asked for, then the tensor-parallel program itself, built on fake
     tensors by ``fake_program(len(labels))`` (None where it cannot be built) unless data
-    parallel already fits ``budgets``."""
+    parallel already fits ``budgets``. Each is ``predicted``'s (the planner's) where given, else the
+    program count."""
     out: dict[str, MemoryEstimate | None] = {}
     if tensor_parallel is False:
-        out["data_parallel"] = data_parallel_estimate(
-            model, labels, optimizer=optimizer, training=training, activations=activations, batch=batch
-        )
+        out["data_parallel"] = (predicted("data_parallel", labels) if predicted is not None else None) or (
+            data_parallel_estimate(model, labels, optimizer=optimizer, training=training, activations=activations,
+                                   batch=batch))  # fmt: skip
         if budgets is not None and choose_strategy(out, budgets) is not None:
             return out  # the first choice fits: no tensor-parallel program to build
     pm = fake_program(len(labels))
-    out["tensor_parallel"] = (
+    planned = predicted("tensor_parallel", labels) if predicted is not None and pm is not None else None
+    out["tensor_parallel"] = planned or (
         None if pm is None else program_estimate(pm, optimizer=optimizer, training=training, activations=activations)
     )
     return out
@@ -272,7 +307,7 @@ def memory_candidates(
 def fewest_devices(
     model: nn.Module, n: int, budget: int, *, optimizer: str | None, training: bool, activations: int,
     batch: int | None, tensor_parallel: object, fake_program: FakeProgram, at_n: MemoryEstimate | None = None,
-    max_builds: int = 3, limit: int | None = None,
+    max_builds: int = 3, limit: int | None = None, predicted: Predicted | None = None,
 ) -> tuple[int, str, MemoryEstimate] | None:  # fmt: skip
     """The fewest devices ``k > n`` on which a program fits ``budget``: ``(k, strategy, estimate)``.
 
@@ -280,7 +315,11 @@ def fewest_devices(
     (on fake tensors) only where a lower bound (activations whole, everything else split ``k``
     ways) fits and the program over ``n`` devices (``at_n``), its replicated part kept whole and
     the rest split ``k`` ways, predicts a fit; at most ``max_builds`` times, up to ``limit``
-    devices (:func:`search_limit`). Each answer is a program built and checked, so following it fits."""
+    devices (:func:`search_limit`). Each answer is a program built and checked, so following it fits.
+    With ``predicted`` (the planner's), each count is judged by its prediction, and a tensor-parallel
+    program built only where it predicts a fit."""
+    if predicted is not None:
+        return _fewest_predicted(n, budget, tensor_parallel, fake_program, predicted, max_builds, limit)
     replica = sum(parameter_kinds(list(model.parameters()), optimizer, training).values())
     builds = 0
 
@@ -305,6 +344,27 @@ def fewest_devices(
             estimate = program_estimate(pm, optimizer=optimizer, training=training, activations=activations)
             if estimate.peak <= budget:
                 return k, "tensor_parallel", estimate
+    return None
+
+
+def _fewest_predicted(
+    n: int, budget: int, tensor_parallel: object, fake_program: FakeProgram, predicted: Predicted, max_builds: int,
+    limit: int | None,
+) -> tuple[int, str, MemoryEstimate] | None:  # fmt: skip
+    builds = 0
+    for k in range(n + 1, search_limit(n, limit) + 1):
+        labels = [f"device{i}" for i in range(k)]
+        dp = predicted("data_parallel", labels) if tensor_parallel is False else None
+        if dp is not None and dp.peak <= budget:
+            return k, "data_parallel", dp
+        tp = predicted("tensor_parallel", labels)
+        if tp is None or tp.peak > budget:
+            continue
+        if builds >= max_builds:
+            break
+        builds += 1
+        if fake_program(k) is not None:
+            return k, "tensor_parallel", tp
     return None
 
 
@@ -369,7 +429,7 @@ def device_budgets(devices: Any, budget: Any) -> dict[str, int]:
 def plan_for_memory(
     model: nn.Module, devices: Any, budget: Any, optimizer: str | None, training: bool,
     example_inputs: tuple | None, example_kwargs: Mapping[str, Any] | None, tensor_parallel: Any,
-    build: Callable[[Any, Any], nn.Module],
+    build: Callable[[Any, Any], nn.Module], leaf_modules: tuple = (),
 ) -> tuple[Any, MemoryEstimate]:  # fmt: skip
     """``tensor_parallel=`` for the program that fits ``budget`` on every device, and its estimate
     (see ``docs/memory.md``); :class:`DpCompileError` with the arithmetic where none fits.
@@ -403,8 +463,10 @@ def plan_for_memory(
             log.debug("no tensor-parallel program over %d devices: %s", k, e)
             return None
 
+    predicted = planner_estimates(model, example_inputs, example_kwargs, optimizer=optimizer, training=training,
+                                  tensor_parallel=tensor_parallel, leaf_modules=tuple(leaf_modules))  # fmt: skip
     options = {"optimizer": optimizer, "training": training, "activations": activations, "batch": batch,
-               "tensor_parallel": tensor_parallel, "fake_program": fake_program}  # fmt: skip
+               "tensor_parallel": tensor_parallel, "fake_program": fake_program, "predicted": predicted}  # fmt: skip
     candidates = memory_candidates(model, labels, budgets=budgets, **options)
     choice = choose_strategy(candidates, budgets)
     if choice is None:
@@ -413,5 +475,6 @@ def plan_for_memory(
         raise no_fit_error(candidates, budgets, optimizer=optimizer, more_devices=more)
     chosen = candidates[choice]
     assert chosen is not None
-    chosen.what = "saved for backward (fake run of the examples)" if training else "peak live in forward (fake run)"
+    if not chosen.what:
+        chosen.what = "saved for backward (fake run of the examples)" if training else "peak live in forward (fake run)"
     return (False if choice == "data_parallel" else plan), chosen

@@ -57,6 +57,7 @@ class Unit:
     # (tensor parallelism's column / row pair: each device makes and saves its shard of them)
     sharded_saved_bytes: int = 0
     input_bytes: int = 0
+    input_needs_grad: bool = True  # its input is made from parameters (or requires grad): backward makes its gradient
     flops: int = 0
     ops: int = 0  # aten ops its forward dispatches (what a step's fixed per-op cost multiplies)
     # its own module's forward dispatched an op (the captured graph has a node of it: a stage can start there)
@@ -247,9 +248,9 @@ def _profile(
         state["current"] = name
         order.append(name)
         between.clear()  # a pair ends with its block
-        units[name].input_bytes = sum(
-            t.untyped_storage().nbytes() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()
-        )
+        floating = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        units[name].input_bytes = sum(t.untyped_storage().nbytes() for t in floating)
+        units[name].input_needs_grad = any(t.requires_grad for t in floating)
         count_params(module, name, True)
 
     def leave(module: nn.Module, inputs: Any, output: Any) -> None:

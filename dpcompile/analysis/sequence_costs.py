@@ -42,7 +42,7 @@ from dpcompile.analysis.layout_costs import LayoutSpec, Prediction, batch_share,
 from dpcompile.analysis.model_profile import ModelProfile, Unit
 from dpcompile.analysis.step_time import ELEMENT_BYTES
 
-__all__ = ["NOT_PREDICTED", "predict_layout", "splits_sequence"]
+__all__ = ["NOT_PREDICTED", "no_one_sequence", "predict_layout", "splits_sequence"]
 
 #: the start of the reason a layout that is built, but that this planner does not predict, is left out
 NOT_PREDICTED = "the planner does not predict"
@@ -65,6 +65,12 @@ def predict_layout(profile: ModelProfile, spec: LayoutSpec, calibration: Calibra
     return _context_parallel(profile, spec, calibration)
 
 
+def no_one_sequence(profile: ModelProfile) -> bool:
+    """Whether the blocks' row layers disagree on dim 1 (``shard_sequence`` then finds no one sequence,
+    and ``sequence_parallel=True`` builds tensor parallel alone)."""
+    return len(set(profile.row_lengths)) > 1
+
+
 def _not_predicted(profile: ModelProfile, spec: LayoutSpec) -> str | None:
     dims = {k for k, v in spec.layout if v > 1}
     if profile.sequence is None and spec.size("cp") > 1:
@@ -77,6 +83,10 @@ def _not_predicted(profile: ModelProfile, spec: LayoutSpec) -> str | None:
     if profile.sequence is not None and profile.sequence < parts:
         return f"a sequence of {profile.sequence} tokens cannot be split {parts} ways"
     return None
+
+
+def _input_gradient(u: Unit) -> int:
+    return u.input_bytes if u.input_needs_grad else 0
 
 
 def _token_share(profile: ModelProfile, parts: int) -> float:
@@ -94,7 +104,7 @@ def _context_parallel(profile: ModelProfile, spec: LayoutSpec, calibration: Cali
     grads = [u.grad_bytes for u in units]
     moments = [(sum(grads), 0)]  # after backward: every gradient, no activation
     for k, u in enumerate(units):
-        flowing = u.input_bytes + (units[k + 1].input_bytes if k + 1 < len(units) else 0) if training else 0
+        flowing = _input_gradient(u) + (_input_gradient(units[k + 1]) if k + 1 < len(units) else 0) if training else 0
         gathered = round(u.attention_kv_bytes * rows * (c - 1) / c)  # the other shards' keys and values
         acts = round((sum(x.saved_bytes for x in units[:k]) + u.saved_bytes + flowing) * share) + gathered
         moments.append((sum(grads[k:]), acts))
@@ -123,7 +133,7 @@ def _context_parallel_seconds(profile: ModelProfile, d: int, c: int, calibration
 def _sequence_parallel(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -> Prediction:
     t = spec.size("tp")
     tensor_parallel = predict(profile, LayoutSpec(spec.layout), calibration)
-    if tensor_parallel.unbuildable or len(set(profile.row_lengths)) > 1:  # no one sequence: nothing split on it
+    if tensor_parallel.unbuildable or no_one_sequence(profile):  # nothing split on a sequence
         return tensor_parallel
     saved = round(profile.total("saved_bytes") * _token_share(profile, t))
     per_device = [{**kinds, "activations": saved} for kinds in tensor_parallel.per_device]

@@ -7,6 +7,7 @@ and per collective the elements each device sends (the one rule of
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.attention_balance import attention_balance
 from dpcompile.inspect.nodes import copy_labels, device_labels, device_list, slot_of, target_name, user_source
+from dpcompile.inspect.predicted_memory import planner_memory
 from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
@@ -41,7 +43,7 @@ from passes.name_dp_copies import COPY
 from passes.sequence_parallel import SEQUENCE_MARK
 from passes.split_stages import STAGE
 
-__all__ = ["ALL_DEVICES", "explain", "inspected_modules", "param_bytes"]
+__all__ = ["ALL_DEVICES", "explain", "held_count", "inspected_modules", "param_bytes"]
 
 ALL_DEVICES = "*"  # the device of a collective, which spans the devices
 
@@ -195,7 +197,8 @@ def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
         split_flop_fraction=fraction,
         whole=whole,
         pipeline=pipeline,
-        memory_estimate=memory_estimate(pm, params, args, kwargs, sequence_shares(gm, nodes, activation)),
+        memory_estimate=functools.partial(_estimate_kept, pm, params, args, kwargs,
+                                          sequence_shares(gm, nodes, activation), labels),  # fmt: skip
         checkpoint_regions={
             n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
         },
@@ -351,15 +354,47 @@ def _stage_label(pm: nn.Module, s: int, labels: list[str]) -> str:
     return ",".join(labels[s * t : (s + 1) * t])
 
 
+def _estimate_kept(pm: nn.Module, *rest: Any) -> dict[str, dict[str, int]]:
+    """:func:`memory_estimate`, made when the report's ``memory_estimate`` is first read (a fake run of
+    the model, which most reports are not asked for), leaving ``pm`` and its model as they were."""
+    with tensors_kept(*inspected_modules(pm)):
+        return memory_estimate(pm, *rest)
+
+
 def memory_estimate(
+    pm: nn.Module, params: Mapping[str, int], args: Sequence[Any], kwargs: Mapping[str, Any],
+    sequence_share: Mapping[str, float] | None = None, labels: Sequence[str] | None = None,
+) -> dict[str, dict[str, int]]:
+    """Bytes per device by kind for ``pm`` as transform was told it trains (``optimizer=``,
+    ``training=``), at each device's predicted peak of a step: the planner's prediction for the layout
+    that was built (:func:`dpcompile.inspect.predicted_memory.planner_memory`, ``docs/planner.md``),
+    else (no inputs, FSDP, a mesh, leaf modules, an explicit plan: see ``docs/memory.md``) the
+    program count of :func:`program_count`."""
+    options = getattr(pm, "memory_options", None) or {"optimizer": None, "training": pm.training}
+    if labels is not None:
+        predicted = planner_memory(pm, labels, args, kwargs, optimizer=options["optimizer"],
+                                   training=options["training"])  # fmt: skip
+        if predicted is not None:
+            return predicted
+    return program_count(pm, params, args, kwargs, sequence_share)
+
+
+def held_count(pm: nn.Module, params: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """What each device of ``pm`` holds through a step, by kind, as the program is: the parameters of
+    :func:`param_bytes` (``params``), their gradients and optimizer state (no activations)."""
+    options = getattr(pm, "memory_options", None) or {"optimizer": None, "training": pm.training}
+    return program_memory(pm, params, optimizer=options["optimizer"], training=options["training"], activations=0,
+                          share=1.0)  # fmt: skip
+
+
+def program_count(
     pm: nn.Module, params: Mapping[str, int], args: Sequence[Any], kwargs: Mapping[str, Any],
     sequence_share: Mapping[str, float] | None = None,
 ) -> dict[str, dict[str, int]]:
-    """Bytes per device by kind for ``pm`` as transform was told it trains (``optimizer=``,
-    ``training=``): the parameters each device holds (:func:`param_bytes`), as many bytes of
+    """The program count: the parameters each device holds (:func:`param_bytes`), as many bytes of
     gradients, the optimizer's state, and the activations of a fake run of the inputs (data
     parallel: this device's share of the batch; tensor parallel: counted whole); the one rule
-    of :func:`dpcompile.analysis.program_memory.program_memory`, which memory plans apply too."""
+    of :func:`dpcompile.analysis.program_memory.program_memory`, which round-3 memory plans apply too."""
     options = getattr(pm, "memory_options", None) or {"optimizer": None, "training": pm.training}
     optimizer, training = options["optimizer"], options["training"]
     activations, share = 0, 1.0

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
-from dpcompile.inspect.explanation import explain, inspected_modules
+from dpcompile.inspect.explanation import explain, held_count, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.measure_ledger import SLOT_KEY, BackwardWindows, Ledger, address
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
@@ -49,10 +49,11 @@ from dpcompile.runtime.kept import tensors_kept
 class Measurement:
     """What one step measured, per device label (``"cpu#0"``, ``"cuda:1"``).
 
-    ``peak_bytes``: the parameters the device holds (as ``explain`` counts them) plus the peak of
-    the bytes allocated on it during the step; ``step_allocated_peak``: that peak alone;
+    ``peak_bytes``: the parameters the device holds (as ``explain`` counts them: ``held_bytes``) plus
+    the peak of the bytes allocated on it during the step; ``step_allocated_peak``: that peak alone;
     ``step_time``: seconds of one uninstrumented step; ``predicted_peak_bytes``: ``explain``'s
-    ``memory_estimate`` total; ``training``: forward and backward (else forward only).
+    ``memory_estimate`` total (the planner's prediction); ``training``: forward and backward (else
+    forward only).
     """
 
     peak_bytes: dict[str, int]
@@ -61,6 +62,7 @@ class Measurement:
     step_allocated_peak: dict[str, int] = field(default_factory=dict)
     memory_estimate: dict[str, dict[str, int]] = field(default_factory=dict)
     training: bool = True
+    held_bytes: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         rows = [
@@ -187,14 +189,16 @@ def measure(pm: nn.Module, *args: Any, **kwargs: Any) -> Measurement:
 def _measure(pm: Any, args: tuple, kwargs: dict) -> Measurement:
     training = pm.training
     labels, slot_index = label_slots(pm)
-    estimate = explain(pm, *args, **kwargs).memory_estimate
+    report = explain(pm, *args, **kwargs)
+    estimate = report.memory_estimate
     predicted = {d: sum(kinds.values()) for d, kinds in estimate.items()}
+    counted = held_count(pm, report.param_bytes)
     devices = device_list(pm)
     distinct_cuda = all(d.type == "cuda" for d in devices) and len(set(devices)) == len(devices)
     # dp copies on virtual devices share one set of parameters, so one set of gradients, made by
     # whichever copy's backward runs first: they are counted as explain counts them, as parameters are
     held_kinds = ("parameters", "gradients") if training and copy_labels(pm) and not distinct_cuda else ("parameters",)
-    held = {d: sum(estimate.get(d, {}).get(kind, 0) for kind in held_kinds) for d in labels}
+    held = {d: sum(counted.get(d, {}).get(kind, 0) for kind in held_kinds) for d in labels}
     if distinct_cuda:
         allocated = _cuda_peaks(pm, args, kwargs, training, devices, labels)
     else:
@@ -212,6 +216,7 @@ def _measure(pm: Any, args: tuple, kwargs: dict) -> Measurement:
         step_allocated_peak=allocated,
         memory_estimate=estimate,
         training=training,
+        held_bytes=held,
     )
 
 

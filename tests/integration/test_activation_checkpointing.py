@@ -352,16 +352,17 @@ def test_activation_checkpointing_true_without_blocks_is_refused():
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_activation_checkpointing_explain_shows_regions_and_fewer_activations(layout):
-    """explain lists the regions, and its estimate counts the activations saved with them
-    recomputed: with every block of four recomputed, a quarter or less of those saved without."""
-    x = torch.randn(16, 8)
+    """explain lists the regions, and its estimate (the planner's) counts the activations held at each
+    device's predicted peak with them recomputed: fewer than without (a batch where activations, not
+    the weights, make the peak: at 16 rows the data-parallel peak measured the same with and without)."""
+    x = torch.randn(256, 8)
     plain = dpcompile.explain(dpcompile.transform(Stack(), ["cpu"] * 2, **LAYOUTS[layout]), x)
     pm = dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing=True, **LAYOUTS[layout])
     report = dpcompile.explain(pm, x)
     assert set(report.checkpoint_regions.values()) == {f"layers.{i}" for i in range(4)}
     assert "Recomputed in backward (activation checkpointing)" in str(report)
     for device, kinds in report.memory_estimate.items():
-        assert 0 < kinds["activations"] <= plain.memory_estimate[device]["activations"] / 4
+        assert 0 < kinds["activations"] < plain.memory_estimate[device]["activations"]
 
 
 def test_activation_checkpointing_auto_without_examples_is_refused_with_the_way_out():

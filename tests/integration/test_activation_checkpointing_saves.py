@@ -178,8 +178,11 @@ def test_kept_ops_are_not_recomputed_and_the_peak_is_between():
     assert flops["matmuls"] == flops["none"]  # every matmul kept: only free ops run again
     assert flops["none"] < flops["every_second_matmul"] < flops["nothing"]
     assert peak["nothing"] < peak["every_second_matmul"] < peak["matmuls"] < peak["none"]
-    # explain counts what a save rule keeps (the checkpoint's own store, not autograd's saved tensors)
-    assert predicted["nothing"] < predicted["every_second_matmul"] < predicted["matmuls"] <= predicted["none"]
+    # explain counts what a save rule keeps (the checkpoint's own store, not autograd's saved tensors): the
+    # planner's prediction at the peak for no checkpointing and for keeping nothing, the program count for
+    # the rules the planner does not predict (docs/memory.md)
+    assert predicted["nothing"] < predicted["none"]
+    assert predicted["every_second_matmul"] < predicted["matmuls"]
     # at torchtitan's bytes (7 of 9 widths kept) the knapsack spares as many FLOPs: every matmul costs as
     # much per value kept (2 x its inner width, 16 here), so no other choice of the same bytes does better
     assert flops["auto"] == flops["every_second_matmul"]

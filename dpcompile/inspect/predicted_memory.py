@@ -1,0 +1,95 @@
+"""``explain(pm, x).memory_estimate`` from the planner's model: the prediction ``plan="auto"`` makes
+for the layout ``pm`` was built as (:mod:`dpcompile.analysis.layout_costs`,
+:mod:`dpcompile.analysis.sequence_costs`), on a fake run of the call's inputs.
+
+The planner's layout of a built program is read from what was built, not from what was asked:
+``tensor_parallel=True, sequence_parallel=True`` where the pass found no one sequence is tensor
+parallel alone; dp copies of a pipeline are predicted with the micro-batches of each copy.
+Where the planner predicts no such layout (:func:`why_not_predicted`), ``explain`` keeps the program
+count of :func:`dpcompile.analysis.program_memory.program_memory`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from dpcompile.analysis.calibration import REFERENCE
+from dpcompile.analysis.layout_costs import LayoutSpec
+from dpcompile.analysis.model_profile import profile_model
+from dpcompile.analysis.program_memory import fsdp_pieces
+from dpcompile.analysis.sequence_costs import predict_layout
+from passes.sequence_parallel import SEQUENCE_MARK
+
+__all__ = ["built_layout", "planner_memory", "profiled_model", "why_not_predicted"]
+
+ORDER = ("pp", "dp", "cp", "tp")  # the planner's order of a layout's dimensions (its devices: tp innermost)
+
+
+def profiled_model(pm: nn.Module) -> nn.Module | None:
+    """The model ``transform`` was given (what the planner profiled; a frontend's graph is not cut into
+    the same units); None for a graph given to transform, or a program unpickled."""
+    model = pm.__dict__.get("profiled_model")
+    return model if isinstance(model, nn.Module) and not isinstance(model, fx.GraphModule) else None
+
+
+def why_not_predicted(pm: nn.Module) -> str | None:
+    """Why the planner's model has no prediction for ``pm``'s layout (None: it has one)."""
+    recipe = getattr(pm, "recipe", None)
+    if recipe is None or not getattr(pm, "layout", None) or profiled_model(pm) is None:
+        return "not a program transform built in one process from a model (an nn.Module, not a graph)"
+    if pm.__dict__.get("mesh") is not None:
+        return "a program over a DeviceMesh (one rank's share)"
+    if fsdp_pieces(pm) or "fsdp" in str((getattr(pm, "strategies", None) or {}).get("dp", "")):
+        return "FSDP in one process"
+    if getattr(recipe, "leaf_modules", ()):
+        return "leaf_modules= (their Linears run whole)"
+    if isinstance(getattr(recipe, "plan", None), Mapping):
+        return "an explicit tensor_parallel= plan"
+    return None
+
+
+def built_layout(pm: nn.Module) -> LayoutSpec:
+    """The planner's :class:`LayoutSpec` of the program ``pm`` is (see the module's docstring)."""
+    recipe = pm.recipe
+    layout = tuple((dim, pm.layout[dim]) for dim in ORDER if pm.layout.get(dim, 1) > 1)
+    pipeline = dict(layout).get("pp", 1) > 1
+    micro = (getattr(recipe, "dp_micro_batches", None) or getattr(pm, "micro_batches", 1)) if pipeline else 1
+    sequence = any(n.meta.get(SEQUENCE_MARK) for n in pm.graph.nodes)
+    chosen = next((c.spec for c in getattr(pm, "candidates", None) or () if c.rejected is None), None)
+    checkpointed = bool(getattr(recipe, "checkpointed", ()))
+    spec = LayoutSpec(layout, getattr(pm, "schedule", None) if pipeline else None, micro, checkpointed,
+                      sequence_parallel=sequence)  # fmt: skip
+    if chosen is not None and chosen.checkpointing and checkpointed and chosen.layout == layout:
+        return LayoutSpec(layout, spec.schedule, micro, True, chosen.save_bytes, chosen.row_bytes, sequence)
+    return spec
+
+
+def planner_memory(
+    pm: nn.Module, labels: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any], *, optimizer: str | None,
+    training: bool,
+) -> dict[str, dict[str, int]] | None:  # fmt: skip
+    """The planner's bytes per device by kind for ``pm(*args, **kwargs)``, keyed by ``labels`` (the
+    devices in the planner's order: pp, dp, cp, tp); None where it has no prediction for this program
+    (:func:`why_not_predicted`, a layout it does not predict, a fake run it cannot make)."""
+    if why_not_predicted(pm) is not None or not (args or kwargs):
+        return None
+    spec = built_layout(pm)
+    model = profiled_model(pm)
+    if model is None:
+        return None
+    try:
+        profile = profile_model(model, tuple(args), dict(kwargs) or None, optimizer=optimizer, training=training)
+        prediction = predict_layout(profile, spec, REFERENCE)
+    except Exception:  # noqa: BLE001 - then the program count
+        return None
+    checkpointed = set(getattr(pm.recipe, "checkpointed", ()))
+    if checkpointed and (checkpointed != {u.name for u in profile.blocks}
+                         or (spec.save_bytes is None and getattr(pm.recipe, "checkpoint_save", "nothing") != "nothing")):
+        return None  # not the planner's checkpointing: every repeated block, keeping nothing or its chosen budget
+    if prediction.unbuildable or len(prediction.per_device) != len(labels):
+        return None
+    return {label: dict(kinds) for label, kinds in zip(labels, prediction.per_device)}

@@ -1,0 +1,130 @@
+"""``explain(pm, x).memory_estimate`` is the planner's prediction for the layout that was built (the
+one ``plan="auto"`` ranks it by), with the program count where the planner predicts none; the
+planner's own fixes: a model input that needs no gradient, ``tp+sp`` that builds ``tp``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpcompile
+from dpcompile.analysis.layout_costs import LayoutSpec
+from dpcompile.inspect.explanation import param_bytes, program_count
+from dpcompile.planner import Candidate, plan_layouts
+from tests.integration.test_planner_accuracy import TinyEncoder
+
+LABELS = ["cpu#0", "cpu#1"]
+pytestmark = pytest.mark.filterwarnings("ignore:.*would run whole")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Residual(nn.Module):
+    def __init__(self, d: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return F.mse_loss(self.head(h), y)
+
+
+class WideInput(nn.Module):
+    """A 256-wide input read by a 16-wide layer: the input's bytes are most of what a step holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(256, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x))))).sum()
+
+
+def _predicted(make, args, spec: LayoutSpec) -> dict[str, dict[str, int]]:
+    torch.manual_seed(0)
+    planned = plan_layouts(make(), LABELS, dict.fromkeys(LABELS, 1 << 40), optimizer="sgd", training=True,
+                           example_inputs=args, example_kwargs=None, device=torch.device("cpu"), specs=[spec])  # fmt: skip
+    return planned.candidates[0].per_device
+
+
+def _built(make, args, **keywords) -> nn.Module:
+    torch.manual_seed(0)
+    return dpcompile.transform(make(), ["cpu"] * 2, example_inputs=args, optimizer="sgd", **keywords)
+
+
+@pytest.mark.parametrize("spec", [LayoutSpec((("tp", 2),)), LayoutSpec((("pp", 2),), "1f1b", 2)], ids=lambda s: s.name)
+def test_memory_estimate_is_the_planners_prediction_of_the_layout_built(spec):
+    """The old estimate was a second rule (a tensor-parallel program's activations whole on every device,
+    every saved activation at once): here +10% / +76% of the measured peak for tp2, +25% / +59% for the
+    1F1B pipeline, where the planner that chose the layout predicted -12% / -32% and -24% / -19% (a model
+    this small is the planner's worst case: docs/memory.md has the table of real ones). It is now the
+    planner's prediction of that layout, by kind; ``measure`` prints it beside the measured peak, whose
+    held parameters are still the program's own."""
+    args = (torch.randn(8, 16, 16), torch.randn(8, 16, 8))
+    pm = _built(Residual, args, **Candidate(spec).keywords())
+    measured = dpcompile.measure(pm, *args)
+    assert measured.memory_estimate == _predicted(Residual, args, spec)
+    assert measured.predicted_peak_bytes == {d: sum(k.values()) for d, k in measured.memory_estimate.items()}
+    # SGD keeps no state: held is the parameters each device of the program holds, as explain counts them
+    assert measured.held_bytes == dpcompile.explain(pm, *args).param_bytes
+
+
+def test_a_layout_the_planner_does_not_predict_keeps_the_program_count():
+    """One-process FSDP is no planner candidate: its estimate is the count of the program's pieces."""
+    x = torch.randn(8, 16)
+    pm = _built(lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), (x,), data_parallel="fsdp")
+    estimate = dpcompile.explain(pm, x).memory_estimate
+    assert estimate == program_count(pm, param_bytes(pm), (x,), {})
+    assert estimate["cpu#0"]["parameters"] < sum(p.numel() * 4 for p in pm.parameters())
+
+
+def test_the_models_input_needs_no_gradient():
+    """Backward makes no gradient for an input that does not require one: counted, the first unit's
+    input gradient put the first device 71% over its measured peak (data parallel) and a pipeline's
+    first stage 212% over."""
+    args = (torch.randn(64, 256),)
+    for spec in (LayoutSpec((("dp", 2),)), LayoutSpec((("pp", 2),), "gpipe", 1)):
+        predicted = _predicted(WideInput, args, spec)
+        measured = dpcompile.measure(_built(WideInput, args, **Candidate(spec).keywords()), *args).peak_bytes
+        total = sum(predicted["cpu#0"].values())
+        assert abs(total - measured["cpu#0"]) <= 0.15 * measured["cpu#0"], (spec.name, total, measured)
+
+
+def test_sequence_parallel_that_builds_tensor_parallel_is_not_a_second_candidate():
+    """An nn.MultiheadAttention's output projection runs on ``(seq, batch, ...)``: sequence parallel finds
+    no one sequence and builds tp2 alone, so ``tp2+sp`` is rejected as the same program, not listed
+    as a second candidate with tp2's prediction."""
+    x = (torch.randn(4, 16, 32),)
+    planned = plan_layouts(TinyEncoder(), LABELS, dict.fromkeys(LABELS, 1 << 40), optimizer="sgd", training=True,
+                           example_inputs=x, example_kwargs=None, device=torch.device("cpu"))  # fmt: skip
+    by_name = {c.spec.name: c for c in planned.candidates}
+    assert by_name["tp2+sp"].rejected.startswith("builds tp2: no one sequence")
+    assert not by_name["tp2+sp"].fits and by_name["tp2"].fits
+    assert "tp2+sp" not in [c.spec.name for c in planned.fitting]
+
+
+def test_dp_copies_of_tensor_parallel_shards_share_one_set_of_gradients():
+    """dp copies built on virtual devices share one set of parameters, so of gradients, held through the
+    step (``measure`` counts them held): predicted without them, every device of mlp_stack and GPT-2 in
+    ``bench_memory_estimate.py`` was 17-32% under (now within 5%). This model is smaller: the first
+    device of each copy is predicted within 5%, the second 12% and 17% under (the planner runs the ops
+    tensor parallelism does not split on the first device only)."""
+    args = (torch.randn(8, 32, 16), torch.randn(8, 32, 8))
+    torch.manual_seed(0)
+    pm = dpcompile.transform(Residual(d=64), ["cpu"] * 4, example_inputs=args, optimizer="sgd", mesh={"dp": 2, "tp": 2})
+    measured = dpcompile.measure(pm, *args)
+    for d, peak in measured.peak_bytes.items():
+        assert abs(measured.predicted_peak_bytes[d] - peak) <= 0.20 * peak, (d, measured.predicted_peak_bytes, measured.peak_bytes)

@@ -33,7 +33,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, has_meta_tensors, materialize
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, has_meta_tensors, is_placeholder, materialize
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.spmd import hold_mesh
 from dpcompile.modules.weights import await_weights
@@ -96,7 +96,8 @@ def _share_materialized(model: nn.Module | None, memo: Mapping[int, torch.Tensor
     for module in () if model is None else model.modules():
         for slots in (module._parameters, module._buffers):
             for name, t in list(slots.items()):
-                if t is not None and id(t) in memo:
+                # a real tensor is left alone: its id may be that of a fake one materialize freed
+                if is_placeholder(t) and id(t) in memo and memo[id(t)].shape == t.shape:
                     slots[name] = memo[id(t)]
 
 

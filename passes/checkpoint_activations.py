@@ -40,7 +40,7 @@ from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import byte_budget, parse_save_rule
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import PROGRAM_OWNED, STAGE, copy_graph, graph_module, writes
+from dpcompile.fx_utils import PROGRAM_OWNED, STAGE, PicklableGraph, copy_graph, graph_module, writes
 from dpcompile.infra import PassResult, module_path_of, stamp
 from dpcompile.runtime import (
     checkpoint,
@@ -335,9 +335,24 @@ def _region_module(region: CheckpointRegion) -> tuple[fx.GraphModule, list[fx.No
             graph.call_function(keep_outputs, (False,))
     outs = [env[n] for n in region.outputs]
     graph.output(outs[0] if len(outs) == 1 else tuple(outs))
-    module = fx.GraphModule(nn.Module(), graph, class_name=f"Region_{region.name}")
+    return _region_from_graph(graph, f"Region_{region.name}"), arguments
+
+
+class RegionModule(fx.GraphModule):
+    """A region's GraphModule, pickled as its graph: fx's own pickling traces the generated code
+    again, which would enter the runtime functions it calls (BatchNorm's ``batch_norm`` branches on
+    the module's mode) instead of keeping them as calls."""
+
+    def __reduce__(self):  # type: ignore[override]
+        return _region_from_graph, (PicklableGraph(self.graph), self._get_name())
+
+
+def _region_from_graph(graph: fx.Graph | PicklableGraph, class_name: str) -> fx.GraphModule:
+    if isinstance(graph, PicklableGraph):
+        graph = graph.graph()
+    module = RegionModule(nn.Module(), graph, class_name=class_name)
     setattr(module, PROGRAM_OWNED, True)
-    return module, arguments
+    return module
 
 
 def _copy_into(graph: fx.Graph, node: fx.Node, region: CheckpointRegion, env: dict[fx.Node, fx.Node],

@@ -33,6 +33,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_symbols, free_unbacked_symbols
 
 from dpcompile.capture.inputs import InputMismatch
+from dpcompile.runtime.structures import is_fake
 
 _PREFIX = "propagate_real_tensors"
 _READS_DATA = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
@@ -194,6 +195,8 @@ def check_decided_on_examples(ep: Any, names: Mapping[str, Any], model_name: str
     from dpcompile.errors import TraceError
 
     module = ep.module()
+    if any(is_fake(t) for t in (*module.state_dict().values(), *names.values())):
+        return  # a model built on meta has no values to run (a batch norm's momentum=None reads its count)
     # buffers copied (a batch norm's running statistics are written); parameters are only read under no_grad
     state = {k: v.detach() if isinstance(v, nn.Parameter) else v.detach().clone()
              for k, v in module.state_dict(keep_vars=True).items()}  # fmt: skip

@@ -42,6 +42,7 @@ from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_
 from dpcompile.capture.side_effects import (
     SideEffectRefused,
     check_export_effects,
+    check_writes_without_grad,
     hooks_that_return_nothing,
     seeds_recorded,
 )
@@ -136,6 +137,7 @@ def capture_export(
     from dpcompile.program_cache import code_names  # it imports capture.state: not at import time
 
     check_export_effects(model, effects, seeds, unlifted, ep.graph_module.code, export_again, code_names)
+    check_writes_without_grad(model, unlifted)
     gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
     if lazy_other_mode and _reads_mode(model, gm):
         gm.meta[OTHER_MODE_PENDING] = True

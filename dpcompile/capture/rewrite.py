@@ -271,13 +271,20 @@ def _writes_itself(node: fx.Node) -> bool:
 def _drop_counter_update(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
     """The batch norm module counts its batches itself: drop export's ``num_batches_tracked += 1``.
     With ``momentum=None`` the factor export computed from the count (``1 / count.item()``) is read
-    only by the op the module call replaces: it reads the count, and dies with that op."""
+    only by the op the module call replaces: it reads the count, and dies with that op, as do the
+    assertions export specialised the factor with (``Eq(u0, 1)``, the example's count)."""
     if module.num_batches_tracked is None:
         return
     for other in list(gm.graph.nodes):
         if other.op == "call_function" and other.target is aten.add_.Tensor and _is(gm, other.args[0], module.num_batches_tracked):
             other.replace_all_uses_with(other.args[0])
             gm.graph.erase_node(other)
+    reads = [n for n in gm.graph.nodes if n.target is aten.item.default and _is(gm, n.args[0], module.num_batches_tracked)]
+    while reads:
+        for user in list(reads.pop().users):
+            reads.append(user)
+            if user.target is aten._assert_scalar.default:
+                gm.graph.erase_node(user)
 
 
 def _batch_norm_in_module_mode(gm: fx.GraphModule, node: fx.Node, path: str, module: nn.Module) -> None:

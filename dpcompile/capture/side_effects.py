@@ -207,3 +207,29 @@ def check_export_effects(
     for path, attr, _ in writes:
         mark_not_a_change(modules[path], attr)
 
+
+def check_writes_without_grad(model: nn.Module, unlifted: fx.GraphModule) -> None:
+    """Refuse a ``torch.no_grad()`` block that writes a buffer or parameter in place (after
+    :func:`check_export_effects`, whose refusals say more about a model that also sets a flag)."""
+    if (written := _written_without_grad(unlifted)) is not None:
+        raise SideEffectRefused(
+            f"{type(model).__name__}.forward writes {written!r} in place inside torch.no_grad() (an EMA, a counter): "
+            f"the program exported with torch.export would drop the write; make it outside the no_grad block (on a "
+            f"detached value), or {_WAY_OUT}"
+        )
+
+def _written_without_grad(unlifted: fx.GraphModule) -> str | None:
+    """The model tensor (a buffer, a parameter) a ``torch.no_grad()`` block writes in place, if any:
+    export keeps the block as ``wrap_with_set_grad_enabled(False, submod, ema, h)``, whose unused
+    output the program would drop, and the write with it."""
+    from dpcompile.fx_utils import writes
+
+    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
+    for node in unlifted.graph.find_nodes(op="call_function", target=hop):
+        body = unlifted.get_submodule(str(node.args[1].target))
+        outer = dict(zip(body.graph.find_nodes(op="placeholder"), node.args[2:]))
+        for inner in body.graph.nodes:
+            written = outer.get(inner.args[0]) if writes(inner) and inner.args else None
+            if isinstance(written, fx.Node) and written.op == "get_attr":
+                return str(written.target)
+    return None

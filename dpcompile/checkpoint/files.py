@@ -106,7 +106,7 @@ def safetensors_header(
     offset = 0
     for key, shape, dtype in entries:
         if dtype not in DTYPES:
-            raise CheckpointError(f"'{key}' is {dtype}, which safetensors cannot hold")
+            raise CheckpointError(f"'{key}' is {dtype}, which safetensors cannot hold: save with format='dcp', which holds it")
         size = tensor_bytes(shape, dtype)
         header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offsets[key] = offset

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.checkpoint.headers import DTYPES
 from dpcompile.errors import ArgumentError
 from dpcompile.export.build import build, is_recorded_kind, place
 from dpcompile.export.common import (
@@ -196,12 +197,19 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise ExportError(f"{folder} exists and is not a folder")
+    program, files, tensors = _describe(pm)
+    if unheld := {key: t.dtype for key, t in tensors.items() if t.dtype not in DTYPES}:
+        key, dtype = next(iter(unheld.items()))
+        raise ExportError(
+            f"{len(unheld)} tensor(s) of the program have a dtype safetensors cannot hold, e.g. '{key}' ({dtype}); "
+            "hold a complex tensor as torch.view_as_real(t) (a real one, a last dim of 2) and torch.view_as_complex "
+            "it in forward, or save with torch.save(pm, f)"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     strangers = sorted(p.name for p in folder.iterdir() if p.name not in _OURS and not p.name.startswith(".dpcompile-"))
     if strangers:
         raise ExportError(f"{folder} holds {strangers}, which are not part of an export; export into an empty folder")
 
-    program, files, tensors = _describe(pm)
     _write(folder, program, files, tensors)
     log.info("exported %s (%s on %s) to %s", program["class_name"], pm.mode, program["config"]["devices"], folder)
     return folder

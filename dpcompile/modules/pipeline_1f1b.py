@@ -275,7 +275,7 @@ class _StepState:
                 return env[n]
             return no_gradient_path(env[n], n.meta.get("dpcompile_name", n.name))
 
-        return fx.node.map_arg(self.step.output.args[0], returned)
+        return _plain(fx.node.map_arg(self.step.output.args[0], returned))
 
 
 def _loss_copies_guarded(sent: Any, arrived: Any) -> Any:
@@ -507,6 +507,18 @@ def _divide_step_gradients(before: Mapping[torch.Tensor, torch.Tensor | None], t
 def _detached(value: Any) -> Any:
     flat, spec = tree_flatten(value)
     return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with fx's immutable lists and dicts (what ``map_arg`` builds) as the plain ones forward returned."""
+    if isinstance(value, (list, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        plain = {k: _plain(v) for k, v in items}
+        return plain if isinstance(value, dict) else list(plain.values())
+    if isinstance(value, tuple):
+        parts = [_plain(v) for v in value]
+        return type(value)(*parts) if hasattr(value, "_fields") else tuple(parts)
+    return value
 
 
 def _placeholders(program: fx.GraphModule) -> list[fx.Node]:

@@ -33,7 +33,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, has_meta_tensors, materialize
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, has_meta_tensors, is_placeholder, materialize
 from dpcompile.fx_utils import unalias
 from dpcompile.modules.spmd import hold_mesh
 from dpcompile.modules.weights import await_weights
@@ -81,11 +81,24 @@ def compile_on_fake(
         return pm
     memo: dict[int, torch.Tensor] = {}  # {id(fake): its real tensor}
     materialize(pm, memo=memo)
+    _share_materialized(pm.__dict__.get("traced_model"), memo)
     pm._executor.materialized(pm, memo)  # what it holds beside the program (a mesh stage's tied weights' copies)
     write_known_values(pm, known)
     read_exported_checks_again(pm)
     await_weights(pm, model, unset)
     return pm
+
+
+def _share_materialized(model: nn.Module | None, memo: Mapping[int, torch.Tensor]) -> None:
+    """The fake copy a pipeline shares its modules with holds the real tensors ``pm`` now holds in
+    every slot, its root's too: a buffer forward rebinds on the model itself (``self.calls += 1``)
+    is written back there, and would land on a fake tensor beside ``pm``'s real one."""
+    for module in () if model is None else model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in list(slots.items()):
+                # a real tensor is left alone: its id may be that of a fake one materialize freed
+                if is_placeholder(t) and id(t) in memo and memo[id(t)].shape == t.shape:
+                    slots[name] = memo[id(t)]
 
 
 def read_exported_checks_again(pm: nn.Module) -> None:

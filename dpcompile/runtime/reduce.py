@@ -10,7 +10,10 @@ from dpcompile.runtime.comm import DeviceLike
 
 
 def reduce_add(partials: Sequence[torch.Tensor], device: DeviceLike) -> torch.Tensor:
-    """The sum of per-device partial sums, on ``device``."""
+    """The sum of per-device partial sums, on ``device`` (Python numbers, an exported loss's element
+    counts, summed as numbers)."""
+    if not any(isinstance(p, torch.Tensor) for p in partials):
+        return sum(partials)  # type: ignore[return-value]
     device = torch.device(device)
     total = partials[0].to(device)
     for p in partials[1:]:

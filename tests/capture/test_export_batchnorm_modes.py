@@ -169,3 +169,39 @@ def test_batchnorm_subclass_program_exports_as_plain_data(tmp_path):
     loaded = dpcompile.load(tmp_path / "program", ["cpu"] * 2)  # no trust_code=: plain data
     loaded.eval(), reference.eval()
     torch.testing.assert_close(loaded(x), reference(x))
+
+
+class CumulativeNorms(nn.Module):
+    """Plain BatchNorm1d with momentum=None (a cumulative average): export reads the count with
+    ``item()`` and specialises the factor on the example's count (``Eq(u0, 1)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n0, self.fc, self.n1, self.head = nn.BatchNorm1d(4, momentum=None), nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.n1(self.fc(self.n0(x))))
+
+
+def test_batchnorm_with_cumulative_average_runs_every_call_and_loads_into_a_meta_model(tmp_path):
+    """The module call counts its batches itself, so the assertions export put on the count are
+    dropped with its count update: 3 training calls give eager's outputs and statistics (the first
+    was refused as a branch not captured). A model built on meta transforms too (the examples'
+    check cannot read a count there) and, filled by load_checkpoint, gives eager's eval outputs."""
+    reference, layout = CumulativeNorms().double(), {"tp": 2}  # data parallel was refused alike
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(copy.deepcopy(reference), ["cpu"] * 2, mesh=layout, frontend="export", example_inputs=(x,))
+        for step in range(3):
+            torch.testing.assert_close(pm(x * (step + 1)), reference(x * (step + 1)))
+        state = pm.state_dict()
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+        dpcompile.save_checkpoint(pm, tmp_path / "ckpt")
+        with torch.device("meta"):
+            meta = CumulativeNorms().double()
+        loaded = dpcompile.transform(meta, ["cpu"] * 2, mesh=layout, frontend="export", example_inputs=(x,))
+        dpcompile.load_checkpoint(loaded, tmp_path / "ckpt")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x), reference.eval()(x))

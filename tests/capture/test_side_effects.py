@@ -448,6 +448,15 @@ def test_buffer_updated_under_no_grad_is_written_by_a_tensor_parallel_program(la
     torch.testing.assert_close(pm.state_dict()["avg"], eager.avg)
 
 
+def test_buffer_updated_under_no_grad_is_refused_by_the_export_frontend():
+    """Export keeps the no_grad block as a call whose output nothing reads, and the program dropped
+    it: the EMA stayed zero, in every layout. Refused by name; the model is left as found."""
+    model, _ = _pair(EmaUnderNoGrad)
+    with pytest.raises(dpcompile.DpCompileError, match=r"writes 'avg' in place inside torch.no_grad\(\)"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(6, 8),))
+    assert model.training and not model.avg.any()
+
+
 class NumpyMask(nn.Module):
     """wav2vec2's SpecAugment: in training, a mask drawn from numpy's global generator."""
 

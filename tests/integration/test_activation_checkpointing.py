@@ -8,6 +8,7 @@ and the recompute really happens: fewer bytes saved for backward, each region's 
 from __future__ import annotations
 
 import copy
+import io
 import re
 
 import pytest
@@ -427,3 +428,24 @@ def test_activation_checkpointing_in_a_pipeline_names_a_block_that_is_no_identif
     expected.sum().backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_activation_checkpointing_a_batch_norm_region_pickles():
+    """A region holding BatchNorm (its runtime branches on the module's mode) survives torch.save /
+    torch.load: the copy's output, gradients and running statistics equal eager's. (fx pickled the
+    region by tracing its code again, which entered that branch: a TraceError on load.)"""
+    reference = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).double()
+    pm = dpcompile.transform(copy.deepcopy(reference), ["cpu"] * 2, activation_checkpointing=["1"])
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    out, expected = loaded(x), reference(x)
+    torch.testing.assert_close(out, expected)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    for (name, p), q in zip(loaded.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    for (name, b), c in zip(loaded.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, msg=lambda m, name=name: f"buffer {name}: {m}")

@@ -339,3 +339,58 @@ def test_1f1b_gpt2_output_sent_off_the_last_stage_backwards_its_loss_once(gpt2):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
     with pytest.raises(DpCompileError, match="a backward reached the output"):
         out.logits.sum().backward()
+
+
+class NestedOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        return [F.mse_loss(out, y), [out[:, :2], {"out": out}]]
+
+
+def test_1f1b_returns_the_lists_and_dicts_forward_returns():
+    """The outputs come back as forward built them, plain lists and dicts (they were fx's
+    immutable_list and immutable_dict); the loss's gradients are eager's."""
+    model = NestedOutputs().double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b")
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    got, want = pm(x, y), eager(x, y)
+    assert type(got) is list and type(got[1]) is list and type(got[1][1]) is dict
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1][0], want[1][0])
+    torch.testing.assert_close(got[1][1]["out"], want[1][1]["out"])
+    want[0].backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class MSE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def test_1f1b_runs_an_exported_mse_loss_split():
+    """torch.export spells F.mse_loss with aten.broadcast_tensors, which had no batch rule: it ran on
+    the gathered batch, so 1F1B refused the model and data parallelism computed the loss whole. Now
+    split (its element counts summed as numbers): 1F1B's loss and gradients are eager's, and data
+    parallel runs nothing whole."""
+    model = MSE().double()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, schedule="1f1b", frontend="export", example_inputs=(x, y))
+    loss, expected = pm(x, y), eager(x, y)
+    torch.testing.assert_close(loss, expected)
+    expected.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    dp = dpcompile.transform(copy.deepcopy(eager), ["cpu"] * 2, frontend="export", example_inputs=(x, y))
+    torch.testing.assert_close(dp(x, y), expected)
+    assert [w["node"] for w in dpcompile.explain(dp, x, y).whole] == ["truediv"]  # the sum over the count

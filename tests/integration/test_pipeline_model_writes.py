@@ -84,3 +84,30 @@ def test_dp_copies_read_state_written_from_the_whole_batch_after_the_write():
     pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(x, y))
     torch.testing.assert_close(pm(x, y), eager(x, y))
     torch.testing.assert_close(pm.state_dict()["avg"], eager.avg)
+
+
+class Stepped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("count", torch.tensor(0))
+
+    def forward(self, x):
+        self.count += 1
+        return self.fc2(self.fc1(x))
+
+
+def test_pipeline_built_on_meta_writes_the_counter_it_reads(tmp_path):
+    """A pipeline over a model built on meta runs a fake copy's modules given real tensors: the
+    counter forward rebinds on the model itself lands on the tensor the program reads and saves (it
+    landed on the fake copy's: state_dict and the next call read the loaded value)."""
+    eager = Stepped()
+    dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(eager), ["cpu"] * 2), tmp_path / "ckpt")
+    with torch.device("meta"):
+        model = Stepped()
+    pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, example_inputs=(torch.randn(4, 4),))
+    dpcompile.load_checkpoint(pm, tmp_path / "ckpt")
+    x = torch.randn(4, 4)
+    for _ in range(2):
+        torch.testing.assert_close(pm(x), eager(x))
+    assert pm.state_dict()["count"].item() == eager.count.item() == 2

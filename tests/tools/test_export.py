@@ -944,3 +944,28 @@ def test_export_of_a_transpose_attribute_under_the_export_frontend_is_data(tmp_p
     folder = dpcompile.export(pm, tmp_path / "out")
     assert not (folder / "program.pkl").exists()
     torch.testing.assert_close(dpcompile.load(folder)(x), model(x))
+
+
+class ComplexPhase(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("phase", torch.polar(torch.ones(4), torch.linspace(0, 1, 4)))
+
+    def forward(self, x):
+        return (self.fc(x) * self.phase).real
+
+
+def test_export_of_a_dtype_safetensors_cannot_hold_is_refused_before_the_folder_changes(tmp_path):
+    """A complex buffer: export raised safetensors' KeyError after dropping the manifest of the export
+    already in the folder (which then no longer loaded). Now an ExportError naming the tensor, and
+    the earlier export still loads; save_checkpoint's refusal names format='dcp'."""
+    folder = tmp_path / "out"
+    x = torch.randn(3, 4)
+    dpcompile.export(dpcompile.transform(nn.Linear(4, 4), ["cpu"] * 2), folder)
+    pm = dpcompile.transform(ComplexPhase(), ["cpu"] * 2)
+    with pytest.raises(ExportError, match=r"'phase' \(torch.complex64\).*view_as_real"):
+        dpcompile.export(pm, folder)
+    assert dpcompile.load(folder)(x).shape == (3, 4)
+    with pytest.raises(dpcompile.CheckpointError, match="format='dcp'"):
+        dpcompile.save_checkpoint(pm, tmp_path / "ckpt")

@@ -12,6 +12,7 @@ from dpcompile.analysis.placement import (
     Placement,
     Replicated,
     Split,
+    Tuple,
 )
 
 
@@ -24,14 +25,26 @@ def pointwise(ctx: RuleContext) -> Placement | None:
     """Element-wise ops (with broadcasting): every batch-carrying input split on the same dim."""
     if len(ctx.node.args) == 1 and not ctx.node.kwargs and target_name(ctx.node) == "where":
         return None  # where(cond): the indices of the whole tensor's true elements
+    return _broadcast_split(ctx, ctx.node.all_input_nodes, ctx.out_ndim(), node_shape(ctx.node))
+
+
+def broadcast_tensors(ctx: RuleContext) -> Placement | None:
+    """``broadcast_tensors(x, y, ...)``: each output split as an element-wise op of them would be."""
+    value = ctx.node.meta.get("val")
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, torch.Tensor) for v in value):
+        return None
+    out = _broadcast_split(ctx, ctx.node.all_input_nodes, value[0].dim(), tuple(value[0].shape))
+    return None if out is None else Tuple((out,) * len(value))
+
+
+def _broadcast_split(ctx: RuleContext, inputs: list[fx.Node], out_ndim: int | None, out_shape: tuple | None) -> Placement | None:
     splits: list[tuple[Split, fx.Node]] = []
-    for n in ctx.node.all_input_nodes:
+    for n in inputs:
         p = ctx.p(n)
         if isinstance(p, Split):
             splits.append((p, n))
         elif not isinstance(p, Replicated):
             return None
-    out_ndim = ctx.out_ndim()
     if out_ndim is None:
         dims = {p.dim for p, _ in splits}
         if len(dims) != 1:
@@ -48,8 +61,7 @@ def pointwise(ctx: RuleContext) -> Placement | None:
     out_dim = aligned.pop()
     if out_dim < 0:
         return None  # an input of higher rank than the output (not broadcasting): no dim lines up
-    out_shape = node_shape(ctx.node)
-    for n in ctx.node.all_input_nodes:
+    for n in inputs:
         if isinstance(ctx.p(n), Replicated):
             shape = node_shape(n)
             if shape is not None and len(shape) > out_ndim - 1 - out_dim and len(shape) > 0:
@@ -105,6 +117,8 @@ def _same_on_each_device(ctx: RuleContext, node: fx.Node) -> bool:
 
 BATCH_RULES.register_family(ops.POINTWISE, pointwise)
 BATCH_RULES.register("to", to_method)
+for _target in (torch.broadcast_tensors, torch.ops.aten.broadcast_tensors):
+    BATCH_RULES.register(_target, broadcast_tensors)
 BATCH_RULES.register("type_as", type_as, replace=True)  # a binary op of ops.POINTWISE that reads only y's type
 for _name in ("__radd__", "__rsub__", "__rmul__", "__rdiv__", "__rtruediv__", "__rpow__", "__rmod__", "__rfloordiv__"):
     _fn = getattr(torch.Tensor, _name, None)  # 2 + x called as a function (fx records operator.add)

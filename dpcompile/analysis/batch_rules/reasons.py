@@ -73,8 +73,6 @@ WHOLE_REASONS: dict[str, str] = {
     "isin": "isin(x, test) with the test set split with x (it has x's rows): every element is tested against all of it",
     "combinations": "pairs of elements of the whole 1-D input: an output row mixes elements of different chunks",
     "meshgrid.variadic_tensors": "a grid of every pair of elements of its inputs: each output holds every row",
-    "broadcast_tensors": "a tuple of its inputs broadcast to one shape: an unbatched input broadcast along the batch "
-                         "gets the batch's rows (no rule for a tuple of mixed items)",
     "kron": "kron(a, b) interleaves rows: output row i * rows(b) + j mixes a's row i with b's row j",
     "hash_tensor": "a hash of every element (dim=()), the batch's rows among them",
     # ---- memory, strides and layout

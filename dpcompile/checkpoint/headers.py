@@ -271,6 +271,10 @@ def _shard_set(index: Path, weight_map: Mapping[str, str], headers: Mapping[str,
 
 def _inside(folder: Path, name: str, index: Path, allow_symlinks: bool) -> Path:
     """``folder / name`` for a file name of the index: relative, no ``..``, a regular file inside."""
+    if not file_name_text(name):
+        raise CheckpointError(
+            f"{index} names {name!r}: not a file name (a NUL byte or an unpaired surrogate no path can hold)", file=index
+        )
     parts = Path(name).parts
     if Path(name).is_absolute() or not parts or any(p in ("..", ".", "") for p in parts) or "\\" in name:
         raise CheckpointError(
@@ -278,6 +282,15 @@ def _inside(folder: Path, name: str, index: Path, allow_symlinks: bool) -> Path:
         )
     _regular_file(folder / name, folder, allow_symlinks, index)
     return folder / name
+
+
+def file_name_text(name: str) -> bool:
+    """``name`` can be a path: no NUL byte, encodable (``os.lstat`` raises ``ValueError`` on either)."""
+    try:
+        os.fsencode(name)
+    except UnicodeError:
+        return False
+    return "\x00" not in name
 
 
 def _regular_file(file: Path, folder: Path, allow_symlinks: bool, blame: Path) -> None:
@@ -338,5 +351,5 @@ def _nesting(text: str) -> int:
 
 __all__ = [
     "DTYPES", "DTYPE_OF", "INDEX_FILE", "MAX_NESTING", "SINGLE_FILE", "Checkpoint", "CheckpointError", "Entry",
-    "parse_json", "read_checkpoint", "read_header", "read_index", "read_metadata",
+    "file_name_text", "parse_json", "read_checkpoint", "read_header", "read_index", "read_metadata",
 ]  # fmt: skip

@@ -246,9 +246,10 @@ def _sharded(tmp_path) -> None:
         '{"weight_map": {"fc.weight": "/etc/passwd"}}',
         '{"weight_map": {"fc.weight": "link.safetensors"}}',
         '{"weight_map": {"fc.weight": "model-00001-of-00009.safetensors", "fc.weight": "model-00002-of-00009.safetensors"}}',
+        '{"weight_map": {"fc.weight": "model\\u0000.safetensors"}}', '{"weight_map": {"fc.weight": "\\ud800.safetensors"}}',
     ],
     ids=["malformed", "list", "int", "map_list", "map_int", "map_dict", "deep", "deep_metadata", "parent", "absolute",
-         "symlink", "duplicate_key"],
+         "symlink", "duplicate_key", "nul_in_name", "surrogate_name"],  # the last two: a bare ValueError before
 )  # fmt: skip
 def test_a_bad_index_is_a_checkpoint_error_naming_it(index, tmp_path):
     """Malformed, the wrong type, nested too deep, naming files outside the folder or through a link: refused, named."""

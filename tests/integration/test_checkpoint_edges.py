@@ -230,6 +230,36 @@ def test_a_header_of_unclosed_escapes_is_refused_in_one_pass(make, tmp_path):
     assert error.value.file == file
 
 
+def test_a_header_or_index_of_packed_empty_lists_is_refused_in_a_few_times_its_size(tmp_path):
+    """``[],[],...`` (a list or object every 3 bytes; each ~64 bytes parsed) within the 100 MB a header
+    may hold: refused before parsing, and the nesting scan itself holds a few times the text (it kept
+    a piece per bracket: 20 MB took 548 MB and a parse would have taken 550 more). A deep bracket run
+    across the scan's chunks is counted whole."""
+    import tracemalloc
+
+    from dpcompile.checkpoint import headers
+
+    assert headers._nesting("[" * 1_500_000 + "]" * 1_500_000) == (1_500_000, 1_500_000)
+    text = '{"a": [' + ",".join(["[]"] * 700_000) + "]}"
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(text)) + text.encode())
+    pm = _meta_program()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="lists and objects in .* bytes, more than one per 8") as error:
+            dpcompile.load_checkpoint(pm, file)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert error.value.file == file and peak < 6 * len(text), peak / len(text)
+    index = tmp_path / "ckpt" / "model.safetensors.index.json"
+    index.parent.mkdir()
+    index.write_text('{"metadata": [' + ",".join(["{}"] * 5000) + '], "weight_map": {}}')
+    with pytest.raises(CheckpointError, match="lists and objects") as error:
+        dpcompile.load_checkpoint(pm, index.parent)
+    assert error.value.file == index and pm.needs_weights
+
+
 def _sharded(tmp_path) -> None:
     real = dpcompile.transform(_trained(), ["cpu"] * 2)
     dpcompile.save_checkpoint(real, tmp_path, max_shard_size=200)

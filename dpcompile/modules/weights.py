@@ -124,6 +124,16 @@ def state_dict_loaded(pm: nn.Module, missing: Sequence[str]) -> None:
     weights_loaded(pm)
 
 
+def refuse_copy_without_weights(pm: nn.Module) -> None:
+    """``torch.save(pm)`` / ``copy.deepcopy(pm)`` of a program still waiting for its weights: refused
+    (the copy lost the flag, so its calls ran on uninitialised memory)."""
+    if needs_weights(pm):
+        raise WeightsNotLoadedError(
+            "this program was built on the meta device and holds no weights yet: a pickle or copy of it would run "
+            "on uninitialised memory. Load them first (dpcompile.load_checkpoint(pm, path)), then torch.save(pm)"
+        )
+
+
 def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
     source = pm.__dict__.get(WEIGHTS_SOURCE)
     name = type(source).__name__ if source is not None else "model"
@@ -136,6 +146,6 @@ def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
 
 __all__ = [
     "BUFFER_COMPUTERS", "LoadsWeights", "WeightsNotLoadedError", "await_weights", "needs_weights", "no_values",
-    "state_dict_loaded",
+    "refuse_copy_without_weights", "state_dict_loaded",
     "weights_loaded", "weights_not_loaded",
 ]  # fmt: skip

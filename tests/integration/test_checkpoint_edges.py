@@ -434,6 +434,31 @@ def test_load_state_dict_of_every_key_fills_a_meta_program(tensor_parallel):
     torch.testing.assert_close(pm(x), eager(x))
 
 
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["data_parallel", "tensor_parallel"])
+def test_a_meta_program_is_not_pickled_before_its_weights_are_loaded(tensor_parallel):
+    """torch.save / deepcopy of a program still waiting for its weights is refused naming load_checkpoint
+    (unpickled, needs_weights was False and calls ran on uninitialised memory); loaded, it round-trips."""
+    import copy
+    import io
+
+    from dpcompile.modules.weights import WeightsNotLoadedError
+
+    pm = _meta_program(tensor_parallel=tensor_parallel)
+    for save in (lambda: torch.save(pm, io.BytesIO()), lambda: copy.deepcopy(pm)):
+        with pytest.raises(WeightsNotLoadedError, match="load_checkpoint"):
+            save()
+    assert pm.needs_weights
+    eager = _trained()
+    pm.load_state_dict(eager.state_dict())
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    x = torch.randn(3, 3, 6, 6)
+    assert not restored.needs_weights
+    torch.testing.assert_close(restored(x), eager(x))
+
+
 def test_load_checkpoint_refuses_a_linked_file_unless_allowed(tmp_path):
     """model.safetensors as a link (the Hugging Face cache's layout): refused by default, read with allow_symlinks=True."""
     model = _trained()

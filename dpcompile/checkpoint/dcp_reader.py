@@ -38,7 +38,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from dpcompile.checkpoint.headers import CheckpointError
+from dpcompile.checkpoint.headers import CheckpointError, file_name_text
 from dpcompile.checkpoint.pickle_bounds import brief, check_expansion, expansion_limit
 
 METADATA = ".metadata"
@@ -166,7 +166,7 @@ def _check_storage(file: Path, folder: Path, metadata: Any) -> None:
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
             raise CheckpointError(f"{file}: the storage of {brief(index)} is described by {brief(info)}", file=file)
         name = info.relative_path
-        if name in ("", ".", "..", METADATA) or "/" in name or "\\" in name:
+        if name in ("", ".", "..", METADATA) or "/" in name or "\\" in name or not file_name_text(name):
             raise CheckpointError(
                 f"{file} stores {brief(getattr(index, 'fqn', index))} in {brief(name)}: a checkpoint's data files are plain "
                 "file names in its folder", file=file,

@@ -41,6 +41,10 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 MAX_JSON_BYTES = 100_000_000
 MAX_NESTING = 64
+#: at most one list or object per this many bytes of a safetensors header or an index json (each
+#: ~64 bytes parsed: a 100 MB header of ``[],[],...`` took 2.7 GB); the densest dpcompile writes or
+#: transformers' headers hold is one per 17 bytes (an entry of a 1-letter key, ``[]`` shape)
+BYTES_PER_CONTAINER = 8
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -141,7 +145,7 @@ def read_index(index: Path) -> dict[str, str]:
         text = index.read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{index} cannot be read as UTF-8 text: {e}", file=index) from None
-    data = parse_json(text, index, "the index json")
+    data = parse_json(text, index, "the index json", sparse=True)
     if not isinstance(data, dict):
         raise CheckpointError(f"{index} holds a JSON {type(data).__name__}, not an object with a 'weight_map'", file=index)
     weight_map = data.get("weight_map")
@@ -189,7 +193,7 @@ def _read_header(file: Path) -> tuple[dict[str, Entry], dict[str, str]]:
         raise CheckpointError(f"{file}: the safetensors header is not UTF-8 text (corrupt)", file=file) from None
     if not text.startswith("{"):
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object (corrupt)", file=file)
-    header = parse_json(text, file, "the safetensors header")
+    header = parse_json(text, file, "the safetensors header", sparse=True)
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object (corrupt)", file=file)
     metadata = header.pop("__metadata__", {})
@@ -271,6 +275,10 @@ def _shard_set(index: Path, weight_map: Mapping[str, str], headers: Mapping[str,
 
 def _inside(folder: Path, name: str, index: Path, allow_symlinks: bool) -> Path:
     """``folder / name`` for a file name of the index: relative, no ``..``, a regular file inside."""
+    if not file_name_text(name):
+        raise CheckpointError(
+            f"{index} names {name!r}: not a file name (a NUL byte or an unpaired surrogate no path can hold)", file=index
+        )
     parts = Path(name).parts
     if Path(name).is_absolute() or not parts or any(p in ("..", ".", "") for p in parts) or "\\" in name:
         raise CheckpointError(
@@ -278,6 +286,15 @@ def _inside(folder: Path, name: str, index: Path, allow_symlinks: bool) -> Path:
         )
     _regular_file(folder / name, folder, allow_symlinks, index)
     return folder / name
+
+
+def file_name_text(name: str) -> bool:
+    """``name`` can be a path: no NUL byte, encodable (``os.lstat`` raises ``ValueError`` on either)."""
+    try:
+        os.fsencode(name)
+    except UnicodeError:
+        return False
+    return "\x00" not in name
 
 
 def _regular_file(file: Path, folder: Path, allow_symlinks: bool, blame: Path) -> None:
@@ -301,10 +318,19 @@ def _regular_file(file: Path, folder: Path, allow_symlinks: bool, blame: Path) -
         raise CheckpointError(f"{file} is not a regular file", file=file)
 
 
-def parse_json(text: str, file: Path, what: str) -> Any:
-    depth = _nesting(text)
+def parse_json(text: str, file: Path, what: str, *, sparse: bool = False) -> Any:
+    """The JSON value of ``text`` (read from ``file``), refused where it nests deeper than
+    ``MAX_NESTING``, names a key twice or is not JSON; ``sparse``: a format whose lists and objects are
+    few (a safetensors header, an index json), refused past one per ``BYTES_PER_CONTAINER`` bytes."""
+    depth, containers = _nesting(text)
     if depth > MAX_NESTING:
         raise CheckpointError(f"{file}: {what} nests {depth} levels deep (at most {MAX_NESTING})", file=file)
+    if sparse and containers > len(text) // BYTES_PER_CONTAINER + 64:
+        raise CheckpointError(
+            f"{file}: {what} holds {containers} lists and objects in {len(text)} bytes, more than one per "
+            f"{BYTES_PER_CONTAINER} bytes: not a checkpoint's JSON (parsed, it would take ~{containers * 64 >> 20} MiB)",
+            file=file,
+        )  # fmt: skip
 
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -323,20 +349,28 @@ def parse_json(text: str, file: Path, what: str) -> Any:
 # a string: possessive, and an unclosed one (a lone backslash last too) ends the text, so that every
 # match attempt that starts succeeds and the scan is linear
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]")
 
 
-def _nesting(text: str) -> int:
-    """How deep ``[``/``{`` nest in the JSON ``text`` (brackets inside strings not counted), in time
-    linear in the text (a string pattern that backtracks took minutes on 400 KB of ``"\\``)."""
+def _nesting(text: str) -> tuple[int, int]:
+    """How deep ``[``/``{`` nest in the JSON ``text``, and how many open (brackets inside strings not
+    counted), in time linear in the text (a string pattern that backtracks took minutes on 400 KB of
+    ``"\\``) and in memory a few times its size: the brackets are picked out with numpy and counted
+    65,536 at a time (``re.sub`` of what is no bracket kept a piece per bracket, and a running depth
+    of all at once 16 bytes each: 20 MB of ``[],[],...`` took 548 MB)."""
     import numpy as np
 
-    brackets = np.frombuffer(_NOT_BRACKET.sub("", _STRING.sub("", text)).encode(), dtype=np.uint8)
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
-    return int(np.cumsum(steps).max()) if steps.size else 0
+    chars = np.frombuffer(_STRING.sub("", text).encode(), dtype=np.uint8)
+    brackets = chars[(chars == ord("[")) | (chars == ord("]")) | (chars == ord("{")) | (chars == ord("}"))]
+    depth = deepest = opens = 0
+    for at in range(0, brackets.size, 1 << 16):
+        part = brackets[at : at + (1 << 16)]
+        is_open = (part == ord("[")) | (part == ord("{"))
+        running = np.cumsum(is_open.view(np.int8) * np.int8(2) - np.int8(1), dtype=np.int64) + depth
+        deepest, depth, opens = max(deepest, int(running.max())), int(running[-1]), opens + int(is_open.sum())
+    return deepest, opens
 
 
 __all__ = [
     "DTYPES", "DTYPE_OF", "INDEX_FILE", "MAX_NESTING", "SINGLE_FILE", "Checkpoint", "CheckpointError", "Entry",
-    "parse_json", "read_checkpoint", "read_header", "read_index", "read_metadata",
+    "file_name_text", "parse_json", "read_checkpoint", "read_header", "read_index", "read_metadata",
 ]  # fmt: skip

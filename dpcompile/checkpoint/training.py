@@ -225,7 +225,8 @@ def training_from_document(
         meta = document.get("optimizer")
         if meta is None:
             raise CheckpointError(
-                f"{path} was saved without optimizer=: there is no optimizer state to load", file=file
+                f"{file} has no 'optimizer' entry: {path} was saved without optimizer= (there is no optimizer state "
+                "to load), or the file was edited; load it without optimizer=", file=file,
             )
         try:
             sd = state_of(decode(meta))  # betas come back a tuple, as saved
@@ -239,7 +240,10 @@ def training_from_document(
     if lr_scheduler is not None:
         saved = document.get("lr_scheduler")
         if saved is None:
-            raise CheckpointError(f"{path} was saved without lr_scheduler=: there is no scheduler state", file=file)
+            raise CheckpointError(
+                f"{file} has no 'lr_scheduler' entry: {path} was saved without lr_scheduler= (there is no scheduler "
+                "state), or the file was edited; load it without lr_scheduler=", file=file,
+            )  # fmt: skip
         if not isinstance(saved, dict) or not isinstance(saved.get("kind"), str) or not isinstance(saved.get("state"), dict):
             raise CheckpointError(f"{file}: its lr_scheduler entry is not {{'kind': str, 'state': {{...}}}}", file=file)
         if saved["kind"] != _kind(lr_scheduler):

@@ -40,7 +40,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 MAX_PROGRAM_BYTES = 256 << 20
 # linear: every attempt that starts succeeds, an unclosed string (a lone backslash last too) ending the text
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
-_NOT_BRACKET = re.compile(rb"[^\[\]{}]")
+#: at most one list or object per this many bytes of manifest.json or program.json
+BYTES_PER_CONTAINER = 8
 
 
 def sha256_of(path: Path) -> str:
@@ -57,11 +58,24 @@ def canonical_json(data: Any) -> bytes:
 
 def nesting(text: bytes) -> int:
     """How deep ``text`` (JSON) nests lists and objects, counted without parsing (no recursion)."""
+    return brackets(text)[0]
+
+
+def brackets(text: bytes) -> tuple[int, int]:
+    """How deep ``text`` (JSON) nests lists and objects and how many it opens, counted without
+    parsing, in a few times its size: the brackets picked out with numpy and counted 65,536 at a
+    time (``re.sub`` of what is no bracket kept a piece per bracket: 20 MB of ``[],[],...`` took 500 MB)."""
     import numpy as np
 
-    brackets = np.frombuffer(_NOT_BRACKET.sub(b"", _STRING.sub(b"", text)), dtype=np.uint8)
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
-    return int(np.cumsum(steps).max()) if steps.size else 0
+    chars = np.frombuffer(_STRING.sub(b"", text), dtype=np.uint8)
+    found = chars[(chars == ord("[")) | (chars == ord("]")) | (chars == ord("{")) | (chars == ord("}"))]
+    depth = deepest = opens = 0
+    for at in range(0, found.size, 1 << 16):
+        part = found[at : at + (1 << 16)]
+        is_open = (part == ord("[")) | (part == ord("{"))
+        running = np.cumsum(is_open.view(np.int8) * np.int8(2) - np.int8(1), dtype=np.int64) + depth
+        deepest, depth, opens = max(deepest, int(running.max())), int(running[-1]), opens + int(is_open.sum())
+    return deepest, opens
 
 
 def read_json(path: Path, limit: int = MAX_NESTING, *, max_bytes: int = MAX_PROGRAM_BYTES) -> Any:
@@ -78,11 +92,16 @@ def read_json(path: Path, limit: int = MAX_NESTING, *, max_bytes: int = MAX_PROG
         text = path.read_bytes()
     except OSError as e:
         raise ExportError(f"{path} cannot be read ({e}); re-export the module") from None
-    depth = nesting(text)
+    depth, containers = brackets(text)
     if depth > limit:
         raise ExportError(
             f"{path} nests lists and objects {depth} deep, more than the {limit} an export ever writes; "
             "it was not written by dpcompile.export: re-export the module"
+        )
+    if containers > len(text) // BYTES_PER_CONTAINER + 64:  # each ~64 bytes parsed: 256 MB of [],[] would take 5 GB
+        raise ExportError(
+            f"{path} holds {containers} lists and objects in {len(text)} bytes, more than one per {BYTES_PER_CONTAINER} "
+            "(an export writes one per 40 or so, indented); it was not written by dpcompile.export: re-export the module"
         )
     try:
         return json.loads(text)

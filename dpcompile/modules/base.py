@@ -55,7 +55,7 @@ from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
 from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_parametrized
 from dpcompile.modules.sharded_state import cut_pieces, param_bytes_per_slot
-from dpcompile.modules.weights import LoadsWeights, needs_weights
+from dpcompile.modules.weights import LoadsWeights, needs_weights, refuse_copy_without_weights
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
 
 log = logging.getLogger("dpcompile")
@@ -456,6 +456,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
 
     # ------------------------------------------------------------------ pickling
     def __reduce__(self):
+        refuse_copy_without_weights(self)
         self._executor.check_picklable(self)
         refuse_pickling_parametrized(self)
         return both_modes(self)._reduce(carry_programs=True)

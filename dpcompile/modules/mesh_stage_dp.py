@@ -23,8 +23,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.errors import StateDictError
 from dpcompile.modules.mesh_stage import TensorsOnWire
 from dpcompile.modules.spmd import full_tensor, gathered_whole
+from dpcompile.modules.weights import no_values
 
 
 def shard_stage_over_dp(program: fx.GraphModule, dp_mesh: Any, options: Mapping[str, Any]) -> TensorsOnWire:
@@ -144,6 +146,8 @@ def load_whole_state(pm: Any, state_dict: Mapping[str, Any], strict: bool) -> An
         value, spec, destination = state_dict[key], pm.shards.get(held), own[held]
         if not isinstance(value, torch.Tensor):
             raise RuntimeError(f"{key} is a {type(value).__name__}, not a tensor (nothing was loaded)")
+        if no_values(key, value):
+            raise StateDictError(no_values(key, value))
         if spec is not None:
             if value.dim() <= spec.dim or value.size(spec.dim) != sum(spec.sizes):
                 raise RuntimeError(

@@ -27,6 +27,7 @@ from dpcompile.modules.carried import CarriedPrograms
 from dpcompile.modules.executors import restore_executor
 from dpcompile.modules.other_mode import both_modes
 from dpcompile.modules.sharded_state import PICKLED, hold_shards
+from dpcompile.modules.weights import refuse_copy_without_weights
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, Modes
 
 log = logging.getLogger("dpcompile")
@@ -122,6 +123,7 @@ class PicklesPrograms:
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """An independent copy (an EMA of the weights, a snapshot), built as unpickling builds
         one; ``GraphModule.__deepcopy__`` would drop everything but the graph and modules."""
+        refuse_copy_without_weights(self)
         if (whole := both_modes(self)) is not self:
             return copy.deepcopy(whole, memo)
         traceable = self.__dict__.get("traced_model") is not None  # the copy traces what it needs

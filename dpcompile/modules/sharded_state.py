@@ -27,7 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from dpcompile.errors import ArgumentError, StateDictError
 from dpcompile.fx_utils import unalias
-from dpcompile.modules.weights import state_dict_loaded
+from dpcompile.modules.weights import no_values, state_dict_loaded
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
 
 #: what a pickled copy carries of the sharded state (``dpcompile.load`` reads the same from program.json)
@@ -103,6 +103,8 @@ def load_pieces(pm: nn.Module, own: Mapping[str, Any], state_dict: Mapping[str, 
         value = state_dict[key]
         if not isinstance(value, torch.Tensor):
             raise StateDictError(f"{key} is a {type(value).__name__}, not a tensor (nothing was loaded)")
+        if no_values(key, value):
+            raise StateDictError(no_values(key, value))
         if key in pm.param_shards:
             spec, names = pm.param_shards[key]
             expected = sum(spec.sizes)

@@ -52,13 +52,23 @@ class LoadsWeights:
     does: its non-persistent buffers are computed and ``pm.needs_weights`` turns False."""
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        refuse_before_copying(self, state_dict, strict)  # type: ignore[arg-type]
+        refuse_before_copying(self, state_dict, strict, assign)  # type: ignore[arg-type]
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)  # type: ignore[misc]
         state_dict_loaded(self, result.missing_keys)  # type: ignore[arg-type]
         return result
 
 
-def refuse_before_copying(pm: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+def no_values(key: str, value: torch.Tensor) -> str | None:
+    """Why ``copy_`` cannot read ``value`` (a meta tensor has no data, a sparse one no strides), or
+    None: torch raises it midway through a load, after copying the keys before it."""
+    if value.is_meta:
+        return f"{key} is a tensor on the meta device: it has no values to load (nothing was loaded)"
+    if value.layout != torch.strided:
+        return f"{key} is a {value.layout} tensor: load a dense one, value.to_dense() (nothing was loaded)"
+    return None
+
+
+def refuse_before_copying(pm: nn.Module, state_dict: Mapping[str, Any], strict: bool, assign: bool = False) -> None:
     """The errors ``nn.Module.load_state_dict`` raises (missing or unexpected keys where ``strict``, a
     tensor of another shape), raised before anything is copied: torch copies every key that fits
     first, so a failed load would leave the program half loaded. Skipped where a module has a
@@ -85,6 +95,8 @@ def refuse_before_copying(pm: nn.Module, state_dict: Mapping[str, Any], strict: 
         elif isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor) and value.shape != mine.shape:
             problems.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
                             f"checkpoint, the shape in current model is {tuple(mine.shape)}.")  # fmt: skip
+        elif isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor) and not assign and no_values(key, value):
+            problems.append(no_values(key, value))
     if problems:
         raise StateDictError(f"Error(s) in loading state_dict for {type(pm).__name__} (nothing was loaded):\n\t"
                            + "\n\t".join(problems))  # fmt: skip
@@ -112,6 +124,16 @@ def state_dict_loaded(pm: nn.Module, missing: Sequence[str]) -> None:
     weights_loaded(pm)
 
 
+def refuse_copy_without_weights(pm: nn.Module) -> None:
+    """``torch.save(pm)`` / ``copy.deepcopy(pm)`` of a program still waiting for its weights: refused
+    (the copy lost the flag, so its calls ran on uninitialised memory)."""
+    if needs_weights(pm):
+        raise WeightsNotLoadedError(
+            "this program was built on the meta device and holds no weights yet: a pickle or copy of it would run "
+            "on uninitialised memory. Load them first (dpcompile.load_checkpoint(pm, path)), then torch.save(pm)"
+        )
+
+
 def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
     source = pm.__dict__.get(WEIGHTS_SOURCE)
     name = type(source).__name__ if source is not None else "model"
@@ -123,6 +145,7 @@ def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
 
 
 __all__ = [
-    "BUFFER_COMPUTERS", "LoadsWeights", "WeightsNotLoadedError", "await_weights", "needs_weights", "state_dict_loaded",
+    "BUFFER_COMPUTERS", "LoadsWeights", "WeightsNotLoadedError", "await_weights", "needs_weights", "no_values",
+    "refuse_copy_without_weights", "state_dict_loaded",
     "weights_loaded", "weights_not_loaded",
 ]  # fmt: skip

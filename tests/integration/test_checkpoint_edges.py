@@ -230,6 +230,36 @@ def test_a_header_of_unclosed_escapes_is_refused_in_one_pass(make, tmp_path):
     assert error.value.file == file
 
 
+def test_a_header_or_index_of_packed_empty_lists_is_refused_in_a_few_times_its_size(tmp_path):
+    """``[],[],...`` (a list or object every 3 bytes; each ~64 bytes parsed) within the 100 MB a header
+    may hold: refused before parsing, and the nesting scan itself holds a few times the text (it kept
+    a piece per bracket: 20 MB took 548 MB and a parse would have taken 550 more). A deep bracket run
+    across the scan's chunks is counted whole."""
+    import tracemalloc
+
+    from dpcompile.checkpoint import headers
+
+    assert headers._nesting("[" * 1_500_000 + "]" * 1_500_000) == (1_500_000, 1_500_000)
+    text = '{"a": [' + ",".join(["[]"] * 700_000) + "]}"
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(text)) + text.encode())
+    pm = _meta_program()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="lists and objects in .* bytes, more than one per 8") as error:
+            dpcompile.load_checkpoint(pm, file)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert error.value.file == file and peak < 6 * len(text), peak / len(text)
+    index = tmp_path / "ckpt" / "model.safetensors.index.json"
+    index.parent.mkdir()
+    index.write_text('{"metadata": [' + ",".join(["{}"] * 5000) + '], "weight_map": {}}')
+    with pytest.raises(CheckpointError, match="lists and objects") as error:
+        dpcompile.load_checkpoint(pm, index.parent)
+    assert error.value.file == index and pm.needs_weights
+
+
 def _sharded(tmp_path) -> None:
     real = dpcompile.transform(_trained(), ["cpu"] * 2)
     dpcompile.save_checkpoint(real, tmp_path, max_shard_size=200)
@@ -246,9 +276,10 @@ def _sharded(tmp_path) -> None:
         '{"weight_map": {"fc.weight": "/etc/passwd"}}',
         '{"weight_map": {"fc.weight": "link.safetensors"}}',
         '{"weight_map": {"fc.weight": "model-00001-of-00009.safetensors", "fc.weight": "model-00002-of-00009.safetensors"}}',
+        '{"weight_map": {"fc.weight": "model\\u0000.safetensors"}}', '{"weight_map": {"fc.weight": "\\ud800.safetensors"}}',
     ],
     ids=["malformed", "list", "int", "map_list", "map_int", "map_dict", "deep", "deep_metadata", "parent", "absolute",
-         "symlink", "duplicate_key"],
+         "symlink", "duplicate_key", "nul_in_name", "surrogate_name"],  # the last two: a bare ValueError before
 )  # fmt: skip
 def test_a_bad_index_is_a_checkpoint_error_naming_it(index, tmp_path):
     """Malformed, the wrong type, nested too deep, naming files outside the folder or through a link: refused, named."""
@@ -401,6 +432,31 @@ def test_load_state_dict_of_every_key_fills_a_meta_program(tensor_parallel):
     assert not pm.needs_weights
     x = torch.randn(3, 3, 6, 6)
     torch.testing.assert_close(pm(x), eager(x))
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["data_parallel", "tensor_parallel"])
+def test_a_meta_program_is_not_pickled_before_its_weights_are_loaded(tensor_parallel):
+    """torch.save / deepcopy of a program still waiting for its weights is refused naming load_checkpoint
+    (unpickled, needs_weights was False and calls ran on uninitialised memory); loaded, it round-trips."""
+    import copy
+    import io
+
+    from dpcompile.modules.weights import WeightsNotLoadedError
+
+    pm = _meta_program(tensor_parallel=tensor_parallel)
+    for save in (lambda: torch.save(pm, io.BytesIO()), lambda: copy.deepcopy(pm)):
+        with pytest.raises(WeightsNotLoadedError, match="load_checkpoint"):
+            save()
+    assert pm.needs_weights
+    eager = _trained()
+    pm.load_state_dict(eager.state_dict())
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    x = torch.randn(3, 3, 6, 6)
+    assert not restored.needs_weights
+    torch.testing.assert_close(restored(x), eager(x))
 
 
 def test_load_checkpoint_refuses_a_linked_file_unless_allowed(tmp_path):

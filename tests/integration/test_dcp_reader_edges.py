@@ -79,6 +79,13 @@ def _shared(depth):
     return value
 
 
+def _named(name):
+    def rename(metadata, folder):
+        metadata.storage_data = {k: _StorageInfo(name, v.offset, v.length, v.transform_descriptors) for k, v in metadata.storage_data.items()}
+
+    return rename
+
+
 def _partial_chunk(metadata, folder):
     metadata.state_dict_metadata["model.2.weight"].chunks[0].sizes = torch.Size([1, 8])
 
@@ -89,6 +96,9 @@ FAULTS = {
     "data_file_missing": (lambda f: (f / "__0_0.distcp").unlink(), "__0_0.distcp", "not in"),
     "data_file_short": (lambda f: os.truncate(f / "__0_0.distcp", 100), "__0_0.distcp", "truncated"),
     "data_outside_the_folder": (_metadata_edit(_outside), ".metadata", "plain file names"),
+    # a name no path can hold (os.lstat raised a bare ValueError or UnicodeEncodeError)
+    "data_file_named_with_nul": (_metadata_edit(_named("__0_0.distcp\x00")), ".metadata", "plain file names"),
+    "data_file_named_with_a_surrogate": (_metadata_edit(_named("\ud800.distcp")), ".metadata", "plain file names"),
     "chunks_not_covering": (_metadata_edit(_partial_chunk), ".metadata", "chunks of 8 elements"),
     # a size sharing one list 22 levels deep (2**22 elements; 40 levels hung the load printing or hashing it)
     "a_shared_structure": (_metadata_edit(lambda m, f: setattr(m.state_dict_metadata["model.2.weight"], "size", _shared(22))),

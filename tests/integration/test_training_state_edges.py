@@ -57,6 +57,9 @@ EDITS = {
         lambda doc: doc["lr_scheduler"]["state"].update(x={"__tensor__": [1], "dtype": "nonsense"}),
         "lr_scheduler state is malformed",
     ),
+    # the error named the folder only ("was saved without optimizer="), not the file and its entry
+    "no_optimizer_entry": (lambda doc: doc.pop("optimizer"), "training_state.json has no 'optimizer' entry"),
+    "no_scheduler_entry": (lambda doc: doc.pop("lr_scheduler"), "training_state.json has no 'lr_scheduler' entry"),
 }
 
 
@@ -88,7 +91,7 @@ def test_a_bad_training_state_is_refused_before_anything_is_set(edit, saved, tmp
     with pytest.raises(CheckpointError, match=match) as error:
         dpcompile.load_checkpoint(pm, folder, optimizer=opt, lr_scheduler=sched)
     assert error.value.file == file and "training_state.json" in str(error.value)
-    if not edit.startswith("scheduler"):  # a weights-only load reads the RNG states too
+    if not edit.startswith(("scheduler", "no_")):  # a weights-only load reads the RNG states too
         with pytest.raises(CheckpointError, match=match):
             dpcompile.load_checkpoint(pm, folder)
     assert all(torch.equal(v, weights[k]) for k, v in pm.state_dict().items())

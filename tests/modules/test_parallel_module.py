@@ -96,12 +96,13 @@ def test_parallel_module_load_state_dict_updates_model():
 
 
 @pytest.mark.parametrize("layout", [{}, {"pipeline": 2}, {"mesh": {"pp": 2, "dp": 2}}, {"tensor_parallel": True}])
-@pytest.mark.parametrize("damage", ["missing", "unexpected", "shape", "not_a_tensor"])
+@pytest.mark.parametrize("damage", ["missing", "unexpected", "shape", "not_a_tensor", "meta", "sparse"])
 def test_a_load_state_dict_that_fails_changes_nothing(layout, damage):
     """A missing or unexpected key (strict), a tensor of another shape or a value that is no tensor
     raises torch's RuntimeError before anything is copied: torch's own load copied every key that fit
     first (data parallel and the pipelines left the program half loaded; tensor parallel checked each
-    key just before copying it, so a bad last key left the first ones written)."""
+    key just before copying it, so a bad last key left the first ones written). So does a meta or a
+    sparse tensor, which ``copy_`` refuses midway (before: every key before it loaded)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     pm = dpcompile.transform(model, ["cpu"] * (4 if "mesh" in layout else 2), example_inputs=(torch.randn(4, 4),),
@@ -114,6 +115,10 @@ def test_a_load_state_dict_that_fails_changes_nothing(layout, damage):
         state["3.weight"] = torch.zeros(1)
     elif damage == "shape":
         state["2.bias"] = torch.zeros(5)
+    elif damage == "meta":
+        state["2.bias"] = torch.zeros(4, device="meta")
+    elif damage == "sparse":
+        state["2.bias"] = torch.zeros(4).to_sparse()
     else:
         state["2.bias"] = [0.0] * 4
     with pytest.raises(RuntimeError, match="nothing was loaded"):

@@ -16,7 +16,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile.export import ExportError, read_manifest
-from dpcompile.export.integrity import MAX_NESTING, nesting, read_json
+from dpcompile.export.integrity import BYTES_PER_CONTAINER, MAX_NESTING, brackets, nesting, read_json
 from tests.tools.export_attacks import call, insert_before_output, rehash, write_program
 
 
@@ -333,7 +333,29 @@ def test_nesting_is_counted_outside_strings(tmp_path):
 
 def test_real_programs_nest_well_below_the_bound(dropping):
     _, folder = dropping
-    assert nesting((folder / "program.json").read_bytes()) < MAX_NESTING // 4
+    text = (folder / "program.json").read_bytes()
+    depth, containers = brackets(text)
+    assert depth < MAX_NESTING // 4 and containers * BYTES_PER_CONTAINER * 3 < len(text)
+
+
+def test_packed_empty_lists_are_refused_before_parsing_in_a_few_times_their_size(tmp_path):
+    """``[],[],...`` (a list every 3 bytes, each ~64 bytes parsed) in a program.json: refused before
+    json.loads, and the bracket scan holds a few times the text (it kept a piece per bracket, ~25
+    times; 256 MB would have taken 6 GB to scan and as much to parse). A run of brackets longer
+    than the scan's chunks is counted whole."""
+    import tracemalloc
+
+    assert brackets(b"[" * 100_000 + b"]" * 100_000) == (100_000, 100_000)
+    path = tmp_path / "program.json"
+    path.write_bytes(b'{"a": [' + b",".join([b"[]"] * 700_000) + b"]}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ExportError, match="lists and objects in .* bytes, more than one per 8"):
+            read_json(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 6 * path.stat().st_size, peak / path.stat().st_size
 
 
 # ----------------------------------------------------------------- 4. no link followed on export

@@ -44,12 +44,13 @@ class WholeOp:
 def whole_ops(gm: fx.GraphModule, placements: Mapping[fx.Node, Placement], weights: Mapping[str, int]) -> list[WholeOp]:
     """The nodes of a captured graph that run whole along the batch, in graph order."""
     from dpcompile.analysis.batch_dims import op_name
+    from dpcompile.analysis.batch_rules import builds_returned_structure
 
     modules = dict(gm.named_modules())
     out = []
     for node in gm.graph.nodes:
         p = placements.get(node)
-        if isinstance(p, Whole) and p.batch:
+        if isinstance(p, Whole) and p.batch and not builds_returned_structure(node):
             module = modules.get(node.target) if node.op == "call_module" else None
             out.append(
                 WholeOp(node.name, op_name(node, module), p.reason or "runs whole", int(weights.get(node.name, 0)))

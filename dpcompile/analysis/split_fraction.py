@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.placement import Placement, Whole
+from dpcompile.fx_utils import FreshArguments
 
 log = logging.getLogger("dpcompile")
 
@@ -67,7 +68,7 @@ def split_fraction(weights: Mapping[str, int], whole: Sequence[str]) -> float | 
     return 1.0 - sum(w for name, w in weights.items() if name in names) / total
 
 
-class _FlopRecorder(fx.Interpreter):
+class _FlopRecorder(FreshArguments):
     def __init__(self, gm: fx.GraphModule, counter: Any):
         super().__init__(gm, garbage_collect_values=True)
         self.counter = counter

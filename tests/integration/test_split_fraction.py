@@ -3,13 +3,14 @@ FLOPs that runs per device (``explain(...).split_flop_fraction``) at least 95%."
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
 
 import dpcompile
-from tests.thirdparty import models
+from tests.thirdparty import import_torchvision, models
 
 GOAL = 0.95
 # timm's VisionTransformer is not captured by fx (a branch on an optional argument): the
@@ -68,3 +69,47 @@ class _Wrapped(torch.nn.Module):
 
     def forward(self, x):
         return self.fc2(third_party_scale(self.fc1(x)))
+
+
+def _video_swin() -> torch.nn.Module:
+    tvm = import_torchvision().models
+    return tvm.video.SwinTransformer3d(patch_size=[2, 4, 4], embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                       window_size=[2, 4, 4], stochastic_depth_prob=0.1, num_classes=10)  # fmt: skip
+
+
+def _video_mvit() -> torch.nn.Module:
+    mvit = import_torchvision().models.video.mvit
+    block = mvit.MSBlockConfig
+    blocks = [block(num_heads=1, input_channels=16, output_channels=16, kernel_q=[3, 3, 3], kernel_kv=[3, 3, 3],
+                    stride_q=[1, 1, 1], stride_kv=[1, 2, 2]),
+              block(num_heads=2, input_channels=16, output_channels=32, kernel_q=[3, 3, 3], kernel_kv=[3, 3, 3],
+                    stride_q=[1, 2, 2], stride_kv=[1, 1, 1])]  # fmt: skip
+    return mvit.MViT(spatial_size=(16, 16), temporal_size=4, block_setting=blocks, residual_pool=True,
+                     residual_with_cls_embed=False, rel_pos_embed=True, proj_after_attn=True,
+                     stochastic_depth_prob=0.1, num_classes=10)  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [_video_swin, _video_mvit], ids=["swin3d", "mvit_v2"])
+def test_torchvision_video_transformers_run_split(make):
+    """torchvision's video Swin and MViT-v2: their fx-wrapped helpers (``shifted_window_attention_3d``,
+    which writes into its list argument; MViT's ``_unsqueeze``/``_add_rel_pos``/``_add_shortcut``) run
+    per device, and explain counts their FLOPs (it ran whole, or no figure at all, before)."""
+    torch.manual_seed(0)
+    model = make().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 3, 4, 16, 16, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        pm = dpcompile.transform(model, ["cpu", "cpu"], example_inputs=(x,), frontend="fx")
+    report = dpcompile.explain(pm, x)
+    assert report.split_flop_fraction == 1.0 and report.whole == []
+    torch.manual_seed(1)
+    got = pm(x)
+    torch.manual_seed(1)
+    expected = eager(x)
+    torch.testing.assert_close(got, expected)
+    weights = torch.linspace(0.5, 1.5, expected.numel(), dtype=torch.float64).view(expected.shape)
+    (got * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")

@@ -113,3 +113,30 @@ def test_torchvision_video_transformers_run_split(make):
     (expected * weights).sum().backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+class _SegmentationHead(torch.nn.Module):
+    """torchvision's DeepLabV3 / FCN / LRASPP: the output resized to ``x.shape[-2:]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.pool = torch.nn.AdaptiveAvgPool2d(1)
+        self.classifier = torch.nn.Conv2d(8, 3, 1)
+
+    def forward(self, x):
+        input_shape = x.shape[-2:]
+        features = self.backbone(x)
+        pooled = torch.nn.functional.interpolate(self.pool(features), size=features.shape[-2:], mode="bilinear")
+        out = self.classifier(features + pooled)
+        return torch.nn.functional.interpolate(out, size=input_shape, mode="bilinear", align_corners=False)
+
+
+def test_a_size_read_from_the_end_of_a_convolution_input_runs_split_without_examples():
+    """Without examples, ``x.shape[-2:]`` of a Conv2d's (or a pooling's) input cannot name the
+    batch size (that input has 3 dims or more): the resize to it runs split (it ran whole)."""
+    model, x = _SegmentationHead(), torch.randn(4, 3, 16, 16)
+    pm = dpcompile.transform(model, ["cpu", "cpu"])
+    report = dpcompile.explain(pm, x)
+    assert report.whole == [] and report.split_flop_fraction == 1.0
+    torch.testing.assert_close(pm(x), model(x))

@@ -102,7 +102,29 @@ _SAME_DTYPE_FUNCTIONS = {torch.nn.functional.linear, torch._C._nn.linear, torch.
                          torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d}  # fmt: skip
 
 
-class _ShapeProp(FakeTensorProp):
+def _fresh(value: Any) -> Any:
+    """``value`` with fx's immutable lists and dicts made plain, as the generated code builds them."""
+    if isinstance(value, (list, fx.immutable_collections.immutable_list)):
+        return [_fresh(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_fresh(v) for v in value)
+    return value
+
+
+class FreshArguments(fx.Interpreter):
+    """An interpreter that passes each call plain lists and dicts, as the generated code does (a
+    list literal there is a new list each call): a function that writes into its list argument
+    (torchvision's Swin3D ``shifted_window_attention_3d``: ``shift_size[i] = 0``) runs as in eager,
+    where fx's own ``Interpreter`` would pass the node's ``immutable_list`` and fail."""
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return tuple(_fresh(a) for a in args), {k: _fresh(v) for k, v in kwargs.items()}
+
+
+class _ShapeProp(FreshArguments, FakeTensorProp):
     """FakeTensorProp that remembers the node it is running (to name it when an example does not fit)
     and checks what fake kernels leave out: a Linear's or convolution's input has its weight's dtype."""
 

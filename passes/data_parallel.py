@@ -56,6 +56,7 @@ from dpcompile.analysis.batch_dims import propagate
 from dpcompile.analysis.batch_positions import batch_arange_size, index_positions, running_sum_dim, table_rows
 from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
 from dpcompile.analysis.batch_rules.shape import squeeze_keeps
+from dpcompile.analysis.batch_rules.structures import builds_returned_structure
 from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
 from dpcompile.analysis.placement import (
     Partial,
@@ -316,7 +317,7 @@ class _Builder:
         kwargs = fx.node.map_arg(node.kwargs, self.whole_value)
         new = self.node(node.op, node.target, args, kwargs, name=node.name if record else f"{node.name}_whole", source=node)
         placement = self.placements.get(node)
-        if isinstance(placement, Whole) and placement.batch:
+        if isinstance(placement, Whole) and placement.batch and not builds_returned_structure(node):
             new.meta["dpcompile_whole"] = placement.reason or "runs on the gathered batch"
         elif not record:
             new.meta["dpcompile_whole"] = "recomputed on the gathered batch"

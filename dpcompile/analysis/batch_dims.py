@@ -173,8 +173,11 @@ def _propagate_once(
 
 def shape_reads(gm: fx.GraphModule) -> dict[fx.Node, int]:
     """Lower bounds on ranks from what forward reads of shapes: ``b, t, d = x.shape`` reads
-    ``x.shape[2]``, so ``x`` has 3 dims or more (a tensor's rank is the same all through forward)."""
+    ``x.shape[2]``, so ``x`` has 3 dims or more (a tensor's rank is the same all through forward);
+    and from the modules that take it: a ``Conv2d``'s input has 3 dims or more (4 batched), so
+    DeepLab's ``x.shape[-2:]`` of its input, traced without examples, does not read the batch size."""
     out: dict[fx.Node, int] = {}
+    modules = dict(gm.named_modules())
 
     def note(tensor: Any, index: Any) -> None:
         if isinstance(tensor, fx.Node) and isinstance(index, int) and not isinstance(index, bool):
@@ -182,6 +185,10 @@ def shape_reads(gm: fx.GraphModule) -> dict[fx.Node, int]:
             out[tensor] = max(out.get(tensor, 0), need)
 
     for node in gm.graph.nodes:
+        module = modules.get(node.target) if node.op == "call_module" else None
+        rank = next((r for cls, r in _CONV_RANKS.items() if isinstance(module, cls)), None)
+        if rank is not None and node.args and isinstance(node.args[0], fx.Node):
+            out[node.args[0]] = max(out.get(node.args[0], 0), rank - 1)  # unbatched, at the least
         if node.op == "call_method" and node.target == "size" and len(node.args) > 1:
             note(node.args[0], node.args[1])
         elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):

@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.placement import Placement, Whole
+from dpcompile.fx_utils import FreshArguments
 
 log = logging.getLogger("dpcompile")
 
@@ -44,12 +45,13 @@ class WholeOp:
 def whole_ops(gm: fx.GraphModule, placements: Mapping[fx.Node, Placement], weights: Mapping[str, int]) -> list[WholeOp]:
     """The nodes of a captured graph that run whole along the batch, in graph order."""
     from dpcompile.analysis.batch_dims import op_name
+    from dpcompile.analysis.batch_rules import builds_returned_structure
 
     modules = dict(gm.named_modules())
     out = []
     for node in gm.graph.nodes:
         p = placements.get(node)
-        if isinstance(p, Whole) and p.batch:
+        if isinstance(p, Whole) and p.batch and not builds_returned_structure(node):
             module = modules.get(node.target) if node.op == "call_module" else None
             out.append(
                 WholeOp(node.name, op_name(node, module), p.reason or "runs whole", int(weights.get(node.name, 0)))
@@ -66,7 +68,7 @@ def split_fraction(weights: Mapping[str, int], whole: Sequence[str]) -> float | 
     return 1.0 - sum(w for name, w in weights.items() if name in names) / total
 
 
-class _FlopRecorder(fx.Interpreter):
+class _FlopRecorder(FreshArguments):
     def __init__(self, gm: fx.GraphModule, counter: Any):
         super().__init__(gm, garbage_collect_values=True)
         self.counter = counter

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from dpcompile.errors import DpCompileError
-from dpcompile.fx_utils import bind_inputs
+from dpcompile.fx_utils import FreshArguments, bind_inputs
 from dpcompile.inspect.explanation import explain, held_count, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
 from dpcompile.inspect.measure_ledger import SLOT_KEY, BackwardWindows, Ledger, address
@@ -91,7 +91,7 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-class _SlotInterpreter(fx.Interpreter):
+class _SlotInterpreter(FreshArguments):
     """Runs a program node by node, naming each node's device slot; regions recomputed in backward
     run through it too (forward and recompute alike)."""
 

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dpcompile.analysis.cost import comm_sizes
 from dpcompile.errors import first_line
-from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
+from dpcompile.fx_utils import FreshArguments, is_example_misfit, quiet_fake_tensor_log
 from dpcompile.modules.call_errors import call_failed
 from dpcompile.runtime.structures import is_fake, tensor_leaves
 
@@ -22,7 +22,7 @@ __all__ = ["Recorder", "propagate"]
 log = logging.getLogger("dpcompile")
 
 
-class Recorder(fx.Interpreter):
+class Recorder(FreshArguments):
     """Run the program once, recording a summary per node (not the values themselves).
 
     ``summaries[name]`` is ``(shapes, dtypes, bytes)``, ``flops[name]`` the FLOPs that

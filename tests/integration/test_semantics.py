@@ -346,3 +346,26 @@ def test_an_ordered_dict_output_stays_one_through_export(layout, tmp_path):
         got = program(x)
         assert type(got) is collections.OrderedDict and list(got) == ["out", "aux"]
         torch.testing.assert_close(dict(got), dict(expected))
+
+
+AuxOutputs = collections.namedtuple("AuxOutputs", ["logits", "aux_logits"])  # as Inception-v3's InceptionOutputs
+
+
+class AuxLike(SegmentationLike):
+    def forward(self, x):
+        return AuxOutputs(self.head(torch.relu(self.body(x))), self.body(x))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@pytest.mark.parametrize("cls", [SegmentationLike, AuxLike], ids=["ordered_dict", "namedtuple"])
+def test_a_returned_structure_is_not_listed_as_running_whole(cls, frontend):
+    """The call that builds the returned OrderedDict / namedtuple holds gathered outputs: it is no
+    work left unsplit, so explain's ``whole`` is empty (it said "no batch rule for collections.OrderedDict")."""
+    model, x = cls(), torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend=frontend)
+    report = dpcompile.explain(pm, x)
+    assert report.whole == [] and report.split_flop_fraction == 1.0
+    got, expected = pm(x), model(x)
+    assert type(got) is type(expected)
+    torch.testing.assert_close(tuple(got.values() if isinstance(got, dict) else got),
+                               tuple(expected.values() if isinstance(expected, dict) else expected))

@@ -28,6 +28,7 @@ Rules are grouped by op family (the families of :mod:`dpcompile.analysis.ops`), 
 ``per_sample_ops`` antialiased upsampling, 3-D grid sampling, ``F.softmin``
 ``random_sizes``   ``torch.normal(mean, std, size)`` with a size holding the batch size
 ``reasons``        why an op runs whole where a split of its rows exists (one table)
+``structures``     the OrderedDict / namedtuple / dataclass forward returns, built from gathered values
 =================  ==============================================================
 
 ``over_dims`` holds the factories the newer files share (an op along, or over, the dims its
@@ -73,6 +74,7 @@ from dpcompile.analysis.batch_rules.context import Rule, RuleContext, node_shape
 from dpcompile.analysis.batch_rules.modules import batch_first
 from dpcompile.analysis.batch_rules.reductions import bind_loss, loss_kwargs_of_module
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES, BatchRuleRegistry
+from dpcompile.analysis.batch_rules.structures import builds_returned_structure, returned_structure
 from dpcompile.analysis.batch_rules.user import register_batch_rule
 from dpcompile.analysis.ops import BATCH_NORMS, LOSS_FUNCTIONS, LOSS_MODULES
 from dpcompile.runtime import flatten_parameters as runtime_flatten_parameters
@@ -87,6 +89,8 @@ def rule_for(node: fx.Node, module: nn.Module | None) -> Rule | None:
     rule = BATCH_RULES.lookup(node, module)
     if rule is None and node.op == "call_function":  # ATen ops of graphs the export frontend captured
         rule = aten_rule(node)
+    if rule is None and builds_returned_structure(node):
+        rule = returned_structure
     return rule
 
 
@@ -97,6 +101,7 @@ __all__ = [
     "Rule",
     "RuleContext",
     "rule_for",
+    "builds_returned_structure",
     "node_shape",
     "batch_first",
     "bind_loss",

@@ -82,6 +82,9 @@ def _index_shape(ctx: RuleContext, shape: Any, at: int, index: Any) -> Placement
                 # x.size()[:-k]: keeps the batch entry (at the front) when the rank is surely above at + k
                 if start == 0 and stop is not None and stop < 0 and low is not None and stop + low > at:
                     return BatchSize(shape_of_dim=at)
+                # x.shape[-2:] (DeepLab's output size): only entries after the batch's
+                if start < 0 and stop is None and low is not None and start + low > at:
+                    return REPLICATED
                 return None
             start = start + nd if start < 0 else start
             stop = stop + nd if stop is not None and stop < 0 else stop

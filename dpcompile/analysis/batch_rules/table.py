@@ -206,6 +206,7 @@ _add(
     conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d max_pool1d max_pool2d max_pool3d
     avg_pool1d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d
     upsample_nearest1d pixel_shuffle pixel_unshuffle channel_shuffle im2col
+    upsample_bicubic2d upsample_trilinear3d upsample_linear1d upsample_nearest3d
 """,
 )
 _add(

@@ -1,5 +1,5 @@
 """Functions of other libraries that fx keeps as calls (``torch.fx.wrap``), and per-sample random
-ops: stochastic depth, drop block, Swin's window attention. Registered by qualified name, so
+ops: stochastic depth, drop block, Swin's window attention (2-D and video), MViT's helpers. Registered by qualified name, so
 nothing here imports torchvision or timm.
 
 Random ops run per device on their chunk: each sample still gets its own draw (the same
@@ -12,7 +12,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 
 from dpcompile.analysis.batch_rules.context import RuleContext
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
-from dpcompile.analysis.placement import Placement, Replicated, Split, Whole
+from dpcompile.analysis.placement import REPLICATED, Placement, Replicated, Split, Tuple, Whole
 from dpcompile.runtime.random_more import stochastic_depth as runtime_stochastic_depth
 
 
@@ -34,6 +34,26 @@ def per_sample_dim0(ctx: RuleContext) -> Placement | None:
     """As :func:`per_sample`, the batch on dim 0 (the function treats dim 0 as its batch)."""
     out = per_sample(ctx)
     return out if isinstance(out, Split) and out.dim == 0 else None
+
+
+def _expand_dim_after_batch(ctx: RuleContext) -> Split | None:
+    """The split of ``fn(x, target_dim, expand_dim, ...)``'s ``x`` where ``expand_dim`` (the dim
+    it may add or drop) lies after the batch dim, so the batch dim stays where it is."""
+    p, expand = ctx.p(ctx.tensor_arg()), ctx.arg(2, "expand_dim")
+    if isinstance(p, Split) and isinstance(expand, int) and expand > p.dim >= 0:
+        return p
+    return None
+
+
+def mvit_unsqueeze(ctx: RuleContext) -> Placement | None:
+    """torchvision MViT's ``_unsqueeze(x, target_dim, expand_dim) -> (x, x's rank)``."""
+    p = _expand_dim_after_batch(ctx)
+    return Tuple((p, REPLICATED)) if p is not None else None
+
+
+def mvit_squeeze(ctx: RuleContext) -> Placement | None:
+    """torchvision MViT's ``_squeeze(x, target_dim, expand_dim, tensor_dim)``."""
+    return _expand_dim_after_batch(ctx)
 
 
 def stochastic_depth(ctx: RuleContext) -> Placement | None:
@@ -67,6 +87,12 @@ BATCH_RULES.register_by_name("torchvision.ops.drop_block.drop_block3d", drop_blo
 # Swin: attention within windows of one sample (its shift mask is built from the sample's shape)
 BATCH_RULES.register_by_name("torchvision.models.swin_transformer.shifted_window_attention", per_sample_dim0)
 BATCH_RULES.register_by_name("torchvision.models.swin_transformer._patch_merging_pad", per_sample_dim0)
+BATCH_RULES.register_by_name("torchvision.models.video.swin_transformer.shifted_window_attention_3d", per_sample_dim0)
+# MViT (video): the pooled attention's helpers; the two adds write into their first argument, per sample
+BATCH_RULES.register_by_name("torchvision.models.video.mvit._unsqueeze", mvit_unsqueeze)
+BATCH_RULES.register_by_name("torchvision.models.video.mvit._squeeze", mvit_squeeze)
+BATCH_RULES.register_by_name("torchvision.models.video.mvit._add_rel_pos", per_sample_dim0)
+BATCH_RULES.register_by_name("torchvision.models.video.mvit._add_shortcut", per_sample_dim0)
 # fx's check that an optional argument traced as None is None: checked on each device's chunk
 # (None scatters as None), so nothing is gathered for it
 BATCH_RULES.register(_assert_is_none, per_sample)

@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
+from dpcompile.capture.grad_blocks import inline_no_grad_blocks
 from dpcompile.capture.inputs import is_dynamic
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
 from dpcompile.capture.side_effects import (
@@ -271,6 +272,7 @@ def _program(
     from dpcompile.capture.decided import data_check_message, is_data_check
     from dpcompile.fx_utils import adopt_state
 
+    inline_no_grad_blocks(unlifted)
     source = unlifted.graph
     graph = fx.Graph()
     remap: dict[fx.Node, Any] = {}

@@ -194,16 +194,27 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     return ep
 
 
+# dropout keeps or zeroes the data it is given: a branch on what went through it (DETR's
+# ``if not torch.isfinite(hidden_states).all()`` in training) is a branch on that data, decided
+# as any other (checked at every call), not a draw taken anew on each call
+_DATA_THROUGH_DROPOUT = {
+    aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
+    aten.alpha_dropout.default, aten.feature_alpha_dropout.default,
+}  # fmt: skip
+
+
 def _branch_on_a_random_draw(graph: fx.Graph) -> str | None:
     """The source line of a Python value read from a random draw (``torch.rand([]) < p`` in an
-    ``if``: wav2vec2's LayerDrop), where the exported program decided a branch on it; else None."""
+    ``if``: wav2vec2's LayerDrop), where the exported program decided a branch on it; else None.
+    Dropout is not such a draw (:data:`_DATA_THROUGH_DROPOUT`)."""
     scalar_reads = (aten.item.default, aten._local_scalar_dense.default)
     for read in (n for n in graph.nodes if n.op == "call_function" and n.target in scalar_reads):
         seen, stack = set(), [read]
         while stack:
             node = stack.pop()
             target = node.target
-            if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+            seeded = isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+            if seeded and target not in _DATA_THROUGH_DROPOUT:
                 trace = (read.meta.get("stack_trace") or "").strip().splitlines()
                 return " ".join(line.strip() for line in trace[-2:]) or str(read)
             for arg in node.all_input_nodes:

@@ -28,7 +28,7 @@ import dataclasses
 import inspect
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -121,7 +121,7 @@ def capture_export(
             raise misfit_error(exc, model) from None
         ep = _export_deciding_on_examples(model, names, spec) if _is_data_dependent(exc) else None
         if ep is None:
-            raise export_error(exc, model) from exc
+            raise export_error(exc, model, given=names) from exc
         decided = True
     seconds = time.perf_counter() - start
     bar.update()
@@ -238,7 +238,7 @@ def misfit_error(exc: BaseException, model: nn.Module) -> ExampleError:
     )
 
 
-def export_error(exc: BaseException, model: nn.Module) -> TraceError:
+def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = ()) -> TraceError:
     """A :class:`TraceError` for a failed export, naming the user's line where export says it."""
     from dpcompile.capture.errors import leaf_to_suggest, user_frame
 
@@ -261,7 +261,33 @@ def export_error(exc: BaseException, model: nn.Module) -> TraceError:
             hint += f"; with the fx frontend, mark the module as a leaf (frontend='fx', leaf_modules=[{leaf.__name__}])"
     else:
         hint = "check that the examples are what forward accepts"
-    return TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
+    missing = _argument_left_none(exc, found, line, model, given)
+    if missing is not None:
+        example = f" (e.g. {missing}=torch.ones_like(input_ids))" if missing == "attention_mask" else ""
+        hint = (
+            f"'{missing}' is None there: the model builds it only outside torch.export (as transformers' models do), so "
+            f"pass {missing}= in example_kwargs= and in each call{example}"
+        )
+    error = TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
+    error.argument_left_none = missing  # the way out is that argument, not a part of the model
+    return error
+
+
+def _argument_left_none(exc: BaseException, found: Any, line: str, model: nn.Module, given: Collection[str]) -> str | None:
+    """The argument of forward, left out of the examples, that is None in the failing line's frame where
+    the line fails on a None (Switch Transformers' ``attention_mask[:, None, None, :]``); else None."""
+    import re
+
+    from dpcompile.capture.fx import forward_parameters
+
+    if found is None or "NoneType" not in str(exc):
+        return None
+    arguments = {p.name for p in forward_parameters(model)} - set(given)
+    frame_locals = found[1].tb_frame.f_locals
+    for name in sorted(arguments):
+        if name in frame_locals and frame_locals[name] is None and re.search(rf"\b{name}\b", line):
+            return name
+    return None
 
 
 # ----------------------------------------------------------------------------- the program

@@ -88,6 +88,32 @@ def test_export_frontend_needs_examples():
         capture_model(Encoder(), frontend="export")
 
 
+class MaskBuiltOutsideExport(nn.Module):
+    """Switch Transformers' stack: an ``attention_mask`` left None is built only outside torch.export."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+    def forward(self, input_ids, attention_mask=None):
+        if attention_mask is None and not torch.compiler.is_compiling():
+            attention_mask = torch.ones(input_ids.shape)
+        return self.head(self.embed(input_ids) * attention_mask[:, :, None])
+
+
+def test_export_frontend_names_the_argument_a_failing_line_finds_none():
+    """Export failing on an argument left None (Switch Transformers' attention mask) said to check the examples
+    and to transform a part of the model: it names the argument to pass, and a program given it runs as eager."""
+    ids = torch.randint(0, 10, (4, 5))
+    with pytest.raises(dpcompile.TraceError) as refused:
+        dpcompile.transform(MaskBuiltOutsideExport(), ["cpu"] * 2, frontend="export", example_kwargs={"input_ids": ids})
+    assert "'attention_mask' is None there" in str(refused.value) and "pass attention_mask= in example_kwargs=" in str(refused.value)
+    assert "a route that works" not in str(refused.value)
+    model, mask = MaskBuiltOutsideExport(), torch.ones(4, 5)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_kwargs={"input_ids": ids, "attention_mask": mask})
+    torch.testing.assert_close(pm(input_ids=ids, attention_mask=mask), model(ids, mask))
+
+
 def test_export_frontend_program_reads_the_models_own_parameters():
     """get_attr targets are the model's paths, holding the model's Parameter objects; module calls restored."""
     model = Encoder()

@@ -47,7 +47,20 @@ def matmul_weight_left(ctx: RuleContext) -> Placement | None:
         return None
     if isinstance(pa, Split) and isinstance(pb, Split):
         return samples_product(ctx, pa, pb) or matmul(ctx)
-    return matmul(ctx)
+    return matmul(ctx) or rows_times_replicated(ctx, pa, pb)
+
+
+def rows_times_replicated(ctx: RuleContext, pa: object, pb: object) -> Placement | None:
+    """``x @ w`` with ``x`` split on its rows (dim -2) and ``w`` replicated: each output row is its row of
+    ``x`` times ``w``, split on the output's rows. SpeechT5's relative position bias,
+    ``(T, B*H, D) @ (T, D, T)``, holds the batch in the rows of a batch of matrices."""
+    a, b = ctx.node.args[0], ctx.node.args[1]
+    na, nb = ctx.ndim(a), ctx.ndim(b)
+    if not (isinstance(pa, Split) and isinstance(pb, Replicated)) or na is None or nb is None or na < 2 or nb < 1:
+        return None
+    if pa.dim != na - 2:
+        return None
+    return Split(na - 2) if nb == 1 else Split(max(na, nb) - 2)
 
 
 def samples_product(ctx: RuleContext, pa: Split, pb: Split) -> Placement | None:

@@ -67,7 +67,16 @@ class Exported:
     export_seconds: float = 0.0
 
 
-def capture_export(
+def capture_export(*args: Any, **kwargs: Any) -> Exported:
+    """:func:`export_program`, where ``module.to(...)`` inside forward that changes nothing is a no-op
+    (:mod:`~dpcompile.capture.module_to`)."""
+    from dpcompile.capture.module_to import unchanged_module_to
+
+    with unchanged_module_to():
+        return export_program(*args, **kwargs)
+
+
+def export_program(
     model: nn.Module,
     example_inputs: Sequence[Any] | None,
     example_kwargs: Mapping[str, Any] | None,

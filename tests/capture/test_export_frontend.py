@@ -114,6 +114,33 @@ def test_export_frontend_names_the_argument_a_failing_line_finds_none():
     torch.testing.assert_close(pm(input_ids=ids, attention_mask=mask), model(ids, mask))
 
 
+class RouterConvertedInForward(nn.Module):
+    """Switch Transformers' router: its classifier converted to the router's dtype at every call."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.classifier, self.head, self.dtype = nn.Linear(4, 4), nn.Linear(4, 2), dtype
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(self.dtype)
+        return self.head(torch.softmax(self.classifier(x), -1) * x)
+
+
+def test_export_frontend_captures_a_module_to_that_changes_nothing():
+    """``self.classifier.to(dtype)`` in forward, a no-op in eager, could not run on export's fake parameters
+    ("Couldn't swap Linear.weight"): it is a no-op there too, and the program equals eager; a conversion that
+    would change the weights is still refused, and ``nn.Module.to`` is torch's own again after transform."""
+    torch.manual_seed(0)
+    model, x = RouterConvertedInForward(), torch.randn(6, 4)
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), eager(x))
+    assert dpcompile.explain(pm, x).split_flop_fraction == 1.0
+    with pytest.raises(dpcompile.TraceError, match="classifier.to"):
+        dpcompile.transform(RouterConvertedInForward(torch.float64), ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert nn.Module.to.__qualname__ == "Module.to"
+
+
 def test_export_frontend_program_reads_the_models_own_parameters():
     """get_attr targets are the model's paths, holding the model's Parameter objects; module calls restored."""
     model = Encoder()

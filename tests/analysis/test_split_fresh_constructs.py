@@ -6,7 +6,7 @@ a sequence-first ``(T, B, E)`` viewed as ``(T, B * heads, d)`` (WavLM's
 ``F.multi_head_attention_forward``), ``mask.type_as(embeddings)`` of a mask of lower rank (Funnel), ``x[:batch_size]`` with the batch
 size read from the input (TimeSformer's class tokens), rows of a sequence-first batch times a replicated table
 (SpeechT5's relative position bias), per-head weights broadcast over the batch (Zamba's ``x_proj_weight[:, None]``),
-and one batch size over another
+``torch.concatenate`` (Zamba), and one batch size over another
 (``B // q.shape[0]``, GCViT's windows per image) as the repeat count of ``repeat_interleave``.
 Each is captured on a batch of 4, run on a batch of 5 over 3 virtual devices (uneven chunks) and
 checked against eager, forward and every gradient; ``explain`` lists nothing that runs whole.
@@ -118,10 +118,22 @@ class HeadWeightsBroadcast(nn.Module):
         return torch.tanh(self.weights[:, None] @ x.transpose(0, 1)).transpose(0, 1)
 
 
+class ConcatenateAlias(nn.Module):
+    """Zamba: ``torch.concatenate``, an alias of ``cat`` torch.export keeps under its own name."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):  # (B, L, 4)
+        return self.head(torch.concatenate([x, x * 2], dim=-1))
+
+
 CASES = {
     "heads_folded_sequence_first": (HeadsFoldedSequenceFirst, (6, 8)),
     "repeat_interleave_output_size": (GroupsRepeated, (3, 2, 4)),
     "mask_type_as": (MaskTypeAs, (6, 8)),
+    "concatenate_alias": (ConcatenateAlias, (3, 4)),
     "head_weights_broadcast": (HeadWeightsBroadcast, (2, 4, 5)),
     "relative_position_bias": (RelativePositionBias, (5, 8)),
     "slice_to_batch_size": (SliceToBatchSize, (6, 8)),

@@ -270,6 +270,9 @@ def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = 
             hint += f"; with the fx frontend, mark the module as a leaf (frontend='fx', leaf_modules=[{leaf.__name__}])"
     else:
         hint = "check that the examples are what forward accepts"
+    returns_cache = "Cache'> in output" in first  # a transformers key/value cache returned: the cache was on
+    if returns_cache:
+        hint = f"{type(model).__name__} returns its key/value cache: turn it off with {_use_cache_setting(model)}"
     missing = _argument_left_none(exc, found, line, model, given)
     if missing is not None:
         example = f" (e.g. {missing}=torch.ones_like(input_ids))" if missing == "attention_mask" else ""
@@ -278,8 +281,20 @@ def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = 
             f"pass {missing}= in example_kwargs= and in each call{example}"
         )
     error = TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
-    error.argument_left_none = missing  # the way out is that argument, not a part of the model
+    error.names_the_way_out = missing is not None or returns_cache  # an argument or a setting, not a part of the model
     return error
+
+
+def _use_cache_setting(model: nn.Module) -> str:
+    """Where a transformers model's ``use_cache`` is set: its config, or its language model's (Llava's
+    ``config.text_config``, which the frontend does not reach through forward's ``**kwargs``)."""
+    config = getattr(model, "config", None)
+    if config is None or hasattr(config, "use_cache"):
+        return "model.config.use_cache = False before transform"
+    for name in ("text_config", "language_config", "llm_config"):
+        if hasattr(getattr(config, name, None), "use_cache"):
+            return f"model.config.{name}.use_cache = False before transform"
+    return "use_cache=False (in the examples and calls, or on the model's config) before transform"
 
 
 def _argument_left_none(exc: BaseException, found: Any, line: str, model: nn.Module, given: Collection[str]) -> str | None:

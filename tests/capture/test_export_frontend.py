@@ -114,6 +114,36 @@ def test_export_frontend_names_the_argument_a_failing_line_finds_none():
     torch.testing.assert_close(pm(input_ids=ids, attention_mask=mask), model(ids, mask))
 
 
+class ReturnsItsCache(nn.Module):
+    """A multimodal transformers model whose language model's config turns the key/value cache on (Llava's)."""
+
+    def __init__(self, transformers):
+        super().__init__()
+        self.config = transformers.LlavaConfig()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(x), transformers_cache()
+
+
+def transformers_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def test_export_frontend_names_the_config_that_turns_a_returned_cache_off():
+    """A model returning a transformers cache (Llava: ``use_cache`` on its ``text_config``, out of reach of
+    forward's arguments) was told to check its examples and transform a part: the error names the setting."""
+    from tests.thirdparty import import_or_skip
+
+    model = ReturnsItsCache(import_or_skip("transformers"))
+    with pytest.raises(dpcompile.TraceError) as refused:
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
+    assert "turn it off with model.config.text_config.use_cache = False" in str(refused.value), refused.value
+    assert "a route that works" not in str(refused.value)
+
+
 class RouterConvertedInForward(nn.Module):
     """Switch Transformers' router: its classifier converted to the router's dtype at every call."""
 

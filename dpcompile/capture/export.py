@@ -203,13 +203,12 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     return ep
 
 
-# dropout (attention's too: SDPA's dropout_p) keeps or zeroes the data it is given: a branch on what
-# went through it (DETR's ``if not torch.isfinite(hidden_states).all()`` in training) is a branch on
-# that data, decided as any other (checked at every call), not a draw taken anew on each call
+# dropout keeps or zeroes the data it is given: a branch on what went through it (DETR's
+# ``if not torch.isfinite(hidden_states).all()`` in training) is a branch on that data, decided
+# as any other (checked at every call), not a draw taken anew on each call
 _DATA_THROUGH_DROPOUT = {
     aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
-    aten.alpha_dropout.default, aten.feature_alpha_dropout.default, aten.scaled_dot_product_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten.alpha_dropout.default, aten.feature_alpha_dropout.default,
 }  # fmt: skip
 
 

@@ -28,7 +28,7 @@ import dataclasses
 import inspect
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from torch import nn
 
 from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
+from dpcompile.capture.grad_blocks import inline_no_grad_blocks
 from dpcompile.capture.inputs import is_dynamic
 from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
 from dpcompile.capture.side_effects import (
@@ -68,7 +69,16 @@ class Exported:
     export_seconds: float = 0.0
 
 
-def capture_export(
+def capture_export(*args: Any, **kwargs: Any) -> Exported:
+    """:func:`export_program`, where ``module.to(...)`` inside forward that changes nothing is a no-op
+    (:mod:`~dpcompile.capture.module_to`)."""
+    from dpcompile.capture.module_to import unchanged_module_to
+
+    with unchanged_module_to():
+        return export_program(*args, **kwargs)
+
+
+def export_program(
     model: nn.Module,
     example_inputs: Sequence[Any] | None,
     example_kwargs: Mapping[str, Any] | None,
@@ -122,7 +132,7 @@ def capture_export(
             raise misfit_error(exc, model) from None
         ep = _export_deciding_on_examples(model, names, spec) if _is_data_dependent(exc) else None
         if ep is None:
-            raise export_error(exc, model) from exc
+            raise export_error(exc, model, given=names) from exc
         decided = True
     seconds = time.perf_counter() - start
     bar.update()
@@ -196,16 +206,27 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     return ep
 
 
+# dropout keeps or zeroes the data it is given: a branch on what went through it (DETR's
+# ``if not torch.isfinite(hidden_states).all()`` in training) is a branch on that data, decided
+# as any other (checked at every call), not a draw taken anew on each call
+_DATA_THROUGH_DROPOUT = {
+    aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
+    aten.alpha_dropout.default, aten.feature_alpha_dropout.default,
+}  # fmt: skip
+
+
 def _branch_on_a_random_draw(graph: fx.Graph) -> str | None:
     """The source line of a Python value read from a random draw (``torch.rand([]) < p`` in an
-    ``if``: wav2vec2's LayerDrop), where the exported program decided a branch on it; else None."""
+    ``if``: wav2vec2's LayerDrop), where the exported program decided a branch on it; else None.
+    Dropout is not such a draw (:data:`_DATA_THROUGH_DROPOUT`)."""
     scalar_reads = (aten.item.default, aten._local_scalar_dense.default)
     for read in (n for n in graph.nodes if n.op == "call_function" and n.target in scalar_reads):
         seen, stack = set(), [read]
         while stack:
             node = stack.pop()
             target = node.target
-            if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+            seeded = isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+            if seeded and target not in _DATA_THROUGH_DROPOUT:
                 return user_source(read) or str(read)
             for arg in node.all_input_nodes:
                 if arg not in seen:
@@ -227,7 +248,7 @@ def misfit_error(exc: BaseException, model: nn.Module) -> ExampleError:
     )
 
 
-def export_error(exc: BaseException, model: nn.Module) -> TraceError:
+def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = ()) -> TraceError:
     """A :class:`TraceError` for a failed export, naming the user's line where export says it."""
     from dpcompile.capture.errors import leaf_to_suggest, user_frame
 
@@ -250,7 +271,48 @@ def export_error(exc: BaseException, model: nn.Module) -> TraceError:
             hint += f"; with the fx frontend, mark the module as a leaf (frontend='fx', leaf_modules=[{leaf.__name__}])"
     else:
         hint = "check that the examples are what forward accepts"
-    return TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
+    returns_cache = "Cache'> in output" in first  # a transformers key/value cache returned: the cache was on
+    if returns_cache:
+        hint = f"{type(model).__name__} returns its key/value cache: turn it off with {_use_cache_setting(model)}"
+    missing = _argument_left_none(exc, found, line, model, given)
+    if missing is not None:
+        example = f" (e.g. {missing}=torch.ones_like(input_ids))" if missing == "attention_mask" else ""
+        hint = (
+            f"'{missing}' is None there: the model builds it only outside torch.export (as transformers' models do), so "
+            f"pass {missing}= in example_kwargs= and in each call{example}"
+        )
+    error = TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
+    error.names_the_way_out = missing is not None or returns_cache  # an argument or a setting, not a part of the model
+    return error
+
+
+def _use_cache_setting(model: nn.Module) -> str:
+    """Where a transformers model's ``use_cache`` is set: its config, or its language model's (Llava's
+    ``config.text_config``, which the frontend does not reach through forward's ``**kwargs``)."""
+    config = getattr(model, "config", None)
+    if config is None or hasattr(config, "use_cache"):
+        return "model.config.use_cache = False before transform"
+    for name in ("text_config", "language_config", "llm_config"):
+        if hasattr(getattr(config, name, None), "use_cache"):
+            return f"model.config.{name}.use_cache = False before transform"
+    return "use_cache=False (in the examples and calls, or on the model's config) before transform"
+
+
+def _argument_left_none(exc: BaseException, found: Any, line: str, model: nn.Module, given: Collection[str]) -> str | None:
+    """The argument of forward, left out of the examples, that is None in the failing line's frame where
+    the line fails on a None (Switch Transformers' ``attention_mask[:, None, None, :]``); else None."""
+    import re
+
+    from dpcompile.capture.fx import forward_parameters
+
+    if found is None or "NoneType" not in str(exc):
+        return None
+    arguments = {p.name for p in forward_parameters(model)} - set(given)
+    frame_locals = found[1].tb_frame.f_locals
+    for name in sorted(arguments):
+        if name in frame_locals and frame_locals[name] is None and re.search(rf"\b{name}\b", line):
+            return name
+    return None
 
 
 # ----------------------------------------------------------------------------- the program
@@ -273,6 +335,7 @@ def _program(
     from dpcompile.capture.decided import data_check_message, is_data_check
     from dpcompile.fx_utils import adopt_state
 
+    inline_no_grad_blocks(unlifted)
     source = unlifted.graph
     graph = fx.Graph()
     remap: dict[fx.Node, Any] = {}

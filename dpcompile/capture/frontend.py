@@ -131,7 +131,7 @@ def capture_model(
         message = str(error)
         if fx_error is not None:
             message += f"\n(the fx frontend failed first: {fx_error})"
-        if route:
+        if route and not getattr(error, "names_the_way_out", False):
             message += f"\n{route}"
         raise TraceError(message) from None
     refuse_fixed_dynamic_dims(exported.gm, dynamic_dims, type(model).__name__)

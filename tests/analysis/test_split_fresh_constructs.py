@@ -4,7 +4,9 @@ Each toy holds one construct of a model of ``benchmarks/dp_models_sweep_fresh.py
 ``repeat_interleave(k, dim, output_size=...)`` on a dim that is not the batch (Mamba2's groups),
 a sequence-first ``(T, B, E)`` viewed as ``(T, B * heads, d)`` (WavLM's
 ``F.multi_head_attention_forward``), ``mask.type_as(embeddings)`` of a mask of lower rank (Funnel), ``x[:batch_size]`` with the batch
-size read from the input (TimeSformer's class tokens), and one batch size over another
+size read from the input (TimeSformer's class tokens), rows of a sequence-first batch times a replicated table
+(SpeechT5's relative position bias), per-head weights broadcast over the batch (Zamba's ``x_proj_weight[:, None]``),
+``torch.concatenate`` (Zamba), and one batch size over another
 (``B // q.shape[0]``, GCViT's windows per image) as the repeat count of ``repeat_interleave``.
 Each is captured on a batch of 4, run on a batch of 5 over 3 virtual devices (uneven chunks) and
 checked against eager, forward and every gradient; ``explain`` lists nothing that runs whole.
@@ -92,10 +94,48 @@ class HeadsFoldedSequenceFirst(nn.Module):
         return self.head(o.reshape(B, T, E))
 
 
+class RelativePositionBias(nn.Module):
+    """SpeechT5: the queries sequence-first, ``(T, B, D)``, times a replicated ``(T, D, T)`` position table,
+    the batch in the rows of a batch of matrices."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.positions = nn.Linear(8, 8), nn.Parameter(torch.randn(5, 5, 8))
+
+    def forward(self, x):  # (B, 5, 8)
+        bias = torch.matmul(self.q(x).transpose(0, 1), self.positions.transpose(-2, -1))  # (T, B, T)
+        return bias.transpose(0, 1)
+
+
+class HeadWeightsBroadcast(nn.Module):
+    """Zamba: per-head weights broadcast over the batch, ``(H, 1, r, d) @ (H, B, d, L)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = nn.Parameter(torch.randn(2, 3, 4))
+
+    def forward(self, x):  # (B, 2, 4, 5): heads second
+        return torch.tanh(self.weights[:, None] @ x.transpose(0, 1)).transpose(0, 1)
+
+
+class ConcatenateAlias(nn.Module):
+    """Zamba: ``torch.concatenate``, an alias of ``cat`` torch.export keeps under its own name."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):  # (B, L, 4)
+        return self.head(torch.concatenate([x, x * 2], dim=-1))
+
+
 CASES = {
     "heads_folded_sequence_first": (HeadsFoldedSequenceFirst, (6, 8)),
     "repeat_interleave_output_size": (GroupsRepeated, (3, 2, 4)),
     "mask_type_as": (MaskTypeAs, (6, 8)),
+    "concatenate_alias": (ConcatenateAlias, (3, 4)),
+    "head_weights_broadcast": (HeadWeightsBroadcast, (2, 4, 5)),
+    "relative_position_bias": (RelativePositionBias, (5, 8)),
     "slice_to_batch_size": (SliceToBatchSize, (6, 8)),
     "windows_per_image": (WindowsPerImage, (4, 4, 4)),
 }

@@ -140,6 +140,44 @@ def test_branch_on_a_random_draw_is_refused_not_decided_on_the_example():
         pm(x)
 
 
+class ClampsWhereNotFinite(nn.Module):
+    """DETR's encoder layer in training: the activations, through dropout, clamped where one is not finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.drop, self.head = nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.drop(self.body(x))
+        if self.training and not torch.isfinite(h).all():
+            h = h.clamp(-1e4, 1e4)
+        return self.head(h).pow(2).mean()
+
+
+def test_branch_on_data_through_dropout_is_decided_not_refused_as_a_draw():
+    """A branch on values that went through dropout (DETR, Conditional DETR) was refused as a branch on a
+    random draw: it is decided on the example as any data branch; the loss and every gradient equal eager's
+    from the same seed, and a call with an infinite value (the other branch) is refused by the check."""
+    torch.manual_seed(0)
+    model = ClampsWhereNotFinite().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.manual_seed(3)
+    got = pm(x)
+    torch.manual_seed(3)
+    want = eager(x)
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    infinite = x.clone()
+    infinite[0, 0] = float("inf")
+    with pytest.raises(dpcompile.DpCompileError, match="takes a branch of forward that the program does not have"):
+        pm(infinite)
+
+
 class Gated(nn.Module):
     def __init__(self):
         super().__init__()

@@ -88,6 +88,89 @@ def test_export_frontend_needs_examples():
         capture_model(Encoder(), frontend="export")
 
 
+class MaskBuiltOutsideExport(nn.Module):
+    """Switch Transformers' stack: an ``attention_mask`` left None is built only outside torch.export."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+    def forward(self, input_ids, attention_mask=None):
+        if attention_mask is None and not torch.compiler.is_compiling():
+            attention_mask = torch.ones(input_ids.shape)
+        return self.head(self.embed(input_ids) * attention_mask[:, :, None])
+
+
+def test_export_frontend_names_the_argument_a_failing_line_finds_none():
+    """Export failing on an argument left None (Switch Transformers' attention mask) said to check the examples
+    and to transform a part of the model: it names the argument to pass, and a program given it runs as eager."""
+    ids = torch.randint(0, 10, (4, 5))
+    with pytest.raises(dpcompile.TraceError) as refused:
+        dpcompile.transform(MaskBuiltOutsideExport(), ["cpu"] * 2, frontend="export", example_kwargs={"input_ids": ids})
+    assert "'attention_mask' is None there" in str(refused.value) and "pass attention_mask= in example_kwargs=" in str(refused.value)
+    assert "a route that works" not in str(refused.value)
+    model, mask = MaskBuiltOutsideExport(), torch.ones(4, 5)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_kwargs={"input_ids": ids, "attention_mask": mask})
+    torch.testing.assert_close(pm(input_ids=ids, attention_mask=mask), model(ids, mask))
+
+
+class ReturnsItsCache(nn.Module):
+    """A multimodal transformers model whose language model's config turns the key/value cache on (Llava's)."""
+
+    def __init__(self, transformers):
+        super().__init__()
+        self.config = transformers.LlavaConfig()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(x), transformers_cache()
+
+
+def transformers_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def test_export_frontend_names_the_config_that_turns_a_returned_cache_off():
+    """A model returning a transformers cache (Llava: ``use_cache`` on its ``text_config``, out of reach of
+    forward's arguments) was told to check its examples and transform a part: the error names the setting."""
+    from tests.thirdparty import import_or_skip
+
+    model = ReturnsItsCache(import_or_skip("transformers"))
+    with pytest.raises(dpcompile.TraceError) as refused:
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
+    assert "turn it off with model.config.text_config.use_cache = False" in str(refused.value), refused.value
+    assert "a route that works" not in str(refused.value)
+
+
+class RouterConvertedInForward(nn.Module):
+    """Switch Transformers' router: its classifier converted to the router's dtype at every call."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.classifier, self.head, self.dtype = nn.Linear(4, 4), nn.Linear(4, 2), dtype
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(self.dtype)
+        return self.head(torch.softmax(self.classifier(x), -1) * x)
+
+
+def test_export_frontend_captures_a_module_to_that_changes_nothing():
+    """``self.classifier.to(dtype)`` in forward, a no-op in eager, could not run on export's fake parameters
+    ("Couldn't swap Linear.weight"): it is a no-op there too, and the program equals eager; a conversion that
+    would change the weights is still refused, and ``nn.Module.to`` is torch's own again after transform."""
+    torch.manual_seed(0)
+    model, x = RouterConvertedInForward(), torch.randn(6, 4)
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), eager(x))
+    assert dpcompile.explain(pm, x).split_flop_fraction == 1.0
+    with pytest.raises(dpcompile.TraceError, match="classifier.to"):
+        dpcompile.transform(RouterConvertedInForward(torch.float64), ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert nn.Module.to.__qualname__ == "Module.to"
+
+
 def test_export_frontend_program_reads_the_models_own_parameters():
     """get_attr targets are the model's paths, holding the model's Parameter objects; module calls restored."""
     model = Encoder()

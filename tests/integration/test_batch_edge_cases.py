@@ -208,6 +208,45 @@ def test_no_grad_block_inside_forward_stops_gradients(tensor_parallel):
         torch.testing.assert_close(model.student.weight.grad, reference.student.weight.grad)
 
 
+class SinusoidUnderNoGrad(torch.nn.Module):
+    """SpeechT5's sinusoidal position embedding, reduced: a forward under ``@torch.no_grad()`` on the input."""
+
+    @torch.no_grad()
+    def forward(self, x):
+        return torch.sin(torch.cumsum(torch.ones_like(x[..., 0]), dim=-1)).unsqueeze(-1).expand_as(x)
+
+
+class NoGradBlocks(NoGradTeacher):
+    def __init__(self):
+        super().__init__()
+        self.positions = SinusoidUnderNoGrad()
+
+    def forward(self, x):
+        return super().forward(x + self.positions(x)).pow(2).mean()
+
+
+def test_no_grad_blocks_run_split_under_the_export_frontend():
+    """torch.export keeps a no-grad block as one higher-order op, which ran whole on the gathered batch
+    with everything after it (split fraction 0): its ops now run split, its values detached; the loss
+    and every gradient equal eager's, the teacher gets none."""
+    torch.manual_seed(0)
+    model = NoGradBlocks().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert "without_grad" in pm.code and "wrap_with_set_grad_enabled" not in pm.code
+    report = dpcompile.explain(pm, x)
+    assert report.whole == [] and report.split_flop_fraction == 1.0, report.whole
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None) == name.startswith("teacher"), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
 def test_transform_under_no_grad_keeps_gradients():
     """transform called inside ``torch.no_grad()`` (as an eval script may): the program still
     trains when called with gradients on."""

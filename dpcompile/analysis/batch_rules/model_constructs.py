@@ -44,10 +44,38 @@ def matmul_weight_left(ctx: RuleContext) -> Placement | None:
         nb = nb if nb is not None else ctx.min_ndim(b)
         if na is not None and na <= 2 and nb is not None and nb >= 3 and pb.dim < nb - 2:
             return Split(pb.dim)
-        return None
+        return _weights_broadcast_over_batch(a, nb, pb)
     if isinstance(pa, Split) and isinstance(pb, Split):
         return samples_product(ctx, pa, pb) or matmul(ctx)
-    return matmul(ctx)
+    return matmul(ctx) or rows_times_replicated(ctx, pa, pb)
+
+
+def _weights_broadcast_over_batch(a: fx.Node, nb: int | None, pb: Split) -> Placement | None:
+    """``w @ x`` with ``w`` replicated, of rank 3 or more, of size 1 on the dim that meets ``x``'s batch dim
+    (a batch dim of the product): Zamba's per-head weights ``x_proj_weight[:, None] @ h``, ``(H, 1, r, d) @
+    (H, B, d, L)``. Each device's product is its samples' rows of the whole's."""
+    shape = node_shape(a) if isinstance(a, fx.Node) else None
+    if shape is None or nb is None or len(shape) < 3 or not 0 <= pb.dim < nb - 2:
+        return None
+    out = max(len(shape), nb)
+    at = pb.dim + out - nb  # the split dim in the product's (and a's, right-aligned) coordinates
+    aligned = at - (out - len(shape))
+    if aligned >= 0 and shape[aligned] != 1:
+        return None
+    return Split(at)
+
+
+def rows_times_replicated(ctx: RuleContext, pa: object, pb: object) -> Placement | None:
+    """``x @ w`` with ``x`` split on its rows (dim -2) and ``w`` replicated: each output row is its row of
+    ``x`` times ``w``, split on the output's rows. SpeechT5's relative position bias,
+    ``(T, B*H, D) @ (T, D, T)``, holds the batch in the rows of a batch of matrices."""
+    a, b = ctx.node.args[0], ctx.node.args[1]
+    na, nb = ctx.ndim(a), ctx.ndim(b)
+    if not (isinstance(pa, Split) and isinstance(pb, Replicated)) or na is None or nb is None or na < 2 or nb < 1:
+        return None
+    if pa.dim != na - 2:
+        return None
+    return Split(na - 2) if nb == 1 else Split(max(na, nb) - 2)
 
 
 def samples_product(ctx: RuleContext, pa: Split, pb: Split) -> Placement | None:

@@ -154,7 +154,7 @@ _add("view", shape.narrow, "narrow narrow_copy")
 _add("view", aten_rules.slice_, "slice", same_name=False)
 _add("view", aten_rules.select, "select")
 _add("view", shape.chunk_like, "split_with_sizes split chunk unbind tensor_split unsafe_split unsafe_chunk")
-_add("concatenate", shape.cat, "cat stack")
+_add("concatenate", shape.cat, "cat stack concatenate concat")  # concatenate, concat: aliases export keeps
 _add("view", shape.repeat, "repeat")
 _add("view", training_ir.shaped_as, "reshape_as view_as")
 _add("pointwise", pointwise.pointwise, "expand_as")  # broadcasting y's shape, as y + 0 * x would

@@ -1,0 +1,85 @@
+"""``torch.no_grad()`` blocks of an exported graph, inlined as the fx frontend writes them.
+
+torch.export keeps a block that turns grad off (a forward under ``@torch.no_grad()``, as SpeechT5's
+and Marian's sinusoidal position embeddings) as one higher-order op calling a subgraph. No pass sees
+into it: data parallelism ran it, and everything after it, whole on the gathered batch. Its ops go
+back into the program, each output leaving through :func:`~dpcompile.runtime.without_grad`
+(detached: no gradient flows back through the block, as in eager)::
+
+    submod_1 = self.submod_1                              pos = aten.cumsum(aten.ones_like(x), -1)
+    wrap = higher_order.wrap_with_set_grad_enabled(  ->   sin = aten.sin(pos)
+        False, submod_1, x)                               sin_no_grad = without_grad(sin)
+    sin = wrap[0]                                         add = aten.add(x, sin_no_grad)
+    add = aten.add(x, sin)
+
+A block that turns grad on (``torch.enable_grad()`` inside a no-grad forward) is left as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from dpcompile.runtime.grad import without_grad
+
+_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def find_no_grad_blocks(gm: fx.GraphModule) -> list[fx.Node]:
+    """The ``wrap_with_set_grad_enabled(False, body, ...)`` calls of ``gm``'s graph whose body is a submodule."""
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is _SET_GRAD and n.args and n.args[0] is False
+        and isinstance(n.args[1], fx.Node) and n.args[1].op == "get_attr"
+    ]  # fmt: skip
+
+
+def inline_no_grad_blocks(gm: fx.GraphModule) -> bool:
+    """Inline every no-grad block of ``gm`` (nested ones too), in place; whether one was."""
+    changed = False
+    while blocks := find_no_grad_blocks(gm):
+        for block in blocks:
+            _inline(gm, block)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return changed
+
+
+def _inline(gm: fx.GraphModule, block: fx.Node) -> None:
+    graph = gm.graph
+    body_path = block.args[1].target
+    body: fx.GraphModule = gm.get_submodule(body_path)
+    operands = iter(block.args[2:])
+    remap: dict[fx.Node, fx.Node] = {}
+    outputs: tuple = ()
+    with graph.inserting_before(block):
+        for node in body.graph.nodes:
+            if node.op == "placeholder":
+                remap[node] = next(operands)
+            elif node.op == "output":
+                outputs = node.args[0]
+            else:
+                copied = graph.node_copy(node, lambda n: remap[n])
+                if node.op == "get_attr":  # the body's own attribute, reached from the root
+                    copied.target = f"{body_path}.{node.target}"
+                remap[node] = copied
+        results = []
+        for value in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+            if isinstance(value, fx.Node):
+                detached = graph.call_function(without_grad, (remap[value],))
+                detached.meta.update(remap[value].meta)
+                value = detached
+            results.append(value)
+    for user in list(block.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+    if block.users:  # the block's tuple read whole (not seen from export): rebuilt
+        with graph.inserting_before(block):
+            whole = graph.call_function(tuple, (results,))
+        block.replace_all_uses_with(whole)
+    graph.erase_node(block)

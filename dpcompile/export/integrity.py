@@ -227,7 +227,9 @@ def read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tenso
             if names != set(info):
                 missing, extra = sorted(set(info) - names), sorted(names - set(info))
                 raise ExportError(f"{WEIGHTS_FILE} and {PROGRAM_FILE} disagree: missing {missing[:5]}, unexpected {extra[:5]}")
-        weights = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
+        # each tensor its own allocation: load_file's are views into the file's mapping at 8-byte offsets, and
+        # CPU kernels round unaligned operands otherwise on some machines (AMD EPYC: gradients 1e-17 apart)
+        weights = {key: t.clone() for key, t in safetensors.torch.load_file(str(folder / WEIGHTS_FILE)).items()}
     except ExportError:
         raise
     except Exception as e:

@@ -227,9 +227,7 @@ def read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tenso
             if names != set(info):
                 missing, extra = sorted(set(info) - names), sorted(names - set(info))
                 raise ExportError(f"{WEIGHTS_FILE} and {PROGRAM_FILE} disagree: missing {missing[:5]}, unexpected {extra[:5]}")
-        # each tensor its own allocation: load_file's are views into the file's mapping at 8-byte offsets, and
-        # CPU kernels round unaligned operands otherwise on some machines (AMD EPYC: gradients 1e-17 apart)
-        weights = {key: t.clone() for key, t in safetensors.torch.load_file(str(folder / WEIGHTS_FILE)).items()}
+        weights = safetensors.torch.load_file(str(folder / WEIGHTS_FILE))
     except ExportError:
         raise
     except Exception as e:
@@ -245,7 +243,9 @@ def read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tenso
             raise ExportError(f"{PROGRAM_FILE}: buffer {key!r} cannot require grad")
         if t.dtype == torch.bool and bool((t.view(torch.uint8) > 1).any()):  # torch's ops disagree on such a bool
             raise ExportError(f"{WEIGHTS_FILE}: bool tensor {key!r} holds bytes other than 0 and 1; the folder was edited: re-export")
-    return weights
+    # each tensor its own allocation (after the bool check: a copy makes every byte 0 or 1): load_file's are views into
+    # the file's mapping at 8-byte offsets, which CPU kernels round otherwise on some machines (AMD EPYC: 1e-17 apart)
+    return {key: t.clone() for key, t in weights.items()}
 
 
 def manifest_hash(path: str | Path) -> str:

@@ -510,12 +510,15 @@ def _detached(value: Any) -> Any:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with fx's immutable lists and dicts (what ``map_arg`` builds) as the plain ones forward returned."""
-    if isinstance(value, (list, dict)):
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        plain = {k: _plain(v) for k, v in items}
-        return plain if isinstance(value, dict) else list(plain.values())
-    if isinstance(value, tuple):
+    """``value`` with fx's immutable lists and dicts (what ``map_arg`` builds around the output's nodes)
+    as the plain ones forward returned; a value a node computed (a ``ModelOutput``, a user's dict) is kept."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    if type(value) is immutable_dict:
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) is immutable_list:
+        return [_plain(v) for v in value]
+    if type(value) is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
         parts = [_plain(v) for v in value]
         return type(value)(*parts) if hasattr(value, "_fields") else tuple(parts)
     return value

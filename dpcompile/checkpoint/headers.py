@@ -322,7 +322,7 @@ def parse_json(text: str, file: Path, what: str, *, sparse: bool = False) -> Any
     """The JSON value of ``text`` (read from ``file``), refused where it nests deeper than
     ``MAX_NESTING``, names a key twice or is not JSON; ``sparse``: a format whose lists and objects are
     few (a safetensors header, an index json), refused past one per ``BYTES_PER_CONTAINER`` bytes."""
-    depth, containers = _nesting(text)
+    depth, containers = json_brackets(text)
     if depth > MAX_NESTING:
         raise CheckpointError(f"{file}: {what} nests {depth} levels deep (at most {MAX_NESTING})", file=file)
     if sparse and containers > len(text) // BYTES_PER_CONTAINER + 64:
@@ -349,9 +349,10 @@ def parse_json(text: str, file: Path, what: str, *, sparse: bool = False) -> Any
 # a string: possessive, and an unclosed one (a lone backslash last too) ends the text, so that every
 # match attempt that starts succeeds and the scan is linear
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+_STRING_BYTES = re.compile(_STRING.pattern.encode(), re.DOTALL)
 
 
-def _nesting(text: str) -> tuple[int, int]:
+def json_brackets(text: str | bytes) -> tuple[int, int]:
     """How deep ``[``/``{`` nest in the JSON ``text``, and how many open (brackets inside strings not
     counted), in time linear in the text (a string pattern that backtracks took minutes on 400 KB of
     ``"\\``) and in memory a few times its size: the brackets are picked out with numpy and counted
@@ -359,7 +360,8 @@ def _nesting(text: str) -> tuple[int, int]:
     of all at once 16 bytes each: 20 MB of ``[],[],...`` took 548 MB)."""
     import numpy as np
 
-    chars = np.frombuffer(_STRING.sub("", text).encode(), dtype=np.uint8)
+    outside = _STRING_BYTES.sub(b"", text) if isinstance(text, bytes) else _STRING.sub("", text).encode()
+    chars = np.frombuffer(outside, dtype=np.uint8)
     brackets = chars[(chars == ord("[")) | (chars == ord("]")) | (chars == ord("{")) | (chars == ord("}"))]
     depth = deepest = opens = 0
     for at in range(0, brackets.size, 1 << 16):
@@ -372,5 +374,5 @@ def _nesting(text: str) -> tuple[int, int]:
 
 __all__ = [
     "DTYPES", "DTYPE_OF", "INDEX_FILE", "MAX_NESTING", "SINGLE_FILE", "Checkpoint", "CheckpointError", "Entry",
-    "file_name_text", "parse_json", "read_checkpoint", "read_header", "read_index", "read_metadata",
+    "file_name_text", "json_brackets", "parse_json", "read_checkpoint", "read_header", "read_index", "read_metadata",
 ]  # fmt: skip

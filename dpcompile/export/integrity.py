@@ -7,12 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dpcompile.checkpoint.headers import json_brackets as brackets  # the one scanner, for bytes here
 from dpcompile.errors import ArgumentError
 from dpcompile.export.common import (
     FORMAT,
@@ -38,8 +38,6 @@ MAX_NESTING = 200
 # nodes stays far below) may be: read whole and parsed, a larger file is refused before it is read
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_PROGRAM_BYTES = 256 << 20
-# linear: every attempt that starts succeeds, an unclosed string (a lone backslash last too) ending the text
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.DOTALL)
 #: at most one list or object per this many bytes of manifest.json or program.json
 BYTES_PER_CONTAINER = 8
 
@@ -59,23 +57,6 @@ def canonical_json(data: Any) -> bytes:
 def nesting(text: bytes) -> int:
     """How deep ``text`` (JSON) nests lists and objects, counted without parsing (no recursion)."""
     return brackets(text)[0]
-
-
-def brackets(text: bytes) -> tuple[int, int]:
-    """How deep ``text`` (JSON) nests lists and objects and how many it opens, counted without
-    parsing, in a few times its size: the brackets picked out with numpy and counted 65,536 at a
-    time (``re.sub`` of what is no bracket kept a piece per bracket: 20 MB of ``[],[],...`` took 500 MB)."""
-    import numpy as np
-
-    chars = np.frombuffer(_STRING.sub(b"", text), dtype=np.uint8)
-    found = chars[(chars == ord("[")) | (chars == ord("]")) | (chars == ord("{")) | (chars == ord("}"))]
-    depth = deepest = opens = 0
-    for at in range(0, found.size, 1 << 16):
-        part = found[at : at + (1 << 16)]
-        is_open = (part == ord("[")) | (part == ord("{"))
-        running = np.cumsum(is_open.view(np.int8) * np.int8(2) - np.int8(1), dtype=np.int64) + depth
-        deepest, depth, opens = max(deepest, int(running.max())), int(running[-1]), opens + int(is_open.sum())
-    return deepest, opens
 
 
 def read_json(path: Path, limit: int = MAX_NESTING, *, max_bytes: int = MAX_PROGRAM_BYTES) -> Any:

@@ -239,7 +239,7 @@ def test_a_header_or_index_of_packed_empty_lists_is_refused_in_a_few_times_its_s
 
     from dpcompile.checkpoint import headers
 
-    assert headers._nesting("[" * 1_500_000 + "]" * 1_500_000) == (1_500_000, 1_500_000)
+    assert headers.json_brackets("[" * 1_500_000 + "]" * 1_500_000) == (1_500_000, 1_500_000)
     text = '{"a": [' + ",".join(["[]"] * 700_000) + "]}"
     file = tmp_path / "model.safetensors"
     file.write_bytes(struct.pack("<Q", len(text)) + text.encode())

@@ -314,10 +314,10 @@ def test_nesting_of_unclosed_escapes_is_one_pass(make, linear_folder):
     """Every quote of a text whose strings never close starts a match of the string pattern (one that
     backtracked was retried from each quote: quadratic, an hour on a 1 MiB manifest); such a manifest
     is refused naming it."""
-    from dpcompile.export import integrity
+    from dpcompile.checkpoint import headers  # the scanner export reads its JSON with
 
     small = make(500)
-    assert all(integrity._STRING.match(small, i) for i, c in enumerate(small) if c == ord('"'))
+    assert all(headers._STRING_BYTES.match(small, i) for i, c in enumerate(small) if c == ord('"'))
     (linear_folder / "manifest.json").write_bytes(make(20000))
     with pytest.raises(ExportError, match="manifest.json cannot be read as JSON"):
         dpcompile.load(linear_folder)

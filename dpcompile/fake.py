@@ -35,6 +35,28 @@ __all__ = [
 
 log = logging.getLogger("dpcompile")
 
+
+def _copy_storage_weak_refs_as_themselves() -> None:
+    """``copy.deepcopy`` of a fake tensor copies its ``FakeTensorMode``, and with it the mode's map of
+    constants, keyed by ``StorageWeakRef``: torch copies each key as a second object holding the same
+    raw weak pointer, and both release it when freed. The storage's memory is freed while a weak count
+    is still held, and the last release writes into whatever reuses it: heap corruption, a crash much
+    later ("corrupted double-linked list"; a meta-built pipeline over a mesh hit it in its shape run).
+    A weak reference is immutable, so a copy is the reference itself, as ``copy`` does for
+    ``weakref.ref``::
+
+        before: deepcopy(fake) -> two StorageWeakRef(cdata=X) -> X's weak count released twice
+        after:  deepcopy(fake) -> one StorageWeakRef(cdata=X), shared by both modes' maps
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if "__deepcopy__" not in vars(StorageWeakRef):
+        StorageWeakRef.__copy__ = lambda self: self  # type: ignore[method-assign]
+        StorageWeakRef.__deepcopy__ = lambda self, memo: self  # type: ignore[method-assign]
+
+
+_copy_storage_weak_refs_as_themselves()
+
 _NO_CUDA = "not linked with support for cuda"
 
 

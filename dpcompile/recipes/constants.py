@@ -61,11 +61,17 @@ class RealConstants(TorchFunctionMode):
 def deepcopy_on_fake(model: T) -> T:
     """``copy.deepcopy(model)`` where ``model`` may hold real tensors (constants) beside fake ones
     and a fake mode may be on: the real ones are copied with the mode off (a fake mode cannot
-    copy a real tensor's storage). An exported program's lifted constants stay out of its state dict."""
+    copy a real tensor's storage), the fake ones stay in their own mode (not a copy of it). An
+    exported program's lifted constants stay out of its state dict."""
     memo: dict[int, Any] = {}
     if isinstance(model, torch.nn.Module):
         with unset_fake_temporarily():
             for module in model.modules():
+                held = [*vars(module).values(), *module._parameters.values(), *module._buffers.values()]
+                for value in held:
+                    mode = getattr(value, "fake_mode", None) if is_fake(value) else None
+                    if mode is not None:  # the copy's fake tensors stay in their mode (deepcopy would copy it)
+                        memo[id(mode)] = mode
                 for value in list(vars(module).values()) + list(module._buffers.values()):
                     if isinstance(value, torch.Tensor) and not is_fake(value) and not value.is_meta:
                         # a weight torch.nn.utils.weight_norm's hook computed (not a leaf): the copy's hook computes its own

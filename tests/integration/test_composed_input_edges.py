@@ -140,3 +140,39 @@ def test_an_optional_argument_export_fixed_is_checked_as_one_strategy_does(mesh,
     torch.testing.assert_close(pm(x, **kept), model(x, **kept))
     with pytest.raises(InputMismatch, match="export"):
         pm(x, **departs)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        return (self.down(torch.relu(self.up(x))) - y).square().mean()
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, *COMPOSED], ids=str)
+def test_one_tensor_given_as_two_examples_stays_two_arguments(mesh):
+    """torch.export makes aliased example inputs one input: the example (x, x) gave a program that
+    read x for y at every call, silently. Each argument is now its own input, on every layout."""
+    torch.manual_seed(0)
+    model, x, y = TwoInputs(), torch.randn(4, 8), torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(copy.deepcopy(model), _devices(mesh), mesh=mesh, example_kwargs={"x": x, "y": x},
+                                 frontend="export")  # fmt: skip
+    assert_trains_as_eager(pm, model, ((x, y), {}), ((x, x), {}), steps=1)
+
+
+@pytest.mark.parametrize("mesh", COMPOSED, ids=str)
+def test_one_tensor_passed_twice_that_needs_grad_gets_both_gradients(mesh):
+    """pm(x, x) with x requiring grad: x's gradient sums what both arguments give it, as eager's."""
+    torch.manual_seed(0)
+    model, x = TwoInputs(), torch.randn(4, 8)
+    pm = dpcompile.transform(copy.deepcopy(model), _devices(mesh), mesh=mesh, example_inputs=(x, x))
+    mine, eager = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss, want = pm(mine, mine), model(eager, eager)
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(mine.grad, eager.grad)

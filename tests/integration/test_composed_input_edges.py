@@ -80,6 +80,20 @@ def test_an_automatic_cut_through_a_pair_plans_the_pair_unpaired(mesh):
     assert_trains_as_eager(pm, model, ((x,), {}))
 
 
+@pytest.mark.parametrize(("cut", "plan"), [("layers.1", {"layers.0": "replicate", "layers.2": "row"}),
+                                           ("layers.2", {"layers.0": "column", "layers.2": "replicate"})])
+def test_a_named_cut_through_an_automatic_pair_keeps_the_layer_on_its_side_sharded(cut, plan):
+    """Cut right after the column layer: it stays whole and the row layer splits what it receives;
+    cut right before the row layer: it stays whole and the column layer's output is gathered. Two
+    micro-batches of an uneven batch."""
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(5, 8)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 4, pipeline=[cut], tensor_parallel=True,
+                             micro_batches=2, example_inputs=(x,))  # fmt: skip
+    assert pm.plan == plan
+    assert_trains_as_eager(pm, model, ((x,), {}))
+
+
 def test_an_explicit_plan_cut_through_its_pair_is_still_refused():
     """A plan the user wrote is theirs: a boundary through its pair is refused with the way out."""
     with pytest.raises(dpcompile.DpCompileError, match="cuts through a tensor-parallel region"):

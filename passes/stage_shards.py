@@ -111,8 +111,12 @@ _SIZE_HELPERS = (runtime.collectives.local_size, runtime.collectives.local_offse
 
 
 def _follows_reader(node: fx.Node) -> bool:
-    """A parameter read, a copy to the shards and a size constant go with their first reader."""
-    return node.op == "get_attr" or node.target is runtime.collectives.copy_to_shards or node.target in _SIZE_HELPERS
+    """A parameter read, a copy to the shards, a split of a whole value (a row layer's input) and a
+    size constant go with their first reader: the stage before a cut sends the whole value."""
+    return (
+        node.op == "get_attr" or node.target in _SIZE_HELPERS
+        or node.target in (runtime.collectives.copy_to_shards, runtime.collectives.split_to_shards)
+    )  # fmt: skip
 
 
 def _per_shard(node: fx.Node) -> bool:
@@ -124,6 +128,8 @@ def _clonable(node: fx.Node) -> bool:
     size constant, or an op of such values alone."""
     if node.target in _SIZE_HELPERS or node.target is runtime.collectives.copy_to_shards:
         return True
+    if node.target is runtime.collectives.split_to_shards:  # each stage cuts its shard of the whole value
+        return not any(_per_shard(a) for a in node.all_input_nodes)
     return isinstance(node.meta.get(LAYOUT), Copied) and all(
         _clonable(a) or not _per_shard(a) for a in node.all_input_nodes
     )

@@ -101,7 +101,7 @@ def export_program(
             f"the export frontend needs examples to run {type(model).__name__}.forward on: pass example_inputs= "
             "(a tuple of arguments) and/or example_kwargs= (a dict, e.g. input_ids=, attention_mask=)"
         )
-    names = bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {}))
+    names = distinct_examples(bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {})))
     injected = without_cache(model, names)
     for name, value in names.items():
         if isinstance(value, (list, tuple, dict)) and any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(value)):
@@ -164,6 +164,37 @@ def export_program(
         )
     examples = tuple(names[n.target] for n in gm.graph.nodes if n.op == "placeholder")
     return Exported(gm, examples, dim, dynamic, seconds)
+
+
+def distinct_examples(names: dict[str, Any]) -> dict[str, Any]:
+    """``names`` with each tensor that shares memory with an earlier argument's (``pm(x, x)`` as the
+    example) replaced by a copy: torch.export makes aliased inputs one input, so the program would
+    read the first argument for both at every call, whatever the second is::
+
+        before: transform(m, example_inputs=(x, x)); pm(x, y)  -> m(x, x)'s result
+        after:                                        pm(x, y)  -> m(x, y)'s result"""
+    seen: set[Any] = set()
+    out = {}
+    for name, value in names.items():
+        if isinstance(value, torch.Tensor):
+            key = _memory_of(value)
+            if key in seen:
+                value = value.detach().clone().requires_grad_(value.requires_grad)
+            seen.add(key)
+        out[name] = value
+    return out
+
+
+def _memory_of(t: torch.Tensor) -> Any:
+    """What two aliasing tensors share: their storage's address, or the tensor itself where it has
+    none to compare (meta and fake tensors)."""
+    if t.is_meta or isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+        return id(t)
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+    return (t.device, ptr) if ptr else id(t)
 
 
 def _is_data_dependent(exc: BaseException) -> bool:

@@ -4,20 +4,64 @@ sequence pipeline (``cp`` over ``pp``) has the examples it finds the sequence fr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.analysis.graph_view import find_linear_chains
+from dpcompile.analysis.linear_sites import find_linear_sites
+from dpcompile.analysis.sharding_rules import is_shard_transparent
 from dpcompile.analysis.split_fraction import node_flops
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import propagate_shapes
 from dpcompile.progress import step_bar
 from passes.borrowed_modules import find_module_homes, node_tensors
-from passes.split_stages import STAGE
+from passes.split_stages import STAGE, StagePlan
+
+
+def unpair_across_cuts(
+    gm: fx.GraphModule, styles: Mapping[str, str], plan: StagePlan
+) -> tuple[dict[str, str], dict[str, str]]:
+    """``(styles, reasons)``: an automatic tensor-parallel plan whose column → row pairs a stage
+    boundary of ``plan`` cuts (no cut of ``Linear, ReLU, Linear`` into 2 stages keeps the pair
+    whole; stages exchange whole values) planned unpaired instead::
+
+        before: 0: column | 2: row              (cut before '2': '0''s shards read in stage 1)
+        after:  0: column (gathered in stage 0) | 2: replicate
+
+    The row layer stays whole where its input is computed before the cut (the column layer's
+    output is gathered in its own stage); the column layer where all of its readers follow the
+    cut (the row layer splits the whole value it receives); both where the cut falls between
+    the ops that join them."""
+    sites = find_linear_sites(gm)
+    modules = dict(gm.named_modules())
+    by_name = {site.node.name: path for path, site in sites.items()}
+    chains = find_linear_chains(gm, {s.node for s in sites.values()}, lambda n: is_shard_transparent(n, modules))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out, reasons = dict(styles), {}
+    for a, b in chains:
+        col, row = by_name[a], by_name[b]
+        stage_a, stage_b = plan.stage_of.get(a), plan.stage_of.get(b)
+        if styles.get(col) != "column" or styles.get(row) != "row" or stage_a == stage_b:
+            continue
+        fed = [n for n in nodes[b].all_input_nodes if n.op != "get_attr"]
+        if all(plan.stage_of.get(n.name) == stage_a for n in fed):
+            whole = [row]
+        elif all(plan.stage_of.get(u.name) == stage_b for u in nodes[a].users):
+            whole = [col]
+        else:
+            whole = [col, row]
+        for path in whole:
+            out[path] = "replicate"
+            reasons[path] = (
+                f"replicate: the boundary before stage {stage_b} falls between column '{col}' (stage {stage_a}) "
+                f"and row '{row}'; stages exchange whole values"
+            )
+    return out, reasons
 
 
 def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = False) -> None:

@@ -61,7 +61,7 @@ from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.data_parallel import without_sequence_replicated
-from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights
+from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights, unpair_across_cuts
 from dpcompile.recipes.tensor_parallel import (
     aliased_plan,
     capture_to_shard,
@@ -108,10 +108,16 @@ def compile_sharded_stages(
     if recipe.context_parallel:
         input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
     styles, reasons = plan_for(gm, aliased_plan(recipe.plan), shards, model)
-    options = passes.PipelineOptions(devices=groups[0], output_device=groups[0].primary, plan=styles)
+    options = passes.PipelineOptions(  # a write into an input made functional and copied back, as pipeline=S does
+        devices=groups[0], output_device=groups[0].primary, plan=styles, write_back_inputs=True
+    )
     gm, records = run_passes(gm, passes.frontend_pipeline(options))
     inside = inside_sharded_regions(gm, resolve_plan(gm, plan=styles, n=shards).analysis.layouts)
     stage_plan = passes.find_stage_boundaries(gm, stages=recipe.stages, weights=weights, no_cut_before=inside)
+    if recipe.plan is True and inside.intersection(stage_plan.starts):  # no cut keeps every pair in one stage
+        styles, unpaired = unpair_across_cuts(gm, styles, stage_plan)
+        reasons.update(unpaired)
+        options = dataclasses.replace(options, plan=styles)
     if stage_plan.stages * shards != len(recipe.devices):
         raise ArgumentError(
             f"pipeline={recipe.stages!r} makes {stage_plan.stages} stages of {shards} tensor-parallel shards "
@@ -163,6 +169,7 @@ def compile_sharded_stages(
         flags=flags,
         none_args=none_args,
         shares_source=False,
+        exported_from=model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None,  # checked at each call
     )
     hold_shards(
         pm,

@@ -61,11 +61,10 @@ def check_keywords_honoured(
             "output_device= names where a one-process program gathers its outputs; over a DeviceMesh every rank "
             "returns its outputs on its own device: leave output_device= out"
         )
-    if over_mesh and pipelined and ddp_options:
-        raise DpCompileError(
-            "ddp_options= with pipeline= over a DeviceMesh is not built yet: the 'dp' groups of a pipeline average "
-            "their gradients with one all-reduce per step after the schedule, not DistributedDataParallel; leave "
-            'ddp_options= out (the default data_parallel=), or pass data_parallel="fsdp" (FSDP2 on each stage)'
+    if over_mesh and ddp_options and data_parallel == "fsdp":
+        raise ArgumentError(
+            'ddp_options= configures DistributedDataParallel, and data_parallel="fsdp" runs FSDP2 instead (it takes '
+            "mixed_precision=, no DDP options): leave ddp_options= out, or data_parallel= out (DDP with those options)"
         )
     if over_mesh and activation_checkpointing not in (None, False):
         _check_mesh_checkpointing(activation_checkpointing, tuple(devices.mesh_dim_names or ()))
@@ -77,6 +76,12 @@ def check_keywords_honoured(
         )  # fmt: skip
     if over_mesh:  # the mesh's own dimensions, as mesh= names them in one process
         mesh = mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
+        if ddp_options and not {"dp", "cp"} & set(mesh):
+            raise ArgumentError(
+                f"ddp_options= configures DistributedDataParallel over the mesh's data-parallel dimension, and the "
+                f"layout {mesh} has none ('dp', or 'cp', whose ranks average gradients as dp's do): add a 'dp' "
+                "dimension to the DeviceMesh, or leave ddp_options= out"
+            )
         sharded = sharded or mesh.get("tp", 1) > 1
     _check_sequence_parallel(sequence_parallel, sharded, over_mesh=over_mesh, pipelined=pipelined, mesh=mesh,
                              schedule=schedule)  # fmt: skip

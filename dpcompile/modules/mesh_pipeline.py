@@ -12,7 +12,8 @@ batch's mean, detached); other stages return None. ``pm.graph``/``pm.code`` are 
 program (``pm.program``), whose modules, parameters and buffers are ``pm``'s. On a ``("pp", "tp")``
 mesh the program holds this tp rank's shards of the stage (``pm.shards``, ``pm.plan``:
 :func:`attach_shards`); with ``data_parallel="fsdp"`` FSDP2 wraps the stage over ``"dp"``
-(``pm.fsdp``: :func:`shard_over_dp`). ``pm.state_dict()`` is the model's, whole (a collective);
+(``pm.fsdp``: :func:`shard_over_dp`), with ``ddp_options=`` DDP does (``pm.ddp``: :func:`hold_ddp`).
+``pm.state_dict()`` is the model's, whole (a collective);
 ``pm.load_state_dict()`` takes it back (each rank keeps its pieces).
 
 Each stage's input and output shapes are worked out on fake tensors from the whole program
@@ -54,10 +55,13 @@ from dpcompile.modules.mesh_stage_dp import (
     load_whole_state,
     local,
     local_rows_shape,
+    shard_fake_stage_over_dp,
     shard_stage_over_dp,
+    stage_under_ddp,
     whole_parameters_on_fake,
 )
 from dpcompile.runtime.random_plan import drawing
+from dpcompile.runtime.structures import is_fake
 
 #: what a pipeline over a mesh cannot serve (:meth:`MeshPipelineExecutor.check_supported`)
 REFUSALS = {
@@ -104,6 +108,7 @@ def mesh_pipeline_module(program: fx.GraphModule, *, recipe: Any, mesh: Any, who
         random_plan=random_plan,  # every stage's random sites, drawn in order a call
         shards={}, plan_reasons={}, tp_group=None,
         _fsdp=None,  # the FSDP2 root PipelineStage runs (data_parallel="fsdp"): pm.fsdp
+        _ddp=None, _ddp_options=None,  # the DDP PipelineStage runs (ddp_options=): pm.ddp; its options, until built
         state_ties={},  # the model's state_dict keys, each with its tied names
         _executor=MESH_PIPELINE,
     )  # fmt: skip
@@ -124,7 +129,10 @@ def shard_over_dp(pm: Any, dp_mesh: Any, options: dict[str, Any]) -> None:
     torchtitan orders them): see :mod:`dpcompile.modules.mesh_stage_dp`. Collective over ``dp``."""
     program = pm.program
     owners = {id(p): (m, n) for m in program.modules() for n, p in m._parameters.items() if p is not None}
-    pm.__dict__["_fsdp"] = shard_stage_over_dp(program, dp_mesh, options)
+    if any(is_fake(t) for t in (*program.parameters(), *program.buffers())):  # a meta model, compiled on fake
+        pm.__dict__["_fsdp"] = shard_fake_stage_over_dp(program, dp_mesh, options, pm.device)
+    else:
+        pm.__dict__["_fsdp"] = shard_stage_over_dp(program, dp_mesh, options)
     dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     shared = []
     for p, stages in pm.shared:  # tied weights: this stage's FSDP shard, or zeros shaped as the peers' shards
@@ -135,6 +143,15 @@ def shard_over_dp(pm: Any, dp_mesh: Any, options: dict[str, Any]) -> None:
             rows = local_rows_shape(p.shape, dp_size, dp_rank)
             shared.append((torch.empty(rows, dtype=p.dtype, device=pm.device), stages))
     pm.shared = shared
+
+
+def hold_ddp(pm: Any, options: dict[str, Any]) -> None:
+    """DDP over ``"dp"`` with ``options`` on the stage's program (after its tensor-parallel sharding):
+    :func:`~dpcompile.modules.mesh_stage_dp.stage_under_ddp`. A meta model's fake stage gets it once
+    it has memory (:meth:`MeshPipelineExecutor.materialized`). Collective over ``dp``."""
+    pm.__dict__["_ddp_options"] = dict(options)
+    if not any(is_fake(t) for t in (*pm.program.parameters(), *pm.program.buffers())):
+        pm.__dict__["_ddp"] = stage_under_ddp(pm.program, pm.dp_group, pm.device, options)
 
 
 def attach_shards(pm: Any, program: fx.GraphModule, *, shards: dict[str, Any], plan: dict[str, str],
@@ -208,6 +225,8 @@ class MeshPipelineExecutor(PlainExecutor):
     def materialized(self, pm: Any, memo: dict[int, torch.Tensor]) -> None:
         """A meta model's fake stage was given memory (``memo``): the tied weights' copies follow it."""
         pm.shared = [(materialized_copy(p, memo, pm.device), stages) for p, stages in pm.shared]
+        if pm._ddp_options is not None and pm.ddp is None:  # DDP broadcasts memory, not yet weights: load fills both
+            pm.__dict__["_ddp"] = stage_under_ddp(pm.program, pm.dp_group, pm.device, pm._ddp_options)
 
 
 #: the executor of this rank's stage of a pipeline over a mesh
@@ -226,14 +245,15 @@ def _schedule_for(pm: Any, inputs: tuple, count: int, train: bool) -> Any:
 
     firsts = _first_micro_batch(inputs, count)
     key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in firsts), count, train)
-    schedules, fsdp = pm._schedules, pm.fsdp
+    schedules, root = pm._schedules, pm.fsdp if pm.fsdp is not None else pm.ddp
+    wired = pm.fsdp if pm.ddp is None else pm.ddp.module  # the TensorsOnWire under FSDP or DDP
     if key not in schedules:
         stage_in, stage_out = _stage_examples(pm, firsts, train)
         first = pm.stage_index == 0
-        if fsdp is not None:  # one FSDP root for every shape: rewired before each run
+        if root is not None:  # one FSDP or DDP root for every shape: rewired before each run
             bound, sent = wiring(stage_in, stage_out, first=first, device=pm.device)
             pm._wirings[key] = (bound, len(stage_in), sent)
-            module = fsdp
+            module = root
             stage_in = tuple(v for i, v in enumerate(stage_in) if i not in bound)
             stage_out = tuple(stage_out[i] for i in sent)
         else:
@@ -248,8 +268,8 @@ def _schedule_for(pm: Any, inputs: tuple, count: int, train: bool) -> Any:
             loss_fn=(lambda out, _: out[loss_at].sum() * pm._loss_scale) if pm.has_loss else None,
             scale_grads=False,
         )  # fmt: skip
-    if fsdp is not None:
-        fsdp.rewire(*pm._wirings[key])
+    if root is not None:
+        wired.rewire(*pm._wirings[key])
     return schedules[key]
 
 
@@ -300,12 +320,13 @@ def _step(pm: Any, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]
     # where the loss's count follows from the inputs alone (labels), every rank knows it before
     # the step: each micro-batch's loss is its sum over the whole count, and nothing is divided after
     known = train and pm._count_program is not None
-    pm._loss_scale = 1.0
+    # DDP averages its all-reduce over dp: each rank's loss times dp's size makes that average the sum
+    pm._loss_scale = float(dist.get_world_size(pm.dp_group)) if pm.ddp is not None else 1.0
     if known:
         count = torch.as_tensor(pm._count_program(*inputs), dtype=torch.float64).reshape(1)
         if pm.dp_group is not None:
             dist.all_reduce(count, group=pm.dp_group)
-        pm._loss_scale = 1.0 / float(count)
+        pm._loss_scale /= float(count)
     before = {p: p.grad.clone() for p in pm.program.parameters() if p.grad is not None} if train else {}
     draws = pm.random_plan.record(inputs, batch, runs, pm.dp_group) if pm.random_plan is not None else None
     pieces, start = [], 0  # each run of equal micro-batches is one step of its own schedule
@@ -368,7 +389,7 @@ def _average_gradients(pm: Any, before: dict, count: float) -> None:
             continue
         old = before.get(p)
         step = p.grad if old is None else p.grad - old
-        if pm.dp_group is not None and pm.fsdp is None:  # FSDP reduce-scattered them in the step
+        if pm.dp_group is not None and pm.fsdp is None and pm.ddp is None:  # FSDP and DDP reduced them in the step
             dist.all_reduce(step, group=pm.dp_group)
         if old is None:
             if count != 1.0:
@@ -458,6 +479,7 @@ def _positional(names: list[str], args: tuple, kwargs: dict) -> tuple:
 
 
 __all__ = [
-    "MESH_PIPELINE", "MeshPipelineExecutor", "attach_shards", "count_program", "example_stage_inputs", "hold_program",
+    "MESH_PIPELINE", "MeshPipelineExecutor", "attach_shards", "count_program", "example_stage_inputs", "hold_ddp",
+    "hold_program",
     "mesh_pipeline_module", "shard_over_dp",
 ]

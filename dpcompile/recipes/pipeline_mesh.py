@@ -11,8 +11,9 @@ of the batch, ``dpcompile.mesh.local_batch``), exactly: the loss is the mean ove
 global batch. A ``"tp"`` dimension (with ``tensor_parallel=``) shards each stage's layers over
 its ranks: :func:`~dpcompile.recipes.pipeline_mesh_tp.shard_stage`. Both on a ``("pp", "dp",
 "tp")`` mesh. The order is torchtitan's: cut the stage, shard it over ``"tp"``, then data
-parallel over ``"dp"``: replicated (one all-reduce per step) or ``data_parallel="fsdp"``
-(``fully_shard`` on the stage: :mod:`dpcompile.modules.mesh_stage_dp`).
+parallel over ``"dp"``: replicated (one all-reduce per step; ``ddp_options=``: DDP on the stage with
+those options) or ``data_parallel="fsdp"`` (``fully_shard`` on the stage: :mod:`dpcompile.modules.mesh_stage_dp`;
+a model built on meta is sharded on meta, each rank then allocating its rows).
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ from dpcompile.fx_utils import ancestors, copy_graph, graph_module
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_fsdp_parameters, local_device
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.mesh_pipeline import attach_shards, example_stage_inputs, mesh_pipeline_module, shard_over_dp
+from dpcompile.modules.mesh_pipeline import (
+    attach_shards,
+    example_stage_inputs,
+    hold_ddp,
+    mesh_pipeline_module,
+    shard_over_dp,
+)
 from dpcompile.modules.mesh_random import StageRandomPlan
 from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
 from dpcompile.recipes.base import Recipe, capture_with_flags
@@ -60,6 +67,7 @@ class MeshPipelineRecipe(Recipe):
     plan: bool | Mapping[str, str] = field(default=False)
     data_parallel: str = "ddp"
     mixed_precision: Any = field(default=None, compare=False)
+    ddp_options: Mapping[str, Any] | None = field(default=None, compare=False)  # DDP over "dp" on each stage
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         import torch.distributed as dist
@@ -68,12 +76,6 @@ class MeshPipelineRecipe(Recipe):
         check_pipeline_mesh(names, self.plan, self.data_parallel)
         if self.data_parallel == "fsdp":
             check_fsdp_parameters(model)
-        if self.data_parallel == "fsdp" and any(is_fake(t) for t in (*model.parameters(), *model.buffers())):
-            raise DpCompileError(
-                "a model built on meta with data_parallel=\"fsdp\" over a mesh pipeline is not built yet (FSDP would "
-                "shard the stage's fake tensors, which load_checkpoint cannot fill): build the model on CPU, or leave "
-                "data_parallel= out (each dp rank then allocates its stage, and load_checkpoint fills it)"
-            )
         pp_size = self.mesh.size(names.index("pp"))
         pp_rank = self.mesh.get_local_rank("pp")
         pp_group = self.mesh.get_group("pp")
@@ -159,6 +161,8 @@ class MeshPipelineRecipe(Recipe):
         if self.data_parallel == "fsdp":  # FSDP over "dp" last, on the (sharded) stage
             options = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
             shard_over_dp(pm, self.mesh["dp"], options)
+        elif self.ddp_options and dp_group is not None:  # DDP over "dp" last, as FSDP
+            hold_ddp(pm, dict(self.ddp_options))
         return pm
 
     def _random_plan(self, gm: fx.GraphModule) -> fx.GraphModule | None:

@@ -455,10 +455,11 @@ def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], na
 
 
 def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], frontends: tuple[str, ...],
-                     plan: dict | None = None) -> None:  # fmt: skip
+                     plan: dict | None = None, ddp_options: dict | None = None) -> None:  # fmt: skip
     """A model built on meta (an embedding tied to the head across the stages, a rotary buffer no
     checkpoint holds): each rank gives memory to its stage only (its tp shards with ``plan``), waits
-    for its weights, and after load_checkpoint runs a step with eager's loss and gradients."""
+    for its weights, and after load_checkpoint runs a step with eager's loss and gradients
+    (``ddp_options``: under DDP over "dp", built once the stage has memory)."""
     import os
     import tempfile
 
@@ -478,6 +479,7 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
     _, expected = reference(ids, labels)
     expected.backward()
     options = {"tensor_parallel": plan} if plan else {}
+    options.update({"ddp_options": ddp_options} if ddp_options else {})
     with tempfile.TemporaryDirectory() as folder:  # each rank its own copy of the checkpoint
         path = os.path.join(folder, "model.safetensors")
         dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(reference), ["cpu"]), path)
@@ -488,6 +490,7 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
                                      frontend=frontend, **options)  # fmt: skip
             held = [*pm.program.parameters(), *pm.program.buffers()]
             assert pm.needs_weights and held and not any(is_placeholder(t) for t in held), frontend
+            assert (pm.ddp is not None) == bool(ddp_options), pm.ddp
             dpcompile.load_checkpoint(pm, path)
             assert not pm.needs_weights
             out = pm(*local_batch((ids, labels), mesh))  # ("pp", "dp"): each dp rank its share
@@ -503,25 +506,121 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
     dist.barrier()
 
 
-def check_meta_model_fsdp_refused(rank: int, world: int) -> None:
-    """A meta model with data_parallel="fsdp" over a ("pp", "dp") mesh: refused on every rank alike,
-    before any collective, naming the ways out."""
+def check_ddp_options(rank: int, world: int, kind: str, schedule: str, batch: int, options: dict) -> None:
+    """ddp_options= over a ("pp", "dp") mesh: DDP over "dp" on each stage with those options (its
+    bucket size, gradient_as_bucket_view), and it alone reduces over dp: 3 AdamW steps' losses, every
+    gradient, then pm.state_dict() as eager's. ``kind``: an MLP stack, its tied variant (a weight
+    summed over the stages too), or SquareMean (the count only the last stage finds); a ``batch``
+    that does not divide runs two schedule steps a call. Refused on main ("not built yet")."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import dpcompile
-    from tests.integration.test_pipeline_edges import TiedRotaryLM
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_pipeline_mesh_compose import TiedStack, full_gradients
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    with torch.device("meta"):
-        model = TiedRotaryLM().double()
-    ids = torch.randint(0, 11, (4, 3))
-    try:
-        dpcompile.transform(model, mesh, pipeline=2, data_parallel="fsdp", example_inputs=(ids, ids))
-    except dpcompile.DpCompileError as e:
-        assert "built on meta" in str(e) and "build the model on CPU" in str(e) and "data_parallel= out" in str(e), e
-    else:
-        raise AssertionError("a meta model under FSDP over a mesh pipeline was not refused")
+    torch.manual_seed(0)
+    reference = {"square": SquareMean, "tied": TiedStack}.get(kind, _stack)().double()
+    model = copy.deepcopy(reference)
+    x, labels = _inputs(batch)
+    x, local = x.double(), local_batch((x.double(), labels), mesh)
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=2, schedule=schedule, ddp_options=options,
+                             example_inputs=local)  # fmt: skip
+    assert isinstance(pm.ddp, torch.nn.parallel.DistributedDataParallel) and pm.fsdp is None
+    assert pm.ddp.process_group is mesh.get_group("dp")
+    assert pm.ddp.bucket_bytes_cap == int(options["bucket_cap_mb"] * 1024 * 1024)
+    assert pm.ddp.gradient_as_bucket_view is options.get("gradient_as_bucket_view", False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.05)
+    expected_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    for step in range(3):
+        out = pm(*local)
+        expected = reference(x, labels)
+        expected = expected[1] if isinstance(expected, tuple) else expected
+        expected.backward()
+        if mesh.get_local_rank("pp") == 1:
+            loss = out[1] if isinstance(out, tuple) else out
+            torch.testing.assert_close(loss, expected.detach(), msg=lambda m, step=step: f"step {step} loss: {m}")
+        else:
+            assert out is None
+        grads = full_gradients(pm)
+        assert grads, "this stage holds no gradient"
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")  # fmt: skip
+        opt.step()
+        expected_opt.step()
+        opt.zero_grad()
+        expected_opt.zero_grad()
+    state = pm.state_dict()
+    assert list(state) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    dist.barrier()
+
+
+def check_meta_model_fsdp(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], frontend: str,
+                          plan: dict | None = None) -> None:  # fmt: skip
+    """A model built on meta with data_parallel="fsdp" over a ("pp", "dp") or ("pp", "dp", "tp") mesh:
+    FSDP2 shards each stage's parameters while they are on meta, and each rank allocates its rows only
+    (no parameter whole); load_checkpoint fills them. Then 3 AdamW steps as eager's (the model built
+    on CPU from the same checkpoint): the loss, every gradient, and pm.state_dict() after the steps
+    (the model's keys, whole tensors, on every rank). Refused on main ("not built yet")."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_pipeline_edges import TiedRotaryLM
+    from tests.integration.test_pipeline_mesh_compose import full_gradients
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    saved = TiedRotaryLM().double()
+    ids, labels = torch.randint(0, 11, (8, 3)), torch.randint(0, 11, (8, 3))
+    options = {"tensor_parallel": plan} if plan else {}
+    with tempfile.TemporaryDirectory() as folder:  # each rank its own copy of the checkpoint
+        path = os.path.join(folder, "model.safetensors")
+        dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(saved), ["cpu"]), path)
+        reference = TiedRotaryLM().double()  # eager: built on CPU, from the checkpoint
+        reference.load_state_dict(saved.state_dict())
+        with torch.device("meta"):
+            model = TiedRotaryLM().double()
+        pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=2, example_inputs=(ids, labels),
+                                 data_parallel="fsdp", frontend=frontend, **options)  # fmt: skip
+        assert pm.needs_weights and pm.fsdp is not None
+        for name, p in pm.program.named_parameters():  # this rank's rows of each, allocated; none whole
+            assert type(p).__name__ == "DTensor" and not p.to_local().is_meta, name
+            assert p.to_local().shape[0] < p.shape[0], (name, p.to_local().shape, p.shape)
+        dpcompile.load_checkpoint(pm, path)
+        assert not pm.needs_weights
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.05)
+    expected_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    last = mesh.get_local_rank("pp") == 1
+    for step in range(3):
+        out = pm(*local_batch((ids, labels), mesh))  # each dp rank its share of the batch
+        _, expected = reference(ids, labels)
+        expected.backward()
+        if last:
+            torch.testing.assert_close(out[1], expected.detach(), msg=lambda m, step=step: f"step {step} loss: {m}")
+        else:
+            assert out is None
+        grads = full_gradients(pm)
+        assert grads and ("embed.weight" in grads or "head.weight" in grads), sorted(grads)
+        for name, grad in grads.items():  # the tied weight's copy on each stage: the sum of both stages'
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")  # fmt: skip
+        opt.step()
+        expected_opt.step()
+        opt.zero_grad()
+        expected_opt.zero_grad()
+    state = pm.state_dict()
+    assert list(state) == list(reference.state_dict()), (list(state), list(reference.state_dict()))
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
     dist.barrier()
 
 
@@ -558,7 +657,12 @@ SCENARIOS = {
                 ("pp_dp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp"))),
                 ("meta_model_pp_tp", check_meta_model, ((2, 2), ("pp", "tp"), ("export",), TIED_ROTARY_PLAN)),
                 ("meta_model_pp_dp", check_meta_model, ((2, 2), ("pp", "dp"), ("fx",))),
-                ("meta_model_fsdp_refused", check_meta_model_fsdp_refused, ())]),
+                ("meta_model_fsdp", check_meta_model_fsdp, ((2, 2), ("pp", "dp"), "fx")),
+                ("meta_model_ddp_options", check_meta_model, ((2, 2), ("pp", "dp"), ("fx",), None, {"bucket_cap_mb": 1})),
+                ("ddp_options_1f1b", check_ddp_options, ("mlp", "1f1b", 8, {"bucket_cap_mb": 1e-4})),
+                ("ddp_options_tied_uneven", check_ddp_options,
+                 ("tied", "gpipe", 14, {"bucket_cap_mb": 1, "gradient_as_bucket_view": True})),
+                ("ddp_options_square_mean", check_ddp_options, ("square", "1f1b", 8, {"bucket_cap_mb": 1}))]),
 }  # fmt: skip
 
 
@@ -597,5 +701,6 @@ def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
 @pytest.mark.xdist_group("pipeline_mesh_4")  # one spawned group, on one worker
 def test_pipeline_mesh_four_processes_equal_eager(outcomes, name):
     """4 processes: a ("pp",) mesh of 4 stages, and a ("pp", "dp") mesh of 2 x 2, as eager; a model
-    built on meta over ("pp", "tp") and ("pp", "dp"), its FSDP refused."""
+    built on meta over ("pp", "tp") and ("pp", "dp"), and with FSDP or DDP over ("pp", "dp"), loaded;
+    ddp_options= honoured (DDP on each stage)."""
     _check(outcomes, "pp4", name)

@@ -89,7 +89,8 @@ def mesh_pipeline_module(program: fx.GraphModule, *, recipe: Any, mesh: Any, who
                          micro_batches: int, schedule: str, outputs: Any, live_in: list[str],
                          module_paths: tuple[str, ...], last_rank: int, has_loss: bool, count: str | None = None,
                          shared: list | None = None, writes_once: fx.GraphModule | None = None,
-                         random_plan: StageRandomPlan | None = None) -> ParallelModule:  # fmt: skip
+                         random_plan: StageRandomPlan | None = None,
+                         input_dims: tuple[int | None, ...] = ()) -> ParallelModule:  # fmt: skip
     """This rank's stage ``program`` (``cut_stage``'s, for one micro-batch) as a ``ParallelModule``
     run by :data:`MESH_PIPELINE`; ``whole``: the single-device program (shapes, every stage's modes)."""
     devices = Devices((device,))
@@ -107,6 +108,7 @@ def mesh_pipeline_module(program: fx.GraphModule, *, recipe: Any, mesh: Any, who
         shape_program=program,
         random_plan=random_plan,  # every stage's random sites, drawn in order a call
         shards={}, plan_reasons={}, tp_group=None,
+        input_dims=tuple(input_dims),  # each input's batch dim (0), None where it goes whole to every micro-batch
         _fsdp=None,  # the FSDP2 root PipelineStage runs (data_parallel="fsdp"): pm.fsdp
         _ddp=None, _ddp_options=None,  # the DDP PipelineStage runs (ddp_options=): pm.ddp; its options, until built
         state_ties={},  # the model's state_dict keys, each with its tied names
@@ -167,7 +169,7 @@ def attach_shards(pm: Any, program: fx.GraphModule, *, shards: dict[str, Any], p
 def example_stage_inputs(pm: Any, inputs: tuple) -> tuple:
     """Empty tensors shaped as the stage's inputs for the first micro-batch of ``inputs`` (the
     model's inputs, in forward's order)."""
-    return _stage_examples(pm, _first_micro_batch(inputs, pm.micro_batches), False)[0]
+    return _stage_examples(pm, _first_micro_batch(pm, inputs, pm.micro_batches), False)[0]
 
 
 class MeshPipelineExecutor(PlainExecutor):
@@ -179,7 +181,7 @@ class MeshPipelineExecutor(PlainExecutor):
 
     def __call__(self, pm: Any, *args: Any, **kwargs: Any) -> Any:
         inputs = _shape_inputs(pm, args, kwargs)
-        batch = next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        batch = self.batch_size(pm, args, kwargs)
         runs = micro_batch_runs(batch, pm.micro_batches) if batch else [(pm.micro_batches, 0)]
         if pm._may_use_batch_statistics and sum(count for count, _ in runs) > 1:
             sites = batch_statistics_sites(pm.whole)  # the whole program's: every rank decides alike
@@ -191,7 +193,7 @@ class MeshPipelineExecutor(PlainExecutor):
     def batch_size(self, pm: Any, args: tuple, kwargs: dict) -> int | None:
         """This rank's batch of a call: dim 0 of its first batched input (what the schedule splits)."""
         inputs = _shape_inputs(pm, args, kwargs)
-        return next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        return next((t.size(0) for t, split in zip(inputs, _split(pm, inputs)) if split), None)
 
     def check_supported(self, pm: Any, operation: str) -> None:
         """No program per call: no call key, no program for a call's inputs (``explain(pm)`` without
@@ -233,8 +235,17 @@ class MeshPipelineExecutor(PlainExecutor):
 MESH_PIPELINE = MeshPipelineExecutor()
 
 
-def _first_micro_batch(inputs: tuple, count: int) -> tuple:
-    return tuple(torch.tensor_split(t, count)[0] if isinstance(t, torch.Tensor) and t.dim() else t for t in inputs)
+def _split(pm: Any, inputs: tuple) -> list[bool]:
+    """Which of the call's ``inputs`` are split into micro-batches (along dim 0): the batched tensors;
+    an input the batch does not run through (a table every row reads) goes whole to each."""
+    dims = pm.input_dims
+    return [isinstance(t, torch.Tensor) and t.dim() > 0 and (i >= len(dims) or dims[i] is not None)
+            for i, t in enumerate(inputs)]  # fmt: skip
+
+
+def _first_micro_batch(pm: Any, inputs: tuple, count: int) -> tuple:
+    split = _split(pm, inputs)
+    return tuple(torch.tensor_split(t, count)[0] if s else t for t, s in zip(inputs, split))
 
 
 def _schedule_for(pm: Any, inputs: tuple, count: int, train: bool) -> Any:
@@ -242,8 +253,9 @@ def _schedule_for(pm: Any, inputs: tuple, count: int, train: bool) -> Any:
     (built once per shape). Fewer micro-batches than stages run GPipe's order: torch's
     ``Schedule1F1B`` needs ``M >= S``, and with ``M < S`` its warm-up holds every forward anyway."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-    firsts = _first_micro_batch(inputs, count)
+    firsts = _first_micro_batch(pm, inputs, count)
     key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in firsts), count, train)
     schedules, root = pm._schedules, pm.fsdp if pm.fsdp is not None else pm.ddp
     wired = pm.fsdp if pm.ddp is None else pm.ddp.module  # the TensorsOnWire under FSDP or DDP
@@ -266,7 +278,8 @@ def _schedule_for(pm: Any, inputs: tuple, count: int, train: bool) -> Any:
         schedules[key] = kind(
             stage, count,
             loss_fn=(lambda out, _: out[loss_at].sum() * pm._loss_scale) if pm.has_loss else None,
-            scale_grads=False,
+            scale_grads=False,  # the first stage's inputs: batched ones split, the others whole to each micro-batch
+            args_chunk_spec=tuple(TensorChunkSpec(0) if s else _Replicate() for s in _split(pm, inputs)),
         )  # fmt: skip
     if root is not None:
         wired.rewire(*pm._wirings[key])
@@ -333,7 +346,7 @@ def _step(pm: Any, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]
     with drawing(draws) if draws is not None else contextlib.nullcontext():
         for micro, rows in runs:
             stop = start + micro * rows
-            part = tuple(t[start:stop] if isinstance(t, torch.Tensor) and t.dim() and batch else t for t in inputs)
+            part = tuple(t[start:stop] if s and batch else t for t, s in zip(inputs, _split(pm, inputs)))
             schedule = _schedule_for(pm, part, micro, train)
             run = schedule.step if train else schedule.eval
             target = torch.zeros(stop - start if batch else micro) if last else None

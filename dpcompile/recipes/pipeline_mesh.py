@@ -87,6 +87,7 @@ class MeshPipelineRecipe(Recipe):
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         options = passes.PipelineOptions(devices=Devices((device,)), input_dims=dict(input_dims), output_device=device)
         gm, _ = run_passes(gm, passes.frontend_pipeline(options))
+        dims = ordered_input_dims(gm, input_dims, self.micro_batches)
         plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights)
         if plan.stages != pp_size:
             raise ArgumentError(
@@ -148,6 +149,7 @@ class MeshPipelineRecipe(Recipe):
             shared=shared,
             writes_once=writes_once.get(pp_rank),
             random_plan=StageRandomPlan(random_plan, own_sites, device) if random_plan is not None else None,
+            input_dims=dims,
         )
         if self.plan is not False:  # tensor parallel inside the stage, over the mesh's "tp" dimension
             examples = None if example_inputs is None else example_stage_inputs(pm, tuple(example_inputs))
@@ -241,6 +243,26 @@ def hoist_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> dict[int,
         if node in once or (node in hoisted and node.op != "placeholder" and not node.users):
             gm.graph.erase_node(node)
     return programs
+
+
+def ordered_input_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None], micro_batches: int
+                       ) -> tuple[int | None, ...]:  # fmt: skip
+    """Each input's batch dim in forward's order (None: it goes whole to every micro-batch).
+    ``torch.distributed.pipelining`` splits micro-batches along one dim, 0, and merges the outputs
+    along it: another batch dim (``batch_dim=1``, a time-major RNN's input) with ``micro_batches`` > 1
+    is refused by name (it would split the sequence, silently)."""
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    dims = tuple(input_dims.get(name, 0) for name in names)
+    other = [(name, d) for name, d in zip(names, dims) if d not in (None, 0)]
+    if other and micro_batches > 1:
+        listed = ", ".join(f"'{name}' along dim {d}" for name, d in other)
+        raise DpCompileError(
+            f"over a mesh a pipeline splits its micro-batches along dim 0 (torch.distributed.pipelining's chunks), "
+            f"and the batch runs through {listed} (batch_dim=, or a time-major input): with micro_batches="
+            f"{micro_batches} that would split another dim. Put the batch first (x.transpose(0, 1) outside the "
+            "model, batch_first=True), pass micro_batches=1, or run the pipeline in one process (devices=[...])"
+        )
+    return dims
 
 
 def state_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -506,6 +506,71 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
     dist.barrier()
 
 
+class TableReader(torch.nn.Module):
+    """Every row reads a table given as an input: the table is not batched (5 rows, a batch of 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, table, labels):
+        h = torch.tanh(self.a(x) + table.sum(0))
+        return torch.nn.functional.cross_entropy(self.b(h), labels)
+
+
+class TimeMajor(torch.nn.Module):
+    """Inputs (time, batch, 4), a cumulative sum over time: the batch is dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.cumsum(self.a(x), 0))
+
+
+def check_input_dims(rank: int, world: int) -> None:
+    """An input the batch does not run through (a table of 5 rows beside a batch of 8) goes whole to
+    every micro-batch, as eager reads it (main split it along dim 0 with the batch: other values,
+    silently): the loss and each gradient as eager's, with 2 micro-batches and with an uneven batch
+    of 7 in 4. A batch along dim 1 (batch_dim=1) is honoured with one micro-batch and refused by
+    name, on every rank, with several (the schedule splits dim 0: main split the time, silently)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    g = torch.Generator().manual_seed(3)
+    for batch, micro in ((8, 2), (7, 4)):
+        torch.manual_seed(0)
+        reference = TableReader()
+        model = copy.deepcopy(reference)
+        x, table, labels = torch.randn(batch, 4, generator=g), torch.randn(5, 8, generator=g), torch.randint(0, 3, (batch,))
+        pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=micro, example_inputs=(x, table, labels))
+        loss = pm(x, table, labels)
+        expected = reference(x, table, labels)
+        expected.backward()
+        if rank == 1:
+            torch.testing.assert_close(loss, expected.detach())
+        _grads_equal_on_stage(model, reference, pm.module_paths)
+    torch.manual_seed(0)
+    reference = TimeMajor()
+    x = torch.randn(6, 4, 4, generator=g)
+    pm = dpcompile.transform(copy.deepcopy(reference), mesh, pipeline=2, batch_dim=1, example_inputs=(x,))
+    with torch.no_grad():
+        out = pm(x)
+        if rank == 1:
+            torch.testing.assert_close(out, reference(x))
+    try:
+        dpcompile.transform(copy.deepcopy(reference), mesh, pipeline=2, micro_batches=2, batch_dim=1, example_inputs=(x,))
+    except dpcompile.DpCompileError as e:
+        assert "'x' along dim 1" in str(e) and "micro_batches=1" in str(e), e
+    else:
+        raise AssertionError("a batch along dim 1 with 2 micro-batches over a mesh was not refused")
+    dist.barrier()
+
+
 def check_ddp_options(rank: int, world: int, kind: str, schedule: str, batch: int, options: dict) -> None:
     """ddp_options= over a ("pp", "dp") mesh: DDP over "dp" on each stage with those options (its
     bucket size, gradient_as_bucket_view), and it alone reduces over dp: 3 AdamW steps' losses, every
@@ -641,7 +706,8 @@ SCENARIOS = {
                 ("earlier_stage_output", check_earlier_stage_output, ()),
                 ("inspection", check_inspection, ()),
                 ("rank_raising_in_step", check_rank_raising_in_step, ((2,), ("pp",))),
-                ("meta_model", check_meta_model, ((2,), ("pp",), ("fx", "export")))]),
+                ("meta_model", check_meta_model, ((2,), ("pp",), ("fx", "export"))),
+                ("input_dims", check_input_dims, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16, True)),

@@ -153,7 +153,14 @@ def hold_ddp(pm: Any, options: dict[str, Any]) -> None:
     it has memory (:meth:`MeshPipelineExecutor.materialized`). Collective over ``dp``."""
     pm.__dict__["_ddp_options"] = dict(options)
     if not any(is_fake(t) for t in (*pm.program.parameters(), *pm.program.buffers())):
-        pm.__dict__["_ddp"] = stage_under_ddp(pm.program, pm.dp_group, pm.device, options)
+        _build_ddp(pm)
+
+
+def _build_ddp(pm: Any) -> None:
+    """DDP on the stage where it has a parameter to train (DDP refuses a module without one); every
+    stage scales its loss alike either way (``_step``)."""
+    if any(p.requires_grad for p in pm.program.parameters()):
+        pm.__dict__["_ddp"] = stage_under_ddp(pm.program, pm.dp_group, pm.device, pm._ddp_options)
 
 
 def attach_shards(pm: Any, program: fx.GraphModule, *, shards: dict[str, Any], plan: dict[str, str],
@@ -228,7 +235,7 @@ class MeshPipelineExecutor(PlainExecutor):
         """A meta model's fake stage was given memory (``memo``): the tied weights' copies follow it."""
         pm.shared = [(materialized_copy(p, memo, pm.device), stages) for p, stages in pm.shared]
         if pm._ddp_options is not None and pm.ddp is None:  # DDP broadcasts memory, not yet weights: load fills both
-            pm.__dict__["_ddp"] = stage_under_ddp(pm.program, pm.dp_group, pm.device, pm._ddp_options)
+            _build_ddp(pm)
 
 
 #: the executor of this rank's stage of a pipeline over a mesh
@@ -334,7 +341,9 @@ def _step(pm: Any, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]
     # the step: each micro-batch's loss is its sum over the whole count, and nothing is divided after
     known = train and pm._count_program is not None
     # DDP averages its all-reduce over dp: each rank's loss times dp's size makes that average the sum
-    pm._loss_scale = float(dist.get_world_size(pm.dp_group)) if pm.ddp is not None else 1.0
+    # (on every stage alike: the last stage's loss scales every stage's gradients)
+    by_ddp = pm._ddp_options is not None
+    pm._loss_scale = float(dist.get_world_size(pm.dp_group)) if by_ddp else 1.0
     if known:
         count = torch.as_tensor(pm._count_program(*inputs), dtype=torch.float64).reshape(1)
         if pm.dp_group is not None:
@@ -402,7 +411,7 @@ def _average_gradients(pm: Any, before: dict, count: float) -> None:
             continue
         old = before.get(p)
         step = p.grad if old is None else p.grad - old
-        if pm.dp_group is not None and pm.fsdp is None and pm.ddp is None:  # FSDP and DDP reduced them in the step
+        if pm.dp_group is not None and pm.fsdp is None and pm._ddp_options is None:  # FSDP, DDP reduced them in the step
             dist.all_reduce(step, group=pm.dp_group)
         if old is None:
             if count != 1.0:

@@ -61,6 +61,8 @@ def check_keywords_honoured(
             "output_device= names where a one-process program gathers its outputs; over a DeviceMesh every rank "
             "returns its outputs on its own device: leave output_device= out"
         )
+    if over_mesh and ddp_options:
+        _check_ddp_options(ddp_options)
     if over_mesh and ddp_options and data_parallel == "fsdp":
         raise ArgumentError(
             'ddp_options= configures DistributedDataParallel, and data_parallel="fsdp" runs FSDP2 instead (it takes '
@@ -103,6 +105,28 @@ def _check_mesh_checkpointing(activation_checkpointing: Any, dims: tuple[str, ..
             'activation_checkpointing="auto" over a DeviceMesh is chosen with the layout: pass plan="auto" with '
             "memory_per_device= (it weighs each layout with and without recomputing the blocks), or name what to "
             "recompute (True: every repeated block; a list of module paths; a dict with 'save' and 'budget_bytes')"
+        )
+
+
+#: DistributedDataParallel's arguments dpcompile sets itself: the wrapped program, the mesh's dp group, this rank's device
+DDP_ARGUMENTS_SET = ("module", "process_group", "device_mesh", "device_ids", "output_device")
+
+
+def _check_ddp_options(ddp_options: Any) -> None:
+    """``ddp_options=`` are ``DistributedDataParallel``'s keyword arguments: a name it does not take, or
+    one dpcompile sets from the mesh, is refused by name before anything is built."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_options, Mapping):
+        raise ArgumentError(f"ddp_options={ddp_options!r}: expected a dict of DistributedDataParallel's keyword arguments")
+    taken = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", *DDP_ARGUMENTS_SET}
+    unknown = sorted(str(k) for k in ddp_options if k not in taken)
+    if unknown:
+        raise ArgumentError(
+            f"ddp_options= names {unknown}, which DistributedDataParallel does not take from you (dpcompile sets "
+            f"{', '.join(DDP_ARGUMENTS_SET)} from the mesh); it takes {sorted(taken)}"
         )
 
 

@@ -260,13 +260,17 @@ def _unjoined_mesh(shape, names):
          "data-parallel dimension, and the layout .* has none"),
         ({"tensor_parallel": True, "ddp_options": {"bucket_cap_mb": 1}}, (4,), ("tp",),
          "data-parallel dimension, and the layout .* has none"),
+        ({"pipeline": 2, "ddp_options": {"bucket_cap": 1}}, (2, 2), ("pp", "dp"),
+         r"ddp_options= names \['bucket_cap'\], which DistributedDataParallel does not take"),
+        ({"ddp_options": {"process_group": None}}, (4,), ("dp",), r"names \['process_group'\].*sets module, process_group"),
         ({"output_device": "cpu"}, (2, 2), ("pp", "dp"), "output_device="),
     ],
 )
 def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, shape, names, match):
     """Over a DeviceMesh, DDP options where nothing runs DDP (FSDP instead, or no 'dp' dimension: a
     ('pp',), ('pp', 'tp') or ('tp',) mesh) are refused by name, where main dropped them (or, with a
-    pipeline, refused them all); so is output_device=. With a pipeline over a ('pp', 'dp') mesh DDP
+    pipeline, refused them all), and so is a name DDP does not take or dpcompile sets (main: a
+    TypeError from DDP, or the user's process_group replacing the mesh's); so is output_device=. With a pipeline over a ('pp', 'dp') mesh DDP
     options are honoured (tests/integration/test_pipeline_mesh.py's ddp_options)."""
     from dpcompile.keywords import check_keywords_honoured
 

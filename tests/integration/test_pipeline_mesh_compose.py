@@ -1,6 +1,7 @@
 """Pipelines that compose with data parallel over a gloo mesh, as torchtitan composes them (cut the
 stage, shard it over ``"tp"``, then data parallel over ``"dp"``): FSDP2 on each stage of a 4-process
-``("pp", "dp")`` mesh, and a ``("pp", "dp", "tp")`` mesh of 8 processes, replicated and FSDP.
+``("pp", "dp")`` mesh, and a ``("pp", "dp", "tp")`` mesh of 8 processes, replicated (by DDP on each stage
+with ``ddp_options=`` too) and FSDP.
 
 Models: an MLP stack (tied weights across the stages too, on ``("pp", "dp")`` and with FSDP on
 ``("pp", "dp", "tp")``) and, through the export frontend with ``labels=``, GPT-2 (tied
@@ -91,9 +92,10 @@ def _model_and_inputs(kind: str):
 
 
 def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2, schedule="1f1b", kind="mlp",
-                            verify=False):
+                            verify=False, ddp_options=None):  # fmt: skip
     """3 AdamW steps: each loss and every gradient as eager's; then state_dict equals the model's. With
-    ``verify``: first verify on the whole batch, OK, and a mismatch where eager's weights are corrupted."""
+    ``verify``: first verify on the whole batch, OK, and a mismatch where eager's weights are corrupted.
+    ``ddp_options``: DDP over "dp" on each stage with them (``pm.ddp``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -105,7 +107,10 @@ def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2,
     model = copy.deepcopy(reference)
     local = local_batch((x, labels), mesh)  # this dp rank's part; the tp ranks of a dp rank feed the same
     pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=micro, schedule=schedule,
-                             tensor_parallel=plan, data_parallel=data_parallel, example_inputs=local)  # fmt: skip
+                             tensor_parallel=plan, data_parallel=data_parallel, example_inputs=local,
+                             ddp_options=ddp_options)  # fmt: skip
+    if ddp_options:
+        assert pm.ddp is not None and pm.ddp.bucket_bytes_cap == int(ddp_options["bucket_cap_mb"] * 1024 * 1024)
     if plan:
         assert pm.shards, f"nothing sharded over tp: {pm.plan_reasons}"
     if data_parallel == "fsdp":
@@ -266,6 +271,8 @@ SCENARIOS = {
     ]),
     "pp_dp_tp": (8, [
         ("replicate_1f1b", check_trains_like_eager, (((2, 2, 2), ("pp", "dp", "tp"), "ddp"), {"plan": True})),
+        ("ddp_options_tied", check_trains_like_eager,
+         (((2, 2, 2), ("pp", "dp", "tp"), "ddp"), {"plan": TIED_PLAN, "kind": "tied", "ddp_options": {"bucket_cap_mb": 1e-4}})),
         ("fsdp_gpipe", check_trains_like_eager,
          (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": True, "schedule": "gpipe", "micro": 4, "verify": True})),
         ("fsdp_tied", check_trains_like_eager, (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": TIED_PLAN, "kind": "tied"})),

@@ -55,7 +55,6 @@ from dpcompile.modules.mesh_stage_dp import (
     load_whole_state,
     local,
     local_rows_shape,
-    shard_fake_stage_over_dp,
     shard_stage_over_dp,
     stage_under_ddp,
     whole_parameters_on_fake,
@@ -130,11 +129,11 @@ def shard_over_dp(pm: Any, dp_mesh: Any, options: dict[str, Any]) -> None:
     """FSDP2 over ``dp_mesh`` on the stage's program (after its tensor-parallel sharding, as
     torchtitan orders them): see :mod:`dpcompile.modules.mesh_stage_dp`. Collective over ``dp``."""
     program = pm.program
+    if any(is_fake(t) for t in (*program.parameters(), *program.buffers())):  # a meta model, compiled on fake:
+        pm.__dict__["_fsdp_pending"] = (dp_mesh, options)  # sharded once the stage has memory (materialized)
+        return
     owners = {id(p): (m, n) for m in program.modules() for n, p in m._parameters.items() if p is not None}
-    if any(is_fake(t) for t in (*program.parameters(), *program.buffers())):  # a meta model, compiled on fake
-        pm.__dict__["_fsdp"] = shard_fake_stage_over_dp(program, dp_mesh, options, pm.device)
-    else:
-        pm.__dict__["_fsdp"] = shard_stage_over_dp(program, dp_mesh, options)
+    pm.__dict__["_fsdp"] = shard_stage_over_dp(program, dp_mesh, options)
     dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     shared = []
     for p, stages in pm.shared:  # tied weights: this stage's FSDP shard, or zeros shaped as the peers' shards
@@ -232,10 +231,14 @@ class MeshPipelineExecutor(PlainExecutor):
         )
 
     def materialized(self, pm: Any, memo: dict[int, torch.Tensor]) -> None:
-        """A meta model's fake stage was given memory (``memo``): the tied weights' copies follow it."""
+        """A meta model's fake stage was given memory (``memo``): the tied weights' copies follow it,
+        and DDP or FSDP (``data_parallel="fsdp"``: it shards the stage it now holds) are built on it."""
         pm.shared = [(materialized_copy(p, memo, pm.device), stages) for p, stages in pm.shared]
         if pm._ddp_options is not None and pm.ddp is None:  # DDP broadcasts memory, not yet weights: load fills both
             _build_ddp(pm)
+        pending = pm.__dict__.pop("_fsdp_pending", None)
+        if pending is not None:  # FSDP2 shards the allocated stage (uninitialised): load_checkpoint fills the rows
+            shard_over_dp(pm, *pending)
 
 
 #: the executor of this rank's stage of a pipeline over a mesh

@@ -7,8 +7,8 @@
   micro-batch: ``reshard_after_forward=False``, torchtitan's choice with a pipeline), gradients
   accumulate unreduced until the last micro-batch's backward, then one reduce-scatter per step.
   The reduce-scatter sums (divide factor 1): each micro-batch's loss is already its share of the
-  whole global batch's mean. A model built on meta is sharded while on meta, then each rank
-  allocates its rows (:func:`shard_fake_stage_over_dp`).
+  whole global batch's mean. A model built on meta is sharded once its stage has memory
+  (``MeshPipelineExecutor.materialized``), as the ``("dp", "tp")`` mesh path does.
 - **DDP on a stage** (``ddp_options=``): ``DistributedDataParallel`` over ``"dp"`` with those
   options, its all-reduce in the last micro-batch's backward (:func:`stage_under_ddp`); without
   ``ddp_options=`` one all-reduce per gradient after the step (``modules/mesh_pipeline.py``).
@@ -31,7 +31,6 @@ from dpcompile.errors import StateDictError
 from dpcompile.modules.mesh_stage import TensorsOnWire
 from dpcompile.modules.spmd import full_tensor, gathered_whole
 from dpcompile.modules.weights import no_values
-from dpcompile.runtime.structures import is_fake
 
 
 def shard_stage_over_dp(program: fx.GraphModule, dp_mesh: Any, options: Mapping[str, Any]) -> TensorsOnWire:
@@ -69,44 +68,6 @@ def stage_under_ddp(program: fx.GraphModule, dp_group: Any, device: torch.device
             root, [f"program.{name}" for name in unused]
         )
     return nn.parallel.DistributedDataParallel(root, **kwargs)
-
-
-def shard_fake_stage_over_dp(
-    program: fx.GraphModule, dp_mesh: Any, options: Mapping[str, Any], device: torch.device
-) -> TensorsOnWire:
-    """:func:`shard_stage_over_dp` for the fake stage of a model built on meta, as torch defers FSDP2's
-    initialisation: each parameter and buffer put on ``meta`` (ties kept), ``fully_shard`` (the
-    shards on meta), then ``to_empty``: this rank allocates its rows of each parameter, uninitialised,
-    and never the whole stage; ``load_checkpoint`` fills them. Collective over ``dp_mesh``.
-
-        stage (fake)  →  stage (meta)  →  fully_shard: DTensor(meta rows)  →  to_empty: DTensor(cpu rows)
-    """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    real = [(sub, name, b) for sub in program.modules() for name, b in sub._buffers.items()
-            if b is not None and not is_fake(b)]  # fmt: skip  # a constant export lifted: a value to keep
-    with unset_fake_temporarily():  # FSDP's tensors are the real ones of this rank, not the compile's fakes
-        on_meta(program)
-        root = shard_stage_over_dp(program, dp_mesh, options)
-        root.to_empty(device=device)
-    for sub, name, b in real:
-        sub._buffers[name] = b
-    return root
-
-
-def on_meta(module: nn.Module) -> None:
-    """Every fake or meta parameter and buffer of ``module`` replaced by a meta tensor of its shape
-    and dtype, a tensor shared by two modules staying one (real ones are left as they are)."""
-    memo: dict[int, torch.Tensor] = {}
-    for sub in module.modules():
-        for slots in (sub._parameters, sub._buffers):
-            for name, t in slots.items():
-                if t is None or not is_fake(t):
-                    continue
-                if id(t) not in memo:
-                    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-                    memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-                slots[name] = memo[id(t)]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -252,8 +213,6 @@ __all__ = [
     "load_whole_state",
     "local",
     "local_rows_shape",
-    "on_meta",
-    "shard_fake_stage_over_dp",
     "shard_stage_over_dp",
     "stage_under_ddp",
     "whole_parameters_on_fake",

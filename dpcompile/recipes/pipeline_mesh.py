@@ -13,7 +13,7 @@ its ranks: :func:`~dpcompile.recipes.pipeline_mesh_tp.shard_stage`. Both on a ``
 "tp")`` mesh. The order is torchtitan's: cut the stage, shard it over ``"tp"``, then data
 parallel over ``"dp"``: replicated (one all-reduce per step; ``ddp_options=``: DDP on the stage with
 those options) or ``data_parallel="fsdp"`` (``fully_shard`` on the stage: :mod:`dpcompile.modules.mesh_stage_dp`;
-a model built on meta is sharded on meta, each rank then allocating its rows).
+a model built on meta is sharded once each rank has allocated its stage).
 """
 
 from __future__ import annotations

@@ -627,8 +627,8 @@ def check_ddp_options(rank: int, world: int, kind: str, schedule: str, batch: in
 def check_meta_model_fsdp(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], frontend: str,
                           plan: dict | None = None) -> None:  # fmt: skip
     """A model built on meta with data_parallel="fsdp" over a ("pp", "dp") or ("pp", "dp", "tp") mesh:
-    FSDP2 shards each stage's parameters while they are on meta, and each rank allocates its rows only
-    (no parameter whole); load_checkpoint fills them. Then 3 AdamW steps as eager's (the model built
+    each rank allocates its stage, FSDP2 shards it (each parameter this rank's rows, none whole), and
+    load_checkpoint fills them. Then 3 AdamW steps as eager's (the model built
     on CPU from the same checkpoint): the loss, every gradient, and pm.state_dict() after the steps
     (the model's keys, whole tensors, on every rank). Refused on main ("not built yet")."""
     import os
@@ -657,7 +657,7 @@ def check_meta_model_fsdp(rank: int, world: int, shape: tuple[int, ...], names: 
         pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=2, example_inputs=(ids, labels),
                                  data_parallel="fsdp", frontend=frontend, **options)  # fmt: skip
         assert pm.needs_weights and pm.fsdp is not None
-        for name, p in pm.program.named_parameters():  # this rank's rows of each, allocated; none whole
+        for name, p in pm.program.named_parameters():  # this rank's rows of each; none whole
             assert type(p).__name__ == "DTensor" and not p.to_local().is_meta, name
             assert p.to_local().shape[0] < p.shape[0], (name, p.to_local().shape, p.shape)
         dpcompile.load_checkpoint(pm, path)

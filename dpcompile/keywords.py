@@ -62,7 +62,7 @@ def check_keywords_honoured(
             "returns its outputs on its own device: leave output_device= out"
         )
     if over_mesh and ddp_options:
-        _check_ddp_options(ddp_options)
+        _check_ddp_options(ddp_options, pipelined=pipelined)
     if over_mesh and ddp_options and data_parallel == "fsdp":
         raise ArgumentError(
             'ddp_options= configures DistributedDataParallel, and data_parallel="fsdp" runs FSDP2 instead (it takes '
@@ -112,9 +112,11 @@ def _check_mesh_checkpointing(activation_checkpointing: Any, dims: tuple[str, ..
 DDP_ARGUMENTS_SET = ("module", "process_group", "device_mesh", "device_ids", "output_device")
 
 
-def _check_ddp_options(ddp_options: Any) -> None:
+def _check_ddp_options(ddp_options: Any, *, pipelined: bool) -> None:
     """``ddp_options=`` are ``DistributedDataParallel``'s keyword arguments: a name it does not take, or
-    one dpcompile sets from the mesh, is refused by name before anything is built."""
+    one dpcompile sets from the mesh, is refused by name before anything is built; so is
+    ``static_graph=True`` on a pipeline (``PipelineStage`` drives DDP's reducer itself, which the
+    static graph's first step does not expect: torch's internal assert mid-step)."""
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
@@ -127,6 +129,12 @@ def _check_ddp_options(ddp_options: Any) -> None:
         raise ArgumentError(
             f"ddp_options= names {unknown}, which DistributedDataParallel does not take from you (dpcompile sets "
             f"{', '.join(DDP_ARGUMENTS_SET)} from the mesh); it takes {sorted(taken)}"
+        )
+    if pipelined and ddp_options.get("static_graph"):
+        raise ArgumentError(
+            "ddp_options={'static_graph': True} with pipeline= over a DeviceMesh: torch.distributed.pipelining's "
+            "PipelineStage runs DDP's reducer itself (no_sync for every micro-batch but the last backward), which "
+            "DDP's static graph does not expect (its first step fails inside DDP): leave static_graph out"
         )
 
 

@@ -263,6 +263,8 @@ def _unjoined_mesh(shape, names):
         ({"pipeline": 2, "ddp_options": {"bucket_cap": 1}}, (2, 2), ("pp", "dp"),
          r"ddp_options= names \['bucket_cap'\], which DistributedDataParallel does not take"),
         ({"ddp_options": {"process_group": None}}, (4,), ("dp",), r"names \['process_group'\].*sets module, process_group"),
+        ({"pipeline": 2, "ddp_options": {"static_graph": True}}, (2, 2), ("pp", "dp"),
+         r"ddp_options=\{'static_graph': True\} with pipeline= over a DeviceMesh"),
         ({"output_device": "cpu"}, (2, 2), ("pp", "dp"), "output_device="),
     ],
 )

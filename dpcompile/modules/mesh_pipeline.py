@@ -26,6 +26,7 @@ not divide into ``micro_batches`` runs as two runs of equal micro-batches, one s
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,12 +43,14 @@ from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
 from dpcompile.modules.mesh_stage import (
     MESH_PIPELINE_INSPECTION,
     backward_done,
+    batch_norm_dp_refusal,
     batch_norm_refusal,
     batch_statistics_sites,
     materialized_copy,
     micro_batch_runs,
     no_gradient_path,
     on_wire,
+    split_into_steps,
     wiring,
 )
 from dpcompile.modules.mesh_stage_dp import (
@@ -189,12 +192,15 @@ class MeshPipelineExecutor(PlainExecutor):
         inputs = _shape_inputs(pm, args, kwargs)
         batch = self.batch_size(pm, args, kwargs)
         runs = micro_batch_runs(batch, pm.micro_batches) if batch else [(pm.micro_batches, 0)]
-        if pm._may_use_batch_statistics and sum(count for count, _ in runs) > 1:
+        dp_size = _dp_size(pm)
+        if pm._may_use_batch_statistics and (sum(count for count, _ in runs) > 1 or dp_size > 1):
             sites = batch_statistics_sites(pm.whole)  # the whole program's: every rank decides alike
+            if sites and dp_size > 1:
+                raise batch_norm_dp_refusal(sites, dp_size)
             if sites:
                 raise batch_norm_refusal(sites, pm.micro_batches)
         with all_fail_together(pm):  # a rank that raises inside the step: every rank raises at once
-            return _step(pm, inputs, batch, runs)
+            return _step(pm, inputs, batch, _steps_alike_over_dp(pm, runs))
 
     def batch_size(self, pm: Any, args: tuple, kwargs: dict) -> int | None:
         """This rank's batch of a call: dim 0 of its first batched input (what the schedule splits)."""
@@ -243,6 +249,33 @@ class MeshPipelineExecutor(PlainExecutor):
 
 #: the executor of this rank's stage of a pipeline over a mesh
 MESH_PIPELINE = MeshPipelineExecutor()
+
+
+def _dp_size(pm: Any) -> int:
+    import torch.distributed as dist
+
+    return 1 if pm.dp_group is None else dist.get_world_size(pm.dp_group)
+
+
+def _steps_alike_over_dp(pm: Any, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Under DDP or FSDP each schedule step ends in a collective over ``"dp"`` (DDP's all-reduce,
+    FSDP's reduce-scatter), so every dp rank runs as many steps: a rank whose share of the batch
+    splits into unequal micro-batches runs two, and the others split theirs alike (the same
+    micro-batches, the same gradients). One all-reduce (max) over ``"dp"`` a call."""
+    import torch.distributed as dist
+
+    if pm.dp_group is None or (pm.fsdp is None and pm._ddp_options is None and "_fsdp_pending" not in pm.__dict__):
+        return runs
+    steps = torch.tensor([len(runs)])
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=pm.dp_group)
+    aligned = split_into_steps(runs, int(steps))
+    if aligned is None:
+        raise DpCompileError(
+            f"this dp rank's share of the batch is {sum(c * r for c, r in runs)} sample(s), too few to run as the {int(steps)} "
+            "schedule steps another dp rank's share needs (its micro-batches are unequal), and DDP or FSDP reduce "
+            "over 'dp' once per step: give every dp rank at least micro_batches= samples (dpcompile.mesh.local_batch)"
+        )
+    return aligned
 
 
 def _split(pm: Any, inputs: tuple) -> list[bool]:
@@ -362,7 +395,8 @@ def _step(pm: Any, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]
             schedule = _schedule_for(pm, part, micro, train)
             run = schedule.step if train else schedule.eval
             target = torch.zeros(stop - start if batch else micro) if last else None
-            pieces.append(run(*(part if first else ()), target=target))
+            with _fsdp_gradients_kept(pm):
+                pieces.append(run(*(part if first else ()), target=target))
             start = stop
     if draws is not None:
         draws.finish()  # the later stages' sites: the generator ends where eager's does
@@ -381,6 +415,29 @@ def _step(pm: Any, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]
         _sum_shared_gradients(pm, before)
         _average_gradients(pm, before, 1.0 if known else float(totals[1]))
     return _rebuild(pm, merged, totals, train) if last else None
+
+
+@contextlib.contextmanager
+def _fsdp_gradients_kept(pm: Any) -> Iterator[None]:
+    """Around a schedule's step on an FSDP stage: the gradients it holds are set aside and added back
+    after. A schedule's first step (each micro-batch shape builds one) ends its set-up with torch's
+    ``_post_metadata_inference_cleanup``, which sets every FSDP parameter's ``.grad`` to None: the
+    step before it in the same call (unequal micro-batches) and earlier calls' accumulated gradients
+    were dropped, silently."""
+    if pm.fsdp is None:
+        yield
+        return
+    kept = {p: p.grad for p in pm.program.parameters() if p.grad is not None}
+    for p in kept:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in kept.items():
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
 
 
 def _shape_inputs(pm: Any, args: tuple, kwargs: dict) -> tuple:

@@ -44,7 +44,7 @@ from dpcompile.modules.mesh_pipeline import (
     shard_over_dp,
 )
 from dpcompile.modules.mesh_random import StageRandomPlan
-from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
+from dpcompile.modules.mesh_stage import batch_norm_dp_refusal, batch_norm_refusal, batch_statistics_sites, writes
 from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.pipeline import stage_weights
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage, tied_shards
@@ -103,7 +103,10 @@ class MeshPipelineRecipe(Recipe):
         writes_once = hoist_writes(gm, plan, self.micro_batches)  # run once a call, apart from the stages
         whole = graph_module(gm, copy_graph(gm.graph), "WholeProgram")
         random_plan = self._random_plan(gm)
-        sites = batch_statistics_sites(whole) if self.micro_batches > 1 else []
+        dp_size = self.mesh.size(names.index("dp")) if "dp" in names else 1
+        sites = batch_statistics_sites(whole) if self.micro_batches > 1 or dp_size > 1 else []
+        if sites and dp_size > 1:  # each dp rank's pipeline would see its share of the batch alone
+            raise batch_norm_dp_refusal(sites, dp_size)
         if sites:  # in eval mode BatchNorm's running statistics serve any micro_batches (checked per call too)
             raise batch_norm_refusal(sites, self.micro_batches)
         if self.micro_batches > 1 and (meetings := find_row_meetings(whole)):

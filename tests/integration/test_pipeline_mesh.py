@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -410,11 +411,13 @@ def check_inspection(rank: int, world: int) -> None:
     assert dpcompile.verify(pm, model, x, labels).ok  # the refusals left nothing behind
 
 
-def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...]) -> None:
+def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...],
+                               ddp_options: dict | None = None, fsdp: bool = False) -> None:  # fmt: skip
     """One rank raises inside the step (a label out of range in its dp share: the loss on the last
     stage raises): every rank raises the same DpCompileError naming that rank, within seconds, not the
     group's 30 s timeout (its groups were shut down); later calls and verify refuse, naming it. On
-    groups of its own (new_group), so the spawned group's world stays usable."""
+    groups of its own (new_group), so the spawned group's world stays usable. With ``ddp_options``
+    or ``fsdp`` the stages run under DDP or FSDP2 over "dp"."""
     import time
 
     import torch.distributed as dist
@@ -430,7 +433,9 @@ def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], na
     model = _stack()
     x, labels = _inputs(16)
     labels[-1] = 99  # the last row: the last dp rank's share, the last stage's loss
-    pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=2, schedule="1f1b")
+    options = {"ddp_options": ddp_options} if ddp_options else {"data_parallel": "fsdp"} if fsdp else {}
+    pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=2, schedule="1f1b", **options)
+    assert (pm.ddp is not None) == bool(ddp_options) and (pm.fsdp is not None) == fsdp
     failing = world - 1
     start = time.monotonic()
     try:
@@ -624,6 +629,68 @@ def check_ddp_options(rank: int, world: int, kind: str, schedule: str, batch: in
     dist.barrier()
 
 
+def check_fsdp_unequal_micro_batches(rank: int, world: int) -> None:
+    """data_parallel="fsdp" over a ("pp", "dp") mesh with micro-batches of unequal sizes: a global batch of 15
+    (dp shares of 8 and 7: the 7 runs two schedule steps, the 8 is split alike, since FSDP reduce-scatters once
+    per step), then a batch of 6 accumulated onto it (a new shape: a new schedule), then an AdamW step: the
+    gradients and the state as eager's. On main each new schedule's set-up dropped the FSDP gradients held
+    (torch's _post_metadata_inference_cleanup), and the 8/7 shares hung or crashed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_pipeline_mesh_compose import full_gradients
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    reference = _stack().double()
+    pm = dpcompile.transform(copy.deepcopy(reference), mesh, pipeline=2, micro_batches=2, schedule="1f1b",
+                             data_parallel="fsdp")  # fmt: skip
+    for batch in (15, 6):  # the second call's gradients added to the first's, as eager's
+        x, labels = _inputs(batch)
+        pm(*local_batch((x.double(), labels), mesh))
+        reference(x.double(), labels)[1].backward()
+        for name, grad in full_gradients(pm).items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                       msg=lambda m, name=name, batch=batch: f"batch {batch}, {name}: {m}")  # fmt: skip
+    torch.optim.AdamW(pm.parameters(), lr=0.05).step()
+    torch.optim.AdamW(reference.parameters(), lr=0.05).step()
+    state = pm.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    dist.barrier()
+
+
+def check_batchnorm_over_dp(rank: int, world: int) -> None:
+    """BatchNorm in training over a ("pp", "dp") mesh is refused by name, at transform and at a call
+    (main: each dp rank normalised with its share of the batch, silently: other gradients and running
+    statistics); in eval mode it runs as eager."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = BNClassifier()
+    g = torch.Generator().manual_seed(2)
+    x, labels = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+    message = "BatchNorm with batch statistics (bn1, bn2) over a pipeline mesh with a 'dp' dimension of 2"
+    for options in ({}, {"ddp_options": {"broadcast_buffers": True}}):
+        with pytest.raises(dpcompile.DpCompileError, match=re.escape(message)):
+            dpcompile.transform(model, mesh, pipeline=2, micro_batches=1, **options)
+    model.eval()
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=1)
+    out = pm(*local_batch((x, labels), mesh))
+    if mesh.get_local_rank("pp") == 1:
+        torch.testing.assert_close(out[1], model(x, labels)[1])
+    pm.train()
+    with pytest.raises(dpcompile.DpCompileError, match=re.escape(message)):
+        pm(*local_batch((x, labels), mesh))
+    dist.barrier()
+
+
 def check_meta_model_fsdp(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], frontend: str,
                           plan: dict | None = None) -> None:  # fmt: skip
     """A model built on meta with data_parallel="fsdp" over a ("pp", "dp") or ("pp", "dp", "tp") mesh:
@@ -728,7 +795,15 @@ SCENARIOS = {
                 ("ddp_options_1f1b", check_ddp_options, ("mlp", "1f1b", 8, {"bucket_cap_mb": 1e-4})),
                 ("ddp_options_tied_uneven", check_ddp_options,
                  ("tied", "gpipe", 14, {"bucket_cap_mb": 1, "gradient_as_bucket_view": True})),
-                ("ddp_options_square_mean", check_ddp_options, ("square", "1f1b", 8, {"bucket_cap_mb": 1}))]),
+                ("ddp_options_square_mean", check_ddp_options, ("square", "1f1b", 8, {"bucket_cap_mb": 1})),
+                # dp shares of 8 and 7: DDP all-reduces once per schedule step, so both run two
+                ("ddp_options_unequal_dp_shares", check_ddp_options,
+                 ("mlp", "1f1b", 15, {"bucket_cap_mb": 1e-4, "find_unused_parameters": True})),
+                ("fsdp_unequal_micro_batches", check_fsdp_unequal_micro_batches, ()),
+                ("batchnorm_over_dp_refused", check_batchnorm_over_dp, ()),
+                ("ddp_rank_raising_in_step", check_rank_raising_in_step,
+                 ((2, 2), ("pp", "dp"), {"broadcast_buffers": False})),
+                ("fsdp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp"), None, True))]),
 }  # fmt: skip
 
 

@@ -405,7 +405,7 @@ def make_recipe(
             check_pipeline_mesh(tuple(devices.mesh_dim_names or ()), plan, data_parallel)  # fails here, not mid-compile
             return MeshPipelineRecipe(
                 **common, mesh=devices, batch_dim=_check_batch_dim(batch_dim), plan=plan, data_parallel=data_parallel,
-                mixed_precision=mixed_precision,
+                mixed_precision=mixed_precision, ddp_options=dict(ddp_options or {}),
             )  # fmt: skip
         parsed = parse_devices(devices)
         out_device = _output_device(parsed, output_device)

@@ -61,11 +61,12 @@ def check_keywords_honoured(
             "output_device= names where a one-process program gathers its outputs; over a DeviceMesh every rank "
             "returns its outputs on its own device: leave output_device= out"
         )
-    if over_mesh and pipelined and ddp_options:
-        raise DpCompileError(
-            "ddp_options= with pipeline= over a DeviceMesh is not built yet: the 'dp' groups of a pipeline average "
-            "their gradients with one all-reduce per step after the schedule, not DistributedDataParallel; leave "
-            'ddp_options= out (the default data_parallel=), or pass data_parallel="fsdp" (FSDP2 on each stage)'
+    if over_mesh and ddp_options:
+        _check_ddp_options(ddp_options, pipelined=pipelined)
+    if over_mesh and ddp_options and data_parallel == "fsdp":
+        raise ArgumentError(
+            'ddp_options= configures DistributedDataParallel, and data_parallel="fsdp" runs FSDP2 instead (it takes '
+            "mixed_precision=, no DDP options): leave ddp_options= out, or data_parallel= out (DDP with those options)"
         )
     if over_mesh and activation_checkpointing not in (None, False):
         _check_mesh_checkpointing(activation_checkpointing, tuple(devices.mesh_dim_names or ()))
@@ -77,6 +78,12 @@ def check_keywords_honoured(
         )  # fmt: skip
     if over_mesh:  # the mesh's own dimensions, as mesh= names them in one process
         mesh = mesh_layout(devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
+        if ddp_options and not {"dp", "cp"} & set(mesh):
+            raise ArgumentError(
+                f"ddp_options= configures DistributedDataParallel over the mesh's data-parallel dimension, and the "
+                f"layout {mesh} has none ('dp', or 'cp', whose ranks average gradients as dp's do): add a 'dp' "
+                "dimension to the DeviceMesh, or leave ddp_options= out"
+            )
         sharded = sharded or mesh.get("tp", 1) > 1
     _check_sequence_parallel(sequence_parallel, sharded, over_mesh=over_mesh, pipelined=pipelined, mesh=mesh,
                              schedule=schedule)  # fmt: skip
@@ -98,6 +105,36 @@ def _check_mesh_checkpointing(activation_checkpointing: Any, dims: tuple[str, ..
             'activation_checkpointing="auto" over a DeviceMesh is chosen with the layout: pass plan="auto" with '
             "memory_per_device= (it weighs each layout with and without recomputing the blocks), or name what to "
             "recompute (True: every repeated block; a list of module paths; a dict with 'save' and 'budget_bytes')"
+        )
+
+
+#: DistributedDataParallel's arguments dpcompile sets itself: the wrapped program, the mesh's dp group, this rank's device
+DDP_ARGUMENTS_SET = ("module", "process_group", "device_mesh", "device_ids", "output_device")
+
+
+def _check_ddp_options(ddp_options: Any, *, pipelined: bool) -> None:
+    """``ddp_options=`` are ``DistributedDataParallel``'s keyword arguments: a name it does not take, or
+    one dpcompile sets from the mesh, is refused by name before anything is built; so is
+    ``static_graph=True`` on a pipeline (``PipelineStage`` drives DDP's reducer itself, which the
+    static graph's first step does not expect: torch's internal assert mid-step)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_options, Mapping):
+        raise ArgumentError(f"ddp_options={ddp_options!r}: expected a dict of DistributedDataParallel's keyword arguments")
+    taken = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", *DDP_ARGUMENTS_SET}
+    unknown = sorted(str(k) for k in ddp_options if k not in taken)
+    if unknown:
+        raise ArgumentError(
+            f"ddp_options= names {unknown}, which DistributedDataParallel does not take from you (dpcompile sets "
+            f"{', '.join(DDP_ARGUMENTS_SET)} from the mesh); it takes {sorted(taken)}"
+        )
+    if pipelined and ddp_options.get("static_graph"):
+        raise ArgumentError(
+            "ddp_options={'static_graph': True} with pipeline= over a DeviceMesh: torch.distributed.pipelining's "
+            "PipelineStage runs DDP's reducer itself (no_sync for every micro-batch but the last backward), which "
+            "DDP's static graph does not expect (its first step fails inside DDP): leave static_graph out"
         )
 
 

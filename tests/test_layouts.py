@@ -248,19 +248,39 @@ def _unjoined_mesh(shape, names):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "shape", "names", "match"),
     [
-        ({"pipeline": 2, "ddp_options": {"bucket_cap_mb": 1}}, 'ddp_options= with pipeline=.*data_parallel="fsdp"'),
-        ({"output_device": "cpu"}, "output_device="),
+        ({"pipeline": 2, "ddp_options": {"bucket_cap_mb": 1}, "data_parallel": "fsdp"}, (2, 2), ("pp", "dp"),
+         'ddp_options= configures DistributedDataParallel, and data_parallel="fsdp" runs FSDP2 instead'),
+        ({"ddp_options": {"bucket_cap_mb": 1}, "data_parallel": "fsdp"}, (4,), ("dp",),
+         'ddp_options= configures DistributedDataParallel, and data_parallel="fsdp" runs FSDP2 instead'),
+        ({"pipeline": 2, "ddp_options": {"bucket_cap_mb": 1}}, (2,), ("pp",),
+         r"ddp_options= configures DistributedDataParallel over the mesh's data-parallel dimension, and the layout \{'pp': 2\} has none"),
+        ({"pipeline": 2, "tensor_parallel": True, "ddp_options": {"bucket_cap_mb": 1}}, (2, 2), ("pp", "tp"),
+         "data-parallel dimension, and the layout .* has none"),
+        ({"tensor_parallel": True, "ddp_options": {"bucket_cap_mb": 1}}, (4,), ("tp",),
+         "data-parallel dimension, and the layout .* has none"),
+        ({"pipeline": 2, "ddp_options": {"bucket_cap": 1}}, (2, 2), ("pp", "dp"),
+         r"ddp_options= names \['bucket_cap'\], which DistributedDataParallel does not take"),
+        ({"ddp_options": {"process_group": None}}, (4,), ("dp",), r"names \['process_group'\].*sets module, process_group"),
+        ({"pipeline": 2, "ddp_options": {"static_graph": True}}, (2, 2), ("pp", "dp"),
+         r"ddp_options=\{'static_graph': True\} with pipeline= over a DeviceMesh"),
+        ({"output_device": "cpu"}, (2, 2), ("pp", "dp"), "output_device="),
     ],
 )
-def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, match):
-    """Over a ('pp', 'dp') DeviceMesh, DDP options with a pipeline are refused by name (they were
-    checked, then dropped), naming FSDP, which is built."""
+def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, shape, names, match):
+    """Over a DeviceMesh, DDP options where nothing runs DDP (FSDP instead, or no 'dp' dimension: a
+    ('pp',), ('pp', 'tp') or ('tp',) mesh) are refused by name, where main dropped them (or, with a
+    pipeline, refused them all), and so is a name DDP does not take or dpcompile sets (main: a
+    TypeError from DDP, or the user's process_group replacing the mesh's); so is output_device=. With a pipeline over a ('pp', 'dp') mesh DDP
+    options are honoured (tests/integration/test_pipeline_mesh.py's ddp_options)."""
     from dpcompile.keywords import check_keywords_honoured
 
     with pytest.raises((ValueError, DpCompileError), match=match):
-        check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), **kwargs)
+        check_keywords_honoured(_unjoined_mesh(shape, names), **kwargs)
+    check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "dp")), pipeline=2, ddp_options={"bucket_cap_mb": 1})
+    check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("pp", "dp", "tp")), pipeline=2, tensor_parallel=True,
+                            ddp_options={"bucket_cap_mb": 1})  # fmt: skip
 
 
 def test_layout_sequence_parallel_over_a_mesh_tp_and_dp():

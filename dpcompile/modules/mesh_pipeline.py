@@ -12,7 +12,8 @@ batch's mean, detached); other stages return None. ``pm.graph``/``pm.code`` are 
 program (``pm.program``), whose modules, parameters and buffers are ``pm``'s. On a ``("pp", "tp")``
 mesh the program holds this tp rank's shards of the stage (``pm.shards``, ``pm.plan``:
 :func:`attach_shards`); with ``data_parallel="fsdp"`` FSDP2 wraps the stage over ``"dp"``
-(``pm.fsdp``: :func:`shard_over_dp`). ``pm.state_dict()`` is the model's, whole (a collective);
+(``pm.fsdp``: :func:`shard_over_dp`), with ``ddp_options=`` DDP does (``pm.ddp``: :func:`hold_ddp`).
+``pm.state_dict()`` is the model's, whole (a collective);
 ``pm.load_state_dict()`` takes it back (each rank keeps its pieces).
 
 Each stage's input and output shapes are worked out on fake tensors from the whole program
@@ -25,6 +26,7 @@ not divide into ``micro_batches`` runs as two runs of equal micro-batches, one s
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,12 +43,14 @@ from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
 from dpcompile.modules.mesh_stage import (
     MESH_PIPELINE_INSPECTION,
     backward_done,
+    batch_norm_dp_refusal,
     batch_norm_refusal,
     batch_statistics_sites,
     materialized_copy,
     micro_batch_runs,
     no_gradient_path,
     on_wire,
+    split_into_steps,
     wiring,
 )
 from dpcompile.modules.mesh_stage_dp import (
@@ -55,9 +59,11 @@ from dpcompile.modules.mesh_stage_dp import (
     local,
     local_rows_shape,
     shard_stage_over_dp,
+    stage_under_ddp,
     whole_parameters_on_fake,
 )
 from dpcompile.runtime.random_plan import drawing
+from dpcompile.runtime.structures import is_fake
 
 #: what a pipeline over a mesh cannot serve (:meth:`MeshPipelineExecutor.check_supported`)
 REFUSALS = {
@@ -85,7 +91,8 @@ def mesh_pipeline_module(program: fx.GraphModule, *, recipe: Any, mesh: Any, who
                          micro_batches: int, schedule: str, outputs: Any, live_in: list[str],
                          module_paths: tuple[str, ...], last_rank: int, has_loss: bool, count: str | None = None,
                          shared: list | None = None, writes_once: fx.GraphModule | None = None,
-                         random_plan: StageRandomPlan | None = None) -> ParallelModule:  # fmt: skip
+                         random_plan: StageRandomPlan | None = None,
+                         input_dims: tuple[int | None, ...] = ()) -> ParallelModule:  # fmt: skip
     """This rank's stage ``program`` (``cut_stage``'s, for one micro-batch) as a ``ParallelModule``
     run by :data:`MESH_PIPELINE`; ``whole``: the single-device program (shapes, every stage's modes)."""
     devices = Devices((device,))
@@ -103,7 +110,9 @@ def mesh_pipeline_module(program: fx.GraphModule, *, recipe: Any, mesh: Any, who
         shape_program=program,
         random_plan=random_plan,  # every stage's random sites, drawn in order a call
         shards={}, plan_reasons={}, tp_group=None,
+        input_dims=tuple(input_dims),  # each input's batch dim (0), None where it goes whole to every micro-batch
         _fsdp=None,  # the FSDP2 root PipelineStage runs (data_parallel="fsdp"): pm.fsdp
+        _ddp=None, _ddp_options=None,  # the DDP PipelineStage runs (ddp_options=): pm.ddp; its options, until built
         state_ties={},  # the model's state_dict keys, each with its tied names
         _executor=MESH_PIPELINE,
     )  # fmt: skip
@@ -123,6 +132,9 @@ def shard_over_dp(pm: Any, dp_mesh: Any, options: dict[str, Any]) -> None:
     """FSDP2 over ``dp_mesh`` on the stage's program (after its tensor-parallel sharding, as
     torchtitan orders them): see :mod:`dpcompile.modules.mesh_stage_dp`. Collective over ``dp``."""
     program = pm.program
+    if any(is_fake(t) for t in (*program.parameters(), *program.buffers())):  # a meta model, compiled on fake:
+        pm.__dict__["_fsdp_pending"] = (dp_mesh, options)  # sharded once the stage has memory (materialized)
+        return
     owners = {id(p): (m, n) for m in program.modules() for n, p in m._parameters.items() if p is not None}
     pm.__dict__["_fsdp"] = shard_stage_over_dp(program, dp_mesh, options)
     dp_size, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
@@ -135,6 +147,22 @@ def shard_over_dp(pm: Any, dp_mesh: Any, options: dict[str, Any]) -> None:
             rows = local_rows_shape(p.shape, dp_size, dp_rank)
             shared.append((torch.empty(rows, dtype=p.dtype, device=pm.device), stages))
     pm.shared = shared
+
+
+def hold_ddp(pm: Any, options: dict[str, Any]) -> None:
+    """DDP over ``"dp"`` with ``options`` on the stage's program (after its tensor-parallel sharding):
+    :func:`~dpcompile.modules.mesh_stage_dp.stage_under_ddp`. A meta model's fake stage gets it once
+    it has memory (:meth:`MeshPipelineExecutor.materialized`). Collective over ``dp``."""
+    pm.__dict__["_ddp_options"] = dict(options)
+    if not any(is_fake(t) for t in (*pm.program.parameters(), *pm.program.buffers())):
+        _build_ddp(pm)
+
+
+def _build_ddp(pm: Any) -> None:
+    """DDP on the stage where it has a parameter to train (DDP refuses a module without one); every
+    stage scales its loss alike either way (``_step``)."""
+    if any(p.requires_grad for p in pm.program.parameters()):
+        pm.__dict__["_ddp"] = stage_under_ddp(pm.program, pm.dp_group, pm.device, pm._ddp_options)
 
 
 def attach_shards(pm: Any, program: fx.GraphModule, *, shards: dict[str, Any], plan: dict[str, str],
@@ -150,7 +178,7 @@ def attach_shards(pm: Any, program: fx.GraphModule, *, shards: dict[str, Any], p
 def example_stage_inputs(pm: Any, inputs: tuple) -> tuple:
     """Empty tensors shaped as the stage's inputs for the first micro-batch of ``inputs`` (the
     model's inputs, in forward's order)."""
-    return _stage_examples(pm, _first_micro_batch(inputs, pm.micro_batches), False)[0]
+    return _stage_examples(pm, _first_micro_batch(pm, inputs, pm.micro_batches), False)[0]
 
 
 class MeshPipelineExecutor(PlainExecutor):
@@ -162,19 +190,22 @@ class MeshPipelineExecutor(PlainExecutor):
 
     def __call__(self, pm: Any, *args: Any, **kwargs: Any) -> Any:
         inputs = _shape_inputs(pm, args, kwargs)
-        batch = next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        batch = self.batch_size(pm, args, kwargs)
         runs = micro_batch_runs(batch, pm.micro_batches) if batch else [(pm.micro_batches, 0)]
-        if pm._may_use_batch_statistics and sum(count for count, _ in runs) > 1:
+        dp_size = _dp_size(pm)
+        if pm._may_use_batch_statistics and (sum(count for count, _ in runs) > 1 or dp_size > 1):
             sites = batch_statistics_sites(pm.whole)  # the whole program's: every rank decides alike
+            if sites and dp_size > 1:
+                raise batch_norm_dp_refusal(sites, dp_size)
             if sites:
                 raise batch_norm_refusal(sites, pm.micro_batches)
         with all_fail_together(pm):  # a rank that raises inside the step: every rank raises at once
-            return _step(pm, inputs, batch, runs)
+            return _step(pm, inputs, batch, _steps_alike_over_dp(pm, runs))
 
     def batch_size(self, pm: Any, args: tuple, kwargs: dict) -> int | None:
         """This rank's batch of a call: dim 0 of its first batched input (what the schedule splits)."""
         inputs = _shape_inputs(pm, args, kwargs)
-        return next((t.size(0) for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        return next((t.size(0) for t, split in zip(inputs, _split(pm, inputs)) if split), None)
 
     def check_supported(self, pm: Any, operation: str) -> None:
         """No program per call: no call key, no program for a call's inputs (``explain(pm)`` without
@@ -206,16 +237,58 @@ class MeshPipelineExecutor(PlainExecutor):
         )
 
     def materialized(self, pm: Any, memo: dict[int, torch.Tensor]) -> None:
-        """A meta model's fake stage was given memory (``memo``): the tied weights' copies follow it."""
+        """A meta model's fake stage was given memory (``memo``): the tied weights' copies follow it,
+        and DDP or FSDP (``data_parallel="fsdp"``: it shards the stage it now holds) are built on it."""
         pm.shared = [(materialized_copy(p, memo, pm.device), stages) for p, stages in pm.shared]
+        if pm._ddp_options is not None and pm.ddp is None:  # DDP broadcasts memory, not yet weights: load fills both
+            _build_ddp(pm)
+        pending = pm.__dict__.pop("_fsdp_pending", None)
+        if pending is not None:  # FSDP2 shards the allocated stage (uninitialised): load_checkpoint fills the rows
+            shard_over_dp(pm, *pending)
 
 
 #: the executor of this rank's stage of a pipeline over a mesh
 MESH_PIPELINE = MeshPipelineExecutor()
 
 
-def _first_micro_batch(inputs: tuple, count: int) -> tuple:
-    return tuple(torch.tensor_split(t, count)[0] if isinstance(t, torch.Tensor) and t.dim() else t for t in inputs)
+def _dp_size(pm: Any) -> int:
+    import torch.distributed as dist
+
+    return 1 if pm.dp_group is None else dist.get_world_size(pm.dp_group)
+
+
+def _steps_alike_over_dp(pm: Any, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Under DDP or FSDP each schedule step ends in a collective over ``"dp"`` (DDP's all-reduce,
+    FSDP's reduce-scatter), so every dp rank runs as many steps: a rank whose share of the batch
+    splits into unequal micro-batches runs two, and the others split theirs alike (the same
+    micro-batches, the same gradients). One all-reduce (max) over ``"dp"`` a call."""
+    import torch.distributed as dist
+
+    if pm.dp_group is None or (pm.fsdp is None and pm._ddp_options is None and "_fsdp_pending" not in pm.__dict__):
+        return runs
+    steps = torch.tensor([len(runs)])
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=pm.dp_group)
+    aligned = split_into_steps(runs, int(steps))
+    if aligned is None:
+        raise DpCompileError(
+            f"this dp rank's share of the batch is {sum(c * r for c, r in runs)} sample(s), too few to run as the {int(steps)} "
+            "schedule steps another dp rank's share needs (its micro-batches are unequal), and DDP or FSDP reduce "
+            "over 'dp' once per step: give every dp rank at least micro_batches= samples (dpcompile.mesh.local_batch)"
+        )
+    return aligned
+
+
+def _split(pm: Any, inputs: tuple) -> list[bool]:
+    """Which of the call's ``inputs`` are split into micro-batches (along dim 0): the batched tensors;
+    an input the batch does not run through (a table every row reads) goes whole to each."""
+    dims = pm.input_dims
+    return [isinstance(t, torch.Tensor) and t.dim() > 0 and (i >= len(dims) or dims[i] is not None)
+            for i, t in enumerate(inputs)]  # fmt: skip
+
+
+def _first_micro_batch(pm: Any, inputs: tuple, count: int) -> tuple:
+    split = _split(pm, inputs)
+    return tuple(torch.tensor_split(t, count)[0] if s else t for t, s in zip(inputs, split))
 
 
 def _schedule_for(pm: Any, inputs: tuple, count: int, train: bool) -> Any:
@@ -223,17 +296,19 @@ def _schedule_for(pm: Any, inputs: tuple, count: int, train: bool) -> Any:
     (built once per shape). Fewer micro-batches than stages run GPipe's order: torch's
     ``Schedule1F1B`` needs ``M >= S``, and with ``M < S`` its warm-up holds every forward anyway."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-    firsts = _first_micro_batch(inputs, count)
+    firsts = _first_micro_batch(pm, inputs, count)
     key = (tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in firsts), count, train)
-    schedules, fsdp = pm._schedules, pm.fsdp
+    schedules, root = pm._schedules, pm.fsdp if pm.fsdp is not None else pm.ddp
+    wired = pm.fsdp if pm.ddp is None else pm.ddp.module  # the TensorsOnWire under FSDP or DDP
     if key not in schedules:
         stage_in, stage_out = _stage_examples(pm, firsts, train)
         first = pm.stage_index == 0
-        if fsdp is not None:  # one FSDP root for every shape: rewired before each run
+        if root is not None:  # one FSDP or DDP root for every shape: rewired before each run
             bound, sent = wiring(stage_in, stage_out, first=first, device=pm.device)
             pm._wirings[key] = (bound, len(stage_in), sent)
-            module = fsdp
+            module = root
             stage_in = tuple(v for i, v in enumerate(stage_in) if i not in bound)
             stage_out = tuple(stage_out[i] for i in sent)
         else:
@@ -246,10 +321,11 @@ def _schedule_for(pm: Any, inputs: tuple, count: int, train: bool) -> Any:
         schedules[key] = kind(
             stage, count,
             loss_fn=(lambda out, _: out[loss_at].sum() * pm._loss_scale) if pm.has_loss else None,
-            scale_grads=False,
+            scale_grads=False,  # the first stage's inputs: batched ones split, the others whole to each micro-batch
+            args_chunk_spec=tuple(TensorChunkSpec(0) if s else _Replicate() for s in _split(pm, inputs)),
         )  # fmt: skip
-    if fsdp is not None:
-        fsdp.rewire(*pm._wirings[key])
+    if root is not None:
+        wired.rewire(*pm._wirings[key])
     return schedules[key]
 
 
@@ -300,23 +376,27 @@ def _step(pm: Any, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]
     # where the loss's count follows from the inputs alone (labels), every rank knows it before
     # the step: each micro-batch's loss is its sum over the whole count, and nothing is divided after
     known = train and pm._count_program is not None
-    pm._loss_scale = 1.0
+    # DDP averages its all-reduce over dp: each rank's loss times dp's size makes that average the sum
+    # (on every stage alike: the last stage's loss scales every stage's gradients)
+    by_ddp = pm._ddp_options is not None
+    pm._loss_scale = float(dist.get_world_size(pm.dp_group)) if by_ddp else 1.0
     if known:
         count = torch.as_tensor(pm._count_program(*inputs), dtype=torch.float64).reshape(1)
         if pm.dp_group is not None:
             dist.all_reduce(count, group=pm.dp_group)
-        pm._loss_scale = 1.0 / float(count)
+        pm._loss_scale /= float(count)
     before = {p: p.grad.clone() for p in pm.program.parameters() if p.grad is not None} if train else {}
     draws = pm.random_plan.record(inputs, batch, runs, pm.dp_group) if pm.random_plan is not None else None
     pieces, start = [], 0  # each run of equal micro-batches is one step of its own schedule
     with drawing(draws) if draws is not None else contextlib.nullcontext():
         for micro, rows in runs:
             stop = start + micro * rows
-            part = tuple(t[start:stop] if isinstance(t, torch.Tensor) and t.dim() and batch else t for t in inputs)
+            part = tuple(t[start:stop] if s and batch else t for t, s in zip(inputs, _split(pm, inputs)))
             schedule = _schedule_for(pm, part, micro, train)
             run = schedule.step if train else schedule.eval
             target = torch.zeros(stop - start if batch else micro) if last else None
-            pieces.append(run(*(part if first else ()), target=target))
+            with _fsdp_gradients_kept(pm):
+                pieces.append(run(*(part if first else ()), target=target))
             start = stop
     if draws is not None:
         draws.finish()  # the later stages' sites: the generator ends where eager's does
@@ -335,6 +415,29 @@ def _step(pm: Any, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]
         _sum_shared_gradients(pm, before)
         _average_gradients(pm, before, 1.0 if known else float(totals[1]))
     return _rebuild(pm, merged, totals, train) if last else None
+
+
+@contextlib.contextmanager
+def _fsdp_gradients_kept(pm: Any) -> Iterator[None]:
+    """Around a schedule's step on an FSDP stage: the gradients it holds are set aside and added back
+    after. A schedule's first step (each micro-batch shape builds one) ends its set-up with torch's
+    ``_post_metadata_inference_cleanup``, which sets every FSDP parameter's ``.grad`` to None: the
+    step before it in the same call (unequal micro-batches) and earlier calls' accumulated gradients
+    were dropped, silently."""
+    if pm.fsdp is None:
+        yield
+        return
+    kept = {p: p.grad for p in pm.program.parameters() if p.grad is not None}
+    for p in kept:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in kept.items():
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
 
 
 def _shape_inputs(pm: Any, args: tuple, kwargs: dict) -> tuple:
@@ -368,7 +471,7 @@ def _average_gradients(pm: Any, before: dict, count: float) -> None:
             continue
         old = before.get(p)
         step = p.grad if old is None else p.grad - old
-        if pm.dp_group is not None and pm.fsdp is None:  # FSDP reduce-scattered them in the step
+        if pm.dp_group is not None and pm.fsdp is None and pm._ddp_options is None:  # FSDP, DDP reduced them in the step
             dist.all_reduce(step, group=pm.dp_group)
         if old is None:
             if count != 1.0:
@@ -458,6 +561,7 @@ def _positional(names: list[str], args: tuple, kwargs: dict) -> tuple:
 
 
 __all__ = [
-    "MESH_PIPELINE", "MeshPipelineExecutor", "attach_shards", "count_program", "example_stage_inputs", "hold_program",
+    "MESH_PIPELINE", "MeshPipelineExecutor", "attach_shards", "count_program", "example_stage_inputs", "hold_ddp",
+    "hold_program",
     "mesh_pipeline_module", "shard_over_dp",
 ]

@@ -125,6 +125,35 @@ def batch_norm_refusal(sites: list[str], micro_batches: int) -> DpCompileError:
     )
 
 
+def batch_norm_dp_refusal(sites: list[str], dp_size: int) -> DpCompileError:
+    """Why BatchNorm with batch statistics cannot run over a pipeline mesh's ``"dp"`` dimension."""
+    return DpCompileError(
+        f"BatchNorm with batch statistics ({', '.join(sites)}) over a pipeline mesh with a 'dp' dimension of "
+        f"{dp_size}: each dp rank's pipeline would normalise with its own share of the batch (nothing synchronises "
+        "the statistics over 'dp'), not with the global batch's as eager does, so the loss, the gradients and the "
+        "running statistics would differ, silently. Put the model in eval mode (running statistics), use a "
+        "('pp',) mesh with micro_batches=1, or data parallel alone over a ('dp',) mesh, where BatchNorm's "
+        "statistics are synchronised"
+    )
+
+
+def split_into_steps(runs: list[tuple[int, int]], steps: int) -> list[tuple[int, int]] | None:
+    """``runs`` (:func:`micro_batch_runs`) as ``steps`` schedule steps of the same micro-batches in the
+    same order, a run of several micro-batches split in two; None where there are too few micro-batches.
+
+    >>> split_into_steps([(2, 4)], 2), split_into_steps([(1, 4), (1, 3)], 2), split_into_steps([(1, 1)], 2)
+    ([(1, 4), (1, 4)], [(1, 4), (1, 3)], None)
+    """
+    runs = list(runs)
+    while len(runs) < steps:
+        at = next((i for i, (count, _) in enumerate(runs) if count > 1), None)
+        if at is None:
+            return None
+        count, rows = runs[at]
+        runs[at : at + 1] = [(count - 1, rows), (1, rows)]
+    return runs
+
+
 class _BackwardDone(torch.autograd.Function):
     """The loss a pipeline step returns (one-process 1F1B, any schedule over a mesh): its backward
     has run inside the call. One plain ``loss.backward()`` (a gradient of 1, as after eager's
@@ -211,10 +240,12 @@ __all__ = [
     "MESH_PIPELINE_INSPECTION",
     "TensorsOnWire",
     "backward_done",
+    "batch_norm_dp_refusal",
     "batch_norm_refusal",
     "batch_statistics_sites",
     "materialized_copy",
     "micro_batch_runs",
+    "split_into_steps",
     "no_gradient_path",
     "on_wire",
     "wiring",

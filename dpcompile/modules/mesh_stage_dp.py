@@ -1,4 +1,4 @@
-"""What a ``"dp"`` dimension adds to a pipeline stage over a mesh: FSDP2 on the stage, and the state.
+"""What a ``"dp"`` dimension adds to a pipeline stage over a mesh: FSDP2 or DDP on the stage, and the state.
 
 - **FSDP on a stage** (``data_parallel="fsdp"``), as torchtitan composes them: the stage is cut
   first (and sharded over ``"tp"`` where there is one), then ``fully_shard`` wraps it over the
@@ -7,7 +7,11 @@
   micro-batch: ``reshard_after_forward=False``, torchtitan's choice with a pipeline), gradients
   accumulate unreduced until the last micro-batch's backward, then one reduce-scatter per step.
   The reduce-scatter sums (divide factor 1): each micro-batch's loss is already its share of the
-  whole global batch's mean.
+  whole global batch's mean. A model built on meta is sharded once its stage has memory
+  (``MeshPipelineExecutor.materialized``), as the ``("dp", "tp")`` mesh path does.
+- **DDP on a stage** (``ddp_options=``): ``DistributedDataParallel`` over ``"dp"`` with those
+  options, its all-reduce in the last micro-batch's backward (:func:`stage_under_ddp`); without
+  ``ddp_options=`` one all-reduce per gradient after the step (``modules/mesh_pipeline.py``).
 - **The full state** (``pm.state_dict()``): every rank gets the model's keys with whole tensors,
   put together from every stage (FSDP shards all-gathered over ``"dp"``, tensor-parallel shards
   over ``"tp"``, then each stage's tensors broadcast over ``"pp"``), one tensor at a time.
@@ -39,6 +43,31 @@ def shard_stage_over_dp(program: fx.GraphModule, dp_mesh: Any, options: Mapping[
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, **options)
     root.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # summed: each loss is its share of the mean
     return root
+
+
+def stage_under_ddp(program: fx.GraphModule, dp_group: Any, device: torch.device,
+                    options: Mapping[str, Any]) -> nn.parallel.DistributedDataParallel:  # fmt: skip
+    """``program`` under one ``DistributedDataParallel`` over ``dp_group`` with ``options``
+    (``ddp_options=``: ``bucket_cap_mb``, ``gradient_as_bucket_view``, ...): the module every
+    schedule's ``PipelineStage`` runs, rewired per micro-batch shape as FSDP's root is.
+    ``PipelineStage`` runs each micro-batch's forward and backward under ``no_sync`` but the last
+    backward's, so DDP all-reduces once per step, in its buckets. DDP averages over ``dp``: each
+    micro-batch's loss is scaled by the size of ``dp`` to give the sum (``_step``). Parameters
+    forward never reads are left out, as :func:`~dpcompile.modules.spmd.build_ddp` does. Collective
+    over ``dp_group`` (DDP broadcasts the first dp rank's parameters and buffers)."""
+    from dpcompile.modules.spmd import unused_parameters
+
+    root = TensorsOnWire(program, {}, 0, None)
+    kwargs: dict[str, Any] = {"process_group": dp_group}
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device.index]
+    kwargs.update(options)
+    unused = unused_parameters(program)
+    if unused and not kwargs.get("find_unused_parameters"):
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            root, [f"program.{name}" for name in unused]
+        )
+    return nn.parallel.DistributedDataParallel(root, **kwargs)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -185,6 +214,7 @@ __all__ = [
     "local",
     "local_rows_shape",
     "shard_stage_over_dp",
+    "stage_under_ddp",
     "whole_parameters_on_fake",
     "whole_tensor",
 ]

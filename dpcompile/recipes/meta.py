@@ -129,6 +129,8 @@ def write_known_values(pm: nn.Module, known: Mapping[str, torch.Tensor]) -> None
     own = {unalias(name): t for name, t in (*pm.named_parameters(), *pm.named_buffers())}
     for name, value in known.items():
         target = own.get(name)
+        if type(target).__name__ == "DTensor":
+            continue  # FSDP's rows of a parameter: load_checkpoint fills every one
         if target is not None and target.shape == value.shape:
             target.copy_(value)
 

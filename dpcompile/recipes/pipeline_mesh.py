@@ -11,8 +11,9 @@ of the batch, ``dpcompile.mesh.local_batch``), exactly: the loss is the mean ove
 global batch. A ``"tp"`` dimension (with ``tensor_parallel=``) shards each stage's layers over
 its ranks: :func:`~dpcompile.recipes.pipeline_mesh_tp.shard_stage`. Both on a ``("pp", "dp",
 "tp")`` mesh. The order is torchtitan's: cut the stage, shard it over ``"tp"``, then data
-parallel over ``"dp"``: replicated (one all-reduce per step) or ``data_parallel="fsdp"``
-(``fully_shard`` on the stage: :mod:`dpcompile.modules.mesh_stage_dp`).
+parallel over ``"dp"``: replicated (one all-reduce per step; ``ddp_options=``: DDP on the stage with
+those options) or ``data_parallel="fsdp"`` (``fully_shard`` on the stage: :mod:`dpcompile.modules.mesh_stage_dp`;
+a model built on meta is sharded once each rank has allocated its stage).
 """
 
 from __future__ import annotations
@@ -35,9 +36,15 @@ from dpcompile.fx_utils import ancestors, copy_graph, graph_module
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_fsdp_parameters, local_device
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.mesh_pipeline import attach_shards, example_stage_inputs, mesh_pipeline_module, shard_over_dp
+from dpcompile.modules.mesh_pipeline import (
+    attach_shards,
+    example_stage_inputs,
+    hold_ddp,
+    mesh_pipeline_module,
+    shard_over_dp,
+)
 from dpcompile.modules.mesh_random import StageRandomPlan
-from dpcompile.modules.mesh_stage import batch_norm_refusal, batch_statistics_sites, writes
+from dpcompile.modules.mesh_stage import batch_norm_dp_refusal, batch_norm_refusal, batch_statistics_sites, writes
 from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.pipeline import stage_weights
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage, tied_shards
@@ -60,6 +67,7 @@ class MeshPipelineRecipe(Recipe):
     plan: bool | Mapping[str, str] = field(default=False)
     data_parallel: str = "ddp"
     mixed_precision: Any = field(default=None, compare=False)
+    ddp_options: Mapping[str, Any] | None = field(default=None, compare=False)  # DDP over "dp" on each stage
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         import torch.distributed as dist
@@ -68,12 +76,6 @@ class MeshPipelineRecipe(Recipe):
         check_pipeline_mesh(names, self.plan, self.data_parallel)
         if self.data_parallel == "fsdp":
             check_fsdp_parameters(model)
-        if self.data_parallel == "fsdp" and any(is_fake(t) for t in (*model.parameters(), *model.buffers())):
-            raise DpCompileError(
-                "a model built on meta with data_parallel=\"fsdp\" over a mesh pipeline is not built yet (FSDP would "
-                "shard the stage's fake tensors, which load_checkpoint cannot fill): build the model on CPU, or leave "
-                "data_parallel= out (each dp rank then allocates its stage, and load_checkpoint fills it)"
-            )
         pp_size = self.mesh.size(names.index("pp"))
         pp_rank = self.mesh.get_local_rank("pp")
         pp_group = self.mesh.get_group("pp")
@@ -85,6 +87,7 @@ class MeshPipelineRecipe(Recipe):
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         options = passes.PipelineOptions(devices=Devices((device,)), input_dims=dict(input_dims), output_device=device)
         gm, _ = run_passes(gm, passes.frontend_pipeline(options))
+        dims = ordered_input_dims(gm, input_dims, self.micro_batches)
         plan = passes.find_stage_boundaries(gm, stages=self.stages, weights=weights)
         if plan.stages != pp_size:
             raise ArgumentError(
@@ -100,7 +103,10 @@ class MeshPipelineRecipe(Recipe):
         writes_once = hoist_writes(gm, plan, self.micro_batches)  # run once a call, apart from the stages
         whole = graph_module(gm, copy_graph(gm.graph), "WholeProgram")
         random_plan = self._random_plan(gm)
-        sites = batch_statistics_sites(whole) if self.micro_batches > 1 else []
+        dp_size = self.mesh.size(names.index("dp")) if "dp" in names else 1
+        sites = batch_statistics_sites(whole) if self.micro_batches > 1 or dp_size > 1 else []
+        if sites and dp_size > 1:  # each dp rank's pipeline would see its share of the batch alone
+            raise batch_norm_dp_refusal(sites, dp_size)
         if sites:  # in eval mode BatchNorm's running statistics serve any micro_batches (checked per call too)
             raise batch_norm_refusal(sites, self.micro_batches)
         if self.micro_batches > 1 and (meetings := find_row_meetings(whole)):
@@ -146,6 +152,7 @@ class MeshPipelineRecipe(Recipe):
             shared=shared,
             writes_once=writes_once.get(pp_rank),
             random_plan=StageRandomPlan(random_plan, own_sites, device) if random_plan is not None else None,
+            input_dims=dims,
         )
         if self.plan is not False:  # tensor parallel inside the stage, over the mesh's "tp" dimension
             examples = None if example_inputs is None else example_stage_inputs(pm, tuple(example_inputs))
@@ -159,6 +166,8 @@ class MeshPipelineRecipe(Recipe):
         if self.data_parallel == "fsdp":  # FSDP over "dp" last, on the (sharded) stage
             options = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
             shard_over_dp(pm, self.mesh["dp"], options)
+        elif self.ddp_options and dp_group is not None:  # DDP over "dp" last, as FSDP
+            hold_ddp(pm, dict(self.ddp_options))
         return pm
 
     def _random_plan(self, gm: fx.GraphModule) -> fx.GraphModule | None:
@@ -237,6 +246,26 @@ def hoist_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> dict[int,
         if node in once or (node in hoisted and node.op != "placeholder" and not node.users):
             gm.graph.erase_node(node)
     return programs
+
+
+def ordered_input_dims(gm: fx.GraphModule, input_dims: Mapping[str, int | None], micro_batches: int
+                       ) -> tuple[int | None, ...]:  # fmt: skip
+    """Each input's batch dim in forward's order (None: it goes whole to every micro-batch).
+    ``torch.distributed.pipelining`` splits micro-batches along one dim, 0, and merges the outputs
+    along it: another batch dim (``batch_dim=1``, a time-major RNN's input) with ``micro_batches`` > 1
+    is refused by name (it would split the sequence, silently)."""
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    dims = tuple(input_dims.get(name, 0) for name in names)
+    other = [(name, d) for name, d in zip(names, dims) if d not in (None, 0)]
+    if other and micro_batches > 1:
+        listed = ", ".join(f"'{name}' along dim {d}" for name, d in other)
+        raise DpCompileError(
+            f"over a mesh a pipeline splits its micro-batches along dim 0 (torch.distributed.pipelining's chunks), "
+            f"and the batch runs through {listed} (batch_dim=, or a time-major input): with micro_batches="
+            f"{micro_batches} that would split another dim. Put the batch first (x.transpose(0, 1) outside the "
+            "model, batch_first=True), pass micro_batches=1, or run the pipeline in one process (devices=[...])"
+        )
+    return dims
 
 
 def state_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -410,11 +411,13 @@ def check_inspection(rank: int, world: int) -> None:
     assert dpcompile.verify(pm, model, x, labels).ok  # the refusals left nothing behind
 
 
-def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...]) -> None:
+def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...],
+                               ddp_options: dict | None = None, fsdp: bool = False) -> None:  # fmt: skip
     """One rank raises inside the step (a label out of range in its dp share: the loss on the last
     stage raises): every rank raises the same DpCompileError naming that rank, within seconds, not the
     group's 30 s timeout (its groups were shut down); later calls and verify refuse, naming it. On
-    groups of its own (new_group), so the spawned group's world stays usable."""
+    groups of its own (new_group), so the spawned group's world stays usable. With ``ddp_options``
+    or ``fsdp`` the stages run under DDP or FSDP2 over "dp"."""
     import time
 
     import torch.distributed as dist
@@ -430,7 +433,9 @@ def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], na
     model = _stack()
     x, labels = _inputs(16)
     labels[-1] = 99  # the last row: the last dp rank's share, the last stage's loss
-    pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=2, schedule="1f1b")
+    options = {"ddp_options": ddp_options} if ddp_options else {"data_parallel": "fsdp"} if fsdp else {}
+    pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=2, schedule="1f1b", **options)
+    assert (pm.ddp is not None) == bool(ddp_options) and (pm.fsdp is not None) == fsdp
     failing = world - 1
     start = time.monotonic()
     try:
@@ -455,10 +460,11 @@ def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], na
 
 
 def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], frontends: tuple[str, ...],
-                     plan: dict | None = None) -> None:  # fmt: skip
+                     plan: dict | None = None, ddp_options: dict | None = None) -> None:  # fmt: skip
     """A model built on meta (an embedding tied to the head across the stages, a rotary buffer no
     checkpoint holds): each rank gives memory to its stage only (its tp shards with ``plan``), waits
-    for its weights, and after load_checkpoint runs a step with eager's loss and gradients."""
+    for its weights, and after load_checkpoint runs a step with eager's loss and gradients
+    (``ddp_options``: under DDP over "dp", built once the stage has memory)."""
     import os
     import tempfile
 
@@ -478,6 +484,7 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
     _, expected = reference(ids, labels)
     expected.backward()
     options = {"tensor_parallel": plan} if plan else {}
+    options.update({"ddp_options": ddp_options} if ddp_options else {})
     with tempfile.TemporaryDirectory() as folder:  # each rank its own copy of the checkpoint
         path = os.path.join(folder, "model.safetensors")
         dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(reference), ["cpu"]), path)
@@ -488,6 +495,7 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
                                      frontend=frontend, **options)  # fmt: skip
             held = [*pm.program.parameters(), *pm.program.buffers()]
             assert pm.needs_weights and held and not any(is_placeholder(t) for t in held), frontend
+            assert (pm.ddp is not None) == bool(ddp_options), pm.ddp
             dpcompile.load_checkpoint(pm, path)
             assert not pm.needs_weights
             out = pm(*local_batch((ids, labels), mesh))  # ("pp", "dp"): each dp rank its share
@@ -503,25 +511,248 @@ def check_meta_model(rank: int, world: int, shape: tuple[int, ...], names: tuple
     dist.barrier()
 
 
-def check_meta_model_fsdp_refused(rank: int, world: int) -> None:
-    """A meta model with data_parallel="fsdp" over a ("pp", "dp") mesh: refused on every rank alike,
-    before any collective, naming the ways out."""
+class TableReader(torch.nn.Module):
+    """Every row reads a table given as an input: the table is not batched (5 rows, a batch of 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, table, labels):
+        h = torch.tanh(self.a(x) + table.sum(0))
+        return torch.nn.functional.cross_entropy(self.b(h), labels)
+
+
+class TimeMajor(torch.nn.Module):
+    """Inputs (time, batch, 4), a cumulative sum over time: the batch is dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.cumsum(self.a(x), 0))
+
+
+def check_input_dims(rank: int, world: int) -> None:
+    """An input the batch does not run through (a table of 5 rows beside a batch of 8) goes whole to
+    every micro-batch, as eager reads it (main split it along dim 0 with the batch: other values,
+    silently): the loss and each gradient as eager's, with 2 micro-batches and with an uneven batch
+    of 7 in 4. A batch along dim 1 (batch_dim=1) is honoured with one micro-batch and refused by
+    name, on every rank, with several (the schedule splits dim 0: main split the time, silently)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import dpcompile
-    from tests.integration.test_pipeline_edges import TiedRotaryLM
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    g = torch.Generator().manual_seed(3)
+    for batch, micro in ((8, 2), (7, 4)):
+        torch.manual_seed(0)
+        reference = TableReader()
+        model = copy.deepcopy(reference)
+        x, table, labels = torch.randn(batch, 4, generator=g), torch.randn(5, 8, generator=g), torch.randint(0, 3, (batch,))
+        pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=micro, example_inputs=(x, table, labels))
+        loss = pm(x, table, labels)
+        expected = reference(x, table, labels)
+        expected.backward()
+        if rank == 1:
+            torch.testing.assert_close(loss, expected.detach())
+        _grads_equal_on_stage(model, reference, pm.module_paths)
+    torch.manual_seed(0)
+    reference = TimeMajor()
+    x = torch.randn(6, 4, 4, generator=g)
+    pm = dpcompile.transform(copy.deepcopy(reference), mesh, pipeline=2, batch_dim=1, example_inputs=(x,))
+    with torch.no_grad():
+        out = pm(x)
+        if rank == 1:
+            torch.testing.assert_close(out, reference(x))
+    try:
+        dpcompile.transform(copy.deepcopy(reference), mesh, pipeline=2, micro_batches=2, batch_dim=1, example_inputs=(x,))
+    except dpcompile.DpCompileError as e:
+        assert "'x' along dim 1" in str(e) and "micro_batches=1" in str(e), e
+    else:
+        raise AssertionError("a batch along dim 1 with 2 micro-batches over a mesh was not refused")
+    dist.barrier()
+
+
+def check_ddp_options(rank: int, world: int, kind: str, schedule: str, batch: int, options: dict) -> None:
+    """ddp_options= over a ("pp", "dp") mesh: DDP over "dp" on each stage with those options (its
+    bucket size, gradient_as_bucket_view), and it alone reduces over dp: 3 AdamW steps' losses, every
+    gradient, then pm.state_dict() as eager's. ``kind``: an MLP stack, its tied variant (a weight
+    summed over the stages too), or SquareMean (the count only the last stage finds); a ``batch``
+    that does not divide runs two schedule steps a call. Refused on main ("not built yet")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_pipeline_mesh_compose import TiedStack, full_gradients
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    with torch.device("meta"):
-        model = TiedRotaryLM().double()
-    ids = torch.randint(0, 11, (4, 3))
-    try:
-        dpcompile.transform(model, mesh, pipeline=2, data_parallel="fsdp", example_inputs=(ids, ids))
-    except dpcompile.DpCompileError as e:
-        assert "built on meta" in str(e) and "build the model on CPU" in str(e) and "data_parallel= out" in str(e), e
-    else:
-        raise AssertionError("a meta model under FSDP over a mesh pipeline was not refused")
+    torch.manual_seed(0)
+    reference = {"square": SquareMean, "tied": TiedStack}.get(kind, _stack)().double()
+    model = copy.deepcopy(reference)
+    x, labels = _inputs(batch)
+    x, local = x.double(), local_batch((x.double(), labels), mesh)
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=2, schedule=schedule, ddp_options=options,
+                             example_inputs=local)  # fmt: skip
+    assert isinstance(pm.ddp, torch.nn.parallel.DistributedDataParallel) and pm.fsdp is None
+    assert pm.ddp.process_group is mesh.get_group("dp")
+    assert pm.ddp.bucket_bytes_cap == int(options["bucket_cap_mb"] * 1024 * 1024)
+    assert pm.ddp.gradient_as_bucket_view is options.get("gradient_as_bucket_view", False)
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.05)
+    expected_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    for step in range(3):
+        out = pm(*local)
+        expected = reference(x, labels)
+        expected = expected[1] if isinstance(expected, tuple) else expected
+        expected.backward()
+        if mesh.get_local_rank("pp") == 1:
+            loss = out[1] if isinstance(out, tuple) else out
+            torch.testing.assert_close(loss, expected.detach(), msg=lambda m, step=step: f"step {step} loss: {m}")
+        else:
+            assert out is None
+        grads = full_gradients(pm)
+        assert grads, "this stage holds no gradient"
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")  # fmt: skip
+        opt.step()
+        expected_opt.step()
+        opt.zero_grad()
+        expected_opt.zero_grad()
+    state = pm.state_dict()
+    assert list(state) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    dist.barrier()
+
+
+def check_fsdp_unequal_micro_batches(rank: int, world: int) -> None:
+    """data_parallel="fsdp" over a ("pp", "dp") mesh with micro-batches of unequal sizes: a global batch of 15
+    (dp shares of 8 and 7: the 7 runs two schedule steps, the 8 is split alike, since FSDP reduce-scatters once
+    per step), then a batch of 6 accumulated onto it (a new shape: a new schedule), then an AdamW step: the
+    gradients and the state as eager's. On main each new schedule's set-up dropped the FSDP gradients held
+    (torch's _post_metadata_inference_cleanup), and the 8/7 shares hung or crashed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_pipeline_mesh_compose import full_gradients
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    reference = _stack().double()
+    pm = dpcompile.transform(copy.deepcopy(reference), mesh, pipeline=2, micro_batches=2, schedule="1f1b",
+                             data_parallel="fsdp")  # fmt: skip
+    for batch in (15, 6):  # the second call's gradients added to the first's, as eager's
+        x, labels = _inputs(batch)
+        pm(*local_batch((x.double(), labels), mesh))
+        reference(x.double(), labels)[1].backward()
+        for name, grad in full_gradients(pm).items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                       msg=lambda m, name=name, batch=batch: f"batch {batch}, {name}: {m}")  # fmt: skip
+    torch.optim.AdamW(pm.parameters(), lr=0.05).step()
+    torch.optim.AdamW(reference.parameters(), lr=0.05).step()
+    state = pm.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    dist.barrier()
+
+
+def check_batchnorm_over_dp(rank: int, world: int) -> None:
+    """BatchNorm in training over a ("pp", "dp") mesh is refused by name, at transform and at a call
+    (main: each dp rank normalised with its share of the batch, silently: other gradients and running
+    statistics); in eval mode it runs as eager."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = BNClassifier()
+    g = torch.Generator().manual_seed(2)
+    x, labels = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+    message = "BatchNorm with batch statistics (bn1, bn2) over a pipeline mesh with a 'dp' dimension of 2"
+    for options in ({}, {"ddp_options": {"broadcast_buffers": True}}):
+        with pytest.raises(dpcompile.DpCompileError, match=re.escape(message)):
+            dpcompile.transform(model, mesh, pipeline=2, micro_batches=1, **options)
+    model.eval()
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=1)
+    out = pm(*local_batch((x, labels), mesh))
+    if mesh.get_local_rank("pp") == 1:
+        torch.testing.assert_close(out[1], model(x, labels)[1])
+    pm.train()
+    with pytest.raises(dpcompile.DpCompileError, match=re.escape(message)):
+        pm(*local_batch((x, labels), mesh))
+    dist.barrier()
+
+
+def check_meta_model_fsdp(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], frontend: str,
+                          plan: dict | None = None) -> None:  # fmt: skip
+    """A model built on meta with data_parallel="fsdp" over a ("pp", "dp") or ("pp", "dp", "tp") mesh:
+    each rank allocates its stage, FSDP2 shards it (each parameter this rank's rows, none whole), and
+    load_checkpoint fills them. Then 3 AdamW steps as eager's (the model built
+    on CPU from the same checkpoint): the loss, every gradient, and pm.state_dict() after the steps
+    (the model's keys, whole tensors, on every rank). Refused on main ("not built yet")."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_pipeline_edges import TiedRotaryLM
+    from tests.integration.test_pipeline_mesh_compose import full_gradients
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    saved = TiedRotaryLM().double()
+    ids, labels = torch.randint(0, 11, (8, 3)), torch.randint(0, 11, (8, 3))
+    options = {"tensor_parallel": plan} if plan else {}
+    with tempfile.TemporaryDirectory() as folder:  # each rank its own copy of the checkpoint
+        path = os.path.join(folder, "model.safetensors")
+        dpcompile.save_checkpoint(dpcompile.transform(copy.deepcopy(saved), ["cpu"]), path)
+        reference = TiedRotaryLM().double()  # eager: built on CPU, from the checkpoint
+        reference.load_state_dict(saved.state_dict())
+        with torch.device("meta"):
+            model = TiedRotaryLM().double()
+        pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=2, example_inputs=(ids, labels),
+                                 data_parallel="fsdp", frontend=frontend, **options)  # fmt: skip
+        assert pm.needs_weights and pm.fsdp is not None
+        for name, p in pm.program.named_parameters():  # this rank's rows of each; none whole
+            assert type(p).__name__ == "DTensor" and not p.to_local().is_meta, name
+            assert p.to_local().shape[0] < p.shape[0], (name, p.to_local().shape, p.shape)
+        dpcompile.load_checkpoint(pm, path)
+        assert not pm.needs_weights
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.05)
+    expected_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    last = mesh.get_local_rank("pp") == 1
+    for step in range(3):
+        out = pm(*local_batch((ids, labels), mesh))  # each dp rank its share of the batch
+        _, expected = reference(ids, labels)
+        expected.backward()
+        if last:
+            torch.testing.assert_close(out[1], expected.detach(), msg=lambda m, step=step: f"step {step} loss: {m}")
+        else:
+            assert out is None
+        grads = full_gradients(pm)
+        assert grads and ("embed.weight" in grads or "head.weight" in grads), sorted(grads)
+        for name, grad in grads.items():  # the tied weight's copy on each stage: the sum of both stages'
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")  # fmt: skip
+        opt.step()
+        expected_opt.step()
+        opt.zero_grad()
+        expected_opt.zero_grad()
+    state = pm.state_dict()
+    assert list(state) == list(reference.state_dict()), (list(state), list(reference.state_dict()))
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
     dist.barrier()
 
 
@@ -542,7 +773,8 @@ SCENARIOS = {
                 ("earlier_stage_output", check_earlier_stage_output, ()),
                 ("inspection", check_inspection, ()),
                 ("rank_raising_in_step", check_rank_raising_in_step, ((2,), ("pp",))),
-                ("meta_model", check_meta_model, ((2,), ("pp",), ("fx", "export")))]),
+                ("meta_model", check_meta_model, ((2,), ("pp",), ("fx", "export"))),
+                ("input_dims", check_input_dims, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16, True)),
@@ -558,7 +790,20 @@ SCENARIOS = {
                 ("pp_dp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp"))),
                 ("meta_model_pp_tp", check_meta_model, ((2, 2), ("pp", "tp"), ("export",), TIED_ROTARY_PLAN)),
                 ("meta_model_pp_dp", check_meta_model, ((2, 2), ("pp", "dp"), ("fx",))),
-                ("meta_model_fsdp_refused", check_meta_model_fsdp_refused, ())]),
+                ("meta_model_fsdp", check_meta_model_fsdp, ((2, 2), ("pp", "dp"), "fx")),
+                ("meta_model_ddp_options", check_meta_model, ((2, 2), ("pp", "dp"), ("fx",), None, {"bucket_cap_mb": 1})),
+                ("ddp_options_1f1b", check_ddp_options, ("mlp", "1f1b", 8, {"bucket_cap_mb": 1e-4})),
+                ("ddp_options_tied_uneven", check_ddp_options,
+                 ("tied", "gpipe", 14, {"bucket_cap_mb": 1, "gradient_as_bucket_view": True})),
+                ("ddp_options_square_mean", check_ddp_options, ("square", "1f1b", 8, {"bucket_cap_mb": 1})),
+                # dp shares of 8 and 7: DDP all-reduces once per schedule step, so both run two
+                ("ddp_options_unequal_dp_shares", check_ddp_options,
+                 ("mlp", "1f1b", 15, {"bucket_cap_mb": 1e-4, "find_unused_parameters": True})),
+                ("fsdp_unequal_micro_batches", check_fsdp_unequal_micro_batches, ()),
+                ("batchnorm_over_dp_refused", check_batchnorm_over_dp, ()),
+                ("ddp_rank_raising_in_step", check_rank_raising_in_step,
+                 ((2, 2), ("pp", "dp"), {"broadcast_buffers": False})),
+                ("fsdp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp"), None, True))]),
 }  # fmt: skip
 
 
@@ -597,5 +842,6 @@ def test_pipeline_mesh_two_processes_equal_eager(outcomes, name):
 @pytest.mark.xdist_group("pipeline_mesh_4")  # one spawned group, on one worker
 def test_pipeline_mesh_four_processes_equal_eager(outcomes, name):
     """4 processes: a ("pp",) mesh of 4 stages, and a ("pp", "dp") mesh of 2 x 2, as eager; a model
-    built on meta over ("pp", "tp") and ("pp", "dp"), its FSDP refused."""
+    built on meta over ("pp", "tp") and ("pp", "dp"), and with FSDP or DDP over ("pp", "dp"), loaded;
+    ddp_options= honoured (DDP on each stage)."""
     _check(outcomes, "pp4", name)

@@ -1,13 +1,14 @@
 """Pipelines that compose with data parallel over a gloo mesh, as torchtitan composes them (cut the
 stage, shard it over ``"tp"``, then data parallel over ``"dp"``): FSDP2 on each stage of a 4-process
-``("pp", "dp")`` mesh, and a ``("pp", "dp", "tp")`` mesh of 8 processes, replicated and FSDP.
+``("pp", "dp")`` mesh, and a ``("pp", "dp", "tp")`` mesh of 8 processes, replicated (by DDP on each stage
+with ``ddp_options=`` too) and FSDP.
 
 Models: an MLP stack (tied weights across the stages too, on ``("pp", "dp")`` and with FSDP on
 ``("pp", "dp", "tp")``) and, through the export frontend with ``labels=``, GPT-2 (tied
 ``wte``/``lm_head``) on ``("pp", "dp")`` and Llama on ``("pp", "dp", "tp")``;
 on ``("pp", "dp", "tp")`` also an MLP with dropout and ``randn_like`` noise, GPT-2, BERT and ViT with
 their dropout, whose 3 steps' losses, gradients and generator states equal eager's
-(``test_exact_random_mesh.py``).
+(``test_exact_random_mesh.py``), and a model built on meta under FSDP, filled by ``load_checkpoint``.
 Each scenario trains 3 AdamW steps on ``pm.parameters()`` beside eager on the whole batch (float64):
 every step's loss and every gradient (FSDP shards all-gathered, tensor-parallel shards gathered)
 equal eager's, and after the steps ``pm.state_dict()`` has the model's keys with eager's values.
@@ -26,6 +27,7 @@ import torch.multiprocessing as mp
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 from tests.helpers import assert_mesh_pipeline_verifies, assert_stage_is_a_parallel_module, assert_whole_state_loads
 from tests.integration.test_exact_random_mesh import check_pipeline_trains_like_eager
+from tests.integration.test_pipeline_mesh import TIED_ROTARY_PLAN, check_meta_model_fsdp
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 12 processes spawned in all
 GROUP_TIMEOUT_S = 480.0  # a loaded 2-core machine running 8 processes (each exports Llama)
@@ -90,9 +92,10 @@ def _model_and_inputs(kind: str):
 
 
 def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2, schedule="1f1b", kind="mlp",
-                            verify=False):
+                            verify=False, ddp_options=None):  # fmt: skip
     """3 AdamW steps: each loss and every gradient as eager's; then state_dict equals the model's. With
-    ``verify``: first verify on the whole batch, OK, and a mismatch where eager's weights are corrupted."""
+    ``verify``: first verify on the whole batch, OK, and a mismatch where eager's weights are corrupted.
+    ``ddp_options``: DDP over "dp" on each stage with them (``pm.ddp``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -104,7 +107,10 @@ def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2,
     model = copy.deepcopy(reference)
     local = local_batch((x, labels), mesh)  # this dp rank's part; the tp ranks of a dp rank feed the same
     pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=micro, schedule=schedule,
-                             tensor_parallel=plan, data_parallel=data_parallel, example_inputs=local)  # fmt: skip
+                             tensor_parallel=plan, data_parallel=data_parallel, example_inputs=local,
+                             ddp_options=ddp_options)  # fmt: skip
+    if ddp_options:
+        assert pm.ddp is not None and pm.ddp.bucket_bytes_cap == int(ddp_options["bucket_cap_mb"] * 1024 * 1024)
     if plan:
         assert pm.shards, f"nothing sharded over tp: {pm.plan_reasons}"
     if data_parallel == "fsdp":
@@ -244,6 +250,14 @@ def check_decoder_trains_like_eager(shape, names, data_parallel, kind, *, plan=F
     dist.barrier()
 
 
+def check_meta_model_fsdp_3d() -> None:
+    """A model built on meta (a tied embedding, a rotary buffer, export's lifted constant), FSDP on each
+    tensor-parallel stage of a ("pp", "dp", "tp") mesh, filled by load_checkpoint: 3 AdamW steps as eager."""
+    import torch.distributed as dist
+
+    check_meta_model_fsdp(dist.get_rank(), 8, (2, 2, 2), ("pp", "dp", "tp"), "export", TIED_ROTARY_PLAN)
+
+
 #: the tied embedding's rows ("vocab") and the head's rows ("column") alike on both stages (the automatic
 #: plan of stage 1 alone makes the head "row", which a tie across the stages refuses)
 TIED_PLAN = {"emb": "vocab", "head": "column", **{f"layers.{i}.{j}": s for i in range(4) for j, s in ((0, "column"), (2, "row"))}}
@@ -257,11 +271,14 @@ SCENARIOS = {
     ]),
     "pp_dp_tp": (8, [
         ("replicate_1f1b", check_trains_like_eager, (((2, 2, 2), ("pp", "dp", "tp"), "ddp"), {"plan": True})),
+        ("ddp_options_tied", check_trains_like_eager,
+         (((2, 2, 2), ("pp", "dp", "tp"), "ddp"), {"plan": TIED_PLAN, "kind": "tied", "ddp_options": {"bucket_cap_mb": 1e-4}})),
         ("fsdp_gpipe", check_trains_like_eager,
          (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": True, "schedule": "gpipe", "micro": 4, "verify": True})),
         ("fsdp_tied", check_trains_like_eager, (((2, 2, 2), ("pp", "dp", "tp"), "fsdp"), {"plan": TIED_PLAN, "kind": "tied"})),
         ("llama_fsdp", check_decoder_trains_like_eager,
          (((2, 2, 2), ("pp", "dp", "tp"), "fsdp", "llama"), {"plan": True})),
+        ("meta_fsdp_export", check_meta_model_fsdp_3d, ((), {})),
         # dropout and randn_like draw eager's values (test_exact_random_mesh.py; exact_random=True)
         ("exact_random_replicate_1f1b", check_pipeline_trains_like_eager,
          (("mlp", {"pp": 2, "dp": 2, "tp": 2}, "1f1b", "ddp"), {})),

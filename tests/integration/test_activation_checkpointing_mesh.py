@@ -266,10 +266,12 @@ def _assert_passed(world: int, check: str) -> None:
 
 
 @pytest.mark.parametrize("check", list(CHECKS[2]))
+@pytest.mark.xdist_group("activation_checkpointing_mesh_2")  # one spawned group, on one worker
 def test_checkpointed_mesh_trains_like_eager_2(check):
     _assert_passed(2, check)
 
 
 @pytest.mark.parametrize("check", list(CHECKS[4]))
+@pytest.mark.xdist_group("activation_checkpointing_mesh_4")  # one spawned group, on one worker
 def test_checkpointed_mesh_trains_like_eager_4(check):
     _assert_passed(4, check)

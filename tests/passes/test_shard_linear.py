@@ -236,6 +236,7 @@ def spmd_outcomes() -> dict[int, dict[str, str | None]]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("plan", list(SPMD_PLANS))
+@pytest.mark.xdist_group("shard_linear_spmd_2")  # one spawned group (the module's fixture), on one worker
 def test_shard_linear_program_matches_eager_on_two_gloo_ranks(spmd_outcomes, plan):
     """Each rank runs the one-shard program with torch.distributed collectives and gets eager's output and dX."""
     assert set(spmd_outcomes) == {0, 1}, "a rank reported nothing within 60 s (hang or crash)"

@@ -128,3 +128,17 @@ def test_dp_copies_of_tensor_parallel_shards_share_one_set_of_gradients():
     measured = dpcompile.measure(pm, *args)
     for d, peak in measured.peak_bytes.items():
         assert abs(measured.predicted_peak_bytes[d] - peak) <= 0.20 * peak, (d, measured.predicted_peak_bytes, measured.peak_bytes)
+
+
+def test_data_parallel_replicas_each_hold_the_gradients_they_share():
+    """Replicas on virtual devices share the parameters: autograd sums the devices' gradients of one
+    into one ``.grad``, which ``measure`` counted on the device whose gradient arrived second only. With
+    every block checkpointed the peak is at the end of backward, where the gradients are: the prediction
+    was 33% over the other device's measured peak on ``bench_memory_estimate.py``'s MLP stack (here 35%;
+    now 3%, both devices). On real devices each holds its own; now each is counted with the sum."""
+    args = (torch.randn(8, 16, 16), torch.randn(8, 16, 8))
+    spec = LayoutSpec((("dp", 2),), checkpointing=True)
+    measured = dpcompile.measure(_built(lambda: Residual(d=64, layers=4), args, **Candidate(spec).keywords()), *args)
+    predicted = measured.predicted_peak_bytes
+    for d, peak in measured.peak_bytes.items():
+        assert abs(predicted[d] - peak) <= 0.10 * peak, (d, predicted, measured.peak_bytes)

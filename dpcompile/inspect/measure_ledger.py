@@ -94,6 +94,10 @@ class Ledger:
             if entry.holders:
                 entry.holders += 1
                 weakref.finalize(t, self._drop, key, entry)
+            more = sorted(set(also) - set(entry.slots))
+            if more:  # a sum made in place into one device's gradient: the others hold it too
+                entry.slots = (*entry.slots, *more)
+                self._add([(s, entry.size) for s in more], at)
             return
         by_tensor = self.in_backward_node > 0 and not self.recomputing
         size = _extent(t) if by_tensor else t.untyped_storage().nbytes()
@@ -102,11 +106,14 @@ class Ledger:
         first = self.current_slot() if slot is None else slot
         entry = _Held((first, *sorted(set(also) - {first})), size, 1 if by_tensor else 0)
         self.held[key] = entry
-        if at is None or at >= len(self.events):
-            self.events += [(s, size) for s in entry.slots]
-        else:
-            self.earlier.setdefault(at, []).extend((s, size) for s in entry.slots)
+        self._add([(s, size) for s in entry.slots], at)
         weakref.finalize(t if by_tensor else t.untyped_storage(), self._drop if by_tensor else self._free, key, entry)
+
+    def _add(self, events: list[tuple[int, int]], at: int | None) -> None:
+        if at is None or at >= len(self.events):
+            self.events += events
+        else:
+            self.earlier.setdefault(at, []).extend(events)
 
     def _drop(self, key: int, entry: _Held) -> None:
         entry.holders -= 1
@@ -186,7 +193,8 @@ class BackwardWindows:
         marks = node.metadata.pop(_SUMMED_AT, []) if node is not None else []
         at, slot = marks[min(1, len(marks) - 1)] if marks else (None, None)
         # a parameter's gradient summed from several devices' (replicas on virtual devices share the
-        # parameter): on real devices each holds its own, so each of them holds the sum
+        # parameter), out of place or in place into the first: on real devices each holds its own, so
+        # each of them holds the sum
         also = {s for _, s in marks} if hasattr(node, "variable") else ()
         for g in grad_outputs:
             if isinstance(g, torch.Tensor):  # a sum made out of place between two nodes: no mode saw it

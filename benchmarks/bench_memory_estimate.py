@@ -118,12 +118,35 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "devices_planner_within_10pct": f"{planner_in}/{planner_all}", "load": uptime()}  # fmt: skip
 
 
+def markdown_table(rows: list[dict[str, Any]], before: list[dict[str, Any]]) -> str:
+    """docs/memory.md's table: measured peaks, ``explain``'s error in ``before``'s results and now."""
+    earlier = {(r["model"], r["layout"]): r for r in before}
+    lines = ["| model | layout | measured peak per device | `memory_estimate` before | now |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "error_message" in r:
+            continue
+        count = " (program count)" if r.get("planner") is None else ""
+        then = earlier.get((r["model"], r["layout"]), {})
+        lines.append(f"| {r['model']} | {r['layout']} | {', '.join(f'{m / 1024:.0f}K' for m in r['measured'].values())} | "
+                     f"{_signed(then.get('explain_error'))} | {_signed(r['explain_error'])}{count} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _signed(errors: dict[str, float | None] | None) -> str:
+    return ", ".join("-" if e is None else f"{e * 100:+.0f}%" for e in (errors or {}).values()) or "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="", help="comma-separated models: their rows replace theirs")
     parser.add_argument("--layouts", default="", help="comma-separated layouts (default: all)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--table", type=Path, default=None,
+                        help="print docs/memory.md's table of --results against these earlier results; run nothing")
     options = parser.parse_args()
+    if options.table is not None:
+        print(markdown_table(json.loads(options.results.read_text())["rows"], json.loads(options.table.read_text())["rows"]))
+        return
     names = options.only.split(",") if options.only else NAMES
     layouts = options.layouts.split(",") if options.layouts else list(LAYOUTS)
     rows = [run_one(name, layout) for name in names for layout in layouts]

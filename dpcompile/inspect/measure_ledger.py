@@ -36,7 +36,7 @@ __all__ = ["SLOT_KEY", "BackwardWindows", "Ledger", "address"]
 
 SLOT_KEY = "dpcompile_slot"  # on an autograd node's metadata: the slot of the forward node that made it
 _HOOKED = "dpcompile_measure_hooked"  # on an autograd node's metadata: hooked by this BackwardWindows
-_SUMMED_AT = "dpcompile_summed_at"  # [(the ledger's position, slot)] where its input buffer received its first two gradients
+_SUMMED_AT = "dpcompile_summed_at"  # [(the ledger's position, slot)] where its input buffer received each gradient
 
 
 def address(t: torch.Tensor) -> int | None:
@@ -57,10 +57,10 @@ def _extent(t: torch.Tensor) -> int:
 
 
 class _Held:
-    __slots__ = ("holders", "size", "slot")
+    __slots__ = ("holders", "size", "slots")
 
-    def __init__(self, slot: int, size: int, holders: int) -> None:
-        self.slot, self.size, self.holders = slot, size, holders  # holders: 0 for a storage followed itself
+    def __init__(self, slots: tuple[int, ...], size: int, holders: int) -> None:
+        self.slots, self.size, self.holders = slots, size, holders  # holders: 0 for a storage followed itself
 
 
 class Ledger:
@@ -78,10 +78,14 @@ class Ledger:
     def position(self) -> int:
         return len(self.events)
 
-    def count(self, t: torch.Tensor, inputs: Collection[int] = (), slot: int | None = None, at: int | None = None) -> None:
+    def count(
+        self, t: torch.Tensor, inputs: Collection[int] = (), slot: int | None = None, at: int | None = None,
+        also: Collection[int] = (),
+    ) -> None:  # fmt: skip
         """Count ``t``'s storage, if new (not one of ``inputs``' addresses, none counted already), on
-        ``slot`` (default: the running node's) until it is freed: from now, or from before the event
-        at position ``at``. A tensor of a storage followed by its tensors holds it too."""
+        ``slot`` (default: the running node's) and the slots ``also`` names until it is freed: from now,
+        or from before the event at position ``at``. A tensor of a storage followed by its tensors holds
+        it too."""
         key = address(t)
         if key is None:
             return
@@ -90,18 +94,26 @@ class Ledger:
             if entry.holders:
                 entry.holders += 1
                 weakref.finalize(t, self._drop, key, entry)
+            more = sorted(set(also) - set(entry.slots))
+            if more:  # a sum made in place into one device's gradient: the others hold it too
+                entry.slots = (*entry.slots, *more)
+                self._add([(s, entry.size) for s in more], at)
             return
         by_tensor = self.in_backward_node > 0 and not self.recomputing
         size = _extent(t) if by_tensor else t.untyped_storage().nbytes()
         if key in inputs or not size:
             return
-        entry = _Held(self.current_slot() if slot is None else slot, size, 1 if by_tensor else 0)
+        first = self.current_slot() if slot is None else slot
+        entry = _Held((first, *sorted(set(also) - {first})), size, 1 if by_tensor else 0)
         self.held[key] = entry
-        if at is None or at >= len(self.events):
-            self.events.append((entry.slot, size))
-        else:
-            self.earlier.setdefault(at, []).append((entry.slot, size))
+        self._add([(s, size) for s in entry.slots], at)
         weakref.finalize(t if by_tensor else t.untyped_storage(), self._drop if by_tensor else self._free, key, entry)
+
+    def _add(self, events: list[tuple[int, int]], at: int | None) -> None:
+        if at is None or at >= len(self.events):
+            self.events += events
+        else:
+            self.earlier.setdefault(at, []).extend(events)
 
     def _drop(self, key: int, entry: _Held) -> None:
         entry.holders -= 1
@@ -111,7 +123,7 @@ class Ledger:
     def _free(self, key: int, entry: _Held) -> None:
         if self.held.get(key) is entry:
             del self.held[key]
-        self.events.append((entry.slot, -entry.size))
+        self.events += [(s, -entry.size) for s in entry.slots]
 
     @property
     def peak(self) -> list[int]:
@@ -179,10 +191,14 @@ class BackwardWindows:
         # two gradients in one buffer are summed out of place at most once, when the second arrives; later
         # ones are added in place into that sum
         marks = node.metadata.pop(_SUMMED_AT, []) if node is not None else []
-        at, slot = marks[-1] if marks else (None, None)
+        at, slot = marks[min(1, len(marks) - 1)] if marks else (None, None)
+        # a parameter's gradient summed from several devices' (replicas on virtual devices share the
+        # parameter), out of place or in place into the first: on real devices each holds its own, so
+        # each of them holds the sum
+        also = {s for _, s in marks} if hasattr(node, "variable") else ()
         for g in grad_outputs:
             if isinstance(g, torch.Tensor):  # a sum made out of place between two nodes: no mode saw it
-                self.ledger.count(g, slot=slot, at=at)
+                self.ledger.count(g, slot=slot, at=at, also=also)
 
     def _after(self, grad_inputs: Sequence[Any], grad_outputs: Sequence[Any]) -> None:
         node = torch._C._current_autograd_node()
@@ -190,8 +206,6 @@ class BackwardWindows:
             mark = (self.ledger.position(), self.ledger.current_slot())
             for f, _ in node.next_functions:
                 if f is not None:
-                    marks = f.metadata.setdefault(_SUMMED_AT, [])
-                    if len(marks) < 2:
-                        marks.append(mark)
+                    f.metadata.setdefault(_SUMMED_AT, []).append(mark)
         self.ledger.in_backward_node -= 1
         self.mode.__exit__(None, None, None)

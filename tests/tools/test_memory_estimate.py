@@ -128,3 +128,47 @@ def test_dp_copies_of_tensor_parallel_shards_share_one_set_of_gradients():
     measured = dpcompile.measure(pm, *args)
     for d, peak in measured.peak_bytes.items():
         assert abs(measured.predicted_peak_bytes[d] - peak) <= 0.20 * peak, (d, measured.predicted_peak_bytes, measured.peak_bytes)
+
+
+def test_data_parallel_replicas_each_hold_the_gradients_they_share():
+    """Replicas on virtual devices share the parameters: autograd sums the devices' gradients of one
+    into one ``.grad``, which ``measure`` counted on the device whose gradient arrived second only. With
+    every block checkpointed the peak is at the end of backward, where the gradients are: the prediction
+    was 33% over the other device's measured peak on ``bench_memory_estimate.py``'s MLP stack (here 35%;
+    now 3%, both devices). On real devices each holds its own; now each is counted with the sum."""
+    args = (torch.randn(8, 16, 16), torch.randn(8, 16, 8))
+    spec = LayoutSpec((("dp", 2),), checkpointing=True)
+    measured = dpcompile.measure(_built(lambda: Residual(d=64, layers=4), args, **Candidate(spec).keywords()), *args)
+    predicted = measured.predicted_peak_bytes
+    for d, peak in measured.peak_bytes.items():
+        assert abs(predicted[d] - peak) <= 0.10 * peak, (d, predicted, measured.peak_bytes)
+
+
+class MatmulBlock(nn.Module):
+    """GPT-2's Conv1D: ``x @ weight``, whose weight's gradient is a matmul's own output (a Linear's is a
+    transpose, a view): autograd sums a second one into it in place."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Parameter(torch.randn(d, 2 * d) / d**0.5), nn.Parameter(torch.randn(2 * d, d) / d**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(x @ self.up) @ self.down
+
+
+class MatmulStack(Residual):
+    def __init__(self) -> None:
+        super().__init__(d=64, layers=4)
+        self.layers = nn.ModuleList(MatmulBlock(64) for _ in range(4))
+
+
+def test_data_parallel_replicas_each_hold_a_gradient_summed_in_place():
+    """As above where autograd sums the second device's gradient into the first's in place (GPT-2's
+    Conv1D weights): the first device measured far under the prediction of ``bench_memory_estimate.py``'s
+    GPT-2 (the prediction 38% over; here 51%; now 5% and 8%)."""
+    args = (torch.randn(8, 16, 16), torch.randn(8, 16, 8))
+    spec = LayoutSpec((("dp", 2),), checkpointing=True)
+    measured = dpcompile.measure(_built(MatmulStack, args, **Candidate(spec).keywords()), *args)
+    predicted = measured.predicted_peak_bytes
+    for d, peak in measured.peak_bytes.items():
+        assert abs(predicted[d] - peak) <= 0.10 * peak, (d, predicted, measured.peak_bytes)

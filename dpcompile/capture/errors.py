@@ -124,8 +124,28 @@ def leaf_to_suggest(tb: TracebackType | None, model: nn.Module) -> type[nn.Modul
     return None
 
 
+def _self_in_varargs_decorator(model: nn.Module) -> str | None:
+    """The name of the decorator that wraps ``forward`` as ``wrapper(*args, **kwargs)``, ``self``
+    among ``args`` (transformers' ``deprecate_kwarg``): fx cannot give such a root function its
+    arguments (``ValueError: code: co_varnames is too small``). None for any other forward."""
+    forward = type(model).forward
+    code = getattr(forward, "__code__", None)
+    if code is None or not hasattr(forward, "__wrapped__"):
+        return None
+    if code.co_argcount or not code.co_flags & inspect.CO_VARARGS:
+        return None
+    return code.co_qualname.split(".<locals>", 1)[0]
+
+
 def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
     """Build the :class:`TraceError` for an exception raised while tracing ``model``."""
+    decorator = _self_in_varargs_decorator(model) if "co_varnames is too small" in first_line(exc) else None
+    if decorator is not None:
+        return TraceError(
+            f"cannot trace {type(model).__name__} with torch.fx: its forward is wrapped by '{decorator}' as "
+            "wrapper(*args, **kwargs), self among args, which fx cannot trace (as transformers 5.x wraps "
+            f"forwards; {_describe(exc)}); {EXPORT_WAY_OUT}"
+        )
     found = user_frame(exc.__traceback__)
     leaf = leaf_to_suggest(exc.__traceback__, model)
     ways = []

@@ -159,3 +159,15 @@ def test_a_flag_and_a_dict_input_under_tensor_parallel_take_fx_where_export_refu
     pm = dpcompile.transform(model, ["cpu"] * 4, example_inputs=(batch(6),), **layout)
     for relu, inputs in ((True, batch(5)), (False, batch(3))):
         torch.testing.assert_close(pm(inputs, relu=relu), model(inputs, relu=relu))
+
+
+def test_fx_error_names_the_transformers_decorator_it_cannot_trace():
+    """transformers 5.x wraps forward as wrapped_func(*args, **kwargs): the fx error names that decorator, not fx's code error."""
+    transformers = import_or_skip("transformers")
+    config = transformers.FalconConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       new_decoder_architecture=False, multi_query=True, alibi=False)
+    model = transformers.FalconForCausalLM(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(dpcompile.TraceError, match=r"wrapped by 'deprecate_kwarg' as wrapper\(\*args, \*\*kwargs\)"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="fx")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

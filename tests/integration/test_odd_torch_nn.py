@@ -1,0 +1,90 @@
+"""Odd torch.nn features a user may bring, against eager in float64 (the probe of session 19): a
+parameter forward writes in place (``with torch.no_grad(): w.mul_(0.9)``, ``nn.Embedding(max_norm=)``),
+under every one-process layout that keeps the model's parameters, and under ``data_parallel="fsdp"``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from tests.helpers import full_gradients
+
+
+class ShrinksItsWeight(nn.Module):
+    """Forward scales ``a.weight`` in place, untracked, before using it (a hand-rolled decay)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.a.weight.mul_(0.9)
+        return self.b(torch.relu(self.a(x)))
+
+
+class RenormedLookup(nn.Module):
+    """``nn.Embedding(max_norm=1)`` renormalises the rows it looks up, in its weight, in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 8, max_norm=1.0), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.fc(torch.relu(self.emb(ids)))
+
+
+def _inputs(cls):
+    if cls is RenormedLookup:
+        return (torch.tensor([[1, 2, 0], [3, 4, 4], [0, 0, 5], [6, 7, 8]]),)
+    return (torch.randn(4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64),)
+
+
+def _trains_like_eager(cls, devices, **options):
+    torch.manual_seed(0)
+    model = cls().double()
+    eager, before = copy.deepcopy(model), copy.deepcopy(model.state_dict())
+    args = _inputs(cls)
+    pm = dpcompile.transform(model, devices, example_inputs=args, **options)
+    for key, value in model.state_dict().items():  # shape propagation's fake run wrote nothing real
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, msg=lambda m, key=key: f"{key} after transform: {m}")
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step in range(2):
+        out, want = pm(*args), eager(*args)
+        torch.testing.assert_close(out, want, msg=lambda m, step=step: f"output of step {step}: {m}")
+        out.square().sum().backward()
+        want.square().sum().backward()
+        grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {n: p.grad for n, p in pm.named_parameters()}
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name, step=step: f"grad {name}, step {step}: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    state = pm.state_dict()
+    assert list(state) == list(eager.state_dict())
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key} after 2 steps: {m}")
+    return pm
+
+
+@pytest.mark.parametrize("options", [{}, {"mesh": {"pp": 2}, "micro_batches": 2}], ids=["dp", "pp"])
+def test_odd_transform_leaves_a_parameter_forward_writes_as_it_was(options):
+    """transform with example_inputs= runs forward on fake tensors (shapes, FLOPs per stage); a write
+    into a real parameter by a Python number ran for real there (the weight scaled by 0.9 once, twice
+    in a pipeline) and the program then trained a model eager had not seen."""
+    _trains_like_eager(ShrinksItsWeight, ["cpu"] * 2, **options)
+
+
+@pytest.mark.parametrize("cls", [ShrinksItsWeight, RenormedLookup])
+def test_odd_fsdp_keeps_a_parameter_forward_writes_whole(cls):
+    """data_parallel="fsdp" in one process stored every parameter as pieces and gathered a whole copy
+    per call: the write forward makes landed on that copy and was lost (the pieces never shrank or
+    renormalised, and from the second step on outputs differed). Such a parameter stays whole."""
+    pm = _trains_like_eager(cls, ["cpu"] * 2, mesh={"dp": 2}, data_parallel="fsdp")
+    written = "a.weight" if cls is ShrinksItsWeight else "emb.weight"
+    assert written in dict(pm.named_parameters())
+    assert any(".parametrizations." in n for n, _ in pm.named_parameters())  # the others are pieces

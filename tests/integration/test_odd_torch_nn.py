@@ -5,6 +5,7 @@ under every one-process layout that keeps the model's parameters, and under ``da
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -88,3 +89,36 @@ def test_odd_fsdp_keeps_a_parameter_forward_writes_whole(cls):
     written = "a.weight" if cls is ShrinksItsWeight else "emb.weight"
     assert written in dict(pm.named_parameters())
     assert any(".parametrizations." in n for n, _ in pm.named_parameters())  # the others are pieces
+
+
+class BranchesOnTraining(nn.Module):
+    """``if self.training`` around ops: the program of each mode is another one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * 2 if self.training else h - 1
+        return self.b(torch.relu(h))
+
+
+def test_odd_program_pickled_in_eval_mode_runs_eval_after_loading():
+    """torch.save of a program in eval mode (its main program traced in training): the loaded copy took
+    that program for the eval one (its key read the modes the model was pickled in) and ran
+    ``h * 2`` in eval; now each mode runs its own, in both orders."""
+    torch.manual_seed(0)
+    model = BranchesOnTraining().double()
+    eager = copy.deepcopy(model)
+    x = _inputs(ShrinksItsWeight)[0]
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,)).eval()
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert not loaded.training
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), eager.eval()(x))
+        torch.testing.assert_close(loaded.train()(x), eager.train()(x))
+        torch.testing.assert_close(loaded.eval()(x), eager.eval()(x))

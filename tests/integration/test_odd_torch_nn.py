@@ -122,3 +122,22 @@ def test_odd_program_pickled_in_eval_mode_runs_eval_after_loading():
         torch.testing.assert_close(loaded(x), eager.eval()(x))
         torch.testing.assert_close(loaded.train()(x), eager.train()(x))
         torch.testing.assert_close(loaded.eval()(x), eager.eval()(x))
+
+
+def test_odd_uninitialised_lazy_module_is_refused_by_name_and_nothing_changes():
+    """An uninitialised nn.LazyLinear / LazyConv2d crashed at the first call ('Cannot copy out of meta
+    tensor'), in a pass under tensor parallelism, and gave NaN under data_parallel="fsdp"; it is refused
+    before anything changes (the model stays lazy, the RNG untouched), and once called it transforms."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyConv2d(4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(3)).double()
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rng = torch.get_rng_state()
+    for options in ({}, {"mesh": {"dp": 2}, "data_parallel": "fsdp"}, {"tensor_parallel": True}):
+        with pytest.raises(dpcompile.ArgumentError, match=r"lazy modules .*'0' \(LazyConv2d\), '3' \(LazyLinear\).*model\(x\)"):
+            dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), **options)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert type(model[0]) is nn.LazyConv2d and model[0].has_uninitialized_params()
+    model(x)
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), mesh={"dp": 2}, data_parallel="fsdp")
+    torch.testing.assert_close(pm(x), eager(x))

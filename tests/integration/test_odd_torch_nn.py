@@ -141,3 +141,18 @@ def test_odd_uninitialised_lazy_module_is_refused_by_name_and_nothing_changes():
     eager = copy.deepcopy(model)
     pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), mesh={"dp": 2}, data_parallel="fsdp")
     torch.testing.assert_close(pm(x), eager(x))
+
+
+def test_odd_channels_last_model_exports_and_loads(tmp_path):
+    """dpcompile.export of a model converted to channels_last (its conv weights' strides NHWC) raised
+    safetensors' 'non contiguous tensor' ValueError; its weights are written row-major and the loaded
+    program gives the model's outputs and state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).double().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))
+    dpcompile.export(pm, tmp_path / "ex")
+    loaded = dpcompile.load(tmp_path / "ex")
+    torch.testing.assert_close(loaded(x), model(x))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)

@@ -156,3 +156,34 @@ def test_odd_channels_last_model_exports_and_loads(tmp_path):
     torch.testing.assert_close(loaded(x), model(x))
     for key, value in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
+
+
+class SparseLookup(RenormedLookup):
+    """``nn.Embedding(sparse=True)``: its weight's gradient is a sparse tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8, sparse=True)
+
+
+def test_odd_fsdp_keeps_a_sparse_embedding_whole():
+    """data_parallel="fsdp" in one process crashed in backward on a sparse=True embedding ('aten::as_strided'
+    on SparseCPU: the gather's backward); its weight stays whole, and a step of SGD equals eager's."""
+    torch.manual_seed(0)
+    model = SparseLookup().double()
+    eager = copy.deepcopy(model)
+    (ids,) = _inputs(RenormedLookup)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids,), mesh={"dp": 2}, data_parallel="fsdp")
+    assert "emb.weight" in dict(pm.named_parameters())
+    out, want = pm(ids), eager(ids)
+    torch.testing.assert_close(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    grads = full_gradients(pm)
+    for name, p in eager.named_parameters():
+        got = grads[name].to_dense() if grads[name].is_sparse else grads[name]
+        torch.testing.assert_close(got, p.grad.to_dense(), msg=lambda m, name=name: f"grad {name}: {m}")
+    torch.optim.SGD(pm.parameters(), lr=0.1).step()
+    torch.optim.SGD(eager.parameters(), lr=0.1).step()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(pm.state_dict()[key], value, msg=lambda m, key=key: f"{key} after a step: {m}")

@@ -368,15 +368,20 @@ def state_access_order(nodes: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
     ``self.avg`` before the write the whole batch's mean makes (``avg.mul_(0.9).add_(mean)``, then
     ``h - self.avg``), or a write run before an earlier read."""
     root: dict[fx.Node, str] = {}  # a get_attr, or a write into one, -> the attribute it is
+    # a detached alias of one (export's ``embedding_renorm_(detach(weight), ids)``: nn.Embedding's max_norm)
+    alias: dict[fx.Node, str] = {}
     for node in nodes:
+        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if node.op == "get_attr":
             root[node] = str(node.target)
-        elif _writes_into_first(node) and isinstance(node.args[0], fx.Node) and node.args[0] in root:
-            root[node] = root[node.args[0]]
+        elif first is not None and (first in root or first in alias) and _writes_into_first(node):
+            root[node] = root.get(first) or alias[first]
+        elif first is not None and (first in root or first in alias) and node.target in _ALIASES:
+            alias[node] = root.get(first) or alias[first]
     accesses: dict[str, list[fx.Node]] = {}
     written: set[str] = set()
     for node in nodes:
-        touched = {root[a] for a in node.all_input_nodes if a in root}
+        touched = {root.get(a) or alias[a] for a in node.all_input_nodes if a in root or a in alias}
         if node in root and node.op != "get_attr":
             written.add(root[node])
         for target in touched:
@@ -393,6 +398,9 @@ def state_access_order(nodes: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
                 if last_write is not None:
                     after.setdefault(node, set()).add(last_write)
     return after
+
+
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.Tensor.detach, "detach")
 
 
 def _writes_into_first(node: fx.Node) -> bool:

@@ -23,7 +23,8 @@ sections for a fused qkv), so each key is one :class:`ShardSpec` of ``T x D`` pi
 checkpoint code reads and writes the pieces as it does tensor-parallel shards. Uneven sizes are
 balanced as ``tensor_split`` balances them (no padding). A 0-dim parameter stays whole on copy 0, and so
 does one that forward writes in place (``nn.Embedding(max_norm=...)`` renormalises the rows it looks up;
-``with torch.no_grad(): w.mul_(0.9)``): a write into the gathered whole would be lost with it.
+``with torch.no_grad(): w.mul_(0.9)``): a write into the gathered whole would be lost with it; and
+the weight of a ``sparse=True`` embedding, whose sparse gradient cannot flow back through the gather.
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def shard_over_dp(pm: nn.Module) -> None:
         by_tensor.setdefault(id(p), []).append(name)
         params[id(p)] = p
     pieces_of: dict[str, tuple[ShardSpec, list[str]]] = {}
-    written = written_in_forward(pm)
+    # a sparse embedding's gradient cannot flow back through the gather (no as_strided for sparse)
+    written = written_in_forward(pm) | {id(m.weight) for m in pm.modules() if getattr(m, "sparse", False) is True}
     for key, names in by_tensor.items():
         p = params[key]
         if p.dim() == 0 or key in written:

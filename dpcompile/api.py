@@ -30,6 +30,7 @@ from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.capture import capture_model, check_examples, check_frontend, check_signature, positional_examples
 from dpcompile.capture.export import OTHER_MODE_PENDING
 from dpcompile.capture.export_inputs import check_dynamic_dims
+from dpcompile.capture.lazy import refuse_uninitialised
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, TraceError
 from dpcompile.fake import has_meta_tensors
@@ -82,6 +83,8 @@ def _check_not_wrapped(model: Any) -> None:
             "model is a torch.compile wrapper (OptimizedModule); transform the model itself "
             "(dpcompile.transform(model._orig_mod, ...)) and compile the program with pm.compile()"
         )
+    if isinstance(model, nn.Module):
+        refuse_uninitialised(model)
 
 
 @_reporting_progress

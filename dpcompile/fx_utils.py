@@ -196,15 +196,51 @@ def _propagate(gm: fx.GraphModule, prop: _ShapeProp, mode: FakeTensorMode, examp
         mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
         for x in example_inputs
     ]
-    # fake mode still runs ops on real 0-dim buffers (batch norm's num_batches_tracked += 1)
-    counters = [(b, b.clone()) for b in gm.buffers() if b.dim() == 0 and not isinstance(b, FakeTensor)]
-    try:
+    with state_writes_undone(gm):
         prop.propagate(*fake_inputs)
+    return True
+
+
+@contextlib.contextmanager
+def state_writes_undone(gm: fx.GraphModule) -> Iterator[None]:
+    """Run a fake run of ``gm``, then give the real state it wrote its values back: fake mode still
+    runs an op whose tensors are all real, on real 0-dim buffers (batch norm's ``num_batches_tracked
+    += 1``) and in a write into a parameter by a Python number (``with torch.no_grad(): w.mul_(0.9)``)."""
+    written = {id(t): t for t in (*(b for b in gm.buffers() if b.dim() == 0), *_state_written(gm))}
+    kept = [(t, t.clone()) for t in written.values() if not isinstance(t, FakeTensor) and t.device.type != "meta"]
+    try:
+        yield
     finally:
         with torch.no_grad():
-            for buffer, value in counters:
-                buffer.copy_(value)
-    return True
+            for tensor, value in kept:
+                tensor.copy_(value)
+
+
+def _state_written(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The parameters and buffers ``gm`` writes in place: the first argument of an in-place op (or a
+    chain of them) on a ``get_attr``, and the weight of an embedding with ``max_norm`` it calls."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+                out.append(module.weight)
+        elif node.op == "call_function" and _writes_into_first(node):
+            root = node.args[0]
+            while isinstance(root, fx.Node) and root.op == "call_function" and _writes_into_first(root):
+                root = root.args[0]
+            if isinstance(root, fx.Node) and root.op == "get_attr":
+                value = _attribute(gm, str(root.target))
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
+    return out
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    return value
 
 
 def example_shapes(graph: fx.Graph) -> list[list[Any]] | None:
@@ -332,15 +368,20 @@ def state_access_order(nodes: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
     ``self.avg`` before the write the whole batch's mean makes (``avg.mul_(0.9).add_(mean)``, then
     ``h - self.avg``), or a write run before an earlier read."""
     root: dict[fx.Node, str] = {}  # a get_attr, or a write into one, -> the attribute it is
+    # a detached alias of one (export's ``embedding_renorm_(detach(weight), ids)``: nn.Embedding's max_norm)
+    alias: dict[fx.Node, str] = {}
     for node in nodes:
+        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if node.op == "get_attr":
             root[node] = str(node.target)
-        elif _writes_into_first(node) and isinstance(node.args[0], fx.Node) and node.args[0] in root:
-            root[node] = root[node.args[0]]
+        elif first is not None and (first in root or first in alias) and _writes_into_first(node):
+            root[node] = root.get(first) or alias[first]
+        elif first is not None and (first in root or first in alias) and node.target in _ALIASES:
+            alias[node] = root.get(first) or alias[first]
     accesses: dict[str, list[fx.Node]] = {}
     written: set[str] = set()
     for node in nodes:
-        touched = {root[a] for a in node.all_input_nodes if a in root}
+        touched = {root.get(a) or alias[a] for a in node.all_input_nodes if a in root or a in alias}
         if node in root and node.op != "get_attr":
             written.add(root[node])
         for target in touched:
@@ -357,6 +398,9 @@ def state_access_order(nodes: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
                 if last_write is not None:
                     after.setdefault(node, set()).add(last_write)
     return after
+
+
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.Tensor.detach, "detach")
 
 
 def _writes_into_first(node: fx.Node) -> bool:

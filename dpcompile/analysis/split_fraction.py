@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.placement import Placement, Whole
-from dpcompile.fx_utils import FreshArguments
+from dpcompile.fx_utils import FreshArguments, state_writes_undone
 
 log = logging.getLogger("dpcompile")
 
@@ -90,7 +90,7 @@ def node_flops(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[str, int] | No
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
-        with _buffers_kept(gm), mode, FlopCounterMode(display=False) as counter:
+        with _buffers_kept(gm), state_writes_undone(gm), mode, FlopCounterMode(display=False) as counter:
             recorder = _FlopRecorder(gm, counter)
             recorder.run(*fake)
         return recorder.flops

@@ -359,7 +359,8 @@ def _write(folder: Path, program: dict[str, Any], files: dict[str, bytes], tenso
     for key, t in tensors.items():
         data = t.detach().to("cpu")
         ptr = data.untyped_storage().data_ptr() if data.numel() else None
-        data = data.clone() if ptr in seen_storage or not data.is_contiguous() else data  # safetensors shares nothing
+        # safetensors shares nothing and writes row-major bytes (a channels_last weight's clone keeps its strides)
+        data = data.clone(memory_format=torch.contiguous_format) if ptr in seen_storage or not data.is_contiguous() else data
         if ptr is not None:
             seen_storage.add(ptr)
         weights[key] = data

@@ -21,7 +21,10 @@ After::
 A whole parameter splits along dim 0; a tensor-parallel shard along its own split dim (by
 sections for a fused qkv), so each key is one :class:`ShardSpec` of ``T x D`` pieces and the
 checkpoint code reads and writes the pieces as it does tensor-parallel shards. Uneven sizes are
-balanced as ``tensor_split`` balances them (no padding). A 0-dim parameter stays whole on copy 0.
+balanced as ``tensor_split`` balances them (no padding). A 0-dim parameter stays whole on copy 0, and so
+does one that forward writes in place (``nn.Embedding(max_norm=...)`` renormalises the rows it looks up;
+``with torch.no_grad(): w.mul_(0.9)``): a write into the gathered whole would be lost with it; and
+the weight of a ``sparse=True`` embedding, whose sparse gradient cannot flow back through the gather.
 """
 
 from __future__ import annotations
@@ -180,9 +183,11 @@ def shard_over_dp(pm: nn.Module) -> None:
         by_tensor.setdefault(id(p), []).append(name)
         params[id(p)] = p
     pieces_of: dict[str, tuple[ShardSpec, list[str]]] = {}
+    # a sparse embedding's gradient cannot flow back through the gather (no as_strided for sparse)
+    written = written_in_forward(pm) | {id(m.weight) for m in pm.modules() if getattr(m, "sparse", False) is True}
     for key, names in by_tensor.items():
         p = params[key]
-        if p.dim() == 0:
+        if p.dim() == 0 or key in written:
             continue
         spec = dp_spec(p.shape, len(copies), outer_of.get(names[0]))
         device = program_device(pm, names[0], p)
@@ -220,6 +225,31 @@ def shard_over_dp(pm: nn.Module) -> None:
     }  # how explain counts what each copy holds (analysis.program_memory.held_parameter_bytes)
     pm.__dict__["_tp_param_shards"] = dict(tp_shards)  # what a variant traced again must shard as
     _key_again(pm)
+
+
+def written_in_forward(pm: nn.Module) -> set[int]:
+    """The ids of the parameters ``pm``'s forward writes in place: the weight of an embedding with
+    ``max_norm`` (torch renormalises the rows it looks up, under ``no_grad``) and each parameter an
+    ``in_place_without_grad`` write of the program (or of a pipeline's stage programs) lands on."""
+    from torch import fx
+
+    from dpcompile.runtime.side_effects import in_place_without_grad
+
+    written = {id(m.weight) for m in pm.modules()
+               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None}  # fmt: skip
+    programs = [m for m in (pm, *pm.modules(), *(pm.__dict__.get("stages") or ())) if isinstance(m, fx.GraphModule)]
+    for gm in programs:
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target is not in_place_without_grad:
+                continue
+            while getattr(node, "op", None) == "call_function" and node.target is in_place_without_grad:
+                node = node.args[0]
+            if getattr(node, "op", None) == "get_attr":
+                try:
+                    written.add(id(gm.get_parameter(str(node.target))))
+                except AttributeError:
+                    pass  # a buffer or a constant: not a parameter FSDP splits
+    return written
 
 
 def _read_pieces_in_traced_root(pm: Any, leaf: str, gather: GatherShards, pieces: nn.Module) -> None:

@@ -246,6 +246,8 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
     pm.training = state["training"]  # each submodule was pickled with its own mode
     if state.get("stale_main") and pm.traced_model is not None:  # pm.graph was traced for the model as it was
         pm.program_cache.main_key = pm.program_cache.main_key._replace(guard=-1)
+    if pm.traced_model is not None:  # pm.graph runs the modes it was traced in, not those the model was pickled in
+        pm.program_cache.main_key = pm.program_cache.main_key._replace(modes=state["main_key"].modes)
     if pm.traced_model is None:
         pm.call_signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
         main = state["main_key"]

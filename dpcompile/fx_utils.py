@@ -230,13 +230,14 @@ def _state_written(gm: fx.GraphModule) -> list[torch.Tensor]:
             while isinstance(root, fx.Node) and root.op == "call_function" and _writes_into_first(root):
                 root = root.args[0]
             if isinstance(root, fx.Node) and root.op == "get_attr":
-                value = _attribute(gm, str(root.target))
+                value = attribute_at(gm, str(root.target))
                 if isinstance(value, torch.Tensor):
                     out.append(value)
     return out
 
 
-def _attribute(gm: fx.GraphModule, target: str) -> Any:
+def attribute_at(gm: nn.Module, target: str) -> Any:
+    """What a ``get_attr`` of ``target`` (``"layers.0.weight"``) reads from ``gm``; None where a name is missing."""
     value: Any = gm
     for name in target.split("."):
         value = getattr(value, name, None)

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.placement import Placement, Whole
-from dpcompile.fx_utils import FreshArguments, state_writes_undone
+from dpcompile.fx_utils import FreshArguments, attribute_at, state_writes_undone
 
 log = logging.getLogger("dpcompile")
 
@@ -138,7 +138,7 @@ def node_flops_from_shapes(gm: fx.GraphModule) -> dict[str, int] | None:
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
     def recorded(n: fx.Node) -> Any:
-        return _attr(gm, str(n.target)) if n.op == "get_attr" and "val" not in n.meta else n.meta["val"]
+        return attribute_at(gm, str(n.target)) if n.op == "get_attr" and "val" not in n.meta else n.meta["val"]
 
     def value(arg: Any) -> Any:
         return fx.node.map_arg(arg, recorded)
@@ -216,15 +216,9 @@ def parameter_weights(gm: fx.GraphModule) -> dict[str, int]:
         elif node.op in ("call_function", "call_method"):
             for arg in node.all_input_nodes:
                 if arg.op == "get_attr":
-                    value = _attr(gm, arg.target)
+                    value = attribute_at(gm, arg.target)
                     if isinstance(value, torch.Tensor) and value.dim() >= 2:
                         weight += value.numel()
         out[node.name] = weight
     return out
 
-
-def _attr(gm: nn.Module, path: str) -> Any:
-    value: Any = gm
-    for atom in path.split("."):
-        value = getattr(value, atom, None)
-    return value

@@ -42,6 +42,7 @@ from dpcompile.analysis.placement import (
     carries_batch,
 )
 from dpcompile.analysis.sequence_exchange import is_sequence_marker, marker_placement
+from dpcompile.errors import ArgumentError
 
 log = logging.getLogger("dpcompile")
 
@@ -395,8 +396,12 @@ def _drop_inputs_without_batch(
     for name, size in sizes.items():
         if size != batch:
             if forced:
-                raise ValueError(
-                    f"input '{name}' has size {size} on batch_dim={dims[name]}, but the batch is {batch}"
+                raise ArgumentError(
+                    f"input '{name}' has size {size} on batch_dim={dims[name]}, but the batch is {batch}: every "
+                    "input is split on that dim. Where inputs hold their batch on different dims (a "
+                    "key_padding_mask (batch, seq) beside a batch_first=False attention's (seq, batch, embed)), "
+                    "leave batch_dim= out and use frontend='fx', which follows each input to the module that reads "
+                    "it; or give the inputs one layout"
                 )
             out[name] = None
     return out

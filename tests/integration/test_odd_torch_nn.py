@@ -197,3 +197,32 @@ def test_odd_export_max_norm_lookup_renorms_before_each_micro_batch_reads(option
     rows up before the renormalisation (outputs off by 0.3 at the first call); two AdamW steps now equal eager."""
     n = 4 if "dp" in options["mesh"] else 2
     _trains_like_eager(RenormedLookup, ["cpu"] * n, frontend="export", **options)
+
+
+class SequenceFirstAttention(nn.Module):
+    """nn.MultiheadAttention as built by default (batch_first=False) with a key_padding_mask: the
+    input's batch is dim 1, the mask's dim 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2)
+
+    def forward(self, x, pad):
+        return self.attention(x, x, x, key_padding_mask=pad)[0]
+
+
+def test_odd_sequence_first_attention_with_a_padding_mask():
+    """fx follows each input to the module that reads it (x split on dim 1, the mask on dim 0) and
+    equals eager; the export frontend, which splits every input on the one dim it found, refuses by
+    name with that way out (it raised a bare ValueError), and the model is left as it was."""
+    torch.manual_seed(0)
+    model = SequenceFirstAttention().double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, pad = torch.randn(5, 4, 8, dtype=torch.float64), torch.zeros(4, 5, dtype=torch.bool)
+    pad[:, -1] = True
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="fx", example_inputs=(x, pad))
+    torch.testing.assert_close(pm(x, pad), model(x, pad))
+    with pytest.raises(dpcompile.ArgumentError, match="frontend='fx', which follows each input"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x, pad))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)

@@ -84,6 +84,39 @@ def full_gradients(pm) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_steps_like_eager(pm, reference, local: tuple, whole: tuple, last: bool, *, lr: float = 0.05,
+                            holds_any: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """3 AdamW steps of ``pm`` on this rank's ``local`` share and of ``reference`` on the ``whole``
+    batch: each step's loss on the last stage (``None`` elsewhere), every gradient this stage holds
+    (whole; one of ``holds_any`` among them), and then ``state_dict`` in the model's keys and values."""
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    expected_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    for step in range(3):
+        out = pm(*local)
+        expected = reference(*whole)
+        expected = expected[1] if isinstance(expected, tuple) else expected
+        expected.backward()
+        if last:
+            loss = out[1] if isinstance(out, tuple) else out
+            torch.testing.assert_close(loss, expected.detach(), msg=lambda m, step=step: f"step {step} loss: {m}")
+        else:
+            assert out is None
+        grads = full_gradients(pm)
+        assert grads, "this stage holds no gradient"
+        assert not holds_any or any(name in grads for name in holds_any), sorted(grads)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")  # fmt: skip
+        opt.step()
+        expected_opt.step()
+        opt.zero_grad()
+        expected_opt.zero_grad()
+    state = pm.state_dict()
+    assert list(state) == list(reference.state_dict()), (list(state), list(reference.state_dict()))
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+
+
 def _model_and_inputs(kind: str):
     """``"mlp"`` or ``"tied"`` (an MLP stack whose head reads the embedding's weight), float64, and
     a global batch of 8."""
@@ -117,30 +150,7 @@ def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2,
         assert pm.fsdp is not None and all(type(p).__name__ == "DTensor" for p in pm.parameters())
     if verify:
         assert_mesh_pipeline_verifies(pm, model, x, labels)
-    opt = torch.optim.AdamW(pm.parameters(), lr=0.05)
-    expected_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
-    last = mesh.get_local_rank("pp") == mesh.size(0) - 1
-    for step in range(3):
-        loss = pm(*local)
-        expected = reference(x, labels)
-        expected.backward()
-        if last:
-            torch.testing.assert_close(loss, expected.detach(), msg=lambda m, step=step: f"step {step} loss: {m}")
-        else:
-            assert loss is None
-        grads = full_gradients(pm)
-        assert grads, "this stage holds no gradient"
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference.get_parameter(name).grad,
-                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")  # fmt: skip
-        opt.step()
-        expected_opt.step()
-        opt.zero_grad()
-        expected_opt.zero_grad()
-    state = pm.state_dict()
-    assert list(state) == list(reference.state_dict()), (list(state), list(reference.state_dict()))
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    assert_steps_like_eager(pm, reference, local, (x, labels), mesh.get_local_rank("pp") == mesh.size(0) - 1)
     assert_stage_is_a_parallel_module(pm)
     assert_whole_state_loads(pm, reference.state_dict())
     dist.barrier()

@@ -30,7 +30,9 @@ from unittest import mock
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses import meta_utils
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_symbols, free_unbacked_symbols
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from dpcompile.capture.inputs import InputMismatch
 from dpcompile.runtime.structures import is_fake
@@ -70,10 +72,38 @@ def decided_on_examples() -> Iterator[Decisions]:
         with (
             torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True),
             mock.patch.object(ShapeEnv, "guard_or_defer_runtime_assert", record),
+            _parameters_propagate_their_values(),
         ):
             yield decisions
     finally:
         shapes_log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _parameters_propagate_their_values() -> Iterator[None]:
+    """Real-tensor propagation gives each parameter the values it holds, not uninitialised memory.
+
+    torch 2.13 fakifies an input for propagation as ``real = torch.empty_strided(...)`` then
+    ``meta_utils._safe_copy(real, t)``, which copies only a tensor whose type is exactly
+    ``torch.Tensor``: an ``nn.Parameter``'s real value was whatever the allocator handed back, so a
+    branch on ``nn.Linear``'s output was decided on garbage (``isfinite(h).all()`` false in a
+    long-lived process, where freed memory holds old values; right in a fresh one)::
+
+        before: _safe_copy(real, weight)            # Parameter: nothing copied
+        after:  _safe_copy(real, weight.detach())   # the weight's values
+    """
+    copy, clone = meta_utils._safe_copy, meta_utils._safe_clone
+
+    def plain(src: Any) -> Any:
+        if isinstance(src, nn.Parameter) and not is_traceable_wrapper_subclass(src) and not is_fake(src):
+            return src.detach()
+        return src
+
+    with (
+        mock.patch.object(meta_utils, "_safe_copy", lambda dst, src: copy(dst, plain(src))),
+        mock.patch.object(meta_utils, "_safe_clone", lambda src: clone(plain(src))),
+    ):
+        yield
 
 
 def _user_line() -> str:
@@ -190,8 +220,9 @@ def data_check_message(node: fx.Node) -> str:
 def check_decided_on_examples(ep: Any, names: Mapping[str, Any], model_name: str) -> None:
     """Run the program export decided on the examples: where one of its checks fails on the
     examples themselves, torch's real-value propagation decided a branch otherwise than the
-    example takes it (seen for a branch on a value computed from ``nn.Linear``'s output), and the
-    program would compute another branch than eager: refuse, naming the branch."""
+    example takes it (as it did on a parameter's uninitialised values before
+    :func:`_parameters_propagate_their_values`), and the program would compute another branch
+    than eager: refuse, naming the branch."""
     from dpcompile.errors import TraceError
 
     module = ep.module()

@@ -154,6 +154,44 @@ class ClampsWhereNotFinite(nn.Module):
         return self.head(h).pow(2).mean()
 
 
+def _freed_memory_holding_nan() -> None:
+    """Leave the allocator's free lists full of NaN-filled chunks of the sizes these models use: a
+    value read from uninitialised memory is then not finite (a long-lived test worker's heap)."""
+    chunks = [torch.full((n,), float("nan"), dtype=torch.float64) for n in (2, 6, 10, 12, 30, 36, 60) for _ in range(200)]
+    del chunks
+
+
+def test_propagated_parameters_hold_their_values():
+    """torch 2.13's real-value propagation gave an ``nn.Parameter`` uninitialised values (it copies
+    only a tensor whose type is exactly ``torch.Tensor``), so branches on ``nn.Linear``'s output were
+    decided on garbage; while the frontend decides branches, a parameter's propagated value is its own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpcompile.capture.decided import decided_on_examples
+
+    weight = nn.Parameter(torch.randn(6, 6, dtype=torch.float64))
+    _freed_memory_holding_nan()
+    with decided_on_examples():
+        fake = FakeTensorMode().from_tensor(weight)
+    assert torch.equal(fake.real_tensor, weight.detach())
+
+
+def test_branch_on_linear_output_is_decided_on_the_weights_values():
+    """The branch on ``isfinite`` of a Linear's output, with freed memory full of NaN: decided as the
+    example takes it (the program has no clamp), not refused as a program failing its own example."""
+    torch.manual_seed(0)
+    model = ClampsWhereNotFinite().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    _freed_memory_holding_nan()
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert "clamp" not in pm.code
+    torch.manual_seed(3)
+    got = pm(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(got, eager(x))
+
+
 def test_branch_on_data_through_dropout_is_decided_not_refused_as_a_draw():
     """A branch on values that went through dropout (DETR, Conditional DETR) was refused as a branch on a
     random draw: it is decided on the example as any data branch; the loss and every gradient equal eager's
@@ -260,10 +298,10 @@ def test_branch_export_keeps_no_check_of_is_refused_with_the_line():
 
 
 def test_program_failing_its_own_example_is_refused_naming_the_branch():
-    """torch's real-value propagation decided some branches on ``nn.Linear``'s output otherwise
-    than eager (torch 2.13, not every run: ``if (lin(x) * 2 - 1).neg().sum() > 0``); the frontend
-    runs the decided program on the examples and refuses it where one of its checks fails. Here
-    the program decided on one example is checked on one taking the other branch."""
+    """Where torch's real-value propagation decides a branch otherwise than eager (it did on
+    ``nn.Linear``'s output, reading a parameter's uninitialised values), the frontend runs the
+    decided program on the examples and refuses it where one of its checks fails. Here the program
+    decided on one example is checked on one taking the other branch."""
     from torch.export import export
 
     from dpcompile.capture.decided import check_decided_on_examples, decided_on_examples, name_branches

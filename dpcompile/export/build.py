@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, device_strings, runs_stages
+from dpcompile.export.common import MODULE_FILE, PROGRAM_FILE, ExportError, device_strings, readable_mode, runs_stages
 from dpcompile.export.pipeline import (
     PIPELINE_KINDS,
     attach_steps,
@@ -113,7 +113,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     stages = stage_graphs(section, paths)
     steps = step_graphs(section, paths)
     readable += stages + [(label, graph) for _, label, graph in steps]
-    source = program_source(readable, class_name=program["class_name"], mode=kind, devices=recorded)
+    source = program_source(readable, class_name=program["class_name"], mode=readable_mode(kind, config), devices=recorded)
     if source.encode() != (folder / MODULE_FILE).read_bytes():
         raise ExportError(
             f"{folder / MODULE_FILE} is not the program in {PROGRAM_FILE} (regenerated, it differs); "

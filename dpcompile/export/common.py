@@ -21,6 +21,13 @@ KINDS = ("data_parallel", "tensor_parallel", "pipeline", "pipeline_tensor_parall
 SUMMARY_FIELDS = ("kind", "class_name", "devices", "dpcompile_version", "torch_version", "trust_code")
 
 
+def readable_mode(kind: str, config: dict[str, Any]) -> str:
+    """How ``module.py``'s first line names the program: its kind, and whether ``dp`` is FSDP."""
+    if config.get("data_parallel") == "fsdp":
+        return f'{kind} with data_parallel="fsdp" (each parameter stored as pieces over dp, gathered where it is read)'
+    return kind
+
+
 class ExportError(DpCompileError):
     """An export folder cannot be written or loaded; the message says why and what to do."""
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.checkpoint.headers import DTYPES
-from dpcompile.errors import ArgumentError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.export.build import build, is_recorded_kind, place
 from dpcompile.export.common import (
     FORMAT,
@@ -32,6 +32,7 @@ from dpcompile.export.common import (
     ExportError,
     device_strings,
     dtype_name,
+    readable_mode,
     runs_stages,
 )
 from dpcompile.export.integrity import (
@@ -170,6 +171,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     ['manifest.json', 'module.py', 'program.json', 'weights.safetensors']
     """
     from dpcompile.modules.base import ParallelModule
+    from dpcompile.modules.fsdp_one_process import FsdpProgram, replicated_program
     from dpcompile.modules.other_mode import both_modes
 
     if not isinstance(pm, ParallelModule):
@@ -177,13 +179,6 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentError(f"path={path!r}: expected a str or os.PathLike, the folder to write the export into")
     pm = both_modes(pm)  # a program exported in one mode captures the other now: the folder serves both
-    from dpcompile.modules.fsdp_one_process import FsdpProgram
-
-    if isinstance(pm, FsdpProgram):  # its parameters are pieces gathered by parametrizations: not data yet
-        raise ExportError(
-            'a data_parallel="fsdp" program in one process is not exported yet: save it with '
-            "dpcompile.save_checkpoint(pm, path) and transform again where it is loaded, then load_checkpoint"
-        )
     if pm.mode not in KINDS:
         raise ExportError(
             f"export writes one-process programs (data, tensor or pipeline parallel); a {pm.mode} program (over a "
@@ -197,7 +192,13 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise ExportError(f"{folder} exists and is not a folder")
-    program, files, tensors = _describe(pm)
+    fsdp = isinstance(pm, FsdpProgram)
+    if fsdp:  # written as the replicated program it was sharded from (whole tensors), sharded again at load
+        try:
+            pm = replicated_program(pm)
+        except DpCompileError as e:  # a parametrization of the model's (weight_norm), as for replication
+            raise ExportError(f"cannot serialise the program: {e}") from e
+    program, files, tensors = _describe(pm, fsdp=fsdp)
     if unheld := {key: t.dtype for key, t in tensors.items() if t.dtype not in DTYPES}:
         key, dtype = next(iter(unheld.items()))
         raise ExportError(
@@ -264,8 +265,9 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
     return data, tree, keys, tensors, names, lowered
 
 
-def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
-    """``(program.json's content, files to write beside it, tensors by file key)``."""
+def _describe(pm: nn.Module, *, fsdp: bool = False) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
+    """``(program.json's content, files to write beside it, tensors by file key)``; ``fsdp``: ``pm``
+    is the replicated program an FSDP one was sharded from (``config.data_parallel``: "fsdp")."""
     from dpcompile.export.build import readable_programs
     from dpcompile.export.serialize import NotData
 
@@ -291,6 +293,8 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         "plan": dict(pm.plan),
         "tensor_parallel": None,
     }
+    if fsdp:
+        config["data_parallel"] = "fsdp"
     if runs_stages(pm):
         config["pipeline"] = describe_pipeline(pm, lowered)
     if pm.__dict__.get("param_shards") is not None:
@@ -342,7 +346,8 @@ def _describe(pm: nn.Module) -> tuple[dict[str, Any], dict[str, bytes], dict[str
         readable = [("forward", pm.graph)]
         files = {PICKLE_FILE: _pickle(pm, keys)}
     files[PROGRAM_FILE] = canonical_json(program)
-    files[MODULE_FILE] = program_source(readable, class_name=class_name, mode=pm.mode, devices=strings).encode()
+    mode = readable_mode(pm.mode, config)
+    files[MODULE_FILE] = program_source(readable, class_name=class_name, mode=mode, devices=strings).encode()
     return program, files, tensors
 
 
@@ -494,7 +499,8 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
         from dpcompile.export.pickled import restore
 
         pm = restore(folder / PICKLE_FILE, tensors, program, target)
-        source = program_source([("forward", pm.graph)], class_name=program["class_name"], mode=program["kind"], devices=recorded)
+        mode = readable_mode(program["kind"], config)
+        source = program_source([("forward", pm.graph)], class_name=program["class_name"], mode=mode, devices=recorded)
         if device_strings(pm.devices) == recorded and source.encode() != (folder / MODULE_FILE).read_bytes():
             raise ExportError(f"{folder / MODULE_FILE} is not the program in {PICKLE_FILE}; the folder was edited: re-export")
     else:
@@ -510,6 +516,10 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
             ) from e
     if not is_recorded_kind(pm, program["kind"]):
         raise ExportError(f"{folder} did not rebuild as a {program['kind']} program")
+    if config.get("data_parallel") == "fsdp":  # the replicated program, sharded over dp as transform shards it
+        from dpcompile.modules.fsdp_one_process import shard_over_dp
+
+        shard_over_dp(pm)
     return pm
 
 

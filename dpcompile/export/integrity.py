@@ -165,6 +165,10 @@ def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     fields = {"devices", "output_device", "input_dims", "plan", "tensor_parallel"}
     if program["kind"].startswith("pipeline"):  # config.pipeline: the stages (export/pipeline.py)
         fields.add("pipeline")
+    if isinstance(config, dict) and "data_parallel" in config:  # written only for FSDP's pieces
+        if config["data_parallel"] != "fsdp":
+            raise ExportError(f"{folder / PROGRAM_FILE}: data_parallel {config['data_parallel']!r:.40} (only \"fsdp\" is written)")
+        fields.add("data_parallel")
     if not isinstance(config, dict) or set(config) != fields:
         raise ExportError(f"{folder / PROGRAM_FILE}: a config it cannot read")
     devices = config["devices"]

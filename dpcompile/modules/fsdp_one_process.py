@@ -35,55 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils.weak import WeakIdKeyDictionary
 
-from dpcompile.errors import DpCompileError
+from dpcompile.modules.fsdp_gather import GATHERED, GatherShards, regathered
+from dpcompile.modules.fsdp_portable import replicated_extra_state, replicated_state
+from dpcompile.modules.pickling import refuses_corrupt_state, restore_parallel_module
+from dpcompile.modules.weights import refuse_copy_without_weights
 from dpcompile.program_cache import ProgramCache
-from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
-
-
-class GatherShards(nn.Module):
-    """``weight = cat(pieces moved to device)``: the whole parameter a call reads; its gradient
-    flows back into each piece."""
-
-    def __init__(self, spec: ShardSpec, piece_devices: Sequence[str], device: str):
-        super().__init__()
-        self.spec, self.piece_devices, self.device = spec, tuple(piece_devices), device
-
-    def forward(self, *pieces: torch.Tensor) -> torch.Tensor:
-        whole = unshard(pieces, self.spec, self.device)
-        GATHERED[whole] = (self, pieces)  # backward gathers it again instead of keeping it (see regathered)
-        return whole
-
-    def right_inverse(self, whole: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(shard_of(whole.detach(), self.spec, r).to(d).clone() for r, d in enumerate(self.piece_devices))
-
-
-#: each whole parameter a gather made and autograd may save: ``{tensor: (its gather, its pieces)}``
-GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _pack(t: torch.Tensor) -> Any:
-    """Autograd saves a gathered parameter (or a view of one, ``weight.t()``) as how to gather it."""
-    found = GATHERED.get(t if t._base is None else t._base)
-    if found is None:
-        return t
-    return (*found, t.size(), t.stride(), t.storage_offset())
-
-
-def _unpack(saved: Any) -> torch.Tensor:
-    if isinstance(saved, torch.Tensor):
-        return saved
-    gather, pieces, size, stride, offset = saved
-    with torch.no_grad():
-        whole = unshard([p.detach() for p in pieces], gather.spec, gather.device)
-    return whole.as_strided(size, stride, offset)
-
-
-def regathered() -> Any:
-    """Within a call: a whole parameter autograd saves for backward is freed after forward and
-    gathered again where backward needs it (ZeRO-3's second all-gather), not kept for the step."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+from dpcompile.runtime.tensor_parallel import ShardSpec
 
 
 class FsdpProgram:
@@ -101,10 +59,41 @@ class FsdpProgram:
         return f"{gathers_note(self)}\n{super().code}"  # type: ignore[misc]
 
     def __reduce__(self) -> Any:
-        raise DpCompileError(
-            'a data_parallel="fsdp" program in one process is not pickled yet: save it with '
-            "dpcompile.save_checkpoint(pm, path) and transform again, then load_checkpoint"
-        )
+        """Pickled as the replicated program it was sharded from, sharded again where it is loaded
+        (:mod:`dpcompile.modules.fsdp_portable`)."""
+        refuse_copy_without_weights(self)  # type: ignore[arg-type]
+        self._executor.check_picklable(self)  # type: ignore[attr-defined]
+        return restore_fsdp_program, replicated_state(self, replicated_class(self), carry_programs=True)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """An independent copy, made as unpickling makes one (its own pieces)."""
+        refuse_copy_without_weights(self)  # type: ignore[arg-type]
+        traceable = self.__dict__.get("traced_model") is not None  # the copy traces what it needs
+        return restore_fsdp_program(*replicated_state(self, replicated_class(self), carry_programs=not traceable))
+
+    def _extra_state_for_pickle(self) -> dict[str, Any]:
+        """The replicated program's: its tensor-parallel shards, not the pieces (sharded again when restored)."""
+        return replicated_extra_state(self)
+
+
+def replicated_class(pm: Any) -> type:
+    """The class of the program ``pm`` was before sharding (``ParallelModule``'s fx subclass)."""
+    return next(c for c in type(pm).__mro__ if not issubclass(c, FsdpProgram))
+
+
+def replicated_program(pm: Any) -> Any:
+    """A copy of the replicated program ``pm`` was sharded from: whole parameters (what export writes)."""
+    return restore_parallel_module(*replicated_state(pm, replicated_class(pm), carry_programs=True))
+
+
+@refuses_corrupt_state
+def restore_fsdp_program(cls: type, state: dict[str, Any]) -> Any:
+    """The replicated program ``state`` describes (unpickling), sharded over ``dp`` again."""
+    pm = restore_parallel_module(cls, state)
+    shard_over_dp(pm)
+    if state.get("stale_main") and pm.traced_model is not None:  # keyed again by sharding: pm.graph is still stale
+        pm.program_cache.main_key = pm.program_cache.main_key._replace(guard=-1)
+    return pm
 
 
 def gathers_note(pm: nn.Module) -> str:
@@ -177,6 +166,8 @@ def shard_over_dp(pm: nn.Module) -> None:
     tp_shards: Mapping[str, tuple[ShardSpec, list[str]]] = dict(getattr(pm, "param_shards", None) or {})
     state_keys = list(pm.state_keys) if hasattr(pm, "state_keys") else list(pm.state_dict().keys())
     outer_of = {name: spec for spec, names in tp_shards.values() for name in names}
+    # the order a copy of the replicated program holds them in (dpcompile.modules.fsdp_portable)
+    pm.__dict__["replicated_parameter_names"] = [name for name, _ in pm.named_parameters(remove_duplicate=False)]
     by_tensor: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, p in pm.named_parameters(remove_duplicate=False):
@@ -218,6 +209,7 @@ def shard_over_dp(pm: nn.Module) -> None:
     pm.param_shards = param_shards
     if isinstance(getattr(pm, "shard_param_slots", None), dict):  # each piece on its parameter's slot
         slot_of = dict(pm.shard_param_slots)
+        pm.__dict__["_tp_shard_param_slots"] = slot_of  # what a copy of the replicated program holds
         piece_slots = {piece: slot_of.get(n) for n, (_, pieces) in pieces_of.items() for piece in pieces}
         pm.shard_param_slots = {n: piece_slots.get(n, slot_of.get(n)) for n, _ in pm.named_parameters()}
     pm.__dict__["fsdp_pieces"] = {
@@ -265,6 +257,8 @@ def _read_pieces_in_traced_root(pm: Any, leaf: str, gather: GatherShards, pieces
 
 def _key_again(pm: Any) -> None:
     """The guard and the main program's key read again: the pieces changed the modules it watches."""
+    if pm.__dict__.get("traced_model") is None:  # a restored program that runs what it carries: no model to watch
+        return
     main = pm.program_cache.main_key
     pm._attach_cache(pm.traced_model, dict(pm._flags), main.none_args, pm._shares_source)
     key = pm._key(main.devices, main.none_args, main.flags, main.batched)
@@ -292,5 +286,5 @@ def combined(
 
 __all__ = [
     "GATHERED", "FsdpProgram", "GatherShards", "balanced", "combined", "copy_devices", "dp_spec", "gathers_note", "program_device",
-    "regathered", "shard_over_dp", "tensor_parallel_shards",
+    "regathered", "replicated_class", "replicated_program", "restore_fsdp_program", "shard_over_dp", "tensor_parallel_shards",
 ]  # fmt: skip

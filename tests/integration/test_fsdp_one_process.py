@@ -16,6 +16,7 @@ from torch import nn
 
 import dpcompile
 from dpcompile import DpCompileError
+from dpcompile.export import ExportError
 from dpcompile.modules.fsdp_one_process import GATHERED, GatherShards
 from tests.test_layouts import Stack
 
@@ -172,10 +173,19 @@ def test_what_one_process_fsdp_refuses_is_named(options, message):
         dpcompile.transform(Stack(), ["cpu"] * 2, data_parallel="fsdp", **options)
 
 
-def test_pickling_is_refused_with_the_way_out():
-    pm = dpcompile.transform(Stack(), ["cpu"] * 2, data_parallel="fsdp")
-    with pytest.raises(DpCompileError, match="save_checkpoint"):
+def test_pickling_a_models_own_parametrization_is_refused_with_the_way_out(tmp_path):
+    """FSDP programs pickle and export (test_fsdp_one_process_portable.py), but not a weight_norm of the
+    model's, which torch does not pickle (as for replication): refused by name, the program unchanged."""
+    model = Stack()
+    nn.utils.parametrizations.weight_norm(model.layers[0][0])
+    pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp")
+    before = {name: p.clone() for name, p in pm.named_parameters()}
+    with pytest.raises(DpCompileError, match="layers.0.0.weight is parametrized by the model.*save_checkpoint"):
         pickle.dumps(pm)
+    with pytest.raises(ExportError, match="weight_norm.*save_checkpoint"):
+        dpcompile.export(pm, tmp_path / "wn")
+    assert not (tmp_path / "wn").exists()
+    assert all(torch.equal(p, before[name]) for name, p in pm.named_parameters())
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,193 @@
+"""``data_parallel="fsdp"`` in one process, exported and loaded (``dpcompile.export`` / ``load``) and
+pickled (``torch.save`` / ``torch.load``, ``copy.deepcopy``): written as the replicated program it was
+sharded from (whole tensors, the model's keys) and sharded again where it is restored, in every
+layout with ``dp`` (issue 28's matrix): the copy stores pieces, its outputs, losses, every gradient
+and the parameters after 2 AdamW steps equal the original's and eager's. Then what is refused or
+checked: a model changed since transform, a folder edited by hand, other devices."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dpcompile
+from dpcompile.export import ExportError
+from dpcompile.modules.fsdp_one_process import FsdpProgram, GatherShards
+from tests.helpers import full_gradients
+from tests.integration.test_layout_matrix import MLPStack
+from tests.tools.export_attacks import rehash
+
+LAYOUTS = {
+    "dp": ({"dp": 2}, {}),
+    "dp_tp": ({"dp": 2, "tp": 2}, {}),
+    "pp_dp": ({"pp": 2, "dp": 2}, {}),
+    "pp_dp_1f1b": ({"pp": 2, "dp": 2}, {"schedule": "1f1b", "micro_batches": 2}),
+    "pp_dp_tp": ({"pp": 2, "dp": 2, "tp": 2}, {}),
+}
+
+
+def _inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(6, 8, generator=g, dtype=torch.float64), "labels": torch.randint(0, 4, (6,), generator=g)}
+
+
+def _fsdp(layout, options, devices=None):
+    torch.manual_seed(0)
+    model = MLPStack(depth=2).double()
+    reference = copy.deepcopy(model)
+    n = 1
+    for size in layout.values():
+        n *= size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(model, devices or ["cpu"] * n, mesh=layout, example_kwargs=_inputs(),
+                                 data_parallel="fsdp", **options)  # fmt: skip
+    return pm, reference
+
+
+def _exported(pm, folder, **load_options):
+    dpcompile.export(pm, folder)
+    return dpcompile.load(folder, **load_options)
+
+
+def _pickled(pm, _folder):
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _assert_pieces_like(copied, pm):
+    """The copy stores each parameter as pieces, named and shaped as the original's."""
+    assert isinstance(copied, FsdpProgram) and copied.mode == pm.mode
+    assert {n: p.shape for n, p in copied.named_parameters()} == {n: p.shape for n, p in pm.named_parameters()}
+    whole = [n for n, p in copied.named_parameters() if ".parametrizations." not in n and p.dim() > 0]
+    assert not whole, whole
+    assert copied.param_shards.keys() == pm.param_shards.keys()
+
+
+def _assert_steps_like(programs, reference, steps=2):
+    """Each step's loss and every gradient of each program equal eager's, and the state dicts after."""
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*programs, reference)]
+    for step in range(steps):
+        kwargs = _inputs(seed=step)
+        expected = reference(**kwargs)
+        expected.backward()
+        for pm in programs:
+            loss = pm(**kwargs)
+            loss.backward()
+            torch.testing.assert_close(loss, expected, msg=lambda m, step=step: f"loss of step {step}: {m}")
+            grads = full_gradients(pm)
+            for key, p in reference.named_parameters():
+                torch.testing.assert_close(grads[key], p.grad, msg=lambda m, key=key, step=step: f"gradient of {key}, step {step}: {m}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for pm in programs:
+        state = pm.state_dict()
+        assert sorted(state) == sorted(reference.state_dict())
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key} after {steps} steps: {m}")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fsdp_program_round_trips_as_pieces_and_trains_like_eager(name, tmp_path):
+    """export -> load and torch.save -> torch.load: pieces again (named, shaped and placed as the
+    original's; AdamW's state over them is sharded too), the model's state dict, then 2 AdamW steps
+    of the original and both copies equal eager's (losses, every gradient, the parameters after)."""
+    layout, options = LAYOUTS[name]
+    pm, reference = _fsdp(layout, options)
+    copies = [_exported(pm, tmp_path / "fsdp"), _pickled(pm, None)]
+    for copied in copies:
+        _assert_pieces_like(copied, pm)
+        for key, value in reference.state_dict().items():
+            assert torch.equal(copied.state_dict()[key], value), key
+        assert [m.piece_devices for m in copied.modules() if isinstance(m, GatherShards)] == [
+            m.piece_devices for m in pm.modules() if isinstance(m, GatherShards)
+        ]
+    _assert_steps_like([pm, *copies], reference)
+
+
+def test_a_copy_is_independent_and_a_save_changes_nothing():
+    """copy.deepcopy (was KeyError 'plan_reasons' for dp alone): its own pieces; saving and copying
+    leave the original's pieces, parametrized classes and outputs as they were."""
+    pm, reference = _fsdp(*LAYOUTS["dp"])
+    before = {n: p.clone() for n, p in pm.named_parameters()}
+    classes = {path: type(m) for path, m in pm.named_modules()}
+    clone = copy.deepcopy(pm)
+    _pickled(pm, None)
+    assert {path: type(m) for path, m in pm.named_modules()} == classes
+    _assert_pieces_like(clone, pm)
+    assert not {id(p) for p in clone.parameters()} & {id(p) for p in pm.parameters()}
+    with torch.no_grad():
+        next(clone.parameters()).add_(1.0)
+    for n, p in pm.named_parameters():
+        assert torch.equal(p, before[n]), n
+    kwargs = _inputs()
+    torch.testing.assert_close(pm(**kwargs), reference(**kwargs))
+
+
+def test_a_model_changed_since_transform_is_refused_by_export_and_followed_by_a_pickle(tmp_path):
+    """A layer added to a block of the program (which holds the model's modules): export refuses (the
+    folder is not made); a pickled copy traces the changed model, as the original does (its main
+    program, traced before, would leave the new layer out)."""
+    pm, reference = _fsdp(*LAYOUTS["dp"])
+    for model in (pm, reference):
+        model.layers[0].append(nn.Tanh())  # the program traced before calls layers.0.0 to .2 only
+    with pytest.raises(ExportError, match="the model changed since transform"):
+        dpcompile.export(pm, tmp_path / "changed")
+    assert not (tmp_path / "changed").exists()
+    copied = _pickled(pm, None)
+    kwargs = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(copied(**kwargs), reference(**kwargs))
+        torch.testing.assert_close(pm(**kwargs), reference(**kwargs))
+
+
+def _edit_config(folder, edit):
+    program = json.loads((folder / "program.json").read_text())
+    edit(program["config"])
+    (folder / "program.json").write_text(json.dumps(program))
+    rehash(folder)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [(lambda config: config.pop("data_parallel"), "module.py is not the program"),
+     (lambda config: config.update(data_parallel="zero"), "data_parallel 'zero'")],
+    ids=["flag_dropped", "flag_unknown"],
+)  # fmt: skip
+def test_a_folder_whose_fsdp_flag_was_edited_is_refused(edit, message, tmp_path):
+    """``config.data_parallel`` is shown in module.py's first line: dropping it (rehashed) leaves module.py
+    naming FSDP, so the folder is refused; a value export never writes is refused by name."""
+    pm, _ = _fsdp(*LAYOUTS["dp"])
+    folder = dpcompile.export(pm, tmp_path / "fsdp")
+    assert 'data_parallel with data_parallel="fsdp"' in (folder / "module.py").read_text().splitlines()[0]
+    _edit_config(folder, edit)
+    with pytest.raises(ExportError, match=message):
+        dpcompile.load(folder)
+
+
+def test_a_dp_export_loads_on_other_devices_as_that_many_pieces(tmp_path):
+    """dp alone is regenerated for any device list, as replication's export is: 3 devices, 3 pieces
+    (rows balanced as tensor_split cuts); distinct devices hold piece r on copy r's device."""
+    pm, reference = _fsdp(*LAYOUTS["dp"])
+    folder = dpcompile.export(pm, tmp_path / "fsdp")
+    three = dpcompile.load(folder, devices=["cpu"] * 3)
+    assert tuple(three.get_parameter(f"layers.0.0.parametrizations.weight.original{r}").shape[0] for r in range(3)) == (6, 5, 5)
+    distinct = dpcompile.load(folder, devices=["cpu:0", "cpu:1"])
+    assert {m.piece_devices for m in distinct.modules() if isinstance(m, GatherShards)} == {("cpu:0", "cpu:1")}
+    _assert_steps_like([three, distinct], reference, steps=1)
+
+
+def test_a_pipeline_export_loads_only_on_its_devices(tmp_path):
+    pm, _ = _fsdp(*LAYOUTS["pp_dp"])
+    folder = dpcompile.export(pm, tmp_path / "fsdp")
+    with pytest.raises(ExportError, match="has 2 devices"):
+        dpcompile.load(folder, devices=["cpu"] * 3)

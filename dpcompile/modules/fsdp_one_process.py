@@ -77,8 +77,9 @@ class FsdpProgram:
 
 
 def replicated_class(pm: Any) -> type:
-    """The class of the program ``pm`` was before sharding (``ParallelModule``'s fx subclass)."""
-    return next(c for c in type(pm).__mro__ if not issubclass(c, FsdpProgram))
+    """The class of the program ``pm`` was before sharding (``ParallelModule``'s fx subclass; not
+    torch's ``Parametrized<class>`` a parameter of the root itself made it)."""
+    return next(c for c in type(pm).__mro__ if not issubclass(c, FsdpProgram) and c.__module__ != parametrize.__name__)
 
 
 def replicated_program(pm: Any) -> Any:

@@ -105,7 +105,8 @@ def _gather_whole(module: nn.Module, path: str, keys: list[str], wholes: dict[in
             wholes[id(pieces)] = nn.Parameter(whole, requires_grad=originals[0].requires_grad)
         module._parameters[leaf] = wholes[id(pieces)]
     del module._modules["parametrizations"]
-    module.__class__ = type(module).__bases__[0]  # torch's injected Parametrized<class> over the module's own
+    if type(module).__module__ == parametrize.__name__:  # torch's injected Parametrized<class> over the module's own
+        module.__class__ = type(module).__bases__[0]
     prefix = f"{path}." if path else ""
     order = {key: k for k, key in enumerate(keys)}
     ranked = sorted(module._parameters.items(), key=lambda item: order.get(prefix + item[0], len(order)))

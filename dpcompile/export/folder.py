@@ -173,6 +173,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     from dpcompile.modules.base import ParallelModule
     from dpcompile.modules.fsdp_one_process import FsdpProgram, replicated_program
     from dpcompile.modules.other_mode import both_modes
+    from dpcompile.modules.weights import needs_weights
 
     if not isinstance(pm, ParallelModule):
         raise ArgumentError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
@@ -183,6 +184,11 @@ def export(pm: nn.Module, path: str | Path) -> Path:
         raise ExportError(
             f"export writes one-process programs (data, tensor or pipeline parallel); a {pm.mode} program (over a "
             "mesh) is rebuilt by running transform in each process: save its weights with pm.state_dict()"
+        )
+    if needs_weights(pm):  # its tensors hold uninitialised memory: a loaded copy would run on it
+        raise ExportError(
+            "this program was built on the meta device and holds no weights yet: load them first "
+            "(dpcompile.load_checkpoint(pm, path)), then export"
         )
     if pm.model_changed_since_transform():
         raise ExportError(

@@ -228,3 +228,15 @@ def test_a_pipeline_export_loads_only_on_its_devices(tmp_path):
     folder = dpcompile.export(pm, tmp_path / "fsdp")
     with pytest.raises(ExportError, match="has 2 devices"):
         dpcompile.load(folder, devices=["cpu"] * 3)
+
+
+@pytest.mark.parametrize("data_parallel", ["replicate", "fsdp"])
+def test_a_program_waiting_for_its_weights_is_not_exported(data_parallel, tmp_path):
+    """Built on meta and not loaded yet: export wrote its uninitialised memory as the weights (a
+    pickle and a copy were refused already); now refused by name, no folder made."""
+    with torch.device("meta"):
+        model = MLPStack(depth=1).double()
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_kwargs=_inputs(), data_parallel=data_parallel)
+    with pytest.raises(ExportError, match="holds no weights yet.*load_checkpoint"):
+        dpcompile.export(pm, tmp_path / "meta")
+    assert not (tmp_path / "meta").exists() and pm.needs_weights

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from dpcompile.modules.carried import CarriedPrograms
 from dpcompile.modules.fsdp_gather import GATHERED, GatherShards, regathered
 from dpcompile.modules.fsdp_portable import replicated_extra_state, replicated_state
 from dpcompile.modules.pickling import refuses_corrupt_state, restore_parallel_module
@@ -258,12 +259,11 @@ def _read_pieces_in_traced_root(pm: Any, leaf: str, gather: GatherShards, pieces
 
 def _key_again(pm: Any) -> None:
     """The guard and the main program's key read again: the pieces changed the modules it watches."""
-    if pm.__dict__.get("traced_model") is None:  # a restored program that runs what it carries: no model to watch
-        return
-    main = pm.program_cache.main_key
-    pm._attach_cache(pm.traced_model, dict(pm._flags), main.none_args, pm._shares_source)
-    key = pm._key(main.devices, main.none_args, main.flags, main.batched)
-    object.__setattr__(pm, "program_cache", ProgramCache(key, pm._build_program))
+    if not isinstance(pm.program_cache.build, CarriedPrograms):  # a restored program runs what it carries, as keyed
+        main = pm.program_cache.main_key
+        pm._attach_cache(pm.traced_model, dict(pm._flags), main.none_args, pm._shares_source)
+        key = pm._key(main.devices, main.none_args, main.flags, main.batched)
+        object.__setattr__(pm, "program_cache", ProgramCache(key, pm._build_program))
     if (exported := pm.__dict__.get("_exported_check")) is not None:  # a program export captured: its check too
         exported.read_again()
 

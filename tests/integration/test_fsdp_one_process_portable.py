@@ -20,6 +20,7 @@ import dpcompile
 from dpcompile.export import ExportError
 from dpcompile.modules.fsdp_one_process import FsdpProgram, GatherShards
 from tests.helpers import full_gradients
+from tests.integration.test_fsdp_one_process import ModeBranch
 from tests.integration.test_layout_matrix import MLPStack
 from tests.tools.export_attacks import rehash
 
@@ -149,6 +150,20 @@ def test_a_root_parameter_and_a_tied_weight_round_trip(tmp_path):
     with torch.no_grad():
         for copied in copies:
             torch.testing.assert_close(copied.eval()(**kwargs), reference.eval()(**kwargs))
+
+
+def test_a_program_torch_export_captured_round_trips_in_both_modes(tmp_path):
+    """frontend="export": no model to trace again, so the copies run the programs they carry (both
+    modes, captured before sharding) on their pieces; training and eval outputs equal eager's."""
+    torch.manual_seed(0)
+    model, x = ModeBranch().double(), torch.randn(4, 8, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel="fsdp", frontend="export", example_inputs=(x,))
+    for copied in (_exported(pm, tmp_path / "fsdp"), _pickled(pm, None)):
+        _assert_pieces_like(copied, pm)
+        for mode in ("train", "eval", "train"):
+            getattr(copied, mode)(), getattr(reference, mode)()
+            torch.testing.assert_close(copied(x), reference(x), msg=lambda m, mode=mode: f"{mode}: {m}")
 
 
 def test_a_copy_is_independent_and_a_save_changes_nothing():

@@ -25,6 +25,9 @@ balanced as ``tensor_split`` balances them (no padding). A 0-dim parameter stays
 does one that forward writes in place (``nn.Embedding(max_norm=...)`` renormalises the rows it looks up;
 ``with torch.no_grad(): w.mul_(0.9)``): a write into the gathered whole would be lost with it; and
 the weight of a ``sparse=True`` embedding, whose sparse gradient cannot flow back through the gather.
+
+``torch.save(pm)``, ``copy.deepcopy(pm)`` and ``dpcompile.export(pm, folder)`` write the replicated
+program (whole tensors) and shard it again where it is restored (:mod:`dpcompile.modules.fsdp_portable`).
 """
 
 from __future__ import annotations

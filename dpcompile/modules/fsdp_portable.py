@@ -100,8 +100,9 @@ def _gather_whole(module: nn.Module, path: str, keys: list[str], wholes: dict[in
         if id(pieces) not in wholes:
             gather = pieces[0]
             originals = [getattr(pieces, f"original{r}") for r in range(len(gather.piece_devices))]
-            with torch.no_grad():
-                whole = gather(*originals)
+            with torch.no_grad():  # a meta copy of a private model (tensor parallel's): its shape, no data
+                meta = any(o.is_meta for o in originals)
+                whole = torch.cat(originals, gather.spec.dim) if meta else gather(*originals)
             wholes[id(pieces)] = nn.Parameter(whole, requires_grad=originals[0].requires_grad)
         module._parameters[leaf] = wholes[id(pieces)]
     del module._modules["parametrizations"]

@@ -130,16 +130,19 @@ class TiedWithRootParameter(nn.Module):
         return nn.functional.cross_entropy(self.head(h * 2 if self.training else h), labels)
 
 
-def test_a_root_parameter_and_a_tied_weight_round_trip(tmp_path):
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"dp": 2, "tp": 2}], ids=["dp", "dp_tp"])
+def test_a_root_parameter_and_a_tied_weight_round_trip(layout, tmp_path):
     """The root's pieces and the tied weight's one set of pieces come back as such (the root's class
-    was torch's Parametrized<class>, which pickle cannot name); both copies train and evaluate as eager
-    (pp x dp passes too, by hand)."""
+    was torch's Parametrized<class>, which pickle cannot name; under dp x tp the meta copy of the private
+    model holds the root's pieces on meta, which cannot be gathered); both copies train and evaluate as
+    eager (pp x dp and pp x dp x tp pass too, by hand)."""
     torch.manual_seed(0)
     model = TiedWithRootParameter().double()
     reference = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = dpcompile.transform(model, ["cpu"] * 2, example_kwargs=_inputs(), data_parallel="fsdp")
+        pm = dpcompile.transform(model, ["cpu"] * 2 * len(layout), mesh=layout, example_kwargs=_inputs(),
+                                 data_parallel="fsdp")  # fmt: skip
     copies = [_exported(pm, tmp_path / "fsdp"), _pickled(pm, None)]
     for copied in copies:
         _assert_pieces_like(copied, pm)

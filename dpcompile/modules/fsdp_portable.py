@@ -72,8 +72,9 @@ def replicated_state(pm: Any, replicated: type, *, carry_programs: bool) -> tupl
 
 
 def _modules_of(state: Mapping[str, Any]) -> Iterator[tuple[str, nn.Module]]:
-    """Every module the state holds, with its path: the program's, the model's it traces again
-    from (a copy: its root's parameters are gathered as the program's), a pipeline's stages'."""
+    """Every module the state holds, with its path: the program's (a pipeline's stages read the
+    same), the model's it traces again from (its root's parameters are gathered as the program's)
+    and a root fx kept as a leaf."""
     roots: list[nn.Module] = list(state["modules"].values())
     paths = list(state["modules"])
     source = (state.get("source") or {}).get("model")
@@ -93,8 +94,8 @@ def _modules_of(state: Mapping[str, Any]) -> Iterator[tuple[str, nn.Module]]:
 
 def _gather_whole(module: nn.Module, path: str, keys: list[str], wholes: dict[int, nn.Parameter]) -> None:
     """``module``'s parametrized parameters as whole ``nn.Parameter``s again (tied ones: one
-    tensor), its class the one it had before, its parameters in the replicated program's order. ``module`` is
-    a copy: the parametrized class it shares with the original is not changed."""
+    tensor), its class the one it had before, its parameters in the replicated program's order.
+    ``module`` is a copy: the parametrized class it shares with the original is not changed."""
     lists = module.parametrizations
     for leaf, pieces in lists.items():
         if id(pieces) not in wholes:

@@ -188,8 +188,13 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         # the module's own attributes live in its __dict__, apart from the model's state
         if name in RESERVED_NAMES and not isinstance(value, (nn.Module, torch.Tensor)):
             object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
+            return
+        super().__setattr__(name, value)
+        model = self.__dict__.get("traced_model")
+        if self.__dict__.get("_shares_source") and isinstance(value, (nn.Module, nn.Parameter)) and (
+            name in model._modules or name in model._parameters
+        ):  # pm holds the model's own submodules: `pm.block = new` is `model.block = new`, which the guard follows
+            setattr(model, name, value)
 
     def __getattr__(self, name: str) -> Any:
         if name in self.__dict__.get("_modules", ()):  # generated code's `self.fc1`: one lookup

@@ -22,9 +22,17 @@ from torch import nn
 from dpcompile.capture import ROOT_LEAF
 from dpcompile.errors import DpCompileError
 from dpcompile.fake import fake_copy_to_trace, meta_copy_to_pickle
-from dpcompile.fx_utils import PicklableGraph, example_shapes, graph_module, propagate_example_shapes
+from dpcompile.fx_utils import (
+    PicklableGraph,
+    adopt_state,
+    attribute_at,
+    example_shapes,
+    graph_module,
+    propagate_example_shapes,
+)
 from dpcompile.modules.carried import CarriedPrograms
 from dpcompile.modules.executors import restore_executor
+from dpcompile.modules.hooks import check_unchanged_since_transform
 from dpcompile.modules.other_mode import both_modes
 from dpcompile.modules.sharded_state import PICKLED, hold_shards
 from dpcompile.modules.weights import refuse_copy_without_weights
@@ -42,6 +50,11 @@ class PicklesPrograms:
     def _reduce(self, *, carry_programs: bool):
         source = self._picklable_source()
         stale = self.model_changed_since_transform()  # the copy traces every call afresh
+        if stale and self._shares_source:  # the model's submodules as they are now, as the next call holds them
+            adopt_state(self, self.traced_model, follow_removals=True)
+        if not self._shares_source and self.traced_model is not None:
+            self._guard.fingerprint()  # read again: what a call would read
+            check_unchanged_since_transform(self._guard, *self._hooks_traced)  # refused as a call is
         if stale and source is None and carry_programs:
             raise DpCompileError(
                 f"the model changed since transform and its class {type(self.traced_model).__qualname__} cannot be "
@@ -206,6 +219,10 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
     """The program ``state`` describes, as class ``cls`` (unpickling; ``dpcompile.load`` restores a
     program read as data the same way)."""
     state = _with_graphs(state)
+    if state.get("stale_main") and state.get("source"):  # traced again at its first call: what it ran is gone
+        state["graph"] = _stale_graph_if_unbuildable(state["graph"], state)
+        if state["captured_graph"] is not None:
+            state["captured_graph"] = _stale_graph_if_unbuildable(state["captured_graph"], state)
     holder = nn.Module()
     holder._modules.update(state["modules"])
     if state.get("leaf_root") is not None:
@@ -262,6 +279,36 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
 
 
 __all__ = ["DESCRIBED", "PicklesPrograms", "refuses_corrupt_state", "restore_parallel_module"]
+
+
+def _reads_missing(graph: fx.Graph, state: dict[str, Any]) -> bool:
+    """Whether ``graph`` calls or reads a module, parameter or buffer the pickled program no longer holds."""
+    root = nn.Module()
+    root._modules.update(state["modules"])
+    root._parameters.update(state["parameters"])
+    root._buffers.update(state["buffers"])
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr") and attribute_at(root, node.target) is None:
+            return True
+    return False
+
+
+def _stale_graph_if_unbuildable(graph: fx.Graph, state: dict[str, Any]) -> fx.Graph:
+    """The program traced before a submodule was replaced (``pm.layers[0] = new``) reads modules the
+    copy does not hold: it never runs (the copy traces the model again at its first call), so its
+    inputs are kept and its body dropped::
+
+        before: layers_0_2 = self.layers.0.2(...)   # gone
+        after:  return None                        # until the first call traces the model as it is
+    """
+    if not _reads_missing(graph, state):
+        return graph
+    stub = fx.Graph()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            stub.node_copy(node)
+    stub.output(None)
+    return stub
 
 
 def _with_graphs(state: dict[str, Any]) -> dict[str, Any]:

@@ -408,6 +408,39 @@ def test_guard_deleted_submodule_leaves_the_state_dict():
     assert pm.state_dict().keys() == model.state_dict().keys()
 
 
+@pytest.mark.parametrize("where", ["model", "program"])
+def test_guard_container_replaced_is_run_and_copied_as_the_new_one(where):
+    """``model.block = Other()`` or ``pm.block = Other()`` (pm holds the model's own submodules):
+    pm runs the new block, and so do a torch.save round trip and a deep copy (the main program read
+    ``block.1``, gone: loading failed as a corrupt file; ``pm.block =`` ran the old program)."""
+    import io
+
+    torch.manual_seed(0)
+    model, x = Residual(), torch.randn(6, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    (model if where == "model" else pm).block = nn.Sequential(nn.Tanh())
+    want = torch.tanh(x) + x
+    want = model.fc2(want) * model.gain
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    for program in (pm, torch.load(buffer, weights_only=False), copy.deepcopy(pm)):
+        torch.testing.assert_close(program(x), want)
+        assert list(program.state_dict()) == list(model.state_dict())
+
+
+def test_guard_tensor_parallel_container_replaced_is_refused_by_a_save_as_by_a_call():
+    """A tensor-parallel program whose container was replaced refuses torch.save as its call does
+    (the copy failed to load, called corrupt)."""
+    import io
+
+    torch.manual_seed(0)
+    pm = dpcompile.transform(Residual(), ["cpu"] * 2, tensor_parallel=True)
+    pm.block = nn.Sequential(nn.Tanh())
+    with pytest.raises(dpcompile.DpCompileError, match="replaced or removed"):
+        torch.save(pm, io.BytesIO())
+
+
 def test_guard_tensor_parallel_container_replaced_on_the_program_is_refused():
     """pm.block = Other() on a tensor-parallel program (its trace is of a private copy): refused, not the old program."""
     torch.manual_seed(0)

@@ -10,13 +10,21 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim, target_name, whole_ratio
+from dpcompile.analysis.batch_rules.context import (
+    RuleContext,
+    node_shape,
+    normalize_dim,
+    target_name,
+    unsharded_shape,
+    whole_ratio,
+)
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.sizes import batch_multiple, joined_shape
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
+    Packed,
     Placement,
     Replicated,
     Split,
@@ -156,6 +164,8 @@ def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
 
     d = p.dim
     in_shape, out_shape = node_shape(ctx.tensor_arg()), node_shape(ctx.node)
+    if in_shape is None or out_shape is None:  # a view of tensor-parallel shards: the whole tensors' shapes
+        in_shape, out_shape = unsharded_shape(ctx.tensor_arg()), unsharded_shape(ctx.node)
     if in_shape is None or out_shape is None:
         if _keeps_leading_dims(ctx, d):
             return Split(d)
@@ -522,6 +532,12 @@ def size(ctx: RuleContext) -> Placement | None:
     return None
 
 
+def rank(ctx: RuleContext) -> Placement | None:
+    """``x.dim()`` / ``x.ndimension()``: a chunk has the whole's rank (torchvision's ``assert x.dim() == 3``
+    needs no gather)."""
+    return REPLICATED if isinstance(ctx.p(ctx.tensor_arg()), (Split, Packed)) else None
+
+
 def _factory_sizes(ctx: RuleContext) -> tuple[list | fx.Node | None, list]:
     """The sizes of a factory and its other arguments, for each spelling: ``torch.zeros(b, h)``,
     ``torch.zeros((b, h))``, ``torch.full((b, h), v)``, ``x.new_zeros(b, h)``, ``aten.full([b, h], v)``."""
@@ -583,3 +599,5 @@ BATCH_RULES.register(torch.diagonal, diagonal)
 BATCH_RULES.register("diagonal", diagonal)
 BATCH_RULES.register_family(ops.FACTORIES, factory)
 BATCH_RULES.register("size", size)
+for _target in ("dim", "ndimension", torch.Tensor.dim, torch.Tensor.ndimension):
+    BATCH_RULES.register(_target, rank)

@@ -24,7 +24,6 @@ from dpcompile.analysis.batch_rules.sizes import batch_multiple, joined_shape
 from dpcompile.analysis.placement import (
     REPLICATED,
     BatchSize,
-    Packed,
     Placement,
     Replicated,
     Split,
@@ -532,12 +531,6 @@ def size(ctx: RuleContext) -> Placement | None:
     return None
 
 
-def rank(ctx: RuleContext) -> Placement | None:
-    """``x.dim()`` / ``x.ndimension()``: a chunk has the whole's rank (torchvision's ``assert x.dim() == 3``
-    needs no gather)."""
-    return REPLICATED if isinstance(ctx.p(ctx.tensor_arg()), (Split, Packed)) else None
-
-
 def _factory_sizes(ctx: RuleContext) -> tuple[list | fx.Node | None, list]:
     """The sizes of a factory and its other arguments, for each spelling: ``torch.zeros(b, h)``,
     ``torch.zeros((b, h))``, ``torch.full((b, h), v)``, ``x.new_zeros(b, h)``, ``aten.full([b, h], v)``."""
@@ -599,5 +592,3 @@ BATCH_RULES.register(torch.diagonal, diagonal)
 BATCH_RULES.register("diagonal", diagonal)
 BATCH_RULES.register_family(ops.FACTORIES, factory)
 BATCH_RULES.register("size", size)
-for _target in ("dim", "ndimension", torch.Tensor.dim, torch.Tensor.ndimension):
-    BATCH_RULES.register(_target, rank)

@@ -50,6 +50,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from dpcompile.analysis.batch_rules.context import UNSHARDED_VAL
 from dpcompile.analysis.sharding import (
     COPIED,
     NOT_TENSOR,
@@ -231,6 +232,10 @@ class _Rewriter:
             args = self._rewrite_shape(node, args, position, sizes)
         new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name, type_expr=node.type)
         new.meta = {k: v for k, v in node.meta.items() if not (k == "val" and isinstance(layout, Sharded))}
+        if isinstance(layout, Sharded) and isinstance(node.meta.get("val"), torch.Tensor):
+            # the shard's own shape differs, but the dims it keeps whole (the batch) do not: the data-parallel
+            # rules over this program read them (dp x tp: an attention's merged heads, split on the batch)
+            new.meta[UNSHARDED_VAL] = node.meta["val"]
         new.meta["dpcompile_layout"] = layout
         if node in self.analysis.view_rewrites:
             stamp(new, PASS, node)

@@ -199,7 +199,8 @@ def _summed_out_of_place(u: Unit, t: int) -> int:
 def _stage_memory(
     units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool,
     accumulates: bool, follower: bool = False, kept_saves: Sequence[int] = (), buffered: bool = False,
-    outputs: int = 0, one_after_another: bool = False, shared_gradients: int = 0,
+    outputs: int = 0, one_after_another: bool = False, shared_gradients: int = 0, one_f_one_b: bool = False,
+    steady: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """Bytes by kind at the predicted peak of a stage's device (see :func:`predict`).
 
@@ -216,6 +217,11 @@ def _stage_memory(
     one micro-batch's units, the others' activations held, then, every gradient made, the next one's
     sweep with the rest still held (measured: Mixer's stages 7-10% over counting every activation and
     gradient at once; the first micro-batch's activations are freed before the second sweep's peak).
+    ``one_f_one_b``: a 1F1B stage of several micro-batches in flight sweeps one micro-batch's backward at a
+    time as well, the others in flight held (``steady``: after each backward the next forward comes in, as
+    many held again), and between a unit's layers the gradient of its widest saved value too (measured:
+    counting every micro-batch's activations and every gradient at once, a first stage 8-16% over; the
+    sweep without the widest value, a ReLU stack's 9-11% under).
     Where gradients ``accumulate`` (a
     second micro-batch, the replicas of data parallelism), a module's new gradient is made before it
     is added to the one held: the largest module's gradient more (its parameters' own, a Linear's
@@ -252,11 +258,14 @@ def _stage_memory(
         # backward through unit k also holds the gradient of its output and makes the one of its input
         flowing = 0 if follower or not training else _input_gradient(units[k]) + (
             _input_gradient(units[k + 1]) if k + 1 < len(units) else 0)
+        if one_f_one_b and training and not follower:  # and, between its layers, its widest value's gradient
+            flowing += units[k].largest_saved_bytes
         swept = round((sum(kept[:k]) + own + flowing) * share)
         if one_after_another and rest > 0:  # the first micro-batch's gradients are new: nothing to add them to
             moments.append((sum(grads[k:]), swept + held_rest + outputs))
             # the next micro-batch's sweep: every gradient, one micro-batch fewer held
-            moments.append((sum(grads) + making[k], swept + round(sum(kept) * max(0.0, rest - share)) + outputs))
+            later = rest if steady else max(0.0, rest - share)  # 1F1B's steady state: the next forward came in
+            moments.append((sum(grads) + making[k], swept + round(sum(kept) * later) + outputs))
         else:
             moments.append((sum(grads[k:]) + making[k], swept + held_rest + outputs))
     # after backward (and at the optimizer step): every gradient, no activation but the outputs, gathered
@@ -348,11 +357,16 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         lockstep = spec.schedule != "1f1b" and m > 1 and any(u.batch_norm for u in units)
         sweeping, held = (share * m, 1) if lockstep else (share, in_flight)
         gpipe = spec.schedule != "1f1b" and m > 1 and s_count > 1
+        # a 1F1B stage holding several micro-batches sweeps one micro-batch's backward at a time, the others
+        # in flight held (measured: counting every one's activations at once put a first stage 8-11% over)
+        one_f_one_b = training and spec.schedule == "1f1b" and m > 1 and held > 1
         # dp copies of a pipeline or of tp shards in one process (over a mesh each rank has its own gradients)
         copies = d > 1 and (t > 1 or s_count > 1) and training and calibration.ranks == 1
         kinds = [_stage_memory(units, t, checkpointing=spec.checkpointing and training, share=sweeping,
-                               rest=sweeping * (held - 1), training=training, sweep=s_count == 1 or m == 1 or lockstep or gpipe,
-                               one_after_another=gpipe and not lockstep,
+                               rest=sweeping * (held - 1), training=training,
+                               sweep=s_count == 1 or m == 1 or lockstep or gpipe or one_f_one_b,
+                               one_after_another=(gpipe and not lockstep) or one_f_one_b, one_f_one_b=one_f_one_b,
+                               steady=one_f_one_b and m > held,
                                accumulates=m > 1 or d > 1, follower=rank > 0, kept_saves=kept_saves[at:at + len(units)],
                                buffered=training and m > 1 and spec.schedule != "1f1b",
                                outputs=profile.output_bytes if last_1f1b and rank == 0 else 0,

@@ -53,6 +53,7 @@ class Unit:
     module_grad_bytes: int = 0  # the largest gradient one of its modules' backward makes (its own parameters')
     optimizer_bytes: int = 0
     saved_bytes: int = 0
+    largest_saved_bytes: int = 0  # the largest one tensor of saved_bytes (a backward's widest gradient)
     # of saved_bytes, those made between a Linear's output and the Linear that reads it back in a block
     # (tensor parallelism's column / row pair: each device makes and saves its shard of them)
     sharded_saved_bytes: int = 0
@@ -385,6 +386,7 @@ def _profile(
         units[path].batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
     for unit, size, sharded in saved.values():
         units[unit].saved_bytes += size
+        units[unit].largest_saved_bytes = max(units[unit].largest_saved_bytes, size)
         units[unit].sharded_saved_bytes += size if sharded else 0
     for unit in units.values():
         _settle_save_options(unit, save_keys, saved)

@@ -121,6 +121,13 @@ def test_shape_size_of_the_batch_dim_is_a_batch_size():
     assert got["size"] == BatchSize() and got["size_1"] == REPLICATED
 
 
+def test_shape_rank_of_a_chunk_is_the_whole_tensors():
+    """x.dim() and x.ndimension() are the same on every device, as x.ndim is (they ran whole: a
+    gather of the batch for torchvision's ``torch._assert(x.dim() == 3, ...)``)."""
+    got = placements(lambda m, x: (x.dim() == 3, x.ndimension()), X)
+    assert got["dim"] == REPLICATED and got["ndimension"] == REPLICATED and got["eq"] == REPLICATED
+
+
 def _drop_path(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """timm's ``drop_path``: one keep-or-drop draw per sample, its mask shape joined with ``+``."""
     shape = (x.shape[0],) + (1,) * (x.ndim - 1)

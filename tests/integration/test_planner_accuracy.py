@@ -183,6 +183,18 @@ def test_a_one_f_one_b_micro_batch_holds_what_autograd_saved():
         assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
 
 
+def test_a_one_f_one_b_first_stage_sweeps_one_micro_batch_with_the_next_held():
+    """A 1F1B first stage of two micro-batches runs the first one's backward with the second one's
+    activations held, then the second's with every gradient made; between a unit's layers its widest
+    value's gradient is held too. It was predicted holding every activation and every gradient at once:
+    16% over on this stage (measured within 5% now; the last stage, of one micro-batch, was not off)."""
+    make = lambda: TinyLM(d=64, layers=4)  # noqa: E731
+    predicted, measured = _predicted_and_measured(make, _tokens(batch=8, seq=16), LayoutSpec((("pp", 2),), "1f1b", 2))
+    for d in LABELS:
+        total = sum(predicted[d].values())
+        assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
+
+
 def _assert_tensor_parallel_encoder_within_ten_percent(checkpointing: bool) -> None:
     spec = LayoutSpec((("tp", 2),), checkpointing=checkpointing)
     predicted, measured = _predicted_and_measured(TinyEncoder, (torch.randn(4, 16, 32),), spec)

@@ -119,6 +119,17 @@ def is_aten(node: fx.Node) -> bool:
     return isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
 
 
+#: a tensor-parallel shard's node: the whole tensor's example value (its ``val`` is dropped: the shard's differs)
+UNSHARDED_VAL = "dpcompile_unsharded_val"
+
+
+def unsharded_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """``node``'s whole shape where it is a tensor-parallel shard (its batch dims are the shard's), else
+    :func:`node_shape`: what a view of shards keeps and merges, read on the whole tensors."""
+    val = node.meta.get(UNSHARDED_VAL)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else node_shape(node)
+
+
 def node_shape(node: fx.Node) -> tuple[int, ...] | None:
     """``node``'s shape from shape propagation (``meta["val"]`` or ``meta["tensor_meta"]``), or ``None``."""
     val = node.meta.get("val")

@@ -175,5 +175,13 @@ def tensor_attribute(ctx: RuleContext) -> Placement | None:
     return None
 
 
+def rank(ctx: RuleContext) -> Placement | None:
+    """``x.dim()`` / ``x.ndimension()``: a chunk has the whole's rank, as ``x.ndim`` (torchvision's
+    ``assert x.dim() == 3`` needs no gather)."""
+    return REPLICATED if isinstance(ctx.p(ctx.tensor_arg()), (Split, Packed)) else None
+
+
 BATCH_RULES.register(operator.getitem, getitem)
 BATCH_RULES.register(getattr, tensor_attribute)
+for _target in ("dim", "ndimension", torch.Tensor.dim, torch.Tensor.ndimension):
+    BATCH_RULES.register(_target, rank)

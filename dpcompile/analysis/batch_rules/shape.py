@@ -10,7 +10,14 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis import ops
-from dpcompile.analysis.batch_rules.context import RuleContext, node_shape, normalize_dim, target_name, whole_ratio
+from dpcompile.analysis.batch_rules.context import (
+    RuleContext,
+    node_shape,
+    normalize_dim,
+    target_name,
+    unsharded_shape,
+    whole_ratio,
+)
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.batch_rules.sizes import batch_multiple, joined_shape
@@ -156,6 +163,8 @@ def _reshape_inner(ctx: RuleContext, p: Split) -> Placement | None:
 
     d = p.dim
     in_shape, out_shape = node_shape(ctx.tensor_arg()), node_shape(ctx.node)
+    if in_shape is None or out_shape is None:  # a view of tensor-parallel shards: the whole tensors' shapes
+        in_shape, out_shape = unsharded_shape(ctx.tensor_arg()), unsharded_shape(ctx.node)
     if in_shape is None or out_shape is None:
         if _keeps_leading_dims(ctx, d):
             return Split(d)

@@ -191,10 +191,14 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             return
         super().__setattr__(name, value)
         model = self.__dict__.get("traced_model")
-        if self.__dict__.get("_shares_source") and isinstance(value, (nn.Module, nn.Parameter)) and (
-            name in model._modules or name in model._parameters
-        ):  # pm holds the model's own submodules: `pm.block = new` is `model.block = new`, which the guard follows
+        if self.__dict__.get("_shares_source") and name not in RESERVED_NAMES and (
+            name in model._modules or name in model._parameters or name in model.__dict__
+        ):  # pm holds the model's own state: `pm.block = new` is `model.block = new`, which the guard follows
             setattr(model, name, value)
+
+    def _adopt_model_state(self) -> None:
+        """Hold the model's submodules, parameters and buffers as they are now."""
+        adopt_state(self, self.traced_model, follow_removals=True)
 
     def __getattr__(self, name: str) -> Any:
         if name in self.__dict__.get("_modules", ()):  # generated code's `self.fc1`: one lookup
@@ -329,7 +333,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         if not self._shares_source and self.traced_model is not None:
             check_unchanged_since_transform(self._guard, *self._hooks_traced)
         if key.guard != self._adopted and self._shares_source:
-            adopt_state(self, self.traced_model, follow_removals=True)  # the model's submodules changed
+            self._adopt_model_state()  # the model's submodules changed
             self._adopted = key.guard
         program = cache.program(key, args, kwargs) or self
         if self._executor.keeps_last_call:  # not a pipeline, which counts micro-batches its own way

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from dpcompile.errors import DpCompileError
 from dpcompile.modules.carried import CarriedPrograms
 from dpcompile.modules.fsdp_gather import GATHERED, GatherShards, regathered
 from dpcompile.modules.fsdp_portable import replicated_extra_state, replicated_state
@@ -56,6 +57,18 @@ class FsdpProgram:
         # one gather a parameter a call, however many copies and micro-batches read it
         with regathered(), parametrize.cached():
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+    def _adopt_model_state(self) -> None:
+        """A submodule or parameter replaced after transform holds no pieces: refused, not run on the old ones."""
+        super()._adopt_model_state()  # type: ignore[misc]
+        held = {name for name, _ in self.named_parameters(remove_duplicate=False)}  # type: ignore[attr-defined]
+        lost = [piece for piece in self.__dict__.get("fsdp_pieces", {}) if piece not in held]
+        if lost:
+            raise DpCompileError(
+                f"a submodule or parameter of this data_parallel='fsdp' program was replaced or removed after transform "
+                f"({lost[0].split('.parametrizations.')[0]!r}): its parameters are stored as pieces, made at transform; "
+                "change the model and call dpcompile.transform again"
+            )
 
     @property
     def code(self) -> str:

@@ -429,6 +429,26 @@ def test_guard_container_replaced_is_run_and_copied_as_the_new_one(where):
         assert list(program.state_dict()) == list(model.state_dict())
 
 
+@pytest.mark.parametrize("data_parallel", ["replicate", "fsdp"])
+def test_guard_attribute_set_on_the_program_is_followed(data_parallel):
+    """``pm.use_residual = False``: the program's model reads it (it ran the old branch, silently)."""
+    torch.manual_seed(0)
+    model, x = Residual(), torch.randn(6, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, data_parallel=data_parallel)
+    eager = copy.deepcopy(model)
+    pm.use_residual = eager.use_residual = False
+    torch.testing.assert_close(pm(x), eager(x))
+
+
+def test_guard_fsdp_container_replaced_on_the_program_is_refused():
+    """``pm.block = Other()`` on a one-process FSDP program: the new block holds no pieces; refused by name."""
+    torch.manual_seed(0)
+    pm = dpcompile.transform(Residual(), ["cpu"] * 2, data_parallel="fsdp")
+    pm.block = nn.Sequential(nn.Tanh())
+    with pytest.raises(dpcompile.DpCompileError, match="'block.0'.*call dpcompile.transform again"):
+        pm(torch.randn(4, 8))
+
+
 def test_guard_tensor_parallel_container_replaced_is_refused_by_a_save_as_by_a_call():
     """A tensor-parallel program whose container was replaced refuses torch.save as its call does
     (the copy failed to load, called corrupt)."""

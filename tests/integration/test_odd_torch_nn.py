@@ -226,3 +226,41 @@ def test_odd_sequence_first_attention_with_a_padding_mask():
         dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x, pad))
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+class InstanceNormed(nn.Module):
+    """``nn.InstanceNorm2d(track_running_stats=True)``: forward updates its running statistics with a ``copy_``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+def test_odd_export_checkpointed_instance_norm_updates_its_running_stats_once():
+    """The export frontend passes the norm's running statistics to the checkpointed region; checkpoint
+    saved them and backward crashed ('modified by an inplace operation': instance_norm's ``copy_`` into
+    them). They now reach the region unsaved: two AdamW steps and the running statistics equal eager."""
+    torch.manual_seed(0)
+    model = InstanceNormed().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export", activation_checkpointing=["norm"])
+    assert "checkpoint" in pm.code
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step in range(2):
+        out, want = pm(x + step), eager(x + step)
+        torch.testing.assert_close(out, want)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(pm.state_dict()[key], value, msg=lambda m, key=key: f"{key} after 2 steps: {m}")

@@ -144,7 +144,10 @@ class _ShapeProp(FreshArguments, FakeTensorProp):
         value = n.args[0].meta.get("val")
         if n.op == "call_module":
             module = self.fetch_attr(str(n.target))
-            return (value, getattr(module, "weight", None)) if isinstance(module, _SAME_DTYPE_MODULES) else (None, None)
+            # a pre-hook may compute the weight at the call (the older weight_norm's, whose weight is left
+            # in its first dtype by model.double() until then)
+            plain = isinstance(module, _SAME_DTYPE_MODULES) and not module._forward_pre_hooks
+            return (value, getattr(module, "weight", None)) if plain else (None, None)
         if n.op == "call_function" and n.target in _SAME_DTYPE_FUNCTIONS and isinstance(n.args[1], fx.Node):
             return value, n.args[1].meta.get("val")
         return None, None

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import dpcompile
+from tests.helpers import full_gradients
 
 
 class Normed(nn.Module):
@@ -155,3 +156,31 @@ def test_spectral_norm_iterates_once_a_step_in_float64(frontend, options):
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
 
+
+@pytest.mark.parametrize("options", [{}, {"mesh": {"dp": 2}, "data_parallel": "fsdp"}, {"mesh": {"dp": 2, "tp": 2}}],
+                         ids=["dp", "fsdp", "dpxtp"])  # fmt: skip
+def test_hook_based_weight_norm_converted_to_float64_trains_as_eager(options):
+    """``model.double()`` leaves the older weight_norm's computed ``weight`` in float32 until its pre-hook
+    runs: the examples' dtype check read it and refused float64 examples, and the copies fsdp and
+    dp x tp make crashed (deepcopy refuses a computed tensor). Two AdamW steps now equal eager's."""
+    torch.manual_seed(0)
+    model = Normed(nn.utils.weight_norm).double()
+    eager = Normed(nn.utils.weight_norm).double()
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * (4 if "tp" in options.get("mesh", {}) else 2), example_inputs=(x,), **options)
+    opt, eager_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step in range(2):
+        got, want = pm(x + step), eager(x + step)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {n: p.grad for n, p in pm.named_parameters()}
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+        for o in (opt, eager_opt):
+            o.step()
+            o.zero_grad()
+    state = pm.state_dict()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")

@@ -53,7 +53,7 @@ from dpcompile.modules.hooks import (
 )
 from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
-from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_parametrized
+from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_local_hooks, refuse_pickling_parametrized
 from dpcompile.modules.sharded_state import cut_pieces, param_bytes_per_slot
 from dpcompile.modules.weights import LoadsWeights, needs_weights, refuse_copy_without_weights
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
@@ -459,6 +459,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         refuse_copy_without_weights(self)
         self._executor.check_picklable(self)
         refuse_pickling_parametrized(self)
+        refuse_pickling_local_hooks(self)
         return both_modes(self)._reduce(carry_programs=True)
 
     def model_changed_since_transform(self) -> bool:

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +174,32 @@ def refuse_pickling_parametrized(pm: nn.Module) -> None:
             "torch does not pickle, the model itself neither; save the weights with dpcompile.save_checkpoint(pm, path) "
             "(or pm.state_dict()) and transform the model again where they are loaded, then load_checkpoint"
         )
+
+
+_HOOK_DICTS = {
+    "_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook", "_backward_pre_hooks": "backward pre-hook",
+    "_backward_hooks": "backward hook", "_state_dict_pre_hooks": "state_dict pre-hook", "_state_dict_hooks": "state_dict hook",
+    "_load_state_dict_pre_hooks": "load_state_dict pre-hook", "_load_state_dict_post_hooks": "load_state_dict post-hook",
+}  # fmt: skip
+
+
+def refuse_pickling_local_hooks(pm: nn.Module) -> None:
+    """``torch.save(pm)`` of a model with a hook pickle cannot save by name (a lambda, a function defined
+    inside another): pickle's bare ``AttributeError: Can't pickle local object``, said by name with the
+    ways out. The program keeps the hooks (its guard checks them at each call), so they go with it."""
+    for path, module in pm.named_modules():
+        for attribute, kind in _HOOK_DICTS.items():
+            for hook in getattr(module, attribute, {}).values():
+                hook = getattr(hook, "hook", hook)  # load_state_dict pre-hooks are wrapped
+                name = getattr(hook, "__qualname__", "")
+                if isinstance(hook, types.FunctionType) and ("<lambda>" in name or "<locals>" in name):
+                    raise DpCompileError(
+                        f"'{path or 'the model'}' ({type(module).__name__}) has a {kind} {name} ({hook.__module__}), "
+                        "which pickle cannot save: it saves a function by its importable name, and a lambda or a "
+                        "function defined inside another has none. Define the hook at module level, or remove it "
+                        "(handle.remove()) before torch.save(pm) and register it again after loading; or save the "
+                        "weights with dpcompile.save_checkpoint(pm, path)"
+                    )
 
 
 def _importable_class(pm: Any) -> type:

@@ -264,3 +264,29 @@ def test_odd_export_checkpointed_instance_norm_updates_its_running_stats_once():
             o.zero_grad()
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(pm.state_dict()[key], value, msg=lambda m, key=key: f"{key} after 2 steps: {m}")
+
+
+def doubled_input(module, args):
+    """A forward pre-hook defined at module level: pickle saves it by name."""
+    return (args[0] * 2,)
+
+
+@pytest.mark.parametrize("options", [{}, {"mesh": {"pp": 2}, "micro_batches": 2}], ids=["dp", "pp"])
+def test_odd_lambda_hook_under_torch_save_is_refused_by_name(options):
+    """torch.save of a program whose model has a lambda hook raised pickle's bare AttributeError ("Can't
+    pickle local object"); it is a DpCompileError naming the module, the hook and the ways out, and a hook
+    defined at module level saves, loads and runs as eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).double()
+    model[2].register_forward_hook(lambda module, args, out: out + 1)
+    x = _inputs(ShrinksItsWeight)[0]
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), **options)
+    with pytest.raises(dpcompile.DpCompileError, match=r"'2' \(Linear\) has a forward hook .*<lambda>.*Define the hook at module level"):
+        torch.save(pm, io.BytesIO())
+    model[2]._forward_hooks.clear()
+    model[0].register_forward_pre_hook(doubled_input)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), **options)
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), model(x))

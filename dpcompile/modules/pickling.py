@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.capture import ROOT_LEAF
+from dpcompile.capture.inputs import InputSpec
 from dpcompile.errors import DpCompileError
 from dpcompile.fake import fake_copy_to_trace, meta_copy_to_pickle
 from dpcompile.fx_utils import PicklableGraph, example_shapes, graph_module, propagate_example_shapes
@@ -83,6 +84,7 @@ class PicklesPrograms:
             "stale_main": stale,
             "described": {name: self.__dict__[name] for name in DESCRIBED if name in self.__dict__},
             "replicated": getattr(self.__dict__.get("call_signature"), "replicated", ()),
+            "exported_inputs": _exported_inputs(self),
         }
         return (restore_parallel_module, (_importable_class(self), state))
 
@@ -202,6 +204,15 @@ def refuse_pickling_local_hooks(pm: nn.Module) -> None:
                     )
 
 
+def _exported_inputs(pm: nn.Module) -> tuple[tuple[InputSpec, ...], str] | None:
+    """The arguments an export-captured program fixed (each one's shape, its dynamic dims None, and dtype)
+    and the model's class name, for the copy's call check; its model watch stays with the original."""
+    check = pm.__dict__.get("_exported_check")
+    if check is not None:
+        return (tuple(check.inputs), type(check.guard.model).__name__) if check.inputs else None
+    return pm.__dict__.get("_exported_inputs")  # a copy of a copy
+
+
 def _importable_class(pm: Any) -> type:
     """The class of ``pm`` that pickle can import (GraphModule adds a throwaway subclass)."""
     return next(c for c in type(pm).__mro__ if "<locals>" not in c.__qualname__)
@@ -283,6 +294,8 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
         pm.program_cache.reset(main_key, CarriedPrograms(pm, state["programs"]))
         for key, trace in state["traces"]:  # what a data-parallel program lowers for fewer devices
             pm.program_cache.traces[key] = None if trace is None else _shaped_trace(pm, *trace, config["devices"])
+    if state.get("exported_inputs") is not None:  # export fixed the arguments: a copy checks them as the original
+        object.__setattr__(pm, "_exported_inputs", state["exported_inputs"])
     if state.get("replicated"):  # the guard on inputs the examples gave without the batch
         pm.call_signature = dataclasses.replace(pm.call_signature, replicated=tuple(state["replicated"]))
     return pm

@@ -313,3 +313,38 @@ def test_odd_export_program_loaded_by_torch_load_checks_its_arguments(options):
             loaded(*wrong)
         assert str(copied.value) == str(original.value)
     torch.testing.assert_close(loaded(torch.cat([x, x])), model(torch.cat([x, x])))
+
+
+class KeepsLabelledRows(nn.Module):
+    """DeBERTa-v2's classification loss, reduced: the rows whose label is not negative, when there are any
+    (the export frontend keeps the branch as ``aten._assert_scalar(u0 >= 1, ...)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        logits = self.fc(x)
+        keep = (labels >= 0).nonzero().view(-1)
+        if keep.size(0) > 0:
+            return nn.functional.cross_entropy(logits[keep], labels[keep])
+        return logits.sum() * 0
+
+
+def test_odd_export_with_a_data_branch_assertion_loads_as_data(tmp_path):
+    """``aten._assert_scalar`` is in the export vocabulary's frontend ops, but the table kept only ops that
+    take or return a tensor (it takes a Scalar and a str), so the folder was written as a pickle that
+    dpcompile.load read only with trust_code=True. It loads as data, equals eager, and still refuses the
+    branch it does not hold."""
+    import json
+
+    torch.manual_seed(0)
+    model = KeepsLabelledRows().double()
+    x, labels = _inputs(ShrinksItsWeight)[0], torch.tensor([0, -1, 2, 1])
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x, labels), frontend="export")
+    dpcompile.export(pm, tmp_path / "ex")
+    assert json.loads((tmp_path / "ex" / "program.json").read_text())["trust_code"] is False
+    loaded = dpcompile.load(tmp_path / "ex")
+    torch.testing.assert_close(loaded(x, labels), model(x, labels))
+    with pytest.raises(dpcompile.InputMismatch, match="branch of forward that the program does not have"):
+        loaded(x, torch.full((4,), -1))

@@ -348,3 +348,34 @@ def test_odd_export_with_a_data_branch_assertion_loads_as_data(tmp_path):
     torch.testing.assert_close(loaded(x, labels), model(x, labels))
     with pytest.raises(dpcompile.InputMismatch, match="branch of forward that the program does not have"):
         loaded(x, torch.full((4,), -1))
+
+
+class ShufflesAndFolds(nn.Module):
+    """nn.ChannelShuffle, nn.PixelShuffle, nn.Unfold then nn.Fold, per sample; the mean square is the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.shuffle, self.pixels = nn.Conv2d(4, 8, 1), nn.ChannelShuffle(2), nn.PixelShuffle(2)
+        self.unfold, self.fold, self.mix = nn.Unfold(2, stride=2), nn.Fold((6, 6), 2, stride=2), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pixels(self.shuffle(self.conv(x)))  # (N, 2, 6, 6)
+        patches = self.mix(self.unfold(h).transpose(1, 2)).transpose(1, 2)
+        return self.fold(patches).square().mean()
+
+
+def test_odd_fx_shuffle_and_fold_modules_split_per_sample_under_1f1b():
+    """The fx frontend keeps nn.ChannelShuffle, nn.PixelShuffle and nn.Fold as module calls, which had no
+    batch rule (their functions had): they ran whole on the gathered batch, and 1F1B refused the model
+    ('the 2 micro-batches meet at shuffle'). They split per sample: 1F1B's loss and gradients equal eager's."""
+    torch.manual_seed(0)
+    model = ShufflesAndFolds().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 4, 3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="fx", pipeline=2, micro_batches=2,
+                             schedule="1f1b")  # fmt: skip
+    loss, want = pm(x), eager(x)
+    torch.testing.assert_close(loss, want)
+    want.backward()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")

@@ -80,6 +80,8 @@ def batched_rank(ctx: RuleContext) -> int | None:
     one sample without the batch dim; None for other layers."""
     if isinstance(ctx.module, _SPATIAL_MODULES):
         suffix = type(ctx.module).__name__[-2:]
+    elif isinstance(ctx.module, (nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle)):
+        return 4  # (N, C, H, W), as their functions are read: a 3-D input may be one sample
     elif ctx.node.op == "call_function":
         name = target_name(ctx.node).removesuffix("_with_indices").removesuffix(".vec").lstrip("_")
         if name == "convolution":

@@ -125,12 +125,16 @@ class NormedLoss(Normed):
     ("fx", {"pipeline": 2, "micro_batches": 2, "schedule": "1f1b"}),
     ("export", {}),
     ("export", {"pipeline": 2, "micro_batches": 2, "schedule": "1f1b"}),
-], ids=["fx-1f1b", "export-dp", "export-1f1b"])  # fmt: skip
+    ("fx", {"activation_checkpointing": ["fc1"]}),
+    ("fx", {"pipeline": 2, "micro_batches": 2, "activation_checkpointing": ["fc1"]}),
+], ids=["fx-1f1b", "export-dp", "export-1f1b", "fx-checkpointed", "fx-gpipe-checkpointed"])  # fmt: skip
 def test_spectral_norm_iterates_once_a_step_in_float64(frontend, options):
     """1F1B ran the weight's parametrization again in each micro-batch's unit: two power iterations a
     step (gradients 1e-4 off relatively, in float64); it now runs each from the buffers of the call's
     first. The export frontend crashed at the first call (its no_grad power iteration writes ``out=_u``
-    from the weight, which required grad) and the transform itself iterated the real buffers once."""
+    from the weight, which required grad) and the transform itself iterated the real buffers once. A
+    checkpointed layer computed its weight inside the region: once per micro-batch in a pipeline, and again
+    from the iterated vectors in each recompute; it is computed once a call, outside the regions."""
     torch.manual_seed(0)
     model = NormedLoss(parametrizations.spectral_norm).double()
     with torch.no_grad():

@@ -84,7 +84,7 @@ class PicklesPrograms:
             "stale_main": stale,
             "described": {name: self.__dict__[name] for name in DESCRIBED if name in self.__dict__},
             "replicated": getattr(self.__dict__.get("call_signature"), "replicated", ()),
-            "exported_inputs": _exported_inputs(self),
+            "exported_inputs": exported_inputs(self),
         }
         return (restore_parallel_module, (_importable_class(self), state))
 
@@ -204,7 +204,7 @@ def refuse_pickling_local_hooks(pm: nn.Module) -> None:
                     )
 
 
-def _exported_inputs(pm: nn.Module) -> tuple[tuple[InputSpec, ...], str] | None:
+def exported_inputs(pm: nn.Module) -> tuple[tuple[InputSpec, ...], str] | None:
     """The arguments an export-captured program fixed (each one's shape, its dynamic dims None, and dtype)
     and the model's class name, for the copy's call check; its model watch stays with the original."""
     check = pm.__dict__.get("_exported_check")

@@ -294,10 +294,11 @@ def test_odd_lambda_hook_under_torch_save_is_refused_by_name(options):
 
 @pytest.mark.parametrize("options", [{}, {"tensor_parallel": True}, {"mesh": {"pp": 2}, "micro_batches": 2}],
                          ids=["dp", "tp", "pp"])  # fmt: skip
-def test_odd_export_program_loaded_by_torch_load_checks_its_arguments(options):
-    """A program the export frontend captured fixes its arguments; its torch.save/torch.load copy lost that
-    check (its model watch is not pickled) and a wrong call raised TypeCallFailed or a matmul error from inside
-    the program. The copy now raises the original's InputMismatch, word for word, and runs a right call."""
+def test_odd_export_program_loaded_checks_its_arguments(options, tmp_path):
+    """A program the export frontend captured fixes its arguments; its torch.save/torch.load copy and its
+    dpcompile.export/load copy lost that check (its model watch is not saved) and a wrong call raised
+    TypeCallFailed or a matmul error from inside the program. Each copy now raises the original's
+    InputMismatch, word for word, after a right call too (the last call's shortcut skipped the check)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     x = _inputs(ShrinksItsWeight)[0]
@@ -305,14 +306,15 @@ def test_odd_export_program_loaded_by_torch_load_checks_its_arguments(options):
     buffer = io.BytesIO()
     torch.save(pm, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    for wrong in [(x, x), (), (x[:, :5],)]:
-        with pytest.raises(dpcompile.InputMismatch) as original:
-            pm(*wrong)
-        with pytest.raises(dpcompile.InputMismatch) as copied:
-            loaded(*wrong)
-        assert str(copied.value) == str(original.value)
-    torch.testing.assert_close(loaded(torch.cat([x, x])), model(torch.cat([x, x])))
+    dpcompile.export(pm, tmp_path / "ex")
+    for loaded in (torch.load(buffer, weights_only=False), dpcompile.load(tmp_path / "ex")):
+        torch.testing.assert_close(loaded(torch.cat([x, x])), model(torch.cat([x, x])))
+        for wrong in [(x, x), (), (x[:, :5],)]:
+            with pytest.raises(dpcompile.InputMismatch) as original:
+                pm(*wrong)
+            with pytest.raises(dpcompile.InputMismatch) as copied:
+                loaded(*wrong)
+            assert str(copied.value) == str(original.value)
 
 
 class KeepsLabelledRows(nn.Module):

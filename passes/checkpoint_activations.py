@@ -307,7 +307,7 @@ def _refuse_writes_into_inputs(path: str, nodes: list[fx.Node], part: set[fx.Nod
     finds it modified), and the recompute would read it after. Module-internal writes (batch norm's
     running statistics) are not nodes here, and the runtime undoes them after the recompute."""
     for node in nodes:
-        written = node.args[0] if node.args else None
+        written = node.kwargs.get("out", node.args[0] if node.args else None)  # export's div.out(..., out=_u)
         if writes(node) and isinstance(written, fx.Node) and written not in part:
             line = node.meta.get("stack_trace", "").strip().splitlines()
             where = f" ({line[-1].strip()})" if line else ""

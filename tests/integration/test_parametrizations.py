@@ -188,3 +188,16 @@ def test_hook_based_weight_norm_converted_to_float64_trains_as_eager(options):
     state = pm.state_dict()
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_export_checkpointed_spectral_norm_is_refused_naming_the_buffer_it_writes():
+    """The export frontend inlines the power iteration (``div.out(mv, norm, out=_u)``) into the layer's
+    region, which a recompute cannot run again: refused, naming ``_u`` (it named the op's input, ``mv``)."""
+    torch.manual_seed(0)
+    model = Normed(parametrizations.spectral_norm).double()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(dpcompile.DpCompileError, match=r"'fc1' writes in place into 'fc1_parametrizations_weight_0__u'"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export", activation_checkpointing=["fc1"])
+    for key, value in before.items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)

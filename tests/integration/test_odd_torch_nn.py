@@ -381,3 +381,32 @@ def test_odd_fx_shuffle_and_fold_modules_split_per_sample_under_1f1b():
     want.backward()
     for name, p in eager.named_parameters():
         torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+class WeightedBags(nn.Module):
+    """nn.EmbeddingBag of 2-D indices (a bag per row) with per-sample weights; the mean square is the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags, self.head = nn.EmbeddingBag(20, 8, mode="sum"), nn.Linear(8, 3)
+
+    def forward(self, ids, weights):
+        return self.head(self.bags(ids, per_sample_weights=weights)).square().mean()
+
+
+def test_odd_fx_embedding_bag_of_rows_splits_per_sample_under_1f1b():
+    """nn.EmbeddingBag given 2-D indices and no offsets makes one bag per row, but its module call had no
+    batch rule (F.embedding_bag's, with offsets, is whole): it ran on the gathered batch and 1F1B refused
+    the model. It splits as the rows (the weights too): 1F1B's loss and gradients equal eager's."""
+    torch.manual_seed(0)
+    model = WeightedBags().double()
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(0))
+    weights = torch.rand(4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids, weights), frontend="fx", pipeline=2,
+                             micro_batches=2, schedule="1f1b")  # fmt: skip
+    loss, want = pm(ids, weights), eager(ids, weights)
+    torch.testing.assert_close(loss, want)
+    want.backward()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")

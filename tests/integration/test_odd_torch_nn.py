@@ -410,3 +410,31 @@ def test_odd_fx_embedding_bag_of_rows_splits_per_sample_under_1f1b():
     want.backward()
     for name, p in eager.named_parameters():
         torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+class NearestCentres(nn.Module):
+    """Distances from each sample to learned centres (``torch.cdist``); the mean square is the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.centres, self.head = nn.Parameter(torch.randn(5, 8)), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.cdist(x, self.centres)).square().mean()
+
+
+def test_odd_export_cdist_splits_per_row_under_1f1b():
+    """The export frontend keeps ``aten.cdist`` (not ``_cdist_forward``, whose rule splits per row): it ran
+    whole on the gathered batch and 1F1B found no mean loss. It splits per row: the loss and gradients of
+    1F1B equal eager's."""
+    torch.manual_seed(0)
+    model = NearestCentres().double()
+    eager = copy.deepcopy(model)
+    x = _inputs(ShrinksItsWeight)[0]
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export", pipeline=2, micro_batches=2,
+                             schedule="1f1b")  # fmt: skip
+    loss, want = pm(x), eager(x)
+    torch.testing.assert_close(loss, want)
+    want.backward()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")

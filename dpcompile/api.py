@@ -31,6 +31,7 @@ from dpcompile.capture import capture_model, check_examples, check_frontend, che
 from dpcompile.capture.export import OTHER_MODE_PENDING
 from dpcompile.capture.export_inputs import check_dynamic_dims
 from dpcompile.capture.lazy import refuse_uninitialised
+from dpcompile.capture.norms import deepcopy_module
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, TraceError
 from dpcompile.fake import has_meta_tensors
@@ -518,9 +519,7 @@ def _fsdp_in_one_process(devices: Any, target: Any, data_parallel: str, mixed_pr
 
 def _private_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` for FSDP to shard (the user's model keeps its parameters whole)."""
-    import copy
-
-    return copy.deepcopy(model)
+    return deepcopy_module(model)
 
 
 def _output_device(parsed: Any, output_device: Any) -> Any:

@@ -144,7 +144,10 @@ class _ShapeProp(FreshArguments, FakeTensorProp):
         value = n.args[0].meta.get("val")
         if n.op == "call_module":
             module = self.fetch_attr(str(n.target))
-            return (value, getattr(module, "weight", None)) if isinstance(module, _SAME_DTYPE_MODULES) else (None, None)
+            # a pre-hook may compute the weight at the call (the older weight_norm's, whose weight is left
+            # in its first dtype by model.double() until then)
+            plain = isinstance(module, _SAME_DTYPE_MODULES) and not module._forward_pre_hooks
+            return (value, getattr(module, "weight", None)) if plain else (None, None)
         if n.op == "call_function" and n.target in _SAME_DTYPE_FUNCTIONS and isinstance(n.args[1], fx.Node):
             return value, n.args[1].meta.get("val")
         return None, None
@@ -218,15 +221,16 @@ def state_writes_undone(gm: fx.GraphModule) -> Iterator[None]:
 
 def _state_written(gm: fx.GraphModule) -> list[torch.Tensor]:
     """The parameters and buffers ``gm`` writes in place: the first argument of an in-place op (or a
-    chain of them) on a ``get_attr``, and the weight of an embedding with ``max_norm`` it calls."""
+    chain of them) on a ``get_attr``, an op's ``out=`` (export's spelling of spectral_norm's power
+    iteration, ``div.out(mv, norm, out=_u)``), and the weight of an embedding with ``max_norm`` it calls."""
     out = []
     for node in gm.graph.nodes:
         if node.op == "call_module":
             module = gm.get_submodule(str(node.target))
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
                 out.append(module.weight)
-        elif node.op == "call_function" and _writes_into_first(node):
-            root = node.args[0]
+        elif node.op == "call_function" and _writes_into_first(node) or isinstance(node.kwargs.get("out"), fx.Node):
+            root = node.kwargs["out"] if isinstance(node.kwargs.get("out"), fx.Node) else node.args[0]
             while isinstance(root, fx.Node) and root.op == "call_function" and _writes_into_first(root):
                 root = root.args[0]
             if isinstance(root, fx.Node) and root.op == "get_attr":

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from dpcompile.analysis.checkpoint_regions import byte_budget, parse_save_rule
 from dpcompile.errors import DpCompileError
@@ -85,7 +86,21 @@ def _recomputable(node: fx.Node) -> bool:
     # random_draws (and a rank's or a stage's record of them): one call's record of whole draws, shared by
     # every replica and micro-batch (a region reads it; recomputing reads the same draws, and the parts stay apart)
     return (node.op in _COMPUTE and node.target not in (checkpoint, *_DRAW_RECORDS)
-            and node.meta.get("dpcompile_pass") != PASS)  # fmt: skip
+            and node.meta.get("dpcompile_pass") != PASS and not _stateful_weight(node))  # fmt: skip
+
+
+def _stateful_weight(node: fx.Node) -> bool:
+    """A weight computed by a parametrization holding state (``parametrizations.spectral_norm``'s power
+    iteration writes ``_u``/``_v``): computed once a call, outside every region, which reads it. Inside, a
+    pipeline's region per micro-batch ran the iteration once per micro-batch (gradients off), and each
+    recompute computed the weight from the vectors the forward had iterated."""
+    if node.op != "call_module":
+        return False
+    try:
+        module = node.graph.owning_module.get_submodule(str(node.target))
+    except AttributeError:
+        return False
+    return isinstance(module, ParametrizationList) and any(True for _ in module.buffers())
 
 
 def _stages(gm: fx.GraphModule) -> dict[fx.Node, object]:
@@ -292,7 +307,7 @@ def _refuse_writes_into_inputs(path: str, nodes: list[fx.Node], part: set[fx.Nod
     finds it modified), and the recompute would read it after. Module-internal writes (batch norm's
     running statistics) are not nodes here, and the runtime undoes them after the recompute."""
     for node in nodes:
-        written = node.args[0] if node.args else None
+        written = node.kwargs.get("out", node.args[0] if node.args else None)  # export's div.out(..., out=_u)
         if writes(node) and isinstance(written, fx.Node) and written not in part:
             line = node.meta.get("stack_trace", "").strip().splitlines()
             where = f" ({line[-1].strip()})" if line else ""

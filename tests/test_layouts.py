@@ -266,6 +266,8 @@ def _unjoined_mesh(shape, names):
         ({"pipeline": 2, "ddp_options": {"static_graph": True}}, (2, 2), ("pp", "dp"),
          r"ddp_options=\{'static_graph': True\} with pipeline= over a DeviceMesh"),
         ({"output_device": "cpu"}, (2, 2), ("pp", "dp"), "output_device="),
+        ({"ddp_options": {"delay_all_reduce_named_params": [], "param_to_hook_all_reduce": None}}, (2,), ("dp",),
+         r"\['delay_all_reduce_named_params', 'param_to_hook_all_reduce'\]: DDP's delayed all-reduce is not supported"),
     ],
 )
 def test_layout_mesh_pipeline_keywords_refused_not_dropped(kwargs, shape, names, match):

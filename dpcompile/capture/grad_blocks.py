@@ -12,6 +12,13 @@ back into the program, each output leaving through :func:`~dpcompile.runtime.wit
     sin = wrap[0]                                         add = aten.add(x, sin_no_grad)
     add = aten.add(x, sin)
 
+The block's inputs enter it detached too, buffers apart (ops inside the block neither record
+autograd nor save what they read, so the block's in-place writes, as spectral_norm's power
+iteration ``div(mv(W, v), norm, out=self._u)``, run as in eager)::
+
+    wrap = higher_order.wrap_with_set_grad_enabled(  ->   w_no_grad = without_grad(w)
+        False, submod_1, w, u)                            mv = aten.mv(w_no_grad, v)
+
 A block that turns grad on (``torch.enable_grad()`` inside a no-grad forward) is left as it is.
 """
 
@@ -22,6 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from dpcompile.fx_utils import attribute_at
 from dpcompile.runtime.grad import without_grad
 
 _SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
@@ -59,7 +67,7 @@ def _inline(gm: fx.GraphModule, block: fx.Node) -> None:
     with graph.inserting_before(block):
         for node in body.graph.nodes:
             if node.op == "placeholder":
-                remap[node] = next(operands)
+                remap[node] = _entering(gm, next(operands))
             elif node.op == "output":
                 outputs = node.args[0]
             else:
@@ -83,3 +91,17 @@ def _inline(gm: fx.GraphModule, block: fx.Node) -> None:
             whole = graph.call_function(tuple, (results,))
         block.replace_all_uses_with(whole)
     graph.erase_node(block)
+
+
+def _entering(gm: fx.GraphModule, operand: object) -> object:
+    """``operand`` as the block reads it: detached (the block records no autograd), unless it is a
+    buffer, whose writes the program tracks on the buffer's own node."""
+    if not isinstance(operand, fx.Node):
+        return operand
+    if operand.op == "get_attr":
+        value = attribute_at(gm, str(operand.target))
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            return operand
+    detached = gm.graph.call_function(without_grad, (operand,))
+    detached.meta.update(operand.meta)
+    return detached

@@ -1,12 +1,16 @@
 """Weight normalisations the tracer must treat apart: a parametrization holding state
 (``torch.nn.utils.parametrizations.spectral_norm``) is traced into, so that its weight is computed
-once per call; the older hook-based ``torch.nn.utils.spectral_norm`` is refused in training."""
+once per call; the older hook-based ``torch.nn.utils.spectral_norm`` is refused in training, and the
+older ``weight_norm``'s computed weight is left out of the copies dpcompile makes."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
+from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
@@ -47,3 +51,20 @@ def parametrize_cache_off() -> Iterator[None]:
         yield
     finally:
         parametrize._cache_enabled = enabled
+
+
+def computed_attributes_detached(module: nn.Module, memo: dict[int, Any], device: str | None = None) -> dict[int, Any]:
+    """``copy.deepcopy``'s ``memo`` given a detached copy (on ``device``, or a clone) of each tensor a
+    submodule holds as a plain attribute that autograd computed: the older ``torch.nn.utils.weight_norm``'s
+    ``weight``, which its pre-hook computes again at each call, and which deepcopy refuses ("Only Tensors
+    created explicitly by the user (graph leaves) support the deepcopy protocol")."""
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None and id(value) not in memo:
+                memo[id(value)] = value.detach().to(device) if device else value.detach().clone()
+    return memo
+
+
+def deepcopy_module(module: nn.Module) -> nn.Module:
+    """``copy.deepcopy(module)``, a weight its hook computes (the older weight_norm's) included."""
+    return copy.deepcopy(module, computed_attributes_detached(module, {}))

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.errors import TraceError
@@ -99,9 +100,11 @@ def _clean_path(path: str) -> str:
 
 
 def _is_plain(module: nn.Module) -> bool:
-    """A module whose forward is torch's own and that has no hooks (a call of it is exactly its op)."""
+    """A module whose forward is torch's own and that has no hooks (a call of it is exactly its op). A
+    parametrized one is not: its weight is computed (reading ``module.weight`` would run spectral_norm's
+    power iteration on the real buffers)."""
     kinds = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.modules.batchnorm._BatchNorm, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-    if not isinstance(module, kinds):
+    if not isinstance(module, kinds) or parametrize.is_parametrized(module):
         return False
     base = next(k for k in kinds if isinstance(module, k))
     own_forward = type(module).forward is base.forward or type(module).forward in (nn.BatchNorm1d.forward,)

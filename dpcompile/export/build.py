@@ -63,7 +63,8 @@ def readable_programs(data: Any, tree: Any) -> list[tuple[str, fx.Graph]]:
     from dpcompile.export.source import CAPTURED, TRACED, call_label
     from dpcompile.export.variants import decode_key
 
-    if not isinstance(data, dict) or set(data) != {"recipe", "main_key", "signature", "graph", "captured", "variants", "traces"}:
+    fields = {"recipe", "main_key", "signature", "graph", "captured", "variants", "traces"}
+    if not isinstance(data, dict) or set(data) - {"inputs"} != fields:  # inputs: since round 4 (export frontend)
         raise ExportError(f"{PROGRAM_FILE}: a program section it cannot read")
     if not isinstance(data["variants"], list) or not isinstance(data["traces"], list):
         raise ExportError(f"{PROGRAM_FILE}: variants and traces must be lists")
@@ -97,7 +98,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     is not at hand (``dpcompile.modules.pickling.restore_parallel_module``), carrying its programs."""
     from dpcompile.export.kinds import TreeIndex
     from dpcompile.export.serialize import decode_graph, decode_tree
-    from dpcompile.export.variants import decode_key, decode_recipe, decode_signature
+    from dpcompile.export.variants import decode_inputs, decode_key, decode_recipe, decode_signature
     from dpcompile.modules.base import ParallelModule
     from dpcompile.modules.pickling import restore_parallel_module
     from dpcompile.program_cache import CallKey
@@ -198,6 +199,7 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
         "traces": [(key, None if trace is None else (trace, None)) for key, trace in traces],  # shaped above
         "extra": extra,
         "source": None,
+        "exported_inputs": decode_inputs(data.get("inputs")),  # the export frontend's argument check
     }
     pm = restore_parallel_module(ParallelModule, state)
     pm.call_signature = signature  # where calls depart (none where the module never traced again)

@@ -226,8 +226,9 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
     """The program as data: ``(data section, module tree, tensor keys, tensors, names, lowered
     programs by method name)``; raises ``NotData`` where part of it is Python code."""
     from dpcompile.export.serialize import NotData, encode_graph, encode_tree, encode_value
-    from dpcompile.export.variants import collect, encode_key, encode_recipe
+    from dpcompile.export.variants import collect, encode_inputs, encode_key, encode_recipe
     from dpcompile.fx_utils import copy_graph, example_shapes
+    from dpcompile.modules.pickling import exported_inputs
 
     model = pm.__dict__.get("traced_model")
     if getattr(pm, "_shares_source", False) and model is not None and (
@@ -266,6 +267,7 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
             {"key": encode_key(key), "graph": None if pair is None else encode_graph(pair[1]) | {"inputs": example_shapes(pair[1])}}
             for key, pair in traces
         ],
+        "inputs": encode_inputs(exported_inputs(pm)),  # what export fixed of the arguments: the call check
     }
     lowered = [("forward", pm.graph), *((labels[key], pair[1]) for key, pair in programs if pair is not None)]
     return data, tree, keys, tensors, names, lowered

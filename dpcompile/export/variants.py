@@ -61,6 +61,42 @@ def decode_key(data: Any) -> Any:
         raise ExportError(f"program.json: a call key it cannot read ({e!r:.80})") from None
 
 
+def encode_inputs(inputs: Any) -> dict[str, Any] | None:
+    """What an export-captured program fixed of its arguments (``(InputSpec, ...), model name``), as data."""
+    if inputs is None:
+        return None
+    specs, model_name = inputs
+    return {
+        "model": model_name,
+        "args": [[s.name, None if s.shape is None else list(s.shape), None if s.dtype is None else str(s.dtype).removeprefix("torch.")]
+                 for s in specs],
+    }  # fmt: skip
+
+
+def decode_inputs(data: Any) -> Any:
+    """The counterpart of :func:`encode_inputs`: every field checked (a name, sizes or None, a torch dtype)."""
+    from dpcompile.capture.inputs import InputSpec
+
+    if data is None:
+        return None
+    try:
+        if not isinstance(data, dict) or set(data) != {"model", "args"} or not isinstance(data["model"], str):
+            raise ValueError(data)
+        specs = []
+        for name, shape, dtype in data["args"]:
+            if not isinstance(name, str) or (shape is not None and not isinstance(shape, list)):
+                raise ValueError(name)
+            if shape is not None and not all(d is None or type(d) is int for d in shape):
+                raise ValueError(shape)
+            found = None if dtype is None else getattr(torch, str(dtype), None)
+            if dtype is not None and not isinstance(found, torch.dtype):
+                raise ValueError(dtype)
+            specs.append(InputSpec(name, None if shape is None else tuple(shape), found))
+        return tuple(specs), data["model"]
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"program.json: the arguments' record it cannot read ({e!r:.80})") from None
+
+
 def decode_signature(data: Any) -> Any:
     """Where a call's optional and flag arguments sit (``CallSignature``)."""
     from dpcompile.program_cache import CallSignature

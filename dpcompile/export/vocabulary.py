@@ -163,7 +163,7 @@ def _aten_names(packet_names: set[str]) -> dict[str, Any]:
         if any(a.is_out for a in arguments) or any(w in a.name.lower() for a in arguments for w in _PATH_ARGUMENTS):
             continue
         types_ = [str(a.type) for a in arguments] + [str(r.type) for r in schema.returns]
-        if not any("Tensor" in t for t in types_):
+        if not any("Tensor" in t for t in types_) and op not in _FRONTEND_OPS:  # _assert_scalar(Scalar, str) stays
             continue  # TorchScript's list, dict and string ops
         try:
             obj = getattr(getattr(torch.ops.aten, op), overload or "default")

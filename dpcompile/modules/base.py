@@ -26,6 +26,7 @@ from torch import nn
 
 from dpcompile.analysis.random_ops import per_device_note
 from dpcompile.capture import ROOT_LEAF, DpTracer
+from dpcompile.capture.inputs import check_inputs
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import (
@@ -53,7 +54,7 @@ from dpcompile.modules.hooks import (
 )
 from dpcompile.modules.last_call import LastCall
 from dpcompile.modules.other_mode import both_modes, program_in_other_mode
-from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_parametrized
+from dpcompile.modules.pickling import PicklesPrograms, refuse_pickling_local_hooks, refuse_pickling_parametrized
 from dpcompile.modules.sharded_state import cut_pieces, param_bytes_per_slot
 from dpcompile.modules.weights import LoadsWeights, needs_weights, refuse_copy_without_weights
 from dpcompile.program_cache import CallKey, CallSignature, ModelGuard, ProgramCache
@@ -92,7 +93,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         "recipe", "devices", "mode", "input_dims", "output_device", "plan", "records", "captured",
         "traced_model", "program_cache", "captured_code", "plan_reasons", "param_shards",
         "shard_param_slots", "comm_cost", "mesh", "shards", "dp_dim", "tp_dim", "dp_group", "tp_group",
-        "_guard", "_hooks_traced", "_exported_check", "_other_mode", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
+        "_guard", "_hooks_traced", "_exported_check", "_exported_inputs", "_other_mode", "_flags", "call_signature", "_split_inputs", "_shares_source", "_adopted", "state_keys", "_ddp",
         "state_aliases", "layout", "strategies", "_executor",
         "stages", "micro_batches", "schedule", "stage_plan", "one_f_one_b_steps", "stage_groups",
     })  # fmt: skip
@@ -328,6 +329,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             self._exported_check.check(args, kwargs)
             if (other := program_in_other_mode(self)) is not None:
                 return other
+        elif (exported_inputs := self.__dict__.get("_exported_inputs")) is not None:  # a copy's (torch.load)
+            check_inputs(exported_inputs[0], args, kwargs, exported_inputs[1])
         if self._shares_source and self._guard.backward_hooked:
             raise backward_hooks_error(self.traced_model, self._guard.backward_hooked)
         if not self._shares_source and self.traced_model is not None:
@@ -468,6 +471,7 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         refuse_copy_without_weights(self)
         self._executor.check_picklable(self)
         refuse_pickling_parametrized(self)
+        refuse_pickling_local_hooks(self)
         return both_modes(self)._reduce(carry_programs=True)
 
     def model_changed_since_transform(self) -> bool:

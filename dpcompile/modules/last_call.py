@@ -54,7 +54,7 @@ class LastCall:
         split = pm._split_inputs
         if (
             kwargs or guard is None or guard.versions_read() is None or len(split) > 1
-            or pm.__dict__.get("_exported_check") is not None
+            or pm.__dict__.get("_exported_check") is not None or pm.__dict__.get("_exported_inputs") is not None
             or signature.optional or signature.flags or signature.replicated
         ):  # fmt: skip
             return None

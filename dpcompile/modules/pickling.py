@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.capture import ROOT_LEAF
+from dpcompile.capture.inputs import InputSpec
 from dpcompile.errors import DpCompileError
 from dpcompile.fake import fake_copy_to_trace, meta_copy_to_pickle
 from dpcompile.fx_utils import (
@@ -95,6 +97,7 @@ class PicklesPrograms:
             "stale_main": stale,
             "described": {name: self.__dict__[name] for name in DESCRIBED if name in self.__dict__},
             "replicated": getattr(self.__dict__.get("call_signature"), "replicated", ()),
+            "exported_inputs": exported_inputs(self),
         }
         return (restore_parallel_module, (_importable_class(self), state))
 
@@ -188,6 +191,41 @@ def refuse_pickling_parametrized(pm: nn.Module) -> None:
         )
 
 
+_HOOK_DICTS = {
+    "_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook", "_backward_pre_hooks": "backward pre-hook",
+    "_backward_hooks": "backward hook", "_state_dict_pre_hooks": "state_dict pre-hook", "_state_dict_hooks": "state_dict hook",
+    "_load_state_dict_pre_hooks": "load_state_dict pre-hook", "_load_state_dict_post_hooks": "load_state_dict post-hook",
+}  # fmt: skip
+
+
+def refuse_pickling_local_hooks(pm: nn.Module) -> None:
+    """``torch.save(pm)`` of a model with a hook pickle cannot save by name (a lambda, a function defined
+    inside another): pickle's bare ``AttributeError: Can't pickle local object``, said by name with the
+    ways out. The program keeps the hooks (its guard checks them at each call), so they go with it."""
+    for path, module in pm.named_modules():
+        for attribute, kind in _HOOK_DICTS.items():
+            for hook in getattr(module, attribute, {}).values():
+                hook = getattr(hook, "hook", hook)  # load_state_dict pre-hooks are wrapped
+                name = getattr(hook, "__qualname__", "")
+                if isinstance(hook, types.FunctionType) and ("<lambda>" in name or "<locals>" in name):
+                    raise DpCompileError(
+                        f"'{path or 'the model'}' ({type(module).__name__}) has a {kind} {name} ({hook.__module__}), "
+                        "which pickle cannot save: it saves a function by its importable name, and a lambda or a "
+                        "function defined inside another has none. Define the hook at module level, or remove it "
+                        "(handle.remove()) before torch.save(pm) and register it again after loading; or save the "
+                        "weights with dpcompile.save_checkpoint(pm, path)"
+                    )
+
+
+def exported_inputs(pm: nn.Module) -> tuple[tuple[InputSpec, ...], str] | None:
+    """The arguments an export-captured program fixed (each one's shape, its dynamic dims None, and dtype)
+    and the model's class name, for the copy's call check; its model watch stays with the original."""
+    check = pm.__dict__.get("_exported_check")
+    if check is not None:
+        return (tuple(check.inputs), type(check.guard.model).__name__) if check.inputs else None
+    return pm.__dict__.get("_exported_inputs")  # a copy of a copy
+
+
 def _importable_class(pm: Any) -> type:
     """The class of ``pm`` that pickle can import (GraphModule adds a throwaway subclass)."""
     return next(c for c in type(pm).__mro__ if "<locals>" not in c.__qualname__)
@@ -273,6 +311,8 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
         pm.program_cache.reset(main_key, CarriedPrograms(pm, state["programs"]))
         for key, trace in state["traces"]:  # what a data-parallel program lowers for fewer devices
             pm.program_cache.traces[key] = None if trace is None else _shaped_trace(pm, *trace, config["devices"])
+    if state.get("exported_inputs") is not None:  # export fixed the arguments: a copy checks them as the original
+        object.__setattr__(pm, "_exported_inputs", state["exported_inputs"])
     if state.get("replicated"):  # the guard on inputs the examples gave without the batch
         pm.call_signature = dataclasses.replace(pm.call_signature, replicated=tuple(state["replicated"]))
     return pm

@@ -163,6 +163,10 @@ class OneFOneBStep:
         self.dead_after = {unit: _dead_after(unit_nodes) for unit, unit_nodes in self.units.items()}
         self.tail_dead_after = _tail_dead_after(self.tail, self.output)
         self.runner = _Runner(program)
+        # a shared module holding buffers (spectral_norm's power iteration vectors) runs again from the
+        # buffers its first run of the call read: eager computes it once a call, so updates them once
+        self.shared_buffers = {n: list(self.runner.modules[n.target].buffers()) for n in self.shared
+                               if n.op == "call_module" and any(True for _ in self.runner.modules[n.target].buffers())}
         self.run_backward = torch.autograd.backward  # dpcompile.measure runs it counting each device's bytes
 
     # ------------------------------------------------------------------ the step
@@ -197,6 +201,22 @@ class _StepState:
         self.grads: dict[tuple[fx.Node, int], torch.Tensor] = {}
         self.losses: dict[Unit, torch.Tensor] = {}
         self.kept: dict[fx.Node, Any] = {}  # detached values the tail reads
+        self.buffers_before: dict[fx.Node, list[torch.Tensor]] = {}  # a shared module's buffers at its first run
+
+    def run_shared(self, node: fx.Node) -> Any:
+        """Run a shared node (a parameter's function) again for a unit: a module's buffers its first run
+        in this call wrote are put back first, so each run computes the first's value and the call leaves
+        them written once (spectral_norm: one power iteration a step, as eager, not one a micro-batch)."""
+        buffers = self.step.shared_buffers.get(node, ())
+        before = self.buffers_before.get(node)
+        if before is None:
+            self.buffers_before[node] = [b.clone() for b in buffers]
+        else:
+            with torch.no_grad():
+                for buffer, value in zip(buffers, before, strict=True):
+                    if not torch.equal(buffer, value):  # a buffer no run writes keeps its version
+                        buffer.copy_(value)
+        return self.runner.run_node(node)
 
     def forward(self, unit: Unit) -> None:
         """Run ``unit``'s nodes; each value goes at its last read in the unit (as ``fx.Interpreter``
@@ -323,7 +343,7 @@ class _UnitEnv(dict):
         if node in state.values:
             return state.values[node]
         if node in step.shared:
-            self[node] = value = state.runner.run_node(node)  # its own inputs resolve here too
+            self[node] = value = state.run_shared(node)  # its own inputs resolve here too
             return value
         source = step.unit_of.get(node)
         if source is None or source == self.unit:
@@ -352,7 +372,7 @@ class _TailEnv(dict):
             return state.values[node]
         if node in state.step.shared:
             with torch.no_grad():
-                self[node] = value = state.runner.run_node(node)
+                self[node] = value = state.run_shared(node)
             return value
         raise KeyError(node.name)
 

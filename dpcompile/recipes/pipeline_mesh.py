@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
@@ -100,6 +101,7 @@ class MeshPipelineRecipe(Recipe):
                               output_device=device),
         ]  # fmt: skip
         gm, _ = run_passes(gm, pipeline)
+        refuse_stateful_weights(gm, self.micro_batches)
         writes_once = hoist_writes(gm, plan, self.micro_batches)  # run once a call, apart from the stages
         whole = graph_module(gm, copy_graph(gm.graph), "WholeProgram")
         random_plan = self._random_plan(gm)
@@ -192,6 +194,25 @@ def check_checkpointed_run(whole: fx.GraphModule, paths: Sequence[str]) -> None:
             f"activation_checkpointing names {missing[0]!r}, but no operation of the program runs in it (a module "
             "forward does not call); leave it out of the list"
         )
+
+
+def refuse_stateful_weights(gm: fx.GraphModule, micro_batches: int) -> None:
+    """A weight computed by a parametrization holding state (``parametrizations.spectral_norm``'s power
+    iteration updates ``_u``/``_v`` in training), called by a stage's program: ``PipelineStage`` runs that
+    program once per micro-batch, so the iteration would run ``micro_batches`` times a call (measured on a
+    2-process gloo group: every gradient off). Refused by name, with the layouts where it runs once."""
+    if micro_batches == 1:
+        return
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if isinstance(module, ParametrizationList) and module.training and any(True for _ in module.buffers()):
+            raise DpCompileError(
+                f"'{node.target}' computes a weight with a parametrization that updates its state in training "
+                f"(spectral_norm's power iteration), and over a mesh torch.distributed.pipelining runs each stage's "
+                f"program once per micro-batch: with micro_batches={micro_batches} it would iterate {micro_batches} "
+                "times a call. Run the pipeline in one process (devices=[...]: once a call, under GPipe and 1F1B), "
+                "pass micro_batches=1, or transform the model in eval mode"
+            )
 
 
 def hoist_writes(gm: fx.GraphModule, plan: Any, micro_batches: int) -> dict[int, fx.GraphModule]:

@@ -45,6 +45,7 @@ from dpcompile.analysis.cost import plan_cost
 from dpcompile.analysis.sharding import embedding_paths, linear_paths, resolve_plan
 from dpcompile.capture import EXPORTED_FROM
 from dpcompile.capture.inputs import check_inputs
+from dpcompile.capture.norms import computed_attributes_detached
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, fake_copy_to_trace
@@ -362,7 +363,7 @@ def detached(programs: Sequence[fx.GraphModule]) -> list[fx.GraphModule]:
     the full, unsharded weights they were made from are not kept)."""
     out = []
     for program in programs:
-        memo: dict[int, Any] = {}
+        memo: dict[int, Any] = computed_attributes_detached(program, {}, "meta")
         for t in [*program.parameters(), *program.buffers()]:
             meta = t.detach().to("meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta

@@ -34,10 +34,43 @@ def checkpoint(region: Callable[..., Any], *args: Any, saving: bool = False) -> 
     _KEEPING[0] = False
     if not torch.is_grad_enabled():
         return region(*args)
+    region, args = _state_read_as_it_is(_replaying_draws(region, args), args)
     return torch.utils.checkpoint.checkpoint(
-        _replaying_draws(region, args), *args, use_reentrant=False, preserve_rng_state=True,
+        region, *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=_kept_ops_saved if saving else _recompute_writes_nothing,
     )
+
+
+def _state_read_as_it_is(region: Callable[..., Any], args: tuple) -> tuple[Callable[..., Any], tuple]:
+    """``region`` given its tensors that need no gradient (buffers) itself, not through checkpoint,
+    which saves its inputs and refuses, in backward, one written since: the export frontend passes
+    a norm's running statistics to the region, and ``instance_norm`` updates them with a ``copy_``
+    (BatchNorm's kernel writes them unseen). One the region writes is read by the recompute as it
+    is (a running statistic no training output depends on; the recompute's own write is undone);
+    one something else wrote between forward and backward is refused, as checkpoint would."""
+    fixed = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not a.requires_grad}
+    if not fixed:
+        return region, args
+    watched: dict[int, int] | None = None  # after the first run: position -> version (those it did not write)
+
+    def run(*inputs: Any) -> Any:
+        nonlocal watched
+        given = iter(inputs)
+        full = [fixed[i] if i in fixed else next(given) for i in range(len(args))]
+        for i, version in (watched or {}).items():  # the recompute
+            if fixed[i]._version != version:
+                raise DpCompileError(
+                    f"activation_checkpointing: argument {i} of a checkpointed region (a {tuple(fixed[i].shape)} "
+                    "tensor without gradient) was modified in place between its forward and the recompute in "
+                    "backward; leave that region out of activation_checkpointing="
+                )
+        before = {i: t._version for i, t in fixed.items()}
+        out = region(*full)
+        if watched is None:
+            watched = {i: t._version for i, t in fixed.items() if t._version == before[i]}
+        return out
+
+    return run, tuple(a for i, a in enumerate(args) if i not in fixed)
 
 
 def _replaying_draws(region: Callable[..., Any], args: tuple) -> Callable[..., Any]:

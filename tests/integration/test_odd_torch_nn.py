@@ -226,3 +226,215 @@ def test_odd_sequence_first_attention_with_a_padding_mask():
         dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x, pad))
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+class InstanceNormed(nn.Module):
+    """``nn.InstanceNorm2d(track_running_stats=True)``: forward updates its running statistics with a ``copy_``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+def test_odd_export_checkpointed_instance_norm_updates_its_running_stats_once():
+    """The export frontend passes the norm's running statistics to the checkpointed region; checkpoint
+    saved them and backward crashed ('modified by an inplace operation': instance_norm's ``copy_`` into
+    them). They now reach the region unsaved: two AdamW steps and the running statistics equal eager."""
+    torch.manual_seed(0)
+    model = InstanceNormed().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export", activation_checkpointing=["norm"])
+    assert "checkpoint" in pm.code
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step in range(2):
+        out, want = pm(x + step), eager(x + step)
+        torch.testing.assert_close(out, want)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(pm.state_dict()[key], value, msg=lambda m, key=key: f"{key} after 2 steps: {m}")
+
+
+def doubled_input(module, args):
+    """A forward pre-hook defined at module level: pickle saves it by name."""
+    return (args[0] * 2,)
+
+
+@pytest.mark.parametrize("options", [{}, {"mesh": {"pp": 2}, "micro_batches": 2}], ids=["dp", "pp"])
+def test_odd_lambda_hook_under_torch_save_is_refused_by_name(options):
+    """torch.save of a program whose model has a lambda hook raised pickle's bare AttributeError ("Can't
+    pickle local object"); it is a DpCompileError naming the module, the hook and the ways out, and a hook
+    defined at module level saves, loads and runs as eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).double()
+    model[2].register_forward_hook(lambda module, args, out: out + 1)
+    x = _inputs(ShrinksItsWeight)[0]
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), **options)
+    with pytest.raises(dpcompile.DpCompileError, match=r"'2' \(Linear\) has a forward hook .*<lambda>.*Define the hook at module level"):
+        torch.save(pm, io.BytesIO())
+    model[2]._forward_hooks.clear()
+    model[0].register_forward_pre_hook(doubled_input)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), **options)
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), model(x))
+
+
+@pytest.mark.parametrize("options", [{}, {"tensor_parallel": True}, {"mesh": {"pp": 2}, "micro_batches": 2}],
+                         ids=["dp", "tp", "pp"])  # fmt: skip
+def test_odd_export_program_loaded_checks_its_arguments(options, tmp_path):
+    """A program the export frontend captured fixes its arguments; its torch.save/torch.load copy and its
+    dpcompile.export/load copy lost that check (its model watch is not saved) and a wrong call raised
+    TypeCallFailed or a matmul error from inside the program. Each copy now raises the original's
+    InputMismatch, word for word, after a right call too (the last call's shortcut skipped the check)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    x = _inputs(ShrinksItsWeight)[0]
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export", **options)
+    buffer = io.BytesIO()
+    torch.save(pm, buffer)
+    buffer.seek(0)
+    dpcompile.export(pm, tmp_path / "ex")
+    for loaded in (torch.load(buffer, weights_only=False), dpcompile.load(tmp_path / "ex")):
+        torch.testing.assert_close(loaded(torch.cat([x, x])), model(torch.cat([x, x])))
+        for wrong in [(x, x), (), (x[:, :5],)]:
+            with pytest.raises(dpcompile.InputMismatch) as original:
+                pm(*wrong)
+            with pytest.raises(dpcompile.InputMismatch) as copied:
+                loaded(*wrong)
+            assert str(copied.value) == str(original.value)
+
+
+class KeepsLabelledRows(nn.Module):
+    """DeBERTa-v2's classification loss, reduced: the rows whose label is not negative, when there are any
+    (the export frontend keeps the branch as ``aten._assert_scalar(u0 >= 1, ...)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        logits = self.fc(x)
+        keep = (labels >= 0).nonzero().view(-1)
+        if keep.size(0) > 0:
+            return nn.functional.cross_entropy(logits[keep], labels[keep])
+        return logits.sum() * 0
+
+
+def test_odd_export_with_a_data_branch_assertion_loads_as_data(tmp_path):
+    """``aten._assert_scalar`` is in the export vocabulary's frontend ops, but the table kept only ops that
+    take or return a tensor (it takes a Scalar and a str), so the folder was written as a pickle that
+    dpcompile.load read only with trust_code=True. It loads as data, equals eager, and still refuses the
+    branch it does not hold."""
+    import json
+
+    torch.manual_seed(0)
+    model = KeepsLabelledRows().double()
+    x, labels = _inputs(ShrinksItsWeight)[0], torch.tensor([0, -1, 2, 1])
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x, labels), frontend="export")
+    dpcompile.export(pm, tmp_path / "ex")
+    assert json.loads((tmp_path / "ex" / "program.json").read_text())["trust_code"] is False
+    loaded = dpcompile.load(tmp_path / "ex")
+    torch.testing.assert_close(loaded(x, labels), model(x, labels))
+    with pytest.raises(dpcompile.InputMismatch, match="branch of forward that the program does not have"):
+        loaded(x, torch.full((4,), -1))
+
+
+class ShufflesAndFolds(nn.Module):
+    """nn.ChannelShuffle, nn.PixelShuffle, nn.Unfold then nn.Fold, per sample; the mean square is the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.shuffle, self.pixels = nn.Conv2d(4, 8, 1), nn.ChannelShuffle(2), nn.PixelShuffle(2)
+        self.unfold, self.fold, self.mix = nn.Unfold(2, stride=2), nn.Fold((6, 6), 2, stride=2), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pixels(self.shuffle(self.conv(x)))  # (N, 2, 6, 6)
+        patches = self.mix(self.unfold(h).transpose(1, 2)).transpose(1, 2)
+        return self.fold(patches).square().mean()
+
+
+def test_odd_fx_shuffle_and_fold_modules_split_per_sample_under_1f1b():
+    """The fx frontend keeps nn.ChannelShuffle, nn.PixelShuffle and nn.Fold as module calls, which had no
+    batch rule (their functions had): they ran whole on the gathered batch, and 1F1B refused the model
+    ('the 2 micro-batches meet at shuffle'). They split per sample: 1F1B's loss and gradients equal eager's."""
+    torch.manual_seed(0)
+    model = ShufflesAndFolds().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 4, 3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="fx", pipeline=2, micro_batches=2,
+                             schedule="1f1b")  # fmt: skip
+    loss, want = pm(x), eager(x)
+    torch.testing.assert_close(loss, want)
+    want.backward()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+class WeightedBags(nn.Module):
+    """nn.EmbeddingBag of 2-D indices (a bag per row) with per-sample weights; the mean square is the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.bags, self.head = nn.EmbeddingBag(20, 8, mode="sum"), nn.Linear(8, 3)
+
+    def forward(self, ids, weights):
+        return self.head(self.bags(ids, per_sample_weights=weights)).square().mean()
+
+
+def test_odd_fx_embedding_bag_of_rows_splits_per_sample_under_1f1b():
+    """nn.EmbeddingBag given 2-D indices and no offsets makes one bag per row, but its module call had no
+    batch rule (F.embedding_bag's, with offsets, is whole): it ran on the gathered batch and 1F1B refused
+    the model. It splits as the rows (the weights too): 1F1B's loss and gradients equal eager's."""
+    torch.manual_seed(0)
+    model = WeightedBags().double()
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(0))
+    weights = torch.rand(4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids, weights), frontend="fx", pipeline=2,
+                             micro_batches=2, schedule="1f1b")  # fmt: skip
+    loss, want = pm(ids, weights), eager(ids, weights)
+    torch.testing.assert_close(loss, want)
+    want.backward()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+class NearestCentres(nn.Module):
+    """Distances from each sample to learned centres (``torch.cdist``); the mean square is the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.centres, self.head = nn.Parameter(torch.randn(5, 8)), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.cdist(x, self.centres)).square().mean()
+
+
+def test_odd_export_cdist_splits_per_row_under_1f1b():
+    """The export frontend keeps ``aten.cdist`` (not ``_cdist_forward``, whose rule splits per row): it ran
+    whole on the gathered batch and 1F1B found no mean loss. It splits per row: the loss and gradients of
+    1F1B equal eager's."""
+    torch.manual_seed(0)
+    model = NearestCentres().double()
+    eager = copy.deepcopy(model)
+    x = _inputs(ShrinksItsWeight)[0]
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export", pipeline=2, micro_batches=2,
+                             schedule="1f1b")  # fmt: skip
+    loss, want = pm(x), eager(x)
+    torch.testing.assert_close(loss, want)
+    want.backward()
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import dpcompile
+from tests.helpers import full_gradients
 
 
 class Normed(nn.Module):
@@ -111,3 +112,92 @@ def test_hook_based_weight_norm_runs_tensor_parallel():
     pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
     torch.testing.assert_close(pm(x), eager(x))
     assert pm.plan["fc1"] == "replicate" and "computed at each call" in pm.plan_reasons["fc1"]
+
+
+class NormedLoss(Normed):
+    """``Normed`` returning its outputs' mean square: the loss a 1F1B call backwards itself."""
+
+    def forward(self, x):
+        return super().forward(x).square().mean()
+
+
+@pytest.mark.parametrize(("frontend", "options"), [
+    ("fx", {"pipeline": 2, "micro_batches": 2, "schedule": "1f1b"}),
+    ("export", {}),
+    ("export", {"pipeline": 2, "micro_batches": 2, "schedule": "1f1b"}),
+    ("fx", {"activation_checkpointing": ["fc1"]}),
+    ("fx", {"pipeline": 2, "micro_batches": 2, "activation_checkpointing": ["fc1"]}),
+], ids=["fx-1f1b", "export-dp", "export-1f1b", "fx-checkpointed", "fx-gpipe-checkpointed"])  # fmt: skip
+def test_spectral_norm_iterates_once_a_step_in_float64(frontend, options):
+    """1F1B ran the weight's parametrization again in each micro-batch's unit: two power iterations a
+    step (gradients 1e-4 off relatively, in float64); it now runs each from the buffers of the call's
+    first. The export frontend crashed at the first call (its no_grad power iteration writes ``out=_u``
+    from the weight, which required grad) and the transform itself iterated the real buffers once. A
+    checkpointed layer computed its weight inside the region: once per micro-batch in a pipeline, and again
+    from the iterated vectors in each recompute; it is computed once a call, outside the regions."""
+    torch.manual_seed(0)
+    model = NormedLoss(parametrizations.spectral_norm).double()
+    with torch.no_grad():
+        model.fc1.parametrizations.weight.original.mul_(torch.rand_like(model.fc1.parametrizations.weight.original) * 3)
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend=frontend, **options)
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+    opt, eager_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(eager.parameters(), lr=0.5)
+    for step in range(2):
+        loss, want = pm(x + step), eager(x + step)
+        torch.testing.assert_close(loss, want)
+        loss.backward()  # 1F1B backwarded it in the call: this adds nothing
+        want.backward()
+        grads = dict(pm.named_parameters())
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(grads[name].grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+        for o in (opt, eager_opt):
+            o.step()
+            o.zero_grad()
+    state = pm.state_dict()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("options", [{}, {"mesh": {"dp": 2}, "data_parallel": "fsdp"}, {"mesh": {"dp": 2, "tp": 2}}],
+                         ids=["dp", "fsdp", "dpxtp"])  # fmt: skip
+def test_hook_based_weight_norm_converted_to_float64_trains_as_eager(options):
+    """``model.double()`` leaves the older weight_norm's computed ``weight`` in float32 until its pre-hook
+    runs: the examples' dtype check read it and refused float64 examples, and the copies fsdp and
+    dp x tp make crashed (deepcopy refuses a computed tensor). Two AdamW steps now equal eager's."""
+    torch.manual_seed(0)
+    model = Normed(nn.utils.weight_norm).double()
+    eager = Normed(nn.utils.weight_norm).double()
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * (4 if "tp" in options.get("mesh", {}) else 2), example_inputs=(x,), **options)
+    opt, eager_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for step in range(2):
+        got, want = pm(x + step), eager(x + step)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {n: p.grad for n, p in pm.named_parameters()}
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+        for o in (opt, eager_opt):
+            o.step()
+            o.zero_grad()
+    state = pm.state_dict()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_export_checkpointed_spectral_norm_is_refused_naming_the_buffer_it_writes():
+    """The export frontend inlines the power iteration (``div.out(mv, norm, out=_u)``) into the layer's
+    region, which a recompute cannot run again: refused, naming ``_u`` (it named the op's input, ``mv``)."""
+    torch.manual_seed(0)
+    model = Normed(parametrizations.spectral_norm).double()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(dpcompile.DpCompileError, match=r"'fc1' writes in place into 'fc1_parametrizations_weight_0__u'"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export", activation_checkpointing=["fc1"])
+    for key, value in before.items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)

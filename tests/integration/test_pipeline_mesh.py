@@ -411,6 +411,55 @@ def check_inspection(rank: int, world: int) -> None:
     assert dpcompile.verify(pm, model, x, labels).ok  # the refusals left nothing behind
 
 
+class SpectralNormed(torch.nn.Module):
+    """A layer under ``parametrizations.spectral_norm`` (its power iteration updates ``_u``/``_v`` in training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(8, 8))
+        self.b = torch.nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        return torch.nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), labels)
+
+
+def check_spectral_norm(rank: int, world: int) -> None:
+    """spectral_norm over a ("pp",) mesh: PipelineStage ran the power iteration once per micro-batch (every
+    gradient off); with 2 micro-batches it is refused by name, the model unchanged, and with one the loss and
+    each stage's gradients and buffers equal eager's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = SpectralNormed().double()
+    reference = copy.deepcopy(model)
+    x, labels = _inputs(6)
+    try:
+        dpcompile.transform(model, mesh, pipeline=2, micro_batches=2)
+    except dpcompile.DpCompileError as e:
+        assert "'a.parametrizations.weight'" in str(e) and "iterate 2 times a call" in str(e), e
+    else:
+        raise AssertionError("spectral_norm with 2 micro-batches over a mesh was not refused")
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=1)
+    out, expected = pm(x.double(), labels), reference(x.double(), labels)
+    expected.backward()
+    if rank == world - 1:
+        torch.testing.assert_close(out, expected.detach())
+        out.backward()
+    held = [(name, p) for name, p in pm.named_parameters() if p.grad is not None]
+    assert held
+    for name, p in held:
+        torch.testing.assert_close(p.grad, reference.get_parameter(name).grad, msg=name)
+    for key, value in pm.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[key], msg=key)
+    dist.barrier()
+
+
 def check_rank_raising_in_step(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...],
                                ddp_options: dict | None = None, fsdp: bool = False) -> None:  # fmt: skip
     """One rank raises inside the step (a label out of range in its dp share: the loss on the last
@@ -725,6 +774,7 @@ SCENARIOS = {
                 ("decoder", check_decoder, (((1, "gpipe"), (2, "1f1b"), (4, "1f1b")),)),
                 ("batchnorm", check_batchnorm, ((2, 4),)),
                 ("writes", check_writes, ()),
+                ("spectral_norm", check_spectral_norm, ()),
                 ("earlier_stage_output", check_earlier_stage_output, ()),
                 ("inspection", check_inspection, ()),
                 ("rank_raising_in_step", check_rank_raising_in_step, ((2,), ("pp",))),

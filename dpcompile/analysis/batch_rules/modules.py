@@ -80,6 +80,8 @@ def batched_rank(ctx: RuleContext) -> int | None:
     one sample without the batch dim; None for other layers."""
     if isinstance(ctx.module, _SPATIAL_MODULES):
         suffix = type(ctx.module).__name__[-2:]
+    elif isinstance(ctx.module, (nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle)):
+        return 4  # (N, C, H, W), as their functions are read: a 3-D input may be one sample
     elif ctx.node.op == "call_function":
         name = target_name(ctx.node).removesuffix("_with_indices").removesuffix(".vec").lstrip("_")
         if name == "convolution":
@@ -271,6 +273,21 @@ for _norm in ops.BATCH_NORMS:
 for _norm in ops.INSTANCE_NORMS:
     BATCH_RULES.register(_norm, instance_norm)
 BATCH_RULES.register_family(ops.LAST_DIMS, layer_norm)
+def embedding_bag_rows(ctx: RuleContext) -> Placement | None:
+    """``nn.EmbeddingBag`` given a 2-D ``input`` and no ``offsets``: one bag per row, so split as the rows
+    (``per_sample_weights`` split alike). With ``offsets`` the bags are ranges of the whole batch's
+    indices: whole (as ``F.embedding_bag``)."""
+    ids, offsets, weights = ctx.tensor_arg(), ctx.arg(1, "offsets"), ctx.arg(2, "per_sample_weights")
+    p = ctx.p(ids)
+    if not isinstance(p, Split) or p.dim != 0 or ctx.ndim(ids) != 2 or offsets is not None:
+        return None
+    w = ctx.p(weights) if weights is not None else None
+    if weights is not None and not (isinstance(w, Split) and w.dim == 0):
+        return None
+    return p
+
+
+BATCH_RULES.register(nn.EmbeddingBag, embedding_bag_rows)
 BATCH_RULES.register(nn.GroupNorm, group_norm, replace=True)
 BATCH_RULES.register(F.group_norm, group_norm)
 BATCH_RULES.register_family(ops.EMBEDDING, embedding)

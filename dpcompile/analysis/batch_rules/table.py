@@ -192,6 +192,7 @@ _add("matmul", matrix.bmm, "bmm baddbmm")
 _add("matmul", matrix.addmm, "addmm")
 _add("matmul", matrix.linear_function, "linear")
 _add("matmul", selection.cdist, "_cdist_forward")
+_add("matmul", selection.cdist, "cdist", same_name=False)  # the export frontend keeps aten.cdist undecomposed
 _whole("distances between every pair of rows: the rows are the samples", "_pdist_forward")
 _add("matmul", matrix.einsum, "einsum")
 _add("attention", aten_rules.sdpa, "scaled_dot_product_attention")
@@ -311,7 +312,10 @@ OTHER_SPELLINGS: dict[str, tuple[Any, ...]] = {
     "_softmax": (nn.Softmax,),
     "_log_softmax": (nn.LogSoftmax,),
     "embedding": (nn.Embedding,),
-    "col2im": (F.fold,),
+    "col2im": (F.fold, nn.Fold),
+    "pixel_shuffle": (nn.PixelShuffle,),
+    "pixel_unshuffle": (nn.PixelUnshuffle,),
+    "channel_shuffle": (nn.ChannelShuffle,),
     "grid_sampler_2d": (F.grid_sample,),
     "_cdist_forward": (torch.cdist,),
     "_pdist_forward": (F.pdist,),

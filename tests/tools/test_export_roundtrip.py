@@ -214,3 +214,26 @@ def test_a_module_read_only_for_its_mode_exports_as_data(tmp_path):
         got = loaded(x)
         torch.manual_seed(3)
         torch.testing.assert_close(got, model(x), msg=lambda m, o=mode: f"{o}: {m}")
+
+
+class FourierMixing(nn.Module):
+    """FNet's token mixing: ``torch.fft.fftn`` over the sequence and hidden dims, real part."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.fft.fftn(self.fc(x), dim=(1, 2)).real
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_torch_fft_exports_as_data(tmp_path, frontend):
+    """``torch.fft`` calls (FNet) are on the vocabulary: no program.pkl, and the loaded program gives
+    eager's values (it went to a pickle, loaded only with trust_code=True)."""
+    torch.manual_seed(0)
+    model, x = FourierMixing(), torch.randn(4, 3, 8)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(x,), frontend=frontend)
+    folder = dpcompile.export(pm, tmp_path / frontend)
+    assert not (Path(folder) / "program.pkl").exists()
+    torch.testing.assert_close(dpcompile.load(folder)(x), model(x))

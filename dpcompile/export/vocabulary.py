@@ -14,7 +14,7 @@ resolves a name later: a name that is not a key is refused, so no chain of attri
                                    frontend emits besides (``_assert_tensor_metadata``, ...)
 ``torch.<name>``                   torch's native functions and ``torch.functional``
 ``torch.nn.functional.<name>``     the functional API; ``torch._C._nn.<name>`` its natives
-``torch._C._fft.<name>``           ``torch.fft``'s functions (``fft_fftn``)
+``torch._C._fft.<name>``           ``torch.fft``'s functions (``fft_fftn``); ``torch._C._linalg``: ``torch.linalg``'s
 ``torch.Tensor.<name>``            the Tensor methods of :data:`TENSOR_METHODS`
 ``operator.<name>``, ``math.<name>``, ``builtins.<name>``   fixed lists below
 ``dpcompile.runtime...``           the functions generated code calls
@@ -214,10 +214,11 @@ def vocabulary() -> Mapping[str, Callable[..., Any]]:
     functional = _public(F, dir(F), defined_in="torch.nn.functional")
     nn_natives = _public(torch._C._nn, dir(torch._C._nn))
     fft_natives = _public(torch._C._fft, dir(torch._C._fft))  # torch.fft.fftn (FNet's token mixing)
+    linalg_natives = _public(torch._C._linalg, dir(torch._C._linalg))  # torch.linalg.vector_norm (SigLIP)
     methods = {n: getattr(torch.Tensor, n) for n in TENSOR_METHODS}
     packets = (
         set(torch_functions) | set(nn_natives) | set(functional) | set(TENSOR_METHODS) | _OPERATOR_OPS | _FRONTEND_OPS
-        | set(fft_natives)
+        | set(fft_natives) | set(linalg_natives)
     )
     table: dict[str, Any] = _aten_names(packets)
     table.update({f"torch.{n}": f for n, f in torch_functions.items()})
@@ -226,6 +227,7 @@ def vocabulary() -> Mapping[str, Callable[..., Any]]:
     table.update({f"torch.nn.functional.{n}": f for n, f in functional.items()})
     table.update({f"torch._C._nn.{n}": f for n, f in nn_natives.items()})
     table.update({f"torch._C._fft.{n}": f for n, f in fft_natives.items()})
+    table.update({f"torch._C._linalg.{n}": f for n, f in linalg_natives.items()})
     table.update({f"torch.Tensor.{n}": f for n, f in methods.items()})
     table.update({f"operator.{n}": getattr(operator, n) for n in _OPERATORS})
     table.update({f"builtins.{n}": getattr(builtins, n) for n in _BUILTINS})

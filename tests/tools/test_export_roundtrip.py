@@ -217,20 +217,22 @@ def test_a_module_read_only_for_its_mode_exports_as_data(tmp_path):
 
 
 class FourierMixing(nn.Module):
-    """FNet's token mixing: ``torch.fft.fftn`` over the sequence and hidden dims, real part."""
+    """FNet's token mixing: ``torch.fft.fftn`` over the sequence and hidden dims, real part; then
+    SigLIP's normalisation by ``torch.linalg.vector_norm``."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x):
-        return torch.fft.fftn(self.fc(x), dim=(1, 2)).real
+        y = torch.fft.fftn(self.fc(x), dim=(1, 2)).real
+        return y / torch.linalg.vector_norm(y, dim=-1, keepdim=True)
 
 
 @pytest.mark.parametrize("frontend", ["fx", "export"])
-def test_torch_fft_exports_as_data(tmp_path, frontend):
-    """``torch.fft`` calls (FNet) are on the vocabulary: no program.pkl, and the loaded program gives
-    eager's values (it went to a pickle, loaded only with trust_code=True)."""
+def test_torch_fft_and_linalg_export_as_data(tmp_path, frontend):
+    """``torch.fft`` and ``torch.linalg`` calls (FNet, SigLIP) are on the vocabulary: no program.pkl,
+    and the loaded program gives eager's values (it went to a pickle, loaded only with trust_code=True)."""
     torch.manual_seed(0)
     model, x = FourierMixing(), torch.randn(4, 3, 8)
     pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(x,), frontend=frontend)

@@ -88,8 +88,11 @@ def number_random_sites(gm: fx.GraphModule) -> PassResult:
 
 def _draw_in_program_order(graph: fx.Graph, sites: list[RandomSite], order: dict[str, int]) -> list[RandomSite]:
     """``sites`` in the captured program's order, each site's pieces moved after the previous site's
-    first piece where a lowering ran them earlier (a piece whose users come before stays: the order it
-    had). Where the sites are not numbered (``number_random_sites`` did not run), as they are."""
+    first piece where a lowering ran them earlier, with what uses them before it (Pegasus' decoder
+    embedding dropout and the decoder's first layer, which a GPipe stage's first micro-batch ran
+    before the encoder's layer, that waits on the padding mask). A piece stays where its users
+    cannot move (a write in place, the previous piece among them). Where the sites are not
+    numbered (``number_random_sites`` did not run), as they are."""
     if not sites or any(s.source not in order for s in sites):
         return sites
     ordered = sorted(sites, key=lambda s: order[s.source])
@@ -99,12 +102,41 @@ def _draw_in_program_order(graph: fx.Graph, sites: list[RandomSite], order: dict
             place = {n: i for i, n in enumerate(graph.nodes)}
             anchor = previous
             for node in sorted(site.nodes, key=place.__getitem__):
-                if place[node] < place[previous] and all(place[u] > place[previous] for u in node.users):
-                    anchor.append(node)
-                    anchor = node
+                if place[node] > place[previous]:  # after it already, or moved with an earlier piece
+                    continue
+                cone = _uses_before(node, previous, place)
+                for moved in cone or ():
+                    anchor.append(moved)
+                    anchor = moved
         place = {n: i for i, n in enumerate(graph.nodes)}
         previous = min(site.nodes, key=place.__getitem__)
     return ordered
+
+
+def _uses_before(node: fx.Node, limit: fx.Node, place: dict[fx.Node, int]) -> list[fx.Node] | None:
+    """``node`` and every node placed before ``limit`` that uses it, directly or through others, in
+    graph order: what moves after ``limit`` with it. None where one of them cannot move: ``limit``
+    itself, or a write in place (a later read of what it writes could pass it)."""
+    cone, todo = {node}, [node]
+    while todo:
+        for user in todo.pop().users:
+            if place[user] < place[limit] and user not in cone:
+                cone.add(user)
+                todo.append(user)
+            elif user is limit:
+                return None
+    if any(_writes_in_place(n) for n in cone):
+        return None
+    return sorted(cone, key=place.__getitem__)
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).endswith("__")
+    if node.op != "call_function":
+        return node.op == "output"
+    schema = getattr(node.target, "_schema", None)
+    return node.target in fx.node._side_effectful_functions or (schema is not None and schema.is_mutable)
 
 
 def draw_random_whole(

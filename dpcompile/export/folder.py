@@ -100,11 +100,14 @@ def _slots(pm: nn.Module, tensors: Mapping[str, torch.Tensor], names: Mapping[st
 
 def _used_paths(pm: nn.Module, graphs: Sequence[fx.Graph]) -> set[str]:
     """Module paths whose class matters: what the program calls (directly, on a replica, or
-    hands to anything but ``replicate``; reading its ``training`` flag needs no class)."""
+    hands to anything but ``replicate``; reading its ``training`` flag needs no class, as in
+    ``mode_value(module, 0.1, 0.0)``, attention's ``dropout_p`` by mode)."""
     from dpcompile.runtime import replicate
+    from dpcompile.runtime.exported import expect_mode, mode_value
 
     def needs_class(user: fx.Node) -> bool:
         reads_flag = user.target is getattr and user.args[1:] == ("training",)
+        reads_flag = reads_flag or user.target in (mode_value, expect_mode)
         return user.target is not replicate and not reads_flag
 
     modules = dict(pm.named_modules(remove_duplicate=False))

@@ -14,6 +14,7 @@ resolves a name later: a name that is not a key is refused, so no chain of attri
                                    frontend emits besides (``_assert_tensor_metadata``, ...)
 ``torch.<name>``                   torch's native functions and ``torch.functional``
 ``torch.nn.functional.<name>``     the functional API; ``torch._C._nn.<name>`` its natives
+``torch._C._fft.<name>``           ``torch.fft``'s functions (``fft_fftn``); ``torch._C._linalg``: ``torch.linalg``'s
 ``torch.Tensor.<name>``            the Tensor methods of :data:`TENSOR_METHODS`
 ``operator.<name>``, ``math.<name>``, ``builtins.<name>``   fixed lists below
 ``dpcompile.runtime...``           the functions generated code calls
@@ -212,9 +213,12 @@ def vocabulary() -> Mapping[str, Callable[..., Any]]:
     torch_functions.update(_public(torch.functional, torch.functional.__all__))
     functional = _public(F, dir(F), defined_in="torch.nn.functional")
     nn_natives = _public(torch._C._nn, dir(torch._C._nn))
+    fft_natives = _public(torch._C._fft, dir(torch._C._fft))  # torch.fft.fftn (FNet's token mixing)
+    linalg_natives = _public(torch._C._linalg, dir(torch._C._linalg))  # torch.linalg.vector_norm (SigLIP)
     methods = {n: getattr(torch.Tensor, n) for n in TENSOR_METHODS}
     packets = (
         set(torch_functions) | set(nn_natives) | set(functional) | set(TENSOR_METHODS) | _OPERATOR_OPS | _FRONTEND_OPS
+        | set(fft_natives) | set(linalg_natives)
     )
     table: dict[str, Any] = _aten_names(packets)
     table.update({f"torch.{n}": f for n, f in torch_functions.items()})
@@ -222,6 +226,8 @@ def vocabulary() -> Mapping[str, Callable[..., Any]]:
     table.update({f"torch.functional.{n}": f for n, f in _public(torch.functional, torch.functional.__all__).items()})
     table.update({f"torch.nn.functional.{n}": f for n, f in functional.items()})
     table.update({f"torch._C._nn.{n}": f for n, f in nn_natives.items()})
+    table.update({f"torch._C._fft.{n}": f for n, f in fft_natives.items()})
+    table.update({f"torch._C._linalg.{n}": f for n, f in linalg_natives.items()})
     table.update({f"torch.Tensor.{n}": f for n, f in methods.items()})
     table.update({f"operator.{n}": getattr(operator, n) for n in _OPERATORS})
     table.update({f"builtins.{n}": getattr(builtins, n) for n in _BUILTINS})

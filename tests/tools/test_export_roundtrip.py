@@ -175,3 +175,67 @@ def test_torchvision_stochastic_depth_exports_as_data_and_draws_as_torchvision(t
             got = loaded(x)
             torch.manual_seed(7)
             torch.testing.assert_close(got, model(x), msg=lambda m, d=devices, o=mode: f"{len(d)} devices, {o}: {m}")
+
+
+class ModeDropoutAttention(nn.Module):
+    """Attention whose ``dropout_p`` depends on the mode (``self.p if self.training else 0.0``), as
+    transformers' BERT-like attentions (Electra, RoBERTa) write it: the export frontend captures both
+    modes as one program with ``mode_value(attention, 0.5, 0.0)``, which reads the module's flag only."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.p = 0.5
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        p = self.p if self.training else 0.0
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        return y.transpose(1, 2).reshape(b, s, 8)
+
+
+def test_a_module_read_only_for_its_mode_exports_as_data(tmp_path):
+    """The attention module behind ``mode_value`` is stored as a plain container, not refused as a
+    leaf module whose class must run (Electra's export went to program.pkl); loaded, both modes give
+    eager's values (training: the same dropout draws from the same seed)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(ModeDropoutAttention(), nn.Linear(8, 2)), torch.randn(4, 3, 8)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(x,), frontend="export")
+    pm.eval()(x)  # the other mode is captured at its first call: one program serves both
+    folder = dpcompile.export(pm.train(), tmp_path / "mode")
+    assert not (Path(folder) / "program.pkl").exists()
+    assert "mode_value" in "".join(p.read_text() for p in Path(folder).glob("*.py"))
+    loaded = dpcompile.load(folder)
+    for mode in ("train", "eval", "train"):
+        getattr(loaded, mode)()
+        getattr(model, mode)()
+        torch.manual_seed(3)
+        got = loaded(x)
+        torch.manual_seed(3)
+        torch.testing.assert_close(got, model(x), msg=lambda m, o=mode: f"{o}: {m}")
+
+
+class FourierMixing(nn.Module):
+    """FNet's token mixing: ``torch.fft.fftn`` over the sequence and hidden dims, real part; then
+    SigLIP's normalisation by ``torch.linalg.vector_norm``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.fft.fftn(self.fc(x), dim=(1, 2)).real
+        return y / torch.linalg.vector_norm(y, dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_torch_fft_and_linalg_export_as_data(tmp_path, frontend):
+    """``torch.fft`` and ``torch.linalg`` calls (FNet, SigLIP) are on the vocabulary: no program.pkl,
+    and the loaded program gives eager's values (it went to a pickle, loaded only with trust_code=True)."""
+    torch.manual_seed(0)
+    model, x = FourierMixing(), torch.randn(4, 3, 8)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, example_inputs=(x,), frontend=frontend)
+    folder = dpcompile.export(pm, tmp_path / frontend)
+    assert not (Path(folder) / "program.pkl").exists()
+    torch.testing.assert_close(dpcompile.load(folder)(x), model(x))

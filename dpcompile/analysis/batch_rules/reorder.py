@@ -144,4 +144,4 @@ def unflatten(ctx: RuleContext) -> Placement | None:
     return Split(p.dim + len(sizes) - 1 if dim < p.dim else p.dim)
 
 
-register_unclaimed(unflatten, [torch.unflatten, "unflatten"])
+register_unclaimed(unflatten, [torch.unflatten, "unflatten", "aten.unflatten"])  # aten: the export frontend (SigLIP's pooling head)

@@ -77,3 +77,26 @@ def test_functional_batch_norm_export_frontend_splits_with_whole_batch_statistic
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
         torch.testing.assert_close(b, c, msg=name)
+
+
+class _BatchNormActUncounted(torch.nn.BatchNorm2d):
+    """``F.batch_norm`` in the module's mode, counting no batches (``num_batches_tracked`` stays 0)."""
+
+    def forward(self, x):
+        bn = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps)
+        return torch.relu(bn)
+
+
+def test_functional_batch_norm_export_frontend_counts_batches_only_where_forward_does():
+    """Exported in training, a forward that does not count batches does not: the program added a count
+    (one per call, for a forward that counts in training but was exported in eval mode) and
+    ``num_batches_tracked`` (and state_dict) left eager's."""
+    model = Net().double()
+    model.bn = _BatchNormActUncounted(4).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 3, 6, 6, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export")
+    torch.testing.assert_close(pm(x), reference(x))
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(pm.state_dict()[key], value, msg=key)
+    assert int(model.bn.num_batches_tracked) == 0

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import dpcompile
+from dpcompile.modules.mesh_stage import batch_statistics_sites
 
 
 class BatchNormAct(torch.nn.BatchNorm2d):
@@ -77,6 +78,10 @@ def test_functional_batch_norm_export_frontend_splits_with_whole_batch_statistic
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
         torch.testing.assert_close(b, c, msg=name)
+    # a pipeline over a mesh refuses BatchNorm with batch statistics on micro-batches: this site only in training
+    assert batch_statistics_sites(pm) == ["bn_batch_norm_sync"] == batch_statistics_sites(pm, training=True)
+    model.eval()
+    assert batch_statistics_sites(pm) == [] == batch_statistics_sites(pm, training=False)
 
 
 class _BatchNormActUncounted(torch.nn.BatchNorm2d):

@@ -438,13 +438,18 @@ class _Builder:
     def _emit_functional_batch_norm(self, node: fx.Node) -> None:
         """``F.batch_norm(x, ..., training=True, ...)`` (timm's BatchNormAct2d) with the whole
         batch's statistics, as a BatchNorm module gets them."""
-        bound = inspect.signature(F.batch_norm).bind(*node.args, **node.kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        if node.target is F.batch_norm:
+            bound = inspect.signature(F.batch_norm).bind(*node.args, **node.kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+        else:  # aten.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, ...)
+            a = dict(zip(("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"), node.args))
         chunks = [self.on_device(a["input"], k) for k in range(self.n)]
-        state = [self.whole_value(v) if isinstance(v, fx.Node) else v for v in (a["running_mean"], a["running_var"], a["weight"], a["bias"])]
+        names = ("running_mean", "running_var", "weight", "bias")
+        state = [self.whole_value(a[v]) if isinstance(a[v], fx.Node) else a[v] for v in names]
+        mode = () if a["training"] is True else (self.whole_value(a["training"]),)  # the module's, read at run time
         normed = self.call(
-            runtime.functional_batch_norm, (chunks, *state, a["momentum"], a["eps"]), name=f"{node.name}_sync", source=node
+            runtime.functional_batch_norm, (chunks, *state, a["momentum"], a["eps"], *mode), name=f"{node.name}_sync", source=node
         )
         stamp_comm(normed, "all_reduce", backward="all_reduce")
         self.per_device[node] = [

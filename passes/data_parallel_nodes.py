@@ -11,6 +11,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from dpcompile import runtime
+from dpcompile.analysis.batch_rules.aten import trains_with_whole_batch_statistics
 from dpcompile.analysis.placement import Placement, Replicated, Split, Tuple
 
 
@@ -81,7 +82,10 @@ def has_side_effect(node: fx.Node) -> bool:
 
 
 def is_training_batch_norm_function(node: fx.Node) -> bool:
-    """``F.batch_norm`` called with ``training=True`` (its rule splits it only then with constants)."""
+    """``F.batch_norm`` called with ``training=True`` (its rule splits it only then with constants), or
+    the export frontend's ``aten.batch_norm`` in training or in its module's mode read at run time."""
+    if trains_with_whole_batch_statistics(node):
+        return True
     if node.op != "call_function" or node.target is not F.batch_norm:
         return False
     training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)

@@ -325,8 +325,17 @@ def _batch_scatter(graph: fx.Graph) -> fx.Node | None:
     """The scatter whose pieces give the batch's split: of a required input where there is one (an
     optional one may be None)."""
     scatters = [n for n in graph.nodes if n.op == "call_function" and n.target is runtime.scatter]
-    required = [n for n in scatters if isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and not n.args[0].args]
+    required = [n for n in scatters if _is_required_input(n.args[0])]
     return (required or scatters or [None])[0]
+
+
+def _is_required_input(value: Any) -> bool:
+    """Whether ``value`` is an input without a default, seen through its move onto a device (a copy
+    of a tensor-parallel program over ``dp`` scatters ``to_device(x)``: timm's ViT's ``attn_mask``,
+    None, came first and gave no rows)."""
+    while isinstance(value, fx.Node) and value.op == "call_function" and value.target is runtime.to_device:
+        value = value.args[0]
+    return isinstance(value, fx.Node) and value.op == "placeholder" and not value.args
 
 
 def _placed_as(new: fx.Node, node: fx.Node) -> fx.Node:

@@ -33,6 +33,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_true
 from dpcompile import runtime
 from dpcompile.analysis.batch_positions import index_positions, running_sum_dim, table_rows
 from dpcompile.analysis.batch_rules import RuleContext, rule_for
+from dpcompile.analysis.batch_rules.aten import trains_with_whole_batch_statistics
 from dpcompile.analysis.batch_rules.shape import squeeze_keeps
 from dpcompile.analysis.ops import BATCH_NORMS
 from dpcompile.analysis.placement import (
@@ -67,6 +68,10 @@ _BATCH_NORM_FUNCTIONS = (F.batch_norm, torch.batch_norm, torch.ops.aten.native_b
                          torch.ops.aten._native_batch_norm_legit.default)  # fmt: skip
 
 
+def _normalises_with_batch_statistics(node: fx.Node) -> bool:
+    return node.target in _BATCH_NORM_FUNCTIONS or trains_with_whole_batch_statistics(node)
+
+
 def from_batch_rule(
     ctx: LayoutContext, node: fx.Node, modules: Mapping[str, nn.Module]
 ) -> tuple[Layout, list[fx.Node]]:
@@ -77,7 +82,7 @@ def from_batch_rule(
     gm = node.graph.owning_module
     if gm is not None and random_kind(gm, node) is not None:
         raise NeedsWhole("a random draw: each shard would draw its own numbers")
-    if isinstance(module, BATCH_NORMS) or node.target in _BATCH_NORM_FUNCTIONS or is_sequence_marker(node):
+    if isinstance(module, BATCH_NORMS) or _normalises_with_batch_statistics(node) or is_sequence_marker(node):
         raise NeedsWhole("needs the whole tensor")  # their split is the data-parallel pass' own (synced statistics)
     rule = rule_for(node, module)
     if rule is None:

@@ -298,7 +298,8 @@ def _batch_norm_in_module_mode(gm: fx.GraphModule, node: fx.Node, path: str, mod
         add_(norm.num_batches_tracked, 1); batch_norm(x, w, b, norm.running_mean, norm.running_var, True, ...)
         → t = getattr(norm, "training"); add_(norm.num_batches_tracked, t); batch_norm(x, w, b, ..., t, ...)
 
-    (the count is added where export ran in eval mode). Only where the op reads the module's own
+    (the count is added where export ran in eval mode; exported in training without one, forward does
+    not count: none is added). Only where the op reads the module's own
     running statistics (without them it normalises with batch statistics in either mode).
     ``momentum=None`` is refused: export fixed the factor of its cumulative average (``1 / count``)."""
     args = list(node.args)
@@ -320,7 +321,7 @@ def _batch_norm_in_module_mode(gm: fx.GraphModule, node: fx.Node, path: str, mod
     first = next(n for n in gm.graph.nodes if n is node or n in counters)
     with gm.graph.inserting_before(first):
         training = gm.graph.call_function(getattr, (gm.graph.get_attr(path), "training"))
-        if counter is not None and not counters:  # exported in eval mode: training counts batches too
+        if counter is not None and not counters and not module.training:  # exported in eval mode: training counts too
             counters.append(gm.graph.call_function(aten.add_.Tensor, (gm.graph.get_attr(f"{path}.num_batches_tracked"), 1)))
             counters[0].meta.update(node.meta)
     training.meta.update(stack_trace=node.meta.get("stack_trace"), dpcompile_name=f"{path}_training")

@@ -98,9 +98,19 @@ def batch_statistics_sites(program: fx.GraphModule, *, training: bool | None = N
             bn = _module_at(program, node.args[0])
             if bn is None or (bn.training if training is None else training) or bn.running_mean is None:
                 sites.append(str(node.args[0].target if isinstance(node.args[0], fx.Node) else node.name))
-        elif node.target is runtime.functional_batch_norm:
+        elif node.target is runtime.functional_batch_norm and _trains(program, node, training):
             sites.append(node.name)
     return sites
+
+
+def _trains(program: fx.GraphModule, node: fx.Node, training: bool | None) -> bool:
+    """Whether ``functional_batch_norm(chunks, ..., eps[, mode])`` normalises with the batch's statistics:
+    always, or where it reads its module's mode at run time (``getattr(bn, "training")``), in that mode."""
+    mode = node.args[7] if len(node.args) > 7 else True
+    if not isinstance(mode, fx.Node) or training is not None:
+        return mode is True or training is True
+    bn = _module_at(program, mode.args[0]) if mode.target is getattr else None
+    return bn is None or bn.training
 
 
 def _module_at(program: fx.GraphModule, ref: Any) -> nn.Module | None:

@@ -135,15 +135,17 @@ def functional_batch_norm(
     bias: torch.Tensor | None,
     momentum: float,
     eps: float,
+    training: bool = True,
 ) -> tuple[torch.Tensor, ...]:
-    """``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, momentum, eps)``
-    of the concatenation of ``chunks``, per chunk: statistics of the whole batch, the running
-    statistics (if given) updated once with ``momentum`` (timm's ``BatchNormAct2d`` counts its
-    own batches)."""
+    """``F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)``
+    of the concatenation of ``chunks``, per chunk: in training, statistics of the whole batch, the
+    running statistics (if given) updated once with ``momentum`` (timm's ``BatchNormAct2d`` counts
+    its own batches); otherwise (the export frontend reads the module's mode at run time) each chunk
+    normalised with the running statistics."""
     from types import SimpleNamespace
 
     state = SimpleNamespace(
-        training=True, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias, eps=eps,
+        training=training, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias, eps=eps,
         momentum=0.0 if momentum is None else momentum, track_running_stats=running_mean is not None,
         num_batches_tracked=None,
     )  # fmt: skip

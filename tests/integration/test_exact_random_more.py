@@ -387,3 +387,37 @@ def test_a_later_site_with_its_users_draws_after_the_earlier_sites(layout):
     grads = full_gradients(pm) if sharded else {name: p.grad for name, p in model.named_parameters()}
     for name, p in eager.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class _OptionalMaskThenDropout(nn.Module):
+    """An optional input before the one that carries the batch (timm's ViT: ``forward(x, attn_mask=None)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.5)
+
+    def forward(self, x, mask=None):
+        if mask is not None:
+            x = x * mask
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def test_exact_dropout_over_dp_tp_takes_the_rows_of_the_required_input():
+    """mesh={"dp": 2, "tp": 2}: the dp copies scatter each input moved onto its device; the draws took
+    their rows from the first scatter, the optional mask's (None), and every dropout failed ("needs the
+    batch's split"). They are the required x's: the single-device draws, gradients and all."""
+    torch.manual_seed(0)
+    model = _OptionalMaskThenDropout().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2})
+    torch.manual_seed(1)
+    out = pm(x)
+    torch.manual_seed(1)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected)
+    (out * out).sum().backward()
+    (expected * expected).sum().backward()
+    grads = full_gradients(pm)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)

@@ -48,13 +48,28 @@ def batch_norm(ctx: RuleContext) -> Placement | None:
     else:  # batch_norm(..., training, ...) / _native_batch_norm_legit(..., training, ...) and .no_stats
         training = _bound(ctx).get("training", True)
     if training is not False:
-        return None
+        return per_sample_dim0(ctx) if trains_with_whole_batch_statistics(ctx.node) else None
     p = per_sample_dim0(ctx)
     if p is None:
         return None
     if target.overloadpacket is aten.batch_norm:
         return p
     return Tuple((p, REPLICATED, REPLICATED))  # the saved statistics of training: empty here
+
+
+def trains_with_whole_batch_statistics(node: fx.Node) -> bool:
+    """``aten.batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, ...)``
+    in training, or in its module's mode read at run time (the export frontend's timm
+    ``BatchNormAct2d``: ``getattr(bn, "training")``), with constant ``momentum`` and ``eps``: split,
+    the data-parallel pass computing the whole batch's statistics (``runtime.functional_batch_norm``)."""
+    if node.op != "call_function" or node.target is not aten.batch_norm.default or len(node.args) < 8:
+        return False
+    training, momentum, eps = node.args[5:8]
+    reads_mode = (
+        isinstance(training, fx.Node) and training.op == "call_function" and training.target is getattr
+        and training.args[1:] == ("training",)
+    )  # fmt: skip
+    return (training is True or reads_mode) and all(isinstance(v, (int, float)) for v in (momentum, eps))
 
 
 def instance_norm(ctx: RuleContext) -> Placement | None:

@@ -39,7 +39,8 @@ from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
 from dpcompile.capture.grad_blocks import inline_no_grad_blocks
 from dpcompile.capture.inputs import is_dynamic
-from dpcompile.capture.rewrite import add_mode_check, bakes_mode, forward_reads_training, merge_modes, rewrite
+from dpcompile.capture.modes import add_mode_check, bakes_mode, forward_reads_training, merge_modes
+from dpcompile.capture.rewrite import rewrite
 from dpcompile.capture.side_effects import (
     SideEffectRefused,
     check_export_effects,

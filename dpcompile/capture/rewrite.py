@@ -1,10 +1,9 @@
 """Rewrites that make an exported graph a program like the fx frontend's: module calls
-restored, mode-aware dropout, both modes served, mean losses as ``sum / count``, devices read
-from the inputs, readable names. See :mod:`dpcompile.capture.export`."""
+restored, mode-aware dropout, mean losses as ``sum / count``, devices read from the inputs,
+readable names (both modes served: :mod:`dpcompile.capture.modes`). See :mod:`dpcompile.capture.export`."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import operator
 import re
@@ -18,7 +17,7 @@ from torch.nn.utils import parametrize
 
 from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.errors import TraceError
-from dpcompile.runtime.exported import cross_entropy_count, element_count, expect_mode, mode_value
+from dpcompile.runtime.exported import cross_entropy_count, element_count
 
 log = logging.getLogger("dpcompile")
 aten = torch.ops.aten
@@ -49,7 +48,7 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        owner_path = _owner_path(node)
+        owner_path = node_owner_path(node)
         owner = modules.get(owner_path) if owner_path is not None else None
         if node.target is aten.contiguous.default and len(node.args) == 1 and not node.kwargs:
             # memory layout only (views below become reshapes, which take any layout): the two
@@ -82,7 +81,7 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
     _readable_names(graph)
 
 
-def _owner_path(node: fx.Node) -> str | None:
+def node_owner_path(node: fx.Node) -> str | None:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
@@ -199,12 +198,12 @@ def _raise_addmm_to_module(gm: fx.GraphModule, node: fx.Node, path: str, module:
     views = (aten.view.default, aten.reshape.default)
     if not (_is(gm, weight, module.weight) and _is(gm, bias, module.bias)):
         return
-    if not (isinstance(flat, fx.Node) and flat.op == "call_function" and flat.target in views and _owner_path(flat) == path):
+    if not (isinstance(flat, fx.Node) and flat.op == "call_function" and flat.target in views and node_owner_path(flat) == path):
         return
     if len(flat.users) != 1 or len(node.users) != 1:
         return
     out = next(iter(node.users))
-    if not (out.op == "call_function" and out.target in views and _owner_path(out) == path and out.args[0] is node):
+    if not (out.op == "call_function" and out.target in views and node_owner_path(out) == path and out.args[0] is node):
         return
     x = flat.args[0]
     x_shape, out_shape, weight_shape = _shape(x), _shape(out), tuple(module.weight.shape)
@@ -231,7 +230,7 @@ def _is_transposed_linear(gm: fx.GraphModule, module: nn.Module, path: str) -> b
     ``FalconLinear``: no submodules, no hooks, and every op its forward ran is one of those."""
     if not isinstance(module, nn.Linear) or module._modules or module._forward_hooks or module._forward_pre_hooks:
         return False
-    ran = [n for n in gm.graph.nodes if n.op == "call_function" and _owner_path(n) == path]
+    ran = [n for n in gm.graph.nodes if n.op == "call_function" and node_owner_path(n) == path]
     return all(n.target in _TRANSPOSED_LINEAR_OPS for n in ran)
 
 
@@ -392,116 +391,6 @@ def _devices_from_inputs(graph: fx.Graph) -> None:
         node.kwargs = {**node.kwargs, "device": device_node}
 
 
-def _with_defaults(node: fx.Node, n: int) -> None:
-    """Spell out an op's omitted positional arguments (their schema defaults) up to ``n``."""
-    schema = node.target._schema.arguments
-    args = list(node.args)
-    while len(args) < n and len(args) < len(schema) and schema[len(args)].has_default_value() and not schema[len(args)].kwarg_only:
-        if schema[len(args)].name in node.kwargs:
-            break
-        args.append(schema[len(args)].default_value)
-    node.args = tuple(args)
-
-
-def merge_modes(gm: fx.GraphModule, other: fx.GraphModule, model: nn.Module) -> bool:
-    """Make ``gm`` serve both modes where the two programs differ only in Python constants
-    (attention's ``dropout_p``): each such constant becomes ``mode_value(module, ...)``. False
-    where they differ in structure (``if self.training:`` around ops)."""
-    if other is gm:
-        return False
-    ours = list(gm.graph.nodes)
-    theirs = list(other.graph.nodes)
-    if len(ours) != len(theirs):
-        return False
-    pairs: dict[fx.Node, fx.Node] = {}
-    changes: list[tuple[fx.Node, int | str, Any, Any]] = []
-    for a, b in zip(ours, theirs):
-        if a.op == b.op == "call_function" and a.target == b.target and isinstance(a.target, torch._ops.OpOverload):
-            _with_defaults(a, len(b.args))
-            _with_defaults(b, len(a.args))
-        if a.op != b.op or a.target != b.target or len(a.args) != len(b.args) or set(a.kwargs) != set(b.kwargs):
-            return False
-        pairs[b] = a
-        slots = [(i, x, y) for i, (x, y) in enumerate(zip(a.args, b.args))] + [(k, a.kwargs[k], b.kwargs[k]) for k in a.kwargs]
-        for key, x, y in slots:
-            mapped = fx.node.map_arg(y, lambda n: pairs.get(n, n))
-            if mapped == x or (isinstance(x, fx.Node) and mapped is x):
-                continue
-            if type(x) is type(y) and isinstance(x, (bool, int, float)):
-                changes.append((a, key, x, y))
-                continue
-            return False
-    training = model.training
-    for node, key, value, other_value in changes:
-        path = _owner_path(node) or next(iter(dict(model.named_children())), None)
-        if path is None:
-            return False
-        with gm.graph.inserting_before(node):
-            ref = gm.graph.get_attr(path)
-            if_training, if_eval = (value, other_value) if training else (other_value, value)
-            chosen = gm.graph.call_function(mode_value, (ref, if_training, if_eval))
-        chosen.meta["stack_trace"] = node.meta.get("stack_trace")
-        if isinstance(key, int) and isinstance(node.target, torch._ops.OpOverload):
-            label = node.target._schema.arguments[key].name
-        else:
-            label = key if isinstance(key, str) else f"arg{key}"
-        chosen.meta["dpcompile_name"] = f"{node.name}_{label}"
-        if isinstance(key, str):
-            node.kwargs = {**node.kwargs, key: chosen}
-        else:
-            args = list(node.args)
-            args[key] = chosen
-            node.args = tuple(args)
-    for node in gm.graph.nodes:
-        if "dpcompile_name" in node.meta and node.op == "call_function" and node.target is mode_value:
-            node._rename(_identifier(node.meta["dpcompile_name"]))
-    return True
-
-
-_READS_TRAINING: dict[type, bool] = {}
-_MODE_AWARE = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.modules.batchnorm._BatchNorm)
-
-
-def forward_reads_training(cls: type) -> bool:
-    """Whether ``cls.forward``'s source, or another method of ``cls`` forward may call (BigBird's
-    ``_bigbird_block_rand_mask``: ``if not self.training``), mentions ``training`` (modules the program
-    calls as modules read their mode themselves)."""
-    if cls not in _READS_TRAINING:
-        if issubclass(cls, _MODE_AWARE) and cls.forward in {c.forward for c in _MODE_AWARE}:
-            _READS_TRAINING[cls] = False
-        else:
-            try:
-                methods = [inspect.unwrap(getattr(f, "__func__", f)) for n, f in vars(cls).items() if n != "forward"]
-                methods = [inspect.unwrap(cls.forward)] + [f for f in methods if inspect.isfunction(f)]
-                _READS_TRAINING[cls] = any("training" in inspect.getsource(f) for f in methods)
-            except (OSError, TypeError):
-                _READS_TRAINING[cls] = True
-    return _READS_TRAINING[cls]
-
-
-def bakes_mode(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if node.target is aten.dropout.default and node.args[1] != 0:
-        return True
-    if node.target is aten.scaled_dot_product_attention.default:
-        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        return p != 0
-    if node.target in (aten.batch_norm.default, aten.instance_norm.default):  # running statistics or the batch's
-        return len(node.args) > 5 and node.args[3] is not None and isinstance(node.args[5], bool)
-    return False
-
-
-def add_mode_check(gm: fx.GraphModule, model: nn.Module) -> None:
-    child = next(iter(dict(model.named_children())), None)
-    if child is None:
-        return
-    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    with gm.graph.inserting_before(first):
-        ref = gm.graph.get_attr(child)
-        gm.graph.call_function(expect_mode, (ref, model.training))
-
-
 _LOSSES = {
     aten.cross_entropy_loss.default: "class",
     aten.nll_loss.default: "class",
@@ -570,10 +459,10 @@ def _readable_names(graph: fx.Graph) -> None:
         elif node.op == "get_attr":
             base = node.target.replace(".", "_")
         else:
-            path = _owner_path(node)
+            path = node_owner_path(node)
             op = _op_name(node)
             base = f"{path.replace('.', '_')}_{op}" if path else op
-        name = _unique(_identifier(base), taken)
+        name = _unique(identifier(base), taken)
         taken.add(name)
         if name != node.name:
             node._rename(name)
@@ -586,7 +475,7 @@ def _op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", "op").strip("_") or "op"
 
 
-def _identifier(name: str) -> str:
+def identifier(name: str) -> str:
     name = re.sub(r"[^0-9a-zA-Z_]", "_", name)
     return f"_{name}" if name[:1].isdigit() else name
 

@@ -370,13 +370,18 @@ def test_odd_fx_shuffle_and_fold_modules_split_per_sample_under_1f1b():
     """The fx frontend keeps nn.ChannelShuffle, nn.PixelShuffle and nn.Fold as module calls, which had no
     batch rule (their functions had): they ran whole on the gathered batch, and 1F1B refused the model
     ('the 2 micro-batches meet at shuffle'). They split per sample: 1F1B's loss and gradients equal eager's."""
-    torch.manual_seed(0)
-    model = ShufflesAndFolds().double()
-    eager = copy.deepcopy(model)
     x = torch.randn(4, 4, 3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="fx", pipeline=2, micro_batches=2,
+    _assert_1f1b_like_eager(ShufflesAndFolds, (x,), "fx")
+
+
+def _assert_1f1b_like_eager(make: type[nn.Module], inputs: tuple, frontend: str) -> None:
+    """A float64 model's loss and every gradient under 1F1B on 2 devices (2 micro-batches) equal eager's."""
+    torch.manual_seed(0)
+    model = make().double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=inputs, frontend=frontend, pipeline=2, micro_batches=2,
                              schedule="1f1b")  # fmt: skip
-    loss, want = pm(x), eager(x)
+    loss, want = pm(*inputs), eager(*inputs)
     torch.testing.assert_close(loss, want)
     want.backward()
     for name, p in eager.named_parameters():
@@ -398,18 +403,9 @@ def test_odd_fx_embedding_bag_of_rows_splits_per_sample_under_1f1b():
     """nn.EmbeddingBag given 2-D indices and no offsets makes one bag per row, but its module call had no
     batch rule (F.embedding_bag's, with offsets, is whole): it ran on the gathered batch and 1F1B refused
     the model. It splits as the rows (the weights too): 1F1B's loss and gradients equal eager's."""
-    torch.manual_seed(0)
-    model = WeightedBags().double()
-    eager = copy.deepcopy(model)
     ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(0))
     weights = torch.rand(4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(ids, weights), frontend="fx", pipeline=2,
-                             micro_batches=2, schedule="1f1b")  # fmt: skip
-    loss, want = pm(ids, weights), eager(ids, weights)
-    torch.testing.assert_close(loss, want)
-    want.backward()
-    for name, p in eager.named_parameters():
-        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    _assert_1f1b_like_eager(WeightedBags, (ids, weights), "fx")
 
 
 class NearestCentres(nn.Module):
@@ -427,14 +423,4 @@ def test_odd_export_cdist_splits_per_row_under_1f1b():
     """The export frontend keeps ``aten.cdist`` (not ``_cdist_forward``, whose rule splits per row): it ran
     whole on the gathered batch and 1F1B found no mean loss. It splits per row: the loss and gradients of
     1F1B equal eager's."""
-    torch.manual_seed(0)
-    model = NearestCentres().double()
-    eager = copy.deepcopy(model)
-    x = _inputs(ShrinksItsWeight)[0]
-    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend="export", pipeline=2, micro_batches=2,
-                             schedule="1f1b")  # fmt: skip
-    loss, want = pm(x), eager(x)
-    torch.testing.assert_close(loss, want)
-    want.backward()
-    for name, p in eager.named_parameters():
-        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+    _assert_1f1b_like_eager(NearestCentres, (_inputs(ShrinksItsWeight)[0],), "export")

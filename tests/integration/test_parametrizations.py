@@ -144,15 +144,21 @@ def test_spectral_norm_iterates_once_a_step_in_float64(frontend, options):
     pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), frontend=frontend, **options)
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
-    opt, eager_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(eager.parameters(), lr=0.5)
+    # 1F1B backwarded the loss in the call: backward of it adds nothing
+    _assert_two_steps_like_eager(pm, eager, x, lambda params: torch.optim.SGD(params, lr=0.5), lambda out: out)
+
+
+def _assert_two_steps_like_eager(pm, eager, x, optimizer, loss) -> None:
+    """Two optimizer steps on ``x`` and ``x + 1``: outputs, every gradient and the state after equal eager's."""
+    opt, eager_opt = optimizer(pm.parameters()), optimizer(eager.parameters())
     for step in range(2):
-        loss, want = pm(x + step), eager(x + step)
-        torch.testing.assert_close(loss, want)
-        loss.backward()  # 1F1B backwarded it in the call: this adds nothing
-        want.backward()
-        grads = dict(pm.named_parameters())
+        got, want = pm(x + step), eager(x + step)
+        torch.testing.assert_close(got, want)
+        loss(got).sum().backward()
+        loss(want).sum().backward()
+        grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {n: p.grad for n, p in pm.named_parameters()}
         for name, p in eager.named_parameters():
-            torch.testing.assert_close(grads[name].grad, p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
         for o in (opt, eager_opt):
             o.step()
             o.zero_grad()
@@ -173,21 +179,7 @@ def test_hook_based_weight_norm_converted_to_float64_trains_as_eager(options):
     eager.load_state_dict(model.state_dict())
     x = torch.randn(4, 8, dtype=torch.float64)
     pm = dpcompile.transform(model, ["cpu"] * (4 if "tp" in options.get("mesh", {}) else 2), example_inputs=(x,), **options)
-    opt, eager_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    for step in range(2):
-        got, want = pm(x + step), eager(x + step)
-        torch.testing.assert_close(got, want)
-        got.square().sum().backward()
-        want.square().sum().backward()
-        grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {n: p.grad for n, p in pm.named_parameters()}
-        for name, p in eager.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
-        for o in (opt, eager_opt):
-            o.step()
-            o.zero_grad()
-    state = pm.state_dict()
-    for key, value in eager.state_dict().items():
-        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    _assert_two_steps_like_eager(pm, eager, x, lambda params: torch.optim.AdamW(params, lr=1e-2), torch.square)
 
 
 def test_export_checkpointed_spectral_norm_is_refused_naming_the_buffer_it_writes():

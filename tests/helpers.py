@@ -234,6 +234,34 @@ def assert_square_sum_step_equals_eager(model: nn.Module, eager: nn.Module, got:
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
+def assert_steps_equal_eager(
+    pm: Callable[..., Any],
+    eager: nn.Module,
+    inputs: Callable[[int], tuple],
+    optimizer: Callable[[Any], torch.optim.Optimizer],
+    loss: Callable[[torch.Tensor], torch.Tensor] = torch.square,
+    steps: int = 2,
+) -> None:
+    """``steps`` optimizer steps of ``pm`` and ``eager`` on ``inputs(step)``: each step's output, then
+    every gradient after backward of ``loss(output).sum()`` (shards gathered), and the state after
+    the last step equal eager's."""
+    opt, eager_opt = optimizer(pm.parameters()), optimizer(eager.parameters())
+    for step in range(steps):
+        got, want = pm(*inputs(step)), eager(*inputs(step))
+        torch.testing.assert_close(got, want, msg=lambda m, step=step: f"output of step {step}: {m}")
+        loss(got).sum().backward()
+        loss(want).sum().backward()
+        grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {n: p.grad for n, p in pm.named_parameters()}
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name, step=step: f"grad {name}, step {step}: {m}")
+        for o in (opt, eager_opt):
+            o.step()
+            o.zero_grad()
+    state = pm.state_dict()
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key} after {steps} steps: {m}")
+
+
 def assert_stage_is_a_parallel_module(pm: nn.Module) -> None:
     """A pipeline's stage over a mesh is a ``dpcompile.ParallelModule`` (a ``torch.fx.GraphModule``) whose
     graph and code are this rank's stage program, the one its schedule runs: it names the modules this stage holds;

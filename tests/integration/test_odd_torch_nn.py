@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dpcompile
-from tests.helpers import full_gradients
+from tests.helpers import assert_steps_equal_eager, full_gradients
 
 
 class ShrinksItsWeight(nn.Module):
@@ -53,22 +53,8 @@ def _trains_like_eager(cls, devices, **options):
     pm = dpcompile.transform(model, devices, example_inputs=args, **options)
     for key, value in model.state_dict().items():  # shape propagation's fake run wrote nothing real
         torch.testing.assert_close(value, before[key], rtol=0, atol=0, msg=lambda m, key=key: f"{key} after transform: {m}")
-    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
-    for step in range(2):
-        out, want = pm(*args), eager(*args)
-        torch.testing.assert_close(out, want, msg=lambda m, step=step: f"output of step {step}: {m}")
-        out.square().sum().backward()
-        want.square().sum().backward()
-        grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {n: p.grad for n, p in pm.named_parameters()}
-        for name, p in eager.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name, step=step: f"grad {name}, step {step}: {m}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    state = pm.state_dict()
-    assert list(state) == list(eager.state_dict())
-    for key, value in eager.state_dict().items():
-        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key} after 2 steps: {m}")
+    assert_steps_equal_eager(pm, eager, lambda step: args, lambda params: torch.optim.AdamW(params, lr=1e-2))
+    assert list(pm.state_dict()) == list(eager.state_dict())
     return pm
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import dpcompile
-from tests.helpers import full_gradients
+from tests.helpers import assert_steps_equal_eager
 
 
 class Normed(nn.Module):
@@ -145,26 +145,7 @@ def test_spectral_norm_iterates_once_a_step_in_float64(frontend, options):
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
     # 1F1B backwarded the loss in the call: backward of it adds nothing
-    _assert_two_steps_like_eager(pm, eager, x, lambda params: torch.optim.SGD(params, lr=0.5), lambda out: out)
-
-
-def _assert_two_steps_like_eager(pm, eager, x, optimizer, loss) -> None:
-    """Two optimizer steps on ``x`` and ``x + 1``: outputs, every gradient and the state after equal eager's."""
-    opt, eager_opt = optimizer(pm.parameters()), optimizer(eager.parameters())
-    for step in range(2):
-        got, want = pm(x + step), eager(x + step)
-        torch.testing.assert_close(got, want)
-        loss(got).sum().backward()
-        loss(want).sum().backward()
-        grads = full_gradients(pm) if getattr(pm, "param_shards", None) else {n: p.grad for n, p in pm.named_parameters()}
-        for name, p in eager.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"grad {name}: {m}")
-        for o in (opt, eager_opt):
-            o.step()
-            o.zero_grad()
-    state = pm.state_dict()
-    for key, value in eager.state_dict().items():
-        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    assert_steps_equal_eager(pm, eager, lambda step: (x + step,), lambda params: torch.optim.SGD(params, lr=0.5), lambda out: out)
 
 
 @pytest.mark.parametrize("options", [{}, {"mesh": {"dp": 2}, "data_parallel": "fsdp"}, {"mesh": {"dp": 2, "tp": 2}}],
@@ -179,7 +160,7 @@ def test_hook_based_weight_norm_converted_to_float64_trains_as_eager(options):
     eager.load_state_dict(model.state_dict())
     x = torch.randn(4, 8, dtype=torch.float64)
     pm = dpcompile.transform(model, ["cpu"] * (4 if "tp" in options.get("mesh", {}) else 2), example_inputs=(x,), **options)
-    _assert_two_steps_like_eager(pm, eager, x, lambda params: torch.optim.AdamW(params, lr=1e-2), torch.square)
+    assert_steps_equal_eager(pm, eager, lambda step: (x + step,), lambda params: torch.optim.AdamW(params, lr=1e-2))
 
 
 def test_export_checkpointed_spectral_norm_is_refused_naming_the_buffer_it_writes():

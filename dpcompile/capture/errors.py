@@ -137,6 +137,16 @@ def _self_in_varargs_decorator(model: nn.Module) -> str | None:
     return code.co_qualname.split(".<locals>", 1)[0]
 
 
+def _arguments_hidden_by_a_wrapper(model: nn.Module) -> str | None:
+    """The name of the function that stands for ``forward`` as ``wrapper(self, *args, **kwargs)``
+    without ``functools.wraps`` (so neither frontend sees forward's own arguments); None otherwise."""
+    forward = type(model).forward
+    code = getattr(forward, "__code__", None)
+    if code is None or hasattr(forward, "__wrapped__") or code.co_name == "forward":
+        return None
+    return code.co_name if code.co_argcount <= 1 and code.co_flags & inspect.CO_VARARGS else None
+
+
 def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
     """Build the :class:`TraceError` for an exception raised while tracing ``model``."""
     decorator = _self_in_varargs_decorator(model) if "co_varnames is too small" in first_line(exc) else None
@@ -149,6 +159,11 @@ def trace_error(exc: BaseException, model: nn.Module) -> TraceError:
     found = user_frame(exc.__traceback__)
     leaf = leaf_to_suggest(exc.__traceback__, model)
     ways = []
+    if (wrapper := _arguments_hidden_by_a_wrapper(model)) and "iterate" in first_line(exc):
+        ways.append(
+            f"{type(model).__name__}.forward is '{wrapper}(self, *args, **kwargs)', a wrapper that hides forward's "
+            f"arguments: decorate '{wrapper}' with @functools.wraps(forward) so both frontends see them"
+        )
     if leaf is not None:
         ways.append(
             f"mark the module as a leaf (leaf_modules=[{leaf.__name__}]) so the tracer does not enter it "

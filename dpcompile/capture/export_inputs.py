@@ -102,6 +102,13 @@ def bind_names(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     params = [p for p in forward_parameters(model) if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(args) > len(positional):
+        var_positional = next((p.name for p in forward_parameters(model) if p.kind is p.VAR_POSITIONAL), None)
+        if var_positional is not None:  # a decorator without functools.wraps hides forward's own names
+            raise TraceError(
+                f"{type(model).__name__}.forward takes {len(args) - len(positional)} of the example's arguments as "
+                f"*{var_positional}, and the export frontend passes each argument by its name: name them in forward "
+                "(where a decorator wraps forward, give its wrapper @functools.wraps(forward))"
+            )
         raise TraceError(f"{type(model).__name__}.forward takes {len(positional)} positional arguments, the example gives {len(args)}")
     given = {p.name: a for p, a in zip(positional, args)}
     for key in kwargs:

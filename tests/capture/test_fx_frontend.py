@@ -171,3 +171,33 @@ def test_fx_error_names_the_transformers_decorator_it_cannot_trace():
     with pytest.raises(dpcompile.TraceError, match=r"wrapped by 'deprecate_kwarg' as wrapper\(\*args, \*\*kwargs\)"):
         dpcompile.transform(model, ["cpu"] * 2, frontend="fx")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _hides_its_arguments(forward):
+    def wrapper(self, *args, **kwargs):  # no functools.wraps: forward's names are gone
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _WrappedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    @_hides_its_arguments
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+@pytest.mark.parametrize("examples", [None, (torch.randn(4, 4),)], ids=["fx", "export"])
+def test_a_decorator_without_wraps_is_named_with_the_fix(examples):
+    """forward as ``wrapper(self, *args, **kwargs)`` without functools.wraps: both frontends say
+    the wrapper hides forward's arguments and that @functools.wraps is the fix (the export
+    frontend used to say forward 'takes 0 positional arguments')."""
+    model = _WrappedForward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fix = r"decorate 'wrapper' with @functools\.wraps\(forward\)" if examples is None else r"as \*args.*@functools\.wraps"
+    with pytest.raises(dpcompile.TraceError, match=fix):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=examples)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -169,9 +169,8 @@ def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
     elif copies is not None:  # each copy holds copy 0's parameters on its own devices
         held = {copy[k]: params.get(label, 0) for copy in copies for k, label in enumerate(own_labels)}
         params = {label: held[label] for label in labels}
-    fraction, whole = (
-        _split_flops(gm, recorder) if getattr(pm, "mode", "data_parallel") == "data_parallel" else (None, [])
-    )
+    splits_batch = _splits_batch(pm)
+    fraction, whole = _split_flops(gm, recorder) if splits_batch else (None, [])
     return Report(
         mode=str(getattr(pm, "mode", "unknown")),
         devices=labels,
@@ -194,6 +193,7 @@ def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
         plan=dict(getattr(pm, "plan", {}) or {}),
         plan_reasons={k: str(v) for k, v in (getattr(pm, "plan_reasons", {}) or {}).items()},
         batch=batch,
+        splits_batch=splits_batch,
         split_flop_fraction=fraction,
         whole=whole,
         pipeline=pipeline,
@@ -421,9 +421,17 @@ def program_count(
     return program_memory(pm, params, optimizer=optimizer, training=training, activations=activations, share=share)
 
 
+def _splits_batch(pm: nn.Module) -> bool:
+    """Whether ``pm``'s program splits the batch over devices itself (its recipe's ``splits_batch``: dp,
+    dp x tp, pp x dp, FSDP and cp in one process, cp over a mesh); a program without a recipe (built by
+    hand) is read as data parallel: its stamps say what runs whole."""
+    recipe = getattr(pm, "recipe", None)
+    return recipe is None or recipe.splits_batch
+
+
 def _split_flops(gm: fx.GraphModule, recorder: Recorder | None) -> tuple[float | None, list[dict[str, Any]]]:
-    """Data parallel: the share of forward FLOPs that runs split, and the ops that run whole
-    (nodes the data-parallel pass stamped ``dpcompile_whole``, with its reason)."""
+    """A program that splits the batch: the share of forward FLOPs that runs split, and the ops that
+    run whole (nodes the data-parallel pass stamped ``dpcompile_whole``, with its reason)."""
     flops = recorder.flops if recorder is not None else {}
     whole = []
     for node in gm.graph.nodes:

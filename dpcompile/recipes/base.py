@@ -58,6 +58,13 @@ class Recipe:
     replicates_model: ClassVar[bool] = False
 
     @property
+    def splits_batch(self) -> bool:
+        """Its program splits the batch over devices itself (``dp``'s rows, ``cp``'s sequence, in one
+        program: data parallel, or copies or pieces composed over another program), so an op without a batch
+        rule runs whole on the gathered batch (``explain``'s ``split_flop_fraction`` and ``whole``)."""
+        return self.dp_devices is not None
+
+    @property
     def context_options(self) -> ContextParallelOptions:
         """``context_parallel=`` as the passes read it (kept as plain fields: a recipe exports as data)."""
         return ContextParallelOptions(self.context_exchange, self.context_load_balance, self.context_memory_headroom)

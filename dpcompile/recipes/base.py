@@ -56,6 +56,9 @@ class Recipe:
     #: ``replicates_model``: its program computes on the model's own tensors (data parallel): a model
     #: on meta is given memory in place, where other programs own their tensors (shards, placed stages)
     replicates_model: ClassVar[bool] = False
+    #: ``strategy`` (``pm.strategy``): ``"pipeline"`` where the program has stages, else ``"tensor_parallel"``
+    #: where it shards layers (dp x tp too, built as one stage), else ``"data_parallel"`` (cp too)
+    strategy: ClassVar[str] = "data_parallel"
 
     @property
     def splits_batch(self) -> bool:

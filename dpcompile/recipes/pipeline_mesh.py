@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.fx as fx
 from torch import nn
@@ -69,6 +69,8 @@ class MeshPipelineRecipe(Recipe):
     data_parallel: str = "ddp"
     mixed_precision: Any = field(default=None, compare=False)
     ddp_options: Mapping[str, Any] | None = field(default=None, compare=False)  # DDP over "dp" on each stage
+
+    strategy: ClassVar[str] = "pipeline"
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         import torch.distributed as dist

@@ -102,6 +102,10 @@ class SpmdRecipe(Recipe):
     def replicates_model(self) -> bool:  # data parallel over the mesh
         return self.plan is False
 
+    @property
+    def strategy(self) -> str:  # type: ignore[override]
+        return "data_parallel" if self.plan is False else "tensor_parallel"
+
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
         the first rank's parameters and buffers)."""

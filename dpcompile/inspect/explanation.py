@@ -169,7 +169,7 @@ def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
     elif copies is not None:  # each copy holds copy 0's parameters on its own devices
         held = {copy[k]: params.get(label, 0) for copy in copies for k, label in enumerate(own_labels)}
         params = {label: held[label] for label in labels}
-    splits_batch = _splits_batch(pm)
+    splits_batch = getattr(getattr(pm, "recipe", None), "splits_batch", True)  # a hand-built program: as dp's
     fraction, whole = _split_flops(gm, recorder) if splits_batch else (None, [])
     return Report(
         mode=str(getattr(pm, "mode", "unknown")),
@@ -413,20 +413,12 @@ def program_count(
             activations = activation_bytes(model, args, kwargs, training=training)
         except Exception:  # noqa: BLE001 - a figure, not a requirement
             activations = 0
-        if "data_parallel" in str(getattr(pm, "mode", "")) and len(params) > 1:
+        if getattr(recipe, "replicates_model", False) and len(params) > 1:  # data parallel: a share of the batch
             share = 1.0 / len(params)
     if sequence_share:
         return program_memory(pm, params, optimizer=optimizer, training=training, activations=activations,
                               share=sequence_share)  # fmt: skip
     return program_memory(pm, params, optimizer=optimizer, training=training, activations=activations, share=share)
-
-
-def _splits_batch(pm: nn.Module) -> bool:
-    """Whether ``pm``'s program splits the batch over devices itself (its recipe's ``splits_batch``: dp,
-    dp x tp, pp x dp, FSDP and cp in one process, cp over a mesh); a program without a recipe (built by
-    hand) is read as data parallel: its stamps say what runs whole."""
-    recipe = getattr(pm, "recipe", None)
-    return recipe is None or recipe.splits_batch
 
 
 def _split_flops(gm: fx.GraphModule, recorder: Recorder | None) -> tuple[float | None, list[dict[str, Any]]]:

@@ -259,14 +259,10 @@ class SpmdRecipe(Recipe):
             + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
         )
 
-    def _lower_tensor_parallel(self, gm: fx.GraphModule, devices: Devices, styles: Mapping[str, str], dp_dim: Any,
-                               tp_dim: Any, examples: Any) -> tuple:  # fmt: skip
-        """``shard_linear``'s one-shard program, its collectives lowered over ``tp`` (DDP or FSDP2 over ``dp``)."""
-        return run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim, gm, examples))
-
     def _compile_tensor_parallel(self, model: nn.Module, dp_dim: Any, tp_dim: Any, example_inputs: Sequence[Any] | None,
                                  lower: Any = None) -> ParallelModule:  # fmt: skip
-        """This rank's shards; ``lower`` lowers the one-shard program (:meth:`_lower_tensor_parallel`)."""
+        """This rank's shards; ``lower(gm, devices, styles, dp_dim, tp_dim, examples)``, where given, lowers the
+        one-shard program instead of :meth:`_tensor_parallel_pipeline`."""
         device = self.home_device
         tp_size = mesh_size(self.mesh, tp_dim)
         tp_rank = self.mesh.get_local_rank(tp_dim)
@@ -291,7 +287,8 @@ class SpmdRecipe(Recipe):
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
         styles, reasons = plan_for(gm, aliased_plan(self.plan), tp_size, model)
         devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
-        gm, records = (lower or self._lower_tensor_parallel)(gm, devices, styles, dp_dim, tp_dim, example_inputs)
+        gm, records = lower(gm, devices, styles, dp_dim, tp_dim, example_inputs) if lower else run_passes(
+            gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim, gm, example_inputs))
         info = unaliased_findings(info_of(records, "shard_linear"))
         specs = dict(info.get("param_shards", {}))
         keep_own_shards(gm, own, specs, tp_rank)

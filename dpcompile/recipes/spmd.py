@@ -108,7 +108,7 @@ class SpmdRecipe(Recipe):
 
     @property
     def splits_batch(self) -> bool:  # type: ignore[override]
-        return MESH_PROGRAMS[self.mode].splits_batch
+        return "cp" in (self.mesh.mesh_dim_names or ())  # cp's one-process program cut to this rank
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
@@ -433,13 +433,11 @@ class SpmdRecipe(Recipe):
 @dataclass(frozen=True)
 class MeshProgram:
     """One kind of rank program over a mesh, recorded once (:data:`MESH_PROGRAMS`, keyed by the mode
-    ``check_mesh`` names): how :class:`SpmdRecipe` builds it, how it builds it again for a call that
-    departs from the first, and whether it splits the batch itself (``Recipe.splits_batch``: cp's
-    one-process program cut to this rank). A new kind of mesh program is an entry, not a branch."""
+    ``check_mesh`` names): how :class:`SpmdRecipe` builds it, and how it builds it again for a call that
+    departs from the first. A new kind of mesh program is an entry, not a branch."""
 
     compile: Callable[..., ParallelModule]  # (recipe, model, dp_dim, tp_dim, example_inputs)
     build_again: Callable[..., fx.GraphModule | None]  # (recipe, pm, key, args, kwargs)
-    splits_batch: bool = False
 
 
 _TENSOR_PARALLEL = MeshProgram(SpmdRecipe._compile_tensor_parallel, SpmdRecipe._tensor_parallel_again)
@@ -447,11 +445,9 @@ MESH_PROGRAMS: dict[str, MeshProgram] = {
     "spmd_data_parallel": MeshProgram(SpmdRecipe._compile_replicated, SpmdRecipe._data_parallel_again),
     "spmd_tensor_parallel": _TENSOR_PARALLEL,
     "spmd_2d": _TENSOR_PARALLEL,
-    "spmd_context_parallel": MeshProgram(SpmdRecipe._compile_context_parallel, SpmdRecipe._context_parallel_again,
-                                         splits_batch=True),
-    "spmd_context_tensor_parallel": MeshProgram(SpmdRecipe._compile_context_tensor_parallel, SpmdRecipe._refuse_again,
-                                                splits_batch=True),
-}  # fmt: skip
+    "spmd_context_parallel": MeshProgram(SpmdRecipe._compile_context_parallel, SpmdRecipe._context_parallel_again),
+    "spmd_context_tensor_parallel": MeshProgram(SpmdRecipe._compile_context_tensor_parallel, SpmdRecipe._refuse_again),
+}
 
 
 @torch.no_grad()

@@ -450,8 +450,6 @@ MESH_PROGRAMS: dict[str, MeshProgram] = {
 }
 
 
-@torch.no_grad()
-
 def _holds_batch_norm(model: nn.Module, block_class: type[nn.Module]) -> bool:
     """Whether a repeated block of ``block_class`` in ``model`` holds a BatchNorm: called whole under FSDP, it
     would normalise with this rank's batch alone (the lowering that synchronises it never sees inside)."""
@@ -463,6 +461,7 @@ def _holds_batch_norm(model: nn.Module, block_class: type[nn.Module]) -> bool:
     )  # fmt: skip
 
 
+@torch.no_grad()
 def broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
     """Give every rank of ``group`` the parameters and buffers of the group's first rank.
 

@@ -197,6 +197,8 @@ class _Expander:
         stamp(new, PASS, source)
         if STAGE in source.meta:  # a pipeline stage's node: its shards run in that stage (sequence parallel's too)
             new.meta[STAGE] = source.meta[STAGE]
+        if "dpcompile_whole" in source.meta:  # dp copies' split: its shards run on the gathered batch too
+            new.meta["dpcompile_whole"] = source.meta["dpcompile_whole"]
         return new
 
     def comm(self, new: fx.Node, source: fx.Node) -> fx.Node:

@@ -1,6 +1,7 @@
 """Layouts named by ``mesh=`` over a device list: the arithmetic checked once, the same programs as
 the older keywords, ``pm.layout`` / ``pm.strategies``, and no keyword silently ignored."""
 
+import math
 import re
 
 import pytest
@@ -53,6 +54,17 @@ def test_layout_strategy_is_one_of_the_three_api_names_by_what_the_layout_does(m
         n *= size
     pm = dpcompile.transform(Stack(depth=2), ["cpu"] * n, mesh=mesh)
     assert pm.strategy == strategy
+
+
+@pytest.mark.parametrize("mesh, strategy", [({"dp": 2, "tp": 2}, "tensor_parallel"), ({"pp": 1, "dp": 2}, "data_parallel"),
+                                            ({"pp": 2, "dp": 2}, "pipeline")])  # fmt: skip
+def test_layout_strategy_of_a_loaded_program_is_its_recipes(tmp_path, mesh, strategy):
+    """An exported program loads without its layout; its strategy is still what its recipe built
+    (main read the kind's name there: a loaded dp x tp said "pipeline")."""
+    pm = dpcompile.transform(Stack(depth=2), ["cpu"] * math.prod(mesh.values()), mesh=mesh)
+    loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "out"))
+    assert "layout" not in loaded.__dict__
+    assert pm.strategy == loaded.strategy == strategy
 
 
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"pp": 2, "tp": 2}, {"tp": 2, "pp": 2}])

@@ -39,13 +39,14 @@ def held_parameter_bytes(
     out = dict.fromkeys(labels, 0)
     named = list(pm.named_parameters())
     pieces = fsdp_pieces(pm)
-    if pieces and getattr(pm, "mode", None) == "data_parallel":  # FSDP over dp alone: piece r on device r
+    replicated = getattr(getattr(pm, "recipe", None), "replicates_model", False)  # data parallel (FSDP: in pieces)
+    if pieces and replicated:  # FSDP over dp alone: piece r on device r
         for name, p in named:
             out[labels[pieces.get(name, (0, name))[0]]] += p.numel() * p.element_size()
         return out
     if copy is not None:  # FSDP over dp copies: what copy `copy` holds, at copy 0's places
         named = [(name, p) for name, p in named if pieces.get(name, (0, name))[0] == copy]
-    if getattr(pm, "mode", None) == "data_parallel":
+    if replicated:
         total = sum(p.numel() * p.element_size() for _, p in named)
         return dict.fromkeys(labels, total)
     slots = getattr(pm, "shard_param_slots", None)

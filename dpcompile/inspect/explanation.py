@@ -169,9 +169,8 @@ def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
     elif copies is not None:  # each copy holds copy 0's parameters on its own devices
         held = {copy[k]: params.get(label, 0) for copy in copies for k, label in enumerate(own_labels)}
         params = {label: held[label] for label in labels}
-    fraction, whole = (
-        _split_flops(gm, recorder) if getattr(pm, "mode", "data_parallel") == "data_parallel" else (None, [])
-    )
+    splits_batch = getattr(getattr(pm, "recipe", None), "splits_batch", True)  # a hand-built program: as dp's
+    fraction, whole = _split_flops(gm, recorder) if splits_batch else (None, [])
     return Report(
         mode=str(getattr(pm, "mode", "unknown")),
         devices=labels,
@@ -194,6 +193,7 @@ def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
         plan=dict(getattr(pm, "plan", {}) or {}),
         plan_reasons={k: str(v) for k, v in (getattr(pm, "plan_reasons", {}) or {}).items()},
         batch=batch,
+        splits_batch=splits_batch,
         split_flop_fraction=fraction,
         whole=whole,
         pipeline=pipeline,
@@ -413,7 +413,7 @@ def program_count(
             activations = activation_bytes(model, args, kwargs, training=training)
         except Exception:  # noqa: BLE001 - a figure, not a requirement
             activations = 0
-        if "data_parallel" in str(getattr(pm, "mode", "")) and len(params) > 1:
+        if getattr(recipe, "replicates_model", False) and len(params) > 1:  # data parallel: a share of the batch
             share = 1.0 / len(params)
     if sequence_share:
         return program_memory(pm, params, optimizer=optimizer, training=training, activations=activations,
@@ -422,8 +422,8 @@ def program_count(
 
 
 def _split_flops(gm: fx.GraphModule, recorder: Recorder | None) -> tuple[float | None, list[dict[str, Any]]]:
-    """Data parallel: the share of forward FLOPs that runs split, and the ops that run whole
-    (nodes the data-parallel pass stamped ``dpcompile_whole``, with its reason)."""
+    """A program that splits the batch: the share of forward FLOPs that runs split, and the ops that
+    run whole (nodes the data-parallel pass stamped ``dpcompile_whole``, with its reason)."""
     flops = recorder.flops if recorder is not None else {}
     whole = []
     for node in gm.graph.nodes:

@@ -75,9 +75,10 @@ class Report:
     plan: dict[str, str] = field(default_factory=dict)
     plan_reasons: dict[str, str] = field(default_factory=dict)
     batch: int | None = None
-    # data parallel: the share of forward FLOPs that runs split across devices (1.0 = all of
-    # it; None without inputs to count FLOPs on), and each op that runs once on the gathered
-    # batch: {"node", "target", "reason", "flops", "source"}
+    # a program that splits the batch over devices itself (dp, cp; composed with tp or pp too): the
+    # share of forward FLOPs that runs split (1.0 = all of it; None without inputs to count FLOPs
+    # on), and each op that runs once on the gathered batch: {"node", "target", "reason", "flops", "source"}
+    splits_batch: bool = False
     split_flop_fraction: float | None = None
     whole: list[dict[str, Any]] = field(default_factory=list)
     # pipeline: {"schedule", "micro_batches" (of each dp copy), "dp_copies", "bubble_fraction", "imbalance", "measure", "stages": [{"stage",
@@ -293,7 +294,7 @@ def _render(r: Report) -> str:
         if sp.get("reduce_scatter") == "all_reduce_then_slice":
             out.append("  reduce-scatter as an all-reduce and each rank's slice: the gloo fallback (gloo's own "
                        "reduce-scatter measured slower; nccl runs a real one)")  # fmt: skip
-    if r.mode == "data_parallel":
+    if r.splits_batch:
         fraction = "?" if r.split_flop_fraction is None else f"{100 * r.split_flop_fraction:.1f}%"
         out += ["", f"Split across devices: {fraction} of forward FLOPs"]
         if r.whole:

@@ -302,7 +302,9 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
     executor = property(lambda self: self._executor.name)
     #: a pipeline's bubble ``(S-1)/(M+S-1)``, GPipe's and 1F1B's: the share of a step each device waits
     bubble_fraction = property(bubble_fraction)
-    strategy = property(lambda self: _strategy(self))
+    #: ``"data_parallel"``, ``"tensor_parallel"`` or ``"pipeline"``: what its recipe says it is
+    strategy = property(lambda self: self.recipe.strategy)
+
     def program_for_call(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
         """The program a call with these arguments runs: ``self`` or one traced for the call.
 
@@ -497,16 +499,3 @@ CPU_COMPILE_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
 
 reserve_names(dir(ParallelModule))
 reserve_names(ParallelModule.own_attributes)
-
-
-def _strategy(pm: ParallelModule) -> str:
-    """``pm.strategy``: ``"pipeline"`` where the layout has stages, else ``"tensor_parallel"`` where it
-    shards layers (``dp x tp`` too, built as one stage), else what the program's kind says."""
-    layout = getattr(pm, "layout", None) or {}
-    if layout.get("pp", 1) > 1:
-        return "pipeline"
-    if layout.get("tp", 1) > 1:
-        return "tensor_parallel"
-    if layout and "pipeline" in str(pm.mode) and set(k for k, v in layout.items() if v > 1) <= {"dp"}:
-        return "data_parallel"
-    return next((s for s in ("data_parallel", "pipeline") if s in str(pm.mode)), "tensor_parallel")

@@ -56,6 +56,16 @@ class Recipe:
     #: ``replicates_model``: its program computes on the model's own tensors (data parallel): a model
     #: on meta is given memory in place, where other programs own their tensors (shards, placed stages)
     replicates_model: ClassVar[bool] = False
+    #: ``strategy`` (``pm.strategy``): ``"pipeline"`` where the program has stages, else ``"tensor_parallel"``
+    #: where it shards layers (dp x tp too, built as one stage), else ``"data_parallel"`` (cp too)
+    strategy: ClassVar[str] = "data_parallel"
+
+    @property
+    def splits_batch(self) -> bool:
+        """Its program splits the batch over devices itself (``dp``'s rows, ``cp``'s sequence, in one
+        program: data parallel, or copies or pieces composed over another program), so an op without a batch
+        rule runs whole on the gathered batch (``explain``'s ``split_flop_fraction`` and ``whole``)."""
+        return self.dp_devices is not None
 
     @property
     def context_options(self) -> ContextParallelOptions:

@@ -65,6 +65,7 @@ class DataParallelRecipe(Recipe):
     serves_flags: ClassVar[bool] = True
     lowers_capture: ClassVar[bool] = True
     replicates_model: ClassVar[bool] = True
+    splits_batch: ClassVar[bool] = True  # type: ignore[misc]
 
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         if self.context_parallel and example_inputs is None:

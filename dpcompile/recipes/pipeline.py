@@ -74,6 +74,10 @@ class PipelineRecipe(Recipe):
     def stage_count(self) -> int:
         return self.stages if isinstance(self.stages, int) else len(self.stages) + 1
 
+    @property
+    def strategy(self) -> str:  # type: ignore[override]
+        return "pipeline" if self.stage_count > 1 else "data_parallel" if self.plan is False else "tensor_parallel"
+
     def fake_layout_fields(self, pm: ParallelModule) -> dict[str, Any]:
         return {} if self.plan is False else {"plan": dict(pm.plan) or True}
 

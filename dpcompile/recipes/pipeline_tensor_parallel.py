@@ -17,7 +17,7 @@ runs on its stage's devices, and a mean loss, BatchNorm and every gradient keep 
 single-device values. Values that cross a stage boundary are whole (replicated or gathered):
 a cut between a column layer and the row layer it feeds is refused, with the way out.
 
-The order is the other way round from a mesh's (``recipes/pipeline_mesh_tp.py``: cut, then shard
+The order is the other way round from a mesh's (``recipes/pipeline_mesh.py``: cut, then shard
 each stage's program): here the stages and micro-batches are nodes of one program, and
 ``expand_shards`` must run after ``insert_scatter_gather`` so each micro-batch's pair stays on its
 stage's devices, so the one shard's program is written before the cut.

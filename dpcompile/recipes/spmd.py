@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +61,7 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import fake_copy, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
-from dpcompile.mesh import check_fsdp_parameters, check_mesh, local_device, mesh_size
+from dpcompile.mesh import check_fsdp_parameters, check_mesh, mesh_size
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
 from dpcompile.modules.spmd import hold_mesh, repeated_blocks
@@ -102,11 +102,18 @@ class SpmdRecipe(Recipe):
     def replicates_model(self) -> bool:  # data parallel over the mesh
         return self.plan is False
 
+    @property
+    def strategy(self) -> str:  # type: ignore[override]
+        return "data_parallel" if self.plan is False else "tensor_parallel"
+
+    @property
+    def splits_batch(self) -> bool:  # type: ignore[override]
+        return "cp" in (self.mesh.mesh_dim_names or ())  # cp's one-process program cut to this rank
+
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
         the first rank's parameters and buffers)."""
         mode, dp_dim, tp_dim = check_mesh(self.mesh, self.plan)
-        device = local_device(self.mesh)
         if self.data_parallel == "fsdp" and dp_dim is None:
             raise ArgumentError(
                 'data_parallel="fsdp" shards over the mesh\'s data-parallel dimension, and this mesh has none '
@@ -114,20 +121,7 @@ class SpmdRecipe(Recipe):
             )
         if self.data_parallel == "fsdp":
             check_fsdp_parameters(model)
-        if mode == "spmd_context_parallel":
-            return self._compile_context_parallel(model, device, example_inputs)
-        if mode == "spmd_context_tensor_parallel":
-            self._check_context_tensor_parallel(example_inputs)
-        if mode == "spmd_data_parallel":
-            if self.data_parallel == "fsdp":  # the blocks stay calls: fully_shard hooks their forward
-                blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
-                # but a block holding a BatchNorm is traced into, so that its statistics are synchronised
-                # over dp (sync_batch_norm); its parameters are sharded with the root's
-                blocks = tuple(c for c in blocks if not _holds_batch_norm(model, c))
-                recipe = dataclasses.replace(self, leaf_modules=self.leaf_modules + blocks, fsdp_blocks=blocks)
-                return recipe._compile_data_parallel(model, dp_dim, device, example_inputs)
-            return self._compile_data_parallel(model, dp_dim, device, example_inputs)
-        return self._compile_tensor_parallel(model, mode, dp_dim, tp_dim, device, example_inputs)
+        return MESH_PROGRAMS[mode].compile(self, model, dp_dim, tp_dim, example_inputs)
 
     def fsdp_options(self) -> dict[str, Any] | None:
         """``fully_shard``'s keyword arguments where ``data_parallel="fsdp"``, else None."""
@@ -181,9 +175,19 @@ class SpmdRecipe(Recipe):
                 f"own){or_else}"
             )
 
-    def _compile_data_parallel(
-        self, model: nn.Module, dp_dim: str | int | None, device: torch.device, example_inputs: Sequence[Any] | None
-    ) -> ParallelModule:
+    def _compile_replicated(self, model: nn.Module, dp_dim: Any, tp_dim: Any, example_inputs: Any) -> ParallelModule:
+        """Data parallel: under ``data_parallel="fsdp"`` the model's repeated blocks stay calls (``fully_shard``
+        hooks their forward), but a block holding a BatchNorm is traced into, so that its statistics are
+        synchronised over dp (``sync_batch_norm``); its parameters are sharded with the root's."""
+        if self.data_parallel != "fsdp":
+            return self._compile_data_parallel(model, dp_dim, example_inputs)
+        blocks = tuple(dict.fromkeys(type(model.get_submodule(p)) for p in repeated_blocks(model)))
+        blocks = tuple(c for c in blocks if not _holds_batch_norm(model, c))
+        recipe = dataclasses.replace(self, leaf_modules=self.leaf_modules + blocks, fsdp_blocks=blocks)
+        return recipe._compile_data_parallel(model, dp_dim, example_inputs)
+
+    def _compile_data_parallel(self, model: nn.Module, dp_dim: Any, example_inputs: Sequence[Any] | None) -> ParallelModule:
+        device = self.home_device
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         captured_code = gm.code
@@ -196,9 +200,7 @@ class SpmdRecipe(Recipe):
         return pm
 
     # ------------------------------------------------------------------ context parallel
-    def _compile_context_parallel(
-        self, model: nn.Module, device: torch.device, example_inputs: Sequence[Any] | None
-    ) -> ParallelModule:
+    def _compile_context_parallel(self, model: nn.Module, dp_dim: Any, tp_dim: Any, example_inputs: Any) -> ParallelModule:
         """The program one process builds for ``mesh={"cp": N}`` over ``N`` virtual devices, cut to
         this rank's part with its exchanges over the ``cp`` group (``passes.lower_sequence_to_rank``);
         DDP over ``cp`` averages the ranks' gradients, which the program scales so that the average is
@@ -211,6 +213,7 @@ class SpmdRecipe(Recipe):
                 f"context parallel over {where} finds the sequence and attention's shapes from examples: pass "
                 "example_inputs= or example_kwargs= (this rank's shard, e.g. input_ids=, labels=)"
             )
+        device = self.home_device
         model.to(device)
         gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         captured_code = gm.code
@@ -256,9 +259,11 @@ class SpmdRecipe(Recipe):
             + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
         )
 
-    def _compile_tensor_parallel(
-        self, model: nn.Module, mode: str, dp_dim: Any, tp_dim: Any, device: torch.device, example_inputs: Sequence[Any] | None
-    ) -> ParallelModule:
+    def _compile_tensor_parallel(self, model: nn.Module, dp_dim: Any, tp_dim: Any, example_inputs: Sequence[Any] | None,
+                                 lower: Any = None) -> ParallelModule:  # fmt: skip
+        """This rank's shards; ``lower(gm, devices, styles, dp_dim, tp_dim, examples)``, where given, lowers the
+        one-shard program instead of :meth:`_tensor_parallel_pipeline`."""
+        device = self.home_device
         tp_size = mesh_size(self.mesh, tp_dim)
         tp_rank = self.mesh.get_local_rank(tp_dim)
         if self.sequence_parallel and example_inputs is None:
@@ -282,10 +287,8 @@ class SpmdRecipe(Recipe):
             propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs], check=True)
         styles, reasons = plan_for(gm, aliased_plan(self.plan), tp_size, model)
         devices = Devices((device,) * tp_size)  # shard_linear reads how many shards there are
-        if mode == "spmd_context_tensor_parallel":
-            gm, records = self._lower_context_tensor_parallel(gm, devices, styles, device, example_inputs)
-        else:
-            gm, records = run_passes(gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim, gm, example_inputs))
+        gm, records = lower(gm, devices, styles, dp_dim, tp_dim, example_inputs) if lower else run_passes(
+            gm, self._tensor_parallel_pipeline(devices, styles, dp_dim, tp_dim, gm, example_inputs))
         info = unaliased_findings(info_of(records, "shard_linear"))
         specs = dict(info.get("param_shards", {}))
         keep_own_shards(gm, own, specs, tp_rank)
@@ -296,7 +299,7 @@ class SpmdRecipe(Recipe):
             gm.graph,
             recipe=self,
             devices=Devices((device,)),
-            mode=mode,
+            mode=self.mode,
             output_device=device,
             plan=info.get("plan", styles),
             records=records,
@@ -316,8 +319,10 @@ class SpmdRecipe(Recipe):
         return pm
 
     # ------------------------------------------------------------------ context x tensor parallel
-    def _check_context_tensor_parallel(self, example_inputs: Sequence[Any] | None) -> None:
-        """What a ``("cp", "tp")`` mesh does not build yet, refused before anything is captured."""
+    def _compile_context_tensor_parallel(self, model: nn.Module, dp_dim: Any, tp_dim: Any,
+                                         example_inputs: Any) -> ParallelModule:  # fmt: skip
+        """The tensor-parallel rank program on this cp rank's part of the sequence; what a ``("cp", "tp")``
+        mesh does not build yet refused before anything is captured."""
         where = "a ('cp', 'tp') mesh"
         if example_inputs is None:
             raise DpCompileError(
@@ -329,9 +334,10 @@ class SpmdRecipe(Recipe):
                 f'data_parallel="fsdp" with {where} is not built yet: leave it out (the layers\' shards replicated '
                 "over cp, their gradients summed over cp by DDP)"
             )
+        return self._compile_tensor_parallel(model, dp_dim, tp_dim, example_inputs, self._lower_context_tensor_parallel)
 
     def _lower_context_tensor_parallel(self, gm: fx.GraphModule, devices: Devices, styles: Mapping[str, str],
-                                       device: torch.device, examples: Sequence[Any]) -> tuple:  # fmt: skip
+                                       dp_dim: Any, tp_dim: Any, examples: Sequence[Any]) -> tuple:  # fmt: skip
         """``("cp", "tp")``: ``shard_linear``'s one-shard program, attention marked on it (each shard gathers
         its own heads' keys and values), split along the sequence over ``cp`` virtual devices and cut to this
         cp rank (``passes.lower_sequence_to_rank``), then its shard collectives lowered over ``tp``."""
@@ -344,7 +350,7 @@ class SpmdRecipe(Recipe):
         gm, sharded = run_passes(gm, passes.spmd_tensor_parallel_pipeline(options))
         borrow_shapes(gm, shapes)  # the shard program's nodes keep the captured shapes attention is marked by
         gm, marked = run_passes(gm, passes.sequence_exchange_on_shards(input_dims))
-        cp_world, cp_rank = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp")
+        cp_world, cp_rank, device = mesh_size(self.mesh, "cp"), self.mesh.get_local_rank("cp"), devices.primary
         cp_options = passes.PipelineOptions(devices=Devices((device,) * cp_world), input_dims=input_dims,
                                             output_device=device, context_parallel=True,
                                             context_options=self.context_options)  # fmt: skip
@@ -358,31 +364,41 @@ class SpmdRecipe(Recipe):
 
     # ------------------------------------------------------------------ variants
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
-        source = pm.traced_model
-        if source is None:
+        if pm.traced_model is None:
             raise pm.cannot_trace_again(key)
-        flags = dict(key.flags) or None
-        if pm.mode == "spmd_context_tensor_parallel":
-            raise DpCompileError(
-                f"the call ({key.describe()}) takes another path through forward than the one traced, and tracing "
-                "again over a ('cp', 'tp') mesh is not built yet: transform the model for that call (its mode, its "
-                "arguments given or left None)"
-            )
-        if pm.mode == "spmd_context_parallel":  # every rank departs alike: the same program, traced again
-            with modes_applied(source, key.modes):
-                traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)
-            if traced.code == pm.captured_code:
-                return None
-            lowered, _ = self._lower_context_parallel(traced, pm.devices.primary, list(bind_inputs(pm, args, kwargs)))
-            return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
-        if pm.mode == "spmd_data_parallel":
-            with modes_applied(source, key.modes):
-                traced = capture(source, leaf_modules=self.leaf_modules, none_args=key.none_args, flags=flags)
-            if traced.code == pm.captured_code:
-                return None
-            lowered, _ = run_passes(traced, self._data_parallel_pipeline(pm.devices.primary, pm.dp_dim, traced))
-            return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
-        device = pm.devices.primary
+        return MESH_PROGRAMS[self.mode].build_again(self, pm, key, args, kwargs)
+
+    def _refuse_again(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> None:
+        raise DpCompileError(
+            f"the call ({key.describe()}) takes another path through forward than the one traced, and tracing "
+            "again over a ('cp', 'tp') mesh is not built yet: transform the model for that call (its mode, its "
+            "arguments given or left None)"
+        )
+
+    def _traced_again(self, pm: ParallelModule, key: CallKey) -> fx.GraphModule | None:
+        """The model traced again for ``key`` (a program on the model's own tensors: data and context
+        parallel, where every rank departs alike); None where it traces as the main program."""
+        with modes_applied(pm.traced_model, key.modes):
+            traced = capture(pm.traced_model, leaf_modules=self.leaf_modules, none_args=key.none_args,
+                             flags=dict(key.flags) or None)  # fmt: skip
+        return None if traced.code == pm.captured_code else traced
+
+    def _context_parallel_again(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        if (traced := self._traced_again(pm, key)) is None:
+            return None
+        lowered, _ = self._lower_context_parallel(traced, pm.devices.primary, list(bind_inputs(pm, args, kwargs)))
+        return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
+
+    def _data_parallel_again(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        if (traced := self._traced_again(pm, key)) is None:
+            return None
+        lowered, _ = run_passes(traced, self._data_parallel_pipeline(pm.devices.primary, pm.dp_dim, traced))
+        return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
+
+    def _tensor_parallel_again(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        """The model's pristine fake copy traced again for ``key``, sharded by ``pm``'s plan: its shards
+        must be ``pm``'s."""
+        source, flags, device = pm.traced_model, dict(key.flags) or None, pm.devices.primary
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with modes_applied(source, key.modes):
             leaves = self.leaf_modules + linear_like_leaves()  # Conv1D-like layers stay calls, as in _compile_tensor_parallel
@@ -414,7 +430,25 @@ class SpmdRecipe(Recipe):
         return graph_module(pm, copy_graph(lowered.graph), "SpmdVariant")
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class MeshProgram:
+    """One kind of rank program over a mesh, recorded once (:data:`MESH_PROGRAMS`, keyed by the mode
+    ``check_mesh`` names): how :class:`SpmdRecipe` builds it, and how it builds it again for a call that
+    departs from the first. A new kind of mesh program is an entry, not a branch."""
+
+    compile: Callable[..., ParallelModule]  # (recipe, model, dp_dim, tp_dim, example_inputs)
+    build_again: Callable[..., fx.GraphModule | None]  # (recipe, pm, key, args, kwargs)
+
+
+_TENSOR_PARALLEL = MeshProgram(SpmdRecipe._compile_tensor_parallel, SpmdRecipe._tensor_parallel_again)
+MESH_PROGRAMS: dict[str, MeshProgram] = {
+    "spmd_data_parallel": MeshProgram(SpmdRecipe._compile_replicated, SpmdRecipe._data_parallel_again),
+    "spmd_tensor_parallel": _TENSOR_PARALLEL,
+    "spmd_2d": _TENSOR_PARALLEL,
+    "spmd_context_parallel": MeshProgram(SpmdRecipe._compile_context_parallel, SpmdRecipe._context_parallel_again),
+    "spmd_context_tensor_parallel": MeshProgram(SpmdRecipe._compile_context_tensor_parallel, SpmdRecipe._refuse_again),
+}
+
 
 def _holds_batch_norm(model: nn.Module, block_class: type[nn.Module]) -> bool:
     """Whether a repeated block of ``block_class`` in ``model`` holds a BatchNorm: called whole under FSDP, it
@@ -427,6 +461,7 @@ def _holds_batch_norm(model: nn.Module, block_class: type[nn.Module]) -> bool:
     )  # fmt: skip
 
 
+@torch.no_grad()
 def broadcast_state(module: nn.Module, group: dist.ProcessGroup) -> None:
     """Give every rank of ``group`` the parameters and buffers of the group's first rank.
 

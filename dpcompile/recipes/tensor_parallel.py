@@ -26,7 +26,7 @@ import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -66,6 +66,8 @@ class TensorParallelRecipe(Recipe):
     plan: bool | Mapping[str, str] = True
     check_available: bool = True
     sequence_parallel: bool = False  # activations between the pairs on sequence shards (passes.shard_sequence)
+
+    strategy: ClassVar[str] = "tensor_parallel"
 
     def compile(
         self,

@@ -184,7 +184,8 @@ def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor
         own = dict(pm.named_parameters())
         grads = pm.whole_tensors({n: own[n].grad for n in names if own.get(n) is not None and own[n].grad is not None})
         return {n: grads[n].detach().clone() if n in grads else None for n in names}
-    if getattr(pm, "mode", None) == "data_parallel" and not getattr(pm, "param_shards", None):  # FSDP: pieces
+    replicated = getattr(getattr(pm, "recipe", None), "replicates_model", False)  # data parallel; FSDP: pieces
+    if replicated and not getattr(pm, "param_shards", None):
         own = dict(pm.named_parameters())
         return {n: (None if own.get(n) is None or own[n].grad is None else own[n].grad.detach().clone()) for n in names}
     # Tensor parallel: swap each shard's data for its gradient and let state_dict gather them.

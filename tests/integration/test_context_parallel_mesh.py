@@ -72,6 +72,10 @@ def check_gpt2_equals_eager() -> None:
     pm = dpcompile.transform(model, mesh, example_kwargs=local_batch(_inputs(12, 0), mesh), frontend="export")
     assert pm.mode == "spmd_context_parallel" and "attention_over_group" in pm.code, pm.code
     assert pm.layout == {"cp": WORLD} and pm.strategies == {"cp": "context parallel (all-gather keys/values)"}
+    assert pm.strategy == "data_parallel"  # as mesh={"cp": N} in one process (main: "tensor_parallel")
+    report = dpcompile.explain(pm, **local_batch(_inputs(12, 0), mesh))  # cp splits the batch: the fraction shown
+    assert report.splits_batch and report.split_flop_fraction == 1.0  # whole: the causal mask, the loss's count
+    assert report.whole and all(w["flops"] == 0 for w in report.whole), report.whole
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     for seq, accumulated in ((12, 1), (13, 2)):  # at 13: two calls' gradients accumulate before the step

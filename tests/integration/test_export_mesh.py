@@ -1,0 +1,211 @@
+"""``dpcompile.export`` / ``load`` of a program over a gloo ``DeviceMesh`` (``dpcompile/export/mesh.py``).
+
+Every rank exports (rank 0 writes the single-device program and the layout) and every rank loads it
+over the mesh: on ``("dp",)``, ``("tp",)`` and ``("dp", "tp")`` meshes the loaded program's loss, every
+gradient and the parameters after 2 AdamW steps equal the original program's and eager's (dropout
+drawing the same masks), and its ``state_dict`` equals the model's. A ``("dp", "tp")`` export loads
+over other sizes (lowered for them) and, without a mesh, as the single-device program. A mesh of
+other dimension names is refused on every rank; what cannot be recorded is refused by name, and a
+failure on rank 0 alone fails every rank; neither writes anything. One group of 2 runs every check.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+
+pytestmark = [pytest.mark.distributed]
+GROUP_TIMEOUT_S = 300.0
+ROWS = 4  # rows of the global batch
+
+
+class Net(nn.Module):
+    """Linear, LayerNorm, an MLP pair (column, row), dropout, a non-persistent buffer, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.tensor(0.5, dtype=torch.float64), persistent=False)
+
+    def forward(self, x, labels):
+        h = self.norm(self.inp(x))
+        h = self.drop(self.down(F.gelu(self.up(h)))) * self.scale + h
+        return F.cross_entropy(self.head(h), labels)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(ROWS, 8, generator=g, dtype=torch.float64), "labels": torch.randint(0, 4, (ROWS,), generator=g)}
+
+
+def _mesh(layout: dict[str, int]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))
+
+
+def _model() -> Net:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def _folder(root: str, name: str) -> Path:
+    return Path(root) / name
+
+
+def _tree_digest(folder: Path) -> dict[str, str] | None:
+    if not folder.exists():
+        return None
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _named(pm) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("module."): p for n, p in pm.named_parameters()}
+
+
+def _trains_alike(layout: dict[str, int], mesh, pm, loaded, reference) -> None:
+    """2 AdamW steps of ``pm``, ``loaded`` (this rank's part of the batch) and eager ``reference``
+    (the whole batch): the loss, every gradient (this rank's shard) and the parameters after the steps."""
+    import torch.distributed as dist
+
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    dp = layout.get("dp", 1)
+    dp_rank = mesh.get_local_rank("dp") if "dp" in layout else 0
+    tp_rank = mesh.get_local_rank("tp") if "tp" in layout else 0
+    rows = ROWS // dp
+    batch = _batch()
+    local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
+    shards = getattr(pm, "shards", {}) or {}
+    assert shards == (getattr(loaded, "shards", {}) or {})
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pm, loaded, reference)]
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        expected = reference(**batch)
+        expected.backward()
+        for program in (pm, loaded):
+            torch.manual_seed(100 + step)
+            loss = program(**local)
+            loss.backward()
+            mean = loss.detach().clone()
+            if dp > 1:
+                dist.all_reduce(mean, group=mesh.get_group("dp"))
+                mean /= dp
+            torch.testing.assert_close(mean, expected.detach(), msg=lambda m, s=step: f"loss of step {s}: {m}")
+        got, original = _named(loaded), _named(pm)
+        assert sorted(got) == sorted(original)
+        for key, p in reference.named_parameters():
+            want = shard_of(p.grad, shards[key], tp_rank) if key in shards else p.grad
+            torch.testing.assert_close(got[key].grad, want, msg=lambda m, k=key: f"grad {k}: {m}")
+            torch.testing.assert_close(got[key].grad, original[key].grad, rtol=0, atol=0)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    got = _named(loaded)
+    for key, p in reference.named_parameters():
+        want = shard_of(p.detach(), shards[key], tp_rank) if key in shards else p.detach()
+        torch.testing.assert_close(got[key].detach(), want, msg=lambda m, k=key: f"param {k}: {m}")
+    _assert_state_equal(loaded, reference, exact=False)
+
+
+def _assert_state_equal(loaded, reference, *, exact: bool) -> None:
+    """``state_dict()`` (a collective over tp: whole tensors) has the model's keys, in order, and values."""
+    state, wanted = loaded.state_dict(), reference.state_dict()
+    assert list(state) == list(wanted)
+    for key, value in wanted.items():
+        torch.testing.assert_close(state[key], value, **({"rtol": 0, "atol": 0} if exact else {}))
+
+
+def check_round_trip(root: str, layout: dict[str, int]) -> None:
+    """Export over ``layout`` and load over the same mesh: trains as the original and eager."""
+    import dpcompile
+
+    mesh = _mesh(layout)
+    model = _model()
+    reference = copy.deepcopy(model)
+    options = {"tensor_parallel": True} if "tp" in layout else {}
+    pm = dpcompile.transform(model, mesh, **options)
+    folder = _folder(root, "_".join(f"{k}{n}" for k, n in layout.items()))
+    assert dpcompile.export(pm, folder) == folder
+    loaded = dpcompile.load(folder, mesh=mesh)
+    assert loaded.mode == pm.mode and loaded.code == pm.code
+    _assert_state_equal(loaded, reference, exact=True)
+    _trains_alike(layout, mesh, pm, loaded, reference)
+
+
+def check_other_sizes_and_one_process(root: str) -> None:
+    """A ``("dp", "tp")`` export of sizes (1, 2) loads over (2, 1) (lowered for it) and, without a mesh, as
+    the single-device program; both train as eager."""
+    import dpcompile
+
+    folder = _folder(root, "dp1_tp2")  # written by check_round_trip
+    for layout in ({"dp": 2, "tp": 1},):
+        mesh = _mesh(layout)
+        loaded = dpcompile.load(folder, mesh=mesh)
+        reference = _model()
+        _assert_state_equal(loaded, reference, exact=True)
+        again = dpcompile.transform(_model(), mesh, tensor_parallel=True)  # what transform builds for this mesh
+        _trains_alike(layout, mesh, again, loaded, reference)
+    one = dpcompile.load(folder)
+    assert one.mode == "data_parallel" and [str(d) for d in one.devices] == ["cpu"]
+    reference = _model()
+    batch = _batch()
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        got = one(**batch)
+        torch.manual_seed(100 + step)
+        torch.testing.assert_close(got, reference(**batch))
+
+
+def check_refusals_write_nothing(root: str) -> None:
+    """A mesh of other dimension names, an unrecordable keyword, and a failure on rank 0 alone: every
+    rank raises ``ExportError``, and the folder is as before (absent, or holding only its stranger)."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.export import ExportError
+
+    with pytest.raises(ExportError, match=r"dims \('dp',\) \(sizes \[2\]\).*dims \('tp',\) \(sizes \[2\]\)"):
+        dpcompile.load(_folder(root, "dp2"), mesh=_mesh({"tp": 2}))
+    mesh = _mesh({"dp": 2})
+    pm = dpcompile.transform(_model(), mesh, activation_checkpointing=["up"])
+    folder = _folder(root, f"refused{dist.get_rank()}")
+    with pytest.raises(ExportError, match="activation_checkpointing="):
+        dpcompile.export(pm, folder)
+    assert not folder.exists()
+    pm = dpcompile.transform(_model(), mesh)
+    crowded = _folder(root, "crowded")
+    if dist.get_rank() == 0:
+        crowded.mkdir()
+        (crowded / "notes.txt").write_text("mine")
+    dist.barrier()
+    before = _tree_digest(crowded)
+    with pytest.raises(ExportError, match="notes.txt"):
+        dpcompile.export(pm, crowded)
+    assert _tree_digest(crowded) == before == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+
+
+def test_export_and_load_over_a_mesh(tmp_path):
+    root = str(tmp_path)
+    checks = [
+        ("dp", functools.partial(check_round_trip, root, {"dp": 2})),
+        ("tp", functools.partial(check_round_trip, root, {"tp": 2})),
+        ("dp_tp", functools.partial(check_round_trip, root, {"dp": 1, "tp": 2})),
+        ("other_sizes", functools.partial(check_other_sizes_and_one_process, root)),
+        ("refusals", functools.partial(check_refusals_write_nothing, root)),
+    ]
+    outcomes = run_spawned(run_checks, 2, checks, timeout=GROUP_TIMEOUT_S)
+    assert_group_passed(outcomes, 2, *(name for name, _ in checks), timeout=GROUP_TIMEOUT_S)

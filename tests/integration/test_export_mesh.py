@@ -79,9 +79,10 @@ def _named(pm) -> dict[str, torch.Tensor]:
     return {n.removeprefix("module."): p for n, p in pm.named_parameters()}
 
 
-def _trains_alike(layout: dict[str, int], mesh, pm, loaded, reference) -> None:
+def _trains_alike(layout: dict[str, int], mesh, pm, loaded, reference, *, bitwise: bool = True) -> None:
     """2 AdamW steps of ``pm``, ``loaded`` (this rank's part of the batch) and eager ``reference``
-    (the whole batch): the loss, every gradient (this rank's shard) and the parameters after the steps."""
+    (the whole batch): the loss, every gradient (this rank's shard) and the parameters after the steps;
+    ``bitwise``: ``loaded``'s gradients are ``pm``'s bit for bit (the same weights)."""
     import torch.distributed as dist
 
     from dpcompile.runtime.tensor_parallel import shard_of
@@ -113,7 +114,7 @@ def _trains_alike(layout: dict[str, int], mesh, pm, loaded, reference) -> None:
         for key, p in reference.named_parameters():
             want = shard_of(p.grad, shards[key], tp_rank) if key in shards else p.grad
             torch.testing.assert_close(got[key].grad, want, msg=lambda m, k=key: f"grad {k}: {m}")
-            torch.testing.assert_close(got[key].grad, original[key].grad, rtol=0, atol=0)
+            torch.testing.assert_close(got[key].grad, original[key].grad, **({"rtol": 0, "atol": 0} if bitwise else {}))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
@@ -132,8 +133,39 @@ def _assert_state_equal(loaded, reference, *, exact: bool) -> None:
         torch.testing.assert_close(state[key], value, **({"rtol": 0, "atol": 0} if exact else {}))
 
 
+def _sgd_step(layout: dict[str, int], mesh, pm, reference) -> None:
+    """One SGD step of ``pm`` (this rank's rows) and ``reference`` (the whole batch): the weights exported
+    are trained ones, not the model's initial values."""
+    dp = layout.get("dp", 1)
+    dp_rank = mesh.get_local_rank("dp") if "dp" in layout else 0
+    rows = ROWS // dp
+    batch = _step_batch()
+    _step(pm, {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()})
+    _step(reference, batch)
+
+
+def _step_batch() -> dict[str, torch.Tensor]:
+    return {k: v.flip(0) for k, v in _batch().items()}
+
+
+def _step(module: nn.Module, data: dict[str, torch.Tensor]) -> None:
+    torch.manual_seed(7)
+    module(**data).backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= 0.1 * p.grad
+            p.grad = None
+
+
+def _stepped_model() -> Net:
+    """The eager model after :func:`_sgd_step`: what a folder exported by ``check_round_trip`` holds."""
+    model = _model()
+    _step(model, _step_batch())
+    return model
+
+
 def check_round_trip(root: str, layout: dict[str, int]) -> None:
-    """Export over ``layout`` and load over the same mesh: trains as the original and eager."""
+    """Export over ``layout`` (after a step) and load over the same mesh: trains as the original and eager."""
     import dpcompile
 
     mesh = _mesh(layout)
@@ -141,11 +173,13 @@ def check_round_trip(root: str, layout: dict[str, int]) -> None:
     reference = copy.deepcopy(model)
     options = {"tensor_parallel": PLAN if "dp" in layout else True} if "tp" in layout else {}
     pm = dpcompile.transform(model, mesh, **options)
+    _sgd_step(layout, mesh, pm, reference)
     folder = _folder(root, "_".join(f"{k}{n}" for k, n in layout.items()))
     assert dpcompile.export(pm, folder) == folder
     loaded = dpcompile.load(folder, mesh=mesh)
     assert loaded.mode == pm.mode and loaded.code == pm.code
-    _assert_state_equal(loaded, reference, exact=True)
+    _assert_state_equal(loaded, pm, exact=True)
+    _assert_state_equal(loaded, reference, exact=False)
     _trains_alike(layout, mesh, pm, loaded, reference)
 
 
@@ -158,13 +192,13 @@ def check_other_sizes_and_one_process(root: str) -> None:
     for layout in ({"dp": 2, "tp": 1},):
         mesh = _mesh(layout)
         loaded = dpcompile.load(folder, mesh=mesh)
-        reference = _model()
-        _assert_state_equal(loaded, reference, exact=True)
-        again = dpcompile.transform(_model(), mesh, tensor_parallel=PLAN)  # what transform builds for this mesh
-        _trains_alike(layout, mesh, again, loaded, reference)
+        reference = _stepped_model()
+        _assert_state_equal(loaded, reference, exact=False)
+        again = dpcompile.transform(copy.deepcopy(reference), mesh, tensor_parallel=PLAN)  # transform's for this mesh
+        _trains_alike(layout, mesh, again, loaded, reference, bitwise=False)  # again: eager's step, not the mesh's
     one = dpcompile.load(folder)
     assert one.mode == "data_parallel" and [str(d) for d in one.devices] == ["cpu"]
-    reference = _model()
+    reference = _stepped_model()
     batch = _batch()
     for step in range(2):
         torch.manual_seed(100 + step)
@@ -184,6 +218,17 @@ def check_refusals_write_nothing(root: str) -> None:
     with pytest.raises(ExportError, match=r"dims \('dp',\) \(sizes \[2\]\).*dims \('tp',\) \(sizes \[2\]\)"):
         dpcompile.load(_folder(root, "dp2"), mesh=_mesh({"tp": 2}))
     mesh = _mesh({"dp": 2})
+    one_process = _folder(root, f"one_process{dist.get_rank()}")
+    dpcompile.export(dpcompile.transform(_model(), ["cpu"]), one_process)
+    with pytest.raises(ExportError, match="exported without a mesh"):
+        dpcompile.load(one_process, mesh=mesh)
+    edited = _folder(root, "dp2_other_code")  # rank 1's program hash edited (module.py made to match, rehashed)
+    if dist.get_rank() == 0:
+        _edit_rank_code(_folder(root, "dp2"), edited, rank=1)
+    dist.barrier()
+    refusal = "is not the exported one" if dist.get_rank() == 1 else "failed on another rank.*rank 1: ExportError"
+    with pytest.raises(ExportError, match=refusal):
+        dpcompile.load(edited, mesh=mesh)
     pm = dpcompile.transform(_model(), mesh, activation_checkpointing=["up"])
     folder = _folder(root, f"refused{dist.get_rank()}")
     with pytest.raises(ExportError, match="activation_checkpointing="):
@@ -199,6 +244,24 @@ def check_refusals_write_nothing(root: str) -> None:
     with pytest.raises(ExportError, match="notes.txt"):
         dpcompile.export(pm, crowded)
     assert _tree_digest(crowded) == before == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+
+
+def _edit_rank_code(folder: Path, edited: Path, rank: int) -> None:
+    from dpcompile.export.build import readable_programs
+    from dpcompile.export.common import readable_mode
+    from dpcompile.export.kinds import TreeIndex
+    from dpcompile.export.source import program_source
+    from tests.tools.export_attacks import rehash
+
+    shutil.copytree(folder, edited)
+    program = json.loads((folder / "program.json").read_text())
+    program["config"]["mesh"]["rank_code"][rank] = "0" * 64
+    (edited / "program.json").write_text(json.dumps(program))
+    readable = readable_programs(program["data"], TreeIndex(program["modules"]))
+    mode = readable_mode(program["kind"], program["config"])
+    (edited / "module.py").write_text(program_source(readable, class_name=program["class_name"], mode=mode,
+                                                     devices=program["config"]["devices"]))  # fmt: skip
+    rehash(edited)
 
 
 def test_export_and_load_over_a_mesh(tmp_path):

@@ -106,8 +106,10 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
         )
     if pm.__dict__.get("traced_model") is None:
         raise ExportError(
-            "this program over a mesh holds no model to copy (it was transformed from an fx.GraphModule, or loaded "
-            "from an export): export the model's program, or copy the folder it was loaded from"
+            "this program over a mesh holds no model to copy: it was captured by the export frontend (example_kwargs=, "
+            "frontend=\"export\"), transformed from an fx.GraphModule, or loaded from an export. Transform the model "
+            "with frontend=\"fx\" where fx traces it and export that, copy the folder it was loaded from, or "
+            "save_checkpoint(pm, path)"
         )
     mesh = recipe.mesh
     plan = recipe.plan if isinstance(recipe.plan, bool) else dict(recipe.plan)

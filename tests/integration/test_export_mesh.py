@@ -175,8 +175,10 @@ def check_round_trip(root: str, layout: dict[str, int]) -> None:
     pm = dpcompile.transform(model, mesh, **options)
     _sgd_step(layout, mesh, pm, reference)
     folder = _folder(root, "_".join(f"{k}{n}" for k, n in layout.items()))
+    rng = torch.random.get_rng_state()
     assert dpcompile.export(pm, folder) == folder
     loaded = dpcompile.load(folder, mesh=mesh)
+    assert torch.equal(torch.random.get_rng_state(), rng)  # neither draws from the generator
     assert loaded.mode == pm.mode and loaded.code == pm.code
     _assert_state_equal(loaded, pm, exact=True)
     _assert_state_equal(loaded, reference, exact=False)

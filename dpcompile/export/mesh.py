@@ -51,7 +51,6 @@ _RECORDED = ("plan", "data_parallel", "ddp_options", "exact_random", "frontend",
 _CONTEXT_ONLY = ("context_exchange", "context_load_balance", "context_memory_headroom")  # read by cp programs alone
 _KEYWORD_OF = {  # the transform keyword behind each other field of SpmdRecipe, for the refusal
     "checkpointed": "activation_checkpointing", "checkpoint_save": "activation_checkpointing",
-    "fsdp_blocks": 'data_parallel="fsdp"', "plan": "tensor_parallel",
 }  # fmt: skip
 
 
@@ -77,6 +76,12 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
             "mesh={...}) then dpcompile.export), or save_checkpoint(pm, path) and transform the model again"
         )
     recipe = pm.recipe
+    if recipe.data_parallel != "ddp":
+        raise ExportError(
+            f'export over a DeviceMesh of data_parallel="{recipe.data_parallel}" is not built yet (FSDP2 rewrites the '
+            "model's classes); the nearest that works: transform with data_parallel=\"ddp\" over the mesh and export "
+            "that, or export the one-process FSDP program (dpcompile.transform(model, devices, data_parallel=\"fsdp\"))"
+        )
     default = SpmdRecipe()
     for f in dataclasses.fields(recipe):
         if f.name not in _RECORDED + _CONTEXT_ONLY and getattr(recipe, f.name) != getattr(default, f.name):
@@ -86,12 +91,6 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
                 f"a program loaded without it would differ: transform without {keyword}= to export, or "
                 "save_checkpoint(pm, path) and transform the model again where it is loaded"
             )
-    if recipe.data_parallel != "ddp":
-        raise ExportError(
-            f'export over a DeviceMesh of data_parallel="{recipe.data_parallel}" is not built yet (FSDP2 rewrites the '
-            "model's classes); the nearest that works: transform with data_parallel=\"ddp\" over the mesh and export "
-            "that, or export the one-process FSDP program (dpcompile.transform(model, devices, data_parallel=\"fsdp\"))"
-        )
     if recipe.frontend == "export" or exported_inputs(pm) is not None:
         raise ExportError(
             "export over a DeviceMesh of a program the export frontend captured (frontend=\"export\", "

@@ -210,8 +210,9 @@ def check_other_sizes_and_one_process(root: str) -> None:
 
 
 def check_refusals_write_nothing(root: str) -> None:
-    """A mesh of other dimension names, an unrecordable keyword, and a failure on rank 0 alone: every
-    rank raises ``ExportError``, and the folder is as before (absent, or holding only its stranger)."""
+    """A mesh of other dimension names, a one-process folder, a rank's program that is not the exported one,
+    an unrecordable keyword, FSDP2, and a failure on rank 0 alone: every rank raises ``ExportError``, and
+    the folder is as before (absent, or holding only its stranger)."""
     import torch.distributed as dist
 
     import dpcompile
@@ -234,6 +235,9 @@ def check_refusals_write_nothing(root: str) -> None:
     pm = dpcompile.transform(_model(), mesh, activation_checkpointing=["up"])
     folder = _folder(root, f"refused{dist.get_rank()}")
     with pytest.raises(ExportError, match="activation_checkpointing="):
+        dpcompile.export(pm, folder)
+    pm = dpcompile.transform(_model(), mesh, data_parallel="fsdp")
+    with pytest.raises(ExportError, match='data_parallel="fsdp" is not built yet'):
         dpcompile.export(pm, folder)
     assert not folder.exists()
     pm = dpcompile.transform(_model(), mesh)

@@ -63,7 +63,6 @@ def is_mesh_program(pm: Any) -> bool:
 def recorded_layout(pm: Any) -> dict[str, Any]:
     """``config.mesh`` but ``rank_code``: the mesh and the keywords, refusing by name what cannot be
     recorded. The same answer on every rank (no exchange)."""
-    from dpcompile.modules.pickling import exported_inputs
     from dpcompile.recipes.spmd import SpmdRecipe
 
     if pm.mode not in MESH_MODES:
@@ -91,11 +90,6 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
                 f"a program loaded without it would differ: transform without {keyword}= to export, or "
                 "save_checkpoint(pm, path) and transform the model again where it is loaded"
             )
-    if recipe.frontend == "export" or exported_inputs(pm) is not None:
-        raise ExportError(
-            "export over a DeviceMesh of a program the export frontend captured (frontend=\"export\", "
-            "example_kwargs=) is not built yet: transform with frontend=\"fx\" to export it, or save_checkpoint"
-        )
     odd = {k: v for k, v in recipe.ddp_options.items() if not isinstance(v, DDP_SCALARS)}
     if odd:
         key = next(iter(odd))
@@ -103,12 +97,13 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
             f"ddp_options={{{key!r}: {odd[key]!r:.60}}} is not plain data (a number, string or bool), so an export "
             "cannot record it; leave it out to export, or save_checkpoint(pm, path)"
         )
-    if pm.__dict__.get("traced_model") is None:
+    if pm.__dict__.get("traced_model") is None:  # the export frontend's program would load with dpcompile's
+        # stand-ins (ModelOutput, Conv1D) and without its rank rows: another program, which load would refuse
         raise ExportError(
             "this program over a mesh holds no model to copy: it was captured by the export frontend (example_kwargs=, "
-            "frontend=\"export\"), transformed from an fx.GraphModule, or loaded from an export. Transform the model "
-            "with frontend=\"fx\" where fx traces it and export that, copy the folder it was loaded from, or "
-            "save_checkpoint(pm, path)"
+            "frontend=\"export\"), transformed from an fx.GraphModule, or loaded from an export; its export is not "
+            "built yet. Transform the model with frontend=\"fx\" (and example_inputs=) where fx traces it and export "
+            "that, copy the folder it was loaded from, or save_checkpoint(pm, path)"
         )
     mesh = recipe.mesh
     plan = recipe.plan if isinstance(recipe.plan, bool) else dict(recipe.plan)
@@ -119,7 +114,30 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
         "keywords": {"tensor_parallel": plan, "data_parallel": recipe.data_parallel,
                      "ddp_options": dict(recipe.ddp_options), "exact_random": bool(recipe.exact_random),
                      "frontend": recipe.frontend},  # fmt: skip
+        "examples": _example_specs(pm),
     }
+
+
+def _example_specs(pm: Any) -> list[dict[str, Any]] | None:
+    """This rank's examples as data (a tensor's shape and dtype, or a plain value), which load feeds
+    ``transform`` again (zeros of those shapes): the program's shapes follow them."""
+    from dpcompile.export.common import dtype_name
+
+    specs = pm.__dict__.get("example_specs")
+    if specs is None:
+        return None
+    out: list[dict[str, Any]] = []
+    for k, spec in enumerate(specs):
+        if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], torch.dtype):
+            out.append({"shape": [int(n) for n in spec[0]], "dtype": dtype_name(spec[1])})
+        elif spec is None or isinstance(spec, DDP_SCALARS):
+            out.append({"value": spec})
+        else:
+            raise ExportError(
+                f"example input {k} is a {type(spec).__name__}, which an export cannot record (tensors, numbers, "
+                "strings, bools and None): pass tensors as examples, or save_checkpoint(pm, path)"
+            )
+    return out
 
 
 def single_device_model(pm: Any, state: dict[str, torch.Tensor]) -> nn.Module:
@@ -159,9 +177,11 @@ def export_over_mesh(pm: Any, folder: Path, write: Callable[[nn.Module, Path, di
             "export over a mesh of every process"
         )
     state = pm.state_dict()  # whole tensors: a collective over tp (and the same on every rank)
-    codes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(codes, _code_hash(pm))
-    layout["rank_code"] = [codes[r] for r in mesh.mesh.flatten().tolist()]
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, (_code_hash(pm), layout["examples"]))
+    order = mesh.mesh.flatten().tolist()
+    layout["rank_code"] = [ranks[r][0] for r in order]
+    layout["examples"] = None if layout["examples"] is None else [ranks[r][1] for r in order]
     failure = None
     if dist.get_rank() == 0:
         try:
@@ -200,15 +220,16 @@ def load_over_mesh(folder: Path, mesh: Any, load_one: Callable[[list[Any]], nn.M
     except Exception as e:  # noqa: BLE001 - every rank hears it before any rank lowers
         failure = e
     _agree(failure, "load over the mesh")
-    names, sizes = tuple(mesh.mesh_dim_names or ()), [int(s) for s in mesh.mesh.shape]
+    sizes = [int(s) for s in mesh.mesh.shape]
+    same = sizes == section["sizes"]  # the names are the recorded ones
+    position = mesh.mesh.flatten().tolist().index(dist.get_rank()) if same else 0
     keywords = section["keywords"]
     pm = transform(
         _captured_module(one), mesh, tensor_parallel=keywords["tensor_parallel"], ddp_options=keywords["ddp_options"],
-        exact_random=keywords["exact_random"], frontend=keywords["frontend"],
+        exact_random=keywords["exact_random"], example_inputs=_examples(section["examples"], position, local_device(mesh)),
     )  # fmt: skip
     failure = None
-    if sizes == section["sizes"] and names == tuple(section["dims"]):
-        position = mesh.mesh.flatten().tolist().index(dist.get_rank())
+    if same:
         if _code_hash(pm) != section["rank_code"][position]:
             failure = ExportError(
                 f"the program lowered over the mesh again on rank {dist.get_rank()} is not the exported one (its "
@@ -217,6 +238,16 @@ def load_over_mesh(folder: Path, mesh: Any, load_one: Callable[[list[Any]], nn.M
             )
     _agree(failure, "the check of the program lowered again")
     return pm
+
+
+def _examples(examples: list[list[dict[str, Any]]] | None, position: int, device: Any) -> tuple | None:
+    """The recorded examples of the rank at ``position`` as values: zeros of each tensor's shape and dtype."""
+    if examples is None:
+        return None
+    return tuple(
+        torch.zeros(e["shape"], dtype=getattr(torch, e["dtype"]), device=device) if "shape" in e else e["value"]
+        for e in examples[position]
+    )
 
 
 def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], nn.Module], device: Any) -> tuple[nn.Module, dict]:
@@ -234,7 +265,13 @@ def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], nn.M
         raise ExportError(
             f"{folder} was exported over a mesh with dims {tuple(section['dims'])} (sizes {section['sizes']}), and "
             f"this mesh has dims {names} (sizes {sizes}): load it over a mesh of the same dimension names "
-            "(its sizes may differ: the program is lowered for them as transform lowers it)"
+            "(its sizes may differ where it was transformed without examples: it is lowered for them as transform lowers it)"
+        )
+    if sizes != section["sizes"] and section["examples"] is not None:
+        raise ExportError(
+            f"{folder} was exported over a {tuple(section['dims'])} mesh of sizes {section['sizes']} from examples of "
+            f"each rank's shapes there, which a mesh of sizes {sizes} does not feed: load it over sizes "
+            f"{section['sizes']}, or transform the model over this mesh"
         )
     return load_one([device]), section
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from dpcompile.export.common import PROGRAM_FILE, ExportError
 
 __all__ = ["DDP_SCALARS", "MESH_MODES", "checked_mesh_section"]
@@ -20,7 +22,7 @@ DDP_SCALARS = (bool, int, float, str)
 
 def checked_mesh_section(section: Any) -> dict[str, Any]:
     """``config.mesh`` of ``program.json``, its shape and values checked (``ExportError`` otherwise)."""
-    fields = {"dims", "sizes", "mode", "keywords", "rank_code"}
+    fields = {"dims", "sizes", "mode", "keywords", "rank_code", "examples"}
     if not isinstance(section, dict) or set(section) != fields:
         raise ExportError(f"{PROGRAM_FILE}: a mesh section it cannot read")
     dims, sizes, mode, keywords, codes = (section[k] for k in ("dims", "sizes", "mode", "keywords", "rank_code"))
@@ -33,6 +35,7 @@ def checked_mesh_section(section: Any) -> dict[str, Any]:
         count *= s
     if not isinstance(codes, list) or len(codes) != count or not all(isinstance(c, str) and len(c) == 64 for c in codes):
         raise ExportError(f"{PROGRAM_FILE}: rank_code must hold one sha256 per rank ({count})")
+    _check_examples(section["examples"], count)
     expected = {"tensor_parallel", "data_parallel", "ddp_options", "exact_random", "frontend"}
     if not isinstance(keywords, dict) or set(keywords) != expected:
         raise ExportError(f"{PROGRAM_FILE}: mesh keywords {sorted(keywords) if isinstance(keywords, dict) else keywords!r:.80}")
@@ -47,3 +50,19 @@ def checked_mesh_section(section: Any) -> dict[str, Any]:
     if not isinstance(options, dict) or not all(isinstance(k, str) and isinstance(v, DDP_SCALARS) for k, v in options.items()):
         raise ExportError(f"{PROGRAM_FILE}: ddp_options {options!r:.60}")
     return section
+
+
+def _check_examples(examples: Any, count: int) -> None:
+    """``null``, or per rank a list of ``{shape, dtype}`` (a tensor) or ``{value}`` (a plain value)."""
+    if examples is None:
+        return
+    if not isinstance(examples, list) or len(examples) != count or not all(isinstance(e, list) for e in examples):
+        raise ExportError(f"{PROGRAM_FILE}: examples must hold one list per rank ({count})")
+    for entry in (e for rank in examples for e in rank):
+        tensor = isinstance(entry, dict) and set(entry) == {"shape", "dtype"}
+        if tensor and isinstance(entry["shape"], list) and all(type(n) is int and n >= 0 for n in entry["shape"]):
+            if isinstance(getattr(torch, str(entry["dtype"]), None), torch.dtype) and len(entry["shape"]) <= 8:
+                continue
+        elif isinstance(entry, dict) and set(entry) == {"value"} and (entry["value"] is None or isinstance(entry["value"], DDP_SCALARS)):
+            continue
+        raise ExportError(f"{PROGRAM_FILE}: an example described as {entry!r:.80}")

@@ -27,7 +27,7 @@ from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed]
 GROUP_TIMEOUT_S = 300.0
-ROWS = 4  # rows of the global batch
+ROWS, SEQ = 4, 3  # rows of the global batch, tokens a row
 PLAN = {"up": "column", "down": "row"}  # the ("dp", "tp") export's tensor_parallel=: a plan, recorded as one
 
 
@@ -45,13 +45,15 @@ class Net(nn.Module):
 
     def forward(self, x, labels):
         h = self.norm(self.inp(x))
+        h = h + self.drop(torch.softmax(h @ h.transpose(1, 2) / 4, dim=-1) @ h)  # attention over the sequence
         h = self.drop(self.down(F.gelu(self.up(h)))) * self.scale + h
-        return F.cross_entropy(self.head(h), labels)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 
 def _batch() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return {"x": torch.randn(ROWS, 8, generator=g, dtype=torch.float64), "labels": torch.randint(0, 4, (ROWS,), generator=g)}
+    return {"x": torch.randn(ROWS, SEQ, 8, generator=g, dtype=torch.float64),
+            "labels": torch.randint(0, 4, (ROWS, SEQ), generator=g)}  # fmt: skip
 
 
 def _mesh(layout: dict[str, int]):
@@ -172,6 +174,10 @@ def check_round_trip(root: str, layout: dict[str, int]) -> None:
     model = _model()
     reference = copy.deepcopy(model)
     options = {"tensor_parallel": PLAN if "dp" in layout else True} if "tp" in layout else {}
+    if "dp" not in layout or layout["dp"] == 2:  # shaped by examples (this rank's rows): recorded, lowered with again
+        rows = ROWS // layout.get("dp", 1)  # (without them, dropout's rows after attention differ: load refuses it)
+        options["example_inputs"] = tuple(v[mesh.get_local_rank("dp") * rows :][:rows] if "dp" in layout else v
+                                          for v in _batch().values())  # fmt: skip
     pm = dpcompile.transform(model, mesh, **options)
     _sgd_step(layout, mesh, pm, reference)
     folder = _folder(root, "_".join(f"{k}{n}" for k, n in layout.items()))
@@ -197,6 +203,8 @@ def check_other_sizes_and_one_process(root: str) -> None:
         reference = _stepped_model()
         _assert_state_equal(loaded, reference, exact=False)
         again = dpcompile.transform(copy.deepcopy(reference), mesh, tensor_parallel=PLAN)  # transform's for this mesh
+        for module in (loaded, again, reference):  # without examples, dropout after attention draws other rows
+            module.eval()  # over dp than eager (transform's too): compared without dropout
         _trains_alike(layout, mesh, again, loaded, reference, bitwise=False)  # again: eager's step, not the mesh's
     one = dpcompile.load(folder)
     assert one.mode == "data_parallel" and [str(d) for d in one.devices] == ["cpu"]
@@ -226,12 +234,16 @@ def check_refusals_write_nothing(root: str) -> None:
     with pytest.raises(ExportError, match="exported without a mesh"):
         dpcompile.load(one_process, mesh=mesh)
     edited = _folder(root, "dp2_other_code")  # rank 1's program hash edited (module.py made to match, rehashed)
+    shaped = _folder(root, "dp1_tp2_examples")  # as if exported with examples
     if dist.get_rank() == 0:
-        _edit_rank_code(_folder(root, "dp2"), edited, rank=1)
+        _edit_mesh(_folder(root, "dp2"), edited, lambda section: section["rank_code"].__setitem__(1, "0" * 64))
+        _edit_mesh(_folder(root, "dp1_tp2"), shaped, lambda section: section.update(examples=[[{"value": None}]] * 2))
     dist.barrier()
     refusal = "is not the exported one" if dist.get_rank() == 1 else "failed on another rank.*rank 1: ExportError"
     with pytest.raises(ExportError, match=refusal):
         dpcompile.load(edited, mesh=mesh)
+    with pytest.raises(ExportError, match=r"sizes \[1, 2\] from examples.*sizes \[2, 1\] does not feed"):
+        dpcompile.load(shaped, mesh=_mesh({"dp": 2, "tp": 1}))
     pm = dpcompile.transform(_model(), mesh, activation_checkpointing=["up"])
     folder = _folder(root, f"refused{dist.get_rank()}")
     with pytest.raises(ExportError, match="activation_checkpointing="):
@@ -252,7 +264,8 @@ def check_refusals_write_nothing(root: str) -> None:
     assert _tree_digest(crowded) == before == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
 
 
-def _edit_rank_code(folder: Path, edited: Path, rank: int) -> None:
+def _edit_mesh(folder: Path, edited: Path, change) -> None:
+    """A copy of ``folder`` whose ``config.mesh`` ``change`` edited, with ``module.py`` made to match, rehashed."""
     from dpcompile.export.build import readable_programs
     from dpcompile.export.common import readable_mode
     from dpcompile.export.kinds import TreeIndex
@@ -261,7 +274,7 @@ def _edit_rank_code(folder: Path, edited: Path, rank: int) -> None:
 
     shutil.copytree(folder, edited)
     program = json.loads((folder / "program.json").read_text())
-    program["config"]["mesh"]["rank_code"][rank] = "0" * 64
+    change(program["config"]["mesh"])
     (edited / "program.json").write_text(json.dumps(program))
     readable = readable_programs(program["data"], TreeIndex(program["modules"]))
     mode = readable_mode(program["kind"], program["config"])
@@ -282,6 +295,8 @@ def test_export_and_load_over_a_mesh(tmp_path):
     outcomes = run_spawned(run_checks, 2, checks, timeout=GROUP_TIMEOUT_S)
     assert_group_passed(outcomes, 2, *(name for name, _ in checks), timeout=GROUP_TIMEOUT_S)
     _check_layout_is_recorded_and_checked(tmp_path / "dp1_tp2", tmp_path)
+    examples = json.loads((tmp_path / "tp2" / "program.json").read_text())["config"]["mesh"]["examples"]
+    assert examples == [[{"shape": [ROWS, SEQ, 8], "dtype": "float64"}, {"shape": [ROWS, SEQ], "dtype": "int64"}]] * 2
 
 
 def _check_layout_is_recorded_and_checked(folder: Path, tmp_path: Path) -> None:
@@ -296,7 +311,7 @@ def _check_layout_is_recorded_and_checked(folder: Path, tmp_path: Path) -> None:
     assert (section["dims"], section["sizes"], section["mode"]) == (["dp", "tp"], [1, 2], "spmd_2d")
     assert section["keywords"] == {"tensor_parallel": PLAN, "data_parallel": "ddp", "ddp_options": {},
                                    "exact_random": True, "frontend": "auto"}  # fmt: skip
-    assert len(section["rank_code"]) == 2
+    assert len(section["rank_code"]) == 2 and section["examples"] is None
     first = (folder / "module.py").read_text().splitlines()[0]
     assert first.startswith('"""Generated by dpcompile: data_parallel, exported over a DeviceMesh {') and '"sizes": [1, 2]' in first
     for edit, refusal in (({"sizes": [2, 1]}, "module.py is not the program"),

@@ -183,7 +183,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
         raise ArgumentError(f"path={path!r}: expected a str or os.PathLike, the folder to write the export into")
     if is_mesh_program(pm):  # every rank calls it: whole tensors gathered, rank 0 writes the single-device program
         recorded_layout(pm)  # what cannot be recorded is refused on every rank before anything else
-        _check_exportable(pm)
+        _check_exportable(pm, watched=pm.mode != "spmd_pipeline")  # a pipeline's stages are cut once, from a copy
         return export_over_mesh(pm, Path(path), _export_single_of_mesh)
     pm = both_modes(pm)  # a program exported in one mode captures the other now: the folder serves both
     if pm.mode not in KINDS:
@@ -192,7 +192,8 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     return _export_checked(pm, Path(path))
 
 
-def _check_exportable(pm: nn.Module) -> None:
+def _check_exportable(pm: nn.Module, *, watched: bool = True) -> None:
+    """Refuse a program without weights, or (``watched``: it follows the model) whose model changed since transform."""
     from dpcompile.modules.weights import needs_weights
 
     if needs_weights(pm):  # its tensors hold uninitialised memory: a loaded copy would run on it
@@ -200,7 +201,7 @@ def _check_exportable(pm: nn.Module) -> None:
             "this program was built on the meta device and holds no weights yet: load them first "
             "(dpcompile.load_checkpoint(pm, path)), then export"
         )
-    if pm.model_changed_since_transform():
+    if watched and pm.model_changed_since_transform():
         raise ExportError(
             "the model changed since transform (a hook, submodule, parameter or attribute forward reads): the "
             "program would be the one traced before; call dpcompile.transform again and export that"

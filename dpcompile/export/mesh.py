@@ -48,6 +48,7 @@ from dpcompile.export.mesh_section import DDP_SCALARS, MESH_MODES
 __all__ = ["export_over_mesh", "is_mesh_program", "load_over_mesh", "recorded_layout"]
 
 _RECORDED = ("plan", "data_parallel", "ddp_options", "exact_random", "frontend", "mesh")  # SpmdRecipe's fields
+_PIPELINE = ("stages", "micro_batches", "schedule", "batch_dim")  # MeshPipelineRecipe's, recorded too
 _CONTEXT_ONLY = ("context_exchange", "context_load_balance", "context_memory_headroom")  # read by cp programs alone
 _KEYWORD_OF = {  # the transform keyword behind each other field of SpmdRecipe, for the refusal
     "checkpointed": "activation_checkpointing", "checkpoint_save": "activation_checkpointing",
@@ -63,14 +64,17 @@ def is_mesh_program(pm: Any) -> bool:
 def recorded_layout(pm: Any) -> dict[str, Any]:
     """``config.mesh`` but ``rank_code``: the mesh and the keywords, refusing by name what cannot be
     recorded. The same answer on every rank (no exchange)."""
+    from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe
     from dpcompile.recipes.spmd import SpmdRecipe
 
-    if pm.mode not in MESH_MODES:
-        layout = {"spmd_pipeline": "a pipeline over a mesh ('pp', ...)",
+    mesh = getattr(pm.recipe, "mesh", None)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if pm.mode not in MESH_MODES or (pm.mode == "spmd_pipeline" and names != ("pp",)):
+        layout = {"spmd_pipeline": f"a pipeline over a {names} mesh",
                   "spmd_context_parallel": "context parallel over a mesh ('cp', ...)",
                   "spmd_context_tensor_parallel": "context parallel over a ('cp', 'tp') mesh"}.get(pm.mode, pm.mode)  # fmt: skip
         raise ExportError(
-            f"export over a DeviceMesh writes ('dp',), ('tp',) and ('dp', 'tp') programs; {layout} is not exported "
+            f"export over a DeviceMesh writes ('dp',), ('tp',), ('dp', 'tp') and ('pp',) programs; {layout} is not exported "
             "yet. The nearest that works: export the same layout in one process (dpcompile.transform(model, devices, "
             "mesh={...}) then dpcompile.export), or save_checkpoint(pm, path) and transform the model again"
         )
@@ -81,23 +85,25 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
             "model's classes); the nearest that works: transform with data_parallel=\"ddp\" over the mesh and export "
             "that, or export the one-process FSDP program (dpcompile.transform(model, devices, data_parallel=\"fsdp\"))"
         )
-    default = SpmdRecipe()
+    pipeline = isinstance(recipe, MeshPipelineRecipe)
+    default = MeshPipelineRecipe() if pipeline else SpmdRecipe()
+    recorded = _RECORDED + _CONTEXT_ONLY + (_PIPELINE if pipeline else ())
     for f in dataclasses.fields(recipe):
-        if f.name not in _RECORDED + _CONTEXT_ONLY and getattr(recipe, f.name) != getattr(default, f.name):
+        if f.name not in recorded and getattr(recipe, f.name) != getattr(default, f.name):
             keyword = _KEYWORD_OF.get(f.name, f.name)
             raise ExportError(
                 f"export over a DeviceMesh cannot record {keyword}= yet ({f.name}={getattr(recipe, f.name)!r:.80}), and "
                 f"a program loaded without it would differ: transform without {keyword}= to export, or "
                 "save_checkpoint(pm, path) and transform the model again where it is loaded"
             )
-    odd = {k: v for k, v in recipe.ddp_options.items() if not isinstance(v, DDP_SCALARS)}
+    odd = {k: v for k, v in (recipe.ddp_options or {}).items() if not isinstance(v, DDP_SCALARS)}
     if odd:
         key = next(iter(odd))
         raise ExportError(
             f"ddp_options={{{key!r}: {odd[key]!r:.60}}} is not plain data (a number, string or bool), so an export "
             "cannot record it; leave it out to export, or save_checkpoint(pm, path)"
         )
-    if pm.__dict__.get("traced_model") is None:  # the export frontend's program would load with dpcompile's
+    if _source(pm) is None:  # the export frontend's program would load with dpcompile's
         # stand-ins (ModelOutput, Conv1D) and without its rank rows: another program, which load would refuse
         raise ExportError(
             "this program over a mesh holds no model to copy: it was captured by the export frontend (example_kwargs=, "
@@ -112,10 +118,19 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
         "sizes": [int(s) for s in mesh.mesh.shape],
         "mode": pm.mode,
         "keywords": {"tensor_parallel": plan, "data_parallel": recipe.data_parallel,
-                     "ddp_options": dict(recipe.ddp_options), "exact_random": bool(recipe.exact_random),
-                     "frontend": recipe.frontend},  # fmt: skip
+                     "ddp_options": dict(recipe.ddp_options or {}), "exact_random": bool(recipe.exact_random),
+                     "frontend": recipe.frontend,
+                     "pipeline": (recipe.stages if isinstance(recipe.stages, int) else list(recipe.stages)) if pipeline else None,
+                     "micro_batches": recipe.micro_batches if pipeline else 1,
+                     "schedule": recipe.schedule if pipeline else "gpipe",
+                     "batch_dim": recipe.batch_dim if pipeline else None},  # fmt: skip
         "examples": _example_specs(pm),
     }
+
+
+def _source(pm: Any) -> nn.Module | None:
+    """The model the program was lowered from: fx's (``traced_model``), or a pipeline's copy on meta."""
+    return pm.__dict__.get("traced_model") or pm.__dict__.get("model_on_meta")
 
 
 def _example_specs(pm: Any) -> list[dict[str, Any]] | None:
@@ -140,17 +155,16 @@ def _example_specs(pm: Any) -> list[dict[str, Any]] | None:
     return out
 
 
-def single_device_model(pm: Any, state: dict[str, torch.Tensor]) -> nn.Module:
+def single_device_model(pm: Any, state: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> nn.Module:
     """A copy of the model on the CPU holding ``state`` (whole tensors under the model's keys) and the
-    program's non-persistent buffers; ``pm`` and the model are not touched."""
+    program's non-persistent buffers (``held``, every rank's); ``pm`` and the model are not touched."""
     from dpcompile.fake import materialize, meta_copy_to_pickle
 
-    copied = meta_copy_to_pickle(pm.traced_model)
+    copied = meta_copy_to_pickle(_source(pm))
     if copied is None:
         raise ExportError("the model cannot be copied (copy.deepcopy fails on it), so the program over the mesh cannot be exported")
     materialize(copied, "cpu")
     copied.load_state_dict({k: v.detach().to("cpu") for k, v in state.items()}, strict=True)
-    held = dict(pm.named_buffers())
     with torch.no_grad():
         for path, module in copied.named_modules():
             for name in module._non_persistent_buffers_set:
@@ -176,16 +190,17 @@ def export_over_mesh(pm: Any, folder: Path, write: Callable[[nn.Module, Path, di
             f"export over a DeviceMesh of {mesh.size()} of the {dist.get_world_size()} processes is not built yet: "
             "export over a mesh of every process"
         )
-    state = pm.state_dict()  # whole tensors: a collective over tp (and the same on every rank)
+    state = pm.state_dict()  # whole tensors: a collective over tp and pp (and the same on every rank)
     ranks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, (_code_hash(pm), layout["examples"]))
+    dist.all_gather_object(ranks, (_code_hash(pm), layout["examples"], _non_persistent_buffers(pm)))
     order = mesh.mesh.flatten().tolist()
     layout["rank_code"] = [ranks[r][0] for r in order]
     layout["examples"] = None if layout["examples"] is None else [ranks[r][1] for r in order]
+    held = {k: v for rank in ranks for k, v in rank[2].items()}  # a pipeline stage holds its own
     failure = None
     if dist.get_rank() == 0:
         try:
-            one = transform(single_device_model(pm, state), ["cpu"], exact_random=layout["keywords"]["exact_random"])
+            one = transform(single_device_model(pm, state, held), ["cpu"], exact_random=layout["keywords"]["exact_random"])
             write(one, folder, layout)
         except DpCompileError as e:
             failure = e
@@ -199,6 +214,15 @@ def export_over_mesh(pm: Any, folder: Path, write: Callable[[nn.Module, Path, di
     if message[0] is not None:
         raise ExportError(f"export over the mesh failed on rank 0, which writes the folder: {message[0]}")
     return folder
+
+
+def _non_persistent_buffers(pm: Any) -> dict[str, torch.Tensor]:
+    """This rank's values of the model's non-persistent buffers (not in ``state_dict()``), by the model's names."""
+    from dpcompile.fx_utils import unalias
+
+    wanted = {f"{path}.{name}" if path else name for path, module in _source(pm).named_modules()
+              for name in module._non_persistent_buffers_set}  # fmt: skip
+    return {unalias(k): b.detach().to("cpu") for k, b in pm.named_buffers() if unalias(k) in wanted}
 
 
 def _code_hash(pm: Any) -> str:
@@ -224,9 +248,13 @@ def load_over_mesh(folder: Path, mesh: Any, load_one: Callable[[list[Any]], nn.M
     same = sizes == section["sizes"]  # the names are the recorded ones
     position = mesh.mesh.flatten().tolist().index(dist.get_rank()) if same else 0
     keywords = section["keywords"]
+    pipeline = {} if keywords["pipeline"] is None else {
+        "pipeline": keywords["pipeline"], "micro_batches": keywords["micro_batches"], "schedule": keywords["schedule"],
+        "batch_dim": keywords["batch_dim"]}  # fmt: skip
     pm = transform(
-        _captured_module(one), mesh, tensor_parallel=keywords["tensor_parallel"], ddp_options=keywords["ddp_options"],
+        _captured_module(one), mesh, tensor_parallel=keywords["tensor_parallel"],
         exact_random=keywords["exact_random"], example_inputs=_examples(section["examples"], position, local_device(mesh)),
+        **({"ddp_options": keywords["ddp_options"]} if keywords["ddp_options"] else {}), **pipeline,
     )  # fmt: skip
     failure = None
     if same:

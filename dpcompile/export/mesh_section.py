@@ -13,8 +13,9 @@ from dpcompile.export.common import PROGRAM_FILE, ExportError
 __all__ = ["DDP_SCALARS", "MESH_MODES", "checked_mesh_section"]
 
 #: the programs over a mesh that export writes: data parallel (DDP), tensor parallel, dp x tp
-MESH_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d")
-_MESH_DIMS = {"spmd_data_parallel": ((), ("dp",)), "spmd_tensor_parallel": ((), ("tp",)), "spmd_2d": (("dp", "tp"),)}
+MESH_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d", "spmd_pipeline")
+_MESH_DIMS = {"spmd_data_parallel": ((), ("dp",)), "spmd_tensor_parallel": ((), ("tp",)), "spmd_2d": (("dp", "tp"),),
+              "spmd_pipeline": (("pp",),)}  # fmt: skip
 _STYLES = ("column", "row", "replicate", "vocab")
 #: what a recorded ddp_options value may be
 DDP_SCALARS = (bool, int, float, str)
@@ -36,13 +37,15 @@ def checked_mesh_section(section: Any) -> dict[str, Any]:
     if not isinstance(codes, list) or len(codes) != count or not all(isinstance(c, str) and len(c) == 64 for c in codes):
         raise ExportError(f"{PROGRAM_FILE}: rank_code must hold one sha256 per rank ({count})")
     _check_examples(section["examples"], count)
-    expected = {"tensor_parallel", "data_parallel", "ddp_options", "exact_random", "frontend"}
+    expected = {"tensor_parallel", "data_parallel", "ddp_options", "exact_random", "frontend", "pipeline", "micro_batches",
+                "schedule", "batch_dim"}  # fmt: skip
     if not isinstance(keywords, dict) or set(keywords) != expected:
         raise ExportError(f"{PROGRAM_FILE}: mesh keywords {sorted(keywords) if isinstance(keywords, dict) else keywords!r:.80}")
     plan = keywords["tensor_parallel"]
     if not (type(plan) is bool or (isinstance(plan, dict) and all(isinstance(k, str) and v in _STYLES for k, v in plan.items()))):
         raise ExportError(f"{PROGRAM_FILE}: tensor_parallel {plan!r:.60}")
-    if (plan is False) != (mode == "spmd_data_parallel"):
+    _check_pipeline(keywords, mode)
+    if (plan is False) != (mode in ("spmd_data_parallel", "spmd_pipeline")):
         raise ExportError(f"{PROGRAM_FILE}: tensor_parallel {plan!r:.40} with a {mode} program")
     options = keywords["ddp_options"]
     if keywords["data_parallel"] != "ddp" or type(keywords["exact_random"]) is not bool or keywords["frontend"] not in ("auto", "fx"):
@@ -66,3 +69,18 @@ def _check_examples(examples: Any, count: int) -> None:
         elif isinstance(entry, dict) and set(entry) == {"value"} and (entry["value"] is None or isinstance(entry["value"], DDP_SCALARS)):
             continue
         raise ExportError(f"{PROGRAM_FILE}: an example described as {entry!r:.80}")
+
+
+def _check_pipeline(keywords: dict[str, Any], mode: str) -> None:
+    """``pipeline`` (a stage count or the module paths where stages start), ``micro_batches``, ``schedule``,
+    ``batch_dim``: a pipeline's, or None, 1, "gpipe", None."""
+    stages, micro, schedule, batch_dim = (keywords[k] for k in ("pipeline", "micro_batches", "schedule", "batch_dim"))
+    if mode != "spmd_pipeline":
+        if (stages, micro, schedule, batch_dim) != (None, 1, "gpipe", None):
+            raise ExportError(f"{PROGRAM_FILE}: pipeline keywords of a {mode} program")
+        return
+    paths = isinstance(stages, list) and stages and all(isinstance(p, str) and p for p in stages)
+    if not (paths or (type(stages) is int and stages >= 1)) or type(micro) is not int or micro < 1:
+        raise ExportError(f"{PROGRAM_FILE}: pipeline {stages!r:.60}, micro_batches {micro!r:.20}")
+    if schedule not in ("gpipe", "1f1b") or not (batch_dim is None or type(batch_dim) is int):
+        raise ExportError(f"{PROGRAM_FILE}: schedule {schedule!r:.20}, batch_dim {batch_dim!r:.20}")

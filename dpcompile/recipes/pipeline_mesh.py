@@ -32,7 +32,7 @@ from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.linear_sites import linear_like_leaves
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.fake import is_fake
+from dpcompile.fake import is_fake, meta_copy_to_pickle
 from dpcompile.fx_utils import ancestors, copy_graph, graph_module
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_fsdp_parameters, local_device
@@ -49,6 +49,7 @@ from dpcompile.modules.mesh_stage import batch_norm_dp_refusal, batch_norm_refus
 from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.pipeline import stage_weights
 from dpcompile.recipes.pipeline_mesh_tp import shard_stage, tied_shards
+from dpcompile.recipes.spmd import example_specs
 from dpcompile.recipes.tensor_parallel import tied_groups
 from passes.checkpoint_activations import paths_run_in
 from passes.cut_stage import cut_stage, find_row_meetings, find_shared_parameters
@@ -165,6 +166,8 @@ class MeshPipelineRecipe(Recipe):
             pm.shared = tied_shards(pm.shared, program, sharded, mesh=self.mesh)
             pm.tp_group = self.mesh.get_group("tp")
         pm.state_ties = state_ties(model)  # before FSDP: fully_shard swaps the model's tied tensors apart
+        # what dpcompile.export over the mesh copies (structure only) and records (the examples' shapes)
+        pm.__dict__.update(model_on_meta=meta_copy_to_pickle(model), example_specs=example_specs(example_inputs))
         if self.data_parallel == "fsdp":  # FSDP over "dp" last, on the (sharded) stage
             options = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
             shard_over_dp(pm, self.mesh["dp"], options)

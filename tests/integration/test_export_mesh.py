@@ -191,6 +191,61 @@ def check_round_trip(root: str, layout: dict[str, int]) -> None:
     _trains_alike(layout, mesh, pm, loaded, reference)
 
 
+def check_pipeline_round_trip(root: str) -> None:
+    """A ``("pp",)`` pipeline (2 stages, 2 micro-batches, examples), exported after a step and loaded over the
+    mesh: the last stage's loss, each stage's gradients and parameters after 2 AdamW steps equal the original
+    program's (bit for bit) and eager's; ``state_dict`` (whole, every stage's) the original's."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.fx_utils import unalias
+
+    mesh = _mesh({"pp": 2})
+    model = _model()
+    reference = copy.deepcopy(model)
+    batch = _batch()
+    options = {"pipeline": ["up"], "micro_batches": 2, "example_inputs": tuple(batch.values())}
+    pm = dpcompile.transform(model, mesh, **options)
+    for module in (pm, reference):  # a step before the export: a pipeline's call runs backward
+        torch.manual_seed(7)
+        loss = module(**_step_batch())
+        if module is reference:
+            loss.backward()
+        with torch.no_grad():
+            for p in module.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    folder = _folder(root, "pp2")
+    dpcompile.export(pm, folder)
+    loaded = dpcompile.load(folder, mesh=mesh)
+    assert loaded.mode == "spmd_pipeline" and loaded.code == pm.code
+    _assert_state_equal(loaded, pm, exact=True)
+    last = dist.get_rank() == 1
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pm, loaded, reference)]
+    wanted = dict(reference.named_parameters())
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        expected = reference(**batch)
+        expected.backward()
+        grads = []
+        for program in (pm, loaded):
+            torch.manual_seed(100 + step)
+            out = program(**batch)
+            if last:
+                torch.testing.assert_close(out, expected.detach(), msg=lambda m, s=step: f"loss of step {s}: {m}")
+            grads.append({unalias(n): p.grad for n, p in program.program.named_parameters()})
+        assert sorted(grads[0]) == sorted(grads[1]) and grads[0]
+        for key, grad in grads[1].items():
+            torch.testing.assert_close(grad, wanted[key].grad, msg=lambda m, k=key: f"grad {k}: {m}")
+            torch.testing.assert_close(grad, grads[0][key], rtol=0, atol=0)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for path, p in loaded.program.named_parameters():
+        torch.testing.assert_close(p.detach(), wanted[unalias(path)].detach(), msg=lambda m, k=path: f"param {k}: {m}")
+    _assert_state_equal(loaded, reference, exact=False)
+
+
 def check_other_sizes_and_one_process(root: str) -> None:
     """A ``("dp", "tp")`` export of sizes (1, 2) loads over (2, 1) (lowered for it) and, without a mesh, as
     the single-device program; both train as eager."""
@@ -289,6 +344,7 @@ def test_export_and_load_over_a_mesh(tmp_path):
         ("dp", functools.partial(check_round_trip, root, {"dp": 2})),
         ("tp", functools.partial(check_round_trip, root, {"tp": 2})),
         ("dp_tp", functools.partial(check_round_trip, root, {"dp": 1, "tp": 2})),
+        ("pp", functools.partial(check_pipeline_round_trip, root)),
         ("other_sizes", functools.partial(check_other_sizes_and_one_process, root)),
         ("refusals", functools.partial(check_refusals_write_nothing, root)),
     ]
@@ -297,6 +353,10 @@ def test_export_and_load_over_a_mesh(tmp_path):
     _check_layout_is_recorded_and_checked(tmp_path / "dp1_tp2", tmp_path)
     examples = json.loads((tmp_path / "tp2" / "program.json").read_text())["config"]["mesh"]["examples"]
     assert examples == [[{"shape": [ROWS, SEQ, 8], "dtype": "float64"}, {"shape": [ROWS, SEQ], "dtype": "int64"}]] * 2
+    pipeline = json.loads((tmp_path / "pp2" / "program.json").read_text())["config"]["mesh"]
+    assert (pipeline["dims"], pipeline["mode"]) == (["pp"], "spmd_pipeline")
+    assert {k: pipeline["keywords"][k] for k in ("pipeline", "micro_batches", "schedule")} == {
+        "pipeline": ["up"], "micro_batches": 2, "schedule": "gpipe"}  # fmt: skip
 
 
 def _check_layout_is_recorded_and_checked(folder: Path, tmp_path: Path) -> None:
@@ -310,7 +370,8 @@ def _check_layout_is_recorded_and_checked(folder: Path, tmp_path: Path) -> None:
     section = program["config"]["mesh"]
     assert (section["dims"], section["sizes"], section["mode"]) == (["dp", "tp"], [1, 2], "spmd_2d")
     assert section["keywords"] == {"tensor_parallel": PLAN, "data_parallel": "ddp", "ddp_options": {},
-                                   "exact_random": True, "frontend": "auto"}  # fmt: skip
+                                   "exact_random": True, "frontend": "auto", "pipeline": None, "micro_batches": 1,
+                                   "schedule": "gpipe", "batch_dim": None}  # fmt: skip
     assert len(section["rank_code"]) == 2 and section["examples"] is None
     first = (folder / "module.py").read_text().splitlines()[0]
     assert first.startswith('"""Generated by dpcompile: data_parallel, exported over a DeviceMesh {') and '"sizes": [1, 2]' in first

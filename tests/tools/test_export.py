@@ -545,10 +545,10 @@ def test_a_bool_weight_whose_bytes_are_not_0_or_1_is_refused(tmp_path):
         dpcompile.load(folder)
 
 
-@pytest.mark.parametrize("mode, layout", [("spmd_pipeline", r"a pipeline over a mesh \('pp'"),
+@pytest.mark.parametrize("mode, layout", [("spmd_context_tensor_parallel", r"context parallel over a \('cp', 'tp'\) mesh"),
                                           ("spmd_context_parallel", r"context parallel over a mesh \('cp'")])
 def test_export_refuses_a_layout_over_a_mesh_it_does_not_write(tmp_path, mode, layout):
-    """A program over a mesh of a layout export does not write (a pipeline, context parallel) is refused
+    """A program over a mesh of a layout export does not write (context parallel) is refused
     by name, with the way out, before anything is written (tests/integration/test_export_mesh.py: those it writes)."""
     _, pm = _trained_dp()
     pm.mode = mode

@@ -13,19 +13,22 @@ After::
     pm2 = dpcompile.load("exported/", mesh=device_mesh)     # every rank: the program lowered over the mesh again
     one = dpcompile.load("exported/")                       # the single-device program, in one process
 
-Export is collective. Every rank checks what it can record (the same answer on each) before any
-exchange; then ``pm.state_dict()`` gathers whole tensors under the model's keys, each rank's program
-text is hashed (``rank_code``), and rank 0 copies the model (its structure on ``meta``, then the
-gathered values), transforms it for one device and writes that program as any export, with
-``config.mesh``: the mesh's dimension names and sizes and the keywords that shaped the program
-(``tensor_parallel``, ``data_parallel``, ``ddp_options``, ``exact_random``). Rank 0's outcome is
+Layouts: ``("dp",)``, ``("tp",)``, ``("dp", "tp")`` (DDP) and ``("pp",)``. Export is collective. Every
+rank checks what it can record (the same answer on each) before any exchange; then ``pm.state_dict()``
+gathers whole tensors under the model's keys, each rank's program text is hashed (``rank_code``), and
+rank 0 copies the model (its structure on ``meta``, then the gathered values and every stage's
+non-persistent buffers), transforms it for one device and writes that program as any export, with
+``config.mesh``: the mesh's dimension names and sizes, the keywords that shaped the program
+(``tensor_parallel``, ``data_parallel``, ``ddp_options``, ``exact_random``, ``pipeline``,
+``micro_batches``, ``schedule``, ``batch_dim``) and each rank's examples' shapes. Rank 0's outcome is
 broadcast: every rank returns the folder or raises. A keyword that cannot be recorded is refused by
 name before anything is written.
 
 Load over a mesh is collective too: each rank loads the single-device program, the ranks agree that
-they did, then ``transform`` lowers its captured program over the mesh with the recorded keywords.
-A mesh of other dimension names is refused; other sizes are lowered as ``transform`` lowers for
-them; on the recorded sizes, each rank's program text must hash to the exported one's (else every
+they did, then ``transform`` lowers its captured program over the mesh with the recorded keywords
+and zeros of the rank's example shapes. A mesh of other dimension names is refused; other sizes are
+lowered as ``transform`` lowers for them (refused where examples were recorded: they are the exported
+ranks'); on the recorded sizes, each rank's program text must hash to the exported one's (else every
 rank raises): the loaded program is the exported program.
 """
 

@@ -522,7 +522,12 @@ def load(path: str | Path, devices: Any = None, *, mesh: Any = None, trust_code:
 
         if not is_device_mesh(mesh) or devices is not None:
             raise ArgumentError(f"mesh={mesh!r:.60}: expected a torch.distributed DeviceMesh, and devices= left out")
-        return load_over_mesh(folder, mesh, lambda target: load(folder, target, trust_code=trust_code, expected_hash=expected_hash))
+        return load_over_mesh(folder, mesh, lambda target: _load(folder, target, trust_code, expected_hash))
+    return _load(folder, devices, trust_code, expected_hash)[0]
+
+
+def _load(folder: Path, devices: Any, trust_code: bool, expected_hash: str | None) -> tuple[nn.Module, dict[str, Any]]:
+    """:func:`load`'s module and the checked ``program.json`` it was built from."""
     if expected_hash is not None:
         check_manifest_hash(folder, expected_hash)
     manifest = read_manifest(folder)
@@ -571,7 +576,7 @@ def load(path: str | Path, devices: Any = None, *, mesh: Any = None, trust_code:
         from dpcompile.modules.fsdp_one_process import shard_over_dp
 
         shard_over_dp(pm)
-    return pm
+    return pm, program
 
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "ExportError", "export", "generated_source", "load", "read_manifest"]

@@ -233,8 +233,9 @@ def _code_hash(pm: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------ load
-def load_over_mesh(folder: Path, mesh: Any, load_one: Callable[[list[Any]], nn.Module]) -> nn.Module:
-    """Every rank: load the single-device program (``load_one(devices)``), agree that every rank did,
+def load_over_mesh(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tuple[nn.Module, dict]]) -> nn.Module:
+    """Every rank: load the single-device program (``load_one(devices)``: the module and its checked
+    ``program.json``), agree that every rank did,
     lower its captured program over ``mesh`` with the recorded keywords, check each rank's program."""
     import torch.distributed as dist
 
@@ -281,10 +282,9 @@ def _examples(examples: list[list[dict[str, Any]]] | None, position: int, device
     )
 
 
-def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], nn.Module], device: Any) -> tuple[nn.Module, dict]:
-    from dpcompile.export.integrity import read_manifest, read_program
-
-    program = read_program(folder, read_manifest(folder))
+def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tuple[nn.Module, dict]],
+                   device: Any) -> tuple[nn.Module, dict]:  # fmt: skip
+    one, program = load_one([device])  # every check first (expected_hash= before anything is read)
     section = program["config"].get("mesh")
     if section is None:
         raise ExportError(
@@ -304,7 +304,7 @@ def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], nn.M
             f"each rank's shapes there, which a mesh of sizes {sizes} does not feed: load it over sizes "
             f"{section['sizes']}, or transform the model over this mesh"
         )
-    return load_one([device]), section
+    return one, section
 
 
 def _captured_module(one: nn.Module) -> fx.GraphModule:

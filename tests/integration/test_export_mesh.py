@@ -1,12 +1,14 @@
 """``dpcompile.export`` / ``load`` of a program over a gloo ``DeviceMesh`` (``dpcompile/export/mesh.py``).
 
 Every rank exports (rank 0 writes the single-device program and the layout) and every rank loads it
-over the mesh: on ``("dp",)``, ``("tp",)`` and ``("dp", "tp")`` meshes the loaded program's loss, every
-gradient and the parameters after 2 AdamW steps equal the original program's and eager's (dropout
-drawing the same masks), and its ``state_dict`` equals the model's. A ``("dp", "tp")`` export loads
-over other sizes (lowered for them) and, without a mesh, as the single-device program. A mesh of
-other dimension names is refused on every rank; what cannot be recorded is refused by name, and a
-failure on rank 0 alone fails every rank; neither writes anything. One group of 2 runs every check.
+over the mesh: on ``("dp",)``, ``("tp",)``, ``("dp", "tp")`` and ``("pp",)`` meshes the loaded program's
+loss, every gradient and the parameters after 2 AdamW steps equal the original program's and eager's
+(dropout after attention drawing the same masks: the examples' shapes are recorded), and its
+``state_dict`` equals the original's. A ``("dp", "tp")`` export loads over other sizes (lowered for
+them) and, without a mesh, as the single-device program. A mesh of other dimension names, a folder
+exported without a mesh, a rank whose program is not the exported one, an edited layout: refused on
+every rank; what cannot be recorded is refused by name, and a failure on rank 0 alone fails every
+rank; neither writes anything. One group of 2 runs every check.
 """
 
 from __future__ import annotations

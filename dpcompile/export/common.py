@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ SUMMARY_FIELDS = ("kind", "class_name", "devices", "dpcompile_version", "torch_v
 
 
 def readable_mode(kind: str, config: dict[str, Any]) -> str:
-    """How ``module.py``'s first line names the program: its kind, and whether ``dp`` is FSDP."""
+    """How ``module.py``'s first line names the program: its kind, whether ``dp`` is FSDP, the mesh it was exported over."""
+    if isinstance(config.get("mesh"), dict):  # the single-device program of one over a mesh: every field shown
+        return f"{kind}, exported over a DeviceMesh {json.dumps(config['mesh'], sort_keys=True, separators=(', ', ': '))}"
     if config.get("data_parallel") == "fsdp":
         return f'{kind} with data_parallel="fsdp" (each parameter stored as pieces over dp, gathered where it is read)'
     return kind

@@ -43,6 +43,7 @@ from dpcompile.export.integrity import (
     read_weights,
     sha256_of,
 )
+from dpcompile.export.mesh import export_over_mesh, is_mesh_program, load_over_mesh, recorded_layout
 from dpcompile.export.pipeline import PIPELINE_KINDS, describe_pipeline, stage_graphs, step_graphs
 from dpcompile.export.source import call_label, class_name_of, generated_source, program_source
 from dpcompile.fx_utils import unalias
@@ -174,31 +175,52 @@ def export(pm: nn.Module, path: str | Path) -> Path:
     ['manifest.json', 'module.py', 'program.json', 'weights.safetensors']
     """
     from dpcompile.modules.base import ParallelModule
-    from dpcompile.modules.fsdp_one_process import FsdpProgram, replicated_program
     from dpcompile.modules.other_mode import both_modes
-    from dpcompile.modules.weights import needs_weights
 
     if not isinstance(pm, ParallelModule):
         raise ArgumentError(f"export needs a dpcompile.ParallelModule (from dpcompile.transform), got {type(pm).__name__}")
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentError(f"path={path!r}: expected a str or os.PathLike, the folder to write the export into")
+    if is_mesh_program(pm):  # every rank calls it: whole tensors gathered, rank 0 writes the single-device program
+        recorded_layout(pm)  # what cannot be recorded is refused on every rank before anything else
+        _check_exportable(pm, watched=pm.mode != "spmd_pipeline")  # a pipeline's stages are cut once, from a copy
+        return export_over_mesh(pm, Path(path), _export_single_of_mesh)
     pm = both_modes(pm)  # a program exported in one mode captures the other now: the folder serves both
     if pm.mode not in KINDS:
-        raise ExportError(
-            f"export writes one-process programs (data, tensor or pipeline parallel); a {pm.mode} program (over a "
-            "mesh) is rebuilt by running transform in each process: save its weights with pm.state_dict()"
-        )
+        raise ExportError(f"export writes one-process programs and programs over a DeviceMesh; not a {pm.mode} program")
+    _check_exportable(pm)
+    return _export_checked(pm, Path(path))
+
+
+def _check_exportable(pm: nn.Module, *, watched: bool = True) -> None:
+    """Refuse a program without weights, or (``watched``: it follows the model) whose model changed since transform."""
+    from dpcompile.modules.weights import needs_weights
+
     if needs_weights(pm):  # its tensors hold uninitialised memory: a loaded copy would run on it
         raise ExportError(
             "this program was built on the meta device and holds no weights yet: load them first "
             "(dpcompile.load_checkpoint(pm, path)), then export"
         )
-    if pm.model_changed_since_transform():
+    if watched and pm.model_changed_since_transform():
         raise ExportError(
             "the model changed since transform (a hook, submodule, parameter or attribute forward reads): the "
             "program would be the one traced before; call dpcompile.transform again and export that"
         )
-    folder = Path(path)
+
+
+def _export_single_of_mesh(one: nn.Module, folder: Path, layout: dict[str, Any]) -> None:
+    """Rank 0 of an export over a mesh: the single-device program ``one``, written with ``config.mesh``."""
+    from dpcompile.modules.other_mode import both_modes
+
+    one = both_modes(one)  # the folder serves both modes, as any export
+    _check_exportable(one)
+    _export_checked(one, folder, mesh=layout)
+
+
+def _export_checked(pm: nn.Module, folder: Path, *, mesh: dict[str, Any] | None = None) -> Path:
+    """Write the checked program ``pm`` (one process) to ``folder``; ``mesh``: the layout it was exported over."""
+    from dpcompile.modules.fsdp_one_process import FsdpProgram, replicated_program
+
     if folder.exists() and not folder.is_dir():
         raise ExportError(f"{folder} exists and is not a folder")
     fsdp = isinstance(pm, FsdpProgram)
@@ -207,7 +229,7 @@ def export(pm: nn.Module, path: str | Path) -> Path:
             pm = replicated_program(pm)
         except DpCompileError as e:  # a parametrization of the model's (weight_norm), as for replication
             raise ExportError(f"cannot serialise the program: {e}") from e
-    program, files, tensors = _describe(pm, fsdp=fsdp)
+    program, files, tensors = _describe(pm, fsdp=fsdp, mesh=mesh)
     if unheld := {key: t.dtype for key, t in tensors.items() if t.dtype not in DTYPES}:
         key, dtype = next(iter(unheld.items()))
         raise ExportError(
@@ -276,9 +298,11 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
     return data, tree, keys, tensors, names, lowered
 
 
-def _describe(pm: nn.Module, *, fsdp: bool = False) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
+def _describe(pm: nn.Module, *, fsdp: bool = False, mesh: dict[str, Any] | None = None,
+              ) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:  # fmt: skip
     """``(program.json's content, files to write beside it, tensors by file key)``; ``fsdp``: ``pm``
-    is the replicated program an FSDP one was sharded from (``config.data_parallel``: "fsdp")."""
+    is the replicated program an FSDP one was sharded from (``config.data_parallel``: "fsdp");
+    ``mesh``: ``config.mesh``, the layout a program over a mesh was exported from (``export/mesh.py``)."""
     from dpcompile.export.build import readable_programs
     from dpcompile.export.serialize import NotData
 
@@ -293,6 +317,8 @@ def _describe(pm: nn.Module, *, fsdp: bool = False) -> tuple[dict[str, Any], dic
                 f"a pipeline whose program is not plain data ({e}) is not exported yet; the nearest that works: "
                 "torch.save(pm, f), or register the class (from dpcompile.export import register_module_class)"
             ) from None
+        if mesh is not None:
+            raise ExportError(f"a program over a mesh whose program is not plain data ({e}) is not exported yet") from None
         pickled_reason = str(e)
         log.warning("export: %s; writing program.pkl, which dpcompile.load reads only with trust_code=True", e)
         keys, tensors, names = _tensor_keys(pm)
@@ -306,6 +332,8 @@ def _describe(pm: nn.Module, *, fsdp: bool = False) -> tuple[dict[str, Any], dic
     }
     if fsdp:
         config["data_parallel"] = "fsdp"
+    if mesh is not None:
+        config["mesh"] = mesh
     if runs_stages(pm):
         config["pipeline"] = describe_pipeline(pm, lowered)
     if pm.__dict__.get("param_shards") is not None:
@@ -459,7 +487,8 @@ def _target_devices(recorded: list[str], devices: Any) -> Any:
         raise
 
 
-def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, expected_hash: str | None = None) -> nn.Module:
+def load(path: str | Path, devices: Any = None, *, mesh: Any = None, trust_code: bool = False,
+         expected_hash: str | None = None) -> nn.Module:  # fmt: skip
     """Load an export folder as a :class:`~dpcompile.ParallelModule` of the kind it records.
 
     Before anything is built: the manifest (every field), every file (listed, present, size
@@ -472,6 +501,11 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
     device list; a tensor-parallel one needs as many devices as it was exported for, and a
     pipeline (``config.pipeline``: :mod:`dpcompile.export.pipeline`) the very devices.
 
+    ``mesh``: a ``DeviceMesh``; every process calls ``load`` (a collective) and gets its rank's program:
+    the folder's single-device program lowered over the mesh with the keywords it was exported with
+    (a folder ``export`` wrote over a mesh, ``dpcompile.export.mesh``). Without it, such a folder loads
+    as the single-device program.
+
     ``expected_hash``: the sha256 of ``manifest.json`` (:func:`manifest_hash` where it was
     exported) from a channel you trust; the manifest lists every file's sha256, so a folder
     that loads with it is byte for byte the one exported. Without it, the checks detect
@@ -483,6 +517,17 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentError(f"path={path!r}: expected a str or os.PathLike, the folder that dpcompile.export wrote")
     folder = Path(path)
+    if mesh is not None:
+        from dpcompile.mesh import is_device_mesh
+
+        if not is_device_mesh(mesh) or devices is not None:
+            raise ArgumentError(f"mesh={mesh!r:.60}: expected a torch.distributed DeviceMesh, and devices= left out")
+        return load_over_mesh(folder, mesh, lambda target: _load(folder, target, trust_code, expected_hash))
+    return _load(folder, devices, trust_code, expected_hash)[0]
+
+
+def _load(folder: Path, devices: Any, trust_code: bool, expected_hash: str | None) -> tuple[nn.Module, dict[str, Any]]:
+    """:func:`load`'s module and the checked ``program.json`` it was built from."""
     if expected_hash is not None:
         check_manifest_hash(folder, expected_hash)
     manifest = read_manifest(folder)
@@ -531,7 +576,7 @@ def load(path: str | Path, devices: Any = None, *, trust_code: bool = False, exp
         from dpcompile.modules.fsdp_one_process import shard_over_dp
 
         shard_over_dp(pm)
-    return pm
+    return pm, program
 
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "ExportError", "export", "generated_source", "load", "read_manifest"]

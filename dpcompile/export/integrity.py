@@ -169,6 +169,11 @@ def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         if config["data_parallel"] != "fsdp":
             raise ExportError(f"{folder / PROGRAM_FILE}: data_parallel {config['data_parallel']!r:.40} (only \"fsdp\" is written)")
         fields.add("data_parallel")
+    if isinstance(config, dict) and "mesh" in config and program["kind"] == "data_parallel":  # exported over a mesh
+        from dpcompile.export.mesh_section import checked_mesh_section
+
+        checked_mesh_section(config["mesh"])
+        fields.add("mesh")
     if not isinstance(config, dict) or set(config) != fields:
         raise ExportError(f"{folder / PROGRAM_FILE}: a config it cannot read")
     devices = config["devices"]

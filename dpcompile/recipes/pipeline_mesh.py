@@ -37,7 +37,7 @@ from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.linear_sites import linear_like_leaves
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.fake import is_fake
+from dpcompile.fake import is_fake, meta_copy_to_pickle
 from dpcompile.fx_utils import ancestors, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_fsdp_parameters, local_device, mesh_size
@@ -55,7 +55,7 @@ from dpcompile.planning import plan_for
 from dpcompile.recipes.base import Recipe, capture_with_flags
 from dpcompile.recipes.constants import deepcopy_on_fake
 from dpcompile.recipes.pipeline import stage_weights
-from dpcompile.recipes.spmd import broadcast_state, keep_own_shards
+from dpcompile.recipes.spmd import broadcast_state, example_specs, keep_own_shards
 from dpcompile.recipes.tensor_parallel import aliased_plan, tied_groups, unaliased_findings
 from dpcompile.runtime.tensor_parallel import ShardSpec
 from passes.checkpoint_activations import paths_run_in
@@ -175,6 +175,8 @@ class MeshPipelineRecipe(Recipe):
             pm.shared = tied_shards(pm.shared, program, sharded, mesh=self.mesh)
             pm.tp_group = self.mesh.get_group("tp")
         pm.state_ties = state_ties(model)  # before FSDP: fully_shard swaps the model's tied tensors apart
+        # what dpcompile.export over the mesh copies (structure only) and records (the examples' shapes)
+        pm.__dict__.update(model_on_meta=meta_copy_to_pickle(model), example_specs=example_specs(example_inputs))
         if self.data_parallel == "fsdp":  # FSDP over "dp" last, on the (sharded) stage
             options = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
             shard_over_dp(pm, self.mesh["dp"], options)

@@ -113,6 +113,11 @@ class SpmdRecipe(Recipe):
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
         the first rank's parameters and buffers)."""
+        pm = self._compile_rank(model, example_inputs)
+        pm.__dict__["example_specs"] = example_specs(example_inputs)  # what export over a mesh records
+        return pm
+
+    def _compile_rank(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         mode, dp_dim, tp_dim = check_mesh(self.mesh, self.plan)
         if self.data_parallel == "fsdp" and dp_dim is None:
             raise ArgumentError(
@@ -448,6 +453,15 @@ MESH_PROGRAMS: dict[str, MeshProgram] = {
     "spmd_context_parallel": MeshProgram(SpmdRecipe._compile_context_parallel, SpmdRecipe._context_parallel_again),
     "spmd_context_tensor_parallel": MeshProgram(SpmdRecipe._compile_context_tensor_parallel, SpmdRecipe._refuse_again),
 }
+
+
+def example_specs(example_inputs: Sequence[Any] | None) -> tuple[Any, ...] | None:
+    """The examples a rank's program was shaped by, as ``(shape, dtype)`` per tensor (other values as they
+    are), None without examples: ``dpcompile.export`` over a mesh records them, and ``load`` lowers with
+    zeros of those shapes, so that the loaded program is the one exported."""
+    if example_inputs is None:
+        return None
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in example_inputs)
 
 
 def _holds_batch_norm(model: nn.Module, block_class: type[nn.Module]) -> bool:

@@ -545,12 +545,16 @@ def test_a_bool_weight_whose_bytes_are_not_0_or_1_is_refused(tmp_path):
         dpcompile.load(folder)
 
 
-def test_export_refuses_a_program_over_a_mesh(tmp_path):
-    """An SPMD program is refused with a message saying what to ship instead."""
+@pytest.mark.parametrize("mode, layout", [("spmd_context_tensor_parallel", r"context parallel over a \('cp', 'tp'\) mesh"),
+                                          ("spmd_context_parallel", r"context parallel over a mesh \('cp'")])
+def test_export_refuses_a_layout_over_a_mesh_it_does_not_write(tmp_path, mode, layout):
+    """A program over a mesh of a layout export does not write (context parallel) is refused
+    by name, with the way out, before anything is written (tests/integration/test_export_mesh.py: those it writes)."""
     _, pm = _trained_dp()
-    pm.mode = "spmd_data_parallel"
-    with pytest.raises(ExportError, match="state_dict"):
+    pm.mode = mode
+    with pytest.raises(ExportError, match=f"{layout}.* is not exported yet.*in one process"):
         dpcompile.export(pm, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_refuses_a_folder_holding_other_files(tmp_path):

@@ -1,0 +1,388 @@
+"""``dpcompile.export`` / ``load`` of a program over a gloo ``DeviceMesh`` (``dpcompile/export/mesh.py``).
+
+Every rank exports (rank 0 writes the single-device program and the layout) and every rank loads it
+over the mesh: on ``("dp",)``, ``("tp",)``, ``("dp", "tp")`` and ``("pp",)`` meshes the loaded program's
+loss, every gradient and the parameters after 2 AdamW steps equal the original program's and eager's
+(dropout after attention drawing the same masks: the examples' shapes are recorded), and its
+``state_dict`` equals the original's. A ``("dp", "tp")`` export loads over other sizes (lowered for
+them) and, without a mesh, as the single-device program. A mesh of other dimension names, a folder
+exported without a mesh, a rank whose program is not the exported one, an edited layout: refused on
+every rank; what cannot be recorded is refused by name, and a failure on rank 0 alone fails every
+rank; neither writes anything. One group of 2 runs every check.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+
+pytestmark = [pytest.mark.distributed]
+GROUP_TIMEOUT_S = 300.0
+ROWS, SEQ = 4, 3  # rows of the global batch, tokens a row
+PLAN = {"up": "column", "down": "row"}  # the ("dp", "tp") export's tensor_parallel=: a plan, recorded as one
+
+
+class Net(nn.Module):
+    """Linear, LayerNorm, an MLP pair (column, row), dropout, a non-persistent buffer, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.tensor(0.5, dtype=torch.float64), persistent=False)
+
+    def forward(self, x, labels):
+        h = self.norm(self.inp(x))
+        h = h + self.drop(torch.softmax(h @ h.transpose(1, 2) / 4, dim=-1) @ h)  # attention over the sequence
+        h = self.drop(self.down(F.gelu(self.up(h)))) * self.scale + h
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(ROWS, SEQ, 8, generator=g, dtype=torch.float64),
+            "labels": torch.randint(0, 4, (ROWS, SEQ), generator=g)}  # fmt: skip
+
+
+def _mesh(layout: dict[str, int]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))
+
+
+def _model() -> Net:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def _folder(root: str, name: str) -> Path:
+    return Path(root) / name
+
+
+def _tree_digest(folder: Path) -> dict[str, str] | None:
+    if not folder.exists():
+        return None
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _named(pm) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("module."): p for n, p in pm.named_parameters()}
+
+
+def _trains_alike(layout: dict[str, int], mesh, pm, loaded, reference, *, bitwise: bool = True) -> None:
+    """2 AdamW steps of ``pm``, ``loaded`` (this rank's part of the batch) and eager ``reference``
+    (the whole batch): the loss, every gradient (this rank's shard) and the parameters after the steps;
+    ``bitwise``: ``loaded``'s gradients are ``pm``'s bit for bit (the same weights)."""
+    import torch.distributed as dist
+
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    dp = layout.get("dp", 1)
+    dp_rank = mesh.get_local_rank("dp") if "dp" in layout else 0
+    tp_rank = mesh.get_local_rank("tp") if "tp" in layout else 0
+    rows = ROWS // dp
+    batch = _batch()
+    local = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()}
+    shards = getattr(pm, "shards", {}) or {}
+    assert shards == (getattr(loaded, "shards", {}) or {})
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pm, loaded, reference)]
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        expected = reference(**batch)
+        expected.backward()
+        for program in (pm, loaded):
+            torch.manual_seed(100 + step)
+            loss = program(**local)
+            loss.backward()
+            mean = loss.detach().clone()
+            if dp > 1:
+                dist.all_reduce(mean, group=mesh.get_group("dp"))
+                mean /= dp
+            torch.testing.assert_close(mean, expected.detach(), msg=lambda m, s=step: f"loss of step {s}: {m}")
+        got, original = _named(loaded), _named(pm)
+        assert sorted(got) == sorted(original)
+        for key, p in reference.named_parameters():
+            want = shard_of(p.grad, shards[key], tp_rank) if key in shards else p.grad
+            torch.testing.assert_close(got[key].grad, want, msg=lambda m, k=key: f"grad {k}: {m}")
+            torch.testing.assert_close(got[key].grad, original[key].grad, **({"rtol": 0, "atol": 0} if bitwise else {}))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    got = _named(loaded)
+    for key, p in reference.named_parameters():
+        want = shard_of(p.detach(), shards[key], tp_rank) if key in shards else p.detach()
+        torch.testing.assert_close(got[key].detach(), want, msg=lambda m, k=key: f"param {k}: {m}")
+    _assert_state_equal(loaded, reference, exact=False)
+
+
+def _assert_state_equal(loaded, reference, *, exact: bool) -> None:
+    """``state_dict()`` (a collective over tp: whole tensors) has the model's keys, in order, and values."""
+    state, wanted = loaded.state_dict(), reference.state_dict()
+    assert list(state) == list(wanted)
+    for key, value in wanted.items():
+        torch.testing.assert_close(state[key], value, **({"rtol": 0, "atol": 0} if exact else {}))
+
+
+def _sgd_step(layout: dict[str, int], mesh, pm, reference) -> None:
+    """One SGD step of ``pm`` (this rank's rows) and ``reference`` (the whole batch): the weights exported
+    are trained ones, not the model's initial values."""
+    dp = layout.get("dp", 1)
+    dp_rank = mesh.get_local_rank("dp") if "dp" in layout else 0
+    rows = ROWS // dp
+    batch = _step_batch()
+    _step(pm, {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in batch.items()})
+    _step(reference, batch)
+
+
+def _step_batch() -> dict[str, torch.Tensor]:
+    return {k: v.flip(0) for k, v in _batch().items()}
+
+
+def _step(module: nn.Module, data: dict[str, torch.Tensor]) -> None:
+    torch.manual_seed(7)
+    module(**data).backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= 0.1 * p.grad
+            p.grad = None
+
+
+def _stepped_model() -> Net:
+    """The eager model after :func:`_sgd_step`: what a folder exported by ``check_round_trip`` holds."""
+    model = _model()
+    _step(model, _step_batch())
+    return model
+
+
+def check_round_trip(root: str, layout: dict[str, int]) -> None:
+    """Export over ``layout`` (after a step) and load over the same mesh: trains as the original and eager."""
+    import dpcompile
+
+    mesh = _mesh(layout)
+    model = _model()
+    reference = copy.deepcopy(model)
+    options = {"tensor_parallel": PLAN if "dp" in layout else True} if "tp" in layout else {}
+    if "dp" not in layout or layout["dp"] == 2:  # shaped by examples (this rank's rows): recorded, lowered with again
+        rows = ROWS // layout.get("dp", 1)  # (without them, dropout's rows after attention differ: load refuses it)
+        options["example_inputs"] = tuple(v[mesh.get_local_rank("dp") * rows :][:rows] if "dp" in layout else v
+                                          for v in _batch().values())  # fmt: skip
+    pm = dpcompile.transform(model, mesh, **options)
+    _sgd_step(layout, mesh, pm, reference)
+    folder = _folder(root, "_".join(f"{k}{n}" for k, n in layout.items()))
+    rng = torch.random.get_rng_state()
+    assert dpcompile.export(pm, folder) == folder
+    loaded = dpcompile.load(folder, mesh=mesh)
+    assert torch.equal(torch.random.get_rng_state(), rng)  # neither draws from the generator
+    assert loaded.mode == pm.mode and loaded.code == pm.code
+    _assert_state_equal(loaded, pm, exact=True)
+    _assert_state_equal(loaded, reference, exact=False)
+    _trains_alike(layout, mesh, pm, loaded, reference)
+
+
+def check_pipeline_round_trip(root: str) -> None:
+    """A ``("pp",)`` pipeline (2 stages, 2 micro-batches, examples), exported after a step and loaded over the
+    mesh: the last stage's loss, each stage's gradients and parameters after 2 AdamW steps equal the original
+    program's (bit for bit) and eager's; ``state_dict`` (whole, every stage's) the original's."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.fx_utils import unalias
+
+    mesh = _mesh({"pp": 2})
+    model = _model()
+    reference = copy.deepcopy(model)
+    batch = _batch()
+    options = {"pipeline": ["up"], "micro_batches": 2, "example_inputs": tuple(batch.values())}
+    pm = dpcompile.transform(model, mesh, **options)
+    for module in (pm, reference):  # a step before the export: a pipeline's call runs backward
+        torch.manual_seed(7)
+        loss = module(**_step_batch())
+        if module is reference:
+            loss.backward()
+        with torch.no_grad():
+            for p in module.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    folder = _folder(root, "pp2")
+    dpcompile.export(pm, folder)
+    loaded = dpcompile.load(folder, mesh=mesh)
+    assert loaded.mode == "spmd_pipeline" and loaded.code == pm.code
+    _assert_state_equal(loaded, pm, exact=True)
+    last = dist.get_rank() == 1
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pm, loaded, reference)]
+    wanted = dict(reference.named_parameters())
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        expected = reference(**batch)
+        expected.backward()
+        grads = []
+        for program in (pm, loaded):
+            torch.manual_seed(100 + step)
+            out = program(**batch)
+            if last:
+                torch.testing.assert_close(out, expected.detach(), msg=lambda m, s=step: f"loss of step {s}: {m}")
+            grads.append({unalias(n): p.grad for n, p in program.program.named_parameters()})
+        assert sorted(grads[0]) == sorted(grads[1]) and grads[0]
+        for key, grad in grads[1].items():
+            torch.testing.assert_close(grad, wanted[key].grad, msg=lambda m, k=key: f"grad {k}: {m}")
+            torch.testing.assert_close(grad, grads[0][key], rtol=0, atol=0)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for path, p in loaded.program.named_parameters():
+        torch.testing.assert_close(p.detach(), wanted[unalias(path)].detach(), msg=lambda m, k=path: f"param {k}: {m}")
+    _assert_state_equal(loaded, reference, exact=False)
+
+
+def check_other_sizes_and_one_process(root: str) -> None:
+    """A ``("dp", "tp")`` export of sizes (1, 2) loads over (2, 1) (lowered for it) and, without a mesh, as
+    the single-device program; both train as eager."""
+    import dpcompile
+
+    folder = _folder(root, "dp1_tp2")  # written by check_round_trip
+    for layout in ({"dp": 2, "tp": 1},):
+        mesh = _mesh(layout)
+        loaded = dpcompile.load(folder, mesh=mesh)
+        reference = _stepped_model()
+        _assert_state_equal(loaded, reference, exact=False)
+        again = dpcompile.transform(copy.deepcopy(reference), mesh, tensor_parallel=PLAN)  # transform's for this mesh
+        for module in (loaded, again, reference):  # without examples, dropout after attention draws other rows
+            module.eval()  # over dp than eager (transform's too): compared without dropout
+        _trains_alike(layout, mesh, again, loaded, reference, bitwise=False)  # again: eager's step, not the mesh's
+    one = dpcompile.load(folder)
+    assert one.mode == "data_parallel" and [str(d) for d in one.devices] == ["cpu"]
+    reference = _stepped_model()
+    batch = _batch()
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        got = one(**batch)
+        torch.manual_seed(100 + step)
+        torch.testing.assert_close(got, reference(**batch))
+
+
+def check_refusals_write_nothing(root: str) -> None:
+    """A mesh of other dimension names, a one-process folder, a rank's program that is not the exported one,
+    an unrecordable keyword, FSDP2, and a failure on rank 0 alone: every rank raises ``ExportError``, and
+    the folder is as before (absent, or holding only its stranger)."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.export import ExportError
+
+    with pytest.raises(ExportError, match=r"dims \('dp',\) \(sizes \[2\]\).*dims \('tp',\) \(sizes \[2\]\)"):
+        dpcompile.load(_folder(root, "dp2"), mesh=_mesh({"tp": 2}))
+    mesh = _mesh({"dp": 2})
+    one_process = _folder(root, f"one_process{dist.get_rank()}")
+    dpcompile.export(dpcompile.transform(_model(), ["cpu"]), one_process)
+    with pytest.raises(ExportError, match="exported without a mesh"):
+        dpcompile.load(one_process, mesh=mesh)
+    edited = _folder(root, "dp2_other_code")  # rank 1's program hash edited (module.py made to match, rehashed)
+    shaped = _folder(root, "dp1_tp2_examples")  # as if exported with examples
+    if dist.get_rank() == 0:
+        _edit_mesh(_folder(root, "dp2"), edited, lambda section: section["rank_code"].__setitem__(1, "0" * 64))
+        _edit_mesh(_folder(root, "dp1_tp2"), shaped, lambda section: section.update(examples=[[{"value": None}]] * 2))
+    dist.barrier()
+    refusal = "is not the exported one" if dist.get_rank() == 1 else "failed on another rank.*rank 1: ExportError"
+    with pytest.raises(ExportError, match=refusal):
+        dpcompile.load(edited, mesh=mesh)
+    with pytest.raises(ExportError, match=r"sizes \[1, 2\] from examples.*sizes \[2, 1\] does not feed"):
+        dpcompile.load(shaped, mesh=_mesh({"dp": 2, "tp": 1}))
+    pm = dpcompile.transform(_model(), mesh, activation_checkpointing=["up"])
+    folder = _folder(root, f"refused{dist.get_rank()}")
+    with pytest.raises(ExportError, match="activation_checkpointing="):
+        dpcompile.export(pm, folder)
+    pm = dpcompile.transform(_model(), mesh, data_parallel="fsdp")
+    with pytest.raises(ExportError, match='data_parallel="fsdp" is not built yet'):
+        dpcompile.export(pm, folder)
+    assert not folder.exists()
+    pm = dpcompile.transform(_model(), mesh)
+    crowded = _folder(root, "crowded")
+    if dist.get_rank() == 0:
+        crowded.mkdir()
+        (crowded / "notes.txt").write_text("mine")
+    dist.barrier()
+    before = _tree_digest(crowded)
+    with pytest.raises(ExportError, match="notes.txt"):
+        dpcompile.export(pm, crowded)
+    assert _tree_digest(crowded) == before == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+
+
+def _edit_mesh(folder: Path, edited: Path, change) -> None:
+    """A copy of ``folder`` whose ``config.mesh`` ``change`` edited, with ``module.py`` made to match, rehashed."""
+    from dpcompile.export.build import readable_programs
+    from dpcompile.export.common import readable_mode
+    from dpcompile.export.kinds import TreeIndex
+    from dpcompile.export.source import program_source
+    from tests.tools.export_attacks import rehash
+
+    shutil.copytree(folder, edited)
+    program = json.loads((folder / "program.json").read_text())
+    change(program["config"]["mesh"])
+    (edited / "program.json").write_text(json.dumps(program))
+    readable = readable_programs(program["data"], TreeIndex(program["modules"]))
+    mode = readable_mode(program["kind"], program["config"])
+    (edited / "module.py").write_text(program_source(readable, class_name=program["class_name"], mode=mode,
+                                                     devices=program["config"]["devices"]))  # fmt: skip
+    rehash(edited)
+
+
+def test_export_and_load_over_a_mesh(tmp_path):
+    root = str(tmp_path)
+    checks = [
+        ("dp", functools.partial(check_round_trip, root, {"dp": 2})),
+        ("tp", functools.partial(check_round_trip, root, {"tp": 2})),
+        ("dp_tp", functools.partial(check_round_trip, root, {"dp": 1, "tp": 2})),
+        ("pp", functools.partial(check_pipeline_round_trip, root)),
+        ("other_sizes", functools.partial(check_other_sizes_and_one_process, root)),
+        ("refusals", functools.partial(check_refusals_write_nothing, root)),
+    ]
+    outcomes = run_spawned(run_checks, 2, checks, timeout=GROUP_TIMEOUT_S)
+    assert_group_passed(outcomes, 2, *(name for name, _ in checks), timeout=GROUP_TIMEOUT_S)
+    _check_layout_is_recorded_and_checked(tmp_path / "dp1_tp2", tmp_path)
+    examples = json.loads((tmp_path / "tp2" / "program.json").read_text())["config"]["mesh"]["examples"]
+    assert examples == [[{"shape": [ROWS, SEQ, 8], "dtype": "float64"}, {"shape": [ROWS, SEQ], "dtype": "int64"}]] * 2
+    pipeline = json.loads((tmp_path / "pp2" / "program.json").read_text())["config"]["mesh"]
+    assert (pipeline["dims"], pipeline["mode"]) == (["pp"], "spmd_pipeline")
+    assert {k: pipeline["keywords"][k] for k in ("pipeline", "micro_batches", "schedule")} == {
+        "pipeline": ["up"], "micro_batches": 2, "schedule": "gpipe"}  # fmt: skip
+
+
+def _check_layout_is_recorded_and_checked(folder: Path, tmp_path: Path) -> None:
+    """``config.mesh`` records the layout, ``module.py``'s first line shows it; an edited layout (rehashed)
+    no longer matches ``module.py``, and a keyword value export never writes is refused by name."""
+    import dpcompile
+    from dpcompile.export import ExportError
+    from tests.tools.export_attacks import rehash
+
+    program = json.loads((folder / "program.json").read_text())
+    section = program["config"]["mesh"]
+    assert (section["dims"], section["sizes"], section["mode"]) == (["dp", "tp"], [1, 2], "spmd_2d")
+    assert section["keywords"] == {"tensor_parallel": PLAN, "data_parallel": "ddp", "ddp_options": {},
+                                   "exact_random": True, "frontend": "auto", "pipeline": None, "micro_batches": 1,
+                                   "schedule": "gpipe", "batch_dim": None}  # fmt: skip
+    assert len(section["rank_code"]) == 2 and section["examples"] is None
+    first = (folder / "module.py").read_text().splitlines()[0]
+    assert first.startswith('"""Generated by dpcompile: data_parallel, exported over a DeviceMesh {') and '"sizes": [1, 2]' in first
+    for edit, refusal in (({"sizes": [2, 1]}, "module.py is not the program"),
+                          ({"keywords": {**section["keywords"], "data_parallel": "fsdp"}}, "mesh keywords")):  # fmt: skip
+        edited = tmp_path / f"edited{len(refusal)}"
+        shutil.copytree(folder, edited)
+        program["config"]["mesh"] = {**section, **edit}
+        (edited / "program.json").write_text(json.dumps(program))
+        rehash(edited)
+        with pytest.raises(ExportError, match=refusal):
+            dpcompile.load(edited)

@@ -59,12 +59,31 @@ def test_layout_strategy_is_one_of_the_three_api_names_by_what_the_layout_does(m
 @pytest.mark.parametrize("mesh, strategy", [({"dp": 2, "tp": 2}, "tensor_parallel"), ({"pp": 1, "dp": 2}, "data_parallel"),
                                             ({"pp": 2, "dp": 2}, "pipeline")])  # fmt: skip
 def test_layout_strategy_of_a_loaded_program_is_its_recipes(tmp_path, mesh, strategy):
-    """An exported program loads without its layout; its strategy is still what its recipe built
-    (main read the kind's name there: a loaded dp x tp said "pipeline")."""
+    """An exported program's strategy is what its recipe built, not read off its layout (main read the
+    kind's name there: a loaded dp x tp said "pipeline"); a folder written without a layout loads too."""
     pm = dpcompile.transform(Stack(depth=2), ["cpu"] * math.prod(mesh.values()), mesh=mesh)
     loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "out"))
-    assert "layout" not in loaded.__dict__
+    assert loaded.layout == pm.layout
     assert pm.strategy == loaded.strategy == strategy
+    del loaded.__dict__["layout"]
+    assert loaded.strategy == strategy
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "tp": 2}, {"tp": 2, "pp": 2}],
+                         ids=["dp_tp", "pp_dp", "pp_dp_tp", "tp_pp"])  # fmt: skip
+def test_layout_of_a_loaded_program_checks_on_fake_devices(tmp_path, mesh):
+    """A loaded program keeps its layout (``program.json``'s ``config.layout``), so
+    ``verify(fake_devices=)`` places its dp copies as the original's (main: the pp x dp programs failed
+    with "no attribute 'layout'", and a dp-only export loaded on 3 devices is a 3-copy layout)."""
+    torch.manual_seed(0)
+    model, x = Stack(depth=2), torch.randn(8, 8)
+    n = math.prod(mesh.values())
+    loaded = dpcompile.load(dpcompile.export(dpcompile.transform(model, ["cpu"] * n, mesh=mesh), tmp_path / "out"))
+    assert loaded.layout == mesh
+    result = dpcompile.verify(loaded, model, x, fake_devices=n)
+    assert result.ok, str(result)
+    dp = dpcompile.load(dpcompile.export(dpcompile.transform(model, ["cpu"] * 2), tmp_path / "dp"), devices=["cpu"] * 3)
+    assert dp.layout == {"dp": 3}
 
 
 @pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"pp": 2, "tp": 2}, {"tp": 2, "pp": 2}])

@@ -330,6 +330,8 @@ def _describe(pm: nn.Module, *, fsdp: bool = False, mesh: dict[str, Any] | None 
         "plan": dict(pm.plan),
         "tensor_parallel": None,
     }
+    if getattr(pm, "layout", None):  # verify(fake_devices=) reads the dp copies off it, explain its words
+        config.update(layout=[[k, n] for k, n in pm.layout.items()], strategies=dict(getattr(pm, "strategies", None) or {}))
     if fsdp:
         config["data_parallel"] = "fsdp"
     if mesh is not None:

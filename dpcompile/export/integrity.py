@@ -174,6 +174,18 @@ def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
         checked_mesh_section(config["mesh"])
         fields.add("mesh")
+    if isinstance(config, dict) and "layout" in config:  # pm.layout (older folders lack it)
+        layout = config["layout"]
+        if not isinstance(layout, list) or not all(  # pairs: the order of the dimensions places the devices
+            isinstance(p, list) and len(p) == 2 and p[0] in ("pp", "dp", "cp", "tp") and type(p[1]) is int and p[1] >= 1
+            for p in layout
+        ) or len({p[0] for p in layout}) != len(layout):
+            raise ExportError(f"{folder / PROGRAM_FILE}: layout {layout!r:.80} is not [['pp'|'dp'|'cp'|'tp', size], ...]")
+        words = config.get("strategies")
+        if not isinstance(words, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) < 200
+                                                  for k, v in words.items()):  # fmt: skip
+            raise ExportError(f"{folder / PROGRAM_FILE}: strategies {words!r:.80} is not {{dimension: words}}")
+        fields |= {"layout", "strategies"}
     if not isinstance(config, dict) or set(config) != fields:
         raise ExportError(f"{folder / PROGRAM_FILE}: a config it cannot read")
     devices = config["devices"]

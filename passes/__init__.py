@@ -199,7 +199,7 @@ def rank_rows_pipeline(options: PipelineOptions, *, dp_rank: int | None, scopes:
     """``stamp_rank_rows`` on a captured program that one data-parallel rank of a mesh runs on its
     part of the batch (``options.input_dims``): where its random draws' rows lie (``scopes``: the
     modules called whole, FSDP's blocks)."""
-    if dp_rank is None:
+    if dp_rank is None or not options.exact_random:  # each rank draws its own: no rows to stamp
         return []
     return [functools.partial(stamp_rank_rows, input_dims=dict(options.input_dims), dp_rank=dp_rank, scopes=scopes)]
 

@@ -31,9 +31,10 @@ import torch
 import torch.fx as fx
 
 from dpcompile.analysis.batch_dims import propagate
-from dpcompile.analysis.placement import Split, Tuple
+from dpcompile.analysis.placement import Split, Tuple, Whole
 from dpcompile.analysis.random_ops import random_kind
 from dpcompile.analysis.sharding import Copied, Sharded
+from dpcompile.errors import ArgumentError
 from dpcompile.infra import PassResult
 from passes.exact_random import COLS, ROWS
 
@@ -60,7 +61,21 @@ def stamp_rank_rows(
             placement = placement.items[0]
         if isinstance(placement, Split) and placement.dim is not None:
             node.meta[ROWS] = stamped[node.name] = (dp_rank, placement.dim)
+        elif not scope and isinstance(placement, Whole) and placement.batch:
+            _refuse_unknown_rows(node, placement)
     return PassResult(gm, False, {"rows": stamped})  # metadata only: the code is unchanged
+
+
+def _refuse_unknown_rows(node: fx.Node, placement: Whole) -> None:
+    """A site whose value holds the batch where the batch rules lost its rows (an op they could not
+    split without shapes): drawn with this rank's shape it would be neither eager's values nor in step
+    with the other ranks' generators, so it is refused before anything runs."""
+    raise ArgumentError(
+        f"exact_random=True over a mesh: the random op '{node.name}' draws on a value of the batch whose rows "
+        f"this rank cannot place ({placement.reason or 'an op the batch rules cannot split'}), so it would not "
+        "draw eager's values: pass example_inputs= (this rank's local batch) to transform, whose shapes let the "
+        "rules follow the rows, or exact_random=False (each rank draws its own)"
+    )
 
 
 def _placements_by_name(gm: fx.GraphModule, input_dims: Mapping[str, int | None], scopes: tuple[str, ...]) -> dict:

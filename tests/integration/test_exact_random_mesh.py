@@ -289,6 +289,43 @@ LAYOUTS = {
 MESH_MODELS = ("mlp", "gpt2", "bert", "vit")  # every model on every layout
 
 
+class _WrittenOutAttention(torch.nn.Module):
+    """Dropout after an attention written out with ``@``: without shapes the batch rules cannot split
+    the matmul of ``(b, t, d)`` values, so the dropout's rows are unknown."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head, self.drop = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Dropout(0.25)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(h + self.drop(torch.softmax(h @ h.transpose(1, 2) / 4, dim=-1) @ h)).square().mean()
+
+
+def check_dropout_rows_unknown_without_examples() -> None:
+    """Over a ``("dp",)`` mesh, a dropout whose rows the batch rules lose without shapes is refused
+    (main drew it with the local shape: another loss than eager's, silently); given ``example_inputs=``,
+    the program draws eager's values."""
+    import torch.distributed as dist
+
+    import dpcompile
+
+    mesh = _mesh({"dp": 2})
+    torch.manual_seed(0)
+    model = _WrittenOutAttention().double()
+    x = torch.randn(4, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    local = x[2 * dist.get_rank() : 2 * dist.get_rank() + 2]
+    with pytest.raises(dpcompile.ArgumentError, match=r"random op 'drop' .* pass example_inputs="):
+        dpcompile.transform(copy.deepcopy(model), mesh)
+    pm = dpcompile.transform(copy.deepcopy(model), mesh, example_inputs=(local,))
+    torch.manual_seed(5)
+    expected = model(x)
+    torch.manual_seed(5)
+    loss = pm(local).detach().clone()
+    dist.all_reduce(loss, group=mesh.get_group("dp"))
+    torch.testing.assert_close(loss / 2, expected.detach())
+
+
 def _check(name: str, layout: dict[str, int], data_parallel: str, schedule: str | None):
     import functools
 
@@ -305,6 +342,7 @@ def _checks(world: int) -> list[tuple[str, object]]:
     ]
     if world == 2:  # FSDP's blocks are called whole: their random ops draw through a scope
         checks.append(("blocks-fsdp", _check("blocks", {"dp": 2}, "fsdp", None)))
+        checks.append(("dropout-rows-unknown-without-examples", check_dropout_rows_unknown_without_examples))
     return checks
 
 

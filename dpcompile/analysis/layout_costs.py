@@ -16,7 +16,10 @@ the step's seconds:
   parallelism, what a block's column / row pairs make between the two layers is each device's
   share, the rest whole on the first device (it runs the ops the plan does not split);
 - the peak is the largest of the moments of a backward sweep (:func:`_stage_memory`): activations
-  are freed unit by unit as gradients appear, so it is less than the sum of the kinds;
+  are freed unit by unit as gradients appear, so it is less than the sum of the kinds; inside a unit,
+  the moments of its own backward a fake backward of the profile found (``Unit.backward_moments``,
+  :mod:`dpcompile.analysis.backward_sweep`): the gradients of its values (its widest ones' too), its
+  saved values freed and its parameters' gradients made as they go;
 - step time: :func:`dpcompile.analysis.step_time.step_seconds` (in one process, or over a mesh of
   gloo processes where the calibration is a mesh's).
 """
@@ -34,7 +37,8 @@ from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
 from dpcompile.analysis.save_choice import kept_width
 from dpcompile.analysis.step_time import step_seconds
 
-__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "names_cut", "predict", "stage_starts"]
+__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "names_cut", "predict", "stage_starts",
+           "unit_gradients"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,11 @@ def _unit_state(u: Unit, t: int, follower: bool = False) -> tuple[int, int, int]
     return out[0], out[1], out[2]
 
 
+def unit_gradients(u: Unit, t: int, follower: bool) -> int:
+    """A unit's gradient bytes on one of ``t`` tensor-parallel devices (:func:`_unit_state`)."""
+    return _unit_state(u, t, follower)[1]
+
+
 def _saved(u: Unit, t: int, follower: bool) -> int:
     """The bytes of ``u``'s saved activations on one of ``t`` tensor-parallel devices: what its blocks'
     column / row pairs make between the two layers is sharded, each device saving its share (the
@@ -200,7 +209,7 @@ def _stage_memory(
     units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool,
     accumulates: bool, follower: bool = False, kept_saves: Sequence[int] = (), buffered: bool = False,
     outputs: int = 0, one_after_another: bool = False, shared_gradients: int = 0, one_f_one_b: bool = False,
-    steady: bool = False,
+    steady: bool = False, micro_batches_add: bool = False, gradient_in: int = 0, in_step: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """Bytes by kind at the predicted peak of a stage's device (see :func:`predict`).
 
@@ -208,7 +217,11 @@ def _stage_memory(
     device's share of the batch); ``rest``: the fraction held besides, for the other micro-batches
     still in flight. The sweep runs backward unit by unit: at unit ``k``, the activations of units
     before it, unit ``k``'s own (all of them again where it is recomputed) and the gradients of
-    units ``k`` and after are held at once; after the sweep, every gradient. A stage of one
+    units after ``k`` are held, with each moment of unit ``k``'s backward (:func:`_inside_backward`: the
+    gradients of its values held less its saved values freed, and its parameters' gradients made so far;
+    counting all of them from its start put a BERT pipeline's last stage 11% over, and leaving out the
+    gradients of its widest values a residual MLP's second tensor-parallel device 12% under); after
+    the sweep, every gradient. A stage of one
     micro-batch sweeps too (measured: a convolution stack's stages 30% under without). Without
     ``sweep`` (a stage of several micro-batches, whose program keeps each micro-batch's saved
     tensors until its backward is over: measured) every activation and every gradient at once.
@@ -234,7 +247,10 @@ def _stage_memory(
     (a causal LM's logits, every micro-batch's: measured, OPT's last stage 8% under without), gathered
     at the end and copied without a gradient path (twice, at the end). ``follower``: a tensor-parallel device other
     than the first (:func:`_unit_state`, :func:`_saved`); a checkpointed block's input is kept on the first,
-    with ``kept_saves[i]``, what the ``"auto"`` save rule keeps of unit ``i`` (the whole batch's bytes)."""
+    with ``kept_saves[i]``, what the ``"auto"`` save rule keeps of unit ``i`` (the whole batch's bytes).
+    ``micro_batches_add``: a later micro-batch's backward adds into the unit's gradients the first one made
+    (all of them held); ``gradient_in``: the gradient of the stage's output, made on the next stage's
+    device (on virtual devices it stays there); ``in_step``: GPipe's micro-batches meeting at a BatchNorm."""
     state = [_unit_state(u, t, follower) for u in units]
     params, optimizer = sum(x[0] for x in state), sum(x[2] for x in state)
     saved = [_saved(u, t, follower) for u in units]
@@ -255,25 +271,52 @@ def _stage_memory(
         moments.append((sum(grads) + max(making, default=0), round((sum(kept) + recompute) * share) + held_rest + outputs))
     for k in range(len(units) if sweep else 0):
         own = saved[k] if training else kept[k]
-        # backward through unit k also holds the gradient of its output and makes the one of its input
-        flowing = 0 if follower or not training else _input_gradient(units[k]) + (
-            _input_gradient(units[k + 1]) if k + 1 < len(units) else 0)
-        if one_f_one_b and training and not follower:  # and, between its layers, its widest value's gradient
-            flowing += units[k].largest_saved_bytes
-        swept = round((sum(kept[:k]) + own + flowing) * share)
-        if one_after_another and rest > 0:  # the first micro-batch's gradients are new: nothing to add them to
-            moments.append((sum(grads[k:]), swept + held_rest + outputs))
-            # the next micro-batch's sweep: every gradient, one micro-batch fewer held
-            later = rest if steady else max(0.0, rest - share)  # 1F1B's steady state: the next forward came in
-            moments.append((sum(grads) + making[k], swept + round(sum(kept) * later) + outputs))
-        else:
-            moments.append((sum(grads[k:]) + making[k], swept + held_rest + outputs))
+        last = k == len(units) - 1
+        # 1F1B's micro-batches in flight, GPipe's in step and a recomputed block: their own rules (measured)
+        own_rule = one_f_one_b or in_step or (checkpointing and units[k].block)
+        inside = _inside_backward(units[k], None if last else units[k + 1], follower=follower, training=training,
+                                  own_rule=own_rule, one_f_one_b=one_f_one_b, grads=grads[k], saved=saved[k],
+                                  gradient_in=gradient_in if last else 0)  # fmt: skip
+        for i, (flowing, made) in enumerate(inside):
+            swept = round((sum(kept[:k]) + own + flowing) * share)
+            if one_after_another and rest > 0:  # the first micro-batch's gradients are new: nothing to add them to
+                moments.append((sum(grads[k + 1:]) + made, swept + held_rest + outputs))
+                # the next micro-batch's sweep: every gradient, one micro-batch fewer held
+                later = rest if steady else max(0.0, rest - share)  # 1F1B's steady state: the next forward came in
+                moments.append((sum(grads) + making[k], swept + round(sum(kept) * later) + outputs))
+            else:
+                # a later micro-batch's backward adds each module's new gradient into the unit's held ones; the
+                # replicas' gradients of a module are summed once the unit's are made (its last moment)
+                held = sum(grads[k:]) + making[k] if micro_batches_add else (
+                    sum(grads[k + 1:]) + made + (making[k] if i == len(inside) - 1 else 0))
+                moments.append((held, swept + held_rest + outputs))
     # after backward (and at the optimizer step): every gradient, no activation but the outputs, gathered
     # and their copies without a gradient path
     moments.append((sum(grads), 2 * outputs))
     gradients, activations = max(moments, key=sum)
     return {"parameters": params, "gradients": gradients + shared_gradients, "optimizer": optimizer,
             "activations": activations}  # fmt: skip
+
+
+def _inside_backward(u: Unit, after: Unit | None, *, follower: bool, training: bool, own_rule: bool,
+                     one_f_one_b: bool, grads: int, saved: int, gradient_in: int) -> list[tuple[float, int]]:  # fmt: skip
+    """The moments of ``u``'s backward on one device, as ``(value gradients held less saved values freed,
+    over the batch; its parameters' gradients made)``: ``Unit.backward_moments``, its values' share as
+    its saved values' (a tensor-parallel device's), its gradients' as its parameters', less
+    ``gradient_in``, the gradient of its output where the next stage's device made it. With ``own_rule``
+    and where the moments are unknown: the gradient of its output and of its input (1F1B: and of its
+    widest value) beside all of its parameters' gradients."""
+    if not training:
+        return [(0, grads)]
+    if u.backward_moments and not own_rule:
+        values = saved / u.saved_bytes if u.saved_bytes else (0.0 if follower else 1.0)
+        params = grads / u.grad_bytes if u.grad_bytes else 0.0
+        return [(a * values - gradient_in, round(g * params)) for a, g in u.backward_moments]
+    # backward through unit k also holds the gradient of its output and makes the one of its input
+    flowing = 0 if follower else _input_gradient(u) + (_input_gradient(after) if after is not None else 0)
+    if one_f_one_b and not follower:  # and, between its layers, its widest value's gradient
+        flowing += u.largest_saved_bytes
+    return [(flowing, grads)]
 
 
 def _copies_gradients(units: Sequence[Unit], t: int) -> int:
@@ -367,9 +410,10 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
                                sweep=s_count == 1 or m == 1 or lockstep or gpipe or one_f_one_b,
                                one_after_another=(gpipe and not lockstep) or one_f_one_b, one_f_one_b=one_f_one_b,
                                steady=one_f_one_b and m > held,
-                               accumulates=m > 1 or d > 1, follower=rank > 0, kept_saves=kept_saves[at:at + len(units)],
+                               accumulates=m > 1 or d > 1, micro_batches_add=m > 1, follower=rank > 0, kept_saves=kept_saves[at:at + len(units)],
                                buffered=training and m > 1 and spec.schedule != "1f1b",
                                outputs=profile.output_bytes if last_1f1b and rank == 0 else 0,
+                               gradient_in=_input_gradient(stages[s + 1][0]) if s + 1 < s_count else 0, in_step=lockstep,
                                shared_gradients=_copies_gradients(units, t) if copies else 0)
                  for rank in range(min(t, 2))]  # fmt: skip
         at += len(units)

@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dpcompile.analysis.backward_sweep import backward_moments, follow_saved, stamp_unit
 from dpcompile.analysis.checkpoint_regions import repeated_blocks
 from dpcompile.analysis.memory import faker, optimizer_bytes
 from dpcompile.analysis.save_choice import SaveCandidate
@@ -80,6 +81,9 @@ class Unit:
     # its first attention's heads and their total width (tensor parallelism splits its projections by heads)
     attention_heads: int = 0
     attention_width: int = 0
+    # the moments of its backward, (value gradients held less its saved values freed, over the whole
+    # batch; its parameters' gradients made): ``analysis.backward_sweep``; empty where not run
+    backward_moments: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,7 @@ def _profile(
 
     def enter(module: nn.Module, inputs: Any) -> None:
         name = unit_names[id(module)]
+        stamp_unit(inputs, state["current"])  # what the units before made (their autograd nodes)
         _close(units[state["current"]], counter, flops_at)
         state["current"] = name
         order.append(name)
@@ -361,10 +366,13 @@ def _profile(
         if isinstance(m, (nn.Linear, nn.Embedding)) or type(m).__name__ == "Conv1D":
             handles += [m.register_forward_pre_hook(linear_enter), m.register_forward_hook(linear_output)]
 
+    released: list[tuple[str | None, int, int]] = []  # saved values freed (in the fake backward)
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _key(t)
         if key not in excluded and key not in saved:
             saved[key] = (state["current"], t.untyped_storage().nbytes(), key in between)
+            follow_saved(t, state["current"], released)
         return t
 
     grad = torch.enable_grad() if training else torch.no_grad()
@@ -373,6 +381,7 @@ def _profile(
         with mode, grad, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ops:
             out = functional_call(model, named, tuple(fake_args), fake_kwargs)
             _close(units[state["current"]], counter, flops_at)
+            stamp_unit(out, state["current"])
     except DpCompileError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the model's own code on fake tensors
@@ -390,6 +399,10 @@ def _profile(
         units[unit].sharded_saved_bytes += size if sharded else 0
     for unit in units.values():
         _settle_save_options(unit, save_keys, saved)
+    if training:
+        between.clear()
+        save_keys.clear()  # held values: their storages would outlive backward
+        _sweep_backward(mode, out, named.values(), released, units)
     ordered = list(dict.fromkeys(order)) + [n for n in units if n not in order]
     first = next((a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor) and a.dim()), None)
     return ModelProfile(
@@ -402,6 +415,24 @@ def _profile(
         sequence=sequence[0],
         row_lengths=tuple(row_lengths),
     )
+
+
+def _sweep_backward(mode: Any, out: Any, params: Any, released: list, units: dict[str, Unit]) -> None:
+    """Each unit's ``backward_moments``, from a fake backward of the model's loss (its own, else the sum
+    of its floating outputs); none where there is no loss or the fake backward fails."""
+    try:
+        with mode, torch.enable_grad():
+            loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+            if not isinstance(loss, torch.Tensor):
+                leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+                loss = sum(t.float().sum() for t in leaves) if leaves else None
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                return
+            moments = backward_moments(loss, params, released, units)
+    except Exception:  # noqa: BLE001 - a backward the fake run cannot make: the sweep predicts without
+        return
+    for name, points in moments.items():
+        units[name].backward_moments = points
 
 
 def _own_grad_bytes(module: nn.Module) -> int:

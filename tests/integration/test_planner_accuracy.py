@@ -462,3 +462,72 @@ def test_a_checkpointed_block_under_an_aliased_name_is_recomputed_whole():
     for d in LABELS:
         total = sum(candidate.per_device[d].values())
         assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
+
+
+class PostNormBlock(nn.Module):
+    """BERT's layer: attention, then a GELU MLP twice as wide, each added to its input and normed."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = self.ln_1(x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)))
+        return self.ln_2(x + self.down(F.gelu(self.up(x))))
+
+
+class TinyBert(nn.Module):
+    """An embedding, two post-norm blocks, BERT's pooler (the first token's Linear and tanh) and a classifier."""
+
+    def __init__(self, d: int = 32, heads: int = 2, vocab: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(PostNormBlock(d, heads) for _ in range(2))
+        self.pooler, self.classifier = nn.Linear(d, d), nn.Linear(d, 2)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.classifier(torch.tanh(self.pooler(h[:, 0]))), labels)
+
+
+def test_a_pipeline_last_stage_makes_its_blocks_gradients_one_module_at_a_time():
+    """The last stage (a block and BERT's head) peaks as its block's backward starts: every activation
+    still held, the gradients of the block's values flowing, but none of its parameters' gradients made
+    yet (they come one module at a time, as its activations go). Counting the block's gradients whole
+    from the start put this stage 16% over (BERT's last stage 11%, 13.5% under pp2 x tp2)."""
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 2, (8,), generator=g))
+    predicted, measured = _predicted_and_measured(TinyBert, args, LayoutSpec((("pp", 2),), "gpipe", 2))
+    for d in LABELS:
+        total = sum(predicted[d].values())
+        assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
+
+
+class ReluBlock(nn.Module):
+    """A pre-norm residual MLP whose ReLU saves its output, which the Linear after it reads too."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def test_tensor_parallel_holds_two_gradients_of_a_wide_value_in_backward():
+    """A block's backward holds the gradient of its 4x-wide value twice (the down layer's, then the ReLU's,
+    while the ReLU's saved output is still held), each device its shard: unpredicted, the second device
+    was 12% under (bench_memory_estimate's MLP stack). The moments of each block's backward come from a
+    fake backward of the profile run (``analysis.backward_sweep``)."""
+    make = lambda: nn.Sequential(ReluBlock(), ReluBlock(), ReluBlock(), ReluBlock())  # noqa: E731
+    predicted, measured = _predicted_and_measured(make, (torch.randn(8, 32, 32),), LayoutSpec((("tp", 2),)))
+    for d in LABELS:
+        total = sum(predicted[d].values())
+        assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])

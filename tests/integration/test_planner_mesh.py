@@ -28,12 +28,13 @@ def _eager_and_batch():
                    torch.randn(8, 16, 8, generator=g, dtype=torch.float64))  # fmt: skip
 
 
-def _planned(eager, batch):
+def _planned(eager, batch, checkpointing: bool = False):
     from dpcompile.planned_mesh import mesh_candidates
     from dpcompile.planner import plan_mesh_layouts
 
     return plan_mesh_layouts(eager, LABELS, dict.fromkeys(LABELS, 1 << 40), optimizer="adamw", training=True,
-                             example_inputs=batch, example_kwargs=None, specs=mesh_candidates(WORLD))  # fmt: skip
+                             example_inputs=batch, example_kwargs=None,
+                             specs=mesh_candidates(WORLD, checkpointing=checkpointing))  # fmt: skip
 
 
 def _auto(model, budget, batch):
@@ -86,9 +87,10 @@ def check_budget_only_tensor_parallel_fits() -> None:
     import dpcompile
 
     eager, batch = _eager_and_batch()
-    peak = {c.spec.name: c.peak for c in _planned(eager, batch).candidates}
-    assert peak["tp2"] < peak["dp2"], peak
-    pm = _auto(copy.deepcopy(eager), (peak["tp2"] + peak["dp2"]) // 2, batch)
+    peak = {c.spec.name: c.peak for c in _planned(eager, batch, checkpointing=True).candidates}
+    replicated = min(peak["dp2"], peak["dp2 +ckpt"])
+    assert peak["tp2"] < replicated, peak
+    pm = _auto(copy.deepcopy(eager), (peak["tp2"] + replicated) // 2, batch)
     assert pm.layout == {"tp": 2} and pm.mesh.mesh_dim_names == ("tp",)
     dp2, dp2_ckpt, tp2, tp2_ckpt = pm.candidates  # dp2 recomputing every block does not fit either
     assert [c.spec.name for c in pm.candidates] == ["dp2", "dp2 +ckpt", "tp2", "tp2 +ckpt"]

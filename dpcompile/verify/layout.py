@@ -29,6 +29,15 @@ from passes.name_dp_copies import COPY
 
 
 # ------------------------------------------------------------------------ fake multi-GPU
+def _count_free_batch_norms(fake_model: nn.Module) -> None:
+    """A batch norm with ``momentum=None`` divides by its count (``1 / float(num_batches_tracked)``), a value
+    a fake tensor does not hold: the fake copy (devices and shapes are checked, not values) takes a fixed
+    momentum instead. The model's own modules are not touched."""
+    for module in fake_model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+            module.momentum = 0.1
+
+
 def _build_fake_program(
     pm: Any, fake_model: nn.Module, devices: Devices, example: tuple | None, sequence_fields: dict[str, Any]
 ) -> fx.GraphModule:
@@ -143,6 +152,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     grad_mode = contextlib.nullcontext() if backward else torch.no_grad()
     try:
         fake_model = fake_copy(model, mode, devices.primary)
+        _count_free_batch_norms(fake_model)
         with mode, grad_mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             # The call's own arguments as example inputs, so the plan's views are checked as pm's were

@@ -422,3 +422,17 @@ def test_verify_a_1f1b_pipeline_returning_a_loss_and_logits():
     assert not result, str(result)
     wrong = {(m.kind, m.name) for m in result.mismatches}
     assert {("output", "output['loss']"), ("output", "output['logits']"), ("gradient", "layers.0.weight")} <= wrong
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}, {"pp": 2}], ids=["dp2", "tp2", "pp2"])
+def test_verify_fake_devices_checks_a_batch_norm_with_a_cumulative_average(mesh):
+    """momentum=None divides by the count, a value fake tensors lack: the fake copy takes a fixed momentum.
+    Before, every layout was reported a MISMATCH (DataDependentOutputException: aten._local_scalar_dense)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, mesh=mesh, example_inputs=(x,))
+    result = dpcompile.verify(pm, model, x, fake_devices=2)
+    assert result, str(result)
+    assert model[1].momentum is None and pm.get_submodule("1").momentum is None
+    assert int(model[1].num_batches_tracked) == int(pm.state_dict()["1.num_batches_tracked"]) == 0  # verify restores both

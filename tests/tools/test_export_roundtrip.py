@@ -264,3 +264,26 @@ def test_a_slice_bounded_by_a_node_exports_and_loads(tmp_path, mesh):
     for length in (5, 2):
         x = torch.randn(3, length, 4)
         torch.testing.assert_close(loaded(x), pm(x))
+
+
+class _ReadsItsEmbeddingWeight(nn.Module):
+    """Reads ``embed.weight`` beside calling ``embed`` (its dtype): the tensor-parallel stage's program lists it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.fc, self.out = nn.Embedding(16, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.fc(self.embed(ids).to(self.embed.weight.dtype))))
+
+
+def test_a_whole_weight_read_in_a_dp_x_tp_program_loads_with_its_values(tmp_path):
+    """Before, the loaded stage's stand-in for ``embed.weight`` (a meta tensor) was set on the embedding the
+    program calls: the loaded module failed, 'Cannot copy out of meta tensor; no data!'."""
+    torch.manual_seed(0)
+    model, ids = _ReadsItsEmbeddingWeight(), torch.randint(0, 16, (4, 3))
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(ids,))
+    dpcompile.export(pm, tmp_path / "e")
+    loaded = dpcompile.load(tmp_path / "e")
+    assert not any(t.is_meta for t in loaded.state_dict().values())
+    torch.testing.assert_close(loaded(ids), model(ids))

@@ -126,9 +126,12 @@ BUFFER_COMPUTERS: list[Callable[[nn.Module, Sequence[str]], Mapping[str, torch.T
 
 
 def state_dict_loaded(pm: nn.Module, missing: Sequence[str]) -> None:
-    """After ``pm.load_state_dict``: where every state key was loaded, compute the non-persistent
-    buffers still on meta (or raise naming them) and mark the weights loaded."""
-    if not needs_weights(pm) or missing:
+    """After ``pm.load_state_dict``: where every state key was loaded (by this load or earlier ones), compute the
+    non-persistent buffers still on meta (or raise naming them) and mark the weights loaded."""
+    if not needs_weights(pm):
+        return
+    if still := unset_keys(pm, missing):  # strict=False: what this load and earlier ones left has no values yet
+        weights_partly_loaded(pm, still)
         return
     pending = list(pm.__dict__.get(UNSET_BUFFERS, []))
     if pending and BUFFER_COMPUTERS:
@@ -159,7 +162,7 @@ def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
     if unset:
         shown = ", ".join(repr(k) for k in unset[:8]) + (f" and {len(unset) - 8} more" if len(unset) > 8 else "")
         return WeightsNotLoadedError(
-            f"this program was built from a {name} on the meta device, and the checkpoints loaded so far (strict=False) "
+            f"this program was built from a {name} on the meta device, and the loads so far (strict=False) "
             f"did not hold {shown}: they have no values yet. Load them: "
             "dpcompile.load_checkpoint(pm, 'path/holding/them', strict=False)"
         )

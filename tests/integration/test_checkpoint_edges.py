@@ -602,3 +602,20 @@ def test_a_partial_load_into_a_meta_program_waits_for_the_rest(tmp_path, mesh):
     torch.testing.assert_close(pm(x), reference(x))
     for key, value in pm.state_dict().items():
         torch.testing.assert_close(value, state[key], msg=key)
+
+
+def test_two_partial_load_state_dicts_fill_a_meta_program():
+    """``pm.load_state_dict(strict=False)`` twice, each with part of the keys: the second completes it. Before, a
+    load with any key missing left the program waiting for weights for good."""
+    torch.manual_seed(0)
+    reference, x = _LinearNorm().eval(), torch.randn(4, 8)
+    state = reference.state_dict()
+    with torch.device("meta"):
+        model = _LinearNorm()
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"tp": 2}, example_inputs=(x,)).eval()
+    pm.load_state_dict({k: v for k, v in state.items() if not k.startswith("bn.")}, strict=False)
+    with pytest.raises(dpcompile.DpCompileError, match=r"did not hold 'bn\.weight'"):
+        pm(x)
+    pm.load_state_dict({k: v for k, v in state.items() if k.startswith("bn.")}, strict=False)
+    assert not pm.needs_weights
+    torch.testing.assert_close(pm(x), reference(x))

@@ -16,9 +16,12 @@ from dpcompile.inspect import Measurement, Report, diff, draw, explain, measure
 from dpcompile.mesh import local_batch
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.exported_check import ModelChanged
+from dpcompile.modules.torch_save import install_atomic_torch_save
 from dpcompile.runtime.distributed import CollectiveError
 from dpcompile.verify import VerifyResult, verify
 from dpcompile.version import __version__
+
+install_atomic_torch_save()  # a refused torch.save(pm, path) leaves path as it was
 
 __all__ = [
     "ArgumentError",

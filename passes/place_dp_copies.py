@@ -110,7 +110,8 @@ class _Placer:
         for value in node.all_input_nodes:
             if value is container or value.meta.get(COPY) == r or self._is_module(value):
                 continue  # a value of another copy (one batch-independent value, made once) is sent too
-            node.replace_input_with(value, self._send(value, node, r, device))
+            made = self._replica_root(value, node, r, device) if _replicated_root(value) else self._send(value, node, r, device)
+            node.replace_input_with(value, made)
         if node.op == "call_module":
             self._call_replica(node, r, device)
 
@@ -132,6 +133,21 @@ class _Placer:
             stamp_comm(sent, "send", io=value.op == "placeholder", backward="send")
             self.sent[key] = sent
             self.sends.append(sent.name)
+        return self.sent[key]
+
+    def _replica_root(self, value: fx.Node, consumer: fx.Node, r: int, device: str) -> fx.Node:
+        """Copy ``r``'s root of a replicate made before this pass (a module tied across pipeline stages,
+        ``replicate_borrowed_modules``): ``device`` added to that replicate, as for a copy's own modules.
+        A module cannot be sent (``send`` moves tensors only): copy ``r`` would call copy 0's replica."""
+        key = (value, device)
+        if key not in self.sent:
+            replicas = value.args[0]
+            replicas.args = (replicas.args[0], [*replicas.args[1], device], *replicas.args[2:])
+            with self.gm.graph.inserting_before(consumer):
+                root = self.gm.graph.call_function(operator.getitem, (replicas, len(replicas.args[1]) - 1))
+            root._rename(f"{value.name}_dp{r}")
+            self._stamp(root, consumer, r)
+            self.sent[key] = root
         return self.sent[key]
 
     def _call_replica(self, node: fx.Node, r: int, device: str) -> None:
@@ -183,6 +199,12 @@ class _Placer:
         for key in (STAGE, SLOT):
             if key in consumer.meta:
                 made.meta[key] = consumer.meta[key]
+
+
+def _replicated_root(value: fx.Node) -> bool:
+    """``value`` is a root of ``runtime.replicate`` (``replicas[k]``): modules, not tensors."""
+    made = value.args[0] if value.op == "call_function" and value.target is operator.getitem and value.args else None
+    return isinstance(made, fx.Node) and made.op == "call_function" and made.target is runtime.replicate
 
 
 def _renamed(value: Any, mapping: Mapping[str, str]) -> Any:

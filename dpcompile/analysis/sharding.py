@@ -405,10 +405,10 @@ def _untie(sites: Mapping[str, LinearSite], styles: dict[str, str], reasons: dic
                     styles[p] = "replicate"
                     reasons[p] = f"its bias is shared with {', '.join(repr(o) for o in group if o != p)}, split otherwise; all stay whole"
                     changed = True
-    for path, site in sites.items():
-        if site.kind != "embedding" or site.tied_to is None:
+    for site in sites.values():  # from either end: a blocked embedding (its weight read) never learns its head
+        if site.tied_to is None or site.tied_to not in sites:
             continue
-        head = site.tied_to
+        path, head = (site.path, site.tied_to) if site.kind == "embedding" else (site.tied_to, site.path)
         emb_on, head_on = styles.get(path) == "vocab", styles.get(head) == "column"
         if emb_on and not head_on:
             styles[path] = "replicate"

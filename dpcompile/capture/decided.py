@@ -229,7 +229,10 @@ def check_decided_on_examples(ep: Any, names: Mapping[str, Any], model_name: str
     if any(is_fake(t) for t in (*module.state_dict().values(), *names.values())):
         return  # a model built on meta has no values to run (a batch norm's momentum=None reads its count)
     # buffers copied (a batch norm's running statistics are written); parameters are only read under no_grad
-    state = {k: v.detach() if isinstance(v, nn.Parameter) else v.detach().clone()
+    # one copy per tensor: tied keys (an LM head sharing the embedding's weight) name the same one, as
+    # functional_call requires of tied keys
+    copies: dict[int, torch.Tensor] = {}
+    state = {k: copies.setdefault(id(v), v.detach() if isinstance(v, nn.Parameter) else v.detach().clone())
              for k, v in module.state_dict(keep_vars=True).items()}  # fmt: skip
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():

@@ -39,6 +39,12 @@ from dpcompile.runtime import run_forward_hook as runtime_run_forward_hook
 from dpcompile.runtime import without_grad as runtime_without_grad
 
 
+def _reads_as_parameter(plist: nn.Module) -> bool:
+    """A parametrization list whose every parametrization is read as the parameter it makes (data_parallel="fsdp"
+    in one process: the gather of its pieces, ``GatherShards.reads_as_the_parameter``)."""
+    return len(plist) > 0 and all(getattr(p, "reads_as_the_parameter", False) for p in plist)
+
+
 class WritableProxy(fx.Proxy):
     """A traced tensor that records ``x[i] = v`` as an ``operator.setitem`` node (fx's own
     proxies refuse it); :mod:`passes.functionalize` later makes the write functional."""
@@ -105,6 +111,9 @@ class DpTracer(fx.Tracer):
     def call_module(self, m, forward, args, kwargs):
         """A module forward is traced through, with its forward hooks: one that computes the output
         is traced in; one that only records (returns None, computes nothing) runs at call time."""
+        if isinstance(m, parametrize.ParametrizationList) and not args and not kwargs and _reads_as_parameter(m):
+            owner, _, leaf = self.path_of_module(m).rpartition("parametrizations.")
+            return self.create_proxy("get_attr", f"{owner}{leaf}", (), {})  # ``emb.weight``, not its gather's call
         hooks = m._forward_hooks
         if not hooks or self.is_leaf_module(m, self.path_of_module(m)):
             return super().call_module(m, forward, args, kwargs)

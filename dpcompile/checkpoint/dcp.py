@@ -33,7 +33,7 @@ from dpcompile.checkpoint.rank_writes import Block, piece_blocks, target_blocks
 from dpcompile.checkpoint.targets import targets_of, tie_groups, unset_buffers
 from dpcompile.checkpoint.training import TrainingLoad, TrainingSave, encode, training_from_document
 from dpcompile.errors import ArgumentError
-from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE
+from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, unset_keys, weights_partly_loaded
 
 TRAINING_KEY = "dpcompile_training_state"
 GROUPS = "optimizer.param_groups."
@@ -159,6 +159,7 @@ def load_dcp(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: boo
             "pass strict=False to load the keys both have",
             file=path, key=(missing or unexpected)[0],
         )  # fmt: skip
+    still_unset = unset_keys(pm, missing)  # built on meta: what neither this load nor an earlier one filled
     for key, fqn in placed.items():
         _check_tensor(path, fqn, stored[fqn], targets[key].shape, targets[key].dtype)
     requests: dict[str, Any] = {
@@ -187,7 +188,10 @@ def load_dcp(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: boo
             f"reading {path} failed after its metadata was checked ({type(e).__name__}: {e}); the program is partly "
             "written and waits for a load again", file=path,
         ) from e  # fmt: skip
-    return training.finish(pm)
+    training.finish(pm)
+    if still_unset:  # strict=False on a program built on meta: it waits for them (pm.needs_weights)
+        weights_partly_loaded(pm, still_unset)
+    return pm
 
 
 def _other(fqn: str) -> bool:

@@ -21,7 +21,7 @@ from dpcompile.checkpoint.targets import Target, check_program, targets_of, tie_
 from dpcompile.checkpoint.training import check_training_objects, read_training
 from dpcompile.errors import ArgumentError
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE
+from dpcompile.modules.weights import NEEDS_WEIGHTS, UNSET_BUFFERS, WEIGHTS_SOURCE, unset_keys, weights_partly_loaded
 from dpcompile.progress import check_progress, progress_bar
 
 log = logging.getLogger("dpcompile")
@@ -105,6 +105,7 @@ def load_checkpoint(
             del converted[key]
     placed = {*placement.direct, *converted}
     missing = [k for k in targets if not any(t in placed for t in ties[k])]
+    still_unset = unset_keys(pm, missing)  # built on meta: what neither this load nor an earlier one filled
     if not placed and targets:  # strict=False too: a load that fills nothing is a mistake, not a no-op
         raise CheckpointError(
             _key_report(path, missing, sorted(set(unexpected)), len(targets), placement.renamed, source, none=True),
@@ -153,12 +154,19 @@ def load_checkpoint(
         ) from e
     finally:
         bar.close()
-    if missing:
+    if missing and not still_unset:
         log.warning(
             "load_checkpoint(strict=False): %d key(s) not in %s keep their values: %s", len(missing), path, missing[:8]
         )
     log.debug("loaded %d tensors from %s", len(written), path)
-    return training.finish(pm)  # strict=False: what the checkpoint lacks is the caller's to fill
+    training.finish(pm)  # strict=False: what the checkpoint lacks is the caller's to fill
+    if still_unset:  # a program built on meta has no values to keep: it waits for them (pm.needs_weights)
+        weights_partly_loaded(pm, still_unset)
+        log.warning(
+            "load_checkpoint(strict=False): %d key(s) not in %s have no values yet (the model was built on meta); "
+            "the program runs once a load fills them: %s", len(still_unset), path, still_unset[:8]
+        )
+    return pm
 
 
 def _source_model(pm: ParallelModule) -> Any:

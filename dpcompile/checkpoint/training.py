@@ -90,6 +90,7 @@ def prepare_training(pm: Any, optimizer: Any, lr_scheduler: Any, extra: Any) -> 
         if not isinstance(extra, dict):
             raise ArgumentError(f"extra= must be a dict (JSON-able), not {type(extra).__name__}")
         _dumps(extra, "extra=")
+        _refuse_keys_json_renames(extra)
     saved = saved_state(pm, optimizer) if optimizer is not None else None
     document = {
         "format": FORMAT,
@@ -347,6 +348,18 @@ def decode(value: Any) -> Any:
     if "__items__" in value:
         return {decode(k): decode(v) for k, v in value["__items__"]}
     return {k: decode(v) for k, v in value.items()}
+
+
+def _refuse_keys_json_renames(value: Any, where: str = "extra") -> None:
+    """A dict key JSON writes as a string (``{1: ...}`` comes back as ``{"1": ...}``): refused, not renamed."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        if isinstance(value, dict) and not isinstance(key, str):
+            raise ArgumentError(
+                f"extra= must be JSON-able for a checkpoint: the key {key!r} of {where} is a {type(key).__name__}, which "
+                "JSON writes as a string (load_checkpoint would give back another dict); use string keys. Nothing was written"
+            )
+        _refuse_keys_json_renames(item, f"{where}[{key!r}]")
 
 
 def _dumps(value: Any, what: str) -> str:

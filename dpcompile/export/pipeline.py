@@ -260,9 +260,24 @@ def _stage_root(stage: dict[str, Any], holder: nn.Module, graph: fx.Graph) -> di
             dtype = getattr(torch, str(info["dtype"]), None)
             if not isinstance(dtype, torch.dtype):
                 raise ExportError(f"{PROGRAM_FILE}: stage meta tensor {target!r:.60} of dtype {info['dtype']!r:.20}")
-            t = torch.empty(tuple(int(d) for d in info["shape"]), dtype=dtype, device="meta")
+            shape = tuple(int(d) for d in info["shape"])
+            held = _held_tensor(holder, target)
+            if held is not None and tuple(held.shape) == shape and held.dtype == dtype:
+                # the loaded module's own (a whole weight read beside its module's call, `emb.weight.dtype`): a meta
+                # stand-in would be set on that module, which the stage shares with the program that runs
+                root[target] = held
+                continue
+            t = torch.empty(shape, dtype=dtype, device="meta")
             root[target] = nn.Parameter(t, requires_grad=bool(info["requires_grad"])) if info["parameter"] else t
     return root
+
+
+def _held_tensor(holder: nn.Module, path: str) -> Any:
+    try:
+        t = _attr(holder, path)
+    except AttributeError:
+        return None
+    return t if isinstance(t, torch.Tensor) else None
 
 
 def _attr(root: Any, path: str) -> Any:

@@ -89,7 +89,7 @@ def encode_value(value: Any, tensors: Mapping[int, str] | None = None, functions
             raise NotData(f"a dict with keys {list(value)[:4]!r}")
         return {"dict": [[k, encode_value(v, tensors, functions)] for k, v in value.items()]}
     if isinstance(value, slice):
-        return {"slice": [encode_value(value.start), encode_value(value.stop), encode_value(value.step)]}
+        return {"slice": [encode_value(v, tensors, functions) for v in (value.start, value.stop, value.step)]}
     if value is Ellipsis:
         return {"ellipsis": None}
     if isinstance(value, torch.dtype):
@@ -148,7 +148,7 @@ def decode_value(
         if tag == "size":
             return torch.Size([int(v) for v in body])
         if tag == "slice":
-            return slice(*(decode_value(v) for v in body))
+            return slice(*(decode_value(v, nodes, tensors, functions) for v in body))  # x[:n], n a node
         if tag == "float" and body in ("inf", "-inf", "nan"):
             return float(body)
         if tag == "ellipsis":

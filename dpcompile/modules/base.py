@@ -140,6 +140,8 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             source = None
         self._attach_cache(source, dict(flags or {}), none_args, shares_source)
         watch = None if exported_from is None else ExportedModelCheck(exported_from)
+        if watch is not None:
+            watch.watch_program(self)
         object.__setattr__(self, "_exported_check", watch)
 
     def _attach_cache(

@@ -12,6 +12,7 @@ it and the way out (``dpcompile.transform`` again), never run on the old program
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -45,6 +46,26 @@ class ExportedModelCheck:
         self.description = self.guard.description
         self.tensors = self._one_tensor_per_module()
         self.kinds = self._kinds()
+        self.program: Any = None  # weakref to the program, where it holds tensors of its own (tensor parallel)
+        self.own: list[tuple[str, torch.Tensor]] = []
+        self.own_kinds: tuple = ()
+
+    def watch_program(self, program: nn.Module) -> None:
+        """Also one tensor of each module of ``program`` the model does not hold: a tensor-parallel program's
+        shards, which ``pm.float()`` converts, not the model's (the program baked in the dtype)."""
+        self.program = weakref.ref(program)
+        self._read_own()
+
+    def _read_own(self) -> None:
+        program = self.program() if self.program is not None else None
+        held = {id(t) for m in self.guard.model.modules() for t in (*m._parameters.values(), *m._buffers.values())}
+        self.own = []
+        for path, module in program.named_modules() if program is not None else ():
+            for name, tensor in (*module._parameters.items(), *module._buffers.items()):
+                if tensor is not None and id(tensor) not in held:
+                    self.own.append((f"{path}.{name}" if path else name, tensor))
+                    break
+        self.own_kinds = tuple((t.dtype, t.device) for _, t in self.own)
 
     def read_again(self) -> None:
         """Take the model as it is now for what the program baked in: a change dpcompile made itself
@@ -55,6 +76,8 @@ class ExportedModelCheck:
         self.description = self.guard.description
         self.tensors = self._one_tensor_per_module()
         self.kinds = self._kinds()
+        if self.program is not None:
+            self._read_own()
 
     def _token(self) -> tuple:
         model = self.guard.model
@@ -75,7 +98,10 @@ class ExportedModelCheck:
 
     def changed(self) -> bool:
         """Whether what the program baked in (hooks, submodules, attributes, dtypes) changed."""
-        return self._token() != self.token or self._kinds() != self.kinds
+        return self._token() != self.token or self._kinds() != self.kinds or self._own_kinds() != self.own_kinds
+
+    def _own_kinds(self) -> tuple:
+        return tuple((t.dtype, t.device) for _, t in self.own)
 
     def check(self, args: tuple = (), kwargs: dict | None = None) -> None:
         model = self.guard.model
@@ -96,6 +122,11 @@ class ExportedModelCheck:
             path, tensor = changed[0]
             before = dict(zip((p for p, _ in self.tensors), self.kinds))[path]
             self._refuse([f"'{path}' is {tensor.dtype} on {tensor.device}, captured as {before[0]} on {before[1]} (model.to(...))"])
+        if self._own_kinds() != self.own_kinds:
+            path, tensor = next((p, t) for (p, t), kind in zip(self.own, self.own_kinds) if (t.dtype, t.device) != kind)
+            before = dict(zip((p for p, _ in self.own), self.own_kinds))[path]
+            self._refuse([f"the program's '{path}' is {tensor.dtype} on {tensor.device}, captured as {before[0]} on "
+                          f"{before[1]} (pm.to(...))"])  # fmt: skip
         if self.inputs:
             check_inputs(self.inputs, args, kwargs or {}, type(model).__name__)
 

@@ -17,6 +17,10 @@ class GatherShards(nn.Module):
     """``weight = cat(pieces moved to device)``: the whole parameter a call reads; its gradient
     flows back into each piece."""
 
+    #: a program traced from the sharded model reads the parameter (``get_attr``), not this gather's call
+    #: (``dpcompile.capture.fx``): the same program whether its pieces exist (here) or not (export)
+    reads_as_the_parameter = True
+
     def __init__(self, spec: ShardSpec, piece_devices: Sequence[str], device: str):
         super().__init__()
         self.spec, self.piece_devices, self.device = spec, tuple(piece_devices), device

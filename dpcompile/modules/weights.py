@@ -19,6 +19,8 @@ from dpcompile.errors import ArgumentError, DpCompileError, StateDictError
 NEEDS_WEIGHTS = "_needs_weights"
 WEIGHTS_SOURCE = "_weights_source"
 UNSET_BUFFERS = "_unset_buffers"
+#: the state keys of a program built on meta that no load has filled yet (absent: all of them)
+UNSET_KEYS = "_unset_keys"
 
 
 class WeightsNotLoadedError(DpCompileError):
@@ -45,6 +47,22 @@ def weights_loaded(pm: nn.Module) -> None:
     """Every value of ``pm`` is real now: calls may run."""
     pm.__dict__[NEEDS_WEIGHTS] = False
     pm.__dict__[UNSET_BUFFERS] = []
+    pm.__dict__.pop(UNSET_KEYS, None)
+
+
+def weights_partly_loaded(pm: nn.Module, unset: Sequence[str]) -> None:
+    """A load (``strict=False``) filled all but ``unset``: ``pm`` still waits for them (a call would read
+    uninitialised memory); a later load that fills them lets it run."""
+    pm.__dict__[NEEDS_WEIGHTS] = True
+    pm.__dict__[UNSET_KEYS] = list(unset)
+
+
+def unset_keys(pm: nn.Module, keys: Sequence[str]) -> list[str]:
+    """Of ``keys`` (the program's state keys), those no load has filled yet on a program built on meta."""
+    if not needs_weights(pm):
+        return []
+    unset = pm.__dict__.get(UNSET_KEYS)
+    return list(keys) if unset is None else [k for k in keys if k in set(unset)]
 
 
 class LoadsWeights:
@@ -108,9 +126,12 @@ BUFFER_COMPUTERS: list[Callable[[nn.Module, Sequence[str]], Mapping[str, torch.T
 
 
 def state_dict_loaded(pm: nn.Module, missing: Sequence[str]) -> None:
-    """After ``pm.load_state_dict``: where every state key was loaded, compute the non-persistent
-    buffers still on meta (or raise naming them) and mark the weights loaded."""
-    if not needs_weights(pm) or missing:
+    """After ``pm.load_state_dict``: where every state key was loaded (by this load or earlier ones), compute the
+    non-persistent buffers still on meta (or raise naming them) and mark the weights loaded."""
+    if not needs_weights(pm):
+        return
+    if still := unset_keys(pm, missing):  # strict=False: what this load and earlier ones left has no values yet
+        weights_partly_loaded(pm, still)
         return
     pending = list(pm.__dict__.get(UNSET_BUFFERS, []))
     if pending and BUFFER_COMPUTERS:
@@ -137,6 +158,14 @@ def refuse_copy_without_weights(pm: nn.Module) -> None:
 def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
     source = pm.__dict__.get(WEIGHTS_SOURCE)
     name = type(source).__name__ if source is not None else "model"
+    unset = pm.__dict__.get(UNSET_KEYS)
+    if unset:
+        shown = ", ".join(repr(k) for k in unset[:8]) + (f" and {len(unset) - 8} more" if len(unset) > 8 else "")
+        return WeightsNotLoadedError(
+            f"this program was built from a {name} on the meta device, and the loads so far (strict=False) "
+            f"did not hold {shown}: they have no values yet. Load them: "
+            "dpcompile.load_checkpoint(pm, 'path/holding/them', strict=False)"
+        )
     return WeightsNotLoadedError(
         f"this program was built from a {name} on the meta device: its {len(pm.devices)} device(s) hold "
         "memory for their parameters but no values yet. Load them first: "
@@ -146,6 +175,7 @@ def weights_not_loaded(pm: nn.Module) -> WeightsNotLoadedError:
 
 __all__ = [
     "BUFFER_COMPUTERS", "LoadsWeights", "WeightsNotLoadedError", "await_weights", "needs_weights", "no_values",
+    "unset_keys", "weights_partly_loaded",
     "refuse_copy_without_weights", "state_dict_loaded",
     "weights_loaded", "weights_not_loaded",
 ]  # fmt: skip

@@ -27,6 +27,7 @@ from torch import nn
 
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
+from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError
 from dpcompile.fx_utils import copy_graph, graph_module
@@ -81,12 +82,26 @@ class PipelineRecipe(Recipe):
     def fake_layout_fields(self, pm: ParallelModule) -> dict[str, Any]:
         return {} if self.plan is False else {"plan": dict(pm.plan) or True}
 
-    def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
+    def compile(
+        self,
+        model: nn.Module,
+        example_inputs: Sequence[Any] | None,
+        *,
+        none_args: frozenset[str] | None = None,
+        flags: Mapping[str, Any] | None = None,
+    ) -> ParallelModule:
+        """``none_args``/``flags``: trace those arguments as None / as these values (the program of a call that
+        departs from the examples, as ``verify(fake_devices=)`` rebuilds it); by default as the examples give them."""
+        departs = {} if none_args is None else {"none_args": frozenset(none_args), "flags": dict(flags or {})}
         if self.plan is not False:
-            return sharded.compile_sharded_stages(self, model, example_inputs)
+            return sharded.compile_sharded_stages(self, model, example_inputs, **departs)
         if self.context_parallel:
             check_sequence_pipeline(example_inputs)
-        gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
+        if departs:
+            gm = capture(model, leaf_modules=self.leaf_modules, none_args=departs["none_args"], flags=departs["flags"] or None)
+            flags, nones = departs["flags"], departs["none_args"]
+        else:
+            gm, flags, nones = capture_with_flags(model, self.leaf_modules, example_inputs)
         weights = stage_weights(gm, example_inputs)
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         if self.context_parallel:  # attention marked before the stages are cut: each stage gathers its pieces' keys

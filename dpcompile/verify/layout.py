@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import warnings
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from dpcompile.fake import fake_devices as fake_devices_of
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module
 from dpcompile.inspect import Recorder, slot_of, user_source
 from dpcompile.modules.executors import executor_of
+from dpcompile.recipes.base import departing_trace
 from dpcompile.runtime.structures import tensor_leaves
 from dpcompile.target import dp_copies, resolve_target
 from dpcompile.verify.result import Mismatch, VerifyResult, first_line
@@ -29,14 +31,26 @@ from passes.name_dp_copies import COPY
 
 
 # ------------------------------------------------------------------------ fake multi-GPU
+def _count_free_batch_norms(fake_model: nn.Module) -> None:
+    """A batch norm with ``momentum=None`` divides by its count (``1 / float(num_batches_tracked)``), a value
+    a fake tensor does not hold: the fake copy (devices and shapes are checked, not values) takes a fixed
+    momentum instead. The model's own modules are not touched."""
+    for module in fake_model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+            module.momentum = 0.1
+
+
 def _build_fake_program(
-    pm: Any, fake_model: nn.Module, devices: Devices, example: tuple | None, sequence_fields: dict[str, Any]
+    pm: Any, fake_model: nn.Module, devices: Devices, example: tuple | None, sequence_fields: dict[str, Any],
+    call: tuple[tuple, dict] | None = None,
 ) -> fx.GraphModule:
     """``pm``'s program rebuilt for ``devices`` (fake CUDA devices; copy 0's, with ``sequence_fields``,
     the ``dp_devices`` of cp composed in one process) on a fake copy of the model."""
     recipe = pm.recipe
     if recipe.lowers_capture and pm.captured is not None:
-        gm = graph_module(fake_model, copy_graph(pm.captured.graph), "FakeLayout")
+        trace = departing_trace(recipe, pm, pm.call_key(*call[0], **call[1]), *call) if call is not None else None
+        graph = pm.captured.graph if trace is None else trace.graph  # the call's own trace (an optional argument given)
+        gm = graph_module(fake_model, copy_graph(graph), "FakeLayout")
         lowering = dataclasses.replace(recipe, devices=devices, output_device=devices.primary, **sequence_fields)
         return lowering.lower(gm, devices, pm.input_dims)
     fields = recipe.fake_layout_fields(pm)
@@ -48,6 +62,9 @@ def _build_fake_program(
             fields["dp_devices"] = tuple(tuple(copy.strings()) for copy in copies)
             devices = copies[0]
         fake_recipe = dataclasses.replace(recipe, devices=devices, output_device=devices.primary, **fields)
+        if call is not None and "none_args" in inspect.signature(fake_recipe.compile).parameters:
+            key = pm.call_key(*call[0], **call[1])  # traced as the call departs (an optional argument given)
+            return fake_recipe.compile(fake_model, example, none_args=key.none_args, flags=dict(key.flags))
         return fake_recipe.compile(fake_model, example)
     raise ValueError(
         f"fake_devices= checks programs of one process (data, tensor and pipeline parallel), not mode {pm.mode!r}: "
@@ -143,6 +160,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
     grad_mode = contextlib.nullcontext() if backward else torch.no_grad()
     try:
         fake_model = fake_copy(model, mode, devices.primary)
+        _count_free_batch_norms(fake_model)
         with mode, grad_mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
             # The call's own arguments as example inputs, so the plan's views are checked as pm's were
@@ -153,7 +171,7 @@ def check_layout(pm: nn.Module, model: nn.Module, fake_devices: int | Sequence[A
                 devices = devices.prefix(batch)
             if kwargs and not pm.recipe.lowers_capture:  # keyword inputs: export captured it
                 fake_model, example = _captured_like_pm(pm, fake_model, mode, devices.primary, args, kwargs)
-            program = _build_fake_program(pm, fake_model, devices, example, sequence_fields)
+            program = _build_fake_program(pm, fake_model, devices, example, sequence_fields, (tuple(args), dict(kwargs)))
     except ImportError:
         raise
     except Exception as e:  # noqa: BLE001 - report, do not crash

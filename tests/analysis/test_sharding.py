@@ -237,3 +237,34 @@ def test_shape_ops_and_casts_keep_a_head_sharded_value_sharded(op, layout):
         assert got == REPLICATED and any(c.kind == "all_gather" for c in analysis.comms)
     else:
         assert isinstance(got, Sharded) and (got.dim, got.sizes) == layout
+
+
+class _TiedReadingEmbedding(nn.Module):
+    """An LM head tied to an embedding whose weight forward also reads (its dtype): the embedding stays
+    whole, so the head must too (a column head would own shards of its own: the tie broken)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)).to(self.embed.weight.dtype))
+
+
+def test_a_head_tied_to_a_blocked_embedding_stays_whole_and_trains_like_eager():
+    """Before, the head was split by columns beside the whole embedding: two parameters where the model
+    has one, and the second AdamW step differed from eager."""
+    import copy
+
+    import dpcompile
+    from tests.helpers import assert_steps_equal_eager
+
+    torch.manual_seed(0)
+    model = _TiedReadingEmbedding().double()
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 16, (3, 4))
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(ids,))
+    assert pm.plan == {"embed": "replicate", "head": "replicate"}, pm.plan_reasons
+    assert "tied to the embedding 'embed'" in pm.plan_reasons["head"]
+    assert_steps_equal_eager(pm, eager, lambda step: ((ids + step) % 16,), lambda ps: torch.optim.AdamW(ps, lr=1e-2))

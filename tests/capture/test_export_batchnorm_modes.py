@@ -205,3 +205,29 @@ def test_batchnorm_with_cumulative_average_runs_every_call_and_loads_into_a_meta
         dpcompile.load_checkpoint(loaded, tmp_path / "ckpt")
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(x), reference.eval()(x))
+
+
+class TiedCumulativeNorm(nn.Module):
+    """A BatchNorm with momentum=None (export decides on the example's count, then runs the examples
+    through the program) in a model whose LM head shares the embedding's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(8, 4), nn.BatchNorm1d(3, momentum=None), nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.norm(self.embed(ids)))
+
+
+def test_tied_weights_with_cumulative_average_capture_with_export():
+    """The examples' run passes one tensor under both tied keys. Before, functional_call raised a bare
+    ValueError ("multiple values for keys ['embed.weight', 'head.weight'], which are tied")."""
+    torch.manual_seed(0)
+    reference, ids = TiedCumulativeNorm().double(), torch.randint(0, 8, (5, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(copy.deepcopy(reference), ["cpu"] * 2, frontend="export", example_inputs=(ids,))
+    for step in range(2):
+        torch.testing.assert_close(pm((ids + step) % 8), reference((ids + step) % 8))
+    _assert_state_equal(pm, reference)

@@ -93,6 +93,22 @@ def test_export_guard_model_double_is_refused_and_export_too(tmp_path):
     torch.testing.assert_close(again(x.double()), model(x.double()))
 
 
+
+def test_export_guard_a_tensor_parallel_program_converted_is_refused_naming_its_shard():
+    """pm.double() of a tensor-parallel program converts its own shards, not the model's tensors the guard
+    watched. Before, the call ran the program that baked in float32 and failed inside it (a RuntimeCallFailed,
+    "mat1 and mat2 must have the same dtype"); now it is refused as the data-parallel program's change is."""
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"tp": 2}, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    pm.double()
+    for call in (x, x.double()):  # before: a RuntimeCallFailed from inside the program, an InputMismatch
+        with pytest.raises(dpcompile.ModelChanged, match=r"the program's '.*_shard0' is torch.float64 on cpu, captured as torch.float32"):
+            pm(call)
+    pm.float()
+    torch.testing.assert_close(pm(x), model(x))
+
 class Positions(nn.Module):
     """BERT-style: a position table sliced to the sequence length, an optional mask."""
 

@@ -89,3 +89,16 @@ def test_a_save_that_cannot_land_writes_nothing(where, tmp_path):
         dpcompile.save_checkpoint(pm, path, **kwargs)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files  # nothing staged, nothing changed
     dpcompile.load_checkpoint(pm, previous)
+
+
+@pytest.mark.parametrize("extra", [{1: "a"}, {"nested": {"ok": 1, None: 2}}, {"rows": [{True: 0}]}], ids=["int", "none", "bool"])
+def test_extra_with_a_key_json_would_rename_is_refused_before_anything_is_written(extra, tmp_path):
+    """JSON writes a dict's int, None or bool key as a string: load_checkpoint gave back another dict
+    ({"1": "a"} for {1: "a"}). Refused as extra= that is not JSON-able is, naming the key."""
+    pm = _program()
+    with pytest.raises(dpcompile.ArgumentError, match=r"extra= must be JSON-able.*the key .* use string keys"):
+        dpcompile.save_checkpoint(pm, tmp_path / "ckpt", extra=extra)
+    assert not (tmp_path / "ckpt").exists()
+    dpcompile.save_checkpoint(pm, tmp_path / "ckpt", extra={"step": 3, "betas": [0.9, 0.99], "by_name": {"a": 1}})
+    dpcompile.load_checkpoint(pm, tmp_path / "ckpt")
+    assert pm.checkpoint_extra == {"step": 3, "betas": [0.9, 0.99], "by_name": {"a": 1}}

@@ -564,3 +564,58 @@ def test_key_mapping_renames_checkpoint_keys_as_from_pretrained_takes_it(tmp_pat
     dpcompile.load_checkpoint(pm, tmp_path, key_mapping={r"^head\.proj\.": "fc."})
     x = torch.randn(2, 3, 6, 6)
     torch.testing.assert_close(pm(x), eager(x))
+
+
+class _LinearNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.bn = nn.Linear(8, 16), nn.Linear(16, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.fc2(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}], ids=["dp2", "tp2"])
+def test_a_partial_load_into_a_meta_program_waits_for_the_rest(tmp_path, mesh):
+    """``strict=False`` from a file lacking a parameter and a buffer: on a program built on meta they have no
+    values, so it still needs weights and a call is refused naming them, until a second load fills them. Before,
+    the program ran on uninitialised memory (under tp an output of 1e10)."""
+    torch.manual_seed(0)
+    reference, x = _LinearNorm().eval(), torch.randn(4, 8)
+    with torch.no_grad():
+        reference.bn.running_var.uniform_(0.5, 2.0)
+    state = reference.state_dict()
+    rest = ("fc2.bias", "bn.running_var")
+    save_file({k: v for k, v in state.items() if k not in rest}, tmp_path / "base.safetensors")
+    save_file({k: state[k].contiguous() for k in rest}, tmp_path / "rest.safetensors")
+    with torch.device("meta"):
+        model = _LinearNorm()
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh=mesh, example_inputs=(x,)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dpcompile.load_checkpoint(pm, tmp_path / "base.safetensors", strict=False)
+    assert pm.needs_weights
+    with pytest.raises(dpcompile.DpCompileError, match=r"did not hold 'fc2\.bias', 'bn\.running_var'"):
+        pm(x)
+    dpcompile.load_checkpoint(pm, tmp_path / "rest.safetensors", strict=False)
+    assert not pm.needs_weights
+    torch.testing.assert_close(pm(x), reference(x))
+    for key, value in pm.state_dict().items():
+        torch.testing.assert_close(value, state[key], msg=key)
+
+
+def test_two_partial_load_state_dicts_fill_a_meta_program():
+    """``pm.load_state_dict(strict=False)`` twice, each with part of the keys: the second completes it. Before, a
+    load with any key missing left the program waiting for weights for good."""
+    torch.manual_seed(0)
+    reference, x = _LinearNorm().eval(), torch.randn(4, 8)
+    state = reference.state_dict()
+    with torch.device("meta"):
+        model = _LinearNorm()
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"tp": 2}, example_inputs=(x,)).eval()
+    pm.load_state_dict({k: v for k, v in state.items() if not k.startswith("bn.")}, strict=False)
+    with pytest.raises(dpcompile.DpCompileError, match=r"did not hold 'bn\.weight'"):
+        pm(x)
+    pm.load_state_dict({k: v for k, v in state.items() if k.startswith("bn.")}, strict=False)
+    assert not pm.needs_weights
+    torch.testing.assert_close(pm(x), reference(x))

@@ -258,3 +258,39 @@ def test_a_program_waiting_for_its_weights_is_not_exported(data_parallel, tmp_pa
     with pytest.raises(ExportError, match="holds no weights yet.*load_checkpoint"):
         dpcompile.export(pm, tmp_path / "meta")
     assert not (tmp_path / "meta").exists() and pm.needs_weights
+
+
+
+def test_a_weight_read_directly_exports_and_runs_in_both_modes(tmp_path):
+    """A program traced from the sharded model (the other mode) reads ``embed.weight``, not a call of its gather
+    (``self.embed.parametrizations.weight()``), which the replicated program export writes lacks. Before, export
+    refused it ("calls 'embed.parametrizations.weight' on a replica, which is not a module of the tree"). The class
+    is local, as one in a user's script (``__main__``): not importable, so the program carries its other mode."""
+
+    class WrittenOutTiedHead(nn.Module):  # GPT-2's head written out: h @ embed.weight.T
+        def __init__(self):
+            super().__init__()
+            self.embed, self.fc = nn.Embedding(16, 8), nn.Linear(8, 8)
+
+        def forward(self, ids):
+            return torch.relu(self.fc(self.embed(ids))) @ self.embed.weight.T
+
+    torch.manual_seed(0)
+    model, ids = WrittenOutTiedHead().double(), torch.randint(0, 16, (5, 3))
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, mesh={"dp": 2}, data_parallel="fsdp", example_inputs=(ids,))
+    dpcompile.export(pm, tmp_path / "e")
+    loaded = dpcompile.load(tmp_path / "e")
+    for training in (True, False):
+        for m in (pm, eager, loaded):
+            m.train(training)
+        want = eager(ids)
+        torch.testing.assert_close(loaded(ids), want)
+        got = pm(ids)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        grads = full_gradients(pm)
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
+        pm.zero_grad(), eager.zero_grad()

@@ -108,3 +108,37 @@ def test_place_dp_copies_on_virtual_devices_sends_and_replicates_nothing():
     gm.recompile()
     assert result.info["sends"] == [] and result.info["replicas"] == 0
     assert gm.code == code
+
+
+class _TiedAcrossStages(nn.Module):
+    """An LM head tied to the embedding: stage 1 calls a replica of the head (``replicate_borrowed_modules``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.fc, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.fc(self.embed(ids))))
+
+
+def test_a_module_tied_across_stages_is_replicated_onto_each_copy_s_device():
+    """Copy 1 of stage 1 calls a replica of the borrowed head made on its own device. Before, copy 0's replica
+    was "sent" (send moves tensors only: a no-op on a module), so copy 1 ran on copy 0's device: a device
+    mismatch on GPUs (verify(fake_devices=4) failed at head_dp1, cuda:3 and cuda:2)."""
+    import copy
+    import warnings
+
+    import dpcompile
+    from tests.helpers import assert_steps_equal_eager
+
+    torch.manual_seed(0)
+    model, ids = _TiedAcrossStages().double(), torch.randint(0, 16, (4, 3))
+    eager = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(model, [f"cpu:{i}" for i in range(4)], mesh={"pp": 2, "dp": 2}, example_inputs=(ids,))
+    assert "dpcompile_runtime_replicate({'head': head_src}, ['cpu:2', 'cpu:3'])" in pm.code, pm.code
+    result = dpcompile.verify(pm, eager, ids, fake_devices=4)
+    assert result, str(result)
+    assert_steps_equal_eager(pm, eager, lambda step: ((ids + step) % 16,), lambda ps: torch.optim.AdamW(ps, lr=1e-2))

@@ -239,3 +239,51 @@ def test_torch_fft_and_linalg_export_as_data(tmp_path, frontend):
     folder = dpcompile.export(pm, tmp_path / frontend)
     assert not (Path(folder) / "program.pkl").exists()
     torch.testing.assert_close(dpcompile.load(folder)(x), model(x))
+
+
+class _SlicedByInputLength(nn.Module):
+    """``self.pos[: x.shape[1]]``: fx keeps the bound as a node inside the slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("pos", torch.arange(24.0).reshape(6, 4), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) + self.pos[: x.shape[1]]
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}], ids=["dp2", "tp2"])
+def test_a_slice_bounded_by_a_node_exports_and_loads(tmp_path, mesh):
+    """Before, a slice's bounds were written without their node names' context and read back without the
+    nodes: load refused every fx program slicing by an input's length ("holds a value it cannot read")."""
+    torch.manual_seed(0)
+    pm = dpcompile.transform(_SlicedByInputLength(), ["cpu"] * 2, mesh=mesh, example_inputs=(torch.randn(3, 5, 4),))
+    dpcompile.export(pm, tmp_path / "e")
+    loaded = dpcompile.load(tmp_path / "e")
+    for length in (5, 2):
+        x = torch.randn(3, length, 4)
+        torch.testing.assert_close(loaded(x), pm(x))
+
+
+class _ReadsItsEmbeddingWeight(nn.Module):
+    """Reads ``embed.weight`` beside calling ``embed`` (its dtype): the tensor-parallel stage's program lists it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.fc, self.out = nn.Embedding(16, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.fc(self.embed(ids).to(self.embed.weight.dtype))))
+
+
+def test_a_whole_weight_read_in_a_dp_x_tp_program_loads_with_its_values(tmp_path):
+    """Before, the loaded stage's stand-in for ``embed.weight`` (a meta tensor) was set on the embedding the
+    program calls: the loaded module failed, 'Cannot copy out of meta tensor; no data!'."""
+    torch.manual_seed(0)
+    model, ids = _ReadsItsEmbeddingWeight(), torch.randint(0, 16, (4, 3))
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, example_inputs=(ids,))
+    dpcompile.export(pm, tmp_path / "e")
+    loaded = dpcompile.load(tmp_path / "e")
+    assert not any(t.is_meta for t in loaded.state_dict().values())
+    torch.testing.assert_close(loaded(ids), model(ids))

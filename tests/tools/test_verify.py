@@ -422,3 +422,48 @@ def test_verify_a_1f1b_pipeline_returning_a_loss_and_logits():
     assert not result, str(result)
     wrong = {(m.kind, m.name) for m in result.mismatches}
     assert {("output", "output['loss']"), ("output", "output['logits']"), ("gradient", "layers.0.weight")} <= wrong
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}, {"pp": 2}], ids=["dp2", "tp2", "pp2"])
+def test_verify_fake_devices_checks_a_batch_norm_with_a_cumulative_average(mesh):
+    """momentum=None divides by the count, a value fake tensors lack: the fake copy takes a fixed momentum.
+    Before, every layout was reported a MISMATCH (DataDependentOutputException: aten._local_scalar_dense)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, mesh=mesh, example_inputs=(x,))
+    result = dpcompile.verify(pm, model, x, fake_devices=2)
+    assert result, str(result)
+    assert model[1].momentum is None and pm.get_submodule("1").momentum is None
+    assert int(model[1].num_batches_tracked) == int(pm.state_dict()["1.num_batches_tracked"]) == 0  # verify restores both
+
+
+class _OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, *, mask=None):
+        h = torch.relu(self.fc(x))
+        if mask is not None:
+            h = h * mask
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize(
+    "mesh", [{"dp": 2}, {"tp": 2}, {"pp": 2}, {"dp": 2, "tp": 2}, {"pp": 2, "dp": 2}], ids=["dp2", "tp2", "pp2", "dp2xtp2", "pp2xdp2"]
+)
+def test_verify_fake_devices_builds_the_program_of_a_call_passing_an_optional_argument(mesh):
+    """The fake program is built as the call departs from the main trace (``mask=`` given, traced as None at
+    transform). Before, it was built from the main trace and every layout reported a MISMATCH
+    ("this program was traced with 'mask_1' None") for a program that runs the call right."""
+    torch.manual_seed(0)
+    model, x, mask = _OptionalMask(), torch.randn(4, 8), torch.rand(4, 8)
+    n = 1
+    for size in mesh.values():
+        n *= size
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * n, mesh=mesh, example_inputs=(x,), example_kwargs={"mask": mask})
+    for kwargs in ({"mask": mask}, {}):
+        result = dpcompile.verify(pm, model, x, fake_devices=n, **kwargs)
+        assert result, str(result)
+        assert result.checked["fake devices"] == n

@@ -195,13 +195,15 @@ def pipeline_parallel_pipeline(
     return out + exact_random_pipeline(options)
 
 
-def rank_rows_pipeline(options: PipelineOptions, *, dp_rank: int | None, scopes: tuple[str, ...] = ()) -> list[Pass]:
+def rank_rows_pipeline(options: PipelineOptions, *, dp_rank: int | None, dp_size: int | None = None,
+                       scopes: tuple[str, ...] = ()) -> list[Pass]:  # fmt: skip
     """``stamp_rank_rows`` on a captured program that one data-parallel rank of a mesh runs on its
     part of the batch (``options.input_dims``): where its random draws' rows lie (``scopes``: the
     modules called whole, FSDP's blocks)."""
     if dp_rank is None or not options.exact_random:  # each rank draws its own: no rows to stamp
         return []
-    return [functools.partial(stamp_rank_rows, input_dims=dict(options.input_dims), dp_rank=dp_rank, scopes=scopes)]
+    return [functools.partial(stamp_rank_rows, input_dims=dict(options.input_dims), dp_rank=dp_rank, scopes=scopes,
+                              dp_size=dp_size or 1)]  # fmt: skip
 
 
 def exact_random_rank_pipeline(options: PipelineOptions, *, tp_rank: int | None, dp_size: int | None,

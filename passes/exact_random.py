@@ -161,8 +161,8 @@ def draw_random_whole(
     graph = gm.graph
     first = exact[0].nodes[0]
     with graph.inserting_before(first):
-        target, args = (runtime.current_random_draws, ()) if planned else _draws_call(graph, rank_batch)
-        draws = _placed_as(stamp(graph.call_function(target, args), PASS, first), first)
+        target, args, kwargs = (runtime.current_random_draws, (), {}) if planned else _draws_call(graph, rank_batch)
+        draws = _placed_as(stamp(graph.call_function(target, args, kwargs), PASS, first), first)
         draws.name = "random_draws"
     for site in exact:
         module = None
@@ -311,14 +311,17 @@ def _poisson_joinable(site: RandomSite, graph: fx.Graph, *, over_ranks: bool) ->
     return RandomSite(site.source, "other", site.nodes)
 
 
-def _draws_call(graph: fx.Graph, rank_batch: tuple[str, int, int] | None) -> tuple[Any, tuple]:
-    """The call that opens one call's record of draws, knowing the batch's split."""
+def _draws_call(graph: fx.Graph, rank_batch: tuple[str, int, int] | None) -> tuple[Any, tuple, dict]:
+    """The call that opens one call's record of draws, knowing the batch's split (over ranks, with a
+    site whose rows are not placed: ``unplaced=True``, so that its refusal leaves the generator as it was)."""
     if rank_batch is not None:
         name, dim, ranks = rank_batch
         local = next((n for n in graph.nodes if n.op == "placeholder" and n.target == name), None)
-        return runtime.random_draws_over_ranks, (local, dim, ranks)
+        unplaced = any(isinstance(n.meta.get(ROWS), tuple) and n.meta[ROWS][1] is None for n in graph.nodes)
+        return runtime.random_draws_over_ranks, (local, dim, ranks), {"unplaced": True} if unplaced else {}
     scatter = _batch_scatter(graph)
-    return runtime.random_draws, ((scatter, scatter.args[2] if len(scatter.args) > 2 else 0) if scatter is not None else ())
+    args = (scatter, scatter.args[2] if len(scatter.args) > 2 else 0) if scatter is not None else ()
+    return runtime.random_draws, args, {}
 
 
 def _batch_scatter(graph: fx.Graph) -> fx.Node | None:

@@ -34,7 +34,6 @@ from dpcompile.analysis.batch_dims import propagate
 from dpcompile.analysis.placement import Split, Tuple, Whole
 from dpcompile.analysis.random_ops import random_kind
 from dpcompile.analysis.sharding import Copied, Sharded
-from dpcompile.errors import ArgumentError
 from dpcompile.infra import PassResult
 from passes.exact_random import COLS, ROWS
 
@@ -45,10 +44,15 @@ def find_random_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def stamp_rank_rows(
-    gm: fx.GraphModule, *, input_dims: Mapping[str, int | None], dp_rank: int, scopes: tuple[str, ...] = ()
+    gm: fx.GraphModule, *, input_dims: Mapping[str, int | None], dp_rank: int, scopes: tuple[str, ...] = (),
+    dp_size: int = 2,
 ) -> PassResult:
     """Stamp each random site split by the batch with rank ``dp_rank``'s rows (``(dp_rank, dim)``);
-    ``scopes``: modules called whole (FSDP blocks), stamped by their input's batch dim."""
+    ``scopes``: modules called whole (FSDP blocks), stamped by their input's batch dim. A site whose
+    value holds the batch where the batch rules lost its rows (an op they cannot split without shapes:
+    a written-out attention traced without ``example_inputs=``) is stamped ``(dp_rank, None)`` over
+    ``dp_size`` > 1 ranks: drawing it raises, naming the way out, rather than drawing another mask than
+    eager's (its local shape is not its piece of the whole); in eval it draws nothing and runs."""
     sites = [n for n in gm.graph.nodes if n.op == "call_module" and n.target in scopes or random_kind(gm, n)]
     if not sites or not any(d is not None for d in input_dims.values()):
         return PassResult(gm, False, {"rows": {}})
@@ -61,21 +65,9 @@ def stamp_rank_rows(
             placement = placement.items[0]
         if isinstance(placement, Split) and placement.dim is not None:
             node.meta[ROWS] = stamped[node.name] = (dp_rank, placement.dim)
-        elif not scope and isinstance(placement, Whole) and placement.batch:
-            _refuse_unknown_rows(node, placement)
+        elif not scope and dp_size > 1 and isinstance(placement, Whole) and placement.batch:
+            node.meta[ROWS] = stamped[node.name] = (dp_rank, None)  # unplaced: refused when it draws
     return PassResult(gm, False, {"rows": stamped})  # metadata only: the code is unchanged
-
-
-def _refuse_unknown_rows(node: fx.Node, placement: Whole) -> None:
-    """A site whose value holds the batch where the batch rules lost its rows (an op they could not
-    split without shapes): drawn with this rank's shape it would be neither eager's values nor in step
-    with the other ranks' generators, so it is refused before anything runs."""
-    raise ArgumentError(
-        f"exact_random=True over a mesh: the random op '{node.name}' draws on a value of the batch whose rows "
-        f"this rank cannot place ({placement.reason or 'an op the batch rules cannot split'}), so it would not "
-        "draw eager's values: pass example_inputs= (this rank's local batch) to transform, whose shapes let the "
-        "rules follow the rows, or exact_random=False (each rank draws its own)"
-    )
 
 
 def _placements_by_name(gm: fx.GraphModule, input_dims: Mapping[str, int | None], scopes: tuple[str, ...]) -> dict:

@@ -152,7 +152,7 @@ class SpmdRecipe(Recipe):
         ) if self.fsdp_blocks else ()  # fmt: skip
         return (
             passes.frontend_pipeline(options)
-            + passes.rank_rows_pipeline(options, dp_rank=dp_rank, scopes=scopes)
+            + passes.rank_rows_pipeline(options, dp_rank=dp_rank, dp_size=dp_size, scopes=scopes)
             + passes.exact_random_rank_pipeline(options, tp_rank=None, dp_size=dp_size, scopes=scopes)
             + passes.spmd_pipeline(options, mesh=self.mesh, dp_dim=dp_dim)
             + passes.checkpoint_pipeline(self.checkpointed, self.checkpoint_save)
@@ -256,7 +256,7 @@ class SpmdRecipe(Recipe):
         dp_size = mesh_size(self.mesh, dp_dim) if dp_dim is not None else None
         return (
             passes.frontend_pipeline(options)
-            + passes.rank_rows_pipeline(options, dp_rank=dp_rank)
+            + passes.rank_rows_pipeline(options, dp_rank=dp_rank, dp_size=dp_size)
             + passes.spmd_tensor_parallel_pipeline(options)
             + ([functools.partial(passes.shard_sequence, devices=devices)] if self.sequence_parallel else [])
             + passes.exact_random_rank_pipeline(options, tp_rank=self.mesh.get_local_rank(tp_dim), dp_size=dp_size)

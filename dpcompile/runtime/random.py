@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dpcompile.errors import ArgumentError
 from dpcompile.runtime.random_cuda import attention_kernel, attention_noise, dropout_of_ones
 
-Rows = tuple[int, int] | None
+Rows = tuple[int, int | None] | None  # (piece, dim); dim None: rows not placed
 Cols = tuple[int, int | None, Sequence[int] | None] | None
 
 
@@ -39,6 +40,7 @@ class RandomDraws:
     def __init__(self, batch_sizes: Sequence[int] | None = None):
         self.batch_sizes = list(batch_sizes) if batch_sizes is not None else None
         self.drawn: dict[str, torch.Tensor] = {}
+        self.generator_state: Callable[[], None] | None = None
 
     def piece(self, site: str, like: torch.Tensor, rows: Rows, cols: Cols,
               draw: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:  # fmt: skip
@@ -47,6 +49,16 @@ class RandomDraws:
         index: list[slice] = [slice(None)] * len(shape)
         if rows is not None:
             k, dim = self.rows_of(site, rows)
+            if dim is None:
+                if self.generator_state is not None:  # the refusal leaves the generator as the call found it
+                    self.generator_state()
+                raise ArgumentError(
+                    f"exact_random=True over a mesh: the random op '{site}' draws on a value of the batch whose rows "
+                    "this rank could not place when the program was built (an op the batch rules cannot split "
+                    "without shapes, such as a written-out attention), so it would not draw eager's values: "
+                    "transform with example_inputs= (this rank's local batch), or exact_random=False (each rank "
+                    "draws its own)"
+                )
             sizes = self._batch_sizes()
             per_row, rest = divmod(shape[dim], sizes[k]) if sizes[k] else (0, 1)
             if rest:
@@ -98,12 +110,25 @@ def random_draws(scattered: Sequence[torch.Tensor] | None = None, dim: int = 0) 
     return RandomDraws([int(t.shape[dim]) for t in pieces])
 
 
-def random_draws_over_ranks(local: torch.Tensor | None, dim: int, ranks: int) -> RandomDraws:
+def random_draws_over_ranks(local: torch.Tensor | None, dim: int, ranks: int, *, unplaced: bool = False) -> RandomDraws:
     """A fresh record of one call's draws on one rank of ``ranks`` data-parallel ranks: the global
-    batch is the ranks' equal local batches in rank order (``local`` is this rank's, split on ``dim``)."""
+    batch is the ranks' equal local batches in rank order (``local`` is this rank's, split on ``dim``).
+    ``unplaced``: a site's rows are not placed; the generator's state is kept to restore if it draws."""
     if not isinstance(local, torch.Tensor):
         return RandomDraws(None)
-    return RandomDraws([int(local.shape[dim])] * ranks)
+    draws = RandomDraws([int(local.shape[dim])] * ranks)
+    if unplaced:
+        draws.generator_state = _generator_state(local.device)
+    return draws
+
+
+def _generator_state(device: torch.device) -> Callable[[], None]:
+    """A function that puts ``device``'s default generator back where it is now."""
+    if device.type == "cuda":
+        state = torch.cuda.get_rng_state(device)
+        return lambda: torch.cuda.set_rng_state(state, device)
+    state = torch.get_rng_state()
+    return lambda: torch.set_rng_state(state)
 
 
 def empty_laid_out(like: torch.Tensor, dtype: torch.dtype | None = None) -> Callable[[tuple[int, ...]], torch.Tensor]:

@@ -303,9 +303,9 @@ class _WrittenOutAttention(torch.nn.Module):
 
 
 def check_dropout_rows_unknown_without_examples() -> None:
-    """Over a ``("dp",)`` mesh, a dropout whose rows the batch rules lose without shapes is refused
-    (main drew it with the local shape: another loss than eager's, silently); given ``example_inputs=``,
-    the program draws eager's values."""
+    """Over a ``("dp",)`` mesh, a dropout whose rows the batch rules lose without shapes refuses to draw
+    (main drew it with the local shape: another loss than eager's, silently), leaving the generator as it
+    was; in eval it runs as eager; given ``example_inputs=``, the program draws eager's values."""
     import torch.distributed as dist
 
     import dpcompile
@@ -315,8 +315,17 @@ def check_dropout_rows_unknown_without_examples() -> None:
     model = _WrittenOutAttention().double()
     x = torch.randn(4, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     local = x[2 * dist.get_rank() : 2 * dist.get_rank() + 2]
-    with pytest.raises(dpcompile.ArgumentError, match=r"random op 'drop' .* pass example_inputs="):
-        dpcompile.transform(copy.deepcopy(model), mesh)
+    unplaced = dpcompile.transform(copy.deepcopy(model), mesh)
+    state = torch.get_rng_state()
+    with pytest.raises(dpcompile.ArgumentError, match=r"random op 'drop' .* example_inputs="):
+        unplaced(local)
+    assert torch.equal(torch.get_rng_state(), state)
+    unplaced.eval()
+    expected = model.eval()(x)
+    loss = unplaced(local).detach().clone()
+    dist.all_reduce(loss, group=mesh.get_group("dp"))
+    torch.testing.assert_close(loss / 2, expected.detach())
+    model.train()
     pm = dpcompile.transform(copy.deepcopy(model), mesh, example_inputs=(local,))
     torch.manual_seed(5)
     expected = model(x)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcompile
+from benchmarks.common import ResidualBlock
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.planner import Candidate, plan_layouts
 from passes.split_stages import module_path_of
@@ -510,23 +511,12 @@ def test_a_pipeline_last_stage_makes_its_blocks_gradients_one_module_at_a_time()
         assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
 
 
-class ReluBlock(nn.Module):
-    """A pre-norm residual MLP whose ReLU saves its output, which the Linear after it reads too."""
-
-    def __init__(self, d: int = 32) -> None:
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
 def test_tensor_parallel_holds_two_gradients_of_a_wide_value_in_backward():
     """A block's backward holds the gradient of its 4x-wide value twice (the down layer's, then the ReLU's,
     while the ReLU's saved output is still held), each device its shard: unpredicted, the second device
     was 12% under (bench_memory_estimate's MLP stack). The moments of each block's backward come from a
     fake backward of the profile run (``analysis.backward_sweep``)."""
-    make = lambda: nn.Sequential(ReluBlock(), ReluBlock(), ReluBlock(), ReluBlock())  # noqa: E731
+    make = lambda: nn.Sequential(*(ResidualBlock(32) for _ in range(4)))  # noqa: E731
     predicted, measured = _predicted_and_measured(make, (torch.randn(8, 32, 32),), LayoutSpec((("tp", 2),)))
     for d in LABELS:
         total = sum(predicted[d].values())

@@ -284,13 +284,21 @@ def _examples(examples: list[list[dict[str, Any]]] | None, position: int, device
 
 def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tuple[nn.Module, dict]],
                    device: Any) -> tuple[nn.Module, dict]:  # fmt: skip
-    one, program = load_one([device])  # every check first (expected_hash= before anything is read)
+    without_a_mesh = ExportError(
+        f"{folder} holds a one-process program (exported without a mesh): load it without mesh= "
+        "(dpcompile.load(path) or devices=), or export the program transformed over a mesh"
+    )
+    try:
+        one, program = load_one([device])  # every check first (expected_hash= before anything is read)
+    except ExportError:
+        from dpcompile.export.integrity import read_manifest
+
+        if read_manifest(folder)["program"].get("kind") != "data_parallel":  # over a mesh: always the single-device one
+            raise without_a_mesh from None
+        raise
     section = program["config"].get("mesh")
     if section is None:
-        raise ExportError(
-            f"{folder} holds a one-process program (exported without a mesh): load it without mesh= "
-            "(dpcompile.load(path) or devices=), or export the program transformed over a mesh"
-        )
+        raise without_a_mesh
     names, sizes = tuple(mesh.mesh_dim_names or ()), [int(s) for s in mesh.mesh.shape]
     if names != tuple(section["dims"]):
         raise ExportError(

@@ -290,6 +290,10 @@ def check_refusals_write_nothing(root: str) -> None:
     dpcompile.export(dpcompile.transform(_model(), ["cpu"]), one_process)
     with pytest.raises(ExportError, match="exported without a mesh"):
         dpcompile.load(one_process, mesh=mesh)
+    tensor_parallel = _folder(root, f"one_process_tp{dist.get_rank()}")  # its shards refused another device count first
+    dpcompile.export(dpcompile.transform(_model(), ["cpu"] * 2, tensor_parallel=True), tensor_parallel)
+    with pytest.raises(ExportError, match="exported without a mesh"):
+        dpcompile.load(tensor_parallel, mesh=mesh)
     edited = _folder(root, "dp2_other_code")  # rank 1's program hash edited (module.py made to match, rehashed)
     shaped = _folder(root, "dp1_tp2_examples")  # as if exported with examples
     if dist.get_rank() == 0:

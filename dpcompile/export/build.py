@@ -209,9 +209,9 @@ def build(folder: Path, program: dict[str, Any], tensors: dict[str, torch.Tensor
     if steps:
         attach_steps(pm, section, steps)
     if "layout" in config:  # checked by check_program; a data-parallel program loaded on other devices: over those
-        layout = {str(k): int(n) for k, n in config["layout"]}
-        moved_dp = kind == "data_parallel" and len(device_strings(target)) != math.prod(layout.values())
-        pm.layout = {"dp": len(device_strings(target))} if moved_dp else layout
+        layout, loaded_on = {str(k): int(n) for k, n in config["layout"]}, len(device_strings(target))
+        moved_dp = kind == "data_parallel" and loaded_on != math.prod(layout.values())
+        pm.layout = {"dp": loaded_on} if moved_dp else layout
         pm.strategies = {k: v for k, v in config["strategies"].items() if k in pm.layout or not moved_dp}
     return pm
 

@@ -167,14 +167,7 @@ def test_torchvision_stochastic_depth_exports_as_data_and_draws_as_torchvision(t
     folder = dpcompile.export(pm, tmp_path / "sd")
     assert not (Path(folder) / "program.pkl").exists()
     for devices in (["cpu"] * 2, ["cpu"] * 3):
-        loaded = dpcompile.load(folder, devices=devices)
-        for mode in ("train", "eval", "train"):
-            getattr(loaded, mode)()
-            getattr(model, mode)()
-            torch.manual_seed(7)
-            got = loaded(x)
-            torch.manual_seed(7)
-            torch.testing.assert_close(got, model(x), msg=lambda m, d=devices, o=mode: f"{len(d)} devices, {o}: {m}")
+        _assert_modes_like_eager(dpcompile.load(folder, devices=devices), model, x, 7, f"{len(devices)} devices")
 
 
 class ModeDropoutAttention(nn.Module):
@@ -206,14 +199,7 @@ def test_a_module_read_only_for_its_mode_exports_as_data(tmp_path):
     folder = dpcompile.export(pm.train(), tmp_path / "mode")
     assert not (Path(folder) / "program.pkl").exists()
     assert "mode_value" in "".join(p.read_text() for p in Path(folder).glob("*.py"))
-    loaded = dpcompile.load(folder)
-    for mode in ("train", "eval", "train"):
-        getattr(loaded, mode)()
-        getattr(model, mode)()
-        torch.manual_seed(3)
-        got = loaded(x)
-        torch.manual_seed(3)
-        torch.testing.assert_close(got, model(x), msg=lambda m, o=mode: f"{o}: {m}")
+    _assert_modes_like_eager(dpcompile.load(folder), model, x, 3, "one device")
 
 
 class FourierMixing(nn.Module):
@@ -287,3 +273,15 @@ def test_a_whole_weight_read_in_a_dp_x_tp_program_loads_with_its_values(tmp_path
     loaded = dpcompile.load(tmp_path / "e")
     assert not any(t.is_meta for t in loaded.state_dict().values())
     torch.testing.assert_close(loaded(ids), model(ids))
+
+
+def _assert_modes_like_eager(loaded, model, x, seed: int, label: str) -> None:
+    """``loaded`` in train, eval, then train again gives eager's output, each call from ``seed``
+    (training: the same dropout draws)."""
+    for mode in ("train", "eval", "train"):
+        getattr(loaded, mode)()
+        getattr(model, mode)()
+        torch.manual_seed(seed)
+        got = loaded(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(got, model(x), msg=lambda m, o=mode: f"{label}, {o}: {m}")

@@ -36,7 +36,7 @@ from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, TraceError
 from dpcompile.fake import has_meta_tensors
 from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
-from dpcompile.mesh import check_mesh, is_device_mesh
+from dpcompile.mesh import check_mesh, is_device_mesh, keywords_named_by
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
 from dpcompile.modules.other_mode import OtherModePending
@@ -152,6 +152,7 @@ def transform(
         arguments = {k: v for k, v in locals().items() if k not in ("model", "devices", "plan")}
         return planned_transform(model, devices, arguments, _example_tuple(arguments["example_inputs"]), build=transform)
     data_parallel = "ddp" if data_parallel == "replicate" else data_parallel
+    pipeline, tensor_parallel = keywords_named_by(devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
     schedule = schedule.lower() if isinstance(schedule, str) else schedule  # "1F1B", as torch spells its class
     check_keywords_honoured(
         devices, mesh=mesh, tensor_parallel=tensor_parallel, pipeline=pipeline, micro_batches=micro_batches,

@@ -20,6 +20,23 @@ def is_device_mesh(devices: object) -> bool:
     return DeviceMesh is not None and isinstance(devices, DeviceMesh)
 
 
+def keywords_named_by(devices: Any, *, pipeline: Any, tensor_parallel: Any) -> tuple[Any, Any]:
+    """``(pipeline, tensor_parallel)`` with what a ``DeviceMesh``'s dimension names turn on, as
+    ``mesh=`` over a device list does: a ``"pp"`` dimension of size ``S > 1`` is ``pipeline=S`` (unless
+    ``pipeline=`` names the cuts), a ``"tp"`` dimension is ``tensor_parallel=True`` (unless a plan is
+    given). Anything else (a device list, a ``("dp",)`` or unnamed mesh) passes through.
+
+    Before, ``init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))`` ran data parallel."""
+    if not is_device_mesh(devices):
+        return pipeline, tensor_parallel
+    names = tuple(devices.mesh_dim_names or ())
+    if "pp" in names and pipeline is None and devices.size(names.index("pp")) > 1:
+        pipeline = devices.size(names.index("pp"))
+    if "tp" in names and (tensor_parallel is False or tensor_parallel is None):
+        tensor_parallel = True
+    return pipeline, tensor_parallel
+
+
 def check_mesh(mesh: Any, tensor_parallel: object) -> tuple[str, str | int | None, str | int | None]:
     """``(mode, dp_dim, tp_dim)`` for ``mesh`` and the ``tensor_parallel`` option."""
     if not dist.is_available() or not dist.is_initialized():

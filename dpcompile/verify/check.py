@@ -25,12 +25,12 @@ from dpcompile.verify.mesh_pipeline import (
     compare_held,
     input_fingerprint,
     loss_of,
-    ranks_with_other_inputs,
     refuse_unsupported,
     run_stage,
     whole_gradients,
     whole_parameters,
 )
+from dpcompile.verify.over_dp import agree_on_inputs_over_dp, batch_norm_rows, running_variance_over_copies
 from dpcompile.verify.result import (
     Mismatch,
     VerifyResult,
@@ -202,31 +202,6 @@ def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor
     return {n: (gathered[n].detach().clone() if n in gathered else None) for n in names}
 
 
-def _agree_on_inputs_over_dp(pm: nn.Module, args: tuple, kwargs: dict) -> str | None:
-    """DDP or FSDP over a DeviceMesh: verify compares each rank's call with the eager model on the
-    same inputs, so every dp rank must pass the same ones (then dp's mean of the gradients is the
-    eager model's). One exchange over dp; inputs that differ raise the same error on every rank.
-    The note for the result, or None where ``pm`` has no dp over a mesh."""
-    if not executor_of(pm).call_runs_under_dp(pm):
-        return None
-    import torch.distributed as dist
-
-    group = pm.mesh.get_group(pm.dp_dim)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, input_fingerprint(args, kwargs), group=group)
-    ranks = dist.get_process_group_ranks(group)
-    differ = ranks_with_other_inputs(ranks, everyone)
-    if differ:
-        raise DpCompileError(
-            f"verify of data parallelism over a mesh compares each rank's call with the eager model on the same "
-            f"inputs (dp's mean of the gradients is then the eager model's), but global rank(s) {', '.join(differ)} "
-            f"passed other inputs than rank {ranks[0]} (shapes, dtypes or values). Call verify(pm, model, *inputs) "
-            "with the same inputs on every rank, not each rank's part of the batch"
-        )
-    return (f"data parallelism over a mesh of {len(ranks)} dp ranks: every rank ran the same inputs; the gradients "
-            "compared are dp's mean" + (" (FSDP's shards gathered)" if pm.fsdp is not None else ""))
-
-
 # ----------------------------------------------------------------------------------- verify
 def verify(
     pm: nn.Module,
@@ -254,13 +229,13 @@ def verify(
     _check_modules(pm, model)
     if executor_of(pm).runs_one_stage_per_rank:
         return _verify_mesh_pipeline(pm, model, args, kwargs, fake_devices, rtol, atol)
-    over_dp = _agree_on_inputs_over_dp(pm, args, kwargs)
+    over_dp = agree_on_inputs_over_dp(pm, args, kwargs)
     mismatches: list[Mismatch] = []
     checked = {"outputs": 0, "parameter gradients": 0, "input gradients": 0, "buffers": 0}
     seed = 0
     with _no_side_effects(model, pm) as notes:
         if over_dp:
-            notes.append(over_dp)
+            notes.append(over_dp.note)
         model_buffers = [(b, b.detach().clone()) for b in _unique(b for m in (model, pm) for b in m.buffers())]
         for p in _unique(p for m in (model, pm) for p in m.parameters()):
             p.grad = None
@@ -269,9 +244,11 @@ def verify(
         if loss_only:
             notes.append("the program runs its loss's backward inside the call (1F1B): the gradients compared are "
                          "the 0-dim outputs' (the loss's, weight 1) and the parameters'; the other outputs' values")
+        buffers_before = {n: b.detach().clone() for n, b in model.named_buffers()}
         try:
-            expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None,
-                                                      loss_only=loss_only)  # fmt: skip
+            with batch_norm_rows(model) as rows:
+                expected, expected_inputs, weights = _run(model, args, kwargs, _module_device(model), seed, None,
+                                                          loss_only=loss_only)  # fmt: skip
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
             if not (isinstance(e, RuntimeError) and _sets_requires_grad_of_input(e)):
                 if isinstance(e, DpCompileError):
@@ -292,6 +269,11 @@ def verify(
         expected_grads = {n: None if own[n].grad is None else own[n].grad.detach().clone() for n in param_names}
         saved = model.state_dict(keep_vars=True)  # non-persistent buffers (rotary inv_freq) are not pm's state either
         expected_buffers = {n: b.detach().clone() for n, b in model.named_buffers() if n in saved}
+        if over_dp and over_dp.ranks > 1 and rows:  # synchronised BatchNorm saw the batch once per dp rank
+            expected_buffers.update(running_variance_over_copies(model, rows, buffers_before, expected_buffers,
+                                                                 over_dp.ranks))  # fmt: skip
+            notes.append("BatchNorm's running variance expected is the eager one of the batch seen once per dp rank "
+                         "(synchronised statistics of every rank's rows: the unbiased variance of that many rows)")
         for p in _unique(p for m in (model, pm) for p in m.parameters()):
             p.grad = None
         _restore(model_buffers)

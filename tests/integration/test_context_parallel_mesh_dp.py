@@ -286,7 +286,8 @@ def check_gpt2_over_cp_and_tp() -> None:
 
 def check_cp_tp_refusals() -> None:
     """Over a ("cp", "tp") mesh: FSDP, sequence_parallel=True, a dropout under exact_random=True and a call
-    that departs from the traced one (eval mode) are refused by name; tensor_parallel= left out too."""
+    that departs from the traced one (eval mode) are refused by name; tensor_parallel= left out is implied
+    by the mesh's "tp" dimension, as mesh= over a device list implies it."""
     import pytest
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -298,15 +299,15 @@ def check_cp_tp_refusals() -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     x = local_batch(torch.randn(2, 7, 16), mesh)
-    for kwargs, match in (({}, r"a \('cp', 'tp'\) mesh needs tensor_parallel=True"),
-                          ({"data_parallel": "fsdp"}, r'data_parallel="fsdp" with a \(\'cp\', \'tp\'\) mesh is not built'),
+    for kwargs, match in (({"data_parallel": "fsdp"}, r'data_parallel="fsdp" with a \(\'cp\', \'tp\'\) mesh is not built'),
                           ({"sequence_parallel": True}, r"sequence_parallel=True with cp over a DeviceMesh is not built")):  # fmt: skip
         with pytest.raises(DpCompileError, match=match):
-            dpcompile.transform(CausalSelfAttention(), mesh, example_inputs=(x,), tensor_parallel=bool(kwargs), **kwargs)
+            dpcompile.transform(CausalSelfAttention(), mesh, example_inputs=(x,), tensor_parallel=True, **kwargs)
     with pytest.raises(DpCompileError, match="draws random numbers"):
         dropout = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1))
         dpcompile.transform(dropout, mesh, example_inputs=(x,), tensor_parallel=True)
-    pm = dpcompile.transform(CausalSelfAttention(), mesh, example_inputs=(x,), tensor_parallel=True)
+    pm = dpcompile.transform(CausalSelfAttention(), mesh, example_inputs=(x,))  # tensor_parallel= implied
+    assert pm.mode == "spmd_context_tensor_parallel", pm.mode
     pm.eval()
     with pytest.raises(DpCompileError, match=r"tracing again over a \('cp', 'tp'\) mesh is not built"):
         pm(x)

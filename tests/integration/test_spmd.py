@@ -330,7 +330,31 @@ def check_dp_ranks_calling_differently_named(rank: int, world: int) -> None:
     torch.testing.assert_close(pm(mine, scale), model(mine, scale))
 
 
+def check_dp_verify_of_batch_norm(rank: int, world: int) -> None:
+    """verify of BatchNorm in training over a dp mesh, the same batch on every rank: the synchronised
+    statistics count it once per rank, so the running variance expected is the unbiased variance of
+    world x rows (before, a correct program was reported as a mismatch); a wrong buffer is still found."""
+    import dpcompile
+
+    for momentum in (0.1, None):
+        torch.manual_seed(0)
+        model = BNNet()
+        model.bn.momentum = momentum
+        reference = copy.deepcopy(model)
+        pm = dpcompile.transform(model, _dp_mesh(world))
+        x = torch.randn(6, 6)
+        result = dpcompile.verify(pm, reference, x)
+        assert result and result.checked["buffers"] == 3, str(result)
+        assert "once per dp rank" in " ".join(result.notes), result.notes
+        if momentum is not None:  # (a cumulative average's first step forgets the value before)
+            with torch.no_grad():
+                pm.bn.running_mean += 1.0
+            result = dpcompile.verify(pm, reference, x)
+            assert not result and [m.name for m in result.mismatches] == ["bn.running_mean"], str(result)
+
+
 DP_CHECKS = [
+    ("dp_verify_of_batch_norm", check_dp_verify_of_batch_norm),
     ("dp_ranks_calling_differently_named", check_dp_ranks_calling_differently_named),
     ("dp_training_matches_eager", check_dp_training_matches_eager),
     ("dp_state_dict_and_code", check_dp_state_dict_and_code),
@@ -774,7 +798,33 @@ def check_tp_llama_over_a_mesh(rank: int, world: int) -> None:
     _assert_state_equal(pm.state_dict(), reference.state_dict())
 
 
+def check_mesh_dimension_names_turn_strategies_on(rank: int, world: int) -> None:
+    """A DeviceMesh's dimension names turn their strategies on, as mesh= over a device list does: a
+    ("tp",) mesh shards without tensor_parallel=, a ("pp",) mesh cuts stages without pipeline= (both
+    ran data parallel before: a BatchNorm's running variance then counted the batch once per rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    torch.manual_seed(0)
+    model = MLP(8, 12)
+    pm = dpcompile.transform(copy.deepcopy(model), _tp_mesh(world))
+    assert pm.mode == "spmd_tensor_parallel" and tuple(pm.fc1.weight.shape) == (12 // world, 8), pm.mode
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(pm(x), model(x))
+    torch.manual_seed(0)
+    model = BNNet()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)))
+    assert pm.mode == "spmd_pipeline", pm.mode
+    x = torch.randn(6, 6)
+    pm(x)
+    reference(x)
+    _assert_state_equal(pm.state_dict(), reference.state_dict())
+
+
 TP_CHECKS = [
+    ("mesh_dimension_names_turn_strategies_on", check_mesh_dimension_names_turn_strategies_on),
     ("tp_different_batch_sizes_named", check_tp_different_batch_sizes_named),
     ("tp_rank_failing_before_a_collective_named", check_tp_rank_failing_before_a_collective_named),
     ("reserved_names_over_a_mesh", check_reserved_names_over_a_mesh),

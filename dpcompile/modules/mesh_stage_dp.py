@@ -42,6 +42,9 @@ def shard_stage_over_dp(program: fx.GraphModule, dp_mesh: Any, options: Mapping[
     root = TensorsOnWire(program, {}, 0, None)
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, **options)
     root.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # summed: each loss is its share of the mean
+    # a divide factor other than dp's size makes FSDP2 reduce float32 with PREMUL_SUM, which gloo lacks:
+    # a plain SUM (then a divide by 1) instead, on every backend
+    root.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     return root
 
 

@@ -117,18 +117,20 @@ def assert_steps_like_eager(pm, reference, local: tuple, whole: tuple, last: boo
         torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
 
 
-def _model_and_inputs(kind: str):
-    """``"mlp"`` or ``"tied"`` (an MLP stack whose head reads the embedding's weight), float64, and
+def _model_and_inputs(kind: str, dtype: torch.dtype = torch.float64):
+    """``"mlp"`` or ``"tied"`` (an MLP stack whose head reads the embedding's weight), in ``dtype``, and
     a global batch of 8."""
     torch.manual_seed(0)
-    return (TiedStack() if kind == "tied" else MLPStack()).double(), _inputs()
+    x, labels = _inputs()
+    return (TiedStack() if kind == "tied" else MLPStack()).to(dtype), (x.to(dtype), labels)
 
 
 def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2, schedule="1f1b", kind="mlp",
-                            verify=False, ddp_options=None):  # fmt: skip
+                            verify=False, ddp_options=None, dtype=torch.float64):  # fmt: skip
     """3 AdamW steps: each loss and every gradient as eager's; then state_dict equals the model's. With
     ``verify``: first verify on the whole batch, OK, and a mismatch where eager's weights are corrupted.
-    ``ddp_options``: DDP over "dp" on each stage with them (``pm.ddp``)."""
+    ``ddp_options``: DDP over "dp" on each stage with them (``pm.ddp``). ``dtype=torch.float32``: FSDP2
+    reduces float32 gradients with the op it picks for its divide factor (gloo has no PREMUL_SUM)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -136,7 +138,7 @@ def check_trains_like_eager(shape, names, data_parallel, *, plan=False, micro=2,
     from dpcompile.mesh import local_batch
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    reference, (x, labels) = _model_and_inputs(kind)
+    reference, (x, labels) = _model_and_inputs(kind, dtype)
     model = copy.deepcopy(reference)
     local = local_batch((x, labels), mesh)  # this dp rank's part; the tp ranks of a dp rank feed the same
     pm = dpcompile.transform(model, mesh, pipeline=mesh.size(0), micro_batches=micro, schedule=schedule,
@@ -274,7 +276,7 @@ TIED_PLAN = {"emb": "vocab", "head": "column", **{f"layers.{i}.{j}": s for i in 
 SCENARIOS = {
     "pp_dp_fsdp": (4, [
         ("fsdp_1f1b", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"verify": True})),
-        ("fsdp_gpipe_m1", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"micro": 1, "schedule": "gpipe"})),
+        ("fsdp_gpipe_m1", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"micro": 1, "schedule": "gpipe", "dtype": torch.float32})),
         ("fsdp_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp"), {"kind": "tied"})),
         ("replicate_tied", check_trains_like_eager, (((2, 2), ("pp", "dp"), "ddp"), {"kind": "tied"})),
         ("gpt2_fsdp", check_decoder_trains_like_eager, (((2, 2), ("pp", "dp"), "fsdp", "gpt2"), {})),

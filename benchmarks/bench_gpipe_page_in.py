@@ -4,7 +4,7 @@ One eager stage of 4 ``ResidualBlock``s of width 256 on 512 rows (``bench_microb
 one thread, a training step cut into M = 2, 4, 8 micro-batches in GPipe's order (every forward, then
 every backward) and in 1F1B's (each forward followed by its backward), rounds interleaved: per step the
 wall and the thread's CPU seconds and the process's minor page faults (medians). Then the calibration's
-``page_in_bytes_per_s`` (``calibrate_mesh``'s measure: a 48 MiB tensor filled less a touched one) on one
+``page_in_bytes_per_s`` (``calibrate_mesh``'s measure: a 40 MiB tensor filled less a touched one) on one
 thread and on two at once, and what the cost model charges GPipe's order for this stage
 (``step_time.gpipe_held_bytes`` of a one-stage pipeline at the one-thread rate) beside the measured
 difference (in wall seconds, as the rate is: load included; the CPU seconds leave out the waits for a core).

@@ -412,15 +412,16 @@ def _rank_copy_bytes_per_s() -> float:
     return x.numel() * x.element_size() / _mean_seconds(lambda: x.clone())
 
 
-def _page_in_bytes_per_s(workers: int, size: int = 48 << 20, rounds: int = 3) -> float:
+def _page_in_bytes_per_s(workers: int, size: int = 40 << 20, rounds: int = 3) -> float:
     """Bytes/s of memory new to the process that each of ``workers`` threads pages in (its first touch: a
     page fault and the kernel zeroing the page), all of them at once, as a pipeline's ranks do: a
     ``size`` tensor (above glibc's largest mmap threshold, 32 MiB: always new memory) filled, less
     filling one already touched; the median over ``rounds`` and the threads.
 
-    Not the copy bytes/s: on a 2-core VM a 4 MiB clone ran at 13-19 GB/s, new memory at 2.2-2.5 GB/s
-    alone and 1.1-1.2 GB/s each with two threads at once (two processes: 0.75-0.97), where two
-    threads' hot fills did not slow each other."""
+    Not the copy bytes/s: on a 2-core VM a 4 MiB clone ran at 13-40 GB/s, new memory at 0.7-2.5 GB/s
+    alone and 0.35-1.8 GB/s each with two threads at once (load averages 2-11; two processes' fills of
+    new memory: 0.75-0.97 GB/s at load 5), where two threads' fills of touched memory did not slow each
+    other."""
     workers = max(1, workers)
     numel = size // 4
     touched = [torch.ones(numel) for _ in range(workers)]

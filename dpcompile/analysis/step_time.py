@@ -35,7 +35,7 @@ it dispatches and what it waits for, with no overlap:
   micro-batch's saved values until its backward, where 1F1B's first stage holds ``min(M, S)``: the values of
   the micro-batches held beyond those are memory new to the rank each step (the allocator hands the peak
   back between steps), paged in at the calibration's ``page_in_bytes_per_s`` (every rank paging in at
-  once: on a 2-core VM 0.7-1.2 GB/s each, where a cached copy runs at 13-19 GB/s);
+  once: on a 2-core VM 0.35-1.8 GB/s each, where a cached copy runs at 13-40 GB/s);
 - a pipeline runs ``M + S - 1`` slots (:func:`slot_seconds`); in each, the stages holding a
   micro-batch work side by side, and the CPUs run ``calibration.concurrency`` ranks at once
   (measured: fewer than the ranks where the cores are fewer or busy with other work): a slot takes

@@ -189,6 +189,16 @@ def test_the_latency_after_computing_is_measured_on_gloo_threads():
     assert 1e-6 <= seconds < 60
 
 
+def test_the_page_in_rate_is_measured_by_threads_at_once(monkeypatch):
+    """Measured for real (2 threads, 1 round each, a 4 MiB tensor: small, so not always new memory as the
+    40 MiB default is): a positive, finite rate, each thread filling one tensor made for it (``torch.empty``)."""
+    made = []
+    empty = torch.empty
+    monkeypatch.setattr(calibration.torch, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
+    rate = calibration._page_in_bytes_per_s(2, size=4 << 20, rounds=1)
+    assert 0 < rate < float("inf") and made == [((4 << 20) // 4,)] * 2
+
+
 def test_the_concurrency_is_measured_on_processes_else_on_threads(monkeypatch):
     """Two busy-loop processes against one, for real (2 rounds of 5 ms): a figure between 1 and the 2 workers;
     where no process can be started, the threads' figure instead."""

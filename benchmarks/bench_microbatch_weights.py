@@ -12,7 +12,10 @@ the passes over the weights each micro-batch makes (``step_time.PARAM_PASSES``).
 The same stage of width 256 at M = 4 and 8 in GPipe's order (every forward, then every backward)
 against 1F1B's (each forward followed by its backward: one micro-batch held): the difference, over
 (M - 1) / M of the bytes the stage's ops write in a training step (3x forward's, from
-``profile_model``) at the clone's rate, is ``step_time.GPIPE_WRITTEN_PASSES``.
+``profile_model``) at the clone's rate, was ``step_time.GPIPE_WRITTEN_PASSES`` (0.9-1.3 passes); the cost
+model now pages in the saved values held beyond 1F1B's first stage at the calibrated
+``page_in_bytes_per_s`` instead (``step_time.gpipe_held_bytes``: of its 12 MB saved, 3/4 and 7/8 at 2.4 GB/s, one
+thread paging in alone, is 3.7 and 4.3 ms against the 3.3 and 5.4 ms measured at M = 4 and 8).
 
     PYTHONPATH=. nice -n -19 python benchmarks/bench_microbatch_weights.py [--rounds 30] [--runs 3]
 

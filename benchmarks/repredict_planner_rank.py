@@ -4,9 +4,11 @@ whole all-reduce latency: the model before them) and by the model without the la
 reached after computing (``synced_collective_s`` 0: each data- or tensor-parallel collective at the
 back-to-back latency, the model before it), with the run's own calibration: Spearman's rank
 correlation of each against the same measurements (no step is run again, so they compare on one
-set of noise).
+set of noise). A run recorded before the calibration measured ``page_in_bytes_per_s`` (what GPipe's
+order pays for the micro-batches a stage holds beyond 1F1B's first stage) is re-predicted with that
+figure measured now, on this machine, as ``calibrate_mesh`` does (printed; ``--page-in`` names one).
 
-    PYTHONPATH=. python benchmarks/repredict_planner_rank.py [benchmarks/results/planner_rank.json] [--only mlp_stack]
+    PYTHONPATH=. python benchmarks/repredict_planner_rank.py [benchmarks/results/planner_rank.json] [--only mlp_stack] [--page-in 1e9]
 
 A run's ``message_s`` (a ping-pong's latency, which calibrations measured before) is left out: a transfer
 costs the latency of a collective reached after computing, as it does now.
@@ -64,6 +66,18 @@ def _without_pipeline_terms() -> Any:
         step_time.SCHEDULE_ACTION_OPS, step_time.MESSAGES_ON_PATH, step_time.message_seconds = saved
 
 
+def page_in_figure(run: dict[str, Any], world: int, given: float | None) -> dict[str, float]:
+    """``{"page_in_bytes_per_s": ...}`` where the run's calibration lacks it: ``given``, else measured now."""
+    if run["calibration"].get("page_in_bytes_per_s"):
+        return {}
+    if given is None:
+        from dpcompile.analysis import calibration
+
+        with calibration._threads(1):
+            given = calibration._page_in_bytes_per_s(min(world, calibration.available_cores()))
+    return {"page_in_bytes_per_s": given}
+
+
 def predicted(name: str, world: int) -> dict[str, float]:
     fitting, _, _ = plan(name, world)
     return {c.spec.name: c.step_time for c in fitting}
@@ -73,18 +87,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("results", nargs="?", default=str(RESULTS))
     parser.add_argument("--only", default="")
+    parser.add_argument("--page-in", type=float, default=None, help="bytes/s for runs whose calibration lacks it")
     ns = parser.parse_args()
     data = json.loads(Path(ns.results).read_text())
+    page_in: dict[str, float] | None = None
     pooled: dict[str, tuple[list[float], list[float]]] = {"before": ([], []), "unsynced": ([], []), "now": ([], [])}
     for name, run in data["models"].items():
         if ns.only and name not in ns.only.split(","):
             continue
         rows = [r for r in run["rows"] if r["measured_s"] is not None]
-        with _calibration_of(run):
+        if page_in is None:  # one figure for the whole file
+            page_in = page_in_figure(run, data["world"], ns.page_in)
+            if page_in:
+                print(f"page_in_bytes_per_s (not in the run's calibration): {page_in['page_in_bytes_per_s'] / 1e9:.2f} GB/s")
+        with _calibration_of(run, **page_in):
             now = predicted(name, data["world"])
             with _without_pipeline_terms():
                 before = predicted(name, data["world"])
-        with _calibration_of(run, synced_collective_s=0.0):
+        with _calibration_of(run, **page_in, synced_collective_s=0.0):
             unsynced = predicted(name, data["world"])
         line = [f"{name} (load: {run.get('uptime_after', '?').split('load average:')[-1].strip()})"]
         for label, table in (("before", before), ("unsynced", unsynced), ("now", now)):

@@ -27,6 +27,7 @@ def measured(monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "_concurrency", lambda workers: 1.5)
     monkeypatch.setattr(calibration, "_gloo_all_reduce", lambda ranks: runs.append(ranks) or (1e-4, 5e8))
     monkeypatch.setattr(calibration, "_gloo_synced_seconds", lambda ranks: 3e-3)
+    monkeypatch.setattr(calibration, "_page_in_bytes_per_s", lambda workers: 7e8)
     monkeypatch.setattr(calibration, "available_cores", lambda: 2)
     monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DPCOMPILE_CALIBRATION", raising=False)
@@ -45,7 +46,8 @@ def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
 def test_mesh_calibration_is_measured_once_then_read_from_its_cache(measured, tmp_path):
     first = calibration.calibrate_mesh(2)
     expected = Calibration(1e9, 2e9, "cpu", "measured", ranks=2, cores=2, op_seconds=1e-5, collective_latency_s=1e-4,
-                           collective_bytes_per_s=5e8, concurrency=1.5, synced_collective_s=3e-3)  # fmt: skip
+                           collective_bytes_per_s=5e8, concurrency=1.5, synced_collective_s=3e-3,
+                           page_in_bytes_per_s=7e8)  # fmt: skip
     assert first == expected and measured == [2]
     path = calibration.cache_path("gloo2")
     assert path.parent == tmp_path and json.loads(path.read_text())["version"] == calibration.CACHE_VERSION
@@ -185,6 +187,16 @@ def test_the_latency_after_computing_is_measured_on_gloo_threads():
     number of seconds that counts each call, so at least the back-to-back floor of a microsecond."""
     seconds = calibration._gloo_synced_seconds(2, work_s=1e-4, calls=3)
     assert 1e-6 <= seconds < 60
+
+
+def test_the_page_in_rate_is_measured_by_threads_at_once(monkeypatch):
+    """Measured for real (2 threads, 1 round each, a 4 MiB tensor: small, so not always new memory as the
+    40 MiB default is): a positive, finite rate, each thread filling one tensor made for it (``torch.empty``)."""
+    made = []
+    empty = torch.empty
+    monkeypatch.setattr(calibration.torch, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
+    rate = calibration._page_in_bytes_per_s(2, size=4 << 20, rounds=1)
+    assert 0 < rate < float("inf") and made == [((4 << 20) // 4,)] * 2
 
 
 def test_the_concurrency_is_measured_on_processes_else_on_threads(monkeypatch):

@@ -5,7 +5,8 @@ Over a mesh of ``n`` gloo processes (:func:`calibrate_mesh`) also: the FLOP/s of
 the seconds of dispatch each forward op of a training step costs (its backward's included), the
 latency and bytes/s of a gloo all-reduce between ``n`` ranks and the seconds of one the ranks reach after
 computing (a pipeline's transfers cost that latency too; measured between gloo groups on threads of this
-process: no process started), and the CPU cores the ranks share; cached per
+process: no process started), the rate at which each rank pages in memory new to it with the others doing
+so at once, and the CPU cores the ranks share; cached per
 ``n`` as well, measured again where the cores changed. Inside a process group the first rank's
 figures are broadcast, so that every rank plans alike.
 
@@ -36,7 +37,7 @@ log = logging.getLogger("dpcompile")
 __all__ = ["REFERENCE", "Calibration", "cache_path", "cached_mesh", "calibrate", "calibrate_mesh", "reference_mesh"]
 
 #: the cache's format: a file of another version is measured again
-CACHE_VERSION = 6  # 6: no message_s (5: synced_collective_s, the concurrency on processes)
+CACHE_VERSION = 7  # 7: page_in_bytes_per_s (6: no message_s; 5: synced_collective_s, the concurrency on processes)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class Calibration:
     other work holds the cores) and ``synced_collective_s`` the seconds a rank spends in an all-reduce
     its ranks reach after computing (a tensor-parallel step's: its peers' threads woken, the peer still
     computing waited for; far more than the back-to-back ``collective_latency_s`` on a busy machine; a
-    pipeline's transfers pay it too)."""
+    pipeline's transfers pay it too); ``page_in_bytes_per_s`` the bytes/s of memory new to the process
+    (its first touch: the page faults, the kernel zeroing the pages) each rank pages in with every rank
+    doing so at once (what GPipe's order pays for the micro-batches a stage holds beyond 1F1B's)."""
 
     flops_per_s: float
     copy_bytes_per_s: float
@@ -65,6 +68,7 @@ class Calibration:
     collective_bytes_per_s: float = 0.0
     concurrency: float = 0.0  # how many of the ranks the CPUs run at once (0: as many as the cores allow)
     synced_collective_s: float = 0.0  # an all-reduce after computing (0: the back-to-back collective_latency_s)
+    page_in_bytes_per_s: float = 0.0  # memory new to a rank, every rank paging in at once (0: not measured)
 
 
 #: what ``DPCOMPILE_CALIBRATION=off`` uses: round figures of one CPU core (50 GFLOP/s, 5 GB/s)
@@ -74,9 +78,10 @@ REFERENCE = Calibration(flops_per_s=5e10, copy_bytes_per_s=5e9, device="any", so
 def reference_mesh(ranks: int) -> Calibration:
     """What ``DPCOMPILE_CALIBRATION=off`` uses over a mesh of ``ranks`` processes: :data:`REFERENCE`
     with round gloo figures (20 us a forward op, 100 us and 1 GB/s an all-reduce, after computing too),
-    one core a rank."""
+    one core a rank, new memory paged in at 1 GB/s."""
     return replace(REFERENCE, ranks=ranks, cores=ranks, op_seconds=2e-5, collective_latency_s=1e-4,
-                   collective_bytes_per_s=1e9, concurrency=float(ranks), synced_collective_s=1e-4)  # fmt: skip
+                   collective_bytes_per_s=1e9, concurrency=float(ranks), synced_collective_s=1e-4,
+                   page_in_bytes_per_s=1e9)  # fmt: skip
 
 
 def cache_path(device_type: str) -> Path:
@@ -136,7 +141,7 @@ def _check_figures(found: Calibration) -> None:
     if not (number(found.flops_per_s) and found.flops_per_s > 0 and number(found.copy_bytes_per_s) and found.copy_bytes_per_s > 0):
         raise ValueError(f"rates {found.flops_per_s!r} FLOP/s, {found.copy_bytes_per_s!r} B/s: expected positive numbers")
     rest = (found.op_seconds, found.collective_latency_s, found.collective_bytes_per_s, found.concurrency,
-            found.synced_collective_s)  # fmt: skip
+            found.synced_collective_s, found.page_in_bytes_per_s)  # fmt: skip
     if not all(number(x) and x >= 0 for x in rest):
         raise ValueError(f"figures {rest!r}: expected non-negative numbers")
     if not isinstance(found.device, str) or not all(
@@ -186,6 +191,7 @@ def calibrate_mesh(ranks: int) -> Calibration:
         with _threads(1):  # a rank's compute: torchrun gives each process one thread
             flops, ops, copy = _rank_flops_per_s(), _op_seconds(), _rank_copy_bytes_per_s()
             at_once = _concurrency(min(ranks, cores))
+            page_in = _page_in_bytes_per_s(min(ranks, cores))
         try:
             latency, bandwidth = _gloo_all_reduce(ranks)
             with _threads(1):
@@ -194,7 +200,8 @@ def calibrate_mesh(ranks: int) -> Calibration:
             log.warning("cannot time gloo (%s): the cost model uses %s", e, "100 us and 1 GB/s")
             ref = reference_mesh(ranks)
             latency, bandwidth, synced = ref.collective_latency_s, ref.collective_bytes_per_s, ref.synced_collective_s
-        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once, synced)
+        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once, synced,
+                            page_in)  # fmt: skip
         _write_cache(path, found)
     return _agree(found, ranks) if grouped else found
 
@@ -223,7 +230,7 @@ def available_cores() -> int:
 
 
 _NUMBERS = ("flops_per_s", "copy_bytes_per_s", "cores", "op_seconds", "collective_latency_s", "collective_bytes_per_s",
-            "concurrency", "synced_collective_s")  # fmt: skip
+            "concurrency", "synced_collective_s", "page_in_bytes_per_s")  # fmt: skip
 
 
 def _agree(mine: Calibration | None, ranks: int) -> Calibration:
@@ -403,6 +410,35 @@ def _rank_copy_bytes_per_s() -> float:
     """The bytes/s one rank's memory-bound op writes (a 4 MiB copy, load included)."""
     x = torch.randn(2**20)
     return x.numel() * x.element_size() / _mean_seconds(lambda: x.clone())
+
+
+def _page_in_bytes_per_s(workers: int, size: int = 40 << 20, rounds: int = 3) -> float:
+    """Bytes/s of memory new to the process that each of ``workers`` threads pages in (its first touch: a
+    page fault and the kernel zeroing the page), all of them at once, as a pipeline's ranks do: a
+    ``size`` tensor (above glibc's largest mmap threshold, 32 MiB: always new memory) filled, less
+    filling one already touched; the median over ``rounds`` and the threads.
+
+    Not the copy bytes/s: on a 2-core VM a 4 MiB clone ran at 13-40 GB/s, new memory at 0.7-2.5 GB/s
+    alone and 0.35-1.8 GB/s each with two threads at once (load averages 2-11; two processes' fills of
+    new memory: 0.75-0.97 GB/s at load 5), where two threads' fills of touched memory did not slow each
+    other."""
+    workers = max(1, workers)
+    numel = size // 4
+    touched = [torch.ones(numel) for _ in range(workers)]
+    seconds: list[float] = []
+
+    def run(rank: int) -> None:
+        for _ in range(rounds):
+            start = time.perf_counter()
+            torch.empty(numel).fill_(1.0)
+            fresh = time.perf_counter() - start
+            start = time.perf_counter()
+            touched[rank].fill_(1.0)
+            seconds.append(max(fresh - (time.perf_counter() - start), 1e-9))
+
+    _on_threads(run, workers)
+    seconds.sort()
+    return size / seconds[len(seconds) // 2]
 
 
 def _op_seconds(ops: int = 64) -> float:

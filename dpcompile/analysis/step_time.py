@@ -31,10 +31,11 @@ it dispatches and what it waits for, with no overlap:
 - its weights, per micro-batch (training): :data:`PARAM_PASSES` of its gradients' bytes at the copy
   bytes/s (forward and backward read the weights again, backward writes their gradient and adds it
   to ``.grad``): what each micro-batch more costs beyond its ops;
-- GPipe's order (``schedule`` not ``"1f1b"``, or fewer micro-batches than stages): each micro-batch's
-  backward comes after every forward, its values no longer in the core's cache: the bytes its stage's
-  ops write again (:data:`GPIPE_WRITTEN_PASSES`) for the share of micro-batches it holds beyond
-  1F1B's ``S - s``;
+- GPipe's order (``schedule`` not ``"1f1b"``, or fewer micro-batches than stages): a stage holds every
+  micro-batch's saved values until its backward, where 1F1B's first stage holds ``min(M, S)``: the values of
+  the micro-batches held beyond those are memory new to the rank each step (the allocator hands the peak
+  back between steps), paged in at the calibration's ``page_in_bytes_per_s`` (every rank paging in at
+  once: on a 2-core VM 0.35-1.8 GB/s each, where a cached copy runs at 13-40 GB/s);
 - a pipeline runs ``M + S - 1`` slots (:func:`slot_seconds`); in each, the stages holding a
   micro-batch work side by side, and the CPUs run ``calibration.concurrency`` ranks at once
   (measured: fewer than the ranks where the cores are fewer or busy with other work): a slot takes
@@ -50,8 +51,8 @@ from collections.abc import Sequence
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, Unit
 
-__all__ = ["GPIPE_WRITTEN_PASSES", "MESSAGES_ON_PATH", "PARAM_PASSES", "SCHEDULE_ACTION_OPS", "collective_seconds",
-           "message_seconds", "schedule_seconds", "slot_seconds", "step_seconds"]  # fmt: skip
+__all__ = ["MESSAGES_ON_PATH", "PARAM_PASSES", "SCHEDULE_ACTION_OPS", "collective_seconds", "gpipe_held_bytes",
+           "message_seconds", "page_in_seconds", "schedule_seconds", "slot_seconds", "step_seconds"]  # fmt: skip
 
 #: the bytes of one element the cost model moves (float32)
 ELEMENT_BYTES = 4
@@ -76,16 +77,26 @@ MESSAGES_ON_PATH = 0.15
 #: 1.1-2.4 passes, median 1.7 (6 runs at load averages 15-22; 1.7-3.2 at 12.5 MiB, 0.6-1.9 at 4.5 MiB, lost in the
 #: noise at 2 MiB: weights that stay in the core's cache cost less; benchmarks/bench_microbatch_weights.py)
 PARAM_PASSES = 1.7
-#: what GPipe's order costs a stage beyond 1F1B's, in passes over the bytes its ops write (a training step's) for the
-#: share of its micro-batches it holds beyond 1F1B's: the same eager stage, its CPU seconds with every forward before
-#: the backwards against each forward followed by its backward (M = 4 and 8; 1F1B holding one micro-batch), over
-#: (M - 1) / M of those bytes at a clone's rate, is 0.9-1.5 passes, median 1.0 (3 runs, the same file)
-GPIPE_WRITTEN_PASSES = 1.0
 
 
 def schedule_seconds(c: Calibration, training: bool) -> float:
     """A pipeline stage's schedule work per micro-batch: an action forward (and one backward)."""
     return (2 if training else 1) * SCHEDULE_ACTION_OPS * c.op_seconds
+
+
+def gpipe_held_bytes(units: Sequence[Unit], m: int, stages: int, checkpointing: float) -> float:
+    """The saved values (over the whole batch) a stage of ``units`` holds under GPipe's order beyond what
+    1F1B's first stage holds (``min(M, S)`` of its ``M`` micro-batches: the model charges 1F1B nothing for
+    them, so GPipe with ``M <= S`` costs what 1F1B does, as measured: -3.6 to +2.2 ms apart over 5 models
+    and 3 quiet runs). A recomputed block holds its input only."""
+    held = sum(u.input_bytes if checkpointing and u.block else u.saved_bytes for u in units)
+    return held * (m - min(m, stages)) / m
+
+
+def page_in_seconds(c: Calibration, new_bytes: float) -> float:
+    """Seconds a rank pages in ``new_bytes`` of memory new to it (every rank doing so at once); a
+    calibration without the figure (an older one) at its copy bytes/s."""
+    return new_bytes / (c.page_in_bytes_per_s or c.copy_bytes_per_s)
 
 
 def message_seconds(c: Calibration) -> float:
@@ -187,8 +198,8 @@ def _mesh_seconds(
         compute = _work_flops(units, training, checkpointing) * share / c.flops_per_s + written / c.copy_bytes_per_s
         dispatch = sum(u.ops for u in units) * again * c.op_seconds
         weights = PARAM_PASSES * sum(u.grad_bytes for u in units) / t / c.copy_bytes_per_s if training else 0.0
-        if gpipe_order:  # the micro-batches held beyond 1F1B's S - s: their backward's values out of the cache
-            compute += GPIPE_WRITTEN_PASSES * written / c.copy_bytes_per_s * (m - min(m, s_count - s)) / m
+        if gpipe_order:  # the micro-batches held beyond 1F1B's first stage's: memory new to the rank each step
+            compute += page_in_seconds(c, gpipe_held_bytes(units, m, s_count, checkpointing) * share)
         busy.append(compute / m + dispatch + weights + (schedule_seconds(c, training) if s_count > 1 else 0.0))
         wait = 0.0
         if t > 1:  # Megatron pairs: a column layer's input and the row layer after it, one all-reduce each way

@@ -12,7 +12,6 @@ from dpcompile.analysis import step_time
 from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
 from dpcompile.analysis.step_time import (
-    GPIPE_WRITTEN_PASSES,
     MESSAGES_ON_PATH,
     PARAM_PASSES,
     SCHEDULE_ACTION_OPS,
@@ -126,21 +125,30 @@ def test_a_pipeline_step_is_its_slots_with_the_cpus_shared():
     assert _pipeline(_profile(), 4, shared) == pytest.approx(2 * (busy + wait) + 3 * (busy * 2 / 1.5 + wait))
 
 
-def test_gpipe_order_writes_the_micro_batches_held_beyond_1f1b_again():
-    """Each stage's ops write 3 x 1e6 bytes a training step (3 ms at 1e9 bytes/s, 0.75 ms a micro-batch of 4). In
-    GPipe's order a stage holds all 4 micro-batches, 1F1B's stage s holds S - s: stage 0 half of them beyond, stage 1
-    three quarters, each once more at GPIPE_WRITTEN_PASSES: the first slot (stage 0 alone) 0.5 x 0.75 ms more, the 4
-    others (stage 1 the slower) 0.75 x 0.75 ms. 1F1B with fewer micro-batches than stages runs GPipe's order."""
+def test_gpipe_order_pages_in_the_micro_batches_held_beyond_1f1b_first_stage():
+    """Each stage saves 1e6 bytes for backward over the batch. In GPipe's order a stage holds all M micro-batches,
+    1F1B's first stage min(M, S) = 2: of M = 4, half of the saved bytes are memory new to each rank, paged in at the
+    calibration's page_in_bytes_per_s (2e8 here: 2.5 ms a stage, 0.625 ms in each of its 4 slots; every slot of the
+    5 holds one at least); with M = 8, three quarters (3.75 ms, 0.47 ms a slot, 9 slots: 8 of them). With M <= S
+    (2 micro-batches) GPipe costs what 1F1B does. 1F1B with fewer micro-batches than stages runs GPipe's order."""
     p = _profile()
     for u in p.units:
-        u.op_bytes = 10**6
+        u.saved_bytes = 10**6
+    paging = Calibration(**{**MESH.__dict__, "page_in_bytes_per_s": 2e8})
 
-    def step(schedule, m=4):
-        return step_seconds(p, {"pp": 2}, [[p.units[0]], [p.units[1]]], m, False, MESH, schedule)
+    def step(schedule, m=4, c=paging):
+        return step_seconds(p, {"pp": 2}, [[p.units[0]], [p.units[1]]], m, False, c, schedule)
 
-    assert step("gpipe") - step("1f1b") == pytest.approx(GPIPE_WRITTEN_PASSES * (0.5 + 4 * 0.75) * 0.75e-3)
+    assert step("gpipe") - step("1f1b") == pytest.approx(5 * 0.5e6 / 2e8 / 4)
+    assert step("gpipe", m=8) - step("1f1b", m=8) == pytest.approx(9 * 0.75e6 / 2e8 / 8)
+    assert step("gpipe", m=2) == step("1f1b", m=2)  # M = S: what 1F1B's first stage holds too
     assert step(None) == step("gpipe")  # GPipe unless named 1F1B
     assert step("1f1b", m=1) == step("gpipe", m=1)  # one micro-batch: the same order
+    # the term is the calibrated figure's: twice the rate, half the seconds
+    faster = Calibration(**{**MESH.__dict__, "page_in_bytes_per_s": 4e8})
+    assert step("gpipe", c=faster) - step("1f1b", c=faster) == pytest.approx((step("gpipe") - step("1f1b")) / 2)
+    # a recomputed block holds its input only (8000 bytes each), half of it beyond 1F1B's first stage
+    assert step_time.gpipe_held_bytes(p.units, 4, 2, True) == 2 * 8000 / 2
     # without training nothing is held for a backward
     p.training = False
     assert step("gpipe") == step("1f1b")

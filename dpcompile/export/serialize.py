@@ -196,14 +196,51 @@ def encode_graph(graph: fx.Graph) -> dict[str, Any]:
             raise NotData(f"a call of method {node.target!r}")
         else:
             target = node.target
-        nodes.append({
+        item = {
             "op": node.op,
             "name": node.name,
             "target": target,
             "args": encode_value(args, functions=False),
             "kwargs": encode_value(node.kwargs, functions=False),
-        })  # fmt: skip
+        }  # fmt: skip
+        labels = _labels(node)
+        if labels:
+            item["meta"] = labels
+        nodes.append(item)
     return {"nodes": nodes}
+
+
+def _labels(node: fx.Node) -> dict[str, Any]:
+    """What explain reads of a node beside the program (labels: nothing runs them): the data it moves
+    (``Comm``: ``[kind, io, backward]``) and the pass that made it."""
+    labels: dict[str, Any] = {}
+    comm = node.meta.get("dpcompile_comm")
+    if comm is not None:
+        labels["comm"] = [comm.kind, comm.io, comm.backward]
+    if isinstance(node.meta.get("dpcompile_pass"), str):
+        labels["pass"] = node.meta["dpcompile_pass"]
+    return labels
+
+
+def _label(x: Any) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= 64 and x.isascii() and x.isidentifier()
+
+
+def _decoded_labels(value: Any, node: fx.Node) -> None:
+    """:func:`_labels`' ``meta`` field, checked, back on ``node.meta``."""
+    from dpcompile.export.common import ExportError
+    from dpcompile.infra import Comm
+
+    comm, made_by = (value.get("comm"), value.get("pass")) if isinstance(value, dict) else (None, None)
+    if (not isinstance(value, dict) or not set(value) <= {"comm", "pass"}
+            or (made_by is not None and not _label(made_by))
+            or (comm is not None and not (isinstance(comm, list) and len(comm) == 3 and _label(comm[0])
+                                          and type(comm[1]) is bool and (comm[2] is None or _label(comm[2]))))):  # fmt: skip
+        raise ExportError(f"program.json: node {node.name!r} has malformed labels {value!r:.80}")
+    if comm is not None:
+        node.meta["dpcompile_comm"] = Comm(comm[0], comm[1], comm[2])
+    if made_by is not None:
+        node.meta["dpcompile_pass"] = made_by
 
 
 _MODEL_OUTPUT = "dpcompile.runtime.exported.model_output"
@@ -236,7 +273,7 @@ def decode_graph(data: Any, tree: TreeIndex | None = None) -> fx.Graph:
     graph = fx.Graph()
     nodes: dict[str, fx.Node] = {}
     for item in data["nodes"]:
-        if not isinstance(item, dict) or set(item) != {"op", "name", "target", "args", "kwargs"}:
+        if not isinstance(item, dict) or set(item) - {"meta"} != {"op", "name", "target", "args", "kwargs"}:
             raise ExportError(f"program.json: a node it cannot read: {item!r:.80}")
         op, name, target = item["op"], item["name"], item["target"]
         if op not in _OPS or not isinstance(name, str) or not name.isidentifier() or name in nodes:
@@ -262,6 +299,8 @@ def decode_graph(data: Any, tree: TreeIndex | None = None) -> fx.Graph:
         node = graph.create_node(op, target, args, kwargs, name=name)
         if node.name != name:
             raise ExportError(f"program.json: node name {name!r} is taken")
+        if "meta" in item:
+            _decoded_labels(item["meta"], node)
         nodes[name] = node
     kinds = check_graph(graph, tree) if tree is not None else None
     bound(graph, kinds)  # as_strided and its kin: within their input's own elements (dpcompile.export.strided)

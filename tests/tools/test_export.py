@@ -973,3 +973,37 @@ def test_export_of_a_dtype_safetensors_cannot_hold_is_refused_before_the_folder_
     assert dpcompile.load(folder)(x).shape == (3, 4)
     with pytest.raises(dpcompile.CheckpointError, match="format='dcp'"):
         dpcompile.save_checkpoint(pm, tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True])
+def test_explain_of_a_loaded_program_counts_the_collectives_the_original_does(tmp_path, tensor_parallel):
+    """program.json carries each node's labels (the data it moves, the pass that made it): explain of
+    the loaded program lists the same collectives and totals and names the same passes (before, a loaded
+    program reported no communication at all)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    pm = dpcompile.transform(model, ["cpu", "cpu"], tensor_parallel=tensor_parallel)
+    loaded = dpcompile.load(dpcompile.export(pm, tmp_path / "out"))
+    want, got = dpcompile.explain(pm, x).to_dict(), dpcompile.explain(loaded, x).to_dict()
+    assert want["comm_elements"] > 0
+    for key in ("comm_elements", "comm_elements_forward", "comm_elements_backward", "io_elements"):
+        assert got[key] == want[key], key
+    drop = ("source",)  # the user's line of the transform call: not part of the program
+    assert [{k: v for k, v in c.items() if k not in drop} for c in got["collectives"]] == [
+        {k: v for k, v in c.items() if k not in drop} for c in want["collectives"]
+    ]
+    assert [n["pass_name"] for n in got["nodes"]] == [n["pass_name"] for n in want["nodes"]]
+
+
+@pytest.mark.parametrize("labels", [{"comm": ["all_reduce", "yes", None]}, {"comm": ["os.system", False, None]},
+                                    {"pass": "__import__('os')"}, {"run": "x"}, ["comm"]])  # fmt: skip
+def test_tampered_node_labels_are_refused(exported, labels):
+    """A node's labels in program.json are checked like the rest (rehashed edits included)."""
+    folder, _ = exported
+
+    def plant(program):
+        _node(program, "call_function")["meta"] = labels
+
+    _edit_program(folder, plant)
+    with pytest.raises(ExportError, match="malformed labels"):
+        dpcompile.load(folder)

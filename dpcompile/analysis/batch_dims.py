@@ -281,7 +281,17 @@ def _wanted_dim(node: fx.Node, module: nn.Module | None) -> int | None:
     if node.op == "call_function" and node.target is torch.nn.utils.rnn.pack_padded_sequence:
         first = node.args[2] if len(node.args) > 2 else node.kwargs.get("batch_first", False)
         return 0 if first else 1
+    if _is_recurrent_op(node):  # aten.lstm.input(x, hx, params, ..., batch_first): the export frontend's RNN
+        return 0 if node.args[8] is True else 1
     return None
+
+
+_RECURRENT_OPS = ("lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input")
+
+
+def _is_recurrent_op(node: fx.Node) -> bool:
+    name = getattr(node.target, "_overloadname", None) and f"{node.target._opname}.{node.target._overloadname}"
+    return node.op == "call_function" and name in _RECURRENT_OPS and len(node.args) > 8
 
 
 def _wanted_dims(node: fx.Node, module: nn.Module | None) -> list[tuple[fx.Node, int]]:
@@ -292,7 +302,7 @@ def _wanted_dims(node: fx.Node, module: nn.Module | None) -> list[tuple[fx.Node,
     want = _wanted_dim(node, module)
     if want is not None and node.args and isinstance(node.args[0], fx.Node):
         out.append((node.args[0], want))
-    if isinstance(module, nn.RNNBase):
+    if isinstance(module, nn.RNNBase) or _is_recurrent_op(node):
         hx = node.args[1] if len(node.args) > 1 else node.kwargs.get("hx")
         states = hx if isinstance(hx, (tuple, list)) else [hx]
         out.extend((state, 1) for state in states if isinstance(state, fx.Node))

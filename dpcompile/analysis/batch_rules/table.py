@@ -139,6 +139,7 @@ _add("along named dims", training_ir.fft, " ".join(f"fft_{n}" for n in training_
 _add("along one dim", aten_rules.diff, "diff")
 _add("reduction (along other dims)", training_ir.norm, "norm linalg_vector_norm linalg_norm")
 _add("values and indices along other dims", training_ir.argsort, "argsort")
+_add("recurrent: each sample's sequence, the states on dim 1", training_ir.recurrent, "lstm gru rnn_tanh rnn_relu")
 
 # ---------------------------------------------------------------------- views and shapes
 _add("view", shape.reshape, "view reshape _unsafe_view")

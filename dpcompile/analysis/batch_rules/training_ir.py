@@ -11,7 +11,7 @@ from typing import Any
 import torch.fx as fx
 
 from dpcompile.analysis.batch_rules.context import RuleContext, is_aten, node_shape, normalize_dim
-from dpcompile.analysis.placement import Placement, Replicated, Split
+from dpcompile.analysis.placement import Placement, Replicated, Split, Tuple
 
 
 def _bound(ctx: RuleContext, names: tuple[str, ...]) -> dict[str, Any]:
@@ -81,7 +81,32 @@ def shaped_as(ctx: RuleContext) -> Placement | None:
     return None
 
 
-__all__ = ["norm", "argsort", "shaped_as"]
+def recurrent(ctx: RuleContext) -> Placement | None:
+    """``aten.lstm.input(x, [h, c], params, ..., dropout, train, bidirectional, batch_first)`` and
+    ``gru`` / ``rnn_tanh`` / ``rnn_relu`` (a single ``hx``): what ``torch.export`` keeps of an
+    ``nn.LSTM`` call. Each sample's sequence runs alone: the output split as ``x`` (on dim 0 with
+    ``batch_first``, else 1), each final state on dim 1, where the states are split on dim 1 and the
+    weights replicated. Dropout between layers in training draws per device: whole."""
+    if getattr(ctx.node.target, "_overloadname", "input") != "input":  # ``.data``: a packed sequence
+        return None
+    bound = _bound(ctx, ("input", "hx", "params", "has_biases", "num_layers", "dropout", "train", "bidirectional",
+                         "batch_first"))  # fmt: skip
+    x, hx, params = bound.get("input"), bound.get("hx"), bound.get("params")
+    p = ctx.p(x)
+    batch = 1 if bound.get("batch_first") is False else 0 if bound.get("batch_first") is True else None
+    if not isinstance(p, Split) or p.dim != batch or ctx.ndim(x) != 3 or not isinstance(params, (list, tuple)):
+        return None  # an unbatched (2-D) sequence, or the split on the time dim
+    if bound.get("dropout") and bound.get("train") is not False:
+        return None
+    states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+    if not all(isinstance(h, fx.Node) and ctx.p(h) == Split(1, getattr(ctx.p(h), "origin", None)) for h in states):
+        return None
+    if not all(isinstance(w, fx.Node) and isinstance(ctx.p(w), Replicated) for w in params):
+        return None
+    return Tuple((p, *(Split(1) for _ in states)))
+
+
+__all__ = ["norm", "argsort", "shaped_as", "recurrent"]
 
 
 def fft(ctx: RuleContext) -> Placement | None:

@@ -12,10 +12,10 @@ from dpcompile.export.common import PROGRAM_FILE, ExportError
 
 __all__ = ["DDP_SCALARS", "MESH_MODES", "checked_mesh_section"]
 
-#: the programs over a mesh that export writes: data parallel (DDP), tensor parallel, dp x tp
+#: the programs over a mesh that export writes: data parallel (DDP or FSDP2), tensor parallel, dp x tp, pipelines
 MESH_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d", "spmd_pipeline")
 _MESH_DIMS = {"spmd_data_parallel": ((), ("dp",)), "spmd_tensor_parallel": ((), ("tp",)), "spmd_2d": (("dp", "tp"),),
-              "spmd_pipeline": (("pp",),)}  # fmt: skip
+              "spmd_pipeline": (("pp",), ("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp"))}  # fmt: skip
 _STYLES = ("column", "row", "replicate", "vocab")
 #: what a recorded ddp_options value may be
 DDP_SCALARS = (bool, int, float, str)
@@ -45,10 +45,10 @@ def checked_mesh_section(section: Any) -> dict[str, Any]:
     if not (type(plan) is bool or (isinstance(plan, dict) and all(isinstance(k, str) and v in _STYLES for k, v in plan.items()))):
         raise ExportError(f"{PROGRAM_FILE}: tensor_parallel {plan!r:.60}")
     _check_pipeline(keywords, mode)
-    if (plan is False) != (mode in ("spmd_data_parallel", "spmd_pipeline")):
+    if (plan is False) != (mode == "spmd_data_parallel" or (mode == "spmd_pipeline" and "tp" not in dims)):
         raise ExportError(f"{PROGRAM_FILE}: tensor_parallel {plan!r:.40} with a {mode} program")
     options = keywords["ddp_options"]
-    if keywords["data_parallel"] != "ddp" or type(keywords["exact_random"]) is not bool or keywords["frontend"] not in ("auto", "fx"):
+    if keywords["data_parallel"] not in ("ddp", "fsdp") or type(keywords["exact_random"]) is not bool or keywords["frontend"] not in ("auto", "fx"):
         raise ExportError(f"{PROGRAM_FILE}: mesh keywords {keywords!r:.120}")
     if not isinstance(options, dict) or not all(isinstance(k, str) and isinstance(v, DDP_SCALARS) for k, v in options.items()):
         raise ExportError(f"{PROGRAM_FILE}: ddp_options {options!r:.60}")

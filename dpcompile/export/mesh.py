@@ -13,7 +13,8 @@ After::
     pm2 = dpcompile.load("exported/", mesh=device_mesh)     # every rank: the program lowered over the mesh again
     one = dpcompile.load("exported/")                       # the single-device program, in one process
 
-Layouts: ``("dp",)``, ``("tp",)``, ``("dp", "tp")`` and pipelines over ``("pp",)``, ``("pp", "dp")``,
+Layouts: ``("dp",)``, ``("tp",)``, ``("dp", "tp")``, context parallel over ``("cp",)``, ``("dp", "cp")``,
+``("cp", "tp")`` (``context_parallel=`` recorded), and pipelines over ``("pp",)``, ``("pp", "dp")``,
 ``("pp", "tp")``, ``("pp", "dp", "tp")``; ``"dp"`` as DDP or FSDP2 (``data_parallel="fsdp"``: recorded, applied
 again on load; its model's repeated blocks, called whole, stay calls in the exported program, so their class
 must be torch.nn's or registered). Export is collective. Every
@@ -49,7 +50,7 @@ from torch import nn
 
 from dpcompile.errors import DpCompileError
 from dpcompile.export.common import ExportError
-from dpcompile.export.mesh_section import DDP_SCALARS, MESH_MODES
+from dpcompile.export.mesh_section import CONTEXT_MODES, DDP_SCALARS, MESH_MODES
 
 __all__ = ["export_over_mesh", "is_mesh_program", "load_over_mesh", "recorded_layout"]
 
@@ -74,17 +75,21 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
     from dpcompile.recipes.spmd import SpmdRecipe
 
     if pm.mode not in MESH_MODES:
-        layout = {"spmd_context_parallel": "context parallel over a mesh ('cp', ...)",
-                  "spmd_context_tensor_parallel": "context parallel over a ('cp', 'tp') mesh"}.get(pm.mode, pm.mode)  # fmt: skip
         raise ExportError(
-            "export over a DeviceMesh writes ('dp',), ('tp',), ('dp', 'tp') programs and pipelines over ('pp',) with "
-            f"'dp' and 'tp' beside it (DDP or FSDP over 'dp'); {layout} is not exported yet. The nearest that works: "
-            "export the same layout in one process (dpcompile.transform(model, devices, mesh={...}) then "
-            "dpcompile.export), or save_checkpoint(pm, path) and transform the model again"
+            "export over a DeviceMesh writes ('dp',), ('tp',), ('dp', 'tp'), context parallel over ('cp',), ('dp', "
+            f"'cp'), ('cp', 'tp') and pipelines over ('pp',) with 'dp' and 'tp' beside it; a {pm.mode} program is not "
+            "exported yet. The nearest that works: export the same layout in one process (dpcompile.transform(model, "
+            "devices, mesh={...}) then dpcompile.export), or save_checkpoint(pm, path) and transform the model again"
         )
     _check_blocks_rebuild(getattr(pm.recipe, "fsdp_blocks", ()))
     recipe = _as_transformed(pm.recipe)
     pipeline = isinstance(recipe, MeshPipelineRecipe)
+    context = pm.mode in CONTEXT_MODES
+    if context and recipe.context_memory_headroom is not None:
+        raise ExportError(
+            "export over a DeviceMesh cannot record memory_per_device= yet (it sized context parallel's exchange), "
+            "and a program loaded without it could differ: transform without it to export, or save_checkpoint(pm, path)"
+        )
     default = MeshPipelineRecipe() if pipeline else SpmdRecipe()
     recorded = _RECORDED + _CONTEXT_ONLY + (_PIPELINE if pipeline else ())
     for f in dataclasses.fields(recipe):
@@ -122,7 +127,9 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
                      "pipeline": (recipe.stages if isinstance(recipe.stages, int) else list(recipe.stages)) if pipeline else None,
                      "micro_batches": recipe.micro_batches if pipeline else 1,
                      "schedule": recipe.schedule if pipeline else "gpipe",
-                     "batch_dim": recipe.batch_dim if pipeline else None},  # fmt: skip
+                     "batch_dim": recipe.batch_dim if pipeline else None,
+                     **({"context_parallel": {"exchange": recipe.context_exchange,
+                                              "load_balance": recipe.context_load_balance}} if context else {})},  # fmt: skip
         "examples": _example_specs(pm),
     }
 
@@ -278,10 +285,11 @@ def load_over_mesh(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tupl
         "pipeline": keywords["pipeline"], "micro_batches": keywords["micro_batches"], "schedule": keywords["schedule"],
         "batch_dim": keywords["batch_dim"]}  # fmt: skip
     pm = transform(
-        _captured_module(one, keep_containers=keywords["data_parallel"] == "fsdp"), mesh, tensor_parallel=keywords["tensor_parallel"],
+        _captured_module(one), mesh, tensor_parallel=keywords["tensor_parallel"],
         exact_random=keywords["exact_random"], example_inputs=_examples(section["examples"], position, local_device(mesh)),
         **({"ddp_options": keywords["ddp_options"]} if keywords["ddp_options"] else {}), **pipeline,
         **({"data_parallel": "fsdp"} if keywords["data_parallel"] == "fsdp" else {}),
+        **({"context_parallel": keywords["context_parallel"]} if "context_parallel" in keywords else {}),
     )  # fmt: skip
     failure = None
     if same:
@@ -338,18 +346,19 @@ def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tupl
     return one, section
 
 
-def _captured_module(one: nn.Module, *, keep_containers: bool = False) -> fx.GraphModule:
-    """The single-device program before lowering, over the loaded module tree; its non-persistent buffers
-    stay non-persistent (``state_dict()`` has the model's keys). ``keep_containers``: the tree's own
-    children (a ``ModuleList`` of blocks, which ``data_parallel="fsdp"`` finds and wraps one by one), not
-    the plain modules ``fx.GraphModule`` copies the graph's paths into."""
+def _captured_module(one: nn.Module) -> fx.GraphModule:
+    """The single-device program before lowering, over the loaded module tree: its own children, in the
+    model's order (``fx.GraphModule`` copies only the graph's paths, into plain modules, in the order the
+    graph reads them: ``state_dict()``'s keys would follow forward's order, and a ``ModuleList`` of blocks,
+    which ``data_parallel="fsdp"`` wraps one by one, would not be one). Its non-persistent buffers stay
+    non-persistent (``state_dict()`` has the model's keys, in its order)."""
     from dpcompile.fx_utils import copy_graph
 
     gm = fx.GraphModule(one, copy_graph(one.captured.graph), class_name="Loaded")
-    if keep_containers:
-        for name, child in one.named_children():
-            if name in gm._modules:
-                gm._modules[name] = child
+    for store in ("_parameters", "_buffers", "_modules"):
+        mine, copied = one.__dict__[store], gm.__dict__[store]
+        ordered = {name: mine[name] for name in mine if name in copied}
+        gm.__dict__[store] = {**ordered, **{k: v for k, v in copied.items() if k not in ordered}}
     for path, module in one.named_modules():
         for name in module._non_persistent_buffers_set:
             try:

@@ -5,7 +5,8 @@ over the mesh: on ``("dp",)``, ``("tp",)``, ``("dp", "tp")`` and ``("pp",)`` mes
 ``("dp",)`` and ``("dp", "tp")`` (repeated blocks wrapped one by one too), the loaded program's code is the
 original's, its loss, every gradient and the parameters after 2 AdamW steps equal the original program's
 and eager's (dropout after attention drawing the same masks: the examples' shapes are recorded), and its
-``state_dict`` equals the original's. :func:`check_pipeline_round_trip_in_group` runs the same for
+``state_dict`` equals the original's (keys in the model's order, not forward's). Context parallel over
+``("cp",)`` and ``("cp", "tp")`` the same (:func:`check_context_round_trip`). :func:`check_pipeline_round_trip_in_group` runs the same for
 ``("pp", "dp")`` (DDP, FSDP2) and ``("pp", "tp")`` in ``test_pipeline_mesh.py``'s group of 4, and for
 ``("pp", "dp", "tp")`` with FSDP2 in ``test_pipeline_mesh_compose.py``'s group of 8. A ``("dp", "tp")`` export loads over other sizes (lowered for
 them) and, without a mesh, as the single-device program. A mesh of other dimension names, a folder
@@ -324,6 +325,69 @@ def check_pipeline_round_trip_in_group(layout: dict[str, int], data_parallel: st
             shutil.rmtree(root[0], ignore_errors=True)
 
 
+class Attention(nn.Module):
+    """Causal attention and a token loss; forward reads ``att.pos`` before ``att.qkv`` (the model's order
+    differs from forward's: ``state_dict()``'s keys keep the model's)."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.integration.test_context_parallel import CausalSelfAttention
+
+        self.att = CausalSelfAttention()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.head(self.att(x)).flatten(0, 1), labels.flatten())
+
+
+def check_context_round_trip(root: str, layout: dict[str, int]) -> None:
+    """:class:`Attention` over ``layout`` (``"cp"``: each rank its part of the sequence; ``"dp"``: its rows;
+    ``"tp"``: ``tensor_parallel=True``), exported and loaded over the mesh: the code and ``state_dict`` (keys in
+    the model's order) are the original's; 2 AdamW steps' loss (the whole batch's), every gradient (bit for bit
+    the original's) and the parameters equal the original's and eager's."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    mesh = _mesh(layout)
+    model = _model(Attention)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(2, 6, 16, generator=g, dtype=torch.float64), torch.randint(0, 4, (2, 6), generator=g))
+    local = local_batch(batch, mesh)
+    pm = dpcompile.transform(model, mesh, example_inputs=local, **({"tensor_parallel": True} if "tp" in layout else {}))
+    folder = _folder(root, "attention_" + "_".join(f"{k}{n}" for k, n in layout.items()))
+    dpcompile.export(pm, folder)
+    loaded = dpcompile.load(folder, mesh=mesh)
+    assert loaded.mode == pm.mode and loaded.code == pm.code
+    _assert_state_equal(loaded, pm, exact=True)
+    shards, tp_rank = getattr(pm, "shards", {}) or {}, mesh.get_local_rank("tp") if "tp" in layout else 0
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pm, loaded, reference)]
+    for step in range(2):
+        expected = reference(*batch)
+        expected.backward()
+        for program in (pm, loaded):
+            loss = program(*local)
+            loss.backward()
+            loss = loss.detach()
+            if "dp" in layout:  # each dp rank's rows' mean
+                dist.all_reduce(loss, group=mesh.get_group("dp"))
+                loss /= mesh.size(list(layout).index("dp"))
+            torch.testing.assert_close(loss, expected.detach(), msg=lambda m, s=step: f"loss of step {s}: {m}")
+        got, original = _named(loaded), _named(pm)
+        for key, p in reference.named_parameters():
+            want = shard_of(p.grad, shards[key], tp_rank) if key in shards else p.grad
+            torch.testing.assert_close(_whole(got[key].grad), want, msg=lambda m, k=key: f"grad {k}: {m}")
+            torch.testing.assert_close(got[key].grad, original[key].grad, rtol=0, atol=0)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    _assert_state_equal(loaded, pm, exact=True)
+    _assert_state_equal(loaded, reference, exact=False)
+
+
 def check_other_sizes_and_one_process(root: str) -> None:
     """A ``("dp", "tp")`` export of sizes (1, 2) loads over (2, 1) (lowered for it) and, without a mesh, as
     the single-device program; both train as eager."""
@@ -435,6 +499,9 @@ def test_export_and_load_over_a_mesh(tmp_path):
         ("dp_tp_fsdp", functools.partial(check_round_trip, root, {"dp": 2, "tp": 1}, "fsdp")),
         ("dp_fsdp_blocks", functools.partial(check_round_trip, root, {"dp": 2}, "fsdp", Blocks)),
         ("pp", functools.partial(check_pipeline_round_trip, root)),
+        ("attention_dp", functools.partial(check_context_round_trip, root, {"dp": 2})),
+        ("attention_cp", functools.partial(check_context_round_trip, root, {"cp": 2})),
+        ("attention_cp_tp", functools.partial(check_context_round_trip, root, {"cp": 2, "tp": 1})),
         ("other_sizes", functools.partial(check_other_sizes_and_one_process, root)),
         ("refusals", functools.partial(check_refusals_write_nothing, root)),
     ]
@@ -443,6 +510,10 @@ def test_export_and_load_over_a_mesh(tmp_path):
     _check_layout_is_recorded_and_checked(tmp_path / "dp1_tp2", tmp_path)
     examples = json.loads((tmp_path / "tp2" / "program.json").read_text())["config"]["mesh"]["examples"]
     assert examples == [[{"shape": [ROWS, SEQ, 8], "dtype": "float64"}, {"shape": [ROWS, SEQ], "dtype": "int64"}]] * 2
+    context = json.loads((tmp_path / "attention_cp2" / "program.json").read_text())["config"]["mesh"]
+    assert (context["dims"], context["mode"]) == (["cp"], "spmd_context_parallel")
+    assert context["keywords"]["context_parallel"] == {"exchange": "auto", "load_balance": "auto"}
+    assert "context_parallel" not in json.loads((tmp_path / "dp2" / "program.json").read_text())["config"]["mesh"]["keywords"]
     pipeline = json.loads((tmp_path / "pp2" / "program.json").read_text())["config"]["mesh"]
     assert (pipeline["dims"], pipeline["mode"]) == (["pp"], "spmd_pipeline")
     assert {k: pipeline["keywords"][k] for k in ("pipeline", "micro_batches", "schedule")} == {
@@ -465,9 +536,11 @@ def _check_layout_is_recorded_and_checked(folder: Path, tmp_path: Path) -> None:
     assert len(section["rank_code"]) == 2 and section["examples"] is None
     first = (folder / "module.py").read_text().splitlines()[0]
     assert first.startswith('"""Generated by dpcompile: data_parallel, exported over a DeviceMesh {') and '"sizes": [1, 2]' in first
-    for edit, refusal in (({"sizes": [2, 1]}, "module.py is not the program"),
-                          ({"keywords": {**section["keywords"], "data_parallel": "zero3"}}, "mesh keywords")):  # fmt: skip
-        edited = tmp_path / f"edited{len(refusal)}"
+    for k, (edit, refusal) in enumerate((({"sizes": [2, 1]}, "module.py is not the program"),
+                          ({"keywords": {**section["keywords"], "data_parallel": "zero3"}}, "mesh keywords"),
+                          ({"keywords": {**section["keywords"], "context_parallel": {"exchange": "auto", "load_balance": "auto"}}},
+                           "mesh keywords"))):  # fmt: skip
+        edited = tmp_path / f"edited{k}"
         shutil.copytree(folder, edited)
         program["config"]["mesh"] = {**section, **edit}
         (edited / "program.json").write_text(json.dumps(program))

@@ -234,8 +234,10 @@ def check_round_trip(root: str, layout: dict[str, int], data_parallel: str = "dd
     _trains_alike(layout, mesh, pm, loaded, reference)
 
 
-def check_pipeline_round_trip(root: str, layout: dict[str, int] | None = None, data_parallel: str = "ddp") -> None:
-    """A pipeline (2 stages, 2 micro-batches, examples) over ``layout`` (``("pp",)`` by default; ``"dp"``
+def check_pipeline_round_trip(root: str, layout: dict[str, int] | None = None, data_parallel: str = "ddp",
+                              **keywords) -> None:  # fmt: skip
+    """A pipeline (2 stages, 2 micro-batches, examples; GPipe, or ``keywords``: ``schedule="1f1b"``,
+    ``ddp_options=``) over ``layout`` (``("pp",)`` by default; ``"dp"``
     feeds each rank its rows, ``"tp"`` shards ``up``/``down``), exported after a step and loaded over the
     mesh: every rank's code is the original's, the last stage's loss (the mean over ``"dp"``), this rank's
     gradients (its tp shards) and parameters after 2 AdamW steps equal the original program's (bit for bit)
@@ -256,8 +258,9 @@ def check_pipeline_round_trip(root: str, layout: dict[str, int] | None = None, d
     batch = {k: v[mine] for k, v in _batch().items()}
     options = {"pipeline": ["up"], "micro_batches": 2, "example_inputs": tuple(batch.values())}
     options.update({"tensor_parallel": PLAN} if "tp" in layout else {})
-    options.update({"data_parallel": data_parallel} if data_parallel != "ddp" else {})
+    options.update({"data_parallel": data_parallel} if data_parallel != "ddp" else {}, **keywords)
     pm = dpcompile.transform(model, mesh, **options)
+    assert (pm.schedule_name, pm.ddp is not None) == (keywords.get("schedule", "gpipe"), "ddp_options" in keywords)
     for module in (pm, reference):  # a step before the export: a pipeline's call runs backward
         torch.manual_seed(7)
         loss = module(**{k: v if module is reference else v[mine] for k, v in _step_batch().items()})
@@ -271,6 +274,7 @@ def check_pipeline_round_trip(root: str, layout: dict[str, int] | None = None, d
     dpcompile.export(pm, folder)
     loaded = dpcompile.load(folder, mesh=mesh)
     assert loaded.mode == "spmd_pipeline" and loaded.code == pm.code
+    assert (loaded.schedule_name, loaded.ddp is not None) == (pm.schedule_name, pm.ddp is not None)
     _assert_state_equal(loaded, pm, exact=True)
     last = mesh.get_local_rank("pp") == 1
     tp_rank = mesh.get_local_rank("tp") if "tp" in layout else 0
@@ -307,7 +311,7 @@ def check_pipeline_round_trip(root: str, layout: dict[str, int] | None = None, d
     _assert_state_equal(loaded, reference, exact=False)
 
 
-def check_pipeline_round_trip_in_group(layout: dict[str, int], data_parallel: str = "ddp") -> None:
+def check_pipeline_round_trip_in_group(layout: dict[str, int], data_parallel: str = "ddp", **keywords) -> None:
     """:func:`check_pipeline_round_trip` as a check of another spawned group (``test_pipeline_mesh.py``'s
     4 processes, ``test_pipeline_mesh_compose.py``'s 8): rank 0 makes the folder's parent and removes it after."""
     import tempfile
@@ -318,7 +322,7 @@ def check_pipeline_round_trip_in_group(layout: dict[str, int], data_parallel: st
     root = [tempfile.mkdtemp(prefix="export_mesh_") if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     try:
-        check_pipeline_round_trip(root[0], layout, data_parallel)
+        check_pipeline_round_trip(root[0], layout, data_parallel, **keywords)
     finally:
         dist.barrier()
         if rank == 0:

@@ -761,9 +761,9 @@ def check_meta_model_fsdp(rank: int, world: int, shape: tuple[int, ...], names: 
     dist.barrier()
 
 
-def check_export(rank: int, world: int, layout: dict[str, int], data_parallel: str = "ddp") -> None:
+def check_export(rank: int, world: int, layout: dict[str, int], data_parallel: str = "ddp", keywords=None) -> None:
     """Export over ``layout`` and load on every rank (``test_export_mesh.py``'s check)."""
-    check_pipeline_round_trip_in_group(layout, data_parallel)
+    check_pipeline_round_trip_in_group(layout, data_parallel, **(keywords or {}))
 
 
 # the automatic plan shards the tied head by rows and the embedding by vocab: refused, so both by vocab
@@ -816,9 +816,9 @@ SCENARIOS = {
                  ((2, 2), ("pp", "dp"), {"broadcast_buffers": False})),
                 ("fsdp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp"), None, True)),
                 # dpcompile.export over the mesh, load(path, mesh=) on every rank: trains as the original
-                ("export_pp_dp", check_export, ({"pp": 2, "dp": 2},)),
+                ("export_pp_dp", check_export, ({"pp": 2, "dp": 2}, "ddp", {"ddp_options": {"bucket_cap_mb": 1}})),
                 ("export_pp_dp_fsdp", check_export, ({"pp": 2, "dp": 2}, "fsdp")),
-                ("export_pp_tp", check_export, ({"pp": 2, "tp": 2},))]),
+                ("export_pp_tp", check_export, ({"pp": 2, "tp": 2}, "ddp", {"schedule": "1f1b"}))]),
 }  # fmt: skip
 
 

@@ -6,9 +6,9 @@ over the mesh: on ``("dp",)``, ``("tp",)``, ``("dp", "tp")`` and ``("pp",)`` mes
 original's, its loss, every gradient and the parameters after 2 AdamW steps equal the original program's
 and eager's (dropout after attention drawing the same masks: the examples' shapes are recorded), and its
 ``state_dict`` equals the original's (keys in the model's order, not forward's). Context parallel over
-``("cp",)`` and ``("cp", "tp")`` the same (:func:`check_context_round_trip`). :func:`check_pipeline_round_trip_in_group` runs the same for
-``("pp", "dp")`` (DDP, FSDP2) and ``("pp", "tp")`` in ``test_pipeline_mesh.py``'s group of 4, and for
-``("pp", "dp", "tp")`` with FSDP2 in ``test_pipeline_mesh_compose.py``'s group of 8. A ``("dp", "tp")`` export loads over other sizes (lowered for
+``("cp",)`` and ``("cp", "tp")`` the same (:func:`check_context_round_trip`). :func:`check_pipeline_round_trip_in_group`
+runs the same in ``test_pipeline_mesh.py``'s group of 4 for ``("pp", "dp")`` (DDP with ``ddp_options=``),
+``("pp", "tp")`` (1F1B) and ``("pp", "dp", "tp")`` of (2, 2, 1) with FSDP2. A ``("dp", "tp")`` export loads over other sizes (lowered for
 them) and, without a mesh, as the single-device program. A mesh of other dimension names, a folder
 exported without a mesh, a rank whose program is not the exported one, an edited layout: refused on
 every rank; what cannot be recorded is refused by name, and a failure on rank 0 alone fails every
@@ -313,7 +313,7 @@ def check_pipeline_round_trip(root: str, layout: dict[str, int] | None = None, d
 
 def check_pipeline_round_trip_in_group(layout: dict[str, int], data_parallel: str = "ddp", **keywords) -> None:
     """:func:`check_pipeline_round_trip` as a check of another spawned group (``test_pipeline_mesh.py``'s
-    4 processes, ``test_pipeline_mesh_compose.py``'s 8): rank 0 makes the folder's parent and removes it after."""
+    4 processes): rank 0 makes the folder's parent and removes it after."""
     import tempfile
 
     import torch.distributed as dist

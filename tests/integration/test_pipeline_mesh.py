@@ -817,7 +817,7 @@ SCENARIOS = {
                 ("fsdp_rank_raising_in_step", check_rank_raising_in_step, ((2, 2), ("pp", "dp"), None, True)),
                 # dpcompile.export over the mesh, load(path, mesh=) on every rank: trains as the original
                 ("export_pp_dp", check_export, ({"pp": 2, "dp": 2}, "ddp", {"ddp_options": {"bucket_cap_mb": 1}})),
-                ("export_pp_dp_fsdp", check_export, ({"pp": 2, "dp": 2}, "fsdp")),
+                ("export_pp_dp_tp_fsdp", check_export, ({"pp": 2, "dp": 2, "tp": 1}, "fsdp")),  # the 3-D mesh, on 4
                 ("export_pp_tp", check_export, ({"pp": 2, "tp": 2}, "ddp", {"schedule": "1f1b"}))]),
 }  # fmt: skip
 

@@ -13,7 +13,11 @@ After::
     pm2 = dpcompile.load("exported/", mesh=device_mesh)     # every rank: the program lowered over the mesh again
     one = dpcompile.load("exported/")                       # the single-device program, in one process
 
-Layouts: ``("dp",)``, ``("tp",)``, ``("dp", "tp")`` (DDP) and ``("pp",)``. Export is collective. Every
+Layouts: ``("dp",)``, ``("tp",)``, ``("dp", "tp")``, context parallel over ``("cp",)``, ``("dp", "cp")``,
+``("cp", "tp")`` (``context_parallel=`` recorded), and pipelines over ``("pp",)``, ``("pp", "dp")``,
+``("pp", "tp")``, ``("pp", "dp", "tp")``; ``"dp"`` as DDP or FSDP2 (``data_parallel="fsdp"``: recorded, applied
+again on load; its model's repeated blocks, called whole, stay calls in the exported program, so their class
+must be torch.nn's or registered). Export is collective. Every
 rank checks what it can record (the same answer on each) before any exchange; then ``pm.state_dict()``
 gathers whole tensors under the model's keys, each rank's program text is hashed (``rank_code``), and
 rank 0 copies the model (its structure on ``meta``, then the gathered values and every stage's
@@ -46,7 +50,7 @@ from torch import nn
 
 from dpcompile.errors import DpCompileError
 from dpcompile.export.common import ExportError
-from dpcompile.export.mesh_section import DDP_SCALARS, MESH_MODES
+from dpcompile.export.mesh_section import CONTEXT_MODES, DDP_SCALARS, MESH_MODES
 
 __all__ = ["export_over_mesh", "is_mesh_program", "load_over_mesh", "recorded_layout"]
 
@@ -70,25 +74,22 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
     from dpcompile.recipes.pipeline_mesh import MeshPipelineRecipe
     from dpcompile.recipes.spmd import SpmdRecipe
 
-    mesh = getattr(pm.recipe, "mesh", None)
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if pm.mode not in MESH_MODES or (pm.mode == "spmd_pipeline" and names != ("pp",)):
-        layout = {"spmd_pipeline": f"a pipeline over a {names} mesh",
-                  "spmd_context_parallel": "context parallel over a mesh ('cp', ...)",
-                  "spmd_context_tensor_parallel": "context parallel over a ('cp', 'tp') mesh"}.get(pm.mode, pm.mode)  # fmt: skip
+    if pm.mode not in MESH_MODES:
         raise ExportError(
-            f"export over a DeviceMesh writes ('dp',), ('tp',), ('dp', 'tp') and ('pp',) programs; {layout} is not exported "
-            "yet. The nearest that works: export the same layout in one process (dpcompile.transform(model, devices, "
-            "mesh={...}) then dpcompile.export), or save_checkpoint(pm, path) and transform the model again"
+            "export over a DeviceMesh writes ('dp',), ('tp',), ('dp', 'tp'), context parallel over ('cp',), ('dp', "
+            f"'cp'), ('cp', 'tp') and pipelines over ('pp',) with 'dp' and 'tp' beside it; a {pm.mode} program is not "
+            "exported yet. The nearest that works: export the same layout in one process (dpcompile.transform(model, "
+            "devices, mesh={...}) then dpcompile.export), or save_checkpoint(pm, path) and transform the model again"
         )
-    recipe = pm.recipe
-    if recipe.data_parallel != "ddp":
-        raise ExportError(
-            f'export over a DeviceMesh of data_parallel="{recipe.data_parallel}" is not built yet (FSDP2 rewrites the '
-            "model's classes); the nearest that works: transform with data_parallel=\"ddp\" over the mesh and export "
-            "that, or export the one-process FSDP program (dpcompile.transform(model, devices, data_parallel=\"fsdp\"))"
-        )
+    _check_blocks_rebuild(getattr(pm.recipe, "fsdp_blocks", ()))
+    recipe = _as_transformed(pm.recipe)
     pipeline = isinstance(recipe, MeshPipelineRecipe)
+    context = pm.mode in CONTEXT_MODES
+    if context and recipe.context_memory_headroom is not None:
+        raise ExportError(
+            "export over a DeviceMesh cannot record memory_per_device= yet (it sized context parallel's exchange), "
+            "and a program loaded without it could differ: transform without it to export, or save_checkpoint(pm, path)"
+        )
     default = MeshPipelineRecipe() if pipeline else SpmdRecipe()
     recorded = _RECORDED + _CONTEXT_ONLY + (_PIPELINE if pipeline else ())
     for f in dataclasses.fields(recipe):
@@ -126,14 +127,41 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
                      "pipeline": (recipe.stages if isinstance(recipe.stages, int) else list(recipe.stages)) if pipeline else None,
                      "micro_batches": recipe.micro_batches if pipeline else 1,
                      "schedule": recipe.schedule if pipeline else "gpipe",
-                     "batch_dim": recipe.batch_dim if pipeline else None},  # fmt: skip
+                     "batch_dim": recipe.batch_dim if pipeline else None,
+                     **({"context_parallel": {"exchange": recipe.context_exchange,
+                                              "load_balance": recipe.context_load_balance}} if context else {})},  # fmt: skip
         "examples": _example_specs(pm),
     }
 
 
+def _check_blocks_rebuild(blocks: tuple[type[nn.Module], ...]) -> None:
+    """FSDP2 over a mesh calls the model's repeated blocks whole (``fully_shard`` hooks their forward), so
+    the exported program does too: each block's class must be one a folder can hold."""
+    from dpcompile.export.allowlist import can_rebuild
+
+    for cls in blocks:
+        if not can_rebuild(cls):
+            raise ExportError(
+                f'data_parallel="fsdp" over a mesh calls the model\'s repeated blocks ({cls.__qualname__}) whole, so '
+                "its export holds them as modules, and a folder holds a module class only from torch.nn or "
+                f"registered: register_module_class({cls.__qualname__}) (from dpcompile.export) where you export "
+                "and where you load, or export the same layout with data_parallel=\"ddp\""
+            )
+
+
+def _as_transformed(recipe: Any) -> Any:
+    """``recipe`` with the keywords ``transform`` was given: ``data_parallel="fsdp"`` over a mesh adds the
+    model's repeated block classes to ``leaf_modules`` (``fsdp_blocks``), which load derives again."""
+    blocks = getattr(recipe, "fsdp_blocks", ())
+    if not blocks or recipe.leaf_modules[len(recipe.leaf_modules) - len(blocks) :] != blocks:
+        return recipe
+    return dataclasses.replace(recipe, leaf_modules=recipe.leaf_modules[: -len(blocks)], fsdp_blocks=())
+
+
 def _source(pm: Any) -> nn.Module | None:
-    """The model the program was lowered from: fx's (``traced_model``), or a pipeline's copy on meta."""
-    return pm.__dict__.get("traced_model") or pm.__dict__.get("model_on_meta")
+    """The model the program was lowered from: its copy on meta taken before FSDP2 rewrote its classes (a
+    pipeline's, ``data_parallel="fsdp"``'s), or fx's (``traced_model``)."""
+    return pm.__dict__.get("model_on_meta") or pm.__dict__.get("traced_model")
 
 
 def _example_specs(pm: Any) -> list[dict[str, Any]] | None:
@@ -203,7 +231,8 @@ def export_over_mesh(pm: Any, folder: Path, write: Callable[[nn.Module, Path, di
     failure = None
     if dist.get_rank() == 0:
         try:
-            one = transform(single_device_model(pm, state, held), ["cpu"], exact_random=layout["keywords"]["exact_random"])
+            one = transform(single_device_model(pm, state, held), ["cpu"], exact_random=layout["keywords"]["exact_random"],
+                            leaf_modules=getattr(pm.recipe, "fsdp_blocks", ()))  # FSDP2's blocks stay calls, as here
             write(one, folder, layout)
         except DpCompileError as e:
             failure = e
@@ -259,6 +288,8 @@ def load_over_mesh(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tupl
         _captured_module(one), mesh, tensor_parallel=keywords["tensor_parallel"],
         exact_random=keywords["exact_random"], example_inputs=_examples(section["examples"], position, local_device(mesh)),
         **({"ddp_options": keywords["ddp_options"]} if keywords["ddp_options"] else {}), **pipeline,
+        **({"data_parallel": "fsdp"} if keywords["data_parallel"] == "fsdp" else {}),
+        **({"context_parallel": keywords["context_parallel"]} if "context_parallel" in keywords else {}),
     )  # fmt: skip
     failure = None
     if same:
@@ -316,11 +347,18 @@ def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tupl
 
 
 def _captured_module(one: nn.Module) -> fx.GraphModule:
-    """The single-device program before lowering, over the loaded module tree; its non-persistent buffers
-    stay non-persistent (``state_dict()`` has the model's keys)."""
+    """The single-device program before lowering, over the loaded module tree: its own children, in the
+    model's order (``fx.GraphModule`` copies only the graph's paths, into plain modules, in the order the
+    graph reads them: ``state_dict()``'s keys would follow forward's order, and a ``ModuleList`` of blocks,
+    which ``data_parallel="fsdp"`` wraps one by one, would not be one). Its non-persistent buffers stay
+    non-persistent (``state_dict()`` has the model's keys, in its order)."""
     from dpcompile.fx_utils import copy_graph
 
     gm = fx.GraphModule(one, copy_graph(one.captured.graph), class_name="Loaded")
+    for store in ("_parameters", "_buffers", "_modules"):
+        mine, copied = one.__dict__[store], gm.__dict__[store]
+        ordered = {name: mine[name] for name in mine if name in copied}
+        gm.__dict__[store] = {**ordered, **{k: v for k, v in copied.items() if k not in ordered}}
     for path, module in one.named_modules():
         for name in module._non_persistent_buffers_set:
             try:

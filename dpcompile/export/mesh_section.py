@@ -10,12 +10,17 @@ import torch
 
 from dpcompile.export.common import PROGRAM_FILE, ExportError
 
-__all__ = ["DDP_SCALARS", "MESH_MODES", "checked_mesh_section"]
+__all__ = ["CONTEXT_MODES", "DDP_SCALARS", "MESH_MODES", "checked_mesh_section"]
 
-#: the programs over a mesh that export writes: data parallel (DDP), tensor parallel, dp x tp
-MESH_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d", "spmd_pipeline")
+#: the programs over a mesh that export writes: data parallel (DDP or FSDP2), tensor parallel, dp x tp, pipelines,
+#: context parallel
+MESH_MODES = ("spmd_data_parallel", "spmd_tensor_parallel", "spmd_2d", "spmd_pipeline", "spmd_context_parallel",
+              "spmd_context_tensor_parallel")  # fmt: skip
+#: context parallel over a mesh: ``keywords.context_parallel`` is theirs (and only theirs)
+CONTEXT_MODES = ("spmd_context_parallel", "spmd_context_tensor_parallel")
 _MESH_DIMS = {"spmd_data_parallel": ((), ("dp",)), "spmd_tensor_parallel": ((), ("tp",)), "spmd_2d": (("dp", "tp"),),
-              "spmd_pipeline": (("pp",),)}  # fmt: skip
+              "spmd_pipeline": (("pp",), ("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp")),
+              "spmd_context_parallel": (("cp",), ("dp", "cp")), "spmd_context_tensor_parallel": (("cp", "tp"),)}  # fmt: skip
 _STYLES = ("column", "row", "replicate", "vocab")
 #: what a recorded ddp_options value may be
 DDP_SCALARS = (bool, int, float, str)
@@ -38,17 +43,18 @@ def checked_mesh_section(section: Any) -> dict[str, Any]:
         raise ExportError(f"{PROGRAM_FILE}: rank_code must hold one sha256 per rank ({count})")
     _check_examples(section["examples"], count)
     expected = {"tensor_parallel", "data_parallel", "ddp_options", "exact_random", "frontend", "pipeline", "micro_batches",
-                "schedule", "batch_dim"}  # fmt: skip
+                "schedule", "batch_dim", *(("context_parallel",) if mode in CONTEXT_MODES else ())}  # fmt: skip
     if not isinstance(keywords, dict) or set(keywords) != expected:
         raise ExportError(f"{PROGRAM_FILE}: mesh keywords {sorted(keywords) if isinstance(keywords, dict) else keywords!r:.80}")
     plan = keywords["tensor_parallel"]
     if not (type(plan) is bool or (isinstance(plan, dict) and all(isinstance(k, str) and v in _STYLES for k, v in plan.items()))):
         raise ExportError(f"{PROGRAM_FILE}: tensor_parallel {plan!r:.60}")
     _check_pipeline(keywords, mode)
-    if (plan is False) != (mode in ("spmd_data_parallel", "spmd_pipeline")):
+    _check_context(keywords.get("context_parallel"))
+    if (plan is False) != (mode in ("spmd_data_parallel", "spmd_context_parallel") or (mode == "spmd_pipeline" and "tp" not in dims)):
         raise ExportError(f"{PROGRAM_FILE}: tensor_parallel {plan!r:.40} with a {mode} program")
     options = keywords["ddp_options"]
-    if keywords["data_parallel"] != "ddp" or type(keywords["exact_random"]) is not bool or keywords["frontend"] not in ("auto", "fx"):
+    if keywords["data_parallel"] not in ("ddp", "fsdp") or type(keywords["exact_random"]) is not bool or keywords["frontend"] not in ("auto", "fx"):
         raise ExportError(f"{PROGRAM_FILE}: mesh keywords {keywords!r:.120}")
     if not isinstance(options, dict) or not all(isinstance(k, str) and isinstance(v, DDP_SCALARS) for k, v in options.items()):
         raise ExportError(f"{PROGRAM_FILE}: ddp_options {options!r:.60}")
@@ -69,6 +75,20 @@ def _check_examples(examples: Any, count: int) -> None:
         elif isinstance(entry, dict) and set(entry) == {"value"} and (entry["value"] is None or isinstance(entry["value"], DDP_SCALARS)):
             continue
         raise ExportError(f"{PROGRAM_FILE}: an example described as {entry!r:.80}")
+
+
+def _check_context(options: Any) -> None:
+    """``context_parallel``: ``{"exchange", "load_balance"}``, as ``transform``'s keyword takes them (or absent)."""
+    from dpcompile.analysis.context_exchange import parse_context_parallel
+
+    if options is None:
+        return
+    try:
+        if not isinstance(options, dict) or set(options) != {"exchange", "load_balance"}:
+            raise ValueError
+        parse_context_parallel(options)
+    except Exception:  # noqa: BLE001 - whatever the value, the folder's section is refused
+        raise ExportError(f"{PROGRAM_FILE}: context_parallel {options!r:.80}") from None
 
 
 def _check_pipeline(keywords: dict[str, Any], mode: str) -> None:

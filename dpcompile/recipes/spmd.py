@@ -58,7 +58,7 @@ from dpcompile.analysis.sharding import linear_like_leaves
 from dpcompile.capture import capture
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.fake import fake_copy, fake_copy_to_trace, is_fake
+from dpcompile.fake import fake_copy, fake_copy_to_trace, is_fake, meta_copy_to_pickle
 from dpcompile.fx_utils import bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_fsdp_parameters, check_mesh, mesh_size
@@ -113,8 +113,11 @@ class SpmdRecipe(Recipe):
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
         the first rank's parameters and buffers)."""
+        on_meta = meta_copy_to_pickle(model) if self.data_parallel == "fsdp" else None  # before FSDP2 swaps its classes
         pm = self._compile_rank(model, example_inputs)
         pm.__dict__["example_specs"] = example_specs(example_inputs)  # what export over a mesh records
+        if on_meta is not None and pm.__dict__.get("traced_model") is not None:  # what export over a mesh copies
+            pm.__dict__["model_on_meta"] = on_meta
         return pm
 
     def _compile_rank(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:

@@ -1,14 +1,18 @@
 """``dpcompile.export`` / ``load`` of a program over a gloo ``DeviceMesh`` (``dpcompile/export/mesh.py``).
 
 Every rank exports (rank 0 writes the single-device program and the layout) and every rank loads it
-over the mesh: on ``("dp",)``, ``("tp",)``, ``("dp", "tp")`` and ``("pp",)`` meshes the loaded program's
-loss, every gradient and the parameters after 2 AdamW steps equal the original program's and eager's
-(dropout after attention drawing the same masks: the examples' shapes are recorded), and its
-``state_dict`` equals the original's. A ``("dp", "tp")`` export loads over other sizes (lowered for
+over the mesh: on ``("dp",)``, ``("tp",)``, ``("dp", "tp")`` and ``("pp",)`` meshes, and with FSDP2 over
+``("dp",)`` and ``("dp", "tp")`` (repeated blocks wrapped one by one too), the loaded program's code is the
+original's, its loss, every gradient and the parameters after 2 AdamW steps equal the original program's
+and eager's (dropout after attention drawing the same masks: the examples' shapes are recorded), and its
+``state_dict`` equals the original's (keys in the model's order, not forward's). Context parallel over
+``("cp",)`` and ``("cp", "tp")`` the same (:func:`check_context_round_trip`). :func:`check_pipeline_round_trip_in_group`
+runs the same in ``test_pipeline_mesh.py``'s group of 4 for ``("pp", "dp")`` (DDP with ``ddp_options=``),
+``("pp", "tp")`` (1F1B) and ``("pp", "dp", "tp")`` of (2, 2, 1) with FSDP2. A ``("dp", "tp")`` export loads over other sizes (lowered for
 them) and, without a mesh, as the single-device program. A mesh of other dimension names, a folder
 exported without a mesh, a rank whose program is not the exported one, an edited layout: refused on
 every rank; what cannot be recorded is refused by name, and a failure on rank 0 alone fails every
-rank; neither writes anything. One group of 2 runs every check.
+rank; neither writes anything. One group of 2 runs every check here.
 """
 
 from __future__ import annotations
@@ -52,6 +56,31 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 
+class Blocks(nn.Module):
+    """Repeated blocks (a ``ModuleList`` of ``block``), which ``data_parallel="fsdp"`` over a mesh wraps one by one."""
+
+    def __init__(self, block=lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU())):
+        super().__init__()
+        self.layers = nn.ModuleList(block() for _ in range(2))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x, labels):
+        for layer in self.layers:
+            x = x + layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+class Block(nn.Module):
+    """A block of a class a folder cannot hold (neither torch.nn nor registered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
 def _batch() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return {"x": torch.randn(ROWS, SEQ, 8, generator=g, dtype=torch.float64),
@@ -64,9 +93,9 @@ def _mesh(layout: dict[str, int]):
     return init_device_mesh("cpu", tuple(layout.values()), mesh_dim_names=tuple(layout))
 
 
-def _model() -> Net:
+def _model(cls=Net) -> nn.Module:
     torch.manual_seed(0)
-    return Net().double()
+    return cls().double()
 
 
 def _folder(root: str, name: str) -> Path:
@@ -81,6 +110,11 @@ def _tree_digest(folder: Path) -> dict[str, str] | None:
 
 def _named(pm) -> dict[str, torch.Tensor]:
     return {n.removeprefix("module."): p for n, p in pm.named_parameters()}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard (a DTensor over "dp") all-gathered: a collective; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _trains_alike(layout: dict[str, int], mesh, pm, loaded, reference, *, bitwise: bool = True) -> None:
@@ -117,15 +151,16 @@ def _trains_alike(layout: dict[str, int], mesh, pm, loaded, reference, *, bitwis
         assert sorted(got) == sorted(original)
         for key, p in reference.named_parameters():
             want = shard_of(p.grad, shards[key], tp_rank) if key in shards else p.grad
-            torch.testing.assert_close(got[key].grad, want, msg=lambda m, k=key: f"grad {k}: {m}")
-            torch.testing.assert_close(got[key].grad, original[key].grad, **({"rtol": 0, "atol": 0} if bitwise else {}))
+            grad = _whole(got[key].grad)
+            torch.testing.assert_close(grad, want, msg=lambda m, k=key: f"grad {k}: {m}")
+            torch.testing.assert_close(grad, _whole(original[key].grad), **({"rtol": 0, "atol": 0} if bitwise else {}))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     got = _named(loaded)
     for key, p in reference.named_parameters():
         want = shard_of(p.detach(), shards[key], tp_rank) if key in shards else p.detach()
-        torch.testing.assert_close(got[key].detach(), want, msg=lambda m, k=key: f"param {k}: {m}")
+        torch.testing.assert_close(_whole(got[key].detach()), want, msg=lambda m, k=key: f"param {k}: {m}")
     _assert_state_equal(loaded, reference, exact=False)
 
 
@@ -168,83 +203,192 @@ def _stepped_model() -> Net:
     return model
 
 
-def check_round_trip(root: str, layout: dict[str, int]) -> None:
-    """Export over ``layout`` (after a step) and load over the same mesh: trains as the original and eager."""
+def check_round_trip(root: str, layout: dict[str, int], data_parallel: str = "ddp", model_class=Net) -> None:
+    """Export over ``layout`` (after a step) and load over the same mesh: trains as the original and eager
+    (``data_parallel="fsdp"``: FSDP2 over "dp", recorded and applied again on load; of :class:`Blocks`,
+    each block wrapped on its own, called whole by the exported program too)."""
     import dpcompile
 
     mesh = _mesh(layout)
-    model = _model()
+    model = _model(model_class)
     reference = copy.deepcopy(model)
     options = {"tensor_parallel": PLAN if "dp" in layout else True} if "tp" in layout else {}
+    options.update({"data_parallel": data_parallel} if data_parallel != "ddp" else {})
     if "dp" not in layout or layout["dp"] == 2:  # shaped by examples (this rank's rows): recorded, lowered with again
         rows = ROWS // layout.get("dp", 1)  # (without them, dropout's rows after attention differ: load refuses it)
         options["example_inputs"] = tuple(v[mesh.get_local_rank("dp") * rows :][:rows] if "dp" in layout else v
                                           for v in _batch().values())  # fmt: skip
     pm = dpcompile.transform(model, mesh, **options)
     _sgd_step(layout, mesh, pm, reference)
-    folder = _folder(root, "_".join(f"{k}{n}" for k, n in layout.items()))
+    assert pm.recipe.fsdp_blocks == ((nn.Sequential,) if model_class is Blocks else ())
+    suffix = ("_fsdp" if data_parallel == "fsdp" else "") + ("_blocks" if model_class is Blocks else "")
+    folder = _folder(root, "_".join(f"{k}{n}" for k, n in layout.items()) + suffix)
     rng = torch.random.get_rng_state()
     assert dpcompile.export(pm, folder) == folder
     loaded = dpcompile.load(folder, mesh=mesh)
     assert torch.equal(torch.random.get_rng_state(), rng)  # neither draws from the generator
     assert loaded.mode == pm.mode and loaded.code == pm.code
+    assert (loaded.fsdp is not None) == (pm.fsdp is not None) == (data_parallel == "fsdp")
     _assert_state_equal(loaded, pm, exact=True)
     _assert_state_equal(loaded, reference, exact=False)
     _trains_alike(layout, mesh, pm, loaded, reference)
 
 
-def check_pipeline_round_trip(root: str) -> None:
-    """A ``("pp",)`` pipeline (2 stages, 2 micro-batches, examples), exported after a step and loaded over the
-    mesh: the last stage's loss, each stage's gradients and parameters after 2 AdamW steps equal the original
-    program's (bit for bit) and eager's; ``state_dict`` (whole, every stage's) the original's."""
+def check_pipeline_round_trip(root: str, layout: dict[str, int] | None = None, data_parallel: str = "ddp",
+                              **keywords) -> None:  # fmt: skip
+    """A pipeline (2 stages, 2 micro-batches, examples; GPipe, or ``keywords``: ``schedule="1f1b"``,
+    ``ddp_options=``) over ``layout`` (``("pp",)`` by default; ``"dp"``
+    feeds each rank its rows, ``"tp"`` shards ``up``/``down``), exported after a step and loaded over the
+    mesh: every rank's code is the original's, the last stage's loss (the mean over ``"dp"``), this rank's
+    gradients (its tp shards) and parameters after 2 AdamW steps equal the original program's (bit for bit)
+    and eager's; ``state_dict`` (whole, every stage's) the original's bit for bit."""
     import torch.distributed as dist
 
     import dpcompile
     from dpcompile.fx_utils import unalias
+    from dpcompile.runtime.tensor_parallel import shard_of
 
-    mesh = _mesh({"pp": 2})
+    layout = layout or {"pp": 2}
+    mesh = _mesh(layout)
     model = _model()
     reference = copy.deepcopy(model)
-    batch = _batch()
+    dp = layout.get("dp", 1)
+    rows = ROWS // dp
+    mine = slice(mesh.get_local_rank("dp") * rows, (mesh.get_local_rank("dp") + 1) * rows) if dp > 1 else slice(None)
+    batch = {k: v[mine] for k, v in _batch().items()}
     options = {"pipeline": ["up"], "micro_batches": 2, "example_inputs": tuple(batch.values())}
+    options.update({"tensor_parallel": PLAN} if "tp" in layout else {})
+    options.update({"data_parallel": data_parallel} if data_parallel != "ddp" else {}, **keywords)
     pm = dpcompile.transform(model, mesh, **options)
+    assert (pm.schedule_name, pm.ddp is not None) == (keywords.get("schedule", "gpipe"), "ddp_options" in keywords)
     for module in (pm, reference):  # a step before the export: a pipeline's call runs backward
         torch.manual_seed(7)
-        loss = module(**_step_batch())
+        loss = module(**{k: v if module is reference else v[mine] for k, v in _step_batch().items()})
         if module is reference:
             loss.backward()
         with torch.no_grad():
             for p in module.parameters():
                 p -= 0.1 * p.grad
                 p.grad = None
-    folder = _folder(root, "pp2")
+    folder = _folder(root, "_".join(f"{k}{n}" for k, n in layout.items()) + ("_fsdp" if data_parallel == "fsdp" else ""))
     dpcompile.export(pm, folder)
     loaded = dpcompile.load(folder, mesh=mesh)
     assert loaded.mode == "spmd_pipeline" and loaded.code == pm.code
+    assert (loaded.schedule_name, loaded.ddp is not None) == (pm.schedule_name, pm.ddp is not None)
     _assert_state_equal(loaded, pm, exact=True)
-    last = dist.get_rank() == 1
+    last = mesh.get_local_rank("pp") == 1
+    tp_rank = mesh.get_local_rank("tp") if "tp" in layout else 0
+    shards = pm.shards
+    assert loaded.shards == shards and bool(shards) == ("tp" in layout and last)  # stage 1 holds up, down
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pm, loaded, reference)]
     wanted = dict(reference.named_parameters())
     for step in range(2):
         torch.manual_seed(100 + step)
-        expected = reference(**batch)
+        expected = reference(**_batch())
         expected.backward()
         grads = []
         for program in (pm, loaded):
             torch.manual_seed(100 + step)
             out = program(**batch)
             if last:
+                if dp > 1:
+                    dist.all_reduce(out, group=mesh.get_group("dp"))
+                    out /= dp
                 torch.testing.assert_close(out, expected.detach(), msg=lambda m, s=step: f"loss of step {s}: {m}")
-            grads.append({unalias(n): p.grad for n, p in program.program.named_parameters()})
+            grads.append({unalias(n): _whole(p.grad) for n, p in program.program.named_parameters()})
         assert sorted(grads[0]) == sorted(grads[1]) and grads[0]
         for key, grad in grads[1].items():
-            torch.testing.assert_close(grad, wanted[key].grad, msg=lambda m, k=key: f"grad {k}: {m}")
+            want = shard_of(wanted[key].grad, shards[key], tp_rank) if key in shards else wanted[key].grad
+            torch.testing.assert_close(grad, want, msg=lambda m, k=key: f"grad {k}: {m}")
             torch.testing.assert_close(grad, grads[0][key], rtol=0, atol=0)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     for path, p in loaded.program.named_parameters():
-        torch.testing.assert_close(p.detach(), wanted[unalias(path)].detach(), msg=lambda m, k=path: f"param {k}: {m}")
+        key = unalias(path)
+        want = shard_of(wanted[key].detach(), shards[key], tp_rank) if key in shards else wanted[key].detach()
+        torch.testing.assert_close(_whole(p.detach()), want, msg=lambda m, k=path: f"param {k}: {m}")
+    _assert_state_equal(loaded, reference, exact=False)
+
+
+def check_pipeline_round_trip_in_group(layout: dict[str, int], data_parallel: str = "ddp", **keywords) -> None:
+    """:func:`check_pipeline_round_trip` as a check of another spawned group (``test_pipeline_mesh.py``'s
+    4 processes): rank 0 makes the folder's parent and removes it after."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    root = [tempfile.mkdtemp(prefix="export_mesh_") if rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    try:
+        check_pipeline_round_trip(root[0], layout, data_parallel, **keywords)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root[0], ignore_errors=True)
+
+
+class Attention(nn.Module):
+    """Causal attention and a token loss; forward reads ``att.pos`` before ``att.qkv`` (the model's order
+    differs from forward's: ``state_dict()``'s keys keep the model's)."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.integration.test_context_parallel import CausalSelfAttention
+
+        self.att = CausalSelfAttention()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.head(self.att(x)).flatten(0, 1), labels.flatten())
+
+
+def check_context_round_trip(root: str, layout: dict[str, int]) -> None:
+    """:class:`Attention` over ``layout`` (``"cp"``: each rank its part of the sequence; ``"dp"``: its rows;
+    ``"tp"``: ``tensor_parallel=True``), exported and loaded over the mesh: the code and ``state_dict`` (keys in
+    the model's order) are the original's; 2 AdamW steps' loss (the whole batch's), every gradient (bit for bit
+    the original's) and the parameters equal the original's and eager's."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    mesh = _mesh(layout)
+    model = _model(Attention)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(2, 6, 16, generator=g, dtype=torch.float64), torch.randint(0, 4, (2, 6), generator=g))
+    local = local_batch(batch, mesh)
+    pm = dpcompile.transform(model, mesh, example_inputs=local, **({"tensor_parallel": True} if "tp" in layout else {}))
+    folder = _folder(root, "attention_" + "_".join(f"{k}{n}" for k, n in layout.items()))
+    dpcompile.export(pm, folder)
+    loaded = dpcompile.load(folder, mesh=mesh)
+    assert loaded.mode == pm.mode and loaded.code == pm.code
+    _assert_state_equal(loaded, pm, exact=True)
+    shards, tp_rank = getattr(pm, "shards", {}) or {}, mesh.get_local_rank("tp") if "tp" in layout else 0
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pm, loaded, reference)]
+    for step in range(2):
+        expected = reference(*batch)
+        expected.backward()
+        for program in (pm, loaded):
+            loss = program(*local)
+            loss.backward()
+            loss = loss.detach()
+            if "dp" in layout:  # each dp rank's rows' mean
+                dist.all_reduce(loss, group=mesh.get_group("dp"))
+                loss /= mesh.size(list(layout).index("dp"))
+            torch.testing.assert_close(loss, expected.detach(), msg=lambda m, s=step: f"loss of step {s}: {m}")
+        got, original = _named(loaded), _named(pm)
+        for key, p in reference.named_parameters():
+            want = shard_of(p.grad, shards[key], tp_rank) if key in shards else p.grad
+            torch.testing.assert_close(_whole(got[key].grad), want, msg=lambda m, k=key: f"grad {k}: {m}")
+            torch.testing.assert_close(got[key].grad, original[key].grad, rtol=0, atol=0)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    _assert_state_equal(loaded, pm, exact=True)
     _assert_state_equal(loaded, reference, exact=False)
 
 
@@ -309,8 +453,13 @@ def check_refusals_write_nothing(root: str) -> None:
     folder = _folder(root, f"refused{dist.get_rank()}")
     with pytest.raises(ExportError, match="activation_checkpointing="):
         dpcompile.export(pm, folder)
-    pm = dpcompile.transform(_model(), mesh, data_parallel="fsdp")
-    with pytest.raises(ExportError, match='data_parallel="fsdp" is not built yet'):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    pm = dpcompile.transform(_model(), mesh, data_parallel="fsdp", mixed_precision=MixedPrecisionPolicy())
+    with pytest.raises(ExportError, match="cannot record mixed_precision="):
+        dpcompile.export(pm, folder)
+    pm = dpcompile.transform(_model(functools.partial(Blocks, Block)), mesh, data_parallel="fsdp")
+    with pytest.raises(ExportError, match=r"blocks \(Block\) whole.*register_module_class\(Block\)"):
         dpcompile.export(pm, folder)
     assert not folder.exists()
     pm = dpcompile.transform(_model(), mesh)
@@ -350,7 +499,13 @@ def test_export_and_load_over_a_mesh(tmp_path):
         ("dp", functools.partial(check_round_trip, root, {"dp": 2})),
         ("tp", functools.partial(check_round_trip, root, {"tp": 2})),
         ("dp_tp", functools.partial(check_round_trip, root, {"dp": 1, "tp": 2})),
+        ("dp_fsdp", functools.partial(check_round_trip, root, {"dp": 2}, "fsdp")),
+        ("dp_tp_fsdp", functools.partial(check_round_trip, root, {"dp": 2, "tp": 1}, "fsdp")),
+        ("dp_fsdp_blocks", functools.partial(check_round_trip, root, {"dp": 2}, "fsdp", Blocks)),
         ("pp", functools.partial(check_pipeline_round_trip, root)),
+        ("attention_dp", functools.partial(check_context_round_trip, root, {"dp": 2})),
+        ("attention_cp", functools.partial(check_context_round_trip, root, {"cp": 2})),
+        ("attention_cp_tp", functools.partial(check_context_round_trip, root, {"cp": 2, "tp": 1})),
         ("other_sizes", functools.partial(check_other_sizes_and_one_process, root)),
         ("refusals", functools.partial(check_refusals_write_nothing, root)),
     ]
@@ -359,6 +514,10 @@ def test_export_and_load_over_a_mesh(tmp_path):
     _check_layout_is_recorded_and_checked(tmp_path / "dp1_tp2", tmp_path)
     examples = json.loads((tmp_path / "tp2" / "program.json").read_text())["config"]["mesh"]["examples"]
     assert examples == [[{"shape": [ROWS, SEQ, 8], "dtype": "float64"}, {"shape": [ROWS, SEQ], "dtype": "int64"}]] * 2
+    context = json.loads((tmp_path / "attention_cp2" / "program.json").read_text())["config"]["mesh"]
+    assert (context["dims"], context["mode"]) == (["cp"], "spmd_context_parallel")
+    assert context["keywords"]["context_parallel"] == {"exchange": "auto", "load_balance": "auto"}
+    assert "context_parallel" not in json.loads((tmp_path / "dp2" / "program.json").read_text())["config"]["mesh"]["keywords"]
     pipeline = json.loads((tmp_path / "pp2" / "program.json").read_text())["config"]["mesh"]
     assert (pipeline["dims"], pipeline["mode"]) == (["pp"], "spmd_pipeline")
     assert {k: pipeline["keywords"][k] for k in ("pipeline", "micro_batches", "schedule")} == {
@@ -381,9 +540,11 @@ def _check_layout_is_recorded_and_checked(folder: Path, tmp_path: Path) -> None:
     assert len(section["rank_code"]) == 2 and section["examples"] is None
     first = (folder / "module.py").read_text().splitlines()[0]
     assert first.startswith('"""Generated by dpcompile: data_parallel, exported over a DeviceMesh {') and '"sizes": [1, 2]' in first
-    for edit, refusal in (({"sizes": [2, 1]}, "module.py is not the program"),
-                          ({"keywords": {**section["keywords"], "data_parallel": "fsdp"}}, "mesh keywords")):  # fmt: skip
-        edited = tmp_path / f"edited{len(refusal)}"
+    for k, (edit, refusal) in enumerate((({"sizes": [2, 1]}, "module.py is not the program"),
+                          ({"keywords": {**section["keywords"], "data_parallel": "zero3"}}, "mesh keywords"),
+                          ({"keywords": {**section["keywords"], "context_parallel": {"exchange": "auto", "load_balance": "auto"}}},
+                           "mesh keywords"))):  # fmt: skip
+        edited = tmp_path / f"edited{k}"
         shutil.copytree(folder, edited)
         program["config"]["mesh"] = {**section, **edit}
         (edited / "program.json").write_text(json.dumps(program))

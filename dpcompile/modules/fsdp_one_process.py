@@ -58,6 +58,14 @@ class FsdpProgram:
         with regathered(), parametrize.cached():
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
+    def _build_program(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        """The program for another call (a batch smaller than the dp copies, the other mode), reading
+        the pieces at each call as the main program does (:func:`read_pieces_live`)."""
+        program = super()._build_program(key, args, kwargs)  # type: ignore[misc]
+        if program is not None:
+            read_pieces_live(self, program)  # type: ignore[arg-type]
+        return program
+
     def _adopt_model_state(self) -> None:
         """A submodule or parameter replaced after transform holds no pieces: refused, not run on the old ones."""
         super()._adopt_model_state()  # type: ignore[misc]
@@ -235,6 +243,33 @@ def shard_over_dp(pm: nn.Module) -> None:
     }  # how explain counts what each copy holds (analysis.program_memory.held_parameter_bytes)
     pm.__dict__["_tp_param_shards"] = dict(tp_shards)  # what a variant traced again must shard as
     _key_again(pm)
+
+
+def read_pieces_live(pm: nn.Module, program: nn.Module) -> None:
+    """``fx.GraphModule(pm, graph)`` copies each ``get_attr`` target's value: a parameter stored as
+    pieces would be copied as the tensor gathered at that moment (a buffer, stale after the first
+    optimizer step). The program reads the module that holds the pieces instead, gathering them at
+    each call.
+
+    Before::  program.b.weight_shard0      # a buffer: the whole of b.weight_shard0 when it was built
+    After::   program.b is pm.b            # the gather of b's pieces, every call
+    """
+    for node in program.graph.nodes:  # type: ignore[union-attr]
+        if node.op != "get_attr" or not isinstance(node.target, str):
+            continue
+        path, _, leaf = node.target.rpartition(".")
+        try:
+            owner = pm.get_submodule(path)
+        except AttributeError:
+            continue
+        if not parametrize.is_parametrized(owner, leaf):
+            continue
+        if path:
+            program.set_submodule(path, owner)
+        elif not parametrize.is_parametrized(program, leaf):  # the root's own parameter (ViT's pos_embed)
+            own_parametrized_class(program)
+            parametrize.register_parametrization(program, leaf, nn.Identity(), unsafe=True)
+            program.parametrizations[leaf] = owner.parametrizations[leaf]
 
 
 def written_in_forward(pm: nn.Module) -> set[int]:

@@ -36,7 +36,8 @@ def unpair_across_cuts(
     The row layer stays whole where its input is computed before the cut (the column layer's
     output is gathered in its own stage); the column layer where all of its readers follow the
     cut (the row layer splits the whole value it receives); both where the cut falls between
-    the ops that join them."""
+    the ops that join them. A column layer whose output another column layer reads (gathered
+    before it) stays whole where the cut falls between them (``l1, ReLU | l2, ReLU, l3``)."""
     sites = find_linear_sites(gm)
     modules = dict(gm.named_modules())
     by_name = {site.node.name: path for path, site in sites.items()}
@@ -46,10 +47,12 @@ def unpair_across_cuts(
     for a, b in chains:
         col, row = by_name[a], by_name[b]
         stage_a, stage_b = plan.stage_of.get(a), plan.stage_of.get(b)
-        if styles.get(col) != "column" or styles.get(row) != "row" or stage_a == stage_b:
+        if styles.get(col) != "column" or stage_a == stage_b:
             continue
         fed = [n for n in nodes[b].all_input_nodes if n.op != "get_attr"]
-        if all(plan.stage_of.get(n.name) == stage_a for n in fed):
+        if styles.get(row) != "row":  # a layer reading whole values: the column layer's shards would cross the cut
+            whole = [col]
+        elif all(plan.stage_of.get(n.name) == stage_a for n in fed):
             whole = [row]
         elif all(plan.stage_of.get(u.name) == stage_b for u in nodes[a].users):
             whole = [col]
@@ -59,7 +62,7 @@ def unpair_across_cuts(
             out[path] = "replicate"
             reasons[path] = (
                 f"replicate: the boundary before stage {stage_b} falls between column '{col}' (stage {stage_a}) "
-                f"and row '{row}'; stages exchange whole values"
+                f"and {styles.get(row, 'replicate')} '{row}'; stages exchange whole values"
             )
     return out, reasons
 

@@ -67,11 +67,17 @@ def unpair_across_cuts(
     return out, reasons
 
 
-def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = False) -> None:
+def place_stages(
+    program: fx.GraphModule, devices: Devices, *, borrow: bool = False, model: nn.Module | None = None
+) -> None:
     """Move each stage's modules, parameters and buffers to its device, in place (as the PyTorch
     model-parallel tutorial does: ``self.seq1.to("cuda:0")``). A module whose tensors an earlier
     stage on another device holds (tied weights) stays there: with ``borrow`` the later stage calls
-    a replica of it (``passes/borrowed_modules.py``), without it the call is refused, with the way out."""
+    a replica of it (``passes/borrowed_modules.py``), without it the call is refused, with the way out.
+
+    A buffer is moved by replacing it where ``program`` holds it; ``model`` (whose state the program
+    adopts) gets the moved buffer too, where it holds the old one: a buffer of the model's root that
+    forward reads (``h + self.shift``) is the program's own copy, not a submodule they share."""
     homes = find_module_homes(program, devices)
     moves: list[tuple[nn.Module | None, str, torch.Tensor, int]] = []
     seen: set[int] = set()
@@ -108,6 +114,17 @@ def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = Fa
             tensor.data = tensor.data.to(device)  # the same Parameter: optimizers built on it still hold it
         elif module is not None:
             module._buffers[name] = tensor.to(device)
+        held = module._buffers.get(name) if module is not None else None
+        if model is not None and held is not None and held is not tensor:
+            _replace_buffer(model, tensor, held)
+
+
+def _replace_buffer(model: nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Every slot of ``model`` holding the buffer ``old`` holds ``new`` instead."""
+    for owner in model.modules():
+        for key, value in owner._buffers.items():
+            if value is old:
+                owner._buffers[key] = new
 
 
 def stage_weights(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[str, int] | None:

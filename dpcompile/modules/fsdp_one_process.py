@@ -32,6 +32,7 @@ program (whole tensors) and shard it again where it is restored (:mod:`dpcompile
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -94,7 +95,8 @@ class FsdpProgram:
         """An independent copy, made as unpickling makes one (its own pieces)."""
         refuse_copy_without_weights(self)  # type: ignore[arg-type]
         traceable = self.__dict__.get("traced_model") is not None  # the copy traces what it needs
-        return restore_fsdp_program(*replicated_state(self, replicated_class(self), carry_programs=not traceable))
+        state = replicated_state(self, replicated_class(self), carry_programs=not traceable, in_memory=True)
+        return restore_fsdp_program(*state)
 
     def _extra_state_for_pickle(self) -> dict[str, Any]:
         """The replicated program's: its tensor-parallel shards, not the pieces (sharded again when restored)."""
@@ -310,7 +312,9 @@ def _read_pieces_in_traced_root(pm: Any, leaf: str, gather: GatherShards, pieces
 
 def _key_again(pm: Any) -> None:
     """The guard and the main program's key read again: the pieces changed the modules it watches."""
-    if not isinstance(pm.program_cache.build, CarriedPrograms):  # a restored program runs what it carries, as keyed
+    if isinstance(pm.program_cache.build, CarriedPrograms):  # a restored program runs what it carries, as keyed,
+        pm.program_cache.build.finish = functools.partial(read_pieces_live, pm)  # each reading the pieces
+    else:
         main = pm.program_cache.main_key
         pm._attach_cache(pm.traced_model, dict(pm._flags), main.none_args, pm._shares_source)
         key = pm._key(main.devices, main.none_args, main.flags, main.batched)

@@ -240,7 +240,13 @@ def shard_sequence(gm: fx.GraphModule, shapes: Mapping[str, Mapping[str, Any]], 
     borrowed = [n for n in gm.graph.nodes
                 if "val" not in n.meta and "tensor_meta" not in n.meta and n.op != "get_attr"]  # fmt: skip
     for node in borrowed:  # fc2_all_reduce_mb1: fc2_all_reduce's record
-        node.meta.update(shapes.get(re.sub(r"_mb\d+$", "", node.name), {}))
+        record = shapes.get(re.sub(r"_mb\d+$", "", node.name))
+        source = node.args[0] if node.args else None
+        if record is None and node.meta.get("dpcompile_pass") == "insert_stage_transfers" and isinstance(source, fx.Node):
+            # a value sent to the next stage (a residual across the cut): its source's record, so the pass
+            # splits it on the sequence where the next stage's region reads it, as it splits any input
+            record = {k: source.meta[k] for k in ("val", "tensor_meta") if k in source.meta}
+        node.meta.update(record or {})
     gm, records = run_passes(gm, [functools.partial(passes.shard_sequence, devices=devices)], recompile=False)
     made = {id(n.meta["val"]) for n in borrowed if "val" in n.meta}
     for node in gm.graph.nodes:

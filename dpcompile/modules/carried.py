@@ -5,7 +5,7 @@ cannot be imported where it is loaded."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.fx as fx
@@ -38,8 +38,16 @@ class CarriedPrograms:
     def __init__(self, pm: Any, programs: Sequence[tuple[CallKey, fx.Graph | None]]):
         self.pm = pm
         self.programs = dict(programs)
+        # what each program built is finished with (FSDP's: read the pieces where the program reads a weight)
+        self.finish: Callable[[fx.GraphModule], None] | None = None
 
     def __call__(self, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
+        program = self._build(key, args, kwargs)
+        if program is not None and self.finish is not None:
+            self.finish(program)
+        return program
+
+    def _build(self, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         portable = key.portable()
         if portable in self.programs:
             graph = self.programs[portable]

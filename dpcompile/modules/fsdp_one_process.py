@@ -32,6 +32,7 @@ program (whole tensors) and shard it again where it is restored (:mod:`dpcompile
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,14 @@ class FsdpProgram:
         # one gather a parameter a call, however many copies and micro-batches read it
         with regathered(), parametrize.cached():
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+    def _build_program(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        """The program for another call (a batch smaller than the dp copies, the other mode), reading
+        the pieces at each call as the main program does (:func:`read_pieces_live`)."""
+        program = super()._build_program(key, args, kwargs)  # type: ignore[misc]
+        if program is not None:
+            read_pieces_live(self, program)  # type: ignore[arg-type]
+        return program
 
     def _adopt_model_state(self) -> None:
         """A submodule or parameter replaced after transform holds no pieces: refused, not run on the old ones."""
@@ -86,7 +95,8 @@ class FsdpProgram:
         """An independent copy, made as unpickling makes one (its own pieces)."""
         refuse_copy_without_weights(self)  # type: ignore[arg-type]
         traceable = self.__dict__.get("traced_model") is not None  # the copy traces what it needs
-        return restore_fsdp_program(*replicated_state(self, replicated_class(self), carry_programs=not traceable))
+        state = replicated_state(self, replicated_class(self), carry_programs=not traceable, in_memory=True)
+        return restore_fsdp_program(*state)
 
     def _extra_state_for_pickle(self) -> dict[str, Any]:
         """The replicated program's: its tensor-parallel shards, not the pieces (sharded again when restored)."""
@@ -237,6 +247,33 @@ def shard_over_dp(pm: nn.Module) -> None:
     _key_again(pm)
 
 
+def read_pieces_live(pm: nn.Module, program: nn.Module) -> None:
+    """``fx.GraphModule(pm, graph)`` copies each ``get_attr`` target's value: a parameter stored as
+    pieces would be copied as the tensor gathered at that moment (a buffer, stale after the first
+    optimizer step). The program reads the module that holds the pieces instead, gathering them at
+    each call.
+
+    Before::  program.b.weight_shard0      # a buffer: the whole of b.weight_shard0 when it was built
+    After::   program.b is pm.b            # the gather of b's pieces, every call
+    """
+    for node in program.graph.nodes:  # type: ignore[union-attr]
+        if node.op != "get_attr" or not isinstance(node.target, str):
+            continue
+        path, _, leaf = node.target.rpartition(".")
+        try:
+            owner = pm.get_submodule(path)
+        except AttributeError:
+            continue
+        if not parametrize.is_parametrized(owner, leaf):
+            continue
+        if path:
+            program.set_submodule(path, owner)
+        elif not parametrize.is_parametrized(program, leaf):  # the root's own parameter (ViT's pos_embed)
+            own_parametrized_class(program)
+            parametrize.register_parametrization(program, leaf, nn.Identity(), unsafe=True)
+            program.parametrizations[leaf] = owner.parametrizations[leaf]
+
+
 def written_in_forward(pm: nn.Module) -> set[int]:
     """The ids of the parameters ``pm``'s forward writes in place: the weight of an embedding with
     ``max_norm`` (torch renormalises the rows it looks up, under ``no_grad``) and each parameter an
@@ -275,7 +312,9 @@ def _read_pieces_in_traced_root(pm: Any, leaf: str, gather: GatherShards, pieces
 
 def _key_again(pm: Any) -> None:
     """The guard and the main program's key read again: the pieces changed the modules it watches."""
-    if not isinstance(pm.program_cache.build, CarriedPrograms):  # a restored program runs what it carries, as keyed
+    if isinstance(pm.program_cache.build, CarriedPrograms):  # a restored program runs what it carries, as keyed,
+        pm.program_cache.build.finish = functools.partial(read_pieces_live, pm)  # each reading the pieces
+    else:
         main = pm.program_cache.main_key
         pm._attach_cache(pm.traced_model, dict(pm._flags), main.none_args, pm._shares_source)
         key = pm._key(main.devices, main.none_args, main.flags, main.batched)

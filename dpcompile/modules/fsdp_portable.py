@@ -47,12 +47,17 @@ def replicated_extra_state(pm: Any) -> dict[str, Any]:
     return {**sharded, **executor}
 
 
-def replicated_state(pm: Any, replicated: type, *, carry_programs: bool) -> tuple[type, dict[str, Any]]:
+def replicated_state(
+    pm: Any, replicated: type, *, carry_programs: bool, in_memory: bool = False
+) -> tuple[type, dict[str, Any]]:
     """``(class, state)``: what ``torch.save`` of the replicated program (of class ``replicated``)
     would write, made from a deep copy of ``pm``'s state whose parameters are gathered whole; ``pm``
-    is not touched."""
+    is not touched. ``in_memory`` (a deep copy): the model to trace again from even where pickle could
+    not import its class, as ``ParallelModule.__deepcopy__`` carries it."""
     refuse_other_parametrizations(pm)
     _, (_, state) = pm._reduce(carry_programs=carry_programs)
+    if in_memory and state["source"] is None and pm.__dict__.get("traced_model") is not None:
+        state["source"] = pm._source_state()
     state = copy.deepcopy(state)
     state["config"] = {**state["config"], "class_name": replicated.__name__}
     keys = list(pm.__dict__.get("replicated_parameter_names") or pm.state_keys)

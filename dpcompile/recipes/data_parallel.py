@@ -33,7 +33,7 @@ from dpcompile.analysis.split_fraction import (
     whole_ops,
 )
 from dpcompile.devices import Devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
@@ -205,6 +205,27 @@ def without_sequence_replicated(
         if dim is not None and isinstance(example, torch.Tensor) and (example.dim() <= dim or _convolved(gm, node)):
             out[node.target] = None
     return out
+
+
+def refuse_features_as_sequence(
+    gm: fx.GraphModule, input_dims: Mapping[str, int | None], example_inputs: Sequence[Any] | None
+) -> None:
+    """Context parallel over tensor-parallel shards splits each input's dim 1 as the sequence: an
+    input whose dim 1 is its last, read by a Linear (an MLP's ``(batch, features)``), has none, and
+    each piece would hand the Linear part of its features. Refused by name before anything is built."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, example in zip(placeholders, example_inputs or ()):
+        dim = input_dims.get(node.target)
+        if dim is None or not isinstance(example, torch.Tensor) or example.dim() != dim + 1:
+            continue
+        reader = next((u for u in node.users if u.op == "call_module" and u.args[:1] == (node,)
+                       and isinstance(gm.get_submodule(str(u.target)), nn.Linear)), None)  # fmt: skip
+        if reader is not None:
+            raise ArgumentError(
+                f"context parallelism splits dim {dim} of each input as the sequence, but {node.target!r} "
+                f"{tuple(example.shape)} has no sequence there: it is the features Linear {reader.target!r} reads. "
+                "Use mesh={'tp': T} (or {'dp': D, 'tp': T}) for a model without a sequence dim"
+            )
 
 
 def _convolved(gm: fx.GraphModule, node: fx.Node) -> bool:

@@ -116,7 +116,7 @@ class PipelineRecipe(Recipe):
         captured = graph_module(gm, copy_graph(gm.graph), type(model).__name__)
         programs = stage_programs(gm, plan, self.devices.strings())
         lowered = self.lower(gm, plan, self.micro_batches, input_dims, recompile=False)
-        place_stages(lowered, self.devices, borrow=True)
+        place_stages(lowered, self.devices, borrow=True, model=model)
         pm = ParallelModule(
             lowered, lowered.graph, recipe=self, devices=self.devices, mode="pipeline", input_dims=input_dims,
             output_device=self.output_device, captured=captured, records=records,

@@ -36,7 +36,8 @@ def unpair_across_cuts(
     The row layer stays whole where its input is computed before the cut (the column layer's
     output is gathered in its own stage); the column layer where all of its readers follow the
     cut (the row layer splits the whole value it receives); both where the cut falls between
-    the ops that join them."""
+    the ops that join them. A column layer whose output another column layer reads (gathered
+    before it) stays whole where the cut falls between them (``l1, ReLU | l2, ReLU, l3``)."""
     sites = find_linear_sites(gm)
     modules = dict(gm.named_modules())
     by_name = {site.node.name: path for path, site in sites.items()}
@@ -46,10 +47,12 @@ def unpair_across_cuts(
     for a, b in chains:
         col, row = by_name[a], by_name[b]
         stage_a, stage_b = plan.stage_of.get(a), plan.stage_of.get(b)
-        if styles.get(col) != "column" or styles.get(row) != "row" or stage_a == stage_b:
+        if styles.get(col) != "column" or stage_a == stage_b:
             continue
         fed = [n for n in nodes[b].all_input_nodes if n.op != "get_attr"]
-        if all(plan.stage_of.get(n.name) == stage_a for n in fed):
+        if styles.get(row) != "row":  # a layer reading whole values: the column layer's shards would cross the cut
+            whole = [col]
+        elif all(plan.stage_of.get(n.name) == stage_a for n in fed):
             whole = [row]
         elif all(plan.stage_of.get(u.name) == stage_b for u in nodes[a].users):
             whole = [col]
@@ -59,16 +62,22 @@ def unpair_across_cuts(
             out[path] = "replicate"
             reasons[path] = (
                 f"replicate: the boundary before stage {stage_b} falls between column '{col}' (stage {stage_a}) "
-                f"and row '{row}'; stages exchange whole values"
+                f"and {styles.get(row, 'replicate')} '{row}'; stages exchange whole values"
             )
     return out, reasons
 
 
-def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = False) -> None:
+def place_stages(
+    program: fx.GraphModule, devices: Devices, *, borrow: bool = False, model: nn.Module | None = None
+) -> None:
     """Move each stage's modules, parameters and buffers to its device, in place (as the PyTorch
     model-parallel tutorial does: ``self.seq1.to("cuda:0")``). A module whose tensors an earlier
     stage on another device holds (tied weights) stays there: with ``borrow`` the later stage calls
-    a replica of it (``passes/borrowed_modules.py``), without it the call is refused, with the way out."""
+    a replica of it (``passes/borrowed_modules.py``), without it the call is refused, with the way out.
+
+    A buffer is moved by replacing it where ``program`` holds it; ``model`` (whose state the program
+    adopts) gets the moved buffer too, where it holds the old one: a buffer of the model's root that
+    forward reads (``h + self.shift``) is the program's own copy, not a submodule they share."""
     homes = find_module_homes(program, devices)
     moves: list[tuple[nn.Module | None, str, torch.Tensor, int]] = []
     seen: set[int] = set()
@@ -105,6 +114,17 @@ def place_stages(program: fx.GraphModule, devices: Devices, *, borrow: bool = Fa
             tensor.data = tensor.data.to(device)  # the same Parameter: optimizers built on it still hold it
         elif module is not None:
             module._buffers[name] = tensor.to(device)
+        held = module._buffers.get(name) if module is not None else None
+        if model is not None and held is not None and held is not tensor:
+            _replace_buffer(model, tensor, held)
+
+
+def _replace_buffer(model: nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Every slot of ``model`` holding the buffer ``old`` holds ``new`` instead."""
+    for owner in model.modules():
+        for key, value in owner._buffers.items():
+            if value is old:
+                owner._buffers[key] = new
 
 
 def stage_weights(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[str, int] | None:

@@ -61,7 +61,7 @@ from dpcompile.modules.sharded_state import hold_shards, param_bytes_per_slot
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
 from dpcompile.program_cache import CallKey
-from dpcompile.recipes.data_parallel import without_sequence_replicated
+from dpcompile.recipes.data_parallel import refuse_features_as_sequence, without_sequence_replicated
 from dpcompile.recipes.pipeline_stages import check_sequence_pipeline, place_stages, stage_weights, unpair_across_cuts
 from dpcompile.recipes.tensor_parallel import (
     aliased_plan,
@@ -108,6 +108,7 @@ def compile_sharded_stages(
     input_dims = infer_input_dims(gm, batch_dim=recipe.batch_dim, example_inputs=example_inputs)
     if recipe.context_parallel:
         input_dims = without_sequence_replicated(gm, input_dims, example_inputs)
+        refuse_features_as_sequence(gm, input_dims, example_inputs)
     styles, reasons = plan_for(gm, aliased_plan(recipe.plan), shards, model)
     options = passes.PipelineOptions(  # a write into an input made functional and copied back, as pipeline=S does
         devices=groups[0], output_device=groups[0].primary, plan=styles, write_back_inputs=True
@@ -240,7 +241,13 @@ def shard_sequence(gm: fx.GraphModule, shapes: Mapping[str, Mapping[str, Any]], 
     borrowed = [n for n in gm.graph.nodes
                 if "val" not in n.meta and "tensor_meta" not in n.meta and n.op != "get_attr"]  # fmt: skip
     for node in borrowed:  # fc2_all_reduce_mb1: fc2_all_reduce's record
-        node.meta.update(shapes.get(re.sub(r"_mb\d+$", "", node.name), {}))
+        record = shapes.get(re.sub(r"_mb\d+$", "", node.name))
+        source = node.args[0] if node.args else None
+        if record is None and node.meta.get("dpcompile_pass") == "insert_stage_transfers" and isinstance(source, fx.Node):
+            # a value sent to the next stage (a residual across the cut): its source's record, so the pass
+            # splits it on the sequence where the next stage's region reads it, as it splits any input
+            record = {k: source.meta[k] for k in ("val", "tensor_meta") if k in source.meta}
+        node.meta.update(record or {})
     gm, records = run_passes(gm, [functools.partial(passes.shard_sequence, devices=devices)], recompile=False)
     made = {id(n.meta["val"]) for n in borrowed if "val" in n.meta}
     for node in gm.graph.nodes:

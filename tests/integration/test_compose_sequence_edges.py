@@ -6,8 +6,11 @@ Reuses ``test_compose_sequence``'s tiny GPT-like model.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import dpcompile
 from tests.helpers import full_gradients
@@ -73,5 +76,42 @@ def test_sequence_parallel_layout_exports_as_plain_data(mesh, tmp_path):
     loss.backward()
     want_loss.backward()
     grads = full_gradients(loaded)
+    for path, p in eager.named_parameters():
+        torch.testing.assert_close(grads[path], p.grad, msg=lambda m, path=path: f"grad {path}: {m}")
+
+
+class PostNormPair(nn.Module):
+    """Two post-norm MLP blocks (BERT's shape); the second's dropout is where a cut can fall, so its
+    row layer's output and the residual ``h`` both cross into the next stage."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.fc1, self.fc2, self.norm1 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim), nn.LayerNorm(dim)
+        self.fc3, self.fc4, self.norm2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim), nn.LayerNorm(dim)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.norm1(x + self.fc2(torch.relu(self.fc1(x))))
+        return self.norm2(h + self.drop(self.fc4(torch.relu(self.fc3(h)))))
+
+
+def test_a_residual_sent_across_a_cut_is_split_on_the_sequence_where_it_is_added():
+    """``{"pp": 2, "tp": 2}`` with ``sequence_parallel=True``, cut before the dropout: the residual sent
+    to stage 1 had no shape record, so stage 1 added the whole of it to each shard's tokens (a
+    RuntimeError: the size of tensor a (4) must match the size of tensor b (8))."""
+    torch.manual_seed(0)
+    model = PostNormPair().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"pp": 2, "tp": 2}, sequence_parallel=True,
+                             pipeline=["drop"], example_inputs=(x,))  # fmt: skip
+    torch.manual_seed(1)
+    got = pm(x)
+    torch.manual_seed(1)
+    want = eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    grads = full_gradients(pm)
     for path, p in eager.named_parameters():
         torch.testing.assert_close(grads[path], p.grad, msg=lambda m, path=path: f"grad {path}: {m}")

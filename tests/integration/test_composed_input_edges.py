@@ -80,6 +80,27 @@ def test_an_automatic_cut_through_a_pair_plans_the_pair_unpaired(mesh):
     assert_trains_as_eager(pm, model, ((x,), {}))
 
 
+class ThreeLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+
+
+def test_an_automatic_cut_between_two_column_layers_keeps_the_first_whole():
+    """Linear, ReLU | Linear, ReLU, Linear: the automatic plan makes l1 and l2 column layers (l1's
+    output gathered before l2) and the cut falls after l1, so l1's shards would cross it: refused
+    before, now l1 stays whole, with the reason."""
+    torch.manual_seed(0)
+    model, x = ThreeLayers(), torch.randn(5, 8)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 4, mesh={"pp": 2, "tp": 2}, example_inputs=(x,))
+    assert pm.plan == {"l1": "replicate", "l2": "column", "l3": "row"}
+    assert "falls between column 'l1' (stage 0) and column 'l2'" in pm.plan_reasons["l1"]
+    assert_trains_as_eager(pm, model, ((x,), {}))
+
+
 @pytest.mark.parametrize(("cut", "plan"), [("layers.1", {"layers.0": "replicate", "layers.2": "row"}),
                                            ("layers.2", {"layers.0": "column", "layers.2": "replicate"})])
 def test_a_named_cut_through_an_automatic_pair_keeps_the_layer_on_its_side_sharded(cut, plan):

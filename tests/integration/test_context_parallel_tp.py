@@ -62,3 +62,27 @@ def test_cp_tp_causal_block_equals_eager():
     placed = {n.name: n.device for n in dpcompile.explain(pm, x).nodes}  # piece r on devices[r*2:(r+1)*2]
     partials = [placed[f"out_partial_cp{r}_dev{k}"] for r in (0, 1) for k in (0, 1)]
     assert partials == ["cpu#0", "cpu#1", "cpu#2", "cpu#3"]
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("mesh", [{"cp": 2, "tp": 2}, {"pp": 2, "cp": 2, "tp": 2}], ids=str)
+def test_an_input_without_a_sequence_dim_is_refused_by_name(mesh):
+    """An MLP's ``(batch, features)`` input: its dim 1 was split as the sequence, and the first call
+    failed inside the program (mat1 and mat2 shapes cannot be multiplied). Now transform refuses,
+    naming the input, the Linear and the layout to use; the model and the RNG are as before."""
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(5, 8)
+    state, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    n = 2 * len(mesh) if len(mesh) < 3 else 8
+    with pytest.raises(dpcompile.ArgumentError, match=r"'x' \(5, 8\) has no sequence there: it is the features Linear 'fc1'"):
+        dpcompile.transform(model, ["cpu"] * n, mesh=mesh, example_inputs=(x,))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -294,3 +294,44 @@ def test_a_weight_read_directly_exports_and_runs_in_both_modes(tmp_path):
         for name, p in eager.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, msg=name)
         pm.zero_grad(), eager.zero_grad()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_class_pickle_cannot_import_runs_a_small_batch_on_its_pieces(how):
+    """``{"dp": 2, "tp": 2}`` of a class defined in a function, after a call of one row (a program for
+    fewer rows than copies): a deep copy refused that call (it carried no model to trace it from), and
+    an unpickled copy ran the program it carried on the weights of the save, stale after a step."""
+
+    class Local(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Local().double()
+    reference = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, data_parallel="fsdp")
+    x = torch.randn(1, 8, dtype=torch.float64)
+    pm(x)
+    if how == "deepcopy":
+        copied = copy.deepcopy(pm)
+    else:
+        buffer = io.BytesIO()
+        torch.save(pm, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (copied, reference)]
+    for step in range(2):
+        got, want = copied(x), reference(x)
+        torch.testing.assert_close(got, want, msg=lambda m, step=step: f"step {step}: {m}")
+        got.square().sum().backward()
+        want.square().sum().backward()
+        grads = full_gradients(copied)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()

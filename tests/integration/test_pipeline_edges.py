@@ -325,3 +325,29 @@ def test_pipeline_keeps_forward_signature_order_for_a_flag_no_node_reads():
     pm = dpcompile.transform(model, ["cpu"] * 2, pipeline=2, micro_batches=2, example_inputs=(x, True))
     for flag in (True, False, True):
         torch.testing.assert_close(pm(x, flag), eager(x, flag))
+
+
+class RootBuffers(nn.Module):
+    """Buffers of the root (a 0-dim shift, a vector) that forward reads after the cut, in stage 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.register_buffer("shift", torch.tensor(0.25))
+        self.register_buffer("offset", torch.linspace(0, 1, 8))
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x))) + self.shift + self.offset
+
+
+@pytest.mark.parametrize("mesh", [{"pp": 2}, {"pp": 2, "dp": 2}], ids=str)
+def test_a_root_buffer_read_in_a_later_stage_lives_on_that_stages_device(mesh):
+    """Placement moved the root's buffers into the program's own copy, and the program then read
+    the model's (adopted) buffers, still on stage 0's device: on distinct GPUs stage 1 mixed
+    devices (FakeTensorDeviceMismatchError on fake cuda:0, cuda:1)."""
+    torch.manual_seed(0)
+    model, x = RootBuffers(), torch.randn(4, 8)
+    n = 2 * len(mesh)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * n, mesh=mesh, pipeline=["l2"], example_inputs=(x,))
+    result = dpcompile.verify(pm, model, x, fake_devices=n)
+    assert result.ok, str(result)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_microbatch_weights import ROWS, _stage_step  # noqa: E402
+from bench_microbatch_weights import ROWS, _stage_step, stage_profile  # noqa: E402
 from common import ResidualBlock, uptime  # noqa: E402
 
 
@@ -36,19 +36,9 @@ def _faults() -> int:
 
 def _held_bytes(stage: torch.nn.Module, x: torch.Tensor, m: int) -> float:
     """The cost model's bytes GPipe's order holds beyond 1F1B's for this stage (a one-stage pipeline)."""
-    from dpcompile.analysis.model_profile import profile_model
     from dpcompile.analysis.step_time import gpipe_held_bytes
 
-    class Summed(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.stage = stage
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.stage(x).sum()
-
-    profile = profile_model(Summed(), (x,), None, optimizer=None, training=True)
-    return gpipe_held_bytes(profile.units, m, 1, False)
+    return gpipe_held_bytes(stage_profile(stage, x).units, m, 1, False)
 
 
 def main() -> None:

@@ -51,8 +51,8 @@ def _stage_step(stage: torch.nn.Module, x: torch.Tensor, micro_batches: int, gpi
         p.grad = None
 
 
-def _written_bytes(stage: torch.nn.Module, x: torch.Tensor) -> int:
-    """The bytes a training step's ops write, as the cost model counts them (3x forward's)."""
+def stage_profile(stage: torch.nn.Module, x: torch.Tensor):
+    """The cost model's profile of a training step of ``stage`` on ``x`` (its output summed: the loss)."""
     from dpcompile.analysis.model_profile import profile_model
 
     class Summed(torch.nn.Module):
@@ -63,8 +63,12 @@ def _written_bytes(stage: torch.nn.Module, x: torch.Tensor) -> int:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.stage(x).sum()
 
-    profile = profile_model(Summed(), (x,), None, optimizer=None, training=True)
-    return 3 * sum(u.op_bytes for u in profile.units)
+    return profile_model(Summed(), (x,), None, optimizer=None, training=True)
+
+
+def _written_bytes(stage: torch.nn.Module, x: torch.Tensor) -> int:
+    """The bytes a training step's ops write, as the cost model counts them (3x forward's)."""
+    return 3 * sum(u.op_bytes for u in stage_profile(stage, x).units)
 
 
 def gpipe_order(rounds: int, copy_bytes_per_s: float, d: int = 256) -> list[dict]:

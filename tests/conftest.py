@@ -32,18 +32,7 @@ def _seed():
     torch.manual_seed(0)
 
 
-def _long_modules_first(items: list) -> None:
-    """Move the test files holding a ``slow`` or ``distributed`` test before the others, each file's
-    tests kept together and in their order (a module-scoped fixture, such as a spawned group, is set up
-    once). Under ``-n 2 --dist loadgroup`` xdist hands out the grouped tests first (most tests first),
-    then each other test in this order: a long test collected late (tests/tools/ comes last) would run
-    while the other worker has nothing left to do."""
-    long_files = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("distributed")}
-    items.sort(key=lambda item: item.path not in long_files)  # stable: files and their tests keep their order
-
-
 def pytest_collection_modifyitems(config, items):
-    _long_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

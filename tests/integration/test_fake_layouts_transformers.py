@@ -36,7 +36,6 @@ def _llama():
     return T.LlamaForCausalLM(config)
 
 
-@pytest.mark.slow  # over 8 s on CI's 2 cores: collected first (tests/conftest.py)
 @pytest.mark.parametrize(
     ("make", "layout"),
     [(_gpt2, {"tp": 2}), (_llama, {"pp": 2})],

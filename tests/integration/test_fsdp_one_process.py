@@ -88,7 +88,6 @@ def test_explain_counts_each_piece_on_its_copys_device():
         assert held == {label: size // 2 for label, size in full.items()}, (layout, held, full)
 
 
-@pytest.mark.slow  # over 8 s on CI's 2 cores: collected first (tests/conftest.py)
 def test_distinct_devices_hold_piece_r_on_copy_r_and_train_like_eager():
     """dp x tp over cpu:0..3: copy 0 runs on cpu:0, cpu:1 and copy 1 on cpu:2, cpu:3, so the pieces
     of the shard copy 0 holds on cpu:1 lie on cpu:1 and cpu:3, gathered to cpu:1 (pm.code's head

@@ -31,7 +31,6 @@ def _tp(model, devices=2, **kwargs):
         return dpcompile.transform(model, ["cpu"] * devices, example_kwargs=example, frontend="export", **kwargs)
 
 
-@pytest.mark.slow  # over 8 s on CI's 2 cores: collected first (tests/conftest.py)
 def test_a_length_export_fixed_is_refused_with_the_way_out(llama):
     pm = _tp(llama)
     ids = torch.randint(0, 64, (2, 13))
@@ -40,7 +39,6 @@ def test_a_length_export_fixed_is_refused_with_the_way_out(llama):
         pm(input_ids=torch.randint(0, 64, (2, 12)))
 
 
-@pytest.mark.slow  # over 8 s on CI's 2 cores: collected first (tests/conftest.py)
 def test_a_length_left_dynamic_runs_at_any_length(llama):
     pm = _tp(llama, dynamic_dims={"input_ids": [1]})
     for length in (13, 12, 9):

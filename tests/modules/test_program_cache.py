@@ -227,7 +227,6 @@ print("LOADED OK")
 """
 
 
-@pytest.mark.slow  # over 8 s on CI's 2 cores: collected first (tests/conftest.py)
 def test_program_cache_main_class_program_honours_eval_and_none_after_load(tmp_path):
     """A program whose model class lives in __main__, torch.save'd in one process and loaded in
     another: pm.eval() turns dropout off (module and F.dropout(self.training)), an optional

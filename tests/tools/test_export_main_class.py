@@ -95,7 +95,6 @@ def loaded_lines(tmp_path_factory) -> dict[str, list[str]]:
     return lines
 
 
-@pytest.mark.slow  # over 8 s on CI's 2 cores: collected first (tests/conftest.py)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.xdist_group("export_main_class")  # one save and one load process for both kinds, on one worker
 def test_main_class_program_loads_with_eval_none_arguments_and_flags(loaded_lines, kind):

@@ -7,7 +7,7 @@ Models: an MLP stack (tied weights across the stages too, on ``("pp", "dp")`` an
 ``("pp", "dp", "tp")``) and, through the export frontend with ``labels=``, GPT-2 (tied
 ``wte``/``lm_head``) on ``("pp", "dp")`` and Llama on ``("pp", "dp", "tp")``;
 on ``("pp", "dp", "tp")`` also an MLP with dropout and ``randn_like`` noise, GPT-2, BERT and ViT with
-their dropout, whose 2 steps' losses, gradients and generator states equal eager's
+their dropout, whose 3 steps' losses, gradients and generator states equal eager's
 (``test_exact_random_mesh.py``), and a model built on meta under FSDP, filled by ``load_checkpoint``.
 Each scenario trains 3 AdamW steps on ``pm.parameters()`` beside eager on the whole batch (float64):
 every step's loss and every gradient (FSDP shards all-gathered, tensor-parallel shards gathered)
@@ -331,5 +331,5 @@ def test_pipeline_mesh_fsdp_trains_like_eager(outcomes, name):
 @pytest.mark.xdist_group("compose_8")  # one spawned group, on one worker
 def test_pipeline_mesh_three_dimensions_trains_like_eager(outcomes, name):
     """A ("pp", "dp", "tp") mesh of 2 x 2 x 2, data parallel replicated or FSDP: 3 AdamW steps as eager
-    (``exact_random_*``: an MLP with dropout, 2 SGD steps, every rank's generator state as eager's)."""
+    (``exact_random_*``: an MLP with dropout, 3 SGD steps, every rank's generator state as eager's)."""
     _check(outcomes, "pp_dp_tp", name)

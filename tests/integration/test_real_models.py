@@ -23,20 +23,19 @@ V = 128  # vocabulary
 DEVICES = ["cpu"] * 4
 
 
-def _hf(name: str, layers: int = 2) -> nn.Module:
-    """``name``'s tiny config (width 32, 4 heads, vocab 64) with ``layers`` blocks (T5: always 1 and 1)."""
+def _hf(name: str) -> nn.Module:
     T = import_or_skip("transformers")
     if name == "gpt2":
-        config = T.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
+        config = T.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32, resid_pdrop=0.0,
                               embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
         return T.GPT2LMHeadModel(config)
     if name == "bert":
-        config = T.BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        config = T.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
                               vocab_size=V, max_position_embeddings=32, hidden_dropout_prob=0.0,
                               attention_probs_dropout_prob=0.0)  # fmt: skip
         return T.BertForSequenceClassification(config)
     if name == "llama":
-        config = T.LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        config = T.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                intermediate_size=64, vocab_size=V, max_position_embeddings=32, use_cache=False)  # fmt: skip
         return T.LlamaForCausalLM(config)
     if name == "t5":
@@ -44,7 +43,7 @@ def _hf(name: str, layers: int = 2) -> nn.Module:
                             dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
         return T.T5ForConditionalGeneration(config)
     if name == "distilbert":
-        config = T.DistilBertConfig(n_layers=layers, dim=32, n_heads=4, hidden_dim=64, vocab_size=V, max_position_embeddings=32,
+        config = T.DistilBertConfig(n_layers=2, dim=32, n_heads=4, hidden_dim=64, vocab_size=V, max_position_embeddings=32,
                                     dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0)  # fmt: skip
         return T.DistilBertForSequenceClassification(config)
     raise KeyError(name)

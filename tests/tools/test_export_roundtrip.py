@@ -49,7 +49,7 @@ _LOAD_AND_COMPARE = textwrap.dedent(
 
 @pytest.mark.slow
 def test_transformers_export_frontend_programs_are_data_and_load_in_a_fresh_process(tmp_path):
-    """GPT-2 (Conv1D), BERT, Llama (GQA, rotary) and T5 (one block each) through frontend='export': no program.pkl,
+    """GPT-2 (Conv1D), BERT, Llama (GQA, rotary) and T5 through frontend='export': no program.pkl,
     and loaded where neither the model classes nor transformers' output classes are built, each gives
     eager's logits and loss; loaded onto three devices (the program lowered again), eager's logits."""
     from tests.integration.test_real_models import _hf, _hf_inputs
@@ -60,7 +60,7 @@ def test_transformers_export_frontend_programs_are_data_and_load_in_a_fresh_proc
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = _hf(name, layers=1).eval()  # one block: what is exported does not depend on the depth
+            model = _hf(name).eval()
             kwargs = _hf_inputs(name, 4)
             pm = dpcompile.transform(model, ["cpu", "cpu"], example_kwargs=kwargs, frontend="export")
         folder = dpcompile.export(pm, tmp_path / name)

@@ -161,7 +161,9 @@ def run_group(scenario: str, world: int, timeout: float = GROUP_TIMEOUT_S) -> di
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
     finally:
-        for p in procs:
+        for r, p in enumerate(procs):
+            if not expected[r]:  # it reports nothing (it stalls on purpose): not waited for, once the others reported
+                p.kill()
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
         for p in procs:
             if p.is_alive():

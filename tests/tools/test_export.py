@@ -120,91 +120,157 @@ def _tp() -> tuple[nn.Module, ParallelModule, torch.Tensor]:
 # ----------------------------------------------------------------------- fresh process
 _RUN = textwrap.dedent(
     """
-    import sys, torch, dpcompile
-    folder, data = sys.argv[1], torch.load(sys.argv[2])
-    pm = dpcompile.load(folder, devices=data["devices"])
-    assert isinstance(pm, dpcompile.ParallelModule)
-    for mode, args, kwargs, want in data["calls"]:
-        pm.train(mode == "train")
-        out = pm(*args, **kwargs)
-        out = out if isinstance(out, tuple) else (out,)
-        if want == "random":  # dropout on: two calls differ
-            again = pm(*args, **kwargs)
-            again = again if isinstance(again, tuple) else (again,)
-            assert not torch.equal(out[0], again[0]), "dropout is off in training mode"
-            continue
-        want = want if isinstance(want, tuple) else (want,)
-        for a, b in zip(out, want):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    if data["keys"] is not None:
-        assert sorted(pm.state_dict()) == data["keys"], sorted(pm.state_dict())
-    print("OK", type(pm).__mro__[1].__name__, len(pm.devices), pm.mode, sorted(getattr(pm, "param_shards", {})))
+    import sys, traceback, torch, dpcompile
+
+    def check(folder, data):
+        pm = dpcompile.load(folder, devices=data["devices"])
+        assert isinstance(pm, dpcompile.ParallelModule)
+        for mode, args, kwargs, want in data["calls"]:
+            pm.train(mode == "train")
+            out = pm(*args, **kwargs)
+            out = out if isinstance(out, tuple) else (out,)
+            if want == "random":  # dropout on: two calls differ
+                again = pm(*args, **kwargs)
+                again = again if isinstance(again, tuple) else (again,)
+                assert not torch.equal(out[0], again[0]), "dropout is off in training mode"
+                continue
+            want = want if isinstance(want, tuple) else (want,)
+            for a, b in zip(out, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if data["keys"] is not None:
+            assert sorted(pm.state_dict()) == data["keys"], sorted(pm.state_dict())
+        return f"OK {type(pm).__mro__[1].__name__} {len(pm.devices)} {pm.mode} {sorted(getattr(pm, 'param_shards', {}))}"
+
+    for name, folder, data in torch.load(sys.argv[1]):
+        try:
+            print(name, check(folder, data))
+        except Exception:
+            print(name, "FAILED", repr(traceback.format_exc()))
     """
 )
 
 
-def _load_in_fresh_process(folder, tmp_path, calls, keys=None, devices=None) -> str:
-    """Load ``folder`` in a new interpreter (the test's classes are not importable there)
-    and check each ``(mode, args, kwargs, want)`` call."""
-    data = tmp_path / "data.pt"
-    torch.save({"calls": calls, "keys": None if keys is None else sorted(keys), "devices": devices}, data)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-c", _RUN, str(folder), str(data)], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+#: each builder exports a program under ``root`` and says how to check it loaded: ``(folder, calls,
+#: state_dict keys or None, the output line expected or None for any "OK ...")``
 
 
-def test_export_data_parallel_loads_in_a_fresh_process(tmp_path):
-    """A DP module (BatchNorm, LSTM, a user container class) loads elsewhere with identical outputs and keys."""
+def _dp_program(root: Path) -> tuple:
+    """A DP module (BatchNorm, LSTM, a user container class): eval calls, a batch of 7 and of 1."""
     model, pm = _trained_dp()
-    folder = dpcompile.export(pm, tmp_path / "out")
+    folder = dpcompile.export(pm, root / "dp")
     x = torch.randn(7, 8)
-    out = _load_in_fresh_process(folder, tmp_path, [("eval", (x,), {}, pm(x)), ("eval", (x[:1],), {}, pm(x[:1]))],
-                                 model.state_dict().keys())  # fmt: skip
-    assert out.startswith("OK ParallelModule 2 data_parallel []")
+    calls = [("eval", (x,), {}, pm(x)), ("eval", (x[:1],), {}, pm(x[:1]))]
+    return folder, calls, model.state_dict().keys(), "OK ParallelModule 2 data_parallel []"
 
 
-def test_export_tensor_parallel_loads_in_a_fresh_process(tmp_path):
-    """A TP module loads elsewhere with identical outputs and the original state_dict keys."""
+def _tp_program(root: Path) -> tuple:
     model, pm, x = _tp()
-    folder = dpcompile.export(pm, tmp_path / "out")
-    out = _load_in_fresh_process(folder, tmp_path, [("train", (x,), {}, pm(x))], model.state_dict().keys())
-    assert out.startswith(f"OK ParallelModule 2 tensor_parallel {sorted(pm.param_shards)}")
+    folder = dpcompile.export(pm, root / "tp")
+    expected = f"OK ParallelModule 2 tensor_parallel {sorted(pm.param_shards)}"
+    return folder, [("train", (x,), {}, pm(x))], model.state_dict().keys(), expected
 
 
-def test_export_rnn_program_loads_in_a_fresh_process(tmp_path):
-    """A bidirectional 2-layer LSTM over (time, batch), flattened in forward, loads with identical outputs."""
+def _rnn_program(root: Path) -> tuple:
+    """A bidirectional 2-layer LSTM over (time, batch), flattened in forward."""
     model = Tagger().eval()
     pm = dpcompile.transform(model, ["cpu", "cpu"])
     assert "flatten_parameters" in pm.code
-    folder = dpcompile.export(pm, tmp_path / "out")
+    folder = dpcompile.export(pm, root / "rnn")
     tokens = torch.randint(0, 20, (6, 4))  # (time, batch): split on dim 1
-    out = _load_in_fresh_process(folder, tmp_path, [("eval", (tokens,), {}, model(tokens))], model.state_dict().keys())
-    assert out.startswith("OK")
+    return folder, [("eval", (tokens,), {}, model(tokens))], model.state_dict().keys(), None
 
 
-def test_load_honours_eval_and_train_without_the_model_class(tmp_path):
-    """In a process without the class, eval() turns functional dropout off and train() on."""
+def _modes_program(root: Path) -> tuple:
+    """Functional dropout: off in eval(), on in train()."""
     model = Dropping()
     pm = dpcompile.transform(model, ["cpu", "cpu"])
-    folder = dpcompile.export(pm, tmp_path / "out")
+    folder = dpcompile.export(pm, root / "modes")
     model.eval()
     x, mask = torch.randn(4, 6), torch.rand(4, 6)
     calls = [("eval", (x, mask), {}, model(x, mask)), ("train", (x, mask), {}, "random"), ("eval", (x, mask), {}, model(x, mask))]
-    _load_in_fresh_process(folder, tmp_path, calls)
+    return folder, calls, None, None
 
 
-def test_load_runs_an_optional_argument_left_none_without_the_model_class(tmp_path):
-    """Optional arguments left None (positionally, by keyword, omitted) run the program traced for None."""
+def _optional_none_program(root: Path) -> tuple:
+    """Optional arguments left None (positionally, by keyword, omitted)."""
     model = Dropping().eval()
     pm = dpcompile.transform(model, ["cpu", "cpu"])
-    folder = dpcompile.export(pm, tmp_path / "out")
+    folder = dpcompile.export(pm, root / "optional")
     x, mask = torch.randn(5, 6), torch.rand(5, 6)
     calls = [("eval", (x,), {}, model(x)), ("eval", (x, None), {}, model(x)), ("eval", (x,), {"mask": mask}, model(x, mask)),
              ("train", (x,), {}, "random")]  # fmt: skip
-    _load_in_fresh_process(folder, tmp_path, calls)
+    return folder, calls, None, None
+
+
+FRESH = {"dp": _dp_program, "tp": _tp_program, "rnn": _rnn_program, "modes": _modes_program,
+         "optional_none": _optional_none_program}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loaded_in_a_fresh_process(tmp_path_factory) -> dict[str, tuple | BaseException]:
+    """Each program of ``FRESH`` exported here, then loaded and called in one new interpreter (the
+    test's classes are not importable there; one interpreter's start for all of them): each name's
+    line of output (``OK <class> <devices> <mode> <shards>`` or ``FAILED <traceback>``) and the line
+    expected, or the error that building it here raised."""
+    root = tmp_path_factory.mktemp("fresh_loads")
+    jobs, results, expected = [], {}, {}
+    for name, build in FRESH.items():
+        torch.manual_seed(0)
+        try:
+            folder, calls, keys, expected[name] = build(root)
+        except Exception as e:  # noqa: BLE001 - that test reports it
+            results[name] = e
+            continue
+        jobs.append((name, str(folder), {"calls": calls, "keys": None if keys is None else sorted(keys), "devices": None}))
+    torch.save(jobs, root / "jobs.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN, str(root / "jobs.pt")], capture_output=True, text=True, cwd=root, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in done.stdout.splitlines():
+        name, _, rest = line.partition(" ")
+        results[name] = (rest, expected[name])
+    return results
+
+
+def _assert_loaded(outcomes: dict, name: str) -> None:
+    """``name``'s program loaded and called as expected in the fresh process."""
+    outcome = outcomes.get(name, (f"{name}: no output from the fresh process", None))
+    if isinstance(outcome, BaseException):
+        raise outcome
+    line, expected = outcome
+    assert line.startswith("OK") and (expected is None or line == expected), (line, expected)
+
+
+@pytest.mark.xdist_group("export_fresh_process")  # one fresh process for these tests, on one worker
+def test_export_data_parallel_loads_in_a_fresh_process(loaded_in_a_fresh_process):
+    """A DP module (BatchNorm, LSTM, a user container class) loads elsewhere with identical outputs and keys."""
+    _assert_loaded(loaded_in_a_fresh_process, "dp")
+
+
+@pytest.mark.xdist_group("export_fresh_process")
+def test_export_tensor_parallel_loads_in_a_fresh_process(loaded_in_a_fresh_process):
+    """A TP module loads elsewhere with identical outputs and the original state_dict keys."""
+    _assert_loaded(loaded_in_a_fresh_process, "tp")
+
+
+@pytest.mark.xdist_group("export_fresh_process")
+def test_export_rnn_program_loads_in_a_fresh_process(loaded_in_a_fresh_process):
+    """A bidirectional 2-layer LSTM over (time, batch), flattened in forward, loads with identical outputs."""
+    _assert_loaded(loaded_in_a_fresh_process, "rnn")
+
+
+@pytest.mark.xdist_group("export_fresh_process")
+def test_load_honours_eval_and_train_without_the_model_class(loaded_in_a_fresh_process):
+    """In a process without the class, eval() turns functional dropout off and train() on."""
+    _assert_loaded(loaded_in_a_fresh_process, "modes")
+
+
+@pytest.mark.xdist_group("export_fresh_process")
+def test_load_runs_an_optional_argument_left_none_without_the_model_class(loaded_in_a_fresh_process):
+    """Optional arguments left None (positionally, by keyword, omitted) run the program traced for None."""
+    _assert_loaded(loaded_in_a_fresh_process, "optional_none")
 
 
 def test_load_refuses_a_call_it_carries_no_program_for(tmp_path):

@@ -18,7 +18,7 @@ import dpcompile
 from dpcompile import DpCompileError
 from dpcompile.export import ExportError
 from dpcompile.modules.fsdp_one_process import GATHERED, GatherShards
-from tests.helpers import full_gradients
+from tests.helpers import assert_steps_equal_eager
 from tests.test_layouts import Stack
 
 
@@ -343,18 +343,7 @@ def test_a_program_traced_again_under_tp_reads_the_pieces_after_a_step():
     reference = copy.deepcopy(model)
     pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"dp": 2, "tp": 2}, data_parallel="fsdp")
     x = torch.randn(1, 8, dtype=torch.float64)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (pm, reference)]
-    for step in range(2):
-        got, want = pm(x), reference(x)
-        torch.testing.assert_close(got, want, msg=lambda m, step=step: f"step {step}: {m}")
-        got.square().sum().backward()
-        want.square().sum().backward()
-        grads = full_gradients(pm)
-        for name, p in reference.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+    assert_steps_equal_eager(pm, reference, lambda step: (x,), lambda params: torch.optim.SGD(params, lr=0.5))
     pm.eval(), reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(pm(x), reference(x))

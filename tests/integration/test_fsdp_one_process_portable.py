@@ -19,7 +19,7 @@ from torch import nn
 import dpcompile
 from dpcompile.export import ExportError
 from dpcompile.modules.fsdp_one_process import FsdpProgram, GatherShards
-from tests.helpers import full_gradients
+from tests.helpers import assert_steps_equal_eager, full_gradients
 from tests.integration.test_fsdp_one_process import ModeBranch
 from tests.integration.test_layout_matrix import MLPStack
 from tests.tools.export_attacks import rehash
@@ -323,15 +323,4 @@ def test_a_copy_of_a_class_pickle_cannot_import_runs_a_small_batch_on_its_pieces
         torch.save(pm, buffer)
         buffer.seek(0)
         copied = torch.load(buffer, weights_only=False)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (copied, reference)]
-    for step in range(2):
-        got, want = copied(x), reference(x)
-        torch.testing.assert_close(got, want, msg=lambda m, step=step: f"step {step}: {m}")
-        got.square().sum().backward()
-        want.square().sum().backward()
-        grads = full_gradients(copied)
-        for name, p in reference.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+    assert_steps_equal_eager(copied, reference, lambda step: (x,), lambda params: torch.optim.SGD(params, lr=0.5))

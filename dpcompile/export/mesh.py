@@ -316,11 +316,18 @@ def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tupl
 
 
 def _captured_module(one: nn.Module) -> fx.GraphModule:
-    """The single-device program before lowering, over the loaded module tree; its non-persistent buffers
-    stay non-persistent (``state_dict()`` has the model's keys)."""
+    """The single-device program before lowering, over the loaded module tree: every submodule,
+    parameter and buffer of it, in its order, also those forward never reads (``fx.GraphModule`` alone
+    copies only what the graph reads, so ``state_dict()`` lost an unread ``steps`` counter); its
+    non-persistent buffers stay non-persistent (``state_dict()`` has the model's keys)."""
     from dpcompile.fx_utils import copy_graph
 
     gm = fx.GraphModule(one, copy_graph(one.captured.graph), class_name="Loaded")
+    for table in ("_modules", "_parameters", "_buffers"):  # the loaded tree's own, in its order, then fx's extras
+        mine, copied = getattr(one, table), getattr(gm, table)
+        held = {**mine, **{k: v for k, v in copied.items() if k not in mine}}
+        copied.clear()
+        copied.update(held)
     for path, module in one.named_modules():
         for name in module._non_persistent_buffers_set:
             try:

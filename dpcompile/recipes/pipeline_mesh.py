@@ -140,6 +140,7 @@ class MeshPipelineRecipe(Recipe):
         if self.plan is False:  # last, as in one process; with "tp" on the sharded program, after shard_stage
             gm, _ = run_passes(gm, checkpointing)
         program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
+        hold_unread_state(model, whole, program if pp_rank == 0 else None)
         if not any(is_fake(t) for t in (*program.parameters(), *program.buffers())):
             program.to(device)  # a meta model's fake stage already claims it: compile_on_fake allocates it
         last_rank = dist.get_global_rank(pp_group, pp_size - 1)
@@ -413,6 +414,23 @@ def state_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every key of ``model.state_dict()`` with the keys of the same tensor (tied weights), its own first."""
     tied = {key: group for group in tied_groups(model) for key in group}
     return {key: (key, *(n for n in tied.get(key, ()) if n != key)) for key in model.state_dict(keep_vars=True)}
+
+
+def hold_unread_state(model: nn.Module, whole: fx.GraphModule, first_stage: fx.GraphModule | None) -> None:
+    """The model's state no stage reads (a ``steps`` counter, a spare layer: fx's programs hold only
+    what their graph reads) held by the whole program and by the first stage, so that ``state_dict()``,
+    ``load_state_dict`` and checkpoints have every key of the model, as one process has.
+
+    Before: ``pm.state_dict()`` lacked ``steps``, and ``save_checkpoint`` raised "'steps' is not in the
+    whole program". After: stage 0 holds ``steps`` (the model's tensor), whole on every rank."""
+    from torch.fx.graph_module import _copy_attr
+
+    held = {unalias(k) for k in whole.state_dict(keep_vars=True)}
+    unread = [names[0] for names in state_ties(model).values() if not held.intersection(names)]
+    for key in unread:
+        for program in (whole, first_stage):
+            if program is not None:
+                _copy_attr(model, program, key)
 
 
 def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_parallel: str = "ddp") -> None:

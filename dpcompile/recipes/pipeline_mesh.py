@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx._symbolic_trace import _assert_is_none
 from torch.nn.utils.parametrize import ParametrizationList
 
 import passes
@@ -93,7 +94,9 @@ class MeshPipelineRecipe(Recipe):
         dp_group = self.mesh.get_group("dp") if "dp" in names else None
         device = local_device(self.mesh)
         leaves = self.leaf_modules + (linear_like_leaves() if self.plan is not False else ())
-        gm, _, _ = capture_with_flags(model, leaves, example_inputs, optional_as_none=False)
+        gm, _, nones = capture_with_flags(model, leaves, example_inputs, optional_as_none=example_inputs is not None)
+        call_names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+        left_none = drop_arguments_left_none(gm, nones)
         weights = stage_weights(gm, example_inputs)
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         options = passes.PipelineOptions(devices=Devices((device,)), input_dims=dict(input_dims), output_device=device)
@@ -175,6 +178,7 @@ class MeshPipelineRecipe(Recipe):
             attach_shards(pm, sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
             pm.shared = tied_shards(pm.shared, program, sharded, mesh=self.mesh)
             pm.tp_group = self.mesh.get_group("tp")
+        pm.__dict__.update(call_names=call_names, left_none=left_none)  # forward's arguments; those traced as None
         pm.state_ties = state_ties(model)  # before FSDP: fully_shard swaps the model's tied tensors apart
         # what dpcompile.export over the mesh copies (structure only) and records (the examples' shapes)
         pm.__dict__.update(model_on_meta=meta_copy_to_pickle(model), example_specs=example_specs(example_inputs))
@@ -414,6 +418,27 @@ def state_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every key of ``model.state_dict()`` with the keys of the same tensor (tied weights), its own first."""
     tied = {key: group for group in tied_groups(model) for key in group}
     return {key: (key, *(n for n in tied.get(key, ()) if n != key)) for key in model.state_dict(keep_vars=True)}
+
+
+def drop_arguments_left_none(gm: fx.GraphModule, nones: frozenset[str]) -> frozenset[str]:
+    """The optional arguments the examples leave None (``bias=None`` under ``if bias is not None:``),
+    traced as None, taken out of the program: a stage is cut once and never traced again, so a call
+    leaves them None (checked before the step, ``_shape_inputs``) and no stage receives them.
+
+    Before: traced as a tensor (fx's proxy is never None), every call was refused ("missing argument
+    'bias'") or split ``bias`` over the micro-batches. After: ``pm(x, labels)`` runs the examples' branch."""
+    dropped = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "placeholder" or str(node.target) not in nones:
+            continue
+        for user in list(node.users):
+            if user.target is _assert_is_none and not user.users:
+                gm.graph.erase_node(user)  # the check that the call left it None: made before the step instead
+        if not node.users:
+            gm.graph.erase_node(node)
+            dropped.add(str(node.target))
+    gm.recompile()
+    return frozenset(dropped)
 
 
 def hold_unread_state(model: nn.Module, whole: fx.GraphModule, first_stage: fx.GraphModule | None) -> None:

@@ -625,6 +625,62 @@ def check_input_dims(rank: int, world: int) -> None:
     dist.barrier()
 
 
+class OptionalBias(torch.nn.Module):
+    """``if bias is not None:`` on an optional argument the examples leave None."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, labels, bias=None):
+        h = torch.relu(self.a(x))
+        if bias is not None:
+            h = h + bias
+        return torch.nn.functional.cross_entropy(self.b(h), labels)
+
+
+def check_arguments_left_none(rank: int, world: int) -> None:
+    """An optional argument the examples leave None, on which forward branches, is traced as None:
+    ``pm(x, labels)`` and ``pm(x, labels, bias=None)`` give eager's loss and gradients (main traced
+    ``bias`` as a tensor: "missing argument 'bias'", a crash on None, ``bias`` split over the
+    micro-batches); a call passing it, a misspelt keyword or one argument too many is refused by name
+    on every rank, before the step (main dropped an unknown keyword silently)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    g = torch.Generator().manual_seed(5)
+    x, labels = torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
+    torch.manual_seed(0)
+    reference = OptionalBias()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=2, example_inputs=(x, labels))
+    for kwargs in ({}, {"bias": None}):
+        loss = pm(x, labels, **kwargs)
+        expected = reference(x, labels)
+        expected.backward()
+        if rank == 1:
+            torch.testing.assert_close(loss, expected.detach())
+        _grads_equal_on_stage(model, reference, pm.module_paths)
+    for call, refusal in (({"bias": torch.ones(8)}, "built with 'bias' left None"),
+                          ({"biass": None}, "unexpected argument 'biass'")):  # fmt: skip
+        try:
+            pm(x, labels, **call)
+        except dpcompile.DpCompileError as e:
+            assert refusal in str(e), e
+        else:
+            raise AssertionError(f"pm(x, labels, **{call}) was not refused")
+    try:
+        pm(x, labels, None, 3)
+    except dpcompile.DpCompileError as e:
+        assert "4 were given" in str(e), e
+    else:
+        raise AssertionError("a call with one argument too many was not refused")
+    dist.barrier()
+
+
 def check_ddp_options(rank: int, world: int, kind: str, schedule: str, batch: int, options: dict) -> None:
     """ddp_options= over a ("pp", "dp") mesh: DDP over "dp" on each stage with those options (its
     bucket size, gradient_as_bucket_view), and it alone reduces over dp: 3 AdamW steps' losses, every
@@ -779,7 +835,8 @@ SCENARIOS = {
                 ("inspection", check_inspection, ()),
                 ("rank_raising_in_step", check_rank_raising_in_step, ((2,), ("pp",))),
                 ("meta_model", check_meta_model, ((2,), ("pp",), ("fx", "export"))),
-                ("input_dims", check_input_dims, ())]),
+                ("input_dims", check_input_dims, ()),
+                ("arguments_left_none", check_arguments_left_none, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16, True)),

@@ -134,7 +134,7 @@ class MeshPipelineRecipe(Recipe):
             )
         shared = [(gm.get_parameter(name), stages) for name, stages in find_shared_parameters(gm, plan)]
         check_checkpointed_run(whole, self.checkpointed)
-        gm, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
+        gm, records = cut_on_every_stage(gm, plan, pp_rank, pp_group)
         checkpointing = passes.checkpoint_pipeline(paths_run_in(gm, self.checkpointed), self.checkpoint_save)
         found = info_of(records, "cut_stage")
         own_sites = frozenset(site.source for site in passes.find_random_sites(gm))  # this stage's
@@ -418,6 +418,29 @@ def state_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every key of ``model.state_dict()`` with the keys of the same tensor (tied weights), its own first."""
     tied = {key: group for group in tied_groups(model) for key in group}
     return {key: (key, *(n for n in tied.get(key, ()) if n != key)) for key in model.state_dict(keep_vars=True)}
+
+
+def cut_on_every_stage(gm: fx.GraphModule, plan: Any, pp_rank: int, pp_group: Any) -> tuple[fx.GraphModule, Any]:
+    """``cut_stage`` of this rank's stage, where a refusal of one stage's cut (the last stage's outputs,
+    neither split along the batch nor a mean loss) is every stage's: the ranks agree (one exchange over
+    ``pp``) and each raises. Before: the last stage's rank raised and the others built their stages,
+    then waited for it in their first step."""
+    import torch.distributed as dist
+
+    failure: DpCompileError | None = None
+    try:
+        result = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
+    except DpCompileError as e:
+        failure = e
+    heard: list[Any] = [None] * dist.get_world_size(pp_group)
+    with unset_fake_temporarily():  # a meta model compiles under a fake mode: the messages are sent for real
+        dist.all_gather_object(heard, None if failure is None else str(failure), group=pp_group)
+    if failure is not None:
+        raise failure
+    refused = next(((stage, m) for stage, m in enumerate(heard) if m is not None), None)
+    if refused is not None:
+        raise DpCompileError(f"stage {refused[0]} of the pipeline refused its cut, so every stage refuses it: {refused[1]}")
+    return result
 
 
 def drop_arguments_left_none(gm: fx.GraphModule, nones: frozenset[str]) -> frozenset[str]:

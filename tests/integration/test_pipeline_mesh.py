@@ -681,6 +681,36 @@ def check_arguments_left_none(rank: int, world: int) -> None:
     dist.barrier()
 
 
+class ScaledPair(torch.nn.Module):
+    """Outputs ``(y * scale, x.mean())``: the last stage's cut refuses ``y * scale`` (no batch rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, scale=1.0):
+        return self.b(torch.relu(self.a(x))) * scale, x.mean()
+
+
+def check_cut_refused_on_every_stage(rank: int, world: int) -> None:
+    """A refusal of the last stage's cut is raised by every stage's rank at transform (main: rank 1 raised,
+    rank 0 built its stage and waited for rank 1 in its first step)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    try:
+        dpcompile.transform(ScaledPair(), mesh, example_inputs=(torch.randn(4, 4),))
+    except dpcompile.DpCompileError as e:
+        assert "a pipeline's outputs must be split along the batch or be a mean loss" in str(e), e
+        assert rank == 1 or "stage 1 of the pipeline refused its cut" in str(e), e
+    else:
+        raise AssertionError(f"rank {rank} built a pipeline whose last stage was refused")
+    dist.barrier()
+
+
 def check_ddp_options(rank: int, world: int, kind: str, schedule: str, batch: int, options: dict) -> None:
     """ddp_options= over a ("pp", "dp") mesh: DDP over "dp" on each stage with those options (its
     bucket size, gradient_as_bucket_view), and it alone reduces over dp: 3 AdamW steps' losses, every
@@ -836,7 +866,8 @@ SCENARIOS = {
                 ("rank_raising_in_step", check_rank_raising_in_step, ((2,), ("pp",))),
                 ("meta_model", check_meta_model, ((2,), ("pp",), ("fx", "export"))),
                 ("input_dims", check_input_dims, ()),
-                ("arguments_left_none", check_arguments_left_none, ())]),
+                ("arguments_left_none", check_arguments_left_none, ()),
+                ("cut_refused_on_every_stage", check_cut_refused_on_every_stage, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16, True)),

@@ -711,6 +711,38 @@ def check_cut_refused_on_every_stage(rank: int, world: int) -> None:
     dist.barrier()
 
 
+def check_cumulative_batchnorm(rank: int, world: int) -> None:
+    """BatchNorm with ``momentum=None`` (a cumulative average: the factor is 1 / num_batches_tracked) in a
+    ("pp",) pipeline of one micro-batch: two training calls give eager's loss, gradients and running
+    statistics (main: every call failed on every rank, the stage shapes worked out on fake tensors
+    read the count's value: DataDependentOutputException)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, momentum=None), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))  # fmt: skip
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=1)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        x = torch.randn(6, 4, generator=g)
+        with torch.no_grad():
+            expected = reference(x)
+        out = pm(x)
+        if rank == 1:
+            torch.testing.assert_close(out, expected)
+    want, got = reference.state_dict(), pm.state_dict()
+    assert list(got) == list(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    assert int(got["1.num_batches_tracked"]) == 2
+    dist.barrier()
+
+
 def check_ddp_options(rank: int, world: int, kind: str, schedule: str, batch: int, options: dict) -> None:
     """ddp_options= over a ("pp", "dp") mesh: DDP over "dp" on each stage with those options (its
     bucket size, gradient_as_bucket_view), and it alone reduces over dp: 3 AdamW steps' losses, every
@@ -867,7 +899,8 @@ SCENARIOS = {
                 ("meta_model", check_meta_model, ((2,), ("pp",), ("fx", "export"))),
                 ("input_dims", check_input_dims, ()),
                 ("arguments_left_none", check_arguments_left_none, ()),
-                ("cut_refused_on_every_stage", check_cut_refused_on_every_stage, ())]),
+                ("cut_refused_on_every_stage", check_cut_refused_on_every_stage, ()),
+                ("cumulative_batchnorm", check_cumulative_batchnorm, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16, True)),

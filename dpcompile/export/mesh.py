@@ -347,18 +347,20 @@ def _loaded_single(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tupl
 
 
 def _captured_module(one: nn.Module) -> fx.GraphModule:
-    """The single-device program before lowering, over the loaded module tree: its own children, in the
-    model's order (``fx.GraphModule`` copies only the graph's paths, into plain modules, in the order the
-    graph reads them: ``state_dict()``'s keys would follow forward's order, and a ``ModuleList`` of blocks,
-    which ``data_parallel="fsdp"`` wraps one by one, would not be one). Its non-persistent buffers stay
-    non-persistent (``state_dict()`` has the model's keys, in its order)."""
+    """The single-device program before lowering, over the loaded module tree: every submodule,
+    parameter and buffer of it, in the model's order, also those forward never reads (``fx.GraphModule``
+    alone copies only the graph's paths, into plain modules, in the order the graph reads them: so
+    ``state_dict()`` lost an unread ``steps`` counter, its keys followed forward's order, and a
+    ``ModuleList`` of blocks, which ``data_parallel="fsdp"`` wraps one by one, was not one); its
+    non-persistent buffers stay non-persistent (``state_dict()`` has the model's keys, in its order)."""
     from dpcompile.fx_utils import copy_graph
 
     gm = fx.GraphModule(one, copy_graph(one.captured.graph), class_name="Loaded")
-    for store in ("_parameters", "_buffers", "_modules"):
-        mine, copied = one.__dict__[store], gm.__dict__[store]
-        ordered = {name: mine[name] for name in mine if name in copied}
-        gm.__dict__[store] = {**ordered, **{k: v for k, v in copied.items() if k not in ordered}}
+    for table in ("_modules", "_parameters", "_buffers"):  # the loaded tree's own, in its order, then fx's extras
+        mine, copied = getattr(one, table), getattr(gm, table)
+        held = {**mine, **{k: v for k, v in copied.items() if k not in mine}}
+        copied.clear()
+        copied.update(held)
     for path, module in one.named_modules():
         for name in module._non_persistent_buffers_set:
             try:

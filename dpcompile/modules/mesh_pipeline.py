@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.devices import Devices
-from dpcompile.errors import DpCompileError
+from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import copy_graph
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.executors import PlainExecutor
@@ -441,9 +441,21 @@ def _fsdp_gradients_kept(pm: Any) -> Iterator[None]:
 
 
 def _shape_inputs(pm: Any, args: tuple, kwargs: dict) -> tuple:
-    """The call's inputs in the whole program's order (every rank is called with them)."""
+    """The call's inputs in the whole program's order (every rank is called with them), bound as
+    forward's arguments were traced (``pm.call_names``): those traced as None (``pm.left_none``) must
+    be left None, and are not the program's."""
     names = [str(n.target) for n in pm.whole.graph.nodes if n.op == "placeholder"]
-    return _positional(names, args, kwargs)
+    traced = pm.__dict__.get("call_names") or names
+    left_none = pm.__dict__.get("left_none") or frozenset()
+    bound = dict(zip(traced, _positional(traced, args, kwargs, left_none)))
+    given = sorted(name for name in left_none if bound[name] is not None)
+    if given:
+        raise ArgumentError(
+            f"this pipeline over a mesh was built with {given[0]!r} left None, as its examples leave it, and its stages "
+            f"are cut once, never traced again: leave {given[0]!r} None, or transform with example_inputs= (or "
+            f"example_kwargs=) that pass it"
+        )
+    return tuple(bound[name] for name in names)
 
 
 def _sum_shared_gradients(pm: Any, before: dict) -> None:
@@ -550,13 +562,18 @@ def _node_values(gm: fx.GraphModule, inputs: list, wanted: list[str]) -> dict[st
     return values
 
 
-def _positional(names: list[str], args: tuple, kwargs: dict) -> tuple:
-    """The call's arguments in the program's placeholder order."""
+def _positional(names: list[str], args: tuple, kwargs: dict, optional: frozenset[str] = frozenset()) -> tuple:
+    """The call's arguments in the program's placeholder order (those in ``optional`` None where left out)."""
+    if len(args) > len(names):
+        raise ArgumentError(f"forward takes {len(names)} arguments ({', '.join(names)}), but {len(args)} were given")
+    unknown = [k for k in kwargs if k not in names[len(args) :]]
+    if unknown:
+        raise ArgumentError(f"unexpected argument '{unknown[0]}': forward takes ({', '.join(names)})")
     values = list(args)
     for name in names[len(args) :]:
-        if name not in kwargs:
-            raise TypeError(f"missing argument '{name}'")
-        values.append(kwargs[name])
+        if name not in kwargs and name not in optional:
+            raise ArgumentError(f"missing argument '{name}': forward takes ({', '.join(names)})")
+        values.append(kwargs.get(name))
     return tuple(values)
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx._symbolic_trace import _assert_is_none
 from torch.nn.utils.parametrize import ParametrizationList
 
 import passes
@@ -93,7 +94,9 @@ class MeshPipelineRecipe(Recipe):
         dp_group = self.mesh.get_group("dp") if "dp" in names else None
         device = local_device(self.mesh)
         leaves = self.leaf_modules + (linear_like_leaves() if self.plan is not False else ())
-        gm, _, _ = capture_with_flags(model, leaves, example_inputs, optional_as_none=False)
+        gm, _, nones = capture_with_flags(model, leaves, example_inputs, optional_as_none=example_inputs is not None)
+        call_names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+        left_none = drop_arguments_left_none(gm, nones)
         weights = stage_weights(gm, example_inputs)
         input_dims = infer_input_dims(gm, batch_dim=self.batch_dim, example_inputs=example_inputs)
         options = passes.PipelineOptions(devices=Devices((device,)), input_dims=dict(input_dims), output_device=device)
@@ -131,7 +134,7 @@ class MeshPipelineRecipe(Recipe):
             )
         shared = [(gm.get_parameter(name), stages) for name, stages in find_shared_parameters(gm, plan)]
         check_checkpointed_run(whole, self.checkpointed)
-        gm, records = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
+        gm, records = cut_on_every_stage(gm, plan, pp_rank, pp_group)
         checkpointing = passes.checkpoint_pipeline(paths_run_in(gm, self.checkpointed), self.checkpoint_save)
         found = info_of(records, "cut_stage")
         own_sites = frozenset(site.source for site in passes.find_random_sites(gm))  # this stage's
@@ -140,6 +143,7 @@ class MeshPipelineRecipe(Recipe):
         if self.plan is False:  # last, as in one process; with "tp" on the sharded program, after shard_stage
             gm, _ = run_passes(gm, checkpointing)
         program = graph_module(gm, gm.graph, f"{type(model).__name__}Stage{pp_rank}")
+        hold_unread_state(model, whole, program if pp_rank == 0 else None)
         if not any(is_fake(t) for t in (*program.parameters(), *program.buffers())):
             program.to(device)  # a meta model's fake stage already claims it: compile_on_fake allocates it
         last_rank = dist.get_global_rank(pp_group, pp_size - 1)
@@ -174,6 +178,7 @@ class MeshPipelineRecipe(Recipe):
             attach_shards(pm, sharded.program, shards=sharded.shards, plan=sharded.plan, reasons=sharded.reasons)
             pm.shared = tied_shards(pm.shared, program, sharded, mesh=self.mesh)
             pm.tp_group = self.mesh.get_group("tp")
+        pm.__dict__.update(call_names=call_names, left_none=left_none)  # forward's arguments; those traced as None
         pm.state_ties = state_ties(model)  # before FSDP: fully_shard swaps the model's tied tensors apart
         # what dpcompile.export over the mesh copies (structure only) and records (the examples' shapes)
         pm.__dict__.update(model_on_meta=meta_copy_to_pickle(model), example_specs=example_specs(example_inputs))
@@ -413,6 +418,67 @@ def state_ties(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every key of ``model.state_dict()`` with the keys of the same tensor (tied weights), its own first."""
     tied = {key: group for group in tied_groups(model) for key in group}
     return {key: (key, *(n for n in tied.get(key, ()) if n != key)) for key in model.state_dict(keep_vars=True)}
+
+
+def cut_on_every_stage(gm: fx.GraphModule, plan: Any, pp_rank: int, pp_group: Any) -> tuple[fx.GraphModule, Any]:
+    """``cut_stage`` of this rank's stage, where a refusal of one stage's cut (the last stage's outputs,
+    neither split along the batch nor a mean loss) is every stage's: the ranks agree (one exchange over
+    ``pp``) and each raises. Before: the last stage's rank raised and the others built their stages,
+    then waited for it in their first step."""
+    import torch.distributed as dist
+
+    failure: DpCompileError | None = None
+    try:
+        result = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
+    except DpCompileError as e:
+        failure = e
+    heard: list[Any] = [None] * dist.get_world_size(pp_group)
+    with unset_fake_temporarily():  # a meta model compiles under a fake mode: the messages are sent for real
+        dist.all_gather_object(heard, None if failure is None else str(failure), group=pp_group)
+    if failure is not None:
+        raise failure
+    refused = next(((stage, m) for stage, m in enumerate(heard) if m is not None), None)
+    if refused is not None:
+        raise DpCompileError(f"stage {refused[0]} of the pipeline refused its cut, so every stage refuses it: {refused[1]}")
+    return result
+
+
+def drop_arguments_left_none(gm: fx.GraphModule, nones: frozenset[str]) -> frozenset[str]:
+    """The optional arguments the examples leave None (``bias=None`` under ``if bias is not None:``),
+    traced as None, taken out of the program: a stage is cut once and never traced again, so a call
+    leaves them None (checked before the step, ``_shape_inputs``) and no stage receives them.
+
+    Before: traced as a tensor (fx's proxy is never None), every call was refused ("missing argument
+    'bias'") or split ``bias`` over the micro-batches. After: ``pm(x, labels)`` runs the examples' branch."""
+    dropped = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "placeholder" or str(node.target) not in nones:
+            continue
+        for user in list(node.users):
+            if user.target is _assert_is_none and not user.users:
+                gm.graph.erase_node(user)  # the check that the call left it None: made before the step instead
+        if not node.users:
+            gm.graph.erase_node(node)
+            dropped.add(str(node.target))
+    gm.recompile()
+    return frozenset(dropped)
+
+
+def hold_unread_state(model: nn.Module, whole: fx.GraphModule, first_stage: fx.GraphModule | None) -> None:
+    """The model's state no stage reads (a ``steps`` counter, a spare layer: fx's programs hold only
+    what their graph reads) held by the whole program and by the first stage, so that ``state_dict()``,
+    ``load_state_dict`` and checkpoints have every key of the model, as one process has.
+
+    Before: ``pm.state_dict()`` lacked ``steps``, and ``save_checkpoint`` raised "'steps' is not in the
+    whole program". After: stage 0 holds ``steps`` (the model's tensor), whole on every rank."""
+    from torch.fx.graph_module import _copy_attr
+
+    held = {unalias(k) for k in whole.state_dict(keep_vars=True)}
+    unread = [names[0] for names in state_ties(model).values() if not held.intersection(names)]
+    for key in unread:
+        for program in (whole, first_stage):
+            if program is not None:
+                _copy_attr(model, program, key)
 
 
 def check_pipeline_mesh(names: tuple[str, ...], plan: object = False, data_parallel: str = "ddp") -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -116,7 +117,9 @@ def _update_running_stats(bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tenso
         bn.num_batches_tracked.add_(1)
     if bn.running_mean is None:
         return
-    if bn.momentum is None:
+    if bn.momentum is None and is_fake(mean):  # shapes worked out on fake tensors (a pipeline over a mesh): the
+        factor = 0.5  # count has no value under the fake mode, and the factor's value changes no shape
+    elif bn.momentum is None:
         factor = 1.0 / float(bn.num_batches_tracked)
     else:
         factor = bn.momentum

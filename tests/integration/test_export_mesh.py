@@ -38,7 +38,7 @@ PLAN = {"up": "column", "down": "row"}  # the ("dp", "tp") export's tensor_paral
 
 
 class Net(nn.Module):
-    """Linear, LayerNorm, an MLP pair (column, row), dropout, a non-persistent buffer, a head."""
+    """Linear, LayerNorm, an MLP pair (column, row), dropout, a non-persistent buffer, an unread int buffer, a head."""
 
     def __init__(self):
         super().__init__()
@@ -48,6 +48,7 @@ class Net(nn.Module):
         self.drop = nn.Dropout(0.25)
         self.head = nn.Linear(16, 4)
         self.register_buffer("scale", torch.tensor(0.5, dtype=torch.float64), persistent=False)
+        self.register_buffer("steps", torch.tensor(3))  # forward never reads it: the loaded state_dict holds it still
 
     def forward(self, x, labels):
         h = self.norm(self.inp(x))

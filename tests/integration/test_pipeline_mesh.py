@@ -626,6 +626,124 @@ def check_input_dims(rank: int, world: int) -> None:
     dist.barrier()
 
 
+class OptionalBias(torch.nn.Module):
+    """``if bias is not None:`` on an optional argument the examples leave None."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, labels, bias=None):
+        h = torch.relu(self.a(x))
+        if bias is not None:
+            h = h + bias
+        return torch.nn.functional.cross_entropy(self.b(h), labels)
+
+
+def check_arguments_left_none(rank: int, world: int) -> None:
+    """An optional argument the examples leave None, on which forward branches, is traced as None:
+    ``pm(x, labels)`` and ``pm(x, labels, bias=None)`` give eager's loss and gradients (main traced
+    ``bias`` as a tensor: "missing argument 'bias'", a crash on None, ``bias`` split over the
+    micro-batches); a call passing it, a misspelt keyword or one argument too many is refused by name
+    on every rank, before the step (main dropped an unknown keyword silently)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    g = torch.Generator().manual_seed(5)
+    x, labels = torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
+    torch.manual_seed(0)
+    reference = OptionalBias()
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=2, example_inputs=(x, labels))
+    for kwargs in ({}, {"bias": None}):
+        loss = pm(x, labels, **kwargs)
+        expected = reference(x, labels)
+        expected.backward()
+        if rank == 1:
+            torch.testing.assert_close(loss, expected.detach())
+        _grads_equal_on_stage(model, reference, pm.module_paths)
+    for call, refusal in (({"bias": torch.ones(8)}, "built with 'bias' left None"),
+                          ({"biass": None}, "unexpected argument 'biass'")):  # fmt: skip
+        try:
+            pm(x, labels, **call)
+        except dpcompile.DpCompileError as e:
+            assert refusal in str(e), e
+        else:
+            raise AssertionError(f"pm(x, labels, **{call}) was not refused")
+    try:
+        pm(x, labels, None, 3)
+    except dpcompile.DpCompileError as e:
+        assert "4 were given" in str(e), e
+    else:
+        raise AssertionError("a call with one argument too many was not refused")
+    dist.barrier()
+
+
+class ScaledPair(torch.nn.Module):
+    """Outputs ``(y * scale, x.mean())``: the last stage's cut refuses ``y * scale`` (no batch rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, scale=1.0):
+        return self.b(torch.relu(self.a(x))) * scale, x.mean()
+
+
+def check_cut_refused_on_every_stage(rank: int, world: int) -> None:
+    """A refusal of the last stage's cut is raised by every stage's rank at transform (main: rank 1 raised,
+    rank 0 built its stage and waited for rank 1 in its first step)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    try:
+        dpcompile.transform(ScaledPair(), mesh, example_inputs=(torch.randn(4, 4),))
+    except dpcompile.DpCompileError as e:
+        assert "a pipeline's outputs must be split along the batch or be a mean loss" in str(e), e
+        assert rank == 1 or "stage 1 of the pipeline refused its cut" in str(e), e
+    else:
+        raise AssertionError(f"rank {rank} built a pipeline whose last stage was refused")
+    dist.barrier()
+
+
+def check_cumulative_batchnorm(rank: int, world: int) -> None:
+    """BatchNorm with ``momentum=None`` (a cumulative average: the factor is 1 / num_batches_tracked) in a
+    ("pp",) pipeline of one micro-batch: two training calls give eager's loss, gradients and running
+    statistics (main: every call failed on every rank, the stage shapes worked out on fake tensors
+    read the count's value: DataDependentOutputException)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, momentum=None), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))  # fmt: skip
+    model = copy.deepcopy(reference)
+    pm = dpcompile.transform(model, mesh, pipeline=2, micro_batches=1)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        x = torch.randn(6, 4, generator=g)
+        with torch.no_grad():
+            expected = reference(x)
+        out = pm(x)
+        if rank == 1:
+            torch.testing.assert_close(out, expected)
+    want, got = reference.state_dict(), pm.state_dict()
+    assert list(got) == list(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, msg=lambda m, key=key: f"state_dict[{key!r}]: {m}")
+    assert int(got["1.num_batches_tracked"]) == 2
+    dist.barrier()
+
+
 def check_ddp_options(rank: int, world: int, kind: str, schedule: str, batch: int, options: dict) -> None:
     """ddp_options= over a ("pp", "dp") mesh: DDP over "dp" on each stage with those options (its
     bucket size, gradient_as_bucket_view), and it alone reduces over dp: 3 AdamW steps' losses, every
@@ -785,7 +903,10 @@ SCENARIOS = {
                 ("inspection", check_inspection, ()),
                 ("rank_raising_in_step", check_rank_raising_in_step, ((2,), ("pp",))),
                 ("meta_model", check_meta_model, ((2,), ("pp",), ("fx", "export"))),
-                ("input_dims", check_input_dims, ())]),
+                ("input_dims", check_input_dims, ()),
+                ("arguments_left_none", check_arguments_left_none, ()),
+                ("cut_refused_on_every_stage", check_cut_refused_on_every_stage, ()),
+                ("cumulative_batchnorm", check_cumulative_batchnorm, ())]),
     "pp4": (4, [("gpipe_m2", check_pipeline, ((4,), ("pp",), "gpipe", 2)),
                 ("1f1b_m4", check_pipeline, ((4,), ("pp",), "1f1b", 4)),
                 ("pp_dp", check_pipeline, ((2, 2), ("pp", "dp"), "1f1b", 2, 16, True)),

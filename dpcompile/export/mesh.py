@@ -374,13 +374,10 @@ def _captured_module(one: nn.Module) -> fx.GraphModule:
 
 def _agree(failure: BaseException | None, what: str) -> None:
     """Every rank raises where any failed: its own error, or an ``ExportError`` naming the rank that failed."""
-    import torch.distributed as dist
+    from dpcompile.modules.mesh_failure import raise_where_any_failed
 
-    messages: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        raise failure
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
+    def refusal(failed: list[tuple[int, str]]) -> ExportError:
         shown = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        raise ExportError(f"{what} failed on another rank, so it fails on every rank ({shown})")
+        return ExportError(f"{what} failed on another rank, so it fails on every rank ({shown})")
+
+    raise_where_any_failed(failure, None, refusal)

@@ -25,7 +25,7 @@ after any failure inside a collective: later calls of the pipeline refuse, namin
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +33,25 @@ import torch
 
 from dpcompile.errors import DpCompileError, first_line
 from dpcompile.runtime.distributed import CollectiveError
+
+
+def raise_where_any_failed(failure: BaseException | None, group: Any,
+                           refusal: Callable[[list[tuple[int, str]]], BaseException]) -> None:  # fmt: skip
+    """Outside a step (building or exporting a program over a mesh): every rank of ``group`` (None: the
+    world) tells the others whether it failed, in one exchange, and raises where any did: its own
+    ``failure``, or ``refusal([(index in the group, "Type: message"), ...])`` of the ranks that failed."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    heard: list[Any] = [None] * dist.get_world_size(group)
+    with unset_fake_temporarily():  # a meta model compiles under a fake mode: the messages are sent for real
+        dist.all_gather_object(heard, None if failure is None else f"{type(failure).__name__}: {failure}", group=group)
+    if failure is not None:
+        raise failure
+    failed = [(index, message) for index, message in enumerate(heard) if message is not None]
+    if failed:
+        raise refusal(failed)
+
 
 #: a tag no send uses: the receive posted to shut a gloo group down never completes
 SHUTDOWN_TAG = 0x5EED

@@ -425,21 +425,19 @@ def cut_on_every_stage(gm: fx.GraphModule, plan: Any, pp_rank: int, pp_group: An
     neither split along the batch nor a mean loss) is every stage's: the ranks agree (one exchange over
     ``pp``) and each raises. Before: the last stage's rank raised and the others built their stages,
     then waited for it in their first step."""
-    import torch.distributed as dist
+    from dpcompile.modules.mesh_failure import raise_where_any_failed
 
-    failure: DpCompileError | None = None
+    failure, result = None, None
     try:
         result = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
     except DpCompileError as e:
         failure = e
-    heard: list[Any] = [None] * dist.get_world_size(pp_group)
-    with unset_fake_temporarily():  # a meta model compiles under a fake mode: the messages are sent for real
-        dist.all_gather_object(heard, None if failure is None else str(failure), group=pp_group)
-    if failure is not None:
-        raise failure
-    refused = next(((stage, m) for stage, m in enumerate(heard) if m is not None), None)
-    if refused is not None:
-        raise DpCompileError(f"stage {refused[0]} of the pipeline refused its cut, so every stage refuses it: {refused[1]}")
+
+    def refusal(failed: list[tuple[int, str]]) -> DpCompileError:
+        stage, message = failed[0]
+        return DpCompileError(f"stage {stage} of the pipeline refused its cut, so every stage refuses it: {message}")
+
+    raise_where_any_failed(failure, pp_group, refusal)
     return result
 
 

@@ -92,7 +92,7 @@ def running_variance_over_copies(model: nn.Module, rows: dict[str, list[int]], b
             continue
         bn, n = modules[path], counts[0]
         if bn.momentum is None:  # a cumulative average: the weight of this batch is 1 / batches seen
-            f = 1.0 / float(modules[path].num_batches_tracked)
+            f = 1.0 / float(bn.num_batches_tracked)
         else:
             f = float(bn.momentum)
         kept = (1 - f) * before[name]

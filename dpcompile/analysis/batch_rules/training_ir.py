@@ -99,7 +99,7 @@ def recurrent(ctx: RuleContext) -> Placement | None:
     if bound.get("dropout") and bound.get("train") is not False:
         return None
     states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
-    if not all(isinstance(h, fx.Node) and ctx.p(h) == Split(1, getattr(ctx.p(h), "origin", None)) for h in states):
+    if not all(isinstance(h, fx.Node) and isinstance(ctx.p(h), Split) and ctx.p(h).dim == 1 for h in states):
         return None
     if not all(isinstance(w, fx.Node) and isinstance(ctx.p(w), Replicated) for w in params):
         return None

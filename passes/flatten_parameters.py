@@ -49,8 +49,27 @@ def _is_flatten_call(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is flatten_parameters
 
 
+# what torch.export keeps of an RNN call, and where each overload takes the weights
+_RECURRENT_PARAMS = {f"{op}.{overload}": index for op in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+                     for overload, index in (("input", 2), ("data", 3))}  # fmt: skip
+
+
+def _weights_owner(node: fx.Node) -> str | None:
+    """The module holding the weights an exported recurrent op reads (``aten.lstm.input(x, hx,
+    [rnn.weight_ih_l0, ...], ...)`` reads ``rnn``'s), where they are all one module's attributes."""
+    name = f"{getattr(node.target, '_opname', '')}.{getattr(node.target, '_overloadname', '')}"
+    index = _RECURRENT_PARAMS.get(name) if node.op == "call_function" else None
+    params = node.args[index] if index is not None and len(node.args) > index else None
+    if not isinstance(params, (list, tuple)) or not params:
+        return None
+    owners = {w.target.rpartition(".")[0] if isinstance(w, fx.Node) and w.op == "get_attr" else None for w in params}
+    owner = owners.pop() if len(owners) == 1 else None
+    return owner or None
+
+
 def find_flatten_sites(gm: fx.GraphModule) -> FlattenSites:
-    """The recorded calls and the RNN modules (used or flattened), by first appearance."""
+    """The recorded calls and the RNN modules (called, flattened, or whose weights an exported
+    ``aten.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` reads), by first appearance."""
     modules = dict(gm.named_modules())
     calls: list[fx.Node] = []
     paths: list[str] = []
@@ -61,6 +80,8 @@ def find_flatten_sites(gm: fx.GraphModule) -> FlattenSites:
             path = ref.target if isinstance(ref, fx.Node) and ref.op == "get_attr" else None
         elif node.op == "call_module" and isinstance(modules.get(node.target), nn.RNNBase):
             path = node.target
+        elif (owner := _weights_owner(node)) is not None:
+            path = owner
         else:
             continue
         if path is not None and path not in paths:

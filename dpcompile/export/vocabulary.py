@@ -161,7 +161,7 @@ def _aten_names(packet_names: set[str]) -> dict[str, Any]:
             continue
         schema = torch._C._get_schema(f"aten::{op}", overload)
         arguments = list(schema.arguments)
-        if any(a.is_out for a in arguments) or any(w in a.name.lower() for a in arguments for w in _PATH_ARGUMENTS):
+        if any(a.is_out for a in arguments) or any(_names_a_path(a) for a in arguments):
             continue
         types_ = [str(a.type) for a in arguments] + [str(r.type) for r in schema.returns]
         if not any("Tensor" in t for t in types_) and op not in _FRONTEND_OPS:  # _assert_scalar(Scalar, str) stays
@@ -173,6 +173,11 @@ def _aten_names(packet_names: set[str]) -> dict[str, Any]:
         if isinstance(obj, torch._ops.OpOverload):
             table[f"torch.ops.aten.{op}.{overload or 'default'}"] = obj
     return table
+
+
+def _names_a_path(argument: Any) -> bool:
+    """A string argument whose name says it is a path (``filename``), not ``bidirectional``."""
+    return str(argument.type).rstrip("?") == "str" and any(w in argument.name.lower() for w in _PATH_ARGUMENTS)
 
 
 def _public(namespace: Any, names: Any, *, defined_in: str | None = None) -> dict[str, Any]:

@@ -144,19 +144,40 @@ def test_replica_rnn_weights_are_one_buffer_during_forward():
     assert seen == [(True, False), (False, True), (False, True)]
 
 
+def _exported(model, devices, x, **options):
+    return dpcompile.transform(model, devices, frontend="export", example_inputs=(x,), **options)
+
+
+def test_export_frontend_rnns_are_flattened_once_per_replica_before_they_run():
+    """torch.export keeps an RNN call as ``aten.lstm`` / ``gru`` / ``rnn_tanh`` on the module's weights,
+    with no module call: each RNN still gets one flatten call per replica, on that replica's module,
+    before the first recurrent op, and forward and backward equal eager."""
+    x = torch.randn(6, 4, 4)
+    pm = _exported(Stack(), ["cpu"] * 2, x, copy_replicas=True)
+    calls = _flatten_nodes(pm)
+    assert len(calls) == 3 * 2
+    order = list(pm.graph.nodes)
+    recurrent = [n for n in order if getattr(n.target, "_opname", None) in ("lstm", "gru", "rnn_tanh")]
+    assert len(recurrent) == 3 * 2 and max(map(order.index, calls)) < min(map(order.index, recurrent))
+    assert "dpcompile_runtime_flatten_parameters(rnn_dev1)" in pm.code  # replica 1's own enc.rnn
+    check_against_eager(Stack, ["cpu"] * 2, x, transform_kwargs={"frontend": "export", "example_inputs": (x,)})
+
+
 def _rnn_model_on(device):
     model = Encoder(nn.LSTM, num_layers=2, bidirectional=True).to(device)
     return model
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("frontend", ["fx", "export"])
 @pytest.mark.parametrize("layout", ["same_gpu_twice", "all_gpus"])
-def test_cuda_replicas_emit_no_contiguity_warning(layout):
+def test_cuda_replicas_emit_no_contiguity_warning(layout, frontend):
     """On CUDA no replica warns about non-contiguous RNN weights; each replica's weights share one buffer."""
     devices = ["cuda:0", "cuda:0"] if layout == "same_gpu_twice" else list(range(torch.cuda.device_count()))
     model = _rnn_model_on("cuda:0")
     reference = copy.deepcopy(model)
-    pm = dpcompile.transform(model, devices, copy_replicas=True)
+    x = torch.randn(5, 2 * len(devices), 4, device="cuda:0")
+    pm = dpcompile.transform(model, devices, copy_replicas=True, frontend=frontend, example_inputs=(x,))
     pointers = []
     original = runtime.flatten_parameters
 
@@ -167,7 +188,6 @@ def test_cuda_replicas_emit_no_contiguity_warning(layout):
     for node in _flatten_nodes(pm):
         node.target = spy
     pm.recompile()
-    x = torch.randn(5, 2 * len(devices), 4, device="cuda:0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = pm(x)

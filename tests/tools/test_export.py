@@ -1014,6 +1014,29 @@ def test_export_of_a_transpose_attribute_under_the_export_frontend_is_data(tmp_p
     torch.testing.assert_close(dpcompile.load(folder)(x), model(x))
 
 
+class BidirectionalTagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(4, 6, num_layers=2, bidirectional=True, batch_first=True), nn.Linear(12, 3)
+
+    def forward(self, x):
+        return torch.einsum("bsh,ch->bsc", self.rnn(x)[0], self.head.weight)
+
+
+def test_export_of_an_exported_bidirectional_rnn_and_einsum_is_data(tmp_path):
+    """``aten.lstm.input`` (its ``bidirectional`` argument is no path) and ``aten.einsum`` (its
+    contraction ``path`` is no file) are on the vocabulary: written as data, not a pickle that needs
+    ``trust_code=True``; the loaded program flattens each replica's RNN and equals the model."""
+    torch.manual_seed(0)
+    model, x = BidirectionalTagger(), torch.randn(4, 5, 4)
+    pm = dpcompile.transform(model, ["cpu", "cpu"], frontend="export", example_inputs=(x,))
+    folder = dpcompile.export(pm, tmp_path / "out")
+    assert not (folder / "program.pkl").exists()
+    loaded = dpcompile.load(folder)
+    assert loaded.code.count("dpcompile_runtime_flatten_parameters(") == 2
+    torch.testing.assert_close(loaded(x), model(x))
+
+
 class ComplexPhase(nn.Module):
     def __init__(self):
         super().__init__()

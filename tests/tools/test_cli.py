@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -93,6 +94,17 @@ def test_cli_console_script_is_installed():
         pytest.skip("the console script is not on PATH (package not installed)")
     done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "inspect" in done.stdout and "export" in done.stdout
+
+
+def test_python_dash_m_dpcompile_is_the_command(monkeypatch, capsys):
+    """``python -m dpcompile --help`` runs the same command (run in this process, as -m runs it)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["dpcompile", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("dpcompile", run_name="__main__")
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "inspect" in out and "export" in out
 
 
 def test_cli_inspect_prints_code_and_explain_table(factory, capsys):

@@ -40,6 +40,7 @@ from dpcompile.inspect.measure_ledger import SLOT_KEY, BackwardWindows, Ledger, 
 from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
 from dpcompile.modules.call_errors import refused_call
 from dpcompile.modules.executors import executor_of
+from dpcompile.modules.fsdp_one_process import FsdpProgram
 from dpcompile.modules.mesh_stage import MESH_PIPELINE_INSPECTION
 from dpcompile.runtime import checkpoint
 from dpcompile.runtime.kept import tensors_kept
@@ -262,8 +263,7 @@ def _call_context(pm: Any) -> Any:
     """The context ``pm``'s own call runs its forward in (one-process FSDP's: its parameters gathered once
     a call and held until it returns, gathered again in backward); measured outside it, every gathered
     parameter a layer saves was kept through backward, on every copy (torchvision's ViT 11% over)."""
-    context = getattr(pm, "call_context", None)
-    return context() if callable(context) else nullcontext()
+    return pm.call_context() if isinstance(pm, FsdpProgram) else nullcontext()
 
 
 def _sharded_by_fsdp_hooks(pm: Any, labels: list[str]) -> bool:

@@ -5,8 +5,9 @@ list of layouts over virtual CPU devices (dp2, tp2, tp2+sp, pp2 GPipe and 1F1B w
 dp2xtp2 over 4, one-process FSDP over 2, dp2 and pp2 with every repeated block checkpointed), each
 built by its keywords with ``optimizer="sgd"`` (no state: the three count the same things), then:
 the peak bytes per device ``explain``'s ``memory_estimate`` sums to, the planner's prediction of that
-layout (``plan_layouts(..., specs=[spec])``; none for FSDP) and the measured peak of one training
-step (``dpcompile.measure``), with each one's error against the measured.
+layout (``plan_layouts(..., specs=[spec])``; none for FSDP, which is no planner candidate: its
+``explain`` estimate is the planner's model of it, ``dpcompile.analysis.fsdp_memory``) and the measured
+peak of one training step (``dpcompile.measure``), with each one's error against the measured.
 
     DPCOMPILE_CACHE_DIR=/tmp/mem3cache PYTHONPATH=. python benchmarks/bench_memory_estimate.py [--only tv_vit]
 
@@ -33,6 +34,7 @@ import dpcompile  # noqa: E402
 from dpcompile.analysis.calibration import REFERENCE  # noqa: E402
 from dpcompile.analysis.layout_costs import LayoutSpec  # noqa: E402
 from dpcompile.devices import parse_devices  # noqa: E402
+from dpcompile.inspect.predicted_memory import why_not_predicted  # noqa: E402
 from dpcompile.planner import Candidate, plan_layouts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "memory_estimate.json"
@@ -79,6 +81,7 @@ def run_one(model_name: str, layout: str) -> dict[str, Any]:
         pm = dpcompile.transform(model, devices, example_inputs=args or None, example_kwargs=kwargs or None,
                                  optimizer="sgd", **keywords)  # fmt: skip
         row["built"] = dict(pm.strategies)
+        row["estimate"] = "program count" if why_not_predicted(pm) else "planner's model"
         measured = dpcompile.measure(pm, *args, **kwargs)
         estimate = {d: sum(k.values()) for d, k in measured.memory_estimate.items()}
         row.update(measured=measured.peak_bytes, explain=estimate, planner=predicted,
@@ -125,7 +128,7 @@ def markdown_table(rows: list[dict[str, Any]], before: list[dict[str, Any]]) -> 
     for r in rows:
         if "error_message" in r:
             continue
-        count = " (program count)" if r.get("planner") is None else ""
+        count = " (program count)" if r.get("estimate", "program count" if r.get("planner") is None else "") == "program count" else ""
         then = earlier.get((r["model"], r["layout"]), {})
         lines.append(f"| {r['model']} | {r['layout']} | {', '.join(f'{m / 1024:.0f}K' for m in r['measured'].values())} | "
                      f"{_signed(then.get('explain_error'))} | {_signed(r['explain_error'])}{count} |")  # fmt: skip

@@ -37,8 +37,8 @@ from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
 from dpcompile.analysis.save_choice import kept_width
 from dpcompile.analysis.step_time import step_seconds
 
-__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "names_cut", "predict", "stage_starts",
-           "unit_gradients"]
+__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "names_cut", "predict", "stage_memory",
+           "stage_starts", "unit_gradients"]
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def _summed_out_of_place(u: Unit, t: int) -> int:
     return max(linear, default=0)
 
 
-def _stage_memory(
+def stage_memory(
     units: Sequence[Unit], t: int, *, checkpointing: bool, share: float, rest: float, training: bool, sweep: bool,
     accumulates: bool, follower: bool = False, kept_saves: Sequence[int] = (), buffered: bool = False,
     outputs: int = 0, one_after_another: bool = False, shared_gradients: int = 0, one_f_one_b: bool = False,
@@ -405,7 +405,7 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         one_f_one_b = training and spec.schedule == "1f1b" and m > 1 and held > 1
         # dp copies of a pipeline or of tp shards in one process (over a mesh each rank has its own gradients)
         copies = d > 1 and (t > 1 or s_count > 1) and training and calibration.ranks == 1
-        kinds = [_stage_memory(units, t, checkpointing=spec.checkpointing and training, share=sweeping,
+        kinds = [stage_memory(units, t, checkpointing=spec.checkpointing and training, share=sweeping,
                                rest=sweeping * (held - 1), training=training,
                                sweep=s_count == 1 or m == 1 or lockstep or gpipe or one_f_one_b,
                                one_after_another=(gpipe and not lockstep) or one_f_one_b, one_f_one_b=one_f_one_b,

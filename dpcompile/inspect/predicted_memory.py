@@ -18,10 +18,12 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.calibration import REFERENCE
+from dpcompile.analysis.fsdp_memory import fsdp_one_process
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.model_profile import profile_model
-from dpcompile.analysis.program_memory import fsdp_pieces
+from dpcompile.analysis.program_memory import fsdp_pieces, held_parameter_bytes
 from dpcompile.analysis.sequence_costs import predict_layout
+from dpcompile.modules.fsdp_gather import whole_on_meta
 from passes.sequence_parallel import SEQUENCE_MARK
 
 __all__ = ["built_layout", "planner_memory", "profiled_model", "why_not_predicted"]
@@ -43,8 +45,8 @@ def why_not_predicted(pm: nn.Module) -> str | None:
         return "not a program transform built in one process from a model (an nn.Module, not a graph)"
     if pm.__dict__.get("mesh") is not None:
         return "a program over a DeviceMesh (one rank's share)"
-    if fsdp_pieces(pm) or "fsdp" in str((getattr(pm, "strategies", None) or {}).get("dp", "")):
-        return "FSDP in one process"
+    if (fsdp_pieces(pm) or "fsdp" in str((getattr(pm, "strategies", None) or {}).get("dp", ""))) and not _fsdp_over_dp(pm):
+        return "FSDP in one process over dp copies of tensor-parallel shards or of a pipeline"
     if getattr(recipe, "leaf_modules", ()):
         return "leaf_modules= (their Linears run whole)"
     if isinstance(getattr(recipe, "plan", None), Mapping):
@@ -82,6 +84,10 @@ def planner_memory(
     if model is None:
         return None
     try:
+        if _fsdp_over_dp(pm):  # profiled as the model was before its parameters were stored as pieces
+            model = whole_on_meta(model)
+            if model is None:
+                return None
         profile = profile_model(model, tuple(args), dict(kwargs) or None, optimizer=optimizer, training=training)
         prediction = predict_layout(profile, spec, REFERENCE)
     except Exception:  # noqa: BLE001 - then the program count
@@ -92,4 +98,15 @@ def planner_memory(
         return None  # not the planner's checkpointing: every repeated block, keeping nothing or its chosen budget
     if prediction.unbuildable or len(prediction.per_device) != len(labels):
         return None
-    return {label: dict(kinds) for label, kinds in zip(labels, prediction.per_device)}
+    per_device = prediction.per_device
+    if _fsdp_over_dp(pm):  # data parallel's sweep with each device's pieces and the first device's gathers
+        pieces = held_parameter_bytes(pm, labels, [None] * len(labels))  # type: ignore[list-item]
+        stored = fsdp_pieces(pm)
+        gathered = sum(p.numel() * p.element_size() for name, p in pm.named_parameters() if name in stored)
+        per_device = fsdp_one_process(profile, spec, per_device, [pieces[label] for label in labels], gathered)
+    return {label: dict(kinds) for label, kinds in zip(labels, per_device)}
+
+
+def _fsdp_over_dp(pm: nn.Module) -> bool:
+    """One-process FSDP over data parallelism alone (each device a copy holding one piece of each parameter)."""
+    return bool(fsdp_pieces(pm)) and getattr(getattr(pm, "recipe", None), "replicates_model", False)

@@ -61,4 +61,40 @@ def regathered() -> Any:
     return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
-__all__ = ["GATHERED", "GatherShards", "regathered"]
+def whole_on_meta(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` on ``meta`` (no data) whose parameters stored as pieces are whole parameters
+    again, tied ones still tied: the model before sharding, as the planner profiles it (a gather read on
+    fake pieces is a tensor autograd saves, not a parameter). None where a module holds a parametrization
+    other than the gather (the user's own, ``weight_norm``)."""
+    import copy
+
+    from torch.nn.utils import parametrize
+
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    skeleton = copy.deepcopy(model, memo)
+    wholes: dict[int, nn.Parameter] = {}
+    for module in list(skeleton.modules()):
+        if not parametrize.is_parametrized(module):
+            continue
+        lists = dict(module.parametrizations.items())
+        if not all(len(plist) == 1 and isinstance(plist[0], GatherShards) for plist in lists.values()):
+            return None
+        for plist in lists.values():
+            if id(plist) not in wholes:
+                gather: GatherShards = plist[0]
+                pieces = [getattr(plist, f"original{r}") for r in range(len(gather.piece_devices))]
+                shape = list(pieces[0].shape)
+                shape[gather.spec.dim] = sum(p.shape[gather.spec.dim] for p in pieces)
+                whole = torch.empty(shape, dtype=pieces[0].dtype, device="meta")
+                wholes[id(plist)] = nn.Parameter(whole, requires_grad=pieces[0].requires_grad)
+        module.__class__ = type(module).__bases__[0]  # the class parametrize derived it from
+        del module._modules["parametrizations"]
+        for leaf, plist in lists.items():
+            module._parameters[leaf] = wholes[id(plist)]
+    return skeleton
+
+
+__all__ = ["GATHERED", "GatherShards", "regathered", "whole_on_meta"]

@@ -32,8 +32,9 @@ program (whole tensors) and shard it again where it is restored (:mod:`dpcompile
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,9 +56,16 @@ class FsdpProgram:
     whole, as :mod:`dpcompile.modules.sharded_state` gives them): one gather a parameter a call."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # one gather a parameter a call, however many copies and micro-batches read it
-        with regathered(), parametrize.cached():
+        with self.call_context():
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def call_context(self) -> Iterator[None]:
+        """What a call's forward runs in (``dpcompile.measure`` runs the program node by node inside it
+        too): one gather a parameter a call, however many copies and micro-batches read it, held until
+        the call returns; what autograd saves of a gathered parameter gathered again in backward."""
+        with regathered(), parametrize.cached():
+            yield
 
     def _build_program(self, key: Any, args: tuple, kwargs: dict) -> Any:
         """The program for another call (a batch smaller than the dp copies, the other mode), reading

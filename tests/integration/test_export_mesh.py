@@ -12,7 +12,9 @@ runs the same in ``test_pipeline_mesh.py``'s group of 4 for ``("pp", "dp")`` (DD
 them) and, without a mesh, as the single-device program. A mesh of other dimension names, a folder
 exported without a mesh, a rank whose program is not the exported one, an edited layout: refused on
 every rank; what cannot be recorded is refused by name, and a failure on rank 0 alone fails every
-rank; neither writes anything. One group of 2 runs every check here.
+rank; neither writes anything. GPT-2 captured by the export frontend (``labels=``) over ``("dp",)``, ``("tp",)``,
+``("dp", "tp")`` and ``("pp",)`` (and ``("pp", "dp")`` in the group of 4) round-trips the same way
+(:func:`check_export_frontend_round_trip`). One group of 2 runs every check here.
 """
 
 from __future__ import annotations
@@ -600,6 +602,9 @@ def check_refusals_write_nothing(root: str) -> None:
         dpcompile.export(pm, folder)
     pm = dpcompile.transform(_model(functools.partial(Blocks, Block)), mesh, data_parallel="fsdp")
     with pytest.raises(ExportError, match=r"blocks \(Block\) whole.*register_module_class\(Block\)"):
+        dpcompile.export(pm, folder)
+    pm = dpcompile.transform(torch.fx.symbolic_trace(_model()), mesh)  # a GraphModule of the user's: no model to copy
+    with pytest.raises(ExportError, match="holds no model to copy: it was transformed from an fx.GraphModule"):
         dpcompile.export(pm, folder)
     assert not folder.exists()
     pm = dpcompile.transform(_model(), mesh)

@@ -45,7 +45,8 @@ else:
                 torch.set_num_threads(1)
                 test_exact_random_mesh.export_for_ranks()
                 test_pipeline_mesh_compose.export_for_ranks()
-                test_export_mesh._gpt2()  # GPT-2 as the export frontend captures it, for its 2 + 4 ranks
+                for seq in (test_export_mesh.GPT2_SEQ, test_export_mesh.GPT2_SEQ // 2):  # GPT-2 as the export
+                    test_export_mesh._gpt2(seq)  # frontend captures it (whole sequences, a cp rank's), for 2 + 4 ranks
         except Exception:  # noqa: BLE001 - a rank then exports what is missing itself
             pass
         finally:

@@ -13,7 +13,7 @@ them) and, without a mesh, as the single-device program. A mesh of other dimensi
 exported without a mesh, a rank whose program is not the exported one, an edited layout: refused on
 every rank; what cannot be recorded is refused by name, and a failure on rank 0 alone fails every
 rank; neither writes anything. GPT-2 captured by the export frontend (``labels=``) over ``("dp",)``, ``("tp",)``,
-``("dp", "tp")`` and ``("pp",)`` (and ``("pp", "dp")`` in the group of 4) round-trips the same way
+``("dp", "tp")``, ``("cp",)`` and ``("pp",)`` (and ``("pp", "dp")`` in the group of 4) round-trips the same way
 (:func:`check_export_frontend_round_trip`). One group of 2 runs every check here.
 """
 
@@ -413,9 +413,10 @@ GPT2_VOCAB, GPT2_SEQ = 64, 8
 
 
 @functools.cache
-def _gpt2() -> tuple[nn.Module, torch.fx.GraphModule]:
+def _gpt2(seq: int = GPT2_SEQ) -> tuple[nn.Module, torch.fx.GraphModule]:
     """Tiny GPT-2 (1 layer, n_embd 32, 2 heads, vocab 64) in float64, and its program as the export frontend
-    captures it with ``labels=`` (the batch dynamic): once per process, each layout transforming a copy."""
+    captures it with ``labels=`` of ``seq`` tokens (the batch dynamic; a cp rank's part, half: the sequence) once per process
+    (the ranks' fork server captures both), each layout transforming a copy."""
     import warnings
 
     from dpcompile.capture import capture_model
@@ -428,7 +429,8 @@ def _gpt2() -> tuple[nn.Module, torch.fx.GraphModule]:
     model = T.GPT2LMHeadModel(config).double()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        captured, _ = capture_model(model, frontend="export", example_kwargs=_gpt2_batch(seed=1))
+        captured, _ = capture_model(model, frontend="export", example_kwargs={k: v[:, :seq] for k, v in _gpt2_batch(1).items()},
+                                    batch_dim=1 if seq < GPT2_SEQ else None)  # cp keeps the sequence dynamic, as transform
     return model, captured
 
 
@@ -451,7 +453,8 @@ def _record_of_output(code: str) -> str:
 
 def check_export_frontend_round_trip(root: str, layout: dict[str, int]) -> None:
     """GPT-2 captured by the export frontend with ``labels=``, over ``layout`` (``"tp"``: ``tensor_parallel=True``;
-    ``"pp"``: 2 stages, 2 micro-batches), after an SGD step: exported and loaded over the mesh, its code is the
+    ``"pp"``: 2 stages, 2 micro-batches; ``"cp"``: each rank its part of the sequence, captured from it), after an
+    SGD step: exported and loaded over the mesh, its code is the
     original's (the output class written as its record), its ``state_dict`` the original's bit for bit (the
     model's keys, in order), and over 2 AdamW steps the loss, every gradient (bit for bit the original's) and
     the parameters equal the original's and eager's."""
@@ -459,10 +462,11 @@ def check_export_frontend_round_trip(root: str, layout: dict[str, int]) -> None:
 
     import dpcompile
     from dpcompile.fx_utils import unalias
+    from dpcompile.mesh import local_batch
     from dpcompile.runtime.tensor_parallel import shard_of
 
     mesh = _mesh(layout)
-    model, captured = _gpt2()
+    model, captured = _gpt2(GPT2_SEQ // layout.get("cp", 1))
     reference = copy.deepcopy(model)
     dp, pipeline = layout.get("dp", 1), "pp" in layout
     rows = ROWS // dp
@@ -470,11 +474,16 @@ def check_export_frontend_round_trip(root: str, layout: dict[str, int]) -> None:
     last = not pipeline or mesh.get_local_rank("pp") == 1
     options = {"tensor_parallel": True} if "tp" in layout else {}
     options.update({"pipeline": 2, "micro_batches": 2} if pipeline else {})
-    examples = {k: v[mine] for k, v in _gpt2_batch(2).items()}
-    pm = dpcompile.transform(copy.deepcopy(captured), mesh, example_kwargs=examples, **options)
+
+    def local(batch):  # this rank's rows (dp), or its part of the sequence (cp)
+        if "cp" in layout:
+            return dict(zip(batch, local_batch(tuple(batch.values()), mesh)))
+        return {k: v[mine] for k, v in batch.items()}
+
+    pm = dpcompile.transform(copy.deepcopy(captured), mesh, example_kwargs=local(_gpt2_batch(2)), **options)
 
     def run(program, batch):  # the loss (the mean over dp: the whole batch's) on the ranks that have it
-        out = program(**{k: v if program is reference else v[mine] for k, v in batch.items()})
+        out = program(**(batch if program is reference else local(batch)))
         if out is None:
             return None
         if not pipeline or program is reference:
@@ -655,6 +664,7 @@ def test_export_and_load_over_a_mesh(tmp_path):
         ("gpt2_export_tp", functools.partial(check_export_frontend_round_trip, root, {"tp": 2})),
         ("gpt2_export_dp_tp", functools.partial(check_export_frontend_round_trip, root, {"dp": 1, "tp": 2})),
         ("gpt2_export_pp", functools.partial(check_export_frontend_round_trip, root, {"pp": 2})),
+        ("gpt2_export_cp", functools.partial(check_export_frontend_round_trip, root, {"cp": 2})),
         ("other_sizes", functools.partial(check_other_sizes_and_one_process, root)),
         ("refusals", functools.partial(check_refusals_write_nothing, root)),
     ]

@@ -12,8 +12,9 @@ runs the same in ``test_pipeline_mesh.py``'s group of 4 for ``("pp", "dp")`` (DD
 them) and, without a mesh, as the single-device program. A mesh of other dimension names, a folder
 exported without a mesh, a rank whose program is not the exported one, an edited layout: refused on
 every rank; what cannot be recorded is refused by name, and a failure on rank 0 alone fails every
-rank; neither writes anything. GPT-2 captured by the export frontend (``labels=``) over ``("dp",)``, ``("tp",)``,
-``("dp", "tp")``, ``("cp",)`` and ``("pp",)`` (and ``("pp", "dp")`` in the group of 4) round-trips the same way
+rank; neither writes anything. GPT-2 captured by the export frontend (``labels=``) over ``("dp",)``, ``("dp", "tp")``
+(of (1, 2): its tp shards; ``("tp",)`` alone passes too, left out for the suite's time), ``("cp",)`` and ``("pp",)``
+(and ``("pp", "dp")`` in the group of 4) round-trips the same way
 (:func:`check_export_frontend_round_trip`). One group of 2 runs every check here.
 """
 
@@ -661,7 +662,6 @@ def test_export_and_load_over_a_mesh(tmp_path):
         ("attention_cp", functools.partial(check_context_round_trip, root, {"cp": 2})),
         ("attention_cp_tp", functools.partial(check_context_round_trip, root, {"cp": 2, "tp": 1})),
         ("gpt2_export_dp", functools.partial(check_export_frontend_round_trip, root, {"dp": 2})),
-        ("gpt2_export_tp", functools.partial(check_export_frontend_round_trip, root, {"tp": 2})),
         ("gpt2_export_dp_tp", functools.partial(check_export_frontend_round_trip, root, {"dp": 1, "tp": 2})),
         ("gpt2_export_pp", functools.partial(check_export_frontend_round_trip, root, {"pp": 2})),
         ("gpt2_export_cp", functools.partial(check_export_frontend_round_trip, root, {"cp": 2})),

@@ -22,10 +22,7 @@ import torch.multiprocessing as mp
 
 from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
 from tests.helpers import assert_mesh_pipeline_verifies, assert_stage_is_a_parallel_module, assert_whole_state_loads
-from tests.integration.test_export_mesh import (
-    check_export_frontend_round_trip_in_group,
-    check_pipeline_round_trip_in_group,
-)
+from tests.integration.test_export_mesh import check_pipeline_round_trip_in_group
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all; GPT-2 exported on each
 GROUP_TIMEOUT_S = 240.0  # a loaded 2-core machine; unloaded a group takes well under a minute
@@ -887,11 +884,6 @@ def check_export(rank: int, world: int, layout: dict[str, int], data_parallel: s
     check_pipeline_round_trip_in_group(layout, data_parallel, **(keywords or {}))
 
 
-def check_export_frontend(rank: int, world: int, layout: dict[str, int]) -> None:
-    """GPT-2 captured by the export frontend (``labels=``) exported over ``layout`` and loaded on every rank."""
-    check_export_frontend_round_trip_in_group(layout)
-
-
 # the automatic plan shards the tied head by rows and the embedding by vocab: refused, so both by vocab
 TIED_ROTARY_PLAN = {"embed": "vocab", "head": "column", "blocks.0": "column", "blocks.1": "row"}
 SCENARIOS = {
@@ -947,8 +939,7 @@ SCENARIOS = {
                 # dpcompile.export over the mesh, load(path, mesh=) on every rank: trains as the original
                 ("export_pp_dp", check_export, ({"pp": 2, "dp": 2}, "ddp", {"ddp_options": {"bucket_cap_mb": 1}})),
                 ("export_pp_dp_tp_fsdp", check_export, ({"pp": 2, "dp": 2, "tp": 1}, "fsdp")),  # the 3-D mesh, on 4
-                ("export_pp_tp", check_export, ({"pp": 2, "tp": 2}, "ddp", {"schedule": "1f1b"})),
-                ("export_gpt2_pp_dp", check_export_frontend, ({"pp": 2, "dp": 2},))]),  # captured by the export frontend
+                ("export_pp_tp", check_export, ({"pp": 2, "tp": 2}, "ddp", {"schedule": "1f1b"}))]),
 }  # fmt: skip
 
 

@@ -309,6 +309,8 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
     if not active or active in built:
         return
     where = "over a DeviceMesh" if over_mesh else "in one process"
+    if over_mesh and (why := _not_built_over_mesh(active)) is not None:
+        raise DpCompileError(f"the layout {dict(layout)} ({_describe(active)}) is not built {where} yet: {why}")
     if "cp" in active:
         nearest = (
             "mesh={'cp': N} in one process, with 'dp' or 'tp' or both beside it ({'dp': D, 'cp': N, 'tp': T}), or "
@@ -323,6 +325,27 @@ def check_built(active: set[str], *, over_mesh: bool, layout: Mapping[str, int])
             "device list in one process (mesh={'pp': ..., 'dp': ..., 'tp': ...})"
         )
     raise DpCompileError(f"the layout {dict(layout)} ({_describe(active)}) is not built {where} yet; use {nearest}")
+
+
+def _not_built_over_mesh(active: set[str]) -> str | None:
+    """Why a layout with ``cp`` is not built over a mesh, and the nearest layouts that are, or None."""
+    if active == {"dp", "cp", "tp"}:
+        return (
+            "the ('cp', 'tp') rank program takes each rank's part of the sequence of the whole batch and DDP sums its "
+            "gradients over 'cp' on each tp rank's shards; nothing yet cuts each dp rank's rows before its part of the "
+            "sequence and averages over 'dp' and 'cp' together beside 'tp' (the ('dp', 'cp') program does, without "
+            "shards). Use a ('cp', 'tp') DeviceMesh (without 'dp'), a ('dp', 'cp') one (without 'tp'), or "
+            "mesh={'dp': D, 'cp': N, 'tp': T} over a device list in one process"
+        )
+    if {"pp", "cp"} <= active:
+        return (
+            "over a mesh each stage runs on its own ranks under torch.distributed.pipelining, one micro-batch at a "
+            "time, and a stage's attention would exchange keys and values with the stage's other cp ranks inside "
+            "each schedule step, which is not built. Use a ('pp',) DeviceMesh (the sequence whole on each stage), a "
+            "('cp',) or ('cp', 'tp') one (no pipeline), or mesh={'pp': S, 'cp': N} (or with 'tp') over a device list "
+            "in one process (GPipe)"
+        )
+    return None
 
 
 def _describe(active: set[str]) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -33,6 +34,7 @@ from torch import nn
 from dpcompile import runtime
 from dpcompile.errors import DpCompileError
 from dpcompile.infra import PassResult, replace_graph, stamp
+from dpcompile.runtime import exported
 from passes.split_stages import StagePlan
 from passes.stage_transfers import node_stages
 
@@ -57,9 +59,10 @@ class StageOutputs:
 @dataclass(frozen=True)
 class Built:
     """An output the program builds by a call (the export frontend rebuilds transformers'
-    ``ModelOutput`` and named tuples that way): ``kind(*args, **kwargs)`` of leaf indices."""
+    ``ModelOutput`` and named tuples that way; a program loaded from a folder, the output's record,
+    ``exported.model_output``): ``kind(*args, **kwargs)`` of leaf indices."""
 
-    kind: type
+    kind: Callable[..., object]
     args: tuple
     kwargs: dict
 
@@ -126,7 +129,7 @@ def cut_stage(gm: fx.GraphModule, *, plan: StagePlan, stage: int) -> PassResult:
         if (
             not node.users
             and node.op == "call_function"
-            and (node.target in _REPLACED or isinstance(node.target, type))
+            and (node.target in _REPLACED or builds_output(node))
         ):
             graph.erase_node(node)
     for node in graph.nodes:
@@ -186,7 +189,7 @@ def _output_leaves(output: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
 
     def visit(v: object) -> None:
-        if isinstance(v, fx.Node) and v.op == "call_function" and isinstance(v.target, type):
+        if isinstance(v, fx.Node) and builds_output(v):
             fx.node.map_aggregate((v.args, v.kwargs), visit)
         elif isinstance(v, fx.Node):
             found.append(v)
@@ -205,7 +208,7 @@ def _assembling(output: fx.Node) -> list[fx.Node]:
     def visit(v: object) -> None:
         if not isinstance(v, fx.Node) or v.op != "call_function":
             return
-        if isinstance(v.target, type):
+        if builds_output(v):
             found.append(v)
             fx.node.map_aggregate((v.args, v.kwargs), visit)
         elif v.target is runtime.gather and isinstance(v.args[1], int):
@@ -216,6 +219,12 @@ def _assembling(output: fx.Node) -> list[fx.Node]:
 
     fx.node.map_aggregate(output.args[0], visit)
     return found
+
+
+def builds_output(node: fx.Node) -> bool:
+    """``node`` builds the model's output from values: a class it calls (``ModelOutput(loss=..., logits=...)``),
+    or that class's record in a program loaded from a folder (``exported.model_output(name, fields, ...)``)."""
+    return node.op == "call_function" and (isinstance(node.target, type) or node.target is exported.model_output)
 
 
 _REPLACED = (runtime.gather, runtime.mean_of_partials, runtime.reduce_add, operator.truediv)
@@ -241,7 +250,7 @@ def find_row_meetings(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
 def _first_computing_reader(node: fx.Node) -> fx.Node | None:
     for user in node.users:
         assembles = user.op == "output" or (
-            user.op == "call_function" and (isinstance(user.target, type) or user.target in _REPLACED)
+            user.op == "call_function" and (builds_output(user) or user.target in _REPLACED)
         )
         if not assembles:
             return user
@@ -292,7 +301,7 @@ def _last_stage_outputs(
     def value(v: object) -> object:
         if not isinstance(v, fx.Node):
             return fx.node.map_aggregate(v, lambda u: value(u) if isinstance(u, fx.Node) else u)
-        if v.op == "call_function" and isinstance(v.target, type):  # ModelOutput(loss=..., logits=...)
+        if builds_output(v):  # ModelOutput(loss=..., logits=...)
             return Built(v.target, tuple(value(a) for a in v.args), {k: value(a) for k, a in v.kwargs.items()})
         return leaf(v)
 

@@ -91,6 +91,7 @@ from dpcompile.runtime.sequence_all_to_all import heads_over_group, sequence_ove
 from dpcompile.runtime.sequence_balance import balanced_attention_over_group
 from dpcompile.runtime.sequence_ring_group import ring_attention_over_group
 from passes.collectives import group_size
+from passes.cut_stage import builds_output
 
 PASS = "lower_sequence_to_rank"
 _PER_DEVICE = re.compile(r"^(.*)_dev(\d+)(?:_\d+)?$")  # fx's suffix where two nodes asked for one name
@@ -290,16 +291,17 @@ def _world_of(sites: RankSites) -> int:
 
 def _only_returned(node: fx.Node) -> bool:
     """Whether ``node`` is only returned: read by the output, or by an output structure built of it
-    (transformers' ``CausalLMOutput(loss=..., logits=...)``) that is only returned."""
+    (transformers' ``CausalLMOutput(loss=..., logits=...)``, or its record) that is only returned."""
     return bool(node.users) and all(
-        user.op == "output" or (user.op == "call_function" and isinstance(user.target, type) and _only_returned(user))
+        user.op == "output" or (builds_output(user) and _only_returned(user))
         for user in node.users
     )
 
 
 def _is_output_structure(node: fx.Node) -> bool:
-    """An output structure built of returned values (transformers' ``CausalLMOutput(...)``)."""
-    return node.op == "call_function" and isinstance(node.target, type) and _only_returned(node)
+    """An output structure built of returned values (transformers' ``CausalLMOutput(...)``, or its record in a
+    program loaded from a folder)."""
+    return builds_output(node) and _only_returned(node)
 
 
 def _is_scalar(node: fx.Node) -> bool:

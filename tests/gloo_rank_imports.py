@@ -6,7 +6,8 @@ fraction of a second.
 
 It also exports, once, the transformers programs that the ranks of several groups would each
 export again (``export_for_ranks`` of ``test_exact_random_mesh.py`` and
-``test_pipeline_mesh_compose.py``: about 2 s of CPU a model a rank, on 2 + 4 + 4 + 8 ranks), on one
+``test_pipeline_mesh_compose.py``: about 2 s of CPU a model a rank, on 2 + 4 + 4 + 8 ranks; GPT-2 for
+``test_export_mesh.py``'s export-frontend checks, on 2 ranks), on one
 thread and with the generator's state put back, so that no thread pool is started and a rank
 starts from the generator state it had without them."""
 
@@ -35,7 +36,7 @@ else:
     def _export_for_ranks() -> None:
         import warnings
 
-        from tests.integration import test_exact_random_mesh, test_pipeline_mesh_compose
+        from tests.integration import test_exact_random_mesh, test_export_mesh, test_pipeline_mesh_compose
 
         threads = torch.get_num_threads()
         try:
@@ -44,6 +45,8 @@ else:
                 torch.set_num_threads(1)
                 test_exact_random_mesh.export_for_ranks()
                 test_pipeline_mesh_compose.export_for_ranks()
+                for seq in (test_export_mesh.GPT2_SEQ, test_export_mesh.GPT2_SEQ // 2):  # GPT-2 as the export
+                    test_export_mesh._gpt2(seq)  # frontend captures it (whole sequences, a cp rank's), for 2 ranks
         except Exception:  # noqa: BLE001 - a rank then exports what is missing itself
             pass
         finally:

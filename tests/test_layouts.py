@@ -352,9 +352,11 @@ def test_layout_three_dimensional_mesh_and_fsdp_pipeline_accepted():
     check_keywords_honoured(_unjoined_mesh((2,), ("cp",)))
     assert mesh_layout(_unjoined_mesh((2,), ("cp",)), pipeline=None, tensor_parallel=False) == {"cp": 2}
     check_keywords_honoured(_unjoined_mesh((2, 2), ("dp", "cp")))
-    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet; use mesh=\{'cp': N\} in one process, with 'dp' or 'tp' or both beside it"):
+    with pytest.raises(DpCompileError, match=r"context parallel\) is not built over a DeviceMesh yet: .*torch.distributed"
+                       r".pipelining.*Use a \('pp',\) DeviceMesh .*, a \('cp',\) or \('cp', 'tp'\) one .*mesh=\{'pp': S, 'cp': N\}"):
         check_keywords_honoured(_unjoined_mesh((2, 2), ("pp", "cp")), pipeline=2)
-    with pytest.raises(DpCompileError, match=r"a \('cp',\) or \('dp', 'cp'\) DeviceMesh .*, a \('cp', 'tp'\) DeviceMesh"):
+    with pytest.raises(DpCompileError, match=r"tensor parallel\) is not built over a DeviceMesh yet: .*Use a \('cp', 'tp'\) "
+                       r"DeviceMesh \(without 'dp'\), a \('dp', 'cp'\) one \(without 'tp'\), or mesh=\{'dp': D, 'cp': N, 'tp': T\}"):
         check_keywords_honoured(_unjoined_mesh((2, 2, 2), ("dp", "cp", "tp")), tensor_parallel=True)
     check_keywords_honoured(_unjoined_mesh((2, 2), ("cp", "tp")), tensor_parallel=True)
 

@@ -50,9 +50,12 @@ class LinearSite:
 
 
 def linear_like_types() -> tuple[type[nn.Module], ...]:
-    """The module types sharded as Linear layers: ``nn.Linear`` and, where transformers is
-    imported, its ``Conv1D`` (GPT-2's layers: weight ``(in, out)``, ``addmm``)."""
-    found: list[type[nn.Module]] = [nn.Linear]
+    """The module types sharded as Linear layers: ``nn.Linear``, ``Conv1D``'s stand-in in a program loaded
+    from a folder (``TransposedLinear``: the same attributes and arithmetic, so it is planned and sharded
+    alike) and, where transformers is imported, its ``Conv1D`` (GPT-2's layers: weight ``(in, out)``, ``addmm``)."""
+    from dpcompile.runtime.exported import TransposedLinear
+
+    found: list[type[nn.Module]] = [nn.Linear, TransposedLinear]
     utils = sys.modules.get("transformers.pytorch_utils")
     conv1d = getattr(utils, "Conv1D", None)
     if isinstance(conv1d, type) and issubclass(conv1d, nn.Module):

@@ -17,7 +17,8 @@ Layouts: ``("dp",)``, ``("tp",)``, ``("dp", "tp")``, context parallel over ``("c
 ``("cp", "tp")`` (``context_parallel=`` recorded), and pipelines over ``("pp",)``, ``("pp", "dp")``,
 ``("pp", "tp")``, ``("pp", "dp", "tp")``; ``"dp"`` as DDP or FSDP2 (``data_parallel="fsdp"``: recorded, applied
 again on load; its model's repeated blocks, called whole, stay calls in the exported program, so their class
-must be torch.nn's or registered). Export is collective. Every
+must be torch.nn's or registered); either frontend (the export frontend's program: its copy on meta, taken
+before lowering, is what rank 0 transforms for one device). Export is collective. Every
 rank checks what it can record (the same answer on each) before any exchange; then ``pm.state_dict()``
 gathers whole tensors under the model's keys, each rank's program text is hashed (``rank_code``), and
 rank 0 copies the model (its structure on ``meta``, then the gathered values and every stage's
@@ -52,7 +53,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.export.common import ExportError
 from dpcompile.export.mesh_section import CONTEXT_MODES, DDP_SCALARS, MESH_MODES
 
-__all__ = ["export_over_mesh", "is_mesh_program", "load_over_mesh", "recorded_layout"]
+__all__ = ["export_over_mesh", "is_mesh_program", "load_over_mesh", "portable_code", "recorded_layout"]
 
 _RECORDED = ("plan", "data_parallel", "ddp_options", "exact_random", "frontend", "mesh")  # SpmdRecipe's fields
 _PIPELINE = ("stages", "micro_batches", "schedule", "batch_dim")  # MeshPipelineRecipe's, recorded too
@@ -107,13 +108,11 @@ def recorded_layout(pm: Any) -> dict[str, Any]:
             f"ddp_options={{{key!r}: {odd[key]!r:.60}}} is not plain data (a number, string or bool), so an export "
             "cannot record it; leave it out to export, or save_checkpoint(pm, path)"
         )
-    if _source(pm) is None:  # the export frontend's program would load with dpcompile's
-        # stand-ins (ModelOutput, Conv1D) and without its rank rows: another program, which load would refuse
+    if _source(pm) is None:  # a GraphModule of the user's or a loaded program's: no model to copy
         raise ExportError(
-            "this program over a mesh holds no model to copy: it was captured by the export frontend (example_kwargs=, "
-            "frontend=\"export\"), transformed from an fx.GraphModule, or loaded from an export; its export is not "
-            "built yet. Transform the model with frontend=\"fx\" (and example_inputs=) where fx traces it and export "
-            "that, copy the folder it was loaded from, or save_checkpoint(pm, path)"
+            "this program over a mesh holds no model to copy: it was transformed from an fx.GraphModule or loaded "
+            "from an export. Transform the model itself (frontend=\"fx\", or \"export\" with example_kwargs=) and "
+            "export that, copy the folder it was loaded from, or save_checkpoint(pm, path)"
         )
     mesh = recipe.mesh
     plan = recipe.plan if isinstance(recipe.plan, bool) else dict(recipe.plan)
@@ -160,7 +159,8 @@ def _as_transformed(recipe: Any) -> Any:
 
 def _source(pm: Any) -> nn.Module | None:
     """The model the program was lowered from: its copy on meta taken before FSDP2 rewrote its classes (a
-    pipeline's, ``data_parallel="fsdp"``'s), or fx's (``traced_model``)."""
+    pipeline's, ``data_parallel="fsdp"``'s, or the export frontend's program: a GraphModule over the model's
+    modules, which rank 0 transforms for one device as one process transforms it), or fx's (``traced_model``)."""
     return pm.__dict__.get("model_on_meta") or pm.__dict__.get("traced_model")
 
 
@@ -258,7 +258,37 @@ def _non_persistent_buffers(pm: Any) -> dict[str, torch.Tensor]:
 
 
 def _code_hash(pm: Any) -> str:
-    return hashlib.sha256(pm.code.encode()).hexdigest()
+    return hashlib.sha256(portable_code(pm).encode()).hexdigest()
+
+
+def portable_code(pm: Any) -> str:
+    """``pm.code`` as the program reads once loaded from a folder: a transformers ``ModelOutput`` it builds
+    (the export frontend's GPT-2: ``CausalLMOutputWithCrossAttentions(loss=..., logits=...)``) written as
+    the record a folder holds instead (``dpcompile.runtime.exported.model_output(name, fields, ...)``), the
+    rest as it is. A loaded program's code is its own: it builds no class.
+
+    Before: ``out = transformers_modeling_outputs_CausalLMOutputWithCrossAttentions(loss = div, logits = lm_head)``
+    After:  ``out = dpcompile_runtime_exported_model_output('transformers...CausalLMOutputWithCrossAttentions',
+    ('loss', 'logits', ...), loss = div, logits = lm_head)``"""
+    from dpcompile.export.allowlist import class_name, qualified_name
+    from dpcompile.export.serialize import model_output_fields
+    from dpcompile.fx_utils import copy_graph
+    from dpcompile.runtime.exported import model_output
+
+    def fields(node: fx.Node) -> tuple[str, ...] | None:  # as encode_graph writes it: a registered type stays
+        unnamed = node.op == "call_function" and qualified_name(node.target) is None
+        return model_output_fields(node.target) if unnamed else None
+
+    if all(fields(n) is None for n in pm.graph.nodes):
+        return pm.code
+    graph = copy_graph(pm.graph)
+    for node in graph.nodes:
+        if (record := fields(node)) is not None:
+            node.target, node.args = model_output, (class_name(node.target), record, *node.args)
+    fx_code = pm.graph.python_code(root_module="self").src  # pm.code: this, below a note (random draws) if any
+    if fx_code not in pm.code:
+        raise ExportError("the program's code is not its graph's: it cannot be written with its output records")
+    return pm.code.replace(fx_code, graph.python_code(root_module="self").src)
 
 
 # ------------------------------------------------------------------------------------ load

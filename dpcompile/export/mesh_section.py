@@ -54,7 +54,7 @@ def checked_mesh_section(section: Any) -> dict[str, Any]:
     if (plan is False) != (mode in ("spmd_data_parallel", "spmd_context_parallel") or (mode == "spmd_pipeline" and "tp" not in dims)):
         raise ExportError(f"{PROGRAM_FILE}: tensor_parallel {plan!r:.40} with a {mode} program")
     options = keywords["ddp_options"]
-    if keywords["data_parallel"] not in ("ddp", "fsdp") or type(keywords["exact_random"]) is not bool or keywords["frontend"] not in ("auto", "fx"):
+    if keywords["data_parallel"] not in ("ddp", "fsdp") or type(keywords["exact_random"]) is not bool or keywords["frontend"] not in ("auto", "fx", "export"):
         raise ExportError(f"{PROGRAM_FILE}: mesh keywords {keywords!r:.120}")
     if not isinstance(options, dict) or not all(isinstance(k, str) and isinstance(v, DDP_SCALARS) for k, v in options.items()):
         raise ExportError(f"{PROGRAM_FILE}: ddp_options {options!r:.60}")

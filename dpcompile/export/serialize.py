@@ -48,7 +48,7 @@ from dpcompile.export.allowlist import (
 from dpcompile.export.kinds import TreeIndex, check_graph
 from dpcompile.export.strided import bound
 
-__all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_tree", "encode_value"]
+__all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_tree", "encode_value", "model_output_fields"]
 
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -185,7 +185,7 @@ def encode_graph(graph: fx.Graph) -> dict[str, Any]:
         args = node.args
         if node.op == "call_function":
             target = qualified_name(node.target)
-            fields = _model_output_fields(node.target) if target is None else None
+            fields = model_output_fields(node.target) if target is None else None
             if fields is not None:  # transformers' output class: a record of its fields (data, no class)
                 target, args = _MODEL_OUTPUT, (class_name(node.target), fields, *node.args)
             if target is None:
@@ -246,7 +246,7 @@ def _decoded_labels(value: Any, node: fx.Node) -> None:
 _MODEL_OUTPUT = "dpcompile.runtime.exported.model_output"
 
 
-def _model_output_fields(cls: Any) -> tuple[str, ...] | None:
+def model_output_fields(cls: Any) -> tuple[str, ...] | None:
     """The fields of a transformers ``ModelOutput`` dataclass (by the name of its base: nothing
     imports transformers here), or None for anything else."""
     import dataclasses

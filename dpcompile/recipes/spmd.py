@@ -55,7 +55,7 @@ import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.random_ops import random_kind
 from dpcompile.analysis.sharding import linear_like_leaves
-from dpcompile.capture import capture
+from dpcompile.capture import EXPORTED_FROM, capture
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import fake_copy, fake_copy_to_trace, is_fake, meta_copy_to_pickle
@@ -113,11 +113,12 @@ class SpmdRecipe(Recipe):
     def compile(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         """Every rank must call it: it is collective (DDP and the tensor-parallel model broadcast
         the first rank's parameters and buffers)."""
-        on_meta = meta_copy_to_pickle(model) if self.data_parallel == "fsdp" else None  # before FSDP2 swaps its classes
-        pm = self._compile_rank(model, example_inputs)
+        exported = isinstance(model, fx.GraphModule) and EXPORTED_FROM in model.meta  # the export frontend's program
+        on_meta = meta_copy_to_pickle(model) if self.data_parallel == "fsdp" or exported else None  # before FSDP2
+        pm = self._compile_rank(model, example_inputs)  # swaps its classes (and tp shards the program's modules)
         pm.__dict__["example_specs"] = example_specs(example_inputs)  # what export over a mesh records
-        if on_meta is not None and pm.__dict__.get("traced_model") is not None:  # what export over a mesh copies
-            pm.__dict__["model_on_meta"] = on_meta
+        if on_meta is not None and (exported or pm.__dict__.get("traced_model") is not None):  # what export over a
+            pm.__dict__["model_on_meta"] = on_meta  # mesh copies: the model, or the program export captured
         return pm
 
     def _compile_rank(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:

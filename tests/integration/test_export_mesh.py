@@ -12,11 +12,16 @@ runs the same in ``test_pipeline_mesh.py``'s group of 4 for ``("pp", "dp")`` (DD
 them) and, without a mesh, as the single-device program. A mesh of other dimension names, a folder
 exported without a mesh, a rank whose program is not the exported one, an edited layout: refused on
 every rank; what cannot be recorded is refused by name, and a failure on rank 0 alone fails every
-rank; neither writes anything. One group of 2 runs every check here.
+rank; neither writes anything. GPT-2 captured by the export frontend (``labels=``) over ``("dp",)``, ``("dp", "tp")``
+(of (1, 2): its tp shards; ``("tp",)`` alone passes too, left out for the suite's time), ``("cp",)`` and ``("pp",)``
+round-trips the same way (``("pp", "dp")`` too, run by hand in ``test_pipeline_mesh.py``'s group of 4: it
+added 28 s there)
+(:func:`check_export_frontend_round_trip`). One group of 2 runs every check here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -315,6 +320,13 @@ def check_pipeline_round_trip(root: str, layout: dict[str, int] | None = None, d
 def check_pipeline_round_trip_in_group(layout: dict[str, int], data_parallel: str = "ddp", **keywords) -> None:
     """:func:`check_pipeline_round_trip` as a check of another spawned group (``test_pipeline_mesh.py``'s
     4 processes): rank 0 makes the folder's parent and removes it after."""
+    with _group_root() as root:
+        check_pipeline_round_trip(root, layout, data_parallel, **keywords)
+
+
+@contextlib.contextmanager
+def _group_root():
+    """A folder every rank of the group names: rank 0 makes it, and removes it once every rank is done."""
     import tempfile
 
     import torch.distributed as dist
@@ -323,7 +335,7 @@ def check_pipeline_round_trip_in_group(layout: dict[str, int], data_parallel: st
     root = [tempfile.mkdtemp(prefix="export_mesh_") if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     try:
-        check_pipeline_round_trip(root[0], layout, data_parallel, **keywords)
+        yield root[0]
     finally:
         dist.barrier()
         if rank == 0:
@@ -391,6 +403,140 @@ def check_context_round_trip(root: str, layout: dict[str, int]) -> None:
             optimizer.zero_grad()
     _assert_state_equal(loaded, pm, exact=True)
     _assert_state_equal(loaded, reference, exact=False)
+
+
+GPT2_VOCAB, GPT2_SEQ = 64, 8
+
+
+@functools.cache
+def _gpt2(seq: int = GPT2_SEQ) -> tuple[nn.Module, torch.fx.GraphModule]:
+    """Tiny GPT-2 (1 layer, n_embd 32, 2 heads, vocab 64) in float64, and its program as the export frontend
+    captures it with ``labels=`` of ``seq`` tokens (the batch dynamic; a cp rank's part, half: the sequence) once per process
+    (the ranks' fork server captures both), each layout transforming a copy."""
+    import warnings
+
+    from dpcompile.capture import capture_model
+    from tests.thirdparty import import_or_skip
+
+    T = import_or_skip("transformers")
+    torch.manual_seed(0)
+    config = T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=GPT2_VOCAB, n_positions=GPT2_SEQ, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
+    model = T.GPT2LMHeadModel(config).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured, _ = capture_model(model, frontend="export", example_kwargs={k: v[:, :seq] for k, v in _gpt2_batch(1).items()},
+                                    batch_dim=1 if seq < GPT2_SEQ else None)  # cp keeps the sequence dynamic, as transform
+    return model, captured
+
+
+def _gpt2_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, GPT2_VOCAB, (ROWS, GPT2_SEQ), generator=g),
+            "labels": torch.randint(0, GPT2_VOCAB, (ROWS, GPT2_SEQ), generator=g)}  # fmt: skip
+
+
+def _record_of_output(code: str) -> str:
+    """``code`` with GPT-2's output class written as the record a folder holds (what a loaded program builds)."""
+    import dataclasses
+
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions as Output
+
+    fields = tuple(f.name for f in dataclasses.fields(Output))
+    return code.replace("transformers_modeling_outputs_CausalLMOutputWithCrossAttentions(",
+                        f"dpcompile_runtime_exported_model_output({Output.__module__ + '.' + Output.__name__!r}, {fields!r}, ")
+
+
+def check_export_frontend_round_trip(root: str, layout: dict[str, int]) -> None:
+    """GPT-2 captured by the export frontend with ``labels=``, over ``layout`` (``"tp"``: ``tensor_parallel=True``;
+    ``"pp"``: 2 stages, 2 micro-batches; ``"cp"``: each rank its part of the sequence, captured from it), after an
+    SGD step: exported and loaded over the mesh, its code is the
+    original's (the output class written as its record), its ``state_dict`` the original's bit for bit (the
+    model's keys, in order), and over 2 AdamW steps the loss, every gradient (bit for bit the original's) and
+    the parameters equal the original's and eager's."""
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.fx_utils import unalias
+    from dpcompile.mesh import local_batch
+    from dpcompile.runtime.tensor_parallel import shard_of
+
+    mesh = _mesh(layout)
+    model, captured = _gpt2(GPT2_SEQ // layout.get("cp", 1))
+    reference = copy.deepcopy(model)
+    dp, pipeline = layout.get("dp", 1), "pp" in layout
+    rows = ROWS // dp
+    mine = slice(mesh.get_local_rank("dp") * rows, (mesh.get_local_rank("dp") + 1) * rows) if dp > 1 else slice(None)
+    last = not pipeline or mesh.get_local_rank("pp") == 1
+    options = {"tensor_parallel": True} if "tp" in layout else {}
+    options.update({"pipeline": 2, "micro_batches": 2} if pipeline else {})
+
+    def local(batch):  # this rank's rows (dp), or its part of the sequence (cp)
+        if "cp" in layout:
+            return dict(zip(batch, local_batch(tuple(batch.values()), mesh)))
+        return {k: v[mine] for k, v in batch.items()}
+
+    pm = dpcompile.transform(copy.deepcopy(captured), mesh, example_kwargs=local(_gpt2_batch(2)), **options)
+
+    def run(program, batch):  # the loss (the mean over dp: the whole batch's) on the ranks that have it
+        out = program(**(batch if program is reference else local(batch)))
+        if out is None:
+            return None
+        if not pipeline or program is reference:
+            out.loss.backward()
+        loss = out.loss.detach().clone()
+        if dp > 1 and program is not reference:
+            dist.all_reduce(loss, group=mesh.get_group("dp"))
+            loss /= dp
+        return loss
+
+    for module in (pm, reference):  # a step before the export: the folder holds trained weights
+        run(module, _gpt2_batch(3))
+        with torch.no_grad():
+            for p in module.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    folder = _folder(root, "gpt2_" + "_".join(f"{k}{n}" for k, n in layout.items()))
+    assert dpcompile.export(pm, folder) == folder
+    loaded = dpcompile.load(folder, mesh=mesh)
+    assert loaded.mode == pm.mode and loaded.code == _record_of_output(pm.code)
+    assert (loaded.code == pm.code) == pipeline  # a pipeline's last stage returns the output's fields, not it
+    _assert_state_equal(loaded, pm, exact=True)
+    _assert_state_equal(loaded, reference, exact=False)
+    shards, tp_rank = getattr(pm, "shards", {}) or {}, mesh.get_local_rank("tp") if "tp" in layout else 0
+    assert (getattr(loaded, "shards", {}) or {}) == shards and bool(shards) == ("tp" in layout)
+
+    def params(program) -> dict[str, torch.Tensor]:
+        held = program.program if pipeline else program
+        return {unalias(n.removeprefix("module.")): p for n, p in held.named_parameters()}
+
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pm, loaded, reference)]
+    for step in range(2):
+        batch = _gpt2_batch(10 + step)
+        expected = run(reference, batch)
+        for program in (pm, loaded):
+            loss = run(program, batch)
+            assert (loss is None) == (not last)
+            if last:
+                torch.testing.assert_close(loss, expected, msg=lambda m, s=step: f"loss of step {s}: {m}")
+        got, original = params(loaded), params(pm)
+        assert sorted(got) == sorted(original) and got
+        for key, p in got.items():  # a pipeline's stage 1 names the tied weight lm_head.weight
+            grad = reference.get_parameter(key).grad
+            want = shard_of(grad, shards[key], tp_rank) if key in shards else grad
+            torch.testing.assert_close(_whole(p.grad), want, msg=lambda m, k=key: f"grad {k}: {m}")
+            torch.testing.assert_close(_whole(p.grad), _whole(original[key].grad), rtol=0, atol=0)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    original = params(pm)
+    for key, p in params(loaded).items():  # AdamW's first steps divide each gradient by its own size, which makes a
+        # last-bit difference of a near-zero one (GPT-2's loss is float32) a relative 1e-4 (float64 elsewhere)
+        weight = reference.get_parameter(key).detach()
+        want = shard_of(weight, shards[key], tp_rank) if key in shards else weight
+        torch.testing.assert_close(_whole(p.detach()), want, rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"param {k}: {m}")
+        torch.testing.assert_close(_whole(p.detach()), _whole(original[key].detach()), rtol=0, atol=0)
+    _assert_state_equal(loaded, pm, exact=True)
 
 
 def check_other_sizes_and_one_process(root: str) -> None:
@@ -462,6 +608,9 @@ def check_refusals_write_nothing(root: str) -> None:
     pm = dpcompile.transform(_model(functools.partial(Blocks, Block)), mesh, data_parallel="fsdp")
     with pytest.raises(ExportError, match=r"blocks \(Block\) whole.*register_module_class\(Block\)"):
         dpcompile.export(pm, folder)
+    pm = dpcompile.transform(torch.fx.symbolic_trace(_model()), mesh)  # a GraphModule of the user's: no model to copy
+    with pytest.raises(ExportError, match="holds no model to copy: it was transformed from an fx.GraphModule"):
+        dpcompile.export(pm, folder)
     assert not folder.exists()
     pm = dpcompile.transform(_model(), mesh)
     crowded = _folder(root, "crowded")
@@ -507,6 +656,10 @@ def test_export_and_load_over_a_mesh(tmp_path):
         ("attention_dp", functools.partial(check_context_round_trip, root, {"dp": 2})),
         ("attention_cp", functools.partial(check_context_round_trip, root, {"cp": 2})),
         ("attention_cp_tp", functools.partial(check_context_round_trip, root, {"cp": 2, "tp": 1})),
+        ("gpt2_export_dp", functools.partial(check_export_frontend_round_trip, root, {"dp": 2})),
+        ("gpt2_export_dp_tp", functools.partial(check_export_frontend_round_trip, root, {"dp": 1, "tp": 2})),
+        ("gpt2_export_pp", functools.partial(check_export_frontend_round_trip, root, {"pp": 2})),
+        ("gpt2_export_cp", functools.partial(check_export_frontend_round_trip, root, {"cp": 2})),
         ("other_sizes", functools.partial(check_other_sizes_and_one_process, root)),
         ("refusals", functools.partial(check_refusals_write_nothing, root)),
     ]

@@ -30,6 +30,7 @@ from dpcompile.analysis.batch_rules.matrix import last_dim_op, matmul
 from dpcompile.analysis.batch_rules.pointwise import pointwise
 from dpcompile.analysis.batch_rules.registry import BATCH_RULES
 from dpcompile.analysis.placement import BatchSize, Partial, Placement, Replicated, Split, Whole
+from dpcompile.runtime.exported import TransposedLinear
 
 aten = torch.ops.aten
 
@@ -238,3 +239,4 @@ for _target in (operator.matmul, torch.matmul, "matmul"):
     BATCH_RULES.register(_target, matmul_weight_left, replace=True)
 BATCH_RULES.register(operator.mul, batch_size_product, replace=True)
 BATCH_RULES.register_by_name("transformers.pytorch_utils.Conv1D", conv1d_transformers)
+BATCH_RULES.register(TransposedLinear, conv1d_transformers)  # its stand-in in a program loaded from a folder

@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.gloo_groups import CAPTURED, assert_group_passed, run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned; GPT-2 exported on each
 GROUP_TIMEOUT_S = 900.0  # spawning, importing transformers and the first gloo connections are slow on a loaded machine
@@ -135,9 +135,6 @@ def _loss(out):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-_EXPORTED: dict[tuple, torch.nn.Module] = {}
-
-
 def _program(name: str, model: torch.nn.Module, local: dict) -> torch.nn.Module:
     """``model`` as the program to transform: the MLPs as they are, the transformers exported once per
     rank and input shapes (the cells' time), a copy loaded with ``model``'s weights (FSDP shards the
@@ -146,18 +143,18 @@ def _program(name: str, model: torch.nn.Module, local: dict) -> torch.nn.Module:
         return model
     from dpcompile.capture import capture_model
 
-    key = (name, *((k, tuple(v.shape)) for k, v in local.items()))
-    if key not in _EXPORTED:
+    key = ("exact_random_mesh", name, *((k, tuple(v.shape)) for k, v in local.items()))
+    if key not in CAPTURED:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _EXPORTED[key] = capture_model(copy.deepcopy(model), frontend="export", example_kwargs=local)[0]
-    program = copy.deepcopy(_EXPORTED[key])
+            CAPTURED[key] = capture_model(copy.deepcopy(model), frontend="export", example_kwargs=local)[0]
+    program = copy.deepcopy(CAPTURED[key])
     program.load_state_dict(model.state_dict())
     return program
 
 
 def export_for_ranks() -> None:
-    """Fill ``_EXPORTED`` with what every cell exports (each transformers model at 2 rows a rank, the
+    """Fill ``CAPTURED`` (``tests/gloo_groups.py``) with what every cell exports (each transformers model at 2 rows a rank, the
     local batch of every layout here and in ``test_pipeline_mesh_compose.py``). The fork server the
     ranks start from calls it (``tests/gloo_rank_imports.py``), so that the ranks of every group
     copy the programs instead of each exporting them again; the models are built as the cells build
@@ -335,6 +332,18 @@ def check_dropout_rows_unknown_without_examples() -> None:
     torch.testing.assert_close(loss / 2, expected.detach())
 
 
+def check_cells_copy_the_fork_servers_programs() -> None:
+    """Before any cell ran, the programs the fork server captured (``export_for_ranks``) are in the
+    dict this rank's cells read: they copy them instead of exporting each model again (about 5 s of
+    CPU a model a rank)."""
+    import sys
+
+    if "transformers" not in sys.modules:  # the fork server had no transformers to export with
+        return
+    captured = {key[1] for key in CAPTURED if key[0] == "exact_random_mesh"}
+    assert captured >= {"gpt2", "bert", "vit"}, f"the fork server's programs did not reach the rank: {sorted(CAPTURED)}"
+
+
 def _check(name: str, layout: dict[str, int], data_parallel: str, schedule: str | None):
     import functools
 
@@ -344,7 +353,8 @@ def _check(name: str, layout: dict[str, int], data_parallel: str, schedule: str 
 
 
 def _checks(world: int) -> list[tuple[str, object]]:
-    checks = [
+    checks = [("cells-copy-the-fork-servers-programs", check_cells_copy_the_fork_servers_programs)] if world == 2 else []
+    checks += [
         (f"{name}-{label}", _check(name, *spec))
         for label, spec in LAYOUTS[world].items()
         for name in MESH_MODELS

@@ -31,6 +31,7 @@ from dpcompile.errors import StateDictError
 from dpcompile.modules.mesh_stage import TensorsOnWire
 from dpcompile.modules.spmd import full_tensor, gathered_whole
 from dpcompile.modules.weights import no_values
+from dpcompile.runtime.dtensor_gather import full_tensors
 
 
 def shard_stage_over_dp(program: fx.GraphModule, dp_mesh: Any, options: Mapping[str, Any]) -> TensorsOnWire:
@@ -125,13 +126,13 @@ def full_state_dict(pm: Any) -> dict[str, torch.Tensor]:
 
     from dpcompile.fx_utils import unalias
 
-    mine: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
     for name, value in sorted(pm.program.state_dict(keep_vars=True).items()):
         name = unalias(name)
-        if name not in pm.state_ties:
-            continue  # a non-persistent buffer, or a constant the program made
-        value = whole_tensor(value.detach(), pm.shards.get(name), pm.tp_group)
-        mine[name] = value
+        if name in pm.state_ties:  # not a non-persistent buffer, nor a constant the program made
+            held[name] = value.detach()
+    held = full_tensors(held)  # FSDP's row shards over "dp" whole: one flat all-gather a dtype
+    mine = {name: whole_tensor(value, pm.shards.get(name), pm.tp_group) for name, value in held.items()}
     listed: list[Any] = [None] * dist.get_world_size(pm.pp_group)
     dist.all_gather_object(listed, [(n, tuple(t.shape), t.dtype) for n, t in mine.items()], group=pm.pp_group)
     out: dict[str, torch.Tensor] = {}

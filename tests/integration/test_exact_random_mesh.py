@@ -344,6 +344,35 @@ def check_cells_copy_the_fork_servers_programs() -> None:
     assert captured >= {"gpt2", "bert", "vit"}, f"the fork server's programs did not reach the rank: {sorted(CAPTURED)}"
 
 
+def check_full_tensors_equal_each_full_tensor() -> None:
+    """``state_dict()`` of an FSDP program gathers its row shards in one flat all-gather per dtype
+    (``dpcompile.runtime.dtensor_gather.full_tensors``): equal to each ``full_tensor()``, bit for bit,
+    for rows that divide the ranks, that do not (a rank with none), a 3-D and an empty tensor, two
+    dtypes, beside a replicated DTensor, one that needs its gradient and a plain tensor (each as it is)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from dpcompile.runtime.dtensor_gather import full_tensors
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    g = torch.Generator().manual_seed(3)
+    shapes = {"w": (4, 3), "odd": (3, 2), "one": (1, 5), "cube": (5, 2, 2), "empty": (0, 4), "ids": (3,)}
+    values = {key: torch.randn(*shape, generator=g, dtype=torch.float64) for key, shape in shapes.items()}
+    values["ids"] = torch.arange(7, 10)
+    values["single"] = torch.randn(5, 2, generator=g, dtype=torch.float32)
+    sharded = {key: distribute_tensor(v, mesh, [Shard(0)]) for key, v in values.items()}
+    sharded["whole"] = distribute_tensor(values["w"] * 2, mesh, [Replicate()])
+    sharded["grad"] = distribute_tensor(values["odd"], mesh, [Shard(0)]).requires_grad_()
+    sharded["plain"] = values["w"]
+    got = full_tensors(sharded)
+    assert list(got) == list(sharded)
+    for key, value in sharded.items():
+        want = value.full_tensor() if hasattr(value, "full_tensor") else value
+        assert not isinstance(got[key], DTensor) and got[key].dtype == want.dtype, key
+        assert torch.equal(got[key].detach(), want.detach()), f"{key}: {got[key]} != {want}"
+
+
 def _check(name: str, layout: dict[str, int], data_parallel: str, schedule: str | None):
     import functools
 
@@ -353,7 +382,8 @@ def _check(name: str, layout: dict[str, int], data_parallel: str, schedule: str 
 
 
 def _checks(world: int) -> list[tuple[str, object]]:
-    checks = [("cells-copy-the-fork-servers-programs", check_cells_copy_the_fork_servers_programs)] if world == 2 else []
+    checks = [("cells-copy-the-fork-servers-programs", check_cells_copy_the_fork_servers_programs),
+              ("full-tensors-equal-each-full-tensor", check_full_tensors_equal_each_full_tensor)] if world == 2 else []
     checks += [
         (f"{name}-{label}", _check(name, *spec))
         for label, spec in LAYOUTS[world].items()

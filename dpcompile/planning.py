@@ -46,8 +46,10 @@ from dpcompile.analysis.sequence_costs import predict_layout
 from dpcompile.analysis.sharding import (
     check_divisible,
     check_plan,
+    embedding_paths,
     find_linear_sites,
     is_shard_transparent,
+    linear_paths,
     resolve_plan,
 )
 from dpcompile.devices import parse_device, parse_devices
@@ -118,13 +120,14 @@ def plan_for(gm: fx.GraphModule, plan: object, n: int, model: nn.Module) -> tupl
     return choose_plan(gm, n)
 
 
-def plan_total(gm: fx.GraphModule, styles: Mapping[str, str], n: int) -> tuple[float, dict[str, str], dict[str, str]]:
+def plan_total(gm: fx.GraphModule, styles: Mapping[str, str], n: int, **found: Any) -> tuple[float, dict[str, str], dict[str, str]]:
     """What a plan costs once ``shard_linear`` has checked it: (score, styles applied, reasons).
 
     The score is the elements per device (forward + backward), plus a large penalty for each
-    layer the plan wanted sharded that had to stay whole.
+    layer the plan wanted sharded that had to stay whole. ``found``: ``sites=`` and ``layer_paths=``
+    of ``gm`` found once (see :func:`~dpcompile.analysis.sharding.resolve_plan`).
     """
-    resolved = resolve_plan(gm, plan=styles, n=n, strict=False)
+    resolved = resolve_plan(gm, plan=styles, n=n, strict=False, **found)
     demoted = sum(1 for p, s in styles.items() if s != "replicate" and resolved.styles.get(p) == "replicate")
     total = plan_cost(resolved.analysis.comms, n).total
     return total + demoted * _UNSHARDED_PENALTY, resolved.styles, resolved.reasons
@@ -138,6 +141,16 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
     a layer that feeds another through transparent ops, row for the one it feeds).
     """
     sites = find_linear_sites(gm)
+    layer_paths = [*linear_paths(gm), *embedding_paths(gm)]
+    totals: dict[tuple, tuple[float, dict[str, str], dict[str, str]]] = {}
+
+    def total(trial: Mapping[str, str]) -> tuple[float, dict[str, str], dict[str, str]]:
+        """``plan_total`` of ``trial``; the graph's layers found once, not once per trial (hundreds)."""
+        key = tuple(sorted(trial.items()))
+        if key not in totals:
+            totals[key] = plan_total(gm, trial, n, sites=sites, layer_paths=layer_paths)
+        return totals[key]
+
     modules = dict(gm.named_modules())
     reasons: dict[str, str] = {}
     options: dict[str, list[str]] = {}
@@ -177,7 +190,7 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
             best = None
             for choice in itertools.product(*(options[p] for p in paths)):
                 trial = {**styles, **dict(zip(paths, choice))}
-                score = plan_total(gm, trial, n)[0]
+                score = total(trial)[0]
                 if best is None or score < best[0]:
                     best = (score, choice)
             assert best is not None
@@ -185,17 +198,18 @@ def choose_plan(gm: fx.GraphModule, n: int, *, exhaustive_limit: int = 256) -> t
             for p in paths:
                 reasons[p] = f"auto: cheapest of {combos} assignments of its group of {len(paths)}"
         else:
-            styles = _descend(gm, styles, paths, options, n)
+            styles = _descend(total, styles, paths, options)
             for p in paths:
                 reasons[p] = f"auto: coordinate descent over its group of {len(paths)}"
-    score, applied, why = plan_total(gm, styles, n)
+    score, applied, why = total(styles)
     reasons.update(why)
     log.debug("automatic plan %s costs %s elements per device", applied, score)
     return {p: s for p, s in applied.items() if p in sites}, reasons
 
 
-def _descend(gm: fx.GraphModule, styles: dict[str, str], paths: list[str], options: Mapping[str, list[str]], n: int) -> dict[str, str]:
-    best = plan_total(gm, styles, n)[0]
+def _descend(total: Callable[[Mapping[str, str]], tuple], styles: dict[str, str], paths: list[str],
+             options: Mapping[str, list[str]]) -> dict[str, str]:  # fmt: skip
+    best = total(styles)[0]
     for _ in range(3):
         improved = False
         for p in paths:
@@ -203,7 +217,7 @@ def _descend(gm: fx.GraphModule, styles: dict[str, str], paths: list[str], optio
                 if s == styles[p]:
                     continue
                 trial = {**styles, p: s}
-                score = plan_total(gm, trial, n)[0]
+                score = total(trial)[0]
                 if score < best:
                     best, styles, improved = score, trial, True
         if not improved:

@@ -23,6 +23,14 @@ def free_port() -> int:
 #: what the fork server imports once, so that each rank does not (``tests/gloo_rank_imports.py``)
 RANK_IMPORTS = "tests.gloo_rank_imports"
 
+#: programs the fork server captures once for every rank to copy (``export_for_ranks`` of the mesh
+#: tests), keyed by test file and shapes. Here, not in the test file: pytest imports a test file
+#: under its own name (``test_exact_random_mesh``, its folder on ``sys.path``) and the ranks unpickle
+#: their checks from that module, while the fork server imports it as ``tests.integration....``:
+#: two module objects, so a dict in the test file filled by the fork server is never the one the
+#: ranks read. This module has one name everywhere.
+CAPTURED: dict[tuple, Any] = {}
+
 
 def rank_context():
     """The multiprocessing context the ranks start from: a fork server (a clean process, started

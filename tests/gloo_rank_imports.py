@@ -9,7 +9,8 @@ export again (``export_for_ranks`` of ``test_exact_random_mesh.py`` and
 ``test_pipeline_mesh_compose.py``: about 2 s of CPU a model a rank, on 2 + 4 + 4 + 8 ranks; GPT-2 for
 ``test_export_mesh.py``'s export-frontend checks, on 2 ranks), on one
 thread and with the generator's state put back, so that no thread pool is started and a rank
-starts from the generator state it had without them."""
+starts from the generator state it had without them. They go into ``tests.gloo_groups.CAPTURED``,
+the one dict both this server and the ranks' checks see (see there why not a dict in the test file)."""
 
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401

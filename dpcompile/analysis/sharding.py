@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -338,14 +338,21 @@ class ResolvedPlan:
     sections: dict[str, int] = field(default_factory=dict)
 
 
-def resolve_plan(gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict: bool = True) -> ResolvedPlan:
+def resolve_plan(
+    gm: fx.GraphModule, *, plan: Mapping[str, str], n: int, strict: bool = True,
+    sites: Mapping[str, LinearSite] | None = None, layer_paths: Sequence[str] | None = None,
+) -> ResolvedPlan:  # fmt: skip
     """Apply blockers and view checks to ``plan``: which layers can really be split, and how.
 
     ``strict`` raises ``ValueError`` for a layer too narrow for ``n`` devices; otherwise it
-    stays whole with the reason.
+    stays whole with the reason. ``sites`` and ``layer_paths`` (:func:`find_linear_sites` and
+    :func:`linear_paths` + :func:`embedding_paths` of ``gm``): what a caller that resolves many plans
+    of one unchanged graph found once (``choose_plan``), instead of each call finding them again.
     """
-    sites = find_linear_sites(gm)
-    styles = {path: "replicate" for path in [*linear_paths(gm), *embedding_paths(gm), *sites]}
+    sites = find_linear_sites(gm) if sites is None else sites
+    if layer_paths is None:
+        layer_paths = [*linear_paths(gm), *embedding_paths(gm)]
+    styles = {path: "replicate" for path in [*layer_paths, *sites]}
     reasons: dict[str, str] = {}
     for path, style in plan.items():
         styles[path] = style

@@ -16,7 +16,9 @@ to about its own opcode count.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import pickletools
 import reprlib
 from typing import Any
@@ -32,11 +34,32 @@ def expansion_limit(size: int) -> int:
     return 8 * size + 4096
 
 
+#: digests of the pickles (with their limits) that passed lately: a DCP load reads its ``.metadata``
+#: three times (dpcompile's check of the keys, then torch's reader), each time walking every opcode
+#: in Python (~4% of a rank's time in test_training_checkpoint_mesh.py); the same bytes pass the same
+#: check again, so they are walked once
+_PASSED: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
+_PASSED_KEPT = 64
+
+
 def check_expansion(raw: bytes, limit: int) -> None:
     """Raise ``ValueError`` where a value of the pickle ``raw`` expands past ``limit`` values, a
     value is filled (``APPENDS``, ``BUILD``, ...) after it was put inside another (which would let
     a structure grow after its size was counted; a pickle of a tree never does), or the opcodes do
-    not make a well-formed stack program (see the module's docstring)."""
+    not make a well-formed stack program (see the module's docstring). Bytes that passed under the
+    same limit lately are not walked again."""
+    key = (hashlib.sha256(raw).digest(), limit)
+    if key in _PASSED:
+        _PASSED.move_to_end(key)
+        return
+    _walk(raw, limit)
+    _PASSED[key] = None
+    if len(_PASSED) > _PASSED_KEPT:
+        _PASSED.popitem(last=False)
+
+
+def _walk(raw: bytes, limit: int) -> None:
+    """:func:`check_expansion`'s walk over every opcode of ``raw``."""
     weights: list[int] = []  # what each value built so far expands to
     inside: set[int] = set()  # values put inside another: never filled again
     stack: list[int] = []

@@ -349,7 +349,10 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
             program.training = self.training  # its submodules are ours: their own modes stand
         return program
 
-    _lookup = torch.compiler.disable(_find_program)  # under torch.compile: the cache, run eagerly
+    # under torch.compile: the cache, run eagerly. torch's lazy spelling of torch.compiler.disable: it
+    # imports torch._dynamo at the first such call, not when dpcompile is imported (a fifth of a fresh
+    # process's start: ~1-2 CPU-s in `python -c "import dpcompile"`, the CLI, a program loaded elsewhere)
+    _lookup = torch._disable_dynamo(_find_program)
 
     @property
     def code(self) -> str:

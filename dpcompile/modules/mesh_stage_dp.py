@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from dpcompile.errors import StateDictError
 from dpcompile.modules.mesh_stage import TensorsOnWire
 from dpcompile.modules.spmd import full_tensor, gathered_whole
 from dpcompile.modules.weights import no_values
+from dpcompile.runtime.dtensor_gather import full_tensors
 
 
 def shard_stage_over_dp(program: fx.GraphModule, dp_mesh: Any, options: Mapping[str, Any]) -> TensorsOnWire:
@@ -125,26 +127,41 @@ def full_state_dict(pm: Any) -> dict[str, torch.Tensor]:
 
     from dpcompile.fx_utils import unalias
 
-    mine: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
     for name, value in sorted(pm.program.state_dict(keep_vars=True).items()):
         name = unalias(name)
-        if name not in pm.state_ties:
-            continue  # a non-persistent buffer, or a constant the program made
-        value = whole_tensor(value.detach(), pm.shards.get(name), pm.tp_group)
-        mine[name] = value
+        if name in pm.state_ties:  # not a non-persistent buffer, nor a constant the program made
+            held[name] = value.detach()
+    held = full_tensors(held)  # FSDP's row shards over "dp" whole: one flat all-gather a dtype
+    mine = {name: whole_tensor(value, pm.shards.get(name), pm.tp_group) for name, value in held.items()}
     listed: list[Any] = [None] * dist.get_world_size(pm.pp_group)
     dist.all_gather_object(listed, [(n, tuple(t.shape), t.dtype) for n, t in mine.items()], group=pm.pp_group)
     out: dict[str, torch.Tensor] = {}
     for stage, entries in enumerate(listed):
-        src = dist.get_global_rank(pm.pp_group, stage)
-        for name, shape, dtype in entries:
-            if name in out:
-                continue  # a tied weight another stage sent already
-            value = mine[name].clone() if stage == pm.stage_index else torch.empty(shape, dtype=dtype, device=pm.device)
-            dist.broadcast(value, src=src, group=pm.pp_group)
-            out[name] = value
+        sent = [entry for entry in entries if entry[0] not in out]  # not a tied weight another stage sent already
+        out.update(_broadcast_flat(pm, sent, mine if stage == pm.stage_index else None, stage))
     found = {key: next((n for n in names if n in out), None) for key, names in pm.state_ties.items()}
     return {key: out[source] for key, source in found.items() if source is not None}
+
+
+def _broadcast_flat(pm: Any, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                    mine: Mapping[str, torch.Tensor] | None, stage: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``entries`` (name, shape, dtype) of ``stage``'s tensors (``mine`` on that stage) on every pp
+    rank: one broadcast of a flat buffer per dtype, not one per tensor."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(pm.pp_group, stage)
+    out: dict[str, torch.Tensor] = {}
+    for dtype in dict.fromkeys(dtype for _, _, dtype in entries):
+        same = [(name, shape) for name, shape, d in entries if d == dtype]
+        sizes = [math.prod(shape) for _, shape in same]
+        if mine is not None:
+            flat = torch.cat([mine[name].reshape(-1) for name, _ in same])
+        else:
+            flat = torch.empty(sum(sizes), dtype=dtype, device=pm.device)
+        dist.broadcast(flat, src=src, group=pm.pp_group)
+        out.update((name, piece.view(shape).clone()) for (name, shape), piece in zip(same, flat.split(sizes)))
+    return out
 
 
 def load_whole_state(pm: Any, state_dict: Mapping[str, Any], strict: bool) -> Any:

@@ -37,6 +37,7 @@ from dpcompile.runtime.distributed import (
     defer_to_next_collective,
     settle_deferred_check,
 )
+from dpcompile.runtime.dtensor_gather import full_tensors
 from dpcompile.runtime.structures import is_fake, tensor_leaves
 from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections, shard_of
 
@@ -183,8 +184,8 @@ class SpmdExecutor(PlainExecutor):
         return self.whole_tensors(pm, tensors, prefix)
 
     def whole_tensors(self, pm: Any, tensors: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        if pm.__dict__.get("_fsdp") is not None:  # FSDP's DTensor shards over dp, all-gathered
-            tensors.update((key, full_tensor(value)) for key, value in tensors.items())
+        if pm.__dict__.get("_fsdp") is not None:  # FSDP's DTensor shards over dp, all-gathered (one flat buffer a dtype)
+            tensors.update(full_tensors(tensors))
         if not pm.shards:
             return tensors
         group = tp_group_of(pm).group

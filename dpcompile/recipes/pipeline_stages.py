@@ -14,7 +14,7 @@ from torch import nn
 from dpcompile.analysis.graph_view import find_linear_chains
 from dpcompile.analysis.linear_sites import find_linear_sites
 from dpcompile.analysis.sharding_rules import is_shard_transparent
-from dpcompile.analysis.split_fraction import node_flops
+from dpcompile.analysis.split_fraction import node_flops, node_flops_from_shapes
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import propagate_shapes
@@ -132,8 +132,9 @@ def stage_weights(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> d
     stages are cut; None without examples."""
     if example_inputs is None:
         return None
-    propagate_shapes(gm, list(example_inputs), check=True)
-    return node_flops(gm, list(example_inputs))
+    shaped = propagate_shapes(gm, list(example_inputs), check=True)
+    # counted from the shapes just recorded: not a second fake run of the whole program (a second or more a rank)
+    return (node_flops_from_shapes(gm) if shaped else None) or node_flops(gm, list(example_inputs))
 
 
 def check_sequence_pipeline(example_inputs: Sequence[Any] | None) -> None:

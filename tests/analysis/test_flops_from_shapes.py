@@ -79,3 +79,18 @@ def test_transform_leaves_the_state_of_a_module_passed_to_a_function_untouched()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     dpcompile.transform(model, ["cpu", "cpu"], example_inputs=(torch.randn(2, 3, 6, 6),))
     torch.testing.assert_close(model.state_dict(), state, rtol=0, atol=0)
+
+
+def test_stage_weights_counted_from_shapes_equal_a_fake_run():
+    """The FLOPs that weigh where a pipeline's stages are cut, counted from the shapes
+    ``stage_weights`` propagates, equal a fake run's; batch norm statistics untouched."""
+    from dpcompile.capture import capture_model
+    from dpcompile.recipes.pipeline_stages import stage_weights
+
+    model = _ConvNet().train()
+    x = torch.randn(2, 3, 6, 6)
+    running = model.bn.running_mean.clone()
+    for gm in (torch.fx.symbolic_trace(model), capture_model(model, frontend="export", example_inputs=(x,))[0]):
+        weights = stage_weights(gm, [x])
+        assert weights == node_flops(gm, [x]) and sum(weights.values()) > 0
+    torch.testing.assert_close(model.bn.running_mean, running, rtol=0, atol=0)

@@ -13,6 +13,7 @@ from dpcompile.analysis.sharding import (
     analyze_sharding,
     check_divisible,
     check_plan,
+    embedding_paths,
     find_linear_sites,
     is_shard_transparent,
     linear_paths,
@@ -193,6 +194,30 @@ def test_resolve_plan_shards_a_fused_qkv_per_section():
     assert resolved.styles == {"qkv": "column", "out": "row"}
     assert resolved.sections == {"qkv": 3} and resolved.analysis.column_sizes["qkv"] == (12, 12)
     assert not any(k == "gather" for k in resolved.analysis.needs.values())
+
+
+def test_resolve_plan_given_the_layers_found_once_equals_finding_them():
+    """``choose_plan`` resolves hundreds of trial plans of one graph with its layers found once
+    (``sites=``, ``layer_paths=``): each resolution equals the one that finds them itself (styles,
+    reasons, granularity, sections, needs, collectives), over 2 and 4 shards, tied and fused layers."""
+    from dpcompile.planning import choose_plan
+    from tests.thirdparty_tp import FusedChunkAttention, TinyGPT2
+
+    for gm in (captured(TinyGPT2(layers=1), torch.randint(0, 128, (2, 4))),
+               captured(FusedChunkAttention(d=8, heads=2), torch.randn(2, 3, 8))):  # fmt: skip
+        sites = find_linear_sites(gm)
+        layer_paths = [*linear_paths(gm), *embedding_paths(gm)]
+        linears = [p for p, site in sites.items() if site.kind == "linear"]
+        plans = [{p: style for p in linears} for style in ("column", "row")]
+        plans += [{p: ("column", "row")[i % 2] for i, p in enumerate(linears)}, choose_plan(gm, 2)[0]]
+        for plan in plans:
+            for n in (2, 4):
+                given = resolve_plan(gm, plan=plan, n=n, strict=False, sites=sites, layer_paths=layer_paths)
+                found = resolve_plan(gm, plan=plan, n=n, strict=False)
+                assert (given.styles, given.reasons, given.granularity, given.sections) == (
+                    found.styles, found.reasons, found.granularity, found.sections)  # fmt: skip
+                assert given.analysis.needs == found.analysis.needs and given.analysis.comms == found.analysis.comms
+        assert sites.keys() == find_linear_sites(gm).keys() and len(plans[-1]) > 0
 
 
 # ---------------------------------------------------------------------- rotary embeddings, GQA, casts

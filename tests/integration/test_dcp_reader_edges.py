@@ -231,3 +231,21 @@ def test_random_bit_flips_in_a_data_file_load_exactly_or_change_nothing(saved, t
             pm.load_state_dict(weights)
             opt.load_state_dict(copy.deepcopy(kept))
     assert 2 <= refused < 12, refused  # both outcomes drawn with this seed
+
+
+def test_a_pickle_checked_once_is_not_walked_again_and_a_smaller_limit_still_refuses(monkeypatch):
+    """The same ``.metadata`` bytes are checked three times a load: they are walked once, and a pass
+    under one limit is no pass under a smaller one (nor for other bytes)."""
+    from dpcompile.checkpoint import pickle_bounds
+
+    walked = []
+    walk = pickle_bounds._walk
+    monkeypatch.setattr(pickle_bounds, "_walk", lambda raw, limit: (walked.append(limit), walk(raw, limit)))
+    raw = pickle.dumps([(i, str(i)) for i in range(50)])  # expands to about 100 values
+    for _ in range(3):
+        pickle_bounds.check_expansion(raw, 1000)
+    assert walked == [1000]
+    with pytest.raises(ValueError, match="expands to more than 20 values"):
+        pickle_bounds.check_expansion(raw, 20)
+    pickle_bounds.check_expansion(pickle.dumps([(i, str(i)) for i in range(1, 51)]), 1000)  # other bytes: walked
+    assert walked == [1000, 20, 1000]

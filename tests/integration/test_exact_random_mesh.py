@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 
-from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.gloo_groups import CAPTURED, assert_group_passed, run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned; GPT-2 exported on each
 GROUP_TIMEOUT_S = 900.0  # spawning, importing transformers and the first gloo connections are slow on a loaded machine
@@ -135,9 +135,6 @@ def _loss(out):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-_EXPORTED: dict[tuple, torch.nn.Module] = {}
-
-
 def _program(name: str, model: torch.nn.Module, local: dict) -> torch.nn.Module:
     """``model`` as the program to transform: the MLPs as they are, the transformers exported once per
     rank and input shapes (the cells' time), a copy loaded with ``model``'s weights (FSDP shards the
@@ -146,18 +143,18 @@ def _program(name: str, model: torch.nn.Module, local: dict) -> torch.nn.Module:
         return model
     from dpcompile.capture import capture_model
 
-    key = (name, *((k, tuple(v.shape)) for k, v in local.items()))
-    if key not in _EXPORTED:
+    key = ("exact_random_mesh", name, *((k, tuple(v.shape)) for k, v in local.items()))
+    if key not in CAPTURED:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _EXPORTED[key] = capture_model(copy.deepcopy(model), frontend="export", example_kwargs=local)[0]
-    program = copy.deepcopy(_EXPORTED[key])
+            CAPTURED[key] = capture_model(copy.deepcopy(model), frontend="export", example_kwargs=local)[0]
+    program = copy.deepcopy(CAPTURED[key])
     program.load_state_dict(model.state_dict())
     return program
 
 
 def export_for_ranks() -> None:
-    """Fill ``_EXPORTED`` with what every cell exports (each transformers model at 2 rows a rank, the
+    """Fill ``CAPTURED`` (``tests/gloo_groups.py``) with what every cell exports (each transformers model at 2 rows a rank, the
     local batch of every layout here and in ``test_pipeline_mesh_compose.py``). The fork server the
     ranks start from calls it (``tests/gloo_rank_imports.py``), so that the ranks of every group
     copy the programs instead of each exporting them again; the models are built as the cells build
@@ -335,6 +332,47 @@ def check_dropout_rows_unknown_without_examples() -> None:
     torch.testing.assert_close(loss / 2, expected.detach())
 
 
+def check_cells_copy_the_fork_servers_programs() -> None:
+    """Before any cell ran, the programs the fork server captured (``export_for_ranks``) are in the
+    dict this rank's cells read: they copy them instead of exporting each model again (about 5 s of
+    CPU a model a rank)."""
+    import sys
+
+    if "transformers" not in sys.modules:  # the fork server had no transformers to export with
+        return
+    captured = {key[1] for key in CAPTURED if key[0] == "exact_random_mesh"}
+    assert captured >= {"gpt2", "bert", "vit"}, f"the fork server's programs did not reach the rank: {sorted(CAPTURED)}"
+
+
+def check_full_tensors_equal_each_full_tensor() -> None:
+    """``state_dict()`` of an FSDP program gathers its row shards in one flat all-gather per dtype
+    (``dpcompile.runtime.dtensor_gather.full_tensors``): equal to each ``full_tensor()``, bit for bit,
+    for rows that divide the ranks, that do not (a rank with none), a 3-D and an empty tensor, two
+    dtypes, beside a replicated DTensor, one that needs its gradient and a plain tensor (each as it is)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from dpcompile.runtime.dtensor_gather import full_tensors
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    g = torch.Generator().manual_seed(3)
+    shapes = {"w": (4, 3), "odd": (3, 2), "one": (1, 5), "cube": (5, 2, 2), "empty": (0, 4), "ids": (3,)}
+    values = {key: torch.randn(*shape, generator=g, dtype=torch.float64) for key, shape in shapes.items()}
+    values["ids"] = torch.arange(7, 10)
+    values["single"] = torch.randn(5, 2, generator=g, dtype=torch.float32)
+    sharded = {key: distribute_tensor(v, mesh, [Shard(0)]) for key, v in values.items()}
+    sharded["whole"] = distribute_tensor(values["w"] * 2, mesh, [Replicate()])
+    sharded["grad"] = distribute_tensor(values["odd"], mesh, [Shard(0)]).requires_grad_()
+    sharded["plain"] = values["w"]
+    got = full_tensors(sharded)
+    assert list(got) == list(sharded)
+    for key, value in sharded.items():
+        want = value.full_tensor() if hasattr(value, "full_tensor") else value
+        assert not isinstance(got[key], DTensor) and got[key].dtype == want.dtype, key
+        assert torch.equal(got[key].detach(), want.detach()), f"{key}: {got[key]} != {want}"
+
+
 def _check(name: str, layout: dict[str, int], data_parallel: str, schedule: str | None):
     import functools
 
@@ -344,7 +382,9 @@ def _check(name: str, layout: dict[str, int], data_parallel: str, schedule: str 
 
 
 def _checks(world: int) -> list[tuple[str, object]]:
-    checks = [
+    checks = [("cells-copy-the-fork-servers-programs", check_cells_copy_the_fork_servers_programs),
+              ("full-tensors-equal-each-full-tensor", check_full_tensors_equal_each_full_tensor)] if world == 2 else []
+    checks += [
         (f"{name}-{label}", _check(name, *spec))
         for label, spec in LAYOUTS[world].items()
         for name in MESH_MODELS

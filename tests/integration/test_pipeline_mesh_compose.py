@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.gloo_groups import CAPTURED, assert_group_passed, run_checks, run_spawned
 from tests.helpers import assert_mesh_pipeline_verifies, assert_stage_is_a_parallel_module, assert_whole_state_loads
 from tests.integration.test_exact_random_mesh import check_pipeline_trains_like_eager
 from tests.integration.test_pipeline_mesh import TIED_ROTARY_PLAN, check_meta_model_fsdp
@@ -183,9 +183,6 @@ def _transformers_decoder(kind: str):
     return model.double(), kwargs
 
 
-_EXPORTED_DECODERS: dict[str, torch.nn.Module] = {}
-
-
 def _decoder_program(kind: str, model: torch.nn.Module, kwargs: dict) -> torch.nn.Module:
     """``model`` captured with the export frontend on ``kwargs``: captured once per process (in the
     fork server the ranks start from: ``export_for_ranks``), each call a copy loaded with ``model``'s
@@ -194,11 +191,12 @@ def _decoder_program(kind: str, model: torch.nn.Module, kwargs: dict) -> torch.n
 
     from dpcompile.capture import capture_model
 
-    if kind not in _EXPORTED_DECODERS:
+    key = ("pipeline_mesh_compose", kind)
+    if key not in CAPTURED:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _EXPORTED_DECODERS[kind] = capture_model(copy.deepcopy(model), frontend="export", example_kwargs=kwargs)[0]
-    program = copy.deepcopy(_EXPORTED_DECODERS[kind])
+            CAPTURED[key] = capture_model(copy.deepcopy(model), frontend="export", example_kwargs=kwargs)[0]
+    program = copy.deepcopy(CAPTURED[key])
     program.load_state_dict(model.state_dict())
     return program
 

@@ -213,6 +213,7 @@ torch.save({"pm": pm, "x": x, "scale": scale, "eval": model(x), "eval_scaled": m
 _LOAD_ELSEWHERE = r"""
 import sys, torch
 import dpcompile
+assert "torch._dynamo" not in sys.modules, "import dpcompile imported torch._dynamo (1-2 s of every process's start)"
 saved = torch.load(sys.argv[1], weights_only=False)
 pm, x, scale = saved["pm"], saved["x"], saved["scale"]
 assert "Net" not in dir(__import__("__main__"))
@@ -230,7 +231,8 @@ print("LOADED OK")
 def test_program_cache_main_class_program_honours_eval_and_none_after_load(tmp_path):
     """A program whose model class lives in __main__, torch.save'd in one process and loaded in
     another: pm.eval() turns dropout off (module and F.dropout(self.training)), an optional
-    argument left None runs its own program, training turns dropout back on."""
+    argument left None runs its own program, training turns dropout back on; ``import dpcompile``
+    there does not import torch._dynamo (torch.compile's lookup imports it when first called)."""
     import os
     import subprocess
     import sys

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.gloo_groups import CAPTURED, assert_group_passed, run_checks, run_spawned
 
 pytestmark = [pytest.mark.distributed]
 GROUP_TIMEOUT_S = 300.0
@@ -408,11 +408,17 @@ def check_context_round_trip(root: str, layout: dict[str, int]) -> None:
 GPT2_VOCAB, GPT2_SEQ = 64, 8
 
 
-@functools.cache
 def _gpt2(seq: int = GPT2_SEQ) -> tuple[nn.Module, torch.fx.GraphModule]:
     """Tiny GPT-2 (1 layer, n_embd 32, 2 heads, vocab 64) in float64, and its program as the export frontend
     captures it with ``labels=`` of ``seq`` tokens (the batch dynamic; a cp rank's part, half: the sequence) once per process
-    (the ranks' fork server captures both), each layout transforming a copy."""
+    (the ranks' fork server captures both into ``CAPTURED``, which its ranks see), each layout transforming a copy."""
+    key = ("export_mesh_gpt2", seq)
+    if key not in CAPTURED:
+        CAPTURED[key] = _capture_gpt2(seq)
+    return CAPTURED[key]
+
+
+def _capture_gpt2(seq: int) -> tuple[nn.Module, torch.fx.GraphModule]:
     import warnings
 
     from dpcompile.capture import capture_model

@@ -35,11 +35,12 @@ from dpcompile.capture.norms import deepcopy_module
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, TraceError
 from dpcompile.fake import has_meta_tensors
+from dpcompile.fx_utils import copy_graph
 from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh, keywords_named_by
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
-from dpcompile.modules.other_mode import OtherModePending
+from dpcompile.modules.other_mode import OtherModePending, waiting_in_place
 from dpcompile.planned import (
     check_layout_fits,
     headroom,
@@ -298,9 +299,9 @@ def _compile(
     recipe: Recipe, model: nn.Module, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, *,
     frontend: str, batch_dim: int | None, dynamic_dims: Any = None, lazy_other_mode: bool = False,
 ) -> ParallelModule:  # fmt: skip
-    """``lazy_other_mode``: a data-parallel program exported in one mode captures the other at its
-    first call in it (:mod:`dpcompile.modules.other_mode`)."""
-    lazy_other_mode = lazy_other_mode and recipe.lowers_capture
+    """``lazy_other_mode``: a program exported in one mode captures the other at its first call in it
+    (:mod:`dpcompile.modules.other_mode`): built again (data parallel) or in place (``recipe.completes_other_mode``)."""
+    lazy_other_mode = lazy_other_mode and (recipe.lowers_capture or recipe.completes_other_mode)
     captured, examples, frontend_batch_dim = apply_frontend(
         model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
         flags_served=recipe.serves_flags, dynamic_dims=dynamic_dims,
@@ -309,8 +310,12 @@ def _compile(
     lowering = recipe
     if recipe.serves_flags and frontend_batch_dim != recipe.batch_dim:  # type: ignore[attr-defined]
         lowering = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
+    pending = captured.meta.get(OTHER_MODE_PENDING) if isinstance(captured, fx.GraphModule) else None
+    first_mode = copy_graph(captured.graph) if pending is not None and not recipe.lowers_capture else None
     pm = lowering.compile(captured, examples)
-    if isinstance(captured, fx.GraphModule) and captured.meta.get(OTHER_MODE_PENDING):
+    if first_mode is not None:  # a program that owns its state serves the other mode in place
+        return waiting_in_place(pm, lowering, captured, first_mode, examples)
+    if pending is not None:
         modes = {m: m.training for m in model.modules()}
 
         def build_both_modes() -> ParallelModule:

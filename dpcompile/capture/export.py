@@ -91,8 +91,8 @@ def export_program(
     """Export ``model`` on the examples and make the graph a program the passes understand.
 
     ``lazy_other_mode``: where forward may read ``self.training``, export only the mode the model
-    is in and mark the program ``meta[OTHER_MODE_PENDING]`` (the caller captures again, both
-    modes, the first time a call runs in the other one) instead of exporting the other mode now."""
+    is in and mark the program ``meta[OTHER_MODE_PENDING]``: an :class:`OtherModeExport` that exports
+    the other mode and merges it in at the first call that needs it, instead of exporting it now."""
     import time
 
     from torch.export import export
@@ -151,11 +151,10 @@ def export_program(
     check_writes_without_grad(model, unlifted)
     gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
     if lazy_other_mode and _reads_mode(model, gm):
-        gm.meta[OTHER_MODE_PENDING] = True
+        gm.meta[OTHER_MODE_PENDING] = OtherModeExport(model, names, spec, dim, injected)
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected)
-        if other is gm or (other is not None and not merge_modes(gm, other, model)):  # gm: the other mode failed
-            add_mode_check(gm, model)
+        serve_both_modes(gm, None if other is gm else other, model, model.training, other is None)
     gm.recompile()
     if not dynamic:
         warnings.warn(
@@ -518,6 +517,66 @@ def _reads_mode(model: nn.Module, gm: fx.GraphModule) -> bool:
     """Whether the program may differ in the other mode (forward reads ``self.training`` beyond the
     modules the program calls, or an op baked the mode in)."""
     return any(bakes_mode(n) for n in gm.graph.nodes) or any(forward_reads_training(type(m)) for m in model.modules())
+
+
+def serve_both_modes(gm: fx.GraphModule, other: fx.GraphModule | None, model: nn.Module, training: bool,
+                     same: bool = False) -> None:  # fmt: skip
+    """``gm`` (exported with the root in ``training`` mode) made to serve both modes from ``other``, its
+    program in the other mode (None: that export failed): where they differ in constants only, each is
+    read by mode at run time (:func:`merge_modes`), else the mode is checked. ``same``: forward reads
+    no mode beyond its modules', nothing to do."""
+    if not same and (other is None or not merge_modes(gm, other, model, training=training)):
+        add_mode_check(gm, model, training=training)
+
+
+class OtherModeExport:
+    """The other mode of a program exported in one (``export_program(lazy_other_mode=True)``), exported at
+    its first need, once, and merged into the capture or any copy of it (:meth:`complete`): what
+    ``export_program`` would have done at once. A copy of the capture (``copy.deepcopy``) shares it, never
+    copying the model it exports again::
+
+        pending = gm.meta[OTHER_MODE_PENDING]
+        pending.complete(copy_of_gm)   # exports the model in the other mode (the first time), merges it in
+    """
+
+    def __init__(self, model: nn.Module, names: Mapping[str, Any], spec: Any, dim: int, injected: frozenset[str]):
+        self.model, self.names, self.spec, self.dim, self.injected = model, dict(names), spec, dim, injected
+        self.modes = {m: m.training for m in model.modules()}  # as exported
+        self.training = model.training
+        self._other: fx.GraphModule | None = None
+        self._exported = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OtherModeExport:
+        return self
+
+    def __reduce__(self) -> Any:  # a pickled capture keeps no reference to the model: it serves its mode only
+        return (_no_pending, ())
+
+    def other_program(self, gm: fx.GraphModule) -> fx.GraphModule | None:
+        """The program of the other mode (exported with every module's mode as at transform, then the
+        model's modes put back as they are now); None where it cannot be exported."""
+        if not self._exported:
+            now = {m: m.training for m in self.model.modules()}
+            try:
+                for m, training in self.modes.items():
+                    m.training = training
+                other = _export_in_other_mode(self.model, gm, self.names, self.spec, self.dim, self.injected)
+            finally:
+                for m, training in now.items():
+                    m.training = training
+            self._other, self._exported = (None if other is gm else other), True
+        return self._other
+
+    def complete(self, gm: fx.GraphModule) -> None:
+        """Make ``gm`` (the capture, or a copy of its graph over any modules of the same paths) serve both
+        modes, as an eager export of both would have made it."""
+        serve_both_modes(gm, self.other_program(gm), self.model, self.training)
+        gm.meta.pop(OTHER_MODE_PENDING, None)
+        gm.recompile()
+
+
+def _no_pending() -> None:
+    return None
 
 
 def _export_in_other_mode(

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch.fx as fx
 from torch import nn
 
 # what transform sets on the program after building it, carried to the one built later
@@ -43,9 +44,86 @@ class OtherModePending:
         return self.program
 
 
+class OtherModeInPlace:
+    """The other mode of a program that owns its state (tensor parallel's shards; one rank's program
+    over a mesh, wrapped by DDP or FSDP2): ``complete()`` makes ``pm`` itself serve both modes (the
+    capture's other mode exported and merged in, lowered again by the recipe and swapped into
+    ``pm``'s graph over ``pm``'s own modules and parameters, so an optimizer, DDP and FSDP2 keep
+    theirs). It runs at the first call where a module of ``pm`` is in another mode than at transform
+    (or where ``pm`` is saved or copied); a failure leaves ``pm`` as it was, and the next call tries again::
+
+        pm = dpcompile.transform(model, devices, tensor_parallel=True, example_kwargs=kw)  # one export
+        pm.eval(); pm(**kw)   # exports the eval mode now; pm.parameters() are the same objects
+    """
+
+    def __init__(self, complete: Callable[[], None], pm: nn.Module):
+        self.complete = complete
+        self.modes = [(m, m.training) for m in pm.modules()]
+
+    def departed(self) -> bool:
+        return any(m.training is not training for m, training in self.modes)
+
+    def resolve(self, pm: Any) -> nn.Module:
+        self.complete()
+        pm.__dict__.pop("_other_mode", None)
+        return pm
+
+
+def waiting_in_place(pm: Any, recipe: Any, captured: fx.GraphModule, first_mode: fx.Graph, examples: tuple | None) -> Any:
+    """``pm`` (``recipe`` lowered ``captured``, exported in one mode: ``first_mode`` is a copy of its graph)
+    made to serve the other mode in place at its first call in it (:class:`OtherModeInPlace`)."""
+
+    def complete() -> None:
+        from dpcompile.capture.export import OTHER_MODE_PENDING
+        from dpcompile.fx_utils import copy_graph, graph_module
+
+        merged = graph_module(captured, copy_graph(first_mode), type(captured).__name__)  # over the model's modules
+        merged.meta.update({k: v for k, v in captured.meta.items() if k != OTHER_MODE_PENDING})
+        merged.__dict__.update({k: v for k, v in captured.__dict__.items() if k.startswith("_dpcompile")})
+        captured.meta[OTHER_MODE_PENDING].complete(merged)
+        recipe.complete_other_mode(pm, merged, examples)()
+
+    object.__setattr__(pm, "_other_mode", OtherModeInPlace(complete, pm))
+    return pm
+
+
+def swap_graph(pm: Any, graph: Any, constants: dict[str, Any] | None = None) -> None:
+    """``pm``'s program made ``graph`` (the same placeholders, built over ``pm``'s own modules and
+    tensors), the tensors it reads that ``pm`` does not hold added (``constants``)."""
+    from dpcompile.errors import DpCompileError
+
+    def held(target: str) -> bool:
+        value = pm
+        try:
+            for atom in target.split("."):
+                value = getattr(value, atom)
+        except AttributeError:
+            return False
+        return True
+
+    constants = dict(constants or {})
+    missing = [str(n.target) for n in graph.nodes
+               if n.op in ("get_attr", "call_module") and str(n.target) not in constants and not held(str(n.target))]  # fmt: skip
+    if missing:
+        raise DpCompileError(
+            f"the program of both modes reads {missing[:3]}, which this program does not hold; transform the model "
+            "again in the mode of this call"
+        )
+    for name, value in constants.items():
+        if not held(name):
+            pm.__dict__[name] = value
+    pm.graph = graph
+    pm.__dict__.pop("_attributes_written", None)  # what forward writes to the model: read from the new graph
+
+
 def program_in_other_mode(pm: Any) -> nn.Module | None:
-    """The program of both modes where a call needs it (built on first need), else None."""
+    """The program of both modes where a call needs it (built on first need), else None (``pm``
+    itself serves the call, made to serve both modes in place where it owns its state)."""
     pending = pm.__dict__.get("_other_mode")
+    if isinstance(pending, OtherModeInPlace):
+        if pending.departed():
+            pending.resolve(pm)
+        return None
     if pending is None or (pending.program is None and not pending.departed()):
         return None
     program = pending.resolve(pm)

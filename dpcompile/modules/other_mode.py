@@ -116,6 +116,29 @@ def swap_graph(pm: Any, graph: Any, constants: dict[str, Any] | None = None) -> 
     pm.__dict__.pop("_attributes_written", None)  # what forward writes to the model: read from the new graph
 
 
+def agreed_over_mesh(mesh: Any, build: Callable[[], Any]) -> Any:
+    """``build()`` on every rank of ``mesh``, then one exchange: where it failed on any rank, every rank
+    raises (its own error, or one naming the ranks that failed), so that no rank runs on alone into
+    the program's collectives and waits there for the others."""
+    from dpcompile.errors import DpCompileError
+    from dpcompile.modules.mesh_failure import raise_where_any_failed
+
+    failure, built = None, None
+    try:
+        built = build()
+    except Exception as e:  # noqa: BLE001 - told to every rank, raised on this one
+        failure = e
+
+    def refusal(failed: list[tuple[int, str]]) -> DpCompileError:
+        return DpCompileError(
+            f"the program of both modes could not be built on rank(s) {[i for i, _ in failed]} of the mesh "
+            f"({failed[0][1]}); this rank's program is left as it was: transform the model again in this mode"
+        )
+
+    raise_where_any_failed(failure, mesh.get_group() if mesh.ndim == 1 else None, refusal)
+    return built
+
+
 def program_in_other_mode(pm: Any) -> nn.Module | None:
     """The program of both modes where a call needs it (built on first need), else None (``pm``
     itself serves the call, made to serve both modes in place where it owns its state)."""

@@ -114,6 +114,8 @@ def swap_graph(pm: Any, graph: Any, constants: dict[str, Any] | None = None) -> 
             pm.__dict__[name] = value
     pm.graph = graph
     pm.__dict__.pop("_attributes_written", None)  # what forward writes to the model: read from the new graph
+    pm.__dict__.pop("one_f_one_b_steps", None)  # a pipeline's 1F1B steps, lowered from the first mode's graph
+    pm.program_cache.clear()  # programs for other calls, lowered from it too
 
 
 def agreed_over_mesh(mesh: Any, build: Callable[[], Any]) -> Any:

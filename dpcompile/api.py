@@ -171,6 +171,7 @@ def transform(
         context_options = dataclasses.replace(context_options, exchange="all-gather")
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
                                        tensor_parallel)  # fmt: skip
+    user_model = model
     if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp
         model = _private_copy(model)
     copies, per_copy, dp_devices, sequence_split, sequence_copies = 1, None, None, False, 1
@@ -269,7 +270,8 @@ def transform(
                 frontend=frontend,
                 batch_dim=batch_dim,
                 dynamic_dims=dynamic_dims,
-                lazy_other_mode=not fsdp_copies,  # FSDP's pieces are made once, on the program of both modes
+                lazy_other_mode=not fsdp_copies or pipeline is None,  # FSDP's stages: built with both modes
+                export_from=user_model if fsdp_copies else None,
             )
     if fsdp_copies and fsdp_copies > 1:
         shard_over_dp(pm)
@@ -298,9 +300,11 @@ def transform(
 def _compile(
     recipe: Recipe, model: nn.Module, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, *,
     frontend: str, batch_dim: int | None, dynamic_dims: Any = None, lazy_other_mode: bool = False,
+    export_from: nn.Module | None = None,
 ) -> ParallelModule:  # fmt: skip
     """``lazy_other_mode``: a program exported in one mode captures the other at its first call in it
-    (:mod:`dpcompile.modules.other_mode`): built again (data parallel) or in place (``recipe.completes_other_mode``)."""
+    (:mod:`dpcompile.modules.other_mode`): built again (data parallel) or in place (``recipe.completes_other_mode``,
+    or ``export_from``: the user's model, of which ``model`` is a private copy that FSDP shards; exported from it)."""
     lazy_other_mode = lazy_other_mode and (recipe.lowers_capture or recipe.completes_other_mode)
     captured, examples, frontend_batch_dim = apply_frontend(
         model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
@@ -311,25 +315,15 @@ def _compile(
     if recipe.serves_flags and frontend_batch_dim != recipe.batch_dim:  # type: ignore[attr-defined]
         lowering = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
     pending = captured.meta.get(OTHER_MODE_PENDING) if isinstance(captured, fx.GraphModule) else None
-    first_mode = copy_graph(captured.graph) if pending is not None and not recipe.lowers_capture else None
+    in_place = pending is not None and (not recipe.lowers_capture or export_from is not None)
+    first_mode = copy_graph(captured.graph) if in_place else None
     pm = lowering.compile(captured, examples)
     if first_mode is not None:  # a program that owns its state serves the other mode in place
-        return waiting_in_place(pm, lowering, captured, first_mode, examples)
+        return waiting_in_place(pm, lowering, captured, first_mode, examples, export_from)
     if pending is not None:
-        modes = {m: m.training for m in model.modules()}
-
-        def build_both_modes() -> ParallelModule:
-            now = {m: m.training for m in modes}
-            try:
-                for m, training in modes.items():  # as at transform, so the program is the one it would have made
-                    m.training = training
-                options = {"batch_dim": batch_dim, "dynamic_dims": dynamic_dims}
-                return _compile(recipe, model, example_tuple, example_kwargs, frontend="export", **options)
-            finally:
-                for m, training in now.items():
-                    m.training = training
-
-        object.__setattr__(pm, "_other_mode", OtherModePending(build_both_modes, model))
+        options = {"batch_dim": batch_dim, "dynamic_dims": dynamic_dims}
+        both = functools.partial(_compile, recipe, model, example_tuple, example_kwargs, frontend="export", **options)
+        object.__setattr__(pm, "_other_mode", OtherModePending(both, model))
     return pm
 
 

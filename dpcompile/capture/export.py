@@ -546,6 +546,13 @@ class OtherModeExport:
         self._other: fx.GraphModule | None = None
         self._exported = False
 
+    def export_from(self, model: nn.Module) -> None:
+        """Export the other mode from ``model`` (of the same classes and module paths: the user's model, of
+        which the exported one is a private copy that FSDP shards), its modules in the modes exported in."""
+        paths = {m: path for path, m in self.model.named_modules()}
+        self.modes = {model.get_submodule(paths[m]): training for m, training in self.modes.items()}
+        self.model = model
+
     def __deepcopy__(self, memo: dict[int, Any]) -> OtherModeExport:
         return self
 

@@ -23,12 +23,24 @@ _CARRIED = ("memory_options", "memory_plan", "candidates", "calibration")
 
 
 class OtherModePending:
-    """``build()`` makes the program of both modes; it runs at the first call where a module of
+    """``build()`` makes the program of both modes (with ``model``'s modules in their modes at transform,
+    so that it is the program transform would have made); it runs at the first call where a module of
     ``model`` is in another mode than at transform (or where the program is saved or copied)."""
 
     def __init__(self, build: Callable[[], nn.Module], model: nn.Module):
-        self.build = build
         self.modes = [(m, m.training) for m in model.modules()]
+
+        def in_modes_at_transform() -> nn.Module:
+            now = [(m, m.training) for m, _ in self.modes]
+            try:
+                for m, training in self.modes:
+                    m.training = training
+                return build()
+            finally:
+                for m, training in now:
+                    m.training = training
+
+        self.build = in_modes_at_transform
         self.program: nn.Module | None = None
 
     def departed(self) -> bool:
@@ -64,14 +76,27 @@ class OtherModeInPlace:
         return any(m.training is not training for m, training in self.modes)
 
     def resolve(self, pm: Any) -> nn.Module:
-        self.complete()
+        from torch.nn.utils import parametrize
+
+        cached = dict(parametrize._cache)  # inside FSDP's call, parametrize.cached(): what the build (on fake
+        try:  # tensors) gathers must not be what the call reads
+            self.complete()
+        finally:
+            parametrize._cache.clear()
+            parametrize._cache.update(cached)
         pm.__dict__.pop("_other_mode", None)
         return pm
 
 
-def waiting_in_place(pm: Any, recipe: Any, captured: fx.GraphModule, first_mode: fx.Graph, examples: tuple | None) -> Any:
+def waiting_in_place(pm: Any, recipe: Any, captured: fx.GraphModule, first_mode: fx.Graph, examples: tuple | None,
+                     export_from: nn.Module | None = None) -> Any:  # fmt: skip
     """``pm`` (``recipe`` lowered ``captured``, exported in one mode: ``first_mode`` is a copy of its graph)
-    made to serve the other mode in place at its first call in it (:class:`OtherModeInPlace`)."""
+    made to serve the other mode in place at its first call in it (:class:`OtherModeInPlace`); ``export_from``:
+    the model to export that mode from, where ``captured``'s own changes (FSDP's pieces in its private copy)."""
+    if export_from is not None:
+        from dpcompile.capture.export import OTHER_MODE_PENDING
+
+        captured.meta[OTHER_MODE_PENDING].export_from(export_from)
 
     def complete() -> None:
         from dpcompile.capture.export import OTHER_MODE_PENDING

@@ -223,7 +223,7 @@ class TensorParallelRecipe(Recipe):
             )  # fmt: skip
             variant = dataclasses.replace(self, plan=dict(pm.plan), check_available=False)
             built = variant.compile(source, example, none_args=key.none_args, flags=dict(key.flags))
-        if built.param_shards != pm.param_shards:
+        if built.param_shards != pm.__dict__.get("_tp_param_shards", pm.param_shards):  # FSDP's pieces: of these shards
             raise DpCompileError(
                 f"the call ({key.describe()}) takes another path through forward, whose layers shard "
                 "differently; transform the model for that call (example_inputs= of it)"

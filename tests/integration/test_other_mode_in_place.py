@@ -1,4 +1,4 @@
-"""A program that owns its state (tensor parallel's shards, a pipeline's placed stages) exports the
+"""A program that owns its state (tensor parallel's shards, a pipeline's placed stages, FSDP's pieces) exports the
 model once at transform; the first call in the other mode exports that mode and lowers the program
 again in place: ``pm.parameters()`` stay the same objects (the optimizer keeps training them), and
 both modes give eager's numbers (``dpcompile.modules.other_mode.OtherModeInPlace``). Over a mesh:
@@ -34,6 +34,7 @@ class Scaled(nn.Module):
 LAYOUTS = {
     "tensor_parallel": {"tensor_parallel": True},
     "pipeline": {"pipeline": 2, "micro_batches": 2},
+    "fsdp": {"data_parallel": "fsdp"},  # one process: the pieces stay, the user's model exports the other mode
 }
 
 

@@ -171,7 +171,6 @@ def transform(
         context_options = dataclasses.replace(context_options, exchange="all-gather")
     fsdp_copies = _fsdp_in_one_process(devices, target, data_parallel, mixed_precision, memory_per_device, pipeline,
                                        tensor_parallel)  # fmt: skip
-    user_model = model
     if fsdp_copies:  # built as replication on a private copy, then each parameter sharded over dp
         model = _private_copy(model)
     copies, per_copy, dp_devices, sequence_split, sequence_copies = 1, None, None, False, 1
@@ -271,7 +270,7 @@ def transform(
                 batch_dim=batch_dim,
                 dynamic_dims=dynamic_dims,
                 lazy_other_mode=not fsdp_copies or pipeline is None,  # FSDP's stages: built with both modes
-                export_from=user_model if fsdp_copies else None,
+                sharded_after=bool(fsdp_copies),
             )
     if fsdp_copies and fsdp_copies > 1:
         shard_over_dp(pm)
@@ -300,11 +299,11 @@ def transform(
 def _compile(
     recipe: Recipe, model: nn.Module, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, *,
     frontend: str, batch_dim: int | None, dynamic_dims: Any = None, lazy_other_mode: bool = False,
-    export_from: nn.Module | None = None,
+    sharded_after: bool = False,
 ) -> ParallelModule:  # fmt: skip
     """``lazy_other_mode``: a program exported in one mode captures the other at its first call in it
     (:mod:`dpcompile.modules.other_mode`): built again (data parallel) or in place (``recipe.completes_other_mode``,
-    or ``export_from``: the user's model, of which ``model`` is a private copy that FSDP shards; exported from it)."""
+    or ``sharded_after``: ``model`` is a private copy FSDP shards next, its other mode exported from a stand-in)."""
     lazy_other_mode = lazy_other_mode and (recipe.lowers_capture or recipe.completes_other_mode)
     captured, examples, frontend_batch_dim = apply_frontend(
         model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
@@ -315,11 +314,11 @@ def _compile(
     if recipe.serves_flags and frontend_batch_dim != recipe.batch_dim:  # type: ignore[attr-defined]
         lowering = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
     pending = captured.meta.get(OTHER_MODE_PENDING) if isinstance(captured, fx.GraphModule) else None
-    in_place = pending is not None and (not recipe.lowers_capture or export_from is not None)
+    in_place = pending is not None and (not recipe.lowers_capture or sharded_after)
     first_mode = copy_graph(captured.graph) if in_place else None
     pm = lowering.compile(captured, examples)
     if first_mode is not None:  # a program that owns its state serves the other mode in place
-        return waiting_in_place(pm, lowering, captured, first_mode, examples, export_from)
+        return waiting_in_place(pm, lowering, captured, first_mode, examples, sharded_after)
     if pending is not None:
         options = {"batch_dim": batch_dim, "dynamic_dims": dynamic_dims}
         both = functools.partial(_compile, recipe, model, example_tuple, example_kwargs, frontend="export", **options)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 import logging
 import warnings
@@ -37,9 +38,9 @@ from torch import nn
 
 from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
+from dpcompile.capture.export_modes import OTHER_MODE_PENDING, OtherModeExport, reads_mode, serve_both_modes
 from dpcompile.capture.grad_blocks import inline_no_grad_blocks
 from dpcompile.capture.inputs import is_dynamic
-from dpcompile.capture.modes import add_mode_check, bakes_mode, forward_reads_training, merge_modes
 from dpcompile.capture.rewrite import rewrite
 from dpcompile.capture.side_effects import (
     SideEffectRefused,
@@ -56,7 +57,6 @@ from dpcompile.runtime.exported import expect_value
 
 log = logging.getLogger("dpcompile")
 aten = torch.ops.aten
-OTHER_MODE_PENDING = "dpcompile_other_mode_pending"  # gm.meta key: exported in the model's mode only
 
 
 @dataclasses.dataclass
@@ -91,7 +91,7 @@ def export_program(
     """Export ``model`` on the examples and make the graph a program the passes understand.
 
     ``lazy_other_mode``: where forward may read ``self.training``, export only the mode the model
-    is in and mark the program ``meta[OTHER_MODE_PENDING]``: an :class:`OtherModeExport` that exports
+    is in and mark the program ``meta[OTHER_MODE_PENDING]``: an :class:`~dpcompile.capture.export_modes.OtherModeExport` that exports
     the other mode and merges it in at the first call that needs it, instead of exporting it now."""
     import time
 
@@ -150,8 +150,9 @@ def export_program(
     check_export_effects(model, effects, seeds, unlifted, ep.graph_module.code, export_again, code_names)
     check_writes_without_grad(model, unlifted)
     gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
-    if lazy_other_mode and _reads_mode(model, gm):
-        gm.meta[OTHER_MODE_PENDING] = OtherModeExport(model, names, spec, dim, injected)
+    if lazy_other_mode and reads_mode(model, gm):
+        export_other = functools.partial(_export_in_other_mode, names=names, spec=spec, dim=dim, injected=injected)
+        gm.meta[OTHER_MODE_PENDING] = OtherModeExport(model, export_other)
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected)
         serve_both_modes(gm, None if other is gm else other, model, model.training, other is None)
@@ -513,85 +514,12 @@ def _build(graph: fx.Graph, spec: Any, leaves: Any) -> Any:
     raise TraceError(f"the export frontend cannot rebuild an output of type {kind.__name__}")
 
 
-def _reads_mode(model: nn.Module, gm: fx.GraphModule) -> bool:
-    """Whether the program may differ in the other mode (forward reads ``self.training`` beyond the
-    modules the program calls, or an op baked the mode in)."""
-    return any(bakes_mode(n) for n in gm.graph.nodes) or any(forward_reads_training(type(m)) for m in model.modules())
-
-
-def serve_both_modes(gm: fx.GraphModule, other: fx.GraphModule | None, model: nn.Module, training: bool,
-                     same: bool = False) -> None:  # fmt: skip
-    """``gm`` (exported with the root in ``training`` mode) made to serve both modes from ``other``, its
-    program in the other mode (None: that export failed): where they differ in constants only, each is
-    read by mode at run time (:func:`merge_modes`), else the mode is checked. ``same``: forward reads
-    no mode beyond its modules', nothing to do."""
-    if not same and (other is None or not merge_modes(gm, other, model, training=training)):
-        add_mode_check(gm, model, training=training)
-
-
-class OtherModeExport:
-    """The other mode of a program exported in one (``export_program(lazy_other_mode=True)``), exported at
-    its first need, once, and merged into the capture or any copy of it (:meth:`complete`): what
-    ``export_program`` would have done at once. A copy of the capture (``copy.deepcopy``) shares it, never
-    copying the model it exports again::
-
-        pending = gm.meta[OTHER_MODE_PENDING]
-        pending.complete(copy_of_gm)   # exports the model in the other mode (the first time), merges it in
-    """
-
-    def __init__(self, model: nn.Module, names: Mapping[str, Any], spec: Any, dim: int, injected: frozenset[str]):
-        self.model, self.names, self.spec, self.dim, self.injected = model, dict(names), spec, dim, injected
-        self.modes = {m: m.training for m in model.modules()}  # as exported
-        self.training = model.training
-        self._other: fx.GraphModule | None = None
-        self._exported = False
-
-    def export_from(self, model: nn.Module) -> None:
-        """Export the other mode from ``model`` (of the same classes and module paths: the user's model, of
-        which the exported one is a private copy that FSDP shards), its modules in the modes exported in."""
-        paths = {m: path for path, m in self.model.named_modules()}
-        self.modes = {model.get_submodule(paths[m]): training for m, training in self.modes.items()}
-        self.model = model
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> OtherModeExport:
-        return self
-
-    def __reduce__(self) -> Any:  # a pickled capture keeps no reference to the model: it serves its mode only
-        return (_no_pending, ())
-
-    def other_program(self, gm: fx.GraphModule) -> fx.GraphModule | None:
-        """The program of the other mode (exported with every module's mode as at transform, then the
-        model's modes put back as they are now); None where it cannot be exported."""
-        if not self._exported:
-            now = {m: m.training for m in self.model.modules()}
-            try:
-                for m, training in self.modes.items():
-                    m.training = training
-                other = _export_in_other_mode(self.model, gm, self.names, self.spec, self.dim, self.injected)
-            finally:
-                for m, training in now.items():
-                    m.training = training
-            self._other, self._exported = (None if other is gm else other), True
-        return self._other
-
-    def complete(self, gm: fx.GraphModule) -> None:
-        """Make ``gm`` (the capture, or a copy of its graph over any modules of the same paths) serve both
-        modes, as an eager export of both would have made it."""
-        serve_both_modes(gm, self.other_program(gm), self.model, self.training)
-        gm.meta.pop(OTHER_MODE_PENDING, None)
-        gm.recompile()
-
-
-def _no_pending() -> None:
-    return None
-
-
 def _export_in_other_mode(
     model: nn.Module, gm: fx.GraphModule, names: Mapping[str, Any], spec: Any, dim: int, injected: frozenset[str]
 ) -> fx.GraphModule | None:
     """The program exported in the other mode, where forward may read ``self.training`` beyond
     the modules the program calls (which read their own mode at run time); else None."""
-    if not _reads_mode(model, gm):
+    if not reads_mode(model, gm):
         return None
     from torch.export import export
 

@@ -89,14 +89,14 @@ class OtherModeInPlace:
 
 
 def waiting_in_place(pm: Any, recipe: Any, captured: fx.GraphModule, first_mode: fx.Graph, examples: tuple | None,
-                     export_from: nn.Module | None = None) -> Any:  # fmt: skip
+                     sharded_after: bool = False) -> Any:  # fmt: skip
     """``pm`` (``recipe`` lowered ``captured``, exported in one mode: ``first_mode`` is a copy of its graph)
-    made to serve the other mode in place at its first call in it (:class:`OtherModeInPlace`); ``export_from``:
-    the model to export that mode from, where ``captured``'s own changes (FSDP's pieces in its private copy)."""
-    if export_from is not None:
+    made to serve the other mode in place at its first call in it (:class:`OtherModeInPlace`); ``sharded_after``:
+    the model changes after this (FSDP's pieces in its private copy): that mode is exported from a stand-in."""
+    if sharded_after:
         from dpcompile.capture.export import OTHER_MODE_PENDING
 
-        captured.meta[OTHER_MODE_PENDING].export_from(export_from)
+        captured.meta[OTHER_MODE_PENDING].export_on_a_stand_in()
 
     def complete() -> None:
         from dpcompile.capture.export import OTHER_MODE_PENDING

@@ -57,11 +57,10 @@ class OtherModePending:
 
 
 class OtherModeInPlace:
-    """The other mode of a program that owns its state (tensor parallel's shards; one rank's program
-    over a mesh, wrapped by DDP or FSDP2): ``complete()`` makes ``pm`` itself serve both modes (the
-    capture's other mode exported and merged in, lowered again by the recipe and swapped into
-    ``pm``'s graph over ``pm``'s own modules and parameters, so an optimizer, DDP and FSDP2 keep
-    theirs). It runs at the first call where a module of ``pm`` is in another mode than at transform
+    """The other mode of a program that owns its state (tensor parallel's shards, FSDP's pieces, a pipeline's
+    placed stages; one rank's program over a mesh, wrapped by DDP): ``complete()`` makes ``pm`` itself serve
+    both modes (the capture's other mode exported and merged in, lowered again by the recipe and swapped
+    into ``pm``'s graph over ``pm``'s own modules and parameters, so an optimizer and DDP keep theirs). It runs at the first call where a module of ``pm`` is in another mode than at transform
     (or where ``pm`` is saved or copied); a failure leaves ``pm`` as it was, and the next call tries again::
 
         pm = dpcompile.transform(model, devices, tensor_parallel=True, example_kwargs=kw)  # one export

@@ -35,11 +35,12 @@ from dpcompile.capture.norms import deepcopy_module
 from dpcompile.devices import parse_device, parse_devices
 from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, TraceError
 from dpcompile.fake import has_meta_tensors
+from dpcompile.fx_utils import copy_graph
 from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
 from dpcompile.mesh import check_mesh, is_device_mesh, keywords_named_by
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
-from dpcompile.modules.other_mode import OtherModePending
+from dpcompile.modules.other_mode import OtherModePending, waiting_in_place
 from dpcompile.planned import (
     check_layout_fits,
     headroom,
@@ -268,7 +269,8 @@ def transform(
                 frontend=frontend,
                 batch_dim=batch_dim,
                 dynamic_dims=dynamic_dims,
-                lazy_other_mode=not fsdp_copies,  # FSDP's pieces are made once, on the program of both modes
+                lazy_other_mode=not fsdp_copies or pipeline is None,  # FSDP's stages: built with both modes
+                sharded_after=bool(fsdp_copies),
             )
     if fsdp_copies and fsdp_copies > 1:
         shard_over_dp(pm)
@@ -297,10 +299,12 @@ def transform(
 def _compile(
     recipe: Recipe, model: nn.Module, example_tuple: tuple | None, example_kwargs: Mapping[str, Any] | None, *,
     frontend: str, batch_dim: int | None, dynamic_dims: Any = None, lazy_other_mode: bool = False,
+    sharded_after: bool = False,
 ) -> ParallelModule:  # fmt: skip
-    """``lazy_other_mode``: a data-parallel program exported in one mode captures the other at its
-    first call in it (:mod:`dpcompile.modules.other_mode`)."""
-    lazy_other_mode = lazy_other_mode and recipe.lowers_capture
+    """``lazy_other_mode``: a program exported in one mode captures the other at its first call in it
+    (:mod:`dpcompile.modules.other_mode`): built again (data parallel) or in place (``recipe.completes_other_mode``,
+    or ``sharded_after``: ``model`` is a private copy FSDP shards next, its other mode exported from a stand-in)."""
+    lazy_other_mode = lazy_other_mode and (recipe.lowers_capture or recipe.completes_other_mode)
     captured, examples, frontend_batch_dim = apply_frontend(
         model, frontend, example_tuple, example_kwargs, recipe.leaf_modules, batch_dim,
         flags_served=recipe.serves_flags, dynamic_dims=dynamic_dims,
@@ -309,22 +313,16 @@ def _compile(
     lowering = recipe
     if recipe.serves_flags and frontend_batch_dim != recipe.batch_dim:  # type: ignore[attr-defined]
         lowering = dataclasses.replace(recipe, batch_dim=_check_batch_dim(frontend_batch_dim))
+    pending = captured.meta.get(OTHER_MODE_PENDING) if isinstance(captured, fx.GraphModule) else None
+    in_place = pending is not None and (not recipe.lowers_capture or sharded_after)
+    first_mode = copy_graph(captured.graph) if in_place else None
     pm = lowering.compile(captured, examples)
-    if isinstance(captured, fx.GraphModule) and captured.meta.get(OTHER_MODE_PENDING):
-        modes = {m: m.training for m in model.modules()}
-
-        def build_both_modes() -> ParallelModule:
-            now = {m: m.training for m in modes}
-            try:
-                for m, training in modes.items():  # as at transform, so the program is the one it would have made
-                    m.training = training
-                options = {"batch_dim": batch_dim, "dynamic_dims": dynamic_dims}
-                return _compile(recipe, model, example_tuple, example_kwargs, frontend="export", **options)
-            finally:
-                for m, training in now.items():
-                    m.training = training
-
-        object.__setattr__(pm, "_other_mode", OtherModePending(build_both_modes, model))
+    if first_mode is not None:  # a program that owns its state serves the other mode in place
+        return waiting_in_place(pm, lowering, captured, first_mode, examples, sharded_after)
+    if pending is not None:
+        options = {"batch_dim": batch_dim, "dynamic_dims": dynamic_dims}
+        both = functools.partial(_compile, recipe, model, example_tuple, example_kwargs, frontend="export", **options)
+        object.__setattr__(pm, "_other_mode", OtherModePending(both, model))
     return pm
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 import logging
 import warnings
@@ -37,9 +38,9 @@ from torch import nn
 
 from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
+from dpcompile.capture.export_modes import OTHER_MODE_PENDING, OtherModeExport, reads_mode, serve_both_modes
 from dpcompile.capture.grad_blocks import inline_no_grad_blocks
 from dpcompile.capture.inputs import is_dynamic
-from dpcompile.capture.modes import add_mode_check, bakes_mode, forward_reads_training, merge_modes
 from dpcompile.capture.rewrite import rewrite
 from dpcompile.capture.side_effects import (
     SideEffectRefused,
@@ -56,7 +57,6 @@ from dpcompile.runtime.exported import expect_value
 
 log = logging.getLogger("dpcompile")
 aten = torch.ops.aten
-OTHER_MODE_PENDING = "dpcompile_other_mode_pending"  # gm.meta key: exported in the model's mode only
 
 
 @dataclasses.dataclass
@@ -91,8 +91,8 @@ def export_program(
     """Export ``model`` on the examples and make the graph a program the passes understand.
 
     ``lazy_other_mode``: where forward may read ``self.training``, export only the mode the model
-    is in and mark the program ``meta[OTHER_MODE_PENDING]`` (the caller captures again, both
-    modes, the first time a call runs in the other one) instead of exporting the other mode now."""
+    is in and mark the program ``meta[OTHER_MODE_PENDING]``: an :class:`~dpcompile.capture.export_modes.OtherModeExport` that exports
+    the other mode and merges it in at the first call that needs it, instead of exporting it now."""
     import time
 
     from torch.export import export
@@ -150,12 +150,12 @@ def export_program(
     check_export_effects(model, effects, seeds, unlifted, ep.graph_module.code, export_again, code_names)
     check_writes_without_grad(model, unlifted)
     gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
-    if lazy_other_mode and _reads_mode(model, gm):
-        gm.meta[OTHER_MODE_PENDING] = True
+    if lazy_other_mode and reads_mode(model, gm):
+        export_other = functools.partial(_export_in_other_mode, names=names, spec=spec, dim=dim, injected=injected)
+        gm.meta[OTHER_MODE_PENDING] = OtherModeExport(model, export_other)
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected)
-        if other is gm or (other is not None and not merge_modes(gm, other, model)):  # gm: the other mode failed
-            add_mode_check(gm, model)
+        serve_both_modes(gm, None if other is gm else other, model, model.training, other is None)
     gm.recompile()
     if not dynamic:
         warnings.warn(
@@ -514,18 +514,12 @@ def _build(graph: fx.Graph, spec: Any, leaves: Any) -> Any:
     raise TraceError(f"the export frontend cannot rebuild an output of type {kind.__name__}")
 
 
-def _reads_mode(model: nn.Module, gm: fx.GraphModule) -> bool:
-    """Whether the program may differ in the other mode (forward reads ``self.training`` beyond the
-    modules the program calls, or an op baked the mode in)."""
-    return any(bakes_mode(n) for n in gm.graph.nodes) or any(forward_reads_training(type(m)) for m in model.modules())
-
-
 def _export_in_other_mode(
     model: nn.Module, gm: fx.GraphModule, names: Mapping[str, Any], spec: Any, dim: int, injected: frozenset[str]
 ) -> fx.GraphModule | None:
     """The program exported in the other mode, where forward may read ``self.training`` beyond
     the modules the program calls (which read their own mode at run time); else None."""
-    if not _reads_mode(model, gm):
+    if not reads_mode(model, gm):
         return None
     from torch.export import export
 

@@ -34,10 +34,11 @@ def _with_defaults(node: fx.Node, n: int) -> None:
     node.args = tuple(args)
 
 
-def merge_modes(gm: fx.GraphModule, other: fx.GraphModule, model: nn.Module) -> bool:
+def merge_modes(gm: fx.GraphModule, other: fx.GraphModule, model: nn.Module, *, training: bool | None = None) -> bool:
     """Make ``gm`` serve both modes where the two programs differ only in Python constants
     (attention's ``dropout_p``): each such constant becomes ``mode_value(module, ...)``. False
-    where they differ in structure (``if self.training:`` around ops)."""
+    where they differ in structure (``if self.training:`` around ops). ``training``: the mode ``gm``
+    was exported in (default: the model's now)."""
     if other is gm:
         return False
     ours = list(gm.graph.nodes)
@@ -62,7 +63,7 @@ def merge_modes(gm: fx.GraphModule, other: fx.GraphModule, model: nn.Module) -> 
                 changes.append((a, key, x, y))
                 continue
             return False
-    training = model.training
+    training = model.training if training is None else training
     for node, key, value, other_value in changes:
         path = node_owner_path(node) or next(iter(dict(model.named_children())), None)
         if path is None:
@@ -123,11 +124,12 @@ def bakes_mode(node: fx.Node) -> bool:
     return False
 
 
-def add_mode_check(gm: fx.GraphModule, model: nn.Module) -> None:
+def add_mode_check(gm: fx.GraphModule, model: nn.Module, *, training: bool | None = None) -> None:
+    """``gm`` refuses a call in the other mode than ``training`` (default: the model's now)."""
     child = next(iter(dict(model.named_children())), None)
     if child is None:
         return
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     with gm.graph.inserting_before(first):
         ref = gm.graph.get_attr(child)
-        gm.graph.call_function(expect_mode, (ref, model.training))
+        gm.graph.call_function(expect_mode, (ref, model.training if training is None else training))

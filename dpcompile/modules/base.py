@@ -331,10 +331,10 @@ class ParallelModule(PicklesPrograms, LoadsWeights, fx.GraphModule):
         key = self.call_key(*args, **kwargs)
         if self.__dict__.get("_exported_check") is not None:
             self._exported_check.check(args, kwargs)
-            if (other := program_in_other_mode(self)) is not None:
-                return other
         elif (exported_inputs := self.__dict__.get("_exported_inputs")) is not None:  # a copy's (torch.load)
             check_inputs(exported_inputs[0], args, kwargs, exported_inputs[1])
+        if "_other_mode" in self.__dict__ and (other := program_in_other_mode(self)) is not None:
+            return other  # exported in one mode: the program of both (or pm made to serve both in place)
         if self._shares_source and self._guard.backward_hooked:
             raise backward_hooks_error(self.traced_model, self._guard.backward_hooked)
         if not self._shares_source and self.traced_model is not None:

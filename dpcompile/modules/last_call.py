@@ -55,6 +55,7 @@ class LastCall:
         if (
             kwargs or guard is None or guard.versions_read() is None or len(split) > 1
             or pm.__dict__.get("_exported_check") is not None or pm.__dict__.get("_exported_inputs") is not None
+            or "_other_mode" in pm.__dict__  # the first call in the other mode completes the program
             or signature.optional or signature.flags or signature.replicated
         ):  # fmt: skip
             return None

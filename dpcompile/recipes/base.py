@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,6 +85,18 @@ class Recipe:
     def build_program(self, pm: Any, key: Any, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program of ``pm`` for a call with ``key`` (a :class:`~dpcompile.program_cache.CallKey`);
         None where ``pm``'s main program serves it."""
+        raise NotImplementedError
+
+    @property
+    def completes_other_mode(self) -> bool:
+        """Whether a program exported in one mode is made to serve the other in place, at its first
+        call in it (:meth:`complete_other_mode`), rather than exporting both modes at transform."""
+        return False
+
+    def complete_other_mode(self, pm: Any, merged: fx.GraphModule, examples: Sequence[Any] | None) -> Callable[[], None]:
+        """``pm``'s program lowered again from ``merged`` (its capture, both modes merged), over
+        ``pm``'s own modules and tensors; returns what swaps it in (which cannot fail). Nothing of
+        ``pm`` changes before that (:class:`~dpcompile.modules.other_mode.OtherModeInPlace`)."""
         raise NotImplementedError
 
     def frontend_options(self, input_dims: Mapping[str, int | None]) -> Any:

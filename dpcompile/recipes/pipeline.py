@@ -34,6 +34,7 @@ from dpcompile.fx_utils import copy_graph, graph_module
 from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.executors import hold_pipeline
+from dpcompile.modules.other_mode import swap_graph
 from dpcompile.modules.pipeline import Stage
 from dpcompile.modules.pipeline_1f1b import OneFOneBStep
 from dpcompile.program_cache import CallKey
@@ -81,6 +82,23 @@ class PipelineRecipe(Recipe):
 
     def fake_layout_fields(self, pm: ParallelModule) -> dict[str, Any]:
         return {} if self.plan is False else {"plan": dict(pm.plan) or True}
+
+    @property
+    def completes_other_mode(self) -> bool:  # type: ignore[override]
+        return self.plan is False  # stages over the model's own modules (sharded ones own their shards)
+
+    def complete_other_mode(self, pm: ParallelModule, merged: fx.GraphModule, examples: Sequence[Any] | None) -> Any:
+        """The pipeline compiled again from ``merged`` over the model's own modules (which ``pm``'s stages
+        hold, already on their devices): its program, capture and stages swapped into ``pm``."""
+        built = self.compile(merged, examples)
+
+        def swap() -> None:
+            swap_graph(pm, copy_graph(built.graph))
+            object.__setattr__(pm, "captured", built.captured)
+            object.__setattr__(pm, "stages", built.stages)
+            object.__setattr__(pm, "stage_plan", built.stage_plan)
+
+        return swap
 
     def compile(
         self,

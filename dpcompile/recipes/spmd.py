@@ -64,6 +64,7 @@ from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_fsdp_parameters, check_mesh, mesh_size
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
+from dpcompile.modules.other_mode import agreed_over_mesh, swap_graph
 from dpcompile.modules.spmd import hold_mesh, repeated_blocks
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for
@@ -120,6 +121,29 @@ class SpmdRecipe(Recipe):
         if on_meta is not None and (exported or pm.__dict__.get("traced_model") is not None):  # what export over a
             pm.__dict__["model_on_meta"] = on_meta  # mesh copies: the model, or the program export captured
         return pm
+
+    @property
+    def completes_other_mode(self) -> bool:  # type: ignore[override]
+        """Data and context parallel over DDP: the lowering passes again, no collective (FSDP2 swaps the
+        model's classes, which export would read; tensor parallel exports twice still)."""
+        return self.data_parallel != "fsdp" and self.mode in ("spmd_data_parallel", "spmd_context_parallel")
+
+    def complete_other_mode(self, pm: ParallelModule, merged: fx.GraphModule, examples: Sequence[Any] | None) -> Any:
+        """This rank's program lowered again from ``merged`` (over the model's own modules, which ``pm``
+        holds), as :meth:`compile` lowered the capture; every rank of the mesh agrees it was built."""
+        recipe, device = pm.recipe, pm.devices.primary
+
+        def lowered() -> fx.Graph:
+            gm = capture(merged)
+            if pm.mode == "spmd_context_parallel":
+                gm, _ = recipe._lower_context_parallel(gm, device, list(examples or ()))
+            else:
+                if examples is not None:
+                    propagate_shapes(gm, [x.to(device) if isinstance(x, torch.Tensor) else x for x in examples])
+                gm, _ = run_passes(gm, recipe._data_parallel_pipeline(device, pm.dp_dim, gm, examples))
+            return copy_graph(gm.graph)
+
+        return functools.partial(swap_graph, pm, agreed_over_mesh(self.mesh, lowered))
 
     def _compile_rank(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         mode, dp_dim, tp_dim = check_mesh(self.mesh, self.plan)

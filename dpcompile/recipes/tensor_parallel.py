@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
@@ -40,11 +41,12 @@ from dpcompile.analysis.sharding import embedding_paths, linear_like_leaves, lin
 from dpcompile.capture import EXPORTED_FROM, capture
 from dpcompile.devices import Devices
 from dpcompile.errors import DpCompileError
-from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy_to_trace, is_fake
+from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy, fake_copy_to_trace, is_fake
 from dpcompile.fx_utils import adopt_state, alias_of, bind_inputs, copy_graph, graph_module, propagate_shapes, unalias
 from dpcompile.infra import info_of, run_passes
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
+from dpcompile.modules.other_mode import swap_graph
 from dpcompile.modules.sharded_state import hold_shards
 from dpcompile.modules.tensor_parallel import watch_source_parameters
 from dpcompile.planning import plan_for, why_whole
@@ -175,6 +177,19 @@ class TensorParallelRecipe(Recipe):
     def fake_layout_fields(self, pm: ParallelModule) -> dict[str, Any]:
         return {"plan": dict(pm.plan) or True, "check_available": False}
 
+    @property
+    def completes_other_mode(self) -> bool:  # type: ignore[override]
+        return self.check_available  # a program with a fake copy to build on (not a fake layout check's)
+
+    def complete_other_mode(self, pm: ParallelModule, merged: fx.GraphModule, examples: Sequence[Any] | None) -> Any:
+        """The main program built again from ``merged`` on a fake copy with ``pm``'s plan (as a call in
+        another mode builds its own, :meth:`build_program`), to run on ``pm``'s shards."""
+        source = fake_copy(merged, FakeTensorMode(allow_non_fake_inputs=True), self.devices.primary)
+        key = pm.program_cache.main_key
+        built = self._built_on_fake(pm, source, key, tuple(examples or ()), {})
+        constants = _constants_of_the_call(pm, built, capture(merged))
+        return functools.partial(swap_graph, pm, copy_graph(built.graph), constants)
+
     def build_program(self, pm: ParallelModule, key: CallKey, args: tuple, kwargs: dict) -> fx.GraphModule | None:
         """The program for a call in another mode or with other arguments left None, built on
         the fake copy with ``pm``'s plan and run on its shards; None where it is the same."""
@@ -188,25 +203,32 @@ class TensorParallelRecipe(Recipe):
                 traced.recompile()
             if traced.code == pm.captured_code:
                 return None  # forward takes the same path: the main program (a cheap check)
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            values = bind_inputs(pm, args, kwargs) if args or kwargs else None
-            with mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-                example = None if values is None else tree_map(
-                    lambda v: mode.from_tensor(v.detach()).to(self.devices.primary) if isinstance(v, torch.Tensor) else v,
-                    values,
-                )  # fmt: skip
-                variant = dataclasses.replace(self, plan=dict(pm.plan), check_available=False)
-                built = variant.compile(source, example, none_args=key.none_args, flags=dict(key.flags))
-        if built.param_shards != pm.param_shards:
-            raise DpCompileError(
-                f"the call ({key.describe()}) takes another path through forward, whose layers shard "
-                "differently; transform the model for that call (example_inputs= of it)"
-            )
+            built = self._built_on_fake(pm, source, key, args, kwargs)
         if built.code == pm.code:
             return None
         constants = _constants_of_the_call(pm, built, traced)
         return graph_module(pm, copy_graph(built.graph), "TensorParallelVariant", constants)
+
+
+    def _built_on_fake(self, pm: ParallelModule, source: nn.Module, key: CallKey, args: tuple, kwargs: dict) -> ParallelModule:
+        """``source`` (a fake copy) compiled with ``pm``'s plan for a call as ``key``; refused where its layers
+        shard otherwise than ``pm``'s."""
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        values = bind_inputs(pm, args, kwargs) if args or kwargs else None
+        with mode, FakeCudaOnCpuTorch(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            example = None if values is None else tree_map(
+                lambda v: mode.from_tensor(v.detach()).to(self.devices.primary) if isinstance(v, torch.Tensor) else v,
+                values,
+            )  # fmt: skip
+            variant = dataclasses.replace(self, plan=dict(pm.plan), check_available=False)
+            built = variant.compile(source, example, none_args=key.none_args, flags=dict(key.flags))
+        if built.param_shards != pm.__dict__.get("_tp_param_shards", pm.param_shards):  # FSDP's pieces: of these shards
+            raise DpCompileError(
+                f"the call ({key.describe()}) takes another path through forward, whose layers shard "
+                "differently; transform the model for that call (example_inputs= of it)"
+            )
+        return built
 
 
 def _constants_of_the_call(pm: nn.Module, built: fx.GraphModule, traced: fx.GraphModule) -> dict[str, torch.Tensor]:

@@ -404,8 +404,57 @@ def check_blocks_over_dp_and_cp() -> None:
     torch.testing.assert_close(pm(local_batch(x[:3], mesh)), eager(x[:3])[rows(3)][:, mine])
 
 
+def check_other_mode_in_place() -> None:
+    """Exported once at transform; the first call in eval exports that mode and lowers this rank's
+    program again in place (test_other_mode_in_place.py): eval equals eager's, then 2 more AdamW steps in
+    training equal eager's (every gradient, the parameters), on the same parameter objects."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.export
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+    from tests.integration.test_other_mode_in_place import Scaled
+
+    calls, real = [], torch.export.export
+    torch.export.export = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        torch.manual_seed(0)
+        model = Scaled().double()
+        eager, mesh = copy.deepcopy(model), _cp_mesh()
+        x = torch.randn(2, 6, 8, dtype=torch.float64)
+        mine = torch.tensor_split(torch.arange(6), WORLD)[dist.get_rank()]
+        pm = dpcompile.transform(model, mesh, example_kwargs=local_batch({"x": x}, mesh), frontend="export")
+        params = list(pm.parameters())
+        assert len(calls) == 1, calls
+        pm.eval()
+        torch.testing.assert_close(pm(x[:, mine]), eager.eval()(x)[:, mine])
+        assert len(calls) == 2, calls
+        pm.train()
+        eager.train()
+        opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(eager.parameters(), lr=1e-2)
+        for _ in range(2):
+            got, want = pm(x[:, mine]), eager(x)
+            torch.testing.assert_close(got, want[:, mine])
+            got.square().sum().backward()  # DDP averages the ranks' gradients, scaled to their sum: eager's
+            want.square().sum().backward()
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"grad {name}: {m}")
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q)
+        assert all(p is q for p, q in zip(pm.parameters(), params, strict=True)) and len(calls) == 2
+    finally:
+        torch.export.export = real
+
+
 CHECKS = (
     ("gpt2", check_gpt2_equals_eager),
+    ("other_mode_in_place", check_other_mode_in_place),
     ("all_to_all", check_all_to_all_over_a_cp_mesh),  # test_context_parallel_all_to_all.py
     *((name, functools.partial(check_model_equals_eager, name)) for name in MATRIX),
     ("vit", check_vit_equals_eager),

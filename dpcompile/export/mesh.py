@@ -213,9 +213,11 @@ def export_over_mesh(pm: Any, folder: Path, write: Callable[[nn.Module, Path, di
     import torch.distributed as dist
 
     from dpcompile.api import transform
+    from dpcompile.modules.other_mode import both_modes
 
     layout = recorded_layout(pm)
     mesh = pm.recipe.mesh
+    both_modes(pm)  # exported in one mode (every rank): the other one first, so the folder holds both
     if mesh.size() != dist.get_world_size():
         raise ExportError(
             f"export over a DeviceMesh of {mesh.size()} of the {dist.get_world_size()} processes is not built yet: "

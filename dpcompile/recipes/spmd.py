@@ -143,7 +143,14 @@ class SpmdRecipe(Recipe):
                 gm, _ = run_passes(gm, recipe._data_parallel_pipeline(device, pm.dp_dim, gm, examples))
             return copy_graph(gm.graph)
 
-        return functools.partial(swap_graph, pm, agreed_over_mesh(self.mesh, lowered))
+        graph = agreed_over_mesh(self.mesh, lowered)
+
+        def swap() -> None:
+            swap_graph(pm, graph)
+            if pm.__dict__.get("model_on_meta") is not None and EXPORTED_FROM in merged.meta:
+                pm.__dict__["model_on_meta"] = meta_copy_to_pickle(merged)  # what export over a mesh copies: both modes
+
+        return swap
 
     def _compile_rank(self, model: nn.Module, example_inputs: Sequence[Any] | None) -> ParallelModule:
         mode, dp_dim, tp_dim = check_mesh(self.mesh, self.plan)

@@ -448,8 +448,38 @@ def check_other_mode_in_place() -> None:
         for p, q in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(p, q)
         assert all(p is q for p, q in zip(pm.parameters(), params, strict=True)) and len(calls) == 2
+        _check_export_adds_the_other_mode(Scaled().double(), mesh, x, mine, calls)
     finally:
         torch.export.export = real
+
+
+def _check_export_adds_the_other_mode(model, mesh, x, mine, calls) -> None:
+    """Exported over the mesh before any call in the other mode, the folder holds both: export exports
+    that mode first (every rank), and the loaded program's eval equals eager's."""
+    import copy
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.mesh import local_batch
+
+    eager, before = copy.deepcopy(model).eval(), len(calls)
+    pm = dpcompile.transform(model, mesh, example_kwargs=local_batch({"x": x}, mesh), frontend="export")
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    try:
+        dpcompile.export(pm, f"{folder[0]}/out")
+        assert len(calls) == before + 2, calls
+        loaded = dpcompile.load(f"{folder[0]}/out", mesh=mesh).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x[:, mine]), eager(x)[:, mine])
+        dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
 
 
 CHECKS = (

@@ -35,7 +35,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.export.strided import original_name
 from dpcompile.export.vocabulary import TENSOR_METHODS, denied, vocabulary
 from dpcompile.fx_utils import unalias
-from dpcompile.runtime.exported import TransposedLinear
+from dpcompile.runtime.exported import MatmulLinear, TransposedLinear
 
 __all__ = [
     "NotAllowed",
@@ -61,7 +61,8 @@ class NotAllowed(DpCompileError):
 # classes a program holds as dpcompile's own, by the class they stand for: same attributes,
 # same arithmetic, dpcompile's forward (the folder never names the library's class)
 STAND_INS: Mapping[str, type[nn.Module]] = types.MappingProxyType(
-    {"transformers.pytorch_utils.Conv1D": TransposedLinear}
+    {"transformers.pytorch_utils.Conv1D": TransposedLinear,
+     "transformers.models.falcon.modeling_falcon.FalconLinear": MatmulLinear}
 )
 
 _registered: dict[str, type[nn.Module]] = {}

@@ -203,6 +203,7 @@ class Contrastive(nn.Module):
         return nn.functional.cross_entropy(logits, torch.arange(len(logits)))
 
 
+@pytest.mark.filterwarnings("ignore:dpcompile. 50% of forward FLOPs")
 def test_export_guard_batch_the_model_fixes_names_the_code_not_dynamic_dims():
     """A batch dim the model's code fixes (CLIP's ``len(logits)``) is refused at another batch with the way out
     that works; before, the message said to pass dynamic_dims= (which is then refused) or an example batch of 2

@@ -36,6 +36,7 @@ class InputSpec:
     name: str
     shape: tuple[int | None, ...] | None = None
     dtype: torch.dtype | None = None
+    fixed_by_code: tuple[int, ...] = ()  # dims export was asked to keep dynamic, which the model's code fixed
 
     def describe(self) -> str:
         return "(" + ", ".join("*" if d is None else str(d) for d in self.shape or ()) + ("," if len(self.shape or ()) == 1 else "") + ")"
@@ -60,7 +61,8 @@ def input_specs(gm: fx.GraphModule) -> tuple[InputSpec, ...]:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             shape = tuple(None if is_dynamic(d) else int(d) for d in val.shape)
-            out.append(InputSpec(str(node.target), shape, val.dtype))
+            fixed = tuple(i for i, d in enumerate(val.shape) if isinstance(d, torch.SymInt) and not is_dynamic(d))
+            out.append(InputSpec(str(node.target), shape, val.dtype, fixed))
         else:
             out.append(InputSpec(str(node.target)))
     return tuple(out)
@@ -118,7 +120,14 @@ def check_inputs(specs: Sequence[InputSpec], args: tuple, kwargs: Mapping[str, A
                 f"Pass dynamic_dims={{'{spec.name}': [{fixed[0] if fixed else 1}]}} to dpcompile.transform "
                 "(or examples of this shape); an example batch of 2 or more keeps the batch dim dynamic"
             )
-            if fixed and spec.shape[fixed[0]] == 1:  # export fixes a size-1 dim: dynamic_dims= cannot free it
+            if fixed and fixed[0] in spec.fixed_by_code:  # CLIP's loss: torch.arange(len(logits))
+                way_out = (
+                    f"The model's code fixed that dim while torch.export captured it (a Python int made of a size, "
+                    "such as len(tensor) or int(x.shape[0]), or a branch on it), so dynamic_dims= cannot free it: call "
+                    f"with size {spec.shape[fixed[0]]} there, or transform again with examples of this shape (a program "
+                    "per size), or move that code out of forward (CLIPModel: return_loss=False, the loss outside)"
+                )
+            elif fixed and spec.shape[fixed[0]] == 1:  # export fixes a size-1 dim: dynamic_dims= cannot free it
                 way_out = (
                     f"The example gave '{spec.name}' size 1 there, and export fixes a dim of size 1 (a mask that "
                     "broadcasts, replicated): call dpcompile.transform with example_inputs= whose "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -35,7 +36,7 @@ from dpcompile.errors import DpCompileError
 from dpcompile.export.strided import original_name
 from dpcompile.export.vocabulary import TENSOR_METHODS, denied, vocabulary
 from dpcompile.fx_utils import unalias
-from dpcompile.runtime.exported import TransposedLinear
+from dpcompile.runtime.exported import MatmulLinear, TransposedLinear
 
 __all__ = [
     "NotAllowed",
@@ -50,6 +51,7 @@ __all__ = [
     "resolve_op",
     "resolve_target",
     "safe_attribute",
+    "safe_name_part",
     "stand_in_name",
 ]
 
@@ -61,7 +63,8 @@ class NotAllowed(DpCompileError):
 # classes a program holds as dpcompile's own, by the class they stand for: same attributes,
 # same arithmetic, dpcompile's forward (the folder never names the library's class)
 STAND_INS: Mapping[str, type[nn.Module]] = types.MappingProxyType(
-    {"transformers.pytorch_utils.Conv1D": TransposedLinear}
+    {"transformers.pytorch_utils.Conv1D": TransposedLinear,
+     "transformers.models.falcon.modeling_falcon.FalconLinear": MatmulLinear}
 )
 
 _registered: dict[str, type[nn.Module]] = {}
@@ -153,12 +156,18 @@ def can_rebuild(cls: type) -> bool:
     return _registered.get(name) is cls or module_classes().get(name) is cls or name in STAND_INS
 
 
+def safe_name_part(part: Any) -> bool:
+    """One part of an attribute path: an identifier, a number, or a module name with hyphens
+    (torchvision RegNet's ``block1-0``, which ``add_module`` allows); never a dunder."""
+    return isinstance(part, str) and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", part) is not None and not part.startswith("__")
+
+
 def safe_attribute(name: Any) -> bool:
-    """An attribute name a program may read: an identifier path without dunders."""
+    """An attribute name a program may read: a path of :func:`safe_name_part` parts."""
     if not isinstance(name, str) or not name:
         return False
     name = unalias(name)  # the model's `devices`, as generated code reads it ("user:devices")
-    return all((part.isidentifier() or part.isdigit()) and not part.startswith("__") for part in name.split("."))
+    return all(safe_name_part(part) for part in name.split("."))
 
 
 def allowed_method(name: Any) -> bool:

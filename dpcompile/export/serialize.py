@@ -43,6 +43,7 @@ from dpcompile.export.allowlist import (
     resolve_op,
     resolve_target,
     safe_attribute,
+    safe_name_part,
     stand_in_name,
 )
 from dpcompile.export.kinds import TreeIndex, check_graph
@@ -486,7 +487,7 @@ def decode_tree(
         modules[path] = module
     for module, path, children in pending_children:
         for child in children:
-            if not isinstance(child, str) or not child.isidentifier() and not child.isdigit():
+            if not safe_name_part(child):
                 raise ExportError(f"program.json: module {path!r} child {child!r:.40}")
             full = f"{path}.{child}" if path else child
             if full not in modules:

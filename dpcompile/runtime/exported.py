@@ -106,6 +106,16 @@ class TransposedLinear(nn.Module):
         return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
 
 
+class MatmulLinear(nn.Linear):
+    """``x @ weight.T`` (``+ bias``): an ``nn.Linear`` whose forward is a matmul and an add, transformers'
+    ``FalconLinear`` as an exported program holds it (the same attributes and arithmetic as
+    ``FalconLinear.forward``, so the loaded program runs dpcompile's forward, not a class the folder names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight.T
+        return out if self.bias is None else out + self.bias
+
+
 class ModelOutputRecord(dict):
     """A structured output (transformers' ``ModelOutput``) as a loaded program returns it: the
     fields that are not None, by name and in order, read as attributes (``out.logits``; a field
@@ -150,6 +160,7 @@ def model_output(name: str, fields: tuple[str, ...], *args: Any, **kwargs: Any) 
 
 
 __all__ = [
+    "MatmulLinear",
     "ModelOutputRecord",
     "TransposedLinear",
     "aten_op",

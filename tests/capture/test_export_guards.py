@@ -191,6 +191,32 @@ def test_export_guard_dynamic_dims_the_model_fixes_is_refused_at_transform_namin
         pm(torch.randn(2, 7, 4))
 
 
+class Contrastive(nn.Module):
+    """CLIP's contrastive loss: ``torch.arange(len(logits))``, a Python int of the batch, fixes it in export."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        logits = self.fc(x) @ x.T
+        return nn.functional.cross_entropy(logits, torch.arange(len(logits)))
+
+
+@pytest.mark.filterwarnings("ignore:dpcompile. 50% of forward FLOPs")
+def test_export_guard_batch_the_model_fixes_names_the_code_not_dynamic_dims():
+    """A batch dim the model's code fixes (CLIP's ``len(logits)``) is refused at another batch with the way out
+    that works; before, the message said to pass dynamic_dims= (which is then refused) or an example batch of 2
+    or more (it was 4)."""
+    model = Contrastive()
+    x = torch.randn(4, 4)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    with pytest.raises(dpcompile.InputMismatch, match=r"shape \(3, 4\).*dim 0: 3 vs 4.*code fixed that dim") as refused:
+        pm(torch.randn(3, 4))
+    assert "dynamic_dims={" not in str(refused.value) and "batch of 2 or more" not in str(refused.value)
+
+
 def test_export_guard_example_batch_of_one_then_four_is_refused():
     """An example batch of 1 fixes the batch dim: a call with 4 is named, with the way out."""
     torch.manual_seed(0)

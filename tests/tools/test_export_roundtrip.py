@@ -285,3 +285,38 @@ def _assert_modes_like_eager(loaded, model, x, seed: int, label: str) -> None:
         got = loaded(x)
         torch.manual_seed(seed)
         torch.testing.assert_close(got, model(x), msg=lambda m, o=mode: f"{label}, {o}: {m}")
+
+
+def test_falcon_linear_exports_as_data_in_every_mode(tmp_path):
+    """Falcon's ``FalconLinear`` (``x @ W.T + b``), which the export frontend calls as the module, is held
+    as dpcompile's ``MatmulLinear``: the folder loads without ``trust_code`` (before, every Falcon export was
+    a pickle that ``load`` refused) and the loaded program equals eager, data and tensor parallel."""
+    import_or_skip("transformers")
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(FalconLinear(8, 16), nn.ReLU(), FalconLinear(16, 8, bias=False)).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    for i, tp in enumerate((False, True)):
+        pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2, tensor_parallel=tp, frontend="export", example_inputs=(x,))
+        dpcompile.export(pm, tmp_path / str(i))
+        loaded = dpcompile.load(tmp_path / str(i))
+        if not tp:
+            assert [type(m).__name__ for m in loaded.modules() if isinstance(m, nn.Linear)] == ["MatmulLinear"] * 2
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_module_named_with_a_hyphen_exports_as_data(tmp_path):
+    """torchvision's RegNet names its blocks ``block1-0`` (``add_module`` allows it): the program calls
+    ``replica.trunk.block1-0`` and exports as data, loading without ``trust_code``; before, the name failed
+    the attribute check, so every RegNet export was a pickle that ``load`` refused."""
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(trunk=nn.Sequential(OrderedDict({"block1-0": nn.Linear(4, 4), "act": nn.ReLU()}))))
+    x = torch.randn(3, 4)
+    pm = dpcompile.transform(copy.deepcopy(model), ["cpu"] * 2)
+    dpcompile.export(pm, tmp_path / "e")
+    loaded = dpcompile.load(tmp_path / "e")
+    torch.testing.assert_close(loaded(x), model(x))
+    assert [name for name, _ in loaded.named_modules()] == [name for name, _ in model.named_modules()]

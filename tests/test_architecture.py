@@ -43,7 +43,7 @@ def layer_of(module: str) -> str:
         "modules": "modules",
         "recipes": "recipes", "planning": "recipes", "planner": "recipes",
         "api": "api", "planned": "api", "planned_mesh": "api",
-        "cli": "tools", "demo": "tools", "checkpoint": "tools", "export": "tools", "verify": "tools", "inspect": "tools",
+        "cli": "tools", "__main__": "tools", "demo": "tools", "checkpoint": "tools", "export": "tools", "verify": "tools", "inspect": "tools",
     }[second]  # fmt: skip
 
 

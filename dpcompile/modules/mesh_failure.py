@@ -53,6 +53,20 @@ def raise_where_any_failed(failure: BaseException | None, group: Any,
         raise refusal(failed)
 
 
+def built_on_every_rank(build: Callable[[], Any], group: Any,
+                        refusal: Callable[[list[tuple[int, str]]], BaseException],
+                        caught: type[BaseException] | tuple[type[BaseException], ...] = Exception) -> Any:  # fmt: skip
+    """``build()`` on every rank of ``group``, then :func:`raise_where_any_failed` of what it raised (of
+    ``caught``): so that no rank runs on alone into the program's collectives and waits there for the others."""
+    failure, built = None, None
+    try:
+        built = build()
+    except caught as e:  # told to every rank, raised on this one
+        failure = e
+    raise_where_any_failed(failure, group, refusal)
+    return built
+
+
 #: a tag no send uses: the receive posted to shut a gloo group down never completes
 SHUTDOWN_TAG = 0x5EED
 #: how long a rank whose communication failed waits for the failing rank's error in the store

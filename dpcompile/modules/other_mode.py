@@ -143,17 +143,10 @@ def swap_graph(pm: Any, graph: Any, constants: dict[str, Any] | None = None) -> 
 
 
 def agreed_over_mesh(mesh: Any, build: Callable[[], Any]) -> Any:
-    """``build()`` on every rank of ``mesh``, then one exchange: where it failed on any rank, every rank
-    raises (its own error, or one naming the ranks that failed), so that no rank runs on alone into
-    the program's collectives and waits there for the others."""
+    """``build()`` on every rank of ``mesh``; where it failed on any rank, every rank raises (its own
+    error, or one naming the ranks that failed)."""
     from dpcompile.errors import DpCompileError
-    from dpcompile.modules.mesh_failure import raise_where_any_failed
-
-    failure, built = None, None
-    try:
-        built = build()
-    except Exception as e:  # noqa: BLE001 - told to every rank, raised on this one
-        failure = e
+    from dpcompile.modules.mesh_failure import built_on_every_rank
 
     def refusal(failed: list[tuple[int, str]]) -> DpCompileError:
         return DpCompileError(
@@ -161,8 +154,20 @@ def agreed_over_mesh(mesh: Any, build: Callable[[], Any]) -> Any:
             f"({failed[0][1]}); this rank's program is left as it was: transform the model again in this mode"
         )
 
-    raise_where_any_failed(failure, mesh.get_group() if mesh.ndim == 1 else None, refusal)
-    return built
+    return built_on_every_rank(build, mesh.get_group() if mesh.ndim == 1 else None, refusal)
+
+
+def swap_program(pm: Any, built: Any, *fields: str) -> Callable[[], None]:
+    """What swaps ``built`` (a program compiled again over the modules ``pm`` holds) into ``pm``: its graph
+    (:func:`swap_graph`) and its ``fields`` (``captured``, a pipeline's ``stages``)."""
+    from dpcompile.fx_utils import copy_graph
+
+    def swap() -> None:
+        swap_graph(pm, copy_graph(built.graph))
+        for name in fields:
+            object.__setattr__(pm, name, getattr(built, name))
+
+    return swap
 
 
 def program_in_other_mode(pm: Any) -> nn.Module | None:

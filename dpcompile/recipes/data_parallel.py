@@ -37,7 +37,7 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import copy_graph, graph_module, propagate_shapes
 from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
-from dpcompile.modules.other_mode import swap_graph
+from dpcompile.modules.other_mode import swap_program
 from dpcompile.program_cache import CallKey
 from dpcompile.recipes.base import (
     Recipe,
@@ -99,13 +99,7 @@ class DataParallelRecipe(Recipe):
     def complete_other_mode(self, pm: ParallelModule, merged: fx.GraphModule, examples: Sequence[Any] | None) -> Any:
         """FSDP in one process (``pm`` holds its parameters as pieces, so it is not built again): the program
         compiled again from ``merged``, over the modules ``pm`` holds, and its program and capture swapped in."""
-        built = self.compile(merged, examples)
-
-        def swap() -> None:
-            swap_graph(pm, copy_graph(built.graph))
-            object.__setattr__(pm, "captured", built.captured)
-
-        return swap
+        return swap_program(pm, self.compile(merged, examples), "captured")
 
     def _options(self, devices: Devices | None = None, input_dims: Mapping[str, int | None] | None = None):
         return passes.PipelineOptions(

@@ -34,7 +34,7 @@ from dpcompile.fx_utils import copy_graph, graph_module
 from dpcompile.infra import run_passes
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.executors import hold_pipeline
-from dpcompile.modules.other_mode import swap_graph
+from dpcompile.modules.other_mode import swap_program
 from dpcompile.modules.pipeline import Stage
 from dpcompile.modules.pipeline_1f1b import OneFOneBStep
 from dpcompile.program_cache import CallKey
@@ -90,15 +90,7 @@ class PipelineRecipe(Recipe):
     def complete_other_mode(self, pm: ParallelModule, merged: fx.GraphModule, examples: Sequence[Any] | None) -> Any:
         """The pipeline compiled again from ``merged`` over the model's own modules (which ``pm``'s stages
         hold, already on their devices): its program, capture and stages swapped into ``pm``."""
-        built = self.compile(merged, examples)
-
-        def swap() -> None:
-            swap_graph(pm, copy_graph(built.graph))
-            object.__setattr__(pm, "captured", built.captured)
-            object.__setattr__(pm, "stages", built.stages)
-            object.__setattr__(pm, "stage_plan", built.stage_plan)
-
-        return swap
+        return swap_program(pm, self.compile(merged, examples), "captured", "stages", "stage_plan")
 
     def compile(
         self,

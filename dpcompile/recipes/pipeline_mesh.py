@@ -425,20 +425,14 @@ def cut_on_every_stage(gm: fx.GraphModule, plan: Any, pp_rank: int, pp_group: An
     neither split along the batch nor a mean loss) is every stage's: the ranks agree (one exchange over
     ``pp``) and each raises. Before: the last stage's rank raised and the others built their stages,
     then waited for it in their first step."""
-    from dpcompile.modules.mesh_failure import raise_where_any_failed
-
-    failure, result = None, None
-    try:
-        result = run_passes(gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
-    except DpCompileError as e:
-        failure = e
+    from dpcompile.modules.mesh_failure import built_on_every_rank
 
     def refusal(failed: list[tuple[int, str]]) -> DpCompileError:
         stage, message = failed[0]
         return DpCompileError(f"stage {stage} of the pipeline refused its cut, so every stage refuses it: {message}")
 
-    raise_where_any_failed(failure, pp_group, refusal)
-    return result
+    cut = functools.partial(run_passes, gm, [functools.partial(cut_stage, plan=plan, stage=pp_rank)])
+    return built_on_every_rank(cut, pp_group, refusal, caught=DpCompileError)
 
 
 def drop_arguments_left_none(gm: fx.GraphModule, nones: frozenset[str]) -> frozenset[str]:

@@ -209,7 +209,6 @@ class TensorParallelRecipe(Recipe):
         constants = _constants_of_the_call(pm, built, traced)
         return graph_module(pm, copy_graph(built.graph), "TensorParallelVariant", constants)
 
-
     def _built_on_fake(self, pm: ParallelModule, source: nn.Module, key: CallKey, args: tuple, kwargs: dict) -> ParallelModule:
         """``source`` (a fake copy) compiled with ``pm``'s plan for a call as ``key``; refused where its layers
         shard otherwise than ``pm``'s."""

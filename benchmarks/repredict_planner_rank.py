@@ -6,9 +6,11 @@ back-to-back latency, the model before it), with the run's own calibration: Spea
 correlation of each against the same measurements (no step is run again, so they compare on one
 set of noise). A run recorded before the calibration measured ``page_in_bytes_per_s`` (what GPipe's
 order pays for the micro-batches a stage holds beyond 1F1B's first stage) is re-predicted with that
-figure measured now, on this machine, as ``calibrate_mesh`` does (printed; ``--page-in`` names one).
+figure measured now, on this machine, as ``calibrate_mesh`` does (printed; ``--page-in`` names one); so is
+one recorded before it measured ``microbatch_weight_s_per_byte`` (a micro-batch's cost per byte of its stage's
+weights; ``--weight-ms-per-mib`` names one, in ms per MiB).
 
-    PYTHONPATH=. python benchmarks/repredict_planner_rank.py [benchmarks/results/planner_rank.json] [--only mlp_stack] [--page-in 1e9]
+    PYTHONPATH=. python benchmarks/repredict_planner_rank.py [benchmarks/results/planner_rank.json] [--only mlp_stack] [--page-in 1e9] [--weight-ms-per-mib 0.4]
 
 A run's ``message_s`` (a ping-pong's latency, which calibrations measured before) is left out: a transfer
 costs the latency of a collective reached after computing, as it does now.
@@ -78,6 +80,19 @@ def page_in_figure(run: dict[str, Any], world: int, given: float | None) -> dict
     return {"page_in_bytes_per_s": given}
 
 
+def weight_figure(run: dict[str, Any], given_ms_per_mib: float | None) -> dict[str, float]:
+    """``{"microbatch_weight_s_per_byte": ...}`` where the run's calibration lacks it: ``given_ms_per_mib``, else
+    measured now."""
+    if run["calibration"].get("microbatch_weight_s_per_byte"):
+        return {}
+    if given_ms_per_mib is not None:
+        return {"microbatch_weight_s_per_byte": given_ms_per_mib * 1e-3 / 2**20}
+    from dpcompile.analysis import calibration
+
+    with calibration._threads(1):
+        return {"microbatch_weight_s_per_byte": calibration._microbatch_weight_seconds_per_byte()}
+
+
 def predicted(name: str, world: int) -> dict[str, float]:
     fitting, _, _ = plan(name, world)
     return {c.spec.name: c.step_time for c in fitting}
@@ -88,6 +103,8 @@ def main() -> None:
     parser.add_argument("results", nargs="?", default=str(RESULTS))
     parser.add_argument("--only", default="")
     parser.add_argument("--page-in", type=float, default=None, help="bytes/s for runs whose calibration lacks it")
+    parser.add_argument("--weight-ms-per-mib", type=float, default=None,
+                        help="a micro-batch's ms per MiB of weights, for runs whose calibration lacks it")
     ns = parser.parse_args()
     data = json.loads(Path(ns.results).read_text())
     page_in: dict[str, float] | None = None
@@ -100,6 +117,10 @@ def main() -> None:
             page_in = page_in_figure(run, data["world"], ns.page_in)
             if page_in:
                 print(f"page_in_bytes_per_s (not in the run's calibration): {page_in['page_in_bytes_per_s'] / 1e9:.2f} GB/s")
+            page_in |= weight_figure(run, ns.weight_ms_per_mib)
+            if "microbatch_weight_s_per_byte" in page_in:
+                print("microbatch_weight_s_per_byte (not in the run's calibration): "
+                      f"{page_in['microbatch_weight_s_per_byte'] * 2**20 * 1e3:.3f} ms per MiB")  # fmt: skip
         with _calibration_of(run, **page_in):
             now = predicted(name, data["world"])
             with _without_pipeline_terms():

@@ -28,6 +28,7 @@ def measured(monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "_gloo_all_reduce", lambda ranks: runs.append(ranks) or (1e-4, 5e8))
     monkeypatch.setattr(calibration, "_gloo_synced_seconds", lambda ranks: 3e-3)
     monkeypatch.setattr(calibration, "_page_in_bytes_per_s", lambda workers: 7e8)
+    monkeypatch.setattr(calibration, "_microbatch_weight_seconds_per_byte", lambda: 4e-10)
     monkeypatch.setattr(calibration, "available_cores", lambda: 2)
     monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DPCOMPILE_CALIBRATION", raising=False)
@@ -47,7 +48,7 @@ def test_mesh_calibration_is_measured_once_then_read_from_its_cache(measured, tm
     first = calibration.calibrate_mesh(2)
     expected = Calibration(1e9, 2e9, "cpu", "measured", ranks=2, cores=2, op_seconds=1e-5, collective_latency_s=1e-4,
                            collective_bytes_per_s=5e8, concurrency=1.5, synced_collective_s=3e-3,
-                           page_in_bytes_per_s=7e8)  # fmt: skip
+                           page_in_bytes_per_s=7e8, microbatch_weight_s_per_byte=4e-10)  # fmt: skip
     assert first == expected and measured == [2]
     path = calibration.cache_path("gloo2")
     assert path.parent == tmp_path and json.loads(path.read_text())["version"] == calibration.CACHE_VERSION
@@ -197,6 +198,14 @@ def test_the_page_in_rate_is_measured_by_threads_at_once(monkeypatch):
     monkeypatch.setattr(calibration.torch, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
     rate = calibration._page_in_bytes_per_s(2, size=4 << 20, rounds=1)
     assert 0 < rate < float("inf") and made == [((4 << 20) // 4,)] * 2
+
+
+def test_a_micro_batch_weight_cost_is_measured_on_a_block_split_in_micro_batches():
+    """Measured for real (a 64-wide MLP block, 32 rows as one micro-batch and as two, one round): seconds per byte of
+    its weights, positive and finite, far below a second a byte (each micro-batch costs its weights' bytes, not more
+    than microseconds each)."""
+    seconds = calibration._microbatch_weight_seconds_per_byte(width=64, rows=32, count=2, rounds=1)
+    assert 0 < seconds < 1e-6
 
 
 def test_the_concurrency_is_measured_on_processes_else_on_threads(monkeypatch):

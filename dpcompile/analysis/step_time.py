@@ -28,9 +28,10 @@ it dispatches and what it waits for, with no overlap:
 - a pipeline stage's schedule (``torch.distributed.pipelining``), per micro-batch, one action
   forward and one backward (:data:`SCHEDULE_ACTION_OPS` forward ops' dispatch each): its
   bookkeeping, the autograd call and the loss, beyond the stage's own ops;
-- its weights, per micro-batch (training): :data:`PARAM_PASSES` of its gradients' bytes at the copy
-  bytes/s (forward and backward read the weights again, backward writes their gradient and adds it
-  to ``.grad``): what each micro-batch more costs beyond its ops;
+- its weights, per micro-batch (training; :func:`weight_seconds`): its gradients' bytes at the calibration's
+  ``microbatch_weight_s_per_byte`` (forward and backward read the weights again, backward writes their gradient
+  and adds it to ``.grad``: what each micro-batch more costs beyond its FLOPs and ops, measured on an MLP block
+  split in micro-batches); a calibration without it, :data:`PARAM_PASSES` of those bytes at the copy bytes/s;
 - GPipe's order (``schedule`` not ``"1f1b"``, or fewer micro-batches than stages): a stage holds every
   micro-batch's saved values until its backward, where 1F1B's first stage holds ``min(M, S)``: the values of
   the micro-batches held beyond those are memory new to the rank each step (the allocator hands the peak
@@ -52,7 +53,8 @@ from dpcompile.analysis.calibration import Calibration
 from dpcompile.analysis.model_profile import ModelProfile, Unit
 
 __all__ = ["MESSAGES_ON_PATH", "PARAM_PASSES", "SCHEDULE_ACTION_OPS", "collective_seconds", "gpipe_held_bytes",
-           "message_seconds", "page_in_seconds", "schedule_seconds", "slot_seconds", "step_seconds"]  # fmt: skip
+           "message_seconds", "page_in_seconds", "schedule_seconds", "slot_seconds", "step_seconds",
+           "weight_seconds"]  # fmt: skip
 
 #: the bytes of one element the cost model moves (float32)
 ELEMENT_BYTES = 4
@@ -75,8 +77,25 @@ MESSAGES_ON_PATH = 0.15
 #: ``.grad``): one eager stage of 4 blocks of 256 (8 MiB of weights), one thread, its CPU seconds per micro-batch more
 #: (8 against 1) less those of a stage of 4 blocks of 64 (its dispatch), over the extra bytes at a clone's rate, is
 #: 1.1-2.4 passes, median 1.7 (6 runs at load averages 15-22; 1.7-3.2 at 12.5 MiB, 0.6-1.9 at 4.5 MiB, lost in the
-#: noise at 2 MiB: weights that stay in the core's cache cost less; benchmarks/bench_microbatch_weights.py)
+#: noise at 2 MiB: weights that stay in the core's cache cost less; benchmarks/bench_microbatch_weights.py). Used only
+#: where the calibration lacks ``microbatch_weight_s_per_byte`` (an older one, :data:`~dpcompile.analysis.calibration.REFERENCE`):
+#: on another host (a 2-core EPYC VM, load average 4) the same stage cost 16 passes at its clone's rate
 PARAM_PASSES = 1.7
+
+
+def weight_seconds(c: Calibration, grad_bytes: float) -> float:
+    """What one micro-batch of a training step costs a stage holding ``grad_bytes`` of gradients, in its
+    weights, beyond its FLOPs and ops: at the calibration's ``microbatch_weight_s_per_byte`` (an MLP block run as
+    one micro-batch and as four, per micro-batch more and weight byte), else :data:`PARAM_PASSES` passes at the
+    copy bytes/s.
+
+    Issue 34: the MLP pipeline of ``bench_planner_rank.py`` (8.4 MB of weights a stage) measured about 7 ms a
+    step more per micro-batch where the model said 1.3; one thread of its stage costs 3.1-3.3 ms a micro-batch
+    more, 2.7-2.8 of them beyond its dispatch, where 1.7 passes at the run's cached 26.7 GB/s said 0.54
+    (``benchmarks/probe_microbatch_cost.py``)."""
+    if c.microbatch_weight_s_per_byte:
+        return grad_bytes * c.microbatch_weight_s_per_byte
+    return PARAM_PASSES * grad_bytes / c.copy_bytes_per_s
 
 
 def schedule_seconds(c: Calibration, training: bool) -> float:
@@ -197,7 +216,7 @@ def _mesh_seconds(
         written = sum(u.op_bytes for u in units) * again * (3 if training else 1) * share
         compute = _work_flops(units, training, checkpointing) * share / c.flops_per_s + written / c.copy_bytes_per_s
         dispatch = sum(u.ops for u in units) * again * c.op_seconds
-        weights = PARAM_PASSES * sum(u.grad_bytes for u in units) / t / c.copy_bytes_per_s if training else 0.0
+        weights = weight_seconds(c, sum(u.grad_bytes for u in units) / t) if training else 0.0
         if gpipe_order:  # the micro-batches held beyond 1F1B's first stage's: memory new to the rank each step
             compute += page_in_seconds(c, gpipe_held_bytes(units, m, s_count, checkpointing) * share)
         busy.append(compute / m + dispatch + weights + (schedule_seconds(c, training) if s_count > 1 else 0.0))

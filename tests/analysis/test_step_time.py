@@ -99,6 +99,25 @@ def test_each_micro_batch_passes_over_its_stages_weights():
     assert dp == pytest.approx(3e-3 + 20e-3 + one_pass + 1e-2 + grads / 1e6 + 1e-2)
 
 
+def test_a_pipeline_step_grows_with_micro_batches_where_the_weights_term_dominates():
+    """Issue 34: two stages of 1e6 forward FLOPs (3 ms a training step at 1 GFLOP/s) and 1 MB of gradients each, no
+    dispatch, schedule or latency; CPUs for both ranks. With the calibration's 1e-8 s a weight byte a micro-batch,
+    each slot is ``3 ms / M + 10 ms`` and the step ``(M + 1)`` slots: 26, 34.5, 53.75, 93.375 ms at M = 1, 2, 4, 8,
+    growing as the MLP pipeline measured. Without the figure (an older calibration): 1.7 passes at the copy's
+    1e10 bytes/s, 0.17 ms a micro-batch, and the step falls from 6.34 ms at M = 1 to 4.6 at M = 4 (what the model
+    predicted of the MLP)."""
+    units = [Unit(f"b{i}", block=True, param_bytes=10**6, grad_bytes=10**6, flops=10**6) for i in range(2)]
+    p = ModelProfile(units, batch=8, training=True, optimizer="sgd")
+    older = Calibration(1e9, 1e10, ranks=2, cores=2, collective_bytes_per_s=1e9, concurrency=2.0)
+    weighed = Calibration(**{**older.__dict__, "microbatch_weight_s_per_byte": 1e-8})
+    steps = {m: _pipeline(p, m, weighed) for m in (1, 2, 4, 8)}
+    assert steps == pytest.approx({1: 26e-3, 2: 34.5e-3, 4: 53.75e-3, 8: 93.375e-3})
+    assert step_time.weight_seconds(weighed, 10**6) == pytest.approx(1e-2)  # the figure, whatever the copy rate
+    before = {m: _pipeline(p, m, older) for m in (1, 2, 4, 8)}
+    assert before == pytest.approx({m: (m + 1) * (3e-3 / m + PARAM_PASSES * 1e-4) for m in (1, 2, 4, 8)})
+    assert before[1] > before[2] > before[4] < before[8]
+
+
 def test_fill_and_drain_slots_run_alone_and_the_steady_ones_share_the_cpus():
     """Two stages, 4 micro-batches, CPUs running 1.5 ranks at once: the first slot stage 0 alone, the last
     stage 1 alone (full speed), the 3 between both at 2 / 1.5 of their time; each slot its slowest stage."""

@@ -452,14 +452,15 @@ def _microbatch_weight_seconds_per_byte(width: int = 256, rows: int = 256, count
     256) forward and backward on ``rows`` rows as one micro-batch and as ``count`` (their gradients
     accumulating, as a pipeline stage's do), less the same of a 16-wide block (the same ops: their dispatch),
     per micro-batch more and byte of weights beyond the narrow block's. The main thread's CPU seconds (others'
-    work on the shared cores is not counted), the median of ``rounds`` paired differences; about 0.3 s.
+    work on the shared cores is not counted), the least of ``rounds`` interleaved runs of each; about 0.3 s.
 
     What it stands for: each micro-batch reads every weight again in forward and backward (out of the core's
     cache), writes its gradient and adds it into ``.grad``. A 4 MiB clone's bytes/s (``copy_bytes_per_s``)
     does not tell it: on a 2-core EPYC VM (load average 4-5) a stage of 4 such blocks cost 3.1-3.3 ms a
     micro-batch more, 2.7-2.8 beyond a 64-wide stage's (0.36-0.38 ms per MiB of the 7.5 MiB more: 16 passes at the
-    clone's 44 GB/s, where the model counted 1.7), and this measure read 0.18-0.92 ms per MiB in five runs: the
-    shared machine's memory traffic moves it (``benchmarks/probe_microbatch_cost.py``)."""
+    clone's 44 GB/s, where the model counted 1.7), and this measure read 0.26-0.55 ms per MiB in six runs at load
+    average 7 (the median of paired differences read 0.18-0.92: the least of each is steadier;
+    ``benchmarks/probe_microbatch_cost.py``)."""
     torch.manual_seed(0)
 
     def block(d: int) -> torch.nn.Module:
@@ -476,12 +477,16 @@ def _microbatch_weight_seconds_per_byte(width: int = 256, rows: int = 256, count
             p.grad = None
         return time.thread_time() - start
 
-    run(wide, 1), run(wide, count)  # warm up
-    extra = sorted((run(wide, count) - run(wide, 1) - run(narrow, count) + run(narrow, 1)) / (count - 1)
-                   for _ in range(rounds))  # fmt: skip
+    cases = [(module, pieces) for module in (wide, narrow) for pieces in (1, count)]
+    best = dict.fromkeys(cases, float("inf"))
+    for r in range(rounds + 1):  # the first a warm-up; interleaved, the least of each kept
+        for case in cases:
+            seconds = run(*case)
+            best[case] = min(best[case], seconds) if r else best[case]
+    extra = (best[(wide, count)] - best[(wide, 1)] - best[(narrow, count)] + best[(narrow, 1)]) / (count - 1)
     more_bytes = sum(p.numel() * p.element_size() for p in wide.parameters()) - sum(
         p.numel() * p.element_size() for p in narrow.parameters())  # fmt: skip
-    return max((extra[(rounds - 1) // 2] + extra[rounds // 2]) / 2, 1e-9) / more_bytes
+    return max(extra, 1e-9) / more_bytes
 
 
 def _op_seconds(ops: int = 64) -> float:

@@ -15,6 +15,10 @@ not running) and its process's (the gloo threads' too):
 - ``pingpong``: a blocking send/recv round trip of one micro-batch's boundary value between the ranks
   (half of it: one transfer's latency, the wake-up of the waiting process included), back to back, and
   ``after_work``: the same after 2 ms of computing on each side (a transfer reached after computing);
+- ``torch one stage``: torch's GPipe over a one-stage pipeline on each rank's own group (4 blocks 8 wide, no
+  message), against the same calls without it: the schedule's own work per micro-batch;
+- ``blocked receive``: rank 0's receive of one float while rank 1 computes 5 ms first: its CPU seconds (the
+  wake-up's, main thread and gloo's);
 - ``rendezvous``: rank 0's ``isend(...).wait()`` while rank 1 posts its recv 20 ms later (torch's 1F1B waits
   each send together with the next receive: a gloo send completes only once the peer posts its receive);
 - in the main process, one thread, eager (CPU seconds, the least of ``--rounds``): the MLP's stage (4 blocks
@@ -125,6 +129,50 @@ def _ping_pong(rank: int, m: int, work_s: float) -> Any:
     return step, products
 
 
+def _one_stage(m: int, group: Any, scheduled: bool) -> Any:
+    """torch's GPipe over a pipeline of one stage on this rank's own ``group`` (no message), 4 blocks 8 wide
+    (almost no compute) on 512 rows in ``m`` micro-batches; ``scheduled`` False: the same calls without it."""
+    from common import ResidualBlock
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[ResidualBlock(8) for _ in range(4)])
+    x, y = torch.randn(512, 8), torch.randn(512, 8)
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"), input_args=(torch.empty(512 // m, 8),),
+                          output_args=(torch.empty(512 // m, 8, requires_grad=True),), group=group)  # fmt: skip
+    schedule = ScheduleGPipe(stage, m, loss_fn=lambda out, target: ((out - target) ** 2).sum(), scale_grads=False)
+
+    def step() -> None:
+        if scheduled:
+            schedule.step(x, target=y)
+        else:
+            for xm, ym in zip(x.chunk(m), y.chunk(m)):
+                ((module(xm) - ym) ** 2).sum().backward()
+        for p in module.parameters():
+            p.grad = None
+
+    return step
+
+
+def _blocked_receive(rank: int, work_s: float = 5e-3) -> Any:
+    """Rank 1 computes ``work_s`` then sends one float; rank 0 waits in its receive (its CPU: the wake-up's)."""
+    import torch.distributed as dist
+
+    t = torch.zeros(1)
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+
+    def step() -> None:
+        if rank == 0:
+            dist.recv(t, 1)
+            return
+        stop = time.perf_counter() + work_s
+        while time.perf_counter() < stop:
+            a @ b  # noqa: B018 - the sender's computing
+        dist.send(t, 0)
+
+    return step
+
+
 def rank_main(rank: int, world: int, port: int, rounds: int, results: Any) -> None:
     from datetime import timedelta
 
@@ -151,6 +199,11 @@ def rank_main(rank: int, world: int, port: int, rounds: int, results: Any) -> No
             step, products[m] = _ping_pong(rank, m, 2e-3)
             cases[f"after_work M={m}"] = (step, "both")
         report["after_work_products"] = products
+        own = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
+        for m in GPIPE_M:
+            cases[f"torch one stage M={m}"] = (_one_stage(m, own, True), "both")
+            cases[f"torch one stage calls M={m}"] = (_one_stage(m, own, False), "both")
+        cases["blocked receive"] = (_blocked_receive(rank), "both")
         t = torch.zeros(8 * 64 * 256 // 8)
         dist.barrier()
         if rank == 0:
@@ -360,6 +413,13 @@ def main() -> None:
         row["waits (step wall - step cpu)"] = row["step 1f1b wall"] - row["step 1f1b main-thread cpu"]
         out["per_micro_batch_ms"][f"rank{r}"] = row
         print(f"rank {r}, per micro-batch (slope over M): " + "; ".join(f"{k} {v:.2f} ms" for k, v in row.items()))
+    for r in (0, 1):
+        own = {kind: per_mb(r, "cpu", f"torch one stage{kind}", GPIPE_M) for kind in ("", " calls")}
+        out["per_micro_batch_ms"][f"rank{r}"]["torch one stage's own (cpu)"] = own[""] - own[" calls"]
+        print(f"rank {r}: torch's GPipe over one stage (8 wide, no message) per micro-batch {own[''] :.3f} ms CPU, "
+              f"its calls alone {own[' calls']:.3f} ms: the schedule's own {own[''] - own[' calls']:.3f} ms")  # fmt: skip
+    print(f"  rank 0's receive waiting for rank 1's 5 ms of work: main-thread CPU {best[0]['cpu']['blocked receive'] * 1e3:.3f} ms, "
+          f"process CPU {best[0]['proc']['blocked receive'] * 1e3:.3f} ms")  # fmt: skip
     for m in ONE_F_ONE_B_M:
         print(f"  one transfer of M={m}'s boundary: back to back {best[0]['wall'][f'pingpong M={m}'] / 2 * 1e3:.3f} ms; "
               f"after 2 ms of work {(best[0]['wall'][f'after_work M={m}'] - 2 * 2e-3) / 2 * 1e3:.3f} ms (less the work)")  # fmt: skip

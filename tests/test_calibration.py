@@ -203,9 +203,11 @@ def test_the_page_in_rate_is_measured_by_threads_at_once(monkeypatch):
 def test_a_micro_batch_weight_cost_is_measured_on_a_block_split_in_micro_batches():
     """Measured for real (a 64-wide MLP block, 32 rows as one micro-batch and as two, one round): seconds per byte of
     its weights, positive and finite, far below a second a byte (each micro-batch costs its weights' bytes, not more
-    than microseconds each)."""
+    than microseconds each); the global generator is left as it was."""
+    state = torch.get_rng_state()
     seconds = calibration._microbatch_weight_seconds_per_byte(width=64, rows=32, count=2, rounds=1)
     assert 0 < seconds < 1e-6
+    assert torch.equal(torch.get_rng_state(), state)  # its seeded weights and rows leave the caller's generator alone
 
 
 def test_the_concurrency_is_measured_on_processes_else_on_threads(monkeypatch):

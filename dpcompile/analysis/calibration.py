@@ -461,13 +461,14 @@ def _microbatch_weight_seconds_per_byte(width: int = 256, rows: int = 256, count
     clone's 44 GB/s, where the model counted 1.7), and this measure read 0.26-0.55 ms per MiB in six runs at load
     average 7 (the median of paired differences read 0.18-0.92: the least of each is steadier;
     ``benchmarks/probe_microbatch_cost.py``)."""
-    torch.manual_seed(0)
 
     def block(d: int) -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.ReLU(), torch.nn.Linear(4 * d, d))
 
-    wide, narrow = block(width), block(16)
-    inputs = {wide: torch.randn(rows, width), narrow: torch.randn(rows, 16)}
+    with torch.random.fork_rng(devices=[]):  # the caller's generator as it was
+        torch.manual_seed(0)
+        wide, narrow = block(width), block(16)
+        inputs = {wide: torch.randn(rows, width), narrow: torch.randn(rows, 16)}
 
     def run(module: torch.nn.Module, pieces: int) -> float:
         start = time.thread_time()

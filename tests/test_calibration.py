@@ -183,6 +183,22 @@ def test_cached_mesh_reads_the_cache_and_never_measures(measured, monkeypatch):
     assert calibration.cached_mesh(2) == reference_mesh(2) and measured == [2]
 
 
+def test_measuring_leaves_the_callers_generator_as_it_was(measured, monkeypatch):
+    """Every measure draws random tensors (here: each replaced one draws one): a calibration measured afresh
+    leaves the global generator where it was, so a first plan and a cached one draw alike after it."""
+    for name in ("_matmul_flops_per_s", "_copy_bytes_per_s"):
+        monkeypatch.setattr(calibration, name, lambda device: torch.rand(()).item() + 1e9)
+    for name in ("_rank_flops_per_s", "_microbatch_weight_seconds_per_byte"):
+        monkeypatch.setattr(calibration, name, lambda: torch.rand(()).item() + 1e9)
+    monkeypatch.setattr(calibration, "_gloo_synced_seconds", lambda ranks: torch.rand(()).item() + 1e-3)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    calibration.calibrate("cpu")
+    calibration.calibrate_mesh(2)
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_the_latency_after_computing_is_measured_on_gloo_threads():
     """Measured for real (2 gloo groups on threads, 3 calls after a few matmuls each): a positive, finite
     number of seconds that counts each call, so at least the back-to-back floor of a microsecond."""

@@ -19,6 +19,7 @@ The cache is a JSON file in ``$DPCOMPILE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -174,9 +175,17 @@ def calibrate(device: torch.device | str = "cpu") -> Calibration:
     cached = _read_cache(path)
     if cached is not None:
         return cached
-    measured = Calibration(_matmul_flops_per_s(device), _copy_bytes_per_s(device), device.type, "measured")
+    with _callers_generator_kept(device):
+        measured = Calibration(_matmul_flops_per_s(device), _copy_bytes_per_s(device), device.type, "measured")
     _write_cache(path, measured)
     return measured
+
+
+def _callers_generator_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    """The measures draw random tensors: the caller's generator (``device``'s, and the CPU's) is put back
+    after them, so a first plan draws what a cached one does."""
+    on = [torch.cuda.current_device()] if device.type == "cuda" and torch.cuda.is_available() else []
+    return torch.random.fork_rng(devices=on)
 
 
 def calibrate_mesh(ranks: int) -> Calibration:
@@ -192,14 +201,14 @@ def calibrate_mesh(ranks: int) -> Calibration:
     path = cache_path(f"gloo{ranks}")
     found = _read_cache(path, cores=cores)
     if found is None:
-        with _threads(1):  # a rank's compute: torchrun gives each process one thread
+        with _threads(1), _callers_generator_kept(torch.device("cpu")):  # a rank's compute: one thread, as torchrun's
             flops, ops, copy = _rank_flops_per_s(), _op_seconds(), _rank_copy_bytes_per_s()
             at_once = _concurrency(min(ranks, cores))
             page_in = _page_in_bytes_per_s(min(ranks, cores))
             weights = _microbatch_weight_seconds_per_byte()
         try:
             latency, bandwidth = _gloo_all_reduce(ranks)
-            with _threads(1):
+            with _threads(1), _callers_generator_kept(torch.device("cpu")):
                 synced = _gloo_synced_seconds(ranks)
         except RuntimeError as e:  # no loopback gloo here (a host name that does not resolve): round figures
             log.warning("cannot time gloo (%s): the cost model uses %s", e, "100 us and 1 GB/s")

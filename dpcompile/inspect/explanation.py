@@ -33,6 +33,7 @@ from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.executors import executor_of
+from dpcompile.modules.fsdp_one_process import stage_holding
 from dpcompile.runtime import sequence_mesh
 from dpcompile.runtime import tensor_parallel as tp_runtime
 from dpcompile.runtime.kept import tensors_kept
@@ -373,7 +374,7 @@ def memory_estimate(
     options = getattr(pm, "memory_options", None) or {"optimizer": None, "training": pm.training}
     if labels is not None:
         predicted = planner_memory(pm, labels, args, kwargs, optimizer=options["optimizer"],
-                                   training=options["training"])  # fmt: skip
+                                   training=options["training"], params=params)  # fmt: skip
         if predicted is not None:
             return predicted
     return program_count(pm, params, args, kwargs, sequence_share)
@@ -526,7 +527,8 @@ def _fsdp_copy_bytes(
     pieces = fsdp_pieces(pm)
     for name, p in pm.named_parameters():
         r, program_name = pieces.get(name, (0, name))
-        k = next((k for k, paths in stages if any(program_name.startswith(f"{path}.") for path in paths)), 0)
+        found = stage_holding(program_name, [paths for _, paths in stages])
+        k = 0 if found is None else stages[found][0]
         held[copies[r][k]] += p.numel() * p.element_size()
     return held
 

@@ -25,6 +25,7 @@ from dpcompile.analysis.model_profile import ModelProfile, profile_model
 from dpcompile.analysis.program_memory import fsdp_pieces, held_parameter_bytes, program_memory
 from dpcompile.analysis.sequence_costs import predict_layout
 from dpcompile.inspect.nodes import copy_labels
+from dpcompile.inspect.replayed_model import replayed_model
 from dpcompile.modules.fsdp_gather import whole_on_meta
 from passes.sequence_parallel import SEQUENCE_MARK
 
@@ -35,7 +36,11 @@ ORDER = ("pp", "dp", "cp", "tp")  # the planner's order of a layout's dimensions
 
 def profiled_model(pm: nn.Module) -> nn.Module | None:
     """The model ``transform`` was given (what the planner profiled; a frontend's graph is not cut into
-    the same units); None for a graph given to transform, or a program unpickled."""
+    the same units); for a program loaded from a folder, its modules running the single-device graph the
+    folder keeps (:func:`dpcompile.inspect.replayed_model.replayed_model`); None for a graph given to
+    transform, or a loaded program of tensor-parallel shards."""
+    if "profiled_model" not in pm.__dict__:  # loaded (dpcompile.load) or unpickled
+        return replayed_model(pm)
     model = pm.__dict__.get("profiled_model")
     return model if isinstance(model, nn.Module) and not isinstance(model, fx.GraphModule) else None
 
@@ -43,6 +48,8 @@ def profiled_model(pm: nn.Module) -> nn.Module | None:
 def why_not_predicted(pm: nn.Module) -> str | None:
     """Why the planner's model has no prediction for ``pm``'s layout (None: it has one)."""
     recipe = getattr(pm, "recipe", None)
+    if "profiled_model" not in pm.__dict__ and pm.__dict__.get("captured") is None:
+        return "a program loaded (dpcompile.load) or unpickled that keeps no single-device model (tensor-parallel shards)"
     if recipe is None or not getattr(pm, "layout", None) or profiled_model(pm) is None:
         return "not a program transform built in one process from a model (an nn.Module, not a graph)"
     if pm.__dict__.get("mesh") is not None:

@@ -134,8 +134,8 @@ def _fsdp_copies(
     counts them, with their gradients and state) and, on copy 0's devices, what they gather: every
     copy's pieces of the same place, whole."""
     found = copy_labels(pm)
-    if params is None or found is None or set(found[1]) != set(labels):
-        return None
+    if params is None or found is None or set(found[1]) != set(labels) or spec.size("cp") > 1:
+        return None  # (dp copies of context-parallel shards: not predicted)
     held = program_memory(pm, params, optimizer=optimizer, training=training, activations=0, share=1.0)
     copies = found[0]
     gathered = dict.fromkeys(labels, 0)

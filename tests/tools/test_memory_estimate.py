@@ -101,7 +101,7 @@ def test_a_layout_the_planner_does_not_predict_keeps_the_program_count():
                          ids=["pp2xdp2", "dp2xtp2"])  # fmt: skip
 def test_one_process_fsdp_over_dp_copies_is_predicted_per_stage_and_shard(mesh, d, layers, batch):
     """FSDP over dp copies of a pipeline or of tensor-parallel shards kept the program count: every
-    device held the activations of the whole model and batch (here +90% to +210% of the measured peak;
+    device held the activations of the whole model and batch (here +86% to +201% of the measured peak;
     issue 34's MLP 290K against 134-142K). It is now the replicated layout's prediction with each device's
     pieces and their gradients, copy 0's devices holding their stage's or shard's gathers as forward
     returns, and a module's weight regathered in backward (``fsdp_memory.fsdp_over_copies``)."""
@@ -221,7 +221,7 @@ def test_measure_runs_a_1f1b_step_of_fsdp_in_the_calls_context():
     """A 1F1B call runs its whole step, backward too, inside FSDP's call context (one gather a parameter a
     call, held until it returns). ``measure`` ran that step outside it: each read gathered again (every
     copy, every micro-batch) and what autograd saved of it was kept through backward (GPT-2's FSDP
-    ``pp2xdp2 1f1b mb2`` measured 16-35% over the prediction on three devices). Now each parameter is
+    ``pp2xdp2 1f1b mb2`` predicted 16-35% under what it measured on three devices). Now each parameter is
     gathered once in the measured step, as in the timed call."""
     args = (torch.randn(4, 4, 16), torch.randn(4, 4, 8))
     torch.manual_seed(0)

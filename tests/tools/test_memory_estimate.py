@@ -264,8 +264,8 @@ def test_fsdp_pieces_of_a_pipeline_lie_on_the_stage_of_their_module():
     """A parameter belongs to the stage of the longest module path holding it: stage 0 runs ``encoder``
     (its ``pos``), stage 1 ``encoder.layers.1``. The first path matched put stage 1's layer on stage 0's
     devices: its pieces there, gathered there, and counted there by ``explain`` and ``measure``
-    (torchvision's ViT FSDP ``pp2xdp2``: 581K held on the first stage's devices against the replicated
-    stage's 314K)."""
+    (torchvision's ViT FSDP ``pp2xdp2``: each of the first stage's devices held 581K of pieces and their
+    gradients, now 319K, of a stage of 314K of parameters)."""
     args = (torch.randn(8, 16, 16), torch.randn(8, 16, 8))
     torch.manual_seed(0)
     pm = dpcompile.transform(EncoderNet(), ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], example_inputs=args, optimizer="sgd",

@@ -2,7 +2,8 @@
 
 For three small models of ``bench_planner.py`` (its MLP stack, GPT-2 tiny, torchvision's ViT) and a
 list of layouts over virtual CPU devices (dp2, tp2, tp2+sp, pp2 GPipe and 1F1B with 2 micro-batches,
-dp2xtp2 over 4, one-process FSDP over 2, dp2 and pp2 with every repeated block checkpointed), each
+dp2xtp2 over 4, one-process FSDP over 2 and over dp2 copies of tp2 and of a pp2 pipeline (GPipe and
+1F1B with 2 micro-batches) over 4, dp2 and pp2 with every repeated block checkpointed), each
 built by its keywords with ``optimizer="sgd"`` (no state: the three count the same things), then:
 the peak bytes per device ``explain``'s ``memory_estimate`` sums to, the planner's prediction of that
 layout (``plan_layouts(..., specs=[spec])``; none for FSDP, which is no planner candidate: its
@@ -55,6 +56,10 @@ _layout("pp2 gpipe mb2", 2, LayoutSpec((("pp", 2),), "gpipe", 2))
 _layout("pp2 1f1b mb2", 2, LayoutSpec((("pp", 2),), "1f1b", 2))
 _layout("dp2xtp2", 4, LayoutSpec((("dp", 2), ("tp", 2))), {"mesh": {"dp": 2, "tp": 2}})
 _layout("fsdp2", 2, None, {"data_parallel": "fsdp"})
+_layout("fsdp dp2xtp2", 4, None, {"mesh": {"dp": 2, "tp": 2}, "data_parallel": "fsdp"})
+_layout("fsdp pp2xdp2 gpipe mb2", 4, None, {"mesh": {"pp": 2, "dp": 2}, "data_parallel": "fsdp", "micro_batches": 2})
+_layout("fsdp pp2xdp2 1f1b mb2", 4, None,
+        {"mesh": {"pp": 2, "dp": 2}, "data_parallel": "fsdp", "schedule": "1f1b", "micro_batches": 2})
 _layout("dp2 +ckpt", 2, LayoutSpec((("dp", 2),), checkpointing=True))
 _layout("pp2 gpipe mb2 +ckpt", 2, LayoutSpec((("pp", 2),), "gpipe", 2, checkpointing=True))
 

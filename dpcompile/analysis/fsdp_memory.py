@@ -1,5 +1,7 @@
 """One-process FSDP over data parallelism (``data_parallel="fsdp"``, ``["cpu"] * n``): its bytes per device
-at the peak of a step, from data parallel's prediction (:func:`dpcompile.analysis.layout_costs.predict`).
+at the peak of a step, from data parallel's prediction (:func:`dpcompile.analysis.layout_costs.predict`);
+over dp copies of a pipeline or of tensor-parallel shards, from that replicated layout's
+(:func:`fsdp_over_copies`).
 
 The program (:mod:`dpcompile.modules.fsdp_one_process`) stores each parameter as one piece per device and
 gathers it whole on the first device where a call first reads it; the gathers are held until the call
@@ -32,10 +34,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, stage_memory
+from dpcompile.analysis.layout_costs import (
+    LayoutSpec,
+    batch_share,
+    copies_gradients,
+    cut_units,
+    device_saved,
+    stage_memory,
+)
 from dpcompile.analysis.model_profile import ModelProfile
 
-__all__ = ["fsdp_one_process"]
+__all__ = ["fsdp_over_copies", "fsdp_one_process"]
 
 
 def fsdp_one_process(
@@ -66,5 +75,53 @@ def fsdp_one_process(
         else:
             moments = [{"parameters": held, "gradients": others["gradients"] + module, "optimizer": state,
                         "activations": others["activations"]}]  # fmt: skip
+        out.append(max(moments, key=lambda k: sum(k.values())))
+    return out
+
+
+def fsdp_over_copies(
+    profile: ModelProfile, spec: LayoutSpec, replicated: Sequence[Mapping[str, int]], held: Sequence[Mapping[str, int]],
+    gathered: Sequence[int],
+) -> list[dict[str, int]]:  # fmt: skip
+    """One-process FSDP over dp copies of a pipeline or of tensor-parallel shards (``{"pp": 2, "dp": 2}``,
+    ``{"dp": 2, "tp": 2}``): bytes by kind per device, in the planner's order (pp, dp, tp), from the
+    replicated layout's prediction ``replicated`` (:func:`dpcompile.analysis.layout_costs.predict`).
+
+    Each device holds its pieces, their gradients and state (``held``: parameters, gradients, optimizer);
+    a stage's or a shard's parameters are gathered whole on copy 0's device of it (``gathered``, 0
+    elsewhere: the other copies read copy 0's, on virtual devices no copy) once a call and held until the
+    call returns, and gathered again one at a time where backward needs them, on the device whose backward
+    runs. So, per device::
+
+        backward:  pieces + their gradients + the replicated sweep (its activations, the module
+                   gradient it makes) + one module's weight regathered
+        copy 0, as forward returns (GPipe: the call is forward): pieces + gradients + gathered
+                   + every micro-batch's saved activations of the stage
+        copy 0 of a 1F1B stage (its call runs backward too): the backward moment + gathered
+
+    where the replicated prediction held the stage's whole gradients through the step (one set the
+    copies share on virtual devices), FSDP holds the pieces' and makes each module's whole one in passing.
+    """
+    d, t, s_count = spec.size("dp"), spec.size("tp"), spec.size("pp")
+    stages = cut_units(profile.units, s_count, tensor_parallel=t > 1) if s_count > 1 else [profile.units]
+    training = profile.training
+    share = batch_share(profile.batch, d)
+    out = []
+    for i, (kinds, own, whole) in enumerate(zip(replicated, held, gathered, strict=True)):
+        units = stages[i // (d * t)] if stages else profile.units
+        follower = i % t > 0
+        shared = copies_gradients(units, t) if training else 0
+        module = max((u.module_grad_bytes for u in units), default=0) if training else 0
+        regather = -(-module // t)
+        backward = {"parameters": own["parameters"], "optimizer": own["optimizer"],
+                    "gradients": max(0, kinds["gradients"] - shared) + own["gradients"] + regather,
+                    "activations": kinds["activations"]}  # fmt: skip
+        moments = [backward]
+        if whole and spec.schedule == "1f1b" and training:
+            moments = [{**backward, "parameters": own["parameters"] + whole}]
+        elif whole:
+            saved = round(sum(device_saved(u, t, follower) for u in units) * share) if training else kinds["activations"]
+            moments.append({"parameters": own["parameters"] + whole, "gradients": own["gradients"],
+                            "optimizer": own["optimizer"], "activations": saved})  # fmt: skip
         out.append(max(moments, key=lambda k: sum(k.values())))
     return out

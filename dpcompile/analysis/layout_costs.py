@@ -37,8 +37,8 @@ from dpcompile.analysis.model_profile import ModelProfile, ShardableWeight, Unit
 from dpcompile.analysis.save_choice import kept_width
 from dpcompile.analysis.step_time import step_seconds
 
-__all__ = ["LayoutSpec", "Prediction", "batch_share", "cut_units", "kept_levels", "names_cut", "predict", "stage_memory",
-           "stage_starts", "unit_gradients"]
+__all__ = ["LayoutSpec", "Prediction", "batch_share", "copies_gradients", "cut_units", "device_saved", "kept_levels",
+           "names_cut", "predict", "stage_memory", "stage_starts", "unit_gradients"]
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def unit_gradients(u: Unit, t: int, follower: bool) -> int:
     return _unit_state(u, t, follower)[1]
 
 
-def _saved(u: Unit, t: int, follower: bool) -> int:
+def device_saved(u: Unit, t: int, follower: bool) -> int:
     """The bytes of ``u``'s saved activations on one of ``t`` tensor-parallel devices: what its blocks'
     column / row pairs make between the two layers is sharded, each device saving its share (the
     first the larger); the rest runs whole on the first device, once (measured: counting every
@@ -246,14 +246,14 @@ def stage_memory(
     device does: its counting mode is off while autograd sums, ``dpcompile.inspect.measure_ledger``). ``outputs``: what a 1F1B step's last stage keeps of what forward returns for the caller
     (a causal LM's logits, every micro-batch's: measured, OPT's last stage 8% under without), gathered
     at the end and copied without a gradient path (twice, at the end). ``follower``: a tensor-parallel device other
-    than the first (:func:`_unit_state`, :func:`_saved`); a checkpointed block's input is kept on the first,
+    than the first (:func:`_unit_state`, :func:`device_saved`); a checkpointed block's input is kept on the first,
     with ``kept_saves[i]``, what the ``"auto"`` save rule keeps of unit ``i`` (the whole batch's bytes).
     ``micro_batches_add``: a later micro-batch's backward adds into the unit's gradients the first one made
     (all of them held); ``gradient_in``: the gradient of the stage's output, made on the next stage's
     device (on virtual devices it stays there); ``in_step``: GPipe's micro-batches meeting at a BatchNorm."""
     state = [_unit_state(u, t, follower) for u in units]
     params, optimizer = sum(x[0] for x in state), sum(x[2] for x in state)
-    saved = [_saved(u, t, follower) for u in units]
+    saved = [device_saved(u, t, follower) for u in units]
     extra = list(kept_saves) or [0] * len(units)
     kept = [(0 if follower else u.input_bytes + extra[i]) if checkpointing and u.block else saved[i]
             for i, u in enumerate(units)]  # fmt: skip
@@ -319,7 +319,7 @@ def _inside_backward(u: Unit, after: Unit | None, *, follower: bool, training: b
     return [(flowing, grads)]
 
 
-def _copies_gradients(units: Sequence[Unit], t: int) -> int:
+def copies_gradients(units: Sequence[Unit], t: int) -> int:
     """The gradients dp copies of a pipeline or of tensor-parallel shards share (built on virtual devices
     only: one set of parameters, so one set of gradients, held through the step, that each device's
     backward adds its new ones into, one module's at a time; ``measure`` counts them held, as ``explain``
@@ -414,7 +414,7 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
                                buffered=training and m > 1 and spec.schedule != "1f1b",
                                outputs=profile.output_bytes if last_1f1b and rank == 0 else 0,
                                gradient_in=_input_gradient(stages[s + 1][0]) if s + 1 < s_count else 0, in_step=lockstep,
-                               shared_gradients=_copies_gradients(units, t) if copies else 0)
+                               shared_gradients=copies_gradients(units, t) if copies else 0)
                  for rank in range(min(t, 2))]  # fmt: skip
         at += len(units)
         per_device += [dict(kinds[min(r % t, 1)]) for r in range(d * t)]  # tp innermost: rank r is tp rank r % t

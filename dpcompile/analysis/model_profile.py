@@ -36,7 +36,7 @@ from dpcompile.analysis.save_choice import SaveCandidate
 from dpcompile.errors import DpCompileError, first_line
 from dpcompile.runtime.kept import functional_call
 
-__all__ = ["ModelProfile", "ProfileError", "ShardableWeight", "Unit", "profile_model"]
+__all__ = ["ModelProfile", "ProfileError", "ShardableWeight", "Unit", "profile_model", "unit_paths"]
 
 
 class ProfileError(DpCompileError):
@@ -140,6 +140,11 @@ def _unit_modules(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, nn
 
     walk("", model)
     return out
+
+
+def unit_paths(model: nn.Module, blocks: Sequence[str]) -> list[str]:
+    """The module path of every unit of ``model`` whose repeated blocks are ``blocks``."""
+    return [path for path, _, _ in _unit_modules(model, blocks)]
 
 
 def _children_through_sequences(module: nn.Module, prefix: str = "") -> Any:

@@ -334,6 +334,8 @@ def _describe(pm: nn.Module, *, fsdp: bool = False, mesh: dict[str, Any] | None 
         config.update(layout=[[k, n] for k, n in pm.layout.items()], strategies=dict(getattr(pm, "strategies", None) or {}))
     if fsdp:
         config["data_parallel"] = "fsdp"
+    if getattr(pm, "memory_options", None):  # what explain's memory_estimate counts (optimizer=, training=)
+        config["memory_options"] = {"optimizer": pm.memory_options["optimizer"], "training": pm.memory_options["training"]}
     if mesh is not None:
         config["mesh"] = mesh
     if runs_stages(pm):
@@ -574,6 +576,8 @@ def _load(folder: Path, devices: Any, trust_code: bool, expected_hash: str | Non
             ) from e
     if not is_recorded_kind(pm, program["kind"]):
         raise ExportError(f"{folder} did not rebuild as a {program['kind']} program")
+    if "memory_options" in config:  # checked by read_program
+        pm.memory_options = dict(config["memory_options"])
     if config.get("data_parallel") == "fsdp":  # the replicated program, sharded over dp as transform shards it
         from dpcompile.modules.fsdp_one_process import shard_over_dp
 

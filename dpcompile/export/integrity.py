@@ -186,6 +186,12 @@ def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
                                                   for k, v in words.items()):  # fmt: skip
             raise ExportError(f"{folder / PROGRAM_FILE}: strategies {words!r:.80} is not {{dimension: words}}")
         fields |= {"layout", "strategies"}
+    if isinstance(config, dict) and "memory_options" in config:  # transform's optimizer= and training= (older folders lack it)
+        options = config["memory_options"]
+        if (not isinstance(options, dict) or set(options) != {"optimizer", "training"} or type(options["training"]) is not bool
+                or options["optimizer"] not in (None, "sgd", "sgd_momentum", "adam", "adamw")):  # fmt: skip
+            raise ExportError(f"{folder / PROGRAM_FILE}: memory_options {options!r:.80} is not {{optimizer, training}}")
+        fields.add("memory_options")
     if not isinstance(config, dict) or set(config) != fields:
         raise ExportError(f"{folder / PROGRAM_FILE}: a config it cannot read")
     devices = config["devices"]

@@ -28,11 +28,12 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import bind_inputs
 from dpcompile.inspect.attention_balance import attention_balance
 from dpcompile.inspect.nodes import copy_labels, device_labels, device_list, slot_of, target_name, user_source
-from dpcompile.inspect.predicted_memory import planner_memory
+from dpcompile.inspect.predicted_memory import planner_memory, why_not_predicted
 from dpcompile.inspect.recorder import Recorder, propagate
 from dpcompile.inspect.report import CollectiveInfo, NodeInfo, Report
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.executors import executor_of
+from dpcompile.modules.fsdp_one_process import stage_holding
 from dpcompile.runtime import sequence_mesh
 from dpcompile.runtime import tensor_parallel as tp_runtime
 from dpcompile.runtime.kept import tensors_kept
@@ -171,6 +172,7 @@ def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
         params = {label: held[label] for label in labels}
     splits_batch = getattr(getattr(pm, "recipe", None), "splits_batch", True)  # a hand-built program: as dp's
     fraction, whole = _split_flops(gm, recorder) if splits_batch else (None, [])
+    basis: dict[str, str] = {}  # what memory_estimate is, set as it is made
     return Report(
         mode=str(getattr(pm, "mode", "unknown")),
         devices=labels,
@@ -198,7 +200,8 @@ def _explain(pm: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
         whole=whole,
         pipeline=pipeline,
         memory_estimate=functools.partial(_estimate_kept, pm, params, args, kwargs,
-                                          sequence_shares(gm, nodes, activation), labels),  # fmt: skip
+                                          sequence_shares(gm, nodes, activation), labels, basis=basis),  # fmt: skip
+        memory_estimate_basis=functools.partial(basis.get, "basis", ""),
         checkpoint_regions={
             n.name: n.meta["dpcompile_region"] for n in gm.graph.nodes if "dpcompile_region" in n.meta
         },
@@ -354,28 +357,39 @@ def _stage_label(pm: nn.Module, s: int, labels: list[str]) -> str:
     return ",".join(labels[s * t : (s + 1) * t])
 
 
-def _estimate_kept(pm: nn.Module, *rest: Any) -> dict[str, dict[str, int]]:
+def _estimate_kept(pm: nn.Module, *rest: Any, basis: dict[str, str] | None = None) -> dict[str, dict[str, int]]:
     """:func:`memory_estimate`, made when the report's ``memory_estimate`` is first read (a fake run of
     the model, which most reports are not asked for), leaving ``pm`` and its model as they were."""
     with tensors_kept(*inspected_modules(pm)):
-        return memory_estimate(pm, *rest)
+        return memory_estimate(pm, *rest, basis=basis)
 
 
 def memory_estimate(
     pm: nn.Module, params: Mapping[str, int], args: Sequence[Any], kwargs: Mapping[str, Any],
     sequence_share: Mapping[str, float] | None = None, labels: Sequence[str] | None = None,
+    basis: dict[str, str] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Bytes per device by kind for ``pm`` as transform was told it trains (``optimizer=``,
     ``training=``), at each device's predicted peak of a step: the planner's prediction for the layout
     that was built (:func:`dpcompile.inspect.predicted_memory.planner_memory`, ``docs/planner.md``),
     else (no inputs, FSDP, a mesh, leaf modules, an explicit plan: see ``docs/memory.md``) the
-    program count of :func:`program_count`."""
+    program count of :func:`program_count`; none (``{}``) for a program loaded from a folder that keeps no
+    single-device model to count its activations on (tensor-parallel shards). ``basis["basis"]``: which."""
     options = getattr(pm, "memory_options", None) or {"optimizer": None, "training": pm.training}
+    basis = {} if basis is None else basis
     if labels is not None:
         predicted = planner_memory(pm, labels, args, kwargs, optimizer=options["optimizer"],
-                                   training=options["training"])  # fmt: skip
+                                   training=options["training"], params=params)  # fmt: skip
         if predicted is not None:
+            basis["basis"] = "the planner's prediction of the layout built (docs/planner.md)"
             return predicted
+    why = why_not_predicted(pm) or ("no inputs" if not (args or kwargs) else "the planner's fake run of these inputs failed")
+    counted = getattr(pm, "captured", None) or getattr(pm, "traced_model", None)
+    if (args or kwargs) and not isinstance(counted, nn.Module) and "profiled_model" not in pm.__dict__:
+        basis["basis"] = (f"none: {why}, so its activations cannot be counted; explain the program transform built, "
+                          "or transform the model again")  # fmt: skip
+        return {}
+    basis["basis"] = f"the program count ({why}: docs/memory.md)"
     return program_count(pm, params, args, kwargs, sequence_share)
 
 
@@ -526,7 +540,8 @@ def _fsdp_copy_bytes(
     pieces = fsdp_pieces(pm)
     for name, p in pm.named_parameters():
         r, program_name = pieces.get(name, (0, name))
-        k = next((k for k, paths in stages if any(program_name.startswith(f"{path}.") for path in paths)), 0)
+        found = stage_holding(program_name, [paths for _, paths in stages])
+        k = 0 if found is None else stages[found][0]
         held[copies[r][k]] += p.numel() * p.element_size()
     return held
 

@@ -242,7 +242,8 @@ def _virtual_peaks(
         try:
             with mode:
                 if runs_one_f_one_b(pm, training):
-                    one_f_one_b_peaks(pm, args, kwargs, ledger, SLOT_KEY, slot_index, windows.backward)
+                    with _call_context(pm):  # the call runs the whole step, backward too, in FSDP's context
+                        one_f_one_b_peaks(pm, args, kwargs, ledger, SLOT_KEY, slot_index, windows.backward)
                 elif _sharded_by_fsdp_hooks(pm, labels):
                     _step(lambda: pm(*args, **kwargs), training, windows.backward)
                 else:
@@ -262,7 +263,8 @@ def _virtual_peaks(
 def _call_context(pm: Any) -> Any:
     """The context ``pm``'s own call runs its forward in (one-process FSDP's: its parameters gathered once
     a call and held until it returns, gathered again in backward); measured outside it, every gathered
-    parameter a layer saves was kept through backward, on every copy (torchvision's ViT 11% over)."""
+    parameter a layer saves was kept through backward, on every copy (torchvision's ViT 11% over), and a
+    1F1B step, whose call runs backward too, gathered each parameter at every read."""
     return pm.call_context() if isinstance(pm, FsdpProgram) else nullcontext()
 
 

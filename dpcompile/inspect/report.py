@@ -87,6 +87,8 @@ class Report:
     # bytes each device needs, by kind: {device: {"parameters", "gradients", "optimizer", "activations"}}
     # (optimizer and training as given to transform; see docs/memory.md)
     memory_estimate: dict[str, dict[str, int]] = field(default_factory=dict)
+    # what memory_estimate is: the planner's prediction, the program count (and why), or none (and why)
+    memory_estimate_basis: str = ""
     # activation checkpointing: {region name in the code: module path}, recomputed in backward
     # (the memory estimate's activations count what is saved with them recomputed)
     checkpoint_regions: dict[str, str] = field(default_factory=dict)
@@ -111,6 +113,10 @@ class Report:
     def __getattribute__(self, name: str) -> Any:
         value = object.__getattribute__(self, name)
         if name == "memory_estimate" and callable(value):  # made at its first read: a fake run of the model
+            value = value()
+            object.__setattr__(self, name, value)
+        elif name == "memory_estimate_basis" and callable(value):  # set as memory_estimate is made
+            self.memory_estimate  # noqa: B018 - made first
             value = value()
             object.__setattr__(self, name, value)
         return value

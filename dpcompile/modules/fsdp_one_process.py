@@ -179,10 +179,25 @@ def program_device(pm: Any, name: str, p: torch.Tensor) -> str:
         return str(pm.devices[slot])
     # the program's own attributes, not a submodule the model names ``stages`` (timm's MetaFormer)
     groups = pm.__dict__.get("stage_groups")
-    for stage in pm.__dict__.get("stages") or ():
-        if any(name.startswith(f"{path}.") for path in stage.module_paths):
-            return groups[stage.index][0] if groups else stage.device
+    stages = list(pm.__dict__.get("stages") or ())
+    k = stage_holding(name, [stage.module_paths for stage in stages])
+    if k is not None:
+        stage = stages[k]
+        return groups[stage.index][0] if groups else stage.device
     return str(pm.devices.primary) if p.device.type == pm.devices.primary.type else str(p.device)
+
+
+def stage_holding(name: str, module_paths: Sequence[Sequence[str]]) -> int | None:
+    """The index of the stage whose module paths hold parameter ``name``: the one of the longest path
+    that owns it (torchvision's ViT: stage 0 runs ``encoder``, whose own ``pos_embedding`` it holds, and
+    stage 1 ``encoder.layers.encoder_layer_2``...: the first match put every encoder layer on stage 0);
+    None where none does."""
+    best, found = -1, None
+    for k, paths in enumerate(module_paths):
+        for path in paths:
+            if name.startswith(f"{path}.") and len(path) > best:
+                best, found = len(path), k
+    return found
 
 
 def own_parametrized_class(module: nn.Module) -> None:
@@ -350,5 +365,6 @@ def combined(
 
 __all__ = [
     "GATHERED", "FsdpProgram", "GatherShards", "balanced", "combined", "copy_devices", "dp_spec", "gathers_note", "program_device",
-    "regathered", "replicated_class", "replicated_program", "restore_fsdp_program", "shard_over_dp", "tensor_parallel_shards",
+    "regathered", "replicated_class", "replicated_program", "restore_fsdp_program", "shard_over_dp", "stage_holding",
+    "tensor_parallel_shards",
 ]  # fmt: skip

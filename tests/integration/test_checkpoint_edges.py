@@ -619,3 +619,35 @@ def test_two_partial_load_state_dicts_fill_a_meta_program():
     pm.load_state_dict({k: v for k, v in state.items() if k.startswith("bn.")}, strict=False)
     assert not pm.needs_weights
     torch.testing.assert_close(pm(x), reference(x))
+
+
+class TiedHead(nn.Module):
+    """An LM head tied to the embedding: ``state_dict`` holds both keys, one tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_tied_weight_held_twice_with_different_values_is_refused(tmp_path, tensor_parallel):
+    torch.manual_seed(0)
+    eager, ids = TiedHead(), torch.randint(0, 10, (4, 3))
+    pm = dpcompile.transform(TiedHead(), ["cpu", "cpu"], tensor_parallel=tensor_parallel, example_inputs=(ids,))
+    before = {k: v.clone() for k, v in pm.state_dict().items()}
+    weight = eager.emb.weight.detach()
+    save_file({"emb.weight": weight.clone(), "head.weight": weight + 1}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'emb\.weight'.*'head\.weight'.*ties.*different values") as e:
+        dpcompile.load_checkpoint(pm, tmp_path)
+    assert e.value.file.name == "model.safetensors" and e.value.key == "head.weight"
+    assert all(torch.equal(pm.state_dict()[k], v) for k, v in before.items())  # nothing was loaded
+    # both keys with equal values (what torch.save(model.state_dict()) holds) load, and the tie holds
+    save_file({"emb.weight": weight.clone(), "head.weight": weight.clone()}, tmp_path / "model.safetensors")
+    dpcompile.load_checkpoint(pm, tmp_path)
+    torch.testing.assert_close(pm(ids), eager(ids))
+    assert torch.equal(pm.state_dict()["head.weight"], weight)

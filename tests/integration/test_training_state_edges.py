@@ -97,3 +97,28 @@ def test_a_bad_training_state_is_refused_before_anything_is_set(edit, saved, tmp
     assert all(torch.equal(v, weights[k]) for k, v in pm.state_dict().items())
     assert str(opt.state_dict()) == str(opt_state) and sched.state_dict() == sched_state
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_an_optimizer_step_of_another_shape_is_refused(saved, tmp_path):
+    """AdamW's ``step`` is one number; a step of shape [2] loaded, and the next optimizer.step() raised
+    "a Tensor with 2 elements cannot be converted to Scalar"."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    pm, opt, sched = _program()
+    _step(pm, opt, sched)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    file = folder / "optimizer.safetensors"
+    with safe_open(str(file), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(file)
+    key = "optimizer.state.0.weight.step"
+    tensors[key] = torch.tensor([2.0, 2.0])
+    save_file(tensors, file, metadata=metadata)
+    weights, opt_state = copy.deepcopy(pm.state_dict()), copy.deepcopy(opt.state_dict())
+    with pytest.raises(CheckpointError, match=r"'optimizer\.state\.0\.weight\.step' is torch.float32 \[2\].*0-dim") as error:
+        dpcompile.load_checkpoint(pm, folder, optimizer=opt, lr_scheduler=sched)
+    assert error.value.file == file and error.value.key == key
+    assert all(torch.equal(v, weights[k]) for k, v in pm.state_dict().items())
+    assert str(opt.state_dict()) == str(opt_state)

@@ -651,3 +651,21 @@ def test_tied_weight_held_twice_with_different_values_is_refused(tmp_path, tenso
     dpcompile.load_checkpoint(pm, tmp_path)
     torch.testing.assert_close(pm(ids), eager(ids))
     assert torch.equal(pm.state_dict()["head.weight"], weight)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "model.safetensors", "training_state.json"])
+def test_a_save_onto_a_folder_at_a_file_name_is_refused_changing_nothing(tmp_path, name):
+    """A folder where the save renames a file (or removes the previous save's index) raised
+    IsADirectoryError; for the index, after the new files were renamed in beside it."""
+    torch.manual_seed(0)
+    pm = dpcompile.transform(nn.Linear(4, 4), ["cpu", "cpu"])
+    folder = tmp_path / "ckpt"
+    dpcompile.save_checkpoint(pm, folder, max_shard_size=40 if "index" in name else "5GB")  # the index: shards
+    if (folder / name).exists():
+        (folder / name).unlink()
+    (folder / name).mkdir()
+    before = sorted((p.name, p.is_dir(), p.stat().st_mtime_ns) for p in folder.iterdir())
+    optimizer = torch.optim.SGD(pm.parameters(), lr=0.1)
+    with pytest.raises(dpcompile.ArgumentError, match=rf"{re.escape(name)} is a folder where the checkpoint has a file"):
+        dpcompile.save_checkpoint(pm, folder, optimizer=optimizer)
+    assert sorted((p.name, p.is_dir(), p.stat().st_mtime_ns) for p in folder.iterdir()) == before

@@ -491,4 +491,33 @@ def plan_for_memory(
     assert chosen is not None
     if not chosen.what:
         chosen.what = "saved for backward (fake run of the examples)" if training else "peak live in forward (fake run)"
+    chosen.considered = considered_layouts(candidates, choice, budgets, len(labels))
     return (False if choice == "data_parallel" else plan), chosen
+
+
+def considered_layouts(
+    candidates: Mapping[str, MemoryEstimate | None], choice: str, budgets: Mapping[str, int], n: int
+) -> list[Any]:
+    """``explain(pm, x).candidates`` of ``memory_per_device=`` without a layout: data parallel and
+    tensor parallel over the ``n`` devices with their predicted bytes and fate (no step time: this
+    choice is by memory, data parallel first; ``plan="auto"`` weighs every layout by step time)."""
+    from dpcompile.planner import Candidate  # the planner's rows, as plan="auto" lists them
+
+    rows = []
+    for strategy, dim in (("data_parallel", "dp"), ("tensor_parallel", "tp")):
+        estimate = candidates.get(strategy)
+        fits = estimate is not None and all(estimate.total(d) <= budgets[d] for d in estimate.per_device)
+        if strategy == choice:
+            rejected = None
+        elif strategy not in candidates:
+            rejected = ("not weighed: data parallel fits, and memory_per_device= without plan= keeps a replica "
+                        'where one fits (plan="auto" weighs every layout)') if choice == "data_parallel" else (
+                        "not weighed: tensor_parallel= asks for tensor parallel")  # fmt: skip
+        elif estimate is None:
+            rejected = "cannot be built over these devices"
+        else:
+            peak = max(estimate.per_device, key=estimate.total)
+            rejected = f"does not fit: {format_bytes(estimate.total(peak))} predicted on {peak} > {format_bytes(budgets[peak])}"
+        per_device = dict(estimate.per_device) if estimate is not None else {}
+        rows.append(Candidate(LayoutSpec(((dim, n),)), per_device, rejected=rejected, fits=fits))
+    return rows

@@ -433,11 +433,18 @@ def device_budgets(devices: Any, budget: Any) -> dict[str, int]:
     labels = parsed.labels()
     if not isinstance(budget, Mapping):
         return dict.fromkeys(labels, parse_budget(budget))
-    given = {str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
-    missing = sorted({str(d) for d in parsed.devices} - set(given))
-    if missing:
-        raise ArgumentError(f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all")
-    return {label: given[str(d)] for label, d in zip(labels, parsed.devices)}
+    # keyed by device ("cuda:1", torch.device, 1) or by explain's label of a virtual device ("cpu#1")
+    given = {k if k in labels else str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
+    names = {str(d) for d in parsed.devices}
+    unknown = sorted(k for k in given if k not in names and k not in labels)
+    missing = [label for label, d in zip(labels, parsed.devices) if label not in given and str(d) not in given]
+    if unknown or missing:
+        raise ArgumentError(
+            "memory_per_device= " + (f"names {unknown}, not among the devices; " if unknown else "")
+            + (f"has no budget for {missing}; " if missing else "")
+            + f"key it by device ({sorted(names)}) or by explain's device label ({labels}), or give one budget for all"
+        )
+    return {label: given.get(label, given.get(str(d))) for label, d in zip(labels, parsed.devices)}
 
 
 def plan_for_memory(

@@ -208,3 +208,13 @@ def test_memory_plan_without_a_layout_lists_what_it_weighed_in_explain():
     rows = dpcompile.explain(sharded, X).candidates
     assert rows[0]["rejected"] == f"does not fit: {rows[0]['predicted_peak_bytes'] / 1024:.2f} KiB predicted on cpu#0 > {(replica - 1) / 1024:.2f} KiB"
     assert rows[1]["rejected"] is None and rows[1]["fits"] and rows[1]["predicted_peak_bytes"] < replica
+
+
+def test_memory_budgets_by_device_take_explains_labels_and_refuse_unknown_keys():
+    """{device: budget}: virtual devices' labels ("cpu#0", as explain keys them) were refused by parse_device,
+    and a key naming no device of the list was silently ignored."""
+    pm = dpcompile.transform(_mlp(), ["cpu", "cpu"], example_inputs=(X,), memory_per_device={"cpu#0": "1GiB", "cpu#1": "1GiB"})
+    assert pm.strategy == "data_parallel" and set(pm.memory_plan.per_device) == {"cpu#0", "cpu#1"}
+    with pytest.raises(dpcompile.ArgumentError, match=r"names \['cpu:0', 'cpu:1'\], not among the devices; has no budget "
+                       r"for \['cpu#0', 'cpu#1'\]; key it by device \(\['cpu'\]\) or by explain's device label"):  # fmt: skip
+        dpcompile.transform(_mlp(), ["cpu", "cpu"], example_inputs=(X,), memory_per_device={"cpu:0": 1 << 30, "cpu:1": 1 << 30})

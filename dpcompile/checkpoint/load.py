@@ -329,11 +329,13 @@ def _wrapper_prefix(missing: list[str], unexpected: list[str]) -> str | None:
     """The prefix (``module.``, ``_orig_mod.``, ...) that the checkpoint's unexpected keys add to the
     model's missing ones, where it is the same for all of them that end in a missing key."""
     missing_keys = set(missing)
-    prefixes = set()
+    lengths = sorted({len(k) for k in missing_keys}, reverse=True)  # a suffix is as long as a missing key: no slice
+    prefixes = set()  # of every position tried (a key of a million dots took minutes)
     for key in unexpected:
-        at = next((i for i, c in enumerate(key) if c == "." and key[i + 1 :] in missing_keys), None)  # longest suffix
+        at = next((len(key) - n for n in lengths if len(key) > n and key[-n - 1] == "." and key[-n:] in missing_keys),
+                  None)  # the longest suffix  # fmt: skip
         if at is not None:
-            prefixes.add(key[: at + 1])
+            prefixes.add(key[:at])
         if len(prefixes) > 1:
             return None
     return prefixes.pop() if prefixes else None

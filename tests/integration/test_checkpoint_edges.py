@@ -669,3 +669,16 @@ def test_a_save_onto_a_folder_at_a_file_name_is_refused_changing_nothing(tmp_pat
     with pytest.raises(dpcompile.ArgumentError, match=rf"{re.escape(name)} is a folder where the checkpoint has a file"):
         dpcompile.save_checkpoint(pm, folder, optimizer=optimizer)
     assert sorted((p.name, p.is_dir(), p.stat().st_mtime_ns) for p in folder.iterdir()) == before
+
+
+def test_a_megabyte_key_makes_an_error_of_a_few_kilobytes_naming_the_file(tmp_path):
+    """A key read from the file went into the message whole: a 1 MB key, a 1 MB error (in every log)."""
+    pm = dpcompile.transform(nn.Linear(4, 4), ["cpu", "cpu"])
+    key = "weight" + "." * 1_000_000
+    save_file({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)}, tmp_path / "a.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"weight": "a.safetensors", "bias": "a.safetensors", key: "a.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"characters cut") as error:
+        dpcompile.load_checkpoint(pm, tmp_path)
+    message = str(error.value)
+    assert len(message) < 4100 and str(index) in message and message.endswith("to a.safetensors, which does not hold it")

@@ -682,3 +682,25 @@ def test_a_megabyte_key_makes_an_error_of_a_few_kilobytes_naming_the_file(tmp_pa
         dpcompile.load_checkpoint(pm, tmp_path)
     message = str(error.value)
     assert len(message) < 4100 and str(index) in message and message.endswith("to a.safetensors, which does not hold it")
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_tied_weight_held_twice_with_different_values_in_a_dcp_folder_is_refused(tmp_path, tensor_parallel):
+    """torch's dcp.save of a state_dict writes both tied keys; the second's values were dropped."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    eager, ids = TiedHead(), torch.randint(0, 10, (4, 3))
+    pm = dpcompile.transform(TiedHead(), ["cpu", "cpu"], tensor_parallel=tensor_parallel, example_inputs=(ids,))
+    before = {k: v.clone() for k, v in pm.state_dict().items()}
+    weight = eager.emb.weight.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": {"emb.weight": weight.clone(), "head.weight": weight + 1}}, checkpoint_id=tmp_path / "bad", no_dist=True)
+        dcp.save({"model": {"emb.weight": weight.clone(), "head.weight": weight.clone()}}, checkpoint_id=tmp_path / "ok", no_dist=True)
+        with pytest.raises(CheckpointError, match=r"'model\.emb\.weight' and 'model\.head\.weight' fill keys the model ties") as e:
+            dpcompile.load_checkpoint(pm, tmp_path / "bad")
+        assert e.value.file == tmp_path / "bad" and e.value.key == "model.head.weight"
+        assert all(torch.equal(pm.state_dict()[k], v) for k, v in before.items())
+        dpcompile.load_checkpoint(pm, tmp_path / "ok")
+    torch.testing.assert_close(pm(ids), eager(ids))

@@ -377,6 +377,8 @@ def same_kind(saved: Any, current: Any, *, none_holds: tuple[type, ...] = (bool,
     if isinstance(saved, bool):
         return False
     if isinstance(current, (int, float)):  # an int too large for a float (10**400 in JSON) is no number here
+        if isinstance(current, int) and isinstance(saved, float):  # a count (last_epoch): 1e30 is none either
+            return math.isfinite(saved) and abs(saved) < 2**63
         return (isinstance(saved, int) and abs(saved) < 2**63) or (isinstance(saved, float) and math.isfinite(saved))
     if isinstance(current, (list, tuple)):
         return isinstance(saved, (list, tuple)) and len(saved) == len(current) and all(

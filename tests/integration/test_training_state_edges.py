@@ -53,6 +53,8 @@ EDITS = {
     "rng_a_list": (lambda doc: doc.update(rng=[1, 2]), "rng entry"),
     "scheduler_without_kind": (lambda doc: doc["lr_scheduler"].pop("kind"), "lr_scheduler entry"),
     "scheduler_state_a_list": (lambda doc: doc["lr_scheduler"].update(state=[1]), "lr_scheduler entry"),
+    # a float past any int where the scheduler counts (1e30 loaded, and StepLR's lr became 0.0)
+    "scheduler_last_epoch_1e30": (lambda doc: doc["lr_scheduler"]["state"].update(last_epoch=1e30), r"values of another kind \['last_epoch'\]"),
     "scheduler_tensor_of_unknown_dtype": (
         lambda doc: doc["lr_scheduler"]["state"].update(x={"__tensor__": [1], "dtype": "nonsense"}),
         "lr_scheduler state is malformed",

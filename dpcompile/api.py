@@ -288,6 +288,8 @@ def transform(
         pm.strategies["tp"] += " with sequence parallel"
     if recipe.checkpointed:
         pm.strategies["activation_checkpointing"] = checkpoint_words(recipe.checkpoint_save, recipe.checkpointed, pm)
+    if estimate is not None and estimate.considered:  # memory_per_device= alone: what it weighed
+        pm.candidates = estimate.considered
     if layout_plan is not None:  # the named layout's prediction: explain(pm, ...).candidates
         pm.candidates, pm.calibration = layout_plan.candidates, layout_plan.calibration
     if checkpoint_plan is not None:

@@ -82,7 +82,7 @@ class Candidate:
 
     def row(self) -> list[str]:
         why = "chosen" if self.rejected is None else self.rejected
-        time = f"{self.step_time * 1e3:.3f} ms" if self.per_device else "-"
+        time = f"{self.step_time * 1e3:.3f} ms" if self.per_device and self.step_time else "-"
         return [self.spec.name, format_bytes(self.peak) if self.per_device else "-", time, why]
 
 

@@ -433,11 +433,18 @@ def device_budgets(devices: Any, budget: Any) -> dict[str, int]:
     labels = parsed.labels()
     if not isinstance(budget, Mapping):
         return dict.fromkeys(labels, parse_budget(budget))
-    given = {str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
-    missing = sorted({str(d) for d in parsed.devices} - set(given))
-    if missing:
-        raise ArgumentError(f"memory_per_device= has no budget for {missing}; give every device one, or one budget for all")
-    return {label: given[str(d)] for label, d in zip(labels, parsed.devices)}
+    # keyed by device ("cuda:1", torch.device, 1) or by explain's label of a virtual device ("cpu#1")
+    given = {k if k in labels else str(parse_device(k)): parse_budget(v) for k, v in budget.items()}
+    names = {str(d) for d in parsed.devices}
+    unknown = sorted(k for k in given if k not in names and k not in labels)
+    missing = [label for label, d in zip(labels, parsed.devices) if label not in given and str(d) not in given]
+    if unknown or missing:
+        raise ArgumentError(
+            "memory_per_device= " + (f"names {unknown}, not among the devices; " if unknown else "")
+            + (f"has no budget for {missing}; " if missing else "")
+            + f"key it by device ({sorted(names)}) or by explain's device label ({labels}), or give one budget for all"
+        )
+    return {label: given.get(label, given.get(str(d))) for label, d in zip(labels, parsed.devices)}
 
 
 def plan_for_memory(
@@ -491,4 +498,33 @@ def plan_for_memory(
     assert chosen is not None
     if not chosen.what:
         chosen.what = "saved for backward (fake run of the examples)" if training else "peak live in forward (fake run)"
+    chosen.considered = considered_layouts(candidates, choice, budgets, len(labels))
     return (False if choice == "data_parallel" else plan), chosen
+
+
+def considered_layouts(
+    candidates: Mapping[str, MemoryEstimate | None], choice: str, budgets: Mapping[str, int], n: int
+) -> list[Any]:
+    """``explain(pm, x).candidates`` of ``memory_per_device=`` without a layout: data parallel and
+    tensor parallel over the ``n`` devices with their predicted bytes and fate (no step time: this
+    choice is by memory, data parallel first; ``plan="auto"`` weighs every layout by step time)."""
+    from dpcompile.planner import Candidate  # the planner's rows, as plan="auto" lists them
+
+    rows = []
+    for strategy, dim in (("data_parallel", "dp"), ("tensor_parallel", "tp")):
+        estimate = candidates.get(strategy)
+        fits = estimate is not None and all(estimate.total(d) <= budgets[d] for d in estimate.per_device)
+        if strategy == choice:
+            rejected = None
+        elif strategy not in candidates:
+            rejected = ("not weighed: data parallel fits, and memory_per_device= without plan= keeps a replica "
+                        'where one fits (plan="auto" weighs every layout)') if choice == "data_parallel" else (
+                        "not weighed: tensor_parallel= asks for tensor parallel")  # fmt: skip
+        elif estimate is None:
+            rejected = "cannot be built over these devices"
+        else:
+            peak = max(estimate.per_device, key=estimate.total)
+            rejected = f"does not fit: {format_bytes(estimate.total(peak))} predicted on {peak} > {format_bytes(budgets[peak])}"
+        per_device = dict(estimate.per_device) if estimate is not None else {}
+        rows.append(Candidate(LayoutSpec(((dim, n),)), per_device, rejected=rejected, fits=fits))
+    return rows

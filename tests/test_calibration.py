@@ -105,6 +105,15 @@ def test_an_edited_or_foreign_cache_file_is_measured_again_never_planned_with(me
     assert calibration.calibrate("cpu").source == "cache"  # and the good figures replaced it
 
 
+def test_a_folder_at_the_cache_name_is_measured_around_leaving_no_staging_file(measured):
+    """A folder where the cache file goes: measured each time, and (before) each process left its
+    calibration-cpu-....<pid>.tmp beside it, the rename onto the folder having failed."""
+    path = calibration.cache_path("cpu")
+    path.mkdir()
+    assert calibration.calibrate("cpu").source == "measured"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name] and path.is_dir()
+
+
 # --------------------------------------------------------------------------- the mesh's step time
 def _profile() -> ModelProfile:
     """Two blocks of 1e9 forward FLOPs and 10 ops each, one Linear each with 1000 output elements (a

@@ -156,14 +156,18 @@ def _check_figures(found: Calibration) -> None:
 
 
 def _write_cache(path: Path, measured: Calibration) -> None:
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(f".{os.getpid()}.tmp")
         data = {k: v for k, v in asdict(measured).items() if k != "source"}
         staging.write_text(json.dumps({**data, "version": CACHE_VERSION}))
         staging.replace(path)
-    except OSError as e:  # a read-only home: the figures still hold for this process
+    except OSError as e:  # a read-only home, a folder at its name: the figures still hold for this process
         log.debug("cannot cache the calibration at %s: %s", path, e)
+        try:
+            staging.unlink(missing_ok=True)  # never a file per process left behind
+        except OSError:
+            pass
 
 
 def calibrate(device: torch.device | str = "cpu") -> Calibration:

@@ -58,6 +58,8 @@ class MemoryEstimate:
     #: of the peak device's bytes (activations aside), those it holds whatever the device count
     #: (a tensor-parallel program's replicated parameters, with their gradients and state)
     whole: int = 0
+    #: ``memory_per_device=`` without a layout: the planner's rows of what was weighed (explain's candidates)
+    considered: list[Any] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     def total(self, device: str) -> int:
         return sum(self.per_device[device].values())

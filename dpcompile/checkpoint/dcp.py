@@ -162,6 +162,8 @@ def load_dcp(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: boo
     still_unset = unset_keys(pm, missing)  # built on meta: what neither this load nor an earlier one filled
     for key, fqn in placed.items():
         _check_tensor(path, fqn, stored[fqn], targets[key].shape, targets[key].dtype)
+    for key in placed:  # tied keys held twice (torch's dcp.save of a state_dict writes both): the same values
+        _check_tie(path, [prefix + t for t in ties[key] if prefix + t in stored], stored, targets[key].dtype)
     requests: dict[str, Any] = {
         fqn: dcp_planners.Pieces(targets[key].shape, targets[key].dtype, lambda t=targets[key]: target_blocks(t))
         for key, fqn in placed.items()
@@ -192,6 +194,25 @@ def load_dcp(pm: Any, path: Path, optimizer: Any, lr_scheduler: Any, strict: boo
     if still_unset:  # strict=False on a program built on meta: it waits for them (pm.needs_weights)
         weights_partly_loaded(pm, still_unset)
     return pm
+
+
+def _check_tie(path: Path, fqns: list[str], stored: Any, dtype: torch.dtype) -> None:
+    """Refuse tied keys (one tensor in the model) that the checkpoint holds with different values: only
+    one could be loaded (each read whole, once, before anything is written)."""
+    import torch.distributed.checkpoint as dcp
+
+    if len(fqns) < 2:
+        return
+    for fqn in fqns:
+        _check_tensor(path, fqn, stored[fqn], tuple(stored[fqns[0]].size), dtype)
+    values = {fqn: torch.empty(tuple(stored[fqn].size), dtype=dtype) for fqn in fqns}
+    dcp.load(values, storage_reader=CheckedReader(path), no_dist=True)
+    for fqn in fqns[1:]:
+        if not torch.equal(values[fqns[0]], values[fqn]):
+            raise CheckpointError(
+                f"{path}: '{fqns[0]}' and '{fqn}' fill keys the model ties (one tensor), but hold different values "
+                "(nothing was loaded): remove one of them, or make them equal", file=path, key=fqn,
+            )  # fmt: skip
 
 
 def _other(fqn: str) -> bool:

@@ -45,6 +45,8 @@ MAX_NESTING = 64
 #: ~64 bytes parsed: a 100 MB header of ``[],[],...`` took 2.7 GB); the densest dpcompile writes or
 #: transformers' headers hold is one per 17 bytes (an entry of a 1-letter key, ``[]`` shape)
 BYTES_PER_CONTAINER = 8
+#: an error's message keeps this many characters at each end (a key read from a file can be megabytes)
+MESSAGE_END = 2000
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -60,6 +62,9 @@ class CheckpointError(DpCompileError):
     what is to blame (None where nothing single is)."""
 
     def __init__(self, message: str, *, file: str | Path | None = None, key: str | None = None):
+        if len(message) > 2 * MESSAGE_END:  # a key from the file may be megabytes: its head and the advice kept
+            cut = len(message) - 2 * MESSAGE_END
+            message = f"{message[:MESSAGE_END]} [... {cut} characters cut ...] {message[-MESSAGE_END:]}"
         super().__init__(message)
         self.file = None if file is None else Path(file)
         self.key = key

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import re
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,7 @@ def load_checkpoint(
     _check_shapes(path, {k: (tuple(t.shape), t.dtype) for k, t in targets.items()}, shapes)
     _check_shapes(path, {k: (tuple(b.shape), b.dtype) for k, b in buffers.items()}, shapes)
     _check_values(placement.direct, {k: t.dtype for k, t in targets.items()} | {k: b.dtype for k, b in buffers.items()})
+    _check_ties(path, placement.direct, ties, {k: t.dtype for k, t in targets.items()})
     to_compute = [n for n in buffers if n not in placed]
     computed = compute_buffers(pm.__dict__[WEIGHTS_SOURCE], to_compute) if to_compute else {}
     # everything checked: from here on, write. Each piece's boxes are read from the file straight
@@ -251,6 +253,51 @@ def _check_values(entries: Mapping[str, Entry], dtypes: Mapping[str, torch.dtype
             )  # fmt: skip
 
 
+def _check_ties(
+    path: Any, entries: Mapping[str, Entry], ties: Mapping[str, list[str]], dtypes: Mapping[str, torch.dtype]
+) -> None:
+    """Keys the model ties (one tensor: an LM head tied to the embedding) that the checkpoint holds
+    twice hold the same values, or the load is refused: only one of them could be loaded, and which
+    one the user meant is not ours to guess (``torch.save(model.state_dict())`` writes both, equal)."""
+    done: set[str] = set()
+    for key in entries:
+        group = [k for k in ties.get(key, [key]) if k in entries]
+        if key in done or len(group) < 2:
+            continue
+        done.update(group)
+        first = entries[group[0]]
+        for other in group[1:]:
+            entry = entries[other]
+            if not _same_values(first, entry, dtypes.get(other)):
+                raise CheckpointError(
+                    f"{path}: '{first.key}' ({first.file.name}) and '{entry.key}' ({entry.file.name}) fill "
+                    f"'{group[0]}' and '{other}', which the model ties (one tensor), but hold different values "
+                    "(nothing was loaded): remove one of them from the checkpoint (transformers saves a tied weight "
+                    "once), or make them equal", file=entry.file, key=entry.key,
+                )  # fmt: skip
+
+
+def _same_values(a: Entry, b: Entry, dtype: torch.dtype | None) -> bool:
+    """Whether two checked entries hold the same tensor: the same bytes where their dtypes agree
+    (compared a few MiB at a time), else the same values once cast to the model's ``dtype``."""
+    if (a.file, a.start, a.end) == (b.file, b.start, b.end):
+        return True
+    if a.shape != b.shape:
+        return False
+    if a.dtype != b.dtype:
+        want = dtype or torch.float64
+        return torch.equal(read_entry(a, None).to(want), read_entry(b, None).to(want))
+    chunk = 4 << 20
+    with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
+        at_a = 8 + struct.unpack("<Q", fa.read(8))[0] + a.start
+        at_b = 8 + struct.unpack("<Q", fb.read(8))[0] + b.start
+        for offset in range(0, a.end - a.start, chunk):
+            n = min(chunk, a.end - a.start - offset)
+            if os.pread(fa.fileno(), n, at_a + offset) != os.pread(fb.fileno(), n, at_b + offset):
+                return False
+    return True
+
+
 def _key_report(
     path: Any, missing: list[str], unexpected: list[str], total: int, renamed: Mapping[str, str], model: Any,
     none: bool = False,
@@ -282,11 +329,13 @@ def _wrapper_prefix(missing: list[str], unexpected: list[str]) -> str | None:
     """The prefix (``module.``, ``_orig_mod.``, ...) that the checkpoint's unexpected keys add to the
     model's missing ones, where it is the same for all of them that end in a missing key."""
     missing_keys = set(missing)
-    prefixes = set()
+    lengths = sorted({len(k) for k in missing_keys}, reverse=True)  # a suffix is as long as a missing key: no slice
+    prefixes = set()  # of every position tried (a key of a million dots took minutes)
     for key in unexpected:
-        at = next((i for i, c in enumerate(key) if c == "." and key[i + 1 :] in missing_keys), None)  # longest suffix
+        at = next((len(key) - n for n in lengths if len(key) > n and key[-n - 1] == "." and key[-n:] in missing_keys),
+                  None)  # the longest suffix  # fmt: skip
         if at is not None:
-            prefixes.add(key[: at + 1])
+            prefixes.add(key[:at])
         if len(prefixes) > 1:
             return None
     return prefixes.pop() if prefixes else None

@@ -242,6 +242,8 @@ def loaded_state(
                     "again, or load without optimizer=)", file=where, key=file_key,
                 )  # fmt: skip
             _check_entry(entry, kind, place, file_key)
+            if kind == WHOLE and name == "step" and optimizer_kind(optimizer).startswith("torch.optim."):
+                _check_step(entry, file_key)
             if kind == LIKE_PARAM:
                 reads.append((index, name, lambda e=entry, p=place, q=param: like(e, p, q)))
             else:
@@ -300,6 +302,18 @@ def _check_entry(entry: Any, kind: str, place: Place, file_key: str) -> None:
     elif kind != WHOLE:
         raise CheckpointError(
             f"'{file_key}' in {entry.file}: unknown kind of state {str(kind)[:80]!r} (corrupt or edited: save again)",
+            file=entry.file, key=file_key,
+        )  # fmt: skip
+
+
+def _check_step(entry: Any, file_key: str) -> None:
+    """A torch optimizer's ``step`` is one number (a 0-dim tensor): another shape loads, and the next
+    ``optimizer.step()`` fails ("a Tensor with 2 elements cannot be converted to Scalar") or steps
+    with it."""
+    if tuple(entry.shape) != () or entry.torch_dtype == torch.bool:
+        raise CheckpointError(
+            f"'{file_key}' is {entry.torch_dtype} {list(entry.shape)} in {entry.file}, but a torch optimizer's step "
+            "is one number (a 0-dim tensor): corrupt or edited; save again, or load without optimizer=",
             file=entry.file, key=file_key,
         )  # fmt: skip
 
@@ -363,6 +377,8 @@ def same_kind(saved: Any, current: Any, *, none_holds: tuple[type, ...] = (bool,
     if isinstance(saved, bool):
         return False
     if isinstance(current, (int, float)):  # an int too large for a float (10**400 in JSON) is no number here
+        if isinstance(current, int) and isinstance(saved, float):  # a count (last_epoch): 1e30 is none either
+            return math.isfinite(saved) and abs(saved) < 2**63
         return (isinstance(saved, int) and abs(saved) < 2**63) or (isinstance(saved, float) and math.isfinite(saved))
     if isinstance(current, (list, tuple)):
         return isinstance(saved, (list, tuple)) and len(saved) == len(current) and all(

@@ -45,6 +45,7 @@ from dpcompile.checkpoint.training import (
     stage_documents,
     stale_training_files,
 )
+from dpcompile.errors import ArgumentError
 from dpcompile.progress import progress_bar
 
 Layout = dict[Path, list[Any]]  # {file: [(key, shape, dtype)]}
@@ -126,6 +127,13 @@ def switch_over(staged: StagedFiles, path: Path, weights: set[Path], training: s
     folder = path.parent if path.suffix == ".safetensors" else path
     stale = [] if path.suffix == ".safetensors" else stale_weight_files(path, weights, len(weights) > 1)
     stale += [] if path.suffix == ".safetensors" else stale_training_files(path, training)
+    folders = [p for p in [*(final for _, final in staged.pending), *stale] if p.is_dir() and not p.is_symlink()]
+    if folders:  # a rename onto it, or its removal, would fail halfway through the switch
+        staged.discard()
+        raise ArgumentError(
+            f"{folders[0]} is a folder where the checkpoint has a file ({folders[0].name}); nothing was written: "
+            "remove it, or save to another folder"
+        )
     staged.commit()
     for old in stale:
         old.unlink(missing_ok=True)

@@ -4,6 +4,7 @@ weights (names, shapes, dtypes as the program says)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dpcompile.checkpoint.headers import CheckpointError, read_header
 from dpcompile.checkpoint.headers import json_brackets as brackets  # the one scanner, for bytes here
 from dpcompile.errors import ArgumentError
 from dpcompile.export.common import (
@@ -85,9 +87,25 @@ def read_json(path: Path, limit: int = MAX_NESTING, *, max_bytes: int = MAX_PROG
             "(an export writes one per 40 or so, indented); it was not written by dpcompile.export: re-export the module"
         )
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=functools.partial(_unique_keys, path), parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
         raise ExportError(f"{path} cannot be read as JSON ({e!s:.200}); re-export the module") from None
+
+
+def _unique_keys(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object of ``pairs``, refused where it names a key twice: export never writes one, and which
+    of the two a reader takes is the parser's choice (Python's the last), not the writer's."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ExportError(f"{path} names the key {key!r:.60} twice in one object; it was edited: re-export the module")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN`` / ``Infinity``, which export never writes (a float's ``{"float": "nan"}`` instead)."""
+    raise ValueError(f"{name} is not JSON (an export writes no bare {name})")
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
@@ -229,6 +247,10 @@ def read_weights(folder: Path, program: dict[str, Any]) -> dict[str, torch.Tenso
     import safetensors.torch
 
     info = program["tensors"]
+    try:  # the header as the format defines it first (no key twice, offsets end to end): safetensors takes either
+        read_header(folder / WEIGHTS_FILE)
+    except CheckpointError as e:
+        raise ExportError(f"{e}; re-export the module") from None
     try:
         with safetensors.safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
             names = set(f.keys())

@@ -176,7 +176,7 @@ def _candidate_row(c: Mapping[str, Any]) -> list[str]:
     pipe = f" {c['schedule']} mb{c['micro_batches']}" if c.get("schedule") else ""
     name = c.get("name") or f"{dims}{pipe}{' +ckpt' if c['checkpointing'] else ''}"
     peak = _human_bytes(c["predicted_peak_bytes"]) if c["predicted_peak_bytes"] else "-"
-    step = f"{c['predicted_step_time'] * 1e3:.3f} ms" if c["predicted_peak_bytes"] else "-"
+    step = f"{c['predicted_step_time'] * 1e3:.3f} ms" if c["predicted_peak_bytes"] and c["predicted_step_time"] else "-"
     return [name, peak, step, "chosen" if c["rejected"] is None else c["rejected"]]
 
 
@@ -331,7 +331,7 @@ def _render(r: Report) -> str:
         out += _table(["device", *kinds, "total"], rows, [12, 12, 12, 12, 12, 12])
     if r.candidates:
         out += ["", "Layouts considered (plan=\"auto\": the fastest predicted that fits; activation_checkpointing="
-                "\"auto\" alone: the least recomputed)"]
+                "\"auto\" alone: the least recomputed; memory_per_device= alone: data parallel where it fits)"]
         out += _table(["layout", "peak/device", "step", "why not"], [_candidate_row(c) for c in r.candidates],
                       [40, 12, 12, 70])  # fmt: skip
     if r.plan:

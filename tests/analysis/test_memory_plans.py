@@ -192,3 +192,29 @@ def test_memory_plan_of_a_named_layout_that_does_not_fit_says_the_budget_and_bui
     pm = dpcompile.transform(model, ["cpu"] * 4, mesh={"pp": 2, "dp": 2}, memory_per_device=budget,
                              example_inputs=(x, labels))  # fmt: skip
     assert pm.layout == {"pp": 2, "dp": 2}
+
+
+def test_memory_plan_without_a_layout_lists_what_it_weighed_in_explain():
+    """API.md: explain(pm, x).candidates lists what memory_per_device= considered; without plan= it was
+    empty. Data parallel where it fits (tensor parallel not weighed), else the tensor-parallel program."""
+    fits = dpcompile.transform(_mlp(), ["cpu", "cpu"], example_inputs=(X,), memory_per_device="1GiB")
+    rows = dpcompile.explain(fits, X).candidates
+    assert [(r["name"], r["rejected"] is None, r["fits"]) for r in rows] == [("dp2", True, True), ("tp2", False, False)]
+    assert rows[0]["predicted_peak_bytes"] == max(sum(k.values()) for k in fits.memory_plan.per_device.values())
+    assert rows[1]["rejected"].startswith("not weighed: data parallel fits")
+    replica = rows[0]["predicted_peak_bytes"]
+    sharded = dpcompile.transform(_mlp(), ["cpu", "cpu"], example_inputs=(X,), memory_per_device=replica - 1)
+    assert sharded.strategy == "tensor_parallel"
+    rows = dpcompile.explain(sharded, X).candidates
+    assert rows[0]["rejected"] == f"does not fit: {rows[0]['predicted_peak_bytes'] / 1024:.2f} KiB predicted on cpu#0 > {(replica - 1) / 1024:.2f} KiB"
+    assert rows[1]["rejected"] is None and rows[1]["fits"] and rows[1]["predicted_peak_bytes"] < replica
+
+
+def test_memory_budgets_by_device_take_explains_labels_and_refuse_unknown_keys():
+    """{device: budget}: virtual devices' labels ("cpu#0", as explain keys them) were refused by parse_device,
+    and a key naming no device of the list was silently ignored."""
+    pm = dpcompile.transform(_mlp(), ["cpu", "cpu"], example_inputs=(X,), memory_per_device={"cpu#0": "1GiB", "cpu#1": "1GiB"})
+    assert pm.strategy == "data_parallel" and set(pm.memory_plan.per_device) == {"cpu#0", "cpu#1"}
+    with pytest.raises(dpcompile.ArgumentError, match=r"names \['cpu:0', 'cpu:1'\], not among the devices; has no budget "
+                       r"for \['cpu#0', 'cpu#1'\]; key it by device \(\['cpu'\]\) or by explain's device label"):  # fmt: skip
+        dpcompile.transform(_mlp(), ["cpu", "cpu"], example_inputs=(X,), memory_per_device={"cpu:0": 1 << 30, "cpu:1": 1 << 30})

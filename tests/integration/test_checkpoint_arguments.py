@@ -48,6 +48,26 @@ def test_a_wrappers_prefix_is_named_with_the_key_mapping_that_strips_it(prefix, 
     assert all(torch.equal(v, saved[k]) for k, v in pm.state_dict().items())
 
 
+def test_the_prefix_search_reads_each_unexpected_key_a_few_times_not_once_per_dot():
+    """A checkpoint key of a million dots took 234 s to refuse: the search for a wrapper's prefix sliced
+    the key at every dot. Counted here (no timing): a slice per missing key length, at most."""
+    from dpcompile.checkpoint.load import _wrapper_prefix
+
+    class Counted(str):
+        slices = 0
+
+        def __getitem__(self, index):
+            Counted.slices += 1
+            return str.__getitem__(self, index)
+
+    dotted = Counted("0.weight" + "." * 10_000 + "x")
+    assert _wrapper_prefix(["0.weight", "2.bias"], [dotted]) is None
+    assert Counted.slices <= 4  # two missing lengths: one look at the dot, one at the suffix, each
+    assert _wrapper_prefix(["0.weight", "2.bias"], ["module.0.weight", "module.2.bias", "other"]) == "module."
+    assert _wrapper_prefix(["a.b"], ["x.y.a.b"]) == "x.y."  # the longest suffix that is a missing key
+    assert _wrapper_prefix(["0.weight", "2.bias"], ["m.0.weight", "n.2.bias"]) is None  # two prefixes: none
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -619,3 +619,88 @@ def test_two_partial_load_state_dicts_fill_a_meta_program():
     pm.load_state_dict({k: v for k, v in state.items() if k.startswith("bn.")}, strict=False)
     assert not pm.needs_weights
     torch.testing.assert_close(pm(x), reference(x))
+
+
+class TiedHead(nn.Module):
+    """An LM head tied to the embedding: ``state_dict`` holds both keys, one tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_tied_weight_held_twice_with_different_values_is_refused(tmp_path, tensor_parallel):
+    torch.manual_seed(0)
+    eager, ids = TiedHead(), torch.randint(0, 10, (4, 3))
+    pm = dpcompile.transform(TiedHead(), ["cpu", "cpu"], tensor_parallel=tensor_parallel, example_inputs=(ids,))
+    before = {k: v.clone() for k, v in pm.state_dict().items()}
+    weight = eager.emb.weight.detach()
+    save_file({"emb.weight": weight.clone(), "head.weight": weight + 1}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'emb\.weight'.*'head\.weight'.*ties.*different values") as e:
+        dpcompile.load_checkpoint(pm, tmp_path)
+    assert e.value.file.name == "model.safetensors" and e.value.key == "head.weight"
+    assert all(torch.equal(pm.state_dict()[k], v) for k, v in before.items())  # nothing was loaded
+    # both keys with equal values (what torch.save(model.state_dict()) holds) load, and the tie holds
+    save_file({"emb.weight": weight.clone(), "head.weight": weight.clone()}, tmp_path / "model.safetensors")
+    dpcompile.load_checkpoint(pm, tmp_path)
+    torch.testing.assert_close(pm(ids), eager(ids))
+    assert torch.equal(pm.state_dict()["head.weight"], weight)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "model.safetensors", "training_state.json"])
+def test_a_save_onto_a_folder_at_a_file_name_is_refused_changing_nothing(tmp_path, name):
+    """A folder where the save renames a file (or removes the previous save's index) raised
+    IsADirectoryError; for the index, after the new files were renamed in beside it."""
+    torch.manual_seed(0)
+    pm = dpcompile.transform(nn.Linear(4, 4), ["cpu", "cpu"])
+    folder = tmp_path / "ckpt"
+    dpcompile.save_checkpoint(pm, folder, max_shard_size=40 if "index" in name else "5GB")  # the index: shards
+    if (folder / name).exists():
+        (folder / name).unlink()
+    (folder / name).mkdir()
+    before = sorted((p.name, p.is_dir(), p.stat().st_mtime_ns) for p in folder.iterdir())
+    optimizer = torch.optim.SGD(pm.parameters(), lr=0.1)
+    with pytest.raises(dpcompile.ArgumentError, match=rf"{re.escape(name)} is a folder where the checkpoint has a file"):
+        dpcompile.save_checkpoint(pm, folder, optimizer=optimizer)
+    assert sorted((p.name, p.is_dir(), p.stat().st_mtime_ns) for p in folder.iterdir()) == before
+
+
+def test_a_megabyte_key_makes_an_error_of_a_few_kilobytes_naming_the_file(tmp_path):
+    """A key read from the file went into the message whole: a 1 MB key, a 1 MB error (in every log)."""
+    pm = dpcompile.transform(nn.Linear(4, 4), ["cpu", "cpu"])
+    key = "weight" + "." * 1_000_000
+    save_file({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)}, tmp_path / "a.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"weight": "a.safetensors", "bias": "a.safetensors", key: "a.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"characters cut") as error:
+        dpcompile.load_checkpoint(pm, tmp_path)
+    message = str(error.value)
+    assert len(message) < 4100 and str(index) in message and message.endswith("to a.safetensors, which does not hold it")
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_tied_weight_held_twice_with_different_values_in_a_dcp_folder_is_refused(tmp_path, tensor_parallel):
+    """torch's dcp.save of a state_dict writes both tied keys; the second's values were dropped."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    eager, ids = TiedHead(), torch.randint(0, 10, (4, 3))
+    pm = dpcompile.transform(TiedHead(), ["cpu", "cpu"], tensor_parallel=tensor_parallel, example_inputs=(ids,))
+    before = {k: v.clone() for k, v in pm.state_dict().items()}
+    weight = eager.emb.weight.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": {"emb.weight": weight.clone(), "head.weight": weight + 1}}, checkpoint_id=tmp_path / "bad", no_dist=True)
+        dcp.save({"model": {"emb.weight": weight.clone(), "head.weight": weight.clone()}}, checkpoint_id=tmp_path / "ok", no_dist=True)
+        with pytest.raises(CheckpointError, match=r"'model\.emb\.weight' and 'model\.head\.weight' fill keys the model ties") as e:
+            dpcompile.load_checkpoint(pm, tmp_path / "bad")
+        assert e.value.file == tmp_path / "bad" and e.value.key == "model.head.weight"
+        assert all(torch.equal(pm.state_dict()[k], v) for k, v in before.items())
+        dpcompile.load_checkpoint(pm, tmp_path / "ok")
+    torch.testing.assert_close(pm(ids), eager(ids))

@@ -53,6 +53,8 @@ EDITS = {
     "rng_a_list": (lambda doc: doc.update(rng=[1, 2]), "rng entry"),
     "scheduler_without_kind": (lambda doc: doc["lr_scheduler"].pop("kind"), "lr_scheduler entry"),
     "scheduler_state_a_list": (lambda doc: doc["lr_scheduler"].update(state=[1]), "lr_scheduler entry"),
+    # a float past any int where the scheduler counts (1e30 loaded, and StepLR's lr became 0.0)
+    "scheduler_last_epoch_1e30": (lambda doc: doc["lr_scheduler"]["state"].update(last_epoch=1e30), r"values of another kind \['last_epoch'\]"),
     "scheduler_tensor_of_unknown_dtype": (
         lambda doc: doc["lr_scheduler"]["state"].update(x={"__tensor__": [1], "dtype": "nonsense"}),
         "lr_scheduler state is malformed",
@@ -97,3 +99,28 @@ def test_a_bad_training_state_is_refused_before_anything_is_set(edit, saved, tmp
     assert all(torch.equal(v, weights[k]) for k, v in pm.state_dict().items())
     assert str(opt.state_dict()) == str(opt_state) and sched.state_dict() == sched_state
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_an_optimizer_step_of_another_shape_is_refused(saved, tmp_path):
+    """AdamW's ``step`` is one number; a step of shape [2] loaded, and the next optimizer.step() raised
+    "a Tensor with 2 elements cannot be converted to Scalar"."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    pm, opt, sched = _program()
+    _step(pm, opt, sched)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    file = folder / "optimizer.safetensors"
+    with safe_open(str(file), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(file)
+    key = "optimizer.state.0.weight.step"
+    tensors[key] = torch.tensor([2.0, 2.0])
+    save_file(tensors, file, metadata=metadata)
+    weights, opt_state = copy.deepcopy(pm.state_dict()), copy.deepcopy(opt.state_dict())
+    with pytest.raises(CheckpointError, match=r"'optimizer\.state\.0\.weight\.step' is torch.float32 \[2\].*0-dim") as error:
+        dpcompile.load_checkpoint(pm, folder, optimizer=opt, lr_scheduler=sched)
+    assert error.value.file == file and error.value.key == key
+    assert all(torch.equal(v, weights[k]) for k, v in pm.state_dict().items())
+    assert str(opt.state_dict()) == str(opt_state)

@@ -286,6 +286,41 @@ def test_deeply_nested_program_is_refused_naming_the_file(linear_folder):
         dpcompile.load(folder)
 
 
+@pytest.mark.parametrize("file", ["manifest.json", "program.json"])
+def test_a_key_named_twice_or_a_bare_nan_is_refused_naming_the_file(linear_folder, file):
+    """JSON that export never writes: an object naming a key twice (Python's parser took the last:
+    ``"class_name"`` twice, or ``"format_version"`` again, loaded) and a bare NaN."""
+    folder = linear_folder
+    text = (folder / file).read_text().rstrip()
+    (folder / file).write_text(text[:-1] + ', "format_version": 2}')  # the last key of the top object again
+    if file == "program.json":
+        rehash(folder)
+    with pytest.raises(ExportError, match=rf"{file} names the key 'format_version' twice"):
+        dpcompile.load(folder)
+    (folder / file).write_text(text[:-1] + ', "x": NaN}')
+    if file == "program.json":
+        rehash(folder)
+    with pytest.raises(ExportError, match=rf"{file} cannot be read as JSON \(NaN is not JSON"):
+        dpcompile.load(folder)
+
+
+def test_a_weights_header_naming_a_key_twice_is_refused(linear_folder):
+    """safetensors itself takes a header naming a tensor twice (its last entry); load checks the header
+    as load_checkpoint does first: a key twice, offsets that overlap or leave a gap."""
+    import struct
+
+    folder = linear_folder
+    data = (folder / "weights.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = data[8 : 8 + n].decode().rstrip()
+    entry = json.loads(header)["0.bias"]
+    doubled = (header[:-1] + f', "0.bias": {json.dumps(entry)}}}').encode()
+    (folder / "weights.safetensors").write_bytes(struct.pack("<Q", len(doubled)) + doubled + data[8 + n :])
+    rehash(folder)
+    with pytest.raises(ExportError, match=r"weights.safetensors: the safetensors header names '0.bias' twice"):
+        dpcompile.load(folder)
+
+
 def test_a_manifest_or_program_past_its_size_bound_is_refused_before_it_is_read(linear_folder, monkeypatch):
     """manifest.json made huge (sparse: 8 GiB read whole raised MemoryError) and a manifest listing a
     program.json past the bound: an ExportError naming the file, nothing read."""

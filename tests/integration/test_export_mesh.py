@@ -418,6 +418,13 @@ def _gpt2(seq: int = GPT2_SEQ) -> tuple[nn.Module, torch.fx.GraphModule]:
     return CAPTURED[key]
 
 
+def export_for_ranks() -> None:
+    """GPT-2 as the export frontend captures it (whole sequences, a cp rank's half), in the fork server
+    the group's ranks start from (``run_spawned(prepare=)``), so that its 2 ranks copy it."""
+    for seq in (GPT2_SEQ, GPT2_SEQ // 2):
+        _gpt2(seq)
+
+
 def _capture_gpt2(seq: int) -> tuple[nn.Module, torch.fx.GraphModule]:
     import warnings
 
@@ -669,7 +676,8 @@ def test_export_and_load_over_a_mesh(tmp_path):
         ("other_sizes", functools.partial(check_other_sizes_and_one_process, root)),
         ("refusals", functools.partial(check_refusals_write_nothing, root)),
     ]
-    outcomes = run_spawned(run_checks, 2, checks, timeout=GROUP_TIMEOUT_S)
+    outcomes = run_spawned(run_checks, 2, checks, timeout=GROUP_TIMEOUT_S,
+                           prepare=["tests.integration.test_export_mesh:export_for_ranks"])
     assert_group_passed(outcomes, 2, *(name for name, _ in checks), timeout=GROUP_TIMEOUT_S)
     _check_layout_is_recorded_and_checked(tmp_path / "dp1_tp2", tmp_path)
     examples = json.loads((tmp_path / "tp2" / "program.json").read_text())["config"]["mesh"]["examples"]

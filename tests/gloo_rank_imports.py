@@ -25,6 +25,8 @@ import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.pipelining  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 import torch.export  # noqa: F401
+import torch.export._trace  # noqa: F401 - what an export imports on first use (0.1 CPU-s), for every rank that exports
+from torch._functorch import aot_autograd  # noqa: F401
 
 import dpcompile  # noqa: F401
 import tests.gloo_groups  # noqa: F401

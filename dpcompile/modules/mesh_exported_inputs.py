@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpcompile.capture.inputs import ExportedFrom, InputMismatch, check_inputs
+from dpcompile.capture.inputs import ExportedFrom, InputMismatch, InputSpec, check_inputs
 from dpcompile.modules.spmd_exchange import start_exchange
 from dpcompile.runtime.distributed import MeshGroup
 
@@ -30,7 +30,13 @@ EXPORTED_INPUTS = "exported_inputs_over_mesh"
 def hold_exported_inputs(pm: Any, exported: ExportedFrom | None) -> None:
     """Keep what export fixed of the call (``exported``: the capture's record; None: not exported)."""
     if exported is not None and exported.inputs:
-        pm.__dict__[EXPORTED_INPUTS] = (tuple(exported.inputs), type(exported.model).__name__)
+        hold_input_specs(pm, (tuple(exported.inputs), type(exported.model).__name__))
+
+
+def hold_input_specs(pm: Any, held: tuple[tuple[InputSpec, ...], str] | None) -> None:
+    """Keep ``(input specs, the model's class name)``: a loaded program's record (``pickling.exported_inputs``)."""
+    if held is not None:
+        pm.__dict__[EXPORTED_INPUTS] = held
 
 
 def check_exported_inputs_over_mesh(pm: Any, args: tuple, kwargs: dict) -> None:

@@ -468,10 +468,11 @@ def check_export_frontend_round_trip(root: str, layout: dict[str, int]) -> None:
     SGD step: exported and loaded over the mesh, its code is the
     original's (the output class written as its record), its ``state_dict`` the original's bit for bit (the
     model's keys, in order), and over 2 AdamW steps the loss, every gradient (bit for bit the original's) and
-    the parameters equal the original's and eager's."""
+    the parameters equal the original's and eager's. Both refuse an int32 ``input_ids`` on every rank (export fixed int64)."""
     import torch.distributed as dist
 
     import dpcompile
+    from dpcompile.capture.inputs import InputMismatch
     from dpcompile.fx_utils import unalias
     from dpcompile.mesh import local_batch
     from dpcompile.runtime.tensor_parallel import shard_of
@@ -520,6 +521,9 @@ def check_export_frontend_round_trip(root: str, layout: dict[str, int]) -> None:
     _assert_state_equal(loaded, reference, exact=False)
     shards, tp_rank = getattr(pm, "shards", {}) or {}, mesh.get_local_rank("tp") if "tp" in layout else 0
     assert (getattr(loaded, "shards", {}) or {}) == shards and bool(shards) == ("tp" in layout)
+    for program in (pm, loaded):  # both check the call against what export fixed, every rank alike, before computing
+        with pytest.raises(InputMismatch, match="argument 'input_ids' is torch.int32, but .* captured by torch.export"):
+            program(**{k: v.int() if k == "input_ids" else v for k, v in local(_gpt2_batch(3)).items()})
 
     def params(program) -> dict[str, torch.Tensor]:
         held = program.program if pipeline else program

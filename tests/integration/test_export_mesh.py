@@ -615,6 +615,10 @@ def check_export_frontend_arguments_refused_on_every_rank(layout: dict[str, int]
     own = r"argument 'x' has shape \(4, 3, 7\), but Net was captured"
     with pytest.raises(InputMismatch, match=own if dist.get_rank() == 1 else f"refused.*global rank 1: {own}"):
         pm(x=x[..., :7] if dist.get_rank() == 1 else x, labels=labels)  # rank 1's call alone departs
+    pm.check_inputs = False  # no cross-rank checks: each rank checks its own call, and no collective runs
+    with pytest.raises(InputMismatch, match="argument 'x' is torch.float32"):
+        pm(x=x.float(), labels=labels)
+    pm.check_inputs = True
     for name, p in pm.named_parameters():
         assert torch.equal(p, before[name]), name
     loss = pm(**batch)

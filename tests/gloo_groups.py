@@ -5,10 +5,13 @@ which ends with the test process)."""
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import socket
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -31,25 +34,39 @@ RANK_IMPORTS = "tests.gloo_rank_imports"
 #: ranks read. This module has one name everywhere.
 CAPTURED: dict[tuple, Any] = {}
 
+#: the environment variable naming the file where a test process asks its fork server to prepare
+#: (``run_spawned(prepare=...)``); the fork server inherits it when it starts
+PREPARE_REQUESTS_ENV = "DPCOMPILE_TEST_FORK_SERVER_REQUESTS"
+
 
 def rank_context():
     """The multiprocessing context the ranks start from: a fork server (a clean process, started
     once per test process, that has imported torch, dpcompile and transformers) instead of a fresh
     interpreter per rank; each rank is a fork of that server, as independent as a spawned one."""
+    os.environ[PREPARE_REQUESTS_ENV] = os.path.join(tempfile.gettempdir(), f"dpcompile-fork-server-{os.getpid()}.json")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([RANK_IMPORTS])
     return ctx
 
 
-def run_spawned(entry: Callable[..., None], world: int, *args: Any, timeout: float) -> dict[int, Any]:
+def run_spawned(entry: Callable[..., None], world: int, *args: Any, timeout: float,
+                prepare: Sequence[str] = ()) -> dict[int, Any]:
     """Each rank's report (what ``entry`` put on its last argument, a queue); a rank that hung or
-    crashed is missing from the result."""
+    crashed is missing from the result. ``prepare``: ``"module:function"`` names the fork server calls
+    once, in itself, before it forks these ranks (each fills ``CAPTURED`` with programs the ranks copy
+    instead of each capturing them again); a test process pays only for what its groups ask for."""
     ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=entry, args=(r, world, port, *args, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    requests = os.environ[PREPARE_REQUESTS_ENV]
+    with open(requests, "w") as f:  # read by the fork server as it forks each rank (gloo_rank_imports)
+        json.dump(list(prepare), f)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.remove(requests)
     outcomes: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:

@@ -4,15 +4,20 @@ dpcompile, and the transformers models the mesh tests build. Importing them in e
 about 8-30 s of CPU per process; forked from a server that holds them, a rank starts in a
 fraction of a second.
 
-It also exports, once, the transformers programs that the ranks of several groups would each
-export again (``export_for_ranks`` of ``test_exact_random_mesh.py`` and
-``test_pipeline_mesh_compose.py``: about 2 s of CPU a model a rank, on 2 + 4 + 4 + 8 ranks; GPT-2 for
-``test_export_mesh.py``'s export-frontend checks, on 2 ranks), on one
-thread and with the generator's state put back, so that no thread pool is started and a rank
-starts from the generator state it had without them. They go into ``tests.gloo_groups.CAPTURED``,
-the one dict both this server and the ranks' checks see (see there why not a dict in the test file)."""
+It also prepares, in the server and once, what a group's ranks would each do again: a group asks
+with ``run_spawned(prepare=["module:function", ...])`` (e.g. ``export_for_ranks`` of
+``test_exact_random_mesh.py``: it exports GPT-2, BERT and ViT, about 2 s of CPU a model a rank),
+and just before the server forks that group's first rank it calls each function it has not called
+yet. The exports go into ``tests.gloo_groups.CAPTURED``, the one dict both this server and the
+ranks' checks see (see there why not a dict in the test file). Done there, not here at import: a
+test process whose groups need none of them (most) no longer pays about 10 s of CPU for them.
+Each runs on one thread and with the generator's state put back, so that no thread pool is
+started and a rank starts from the generator state it had without them."""
 
-import torch  # noqa: F401
+import json
+import os
+
+import torch
 import torch.distributed  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.device_mesh  # noqa: F401
@@ -20,6 +25,8 @@ import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.pipelining  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 import torch.export  # noqa: F401
+import torch.export._trace  # noqa: F401 - what an export imports on first use (0.1 CPU-s), for every rank that exports
+from torch._functorch import aot_autograd  # noqa: F401
 
 import dpcompile  # noqa: F401
 import tests.gloo_groups  # noqa: F401
@@ -32,25 +39,42 @@ try:  # optional: the tests that need transformers skip without it
     import transformers.models.llama.modeling_llama  # noqa: F401
 except Exception:  # noqa: BLE001 - a rank that needs it imports it itself and reports the error
     pass
-else:
 
-    def _export_for_ranks() -> None:
-        import warnings
+_SERVER_PID = os.getpid()
+_PREPARED: set[str] = set()
 
-        from tests.integration import test_exact_random_mesh, test_export_mesh, test_pipeline_mesh_compose
 
-        threads = torch.get_num_threads()
-        try:
-            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                torch.set_num_threads(1)
-                test_exact_random_mesh.export_for_ranks()
-                test_pipeline_mesh_compose.export_for_ranks()
-                for seq in (test_export_mesh.GPT2_SEQ, test_export_mesh.GPT2_SEQ // 2):  # GPT-2 as the export
-                    test_export_mesh._gpt2(seq)  # frontend captures it (whole sequences, a cp rank's), for 2 ranks
-        except Exception:  # noqa: BLE001 - a rank then exports what is missing itself
-            pass
-        finally:
-            torch.set_num_threads(threads)
+def _prepare_what_the_next_ranks_ask() -> None:
+    """``os.register_at_fork(before=...)``: in the fork server only (a rank that forks inherits the
+    hook), call each ``module:function`` the test process's request file names (written around
+    ``run_spawned``'s starts) that this server has not called yet."""
+    if os.getpid() != _SERVER_PID:
+        return
+    try:
+        with open(os.environ[tests.gloo_groups.PREPARE_REQUESTS_ENV]) as f:
+            names = [name for name in json.load(f) if name not in _PREPARED]
+    except (KeyError, OSError, ValueError):
+        return
+    for name in names:
+        _PREPARED.add(name)
+        _call_on_one_thread(name)
 
-    _export_for_ranks()
+
+def _call_on_one_thread(name: str) -> None:
+    import importlib
+    import warnings
+
+    threads = torch.get_num_threads()
+    module, function = name.split(":")
+    try:
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.set_num_threads(1)
+            getattr(importlib.import_module(module), function)()
+    except Exception:  # noqa: BLE001 - a rank then captures what is missing itself (and a check can say so)
+        pass
+    finally:
+        torch.set_num_threads(threads)
+
+
+os.register_at_fork(before=_prepare_what_the_next_ranks_ask)

@@ -302,6 +302,8 @@ def load_over_mesh(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tupl
 
     from dpcompile.api import transform
     from dpcompile.mesh import local_device
+    from dpcompile.modules.mesh_exported_inputs import hold_input_specs
+    from dpcompile.modules.pickling import exported_inputs
 
     failure: BaseException | None = None
     try:
@@ -323,6 +325,7 @@ def load_over_mesh(folder: Path, mesh: Any, load_one: Callable[[list[Any]], tupl
         **({"data_parallel": "fsdp"} if keywords["data_parallel"] == "fsdp" else {}),
         **({"context_parallel": keywords["context_parallel"]} if "context_parallel" in keywords else {}),
     )  # fmt: skip
+    hold_input_specs(pm, exported_inputs(one))  # the export frontend's argument check, as the original's
     failure = None
     if same:
         if _code_hash(pm) != section["rank_code"][position]:

@@ -38,6 +38,7 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fx_utils import copy_graph
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.executors import PlainExecutor
+from dpcompile.modules.mesh_exported_inputs import check_exported_inputs_over_mesh
 from dpcompile.modules.mesh_failure import all_fail_together
 from dpcompile.modules.mesh_random import FakeRunDraws, StageRandomPlan
 from dpcompile.modules.mesh_stage import (
@@ -189,6 +190,7 @@ class MeshPipelineExecutor(PlainExecutor):
     runs_one_stage_per_rank = True
 
     def __call__(self, pm: Any, *args: Any, **kwargs: Any) -> Any:
+        check_exported_inputs_over_mesh(pm, args, kwargs)  # before any collective: every rank alike
         inputs = _shape_inputs(pm, args, kwargs)
         batch = self.batch_size(pm, args, kwargs)
         runs = micro_batch_runs(batch, pm.micro_batches) if batch else [(pm.micro_batches, 0)]

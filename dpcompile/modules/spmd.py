@@ -11,10 +11,8 @@ all-gathers full tensors under the original keys (a collective: call it on every
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from datetime import timedelta
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +25,8 @@ from dpcompile.errors import ArgumentError, first_line
 from dpcompile.fx_utils import placeholders, unalias
 from dpcompile.mesh import local_device
 from dpcompile.modules.executors import PlainExecutor
-from dpcompile.modules.spmd_exchange import FingerprintExchange
+from dpcompile.modules.mesh_exported_inputs import check_exported_inputs_over_mesh
+from dpcompile.modules.spmd_exchange import start_exchange
 from dpcompile.modules.weights import NEEDS_WEIGHTS, weights_not_loaded
 from dpcompile.runtime.distributed import (
     CollectiveError,
@@ -107,6 +106,7 @@ class SpmdExecutor(PlainExecutor):
     def __call__(self, pm: Any, *args: Any, **kwargs: Any) -> Any:
         if pm.__dict__.get(NEEDS_WEIGHTS):  # before DDP, which calls the program directly
             raise weights_not_loaded(pm)
+        check_exported_inputs_over_mesh(pm, args, kwargs)  # before any collective: every rank alike
         ddp = _dp_wrapper(pm)
         if pm.check_inputs:
             if pm.__dict__.get("tp_dim") is not None:
@@ -285,7 +285,7 @@ def check_inputs_agree(pm: Any, args: tuple, kwargs: dict, *, defer: bool = Fals
     collective of :mod:`dpcompile.runtime.distributed` (or at ``settle_deferred_check()``).
     """
     group = tp_group_of(pm)
-    finish = _start_exchange(pm, group, _input_signature(pm, args, kwargs), "tensor-parallel")
+    finish = start_exchange(pm, group, _input_signature(pm, args, kwargs), "tensor-parallel")
 
     def settle() -> None:
         signatures = finish()
@@ -308,7 +308,7 @@ def check_calls_agree(pm: Any, args: tuple, kwargs: dict) -> None:
     ``pm.check_inputs_timeout`` seconds fails the others."""
     group = MeshGroup(pm.mesh, pm.dp_dim)
     signature = input_signature(pm, args, kwargs, batch_free=True)
-    signatures = _start_exchange(pm, group, signature, "data-parallel")()
+    signatures = start_exchange(pm, group, signature, "data-parallel")()
     if signatures is not None:
         ranks = [dist.get_global_rank(group.group, r) for r in range(group.size())]
         raise ValueError(describe_disagreement(signatures, ranks, data_parallel=True))
@@ -326,58 +326,6 @@ def _input_signature(pm: Any, args: tuple, kwargs: dict) -> list[tuple[str, str]
             kept.clear()
         signature = kept[key] = input_signature(pm, args, kwargs)
     return signature
-
-
-def _start_exchange(pm: Any, group: MeshGroup, signature: list[tuple[str, str]], kind: str) -> Callable[[], list[Any] | None]:
-    """Start the exchange of every rank's signature: one all-gather of an 8-byte fingerprint, bounded
-    by ``pm.check_inputs_timeout``; the function returned finishes it, giving every rank's signature
-    where they differ (the signatures themselves only then), None where all agree."""
-    mine_value = _fingerprint(signature)
-    exchanges = pm.__dict__.setdefault("_exchanges", {})
-    exchange = exchanges.get(group.group)
-    if exchange is None:
-        exchange = exchanges[group.group] = FingerprintExchange(group.group)
-    timeout = pm.check_inputs_timeout
-
-    def failed(e: BaseException) -> CollectiveError:
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            return CollectiveError(
-                f"global rank {dist.get_rank()} waited {timeout:g}s for the other ranks of its {kind} "
-                "group to call forward: every rank must call pm(...) each step. Set "
-                "pm.check_inputs_timeout (seconds; default DPCOMPILE_SPMD_TIMEOUT or 300) to wait longer or "
-                "fail sooner, and pass timeout= to torch.distributed.init_process_group to bound the other "
-                f"collectives. ({first_line(e)})"
-            )
-        return collective_failure("the check that every rank calls forward alike", group.group, e)
-
-    try:
-        work = exchange.start(mine_value)
-    except (RuntimeError, dist.DistError) as e:
-        raise failed(e) from e
-
-    def finish() -> list[Any] | None:
-        try:
-            work.wait(timeout=timedelta(seconds=timeout))
-        except (RuntimeError, dist.DistError) as e:
-            raise failed(e) from e
-        if all(value == mine_value for value in exchange.finish()):
-            return None
-        signatures: list[Any] = [None] * group.size()
-        dist.all_gather_object(signatures, signature, group=group.group)
-        return signatures
-
-    return finish
-
-
-def _fingerprint(signature: list[tuple[str, str]], _kept: dict[str, int] = {}) -> int:  # noqa: B006 - a memo
-    """An 8-byte fingerprint of a signature, the same on every rank (kept by its text)."""
-    text = repr(signature)
-    value = _kept.get(text)
-    if value is None:
-        if len(_kept) >= 256:
-            _kept.clear()
-        value = _kept[text] = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
-    return value
 
 
 def input_signature(

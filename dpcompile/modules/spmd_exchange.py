@@ -3,13 +3,22 @@
 Every call of an SPMD program all-gathers an 8-byte fingerprint of its inputs over a group, so its
 cost is per call: :class:`FingerprintExchange` keeps the buffers between calls and posts the
 all-gather on the process group itself (what ``dist.all_gather`` posts, less its per-call argument
-checks), about 30 µs a call on a gloo group instead of 80.
+checks), about 30 µs a call on a gloo group instead of 80. :func:`start_exchange` runs one, bounded by
+``pm.check_inputs_timeout``, for the checks of ``modules/spmd.py`` and ``modules/mesh_exported_inputs.py``.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+from dpcompile.errors import first_line
+from dpcompile.runtime.distributed import CollectiveError, MeshGroup, collective_failure
 
 
 def group_device(group: dist.ProcessGroup) -> torch.device:
@@ -57,3 +66,55 @@ class FingerprintExchange:
         values = [int(t) for t in buffers[1]]
         self._buffers = buffers  # free for the next call
         return values
+
+
+def start_exchange(pm: Any, group: MeshGroup, signature: list[tuple[str, str]], kind: str) -> Callable[[], list[Any] | None]:
+    """Start the exchange of every rank's signature: one all-gather of an 8-byte fingerprint, bounded
+    by ``pm.check_inputs_timeout``; the function returned finishes it, giving every rank's signature
+    where they differ (the signatures themselves only then), None where all agree."""
+    mine_value = fingerprint(signature)
+    exchanges = pm.__dict__.setdefault("_exchanges", {})
+    exchange = exchanges.get(group.group)
+    if exchange is None:
+        exchange = exchanges[group.group] = FingerprintExchange(group.group)
+    timeout = pm.check_inputs_timeout
+
+    def failed(e: BaseException) -> CollectiveError:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            return CollectiveError(
+                f"global rank {dist.get_rank()} waited {timeout:g}s for the other ranks of its {kind} "
+                "group to call forward: every rank must call pm(...) each step. Set "
+                "pm.check_inputs_timeout (seconds; default DPCOMPILE_SPMD_TIMEOUT or 300) to wait longer or "
+                "fail sooner, and pass timeout= to torch.distributed.init_process_group to bound the other "
+                f"collectives. ({first_line(e)})"
+            )
+        return collective_failure("the check that every rank calls forward alike", group.group, e)
+
+    try:
+        work = exchange.start(mine_value)
+    except (RuntimeError, dist.DistError) as e:
+        raise failed(e) from e
+
+    def finish() -> list[Any] | None:
+        try:
+            work.wait(timeout=timedelta(seconds=timeout))
+        except (RuntimeError, dist.DistError) as e:
+            raise failed(e) from e
+        if all(value == mine_value for value in exchange.finish()):
+            return None
+        signatures: list[Any] = [None] * group.size()
+        dist.all_gather_object(signatures, signature, group=group.group)
+        return signatures
+
+    return finish
+
+
+def fingerprint(signature: list[tuple[str, str]], _kept: dict[str, int] = {}) -> int:  # noqa: B006 - a memo
+    """An 8-byte fingerprint of a signature, the same on every rank (kept by its text)."""
+    text = repr(signature)
+    value = _kept.get(text)
+    if value is None:
+        if len(_kept) >= 256:
+            _kept.clear()
+        value = _kept[text] = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+    return value

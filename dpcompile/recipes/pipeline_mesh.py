@@ -36,6 +36,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 import passes
 from dpcompile.analysis.batch_dims import infer_input_dims
 from dpcompile.analysis.linear_sites import linear_like_leaves
+from dpcompile.capture import EXPORTED_FROM
 from dpcompile.devices import Devices
 from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.fake import is_fake, meta_copy_to_pickle
@@ -43,6 +44,7 @@ from dpcompile.fx_utils import ancestors, copy_graph, graph_module, propagate_sh
 from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_fsdp_parameters, local_device, mesh_size
 from dpcompile.modules.base import ParallelModule
+from dpcompile.modules.mesh_exported_inputs import hold_exported_inputs
 from dpcompile.modules.mesh_pipeline import (
     attach_shards,
     example_stage_inputs,
@@ -179,6 +181,7 @@ class MeshPipelineRecipe(Recipe):
             pm.shared = tied_shards(pm.shared, program, sharded, mesh=self.mesh)
             pm.tp_group = self.mesh.get_group("tp")
         pm.__dict__.update(call_names=call_names, left_none=left_none)  # forward's arguments; those traced as None
+        hold_exported_inputs(pm, model.meta.get(EXPORTED_FROM) if isinstance(model, fx.GraphModule) else None)
         pm.state_ties = state_ties(model)  # before FSDP: fully_shard swaps the model's tied tensors apart
         # what dpcompile.export over the mesh copies (structure only) and records (the examples' shapes)
         pm.__dict__.update(model_on_meta=meta_copy_to_pickle(model), example_specs=example_specs(example_inputs))

@@ -64,6 +64,7 @@ from dpcompile.infra import info_of, run_passes
 from dpcompile.mesh import check_fsdp_parameters, check_mesh, mesh_size
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.carried import modes_applied
+from dpcompile.modules.mesh_exported_inputs import hold_exported_inputs
 from dpcompile.modules.other_mode import agreed_over_mesh, swap_graph
 from dpcompile.modules.spmd import hold_mesh, repeated_blocks
 from dpcompile.modules.tensor_parallel import watch_source_parameters
@@ -118,6 +119,7 @@ class SpmdRecipe(Recipe):
         on_meta = meta_copy_to_pickle(model) if self.data_parallel == "fsdp" or exported else None  # before FSDP2
         pm = self._compile_rank(model, example_inputs)  # swaps its classes (and tp shards the program's modules)
         pm.__dict__["example_specs"] = example_specs(example_inputs)  # what export over a mesh records
+        hold_exported_inputs(pm, model.meta.get(EXPORTED_FROM) if exported else None)  # checked at each call
         if on_meta is not None and (exported or pm.__dict__.get("traced_model") is not None):  # what export over a
             pm.__dict__["model_on_meta"] = on_meta  # mesh copies: the model, or the program export captured
         return pm

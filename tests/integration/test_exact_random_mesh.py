@@ -156,12 +156,16 @@ def _program(name: str, model: torch.nn.Module, local: dict) -> torch.nn.Module:
 def export_for_ranks() -> None:
     """Fill ``CAPTURED`` (``tests/gloo_groups.py``) with what every cell exports (each transformers model at 2 rows a rank, the
     local batch of every layout here and in ``test_pipeline_mesh_compose.py``). The fork server the
-    ranks start from calls it (``tests/gloo_rank_imports.py``), so that the ranks of every group
+    ranks start from calls it before it forks a group that asks (``PREPARE``), so that the ranks of every group
     copy the programs instead of each exporting them again; the models are built as the cells build
     them (their weights do not matter: ``_program`` loads the cell's)."""
     for name in ("gpt2", "bert", "vit"):
         make, kwargs = MODELS[name](2)
         _program(name, make().double().train(), kwargs)
+
+
+#: what the fork server calls before it forks ranks that run these cells (``run_spawned(prepare=)``)
+PREPARE = "tests.integration.test_exact_random_mesh:export_for_ranks"
 
 
 def check_trains_like_eager(name: str, layout: dict[str, int], data_parallel: str = "ddp") -> None:
@@ -404,7 +408,7 @@ _OUTCOMES: dict[int, dict] = {}
 
 def _outcomes(world: int) -> dict:
     if world not in _OUTCOMES:
-        _OUTCOMES[world] = run_spawned(_entry, world, timeout=GROUP_TIMEOUT_S)
+        _OUTCOMES[world] = run_spawned(_entry, world, timeout=GROUP_TIMEOUT_S, prepare=[PREPARE])
     return _OUTCOMES[world]
 
 

@@ -16,7 +16,9 @@ rank; neither writes anything. GPT-2 captured by the export frontend (``labels=`
 (of (1, 2): its tp shards; ``("tp",)`` alone passes too, left out for the suite's time), ``("cp",)`` and ``("pp",)``
 round-trips the same way (``("pp", "dp")`` too, run by hand in ``test_pipeline_mesh.py``'s group of 4: it
 added 28 s there)
-(:func:`check_export_frontend_round_trip`). One group of 2 runs every check here.
+(:func:`check_export_frontend_round_trip`). A program the export frontend captured over ``("dp",)`` or ``("pp",)``
+refuses a call that departs from what export fixed as one process does, on every rank alike where one rank's call
+alone departs (:func:`check_export_frontend_arguments_refused_on_every_rank`). One group of 2 runs every check here.
 """
 
 from __future__ import annotations
@@ -418,6 +420,13 @@ def _gpt2(seq: int = GPT2_SEQ) -> tuple[nn.Module, torch.fx.GraphModule]:
     return CAPTURED[key]
 
 
+def export_for_ranks() -> None:
+    """GPT-2 as the export frontend captures it (whole sequences, a cp rank's half), in the fork server
+    the group's ranks start from (``run_spawned(prepare=)``), so that its 2 ranks copy it."""
+    for seq in (GPT2_SEQ, GPT2_SEQ // 2):
+        _gpt2(seq)
+
+
 def _capture_gpt2(seq: int) -> tuple[nn.Module, torch.fx.GraphModule]:
     import warnings
 
@@ -459,10 +468,11 @@ def check_export_frontend_round_trip(root: str, layout: dict[str, int]) -> None:
     SGD step: exported and loaded over the mesh, its code is the
     original's (the output class written as its record), its ``state_dict`` the original's bit for bit (the
     model's keys, in order), and over 2 AdamW steps the loss, every gradient (bit for bit the original's) and
-    the parameters equal the original's and eager's."""
+    the parameters equal the original's and eager's. Both refuse an int32 ``input_ids`` on every rank (export fixed int64)."""
     import torch.distributed as dist
 
     import dpcompile
+    from dpcompile.capture.inputs import InputMismatch
     from dpcompile.fx_utils import unalias
     from dpcompile.mesh import local_batch
     from dpcompile.runtime.tensor_parallel import shard_of
@@ -511,6 +521,9 @@ def check_export_frontend_round_trip(root: str, layout: dict[str, int]) -> None:
     _assert_state_equal(loaded, reference, exact=False)
     shards, tp_rank = getattr(pm, "shards", {}) or {}, mesh.get_local_rank("tp") if "tp" in layout else 0
     assert (getattr(loaded, "shards", {}) or {}) == shards and bool(shards) == ("tp" in layout)
+    for program in (pm, loaded):  # both check the call against what export fixed, every rank alike, before computing
+        with pytest.raises(InputMismatch, match="argument 'input_ids' is torch.int32, but .* captured by torch.export"):
+            program(**{k: v.int() if k == "input_ids" else v for k, v in local(_gpt2_batch(3)).items()})
 
     def params(program) -> dict[str, torch.Tensor]:
         held = program.program if pipeline else program
@@ -569,6 +582,48 @@ def check_other_sizes_and_one_process(root: str) -> None:
         got = one(**batch)
         torch.manual_seed(100 + step)
         torch.testing.assert_close(got, reference(**batch))
+
+
+def check_export_frontend_arguments_refused_on_every_rank(layout: dict[str, int]) -> None:
+    """A program over ``layout`` captured with ``frontend="export"`` refuses a call that departs from what
+    export fixed (a dtype, an argument it never saw, a dim the examples did not say varies) with the
+    ``InputMismatch`` one process raises; where one rank's call alone departs, every rank raises (the others
+    naming that rank), none waits in a collective; the refusals change nothing, and the next call equals eager."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import dpcompile
+    from dpcompile.capture.inputs import InputMismatch
+
+    mesh, model, batch = _mesh(layout), _model().eval(), _batch()
+    options = {"pipeline": 2, "micro_batches": 2} if "pp" in layout else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = dpcompile.transform(copy.deepcopy(model), mesh, example_kwargs=batch, frontend="export", **options)
+    before = {name: p.detach().clone() for name, p in pm.named_parameters()}
+    x, labels = batch["x"], batch["labels"]
+    refused = {
+        "argument 'x' is torch.float32, but Net was captured by torch.export for torch.float64": {"x": x.float()},
+        "captured by torch.export without 'extra'": {"x": x, "extra": torch.ones(1)},
+        r"argument 'x' has shape \(4, 2, 8\), but Net was captured by torch.export for shape \(\*, 3, 8\)":
+            {"x": x[:, :2], "labels": labels[:, :2]},
+    }  # fmt: skip
+    for message, call in refused.items():
+        with pytest.raises(InputMismatch, match=message):
+            pm(**{"labels": labels, **call})
+    own = r"argument 'x' has shape \(4, 3, 7\), but Net was captured"
+    with pytest.raises(InputMismatch, match=own if dist.get_rank() == 1 else f"refused.*global rank 1: {own}"):
+        pm(x=x[..., :7] if dist.get_rank() == 1 else x, labels=labels)  # rank 1's call alone departs
+    pm.check_inputs = False  # no cross-rank checks: each rank checks its own call, and no collective runs
+    with pytest.raises(InputMismatch, match="argument 'x' is torch.float32"):
+        pm(x=x.float(), labels=labels)
+    pm.check_inputs = True
+    for name, p in pm.named_parameters():
+        assert torch.equal(p, before[name]), name
+    loss = pm(**batch)
+    if "pp" not in layout or mesh.get_local_rank("pp") == 1:
+        torch.testing.assert_close(loss, model(**batch))
 
 
 def check_refusals_write_nothing(root: str) -> None:
@@ -668,8 +723,11 @@ def test_export_and_load_over_a_mesh(tmp_path):
         ("gpt2_export_cp", functools.partial(check_export_frontend_round_trip, root, {"cp": 2})),
         ("other_sizes", functools.partial(check_other_sizes_and_one_process, root)),
         ("refusals", functools.partial(check_refusals_write_nothing, root)),
+        ("export_arguments_dp", functools.partial(check_export_frontend_arguments_refused_on_every_rank, {"dp": 2})),
+        ("export_arguments_pp", functools.partial(check_export_frontend_arguments_refused_on_every_rank, {"pp": 2})),
     ]
-    outcomes = run_spawned(run_checks, 2, checks, timeout=GROUP_TIMEOUT_S)
+    outcomes = run_spawned(run_checks, 2, checks, timeout=GROUP_TIMEOUT_S,
+                           prepare=["tests.integration.test_export_mesh:export_for_ranks"])
     assert_group_passed(outcomes, 2, *(name for name, _ in checks), timeout=GROUP_TIMEOUT_S)
     _check_layout_is_recorded_and_checked(tmp_path / "dp1_tp2", tmp_path)
     examples = json.loads((tmp_path / "tp2" / "program.json").read_text())["config"]["mesh"]["examples"]

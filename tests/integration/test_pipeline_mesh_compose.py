@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from tests.gloo_groups import CAPTURED, assert_group_passed, run_checks, run_spawned
 from tests.helpers import assert_mesh_pipeline_verifies, assert_stage_is_a_parallel_module, assert_whole_state_loads
+from tests.integration.test_exact_random_mesh import PREPARE as EXACT_RANDOM_PREPARE
 from tests.integration.test_exact_random_mesh import check_pipeline_trains_like_eager
 from tests.integration.test_pipeline_mesh import TIED_ROTARY_PLAN, check_meta_model_fsdp
 
@@ -203,7 +204,7 @@ def _decoder_program(kind: str, model: torch.nn.Module, kwargs: dict) -> torch.n
 
 def export_for_ranks() -> None:
     """Capture GPT-2 and Llama as the checks do, in the fork server the ranks start from
-    (``tests/gloo_rank_imports.py``), so that 4 and 8 ranks copy the programs instead of each
+    (``PREPARE``, ``tests/gloo_rank_imports.py``), so that 4 and 8 ranks copy the programs instead of each
     exporting them again."""
     for kind in ("gpt2", "llama"):
         model, kwargs = _transformers_decoder(kind)
@@ -301,6 +302,11 @@ SCENARIOS = {
 }  # fmt: skip
 
 
+#: what the fork server calls before it forks each scenario's ranks (``run_spawned(prepare=)``)
+PREPARE = {"pp_dp_fsdp": ["tests.integration.test_pipeline_mesh_compose:export_for_ranks"],
+           "pp_dp_tp": ["tests.integration.test_pipeline_mesh_compose:export_for_ranks", EXACT_RANDOM_PREPARE]}
+
+
 def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -> None:
     checks = [
         (name, functools.partial(check, *args, **kwargs)) for name, check, (args, kwargs) in SCENARIOS[scenario][1]
@@ -315,7 +321,8 @@ def outcomes():
 
 def _check(outcomes: dict, scenario: str, name: str) -> None:
     if scenario not in outcomes:
-        outcomes[scenario] = run_spawned(_entry, SCENARIOS[scenario][0], scenario, timeout=GROUP_TIMEOUT_S)
+        outcomes[scenario] = run_spawned(_entry, SCENARIOS[scenario][0], scenario, timeout=GROUP_TIMEOUT_S,
+                                         prepare=PREPARE[scenario])
     assert_group_passed(outcomes[scenario], SCENARIOS[scenario][0], name, timeout=GROUP_TIMEOUT_S)
 
 

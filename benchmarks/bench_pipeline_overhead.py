@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import ResidualStack, uptime  # noqa: E402
+from common import ResidualStack, spawn_ranks, uptime  # noqa: E402
 
 RESULTS = Path(os.environ.get("PIPELINE_OVERHEAD_RESULTS", Path(__file__).resolve().parent / "results" / "pipeline_overhead.json"))
 GPIPE_M = (1, 2, 4, 8)
@@ -358,11 +358,6 @@ def predicted_slopes(run: dict[str, Any]) -> dict[str, float]:
 
 
 def main() -> None:
-    import queue
-    import socket
-
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
@@ -381,30 +376,9 @@ def main() -> None:
         return
     os.environ["PIPELINE_OVERHEAD_MODEL"] = ns.model  # the spawned ranks read it at import
     world = 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     before = uptime()
     figures = [_calibration_figures(world)]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, ns.rounds, ns.steps, results), daemon=True)
-             for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    reports: dict[int, dict] = {}
-    deadline = time.monotonic() + 900
-    while len(reports) < world and time.monotonic() < deadline:
-        try:
-            rank, report = results.get(timeout=2.0)
-            reports[rank] = report
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    reports = spawn_ranks(rank_main, world, ns.rounds, ns.steps, timeout=900)
     figures.append(_calibration_figures(world))
     for rank, report in sorted(reports.items()):
         if report.get("fatal"):

@@ -38,7 +38,7 @@ from tests.thirdparty import define_torchvision_ops  # noqa: E402
 define_torchvision_ops()  # transformers imports torchvision, which needs its ops defined
 warnings.simplefilter("ignore")
 
-from common import ResidualStack, uptime  # noqa: E402
+from common import ResidualStack, spawn_ranks, uptime  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_rank.json"
 V = 128
@@ -178,33 +178,7 @@ def rank_main(rank: int, world: int, port: int, name: str, keywords: list[dict],
 
 
 def measure(name: str, keywords: list[dict], world: int, repeats: int, steps: int, timeout: float) -> dict:
-    import queue
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, name, keywords, repeats, steps, results), daemon=True)
-             for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    reports: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout
-    while len(reports) < world and time.monotonic() < deadline:
-        try:
-            rank, report = results.get(timeout=2.0)
-            reports[rank] = report
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    reports = spawn_ranks(rank_main, world, name, keywords, repeats, steps, timeout=timeout)
     if 0 not in reports:
         return {"fatal": f"rank 0 did not report within {timeout:.0f} s"}
     return reports[0]

@@ -97,3 +97,37 @@ class ResidualStack(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return nn.functional.mse_loss(self.head(h), y)
+
+
+def spawn_ranks(target: Callable[..., None], world: int, *args: Any, timeout: float) -> dict[int, Any]:
+    """Start ``world`` spawned processes running ``target(rank, world, port, *args, results)`` (``port``
+    a free one on 127.0.0.1 for their process group) and collect
+    one ``(rank, report)`` each from the queue ``results`` within ``timeout`` seconds; a rank that
+    hung or crashed is missing from the result, and no process is left behind."""
+    import queue
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    reports: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(reports) < world and time.monotonic() < deadline:
+        try:
+            rank, report = results.get(timeout=2.0)
+            reports[rank] = report
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    return reports

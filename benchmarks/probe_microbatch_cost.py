@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ResidualStack, uptime  # noqa: E402
+from common import ResidualStack, spawn_ranks, uptime  # noqa: E402
 
 ONE_F_ONE_B_M = (2, 4, 8)
 GPIPE_M = (1, 2, 4, 8)
@@ -341,41 +341,16 @@ def predicted(world: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    import queue
-    import socket
-
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--json", default="")
     ns = parser.parse_args()
     world = 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     before = uptime()
     eager = eager_stage(ns.rounds)
     print("one thread, eager, the MLP's stage (4 blocks of 256, 512 rows): " + "; ".join(
         f"{k} {v:.4g}" for k, v in eager.items()))  # fmt: skip
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, ns.rounds, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    reports: dict[int, dict] = {}
-    deadline = time.monotonic() + 900
-    while len(reports) < world and time.monotonic() < deadline:
-        try:
-            rank, report = results.get(timeout=2.0)
-            reports[rank] = report
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    reports = spawn_ranks(rank_main, world, ns.rounds, timeout=900)
     after = uptime()
     for rank, report in sorted(reports.items()):
         if report.get("fatal"):

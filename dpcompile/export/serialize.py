@@ -211,15 +211,26 @@ def encode_graph(graph: fx.Graph) -> dict[str, Any]:
     return {"nodes": nodes}
 
 
+#: the device-slot labels a node keeps: its slot (``passes/stage_transfers.py``, ``stage_shards.py``)
+#: and its dp copy (``passes/name_dp_copies.py``), by their key in JSON
+_PLACES = {"slot": "dpcompile_slot", "copy": "dpcompile_dp_copy"}
+_MAX_PLACE = 1 << 16
+
+
 def _labels(node: fx.Node) -> dict[str, Any]:
-    """What explain reads of a node beside the program (labels: nothing runs them): the data it moves
-    (``Comm``: ``[kind, io, backward]``) and the pass that made it."""
+    """What explain and measure read of a node beside the program (labels: nothing runs them): the
+    data it moves (``Comm``: ``[kind, io, backward]``), the pass that made it, and the device slot
+    and dp copy it runs on (a pipeline's stages and dp copies on virtual devices are told apart by them)."""
     labels: dict[str, Any] = {}
     comm = node.meta.get("dpcompile_comm")
     if comm is not None:
         labels["comm"] = [comm.kind, comm.io, comm.backward]
     if isinstance(node.meta.get("dpcompile_pass"), str):
         labels["pass"] = node.meta["dpcompile_pass"]
+    for key, meta_key in _PLACES.items():
+        place = node.meta.get(meta_key)
+        if type(place) is int and 0 <= place < _MAX_PLACE:
+            labels[key] = place
     return labels
 
 
@@ -233,7 +244,9 @@ def _decoded_labels(value: Any, node: fx.Node) -> None:
     from dpcompile.infra import Comm
 
     comm, made_by = (value.get("comm"), value.get("pass")) if isinstance(value, dict) else (None, None)
-    if (not isinstance(value, dict) or not set(value) <= {"comm", "pass"}
+    places = {k: value[k] for k in _PLACES if k in value} if isinstance(value, dict) else {}
+    if (not isinstance(value, dict) or not set(value) <= {"comm", "pass", *_PLACES}
+            or not all(type(v) is int and 0 <= v < _MAX_PLACE for v in places.values())
             or (made_by is not None and not _label(made_by))
             or (comm is not None and not (isinstance(comm, list) and len(comm) == 3 and _label(comm[0])
                                           and type(comm[1]) is bool and (comm[2] is None or _label(comm[2]))))):  # fmt: skip
@@ -242,6 +255,8 @@ def _decoded_labels(value: Any, node: fx.Node) -> None:
         node.meta["dpcompile_comm"] = Comm(comm[0], comm[1], comm[2])
     if made_by is not None:
         node.meta["dpcompile_pass"] = made_by
+    for key, place in places.items():
+        node.meta[_PLACES[key]] = place
 
 
 _MODEL_OUTPUT = "dpcompile.runtime.exported.model_output"

@@ -82,9 +82,10 @@ def label_slots(pm: nn.Module) -> tuple[list[str], Callable[[fx.Node], int]]:
         slot = slot_of(node)
         if slot is None or slot >= len(own):
             return 0
-        if found is None:
+        copy = node.meta.get(COPY) or 0
+        if found is None or not 0 <= copy < len(found[0]) or slot >= len(found[0][copy]):
             return slot
-        return index[found[0][node.meta.get(COPY) or 0][slot]]
+        return index[found[0][copy][slot]]
 
     return labels, slot_index
 

@@ -1083,7 +1083,8 @@ def test_explain_of_a_loaded_program_counts_the_collectives_the_original_does(tm
 
 
 @pytest.mark.parametrize("labels", [{"comm": ["all_reduce", "yes", None]}, {"comm": ["os.system", False, None]},
-                                    {"pass": "__import__('os')"}, {"run": "x"}, ["comm"]])  # fmt: skip
+                                    {"pass": "__import__('os')"}, {"run": "x"}, ["comm"], {"slot": -1},
+                                    {"slot": 1 << 40}, {"copy": "0"}, {"slot": 1.0}, {"copy": True}])  # fmt: skip
 def test_tampered_node_labels_are_refused(exported, labels):
     """A node's labels in program.json are checked like the rest (rehashed edits included)."""
     folder, _ = exported

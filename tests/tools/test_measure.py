@@ -3,6 +3,7 @@ its time, and explain's prediction beside them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -47,6 +48,20 @@ def test_measure_counts_each_dp_copy_on_its_own_devices():
     peaks = dpcompile.measure(pm, x).step_allocated_peak  # canonical order: stage 0 of copies 0, 1; then stage 1
     assert peaks["cpu#0"] == peaks["cpu#1"] == 2 * 32 * 4  # fc1's output of the copy's 2 rows
     assert peaks["cpu#2"] == peaks["cpu#3"] == 2 * 32 * 4 + 2 * 4 * 4  # ReLU's output, then fc2's
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2, "dp": 2}, {"dp": 2, "tp": 2}])
+def test_a_loaded_program_counts_each_stage_and_copy_on_its_own_devices(tmp_path, layout):
+    """A program read back with ``dpcompile.load`` keeps the device slot and dp copy of each node, so
+    measure counts its devices as the original's: the export once lost them, and a pipeline's stage
+    1 and every dp copy but the first were counted on the first device (cpu#0 held all but ~18K)."""
+    x = torch.randn(4, 16)
+    pm = dpcompile.transform(_mlp(), ["cpu"] * 4, mesh=layout, example_inputs=(x,))
+    dpcompile.export(pm, tmp_path)
+    loaded = dpcompile.load(tmp_path)
+    want, got = dpcompile.measure(pm, x), dpcompile.measure(loaded, x)
+    assert got.step_allocated_peak == want.step_allocated_peak
+    assert got.peak_bytes == want.peak_bytes
 
 
 def test_measure_training_step_leaves_state_as_it_was():

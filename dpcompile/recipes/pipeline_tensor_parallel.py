@@ -87,6 +87,13 @@ from passes.stage_shards import (
 )
 
 
+def _starves_a_stage(plan: StagePlan) -> bool:
+    """Whether a stage of ``plan`` does under half its equal share of the work (one of 2 stages of
+    ``Residual`` holding only the loss, with every block before it)."""
+    total = sum(plan.weights)
+    return total > 0 and min(plan.weights) < 0.5 * total / len(plan.weights)
+
+
 def compile_sharded_stages(
     recipe: Any,
     model: nn.Module,
@@ -116,6 +123,9 @@ def compile_sharded_stages(
     gm, records = run_passes(gm, passes.frontend_pipeline(options))
     inside = inside_sharded_regions(gm, resolve_plan(gm, plan=styles, n=shards).analysis.layouts)
     stage_plan = passes.find_stage_boundaries(gm, stages=recipe.stages, weights=weights, no_cut_before=inside)
+    if recipe.plan is True and _starves_a_stage(stage_plan):  # pairs kept whole at any cost: a residual stream
+        # sharded end to end leaves no cut but before the loss; cut where the weight is shared, pairs split there
+        stage_plan = passes.find_stage_boundaries(gm, stages=recipe.stages, weights=weights)
     if recipe.plan is True and inside.intersection(stage_plan.starts):  # no cut keeps every pair in one stage
         styles, unpaired = unpair_across_cuts(gm, styles, stage_plan)
         reasons.update(unpaired)

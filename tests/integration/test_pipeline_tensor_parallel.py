@@ -258,3 +258,41 @@ def test_pipeline_tensor_parallel_places_every_value_on_its_gpu():
     assert placed["layers.3.bias"] == "cuda:2"
     assert all(str(t.device) == "cuda:0" for t in out)
     assert "copy_to_devices(tanh_1_mb1_to_stage1, ['cuda:2', 'cuda:3'])" in pm.code
+
+
+class ResidualStream(nn.Module):
+    """Residual blocks on a stream the automatic plan shards end to end (``inp`` a column layer, each
+    block's first layer a row layer reading it, its last a column layer added to it): no cut outside a
+    column-to-row region but before the loss."""
+
+    def __init__(self, width: int = 8, blocks: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+                                    for _ in range(blocks))  # fmt: skip
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.mse_loss(self.head(h), y)
+
+
+def test_pipeline_tensor_parallel_cuts_a_sharded_residual_stream_where_the_work_is_shared():
+    """Kept whole, the automatic plan's pairs left one cut: stage 0 held every block, stage 1 the loss
+    alone (weights (all, 0)). A cut that starves a stage is given up for the balanced one, the pairs
+    across it split; the loss and every gradient still equal eager's."""
+    torch.manual_seed(0)
+    model = ResidualStream().double()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 5, 6, dtype=torch.float64), torch.randn(8, 5, 3, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 4, pipeline=2, tensor_parallel=True, example_inputs=(x, y))
+    assert pm.stage_plan.starts[1] == "blocks_2_0" and pm.stage_plan.weights[1] > 0.4 * sum(pm.stage_plan.weights)
+    loss, want = pm(x, y), eager(x, y)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    got = full_gradients(pm)
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -39,7 +39,7 @@ from torch import nn
 from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
 from dpcompile.capture.export_modes import OTHER_MODE_PENDING, OtherModeExport, reads_mode, serve_both_modes
-from dpcompile.capture.grad_blocks import inline_no_grad_blocks
+from dpcompile.capture.grad_blocks import inference_mode_as_no_grad, inline_no_grad_blocks
 from dpcompile.capture.inputs import is_dynamic
 from dpcompile.capture.rewrite import rewrite
 from dpcompile.capture.side_effects import (
@@ -72,10 +72,10 @@ class Exported:
 
 def capture_export(*args: Any, **kwargs: Any) -> Exported:
     """:func:`export_program`, where ``module.to(...)`` inside forward that changes nothing is a no-op
-    (:mod:`~dpcompile.capture.module_to`)."""
+    (:mod:`~dpcompile.capture.module_to`) and ``torch.inference_mode()`` is a no-grad block."""
     from dpcompile.capture.module_to import unchanged_module_to
 
-    with unchanged_module_to():
+    with unchanged_module_to(), inference_mode_as_no_grad():
         return export_program(*args, **kwargs)
 
 
@@ -528,7 +528,8 @@ def _export_in_other_mode(
         model.train(not model.training)
         decided = False
         try:
-            with warnings.catch_warnings(), python_state_kept(model), seeds_recorded() as effects:
+            with warnings.catch_warnings(), python_state_kept(model), seeds_recorded() as effects, \
+                    inference_mode_as_no_grad():  # fmt: skip
                 warnings.simplefilter("ignore")
                 other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
             if effects:  # a seed, a numpy draw, a Function this mode's program would not replay

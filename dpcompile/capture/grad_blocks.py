@@ -24,7 +24,10 @@ A block that turns grad on (``torch.enable_grad()`` inside a no-grad forward) is
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -33,6 +36,34 @@ from dpcompile.fx_utils import attribute_at
 from dpcompile.runtime.grad import without_grad
 
 _SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+@contextlib.contextmanager
+def inference_mode_as_no_grad() -> Iterator[None]:
+    """While a frontend captures forward, ``torch.inference_mode()`` inside it turns grad off as
+    ``torch.no_grad()`` does, which both frontends record. Neither records inference mode itself (fx
+    runs the switch, torch.export drops it), so the block's values would carry gradients in the
+    program and train the parameters they read, where eager leaves those without a gradient::
+
+        with torch.inference_mode():              with torch.inference_mode():   # captured as
+            h = self.a(x)              ->             h = self.a(x)              # torch.no_grad()
+        return self.b(h.clone())                  return self.b(without_grad(h).clone())
+    """
+    enter, leave = torch.inference_mode.__enter__, torch.inference_mode.__exit__
+
+    def entered(context: torch.inference_mode) -> None:
+        context._grad_before = torch.is_grad_enabled()  # type: ignore[attr-defined]
+        if context.mode:
+            torch._C._set_grad_enabled(False)  # looked up here: the fx tracer records its switches there
+
+    def left(context: torch.inference_mode, *exc: Any) -> None:
+        torch._C._set_grad_enabled(context._grad_before)  # type: ignore[attr-defined]
+
+    torch.inference_mode.__enter__, torch.inference_mode.__exit__ = entered, left  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.inference_mode.__enter__, torch.inference_mode.__exit__ = enter, leave  # type: ignore[method-assign]
 
 
 def find_no_grad_blocks(gm: fx.GraphModule) -> list[fx.Node]:

@@ -257,6 +257,37 @@ def test_transform_under_no_grad_keeps_gradients():
     assert model.student.weight.grad is not None and model.teacher.weight.grad is None
 
 
+class InferenceModeTeacher(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Linear(4, 4)
+        self.teacher = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            t = self.teacher(x).relu()
+        return self.student(x) * t.clone()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_inference_mode_block_inside_forward_stops_gradients(frontend):
+    """``with torch.inference_mode():`` inside forward is a no-grad block: the teacher gets no gradient,
+    as in eager (neither frontend recorded it, so the program trained the teacher); the rest is exact."""
+    torch.manual_seed(0)
+    model = InferenceModeTeacher().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None) == name.startswith("teacher"), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
 class AutocastInside(torch.nn.Module):
     def __init__(self, enabled: bool = True):
         super().__init__()

@@ -97,6 +97,7 @@ class PicklesPrograms:
             "stale_main": stale,
             "described": {name: self.__dict__[name] for name in DESCRIBED if name in self.__dict__},
             "replicated": getattr(self.__dict__.get("call_signature"), "replicated", ()),
+            "call_signature": _signature_state(self.__dict__.get("call_signature")),
             "exported_inputs": exported_inputs(self),
         }
         return (restore_parallel_module, (_importable_class(self), state))
@@ -305,6 +306,9 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
         pm.program_cache.main_key = pm.program_cache.main_key._replace(modes=state["main_key"].modes)
     if pm.traced_model is None:
         pm.call_signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
+        if state.get("call_signature") is not None:  # the original's: none for the export frontend's (its
+            optional, flags = state["call_signature"]  # placeholders' None defaults are checked by value)
+            pm.call_signature = dataclasses.replace(pm.call_signature, optional=tuple(optional), flags=tuple(flags))
         main = state["main_key"]
         main_key = CallKey(main.devices, main.modes, main.none_args, main.flags)
         object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
@@ -319,6 +323,13 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
 
 
 __all__ = ["DESCRIBED", "PicklesPrograms", "refuses_corrupt_state", "restore_parallel_module"]
+
+
+def _signature_state(signature: CallSignature | None) -> tuple[tuple, tuple] | None:
+    """Where the program's calls depart (optional arguments, flags), as the original keys them: a copy
+    that finds them again in its graph would key an export-frontend program's ``bias=None`` as left None,
+    a call it cannot trace for."""
+    return None if signature is None else (signature.optional, signature.flags)
 
 
 def _reads_missing(graph: fx.Graph, state: dict[str, Any]) -> bool:

@@ -5,6 +5,7 @@ exactly as it found it (docs/guards.md, "Side effects in forward")."""
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
@@ -438,6 +439,25 @@ def test_autograd_function_whose_backward_is_its_derivative_exports():
     got.square().sum().backward()
     want.square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_a_program_calling_an_autograd_function_round_trips_torch_save():
+    """fx keeps the Function whole as ``_StraightThrough_apply``, a function made at trace time that pickle
+    could not find by name (a bare PicklingError from torch.save); the copy keeps the Function's backward."""
+    torch.manual_seed(0)
+    model = AppliesFunctions(_StraightThrough).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    buffer = io.BytesIO()
+    torch.save(dpcompile.transform(model, ["cpu"] * 2), buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    got, want = restored(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(restored.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 

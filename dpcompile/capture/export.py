@@ -39,7 +39,12 @@ from torch import nn
 from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
 from dpcompile.capture.export_modes import OTHER_MODE_PENDING, OtherModeExport, reads_mode, serve_both_modes
-from dpcompile.capture.grad_blocks import inference_mode_as_no_grad, inline_no_grad_blocks
+from dpcompile.capture.grad_blocks import (
+    check_grad_mode,
+    grad_mode_reads,
+    inference_mode_as_no_grad,
+    inline_no_grad_blocks,
+)
 from dpcompile.capture.inputs import is_dynamic
 from dpcompile.capture.rewrite import rewrite
 from dpcompile.capture.side_effects import (
@@ -125,7 +130,7 @@ def export_program(
     bar = step_bar("Capturing the model", 1)  # transform(progress=): one step an export
     try:
         with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model) as effects, \
-                seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording:  # fmt: skip
+                seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording, grad_mode_reads() as grad_reads:  # fmt: skip
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
@@ -156,6 +161,8 @@ def export_program(
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected)
         serve_both_modes(gm, None if other is gm else other, model, model.training, other is None)
+    if grad_reads:
+        check_grad_mode(gm.graph, grad_reads[0])
     gm.recompile()
     if not dynamic:
         warnings.warn(

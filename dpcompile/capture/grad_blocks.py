@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,6 +65,38 @@ def inference_mode_as_no_grad() -> Iterator[None]:
         yield
     finally:
         torch.inference_mode.__enter__, torch.inference_mode.__exit__ = enter, leave  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def grad_mode_reads() -> Iterator[list[str]]:
+    """While a frontend captures forward: where the user's code reads ``torch.is_grad_enabled()`` (torch's own
+    reads, nn.MultiheadAttention's fast path, are the ops' business). Capture takes the branch of the grad
+    mode it runs in, so the program checks that mode at each call (:func:`check_grad_mode`)."""
+    from dpcompile.capture.errors import is_library_file, trace_source, user_source_line
+
+    reads: list[str] = []
+    original = torch.is_grad_enabled
+
+    def recorded() -> bool:
+        if not is_library_file(sys._getframe(1).f_code.co_filename):
+            reads.append(trace_source(user_source_line()) or "forward")
+        return original()
+
+    torch.is_grad_enabled = recorded  # type: ignore[assignment]
+    try:
+        yield reads
+    finally:
+        torch.is_grad_enabled = original  # type: ignore[assignment]
+
+
+def check_grad_mode(graph: fx.Graph, where: str) -> None:
+    """Make the program check, at each call, that gradients are on, as they were where it was captured and
+    forward read them (``where``): ``expect_grad_mode(True, where)`` after the inputs."""
+    from dpcompile.runtime.exported import expect_grad_mode
+
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(inputs[-1]) if inputs else graph.inserting_before(next(iter(graph.nodes))):
+        graph.call_function(expect_grad_mode, (True, where))
 
 
 def find_no_grad_blocks(gm: fx.GraphModule) -> list[fx.Node]:

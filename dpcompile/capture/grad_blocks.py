@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -67,10 +68,13 @@ def inference_mode_as_no_grad() -> Iterator[None]:
         torch.inference_mode.__enter__, torch.inference_mode.__exit__ = enter, leave  # type: ignore[method-assign]
 
 
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+
 @contextlib.contextmanager
 def grad_mode_reads() -> Iterator[list[str]]:
     """While a frontend captures forward: where the user's code reads ``torch.is_grad_enabled()`` (torch's own
-    reads, nn.MultiheadAttention's fast path, are the ops' business). Capture takes the branch of the grad
+    reads, nn.MultiheadAttention's fast path, are the ops' business, and an installed library's). Capture takes the branch of the grad
     mode it runs in, so the program checks that mode at each call (:func:`check_grad_mode`)."""
     from dpcompile.capture.errors import is_library_file, trace_source, user_source_line
 
@@ -78,7 +82,9 @@ def grad_mode_reads() -> Iterator[list[str]]:
     original = torch.is_grad_enabled
 
     def recorded() -> bool:
-        if not is_library_file(sys._getframe(1).f_code.co_filename):
+        caller = sys._getframe(1).f_code.co_filename
+        # an installed library's read guards speed, not values (transformers: checkpointing only with gradients)
+        if not is_library_file(caller) and not _INSTALLED.search(caller):
             reads.append(trace_source(user_source_line()) or "forward")
         return original()
 

@@ -88,6 +88,8 @@ class LinearShards(nn.Module):
                 self.register_parameter(name, p)
         for name, child in linear.named_children():  # out_proj of an nn.MultiheadAttention
             self.add_module(name, child)
+        for name, b in linear.named_buffers(recurse=False):  # one the user registered on the layer (a scale)
+            self.register_buffer(name, b, persistent=name not in linear._non_persistent_buffers_set)
 
     def extra_repr(self) -> str:
         specs = ", ".join(f"{name}: dim {s.dim} sizes {list(s.sizes)}" for name, s in self.specs.items())

@@ -65,10 +65,11 @@ from dpcompile.runtime import write_back, written
 PASS = "functionalize_mutations"
 aten = torch.ops.aten
 
-# ops whose result always shares memory with their first argument
+# ops whose result always shares memory with their first argument (``detach`` too: nn.Embedding's max_norm
+# renormalises ``weight.detach()`` in place, a write into the weight, whatever fake shapes' storages say)
 _VIEW_METHODS = frozenset(
     {"view", "transpose", "permute", "unsqueeze", "squeeze", "expand", "narrow", "select", "t", "unflatten",
-     "diagonal", "movedim", "unfold", "view_as", "expand_as", "swapaxes", "as_strided"}
+     "diagonal", "movedim", "unfold", "view_as", "expand_as", "swapaxes", "as_strided", "detach"}
 )  # fmt: skip
 _VIEW_FUNCTIONS = frozenset(
     {torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.narrow, torch.select, torch.t,
@@ -77,14 +78,14 @@ _VIEW_FUNCTIONS = frozenset(
 )  # fmt: skip
 _VIEW_ATEN = frozenset(
     {aten.slice, aten.select, aten.view, aten.unsqueeze, aten.squeeze, aten.transpose, aten.permute, aten.expand,
-     aten.t, aten.alias, aten.diagonal, aten.narrow, aten.unfold, aten.as_strided}
+     aten.t, aten.alias, aten.diagonal, aten.narrow, aten.unfold, aten.as_strided, aten.detach}
 )  # fmt: skip
 # ops that return their argument itself or a copy, depending on values: a write through them is left alone
 _MAYBE_VIEW_METHODS = frozenset(
     {"reshape", "flatten", "contiguous", "to", "type_as", "float", "half", "double", "bfloat16", "long", "int",
-     "bool", "type", "detach", "reshape_as", "cuda", "cpu", "data", "chunk", "split", "unbind", "tensor_split"}
+     "bool", "type", "reshape_as", "cuda", "cpu", "data", "chunk", "split", "unbind", "tensor_split"}
 )  # fmt: skip
-_MAYBE_VIEW_ATEN = frozenset({aten.reshape, aten.contiguous, aten.flatten, aten._to_copy, aten.to, aten.detach, aten.split,
+_MAYBE_VIEW_ATEN = frozenset({aten.reshape, aten.contiguous, aten.flatten, aten._to_copy, aten.to, aten.split,
                               aten.chunk, aten.unbind, aten.split_with_sizes, aten.lift_fresh})  # fmt: skip
 # in-place methods that are not writes into the batch's values
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad_", "share_memory_", "record_stream_", "resize_", "set_", "_"})

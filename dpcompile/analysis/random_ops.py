@@ -90,6 +90,8 @@ def random_kind(gm: fx.GraphModule, node: fx.Node) -> str | None:
                 return "dropout_module"
             if type(module) in SPECIAL_DROPOUT_MODULES:
                 return "special_dropout_module"
+            if isinstance(module, nn.RNNBase) and module.dropout and module.num_layers > 1:
+                return "other"  # its dropout between layers draws inside the RNN kernel: no exact rule
             return None
     if node.op == "call_method":
         if node.target in FILL_METHODS:

@@ -48,6 +48,9 @@ def _is_library_file(filename: str) -> bool:
     return filename.startswith((_TORCH_DIR, _PACKAGE_DIR, _PASSES_DIR, "<"))
 
 
+is_library_file = _is_library_file
+
+
 def trace_source(trace: str | None) -> str | None:
     """``"model.py:42 in forward: h = self.fc1(x)"``: the user's innermost frame in a formatted stack
     (a node's ``stack_trace``, :func:`user_source_line`); None where every frame is torch's or ours."""

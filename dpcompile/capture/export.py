@@ -39,7 +39,12 @@ from torch import nn
 from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
 from dpcompile.capture.export_modes import OTHER_MODE_PENDING, OtherModeExport, reads_mode, serve_both_modes
-from dpcompile.capture.grad_blocks import inline_no_grad_blocks
+from dpcompile.capture.grad_blocks import (
+    check_grad_mode,
+    grad_mode_reads,
+    inference_mode_as_no_grad,
+    inline_no_grad_blocks,
+)
 from dpcompile.capture.inputs import is_dynamic
 from dpcompile.capture.rewrite import rewrite
 from dpcompile.capture.side_effects import (
@@ -72,10 +77,10 @@ class Exported:
 
 def capture_export(*args: Any, **kwargs: Any) -> Exported:
     """:func:`export_program`, where ``module.to(...)`` inside forward that changes nothing is a no-op
-    (:mod:`~dpcompile.capture.module_to`)."""
+    (:mod:`~dpcompile.capture.module_to`) and ``torch.inference_mode()`` is a no-grad block."""
     from dpcompile.capture.module_to import unchanged_module_to
 
-    with unchanged_module_to():
+    with unchanged_module_to(), inference_mode_as_no_grad():
         return export_program(*args, **kwargs)
 
 
@@ -125,7 +130,7 @@ def export_program(
     bar = step_bar("Capturing the model", 1)  # transform(progress=): one step an export
     try:
         with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model) as effects, \
-                seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording:  # fmt: skip
+                seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording, grad_mode_reads() as grad_reads:  # fmt: skip
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
@@ -156,6 +161,8 @@ def export_program(
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected)
         serve_both_modes(gm, None if other is gm else other, model, model.training, other is None)
+    if grad_reads:
+        check_grad_mode(gm.graph, grad_reads[0])
     gm.recompile()
     if not dynamic:
         warnings.warn(
@@ -528,7 +535,8 @@ def _export_in_other_mode(
         model.train(not model.training)
         decided = False
         try:
-            with warnings.catch_warnings(), python_state_kept(model), seeds_recorded() as effects:
+            with warnings.catch_warnings(), python_state_kept(model), seeds_recorded() as effects, \
+                    inference_mode_as_no_grad():  # fmt: skip
                 warnings.simplefilter("ignore")
                 other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
             if effects:  # a seed, a numpy draw, a Function this mode's program would not replay

@@ -29,6 +29,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.capture.fx_checkpoint import record_checkpoints
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
+from dpcompile.capture.grad_blocks import check_grad_mode, grad_mode_reads, inference_mode_as_no_grad
 from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
 from dpcompile.capture.state import python_state_kept
 from dpcompile.errors import ArgumentError, TraceError
@@ -167,7 +168,8 @@ class DpTracer(fx.Tracer):
         modules = list(root.named_modules()) if isinstance(root, nn.Module) else []
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:  # switches relative to a call with gradients; no parametrization caches a proxy
-            with torch.enable_grad(), python_state_kept(root) as effects, parametrize_cache_off():
+            with torch.enable_grad(), python_state_kept(root) as effects, parametrize_cache_off(), inference_mode_as_no_grad(), \
+                    grad_mode_reads() as grad_reads:  # fmt: skip
                 graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
@@ -179,6 +181,8 @@ class DpTracer(fx.Tracer):
             rebound = _restore_state(modules, before)
         write_back(graph, rebound, effects, root, self)
         _keep_no_grad_blocks(graph, grad_switches)
+        if grad_reads:
+            check_grad_mode(graph, grad_reads[0])
         _read_opaque_attributes_by_name(graph, root)
         return graph
 

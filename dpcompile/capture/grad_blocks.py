@@ -24,7 +24,12 @@ A block that turns grad on (``torch.enable_grad()`` inside a no-grad forward) is
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -33,6 +38,71 @@ from dpcompile.fx_utils import attribute_at
 from dpcompile.runtime.grad import without_grad
 
 _SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+@contextlib.contextmanager
+def inference_mode_as_no_grad() -> Iterator[None]:
+    """While a frontend captures forward, ``torch.inference_mode()`` inside it turns grad off as
+    ``torch.no_grad()`` does, which both frontends record. Neither records inference mode itself (fx
+    runs the switch, torch.export drops it), so the block's values would carry gradients in the
+    program and train the parameters they read, where eager leaves those without a gradient::
+
+        with torch.inference_mode():              with torch.inference_mode():   # captured as
+            h = self.a(x)              ->             h = self.a(x)              # torch.no_grad()
+        return self.b(h.clone())                  return self.b(without_grad(h).clone())
+    """
+    enter, leave = torch.inference_mode.__enter__, torch.inference_mode.__exit__
+
+    def entered(context: torch.inference_mode) -> None:
+        context._grad_before = torch.is_grad_enabled()  # type: ignore[attr-defined]
+        if context.mode:
+            torch._C._set_grad_enabled(False)  # looked up here: the fx tracer records its switches there
+
+    def left(context: torch.inference_mode, *exc: Any) -> None:
+        torch._C._set_grad_enabled(context._grad_before)  # type: ignore[attr-defined]
+
+    torch.inference_mode.__enter__, torch.inference_mode.__exit__ = entered, left  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.inference_mode.__enter__, torch.inference_mode.__exit__ = enter, leave  # type: ignore[method-assign]
+
+
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+
+@contextlib.contextmanager
+def grad_mode_reads() -> Iterator[list[str]]:
+    """While a frontend captures forward: where the user's code reads ``torch.is_grad_enabled()`` (torch's own
+    reads, nn.MultiheadAttention's fast path, are the ops' business, and an installed library's). Capture takes the branch of the grad
+    mode it runs in, so the program checks that mode at each call (:func:`check_grad_mode`)."""
+    from dpcompile.capture.errors import is_library_file, trace_source, user_source_line
+
+    reads: list[str] = []
+    original = torch.is_grad_enabled
+
+    def recorded() -> bool:
+        caller = sys._getframe(1).f_code.co_filename
+        # an installed library's read guards speed, not values (transformers: checkpointing only with gradients)
+        if not is_library_file(caller) and not _INSTALLED.search(caller):
+            reads.append(trace_source(user_source_line()) or "forward")
+        return original()
+
+    torch.is_grad_enabled = recorded  # type: ignore[assignment]
+    try:
+        yield reads
+    finally:
+        torch.is_grad_enabled = original  # type: ignore[assignment]
+
+
+def check_grad_mode(graph: fx.Graph, where: str) -> None:
+    """Make the program check, at each call, that gradients are on, as they were where it was captured and
+    forward read them (``where``): ``expect_grad_mode(True, where)`` after the inputs."""
+    from dpcompile.runtime.exported import expect_grad_mode
+
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(inputs[-1]) if inputs else graph.inserting_before(next(iter(graph.nodes))):
+        graph.call_function(expect_grad_mode, (True, where))
 
 
 def find_no_grad_blocks(gm: fx.GraphModule) -> list[fx.Node]:

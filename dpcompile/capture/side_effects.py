@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.capture.errors import trace_source, user_source_line
+from dpcompile.capture.function_backward import ArgumentSpec, backward_departs
 from dpcompile.capture.state import SideEffects, mark_not_a_change, python_state_kept
 from dpcompile.errors import DpCompileError
 
@@ -76,11 +77,16 @@ def seeds_recorded() -> Iterator[list[str]]:
         calls.append(f"calls torch.manual_seed({seed})" + _where())
         return original(seed)
 
+    applied: dict[type, tuple[list[ArgumentSpec | None], str]] = {}  # user Functions that keep the grad mode
+
     def recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        # torch's own (checkpointing) export handles; a forward that keeps the grad mode (BLOOM's
-        # GeLUFunction) differentiates as its backward does
-        if not cls.__module__.startswith("torch.") and _sets_grad_mode(cls):
-            calls.append(f"applies the autograd.Function {cls.__qualname__}" + _where())
+        # torch's own (checkpointing) export handles; a forward that keeps the grad mode differentiates as
+        # its backward does where that is its derivative (BLOOM's GeLUFunction): checked after export
+        if not cls.__module__.startswith("torch."):
+            if _sets_grad_mode(cls):
+                calls.append(f"applies the autograd.Function {cls.__qualname__}" + _where())
+            elif cls not in applied and not kwargs:
+                applied[cls] = ([ArgumentSpec.of(a) for a in args], _where())
         return apply.__get__(None, cls)(*args, **kwargs)
 
     torch.manual_seed = recorded
@@ -93,6 +99,11 @@ def seeds_recorded() -> Iterator[list[str]]:
         torch.manual_seed = original
         torch.autograd.Function.apply = apply
         torch.random.set_rng_state(rng)  # the seed forward set is no effect of transform
+    for cls, (specs, where) in applied.items():  # export done: no fake mode now
+        if None not in specs and backward_departs(cls, specs):  # type: ignore[arg-type]
+            calls.append(f"applies the autograd.Function {cls.__qualname__}, whose backward is not its forward's derivative "
+                          f"(a straight-through estimator, a gradient reversal){where}")
+        torch.random.set_rng_state(rng)
 
 
 @contextlib.contextmanager

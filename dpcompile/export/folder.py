@@ -256,10 +256,11 @@ def _as_data(pm: nn.Module) -> tuple[dict[str, Any], list[dict[str, Any]], dict[
     from dpcompile.modules.pickling import exported_inputs
 
     model = pm.__dict__.get("traced_model")
-    if getattr(pm, "_shares_source", False) and model is not None and (
-        model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or model._backward_pre_hooks
-    ):
-        raise NotData(f"the model ({type(model).__name__}) has forward hooks (or backward hooks) on itself, which run around the program (Python code)")
+    # the model's own hooks: run from the model it shares, or taken as the program's own (tensor parallel's)
+    holder = model if getattr(pm, "_shares_source", False) and model is not None else pm
+    if holder._forward_hooks or holder._forward_pre_hooks or holder._backward_hooks or holder._backward_pre_hooks:
+        name = type(model).__name__ if model is not None else pm.__dict__.get("class_name", type(pm).__name__)
+        raise NotData(f"the model ({name}) has forward hooks (or backward hooks) on itself, which run around the program (Python code)")
     captured = pm.captured.graph if getattr(pm, "captured", None) is not None else None
     programs, traces = collect(pm)
     # copies: renaming a variant's own tensors (below) must not touch the module's cached programs

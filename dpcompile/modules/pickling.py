@@ -97,6 +97,8 @@ class PicklesPrograms:
             "stale_main": stale,
             "described": {name: self.__dict__[name] for name in DESCRIBED if name in self.__dict__},
             "replicated": getattr(self.__dict__.get("call_signature"), "replicated", ()),
+            "call_signature": _signature_state(self.__dict__.get("call_signature")),
+            "root_hooks": None if source is not None else _root_hooks(self),
             "exported_inputs": exported_inputs(self),
         }
         return (restore_parallel_module, (_importable_class(self), state))
@@ -146,6 +148,7 @@ class PicklesPrograms:
         restore, (cls, state) = self._reduce(carry_programs=not traceable)
         if state["source"] is None and self.__dict__.get("traced_model") is not None:  # no import needed
             state["source"] = self._source_state()
+            state["root_hooks"] = None  # the model's, run from it (or adopted from it again)
         return restore(cls, copy.deepcopy(state, memo))
 
     def _picklable_source(self) -> dict[str, Any] | None:
@@ -305,6 +308,9 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
         pm.program_cache.main_key = pm.program_cache.main_key._replace(modes=state["main_key"].modes)
     if pm.traced_model is None:
         pm.call_signature = CallSignature.of(pm.graph, tuple(dict(state["main_key"].flags)))
+        if state.get("call_signature") is not None:  # the original's: none for the export frontend's (its
+            optional, flags = state["call_signature"]  # placeholders' None defaults are checked by value)
+            pm.call_signature = dataclasses.replace(pm.call_signature, optional=tuple(optional), flags=tuple(flags))
         main = state["main_key"]
         main_key = CallKey(main.devices, main.modes, main.none_args, main.flags)
         object.__setattr__(pm, "_guard", ModelGuard(pm, pm._guard.is_leaf, paths=[path for path, _ in main.modes]))
@@ -313,12 +319,33 @@ def restore_parallel_module(cls: type, state: dict[str, Any]) -> Any:
             pm.program_cache.traces[key] = None if trace is None else _shaped_trace(pm, *trace, config["devices"])
     if state.get("exported_inputs") is not None:  # export fixed the arguments: a copy checks them as the original
         object.__setattr__(pm, "_exported_inputs", state["exported_inputs"])
+    for name, hooks in (state.get("root_hooks") or {}).items():  # the model's own, without the model: pm's
+        getattr(pm, name).update(hooks)
     if state.get("replicated"):  # the guard on inputs the examples gave without the batch
         pm.call_signature = dataclasses.replace(pm.call_signature, replicated=tuple(state["replicated"]))
     return pm
 
 
 __all__ = ["DESCRIBED", "PicklesPrograms", "refuses_corrupt_state", "restore_parallel_module"]
+
+
+_ROOT_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def _root_hooks(pm: Any) -> dict[str, dict[int, Any]]:
+    """The forward hooks of the model itself (tracing forward never records them: the program runs them
+    around its call), for a copy that does not carry the model: it runs them as its own, as tensor
+    parallelism's program does (they receive the copy)."""
+    holder = pm.traced_model if pm.__dict__.get("_shares_source") else pm
+    return {name: dict(hooks) for name in _ROOT_HOOKS if (hooks := getattr(holder, name, None))}
+
+
+def _signature_state(signature: CallSignature | None) -> tuple[tuple, tuple] | None:
+    """Where the program's calls depart (optional arguments, flags), as the original keys them: a copy
+    that finds them again in its graph would key an export-frontend program's ``bias=None`` as left None,
+    a call it cannot trace for."""
+    return None if signature is None else (signature.optional, signature.flags)
 
 
 def _reads_missing(graph: fx.Graph, state: dict[str, Any]) -> bool:

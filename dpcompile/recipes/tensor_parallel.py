@@ -220,9 +220,17 @@ class TensorParallelRecipe(Recipe):
                 lambda v: mode.from_tensor(v.detach()).to(self.devices.primary) if isinstance(v, torch.Tensor) else v,
                 values,
             )  # fmt: skip
-            variant = dataclasses.replace(self, plan=dict(pm.plan), check_available=False)
+            # what pm shards; a layer kept whole stays whole unnamed (in an exported source it is no Linear,
+            # Embedding or MultiheadAttention, so a plan naming it would be refused)
+            sharded = {path: style for path, style in pm.plan.items() if style != "replicate"}
+            variant = dataclasses.replace(self, plan=sharded, check_available=False)
             built = variant.compile(source, example, none_args=key.none_args, flags=dict(key.flags))
-        if built.param_shards != pm.__dict__.get("_tp_param_shards", pm.param_shards):  # FSDP's pieces: of these shards
+            held = pm.__dict__.get("_tp_param_shards", pm.param_shards)  # FSDP's pieces: of these shards
+            if built.param_shards != held and example is not None:
+                # pm built without examples: a layer the call's shapes would shard otherwise (an nn.MultiheadAttention
+                # with batch_first=False split by heads) is built as pm was, without them
+                built = variant.compile(source, None, none_args=key.none_args, flags=dict(key.flags))
+        if built.param_shards != held:
             raise DpCompileError(
                 f"the call ({key.describe()}) takes another path through forward, whose layers shard "
                 "differently; transform the model for that call (example_inputs= of it)"

@@ -35,6 +35,19 @@ def expect_mode(module: nn.Module, training: bool) -> None:
         )
 
 
+@fx.node.has_side_effect
+def expect_grad_mode(enabled: bool, where: str) -> None:
+    """Checked at each call where forward reads ``torch.is_grad_enabled()`` (``where``): the program took
+    the branch of the grad mode it was captured in."""
+    if torch.is_grad_enabled() != enabled:
+        mode = "with gradients on" if enabled else "under torch.no_grad()"
+        raise DpCompileError(
+            f"forward reads torch.is_grad_enabled() ({where}), and this program was captured {mode}: a call in the "
+            "other grad mode would run the branch of the captured one. Call it in the mode it was captured in (for "
+            "evaluation, pm.eval() with gradients on), or branch on self.training instead"
+        )
+
+
 def cross_entropy_count(target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
     """The denominator of ``cross_entropy(..., reduction='mean')``: the (weighted) count of
     targets that are not ``ignore_index`` (one per sample for class-probability targets)."""
@@ -166,6 +179,7 @@ __all__ = [
     "aten_op",
     "cross_entropy_count",
     "element_count",
+    "expect_grad_mode",
     "expect_mode",
     "expect_value",
     "mode_value",

@@ -13,6 +13,7 @@ captured program calls these instead, where forward made them::
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -91,15 +92,22 @@ def in_place_without_grad(tensor: torch.Tensor, method: str, *args: Any, **kwarg
 _APPLIES: dict[type, Any] = {}
 
 
+def _apply(function: type, *args: Any, **kwargs: Any) -> Any:
+    return function.apply(*args, **kwargs)
+
+
+class AppliedFunction(functools.partial):
+    """``function.apply`` under a name of its own (``ReversibleFn_apply``); pickled as the Function it applies
+    (by its importable name), where a function made here at trace time had no name pickle could find."""
+
+
 def apply_function(function: type) -> Any:
     """``function.apply`` as a plain function named after it (``ReversibleFn_apply(x, w)``): a
     ``torch.autograd.Function`` forward calls is kept whole in the program, so its own backward (and
     any ``torch.no_grad()`` block in its forward, as reversible layers hold) stand as in eager."""
     if function not in _APPLIES:
-
-        def apply(*args: Any, **kwargs: Any) -> Any:
-            return function.apply(*args, **kwargs)
-
-        apply.__name__ = apply.__qualname__ = f"{function.__name__}_apply"
+        apply = AppliedFunction(_apply, function)
+        apply.__name__ = apply.__qualname__ = f"{function.__name__}_apply"  # type: ignore[attr-defined]
+        apply.__module__ = __name__
         _APPLIES[function] = apply
     return _APPLIES[function]

@@ -178,22 +178,27 @@ def _module_device(model: nn.Module) -> torch.device | None:
     return None
 
 
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient to compare: ``nn.Embedding(sparse=True)``'s sparse one made dense."""
+    return grad.to_dense() if grad.is_sparse else grad
+
+
 def _pm_gradients(pm: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor | None]:
     """Gradients of ``pm`` under the model's parameter names (full tensors, shards gathered)."""
     if executor_of(pm).call_runs_under_fsdp(pm):  # FSDP over a mesh: DTensor gradients, gathered over dp (and tp)
         own = dict(pm.named_parameters())
-        grads = pm.whole_tensors({n: own[n].grad for n in names if own.get(n) is not None and own[n].grad is not None})
+        grads = pm.whole_tensors({n: _dense(own[n].grad) for n in names if own.get(n) is not None and own[n].grad is not None})
         return {n: grads[n].detach().clone() if n in grads else None for n in names}
     replicated = getattr(getattr(pm, "recipe", None), "replicates_model", False)  # data parallel; FSDP: pieces
     if replicated and not getattr(pm, "param_shards", None):
         own = dict(pm.named_parameters())
-        return {n: (None if own.get(n) is None or own[n].grad is None else own[n].grad.detach().clone()) for n in names}
+        return {n: (None if own.get(n) is None or own[n].grad is None else _dense(own[n].grad).detach().clone()) for n in names}
     # Tensor parallel: swap each shard's data for its gradient and let state_dict gather them.
     swapped = []
     with torch.no_grad():
         for p in _unique(pm.parameters()):
             swapped.append((p, p.data))
-            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+            p.data = _dense(p.grad) if p.grad is not None else torch.zeros_like(p)
         try:
             gathered = pm.state_dict()
         finally:
@@ -266,7 +271,7 @@ def verify(
                                                       loss_only)  # fmt: skip
         param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         own = dict(model.named_parameters())
-        expected_grads = {n: None if own[n].grad is None else own[n].grad.detach().clone() for n in param_names}
+        expected_grads = {n: None if own[n].grad is None else _dense(own[n].grad).detach().clone() for n in param_names}
         saved = model.state_dict(keep_vars=True)  # non-persistent buffers (rotary inv_freq) are not pm's state either
         expected_buffers = {n: b.detach().clone() for n, b in model.named_buffers() if n in saved}
         if over_dp and over_dp.ranks > 1 and rows:  # synchronised BatchNorm saw the batch once per dp rank
@@ -347,7 +352,7 @@ def _verify_mesh_pipeline(pm: Any, model: nn.Module, args: tuple, kwargs: dict, 
                 expected = model(*call_args, **call_kwargs)
                 if train:
                     loss_of(expected).backward()
-                    expected_grads = {n: None if p.grad is None else p.grad.detach().clone()
+                    expected_grads = {n: None if p.grad is None else _dense(p.grad).detach().clone()
                                       for n, p in model.named_parameters(remove_duplicate=False)}  # fmt: skip
                 expected_buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
             except Exception as e:  # noqa: BLE001 - every rank raises it, after the exchange
@@ -437,7 +442,7 @@ def _float64_reference(
     own = dict(model64.named_parameters())
     return {
         "output": dict(tensor_leaves(output)),
-        "gradient": {n: None if own[n].grad is None else own[n].grad.detach() for n in param_names if n in own},
+        "gradient": {n: None if own[n].grad is None else _dense(own[n].grad).detach() for n in param_names if n in own},
         "input gradient": {n: t.grad for n, t in inputs},
         "buffer": {n: b.detach() for n, b in model64.named_buffers()},
     }

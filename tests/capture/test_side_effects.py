@@ -4,6 +4,8 @@ exactly as it found it (docs/guards.md, "Side effects in forward")."""
 
 from __future__ import annotations
 
+import copy
+import io
 from typing import Any
 
 import pytest
@@ -356,6 +358,107 @@ def test_autograd_function_is_refused_by_the_export_frontend():
     model, _ = _pair(Reversible)
     with pytest.raises(dpcompile.DpCompileError, match="autograd.Function _Reversible"):
         dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 4),))
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounding with an identity gradient: no grad-mode switch in forward, a backward that is not its derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _ReverseGradient(torch.autograd.Function):
+    """Gradient reversal (new style: ``setup_context``): identity forward, negated gradient."""
+
+    @staticmethod
+    def forward(x, scale):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+class _Gelu(torch.autograd.Function):
+    """BLOOM's GeLUFunction's shape: a backward that is its forward's derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * (s + x * s * (1 - s))
+
+
+class AppliesFunctions(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.fc, self.head, self.function = nn.Linear(4, 4), nn.Linear(4, 2), function
+
+    def forward(self, x):
+        h = self.fc(x) * 4
+        return self.head(self.function.apply(h, 0.5) if self.function is _ReverseGradient else self.function.apply(h))
+
+
+@pytest.mark.parametrize("function", [_StraightThrough, _ReverseGradient])
+def test_autograd_function_whose_backward_is_not_its_derivative_is_refused_by_the_export_frontend(function):
+    """torch.export keeps a Function's forward only: a straight-through estimator trained ``fc`` with zero
+    gradients, a gradient reversal with unreversed ones, silently. Each is refused by name at transform, which
+    changes nothing; fx calls it whole, with its own backward."""
+    torch.manual_seed(0)
+    model = AppliesFunctions(function).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    state, rng = {k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state()
+    with pytest.raises(dpcompile.DpCompileError, match=f"autograd.Function {function.__name__}, whose backward is not"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()) and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_autograd_function_whose_backward_is_its_derivative_exports():
+    """The probe passes BLOOM's kind of Function: exported, its gradients are eager's."""
+    torch.manual_seed(0)
+    model = AppliesFunctions(_Gelu).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def test_a_program_calling_an_autograd_function_round_trips_torch_save():
+    """fx keeps the Function whole as ``_StraightThrough_apply``, a function made at trace time that pickle
+    could not find by name (a bare PicklingError from torch.save); the copy keeps the Function's backward."""
+    torch.manual_seed(0)
+    model = AppliesFunctions(_StraightThrough).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    buffer = io.BytesIO()
+    torch.save(dpcompile.transform(model, ["cpu"] * 2), buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    got, want = restored(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(restored.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
 class ReversibleBranching(Reversible):

@@ -257,6 +257,62 @@ def test_transform_under_no_grad_keeps_gradients():
     assert model.student.weight.grad is not None and model.teacher.weight.grad is None
 
 
+class InferenceModeTeacher(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Linear(4, 4)
+        self.teacher = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            t = self.teacher(x).relu()
+        return self.student(x) * t.clone()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_inference_mode_block_inside_forward_stops_gradients(frontend):
+    """``with torch.inference_mode():`` inside forward is a no-grad block: the teacher gets no gradient,
+    as in eager (neither frontend recorded it, so the program trained the teacher); the rest is exact."""
+    torch.manual_seed(0)
+    model = InferenceModeTeacher().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    got, want = pm(x), eager(x)
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None) == name.startswith("teacher"), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+class BranchesOnGradMode(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            return self.fc(x)
+        return self.fc(x) * 2
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_branch_on_the_grad_mode_is_checked_at_each_call(frontend):
+    """Capture runs with gradients on and takes that branch: a call under ``torch.no_grad()`` ran it too (half
+    eager's output, silently). The program checks the grad mode where forward reads it: under no_grad it is
+    refused by name; with gradients on it is eager's."""
+    torch.manual_seed(0)
+    model = BranchesOnGradMode().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    with torch.no_grad(), pytest.raises(dpcompile.DpCompileError, match=r"reads torch.is_grad_enabled\(\) \(test_batch_edge_cases.py"):
+        pm(x)
+
+
 class AutocastInside(torch.nn.Module):
     def __init__(self, enabled: bool = True):
         super().__init__()

@@ -421,3 +421,27 @@ def test_exact_dropout_over_dp_tp_takes_the_rows_of_the_required_input():
     grads = full_gradients(pm)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+class StackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(4, 6, num_layers=2, batch_first=True, dropout=0.3)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def test_rnn_dropout_between_layers_draws_per_device_and_explain_names_it():
+    """A stacked RNN's ``dropout`` draws inside its kernel, where no exact rule reaches: each replica drew its
+    own rows' mask, unlike eager's, and nothing said so (the program claimed exact draws). It is named as
+    drawing per device, in ``explain`` and atop ``pm.code``; in eval it is eager's."""
+    torch.manual_seed(0)
+    model = StackedLSTM().double()
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2)
+    assert dpcompile.explain(pm, x).random["per_device"] == ["rnn"]
+    assert pm.code.startswith("# random ops rnn draw per device")
+    model.eval()
+    torch.testing.assert_close(pm(x), copy.deepcopy(model)(x))

@@ -121,3 +121,35 @@ def test_a_failed_completion_leaves_the_program_as_it_was(monkeypatch, exports):
     monkeypatch.setattr(TensorParallelRecipe, "complete_other_mode", real)
     torch.testing.assert_close(pm(x), eager.eval()(x))
     assert len(exports) == 2  # the other mode was exported once, at the failed call
+
+
+class RenormedLookup(nn.Module):
+    """``nn.Embedding(max_norm=)`` renormalises the rows it looks up in its weight (export spells it
+    ``embedding_renorm_(detach(weight), ids)``); tensor parallelism keeps it whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8, padding_idx=0, max_norm=1.0)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_tensor_parallel_eval_keeps_a_whole_layer_whole_and_its_in_place_write():
+    """The eval mode's program is lowered again with ``pm.plan``, which names the embedding kept whole
+    (``"replicate"``): the exported source holds it as a plain module, so eval was refused (ArgumentError:
+    'emb', a Module, not an nn.Linear). Lowered on fake shapes, whose storages told ``detach`` apart from the
+    weight, the max_norm write was made functional and lost: eval read rows not renormalised."""
+    torch.manual_seed(0)
+    model = RenormedLookup().double()
+    eager = copy.deepcopy(model)
+    ids, other = torch.randint(0, 10, (6, 5)), torch.randint(0, 10, (6, 5))
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(ids,), tensor_parallel=True)
+    assert pm.plan == {"head": "row", "emb": "replicate"}
+    assert_steps_equal_eager(pm, eager, lambda step: (ids,), lambda ps: torch.optim.AdamW(ps, lr=0.1))
+    pm.eval()
+    eager.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(other), eager(other))
+    torch.testing.assert_close(pm.state_dict()["emb.weight"], eager.emb.weight.detach())

@@ -15,7 +15,7 @@ from safetensors.torch import save_model
 from torch import nn
 
 import dpcompile
-from tests.helpers import full_gradients
+from tests.helpers import assert_steps_equal_eager, full_gradients
 
 
 class UnusedAndTied(nn.Module):
@@ -305,3 +305,60 @@ def test_the_models_own_forward_hooks_run_around_a_tensor_parallel_program(layou
     model.register_full_backward_hook(lambda m, gi, go: None)
     with pytest.raises(dpcompile.DpCompileError, match="backward hook on itself"):
         dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, example_inputs=(x,))
+
+
+class TimeMajorAttention(nn.Module):
+    """``nn.MultiheadAttention(batch_first=False)``: (seq, batch, embed) in and out; an optional mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x, mask=None):
+        return self.out(self.attn(x, x, x, need_weights=False, key_padding_mask=mask)[0])
+
+
+def test_time_major_attention_transformed_without_examples_runs_eval():
+    """Without examples the time-major attention's in-projection is split as one column layer; the program
+    for the eval call (mask left None), lowered on the call's shapes, split it by heads: refused ("takes another
+    path ... shard differently"). It is lowered without shapes, as transform did: eval equals eager."""
+    torch.manual_seed(0)
+    model = TimeMajorAttention().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 3, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True)
+    assert pm.plan["attn"] == "column"
+    assert_steps_equal_eager(pm, eager, lambda step: (x + step,), lambda ps: torch.optim.AdamW(ps, lr=0.1))
+    pm.eval()
+    eager.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), eager(x))
+
+
+class ScaledLayers(nn.Module):
+    """A buffer registered on two Linears (one tensor, two names), read beside each layer's call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        scale = torch.linspace(0, 1, 8)
+        self.fc1.register_buffer("scale", scale)
+        self.fc2.register_buffer("scale", scale)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x) * self.fc1.scale) + self.fc2.scale[:4]
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_buffer_registered_on_sharded_linears_stays(frontend):
+    """A sharded Linear's replacement held its parameters and children, not its buffers: the program's
+    read of ``fc1.scale`` named nothing (PassError in expand_shards). They are kept, under their keys."""
+    torch.manual_seed(0)
+    model = ScaledLayers().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=True, frontend=frontend, example_inputs=(x,))
+    assert pm.plan == {"fc1": "column", "fc2": "row"}
+    assert_steps_equal_eager(pm, eager, lambda step: (x + step,), lambda ps: torch.optim.AdamW(ps, lr=0.1))
+    assert list(pm.state_dict()) == list(eager.state_dict())

@@ -94,6 +94,58 @@ def test_torch_save_of_an_export_frontend_program():
         restored.zero_grad(), eager.zero_grad()
 
 
+class OptionalBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, bias=None):
+        return self.fc(x) if bias is None else self.fc(x) + bias
+
+
+def test_a_copy_of_an_export_frontend_program_takes_the_optional_argument_the_examples_left_none():
+    """The export frontend checks an argument its examples left None by value; a copy (deepcopy, torch.save)
+    found the None default in its graph and keyed the call as one departing from the program, which it could
+    not trace again: refused ("the model's class is not available to trace again"). It keys calls as the
+    original does: the copy runs them; a bias given is refused as the original refuses it."""
+    torch.manual_seed(0)
+    model = OptionalBias().double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x, None))
+    for restored in (copy.deepcopy(pm), _round_trip(pm)):
+        for args in ((x, None), (x,)):
+            torch.testing.assert_close(restored(*args), eager(x))
+        with pytest.raises(dpcompile.DpCompileError, match="exported with bias=None"):
+            restored(x, torch.ones(3, dtype=torch.float64))
+
+
+def _add_one(module, args):  # importable: pickle saves it by name
+    return (args[0] + 1,)
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_a_copy_without_the_model_runs_the_models_own_forward_pre_hook(tensor_parallel, tmp_path):
+    """The model's own hooks run around the program (tracing forward never records them). A copy that
+    cannot carry the model (its class is not importable) lost them: its outputs were not eager's. They go with
+    the copy; ``dpcompile.export`` says they are code (a trusted pickle), where tensor parallel's wrote data."""
+
+    class Local(nn.Sequential):
+        pass
+
+    torch.manual_seed(0)
+    model = Local(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    model.register_forward_pre_hook(_add_one)
+    eager = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel)
+    restored = _round_trip(pm)
+    assert restored.traced_model is None
+    torch.testing.assert_close(restored(x), eager(x))
+    with pytest.raises(dpcompile.ExportError, match="hooks .* on itself"):
+        dpcompile.load(dpcompile.export(pm, tmp_path / "out"))
+
+
 class _Corrupted:
     """Pickles as ``pm`` does, with ``edit`` applied to its state: what a damaged file unpickles to."""
 

@@ -467,3 +467,25 @@ def test_verify_fake_devices_builds_the_program_of_a_call_passing_an_optional_ar
         result = dpcompile.verify(pm, model, x, fake_devices=n, **kwargs)
         assert result, str(result)
         assert result.checked["fake devices"] == n
+
+
+class SparseLookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 8, sparse=True), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["dp", "tp"])
+def test_verify_compares_sparse_gradients(tensor_parallel):
+    """``nn.Embedding(sparse=True)``'s gradient is a sparse tensor: verify crashed on it (NotImplementedError on the
+    sparse backend; tensor parallel's gather, set_data of a sparse tensor). It compares it dense: a match."""
+    torch.manual_seed(0)
+    model = SparseLookup().double()
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 10, (6, 5))
+    pm = dpcompile.transform(model, ["cpu"] * 2, tensor_parallel=tensor_parallel)
+    result = dpcompile.verify(pm, eager, ids)
+    assert result, str(result)

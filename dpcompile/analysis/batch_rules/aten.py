@@ -258,6 +258,7 @@ def _function_rules() -> dict[Any, Rule]:
         frontend.element_count: count,
         frontend.expect_value: mode_check,
         frontend.expect_mode: mode_check,
+        frontend.expect_grad_mode: mode_check,
     }
 
 

@@ -67,15 +67,17 @@ def backward_departs(function: type, specs: Sequence[ArgumentSpec], atol: float 
     random draw of ``specs`` (False where it cannot be told: the probe fails, or nothing needs a gradient)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    try:
-        with _disable_current_modes(), torch.enable_grad():
+    try:  # the caller's random state as it was; a forward that draws (a dropout mask) draws alike both ways
+        with torch.random.fork_rng(devices=[]), _disable_current_modes(), torch.enable_grad():
             generator = torch.Generator().manual_seed(0)
             values = [(_draw(spec, generator), spec.requires_grad) for spec in specs]
+            torch.manual_seed(0)
             custom = _gradients(function.apply, values)
             if custom is None:
                 return False
             new_style = function.setup_context is not torch.autograd.Function.setup_context
             forward = function.forward if new_style else (lambda *args: function.forward(_Context(), *args))
+            torch.manual_seed(0)
             plain = _gradients(forward, values, zeros_where_none=True)
     except Exception as e:  # noqa: BLE001 - a Function the probe cannot run: left as it was before
         log.debug("no gradient probe of %s (%s)", function.__qualname__, e)

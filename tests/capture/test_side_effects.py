@@ -442,6 +442,33 @@ def test_autograd_function_whose_backward_is_its_derivative_exports():
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
+class _MaskedHalf(torch.autograd.Function):
+    """A dropout-like Function: forward draws a mask, backward applies the mask it saved (its derivative)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mask = (torch.rand_like(x) > 0.5).to(x.dtype)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return grad * mask
+
+
+def test_autograd_function_that_draws_is_probed_with_one_draw_and_leaves_the_random_state():
+    """The gradient probe runs the Function twice (its own backward, then autograd through its forward):
+    a forward that draws a mask drew two masks, so its true derivative was refused as 'not its forward's'.
+    Both runs now draw from one seed, and the caller's random state is left as it was."""
+    torch.manual_seed(0)
+    model = AppliesFunctions(_MaskedHalf).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    rng = torch.get_rng_state()
+    dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
 def test_a_program_calling_an_autograd_function_round_trips_torch_save():
     """fx keeps the Function whole as ``_StraightThrough_apply``, a function made at trace time that pickle
     could not find by name (a bare PicklingError from torch.save); the copy keeps the Function's backward."""

@@ -48,6 +48,8 @@ from dpcompile.export.allowlist import (
 )
 from dpcompile.export.kinds import TreeIndex, check_graph
 from dpcompile.export.strided import bound
+from passes.name_dp_copies import COPY
+from passes.place_dp_copies import SLOT
 
 __all__ = ["NotData", "decode_graph", "decode_value", "encode_graph", "encode_tree", "encode_value", "model_output_fields"]
 
@@ -211,9 +213,9 @@ def encode_graph(graph: fx.Graph) -> dict[str, Any]:
     return {"nodes": nodes}
 
 
-#: the device-slot labels a node keeps: its slot (``passes/stage_transfers.py``, ``stage_shards.py``)
-#: and its dp copy (``passes/name_dp_copies.py``), by their key in JSON
-_PLACES = {"slot": "dpcompile_slot", "copy": "dpcompile_dp_copy"}
+#: the device-slot labels a node keeps, by their key in JSON: its slot (``passes/stage_transfers.py``,
+#: ``stage_shards.py``, ``place_dp_copies.py``) and its dp copy (``passes/name_dp_copies.py``)
+_PLACES = {"slot": SLOT, "copy": COPY}
 _MAX_PLACE = 1 << 16
 
 

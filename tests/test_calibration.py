@@ -59,6 +59,14 @@ def test_mesh_calibration_is_measured_once_then_read_from_its_cache(measured, tm
     assert measured == [2, 4] and calibration.cache_path("gloo4").is_file()
 
 
+def test_the_mesh_concurrency_is_the_median_of_three_readings_between_the_other_measures(measured, monkeypatch):
+    """A burst of other work during one reading (1.1, where the ranks run at 1.8-1.9) is outvoted by the
+    two taken before and after the other measures."""
+    readings = iter([1.1, 1.9, 1.8])
+    monkeypatch.setattr(calibration, "_concurrency", lambda workers: next(readings))
+    assert calibration.calibrate_mesh(2).concurrency == 1.8
+
+
 def test_mesh_calibration_is_measured_again_where_the_cache_no_longer_holds(measured, monkeypatch):
     calibration.calibrate_mesh(2)
     path = calibration.cache_path("gloo2")

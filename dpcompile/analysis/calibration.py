@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -39,7 +40,7 @@ log = logging.getLogger("dpcompile")
 __all__ = ["REFERENCE", "Calibration", "cache_path", "cached_mesh", "calibrate", "calibrate_mesh", "reference_mesh"]
 
 #: the cache's format: a file of another version is measured again
-CACHE_VERSION = 8  # 8: microbatch_weight_s_per_byte; 7: page_in_bytes_per_s (6: no message_s; 5: synced_collective_s, the concurrency on processes)
+CACHE_VERSION = 9  # 9: the concurrency, the median of 3 readings; 8: microbatch_weight_s_per_byte; 7: page_in_bytes_per_s (6: no message_s; 5: synced_collective_s, the concurrency on processes)
 
 
 @dataclass(frozen=True)
@@ -206,10 +207,15 @@ def calibrate_mesh(ranks: int) -> Calibration:
     found = _read_cache(path, cores=cores)
     if found is None:
         with _threads(1), _callers_generator_kept(torch.device("cpu")):  # a rank's compute: one thread, as torchrun's
+            # the concurrency read three times, between the other measures: a burst of other work lasting a
+            # second moves one reading, not their median (one reading of 0.3 s cached 1.2 on a quiet 2-core VM
+            # that ran the ranks at 1.6-2.0, and the rank benchmark's order with it)
+            at_once = [_concurrency(min(ranks, cores))]
             flops, ops, copy = _rank_flops_per_s(), _op_seconds(), _rank_copy_bytes_per_s()
-            at_once = _concurrency(min(ranks, cores))
+            at_once.append(_concurrency(min(ranks, cores)))
             page_in = _page_in_bytes_per_s(min(ranks, cores))
             weights = _microbatch_weight_seconds_per_byte()
+            at_once.append(_concurrency(min(ranks, cores)))
         try:
             latency, bandwidth = _gloo_all_reduce(ranks)
             with _threads(1), _callers_generator_kept(torch.device("cpu")):
@@ -218,8 +224,8 @@ def calibrate_mesh(ranks: int) -> Calibration:
             log.warning("cannot time gloo (%s): the cost model uses %s", e, "100 us and 1 GB/s")
             ref = reference_mesh(ranks)
             latency, bandwidth, synced = ref.collective_latency_s, ref.collective_bytes_per_s, ref.synced_collective_s
-        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth, at_once, synced,
-                            page_in, weights)  # fmt: skip
+        found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth,
+                            statistics.median(at_once), synced, page_in, weights)  # fmt: skip
         _write_cache(path, found)
     return _agree(found, ranks) if grouped else found
 
@@ -339,7 +345,7 @@ for line in sys.stdin:
 """
 
 
-def _concurrency(workers: int, window: float = 0.3, rounds: int = 6) -> float:
+def _concurrency(workers: int, window: float = 0.6, rounds: int = 6) -> float:
     """How many of ``workers`` processes computing at once the CPUs run side by side: their busy
     loops' throughput over one process's (between 1 and ``workers``; load included), the median over
     ``rounds`` of one process alone then all of them, each a ``window / (2 rounds)``: a burst of other

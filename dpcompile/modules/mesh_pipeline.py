@@ -178,8 +178,8 @@ def attach_shards(pm: Any, program: fx.GraphModule, *, shards: dict[str, Any], p
 
 def example_stage_inputs(pm: Any, inputs: tuple) -> tuple:
     """Empty tensors shaped as the stage's inputs for the first micro-batch of ``inputs`` (the
-    model's inputs, in forward's order)."""
-    return _stage_examples(pm, _first_micro_batch(pm, inputs, pm.micro_batches), False)[0]
+    model's inputs, in forward's order); the stage itself is not run (its outputs are not wanted)."""
+    return _stage_examples(pm, _first_micro_batch(pm, inputs, pm.micro_batches), False, outputs=False)[0]
 
 
 class MeshPipelineExecutor(PlainExecutor):
@@ -331,8 +331,9 @@ def _schedule_for(pm: Any, inputs: tuple, count: int, train: bool) -> Any:
     return schedules[key]
 
 
-def _stage_examples(pm: Any, firsts: tuple, train: bool) -> tuple[tuple, tuple]:
-    """Empty tensors shaped as the stage's inputs and outputs for one micro-batch."""
+def _stage_examples(pm: Any, firsts: tuple, train: bool, *, outputs: bool = True) -> tuple[tuple, tuple]:
+    """Empty tensors shaped as the stage's inputs and outputs for one micro-batch (``outputs=False``:
+    the inputs alone, and no outputs: the stage's program is not run on them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     whole = pm.whole
@@ -352,8 +353,10 @@ def _stage_examples(pm: Any, firsts: tuple, train: bool) -> tuple[tuple, tuple]:
                     v.detach().requires_grad_(train and v.requires_grad) if isinstance(v, torch.Tensor) else v
                     for v in ins
                 ]
-            with torch.set_grad_enabled(train):
-                outs = pm.shape_program(*ins)
+            outs = ()
+            if outputs:
+                with torch.set_grad_enabled(train):
+                    outs = pm.shape_program(*ins)
     finally:
         with torch.no_grad():
             for b, saved in buffers:

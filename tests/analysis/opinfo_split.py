@@ -335,18 +335,42 @@ def opinfo_samples(max_per_op: int | None, ops: set[str] | None = None) -> Itera
                 break
 
 
+@dataclass
+class _Made:
+    """The samples of one op generated so far in this process, and the generator that makes the next."""
+
+    samples: list = field(default_factory=list)
+    rest: Iterator[Any] | None = None
+    ended: bool = False
+
+
+#: each op's samples, made once per process: the sweeps of test_opinfo_batch_rules (as written and
+#: in core ATen) and test_opinfo_shard_rules take the same first samples of the same ops, and making
+#: one costs a stack walk of torch's (``extract_test_fn``) under pytest's deep stack
+_MADE: dict[tuple[str, str], _Made] = {}
+
+
 def _generated(op: Any) -> Iterator[Any]:
     """``op``'s float32 CPU samples, generated as they are taken (each is drawn from its own seed,
     so the first ones do not depend on how many follow; generating every sample of an op to take one
-    was most of a one-sample sweep's time); they end at the first that cannot be generated."""
-    try:
-        samples = iter(op.sample_inputs("cpu", torch.float32, requires_grad=False))
-        while True:
-            yield next(samples)
-    except StopIteration:
-        return
-    except Exception:  # noqa: BLE001 - the samples end at the first that cannot be made
-        return
+    was most of a one-sample sweep's time); they end at the first that cannot be generated. Those
+    made once are given again (the same objects) to every later sweep in the process."""
+    made = _MADE.setdefault((op.name, op.variant_test_name), _Made())
+    taken = 0
+    while True:
+        if taken < len(made.samples):
+            yield made.samples[taken]
+            taken += 1
+            continue
+        if made.ended:
+            return
+        try:
+            if made.rest is None:
+                made.rest = iter(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+            made.samples.append(next(made.rest))
+        except Exception:  # noqa: BLE001 - StopIteration, or the samples end at the first that cannot be made
+            made.ended = True
+            made.rest = None
 
 
 def family_of(fn: Any) -> str:

@@ -47,6 +47,7 @@ def _no_silent_whole(tally) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("opinfo_samples")  # one worker makes FAMILIES' samples once for both sweeps (opinfo_split._MADE)
 def test_opinfo_samples_split_by_their_rules_equal_the_whole_op():
     """Every sample with a float input of 3+ rows: split (or kept whole) by its rule, equal."""
     tally = sweep(1, ops=FAMILIES)
@@ -58,6 +59,7 @@ def test_opinfo_samples_split_by_their_rules_equal_the_whole_op():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("opinfo_samples")
 def test_opinfo_samples_in_core_aten_split_by_the_table_equal_the_whole_op():
     """The same samples captured as core ATen ops (make_fx with the core decompositions, what
     torch.export gives): the table's ATen rules split them, equal to the op."""

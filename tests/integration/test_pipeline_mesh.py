@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.gloo_groups import assert_group_passed, run_checks, run_spawned
+from tests.gloo_groups import CAPTURED, assert_group_passed, run_checks, run_spawned
 from tests.helpers import assert_mesh_pipeline_verifies, assert_stage_is_a_parallel_module, assert_whole_state_loads
 from tests.integration.test_export_mesh import check_pipeline_round_trip_in_group
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all; GPT-2 exported on each
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 6 processes spawned in all; GPT-2 exported once a process
 GROUP_TIMEOUT_S = 240.0  # a loaded 2-core machine; unloaded a group takes well under a minute
 
 
@@ -111,33 +111,61 @@ def _grads_equal_on_stage(model, reference, module_paths) -> None:
     assert checked > 0
 
 
-def check_decoder(rank: int, world: int, configs: tuple) -> None:
-    """GPT-2 (tiny, float64) exported once on each rank, then one pipeline per (micro, schedule)
-    config over a ("pp",) mesh: logits, the mean loss over non-ignored tokens, every gradient
-    (the tied wte/lm_head weight: summed over the two stages that read it)."""
-    import warnings
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import dpcompile
-    from dpcompile.capture import capture_model
+def _gpt2_decoder() -> tuple[torch.nn.Module, dict]:
+    """The tiny GPT-2 (float64, no dropout) and its batch (labels, the first row's first 5 ignored)."""
     from tests.thirdparty import import_or_skip
 
     T = import_or_skip("transformers")
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     V = 64
     torch.manual_seed(0)
     config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=0.0,
                           embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
-    reference = T.GPT2LMHeadModel(config).double()
-    model = copy.deepcopy(reference)
+    model = T.GPT2LMHeadModel(config).double()
     g = torch.Generator().manual_seed(0)
     kwargs = {"input_ids": torch.randint(1, V, (5, 8), generator=g), "labels": torch.randint(0, V, (5, 8), generator=g)}
     kwargs["labels"][0, :5] = -100
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exported, _ = capture_model(model, frontend="export", example_kwargs=kwargs)
+    return model, kwargs
+
+
+def _decoder_program(model: torch.nn.Module, kwargs: dict) -> torch.nn.Module:
+    """``model`` captured with the export frontend on ``kwargs``: captured once per process (in the
+    fork server the ranks start from: ``export_for_ranks``), each call a copy that holds ``model``'s
+    own parameters (the checks read their gradients), as ``capture_model(model)`` gives."""
+    import warnings
+
+    from dpcompile.capture import capture_model
+
+    key = ("pipeline_mesh", "gpt2")
+    if key not in CAPTURED:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            CAPTURED[key] = capture_model(copy.deepcopy(model), frontend="export", example_kwargs=kwargs)[0]
+    captured = CAPTURED[key]
+    own = {id(p): model.get_parameter(name) for name, p in captured.named_parameters(remove_duplicate=False)}
+    return copy.deepcopy(captured, memo=own)
+
+
+def export_for_ranks() -> None:
+    """Capture GPT-2 as ``check_decoder`` does, in the fork server the ranks start from
+    (``run_spawned(prepare=)``, ``tests/gloo_rank_imports.py``), so that the 2 and 4 ranks copy the
+    program instead of each exporting it again (about 1.5 s of CPU a rank)."""
+    _decoder_program(*_gpt2_decoder())
+
+
+def check_decoder(rank: int, world: int, configs: tuple) -> None:
+    """GPT-2 (tiny, float64) exported once per process (the fork server's copy), then one pipeline
+    per (micro, schedule) config over a ("pp",) mesh: logits, the mean loss over non-ignored tokens,
+    every gradient (the tied wte/lm_head weight: summed over the two stages that read it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dpcompile
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    reference, kwargs = _gpt2_decoder()
+    model = copy.deepcopy(reference)
+    exported = _decoder_program(model, kwargs)
+    assert {id(p) for p in exported.parameters()} == {id(p) for p in model.parameters()}  # the model's own
     expected = reference(**kwargs)
     expected.loss.backward()
     for micro, schedule in configs:
@@ -948,8 +976,12 @@ def _entry(rank: int, world: int, port: int, scenario: str, results: mp.Queue) -
     run_checks(rank, world, port, checks, results)
 
 
+#: what the fork server calls before it forks either group's ranks (``run_spawned(prepare=)``)
+PREPARE = "tests.integration.test_pipeline_mesh:export_for_ranks"
+
+
 def run_group(scenario: str) -> dict[int, dict[str, str | None]]:
-    return run_spawned(_entry, SCENARIOS[scenario][0], scenario, timeout=GROUP_TIMEOUT_S)
+    return run_spawned(_entry, SCENARIOS[scenario][0], scenario, timeout=GROUP_TIMEOUT_S, prepare=[PREPARE])
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import check_spec
+from dpcompile.analysis.device_memory import device_memory_budgets
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share
 from dpcompile.analysis.memory import format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import profile_model
@@ -46,8 +47,6 @@ def planned_transform(
              if arguments[k] != v and arguments[k] is not None and not (k == "activation_checkpointing" and auto_checkpointing)]  # fmt: skip
     if given:
         raise ArgumentError(f'plan="auto" chooses the layout itself: leave {", ".join(given)} out, or leave plan= out')
-    if arguments["memory_per_device"] is None:
-        raise ArgumentError('plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. "24GiB"')
     if example_tuple is None and not arguments["example_kwargs"]:
         raise ArgumentError('plan="auto" predicts activations and step times from a fake run: give example_inputs= '
                          "(or example_kwargs=)")  # fmt: skip
@@ -56,17 +55,22 @@ def planned_transform(
     check_examples(model, example_tuple, arguments["example_kwargs"])
     if is_device_mesh(devices):  # the layouts of the user's plain loop, over a mesh of the same ranks
         return planned_mesh_transform(model, devices, arguments, example_tuple, build=build)
-    budgets = device_budgets(devices, arguments["memory_per_device"])
     parsed = parse_devices(devices)
+    if arguments["memory_per_device"] is None:  # the devices' own memory (docs/planner.md)
+        budgets, source = device_memory_budgets(parsed.devices, parsed.labels())
+    else:
+        budgets, source = device_budgets(devices, arguments["memory_per_device"]), None
     optimizer, training = arguments["optimizer"], arguments["training"]
     planned = plan_layouts(
         model, parsed.labels(), budgets, optimizer=optimizer, training=training, example_inputs=example_tuple,
         example_kwargs=arguments["example_kwargs"], device=parsed.primary, auto_checkpointing=auto_checkpointing,
     )  # fmt: skip
+    if source is not None:
+        planned.judged_against(source)
     for candidate in planned.fitting:
         options = {**arguments, **candidate.keywords(), "memory_per_device": None}
         if candidate.spec.size("cp") > 1:  # checked again as a named layout: its exchanges get the budget's room
-            options["memory_per_device"] = arguments["memory_per_device"]
+            options["memory_per_device"] = arguments["memory_per_device"] or budgets
         try:
             pm = build(model, devices, **options)
             if candidate.spec.schedule == "1f1b" and training:  # its step is planned at the first call: plan it now
@@ -82,8 +86,17 @@ def planned_transform(
         if auto_checkpointing:
             pm.strategies["activation_checkpointing"] = chosen_words(pm, candidate, budgets, len(planned.candidates),
                                                                       "the fastest predicted")  # fmt: skip
+        if source is not None:
+            pm.strategies["memory_per_device"] = default_budget_words(budgets, source)
         return pm
     raise planned.no_fit_error(len(parsed.labels()))
+
+
+def default_budget_words(budgets: Mapping[str, int], source: str) -> str:
+    """``pm.strategies["memory_per_device"]`` where ``plan="auto"`` had no budget: what it planned for."""
+    sizes = sorted(set(budgets.values()))
+    each = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])}-{format_bytes(sizes[-1])}"
+    return f"{each} per device ({source})"
 
 
 def _plan_named_layout(

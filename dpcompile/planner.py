@@ -45,6 +45,8 @@ class Candidate:
     rejected: str | None = None  # None: the one chosen
     fits: bool = False
     stage_starts: tuple[str, ...] = ()  # a pipeline's: the module paths where its predicted stages 1.. start
+    budgets: dict[str, int] = field(default_factory=dict)  # the bytes per device it was judged against
+    budget_source: str = "memory_per_device="  # or, where none was given, the devices' own memory (DEFAULT_BUDGET)
 
     @property
     def peak(self) -> int:
@@ -78,6 +80,7 @@ class Candidate:
             "predicted_peak_bytes": self.peak,
             "predicted_peak_by_kind": dict(self.per_device[peak_device]) if peak_device else {},
             "predicted_step_time": self.step_time, "fits": self.fits, "rejected": self.rejected,
+            "budget_bytes": dict(self.budgets), "budget": self.budget_source,
         }  # fmt: skip
 
     def row(self) -> list[str]:
@@ -93,6 +96,13 @@ class Planned:
     candidates: list[Candidate]
     calibration: Calibration
     budgets: dict[str, int]
+    budget_source: str = "memory_per_device="
+
+    def judged_against(self, source: str) -> None:
+        """Say where the budgets came from (the devices' own memory where none was given), on every candidate."""
+        self.budget_source = source
+        for c in self.candidates:
+            c.budget_source = source
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -119,8 +129,11 @@ class Planned:
         least = min(predicted, key=lambda c: c.peak)
         device = max(least.per_device, key=lambda d: sum(least.per_device[d].values()))
         terms = " + ".join(f"{format_bytes(least.per_device[device][k])} {k}" for k in KINDS)
+        given = f"memory_per_device={format_bytes(budget)}"
+        if self.budget_source != "memory_per_device=":
+            given = f"{format_bytes(budget)} per device ({self.budget_source}; memory_per_device= sets a budget)"
         return DpCompileError(
-            f"no layout fits memory_per_device={format_bytes(budget)} on {devices} devices: of the "
+            f"no layout fits {given} on {devices} devices: of the "
             f"{len(self.candidates)} considered, the smallest predicted peak is {format_bytes(least.peak)} per device "
             f"({least.spec.name}: {terms}). The way out: a budget of at least {format_budget_up(least.peak)} "
             f"({least.peak} bytes), more devices, a lighter optimizer, or a smaller batch "
@@ -203,7 +216,7 @@ def plan_layouts(
                  for s in ([spec] if splits_sequence(spec) else checkpoint_ladder(profile, spec))]  # fmt: skip
     for spec in specs:
         prediction = predict_layout(profile, spec, calibration)
-        candidate = Candidate(spec)
+        candidate = Candidate(spec, budgets=dict(budgets))
         plain = LayoutSpec(spec.layout)
         if spec.sequence_parallel and no_one_sequence(profile) and plain in specs:  # the same program twice
             candidate.rejected = f"builds {plain.name}: no one sequence (the blocks' row layers disagree on dim 1)"

@@ -292,3 +292,54 @@ def test_profile_sizes_a_float32_grouped_mm_in_its_own_dtype():
 
     profile = profile_model(Experts(), (torch.randn(6, 8),), None, optimizer=None, training=False)
     assert [(u.ops, u.op_bytes) for u in profile.units] == [(1, 6 * 8 * 4)] and profile.output_bytes == 6 * 8 * 4
+
+
+def test_plan_auto_without_a_budget_plans_for_the_hosts_memory_and_picks_the_fastest():
+    """No ``memory_per_device=``: the budget is the host's available memory shared by the two virtual
+    devices (said in ``pm.strategies`` and on every candidate), and the fastest predicted is built."""
+    from dpcompile.analysis.device_memory import host_available_bytes
+
+    pm = dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto")
+    share = host_available_bytes() // 2
+    assert "the host's available memory" in pm.strategies["memory_per_device"]
+    assert all(c.fits for c in pm.candidates if c.per_device)  # a tiny model fits gigabytes
+    chosen = next(c for c in pm.candidates if c.rejected is None)
+    assert chosen.step_time == min(c.step_time for c in pm.candidates if c.per_device)
+    for c in dpcompile.explain(pm, X, Y).candidates:
+        assert c["budget"].startswith("no memory_per_device= given") and set(c["budget_bytes"]) == set(LABELS)
+        assert all(abs(b - share) < share // 4 for b in c["budget_bytes"].values())  # read a moment apart
+
+
+def test_plan_auto_without_a_budget_is_bounded_by_the_hosts_memory(monkeypatch):
+    """With the host's memory at twice a budget data parallel does not fit, the choice is that budget's;
+    below every prediction, the no-fit error names the devices' own memory and changes nothing."""
+    from dpcompile.analysis import device_memory
+
+    budget, _ = _budget_between_data_parallel_and_the_least()
+    monkeypatch.setattr(device_memory, "host_available_bytes", lambda: 2 * budget)
+    pm = dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto")
+    named = dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto",
+                                memory_per_device=budget)  # fmt: skip
+    assert pm.layout == named.layout != {"dp": 2}
+    assert [c.spec.name for c in pm.candidates if c.rejected is None] == [
+        c.spec.name for c in named.candidates if c.rejected is None]  # fmt: skip
+    assert pm.strategies["memory_per_device"].startswith(format_bytes(budget) + " per device")
+    monkeypatch.setattr(device_memory, "host_available_bytes", lambda: 2000)
+    model = _stack()
+    before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    with pytest.raises(DpCompileError, match=r"no layout fits 1000 B per device \(no memory_per_device= given"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+@pytest.mark.gpu
+def test_plan_auto_without_a_budget_plans_for_each_gpus_total_memory():
+    """Two virtual devices on one GPU share its total memory; the chosen program equals eager."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    model = _stack().cuda()
+    x, y = X.cuda(), Y.cuda()
+    pm = dpcompile.transform(model, ["cuda:0"] * 2, example_inputs=(x, y), optimizer="adamw", plan="auto")
+    assert all(c.budgets == {"cuda:0#0": total // 2, "cuda:0#1": total // 2} for c in pm.candidates)
+    assert "cuda:0: total memory (torch.cuda)" in pm.strategies["memory_per_device"]
+    torch.testing.assert_close(pm(x, y), model(x, y))

@@ -305,7 +305,9 @@ def test_plan_auto_without_a_budget_plans_for_the_hosts_memory_and_picks_the_fas
     assert all(c.fits for c in pm.candidates if c.per_device)  # a tiny model fits gigabytes
     chosen = next(c for c in pm.candidates if c.rejected is None)
     assert chosen.step_time == min(c.step_time for c in pm.candidates if c.per_device)
-    for c in dpcompile.explain(pm, X, Y).candidates:
+    report = dpcompile.explain(pm, X, Y)
+    assert "Budget: no memory_per_device= given" in str(report)
+    for c in report.candidates:
         assert c["budget"].startswith("no memory_per_device= given") and set(c["budget_bytes"]) == set(LABELS)
         assert all(abs(b - share) < share // 4 for b in c["budget_bytes"].values())  # read a moment apart
 

@@ -28,7 +28,7 @@ from dpcompile.analysis.model_profile import ModelProfile, profile_model
 from dpcompile.analysis.sequence_costs import no_one_sequence, predict_layout, splits_sequence
 from dpcompile.errors import DpCompileError
 
-__all__ = ["UNBUILT", "Candidate", "Planned", "checkpoint_ladder", "chosen_words", "enumerate_layouts", "has_blocks", "plan_layouts",
+__all__ = ["UNBUILT", "Candidate", "Planned", "batch_statistics_module", "checkpoint_ladder", "chosen_words", "enumerate_layouts", "has_blocks", "plan_layouts",
            "plan_mesh_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -214,12 +214,16 @@ def plan_layouts(
     if auto_checkpointing:
         specs = [s for spec in specs if not spec.checkpointing
                  for s in ([spec] if splits_sequence(spec) else checkpoint_ladder(profile, spec))]  # fmt: skip
+    coupled = batch_statistics_module(model) if training else None
     for spec in specs:
         prediction = predict_layout(profile, spec, calibration)
         candidate = Candidate(spec, budgets=dict(budgets))
         plain = LayoutSpec(spec.layout)
         if spec.sequence_parallel and no_one_sequence(profile) and plain in specs:  # the same program twice
             candidate.rejected = f"builds {plain.name}: no one sequence (the blocks' row layers disagree on dim 1)"
+        elif coupled is not None and spec.schedule == "1f1b" and spec.micro_batches > 1:
+            candidate.rejected = (f"cannot be built: BatchNorm '{coupled}' normalises with the whole batch's statistics, "
+                                  "which 1F1B's micro-batches do not meet for (GPipe's do)")  # fmt: skip
         elif prediction.unbuildable:
             candidate.rejected = f"cannot be built: {prediction.unbuildable}"
         else:
@@ -268,6 +272,16 @@ def chosen_words(pm: nn.Module, chosen: Candidate, budgets: Mapping[str, int], t
     return (f"{what} (activation_checkpointing='auto': predicted peak {format_bytes(chosen.peak)} per device <= "
             f"memory_per_device={format_bytes(min(budgets.values()))}, {which} of {tried} predicted; "
             "explain(pm, x).candidates)")  # fmt: skip
+
+
+def batch_statistics_module(model: nn.Module) -> str | None:
+    """The first BatchNorm of ``model`` that normalises with the batch's own statistics (in training, or
+    without running statistics): 1F1B refuses it at its first step (its micro-batches would each be
+    normalised alone), so no 1F1B layout of several micro-batches is a candidate; None where there is none."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None):
+            return name
+    return None
 
 
 def has_blocks(model: nn.Module) -> bool:

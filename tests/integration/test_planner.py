@@ -345,3 +345,33 @@ def test_plan_auto_without_a_budget_plans_for_each_gpus_total_memory():
     assert all(c.budgets == {"cuda:0#0": total // 2, "cuda:0#1": total // 2} for c in pm.candidates)
     assert "cuda:0: total memory (torch.cuda)" in pm.strategies["memory_per_device"]
     torch.testing.assert_close(pm(x, y), model(x, y))
+
+
+class BatchNormStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Conv2d(c, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                                    for c in (3, 8))  # fmt: skip
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean((2, 3))).pow(2).mean()
+
+
+def test_a_batch_norm_model_gets_no_1f1b_candidate_and_its_suggested_budget_builds():
+    """BatchNorm in training normalises with the whole batch's statistics, which 1F1B's micro-batches
+    never meet for: those layouts are "cannot be built" at planning, so the no-fit error's smallest
+    peak is one that builds when passed back (it named 1F1B with 8 micro-batches, refused at build)."""
+    torch.manual_seed(0)
+    model, x = BatchNormStack(), torch.randn(8, 3, 8, 8)
+    with pytest.raises(DpCompileError, match="no layout fits") as caught:
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), optimizer="adamw", plan="auto",
+                            memory_per_device=1000)  # fmt: skip
+    suggested = int(str(caught.value).split(" bytes)")[0].rsplit("(", 1)[1])
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), optimizer="adamw", plan="auto",
+                             memory_per_device=suggested)  # fmt: skip
+    assert next(c for c in pm.candidates if c.rejected is None).peak == suggested
+    one_f_one_b = [c for c in pm.candidates if c.spec.schedule == "1f1b"]
+    assert one_f_one_b and all("BatchNorm 'layers.0.1'" in c.rejected and not c.fits for c in one_f_one_b)

@@ -69,16 +69,20 @@ def host_available_bytes() -> int | None:
 
 def physical_memory_bytes(device: torch.device) -> tuple[int, str]:
     """``device``'s whole memory, and where the figure came from; ``ArgumentError`` where it cannot be told."""
+    why = ""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.get_device_properties(index).total_memory), "total memory (torch.cuda)"
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return int(torch.cuda.get_device_properties(index).total_memory), "total memory (torch.cuda)"
+        except (RuntimeError, AssertionError) as e:  # no CUDA here, or no such device
+            why = f" ({type(e).__name__}: {e})"
     if device.type == "cpu":
         available = host_available_bytes()
         if available is not None:
             return available, "the host's available memory"
     raise ArgumentError(
         f'plan="auto" without memory_per_device= plans for the devices\' own memory, which dpcompile cannot read '
-        f"for {device}: give a budget, e.g. memory_per_device=\"24GiB\""
+        f"for {device}{why}: give a budget, e.g. memory_per_device=\"24GiB\""
     )
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
 from dpcompile.analysis.checkpoint_regions import lone_blocks, repeated_blocks
+from dpcompile.analysis.device_memory import device_memory_budgets
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import ModelProfile, profile_model
@@ -243,7 +244,7 @@ def plan_layouts(
 
 
 def plan_mesh_layouts(
-    model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
+    model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int] | None, *, optimizer: str | None, training: bool,
     example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None,
     specs: Sequence[LayoutSpec] | None = None, auto_checkpointing: bool = False,
 ) -> Planned:  # fmt: skip
@@ -251,7 +252,11 @@ def plan_mesh_layouts(
     of :func:`enumerate_layouts`, each with and without activation checkpointing where the model has
     repeated blocks; or ``specs``), predicted with the mesh's calibration
     (:func:`~dpcompile.analysis.calibration.calibrate_mesh`) and judged as :func:`plan_layouts` does them
-    (``auto_checkpointing``: each layout with every choice of :func:`checkpoint_ladder`)."""
+    (``auto_checkpointing``: each layout with every choice of :func:`checkpoint_ladder`); ``budgets=None``:
+    this host's available memory shared by the ranks (``transform`` over a mesh gathers every rank's instead)."""
+    source = None
+    if budgets is None:
+        budgets, source = device_memory_budgets([torch.device("cpu")] * len(labels), labels)
     if specs is None:
         profile_batch = None
         for x in [*(example_inputs or ()), *(example_kwargs or {}).values()]:
@@ -259,9 +264,12 @@ def plan_mesh_layouts(
                 profile_batch = int(x.shape[0])
                 break
         specs = enumerate_layouts(len(labels), batch=profile_batch, blocks=has_blocks(model))
-    return plan_layouts(model, labels, budgets, optimizer=optimizer, training=training, example_inputs=example_inputs,
-                        example_kwargs=example_kwargs, device=torch.device("cpu"), specs=specs,
-                        calibration=calibrate_mesh(len(labels)), auto_checkpointing=auto_checkpointing)  # fmt: skip
+    planned = plan_layouts(model, labels, budgets, optimizer=optimizer, training=training,
+                           example_inputs=example_inputs, example_kwargs=example_kwargs, device=torch.device("cpu"),
+                           specs=specs, calibration=calibrate_mesh(len(labels)), auto_checkpointing=auto_checkpointing)  # fmt: skip
+    if source is not None:
+        planned.judged_against(source)
+    return planned
 
 
 def chosen_words(pm: nn.Module, chosen: Candidate, budgets: Mapping[str, int], tried: int,

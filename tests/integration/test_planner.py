@@ -375,3 +375,17 @@ def test_a_batch_norm_model_gets_no_1f1b_candidate_and_its_suggested_budget_buil
     assert next(c for c in pm.candidates if c.rejected is None).peak == suggested
     one_f_one_b = [c for c in pm.candidates if c.spec.schedule == "1f1b"]
     assert one_f_one_b and all("BatchNorm 'layers.0.1'" in c.rejected and not c.fits for c in one_f_one_b)
+
+
+def test_plan_mesh_layouts_without_budgets_plans_for_this_hosts_share():
+    """``plan_mesh_layouts(..., budgets=None)``: the host's available memory shared by the ranks."""
+    from dpcompile.analysis.device_memory import DEFAULT_BUDGET, host_available_bytes
+    from dpcompile.planned_mesh import mesh_candidates
+    from dpcompile.planner import plan_mesh_layouts
+
+    ranks = ["rank0", "rank1"]
+    planned = plan_mesh_layouts(_stack(), ranks, None, optimizer="adamw", training=True, example_inputs=(X, Y),
+                                example_kwargs=None, specs=mesh_candidates(2))  # fmt: skip
+    share = host_available_bytes() // 2
+    assert planned.fitting and all(c.budget_source.startswith(DEFAULT_BUDGET) for c in planned.candidates)
+    assert all(set(c.budgets) == set(ranks) and abs(c.budgets["rank0"] - share) < share // 4 for c in planned.candidates)

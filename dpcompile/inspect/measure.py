@@ -166,10 +166,15 @@ def _state_kept(pm: nn.Module) -> Any:
         torch.set_rng_state(rng)
 
 
-def _step(run: Callable[[], Any], training: bool, backward: Callable[[torch.Tensor], None] | None = None) -> None:
+def _step(
+    run: Callable[[], Any], training: bool, backward: Callable[[torch.Tensor], None] | None = None, *,
+    backward_in_call: bool = False,
+) -> None:  # fmt: skip
+    """``run()``, then (training) the backward of its loss, unless the call ran it (``backward_in_call``:
+    a 1F1B step, whose other outputs have no gradient path: summed with the loss, backward was refused)."""
     with torch.enable_grad() if training else torch.no_grad():
         out = run()
-        loss = _loss_of(out) if training else None
+        loss = _loss_of(out) if training and not backward_in_call else None
         if loss is not None:
             (backward or torch.autograd.backward)(loss)
 
@@ -213,7 +218,7 @@ def _measure(pm: Any, args: tuple, kwargs: dict) -> Measurement:
     with _state_kept(pm):
         _synchronize(devices)
         start = time.perf_counter()
-        _step(lambda: pm(*args, **kwargs), training)
+        _step(lambda: pm(*args, **kwargs), training, backward_in_call=runs_one_f_one_b(pm, training))
         _synchronize(devices)
         seconds = time.perf_counter() - start
     return Measurement(
@@ -290,7 +295,7 @@ def _cuda_peaks(
         torch.cuda.reset_peak_memory_stats(d)
         before[d] = torch.cuda.memory_allocated(d)
     with _state_kept(pm):
-        _step(lambda: pm(*args, **kwargs), training)
+        _step(lambda: pm(*args, **kwargs), training, backward_in_call=runs_one_f_one_b(pm, training))
     _synchronize(devices)
     return {label: torch.cuda.max_memory_allocated(d) - before[d] for label, d in zip(labels, devices, strict=True)}
 

@@ -163,3 +163,26 @@ def test_a_whole_batch_norm_counts_each_copys_chunk_on_its_own_device():
     assert abs(first - second) <= 0.02 * second, m.peak_bytes
     for d, peak in m.peak_bytes.items():
         assert abs(peak - m.predicted_peak_bytes[d]) <= 0.2 * peak, (d, peak, m.predicted_peak_bytes[d])
+
+
+class _LossAndLogits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        logits = self.fc2(torch.relu(self.fc1(x)))
+        return nn.functional.mse_loss(logits, y), logits
+
+
+def test_measure_runs_a_1f1b_step_of_a_model_returning_its_loss_and_logits():
+    """A 1F1B call runs its backward itself: the timed step no longer calls backward on the sum of the
+    outputs (the logits have no gradient path: it was refused, "a backward reached the output"), and
+    the gradients are left as they were."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    model = _LossAndLogits()
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x, y), pipeline=2, micro_batches=2, schedule="1f1b")
+    m = dpcompile.measure(pm, x, y)
+    assert m.training and m.step_time > 0 and all(p > 0 for p in m.step_allocated_peak.values())
+    assert all(p.grad is None for p in model.parameters())

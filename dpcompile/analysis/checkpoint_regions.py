@@ -263,8 +263,8 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
         blocks = repeated_blocks(model) or lone_blocks(model)
         if not blocks:
             raise DpCompileError(
-                "activation_checkpointing=True recomputes the items of the model's repeated blocks (a ModuleList or "
-                f"Sequential of one block type), and {type(model).__name__} has none: name the modules to recompute, "
+                "activation_checkpointing=True recomputes the model's repeated blocks (a ModuleList or Sequential "
+                f"of one block type, or attributes that are blocks of one type and shape), and {type(model).__name__} has none: name the modules to recompute, "
                 f"e.g. activation_checkpointing={[name for name, _ in model.named_children()][:2] or ['encoder']!r}"
             )
         return blocks

@@ -29,7 +29,7 @@ from dpcompile.planned_mesh import planned_mesh_transform
 from dpcompile.planner import UNBUILT, Candidate, Planned, chosen_words, plan_layouts
 from dpcompile.planning import device_budgets
 
-__all__ = ["LAYOUT_DEFAULTS", "CheckpointPlan", "check_layout_fits", "headroom", "plan_checkpointing",
+__all__ = ["LAYOUT_DEFAULTS", "SUGGESTION_TRIES", "CheckpointPlan", "check_layout_fits", "headroom", "plan_checkpointing",
            "planned_transform", "predicted_cut", "size_byte_budget"]
 
 #: keywords that name a layout: plan="auto" chooses them
@@ -67,10 +67,11 @@ def planned_transform(
     )  # fmt: skip
     if source is not None:
         planned.judged_against(source)
-    for candidate in planned.fitting:
+    def built(candidate: Candidate, budget: Any) -> Any:
+        """``candidate``'s program, or None with the candidate marked unbuilt."""
         options = {**arguments, **candidate.keywords(), "memory_per_device": None}
         if candidate.spec.size("cp") > 1:  # checked again as a named layout: its exchanges get the budget's room
-            options["memory_per_device"] = arguments["memory_per_device"] or budgets
+            options["memory_per_device"] = budget
         try:
             pm = build(model, devices, **options)
             if candidate.spec.schedule == "1f1b" and training:  # its step is planned at the first call: plan it now
@@ -78,6 +79,12 @@ def planned_transform(
                 pm.recipe.one_f_one_b_step(pm, pm.call_key(*examples, **(arguments["example_kwargs"] or {})))
         except (DpCompileError, ValueError) as e:
             candidate.rejected, candidate.fits = f"{UNBUILT}{e}", False
+            return None
+        return pm
+
+    for candidate in planned.fitting:
+        pm = built(candidate, arguments["memory_per_device"] or budgets)
+        if pm is None:
             continue
         planned.choose(candidate)
         pm.memory_plan = planned.estimate(candidate, optimizer, training)
@@ -89,7 +96,17 @@ def planned_transform(
         if source is not None:
             pm.strategies["memory_per_device"] = default_budget_words(budgets, source)
         return pm
+    # the error suggests the smallest predicted peak as a budget: it must build when passed back (a 1F1B
+    # layout over a model that updates its state from the whole batch in forward is refused only when built)
+    for candidate in sorted((c for c in planned.candidates if c.per_device and not c.fits and c.rejected
+                             and not c.rejected.startswith(UNBUILT)), key=lambda c: c.peak)[:SUGGESTION_TRIES]:  # fmt: skip
+        if built(candidate, candidate.peak) is not None:
+            break
     raise planned.no_fit_error(len(parsed.labels()))
+
+
+#: how many of the smallest predicted layouts a no-fit error builds (and drops where they fail) before it suggests one
+SUGGESTION_TRIES = 4
 
 
 def default_budget_words(budgets: Mapping[str, int], source: str) -> str:

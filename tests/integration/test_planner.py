@@ -389,3 +389,33 @@ def test_plan_mesh_layouts_without_budgets_plans_for_this_hosts_share():
     share = host_available_bytes() // 2
     assert planned.fitting and all(c.budget_source.startswith(DEFAULT_BUDGET) for c in planned.candidates)
     assert all(set(c.budgets) == set(ranks) and abs(c.budgets["rank0"] - share) < share // 4 for c in planned.candidates)
+
+
+class RunningMean(Stack):
+    """Stack whose forward keeps an EMA of its input's mean in a buffer: 1F1B's micro-batches cannot
+    go on alone (refused only when built)."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=2)
+        self.register_buffer("running", torch.zeros(16))
+
+    def forward(self, x, y):
+        self.running.mul_(0.9).add_(0.1 * x.detach().mean((0, 1)))
+        return super().forward(x - self.running, y)
+
+
+def test_the_no_fit_error_suggests_a_budget_whose_layout_builds_and_changes_nothing():
+    """Nothing fits: the smallest predicted layouts are built (and dropped where they are refused) before
+    one is suggested, so the suggestion builds when passed back; the model's buffers and parameters and
+    the RNG are as before (it suggested 1F1B with 8 micro-batches, refused when built)."""
+    torch.manual_seed(0)
+    model = RunningMean().double()
+    before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    with pytest.raises(DpCompileError, match="no layout fits") as caught:
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto",
+                            memory_per_device=1000)  # fmt: skip
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and torch.equal(rng, torch.get_rng_state())
+    suggested = int(str(caught.value).split(" bytes)")[0].rsplit("(", 1)[1])
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto",
+                             memory_per_device=suggested)  # fmt: skip
+    assert next(c for c in pm.candidates if c.rejected is None).peak == suggested

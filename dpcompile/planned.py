@@ -26,7 +26,7 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.mesh import is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.planned_mesh import planned_mesh_transform
-from dpcompile.planner import UNBUILT, Candidate, Planned, chosen_words, plan_layouts
+from dpcompile.planner import UNBUILT, Candidate, Planned, chosen_words, default_budget_words, plan_layouts
 from dpcompile.planning import device_budgets
 
 __all__ = ["LAYOUT_DEFAULTS", "SUGGESTION_TRIES", "CheckpointPlan", "check_layout_fits", "headroom", "plan_checkpointing",
@@ -94,7 +94,7 @@ def planned_transform(
             pm.strategies["activation_checkpointing"] = chosen_words(pm, candidate, budgets, len(planned.candidates),
                                                                       "the fastest predicted")  # fmt: skip
         if source is not None:
-            pm.strategies["memory_per_device"] = default_budget_words(budgets, source)
+            pm.strategies["memory_per_device"] = default_budget_words(budgets)
         return pm
     # the error suggests the smallest predicted peak as a budget: it must build when passed back (a 1F1B
     # layout over a model that updates its state from the whole batch in forward is refused only when built)
@@ -107,13 +107,6 @@ def planned_transform(
 
 #: how many of the smallest predicted layouts a no-fit error builds (and drops where they fail) before it suggests one
 SUGGESTION_TRIES = 4
-
-
-def default_budget_words(budgets: Mapping[str, int], source: str) -> str:
-    """``pm.strategies["memory_per_device"]`` where ``plan="auto"`` had no budget: what it planned for."""
-    sizes = sorted(set(budgets.values()))
-    each = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])}-{format_bytes(sizes[-1])}"
-    return f"{each} per device ({source})"
 
 
 def _plan_named_layout(

@@ -27,7 +27,7 @@ from dpcompile.analysis.device_memory import DEFAULT_BUDGET, memory_key, physica
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.memory import format_bytes, parse_budget
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.planner import UNBUILT, chosen_words, has_blocks, plan_mesh_layouts
+from dpcompile.planner import UNBUILT, chosen_words, default_budget_words, has_blocks, plan_mesh_layouts
 
 __all__ = ["mesh_candidates", "mesh_shape", "planned_mesh_transform"]
 
@@ -134,7 +134,7 @@ def planned_mesh_transform(
             pm.strategies["activation_checkpointing"] = chosen_words(pm, candidate, budgets, len(planned.candidates),
                                                                      "the fastest predicted")  # fmt: skip
         if source is not None:
-            pm.strategies["memory_per_device"] = f"{format_bytes(budget)} per device ({source})"
+            pm.strategies["memory_per_device"] = default_budget_words(budgets)
         return pm
     raise planned.no_fit_error(len(ranks))
 

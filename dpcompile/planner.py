@@ -22,14 +22,14 @@ from torch import nn
 
 from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
 from dpcompile.analysis.checkpoint_regions import lone_blocks, repeated_blocks
-from dpcompile.analysis.device_memory import device_memory_budgets
+from dpcompile.analysis.device_memory import DEFAULT_BUDGET, device_memory_budgets
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import ModelProfile, profile_model
 from dpcompile.analysis.sequence_costs import no_one_sequence, predict_layout, splits_sequence
 from dpcompile.errors import DpCompileError
 
-__all__ = ["UNBUILT", "Candidate", "Planned", "batch_statistics_module", "checkpoint_ladder", "chosen_words", "enumerate_layouts", "has_blocks", "plan_layouts",
+__all__ = ["UNBUILT", "Candidate", "Planned", "batch_statistics_module", "checkpoint_ladder", "chosen_words", "default_budget_words", "enumerate_layouts", "has_blocks", "plan_layouts",
            "plan_mesh_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -290,6 +290,13 @@ def batch_statistics_module(model: nn.Module) -> str | None:
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None):
             return name
     return None
+
+
+def default_budget_words(budgets: Mapping[str, int]) -> str:
+    """``pm.strategies["memory_per_device"]`` where ``plan="auto"`` had no budget: what it planned for."""
+    sizes = sorted(set(budgets.values()))
+    each = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])}-{format_bytes(sizes[-1])}"
+    return f"{each} per device ({DEFAULT_BUDGET}; explain(pm, x) says whose)"  # short: an export keeps it (< 200)
 
 
 def has_blocks(model: nn.Module) -> bool:

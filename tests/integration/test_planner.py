@@ -301,7 +301,9 @@ def test_plan_auto_without_a_budget_plans_for_the_hosts_memory_and_picks_the_fas
 
     pm = dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto")
     share = host_available_bytes() // 2
-    assert "the host's available memory" in pm.strategies["memory_per_device"]
+    assert pm.strategies["memory_per_device"].endswith("per device (no memory_per_device= given: the devices' own "
+                                                      "memory; explain(pm, x) says whose)")  # fmt: skip
+    assert all("cpu: the host's available memory" in c.budget_source for c in pm.candidates)
     assert all(c.fits for c in pm.candidates if c.per_device)  # a tiny model fits gigabytes
     chosen = next(c for c in pm.candidates if c.rejected is None)
     assert chosen.step_time == min(c.step_time for c in pm.candidates if c.per_device)
@@ -343,7 +345,7 @@ def test_plan_auto_without_a_budget_plans_for_each_gpus_total_memory():
     x, y = X.cuda(), Y.cuda()
     pm = dpcompile.transform(model, ["cuda:0"] * 2, example_inputs=(x, y), optimizer="adamw", plan="auto")
     assert all(c.budgets == {"cuda:0#0": total // 2, "cuda:0#1": total // 2} for c in pm.candidates)
-    assert "cuda:0: total memory (torch.cuda)" in pm.strategies["memory_per_device"]
+    assert "cuda:0: total memory (torch.cuda)" in pm.candidates[0].budget_source
     torch.testing.assert_close(pm(x, y), model(x, y))
 
 

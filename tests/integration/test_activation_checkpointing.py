@@ -486,3 +486,27 @@ def test_activation_checkpointing_a_batch_norm_region_pickles():
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
     for (name, b), c in zip(loaded.named_buffers(), reference.buffers()):
         torch.testing.assert_close(b, c, msg=lambda m, name=name: f"buffer {name}: {m}")
+
+
+class LongNamedStack(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a_rather_long_list_of_residual_blocks = nn.ModuleList(Block(d) for _ in range(5))
+
+    def forward(self, x):
+        for block in self.a_rather_long_list_of_residual_blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_a_program_recomputing_many_blocks_exports_and_loads(tmp_path):
+    """Its strategy names every recomputed block (here 240 characters): the folder export writes loads
+    (it was refused at load: "strategies ... is not {dimension: words}", under 200 characters)."""
+    torch.manual_seed(0)
+    model, x = LongNamedStack().double(), torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=True)
+    assert len(pm.strategies["activation_checkpointing"]) > 200
+    dpcompile.export(pm, tmp_path / "program")
+    loaded = dpcompile.load(tmp_path / "program", trust_code=True)  # its regions are pickled: our own folder
+    assert loaded.strategies == pm.strategies
+    torch.testing.assert_close(loaded(x), model(x))

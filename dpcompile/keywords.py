@@ -215,13 +215,8 @@ def _check_new_strategies(
     if exact_random is not None and not isinstance(exact_random, bool):
         raise ArgumentError(f"exact_random={exact_random!r}: expected True or False")
     if plan is not None:
-        if plan != "auto":
+        if plan != "auto":  # without memory_per_device=, plan="auto" plans for the devices' own memory
             raise ArgumentError(f'plan={plan!r}: expected None or "auto"')
-        if memory_per_device is None:
-            raise ArgumentError(
-                'plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. '
-                'memory_per_device="24GiB"'
-            )
 
 
 def _check_activation_checkpointing(value: Any, memory_per_device: Any) -> None:

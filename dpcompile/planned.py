@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from dpcompile.analysis.checkpoint_regions import check_spec
+from dpcompile.analysis.device_memory import device_memory_budgets
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share
 from dpcompile.analysis.memory import format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import profile_model
@@ -25,10 +26,10 @@ from dpcompile.errors import ArgumentError, DpCompileError
 from dpcompile.mesh import is_device_mesh
 from dpcompile.modules.base import ParallelModule
 from dpcompile.planned_mesh import planned_mesh_transform
-from dpcompile.planner import UNBUILT, Candidate, Planned, chosen_words, plan_layouts
+from dpcompile.planner import UNBUILT, Candidate, Planned, chosen_words, default_budget_words, plan_layouts
 from dpcompile.planning import device_budgets
 
-__all__ = ["LAYOUT_DEFAULTS", "CheckpointPlan", "check_layout_fits", "headroom", "plan_checkpointing",
+__all__ = ["LAYOUT_DEFAULTS", "SUGGESTION_TRIES", "CheckpointPlan", "check_layout_fits", "headroom", "plan_checkpointing",
            "planned_transform", "predicted_cut", "size_byte_budget"]
 
 #: keywords that name a layout: plan="auto" chooses them
@@ -46,8 +47,6 @@ def planned_transform(
              if arguments[k] != v and arguments[k] is not None and not (k == "activation_checkpointing" and auto_checkpointing)]  # fmt: skip
     if given:
         raise ArgumentError(f'plan="auto" chooses the layout itself: leave {", ".join(given)} out, or leave plan= out')
-    if arguments["memory_per_device"] is None:
-        raise ArgumentError('plan="auto" chooses the layout that fits memory_per_device=: give a budget, e.g. "24GiB"')
     if example_tuple is None and not arguments["example_kwargs"]:
         raise ArgumentError('plan="auto" predicts activations and step times from a fake run: give example_inputs= '
                          "(or example_kwargs=)")  # fmt: skip
@@ -56,17 +55,23 @@ def planned_transform(
     check_examples(model, example_tuple, arguments["example_kwargs"])
     if is_device_mesh(devices):  # the layouts of the user's plain loop, over a mesh of the same ranks
         return planned_mesh_transform(model, devices, arguments, example_tuple, build=build)
-    budgets = device_budgets(devices, arguments["memory_per_device"])
     parsed = parse_devices(devices)
+    if arguments["memory_per_device"] is None:  # the devices' own memory (docs/planner.md)
+        budgets, source = device_memory_budgets(parsed.devices, parsed.labels())
+    else:
+        budgets, source = device_budgets(devices, arguments["memory_per_device"]), None
     optimizer, training = arguments["optimizer"], arguments["training"]
     planned = plan_layouts(
         model, parsed.labels(), budgets, optimizer=optimizer, training=training, example_inputs=example_tuple,
         example_kwargs=arguments["example_kwargs"], device=parsed.primary, auto_checkpointing=auto_checkpointing,
     )  # fmt: skip
-    for candidate in planned.fitting:
+    if source is not None:
+        planned.judged_against(source)
+    def built(candidate: Candidate, budget: Any) -> Any:
+        """``candidate``'s program, or None with the candidate marked unbuilt."""
         options = {**arguments, **candidate.keywords(), "memory_per_device": None}
         if candidate.spec.size("cp") > 1:  # checked again as a named layout: its exchanges get the budget's room
-            options["memory_per_device"] = arguments["memory_per_device"]
+            options["memory_per_device"] = budget
         try:
             pm = build(model, devices, **options)
             if candidate.spec.schedule == "1f1b" and training:  # its step is planned at the first call: plan it now
@@ -74,6 +79,12 @@ def planned_transform(
                 pm.recipe.one_f_one_b_step(pm, pm.call_key(*examples, **(arguments["example_kwargs"] or {})))
         except (DpCompileError, ValueError) as e:
             candidate.rejected, candidate.fits = f"{UNBUILT}{e}", False
+            return None
+        return pm
+
+    for candidate in planned.fitting:
+        pm = built(candidate, arguments["memory_per_device"] or budgets)
+        if pm is None:
             continue
         planned.choose(candidate)
         pm.memory_plan = planned.estimate(candidate, optimizer, training)
@@ -82,8 +93,20 @@ def planned_transform(
         if auto_checkpointing:
             pm.strategies["activation_checkpointing"] = chosen_words(pm, candidate, budgets, len(planned.candidates),
                                                                       "the fastest predicted")  # fmt: skip
+        if source is not None:
+            pm.strategies["memory_per_device"] = default_budget_words(budgets)
         return pm
+    # the error suggests the smallest predicted peak as a budget: it must build when passed back (a 1F1B
+    # layout over a model that updates its state from the whole batch in forward is refused only when built)
+    for candidate in sorted((c for c in planned.candidates if c.per_device and not c.fits and c.rejected
+                             and not c.rejected.startswith(UNBUILT)), key=lambda c: c.peak)[:SUGGESTION_TRIES]:  # fmt: skip
+        if built(candidate, candidate.peak) is not None:
+            break
     raise planned.no_fit_error(len(parsed.labels()))
+
+
+#: how many of the smallest predicted layouts a no-fit error builds (and drops where they fail) before it suggests one
+SUGGESTION_TRIES = 4
 
 
 def _plan_named_layout(

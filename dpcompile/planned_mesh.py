@@ -14,6 +14,8 @@ cost model does not predict it yet.
 
 from __future__ import annotations
 
+import socket
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpcompile.analysis.device_memory import DEFAULT_BUDGET, memory_key, physical_memory_bytes
 from dpcompile.analysis.layout_costs import LayoutSpec
-from dpcompile.analysis.memory import parse_budget
+from dpcompile.analysis.memory import format_bytes, parse_budget
 from dpcompile.errors import ArgumentError, DpCompileError
-from dpcompile.planner import UNBUILT, chosen_words, has_blocks, plan_mesh_layouts
+from dpcompile.planner import UNBUILT, chosen_words, default_budget_words, has_blocks, plan_mesh_layouts
 
 __all__ = ["mesh_candidates", "mesh_shape", "planned_mesh_transform"]
 
@@ -84,13 +87,17 @@ def planned_mesh_transform(
     (checked) or every rank raises the same ``DpCompileError``."""
     ranks = _check_mesh_for_planning(mesh, arguments)
     labels = [f"rank{r}" for r in ranks]
-    budgets = dict.fromkeys(labels, parse_budget(arguments["memory_per_device"]))
+    given = arguments["memory_per_device"]
+    budget, source = (parse_budget(given), None) if given is not None else _ranks_own_memory(mesh)
+    budgets = dict.fromkeys(labels, budget)
     optimizer, training = arguments["optimizer"], arguments["training"]
     auto = arguments.get("activation_checkpointing") == "auto"  # each layout with every choice of what to keep
     specs = mesh_candidates(len(ranks), checkpointing=not auto and training and has_blocks(model))
     planned = plan_mesh_layouts(model, labels, budgets, optimizer=optimizer, training=training,
                                 example_inputs=example_tuple, example_kwargs=arguments["example_kwargs"],
                                 specs=specs, auto_checkpointing=auto)  # fmt: skip
+    if source is not None:
+        planned.judged_against(source)
     ranked = [c.spec.name for c in planned.fitting]
     every = _gathered(ranked)
     if any(order != every[0] for order in every):
@@ -126,5 +133,28 @@ def planned_mesh_transform(
         if auto:
             pm.strategies["activation_checkpointing"] = chosen_words(pm, candidate, budgets, len(planned.candidates),
                                                                      "the fastest predicted")  # fmt: skip
+        if source is not None:
+            pm.strategies["memory_per_device"] = default_budget_words(budgets)
         return pm
     raise planned.no_fit_error(len(ranks))
+
+
+def _ranks_own_memory(mesh: Any) -> tuple[int, str]:
+    """The budget every rank plans for without ``memory_per_device=``: the least, over the ranks, of a
+    rank's share of its device's memory (a GPU's total memory; the host's available memory shared by the
+    ranks on that host), so that every rank ranks the layouts alike. Every rank calls it (a collective)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    try:
+        mine: tuple[Any, ...] = (socket.gethostname(), memory_key(device), *physical_memory_bytes(device))
+    except DpCompileError as e:  # told to every rank, so that none waits on the others
+        mine = (None, None, str(e), None)
+    every = _gathered(mine)
+    failed = next((r for r, (host, *_) in enumerate(every) if host is None), None)
+    if failed is not None:
+        raise ArgumentError(f"rank {failed}: {every[failed][2]}")
+    sharing = Counter((host, key) for host, key, _, _ in every)
+    rank = min(range(len(every)), key=lambda r: every[r][2] // sharing[every[r][:2]])
+    host, key, size, where = every[rank]
+    shared = f", shared by {sharing[(host, key)]} ranks" if sharing[(host, key)] > 1 else ""
+    return size // sharing[(host, key)], (f"{DEFAULT_BUDGET}: the least of the ranks' shares, rank {rank}'s {key} "
+                                          f"on {host}: {where} {format_bytes(size)}{shared}")  # fmt: skip

@@ -22,13 +22,14 @@ from torch import nn
 
 from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
 from dpcompile.analysis.checkpoint_regions import lone_blocks, repeated_blocks
+from dpcompile.analysis.device_memory import DEFAULT_BUDGET, device_memory_budgets
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import ModelProfile, profile_model
 from dpcompile.analysis.sequence_costs import no_one_sequence, predict_layout, splits_sequence
 from dpcompile.errors import DpCompileError
 
-__all__ = ["UNBUILT", "Candidate", "Planned", "checkpoint_ladder", "chosen_words", "enumerate_layouts", "has_blocks", "plan_layouts",
+__all__ = ["UNBUILT", "Candidate", "Planned", "batch_statistics_module", "checkpoint_ladder", "chosen_words", "default_budget_words", "enumerate_layouts", "has_blocks", "plan_layouts",
            "plan_mesh_layouts"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -45,6 +46,8 @@ class Candidate:
     rejected: str | None = None  # None: the one chosen
     fits: bool = False
     stage_starts: tuple[str, ...] = ()  # a pipeline's: the module paths where its predicted stages 1.. start
+    budgets: dict[str, int] = field(default_factory=dict)  # the bytes per device it was judged against
+    budget_source: str = "memory_per_device="  # or, where none was given, the devices' own memory (DEFAULT_BUDGET)
 
     @property
     def peak(self) -> int:
@@ -78,6 +81,7 @@ class Candidate:
             "predicted_peak_bytes": self.peak,
             "predicted_peak_by_kind": dict(self.per_device[peak_device]) if peak_device else {},
             "predicted_step_time": self.step_time, "fits": self.fits, "rejected": self.rejected,
+            "budget_bytes": dict(self.budgets), "budget": self.budget_source,
         }  # fmt: skip
 
     def row(self) -> list[str]:
@@ -93,6 +97,13 @@ class Planned:
     candidates: list[Candidate]
     calibration: Calibration
     budgets: dict[str, int]
+    budget_source: str = "memory_per_device="
+
+    def judged_against(self, source: str) -> None:
+        """Say where the budgets came from (the devices' own memory where none was given), on every candidate."""
+        self.budget_source = source
+        for c in self.candidates:
+            c.budget_source = source
 
     @property
     def fitting(self) -> list[Candidate]:
@@ -119,8 +130,11 @@ class Planned:
         least = min(predicted, key=lambda c: c.peak)
         device = max(least.per_device, key=lambda d: sum(least.per_device[d].values()))
         terms = " + ".join(f"{format_bytes(least.per_device[device][k])} {k}" for k in KINDS)
+        given = f"memory_per_device={format_bytes(budget)}"
+        if self.budget_source != "memory_per_device=":
+            given = f"{format_bytes(budget)} per device ({self.budget_source}; memory_per_device= sets a budget)"
         return DpCompileError(
-            f"no layout fits memory_per_device={format_bytes(budget)} on {devices} devices: of the "
+            f"no layout fits {given} on {devices} devices: of the "
             f"{len(self.candidates)} considered, the smallest predicted peak is {format_bytes(least.peak)} per device "
             f"({least.spec.name}: {terms}). The way out: a budget of at least {format_budget_up(least.peak)} "
             f"({least.peak} bytes), more devices, a lighter optimizer, or a smaller batch "
@@ -201,12 +215,16 @@ def plan_layouts(
     if auto_checkpointing:
         specs = [s for spec in specs if not spec.checkpointing
                  for s in ([spec] if splits_sequence(spec) else checkpoint_ladder(profile, spec))]  # fmt: skip
+    coupled = batch_statistics_module(model) if training else None
     for spec in specs:
         prediction = predict_layout(profile, spec, calibration)
-        candidate = Candidate(spec)
+        candidate = Candidate(spec, budgets=dict(budgets))
         plain = LayoutSpec(spec.layout)
         if spec.sequence_parallel and no_one_sequence(profile) and plain in specs:  # the same program twice
             candidate.rejected = f"builds {plain.name}: no one sequence (the blocks' row layers disagree on dim 1)"
+        elif coupled is not None and spec.schedule == "1f1b" and spec.micro_batches > 1:
+            candidate.rejected = (f"cannot be built: BatchNorm '{coupled}' normalises with the whole batch's statistics, "
+                                  "which 1F1B's micro-batches do not meet for (GPipe's do)")  # fmt: skip
         elif prediction.unbuildable:
             candidate.rejected = f"cannot be built: {prediction.unbuildable}"
         else:
@@ -226,7 +244,7 @@ def plan_layouts(
 
 
 def plan_mesh_layouts(
-    model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int], *, optimizer: str | None, training: bool,
+    model: nn.Module, labels: Sequence[str], budgets: Mapping[str, int] | None, *, optimizer: str | None, training: bool,
     example_inputs: Sequence[Any] | None, example_kwargs: Mapping[str, Any] | None,
     specs: Sequence[LayoutSpec] | None = None, auto_checkpointing: bool = False,
 ) -> Planned:  # fmt: skip
@@ -234,7 +252,11 @@ def plan_mesh_layouts(
     of :func:`enumerate_layouts`, each with and without activation checkpointing where the model has
     repeated blocks; or ``specs``), predicted with the mesh's calibration
     (:func:`~dpcompile.analysis.calibration.calibrate_mesh`) and judged as :func:`plan_layouts` does them
-    (``auto_checkpointing``: each layout with every choice of :func:`checkpoint_ladder`)."""
+    (``auto_checkpointing``: each layout with every choice of :func:`checkpoint_ladder`); ``budgets=None``:
+    this host's available memory shared by the ranks (``transform`` over a mesh gathers every rank's instead)."""
+    source = None
+    if budgets is None:
+        budgets, source = device_memory_budgets([torch.device("cpu")] * len(labels), labels)
     if specs is None:
         profile_batch = None
         for x in [*(example_inputs or ()), *(example_kwargs or {}).values()]:
@@ -242,9 +264,12 @@ def plan_mesh_layouts(
                 profile_batch = int(x.shape[0])
                 break
         specs = enumerate_layouts(len(labels), batch=profile_batch, blocks=has_blocks(model))
-    return plan_layouts(model, labels, budgets, optimizer=optimizer, training=training, example_inputs=example_inputs,
-                        example_kwargs=example_kwargs, device=torch.device("cpu"), specs=specs,
-                        calibration=calibrate_mesh(len(labels)), auto_checkpointing=auto_checkpointing)  # fmt: skip
+    planned = plan_layouts(model, labels, budgets, optimizer=optimizer, training=training,
+                           example_inputs=example_inputs, example_kwargs=example_kwargs, device=torch.device("cpu"),
+                           specs=specs, calibration=calibrate_mesh(len(labels)), auto_checkpointing=auto_checkpointing)  # fmt: skip
+    if source is not None:
+        planned.judged_against(source)
+    return planned
 
 
 def chosen_words(pm: nn.Module, chosen: Candidate, budgets: Mapping[str, int], tried: int,
@@ -255,6 +280,23 @@ def chosen_words(pm: nn.Module, chosen: Candidate, budgets: Mapping[str, int], t
     return (f"{what} (activation_checkpointing='auto': predicted peak {format_bytes(chosen.peak)} per device <= "
             f"memory_per_device={format_bytes(min(budgets.values()))}, {which} of {tried} predicted; "
             "explain(pm, x).candidates)")  # fmt: skip
+
+
+def batch_statistics_module(model: nn.Module) -> str | None:
+    """The first BatchNorm of ``model`` that normalises with the batch's own statistics (in training, or
+    without running statistics): 1F1B refuses it at its first step (its micro-batches would each be
+    normalised alone), so no 1F1B layout of several micro-batches is a candidate; None where there is none."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None):
+            return name
+    return None
+
+
+def default_budget_words(budgets: Mapping[str, int]) -> str:
+    """``pm.strategies["memory_per_device"]`` where ``plan="auto"`` had no budget: what it planned for."""
+    sizes = sorted(set(budgets.values()))
+    each = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])}-{format_bytes(sizes[-1])}"
+    return f"{each} per device ({DEFAULT_BUDGET}; explain(pm, x) says whose)"  # short: an export keeps it (< 200)
 
 
 def has_blocks(model: nn.Module) -> bool:

@@ -183,7 +183,7 @@ def checkpoint_words(rule: str, paths: tuple[str, ...], program: nn.Module) -> s
 
 def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
     """The items of the model's largest ``ModuleList`` / ``Sequential`` of blocks of one type
-    (the most items; ties: the most parameters); empty where there is none."""
+    (the most items; ties: the most parameters); where no list holds any, :func:`sibling_blocks`."""
     best: tuple[int, int, str, list[str]] | None = None
     for path, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
@@ -195,7 +195,34 @@ def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
         names = [f"{path}.{name}" if path else name for name, _ in module.named_children()]
         if best is None or (len(names), size) > best[:2]:
             best = (len(names), size, path, names)
-    return tuple(best[3]) if best else ()
+    return tuple(best[3]) if best else sibling_blocks(model)
+
+
+def sibling_blocks(model: nn.Module) -> tuple[str, ...]:
+    """The largest group of one module's own attributes that are blocks (submodules and parameters)
+    of one type with parameters of the same shapes (``self.block0 = Block(); self.block1 = Block()``),
+    the most first (ties: the most parameters); empty where there is none. Lists are
+    :func:`repeated_blocks`' own; a Linear beside a Linear is no block.
+
+    >>> sibling_blocks(PlainAttrs())  # inp, block0, block1, block2, out  # doctest: +SKIP
+    ('block0', 'block1', 'block2')
+    """
+    best: tuple[int, int, list[str]] | None = None
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        groups: dict[Any, list[nn.Module]] = {}
+        names: dict[int, str] = {}
+        for name, child in module.named_children():
+            if any(True for _ in child.children()) and any(True for _ in child.parameters()):
+                shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in child.named_parameters())
+                groups.setdefault((type(child), shapes), []).append(child)
+                names[id(child)] = f"{path}.{name}" if path else name
+        for children in groups.values():
+            size = sum(p.numel() for c in children for p in c.parameters())
+            if len(children) > 1 and (best is None or (len(children), size) > best[:2]):
+                best = (len(children), size, [names[id(c)] for c in children])
+    return tuple(best[2]) if best else ()
 
 
 def lone_blocks(model: nn.Module) -> tuple[str, ...]:
@@ -236,8 +263,8 @@ def checkpoint_paths(model: nn.Module, activation_checkpointing: Any) -> tuple[s
         blocks = repeated_blocks(model) or lone_blocks(model)
         if not blocks:
             raise DpCompileError(
-                "activation_checkpointing=True recomputes the items of the model's repeated blocks (a ModuleList or "
-                f"Sequential of one block type), and {type(model).__name__} has none: name the modules to recompute, "
+                "activation_checkpointing=True recomputes the model's repeated blocks (a ModuleList or Sequential "
+                f"of one block type, or attributes that are blocks of one type and shape), and {type(model).__name__} has none: name the modules to recompute, "
                 f"e.g. activation_checkpointing={[name for name, _ in model.named_children()][:2] or ['encoder']!r}"
             )
         return blocks

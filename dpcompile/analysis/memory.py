@@ -17,6 +17,8 @@ says how many devices, or how large a budget, would fit.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import re
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -85,10 +87,10 @@ def parse_budget(budget: Any) -> int:
     """``"24GiB"``, ``"1.5 GB"``, ``"512MiB"`` or an int of bytes, as bytes."""
     if isinstance(budget, bool):
         raise ArgumentError(f"memory_per_device={budget!r}: expected bytes (an int) or a size such as '24GiB'")
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ArgumentError(f"memory_per_device={budget}: a budget must be positive")
-        return budget
+    if isinstance(budget, numbers.Real) and not isinstance(budget, str):  # 1e9, numpy's int64: bytes
+        if not math.isfinite(budget) or budget < 1:
+            raise ArgumentError(f"memory_per_device={budget}: a budget must be a positive, finite number of bytes")
+        return int(budget)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(budget).lower())
     if not isinstance(budget, str) or match is None:
         raise ArgumentError(f"memory_per_device={budget!r}: expected bytes (an int) or a size such as '24GiB', '512MB'")

@@ -175,6 +175,8 @@ def profile_model(
     blocks = repeated_blocks(model)
     modules = dict(model.named_modules())
     container = modules.get(blocks[0].rpartition(".")[0]) if blocks else None
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)):  # blocks held as attributes: run them all
+        container = None
     if len(blocks) > PROFILED_BLOCKS + 1 and container is not None and _identical(modules[b] for b in blocks):
         kept, skipped = blocks[:PROFILED_BLOCKS], blocks[PROFILED_BLOCKS:]
         whole = container._modules

@@ -31,7 +31,7 @@ from dpcompile.export.common import (
     dtype_name,
 )
 
-__all__ = ["MAX_MANIFEST_BYTES", "MAX_NESTING", "MAX_PROGRAM_BYTES", "check_manifest_hash", "manifest_hash", "read_json", "read_manifest"]
+__all__ = ["MAX_MANIFEST_BYTES", "MAX_NESTING", "MAX_PROGRAM_BYTES", "STRATEGY_WORDS", "check_manifest_hash", "manifest_hash", "read_json", "read_manifest"]
 
 # how deep a manifest or program may nest lists and objects: real programs stay far below
 # (a node's arguments: tuples of tuples); Python's parser would raise RecursionError near 1000
@@ -43,6 +43,10 @@ MAX_PROGRAM_BYTES = 256 << 20
 #: at most one list or object per this many bytes of manifest.json or program.json
 BYTES_PER_CONTAINER = 8
 
+
+#: the longest words of one ``pm.strategies`` entry a folder may hold: every recomputed block's path is
+#: among them (30 blocks' were 300 characters, and a folder that export wrote was refused at load under 200)
+STRATEGY_WORDS = 4000
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
@@ -200,7 +204,7 @@ def read_program(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         ) or len({p[0] for p in layout}) != len(layout):
             raise ExportError(f"{folder / PROGRAM_FILE}: layout {layout!r:.80} is not [['pp'|'dp'|'cp'|'tp', size], ...]")
         words = config.get("strategies")
-        if not isinstance(words, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) < 200
+        if not isinstance(words, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) < STRATEGY_WORDS
                                                   for k, v in words.items()):  # fmt: skip
             raise ExportError(f"{folder / PROGRAM_FILE}: strategies {words!r:.80} is not {{dimension: words}}")
         fields |= {"layout", "strategies"}

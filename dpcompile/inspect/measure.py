@@ -36,8 +36,8 @@ from dpcompile.errors import DpCompileError
 from dpcompile.fx_utils import FreshArguments, bind_inputs
 from dpcompile.inspect.explanation import explain, held_count, inspected_modules
 from dpcompile.inspect.measure_1f1b import one_f_one_b_peaks, runs_one_f_one_b, stamp_slot
-from dpcompile.inspect.measure_ledger import SLOT_KEY, BackwardWindows, Ledger, address
-from dpcompile.inspect.nodes import copy_labels, device_list, label_slots
+from dpcompile.inspect.measure_ledger import SLOT_KEY, SPREAD_KEY, BackwardWindows, Ledger, address
+from dpcompile.inspect.nodes import copy_labels, device_list, label_slots, slot_of
 from dpcompile.modules.call_errors import refused_call
 from dpcompile.modules.executors import executor_of
 from dpcompile.modules.fsdp_one_process import FsdpProgram
@@ -83,12 +83,13 @@ class _Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        inputs = {address(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = {address(t) for t in given}
         for t in tree_leaves(out):
             # a DTensor's local tensor is counted where the op on it runs; a view or an in-place result
             # shares its input's storage: not new
             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and not is_traceable_wrapper_subclass(t):
-                self.ledger.count(t, inputs)
+                self.ledger.count(t, inputs, slot=self.ledger.spread_slot(t, given))
         return out
 
 
@@ -103,6 +104,8 @@ class _SlotInterpreter(FreshArguments):
 
     def run_node(self, n: fx.Node) -> Any:
         self.ledger.slot = self.slot_index(n)  # a node of no one device (a scatter, a gather, a whole op): the first
+        # unless it computes per device (a BatchNorm over every copy's chunk): see Ledger.spread_slot
+        self.ledger.spread = n.op == "call_function" and slot_of(n) is None
         if n.op == "call_function" and n.target is checkpoint:
             region, *rest = self.map_nodes_to_values(n.args, n)
             ledger = self.ledger
@@ -122,7 +125,10 @@ class _SlotInterpreter(FreshArguments):
             out = checkpoint(run_region, *rest, **n.kwargs)
         else:
             out = super().run_node(n)
-        stamp_slot(out, SLOT_KEY, self.ledger.slot)
+        for node in stamp_slot(out, SLOT_KEY, self.ledger.slot):
+            if self.ledger.spread:  # its backward too computes per device
+                node.metadata[SPREAD_KEY] = True
+        self.ledger.spread = False
         return out
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -160,10 +166,15 @@ def _state_kept(pm: nn.Module) -> Any:
         torch.set_rng_state(rng)
 
 
-def _step(run: Callable[[], Any], training: bool, backward: Callable[[torch.Tensor], None] | None = None) -> None:
+def _step(
+    run: Callable[[], Any], training: bool, backward: Callable[[torch.Tensor], None] | None = None, *,
+    backward_in_call: bool = False,
+) -> None:  # fmt: skip
+    """``run()``, then (training) the backward of its loss, unless the call ran it (``backward_in_call``:
+    a 1F1B step, whose other outputs have no gradient path: summed with the loss, backward was refused)."""
     with torch.enable_grad() if training else torch.no_grad():
         out = run()
-        loss = _loss_of(out) if training else None
+        loss = _loss_of(out) if training and not backward_in_call else None
         if loss is not None:
             (backward or torch.autograd.backward)(loss)
 
@@ -207,7 +218,7 @@ def _measure(pm: Any, args: tuple, kwargs: dict) -> Measurement:
     with _state_kept(pm):
         _synchronize(devices)
         start = time.perf_counter()
-        _step(lambda: pm(*args, **kwargs), training)
+        _step(lambda: pm(*args, **kwargs), training, backward_in_call=runs_one_f_one_b(pm, training))
         _synchronize(devices)
         seconds = time.perf_counter() - start
     return Measurement(
@@ -284,7 +295,7 @@ def _cuda_peaks(
         torch.cuda.reset_peak_memory_stats(d)
         before[d] = torch.cuda.memory_allocated(d)
     with _state_kept(pm):
-        _step(lambda: pm(*args, **kwargs), training)
+        _step(lambda: pm(*args, **kwargs), training, backward_in_call=runs_one_f_one_b(pm, training))
     _synchronize(devices)
     return {label: torch.cuda.max_memory_allocated(d) - before[d] for label, d in zip(labels, devices, strict=True)}
 

@@ -19,19 +19,22 @@ from dpcompile.modules.executors import executor_of
 __all__ = ["one_f_one_b_peaks", "runs_one_f_one_b", "stamp_slot"]
 
 
-def stamp_slot(out: Any, slot_key: str, slot: int) -> None:
+def stamp_slot(out: Any, slot_key: str, slot: int) -> list[Any]:
     """Name ``slot`` on every autograd node the running node made: those its outputs reach before
     the nodes an earlier node stamped (a parameter's ``AccumulateGrad``: the slot of its first user).
     Not only the outputs' own: a Linear's ``AddmmBackward0`` sits under its ``ViewBackward0``, and
     the gradients it makes in backward are this slot's (searched for from it, the nearest stamp was
-    the previous stage's, on the other side of the boundary)."""
+    the previous stage's, on the other side of the boundary). Returns the autograd nodes stamped."""
     todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    stamped = []  # returned, not kept: saved tensors free
     while todo:
         node = todo.pop()
         if slot_key in node.metadata:
             continue
-        node.metadata[slot_key] = slot  # no reference kept: saved tensors free
+        node.metadata[slot_key] = slot
+        stamped.append(node)
         todo += [f for f, _ in getattr(node, "next_functions", ()) if f is not None]
+    return stamped
 
 
 def runs_one_f_one_b(pm: Any, training: bool) -> bool:

@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SLOT_KEY", "BackwardWindows", "Ledger", "address"]
+__all__ = ["SLOT_KEY", "SPREAD_KEY", "BackwardWindows", "Ledger", "address"]
 
 SLOT_KEY = "dpcompile_slot"  # on an autograd node's metadata: the slot of the forward node that made it
+SPREAD_KEY = "dpcompile_spread"  # on an autograd node's metadata: made by a node of no one device (Ledger.spread_slot)
 _HOOKED = "dpcompile_measure_hooked"  # on an autograd node's metadata: hooked by this BackwardWindows
 _SUMMED_AT = "dpcompile_summed_at"  # [(the ledger's position, slot)] where its input buffer received each gradient
 
@@ -74,6 +75,7 @@ class Ledger:
         self.slot = 0  # the device slot of the node now running
         self.recomputing = 0  # a checkpointed region running again in backward: its nodes name their slots
         self.in_backward_node = 0  # inside an autograd node's own backward (BackwardWindows)
+        self.spread = False  # the node now running runs on no one device (spread_slot)
 
     def position(self) -> int:
         return len(self.events)
@@ -133,6 +135,23 @@ class Ledger:
                 live[slot] += size
                 peak[slot] = max(peak[slot], live[slot])
         return peak
+
+    def spread_slot(self, t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> int | None:
+        """Where a node of no one device makes ``t``, where it computes per device (a whole-batch
+        BatchNorm over every dp copy's chunk, forward and backward): the one slot that holds the
+        inputs of ``t``'s shape (``x_k - mean`` is chunk ``k``'s), as a real device computes where its
+        operands are; None (the node's own slot) where none or several do (a sum of every device's
+        partials, a concatenation). Counted on the first device, BatchNorm's chunks put data
+        parallel's first device 30-50% over its prediction and the others 60-75% under."""
+        node = torch._C._current_autograd_node() if self.in_backward_node and not self.recomputing else None
+        if not (node.metadata.get(SPREAD_KEY, False) if node is not None else self.spread):
+            return None
+        slots = set()
+        for x in inputs:
+            entry = self.held.get(address(x)) if x.shape == t.shape else None
+            if entry is not None:
+                slots.add(entry.slots[0])
+        return slots.pop() if len(slots) == 1 else None
 
     def current_slot(self) -> int:
         node = torch._C._current_autograd_node()

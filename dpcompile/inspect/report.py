@@ -334,6 +334,9 @@ def _render(r: Report) -> str:
                 "\"auto\" alone: the least recomputed; memory_per_device= alone: data parallel where it fits)"]
         out += _table(["layout", "peak/device", "step", "why not"], [_candidate_row(c) for c in r.candidates],
                       [40, 12, 12, 70])  # fmt: skip
+        source = r.candidates[0].get("budget", "memory_per_device=")
+        if source != "memory_per_device=":  # plan="auto" without a budget: what it planned for
+            out += textwrap.wrap(f"Budget: {source}", WIDTH, initial_indent="  ", subsequent_indent="    ")
     if r.plan:
         out += ["", "Tensor-parallel plan"]
         rows = []

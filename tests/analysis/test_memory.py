@@ -111,3 +111,14 @@ def test_a_model_reading_a_counter_as_a_number_is_planned_and_left_unchanged(opt
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
     pm(torch.randn(6, 8))
     assert int(pm.state_dict()["1.num_batches_tracked"]) == 1  # counted once, by the program
+
+
+def test_a_budget_given_as_a_float_or_a_numpy_int_is_bytes():
+    """``memory_per_device=2.5e9`` (or a numpy count) is a number of bytes, as an int is (a float was
+    refused as "expected bytes (an int)"); zero, negative, NaN and infinite budgets are refused."""
+    import numpy as np
+
+    assert parse_budget(2.5e9) == 2_500_000_000 and parse_budget(np.int64(4096)) == 4096
+    for bad in (0, -1, 0.5, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="memory_per_device="):
+            parse_budget(bad)

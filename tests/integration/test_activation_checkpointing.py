@@ -345,6 +345,43 @@ def test_activation_checkpointing_unknown_path_names_the_nearest():
         dpcompile.transform(Stack(), ["cpu"] * 2, activation_checkpointing=["layers.9"])
 
 
+class PlainStack(nn.Module):
+    """Stack's blocks as attributes of their own, in no list."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.block0, self.block1, self.block2, self.head = Block(d), Block(d), Block(d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(self.block2(self.block1(self.block0(x)))).pow(2).mean()
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", "tensor_parallel"])
+def test_activation_checkpointing_true_finds_blocks_held_as_attributes(layout, monkeypatch):
+    """Blocks of one type and shape held as plain attributes are the repeated blocks True recomputes
+    (it was refused: "PlainStack has none"), and plan="auto" weighs recomputing them; loss and every
+    gradient equal eager's."""
+    torch.manual_seed(0)
+    reference = PlainStack().double()
+    model, x = copy.deepcopy(reference), torch.randn(6, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=True, **LAYOUTS[layout])
+    assert pm.strategies["activation_checkpointing"] == "recompute in backward: block0, block1, block2"
+    loss, expected = pm(x), reference(x)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    got = _grads(model, pm, layout == "tensor_parallel")
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(got[name], q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
+    if layout == "data_parallel":
+        from dpcompile.planner import plan_layouts
+
+        monkeypatch.setenv("DPCOMPILE_CALIBRATION", "off")  # the reference constants: nothing timed or cached
+        planned = plan_layouts(reference, ["cpu#0", "cpu#1"], {"cpu#0": 1 << 30, "cpu#1": 1 << 30}, optimizer=None,
+                               training=True, example_inputs=(x,), example_kwargs=None, device=torch.device("cpu"))  # fmt: skip
+        assert {"dp2", "dp2 +ckpt"} <= {c.spec.name for c in planned.candidates}
+
+
 def test_activation_checkpointing_true_without_blocks_is_refused():
     """True on a model with no repeated blocks says to name the modules, with the model's own names."""
     with pytest.raises(DpCompileError, match=r"name the modules to recompute, e\.g\. activation_checkpointing=\['0', '1'\]"):
@@ -449,3 +486,27 @@ def test_activation_checkpointing_a_batch_norm_region_pickles():
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"gradient of {name}: {m}")
     for (name, b), c in zip(loaded.named_buffers(), reference.buffers()):
         torch.testing.assert_close(b, c, msg=lambda m, name=name: f"buffer {name}: {m}")
+
+
+class LongNamedStack(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a_rather_long_list_of_residual_blocks = nn.ModuleList(Block(d) for _ in range(5))
+
+    def forward(self, x):
+        for block in self.a_rather_long_list_of_residual_blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_a_program_recomputing_many_blocks_exports_and_loads(tmp_path):
+    """Its strategy names every recomputed block (here 240 characters): the folder export writes loads
+    (it was refused at load: "strategies ... is not {dimension: words}", under 200 characters)."""
+    torch.manual_seed(0)
+    model, x = LongNamedStack().double(), torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, activation_checkpointing=True)
+    assert len(pm.strategies["activation_checkpointing"]) > 200
+    dpcompile.export(pm, tmp_path / "program")
+    loaded = dpcompile.load(tmp_path / "program", trust_code=True)  # its regions are pickled: our own folder
+    assert loaded.strategies == pm.strategies
+    torch.testing.assert_close(loaded(x), model(x))

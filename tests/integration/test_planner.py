@@ -292,3 +292,132 @@ def test_profile_sizes_a_float32_grouped_mm_in_its_own_dtype():
 
     profile = profile_model(Experts(), (torch.randn(6, 8),), None, optimizer=None, training=False)
     assert [(u.ops, u.op_bytes) for u in profile.units] == [(1, 6 * 8 * 4)] and profile.output_bytes == 6 * 8 * 4
+
+
+def test_plan_auto_without_a_budget_plans_for_the_hosts_memory_and_picks_the_fastest():
+    """No ``memory_per_device=``: the budget is the host's available memory shared by the two virtual
+    devices (said in ``pm.strategies`` and on every candidate), and the fastest predicted is built."""
+    from dpcompile.analysis.device_memory import host_available_bytes
+
+    pm = dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto")
+    share = host_available_bytes() // 2
+    assert pm.strategies["memory_per_device"].endswith("per device (no memory_per_device= given: the devices' own "
+                                                      "memory; explain(pm, x) says whose)")  # fmt: skip
+    assert all("cpu: the host's available memory" in c.budget_source for c in pm.candidates)
+    assert all(c.fits for c in pm.candidates if c.per_device)  # a tiny model fits gigabytes
+    chosen = next(c for c in pm.candidates if c.rejected is None)
+    assert chosen.step_time == min(c.step_time for c in pm.candidates if c.per_device)
+    report = dpcompile.explain(pm, X, Y)
+    assert "Budget: no memory_per_device= given" in str(report)
+    for c in report.candidates:
+        assert c["budget"].startswith("no memory_per_device= given") and set(c["budget_bytes"]) == set(LABELS)
+        assert all(abs(b - share) < share // 4 for b in c["budget_bytes"].values())  # read a moment apart
+
+
+def test_plan_auto_without_a_budget_is_bounded_by_the_hosts_memory(monkeypatch):
+    """With the host's memory at twice a budget data parallel does not fit, the choice is that budget's;
+    below every prediction, the no-fit error names the devices' own memory and changes nothing."""
+    from dpcompile.analysis import device_memory
+
+    budget, _ = _budget_between_data_parallel_and_the_least()
+    monkeypatch.setattr(device_memory, "host_available_bytes", lambda: 2 * budget)
+    pm = dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto")
+    named = dpcompile.transform(_stack(), ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto",
+                                memory_per_device=budget)  # fmt: skip
+    assert pm.layout == named.layout != {"dp": 2}
+    assert [c.spec.name for c in pm.candidates if c.rejected is None] == [
+        c.spec.name for c in named.candidates if c.rejected is None]  # fmt: skip
+    assert pm.strategies["memory_per_device"].startswith(format_bytes(budget) + " per device")
+    monkeypatch.setattr(device_memory, "host_available_bytes", lambda: 2000)
+    model = _stack()
+    before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    with pytest.raises(DpCompileError, match=r"no layout fits 1000 B per device \(no memory_per_device= given"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+@pytest.mark.gpu
+def test_plan_auto_without_a_budget_plans_for_each_gpus_total_memory():
+    """Two virtual devices on one GPU share its total memory; the chosen program equals eager."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    model = _stack().cuda()
+    x, y = X.cuda(), Y.cuda()
+    pm = dpcompile.transform(model, ["cuda:0"] * 2, example_inputs=(x, y), optimizer="adamw", plan="auto")
+    assert all(c.budgets == {"cuda:0#0": total // 2, "cuda:0#1": total // 2} for c in pm.candidates)
+    assert "cuda:0: total memory (torch.cuda)" in pm.candidates[0].budget_source
+    torch.testing.assert_close(pm(x, y), model(x, y))
+
+
+class BatchNormStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Conv2d(c, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                                    for c in (3, 8))  # fmt: skip
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean((2, 3))).pow(2).mean()
+
+
+def test_a_batch_norm_model_gets_no_1f1b_candidate_and_its_suggested_budget_builds():
+    """BatchNorm in training normalises with the whole batch's statistics, which 1F1B's micro-batches
+    never meet for: those layouts are "cannot be built" at planning, so the no-fit error's smallest
+    peak is one that builds when passed back (it named 1F1B with 8 micro-batches, refused at build)."""
+    torch.manual_seed(0)
+    model, x = BatchNormStack(), torch.randn(8, 3, 8, 8)
+    with pytest.raises(DpCompileError, match="no layout fits") as caught:
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), optimizer="adamw", plan="auto",
+                            memory_per_device=1000)  # fmt: skip
+    suggested = int(str(caught.value).split(" bytes)")[0].rsplit("(", 1)[1])
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,), optimizer="adamw", plan="auto",
+                             memory_per_device=suggested)  # fmt: skip
+    assert next(c for c in pm.candidates if c.rejected is None).peak == suggested
+    one_f_one_b = [c for c in pm.candidates if c.spec.schedule == "1f1b"]
+    assert one_f_one_b and all("BatchNorm 'layers.0.1'" in c.rejected and not c.fits for c in one_f_one_b)
+
+
+def test_plan_mesh_layouts_without_budgets_plans_for_this_hosts_share():
+    """``plan_mesh_layouts(..., budgets=None)``: the host's available memory shared by the ranks."""
+    from dpcompile.analysis.device_memory import DEFAULT_BUDGET, host_available_bytes
+    from dpcompile.planned_mesh import mesh_candidates
+    from dpcompile.planner import plan_mesh_layouts
+
+    ranks = ["rank0", "rank1"]
+    planned = plan_mesh_layouts(_stack(), ranks, None, optimizer="adamw", training=True, example_inputs=(X, Y),
+                                example_kwargs=None, specs=mesh_candidates(2))  # fmt: skip
+    share = host_available_bytes() // 2
+    assert planned.fitting and all(c.budget_source.startswith(DEFAULT_BUDGET) for c in planned.candidates)
+    assert all(set(c.budgets) == set(ranks) and abs(c.budgets["rank0"] - share) < share // 4 for c in planned.candidates)
+
+
+class RunningMean(Stack):
+    """Stack whose forward keeps an EMA of its input's mean in a buffer: 1F1B's micro-batches cannot
+    go on alone (refused only when built)."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=2)
+        self.register_buffer("running", torch.zeros(16))
+
+    def forward(self, x, y):
+        self.running.mul_(0.9).add_(0.1 * x.detach().mean((0, 1)))
+        return super().forward(x - self.running, y)
+
+
+def test_the_no_fit_error_suggests_a_budget_whose_layout_builds_and_changes_nothing():
+    """Nothing fits: the smallest predicted layouts are built (and dropped where they are refused) before
+    one is suggested, so the suggestion builds when passed back; the model's buffers and parameters and
+    the RNG are as before (it suggested 1F1B with 8 micro-batches, refused when built)."""
+    torch.manual_seed(0)
+    model = RunningMean().double()
+    before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    with pytest.raises(DpCompileError, match="no layout fits") as caught:
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto",
+                            memory_per_device=1000)  # fmt: skip
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and torch.equal(rng, torch.get_rng_state())
+    suggested = int(str(caught.value).split(" bytes)")[0].rsplit("(", 1)[1])
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto",
+                             memory_per_device=suggested)  # fmt: skip
+    assert next(c for c in pm.candidates if c.rejected is None).peak == suggested

@@ -205,6 +205,25 @@ def check_refusals() -> None:
         dpcompile.transform(eager, part, plan="auto", memory_per_device="1GiB", example_inputs=batch)
 
 
+def check_without_a_budget_plans_for_the_ranks_share_of_the_host() -> None:
+    """No memory_per_device=: every rank plans for the least of the ranks' shares of the host's
+    available memory (both ranks on this host), alike on every rank, and builds the fastest predicted."""
+    import torch.distributed as dist
+
+    from dpcompile.analysis.device_memory import host_available_bytes
+
+    eager, batch = _eager_and_batch()
+    pm = _auto_with(copy.deepcopy(eager), batch, memory_per_device=None)
+    budgets = {c.budgets["rank0"] for c in pm.candidates} | {c.budgets["rank1"] for c in pm.candidates}
+    assert len(budgets) == 1 and abs(budgets.pop() - host_available_bytes() // 2) < host_available_bytes() // 8
+    every = [None] * WORLD
+    dist.all_gather_object(every, pm.candidates[0].budgets)
+    assert every == [pm.candidates[0].budgets] * WORLD  # the same budget on every rank
+    assert "shared by 2 ranks" in pm.candidates[0].budget_source and "memory_per_device" in pm.strategies
+    assert [c.spec.name for c in pm.candidates if c.rejected is None] == [_planned(eager, batch).fitting[0].spec.name]
+    _step_equals_eager(pm, eager, batch)
+
+
 def _auto_with(model, batch, **options):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -224,6 +243,7 @@ CHECKS = [
     ("refused_on_one_rank_is_refused_on_all", check_refused_on_one_rank_is_refused_on_all),
     ("a_crash_on_one_rank_is_told_to_all", check_a_crash_on_one_rank_is_told_to_all),
     ("refusals", check_refusals),
+    ("without_a_budget_plans_for_the_ranks_share_of_the_host", check_without_a_budget_plans_for_the_ranks_share_of_the_host),
 ]
 
 

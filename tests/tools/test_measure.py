@@ -148,3 +148,41 @@ def test_measure_lets_autograd_sum_gradients_in_place(monkeypatch):
     measured = _weight_sums(lambda: dpcompile.measure(pm, x), [8, 8, 1, 1])
     assert plain == {"aten::add": 0, "aten::add_": 1}
     assert measured == {"aten::add": 0, "aten::add_": 2}
+
+
+def test_a_whole_batch_norm_counts_each_copys_chunk_on_its_own_device():
+    """Data parallel's BatchNorm runs as one node over every copy's chunk (the whole batch's
+    statistics): each chunk's output, what it saves and its gradient are computed where the chunk is,
+    so the two devices of a symmetric batch measure alike (17% over the prediction here). Counted on the
+    node's first device, the first measured 30% over its prediction and the second 40% under."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(512, 4))
+    x = torch.randn(8, 3, 8, 8)
+    m = dpcompile.measure(dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,)), x)
+    first, second = m.peak_bytes["cpu#0"], m.peak_bytes["cpu#1"]
+    assert abs(first - second) <= 0.02 * second, m.peak_bytes
+    for d, peak in m.peak_bytes.items():
+        assert abs(peak - m.predicted_peak_bytes[d]) <= 0.2 * peak, (d, peak, m.predicted_peak_bytes[d])
+
+
+class _LossAndLogits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        logits = self.fc2(torch.relu(self.fc1(x)))
+        return nn.functional.mse_loss(logits, y), logits
+
+
+def test_measure_runs_a_1f1b_step_of_a_model_returning_its_loss_and_logits():
+    """A 1F1B call runs its backward itself: the timed step no longer calls backward on the sum of the
+    outputs (the logits have no gradient path: it was refused, "a backward reached the output"), and
+    the gradients are left as they were."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    model = _LossAndLogits()
+    pm = dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x, y), pipeline=2, micro_batches=2, schedule="1f1b")
+    m = dpcompile.measure(pm, x, y)
+    assert m.training and m.step_time > 0 and all(p > 0 for p in m.step_allocated_peak.values())
+    assert all(p.grad is None for p in model.parameters())

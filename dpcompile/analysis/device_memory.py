@@ -1,0 +1,115 @@
+"""The budget ``plan="auto"`` plans for when no ``memory_per_device=`` is given: the devices' own memory.
+
+    device_memory_budgets(["cuda:0", "cuda:1"])  → ({"cuda:0": 79.1 GiB, "cuda:1": 79.1 GiB},
+                                                    "each device's total memory (torch.cuda)")
+    device_memory_budgets(["cpu", "cpu"])        → ({"cpu#0": avail / 2, "cpu#1": avail / 2},
+                                                    "the host's available memory ... shared by 2 devices")
+
+A CUDA device's budget is its total memory (``torch.cuda.get_device_properties(i).total_memory``);
+a CPU device's is the memory the host has available now (``MemAvailable``, within the cgroup's limit
+where the process runs under one). Virtual devices on one physical device share it equally: two
+``"cuda:0"`` slots get half of cuda:0 each, and every CPU slot a share of the host's memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dpcompile.errors import ArgumentError
+
+__all__ = ["DEFAULT_BUDGET", "budget_words", "device_memory_budgets", "host_available_bytes", "memory_key",
+           "physical_memory_bytes"]
+
+#: how ``pm.strategies["memory_per_device"]`` and the candidates name a budget that was not given
+DEFAULT_BUDGET = "no memory_per_device= given: the devices' own memory"
+
+
+def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What the cgroup (v2, else v1) still lets this process's group allocate; None without a limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # fmt: skip
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 spells "no limit" as a huge number
+            return None
+        return max(int(limit) - usage, 0)
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """The bytes this host can still give the process (None where it cannot be told)."""
+    available = _meminfo_available()
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            available = None
+    room = _cgroup_room()
+    known = [b for b in (available, room) if b is not None]
+    return min(known) if known else None
+
+
+def physical_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """``device``'s whole memory, and where the figure came from; ``ArgumentError`` where it cannot be told."""
+    why = ""
+    if device.type == "cuda":
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return int(torch.cuda.get_device_properties(index).total_memory), "total memory (torch.cuda)"
+        except (RuntimeError, AssertionError) as e:  # no CUDA here, or no such device
+            why = f" ({type(e).__name__}: {e})"
+    if device.type == "cpu":
+        available = host_available_bytes()
+        if available is not None:
+            return available, "the host's available memory"
+    raise ArgumentError(
+        f'plan="auto" without memory_per_device= plans for the devices\' own memory, which dpcompile cannot read '
+        f"for {device}{why}: give a budget, e.g. memory_per_device=\"24GiB\""
+    )
+
+
+def memory_key(device: torch.device) -> str:
+    """The physical memory ``device`` draws on: every CPU slot the host's, a GPU its own."""
+    return "cpu" if device.type == "cpu" else str(device)
+
+
+def device_memory_budgets(devices: Sequence[torch.device], labels: Sequence[str]) -> tuple[dict[str, int], str]:
+    """Each slot's share of its physical device's memory (by label), and a sentence saying so."""
+    sharing = Counter(memory_key(d) for d in devices)
+    whole: dict[str, tuple[int, str]] = {}
+    budgets = {}
+    for label, device in zip(labels, devices, strict=True):
+        key = memory_key(device)
+        if key not in whole:
+            whole[key] = physical_memory_bytes(device)
+        budgets[label] = whole[key][0] // sharing[key]
+    return budgets, budget_words(whole, sharing)
+
+
+def budget_words(whole: dict[str, tuple[int, str]], sharing: Counter) -> str:
+    """``DEFAULT_BUDGET`` and, per physical memory, its size, where it was read and how many share it."""
+    words = [f"{key}: {source} {_gib(size)}" + (f", shared by {sharing[key]} devices" if sharing[key] > 1 else "")
+             for key, (size, source) in whole.items()]  # fmt: skip
+    return f"{DEFAULT_BUDGET}: {'; '.join(words)}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,36 @@
+"""The budget plan="auto" plans for without memory_per_device=: the devices' own memory, shared by
+the devices on one physical memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpcompile.analysis import device_memory
+from dpcompile.errors import ArgumentError
+
+
+def test_virtual_devices_share_their_physical_memory(monkeypatch):
+    monkeypatch.setattr(device_memory, "host_available_bytes", lambda: 3000)
+    cpu = torch.device("cpu")
+    budgets, words = device_memory.device_memory_budgets([cpu] * 3, ["cpu#0", "cpu#1", "cpu#2"])
+    assert budgets == {"cpu#0": 1000, "cpu#1": 1000, "cpu#2": 1000}
+    assert words.startswith(device_memory.DEFAULT_BUDGET) and "shared by 3 devices" in words
+
+
+def test_meminfo_and_the_cgroup_limit_are_read(tmp_path):
+    """``MemAvailable`` in kB; a cgroup v2 limit less its usage; "max" is no limit."""
+    (tmp_path / "meminfo").write_text("MemTotal:  100 kB\nMemFree:  10 kB\nMemAvailable:  64 kB\n")
+    assert device_memory._meminfo_available(tmp_path / "meminfo") == 64 * 1024
+    (tmp_path / "memory.max").write_text("5000\n")
+    (tmp_path / "memory.current").write_text("1200\n")
+    assert device_memory._cgroup_room(tmp_path) == 3800
+    (tmp_path / "memory.max").write_text("max\n")
+    assert device_memory._cgroup_room(tmp_path) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_device_whose_memory_cannot_be_read_asks_for_a_budget():
+    for device in (torch.device("cuda", 0), torch.device("meta")):
+        with pytest.raises(ArgumentError, match=f"cannot read for {device}.*give a budget, e.g. memory_per_device="):
+            device_memory.physical_memory_bytes(device)

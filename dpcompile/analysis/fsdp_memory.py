@@ -102,7 +102,7 @@ def fsdp_over_copies(
     where the replicated prediction held the stage's whole gradients through the step (one set the
     copies share on virtual devices), FSDP holds the pieces' and makes each module's whole one in passing.
 
-    Except on the devices of a GPipe stage's other copies (``own_gradients``: the layout's prediction where
+    Except on the devices of a GPipe stage's other copies (and a 1F1B stage's holding several micro-batches) (``own_gradients``: the layout's prediction where
     each copy makes its own gradients, as a rank over a mesh does): one backward runs every micro-batch of
     copy ``r > 0`` before copy 0's (autograd runs the newest nodes first), and each whole gradient it makes
     waits on its device to be summed with copy 0's (on distinct GPUs, in its replicas' broadcast until its
@@ -116,11 +116,13 @@ def fsdp_over_copies(
     training = profile.training
     share = batch_share(profile.batch, d)
     out = []
-    gpipe = s_count > 1 and spec.schedule != "1f1b" and training and own_gradients is not None
+    pipeline = s_count > 1 and training and own_gradients is not None
     for i, (kinds, own, whole) in enumerate(zip(replicated, held, gathered, strict=True)):
         units = stages[i // (d * t)] if stages else profile.units
         follower = i % t > 0
-        if gpipe and (i // t) % d > 0:  # another copy of a GPipe stage: its own whole gradients as it makes them
+        # 1F1B: a stage holding several micro-batches (the first) sweeps one at a time, the others held, as GPipe's
+        several = spec.schedule != "1f1b" or min(spec.micro_batches, s_count - i // (d * t)) > 1
+        if pipeline and several and (i // t) % d > 0:  # another copy: its own whole gradients as it makes them
             swept = own_gradients[i]  # type: ignore[index]
             out.append({"parameters": own["parameters"], "gradients": swept["gradients"] + own["gradients"],
                         "optimizer": own["optimizer"], "activations": swept["activations"]})  # fmt: skip

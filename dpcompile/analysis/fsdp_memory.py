@@ -123,7 +123,7 @@ def fsdp_over_copies(
     for i, (kinds, own, whole) in enumerate(zip(replicated, held, gathered, strict=True)):
         units = stages[i // (d * t)] if stages else profile.units
         follower = i % t > 0
-        # 1F1B: a stage holding several micro-batches (the first) sweeps one at a time, the others held, as GPipe's
+        # GPipe, or a 1F1B stage holding several micro-batches (the first): the per-rank sweep (the others held)
         several = spec.schedule != "1f1b" or min(spec.micro_batches, s_count - i // (d * t)) > 1
         if pipeline and (i // t) % d > 0:  # another copy: its own whole gradients as it makes them
             if several:

@@ -58,6 +58,9 @@ class Unit:
     # of saved_bytes, those made between a Linear's output and the Linear that reads it back in a block
     # (tensor parallelism's column / row pair: each device makes and saves its shard of them)
     sharded_saved_bytes: int = 0
+    # of those, by the (rows, cols) of the column layer whose pair made them (split by whole heads where the
+    # layer projects to attention heads that do not divide: tensor parallelism's first device saves more)
+    pair_saved_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
     input_bytes: int = 0
     input_needs_grad: bool = True  # its input is made from parameters (or requires grad): backward makes its gradient
     flops: int = 0
@@ -235,7 +238,7 @@ def _profile(
     fake_args = [fake(a) for a in args]
     fake_kwargs = {k: fake(v) for k, v in kwargs.items()}
     excluded = {_key(v) for v in [*named.values(), *fake_args, *fake_kwargs.values()] if isinstance(v, torch.Tensor)}
-    saved: dict[int, tuple[str, int]] = {}
+    saved: dict[int, tuple[str, int, bool, tuple[int, int] | None]] = {}
     counted: set[Any] = set()
     identity = {id(t): name for name, t in [*named.items(), *model.named_parameters(), *model.named_buffers()]}
     counter = FlopCounterMode(display=False)
@@ -294,7 +297,8 @@ def _profile(
         read = next((_key(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
         if units[state["current"]].block and kind == "linear":
             if not any(_key(t) in between for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)):
-                mark_between(output)  # a column layer: what its output makes is sharded up to the row layer
+                # a column layer: what its output makes is sharded up to the row layer
+                mark_between(output, (int(rows), int(weight.numel() // rows)))
             elif isinstance(output, torch.Tensor) and output.dim() >= 3:
                 row_lengths.append(int(output.shape[1]))
         if read is None or (state["current"], read) not in inputs_seen:
@@ -307,12 +311,14 @@ def _profile(
         ))  # fmt: skip
 
     shardable_seen: set[int] = set()
-    between: dict[int, torch.Tensor] = {}  # storage -> a tensor of it made inside a block's column / row pair
+    # storage -> a tensor of it made inside a block's column / row pair (held: no later storage takes its key),
+    # and the (rows, cols) of the column layer that started the pair (None: an nn.MultiheadAttention's)
+    between: dict[int, tuple[torch.Tensor, tuple[int, int] | None]] = {}
 
-    def mark_between(out: Any) -> None:
+    def mark_between(out: Any, column: tuple[int, int] | None = None) -> None:
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and _key(t) not in attention_columns:
-                between[_key(t)] = t  # held: no later storage takes its key
+                between[_key(t)] = (t, column)
 
     def made(inputs: Any, out: Any) -> None:
         """An op outside Linear forwards reading a value of the pair makes one too; in a block, one
@@ -324,7 +330,7 @@ def _profile(
             return
         starts = units[state["current"]].block and any(_key(t) in attention_columns for t in read)
         if starts or (between and any(_key(t) in between for t in read)):
-            mark_between(out)
+            mark_between(out, next((between[_key(t)][1] for t in read if _key(t) in between), None))
 
     def attention_module(module: nn.Module, inputs: Any, output: Any) -> None:
         """An nn.MultiheadAttention's projections, which tensor parallelism splits by heads (it calls no
@@ -378,7 +384,7 @@ def _profile(
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _key(t)
         if key not in excluded and key not in saved:
-            saved[key] = (state["current"], t.untyped_storage().nbytes(), key in between)
+            saved[key] = (state["current"], t.untyped_storage().nbytes(), key in between, between.get(key, (t, None))[1])
             follow_saved(t, state["current"], released)
         return t
 
@@ -400,10 +406,12 @@ def _profile(
     for path, module, _ in units_of if training else ():
         units[path].module_grad_bytes = max(_own_grad_bytes(m) for m in module.modules())
         units[path].batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
-    for unit, size, sharded in saved.values():
+    for unit, size, sharded, column in saved.values():
         units[unit].saved_bytes += size
         units[unit].largest_saved_bytes = max(units[unit].largest_saved_bytes, size)
         units[unit].sharded_saved_bytes += size if sharded else 0
+        if sharded and column is not None:
+            units[unit].pair_saved_bytes[column] = units[unit].pair_saved_bytes.get(column, 0) + size
     for unit in units.values():
         _settle_save_options(unit, save_keys, saved)
     if training:

@@ -254,7 +254,8 @@ def _virtual_peaks(
             with mode:
                 if runs_one_f_one_b(pm, training):
                     with _call_context(pm):  # the call runs the whole step, backward too, in FSDP's context
-                        one_f_one_b_peaks(pm, args, kwargs, ledger, SLOT_KEY, slot_index, windows.backward)
+                        one_f_one_b_peaks(pm, args, kwargs, ledger, SLOT_KEY, slot_index, windows.backward,
+                                          gradients_preset_to_zero=gradients_held)
                 elif _sharded_by_fsdp_hooks(pm, labels):
                     _step(lambda: pm(*args, **kwargs), training, windows.backward)
                 else:

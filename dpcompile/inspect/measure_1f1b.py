@@ -44,13 +44,16 @@ def runs_one_f_one_b(pm: Any, training: bool) -> bool:
 
 def one_f_one_b_peaks(
     pm: Any, args: tuple, kwargs: dict, ledger: Any, slot_key: str, slot_index: Callable[[Any], int],
-    backward: Callable[..., None],
+    backward: Callable[..., None], gradients_preset_to_zero: bool = False,
 ) -> None:
     """Run one 1F1B step of ``pm`` (a fresh one: the program's own cached step is left alone), each
     node's allocations counted on its slot of ``ledger``, each micro-batch's backward run by ``backward``
-    (``torch.autograd.backward``'s arguments)."""
+    (``torch.autograd.backward``'s arguments); ``gradients_preset_to_zero``: the zeros ``measure`` set as the
+    copies' one set of gradients stand for none (a step whose loss count is found with the activations cloned
+    them all, to divide its share after it: every gradient counted again on one device, 42% over)."""
     step = pm.recipe.one_f_one_b_step(pm, pm.call_key(*args, **kwargs))
     step.run_backward = backward
+    step.gradients_preset_to_zero = gradients_preset_to_zero
     runner = step.runner
     plain = runner.run_node
 

@@ -12,6 +12,7 @@ count of :func:`dpcompile.analysis.program_memory.program_memory`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -141,5 +142,7 @@ def _fsdp_copies(
     gathered = dict.fromkeys(labels, 0)
     for k, label in enumerate(copies[0]):
         gathered[label] = sum(params.get(copy[k], 0) for copy in copies)
+    # each copy making its own gradients (as a rank over a mesh does): what a pipeline stage's other copies hold
+    own = predict_layout(profile, spec, dataclasses.replace(REFERENCE, ranks=len(labels))).per_device
     return fsdp_over_copies(profile, spec, replicated, [held[label] for label in labels],
-                            [gathered[label] for label in labels])  # fmt: skip
+                            [gathered[label] for label in labels], own if len(own) == len(labels) else None)  # fmt: skip

@@ -168,6 +168,9 @@ class OneFOneBStep:
         self.shared_buffers = {n: list(self.runner.modules[n.target].buffers()) for n in self.shared
                                if n.op == "call_module" and any(True for _ in self.runner.modules[n.target].buffers())}
         self.run_backward = torch.autograd.backward  # dpcompile.measure runs it counting each device's bytes
+        # dpcompile.measure's zeros in place of no gradient (dp copies on virtual devices share one set): not
+        # cloned to divide the step's share after it, as a step after zero_grad() clones nothing
+        self.gradients_preset_to_zero = False
 
     # ------------------------------------------------------------------ the step
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -182,7 +185,8 @@ class OneFOneBStep:
             scale = 1.0 / _total(self.counts, values)
         else:  # the count is found with the activations: divide this step's gradients after it
             leaves = _gradient_leaves(self.program, inputs)
-            divide_after = {t: None if t.grad is None else t.grad.clone() for t in leaves}
+            fresh = self.gradients_preset_to_zero
+            divide_after = {t: None if t.grad is None or fresh else t.grad.clone() for t in leaves}
         state = _StepState(self, runner, values, scale)
         for kind, s, m in one_f_one_b_order(self.stages, self.micro_batches):
             (state.forward if kind == "F" else state.backward)((s, m))

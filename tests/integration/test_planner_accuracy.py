@@ -280,6 +280,47 @@ def test_a_one_f_one_b_last_stage_holds_the_logits_it_returns_once_gathered():
         assert abs(total - measured[d]) <= 0.10 * measured[d], (d, total, measured[d])
 
 
+class FusedQkvBlock(nn.Module):
+    """timm's ViT block: pre-norm, one fused q, k, v Linear read as heads, an MLP four times as wide."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.ln_2(x))))
+
+
+class FusedQkvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(FusedQkvBlock(48, 3) for _ in range(2))
+        self.head = nn.Linear(48, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x[:, 0])
+
+
+def test_tensor_parallel_devices_save_their_whole_heads_values():
+    """3 heads over 2 devices: the first saves 2 heads' q, k, v and attention values, the second 1, as
+    their projections split (the model halved the values: -3.9% and +6.3% here; timm's ViT-tiny's first
+    device 2.7% under, over bench_planner's tight budget). Each device now within 5% (+1.4%, -2.5%)."""
+    x = torch.randn(8, 16, 48)
+    torch.manual_seed(0)
+    pm = dpcompile.transform(FusedQkvNet(), ["cpu"] * 2, example_inputs=(x,), optimizer="sgd", tensor_parallel=True)
+    measured = dpcompile.measure(pm, x)
+    for d, peak in measured.peak_bytes.items():
+        assert abs(measured.predicted_peak_bytes[d] - peak) <= 0.05 * peak, (d, measured)
+
+
 def test_tensor_parallel_splits_attention_by_whole_heads():
     """3 heads over 2 devices: the first holds 2 heads' projections, the second 1 (not halves, which
     put the second device 15% over what it measured)."""

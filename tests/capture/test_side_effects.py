@@ -15,6 +15,7 @@ from torch.nn.modules import module as nn_module
 
 import dpcompile
 from tests import models
+from tests.helpers import assert_steps_equal_eager
 from tests.thirdparty import import_or_skip, import_timm
 
 _GLOBAL_HOOKS = [n for n in dir(nn_module) if n.startswith("_global_") and isinstance(getattr(nn_module, n), dict)]
@@ -619,3 +620,33 @@ def test_numpy_draw_is_refused_not_kept_as_a_constant():
     pm.train()
     with pytest.raises(dpcompile.DpCompileError, match="eval mode"):
         pm(x)
+
+
+class SharedScaleWrite(nn.Module):
+    """One buffer registered on two Linears; forward writes it through one name by a Python number
+    (``buf.mul_(1.5)``: a method call under fx) and reads it through the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8, dtype=torch.float64), nn.Linear(8, 4, dtype=torch.float64)
+        scale = torch.linspace(0.5, 1, 8, dtype=torch.float64)
+        self.fc1.register_buffer("scale", scale)
+        self.fc2.register_buffer("scale", scale)
+
+    def forward(self, x):
+        self.fc1.scale.mul_(1.5)
+        return self.fc2(self.fc1(x) * self.fc2.scale)
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True])
+def test_fx_shape_run_leaves_a_buffer_a_method_writes(tensor_parallel):
+    """fx's shape run on the examples ran ``self.fc1.scale.mul_(1.5)`` for real (a real buffer times a
+    number) and kept it: the buffer was advanced once by ``transform``, every output after it wrong.
+    The buffer stays one tensor under both names, in ``pm`` and in the model."""
+    torch.manual_seed(0)
+    model, x = SharedScaleWrite(), torch.randn(4, 8, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="fx", tensor_parallel=tensor_parallel, example_inputs=(x,))
+    torch.testing.assert_close(model.fc1.scale, eager.fc1.scale, rtol=0, atol=0)
+    assert pm.get_buffer("fc1.scale") is pm.get_buffer("fc2.scale") and model.fc1.scale is model.fc2.scale
+    assert_steps_equal_eager(pm, eager, lambda step: (x + step,), lambda ps: torch.optim.AdamW(ps, lr=0.1))

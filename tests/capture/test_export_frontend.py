@@ -535,3 +535,41 @@ def test_export_mode_read_in_a_helper_method_serves_the_other_mode():
     torch.testing.assert_close(pm(x), model(x))
     model.train()
     torch.testing.assert_close(pm(x), model(x))
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4, dtype=torch.float64)
+
+    def forward(self, x, mask=None):
+        return self.fc(x) * mask
+
+
+def _scale_input(module, args):
+    assert args[0].dim() == 2, "a batch of rows"
+    return args[0] * 2
+
+
+def _scale_mask(module, args, kwargs):
+    return (args[0] + 1,), {**kwargs, "mask": kwargs["mask"] * 3}
+
+
+@pytest.mark.parametrize("with_kwargs", [False, True])
+def test_root_pre_hook_reads_its_positional_argument(with_kwargs):
+    """Export passes every argument by name, so a root pre-hook's ``args[0]`` was out of range
+    (a TraceError). It sees the positional examples as eager's call does; what it returns runs
+    in the program, data and tensor parallel, and its hook is left registered as it was."""
+    x, mask = torch.randn(4, 8, dtype=torch.float64), torch.rand(4, 4, dtype=torch.float64)
+    for tensor_parallel in (False, True):
+        torch.manual_seed(0)
+        model = _Masked()
+        if with_kwargs:
+            model.register_forward_pre_hook(_scale_mask, with_kwargs=True)
+        else:
+            model.register_forward_pre_hook(_scale_input)
+        hooks, eager = dict(model._forward_pre_hooks), copy.deepcopy(model)
+        pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", tensor_parallel=tensor_parallel,
+                                 example_inputs=(x,), example_kwargs={"mask": mask})  # fmt: skip
+        assert model._forward_pre_hooks == hooks and bool(model._forward_pre_hooks_with_kwargs) == with_kwargs
+        torch.testing.assert_close(pm(x + 1, mask=mask), eager(x + 1, mask=mask))

@@ -301,7 +301,7 @@ def misfit_error(exc: BaseException, model: nn.Module) -> ExampleError:
 
 def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = ()) -> TraceError:
     """A :class:`TraceError` for a failed export, naming the user's line where export says it."""
-    from dpcompile.capture.errors import leaf_to_suggest, user_frame
+    from dpcompile.capture.errors import leaf_to_suggest, runs_a_packed_sequence, user_frame
 
     first = first_line(exc)
     found = user_frame(exc.__traceback__)
@@ -325,6 +325,12 @@ def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = 
     returns_cache = "Cache'> in output" in first  # a transformers key/value cache returned: the cache was on
     if returns_cache:
         hint = f"{type(model).__name__} returns its key/value cache: turn it off with {_use_cache_setting(model)}"
+    packed = runs_a_packed_sequence(exc.__traceback__)
+    if packed:
+        hint = (
+            "torch.export cannot run an RNN on a PackedSequence (its batch_sizes are read from data): use "
+            "frontend='fx', which keeps pack_padded_sequence and pad_packed_sequence as calls and splits the batch"
+        )
     missing = _argument_left_none(exc, found, line, model, given)
     if missing is not None:
         example = f" (e.g. {missing}=torch.ones_like(input_ids))" if missing == "attention_mask" else ""
@@ -333,7 +339,7 @@ def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = 
             f"pass {missing}= in example_kwargs= and in each call{example}"
         )
     error = TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
-    error.names_the_way_out = missing is not None or returns_cache  # an argument or a setting, not a part of the model
+    error.names_the_way_out = missing is not None or returns_cache or packed  # an argument, a setting or fx, not a part
     return error
 
 

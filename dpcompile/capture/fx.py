@@ -70,6 +70,9 @@ class DpTracer(fx.Tracer):
             param_shapes_constant=False,
         )
         self.leaf_module_types = tuple(leaf_modules)
+        # fx wraps them where forward names them as globals; spelled nn.utils.rnn.pack_padded_sequence,
+        # the lookup goes through these modules (traced into, it failed on a proxy's __cuda_array_interface__)
+        self._autowrap_search.extend((torch.nn.utils.rnn, torch.nn.utils))
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)

@@ -36,12 +36,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.capture.eager_paths import export_as_eager_runs
 from dpcompile.capture.errors import user_source
 from dpcompile.capture.export_inputs import (
     batch_dim_of,
     bind_names,
     dynamic_spec,
-    root_pre_hooks_given_positions,
     varying_dims,
     without_cache,
 )
@@ -130,7 +130,7 @@ def export_program(
     start = time.perf_counter()
     decided = False
     def export_again() -> Any:
-        with root_pre_hooks_given_positions(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
+        with export_as_eager_runs(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
                 python_state_kept(model), seeds_recorded():  # fmt: skip
             warnings.simplefilter("ignore")
             return export(model, (), dict(names), dynamic_shapes=spec, strict=False)
@@ -138,7 +138,7 @@ def export_program(
     effects, seeds = SideEffects(), []
     bar = step_bar("Capturing the model", 1)  # transform(progress=): one step an export
     try:
-        with root_pre_hooks_given_positions(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
+        with export_as_eager_runs(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
                 python_state_kept(model) as effects, seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording, grad_mode_reads() as grad_reads:  # fmt: skip
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
@@ -235,7 +235,7 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     )
 
     try:
-        with root_pre_hooks_given_positions(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
+        with export_as_eager_runs(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
                 python_state_kept(model), decided_on_examples() as decisions:  # fmt: skip
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
@@ -554,7 +554,7 @@ def _export_in_other_mode(
         model.train(not model.training)
         decided = False
         try:
-            with root_pre_hooks_given_positions(model, positional), warnings.catch_warnings(), python_state_kept(model), \
+            with export_as_eager_runs(model, positional), warnings.catch_warnings(), python_state_kept(model), \
                     seeds_recorded() as effects, inference_mode_as_no_grad():  # fmt: skip
                 warnings.simplefilter("ignore")
                 other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()

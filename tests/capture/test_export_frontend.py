@@ -573,3 +573,27 @@ def test_root_pre_hook_reads_its_positional_argument(with_kwargs):
                                  example_inputs=(x,), example_kwargs={"mask": mask})  # fmt: skip
         assert model._forward_pre_hooks == hooks and bool(model._forward_pre_hooks_with_kwargs) == with_kwargs
         torch.testing.assert_close(pm(x + 1, mask=mask), eager(x + 1, mask=mask))
+
+
+def test_transformer_encoder_zeroes_padding_where_eager_takes_its_nested_path():
+    """Eager's TransformerEncoder (batch first, enable_nested_tensor) in eval without gradients runs
+    a nested tensor and returns zeros at the padded positions; export captured the slow path, which
+    computes them (all 96 padded values wrong). The program makes eager's choice at each call: the
+    whole batch's padding at the end of every row (a split batch, one shard left-aligned, the other
+    not: no zeros), gradients off, eval."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
+    model = nn.TransformerEncoder(layer, 1).eval()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 5, 16, dtype=torch.float64)
+    left = torch.zeros(4, 5, dtype=torch.bool)
+    left[0, 3:] = left[2, 1:] = True
+    mixed = left.clone()
+    mixed[3, 0] = True
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,),
+                             example_kwargs={"src_key_padding_mask": left})  # fmt: skip
+    for mask, grad in [(left, False), (mixed, False), (left, True)]:
+        with torch.set_grad_enabled(grad):
+            want = eager(x, src_key_padding_mask=mask)
+            torch.testing.assert_close(pm(x, src_key_padding_mask=mask), want)
+        assert bool((want == 0).all(-1).any()) == (mask is left and not grad)

@@ -48,6 +48,7 @@ from dpcompile.capture.export_inputs import (
 from dpcompile.capture.export_modes import OTHER_MODE_PENDING, OtherModeExport, reads_mode, serve_both_modes
 from dpcompile.capture.grad_blocks import (
     check_grad_mode,
+    export_decides_on_grad_mode,
     grad_mode_reads,
     inference_mode_as_no_grad,
     inline_no_grad_blocks,
@@ -172,7 +173,7 @@ def export_program(
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected, positional)
         serve_both_modes(gm, None if other is gm else other, model, model.training, other is None)
-    if grad_reads:
+    if grad_reads and export_decides_on_grad_mode(ep.graph_module.code, export_again):
         check_grad_mode(gm.graph, grad_reads[0])
     gm.recompile()
     if not dynamic:

@@ -70,6 +70,7 @@ class DpTracer(fx.Tracer):
             param_shapes_constant=False,
         )
         self.leaf_module_types = tuple(leaf_modules)
+        self.pretend_grad: bool | None = None  # what the user's torch.is_grad_enabled() reads return, where set
         # fx wraps them where forward names them as globals; spelled nn.utils.rnn.pack_padded_sequence,
         # the lookup goes through these modules (traced into, it failed on a proxy's __cuda_array_interface__)
         self._autowrap_search.extend((torch.nn.utils.rnn, torch.nn.utils))
@@ -172,7 +173,7 @@ class DpTracer(fx.Tracer):
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:  # switches relative to a call with gradients; no parametrization caches a proxy
             with torch.enable_grad(), python_state_kept(root) as effects, parametrize_cache_off(), inference_mode_as_no_grad(), \
-                    grad_mode_reads() as grad_reads:  # fmt: skip
+                    grad_mode_reads(self.pretend_grad) as grad_reads:  # fmt: skip
                 graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
@@ -184,10 +185,21 @@ class DpTracer(fx.Tracer):
             rebound = _restore_state(modules, before)
         write_back(graph, rebound, effects, root, self)
         _keep_no_grad_blocks(graph, grad_switches)
-        if grad_reads:
+        if grad_reads and self.pretend_grad is None and self._decides_on_grad_mode(graph, root, concrete_args):
             check_grad_mode(graph, grad_reads[0])
         _read_opaque_attributes_by_name(graph, root)
         return graph
+
+    def _decides_on_grad_mode(self, graph: fx.Graph, root: Any, concrete_args: Any) -> bool:
+        """Whether forward's reads of ``torch.is_grad_enabled()`` change the program: traced again with
+        them returning False, a read that is only logged or stored traces the same code."""
+        again = DpTracer(self.leaf_module_types)
+        again.pretend_grad = False
+        try:
+            other = again.trace(root, concrete_args)
+        except Exception:  # noqa: BLE001 - it takes another path that does not trace: it decides something
+            return True
+        return graph.python_code("self").src != other.python_code("self").src
 
 
 def _read_opaque_attributes_by_name(graph: fx.Graph, root: Any) -> None:

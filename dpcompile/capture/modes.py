@@ -111,10 +111,13 @@ def forward_reads_training(cls: type) -> bool:
     return _READS_TRAINING[cls]
 
 
+_DROPOUTS = (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+
+
 def bakes_mode(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
-    if node.target is aten.dropout.default and node.args[1] != 0:
+    if node.target in _DROPOUTS and node.args[1] != 0:  # dropout(x, p, train): Dropout1d/2d/3d's feature_dropout too
         return True
     if node.target is aten.scaled_dot_product_attention.default:
         p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)

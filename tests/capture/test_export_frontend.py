@@ -597,3 +597,23 @@ def test_transformer_encoder_zeroes_padding_where_eager_takes_its_nested_path():
             want = eager(x, src_key_padding_mask=mask)
             torch.testing.assert_close(pm(x, src_key_padding_mask=mask), want)
         assert bool((want == 0).all(-1).any()) == (mask is left and not grad)
+
+
+@pytest.mark.parametrize("dropout", [nn.Dropout2d, nn.AlphaDropout])
+def test_feature_and_alpha_dropout_follow_the_mode(dropout):
+    """Export writes Dropout1d/2d/3d as ``feature_dropout(x, p, train)`` and AlphaDropout as
+    ``alpha_dropout``, with the mode baked in: only ``dropout`` was known to bake it, so a program
+    transformed in training kept dropping in eval (and one transformed in eval never dropped)."""
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    for start, other in (("train", "eval"), ("eval", "train")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 1), dropout(0.5), nn.Conv2d(4, 2, 1)).double()
+        getattr(model, start)()
+        eager = copy.deepcopy(model)
+        pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+        for mode in (start, other):
+            getattr(pm, mode)(), getattr(eager, mode)()
+            torch.manual_seed(1)
+            got = pm(x)
+            torch.manual_seed(1)
+            torch.testing.assert_close(got, eager(x), msg=lambda m, mode=mode, start=start: f"transformed in {start}, run in {mode}: {m}")

@@ -118,7 +118,7 @@ def bakes_mode(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     if node.target in _DROPOUTS and node.args[1] != 0:  # dropout(x, p, train): Dropout1d/2d/3d's feature_dropout too
-        return True
+        return node.target is aten.dropout.default or isinstance(node.args[2], bool)  # else its module's mode, read at run time
     if node.target is aten.scaled_dot_product_attention.default:
         p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
         return p != 0

@@ -599,18 +599,19 @@ def test_transformer_encoder_zeroes_padding_where_eager_takes_its_nested_path():
         assert bool((want == 0).all(-1).any()) == (mask is left and not grad)
 
 
-@pytest.mark.parametrize("dropout", [nn.Dropout2d, nn.AlphaDropout])
-def test_feature_and_alpha_dropout_follow_the_mode(dropout):
+@pytest.mark.parametrize("dropout, layout", [(nn.Dropout2d, {}), (nn.AlphaDropout, {}), (nn.Dropout2d, {"pipeline": 2})])
+def test_feature_and_alpha_dropout_follow_the_mode(dropout, layout):
     """Export writes Dropout1d/2d/3d as ``feature_dropout(x, p, train)`` and AlphaDropout as
     ``alpha_dropout``, with the mode baked in: only ``dropout`` was known to bake it, so a program
-    transformed in training kept dropping in eval (and one transformed in eval never dropped)."""
+    transformed in training kept dropping in eval (and one transformed in eval never dropped). The
+    op reads its module's mode at run time, in a pipeline's stages too."""
     x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
     for start, other in (("train", "eval"), ("eval", "train")):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 4, 1), dropout(0.5), nn.Conv2d(4, 2, 1)).double()
         getattr(model, start)()
         eager = copy.deepcopy(model)
-        pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+        pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,), **layout)
         for mode in (start, other):
             getattr(pm, mode)(), getattr(eager, mode)()
             torch.manual_seed(1)

@@ -650,3 +650,25 @@ def test_fx_shape_run_leaves_a_buffer_a_method_writes(tensor_parallel):
     torch.testing.assert_close(model.fc1.scale, eager.fc1.scale, rtol=0, atol=0)
     assert pm.get_buffer("fc1.scale") is pm.get_buffer("fc2.scale") and model.fc1.scale is model.fc2.scale
     assert_steps_equal_eager(pm, eager, lambda step: (x + step,), lambda ps: torch.optim.AdamW(ps, lr=0.1))
+
+
+class ClipsItsGradient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h.register_hook(lambda grad: grad.clamp(-0.01, 0.01))
+        return self.fc2(h)
+
+
+def test_a_gradient_hook_forward_registers_is_refused_by_the_export_frontend():
+    """torch.export drops ``h.register_hook(...)`` made in forward: fc1's gradients were the unclipped ones
+    (off by 1.9, silently; frontend='auto' lands there, as fx cannot trace the hook). Refused by name, and
+    the model is left as it was."""
+    model, x = ClipsItsGradient(), torch.randn(4, 8)
+    before = snapshot(model)
+    with pytest.raises(dpcompile.DpCompileError, match=r"registers a gradient hook on a tensor .*test_side_effects.py"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))
+    assert changed(before, snapshot(model)) == []

@@ -416,7 +416,25 @@ def capture(
         node.meta.pop("is_wrapped", None)
     if concrete:
         _keep_argument_names(graph, frozenset(concrete), check_nones)
+    _keyword_only_last(graph, model)
     return graph_module(tracer.root, graph, class_name=type(model).__name__)
+
+
+def _keyword_only_last(graph: fx.Graph, model: nn.Module) -> None:
+    """fx makes a keyword-only parameter (``forward(self, *xs, scale=2.0)``) a placeholder before
+    the variadic ones, so the program's signature read ``forward(self, scale=2.0, *xs)`` (a call's first
+    tensor bound to ``scale``) or, with examples, ``(self, scale=2.0, xs_0, xs_1)`` (a SyntaxError).
+    Its placeholders go after them, as in forward."""
+    keyword_only = {p.name for p in forward_parameters(model) if p.kind is p.KEYWORD_ONLY}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    others = [i for i, n in enumerate(placeholders) if n.target not in keyword_only]
+    if not keyword_only or not others:
+        return
+    anchor = placeholders[others[-1]]
+    for i, node in enumerate(placeholders):
+        if node.target in keyword_only and i < others[-1]:
+            anchor.append(node)
+            anchor = node
 
 
 def _keep_argument_names(graph: fx.Graph, concrete: frozenset[str], check_nones: bool = False) -> None:

@@ -165,6 +165,10 @@ def export_program(
     check_export_effects(model, effects, seeds, unlifted, ep.graph_module.code, export_again, code_names)
     check_writes_without_grad(model, unlifted)
     gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
+    if decided:
+        from dpcompile.capture.decided import refuse_numbers_read_from_data
+
+        refuse_numbers_read_from_data(gm, type(model).__name__)
     if lazy_other_mode and reads_mode(model, gm):
         export_other = functools.partial(
             _export_in_other_mode, names=names, spec=spec, dim=dim, injected=injected, positional=positional

@@ -124,6 +124,19 @@ def bakes_mode(node: fx.Node) -> bool:
         return p != 0
     if node.target in (aten.batch_norm.default, aten.instance_norm.default):  # running statistics or the batch's
         return len(node.args) > 5 and node.args[3] is not None and isinstance(node.args[5], bool)
+    if node.target in _DROPOUTS:
+        return False
+    return _takes_the_mode(node)  # rrelu(x, lower, upper, training): its slopes drawn in training, fixed in eval
+
+
+def _takes_the_mode(node: fx.Node) -> bool:
+    """An ATen op given the mode as a constant argument named ``training`` or ``train``."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name in ("training", "train"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            return isinstance(value, bool)
     return False
 
 

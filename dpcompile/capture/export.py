@@ -54,6 +54,7 @@ from dpcompile.capture.grad_blocks import (
     inline_no_grad_blocks,
 )
 from dpcompile.capture.inputs import is_dynamic
+from dpcompile.capture.modes import READS_MODE_ELSEWHERE, mode_reads_elsewhere
 from dpcompile.capture.rewrite import rewrite
 from dpcompile.capture.side_effects import (
     SideEffectRefused,
@@ -140,7 +141,8 @@ def export_program(
     bar = step_bar("Capturing the model", 1)  # transform(progress=): one step an export
     try:
         with export_as_eager_runs(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
-                python_state_kept(model) as effects, seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording, grad_mode_reads() as grad_reads:  # fmt: skip
+                python_state_kept(model) as effects, seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording, \
+                grad_mode_reads() as grad_reads, mode_reads_elsewhere(model) as mode_reads:  # fmt: skip
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
@@ -165,6 +167,7 @@ def export_program(
     check_export_effects(model, effects, seeds, unlifted, ep.graph_module.code, export_again, code_names)
     check_writes_without_grad(model, unlifted)
     gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
+    gm.meta[READS_MODE_ELSEWHERE] = bool(mode_reads)
     if decided:
         from dpcompile.capture.decided import refuse_numbers_read_from_data
 

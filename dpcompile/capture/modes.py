@@ -10,7 +10,11 @@ Where the program exported in the other mode differs only in such constants, eac
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import re
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -112,6 +116,40 @@ def forward_reads_training(cls: type) -> bool:
 
 
 _DROPOUTS = (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+
+
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+#: ``gm.meta`` key: forward read a module's ``training`` from code outside the module classes
+#: (a helper ``def noisy(m, x): if m.training: ...``), which the classes' sources do not show
+READS_MODE_ELSEWHERE = "dpcompile_reads_mode_elsewhere"
+
+
+@contextlib.contextmanager
+def mode_reads_elsewhere(model: nn.Module) -> Iterator[list[str]]:
+    """While a frontend captures ``model``: the user's functions that read a module's ``training``
+    outside its class's own methods (torch's reads are the modules' own business)."""
+    from dpcompile.capture.errors import is_library_file
+
+    reads: list[str] = []
+    own = {id(m) for m in model.modules()}
+
+    def read(module: nn.Module) -> bool:
+        frame = sys._getframe(1)
+        caller = frame.f_code.co_filename
+        if id(module) in own and not is_library_file(caller) and not _INSTALLED.search(caller):
+            if frame.f_locals.get("self") is not module:
+                reads.append(f"{caller}:{frame.f_lineno}")
+        return module.__dict__["training"]
+
+    def write(module: nn.Module, value: bool) -> None:
+        module.__dict__["training"] = value
+
+    nn.Module.training = property(read, write)  # type: ignore[assignment]
+    try:
+        yield reads
+    finally:
+        del nn.Module.training
 
 
 def bakes_mode(node: fx.Node) -> bool:

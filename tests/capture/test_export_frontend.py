@@ -644,3 +644,32 @@ def test_an_op_given_the_mode_as_an_argument_follows_the_mode():
     pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
     pm.eval(), eager.eval()
     torch.testing.assert_close(pm(x), eager(x))
+
+
+def _halved_when_learning(module, h):
+    if module.training:
+        h = h * 0.5
+    return h
+
+
+class ModeInAFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x):
+        return _halved_when_learning(self, self.fc(x))
+
+
+def test_a_mode_read_in_a_helper_outside_the_class_is_checked():
+    """A helper function reads the module's mode (``if module.training:``), which no source of the model's
+    classes shows: the program exported in training ran its branch in eval too (half eager's output,
+    silently). The read is seen while exporting: the other mode is refused by name, as for forward's own."""
+    torch.manual_seed(0)
+    model, x = ModeInAFunction(), torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    pm.eval()
+    with pytest.raises(dpcompile.DpCompileError, match="exported in training mode"):
+        pm(x)
+    assert "training" not in nn.Module.__dict__

@@ -29,6 +29,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.capture.fx_checkpoint import record_checkpoints
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
+from dpcompile.capture.fx_signature import VARARGS_COUNT, keyword_only_last, remember_varargs_count
 from dpcompile.capture.grad_blocks import check_grad_mode, grad_mode_reads, inference_mode_as_no_grad
 from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
 from dpcompile.capture.state import python_state_kept
@@ -416,25 +417,8 @@ def capture(
         node.meta.pop("is_wrapped", None)
     if concrete:
         _keep_argument_names(graph, frozenset(concrete), check_nones)
-    _keyword_only_last(graph, model)
+    keyword_only_last(graph, {p.name for p in forward_parameters(model) if p.kind is p.KEYWORD_ONLY})
     return graph_module(tracer.root, graph, class_name=type(model).__name__)
-
-
-def _keyword_only_last(graph: fx.Graph, model: nn.Module) -> None:
-    """fx makes a keyword-only parameter (``forward(self, *xs, scale=2.0)``) a placeholder before
-    the variadic ones, so the program's signature read ``forward(self, scale=2.0, *xs)`` (a call's first
-    tensor bound to ``scale``) or, with examples, ``(self, scale=2.0, xs_0, xs_1)`` (a SyntaxError).
-    Its placeholders go after them, as in forward."""
-    keyword_only = {p.name for p in forward_parameters(model) if p.kind is p.KEYWORD_ONLY}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    others = [i for i, n in enumerate(placeholders) if n.target not in keyword_only]
-    if not keyword_only or not others:
-        return
-    anchor = placeholders[others[-1]]
-    for i, node in enumerate(placeholders):
-        if node.target in keyword_only and i < others[-1]:
-            anchor.append(node)
-            anchor = node
 
 
 def _keep_argument_names(graph: fx.Graph, concrete: frozenset[str], check_nones: bool = False) -> None:
@@ -537,7 +521,7 @@ def capture_fx(
     leaf_modules = tuple(leaf_modules)
     if isinstance(model, fx.GraphModule):
         return capture(model, leaf_modules=leaf_modules), {}
-    _remember_varargs_count(model, example_inputs)
+    remember_varargs_count(model, example_inputs, forward_parameters(model))
     nones = optional_arguments(model, example_inputs, example_kwargs)
     flags = flag_arguments(model, example_inputs, example_kwargs)
     if optional_as_none and nones:
@@ -562,19 +546,6 @@ def capture_fx(
         if _traces_with(model, leaf_modules, nones, flags):
             return gm, flags
     return gm, {}
-
-
-#: the instance attribute holding how many values ``forward(self, *inputs)`` was given by the
-#: examples (a copy of the model, which tensor parallel traces, carries it)
-VARARGS_COUNT = "_dpcompile_varargs_count"
-
-
-def _remember_varargs_count(model: nn.Module, example_inputs: Sequence[Any] | None) -> None:
-    params = forward_parameters(model)
-    if example_inputs is None or not any(p.kind is p.VAR_POSITIONAL for p in params):
-        return
-    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    model.__dict__[VARARGS_COUNT] = max(len(example_inputs) - len(named), 0)
 
 
 def _traces_with(model: nn.Module, leaf_modules: tuple, nones: frozenset[str], flags: dict[str, Any]) -> bool:

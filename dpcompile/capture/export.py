@@ -63,7 +63,7 @@ from dpcompile.capture.side_effects import (
     hooks_that_return_nothing,
     seeds_recorded,
 )
-from dpcompile.capture.state import SideEffects, python_state_kept
+from dpcompile.capture.state import SideEffects, python_state_kept, warn_lists_changed
 from dpcompile.errors import ArgumentError, ExampleError, TraceError, first_line
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
 from dpcompile.progress import step_bar
@@ -165,6 +165,7 @@ def export_program(
     from dpcompile.program_cache import code_names  # it imports capture.state: not at import time
 
     check_export_effects(model, effects, seeds, unlifted, ep.graph_module.code, export_again, code_names)
+    warn_lists_changed(model, effects)
     check_writes_without_grad(model, unlifted)
     gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
     gm.meta[READS_MODE_ELSEWHERE] = bool(mode_reads)

@@ -32,7 +32,7 @@ from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write
 from dpcompile.capture.fx_signature import VARARGS_COUNT, keyword_only_last, remember_varargs_count
 from dpcompile.capture.grad_blocks import check_grad_mode, grad_mode_reads, inference_mode_as_no_grad
 from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
-from dpcompile.capture.state import python_state_kept
+from dpcompile.capture.state import python_state_kept, warn_lists_changed
 from dpcompile.errors import ArgumentError, TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.progress import step_bar
@@ -185,6 +185,8 @@ class DpTracer(fx.Tracer):
                 setattr(torch, name, factory)
             rebound = _restore_state(modules, before)
         write_back(graph, rebound, effects, root, self)
+        if self.pretend_grad is None:
+            warn_lists_changed(root, effects)
         _keep_no_grad_blocks(graph, grad_switches)
         if grad_reads and self.pretend_grad is None and self._decides_on_grad_mode(graph, root, concrete_args):
             check_grad_mode(graph, grad_reads[0])

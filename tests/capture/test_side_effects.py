@@ -672,3 +672,26 @@ def test_a_gradient_hook_forward_registers_is_refused_by_the_export_frontend():
     with pytest.raises(dpcompile.DpCompileError, match=r"registers a gradient hook on a tensor .*test_side_effects.py"):
         dpcompile.transform(model, ["cpu"] * 2, example_inputs=(x,))
     assert changed(before, snapshot(model)) == []
+
+
+class CollectsFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.features: list[torch.Tensor] = []
+
+    def forward(self, x):
+        h = self.fc1(x)
+        self.features.append(h.detach())
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_list_forward_fills_is_named_in_a_warning(frontend):
+    """``self.features.append(h)`` in forward: the program does not repeat it, and the list stayed empty
+    after each call without a word. A warning names it at transform; the outputs are eager's."""
+    model, x = CollectsFeatures(), torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="changes the list 'features'"):
+        pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    assert model.features == []
+    torch.testing.assert_close(pm(x), CollectsFeatures.forward(copy.deepcopy(model), x))

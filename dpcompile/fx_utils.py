@@ -219,6 +219,9 @@ def state_writes_undone(gm: fx.GraphModule) -> Iterator[None]:
                 tensor.copy_(value)
 
 
+_CALLS = ("call_function", "call_method")  # fx's ``buf.mul_(1.5)`` is a method call, export's an op
+
+
 def _state_written(gm: fx.GraphModule) -> list[torch.Tensor]:
     """The parameters and buffers ``gm`` writes in place: the first argument of an in-place op (or a
     chain of them) on a ``get_attr``, an op's ``out=`` (export's spelling of spectral_norm's power
@@ -229,9 +232,9 @@ def _state_written(gm: fx.GraphModule) -> list[torch.Tensor]:
             module = gm.get_submodule(str(node.target))
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
                 out.append(module.weight)
-        elif node.op == "call_function" and _writes_into_first(node) or isinstance(node.kwargs.get("out"), fx.Node):
+        elif node.op in _CALLS and _writes_into_first(node) or isinstance(node.kwargs.get("out"), fx.Node):
             root = node.kwargs["out"] if isinstance(node.kwargs.get("out"), fx.Node) else node.args[0]
-            while isinstance(root, fx.Node) and root.op == "call_function" and _writes_into_first(root):
+            while isinstance(root, fx.Node) and root.op in _CALLS and _writes_into_first(root):
                 root = root.args[0]
             if isinstance(root, fx.Node) and root.op == "get_attr":
                 value = attribute_at(gm, str(root.target))

@@ -248,3 +248,21 @@ def check_decided_on_examples(ep: Any, names: Mapping[str, Any], model_name: str
             "torch.export's propagation of the example's values decided that branch otherwise than the example takes "
             "it; make the branch traceable (torch.where), or transform with frontend='fx' marking the module as a leaf"
         ) from None
+
+
+def refuse_numbers_read_from_data(gm: fx.GraphModule, model_name: str) -> None:
+    """A program exported deciding on the examples returns a Python number where forward returns one read
+    from a tensor (``float(t)``, ``int(t)``): export keeps the example's value, and its check did not hold
+    every call (the float's returned unchecked beside an int that matched: silently the example's). Refused::
+
+        return out, float(out.sum())   # the program: return (out, -0.912...)  (the example's sum)"""
+    from dpcompile.errors import TraceError
+
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    numbers = [v for v in torch.utils._pytree.tree_leaves(output.args) if type(v) in (int, float)]
+    if numbers:
+        raise TraceError(
+            f"{model_name}.forward returns a Python number read from a tensor (float(t) or int(t)), which "
+            f"torch.export keeps as the example's value ({numbers[0]!r}); return the tensor, or t.item(), "
+            "which the program reads at each call"
+        )

@@ -117,6 +117,18 @@ def _modules_on_stack(tb: TracebackType | None) -> list[nn.Module]:
     return out
 
 
+def runs_a_packed_sequence(tb: TracebackType | None) -> bool:
+    """Whether the failing stack holds a ``PackedSequence`` (``pack_padded_sequence``'s), which
+    torch.export cannot run an RNN on: its ``batch_sizes`` are sizes read from data."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    while tb is not None:
+        if any(isinstance(v, PackedSequence) for v in tb.tb_frame.f_locals.values()):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def leaf_to_suggest(tb: TracebackType | None, model: nn.Module) -> type[nn.Module] | None:
     """The class of the innermost module below ``model`` whose code failed: making it a leaf
     gets the tracer past the failure. None where the failing code is the model's own."""

@@ -36,16 +36,25 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from dpcompile.capture.eager_paths import export_as_eager_runs
 from dpcompile.capture.errors import user_source
-from dpcompile.capture.export_inputs import batch_dim_of, bind_names, dynamic_spec, varying_dims, without_cache
+from dpcompile.capture.export_inputs import (
+    batch_dim_of,
+    bind_names,
+    dynamic_spec,
+    varying_dims,
+    without_cache,
+)
 from dpcompile.capture.export_modes import OTHER_MODE_PENDING, OtherModeExport, reads_mode, serve_both_modes
 from dpcompile.capture.grad_blocks import (
     check_grad_mode,
+    export_decides_on_grad_mode,
     grad_mode_reads,
     inference_mode_as_no_grad,
     inline_no_grad_blocks,
 )
 from dpcompile.capture.inputs import is_dynamic
+from dpcompile.capture.modes import READS_MODE_ELSEWHERE, mode_reads_elsewhere
 from dpcompile.capture.rewrite import rewrite
 from dpcompile.capture.side_effects import (
     SideEffectRefused,
@@ -54,7 +63,7 @@ from dpcompile.capture.side_effects import (
     hooks_that_return_nothing,
     seeds_recorded,
 )
-from dpcompile.capture.state import SideEffects, python_state_kept
+from dpcompile.capture.state import SideEffects, python_state_kept, warn_lists_changed
 from dpcompile.errors import ArgumentError, ExampleError, TraceError, first_line
 from dpcompile.fx_utils import is_example_misfit, quiet_fake_tensor_log
 from dpcompile.progress import step_bar
@@ -108,6 +117,7 @@ def export_program(
             "(a tuple of arguments) and/or example_kwargs= (a dict, e.g. input_ids=, attention_mask=)"
         )
     names = distinct_examples(bind_names(model, tuple(example_inputs or ()), dict(example_kwargs or {})))
+    positional = tuple(names)[: len(example_inputs or ())]  # what a root pre-hook takes as its args
     injected = without_cache(model, names)
     for name, value in names.items():
         if isinstance(value, (list, tuple, dict)) and any(isinstance(v, torch.Tensor) for v in torch.utils._pytree.tree_leaves(value)):
@@ -122,21 +132,23 @@ def export_program(
     start = time.perf_counter()
     decided = False
     def export_again() -> Any:
-        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model), seeds_recorded():
+        with export_as_eager_runs(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
+                python_state_kept(model), seeds_recorded():  # fmt: skip
             warnings.simplefilter("ignore")
             return export(model, (), dict(names), dynamic_shapes=spec, strict=False)
 
     effects, seeds = SideEffects(), []
     bar = step_bar("Capturing the model", 1)  # transform(progress=): one step an export
     try:
-        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model) as effects, \
-                seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording, grad_mode_reads() as grad_reads:  # fmt: skip
+        with export_as_eager_runs(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
+                python_state_kept(model) as effects, seeds_recorded() as seeds, hooks_that_return_nothing(model) as recording, \
+                grad_mode_reads() as grad_reads, mode_reads_elsewhere(model) as mode_reads:  # fmt: skip
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
         if is_example_misfit(exc):
             raise misfit_error(exc, model) from None
-        ep = _export_deciding_on_examples(model, names, spec) if _is_data_dependent(exc) else None
+        ep = _export_deciding_on_examples(model, names, spec, positional) if _is_data_dependent(exc) else None
         if ep is None:
             raise export_error(exc, model, given=names) from exc
         decided = True
@@ -153,15 +165,23 @@ def export_program(
     from dpcompile.program_cache import code_names  # it imports capture.state: not at import time
 
     check_export_effects(model, effects, seeds, unlifted, ep.graph_module.code, export_again, code_names)
+    warn_lists_changed(model, effects)
     check_writes_without_grad(model, unlifted)
     gm, dynamic = _program(model, unlifted, names, dim, injected, keep_data_checks=decided)
+    gm.meta[READS_MODE_ELSEWHERE] = bool(mode_reads)
+    if decided:
+        from dpcompile.capture.decided import refuse_numbers_read_from_data
+
+        refuse_numbers_read_from_data(gm, type(model).__name__)
     if lazy_other_mode and reads_mode(model, gm):
-        export_other = functools.partial(_export_in_other_mode, names=names, spec=spec, dim=dim, injected=injected)
+        export_other = functools.partial(
+            _export_in_other_mode, names=names, spec=spec, dim=dim, injected=injected, positional=positional
+        )
         gm.meta[OTHER_MODE_PENDING] = OtherModeExport(model, export_other)
     else:
-        other = _export_in_other_mode(model, gm, names, spec, dim, injected)
+        other = _export_in_other_mode(model, gm, names, spec, dim, injected, positional)
         serve_both_modes(gm, None if other is gm else other, model, model.training, other is None)
-    if grad_reads:
+    if grad_reads and export_decides_on_grad_mode(ep.graph_module.code, export_again):
         check_grad_mode(gm.graph, grad_reads[0])
     gm.recompile()
     if not dynamic:
@@ -210,7 +230,7 @@ def _is_data_dependent(exc: BaseException) -> bool:
     return "data-dependent" in text or "GuardOnDataDependentSymNode" in type(exc).__name__ or "Could not guard" in text
 
 
-def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spec: Any) -> Any:
+def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spec: Any, positional: Sequence[str]) -> Any:
     """Export again with each branch on a data-dependent size taken as the example takes it, and
     checked at run time (:mod:`~dpcompile.capture.decided`); None where that is not sound
     (a decision that reads an input size) or export still fails."""
@@ -224,7 +244,8 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     )
 
     try:
-        with warnings.catch_warnings(), quiet_fake_tensor_log(), python_state_kept(model), decided_on_examples() as decisions:
+        with export_as_eager_runs(model, positional), warnings.catch_warnings(), quiet_fake_tensor_log(), \
+                python_state_kept(model), decided_on_examples() as decisions:  # fmt: skip
             warnings.simplefilter("ignore")
             ep = export(model, (), dict(names), dynamic_shapes=spec, strict=False)
     except Exception as exc:  # noqa: BLE001 - the first error is the one to report
@@ -289,7 +310,7 @@ def misfit_error(exc: BaseException, model: nn.Module) -> ExampleError:
 
 def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = ()) -> TraceError:
     """A :class:`TraceError` for a failed export, naming the user's line where export says it."""
-    from dpcompile.capture.errors import leaf_to_suggest, user_frame
+    from dpcompile.capture.errors import leaf_to_suggest, runs_a_packed_sequence, user_frame
 
     first = first_line(exc)
     found = user_frame(exc.__traceback__)
@@ -313,6 +334,12 @@ def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = 
     returns_cache = "Cache'> in output" in first  # a transformers key/value cache returned: the cache was on
     if returns_cache:
         hint = f"{type(model).__name__} returns its key/value cache: turn it off with {_use_cache_setting(model)}"
+    packed = runs_a_packed_sequence(exc.__traceback__)
+    if packed:
+        hint = (
+            "torch.export cannot run an RNN on a PackedSequence (its batch_sizes are read from data): use "
+            "frontend='fx', which keeps pack_padded_sequence and pad_packed_sequence as calls and splits the batch"
+        )
     missing = _argument_left_none(exc, found, line, model, given)
     if missing is not None:
         example = f" (e.g. {missing}=torch.ones_like(input_ids))" if missing == "attention_mask" else ""
@@ -321,7 +348,7 @@ def export_error(exc: BaseException, model: nn.Module, given: Collection[str] = 
             f"pass {missing}= in example_kwargs= and in each call{example}"
         )
     error = TraceError(f"torch.export could not capture {type(model).__name__}: {where}{type(exc).__name__}: {first}; {hint}")
-    error.names_the_way_out = missing is not None or returns_cache  # an argument or a setting, not a part of the model
+    error.names_the_way_out = missing is not None or returns_cache or packed  # an argument, a setting or fx, not a part
     return error
 
 
@@ -522,7 +549,8 @@ def _build(graph: fx.Graph, spec: Any, leaves: Any) -> Any:
 
 
 def _export_in_other_mode(
-    model: nn.Module, gm: fx.GraphModule, names: Mapping[str, Any], spec: Any, dim: int, injected: frozenset[str]
+    model: nn.Module, gm: fx.GraphModule, names: Mapping[str, Any], spec: Any, dim: int, injected: frozenset[str],
+    positional: Sequence[str] = (),
 ) -> fx.GraphModule | None:
     """The program exported in the other mode, where forward may read ``self.training`` beyond
     the modules the program calls (which read their own mode at run time); else None."""
@@ -535,14 +563,14 @@ def _export_in_other_mode(
         model.train(not model.training)
         decided = False
         try:
-            with warnings.catch_warnings(), python_state_kept(model), seeds_recorded() as effects, \
-                    inference_mode_as_no_grad():  # fmt: skip
+            with export_as_eager_runs(model, positional), warnings.catch_warnings(), python_state_kept(model), \
+                    seeds_recorded() as effects, inference_mode_as_no_grad():  # fmt: skip
                 warnings.simplefilter("ignore")
                 other = export(model, (), dict(names), dynamic_shapes=spec, strict=False).module()
             if effects:  # a seed, a numpy draw, a Function this mode's program would not replay
                 raise SideEffectRefused(f"forward in the other mode {effects[0]}")
         except Exception as exc:  # noqa: BLE001 - a branch on data may be decided on the examples, as in the first mode
-            ep = _export_deciding_on_examples(model, names, spec) if _is_data_dependent(exc) else None
+            ep = _export_deciding_on_examples(model, names, spec, positional) if _is_data_dependent(exc) else None
             if ep is None:
                 raise
             other, decided = ep.module(), True

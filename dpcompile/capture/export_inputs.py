@@ -8,7 +8,9 @@ names) marked dynamic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -158,4 +160,61 @@ def without_cache(model: nn.Module, names: dict[str, Any]) -> frozenset[str]:
     return frozenset()
 
 
-__all__ = ["batch_dim_of", "bind_names", "check_dynamic_dims", "dynamic_spec", "varying_dims", "without_cache"]
+__all__ = [
+    "batch_dim_of", "bind_names", "check_dynamic_dims", "dynamic_spec", "root_pre_hooks_given_positions", "varying_dims", "without_cache",
+]
+
+
+@contextlib.contextmanager
+def root_pre_hooks_given_positions(model: nn.Module, positional: Sequence[str]) -> Iterator[None]:
+    """While exporting, hand the model's own forward pre-hooks the examples given positionally
+    (``positional``, the names of ``example_inputs=``) as ``args``, as eager's call ``model(x)`` does:
+    export passes every argument by name, so a hook that checks or casts ``args[0]`` saw ``()`` and
+    failed (IndexError). What the hook returns is passed on by name again::
+
+        hook(model, args)  # before: args == ()        after: args == (x,)"""
+    hooks = dict(model._forward_pre_hooks)
+    if not hooks:
+        yield
+        return
+    with_kwargs = dict(model._forward_pre_hooks_with_kwargs)
+    for key, hook in hooks.items():
+        model._forward_pre_hooks[key] = _given_positions(model, hook, key in with_kwargs, positional)
+        model._forward_pre_hooks_with_kwargs[key] = True
+    try:
+        yield
+    finally:
+        model._forward_pre_hooks.update(hooks)
+        model._forward_pre_hooks_with_kwargs.clear()
+        model._forward_pre_hooks_with_kwargs.update(with_kwargs)
+
+
+def _given_positions(model: nn.Module, hook: Any, takes_kwargs: bool, positional: Sequence[str]) -> Any:
+    signature = inspect.signature(model.forward)
+
+    def called(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        args = (*args, *(kwargs[n] for n in positional if n in kwargs))
+        kwargs = {k: v for k, v in kwargs.items() if k not in positional}
+        if takes_kwargs:
+            result = hook(module, args, kwargs)
+            if result is None:
+                return None
+            args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is None:
+                return None
+            args = result if isinstance(result, tuple) else (result,)
+        by_name: dict[str, Any] = {}
+        for name, value in signature.bind(*args, **kwargs).arguments.items():
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                by_name.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    raise TraceError(f"a forward pre-hook of {type(model).__name__} returns arguments for *{name}, which the export frontend cannot pass by name")
+            else:
+                by_name[name] = value
+        return (), by_name
+
+    return called

@@ -13,7 +13,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture.modes import add_mode_check, bakes_mode, forward_reads_training, merge_modes
+from dpcompile.capture.modes import (
+    READS_MODE_ELSEWHERE,
+    add_mode_check,
+    bakes_mode,
+    forward_reads_training,
+    merge_modes,
+)
 
 OTHER_MODE_PENDING = "dpcompile_other_mode_pending"  # gm.meta key: exported in the model's mode only (an OtherModeExport)
 
@@ -110,4 +116,7 @@ def _no_pending() -> None:
 def reads_mode(model: nn.Module, gm: fx.GraphModule) -> bool:
     """Whether the program may differ in the other mode (forward reads ``self.training`` beyond the
     modules the program calls, or an op baked the mode in)."""
-    return any(bakes_mode(n) for n in gm.graph.nodes) or any(forward_reads_training(type(m)) for m in model.modules())
+    return (
+        gm.meta.get(READS_MODE_ELSEWHERE, False) or any(bakes_mode(n) for n in gm.graph.nodes)
+        or any(forward_reads_training(type(m)) for m in model.modules())
+    )

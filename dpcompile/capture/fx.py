@@ -29,9 +29,10 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.capture.fx_checkpoint import record_checkpoints
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
+from dpcompile.capture.fx_signature import VARARGS_COUNT, keyword_only_last, remember_varargs_count
 from dpcompile.capture.grad_blocks import check_grad_mode, grad_mode_reads, inference_mode_as_no_grad
 from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
-from dpcompile.capture.state import python_state_kept
+from dpcompile.capture.state import python_state_kept, warn_lists_changed
 from dpcompile.errors import ArgumentError, TraceError
 from dpcompile.fx_utils import graph_module
 from dpcompile.progress import step_bar
@@ -70,6 +71,10 @@ class DpTracer(fx.Tracer):
             param_shapes_constant=False,
         )
         self.leaf_module_types = tuple(leaf_modules)
+        self.pretend_grad: bool | None = None  # what the user's torch.is_grad_enabled() reads return, where set
+        # fx wraps them where forward names them as globals; spelled nn.utils.rnn.pack_padded_sequence,
+        # the lookup goes through these modules (traced into, it failed on a proxy's __cuda_array_interface__)
+        self._autowrap_search.extend((torch.nn.utils.rnn, torch.nn.utils))
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -169,7 +174,7 @@ class DpTracer(fx.Tracer):
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:  # switches relative to a call with gradients; no parametrization caches a proxy
             with torch.enable_grad(), python_state_kept(root) as effects, parametrize_cache_off(), inference_mode_as_no_grad(), \
-                    grad_mode_reads() as grad_reads:  # fmt: skip
+                    grad_mode_reads(self.pretend_grad) as grad_reads:  # fmt: skip
                 graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
@@ -180,11 +185,24 @@ class DpTracer(fx.Tracer):
                 setattr(torch, name, factory)
             rebound = _restore_state(modules, before)
         write_back(graph, rebound, effects, root, self)
+        if self.pretend_grad is None:
+            warn_lists_changed(root, effects)
         _keep_no_grad_blocks(graph, grad_switches)
-        if grad_reads:
+        if grad_reads and self.pretend_grad is None and self._decides_on_grad_mode(graph, root, concrete_args):
             check_grad_mode(graph, grad_reads[0])
         _read_opaque_attributes_by_name(graph, root)
         return graph
+
+    def _decides_on_grad_mode(self, graph: fx.Graph, root: Any, concrete_args: Any) -> bool:
+        """Whether forward's reads of ``torch.is_grad_enabled()`` change the program: traced again with
+        them returning False, a read that is only logged or stored traces the same code."""
+        again = DpTracer(self.leaf_module_types)
+        again.pretend_grad = False
+        try:
+            other = again.trace(root, concrete_args)
+        except Exception:  # noqa: BLE001 - it takes another path that does not trace: it decides something
+            return True
+        return graph.python_code("self").src != other.python_code("self").src
 
 
 def _read_opaque_attributes_by_name(graph: fx.Graph, root: Any) -> None:
@@ -401,6 +419,7 @@ def capture(
         node.meta.pop("is_wrapped", None)
     if concrete:
         _keep_argument_names(graph, frozenset(concrete), check_nones)
+    keyword_only_last(graph, {p.name for p in forward_parameters(model) if p.kind is p.KEYWORD_ONLY})
     return graph_module(tracer.root, graph, class_name=type(model).__name__)
 
 
@@ -504,7 +523,7 @@ def capture_fx(
     leaf_modules = tuple(leaf_modules)
     if isinstance(model, fx.GraphModule):
         return capture(model, leaf_modules=leaf_modules), {}
-    _remember_varargs_count(model, example_inputs)
+    remember_varargs_count(model, example_inputs, forward_parameters(model))
     nones = optional_arguments(model, example_inputs, example_kwargs)
     flags = flag_arguments(model, example_inputs, example_kwargs)
     if optional_as_none and nones:
@@ -529,19 +548,6 @@ def capture_fx(
         if _traces_with(model, leaf_modules, nones, flags):
             return gm, flags
     return gm, {}
-
-
-#: the instance attribute holding how many values ``forward(self, *inputs)`` was given by the
-#: examples (a copy of the model, which tensor parallel traces, carries it)
-VARARGS_COUNT = "_dpcompile_varargs_count"
-
-
-def _remember_varargs_count(model: nn.Module, example_inputs: Sequence[Any] | None) -> None:
-    params = forward_parameters(model)
-    if example_inputs is None or not any(p.kind is p.VAR_POSITIONAL for p in params):
-        return
-    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    model.__dict__[VARARGS_COUNT] = max(len(example_inputs) - len(named), 0)
 
 
 def _traces_with(model: nn.Module, leaf_modules: tuple, nones: frozenset[str], flags: dict[str, Any]) -> bool:

@@ -28,7 +28,7 @@ import contextlib
 import operator
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -72,10 +72,11 @@ _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 
 @contextlib.contextmanager
-def grad_mode_reads() -> Iterator[list[str]]:
+def grad_mode_reads(pretend: bool | None = None) -> Iterator[list[str]]:
     """While a frontend captures forward: where the user's code reads ``torch.is_grad_enabled()`` (torch's own
     reads, nn.MultiheadAttention's fast path, are the ops' business, and an installed library's). Capture takes the branch of the grad
-    mode it runs in, so the program checks that mode at each call (:func:`check_grad_mode`)."""
+    mode it runs in, so the program checks that mode at each call (:func:`check_grad_mode`). ``pretend``: the
+    user's reads get that value instead (a second capture, to tell a branch from a read that decides nothing)."""
     from dpcompile.capture.errors import is_library_file, trace_source, user_source_line
 
     reads: list[str] = []
@@ -86,6 +87,8 @@ def grad_mode_reads() -> Iterator[list[str]]:
         # an installed library's read guards speed, not values (transformers: checkpointing only with gradients)
         if not is_library_file(caller) and not _INSTALLED.search(caller):
             reads.append(trace_source(user_source_line()) or "forward")
+            if pretend is not None:
+                return pretend
         return original()
 
     torch.is_grad_enabled = recorded  # type: ignore[assignment]
@@ -93,6 +96,17 @@ def grad_mode_reads() -> Iterator[list[str]]:
         yield reads
     finally:
         torch.is_grad_enabled = original  # type: ignore[assignment]
+
+
+def export_decides_on_grad_mode(code: str, export_again: Callable[[], Any]) -> bool:
+    """Whether forward's reads of ``torch.is_grad_enabled()`` change the exported program (``code``):
+    exported again with them returning False, a read that is only logged or stored exports the same code."""
+    try:
+        with grad_mode_reads(pretend=False):
+            other = export_again()
+    except Exception:  # noqa: BLE001 - the other path does not export: it decides something
+        return True
+    return other.graph_module.code != code
 
 
 def check_grad_mode(graph: fx.Graph, where: str) -> None:

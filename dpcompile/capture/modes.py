@@ -10,7 +10,11 @@ Where the program exported in the other mode differs only in such constants, eac
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import re
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -111,16 +115,66 @@ def forward_reads_training(cls: type) -> bool:
     return _READS_TRAINING[cls]
 
 
+_DROPOUTS = (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+
+
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+#: ``gm.meta`` key: forward read a module's ``training`` from code outside the module classes
+#: (a helper ``def noisy(m, x): if m.training: ...``), which the classes' sources do not show
+READS_MODE_ELSEWHERE = "dpcompile_reads_mode_elsewhere"
+
+
+@contextlib.contextmanager
+def mode_reads_elsewhere(model: nn.Module) -> Iterator[list[str]]:
+    """While a frontend captures ``model``: the user's functions that read a module's ``training``
+    outside its class's own methods (torch's reads are the modules' own business)."""
+    from dpcompile.capture.errors import is_library_file
+
+    reads: list[str] = []
+    own = {id(m) for m in model.modules()}
+
+    def read(module: nn.Module) -> bool:
+        frame = sys._getframe(1)
+        caller = frame.f_code.co_filename
+        if id(module) in own and not is_library_file(caller) and not _INSTALLED.search(caller):
+            if frame.f_locals.get("self") is not module:
+                reads.append(f"{caller}:{frame.f_lineno}")
+        return module.__dict__["training"]
+
+    def write(module: nn.Module, value: bool) -> None:
+        module.__dict__["training"] = value
+
+    nn.Module.training = property(read, write)  # type: ignore[assignment]
+    try:
+        yield reads
+    finally:
+        del nn.Module.training
+
+
 def bakes_mode(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
-    if node.target is aten.dropout.default and node.args[1] != 0:
-        return True
+    if node.target in _DROPOUTS and node.args[1] != 0:  # dropout(x, p, train): Dropout1d/2d/3d's feature_dropout too
+        return node.target is aten.dropout.default or isinstance(node.args[2], bool)  # else its module's mode, read at run time
     if node.target is aten.scaled_dot_product_attention.default:
         p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
         return p != 0
     if node.target in (aten.batch_norm.default, aten.instance_norm.default):  # running statistics or the batch's
         return len(node.args) > 5 and node.args[3] is not None and isinstance(node.args[5], bool)
+    if node.target in _DROPOUTS:
+        return False
+    return _takes_the_mode(node)  # rrelu(x, lower, upper, training): its slopes drawn in training, fixed in eval
+
+
+def _takes_the_mode(node: fx.Node) -> bool:
+    """An ATen op given the mode as a constant argument named ``training`` or ``train``."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name in ("training", "train"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            return isinstance(value, bool)
     return False
 
 

@@ -66,6 +66,8 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
             node.target = _INPLACE_VIEWS[node.target]  # nothing reads the input after: the view, out of place
         if node.target is aten.dropout.default:
             _rewrite_dropout(gm, node, owner_path, owner)
+        elif node.target in _MODE_ARGUMENT_DROPOUTS and owner is not None and owner_path:
+            _dropout_reads_its_module_mode(gm, node, owner_path)
         elif owner is not None and _is_plain(owner):
             _raise_to_module(gm, node, owner_path, owner)
         elif owner is not None and node.target is aten.addmm.default and _is_plain_leaf(owner):
@@ -350,6 +352,22 @@ def _rewrite_dropout(gm: fx.GraphModule, node: fx.Node, path: str | None, owner:
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
+
+
+# Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout as export writes them: op(x, p, train)
+_MODE_ARGUMENT_DROPOUTS = (aten.feature_dropout.default, aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+
+
+def _dropout_reads_its_module_mode(gm: fx.GraphModule, node: fx.Node, path: str) -> None:
+    """``feature_dropout(x, p, True)`` reads the mode of the module it ran in at run time, as the module
+    does (export baked the mode in: a program transformed in training kept dropping in eval)::
+
+        feature_dropout(x, 0.3, True)  ->  feature_dropout(x, 0.3, getattr(self.drop, "training"))"""
+    if len(node.args) < 3 or not isinstance(node.args[2], bool):
+        return
+    with gm.graph.inserting_before(node):
+        training = gm.graph.call_function(getattr, (gm.graph.get_attr(path), "training"))
+    node.args = (*node.args[:2], training, *node.args[3:])
 
 
 def _devices_from_inputs(graph: fx.Graph) -> None:

@@ -16,6 +16,7 @@ not watch it (:func:`~dpcompile.capture.state.mark_not_a_change`).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from dpcompile.capture.errors import trace_source, user_source_line
+from dpcompile.capture.errors import is_library_file, trace_source, user_source_line
 from dpcompile.capture.function_backward import ArgumentSpec, backward_departs
 from dpcompile.capture.state import SideEffects, mark_not_a_change, python_state_kept
 from dpcompile.errors import DpCompileError
@@ -89,8 +90,16 @@ def seeds_recorded() -> Iterator[list[str]]:
                 applied[cls] = ([ArgumentSpec.of(a) for a in args], _where())
         return apply.__get__(None, cls)(*args, **kwargs)
 
+    register_hook = torch.Tensor.register_hook
+
+    def recorded_register_hook(tensor: torch.Tensor, hook: Any) -> Any:
+        if not is_library_file(sys._getframe(1).f_code.co_filename):  # the user's own, not a module hook's
+            calls.append("registers a gradient hook on a tensor (Tensor.register_hook)" + _where())
+        return register_hook(tensor, hook)
+
     torch.manual_seed = recorded
     torch.autograd.Function.apply = classmethod(recorded_apply)
+    torch.Tensor.register_hook = recorded_register_hook  # type: ignore[method-assign]
     rng = torch.random.get_rng_state()
     try:
         with numpy_draws_recorded(calls):
@@ -98,6 +107,7 @@ def seeds_recorded() -> Iterator[list[str]]:
     finally:
         torch.manual_seed = original
         torch.autograd.Function.apply = apply
+        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
         torch.random.set_rng_state(rng)  # the seed forward set is no effect of transform
     for cls, (specs, where) in applied.items():  # export done: no fake mode now
         if None not in specs and backward_departs(cls, specs):  # type: ignore[arg-type]
@@ -178,6 +188,11 @@ def check_export_effects(
             raise SideEffectRefused(
                 f"{name}.forward {call}: the program exported with torch.export keeps the draws but not the "
                 f"seed, so it would draw other values than eager; seed before calling the program, or {_WAY_OUT}"
+            )
+        if "register_hook" in call:
+            raise SideEffectRefused(
+                f"{name}.forward {call}: torch.export drops the hook, so gradients would not be eager's; register "
+                "it on the module instead (register_full_backward_hook), or apply it to the gradients after backward"
             )
         raise SideEffectRefused(
             f"{name}.forward {call}: torch.export traces through its forward and drops its backward (and the "

@@ -59,6 +59,7 @@ class SideEffects:
     before: dict[tuple[str, str], Any] = dataclasses.field(default_factory=dict)
     hooks_added: list[tuple[str, str, Any]] = dataclasses.field(default_factory=list)
     tensors: list[tuple[str, str, Any]] = dataclasses.field(default_factory=list)  # set to a tensor
+    lists_changed: list[str] = dataclasses.field(default_factory=list)  # a list attribute forward appended to
 
 
 _MISSING = object()
@@ -102,6 +103,8 @@ def python_state_kept(model: nn.Module) -> Iterator[SideEffects]:
                     written.setdefault((path, name), state.get(name, _MISSING))
                     state[name] = value
                 if name in contents and _changed(value, contents[name]):
+                    if type(value) is list:
+                        effects.lists_changed.append(f"{path}.{name}".lstrip("."))
                     if type(value) is dict:
                         value.clear()
                         value.update(contents[name])
@@ -167,3 +170,18 @@ def _changed(value: dict | list, before: dict | list) -> bool:
         return True
     pairs = zip(value.values(), before.values()) if type(value) is dict else zip(value, before)
     return any(a is not b for a, b in pairs) or (type(value) is dict and list(value) != list(before))
+
+
+def warn_lists_changed(model: nn.Module, effects: SideEffects) -> None:
+    """Forward appended to a list attribute (``self.features.append(h)``): the program computes what forward
+    returns and does not fill the list at each call (a dict is taken for a cache, as timm's attention biases)."""
+    if effects.lists_changed:
+        import warnings
+
+        names = ", ".join(repr(n) for n in effects.lists_changed[:3])
+        warnings.warn(
+            f"{type(model).__name__}.forward changes the list {names}: the program does not repeat that at each "
+            "call, so the list stays as it was; return the values instead, or collect them with a forward hook "
+            "(frontend='fx' calls it at each call)",
+            stacklevel=4,
+        )

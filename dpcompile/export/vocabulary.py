@@ -238,5 +238,6 @@ def vocabulary() -> Mapping[str, Callable[..., Any]]:
     table.update({f"builtins.{n}": getattr(builtins, n) for n in _BUILTINS})
     table.update({f"math.{n}": getattr(math, n) for n in _MATH if hasattr(math, n)})
     table["torch.fx._symbolic_trace._assert_is_none"] = _assert_is_none  # an optional argument traced as None
-    table.update(_runtime_functions())
+    table.update(_runtime_functions())  # imports dpcompile.runtime, which registers dpcompile's ops
+    table["torch.ops.dpcompile.encoder_nested_path.default"] = torch.ops.dpcompile.encoder_nested_path.default
     return types.MappingProxyType(table)

@@ -1,5 +1,6 @@
 """What generated code calls. Every function here is a plain, differentiable Python call."""
 
+from dpcompile.runtime import nested_encoder  # noqa: F401 - registers the op dpcompile::encoder_nested_path
 from dpcompile.runtime.batch_values import (
     batch_arange,
     local_positions,

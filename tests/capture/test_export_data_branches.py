@@ -313,3 +313,22 @@ def test_program_failing_its_own_example_is_refused_naming_the_branch():
     check_decided_on_examples(ep, {"x": torch.full((4, 8), 3.0)}, "MaxBelow")  # the same branch: passes
     with pytest.raises(TraceError, match=r"x.max\(\).item\(\) > 1.0.*decided that branch otherwise than the example"):
         check_decided_on_examples(ep, {"x": torch.full((4, 8), 0.5)}, "MaxBelow")
+
+
+class ReturnsNumbers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        out = self.fc(x)
+        return out, float(out.sum()), int((out > 0).sum())
+
+
+def test_a_number_read_from_data_and_returned_is_refused():
+    """``float(t)``/``int(t)`` returned: export kept the example's values, and the program returned the
+    example's sum for another batch whose positive count matched (-0.91 for -1.67, silently). Refused by
+    name, pointing at ``.item()``, which the program reads at each call."""
+    torch.manual_seed(0)
+    with pytest.raises(dpcompile.TraceError, match=r"returns a Python number read from a tensor.*t\.item\(\)"):
+        dpcompile.transform(ReturnsNumbers(), ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(3, 8),))

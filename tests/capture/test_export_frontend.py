@@ -535,3 +535,141 @@ def test_export_mode_read_in_a_helper_method_serves_the_other_mode():
     torch.testing.assert_close(pm(x), model(x))
     model.train()
     torch.testing.assert_close(pm(x), model(x))
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4, dtype=torch.float64)
+
+    def forward(self, x, mask=None):
+        return self.fc(x) * mask
+
+
+def _scale_input(module, args):
+    assert args[0].dim() == 2, "a batch of rows"
+    return args[0] * 2
+
+
+def _scale_mask(module, args, kwargs):
+    return (args[0] + 1,), {**kwargs, "mask": kwargs["mask"] * 3}
+
+
+@pytest.mark.parametrize("with_kwargs", [False, True])
+def test_root_pre_hook_reads_its_positional_argument(with_kwargs):
+    """Export passes every argument by name, so a root pre-hook's ``args[0]`` was out of range
+    (a TraceError). It sees the positional examples as eager's call does; what it returns runs
+    in the program, data and tensor parallel, and its hook is left registered as it was."""
+    x, mask = torch.randn(4, 8, dtype=torch.float64), torch.rand(4, 4, dtype=torch.float64)
+    for tensor_parallel in (False, True):
+        torch.manual_seed(0)
+        model = _Masked()
+        if with_kwargs:
+            model.register_forward_pre_hook(_scale_mask, with_kwargs=True)
+        else:
+            model.register_forward_pre_hook(_scale_input)
+        hooks, eager = dict(model._forward_pre_hooks), copy.deepcopy(model)
+        pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", tensor_parallel=tensor_parallel,
+                                 example_inputs=(x,), example_kwargs={"mask": mask})  # fmt: skip
+        assert model._forward_pre_hooks == hooks and bool(model._forward_pre_hooks_with_kwargs) == with_kwargs
+        torch.testing.assert_close(pm(x + 1, mask=mask), eager(x + 1, mask=mask))
+
+
+def test_transformer_encoder_zeroes_padding_where_eager_takes_its_nested_path():
+    """Eager's TransformerEncoder (batch first, enable_nested_tensor) in eval without gradients runs
+    a nested tensor and returns zeros at the padded positions; export captured the slow path, which
+    computes them (all 96 padded values wrong). The program makes eager's choice at each call: the
+    whole batch's padding at the end of every row (a split batch, one shard left-aligned, the other
+    not: no zeros), gradients off, eval."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
+    model = nn.TransformerEncoder(layer, 1).eval()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 5, 16, dtype=torch.float64)
+    left = torch.zeros(4, 5, dtype=torch.bool)
+    left[0, 3:] = left[2, 1:] = True
+    mixed = left.clone()
+    mixed[3, 0] = True
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,),
+                             example_kwargs={"src_key_padding_mask": left})  # fmt: skip
+    for mask, grad in [(left, False), (mixed, False), (left, True)]:
+        with torch.set_grad_enabled(grad):
+            want = eager(x, src_key_padding_mask=mask)
+            torch.testing.assert_close(pm(x, src_key_padding_mask=mask), want)
+        assert bool((want == 0).all(-1).any()) == (mask is left and not grad)
+
+
+@pytest.mark.parametrize("dropout, layout", [(nn.Dropout2d, {}), (nn.AlphaDropout, {}), (nn.Dropout2d, {"pipeline": 2})])
+def test_feature_and_alpha_dropout_follow_the_mode(dropout, layout):
+    """Export writes Dropout1d/2d/3d as ``feature_dropout(x, p, train)`` and AlphaDropout as
+    ``alpha_dropout``, with the mode baked in: only ``dropout`` was known to bake it, so a program
+    transformed in training kept dropping in eval (and one transformed in eval never dropped). The
+    op reads its module's mode at run time, in a pipeline's stages too."""
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    for start, other in (("train", "eval"), ("eval", "train")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 1), dropout(0.5), nn.Conv2d(4, 2, 1)).double()
+        getattr(model, start)()
+        eager = copy.deepcopy(model)
+        pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,), **layout)
+        for mode in (start, other):
+            getattr(pm, mode)(), getattr(eager, mode)()
+            torch.manual_seed(1)
+            got = pm(x)
+            torch.manual_seed(1)
+            torch.testing.assert_close(got, eager(x), msg=lambda m, mode=mode, start=start: f"transformed in {start}, run in {mode}: {m}")
+
+
+def _leaky_by_mode(module, h):
+    return F.rrelu(h, training=module.training)
+
+
+class SlopesByMode(nn.Module):
+    """Reads its mode only in a helper outside the class: export bakes it into ``rrelu_with_noise``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x):
+        return _leaky_by_mode(self, self.fc(x))
+
+
+def test_an_op_given_the_mode_as_an_argument_follows_the_mode():
+    """An op taking ``training=`` as a constant (rrelu's random slopes in training, fixed ones in eval) was
+    not known to bake the mode: transformed in training, the program drew slopes in eval (off by 0.09)."""
+    torch.manual_seed(0)
+    model, x = SlopesByMode(), torch.randn(4, 8, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    pm.eval(), eager.eval()
+    torch.testing.assert_close(pm(x), eager(x))
+
+
+def _halved_when_learning(module, h):
+    if module.training:
+        h = h * 0.5
+    return h
+
+
+class ModeInAFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x):
+        return _halved_when_learning(self, self.fc(x))
+
+
+def test_a_mode_read_in_a_helper_outside_the_class_is_checked():
+    """A helper function reads the module's mode (``if module.training:``), which no source of the model's
+    classes shows: the program exported in training ran its branch in eval too (half eager's output,
+    silently). The read is seen while exporting: the other mode is refused by name, as for forward's own."""
+    torch.manual_seed(0)
+    model, x = ModeInAFunction(), torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    pm.eval()
+    with pytest.raises(dpcompile.DpCompileError, match="exported in training mode"):
+        pm(x)
+    assert "training" not in nn.Module.__dict__

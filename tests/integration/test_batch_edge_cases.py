@@ -4,6 +4,7 @@ not have is a clear error."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -311,6 +312,31 @@ def test_a_branch_on_the_grad_mode_is_checked_at_each_call(frontend):
     torch.testing.assert_close(pm(x), model(x))
     with torch.no_grad(), pytest.raises(dpcompile.DpCompileError, match=r"reads torch.is_grad_enabled\(\) \(test_batch_edge_cases.py"):
         pm(x)
+
+
+class LogsGradMode(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        enabled = torch.is_grad_enabled()
+        logging.getLogger(__name__).debug("grad mode %s", enabled)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_grad_mode_read_that_decides_nothing_runs_in_either_mode(frontend):
+    """A read of ``torch.is_grad_enabled()`` that is only logged was refused under ``no_grad`` like a branch.
+    Captured again with the read returning False, the program is the same: no check; the branch above keeps its."""
+    torch.manual_seed(0)
+    model = LogsGradMode().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    assert "expect_grad_mode" not in pm.code
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), model(x))
+    torch.testing.assert_close(pm(x), model(x))
 
 
 class AutocastInside(torch.nn.Module):

@@ -410,3 +410,28 @@ def test_odd_export_cdist_splits_per_row_under_1f1b():
     whole on the gathered batch and 1F1B found no mean loss. It splits per row: the loss and gradients of
     1F1B equal eager's."""
     _assert_1f1b_like_eager(NearestCentres, (_inputs(ShrinksItsWeight)[0],), "export")
+
+
+class FrequencyScaled(nn.Module):
+    """An embedding and a bag of rows whose gradients are divided by each index's count in the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8, scale_grad_by_freq=True, dtype=torch.float64)
+        self.bags = nn.EmbeddingBag(10, 8, mode="sum", scale_grad_by_freq=True, dtype=torch.float64)
+        self.head = nn.Linear(8, 2, dtype=torch.float64)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids) + self.bags(ids)[:, None])
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_odd_scale_grad_by_freq_counts_over_the_whole_batch(frontend):
+    """``scale_grad_by_freq=True`` divides each row's gradient by its index's count in the batch: split, each
+    replica counted its own rows, and the table's gradient was off by up to 0.47, silently. Both run whole."""
+    ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = FrequencyScaled()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(ids,))
+    assert_steps_equal_eager(pm, eager, lambda step: ((ids + step) % 10,), lambda ps: torch.optim.AdamW(ps, lr=0.1))

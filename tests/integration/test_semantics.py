@@ -236,6 +236,32 @@ def test_packed_sequence_matches_eager(total_length):
     assert "pack_padded_sequence(x_dev1, lengths_dev1" in pm.code
 
 
+class PackedByAttribute(nn.Module):
+    """Packing spelled through the module (``nn.utils.rnn.pack_padded_sequence``), not a global."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.out = nn.LSTM(3, 5, batch_first=True, dtype=torch.float64), nn.Linear(5, 2, dtype=torch.float64)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, (h, _) = self.rnn(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return self.out(padded) + self.out(h[-1])[:, None]
+
+
+def test_packed_sequence_spelled_through_the_module_splits_or_is_refused_by_name():
+    """fx traced into ``nn.utils.rnn.pack_padded_sequence`` (fx wraps only globals) and failed on
+    '__cuda_array_interface__ must be a dict'; it is kept as a call and split, as the global is.
+    The export frontend, which cannot run an RNN on a PackedSequence, says so and names fx."""
+    lengths, x = torch.tensor([4, 7, 2, 5, 7, 1]), torch.randn(6, 7, 3, dtype=torch.float64)
+    pm = check_against_eager(PackedByAttribute, ["cpu"] * 2, x, lengths, transform_kwargs={"example_inputs": (x, lengths)})
+    assert "pack_padded_sequence(x_dev1, lengths_dev1" in pm.code
+    model = PackedByAttribute()
+    with pytest.raises(dpcompile.TraceError, match="cannot run an RNN on a PackedSequence.*frontend='fx'"):
+        dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x, lengths))
+
+
 class Unsplittable(nn.Module):
     def __init__(self):
         super().__init__()

@@ -100,11 +100,23 @@ def embedding(ctx: RuleContext) -> Placement | None:
     weight)`` and ``nn.Embedding`` take the indices first, ``torch.embedding`` and
     ``aten.embedding(weight, indices)`` second."""
     indices_first = ctx.module is not None or ctx.node.target is F.embedding
+    if _scales_grad_by_freq(ctx, indices_first):  # its gradient divides by counts over the whole batch: run whole
+        return None
     indices = ctx.tensor_arg() if indices_first else (ctx.node.args[1] if len(ctx.node.args) > 1 else None)
     p = ctx.p(indices)
     if isinstance(p, Split) and all(isinstance(ctx.p(n), Replicated) for n in ctx.node.all_input_nodes if n is not indices):
         return p
     return None
+
+
+def _scales_grad_by_freq(ctx: RuleContext, indices_first: bool) -> bool:
+    """``scale_grad_by_freq=True``: each row's gradient is divided by how often its index occurs in the
+    batch, which a shard of the batch counts differently. ``F.embedding``'s is its 6th argument, ATen's its 4th."""
+    if ctx.module is not None:
+        return bool(getattr(ctx.module, "scale_grad_by_freq", False))
+    position = 5 if indices_first else 3
+    args = ctx.node.args
+    return bool(ctx.node.kwargs.get("scale_grad_by_freq", args[position] if len(args) > position else False))
 
 
 def layer_norm(ctx: RuleContext) -> Placement | None:
@@ -280,6 +292,8 @@ def embedding_bag_rows(ctx: RuleContext) -> Placement | None:
     ids, offsets, weights = ctx.tensor_arg(), ctx.arg(1, "offsets"), ctx.arg(2, "per_sample_weights")
     p = ctx.p(ids)
     if not isinstance(p, Split) or p.dim != 0 or ctx.ndim(ids) != 2 or offsets is not None:
+        return None
+    if getattr(ctx.module, "scale_grad_by_freq", False):  # counts over the whole batch, as nn.Embedding's
         return None
     w = ctx.p(weights) if weights is not None else None
     if weights is not None and not (isinstance(w, Split) and w.dim == 0):

@@ -1,0 +1,60 @@
+"""What torch.export would capture differently from eager, put back while it exports.
+
+- ``nn.TransformerEncoder`` (``enable_nested_tensor=True``, batch first) with a padding mask takes,
+  in eval without gradients, a nested-tensor fast path that returns zeros at the padded positions;
+  export captures the slow path, which computes them. Each such encoder's output is followed by
+  the same choice, made at each call as eager makes it
+  (:func:`~dpcompile.runtime.nested_encoder.encoder_nested_path`)::
+
+      before: out = encoder(src, src_key_padding_mask=mask)             # padded rows computed
+      after:  out = where(encoder_nested_path(mask, ...), out.masked_fill(mask[..., None], 0), out)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcompile.capture.export_inputs import root_pre_hooks_given_positions
+from dpcompile.runtime.nested_encoder import encoder_nested_path
+
+
+@contextlib.contextmanager
+def export_as_eager_runs(model: nn.Module, positional: Sequence[str]) -> Iterator[None]:
+    """While exporting ``model``: root pre-hooks see the positional examples, nested encoders zero their padding."""
+    with root_pre_hooks_given_positions(model, positional), nested_encoders_as_eager(model):
+        yield
+
+
+@contextlib.contextmanager
+def nested_encoders_as_eager(model: nn.Module) -> Iterator[None]:
+    encoders = [m for m in model.modules() if isinstance(m, nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False)]
+    patched = [m for m in encoders if "forward" not in m.__dict__]
+    for encoder in patched:
+        encoder.forward = _zeroing_padding_as_eager(encoder)
+    try:
+        yield
+    finally:
+        for encoder in patched:
+            del encoder.forward
+
+
+def _zeroing_padding_as_eager(encoder: nn.TransformerEncoder) -> Any:
+    original = type(encoder).forward
+
+    def forward(src: torch.Tensor, mask: Any = None, src_key_padding_mask: Any = None, is_causal: Any = None) -> Any:
+        out = original(encoder, src, mask, src_key_padding_mask, is_causal)
+        if src_key_padding_mask is None or mask is not None or src.dim() != 3 or not isinstance(out, torch.Tensor):
+            return out
+        first = encoder.layers[0]
+        weights = [p for m in (first.self_attn, first.norm1, first.norm2, first.linear1, first.linear2) for p in m.parameters()]
+        needs_grad = src.requires_grad or any(p.requires_grad for p in weights)
+        padded = src_key_padding_mask if src_key_padding_mask.dtype == torch.bool else src_key_padding_mask != 0
+        nested = encoder_nested_path(padded, first.training, needs_grad, getattr(encoder, "mask_check", True))
+        return torch.where(nested, out.masked_fill(padded.unsqueeze(-1), 0.0), out)
+
+    return forward

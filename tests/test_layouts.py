@@ -233,7 +233,7 @@ def test_layout_mesh_disagreeing_keywords_are_refused():
         ({"sequence_parallel": True, "tensor_parallel": True}, "pass example_inputs="),
         ({"activation_checkpointing": "every"}, "activation_checkpointing="),
         ({"activation_checkpointing": "auto"}, "memory_per_device="),
-        ({"plan": "auto"}, "memory_per_device="),
+        ({"plan": "auto"}, "example_inputs="),  # without a budget it plans for the devices' own memory
         ({"exact_random": "yes"}, "exact_random="),
         ({"pipeline": "layers.1"}, r"pipeline='layers.1': expected a number of stages, or a list of module paths"),
         ({"copy_replicas": "yes"}, "copy_replicas='yes': expected True or False"),

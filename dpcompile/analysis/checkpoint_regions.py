@@ -183,7 +183,8 @@ def checkpoint_words(rule: str, paths: tuple[str, ...], program: nn.Module) -> s
 
 def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
     """The items of the model's largest ``ModuleList`` / ``Sequential`` of blocks of one type
-    (the most items; ties: the most parameters); where no list holds any, :func:`sibling_blocks`."""
+    (the most items; ties: the most parameters); where no list holds any, not even one block
+    (:func:`lone_blocks`), :func:`sibling_blocks`."""
     best: tuple[int, int, str, list[str]] | None = None
     for path, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
@@ -195,7 +196,9 @@ def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
         names = [f"{path}.{name}" if path else name for name, _ in module.named_children()]
         if best is None or (len(names), size) > best[:2]:
             best = (len(names), size, path, names)
-    return tuple(best[3]) if best else sibling_blocks(model)
+    if best:
+        return tuple(best[3])
+    return () if lone_blocks(model) else sibling_blocks(model)  # a one-layer BART's layers, not its two attentions
 
 
 def sibling_blocks(model: nn.Module) -> tuple[str, ...]:

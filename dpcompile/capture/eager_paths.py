@@ -47,14 +47,22 @@ def _zeroing_padding_as_eager(encoder: nn.TransformerEncoder) -> Any:
     original = type(encoder).forward
 
     def forward(src: torch.Tensor, mask: Any = None, src_key_padding_mask: Any = None, is_causal: Any = None) -> Any:
-        out = original(encoder, src, mask, src_key_padding_mask, is_causal)
-        if src_key_padding_mask is None or mask is not None or src.dim() != 3 or not isinstance(out, torch.Tensor):
-            return out
+        if src_key_padding_mask is None or mask is not None or src.dim() != 3:
+            return original(encoder, src, mask, src_key_padding_mask, is_causal)
+        norm = encoder.norm  # eager pads with zeros, then norms: a padded row is norm(0), its bias for a LayerNorm
+        encoder.norm = None
+        try:
+            out = original(encoder, src, mask, src_key_padding_mask, is_causal)
+        finally:
+            encoder.norm = norm
+        if not isinstance(out, torch.Tensor):
+            return out if norm is None else norm(out)
         first = encoder.layers[0]
         weights = [p for m in (first.self_attn, first.norm1, first.norm2, first.linear1, first.linear2) for p in m.parameters()]
         needs_grad = src.requires_grad or any(p.requires_grad for p in weights)
         padded = src_key_padding_mask if src_key_padding_mask.dtype == torch.bool else src_key_padding_mask != 0
         nested = encoder_nested_path(padded, first.training, needs_grad, getattr(encoder, "mask_check", True))
-        return torch.where(nested, out.masked_fill(padded.unsqueeze(-1), 0.0), out)
+        out = torch.where(nested, out.masked_fill(padded.unsqueeze(-1), 0.0), out)
+        return out if norm is None else norm(out)
 
     return forward

@@ -148,7 +148,11 @@ def export_program(
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError (or examples that do not fit)
         if is_example_misfit(exc):
             raise misfit_error(exc, model) from None
-        ep = _export_deciding_on_examples(model, names, spec, positional) if _is_data_dependent(exc) else None
+        ep = None
+        if _is_data_dependent(exc):
+            with mode_reads_elsewhere(model) as past_the_branch:  # the first export stopped at the branch
+                ep = _export_deciding_on_examples(model, names, spec, positional)
+            mode_reads = [*mode_reads, *past_the_branch]
         if ep is None:
             raise export_error(exc, model, given=names) from exc
         decided = True

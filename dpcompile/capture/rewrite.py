@@ -66,7 +66,7 @@ def rewrite(gm: fx.GraphModule, model: nn.Module) -> None:
             node.target = _INPLACE_VIEWS[node.target]  # nothing reads the input after: the view, out of place
         if node.target is aten.dropout.default:
             _rewrite_dropout(gm, node, owner_path, owner)
-        elif node.target in _MODE_ARGUMENT_DROPOUTS and owner is not None and owner_path:
+        elif node.target in _MODE_ARGUMENT_DROPOUTS and isinstance(owner, _MODE_ARGUMENT_MODULES) and owner_path:
             _dropout_reads_its_module_mode(gm, node, owner_path)
         elif owner is not None and _is_plain(owner):
             _raise_to_module(gm, node, owner_path, owner)
@@ -356,6 +356,9 @@ def _rewrite_dropout(gm: fx.GraphModule, node: fx.Node, path: str | None, owner:
 
 # Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout as export writes them: op(x, p, train)
 _MODE_ARGUMENT_DROPOUTS = (aten.feature_dropout.default, aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+# ... where the module is the dropout itself: a functional call's constant (F.dropout2d(x, training=True), Monte
+# Carlo dropout) is the user's, not the mode; the two-mode export answers for it
+_MODE_ARGUMENT_MODULES = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def _dropout_reads_its_module_mode(gm: fx.GraphModule, node: fx.Node, path: str) -> None:

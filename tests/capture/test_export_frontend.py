@@ -583,20 +583,24 @@ def test_transformer_encoder_zeroes_padding_where_eager_takes_its_nested_path():
     not: no zeros), gradients off, eval."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
-    model = nn.TransformerEncoder(layer, 1).eval()
-    eager = copy.deepcopy(model)
+    norm = nn.LayerNorm(16, dtype=torch.float64)
+    nn.init.normal_(norm.bias)  # eager pads, then norms: a padded row is the bias (a fresh norm's is zero)
     x = torch.randn(4, 5, 16, dtype=torch.float64)
     left = torch.zeros(4, 5, dtype=torch.bool)
     left[0, 3:] = left[2, 1:] = True
     mixed = left.clone()
     mixed[3, 0] = True
-    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,),
-                             example_kwargs={"src_key_padding_mask": left})  # fmt: skip
-    for mask, grad in [(left, False), (mixed, False), (left, True)]:
-        with torch.set_grad_enabled(grad):
-            want = eager(x, src_key_padding_mask=mask)
-            torch.testing.assert_close(pm(x, src_key_padding_mask=mask), want)
-        assert bool((want == 0).all(-1).any()) == (mask is left and not grad)
+    for final_norm in (None, norm):
+        model = nn.TransformerEncoder(copy.deepcopy(layer), 1, norm=copy.deepcopy(final_norm)).eval()
+        eager = copy.deepcopy(model)
+        pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,),
+                                 example_kwargs={"src_key_padding_mask": left})  # fmt: skip
+        padded_row = torch.zeros(16, dtype=torch.float64) if final_norm is None else norm.bias
+        for mask, grad in [(left, False), (mixed, False), (left, True)]:
+            with torch.set_grad_enabled(grad):
+                want = eager(x, src_key_padding_mask=mask)
+                torch.testing.assert_close(pm(x, src_key_padding_mask=mask), want)
+            assert bool((want == padded_row).all(-1).any()) == (mask is left and not grad)
 
 
 @pytest.mark.parametrize("dropout, layout", [(nn.Dropout2d, {}), (nn.AlphaDropout, {}), (nn.Dropout2d, {"pipeline": 2})])
@@ -618,6 +622,28 @@ def test_feature_and_alpha_dropout_follow_the_mode(dropout, layout):
             got = pm(x)
             torch.manual_seed(1)
             torch.testing.assert_close(got, eager(x), msg=lambda m, mode=mode, start=start: f"transformed in {start}, run in {mode}: {m}")
+
+
+class _MonteCarloDropout2d(nn.Module):
+    def forward(self, x):
+        return F.dropout2d(x, 0.5, training=True)  # drops in eval too: the user's constant, not the mode
+
+
+def test_a_functional_feature_dropout_keeps_its_constant_training_argument():
+    """``F.dropout2d(x, training=True)`` in a module's forward (Monte Carlo dropout) drops in eval as in
+    eager: only the dropout modules' own op reads their mode at run time (a functional call's constant
+    was rewritten to its module's mode: the program stopped dropping in eval)."""
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), _MonteCarloDropout2d()).double()
+    eager = copy.deepcopy(model)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    for mode in ("train", "eval"):
+        getattr(pm, mode)(), getattr(eager, mode)()
+        torch.manual_seed(1)
+        got = pm(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, eager(x), msg=lambda m, mode=mode: f"in {mode}: {m}")
 
 
 def _leaky_by_mode(module, h):
@@ -673,3 +699,23 @@ def test_a_mode_read_in_a_helper_outside_the_class_is_checked():
     with pytest.raises(dpcompile.DpCompileError, match="exported in training mode"):
         pm(x)
     assert "training" not in nn.Module.__dict__
+
+
+class ModeInAFunctionPastABranch(ModeInAFunction):
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:  # data-dependent: the first export stops here, the one deciding on the examples goes on
+            h = h + 1
+        return _halved_when_learning(self, h)
+
+
+def test_a_mode_read_in_a_helper_past_a_data_branch_is_checked():
+    """The helper's read comes after a branch on the data, which the first export stops at: the export that
+    decides on the examples records it too (it was missed, and eval ran the training branch silently)."""
+    torch.manual_seed(0)
+    model, x = ModeInAFunctionPastABranch(), torch.randn(4, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x))
+    pm.eval()
+    with pytest.raises(dpcompile.DpCompileError, match="exported in training mode"):
+        pm(x)

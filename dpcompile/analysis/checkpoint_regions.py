@@ -204,7 +204,8 @@ def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
 def sibling_blocks(model: nn.Module) -> tuple[str, ...]:
     """The largest group of one module's own attributes that are blocks (submodules and parameters)
     of one type with parameters of the same shapes (``self.block0 = Block(); self.block1 = Block()``),
-    the most first (ties: the most parameters); empty where there is none. Lists are
+    the most first (ties: the most parameters), where they hold at least half the model's parameters;
+    empty where there is none. Lists are
     :func:`repeated_blocks`' own; a Linear beside a Linear is no block.
 
     >>> sibling_blocks(PlainAttrs())  # inp, block0, block1, block2, out  # doctest: +SKIP
@@ -225,7 +226,9 @@ def sibling_blocks(model: nn.Module) -> tuple[str, ...]:
             size = sum(p.numel() for c in children for p in c.parameters())
             if len(children) > 1 and (best is None or (len(children), size) > best[:2]):
                 best = (len(children), size, [names[id(c)] for c in children])
-    return tuple(best[2]) if best else ()
+    whole = sum(p.numel() for p in model.parameters())
+    # the model's own blocks hold most of it: not, say, Inception's four parallel 1x1 convolutions of one branch
+    return tuple(best[2]) if best and 2 * best[1] >= whole else ()
 
 
 def lone_blocks(model: nn.Module) -> tuple[str, ...]:

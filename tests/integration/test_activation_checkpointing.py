@@ -382,6 +382,31 @@ def test_activation_checkpointing_true_finds_blocks_held_as_attributes(layout, m
         assert {"dp2", "dp2 +ckpt"} <= {c.spec.name for c in planned.candidates}
 
 
+class _Conv(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(cin, cout, 1), nn.BatchNorm2d(cout)
+
+
+class _Branches(nn.Module):
+    """Inception's shape: four parallel 1x1 convolutions of one branch, beside a stem holding most weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(8, 64, 5)
+        self.a, self.b, self.c, self.d = (_Conv(64, 4) for _ in range(4))
+
+
+def test_parallel_branches_holding_little_of_the_model_are_not_its_repeated_blocks():
+    """Sibling blocks are the model's repeated blocks (for activation checkpointing and the planner's units)
+    only where they hold at least half its parameters: a branch's parallel convolutions stayed units of
+    their own (torchvision's Inception v3 would have had 4 of one branch's taken for its blocks)."""
+    from dpcompile.analysis.checkpoint_regions import repeated_blocks
+
+    assert repeated_blocks(_Branches()) == ()
+    assert repeated_blocks(PlainStack()) == ("block0", "block1", "block2")
+
+
 def test_activation_checkpointing_true_without_blocks_is_refused():
     """True on a model with no repeated blocks says to name the modules, with the model's own names."""
     with pytest.raises(DpCompileError, match=r"name the modules to recompute, e\.g\. activation_checkpointing=\['0', '1'\]"):

@@ -98,10 +98,20 @@ def planned_transform(
         return pm
     # the error suggests the smallest predicted peak as a budget: it must build when passed back (a 1F1B
     # layout over a model that updates its state from the whole batch in forward is refused only when built)
-    for candidate in sorted((c for c in planned.candidates if c.per_device and not c.fits and c.rejected
-                             and not c.rejected.startswith(UNBUILT)), key=lambda c: c.peak)[:SUGGESTION_TRIES]:  # fmt: skip
-        if built(candidate, candidate.peak) is not None:
-            break
+    tensors = [*model.parameters(), *model.buffers()]
+    held = [t.data for t in tensors]  # a layout built for the suggestion may have moved them (distinct GPUs)
+    try:
+        for candidate in sorted((c for c in planned.candidates if c.per_device and not c.fits and c.rejected
+                                 and not c.rejected.startswith(UNBUILT)), key=lambda c: c.peak)[:SUGGESTION_TRIES]:  # fmt: skip
+            try:
+                if built(candidate, candidate.peak) is not None:
+                    break
+            except Exception as e:  # noqa: BLE001 - only a suggestion: the no-fit error is the answer either way
+                candidate.rejected, candidate.fits = f"{UNBUILT}{type(e).__name__}: {e}", False
+    finally:
+        for t, data in zip(tensors, held, strict=True):
+            if t.data_ptr() != data.data_ptr() or t.device != data.device:
+                t.data = data
     raise planned.no_fit_error(len(parsed.labels()))
 
 

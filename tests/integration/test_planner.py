@@ -337,6 +337,27 @@ def test_plan_auto_without_a_budget_is_bounded_by_the_hosts_memory(monkeypatch):
     assert torch.equal(rng, torch.get_rng_state())
 
 
+def test_the_no_fit_error_outlives_a_suggestion_that_fails_otherwise_and_puts_moved_weights_back(monkeypatch):
+    """A layout built for the no-fit error's suggestion that fails with a torch error (CUDA out of memory,
+    say) after moving the weights (onto distinct GPUs) leaves the no-fit error the answer, and the model's
+    tensors where they were (the torch error escaped, the weights stayed moved)."""
+    import dpcompile.api
+
+    model = _stack()
+    held = {name: t.data_ptr() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    def moving_then_failing(m, devices, **options):
+        for t in [*m.parameters(), *m.buffers()]:
+            t.data = t.data.clone()  # as moving them to another device does
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(dpcompile.api, "transform", moving_then_failing)
+    with pytest.raises(DpCompileError, match="no layout fits"):
+        dpcompile.transform(model, ["cpu"] * 2, example_inputs=(X, Y), optimizer="adamw", plan="auto",
+                            memory_per_device=1000)  # fmt: skip
+    assert all(t.data_ptr() == held[name] for name, t in [*model.named_parameters(), *model.named_buffers()])
+
+
 @pytest.mark.gpu
 def test_plan_auto_without_a_budget_plans_for_each_gpus_total_memory():
     """Two virtual devices on one GPU share its total memory; the chosen program equals eager."""

@@ -296,7 +296,7 @@ def default_budget_words(budgets: Mapping[str, int]) -> str:
     """``pm.strategies["memory_per_device"]`` where ``plan="auto"`` had no budget: what it planned for."""
     sizes = sorted(set(budgets.values()))
     each = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])}-{format_bytes(sizes[-1])}"
-    return f"{each} per device ({DEFAULT_BUDGET}; explain(pm, x) says whose)"  # short: an export keeps it (< 200)
+    return f"{each} per device ({DEFAULT_BUDGET}; explain(pm, x) says whose)"  # short: an export keeps strategy words
 
 
 def has_blocks(model: nn.Module) -> bool:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcompile.analysis.device_memory import DEFAULT_BUDGET, memory_key, physical_memory_bytes
+from dpcompile.analysis.device_memory import UNGIVEN_BUDGET_WORDS, memory_key, physical_memory_bytes
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.memory import format_bytes, parse_budget
 from dpcompile.errors import ArgumentError, DpCompileError
@@ -156,5 +156,5 @@ def _ranks_own_memory(mesh: Any) -> tuple[int, str]:
     rank = min(range(len(every)), key=lambda r: every[r][2] // sharing[every[r][:2]])
     host, key, size, where = every[rank]
     shared = f", shared by {sharing[(host, key)]} ranks" if sharing[(host, key)] > 1 else ""
-    return size // sharing[(host, key)], (f"{DEFAULT_BUDGET}: the least of the ranks' shares, rank {rank}'s {key} "
+    return size // sharing[(host, key)], (f"{UNGIVEN_BUDGET_WORDS}: the least of the ranks' shares, rank {rank}'s {key} "
                                           f"on {host}: {where} {format_bytes(size)}{shared}")  # fmt: skip

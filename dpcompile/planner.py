@@ -22,7 +22,7 @@ from torch import nn
 
 from dpcompile.analysis.calibration import Calibration, calibrate, calibrate_mesh
 from dpcompile.analysis.checkpoint_regions import lone_blocks, repeated_blocks
-from dpcompile.analysis.device_memory import DEFAULT_BUDGET, device_memory_budgets
+from dpcompile.analysis.device_memory import UNGIVEN_BUDGET_WORDS, device_memory_budgets
 from dpcompile.analysis.layout_costs import LayoutSpec, batch_share, kept_levels
 from dpcompile.analysis.memory import KINDS, MemoryEstimate, format_budget_up, format_bytes
 from dpcompile.analysis.model_profile import ModelProfile, profile_model
@@ -47,7 +47,7 @@ class Candidate:
     fits: bool = False
     stage_starts: tuple[str, ...] = ()  # a pipeline's: the module paths where its predicted stages 1.. start
     budgets: dict[str, int] = field(default_factory=dict)  # the bytes per device it was judged against
-    budget_source: str = "memory_per_device="  # or, where none was given, the devices' own memory (DEFAULT_BUDGET)
+    budget_source: str = "memory_per_device="  # or, where none was given, the devices' own memory (UNGIVEN_BUDGET_WORDS)
 
     @property
     def peak(self) -> int:
@@ -296,7 +296,7 @@ def default_budget_words(budgets: Mapping[str, int]) -> str:
     """``pm.strategies["memory_per_device"]`` where ``plan="auto"`` had no budget: what it planned for."""
     sizes = sorted(set(budgets.values()))
     each = format_bytes(sizes[0]) if len(sizes) == 1 else f"{format_bytes(sizes[0])}-{format_bytes(sizes[-1])}"
-    return f"{each} per device ({DEFAULT_BUDGET}; explain(pm, x) says whose)"  # short: an export keeps strategy words
+    return f"{each} per device ({UNGIVEN_BUDGET_WORDS}; explain(pm, x) says whose)"  # short: an export keeps strategy words
 
 
 def has_blocks(model: nn.Module) -> bool:

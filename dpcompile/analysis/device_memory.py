@@ -22,11 +22,11 @@ import torch
 
 from dpcompile.errors import ArgumentError
 
-__all__ = ["DEFAULT_BUDGET", "budget_words", "device_memory_budgets", "host_available_bytes", "memory_key",
+__all__ = ["UNGIVEN_BUDGET_WORDS", "budget_words", "device_memory_budgets", "host_available_bytes", "memory_key",
            "physical_memory_bytes"]
 
 #: how ``pm.strategies["memory_per_device"]`` and the candidates name a budget that was not given
-DEFAULT_BUDGET = "no memory_per_device= given: the devices' own memory"
+UNGIVEN_BUDGET_WORDS = "no memory_per_device= given: the devices' own memory"
 
 
 def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int | None:
@@ -105,10 +105,10 @@ def device_memory_budgets(devices: Sequence[torch.device], labels: Sequence[str]
 
 
 def budget_words(whole: dict[str, tuple[int, str]], sharing: Counter) -> str:
-    """``DEFAULT_BUDGET`` and, per physical memory, its size, where it was read and how many share it."""
+    """``UNGIVEN_BUDGET_WORDS`` and, per physical memory, its size, where it was read and how many share it."""
     words = [f"{key}: {source} {_gib(size)}" + (f", shared by {sharing[key]} devices" if sharing[key] > 1 else "")
              for key, (size, source) in whole.items()]  # fmt: skip
-    return f"{DEFAULT_BUDGET}: {'; '.join(words)}"
+    return f"{UNGIVEN_BUDGET_WORDS}: {'; '.join(words)}"
 
 
 def _gib(n: int) -> str:

@@ -50,6 +50,14 @@ def _is_library_file(filename: str) -> bool:
 
 is_library_file = _is_library_file
 
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+
+def is_installed_package_file(filename: str) -> bool:
+    """A file of an installed package (transformers' reads of the grad mode or a module's mode are its own
+    business, as torch's are), not the user's code."""
+    return bool(_INSTALLED.search(filename))
+
 
 def trace_source(trace: str | None) -> str | None:
     """``"model.py:42 in forward: h = self.fc1(x)"``: the user's innermost frame in a formatted stack

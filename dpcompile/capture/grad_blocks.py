@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -68,7 +67,6 @@ def inference_mode_as_no_grad() -> Iterator[None]:
         torch.inference_mode.__enter__, torch.inference_mode.__exit__ = enter, leave  # type: ignore[method-assign]
 
 
-_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 
 @contextlib.contextmanager
@@ -77,7 +75,7 @@ def grad_mode_reads(pretend: bool | None = None) -> Iterator[list[str]]:
     reads, nn.MultiheadAttention's fast path, are the ops' business, and an installed library's). Capture takes the branch of the grad
     mode it runs in, so the program checks that mode at each call (:func:`check_grad_mode`). ``pretend``: the
     user's reads get that value instead (a second capture, to tell a branch from a read that decides nothing)."""
-    from dpcompile.capture.errors import is_library_file, trace_source, user_source_line
+    from dpcompile.capture.errors import is_installed_package_file, is_library_file, trace_source, user_source_line
 
     reads: list[str] = []
     original = torch.is_grad_enabled
@@ -85,7 +83,7 @@ def grad_mode_reads(pretend: bool | None = None) -> Iterator[list[str]]:
     def recorded() -> bool:
         caller = sys._getframe(1).f_code.co_filename
         # an installed library's read guards speed, not values (transformers: checkpointing only with gradients)
-        if not is_library_file(caller) and not _INSTALLED.search(caller):
+        if not is_library_file(caller) and not is_installed_package_file(caller):
             reads.append(trace_source(user_source_line()) or "forward")
             if pretend is not None:
                 return pretend

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -118,7 +117,6 @@ def forward_reads_training(cls: type) -> bool:
 _DROPOUTS = (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
 
 
-_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 #: ``gm.meta`` key: forward read a module's ``training`` from code outside the module classes
 #: (a helper ``def noisy(m, x): if m.training: ...``), which the classes' sources do not show
@@ -129,7 +127,7 @@ READS_MODE_ELSEWHERE = "dpcompile_reads_mode_elsewhere"
 def mode_reads_elsewhere(model: nn.Module) -> Iterator[list[str]]:
     """While a frontend captures ``model``: the user's functions that read a module's ``training``
     outside its class's own methods (torch's reads are the modules' own business)."""
-    from dpcompile.capture.errors import is_library_file
+    from dpcompile.capture.errors import is_installed_package_file, is_library_file
 
     reads: list[str] = []
     own = {id(m) for m in model.modules()}
@@ -137,7 +135,7 @@ def mode_reads_elsewhere(model: nn.Module) -> Iterator[list[str]]:
     def read(module: nn.Module) -> bool:
         frame = sys._getframe(1)
         caller = frame.f_code.co_filename
-        if id(module) in own and not is_library_file(caller) and not _INSTALLED.search(caller):
+        if id(module) in own and not is_library_file(caller) and not is_installed_package_file(caller):
             if frame.f_locals.get("self") is not module:
                 reads.append(f"{caller}:{frame.f_lineno}")
         return module.__dict__["training"]

@@ -15,7 +15,7 @@ def test_virtual_devices_share_their_physical_memory(monkeypatch):
     cpu = torch.device("cpu")
     budgets, words = device_memory.device_memory_budgets([cpu] * 3, ["cpu#0", "cpu#1", "cpu#2"])
     assert budgets == {"cpu#0": 1000, "cpu#1": 1000, "cpu#2": 1000}
-    assert words.startswith(device_memory.DEFAULT_BUDGET) and "shared by 3 devices" in words
+    assert words.startswith(device_memory.UNGIVEN_BUDGET_WORDS) and "shared by 3 devices" in words
 
 
 def test_meminfo_and_the_cgroup_limit_are_read(tmp_path):

@@ -402,7 +402,7 @@ def test_a_batch_norm_model_gets_no_1f1b_candidate_and_its_suggested_budget_buil
 
 def test_plan_mesh_layouts_without_budgets_plans_for_this_hosts_share():
     """``plan_mesh_layouts(..., budgets=None)``: the host's available memory shared by the ranks."""
-    from dpcompile.analysis.device_memory import DEFAULT_BUDGET, host_available_bytes
+    from dpcompile.analysis.device_memory import UNGIVEN_BUDGET_WORDS, host_available_bytes
     from dpcompile.planned_mesh import mesh_candidates
     from dpcompile.planner import plan_mesh_layouts
 
@@ -410,7 +410,7 @@ def test_plan_mesh_layouts_without_budgets_plans_for_this_hosts_share():
     planned = plan_mesh_layouts(_stack(), ranks, None, optimizer="adamw", training=True, example_inputs=(X, Y),
                                 example_kwargs=None, specs=mesh_candidates(2))  # fmt: skip
     share = host_available_bytes() // 2
-    assert planned.fitting and all(c.budget_source.startswith(DEFAULT_BUDGET) for c in planned.candidates)
+    assert planned.fitting and all(c.budget_source.startswith(UNGIVEN_BUDGET_WORDS) for c in planned.candidates)
     assert all(set(c.budgets) == set(ranks) and abs(c.budgets["rank0"] - share) < share // 4 for c in planned.candidates)
 
 

@@ -616,12 +616,17 @@ def test_feature_and_alpha_dropout_follow_the_mode(dropout, layout):
         getattr(model, start)()
         eager = copy.deepcopy(model)
         pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,), **layout)
-        for mode in (start, other):
-            getattr(pm, mode)(), getattr(eager, mode)()
-            torch.manual_seed(1)
-            got = pm(x)
-            torch.manual_seed(1)
-            torch.testing.assert_close(got, eager(x), msg=lambda m, mode=mode, start=start: f"transformed in {start}, run in {mode}: {m}")
+        _assert_draws_as_eager_in_each_mode(pm, eager, x, (start, other), f"transformed in {start}, ")
+
+
+def _assert_draws_as_eager_in_each_mode(pm, eager, x, modes, label=""):
+    """In each of ``modes`` in turn, the program's output from seed 1 equals eager's from the same seed."""
+    for mode in modes:
+        getattr(pm, mode)(), getattr(eager, mode)()
+        torch.manual_seed(1)
+        got = pm(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, eager(x), msg=lambda m, mode=mode: f"{label}run in {mode}: {m}")
 
 
 class _MonteCarloDropout2d(nn.Module):
@@ -638,12 +643,7 @@ def test_a_functional_feature_dropout_keeps_its_constant_training_argument():
     model = nn.Sequential(nn.Conv2d(3, 4, 1), _MonteCarloDropout2d()).double()
     eager = copy.deepcopy(model)
     pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
-    for mode in ("train", "eval"):
-        getattr(pm, mode)(), getattr(eager, mode)()
-        torch.manual_seed(1)
-        got = pm(x)
-        torch.manual_seed(1)
-        torch.testing.assert_close(got, eager(x), msg=lambda m, mode=mode: f"in {mode}: {m}")
+    _assert_draws_as_eager_in_each_mode(pm, eager, x, ("train", "eval"))
 
 
 def _leaky_by_mode(module, h):

@@ -15,12 +15,14 @@ After (``paths=["layers.0"]``)::
     def forward(self, x):
         ...
         layers_0_dev0_region = self.layers_0_dev0_region
-        layers_0_dev0 = dpcompile_runtime_checkpoint(layers_0_dev0_region, replica_dev0, x_dev0)
+        layers_0_dev0 = dpcompile_runtime_checkpoint(layers_0_dev0_region, replica_dev0, x_dev0, undo_writes = False)
         ...
 
 The region (a submodule holding the extracted nodes, with no parameters of its own: modules and
 weights come in as arguments) runs under ``torch.utils.checkpoint`` (non-reentrant, RNG state
-kept), so backward keeps only its inputs and runs it again. A region is every node whose user
+kept), so backward keeps only its inputs and runs it again; ``undo_writes = False`` where the region is
+known to write nothing outside itself (``passes.checkpoint_writes``: the runtime then does not watch the
+recompute's writes). A region is every node whose user
 node ran inside the module (``node.meta["dpcompile_module"]``), closed over the nodes between
 them (a send, a collective), and split into its independent parts: one region per replica or
 micro-batch, one across the shards of a tensor-parallel block. It runs last, on the lowered
@@ -55,6 +57,7 @@ from dpcompile.runtime import (
 )
 from passes.checkpoint_budget import kept_for_rule, kept_over_regions, kept_within_bytes
 from passes.checkpoint_tiles import tiled_input, why_not_per_token
+from passes.checkpoint_writes import may_write_outside
 
 PASS = "checkpoint_activations"
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -505,7 +508,8 @@ def checkpoint_activations(gm: fx.GraphModule, *, paths: Sequence[str], save: st
                 values.append(cursor)
             else:
                 values.append(argument)
-        saving = {"saving": True} if region.kept else {}
+        saving = ({"saving": True} if region.kept else {}) | (
+            {} if may_write_outside(region.nodes) else {"undo_writes": False})  # fmt: skip
         if tiles > 1 and untiled[region.name] is None:
             call = _tiled_calls(gm, region, holder, values, tiles, saving, last)
         else:

@@ -17,7 +17,7 @@ from dpcompile.runtime.random import RandomDraws
 _KEEPING = [False]  # between keep_outputs(True) and keep_outputs(False): the region's ops are saved, not recomputed
 
 
-def checkpoint(region: Callable[..., Any], *args: Any, saving: bool = False) -> Any:
+def checkpoint(region: Callable[..., Any], *args: Any, saving: bool = False, undo_writes: bool = True) -> Any:
     """``region(*args)``, saving only ``args`` for backward, which runs ``region`` again to get its
     activations; the RNG state is restored first, so dropout draws the same values, and whatever
     the recompute writes outside the region (BatchNorm's running statistics, a step counter) is put
@@ -29,7 +29,9 @@ def checkpoint(region: Callable[..., Any], *args: Any, saving: bool = False) -> 
     torch.Size([2])
 
     ``saving=True``: what the region runs between ``keep_outputs(True)`` and ``keep_outputs(False)``
-    is saved for backward (selective checkpointing), not run again.
+    is saved for backward (selective checkpointing), not run again. ``undo_writes=False`` (a region
+    ``passes.checkpoint_writes`` found writes nothing outside itself): the recompute runs without the
+    dispatch mode that watches for such writes.
     """
     _KEEPING[0] = False
     if not torch.is_grad_enabled():
@@ -37,7 +39,7 @@ def checkpoint(region: Callable[..., Any], *args: Any, saving: bool = False) -> 
     region, args = _state_read_as_it_is(_replaying_draws(region, args), args)
     return torch.utils.checkpoint.checkpoint(
         region, *args, use_reentrant=False, preserve_rng_state=True,
-        context_fn=_kept_ops_saved if saving else _recompute_writes_nothing,
+        context_fn=_contexts(saving, undo_writes),
     )
 
 
@@ -112,22 +114,25 @@ def _keep_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPo
     return CheckpointPolicy.MUST_SAVE if kept_now(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _kept_ops_saved() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    forward, recompute = create_selective_checkpoint_contexts(_keep_policy)
-    return forward, _recompute_then_undo(recompute)
+def _contexts(saving: bool, undo_writes: bool) -> Callable[[], tuple[Any, Any]]:
+    """checkpoint's ``context_fn``: the forward's and the recompute's contexts."""
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        if not saving:
+            return contextlib.nullcontext(), _outside_writes_undone() if undo_writes else contextlib.nullcontext()
+        forward, recompute = create_selective_checkpoint_contexts(_keep_policy)
+        return forward, _recompute_then(recompute, undo_writes)
+
+    return contexts
 
 
 @contextlib.contextmanager
-def _recompute_then_undo(recompute: contextlib.AbstractContextManager) -> Iterator[None]:
+def _recompute_then(recompute: contextlib.AbstractContextManager, undo_writes: bool) -> Iterator[None]:
     try:
-        with recompute, _outside_writes_undone():
+        with recompute, _outside_writes_undone() if undo_writes else contextlib.nullcontext():
             yield
     finally:  # an early stop leaves the region between its markers
         _KEEPING[0] = False
-
-
-def _recompute_writes_nothing() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    return contextlib.nullcontext(), _outside_writes_undone()
 
 
 @contextlib.contextmanager
@@ -150,6 +155,12 @@ _RUNNING_STATS = {
     for op in (torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,
                torch.ops.aten._batch_norm_impl_index, torch.ops.aten.batch_norm)
 }  # fmt: skip
+
+
+def writes_running_statistics(op: Any) -> bool:
+    """Whether ATen ``op`` (an overload or its packet) is a batch norm kernel that updates running
+    statistics its schema does not mark as written."""
+    return getattr(op, "overloadpacket", op) in _RUNNING_STATS
 
 
 class _OutsideWrites(TorchDispatchMode):

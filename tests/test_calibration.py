@@ -29,6 +29,7 @@ def measured(monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "_gloo_synced_seconds", lambda ranks: 3e-3)
     monkeypatch.setattr(calibration, "_page_in_bytes_per_s", lambda workers: 7e8)
     monkeypatch.setattr(calibration, "_microbatch_weight_seconds_per_byte", lambda: 4e-10)
+    monkeypatch.setattr(calibration, "_recompute_op_seconds", lambda: 3e-5)
     monkeypatch.setattr(calibration, "available_cores", lambda: 2)
     monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DPCOMPILE_CALIBRATION", raising=False)
@@ -48,7 +49,7 @@ def test_mesh_calibration_is_measured_once_then_read_from_its_cache(measured, tm
     first = calibration.calibrate_mesh(2)
     expected = Calibration(1e9, 2e9, "cpu", "measured", ranks=2, cores=2, op_seconds=1e-5, collective_latency_s=1e-4,
                            collective_bytes_per_s=5e8, concurrency=1.5, synced_collective_s=3e-3,
-                           page_in_bytes_per_s=7e8, microbatch_weight_s_per_byte=4e-10)  # fmt: skip
+                           page_in_bytes_per_s=7e8, microbatch_weight_s_per_byte=4e-10, recompute_op_s=3e-5)  # fmt: skip
     assert first == expected and measured == [2]
     path = calibration.cache_path("gloo2")
     assert path.parent == tmp_path and json.loads(path.read_text())["version"] == calibration.CACHE_VERSION
@@ -205,7 +206,7 @@ def test_measuring_leaves_the_callers_generator_as_it_was(measured, monkeypatch)
     leaves the global generator where it was, so a first plan and a cached one draw alike after it."""
     for name in ("_matmul_flops_per_s", "_copy_bytes_per_s"):
         monkeypatch.setattr(calibration, name, lambda device: torch.rand(()).item() + 1e9)
-    for name in ("_rank_flops_per_s", "_microbatch_weight_seconds_per_byte"):
+    for name in ("_rank_flops_per_s", "_microbatch_weight_seconds_per_byte", "_recompute_op_seconds"):
         monkeypatch.setattr(calibration, name, lambda: torch.rand(()).item() + 1e9)
     monkeypatch.setattr(calibration, "_gloo_synced_seconds", lambda ranks: torch.rand(()).item() + 1e-3)
     torch.manual_seed(5)
@@ -241,6 +242,22 @@ def test_a_micro_batch_weight_cost_is_measured_on_a_block_split_in_micro_batches
     seconds = calibration._microbatch_weight_seconds_per_byte(width=64, rows=32, count=2, rounds=1)
     assert 0 < seconds < 1e-6
     assert torch.equal(torch.get_rng_state(), state)  # its seeded weights and rows leave the caller's generator alone
+
+
+def test_a_recomputed_op_is_measured_on_a_block_trained_plainly_and_checkpointed(monkeypatch):
+    """Measured for real (a tiny transformer block, one round): seconds per forward op, positive and finite and
+    at least a microsecond (a recompute dispatches each op again and runs checkpoint's hooks); the block runs
+    under ``dpcompile.runtime.checkpoint`` without the undo (it writes nothing); the generator is left alone."""
+    from dpcompile.runtime import recompute
+
+    calls = []
+    checkpoint = recompute.checkpoint
+    monkeypatch.setattr(recompute, "checkpoint", lambda *a, **k: calls.append(k) or checkpoint(*a, **k))
+    state = torch.get_rng_state()
+    seconds = calibration._recompute_op_seconds(rounds=1)
+    assert 1e-6 <= seconds < 1.0
+    assert calls == [{"undo_writes": False}] * 2  # the warm-up and the round
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_the_concurrency_is_measured_on_processes_else_on_threads(monkeypatch):

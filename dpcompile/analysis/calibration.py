@@ -6,8 +6,8 @@ the seconds of dispatch each forward op of a training step costs (its backward's
 latency and bytes/s of a gloo all-reduce between ``n`` ranks and the seconds of one the ranks reach after
 computing (a pipeline's transfers cost that latency too; measured between gloo groups on threads of this
 process: no process started), the rate at which each rank pages in memory new to it with the others doing
-so at once, the seconds each byte of a stage's weights costs one micro-batch (:func:`_microbatch_weight_seconds_per_byte`),
-and the CPU cores the ranks share; cached per
+so at once, the seconds each byte of a stage's weights costs one micro-batch and each forward op a checkpointed
+block runs again costs (:mod:`dpcompile.analysis.calibration_steps`), and the CPU cores the ranks share; cached per
 ``n`` as well, measured again where the cores changed. Inside a process group the first rank's
 figures are broadcast, so that every rank plans alike.
 
@@ -35,12 +35,17 @@ from pathlib import Path
 
 import torch
 
+from dpcompile.analysis.calibration_steps import (
+    microbatch_weight_seconds_per_byte as _microbatch_weight_seconds_per_byte,
+)
+from dpcompile.analysis.calibration_steps import recompute_op_seconds as _recompute_op_seconds
+
 log = logging.getLogger("dpcompile")
 
 __all__ = ["REFERENCE", "Calibration", "cache_path", "cached_mesh", "calibrate", "calibrate_mesh", "reference_mesh"]
 
 #: the cache's format: a file of another version is measured again
-CACHE_VERSION = 9  # 9: the concurrency, the median of 3 readings; 8: microbatch_weight_s_per_byte; 7: page_in_bytes_per_s (6: no message_s; 5: synced_collective_s, the concurrency on processes)
+CACHE_VERSION = 10  # 10: recompute_op_s; 9: the concurrency, the median of 3 readings; 8: microbatch_weight_s_per_byte; 7: page_in_bytes_per_s (6: no message_s; 5: synced_collective_s, the concurrency on processes)
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,8 @@ class Calibration:
     (its first touch: the page faults, the kernel zeroing the pages) each rank pages in with every rank
     doing so at once (what GPipe's order pays for the micro-batches a stage holds beyond 1F1B's);
     ``microbatch_weight_s_per_byte`` the seconds one micro-batch's forward and backward cost per byte of the
-    weights it runs through, beyond their FLOPs and ops (reading them again, writing and adding their gradient)."""
+    weights it runs through, beyond their FLOPs and ops (reading them again, writing and adding their gradient);
+    ``recompute_op_s`` the seconds each forward op of a checkpointed block costs run again in backward."""
 
     flops_per_s: float
     copy_bytes_per_s: float
@@ -75,6 +81,7 @@ class Calibration:
     synced_collective_s: float = 0.0  # an all-reduce after computing (0: the back-to-back collective_latency_s)
     page_in_bytes_per_s: float = 0.0  # memory new to a rank, every rank paging in at once (0: not measured)
     microbatch_weight_s_per_byte: float = 0.0  # a micro-batch's cost per weight byte (0: not measured)
+    recompute_op_s: float = 0.0  # a forward op a checkpointed block runs again in backward (0: not measured)
 
 
 #: what ``DPCOMPILE_CALIBRATION=off`` uses: round figures of one CPU core (50 GFLOP/s, 5 GB/s)
@@ -147,7 +154,8 @@ def _check_figures(found: Calibration) -> None:
     if not (number(found.flops_per_s) and found.flops_per_s > 0 and number(found.copy_bytes_per_s) and found.copy_bytes_per_s > 0):
         raise ValueError(f"rates {found.flops_per_s!r} FLOP/s, {found.copy_bytes_per_s!r} B/s: expected positive numbers")
     rest = (found.op_seconds, found.collective_latency_s, found.collective_bytes_per_s, found.concurrency,
-            found.synced_collective_s, found.page_in_bytes_per_s, found.microbatch_weight_s_per_byte)  # fmt: skip
+            found.synced_collective_s, found.page_in_bytes_per_s, found.microbatch_weight_s_per_byte,
+            found.recompute_op_s)  # fmt: skip
     if not all(number(x) and x >= 0 for x in rest):
         raise ValueError(f"figures {rest!r}: expected non-negative numbers")
     if not isinstance(found.device, str) or not all(
@@ -215,6 +223,7 @@ def calibrate_mesh(ranks: int) -> Calibration:
             at_once.append(_concurrency(min(ranks, cores)))
             page_in = _page_in_bytes_per_s(min(ranks, cores))
             weights = _microbatch_weight_seconds_per_byte()
+            recompute = _recompute_op_seconds()
             at_once.append(_concurrency(min(ranks, cores)))
         try:
             latency, bandwidth = _gloo_all_reduce(ranks)
@@ -225,7 +234,7 @@ def calibrate_mesh(ranks: int) -> Calibration:
             ref = reference_mesh(ranks)
             latency, bandwidth, synced = ref.collective_latency_s, ref.collective_bytes_per_s, ref.synced_collective_s
         found = Calibration(flops, copy, "cpu", "measured", ranks, cores, ops, latency, bandwidth,
-                            statistics.median(at_once), synced, page_in, weights)  # fmt: skip
+                            statistics.median(at_once), synced, page_in, weights, recompute)  # fmt: skip
         _write_cache(path, found)
     return _agree(found, ranks) if grouped else found
 
@@ -463,50 +472,6 @@ def _page_in_bytes_per_s(workers: int, size: int = 40 << 20, rounds: int = 3) ->
     _on_threads(run, workers)
     seconds.sort()
     return size / seconds[len(seconds) // 2]
-
-
-def _microbatch_weight_seconds_per_byte(width: int = 256, rows: int = 256, count: int = 4, rounds: int = 8) -> float:
-    """Seconds per byte of weights that one more micro-batch costs a stage, beyond its FLOPs and its ops'
-    dispatch: an MLP block (``Linear(width, 4 width)``, ReLU, ``Linear(4 width, width)``: 2 MiB of weights at
-    256) forward and backward on ``rows`` rows as one micro-batch and as ``count`` (their gradients
-    accumulating, as a pipeline stage's do), less the same of a 16-wide block (the same ops: their dispatch),
-    per micro-batch more and byte of weights beyond the narrow block's. The main thread's CPU seconds (others'
-    work on the shared cores is not counted), the least of ``rounds`` interleaved runs of each; about 0.3 s.
-
-    What it stands for: each micro-batch reads every weight again in forward and backward (out of the core's
-    cache), writes its gradient and adds it into ``.grad``. A 4 MiB clone's bytes/s (``copy_bytes_per_s``)
-    does not tell it: on a 2-core EPYC VM (load average 4-5) a stage of 4 such blocks cost 3.1-3.3 ms a
-    micro-batch more, 2.7-2.8 beyond a 64-wide stage's (0.36-0.38 ms per MiB of the 7.5 MiB more: 16 passes at the
-    clone's 44 GB/s, where the model counted 1.7), and this measure read 0.26-0.55 ms per MiB in six runs at load
-    average 7 (the median of paired differences read 0.18-0.92: the least of each is steadier;
-    ``benchmarks/probe_microbatch_cost.py``)."""
-
-    def block(d: int) -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.ReLU(), torch.nn.Linear(4 * d, d))
-
-    with torch.random.fork_rng(devices=[]):  # the caller's generator as it was
-        torch.manual_seed(0)
-        wide, narrow = block(width), block(16)
-        inputs = {wide: torch.randn(rows, width), narrow: torch.randn(rows, 16)}
-
-    def run(module: torch.nn.Module, pieces: int) -> float:
-        start = time.thread_time()
-        for piece in inputs[module].chunk(pieces):
-            module(piece).sum().backward()
-        for p in module.parameters():
-            p.grad = None
-        return time.thread_time() - start
-
-    cases = [(module, pieces) for module in (wide, narrow) for pieces in (1, count)]
-    best = dict.fromkeys(cases, float("inf"))
-    for r in range(rounds + 1):  # the first a warm-up; interleaved, the least of each kept
-        for case in cases:
-            seconds = run(*case)
-            best[case] = min(best[case], seconds) if r else best[case]
-    extra = (best[(wide, count)] - best[(wide, 1)] - best[(narrow, count)] + best[(narrow, 1)]) / (count - 1)
-    more_bytes = sum(p.numel() * p.element_size() for p in wide.parameters()) - sum(
-        p.numel() * p.element_size() for p in narrow.parameters())  # fmt: skip
-    return max(extra, 1e-9) / more_bytes
 
 
 def _op_seconds(ops: int = 64) -> float:

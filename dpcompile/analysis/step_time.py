@@ -14,6 +14,9 @@ it dispatches and what it waits for, with no overlap:
   bytes its ops write (3x forward's for a training step) at the copy bytes/s;
 - dispatch: every forward op of its units once per micro-batch at ``op_seconds`` (its backward's
   included): tensor parallelism does not divide it, micro-batches multiply it;
+- activation checkpointing: its blocks' forward FLOPs and writes once more, and each of their forward
+  ops at the calibration's ``recompute_op_s`` (:func:`recompute_seconds`: the op dispatched again and
+  checkpoint's hooks on what it saves, 2-3.5 times a training op's ``op_seconds``);
 - collectives, each a gloo latency plus its ring bytes at the all-reduce bytes/s: data parallel, one
   all-reduce of the gradients (a call per 25 MiB bucket); tensor parallel, an all-reduce per pair of
   sharded layers (two distinct inputs: q, k, v read one), micro-batch and direction (forward of the
@@ -81,6 +84,9 @@ MESSAGES_ON_PATH = 0.15
 #: where the calibration lacks ``microbatch_weight_s_per_byte`` (an older one, :data:`~dpcompile.analysis.calibration.REFERENCE`):
 #: on another host (a 2-core EPYC VM, load average 4) the same stage cost 16 passes at its clone's rate
 PARAM_PASSES = 1.7
+#: where the calibration lacks ``recompute_op_s``: what a forward op run again in backward costs, in
+#: ``op_seconds`` (a training step's op, eager; calibrations read 2-3.5 on a 2-core VM)
+RECOMPUTE_OPS = 2.5
 
 
 def weight_seconds(c: Calibration, grad_bytes: float) -> float:
@@ -96,6 +102,14 @@ def weight_seconds(c: Calibration, grad_bytes: float) -> float:
     if c.microbatch_weight_s_per_byte:
         return grad_bytes * c.microbatch_weight_s_per_byte
     return PARAM_PASSES * grad_bytes / c.copy_bytes_per_s
+
+
+def recompute_seconds(c: Calibration, blocks: Sequence[Unit]) -> float:
+    """What activation checkpointing costs ``blocks`` a micro-batch beyond their forward's FLOPs and writes:
+    each forward op run again in backward, at the calibration's ``recompute_op_s`` (its dispatch, the autograd
+    graph recorded again, checkpoint's hooks on the tensors it saves; :data:`RECOMPUTE_OPS` ``op_seconds``
+    where the calibration lacks it)."""
+    return sum(u.ops for u in blocks) * (c.recompute_op_s or RECOMPUTE_OPS * c.op_seconds)
 
 
 def schedule_seconds(c: Calibration, training: bool) -> float:
@@ -212,10 +226,11 @@ def _mesh_seconds(
     busy, waits = [], []  # per stage and micro-batch: one rank's computing and dispatching, and its collectives
     for s, units in enumerate(stages):
         share = batch_fraction(profile.batch, d) / t
-        again = 1.5 if checkpointing and training else 1.0  # the blocks' forward once more
-        written = sum(u.op_bytes for u in units) * again * (3 if training else 1) * share
+        again = float(checkpointing) if training else 0.0  # the share of the blocks' forward run once more
+        blocks = [u for u in units if u.block]
+        written = (sum(u.op_bytes for u in units) * (3 if training else 1) + again * sum(u.op_bytes for u in blocks)) * share
         compute = _work_flops(units, training, checkpointing) * share / c.flops_per_s + written / c.copy_bytes_per_s
-        dispatch = sum(u.ops for u in units) * again * c.op_seconds
+        dispatch = sum(u.ops for u in units) * c.op_seconds + again * recompute_seconds(c, blocks)
         weights = weight_seconds(c, sum(u.grad_bytes for u in units) / t) if training else 0.0
         if gpipe_order:  # the micro-batches held beyond 1F1B's first stage's: memory new to the rank each step
             compute += page_in_seconds(c, gpipe_held_bytes(units, m, s_count, checkpointing) * share)

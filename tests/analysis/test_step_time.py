@@ -194,3 +194,20 @@ def test_data_and_tensor_parallel_collectives_cost_the_latency_after_computing()
     assert step_seconds(p, {"dp": 2}, [p.units], 1, False, synced) == pytest.approx(dp_work + 2 * 5e-2)
     # 2 stages, 4 micro-batches: 5 slots, each with its stage's 2 transfers (forward, backward)
     assert _pipeline(p, 4, synced) - _pipeline(p, 4, MESH) == pytest.approx(5 * 2 * MESSAGES_ON_PATH * (5e-2 - 1e-2))
+
+
+def test_a_checkpointed_block_costs_its_forward_again_and_each_op_at_the_recompute_figure():
+    """Data parallel over 2 ranks (each half the batch): recomputing both blocks adds their forward FLOPs (2e6 / 2
+    at 1 GFLOP/s) and each of their 20 forward ops at the calibration's ``recompute_op_s`` (5 ms); a calibration
+    without the figure counts RECOMPUTE_OPS of its 1 ms ``op_seconds``."""
+    p = _profile()
+
+    def extra(c: Calibration) -> float:
+        def step(checkpointing: bool) -> float:
+            return step_seconds(p, {"dp": 2}, [p.units], 1, checkpointing, c)
+
+        return step(True) - step(False)
+
+    with_figure = Calibration(**{**MESH.__dict__, "recompute_op_s": 5e-3})
+    assert extra(with_figure) == pytest.approx(1e6 / 1e9 + 20 * 5e-3)
+    assert extra(MESH) == pytest.approx(1e6 / 1e9 + 20 * step_time.RECOMPUTE_OPS * 1e-3)

@@ -11,10 +11,10 @@ themselves runs its recompute without it::
 
 Known: ATen ops whose schema writes nothing (batch norm's kernels write their running statistics
 unmarked: not known), tensor methods and ``torch``/``operator``/``math`` functions that are not in
-place and take no ``inplace=True``/``out=``, modules of ``torch.nn`` without buffers, in-place writes
-or ``max_norm`` (``nn.Embedding`` renormalises its weight) other than recurrent ones, and transformers'
-``Conv1D``. Anything else (a user function, a runtime call, a module of the user's) may write: the
-region keeps the undo.
+place and take no ``inplace=True``/``out=``, and modules of ``torch.nn`` (every module in them) without
+buffers, hooks, parametrizations, in-place writes or ``max_norm`` (``nn.Embedding`` renormalises its
+weight) other than recurrent ones, and transformers' ``Conv1D``. Anything else (a user function, a runtime
+call, a module of the user's or holding one) may write: the region keeps the undo.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from dpcompile.fx_utils import writes
 from dpcompile.runtime.recompute import writes_running_statistics
@@ -36,6 +37,10 @@ _KNOWN_MODULES = ("torch", "_operator", "operator", "math", "builtins")
 _KNOWN_LEAVES = {"transformers.pytorch_utils.Conv1D"}
 #: functions of torch that update a module's state through their arguments, unmarked
 _STATE_UPDATING = {F.batch_norm, torch.batch_norm, F.instance_norm, torch.instance_norm, torch.native_batch_norm}
+#: ATen ops that do so: batch norm's kernels, and instance norm's (it calls them)
+_STATE_UPDATING_OPS = {torch.ops.aten.instance_norm}
+#: functions that renormalise their weight in place where given ``max_norm`` (its position)
+_RENORMING = {F.embedding: 3, F.embedding_bag: 3}
 
 
 def may_write_outside(nodes: Iterable[fx.Node]) -> bool:
@@ -48,22 +53,21 @@ def _known_not_to_write(node: fx.Node) -> bool:
         return True
     if node.op == "call_module":
         return _stateless_module(_submodule(node, str(node.target)))
-    if writes(node) or "out" in node.kwargs:
-        return False
     target = node.target
-    if node.op == "call_method":  # a tensor's method, or a module's called on a replica: replica.layers.0.fc(x)
-        receiver = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
-        module = None if isinstance(receiver, torch.Tensor) else _submodule(node, str(target))
-        return _stateless_module(module) if module is not None else hasattr(torch.Tensor, str(target))
-    if isinstance(target, torch._ops.OpOverload):
-        return not writes_running_statistics(target)
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return not writes_running_statistics(target) and not any(
-            getattr(target, o)._schema.is_mutable for o in target.overloads()
-        )
-    if target in _STATE_UPDATING:
+    name = str(target) if node.op == "call_method" else getattr(target, "__name__", "")
+    if writes(node) or "out" in node.kwargs or (name.endswith("_") and not name.endswith("__")):  # _foreach_add_
         return False
-    if target is F.embedding and _argument(node, 2, "max_norm") is not None:
+    if node.op == "call_method":  # a tensor's method, or a module's called on a replica: replica.layers.0.fc(x)
+        module = _submodule(node, name)
+        if module is not None:
+            return _stateless_module(module)
+        return not name.startswith("_") and hasattr(torch.Tensor, name)
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        packet = getattr(target, "overloadpacket", target)
+        overloads = [target] if packet is not target else [getattr(packet, o) for o in packet.overloads()]
+        return not (writes_running_statistics(packet) or packet in _STATE_UPDATING_OPS
+                    or any(o._schema.is_mutable for o in overloads))  # fmt: skip
+    if target in _STATE_UPDATING or (target in _RENORMING and _argument(node, _RENORMING[target], "max_norm") is not None):
         return False
     module = getattr(target, "__module__", None) or ""
     return module.split(".")[0] in _KNOWN_MODULES
@@ -77,15 +81,32 @@ def _submodule(node: fx.Node, path: str) -> nn.Module | None:
 
 
 def _stateless_module(module: nn.Module | None) -> bool:
+    """A module (and every module in it) of ``torch.nn`` or :data:`_KNOWN_LEAVES`, without buffers, hooks (its
+    own or global: they run again in the recompute), parametrizations (their code is the user's), in-place
+    options or ``max_norm``, not recurrent."""
+    if module is None or _global_hooks():
+        return False
+    return all(_stateless_own(m) for m in module.modules())
+
+
+def _stateless_own(module: nn.Module) -> bool:
     kind = type(module)
+    known = kind.__module__.startswith("torch.nn.") and not kind.__module__.startswith("torch.nn.utils")
     return (
-        module is not None
-        and (kind.__module__.startswith("torch.nn.") or f"{kind.__module__}.{kind.__qualname__}" in _KNOWN_LEAVES)
+        (known or f"{kind.__module__}.{kind.__qualname__}" in _KNOWN_LEAVES)
         and not isinstance(module, nn.RNNBase)
-        and not any(True for _ in module.buffers())
+        and not parametrize.is_parametrized(module)
+        and not any(True for _ in module.buffers(recurse=False))
+        and not (module._forward_hooks or module._forward_pre_hooks)
         and not getattr(module, "inplace", False)
         and getattr(module, "max_norm", None) is None
     )
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
 
 
 def _argument(node: fx.Node, index: int, name: str) -> object:

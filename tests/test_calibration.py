@@ -4,6 +4,7 @@ times anything: the measuring functions are replaced by fixed figures that count
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -278,3 +279,33 @@ def test_the_concurrency_is_measured_on_processes_else_on_threads(monkeypatch):
     monkeypatch.setattr(calibration.subprocess, "Popen", no_process)
     monkeypatch.setattr(calibration, "_thread_concurrency", lambda workers: 1.25)
     assert calibration._concurrency(2) == 1.25
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_mesh_calibration_asked_for_where_gradients_are_off_still_trains_its_blocks(monkeypatch, tmp_path, mode):
+    """``plan="auto"`` under ``torch.no_grad()`` or ``torch.inference_mode()`` measures a fresh calibration: the
+    dispatch, micro-batch weight and recompute measures train small blocks for real (gradients on, real tensors)
+    and give positive figures, where they raised before (gloo and the concurrency replaced: not under test)."""
+    from functools import partial
+
+    from dpcompile.analysis import calibration_steps
+
+    monkeypatch.setattr(calibration, "_gloo_all_reduce", lambda ranks: (1e-4, 5e8))
+    monkeypatch.setattr(calibration, "_gloo_synced_seconds", lambda ranks: 3e-3)
+    monkeypatch.setattr(calibration, "_concurrency", lambda workers: 1.5)
+    monkeypatch.setattr(calibration, "_page_in_bytes_per_s", lambda workers: 7e8)
+    monkeypatch.setattr(calibration, "_microbatch_weight_seconds_per_byte",
+                        partial(calibration_steps.microbatch_weight_seconds_per_byte, width=64, rows=32, count=2, rounds=1))  # fmt: skip
+    monkeypatch.setattr(calibration, "_recompute_op_seconds", partial(calibration_steps.recompute_op_seconds, rounds=1))
+    monkeypatch.setenv("DPCOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DPCOMPILE_CALIBRATION", raising=False)
+    with mode():
+        found = calibration.calibrate_mesh(2)
+    assert found.op_seconds > 0 and found.microbatch_weight_s_per_byte > 0 and found.recompute_op_s > 0
+
+
+def test_rank_zero_broadcasts_every_figure_a_rank_does_not_know_itself():
+    """``_agree``'s figures are every field of Calibration but the device, the source and the rank count (the
+    recompute figure was left out once: the other ranks planned with 0)."""
+    numbers = {f.name for f in dataclasses.fields(Calibration)} - {"device", "source", "ranks"}
+    assert set(calibration._NUMBERS) == numbers and "recompute_op_s" in numbers

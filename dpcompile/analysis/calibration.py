@@ -196,9 +196,16 @@ def calibrate(device: torch.device | str = "cpu") -> Calibration:
 
 def _callers_generator_kept(device: torch.device) -> contextlib.AbstractContextManager:
     """The measures draw random tensors: the caller's generator (``device``'s, and the CPU's) is put back
-    after them, so a first plan draws what a cached one does."""
+    after them, so a first plan draws what a cached one does; and they run on real tensors with gradients."""
     on = [torch.cuda.current_device()] if device.type == "cuda" and torch.cuda.is_available() else []
-    return torch.random.fork_rng(devices=on)
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=on))
+    # real tensors with gradients, whatever the caller's modes (a plan made under no_grad, inference_mode or a
+    # fake mode): the measures train small blocks
+    stack.enter_context(torch._subclasses.fake_tensor.unset_fake_temporarily())
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.enable_grad())
+    return stack
 
 
 def calibrate_mesh(ranks: int) -> Calibration:
@@ -262,8 +269,8 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-_NUMBERS = ("flops_per_s", "copy_bytes_per_s", "cores", "op_seconds", "collective_latency_s", "collective_bytes_per_s",
-            "concurrency", "synced_collective_s", "page_in_bytes_per_s", "microbatch_weight_s_per_byte")  # fmt: skip
+#: the figures rank 0 broadcasts (every number a rank does not know itself)
+_NUMBERS = tuple(f.name for f in fields(Calibration) if f.name not in ("device", "source", "ranks"))
 
 
 def _agree(mine: Calibration | None, ranks: int) -> Calibration:

@@ -206,7 +206,7 @@ def slot_seconds(busy: Sequence[float], waits: Sequence[float], m: int, replicas
 
 
 def _mesh_seconds(
-    profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], m: int, checkpointing: bool,
+    profile: ModelProfile, layout: dict[str, int], stages: Sequence[Sequence[Unit]], m: int, checkpointing: float,
     c: Calibration, schedule: str | None,
 ) -> float:  # fmt: skip
     d, t, s_count = layout.get("dp", 1), layout.get("tp", 1), len(stages)
@@ -230,7 +230,8 @@ def _mesh_seconds(
         blocks = [u for u in units if u.block]
         written = (sum(u.op_bytes for u in units) * (3 if training else 1) + again * sum(u.op_bytes for u in blocks)) * share
         compute = _work_flops(units, training, checkpointing) * share / c.flops_per_s + written / c.copy_bytes_per_s
-        dispatch = sum(u.ops for u in units) * c.op_seconds + again * recompute_seconds(c, blocks)
+        # a selective rule (``checkpointing`` a share) recomputes less, but its recompute still dispatches every op
+        dispatch = sum(u.ops for u in units) * c.op_seconds + (recompute_seconds(c, blocks) if again else 0.0)
         weights = weight_seconds(c, sum(u.grad_bytes for u in units) / t) if training else 0.0
         if gpipe_order:  # the micro-batches held beyond 1F1B's first stage's: memory new to the rank each step
             compute += page_in_seconds(c, gpipe_held_bytes(units, m, s_count, checkpointing) * share)

@@ -211,3 +211,15 @@ def test_a_checkpointed_block_costs_its_forward_again_and_each_op_at_the_recompu
     with_figure = Calibration(**{**MESH.__dict__, "recompute_op_s": 5e-3})
     assert extra(with_figure) == pytest.approx(1e6 / 1e9 + 20 * 5e-3)
     assert extra(MESH) == pytest.approx(1e6 / 1e9 + 20 * step_time.RECOMPUTE_OPS * 1e-3)
+
+
+def test_a_selective_rule_recomputes_a_share_of_the_flops_but_dispatches_every_op_again():
+    """Recomputing a tenth of the blocks' FLOPs (a rule keeping the matmuls): a tenth of their forward FLOPs again,
+    but every one of their 20 forward ops runs through the recompute's dispatch at ``recompute_op_s``."""
+    p = _profile()
+    c = Calibration(**{**MESH.__dict__, "recompute_op_s": 5e-3})
+
+    def step(checkpointing: float) -> float:
+        return step_seconds(p, {"dp": 2}, [p.units], 1, checkpointing, c)
+
+    assert step(0.1) - step(0.0) == pytest.approx(0.1 * 1e6 / 1e9 + 20 * 5e-3)

@@ -71,12 +71,46 @@ class Stack(nn.Module):
         return self.head(self.layers(x)).pow(2).mean()
 
 
+class Counted(nn.Module):
+    """A parametrization counting its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = torch.zeros(())
+
+    def forward(self, w):
+        self.calls.add_(1.0)
+        return w
+
+
+class CountingLayer(nn.TransformerEncoderLayer):
+    """A user layer inside torch.nn's TransformerEncoder (kept whole by the tracer)."""
+
+    def __init__(self):
+        super().__init__(8, 2, 16, dropout=0.0, batch_first=True)
+        self.steps = nn.Parameter(torch.zeros(()), requires_grad=False)
+
+    def forward(self, x, *args, **kwargs):
+        with torch.no_grad():
+            self.steps.add_(1)
+        return super().forward(x, *args, **kwargs)
+
+
+def _count_call(module, args):
+    module.count.add_(1.0)
+
+
 def _traced(fn) -> fx.Graph:
     class Wrapper(nn.Module):
         def __init__(self):
             super().__init__()
             self.emb, self.renorm = nn.Embedding(10, 8), nn.Embedding(10, 8, max_norm=1.0)
             self.relu, self.lstm = nn.ReLU(inplace=True), nn.LSTM(8, 8)
+            self.hooked, self.parametrized = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.hooked.count = torch.zeros(())
+            self.hooked.register_forward_pre_hook(_count_call)
+            torch.nn.utils.parametrize.register_parametrization(self.parametrized, "weight", Counted())
+            self.encoder = nn.TransformerEncoder(CountingLayer(), 1, enable_nested_tensor=False)
 
         def forward(self, x, ids):
             return fn(self, x, ids)
@@ -95,8 +129,15 @@ def _traced(fn) -> fx.Graph:
     (lambda m, x, ids: F.batch_norm(x, x[0], x[1], training=True), True),
     (lambda m, x, ids: m.lstm(x)[0], True),
     (lambda m, x, ids: _bump(x, x), True),
+    (lambda m, x, ids: m.hooked(x), True),
+    (lambda m, x, ids: m.parametrized(x), True),
+    (lambda m, x, ids: m.encoder(x[None]), True),
+    (lambda m, x, ids: torch._foreach_add_([x], 1.0), True),
+    (lambda m, x, ids: F.embedding(ids, x, None, 1.0), True),
+    (lambda m, x, ids: torch.ops.aten.instance_norm(x[None], None, None, x[0], x[1], True, 0.1, 1e-5, False), True),
 ], ids=["pure", "add_", "out=", "ReLU(inplace)", "relu(inplace=True)", "Embedding(max_norm)",
-        "embedding(max_norm=)", "batch_norm", "LSTM", "wrapped function"])  # fmt: skip
+        "embedding(max_norm=)", "batch_norm", "LSTM", "wrapped function", "pre-hook", "parametrization",
+        "user layer inside", "_foreach_add_", "embedding(max_norm positional)", "aten instance_norm"])  # fmt: skip
 def test_only_nodes_known_not_to_write_run_without_the_undo(fn, writes):
     assert may_write_outside(_traced(fn).nodes) is writes
 
@@ -156,6 +197,30 @@ def test_checkpointed_blocks_keep_the_undo_where_they_may_write_and_match_eager(
         for (name, p), q in zip(pm.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
         x = torch.randn(6, 8, dtype=torch.float64)
+
+
+class Hooked(Pure):
+    """A pre-hook on a torch.nn Linear counts its calls (the tracer keeps the Linear whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc.count = torch.zeros(())
+        self.fc.register_forward_pre_hook(_count_call)
+
+
+def test_a_hooked_module_keeps_the_undo_and_its_hook_counts_once_a_call():
+    torch.manual_seed(0)
+    model = Stack(Hooked).double()
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"], activation_checkpointing=True, example_inputs=(x,))
+    assert "undo_writes = False" not in pm.code, pm.code
+    before = [float(b.fc.count) for b in model.layers]  # (transform's own run on the example may count)
+    for _ in range(2):
+        pm(x).backward()
+        eager(x).backward()
+    assert [float(b.fc.count) - c for b, c in zip(model.layers, before)] == [float(b.fc.count) for b in eager.layers]
+    assert [float(b.fc.count) for b in eager.layers] == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("saving", [False, True])

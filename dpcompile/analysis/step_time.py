@@ -21,7 +21,7 @@ it dispatches and what it waits for, with no overlap:
   all-reduce of the gradients (a call per 25 MiB bucket); tensor parallel, an all-reduce per pair of
   sharded layers (two distinct inputs: q, k, v read one), micro-batch and direction (forward of the
   row layer, backward of the column one); data or tensor parallel alone, one all-gather checking that
-  the ranks call alike. Each comes after the ranks' computing, so its latency is the calibration's
+  the ranks call alike (a checkpointed block's forward all-reduces once more). Each comes after the ranks' computing, so its latency is the calibration's
   ``synced_collective_s`` (:func:`collective_seconds`): the peers' gloo threads woken and the peer
   still computing waited for (2.4 ms a call in a tensor-parallel step at load average 2, where back to back
   one took 0.15 ms); a pipeline stage, one transfer per boundary it
@@ -241,6 +241,9 @@ def _mesh_seconds(
             pairs = sum(u.linear_inputs for u in units) / 2
             ring = 0.5 * _layer_outputs(units) * ELEMENT_BYTES * 2 * (t - 1) / t * directions / m
             wait += collective(ring, pairs * directions)
+            if again:  # a recomputed block runs its forward all-reduces again (a region holds its shards' collectives)
+                ring = 0.5 * _layer_outputs(blocks) * ELEMENT_BYTES * 2 * (t - 1) / t / m
+                wait += collective(ring, sum(u.linear_inputs for u in blocks) / 2)
         if s_count > 1:  # per boundary it sits at: forward its values, backward their gradients
             sides = [stages[k][0].input_bytes for k in (s, s + 1) if 0 < k < s_count]
             moved = sum(sides) * batch_fraction(profile.batch, d) / m

@@ -223,3 +223,20 @@ def test_a_selective_rule_recomputes_a_share_of_the_flops_but_dispatches_every_o
         return step_seconds(p, {"dp": 2}, [p.units], 1, checkpointing, c)
 
     assert step(0.1) - step(0.0) == pytest.approx(0.1 * 1e6 / 1e9 + 20 * 5e-3)
+
+
+def test_a_checkpointed_tensor_parallel_block_runs_its_forward_all_reduce_again():
+    """Tensor parallel over 2 ranks, both blocks recomputed: beyond their forward (half of 2e6 FLOPs, 20 ops at
+    ``recompute_op_s``), the Megatron pair's forward all-reduce once more: one call at ``synced_collective_s`` and
+    its 4000 ring bytes (half the 2000 output elements' 4 bytes, ring factor 1) at 1e6 bytes/s."""
+    weight = ShardableWeight(rows=8, cols=8, kind="linear", bytes=256, grad_bytes=256, optimizer_bytes=0,
+                             output_elements=1000)  # fmt: skip
+    units = [Unit(f"b{i}", block=True, param_bytes=256, grad_bytes=256, input_bytes=8000, flops=10**6, ops=10,
+                  linear_inputs=1, shardable=[weight]) for i in range(2)]  # fmt: skip
+    p = ModelProfile(units, batch=8, training=True, optimizer="sgd")
+    c = Calibration(**{**MESH.__dict__, "synced_collective_s": 5e-2, "recompute_op_s": 5e-3})
+
+    def step(checkpointing: bool) -> float:
+        return step_seconds(p, {"tp": 2}, [p.units], 1, checkpointing, c)
+
+    assert step(True) - step(False) == pytest.approx(1e6 / 1e9 + 20 * 5e-3 + 5e-2 + 4000 / 1e6)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcompile.analysis.device_memory import UNGIVEN_BUDGET_WORDS, memory_key, physical_memory_bytes
+from dpcompile.analysis.device_memory import UNGIVEN_BUDGET_WORDS, memory_key, usable_memory_bytes
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.memory import format_bytes, parse_budget
 from dpcompile.errors import ArgumentError, DpCompileError
@@ -145,7 +145,7 @@ def _ranks_own_memory(mesh: Any) -> tuple[int, str]:
     ranks on that host), so that every rank ranks the layouts alike. Every rank calls it (a collective)."""
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     try:
-        mine: tuple[Any, ...] = (socket.gethostname(), memory_key(device), *physical_memory_bytes(device))
+        mine: tuple[Any, ...] = (socket.gethostname(), memory_key(device), *usable_memory_bytes(device))
     except DpCompileError as e:  # told to every rank, so that none waits on the others
         mine = (None, None, str(e), None)
     every = _gathered(mine)

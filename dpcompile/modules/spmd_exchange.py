@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dpcompile.errors import first_line
+from dpcompile.mesh import process_device
 from dpcompile.runtime.distributed import CollectiveError, MeshGroup, collective_failure
 
 
@@ -25,7 +26,7 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
     """Where a group's collectives take their tensors: the current GPU for NCCL, else the CPU."""
     backend = dist.get_backend(group)
     if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return process_device("cuda")
     return torch.device("cpu")
 
 

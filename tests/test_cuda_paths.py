@@ -50,3 +50,80 @@ def test_plan_auto_refuses_ranks_of_one_host_on_one_gpu(monkeypatch):
     with pytest.raises(ArgumentError, match=r"ranks \[0, 1\] all compute on cuda:0 of .*set_device"):
         planned_mesh._ranks_own_memory(SimpleNamespace(device_type="cuda"))
     assert mine[0][1] == "cuda:0"
+
+
+def _fake_gpus_fsdp_forward(monkeypatch, devices: list[str], **layout) -> tuple[torch.Tensor, set]:
+    """A one-process FSDP program over fake ``devices`` run forward (no grad: autograd on fake CUDA
+    tensors aborts a CPU-only torch); FakeTensorMode raises on any op mixing devices. Returns the output
+    and each gather's ``(devices of its pieces, device of the whole)``."""
+    import warnings
+
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import dpcompile
+    from dpcompile.fake import FakeCudaOnCpuTorch, fake_copy
+    from dpcompile.modules.fsdp_gather import GatherShards
+
+    _gpus(monkeypatch, 8, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gathers = set()
+    forward = GatherShards.forward
+
+    def recorded(self, *pieces):
+        whole = forward(self, *pieces)
+        gathers.add((tuple(str(p.device) for p in pieces), str(whole.device)))
+        return whole
+
+    monkeypatch.setattr(GatherShards, "forward", recorded)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = fake_copy(model, mode, torch.device(devices[0]))
+    with mode, FakeCudaOnCpuTorch(), torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        pm = dpcompile.transform(fake, devices, data_parallel="fsdp", **layout)
+        out = pm(torch.empty(6, 8, device=devices[0]))
+    return out, gathers
+
+
+def test_fsdp_copies_on_distinct_gpus_gather_and_compute_each_on_its_own(monkeypatch):
+    """Each copy gathers every parameter on its own GPU from the pieces themselves (FSDP's all-gather),
+    and computes there: before, copy 1's replica read copy 0's gather, on cuda:0 (a mixed-device op)."""
+    out, gathers = _fake_gpus_fsdp_forward(monkeypatch, ["cuda:0", "cuda:1", "cuda:2"])
+    assert (out.device, tuple(out.shape)) == (torch.device("cuda", 0), (6, 4))
+    assert gathers == {(("cuda:0", "cuda:1", "cuda:2"), f"cuda:{r}") for r in range(3)}
+
+
+def test_fsdp_copies_of_a_pipeline_on_distinct_gpus_gather_each_on_its_own(monkeypatch):
+    """pp x dp: each stage's pieces lie on that stage's devices of the copies, each gathered on each."""
+    out, gathers = _fake_gpus_fsdp_forward(monkeypatch, [f"cuda:{k}" for k in range(4)], mesh={"pp": 2, "dp": 2})
+    assert out.device == torch.device("cuda", 0)
+    assert gathers == {(("cuda:0", "cuda:1"), "cuda:0"), (("cuda:0", "cuda:1"), "cuda:1"),
+                       (("cuda:2", "cuda:3"), "cuda:2"), (("cuda:2", "cuda:3"), "cuda:3")}  # fmt: skip
+
+
+def test_calibration_waits_for_every_gpu(monkeypatch):
+    """A measure on cuda:1 (current device cuda:0) is timed after cuda:1's work is done, and its copy
+    to cuda:0 after both: ``torch.cuda.synchronize()`` alone waits for the current device's."""
+    from dpcompile.analysis import calibration
+
+    _gpus(monkeypatch, 3, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    calibration._synchronize_all()
+    assert waited == [0, 1, 2]
+
+
+def test_calibration_keeps_the_measured_gpus_generator(monkeypatch):
+    """Measuring on cuda:1 draws from cuda:1's generator: that one is kept and put back, not cuda:0's."""
+    from dpcompile.analysis import calibration
+
+    _gpus(monkeypatch, 2, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    forked = []
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: forked.append(list(devices)))
+    calibration._callers_generator_kept(torch.device("cuda", 1))
+    calibration._callers_generator_kept(torch.device("cpu"))
+    assert forked == [[1], []]

@@ -189,7 +189,8 @@ def calibrate(device: torch.device | str = "cpu") -> Calibration:
 def _callers_generator_kept(device: torch.device) -> contextlib.AbstractContextManager:
     """The measures draw random tensors: the caller's generator (``device``'s, and the CPU's) is put back
     after them, so a first plan draws what a cached one does."""
-    on = [torch.cuda.current_device()] if device.type == "cuda" and torch.cuda.is_available() else []
+    on = [device.index if device.index is not None else torch.cuda.current_device()] if (
+        device.type == "cuda" and torch.cuda.is_available()) else []  # fmt: skip
     return torch.random.fork_rng(devices=on)
 
 
@@ -307,8 +308,11 @@ def _mean_seconds(run, window: float = 0.1) -> float:  # noqa: ANN001 - a thunk
 
 
 def _synchronize_all() -> None:
+    """Every GPU's queued work done: a measure on ``cuda:1`` (or a copy from it to ``cuda:0``) is not
+    waited for by ``torch.cuda.synchronize()``, which waits for the current device's alone."""
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
 
 
 def _matmul_flops_per_s(device: torch.device) -> float:

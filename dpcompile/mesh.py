@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.runtime.rank_device import process_device
 from dpcompile.runtime.structures import map_structure
 
 try:
@@ -110,31 +110,6 @@ def local_device(mesh: Any) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     return process_device(kind)
-
-
-def process_device(kind: str) -> torch.device:
-    """This process's current device of ``kind`` (its GPU: ``cuda:2`` on torchrun's ``LOCAL_RANK=2``),
-    refused where it is plainly another rank's: ``LOCAL_RANK=k`` (k > 0 of several visible GPUs) while
-    the current device is still ``cuda:0``, the rank never having called ``torch.cuda.set_device`` (CUDA
-    used before the ``DeviceMesh`` was built, which then leaves the device alone). Every rank would
-    otherwise place its program on, and plan for the memory of, ``cuda:0``.
-
-    >>> process_device("cuda")  # doctest: +SKIP  (torchrun, LOCAL_RANK=1, torch.cuda.set_device(1) called)
-    device(type='cuda', index=1)
-    """
-    module = getattr(torch, kind, None)
-    if module is None or not hasattr(module, "current_device"):
-        return torch.device(kind)
-    current = module.current_device()
-    local_rank = os.environ.get("LOCAL_RANK", "")
-    count = module.device_count() if hasattr(module, "device_count") else 0
-    if local_rank.isdigit() and count > 1 and current == 0 and int(local_rank) % count != 0:
-        raise ArgumentError(
-            f"this process has LOCAL_RANK={local_rank} but computes on {kind}:0 ({kind}.current_device()), the first "
-            f"rank's {kind} device: call torch.{kind}.set_device(int(os.environ['LOCAL_RANK'])) at the start of the "
-            f"script, before any {kind} work and before building the DeviceMesh; nothing was changed"
-        )
-    return torch.device(kind, current)
 
 
 def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:

@@ -127,3 +127,61 @@ def test_calibration_keeps_the_measured_gpus_generator(monkeypatch):
     calibration._callers_generator_kept(torch.device("cuda", 1))
     calibration._callers_generator_kept(torch.device("cpu"))
     assert forked == [[1], []]
+
+
+class _Posted(Exception):
+    """Raised by a patched collective once it has recorded the device of the tensor it was given."""
+
+
+def test_an_nccl_groups_tensors_go_on_the_ranks_gpu(monkeypatch):
+    """NCCL takes tensors on this rank's GPU (refusing CPU ones), gloo on the CPU."""
+    import torch.distributed as dist
+
+    from dpcompile.runtime.rank_device import group_device
+
+    _gpus(monkeypatch, 2, 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert group_device() == torch.device("cuda", 1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert group_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("site", ["sequence_sizes", "checkpoint_signal", "causal_check", "pipeline_steps"])
+def test_flags_and_lengths_exchanged_over_a_group_are_made_on_its_device(monkeypatch, site):
+    """Context parallel's sequence lengths, a checkpoint's failure flag, the balanced attention's causal
+    check and a pipeline's step count over dp are made on ``group_device`` (this rank's GPU under NCCL,
+    which refuses CPU tensors: "No backend type associated with device type cpu"), not on the CPU.
+    The group's device is ``meta`` here, to tell it from the CPU; the collective records and stops."""
+    import torch.distributed as dist
+
+    from dpcompile.checkpoint import dtensors
+    from dpcompile.modules import mesh_pipeline
+    from dpcompile.runtime import distributed, sequence_balance
+
+    for module in (distributed, dtensors, mesh_pipeline, sequence_balance):
+        monkeypatch.setattr(module, "group_device", lambda group=None: torch.device("meta"), raising=False)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    posted = []
+
+    def collective(tensor_or_list, *args, **kwargs):
+        posted.append((args[0] if isinstance(tensor_or_list, list) else tensor_or_list).device)
+        raise _Posted
+
+    for name in ("all_reduce", "all_gather"):
+        monkeypatch.setattr(dist, name, collective)
+    with pytest.raises(_Posted):
+        if site == "sequence_sizes":
+            distributed.sequence_sizes(7, None)
+        elif site == "checkpoint_signal":
+            dtensors.signal(False)
+        elif site == "causal_check":
+            q = torch.zeros(1, 1, 4, 2)
+            sequence_balance.balanced_attention_over_group(q, q, q, None, 2, [4, 4], mask=torch.ones(4, 8, dtype=torch.bool),
+                                                           must_balance="cp")  # fmt: skip
+        else:
+            pm = SimpleNamespace(dp_group=object(), fsdp=object(), _ddp_options=None)
+            mesh_pipeline._steps_alike_over_dp(pm, [(2, 1)])
+    assert posted == [torch.device("meta")]
+

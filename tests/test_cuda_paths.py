@@ -185,3 +185,30 @@ def test_flags_and_lengths_exchanged_over_a_group_are_made_on_its_device(monkeyp
             mesh_pipeline._steps_alike_over_dp(pm, [(2, 1)])
     assert posted == [torch.device("meta")]
 
+
+def test_copies_from_a_gpu_to_the_cpu_block(monkeypatch):
+    """A gather onto ``output_device="cpu"``, an output moved there and a scatter including the CPU copy
+    GPU memory to the CPU blocking: ``to("cpu", non_blocking=True)`` hands back pinned memory the copy
+    may not have filled, which ``cat`` (or the user) would read unsynchronised. Onto GPUs: asynchronous."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dpcompile.fake import FakeCudaOnCpuTorch
+    from dpcompile.runtime import comm
+
+    copies = []
+    to = torch.Tensor.to
+
+    def recorded(self, *args, **kwargs):
+        out = to(self, *args, **kwargs)
+        copies.append((str(self.device), str(out.device), kwargs.get("non_blocking", False)))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", recorded)
+    with FakeTensorMode(allow_non_fake_inputs=True), FakeCudaOnCpuTorch():
+        parts = [torch.empty(2, 3, device="cuda:0"), torch.empty(2, 3, device="cuda:1")]
+        assert comm.gather(parts, 0, "cpu").shape == (4, 3)
+        comm.to_device(parts[1], "cpu")
+        comm.scatter(torch.empty(4, 3, device="cuda:0"), ["cuda:0", "cpu"])
+        comm.broadcast(parts[0], ["cuda:0", "cuda:1"])
+    assert {c for c in copies if c[1] == "cpu"} == {("cuda:0", "cpu", False), ("cuda:1", "cpu", False)}
+    assert ("cuda:0", "cuda:1", True) in copies

@@ -106,26 +106,26 @@ def test_fsdp_copies_of_a_pipeline_on_distinct_gpus_gather_each_on_its_own(monke
 def test_calibration_waits_for_every_gpu(monkeypatch):
     """A measure on cuda:1 (current device cuda:0) is timed after cuda:1's work is done, and its copy
     to cuda:0 after both: ``torch.cuda.synchronize()`` alone waits for the current device's."""
-    from dpcompile.analysis import calibration
+    from dpcompile.analysis import timing
 
     _gpus(monkeypatch, 3, 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
-    calibration._synchronize_all()
+    timing.synchronize_all()
     assert waited == [0, 1, 2]
 
 
 def test_calibration_keeps_the_measured_gpus_generator(monkeypatch):
     """Measuring on cuda:1 draws from cuda:1's generator: that one is kept and put back, not cuda:0's."""
-    from dpcompile.analysis import calibration
+    from dpcompile.analysis import timing
 
     _gpus(monkeypatch, 2, 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     forked = []
     monkeypatch.setattr(torch.random, "fork_rng", lambda devices: forked.append(list(devices)))
-    calibration._callers_generator_kept(torch.device("cuda", 1))
-    calibration._callers_generator_kept(torch.device("cpu"))
+    timing.callers_generator_kept(torch.device("cuda", 1))
+    timing.callers_generator_kept(torch.device("cpu"))
     assert forked == [[1], []]
 
 

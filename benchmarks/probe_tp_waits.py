@@ -83,10 +83,10 @@ def _synced_in_ranks(work_s: float = 1e-3, calls: int = 24) -> float:
     seconds a rank spends in an all-reduce of 16 floats after ``work_s`` of matmuls."""
     import torch.distributed as dist
 
-    from dpcompile.analysis.calibration import _best_seconds
+    from dpcompile.analysis.timing import best_seconds
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    products = max(1, round(work_s / _best_seconds(lambda: a @ b)))
+    products = max(1, round(work_s / best_seconds(lambda: a @ b)))
     x, waited = torch.ones(16), 0.0
     dist.barrier()
     for _ in range(calls):
@@ -269,12 +269,12 @@ def main() -> None:
         fitting, _, _ = bench.plan(name, 2)
         layouts = {c.spec.name: c.keywords() for c in fitting if c.spec.name in ("dp2", "tp2")}
         predicted = {c.spec.name: c.step_time * 1e3 for c in fitting if c.spec.name in layouts}
-        from dpcompile.analysis import calibration
+        from dpcompile.analysis import calibration, timing
 
-        with calibration._threads(1):
+        with timing.threads(1):
             synced_before = calibration._gloo_synced_seconds(2)
         reports = measure(name, layouts, ns.steps)
-        with calibration._threads(1):
+        with timing.threads(1):
             synced_after = calibration._gloo_synced_seconds(2)
         if any("fatal" in r for r in reports.values()):
             print(name, [r.get("fatal") for r in reports.values()])

@@ -73,9 +73,9 @@ def page_in_figure(run: dict[str, Any], world: int, given: float | None) -> dict
     if run["calibration"].get("page_in_bytes_per_s"):
         return {}
     if given is None:
-        from dpcompile.analysis import calibration
+        from dpcompile.analysis import calibration, timing
 
-        with calibration._threads(1):
+        with timing.threads(1):
             given = calibration._page_in_bytes_per_s(min(world, calibration.available_cores()))
     return {"page_in_bytes_per_s": given}
 
@@ -87,9 +87,9 @@ def weight_figure(run: dict[str, Any], given_ms_per_mib: float | None) -> dict[s
         return {}
     if given_ms_per_mib is not None:
         return {"microbatch_weight_s_per_byte": given_ms_per_mib * 1e-3 / 2**20}
-    from dpcompile.analysis import calibration
+    from dpcompile.analysis import calibration, timing
 
-    with calibration._threads(1):
+    with timing.threads(1):
         return {"microbatch_weight_s_per_byte": calibration._microbatch_weight_seconds_per_byte()}
 
 

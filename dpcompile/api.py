@@ -37,7 +37,7 @@ from dpcompile.errors import ArgumentError, DpCompileError, ExampleError, TraceE
 from dpcompile.fake import has_meta_tensors
 from dpcompile.fx_utils import copy_graph
 from dpcompile.keywords import check_keywords_honoured, layout_of_keywords
-from dpcompile.mesh import check_mesh, is_device_mesh, keywords_named_by
+from dpcompile.mesh import check_mesh, is_device_mesh, keywords_named_by, local_device
 from dpcompile.modules.base import ParallelModule
 from dpcompile.modules.fsdp_one_process import shard_over_dp
 from dpcompile.modules.other_mode import OtherModePending, waiting_in_place
@@ -152,6 +152,8 @@ def transform(
     if plan == "auto":
         arguments = {k: v for k, v in locals().items() if k not in ("model", "devices", "plan")}
         return planned_transform(model, devices, arguments, _example_tuple(arguments["example_inputs"]), build=transform)
+    if is_device_mesh(devices):
+        local_device(devices)  # a rank on another rank's GPU (no torch.cuda.set_device) is refused before anything moves
     data_parallel = "ddp" if data_parallel == "replicate" else data_parallel
     pipeline, tensor_parallel = keywords_named_by(devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
     schedule = schedule.lower() if isinstance(schedule, str) else schedule  # "1F1B", as torch spells its class

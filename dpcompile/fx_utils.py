@@ -24,7 +24,6 @@ import torch.fx as fx
 from torch import nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dpcompile.errors import ExampleError, first_line
@@ -173,6 +172,8 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], *, check
                     raise
                 # an op whose output size depends on values (nonzero): again with a shape
                 # environment, where that size is a symbol (u0) rather than an error
+                from torch.fx.experimental.symbolic_shapes import ShapeEnv  # lazy: it imports sympy
+
                 mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
                 prop = _ShapeProp(gm, mode)
                 return _propagate(gm, prop, mode, example_inputs)

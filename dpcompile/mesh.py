@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.runtime.rank_device import process_device
 from dpcompile.runtime.structures import map_structure
 
 try:
@@ -100,7 +101,7 @@ def mesh_size(mesh: Any, dim: str | int) -> int:
 
 
 def local_device(mesh: Any) -> torch.device:
-    """The device this process computes on: CPU, or its current CUDA device.
+    """The device this process computes on: CPU, or its current CUDA device (:func:`process_device`).
 
     >>> local_device(init_device_mesh("cpu", (2,)))  # doctest: +SKIP
     device(type='cpu')
@@ -108,10 +109,7 @@ def local_device(mesh: Any) -> torch.device:
     kind = mesh.device_type
     if kind == "cpu":
         return torch.device("cpu")
-    module = getattr(torch, kind, None)
-    if module is not None and hasattr(module, "current_device"):
-        return torch.device(kind, module.current_device())
-    return torch.device(kind)
+    return process_device(kind)
 
 
 def local_batch(value: Any, mesh: Any, dim: int = 0) -> Any:

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcompile.analysis.device_memory import UNGIVEN_BUDGET_WORDS, memory_key, physical_memory_bytes
+from dpcompile.analysis.device_memory import UNGIVEN_BUDGET_WORDS, memory_key, usable_memory_bytes
 from dpcompile.analysis.layout_costs import LayoutSpec
 from dpcompile.analysis.memory import format_bytes, parse_budget
 from dpcompile.errors import ArgumentError, DpCompileError
+from dpcompile.mesh import local_device
 from dpcompile.planner import UNBUILT, chosen_words, default_budget_words, has_blocks, plan_mesh_layouts
 
 __all__ = ["mesh_candidates", "mesh_shape", "planned_mesh_transform"]
@@ -142,10 +143,11 @@ def planned_mesh_transform(
 def _ranks_own_memory(mesh: Any) -> tuple[int, str]:
     """The budget every rank plans for without ``memory_per_device=``: the least, over the ranks, of a
     rank's share of its device's memory (a GPU's total memory; the host's available memory shared by the
-    ranks on that host), so that every rank ranks the layouts alike. Every rank calls it (a collective)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    ranks on that host), so that every rank ranks the layouts alike. Every rank calls it (a collective).
+    Two ranks of one host on one GPU are refused: a rank that never called ``torch.cuda.set_device``."""
     try:
-        mine: tuple[Any, ...] = (socket.gethostname(), memory_key(device), *physical_memory_bytes(device))
+        device = local_device(mesh)
+        mine: tuple[Any, ...] = (socket.gethostname(), memory_key(device), *usable_memory_bytes(device))
     except DpCompileError as e:  # told to every rank, so that none waits on the others
         mine = (None, None, str(e), None)
     every = _gathered(mine)
@@ -153,6 +155,14 @@ def _ranks_own_memory(mesh: Any) -> tuple[int, str]:
     if failed is not None:
         raise ArgumentError(f"rank {failed}: {every[failed][2]}")
     sharing = Counter((host, key) for host, key, _, _ in every)
+    crowded = next(((host, key) for (host, key), n in sharing.items() if key != "cpu" and n > 1), None)
+    if crowded is not None:
+        ranks = [r for r, (host, key, _, _) in enumerate(every) if (host, key) == crowded]
+        raise ArgumentError(
+            f"ranks {ranks} all compute on {crowded[1]} of {crowded[0]}: each rank needs a GPU of its own; call "
+            "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) at the start of the script, before any CUDA work "
+            "and before building the DeviceMesh; nothing was changed"
+        )
     rank = min(range(len(every)), key=lambda r: every[r][2] // sharing[every[r][:2]])
     host, key, size, where = every[rank]
     shared = f", shared by {sharing[(host, key)]} ranks" if sharing[(host, key)] > 1 else ""

@@ -15,7 +15,10 @@ checked with ``networkx``.
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -135,3 +138,20 @@ def test_architecture_one_module_kind():
 def test_architecture_every_module_has_a_layer(module):
     """A new file must be placed in a layer (edit LAYERS above) before it lands."""
     assert layer_of(module) in LAYERS
+
+
+def test_architecture_import_leaves_sympy_and_networkx_out():
+    """``import dpcompile``, and a data-parallel program built and run without examples, load neither
+    sympy (torch's symbolic sizes, imported where export or a fake run needs them) nor networkx (the
+    tensor-parallel plan's graph view): both are lazy, a third of the import time."""
+    code = (
+        "import sys, torch, dpcompile\n"
+        "loaded = lambda: [m for m in ('sympy', 'networkx', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules]\n"
+        "print(loaded())\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "dpcompile.transform(model, ['cpu', 'cpu'])(torch.randn(4, 4)).sum().backward()\n"
+        "print(loaded())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "[]"], out.stdout + out.stderr

@@ -19,7 +19,6 @@ The cache is a JSON file in ``$DPCOMPILE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -39,6 +38,7 @@ from dpcompile.analysis.calibration_steps import (
     microbatch_weight_seconds_per_byte as _microbatch_weight_seconds_per_byte,
 )
 from dpcompile.analysis.calibration_steps import recompute_op_seconds as _recompute_op_seconds
+from dpcompile.analysis.timing import best_seconds, callers_generator_kept, mean_seconds, threads
 
 log = logging.getLogger("dpcompile")
 
@@ -188,24 +188,10 @@ def calibrate(device: torch.device | str = "cpu") -> Calibration:
     cached = _read_cache(path)
     if cached is not None:
         return cached
-    with _callers_generator_kept(device):
+    with callers_generator_kept(device):
         measured = Calibration(_matmul_flops_per_s(device), _copy_bytes_per_s(device), device.type, "measured")
     _write_cache(path, measured)
     return measured
-
-
-def _callers_generator_kept(device: torch.device) -> contextlib.AbstractContextManager:
-    """The measures draw random tensors: the caller's generator (``device``'s, and the CPU's) is put back
-    after them, so a first plan draws what a cached one does; and they run on real tensors with gradients."""
-    on = [torch.cuda.current_device()] if device.type == "cuda" and torch.cuda.is_available() else []
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.random.fork_rng(devices=on))
-    # real tensors with gradients, whatever the caller's modes (a plan made under no_grad, inference_mode or a
-    # fake mode): the measures train small blocks
-    stack.enter_context(torch._subclasses.fake_tensor.unset_fake_temporarily())
-    stack.enter_context(torch.inference_mode(False))
-    stack.enter_context(torch.enable_grad())
-    return stack
 
 
 def calibrate_mesh(ranks: int) -> Calibration:
@@ -221,7 +207,7 @@ def calibrate_mesh(ranks: int) -> Calibration:
     path = cache_path(f"gloo{ranks}")
     found = _read_cache(path, cores=cores)
     if found is None:
-        with _threads(1), _callers_generator_kept(torch.device("cpu")):  # a rank's compute: one thread, as torchrun's
+        with threads(1), callers_generator_kept(torch.device("cpu")):  # a rank's compute: one thread, as torchrun's
             # the concurrency read three times, between the other measures: a burst of other work lasting a
             # second moves one reading, not their median (one reading of 0.3 s cached 1.2 on a quiet 2-core VM
             # that ran the ranks at 1.6-2.0, and the rank benchmark's order with it)
@@ -234,7 +220,7 @@ def calibrate_mesh(ranks: int) -> Calibration:
             at_once.append(_concurrency(min(ranks, cores)))
         try:
             latency, bandwidth = _gloo_all_reduce(ranks)
-            with _threads(1), _callers_generator_kept(torch.device("cpu")):
+            with threads(1), callers_generator_kept(torch.device("cpu")):
                 synced = _gloo_synced_seconds(ranks)
         except RuntimeError as e:  # no loopback gloo here (a host name that does not resolve): round figures
             log.warning("cannot time gloo (%s): the cost model uses %s", e, "100 us and 1 GB/s")
@@ -285,53 +271,11 @@ def _agree(mine: Calibration | None, ranks: int) -> Calibration:
     return Calibration(device="cpu", source="rank 0", ranks=ranks, **got)
 
 
-class _threads:
-    def __init__(self, n: int) -> None:
-        self.n, self.before = n, torch.get_num_threads()
-
-    def __enter__(self) -> None:
-        torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_num_threads(self.before)
-
-
-def _best_seconds(run, repeats: int = 5) -> float:  # noqa: ANN001 - a thunk
-    run()  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        _synchronize_all()
-        start = time.perf_counter()
-        run()
-        _synchronize_all()
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
-
-
-def _mean_seconds(run, window: float = 0.1) -> float:  # noqa: ANN001 - a thunk
-    """Seconds per run, over as many runs as fill ``window`` seconds: the machine as it is now, its
-    load included (a step over a mesh pays every wait for the CPU), where :func:`_best_seconds` is
-    the machine at its best."""
-    run()  # warm up
-    count, start = 0, time.perf_counter()
-    while True:
-        run()
-        count += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= window:
-            return max(elapsed / count, 1e-9)
-
-
-def _synchronize_all() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _matmul_flops_per_s(device: torch.device) -> float:
     n = 512 if device.type == "cpu" else 2048
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-    return 2 * n**3 / _best_seconds(lambda: a @ b)
+    return 2 * n**3 / best_seconds(lambda: a @ b)
 
 
 def _copy_bytes_per_s(device: torch.device) -> float:
@@ -340,13 +284,13 @@ def _copy_bytes_per_s(device: torch.device) -> float:
     if device.type == "cuda" and torch.cuda.device_count() > 1:
         other = torch.device("cuda", ((device.index or 0) + 1) % torch.cuda.device_count())
     x = torch.randn(4 * 2**20 // 4, device=device)  # 4 MiB
-    return x.numel() * x.element_size() / _best_seconds(lambda: x.to(other, copy=True))
+    return x.numel() * x.element_size() / best_seconds(lambda: x.to(other, copy=True))
 
 
 def _rank_flops_per_s(n: int = 256) -> float:
     """One rank's float32 matmul FLOP/s (``n x n`` products, load included)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _mean_seconds(lambda: a @ b)
+    return 2 * n**3 / mean_seconds(lambda: a @ b)
 
 
 #: a worker process of :func:`_concurrency`: per line read (seconds), how many chunks of a busy loop it ran in them
@@ -436,7 +380,7 @@ def _thread_concurrency(workers: int, n: int = 384, window: float = 0.1, rounds:
                     return
 
         start = time.perf_counter()
-        _on_threads(work, threads)
+        _onthreads(work, threads)
         return sum(done) / (time.perf_counter() - start)  # matmuls a second
 
     ratios = []
@@ -449,7 +393,7 @@ def _thread_concurrency(workers: int, n: int = 384, window: float = 0.1, rounds:
 def _rank_copy_bytes_per_s() -> float:
     """The bytes/s one rank's memory-bound op writes (a 4 MiB copy, load included)."""
     x = torch.randn(2**20)
-    return x.numel() * x.element_size() / _mean_seconds(lambda: x.clone())
+    return x.numel() * x.element_size() / mean_seconds(lambda: x.clone())
 
 
 def _page_in_bytes_per_s(workers: int, size: int = 40 << 20, rounds: int = 3) -> float:
@@ -476,7 +420,7 @@ def _page_in_bytes_per_s(workers: int, size: int = 40 << 20, rounds: int = 3) ->
             touched[rank].fill_(1.0)
             seconds.append(max(fresh - (time.perf_counter() - start), 1e-9))
 
-    _on_threads(run, workers)
+    _onthreads(run, workers)
     seconds.sort()
     return size / seconds[len(seconds) // 2]
 
@@ -492,7 +436,7 @@ def _op_seconds(ops: int = 64) -> float:
             h = h * 1.5
         h.sum().backward()
 
-    return _mean_seconds(step) / (ops + 1)
+    return mean_seconds(step) / (ops + 1)
 
 
 def _gloo_all_reduce(ranks: int, large: int = 1 << 20) -> tuple[float, float]:
@@ -516,9 +460,9 @@ def _gloo_all_reduce(ranks: int, large: int = 1 << 20) -> tuple[float, float]:
             groups[rank].allreduce([x]).wait()
         seconds[(rank, numel)] = (time.perf_counter() - start) / repeats  # the mean: every wait for the CPU counts
 
-    _on_threads(join, ranks)
-    _on_threads(lambda r: reduce(r, 1, 200), ranks)
-    _on_threads(lambda r: reduce(r, large, 10), ranks)
+    _onthreads(join, ranks)
+    _onthreads(lambda r: reduce(r, 1, 200), ranks)
+    _onthreads(lambda r: reduce(r, large, 10), ranks)
     latency = max(seconds[(r, 1)] for r in range(ranks))
     big = max(seconds[(r, large)] for r in range(ranks))
     sent = 2 * (ranks - 1) / ranks * large * 4
@@ -541,7 +485,7 @@ def _gloo_synced_seconds(ranks: int, work_s: float = 1e-3, calls: int = 24) -> f
     groups: list = [None] * ranks
     waited = [0.0] * ranks
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    products = max(1, round(work_s / _best_seconds(lambda: a @ b)))
+    products = max(1, round(work_s / best_seconds(lambda: a @ b)))
 
     def join(rank: int) -> None:
         groups[rank] = ProcessGroupGloo(store, rank, ranks, timedelta(seconds=60))
@@ -556,12 +500,12 @@ def _gloo_synced_seconds(ranks: int, work_s: float = 1e-3, calls: int = 24) -> f
             groups[rank].allreduce([x]).wait()
             waited[rank] += time.perf_counter() - start
 
-    _on_threads(join, ranks)
-    _on_threads(steps, ranks)
+    _onthreads(join, ranks)
+    _onthreads(steps, ranks)
     return max(sum(waited) / (ranks * calls), 1e-9)
 
 
-def _on_threads(run, ranks: int) -> None:  # noqa: ANN001 - run(rank)
+def _onthreads(run, ranks: int) -> None:  # noqa: ANN001 - run(rank)
     threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()

@@ -1,13 +1,15 @@
 """The budget ``plan="auto"`` plans for when no ``memory_per_device=`` is given: the devices' own memory.
 
-    device_memory_budgets(["cuda:0", "cuda:1"])  → ({"cuda:0": 79.1 GiB, "cuda:1": 79.1 GiB},
-                                                    "each device's total memory (torch.cuda)")
+    device_memory_budgets(["cuda:0", "cuda:1"])  → ({"cuda:0": 70.6 GiB, "cuda:1": 74.6 GiB},
+                                                    "... free memory (torch.cuda.mem_get_info) less a reserve")
     device_memory_budgets(["cpu", "cpu"])        → ({"cpu#0": avail / 2, "cpu#1": avail / 2},
                                                     "the host's available memory ... shared by 2 devices")
 
-A CUDA device's budget is its total memory (``torch.cuda.get_device_properties(i).total_memory``);
-a CPU device's is the memory the host has available now (``MemAvailable``, within the cgroup's limit
-where the process runs under one). Virtual devices on one physical device share it equally: two
+A CUDA device's budget is its free memory now (``torch.cuda.mem_get_info(i)``: what other processes
+and this one hold already is not ours) less ``cuda_reserve_bytes(total)`` (512 MiB and 5% of the device,
+for the CUDA context, cuBLAS/NCCL workspaces and the caching allocator's fragmentation); a CPU device's
+is the memory the host has available now (``MemAvailable``, within the cgroup's limit where the process
+runs under one). Virtual devices on one physical device share it equally: two
 ``"cuda:0"`` slots get half of cuda:0 each, and every CPU slot a share of the host's memory.
 """
 
@@ -22,8 +24,8 @@ import torch
 
 from dpcompile.errors import ArgumentError
 
-__all__ = ["UNGIVEN_BUDGET_WORDS", "budget_words", "device_memory_budgets", "host_available_bytes", "memory_key",
-           "physical_memory_bytes"]
+__all__ = ["UNGIVEN_BUDGET_WORDS", "budget_words", "cuda_reserve_bytes", "device_memory_budgets",
+           "host_available_bytes", "memory_key", "usable_memory_bytes"]
 
 #: how ``pm.strategies["memory_per_device"]`` and the candidates name a budget that was not given
 UNGIVEN_BUDGET_WORDS = "no memory_per_device= given: the devices' own memory"
@@ -67,15 +69,30 @@ def host_available_bytes() -> int | None:
     return min(known) if known else None
 
 
-def physical_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """``device``'s whole memory, and where the figure came from; ``ArgumentError`` where it cannot be told."""
+def cuda_reserve_bytes(total: int) -> int:
+    """What a GPU of ``total`` bytes keeps back from the budget: 512 MiB and 5% of it, for the CUDA
+    context, cuBLAS and NCCL workspaces, and the caching allocator's fragmentation (4.5 GiB of 80 GiB)."""
+    return 512 * 2**20 + total // 20
+
+
+def usable_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """The memory ``device`` can give the program, and where the figure came from; ``ArgumentError``
+    where it cannot be told. ``device`` must name its GPU (``cuda:1``, never ``cuda``): the current
+    device is not asked, as a rank that never called ``torch.cuda.set_device`` would read ``cuda:0``'s."""
     why = ""
     if device.type == "cuda":
+        if device.index is None:
+            raise ArgumentError(f"usable_memory_bytes({device}): name the GPU (cuda:<index>), not the current device")
         try:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            return int(torch.cuda.get_device_properties(index).total_memory), "total memory (torch.cuda)"
+            free, total = torch.cuda.mem_get_info(device.index)
         except (RuntimeError, AssertionError) as e:  # no CUDA here, or no such device
             why = f" ({type(e).__name__}: {e})"
+        else:
+            reserve = cuda_reserve_bytes(total)
+            return max(int(free) - reserve, 0), (
+                f"free memory (torch.cuda.mem_get_info: {_gib(free)} of {_gib(total)}) less {_gib(reserve)} kept for "
+                "the CUDA context and the allocator's fragmentation:"
+            )
     if device.type == "cpu":
         available = host_available_bytes()
         if available is not None:
@@ -94,20 +111,20 @@ def memory_key(device: torch.device) -> str:
 def device_memory_budgets(devices: Sequence[torch.device], labels: Sequence[str]) -> tuple[dict[str, int], str]:
     """Each slot's share of its physical device's memory (by label), and a sentence saying so."""
     sharing = Counter(memory_key(d) for d in devices)
-    whole: dict[str, tuple[int, str]] = {}
+    usable: dict[str, tuple[int, str]] = {}
     budgets = {}
     for label, device in zip(labels, devices, strict=True):
         key = memory_key(device)
-        if key not in whole:
-            whole[key] = physical_memory_bytes(device)
-        budgets[label] = whole[key][0] // sharing[key]
-    return budgets, budget_words(whole, sharing)
+        if key not in usable:
+            usable[key] = usable_memory_bytes(device)
+        budgets[label] = usable[key][0] // sharing[key]
+    return budgets, budget_words(usable, sharing)
 
 
-def budget_words(whole: dict[str, tuple[int, str]], sharing: Counter) -> str:
+def budget_words(usable: dict[str, tuple[int, str]], sharing: Counter) -> str:
     """``UNGIVEN_BUDGET_WORDS`` and, per physical memory, its size, where it was read and how many share it."""
     words = [f"{key}: {source} {_gib(size)}" + (f", shared by {sharing[key]} devices" if sharing[key] > 1 else "")
-             for key, (size, source) in whole.items()]  # fmt: skip
+             for key, (size, source) in usable.items()]  # fmt: skip
     return f"{UNGIVEN_BUDGET_WORDS}: {'; '.join(words)}"
 
 

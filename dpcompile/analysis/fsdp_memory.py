@@ -4,9 +4,10 @@ over dp copies of a pipeline or of tensor-parallel shards, from that replicated 
 (:func:`fsdp_over_copies`).
 
 The program (:mod:`dpcompile.modules.fsdp_one_process`) stores each parameter as one piece per device and
-gathers it whole on the first device where a call first reads it; the gathers are held until the call
-returns (one a parameter a call, whichever copy reads it), and what autograd saves of them is gathered
-again in backward, one at a time. So per device:
+gathers it whole on each device that reads it; on virtual devices (what this models) that is the first
+device alone, the copies sharing it (on distinct GPUs each copy gathers on its own, left out here); the
+gathers are held until the call returns, and what autograd saves of them is gathered again in backward,
+one at a time. So per device:
 
 - its pieces (and the optimizer's state of them), through the step;
 - the first device: backward as data parallel's (the moments of its sweep): each parameter's whole

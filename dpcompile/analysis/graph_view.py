@@ -25,15 +25,20 @@ ops, softmax, attention, views; supplied by the pass that knows the rules):
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
 
-import networkx as nx
 import torch.fx as fx
+
+if TYPE_CHECKING:  # imported where a graph is built: ``import dpcompile`` stays without networkx
+    import networkx as nx
 
 NodePredicate = Callable[[fx.Node], bool]
 
 
 def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
     """The data-flow graph of ``gm``: one node per fx node (by name), an edge per use."""
+    import networkx as nx
+
     g = nx.DiGraph()
     for node in gm.graph.nodes:
         g.add_node(node.name, op=node.op, target=node.target, node=node)
@@ -48,6 +53,8 @@ def _transparent_subgraph(gm: fx.GraphModule, linears: Collection[fx.Node], is_t
 
     Only transparent ops a Linear's output reaches count: a value computed before every Linear
     (Llama's rotary ``cos`` / ``sin``, read by every layer) does not tie the layers together."""
+    import networkx as nx
+
     full = to_networkx(gm)
     keep = {n.name for n in linears}
     for node in gm.graph.nodes:  # in order: a transparent op joins when one of its inputs is kept
@@ -94,6 +101,8 @@ def linear_groups(gm: fx.GraphModule, linears: Collection[fx.Node], is_transpare
     Two layers interact when one's output reaches the other through transparent ops, or
     when they read the same value (they share Megatron's *f* on it).
     """
+    import networkx as nx
+
     g = _transparent_subgraph(gm, linears, is_transparent).to_undirected()
     names = [n.name for n in gm.graph.nodes if n in linears]
     for node in gm.graph.nodes:

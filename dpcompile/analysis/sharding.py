@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dpcompile.analysis import ops
 from dpcompile.analysis.cost import CommEstimate
@@ -156,7 +155,7 @@ class _Analyzer:
     # -- sizes for the cost model: exact from shapes, else features per token
     def numel(self, node: fx.Node) -> int:
         v = node_val(node)
-        if isinstance(v, torch.Tensor) and not free_unbacked_symbols(v.numel()):
+        if isinstance(v, torch.Tensor) and not _unbacked(v.numel()):
             return int(v.numel())
         if node in self._estimates:
             return self._estimates[node]
@@ -461,3 +460,12 @@ __all__ = [
     "window_attention_args",
     "resolve_plan",
 ]
+
+
+def _unbacked(size: Any) -> bool:
+    """Whether ``size`` holds a data-dependent symbol (``u0``); an int never does."""
+    if isinstance(size, int):
+        return False
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # lazy: it imports sympy
+
+    return bool(free_unbacked_symbols(size))

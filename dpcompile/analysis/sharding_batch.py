@@ -28,7 +28,6 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from dpcompile import runtime
 from dpcompile.analysis.batch_positions import index_positions, running_sum_dim, table_rows
@@ -142,8 +141,8 @@ def _refuse_spanning_operands(ctx: LayoutContext, node: fx.Node, ref: Sharded) -
     extent = sum(ref.sizes)
     for a in flat_nodes((node.args, node.kwargs)):
         value = node_val(a)
-        if not isinstance(ctx.layout(a), Sharded) and isinstance(value, torch.Tensor) and guard_or_true(value.numel() > 1):
-            if any(guard_or_true(d == extent) for d in value.shape):
+        if not isinstance(ctx.layout(a), Sharded) and isinstance(value, torch.Tensor) and _true_unless_known(value.numel() > 1):
+            if any(_true_unless_known(d == extent) for d in value.shape):
                 raise NeedsWhole("a replicated operand has a dim of the sharded extent")
 
 
@@ -196,3 +195,12 @@ def _as_layout_of(value: object, out: Placement | None, ref: Sharded, rule: str)
 
 
 __all__ = ["from_batch_rule", "keeps_last_dim_sharded"]
+
+
+def _true_unless_known(condition: object) -> bool:
+    """``condition`` where it is known (a bool), else true (``guard_or_true`` of a symbolic size's)."""
+    if isinstance(condition, bool):
+        return condition
+    from torch.fx.experimental.symbolic_shapes import guard_or_true  # lazy: it imports sympy
+
+    return guard_or_true(condition)

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dpcompile.analysis.placement import Replicated
 
@@ -70,6 +69,10 @@ def tensor_shape(node: Any) -> tuple[int, ...] | None:
     """``node``'s static shape, or ``None`` when unknown (no shapes, or a symbolic size)."""
     v = node_val(node)
     if isinstance(v, torch.Tensor):
+        if all(isinstance(s, int) for s in v.shape):
+            return tuple(v.shape)
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # lazy: it imports sympy
+
         try:
             return tuple(int(s) for s in v.shape)
         except (TypeError, ValueError, GuardOnDataDependentSymNode):  # a size nonzero() / masked_select() counts

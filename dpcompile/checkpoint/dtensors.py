@@ -28,6 +28,7 @@ from dpcompile.checkpoint.files import CheckpointError
 from dpcompile.mesh import is_device_mesh
 from dpcompile.modules.executors import executor_of
 from dpcompile.runtime.distributed import MeshGroup, all_gather
+from dpcompile.runtime.rank_device import group_device
 from dpcompile.runtime.tensor_parallel import ShardSpec, regroup_sections
 
 __all__ = ["PeerFailed", "RowsOf", "check_peers", "gather_like", "is_dtensor", "localize", "ranks_of", "signal"]
@@ -63,7 +64,7 @@ def signal(failed: bool, group: Any = None) -> bool:
     """One status exchange between the ranks of ``group``: True where any reports a failure."""
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=group_device(group))  # NCCL: not on the CPU
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from dpcompile.capture.decided import branch_not_captured
 from dpcompile.capture.inputs import InputMismatch
 from dpcompile.errors import ExampleError
 
@@ -106,6 +105,8 @@ def refused_call(graph: fx.Graph, exc: BaseException, args: tuple, kwargs: dict)
     """What a call that raised ``exc`` inside the program is refused as: a kept check of a branch on
     data that failed (``BranchNotCaptured``, naming the line), else :func:`call_failed`'s error; None
     where ``exc`` stays as it is."""
+    from dpcompile.capture.decided import branch_not_captured  # export's; lazy: it imports sympy
+
     if isinstance(exc, RuntimeError) and (branch := branch_not_captured(exc)) is not None:
         return branch
     return call_failed(graph, exc, args, kwargs)

@@ -3,13 +3,15 @@ saved for backward as how to gather it again (:func:`regathered`). See :mod:`dpc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from dpcompile.runtime.structures import is_fake
 from dpcompile.runtime.tensor_parallel import ShardSpec, shard_of, unshard
 
 
@@ -20,14 +22,22 @@ class GatherShards(nn.Module):
     #: a program traced from the sharded model reads the parameter (``get_attr``), not this gather's call
     #: (``dpcompile.capture.fx``): the same program whether its pieces exist (here) or not (export)
     reads_as_the_parameter = True
+    #: a replica of the module on copy r's device reads the pieces themselves and gathers them there
+    #: (``dpcompile.runtime.replicate``): its ``device`` is the replica's, never copy 0's
+    gathers_on_each_replica = True
 
     def __init__(self, spec: ShardSpec, piece_devices: Sequence[str], device: str):
         super().__init__()
         self.spec, self.piece_devices, self.device = spec, tuple(piece_devices), device
 
     def forward(self, *pieces: torch.Tensor) -> torch.Tensor:
+        key = (*map(id, pieces), self.device)
+        if _THIS_CALL is not None and (whole := _THIS_CALL.get(key)) is not None:
+            return whole
         whole = unshard(pieces, self.spec, self.device)
         GATHERED[whole] = (self, pieces)  # backward gathers it again instead of keeping it (see regathered)
+        if _THIS_CALL is not None and not is_fake(whole):  # a fake run's gather never serves a real one
+            _THIS_CALL[key] = whole
         return whole
 
     def right_inverse(self, whole: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -36,6 +46,26 @@ class GatherShards(nn.Module):
 
 #: each whole parameter a gather made and autograd may save: ``{tensor: (its gather, its pieces)}``
 GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+#: within :func:`gathered_once_per_device`: ``{(ids of the pieces, device): whole}``, else None
+_THIS_CALL: dict[tuple, torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def gathered_once_per_device() -> Iterator[None]:
+    """Within a call: each parameter gathered once on each device that reads it, however many copies
+    (the modules replicated onto that device) and micro-batches read it, held until the call returns.
+
+    Not ``parametrize.cached()``: it keys a parametrized weight by the module it was registered on, so
+    copy 1's replica (its gather onto ``cuda:1``) would read copy 0's whole weight, on ``cuda:0``."""
+    global _THIS_CALL
+    outer = _THIS_CALL
+    if outer is None:
+        _THIS_CALL = {}
+    try:
+        yield
+    finally:
+        _THIS_CALL = outer
 
 
 def _pack(t: torch.Tensor) -> Any:
@@ -97,4 +127,4 @@ def whole_on_meta(model: nn.Module) -> nn.Module | None:
     return skeleton
 
 
-__all__ = ["GATHERED", "GatherShards", "regathered", "whole_on_meta"]
+__all__ = ["GATHERED", "GatherShards", "gathered_once_per_device", "regathered", "whole_on_meta"]

@@ -43,7 +43,7 @@ from torch.nn.utils import parametrize
 
 from dpcompile.errors import DpCompileError
 from dpcompile.modules.carried import CarriedPrograms
-from dpcompile.modules.fsdp_gather import GATHERED, GatherShards, regathered
+from dpcompile.modules.fsdp_gather import GATHERED, GatherShards, gathered_once_per_device, regathered
 from dpcompile.modules.fsdp_portable import replicated_extra_state, replicated_state
 from dpcompile.modules.pickling import refuses_corrupt_state, restore_parallel_module
 from dpcompile.modules.weights import refuse_copy_without_weights
@@ -64,7 +64,7 @@ class FsdpProgram:
         """What a call's forward runs in (``dpcompile.measure`` runs the program node by node inside it
         too): one gather a parameter a call, however many copies and micro-batches read it, held until
         the call returns; what autograd saves of a gathered parameter gathered again in backward."""
-        with regathered(), parametrize.cached():
+        with regathered(), gathered_once_per_device():
             yield
 
     def _build_program(self, key: Any, args: tuple, kwargs: dict) -> Any:

@@ -64,6 +64,7 @@ from dpcompile.modules.mesh_stage_dp import (
     whole_parameters_on_fake,
 )
 from dpcompile.runtime.random_plan import drawing
+from dpcompile.runtime.rank_device import group_device
 from dpcompile.runtime.structures import is_fake
 
 #: what a pipeline over a mesh cannot serve (:meth:`MeshPipelineExecutor.check_supported`)
@@ -268,7 +269,7 @@ def _steps_alike_over_dp(pm: Any, runs: list[tuple[int, int]]) -> list[tuple[int
 
     if pm.dp_group is None or (pm.fsdp is None and pm._ddp_options is None and "_fsdp_pending" not in pm.__dict__):
         return runs
-    steps = torch.tensor([len(runs)])
+    steps = torch.tensor([len(runs)], device=group_device(pm.dp_group))  # an NCCL group refuses CPU tensors
     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=pm.dp_group)
     aligned = split_into_steps(runs, int(steps))
     if aligned is None:
@@ -387,7 +388,8 @@ def _step(pm: Any, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]
     pm._loss_scale = float(dist.get_world_size(pm.dp_group)) if by_ddp else 1.0
     if known:
         count = torch.as_tensor(pm._count_program(*inputs), dtype=torch.float64).reshape(1)
-        if pm.dp_group is not None:
+        if pm.dp_group is not None:  # a count the program returned as a number is on the CPU: NCCL refuses it
+            count = count.to(group_device(pm.dp_group))
             dist.all_reduce(count, group=pm.dp_group)
         pm._loss_scale /= float(count)
     before = {p: p.grad.clone() for p in pm.program.parameters() if p.grad is not None} if train else {}
@@ -408,7 +410,7 @@ def _step(pm: Any, inputs: tuple, batch: int | None, runs: list[tuple[int, int]]
     if pm.fsdp is not None and not train:  # a forward alone keeps the gathered parameters: free them
         pm.fsdp.reshard()
     merged = _concatenated(pieces) if last else None
-    totals = torch.zeros(2, dtype=torch.float64)  # the whole batch's loss sum and count
+    totals = torch.zeros(2, dtype=torch.float64, device=group_device(pm.pp_group))  # the whole batch's loss sum and count
     if last and pm.has_loss:
         pair = next(leaf for leaf in pm.outputs.leaves if leaf[0] == "mean")
         totals = torch.stack([merged[pair[1]].detach().double().sum(), merged[pair[2]].detach().double().sum()])

@@ -19,14 +19,7 @@ import torch.distributed as dist
 
 from dpcompile.errors import first_line
 from dpcompile.runtime.distributed import CollectiveError, MeshGroup, collective_failure
-
-
-def group_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a group's collectives take their tensors: the current GPU for NCCL, else the CPU."""
-    backend = dist.get_backend(group)
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+from dpcompile.runtime.rank_device import group_device
 
 
 class FingerprintExchange:

@@ -63,6 +63,17 @@ def as_device(device: DeviceLike) -> torch.device:
     return parsed
 
 
+def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` copied to ``device``: onto a GPU asynchronously; onto the CPU blocking, since
+    ``cuda_t.to("cpu", non_blocking=True)`` returns pinned memory the copy may not have filled yet,
+    which the host would read (a ``cat`` of the gathered parts, the output handed back) unsynchronised.
+
+        before: out = torch.cat([t.to("cpu", non_blocking=True) for t in parts])   # may read unwritten memory
+        after:  out = torch.cat([moved(t, cpu) for t in parts])                     # waits for each copy
+    """
+    return t.to(device, non_blocking=device.type != "cpu")
+
+
 def uniform_device(devices: tuple[torch.device, ...]) -> torch.device | None:
     """The one device all of ``devices`` are (virtual devices), else None."""
     return _UNIFORM[devices]
@@ -107,7 +118,7 @@ def scatter_tensor(tensor: torch.Tensor, devices: Sequence[DeviceLike], dim: int
         return chunks
     if _cuda_comm_ok([tensor], devices) and len(set(devices)) == len(devices):
         return tuple(_CudaScatter.apply(devices, dim, tensor))
-    return tuple(c if c.device == d else c.to(d, non_blocking=True) for c, d in zip(chunks, devices))
+    return tuple(c if c.device == d else moved(c, d) for c, d in zip(chunks, devices))
 
 
 def scatter(value: Any, devices: Sequence[DeviceLike], dim: int = 0) -> tuple[Any, ...]:
@@ -150,7 +161,7 @@ def broadcast(value: Any, devices: Sequence[DeviceLike]) -> tuple[Any, ...]:
             return tuple(leaf for _ in devices)
         if uniform_device(devices) == leaf.device:
             return (leaf,) * len(devices)
-        return tuple(leaf if leaf.device == d else leaf.to(d, non_blocking=True) for d in devices)
+        return tuple(leaf if leaf.device == d else moved(leaf, d) for d in devices)
 
     if isinstance(value, torch.Tensor):
         return copy_leaf(value)
@@ -161,9 +172,9 @@ def to_device(value: Any, device: DeviceLike) -> Any:
     """``value`` (any structure) moved to ``device``; differentiable, free where it already is."""
     device = as_device(device)
     if isinstance(value, torch.Tensor):
-        return value if value.device == device else value.to(device, non_blocking=True)
+        return value if value.device == device else moved(value, device)
     return map_structure(
-        lambda leaf: leaf.to(device, non_blocking=True)
+        lambda leaf: moved(leaf, device)
         if isinstance(leaf, torch.Tensor) and leaf.device != device
         else leaf,
         value,
@@ -179,19 +190,19 @@ def gather_tensors(tensors: Sequence[torch.Tensor], dim: int, device: DeviceLike
         and len({t.device for t in tensors}) == len(tensors)
     ):
         return _CudaGather.apply(device, dim, *tensors)
-    moved = tensors
+    here = tensors
     for t in tensors:
         if t.device != device:
-            moved = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
+            here = [t if t.device == device else moved(t, device) for t in tensors]
             break
-    if len(moved) == 1:
-        return moved[0]
-    if moved[0].dim() == 0:
+    if len(here) == 1:
+        return here[0]
+    if here[0].dim() == 0:
         raise ValueError(
             "cannot gather 0-dim tensors along a batch dimension; a per-replica scalar "
             "should have been reduced, not gathered"
         )
-    return torch.cat(moved, dim)
+    return torch.cat(here, dim)
 
 
 class _TakeFirst:

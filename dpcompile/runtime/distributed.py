@@ -43,6 +43,7 @@ from torch.autograd import Function
 
 from dpcompile.errors import DpCompileError, first_line
 from dpcompile.runtime import kept
+from dpcompile.runtime.rank_device import group_device
 from dpcompile.runtime.sequence import causal_attention
 
 __all__ = [
@@ -459,7 +460,7 @@ def sequence_sizes(length: int, group: GroupLike, *, balanced: bool = False) -> 
     [4, 3]
     """
     g = process_group(group)
-    mine = torch.tensor([int(length)], dtype=torch.int64)
+    mine = torch.tensor([int(length)], dtype=torch.int64, device=group_device(g))  # an NCCL group refuses CPU tensors
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(g))]
     all_gather_into(parts, mine, g)
     sizes = [int(p) for p in parts]

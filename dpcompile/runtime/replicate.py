@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 from torch.autograd import Function
+from torch.nn.utils import parametrize
 
 from dpcompile.runtime.comm import (
     Broadcast,
@@ -116,6 +117,17 @@ def view_of(module: nn.Module) -> nn.Module | ModuleView:
     return ModuleView(module, {name: view_of(child) for name, child in module._modules.items()})
 
 
+def holds_pieces_gathered_per_replica(module: nn.Module) -> bool:
+    """Whether ``module`` holds the pieces of a parameter stored sharded (FSDP in one process:
+    ``fc1.parametrizations.weight``, its ``original0..`` on each copy's device, read through a gather
+    flagged ``gathers_on_each_replica``). Replicas broadcast none of them: each reads the pieces
+    themselves, gathered onto its own device (FSDP's all-gather on every copy), and autograd of the
+    gathers sums every copy's gradient into each piece (the reduce-scatter)."""
+    return isinstance(module, parametrize.ParametrizationList) and all(
+        getattr(p, "gathers_on_each_replica", False) for p in module
+    )
+
+
 def _collect(values: Mapping[str, nn.Module | torch.Tensor]) -> tuple[list[nn.Module], list[torch.Tensor]]:
     modules: dict[int, nn.Module] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -123,6 +135,8 @@ def _collect(values: Mapping[str, nn.Module | torch.Tensor]) -> tuple[list[nn.Mo
         if isinstance(value, nn.Module):
             for m in value.modules():
                 modules.setdefault(id(m), m)
+                if holds_pieces_gathered_per_replica(m):
+                    continue  # read in place by every replica (gathered onto its device), never copied
                 for t in list(m._parameters.values()) + list(m._buffers.values()):
                     if t is not None:
                         tensors.setdefault(id(t), t)
@@ -180,7 +194,9 @@ def _replicas(
     packed_groups = _disjoint(packed_groups)
     targets = tuple(devices[k] for k in to_copy)
     replica_set = _persistent_set(modules, tensors, targets, packed_groups)
-    if replica_set is None:
+    if not tensors:  # every parameter stored as pieces (FSDP), no buffer: nothing to copy
+        flat: tuple[torch.Tensor, ...] = ()
+    elif replica_set is None:
         flat = Broadcast.apply(list(targets), packed_groups, *tensors)
     else:
         flat = _Refreshed.apply(replica_set, *tensors)
@@ -191,7 +207,7 @@ def _replicas(
         root = _fresh_root()
         for name, value in modules.items():
             if isinstance(value, nn.Module):
-                replica = _replicate_module(value, copies, memo)
+                replica = _replicate_module(value, copies, memo, devices[k])
                 root._modules[name] = replica
                 root.__dict__[name] = replica if compiling else view_of(replica)
             else:
@@ -447,17 +463,24 @@ def _disjoint(groups: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def _replicate_module(module: nn.Module, copies: dict[int, torch.Tensor], memo: dict[int, nn.Module]) -> nn.Module:
+def _replicate_module(
+    module: nn.Module, copies: dict[int, torch.Tensor], memo: dict[int, nn.Module], device: torch.device
+) -> nn.Module:
+    """``module``'s replica on ``device``: its tensors the ``copies``, a sharded parameter's pieces
+    themselves with its gather onto ``device`` (:func:`holds_pieces_gathered_per_replica`)."""
     if id(module) in memo:
         return memo[id(module)]
     replica = module._replicate_for_data_parallel()
     memo[id(module)] = replica
+    if getattr(module, "gathers_on_each_replica", False):
+        replica.device = str(device)
+    in_place = holds_pieces_gathered_per_replica(module)
     for name, p in module._parameters.items():
-        replica._parameters[name] = None if p is None else copies[id(p)]
+        replica._parameters[name] = None if p is None else p if in_place else copies[id(p)]
     for name, b in module._buffers.items():
         replica._buffers[name] = None if b is None else copies[id(b)]
     for name, child in module._modules.items():
-        replica._modules[name] = None if child is None else _replicate_module(child, copies, memo)
+        replica._modules[name] = None if child is None else _replicate_module(child, copies, memo, device)
     if isinstance(replica, nn.RNNBase):
         # not _init_flat_weights(): it ends in flatten_parameters(), a copy on CUDA
         replica._flat_weights = [replica._parameters.get(name) for name in replica._flat_weights_names]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from dpcompile.errors import DpCompileError
+from dpcompile.runtime.rank_device import group_device
 from dpcompile.runtime.sequence import causal_over_shards
 from dpcompile.runtime.sequence_all_to_all import exchange_pieces
 from dpcompile.runtime.sequence_mesh import balanced_sizes
@@ -296,7 +297,7 @@ def balanced_attention_over_group(
         start = sum(sizes[:rank])
         later = torch.ones(mask.shape[-2], mask.shape[-1], dtype=torch.bool, device=mask.device).triu(start + 1)
         seen = (mask & later) if mask.dtype == torch.bool else (mask != float("-inf")) & later
-        flag = torch.tensor([float(bool(seen.any()))])
+        flag = torch.tensor([float(bool(seen.any()))], device=group_device(g))  # an NCCL group refuses CPU tensors
         dist.all_reduce(flag, group=g)
         if flag.item():
             raise _not_causal(must_balance)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from dpcompile.runtime import kept
+from dpcompile.runtime.comm import moved
 
 DeviceLike = torch.device | str
 
@@ -77,10 +78,10 @@ def shard_of(full: torch.Tensor, spec: ShardSpec, k: int) -> torch.Tensor:
 def unshard(shards: Sequence[torch.Tensor], spec: ShardSpec, device: DeviceLike) -> torch.Tensor:
     """The full tensor from its shards, on ``device``."""
     device = torch.device(device)
-    moved = [s.to(device) for s in shards]
+    here = [s.to(device) for s in shards]
     if spec.sections == 1:
-        return torch.cat(moved, spec.dim)
-    pieces = [m.chunk(spec.sections, spec.dim) for m in moved]
+        return torch.cat(here, spec.dim)
+    pieces = [m.chunk(spec.sections, spec.dim) for m in here]
     return torch.cat([p[i] for i in range(spec.sections) for p in pieces], spec.dim)
 
 
@@ -94,7 +95,7 @@ def regroup_sections(gathered: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):  # a None or a list where forward wants a tensor: its op says so, as eager's
         return t
-    return t if t.device == device else t.to(device, non_blocking=True)
+    return t if t.device == device else moved(t, device)
 
 
 def copy_to_devices(x: torch.Tensor, devices: Sequence[DeviceLike]) -> tuple[torch.Tensor, ...]:
@@ -271,7 +272,7 @@ def masked_embedding(ids: torch.Tensor, weight: torch.Tensor, offset: int, paddi
     tensor([[0., 0.],
             [2., 3.]])
     """
-    local = ids.to(weight.device, non_blocking=True) - offset  # the ids may still be where the input arrived
+    local = moved(ids, weight.device) - offset  # the ids may still be where the input arrived
     outside = (local < 0) | (local >= weight.size(0))
     pad = None
     if padding_idx is not None:

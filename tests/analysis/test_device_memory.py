@@ -33,4 +33,21 @@ def test_meminfo_and_the_cgroup_limit_are_read(tmp_path):
 def test_a_device_whose_memory_cannot_be_read_asks_for_a_budget():
     for device in (torch.device("cuda", 0), torch.device("meta")):
         with pytest.raises(ArgumentError, match=f"cannot read for {device}.*give a budget, e.g. memory_per_device="):
-            device_memory.physical_memory_bytes(device)
+            device_memory.usable_memory_bytes(device)
+
+
+def test_a_gpus_budget_is_its_free_memory_less_a_reserve(monkeypatch):
+    """Not the total: what other processes hold is not ours, and the CUDA context and the allocator's
+    fragmentation need room; two slots on one GPU share what is left, each GPU read by its own index."""
+    gib = 2**30
+    free = {0: 40 * gib, 1: 79 * gib}
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (asked.append(i), (free[i], 80 * gib))[1])
+    cuda = [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)]
+    budgets, words = device_memory.device_memory_budgets(cuda, ["cuda:0#0", "cuda:0#1", "cuda:1"])
+    reserve = device_memory.cuda_reserve_bytes(80 * gib)
+    assert reserve == int(4.5 * gib) and sorted(asked) == [0, 1]
+    assert budgets == {"cuda:0#0": (40 * gib - reserve) // 2, "cuda:0#1": (40 * gib - reserve) // 2,
+                       "cuda:1": 79 * gib - reserve}  # fmt: skip
+    assert "cuda:0: free memory (torch.cuda.mem_get_info: 40.00 GiB of 80.00 GiB) less 4.50 GiB kept" in words
+    assert "shared by 2 devices" in words

@@ -359,14 +359,18 @@ def test_the_no_fit_error_outlives_a_suggestion_that_fails_otherwise_and_puts_mo
 
 
 @pytest.mark.gpu
-def test_plan_auto_without_a_budget_plans_for_each_gpus_total_memory():
-    """Two virtual devices on one GPU share its total memory; the chosen program equals eager."""
-    total = torch.cuda.get_device_properties(0).total_memory
+def test_plan_auto_without_a_budget_plans_for_each_gpus_free_memory():
+    """Two virtual devices on one GPU share its free memory less the reserve; the chosen program equals eager."""
+    from dpcompile.analysis.device_memory import cuda_reserve_bytes
+
     model = _stack().cuda()
     x, y = X.cuda(), Y.cuda()
+    free, total = torch.cuda.mem_get_info(0)
     pm = dpcompile.transform(model, ["cuda:0"] * 2, example_inputs=(x, y), optimizer="adamw", plan="auto")
-    assert all(c.budgets == {"cuda:0#0": total // 2, "cuda:0#1": total // 2} for c in pm.candidates)
-    assert "cuda:0: total memory (torch.cuda)" in pm.candidates[0].budget_source
+    share = pm.candidates[0].budgets["cuda:0#0"]
+    assert all(c.budgets == {"cuda:0#0": share, "cuda:0#1": share} for c in pm.candidates)
+    assert 0 < share <= (free - cuda_reserve_bytes(total)) // 2
+    assert "cuda:0: free memory (torch.cuda.mem_get_info" in pm.candidates[0].budget_source
     torch.testing.assert_close(pm(x, y), model(x, y))
 
 

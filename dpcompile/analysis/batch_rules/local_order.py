@@ -47,7 +47,6 @@ from collections import ChainMap
 from collections.abc import Mapping
 from typing import Any
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -87,6 +86,10 @@ def _same_size(a: Any, b: Any) -> bool:
     """Whether two sizes (ints or symbolic) are surely equal."""
     if a is None or b is None:
         return False
+    if not isinstance(a, torch.SymInt) and not isinstance(b, torch.SymInt):
+        return int(a) == int(b)
+    import sympy  # only symbolic sizes (export's) need it: ``import dpcompile`` stays without sympy
+
     exprs = [v.node.expr if isinstance(v, torch.SymInt) else sympy.Integer(int(v)) for v in (a, b)]
     return sympy.expand(exprs[0] - exprs[1]) == 0
 

@@ -153,7 +153,7 @@ def transform(
         arguments = {k: v for k, v in locals().items() if k not in ("model", "devices", "plan")}
         return planned_transform(model, devices, arguments, _example_tuple(arguments["example_inputs"]), build=transform)
     if is_device_mesh(devices):
-        local_device(devices)  # a rank on another rank's GPU (no torch.cuda.set_device) is refused before anything moves
+        local_device(devices)  # a rank likely on another rank's GPU (no torch.cuda.set_device) is warned before anything moves
     data_parallel = "ddp" if data_parallel == "replicate" else data_parallel
     pipeline, tensor_parallel = keywords_named_by(devices, pipeline=pipeline, tensor_parallel=tensor_parallel)
     schedule = schedule.lower() if isinstance(schedule, str) else schedule  # "1F1B", as torch spells its class

@@ -261,8 +261,10 @@ _NUMBERS = tuple(f.name for f in fields(Calibration) if f.name not in ("device",
 
 def _agree(mine: Calibration | None, ranks: int) -> Calibration:
     """Rank 0's ``mine``, on every rank of the default process group."""
+    from dpcompile.runtime.rank_device import group_device  # the GPU under NCCL, which refuses CPU tensors
+
     values = torch.tensor([float(getattr(mine, k)) for k in _NUMBERS] if mine else [0.0] * len(_NUMBERS),
-                          dtype=torch.float64)  # fmt: skip
+                          dtype=torch.float64, device=group_device())  # fmt: skip
     torch.distributed.broadcast(values, src=0)
     if mine is not None:
         return mine
@@ -380,7 +382,7 @@ def _thread_concurrency(workers: int, n: int = 384, window: float = 0.1, rounds:
                     return
 
         start = time.perf_counter()
-        _onthreads(work, threads)
+        _on_threads(work, threads)
         return sum(done) / (time.perf_counter() - start)  # matmuls a second
 
     ratios = []
@@ -420,7 +422,7 @@ def _page_in_bytes_per_s(workers: int, size: int = 40 << 20, rounds: int = 3) ->
             touched[rank].fill_(1.0)
             seconds.append(max(fresh - (time.perf_counter() - start), 1e-9))
 
-    _onthreads(run, workers)
+    _on_threads(run, workers)
     seconds.sort()
     return size / seconds[len(seconds) // 2]
 
@@ -460,9 +462,9 @@ def _gloo_all_reduce(ranks: int, large: int = 1 << 20) -> tuple[float, float]:
             groups[rank].allreduce([x]).wait()
         seconds[(rank, numel)] = (time.perf_counter() - start) / repeats  # the mean: every wait for the CPU counts
 
-    _onthreads(join, ranks)
-    _onthreads(lambda r: reduce(r, 1, 200), ranks)
-    _onthreads(lambda r: reduce(r, large, 10), ranks)
+    _on_threads(join, ranks)
+    _on_threads(lambda r: reduce(r, 1, 200), ranks)
+    _on_threads(lambda r: reduce(r, large, 10), ranks)
     latency = max(seconds[(r, 1)] for r in range(ranks))
     big = max(seconds[(r, large)] for r in range(ranks))
     sent = 2 * (ranks - 1) / ranks * large * 4
@@ -500,12 +502,12 @@ def _gloo_synced_seconds(ranks: int, work_s: float = 1e-3, calls: int = 24) -> f
             groups[rank].allreduce([x]).wait()
             waited[rank] += time.perf_counter() - start
 
-    _onthreads(join, ranks)
-    _onthreads(steps, ranks)
+    _on_threads(join, ranks)
+    _on_threads(steps, ranks)
     return max(sum(waited) / (ranks * calls), 1e-9)
 
 
-def _onthreads(run, ranks: int) -> None:  # noqa: ANN001 - run(rank)
+def _on_threads(run, ranks: int) -> None:  # noqa: ANN001 - run(rank)
     threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()

@@ -88,10 +88,14 @@ def usable_memory_bytes(device: torch.device) -> tuple[int, str]:
         except (RuntimeError, AssertionError) as e:  # no CUDA here, or no such device
             why = f" ({type(e).__name__}: {e})"
         else:
+            # what this process's allocator holds (the model moved there before transform, cached blocks) is ours:
+            # the plan counts the model's bytes itself
+            ours = torch.cuda.memory_reserved(device.index)
             reserve = cuda_reserve_bytes(total)
-            return max(int(free) - reserve, 0), (
-                f"free memory (torch.cuda.mem_get_info: {_gib(free)} of {_gib(total)}) less {_gib(reserve)} kept for "
-                "the CUDA context and the allocator's fragmentation:"
+            held = f", and the {_gib(ours)} this process's allocator holds" if ours else ""
+            return max(int(free) + ours - reserve, 0), (
+                f"free memory (torch.cuda.mem_get_info: {_gib(free)} of {_gib(total)}{held}) less {_gib(reserve)} kept "
+                "for the CUDA context and the allocator's fragmentation:"
             )
     if device.type == "cpu":
         available = host_available_bytes()
@@ -104,8 +108,18 @@ def usable_memory_bytes(device: torch.device) -> tuple[int, str]:
 
 
 def memory_key(device: torch.device) -> str:
-    """The physical memory ``device`` draws on: every CPU slot the host's, a GPU its own."""
-    return "cpu" if device.type == "cpu" else str(device)
+    """The physical memory ``device`` draws on: every CPU slot the host's, a GPU its own (named by its UUID
+    where torch reads one: ranks given one GPU each by ``CUDA_VISIBLE_DEVICES`` all call theirs ``cuda:0``)."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and device.index is not None:
+        try:
+            uuid = getattr(torch.cuda.get_device_properties(device.index), "uuid", None)
+        except (RuntimeError, AssertionError):
+            uuid = None
+        if uuid is not None:
+            return f"{device} (GPU-{uuid})"
+    return str(device)
 
 
 def device_memory_budgets(devices: Sequence[torch.device], labels: Sequence[str]) -> tuple[dict[str, int], str]:

@@ -78,7 +78,11 @@ def mean_seconds(run, window: float = 0.1) -> float:  # noqa: ANN001 - a thunk
 
 def synchronize_all() -> None:
     """Every GPU's queued work done: a measure on ``cuda:1`` (or a copy from it to ``cuda:0``) is not
-    waited for by ``torch.cuda.synchronize()``, which waits for the current device's alone."""
-    if torch.cuda.is_available():
+    waited for by ``torch.cuda.synchronize()``, which waits for the current device's alone. Only GPUs
+    this process has used (memory reserved there, or the current one): synchronising another would open a
+    CUDA context on it, a few hundred MiB of another rank's GPU held for the life of the process."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        current = torch.cuda.current_device()
         for index in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(index)
+            if index == current or torch.cuda.memory_reserved(index) > 0:
+                torch.cuda.synchronize(index)

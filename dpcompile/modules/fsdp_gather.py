@@ -4,6 +4,7 @@ saved for backward as how to gather it again (:func:`regathered`). See :mod:`dpc
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -49,6 +50,8 @@ GATHERED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 #: within :func:`gathered_once_per_device`: ``{(ids of the pieces, device): whole}``, else None
 _THIS_CALL: dict[tuple, torch.Tensor] | None = None
+_CALLS = 0  # the calls inside gathered_once_per_device now
+_CALLS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -58,14 +61,18 @@ def gathered_once_per_device() -> Iterator[None]:
 
     Not ``parametrize.cached()``: it keys a parametrized weight by the module it was registered on, so
     copy 1's replica (its gather onto ``cuda:1``) would read copy 0's whole weight, on ``cuda:0``."""
-    global _THIS_CALL
-    outer = _THIS_CALL
-    if outer is None:
-        _THIS_CALL = {}
+    global _THIS_CALL, _CALLS
+    with _CALLS_LOCK:  # counted, as parametrize.cached() does: calls that overlap (threads) end in any order
+        _CALLS += 1
+        if _THIS_CALL is None:
+            _THIS_CALL = {}
     try:
         yield
     finally:
-        _THIS_CALL = outer
+        with _CALLS_LOCK:
+            _CALLS -= 1
+            if _CALLS == 0:  # the last call out: no gather outlives it (an optimizer step may follow)
+                _THIS_CALL = None
 
 
 def _pack(t: torch.Tensor) -> Any:

@@ -51,3 +51,25 @@ def test_a_gpus_budget_is_its_free_memory_less_a_reserve(monkeypatch):
                        "cuda:1": 79 * gib - reserve}  # fmt: skip
     assert "cuda:0: free memory (torch.cuda.mem_get_info: 40.00 GiB of 80.00 GiB) less 4.50 GiB kept" in words
     assert "shared by 2 devices" in words
+
+
+def test_a_gpus_budget_counts_what_this_process_already_holds_there(monkeypatch):
+    """The model moved to the GPU before ``transform`` (and the allocator's cached blocks) is not free memory, but it
+    is this program's: the plan counts the model's bytes itself, so what this process holds there is added back."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (30 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 6 * gib)
+    size, where = device_memory.usable_memory_bytes(torch.device("cuda", 0))
+    assert size == 36 * gib - device_memory.cuda_reserve_bytes(80 * gib)
+    assert "and the 6.00 GiB this process's allocator holds" in where
+
+
+def test_ranks_given_a_gpu_each_by_cuda_visible_devices_are_told_apart_by_uuid(monkeypatch):
+    """Each rank of a torchrun job launched with one visible GPU per process calls its GPU cuda:0: the key that
+    says which ranks share a GPU is its UUID where torch reads one, else the device's name."""
+    uuids = iter(["aaaa", "bbbb"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"uuid": next(uuids)})())
+    cuda0 = torch.device("cuda", 0)
+    assert device_memory.memory_key(cuda0) != device_memory.memory_key(cuda0)  # two processes' views, two GPUs
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: (_ for _ in ()).throw(RuntimeError("no CUDA")))
+    assert device_memory.memory_key(cuda0) == "cuda:0" and device_memory.memory_key(torch.device("cpu")) == "cpu"

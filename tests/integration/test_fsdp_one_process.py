@@ -401,3 +401,17 @@ def test_the_other_mode_traces_a_parametrized_module_as_its_own_class():
     pm.eval(), reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(pm(x), reference(x))
+
+
+def test_overlapping_calls_that_end_out_of_order_leave_no_gather_behind():
+    """Two calls (threads) inside gathered_once_per_device ending in either order: once both are out, no whole
+    weight is kept (a later call after an optimizer step must gather the pieces afresh)."""
+    from dpcompile.modules import fsdp_gather
+
+    first, second = fsdp_gather.gathered_once_per_device(), fsdp_gather.gathered_once_per_device()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert fsdp_gather._THIS_CALL is not None  # the second call still runs: it keeps its gathers
+    second.__exit__(None, None, None)
+    assert fsdp_gather._THIS_CALL is None

@@ -187,7 +187,7 @@ def export_program(
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected, positional)
         serve_both_modes(gm, None if other is gm else other, model, model.training, other is None)
-    if grad_reads and export_decides_on_grad_mode(ep.graph_module.code, export_again):
+    if grad_reads and export_decides_on_grad_mode(ep, export_again):
         check_grad_mode(gm.graph, grad_reads[0])
     gm.recompile()
     if not dynamic:

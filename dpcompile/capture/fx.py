@@ -30,7 +30,13 @@ from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.capture.fx_checkpoint import record_checkpoints
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
 from dpcompile.capture.fx_signature import VARARGS_COUNT, keyword_only_last, remember_varargs_count
-from dpcompile.capture.grad_blocks import check_grad_mode, grad_mode_reads, inference_mode_as_no_grad
+from dpcompile.capture.grad_blocks import (
+    check_grad_mode,
+    grad_mode_reads,
+    inference_mode_as_no_grad,
+    stowed_attributes_undone,
+    traced_alike,
+)
 from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
 from dpcompile.capture.state import python_state_kept, warn_lists_changed
 from dpcompile.errors import ArgumentError, TraceError
@@ -197,12 +203,13 @@ class DpTracer(fx.Tracer):
         """Whether forward's reads of ``torch.is_grad_enabled()`` change the program: traced again with
         them returning False, a read that is only logged or stored traces the same code."""
         again = DpTracer(self.leaf_module_types)
-        again.pretend_grad = False
-        try:
-            other = again.trace(root, concrete_args)
-        except Exception:  # noqa: BLE001 - it takes another path that does not trace: it decides something
-            return True
-        return graph.python_code("self").src != other.python_code("self").src
+        again.pretend_grad, again.varargs_count = False, getattr(self, "varargs_count", None)
+        with stowed_attributes_undone(root):  # its tensor constants: compared, then taken off the model
+            try:
+                other = again.trace(root, concrete_args)
+            except Exception:  # noqa: BLE001 - it takes another path that does not trace: it decides something
+                return True
+            return not traced_alike(graph, other, root)
 
 
 def _read_opaque_attributes_by_name(graph: fx.Graph, root: Any) -> None:

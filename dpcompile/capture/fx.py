@@ -32,6 +32,7 @@ from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write
 from dpcompile.capture.fx_signature import VARARGS_COUNT, keyword_only_last, remember_varargs_count
 from dpcompile.capture.grad_blocks import (
     check_grad_mode,
+    check_gradients_taken_with_grad_on,
     grad_mode_reads,
     inference_mode_as_no_grad,
     stowed_attributes_undone,
@@ -194,6 +195,7 @@ class DpTracer(fx.Tracer):
         if self.pretend_grad is None:
             warn_lists_changed(root, effects)
         _keep_no_grad_blocks(graph, grad_switches)
+        check_gradients_taken_with_grad_on(graph)
         if grad_reads and self.pretend_grad is None and self._decides_on_grad_mode(graph, root, concrete_args):
             check_grad_mode(graph, grad_reads[0])
         _read_opaque_attributes_by_name(graph, root)

@@ -148,14 +148,27 @@ def stowed_attributes_undone(root: Any) -> Iterator[None]:
             delattr(root, name)
 
 
-def check_grad_mode(graph: fx.Graph, where: str) -> None:
+def check_grad_mode(graph: fx.Graph, where: str, gradient_taken: bool = False) -> None:
     """Make the program check, at each call, that gradients are on, as they were where it was captured and
     forward read them (``where``): ``expect_grad_mode(True, where)`` after the inputs."""
     from dpcompile.runtime.exported import expect_grad_mode
 
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(inputs[-1]) if inputs else graph.inserting_before(next(iter(graph.nodes))):
-        graph.call_function(expect_grad_mode, (True, where))
+        graph.call_function(expect_grad_mode, (True, where, True) if gradient_taken else (True, where))
+
+
+def check_gradients_taken_with_grad_on(graph: fx.Graph) -> None:
+    """fx frontend: forward takes a gradient (``torch.autograd.grad``: a gradient penalty, an energy model's
+    ``-grad(e, x)``), which needs gradients on; a ``with torch.enable_grad():`` around it ran while capture
+    had them on already, so the program has no switch: a call under ``no_grad`` failed inside
+    (``element 0 of tensors does not require grad``). The program checks at each call that gradients are
+    on, naming the gradient's line."""
+    from dpcompile.capture.errors import user_source
+
+    taken = next((n for n in graph.nodes if n.op == "call_function" and n.target is torch.autograd.grad), None)
+    if taken is not None:
+        check_grad_mode(graph, user_source(taken) or taken.name, gradient_taken=True)
 
 
 def find_no_grad_blocks(gm: fx.GraphModule) -> list[fx.Node]:

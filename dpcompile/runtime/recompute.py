@@ -114,7 +114,26 @@ def _keep_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPo
 
 def _kept_ops_saved() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     forward, recompute = create_selective_checkpoint_contexts(_keep_policy)
-    return forward, _recompute_then_undo(recompute)
+    return forward, _EachEntryAfresh(lambda: _recompute_then_undo(recompute))
+
+
+class _EachEntryAfresh(contextlib.AbstractContextManager):
+    """A context checkpoint may enter more than once: a backward through the region that builds a graph
+    (``torch.autograd.grad(..., create_graph=True)`` inside forward: a gradient penalty) recomputes it, and
+    the backward through that gradient recomputes it again. A ``@contextmanager`` context enters once (a
+    bare ``AttributeError: ... has no attribute 'args'`` the second time); each entry here makes its own."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
+        self.make = make
+        self.entered: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> Any:
+        context = self.make()
+        self.entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.entered.pop().__exit__(*exc)
 
 
 @contextlib.contextmanager
@@ -127,7 +146,7 @@ def _recompute_then_undo(recompute: contextlib.AbstractContextManager) -> Iterat
 
 
 def _recompute_writes_nothing() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    return contextlib.nullcontext(), _outside_writes_undone()
+    return contextlib.nullcontext(), _EachEntryAfresh(_outside_writes_undone)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from dpcompile.capture.grad_blocks import (
     stowed_attributes_undone,
     traced_alike,
 )
+from dpcompile.capture.leaf_modes import called_mode_reads, remember_called_modes
 from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
 from dpcompile.capture.state import python_state_kept, warn_lists_changed
 from dpcompile.errors import ArgumentError, TraceError
@@ -181,7 +182,7 @@ class DpTracer(fx.Tracer):
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:  # switches relative to a call with gradients; no parametrization caches a proxy
             with torch.enable_grad(), python_state_kept(root) as effects, parametrize_cache_off(), inference_mode_as_no_grad(), \
-                    grad_mode_reads(self.pretend_grad) as grad_reads:  # fmt: skip
+                    grad_mode_reads(self.pretend_grad) as grad_reads, called_mode_reads(root, self) as called_modes:  # fmt: skip
                 graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
@@ -196,6 +197,7 @@ class DpTracer(fx.Tracer):
             warn_lists_changed(root, effects)
         _keep_no_grad_blocks(graph, grad_switches)
         check_gradients_taken_with_grad_on(graph)
+        remember_called_modes(root, called_modes)
         if grad_reads and self.pretend_grad is None and self._decides_on_grad_mode(graph, root, concrete_args):
             check_grad_mode(graph, grad_reads[0])
         _read_opaque_attributes_by_name(graph, root)

@@ -303,7 +303,6 @@ class ModelGuard:
             for path, m in self.entered for name, c in m._modules.items() if c is not None and id(c) not in entered_ids
         ]  # fmt: skip
         self._dicts = [*_GLOBAL_HOOK_DICTS, *(c.__dict__ for _, c in self._leaf_children)]
-        self._dicts += [d for _, c in self._leaf_children for m in c.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         for _, m in self.entered:
             self._dicts += [m.__dict__, m._modules, m._parameters, m._buffers, *(getattr(m, h) for h in _HOOK_DICTS)]
         self._mutables: list[tuple[Any, Any]] = []
@@ -356,7 +355,7 @@ class ModelGuard:
         read_anywhere = frozenset().union(*map(_code_names, readers)) - {"training"} | {"forward"}  # modes: keyed apart
         read_of_leaves = read_anywhere - {"forward"}
         attributes = [(path, self._attributes(m, read_anywhere)) for path, m in self.entered if type(m) in classes]
-        attributes += [(path, self._attributes(c, read_of_leaves) + _forward_hooked(c)) for path, c in self._leaf_children]
+        attributes += [(path, self._attributes(c, read_of_leaves)) for path, c in self._leaf_children]
         self.attributes = tuple(attributes)
         for path, m in self.entered:
             if isinstance(m, fx.GraphModule):  # a program (tensor parallel): its code is its graph
@@ -433,14 +432,8 @@ def describe_changes(before: tuple, now: tuple) -> list[str]:
     for p, n in sorted(attrs_before.keys() | attrs_now.keys()):
         if attrs_before.get((p, n)) != attrs_now.get((p, n)):
             full = f"{p}.{n}" if p else n
-            if n == _LEAF_HOOKED:
-                changes.setdefault(full, f"a forward hook added to or removed from {p!r} (a module the program calls)")
-                continue
             changes.setdefault(full, f"attribute {full!r} (forward reads it) changed")
     return list(changes.values())
-
-
-_LEAF_HOOKED = "<forward hooks>"
 
 
 def _module_at(model: nn.Module, path: str) -> nn.Module | None:
@@ -448,14 +441,6 @@ def _module_at(model: nn.Module, path: str) -> nn.Module | None:
         return model.get_submodule(path)
     except AttributeError:
         return None
-
-
-def _forward_hooked(leaf: nn.Module) -> tuple:
-    """``((_LEAF_HOOKED, True),)`` where a module the program calls (an RNN, a torch.nn layer) or one inside it
-    has forward hooks or pre-hooks: the program then calls it whole, where its hooks see the whole batch
-    (``batch_dims``); else ``()``."""
-    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in leaf.modules())
-    return ((_LEAF_HOOKED, True),) if hooked else ()
 
 
 #: nn.Module's own dicts: watched as the parameters, buffers and submodules they hold, not as attributes

@@ -43,6 +43,7 @@ from dpcompile.analysis.placement import (
 )
 from dpcompile.analysis.sequence_exchange import is_sequence_marker, marker_placement
 from dpcompile.errors import ArgumentError
+from dpcompile.runtime.hooks import runs_user_forward_hooks
 
 log = logging.getLogger("dpcompile")
 
@@ -84,7 +85,7 @@ def decide(
         if any(isinstance(p, Partial) for p in inputs):
             return Whole(batch=False)
         return REPLICATED
-    if node.op == "call_module" and module is not None and any(m._forward_hooks or m._forward_pre_hooks for m in module.modules()):
+    if node.op == "call_module" and module is not None and runs_user_forward_hooks(module):
         return Whole(batch=True, reason=_HOOKED.format(path=node.target, what=op_name(node, module)))
     rule = rule_for(node, module)
     placement = rule(RuleContext(node, placements, module, ranks if ranks is not None else {})) if rule is not None else None

@@ -113,9 +113,10 @@ def test_guard_attribute_forward_never_reads_traces_nothing():
 
 @pytest.mark.parametrize("copy_replicas", [False, True])
 def test_guard_leaf_module_hooks_see_the_whole_batch(copy_replicas):
-    """A torch.nn layer, an RNN or a leaf_modules= class with a forward hook or pre-hook, registered before or
-    after transform, runs once on the whole batch, so its hooks see what eager's do (docs/data_parallel.md,
-    Hooks). Split, they ran once per replica on a chunk: a hook's ``out.mean()`` was the last chunk's."""
+    """A torch.nn layer, an RNN or a leaf_modules= class with a forward hook at transform runs once on the whole
+    batch, so its hooks (and one registered on it after, as fc's pre-hook) see what eager's do
+    (docs/data_parallel.md, Hooks). Split, they ran once per replica on a chunk: a hook's ``out.mean()`` was the
+    last chunk's."""
 
     class Leaf(nn.Module):
         def __init__(self):

@@ -33,6 +33,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.modules import module as nn_module
 
+from dpcompile.capture.leaf_modes import called_modes_read
 from dpcompile.capture.state import installed_by_forward, not_a_change
 
 try:  # CPython's dict version tag, as torch.compile's guards read it
@@ -313,7 +314,9 @@ class ModelGuard:
         self.backward_hooked = [
             path for path, m in self.entered if path and (everywhere or any(getattr(m, h) for h in _BACKWARD_HOOK_DICTS))
         ]
-        self._modes = Modes((path, m.training) for path, m in self.entered)
+        # and the called modules whose mode forward read (``self.emb.training``): tracing kept the value read
+        called = [(p, m) for p, m in ((p, _module_at(self.model, p)) for p in called_modes_read(self.model)) if m is not None]
+        self._modes = Modes([*((path, m.training) for path, m in self.entered), *((p, m.training) for p, m in called)])
         # what the program is specialised on, as a small token: equal fingerprints, equal tokens
         self.description = self._compute_fingerprint()
         self._fingerprint = self._tokens.setdefault(self.description, len(self._tokens))
@@ -431,6 +434,13 @@ def describe_changes(before: tuple, now: tuple) -> list[str]:
             full = f"{p}.{n}" if p else n
             changes.setdefault(full, f"attribute {full!r} (forward reads it) changed")
     return list(changes.values())
+
+
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 #: nn.Module's own dicts: watched as the parameters, buffers and submodules they hold, not as attributes

@@ -70,6 +70,7 @@ from dpcompile.analysis.sequence_exchange import is_sequence_marker
 from dpcompile.devices import Devices
 from dpcompile.infra import PassResult, replace_graph, stamp, stamp_comm
 from dpcompile.runtime import tensor_parallel as tp_runtime
+from passes.data_parallel_grad import emit_grad_over_devices, is_autograd_grad
 from passes.data_parallel_nodes import (
     gather_dims,
     has_side_effect,
@@ -166,7 +167,8 @@ class _Builder:
             if is_sequence_marker(node) and len(self.devices) > 1:
                 self._emit_exchange(node, placement)
             elif isinstance(placement, Whole):
-                self._emit_whole(node)
+                if not (is_autograd_grad(node) and emit_grad_over_devices(self, node) is not None):
+                    self._emit_whole(node)
             elif isinstance(placement, Partial):
                 self._emit_partial(node, placement)
             elif node.op == "call_module" and isinstance(self.modules.get(node.target), BATCH_NORMS):

@@ -43,6 +43,7 @@ from dpcompile.analysis.placement import (
 )
 from dpcompile.analysis.sequence_exchange import is_sequence_marker, marker_placement
 from dpcompile.errors import ArgumentError
+from dpcompile.runtime.hooks import runs_user_forward_hooks
 
 log = logging.getLogger("dpcompile")
 
@@ -84,6 +85,8 @@ def decide(
         if any(isinstance(p, Partial) for p in inputs):
             return Whole(batch=False)
         return REPLICATED
+    if node.op == "call_module" and module is not None and runs_user_forward_hooks(module):
+        return Whole(batch=True, reason=_HOOKED.format(path=node.target, what=op_name(node, module)))
     rule = rule_for(node, module)
     placement = rule(RuleContext(node, placements, module, ranks if ranks is not None else {})) if rule is not None else None
     if placement is not None:
@@ -99,6 +102,13 @@ def decide(
         log.debug("%s: %s; it runs once, after a gather", node.name, reason)
         return Whole(batch=True, reason=reason)
     return placement
+
+
+# a module the program calls whole (an RNN, a torch.nn layer, leaf_modules=) runs its hooks in its call: split,
+# each device's call would run them on its part of the batch (a hook's ``out.mean()`` the last part's)
+_HOOKED = ("'{path}' ({what}) has a forward hook or pre-hook, which reads its call's input and output: split, each "
+           "device's call would run it on its part of the batch (for a split call, remove the hook while it is not "
+           "needed)")  # fmt: skip
 
 
 def op_name(node: fx.Node, module: nn.Module | None = None) -> str:

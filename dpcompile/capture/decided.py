@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from unittest import mock
 
+import sympy
 import torch
 import torch.fx as fx
 from torch import nn
@@ -250,19 +251,30 @@ def check_decided_on_examples(ep: Any, names: Mapping[str, Any], model_name: str
         ) from None
 
 
-def refuse_numbers_read_from_data(gm: fx.GraphModule, model_name: str) -> None:
+def lines_reading_numbers(decisions: Decisions) -> list[str]:
+    """The lines of forward that turned a value read from data into a Python number (``float(t)``,
+    ``int(t)``): export pinned it to the example's value (``Eq(zuf0, -0.912)``). A branch on such a
+    value (``zuf0 > 0.1``) pins nothing."""
+    pinned = [d for d in decisions if isinstance(d, sympy.Eq) and free_unbacked_symbols(d)]
+    return [decisions.lines.get(str(s), "") or str(d) for d in pinned for s in sorted(free_unbacked_symbols(d), key=str)]
+
+
+def refuse_numbers_read_from_data(gm: fx.GraphModule, model_name: str, lines_read: list[str]) -> None:
     """A program exported deciding on the examples returns a Python number where forward returns one read
     from a tensor (``float(t)``, ``int(t)``): export keeps the example's value, and its check did not hold
-    every call (the float's returned unchecked beside an int that matched: silently the example's). Refused::
+    every call (the float's returned unchecked beside an int that matched: silently the example's). Refused
+    where forward turned a read into a number (``lines_read``, :func:`lines_reading_numbers`); a constant
+    (``return out, 0.5``) is returned as written::
 
         return out, float(out.sum())   # the program: return (out, -0.912...)  (the example's sum)"""
     from dpcompile.errors import TraceError
 
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     numbers = [v for v in torch.utils._pytree.tree_leaves(output.args) if type(v) in (int, float)]
-    if numbers:
+    if numbers and lines_read:
+        where = f" at {lines_read[0]}" if lines_read[0] else ""
         raise TraceError(
-            f"{model_name}.forward returns a Python number read from a tensor (float(t) or int(t)), which "
+            f"{model_name}.forward returns a Python number read from a tensor (float(t) or int(t)){where}, which "
             f"torch.export keeps as the example's value ({numbers[0]!r}); return the tensor, or t.item(), "
             "which the program reads at each call"
         )

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,8 +27,33 @@ from dpcompile.runtime.nested_encoder import encoder_nested_path
 @contextlib.contextmanager
 def export_as_eager_runs(model: nn.Module, positional: Sequence[str]) -> Iterator[None]:
     """While exporting ``model``: root pre-hooks see the positional examples, nested encoders zero their padding."""
-    with root_pre_hooks_given_positions(model, positional), nested_encoders_as_eager(model):
+    with root_pre_hooks_given_positions(model, positional), nested_encoders_as_eager(model), gradients_refused(model):
         yield
+
+
+@contextlib.contextmanager
+def gradients_refused(model: nn.Module) -> Iterator[None]:
+    """``torch.autograd.grad`` called in forward while torch.export traces it (a gradient penalty, an energy
+    model's ``-grad(e, x)``) is refused naming its line: export cannot capture it (a bare "fake tensor in the
+    exported program constant's list" before), while the fx frontend runs it."""
+    from dpcompile.capture.errors import is_library_file
+    from dpcompile.errors import TraceError
+
+    original = torch.autograd.grad
+
+    def refused(*args: Any, **kwargs: Any) -> Any:  # export's error names the line
+        if is_library_file(sys._getframe(1).f_code.co_filename):  # dpcompile's probe of an autograd.Function
+            return original(*args, **kwargs)
+        raise TraceError(
+            f"{type(model).__name__}.forward takes a gradient with torch.autograd.grad, which torch.export cannot "
+            "capture; transform with frontend='fx', which runs it"
+        )
+
+    torch.autograd.grad = refused
+    try:
+        yield
+    finally:
+        torch.autograd.grad = original
 
 
 @contextlib.contextmanager

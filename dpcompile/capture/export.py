@@ -70,6 +70,8 @@ from dpcompile.progress import step_bar
 from dpcompile.runtime.exported import expect_value
 
 log = logging.getLogger("dpcompile")
+#: ``ep.graph_module.meta`` key: the lines of forward that turned a read of data into a Python number
+NUMBERS_READ_AT = "dpcompile_numbers_read_at"
 aten = torch.ops.aten
 
 
@@ -176,7 +178,7 @@ def export_program(
     if decided:
         from dpcompile.capture.decided import refuse_numbers_read_from_data
 
-        refuse_numbers_read_from_data(gm, type(model).__name__)
+        refuse_numbers_read_from_data(gm, type(model).__name__, ep.graph_module.meta.get(NUMBERS_READ_AT, []))
     if lazy_other_mode and reads_mode(model, gm):
         export_other = functools.partial(
             _export_in_other_mode, names=names, spec=spec, dim=dim, injected=injected, positional=positional
@@ -185,7 +187,7 @@ def export_program(
     else:
         other = _export_in_other_mode(model, gm, names, spec, dim, injected, positional)
         serve_both_modes(gm, None if other is gm else other, model, model.training, other is None)
-    if grad_reads and export_decides_on_grad_mode(ep.graph_module.code, export_again):
+    if grad_reads and export_decides_on_grad_mode(ep, export_again):
         check_grad_mode(gm.graph, grad_reads[0])
     gm.recompile()
     if not dynamic:
@@ -243,6 +245,7 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
     from dpcompile.capture.decided import (
         check_decided_on_examples,
         decided_on_examples,
+        lines_reading_numbers,
         name_branches,
         reads_only_data_sizes,
     )
@@ -266,6 +269,7 @@ def _export_deciding_on_examples(model: nn.Module, names: Mapping[str, Any], spe
         )
     name_branches(ep.graph_module, decisions, type(model).__name__)
     check_decided_on_examples(ep, names, type(model).__name__)
+    ep.graph_module.meta[NUMBERS_READ_AT] = lines_reading_numbers(decisions)
     log.info("%s: %d data-dependent branch(es) taken as the example takes them, checked at every call", type(model).__name__, len(decisions))
     return ep
 

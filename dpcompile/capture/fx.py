@@ -30,7 +30,15 @@ from dpcompile.capture.errors import ShapeBranch, trace_error, user_source_line
 from dpcompile.capture.fx_checkpoint import record_checkpoints
 from dpcompile.capture.fx_effects import record_calls, untracked_in_place, write_back
 from dpcompile.capture.fx_signature import VARARGS_COUNT, keyword_only_last, remember_varargs_count
-from dpcompile.capture.grad_blocks import check_grad_mode, grad_mode_reads, inference_mode_as_no_grad
+from dpcompile.capture.grad_blocks import (
+    check_grad_mode,
+    check_gradients_taken_with_grad_on,
+    grad_mode_reads,
+    inference_mode_as_no_grad,
+    stowed_attributes_undone,
+    traced_alike,
+)
+from dpcompile.capture.leaf_modes import called_mode_reads, remember_called_modes
 from dpcompile.capture.norms import parametrize_cache_off, refuse_spectral_norm_hooks, writes_parametrization_state
 from dpcompile.capture.state import python_state_kept, warn_lists_changed
 from dpcompile.errors import ArgumentError, TraceError
@@ -174,7 +182,7 @@ class DpTracer(fx.Tracer):
         before = [(dict(m._buffers), dict(m._parameters), dict(m.__dict__)) for _, m in modules]
         try:  # switches relative to a call with gradients; no parametrization caches a proxy
             with torch.enable_grad(), python_state_kept(root) as effects, parametrize_cache_off(), inference_mode_as_no_grad(), \
-                    grad_mode_reads(self.pretend_grad) as grad_reads:  # fmt: skip
+                    grad_mode_reads(self.pretend_grad) as grad_reads, called_mode_reads(root, self) as called_modes:  # fmt: skip
                 graph = super().trace(root, concrete_args)
         finally:
             nn.RNNBase.flatten_parameters = original
@@ -188,6 +196,8 @@ class DpTracer(fx.Tracer):
         if self.pretend_grad is None:
             warn_lists_changed(root, effects)
         _keep_no_grad_blocks(graph, grad_switches)
+        check_gradients_taken_with_grad_on(graph)
+        remember_called_modes(root, called_modes)
         if grad_reads and self.pretend_grad is None and self._decides_on_grad_mode(graph, root, concrete_args):
             check_grad_mode(graph, grad_reads[0])
         _read_opaque_attributes_by_name(graph, root)
@@ -197,12 +207,13 @@ class DpTracer(fx.Tracer):
         """Whether forward's reads of ``torch.is_grad_enabled()`` change the program: traced again with
         them returning False, a read that is only logged or stored traces the same code."""
         again = DpTracer(self.leaf_module_types)
-        again.pretend_grad = False
-        try:
-            other = again.trace(root, concrete_args)
-        except Exception:  # noqa: BLE001 - it takes another path that does not trace: it decides something
-            return True
-        return graph.python_code("self").src != other.python_code("self").src
+        again.pretend_grad, again.varargs_count = False, getattr(self, "varargs_count", None)
+        with stowed_attributes_undone(root):  # its tensor constants: compared, then taken off the model
+            try:
+                other = again.trace(root, concrete_args)
+            except Exception:  # noqa: BLE001 - it takes another path that does not trace: it decides something
+                return True
+            return not traced_alike(graph, other, root)
 
 
 def _read_opaque_attributes_by_name(graph: fx.Graph, root: Any) -> None:

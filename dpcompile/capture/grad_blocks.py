@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -96,25 +97,78 @@ def grad_mode_reads(pretend: bool | None = None) -> Iterator[list[str]]:
         torch.is_grad_enabled = original  # type: ignore[assignment]
 
 
-def export_decides_on_grad_mode(code: str, export_again: Callable[[], Any]) -> bool:
-    """Whether forward's reads of ``torch.is_grad_enabled()`` change the exported program (``code``):
-    exported again with them returning False, a read that is only logged or stored exports the same code."""
+def export_decides_on_grad_mode(ep: Any, export_again: Callable[[], Any]) -> bool:
+    """Whether forward's reads of ``torch.is_grad_enabled()`` change the exported program ``ep``: exported
+    again with them returning False, a read that is only logged or stored exports the same code and
+    constants (a branch between ``torch.tensor(1.0)`` and ``torch.tensor(2.0)`` differs only in them)."""
     try:
         with grad_mode_reads(pretend=False):
             other = export_again()
     except Exception:  # noqa: BLE001 - the other path does not export: it decides something
         return True
-    return other.graph_module.code != code
+    constants, other_constants = dict(ep.constants), dict(other.constants)
+    return other.graph_module.code != ep.graph_module.code or constants.keys() != other_constants.keys() or any(
+        not (a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_tensor(a, b)))
+        for a, b in ((constants[k], other_constants[k]) for k in constants)
+    )
 
 
-def check_grad_mode(graph: fx.Graph, where: str) -> None:
+_STOWED = re.compile(r"\b_(?:tensor|param)_constant\d+\b")
+
+
+def traced_alike(graph: fx.Graph, other: fx.Graph, root: Any) -> bool:
+    """Whether two fx traces of ``root`` are one program: the same code, where the tensors fx stowed on
+    ``root`` (``self._tensor_constant0``; the second trace's are numbered on) are read in the same order
+    and hold the same values (a branch may add another constant)."""
+
+    def spelled(g: fx.Graph) -> tuple[str, list[Any]]:
+        order: dict[str, str] = {}
+        src = _STOWED.sub(lambda m: order.setdefault(m.group(0), f"_stowed{len(order)}"), g.python_code("self").src)
+        return src, [attribute_at(root, name) for name in order]
+
+    (src, values), (other_src, other_values) = spelled(graph), spelled(other)
+    return src == other_src and all(
+        type(a) is type(b) and (a is b or not isinstance(a, torch.Tensor) or _same_tensor(a, b))
+        for a, b in zip(values, other_values, strict=True)
+    )
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))
+
+
+@contextlib.contextmanager
+def stowed_attributes_undone(root: Any) -> Iterator[None]:
+    """What a trace inside stows on ``root`` (fx's ``_tensor_constantN``) is taken off it after."""
+    before = set(getattr(root, "__dict__", ()))
+    try:
+        yield
+    finally:
+        for name in [n for n in getattr(root, "__dict__", ()) if n not in before and _STOWED.fullmatch(n)]:
+            delattr(root, name)
+
+
+def check_grad_mode(graph: fx.Graph, where: str, gradient_taken: bool = False) -> None:
     """Make the program check, at each call, that gradients are on, as they were where it was captured and
     forward read them (``where``): ``expect_grad_mode(True, where)`` after the inputs."""
     from dpcompile.runtime.exported import expect_grad_mode
 
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(inputs[-1]) if inputs else graph.inserting_before(next(iter(graph.nodes))):
-        graph.call_function(expect_grad_mode, (True, where))
+        graph.call_function(expect_grad_mode, (True, where, True) if gradient_taken else (True, where))
+
+
+def check_gradients_taken_with_grad_on(graph: fx.Graph) -> None:
+    """fx frontend: forward takes a gradient (``torch.autograd.grad``: a gradient penalty, an energy model's
+    ``-grad(e, x)``), which needs gradients on; a ``with torch.enable_grad():`` around it ran while capture
+    had them on already, so the program has no switch: a call under ``no_grad`` failed inside
+    (``element 0 of tensors does not require grad``). The program checks at each call that gradients are
+    on, naming the gradient's line."""
+    from dpcompile.capture.errors import user_source
+
+    taken = next((n for n in graph.nodes if n.op == "call_function" and n.target is torch.autograd.grad), None)
+    if taken is not None:
+        check_grad_mode(graph, user_source(taken) or taken.name, gradient_taken=True)
 
 
 def find_no_grad_blocks(gm: fx.GraphModule) -> list[fx.Node]:

@@ -60,6 +60,7 @@ class SideEffects:
     hooks_added: list[tuple[str, str, Any]] = dataclasses.field(default_factory=list)
     tensors: list[tuple[str, str, Any]] = dataclasses.field(default_factory=list)  # set to a tensor
     lists_changed: list[str] = dataclasses.field(default_factory=list)  # a list attribute forward appended to
+    dicts_filled: list[str] = dataclasses.field(default_factory=list)  # a dict given values computed from inputs
 
 
 _MISSING = object()
@@ -105,6 +106,8 @@ def python_state_kept(model: nn.Module) -> Iterator[SideEffects]:
                 if name in contents and _changed(value, contents[name]):
                     if type(value) is list:
                         effects.lists_changed.append(f"{path}.{name}".lstrip("."))
+                    if type(value) is dict and any(_reads_an_input(v) for v in _new_values(value, contents[name])):
+                        effects.dicts_filled.append(f"{path}.{name}".lstrip("."))
                     if type(value) is dict:
                         value.clear()
                         value.update(contents[name])
@@ -172,16 +175,38 @@ def _changed(value: dict | list, before: dict | list) -> bool:
     return any(a is not b for a, b in pairs) or (type(value) is dict and list(value) != list(before))
 
 
-def warn_lists_changed(model: nn.Module, effects: SideEffects) -> None:
-    """Forward appended to a list attribute (``self.features.append(h)``): the program computes what forward
-    returns and does not fill the list at each call (a dict is taken for a cache, as timm's attention biases)."""
-    if effects.lists_changed:
-        import warnings
+def _new_values(value: dict, before: dict) -> list[Any]:
+    return [v for k, v in value.items() if k not in before or before[k] is not v]
 
-        names = ", ".join(repr(n) for n in effects.lists_changed[:3])
-        warnings.warn(
-            f"{type(model).__name__}.forward changes the list {names}: the program does not repeat that at each "
-            "call, so the list stays as it was; return the values instead, or collect them with a forward hook "
-            "(frontend='fx' calls it at each call)",
-            stacklevel=4,
-        )
+
+def _reads_an_input(value: Any) -> bool:
+    """Whether a value forward stored was computed from its inputs: an fx proxy reached from a placeholder, or
+    an exported tensor sized by the batch (a symbolic size). A value of the weights alone (timm's attention
+    biases, kept per device) is a cache."""
+    if isinstance(value, fx.Proxy):
+        seen, todo = set(), [value.node]
+        while todo:
+            node = todo.pop()
+            if node.op == "placeholder":
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(node.all_input_nodes)
+        return False
+    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
+
+
+def warn_lists_changed(model: nn.Module, effects: SideEffects) -> None:
+    """Forward appended to a list attribute (``self.features.append(h)``) or stored a value computed from its
+    inputs in a dict (``self.cache[k] = h``): the program computes what forward returns and does not fill
+    them at each call (a dict given values of the weights alone is taken for a cache, as timm's attention biases)."""
+    import warnings
+
+    for kind, names in (("list", effects.lists_changed), ("dict", effects.dicts_filled)):
+        if names:
+            warnings.warn(
+                f"{type(model).__name__}.forward changes the {kind} {', '.join(repr(n) for n in names[:3])}: the "
+                f"program does not repeat that at each call, so the {kind} stays as it was; return the values "
+                "instead, or collect them with a forward hook (frontend='fx' calls it at each call)",
+                stacklevel=4,
+            )

@@ -12,7 +12,7 @@ from dpcompile.runtime.batch_values import (
 )
 from dpcompile.runtime.batchnorm import batch_norm, functional_batch_norm
 from dpcompile.runtime.comm import TAKE_FIRST, broadcast, gather, scatter, split_sizes, to_device
-from dpcompile.runtime.grad import without_grad
+from dpcompile.runtime.grad import grad_over_devices, without_grad
 from dpcompile.runtime.hooks import run_forward_hook
 from dpcompile.runtime.pipeline import partial_pair, send
 from dpcompile.runtime.random import (
@@ -133,6 +133,7 @@ __all__ = [
     "token_tiles",
     "weights_in_one_buffer",
     "without_grad",
+    "grad_over_devices",
     "write_back",
     "written",
 ]

@@ -36,10 +36,19 @@ def expect_mode(module: nn.Module, training: bool) -> None:
 
 
 @fx.node.has_side_effect
-def expect_grad_mode(enabled: bool, where: str) -> None:
+def expect_grad_mode(enabled: bool, where: str, gradient_taken: bool = False) -> None:
     """Checked at each call where forward reads ``torch.is_grad_enabled()`` (``where``): the program took
-    the branch of the grad mode it was captured in."""
-    if torch.is_grad_enabled() != enabled:
+    the branch of the grad mode it was captured in. ``gradient_taken``: forward turns gradients on
+    (``torch.enable_grad()``) to take one (``torch.autograd.grad`` at ``where``), which the program does not
+    switch, so a call under ``no_grad`` would fail inside it."""
+    if gradient_taken and not torch.is_grad_enabled():
+        raise DpCompileError(
+            f"forward takes a gradient with torch.autograd.grad ({where}), which the program computes only with "
+            "gradients on (it does not switch them on for a torch.enable_grad() block inside forward): called "
+            "under torch.no_grad() it would fail inside. Call it with gradients on (for evaluation, pm.eval() "
+            "and detach the outputs)"
+        )
+    if not gradient_taken and torch.is_grad_enabled() != enabled:
         mode = "with gradients on" if enabled else "under torch.no_grad()"
         raise DpCompileError(
             f"forward reads torch.is_grad_enabled() ({where}), and this program was captured {mode}: a call in the "

@@ -22,3 +22,19 @@ def run_forward_hook(module: nn.Module, hook_id: int, args: tuple, kwargs: dict 
         hook(module, args, kwargs, output)
     else:
         hook(module, args, output)
+
+
+def runs_user_forward_hooks(module: nn.Module) -> bool:
+    """Whether ``module``, or a module inside it that its call runs on the batch, has forward hooks or
+    pre-hooks of its user's: those ``torch.distributed`` installs (FSDP2's ``fully_shard`` gathering a
+    block's weights) are not, nor those of a parametrization (they see the weight, not the batch)."""
+    from torch.nn.utils.parametrize import ParametrizationList
+
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+        if any(not str(getattr(h, "__module__", "") or "").startswith("torch.distributed") for h in hooks):
+            return True
+        todo.extend(c for c in m._modules.values() if c is not None and not isinstance(c, ParametrizationList))
+    return False

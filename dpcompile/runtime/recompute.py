@@ -115,15 +115,36 @@ def _keep_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPo
 
 
 def _contexts(saving: bool, undo_writes: bool) -> Callable[[], tuple[Any, Any]]:
-    """checkpoint's ``context_fn``: the forward's and the recompute's contexts."""
+    """checkpoint's ``context_fn``: the forward's and the recompute's contexts (the recompute's entered afresh
+    each time checkpoint enters it)."""
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         if not saving:
-            return contextlib.nullcontext(), _outside_writes_undone() if undo_writes else contextlib.nullcontext()
+            recompute = _EachEntryAfresh(_outside_writes_undone) if undo_writes else contextlib.nullcontext()
+            return contextlib.nullcontext(), recompute
         forward, recompute = create_selective_checkpoint_contexts(_keep_policy)
-        return forward, _recompute_then(recompute, undo_writes)
+        return forward, _EachEntryAfresh(lambda: _recompute_then(recompute, undo_writes))
 
     return contexts
+
+
+class _EachEntryAfresh(contextlib.AbstractContextManager):
+    """A context checkpoint may enter more than once: a backward through the region that builds a graph
+    (``torch.autograd.grad(..., create_graph=True)`` inside forward: a gradient penalty) recomputes it, and
+    the backward through that gradient recomputes it again. A ``@contextmanager`` context enters once (a
+    bare ``AttributeError: ... has no attribute 'args'`` the second time); each entry here makes its own."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
+        self.make = make
+        self.entered: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> Any:
+        context = self.make()
+        self.entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.entered.pop().__exit__(*exc)
 
 
 @contextlib.contextmanager

@@ -332,3 +332,45 @@ def test_a_number_read_from_data_and_returned_is_refused():
     torch.manual_seed(0)
     with pytest.raises(dpcompile.TraceError, match=r"returns a Python number read from a tensor.*t\.item\(\)"):
         dpcompile.transform(ReturnsNumbers(), ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(3, 8),))
+
+
+class BranchesAndReturnsAConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        out = self.fc(x)
+        if (x > 0).nonzero().size(0) > 0:
+            out = out * 2
+        return out, 0.5
+
+
+class BranchesAndReturnsATwiceReadNumber(BranchesAndReturnsAConstant):
+    def forward(self, x):
+        out = self.fc(x)
+        if x.max().item() > -10.0:
+            out = out * 2
+        return out, float(out.sum()) * 2
+
+
+def test_a_constant_returned_beside_a_decided_branch_runs():
+    """``return out, 0.5`` after a branch decided on the example: the constant is not read from data, so the
+    program runs (outputs as eager's for another batch); it was refused as a number read from a tensor."""
+    torch.manual_seed(0)
+    model = BranchesAndReturnsAConstant()
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 8),))
+    x = torch.randn(6, 8)
+    out, number = pm(x)
+    expected, expected_number = model(x)
+    torch.testing.assert_close(out, expected)
+    assert number == expected_number == 0.5 and type(number) is float
+
+
+def test_a_number_computed_from_a_read_is_refused_naming_its_line():
+    """``float(out.sum()) * 2`` returned beside a branch on a read: still the example's value, refused by line."""
+    torch.manual_seed(0)
+    with pytest.raises(dpcompile.TraceError, match=r"read from a tensor .* at .*float\(out.sum\(\)\) \* 2"):
+        dpcompile.transform(
+            BranchesAndReturnsATwiceReadNumber(), ["cpu"] * 2, frontend="export", example_inputs=(torch.randn(4, 8),)
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 from typing import Any
 
 import pytest
@@ -695,3 +696,33 @@ def test_a_list_forward_fills_is_named_in_a_warning(frontend):
         pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
     assert model.features == []
     torch.testing.assert_close(pm(x), CollectsFeatures.forward(copy.deepcopy(model), x))
+
+
+class FillsADict(CollectsFeatures):
+    def __init__(self):
+        super().__init__()
+        self.cache: dict[str, torch.Tensor] = {}
+        self.biases: dict[str, torch.Tensor] = {}
+
+    def forward(self, x):
+        h = self.fc1(x)
+        self.cache["hidden"] = h.detach()
+        if "bias" not in self.biases:  # of the weights alone: a cache, as timm's attention biases
+            self.biases["bias"] = self.fc2.bias * 2
+        return self.fc2(h) + self.biases["bias"]
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_dict_forward_fills_from_its_inputs_is_named_in_a_warning(frontend):
+    """``self.cache[k] = h`` in forward: the program does not repeat it, and the dict stayed empty without a word
+    (a list was named). A warning names the dict filled from the inputs, not the one of the weights alone; the
+    outputs are eager's."""
+    torch.manual_seed(0)
+    model, x = FillsADict().eval(), torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pm = dpcompile.transform(model, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    named = [str(w.message) for w in seen if "forward changes the dict" in str(w.message)]
+    assert len(named) == 1 and "'cache'" in named[0] and "'biases'" not in named[0], named
+    assert model.cache == {}
+    torch.testing.assert_close(pm(x), FillsADict.forward(copy.deepcopy(model), x))

@@ -339,6 +339,63 @@ def test_a_grad_mode_read_that_decides_nothing_runs_in_either_mode(frontend):
     torch.testing.assert_close(pm(x), model(x))
 
 
+class LogsGradModeOverVarargs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    reads_grad_mode = True
+
+    def forward(self, *inputs):
+        if self.reads_grad_mode:
+            logging.getLogger(__name__).debug("grad mode %s", torch.is_grad_enabled())
+        return self.fc(inputs[0]) + inputs[1] * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+
+
+class BranchesOnGradModeByConstant(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        scale = torch.tensor(1.0, dtype=torch.float64) if torch.is_grad_enabled() else torch.tensor(2.0, dtype=torch.float64)
+        return self.fc(x) * scale
+
+
+def test_a_logged_grad_mode_read_runs_over_varargs_and_tensor_constants():
+    """fx frontend: the capture again with the read returning False lacked ``forward(*inputs)``'s count and
+    numbered its tensor constants on, so a read that decides nothing looked like a branch (a call under
+    no_grad refused) and left its constants on the model. Now the program runs in both modes as eager, and
+    the model keeps only what a capture without the read leaves on it."""
+    torch.manual_seed(0)
+    model = LogsGradModeOverVarargs().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    pm = dpcompile.transform(model, ["cpu"] * 2, frontend="fx", example_inputs=(x, y))
+    assert "expect_grad_mode" not in pm.code
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x, y), model(x, y))
+    torch.testing.assert_close(pm(x, y), model(x, y))
+    stowed = sorted(k for k in vars(model) if k.startswith("_tensor_constant"))
+    unread = LogsGradModeOverVarargs().double()
+    unread.reads_grad_mode = False
+    dpcompile.transform(unread, ["cpu"] * 2, frontend="fx", example_inputs=(x, y))
+    assert len(stowed) == len([k for k in vars(unread) if k.startswith("_tensor_constant")])
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_grad_mode_branch_between_constants_is_checked(frontend):
+    """``torch.tensor(1.0) if torch.is_grad_enabled() else torch.tensor(2.0)``: the two captures differ only in
+    a constant's value. The export frontend compared code alone and ran the captured branch under no_grad
+    (twice eager's output, silently); both frontends now refuse that call by name, and run eager's with grad."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    decides = BranchesOnGradModeByConstant().double()
+    pm = dpcompile.transform(decides, ["cpu"] * 2, frontend=frontend, example_inputs=(x,))
+    torch.testing.assert_close(pm(x), decides(x))
+    with torch.no_grad(), pytest.raises(dpcompile.DpCompileError, match=r"reads torch.is_grad_enabled\(\)"):
+        pm(x)
+
+
 class AutocastInside(torch.nn.Module):
     def __init__(self, enabled: bool = True):
         super().__init__()

@@ -112,10 +112,11 @@ def test_guard_attribute_forward_never_reads_traces_nothing():
 
 
 @pytest.mark.parametrize("copy_replicas", [False, True])
-def test_guard_leaf_module_hooks_run_per_replica_on_a_chunk(copy_replicas):
-    """Hooks on leaf nn layers and RNNs run once per replica on its chunk of the batch, registered
-    before or after transform; a leaf_modules= class runs (and hooks) once on the whole batch
-    (docs/data_parallel.md, Hooks)."""
+def test_guard_leaf_module_hooks_see_the_whole_batch(copy_replicas):
+    """A torch.nn layer, an RNN or a leaf_modules= class with a forward hook at transform runs once on the whole
+    batch, so its hooks (and one registered on it after, as fc's pre-hook) see what eager's do
+    (docs/data_parallel.md, Hooks). Split, they ran once per replica on a chunk: a hook's ``out.mean()`` was the
+    last chunk's."""
 
     class Leaf(nn.Module):
         def __init__(self):
@@ -145,8 +146,36 @@ def test_guard_leaf_module_hooks_run_per_replica_on_a_chunk(copy_replicas):
     model.fc.register_forward_pre_hook(lambda m, args: seen["fc_pre"].append(args[0].shape[0]))
     x = torch.randn(6, 5, 4)
     torch.testing.assert_close(pm(x), model.leaf(model.rnn(model.fc(x))[0]))
-    # the eager check above added one whole-batch call to each hook: the program's are the chunks before it
-    assert seen == {"fc": [3, 3, 6], "rnn": [3, 3, 6], "leaf": [6, 6], "fc_pre": [3, 3, 6]}, seen
+    # the eager check above added one whole-batch call to each hook, after the program's
+    assert seen == {"fc": [6, 6], "rnn": [6, 6], "leaf": [6, 6], "fc_pre": [6, 6]}, seen
+
+
+def _store_mean(module, args, output):
+    module.stat = output[0].detach().mean()
+
+
+def test_guard_batch_statistic_of_an_rnn_hook_is_eager_s():
+    """A forward hook on an RNN storing ``out.mean()``: it was the last replica's chunk's mean under data
+    parallelism (-0.044 for -0.028); the RNN now runs whole, so the statistic and the output are eager's."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(4, 5, batch_first=True)
+            self.fc = nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.fc(self.rnn(x)[0][:, -1])
+
+    model = Model()
+    model.rnn.register_forward_hook(_store_mean)
+    x = torch.randn(6, 3, 4)
+    pm = dpcompile.transform(model, ["cpu", "cpu"], example_inputs=(x,))
+    out = pm(x)
+    got = model.rnn.stat
+    torch.testing.assert_close(out, model(x))
+    torch.testing.assert_close(got, model.rnn.stat)
 
 
 class Configured(nn.Module):

@@ -96,6 +96,9 @@ class Unit:
     # the same where the program splits the batch over devices or micro-batches: a training BatchNorm runs
     # ``runtime.batch_norm``, whose backward holds two more values of its input's size in passing
     split_batch_moments: list[tuple[int, int]] = field(default_factory=list)
+    # the gradient bytes its backward makes of parameters counted in other units (tied), by that unit
+    tied_grad_bytes: dict[str, int] = field(default_factory=dict)
+    tied_seen: set[int] = field(default_factory=set, repr=False)
 
 
 @dataclass(frozen=True)
@@ -250,19 +253,23 @@ def _profile(
     fake_kwargs = {k: fake(v) for k, v in kwargs.items()}
     excluded = {_key(v) for v in [*named.values(), *fake_args, *fake_kwargs.values()] if isinstance(v, torch.Tensor)}
     saved: dict[int, tuple[str, int, bool, tuple[int, int] | None]] = {}
-    counted: set[Any] = set()
+    counted: dict[Any, str] = {}  # a parameter -> the unit it is counted in
     identity = {id(t): name for name, t in [*named.items(), *model.named_parameters(), *model.named_buffers()]}
     counter = FlopCounterMode(display=False)
     flops_at = {"start": 0, "ops": 0, "op_bytes": 0}
 
-    def count_params(module: nn.Module, unit: str, recurse: bool) -> None:
+    def count_params(module: nn.Module, unit: str, recurse: bool, uses: bool = True) -> None:
         for p in module.parameters(recurse=recurse):
             ident = identity.get(id(p), id(p))  # the fake copy and the real tensor are one parameter
-            if ident in counted:
-                continue
-            counted.add(ident)
-            u = units[unit]
             size = p.numel() * p.element_size()
+            if ident in counted:
+                owner = counted[ident]  # a tied weight (GPT-2's lm_head): this unit's backward makes a gradient too
+                if uses and owner != unit and training and p.requires_grad and id(p) not in units[unit].tied_seen:
+                    units[unit].tied_seen.add(id(p))
+                    units[unit].tied_grad_bytes[owner] = units[unit].tied_grad_bytes.get(owner, 0) + size
+                continue
+            counted[ident] = unit
+            u = units[unit]
             u.param_bytes += size
             if training and p.requires_grad:
                 u.grad_bytes += size
@@ -416,7 +423,7 @@ def _profile(
     finally:
         for h in handles:
             h.remove()
-    count_params(model, "pre", True)  # never called: counted with the first unit
+    count_params(model, "pre", True, uses=False)  # never called: counted with the first unit
     for path, module, _ in units_of if training else ():
         units[path].module_grad_bytes = max(_own_grad_bytes(m) for m in module.modules())
         units[path].batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())

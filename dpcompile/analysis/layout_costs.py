@@ -26,6 +26,7 @@ the step's seconds:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,6 +150,12 @@ def _head_share(u: Unit, w: ShardableWeight, t: int, follower: bool) -> float | 
     heads, width = u.attention_heads, u.attention_width
     if not heads or heads % t == 0 or w.kind != "linear" or w.cols != width or w.rows % width or w.rows > 3 * width:
         return None
+    # where the fake run saw which columns the attentions read: those and their row layers (d, width) only (an
+    # MLP's 96-wide up layer beside 3 heads of 16 is shaped as a fused projection: BERT's tp2 second device was
+    # 24% over its prediction, its MLP values counted a third, not half)
+    projections = u.attention_columns | {(cols, width) for _, cols in u.attention_columns}
+    if u.attention_columns and (w.rows, w.cols) not in projections:
+        return None
     rank = 1 if follower else 0
     return (heads // t + (1 if rank < heads % t else 0)) / heads
 
@@ -193,7 +200,9 @@ def device_saved(u: Unit, t: int, follower: bool) -> int:
               for column in u.pair_saved_bytes} if sharded else {}  # fmt: skip
     heads = sum(round(size * shares[column]) for column, size in u.pair_saved_bytes.items() if shares.get(column))
     even = sharded - sum(size for column, size in u.pair_saved_bytes.items() if shares.get(column))
-    return heads + (even // t if follower else u.saved_bytes - sharded + -(-even // t))
+    # the attentions' masks: each device makes and saves its own (BERT's tp2 second device 5% under without)
+    masks = u.attention_mask_bytes if sharded else 0
+    return heads + (even // t + masks if follower else u.saved_bytes - sharded + -(-even // t))
 
 
 def _input_gradient(u: Unit) -> int:
@@ -279,7 +288,7 @@ def stage_memory(
         own = saved[k] if training else kept[k]
         last = k == len(units) - 1
         # 1F1B's micro-batches in flight, GPipe's in step and a recomputed block: their own rules (measured)
-        own_rule = one_f_one_b or in_step or (checkpointing and units[k].block)
+        own_rule = one_f_one_b or in_step or (checkpointing and units[k].block and buffered)
         inside = _inside_backward(units[k], None if last else units[k + 1], follower=follower, training=training,
                                   own_rule=own_rule, one_f_one_b=one_f_one_b, grads=grads[k], saved=saved[k],
                                   gradient_in=gradient_in if last else 0)  # fmt: skip
@@ -378,6 +387,52 @@ def kept_levels(units: Sequence[Unit], share: float) -> list[int]:
     return sorted(levels - {0}, reverse=True)
 
 
+def split_batch_units(units: Sequence[Unit]) -> list[Unit]:
+    """``units`` as a program of one process that splits the batch (data parallel, micro-batches) runs
+    them: a training BatchNorm is ``runtime.batch_norm`` over the chunks, whose backward holds two more
+    values of its input's size in passing (``Unit.split_batch_moments``)."""
+    return [dataclasses.replace(u, backward_moments=u.split_batch_moments) if u.split_batch_moments else u
+            for u in units]  # fmt: skip
+
+
+def tied_gradients(units: Sequence[Unit]) -> int:
+    """The gradients a pipeline stage's backward makes of weights tied to another stage's (GPT-2's and T5's
+    lm_head to the embedding), held to the end of the step to be summed with the other stage's: counted
+    with the embedding alone, GPT-2's and T5's last 1F1B stages were 3% and 5% under (at the tightest
+    budget, over it)."""
+    names = {u.name for u in units}
+    return sum(size for u in units for owner, size in u.tied_grad_bytes.items() if owner not in names)
+
+
+def held_outputs(profile: ModelProfile, calibration: Calibration) -> int:
+    """The bytes of what forward returns (no loss, nothing saved for backward) that the caller holds
+    through backward and the step (``out = pm(x); out.loss.backward()``), on the device the program
+    gathers them to: the first of the last stage (in one process; measured: GPT-2's logits, gathered
+    whole on data parallel's first device, put it 2.7% under, a Linear's output tensor parallel's 33%).
+    Every moment of that device's sweep holds them, the one after backward too."""
+    return profile.held_output_bytes if profile.training and calibration.ranks == 1 else 0
+
+
+def row_output_partials(profile: ModelProfile, units: Sequence[Unit], t: int, share: float) -> tuple[int, int]:
+    """Activations on the first and on another of ``t`` tensor-parallel devices as forward ends, where the
+    model's output is a Linear's with fewer out_features than in_features, which the automatic plan splits
+    by rows (the cheaper: its output all-reduced): every device holds its partial sum of the whole output
+    beside its saved values, the first also the running sums of ``runtime.reduce_to_device`` (over three
+    devices or more, two at once beside its own partial; measured: a lone Linear(64, 16)'s tp4 was 71% under
+    on its first device, 34% on the others); (0, 0) elsewhere.
+
+        partial = x_shard @ w_shard.T    # each device, the whole output's shape
+        total = partial_0 + partial_1    # the first device, then total = total + partial_2, ..."""
+    linear = [w for w in units[-1].shardable if w.kind == "linear"] if units else []
+    out = profile.held_output_bytes
+    w = linear[-1] if linear else None
+    if w is None or t <= 1 or not out or w.rows >= w.cols or w.cols % t or out % w.output_elements:
+        return 0, 0
+    first = sum(device_saved(u, t, False) for u in units) * share + out * share * min(t, 3)
+    other = sum(device_saved(u, t, True) for u in units) * share + out * share
+    return round(first), round(other)
+
+
 def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -> Prediction:
     """Bytes per device by kind and the step's seconds for ``spec`` (see the module's docstring)."""
     d, t, s_count = spec.size("dp"), spec.size("tp"), spec.size("pp")
@@ -411,7 +466,9 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
         one_f_one_b = training and spec.schedule == "1f1b" and m > 1 and held > 1
         # dp copies of a pipeline or of tp shards in one process (over a mesh each rank has its own gradients)
         copies = d > 1 and (t > 1 or s_count > 1) and training and calibration.ranks == 1
-        kinds = [stage_memory(units, t, checkpointing=spec.checkpointing and training, share=sweeping,
+        # over a mesh a rank's BatchNorm is sync_batch_norm, autograd through its ops: not this rule
+        swept = split_batch_units(units) if (d > 1 or m > 1) and calibration.ranks == 1 else units
+        kinds = [stage_memory(swept, t, checkpointing=spec.checkpointing and training, share=sweeping,
                                rest=sweeping * (held - 1), training=training,
                                sweep=s_count == 1 or m == 1 or lockstep or gpipe or one_f_one_b,
                                one_after_another=(gpipe and not lockstep) or one_f_one_b, one_f_one_b=one_f_one_b,
@@ -424,6 +481,17 @@ def predict(profile: ModelProfile, spec: LayoutSpec, calibration: Calibration) -
                  for rank in range(min(t, 2))]  # fmt: skip
         at += len(units)
         per_device += [dict(kinds[min(r % t, 1)]) for r in range(d * t)]  # tp innermost: rank r is tp rank r % t
+        for kinds_r in per_device[-d * t:] if training else ():
+            kinds_r["gradients"] += tied_gradients(units) // t
+        if s == s_count - 1 and not last_1f1b:
+            per_device[-d * t]["activations"] += held_outputs(profile, calibration)
+        # forward's end with every saved value held: no block recomputed, one micro-batch
+        whole = s == s_count - 1 and training and not spec.checkpointing and m == 1
+        partials = row_output_partials(profile, units, t, share) if whole else (0, 0)
+        for r, kinds_r in enumerate(per_device[-d * t:]):  # forward's end, before any gradient is made
+            shared = copies_gradients(units, t) if copies else 0
+            if partials[min(r % t, 1)] > kinds_r["activations"] + kinds_r["gradients"] - shared:
+                kinds_r.update(activations=partials[min(r % t, 1)], gradients=shared)
     seconds = step_seconds(profile, dict(spec.layout), stages, m, recomputed, calibration, spec.schedule)
     assert all(set(k) == set(KINDS) for k in per_device)
     starts = stage_starts(stages) if s_count > 1 and names_cut(profile.units, t > 1) else ()

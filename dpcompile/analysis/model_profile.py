@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dpcompile.analysis.attention_calls import attention_reads, record_attention
 from dpcompile.analysis.backward_sweep import backward_moments, follow_saved, stamp_unit
 from dpcompile.analysis.checkpoint_regions import repeated_blocks
 from dpcompile.analysis.memory import faker, optimizer_bytes
@@ -84,9 +85,20 @@ class Unit:
     # its first attention's heads and their total width (tensor parallelism splits its projections by heads)
     attention_heads: int = 0
     attention_width: int = 0
+    # the (rows, cols) of the column layers whose values its attentions read (q, k, v, fused or not; found
+    # through the pair's values): those split by heads, and their row layers; empty: told by their shapes
+    attention_columns: set[tuple[int, int]] = field(default_factory=set)
+    # of saved_bytes, the masks its attentions read and save (each tensor-parallel device makes its own)
+    attention_mask_bytes: int = 0
     # the moments of its backward, (value gradients held less its saved values freed, over the whole
     # batch; its parameters' gradients made): ``analysis.backward_sweep``; empty where not run
     backward_moments: list[tuple[int, int]] = field(default_factory=list)
+    # the same where the program splits the batch over devices or micro-batches: a training BatchNorm runs
+    # ``runtime.batch_norm``, whose backward holds two more values of its input's size in passing
+    split_batch_moments: list[tuple[int, int]] = field(default_factory=list)
+    # the gradient bytes its backward makes of parameters counted in other units (tied), by that unit
+    tied_grad_bytes: dict[str, int] = field(default_factory=dict)
+    tied_seen: set[int] = field(default_factory=set, repr=False)
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,8 @@ class ModelProfile:
     optimizer: str | None
     returns_loss: bool = False  # forward returns a scalar (its own loss): what a 1F1B schedule needs
     output_bytes: int = 0  # the floating tensors forward returns beside a scalar loss (a causal LM's logits)
+    # of those, the ones no op saved for backward: what the caller's ``out`` alone holds through backward
+    held_output_bytes: int = 0
     sequence: int | None = None  # the queries' length of the first attention (None: no attention found)
     # dim 1 of each block's row layer output, as tensor parallelism's program holds it (what sequence
     # parallelism reads as the sequence: an nn.MultiheadAttention's output projection's is its batch)
@@ -239,19 +253,23 @@ def _profile(
     fake_kwargs = {k: fake(v) for k, v in kwargs.items()}
     excluded = {_key(v) for v in [*named.values(), *fake_args, *fake_kwargs.values()] if isinstance(v, torch.Tensor)}
     saved: dict[int, tuple[str, int, bool, tuple[int, int] | None]] = {}
-    counted: set[Any] = set()
+    counted: dict[Any, str] = {}  # a parameter -> the unit it is counted in
     identity = {id(t): name for name, t in [*named.items(), *model.named_parameters(), *model.named_buffers()]}
     counter = FlopCounterMode(display=False)
     flops_at = {"start": 0, "ops": 0, "op_bytes": 0}
 
-    def count_params(module: nn.Module, unit: str, recurse: bool) -> None:
+    def count_params(module: nn.Module, unit: str, recurse: bool, uses: bool = True) -> None:
         for p in module.parameters(recurse=recurse):
             ident = identity.get(id(p), id(p))  # the fake copy and the real tensor are one parameter
-            if ident in counted:
-                continue
-            counted.add(ident)
-            u = units[unit]
             size = p.numel() * p.element_size()
+            if ident in counted:
+                owner = counted[ident]  # a tied weight (GPT-2's lm_head): this unit's backward makes a gradient too
+                if uses and owner != unit and training and p.requires_grad and id(p) not in units[unit].tied_seen:
+                    units[unit].tied_seen.add(id(p))
+                    units[unit].tied_grad_bytes[owner] = units[unit].tied_grad_bytes.get(owner, 0) + size
+                continue
+            counted[ident] = unit
+            u = units[unit]
             u.param_bytes += size
             if training and p.requires_grad:
                 u.grad_bytes += size
@@ -357,11 +375,14 @@ def _profile(
     def attention(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         query, value = args[0], args[2]
         unit = units[state["current"]]
-        _record_attention(unit, op, args, kwargs)
+        record_attention(unit, op, args, kwargs)
+        column_of = lambda t: between.get(_key(t), (None, None))[1]  # noqa: E731 - a value's column layer
+        masks.extend((state["current"], t) for t in attention_reads(unit, args, kwargs, column_of))
         sequence[0] = sequence[0] or int(query.shape[-2])
         width = value.shape[1] * value.shape[-1] if value.dim() == 4 else value.shape[-1]  # heads x head width
         unit.save_options.append(SaveCandidate(f"attention{len(unit.save_options)}", float(width), 0.0, True))
     sequence: list[int | None] = [None]
+    masks: list[tuple[str, torch.Tensor]] = []  # (unit, an attention's mask), held: its storage keeps its key
     row_lengths: list[int] = []
     inside_linear = [0]  # Linear / Conv1D / Embedding forwards running
     handles = []
@@ -402,7 +423,7 @@ def _profile(
     finally:
         for h in handles:
             h.remove()
-    count_params(model, "pre", True)  # never called: counted with the first unit
+    count_params(model, "pre", True, uses=False)  # never called: counted with the first unit
     for path, module, _ in units_of if training else ():
         units[path].module_grad_bytes = max(_own_grad_bytes(m) for m in module.modules())
         units[path].batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
@@ -414,6 +435,9 @@ def _profile(
             units[unit].pair_saved_bytes[column] = units[unit].pair_saved_bytes.get(column, 0) + size
     for unit in units.values():
         _settle_save_options(unit, save_keys, saved)
+    for name, size in {_key(t): (name, saved[_key(t)][1]) for name, t in masks
+                       if saved.get(_key(t), (None,))[0] == name}.values():  # fmt: skip
+        units[name].attention_mask_bytes += size
     if training:
         between.clear()
         save_keys.clear()  # held values: their storages would outlive backward
@@ -427,6 +451,7 @@ def _profile(
         optimizer=optimizer,
         returns_loss=_returns_loss(out),
         output_bytes=_output_bytes(out),
+        held_output_bytes=_output_bytes(out, saved) if training else 0,
         sequence=sequence[0],
         row_lengths=tuple(row_lengths),
     )
@@ -443,11 +468,12 @@ def _sweep_backward(mode: Any, out: Any, params: Any, released: list, units: dic
                 loss = sum(t.float().sum() for t in leaves) if leaves else None
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 return
-            moments = backward_moments(loss, params, released, units)
+            moments, split_batch = backward_moments(loss, params, released, units)
     except Exception:  # noqa: BLE001 - a backward the fake run cannot make: the sweep predicts without
         return
     for name, points in moments.items():
         units[name].backward_moments = points
+        units[name].split_batch_moments = split_batch[name]
 
 
 def _own_grad_bytes(module: nn.Module) -> int:
@@ -547,37 +573,18 @@ def _grouped_mm_in_bfloat16(func: Any, args: Sequence[Any], kwargs: Mapping[str,
     return func(*wide, **kwargs).to(args[0].dtype)
 
 
-#: where each scaled-dot-product attention op takes ``is_causal`` (its position in the op's arguments)
-_CAUSAL_AT = {"_scaled_dot_product_flash_attention_for_cpu": 4, "_scaled_dot_product_flash_attention": 4,
-              "_scaled_dot_product_efficient_attention": 6, "_scaled_dot_product_cudnn_attention": 6,
-              "_scaled_dot_product_attention_math": 5, "scaled_dot_product_attention": 5}  # fmt: skip
-
-
-def _record_attention(unit: Unit, op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-    """One attention call ``op(*args, **kwargs)`` of ``unit``: its keys' and values' bytes, its FLOPs
-    (two matmuls of the queries by the keys' length), and whether it is causal (``is_causal``)."""
-    query, key, value = args[:3]
-    unit.attention_kv_bytes += sum(t.numel() * t.element_size() for t in (key, value))
-    rows = query.numel() // query.shape[-1]  # batch x heads x queries
-    unit.attention_flops += 4.0 * rows * key.shape[-2] * query.shape[-1]
-    at = _CAUSAL_AT.get(op)
-    causal = kwargs.get("is_causal", args[at] if at is not None and len(args) > at else False)
-    unit.attention_causal = unit.attention_causal and causal is True
-    if query.dim() == 4 and not unit.attention_heads:  # (batch, heads, queries, head width)
-        unit.attention_heads, unit.attention_width = int(query.shape[1]), int(query.shape[1] * query.shape[-1])
-
-
 def _returns_loss(out: Any) -> bool:
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
     leaves = [loss] if isinstance(loss, torch.Tensor) else tree_leaves(out)
     return any(isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() for t in leaves)
 
 
-def _output_bytes(out: Any) -> int:
-    """The bytes of the floating tensors of ``out`` that are not scalars (a loss)."""
+def _output_bytes(out: Any, saved: Mapping[int, Any] = {}) -> int:  # noqa: B006 - read only
+    """The bytes of the floating tensors of ``out`` that are not scalars (a loss), and not among ``saved``
+    (the storages saved for backward, counted there)."""
     leaves = tree_leaves(list(out.values()) if isinstance(out, Mapping) else out)
     storages = {_key(t): t.untyped_storage().nbytes() for t in leaves
-                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_floating_point()}  # fmt: skip
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_floating_point() and _key(t) not in saved}  # fmt: skip
     return sum(storages.values())
 
 

@@ -36,14 +36,16 @@ def _kept_bytes(pm) -> int | None:
 
 
 def test_auto_chooses_less_recompute_at_looser_budgets_and_fits(stack):
-    """3 MiB: nothing recomputed; 1.8 MiB: every block keeping some outputs; 1.4 MiB: keeping fewer.
+    """3 MiB: nothing recomputed; 1.8 MiB: every block keeping some outputs; 1.5 MiB: keeping fewer (a
+    recomputed block's backward is predicted by its own moments: keeping nothing is predicted at 1.42 MiB,
+    measured 1.36 MiB).
     Each: loss and gradients equal eager's, the measured peak at most the budget, the choice and the
     predicted peak in ``pm.strategies``, every choice tried in ``pm.candidates``."""
     model, x = stack
     eager = copy.deepcopy(model)
     eager(x).sum().backward()
     kept = {}
-    for budget in (3 * MiB, int(1.8 * MiB), int(1.4 * MiB)):
+    for budget in (3 * MiB, int(1.8 * MiB), int(1.5 * MiB)):
         pm = _auto(model, x, budget)
         words = pm.strategies["activation_checkpointing"]
         assert "activation_checkpointing='auto': predicted peak" in words and "<= memory_per_device=" in words
@@ -72,7 +74,7 @@ def test_auto_refuses_a_budget_nothing_fits(stack):
     with pytest.raises(DpCompileError, match=r"smallest peak is .* The way out: a budget of at least") as e:
         _auto(model, x, int(1.2 * MiB))
     least = int(str(e.value).split("(")[-2].split(" bytes")[0].split("(")[-1])
-    assert int(1.2 * MiB) < least < int(1.4 * MiB)
+    assert int(1.2 * MiB) < least < int(1.5 * MiB)
     with pytest.raises(ValueError, match="memory_per_device"):
         dpcompile.transform(copy.deepcopy(model), ["cpu"], activation_checkpointing="auto", example_inputs=(x,))
     with pytest.raises(DpCompileError, match="no layout fits") as e:  # plan="auto": every layout with each choice

@@ -30,9 +30,12 @@ def runs_user_forward_hooks(module: nn.Module) -> bool:
     block's weights) are not, nor those of a parametrization (they see the weight, not the batch)."""
     from torch.nn.utils.parametrize import ParametrizationList
 
-    todo = [module]
+    todo, seen = [module], set()
     while todo:
         m = todo.pop()
+        if id(m) in seen:  # a module reached twice (shared, or a cycle a loaded program may hold)
+            continue
+        seen.add(id(m))
         hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
         if any(not str(getattr(h, "__module__", "") or "").startswith("torch.distributed") for h in hooks):
             return True

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
 import dpcompile
 from dpcompile.analysis.layout_costs import LayoutSpec
@@ -227,12 +226,16 @@ def test_measure_runs_a_1f1b_step_of_fsdp_in_the_calls_context():
     torch.manual_seed(0)
     pm = dpcompile.transform(Residual(16), ["cpu"] * 4, example_inputs=args, optimizer="sgd", mesh={"pp": 2, "dp": 2},
                              data_parallel="fsdp", schedule="1f1b", micro_batches=2)  # fmt: skip
+    from dpcompile.modules import fsdp_gather
+
     gathers = [m for m in pm.modules() if isinstance(m, GatherShards)]
-    in_call = []
+    in_call = []  # (gather, the whole weight it returned), kept alive: a weight served again is the same tensor
     for gather in gathers:
-        gather.register_forward_hook(lambda m, i, o: in_call.append(m) if parametrize._cache_enabled else None)
+        gather.register_forward_hook(lambda m, i, o: in_call.append((m, o)) if fsdp_gather._THIS_CALL is not None else None)
     dpcompile.measure(pm, *args)
-    assert len(in_call) == 2 * len(gathers) and set(in_call) == set(gathers)  # the measured step's and the timed one's
+    assert {m for m, _ in in_call} == set(gathers)  # every parameter read in the call's context
+    # gathered once there a call (read again, the same whole weight): the measured step's and the timed one's
+    assert len({id(whole) for _, whole in in_call}) == 2 * len(gathers)
 
 
 class Encoder(nn.Module):

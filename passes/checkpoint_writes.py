@@ -3,7 +3,7 @@
 The runtime undoes such writes after each recompute (``dpcompile.runtime.recompute``: BatchNorm's
 running statistics, a step counter), so the model's state moves once a call, as in eager; it does so
 under a Python dispatch mode that sees every op of the recompute, a few microseconds an op (a checkpointed
-step of the rank benchmark's Llama 1.54x its plain step with it, 1.43x without:
+step of the rank benchmark's Llama 1.63x its plain step with it, 1.43x without:
 ``benchmarks/bench_checkpoint_undo.py``). A region whose nodes are all known not to write outside
 themselves runs its recompute without it::
 

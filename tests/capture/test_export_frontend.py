@@ -650,15 +650,29 @@ def _leaky_by_mode(module, h):
     return F.rrelu(h, training=module.training)
 
 
-class SlopesByMode(nn.Module):
-    """Reads its mode only in a helper outside the class: export bakes it into ``rrelu_with_noise``."""
+def _halved_when_learning(module, h):
+    if module.training:
+        h = h * 0.5
+    return h
+
+
+class ModeInAFunction(nn.Module):
+    """Reads its mode only in a helper outside the class (``helper(self, h)``)."""
+
+    helper = staticmethod(_halved_when_learning)
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8, dtype=torch.float64)
 
     def forward(self, x):
-        return _leaky_by_mode(self, self.fc(x))
+        return self.helper(self, self.fc(x))
+
+
+class SlopesByMode(ModeInAFunction):
+    """Export bakes the mode into ``rrelu_with_noise``."""
+
+    helper = staticmethod(_leaky_by_mode)
 
 
 def test_an_op_given_the_mode_as_an_argument_follows_the_mode():
@@ -670,21 +684,6 @@ def test_an_op_given_the_mode_as_an_argument_follows_the_mode():
     pm = dpcompile.transform(model, ["cpu"] * 2, frontend="export", example_inputs=(x,))
     pm.eval(), eager.eval()
     torch.testing.assert_close(pm(x), eager(x))
-
-
-def _halved_when_learning(module, h):
-    if module.training:
-        h = h * 0.5
-    return h
-
-
-class ModeInAFunction(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8, dtype=torch.float64)
-
-    def forward(self, x):
-        return _halved_when_learning(self, self.fc(x))
 
 
 def test_a_mode_read_in_a_helper_outside_the_class_is_checked():
